@@ -1,0 +1,53 @@
+"""Exceptions raised by vkformers.
+
+Every error vkformers raises on purpose derives from :class:`VkformersError`, so
+callers can catch library errors without also catching programming mistakes.
+"""
+from __future__ import annotations
+
+
+class VkformersError(Exception):
+    """Base class of every error raised on purpose by vkformers."""
+
+
+class UnknownArchitectureError(VkformersError, LookupError):
+    """A Hugging Face ``model_type`` that no installed plugin registers.
+
+    The message names the type, the closest known spellings and, when the
+    plugin that provides the type is not installed, the ``pip install`` line.
+    """
+
+
+class DuplicateArchitectureError(VkformersError):
+    """Two plugins register the same canonical architecture or alias spelling."""
+
+
+LAVAPIPE_HINT = (
+    "To run on the CPU, install Mesa's lavapipe driver and the Vulkan loader: "
+    "`sudo apt-get install mesa-vulkan-drivers libvulkan1` (Debian/Ubuntu), "
+    "`sudo dnf install mesa-vulkan-drivers vulkan-loader` (Fedora)."
+)
+
+
+class NoVulkanDeviceError(VkformersError, RuntimeError):
+    """No Vulkan loader, no driver, or no physical device."""
+
+
+class DeviceIndexError(VkformersError, IndexError):
+    """A device index (argument or VKFORMERS_DEVICE) that names no device."""
+
+
+class KernelNotFoundError(VkformersError, FileNotFoundError):
+    """A kernel whose compiled SPIR-V file is missing."""
+
+
+class KernelBindingError(VkformersError, ValueError):
+    """A dispatch whose buffers or push constants do not match the kernel."""
+
+
+class BufferTooLargeError(VkformersError, ValueError):
+    """A buffer larger than the device can bind (maxStorageBufferRange)."""
+
+
+class OutOfDeviceMemoryError(VkformersError, MemoryError):
+    """The device ran out of memory; the message names the buffer and its size."""

@@ -1,0 +1,39 @@
+"""The pluggy hooks a family plugin implements to register itself with vkformers.
+
+A plugin is a module (or object) exposed through the entry point group
+``vkformers.plugins``; it implements any of the hooks below with ``@hookimpl``.
+Core never imports a plugin: it only calls these hooks.
+"""
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "vkformers"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def vkformers_architectures():
+    """Return a list of :class:`vkformers.models.registry.Architecture` this plugin provides.
+
+    Build them from a plain table with
+    :func:`vkformers.models.registry.architectures_from_table`. A canonical name
+    registered by two plugins is refused (``DuplicateArchitectureError``).
+    """
+
+
+@hookspec
+def vkformers_aliases():
+    """Return a dict mapping Hugging Face ``model_type`` spellings to canonical architecture names.
+
+    A value may instead be a :class:`vkformers.models.registry.NestedConfig`
+    (usually ``NESTED_TEXT_CONFIG``) for a wrapper whose backbone is named by a
+    nested config, e.g. LLaVA's ``config["text_config"]["model_type"]``. The
+    target may belong to another plugin; a spelling claimed twice is refused.
+    """
+
+
+@hookspec
+def vkformers_kernel_dirs():
+    """Return a list of :class:`vkformers.runtime.kernels.KernelDir`: the plugin's GLSL sources and compiled SPIR-V."""

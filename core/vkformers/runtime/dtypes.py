@@ -1,0 +1,64 @@
+"""Element types of device buffers and their host (numpy) representation.
+
+kp knows no 16-bit types, so every buffer is raw 32-bit words on the device and
+the dtype lives here. Host-side, bfloat16 is held as its uint16 bit pattern
+(numpy has no bfloat16); use :func:`to_bfloat16` / :func:`from_bfloat16`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    itemsize: int
+    host: np.dtype  # numpy dtype of the host representation
+
+    def __repr__(self) -> str:
+        return f"vkformers.{self.name}"
+
+
+float32 = DType("float32", 4, np.dtype(np.float32))
+float16 = DType("float16", 2, np.dtype(np.float16))
+bfloat16 = DType("bfloat16", 2, np.dtype(np.uint16))
+int32 = DType("int32", 4, np.dtype(np.int32))
+uint32 = DType("uint32", 4, np.dtype(np.uint32))
+uint8 = DType("uint8", 1, np.dtype(np.uint8))
+bool_ = DType("bool", 1, np.dtype(np.uint8))  # masks: one byte per element
+
+ALL = {d.name: d for d in (float32, float16, bfloat16, int32, uint32, uint8, bool_)}
+ALIASES = {"fp32": float32, "f32": float32, "fp16": float16, "f16": float16, "half": float16,
+           "bf16": bfloat16, "i32": int32, "u32": uint32, "u8": uint8}
+
+
+def as_dtype(value) -> DType:
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, str):
+        if value in ALL:
+            return ALL[value]
+        if value in ALIASES:
+            return ALIASES[value]
+    else:
+        np_dtype = np.dtype(value)
+        for d in (float32, float16, int32, uint32, uint8):
+            if d.host == np_dtype:
+                return d
+        if np_dtype == np.bool_:
+            return bool_
+    raise TypeError(f"unsupported dtype {value!r}; supported: {', '.join(ALL)}")
+
+
+def to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def from_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32, exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,499 @@
+"""The Vulkan runtime: devices, buffers, kernels and recorded sequences.
+
+This is the only module in vkformers that imports kp (Kompute). It needs kp
+built with vkformers' patch (kp/README.md): global barriers, device features,
+a fence-reusing submit path and region copies.
+
+The model of execution: a :class:`Sequence` is a list of operations (kernel
+dispatches, copies, fills, uploads, downloads). It is recorded into one Vulkan
+command buffer once, with a barrier wherever an operation reads or overwrites a
+buffer that an earlier operation since the last barrier wrote (or, for writes,
+read), and then replayed any number of times with one submit each.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Sequence as Seq
+
+import numpy as np
+
+from vkformers.errors import (
+    LAVAPIPE_HINT,
+    BufferTooLargeError,
+    DeviceIndexError,
+    KernelBindingError,
+    NoVulkanDeviceError,
+    OutOfDeviceMemoryError,
+)
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.kernels import find_spirv
+from vkformers.runtime.spirv import KernelInterface, reflect
+
+try:
+    import kp
+except ImportError as exc:  # the loader (libvulkan.so.1) or kp itself is missing
+    kp = None
+    _KP_IMPORT_ERROR = exc
+else:
+    _KP_IMPORT_ERROR = None
+
+DEVICE_ENV = "VKFORMERS_DEVICE"
+KP_BYTES_LIMIT = 1 << 32  # kp sizes buffers with uint32
+
+# VkComponentTypeKHR values, for naming cooperative-matrix shapes.
+COMPONENT_TYPES = {0: "float16", 1: "float32", 2: "float64", 3: "int8", 4: "int16", 5: "int32",
+                   6: "int64", 7: "uint8", 8: "uint16", 9: "uint32", 10: "uint64", 1000141000: "bfloat16"}
+SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue-family"}
+
+
+def _require_kp():
+    if kp is None:
+        raise NoVulkanDeviceError(f"cannot load the Vulkan runtime (kp): {_KP_IMPORT_ERROR}. {LAVAPIPE_HINT}")
+    if getattr(kp, "vkformers_patch", 0) < 1:
+        raise NoVulkanDeviceError(
+            "kp is installed without the vkformers patch (no barriers, no device features); "
+            "reinstall it with `bash scripts/setup.sh` (see kp/README.md)"
+        )
+    return kp
+
+
+def is_patched_kp() -> bool:
+    return kp is not None and getattr(kp, "vkformers_patch", 0) >= 1
+
+
+def kp_version() -> str | None:
+    return getattr(kp, "__version__", None) if kp is not None else None
+
+
+def describe_devices() -> list[dict]:
+    """Properties, limits, supported features, cooperative-matrix shapes and memory of every device."""
+    module = _require_kp()
+    try:
+        devices = module.describe_devices()
+    except RuntimeError as exc:
+        raise NoVulkanDeviceError(f"no Vulkan driver answered ({exc}). {LAVAPIPE_HINT}") from exc
+    for info in devices:
+        _name_coopmat_shapes(info)
+    return devices
+
+
+def _name_coopmat_shapes(info: dict) -> None:
+    for shape in info.get("cooperative_matrix", []):
+        for key in ("a_type", "b_type", "c_type", "result_type"):
+            shape[key] = COMPONENT_TYPES.get(shape[key], str(shape[key]))
+        shape["scope"] = SCOPES.get(shape["scope"], str(shape["scope"]))
+
+
+# ---------------------------------------------------------------- devices
+
+_devices: dict[int, "Device"] = {}
+_devices_lock = threading.Lock()
+
+
+def device_index_from_env() -> int:
+    raw = os.environ.get(DEVICE_ENV, "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise DeviceIndexError(f"{DEVICE_ENV}={raw!r} is not a device index (an integer)") from None
+
+
+def get_device(index: int | None = None) -> "Device":
+    """The process-wide :class:`Device` for ``index`` (default: $VKFORMERS_DEVICE, else 0)."""
+    index = device_index_from_env() if index is None else index
+    with _devices_lock:
+        if index not in _devices:
+            _devices[index] = Device(index)
+        return _devices[index]
+
+
+class Device:
+    """One Vulkan device (a kp.Manager). Create it through :func:`get_device`: one per process."""
+
+    def __init__(self, index: int):
+        module = _require_kp()
+        available = describe_devices()
+        if not available:
+            raise NoVulkanDeviceError(f"the Vulkan loader found no device. {LAVAPIPE_HINT}")
+        if not isinstance(index, int) or not 0 <= index < len(available):
+            names = ", ".join(f"{i}: {d['name']}" for i, d in enumerate(available))
+            raise DeviceIndexError(f"Vulkan device index {index!r} does not exist; devices are {names}")
+        self.index = index
+        self._manager = module.Manager(index)
+        self.info = self._manager.describe()
+        _name_coopmat_shapes(self.info)
+        self.limits: dict = self.info["limits"]
+        self.features: dict = self.info["enabled_features"]
+        self._kernels: dict[tuple, Kernel] = {}
+        self._pipelines: dict[tuple, object] = {}
+
+    def __repr__(self) -> str:
+        return f"<vkformers.Device {self.index}: {self.name}>"
+
+    @property
+    def name(self) -> str:
+        return self.info["name"]
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.info["type"] == "cpu"
+
+    @property
+    def max_buffer_bytes(self) -> int:
+        return min(int(self.limits["max_storage_buffer_range"]), KP_BYTES_LIMIT - 4)
+
+    @property
+    def cooperative_matrix_shapes(self) -> list[dict]:
+        return self.info["cooperative_matrix"] if self.features.get("cooperativeMatrix") else []
+
+    # -- buffers, kernels, sequences
+
+    def buffer(self, shape_or_count, dtype="float32", *, host_visible: bool = False, name: str = "buffer") -> "Buffer":
+        return Buffer(self, shape_or_count, dtype, host_visible=host_visible, name=name)
+
+    def upload(self, array: np.ndarray, dtype=None, *, host_visible: bool = False, name: str = "buffer") -> "Buffer":
+        array = np.asarray(array)
+        buf = Buffer(self, array.shape, dtype or dt.as_dtype(array.dtype), host_visible=host_visible, name=name)
+        buf.write(array)
+        return buf
+
+    def kernel(self, name: str, variant: str | None = None) -> "Kernel":
+        key = (name, variant)
+        if key not in self._kernels:
+            self._kernels[key] = Kernel(name, variant, find_spirv(name, variant))
+        return self._kernels[key]
+
+    def sequence(self, *, timestamps: bool = False, barriers: str = "tracked") -> "Sequence":
+        return Sequence(self, timestamps=timestamps, barriers=barriers)
+
+    def run(self, build) -> "Sequence":
+        """Record the operations that ``build(seq)`` adds and run them once."""
+        seq = self.sequence()
+        build(seq)
+        seq.replay()
+        return seq
+
+    def _pipeline(self, kernel: "Kernel", buffers: tuple["Buffer", ...], groups, spec, push_words: int):
+        key = (kernel.path, tuple(id(b) for b in buffers), groups, spec, push_words)
+        algo = self._pipelines.get(key)
+        if algo is None:
+            algo = self._manager.algorithm(
+                [b._tensor for b in buffers], kernel.code, list(groups),
+                np.asarray(spec, dtype=np.uint32), np.zeros(push_words, dtype=np.uint32))
+            self._pipelines[key] = algo
+            # Buffers own no pipelines; forget the pipeline when a buffer goes.
+            for b in buffers:
+                b._pipeline_keys.append(key)
+        return algo
+
+    def _forget_pipelines(self, keys: list) -> None:
+        for key in keys:
+            algo = self._pipelines.pop(key, None)
+            if algo is not None:
+                algo.destroy()
+
+
+# ---------------------------------------------------------------- buffers
+
+class Buffer:
+    """A device buffer of ``count`` elements of ``dtype``, stored as 32-bit words.
+
+    ``host_visible=False`` (default): device-local memory only, for weights,
+    activations and optimizer state; ``write``/``read`` go through a temporary
+    staging buffer. ``host_visible=True``: a device buffer with a permanent host
+    mirror (``.host``), for inputs and outputs moved every replay with
+    ``Sequence.upload`` / ``Sequence.download``.
+    """
+
+    def __init__(self, device: Device, shape_or_count, dtype="float32", *, host_visible=False, name="buffer"):
+        self.device = device
+        self.dtype = dt.as_dtype(dtype)
+        self.shape = (shape_or_count,) if isinstance(shape_or_count, (int, np.integer)) else tuple(shape_or_count)
+        self.count = int(math.prod(self.shape))
+        self.nbytes = self.count * self.dtype.itemsize
+        self.name = name
+        self.host_visible = host_visible
+        self._pipeline_keys: list = []
+        if self.nbytes > device.max_buffer_bytes:
+            raise BufferTooLargeError(
+                f"buffer {name!r} needs {self.nbytes:,} bytes, more than this device can bind in one buffer "
+                f"(maxStorageBufferRange {device.max_buffer_bytes:,} bytes on {device.name}); split it"
+            )
+        words = max(1, -(-self.nbytes // 4))
+        kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
+        self._tensor = _allocate(device, np.empty(words, dtype=np.uint32), kind, name, self.nbytes)
+        weakref.finalize(self, Device._forget_pipelines, device, self._pipeline_keys)
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.name!r} {self.shape} {self.dtype.name}>"
+
+    @property
+    def host(self) -> np.ndarray:
+        """The host mirror as a writable numpy array (host-visible buffers only)."""
+        if not self.host_visible:
+            raise TypeError(f"buffer {self.name!r} is device-only; create it with host_visible=True")
+        words = self._tensor.data()
+        return words.view(np.uint8)[: self.nbytes].view(self.dtype.host).reshape(self.shape)
+
+    def write(self, array: np.ndarray) -> None:
+        """Copy ``array`` (same element count) into the buffer now."""
+        data = np.ascontiguousarray(array, dtype=self.dtype.host).reshape(-1)
+        if data.size != self.count:
+            raise ValueError(f"buffer {self.name!r} holds {self.count} elements, got an array of {data.size}")
+        if self.host_visible:
+            self.host.reshape(-1)[:] = data
+            self.device.run(lambda seq: seq.upload(self))
+            return
+        staging = _allocate(self.device, _as_words(data), kp.TensorTypes.host, f"{self.name} (staging)", self.nbytes)
+        seq = self.device.sequence()
+        seq._copy_tensor(staging, self, self.nbytes)
+        seq.replay()
+        staging.destroy()
+
+    def read(self) -> np.ndarray:
+        """The buffer's contents as a numpy array of its shape (bfloat16 as uint16 bits)."""
+        if self.host_visible:
+            self.device.run(lambda seq: seq.download(self))
+            return self.host.copy()
+        staging = _allocate(self.device, np.empty(max(1, -(-self.nbytes // 4)), np.uint32), kp.TensorTypes.host,
+                            f"{self.name} (staging)", self.nbytes)
+        seq = self.device.sequence()
+        seq._copy_tensor(self, staging, self.nbytes)
+        seq.replay()
+        out = staging.data().view(np.uint8)[: self.nbytes].view(self.dtype.host).reshape(self.shape).copy()
+        staging.destroy()
+        return out
+
+
+def _as_words(data: np.ndarray) -> np.ndarray:
+    raw = data.view(np.uint8)
+    if raw.size % 4:
+        raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, np.uint8)])
+    return raw.view(np.uint32)
+
+
+def _allocate(device: Device, words: np.ndarray, kind, name: str, nbytes: int):
+    try:
+        return device._manager.tensor_t(words, kind)
+    except RuntimeError as exc:
+        if "OutOfDeviceMemory" in str(exc) or "OutOfHostMemory" in str(exc):
+            raise OutOfDeviceMemoryError(
+                f"out of {'host' if 'Host' in str(exc) else 'device'} memory allocating buffer {name!r} "
+                f"({nbytes:,} bytes) on {device.name}"
+            ) from exc
+        raise
+
+
+# ---------------------------------------------------------------- kernels
+
+@dataclass
+class Kernel:
+    """A compiled compute shader and what reflection says about its interface."""
+
+    name: str
+    variant: str | None
+    path: Path
+
+    @cached_property
+    def code(self) -> bytes:
+        return self.path.read_bytes()
+
+    @cached_property
+    def interface(self) -> KernelInterface:
+        return reflect(self.code)
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.name}{'.' + self.variant if self.variant else ''}>"
+
+
+def _push_words(values) -> np.ndarray:
+    """Push constants as raw 32-bit words: Python ints as int32/uint32 bits, floats as float32 bits."""
+    words = np.zeros(len(values), dtype=np.uint32)
+    for i, v in enumerate(values):
+        if isinstance(v, (float, np.floating)):
+            words[i] = np.float32(v).view(np.uint32)
+        else:
+            words[i] = np.int64(v) & 0xFFFFFFFF
+    return words
+
+
+# ---------------------------------------------------------------- sequences
+
+@dataclass
+class _Op:
+    label: str
+    reads: tuple
+    writes: tuple
+    make: object  # () -> kp op
+    kind: str = "dispatch"
+
+
+@dataclass
+class Sequence:
+    """Operations recorded once into one command buffer and replayed with one submit each.
+
+    ``barriers="tracked"`` (default) inserts a global barrier only where an
+    operation depends on an earlier one (RAW, WAR, WAW on a buffer);
+    ``"always"`` puts one before every operation; ``"none"`` omits them (only
+    for measuring what barriers cost: results are then undefined on a GPU).
+    """
+
+    device: Device
+    timestamps: bool = False
+    barriers: str = "tracked"
+    _ops: list = field(default_factory=list)
+    _seq: object = None
+    _labels: list = field(default_factory=list)
+    _keep: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.barriers not in ("tracked", "always", "none"):
+            raise ValueError(f"barriers must be 'tracked', 'always' or 'none', not {self.barriers!r}")
+
+    # -- building
+
+    def dispatch(self, kernel: Kernel, buffers: Seq[Buffer], groups, push: Seq = (), spec: Seq = ()) -> "Sequence":
+        """Run ``kernel`` over ``groups`` workgroups with ``buffers`` bound to bindings 0..n-1."""
+        iface = kernel.interface
+        buffers = tuple(buffers)
+        if len(buffers) != len(iface.bindings):
+            raise KernelBindingError(
+                f"kernel {kernel.name} has {len(iface.bindings)} storage-buffer binding(s); "
+                f"{len(buffers)} buffer(s) were given")
+        for b in buffers:
+            if b.device is not self.device:
+                raise KernelBindingError(f"buffer {b.name!r} belongs to another device")
+        push_words = _push_words(push)
+        if push_words.nbytes != iface.push_constant_bytes:
+            raise KernelBindingError(
+                f"kernel {kernel.name} takes {iface.push_constant_bytes} bytes of push constants; "
+                f"{push_words.nbytes} were given")
+        if len(spec) > len(iface.spec_ids):
+            raise KernelBindingError(
+                f"kernel {kernel.name} has {len(iface.spec_ids)} specialization constant(s); {len(spec)} were given")
+        limit = self.device.limits
+        groups = tuple(int(g) for g in (tuple(groups) + (1, 1, 1))[:3])
+        maxima = (limit["max_compute_work_group_count_x"], limit["max_compute_work_group_count_y"],
+                  limit["max_compute_work_group_count_z"])
+        if any(g < 1 or g > m for g, m in zip(groups, maxima)):
+            raise KernelBindingError(f"kernel {kernel.name}: workgroup count {groups} outside 1..{maxima}")
+        spec = tuple(int(np.asarray(s, dtype=np.float32).view(np.uint32)) if isinstance(s, float) else int(s)
+                     for s in spec)
+        reads = tuple(b for b, info in zip(buffers, iface.bindings))
+        writes = tuple(b for b, info in zip(buffers, iface.bindings) if not info.readonly)
+
+        def make():
+            algo = self.device._pipeline(kernel, buffers, groups, spec, len(push_words))
+            return kp.OpAlgoDispatch(algo, push_words)
+
+        self._add(_Op(kernel.name, reads, writes, make))
+        return self
+
+    def copy(self, src: Buffer, dst: Buffer, nbytes: int | None = None, src_offset: int = 0, dst_offset: int = 0):
+        """Copy bytes between buffers on the device."""
+        nbytes = min(src.nbytes, dst.nbytes) if nbytes is None else nbytes
+        self._add(_Op("copy", (src,), (dst,),
+                      lambda: kp.OpBufferCopy(src._tensor, dst._tensor, src_offset, dst_offset, nbytes), "transfer"))
+        return self
+
+    def fill(self, dst: Buffer, word: int = 0, nbytes: int | None = None, offset: int = 0):
+        """Fill ``nbytes`` (a multiple of 4) of ``dst`` with a repeated 32-bit word (0 zeroes)."""
+        nbytes = -(-dst.nbytes // 4) * 4 if nbytes is None else nbytes
+        self._add(_Op("fill", (), (dst,), lambda: kp.OpBufferFill(dst._tensor, word & 0xFFFFFFFF, offset, nbytes),
+                      "transfer"))
+        return self
+
+    def upload(self, buf: Buffer):
+        """At this point of each replay, copy ``buf.host`` to the device (per-replay inputs and scalars)."""
+        self._require_host_visible(buf)
+        self._add(_Op("upload", (), (buf,), lambda: kp.OpTensorSyncDevice([buf._tensor]), "transfer"))
+        return self
+
+    def download(self, buf: Buffer):
+        """At this point of each replay, copy the device buffer to ``buf.host``."""
+        self._require_host_visible(buf)
+        self._add(_Op("download", (buf,), (), lambda: kp.OpTensorSyncLocal([buf._tensor]), "transfer"))
+        return self
+
+    def _copy_tensor(self, src, dst, nbytes):
+        # one-shot copies between a Buffer and a bare staging tensor
+        src_t = src._tensor if isinstance(src, Buffer) else src
+        dst_t = dst._tensor if isinstance(dst, Buffer) else dst
+        self._keep.extend([src_t, dst_t])
+        self._add(_Op("copy", (), (), lambda: kp.OpBufferCopy(src_t, dst_t, 0, 0, -(-nbytes // 4) * 4), "transfer"))
+
+    def _require_host_visible(self, buf: Buffer):
+        if not buf.host_visible:
+            raise TypeError(f"buffer {buf.name!r} has no host mirror; create it with host_visible=True")
+
+    def _add(self, op: _Op):
+        if self._seq is not None:
+            raise RuntimeError("this sequence was already recorded; build a new one")
+        self._ops.append(op)
+
+    # -- recording and replay
+
+    @property
+    def num_barriers(self) -> int:
+        """Barriers between operations (the leading one not counted)."""
+        return self._labels.count("barrier") - 1
+
+    def record(self) -> "Sequence":
+        """Record the operations into a command buffer (done by the first replay)."""
+        if self._seq is not None:
+            return self
+        kp_ops, labels = [], []
+        written: set[int] = set()
+        touched: set[int] = set()
+        # A leading barrier orders this replay after earlier submits (which may still
+        # be running after submit()), and gives an empty sequence something to run.
+        kp_ops.append(kp.OpGlobalBarrier())
+        labels.append("barrier")
+        for op in self._ops:
+            reads = {id(b) for b in op.reads}
+            writes = {id(b) for b in op.writes}
+            needed = (reads & written) or (writes & (written | touched))
+            if self.barriers == "always" or (self.barriers == "tracked" and needed):
+                kp_ops.append(kp.OpGlobalBarrier())
+                labels.append("barrier")
+                written, touched = set(), set()
+            kp_ops.append(op.make())
+            labels.append(op.label)
+            written |= writes
+            touched |= reads | writes
+        seq = self.device._manager.sequence(0, len(kp_ops) if self.timestamps else 0)
+        for kp_op in kp_ops:
+            seq.record(kp_op)
+        self._seq, self._labels = seq, labels
+        self._keep.extend(kp_ops)  # ops hold the push-constant data the command buffer uses
+        return self
+
+    def replay(self) -> "Sequence":
+        """Submit the recorded command buffer and wait for it."""
+        self.record()
+        self._seq.eval()
+        return self
+
+    def submit(self) -> "Sequence":
+        """Submit without waiting; call :meth:`wait` before touching the results."""
+        self.record()
+        self._seq.eval_async()
+        return self
+
+    def wait(self) -> "Sequence":
+        self._seq.eval_await()
+        return self
+
+    def timings(self) -> list[tuple[str, float]]:
+        """(label, seconds) per recorded operation of the last replay (needs timestamps=True)."""
+        if not self.timestamps:
+            raise RuntimeError("create the sequence with timestamps=True")
+        ticks = np.asarray(self._seq.get_timestamps(), dtype=np.float64)
+        period_s = self.device.limits["timestamp_period_ps"] * 1e-12
+        return [(label, float(t) * period_s) for label, t in zip(self._labels, np.diff(ticks))]

@@ -1,0 +1,1 @@
+"""vkformers-bert: bidirectional encoders (BERT, RoBERTa, ModernBERT, ...)."""

@@ -1,0 +1,45 @@
+"""Architectures provided by vkformers-bert: bidirectional encoders.
+
+First generated from tests/data/hierarchos_architectures.tsv by
+tools/split_architecture_table.py; edit this table by hand from now on
+(and keep core/vkformers/models/known_families.py in step).
+
+Traits are declared by the reference notes, not measured: every architecture
+here is "registered" until a test proves more.
+"""
+from vkformers.models.registry import NESTED_TEXT_CONFIG
+
+# (name, kind, norm, moe, llama_layout, notes)
+ARCHITECTURES = [
+    ("bert",                 "encoder", "layer", False, False, "BERT-family; upstream claims HF forward-logit fixtures"),
+    ("albert",               "encoder", "layer", False, False, "BERT-family"),
+    ("big_bird",             "encoder", "layer", False, False, "BERT-family"),
+    ("roc_bert",             "encoder", "layer", False, False, "causality per config; BERT-family"),
+    ("rembert",              "encoder", "layer", False, False, "BERT-family"),
+    ("electra",              "encoder", "layer", False, False, "BERT-family"),
+    ("ernie",                "encoder", "layer", False, False, "BERT-family"),
+    ("bert-generation",      "encoder", "layer", False, False, "causality per config; BERT-family"),
+    ("megatron-bert",        "encoder", "layer", False, False, "causality per config; BERT-family"),
+    ("nomic_bert",           "encoder", "layer", False, False, "BERT-family"),
+    ("jina_embeddings_v3",   "encoder", "layer", False, False, "BERT-family"),
+    ("roformer",             "encoder", "layer", False, False, "BERT-family"),
+    ("distilbert",           "encoder", "layer", False, False, "BERT-family"),
+    ("roberta",              "encoder", "layer", False, False, "BERT-family"),
+    ("roberta-prelayernorm", "encoder", "layer", False, False, "BERT-family"),
+    ("camembert",            "encoder", "layer", False, False, "BERT-family"),
+    ("xlm-roberta",          "encoder", "layer", False, False, "BERT-family"),
+    ("xlm-roberta-xl",       "encoder", "layer", False, False, "BERT-family"),
+    ("data2vec-text",        "encoder", "layer", False, False, "BERT-family"),
+    ("xlm",                  "encoder", "layer", False, False, "BERT-family"),
+    ("flaubert",             "encoder", "layer", False, False, "BERT-family"),
+    ("eurobert",             "encoder", "rms",   False, True,  ""),
+    ("esm",                  "encoder", "layer", False, False, "BERT-family"),
+    ("esmc",                 "encoder", "layer", False, False, "full-projection QK norm"),
+    ("modernbert",           "encoder", "layer", False, False, ""),
+]
+
+# Other Hugging Face spellings that run as one of the architectures above.
+# NESTED_TEXT_CONFIG / NestedConfig: a wrapper whose backbone is the nested config's model_type.
+ALIASES = {
+    "modernvbert": NESTED_TEXT_CONFIG,  # no explicit dispatcher arm; handled by the generic text_config fallback
+}

@@ -1,0 +1,1 @@
+"""vkformers-llama: dense causal decoders (Llama, GPT-2, Qwen, Gemma, ...)."""

@@ -1,0 +1,1 @@
+"""vkformers-moe: mixture-of-experts causal decoders (Mixtral, DeepSeek-V3, Qwen-MoE, ...)."""

@@ -1,0 +1,1 @@
+"""vkformers-t5: encoder-decoders (T5, BART, Marian, Pegasus, ...)."""

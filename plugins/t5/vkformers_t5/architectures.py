@@ -1,0 +1,39 @@
+"""Architectures provided by vkformers-t5: encoder-decoders.
+
+First generated from tests/data/hierarchos_architectures.tsv by
+tools/split_architecture_table.py; edit this table by hand from now on
+(and keep core/vkformers/models/known_families.py in step).
+
+Traits are declared by the reference notes, not measured: every architecture
+here is "registered" until a test proves more.
+"""
+from vkformers.models.registry import NestedConfig
+
+# (name, kind, norm, moe, llama_layout, notes)
+ARCHITECTURES = [
+    ("trocr",               "encoder-decoder", "layer", False, False, "decoder native only; decoder only (vision encoder not native)"),
+    ("t5",                  "encoder-decoder", "rms",   False, False, "T5-family; relative position bias; upstream claims HF forward-logit fixtures"),
+    ("mt5",                 "encoder-decoder", "rms",   False, False, "T5-family; relative position bias"),
+    ("umt5",                "encoder-decoder", "rms",   False, False, "T5-family; relative position bias"),
+    ("switch_transformers", "encoder-decoder", "rms",   True,  False, "T5-family; relative position bias; upstream claims HF forward-logit fixtures"),
+    ("t5_gemma_module",     "encoder-decoder", "rms",   False, True,  "native KV-cache generation; decoder module of t5gemma"),
+    ("bart",                "encoder-decoder", "layer", False, False, "BART-layout; upstream claims HF forward-logit fixtures"),
+    ("mbart",               "encoder-decoder", "layer", False, False, "BART-layout"),
+    ("marian",              "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions"),
+    ("fsmt",                "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions"),
+    ("plbart",              "encoder-decoder", "layer", False, False, "BART-layout"),
+    ("mvp",                 "encoder-decoder", "layer", False, False, "BART-layout"),
+    ("blenderbot",          "encoder-decoder", "layer", False, False, "BART-layout"),
+    ("blenderbot-small",    "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout"),
+    ("pegasus",             "encoder-decoder", "layer", False, False, "BART-layout; sinusoidal positions"),
+    ("m2m_100",             "encoder-decoder", "layer", False, False, "BART-layout; sinusoidal positions"),
+    ("bigbird_pegasus",     "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout"),
+    ("pegasus_x",           "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions"),
+]
+
+# Other Hugging Face spellings that run as one of the architectures above.
+# NESTED_TEXT_CONFIG / NestedConfig: a wrapper whose backbone is the nested config's model_type.
+ALIASES = {
+    "encoder-decoder": NestedConfig(("decoder",)),  # composite seq2seq wrapper handled by the Seq2Seq facade; encoder and decoder keep their own nested model_type
+    "t5gemma":         "t5_gemma_module",  # decoder sub-config parsed as t5_gemma_module
+}

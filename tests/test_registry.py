@@ -1,0 +1,232 @@
+"""The architecture registry and the four family plugins (no GPU needed).
+
+Needs the plugins installed: pip install -e plugins/llama -e plugins/bert -e plugins/t5 -e plugins/moe
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from vkformers.cli import architectures as architectures_cli
+from vkformers.errors import DuplicateArchitectureError, UnknownArchitectureError, VkformersError
+from vkformers.models import plugins
+from vkformers.models.hookspecs import hookimpl
+from vkformers.models.known_families import KNOWN_FAMILIES
+from vkformers.models.registry import Architecture, Registry
+
+TSV = Path(__file__).parent / "data" / "hierarchos_architectures.tsv"
+
+# The reference list's bracketed targets, and a config that names a backbone through each.
+WRAPPER_CONFIGS = {
+    "(nested text_config)": lambda backbone: {"text_config": {"model_type": backbone}},
+    "(nested thinker_config.text_config)": lambda backbone: {"thinker_config": {"text_config": {"model_type": backbone}}},
+    "(nested encoder/decoder configs)": lambda backbone: {"encoder": {"model_type": "bert"}, "decoder": {"model_type": backbone}},
+}
+EXPECTED_PER_FAMILY = {"llama": 66, "moe": 34, "bert": 25, "t5": 18}
+
+
+def reference_rows() -> list[tuple[str, str]]:
+    """(model_type, canonical) of the 143 canonical + 81 alias rows."""
+    with TSV.open(newline="") as handle:
+        return [
+            (row["model_type"], row["canonical"])
+            for row in csv.DictReader(handle, delimiter="\t")
+            if not row["family_or_notes"].startswith("LATER-REVISION-ONLY")
+        ]
+
+
+def registry_of(*plugin_modules) -> Registry:
+    """A registry built from the given plugins only, ignoring what is installed."""
+    manager = plugins.new_plugin_manager(load_entry_points=False)
+    for module in plugin_modules:
+        manager.register(module, name=module.FAMILY)
+    return Registry(manager)
+
+
+class ToyPlugin:
+    """A third-party plugin, written the way one would outside this repository."""
+
+    @hookimpl
+    def vkformers_architectures(self):
+        return [Architecture(name="toy_decoder", family="toy", kind="causal-decoder", tasks=("causal-lm",))]
+
+    @hookimpl
+    def vkformers_aliases(self):
+        return {"toy-decoder-v2": "toy_decoder", "my_llama": "llama"}
+
+
+class ClaimsLlamaPlugin:
+    @hookimpl
+    def vkformers_architectures(self):
+        return [Architecture(name="llama", family="rival", kind="causal-decoder", tasks=("causal-lm",))]
+
+
+class ClaimsCodeLlamaAliasPlugin:
+    @hookimpl
+    def vkformers_aliases(self):
+        return {"code_llama": "llama"}
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return plugins.registry()
+
+
+def test_the_four_plugins_register_143_canonical_and_224_spellings(registry):
+    assert len(registry.architectures()) == 143
+    assert len(registry.spellings()) == 224
+    assert registry.families() == sorted(EXPECTED_PER_FAMILY)
+    per_family = {family: sum(1 for a in registry.architectures() if a.family == family) for family in EXPECTED_PER_FAMILY}
+    assert per_family == EXPECTED_PER_FAMILY
+
+
+def test_registered_spellings_are_exactly_the_reference_list(registry):
+    assert sorted(model_type for model_type, _ in reference_rows()) == registry.spellings()
+
+
+@pytest.mark.parametrize("model_type,canonical", reference_rows())
+def test_reference_spelling_resolves_to_its_canonical(registry, model_type, canonical):
+    if canonical in WRAPPER_CONFIGS:
+        config = {"model_type": model_type, **WRAPPER_CONFIGS[canonical]("mistral")}
+        assert registry.resolve(config).name == "mistral"
+        with pytest.raises(UnknownArchitectureError, match="pass the config dict"):
+            registry.resolve(model_type)
+    else:
+        assert registry.resolve(model_type).name == canonical
+        assert registry.resolve({"model_type": model_type}).name == canonical
+
+
+def test_wrapper_resolves_through_nested_aliases(registry):
+    config = {"model_type": "qwen3_omni_moe", "thinker_config": {"text_config": {"model_type": "qwen3_omni_moe_text"}}}
+    assert registry.resolve(config).name == "qwen3_moe"
+    with pytest.raises(UnknownArchitectureError, match="does not have it"):
+        registry.resolve({"model_type": "llava", "vision_config": {}})
+
+
+def test_spelling_resolution_tolerates_dash_underscore_and_case(registry):
+    assert registry.resolve("open_llama").name == "open-llama"
+    assert registry.resolve("XLM_Roberta").name == "xlm-roberta"
+    assert registry.resolve("code-llama").name == "llama"
+
+
+def test_aliases_of_lists_direct_aliases(registry):
+    assert registry.aliases_of("llama") == ["code_llama", "mllama", "mllama_text_model", "paddleocr_vl_text"]
+    assert registry.aliases_of("gpt2") == []
+
+
+def test_get_does_not_resolve_aliases(registry):
+    assert registry.get("llama").name == "llama"
+    with pytest.raises(UnknownArchitectureError):
+        registry.get("code_llama")
+
+
+def test_unknown_type_names_close_matches_and_their_plugin(registry):
+    with pytest.raises(UnknownArchitectureError) as error:
+        registry.resolve("lama")
+    message = str(error.value)
+    assert "'lama'" in message
+    assert "'llama' (vkformers-llama)" in message
+    assert isinstance(error.value, VkformersError)
+
+
+def test_type_of_a_missing_plugin_says_what_to_install():
+    import vkformers_llama.plugin
+
+    llama_only = registry_of(vkformers_llama.plugin)
+    with pytest.raises(UnknownArchitectureError, match="pip install vkformers-bert"):
+        llama_only.resolve("bert")
+    with pytest.raises(UnknownArchitectureError) as error:
+        llama_only.resolve("roberto")
+    assert "'roberta' (vkformers-bert, not installed: pip install vkformers-bert)" in str(error.value)
+
+
+def test_third_party_plugin_adds_architecture_and_alias_without_touching_core():
+    toy = ToyPlugin()
+    plugins.register_plugin(toy, name="toy")
+    try:
+        registry = plugins.registry()
+        assert registry.resolve("toy-decoder-v2") == registry.get("toy_decoder")
+        assert registry.get("toy_decoder").family == "toy"
+        assert registry.resolve("my_llama").name == "llama"
+        assert len(registry.architectures()) == 144
+    finally:
+        plugins.unregister_plugin(toy)
+    with pytest.raises(UnknownArchitectureError):
+        plugins.registry().resolve("toy_decoder")
+
+
+@pytest.mark.parametrize("rival", [ClaimsLlamaPlugin, ClaimsCodeLlamaAliasPlugin])
+def test_duplicate_registration_is_refused(rival):
+    with pytest.raises(DuplicateArchitectureError, match="registered twice: by plugin 'llama'"):
+        plugins.register_plugin(rival(), name="rival")
+    # The refused plugin is left out; the registry still works.
+    assert len(plugins.registry().architectures()) == 143
+
+
+def test_alias_to_an_unregistered_architecture_is_refused():
+    class DanglingAliasPlugin:
+        @hookimpl
+        def vkformers_aliases(self):
+            return {"ghost_v2": "ghost"}
+
+    with pytest.raises(UnknownArchitectureError, match="'ghost_v2'.*'ghost'"):
+        plugins.register_plugin(DanglingAliasPlugin(), name="dangling")
+
+
+def test_nothing_is_claimed_verified(registry):
+    assert {a.status for a in registry.architectures()} == {"registered"}
+
+
+def test_each_plugin_holds_only_its_kind(registry):
+    for architecture in registry.architectures():
+        kind, moe = architecture.kind, architecture.trait("moe")
+        expected = {"encoder": "bert", "encoder-decoder": "t5"}.get(kind) or ("moe" if moe else "llama")
+        assert architecture.family == expected, architecture.name
+
+
+def test_known_families_index_matches_the_plugins(registry):
+    owners = {a.name: a.family for a in registry.architectures()}
+    owners.update({alias.spelling: alias.family for alias in registry.aliases()})
+    assert owners == KNOWN_FAMILIES
+
+
+def test_kernel_dirs_is_a_flat_list():
+    assert isinstance(plugins.kernel_dirs(), list)
+
+
+def run_architectures_command(capsys, **options) -> tuple[int, str, str]:
+    args = argparse.Namespace(**{"json": False, "family": None, "status": None, **options})
+    exit_code = architectures_cli.run(args)
+    captured = capsys.readouterr()
+    return exit_code, captured.out, captured.err
+
+
+def test_architectures_json_counts(capsys):
+    exit_code, out, _ = run_architectures_command(capsys, json=True)
+    assert exit_code == 0
+    listing = json.loads(out)
+    assert listing["counts"] == {"canonical": 143, "spellings": 224, "verified": 0, "forward-verified": 0, "registered": 143}
+    assert len(listing["architectures"]) == 143
+
+
+def test_architectures_table_summary_line(capsys):
+    exit_code, out, _ = run_architectures_command(capsys)
+    assert exit_code == 0
+    assert "143 canonical, 224 spellings; 0 verified, 0 forward-verified, 143 registered" in out
+
+
+def test_architectures_family_filter(capsys):
+    _, out, _ = run_architectures_command(capsys, json=True, family="t5")
+    listing = json.loads(out)
+    assert {row["family"] for row in listing["architectures"]} == {"t5"}
+    assert listing["counts"]["canonical"] == EXPECTED_PER_FAMILY["t5"]
+
+
+def test_architectures_unknown_family_exits_2_listing_families(capsys):
+    exit_code, _, err = run_architectures_command(capsys, family="gpt")
+    assert exit_code == 2
+    assert "bert, llama, moe, t5" in err

@@ -1,0 +1,156 @@
+"""The Vulkan runtime: ordering of dependent dispatches, replay, push constants, dtypes, timestamps."""
+import numpy as np
+import pytest
+
+import kp
+from vkformers.runtime import dtypes as dt
+
+N = 1 << 20  # large enough that an unordered dispatch on a GPU would overlap its predecessor
+GROUPS = (N // 256,)
+
+
+def test_dependent_chain_raw_war_waw_replayed_100_times(device):
+    """RAW, WAR and WAW hazards in one recorded sequence, replayed 100 times, bit-exact against numpy."""
+    axpby, copy = device.kernel("axpby", "u32"), device.kernel("copy")
+    rng = np.random.default_rng(0)
+    a0, b0, c0 = (rng.integers(0, 2**32, N, dtype=np.uint32) for _ in range(3))
+    a, b, c, d = (device.upload(x, name=n) for x, n in ((a0, "a"), (b0, "b"), (c0, "c"), (np.zeros(N, np.uint32), "d")))
+    seq = device.sequence()
+    seq.dispatch(axpby, [a, b], GROUPS, [N, 3, 5])    # b = 3a + 5b
+    seq.dispatch(axpby, [b, c], GROUPS, [N, 7, 1])    # RAW on b: c = 7b + c
+    seq.dispatch(copy, [c, d], (N // 4 // 256,), [N // 4])  # RAW on c: d = c
+    seq.dispatch(axpby, [d, a], GROUPS, [N, 1, 3])    # WAR on a (read by op 1): a = d + 3a
+    seq.dispatch(copy, [b, d], (N // 4 // 256,), [N // 4])  # WAW on d, WAR on d (read by op 4): d = b
+    seq.dispatch(axpby, [c, d], GROUPS, [N, 2, 1])    # RAW + WAW on d: d = 2c + d
+    na, nb, nc = a0.copy(), b0.copy(), c0.copy()
+    with np.errstate(over="ignore"):
+        for _ in range(100):
+            seq.replay()
+            nb = 3 * na + 5 * nb
+            nc = 7 * nb + nc
+            nd = nc.copy()
+            na = nd + 3 * na
+            nd = 2 * nc + nb
+    assert seq.num_barriers == 5
+    for buf, expected in ((a, na), (b, nb), (c, nc), (d, nd)):
+        np.testing.assert_array_equal(buf.read(), expected, err_msg=buf.name)
+
+
+def test_independent_dispatches_share_a_barrier_slot(device):
+    axpby = device.kernel("axpby", "u32")
+    x = device.upload(np.arange(1024, dtype=np.uint32))
+    ys = [device.upload(np.zeros(1024, np.uint32), name=f"y{i}") for i in range(3)]
+    seq = device.sequence()
+    for y in ys:  # three writers of different buffers, all reading x: no hazard
+        seq.dispatch(axpby, [x, y], (4,), [1024, 2, 0])
+    seq.dispatch(axpby, [ys[0], ys[1]], (4,), [1024, 1, 1])  # RAW on y0 (and WAW on y1)
+    seq.replay()
+    assert seq.num_barriers == 1
+    np.testing.assert_array_equal(ys[1].read(), 4 * np.arange(1024, dtype=np.uint32))
+
+
+def test_float_push_constants(device):
+    axpby = device.kernel("axpby", "f32")
+    x0 = np.linspace(-4, 4, 1000, dtype=np.float32)
+    x, y = device.upload(x0), device.upload(np.full(1000, 0.5, np.float32))
+    device.run(lambda s: s.dispatch(axpby, [x, y], (4,), [1000, 0.25, -2.0]))
+    np.testing.assert_array_equal(y.read(), np.float32(0.25) * x0 - np.float32(1.0))
+
+
+def test_per_replay_scalars_from_a_host_visible_buffer(device):
+    kernel = device.kernel("add_scaled_param")
+    params = device.buffer(4, "uint32", host_visible=True, name="params")
+    x = device.upload(np.arange(256, dtype=np.uint32))
+    y = device.upload(np.zeros(256, np.uint32))
+    seq = device.sequence().upload(params).dispatch(kernel, [params, x, y], (1,), [256, 2])
+    total = 0
+    for step in range(1, 6):
+        params.host[:] = [0, 0, step, 99]  # slot 2 changes each replay, without re-recording
+        seq.replay()
+        total += step
+    np.testing.assert_array_equal(y.read(), total * np.arange(256, dtype=np.uint32))
+
+
+def test_download_into_host_mirror_each_replay(device):
+    axpby = device.kernel("axpby", "u32")
+    x = device.upload(np.ones(64, np.uint32))
+    out = device.buffer(64, "uint32", host_visible=True, name="out")
+    out.write(np.zeros(64, np.uint32))
+    seq = device.sequence().dispatch(axpby, [x, out], (1,), [64, 1, 1]).download(out)
+    for step in range(1, 4):
+        seq.replay()
+        assert (out.host == step).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int32", "uint8"])
+def test_buffer_round_trip(device, dtype):
+    rng = np.random.default_rng(1)
+    host = dt.as_dtype(dtype).host
+    data = (rng.integers(0, 255, 1001) if dtype in ("int32", "uint8") else
+            dt.to_bfloat16(rng.standard_normal(1001, dtype=np.float32)) if dtype == "bfloat16" else
+            rng.standard_normal(1001)).astype(host)  # odd length: exercises the partial last word
+    for host_visible in (False, True):
+        buf = device.upload(data, dtype=dtype, host_visible=host_visible)
+        np.testing.assert_array_equal(buf.read(), data)
+
+
+def test_fp16_and_bf16_conversion_kernels(device):
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.standard_normal(997).astype(np.float32) * 100,
+                        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.0e38], np.float32)])
+    n, groups = x.size, (-(-x.size // 256),)
+    src = device.upload(x)
+    f16, bf16 = device.buffer(n, "float16"), device.buffer(n, "bfloat16")
+    back16, back_bf16 = device.buffer(n, "float32"), device.buffer(n, "float32")
+
+    def build(seq):
+        seq.dispatch(device.kernel("cast", "f32_f16"), [src, f16], groups, [n])
+        seq.dispatch(device.kernel("cast", "f32_bf16"), [src, bf16], groups, [n])
+        seq.dispatch(device.kernel("cast", "f16_f32"), [f16, back16], groups, [n])
+        seq.dispatch(device.kernel("cast", "bf16_f32"), [bf16, back_bf16], groups, [n])
+    device.run(build)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(f16.read(), x.astype(np.float16))
+        np.testing.assert_array_equal(back16.read(), x.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(bf16.read(), dt.to_bfloat16(x))
+    np.testing.assert_array_equal(back_bf16.read(), dt.from_bfloat16(dt.to_bfloat16(x)))
+
+
+def test_bfloat16_host_helpers_round_to_nearest_even():
+    x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e38], np.float32)
+    # 1 + 2^-8 is a tie: rounds to even (1.0); 1 + 3*2^-8 is a tie: rounds up to 1 + 2^-6
+    np.testing.assert_array_equal(dt.from_bfloat16(dt.to_bfloat16(x))[:4], [1.0, 1.0, 1.015625, -2.5])
+
+
+def test_timestamps_per_operation(device):
+    axpby = device.kernel("axpby", "u32")
+    x, y = device.upload(np.ones(N, np.uint32)), device.upload(np.zeros(N, np.uint32))
+    seq = device.sequence(timestamps=True)
+    seq.dispatch(axpby, [x, y], GROUPS, [N, 1, 1]).dispatch(axpby, [y, x], GROUPS, [N, 1, 1])
+    seq.replay()
+    timings = seq.timings()
+    assert [label for label, _ in timings] == ["barrier", "axpby", "barrier", "axpby"]
+    assert all(t >= 0 for _, t in timings) and sum(t for _, t in timings) > 0
+
+
+def test_submit_then_wait(device):
+    axpby = device.kernel("axpby", "u32")
+    x, y = device.upload(np.full(N, 2, np.uint32)), device.upload(np.zeros(N, np.uint32))
+    seq = device.sequence().dispatch(axpby, [x, y], GROUPS, [N, 1, 1])
+    seq.submit().wait()
+    seq.submit().wait()
+    assert (y.read() == 4).all()
+
+
+def test_kp_data_view_has_real_strides(device):
+    """kp 0.9.0's Tensor.data() built a stride-0 view under numpy 2 (every element read as element 0)."""
+    t = device._manager.tensor_t(np.arange(16, dtype=np.float32))
+    view = t.data()
+    assert view.strides == (4,)
+    np.testing.assert_array_equal(view, np.arange(16, dtype=np.float32))
+
+
+def test_patched_kp_enables_device_features(device):
+    assert getattr(kp, "vkformers_patch", 0) >= 1
+    assert kp.__version__.endswith("+vkformers.1")
+    assert device.features["storageBuffer16BitAccess"] and device.features["shaderFloat16"]
