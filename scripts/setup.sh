@@ -8,7 +8,7 @@ venv=${VKFORMERS_VENV:-$root/.venv}
 
 # 1. System packages: the Vulkan loader and lavapipe (CPU Vulkan), shader tools, kp's build dependencies.
 packages=(mesa-vulkan-drivers libvulkan1 libvulkan-dev vulkan-tools glslc spirv-tools
-          libfmt-dev pybind11-dev cmake g++ make patch python3 python3-venv python3-dev ca-certificates)
+          libfmt-dev pybind11-dev cmake g++ make patch python3 python3-venv python3-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
