@@ -19,8 +19,13 @@ if ((${#missing[@]})); then
   fi
   echo "setup: apt-get install ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # python3-venv pulls in ca-certificates, which regenerates the CA bundle from Debian's list;
+  # keep the bundle this machine already trusted (it may hold a local TLS root pip needs).
+  bundle=/etc/ssl/certs/ca-certificates.crt trusted=""
+  if [[ -s $bundle ]]; then trusted=$(mktemp); cp "$bundle" "$trusted"; fi
   apt-get update -q >/dev/null
   apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  if [[ -n $trusted ]]; then cp "$trusted" "$bundle"; rm -f "$trusted"; fi
 fi
 
 # 2. The virtual environment.

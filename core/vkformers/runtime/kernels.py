@@ -123,8 +123,6 @@ def _variants(text: str) -> list[tuple[str | None, list[str]]]:
 def build_kernels(dirs: Iterable[KernelDir] | None = None, force: bool = False, log=print) -> int:
     """Compile every kernel whose SPIR-V is missing or older than its sources. Returns the count."""
     dirs = list(dirs if dirs is not None else kernel_dirs())
-    command = glslang_command()
-    env = _compiler_env(command)
     include_dirs = [d.source for d in dirs if d.source is not None]
     jobs = []
     for kdir in dirs:
@@ -138,13 +136,19 @@ def build_kernels(dirs: Iterable[KernelDir] | None = None, force: bool = False, 
             for variant, defines in _variants(text):
                 out = kdir.spirv / spirv_file_name(shader.stem, variant)
                 if force or not out.is_file() or out.stat().st_mtime < newest_source:
-                    args = [*command, "-V", "--target-env", target, *[f"-I{d}" for d in include_dirs],
+                    args = ["-V", "--target-env", target, *[f"-I{d}" for d in include_dirs],
                             *defines, "-o", str(out), str(shader)]
                     jobs.append((out, args))
 
+    if not jobs:
+        log("kernels are up to date (compiled 0 kernel(s))")
+        return 0
+    command = glslang_command()  # only needed when something is out of date
+    env = _compiler_env(command)
+
     def run(job):
         out, args = job
-        result = subprocess.run(args, capture_output=True, text=True, env=env)
+        result = subprocess.run([*command, *args], capture_output=True, text=True, env=env)
         if result.returncode != 0:
             out.unlink(missing_ok=True)
             return f"{out.name}: {result.stdout}{result.stderr}".strip()
