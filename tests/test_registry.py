@@ -39,11 +39,11 @@ def reference_rows() -> list[tuple[str, str]]:
         ]
 
 
-def registry_of(*plugin_modules) -> Registry:
+def registry_of(*family_plugins) -> Registry:
     """A registry built from the given plugins only, ignoring what is installed."""
     manager = plugins.new_plugin_manager(load_entry_points=False)
-    for module in plugin_modules:
-        manager.register(module, name=module.FAMILY)
+    for plugin in family_plugins:
+        manager.register(plugin, name=plugin.family)
     return Registry(manager)
 
 
@@ -136,7 +136,7 @@ def test_unknown_type_names_close_matches_and_their_plugin(registry):
 def test_type_of_a_missing_plugin_says_what_to_install():
     import vkformers_llama.plugin
 
-    llama_only = registry_of(vkformers_llama.plugin)
+    llama_only = registry_of(vkformers_llama.plugin.plugin)
     with pytest.raises(UnknownArchitectureError, match="pip install vkformers-bert"):
         llama_only.resolve("bert")
     with pytest.raises(UnknownArchitectureError) as error:

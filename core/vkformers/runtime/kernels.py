@@ -10,15 +10,21 @@ becomes ``name.v.spv``. Everything else that differs per dispatch (tile sizes,
 flags) is a specialization constant or a push constant, so one kernel serves many
 uses. ``//! target vulkan1.3`` in a shader overrides the SPIR-V target.
 
+``//! postprocess GLOB SCRIPT`` runs ``python SCRIPT file.spv`` (SCRIPT relative to
+the shader's folder) on each freshly compiled variant whose name matches GLOB, to
+rewrite the SPIR-V in place where GLSL front ends fall short (e.g. bfloat16).
+
 SPIR-V is compiled once, by ``vkformers build-kernels`` (the install step runs
 it), never at run time: the runtime only loads ``.spv`` files.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,6 +94,7 @@ def find_spirv(name: str, variant: str | None = None) -> Path:
 
 VARIANT_LINE = re.compile(r"^//!\s*variant\s+(\S+)(.*)$", re.M)
 TARGET_LINE = re.compile(r"^//!\s*target\s+(\S+)", re.M)
+POSTPROCESS_LINE = re.compile(r"^//!\s*postprocess\s+(\S+)\s+(\S+)", re.M)
 
 
 def glslang_command() -> list[str]:
@@ -133,12 +140,16 @@ def build_kernels(dirs: Iterable[KernelDir] | None = None, force: bool = False, 
         for shader in sorted(kdir.source.glob("*.comp")):
             text = shader.read_text()
             target = (TARGET_LINE.search(text) or [None, DEFAULT_TARGET])[1]
+            postprocess = [(glob, (shader.parent / script).resolve())
+                           for glob, script in POSTPROCESS_LINE.findall(text)]
             for variant, defines in _variants(text):
                 out = kdir.spirv / spirv_file_name(shader.stem, variant)
-                if force or not out.is_file() or out.stat().st_mtime < newest_source:
+                scripts = [s for glob, s in postprocess if fnmatch.fnmatchcase(variant or "", glob)]
+                newest = max([newest_source, *(s.stat().st_mtime for s in scripts)])
+                if force or not out.is_file() or out.stat().st_mtime < newest:
                     args = ["-V", "--target-env", target, *[f"-I{d}" for d in include_dirs],
                             *defines, "-o", str(out), str(shader)]
-                    jobs.append((out, args))
+                    jobs.append((out, args, scripts))
 
     if not jobs:
         log("kernels are up to date (compiled 0 kernel(s))")
@@ -147,8 +158,12 @@ def build_kernels(dirs: Iterable[KernelDir] | None = None, force: bool = False, 
     env = _compiler_env(command)
 
     def run(job):
-        out, args = job
+        out, args, scripts = job
         result = subprocess.run([*command, *args], capture_output=True, text=True, env=env)
+        for script in scripts:
+            if result.returncode != 0:
+                break
+            result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env)
         if result.returncode != 0:
             out.unlink(missing_ok=True)
             return f"{out.name}: {result.stdout}{result.stderr}".strip()

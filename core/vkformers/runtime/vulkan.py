@@ -12,6 +12,7 @@ read), and then replayed any number of times with one submit each.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -201,6 +202,8 @@ class Device:
 
 # ---------------------------------------------------------------- buffers
 
+_buffer_serials = itertools.count()
+
 class Buffer:
     """A device buffer of ``count`` elements of ``dtype``, stored as 32-bit words.
 
@@ -219,6 +222,7 @@ class Buffer:
         self.nbytes = self.count * self.dtype.itemsize
         self.name = name
         self.host_visible = host_visible
+        self.serial = next(_buffer_serials)  # unique for the process's life, unlike id()
         self._pipeline_keys: list = []
         if self.nbytes > device.max_buffer_bytes:
             raise BufferTooLargeError(

@@ -1,22 +1,8 @@
 """Registers the bidirectional encoders with vkformers (entry point group ``vkformers.plugins``)."""
-from vkformers.models.hookspecs import hookimpl
-from vkformers.models.registry import architectures_from_table
+from pathlib import Path
+
+from vkformers.models.family import FamilyPlugin
 
 from vkformers_bert.architectures import ALIASES, ARCHITECTURES
 
-FAMILY = "bert"
-
-
-@hookimpl
-def vkformers_architectures():
-    return architectures_from_table(FAMILY, ARCHITECTURES)
-
-
-@hookimpl
-def vkformers_aliases():
-    return ALIASES
-
-
-@hookimpl
-def vkformers_kernel_dirs():
-    return []  # family kernels will live in plugins/bert/shaders/
+plugin = FamilyPlugin("bert", ARCHITECTURES, ALIASES, Path(__file__).parent)
