@@ -2,9 +2,20 @@
 from vkformers import models  # noqa: F401  (installs the plugin kernel directories)
 from vkformers.errors import VkformersError
 from vkformers.runtime import Buffer, Device, Sequence, dtypes, get_device
-from vkformers.runtime.dtypes import bfloat16, float16, float32, int32, uint8
+from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, uint8
 
 __version__ = "0.1.0"
 
-__all__ = ["Buffer", "Device", "Sequence", "VkformersError", "bfloat16", "dtypes", "float16", "float32",
-           "get_device", "int32", "uint8"]
+_ENGINE = {"Tensor", "tensor", "parameter", "full", "ones", "zeros", "no_grad"}
+
+
+def __getattr__(name):
+    # The engine loads on first use, so the runtime and the registry work without it.
+    if name in _ENGINE:
+        from vkformers.engine import function, tensor
+        return getattr(tensor if hasattr(tensor, name) else function, name)
+    raise AttributeError(f"module 'vkformers' has no attribute {name!r}")
+
+
+__all__ = ["Buffer", "Device", "Sequence", "VkformersError", "bfloat16", "bool_", "dtypes", "float16", "float32",
+           "get_device", "int32", "uint8", *sorted(_ENGINE)]

@@ -17,8 +17,8 @@ uint16_t f32_to_bf16(float x) {
 
 // Index of this invocation over a 2-D grid of workgroups (x fastest), so that a
 // 1-D problem larger than maxComputeWorkGroupCount.x * local size still fits.
-uint global_index() {
-    return gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
-}
+// A macro, not a function: gl_WorkGroupSize is only known after the kernel's
+// `layout(local_size_x = ...) in;`, which usually follows this include.
+#define global_index() (gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x)
 
 #endif

@@ -1,0 +1,192 @@
+"""Attention kernel benchmark: fused forward, forward + backward, and KV-cache decode.
+
+Times come from GPU timestamps (the recorded dispatches of one replay, median of several
+replays). Each figure is printed beside a reference measured in the same run:
+torch.nn.functional.scaled_dot_product_attention in the same dtype when PyTorch sees a
+CUDA GPU (timed with CUDA events; its outputs also check ours at full size), else numpy
+(float32, CPU) at the same shape, which is only a sanity reference.
+
+    python bench/attention.py [--quick] [--json OUT] [--seq 2048] [--heads 32] [--head-dim 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from vkformers.engine.kernels.attention import attention_backward, attention_decode, attention_forward
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import get_device
+
+try:
+    import torch
+    HAVE_CUDA = torch.cuda.is_available()
+except ImportError:
+    torch, HAVE_CUDA = None, False
+
+
+def gpu_seconds(seq, repeats: int) -> float:
+    """Median GPU time of one replay: every recorded operation after the leading barrier."""
+    seq.replay()
+    times = []
+    for _ in range(repeats):
+        seq.replay()
+        times.append(sum(t for _, t in seq.timings()[1:]))
+    return float(np.median(times))
+
+
+def to_device(device, x: np.ndarray, dtype: str):
+    if dtype == "bfloat16":
+        return device.upload(dt.to_bfloat16(x.astype(np.float32)), dtype="bfloat16")
+    return device.upload(x.astype(dt.as_dtype(dtype).host))
+
+
+def as_float32(array, dtype):
+    return dt.from_bfloat16(array) if dtype == "bfloat16" else array.astype(np.float32)
+
+
+def torch_seconds(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return float(np.median(times))
+
+
+def numpy_attention_seconds(q, k, v, scale) -> float:
+    """float32 causal attention in numpy (CPU), one pass: only a sanity reference."""
+    start = time.perf_counter()
+    s = scale * q @ k.transpose(0, 1, 3, 2)
+    s += np.triu(np.full(s.shape[-2:], -np.inf, np.float32), 1)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    _ = (s / s.sum(-1, keepdims=True)) @ v
+    return time.perf_counter() - start
+
+
+def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, repeats: int) -> dict:
+    rng = np.random.default_rng(0)
+    shape = (1, heads, seq_len, head_dim)
+    q, k, v, d_out = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+    scale = head_dim ** -0.5
+    bufs = [to_device(device, x, dtype) for x in (q, k, v, d_out)]
+    out, d_q, d_k, d_v = (device.buffer(shape, dtype, name=n) for n in ("out", "d_q", "d_k", "d_v"))
+    lse = device.buffer(shape[:3], "float32", name="lse")
+    sizes = dict(batch=1, heads=heads, kv_heads=heads, q_len=seq_len, kv_len=seq_len, head_dim=head_dim,
+                 scale=scale, causal=True)
+
+    forward = device.sequence(timestamps=True)
+    attention_forward(forward, *bufs[:3], out, lse, **sizes)
+    both = device.sequence(timestamps=True)
+    attention_forward(both, *bufs[:3], out, lse, **sizes)
+    attention_backward(both, *bufs[:3], out, bufs[3], lse, d_q, d_k, d_v, **sizes)
+    fwd_s, both_s = gpu_seconds(forward, repeats), gpu_seconds(both, repeats)
+    flops = 4 * heads * seq_len * seq_len * head_dim / 2  # causal: half the score matrix
+    result = {"dtype": dtype, "seq": seq_len, "heads": heads, "head_dim": head_dim,
+              "forward_ms": fwd_s * 1e3, "forward_tflops": flops / fwd_s * 1e-12,
+              "fwd_bwd_ms": both_s * 1e3, "fwd_bwd_tflops": 3.5 * flops / both_s * 1e-12}
+
+    if HAVE_CUDA:
+        tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        tq, tk, tv, tdo = (torch.from_numpy(x).cuda().to(tdtype) for x in (q, k, v, d_out))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        with torch.no_grad():
+            result["torch_forward_ms"] = torch_seconds(lambda: sdpa(tq, tk, tv, is_causal=True), repeats) * 1e3
+        leaves = [x.detach().requires_grad_() for x in (tq, tk, tv)]
+
+        def fwd_bwd():
+            for x in leaves:
+                x.grad = None
+            sdpa(*leaves, is_causal=True).backward(tdo)
+
+        result["torch_fwd_bwd_ms"] = torch_seconds(fwd_bwd, repeats) * 1e3
+        # Full-size agreement with PyTorch (float32 math on the same rounded inputs).
+        ref = [x.detach().float().requires_grad_() for x in leaves]
+        ref_out = sdpa(*ref, is_causal=True)
+        ref_out.backward(tdo.float())
+        for name, ours, theirs in (("out", out, ref_out), ("d_q", d_q, ref[0].grad), ("d_k", d_k, ref[1].grad),
+                                   ("d_v", d_v, ref[2].grad)):
+            diff = np.abs(as_float32(ours.read(), dtype) - theirs.detach().cpu().numpy()).max()
+            result[f"max_abs_diff_{name}_vs_torch_fp32"] = float(diff)
+        result["reference"] = "torch sdpa (CUDA, same dtype)"
+    else:
+        result["torch_forward_ms"] = numpy_attention_seconds(q, k, v, scale) * 1e3
+        result["reference"] = "numpy float32 forward (CPU)"
+    result["forward_ratio"] = result["torch_forward_ms"] / result["forward_ms"]
+    if "torch_fwd_bwd_ms" in result:
+        result["fwd_bwd_ratio"] = result["torch_fwd_bwd_ms"] / result["fwd_bwd_ms"]
+    return result
+
+
+def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
+    out = device.buffer(q.shape, dtype, name="out")
+    seq = device.sequence(timestamps=True)
+    attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
+                     kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5)
+    seconds = gpu_seconds(seq, repeats)
+    cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
+    result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "decode_us": seconds * 1e6,
+              "decode_cache_gbps": cache_bytes / seconds * 1e-9}
+    if HAVE_CUDA:
+        tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        tq, tk, tv = (torch.from_numpy(x).cuda().to(tdtype) for x in (q, k, v))
+        group = heads // kv_heads
+        tk, tv = tk.repeat_interleave(group, 1), tv.repeat_interleave(group, 1)
+        with torch.no_grad():
+            result["torch_decode_us"] = torch_seconds(
+                lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv), repeats) * 1e6
+        result["decode_ratio"] = result["torch_decode_us"] / result["decode_us"]
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke test)")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtypes", default="float16,float32,bfloat16")
+    args = parser.parse_args(argv)
+    device = get_device()
+    seq_len, heads, repeats = (256, 4, 3) if args.quick else (args.seq, args.heads, 10)
+    print(f"device: {device.name}; reference: {'torch CUDA sdpa' if HAVE_CUDA else 'numpy CPU'}")
+    results = {"device": device.name, "prefill": [], "decode": []}
+    for dtype in args.dtypes.split(","):
+        r = bench_prefill(device, dtype, seq_len, heads, args.head_dim, repeats)
+        results["prefill"].append(r)
+        line = (f"{dtype:9s} seq {seq_len} heads {heads} d {args.head_dim} causal: forward {r['forward_ms']:.3f} ms "
+                f"({r['forward_tflops']:.1f} TFLOP/s, ref {r['torch_forward_ms']:.3f} ms, ratio {r['forward_ratio']:.3f})")
+        if "fwd_bwd_ratio" in r:
+            line += (f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms ({r['fwd_bwd_tflops']:.1f} TFLOP/s, "
+                     f"ref {r['torch_fwd_bwd_ms']:.3f} ms, ratio {r['fwd_bwd_ratio']:.3f})")
+        else:
+            line += f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms"
+        print(line)
+        diffs = {k: v for k, v in r.items() if k.startswith("max_abs_diff")}
+        if diffs:
+            print("          " + ", ".join(f"{k[13:]} {v:.2e}" for k, v in diffs.items()))
+        d = bench_decode(device, dtype, 256 if args.quick else 4096, heads, max(1, heads // 4), args.head_dim, repeats)
+        results["decode"].append(d)
+        print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}): {d['decode_us']:.1f} us, "
+              f"{d['decode_cache_gbps']:.0f} GB/s of cache"
+              + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})" if "decode_ratio" in d else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Matmul benchmark: TFLOP/s of the vkformers kernels beside a reference from the same run.
+
+float32 (tiled kernel), float16 and bfloat16 (cooperative-matrix kernel where the
+device has it; C in the input dtype, fp32 accumulation), square sizes. Kernel
+time comes from GPU timestamps (the median of several dispatches in one replay).
+The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
+torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
+
+    python bench/matmul.py [--quick] [--json OUT] [--sweep]
+
+--sweep also times alternative tile configurations at the largest size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from vkformers.engine.kernels.matmul import (
+    CoopmatConfig, TiledConfig, matmul, select_algorithm, tiled_config)
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import get_device
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def random_buffer(device, shape, dtype, rng):
+    x = rng.standard_normal(shape, dtype=np.float32)
+    return device.upload(dt.to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype), dtype=dtype)
+
+
+def time_vkformers(device, size: int, dtype: str, repeats: int, **options) -> float:
+    """Median seconds of one size^3 matmul, from GPU timestamps."""
+    rng = np.random.default_rng(0)
+    a, b = random_buffer(device, (size, size), dtype, rng), random_buffer(device, (size, size), dtype, rng)
+    c = device.buffer((size, size), dtype)
+    seq = device.sequence(timestamps=True)
+    for _ in range(repeats):
+        matmul(seq, a, b, c, m=size, n=size, k=size, **options)
+    seq.replay()  # warm-up (pipeline creation, clocks)
+    seq.replay()
+    return float(np.median([t for label, t in seq.timings() if label.startswith("matmul")]))
+
+
+def time_reference(size: int, dtype: str, repeats: int):
+    """(seconds, name) of the reference matmul."""
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        x = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
+        y = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
+        for _ in range(3):
+            torch.matmul(x, y)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(x, y)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return float(np.median(times)), f"torch {torch.cuda.get_device_name()}"
+    x = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
+    times = []
+    for _ in range(max(1, repeats // 2)):
+        start = time.perf_counter()
+        x @ x
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), "numpy float32 (CPU)"
+
+
+def tflops(size: int, seconds: float) -> float:
+    return 2 * size**3 / seconds / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (lavapipe)")
+    parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    args = parser.parse_args()
+
+    device = get_device()
+    sizes = (128, 256) if args.quick else (4096, 8192)
+    repeats = 3 if args.quick else 10
+    print(f"device: {device.name}")
+    results = {"device": device.name, "runs": []}
+    for size in sizes:
+        for dtype in DTYPES:
+            kernel = select_algorithm(device, dtype)
+            ours = time_vkformers(device, size, dtype, repeats)
+            ref, ref_name = time_reference(size, dtype, repeats)
+            row = {"size": size, "dtype": dtype, "kernel": kernel, "tflops": tflops(size, ours),
+                   "reference": ref_name, "reference_tflops": tflops(size, ref), "ratio": ref / ours}
+            results["runs"].append(row)
+            print(f"{size:5d}^3 {dtype:8s} {kernel:7s} {row['tflops']:8.2f} TFLOP/s   "
+                  f"{ref_name}: {row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
+
+    if args.sweep:
+        size = sizes[-1]
+        results["sweep"] = []
+        candidates = [("float32", dict(algorithm="tiled", tiled=cfg)) for cfg in (
+            TiledConfig(128, 64, 8, 8, 4), TiledConfig(128, 64, 16, 8, 4), TiledConfig(128, 64, 32, 8, 4),
+            TiledConfig(64, 128, 16, 4, 8), TiledConfig(128, 128, 16, 8, 4), TiledConfig(128, 128, 16, 4, 8),
+            TiledConfig(64, 64, 16, 4, 4), TiledConfig(128, 128, 8, 8, 8))
+            if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
+        for dtype in ("float16", "bfloat16"):
+            if select_algorithm(device, dtype) == "coopmat":
+                candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in (
+                    CoopmatConfig(2, 4, 32), CoopmatConfig(2, 4, 64), CoopmatConfig(4, 2, 32),
+                    CoopmatConfig(2, 2, 32), CoopmatConfig(2, 2, 64), CoopmatConfig(4, 4, 32))
+                    if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
+        for dtype, options in candidates:
+            try:
+                seconds = time_vkformers(device, size, dtype, repeats, **options)
+            except Exception as exc:  # a configuration the device refuses
+                print(f"sweep {dtype} {options}: {exc}")
+                continue
+            cfg = options.get("tiled") or options.get("coopmat")
+            results["sweep"].append({"size": size, "dtype": dtype, "config": repr(cfg),
+                                     "tflops": tflops(size, seconds)})
+            print(f"sweep {size}^3 {dtype:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s", flush=True)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

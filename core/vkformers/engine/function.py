@@ -1,0 +1,150 @@
+"""Ops as the engine sees them: a kernel op (emits dispatches) and a differentiable Function.
+
+- :class:`KernelOp` records one node's dispatches through a launcher
+  (``engine/kernels``). It knows buffers and shapes, not autograd.
+- :class:`Function` is what tensors call: ``forward`` builds kernel nodes on lazy
+  buffers, ``backward`` builds the gradient from other tensor operations.
+
+Each op family (engine/ops/*.py) defines both, side by side: forward, backward
+and kernel in one place.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from vkformers.engine.lazy import Arg, LazyBuffer, View, create_node
+from vkformers.runtime import dtypes as dt
+
+if TYPE_CHECKING:
+    from vkformers.engine.tensor import Tensor
+
+
+class KernelOp:
+    """A node's work. Subclasses set ``name`` and implement ``emit``; attributes are keyword arguments."""
+
+    name = "op"
+    contiguous_inputs = True  # False: emit() honours arbitrary input strides
+
+    def __init__(self, **attrs):
+        self.attrs = attrs
+
+    def key(self) -> tuple:
+        return (type(self).__name__, tuple(sorted((k, _hashable(v)) for k, v in self.attrs.items())))
+
+    def emit(self, seq, outs: list[Arg], ins: list[Arg]) -> None:
+        raise NotImplementedError
+
+    def __getattr__(self, item):
+        try:
+            return self.__dict__["attrs"][item]
+        except KeyError:
+            raise AttributeError(item) from None
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dt.DType):
+        return value.name
+    return value
+
+
+def node(op: KernelOp, inputs, out_specs, *, into: LazyBuffer | None = None) -> list[LazyBuffer]:
+    """Add ``op`` to the graph; inputs that are not contiguous are copied first when the op needs it."""
+    inputs = [x if not op.contiguous_inputs else contiguous(x) for x in inputs]
+    device = inputs[0].device if inputs else into.device
+    return create_node(op, inputs, out_specs, device, into=into)
+
+
+def contiguous(x: LazyBuffer) -> LazyBuffer:
+    if x.view.is_contiguous:
+        return x
+    from vkformers.engine.ops.elementwise import CopyStrided  # the one op every layout change uses
+    return node(CopyStrided(), [x], [(x.shape, x.dtype)])[0]
+
+
+def view(x: LazyBuffer, new_view: View) -> LazyBuffer:
+    return x.make_view(new_view)
+
+
+# ---------------------------------------------------------------- autograd
+
+_grad_state = threading.local()
+
+
+def grad_enabled() -> bool:
+    return getattr(_grad_state, "enabled", True)
+
+
+class no_grad:
+    """Context manager (and decorator) under which operations record no gradient graph."""
+
+    def __enter__(self):
+        self.previous = grad_enabled()
+        _grad_state.enabled = False
+
+    def __exit__(self, *exc):
+        _grad_state.enabled = self.previous
+
+    def __call__(self, fn):
+        def wrapper(*args, **kwargs):
+            with no_grad():
+                return fn(*args, **kwargs)
+        return wrapper
+
+
+class Function:
+    """A differentiable operation: ``forward`` on lazy buffers, ``backward`` on tensors."""
+
+    def __init__(self, *parents: "Tensor"):
+        self.parents = parents
+        self.needs_grad = tuple(p is not None and p.requires_grad for p in parents)
+        self.saved: tuple = ()
+
+    def forward(self, *inputs: LazyBuffer, **kwargs):
+        raise NotImplementedError
+
+    def backward(self, *grad_outputs: "Tensor"):
+        raise NotImplementedError(f"{type(self).__name__} has no backward")
+
+    @classmethod
+    def apply(cls, *tensors: "Tensor", **kwargs):
+        from vkformers.engine.tensor import Tensor
+        fn = cls(*tensors)
+        out = fn.forward(*[t.lazy if t is not None else None for t in tensors], **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        track = grad_enabled() and any(fn.needs_grad)
+        results = tuple(Tensor._from_lazy(o, requires_grad=track, ctx=fn if track else None, index=i)
+                        for i, o in enumerate(outs))
+        if track:
+            fn.outputs_count = len(results)
+            fn.hold(True)
+        else:
+            fn.saved = ()
+        return results if isinstance(out, (tuple, list)) else results[0]
+
+    def hold(self, on: bool) -> None:
+        """Count the lazy buffers saved for backward as live, so realization keeps their data."""
+        for lb in _lazy_buffers(self.saved):
+            lb.refs += 1 if on else -1
+        self._holding = on
+
+    def release(self) -> None:
+        if getattr(self, "_holding", False):
+            self.hold(False)
+        self.saved, self.parents = (), ()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _lazy_buffers(saved):
+    for item in saved:
+        if isinstance(item, LazyBuffer):
+            yield item
+        elif isinstance(item, (list, tuple)):
+            yield from _lazy_buffers(item)

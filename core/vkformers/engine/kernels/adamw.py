@@ -1,0 +1,69 @@
+"""Fused AdamW step (shaders/common/adamw.comp), torch.optim.AdamW semantics (amsgrad=False,
+maximize=False): decoupled weight decay, bias correction, eps added after sqrt(v_hat).
+
+Per-step scalars live in a small uint32 buffer (``ADAMW_SCALAR_WORDS`` words) that the host
+fills with :func:`adamw_scalars` before each replay (make it ``host_visible`` and
+``seq.upload`` it at the start of the recorded step), so a recorded step replays with a new
+step count or learning rate. The bias corrections are computed there in float64, as torch
+does in Python.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from vkformers.engine.kernels.transformer_args import (
+    checked, element_groups, fits_uint32, overlaps, positive)
+
+ADAMW_SCALAR_WORDS = 12  # layout: adamw.comp's word indices
+
+
+def adamw_scalars(*, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                  weight_decay: float = 1e-2, grad_scale: float = 1.0) -> np.ndarray:
+    """The scalars buffer contents (uint32 words) for optimizer step ``step`` (1 for the first).
+
+    grad_scale multiplies the gradient first (e.g. 1/loss_scale or a clipping factor).
+    """
+    if not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"adamw step must be an int >= 1, got {step!r}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"adamw betas must be in [0, 1), got {beta1}, {beta2}")
+    bias_correction1 = 1.0 - beta1 ** step
+    bias_correction2 = 1.0 - beta2 ** step
+    floats = [lr, beta1, beta2, eps, weight_decay, 0.0, 1.0 - beta1, 1.0 - beta2, lr / bias_correction1,
+              math.sqrt(bias_correction2), 1.0 - lr * weight_decay, grad_scale]
+    words = np.asarray(floats, dtype=np.float32).view(np.uint32).copy()
+    words[5] = step
+    return words
+
+
+def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, model_copy=None):
+    """Update param, exp_avg, exp_avg_sq (float32 [count]) in place from grad (float32 [count]).
+
+    scalars: uint32 [ADAMW_SCALAR_WORDS] (adamw_scalars). model_copy: optional float16 or
+    bfloat16 [count] that receives the updated parameters.
+    """
+    positive(count=count)
+    fits_uint32("adamw_step", count)
+    scalars = checked(scalars, "uint32", ADAMW_SCALAR_WORDS, "adamw scalars")
+    param = checked(param, "float32", count, "adamw param")
+    grad = checked(grad, "float32", count, "adamw grad")
+    exp_avg = checked(exp_avg, "float32", count, "adamw exp_avg")
+    exp_avg_sq = checked(exp_avg_sq, "float32", count, "adamw exp_avg_sq")
+    states = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
+    names = list(states)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if overlaps(states[a], count, states[b], count):
+                raise ValueError(f"adamw_step: {a} and {b} overlap")
+    buffers = [scalars.buffer, param.buffer, grad.buffer, exp_avg.buffer, exp_avg_sq.buffer]
+    variant, copy_offset = "f32", 0
+    if model_copy is not None:
+        model_copy = checked(model_copy, ("float16", "bfloat16"), count, "adamw model_copy")
+        variant = "copy_f16" if model_copy.dtype.name == "float16" else "copy_bf16"
+        buffers.append(model_copy.buffer)
+        copy_offset = model_copy.offset
+    seq.dispatch(seq.device.kernel("adamw", variant), buffers, element_groups(seq, count),
+                 push=[count, scalars.offset, param.offset, grad.offset, exp_avg.offset, exp_avg_sq.offset,
+                       copy_offset])

@@ -1,0 +1,285 @@
+"""Fused attention: forward, backward and KV-cache decode (flash-attention style).
+
+Layout: q, out, d_q, d_out are [batch, heads, q_len, head_dim]; k, v, d_k, d_v are
+[batch, kv_heads, kv_len, head_dim] (a decode cache: [batch, kv_heads, max_len, head_dim]);
+all row-major, all of one storage dtype (float32, float16 or bfloat16); math in float32.
+Query head h reads kv head ``h // (heads // kv_heads)`` (GQA / MQA).
+
+Semantics, as transformers' eager attention:
+
+- ``score = scale * q.k``; with ``softcap > 0``: ``softcap * tanh(score / softcap)`` (Gemma 2);
+  with ALiBi slopes (float32 [heads]): ``+ slope[h] * (key_pos - query_pos)``. That is
+  BLOOM's ``slope * key_pos`` shifted by a per-row constant, so outputs equal HF's
+  (for contiguous padding); only the stored log-sum-exp differs by ``slope * query_pos``.
+- Query i has absolute position ``p = q_offset + i``; ``q_offset`` defaults to
+  ``kv_len - q_len`` (prefill of new tokens after a cache). Causal: sees keys ``<= p``.
+  Sliding window ``w > 0``: also ``p - key_pos < w``, i.e. the last ``w`` positions
+  including itself (transformers' Mistral / Gemma 2 ``kv_idx > q_idx - sliding_window``).
+  The window applies with or without ``causal``.
+- ``key_padding_mask`` (uint8 or bool [batch, kv_len], decode: [batch, max_len]):
+  1 attends, 0 is masked, as HF's 2-D ``attention_mask``.
+- A query that sees no key at all gets output 0 and log-sum-exp -inf (HF's eager
+  attention would average all values there); its gradients are 0.
+- ``lse`` (float32 [batch, heads, q_len]) is the natural log of the softmax denominator
+  (with the maximum folded in); the backward pass needs it.
+
+Nothing of size q_len x kv_len is ever stored: scores are recomputed in the backward pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vkformers.engine.kernels import Operand, grid, operand, require_elements
+
+FLOAT_VARIANTS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+MASK_DTYPES = ("uint8", "bool")
+DEFAULT_Q_OFFSET = -1  # the kernels compute kv_len - q_len (on the GPU, so decode replays follow kv_len)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A workgroup owns ``rows`` rows with ``lanes`` threads each and streams ``cols`` rows per tile."""
+
+    rows: int
+    cols: int
+    lanes: int
+
+    @property
+    def threads(self) -> int:
+        return self.rows * self.lanes
+
+
+def forward_shared_bytes(t: Tiles, head_dim: int) -> int:
+    return 4 * ((t.rows + t.cols) * (head_dim + 1) + t.rows * t.cols + 2 * t.rows * t.lanes)
+
+
+def backward_shared_bytes(t: Tiles, head_dim: int) -> int:
+    return 4 * (2 * (t.rows + t.cols) * (head_dim + 1) + 2 * t.rows * t.cols + 2 * t.cols)
+
+
+# Preferred first. Lanes must divide head_dim and cols; the first that fits the device's shared memory wins.
+FORWARD_TILES = [Tiles(32, 32, 8), Tiles(16, 32, 8), Tiles(16, 16, 8), Tiles(16, 8, 8), Tiles(8, 8, 8),
+                 Tiles(16, 16, 4), Tiles(8, 8, 4), Tiles(8, 8, 2), Tiles(8, 8, 1), Tiles(4, 4, 1)]
+BACKWARD_TILES = [Tiles(16, 16, 8), Tiles(16, 8, 8), Tiles(8, 8, 8), Tiles(4, 8, 8),
+                  Tiles(16, 16, 4), Tiles(8, 8, 4), Tiles(8, 8, 2), Tiles(8, 8, 1), Tiles(4, 4, 1), Tiles(2, 2, 1)]
+# Decode has one query row per workgroup: all threads share it and each scores few keys.
+DECODE_TILES = [Tiles(1, 64, 64), Tiles(1, 64, 32), Tiles(1, 32, 32), Tiles(1, 64, 16), Tiles(1, 16, 16),
+                Tiles(1, 32, 8), Tiles(1, 8, 8), Tiles(1, 8, 4), Tiles(1, 8, 2), Tiles(1, 8, 1), Tiles(1, 2, 1)]
+
+
+def pick_tiles(device, head_dim: int, candidates: list[Tiles], shared_bytes) -> Tiles:
+    limit = int(device.limits["max_compute_shared_memory_size"])
+    max_threads = int(device.limits.get("max_compute_work_group_invocations", 1024))
+    for t in candidates:
+        if head_dim % t.lanes == 0 and t.cols % t.lanes == 0 and t.threads <= max_threads \
+                and shared_bytes(t, head_dim) <= limit:
+            return t
+    raise ValueError(f"attention: no tile size fits head_dim {head_dim} in {limit} bytes of shared memory")
+
+
+_placeholders: dict[int, object] = {}
+
+
+def _placeholder(device):
+    """A tiny buffer bound where an optional input (mask, slopes, kv_len) is absent."""
+    if id(device) not in _placeholders:
+        _placeholders[id(device)] = device.buffer(4, "uint32", name="attention placeholder")
+    return _placeholders[id(device)]
+
+
+@dataclass
+class _Flags:
+    """The options forward, backward and decode share, checked once."""
+
+    mask: Operand | None
+    slopes: Operand | None
+    window: int
+    softcap: float
+    causal: bool
+    q_offset: int
+
+    def spec(self) -> list[int]:
+        return [int(self.causal), int(self.mask is not None), int(self.slopes is not None), int(self.softcap > 0)]
+
+    def bindings(self, device):
+        return [(self.mask or Operand(_placeholder(device))).buffer,
+                (self.slopes or Operand(_placeholder(device))).buffer]
+
+
+def _check_flags(*, batch, heads, kv_heads, q_len, kv_len, mask_len, head_dim, causal, key_padding_mask,
+                 window, softcap, alibi_slopes, q_offset) -> _Flags:
+    for name, value in (("batch", batch), ("heads", heads), ("kv_heads", kv_heads), ("q_len", q_len),
+                        ("head_dim", head_dim)):
+        if int(value) < 1:
+            raise ValueError(f"attention: {name} must be >= 1, got {value}")
+    if heads % kv_heads:
+        raise ValueError(f"attention: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if window < 0 or softcap < 0:
+        raise ValueError("attention: window and softcap must be >= 0 (0 disables them)")
+    if q_offset is None:
+        q_offset = DEFAULT_Q_OFFSET
+        if kv_len is not None and q_len > kv_len and causal:
+            raise ValueError(f"attention: causal with q_len {q_len} > kv_len {kv_len} needs an explicit q_offset")
+    elif q_offset < 0:
+        raise ValueError(f"attention: q_offset must be >= 0, got {q_offset}")
+    mask = operand(key_padding_mask) if key_padding_mask is not None else None
+    if mask is not None:
+        if mask.dtype.name not in MASK_DTYPES:
+            raise TypeError(f"attention: key_padding_mask must be uint8 or bool, not {mask.dtype.name}")
+        require_elements(mask, batch * mask_len, "attention key_padding_mask")
+    slopes = operand(alibi_slopes) if alibi_slopes is not None else None
+    if slopes is not None:
+        if slopes.dtype.name != "float32":
+            raise TypeError(f"attention: alibi_slopes must be float32, not {slopes.dtype.name}")
+        require_elements(slopes, heads, "attention alibi_slopes")
+    return _Flags(mask, slopes, int(window), float(softcap), bool(causal), int(q_offset))
+
+
+def _variant(*operands: Operand) -> str:
+    names = {x.dtype.name for x in operands}
+    if len(names) != 1 or next(iter(names)) not in FLOAT_VARIANTS:
+        raise TypeError(f"attention: q, k, v, out (and gradients) must share one dtype of "
+                        f"{', '.join(FLOAT_VARIANTS)}; got {sorted(names)}")
+    return FLOAT_VARIANTS[names.pop()]
+
+
+def _check_float32(x: Operand, count: int, what: str) -> None:
+    if x.dtype.name != "float32":
+        raise TypeError(f"attention: {what} must be float32, not {x.dtype.name}")
+    require_elements(x, count, f"attention {what}")
+
+
+def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles, *, batch, heads, kv_heads, q_len,
+                    kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1):
+    device = seq.device
+    variant = _variant(q, k, v, out)
+    kernel = device.kernel("attention_fwd", variant)
+    final_lse = lse
+    if splits > 1:  # flash-decoding: slices write partials to a workspace, then one merge
+        lse = Operand(device.buffer(batch * heads * splits * (head_dim + 2), "float32", name="attention partials"))
+    kv_len_source = kv_len_buffer or Operand(_placeholder(device))
+    buffers = [q.buffer, k.buffer, v.buffer, *flags.bindings(device), kv_len_source.buffer, out.buffer, lse.buffer]
+    push = [q.offset, k.offset, v.offset, out.offset, lse.offset,
+            flags.mask.offset if flags.mask else 0, flags.slopes.offset if flags.slopes else 0, kv_len_source.offset,
+            heads, kv_heads, q_len, kv_len or 0, kv_stride, kv_stride, flags.q_offset, flags.window,
+            float(scale), float(flags.softcap)]
+    spec = [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(kv_len_buffer is not None),
+            tiles.threads, splits]
+    seq.dispatch(kernel, buffers, (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch),
+                 push=push, spec=spec)
+    if splits > 1:
+        seq.dispatch(device.kernel("attention_decode_combine", variant), [lse.buffer, out.buffer, final_lse.buffer],
+                     (1, heads, batch), push=[heads, splits, head_dim, out.offset, final_lse.offset])
+
+
+def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
+                      head_dim: int, scale: float, causal: bool = True, key_padding_mask: Operand | None = None,
+                      window: int = 0, softcap: float = 0.0, alibi_slopes: Operand | None = None,
+                      q_offset: int | None = None, tiles: Tiles | None = None) -> None:
+    """Record ``out = softmax(scores) @ v`` and ``lse`` (float32 [batch, heads, q_len]) into ``seq``."""
+    q, k, v, out, lse = map(operand, (q, k, v, out, lse))
+    flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
+                         head_dim=head_dim, causal=causal, key_padding_mask=key_padding_mask, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, q_offset=q_offset)
+    if kv_len < 1:
+        raise ValueError(f"attention: kv_len must be >= 1, got {kv_len}")
+    for x, rows, what in ((q, heads * q_len, "q"), (out, heads * q_len, "out"),
+                          (k, kv_heads * kv_len, "k"), (v, kv_heads * kv_len, "v")):
+        require_elements(x, batch * rows * head_dim, f"attention {what}")
+    _check_float32(lse, batch * heads * q_len, "lse")
+    tiles = tiles or pick_tiles(seq.device, head_dim, FORWARD_TILES, forward_shared_bytes)
+    _record_forward(seq, q, k, v, out, lse, flags, tiles, batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len,
+                    kv_len=kv_len, kv_stride=kv_len, head_dim=head_dim, scale=scale, kv_len_buffer=None)
+
+
+def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, kv_heads: int, kv_len: int | None,
+                     max_len: int, head_dim: int, scale: float, kv_len_buffer: Operand | None = None,
+                     key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
+                     alibi_slopes: Operand | None = None, lse: Operand | None = None,
+                     splits: int | None = None, tiles: Tiles | None = None) -> None:
+    """One new query per sequence (q, out: [batch, heads, 1, head_dim]) against the first
+    ``kv_len`` entries of a cache of capacity ``max_len`` ([batch, kv_heads, max_len, head_dim]).
+
+    With ``kv_len_buffer`` (a uint32 element, e.g. of a host-visible buffer uploaded in the
+    sequence), the kernel reads kv_len there at every replay, so one recorded decode step
+    serves every position; ``kv_len`` is then ignored. The query sits at position
+    kv_len - 1 (its own key must already be in the cache). ``key_padding_mask`` is
+    [batch, max_len]. ``lse`` (float32 [batch, heads]) is optional.
+
+    ``splits`` > 1 divides the cache among that many workgroups per head (flash-decoding)
+    and merges their partial softmaxes in a second dispatch; default: one split per 256
+    cache entries of capacity, at most 32 (a short cache gets a single pass).
+    """
+    q, k_cache, v_cache, out = map(operand, (q, k_cache, v_cache, out))
+    if kv_len_buffer is None:
+        if kv_len is None or not 1 <= kv_len <= max_len:
+            raise ValueError(f"attention_decode: kv_len must be in 1..max_len ({max_len}), got {kv_len}")
+    else:
+        kv_len_buffer = operand(kv_len_buffer)
+        if kv_len_buffer.dtype.name not in ("uint32", "int32"):
+            raise TypeError(f"attention_decode: kv_len_buffer must be uint32, not {kv_len_buffer.dtype.name}")
+        require_elements(kv_len_buffer, 1, "attention_decode kv_len_buffer")
+        kv_len = None
+    flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=1, kv_len=kv_len, mask_len=max_len,
+                         head_dim=head_dim, causal=True, key_padding_mask=key_padding_mask, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, q_offset=None)
+    for x, rows, what in ((q, heads, "q"), (out, heads, "out"),
+                          (k_cache, kv_heads * max_len, "k_cache"), (v_cache, kv_heads * max_len, "v_cache")):
+        require_elements(x, batch * rows * head_dim, f"attention_decode {what}")
+    if lse is None:
+        lse = Operand(seq.device.buffer(batch * heads, "float32", name="attention_decode lse"))
+    lse = operand(lse)
+    _check_float32(lse, batch * heads, "lse")
+    tiles = tiles or pick_tiles(seq.device, head_dim, DECODE_TILES, forward_shared_bytes)
+    splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
+    if splits < 1:
+        raise ValueError(f"attention_decode: splits must be >= 1, got {splits}")
+    _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, batch=batch, heads=heads, kv_heads=kv_heads,
+                    q_len=1, kv_len=kv_len, kv_stride=max_len, head_dim=head_dim, scale=scale,
+                    kv_len_buffer=kv_len_buffer, splits=splits)
+
+
+def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: int, heads: int, kv_heads: int,
+                       q_len: int, kv_len: int, head_dim: int, scale: float, causal: bool = True,
+                       key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
+                       alibi_slopes: Operand | None = None, q_offset: int | None = None,
+                       tiles: Tiles | None = None) -> None:
+    """Record the gradients d_q, d_k, d_v of :func:`attention_forward` (same flags) into ``seq``.
+
+    Three dispatches, all deterministic: delta = rowsum(d_out * out); dK/dV per key block
+    (summed over the query heads of a GQA group inside one workgroup); dQ per query block.
+    """
+    q, k, v, out, d_out, lse, d_q, d_k, d_v = map(operand, (q, k, v, out, d_out, lse, d_q, d_k, d_v))
+    flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
+                         head_dim=head_dim, causal=causal, key_padding_mask=key_padding_mask, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, q_offset=q_offset)
+    variant = _variant(q, k, v, out, d_out, d_q, d_k, d_v)
+    q_rows, kv_rows = batch * heads * q_len, batch * kv_heads * kv_len
+    for x, rows, what in ((q, q_rows, "q"), (out, q_rows, "out"), (d_out, q_rows, "d_out"), (d_q, q_rows, "d_q"),
+                          (k, kv_rows, "k"), (v, kv_rows, "v"), (d_k, kv_rows, "d_k"), (d_v, kv_rows, "d_v")):
+        require_elements(x, rows * head_dim, f"attention {what}")
+    _check_float32(lse, q_rows, "lse")
+    device = seq.device
+    tiles = tiles or pick_tiles(device, head_dim, BACKWARD_TILES, backward_shared_bytes)
+
+    delta = device.buffer(q_rows, "float32", name="attention delta")
+    seq.dispatch(device.kernel("attention_bwd_prep", variant), [out.buffer, d_out.buffer, delta],
+                 grid(q_rows, 128, device.limits["max_compute_work_group_count_x"]),
+                 push=[q_rows, head_dim, out.offset, d_out.offset])
+
+    kernel = device.kernel("attention_bwd", variant)
+    inputs = [q.buffer, k.buffer, v.buffer, d_out.buffer, lse.buffer, delta, *flags.bindings(device)]
+
+    def push(grad1: Operand, grad2: Operand):
+        return [q.offset, k.offset, v.offset, d_out.offset, lse.offset,
+                flags.mask.offset if flags.mask else 0, flags.slopes.offset if flags.slopes else 0,
+                grad1.offset, grad2.offset, heads, kv_heads, q_len, kv_len, kv_len, flags.q_offset, flags.window,
+                float(scale), float(flags.softcap)]
+
+    def spec(compute_dq: bool):
+        return [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(compute_dq), tiles.threads]
+
+    seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
+                 push=push(d_k, d_v), spec=spec(False))
+    seq.dispatch(kernel, [*inputs, d_q.buffer, d_q.buffer], (-(-q_len // tiles.rows), heads, batch),
+                 push=push(d_q, d_q), spec=spec(True))

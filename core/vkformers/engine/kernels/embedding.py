@@ -1,0 +1,46 @@
+"""Token embedding: out[n, :] = table[ids[n], :], and its scatter-add gradient.
+
+Ids outside [0, vocab) read nothing: the forward writes a zero row for them and the
+backward skips them (no flag is raised; validate ids on the host if that matters).
+The backward adds into a float32 ``d_table`` with float atomics (shaderBufferFloat32AtomicAdd),
+so it accumulates (zero it first with ``seq.fill``) and rows sharing an id are summed in
+an unspecified order: not bit-reproducible from run to run.
+"""
+from __future__ import annotations
+
+from vkformers.engine.kernels.transformer_args import (
+    checked, element_groups, element_variant, fits_uint32, operand, positive)
+
+
+def _sizes(table, dim: int, count: int, vocab: int | None):
+    positive(count=count, dim=dim)
+    table = operand(table)
+    vocab = table.available // dim if vocab is None else vocab
+    positive(vocab=vocab)
+    fits_uint32("embedding", max(count, vocab) * dim)
+    return vocab
+
+
+def embedding(seq, table, ids, out, *, count: int, dim: int, vocab: int | None = None):
+    """out [count, dim] = table [vocab, dim] rows picked by ids int32 [count] (vocab defaults to what table holds)."""
+    vocab = _sizes(table, dim, count, vocab)
+    table = checked(table, ("float32", "float16", "bfloat16"), vocab * dim, "embedding table")
+    ids = checked(ids, "int32", count, "embedding ids")
+    out = checked(out, table.dtype.name, count * dim, "embedding out")
+    kernel = seq.device.kernel("embedding", element_variant(table, "embedding table"))
+    seq.dispatch(kernel, [ids.buffer, table.buffer, out.buffer], element_groups(seq, count * dim),
+                 push=[count, dim, vocab, ids.offset, table.offset, out.offset])
+
+
+def embedding_backward(seq, d_out, ids, d_table, *, count: int, dim: int, vocab: int | None = None):
+    """d_table [vocab, dim] (float32) += d_out [count, dim] scattered by ids; accumulates."""
+    if not seq.device.features.get("shaderBufferFloat32AtomicAdd"):
+        raise RuntimeError("embedding_backward needs float atomics (shaderBufferFloat32AtomicAdd), "
+                           f"which {seq.device.name} does not enable")
+    vocab = _sizes(d_table, dim, count, vocab)
+    d_table = checked(d_table, "float32", vocab * dim, "embedding d_table")
+    ids = checked(ids, "int32", count, "embedding ids")
+    d_out = checked(d_out, ("float32", "float16", "bfloat16"), count * dim, "embedding d_out")
+    kernel = seq.device.kernel("embedding", "backward_" + element_variant(d_out, "embedding d_out"))
+    seq.dispatch(kernel, [ids.buffer, d_table.buffer, d_out.buffer], element_groups(seq, count * dim),
+                 push=[count, dim, vocab, ids.offset, d_table.offset, d_out.offset])

@@ -1,0 +1,363 @@
+"""The lazy graph and its realization: schedule, plan memory, record once, replay.
+
+Tensor operations build a graph of :class:`Node`s (one kernel op each) whose
+outputs are :class:`LazyBuffer`s. Nothing runs until something needs data
+(``.numpy()``, ``.item()``, :func:`realize`). Then every pending node is
+scheduled into one recorded :class:`~vkformers.runtime.vulkan.Sequence`.
+
+The recorded plan is cached by the graph's *signature* (ops, attributes, shapes,
+dtypes, which persistent buffers it reads and writes). A training loop builds
+the same graph each step, so from the second step on realization is: copy the
+new inputs into the plan's input buffers, one submit, read the results.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from vkformers.engine.kernels import Operand
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import Buffer, Device, get_device
+
+
+# ---------------------------------------------------------------- views
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class View:
+    """Where a tensor's elements lie in its base storage: shape, strides (elements) and offset."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    @staticmethod
+    def dense(shape) -> "View":
+        shape = tuple(int(s) for s in shape)
+        return View(shape, contiguous_strides(shape), 0)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_contiguous(self) -> bool:
+        return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
+
+    def reshape(self, shape) -> "View | None":
+        """The same elements under a new shape, or None when that needs a copy."""
+        if self.is_contiguous:
+            return View(tuple(shape), contiguous_strides(tuple(shape)), self.offset)
+        return None
+
+    def permute(self, order) -> "View":
+        return View(tuple(self.shape[i] for i in order), tuple(self.strides[i] for i in order), self.offset)
+
+    def slice(self, dim: int, start: int, stop: int, step: int = 1) -> "View":
+        shape, strides = list(self.shape), list(self.strides)
+        shape[dim] = max(0, -(-(stop - start) // step))
+        strides[dim] = self.strides[dim] * step
+        return View(tuple(shape), tuple(strides), self.offset + start * self.strides[dim])
+
+    def expand(self, shape) -> "View":
+        """Broadcast to ``shape`` (numpy rules): new leading dims and size-1 dims get stride 0."""
+        shape = tuple(shape)
+        pad = len(shape) - len(self.shape)
+        old_shape, old_strides = (1,) * pad + self.shape, (0,) * pad + self.strides
+        strides = tuple(0 if o == 1 and n != 1 else s for o, s, n in zip(old_shape, old_strides, shape))
+        return View(shape, strides, self.offset)
+
+
+# ---------------------------------------------------------------- graph
+
+class LazyBuffer:
+    """One tensor's data: produced by a node (lazy) or held in a device buffer (realized)."""
+
+    __slots__ = ("shape", "dtype", "device", "node", "index", "base", "view", "buffer", "host", "persistent",
+                 "refs", "replaces", "consumers", "__weakref__")
+
+    def __init__(self, shape, dtype, device: Device, *, node=None, index=0, base=None, view=None,
+                 buffer: Buffer | None = None, host: np.ndarray | None = None, persistent=False):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dt.as_dtype(dtype)
+        self.device = device
+        self.node = node            # producer, None once realized or for leaves
+        self.index = index          # which output of the producer
+        self.base = base if base is not None else self   # owner of the storage (views point to it)
+        self.view = view if view is not None else View.dense(self.shape)
+        self.buffer = buffer        # device storage, on bases only
+        self.host = host            # data waiting to be uploaded (input leaves)
+        self.persistent = persistent  # parameters and optimizer state keep their own buffer
+        self.refs = 0               # live Tensor objects holding this buffer
+        self.replaces = None        # for assignments: the previous version of the same storage
+        self.consumers = weakref.WeakSet()  # nodes reading this storage that may still run
+
+    @property
+    def realized(self) -> bool:
+        base = self.base
+        return base.node is None and (base.buffer is not None or base.host is not None)
+
+    def operand(self) -> Operand:
+        return Operand(self.base.buffer, self.view.offset)
+
+    def make_view(self, view: View) -> "LazyBuffer":
+        return LazyBuffer(view.shape, self.dtype, self.device, base=self.base, view=view)
+
+    def __repr__(self) -> str:
+        state = "realized" if self.realized else f"lazy {self.base.node.op.name if self.base.node else '?'}"
+        return f"<LazyBuffer {self.shape} {self.dtype.name} {state}>"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """An op's view of one input or output at emit time."""
+
+    operand: Operand
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: dt.DType
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Node:
+    """One op applied to inputs, producing ``len(outputs)`` lazy buffers."""
+
+    __slots__ = ("op", "inputs", "outputs", "after", "__weakref__")
+
+    def __init__(self, op, inputs: tuple[LazyBuffer, ...]):
+        self.op = op
+        self.inputs = inputs
+        self.outputs: list[LazyBuffer] = []
+        self.after: list[Node] = []  # extra ordering (an assignment waits for the readers of the old value)
+
+
+_pending_assignments: list[LazyBuffer] = []
+
+
+def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, into: LazyBuffer | None = None):
+    """Add a node to the graph; returns its output lazy buffers. ``into``: write into that persistent storage."""
+    node = Node(op, tuple(inputs))
+    for x in node.inputs:
+        x.base.consumers.add(node)
+    for index, (shape, dtype) in enumerate(out_specs):
+        out = LazyBuffer(shape, dtype, device, node=node, index=index)
+        if into is not None:
+            out.buffer, out.persistent, out.replaces = into.base.buffer, True, into
+            _pending_assignments.append(out)
+        node.outputs.append(out)
+    return node.outputs
+
+
+# ---------------------------------------------------------------- realization
+
+class Plan:
+    """A recorded sequence with the buffers it binds, reusable for graphs of the same signature."""
+
+    def __init__(self, seq, node_buffers, input_buffers, output_slots):
+        self.seq = seq
+        self.node_buffers = node_buffers    # per scheduled node: its output buffers (None for views)
+        self.input_buffers = input_buffers  # host-visible buffers of input leaves, in leaf order
+        self.output_slots = output_slots    # (node index, output index) whose buffers user tensors keep
+        self.bound: list = []               # weakrefs to lazy buffers bound by the last replay
+        self.replays = 0
+
+
+MAX_PLANS = 64
+_plans: dict[tuple, Plan] = {}
+stats = {"recorded": 0, "replayed": 0}
+
+
+def _schedule(targets: list[LazyBuffer]) -> list[Node]:
+    """Unrealized nodes the targets need, dependencies first (assignments after their old value's readers)."""
+    nodes: list[Node] = []
+    seen: set[int] = set()
+    readers: dict[int, list[Node]] = {}
+
+    def collect(lb: LazyBuffer):
+        node = lb.base.node
+        if node is None or id(node) in seen:
+            return
+        seen.add(id(node))
+        for x in node.inputs:
+            readers.setdefault(id(x.base), []).append(node)
+            collect(x)
+        nodes.append(node)
+
+    for t in targets:
+        collect(t)
+    for node in nodes:  # an assignment overwrites storage: every reader of the old value goes first
+        for out in node.outputs:
+            if out.replaces is not None:
+                node.after = [r for r in readers.get(id(out.replaces.base), []) if r is not node]
+
+    order, placed, visiting = [], set(), set()
+
+    def place(node: Node):
+        if id(node) in placed:
+            return
+        if id(node) in visiting:
+            raise RuntimeError("cycle in the tensor graph (an assignment reads its own result?)")
+        visiting.add(id(node))
+        for x in node.inputs:
+            if x.base.node is not None and id(x.base.node) in seen:
+                place(x.base.node)
+        for other in node.after:
+            place(other)
+        placed.add(id(node))
+        order.append(node)
+
+    for node in nodes:
+        place(node)
+    return order
+
+
+def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> tuple:
+    index_of = {id(n): i for i, n in enumerate(order)}
+    leaf_index = {id(lb): i for i, lb in enumerate(leaves)}
+    parts = []
+    for n in order:
+        ins = []
+        for x in n.inputs:
+            base = x.base
+            if base.node is not None and id(base.node) in index_of:
+                src = ("n", index_of[id(base.node)], base.index)
+            elif base.host is not None:
+                src = ("in", leaf_index[id(base)], base.shape, base.dtype.name)
+            else:
+                src = ("buf", base.buffer.serial)
+            ins.append((src, x.view, x.dtype.name))
+        outs = tuple((o.shape, o.dtype.name, o.buffer.serial if o.persistent else None, id(o) in keep)
+                     for o in n.outputs)
+        parts.append((n.op.key(), tuple(ins), outs))
+    return tuple(parts)
+
+
+def realize(targets: Iterable[LazyBuffer]) -> None:
+    """Compute ``targets`` and every pending assignment, in one submit."""
+    targets = [t for t in targets if not t.realized]
+    pending = [a for a in _pending_assignments if not a.realized]
+    _pending_assignments.clear()
+    if not targets and not pending:
+        return
+    order = _schedule(targets + pending)
+    if not order:
+        return
+    device = order[0].outputs[0].device if order[0].outputs else get_device()
+
+    leaves: list[LazyBuffer] = []
+    seen_leaves: set[int] = set()
+    for n in order:
+        for x in n.inputs:
+            if x.base.host is not None and id(x.base) not in seen_leaves:
+                seen_leaves.add(id(x.base))
+                leaves.append(x.base)
+    # Outputs someone can still read get their own buffers; the rest may share by liveness.
+    scheduled = {id(n) for n in order}
+    keep = {id(o) for n in order for o in n.outputs
+            if o.refs > 0 or o.persistent or any(id(c) not in scheduled for c in o.consumers)}
+    keep |= {id(t.base) for t in targets}
+    key = _signature(order, leaves, keep)
+    plan = _plans.pop(key, None)
+    if plan is None:
+        plan = _record(device, order, leaves, keep)
+        stats["recorded"] += 1
+        if len(_plans) >= MAX_PLANS:  # forget the least recently used plan (and its buffers)
+            _plans.pop(next(iter(_plans)))
+    else:
+        _detach_previous_outputs(device, plan)
+        stats["replayed"] += 1
+    _plans[key] = plan  # most recently used last
+
+    for leaf, buf in zip(leaves, plan.input_buffers):
+        buf.host[...] = leaf.host.reshape(buf.shape)
+    plan.seq.replay()
+    plan.replays += 1
+
+    # Bind results, then cut the graph so its memory can go.
+    for leaf, buf in zip(leaves, plan.input_buffers):
+        leaf.host, leaf.buffer = None, buf
+    plan.bound = [weakref.ref(leaf) for leaf in leaves]
+    for n, buffers in zip(order, plan.node_buffers):
+        for out, buf in zip(n.outputs, buffers):
+            if buf is not None and id(out) in keep:
+                out.buffer = buf
+                if not out.persistent:
+                    plan.bound.append(weakref.ref(out))
+            out.node, out.replaces = None, None
+        n.inputs, n.after = (), []
+
+
+def _detach_previous_outputs(device: Device, plan: Plan) -> None:
+    """Tensors from this plan's last replay that are still alive get a copy before it runs again."""
+    stale = [lb for lb in (r() for r in plan.bound) if lb is not None and lb.refs > 0]
+    if not stale:
+        return
+    seq = device.sequence()
+    for lb in stale:
+        fresh = Buffer(device, lb.buffer.shape, lb.buffer.dtype, name=lb.buffer.name)
+        seq.copy(lb.buffer, fresh)
+        lb.buffer = fresh
+    seq.replay()
+
+
+def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> Plan:
+    seq = device.sequence()
+    input_buffers = []
+    for leaf in leaves:
+        buf = Buffer(device, leaf.shape, leaf.dtype, host_visible=True, name="input")
+        seq.upload(buf)
+        input_buffers.append(buf)
+    leaf_buffer = {id(leaf): buf for leaf, buf in zip(leaves, input_buffers)}
+
+    # Last use of every node output by position in the schedule (views count as uses of their base).
+    last_use: dict[int, int] = {}
+    for i, n in enumerate(order):
+        for x in n.inputs:
+            last_use[id(x.base)] = i
+    free: dict[tuple, list[Buffer]] = {}
+    storage: dict[int, Buffer] = {}
+    node_buffers = []
+    for i, n in enumerate(order):
+        outs = []
+        for out in n.outputs:
+            if out.buffer is not None:   # assignment into persistent storage
+                buf = out.buffer
+            else:
+                pool = free.get((out.dtype.name, math.prod(out.shape)))
+                buf = pool.pop() if pool and id(out) not in keep else Buffer(
+                    device, out.shape, out.dtype, name=n.op.name)
+            storage[id(out)] = buf
+            outs.append(buf)
+        node_buffers.append(outs)
+
+        def arg(lb: LazyBuffer) -> Arg:
+            base = lb.base
+            buf = storage.get(id(base)) or leaf_buffer.get(id(base)) or base.buffer
+            return Arg(Operand(buf, lb.view.offset), lb.view.shape, lb.view.strides, lb.dtype)
+
+        n.op.emit(seq, [arg(o) for o in n.outputs], [arg(x) for x in n.inputs])
+        # Buffers whose last reader was this node go back to the pool.
+        for x in {id(x.base): x.base for x in n.inputs}.values():
+            if last_use.get(id(x)) == i and id(x) in storage and id(x) not in keep:
+                free.setdefault((x.dtype.name, math.prod(x.shape)), []).append(storage[id(x)])
+    seq.record()
+    output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]
+    return Plan(seq, node_buffers, input_buffers, output_slots)
+
+
+def clear_plan_cache() -> None:
+    _plans.clear()

@@ -1,0 +1,268 @@
+"""Elementwise ops with numpy broadcasting: unary, scalar, binary, compare, where, casts and copies.
+
+One kernel (shaders/common/elementwise.comp) runs them all; the op is a
+specialization constant. Inputs are read through their strides, so broadcast and
+transposed operands cost no copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.kernels import elementwise as K
+from vkformers.engine.lazy import LazyBuffer, View
+from vkformers.runtime import dtypes as dt
+
+
+# ---------------------------------------------------------------- kernel ops
+
+class Unary(KernelOp):
+    name = "unary"
+    contiguous_inputs = False
+
+    def emit(self, seq, outs, ins):
+        (y,), (x,) = outs, ins
+        K.unary(seq, self.op, x.operand, x.strides, y.operand, y.shape, scalars=self.scalars)
+
+
+class Binary(KernelOp):
+    name = "binary"
+    contiguous_inputs = False
+
+    def emit(self, seq, outs, ins):
+        (y,), (a, b) = outs, ins
+        K.binary(seq, self.op, a.operand, a.strides, b.operand, b.strides, y.operand, y.shape)
+
+
+class Where(KernelOp):
+    name = "where"
+    contiguous_inputs = False
+
+    def emit(self, seq, outs, ins):
+        (y,), (m, a, b) = outs, ins
+        K.where(seq, m.operand, m.strides, a.operand, a.strides, b.operand, b.strides, y.operand, y.shape)
+
+
+class CopyStrided(KernelOp):
+    """out (contiguous, any dtype) = x (any strides and dtype): layout changes and casts."""
+
+    name = "copy"
+    contiguous_inputs = False
+
+    def emit(self, seq, outs, ins):
+        (y,), (x,) = outs, ins
+        K.copy_strided(seq, x.operand, x.strides, y.operand, y.shape)
+
+
+def broadcast_shape(*shapes) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ValueError(f"shapes {' and '.join(map(str, shapes))} do not broadcast") from None
+
+
+def _expand(x: LazyBuffer, shape) -> LazyBuffer:
+    return x if x.shape == tuple(shape) else x.make_view(x.view.expand(shape))
+
+
+def assign(target: LazyBuffer, value: LazyBuffer) -> LazyBuffer:
+    """A node writing ``value`` into ``target``'s persistent storage; returns the new version of target."""
+    if not target.base.persistent or target.view != View.dense(target.shape):
+        raise ValueError("assign() writes whole device tensors created with vkformers.parameter()")
+    return node(CopyStrided(), [value], [(target.shape, target.dtype)], into=target)[0]
+
+
+# ---------------------------------------------------------------- differentiable functions
+
+def _float_result(*dtypes) -> dt.DType:
+    """Result dtype of mixing: float32 wins over 16-bit floats, which win over ints (as torch promotes)."""
+    for candidate in (dt.float32, dt.bfloat16, dt.float16, dt.int32):
+        if candidate in dtypes:
+            return candidate
+    return dtypes[0]
+
+
+class UnaryFn(Function):
+    def forward(self, x, op, scalars=()):
+        self.op, self.scalars = op, scalars
+        y = node(Unary(op=op, scalars=tuple(scalars)), [x], [(x.shape, x.dtype)])[0]
+        self.saved = (x, y)
+        return y
+
+    def backward(self, g):
+        from vkformers.engine.tensor import Tensor
+        x, y = (Tensor._from_lazy(v) for v in self.saved)
+        return UNARY_GRADIENTS[self.op](x, y, g, *self.scalars)
+
+
+def _backward_kernel(op, first, g):
+    """One of the kernel's fused activation gradients: op(first, dy)."""
+    from vkformers.engine.tensor import Tensor
+    out = node(Binary(op=op), [first.lazy, g.lazy], [(g.shape, g.dtype)])[0]
+    return Tensor._from_lazy(out)
+
+
+UNARY_GRADIENTS = {
+    "neg": lambda x, y, g: -g,
+    "exp": lambda x, y, g: g * y,
+    "log": lambda x, y, g: g / x,
+    "sqrt": lambda x, y, g: g * 0.5 / y,
+    "rsqrt": lambda x, y, g: g * (y * y * y) * -0.5,
+    "reciprocal": lambda x, y, g: -(g * y * y),
+    "square": lambda x, y, g: g * x * 2.0,
+    "abs": lambda x, y, g: where(x < 0.0, -g, g),
+    "sin": lambda x, y, g: g * x.cos(),
+    "cos": lambda x, y, g: -(g * x.sin()),
+    "tanh": lambda x, y, g: _backward_kernel("tanh_backward", y, g),
+    "sigmoid": lambda x, y, g: _backward_kernel("sigmoid_backward", y, g),
+    "relu": lambda x, y, g: _backward_kernel("relu_backward", x, g),
+    "relu2": lambda x, y, g: _backward_kernel("relu2_backward", x, g),
+    "gelu": lambda x, y, g: _backward_kernel("gelu_backward", x, g),
+    "gelu_tanh": lambda x, y, g: _backward_kernel("gelu_tanh_backward", x, g),
+    "silu": lambda x, y, g: _backward_kernel("silu_backward", x, g),
+    "quick_gelu": lambda x, y, g: _backward_kernel("quick_gelu_backward", x, g),
+    "add_scalar": lambda x, y, g, s: g,
+    "mul_scalar": lambda x, y, g, s: g * s,
+    "rsub_scalar": lambda x, y, g, s: -g,
+    "pow_scalar": lambda x, y, g, s: g * x.pow(s - 1.0) * s,
+    "clamp": lambda x, y, g, lo, hi: where((x >= lo) * (x <= hi), g, 0.0),
+}
+
+
+class BinaryFn(Function):
+    def forward(self, a, b, op):
+        self.op = op
+        shape = broadcast_shape(a.shape, b.shape)
+        dtype = _float_result(a.dtype, b.dtype)
+        if a.dtype is not dtype or b.dtype is not dtype:
+            raise TypeError(f"{op}: operands are {a.dtype.name} and {b.dtype.name}; cast one first")
+        y = node(Binary(op=op), [_expand(a, shape), _expand(b, shape)], [(shape, dtype)])[0]
+        self.saved = (a, b, y)
+        return y
+
+    def backward(self, g):
+        from vkformers.engine.ops.movement import sum_to_shape
+        from vkformers.engine.tensor import Tensor
+        a, b, y = (Tensor._from_lazy(v) for v in self.saved)
+        ga, gb = BINARY_GRADIENTS[self.op](a, b, y, g)
+        return (sum_to_shape(ga, a.shape) if ga is not None and self.needs_grad[0] else None,
+                sum_to_shape(gb, b.shape) if gb is not None and self.needs_grad[1] else None)
+
+
+BINARY_GRADIENTS = {
+    "add": lambda a, b, y, g: (g, g),
+    "sub": lambda a, b, y, g: (g, -g),
+    "mul": lambda a, b, y, g: (g * b, g * a),
+    "div": lambda a, b, y, g: (g / b, -(g * y) / b),
+    "pow": lambda a, b, y, g: (g * b * a.pow(b - 1.0), g * y * a.log()),
+    "maximum": lambda a, b, y, g: (where(a >= b, g, 0.0), where(a >= b, 0.0, g)),
+    "minimum": lambda a, b, y, g: (where(a <= b, g, 0.0), where(a <= b, 0.0, g)),
+}
+
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def compare(a, b, op):
+    """A boolean mask tensor (no gradient)."""
+    from vkformers.engine.tensor import Tensor
+    a, b = _pair(a, b)
+    shape = broadcast_shape(a.shape, b.shape)
+    out = node(Binary(op=op), [_expand(a.lazy, shape), _expand(b.lazy, shape)], [(shape, dt.bool_)])[0]
+    return Tensor._from_lazy(out)
+
+
+class WhereFn(Function):
+    def forward(self, mask, a, b):
+        shape = broadcast_shape(mask.shape, a.shape, b.shape)
+        self.mask, self.shapes = mask, (a.shape, b.shape)
+        return node(Where(), [_expand(mask, shape), _expand(a, shape), _expand(b, shape)],
+                    [(shape, _float_result(a.dtype, b.dtype))])[0]
+
+    def backward(self, g):
+        from vkformers.engine.ops.movement import sum_to_shape
+        from vkformers.engine.tensor import Tensor
+        mask = Tensor._from_lazy(self.mask)
+        return (None, sum_to_shape(where(mask, g, 0.0), self.shapes[0]),
+                sum_to_shape(where(mask, 0.0, g), self.shapes[1]))
+
+
+class Cast(Function):
+    def forward(self, x, dtype):
+        self.in_dtype = x.dtype
+        return node(CopyStrided(), [x], [(x.shape, dtype)])[0]
+
+    def backward(self, g):
+        return g.cast(self.in_dtype)
+
+
+class Contiguous(Function):
+    def forward(self, x):
+        return node(CopyStrided(), [x], [(x.shape, x.dtype)])[0]
+
+    def backward(self, g):
+        return g
+
+
+def scatter_into_zeros(g, shape, spec):
+    """A tensor of ``shape``, zero except the region ``spec`` (per-dim start, stop, step) holding ``g``."""
+    from vkformers.engine.tensor import Tensor, zeros
+    # Build it with `where` over an index mask: exact and uses only existing kernels.
+    out_shape = tuple(shape)
+    region = np.zeros(out_shape, dtype=bool)
+    region[tuple(slice(a, b, s) for a, b, s in spec)] = True
+    index = np.full(out_shape, 0, dtype=np.int32)
+    index[region] = np.arange(int(region.sum()), dtype=np.int32)
+    from vkformers.engine.ops.nn import gather_flat
+    gathered = gather_flat(g.contiguous().reshape(-1), Tensor(index, device=g.device))
+    return where(Tensor(region, device=g.device), gathered, zeros(out_shape, g.dtype, g.device))
+
+
+# ---------------------------------------------------------------- tensor-facing helpers
+
+def _scalar_ok(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _pair(a, b):
+    from vkformers.engine.tensor import Tensor
+    if not isinstance(a, Tensor):
+        a = Tensor(np.asarray(a, dtype=np.float32 if b.dtype is not dt.int32 else np.int32), dtype=b.dtype,
+                   device=b.device)
+    if not isinstance(b, Tensor):
+        b = Tensor(np.asarray(b, dtype=np.float32 if a.dtype is not dt.int32 else np.int32), dtype=a.dtype,
+                   device=a.device)
+    return a, b
+
+
+def unary(x, op, *scalars):
+    return UnaryFn.apply(x, op=op, scalars=tuple(float(s) for s in scalars))
+
+
+def binary(a, b, op):
+    from vkformers.engine.tensor import Tensor
+    if isinstance(b, Tensor) or not _scalar_ok(b) or a.dtype is dt.int32:
+        a, b = _pair(a, b)
+        if a.dtype is not b.dtype:
+            target = _float_result(a.dtype, b.dtype)
+            a, b = a.cast(target), b.cast(target)
+        return BinaryFn.apply(a, b, op=op)
+    scalar_ops = {"add": ("add_scalar", b), "sub": ("add_scalar", -b), "mul": ("mul_scalar", b),
+                  "div": ("mul_scalar", 1.0 / b), "pow": ("pow_scalar", b)}
+    if op in scalar_ops:
+        name, value = scalar_ops[op]
+        return unary(a, name, value)
+    return binary(a, Tensor(np.float32(b), dtype=a.dtype, device=a.device), op)
+
+
+def where(mask, a, b):
+    """Elementwise ``a if mask else b``; a and b may be tensors or Python numbers."""
+    from vkformers.engine.tensor import Tensor
+    ref = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else \
+        Tensor(np.float32(0), device=mask.device)
+    a, b = _pair(a, ref)[0], _pair(b, ref)[0]
+    if a.dtype is not b.dtype:
+        target = _float_result(a.dtype, b.dtype)
+        a, b = a.cast(target), b.cast(target)
+    if not isinstance(mask, Tensor):
+        mask = Tensor(np.asarray(mask, dtype=bool), device=a.device)
+    return WhereFn.apply(mask, a, b)

@@ -1,0 +1,80 @@
+"""Batched matrix multiplication with numpy broadcasting over batch dims; transposed operands need no copy."""
+from __future__ import annotations
+
+import math
+
+from vkformers.engine.function import Function, KernelOp, contiguous, node
+from vkformers.engine.kernels import matmul as KM
+from vkformers.engine.lazy import View
+
+
+class Matmul(KernelOp):
+    name = "matmul"
+    contiguous_inputs = False  # forward() settled the layouts; emit reads the transposes from the strides
+
+    def emit(self, seq, outs, ins):
+        (c,), (a, b) = outs, ins
+        KM.matmul(seq, a.operand, b.operand, c.operand, m=self.m, n=self.n, k=self.k, batch=self.batch,
+                  trans_a=self.trans_a, trans_b=self.trans_b, stride_a=self.stride_a, stride_b=self.stride_b,
+                  stride_c=self.m * self.n)
+
+
+def _matrix_layout(x, batch_shape):
+    """(x viewed for the kernel, transposed?, batch stride) for x [..., r, c]; copies only when it must."""
+    v = x.view
+    r, c = x.shape[-2:]
+    sr, sc = v.strides[-2:]
+    if sc == 1 and (sr == c or r == 1):
+        trans = False
+    elif sr == 1 and (sc == r or c == 1):
+        trans = True
+    else:
+        x = contiguous(x)
+        return _matrix_layout(x, batch_shape)
+    lead = x.shape[:-2]
+    if not lead or math.prod(lead) == 1:
+        stride = 0 if math.prod(batch_shape) > 1 else r * c
+        return x, trans, stride
+    if lead == tuple(batch_shape):
+        strides = v.strides[:-2]
+        expected = r * c
+        dense = all(s == expected * math.prod(lead[i + 1:]) for i, s in enumerate(strides) if lead[i] != 1)
+        if dense:
+            return x, trans, r * c
+    x = contiguous(x.make_view(x.view.expand(tuple(batch_shape) + (r, c))))
+    return x, False, r * c
+
+
+class MatmulFn(Function):
+    def forward(self, a, b):
+        if a.dtype is not b.dtype:
+            raise TypeError(f"matmul: operands are {a.dtype.name} and {b.dtype.name}; cast one first")
+        self.shapes = (a.shape, b.shape)
+        m, k = a.shape[-2:]
+        k2, n = b.shape[-2:]
+        if k != k2:
+            raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align ({k} != {k2})")
+        from vkformers.engine.ops.elementwise import broadcast_shape
+        batch_shape = broadcast_shape(a.shape[:-2], b.shape[:-2])
+        a_k, trans_a, stride_a = _matrix_layout(a, batch_shape)
+        b_k, trans_b, stride_b = _matrix_layout(b, batch_shape)
+        self.saved = (a, b)
+        op = Matmul(m=m, n=n, k=k, batch=max(1, math.prod(batch_shape)), trans_a=trans_a, trans_b=trans_b,
+                    stride_a=stride_a, stride_b=stride_b)
+        return node(op, [a_k, b_k], [(tuple(batch_shape) + (m, n), a.dtype)])[0]
+
+    def backward(self, g):
+        from vkformers.engine.ops.movement import sum_to_shape
+        from vkformers.engine.tensor import Tensor
+        a, b = (Tensor._from_lazy(v) for v in self.saved)
+        ga = sum_to_shape(g @ b.transpose(-1, -2), a.shape) if self.needs_grad[0] else None
+        gb = sum_to_shape(a.transpose(-1, -2) @ g, b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+def matmul(a, b):
+    if a.ndim == 1:
+        return matmul(a.reshape(1, -1), b).reshape(b.shape[:-2] + b.shape[-1:])
+    if b.ndim == 1:
+        return matmul(a, b.reshape(-1, 1)).reshape(a.shape[:-1])
+    return MatmulFn.apply(a, b)

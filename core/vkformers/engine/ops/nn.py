@@ -1,0 +1,323 @@
+"""Transformer ops: embedding, RMSNorm, LayerNorm, rotary embeddings, cross-entropy, attention, dropout.
+
+Each pairs kernel ops (launchers in engine/kernels) with a Function whose
+backward uses the matching backward kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.kernels import attention as KA
+from vkformers.engine.kernels import cross_entropy as KC
+from vkformers.engine.kernels import embedding as KE
+from vkformers.engine.kernels import norm as KN
+from vkformers.engine.kernels import rope as KR
+from vkformers.runtime import dtypes as dt
+
+
+def _tensor(lazy):
+    from vkformers.engine.tensor import Tensor
+    return Tensor._from_lazy(lazy)
+
+
+def _rows_cols(shape):
+    return math.prod(shape[:-1]), shape[-1]
+
+
+# ---------------------------------------------------------------- embedding
+
+class EmbeddingKernel(KernelOp):
+    name = "embedding"
+
+    def emit(self, seq, outs, ins):
+        (out,), (table, ids) = outs, ins
+        KE.embedding(seq, table.operand, ids.operand, out.operand, count=ids.numel, dim=table.shape[-1],
+                     vocab=table.shape[0])
+
+
+class EmbeddingBackwardKernel(KernelOp):
+    name = "embedding_backward"
+
+    def emit(self, seq, outs, ins):
+        (d_table,), (d_out, ids) = outs, ins
+        seq.fill(d_table.operand.buffer, 0)  # the kernel adds into d_table
+        KE.embedding_backward(seq, d_out.operand, ids.operand, d_table.operand, count=ids.numel,
+                              dim=self.vocab_shape[1], vocab=self.vocab_shape[0])
+
+
+class EmbeddingFn(Function):
+    def forward(self, table, ids):
+        if ids.dtype is not dt.int32:
+            raise TypeError(f"embedding ids must be int32, not {ids.dtype.name}")
+        self.saved, self.table_shape, self.table_dtype = (ids,), table.shape, table.dtype
+        return node(EmbeddingKernel(), [table, ids], [(ids.shape + table.shape[1:], table.dtype)])[0]
+
+    def backward(self, g):
+        (ids,) = self.saved
+        d_table = node(EmbeddingBackwardKernel(vocab_shape=self.table_shape), [g.float().lazy, ids],
+                       [(self.table_shape, dt.float32)])[0]
+        return _tensor(d_table).cast(self.table_dtype), None
+
+
+def embedding(ids, table):
+    return EmbeddingFn.apply(table, ids)
+
+
+# ---------------------------------------------------------------- norms
+
+class RMSNormKernel(KernelOp):
+    name = "rms_norm"
+
+    def emit(self, seq, outs, ins):
+        (y, rstd), (x, *w) = outs, ins
+        rows, cols = _rows_cols(x.shape)
+        KN.rms_norm(seq, x.operand, w[0].operand if w else None, y.operand, rstd.operand, rows=rows, cols=cols,
+                    eps=self.eps, unit_offset=self.unit_offset)
+
+
+class RMSNormBackwardKernel(KernelOp):
+    name = "rms_norm_backward"
+
+    def emit(self, seq, outs, ins):
+        (dx, *dw), (dy, x, rstd, *w) = outs, ins
+        rows, cols = _rows_cols(x.shape)
+        KN.rms_norm_backward(seq, dy.operand, x.operand, w[0].operand if w else None, rstd.operand, dx.operand,
+                             dw[0].operand if dw else None, rows=rows, cols=cols, unit_offset=self.unit_offset)
+
+
+class RMSNormFn(Function):
+    def forward(self, x, weight, eps, unit_offset):
+        self.unit_offset = unit_offset
+        ins = [x] + ([weight] if weight is not None else [])
+        y, rstd = node(RMSNormKernel(eps=float(eps), unit_offset=unit_offset), ins,
+                       [(x.shape, x.dtype), (x.shape[:-1], dt.float32)])
+        self.saved = (x, rstd, weight)
+        return y
+
+    def backward(self, g):
+        x, rstd, weight = self.saved
+        ins = [g.lazy, x, rstd] + ([weight] if weight is not None else [])
+        outs = [(x.shape, x.dtype)] + ([(weight.shape, dt.float32)] if weight is not None else [])
+        grads = node(RMSNormBackwardKernel(unit_offset=self.unit_offset), ins, outs)
+        dx = _tensor(grads[0])
+        dw = _tensor(grads[1]).cast(weight.dtype) if weight is not None else None
+        return dx, dw
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, unit_offset: bool = False):
+    return RMSNormFn.apply(x, weight, eps=eps, unit_offset=unit_offset)
+
+
+class LayerNormKernel(KernelOp):
+    name = "layer_norm"
+
+    def emit(self, seq, outs, ins):
+        (y, mean, rstd), (x, *params) = outs, ins
+        w, b = _weight_bias(params, self.has_weight, self.has_bias)
+        rows, cols = _rows_cols(x.shape)
+        KN.layer_norm(seq, x.operand, w, b, y.operand, mean.operand, rstd.operand, rows=rows, cols=cols, eps=self.eps)
+
+
+class LayerNormBackwardKernel(KernelOp):
+    name = "layer_norm_backward"
+
+    def emit(self, seq, outs, ins):
+        (dx, *dparams), (dy, x, mean, rstd, *params) = outs, ins
+        w, _ = _weight_bias(params, self.has_weight, False)
+        dw, db = _weight_bias(dparams, self.has_weight, self.has_bias)
+        rows, cols = _rows_cols(x.shape)
+        KN.layer_norm_backward(seq, dy.operand, x.operand, w, mean.operand, rstd.operand, dx.operand, dw, db,
+                               rows=rows, cols=cols)
+
+
+def _weight_bias(args, has_weight, has_bias):
+    args = list(args)
+    w = args.pop(0).operand if has_weight else None
+    b = args.pop(0).operand if has_bias and args else None
+    return w, b
+
+
+class LayerNormFn(Function):
+    def forward(self, x, weight, bias, eps):
+        self.flags = dict(has_weight=weight is not None, has_bias=bias is not None)
+        params = [p for p in (weight, bias) if p is not None]
+        y, mean, rstd = node(LayerNormKernel(eps=float(eps), **self.flags), [x] + params,
+                             [(x.shape, x.dtype), (x.shape[:-1], dt.float32), (x.shape[:-1], dt.float32)])
+        self.saved = (x, mean, rstd, weight, bias)
+        return y
+
+    def backward(self, g):
+        x, mean, rstd, weight, bias = self.saved
+        params = [p for p in (weight, bias) if p is not None]
+        outs = [(x.shape, x.dtype)] + [(p.shape, dt.float32) for p in params]
+        grads = node(LayerNormBackwardKernel(**self.flags), [g.lazy, x, mean, rstd] + ([weight] if weight is not None else []),
+                     outs)
+        grads = [_tensor(v) for v in grads]
+        dx, rest = grads[0], grads[1:]
+        dw = rest.pop(0).cast(weight.dtype) if weight is not None else None
+        db = rest.pop(0).cast(bias.dtype) if bias is not None else None
+        return dx, dw, db
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
+    return LayerNormFn.apply(x, weight, bias, eps=eps)
+
+
+# ---------------------------------------------------------------- rotary embeddings
+
+class RopeKernel(KernelOp):
+    name = "rope"
+
+    def emit(self, seq, outs, ins):
+        (y,), (x, positions, inv_freq) = outs, ins
+        batch, heads, seq_len, head_dim = x.shape
+        KR.rope(seq, x.operand, positions.operand, inv_freq.operand, y.operand, batch=batch, heads=heads,
+                seq_len=seq_len, head_dim=head_dim, rot_dim=2 * inv_freq.numel, interleaved=self.interleaved,
+                attention_scaling=self.scaling, inverse=self.inverse)
+
+
+class RopeFn(Function):
+    def forward(self, x, positions, inv_freq, interleaved, scaling):
+        self.saved, self.flags = (positions, inv_freq), dict(interleaved=interleaved, scaling=float(scaling))
+        return node(RopeKernel(inverse=False, **self.flags), [x, positions, inv_freq], [(x.shape, x.dtype)])[0]
+
+    def backward(self, g):
+        positions, inv_freq = self.saved
+        # the transpose of a rotation by theta (scaled by s) is the rotation by -theta, scaled by s
+        dx = node(RopeKernel(inverse=True, **self.flags), [g.lazy, positions, inv_freq], [(g.shape, g.dtype)])[0]
+        return _tensor(dx), None, None
+
+
+def rope(x, positions, inv_freq, interleaved: bool = False, attention_scaling: float = 1.0):
+    """Rotate x [batch, heads, seq, head_dim] by positions [batch, seq] (int32) * inv_freq (float32)."""
+    return RopeFn.apply(x, positions, inv_freq, interleaved=interleaved, scaling=attention_scaling)
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+class CrossEntropyKernel(KernelOp):
+    name = "cross_entropy"
+
+    def emit(self, seq, outs, ins):
+        (loss, count, lse), (logits, labels) = outs, ins
+        rows, vocab = _rows_cols(logits.shape)
+        loss_rows = seq.device.buffer(rows, "float32", name="loss rows")
+        KC.cross_entropy(seq, logits.operand, labels.operand, loss_rows, lse.operand, loss.operand, count.operand,
+                         rows=rows, vocab=vocab, ignore_index=self.ignore_index)
+
+
+class CrossEntropyBackwardKernel(KernelOp):
+    name = "cross_entropy_backward"
+
+    def emit(self, seq, outs, ins):
+        (d_logits,), (logits, labels, lse, d_loss, count) = outs, ins
+        rows, vocab = _rows_cols(logits.shape)
+        KC.cross_entropy_backward(seq, logits.operand, labels.operand, lse.operand, d_loss.operand, count.operand,
+                                  d_logits.operand, rows=rows, vocab=vocab, ignore_index=self.ignore_index)
+
+
+class CrossEntropyFn(Function):
+    def forward(self, logits, labels, ignore_index):
+        self.ignore_index = ignore_index
+        rows = math.prod(logits.shape[:-1])
+        loss, count, lse = node(CrossEntropyKernel(ignore_index=ignore_index), [logits, labels],
+                                [((), dt.float32), ((), dt.float32), ((rows,), dt.float32)])
+        self.saved = (logits, labels, lse, count)
+        return loss
+
+    def backward(self, g):
+        logits, labels, lse, count = self.saved
+        d = node(CrossEntropyBackwardKernel(ignore_index=self.ignore_index),
+                 [logits, labels, lse, g.float().lazy, count], [(logits.shape, logits.dtype)])[0]
+        return _tensor(d), None
+
+
+def cross_entropy(logits, labels, ignore_index: int = -100):
+    """Mean cross-entropy of logits [..., vocab] against int32 labels [...], skipping ignore_index."""
+    if labels.dtype is not dt.int32:
+        labels = labels.cast(dt.int32)
+    vocab = logits.shape[-1]
+    return CrossEntropyFn.apply(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index)
+
+
+# ---------------------------------------------------------------- attention
+
+def _attention_flags(q, k, attrs):
+    batch, heads, q_len, head_dim = q.shape
+    return dict(batch=batch, heads=heads, kv_heads=k.shape[1], q_len=q_len, kv_len=k.shape[2], head_dim=head_dim,
+                **attrs)
+
+
+def _optional(ins, attrs):
+    """Split the optional (key padding mask, alibi slopes) operands off the input list."""
+    ins = list(ins)
+    mask = ins.pop(0).operand if attrs["has_mask"] else None
+    alibi = ins.pop(0).operand if attrs["has_alibi"] else None
+    return mask, alibi
+
+
+class AttentionKernel(KernelOp):
+    name = "attention"
+
+    def emit(self, seq, outs, ins):
+        (out, lse), (q, k, v, *extra) = outs, ins
+        mask, alibi = _optional(extra, self.attrs)
+        KA.attention_forward(seq, q.operand, k.operand, v.operand, out.operand, lse.operand,
+                             key_padding_mask=mask, alibi_slopes=alibi, **self.kernel_flags(q, k))
+
+    def kernel_flags(self, q, k):
+        flags = {n: self.attrs[n] for n in ("scale", "causal", "window", "softcap", "q_offset")}
+        return _attention_flags(q, k, flags)
+
+
+class AttentionBackwardKernel(AttentionKernel):
+    name = "attention_backward"
+
+    def emit(self, seq, outs, ins):
+        (dq, dk, dv), (q, k, v, out, d_out, lse, *extra) = outs, ins
+        mask, alibi = _optional(extra, self.attrs)
+        KA.attention_backward(seq, q.operand, k.operand, v.operand, out.operand, d_out.operand, lse.operand,
+                              dq.operand, dk.operand, dv.operand, key_padding_mask=mask, alibi_slopes=alibi,
+                              **self.kernel_flags(q, k))
+
+
+class AttentionFn(Function):
+    def forward(self, q, k, v, mask, alibi, **attrs):
+        extra = [x for x in (mask, alibi) if x is not None]
+        self.attrs = dict(attrs, has_mask=mask is not None, has_alibi=alibi is not None)
+        out, lse = node(AttentionKernel(**self.attrs), [q, k, v] + extra,
+                        [(q.shape, q.dtype), (q.shape[:-1], dt.float32)])
+        self.saved = (q, k, v, out, lse, extra)
+        return out
+
+    def backward(self, g):
+        q, k, v, out, lse, extra = self.saved
+        grads = node(AttentionBackwardKernel(**self.attrs), [q, k, v, out, g.contiguous().lazy, lse] + extra,
+                     [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)])
+        return tuple(_tensor(x) for x in grads) + (None, None)
+
+
+def scaled_dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
+                                 key_padding_mask=None, window: int = 0, softcap: float = 0.0, alibi_slopes=None,
+                                 q_offset: int | None = None):
+    """softmax(scale * q k^T [+ alibi], masked) v for q [B, H, Sq, D], k and v [B, KVH, Skv, D] (GQA when KVH < H).
+
+    key_padding_mask: [B, Skv] bool/uint8, 1 = attend (HF attention_mask). window > 0: sliding window.
+    softcap > 0: scores = softcap * tanh(scores / softcap). Fully masked rows give zeros.
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return AttentionFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, alibi_slopes,
+                             scale=float(scale), causal=causal, window=int(window), softcap=float(softcap),
+                             q_offset=q_offset)
+
+
+def gather_flat(values, index):
+    """values[index] for a 1-D ``values`` and an int32 ``index`` of any shape (no gradient)."""
+    table = values.reshape(-1, 1)
+    out = node(EmbeddingKernel(), [table.lazy, index.lazy], [(index.shape + (1,), values.dtype)])[0]
+    return _tensor(out).reshape(index.shape)

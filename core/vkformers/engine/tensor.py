@@ -1,0 +1,373 @@
+"""``vkformers.Tensor``: a lazy, differentiable n-d array on a Vulkan device.
+
+Operations build a graph (see lazy.py) and run when data is needed. Views
+(reshape, transpose, permute, slices, expand) cost no copy. Broadcasting follows
+numpy. ``backward()`` builds the gradient graph; it runs with whatever is
+realized next, so a whole training step becomes one recorded submission.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from vkformers.engine import function as fn
+from vkformers.engine.lazy import LazyBuffer, View, realize
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import Buffer, Device, get_device
+
+no_grad = fn.no_grad
+
+
+class Tensor:
+    __slots__ = ("lazy", "requires_grad", "grad", "_ctx", "_index", "__weakref__")
+    __array_priority__ = 1000  # numpy scalars defer to Tensor's operators
+
+    def __init__(self, data, dtype=None, requires_grad: bool = False, device: Device | None = None):
+        device = device or get_device()
+        if isinstance(data, Tensor):
+            data = data.numpy()
+        array = np.asarray(data)
+        target = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
+        self.lazy = LazyBuffer(array.shape, target, device, host=_to_host(array, target))
+        self.lazy.refs += 1
+        self.requires_grad, self.grad, self._ctx, self._index = requires_grad, None, None, 0
+
+    @classmethod
+    def _from_lazy(cls, lazy: LazyBuffer, requires_grad=False, ctx=None, index=0) -> "Tensor":
+        t = cls.__new__(cls)
+        t.lazy, t.requires_grad, t.grad, t._ctx, t._index = lazy, requires_grad, None, ctx, index
+        lazy.refs += 1
+        return t
+
+    def __del__(self):
+        try:
+            self.lazy.refs -= 1
+        except AttributeError:
+            pass
+
+    # -- basic properties
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.lazy.shape
+
+    @property
+    def dtype(self) -> dt.DType:
+        return self.lazy.dtype
+
+    @property
+    def device(self) -> Device:
+        return self.lazy.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"tensor({self.numpy()!r}, dtype={self.dtype.name}{grad})"
+
+    # -- data
+
+    def realize(self) -> "Tensor":
+        realize([self.lazy])
+        return self
+
+    def numpy(self) -> np.ndarray:
+        """The values as a numpy array (float16 for float16; bfloat16 is widened to float32)."""
+        self.realize()
+        base = self.lazy.base
+        if base.host is not None:
+            flat = base.host.reshape(-1)
+        else:
+            flat = base.buffer.read().reshape(-1)
+        v = self.lazy.view
+        out = np.lib.stride_tricks.as_strided(flat[v.offset:], shape=v.shape,
+                                              strides=tuple(s * flat.itemsize for s in v.strides)).copy()
+        return dt.from_bfloat16(out) if self.dtype is dt.bfloat16 else out
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"item() needs a tensor of one element, this one has shape {self.shape}")
+        return self.numpy().reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def detach(self) -> "Tensor":
+        return Tensor._from_lazy(self.lazy)
+
+    def assign(self, value: "Tensor") -> "Tensor":
+        """Overwrite this tensor's device storage with ``value`` (in place, e.g. an optimizer update)."""
+        from vkformers.engine.ops.elementwise import assign
+        if value.shape != self.shape:
+            raise ValueError(f"assign: shape {value.shape} does not match {self.shape}")
+        self._set_lazy(assign(self.lazy, value.cast(self.dtype).lazy))
+        return self
+
+    def _set_lazy(self, lazy: LazyBuffer) -> None:
+        self.lazy.refs -= 1
+        self.lazy = lazy
+        lazy.refs += 1
+
+    # -- autograd
+
+    def backward(self, gradient: "Tensor | None" = None) -> None:
+        """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad."""
+        if not self.requires_grad:
+            raise RuntimeError("backward(): this tensor does not require grad and has no grad graph")
+        if gradient is None:
+            if self.numel() != 1:
+                raise RuntimeError(f"backward() without a gradient needs a one-element tensor, not {self.shape}")
+            gradient = full(self.shape, 1.0, dtype=self.dtype, device=self.device)
+        functions, seen = [], set()
+
+        def visit(f):  # depth-first post-order over Functions, iteratively (deep graphs)
+            stack = [(f, False)]
+            while stack:
+                g, done = stack.pop()
+                if done:
+                    functions.append(g)
+                    continue
+                if id(g) in seen:
+                    continue
+                seen.add(id(g))
+                stack.append((g, True))
+                for p in g.parents:
+                    if p is not None and p._ctx is not None and id(p._ctx) not in seen:
+                        stack.append((p._ctx, False))
+
+        if self._ctx is None:  # a leaf
+            _accumulate(self, gradient)
+            return
+        visit(self._ctx)
+        grads: dict[tuple, Tensor] = {(id(self._ctx), self._index): gradient}
+        with no_grad():
+            for f in reversed(functions):
+                outs = [grads.pop((id(f), i), None) for i in range(getattr(f, "outputs_count", 1))]
+                if all(g is None for g in outs):
+                    continue
+                in_grads = f.backward(*outs)
+                in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
+                for parent, needs, g in zip(f.parents, f.needs_grad, in_grads):
+                    if not needs or g is None:
+                        continue
+                    if g.shape != parent.shape:
+                        raise RuntimeError(f"{type(f).__name__}.backward gave shape {g.shape} for {parent.shape}")
+                    if parent._ctx is None:
+                        _accumulate(parent, g)
+                    else:
+                        key = (id(parent._ctx), parent._index)
+                        grads[key] = g if key not in grads else grads[key] + g
+                f.release()  # free the graph, as torch does without retain_graph
+
+    # -- views
+
+    def reshape(self, *shape) -> "Tensor":
+        shape = _shape_arg(shape)
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.numel() // known if s == -1 else s for s in shape)
+        if math.prod(shape) != self.numel():
+            raise ValueError(f"cannot reshape {self.shape} ({self.numel()} elements) to {shape}")
+        from vkformers.engine.ops.movement import Reshape
+        return Reshape.apply(self, shape=shape)
+
+    view = reshape
+
+    def permute(self, *order) -> "Tensor":
+        order = tuple(d % self.ndim for d in _shape_arg(order))
+        if sorted(order) != list(range(self.ndim)):
+            raise ValueError(f"permute: {order} is not a permutation of {self.ndim} dims")
+        from vkformers.engine.ops.movement import Permute
+        return Permute.apply(self, order=order)
+
+    def transpose(self, dim0: int = -2, dim1: int = -1) -> "Tensor":
+        order = list(range(self.ndim))
+        order[dim0], order[dim1] = order[dim1], order[dim0]
+        return self.permute(*order)
+
+    @property
+    def T(self) -> "Tensor":
+        return self.permute(*reversed(range(self.ndim)))
+
+    def expand(self, *shape) -> "Tensor":
+        shape = _shape_arg(shape)
+        shape = tuple(o if s == -1 else s for s, o in zip(shape, (1,) * (len(shape) - self.ndim) + self.shape))
+        if shape == self.shape:
+            return self
+        from vkformers.engine.ops.movement import Expand
+        return Expand.apply(self, shape=shape)
+
+    def __getitem__(self, index) -> "Tensor":
+        from vkformers.engine.ops.movement import getitem
+        return getitem(self, index)
+
+    def contiguous(self) -> "Tensor":
+        if self.lazy.view.is_contiguous:
+            return self
+        from vkformers.engine.ops.elementwise import Contiguous
+        return Contiguous.apply(self)
+
+    def unsqueeze(self, dim: int) -> "Tensor":
+        dim = dim % (self.ndim + 1)
+        return self.reshape(self.shape[:dim] + (1,) + self.shape[dim:])
+
+    def squeeze(self, dim: int | None = None) -> "Tensor":
+        if dim is None:
+            return self.reshape(tuple(s for s in self.shape if s != 1))
+        dim = dim % self.ndim
+        return self.reshape(self.shape[:dim] + self.shape[dim + 1:]) if self.shape[dim] == 1 else self
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> "Tensor":
+        start, end = start_dim % self.ndim, end_dim % self.ndim
+        return self.reshape(self.shape[:start] + (-1,) + self.shape[end + 1:])
+
+    # -- dtype
+
+    def cast(self, dtype) -> "Tensor":
+        dtype = dt.as_dtype(dtype)
+        if dtype is self.dtype:
+            return self
+        from vkformers.engine.ops.elementwise import Cast
+        return Cast.apply(self, dtype=dtype)
+
+    to = cast
+
+    def float(self) -> "Tensor":
+        return self.cast(dt.float32)
+
+    def half(self) -> "Tensor":
+        return self.cast(dt.float16)
+
+    def bfloat16(self) -> "Tensor":
+        return self.cast(dt.bfloat16)
+
+
+def _accumulate(leaf: Tensor, g: Tensor) -> None:
+    g = g.cast(leaf.dtype)
+    leaf.grad = g.detach() if leaf.grad is None else (leaf.grad + g).detach()
+
+
+def _shape_arg(shape) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = shape[0]
+    return tuple(int(s) for s in shape)
+
+
+def _default_dtype(array: np.ndarray) -> dt.DType:
+    if array.dtype == np.bool_:
+        return dt.bool_
+    if np.issubdtype(array.dtype, np.integer):
+        return dt.int32
+    if array.dtype == np.float16:
+        return dt.float16
+    return dt.float32
+
+
+def _to_host(array: np.ndarray, dtype: dt.DType) -> np.ndarray:
+    if dtype is dt.bfloat16:
+        return dt.to_bfloat16(np.asarray(array, dtype=np.float32)) if array.dtype != np.uint16 else array.copy()
+    return np.ascontiguousarray(array, dtype=dtype.host)
+
+
+# ---------------------------------------------------------------- creation
+
+def tensor(data, dtype=None, requires_grad: bool = False, device: Device | None = None) -> Tensor:
+    """A tensor from numpy data (uploaded when first used)."""
+    return Tensor(data, dtype=dtype, requires_grad=requires_grad, device=device)
+
+
+def parameter(data, dtype=None, requires_grad: bool = True, device: Device | None = None, name="parameter") -> Tensor:
+    """A tensor that lives on the device for good (weights, optimizer state), updated with ``assign``."""
+    device = device or get_device()
+    array = np.asarray(data)
+    dtype = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
+    buf = Buffer(device, array.shape, dtype, name=name)
+    buf.write(_to_host(array, dtype))
+    lazy = LazyBuffer(array.shape, dtype, device, buffer=buf, persistent=True)
+    return Tensor._from_lazy(lazy, requires_grad=requires_grad)
+
+
+def full(shape, value, dtype="float32", device: Device | None = None) -> Tensor:
+    dtype = dt.as_dtype(dtype)
+    return Tensor(np.full(_shape_arg((shape,)) if not isinstance(shape, int) else (shape,), value,
+                          dtype=np.float32 if dtype in (dt.bfloat16,) else dtype.host), dtype=dtype, device=device)
+
+
+def zeros(shape, dtype="float32", device: Device | None = None) -> Tensor:
+    return full(shape, 0, dtype, device)
+
+
+def ones(shape, dtype="float32", device: Device | None = None) -> Tensor:
+    return full(shape, 1, dtype, device)
+
+
+# ---------------------------------------------------------------- operators and math (engine/ops/*)
+
+def _install_methods():
+    from vkformers.engine.ops import elementwise as E
+    from vkformers.engine.ops import reduce as R
+    from vkformers.engine.ops.matmul import matmul
+
+    def rbinary(op):
+        return lambda self, other: E.binary(_as_tensor(other, self), self, op)
+
+    methods = {
+        "__add__": lambda self, o: E.binary(self, o, "add"), "__radd__": lambda self, o: E.binary(self, o, "add"),
+        "__sub__": lambda self, o: E.binary(self, o, "sub"), "__rsub__": rbinary("sub"),
+        "__mul__": lambda self, o: E.binary(self, o, "mul"), "__rmul__": lambda self, o: E.binary(self, o, "mul"),
+        "__truediv__": lambda self, o: E.binary(self, o, "div"), "__rtruediv__": rbinary("div"),
+        "__pow__": lambda self, o: E.binary(self, o, "pow"), "__rpow__": rbinary("pow"),
+        "__neg__": lambda self: E.unary(self, "neg"),
+        "__matmul__": lambda self, o: matmul(self, o), "__rmatmul__": lambda self, o: matmul(o, self),
+        "__lt__": lambda self, o: E.compare(self, o, "lt"), "__le__": lambda self, o: E.compare(self, o, "le"),
+        "__gt__": lambda self, o: E.compare(self, o, "gt"), "__ge__": lambda self, o: E.compare(self, o, "ge"),
+        "__eq__": lambda self, o: E.compare(self, o, "eq"), "__ne__": lambda self, o: E.compare(self, o, "ne"),
+        "eq": lambda self, o: E.compare(self, o, "eq"), "ne": lambda self, o: E.compare(self, o, "ne"),
+        "pow": lambda self, o: E.binary(self, o, "pow"),
+        "maximum": lambda self, o: E.binary(self, o, "maximum"),
+        "minimum": lambda self, o: E.binary(self, o, "minimum"),
+        "clamp": lambda self, min=-3.0e38, max=3.0e38: E.unary(self, "clamp", min, max),
+        "matmul": lambda self, o: matmul(self, o),
+        "sum": lambda self, axis=None, keepdim=False: R.SumFn.apply(
+            self, axes=R.normalize_axes(axis, self.ndim), keepdim=keepdim),
+        "mean": lambda self, axis=None, keepdim=False: self.sum(axis, keepdim) * (
+            1.0 / math.prod(self.shape[a] for a in R.normalize_axes(axis, self.ndim))),
+        "max": lambda self, axis=-1, keepdim=False: R.MaxFn.apply(self, axis=axis % self.ndim, keepdim=keepdim),
+        "argmax": lambda self, axis=-1, keepdim=False: R.argmax(self, axis, keepdim),
+        "softmax": lambda self, axis=-1: _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=False)),
+        "log_softmax": lambda self, axis=-1: _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=True)),
+    }
+    for name in ("exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "cos",
+                 "reciprocal", "square"):
+        methods[name] = (lambda op: lambda self: E.unary(self, op))(name)
+    for name, fn_ in methods.items():
+        setattr(Tensor, name, fn_)
+    Tensor.__hash__ = object.__hash__  # == is elementwise (as in torch); hash by identity
+
+
+def _as_tensor(value, like: Tensor) -> Tensor:
+    return value if isinstance(value, Tensor) else Tensor(np.asarray(value, dtype=np.float32), dtype=like.dtype,
+                                                         device=like.device)
+
+
+def _last_axis(t: Tensor, axis: int, fn_):
+    axis %= t.ndim
+    if axis == t.ndim - 1:
+        return fn_(t)
+    return fn_(t.transpose(axis, -1)).transpose(axis, -1)
+
+
+_install_methods()

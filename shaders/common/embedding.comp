@@ -1,0 +1,45 @@
+// Token embedding lookup and its gradient.
+//   forward:  out[n, :] = table[ids[n], :]          (table, out: ELEM_T; ids: int32)
+//   backward: d_table[ids[n], :] += d_out[n, :]      (d_out: ELEM_T; d_table: float32)
+// An id outside [0, vocab) never reads or writes out of bounds: forward writes a zero
+// row, backward skips it. The backward scatter-adds with float atomics, so rows that
+// share an id are summed in an unspecified order (not bit-reproducible run to run).
+//! variant f32 -DFORWARD -DELEM_F32
+//! variant f16 -DFORWARD -DELEM_F16
+//! variant bf16 -DFORWARD -DELEM_BF16
+//! variant backward_f32 -DBACKWARD -DELEM_F32
+//! variant backward_f16 -DBACKWARD -DELEM_F16
+//! variant backward_bf16 -DBACKWARD -DELEM_BF16
+#version 450
+#extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_shader_atomic_float : require
+#include "transformer_common.glsl"
+layout(local_size_x = 256) in;
+
+// count: tokens; dim: embedding width; *_offset: element offsets of the operands.
+layout(push_constant) uniform Push {
+    uint count; uint dim; uint vocab; uint ids_offset; uint table_offset; uint out_offset;
+};
+layout(binding = 0) readonly buffer Ids { int ids[]; };
+
+#ifdef FORWARD
+layout(binding = 1) readonly buffer Table { ELEM_T table[]; };
+layout(binding = 2) writeonly buffer Out { ELEM_T out_rows[]; };
+#else
+layout(binding = 1) buffer DTable { float d_table[]; };
+layout(binding = 2) readonly buffer DOut { ELEM_T d_out[]; };
+#endif
+
+void main() {
+    uint i = global_index();  // one invocation per output element
+    if (i >= count * dim) return;
+    uint n = i / dim;
+    uint col = i - n * dim;
+    int id = ids[ids_offset + n];
+    bool valid = id >= 0 && uint(id) < vocab;
+#ifdef FORWARD
+    out_rows[out_offset + i] = valid ? table[table_offset + uint(id) * dim + col] : store_elem(0.0);
+#else
+    if (valid) atomicAdd(d_table[table_offset + uint(id) * dim + col], load_elem(d_out[out_offset + i]));
+#endif
+}

@@ -1,0 +1,70 @@
+// Interface shared by the matmul kernels: bindings, push constants and the
+// epilogue (alpha, bias, beta, conversion to C's storage type).
+// Defines: IN_F32 | IN_F16 | IN_BF16 (storage of A and B), OUT_F32 | OUT_F16 | OUT_BF16
+// (storage of C and bias). MATMUL_INPUTS_AS_WORDS: A and B are declared as uvec4
+// arrays of raw bits (the cooperative-matrix kernel stages 8 halves at a time).
+#ifndef VKFORMERS_MATMUL_IO_GLSL
+#define VKFORMERS_MATMUL_IO_GLSL
+
+#if defined(MATMUL_INPUTS_AS_WORDS)
+#define IN_T uvec4
+#elif defined(IN_F32)
+#define IN_T float
+#define LOAD_IN(v) (v)
+#elif defined(IN_F16)
+#define IN_T float16_t
+#define LOAD_IN(v) float(v)
+#else
+#define IN_T uint16_t
+#define LOAD_IN(v) bf16_to_f32(v)
+#endif
+
+// The output side never declares a float16_t value when OUT_F16_AS_BITS is set
+// (packHalf2x16 instead), so the bfloat16 rewrite of the cooperative-matrix
+// kernel (tools/spirv_bf16.py) finds 16-bit floats only in its matrix types.
+#if defined(OUT_F32)
+#define OUT_T float
+#define TO_OUT(v) (v)
+#define FROM_OUT(v) (v)
+#elif defined(OUT_F16) && defined(OUT_F16_AS_BITS)
+#define OUT_T uint16_t
+#define TO_OUT(v) uint16_t(packHalf2x16(vec2(v, 0.0)) & 0xFFFFu)
+#define FROM_OUT(v) unpackHalf2x16(uint(v)).x
+#elif defined(OUT_F16)
+#define OUT_T float16_t
+#define TO_OUT(v) float16_t(v)
+#define FROM_OUT(v) float(v)
+#else
+#define OUT_T uint16_t
+#define TO_OUT(v) f32_to_bf16(v)
+#define FROM_OUT(v) bf16_to_f32(v)
+#endif
+
+layout(binding = 0) readonly buffer MatA { IN_T a_data[]; };
+layout(binding = 1) readonly buffer MatB { IN_T b_data[]; };
+layout(binding = 2) buffer MatC { OUT_T c_data[]; };
+layout(binding = 3) readonly buffer Bias { OUT_T bias_data[]; };  // bound to C when there is no bias
+
+// Offsets and batch strides are in elements.
+layout(push_constant) uniform Push {
+    uint m, n, k;
+    uint off_a, off_b, off_c, off_bias;
+    uint stride_a, stride_b, stride_c;
+    float alpha, beta;
+};
+
+#if !defined(MATMUL_INPUTS_AS_WORDS)
+float load_a(uint i) { return LOAD_IN(a_data[i]); }
+float load_b(uint i) { return LOAD_IN(b_data[i]); }
+#endif
+
+// C[index] = alpha * acc + bias[col] + beta * C[index]; C is not read when beta == 0,
+// so it may hold garbage (NaN) then.
+void store_c(uint index, uint col, float acc) {
+    float v = alpha * acc;
+    if (HAS_BIAS != 0) v += FROM_OUT(bias_data[off_bias + col]);
+    if (beta != 0.0) v += beta * FROM_OUT(c_data[index]);
+    c_data[index] = TO_OUT(v);
+}
+
+#endif

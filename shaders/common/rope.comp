@@ -1,0 +1,91 @@
+// Rotary position embedding on x [batch, heads, seq, head_dim] (ELEM_T), positions int32
+// [batch, seq], inv_freq float32 [rot_dim / 2]. The first rot_dim dims of each head rotate
+// in pairs by angle = position * inv_freq[i]; the rest pass through (partial rotary).
+//   half layout (HF rotate_half): pair (i, i + rot_dim/2)
+//   INTERLEAVED (GPT-J):          pair (2i, 2i + 1)
+// cos and sin are multiplied by attention_scaling (yarn / longrope), as HF does.
+// INVERSE rotates by -angle: the backward pass (dx = R(-angle) dy, the same scaling).
+// Works in place (out bound to x) when IN_PLACE skips the pass-through copy.
+//! variant f32 -DELEM_F32
+//! variant f16 -DELEM_F16
+//! variant bf16 -DELEM_BF16
+#version 450
+#extension GL_GOOGLE_include_directive : require
+#include "transformer_common.glsl"
+layout(local_size_x = 256) in;
+
+layout(constant_id = 0) const bool INTERLEAVED = false;
+layout(constant_id = 1) const bool INVERSE = false;
+layout(constant_id = 2) const bool IN_PLACE = false;
+
+layout(binding = 0) readonly buffer X { ELEM_T x[]; };
+layout(binding = 1) readonly buffer Positions { int positions[]; };
+layout(binding = 2) readonly buffer InvFreq { float inv_freq[]; };
+layout(binding = 3) writeonly buffer Out { ELEM_T out_x[]; };
+layout(push_constant) uniform Push {
+    uint vectors;  // batch * heads * seq
+    uint heads; uint seq_len; uint head_dim; uint rot_dim;
+    float attention_scaling;
+    uint x_offset; uint positions_offset; uint inv_freq_offset; uint out_offset;
+};
+
+// cos and sin of a float32 angle that may be ~1e5 rad. GPU sin/cos are accurate only
+// near [-pi, pi], and reducing with k * 2pi in float32 loses the answer (without a fused
+// multiply-add, which Vulkan does not promise), so the reduction is done exactly in
+// integers: frac(|angle| / 2pi) as 32-bit fixed point = bits of mantissa * floor(2^64 / 2pi).
+const uint INV_TWO_PI_HI = 0x28BE60DBu;  // floor(2^64 / (2 pi)), upper and lower words
+const uint INV_TWO_PI_LO = 0x9391054Au;
+const float TWO_PI_OVER_2_32 = 1.462918119976564e-09;
+
+float reduce_angle(float a) {  // a >= 0; returns a - 2 pi k in [-pi, pi)
+    if (a <= 3.14159265) return a;
+    uint bits = floatBitsToUint(a);
+    int e = int(bits >> 23) - 150;                  // a = m * 2^e, m a 24-bit integer
+    uint m = (bits & 0x7FFFFFu) | 0x800000u;
+    uint hh, hl, lh, ll;
+    umulExtended(m, INV_TWO_PI_HI, hh, hl);
+    umulExtended(m, INV_TWO_PI_LO, lh, ll);
+    uint w0 = ll, w1 = hl + lh, w2 = hh + (w1 < hl ? 1u : 0u);  // the 88-bit product
+    int shift = 32 - e;  // the fraction's 32 bits start here: in [24, 54] for pi < a < 2^32
+    uint frac;
+    if (shift >= 32) {
+        int t = shift - 32;
+        frac = t == 0 ? w1 : (w1 >> t) | (w2 << (32 - t));
+    } else {
+        int t = max(shift, 1);
+        frac = (w0 >> t) | (w1 << (32 - t));
+    }
+    return float(int(frac)) * TWO_PI_OVER_2_32;  // signed: the fraction in [-1/2, 1/2) turns
+}
+
+vec2 cos_sin(float angle) {
+    float r = reduce_angle(abs(angle));
+    return vec2(cos(r), angle < 0.0 ? -sin(r) : sin(r));
+}
+
+void main() {
+    uint half_rot = rot_dim / 2;
+    uint per_vector = half_rot + (IN_PLACE ? 0 : head_dim - rot_dim);  // invocations per head vector
+    uint i = global_index();
+    if (i >= vectors * per_vector) return;
+    uint v = i / per_vector;
+    uint j = i - v * per_vector;
+    uint base = v * head_dim;
+    if (j >= half_rot) {  // pass-through dims (out-of-place only)
+        uint d = rot_dim + (j - half_rot);
+        out_x[out_offset + base + d] = x[x_offset + base + d];
+        return;
+    }
+    uint s = v % seq_len;
+    uint b = v / (seq_len * heads);
+    // float32 product, as HF: position_ids.float() * inv_freq.
+    float angle = float(positions[positions_offset + b * seq_len + s]) * inv_freq[inv_freq_offset + j];
+    vec2 cs = cos_sin(angle) * attention_scaling;
+    float sn = INVERSE ? -cs.y : cs.y;
+    uint d1 = INTERLEAVED ? 2 * j : j;
+    uint d2 = INTERLEAVED ? 2 * j + 1 : j + half_rot;
+    float x1 = load_elem(x[x_offset + base + d1]);
+    float x2 = load_elem(x[x_offset + base + d2]);
+    out_x[out_offset + base + d1] = store_elem(x1 * cs.x - x2 * sn);
+    out_x[out_offset + base + d2] = store_elem(x2 * cs.x + x1 * sn);
+}

@@ -1,0 +1,271 @@
+"""Fused attention kernels (forward, backward, decode) against a float64 numpy reference
+of the semantics documented in vkformers.engine.kernels.attention.
+
+Tolerances (absolute, values and gradients of order 1): float32 1e-5 forward and 1e-4
+backward (sums over up to kv_len * head_dim products); float16 3e-3 and bfloat16 2e-2
+(one rounding of the result to the storage type, relative to an exact reference computed
+from the same rounded inputs).
+"""
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+
+from vkformers.engine.kernels import Operand
+from vkformers.engine.kernels.attention import Tiles, attention_backward, attention_decode, attention_forward
+from vkformers.runtime import dtypes as dt
+
+FORWARD_TOL = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
+BACKWARD_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    q_len: int = 33
+    kv_len: int = 33
+    head_dim: int = 64
+    causal: bool = True
+    mask: bool = False
+    window: int = 0
+    softcap: float = 0.0
+    alibi: bool = False
+    scale: float | None = None
+    q_offset: int | None = None
+
+    @property
+    def position0(self) -> int:
+        return self.kv_len - self.q_len if self.q_offset is None else self.q_offset
+
+    @property
+    def the_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.scale is None else self.scale
+
+
+# ------------------------------------------------------------ float64 reference
+
+def visibility(case: Case, mask):
+    qpos = case.position0 + np.arange(case.q_len)[:, None]
+    kpos = np.arange(case.kv_len)[None, :]
+    visible = np.ones((case.batch, case.q_len, case.kv_len), bool)
+    if case.causal:
+        visible &= kpos <= qpos
+    if case.window:
+        visible &= qpos - kpos < case.window
+    if mask is not None:
+        visible &= mask[:, None, :].astype(bool)
+    return visible[:, None], (kpos - qpos).astype(np.float64)
+
+
+def reference(case: Case, q, k, v, mask, slopes, d_out=None):
+    group = case.heads // case.kv_heads
+    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    raw = case.the_scale * q @ kk.transpose(0, 1, 3, 2)
+    cap_slope = np.ones_like(raw)
+    scores = raw
+    if case.softcap:
+        t = np.tanh(raw / case.softcap)
+        scores, cap_slope = case.softcap * t, 1 - t * t
+    visible, relative = visibility(case, mask)
+    if slopes is not None:
+        scores = scores + slopes[None, :, None, None] * relative
+    scores = np.where(visible, scores, -np.inf)
+    row_max = scores.max(-1, keepdims=True)
+    shift = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.where(visible, np.exp(scores - shift), 0.0)
+    total = e.sum(-1, keepdims=True)
+    p = e / np.where(total > 0, total, 1)
+    out = p @ vv
+    lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1)), -np.inf)[..., 0]
+    if d_out is None:
+        return out, lse
+    d_p = d_out @ vv.transpose(0, 1, 3, 2)
+    d_s = p * (d_p - (d_out * out).sum(-1, keepdims=True)) * cap_slope
+    d_q = case.the_scale * d_s @ kk
+    fold = lambda x: x.reshape(case.batch, case.kv_heads, group, case.kv_len, case.head_dim).sum(2)
+    d_k = fold(case.the_scale * d_s.transpose(0, 1, 3, 2) @ q)
+    d_v = fold(p.transpose(0, 1, 3, 2) @ d_out)
+    return out, lse, d_q, d_k, d_v
+
+
+# ------------------------------------------------------------ helpers
+
+def rounded(x, dtype):
+    """x rounded to the storage dtype (as float64) and its host representation for upload."""
+    if dtype == "bfloat16":
+        bits = dt.to_bfloat16(x.astype(np.float32))
+        return dt.from_bfloat16(bits).astype(np.float64), bits
+    host = x.astype(dt.as_dtype(dtype).host)
+    return host.astype(np.float64), host
+
+
+def as_float(array, dtype):
+    return dt.from_bfloat16(array).astype(np.float64) if dtype == "bfloat16" else array.astype(np.float64)
+
+
+def make_inputs(case: Case, dtype: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((case.batch, case.heads, case.q_len, case.head_dim))
+    k = rng.standard_normal((case.batch, case.kv_heads, case.kv_len, case.head_dim))
+    v = rng.standard_normal((case.batch, case.kv_heads, case.kv_len, case.head_dim))
+    d_out = rng.standard_normal((case.batch, case.heads, case.q_len, case.head_dim))
+    mask = None
+    if case.mask:  # left padding on batch 0 (its first queries see nothing when causal), holes on batch 1
+        mask = np.ones((case.batch, case.kv_len), np.uint8)
+        mask[0, : min(3, case.kv_len - 1)] = 0
+        mask[-1, 1::4] = 0
+    slopes = 2.0 ** (-8.0 * np.arange(1, case.heads + 1) / case.heads) if case.alibi else None
+    return [rounded(x, dtype) for x in (q, k, v, d_out)], mask, slopes
+
+
+def flags(case: Case, device, mask, slopes):
+    return dict(batch=case.batch, heads=case.heads, kv_heads=case.kv_heads, q_len=case.q_len, kv_len=case.kv_len,
+                head_dim=case.head_dim, scale=case.the_scale, causal=case.causal, window=case.window,
+                softcap=case.softcap, q_offset=case.q_offset,
+                key_padding_mask=None if mask is None else device.upload(mask),
+                alibi_slopes=None if slopes is None else device.upload(slopes.astype(np.float32)))
+
+
+def upload_at(device, host, dtype, offset):
+    """``host`` placed at element ``offset`` of a larger buffer (exercises Operand offsets)."""
+    flat = host.reshape(-1)
+    padded = np.concatenate([np.zeros(offset, flat.dtype), flat, np.zeros(3, flat.dtype)])
+    return Operand(device.upload(padded, dtype=dtype), offset)
+
+
+def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles=None):
+    rounded_inputs, mask, slopes = make_inputs(case, dtype)
+    (q, q_host), (k, k_host), (v, v_host), (d_out, d_out_host) = rounded_inputs
+    shape_q, shape_kv = q.shape, k.shape
+    q_buf, k_buf, v_buf = (upload_at(device, x, dtype, offset) for x in (q_host, k_host, v_host))
+    out = device.buffer(shape_q, dtype, name="out")
+    lse = device.buffer(shape_q[:3], "float32", name="lse")
+    kw = dict(flags(case, device, mask, slopes), tiles=tiles)
+    seq = device.sequence()
+    attention_forward(seq, q_buf, k_buf, v_buf, out, lse, **kw)
+    grads = None
+    if backward:
+        d_out_buf = device.upload(d_out_host, dtype=dtype)
+        grads = [device.buffer(s, dtype, name=n) for s, n in ((shape_q, "d_q"), (shape_kv, "d_k"), (shape_kv, "d_v"))]
+        attention_backward(seq, q_buf, k_buf, v_buf, out, d_out_buf, lse, *grads, **kw)
+    seq.replay()
+
+    expected = reference(case, q, k, v, mask, slopes, d_out if backward else None)
+    tol = FORWARD_TOL[dtype]
+    np.testing.assert_allclose(as_float(out.read(), dtype), expected[0], atol=tol, rtol=tol)
+    got_lse = lse.read().astype(np.float64)
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(expected[1]))
+    finite = np.isfinite(expected[1])
+    np.testing.assert_allclose(got_lse[finite], expected[1][finite], atol=tol, rtol=tol)
+    if backward:
+        # The kernel's backward starts from its own forward output (rounded to dtype): so does the reference's delta.
+        tol = BACKWARD_TOL[dtype]
+        for name, buf, want in zip(("d_q", "d_k", "d_v"), grads, expected[2:]):
+            np.testing.assert_allclose(as_float(buf.read(), dtype), want, atol=tol, rtol=tol, err_msg=name)
+
+
+# ------------------------------------------------------------ tests
+
+CASES = {
+    "causal": Case(),
+    "not_causal_hd80": Case(causal=False, head_dim=80, q_len=7, kv_len=33),
+    "padding_mask": Case(mask=True, q_len=17, kv_len=17),
+    "padding_mask_not_causal": Case(mask=True, causal=False, q_len=9, kv_len=20),
+    "gqa": Case(heads=4, kv_heads=2, q_len=20, kv_len=20),
+    "mqa": Case(heads=4, kv_heads=1, batch=1, q_len=19, kv_len=19),
+    "sliding_window": Case(window=5, q_len=29, kv_len=29),
+    "softcap": Case(softcap=2.0, scale=0.5, q_len=16, kv_len=16),
+    "alibi": Case(alibi=True, q_len=18, kv_len=18),
+    "custom_scale": Case(scale=0.3, causal=False, q_len=5, kv_len=11, batch=1),
+    "chunked_prefill": Case(q_len=7, kv_len=33),
+    "explicit_q_offset": Case(q_len=7, kv_len=33, q_offset=10, window=6, mask=True),
+    "single_query": Case(q_len=1, kv_len=1, batch=1),
+    "single_query_long_kv": Case(q_len=1, kv_len=33, heads=2, kv_heads=1),
+    "everything": Case(heads=4, kv_heads=2, mask=True, window=9, softcap=3.0, alibi=True, q_len=21, kv_len=21,
+                       head_dim=80),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_backward_float32(device, name):
+    run_case(device, CASES[name], "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_forward_and_backward_half_types(device, dtype):
+    run_case(device, Case(heads=4, kv_heads=2, q_len=23, kv_len=23, mask=True), dtype)
+
+
+def test_operand_offsets(device):
+    run_case(device, Case(batch=1, heads=2, kv_heads=1, q_len=9, kv_len=9), "float32", offset=5)
+
+
+@pytest.mark.parametrize("tiles", [Tiles(4, 8, 4), Tiles(8, 4, 2)])
+def test_small_tiles_skip_blocks_outside_the_window(device, tiles):
+    # Many blocks per row: exercises the causal / window block ranges in all three kernels.
+    run_case(device, Case(batch=1, heads=2, kv_heads=1, q_len=37, kv_len=45, window=7, mask=True, head_dim=16),
+             tiles=tiles)
+
+
+def test_large_head_dim_forward(device):
+    run_case(device, Case(batch=1, heads=1, kv_heads=1, q_len=7, kv_len=7, head_dim=256), "float32")
+
+
+def test_causal_with_long_query_needs_offset(device):
+    buf = device.buffer(64, "float32")
+    with pytest.raises(ValueError, match="q_offset"):
+        attention_forward(device.sequence(), buf, buf, buf, buf, buf, batch=1, heads=1, kv_heads=1, q_len=4,
+                          kv_len=2, head_dim=4, scale=1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_forward(device.sequence(), buf, buf, buf, buf, buf, batch=1, heads=3, kv_heads=2, q_len=1,
+                          kv_len=1, head_dim=4, scale=1.0)
+
+
+def decode_setup(device, case: Case, max_len: int, dtype="float32"):
+    (q, _), (k, _), (v, _), _ = make_inputs(case, dtype)[0]
+    cache = lambda x: np.concatenate(
+        [x, np.random.default_rng(9).standard_normal(x.shape[:2] + (max_len - x.shape[2], x.shape[3]))], axis=2)
+    k_cache, v_cache = cache(k), cache(v)  # garbage past kv_len must be ignored
+    return q, k, v, [device.upload(x.astype(np.float32)) for x in (q[:, :, -1:], k_cache, v_cache)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, splits", [(4, 2, 64, 1), (4, 1, 80, 3), (2, 2, 256, 5)])
+def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, splits):
+    case = Case(heads=heads, kv_heads=kv_heads, head_dim=head_dim, q_len=33, kv_len=33, window=20, alibi=True)
+    q, k, v, (q_last, k_cache, v_cache) = decode_setup(device, case, max_len=40)
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    out = device.buffer((case.batch, heads, 1, head_dim), "float32")
+    lse = device.buffer((case.batch, heads), "float32")
+    seq = device.sequence()
+    attention_decode(seq, q_last, k_cache, v_cache, out, batch=case.batch, heads=heads, kv_heads=kv_heads,
+                     kv_len=33, max_len=40, head_dim=head_dim, scale=case.the_scale, window=20,
+                     alibi_slopes=device.upload(slopes.astype(np.float32)), lse=lse, splits=splits)
+    seq.replay()
+    expected, expected_lse = reference(case, q, k, v, None, slopes)
+    np.testing.assert_allclose(out.read(), expected[:, :, -1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_replays_with_kv_len_from_a_buffer(device, splits):
+    case = Case(heads=4, kv_heads=2, q_len=33, kv_len=33, mask=True)
+    max_len = 48
+    q, k, v, (_, k_cache, v_cache) = decode_setup(device, case, max_len)
+    mask = np.ones((case.batch, max_len), np.uint8)
+    mask[0, :3] = 0
+    q_now = device.buffer((case.batch, case.heads, 1, case.head_dim), "float32", host_visible=True)
+    kv_len = device.buffer(1, "uint32", host_visible=True, name="kv_len")
+    out = device.buffer((case.batch, case.heads, 1, case.head_dim), "float32")
+    seq = device.sequence().upload(kv_len).upload(q_now)
+    attention_decode(seq, q_now, k_cache, v_cache, out, batch=case.batch, heads=case.heads, kv_heads=case.kv_heads,
+                     kv_len=None, max_len=max_len, head_dim=case.head_dim, scale=case.the_scale,
+                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits)
+    for length in (1, 2, 17, 33):  # one recording, replayed as the cache grows
+        kv_len.host[:] = length
+        q_now.host[:] = q[:, :, length - 1: length].astype(np.float32)
+        seq.replay()
+        step = replace(case, q_len=length, kv_len=length)
+        want = reference(step, q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length], None)[0]
+        np.testing.assert_allclose(out.read(), want[:, :, -1:], atol=1e-5, rtol=1e-5, err_msg=f"kv_len {length}")

@@ -1,0 +1,194 @@
+"""The engine: lazy tensors, views, broadcasting, autograd and capture-and-replay.
+
+Forward results are checked against numpy; every backward against central finite
+differences of the same function computed in float64 numpy.
+"""
+import numpy as np
+import pytest
+
+import vkformers as vkf
+from vkformers.engine import lazy
+from vkformers.engine.tensor import Tensor, no_grad, parameter
+
+RNG = np.random.default_rng(0)
+FORWARD_TOL = dict(rtol=1e-5, atol=1e-6)   # fp32 kernels against float64 numpy
+GRAD_TOL = dict(rtol=2e-3, atol=2e-4)      # fp32 gradients against float64 finite differences
+
+
+def numeric_grad(f, x, eps=1e-6):
+    """d f(x) / dx by central differences, in float64."""
+    g = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        hi = f(x)
+        flat[i] = old - eps
+        lo = f(x)
+        flat[i] = old
+        gflat[i] = (hi - lo) / (2 * eps)
+    return g
+
+
+def check(vk_fn, np_fn, *shapes, positive=False, grads=True):
+    xs = [RNG.standard_normal(s) for s in shapes]
+    if positive:
+        xs = [np.abs(x) + 0.5 for x in xs]
+    xs = [x.astype(np.float32).astype(np.float64) for x in xs]  # exactly representable in fp32
+    ts = [vkf.tensor(x, requires_grad=grads) for x in xs]
+    out = vk_fn(*ts)
+    expected = np_fn(*xs)
+    np.testing.assert_allclose(out.numpy(), expected, **FORWARD_TOL)
+    if not grads:
+        return
+    weights = RNG.standard_normal(np.shape(expected))
+    (out * vkf.tensor(weights)).sum().backward()
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        def f(xi, i=i):
+            args = list(xs)
+            args[i] = xi
+            return float((np_fn(*args) * weights).sum())
+        np.testing.assert_allclose(t.grad.numpy(), numeric_grad(f, x.copy()), **GRAD_TOL,
+                                   err_msg=f"gradient of input {i}")
+
+
+def gelu(x):
+    from math import erf
+    return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+
+@pytest.mark.parametrize("name, vk_fn, np_fn, shapes, positive", [
+    ("add broadcast", lambda a, b: a + b, lambda a, b: a + b, [(3, 1, 5), (4, 5)], False),
+    ("sub", lambda a, b: a - b, lambda a, b: a - b, [(2, 3), (2, 3)], False),
+    ("mul row", lambda a, b: a * b, lambda a, b: a * b, [(3, 4), (4,)], False),
+    ("div", lambda a, b: a / b, lambda a, b: a / b, [(5,), (5,)], True),
+    ("pow", lambda a, b: a ** b, lambda a, b: a ** b, [(6,), (6,)], True),
+    ("scalar ops", lambda a: (a * 3.0 + 1.5) / 2.0 - 0.25, lambda a: (a * 3 + 1.5) / 2 - 0.25, [(7,)], False),
+    ("rsub scalar", lambda a: 2.0 - a, lambda a: 2.0 - a, [(3,)], False),
+    ("exp", lambda a: a.exp(), np.exp, [(4, 3)], False),
+    ("log", lambda a: a.log(), np.log, [(9,)], True),
+    ("sqrt", lambda a: a.sqrt(), np.sqrt, [(9,)], True),
+    ("rsqrt", lambda a: a.rsqrt(), lambda a: 1 / np.sqrt(a), [(9,)], True),
+    ("tanh", lambda a: a.tanh(), np.tanh, [(9,)], False),
+    ("sigmoid", lambda a: a.sigmoid(), lambda a: 1 / (1 + np.exp(-a)), [(9,)], False),
+    ("silu", lambda a: a.silu(), lambda a: a / (1 + np.exp(-a)), [(9,)], False),
+    ("gelu", lambda a: a.gelu(), gelu, [(9,)], False),
+    ("maximum", lambda a, b: a.maximum(b), np.maximum, [(8,), (8,)], False),
+    ("matmul", lambda a, b: a @ b, lambda a, b: a @ b, [(5, 7), (7, 3)], False),
+    ("batched matmul broadcast", lambda a, b: a @ b, lambda a, b: a @ b, [(2, 3, 4, 5), (5, 6)], False),
+    ("matmul transposed", lambda a, b: a.T @ b.transpose(0, 1), lambda a, b: a.T @ b.T, [(4, 3), (5, 4)], False),
+    ("sum axis", lambda a: a.sum(axis=1), lambda a: a.sum(axis=1), [(3, 4, 5)], False),
+    ("sum keepdim", lambda a: a.sum(axis=(0, 2), keepdim=True), lambda a: a.sum(axis=(0, 2), keepdims=True),
+     [(3, 4, 5)], False),
+    ("mean", lambda a: a.mean(), lambda a: a.mean(), [(4, 6)], False),
+    ("max", lambda a: a.max(axis=-1), lambda a: a.max(axis=-1), [(4, 6)], False),
+    ("softmax", lambda a: a.softmax(-1), lambda a: np.exp(a - a.max(-1, keepdims=True)) /
+     np.exp(a - a.max(-1, keepdims=True)).sum(-1, keepdims=True), [(3, 7)], False),
+    ("log_softmax axis 0", lambda a: a.log_softmax(0), lambda a: a - a.max(0) - np.log(np.exp(a - a.max(0)).sum(0)),
+     [(5, 2)], False),
+    ("views", lambda a: a.reshape(6, 4).T[1:3] * 2.0, lambda a: a.reshape(6, 4).T[1:3] * 2, [(2, 3, 4)], False),
+    ("slice and index", lambda a: a[1, :, ::2] + a[0, :, 1::2], lambda a: a[1, :, ::2] + a[0, :, 1::2],
+     [(2, 3, 4)], False),
+    ("expand", lambda a: a.expand(3, 4) * 1.0, lambda a: np.broadcast_to(a, (3, 4)) * 1.0, [(1, 4)], False),
+])
+def test_forward_and_backward(name, vk_fn, np_fn, shapes, positive):
+    check(vk_fn, np_fn, *shapes, positive=positive)
+
+
+def test_argmax_and_compare():
+    x = np.array([[1.0, 3.0, 3.0], [-1.0, -2.0, 0.5]], np.float32)
+    t = vkf.tensor(x)
+    np.testing.assert_array_equal(t.argmax(-1).numpy(), [1, 2])
+    np.testing.assert_array_equal((t > 0.75).numpy(), x > 0.75)
+
+
+def test_odd_shapes_length_one_and_batch_one():
+    check(lambda a, b: a @ b, lambda a, b: a @ b, (1, 1, 1), (1, 1))
+    check(lambda a: a.sum(axis=0), lambda a: a.sum(axis=0), (1,))
+    check(lambda a, b: a * b, lambda a, b: a * b, (1, 37, 1), (53, 1, 1))
+
+
+def test_no_grad_and_detach():
+    a = vkf.tensor(np.ones(3), requires_grad=True)
+    with no_grad():
+        b = a * 2.0
+    assert not b.requires_grad
+    assert not (a * 2.0).detach().requires_grad
+
+
+def test_gradients_accumulate():
+    a = vkf.tensor(np.array([1.0, 2.0]), requires_grad=True)
+    (a * 3.0).sum().backward()
+    (a * a).sum().backward()
+    np.testing.assert_allclose(a.grad.numpy(), 3.0 + 2 * np.array([1.0, 2.0]))
+
+
+def test_same_graph_replays_without_recording():
+    w = parameter(RNG.standard_normal((8, 4)).astype(np.float32))
+
+    def step(x):
+        return (vkf.tensor(x) @ w).relu().sum().numpy()
+
+    step(RNG.standard_normal((3, 8)))
+    recorded = lazy.stats["recorded"]
+    replayed = lazy.stats["replayed"]
+    for _ in range(3):
+        x = RNG.standard_normal((3, 8)).astype(np.float32)
+        np.testing.assert_allclose(step(x), np.maximum(x @ w.numpy(), 0).sum(), rtol=1e-5)
+    assert lazy.stats["recorded"] == recorded  # same shapes: no new recording
+    assert lazy.stats["replayed"] == replayed + 3
+    step(RNG.standard_normal((5, 8)))  # a new shape records a new plan
+    assert lazy.stats["recorded"] == recorded + 1
+
+
+def test_results_of_an_earlier_replay_stay_valid():
+    w = parameter(np.eye(2, dtype=np.float32))
+    first = vkf.tensor(np.array([[1.0, 2.0]])) @ w
+    first.numpy()
+    second = vkf.tensor(np.array([[5.0, 6.0]])) @ w
+    np.testing.assert_array_equal(second.numpy(), [[5.0, 6.0]])
+    np.testing.assert_array_equal(first.numpy(), [[1.0, 2.0]])
+
+
+def _train_mlp(steps: int, replay: bool) -> list[float]:
+    rng = np.random.default_rng(42)
+    w1 = parameter(rng.standard_normal((4, 16)).astype(np.float32) * 0.5)
+    b1 = parameter(np.zeros(16, np.float32))
+    w2 = parameter(rng.standard_normal((16, 1)).astype(np.float32) * 0.5)
+    x_all = rng.standard_normal((steps, 8, 4)).astype(np.float32)
+    y_all = np.sin(x_all.sum(-1, keepdims=True))
+    losses = []
+    for step in range(steps):
+        if not replay:
+            lazy.clear_plan_cache()
+        x, y = vkf.tensor(x_all[step]), vkf.tensor(y_all[step])
+        pred = (x @ w1 + b1).gelu() @ w2
+        loss = ((pred - y) ** 2.0).mean()
+        loss.backward()
+        for p in (w1, b1, w2):
+            p.assign(p - p.grad * 0.1)
+            p.grad = None
+        losses.append(loss.item())
+    return losses
+
+
+def test_mlp_trained_by_replay_matches_step_by_step_recording():
+    recorded = lazy.stats["recorded"]
+    replayed_losses = _train_mlp(20, replay=True)
+    assert lazy.stats["recorded"] - recorded <= 2  # the first step records; the rest replay
+    rerecorded_losses = _train_mlp(20, replay=False)
+    assert replayed_losses == rerecorded_losses
+    assert replayed_losses[-1] < replayed_losses[0] * 0.7  # and it learns
+
+
+def test_error_messages():
+    a = vkf.tensor(np.ones((2, 3)))
+    with pytest.raises(ValueError, match="do not align"):
+        a @ a
+    with pytest.raises(ValueError, match="do not broadcast"):
+        a + vkf.tensor(np.ones(4))
+    with pytest.raises(ValueError, match="cannot reshape"):
+        a.reshape(4, 2)
+    with pytest.raises(RuntimeError, match="one-element"):
+        vkf.tensor(np.ones(3), requires_grad=True).mul(2.0).backward() if hasattr(Tensor, "mul") else \
+            (vkf.tensor(np.ones(3), requires_grad=True) * 2.0).backward()

@@ -1,0 +1,187 @@
+"""matmul launcher and kernels against numpy float64 references.
+
+Inputs are rounded to their storage dtype first and the reference is computed in
+float64 from those rounded values, so the error measured is the kernel's own:
+float32 accumulation plus one rounding of the output. Tolerance, as a fraction of
+the largest reference magnitude: 1e-5 for float32 C, 1e-3 for float16 C
+(2^-11 relative rounding), 8e-3 for bfloat16 C (2^-8). The same tests run
+whichever kernel the device selects (tiled on lavapipe, cooperative matrix for
+float16/bfloat16 on a GPU that has it), and the tiled kernel explicitly as well.
+"""
+import numpy as np
+import pytest
+
+from vkformers.engine.kernels import Operand
+from vkformers.engine.kernels.matmul import matmul, select_algorithm
+from vkformers.runtime import dtypes as dt
+
+DTYPES = ("float32", "float16", "bfloat16")
+TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` as the storage dtype would hold it (float64 values)."""
+    if dtype == "bfloat16":
+        return dt.from_bfloat16(dt.to_bfloat16(x.astype(np.float32))).astype(np.float64)
+    return x.astype(dtype).astype(np.float64)
+
+
+def storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    return dt.to_bfloat16(x.astype(np.float32)) if dtype == "bfloat16" else x.astype(dtype)
+
+
+def from_storage(x: np.ndarray, dtype: str) -> np.ndarray:
+    return (dt.from_bfloat16(x) if dtype == "bfloat16" else x).astype(np.float64)
+
+
+def upload(device, values: np.ndarray, dtype: str, offset: int = 0) -> Operand:
+    """Buffer holding ``values`` (flattened) from element ``offset`` on, with junk before and after."""
+    flat = values.reshape(-1)
+    junk = np.full(offset, 7.0)
+    data = np.concatenate([junk, flat, np.full(3, -5.0)])
+    return Operand(device.upload(storage(data, dtype), dtype=dtype), offset)
+
+
+def check(got: np.ndarray, ref: np.ndarray, out_dtype: str) -> None:
+    scale = max(np.abs(ref).max(), 1e-30)
+    err = np.abs(got - ref).max() / scale
+    assert err <= TOLERANCE[out_dtype], f"max error {err:.3g} x max|ref| exceeds {TOLERANCE[out_dtype]}"
+
+
+def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=1, trans_a=False,
+             trans_b=False, bias=False, alpha=1.0, beta=0.0, offsets=(0, 0, 0, 0), pad=(0, 0, 0),
+             algorithm="auto", seed=0):
+    rng = np.random.default_rng(seed)
+    shape_a, shape_b = ((k, m) if trans_a else (m, k)), ((n, k) if trans_b else (k, n))
+    # Batch strides with optional padding between matrices (non-dense batches).
+    stride_a, stride_b, stride_c = m * k + pad[0], k * n + pad[1], m * n + pad[2]
+    a = rounded(rng.standard_normal((batch, stride_a)), in_dtype)
+    b = rounded(rng.standard_normal((batch, stride_b)), in_dtype)
+    c0 = rounded(rng.standard_normal((batch, stride_c)), out_dtype)
+    bias_values = rounded(rng.standard_normal(n), out_dtype)
+
+    ops = [upload(device, x, d, o) for x, d, o in ((a, in_dtype, offsets[0]), (b, in_dtype, offsets[1]),
+                                                   (c0, out_dtype, offsets[2]))]
+    bias_op = upload(device, bias_values, out_dtype, offsets[3]) if bias else None
+    seq = device.sequence()
+    matmul(seq, *ops, m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b,
+           stride_a=stride_a if batch > 1 else None, stride_b=stride_b if batch > 1 else None,
+           stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm)
+    seq.replay()
+
+    c_buf = ops[2]
+    got_all = from_storage(c_buf.buffer.read().reshape(-1), out_dtype)
+    got = got_all[offsets[2]: offsets[2] + batch * stride_c].reshape(batch, stride_c)
+    for i in range(batch):
+        op_a = a[i, : m * k].reshape(shape_a)
+        op_b = b[i, : k * n].reshape(shape_b)
+        ref = alpha * ((op_a.T if trans_a else op_a) @ (op_b.T if trans_b else op_b))
+        if bias:
+            ref = ref + bias_values
+        ref = ref + beta * c0[i, : m * n].reshape(m, n)
+        check(got[i, : m * n].reshape(m, n), ref, out_dtype)
+        # Padding between batch matrices and the junk around C are untouched.
+        np.testing.assert_array_equal(got[i, m * n:], c0[i, m * n:])
+    np.testing.assert_array_equal(got_all[: offsets[2]], rounded(np.full(offsets[2], 7.0), out_dtype))
+
+
+def algorithms(device, in_dtype):
+    """The selected kernel, plus the tiled one when the device selects another."""
+    chosen = select_algorithm(device, in_dtype)
+    return ["auto"] if chosen == "tiled" else ["auto", "tiled"]
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_odd_shape_every_dtype_pair(device, in_dtype, out_dtype):
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 37, 53, 29, in_dtype=in_dtype, out_dtype=out_dtype, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_one_by_one_by_one(device, in_dtype):
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 1, 1, 1, in_dtype=in_dtype, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (True, False), (True, True)])
+def test_transposes(device, in_dtype, trans_a, trans_b):
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 45, 71, 83, in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_several_tiles_and_k_steps(device, in_dtype):
+    """More than one workgroup tile each way and many K steps, with ragged edges."""
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 133, 150, 90, in_dtype=in_dtype, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_aligned_tiles(device, in_dtype):
+    """Sizes that are multiples of every tile (the vector-load path of the coopmat kernel)."""
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 128, 128, 64, in_dtype=in_dtype, algorithm=algorithm)
+        run_case(device, 128, 128, 64, in_dtype=in_dtype, trans_a=True, trans_b=True, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_batched_with_strides_and_offsets(device, in_dtype):
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 19, 24, 40, in_dtype=in_dtype, batch=3, pad=(5, 8, 3), offsets=(3, 8, 5, 2),
+                 algorithm=algorithm)
+        # Aligned to 8 elements everywhere: whole-vector loads with batches and offsets.
+        run_case(device, 32, 48, 64, in_dtype=in_dtype, out_dtype="float32", batch=2, pad=(8, 16, 0),
+                 offsets=(8, 16, 4, 0), trans_b=True, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_bias_alpha_and_beta_accumulation(device, in_dtype, out_dtype):
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 21, 34, 17, in_dtype=in_dtype, out_dtype=out_dtype, bias=True, alpha=0.5, beta=1.0,
+                 offsets=(1, 2, 3, 4), algorithm=algorithm)
+
+
+def test_beta_zero_ignores_nan_in_c(device):
+    a = device.upload(np.ones((4, 3), np.float32))
+    b = device.upload(np.ones((3, 5), np.float32))
+    c = device.upload(np.full((4, 5), np.nan, np.float32))
+    device.run(lambda seq: matmul(seq, a, b, c, m=4, n=5, k=3))
+    np.testing.assert_array_equal(c.read(), np.full((4, 5), 3.0, np.float32))
+
+
+def test_gradient_accumulation_replayed(device):
+    """beta=1 replayed: C grows by A @ B each replay."""
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((20, 30)).astype(np.float32), rng.standard_normal((30, 10)).astype(np.float32)
+    a, b, c = device.upload(x), device.upload(y), device.upload(np.zeros((20, 10), np.float32))
+    seq = device.sequence()
+    matmul(seq, a, b, c, m=20, n=10, k=30, beta=1.0)
+    for _ in range(3):
+        seq.replay()
+    check(c.read().astype(np.float64), 3 * (x.astype(np.float64) @ y), "float32")
+
+
+def test_coopmat_selected_when_the_device_has_it(device):
+    shapes = device.cooperative_matrix_shapes
+    def offered(name):
+        return any(s["m"] == s["n"] == s["k"] == 16 and s["a_type"] == s["b_type"] == name
+                   and s["result_type"] == "float32" and s["scope"] == "subgroup" for s in shapes)
+    assert select_algorithm(device, "float32") == "tiled"
+    assert select_algorithm(device, "float16") == ("coopmat" if offered("float16") else "tiled")
+    bf16 = offered("bfloat16") and device.features.get("shaderBFloat16CooperativeMatrix")
+    assert select_algorithm(device, "bfloat16") == ("coopmat" if bf16 else "tiled")
+
+
+def test_rejects_bad_arguments(device):
+    a = device.upload(np.zeros((4, 4), np.float32))
+    h = device.upload(np.zeros((4, 4), np.float16))
+    seq = device.sequence()
+    with pytest.raises(TypeError):
+        matmul(seq, a, h, a, m=4, n=4, k=4)
+    with pytest.raises(ValueError):
+        matmul(seq, a, a, a, m=4, n=4, k=5)
+    with pytest.raises(TypeError):
+        matmul(seq, a, a, a, m=4, n=4, k=4, bias=h)
