@@ -127,7 +127,7 @@ class Function:
     def hold(self, on: bool) -> None:
         """Count the lazy buffers saved for backward as live, so realization keeps their data."""
         for lb in _lazy_buffers(self.saved):
-            lb.refs += 1 if on else -1
+            lb.base.refs += 1 if on else -1
         self._holding = on
 
     def release(self) -> None:

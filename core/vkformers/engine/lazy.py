@@ -99,7 +99,7 @@ class LazyBuffer:
         self.buffer = buffer        # device storage, on bases only
         self.host = host            # data waiting to be uploaded (input leaves)
         self.persistent = persistent  # parameters and optimizer state keep their own buffer
-        self.refs = 0               # live Tensor objects holding this buffer
+        self.refs = 0               # live Tensors (and saved-for-backward uses) of this storage, on bases
         self.replaces = None        # for assignments: the previous version of the same storage
         self.consumers = weakref.WeakSet()  # nodes reading this storage that may still run
 

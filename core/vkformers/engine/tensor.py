@@ -31,19 +31,19 @@ class Tensor:
         array = np.asarray(data)
         target = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
         self.lazy = LazyBuffer(array.shape, target, device, host=_to_host(array, target))
-        self.lazy.refs += 1
+        self.lazy.base.refs += 1
         self.requires_grad, self.grad, self._ctx, self._index = requires_grad, None, None, 0
 
     @classmethod
     def _from_lazy(cls, lazy: LazyBuffer, requires_grad=False, ctx=None, index=0) -> "Tensor":
         t = cls.__new__(cls)
         t.lazy, t.requires_grad, t.grad, t._ctx, t._index = lazy, requires_grad, None, ctx, index
-        lazy.refs += 1
+        lazy.base.refs += 1  # the storage is what a later realization must keep
         return t
 
     def __del__(self):
         try:
-            self.lazy.refs -= 1
+            self.lazy.base.refs -= 1
         except AttributeError:
             pass
 
@@ -117,9 +117,9 @@ class Tensor:
         return self
 
     def _set_lazy(self, lazy: LazyBuffer) -> None:
-        self.lazy.refs -= 1
+        self.lazy.base.refs -= 1
         self.lazy = lazy
-        lazy.refs += 1
+        lazy.base.refs += 1
 
     # -- autograd
 

@@ -12,6 +12,7 @@ import numpy as np
 from vkformers.engine.function import Function, KernelOp, node
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import cross_entropy as KC
+from vkformers.engine.kernels import dropout as KD
 from vkformers.engine.kernels import embedding as KE
 from vkformers.engine.kernels import norm as KN
 from vkformers.engine.kernels import rope as KR
@@ -321,3 +322,44 @@ def gather_flat(values, index):
     table = values.reshape(-1, 1)
     out = node(EmbeddingKernel(), [table.lazy, index.lazy], [(index.shape + (1,), values.dtype)])[0]
     return _tensor(out).reshape(index.shape)
+
+
+# ---------------------------------------------------------------- dropout
+
+class DropoutKernel(KernelOp):
+    name = "dropout"
+
+    def emit(self, seq, outs, ins):
+        (y,), (x, seed) = outs, ins
+        KD.dropout(seq, x.operand, y.operand, seed.operand, p=self.p, count=x.numel, stream=self.stream)
+
+
+class DropoutFn(Function):
+    def forward(self, x, seed, p, stream):
+        self.saved, self.flags = (seed,), dict(p=float(p), stream=int(stream))
+        return node(DropoutKernel(**self.flags), [x, seed], [(x.shape, x.dtype)])[0]
+
+    def backward(self, g):
+        (seed,) = self.saved  # the same seed regenerates the same mask
+        return _tensor(node(DropoutKernel(**self.flags), [g.contiguous().lazy, seed], [(g.shape, g.dtype)])[0]), None
+
+
+_dropout_rng = np.random.default_rng()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the generator that draws dropout seeds (one per dropout call, uploaded with the step)."""
+    global _dropout_rng
+    _dropout_rng = np.random.default_rng(seed)
+
+
+def dropout(x, p: float = 0.5, training: bool = True, stream: int = 0):
+    """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training)."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    from vkformers.engine.tensor import Tensor
+    seed = Tensor(_dropout_rng.integers(0, 2**32, size=2, dtype=np.uint64).astype(np.uint32), dtype=dt.uint32,
+                  device=x.device)
+    return DropoutFn.apply(x.contiguous(), seed, p=p, stream=stream)

@@ -1,0 +1,81 @@
+"""The ops models are written with, named as in ``torch.nn.functional``."""
+from __future__ import annotations
+
+from vkformers.engine.ops.elementwise import unary, where
+from vkformers.engine.ops.nn import (
+    cross_entropy,
+    dropout,
+    embedding,
+    gather_flat,
+    layer_norm,
+    manual_seed,
+    rms_norm,
+    rope,
+    scaled_dot_product_attention,
+)
+
+
+def linear(x, weight, bias=None):
+    """x @ weight.T (+ bias), with weight [out_features, in_features] as in torch and HF checkpoints."""
+    y = x @ weight.transpose(-1, -2)
+    return y + bias if bias is not None else y
+
+
+def relu(x):
+    return unary(x, "relu")
+
+
+def relu2(x):
+    """relu(x) squared (Primer / Nemotron)."""
+    return unary(x, "relu2")
+
+
+def gelu(x, approximate: str = "none"):
+    return unary(x, "gelu_tanh" if approximate == "tanh" else "gelu")
+
+
+def quick_gelu(x):
+    return unary(x, "quick_gelu")
+
+
+def silu(x):
+    return unary(x, "silu")
+
+
+def sigmoid(x):
+    return unary(x, "sigmoid")
+
+
+def tanh(x):
+    return unary(x, "tanh")
+
+
+ACTIVATIONS = {"relu": relu, "relu2": relu2, "gelu": gelu, "gelu_new": lambda x: gelu(x, "tanh"),
+               "gelu_pytorch_tanh": lambda x: gelu(x, "tanh"), "gelu_fast": lambda x: gelu(x, "tanh"),
+               "quick_gelu": quick_gelu, "silu": silu, "swish": silu, "sigmoid": sigmoid, "tanh": tanh}
+
+
+def activation(name: str):
+    """The activation function an HF config names in ``hidden_act`` / ``hidden_activation``."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(sorted(ACTIVATIONS))}") from None
+
+
+def gated(gate, up, act: str = "silu"):
+    """act(gate) * up: SwiGLU with silu, GeGLU with gelu."""
+    return activation(act)(gate) * up
+
+
+def softmax(x, dim: int = -1):
+    return x.softmax(dim)
+
+
+def log_softmax(x, dim: int = -1):
+    return x.log_softmax(dim)
+
+
+__all__ = ["activation", "cross_entropy", "dropout", "embedding", "gated", "gather_flat", "gelu", "layer_norm",
+           "linear", "log_softmax", "manual_seed", "quick_gelu", "relu", "relu2", "rms_norm", "rope",
+           "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "tanh", "where"]

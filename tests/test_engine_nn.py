@@ -1,0 +1,127 @@
+"""Transformer ops through the engine (autograd included): numpy forward references and
+float64 finite-difference gradients, as in test_engine.py."""
+import math
+
+import numpy as np
+import pytest
+
+import vkformers as vkf
+from vkformers.engine import functional as F
+from test_engine import GRAD_TOL, RNG, check, numeric_grad
+
+
+def np_rms_norm(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def np_layer_norm(x, w, b, eps=1e-5):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def test_rms_norm():
+    check(lambda x, w: F.rms_norm(x, w, eps=1e-6), np_rms_norm, (3, 5, 8), (8,))
+
+
+def test_rms_norm_unit_offset():
+    check(lambda x, w: F.rms_norm(x, w, eps=1e-6, unit_offset=True), lambda x, w: np_rms_norm(x, 1 + w), (4, 6), (6,))
+
+
+def test_layer_norm():
+    check(lambda x, w, b: F.layer_norm(x, w, b), np_layer_norm, (4, 7), (7,), (7,))
+
+
+def test_linear_and_gated_mlp():
+    def np_silu(x):
+        return x / (1 + np.exp(-x))
+    check(lambda x, wg, wu: F.gated(F.linear(x, wg), F.linear(x, wu), "silu"),
+          lambda x, wg, wu: np_silu(x @ wg.T) * (x @ wu.T), (3, 4), (5, 4), (5, 4))
+
+
+def test_embedding_forward_and_backward():
+    table = RNG.standard_normal((11, 4)).astype(np.float32)
+    ids = np.array([[1, 3, 3], [10, 0, 1]], np.int32)
+    t = vkf.tensor(table, requires_grad=True)
+    out = F.embedding(vkf.tensor(ids), t)
+    np.testing.assert_array_equal(out.numpy(), table[ids])
+    w = RNG.standard_normal(out.shape)
+    (out * vkf.tensor(w)).sum().backward()
+    expected = np.zeros_like(table, dtype=np.float64)
+    np.add.at(expected, ids.reshape(-1), w.reshape(-1, 4))
+    np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_with_ignored_labels():
+    logits = RNG.standard_normal((2, 3, 7))
+    labels = np.array([[1, -100, 6], [0, 2, -100]], np.int32)
+
+    def np_ce(z):
+        z2, lab = z.reshape(-1, 7), labels.reshape(-1)
+        keep = lab != -100
+        lse = np.log(np.exp(z2 - z2.max(-1, keepdims=True)).sum(-1)) + z2.max(-1)
+        return (lse[keep] - z2[keep, lab[keep]]).mean()
+
+    t = vkf.tensor(logits, requires_grad=True)
+    loss = F.cross_entropy(t, vkf.tensor(labels))
+    np.testing.assert_allclose(loss.item(), np_ce(logits), rtol=1e-5)
+    loss.backward()
+    np.testing.assert_allclose(t.grad.numpy(), numeric_grad(np_ce, logits.copy()), **GRAD_TOL)
+
+
+def np_rope(x, pos, inv_freq):
+    ang = pos[:, None, :, None] * inv_freq  # [b, 1, s, d/2]
+    cos, sin = np.concatenate([np.cos(ang)] * 2, -1), np.concatenate([np.sin(ang)] * 2, -1)
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def test_rope_half_layout():
+    pos = np.array([[0, 1, 2, 5], [3, 4, 5, 6]], np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float32)
+    check(lambda x: F.rope(x, vkf.tensor(pos), vkf.tensor(inv_freq)),
+          lambda x: np_rope(x, pos.astype(np.float64), inv_freq.astype(np.float64)), (2, 3, 4, 8))
+
+
+def np_attention(q, k, v, causal=True):
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, 1), np.repeat(v, group, 1)
+    s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    if causal:
+        ql, kl = s.shape[-2:]
+        s = np.where(np.arange(kl)[None, :] <= np.arange(ql)[:, None] + (kl - ql), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_gqa(causal):
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, causal=causal),
+          lambda q, k, v: np_attention(q, k, v, causal), (1, 4, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+
+
+def test_attention_on_transposed_views():
+    """q, k, v as [batch, seq, heads, dim] transposed: the op makes them contiguous itself."""
+    check(lambda q, k, v: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+          lambda q, k, v: np_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)),
+          (1, 3, 2, 4), (1, 3, 2, 4), (1, 3, 2, 4))
+
+
+def test_dropout_masks_scales_and_replays_with_new_seeds():
+    F.manual_seed(0)
+    x = vkf.tensor(np.ones((64, 64), np.float32), requires_grad=True)
+    y = F.dropout(x, p=0.25)
+    out = y.numpy()
+    kept = out != 0
+    assert abs(kept.mean() - 0.75) < 0.03
+    np.testing.assert_allclose(out[kept], 1 / 0.75, rtol=1e-6)
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy() != 0, kept)  # backward keeps the same elements
+    second = F.dropout(vkf.tensor(np.ones((64, 64), np.float32)), p=0.25).numpy()
+    assert (second != 0).mean() > 0.7 and not np.array_equal(second != 0, kept)
+    assert F.dropout(x, p=0.25, training=False) is x
+
+
+def test_unknown_activation_is_named():
+    with pytest.raises(ValueError, match="unknown activation 'swiglu2'"):
+        F.activation("swiglu2")
