@@ -8,6 +8,7 @@
 //! variant nomss -DBK=64 -DSGR=2 -DNO_MSS
 //! variant f16stage -DBK=64 -DSGR=2 -DF16_STAGE
 //! variant loopidx -DBK=64 -DSGR=2 -DSPEC_LOOPS
+//! variant big -DBK=32 -DSGR=2 -DBN_=256
 //! variant nounroll -DBK=64 -DSGR=2 -DNO_UNROLL
 //! variant bf16 -DBK=64 -DSGR=2
 //! variant bf16bk32 -DBK=32 -DSGR=2
@@ -45,7 +46,10 @@ layout(binding = 1) readonly buffer MatB { uvec4 b_data[]; };
 layout(binding = 2) writeonly buffer MatC { float c_data[]; };
 layout(push_constant) uniform Push { uint m, n, k; };
 
-const uint BM = 128, BN = 128, THREADS = 256;
+#ifndef BN_
+#define BN_ 128
+#endif
+const uint BM = 128, BN = BN_, THREADS = 256;
 const uint SGC = 8 / SGR;
 const uint WM = BM / SGR, WN = BN / SGC, FM = WM / 16, FN = WN / 16;
 const uint PA = BK / 8 + 1, PB = BN / 8 + 1;             // pitches in uvec4 (8 halves)
