@@ -127,6 +127,19 @@ def test_aligned_tiles(device, in_dtype):
 
 
 @pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, True)])
+def test_inner_and_edge_workgroups_mixed(device, in_dtype, trans_a, trans_b):
+    """Aligned sizes where some workgroup tiles are whole and others ragged, and K ends
+    in a partial step: the coopmat kernel's unchecked loads, checked loads and both
+    epilogues (direct float32 store with alpha; staged with bias and beta) in one call."""
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 200, 296, 200, in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, alpha=0.5,
+                 algorithm=algorithm)
+        run_case(device, 136, 264, 72, in_dtype=in_dtype, out_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b,
+                 bias=True, beta=1.0, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
 def test_batched_with_strides_and_offsets(device, in_dtype):
     for algorithm in algorithms(device, in_dtype):
         run_case(device, 19, 24, 40, in_dtype=in_dtype, batch=3, pad=(5, 8, 3), offsets=(3, 8, 5, 2),

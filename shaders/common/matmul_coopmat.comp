@@ -4,12 +4,24 @@
 // A workgroup of SG_ROWS x SG_COLS subgroups computes a (64 SG_ROWS) x (32 SG_COLS)
 // tile of C; each subgroup 64 x 32 as FRAG_M x FRAG_N 16x16 accumulators. Tiles of
 // A and B are staged in shared memory in their global layout (whichever index is
-// contiguous stays contiguous, loaded 8 halves at a time, rows padded by 8 halves), and
-// coopMatLoad reads them row- or column-major accordingly; the next K tile is
-// loaded into registers while the current one is multiplied. Tiles at the edges
-// of C or K are loaded element by element with bounds checks (zeros outside).
-// The epilogue goes through shared memory so it can bounds-check, add bias and
-// beta * C, and convert.
+// contiguous stays contiguous, moved 8 halves at a time as raw uvec4s, rows padded
+// by 8 halves so the 16-byte row reads of a 16x16 load hit distinct banks), and
+// coopMatLoad reads them row- or column-major accordingly. The next K tile is
+// loaded into registers while the current one is multiplied.
+//
+// Speed on NVIDIA depends on every loop that touches an array of cooperative
+// matrices or of prefetched registers being unrolled: the driver does not unroll
+// them by itself, and then keeps those arrays in local memory (measured on an
+// H200: 35-70 TFLOP/s without [[unroll]], 540 with it). So every such loop has
+// [[unroll]] and a bound the driver knows (#define or specialization constant).
+//
+// Edges: a K tile of a workgroup that lies wholly inside C, with whole-vector
+// (aligned) rows of A and B and a whole BK step of K, is loaded without checks;
+// any other tile is loaded element by element with bounds checks (zeros outside).
+// The choice is per workgroup and K step, so the hot loop of large problems never
+// checks bounds. The epilogue stores float32 results of a whole tile directly
+// (coopMatStore) when there is no bias and beta == 0; otherwise it goes through
+// shared memory so it can bounds-check, add bias and beta * C, and convert.
 //
 // bfloat16: no GLSL compiler we have knows GL_EXT_bfloat16, so the bf16_* variants
 // compile this very source (16-bit floats appear only in the A and B matrix types)
@@ -27,13 +39,14 @@
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_control_flow_attributes : require
 #define MATMUL_INPUTS_AS_WORDS
 #define OUT_F16_AS_BITS
 #include "common.glsl"
 
 layout(constant_id = 0) const uint SG_ROWS = 2;
 layout(constant_id = 1) const uint SG_COLS = 4;
-layout(constant_id = 2) const uint BK = 32;    // multiple of 16
+layout(constant_id = 2) const uint BK = 64;    // multiple of 16
 layout(constant_id = 3) const uint TRANS_A = 0;
 layout(constant_id = 4) const uint TRANS_B = 0;
 layout(constant_id = 5) const uint HAS_BIAS = 0;
@@ -45,32 +58,21 @@ layout(local_size_x_id = 8) in;
 
 #define FRAG_M 4
 #define FRAG_N 2
-#define MAX_CHUNKS 8  // bound on uvec4 loads per invocation per tile
+// Bound on uvec4 loads per invocation per tile (the launcher checks it).
+#define MAX_CHUNKS 16
 const uint BM = 16 * FRAG_M * SG_ROWS;
 const uint BN = 16 * FRAG_N * SG_COLS;
 
-// A staged tile is OUTER rows of INNER contiguous halves, pitch INNER / 8 + 1 uvec4.
-// Non-transposed A: BM rows of BK; transposed A: BK rows of BM (same for B with BN).
-const uint PITCH_A = (TRANS_A != 0 ? BM : BK) / 8 + 1;
-const uint PITCH_B = (TRANS_B != 0 ? BK : BN) / 8 + 1;
-const uint TILE_A_WORDS = (TRANS_A != 0 ? BK : BM) * PITCH_A;
-const uint TILE_B_WORDS = (TRANS_B != 0 ? BN : BK) * PITCH_B;
-// Staged as f16vec4 (two per uvec4 loaded), the matrices' own component type
-// (staging raw uvec4s measured the same on the H200).
-#define STAGE_T f16vec4
-#define STAGE_PER_WORD 2
-shared STAGE_T tile_a[TILE_A_WORDS * STAGE_PER_WORD];
-shared STAGE_T tile_b[TILE_B_WORDS * STAGE_PER_WORD];
+// A staged tile is OUTER rows of INNER contiguous halves, INNER / 8 uvec4s of data
+// plus one of padding. Non-transposed A: BM rows of BK; transposed A: BK rows of BM
+// (the same for B with BN).
+const uint INNER_A = TRANS_A != 0 ? BM : BK, OUTER_A = TRANS_A != 0 ? BK : BM;
+const uint INNER_B = TRANS_B != 0 ? BK : BN, OUTER_B = TRANS_B != 0 ? BN : BK;
+const uint PITCH_A = INNER_A / 8 + 1, PITCH_B = INNER_B / 8 + 1;
+const uint CHUNKS_A = OUTER_A * INNER_A / 8, CHUNKS_B = OUTER_B * INNER_B / 8;  // uvec4s per tile
+shared uvec4 tile_a[OUTER_A * PITCH_A];
+shared uvec4 tile_b[OUTER_B * PITCH_B];
 shared float stage_c[SG_ROWS * SG_COLS * 256];  // epilogue: one 16x16 accumulator per subgroup
-
-void stage_a(uint word, uvec4 v) {
-    tile_a[2 * word] = f16vec4(unpackFloat2x16(v.x), unpackFloat2x16(v.y));
-    tile_a[2 * word + 1] = f16vec4(unpackFloat2x16(v.z), unpackFloat2x16(v.w));
-}
-void stage_b(uint word, uvec4 v) {
-    tile_b[2 * word] = f16vec4(unpackFloat2x16(v.x), unpackFloat2x16(v.y));
-    tile_b[2 * word + 1] = f16vec4(unpackFloat2x16(v.z), unpackFloat2x16(v.w));
-}
 
 // Half number e of a matrix stored as uvec4s, for loads that are not whole aligned vectors.
 uint half_bits(bool from_a, uint e) {
@@ -78,15 +80,36 @@ uint half_bits(bool from_a, uint e) {
     return (word >> ((e & 1) * 16)) & 0xFFFFu;
 }
 
-// 8 halves of row `outer`, columns inner..inner+7, of a dense [outer_n, inner_n] matrix at `base`.
-uvec4 load_chunk(bool from_a, bool aligned, uint base, uint outer, uint inner, uint outer_n, uint inner_n) {
+// Checked load: 8 halves of row `outer`, columns inner..inner+7, of a dense
+// [outer_n, inner_n] matrix at element `base`; zeros outside the matrix.
+uvec4 load_chunk_checked(bool from_a, bool aligned, uint base, uint outer, uint inner, uint outer_n, uint inner_n) {
     if (outer >= outer_n) return uvec4(0);
     uint e = base + outer * inner_n + inner;
     if (aligned && inner + 8 <= inner_n) return from_a ? a_data[e >> 3] : b_data[e >> 3];
     uvec4 v = uvec4(0);
-    for (uint j = 0; j < 8 && inner + j < inner_n; ++j) v[j >> 1] |= half_bits(from_a, e + j) << ((j & 1) * 16);
+    [[unroll]] for (uint j = 0; j < 8; ++j)
+        if (inner + j < inner_n) v[j >> 1] |= half_bits(from_a, e + j) << ((j & 1) * 16);
     return v;
 }
+
+// Chunk q of a staged tile: (row q / (INNER / 8), uvec4 q % (INNER / 8)) of the
+// tile, which starts at (outer0, inner0) of the matrix.
+uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
+    uint o = q / (INNER_A / 8), i = 8 * (q % (INNER_A / 8));
+    uint outer = (TRANS_A != 0 ? k0 : row0) + o, inner = (TRANS_A != 0 ? row0 : k0) + i;
+    uint outer_n = TRANS_A != 0 ? k : m, inner_n = TRANS_A != 0 ? m : k;
+    if (fast) return a_data[(base + outer * inner_n + inner) >> 3];
+    return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, outer_n, inner_n);
+}
+uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
+    uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
+    uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
+    uint outer_n = TRANS_B != 0 ? n : k, inner_n = TRANS_B != 0 ? k : n;
+    if (fast) return b_data[(base + outer * inner_n + inner) >> 3];
+    return load_chunk_checked(false, ALIGNED_B != 0, base, outer, inner, outer_n, inner_n);
+}
+uint staged_index_a(uint q) { return q / (INNER_A / 8) * PITCH_A + q % (INNER_A / 8); }
+uint staged_index_b(uint q) { return q / (INNER_B / 8) * PITCH_B + q % (INNER_B / 8); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -96,66 +119,70 @@ void main() {
     const uint base_b = off_b + gl_WorkGroupID.z * stride_b;
     const uint sg = gl_SubgroupID;
     const uint sg_row = sg / SG_COLS, sg_col = sg % SG_COLS;
-    const uint chunks_a = TILE_A_WORDS / PITCH_A * (PITCH_A - 1);  // uvec4s of data in a tile
-    const uint chunks_b = TILE_B_WORDS / PITCH_B * (PITCH_B - 1);
+    // Whole-vector loads without checks for K tiles of a workgroup inside C.
+    const bool inside = row0 + BM <= m && col0 + BN <= n;
+    const bool vector_tiles = inside && ALIGNED_A != 0 && ALIGNED_B != 0;
 
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[FRAG_M][FRAG_N];
-    for (uint i = 0; i < FRAG_M; ++i)
-        for (uint j = 0; j < FRAG_N; ++j) acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
+        [[unroll]] for (uint j = 0; j < FRAG_N; ++j)
+            acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
     uvec4 next_a[MAX_CHUNKS], next_b[MAX_CHUNKS];
-    // Chunk q of a tile is (row q / (PITCH - 1), uvec4 q % (PITCH - 1)) of the staged layout.
-#define LOAD_TILES(K0)                                                                           \
-    for (uint l = 0; l * threads < chunks_a; ++l) {                                              \
-        uint q = tid + l * threads, o = q / (PITCH_A - 1), i = 8 * (q % (PITCH_A - 1));           \
-        next_a[l] = TRANS_A != 0 ? load_chunk(true, ALIGNED_A != 0, base_a, (K0) + o, row0 + i, k, m) \
-                                 : load_chunk(true, ALIGNED_A != 0, base_a, row0 + o, (K0) + i, m, k); \
-    }                                                                                            \
-    for (uint l = 0; l * threads < chunks_b; ++l) {                                              \
-        uint q = tid + l * threads, o = q / (PITCH_B - 1), i = 8 * (q % (PITCH_B - 1));           \
-        next_b[l] = TRANS_B != 0 ? load_chunk(false, ALIGNED_B != 0, base_b, col0 + o, (K0) + i, n, k) \
-                                 : load_chunk(false, ALIGNED_B != 0, base_b, (K0) + o, col0 + i, k, n); \
+    // Both branches are uniform over the workgroup; the unchecked one is the hot loop.
+#define FETCH_TILES(K0)                                                                               \
+    if (vector_tiles && (K0) + BK <= k) {                                                             \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(true, tid + l * threads, base_b, col0, K0); \
+    } else {                                                                                          \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(false, tid + l * threads, base_a, row0, K0); \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(false, tid + l * threads, base_b, col0, K0); \
     }
 
-    LOAD_TILES(0)
+    FETCH_TILES(0)
     for (uint k0 = 0; k0 < k; k0 += BK) {
-        for (uint l = 0; l * threads < chunks_a; ++l) {
-            uint q = tid + l * threads;
-            stage_a(q / (PITCH_A - 1) * PITCH_A + q % (PITCH_A - 1), next_a[l]);
-        }
-        for (uint l = 0; l * threads < chunks_b; ++l) {
-            uint q = tid + l * threads;
-            stage_b(q / (PITCH_B - 1) * PITCH_B + q % (PITCH_B - 1), next_b[l]);
-        }
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) tile_a[staged_index_a(tid + l * threads)] = next_a[l];
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];
         barrier();
-        if (k0 + BK < k) { LOAD_TILES(k0 + BK) }  // in flight while we multiply
+        if (k0 + BK < k) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
 
-        const uint S = STAGE_PER_WORD;  // staged elements per uvec4 of 8 halves
-        for (uint kk = 0; kk < BK; kk += 16) {
+        [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[FRAG_M];
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[FRAG_N];
-            for (uint i = 0; i < FRAG_M; ++i) {
+            // Offsets and strides in uvec4s (8 halves).
+            [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
                 uint r = sg_row * 16 * FRAG_M + 16 * i;
-                if (TRANS_A != 0) coopMatLoad(fa[i], tile_a, S * (kk * PITCH_A + r / 8), S * PITCH_A, gl_CooperativeMatrixLayoutColumnMajor);
-                else coopMatLoad(fa[i], tile_a, S * (r * PITCH_A + kk / 8), S * PITCH_A, gl_CooperativeMatrixLayoutRowMajor);
+                if (TRANS_A != 0) coopMatLoad(fa[i], tile_a, kk * PITCH_A + r / 8, PITCH_A, gl_CooperativeMatrixLayoutColumnMajor);
+                else coopMatLoad(fa[i], tile_a, r * PITCH_A + kk / 8, PITCH_A, gl_CooperativeMatrixLayoutRowMajor);
             }
-            for (uint j = 0; j < FRAG_N; ++j) {
+            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
                 uint c = sg_col * 16 * FRAG_N + 16 * j;
-                if (TRANS_B != 0) coopMatLoad(fb[j], tile_b, S * (c * PITCH_B + kk / 8), S * PITCH_B, gl_CooperativeMatrixLayoutColumnMajor);
-                else coopMatLoad(fb[j], tile_b, S * (kk * PITCH_B + c / 8), S * PITCH_B, gl_CooperativeMatrixLayoutRowMajor);
+                if (TRANS_B != 0) coopMatLoad(fb[j], tile_b, c * PITCH_B + kk / 8, PITCH_B, gl_CooperativeMatrixLayoutColumnMajor);
+                else coopMatLoad(fb[j], tile_b, kk * PITCH_B + c / 8, PITCH_B, gl_CooperativeMatrixLayoutRowMajor);
             }
-            for (uint i = 0; i < FRAG_M; ++i)
-                for (uint j = 0; j < FRAG_N; ++j) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
+            [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
+                [[unroll]] for (uint j = 0; j < FRAG_N; ++j) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
         }
         barrier();
     }
 
-    // Epilogue: each subgroup stages one 16x16 float accumulator at a time in its
-    // slice of stage_c, then writes it out with bounds checks.
     const uint base_c = off_c + gl_WorkGroupID.z * stride_c;
+#if defined(OUT_F32)
+    // float32 C, whole tile, nothing to add: store the accumulators directly.
+    if (inside && HAS_BIAS == 0 && beta == 0.0) {
+        [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
+            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
+                uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
+                coopMatStore(acc[i][j] * alpha, c_data, base_c + r0 * n + c0, n, gl_CooperativeMatrixLayoutRowMajor);
+            }
+        return;
+    }
+#endif
+    // General epilogue: each subgroup stages one 16x16 float accumulator at a time
+    // in its slice of stage_c, then writes it out with bounds checks.
     const uint lanes = gl_SubgroupSize, lane = gl_SubgroupInvocationID;
-    for (uint i = 0; i < FRAG_M; ++i) {
-        for (uint j = 0; j < FRAG_N; ++j) {
+    [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
+        [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
             coopMatStore(acc[i][j], stage_c, sg * 256, 16, gl_CooperativeMatrixLayoutRowMajor);
             subgroupMemoryBarrierShared();
             subgroupBarrier();

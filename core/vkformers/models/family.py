@@ -1,9 +1,11 @@
 """A family plugin declared as data: what a plugin's entry point usually exposes.
 
-    plugin = FamilyPlugin("llama", ARCHITECTURES, ALIASES, Path(__file__).parent)
+    plugin = FamilyPlugin("llama", ARCHITECTURES, ALIASES, Path(__file__).parent,
+                          model_classes={"causal-lm": DecoderForCausalLM})
 
-registers the architecture table, the alias map and the plugin's kernels
-(GLSL in ``<distribution>/shaders/``, SPIR-V in ``<package>/_spirv/``).
+registers the architecture table, the alias map, the model classes (one class per
+task serves every architecture of the family, configured by its name) and the
+plugin's kernels (GLSL in ``<distribution>/shaders/``, SPIR-V in ``<package>/_spirv/``).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from vkformers.runtime.kernels import KernelDir
 
 
 class FamilyPlugin:
-    def __init__(self, family: str, architectures, aliases, package_dir: Path):
+    def __init__(self, family: str, architectures, aliases, package_dir: Path, model_classes=None):
         self.family = family
+        self.model_classes = dict(model_classes or {})
         self.table = architectures
         self.aliases = aliases
         self.package_dir = Path(package_dir)
@@ -28,6 +31,12 @@ class FamilyPlugin:
     @hookimpl
     def vkformers_aliases(self):
         return self.aliases
+
+    @hookimpl
+    def vkformers_model_class(self, architecture, task):
+        if architecture.family != self.family:
+            return None
+        return self.model_classes.get(task)
 
     @hookimpl
     def vkformers_kernel_dirs(self):

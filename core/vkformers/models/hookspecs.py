@@ -37,3 +37,9 @@ def vkformers_aliases():
 @hookspec
 def vkformers_kernel_dirs():
     """Return a list of :class:`vkformers.runtime.kernels.KernelDir`: the plugin's GLSL sources and compiled SPIR-V."""
+
+
+@hookspec(firstresult=True)
+def vkformers_model_class(architecture, task):
+    """The Module class that runs ``architecture`` (a registry Architecture) for ``task``
+    ("causal-lm", "masked-lm", "seq2seq-lm"), or None. Called as ``cls(config: dict, architecture)``."""

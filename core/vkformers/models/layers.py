@@ -1,0 +1,80 @@
+"""The layers models are built from, with Hugging Face parameter names (weight, bias)."""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.models.module import Module
+
+
+class Linear(Module):
+    """y = x @ weight.T + bias, weight [out_features, in_features] as in HF checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.param("weight", (out_features, in_features))
+        if bias:
+            self.param("bias", (out_features,))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias if self.has_bias else None)
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.param("weight", (num_embeddings, embedding_dim))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(Module):
+    """x / rms(x) * weight; ``unit_offset``: * (1 + weight) as Gemma stores it; no weight if ``elementwise=False``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False, elementwise: bool = True):
+        super().__init__()
+        self.eps, self.unit_offset, self.elementwise = eps, unit_offset, elementwise
+        if elementwise:
+            self.param("weight", (dim,))
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight if self.elementwise else None, eps=self.eps, unit_offset=self.unit_offset)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, elementwise: bool = True):
+        super().__init__()
+        self.eps, self.has_bias, self.elementwise = eps, bias and elementwise, elementwise
+        if elementwise:
+            self.param("weight", (dim,))
+        if self.has_bias:
+            self.param("bias", (dim,))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight if self.elementwise else None, self.bias if self.has_bias else None,
+                            eps=self.eps)
+
+
+class ModuleList(Module):
+    """Children named 0, 1, 2, ... (HF's ``layers.0``)."""
+
+    def __init__(self, modules=()):
+        super().__init__()
+        self.items = []
+        for module in modules:
+            self.append(module)
+
+    def append(self, module: Module) -> None:
+        self.add(str(len(self.items)), module)
+        self.items.append(module)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]

@@ -1,0 +1,161 @@
+"""From a Hugging Face checkpoint (local folder or hub repo id) to a model, and back.
+
+``AutoModelForCausalLM.from_pretrained(path_or_repo, dtype=...)`` reads
+``config.json``, resolves ``model_type`` through the registry (aliases and
+wrappers included), asks the family plugin for its model class, and uploads the
+safetensors weights (single file or sharded) in the requested dtype.
+Pickled ``.bin`` checkpoints are refused and remote code is never executed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vkformers.errors import VkformersError
+from vkformers.models.module import CheckpointError, Module
+from vkformers.models.plugins import plugin_manager, registry
+from vkformers.models.safetensors_io import read_safetensors, write_safetensors
+from vkformers.runtime import dtypes as dt
+
+HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+
+
+class HubError(VkformersError, OSError):
+    """A repo id that could not be fetched (offline without a cached copy, unknown repo, network down)."""
+
+
+@dataclass
+class CausalLMOutput:
+    logits: object = None
+    loss: object = None
+
+
+def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=None) -> Path:
+    """A local folder as is; otherwise a hub repo id fetched (only the files we use) into the HF cache."""
+    path = Path(os.path.expanduser(str(name_or_path)))
+    if path.exists():
+        return path
+    if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
+        raise CheckpointError(f"{name_or_path}: no such file or folder")
+    from huggingface_hub import constants, snapshot_download
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=HUB_PATTERNS, local_files_only=bool(offline)))
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not get it"
+        where = cache_dir or constants.HF_HUB_CACHE
+        mode = "offline (HF_HUB_OFFLINE is set) and it is not in" if offline else "could not be fetched into"
+        raise HubError(f"model {name_or_path!r} {mode} the cache {where}: {type(exc).__name__}: {exc}") from None
+
+
+def load_config(folder: Path) -> dict:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{folder}: no config.json")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")) or list(folder.glob("*.pth")):
+        raise CheckpointError(f"{folder}: only pickled PyTorch weights (.bin/.pt); vkformers never unpickles "
+                              "(it can run arbitrary code). Convert them to safetensors first.")
+    raise CheckpointError(f"{folder}: no model.safetensors")
+
+
+def read_weights(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint as numpy (bfloat16 widened to float32 exactly)."""
+    arrays = {}
+    for file in weight_files(folder):
+        for name, entry in read_safetensors(file).items():
+            arrays[name] = entry.as_float()
+    return arrays
+
+
+def model_dtype(config: dict, requested) -> dt.DType:
+    """The requested dtype; "auto" takes the config's (5.x ``dtype`` or 4.x ``torch_dtype``)."""
+    if requested in (None, "auto"):
+        requested = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return dt.as_dtype(str(requested).replace("torch.", ""))
+
+
+class AutoModel:
+    task = "causal-lm"
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
+                        trust_remote_code: bool = False, requires_grad: bool = True):
+        if trust_remote_code:
+            raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
+        folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+        config = load_config(folder)
+        model = cls.from_config(config)
+        model.load_state_dict(read_weights(folder), dtype=model_dtype(config, dtype), requires_grad=requires_grad,
+                              ignore=getattr(model, "ignored_checkpoint_keys", ()))
+        model.name_or_path = str(name_or_path)
+        model.dtype = model_dtype(config, dtype)
+        return model.eval()
+
+    @classmethod
+    def from_config(cls, config: dict) -> Module:
+        architecture = registry().resolve(config)
+        model_class = plugin_manager().hook.vkformers_model_class(architecture=architecture, task=cls.task)
+        if model_class is None:
+            raise VkformersError(
+                f"architecture {architecture.name!r} (plugin vkformers-{architecture.family}, status "
+                f"{architecture.status}) has no {cls.task} implementation yet")
+        model = model_class(config, architecture)
+        model.config = config
+        return model
+
+
+class AutoModelForCausalLM(AutoModel):
+    task = "causal-lm"
+
+
+class AutoModelForMaskedLM(AutoModel):
+    task = "masked-lm"
+
+
+class AutoModelForSeq2SeqLM(AutoModel):
+    task = "seq2seq-lm"
+
+
+def save_pretrained(model: Module, folder, *, dtype=None) -> None:
+    """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = dt.as_dtype(dtype) if dtype else getattr(model, "dtype", dt.float32)
+    tensors, bf16 = {}, set()
+    for name, tensor in model.named_parameters():
+        array = tensor.numpy()
+        if target is dt.bfloat16:
+            tensors[name], _ = dt.to_bfloat16(array.astype(np.float32)), bf16.add(name)
+        else:
+            tensors[name] = array.astype(target.host)
+    write_safetensors(folder / "model.safetensors", tensors, bfloat16=bf16, metadata={"format": "pt"})
+    config = dict(getattr(model, "config", {}))
+    config["torch_dtype"] = target.name
+    tmp = folder / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, folder / "config.json")
+
+
+Module.save_pretrained = save_pretrained

@@ -1,0 +1,137 @@
+"""``Module``: parameters and submodules with Hugging Face names, like ``torch.nn.Module``.
+
+A model is built from its config first, with parameter *slots* (name, shape);
+``load_state_dict`` then fills every slot from checkpoint arrays, so weights are
+uploaded once and never allocated twice. ``named_parameters()`` yields the HF
+names (``model.layers.0.self_attn.q_proj.weight``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from vkformers.engine.tensor import Tensor, parameter
+from vkformers.errors import VkformersError
+from vkformers.runtime import dtypes as dt
+
+
+class CheckpointError(VkformersError, ValueError):
+    """Weights that do not fit the model: missing, unexpected or misshapen tensors, or a bad file."""
+
+
+@dataclass
+class Slot:
+    """A parameter the model declares before the weights arrive."""
+
+    shape: tuple[int, ...]
+    dtype: dt.DType | None = None  # None: the model's dtype
+    tensor: Tensor | None = None
+    tied_to: str | None = None     # another parameter's full name (tied embeddings)
+
+
+class Module:
+    def __init__(self):
+        object.__setattr__(self, "_slots", {})
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "training", False)
+
+    # -- declaration
+
+    def param(self, name: str, shape, dtype=None) -> None:
+        """Declare a parameter slot; ``self.<name>`` is its Tensor once loaded."""
+        self._slots[name] = Slot(tuple(int(s) for s in shape), dt.as_dtype(dtype) if dtype else None)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, Module):
+            self._modules[name] = value
+        elif isinstance(value, Tensor) and name in self._slots:
+            self._slots[name].tensor = value
+            return
+        object.__setattr__(self, name, value)
+
+    def __getattr__(self, name):
+        slots = self.__dict__.get("_slots", {})
+        if name in slots:
+            slot = slots[name]
+            if slot.tensor is None:
+                raise CheckpointError(f"parameter {name!r} of {type(self).__name__} has not been loaded")
+            return slot.tensor
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def add(self, name: str, module: "Module") -> "Module":
+        """Register a child under a name that may not be an identifier ("0", "1", ... in a ModuleList)."""
+        self._modules[name] = module
+        return module
+
+    # -- traversal
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        yield prefix, self
+        for name, child in self._modules.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def named_slots(self) -> Iterator[tuple[str, Slot]]:
+        for path, module in self.named_modules():
+            for name, slot in module._slots.items():
+                yield (f"{path}.{name}" if path else name), slot
+
+    def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, tensor) of every loaded parameter; a tied parameter appears once, under its owner's name."""
+        for name, slot in self.named_slots():
+            if slot.tensor is not None and slot.tied_to is None:
+                yield name, slot.tensor
+
+    def parameters(self) -> list[Tensor]:
+        return [t for _, t in self.named_parameters()]
+
+    def train(self, mode: bool = True) -> "Module":
+        for _, module in self.named_modules():
+            object.__setattr__(module, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    # -- weights
+
+    def tie(self, name: str, to: str) -> None:
+        """Make parameter ``name`` (full name) share ``to``'s tensor (tied input/output embeddings)."""
+        slots = dict(self.named_slots())
+        slots[name].tied_to = to
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], dtype="float32", strict: bool = True,
+                        requires_grad: bool = True, ignore=()) -> None:
+        """Upload every slot's array (converted to its dtype). Names are checked both ways; shapes must match."""
+        dtype = dt.as_dtype(dtype)
+        slots = dict(self.named_slots())
+        missing = [n for n, s in slots.items() if n not in arrays and s.tied_to is None]
+        if missing:
+            raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                                  f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        unexpected = [n for n in arrays if n not in slots and not any(n.endswith(i) for i in ignore)]
+        if strict and unexpected:
+            raise CheckpointError(f"the checkpoint has {len(unexpected)} tensor(s) this model does not use: "
+                                  f"{', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        for name, slot in slots.items():
+            if slot.tied_to is not None:  # shares its owner's tensor, even if the file has a copy
+                continue
+            array = arrays[name]
+            if tuple(array.shape) != slot.shape:
+                raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(array.shape)}, model expects {slot.shape}")
+            slot.tensor = parameter(np.asarray(array), dtype=slot.dtype or dtype, requires_grad=requires_grad,
+                                    name=name)
+        for name, slot in slots.items():  # ties resolve after their owners load
+            if slot.tied_to is not None and slot.tensor is None:
+                slot.tensor = slots[slot.tied_to].tensor
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every parameter as float32 numpy arrays (float16 stays float16), under HF names."""
+        return {name: t.numpy() for name, t in self.named_parameters()}
