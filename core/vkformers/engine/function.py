@@ -50,10 +50,13 @@ def _hashable(value):
     return value
 
 
-def node(op: KernelOp, inputs, out_specs, *, into: LazyBuffer | None = None) -> list[LazyBuffer]:
-    """Add ``op`` to the graph; inputs that are not contiguous are copied first when the op needs it."""
+def node(op: KernelOp, inputs, out_specs, *, into=None) -> list[LazyBuffer]:
+    """Add ``op`` to the graph; inputs that are not contiguous are copied first when the op needs it.
+
+    ``into``: persistent storage the outputs overwrite in place (see lazy.create_node).
+    """
     inputs = [x if not op.contiguous_inputs else contiguous(x) for x in inputs]
-    device = inputs[0].device if inputs else into.device
+    device = inputs[0].device
     return create_node(op, inputs, out_specs, device, into=into)
 
 

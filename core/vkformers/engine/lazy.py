@@ -148,15 +148,20 @@ class Node:
 _pending_assignments: list[LazyBuffer] = []
 
 
-def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, into: LazyBuffer | None = None):
-    """Add a node to the graph; returns its output lazy buffers. ``into``: write into that persistent storage."""
+def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, into=None):
+    """Add a node to the graph; returns its output lazy buffers.
+
+    ``into``: a persistent lazy buffer (or one per output, None for ordinary outputs) whose storage the
+    output overwrites: an in-place update (assignments, optimizer steps, cache writes).
+    """
     node = Node(op, tuple(inputs))
     for x in node.inputs:
         x.base.consumers.add(node)
-    for index, (shape, dtype) in enumerate(out_specs):
+    targets = into if isinstance(into, (list, tuple)) else [into] * len(out_specs)
+    for index, ((shape, dtype), target) in enumerate(zip(out_specs, targets)):
         out = LazyBuffer(shape, dtype, device, node=node, index=index)
-        if into is not None:
-            out.buffer, out.persistent, out.replaces = into.base.buffer, True, into
+        if target is not None:
+            out.buffer, out.persistent, out.replaces = target.base.buffer, True, target
             _pending_assignments.append(out)
         node.outputs.append(out)
     return node.outputs

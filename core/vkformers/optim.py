@@ -1,0 +1,90 @@
+"""Optimizers with ``torch.optim`` semantics, updating parameters in place on the device.
+
+``AdamW.step()`` adds one fused kernel per parameter to the pending graph: it
+reads the gradient and rewrites the parameter and its moments in place. Nothing
+runs until the next realization (``loss.item()``), so forward, backward and the
+update form one recorded step. Per-step scalars (learning rate, bias
+corrections) travel as a small input uploaded with the step, so replays of the
+step stay valid as the step count and schedule move.
+
+Parameters stored as float16/bfloat16 get a float32 master copy; the kernel
+updates the master and writes the rounded copy into the parameter.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine.function import KernelOp, node
+from vkformers.engine.kernels import adamw as KA
+from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.runtime import dtypes as dt
+
+
+class AdamWKernel(KernelOp):
+    name = "adamw"
+
+    def emit(self, seq, outs, ins):
+        (_, grad, _, _, scalars) = ins
+        master, exp_avg, exp_avg_sq, *copy = outs
+        KA.adamw_step(seq, scalars.operand, master.operand, grad.operand, exp_avg.operand, exp_avg_sq.operand,
+                      count=master.numel, model_copy=copy[0].operand if copy else None)
+
+
+class AdamW:
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict[int, dict] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def _state(self, p: Tensor) -> dict:
+        st = self.state.get(id(p))
+        if st is None:
+            zeros = np.zeros(p.shape, np.float32)
+            st = {"step": 0, "exp_avg": parameter(zeros, requires_grad=False, name="exp_avg"),
+                  "exp_avg_sq": parameter(zeros, requires_grad=False, name="exp_avg_sq"),
+                  "master": None if p.dtype is dt.float32 else
+                  parameter(p.numpy().astype(np.float32), requires_grad=False, name="master")}
+            self.state[id(p)] = st
+        return st
+
+    def step(self) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self._state(p)
+                st["step"] += 1
+                scalars = tensor(KA.adamw_scalars(lr=group["lr"], step=st["step"], beta1=beta1, beta2=beta2,
+                                                  eps=group["eps"], weight_decay=group["weight_decay"]),
+                                 dtype=dt.uint32, device=p.device)
+                master = st["master"] if st["master"] is not None else p
+                targets = [master, st["exp_avg"], st["exp_avg_sq"]] + ([p] if st["master"] is not None else [])
+                outs = node(AdamWKernel(), [master.lazy, p.grad.float().contiguous().lazy, st["exp_avg"].lazy,
+                                            st["exp_avg_sq"].lazy, scalars.lazy],
+                            [(t.shape, t.dtype) for t in targets], into=[t.lazy for t in targets])
+                for t, out in zip(targets, outs):
+                    t._set_lazy(out)
+
+    def state_dict(self) -> dict:
+        """Moments (and masters) as numpy arrays plus step counts, keyed by parameter position."""
+        out = {}
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                st = self.state.get(id(p))
+                if st is None:
+                    continue
+                key = f"{gi}.{pi}"
+                out[f"{key}.step"] = np.array(st["step"], np.int64)
+                for name in ("exp_avg", "exp_avg_sq", "master"):
+                    if st[name] is not None:
+                        out[f"{key}.{name}"] = st[name].numpy()
+        return out
