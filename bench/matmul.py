@@ -1,7 +1,7 @@
 """Matmul benchmark: TFLOP/s of the vkformers kernels beside a reference from the same run.
 
 float32 (tiled kernel), float16 and bfloat16 (cooperative-matrix kernel where the
-device has it; C in the input dtype, fp32 accumulation), square sizes. Kernel
+device has it; fp32 accumulation; C in the input dtype, and also in float32), square sizes. Kernel
 time comes from GPU timestamps (the median of several dispatches in one replay).
 The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
 torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
@@ -31,11 +31,11 @@ def random_buffer(device, shape, dtype, rng):
     return device.upload(dt.to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype), dtype=dtype)
 
 
-def time_vkformers(device, size: int, dtype: str, repeats: int, **options) -> float:
-    """Median seconds of one size^3 matmul, from GPU timestamps."""
+def time_vkformers(device, size: int, dtype: str, repeats: int, out_dtype: str | None = None, **options) -> float:
+    """Median seconds of one size^3 matmul (C in ``out_dtype``, default ``dtype``), from GPU timestamps."""
     rng = np.random.default_rng(0)
     a, b = random_buffer(device, (size, size), dtype, rng), random_buffer(device, (size, size), dtype, rng)
-    c = device.buffer((size, size), dtype)
+    c = device.buffer((size, size), out_dtype or dtype)
     seq = device.sequence(timestamps=True)
     for _ in range(repeats):
         matmul(seq, a, b, c, m=size, n=size, k=size, **options)
@@ -94,13 +94,16 @@ def main() -> None:
     for size in sizes:
         for dtype in DTYPES:
             kernel = select_algorithm(device, dtype)
-            ours = time_vkformers(device, size, dtype, repeats)
             ref, ref_name = time_reference(size, dtype, repeats)
-            row = {"size": size, "dtype": dtype, "kernel": kernel, "tflops": tflops(size, ours),
-                   "reference": ref_name, "reference_tflops": tflops(size, ref), "ratio": ref / ours}
-            results["runs"].append(row)
-            print(f"{size:5d}^3 {dtype:8s} {kernel:7s} {row['tflops']:8.2f} TFLOP/s   "
-                  f"{ref_name}: {row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
+            # C in the input dtype (as PyTorch); for the 16-bit kernels also C in float32.
+            for out_dtype in dict.fromkeys((dtype, "float32")):
+                ours = time_vkformers(device, size, dtype, repeats, out_dtype=out_dtype)
+                row = {"size": size, "dtype": dtype, "out_dtype": out_dtype, "kernel": kernel,
+                       "tflops": tflops(size, ours), "reference": ref_name,
+                       "reference_tflops": tflops(size, ref), "ratio": ref / ours}
+                results["runs"].append(row)
+                print(f"{size:5d}^3 {dtype:8s} -> {out_dtype:8s} {kernel:7s} {row['tflops']:8.2f} TFLOP/s   "
+                      f"{ref_name}: {row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
 
     if args.sweep:
         size = sizes[-1]
@@ -114,7 +117,8 @@ def main() -> None:
             if select_algorithm(device, dtype) == "coopmat":
                 candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in (
                     CoopmatConfig(2, 4, 32), CoopmatConfig(2, 4, 64), CoopmatConfig(4, 2, 32),
-                    CoopmatConfig(2, 2, 32), CoopmatConfig(2, 2, 64), CoopmatConfig(4, 4, 32))
+                    CoopmatConfig(2, 2, 32), CoopmatConfig(2, 2, 64), CoopmatConfig(4, 4, 32),
+                    CoopmatConfig(4, 4, 16))
                     if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
         for dtype, options in candidates:
             try:

@@ -127,7 +127,7 @@ def test_aligned_tiles(device, in_dtype):
 
 
 @pytest.mark.parametrize("in_dtype", DTYPES)
-@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, True)])
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
 def test_inner_and_edge_workgroups_mixed(device, in_dtype, trans_a, trans_b):
     """Aligned sizes where some workgroup tiles are whole and others ragged, and K ends
     in a partial step: the coopmat kernel's unchecked loads, checked loads and both
