@@ -1,0 +1,546 @@
+"""Write tests/fixtures/<name>/: tiny random Hugging Face causal LMs plus transformers' own outputs.
+
+Each fixture is a 2-layer, hidden-32 model built from a config alone (no network, no downloads),
+re-initialised from a fixed seed, and the outputs transformers computes for it: logits, loss,
+every parameter's gradient, the parameters after one AdamW step, and a 12-token greedy
+continuation with the logits of each step. vkformers' tests load the model with vkformers and
+compare. See tests/fixtures/README.md for the layout. Needs transformers and torch (CPU):
+
+    python tools/make_fixtures.py                       # every fixture, into tests/fixtures
+    python tools/make_fixtures.py --only llama,qwen2    # just these (fixture names)
+    python tools/make_fixtures.py --list                # names, model types, notes
+
+Deterministic: one CPU thread, fixed seeds, sorted JSON, so re-running gives identical files
+(for the same transformers and torch versions; meta.json records them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "tests" / "fixtures"
+
+# Sizes: small enough that ~50 fixtures (weights + gradients + AdamW result, all float32) stay
+# near 12 MB, big enough that GQA (4 query heads over 2 KV heads), head_dim != hidden/heads and
+# partial rotary still show.
+VOCAB = 48
+HIDDEN = 32
+INTER = 24
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+MAX_POS = 128
+LEARNED_POS = 24                 # position tables cost parameters: 24 >= 8 + 12 generated
+PAD, BOS, EOS = 0, 1, 2          # token ids set in every config that has them
+SEQ = 8
+LEFT_PAD = 2
+NEW_TOKENS = 12
+INIT_STD = 0.2                   # matrices: N(0, 0.2); vectors (norms, biases): += N(0, 0.1)
+VEC_STD = 0.1
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+TOK = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+# Llama-style config names (most modern decoders).
+L = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
+         initializer_range=0.2, **TOK)
+SW = 4                           # sliding window smaller than the 8-token sequence
+LAYERS_SF = ["sliding_attention", "full_attention"]
+LAYERS_FS = ["full_attention", "sliding_attention"]
+
+
+@dataclass
+class Spec:
+    name: str                    # fixture folder
+    model_type: str              # HF model_type
+    overrides: dict
+    notes: list = field(default_factory=list)
+    model_class: str | None = None   # when AutoModelForCausalLM has no mapping for the type
+
+
+def _gpt2_names(**kw):
+    return dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=LEARNED_POS,
+                n_inner=INTER, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                **TOK, **kw)
+
+
+SPECS = [
+    # ---- the required set -------------------------------------------------------------------
+    Spec("llama", "llama", dict(L), ["GQA 4q/2kv; untied lm_head; RMSNorm; SwiGLU; full rotary (rotate_half)."]),
+    Spec("llama_rope_llama3", "llama", dict(L, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
+        ["llama3 rope scaling; with head_dim 8 and theta 1e4 the 4 wavelengths (6.3, 63, 628, 6283) fall "
+         "into all three bands (kept, smoothed, divided by factor) for original_max_position_embeddings 64."]),
+    Spec("mistral", "mistral", dict(L, sliding_window=SW),
+         ["sliding_window=4 (< 8-token sequence and < 20-token generation): every layer is sliding."]),
+    Spec("qwen2", "qwen2", dict(L, use_sliding_window=True, sliding_window=SW, max_window_layers=1),
+         ["q/k/v biases (always on in Qwen2); use_sliding_window with max_window_layers=1: layer 0 full, "
+          "layer 1 sliding (window 4)."]),
+    Spec("qwen2_rope_yarn", "qwen2", dict(L, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
+        ["yarn rope scaling factor 4 (attention_factor 0.1*ln(4)+1 scales cos/sin); no sliding window."]),
+    Spec("qwen3", "qwen3", dict(L, head_dim=16),
+         ["per-head q/k RMSNorm before rope; head_dim 16 != hidden/heads (8): q_proj 32->64, o_proj 64->32."]),
+    Spec("gemma", "gemma", dict(L, head_dim=16),
+         ["embeddings scaled by sqrt(hidden) (computed in the hidden dtype); RMSNorm as x*(1+w); "
+          "gelu_pytorch_tanh GeGLU; tied lm_head; head_dim 16."]),
+    Spec("gemma2", "gemma2", dict(L, head_dim=16, sliding_window=SW, layer_types=LAYERS_SF,
+                                  query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                  final_logit_softcapping=2.0),
+         ["layer 0 sliding (window 4), layer 1 full; attention and final logit soft-capping lowered to 2.0 "
+          "so tanh capping is visible; query_pre_attn_scalar 24 (scale 24**-0.5, not head_dim 16); "
+          "pre+post norms around attention and MLP; (1+w) RMSNorm; sqrt(hidden) embedding scale; tied."]),
+    Spec("gemma3_text", "gemma3_text", dict(L, head_dim=16, sliding_window=SW, layer_types=LAYERS_SF,
+                                            query_pre_attn_scalar=24),
+         ["layer 0 sliding (window 4, rope theta 1e4), layer 1 full (rope theta 1e6); q/k norm; "
+          "query_pre_attn_scalar 24; no soft-capping (config default None); sqrt(hidden) embedding scale; tied."]),
+    Spec("phi3", "phi3", dict(L, sliding_window=SW),
+         ["fused qkv_proj and gate_up_proj; GQA; sliding_window 4 (Phi-3 configs carry one)."]),
+    Spec("phi3_longrope", "phi3", dict(L, original_max_position_embeddings=16, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.5, 2.0, 4.0],
+        long_factor=[1.0, 3.0, 6.0, 12.0], original_max_position_embeddings=16)),
+        ["longrope; original_max_position_embeddings 16, max_position_embeddings 128 -> attention factor "
+         "sqrt(1+ln(8)/ln(16)) (set at the top level too: Phi3Config copies its top-level value, default 4096, "
+         "over the one in rope_parameters). The 8-token forward uses short_factor. Rope picks long_factor when "
+         "max(position_ids)+1 > 16, and Phi3ForCausalLM.generate DROPS THE KV CACHE and re-runs the whole "
+         "sequence once the length reaches 17, so every greedy step equals a no-cache forward of the sequence "
+         "so far: greedy_logits[k] (over 8+k tokens) uses short factors for k <= 8 and long factors for k >= 9."]),
+    Spec("olmo", "olmo", dict(L, clip_qkv=1.0),
+         ["non-parametric LayerNorm (no weight/bias); clip_qkv=1.0 clamps q,k,v (visible: projections have std ~1)."]),
+    Spec("olmo2", "olmo2", dict(L),
+         ["norm AFTER attention and MLP (post-norm on the branch output, before the residual add); "
+          "q/k RMSNorm over the whole projection (hidden width), not per head."]),
+    Spec("granite", "granite", dict(L, embedding_multiplier=2.0, logits_scaling=0.5, residual_multiplier=0.5,
+                                    attention_multiplier=0.25),
+         ["embedding_multiplier 2, residual_multiplier 0.5, attention_multiplier 0.25 (replaces head_dim**-0.5), "
+          "logits divided by logits_scaling 0.5."]),
+    Spec("cohere", "cohere", dict(L, logit_scale=0.5, use_qk_norm=True),
+         ["parallel residual (attn and MLP both read one LayerNorm output); LayerNorm without bias; "
+          "INTERLEAVED rotary (pairs 2i,2i+1), not rotate_half; logits multiplied by logit_scale (0.5 here; "
+          "0.0625 in Command-R); use_qk_norm on (per-head LayerNorm, no bias); tied."]),
+    Spec("stablelm", "stablelm", dict(L, use_qkv_bias=True),
+         ["partial rotary 0.25 of head_dim 8 = 2 dims (default factor); q/k/v biases; LayerNorm with bias."]),
+    Spec("stablelm_parallel", "stablelm", dict(L, num_attention_heads=2, num_key_value_heads=1, qk_layernorm=True,
+                                               use_parallel_residual=True),
+         ["StableLM-2-12B style: per-head q/k LayerNorm and parallel residual; 2 query heads over 1 KV head so "
+          "head_dim is 16 and partial rotary 0.25 covers 4 dims (2 frequencies)."]),
+    Spec("starcoder2", "starcoder2", dict(L, sliding_window=SW),
+         ["biases everywhere (use_bias); LayerNorm; non-gated gelu_pytorch_tanh MLP (c_fc/c_proj); "
+          "sliding_window 4; tied."]),
+    Spec("gpt2", "gpt2", _gpt2_names(),
+         ["Conv1D weights are stored [in, out] (transposed vs nn.Linear); fused c_attn; learned absolute "
+          "positions (wpe) taken as arange, NOT from the attention mask; gelu_new; tied."]),
+    Spec("gpt_neox", "gpt_neox", dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                                      num_hidden_layers=LAYERS, num_attention_heads=2,
+                                      max_position_embeddings=MAX_POS, initializer_range=0.2, **TOK),
+         ["MHA only (no KV-head option); fused query_key_value laid out per head as [heads, 3, head_dim]; "
+          "parallel residual; partial rotary 0.25 (2 heads -> head_dim 16 -> 4 rotary dims); biases; untied embed_out."]),
+    Spec("phi", "phi", dict(L),
+         ["parallel attention+MLP from ONE LayerNorm; partial rotary 0.5 (4 of 8 dims); biases everywhere "
+          "including lm_head; GQA via num_key_value_heads; gelu_new MLP (fc1/fc2); final LayerNorm."]),
+    Spec("opt", "opt", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, ffn_dim=INTER,
+                            num_attention_heads=HEADS, max_position_embeddings=LEARNED_POS,
+                            word_embed_proj_dim=HIDDEN, init_std=0.2, dropout=0.0, **TOK),
+         ["learned positions with offset 2, computed from cumsum(attention_mask) (left padding shifts them); "
+          "pre-LayerNorm; ReLU; biases; tied."]),
+    Spec("opt_350m_style", "opt", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                       ffn_dim=INTER, num_attention_heads=HEADS, max_position_embeddings=LEARNED_POS,
+                                       word_embed_proj_dim=16, do_layer_norm_before=False, init_std=0.2,
+                                       dropout=0.0, **TOK),
+         ["OPT-350m layout: word_embed_proj_dim 16 != hidden 32 (project_in/project_out, no bias) and "
+          "post-LayerNorm (do_layer_norm_before=False, no final layer norm)."]),
+    Spec("falcon", "falcon", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                  num_attention_heads=HEADS, ffn_hidden_size=INTER, max_position_embeddings=MAX_POS,
+                                  initializer_range=0.2, **TOK),
+         ["Falcon-7B layout (defaults): multi_query (1 KV head), parallel_attn with one input LayerNorm, "
+          "no biases, rotary, fused query_key_value [q heads..., k, v]; tied."]),
+    Spec("falcon_new_arch", "falcon", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                           num_attention_heads=HEADS, num_kv_heads=KV_HEADS,
+                                           new_decoder_architecture=True, ffn_hidden_size=INTER,
+                                           max_position_embeddings=MAX_POS, initializer_range=0.2, **TOK),
+         ["Falcon-40B/180B layout: new_decoder_architecture, GQA 4q/2kv with query_key_value grouped per KV "
+          "head as [kv, q_per_kv+2, head_dim]; two LayerNorms (ln_attn, ln_mlp) feeding the parallel branches."]),
+    Spec("falcon_alibi", "falcon", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                        num_attention_heads=HEADS, alibi=True, multi_query=False,
+                                        parallel_attn=False, bias=True, ffn_hidden_size=INTER,
+                                        max_position_embeddings=MAX_POS, initializer_range=0.2, **TOK),
+         ["Falcon-RW layout: ALiBi instead of rotary, MHA, sequential (non-parallel) block with "
+          "post_attention_layernorm, biases."]),
+    Spec("bloom", "bloom", dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                initializer_range=0.2, **TOK),
+         ["ALiBi (slopes from the head count; positions from cumsum(attention_mask), so left padding is "
+          "handled); LayerNorm right after the embedding (word_embeddings_layernorm); fused query_key_value "
+          "per head [heads, 3, head_dim]; biases; 4*hidden GELU MLP (no intermediate_size knob); tied."]),
+    # ---- further dense causal decoders -------------------------------------------------------
+    Spec("openai-gpt", "openai-gpt", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                          n_positions=LEARNED_POS, initializer_range=0.2, resid_pdrop=0.0,
+                                          embd_pdrop=0.0, attn_pdrop=0.0, **TOK),
+         ["GPT-1: post-LayerNorm, no final LayerNorm, Conv1D weights [in, out], 4*hidden MLP, learned positions; tied."]),
+    Spec("gpt_bigcode", "gpt_bigcode", _gpt2_names(),
+         ["multi_query (1 KV head) with fused c_attn [q (hidden), k (head_dim), v (head_dim)]; nn.Linear "
+          "(not Conv1D); learned positions; tied."]),
+    Spec("gpt_neo", "gpt_neo", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+                                    intermediate_size=INTER, max_position_embeddings=LEARNED_POS, window_size=SW,
+                                    attention_types=[[["global", "local"], 1]], initializer_range=0.2,
+                                    resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0, **TOK),
+         ["attention scores are NOT scaled by head_dim**-0.5; layer 0 global, layer 1 local (window 4); "
+          "q/k/v without bias, out_proj with bias; learned positions; tied."]),
+    Spec("gptj", "gptj", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POS,
+                              rotary_dim=4, n_inner=INTER, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0,
+                              attn_pdrop=0.0, **TOK),
+         ["parallel residual from one LayerNorm; INTERLEAVED rotary on the first rotary_dim=4 of 8 dims; "
+          "q/k/v/out without bias; lm_head with bias; untied."]),
+    Spec("codegen", "codegen", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                    n_positions=MAX_POS, n_ctx=MAX_POS, rotary_dim=4, n_inner=INTER,
+                                    initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                    bos_token_id=BOS, eos_token_id=EOS),
+         ["GPT-J block, but qkv_proj is fused in mp_num=4 model-parallel chunks, each ordered [q, v, k] "
+          "(note: v before k); interleaved rotary on rotary_dim=4; lm_head bias; untied."]),
+    Spec("persimmon", "persimmon", dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                                        num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                        max_position_embeddings=MAX_POS, initializer_range=0.2, **TOK),
+         ["squared-ReLU MLP; per-head q/k LayerNorm; partial rotary 0.5; fused query_key_value per head "
+          "[heads, 3, head_dim]; biases; MHA only."]),
+    Spec("nemotron", "nemotron", dict(L, head_dim=8),
+         ["LayerNorm1P (x normalised * (1+w) + b); squared-ReLU non-gated MLP; partial rotary 0.5; GQA."]),
+    Spec("glm", "glm", dict(L, head_dim=8),
+         ["INTERLEAVED partial rotary (0.5 of head_dim); fused gate_up_proj; q/k/v biases; GQA."]),
+    Spec("glm4", "glm4", dict(L, head_dim=8),
+         ["GLM + extra post_self_attn_layernorm / post_mlp_layernorm (sandwich norms); interleaved partial rotary."]),
+    Spec("helium", "helium", dict(L, head_dim=8),
+         ["Llama block but INTERLEAVED rotary (rotate pairs 2i,2i+1); RMSNorm multiplies the weight in float32."]),
+    Spec("smollm3", "smollm3", dict(L, no_rope_layers=[1, 0]),
+         ["NoPE: no_rope_layers=[1, 0] -> layer 0 uses rope, layer 1 has NO rotary embedding; tied."]),
+    Spec("cohere2", "cohere2", dict(L, logit_scale=0.5, sliding_window=SW, layer_types=LAYERS_SF),
+         ["layer 0 sliding (window 4) WITH interleaved rope, layer 1 full attention WITHOUT rope; parallel "
+          "residual; LayerNorm without bias; logit_scale 0.5; tied."]),
+    Spec("ernie4_5", "ernie4_5", dict(L, head_dim=8, use_bias=True),
+         ["INTERLEAVED rotary; use_bias on (q/k/v/o and MLP); tied."]),
+    Spec("apertus", "apertus", dict(L, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                           low_freq_factor=1.0, high_freq_factor=4.0,
+                                                           original_max_position_embeddings=64)),
+         ["xIELU activation with learnable alpha_p/alpha_n (non-gated up/down MLP); q/k RMSNorm; llama3 rope."]),
+    Spec("arcee", "arcee", dict(L, head_dim=8), ["non-gated squared-ReLU MLP (up/down)."]),
+    Spec("hunyuan_v1_dense", "hunyuan_v1_dense", dict(L, head_dim=8),
+         ["q/k RMSNorm applied AFTER rotary (query_layernorm/key_layernorm)."]),
+    Spec("olmo3", "olmo3", dict(L, sliding_window=SW, layer_types=LAYERS_SF),
+         ["OLMo2 block (post-norms, whole-width q/k norm) with layer 0 sliding (window 4), layer 1 full."]),
+    Spec("exaone4", "exaone4", dict(L, sliding_window=SW, layer_types=LAYERS_SF),
+         ["post-norm like OLMo2 plus per-head q/k norm; layer 0 sliding WITH rope, layer 1 full attention "
+          "WITHOUT rope (when sliding layers exist)."]),
+    Spec("granite_swa", "granite_swa", dict(L, embedding_multiplier=2.0, logits_scaling=0.5,
+                                            residual_multiplier=0.5, attention_multiplier=0.25,
+                                            sliding_window=SW, layer_types=LAYERS_FS),
+         ["granite multipliers plus layer 0 full, layer 1 sliding (window 4); tied."]),
+    Spec("hyperclovax", "hyperclovax", dict(L, head_dim=8, embedding_multiplier=2.0, logits_scaling=0.5,
+                                            residual_multiplier=0.5, attention_multiplier=0.25),
+         ["granite multipliers plus post-norms (use_post_norm)."]),
+    Spec("vaultgemma", "vaultgemma", dict(L, head_dim=16, sliding_window=SW, layer_types=LAYERS_SF,
+                                          query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                          final_logit_softcapping=2.0),
+         ["Gemma2 without the post-norms; soft-capping lowered to 2.0; layer 0 sliding; tied."]),
+    Spec("nanochat", "nanochat", dict(L, final_logit_softcapping=2.0),
+         ["parameter-free RMSNorm (incl. after the embedding and on q/k); squared-ReLU MLP; "
+          "final logit soft-capping (lowered to 2.0)."]),
+    Spec("ministral", "ministral", dict(L, head_dim=8, sliding_window=SW, layer_types=LAYERS_FS),
+         ["Mistral with per-layer layer_types: layer 0 full, layer 1 sliding (window 4). head_dim must be given: "
+          "MinistralConfig leaves it None and the attention fails on None**-0.5."]),
+    Spec("ministral3", "ministral3", dict(L, head_dim=8, pad_token_id=PAD),
+         ["default yarn rope with llama_4_scaling_beta (query scaling by position) kept from the config defaults."]),
+    Spec("jais2", "jais2", dict(L, head_dim=8),
+         ["LayerNorm with bias; non-gated squared-ReLU MLP with biases; attention biases."]),
+    Spec("bitnet", "bitnet", dict(L),
+         ["BitNet b1.58: weights ternarised and activations int8-quantised inside forward (straight-through "
+          "gradients); extra sub-norms (attn_sub_norm, ffn_sub_norm) before o_proj/down_proj; relu2 GLU."]),
+    Spec("biogpt", "biogpt", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                  num_attention_heads=HEADS, intermediate_size=INTER, max_position_embeddings=LEARNED_POS,
+                                  initializer_range=0.2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  **TOK),
+         ["embeddings scaled by sqrt(hidden); learned positions offset 2 from cumsum(attention_mask); "
+          "pre-LayerNorm; biases; tied output_projection."]),
+    Spec("xglm", "xglm", dict(vocab_size=VOCAB, d_model=HIDDEN, num_layers=LAYERS, attention_heads=HEADS,
+                              ffn_dim=INTER, max_position_embeddings=MAX_POS, init_std=0.2, dropout=0.0,
+                              attention_dropout=0.0, **TOK),
+         ["sinusoidal positions (offset 2, from cumsum(attention_mask) like fairseq); embeddings scaled by "
+          "sqrt(d_model); biases; tied."]),
+    Spec("ctrl", "ctrl", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, dff=INTER,
+                              n_positions=MAX_POS, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, **TOK),
+         ["sinusoidal positions ([sin | cos] halves); embeddings scaled by sqrt(n_embd); lm_head bias; tied."]),
+    Spec("gpt_neox_japanese", "gpt_neox_japanese", dict(vocab_size=VOCAB, hidden_size=HIDDEN,
+                                                        num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                                        intermediate_multiple_size=2, max_position_embeddings=MAX_POS,
+                                                        initializer_range=0.2, attention_dropout=0.0, **TOK),
+         ["parallel residual; separate dense_bias added after the attention residual; no bias in qkv."]),
+    Spec("mpt", "mpt", dict(vocab_size=VOCAB, d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS,
+                            max_seq_len=LEARNED_POS, initializer_range=0.2, **TOK),
+         ["ALiBi; no biases (no_bias); fused Wqkv [q,k,v]; LayerNorm without bias; GELU MLP of 4*d_model "
+          "(transformers hard-codes 4x and ignores expansion_ratio); no position table; tied."]),
+    Spec("deepseek_v2_dense", "deepseek_v2", dict(L, num_key_value_heads=HEADS, first_k_dense_replace=LAYERS, kv_lora_rank=16, q_lora_rank=24,
+                                                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                  n_shared_experts=1, head_dim=4),
+         ["MLA (multi-head latent attention) with every layer dense (first_k_dense_replace = num layers): "
+          "q_a_proj/q_a_layernorm/q_b_proj, kv_a_proj_with_mqa -> kv_a_layernorm -> kv_b_proj; rope only on "
+          "qk_rope_head_dim (4) dims, interleaved layout; v_head_dim 8."]),
+    Spec("minicpm3", "minicpm3", dict(L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                      qk_rope_head_dim=4, v_head_dim=8, head_dim=4, scale_emb=2.0, scale_depth=1.4, dim_model_base=16),
+         ["MLA; embeddings * scale_emb; residual branches * scale_depth/sqrt(num_layers); "
+          "logits computed on hidden / (hidden_size/dim_model_base); tied."]),
+    Spec("youtu", "youtu", dict(L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                qk_rope_head_dim=4, v_head_dim=8),
+         ["MLA (DeepSeek-V2-style attention) in a dense Llama block; rope_interleave; tied. CAUTION: with "
+          "transformers 5.24, from_pretrained() on this folder re-initialises the tied embedding (its loader "
+          "treats it as missing), so a reloaded model does NOT reproduce reference.safetensors; "
+          "model.safetensors itself holds the weights the references were computed with."]),
+]
+
+SKIPPED = {
+    # model_type: reason (not attempted)
+    "mixtral": "MoE (vkformers-moe)",
+    "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
+    "qwen3_5_text": "hybrid: 3 of 4 layers are Gated DeltaNet linear attention, not softmax attention",
+    "olmo_hybrid": "hybrid: linear-attention (gated delta) layers",
+    "laguna": "MoE FFN in every layer (num_experts required)",
+    "hy_v3": "MoE FFN (num_experts required)",
+    "seed_oss": "same computation as qwen2 (q/k/v biases, o_proj without bias, SwiGLU, rotate_half rope); "
+                "left out to keep tests/fixtures small -- verify with the qwen2 fixture",
+    "cwm": "Llama with per-layer sliding layer_types and llama3 rope: both covered (ministral/granite_swa for "
+           "layer_types, llama_rope_llama3 for the rope); left out to keep tests/fixtures small",
+    "gpt-sw3": "same model class and config as gpt2 (GPT2LMHeadModel); covered by the gpt2 fixture",
+    "open-llama": "not in this transformers (deprecated/removed); same layout as llama",
+    "code_llama": "tokenizer-only name; the model is llama",
+    "emu3_text_model": "no causal-LM class of its own in the auto mapping (Emu3's text model is a Llama); "
+                       "covered by llama",
+    "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
+    "modernbert-decoder": "not attempted in this pass (size budget); ModernBERT decoder with alternating "
+                          "local/global attention",
+    "cohere_compass_text": "not attempted in this pass (size budget); Cohere2-like with a pooling config",
+    "exaone4_5_text": "not in this transformers",
+}
+
+
+def reinit_(model):
+    """Deterministic weights independent of each architecture's own _init_weights."""
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.ndim >= 2:
+                p.copy_(noise * INIT_STD)
+            else:
+                p.add_(noise * VEC_STD)
+
+
+def make_inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=g, dtype=torch.int64)
+    mask = torch.ones(2, SEQ, dtype=torch.int64)
+    ids[1, :LEFT_PAD] = PAD
+    mask[1, :LEFT_PAD] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def check_overrides(config, overrides):
+    """Name overrides that the config did not keep as given (typo, renamed, or normalised)."""
+    issues = []
+    fields = set(getattr(config, "__dataclass_fields__", {})) | set(getattr(config, "attribute_map", {}))
+    for k, v in overrides.items():
+        if fields and k not in fields:
+            issues.append(f"{k}: not a field of {type(config).__name__}")
+            continue
+        got = getattr(config, k, None)
+        if isinstance(v, dict) and isinstance(got, dict):
+            diff = {kk: got.get(kk) for kk, vv in v.items() if got.get(kk) != vv}
+            if diff:
+                issues.append(f"{k}: {diff}")
+        elif got != v:
+            issues.append(f"{k}: asked {v!r}, config has {got!r}")
+    return issues
+
+
+def build(spec: Spec, out_root: Path):
+    out = out_root / spec.name
+    if out.exists():
+        shutil.rmtree(out)
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
+    if spec.model_class:
+        cls = getattr(transformers, spec.model_class)
+        model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = model.float().eval()
+    issues = check_overrides(model.config, spec.overrides)
+    reinit_(model)
+
+    tmp = out_root / (spec.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+
+    ids, mask, labels = make_inputs()
+    params = dict(model.named_parameters())  # tied weights appear once, under their canonical name
+    out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels)
+    logits = out_fwd.logits.detach().float()
+    loss = out_fwd.loss
+    loss.backward()
+    ref = {
+        "input_ids": ids.to(torch.int32),
+        "attention_mask": mask.to(torch.int32),
+        "labels": labels.to(torch.int32),
+        "logits": logits.contiguous(),
+        "loss": loss.detach().float().reshape(()),
+    }
+    no_grad = []
+    for n, p in params.items():
+        if p.grad is None:
+            no_grad.append(n)
+            ref[f"grad.{n}"] = torch.zeros_like(p.detach())
+        else:
+            ref[f"grad.{n}"] = p.grad.detach().float().contiguous().clone()
+
+    with torch.no_grad():
+        # Left padding: does the padded row's output equal that of the same tokens unpadded?
+        alone = model(input_ids=ids[1:, LEFT_PAD:], attention_mask=mask[1:, LEFT_PAD:]).logits[0]
+        pad_diff = (alone - logits[1, LEFT_PAD:]).abs().max().item()
+
+        prompt = ids[:1]
+        gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                   use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
+                                   num_beams=1, temperature=None, top_p=None, top_k=None)
+        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg,
+                             output_logits=True, return_dict_in_generate=True)
+        tokens = gen.sequences
+        glogits = torch.cat([step.float() for step in gen.logits], dim=0)
+        assert tokens.shape == (1, SEQ + NEW_TOKENS), tokens.shape
+        assert glogits.shape == (NEW_TOKENS, logits.shape[-1]), glogits.shape
+        argmax_ok = bool((glogits.argmax(-1) == tokens[0, SEQ:]).all())
+        full = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0, SEQ - 1:-1]
+        cache_diff = (full - glogits).abs().max().item()
+        prefill_diff = (glogits[0] - logits[0, -1]).abs().max().item()
+    ref["greedy_tokens"] = tokens.to(torch.int32)
+    ref["greedy_logits"] = glogits.contiguous()
+
+    opt = torch.optim.AdamW(list(params.values()), foreach=False, **ADAMW)
+    opt.step()
+    for n, p in params.items():
+        ref[f"adamw.{n}"] = p.detach().float().contiguous().clone()
+
+    for k, v in ref.items():
+        if not torch.isfinite(v.float()).all():
+            raise RuntimeError(f"non-finite values in {k}")
+    save_file(ref, str(tmp / "reference.safetensors"))
+
+    saved = set(load_file(str(tmp / "model.safetensors")).keys())
+    tied = model.get_output_embeddings() is not None and model.get_input_embeddings() is not None and \
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    softcap = getattr(config, "final_logit_softcapping", None)
+    meta = {
+        "fixture": spec.name,
+        "model_type": spec.model_type,
+        "model_class": type(model).__name__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "config_overrides": spec.overrides,
+        "config_override_issues": issues,
+        "attn_implementation": "eager",
+        "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), "
+                f"1-D params += N(0,{VEC_STD}), generator seed 1234, named_parameters() order",
+        "adamw": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],
+                  "weight_decay": ADAMW["weight_decay"], "foreach": False},
+        "generation": {"prompt": "input_ids[0] (unpadded)", "max_new_tokens": NEW_TOKENS, "do_sample": False,
+                       "use_cache": True, "eos_token_id": None},
+        "notes": spec.notes,
+        "num_parameters": sum(p.numel() for p in params.values()),
+        "parameters": list(params.keys()),
+        "tied_word_embeddings": bool(tied),
+        "final_logit_softcapping": softcap,
+        "params_without_grad": no_grad,
+        "saved_keys_not_parameters": sorted(saved - set(params)),
+        "parameters_not_saved": sorted(set(params) - saved),
+        "checks": {
+            "loss": round(loss.item(), 6),
+            "logits_std": round(logits[mask.bool()].std().item(), 4),
+            "left_pad_invariant": pad_diff < 1e-4,
+            "left_pad_max_abs_diff": float(f"{pad_diff:.3g}"),
+            "greedy_logits_argmax_equals_tokens": argmax_ok,
+            "greedy_logits_vs_no_cache_forward_max_abs_diff": float(f"{cache_diff:.3g}"),
+            "greedy_first_step_vs_batch_logits_max_abs_diff": float(f"{prefill_diff:.3g}"),
+        },
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated fixture names")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failures")
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in SPECS:
+            print(f"{s.name:22s} {s.model_type:18s} {' '.join(s.notes)[:100]}")
+        return 0
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    only = [x for x in args.only.split(",") if x]
+    unknown = set(only) - {s.name for s in SPECS}
+    if unknown:
+        ap.error(f"unknown fixture(s): {sorted(unknown)}")
+    index_path = out_root / "index.json"
+    index = json.loads(index_path.read_text()) if only and index_path.exists() else {}
+    built, failed = index.get("built", {}), index.get("failed", {})
+    for spec in SPECS:
+        if only and spec.name not in only:
+            continue
+        built.pop(spec.name, None)
+        failed.pop(spec.name, None)
+        try:
+            meta = build(spec, out_root)
+            built[spec.name] = {"model_type": spec.model_type, "model_class": meta["model_class"],
+                                "left_pad_invariant": meta["checks"]["left_pad_invariant"],
+                                "tied_word_embeddings": meta["tied_word_embeddings"]}
+            print(f"ok    {spec.name:22s} loss={meta['checks']['loss']:.4f} "
+                  f"std={meta['checks']['logits_std']} pad_inv={meta['checks']['left_pad_invariant']} "
+                  f"cache_diff={meta['checks']['greedy_logits_vs_no_cache_forward_max_abs_diff']} "
+                  f"issues={meta['config_override_issues']}")
+        except Exception as e:  # record and go on
+            tmp = out_root / (spec.name + ".tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            failed[spec.name] = {"model_type": spec.model_type, "reason": reason}
+            print(f"FAIL  {spec.name:22s} {reason}")
+            if args.verbose:
+                traceback.print_exc()
+    index = {"transformers_version": transformers.__version__, "torch_version": torch.__version__,
+             "built": dict(sorted(built.items())), "failed": dict(sorted(failed.items())),
+             "not_attempted": dict(sorted(SKIPPED.items()))}
+    index_path.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
