@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
@@ -71,6 +72,8 @@ def weight_files(folder: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
         return [folder / s for s in shards]
+    if (folder / "model.safetensors").is_file():  # the one file transformers reads; others may sit beside it
+        return [folder / "model.safetensors"]
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return files
@@ -104,6 +107,8 @@ class AutoModel:
                         trust_remote_code: bool = False, requires_grad: bool = True):
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
+        if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
+            return load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad)
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         model = cls.from_config(config)

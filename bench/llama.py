@@ -1,0 +1,125 @@
+"""Llama benchmark: the 1.1B TinyLlama shape with random weights, vkformers against transformers + PyTorch CUDA.
+
+Measures, for each dtype: prefill of 512 tokens (tokens/s, batch 1) and greedy decode
+(new tokens/s) at batch 1 and batch 8, with the same config and the same random weights
+in both frameworks, in the same process. Without CUDA (or --no-torch) only vkformers runs.
+
+    python bench/llama.py [--dtypes bfloat16,float32] [--layers 22] [--new-tokens 64] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import vkformers as vkf
+from vkformers.models.loading import AutoModelForCausalLM
+
+TINYLLAMA = dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+
+
+def random_weights(model, seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, slot in model.named_slots():
+        if slot.tied_to is not None:
+            continue
+        if name.endswith("norm.weight") or "layernorm" in name:
+            weights[name] = np.ones(slot.shape, np.float32)
+        else:
+            weights[name] = (rng.standard_normal(slot.shape, dtype=np.float32) * 0.02)
+    return weights
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def bench_vkformers(config, weights, dtype, prompt, new_tokens) -> dict:
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(weights, dtype=dtype, requires_grad=False)
+    model.dtype = vkf.dtypes.as_dtype(dtype)
+    model.eval()
+    out = {}
+    with vkf.no_grad():
+        seconds = timed(lambda: model(prompt[:1]).logits[:, -1].numpy(), 5)
+        out["prefill_tok_s"] = prompt.shape[1] / seconds
+        for batch in (1, 8):
+            ids = prompt[:batch, :16]
+            seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
+            out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
+    return out
+
+
+def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+    model = model.to("cuda", torch_dtype).eval()
+    ids = torch.from_numpy(prompt.astype(np.int64)).cuda()
+    out = {}
+
+    def sync(x):
+        torch.cuda.synchronize()
+        return x
+
+    with torch.no_grad():
+        out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: sync(model(ids[:1]).logits[:, -1]), 5)
+        for batch in (1, 8):
+            seconds = timed(lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,
+                                                        min_new_tokens=new_tokens, do_sample=False)), 1)
+            out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--layers", type=int, default=22, help="fewer layers for a quick run")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args(argv)
+    config = dict(TINYLLAMA, num_hidden_layers=args.layers)
+    weights = random_weights(AutoModelForCausalLM.from_config(config))
+    prompt = np.random.default_rng(1).integers(0, config["vocab_size"], (8, args.prompt_len)).astype(np.int32)
+    use_torch = not args.no_torch
+    if use_torch:
+        try:
+            import torch
+            use_torch = torch.cuda.is_available()
+        except ImportError:
+            use_torch = False
+    results = {"device": vkf.get_device().name, "config": config, "runs": {}}
+    for dtype in args.dtypes.split(","):
+        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens)}
+        if use_torch:
+            run["torch"] = bench_torch(config, weights, dtype, prompt, args.new_tokens)
+        results["runs"][dtype] = run
+        for key, ours in run["vkformers"].items():
+            ref = run.get("torch", {}).get(key)
+            ratio = f" vs torch {ref:10.1f} = {ours / ref:5.2f}x" if ref else ""
+            print(f"{dtype:9s} {key:16s} {ours:10.1f}{ratio}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

