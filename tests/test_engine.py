@@ -192,3 +192,7 @@ def test_error_messages():
     with pytest.raises(RuntimeError, match="one-element"):
         vkf.tensor(np.ones(3), requires_grad=True).mul(2.0).backward() if hasattr(Tensor, "mul") else \
             (vkf.tensor(np.ones(3), requires_grad=True) * 2.0).backward()
+
+
+def test_clamp_backward_passes_gradient_inside_the_range_only():
+    check(lambda a: a.clamp(-0.5, 0.5), lambda a: np.clip(a, -0.5, 0.5), (13,))

@@ -177,8 +177,10 @@ def test_alias_to_an_unregistered_architecture_is_refused():
         plugins.register_plugin(DanglingAliasPlugin(), name="dangling")
 
 
-def test_nothing_is_claimed_verified(registry):
-    assert {a.status for a in registry.architectures()} == {"registered"}
+def test_only_the_llama_plugin_claims_verification_so_far(registry):
+    # Each claim is proven by tests/test_verified_claims.py; bert, t5 and moe have no parity tests yet.
+    claimed = {a.family for a in registry.architectures() if a.status != "registered"}
+    assert claimed <= {"llama"}
 
 
 def test_each_plugin_holds_only_its_kind(registry):
@@ -209,14 +211,21 @@ def test_architectures_json_counts(capsys):
     exit_code, out, _ = run_architectures_command(capsys, json=True)
     assert exit_code == 0
     listing = json.loads(out)
-    assert listing["counts"] == {"canonical": 143, "spellings": 224, "verified": 0, "forward-verified": 0, "registered": 143}
+    counts = listing["counts"]
+    assert (counts["canonical"], counts["spellings"]) == (143, 224)
+    assert counts["verified"] + counts["forward-verified"] + counts["registered"] == 143
+    statuses = [row["status"] for row in listing["architectures"]]
+    assert counts["verified"] == statuses.count("verified")
     assert len(listing["architectures"]) == 143
 
 
 def test_architectures_table_summary_line(capsys):
     exit_code, out, _ = run_architectures_command(capsys)
     assert exit_code == 0
-    assert "143 canonical, 224 spellings; 0 verified, 0 forward-verified, 143 registered" in out
+    statuses = [a.status for a in plugins.registry().architectures()]
+    expected = (f"143 canonical, 224 spellings; {statuses.count('verified')} verified, "
+                f"{statuses.count('forward-verified')} forward-verified, {statuses.count('registered')} registered")
+    assert expected in out
 
 
 def test_architectures_family_filter(capsys):

@@ -1,9 +1,10 @@
 """A family plugin declared as data: what a plugin's entry point usually exposes.
 
     plugin = FamilyPlugin("llama", ARCHITECTURES, ALIASES, Path(__file__).parent,
-                          model_classes={"causal-lm": DecoderForCausalLM})
+                          model_classes={"causal-lm": DecoderForCausalLM}, statuses=STATUSES)
 
-registers the architecture table, the alias map, the model classes (one class per
+registers the architecture table, the alias map, the verification statuses its tests
+prove (the rest stay "registered"), the model classes (one class per
 task serves every architecture of the family, configured by its name) and the
 plugin's kernels (GLSL in ``<distribution>/shaders/``, SPIR-V in ``<package>/_spirv/``).
 """
@@ -17,8 +18,9 @@ from vkformers.runtime.kernels import KernelDir
 
 
 class FamilyPlugin:
-    def __init__(self, family: str, architectures, aliases, package_dir: Path, model_classes=None):
+    def __init__(self, family: str, architectures, aliases, package_dir: Path, model_classes=None, statuses=None):
         self.family = family
+        self.statuses = dict(statuses or {})  # name -> "verified" / "forward-verified" (proven by its tests)
         self.model_classes = dict(model_classes or {})
         self.table = architectures
         self.aliases = aliases
@@ -26,7 +28,7 @@ class FamilyPlugin:
 
     @hookimpl
     def vkformers_architectures(self):
-        return architectures_from_table(self.family, self.table)
+        return architectures_from_table(self.family, self.table, self.statuses)
 
     @hookimpl
     def vkformers_aliases(self):

@@ -21,6 +21,22 @@ class Linear(Module):
         return F.linear(x, self.weight, self.bias if self.has_bias else None)
 
 
+class Conv1D(Module):
+    """GPT-2's projection: y = x @ weight + bias with weight stored [in_features, out_features] (the transpose
+    of Linear's), kept in that layout so checkpoints load and save unchanged."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.param("weight", (in_features, out_features))
+        if bias:
+            self.param("bias", (out_features,))
+
+    def forward(self, x):
+        y = x @ self.weight
+        return y + self.bias if self.has_bias else y
+
+
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()

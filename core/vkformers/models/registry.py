@@ -90,12 +90,18 @@ class Alias:
         return isinstance(self.target, NestedConfig)
 
 
-def architectures_from_table(family: str, rows: Iterable[tuple]) -> list[Architecture]:
+def architectures_from_table(family: str, rows: Iterable[tuple],
+                             statuses: Mapping[str, str] | None = None) -> list[Architecture]:
     """Build a plugin's Architecture objects from its table.
 
     Each row is ``(name, kind, norm, moe, llama_layout, notes)``: the columns
-    every plugin's ``architectures.py`` uses.
+    every plugin's ``architectures.py`` uses. ``statuses`` maps a name to how far
+    the plugin's tests prove it (see STATUSES); unnamed ones are "registered".
     """
+    rows, statuses = list(rows), dict(statuses or {})
+    unknown = sorted(set(statuses) - {row[0] for row in rows})
+    if unknown:
+        raise ValueError(f"plugin {family!r} gives a status to architectures it does not register: {unknown}")
     return [
         Architecture(
             name=name,
@@ -104,6 +110,7 @@ def architectures_from_table(family: str, rows: Iterable[tuple]) -> list[Archite
             tasks=TASKS_BY_KIND[kind],
             traits=(("llama_layout", llama_layout), ("moe", moe), ("norm", norm)),
             notes=notes,
+            status=statuses.get(name, "registered"),
         )
         for name, kind, norm, moe, llama_layout, notes in rows
     ]

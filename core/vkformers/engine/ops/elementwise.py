@@ -125,7 +125,7 @@ UNARY_GRADIENTS = {
     "mul_scalar": lambda x, y, g, s: g * s,
     "rsub_scalar": lambda x, y, g, s: -g,
     "pow_scalar": lambda x, y, g, s: g * x.pow(s - 1.0) * s,
-    "clamp": lambda x, y, g, lo, hi: where((x >= lo) * (x <= hi), g, 0.0),
+    "clamp": lambda x, y, g, lo, hi: where(x >= lo, where(x <= hi, g, 0.0), 0.0),
 }
 
 

@@ -1,0 +1,414 @@
+"""Per-architecture deltas: how each dense decoder's config.json fills a :class:`DecoderSpec`.
+
+Like transformers' modular files, a variant is its parent plus a declared difference:
+``mistral`` is ``llama`` with a sliding window, ``gemma2`` is ``gemma`` with sublayer
+post-norms and soft-capping, and so on. Every variant keeps Hugging Face's parameter
+names, so a checkpoint loads as is (fused projections stay fused parameters and are split
+with views in the forward pass).
+
+A config option that changes the maths but is not implemented raises
+:class:`UnsupportedConfigError` naming the option, instead of silently computing
+something else.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+
+from vkformers.errors import VkformersError
+
+
+class UnsupportedConfigError(VkformersError, ValueError):
+    """A config option of a known architecture that the shared decoder does not implement."""
+
+
+@dataclass
+class DecoderSpec:
+    """Every knob of the shared decoder. Names are Hugging Face parameter paths."""
+
+    # -- sizes
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+
+    # -- parameter names (model level: full paths; layer level: relative to the layer)
+    embed: str = "model.embed_tokens"
+    embed_norm: str | None = None            # BLOOM's word_embeddings_layernorm
+    embed_dim: int | None = None             # token-embedding width when it differs from hidden_size (OPT-350m)
+    project_in: str | None = None            # embed_dim -> hidden after the embedding, hidden -> embed_dim before lm_head
+    project_out: str | None = None
+    position_embed: str | None = None        # learned absolute positions (GPT-2 wpe, OPT embed_positions)
+    layers: str = "model.layers"
+    final_norm: str | None = "model.norm"
+    lm_head: str = "lm_head"
+    attn: str = "self_attn"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    qkv_proj: str | None = None              # one fused projection instead of q/k/v
+    qkv_layout: str = "blocks"               # blocks: [q | k | v]; per_head: [H, 3, D]; grouped: [KVH, H/KVH + 2, D]
+    q_norm: str | None = None                # QK-norm parameter names (inside attn)
+    k_norm: str | None = None
+    qk_norm_scope: str = "head"              # head: each head's D values, one shared weight [D]; full: the whole
+    #                                          projection; per_head: weight [heads, D]; per_head_list: norms.<h>
+    mlp: str = "mlp"
+    mlp_kind: str = "gated"                  # gated: down(act(gate) * up); plain: down(act(up))
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"                 # plain MLPs name their input projection here (fc1, c_fc, ...)
+    down_proj: str = "down_proj"
+    gate_up_proj: str | None = None          # fused [gate | up] (Phi-3)
+    attn_in_norm: str | None = "input_layernorm"
+    attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
+    mlp_in_norm: str | None = "post_attention_layernorm"
+    mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
+
+    # -- numerics
+    norm: str = "rms"                        # rms | layer
+    norm_eps: float = 1e-6
+    norm_weight: bool = True                 # False: parameter-free (OLMo)
+    norm_bias: bool = False                  # LayerNorm bias
+    norm_unit_offset: bool = False           # Gemma: x * (1 + weight)
+    hidden_act: str = "silu"
+    q_bias: bool = False
+    k_bias: bool = False
+    v_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False                   # gate/up and down alike
+    lm_head_bias: bool = False
+    conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
+    post_norm: bool = False                  # x = norm(x + f(x)) with attn_in_norm / mlp_in_norm (OPT-350m)
+    parallel_residual: bool = False          # x + attn(norm(x)) + mlp(norm'(x)); norm' = attn_in_norm when mlp_in_norm is None
+    attention_scales: tuple[float, ...] = () # per layer; empty: 1 / sqrt(head_dim)
+    windows: tuple[int, ...] = ()            # per layer sliding window (0: full attention); empty: none
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    clip_qkv: float | None = None            # OLMo: clamp q, k, v to [-c, c]
+
+    # -- positions
+    rope: bool = True
+    rope_interleaved: bool = False           # rotate pairs (2i, 2i+1) (GPT-J, CodeGen, Cohere)
+    rope_configs: tuple = ()                 # per layer (config dict, layer_type) for rope_parameters; empty: (config, None)
+    alibi: bool = False
+    position_offset: int = 0                 # OPT: learned table index = position + 2
+    positions_from_mask: bool = False        # OPT: position = cumsum(attention_mask) - 1
+
+    # -- scalings
+    embed_scale: float = 1.0                 # Gemma sqrt(hidden) (rounded to the model dtype), Granite embedding_multiplier
+    embed_scale_in_dtype: bool = False
+    residual_scale: float = 1.0              # Granite residual_multiplier
+    logits_scale: float = 1.0                # Granite 1 / logits_scaling, Cohere logit_scale
+    tie_embeddings: bool = False
+
+    extra: dict = field(default_factory=dict)  # free room for a variant's own notes
+
+
+# ---------------------------------------------------------------- config readers
+
+def _first(config: dict, *names, default=None):
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return default
+
+
+def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
+    """Raise UnsupportedConfigError when config[option] (or its default) is a value we do not implement."""
+    value = config.get(option, default)
+    if not supported(value):
+        raise UnsupportedConfigError(f"{arch}: config option {option}={value!r} is not supported by vkformers' "
+                                     f"decoder yet")
+
+
+def _sizes(config: dict) -> dict:
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    heads = _first(config, "num_attention_heads", "n_head")
+    return dict(
+        vocab_size=config["vocab_size"], hidden_size=hidden,
+        num_layers=_first(config, "num_hidden_layers", "n_layer"),
+        num_heads=heads, num_kv_heads=_first(config, "num_key_value_heads", default=heads),
+        head_dim=_first(config, "head_dim", default=hidden // heads),
+        intermediate_size=_first(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
+                                 default=4 * hidden),
+        max_position_embeddings=_first(config, "max_position_embeddings", "n_positions", default=2048),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
+def sliding_windows(config: dict, num_layers: int, *, every_layer: bool) -> tuple[int, ...]:
+    """Per-layer windows: from layer_types when the config has them, else the whole stack or none."""
+    window = config.get("sliding_window") or 0
+    types = config.get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window if every_layer else 0,) * num_layers
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """BLOOM / MPT ALiBi slopes (float32 [heads]): a geometric series, interleaved when heads is not 2^n."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** i for i in range(1, closest + 1)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** i for i in range(1, 1 + 2 * (num_heads - closest), 2)]
+    return np.asarray(slopes, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- the variants
+
+def llama(config: dict) -> DecoderSpec:
+    arch = config.get("model_type", "llama")
+    refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
+    bias = bool(config.get("attention_bias", False))
+    return DecoderSpec(**_sizes(config), norm_eps=_first(config, "rms_norm_eps", default=1e-6),
+                       hidden_act=config.get("hidden_act", "silu"), q_bias=bias, k_bias=bias, v_bias=bias,
+                       o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+def mistral(config: dict) -> DecoderSpec:
+    spec = llama(config)
+    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=True))
+
+
+def qwen2(config: dict) -> DecoderSpec:
+    spec = replace(llama(config), q_bias=True, k_bias=True, v_bias=True, o_bias=False)
+    if config.get("layer_types"):
+        windows = sliding_windows(config, spec.num_layers, every_layer=False)
+    elif config.get("use_sliding_window"):  # 4.x: layers from max_window_layers on slide
+        first = config.get("max_window_layers", 0)
+        windows = tuple(config["sliding_window"] if i >= first else 0 for i in range(spec.num_layers))
+    else:
+        windows = ()
+    return replace(spec, windows=windows)
+
+
+def qwen3(config: dict) -> DecoderSpec:
+    return replace(qwen2(config), q_bias=bool(config.get("attention_bias", False)),
+                   k_bias=bool(config.get("attention_bias", False)), v_bias=bool(config.get("attention_bias", False)),
+                   o_bias=bool(config.get("attention_bias", False)), q_norm="q_norm", k_norm="k_norm")
+
+
+def gemma(config: dict) -> DecoderSpec:
+    act = _first(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
+    return replace(llama(config), hidden_act=act, norm_unit_offset=True, embed_scale=config["hidden_size"] ** 0.5,
+                   embed_scale_in_dtype=True, tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def _gemma_layer_types(config: dict, num_layers: int, default_sliding: Callable[[int], bool]) -> list[str]:
+    types = config.get("layer_types")
+    if types:
+        return list(types)
+    return ["sliding_attention" if default_sliding(i) else "full_attention" for i in range(num_layers)]
+
+
+def gemma2(config: dict) -> DecoderSpec:
+    spec = gemma(config)
+    types = _gemma_layer_types(config, spec.num_layers, lambda i: i % 2 == 0)
+    window = config.get("sliding_window") or 0
+    scale = _first(config, "query_pre_attn_scalar", default=spec.head_dim) ** -0.5
+    return replace(spec, attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
+                   mlp_out_norm="post_feedforward_layernorm", attention_scales=(scale,) * spec.num_layers,
+                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                   attn_softcap=config.get("attn_logit_softcapping") or 0.0,
+                   final_softcap=config.get("final_logit_softcapping") or 0.0)
+
+
+def gemma3_text(config: dict) -> DecoderSpec:
+    spec = gemma2(config)
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+    types = _gemma_layer_types(config, spec.num_layers, lambda i: (i + 1) % pattern != 0)
+    window = config.get("sliding_window") or 0
+    params = config.get("rope_parameters")
+    if params and all(isinstance(v, dict) for v in params.values()):  # 5.x: one rope dict per layer type
+        ropes = tuple((config, t) for t in types)
+    else:  # 4.x: local layers use rope_local_base_freq without scaling
+        local = dict(config, rope_scaling=None, rope_parameters=None,
+                     rope_theta=config.get("rope_local_base_freq", 10000.0))
+        ropes = tuple((local if t == "sliding_attention" else config, None) for t in types)
+    return replace(spec, q_norm="q_norm", k_norm="k_norm", rope_configs=ropes,
+                   windows=tuple(window if t == "sliding_attention" else 0 for t in types))
+
+
+def phi3(config: dict) -> DecoderSpec:
+    spec = mistral(config)
+    return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", gate_up_proj="gate_up_proj",
+                   norm_eps=_first(config, "rms_norm_eps", default=1e-5))
+
+
+def olmo(config: dict) -> DecoderSpec:
+    return replace(llama(config), norm="layer", norm_eps=1e-5, norm_weight=False, norm_bias=False,
+                   clip_qkv=config.get("clip_qkv"))
+
+
+def olmo2(config: dict) -> DecoderSpec:
+    spec = llama(config)
+    return replace(spec, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full", attn_in_norm=None,
+                   attn_out_norm="post_attention_layernorm", mlp_in_norm=None,
+                   mlp_out_norm="post_feedforward_layernorm", norm_eps=config.get("rms_norm_eps", 1e-5))
+
+
+def granite(config: dict) -> DecoderSpec:
+    return replace(llama(config), embed_scale=config.get("embedding_multiplier", 1.0),
+                   residual_scale=config.get("residual_multiplier", 1.0),
+                   attention_scales=(config.get("attention_multiplier", 1.0),) * config["num_hidden_layers"],
+                   logits_scale=1.0 / config.get("logits_scaling", 1.0))
+
+
+def cohere(config: dict) -> DecoderSpec:
+    qk_norm = bool(config.get("use_qk_norm", False))
+    return replace(llama(config), q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None,
+                   qk_norm_scope="per_head", norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=False,
+                   parallel_residual=True, mlp_in_norm=None, rope_interleaved=True,
+                   logits_scale=config.get("logit_scale", 1.0),
+                   tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def stablelm(config: dict) -> DecoderSpec:
+    qk_norm = bool(config.get("qk_layernorm", False))
+    bias = bool(config.get("use_qkv_bias", False))
+    parallel = bool(config.get("use_parallel_residual", False))
+    return replace(llama(config), norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=True,
+                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, parallel_residual=parallel,
+                   mlp_in_norm=None if parallel else "post_attention_layernorm",
+                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
+                   qk_norm_scope="per_head_list")
+
+
+def starcoder2(config: dict) -> DecoderSpec:
+    bias = bool(config.get("use_bias", True))
+    spec = mistral(config)
+    return replace(spec, norm="layer", norm_eps=config.get("norm_epsilon", 1e-5), norm_bias=True,
+                   hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"), mlp_kind="plain", up_proj="c_fc",
+                   down_proj="c_proj", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
+def gpt2(config: dict) -> DecoderSpec:
+    refuse("gpt2", config, "add_cross_attention", lambda v: not v)
+    refuse("gpt2", config, "scale_attn_weights", lambda v: v in (None, True))
+    spec = DecoderSpec(**_sizes(config))
+    scales = tuple(spec.head_dim ** -0.5 / ((i + 1) if config.get("scale_attn_by_inverse_layer_idx") else 1)
+                   for i in range(spec.num_layers))
+    return replace(spec, embed="transformer.wte", position_embed="transformer.wpe", rope=False,
+                   layers="transformer.h", final_norm="transformer.ln_f", attn="attn", qkv_proj="c_attn",
+                   o_proj="c_proj", attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc",
+                   down_proj="c_proj", conv1d=True, norm="layer", norm_bias=True,
+                   norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   hidden_act=config.get("activation_function", "gelu_new"), q_bias=True, k_bias=True, v_bias=True,
+                   o_bias=True, mlp_bias=True, attention_scales=scales)
+
+
+def gpt_neox(config: dict) -> DecoderSpec:
+    spec = DecoderSpec(**_sizes(config))
+    rope_config = dict(config)  # 4.x spelled the rotary fraction and base differently
+    if "rotary_pct" in config and "partial_rotary_factor" not in config and not config.get("rope_parameters"):
+        rope_config["partial_rotary_factor"] = config["rotary_pct"]
+    if "rotary_emb_base" in config and not config.get("rope_parameters"):
+        rope_config["rope_theta"] = config["rotary_emb_base"]
+    parallel = bool(config.get("use_parallel_residual", True))
+    bias = bool(config.get("attention_bias", True))
+    return replace(spec, embed="gpt_neox.embed_in", layers="gpt_neox.layers",
+                   final_norm="gpt_neox.final_layer_norm", lm_head="embed_out", attn="attention",
+                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
+                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
+                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
+                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=True, parallel_residual=parallel,
+                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def phi(config: dict) -> DecoderSpec:
+    qk_norm = bool(config.get("qk_layernorm", False))
+    return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", o_proj="dense",
+                   mlp_kind="plain", up_proj="fc1", down_proj="fc2", norm="layer", norm_bias=True,
+                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu_new"),
+                   q_bias=True, k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True,
+                   parallel_residual=True, mlp_in_norm=None,
+                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def opt(config: dict) -> DecoderSpec:
+    refuse("opt", config, "layer_norm_elementwise_affine", lambda v: v in (None, True))
+    bias = bool(config.get("enable_bias", True))
+    spec = DecoderSpec(**_sizes(config))
+    pre_norm = config.get("do_layer_norm_before", True)
+    embed_dim = config.get("word_embed_proj_dim") or spec.hidden_size
+    projected = embed_dim != spec.hidden_size
+    if projected or not pre_norm:
+        spec = replace(spec, embed_dim=embed_dim, project_in="model.decoder.project_in" if projected else None,
+                       project_out="model.decoder.project_out" if projected else None, post_norm=not pre_norm)
+    remove_final = config.get("_remove_final_layer_norm") or not pre_norm
+    return replace(spec, embed="model.decoder.embed_tokens", position_embed="model.decoder.embed_positions",
+                   position_offset=2, positions_from_mask=True, rope=False, layers="model.decoder.layers",
+                   final_norm=None if remove_final else "model.decoder.final_layer_norm",
+                   o_proj="out_proj", attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
+                   mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2", norm="layer", norm_bias=bias,
+                   norm_eps=1e-5, hidden_act=config.get("activation_function", "relu"), q_bias=bias, k_bias=bias,
+                   v_bias=bias, o_bias=bias, mlp_bias=bias)
+
+
+def falcon(config: dict) -> DecoderSpec:
+    refuse("falcon", config, "alibi", lambda v: not v)
+    new_arch = bool(config.get("new_decoder_architecture", False))
+    if new_arch:
+        refuse("falcon", config, "num_ln_in_parallel_attn", lambda v: v in (None, 2))
+    else:
+        refuse("falcon", config, "num_ln_in_parallel_attn", lambda v: v in (None, 1))
+    spec = DecoderSpec(**_sizes(config))
+    heads = spec.num_heads
+    kv_heads = config.get("num_kv_heads", heads) if new_arch else (1 if config.get("multi_query", True) else heads)
+    parallel = new_arch or bool(config.get("parallel_attn", True))
+    bias = bool(config.get("bias", False))
+    if new_arch:
+        norms = dict(attn_in_norm="ln_attn", mlp_in_norm="ln_mlp")
+    else:
+        norms = dict(attn_in_norm="input_layernorm", mlp_in_norm=None if parallel else "post_attention_layernorm")
+    return replace(spec, num_kv_heads=kv_heads, embed="transformer.word_embeddings", layers="transformer.h",
+                   final_norm="transformer.ln_f", attn="self_attention", qkv_proj="query_key_value",
+                   qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
+                   o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h",
+                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   hidden_act=config.get("activation", "gelu"), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+                   mlp_bias=bias, parallel_residual=parallel,
+                   intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms)
+
+
+def bloom(config: dict) -> DecoderSpec:
+    refuse("bloom", config, "apply_residual_connection_post_layernorm", lambda v: not v)
+    spec = DecoderSpec(**_sizes(config))
+    return replace(spec, embed="transformer.word_embeddings", embed_norm="transformer.word_embeddings_layernorm",
+                   layers="transformer.h", final_norm="transformer.ln_f", attn="self_attention",
+                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
+                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
+                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh", q_bias=True,
+                   k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, rope=False, alibi=True,
+                   intermediate_size=4 * spec.hidden_size)
+
+
+# Canonical architecture name -> its delta. Architectures not listed have no implementation yet.
+VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
+    "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma": gemma, "gemma2": gemma2,
+    "gemma3_text": gemma3_text, "phi3": phi3, "olmo": olmo, "olmo2": olmo2, "granite": granite, "cohere": cohere,
+    "stablelm": stablelm, "starcoder2": starcoder2, "gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "opt": opt,
+    "falcon": falcon, "bloom": bloom,
+}
+
+
+def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:
+    """The spec of a config (already resolved to ``architecture_name``, its canonical name)."""
+    try:
+        variant = VARIANTS[architecture_name]
+    except KeyError:
+        raise UnsupportedConfigError(f"architecture {architecture_name!r} is registered by vkformers-llama but "
+                                     f"has no decoder variant yet; implemented: {', '.join(sorted(VARIANTS))}"
+                                     ) from None
+    return variant(config)
