@@ -3,7 +3,8 @@
 An architecture marked "verified" or "forward-verified" must have a fixture folder in
 tests/fixtures/ whose config resolves to it and that tests/test_decoder_parity.py runs
 (its parametrisation is the list of fixture folders, so a fixture is a test). "verified" also
-needs the gradient comparison to run on that fixture, not to be skipped.
+needs the gradient comparison to run on that fixture, not to be skipped, and the fixture to hold the
+greedy tokens that tests/test_generation.py and the AdamW step that tests/test_adamw_parity.py compare.
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def test_claim_has_a_parity_fixture(architecture):
     if architecture.status == "verified":
         assert any(_gradients_compared(f) for f in runnable), (
             f"{architecture.name} is marked verified but test_gradients skips its fixtures {runnable}")
+        for f in runnable:
+            reference = read_safetensors(parity.FIXTURES / f / "reference.safetensors")
+            assert "greedy_tokens" in reference and any(k.startswith("adamw.") for k in reference), (
+                f"{architecture.name} is marked verified but fixture {f} lacks greedy tokens or the AdamW step")
 
 
 def test_claims_are_known_statuses():

@@ -274,6 +274,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
         spec = decoder_spec(config, name)
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
+        # HF's longrope models switch to the long factors past the original context, and their
+        # generate() then recomputes the cache with them (Phi-3): generation does the same.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in ("longrope", "su"):
+            self.recompute_cache_beyond = rope.get("original_max_position_embeddings") or \
+                config.get("original_max_position_embeddings")
         d = spec.hidden_size
         alibi = Tensor(alibi_slopes(spec.num_heads)) if spec.alibi else None
         refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths

@@ -55,9 +55,21 @@ class DecoderSpec:
     v_proj: str = "v_proj"
     o_proj: str = "o_proj"
     qkv_proj: str | None = None              # one fused projection instead of q/k/v
-    qkv_layout: str = "blocks"               # blocks: [q | k | v]; per_head: [H, 3, D]; grouped: [KVH, H/KVH + 2, D]
+    qkv_layout: str = "blocks"               # blocks: [q | k | v]; per_head: [H, 3, D]; grouped: [KVH, H/KVH + 2, D];
+    #                                          chunks_qvk: [qkv_chunks, (q, v, k), H/qkv_chunks * D] (CodeGen)
+    qkv_chunks: int = 1
+    attn_out_bias: str | None = None         # a bias added after o_proj, stored apart (GPT-NeoX-Japanese dense_bias)
+    attn_out_bias_layers: tuple[int, ...] = ()  # the layers that have it
+    attention_sinks: str | None = None       # per-head learned sink logit (inside attn): out * sigmoid(lse - sink)
+    mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
+    mla_q_lora_rank: int | None = None       # None: one q_proj
+    mla_kv_lora_rank: int = 0
+    mla_nope_dim: int = 0                    # per-head query/key dims without rotary
+    mla_rope_dim: int = 0                    # per-head rotary dims (one shared rotary key for all heads)
+    mla_v_dim: int = 0
     q_norm: str | None = None                # QK-norm parameter names (inside attn)
     k_norm: str | None = None
+    qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
     qk_norm_scope: str = "head"              # head: each head's D values, one shared weight [D]; full: the whole
     #                                          projection; per_head: weight [heads, D]; per_head_list: norms.<h>
     mlp: str = "mlp"
@@ -76,8 +88,8 @@ class DecoderSpec:
     norm_eps: float = 1e-6
     norm_weight: bool = True                 # False: parameter-free (OLMo)
     norm_bias: bool = False                  # LayerNorm bias
-    norm_unit_offset: bool = False           # Gemma: x * (1 + weight)
-    hidden_act: str = "silu"
+    norm_unit_offset: bool = False           # Gemma: x * (1 + weight); Nemotron's LayerNorm1P: x * (1 + weight) + bias
+    hidden_act: str = "silu"                 # also "xielu" (Apertus: learned alpha_p / alpha_n under mlp.act_fn)
     q_bias: bool = False
     k_bias: bool = False
     v_bias: bool = False
@@ -97,7 +109,14 @@ class DecoderSpec:
     rope: bool = True
     rope_interleaved: bool = False           # rotate pairs (2i, 2i+1) (GPT-J, CodeGen, Cohere)
     rope_configs: tuple = ()                 # per layer (config dict, layer_type) for rope_parameters; empty: (config, None)
+    rope_layers: tuple[bool, ...] = ()       # per layer: does it rotate (SmolLM3 NoPE, Cohere2 full layers); empty: all
+    rope_negated: bool = False               # rotate by -theta (NanoChat's rotate_half is cat(x2, -x1))
+    query_position_scale: tuple[float, int] | None = None  # (beta, L): q *= 1 + beta * log(1 + floor(pos / L)) (Llama 4)
     alibi: bool = False
+    alibi_kind: str = "bloom"                # bloom | mpt: how the per-head slopes are spaced
+    alibi_slope_scale: float = 1.0           # Falcon adds ALiBi before the 1/sqrt(D) scaling
+    sinusoidal_positions: str | None = None  # fixed [sin | cos] position table added to the embeddings: fairseq (XGLM)
+    #                                          or ctrl; indexed by position + position_offset
     position_offset: int = 0                 # OPT: learned table index = position + 2
     positions_from_mask: bool = False        # OPT: position = cumsum(attention_mask) - 1
 
@@ -161,6 +180,41 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
         extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
         slopes += [extra_base ** i for i in range(1, 1 + 2 * (num_heads - closest), 2)]
     return np.asarray(slopes, dtype=np.float32)
+
+
+def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:
+    """MPT's ALiBi slopes: 2^-(i * max / n') for the next power of two n', odd ones first when n is not 2^k."""
+    padded = 2 ** math.ceil(math.log2(num_heads))
+    slopes = 1.0 / np.power(2.0, np.arange(1, padded + 1, dtype=np.float32) * np.float32(alibi_bias_max / padded))
+    if padded != num_heads:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes.astype(np.float32)
+
+
+def sinusoidal_table(kind: str, rows: int, dim: int, padding_row: int | None = None) -> np.ndarray:
+    """A fixed [rows, dim] float32 position table, [sin | cos] halves.
+
+    fairseq (XGLM): frequencies exp(-i * log(10000) / (dim/2 - 1)), i < dim/2; ``padding_row`` is zero.
+    ctrl: angle pos / 10000^(2 (j // 2) / dim) over all j; sines of the even j, cosines of the odd j.
+    """
+    pos = np.arange(rows, dtype=np.float32)[:, None]
+    if kind == "fairseq":
+        half = dim // 2
+        freq = np.exp(np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1)))
+        angles = pos * freq[None, :]
+        table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+        if dim % 2:
+            table = np.concatenate([table, np.zeros((rows, 1), np.float32)], axis=1)
+        if padding_row is not None:
+            table[padding_row] = 0.0
+    elif kind == "ctrl":
+        j = np.arange(dim)
+        rates = (1.0 / np.power(10000.0, (2 * (j // 2)) / np.float32(dim))).astype(np.float32)
+        angles = pos * rates[None, :]
+        table = np.concatenate([np.sin(angles[:, 0::2]), np.cos(angles[:, 1::2])], axis=1)
+    else:
+        raise ValueError(f"unknown sinusoidal position table {kind!r}")
+    return table.astype(np.float32)
 
 
 # ---------------------------------------------------------------- the variants

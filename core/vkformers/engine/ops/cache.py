@@ -1,0 +1,103 @@
+"""KV-cache ops on tensors: write new keys/values into a persistent cache, and decode attention.
+
+Both read their position from a small uint32 tensor uploaded with the step instead of
+baking it into the recorded commands. Consecutive decode steps therefore build graphs of
+the same signature and replay one recorded plan (engine/lazy.py), whatever the position.
+Inference only: neither op has a gradient.
+"""
+from __future__ import annotations
+
+import math
+
+from vkformers.engine.function import KernelOp, node
+from vkformers.engine.kernels import attention as KA
+from vkformers.engine.kernels import kv_cache as KV
+from vkformers.runtime import dtypes as dt
+
+
+class KVCacheWrite(KernelOp):
+    """ins: k_new, v_new, start, k_cache (old), v_cache (old); outs: the caches' new versions (in place)."""
+
+    name = "kv_cache_write"
+
+    def emit(self, seq, outs, ins):
+        (k_cache, v_cache), (k_new, v_new, start, _, _) = outs, ins
+        batch, kv_heads, rows, head_dim = k_new.shape
+        KV.kv_cache_write(seq, k_new.operand, v_new.operand, start.operand, k_cache.operand, v_cache.operand,
+                          outer=batch * kv_heads, rows=rows, inner=head_dim, capacity=k_cache.shape[2])
+
+
+def write_kv(k_cache, v_cache, k_new, v_new, start) -> None:
+    """``k_cache[:, :, s:s+T] = k_new`` and the same for v, with ``s = start[0]`` read on the GPU.
+
+    k_cache, v_cache: persistent tensors (``vkformers.parameter``) [batch, kv_heads, max_len, head_dim];
+    k_new, v_new: [batch, kv_heads, T, head_dim]; start: a uint32 tensor of one element (a view
+    of a larger one is fine). The caches' tensors are updated in place: later reads of them in
+    the same graph see the new rows; the write runs with the next realization.
+    """
+    for cache, new, what in ((k_cache, k_new, "k"), (v_cache, v_new, "v")):
+        if not cache.lazy.base.persistent:
+            raise ValueError(f"write_kv: the {what} cache must be a persistent tensor (vkformers.parameter)")
+        if new.ndim != 4 or new.shape[:2] != cache.shape[:2] or new.shape[3] != cache.shape[3]:
+            raise ValueError(f"write_kv: new {what} {new.shape} does not fit the cache {cache.shape}")
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"write_kv: k {k_new.shape} and v {v_new.shape} differ")
+    if start.numel() != 1 or start.dtype not in (dt.uint32, dt.int32):
+        raise TypeError(f"write_kv: start must be one uint32 element, got {start.shape} {start.dtype.name}")
+    k_new, v_new = k_new.cast(k_cache.dtype), v_new.cast(v_cache.dtype)
+    k_out, v_out = node(KVCacheWrite(), [k_new.lazy, v_new.lazy, start.reshape(1).lazy, k_cache.lazy, v_cache.lazy],
+                        [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)],
+                        into=[k_cache.lazy, v_cache.lazy])
+    k_cache._set_lazy(k_out)
+    v_cache._set_lazy(v_out)
+
+
+class DecodeAttention(KernelOp):
+    """ins: q, k_cache, v_cache, kv_len [, key padding mask] [, alibi slopes]; out: [B, H, 1, D]."""
+
+    name = "attention_decode"
+
+    def emit(self, seq, outs, ins):
+        (out,), (q, k_cache, v_cache, kv_len, *extra) = outs, ins
+        mask = extra.pop(0).operand if self.has_mask else None
+        slopes = extra.pop(0).operand if self.has_alibi else None
+        batch, heads, _, head_dim = q.shape
+        _, kv_heads, max_len, _ = k_cache.shape
+        KA.attention_decode(seq, q.operand, k_cache.operand, v_cache.operand, out.operand, batch=batch, heads=heads,
+                            kv_heads=kv_heads, kv_len=None, max_len=max_len, head_dim=head_dim, scale=self.scale,
+                            kv_len_buffer=kv_len.operand, key_padding_mask=mask, window=self.window,
+                            softcap=self.softcap, alibi_slopes=slopes)
+
+
+def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None, key_padding_mask=None,
+                     window: int = 0, softcap: float = 0.0, alibi_slopes=None):
+    """Attention of one new query per row over the first ``kv_len`` entries of the caches.
+
+    q: [batch, heads, 1, head_dim]; k_cache, v_cache: [batch, kv_heads, max_len, head_dim];
+    kv_len: a uint32 tensor of one element, read on the GPU (the query sits at position kv_len - 1
+    and its own key must already be in the cache); key_padding_mask: bool/uint8 [batch, max_len],
+    1 = attend. Returns [batch, heads, 1, head_dim] in q's dtype.
+    """
+    from vkformers.engine.tensor import Tensor
+    batch, heads, q_len, head_dim = q.shape
+    if q_len != 1:
+        raise ValueError(f"decode_attention: one query per row, got q_len {q_len}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+        raise ValueError(f"decode_attention: caches {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
+    if kv_len.numel() != 1 or kv_len.dtype not in (dt.uint32, dt.int32):
+        raise TypeError(f"decode_attention: kv_len must be one uint32 element, got {kv_len.shape} {kv_len.dtype.name}")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    dtype = k_cache.dtype
+    extra = []
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (batch, k_cache.shape[2]):
+            raise ValueError(f"decode_attention: key_padding_mask must be [batch, max_len] "
+                             f"({batch}, {k_cache.shape[2]}), got {key_padding_mask.shape}")
+        extra.append(key_padding_mask.lazy)
+    if alibi_slopes is not None:
+        extra.append(alibi_slopes.float().lazy)
+    op = DecodeAttention(scale=scale, window=int(window), softcap=float(softcap),
+                         has_mask=key_padding_mask is not None, has_alibi=alibi_slopes is not None)
+    out = node(op, [q.cast(dtype).lazy, k_cache.lazy, v_cache.lazy, kv_len.reshape(1).lazy, *extra],
+               [((batch, heads, 1, head_dim), dtype)])[0]
+    return Tensor._from_lazy(out)

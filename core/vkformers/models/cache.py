@@ -1,0 +1,142 @@
+"""``KVCache``: per-layer keys and values kept on the device between forward passes.
+
+Each layer owns two persistent tensors ``[batch, kv_heads, max_len, head_dim]`` in the
+model dtype. An attention layer hands its new (already rotated) projections to
+:meth:`KVCache.attend`, which records the cache write and the attention in the forward's
+graph, and the model calls :meth:`KVCache.advance` once all layers ran::
+
+    out = cache.attend(layer_index, q, k, v, scale=..., key_padding_mask=attention_mask)
+    ...
+    cache.advance(T)
+
+The write position and the number of valid keys travel to the GPU as a small uint32
+tensor uploaded with each step, and the key padding mask always spans ``max_len``, so every
+decode step (one new token) builds the same graph: it is recorded once and replayed for
+every later token.
+
+The cache keeps a host copy of the attention mask over the positions it stores (1 = attend,
+0 = padding). ``key_padding_mask`` given to ``attend`` may cover every stored position plus
+the new ones (``[batch, position + T]``, the way Hugging Face's ``generate`` grows
+``attention_mask``) or only the new tokens (``[batch, T]``); None means the new tokens are all
+real. Pass it as numpy (or a tensor made from numpy): the cache reads it on the host.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.ops.cache import decode_attention, write_kv
+from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import Device, get_device
+
+
+class CacheFullError(ValueError):
+    """More tokens than the cache was created for."""
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype="float32", device: Device | None = None):
+        for name, value in (("num_layers", num_layers), ("batch", batch), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("max_len", max_len)):
+            if int(value) < 1:
+                raise ValueError(f"KVCache: {name} must be >= 1, got {value}")
+        self.num_layers, self.batch, self.kv_heads = int(num_layers), int(batch), int(kv_heads)
+        self.head_dim, self.max_len = int(head_dim), int(max_len)
+        self.dtype = dt.as_dtype(dtype)
+        self.device = device or get_device()
+        zeros = np.zeros((self.batch, self.kv_heads, self.max_len, self.head_dim), np.float32)
+        self.keys = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"k_cache.{i}")
+                     for i in range(self.num_layers)]
+        self.values = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"v_cache.{i}")
+                       for i in range(self.num_layers)]
+        self.mask = np.ones((self.batch, self.max_len), np.uint8)  # host copy: 1 = attend
+        self.position = 0
+        self._step = None  # the current forward's device inputs, shared by its layers
+
+    def reset(self) -> None:
+        """Forget the stored tokens (the buffers stay allocated and are overwritten)."""
+        self.position = 0
+        self.mask[:] = 1
+        self._step = None
+
+    def advance(self, count: int) -> None:
+        """Called by the model once per forward, after every layer attended: ``count`` tokens are stored."""
+        if self.position + count > self.max_len:
+            raise CacheFullError(f"KVCache: {self.position} + {count} tokens exceed max_len {self.max_len}")
+        self.position += int(count)
+        self._step = None
+
+    # -- one forward's inputs
+
+    def _step_inputs(self, new: int, key_padding_mask):
+        """([start, end] as a uint32 tensor, device mask or None) for this forward, built by its first attend()."""
+        if self._step is not None and self._step[0] == new:
+            return self._step[1], self._step[2]
+        start, end = self.position, self.position + new
+        if end > self.max_len:
+            raise CacheFullError(f"KVCache: {start} stored + {new} new tokens exceed max_len {self.max_len}")
+        self._store_mask(start, end, key_padding_mask)
+        bounds = tensor(np.array([start, end], np.uint32), dtype=dt.uint32, device=self.device)
+        mask = None
+        if not self.mask[:, :end].all():
+            # decode: the mask spans max_len, so that every decode step has the same graph signature
+            visible = self.mask if new == 1 else self.mask[:, :end]
+            mask = tensor(visible.astype(bool), device=self.device)
+        self._step = (new, bounds, mask)
+        return bounds, mask
+
+    def _store_mask(self, start: int, end: int, key_padding_mask) -> None:
+        if key_padding_mask is None:
+            self.mask[:, start:end] = 1
+            return
+        mask = (_host_array(key_padding_mask) != 0).astype(np.uint8)
+        if mask.ndim != 2 or mask.shape[0] != self.batch or mask.shape[1] not in (end - start, end):
+            raise ValueError(f"KVCache: key_padding_mask must be [batch, new tokens] ({self.batch}, {end - start}) "
+                             f"or [batch, stored + new] ({self.batch}, {end}), got {mask.shape}")
+        self.mask[:, end - mask.shape[1]:end] = mask
+
+    # -- the attention layer's call
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, window: int = 0,
+               softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None) -> Tensor:
+        """Store k, v ([B, KVH, T, D]) at the current position; attention of q ([B, H, T, D]) over all stored keys.
+
+        T == 1 runs the decode kernel (kv_len read on the GPU); T > 1 (prefill) runs causal attention,
+        over the new keys alone when the cache was empty and over the stored ones plus the new ones
+        otherwise. Returns [B, H, T, D].
+        """
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"KVCache: layer {layer} out of range 0..{self.num_layers - 1}")
+        batch, heads, new, head_dim = q.shape
+        expected = (self.batch, self.kv_heads, new, self.head_dim)
+        if k.shape != expected or v.shape != expected or batch != self.batch or head_dim != self.head_dim:
+            raise ValueError(f"KVCache.attend: q {q.shape}, k {k.shape}, v {v.shape} do not fit the cache "
+                             f"(k and v must be {expected})")
+        bounds, mask = self._step_inputs(new, key_padding_mask)
+        k_cache, v_cache = self.keys[layer], self.values[layer]
+        write_kv(k_cache, v_cache, k, v, bounds[0:1])
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        flags = dict(scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask)
+        if new == 1:
+            return decode_attention(q, k_cache, v_cache, bounds[1:2], **flags)
+        if self.position == 0:  # prefill into an empty cache: the new keys are all there is
+            return F.scaled_dot_product_attention(q, k.cast(self.dtype), v.cast(self.dtype), causal=True, **flags)
+        end = self.position + new  # chunked prefill: the stored keys and the new ones, read from the cache
+        return F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], causal=True, **flags)
+
+
+def _host_array(mask) -> np.ndarray:
+    """``mask`` as numpy. A tensor made from host data is read from that data without a realization:
+    realizing here would also run the cache writes already pending, splitting the step's graph."""
+    if not isinstance(mask, Tensor):
+        return np.asarray(mask)
+    base, view = mask.lazy.base, mask.lazy.view
+    if base.node is None and base.host is not None:
+        flat = base.host.reshape(-1)
+        return np.lib.stride_tricks.as_strided(flat[view.offset:], shape=view.shape,
+                                               strides=tuple(s * flat.itemsize for s in view.strides)).copy()
+    return mask.numpy()

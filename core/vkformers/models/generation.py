@@ -1,0 +1,249 @@
+"""``GenerationMixin.generate``: autoregressive decoding with a KV cache, as transformers' ``generate``.
+
+One forward over the prompt fills the cache (prefill); then each new token is one forward of
+a single position. That decode forward builds the same graph every step (the cache reads its
+position from a small uploaded tensor), so it is recorded once and replayed for every later
+token. Choosing the next token runs on the host in numpy, on the last position's logits
+(``[batch, vocab]`` read back per step), with transformers' semantics and order: repetition
+penalty, then (when sampling) temperature, top-k, top-p.
+
+A model class inheriting the mixin provides ``num_layers``, ``num_kv_heads``, ``head_dim``,
+``max_position_embeddings`` and ``dtype``; optionally ``recompute_cache_beyond`` (an int: when the
+sequence first grows past that length, the cache is dropped and the whole sequence recomputed
+once, as transformers' Phi-3 does for its longrope tables); and a forward
+``model(input_ids, attention_mask=None, position_ids=None, cache=None)`` returning an object
+with ``logits`` [batch, T, vocab] that calls ``cache.attend`` in its attention layers and
+``cache.advance(T)`` once at the end.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine.function import no_grad
+from vkformers.models.cache import KVCache
+
+CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
+
+
+class GenerationMixin:
+    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                 eos_token_id=None, attention_mask=None, streamer=None, pad_token_id: int | None = None):
+        """Prompt + up to ``max_new_tokens`` new tokens per row, as a numpy int64 array [batch, T + new].
+
+        input_ids: [batch, T] (or [T]); batched prompts of different lengths are left-padded, with
+        ``attention_mask`` (1 = token, 0 = padding; default all ones). Positions are
+        ``cumsum(attention_mask) - 1`` as in transformers. Greedy unless ``do_sample``; sampling draws
+        from ``numpy.random.default_rng(seed)`` (deterministic for a given seed). ``eos_token_id``
+        (int or list; default: the model's generation_config, else its config): a row that produced
+        one is finished and gets ``pad_token_id`` from then on; generation stops when every row is
+        finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
+        object with transformers' ``put``/``end`` methods (put first receives the prompt).
+        """
+        ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"generate: input_ids must be [batch, length] with length >= 1, got {ids.shape}")
+        ids = ids.astype(np.int64)
+        batch, length = ids.shape
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(
+            attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask).astype(np.int64)
+        if mask.shape != ids.shape:
+            raise ValueError(f"generate: attention_mask {mask.shape} does not match input_ids {ids.shape}")
+        _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
+        eos = _eos_ids(self, eos_token_id)
+        pad = _pad_id(self, pad_token_id, eos)
+        rng = np.random.default_rng(seed)
+        if hasattr(streamer, "put"):
+            streamer.put(ids)
+        if max_new_tokens == 0:
+            _end(streamer)
+            return ids
+
+        cache = self._generation_cache(batch, length + max_new_tokens)
+        positions = _positions(mask)
+        unfinished = np.ones(batch, bool)
+        tokens = ids
+        recompute_beyond = getattr(self, "recompute_cache_beyond", None)
+        with no_grad():
+            out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
+            for step in range(max_new_tokens):
+                logits = _last_logits(out)
+                del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
+                scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
+                if do_sample:
+                    next_tokens = _sample(scores, rng, temperature, top_k, top_p)
+                else:
+                    next_tokens = scores.argmax(axis=-1)
+                next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
+                tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
+                _stream(streamer, next_tokens)
+                if eos:
+                    unfinished &= ~np.isin(next_tokens, eos)
+                if not unfinished.any() or step == max_new_tokens - 1:
+                    break
+                mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
+                if recompute_beyond is not None and cache.position <= recompute_beyond < tokens.shape[1]:
+                    # the model's positional tables change for every token past this length (Phi-3
+                    # longrope): as transformers does, drop the cache and recompute the whole sequence once
+                    cache.reset()
+                    out = self(tokens, attention_mask=mask, position_ids=_positions(mask), cache=cache)
+                    continue
+                out = self(next_tokens[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+                           cache=cache)
+        _end(streamer)
+        return tokens
+
+    def _generation_cache(self, batch: int, length: int) -> KVCache:
+        """A reset KV cache for ``batch`` rows of up to ``length`` tokens; reused across calls when it fits,
+        so that a later generate replays the decode step recorded by an earlier one."""
+        cache = getattr(self, "_kv_cache", None)
+        if cache is None or cache.batch != batch or cache.max_len < length or cache.dtype != _dtype(self):
+            object.__setattr__(self, "_kv_cache", None)  # free the old buffers before allocating new ones
+            del cache
+            max_len = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
+            cache = KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, max_len, _dtype(self),
+                            _device(self))
+            object.__setattr__(self, "_kv_cache", cache)
+        cache.reset()
+        return cache
+
+
+# ---------------------------------------------------------------- model attributes
+
+def _positions(mask: np.ndarray) -> np.ndarray:
+    """transformers' generate positions: cumsum(attention_mask) - 1, with 1 at padding."""
+    positions = np.cumsum(mask, axis=1) - 1
+    positions[mask == 0] = 1
+    return positions
+
+
+def _dtype(model):
+    from vkformers.runtime import dtypes as dt
+    return dt.as_dtype(getattr(model, "dtype", None) or "float32")
+
+
+def _device(model):
+    params = model.parameters() if hasattr(model, "parameters") else []
+    return params[0].device if params else None
+
+
+def _config_value(model, name):
+    """``name`` from the model's generation_config (dict or object), else from its config (dict or object)."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        if source is None:
+            continue
+        value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _eos_ids(model, eos_token_id) -> list[int]:
+    eos = _config_value(model, "eos_token_id") if eos_token_id is None else eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
+
+
+def _pad_id(model, pad_token_id, eos: list[int]) -> int:
+    pad = _config_value(model, "pad_token_id") if pad_token_id is None else pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return int(pad)
+
+
+# ---------------------------------------------------------------- logits processing (host, numpy)
+
+def _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty):
+    if int(max_new_tokens) < 0:
+        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+    if repetition_penalty <= 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
+    if do_sample:
+        if temperature <= 0:
+            raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature} "
+                             "(use do_sample=False for greedy decoding)")
+        if top_k < 0:
+            raise ValueError(f"generate: top_k must be >= 0 (0 disables it), got {top_k}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+
+
+def _last_logits(out) -> np.ndarray:
+    """The last position's logits as float32 [batch, vocab]; sliced on the GPU so only those are read back."""
+    logits = out.logits
+    return logits[:, logits.shape[1] - 1].contiguous().numpy().astype(np.float32)
+
+
+def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float) -> np.ndarray:
+    """transformers' RepetitionPenaltyLogitsProcessor: for every token id present in the row so far
+    (prompt included), a positive score is divided by the penalty and a negative one multiplied."""
+    if penalty == 1.0:
+        return scores
+    scores = scores.copy()
+    rows = np.arange(scores.shape[0])[:, None]
+    seen = scores[rows, tokens]
+    scores[rows, tokens] = np.where(seen < 0, seen * penalty, seen / penalty)
+    return scores
+
+
+def apply_top_k(scores: np.ndarray, top_k: int) -> np.ndarray:
+    """Keep the top_k highest scores per row (ties with the k-th kept), the rest -inf."""
+    if top_k <= 0 or top_k >= scores.shape[-1]:
+        return scores
+    kth = np.partition(scores, -top_k, axis=-1)[:, -top_k][:, None]
+    return np.where(scores < kth, -np.inf, scores)
+
+
+def apply_top_p(scores: np.ndarray, top_p: float) -> np.ndarray:
+    """transformers' TopPLogitsWarper: drop the least likely tokens whose cumulative probability
+    (ascending) stays <= 1 - top_p; the most likely token always stays."""
+    if top_p >= 1.0:
+        return scores
+    order = np.argsort(scores, axis=-1, kind="stable")
+    sorted_scores = np.take_along_axis(scores, order, axis=-1)
+    cumulative = np.cumsum(_softmax(sorted_scores), axis=-1)
+    remove_sorted = cumulative <= 1 - top_p
+    remove_sorted[:, -1] = False
+    remove = np.zeros_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    return np.where(remove, -np.inf, scores)
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    z = scores.astype(np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def sampling_probabilities(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0,
+                           top_p: float = 1.0) -> np.ndarray:
+    """The distribution sampling draws from: temperature, then top-k, then top-p, then softmax."""
+    scores = scores / temperature if temperature != 1.0 else scores
+    return _softmax(apply_top_p(apply_top_k(scores, top_k), top_p))
+
+
+def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p) -> np.ndarray:
+    probs = sampling_probabilities(scores, temperature, top_k, top_p)
+    cumulative = np.cumsum(probs, axis=-1)
+    draws = rng.random(scores.shape[0]) * cumulative[:, -1]
+    picked = np.array([np.searchsorted(c, d, side="right") for c, d in zip(cumulative, draws)])
+    # a draw at the very top (rounding) lands past the end: take the last token that has probability
+    last_possible = scores.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
+    return np.minimum(picked, last_possible)
+
+
+def _stream(streamer, tokens: np.ndarray) -> None:
+    if streamer is None:
+        return
+    if hasattr(streamer, "put"):
+        streamer.put(tokens)
+    else:
+        streamer(tokens)
+
+
+def _end(streamer) -> None:
+    if streamer is not None and hasattr(streamer, "end"):
+        streamer.end()
