@@ -74,8 +74,16 @@ class AdamW:
                 for t, out in zip(targets, outs):
                     t._set_lazy(out)
 
+    def init_state(self) -> None:
+        """Create moments (and float32 masters) now rather than inside the first step, so that the first
+        step's graph does not read weights back in the middle."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state(p)
+
     def state_dict(self) -> dict:
-        """Moments (and masters) as numpy arrays plus step counts, keyed by parameter position."""
+        """Moments (and masters) as numpy arrays plus step counts, keyed by parameter position
+        (training/checkpoint.py's load_optimizer_state is the inverse)."""
         out = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):

@@ -5,6 +5,7 @@ from vkformers.engine.ops.elementwise import unary, where
 from vkformers.engine.ops.nn import (
     cross_entropy,
     dropout,
+    dropout_rng_state,
     embedding,
     gather_flat,
     layer_norm,
@@ -12,6 +13,7 @@ from vkformers.engine.ops.nn import (
     rms_norm,
     rope,
     scaled_dot_product_attention,
+    set_dropout_rng_state,
 )
 
 
@@ -76,6 +78,6 @@ def log_softmax(x, dim: int = -1):
     return x.log_softmax(dim)
 
 
-__all__ = ["activation", "cross_entropy", "dropout", "embedding", "gated", "gather_flat", "gelu", "layer_norm",
+__all__ = ["activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "gated", "gather_flat", "gelu", "layer_norm",
            "linear", "log_softmax", "manual_seed", "quick_gelu", "relu", "relu2", "rms_norm", "rope",
-           "scaled_dot_product_attention", "sigmoid", "silu", "softmax", "tanh", "where"]
+           "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]

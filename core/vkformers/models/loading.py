@@ -104,7 +104,7 @@ class AutoModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
-                        trust_remote_code: bool = False, requires_grad: bool = True):
+                        trust_remote_code: bool = False, requires_grad: bool = True, adapter=None):
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
@@ -116,6 +116,9 @@ class AutoModel:
                               ignore=getattr(model, "ignored_checkpoint_keys", ()))
         model.name_or_path = str(name_or_path)
         model.dtype = model_dtype(config, dtype)
+        if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
+            from vkformers.training.lora import load_adapter
+            load_adapter(model, adapter)
         return model.eval()
 
     @classmethod

@@ -353,6 +353,17 @@ def manual_seed(seed: int) -> None:
     _dropout_rng = np.random.default_rng(seed)
 
 
+def dropout_rng_state() -> dict:
+    """The state of the generator that draws dropout seeds (saved in training checkpoints)."""
+    return _dropout_rng.bit_generator.state
+
+
+def set_dropout_rng_state(state: dict) -> None:
+    global _dropout_rng
+    _dropout_rng = np.random.default_rng()
+    _dropout_rng.bit_generator.state = state
+
+
 def dropout(x, p: float = 0.5, training: bool = True, stream: int = 0):
     """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training)."""
     if not training or p == 0.0:

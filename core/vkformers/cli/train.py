@@ -1,0 +1,146 @@
+"""``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset.
+
+Writes into --out: checkpoints/checkpoint-<step>/ (atomic, the last --keep), metrics.jsonl (one line
+per step), loss_curve.png, and final/ (the trained model as save_pretrained writes it, or the PEFT
+adapter; --merge folds the adapter into the model instead).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("train", help="train or fine-tune a causal LM (full or LoRA)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model folder or hub repo id")
+    p.add_argument("--from-scratch", action="store_true", help="random weights (only the model's config.json is read)")
+    p.add_argument("--tokenizer", help="tokenizer folder/repo (default: the model's); 'byte' for UTF-8 bytes")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", nargs="+", metavar="PATH", help="text/JSONL/Parquet files or folders")
+    data.add_argument("--hf-dataset", metavar="ORG/NAME", help="a hub dataset (Parquet/JSONL files, cached)")
+    data.add_argument("--split", default="train", help="hub dataset split (default train)")
+    data.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out files (default: --eval-fraction)")
+    data.add_argument("--eval-fraction", type=float, default=0.02, help="share of sequences held out (default 0.02)")
+    data.add_argument("--text-column", help="JSONL/Parquet column with the text (default 'text')")
+    data.add_argument("--prompt-column", help="column with prompts, masked out of the loss")
+    data.add_argument("--completion-column", help="column with completions (with --prompt-column)")
+    lora = p.add_argument_group("LoRA (PEFT-compatible adapters; without --lora-rank the whole model trains)")
+    lora.add_argument("--lora-rank", type=int, help="adapter rank r")
+    lora.add_argument("--lora-alpha", type=float, help="alpha (default 2 * rank)")
+    lora.add_argument("--lora-dropout", type=float, default=0.0)
+    lora.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                      help="module names to adapt (default per family, e.g. q_proj v_proj); one value with "
+                           "regex characters is a regular expression on full module names")
+    lora.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    lora.add_argument("--modules-to-save", nargs="+", metavar="NAME", help="modules trained fully and saved too")
+    lora.add_argument("--merge", action="store_true", help="write final/ as the merged model, not the adapter")
+    loop = p.add_argument_group("training")
+    loop.add_argument("--steps", type=int, default=1000)
+    loop.add_argument("--batch-size", type=int, default=8)
+    loop.add_argument("--seq-len", type=int, default=512)
+    loop.add_argument("--lr", type=float, default=2e-4)
+    loop.add_argument("--schedule", choices=("constant", "linear", "cosine"), default="cosine")
+    loop.add_argument("--warmup", type=int, default=0, help="warmup steps")
+    loop.add_argument("--min-lr-ratio", type=float, default=0.0)
+    loop.add_argument("--weight-decay", type=float, default=0.0)
+    loop.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    loop.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    loop.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end)")
+    loop.add_argument("--eval-batches", type=int, default=8)
+    loop.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    loop.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    loop.add_argument("--precision", choices=tuple(DTYPES), default="fp32",
+                      help="weights' dtype; bf16/fp16 train with float32 masters, fp16 with dynamic loss scaling")
+    loop.add_argument("--seed", type=int, default=0, help="data order, dropout and adapter init")
+    loop.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
+                      help="continue from the newest checkpoint in --out (or the folder given)")
+    loop.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def lora_targets(values):
+    if not values:
+        return None
+    if len(values) == 1 and any(c in values[0] for c in "*+?[]()|\\^$"):
+        return values[0]
+    return [t for v in values for t in v.split(",") if t]
+
+
+def load_model(args):
+    from vkformers.models.loading import AutoModelForCausalLM, load_config, resolve_checkpoint
+    from vkformers.training import init_weights
+    if args.from_scratch:
+        model = AutoModelForCausalLM.from_config(load_config(resolve_checkpoint(args.model)))
+        init_weights(model, seed=args.seed, dtype=DTYPES[args.precision])
+        model.name_or_path = str(args.model)
+        return model.train()
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.precision]).train()
+
+
+def copy_tokenizer_files(source, folder: Path) -> None:
+    from vkformers.models.loading import resolve_checkpoint
+    try:
+        source = resolve_checkpoint(source)
+    except Exception:  # a tokenizer that is not a folder (e.g. "byte"): nothing to copy
+        return
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file() and not (folder / name).exists():
+            shutil.copy2(source / name, folder / name)
+
+
+def run(args) -> int:
+    from vkformers.errors import VkformersError
+    from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
+                                    hf_dataset_files, load_dataset, load_tokenizer)
+    if bool(args.data) == bool(args.hf_dataset):
+        raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
+                   completion_column=args.completion_column)
+    paths = args.data or hf_dataset_files(args.hf_dataset, args.split)
+    dataset = load_dataset(paths, tokenizer, args.seq_len, **columns)
+    if args.eval_data:
+        train, held_out = dataset, load_dataset(args.eval_data, tokenizer, args.seq_len, **columns)
+    else:
+        train, held_out = dataset.split(args.eval_fraction)
+
+    model = load_model(args)
+    if args.lora_rank:
+        apply_lora(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+                                     lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
+                                     use_rslora=args.rslora, modules_to_save=args.modules_to_save,
+                                     base_model_name_or_path=str(args.model)), seed=args.seed)
+    config = TrainingConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            schedule=args.schedule, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+                            weight_decay=args.weight_decay, clip=args.clip, grad_accum=args.grad_accum,
+                            eval_every=args.eval_every, eval_batches=args.eval_batches,
+                            save_every=args.save_every or args.steps, keep=args.keep, precision=args.precision,
+                            seed=args.seed)
+    run_info = {"model": str(args.model), "data": [str(p) for p in paths], "tokenizer": args.tokenizer or args.model,
+                "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}
+    trainer = Trainer(model, config, Batches(train, args.batch_size, seed=args.seed),
+                      eval_batches=fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None,
+                      out_dir=args.out, progress=not args.no_progress, run_info=run_info)
+    trained = sum(t.numel() for t in trainer.params)
+    print(f"training {trained:,} parameters on {len(train):,} sequences of {args.seq_len} tokens"
+          f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}")
+    if args.resume:
+        folder = trainer.resume(None if args.resume == "latest" else args.resume)
+        print(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
+    trainer.train()
+    final = trainer.save_final(args.out / "final", merge=args.merge)
+    copy_tokenizer_files(args.tokenizer or args.model, final)
+    last = trainer.history[-1] if trainer.history else {}
+    summary = f"loss {last['loss']:.4f}" if "loss" in last else "no steps run"
+    if last.get("eval_loss") is not None:
+        summary += f", held-out loss {last['eval_loss']:.4f}"
+    print(f"done: step {trainer.step}, {summary}; model in {final}, metrics in {args.out / 'metrics.jsonl'}")
+    return 0

@@ -1,0 +1,366 @@
+"""Training data: read text, JSONL, Parquet or a hub dataset, tokenize, pack into sequences, batch by seed.
+
+The pipeline, in order:
+
+1. ``read_records(path, ...)`` yields :class:`Record`s (``text``, optionally a ``prompt``) from a
+   plain-text file (one document per file), JSONL (``text_column``, or ``prompt_column`` +
+   ``completion_column``) or Parquet (same columns; needs ``pyarrow``: ``pip install vkformers[parquet]``).
+   Bad data raises :class:`DataError` naming the file and line: an empty file, a missing column,
+   text that is not UTF-8, a line that is not JSON.
+2. ``tokenize_records`` turns records into one token stream with labels: each document is followed
+   by the tokenizer's EOS; prompt tokens get label -100 so only the completion counts in the loss.
+3. ``PackedDataset`` cuts the stream into sequences of ``seq_len`` tokens (documents run on across
+   sequence boundaries, as in GPT-style packing; attention is not masked between documents).
+4. ``Batches`` walks the sequences in a per-epoch permutation drawn from ``(seed, epoch)``; its
+   position (epoch, cursor) is all a checkpoint needs to continue exactly where it stopped.
+
+Tokenizers: anything with ``encode(text) -> list[int]`` and ``eos_token_id``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from vkformers.errors import VkformersError
+
+IGNORE_INDEX = -100
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+DATA_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+class DataError(VkformersError, ValueError):
+    """Training data that cannot be used, with the file (and line) at fault."""
+
+
+@dataclass
+class Record:
+    text: str                  # the document, or the completion when ``prompt`` is set
+    prompt: str | None = None  # masked out of the loss
+    where: str = ""            # "file:line" for error messages
+
+
+# ---------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, EOS = 256 (vocab 257). For tests and for models trained from scratch."""
+
+    vocab_size = 257
+    eos_token_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class _TokenizersFile:
+    """A ``tokenizer.json`` through the ``tokenizers`` library (used until models.tokenizer is available)."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+        self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.eos_token_id = _eos_id_from_folder(folder, self.backend)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.backend.decode(list(ids))
+
+
+def _eos_id_from_folder(folder: Path, backend) -> int | None:
+    for name in ("generation_config.json", "config.json"):
+        file = folder / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        token = json.loads(config.read_text()).get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is not None:
+            return backend.token_to_id(token)
+    return None
+
+
+def load_tokenizer(name_or_path):
+    """``"byte"`` -> :class:`ByteTokenizer`; otherwise the tokenizer of a model folder or hub repo."""
+    if str(name_or_path) == "byte":
+        return ByteTokenizer()
+    try:
+        from vkformers.models.tokenizer import AutoTokenizer
+    except ImportError:
+        AutoTokenizer = None
+    if AutoTokenizer is not None:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    from vkformers.models.loading import resolve_checkpoint
+    folder = resolve_checkpoint(name_or_path)
+    if not (folder / "tokenizer.json").is_file():
+        raise DataError(f"{folder}: no tokenizer.json (pass --tokenizer PATH, or --tokenizer byte)")
+    return _TokenizersFile(folder)
+
+
+# ---------------------------------------------------------------- reading
+
+def data_files(paths: Sequence) -> list[Path]:
+    """Files to read: each file as given, each folder's data files (recursively, sorted)."""
+    files = []
+    for p in paths:
+        p = Path(os.path.expanduser(str(p)))
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in DATA_SUFFIXES)
+            if not found:
+                raise DataError(f"{p}: no data files ({', '.join(DATA_SUFFIXES)}) in this folder")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"{p}: no such file or folder")
+    return files
+
+
+def read_records(path, *, text_column: str | None = None, prompt_column: str | None = None,
+                 completion_column: str | None = None) -> Iterator[Record]:
+    """Records of one file, chosen by its suffix (anything not JSONL or Parquet is read as plain text)."""
+    path = Path(path)
+    if (prompt_column is None) != (completion_column is None):
+        raise DataError("prompt and completion columns go together: give both or neither")
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        yield from _read_jsonl(path, text_column, prompt_column, completion_column)
+    elif suffix in PARQUET_SUFFIXES:
+        yield from _read_parquet(path, text_column, prompt_column, completion_column)
+    else:
+        yield Record(_read_text(path), None, f"{path}")
+
+
+def _decode(raw: bytes, path: Path, first_line: int = 1) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw[:exc.start].count(b"\n")
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}); "
+                        "convert the file to UTF-8") from None
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    text = _decode(raw, path)
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty")
+    return text
+
+
+def _pick_columns(row: dict, where: str, text_column, prompt_column, completion_column) -> Record:
+    def get(column):
+        if column not in row:
+            raise DataError(f"{where}: no column {column!r} (columns: {', '.join(map(str, row)) or 'none'})")
+        value = row[column]
+        if not isinstance(value, str):
+            raise DataError(f"{where}: column {column!r} holds {type(value).__name__}, not text")
+        return value
+
+    if prompt_column is not None:
+        return Record(get(completion_column), get(prompt_column), where)
+    return Record(get(text_column or "text"), None, where)
+
+
+def _read_jsonl(path: Path, text_column, prompt_column, completion_column) -> Iterator[Record]:
+    count = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(raw, path, number)
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
+            count += 1
+            yield _pick_columns(row, where, text_column, prompt_column, completion_column)
+    if count == 0:
+        raise DataError(f"{path}: the file is empty (no JSON lines)")
+
+
+def _read_parquet(path: Path, text_column, prompt_column, completion_column) -> Iterator[Record]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install 'vkformers[parquet]')") from None
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    columns = [c for c in (prompt_column, completion_column) if c] or [text_column or "text"]
+    missing = [c for c in columns if c not in file.schema_arrow.names]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r} (columns: {', '.join(file.schema_arrow.names)})")
+    if file.metadata.num_rows == 0:
+        raise DataError(f"{path}: the file is empty (no rows)")
+    row_number = 0
+    for batch in file.iter_batches(columns=columns):
+        for row in batch.to_pylist():
+            row_number += 1
+            yield _pick_columns(row, f"{path}:row {row_number}", text_column, prompt_column, completion_column)
+
+
+# ---------------------------------------------------------------- hub datasets
+
+def hf_dataset_files(repo_id: str, split: str = "train", *, revision: str | None = None, cache_dir=None) -> list[Path]:
+    """The Parquet/JSONL/text files of one split of a hub dataset, downloaded once into the HF cache.
+
+    Works offline (HF_HUB_OFFLINE=1) from the cache. A file belongs to the split when the split's
+    name is a whole component of its path (``data/train-00000-of-00001.parquet``, ``train.jsonl``,
+    ``default/train/0000.parquet``).
+    """
+    from huggingface_hub import constants, snapshot_download
+    suffixes = ("parquet", "jsonl", "txt")
+    patterns = [f"*{split}*.{s}" for s in suffixes]
+    try:
+        folder = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir,
+                                        allow_patterns=patterns, local_files_only=bool(constants.HF_HUB_OFFLINE)))
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not get it"
+        mode = "offline and not in the cache" if constants.HF_HUB_OFFLINE else "could not be downloaded"
+        raise DataError(f"dataset {repo_id!r} (split {split!r}) {mode}: {type(exc).__name__}: {exc}") from None
+    token = re.compile(rf"(^|[/_.\-]){re.escape(split)}([/_.\-]|$)")
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lstrip(".") in suffixes
+                   and token.search(f.relative_to(folder).as_posix()))
+    if not files:
+        raise DataError(f"dataset {repo_id!r} has no {'/'.join(suffixes)} files for split {split!r}")
+    return files
+
+
+# ---------------------------------------------------------------- tokenizing and packing
+
+def tokenize_records(records: Iterable[Record], tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """One token stream (int32) and its labels: prompts masked with -100, EOS after every document."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    tokens, labels = [], []
+    for record in records:
+        prompt = tokenizer.encode(record.prompt) if record.prompt else []
+        body = list(tokenizer.encode(record.text)) + ([eos] if eos is not None else [])
+        tokens.append(np.asarray(list(prompt) + body, np.int32))
+        labels.append(np.asarray([IGNORE_INDEX] * len(prompt) + body, np.int32))
+    if not tokens:
+        raise DataError("no training records")
+    return np.concatenate(tokens), np.concatenate(labels)
+
+
+class PackedDataset:
+    """``[n, seq_len]`` input ids and labels cut from one token stream (the tail shorter than seq_len is dropped)."""
+
+    def __init__(self, tokens: np.ndarray, labels: np.ndarray, seq_len: int):
+        if seq_len < 2:
+            raise DataError(f"seq_len must be at least 2, got {seq_len}")
+        n = len(tokens) // seq_len
+        ids = tokens[: n * seq_len].reshape(n, seq_len)
+        lab = labels[: n * seq_len].reshape(n, seq_len)
+        useful = (lab[:, 1:] != IGNORE_INDEX).any(axis=1)  # sequences that are all prompt train nothing
+        self.input_ids, self.labels, self.seq_len = ids[useful], lab[useful], seq_len
+        self.num_tokens = int(len(tokens))
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def split(self, eval_fraction: float) -> tuple["PackedDataset", "PackedDataset | None"]:
+        """(train, held-out) with the last ``eval_fraction`` of the sequences held out (at least one)."""
+        if eval_fraction <= 0:
+            return self, None
+        held = max(1, int(round(len(self) * eval_fraction)))
+        if held >= len(self):
+            raise DataError(f"only {len(self)} sequences of {self.seq_len} tokens: too few to hold out "
+                            f"{eval_fraction:.0%} for evaluation")
+        return self.subset(slice(0, len(self) - held)), self.subset(slice(len(self) - held, None))
+
+    def subset(self, rows) -> "PackedDataset":
+        out = PackedDataset.__new__(PackedDataset)
+        out.input_ids, out.labels, out.seq_len = self.input_ids[rows], self.labels[rows], self.seq_len
+        out.num_tokens = int(out.input_ids.size)
+        return out
+
+
+def load_dataset(paths: Sequence, tokenizer, seq_len: int, *, text_column=None, prompt_column=None,
+                 completion_column=None) -> PackedDataset:
+    """Read, tokenize and pack every file of ``paths`` (files or folders)."""
+    files = data_files(paths)
+
+    def records():
+        for file in files:
+            yield from read_records(file, text_column=text_column, prompt_column=prompt_column,
+                                    completion_column=completion_column)
+
+    tokens, labels = tokenize_records(records(), tokenizer)
+    dataset = PackedDataset(tokens, labels, seq_len)
+    if len(dataset) == 0:
+        raise DataError(f"{', '.join(map(str, files))}: {len(tokens)} tokens make no full sequence of "
+                        f"{seq_len}; lower --seq-len or add data")
+    return dataset
+
+
+# ---------------------------------------------------------------- batching
+
+class Batches:
+    """Batches of ``batch_size`` sequences in a seeded per-epoch order; resumable from ``state_dict()``.
+
+    Epoch ``e`` visits the sequences in ``default_rng([seed, e]).permutation(n)`` and drops the last
+    incomplete batch, so the order depends only on (seed, epoch, cursor).
+    """
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if len(dataset) < batch_size:
+            raise DataError(f"the data makes {len(dataset)} sequences of {dataset.seq_len} tokens, fewer than "
+                            f"one batch of {batch_size}; lower --batch-size or --seq-len, or add data")
+        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.dataset)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.cursor + self.batch_size > len(self.dataset):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        rows = self._order[self.cursor:self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return self.dataset.input_ids[rows], self.dataset.labels[rows]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "batch_size": self.batch_size,
+                "num_sequences": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_sequences", len(self.dataset)) != len(self.dataset):
+            raise DataError(f"the checkpoint was trained on {state['num_sequences']} sequences, this data makes "
+                            f"{len(self.dataset)}: resume with the same data, tokenizer and --seq-len")
+        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
+
+
+def fixed_batches(dataset: PackedDataset, batch_size: int, max_batches: int | None = None):
+    """The held-out split in order, as batches of at most ``batch_size`` (for evaluation)."""
+    n = len(dataset)
+    starts = range(0, n, batch_size)
+    if max_batches is not None:
+        starts = list(starts)[:max_batches]
+    return [(dataset.input_ids[s:s + batch_size], dataset.labels[s:s + batch_size]) for s in starts]

@@ -1,0 +1,319 @@
+"""LoRA adapters, saved and loaded in PEFT's format.
+
+``apply_lora(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))`` turns
+every targeted ``layers.Linear`` into a :class:`LoraLinear` (in place):
+
+    y = base(x) + dropout(x) @ lora_A.weight.T @ lora_B.weight.T * scaling
+
+with scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). The layer keeps its own weight/bias
+slots, so the base weights keep their Hugging Face names (``...q_proj.weight``) and the
+adapters appear as ``...q_proj.lora_A.weight`` / ``...q_proj.lora_B.weight``. Base weights are
+frozen (``requires_grad=False``) and may stay bfloat16/float16; the adapters are float32.
+
+Files, as PEFT writes them: ``adapter_config.json`` and ``adapter_model.safetensors`` with keys
+``base_model.model.<module path>.lora_A.weight`` (and ``base_model.model.<path>.weight`` for
+``modules_to_save``), so ``peft.PeftModel.from_pretrained`` loads what we save and vice versa.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor, parameter
+from vkformers.errors import VkformersError
+from vkformers.models.layers import Linear
+from vkformers.models.module import Module
+from vkformers.models.safetensors_io import read_safetensors, write_safetensors
+from vkformers.runtime import dtypes as dt
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+
+# PEFT's defaults per model_type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the families
+# we run; anything else falls back to q_proj/v_proj.
+DEFAULT_TARGETS = {
+    "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"], "falcon": ["query_key_value"],
+    "bloom": ["query_key_value"], "gptj": ["q_proj", "v_proj"], "bert": ["query", "value"],
+    "roberta": ["query", "value"], "t5": ["q", "v"], "mt5": ["q", "v"], "phi": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj"], "chatglm": ["query_key_value"], "stablelm": ["q_proj", "v_proj"],
+}
+FALLBACK_TARGETS = ["q_proj", "v_proj"]
+
+
+class LoraError(VkformersError, ValueError):
+    """An adapter that does not fit the model, or a LoRA configuration that targets nothing."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    lora_alpha: float = 16
+    lora_dropout: float = 0.0
+    target_modules: list[str] | str | None = None  # None: the family's default; str: a regex on full names
+    use_rslora: bool = False
+    modules_to_save: list[str] | None = None
+    base_model_name_or_path: str | None = None
+    bias: str = "none"
+    task_type: str = "CAUSAL_LM"
+    extra: dict = field(default_factory=dict)  # other PEFT fields read from a file, written back unchanged
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def to_peft_dict(self) -> dict:
+        targets = self.target_modules
+        return {**self.extra, "peft_type": "LORA", "task_type": self.task_type, "r": self.r,
+                "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+                "use_rslora": self.use_rslora, "modules_to_save": self.modules_to_save, "bias": self.bias,
+                "base_model_name_or_path": self.base_model_name_or_path, "fan_in_fan_out": False,
+                "inference_mode": True, "init_lora_weights": True, "use_dora": False,
+                "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
+
+    @classmethod
+    def from_peft_dict(cls, d: dict, where: str = "adapter config") -> "LoraConfig":
+        if d.get("peft_type", "LORA") != "LORA":
+            raise LoraError(f"{where}: peft_type {d.get('peft_type')!r}; vkformers loads LORA adapters only")
+        for unsupported in ("use_dora", "fan_in_fan_out", "lora_bias", "exclude_modules", "target_parameters",
+                            "trainable_token_indices", "layer_replication", "layers_to_transform", "use_qalora"):
+            if d.get(unsupported):
+                raise LoraError(f"{where}: {unsupported}={d[unsupported]!r} is not supported by vkformers")
+        if d.get("rank_pattern") or d.get("alpha_pattern"):
+            raise LoraError(f"{where}: per-module rank_pattern/alpha_pattern are not supported")
+        if d.get("bias", "none") != "none":
+            raise LoraError(f"{where}: bias={d['bias']!r} is not supported (only 'none')")
+        known = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "modules_to_save",
+                 "base_model_name_or_path", "bias", "task_type"}
+        targets = d.get("target_modules")
+        return cls(r=int(d["r"]), lora_alpha=d.get("lora_alpha", 8), lora_dropout=d.get("lora_dropout", 0.0),
+                   target_modules=list(targets) if isinstance(targets, (list, tuple, set)) else targets,
+                   use_rslora=bool(d.get("use_rslora", False)), modules_to_save=d.get("modules_to_save"),
+                   base_model_name_or_path=d.get("base_model_name_or_path"), bias=d.get("bias", "none"),
+                   task_type=d.get("task_type") or "CAUSAL_LM",
+                   extra={k: v for k, v in d.items() if k not in known and k != "peft_type"})
+
+
+class LoraLinear(Linear):
+    """A ``Linear`` with a trainable low-rank update.
+
+    :func:`apply_lora` turns existing ``Linear`` objects into this class *in place* (``wrap``) rather
+    than swapping in new objects: model plugins keep plain references to their layers (dicts of
+    parts, attributes), and those must see the adapter too. The weight/bias slots are untouched, so
+    the base keeps its Hugging Face names; ``lora_A``/``lora_B`` become child modules.
+    """
+
+    @classmethod
+    def wrap(cls, linear: Linear, r: int, scaling: float, dropout: float = 0.0) -> "LoraLinear":
+        if isinstance(linear, LoraLinear):
+            raise LoraError("this layer already carries a LoRA adapter")
+        linear.__class__ = cls
+        linear.r, linear.scaling, linear.dropout = r, scaling, dropout
+        linear.lora_A = Linear(linear.in_features, r, bias=False)
+        linear.lora_B = Linear(r, linear.out_features, bias=False)
+        return linear
+
+    def unwrap(self) -> Linear:
+        """Back to a plain ``Linear`` (the adapter is dropped; merge it into the weight first to keep it)."""
+        for name in ("lora_A", "lora_B"):
+            del self._modules[name]
+            del self.__dict__[name]
+        for name in ("r", "scaling", "dropout"):
+            del self.__dict__[name]
+        self.__class__ = Linear
+        return self
+
+    def init_adapter(self, rng: np.random.Generator) -> None:
+        """PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(in)), B = 0 (the model starts unchanged)."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        a = rng.uniform(-bound, bound, (self.r, self.in_features)).astype(np.float32)
+        self.lora_A.weight = parameter(a, dtype=dt.float32, name="lora_A")
+        self.lora_B.weight = parameter(np.zeros((self.out_features, self.r), np.float32), dtype=dt.float32,
+                                       name="lora_B")
+
+    def forward(self, x):
+        y = super().forward(x)
+        h = F.dropout(x, self.dropout, training=self.training).float()
+        update = F.linear(F.linear(h, self.lora_A.weight), self.lora_B.weight) * self.scaling
+        return y + update.cast(y.dtype)
+
+    def merged_weight(self) -> np.ndarray:
+        """W + scaling * B @ A in float32 (numpy)."""
+        a, b = self.lora_A.weight.numpy().astype(np.float32), self.lora_B.weight.numpy().astype(np.float32)
+        return self.weight.numpy().astype(np.float32) + self.scaling * (b @ a)
+
+
+# ---------------------------------------------------------------- finding and replacing modules
+
+def _model_type(model) -> str | None:
+    return (getattr(model, "config", None) or {}).get("model_type")
+
+
+def resolve_targets(model, target_modules) -> list[str]:
+    """Full names of the Linear modules a PEFT-style ``target_modules`` selects.
+
+    A list matches a module whose name equals an entry or ends with "." + entry; a string is a
+    regular expression matched against the whole name (PEFT's rules).
+    """
+    if target_modules is None:
+        target_modules = DEFAULT_TARGETS.get(_model_type(model), FALLBACK_TARGETS)
+    linears = [name for name, m in model.named_modules()
+               if type(m) is Linear and name and not re.search(r"\.lora_[AB]$", name)]
+    if isinstance(target_modules, str):
+        pattern = re.compile(target_modules)
+        chosen = [n for n in linears if pattern.fullmatch(n)]
+    else:
+        chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in target_modules)]
+    if not chosen:
+        suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise LoraError(f"LoRA target_modules {target_modules!r} match no Linear layer of this model; "
+                        f"its Linear layers end in: {', '.join(suffixes) or 'none'}")
+    return chosen
+
+
+def apply_lora(model: Module, config: LoraConfig, *, seed: int = 0, init: bool = True) -> Module:
+    """Wrap the targeted Linear layers (in place), freeze everything but adapters and modules_to_save."""
+    if config.r < 1:
+        raise LoraError(f"LoRA rank must be >= 1, got {config.r}")
+    if config.bias != "none":
+        raise LoraError(f"LoRA bias={config.bias!r} is not supported (only 'none')")
+    names = resolve_targets(model, config.target_modules)
+    if config.target_modules is None:
+        config.target_modules = sorted({n.rsplit(".", 1)[-1] for n in names})
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = getattr(model, "name_or_path", None)
+    for t in model.parameters():
+        t.requires_grad = False
+    rng = np.random.default_rng(seed)
+    modules = dict(model.named_modules())
+    for name in names:
+        layer = LoraLinear.wrap(modules[name], config.r, config.scaling, config.lora_dropout)
+        if init:
+            layer.init_adapter(rng)
+        layer.lora_A.training = layer.lora_B.training = layer.training
+    for name in saved_module_names(model, config):
+        module = dict(model.named_modules())[name]
+        for _, t in module.named_parameters():
+            t.requires_grad = True
+    model.lora_config = config
+    return model
+
+
+def saved_module_names(model: Module, config: LoraConfig) -> list[str]:
+    """Full names of the modules ``modules_to_save`` selects (trained fully and saved with the adapter)."""
+    wanted = config.modules_to_save or []
+    return [n for n, _ in model.named_modules() if n and any(n == w or n.endswith("." + w) for w in wanted)]
+
+
+def trainable_parameters(model: Module) -> list[tuple[str, Tensor]]:
+    return [(n, t) for n, t in model.named_parameters() if t.requires_grad]
+
+
+# ---------------------------------------------------------------- saving, loading, merging
+
+def adapter_parameter_names(model: Module) -> list[str]:
+    """Model-side names of what an adapter file holds: every lora_A/lora_B, then modules_to_save's parameters."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            names += [f"{name}.lora_A.weight", f"{name}.lora_B.weight"]
+    for name in saved_module_names(model, model.lora_config):
+        names += [f"{name}.{p}" for p, _ in dict(model.named_modules())[name].named_slots()]
+    return names
+
+
+def adapter_state_dict(model: Module) -> dict[str, np.ndarray]:
+    """PEFT-named adapter tensors (float32) and modules_to_save weights (their stored dtype)."""
+    slots = dict(model.named_slots())
+    return {PEFT_PREFIX + name: slots[name].tensor.numpy() for name in adapter_parameter_names(model)}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_adapter(model: Module, folder) -> None:
+    """adapter_model.safetensors + adapter_config.json, as ``PeftModel.save_pretrained`` writes them."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = adapter_state_dict(model)
+    write_safetensors(folder / ADAPTER_WEIGHTS, {k: v.astype(np.float32) if v.dtype != np.float16 else v
+                                                 for k, v in tensors.items()}, metadata={"format": "pt"})
+    _write_json_atomic(folder / ADAPTER_CONFIG, model.lora_config.to_peft_dict())
+
+
+def read_adapter_config(folder) -> LoraConfig:
+    file = Path(folder) / ADAPTER_CONFIG
+    if not file.is_file():
+        raise LoraError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+    try:
+        return LoraConfig.from_peft_dict(json.loads(file.read_text()), where=str(file))
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise LoraError(f"{file}: not a valid adapter config ({exc})") from None
+
+
+def _peft_key_to_model(key: str) -> str:
+    """base_model.model.X.lora_A[.default].weight -> X.lora_A.weight (also accepts names without the prefix)."""
+    key = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    return re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", key)
+
+
+def load_adapter_weights(model: Module, folder) -> None:
+    """Fill the adapters and modules_to_save of a LoRA-wrapped model from an adapter folder (checked both ways)."""
+    file = Path(folder) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise LoraError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    arrays = {_peft_key_to_model(k): e.as_float() for k, e in read_safetensors(file).items()}
+    expected = adapter_parameter_names(model)
+    missing = sorted(set(expected) - set(arrays))
+    unexpected = sorted(set(arrays) - set(expected))
+    if missing or unexpected:
+        raise LoraError(f"{file} does not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    slots = dict(model.named_slots())
+    for name in expected:
+        array, slot = arrays[name], slots[name]
+        if tuple(array.shape) != slot.shape:
+            raise LoraError(f"{file}: {name} has shape {tuple(array.shape)}, the model expects {slot.shape}")
+        old = slot.tensor
+        dtype = old.dtype if old is not None else dt.float32
+        slot.tensor = parameter(np.asarray(array, np.float32), dtype=dtype,
+                                requires_grad=old.requires_grad if old is not None else True, name=name)
+
+
+def load_adapter(model: Module, folder, *, trainable: bool = False) -> Module:
+    """Wrap ``model`` as the adapter folder says and load its weights (for inference unless ``trainable``).
+
+    This is what ``from_pretrained(..., adapter=PATH)`` calls after loading the base model.
+    """
+    config = read_adapter_config(folder)
+    apply_lora(model, config, init=False)
+    load_adapter_weights(model, folder)
+    if not trainable:
+        for t in model.parameters():
+            t.requires_grad = False
+    return model
+
+
+def merge_lora(model: Module) -> Module:
+    """Fold every adapter into its base weight (W += scaling * B @ A) and unwrap; returns the plain model."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLinear):
+            merged = parameter(module.merged_weight(), dtype=module.weight.dtype,
+                               requires_grad=module.weight.requires_grad, name=f"{name}.weight")
+            module.unwrap().weight = merged
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model

@@ -1,0 +1,453 @@
+"""The training loop: one recorded submission per optimizer step.
+
+Each step builds, lazily, the forward and backward of every micro-batch (gradient accumulation),
+the global gradient norm (a sum of squares over all gradients, on the GPU), the clipping factor
+``min(1, clip / norm)`` (applied as a tensor multiply, so it needs no host round trip) and the
+AdamW update. Reading a small vector of step statistics (loss, norm, an all-finite flag) realizes
+all of it in one submission; from the third step on the engine replays the recorded plan
+(``engine.lazy.stats["recorded"]`` stays put).
+
+Mixed precision (``precision="bf16"|"fp16"``): the model's weights are 16-bit, AdamW keeps float32
+master weights and moments. For fp16 a dynamic loss scale multiplies the loss before backward and
+divides the gradients after. Whether a step overflowed is only known once the gradients exist, and
+AdamW updates its state in place, so fp16 steps run in **two submissions**: the first computes loss,
+gradients and the overflow flag (read with the loss); only when the gradients are finite does the
+second apply the (unscaled, clipped) update. Overflowing steps are skipped and the scale halves;
+after ``scale_growth_interval`` good steps it doubles (torch.amp.GradScaler's policy). fp32 and
+bf16 steps stay one submission; a non-finite loss there stops the run with
+:class:`NonFiniteLossError` before anything more is saved, so the last checkpoint stays good.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vkformers.engine import lazy
+from vkformers.engine.function import no_grad
+from vkformers.engine.ops import nn as nn_ops
+from vkformers.engine.ops.nn import dropout_rng_state, set_dropout_rng_state
+from vkformers.engine.ops.elementwise import where
+from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.errors import VkformersError
+from vkformers.optim import AdamW
+from vkformers.runtime import dtypes as dt
+from vkformers.training import checkpoint as ckpt
+from vkformers.training.schedules import SCHEDULES, lr_factor
+
+PRECISIONS = {"fp32": dt.float32, "bf16": dt.bfloat16, "fp16": dt.float16}
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class NonFiniteLossError(VkformersError, FloatingPointError):
+    """The loss or the gradients became NaN/inf; the run stopped and nothing after the last checkpoint was saved."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-4
+    schedule: str = "cosine"
+    warmup: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    clip: float = 1.0               # global gradient-norm clipping; 0 turns it off
+    grad_accum: int = 1
+    eval_every: int = 0             # 0: evaluate only at the end (when there is held-out data)
+    eval_batches: int = 8
+    save_every: int = 0             # 0: no intermediate checkpoints
+    keep: int = 2
+    precision: str = "fp32"
+    seed: int = 0
+    loss_scale: float = 2.0 ** 16   # fp16 only: initial dynamic loss scale
+    scale_growth_interval: int = 2000
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.grad_accum < 1 or self.batch_size < 1 or self.steps < 0:
+            raise ValueError("steps >= 0, batch_size >= 1 and grad_accum >= 1 are required")
+        self.betas = tuple(self.betas)
+
+
+@dataclass
+class StepResult:
+    step: int                 # optimizer steps done after this one (1 for the first)
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool = False     # fp16 overflow: no update applied
+    loss_scale: float | None = None
+
+
+class LossScaler:
+    """Dynamic loss scaling (torch.amp.GradScaler's policy): halve on overflow, double after N good steps."""
+
+    def __init__(self, scale: float = 2.0 ** 16, growth_interval: int = 2000, growth: float = 2.0,
+                 backoff: float = 0.5, min_scale: float = 2.0 ** -24):
+        self.scale, self.growth_interval, self.growth, self.backoff = float(scale), growth_interval, growth, backoff
+        self.min_scale, self.good_steps = min_scale, 0
+
+    def update(self, finite: bool) -> None:
+        if finite:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale, self.good_steps = self.scale * self.growth, 0
+        else:
+            self.scale, self.good_steps = self.scale * self.backoff, 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def init_weights(model, *, seed: int = 0, std: float = 0.02, dtype="float32") -> None:
+    """Random weights for training from scratch: normal(0, std) matrices, ones for norms, zeros for biases."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, slot in model.named_slots():
+        if slot.tied_to is not None:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "bias":
+            arrays[name] = np.zeros(slot.shape, np.float32)
+        elif len(slot.shape) == 1:  # norm weights
+            arrays[name] = np.ones(slot.shape, np.float32)
+        else:
+            arrays[name] = (rng.standard_normal(slot.shape) * std).astype(np.float32)
+    model.load_state_dict(arrays, dtype=dtype)
+    model.dtype = dt.as_dtype(dtype)
+
+
+class Trainer:
+    """Train ``model`` (whose parameters with ``requires_grad`` are trained) on ``train_batches``.
+
+    ``train_batches``: a :class:`~vkformers.training.data.Batches` (or anything iterable with
+    ``state_dict``/``load_state_dict``) yielding (input_ids, labels) numpy arrays.
+    ``eval_batches``: a list of (input_ids, labels) for the held-out loss.
+    ``out_dir``: where checkpoints/, metrics.jsonl, loss_curve.png and final/ go (None: nothing written).
+    """
+
+    def __init__(self, model, config: TrainingConfig, train_batches, *, eval_batches=None, out_dir=None,
+                 progress: bool = False, run_info: dict | None = None):
+        self.model, self.config, self.train_batches = model, config, train_batches
+        self.eval_batches = eval_batches or []
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.progress, self.run_info = progress, run_info or {}
+        self.params = [t for _, t in model.named_parameters() if t.requires_grad]
+        if not self.params:
+            raise VkformersError("nothing to train: no parameter of the model requires grad")
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]  # biases and norm weights, as HF's Trainer does
+        groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if g]
+        self.optimizer = AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+        # Create moments (and float32 masters of 16-bit weights) now: created inside the first step they
+        # would read each weight back mid-graph, splitting step 1 into many submissions and recordings.
+        self.optimizer.init_state()
+        self.scaler = LossScaler(config.loss_scale, config.scale_growth_interval) if config.precision == "fp16" \
+            else None
+        self.step, self.tokens_seen, self.last_checkpoint = 0, 0, None
+        self.history: list[dict] = []
+        # Constant one-hot masks that pack the step's statistics into one vector (one read per step).
+        self._slots = [parameter(np.eye(3, dtype=bool)[i], requires_grad=False, name="stat_slot") for i in range(3)]
+        nn_ops.manual_seed(config.seed)
+
+    # -- one step
+
+    def current_lr(self, step: int | None = None) -> float:
+        c = self.config
+        return c.lr * lr_factor(self.step if step is None else step, schedule=c.schedule, warmup=c.warmup,
+                                total=c.steps, min_ratio=c.min_lr_ratio)
+
+    def _next_micro_batches(self):
+        return [next(self.train_batches) for _ in range(self.config.grad_accum)]
+
+    def _pack(self, loss: Tensor, norm: Tensor, finite: Tensor) -> Tensor:
+        """[loss, norm, finite] as one float32 vector (``where``, so a NaN in one slot stays in that slot)."""
+        out = finite.reshape(1).expand(3)
+        out = where(self._slots[1], norm.reshape(1), out)
+        return where(self._slots[0], loss.reshape(1), out)
+
+    def train_step(self, micro_batches) -> StepResult:
+        """Forward/backward every micro-batch, clip, update; returns the step's statistics."""
+        c = self.config
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        scale = tensor(np.float32(self.scaler.scale)) if self.scaler else None  # an input, so plans replay
+        total = None
+        for input_ids, labels in micro_batches:
+            loss = self.model(input_ids, labels=labels).loss.float() * (1.0 / len(micro_batches))
+            (loss * scale if scale is not None else loss).backward()
+            total = loss if total is None else total + loss
+            del loss
+        with no_grad():
+            grads = [(p, p.grad.float()) for p in self.params if p.grad is not None]
+            sum_sq = None
+            for _, g in grads:  # global norm: one reduction per gradient, summed on the GPU
+                s = g.square().sum()
+                sum_sq = s if sum_sq is None else sum_sq + s
+            norm = sum_sq.sqrt()
+            # "x <= FLT_MAX" is false for inf and NaN alike
+            finite = where(sum_sq <= FLOAT32_MAX, 1.0, 0.0) * where(total.abs() <= FLOAT32_MAX, 1.0, 0.0)
+            unscale = 1.0 / scale if scale is not None else None
+            if unscale is not None:
+                norm = norm * unscale
+            factor = (c.clip / (norm + 1e-6)).clamp(max=1.0) if c.clip > 0 else None
+            if unscale is not None:
+                factor = unscale if factor is None else factor * unscale
+            stats_vector = self._pack(total.detach(), norm, finite)
+        del total, sum_sq
+
+        if self.scaler is None:  # one submission: the update rides along with reading the statistics
+            self._apply_update(grads, factor)
+            stats = stats_vector.numpy()
+        else:  # fp16: read the overflow flag first, update only if the gradients are finite
+            stats = stats_vector.numpy()
+            if stats[2] == 1.0:
+                self._apply_update(grads, factor)
+                lazy.realize([])
+        del grads, factor, stats_vector, norm, finite, scale, unscale
+        self.optimizer.zero_grad()
+        loss_value, norm_value, ok = float(stats[0]), float(stats[1]), stats[2] == 1.0
+        result = StepResult(self.step + 1, loss_value, norm_value, lr,
+                            skipped=not ok and self.scaler is not None,
+                            loss_scale=self.scaler.scale if self.scaler else None)
+        if self.scaler is not None:
+            self.scaler.update(ok)
+            if self.scaler.scale < self.scaler.min_scale:
+                raise NonFiniteLossError(self._stop_message(result, "the fp16 loss scale underflowed "
+                                                                    f"({self.scaler.scale:g}) after repeated overflows"))
+        elif not ok:
+            raise NonFiniteLossError(self._stop_message(result, f"loss {loss_value} / gradient norm {norm_value} "
+                                                                "is not finite"))
+        self.step += 1
+        return result
+
+    def _apply_update(self, grads, factor) -> None:
+        with no_grad():
+            for p, g in grads:
+                p.grad = g * factor if factor is not None else g
+        self.optimizer.step()
+
+    def _stop_message(self, result: StepResult, what: str) -> str:
+        where_ = self.last_checkpoint or "none saved yet"
+        return (f"step {result.step}: {what}; training stopped. Last good checkpoint: {where_} "
+                "(resume from it with a lower --lr, --clip, or --precision bf16/fp32)")
+
+    # -- evaluation
+
+    def evaluate(self) -> float | None:
+        """Mean loss over the held-out batches (one submission), or None without held-out data."""
+        if not self.eval_batches:
+            return None
+        self.model.eval()
+        with no_grad():
+            total = None
+            for input_ids, labels in self.eval_batches[: self.config.eval_batches]:
+                loss = self.model(input_ids, labels=labels).loss.float()
+                total = loss if total is None else total + loss
+            value = total.item() / min(len(self.eval_batches), self.config.eval_batches)
+        self.model.train()
+        return value
+
+    # -- checkpoints
+
+    def trainer_state(self) -> dict:
+        return {"format": 1, "step": self.step, "epoch": getattr(self.train_batches, "epoch", 0),
+                "data_position": self.train_batches.state_dict(), "dropout_rng": dropout_rng_state(),
+                "lr": self.current_lr(), "loss_scale": self.scaler.state_dict() if self.scaler else None,
+                "tokens_seen": self.tokens_seen, "config": asdict(self.config), "run": self.run_info}
+
+    def save_checkpoint(self) -> Path:
+        if self.out_dir is None:
+            raise VkformersError("save_checkpoint needs an out_dir")
+        self.last_checkpoint = ckpt.save_checkpoint(
+            self.out_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+            trainer_state=self.trainer_state(), keep=self.config.keep, adapter=hasattr(self.model, "lora_config"))
+        return self.last_checkpoint
+
+    def resume(self, folder=None) -> Path | None:
+        """Continue from ``folder`` (default: the newest complete checkpoint in out_dir); None if there is none."""
+        if folder is None:
+            folder = ckpt.latest_checkpoint(self.out_dir / "checkpoints") if self.out_dir else None
+            if folder is None:
+                return None
+        folder = Path(folder)
+        state_file = folder / ckpt.STATE_FILE
+        if state_file.is_file():
+            saved = json.loads(state_file.read_text())["config"]
+            for key in ("precision", "batch_size", "seq_len", "grad_accum"):
+                if saved[key] != getattr(self.config, key):
+                    raise ckpt.CheckpointLoadError(f"{folder} was trained with {key}={saved[key]!r}, this run has "
+                                                   f"{getattr(self.config, key)!r}; resume with the same setting")
+        state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.optimizer)
+        self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+        self.train_batches.load_state_dict(state["data_position"])
+        set_dropout_rng_state(state["dropout_rng"])
+        if self.scaler and state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
+        self.last_checkpoint = folder
+        if self.out_dir is not None and (self.out_dir / "metrics.jsonl").is_file():  # forget steps to be redone
+            self.history = [m for m in _read_metrics(self.out_dir / "metrics.jsonl") if m["step"] <= self.step]
+            _write_metrics(self.out_dir / "metrics.jsonl", self.history)
+        return folder
+
+    # -- the loop
+
+    def train(self) -> list[dict]:
+        """Run until ``config.steps``; returns the metrics of every step of this run (also in metrics.jsonl)."""
+        c = self.config
+        metrics_file = None
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+        bar = _progress_bar(c.steps, self.step, self.progress)
+        done: list[dict] = []
+        try:
+            started, start_tokens = time.perf_counter(), self.tokens_seen
+            while self.step < c.steps:
+                batch = self._next_micro_batches()
+                tokens = sum(int(ids.size) for ids, _ in batch)
+                step_start = time.perf_counter()
+                result = self.train_step(batch)
+                now = time.perf_counter()
+                self.tokens_seen += tokens
+                record = {"step": result.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                          "tokens": self.tokens_seen, "tokens_per_s": tokens / max(now - step_start, 1e-9),
+                          "elapsed_s": now - started}
+                if self.scaler:
+                    record.update(loss_scale=result.loss_scale, skipped=result.skipped)
+                last = self.step == c.steps
+                if self.eval_batches and ((c.eval_every and self.step % c.eval_every == 0) or last):
+                    record["eval_loss"] = self.evaluate()
+                done.append(record)
+                self.history.append(record)
+                if metrics_file:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                if bar is not None:
+                    rate = (self.tokens_seen - start_tokens) / max(now - started, 1e-9)
+                    post = {"loss": f"{result.loss:.4f}", "tok/s": f"{rate:,.0f}"}
+                    if "eval_loss" in record:
+                        post["eval"] = f"{record['eval_loss']:.4f}"
+                    if result.skipped:
+                        post["skipped"] = "overflow"
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+                if self.out_dir is not None and c.save_every and (self.step % c.save_every == 0 or last):
+                    self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics_file:
+                metrics_file.close()
+        if self.out_dir is not None and self.history:
+            write_loss_curve(self.out_dir / "loss_curve.png", self.history)
+        return done
+
+    def save_final(self, folder=None, *, merge: bool = False) -> Path:
+        """The trained model as ``save_pretrained`` writes it, or the PEFT adapter (merged into the model if asked)."""
+        from vkformers.models.loading import save_pretrained
+        from vkformers.training import lora
+        folder = Path(folder) if folder is not None else self.out_dir / "final"
+        if hasattr(self.model, "lora_config") and not merge:
+            lora.save_adapter(self.model, folder)
+        else:
+            if hasattr(self.model, "lora_config"):
+                lora.merge_lora(self.model)
+            save_pretrained(self.model, folder)
+        return folder
+
+
+# ---------------------------------------------------------------- metrics, progress, loss curve
+
+def _read_metrics(file: Path) -> list[dict]:
+    if not file.is_file():
+        return []
+    out = []
+    for line in file.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+    return out
+
+
+def _write_metrics(file: Path, records: list[dict]) -> None:
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(file)
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
+
+
+def write_loss_curve(path, history: list[dict], width: int = 640, height: int = 360) -> None:
+    """A small line plot (PNG, no plotting library): training loss in blue, held-out loss as red dots.
+
+    The y axis runs from the lowest to the highest loss shown; grey lines mark whole loss values.
+    """
+    steps = [m["step"] for m in history if math.isfinite(m.get("loss", math.nan))]
+    losses = [m["loss"] for m in history if math.isfinite(m.get("loss", math.nan))]
+    evals = [(m["step"], m["eval_loss"]) for m in history if m.get("eval_loss") is not None]
+    if not steps:
+        return
+    image = np.full((height, width, 3), 255, np.uint8)
+    margin = 20
+    values = losses + [v for _, v in evals]
+    lo, hi = min(values), max(values)
+    hi = hi if hi > lo else lo + 1.0
+    s0, s1 = min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1
+
+    def xy(step, value):
+        x = margin + (step - s0) / (s1 - s0) * (width - 2 * margin)
+        y = height - margin - (value - lo) / (hi - lo) * (height - 2 * margin)
+        return x, y
+
+    for whole in range(math.ceil(lo), math.floor(hi) + 1):  # grid at integer losses
+        image[int(round(xy(s0, whole)[1])), margin:width - margin] = (220, 220, 220)
+    image[height - margin, margin:width - margin] = 0     # axes
+    image[margin:height - margin + 1, margin] = 0
+    points = [xy(s, v) for s, v in zip(steps, losses)]
+    for (x0, y0), (x1, y1) in zip(points, points[1:] or points):
+        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
+        for t in np.linspace(0.0, 1.0, n + 1):
+            x, y = int(round(x0 + (x1 - x0) * t)), int(round(y0 + (y1 - y0) * t))
+            image[max(0, y - 1):y + 1, max(0, x - 1):x + 1] = (31, 119, 180)
+    for s, v in evals:
+        x, y = (int(round(c)) for c in xy(s, v))
+        image[max(0, y - 3):y + 4, max(0, x - 3):x + 4] = (214, 39, 40)
+    write_png(path, image)
+
+
+def write_png(path, rgb: np.ndarray) -> None:
+    """An 8-bit RGB PNG from an [H, W, 3] uint8 array (zlib + struct, as the PNG spec lays it out)."""
+    height, width, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))  # filter type 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) \
+        + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(png)

@@ -1,0 +1,129 @@
+"""Data pipeline: readers, errors naming file and line, prompt masking, packing, seeded resumable batches."""
+import json
+
+import numpy as np
+import pytest
+
+from vkformers.training import data as D
+from vkformers.training.data import (Batches, ByteTokenizer, DataError, PackedDataset, Record, load_dataset,
+                                     read_records, tokenize_records)
+
+TOK = ByteTokenizer()
+
+
+def write(path, content):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+def test_text_files_are_documents_followed_by_eos(tmp_path):
+    write(tmp_path / "a.txt", "abc")
+    write(tmp_path / "b.txt", "de")
+    ds = load_dataset([tmp_path], TOK, seq_len=3)
+    assert ds.num_tokens == 7  # "abc" EOS "de" EOS
+    np.testing.assert_array_equal(ds.input_ids, [[97, 98, 99], [256, 100, 101]])
+    np.testing.assert_array_equal(ds.labels, ds.input_ids)
+
+
+def test_jsonl_text_column_and_prompt_masking(tmp_path):
+    f = write(tmp_path / "d.jsonl", json.dumps({"body": "hi"}) + "\n\n" + json.dumps({"body": "yo"}) + "\n")
+    assert [r.text for r in read_records(f, text_column="body")] == ["hi", "yo"]
+    f = write(tmp_path / "p.jsonl", json.dumps({"q": "ab", "a": "c"}) + "\n")
+    tokens, labels = tokenize_records(read_records(f, prompt_column="q", completion_column="a"), TOK)
+    np.testing.assert_array_equal(tokens, [97, 98, 99, 256])
+    np.testing.assert_array_equal(labels, [-100, -100, 99, 256])
+
+
+def test_all_prompt_sequences_are_dropped():
+    tokens, labels = tokenize_records([Record("x", prompt="p" * 7)], TOK)  # 7 prompt + x + EOS
+    ds = PackedDataset(tokens, labels, 3)
+    assert len(ds) == 1  # [p p p] and [p p p] have nothing to learn; [p x EOS] stays
+    np.testing.assert_array_equal(ds.labels[0], [-100, 120, 256])
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.txt", "", r"empty\.txt: the file is empty"),
+    ("blank.jsonl", "\n\n", r"blank\.jsonl: the file is empty"),
+    ("latin.txt", b"ok\nline two caf\xe9\n", r"latin\.txt:2: not UTF-8 text \(byte 0xe9 at column 13\)"),
+    ("latin.jsonl", b'{"text": "a"}\n{"text": "caf\xe9"}\n', r"latin\.jsonl:2: not UTF-8"),
+    ("col.jsonl", '{"text": "a"}\n{"content": "b"}\n', r"col\.jsonl:2: no column 'text' \(columns: content\)"),
+    ("bad.jsonl", '{"text": "a"}\n{"text": \n', r"bad\.jsonl:2: not valid JSON"),
+    ("num.jsonl", '{"text": 5}\n', r"num\.jsonl:1: column 'text' holds int, not text"),
+])
+def test_bad_data_names_the_file_and_line(tmp_path, name, content, message):
+    f = write(tmp_path / name, content)
+    with pytest.raises(DataError, match=message):
+        list(read_records(f))
+
+
+def test_missing_paths_and_too_little_data(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_dataset([tmp_path / "nope.txt"], TOK, 8)
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(DataError, match="no data files"):
+        load_dataset([tmp_path / "empty_dir"], TOK, 8)
+    write(tmp_path / "short.txt", "abc")
+    with pytest.raises(DataError, match="no full sequence of 64"):
+        load_dataset([tmp_path / "short.txt"], TOK, 64)
+    with pytest.raises(DataError, match="fewer than one batch of 4"):
+        Batches(load_dataset([tmp_path / "short.txt"], TOK, 2), 4)
+
+
+def test_batches_follow_the_seed_and_resume_exactly():
+    ds = PackedDataset(np.arange(100, dtype=np.int32), np.arange(100, dtype=np.int32), 5)  # 20 sequences
+    a = Batches(ds, 3, seed=1)
+    first = [next(a)[0][:, 0].tolist() for _ in range(9)]  # runs into the second epoch (6 batches each)
+    again = Batches(ds, 3, seed=1)
+    assert [next(again)[0][:, 0].tolist() for _ in range(9)] == first
+    assert [next(Batches(ds, 3, seed=2))[0][:, 0].tolist()] != first[:1]
+    seen = sorted(x for batch in first[:6] for x in batch)  # one epoch: no sequence twice
+    assert len(set(seen)) == 18
+    half = Batches(ds, 3, seed=1)
+    for _ in range(7):
+        next(half)
+    state = half.state_dict()
+    assert state["epoch"] == 1
+    resumed = Batches(ds, 3, seed=99)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [next(resumed)[0][:, 0].tolist() for _ in range(2)] == first[7:9]
+    with pytest.raises(DataError, match="same data"):
+        Batches(ds.subset(slice(0, 10)), 3).load_state_dict(state)
+
+
+def test_split_holds_out_the_tail():
+    ds = PackedDataset(np.arange(100, dtype=np.int32), np.arange(100, dtype=np.int32), 10)
+    train, held = ds.split(0.2)
+    assert len(train) == 8 and len(held) == 2 and held.input_ids[0, 0] == 80
+    assert ds.split(0.0) == (ds, None)
+
+
+def test_parquet_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": ["a", "b"], "completion": ["x", "y"]}), tmp_path / "t.parquet")
+    records = list(read_records(tmp_path / "t.parquet", prompt_column="prompt", completion_column="completion"))
+    assert [(r.prompt, r.text) for r in records] == [("a", "x"), ("b", "y")]
+    with pytest.raises(DataError, match=r"t\.parquet: no column 'text' \(columns: prompt, completion\)"):
+        list(read_records(tmp_path / "t.parquet"))
+
+
+def test_hub_dataset_split_files_come_from_the_cache(tmp_path, monkeypatch):
+    snapshot = tmp_path / "snapshot"
+    for rel in ("data/train-00000-of-00002.jsonl", "data/train-00001-of-00002.jsonl",
+                "data/test-00000-of-00001.jsonl", "pretraining_notes.txt", "README.md"):
+        (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+        write(snapshot / rel, '{"text": "x"}\n')
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(snapshot)
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    files = D.hf_dataset_files("org/corpus", "train")
+    assert [f.relative_to(snapshot).as_posix() for f in files] == ["data/train-00000-of-00002.jsonl",
+                                                                   "data/train-00001-of-00002.jsonl"]
+    assert calls[0][0] == "org/corpus" and calls[0][1]["repo_type"] == "dataset"
+    assert "*train*.parquet" in calls[0][1]["allow_patterns"]
+    with pytest.raises(DataError, match="no parquet/jsonl/txt files for split 'validation'"):
+        D.hf_dataset_files("org/corpus", "validation")
