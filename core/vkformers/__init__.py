@@ -7,15 +7,20 @@ from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, u
 __version__ = "0.1.0"
 
 _ENGINE = {"Tensor", "tensor", "parameter", "full", "ones", "zeros", "no_grad"}
+_MODELS = {"AutoModelForCausalLM": "loading", "AutoModelForMaskedLM": "loading", "AutoModelForSeq2SeqLM": "loading",
+           "AutoTokenizer": "tokenizer"}
 
 
 def __getattr__(name):
-    # The engine loads on first use, so the runtime and the registry work without it.
+    # The engine and the model classes load on first use, so the runtime and the registry work without them.
     if name in _ENGINE:
         from vkformers.engine import function, tensor
         return getattr(tensor if hasattr(tensor, name) else function, name)
+    if name in _MODELS:
+        import importlib
+        return getattr(importlib.import_module(f"vkformers.models.{_MODELS[name]}"), name)
     raise AttributeError(f"module 'vkformers' has no attribute {name!r}")
 
 
 __all__ = ["Buffer", "Device", "Sequence", "VkformersError", "bfloat16", "bool_", "dtypes", "float16", "float32",
-           "get_device", "int32", "uint8", *sorted(_ENGINE)]
+           "get_device", "int32", "uint8", *sorted(_ENGINE), *sorted(_MODELS)]

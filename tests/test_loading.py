@@ -1,0 +1,106 @@
+"""Checkpoint interchange: save_pretrained round trip, sharded files, and every bad input's error message."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from vkformers import AutoModelForCausalLM
+from vkformers.errors import UnknownArchitectureError, VkformersError
+from vkformers.models.loading import HubError, resolve_checkpoint
+from vkformers.models.module import CheckpointError
+from vkformers.models.safetensors_io import read_safetensors, write_safetensors
+
+FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "llama"
+IDS = np.array([[1, 5, 9, 2, 7]])
+
+
+@pytest.fixture()
+def checkpoint(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    shutil.copy(FIXTURE / "config.json", folder)
+    shutil.copy(FIXTURE / "model.safetensors", folder)
+    return folder
+
+
+def weights(folder):
+    return {k: e.as_float() for k, e in read_safetensors(folder / "model.safetensors").items()}
+
+
+def test_save_pretrained_round_trip_in_float32_and_bfloat16(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE)
+    logits = model(IDS).logits.numpy()
+    model.save_pretrained(tmp_path / "f32")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "f32")
+    np.testing.assert_array_equal(again(IDS).logits.numpy(), logits)
+    assert set(weights(tmp_path / "f32")) == set(weights(FIXTURE))  # HF names, tied weights once
+    model.save_pretrained(tmp_path / "bf16", dtype="bfloat16")
+    stored = read_safetensors(tmp_path / "bf16" / "model.safetensors")
+    assert {e.code for e in stored.values()} == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    np.testing.assert_allclose(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")(IDS).logits.numpy(), logits,
+                               atol=0.1)
+
+
+def test_sharded_checkpoint(checkpoint):
+    arrays = weights(checkpoint)
+    names = sorted(arrays)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        write_safetensors(checkpoint / file, {n: arrays[n] for n in part})
+    (checkpoint / "model.safetensors").unlink()
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    reference = AutoModelForCausalLM.from_pretrained(FIXTURE)(IDS).logits.numpy()
+    np.testing.assert_array_equal(AutoModelForCausalLM.from_pretrained(checkpoint)(IDS).logits.numpy(), reference)
+
+
+def test_corrupt_safetensors(checkpoint):
+    data = (checkpoint / "model.safetensors").read_bytes()
+    (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* \(truncated or corrupt\)"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    (checkpoint / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_missing_tensor(checkpoint):
+    arrays = weights(checkpoint)
+    del arrays["model.layers.1.mlp.down_proj.weight"]
+    write_safetensors(checkpoint / "model.safetensors", arrays)
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensor.*model.layers.1.mlp.down_proj.weight"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_shape_mismatch(checkpoint):
+    arrays = weights(checkpoint)
+    arrays["model.norm.weight"] = np.ones(7, np.float32)
+    write_safetensors(checkpoint / "model.safetensors", arrays)
+    with pytest.raises(CheckpointError, match=r"model.norm.weight: checkpoint shape \(7,\), model expects \(32,\)"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_unknown_model_type_names_close_matches(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "lama"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnknownArchitectureError, match=r"'lama'.*llama"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_pickle_checkpoints_and_remote_code_are_refused(checkpoint):
+    (checkpoint / "model.safetensors").rename(checkpoint / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="never unpickles"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    with pytest.raises(VkformersError, match="never runs code"):
+        AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)
+
+
+def test_offline_hub_miss_names_repo_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubError, match=r"'someone/missing-model' offline .* cache .*hub-cache"):
+        resolve_checkpoint("someone/missing-model", cache_dir=tmp_path / "hub-cache")
