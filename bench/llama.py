@@ -81,7 +81,7 @@ def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
             seconds = timed(lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,
                                                         min_new_tokens=new_tokens, do_sample=False)), 1)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
-    del model
+    model.to("cpu")  # free the GPU for the next run
     torch.cuda.empty_cache()
     return out
 

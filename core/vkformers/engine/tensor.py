@@ -8,12 +8,10 @@ realized next, so a whole training step becomes one recorded submission.
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
 import numpy as np
 
 from vkformers.engine import function as fn
-from vkformers.engine.lazy import LazyBuffer, View, realize
+from vkformers.engine.lazy import LazyBuffer, realize
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Buffer, Device, get_device
 

@@ -1,8 +1,6 @@
 """The layers models are built from, with Hugging Face parameter names (weight, bias)."""
 from __future__ import annotations
 
-import numpy as np
-
 from vkformers.engine import functional as F
 from vkformers.models.module import Module
 

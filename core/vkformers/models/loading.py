@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.atomic import write_json_atomic
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
@@ -161,9 +162,7 @@ def save_pretrained(model: Module, folder, *, dtype=None) -> None:
     write_safetensors(folder / "model.safetensors", tensors, bfloat16=bf16, metadata={"format": "pt"})
     config = dict(getattr(model, "config", {}))
     config["torch_dtype"] = target.name
-    tmp = folder / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, folder / "config.json")
+    write_json_atomic(folder / "config.json", config)
 
 
 Module.save_pretrained = save_pretrained

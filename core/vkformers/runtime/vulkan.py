@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence as Seq
+from typing import Sequence as Seq
 
 import numpy as np
 

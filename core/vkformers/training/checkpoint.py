@@ -26,6 +26,7 @@ import numpy as np
 
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
+from vkformers.models.atomic import write_json_atomic
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
 
@@ -54,16 +55,6 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_json(path: Path, data) -> None:
-    """JSON written to a temporary name, fsynced and renamed into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- tensors in and out
@@ -186,11 +177,11 @@ def save_checkpoint(root, step: int, *, model, optimizer, trainer_state: dict, k
         write_safetensors(tmp / MODEL_FILE, tensors, bfloat16=bf16, metadata={"format": "pt"})
         _written(tmp / MODEL_FILE)
         if getattr(model, "config", None):
-            write_json(tmp / "config.json", model.config)
+            write_json_atomic(tmp / "config.json", model.config)
             _written(tmp / "config.json")
     write_safetensors(tmp / OPTIMIZER_FILE, optimizer.state_dict())
     _written(tmp / OPTIMIZER_FILE)
-    write_json(tmp / STATE_FILE, trainer_state)  # last: its presence marks a complete folder
+    write_json_atomic(tmp / STATE_FILE, trainer_state)  # last: its presence marks a complete folder
     _written(tmp / STATE_FILE)
     _fsync_dir(tmp)
 
@@ -215,7 +206,7 @@ def load_checkpoint(folder, *, model, optimizer=None) -> dict:
     if (folder / MODEL_FILE).is_file():
         load_model_tensors(model, folder / MODEL_FILE)
     else:
-        from vkformers.training.lora import ADAPTER_WEIGHTS, load_adapter_weights
+        from vkformers.training.lora import ADAPTER_WEIGHTS
         if not (folder / ADAPTER_WEIGHTS).is_file():
             raise CheckpointLoadError(f"{folder}: neither {MODEL_FILE} nor {ADAPTER_WEIGHTS}")
         if not hasattr(model, "lora_config"):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
+from vkformers.models.atomic import write_json_atomic
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
 
@@ -236,15 +236,6 @@ def adapter_state_dict(model: Module) -> dict[str, np.ndarray]:
     return {PEFT_PREFIX + name: slots[name].tensor.numpy() for name in adapter_parameter_names(model)}
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_adapter(model: Module, folder) -> None:
     """adapter_model.safetensors + adapter_config.json, as ``PeftModel.save_pretrained`` writes them."""
     folder = Path(folder)
@@ -252,7 +243,7 @@ def save_adapter(model: Module, folder) -> None:
     tensors = adapter_state_dict(model)
     write_safetensors(folder / ADAPTER_WEIGHTS, {k: v.astype(np.float32) if v.dtype != np.float16 else v
                                                  for k, v in tensors.items()}, metadata={"format": "pt"})
-    _write_json_atomic(folder / ADAPTER_CONFIG, model.lora_config.to_peft_dict())
+    write_json_atomic(folder / ADAPTER_CONFIG, model.lora_config.to_peft_dict())
 
 
 def read_adapter_config(folder) -> LoraConfig:

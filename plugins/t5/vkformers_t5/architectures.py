@@ -1,12 +1,4 @@
-"""Architectures provided by vkformers-t5: encoder-decoders.
-
-First generated from tests/data/hierarchos_architectures.tsv by
-tools/split_architecture_table.py; edit this table by hand from now on
-(and keep core/vkformers/models/known_families.py in step).
-
-Traits are declared by the reference notes, not measured: every architecture
-here is "registered" until a test proves more.
-"""
+"""Architectures provided by vkformers-t5: encoder-decoders (table format: vkformers.models.registry.architectures_from_table)."""
 from vkformers.models.registry import NestedConfig
 
 # (name, kind, norm, moe, llama_layout, notes)

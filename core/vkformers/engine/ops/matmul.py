@@ -5,7 +5,6 @@ import math
 
 from vkformers.engine.function import Function, KernelOp, contiguous, node
 from vkformers.engine.kernels import matmul as KM
-from vkformers.engine.lazy import View
 
 
 class Matmul(KernelOp):

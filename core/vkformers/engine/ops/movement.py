@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from vkformers.engine.function import Function, contiguous
-from vkformers.engine.lazy import View
 
 
 class Reshape(Function):
