@@ -122,7 +122,9 @@ def _case(name: str) -> Case:
 @pytest.mark.parametrize("name", fixture_names())
 def test_logits(name):
     case = _case(name)
-    compared = ~case.sees_nothing if case.eager else np.ones_like(case.sees_nothing)
+    # Query rows that see no key are defined differently by each implementation (eager: mean of the values;
+    # some sdpa paths too; our kernel: zeros), and no loss term reads them: compare the others.
+    compared = ~case.sees_nothing
     error = np.abs(case.logits - case.ref["logits"])[compared].max()
     assert error <= LOGITS_ATOL, f"{name}: logits differ by {error:.3g} (tolerance {LOGITS_ATOL})"
 

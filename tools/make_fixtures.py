@@ -69,6 +69,7 @@ class Spec:
     overrides: dict
     notes: list = field(default_factory=list)
     model_class: str | None = None   # when AutoModelForCausalLM has no mapping for the type
+    attn: str = "eager"              # transformers' attention implementation for the references
 
 
 def _gpt2_names(**kw):
@@ -179,7 +180,9 @@ SPECS = [
                                         parallel_attn=False, bias=True, ffn_hidden_size=INTER,
                                         max_position_embeddings=MAX_POS, initializer_range=0.2, **TOK),
          ["Falcon-RW layout: ALiBi instead of rotary, MHA, sequential (non-parallel) block with "
-          "post_attention_layernorm, biases."]),
+          "post_attention_layernorm, biases.",
+          "references from sdpa attention: transformers 5.24's eager Falcon adds ALiBi twice (in the scores "
+          "and again through the mask), which neither sdpa nor the original model does"], attn="sdpa"),
     Spec("bloom", "bloom", dict(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                                 initializer_range=0.2, **TOK),
          ["ALiBi (slopes from the head count; positions from cumsum(attention_mask), so left padding is "
@@ -385,9 +388,9 @@ def build(spec: Spec, out_root: Path):
     config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
     if spec.model_class:
         cls = getattr(transformers, spec.model_class)
-        model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+        model = cls._from_config(config, attn_implementation=spec.attn, dtype=torch.float32)
     else:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn, dtype=torch.float32)
     model = model.float().eval()
     issues = check_overrides(model.config, spec.overrides)
     reinit_(model)
@@ -462,7 +465,7 @@ def build(spec: Spec, out_root: Path):
         "torch_version": torch.__version__,
         "config_overrides": spec.overrides,
         "config_override_issues": issues,
-        "attn_implementation": "eager",
+        "attn_implementation": spec.attn,
         "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), "
                 f"1-D params += N(0,{VEC_STD}), generator seed 1234, named_parameters() order",
         "adamw": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],

@@ -1,12 +1,4 @@
-"""Architectures provided by vkformers-llama: dense causal decoders (no mixture of experts).
-
-First generated from tests/data/hierarchos_architectures.tsv by
-tools/split_architecture_table.py; edit this table by hand from now on
-(and keep core/vkformers/models/known_families.py in step).
-
-Traits are declared by the reference notes, not measured: every architecture
-here is "registered" until a test proves more.
-"""
+"""Architectures provided by vkformers-llama: dense causal decoders (no mixture of experts) (table format: vkformers.models.registry.architectures_from_table)."""
 from vkformers.models.registry import NESTED_TEXT_CONFIG
 
 # (name, kind, norm, moe, llama_layout, notes)
@@ -151,6 +143,10 @@ ALIASES = {
 # Everything not listed stays "registered".
 VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2",
             "granite", "cohere", "stablelm", "starcoder2", "gpt2", "gpt_neox", "phi", "opt", "falcon", "bloom")
-FORWARD_VERIFIED: tuple[str, ...] = ()
+FORWARD_VERIFIED: tuple[str, ...] = (  # logits, loss and every gradient against their fixtures; greedy tokens not yet
+    "apertus", "arcee", "biogpt", "bitnet", "codegen", "cohere2", "ctrl", "deepseek_v2", "ernie4_5", "exaone4", "glm",
+    "glm4", "gpt_bigcode", "gpt_neo", "gpt_neox_japanese", "gptj", "granite_swa", "helium", "hunyuan_v1_dense",
+    "hyperclovax", "jais2", "minicpm3", "ministral", "ministral3", "mpt", "nanochat", "nemotron", "olmo3",
+    "openai-gpt", "persimmon", "smollm3", "vaultgemma", "xglm", "youtu")
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

@@ -11,6 +11,7 @@ mask those keys on top of the causal mask; ``labels`` are shifted inside.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,7 +23,8 @@ from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
-from vkformers_llama.variants import DecoderSpec, alibi_slopes, decoder_spec
+from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, alibi_slopes, decoder_spec,
+                                      mpt_alibi_slopes, sinusoidal_table)
 
 try:
     from vkformers.models.generation import GenerationMixin
@@ -34,7 +36,7 @@ IGNORE_INDEX = -100
 
 # Buffers some checkpoints carry that are not parameters (causal-mask and rotary caches).
 IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
-                           "rotary_emb.inv_freq")
+                           "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps")  # the last two: xIELU (Apertus)
 
 
 def place(root: Module, path: str, module: Module) -> Module:
@@ -50,10 +52,53 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+def add_param(root: Module, path: str, shape) -> None:
+    """Declare a parameter under a dotted HF path (a lone tensor such as ``self_attn.sinks``)."""
+    *parents, name = path.split(".")
+    node = root
+    for part in parents:
+        node = node._modules[part] if part in node._modules else node.add(part, Module())
+    node.param(name, shape)
+
+
+def get_param(root: Module, path: str):
+    *parents, name = path.split(".")
+    node = root
+    for part in parents:
+        node = node._modules[part]
+    return getattr(node, name)
+
+
+class LayerNorm1P(LayerNorm):
+    """Nemotron's LayerNorm with the weight stored as an offset from 1: layer_norm(x) * (1 + w) + b."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight + 1.0, self.bias if self.has_bias else None, eps=self.eps)
+
+
 def make_norm(spec: DecoderSpec, dim: int) -> Module:
     if spec.norm == "rms":
         return RMSNorm(dim, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset, elementwise=spec.norm_weight)
-    return LayerNorm(dim, eps=spec.norm_eps, bias=spec.norm_bias, elementwise=spec.norm_weight)
+    layer_norm = LayerNorm1P if spec.norm_unit_offset else LayerNorm
+    return layer_norm(dim, eps=spec.norm_eps, bias=spec.norm_bias, elementwise=spec.norm_weight)
+
+
+def concat_last(a, b):
+    """cat([a, b], -1) with a differentiable, exact matmul by 0/1 selection matrices (the engine has no concat)."""
+    na, nb = a.shape[-1], b.shape[-1]
+    left = np.eye(na, na + nb, dtype=np.float32)
+    right = np.eye(nb, na + nb, k=na, dtype=np.float32)
+    return a @ Tensor(left, dtype=a.dtype) + b @ Tensor(right, dtype=b.dtype)
+
+
+def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
+    """Apertus' xIELU: alpha_p x^2 + beta x for x > 0, else alpha_n (expm1(min(x, eps)) - x) + beta x, with
+    alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n) (learned a_p, a_n)."""
+    softplus = lambda t: (t.exp() + 1.0).log()  # noqa: E731  (|a| is O(1): no overflow)
+    ap, an = softplus(alpha_p), softplus(alpha_n) + beta
+    positive = ap * x * x + x * beta
+    negative = ((x.minimum(eps)).exp() - 1.0 - x) * an + x * beta
+    return F.where(x > 0.0, positive, negative)
 
 
 def make_projection(spec: DecoderSpec, in_features: int, out_features: int, bias: bool) -> Module:
@@ -99,9 +144,13 @@ class HeadwiseNorm(Module):
 class Context:
     """What every layer of one forward pass shares: positions, masks, rotary tables, the cache."""
 
-    def __init__(self, positions, key_padding_mask, rope_tables, cache):
+    def __init__(self, positions, key_padding_mask, rope_tables, cache, rope_positions=None, query_scale=None,
+                 host_mask=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
+        self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
+        self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
+        self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (eager attention sinks)
 
 
 class DecoderLayer(Module):
@@ -124,7 +173,10 @@ class DecoderLayer(Module):
         for role in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
             if getattr(s, role):
                 add(role, getattr(s, role), make_norm(s, d))
-        if s.qkv_proj:
+        if s.mla:
+            self._init_mla(add)
+            q_out = s.num_heads * s.mla_v_dim  # o_proj reads the value heads
+        elif s.qkv_proj:
             add("qkv", _join(s.attn, s.qkv_proj),
                 make_projection(s, d, q_out + 2 * kv_out, bias=s.q_bias))
         else:
@@ -149,13 +201,104 @@ class DecoderLayer(Module):
         else:
             add("up", _join(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
         add("down", _join(s.mlp, s.down_proj), make_projection(s, inter, d, bias=s.mlp_bias))
-        self.act = F.activation(s.hidden_act)
+        if s.attn_sub_norm:
+            add("attn_sub_norm", _join(s.attn, s.attn_sub_norm), make_norm(s, q_out))
+        if s.mlp_sub_norm:
+            add("mlp_sub_norm", _join(s.mlp, s.mlp_sub_norm), make_norm(s, inter))
+        if s.attention_sinks:
+            add_param(self, _join(s.attn, s.attention_sinks), (s.num_heads,))
+        if s.attn_out_bias and index in s.attn_out_bias_layers:
+            add_param(self, _join(s.attn, s.attn_out_bias), (d,))
+        if s.hidden_act == "xielu":
+            add_param(self, _join(s.mlp, "act_fn.alpha_p"), (1,))
+            add_param(self, _join(s.mlp, "act_fn.alpha_n"), (1,))
+            self.xielu_buffers = (0.5, -1e-6)  # transformers' defaults; from_pretrained reads the checkpoint's
+            self.act = self._xielu
+        else:
+            self.act = F.activation(s.hidden_act)
+        self.rotates = s.rope and (not s.rope_layers or bool(s.rope_layers[index]))
         self.scale = s.attention_scales[index] if s.attention_scales else s.head_dim ** -0.5
         self.window = s.windows[index] if s.windows else 0
         self.alibi = alibi
 
     def _norm(self, role, x):
         return self.parts[role](x) if role in self.parts else x
+
+    def _param(self, path):
+        return get_param(self, _join(self.spec.attn, path))
+
+    def _xielu(self, x):
+        mlp = _join(self.spec.mlp, "act_fn")
+        beta, eps = self.xielu_buffers
+        return xielu(x, get_param(self, mlp + ".alpha_p"), get_param(self, mlp + ".alpha_n"), beta, eps)
+
+    # -- multi-head latent attention (DeepSeek-V2)
+
+    def _init_mla(self, add):
+        s, d = self.spec, self.spec.hidden_size
+        heads, qk_dim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim
+        rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False)
+        if s.mla_q_lora_rank:
+            add("q_a", _join(s.attn, "q_a_proj"), Linear(d, s.mla_q_lora_rank, bias=s.q_bias))
+            add("q_a_norm", _join(s.attn, "q_a_layernorm"), make_norm(rms, s.mla_q_lora_rank))
+            add("q_b", _join(s.attn, "q_b_proj"), Linear(s.mla_q_lora_rank, heads * qk_dim, bias=False))
+        else:
+            add("q", _join(s.attn, "q_proj"), Linear(d, heads * qk_dim, bias=False))
+        add("kv_a", _join(s.attn, "kv_a_proj_with_mqa"), Linear(d, s.mla_kv_lora_rank + s.mla_rope_dim, bias=s.q_bias))
+        add("kv_a_norm", _join(s.attn, "kv_a_layernorm"), make_norm(rms, s.mla_kv_lora_rank))
+        add("kv_b", _join(s.attn, "kv_b_proj"),
+            Linear(s.mla_kv_lora_rank, heads * (s.mla_nope_dim + s.mla_v_dim), bias=False))
+
+    def _mla_qkv(self, h, ctx: Context):
+        """q, k [B, H, T, nope + rope] and v [B, H, T, v_dim]; the rotary key part is shared by all heads."""
+        s, p = self.spec, self.parts
+        batch, length, _ = h.shape
+        heads, nope, rdim, vdim = s.num_heads, s.mla_nope_dim, s.mla_rope_dim, s.mla_v_dim
+        q = p["q_b"](p["q_a_norm"](p["q_a"](h))) if "q_b" in p else p["q"](h)
+        q = q.reshape(batch, length, heads, nope + rdim).permute(0, 2, 1, 3)
+        compressed = p["kv_a"](h)
+        latent, k_rot = compressed[..., :s.mla_kv_lora_rank], compressed[..., s.mla_kv_lora_rank:]
+        kv = p["kv_b"](p["kv_a_norm"](latent)).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        inv_freq, scaling = ctx.rope_tables[self.index]
+        q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved,
+                       attention_scaling=scaling)
+        k_rot = F.rope(k_rot.reshape(batch, 1, length, rdim), ctx.rope_positions, inv_freq,
+                       interleaved=s.rope_interleaved, attention_scaling=scaling)
+        q = concat_last(q[..., :nope], q_rot)
+        k = concat_last(k_nope, k_rot.expand(batch, heads, length, rdim))
+        if vdim > nope + rdim:
+            raise UnsupportedConfigError(f"MLA with v_head_dim {vdim} > qk head dim {nope + rdim} is not supported")
+        if vdim < nope + rdim:  # the attention kernel has one head size: pad v with zeros, slice the output
+            v = concat_last(v, Tensor(np.zeros((batch, heads, length, nope + rdim - vdim), np.float32), dtype=v.dtype))
+        return q, k, v.contiguous()
+
+    def _sink_scale(self, q, k, ctx: Context):
+        """sigmoid(logsumexp(scores) - sink) per query row: the softmax renormalised over one extra sink logit.
+
+        The scores are recomputed here (the attention kernel keeps its logsumexp to itself); with a cache, over
+        every stored key."""
+        batch, heads, new, dim = q.shape
+        if ctx.cache is not None:
+            past = ctx.cache.position
+            k = ctx.cache.keys[self.index][:, :, :past + new]
+            key_mask = ctx.cache.mask[:, :past + new]
+        else:
+            past, key_mask = 0, ctx.host_mask
+        kv_heads, keys = k.shape[1], k.shape[2]
+        group = heads // kv_heads
+        k = k.reshape(batch, kv_heads, 1, keys, dim).expand(batch, kv_heads, group, keys, dim)
+        k = k.contiguous().reshape(batch, heads, keys, dim)
+        query_pos = past + np.arange(new)[:, None]
+        key_pos = np.arange(keys)[None, :]
+        visible = (key_pos <= query_pos) & ((query_pos - key_pos < self.window) if self.window else True)
+        visible = visible[None] & (key_mask.astype(bool)[:, None, :] if key_mask is not None else True)
+        hidden = Tensor(np.where(visible, 0.0, -1e30).astype(np.float32)[:, None])
+        scores = (q @ k.transpose(-1, -2)) * self.scale + hidden
+        top = scores.max(-1, keepdim=True).detach()
+        lse = (scores - top).exp().sum(-1, keepdim=True).log() + top
+        sinks = self._param(self.spec.attention_sinks).reshape(1, heads, 1, 1)
+        return (lse - sinks).sigmoid()
 
     # -- attention
 
@@ -172,6 +315,10 @@ class DecoderLayer(Module):
         if s.qkv_layout == "per_head":  # [heads, (q, k, v), dim]
             grouped = fused.reshape(batch, length, heads, 3, dim)
             return tuple(grouped[:, :, :, i, :].reshape(batch, length, heads * dim) for i in range(3))
+        if s.qkv_layout == "chunks_qvk":  # CodeGen: [chunks, (q, v, k), heads/chunks * dim]
+            chunks = fused.reshape(batch, length, s.qkv_chunks, 3, heads * dim // s.qkv_chunks)
+            q, v, k = (chunks[:, :, :, i, :].reshape(batch, length, heads * dim) for i in range(3))
+            return q, k, v
         if s.qkv_layout == "grouped":  # [kv_heads, (queries of the group..., k, v), dim] (Falcon new arch)
             group = heads // kv_heads
             grouped = fused.reshape(batch, length, kv_heads, group + 2, dim)
@@ -183,6 +330,9 @@ class DecoderLayer(Module):
     def attention(self, h, ctx: Context):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
+        if s.mla:
+            q, k, v = self._mla_qkv(h, ctx)
+            return self._attend(q, k, v, ctx, batch, length)
         q, k, v = self._project_qkv(h)
         if s.clip_qkv is not None:
             # maximum/minimum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
@@ -192,21 +342,36 @@ class DecoderLayer(Module):
         q = q.reshape(batch, length, s.num_heads, s.head_dim)
         k = k.reshape(batch, length, s.num_kv_heads, s.head_dim)
         v = v.reshape(batch, length, s.num_kv_heads, s.head_dim)
-        if "q_norm" in p and s.qk_norm_scope != "full":
+        if "q_norm" in p and s.qk_norm_scope != "full" and not s.qk_norm_after_rope:
             q, k = p["q_norm"](q), p["k_norm"](k)
         q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
-        if s.rope:
+        if self.rotates:
             inv_freq, scaling = ctx.rope_tables[self.index]
-            q = F.rope(q, ctx.positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
-            k = F.rope(k, ctx.positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
+            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
+            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
+        if "q_norm" in p and s.qk_norm_after_rope:  # [B, H, T, D]: the norm is over D either way
+            q, k = p["q_norm"](q), p["k_norm"](k)
+        return self._attend(q, k, v, ctx, batch, length)
+
+    def _attend(self, q, k, v, ctx: Context, batch, length):
+        s, p = self.spec, self.parts
+        if ctx.query_scale is not None:
+            q = q * ctx.query_scale
         options = dict(scale=self.scale, window=self.window, softcap=s.attn_softcap, alibi_slopes=self.alibi,
                        key_padding_mask=ctx.key_padding_mask)
         if ctx.cache is not None:
             out = ctx.cache.attend(self.index, q, k, v, **options)
         else:
             out = F.scaled_dot_product_attention(q, k, v, causal=True, **options)
-        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.num_heads * s.head_dim)
-        return p["o"](out)
+        if s.attention_sinks:
+            out = out * self._sink_scale(q, k, ctx)
+        if s.mla and out.shape[-1] != s.mla_v_dim:
+            out = out[..., :s.mla_v_dim]
+        out = out.permute(0, 2, 1, 3).reshape(batch, length, out.shape[1] * out.shape[3])
+        out = p["o"](self._norm("attn_sub_norm", out))
+        if s.attn_out_bias and self.index in s.attn_out_bias_layers:
+            out = out + self._param(s.attn_out_bias)
+        return out
 
     # -- MLP
 
@@ -220,7 +385,7 @@ class DecoderLayer(Module):
             hidden = self.act(p["gate"](h)) * p["up"](h)
         else:
             hidden = self.act(p["up"](h))
-        return p["down"](hidden)
+        return p["down"](self._norm("mlp_sub_norm", hidden))
 
     def forward(self, x, ctx: Context):
         s = self.spec
@@ -281,7 +446,11 @@ class DecoderForCausalLM(Module, GenerationMixin):
             self.recompute_cache_beyond = rope.get("original_max_position_embeddings") or \
                 config.get("original_max_position_embeddings")
         d = spec.hidden_size
-        alibi = Tensor(alibi_slopes(spec.num_heads)) if spec.alibi else None
+        alibi = None
+        if spec.alibi:
+            slopes = (mpt_alibi_slopes(spec.num_heads, spec.extra.get("alibi_bias_max", 8)) if spec.alibi_kind == "mpt"
+                      else alibi_slopes(spec.num_heads))
+            alibi = Tensor((slopes * np.float32(spec.alibi_slope_scale)).astype(np.float32))
         refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths
             embed=place(self, spec.embed, Embedding(spec.vocab_size, spec.embed_dim or d)),
             project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
@@ -300,6 +469,20 @@ class DecoderForCausalLM(Module, GenerationMixin):
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
         self.rope_configs = spec.rope_configs or ((config, None),) * spec.num_layers
+        self.position_table = None
+        if spec.sinusoidal_positions:  # fixed, not a parameter
+            rows = spec.max_position_embeddings + spec.position_offset
+            self.position_table = Tensor(sinusoidal_table(spec.sinusoidal_positions, rows, d,
+                                                          spec.extra.get("padding_row")))
+
+    def load_state_dict(self, arrays, *args, **kwargs):
+        super().load_state_dict(arrays, *args, **kwargs)
+        if self.spec.hidden_act == "xielu":  # xIELU's beta / eps are checkpoint buffers, not parameters
+            for i, layer in enumerate(self.layers):
+                prefix = _join(self.spec.layers, str(i), self.spec.mlp, "act_fn")
+                if f"{prefix}.beta" in arrays:
+                    layer.xielu_buffers = (float(np.asarray(arrays[f"{prefix}.beta"]).reshape(-1)[0]),
+                                           float(np.asarray(arrays[f"{prefix}.eps"]).reshape(-1)[0]))
 
     # -- what GenerationMixin reads
 
@@ -339,6 +522,14 @@ class DecoderForCausalLM(Module, GenerationMixin):
             tables.append(by_key[key])
         return tables
 
+    def _query_scale(self, positions):
+        """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1]."""
+        if self.spec.query_position_scale is None:
+            return None
+        beta, length = self.spec.query_position_scale
+        scale = 1.0 + beta * np.log1p(np.floor(positions.astype(np.float32) / np.float32(length)))
+        return Tensor(scale.astype(np.float32)[:, None, :, None])
+
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
         s = self.spec
         ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
@@ -357,6 +548,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
             x = self.project_in(x)
         if self.position_embed is not None:
             x = x + F.embedding(Tensor(positions + np.int32(s.position_offset)), self.position_embed.weight)
+        if self.position_table is not None:
+            x = x + F.embedding(Tensor(positions + np.int32(s.position_offset)), self.position_table)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
 
@@ -364,7 +557,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
         if mask is not None and (cache is not None or not mask.all()):
             key_padding_mask = Tensor(mask.astype(bool))
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.rope else None
-        ctx = Context(Tensor(positions), key_padding_mask, rope_tables, cache)
+        ctx = Context(Tensor(positions), key_padding_mask, rope_tables, cache,
+                      rope_positions=Tensor(-positions) if s.rope_negated else None,
+                      query_scale=self._query_scale(positions), host_mask=mask)
         for layer in self.layers:
             x = layer(x, ctx)
         if self.final_norm is not None:

@@ -82,6 +82,8 @@ class DecoderSpec:
     attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
     mlp_in_norm: str | None = "post_attention_layernorm"
     mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
+    attn_sub_norm: str | None = None         # inside attn, on the heads' output before o_proj (BitNet)
+    mlp_sub_norm: str | None = None          # inside mlp, on act(gate) * up before down_proj (BitNet)
 
     # -- numerics
     norm: str = "rms"                        # rms | layer
@@ -111,7 +113,7 @@ class DecoderSpec:
     rope_configs: tuple = ()                 # per layer (config dict, layer_type) for rope_parameters; empty: (config, None)
     rope_layers: tuple[bool, ...] = ()       # per layer: does it rotate (SmolLM3 NoPE, Cohere2 full layers); empty: all
     rope_negated: bool = False               # rotate by -theta (NanoChat's rotate_half is cat(x2, -x1))
-    query_position_scale: tuple[float, int] | None = None  # (beta, L): q *= 1 + beta * log(1 + floor(pos / L)) (Llama 4)
+    query_position_scale: tuple[float, int] | None = None  # (beta, L): q *= 1 + beta log(1 + floor(pos / L))
     alibi: bool = False
     alibi_kind: str = "bloom"                # bloom | mpt: how the per-head slopes are spaced
     alibi_slope_scale: float = 1.0           # Falcon adds ALiBi before the 1/sqrt(D) scaling
@@ -411,7 +413,6 @@ def opt(config: dict) -> DecoderSpec:
 
 
 def falcon(config: dict) -> DecoderSpec:
-    refuse("falcon", config, "alibi", lambda v: not v)
     new_arch = bool(config.get("new_decoder_architecture", False))
     if new_arch:
         refuse("falcon", config, "num_ln_in_parallel_attn", lambda v: v in (None, 2))
@@ -433,7 +434,10 @@ def falcon(config: dict) -> DecoderSpec:
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
                    hidden_act=config.get("activation", "gelu"), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
                    mlp_bias=bias, parallel_residual=parallel,
-                   intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms)
+                   intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms,
+                   # Falcon-RW: ALiBi instead of rotary, added before the 1/sqrt(D) scaling
+                   **(dict(rope=False, alibi=True, alibi_slope_scale=spec.head_dim ** -0.5) if config.get("alibi")
+                      else {}))
 
 
 def bloom(config: dict) -> DecoderSpec:
@@ -448,12 +452,362 @@ def bloom(config: dict) -> DecoderSpec:
                    intermediate_size=4 * spec.hidden_size)
 
 
+# -- Llama-block relatives
+
+def _layer_types(config: dict, num_layers: int) -> list[str]:
+    return list(config.get("layer_types") or ["full_attention"] * num_layers)
+
+
+def arcee(config: dict) -> DecoderSpec:
+    """Llama with a plain (ungated) up/down MLP (squared ReLU)."""
+    return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
+
+
+def ministral(config: dict) -> DecoderSpec:
+    """Mistral with per-layer layer_types (sliding_windows reads them)."""
+    return mistral(config)
+
+
+def ministral3(config: dict) -> DecoderSpec:
+    """Mistral + Llama-4 query scaling by position (rope_parameters.llama_4_scaling_beta)."""
+    spec = mistral(config)
+    params = config.get("rope_parameters") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if beta:
+        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+    return spec
+
+
+def helium(config: dict) -> DecoderSpec:
+    return replace(llama(config), rope_interleaved=True)
+
+
+def smollm3(config: dict) -> DecoderSpec:
+    """Llama with NoPE layers: no_rope_layers[i] == 1 means layer i rotates."""
+    spec = llama(config)
+    use_rope = config.get("no_rope_layers")
+    windows = sliding_windows(config, spec.num_layers, every_layer=False) if config.get("use_sliding_window") else ()
+    return replace(spec, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else (), windows=windows,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def ernie4_5(config: dict) -> DecoderSpec:
+    bias = bool(config.get("use_bias", False))
+    return replace(llama(config), rope_interleaved=True, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+                   mlp_bias=bias)
+
+
+def glm(config: dict) -> DecoderSpec:
+    """Fused gate_up MLP, q/k/v biases, interleaved partial rotary."""
+    bias = bool(config.get("attention_bias", True))
+    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, gate_up_proj="gate_up_proj",
+                   rope_interleaved=True)
+
+
+def glm4(config: dict) -> DecoderSpec:
+    """GLM with sandwich norms on the attention and MLP outputs."""
+    return replace(glm(config), attn_out_norm="post_self_attn_layernorm", mlp_out_norm="post_mlp_layernorm")
+
+
+def hunyuan_v1_dense(config: dict) -> DecoderSpec:
+    qk_norm = bool(config.get("use_qk_norm", True))
+    return replace(llama(config), q_norm="query_layernorm" if qk_norm else None,
+                   k_norm="key_layernorm" if qk_norm else None, qk_norm_after_rope=True)
+
+
+def hyperclovax(config: dict) -> DecoderSpec:
+    """Granite multipliers plus Peri-LN post-norms on both sublayer outputs."""
+    spec = replace(granite(config), logits_scale=config.get("logits_scaling", 1.0))  # multiplies, unlike Granite
+    if config.get("use_post_norm", True):
+        spec = replace(spec, attn_out_norm="post_norm1", mlp_out_norm="post_norm2")
+    return spec
+
+
+def granite_swa(config: dict) -> DecoderSpec:
+    """Granite + per-layer sliding window, per-layer rope theta (0: NoPE) and per-head attention sinks."""
+    spec = granite(config)
+    types = _layer_types(config, spec.num_layers)
+    thetas = config.get("layer_rope_theta") or [_first(config, "rope_theta", default=10000.0)] * spec.num_layers
+    rope_configs = tuple((_with_rope_theta(config, t), None) for t in thetas)
+    return replace(spec, windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0 for t in types),
+                   rope_configs=rope_configs, rope_layers=tuple(bool(t) for t in thetas), attention_sinks="sinks")
+
+
+def _with_rope_theta(config: dict, theta: float) -> dict:
+    params = dict(config.get("rope_parameters") or {"rope_type": "default"})
+    params["rope_theta"] = theta or 10000.0  # theta 0 marks a NoPE layer (rope_layers); any table will do
+    return dict(config, rope_parameters=params)
+
+
+def olmo3(config: dict) -> DecoderSpec:
+    """OLMo 2 block with per-layer sliding windows and a rope dict per layer type."""
+    spec = olmo2(config)
+    types = _layer_types(config, spec.num_layers)
+    params = config.get("rope_parameters")
+    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
+    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+
+
+def exaone4(config: dict) -> DecoderSpec:
+    """OLMo 2-style post-norms with per-head q/k RMSNorm; with sliding layers, only those rotate."""
+    spec = replace(olmo2(config), qk_norm_scope="head")
+    types = _layer_types(config, spec.num_layers)
+    windows = sliding_windows(config, spec.num_layers, every_layer=False)
+    rope_layers = tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ()
+    return replace(spec, windows=windows, rope_layers=rope_layers)
+
+
+def cohere2(config: dict) -> DecoderSpec:
+    """Cohere with sliding layers that rotate and full-attention layers without rotary."""
+    spec = cohere(config)
+    types = _layer_types(config, spec.num_layers)
+    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False),
+                   rope_layers=tuple(t == "sliding_attention" for t in types))
+
+
+def vaultgemma(config: dict) -> DecoderSpec:
+    """Gemma 2 without the sublayer post-norms."""
+    return replace(gemma2(config), attn_out_norm=None, mlp_out_norm=None)
+
+
+def jais2(config: dict) -> DecoderSpec:
+    """LayerNorm with bias, plain squared-ReLU MLP, biases."""
+    return replace(llama(config), norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
+                   mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
+
+
+def nemotron(config: dict) -> DecoderSpec:
+    """LayerNorm1P (x * (1 + w) + b), plain squared-ReLU MLP, partial rotary."""
+    return replace(llama(config), norm="layer", norm_bias=True, norm_unit_offset=True,
+                   norm_eps=_first(config, "norm_eps", "layer_norm_eps", default=1e-5), mlp_kind="plain",
+                   hidden_act=config.get("hidden_act", "relu2"))
+
+
+def nanochat(config: dict) -> DecoderSpec:
+    """Parameter-free RMSNorm everywhere (also right after the embedding and on q/k after rotary), rotation by
+    -theta, plain squared-ReLU fc1/fc2 MLP, final soft-capping."""
+    return replace(llama(config), norm_weight=False, embed_norm="model.norm", up_proj="fc1", down_proj="fc2",
+                   mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"), q_norm="q_norm", k_norm="k_norm",
+                   qk_norm_after_rope=True, rope_negated=True,
+                   final_softcap=config.get("final_logit_softcapping") or 0.0)
+
+
+def apertus(config: dict) -> DecoderSpec:
+    """Plain up/down MLP with the learned xIELU activation; q/k RMSNorm; renamed sublayer norms."""
+    qk_norm = bool(config.get("qk_norm", True))
+    return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "xielu"),
+                   attn_in_norm="attention_layernorm", mlp_in_norm="feedforward_layernorm",
+                   q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
+
+
+def bitnet(config: dict) -> DecoderSpec:
+    """Llama with squared-ReLU GLU and RMSNorm sub-norms before o_proj and down_proj. Plain float weights: a
+    checkpoint quantised for BitNet kernels (quantization_config) is refused."""
+    refuse("bitnet", config, "quantization_config", lambda v: not v)
+    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2"), attn_sub_norm="attn_sub_norm",
+                   mlp_sub_norm="ffn_sub_norm")
+
+
+def persimmon(config: dict) -> DecoderSpec:
+    """Fused per-head query_key_value, per-head q/k LayerNorm, partial rotary, squared-ReLU MLP, biases."""
+    qk_norm = bool(config.get("qk_layernorm", True))
+    return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", qkv_proj="query_key_value",
+                   qkv_layout="per_head", o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h",
+                   down_proj="dense_4h_to_h", norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
+                   hidden_act=config.get("hidden_act", "relu2"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
+                   mlp_bias=True, q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+# -- GPT-family relatives
+
+def gptj(config: dict) -> DecoderSpec:
+    """Parallel block from one LayerNorm, interleaved rotary on the first rotary_dim dims, lm_head bias."""
+    spec = DecoderSpec(**_sizes(config))
+    rotary = config.get("rotary_dim") or spec.head_dim
+    rope_config = dict(config, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                    partial_rotary_factor=rotary / spec.head_dim),
+                       hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads)
+    return replace(spec, embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn="attn",
+                   o_proj="out_proj", attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True, up_proj="fc_in",
+                   down_proj="fc_out", mlp_kind="plain", mlp_bias=True, norm="layer", norm_bias=True,
+                   norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True, rope_interleaved=True,
+                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def codegen(config: dict) -> DecoderSpec:
+    """GPT-J with one fused qkv_proj in 4 model-parallel chunks, each [q, v, k]."""
+    return replace(gptj(config), qkv_proj="qkv_proj", qkv_layout="chunks_qvk", qkv_chunks=4)
+
+
+def gpt_neox_japanese(config: dict) -> DecoderSpec:
+    """Sequential GPT-NeoX block without projection biases; the last layer adds a separate dense_bias."""
+    spec = DecoderSpec(**_sizes(config))
+    inter = spec.hidden_size * config.get("intermediate_multiple_size", 4)
+    rope_config = dict(config)
+    if "rotary_pct" in config and not config.get("rope_parameters"):
+        rope_config["partial_rotary_factor"] = config["rotary_pct"]
+    if "rotary_emb_base" in config and not config.get("rope_parameters"):
+        rope_config["rope_theta"] = config["rotary_emb_base"]
+    return replace(spec, embed="gpt_neox_japanese.embed_in", layers="gpt_neox_japanese.layers",
+                   final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out", attn="attention",
+                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
+                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
+                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
+                   intermediate_size=inter, attn_out_bias="dense_bias", attn_out_bias_layers=(spec.num_layers - 1,),
+                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def gpt_bigcode(config: dict) -> DecoderSpec:
+    """GPT-2 with nn.Linear weights and multi-query attention (c_attn = [q | k | v], one KV head)."""
+    refuse("gpt_bigcode", config, "scale_attn_weights", lambda v: v in (None, True))
+    spec = gpt2(config)
+    kv_heads = 1 if config.get("multi_query", True) else spec.num_heads
+    return replace(spec, conv1d=False, num_kv_heads=kv_heads, attention_scales=(),
+                   hidden_act=config.get("activation_function", "gelu_pytorch_tanh"))
+
+
+def gpt_neo(config: dict) -> DecoderSpec:
+    """GPT-2-like block with nn.Linear q/k/v (no bias), unscaled scores and global/local (windowed) layers."""
+    spec = DecoderSpec(**_sizes(dict(config, num_attention_heads=config["num_heads"],
+                                     num_hidden_layers=config["num_layers"])))
+    types = []
+    for pattern, repeat in config.get("attention_types") or [[["global"], spec.num_layers]]:
+        types += list(pattern) * repeat
+    window = config.get("window_size", 256)
+    return replace(spec, embed="transformer.wte", position_embed="transformer.wpe", rope=False,
+                   layers="transformer.h", final_norm="transformer.ln_f", attn="attn.attention", o_proj="out_proj",
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc", down_proj="c_proj",
+                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   hidden_act=config.get("activation_function", "gelu_new"), o_bias=True, mlp_bias=True,
+                   attention_scales=(1.0,) * spec.num_layers,
+                   windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]))
+
+
+def openai_gpt(config: dict) -> DecoderSpec:
+    """GPT-1: GPT-2's Conv1D layers with post-LayerNorm blocks and no final norm."""
+    spec = DecoderSpec(**_sizes(config))
+    act = {"gelu": "gelu_new"}.get(config.get("afn", "gelu"), config.get("afn", "gelu"))  # its "gelu" is gelu_new
+    return replace(gpt2(dict(config, activation_function=act)), embed="transformer.tokens_embed",
+                   position_embed="transformer.positions_embed", final_norm=None, post_norm=True,
+                   attention_scales=(), intermediate_size=4 * spec.hidden_size)
+
+
+def biogpt(config: dict) -> DecoderSpec:
+    """OPT-like pre-LN block: scaled embeddings, learned positions offset by 2, tied output_projection."""
+    spec = DecoderSpec(**_sizes(config))
+    scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
+    return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
+                   position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
+                   lm_head="output_projection", o_proj="out_proj", attn_in_norm="self_attn_layer_norm",
+                   mlp_in_norm="final_layer_norm", mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2",
+                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-12),
+                   hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
+                   mlp_bias=True)
+
+
+def xglm(config: dict) -> DecoderSpec:
+    """BioGPT's block with a fixed fairseq sinusoidal position table (offset 2) instead of a learned one."""
+    spec = biogpt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["attention_heads"],
+                       num_hidden_layers=config["num_layers"], layer_norm_eps=1e-5,
+                       hidden_act=config.get("activation_function", "gelu")))
+    scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
+    return replace(spec, embed="model.embed_tokens", embed_scale=scale, position_embed=None,
+                   sinusoidal_positions="fairseq", layers="model.layers", final_norm="model.layer_norm",
+                   lm_head="lm_head", intermediate_size=config.get("ffn_dim", 4 * spec.hidden_size),
+                   extra=dict(padding_row=config.get("pad_token_id")))
+
+
+def ctrl(config: dict) -> DecoderSpec:
+    """Pre-LN block with scaled embeddings and a fixed [sin | cos] position table; lm_head bias."""
+    spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
+    return replace(spec, embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
+                   rope=False, layers="transformer.h", final_norm="transformer.layernorm", attn="multi_head_attention",
+                   q_proj="Wq", k_proj="Wk", v_proj="Wv", o_proj="dense", attn_in_norm="layernorm1",
+                   mlp_in_norm="layernorm2", mlp="ffn", mlp_kind="plain", up_proj="0", down_proj="2", norm="layer",
+                   norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-6), hidden_act="relu", q_bias=True,
+                   k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True)
+
+
+def mpt(config: dict) -> DecoderSpec:
+    """ALiBi, fused Wqkv [q | k | v], bias-free LayerNorm and projections, 4x GELU MLP."""
+    attn = config.get("attn_config") or {}
+    for option, ok in (("qk_ln", lambda v: not v), ("clip_qkv", lambda v: v is None),
+                       ("softmax_scale", lambda v: v is None), ("alibi", lambda v: v in (None, True)),
+                       ("prefix_lm", lambda v: not v), ("attn_uses_sequence_id", lambda v: not v)):
+        refuse("mpt", attn, option, ok)
+    refuse("mpt", config, "logit_scale", lambda v: v is None)
+    bias = not config.get("no_bias", True)
+    spec = DecoderSpec(**_sizes(dict(config, hidden_size=config["d_model"], num_attention_heads=config["n_heads"],
+                                     num_hidden_layers=config["n_layers"],
+                                     max_position_embeddings=config.get("max_seq_len"))))
+    return replace(spec, embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
+                   attn="attn", qkv_proj="Wqkv", o_proj="out_proj", attn_in_norm="norm_1", mlp_in_norm="norm_2",
+                   mlp="ffn", mlp_kind="plain", norm="layer", norm_bias=bias,
+                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu", q_bias=bias, k_bias=bias,
+                   v_bias=bias, o_bias=bias, mlp_bias=bias, rope=False, alibi=True, alibi_kind="mpt",
+                   intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
+
+
+# -- multi-head latent attention
+
+def deepseek_v2(config: dict) -> DecoderSpec:
+    """Llama block with MLA; only dense MLPs (every layer before first_k_dense_replace)."""
+    spec = llama(config)
+    dense = config.get("first_k_dense_replace", 0)
+    if (config.get("n_routed_experts") or 0) and dense < spec.num_layers:
+        raise UnsupportedConfigError(f"deepseek_v2: mixture-of-experts layers (first_k_dense_replace={dense} < "
+                                     f"{spec.num_layers} layers) are not supported by vkformers' dense decoder")
+    return _mla(spec, config)
+
+
+def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
+    nope, rope_dim, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    scale = (nope + rope_dim) ** -0.5
+    if params.get("rope_type", params.get("type")) == "yarn" and params.get("mscale_all_dim"):
+        factor = params.get("factor", 1.0)
+        mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    rope_config = dict(config, head_dim=rope_dim)
+    return replace(spec, mla=True, mla_q_lora_rank=config.get("q_lora_rank"),
+                   mla_kv_lora_rank=config["kv_lora_rank"], mla_nope_dim=nope, mla_rope_dim=rope_dim, mla_v_dim=v_dim,
+                   head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
+                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   attention_scales=(scale,) * spec.num_layers)
+
+
+def minicpm3(config: dict) -> DecoderSpec:
+    """MLA + muP scalings: embeddings * scale_emb, residual branches * scale_depth / sqrt(layers), logits on
+    hidden / (hidden_size / dim_model_base)."""
+    spec = replace(_mla(llama(config), config), rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
+    return replace(spec, embed_scale=config.get("scale_emb", 1.0),
+                   residual_scale=config.get("scale_depth", 1.0) / math.sqrt(spec.num_layers),
+                   logits_scale=config.get("dim_model_base", spec.hidden_size) / spec.hidden_size,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def youtu(config: dict) -> DecoderSpec:
+    return replace(_mla(llama(config), config), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
 # Canonical architecture name -> its delta. Architectures not listed have no implementation yet.
 VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma": gemma, "gemma2": gemma2,
     "gemma3_text": gemma3_text, "phi3": phi3, "olmo": olmo, "olmo2": olmo2, "granite": granite, "cohere": cohere,
     "stablelm": stablelm, "starcoder2": starcoder2, "gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "opt": opt,
     "falcon": falcon, "bloom": bloom,
+    # added from the fixtures' deltas
+    "arcee": arcee, "ministral": ministral, "ministral3": ministral3, "helium": helium, "smollm3": smollm3,
+    "ernie4_5": ernie4_5, "glm": glm, "glm4": glm4, "hunyuan_v1_dense": hunyuan_v1_dense, "hyperclovax": hyperclovax,
+    "granite_swa": granite_swa, "olmo3": olmo3, "exaone4": exaone4, "cohere2": cohere2, "vaultgemma": vaultgemma,
+    "jais2": jais2, "nemotron": nemotron, "nanochat": nanochat, "apertus": apertus, "persimmon": persimmon,
+    "gptj": gptj, "codegen": codegen, "gpt_neox_japanese": gpt_neox_japanese, "gpt_bigcode": gpt_bigcode,
+    "gpt_neo": gpt_neo, "openai-gpt": openai_gpt, "biogpt": biogpt, "xglm": xglm, "ctrl": ctrl, "mpt": mpt,
+    "bitnet": bitnet, "deepseek_v2": deepseek_v2, "minicpm3": minicpm3, "youtu": youtu,
 }
 
 
