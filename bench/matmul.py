@@ -6,9 +6,14 @@ time comes from GPU timestamps (the median of several dispatches in one replay).
 The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
 torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
 
-    python bench/matmul.py [--quick] [--json OUT] [--sweep]
+    python bench/matmul.py [--quick] [--json OUT] [--sweep] [--decode-only]
 
 --sweep also times alternative tile configurations at the largest size.
+The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 and
+5632 x 2048, trans_b) report GB/s of weight bytes read: the small-m kernel (what
+"auto" picks) and the large-m kernel for comparison, against the same-shape PyTorch
+matmul and a device-to-device copy of the weight timed in the same run (CUDA), or
+numpy on the CPU. --quick uses smaller decode shapes (m=1, n=1536, k=576 too).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import time
 import numpy as np
 
 from vkformers.engine.kernels.matmul import (
-    CoopmatConfig, TiledConfig, matmul, select_algorithm, tiled_config)
+    CoopmatConfig, SmallMConfig, TiledConfig, matmul, select_algorithm, tiled_config)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -75,6 +80,93 @@ def time_reference(size: int, dtype: str, repeats: int):
     return float(np.median(times)), "numpy float32 (CPU)"
 
 
+DECODE_SHAPES = ((1, 2048, 2048), (8, 2048, 2048), (1, 5632, 2048), (8, 5632, 2048))
+DECODE_SHAPES_QUICK = ((1, 1536, 576), (8, 1536, 576), (1, 2048, 2048))
+
+
+def time_decode_vkformers(device, m: int, n: int, k: int, dtype: str, repeats: int, **options) -> float:
+    """Median seconds of y[m, n] = x[m, k] @ W[n, k]^T (y in ``dtype``), from GPU timestamps."""
+    rng = np.random.default_rng(0)
+    x, w = random_buffer(device, (m, k), dtype, rng), random_buffer(device, (n, k), dtype, rng)
+    y = device.buffer((m, n), dtype)
+    seq = device.sequence(timestamps=True)
+    for _ in range(repeats):
+        matmul(seq, x, w, y, m=m, n=n, k=k, trans_b=True, **options)
+    seq.replay()
+    seq.replay()
+    return float(np.median([t for label, t in seq.timings() if label.startswith("matmul")]))
+
+
+def cuda_median(fn, repeats: int) -> float:
+    import torch
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def time_decode_reference(m: int, n: int, k: int, dtype: str, repeats: int):
+    """(matmul seconds, weight-copy seconds or None, name): PyTorch x @ W.T on CUDA and a
+    device copy of W, else numpy float32 on the CPU."""
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        x = torch.randn(m, k, device="cuda", dtype=getattr(torch, dtype))
+        w = torch.randn(n, k, device="cuda", dtype=getattr(torch, dtype))
+        copy = torch.empty_like(w)
+        return (cuda_median(lambda: x @ w.T, repeats), cuda_median(lambda: copy.copy_(w), repeats),
+                f"torch {torch.cuda.get_device_name()}")
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x @ w.T
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), None, "numpy float32 (CPU)"
+
+
+def decode_runs(device, quick: bool) -> list[dict]:
+    shapes = DECODE_SHAPES_QUICK if quick else DECODE_SHAPES
+    repeats = 3 if quick else 20
+    rows = []
+    for m, n, k in shapes:
+        for dtype in DTYPES:
+            weight_bytes = n * k * dt.as_dtype(dtype).itemsize
+            ref, copy, ref_name = time_decode_reference(m, n, k, dtype, repeats)
+            ours = time_decode_vkformers(device, m, n, k, dtype, repeats)
+            large_kernel = select_algorithm(device, dtype)
+            large = time_decode_vkformers(device, m, n, k, dtype, max(1, repeats // 4), algorithm=large_kernel)
+            row = {"m": m, "n": n, "k": k, "dtype": dtype, "kernel": select_algorithm(device, dtype, m),
+                   "seconds": ours, "weight_gb_per_s": weight_bytes / ours / 1e9,
+                   "large_m_kernel": large_kernel, "large_m_seconds": large,
+                   "reference": ref_name, "reference_seconds": ref,
+                   "reference_weight_gb_per_s": weight_bytes / ref / 1e9, "ratio": ref / ours}
+            line = (f"decode m={m} {n}x{k} {dtype:8s} {row['kernel']:7s} {ours * 1e6:9.1f} us "
+                    f"{row['weight_gb_per_s']:8.1f} GB/s   {large_kernel}: {large * 1e6:9.1f} us   "
+                    f"{ref_name}: {ref * 1e6:9.1f} us {row['reference_weight_gb_per_s']:8.1f} GB/s   "
+                    f"ratio {row['ratio']:.3f}")
+            if copy is not None:
+                # A copy reads and writes the weight: its bandwidth counts both.
+                row["copy_gb_per_s"] = 2 * weight_bytes / copy / 1e9
+                row["fraction_of_copy_bandwidth"] = row["weight_gb_per_s"] / row["copy_gb_per_s"]
+                line += f"   copy {row['copy_gb_per_s']:7.1f} GB/s ({row['fraction_of_copy_bandwidth']:.2f})"
+            rows.append(row)
+            print(line, flush=True)
+    return rows
+
+
 def tflops(size: int, seconds: float) -> float:
     return 2 * size**3 / seconds / 1e12
 
@@ -84,13 +176,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (lavapipe)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode (small-m) cases")
     args = parser.parse_args()
 
     device = get_device()
-    sizes = (128, 256) if args.quick else (4096, 8192)
+    sizes = () if args.decode_only else (128, 256) if args.quick else (4096, 8192)
     repeats = 3 if args.quick else 10
     print(f"device: {device.name}")
     results = {"device": device.name, "runs": []}
+    results["decode"] = decode_runs(device, args.quick)
     for size in sizes:
         for dtype in DTYPES:
             kernel = select_algorithm(device, dtype)

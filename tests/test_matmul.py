@@ -7,12 +7,14 @@ the largest reference magnitude: 1e-5 for float32 C, 1e-3 for float16 C
 (2^-11 relative rounding), 8e-3 for bfloat16 C (2^-8). The same tests run
 whichever kernel the device selects (tiled on lavapipe, cooperative matrix for
 float16/bfloat16 on a GPU that has it), and the tiled kernel explicitly as well.
+The small-m kernel (m <= 8, decoding) has its own tests at the end, with the same
+tolerances: it also accumulates in float32 and rounds C once.
 """
 import numpy as np
 import pytest
 
 from vkformers.engine.kernels import Operand
-from vkformers.engine.kernels.matmul import matmul, select_algorithm
+from vkformers.engine.kernels.matmul import SMALL_M_MAX, SmallMConfig, matmul, select_algorithm
 from vkformers.runtime import dtypes as dt
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -50,7 +52,7 @@ def check(got: np.ndarray, ref: np.ndarray, out_dtype: str) -> None:
 
 def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=1, trans_a=False,
              trans_b=False, bias=False, alpha=1.0, beta=0.0, offsets=(0, 0, 0, 0), pad=(0, 0, 0),
-             algorithm="auto", seed=0):
+             algorithm="auto", small_m=None, seed=0):
     rng = np.random.default_rng(seed)
     shape_a, shape_b = ((k, m) if trans_a else (m, k)), ((n, k) if trans_b else (k, n))
     # Batch strides with optional padding between matrices (non-dense batches).
@@ -66,7 +68,8 @@ def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=
     seq = device.sequence()
     matmul(seq, *ops, m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b,
            stride_a=stride_a if batch > 1 else None, stride_b=stride_b if batch > 1 else None,
-           stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm)
+           stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm,
+           small_m=small_m)
     seq.replay()
 
     c_buf = ops[2]
@@ -198,3 +201,90 @@ def test_rejects_bad_arguments(device):
         matmul(seq, a, a, a, m=4, n=4, k=5)
     with pytest.raises(TypeError):
         matmul(seq, a, a, a, m=4, n=4, k=4, bias=h)
+
+
+# ---------------------------------------------------------------- small-m kernel (decoding)
+# Sizes: k = 29 (not a multiple of 4 or 8: element-by-element loads and a ragged
+# end of k), k = 40 / 64 with offsets that are multiples of 8 (whole 16-byte loads),
+# n odd so the last workgroup is partly empty.
+
+def small_m_algorithms(m):
+    """"auto" selects the small-m kernel for these m; also ask for it explicitly."""
+    return ["auto", "small_m"] if m <= SMALL_M_MAX else ["small_m"]
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_small_m_every_dtype_pair(device, in_dtype, out_dtype):
+    # (Each m, k pair compiles its own pipeline: pairs rather than the full product.)
+    for m, n, k in ((1, 37, 29), (2, 53, 64), (7, 53, 64), (8, 37, 29)):
+        run_case(device, m, n, k, in_dtype=in_dtype, out_dtype=out_dtype, trans_b=True, seed=m)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, True), (False, False), (True, True), (True, False)])
+def test_small_m_transposes(device, in_dtype, trans_a, trans_b):
+    for m in (1, 7):
+        for algorithm in small_m_algorithms(m):
+            run_case(device, m, 45, 83, in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_small_m_bias_alpha_beta_offsets(device, in_dtype, trans_b):
+    # Offsets not on 16 bytes (element-by-element loads) ...
+    run_case(device, 8, 35, 29, in_dtype=in_dtype, out_dtype=in_dtype, trans_b=trans_b, bias=True,
+             alpha=0.5, beta=1.0, offsets=(1, 3, 5, 7))
+    # ... and on 16 bytes with k a multiple of 8 (whole-vector loads), C and bias unaligned.
+    run_case(device, 2, 35, 40, in_dtype=in_dtype, out_dtype="float32", trans_b=trans_b, bias=True,
+             alpha=-2.0, beta=1.0, offsets=(8, 16, 3, 1))
+    # k a multiple of 8 but A's offset not: A element by element, B whole vectors.
+    run_case(device, 1, 35, 40, in_dtype=in_dtype, trans_b=trans_b, offsets=(3, 8, 0, 0))
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_small_m_batched_with_strides(device, in_dtype, trans_b):
+    for m in (1, 8):
+        run_case(device, m, 21, 40, in_dtype=in_dtype, batch=3, trans_b=trans_b, pad=(5, 8, 3),
+                 offsets=(3, 8, 5, 2), bias=True, beta=1.0)
+        # Every row on 16 bytes: whole-vector loads in every batch.
+        run_case(device, m, 21, 40, in_dtype=in_dtype, batch=2, trans_b=trans_b, pad=(8, 16, 1),
+                 offsets=(8, 16, 4, 0))
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_small_m_more_rows_than_a_block(device, trans_b):
+    """m > 8 asked for explicitly runs as blocks of 8 rows (the last one partial)."""
+    run_case(device, 11, 30, 50, in_dtype="bfloat16", out_dtype="float32", trans_b=trans_b, bias=True,
+             beta=1.0, algorithm="small_m")
+    run_case(device, 17, 9, 64, trans_b=trans_b, algorithm="small_m")
+
+
+@pytest.mark.parametrize("config", [
+    SmallMConfig(threads=64, rows_per_wg=8, rows_per_subgroup=1, unroll=4),
+    SmallMConfig(threads=32, rows_per_wg=12, rows_per_subgroup=3, unroll=3),  # subgroups take several blocks
+    SmallMConfig(threads=256, rows_per_wg=2, rows_per_subgroup=2, unroll=1),  # more subgroups than blocks
+])
+def test_small_m_configurations(device, config):
+    """Workgroup shapes other than the device's default, including the unrolled main
+    loop with k long enough to run it (k = 517 float32: 130 vectors)."""
+    for m in (1, 5):
+        run_case(device, m, 47, 517, in_dtype="float32", trans_b=True, bias=True, beta=1.0,
+                 algorithm="small_m", small_m=config)
+        run_case(device, m, 47, 1024, in_dtype="float16", trans_b=True, algorithm="small_m", small_m=config)
+
+
+def test_small_m_selection(device):
+    for m in range(1, SMALL_M_MAX + 1):
+        assert select_algorithm(device, "float32", m) == "small_m"
+        assert select_algorithm(device, "bfloat16", m) == "small_m"
+    assert select_algorithm(device, "float32", SMALL_M_MAX + 1) == select_algorithm(device, "float32")
+    assert select_algorithm(device, "float16", 64) == select_algorithm(device, "float16")
+
+
+def test_small_m_rejects_bad_configuration(device):
+    a = device.upload(np.zeros((4, 4), np.float32))
+    with pytest.raises(ValueError):
+        matmul(device.sequence(), a, a, a, m=4, n=4, k=4, trans_b=True, algorithm="small_m",
+               small_m=SmallMConfig(threads=64, rows_per_wg=6, rows_per_subgroup=4))

@@ -142,11 +142,13 @@ ALIASES = {
 #   forward-verified:  logits and loss
 # Everything not listed stays "registered".
 VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2",
-            "granite", "cohere", "stablelm", "starcoder2", "gpt2", "gpt_neox", "phi", "opt", "falcon", "bloom")
-FORWARD_VERIFIED: tuple[str, ...] = (  # logits, loss and every gradient against their fixtures; greedy tokens not yet
-    "apertus", "arcee", "biogpt", "bitnet", "codegen", "cohere2", "ctrl", "deepseek_v2", "ernie4_5", "exaone4", "glm",
-    "glm4", "gpt_bigcode", "gpt_neo", "gpt_neox_japanese", "gptj", "granite_swa", "helium", "hunyuan_v1_dense",
-    "hyperclovax", "jais2", "minicpm3", "ministral", "ministral3", "mpt", "nanochat", "nemotron", "olmo3",
-    "openai-gpt", "persimmon", "smollm3", "vaultgemma", "xglm", "youtu")
+            "granite", "cohere", "stablelm", "starcoder2", "gpt2", "gpt_neox", "phi", "opt", "falcon", "bloom",
+            "apertus", "arcee", "biogpt", "bitnet", "codegen", "cohere2", "ctrl", "ernie4_5", "exaone4", "glm",
+            "glm4", "gpt_bigcode", "gpt_neo", "gpt_neox_japanese", "gptj", "granite_swa", "helium",
+            "hunyuan_v1_dense", "hyperclovax", "jais2", "minicpm3", "ministral", "ministral3", "mpt", "nanochat",
+            "nemotron", "olmo3", "openai-gpt", "persimmon", "smollm3", "vaultgemma", "xglm", "youtu")
+# deepseek_v2 passes every check on a config whose layers are all dense; real DeepSeek-V2 checkpoints use
+# mixture-of-experts layers, which the decoder refuses, so the claim stays at forward-verified.
+FORWARD_VERIFIED: tuple[str, ...] = ("deepseek_v2",)
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

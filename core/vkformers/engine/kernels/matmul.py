@@ -1,7 +1,10 @@
 """Matrix multiply launcher: ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]``.
 
-Two kernels, chosen per call:
+Three kernels, chosen per call:
 
+- ``matmul_small_m``: m of at most SMALL_M_MAX rows (token-by-token decoding,
+  ``x @ W^T``). Reads B once per 8 rows of A, 16 bytes at a time, one subgroup per
+  column of C (trans_b) with a subgroup reduction over k: bound by the bytes of B.
 - ``matmul_coopmat`` (VK_KHR_cooperative_matrix): float16 or bfloat16 A and B,
   when the device offers that 16x16x16 -> float32 subgroup shape. Workgroup tile
   128 x 128, each of 8 subgroups owns 64 x 32 as 4 x 2 accumulators, K steps of
@@ -99,9 +102,70 @@ def coopmat_supported(device, in_dtype) -> bool:
                for s in device.cooperative_matrix_shapes)
 
 
-def select_algorithm(device, in_dtype) -> str:
-    """``"coopmat"`` where the device supports it for ``in_dtype``, else ``"tiled"``."""
+# Largest m that "auto" gives the small-m kernel. Its cost is reading B once per
+# block of 8 rows of A (2 * m * n * k flops on the vector units for n * k elements of
+# B read); a tile kernel wastes (tile rows - m) / tile rows of its work but is built
+# for reuse. On a GPU, at m = 8 the small-m kernel does 8 float32 FMAs per bfloat16
+# element of B read (~32 TFLOP/s at 4 TB/s, half the H200's vector rate), so beyond 8
+# it stops being bound by memory while the 128-row cooperative-matrix tile is still
+# mostly idle but has tensor cores: 8 is where the two meet. On lavapipe
+# (n=1536, k=576, float32) the small-m kernel took 0.9 ms at m=1 and 3 ms at m=8
+# against 38 ms for the tiled kernel (whose time hardly depends on m up to 64), so
+# there the threshold could be higher; it is set by the GPU argument.
+SMALL_M_MAX = 8
+
+
+def select_algorithm(device, in_dtype, m: int | None = None) -> str:
+    """``"small_m"`` for m <= SMALL_M_MAX (when ``m`` is given); else ``"coopmat"`` where the
+    device supports it for ``in_dtype``, else ``"tiled"``."""
+    if m is not None and m <= SMALL_M_MAX:
+        return "small_m"
     return "coopmat" if coopmat_supported(device, in_dtype) else "tiled"
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Shape of the small-m kernel's workgroups.
+
+    trans_b: each subgroup computes ``rows_per_subgroup`` columns of C at a time,
+    a workgroup ``rows_per_wg`` of them (sized for threads / subgroup subgroups
+    taking one block each); ``unroll`` vectors of B per lane are loaded per step.
+    Not trans_b: ``rows_per_wg`` columns per workgroup, threads / rows_per_wg
+    threads splitting k for each.
+    """
+    threads: int
+    rows_per_wg: int
+    rows_per_subgroup: int = 1
+    unroll: int = 2
+
+    def check(self, trans_b: bool) -> None:
+        if not (1 <= self.rows_per_subgroup <= 4 and 1 <= self.unroll <= 4
+                and self.rows_per_wg % self.rows_per_subgroup == 0
+                and (trans_b or self.threads % self.rows_per_wg == 0)):
+            raise ValueError(f"matmul: small-m configuration {self} is not valid")
+
+
+def small_m_config(device, m: int, n: int, trans_b: bool) -> SmallMConfig:
+    """trans_b on a GPU: 256 threads, one subgroup per column of C for m < 4 and per 2
+    columns from m = 4 on (each vector of A loaded from cache then serves two rows of
+    B: at m = 8 that halves the cache traffic, 8 vectors of A per vector of B); the
+    workgroup halved (down to 64 threads) while there would be fewer than ~256
+    workgroups, so that small n still spreads over every compute unit. lavapipe: one
+    subgroup (8 lanes) per workgroup, 4 columns at a time, 8 per workgroup (the best
+    of the shapes measured: fewer, longer workgroups suit a CPU).
+    Not trans_b: 16 (32 for wide C) consecutive columns per workgroup, the 256 threads
+    splitting k."""
+    subgroup = device.limits["subgroup_size"]
+    if not trans_b:
+        return SmallMConfig(threads=256, rows_per_wg=32 if n >= 8192 else 16)
+    if device.is_cpu:
+        return SmallMConfig(threads=subgroup, rows_per_wg=8, rows_per_subgroup=4, unroll=1)
+    per_subgroup = 2 if m >= 4 else 1
+    threads = 256
+    while threads > max(subgroup, 64) and n * subgroup // (threads * per_subgroup) < 256:
+        threads //= 2
+    return SmallMConfig(threads=threads, rows_per_wg=max(1, threads // subgroup) * per_subgroup,
+                        rows_per_subgroup=per_subgroup)
 
 
 def tiled_config(device, m: int, n: int) -> TiledConfig:
@@ -113,16 +177,17 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
            trans_a: bool = False, trans_b: bool = False, stride_a: int | None = None,
            stride_b: int | None = None, stride_c: int | None = None, bias: Operand | None = None,
            alpha: float = 1.0, beta: float = 0.0, algorithm: str = "auto",
-           tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None) -> None:
+           tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None,
+           small_m: SmallMConfig | None = None) -> None:
     """Record ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]`` for b < batch into ``seq``.
 
     A is [m, k] ([k, m] when ``trans_a``), B is [k, n] ([n, k] when ``trans_b``),
     C is [m, n]; all row-major. Batch strides are in elements (default: dense).
     A and B share one dtype (float32, float16 or bfloat16); C is any of the three;
     ``bias`` (n elements) has C's dtype. ``beta == 0`` never reads C.
-    ``algorithm``: "auto" (cooperative matrix when the device has it for the input
-    dtype), "tiled" or "coopmat"; ``tiled``/``coopmat`` override tile configurations
-    (benchmarks).
+    ``algorithm``: "auto" (the small-m kernel for m <= SMALL_M_MAX, else cooperative
+    matrix when the device has it for the input dtype, else tiled), "small_m", "tiled"
+    or "coopmat"; ``tiled``/``coopmat``/``small_m`` override configurations (benchmarks).
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -151,17 +216,23 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
 
     device = seq.device
     if algorithm == "auto":
-        algorithm = select_algorithm(device, in_dtype)
+        algorithm = select_algorithm(device, in_dtype, m)
     elif algorithm == "coopmat" and not coopmat_supported(device, in_dtype):
         raise ValueError(f"matmul: {device.name} has no {in_dtype} cooperative matrix")
-    elif algorithm not in ("tiled", "coopmat"):
-        raise ValueError(f"matmul: algorithm must be 'auto', 'tiled' or 'coopmat', not {algorithm!r}")
+    elif algorithm not in ("tiled", "coopmat", "small_m"):
+        raise ValueError(f"matmul: algorithm must be 'auto', 'small_m', 'tiled' or 'coopmat', not {algorithm!r}")
 
     variant = f"{SHORT[in_dtype]}_{SHORT[out_dtype]}"
     buffers = [a.buffer, b.buffer, c.buffer, (bias or c).buffer]
     push = [m, n, k, a.offset, b.offset, c.offset, bias.offset if bias else 0,
             stride_a, stride_b, stride_c, float(alpha), float(beta)]
     flags = [int(trans_a), int(trans_b), int(bias is not None)]
+
+    if algorithm == "small_m":
+        _dispatch_small_m(seq, variant, buffers, push, m=m, n=n, k=k, batch=batch, trans_a=trans_a,
+                          trans_b=trans_b, has_bias=bias is not None, offset_a=a.offset, offset_b=b.offset,
+                          stride_a=stride_a, stride_b=stride_b, cfg=small_m)
+        return
 
     if algorithm == "coopmat":
         cfg = coopmat or coopmat_config(device)
@@ -182,3 +253,26 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     spec = [cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, *flags, cfg.threads]
     groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
     seq.dispatch(device.kernel("matmul", variant), buffers, groups, push, spec)
+
+
+def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, trans_b, has_bias,
+                      offset_a, offset_b, stride_a, stride_b, cfg: SmallMConfig | None) -> None:
+    device = seq.device
+    cfg = cfg or small_m_config(device, m, n, trans_b)
+    cfg.check(trans_b)
+    block_m = min(m, 8)
+    # Whole 16-byte loads need every row of the k-contiguous operand to start on a
+    # vector: k, the offset and the batch stride multiples of the vector's elements.
+    per_vector = 4 if variant.startswith("f32") else 8
+    def aligned(offset, stride):
+        return int(k % per_vector == 0 and offset % per_vector == 0 and stride % per_vector == 0)
+    aligned_a = aligned(offset_a, stride_a) if not trans_a else 0
+    aligned_b = aligned(offset_b, stride_b) if trans_b else 0
+    rows_per_wg = cfg.rows_per_wg
+    max_groups = device.limits["max_compute_work_group_count_x"]
+    while -(-n // rows_per_wg) > max_groups:  # very wide C: more columns per workgroup
+        rows_per_wg *= 2
+    spec = [block_m, rows_per_wg, cfg.rows_per_subgroup, int(trans_a), int(trans_b), int(has_bias),
+            aligned_a, aligned_b, cfg.threads, cfg.unroll]
+    groups = (-(-n // rows_per_wg), -(-m // block_m), batch)
+    seq.dispatch(device.kernel("matmul_small_m", variant), buffers, groups, push, spec)
