@@ -272,8 +272,11 @@ def test_layer_norm_forward_and_backward(device, dtype, rows, cols, affine):
     np.testing.assert_allclose(rstd.read(), expected_rstd, rtol=1e-5)
     expected_dx, expected_dw, expected_db = ln_backward_reference(dy, x, w, 1e-5)
     rel = 1e-5 if dtype == "float32" else 4 * ULP[dtype]
+    # dx multiplies (x - mean) by rstd; where the row's variance is ~0 (one column), rstd ~ 1/sqrt(eps) turns
+    # one float32 rounding of x - mean into a visible error (4e-6 on the H200): allow exactly that much.
+    rounding = np.abs(dy * (w if w is not None else 1)).max() * expected_rstd.max() * np.abs(x).max() * 2.0 ** -23
     np.testing.assert_allclose(read(dx), expected_dx, rtol=0,
-                               atol=rel * max(np.abs(expected_dx).max(), np.abs(dy).max()))
+                               atol=rel * max(np.abs(expected_dx).max(), np.abs(dy).max()) + rounding)
     if affine:
         np.testing.assert_allclose(dw.read(), expected_dw, rtol=0, atol=1e-5 * np.abs(expected_dw).max() + 1e-6)
         np.testing.assert_allclose(db.read(), expected_db, rtol=0, atol=1e-5 * np.abs(expected_db).max() + 1e-6)

@@ -79,6 +79,13 @@ int apply(int x, int y, int s0, int s1) {
 
 #else
 
+// x < 0 and not NaN, decided on the bits: drivers may compile `x < 0.0 ? 0.0 : x` to max(x, 0.0),
+// which turns NaN into 0 (the H200 does).
+bool negative_not_nan(float x) {
+    uint u = floatBitsToUint(x);
+    return (u >> 31) != 0u && (u & 0x7FFFFFFFu) <= 0x7F800000u;
+}
+
 float pow_accurate(float base, float e) {
     // The exponents models use most, exactly (and fast).
     if (e == 0.0 || base == 1.0) return 1.0;
@@ -125,11 +132,11 @@ float apply(float x, float y, float s0, float s1) {
     case OP_ABS: return abs(x);
     case OP_TANH: return tanh_accurate(x);
     case OP_SIGMOID: return sigmoid_accurate(x);
-    case OP_RELU: return x < 0.0 ? 0.0 : x;  // keeps NaN
+    case OP_RELU: return negative_not_nan(x) ? 0.0 : x;  // keeps NaN, as torch does
     case OP_GELU: return gelu(x);
     case OP_GELU_TANH: return gelu_tanh(x);
     case OP_SILU: return x * sigmoid_accurate(x);
-    case OP_RELU2: return x < 0.0 ? 0.0 : x * x;
+    case OP_RELU2: return negative_not_nan(x) ? 0.0 : x * x;
     case OP_QUICK_GELU: return x * sigmoid_accurate(1.702 * x);
     case OP_SIN: return sin_accurate(x);
     case OP_COS: return cos_accurate(x);
