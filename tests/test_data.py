@@ -98,7 +98,7 @@ def test_split_holds_out_the_tail():
 
 
 def test_parquet_columns(tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # the parquet extra; CI installs it (a missing extra fails, never skips)
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"prompt": ["a", "b"], "completion": ["x", "y"]}), tmp_path / "t.parquet")
     records = list(read_records(tmp_path / "t.parquet", prompt_column="prompt", completion_column="completion"))

@@ -335,3 +335,77 @@ def test_fixture_greedy_tokens(folder):
         diff = np.abs(logits - reference["greedy_logits"][step]).max()
         pytest.fail(f"{folder.name}: tokens differ from step {step} on; uncached logits there differ from "
                     f"transformers' by {diff:.3g}\n got  {got[0].tolist()}\n want {want[0].tolist()}")
+
+
+# ------------------------------------------------------------ captured decode steps
+
+def _generate_recording(model, ids, capture: bool, monkeypatch, **kwargs):
+    """generate's tokens, the scores of every step, and how many times the Python forward ran."""
+    from vkformers.models import generation
+    scores, calls = [], []
+    original_penalty, original_forward = generation._apply_repetition_penalty, model.forward
+
+    def record_scores(logits, tokens, penalty):
+        scores.append(np.array(logits, copy=True))
+        return original_penalty(logits, tokens, penalty)
+
+    def counted_forward(*args, **kw):
+        calls.append(1)
+        return original_forward(*args, **kw)
+
+    monkeypatch.setattr(generation, "_apply_repetition_penalty", record_scores)
+    monkeypatch.setattr(model, "capture_decode", capture, raising=False)
+    object.__setattr__(model, "forward", counted_forward)
+    try:
+        tokens = model.generate(ids, **kwargs)
+    finally:
+        object.__delattr__(model, "forward")
+    return tokens, np.stack(scores), len(calls)
+
+
+def _plugin_model(config):
+    from vkformers.models.loading import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(config)
+    rng = np.random.default_rng(0)
+    model.load_state_dict({n: rng.standard_normal(s.shape) * 0.3 for n, s in model.named_slots()},
+                          requires_grad=False, strict=False)
+    return model
+
+
+PADDED = np.array([[0, 0, 0, 5, 9, 14, 2, 33, 7, 1], [4, 8, 15, 16, 23, 42, 11, 3, 60, 12]])
+PADDED_MASK = (np.arange(10) >= np.array([[3], [0]])).astype(np.int64)
+CAPTURE_CASES = {
+    "tiny": lambda: (TinyLM(), dict(input_ids=PROMPT)),
+    "tiny_left_padded": lambda: (TinyLM(), dict(input_ids=PADDED, attention_mask=PADDED_MASK)),
+    "llama_fixture": lambda: (_fixture_model("llama"), dict(input_ids=PADDED[1:, :8])),
+    "gemma2_fixture_left_padded": lambda: (_fixture_model("gemma2"),
+                                           dict(input_ids=PADDED, attention_mask=PADDED_MASK)),
+    "gemma2_softcap_window_left_padded": lambda: (_plugin_model(PLUGIN_CONFIGS["gemma2_softcap_window"]),
+                                                  dict(input_ids=PADDED, attention_mask=PADDED_MASK)),
+    "bloom_alibi_sampled": lambda: (_plugin_model(PLUGIN_CONFIGS["bloom_alibi"]),
+                                    dict(input_ids=PADDED, attention_mask=PADDED_MASK, do_sample=True, seed=3,
+                                         temperature=2.0)),
+}
+
+
+def _fixture_model(name):
+    pytest.importorskip("vkformers_llama")
+    from vkformers.models.loading import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32", requires_grad=False)
+
+
+@pytest.mark.parametrize("case", CAPTURE_CASES)
+def test_captured_decode_equals_the_python_forward(case, monkeypatch):
+    """After two decode steps through the Python forward, generate replays the recorded step without it:
+    the same tokens and the same logits (bit for bit: the same plan runs on the same inputs)."""
+    if not case.startswith("tiny"):
+        pytest.importorskip("vkformers_llama")
+    model, kwargs = CAPTURE_CASES[case]()
+    ids, steps = kwargs.pop("input_ids"), 12
+    want, want_scores, want_calls = _generate_recording(model, ids, False, monkeypatch, max_new_tokens=steps,
+                                                        eos_token_id=[], **kwargs)
+    got, got_scores, got_calls = _generate_recording(model, ids, True, monkeypatch, max_new_tokens=steps,
+                                                     eos_token_id=[], **kwargs)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_scores, want_scores)
+    assert want_calls == steps and got_calls < 5, (want_calls, got_calls)  # prefill + the steps that capture

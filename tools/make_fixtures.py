@@ -3,11 +3,12 @@
 Each fixture is a 2-layer, hidden-32 model built from a config alone (no network, no downloads),
 re-initialised from a fixed seed, and the outputs transformers computes for it: logits, loss,
 every parameter's gradient, the parameters after one AdamW step, and a 12-token greedy
-continuation with the logits of each step. vkformers' tests load the model with vkformers and
-compare. See tests/fixtures/README.md for the layout. Needs transformers and torch (CPU):
+continuation with the logits of each step (llama, qwen2, gemma2 also: the parameters after a second
+AdamW step, adamw2.<param>). llama_lora is a PEFT LoRA adapter on the llama fixture with PEFT's
+outputs (build_lora). vkformers' tests load the model with vkformers and compare. See tests/fixtures/README.md for the layout. Needs transformers and torch (CPU):
 
     python tools/make_fixtures.py                       # every fixture, into tests/fixtures
-    python tools/make_fixtures.py --only llama,qwen2    # just these (fixture names)
+    python tools/make_fixtures.py --only llama,qwen2    # just these (fixture names; llama_lora needs peft)
     python tools/make_fixtures.py --list                # names, model types, notes
 
 Deterministic: one CPU thread, fixed seeds, sorted JSON, so re-running gives identical files
@@ -70,6 +71,7 @@ class Spec:
     notes: list = field(default_factory=list)
     model_class: str | None = None   # when AutoModelForCausalLM has no mapping for the type
     attn: str = "eager"              # transformers' attention implementation for the references
+    adamw_steps: int = 1             # 2: also store adamw2.<param> (a second forward/backward + step)
 
 
 def _gpt2_names(**kw):
@@ -80,7 +82,8 @@ def _gpt2_names(**kw):
 
 SPECS = [
     # ---- the required set -------------------------------------------------------------------
-    Spec("llama", "llama", dict(L), ["GQA 4q/2kv; untied lm_head; RMSNorm; SwiGLU; full rotary (rotate_half)."]),
+    Spec("llama", "llama", dict(L), ["GQA 4q/2kv; untied lm_head; RMSNorm; SwiGLU; full rotary (rotate_half)."],
+         adamw_steps=2),
     Spec("llama_rope_llama3", "llama", dict(L, rope_parameters=dict(
         rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64)),
@@ -90,7 +93,7 @@ SPECS = [
          ["sliding_window=4 (< 8-token sequence and < 20-token generation): every layer is sliding."]),
     Spec("qwen2", "qwen2", dict(L, use_sliding_window=True, sliding_window=SW, max_window_layers=1),
          ["q/k/v biases (always on in Qwen2); use_sliding_window with max_window_layers=1: layer 0 full, "
-          "layer 1 sliding (window 4)."]),
+          "layer 1 sliding (window 4)."], adamw_steps=2),
     Spec("qwen2_rope_yarn", "qwen2", dict(L, rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)),
         ["yarn rope scaling factor 4 (attention_factor 0.1*ln(4)+1 scales cos/sin); no sliding window."]),
@@ -104,7 +107,8 @@ SPECS = [
                                   final_logit_softcapping=2.0),
          ["layer 0 sliding (window 4), layer 1 full; attention and final logit soft-capping lowered to 2.0 "
           "so tanh capping is visible; query_pre_attn_scalar 24 (scale 24**-0.5, not head_dim 16); "
-          "pre+post norms around attention and MLP; (1+w) RMSNorm; sqrt(hidden) embedding scale; tied."]),
+          "pre+post norms around attention and MLP; (1+w) RMSNorm; sqrt(hidden) embedding scale; tied."],
+         adamw_steps=2),
     Spec("gemma3_text", "gemma3_text", dict(L, head_dim=16, sliding_window=SW, layer_types=LAYERS_SF,
                                             query_pre_attn_scalar=24),
          ["layer 0 sliding (window 4, rope theta 1e4), layer 1 full (rope theta 1e6); q/k norm; "
@@ -447,6 +451,14 @@ def build(spec: Spec, out_root: Path):
     opt.step()
     for n, p in params.items():
         ref[f"adamw.{n}"] = p.detach().float().contiguous().clone()
+    if spec.adamw_steps == 2:
+        # A second training step on the same batch: fresh gradients at the updated weights, then the
+        # same optimizer (its moments and step count carry over).
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        for n, p in params.items():
+            ref[f"adamw2.{n}"] = p.detach().float().contiguous().clone()
 
     for k, v in ref.items():
         if not torch.isfinite(v.float()).all():
@@ -490,6 +502,120 @@ def build(spec: Spec, out_root: Path):
             "greedy_first_step_vs_batch_logits_max_abs_diff": float(f"{prefill_diff:.3g}"),
         },
     }
+    if spec.adamw_steps == 2:
+        meta["adamw"]["second_step"] = "adamw2.<param>: a second forward/backward on the same batch, then step"
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return meta
+
+
+# ---- LoRA (PEFT) on the llama fixture ----------------------------------------------------------
+LORA_FIXTURE = "llama_lora"
+LORA_BASE = "llama"
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+LORA_REFERENCE = "lora_reference.safetensors"
+LORA_STD = 0.2                   # lora_A and lora_B ~ N(0, 0.2): B != 0, so the adapter changes the logits
+
+
+def _lora_model_name(peft_name: str) -> str:
+    """PEFT's in-memory name -> the base model's module path (what vkformers calls the parameter)."""
+    name = peft_name[len("base_model.model."):] if peft_name.startswith("base_model.model.") else peft_name
+    return name.replace(".default.", ".")
+
+
+def build_lora(out_root: Path):
+    """<out_root>/llama_lora/: a PEFT adapter on the llama fixture's model, and PEFT's outputs with it.
+
+    Written: adapter_model.safetensors + adapter_config.json (PeftModel.save_pretrained), lora_reference.safetensors
+    (inputs as in the llama fixture, logits, loss, grad.<lora param>, adamw.<lora param>), meta.json.
+    The base weights are the llama fixture's (loaded from <out_root>/llama, so build that first).
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    import peft
+
+    base_dir = out_root / LORA_BASE
+    if not (base_dir / "model.safetensors").is_file():
+        raise RuntimeError(f"{base_dir} is missing: build the {LORA_BASE} fixture first")
+    out = out_root / LORA_FIXTURE
+    if out.exists():
+        shutil.rmtree(out)
+    tmp = out_root / (LORA_FIXTURE + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+
+    def base_model():
+        return AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager",
+                                                    dtype=torch.float32).float().eval()
+
+    torch.manual_seed(0)
+    model = get_peft_model(base_model(), LoraConfig(task_type="CAUSAL_LM", **LORA))
+    g = torch.Generator().manual_seed(4321)
+    lora_params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for _, p in lora_params.items():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * LORA_STD)
+    # Recorded in adapter_config.json; PEFT would write the absolute path of base_dir.
+    model.peft_config["default"].base_model_name_or_path = LORA_BASE
+    model.save_pretrained(tmp)
+    readme = tmp / "README.md"      # PEFT's model card template: not needed
+    if readme.exists():
+        readme.unlink()
+    # PEFT keeps target_modules as a set and writes it in hash order (differs between runs): sort it so
+    # the file is reproducible, otherwise unchanged (PEFT's own formatting: indent 2, sorted keys).
+    config_file = tmp / "adapter_config.json"
+    adapter_config = json.loads(config_file.read_text())
+    adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
+    config_file.write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+
+    ids, mask, labels = make_inputs()
+    out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels)
+    logits = out_fwd.logits.detach().float()
+    out_fwd.loss.backward()
+    ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),
+           "labels": labels.to(torch.int32), "logits": logits.contiguous(),
+           "loss": out_fwd.loss.detach().float().reshape(())}
+    for n, p in lora_params.items():
+        ref[f"grad.{_lora_model_name(n)}"] = p.grad.detach().float().contiguous().clone()
+
+    with torch.no_grad():
+        base_logits = base_model()(input_ids=ids, attention_mask=mask).logits
+        reloaded = PeftModel.from_pretrained(base_model(), tmp).eval()
+        reload_logits = reloaded(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    adapter_effect = (logits - base_logits)[real].abs().max().item()
+    reload_diff = (logits - reload_logits)[real].abs().max().item()
+    if reload_diff > 1e-6:
+        raise RuntimeError(f"the saved adapter, reloaded by PEFT, changes the logits by {reload_diff}")
+
+    opt = torch.optim.AdamW(list(lora_params.values()), foreach=False, **ADAMW)
+    opt.step()
+    for n, p in lora_params.items():
+        ref[f"adamw.{_lora_model_name(n)}"] = p.detach().float().contiguous().clone()
+    for k, v in ref.items():
+        if not torch.isfinite(v.float()).all():
+            raise RuntimeError(f"non-finite values in {k}")
+    # not "reference.safetensors": the decoder parity tests take every folder holding one for a model fixture
+    save_file(ref, str(tmp / LORA_REFERENCE))
+
+    meta = {
+        "fixture": LORA_FIXTURE,
+        "base_fixture": LORA_BASE,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "peft_version": peft.__version__,
+        "lora_config": LORA,
+        "init": f"lora_A and lora_B = N(0,{LORA_STD}), generator seed 4321, named_parameters() order "
+                "(PEFT's default B = 0 would leave the logits unchanged)",
+        "adamw": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],
+                  "weight_decay": ADAMW["weight_decay"], "foreach": False, "params": "LoRA parameters only"},
+        "lora_parameters": [_lora_model_name(n) for n in lora_params],
+        "peft_parameter_names": list(lora_params),
+        "checks": {
+            "loss": round(out_fwd.loss.item(), 6),
+            "adapter_changes_logits_max_abs": float(f"{adapter_effect:.3g}"),
+            "peft_reload_of_saved_adapter_logits_max_abs_diff": float(f"{reload_diff:.3g}"),
+        },
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     tmp.rename(out)
     return meta
@@ -513,7 +639,7 @@ def main(argv=None):
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     only = [x for x in args.only.split(",") if x]
-    unknown = set(only) - {s.name for s in SPECS}
+    unknown = set(only) - {s.name for s in SPECS} - {LORA_FIXTURE}
     if unknown:
         ap.error(f"unknown fixture(s): {sorted(unknown)}")
     index_path = out_root / "index.json"
@@ -540,6 +666,19 @@ def main(argv=None):
             reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             failed[spec.name] = {"model_type": spec.model_type, "reason": reason}
             print(f"FAIL  {spec.name:22s} {reason}")
+            if args.verbose:
+                traceback.print_exc()
+    if not only or LORA_FIXTURE in only:
+        try:
+            meta = build_lora(out_root)
+            print(f"ok    {LORA_FIXTURE:22s} loss={meta['checks']['loss']:.4f} "
+                  f"adapter_effect={meta['checks']['adapter_changes_logits_max_abs']} "
+                  f"peft_reload_diff={meta['checks']['peft_reload_of_saved_adapter_logits_max_abs_diff']}")
+        except Exception as e:
+            tmp = out_root / (LORA_FIXTURE + ".tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            print(f"FAIL  {LORA_FIXTURE:22s} {type(e).__name__}: {e}")
             if args.verbose:
                 traceback.print_exc()
     index = {"transformers_version": transformers.__version__, "torch_version": torch.__version__,

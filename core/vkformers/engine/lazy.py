@@ -204,10 +204,9 @@ def _schedule(targets: list[LazyBuffer]) -> list[Node]:
 
     for t in targets:
         collect(t)
-    for node in nodes:  # an assignment overwrites storage: every reader of the old value goes first
-        for out in node.outputs:
-            if out.replaces is not None:
-                node.after = [r for r in readers.get(id(out.replaces.base), []) if r is not node]
+    for node in nodes:  # an assignment overwrites storage: every reader of each old value goes first
+        node.after = [r for out in node.outputs if out.replaces is not None
+                      for r in readers.get(id(out.replaces.base), []) if r is not node]
 
     order, placed, visiting = [], set(), set()
 
@@ -286,6 +285,8 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
         _detach_previous_outputs(device, plan)
         stats["replayed"] += 1
     _plans[key] = plan  # most recently used last
+    for recorder in _recorders:
+        recorder.runs.append(Realization(plan, [leaf.host for leaf in leaves]))
 
     for leaf, buf in zip(leaves, plan.input_buffers):
         buf.host[...] = leaf.host.reshape(buf.shape)
@@ -362,6 +363,47 @@ def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: s
     seq.record()
     output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]
     return Plan(seq, node_buffers, input_buffers, output_slots)
+
+
+# ---------------------------------------------------------------- replaying a plan without its graph
+
+@dataclass
+class Realization:
+    """One realization seen by :class:`capture`: the plan it ran and the host data of its input leaves,
+    aligned with ``plan.input_buffers`` (the arrays themselves, as the leaves held them)."""
+
+    plan: Plan
+    inputs: list
+
+
+_recorders: list = []
+
+
+class capture:
+    """Context manager listing the realizations that run inside it (``.runs``, :class:`Realization`).
+
+    A caller that builds the same graph step after step (a decode step) can learn from it which plan
+    its step ran and which input buffer received which of its arrays, then skip building the graph:
+    write the next step's values into ``plan.input_buffers[i].host`` and :func:`replay` the plan.
+    """
+
+    def __enter__(self) -> "capture":
+        self.runs: list[Realization] = []
+        _recorders.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _recorders.remove(self)
+
+
+def replay(plan: Plan) -> None:
+    """Run ``plan`` again on what its input buffers' host mirrors hold now (see :class:`capture`).
+
+    Outputs live tensors still hold from its previous replay are copied away first, as in realize()."""
+    _detach_previous_outputs(plan.seq.device, plan)
+    plan.seq.replay()
+    plan.replays += 1
+    stats["replayed"] += 1
 
 
 def clear_plan_cache() -> None:

@@ -56,6 +56,7 @@ class KVCache:
         self.mask = np.ones((self.batch, self.max_len), np.uint8)  # host copy: 1 = attend
         self.position = 0
         self._step = None  # the current forward's device inputs, shared by its layers
+        self.step_hosts = (None, None)  # host arrays of the last forward's bounds and mask leaves
 
     def reset(self) -> None:
         """Forget the stored tokens (the buffers stay allocated and are overwritten)."""
@@ -72,21 +73,30 @@ class KVCache:
 
     # -- one forward's inputs
 
-    def _step_inputs(self, new: int, key_padding_mask):
-        """([start, end] as a uint32 tensor, device mask or None) for this forward, built by its first attend()."""
-        if self._step is not None and self._step[0] == new:
-            return self._step[1], self._step[2]
+    def step_arrays(self, new: int, key_padding_mask=None):
+        """Host values of one forward's cache inputs: ``[start, end]`` as uint32, and the key padding mask
+        as bool (spanning max_len for a decode step, None when every key is attended). Stores the new
+        tokens' mask. A captured decode step (generation.py) writes these into its recorded plan."""
         start, end = self.position, self.position + new
         if end > self.max_len:
             raise CacheFullError(f"KVCache: {start} stored + {new} new tokens exceed max_len {self.max_len}")
         self._store_mask(start, end, key_padding_mask)
-        bounds = tensor(np.array([start, end], np.uint32), dtype=dt.uint32, device=self.device)
         mask = None
         if not self.mask[:, :end].all():
             # decode: the mask spans max_len, so that every decode step has the same graph signature
-            visible = self.mask if new == 1 else self.mask[:, :end]
-            mask = tensor(visible.astype(bool), device=self.device)
+            mask = (self.mask if new == 1 else self.mask[:, :end]).astype(bool)
+        return np.array([start, end], np.uint32), mask
+
+    def _step_inputs(self, new: int, key_padding_mask):
+        """([start, end] as a uint32 tensor, device mask or None) for this forward, built by its first attend()."""
+        if self._step is not None and self._step[0] == new:
+            return self._step[1], self._step[2]
+        bounds, mask = self.step_arrays(new, key_padding_mask)
+        bounds = tensor(bounds, dtype=dt.uint32, device=self.device)
+        mask = None if mask is None else tensor(mask, device=self.device)
         self._step = (new, bounds, mask)
+        # the arrays the input leaves hold, for generation to recognise them in the recorded plan
+        self.step_hosts = (bounds.lazy.base.host, None if mask is None else mask.lazy.base.host)
         return bounds, mask
 
     def _store_mask(self, start: int, end: int, key_padding_mask) -> None:

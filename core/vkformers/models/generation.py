@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.models.cache import KVCache
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import Buffer
 
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
 
@@ -66,11 +69,13 @@ class GenerationMixin:
         unfinished = np.ones(batch, bool)
         tokens = ids
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
+        capture_limit = self.max_position_embeddings if getattr(self, "capture_decode", True) else 0
+        decode = _DecodeCapture(cache)
         with no_grad():
             out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
+            logits = _last_logits(out)
+            del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
             for step in range(max_new_tokens):
-                logits = _last_logits(out)
-                del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
                 scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
                 if do_sample:
                     next_tokens = _sample(scores, rng, temperature, top_k, top_p)
@@ -87,11 +92,25 @@ class GenerationMixin:
                 if recompute_beyond is not None and cache.position <= recompute_beyond < tokens.shape[1]:
                     # the model's positional tables change for every token past this length (Phi-3
                     # longrope): as transformers does, drop the cache and recompute the whole sequence once
+                    decode.forget()
                     cache.reset()
-                    out = self(tokens, attention_mask=mask, position_ids=_positions(mask), cache=cache)
+                    logits = _last_logits(self(tokens, attention_mask=mask, position_ids=_positions(mask),
+                                                cache=cache))
                     continue
-                out = self(next_tokens[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
-                           cache=cache)
+                # int32 arrays the model turns into its input tensors as they are: a captured step finds them
+                step_ids = next_tokens[:, None].astype(np.int32)
+                step_positions = _positions(mask)[:, -1:].astype(np.int32)
+                if decode.ready and tokens.shape[1] <= capture_limit:
+                    logits = decode.run(step_ids, step_positions)
+                    if logits is not None:
+                        continue
+                with lazy.capture() as seen:
+                    out = self(step_ids, attention_mask=mask, position_ids=step_positions, cache=cache)
+                    last = _last_position(out)
+                    del out
+                    logits = _to_scores(last.numpy())
+                decode.observe(seen.runs, step_ids, step_positions, last)
+                del last
         _end(streamer)
         return tokens
 
@@ -171,10 +190,109 @@ def _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, repeti
             raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
 
 
-def _last_logits(out) -> np.ndarray:
-    """The last position's logits as float32 [batch, vocab]; sliced on the GPU so only those are read back."""
+def _last_position(out):
+    """The last position's logits [batch, vocab] as a tensor, sliced on the GPU so only those are read back."""
     logits = out.logits
-    return logits[:, logits.shape[1] - 1].contiguous().numpy().astype(np.float32)
+    return logits[:, logits.shape[1] - 1].contiguous()
+
+
+def _to_scores(logits: np.ndarray) -> np.ndarray:
+    return logits.astype(np.float32)
+
+
+def _last_logits(out) -> np.ndarray:
+    """The last position's logits as float32 [batch, vocab]."""
+    return _to_scores(_last_position(out).numpy())
+
+
+# ---------------------------------------------------------------- captured decode step
+
+class _DecodeCapture:
+    """Decode steps replayed without running the model's Python forward.
+
+    Every decode step builds the same graph, and the engine replays one recorded plan for it; what
+    remains per token is building that graph in Python, which costs far more than the GPU work of a
+    small model. So generate watches the decode steps (``observe``): once two consecutive ones ran
+    the same plan as a single realization, with the step's token ids, positions and cache inputs
+    landing in the same input buffers, and every other input (rotary tables, constants) holding
+    the same values in both, later steps (``run``) write their ids, positions and cache inputs into
+    those buffers, replay the plan and read the logits, with no graph at all.
+
+    The inputs are recognised by identity: the model must make its input tensors from the very
+    int32 arrays it is given (``Tensor(np.asarray(ids, np.int32))`` does), and the cache records the
+    arrays of its own. A step whose inputs cannot all be found is simply not captured.
+    """
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
+        self.ready = False
+        self.readback = None   # (recorded copy of the logits into a host-visible buffer, that buffer)
+
+    def forget(self) -> None:
+        """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
+        self.previous, self.ready, self.readback = None, False, None
+
+    def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last) -> None:
+        current = self._describe(runs, step_ids, step_positions, last)
+        previous, self.previous = self.previous, current
+        if current is None or previous is None:
+            return
+        plan, roles, constants, buffer, view = current
+        if plan is not previous[0] or roles != previous[1] or buffer is not previous[3] or view != previous[4]:
+            return
+        if any(not _same_array(a, b) for a, b in zip(constants, previous[2])):
+            return  # an input made inside the forward changed between steps: only the Python forward knows it
+        self.ready = True
+
+    def _describe(self, runs, step_ids, step_positions, last):
+        if len(runs) != 1:  # the step realized more than once (or not at all): no single plan to replay
+            return None
+        run = runs[0]
+        step_bounds, step_mask = self.cache.step_hosts
+        known = {id(step_ids): "ids", id(step_positions): "positions", id(step_bounds): "bounds"}
+        if step_mask is not None:
+            known[id(step_mask)] = "mask"
+        roles = tuple(known.get(id(a), "constant") for a in run.inputs)
+        # ids must be found (a copy of them could look constant when a token repeats); positions may be
+        # unused (ALiBi) or copied, which the constancy check catches as they grow by one every step
+        if not {"ids", "bounds"} <= set(roles) or ("mask" in roles) != (step_mask is not None):
+            return None
+        constants = [a for a, role in zip(run.inputs, roles) if role == "constant"]
+        lb = last.lazy
+        if lb.base.buffer is None or lb.base.buffer not in [b for bufs in run.plan.node_buffers for b in bufs]:
+            return None
+        return run.plan, roles, constants, lb.base.buffer, lb.view
+
+    def run(self, step_ids: np.ndarray, step_positions: np.ndarray) -> np.ndarray | None:
+        """One decode step by replay: the logits as float32 [batch, vocab], or None when it cannot (the
+        cache's mask changed kind): then the caller runs the forward."""
+        plan, roles, _, buffer, view = self.previous
+        bounds, mask = self.cache.step_arrays(1)
+        if (mask is not None) != ("mask" in roles):
+            self.forget()
+            return None
+        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask}
+        for role, target in zip(roles, plan.input_buffers):
+            if role != "constant":
+                target.host[...] = values[role].reshape(target.shape)
+        lazy.replay(plan)
+        self.cache.advance(1)
+        if self.readback is None:
+            host = Buffer(buffer.device, buffer.shape, buffer.dtype, host_visible=True, name="logits")
+            self.readback = (buffer.device.sequence().copy(buffer, host).download(host), host)
+        seq, host = self.readback
+        seq.replay()
+        flat = host.host.reshape(-1)
+        logits = np.lib.stride_tricks.as_strided(flat[view.offset:], shape=view.shape,
+                                                 strides=tuple(s * flat.itemsize for s in view.strides))
+        if buffer.dtype is dt.bfloat16:
+            return dt.from_bfloat16(np.ascontiguousarray(logits))
+        return _to_scores(logits)
+
+
+def _same_array(a, b) -> bool:
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
 
 
 def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float) -> np.ndarray:

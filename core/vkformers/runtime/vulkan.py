@@ -203,6 +203,21 @@ class Device:
 # ---------------------------------------------------------------- buffers
 
 _buffer_serials = itertools.count()
+_buffer_bytes = {"live": 0, "peak": 0}  # Buffer allocations of this process (staging copies excluded)
+
+
+def _count_buffer_bytes(delta: int) -> None:
+    _buffer_bytes["live"] += delta
+    _buffer_bytes["peak"] = max(_buffer_bytes["peak"], _buffer_bytes["live"])
+
+
+def buffer_memory() -> dict:
+    """Bytes held by live Buffers now and at most since the last reset_peak_buffer_memory() (all devices)."""
+    return {"live_bytes": _buffer_bytes["live"], "peak_bytes": _buffer_bytes["peak"]}
+
+
+def reset_peak_buffer_memory() -> None:
+    _buffer_bytes["peak"] = _buffer_bytes["live"]
 
 class Buffer:
     """A device buffer of ``count`` elements of ``dtype``, stored as 32-bit words.
@@ -233,6 +248,8 @@ class Buffer:
         kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
         self._tensor = _allocate(device, np.empty(words, dtype=np.uint32), kind, name, self.nbytes)
         weakref.finalize(self, Device._forget_pipelines, device, self._pipeline_keys)
+        _count_buffer_bytes(words * 4)
+        weakref.finalize(self, _count_buffer_bytes, -words * 4)
 
     def __repr__(self) -> str:
         return f"<Buffer {self.name!r} {self.shape} {self.dtype.name}>"

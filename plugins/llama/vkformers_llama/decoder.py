@@ -439,6 +439,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
         spec = decoder_spec(config, name)
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
+        # generate may replay a decode step without this forward (generation._DecodeCapture), which sees
+        # inputs that change every step but not ones that only change past some position (Llama 4's scale)
+        self.capture_decode = spec.query_position_scale is None
         # HF's longrope models switch to the long factors past the original context, and their
         # generate() then recomputes the cache with them (Phi-3): generation does the same.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -506,7 +509,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def _positions(self, batch, length, attention_mask, position_ids, past) -> np.ndarray:
         if position_ids is not None:
-            return np.broadcast_to(_as_numpy(position_ids), (batch, length)).astype(np.int32)
+            given = position_ids.numpy() if isinstance(position_ids, Tensor) else np.asarray(position_ids)
+            if given.shape == (batch, length) and given.dtype == np.int32:
+                return given  # the array itself: generate recognises it in a captured decode step
+            return np.broadcast_to(given, (batch, length)).astype(np.int32)
         if self.spec.positions_from_mask and attention_mask is not None:  # OPT: count only attended tokens
             return ((np.cumsum(attention_mask, axis=1) * attention_mask - 1)[:, -length:]).astype(np.int32)
         return np.broadcast_to(past + np.arange(length, dtype=np.int32), (batch, length)).astype(np.int32)
