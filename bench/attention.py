@@ -11,20 +11,18 @@ CUDA GPU (timed with CUDA events; its outputs also check ours at full size), els
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
+
+from common import cuda_median, cuda_torch, write_results
 
 from vkformers.engine.kernels.attention import attention_backward, attention_decode, attention_forward
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
-try:
-    import torch
-    HAVE_CUDA = torch.cuda.is_available()
-except ImportError:
-    torch, HAVE_CUDA = None, False
+torch = cuda_torch()
+HAVE_CUDA = torch is not None
 
 
 def gpu_seconds(seq, repeats: int) -> float:
@@ -45,21 +43,6 @@ def to_device(device, x: np.ndarray, dtype: str):
 
 def as_float32(array, dtype):
     return dt.from_bfloat16(array) if dtype == "bfloat16" else array.astype(np.float32)
-
-
-def torch_seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return float(np.median(times))
 
 
 def numpy_attention_seconds(q, k, v, scale) -> float:
@@ -99,7 +82,7 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
         tq, tk, tv, tdo = (torch.from_numpy(x).cuda().to(tdtype) for x in (q, k, v, d_out))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         with torch.no_grad():
-            result["torch_forward_ms"] = torch_seconds(lambda: sdpa(tq, tk, tv, is_causal=True), repeats) * 1e3
+            result["torch_forward_ms"] = cuda_median(lambda: sdpa(tq, tk, tv, is_causal=True), repeats) * 1e3
         leaves = [x.detach().requires_grad_() for x in (tq, tk, tv)]
 
         def fwd_bwd():
@@ -107,7 +90,7 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
                 x.grad = None
             sdpa(*leaves, is_causal=True).backward(tdo)
 
-        result["torch_fwd_bwd_ms"] = torch_seconds(fwd_bwd, repeats) * 1e3
+        result["torch_fwd_bwd_ms"] = cuda_median(fwd_bwd, repeats) * 1e3
         # Full-size agreement with PyTorch (float32 math on the same rounded inputs).
         ref = [x.detach().float().requires_grad_() for x in leaves]
         ref_out = sdpa(*ref, is_causal=True)
@@ -144,7 +127,7 @@ def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, hea
         group = heads // kv_heads
         tk, tv = tk.repeat_interleave(group, 1), tv.repeat_interleave(group, 1)
         with torch.no_grad():
-            result["torch_decode_us"] = torch_seconds(
+            result["torch_decode_us"] = cuda_median(
                 lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv), repeats) * 1e6
         result["decode_ratio"] = result["torch_decode_us"] / result["decode_us"]
     return result
@@ -182,9 +165,7 @@ def main(argv=None) -> int:
         print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}): {d['decode_us']:.1f} us, "
               f"{d['decode_cache_gbps']:.0f} GB/s of cache"
               + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})" if "decode_ratio" in d else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 

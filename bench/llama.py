@@ -9,11 +9,12 @@ in both frameworks, in the same process. Without CUDA (or --no-torch) only vkfor
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import numpy as np
+
+from common import write_results
 
 import vkformers as vkf
 from vkformers.models.loading import AutoModelForCausalLM
@@ -115,9 +116,7 @@ def main(argv=None) -> int:
             ref = run.get("torch", {}).get(key)
             ratio = f" vs torch {ref:10.1f} = {ours / ref:5.2f}x" if ref else ""
             print(f"{dtype:9s} {key:16s} {ours:10.1f}{ratio}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 

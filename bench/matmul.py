@@ -18,10 +18,11 @@ numpy on the CPU. --quick uses smaller decode shapes (m=1, n=1536, k=576 too).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
+
+from common import cuda_median, cuda_torch, write_results
 
 from vkformers.engine.kernels.matmul import (
     CoopmatConfig, SmallMConfig, TiledConfig, matmul, select_algorithm, tiled_config)
@@ -51,26 +52,12 @@ def time_vkformers(device, size: int, dtype: str, repeats: int, out_dtype: str |
 
 def time_reference(size: int, dtype: str, repeats: int):
     """(seconds, name) of the reference matmul."""
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    if cuda:
+    torch = cuda_torch()
+    if torch is not None:
         torch.backends.cuda.matmul.allow_tf32 = False
         x = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
         y = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
-        for _ in range(3):
-            torch.matmul(x, y)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(x, y)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return float(np.median(times)), f"torch {torch.cuda.get_device_name()}"
+        return cuda_median(lambda: torch.matmul(x, y), repeats), f"torch {torch.cuda.get_device_name()}"
     x = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
     times = []
     for _ in range(max(1, repeats // 2)):
@@ -97,30 +84,11 @@ def time_decode_vkformers(device, m: int, n: int, k: int, dtype: str, repeats: i
     return float(np.median([t for label, t in seq.timings() if label.startswith("matmul")]))
 
 
-def cuda_median(fn, repeats: int) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return float(np.median(times))
-
-
 def time_decode_reference(m: int, n: int, k: int, dtype: str, repeats: int):
     """(matmul seconds, weight-copy seconds or None, name): PyTorch x @ W.T on CUDA and a
     device copy of W, else numpy float32 on the CPU."""
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    if cuda:
+    torch = cuda_torch()
+    if torch is not None:
         torch.backends.cuda.matmul.allow_tf32 = False
         x = torch.randn(m, k, device="cuda", dtype=getattr(torch, dtype))
         w = torch.randn(n, k, device="cuda", dtype=getattr(torch, dtype))
@@ -225,9 +193,7 @@ def main() -> None:
                                      "tflops": tflops(size, seconds)})
             print(f"sweep {size}^3 {dtype:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s", flush=True)
 
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from common import write_results
+
 import vkformers as vkf
 from vkformers.engine.kernels import elementwise as K
 
@@ -91,9 +93,7 @@ def main(argv=None) -> int:
             if args.json:
                 with open(out) as f:
                     results[name] = json.load(f)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 

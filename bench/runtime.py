@@ -13,13 +13,14 @@ Every figure is printed beside a reference measured in the same run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from common import write_results
 
 from vkformers.runtime.vulkan import get_device
 
@@ -168,9 +169,7 @@ def main(argv=None) -> int:
     print(f"{results['chain_dispatches']} dependent dispatches of {results['chain_elements']} elements: "
           f"{results['chain_tracked_us']:.1f} us with barriers, {results['chain_none_us']:.1f} us without "
           f"({results['barrier_overhead']:.2f}x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 
 import numpy as np
+
+from common import write_results
 
 import vkformers as vkf
 from vkformers.models.loading import AutoModelForCausalLM
@@ -168,9 +169,7 @@ def main(argv=None) -> int:
                 line += (f"   torch {ref['tok_s']:10.1f} tok/s ({ours['tok_s'] / ref['tok_s']:.2f}x)"
                          f"  peak {ref['peak_gib']:7.3f} GiB")
             print(line + f"   loss {ours['first_loss']:.3f} -> {ours['last_loss']:.3f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.json, results)
     return 0
 
 
