@@ -552,10 +552,15 @@ class DecoderForCausalLM(Module, GenerationMixin):
             x = x * scale
         if self.project_in is not None:
             x = self.project_in(x)
-        if self.position_embed is not None:
-            x = x + F.embedding(Tensor(positions + np.int32(s.position_offset)), self.position_embed.weight)
-        if self.position_table is not None:
-            x = x + F.embedding(Tensor(positions + np.int32(s.position_offset)), self.position_table)
+        # One positions input, everything else derived on the GPU: a captured decode step rewrites
+        # only this array (models/generation.py), so derived copies must not be separate host inputs.
+        position_tensor = Tensor(positions)
+        tables = [t for t in (self.position_embed.weight if self.position_embed is not None else None,
+                              self.position_table) if t is not None]
+        if tables:
+            absolute = position_tensor + s.position_offset if s.position_offset else position_tensor
+            for table in tables:
+                x = x + F.embedding(absolute, table)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
 
@@ -563,8 +568,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
         if mask is not None and (cache is not None or not mask.all()):
             key_padding_mask = Tensor(mask.astype(bool))
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.rope else None
-        ctx = Context(Tensor(positions), key_padding_mask, rope_tables, cache,
-                      rope_positions=Tensor(-positions) if s.rope_negated else None,
+        ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
+                      rope_positions=-position_tensor if s.rope_negated else None,
                       query_scale=self._query_scale(positions), host_mask=mask)
         for layer in self.layers:
             x = layer(x, ctx)
