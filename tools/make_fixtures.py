@@ -72,6 +72,8 @@ class Spec:
     model_class: str | None = None   # when AutoModelForCausalLM has no mapping for the type
     attn: str = "eager"              # transformers' attention implementation for the references
     adamw_steps: int = 1             # 2: also store adamw2.<param> (a second forward/backward + step)
+    saved_model_type: str | None = None  # config.json's model_type when the config class writes another
+    #                                      (GPT-SW3 is GPT2Config, which saves "gpt2")
 
 
 def _gpt2_names(**kw):
@@ -313,7 +315,28 @@ SPECS = [
           "transformers 5.24, from_pretrained() on this folder re-initialises the tied embedding (its loader "
           "treats it as missing), so a reloaded model does NOT reproduce reference.safetensors; "
           "model.safetensors itself holds the weights the references were computed with."]),
+    # ---- second pass: the remaining registered dense decoders ---------------------------------
+    Spec("gpt-sw3", "gpt-sw3", _gpt2_names(activation_function="gelu"),
+         ["GPT-SW3 is GPT2Config / GPT2LMHeadModel; config.json is written with model_type \"gpt-sw3\" (the "
+          "registry's spelling; transformers' AutoConfig maps it back to GPT2Config) and exact-erf gelu "
+          "(activation_function \"gelu\", as GPT-SW3 checkpoints use) instead of gpt2's gelu_new."],
+         saved_model_type="gpt-sw3"),
+    Spec("seed_oss", "seed_oss", dict(L, head_dim=16, attention_out_bias=True, attention_dropout=0.0,
+                                      residual_dropout=0.0),
+         ["Llama block with q/k/v biases (attention_bias, on by default) and attention_out_bias on here so the "
+          "o_proj bias is visible (Seed-OSS-36B has it off); head_dim 16 != hidden/heads."]),
+    Spec("cwm", "cwm", dict(L, head_dim=8, sliding_window=SW, layer_types=LAYERS_FS, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
+         ["Llama block with per-layer layer_types (layer 0 full, layer 1 sliding, window 4) and llama3 rope "
+          "(theta 1e4, original_max_position_embeddings 64 so all three bands show)."]),
+    Spec("emu3_text_model", "emu3_text_model", dict(L, attention_bias=True, attention_dropout=0.0),
+         ["Emu3's text decoder (Emu3ForCausalLM on Emu3TextConfig): a Llama block; attention_bias on (q/k/v/o). "
+          "config_override_issues flags attention_bias only because Emu3TextConfig declares it as a plain class "
+          "attribute, not a dataclass field; the model does have the four biases (see parameters)."],
+         model_class="Emu3ForCausalLM"),
 ]
+
 
 SKIPPED = {
     # model_type: reason (not attempted)
@@ -323,15 +346,8 @@ SKIPPED = {
     "olmo_hybrid": "hybrid: linear-attention (gated delta) layers",
     "laguna": "MoE FFN in every layer (num_experts required)",
     "hy_v3": "MoE FFN (num_experts required)",
-    "seed_oss": "same computation as qwen2 (q/k/v biases, o_proj without bias, SwiGLU, rotate_half rope); "
-                "left out to keep tests/fixtures small -- verify with the qwen2 fixture",
-    "cwm": "Llama with per-layer sliding layer_types and llama3 rope: both covered (ministral/granite_swa for "
-           "layer_types, llama_rope_llama3 for the rope); left out to keep tests/fixtures small",
-    "gpt-sw3": "same model class and config as gpt2 (GPT2LMHeadModel); covered by the gpt2 fixture",
     "open-llama": "not in this transformers (deprecated/removed); same layout as llama",
     "code_llama": "tokenizer-only name; the model is llama",
-    "emu3_text_model": "no causal-LM class of its own in the auto mapping (Emu3's text model is a Llama); "
-                       "covered by llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "modernbert-decoder": "not attempted in this pass (size budget); ModernBERT decoder with alternating "
                           "local/global attention",
@@ -403,6 +419,14 @@ def build(spec: Spec, out_root: Path):
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
+    if spec.saved_model_type:
+        config_file = tmp / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved["model_type"] = spec.saved_model_type
+        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        reloaded = transformers.AutoConfig.from_pretrained(tmp)
+        if type(reloaded) is not type(config):
+            raise RuntimeError(f"model_type {spec.saved_model_type!r} loads as {type(reloaded).__name__}")
 
     ids, mask, labels = make_inputs()
     params = dict(model.named_parameters())  # tied weights appear once, under their canonical name

@@ -619,6 +619,19 @@ def persimmon(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+def seed_oss(config: dict) -> DecoderSpec:
+    """Llama with q/k/v biases on by default (attention_bias) and the o_proj bias apart (attention_out_bias)."""
+    bias = bool(config.get("attention_bias", True))
+    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias,
+                   o_bias=bool(config.get("attention_out_bias", False)))
+
+
+def cwm(config: dict) -> DecoderSpec:
+    """Llama with per-layer sliding windows from layer_types (its default rope is llama3)."""
+    spec = llama(config)
+    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False))
+
+
 # -- GPT-family relatives
 
 def gptj(config: dict) -> DecoderSpec:
@@ -808,6 +821,10 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "gptj": gptj, "codegen": codegen, "gpt_neox_japanese": gpt_neox_japanese, "gpt_bigcode": gpt_bigcode,
     "gpt_neo": gpt_neo, "openai-gpt": openai_gpt, "biogpt": biogpt, "xglm": xglm, "ctrl": ctrl, "mpt": mpt,
     "bitnet": bitnet, "deepseek_v2": deepseek_v2, "minicpm3": minicpm3, "youtu": youtu,
+    # second pass
+    "gpt-sw3": gpt2,  # GPT2Config / GPT2LMHeadModel under another model_type
+    "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
+    "seed_oss": seed_oss, "cwm": cwm,
 }
 
 
