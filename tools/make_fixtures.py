@@ -335,6 +335,13 @@ SPECS = [
           "config_override_issues flags attention_bias only because Emu3TextConfig declares it as a plain class "
           "attribute, not a dataclass field; the model does have the four biases (see parameters)."],
          model_class="Emu3ForCausalLM"),
+    Spec("cohere_compass_text", "cohere_compass_text", dict(
+        L, logit_scale=0.5, sliding_window=SW, layer_types=LAYERS_SF,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0), "full_attention": None}),
+         ["Cohere2 block (parallel residual from one bias-free LayerNorm, logit_scale 0.5 here, tied) with "
+          "rotate_half (NOT interleaved) rotary from a rope dict per layer type: layer 0 sliding (window 4) with "
+          "rope theta 1e4, layer 1 full attention with rope_parameters null = no rotary (NoPE). Text-only positions "
+          "are equal on the three M-RoPE axes, so the multimodal rope is plain 1-D rope."]),
 ]
 
 
@@ -351,7 +358,6 @@ SKIPPED = {
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "modernbert-decoder": "not attempted in this pass (size budget); ModernBERT decoder with alternating "
                           "local/global attention",
-    "cohere_compass_text": "not attempted in this pass (size budget); Cohere2-like with a pooling config",
     "exaone4_5_text": "not in this transformers",
 }
 

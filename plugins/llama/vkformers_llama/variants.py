@@ -565,6 +565,19 @@ def cohere2(config: dict) -> DecoderSpec:
                    rope_layers=tuple(t == "sliding_attention" for t in types))
 
 
+def cohere_compass_text(config: dict) -> DecoderSpec:
+    """Cohere 2's block with rotate_half rotary from a rope dict per layer type; a type whose dict is null has
+    no rotary (NoPE). Text positions are equal on the three M-RoPE axes, so its multimodal rope is 1-D rope."""
+    spec = cohere(config)
+    types = _layer_types(config, spec.num_layers)
+    params = config.get("rope_parameters") or {}
+    no_rope = dict(config, rope_parameters={"rope_type": "default"})  # any table: rope_layers skips the rotation
+    return replace(spec, rope_interleaved=False, logits_scale=config.get("logit_scale") or 1.0,
+                   windows=sliding_windows(config, spec.num_layers, every_layer=False),
+                   rope_configs=tuple((config, t) if params.get(t) else (no_rope, None) for t in types),
+                   rope_layers=tuple(bool(params.get(t)) for t in types))
+
+
 def vaultgemma(config: dict) -> DecoderSpec:
     """Gemma 2 without the sublayer post-norms."""
     return replace(gemma2(config), attn_out_norm=None, mlp_out_norm=None)
@@ -824,7 +837,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     # second pass
     "gpt-sw3": gpt2,  # GPT2Config / GPT2LMHeadModel under another model_type
     "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
-    "seed_oss": seed_oss, "cwm": cwm,
+    "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
 }
 
 
