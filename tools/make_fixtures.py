@@ -342,6 +342,15 @@ SPECS = [
           "rotate_half (NOT interleaved) rotary from a rope dict per layer type: layer 0 sliding (window 4) with "
           "rope theta 1e4, layer 1 full attention with rope_parameters null = no rotary (NoPE). Text-only positions "
           "are equal on the three M-RoPE axes, so the multimodal rope is plain 1-D rope."]),
+    Spec("modernbert-decoder", "modernbert-decoder", dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=MAX_POS, layer_types=LAYERS_FS, local_attention=2 * SW,
+        initializer_range=0.2, cls_token_id=BOS, sep_token_id=EOS, classifier_bias=True, **TOK),
+         ["LayerNorm (no bias by default) right after the embedding; layer 0 has NO attention input norm "
+          "(Identity), layer 1 does; fused Wi = [input | gate], act(input) * gate; MHA; layer 0 full attention "
+          "(rope theta 160000), layer 1 sliding with window local_attention // 2 = 4 (rope theta 10000); "
+          "prediction head lm_head = LayerNorm(gelu(dense(x))) (classifier_bias on here so its bias shows) before "
+          "the tied `decoder` projection with bias."]),
 ]
 
 
@@ -356,8 +365,6 @@ SKIPPED = {
     "open-llama": "not in this transformers (deprecated/removed); same layout as llama",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
-    "modernbert-decoder": "not attempted in this pass (size budget); ModernBERT decoder with alternating "
-                          "local/global attention",
     "exaone4_5_text": "not in this transformers",
 }
 
@@ -464,8 +471,16 @@ def build(spec: Spec, out_root: Path):
         gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                                    use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
                                    num_beams=1, temperature=None, top_p=None, top_k=None)
-        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg,
-                             output_logits=True, return_dict_in_generate=True)
+        # generate() fills the eos_token_id=None above from model.generation_config (eos 2), and min_new_tokens
+        # then masks token 2 out of every step: the tokens would be argmax over the others while output_logits
+        # stay raw. Clear it for the call so the continuation is the plain argmax (generation_config.json is
+        # already saved; fixtures whose raw argmax never hit token 2 are unchanged by this).
+        saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+        try:
+            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg,
+                                 output_logits=True, return_dict_in_generate=True)
+        finally:
+            model.generation_config.eos_token_id = saved_eos
         tokens = gen.sequences
         glogits = torch.cat([step.float() for step in gen.logits], dim=0)
         assert tokens.shape == (1, SEQ + NEW_TOKENS), tokens.shape

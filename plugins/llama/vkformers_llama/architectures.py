@@ -147,7 +147,8 @@ VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "glm4", "gpt_bigcode", "gpt_neo", "gpt_neox_japanese", "gptj", "granite_swa", "helium",
             "hunyuan_v1_dense", "hyperclovax", "jais2", "minicpm3", "ministral", "ministral3", "mpt", "nanochat",
             "nemotron", "olmo3", "openai-gpt", "persimmon", "smollm3", "vaultgemma", "xglm", "youtu",
-            "gpt-sw3", "seed_oss", "cwm", "emu3_text_model", "cohere_compass_text")
+            "gpt-sw3", "seed_oss", "cwm", "emu3_text_model", "cohere_compass_text",
+            "modernbert-decoder")
 # deepseek_v2 passes every check on a config whose layers are all dense; real DeepSeek-V2 checkpoints use
 # mixture-of-experts layers, which the decoder refuses, so the claim stays at forward-verified.
 FORWARD_VERIFIED: tuple[str, ...] = ("deepseek_v2",)

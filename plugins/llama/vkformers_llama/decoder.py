@@ -171,7 +171,7 @@ class DecoderLayer(Module):
             self.parts[role] = place(self, relative_path, module)
 
         for role in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
-            if getattr(s, role):
+            if getattr(s, role) and not (role == "attn_in_norm" and index in s.attn_in_norm_skipped):
                 add(role, getattr(s, role), make_norm(s, d))
         if s.mla:
             self._init_mla(add)
@@ -465,6 +465,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
                             if spec.position_embed else None),
             layers=place(self, spec.layers, ModuleList(DecoderLayer(spec, i, alibi) for i in range(spec.num_layers))),
             final_norm=place(self, spec.final_norm, make_norm(spec, d)) if spec.final_norm else None,
+            head_dense=(place(self, _join(spec.head_transform, "dense"), Linear(d, d, bias=spec.head_transform_bias))
+                        if spec.head_transform else None),
+            head_norm=place(self, _join(spec.head_transform, "norm"), make_norm(spec, d)) if spec.head_transform else None,
             lm_head=place(self, spec.lm_head, Linear(spec.embed_dim or d, spec.vocab_size, bias=spec.lm_head_bias)),
         )
         for name, module in refs.items():
@@ -577,6 +580,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
+        if self.head_dense is not None:
+            x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
         logits = self.lm_head(x)
         if s.logits_scale != 1.0:
             logits = logits * s.logits_scale

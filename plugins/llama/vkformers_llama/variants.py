@@ -49,6 +49,10 @@ class DecoderSpec:
     layers: str = "model.layers"
     final_norm: str | None = "model.norm"
     lm_head: str = "lm_head"
+    head_transform: str | None = None        # norm(act(dense(x))) between the final norm and lm_head (ModernBERT's
+    #                                          prediction head "lm_head", before its "decoder" projection)
+    head_transform_bias: bool = False
+    head_transform_act: str = "gelu"
     attn: str = "self_attn"
     q_proj: str = "q_proj"
     k_proj: str = "k_proj"
@@ -79,6 +83,7 @@ class DecoderSpec:
     down_proj: str = "down_proj"
     gate_up_proj: str | None = None          # fused [gate | up] (Phi-3)
     attn_in_norm: str | None = "input_layernorm"
+    attn_in_norm_skipped: tuple[int, ...] = ()  # layers without it (ModernBERT's layer 0 reads the embedding norm)
     attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
     mlp_in_norm: str | None = "post_attention_layernorm"
     mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
@@ -578,6 +583,28 @@ def cohere_compass_text(config: dict) -> DecoderSpec:
                    rope_layers=tuple(bool(params.get(t)) for t in types))
 
 
+def modernbert_decoder(config: dict) -> DecoderSpec:
+    """Embedding LayerNorm, no attention input norm in layer 0, fused Wi = [input | gate] GLU, MHA with per-layer
+    sliding windows (local_attention // 2) and a rope dict per layer type, then a dense-gelu-LayerNorm prediction
+    head before the tied ``decoder`` projection (with bias)."""
+    spec = DecoderSpec(**_sizes(dict(config, num_key_value_heads=None)))
+    types = _layer_types(config, spec.num_layers)
+    local = config.get("local_attention")
+    window = config.get("sliding_window") or (local // 2 if local else 0)
+    attn_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
+    return replace(spec, embed="model.embeddings.tok_embeddings", embed_norm="model.embeddings.norm",
+                   final_norm="model.final_norm", lm_head="decoder", lm_head_bias=bool(config.get("decoder_bias", True)),
+                   head_transform="lm_head", head_transform_bias=bool(config.get("classifier_bias", False)),
+                   head_transform_act=config.get("classifier_activation", "gelu"), attn="attn", o_proj="Wo",
+                   attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm", gate_up_proj="Wi",
+                   down_proj="Wo", norm="layer", norm_bias=bool(config.get("norm_bias", False)),
+                   norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
+                   q_bias=attn_bias, k_bias=attn_bias, v_bias=attn_bias, o_bias=attn_bias, mlp_bias=mlp_bias,
+                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                   rope_configs=tuple((config, t) for t in types),
+                   tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
 def vaultgemma(config: dict) -> DecoderSpec:
     """Gemma 2 without the sublayer post-norms."""
     return replace(gemma2(config), attn_out_norm=None, mlp_out_norm=None)
@@ -838,6 +865,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "gpt-sw3": gpt2,  # GPT2Config / GPT2LMHeadModel under another model_type
     "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
     "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
+    "modernbert-decoder": modernbert_decoder,
 }
 
 
