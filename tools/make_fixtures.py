@@ -351,6 +351,38 @@ SPECS = [
           "(rope theta 160000), layer 1 sliding with window local_attention // 2 = 4 (rope theta 10000); "
           "prediction head lm_head = LayerNorm(gelu(dense(x))) (classifier_bias on here so its bias shows) before "
           "the tied `decoder` projection with bias."]),
+    # MoE families whose config can make every layer dense (like deepseek_v2_dense): only the dense layers
+    Spec("hy_v3_dense", "hy_v3", dict(L, head_dim=16, attention_bias=True, mlp_layer_types=["dense", "dense"],
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+         ["Hunyuan V3 with every layer dense (mlp_layer_types all \"dense\"; real checkpoints have MoE layers "
+          "after the first): per-head q/k RMSNorm before rotary, attention_bias on (q/k/v/o), head_dim 16."]),
+    Spec("laguna_dense", "laguna", dict(L, head_dim=8, sliding_window=SW, layer_types=LAYERS_FS,
+                                        num_attention_heads_per_layer=[4, 6], mlp_layer_types=["dense", "dense"],
+                                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=16),
+         ["Laguna with every layer dense (mlp_layer_types all \"dense\"; real checkpoints have MoE layers after "
+          "the first): 4 query heads in layer 0, 6 in layer 1 (num_attention_heads_per_layer) over 2 KV heads; "
+          "per-head q/k RMSNorm; softplus output gate per head (g_proj, gating=True) on the attention output "
+          "before o_proj; layer 0 full attention with partial rotary 0.5 (theta 5e5), layer 1 sliding (window 4) "
+          "with full rotary (theta 1e4) -- the config's default rope dict per layer type."]),
+    Spec("laguna_gate_per_element", "laguna", dict(L, head_dim=8, gating="per-element",
+                                                   mlp_layer_types=["dense", "dense"], num_experts=4,
+                                                   num_experts_per_tok=2, moe_intermediate_size=16,
+                                                   shared_expert_intermediate_size=16),
+         ["laguna_dense's block with gating=\"per-element\" (g_proj gives one softplus gate per head and "
+          "channel) and the defaults otherwise: full attention in both layers, 4 heads each."]),
+    Spec("mistral4_dense", "mistral4", dict(
+        L, num_key_value_heads=HEADS, first_k_dense_replace=LAYERS, kv_lora_rank=16, q_lora_rank=24,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1,
+                             partial_rotary_factor=1 / 3)),
+         ["Mistral 4 with every layer dense (first_k_dense_replace = num layers; real checkpoints have MoE "
+          "layers): DeepSeek-V2 MLA (q_lora_rank 24, kv_lora_rank 16, nope 8 + rope 4 dims, v 8), interleaved "
+          "rotary (rope_interleave), yarn factor 4 over original_max_position_embeddings 16 (mscale_all_dim 1 "
+          "scales the softmax by (0.1 ln 4 + 1)^2) and Llama-4 query scaling 1 + 0.1 log(1 + floor(pos / 16)), "
+          "so generation past position 16 shows it."], model_class="Mistral4ForCausalLM"),
 ]
 
 
@@ -360,8 +392,6 @@ SKIPPED = {
     "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
     "qwen3_5_text": "hybrid: 3 of 4 layers are Gated DeltaNet linear attention, not softmax attention",
     "olmo_hybrid": "hybrid: linear-attention (gated delta) layers",
-    "laguna": "MoE FFN in every layer (num_experts required)",
-    "hy_v3": "MoE FFN (num_experts required)",
     "open-llama": "not in this transformers (deprecated/removed); same layout as llama",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",

@@ -149,8 +149,10 @@ VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "nemotron", "olmo3", "openai-gpt", "persimmon", "smollm3", "vaultgemma", "xglm", "youtu",
             "gpt-sw3", "seed_oss", "cwm", "emu3_text_model", "cohere_compass_text",
             "modernbert-decoder")
-# deepseek_v2 passes every check on a config whose layers are all dense; real DeepSeek-V2 checkpoints use
-# mixture-of-experts layers, which the decoder refuses, so the claim stays at forward-verified.
-FORWARD_VERIFIED: tuple[str, ...] = ("deepseek_v2",)
+# deepseek_v2, hy_v3, laguna and mistral4 pass every check (gradients, AdamW, greedy tokens too) on configs whose
+# layers are all dense (fixtures deepseek_v2_dense, hy_v3_dense, laguna_dense, laguna_gate_per_element,
+# mistral4_dense); their real checkpoints use mixture-of-experts layers, which the decoder refuses, so the claim
+# stays at forward-verified.
+FORWARD_VERIFIED: tuple[str, ...] = ("deepseek_v2", "hy_v3", "laguna", "mistral4")
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

@@ -101,6 +101,12 @@ def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
     return F.where(x > 0.0, positive, negative)
 
 
+def softplus(x):
+    """log(1 + e^x) as relu(x) + log(1 + e^-|x|): no overflow for large |x|."""
+    positive = F.relu(x)  # not x.maximum(0.0): the scalar path of binary ops computes 1 / 0 for it
+    return positive + ((x - positive * 2.0).exp() + 1.0).log()
+
+
 def make_projection(spec: DecoderSpec, in_features: int, out_features: int, bias: bool) -> Module:
     return (Conv1D if spec.conv1d else Linear)(in_features, out_features, bias=bias)
 
@@ -162,6 +168,8 @@ class DecoderLayer(Module):
 
     def __init__(self, spec: DecoderSpec, index: int, alibi=None):
         super().__init__()
+        if spec.heads_per_layer:  # Laguna: the query head count differs per layer (the KV heads do not)
+            spec = replace(spec, num_heads=spec.heads_per_layer[index])
         s, d = spec, spec.hidden_size
         object.__setattr__(self, "parts", {})
         self.spec, self.index = s, index
@@ -207,6 +215,9 @@ class DecoderLayer(Module):
             add("mlp_sub_norm", _join(s.mlp, s.mlp_sub_norm), make_norm(s, inter))
         if s.attention_sinks:
             add_param(self, _join(s.attn, s.attention_sinks), (s.num_heads,))
+        if s.output_gate:
+            add("output_gate", _join(s.attn, s.output_gate),
+                Linear(d, s.num_heads if s.output_gate_per_head else q_out, bias=False))
         if s.attn_out_bias and index in s.attn_out_bias_layers:
             add_param(self, _join(s.attn, s.attn_out_bias), (d,))
         if s.hidden_act == "xielu":
@@ -330,6 +341,7 @@ class DecoderLayer(Module):
     def attention(self, h, ctx: Context):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
+        gate = softplus(p["output_gate"](h)) if "output_gate" in p else None
         if s.mla:
             q, k, v = self._mla_qkv(h, ctx)
             return self._attend(q, k, v, ctx, batch, length)
@@ -351,9 +363,9 @@ class DecoderLayer(Module):
             k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
         if "q_norm" in p and s.qk_norm_after_rope:  # [B, H, T, D]: the norm is over D either way
             q, k = p["q_norm"](q), p["k_norm"](k)
-        return self._attend(q, k, v, ctx, batch, length)
+        return self._attend(q, k, v, ctx, batch, length, gate)
 
-    def _attend(self, q, k, v, ctx: Context, batch, length):
+    def _attend(self, q, k, v, ctx: Context, batch, length, gate=None):
         s, p = self.spec, self.parts
         if ctx.query_scale is not None:
             q = q * ctx.query_scale
@@ -367,7 +379,13 @@ class DecoderLayer(Module):
             out = out * self._sink_scale(q, k, ctx)
         if s.mla and out.shape[-1] != s.mla_v_dim:
             out = out[..., :s.mla_v_dim]
-        out = out.permute(0, 2, 1, 3).reshape(batch, length, out.shape[1] * out.shape[3])
+        heads, dim = out.shape[1], out.shape[3]
+        out = out.permute(0, 2, 1, 3)
+        if gate is not None and s.output_gate_per_head:  # gate [B, T, heads]: one factor per head
+            out = out * gate.reshape(batch, length, heads, 1)
+        out = out.reshape(batch, length, heads * dim)
+        if gate is not None and not s.output_gate_per_head:  # gate [B, T, heads * dim]
+            out = out * gate
         out = p["o"](self._norm("attn_sub_norm", out))
         if s.attn_out_bias and self.index in s.attn_out_bias_layers:
             out = out + self._param(s.attn_out_bias)

@@ -65,6 +65,10 @@ class DecoderSpec:
     attn_out_bias: str | None = None         # a bias added after o_proj, stored apart (GPT-NeoX-Japanese dense_bias)
     attn_out_bias_layers: tuple[int, ...] = ()  # the layers that have it
     attention_sinks: str | None = None       # per-head learned sink logit (inside attn): out * sigmoid(lse - sink)
+    heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
+    output_gate: str | None = None           # projection inside attn whose softplus scales the attention output
+    #                                          before o_proj (Laguna's g_proj)
+    output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
     mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
     mla_q_lora_rank: int | None = None       # None: one q_proj
     mla_kv_lora_rank: int = 0
@@ -805,6 +809,39 @@ def mpt(config: dict) -> DecoderSpec:
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
+# -- mixture-of-experts families, dense layers only
+
+def _refuse_sparse_mlp_layers(arch: str, config: dict, num_layers: int) -> None:
+    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) must be all dense."""
+    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    if any(t != "dense" for t in types):
+        raise UnsupportedConfigError(f"{arch}: mixture-of-experts layers (mlp_layer_types={types}) are not supported "
+                                     f"by vkformers' dense decoder")
+
+
+def hy_v3(config: dict) -> DecoderSpec:
+    """Hunyuan V3, dense layers only: Llama with per-head q/k RMSNorm before the rotation."""
+    spec = llama(config)
+    _refuse_sparse_mlp_layers("hy_v3", config, spec.num_layers)
+    return replace(spec, q_norm="q_norm", k_norm="k_norm")
+
+
+def laguna(config: dict) -> DecoderSpec:
+    """Laguna, dense layers only: per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
+    per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per layer type."""
+    refuse("laguna", config, "gating", lambda v: v in (None, True, "per-head", "per-element"))
+    spec = llama(config)
+    _refuse_sparse_mlp_layers("laguna", config, spec.num_layers)
+    types = _layer_types(config, spec.num_layers)
+    heads = config.get("num_attention_heads_per_layer")
+    params = config.get("rope_parameters")
+    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
+    return replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
+                   output_gate_per_head=config.get("gating", True) != "per-element",
+                   heads_per_layer=tuple(heads) if heads else (),
+                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+
+
 # -- multi-head latent attention
 
 def deepseek_v2(config: dict) -> DecoderSpec:
@@ -831,6 +868,28 @@ def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
                    head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
                    rope_configs=((rope_config, None),) * spec.num_layers,
                    attention_scales=(scale,) * spec.num_layers)
+
+
+def mistral4(config: dict) -> DecoderSpec:
+    """Mistral 4, dense layers only (every layer before first_k_dense_replace): MLA whose rotary dims come from
+    rope_parameters.partial_rotary_factor of head_dim (nope + rope), optional interleaving (rope_interleave) and
+    Llama-4 query scaling by position."""
+    spec = llama(config)
+    dense = config.get("first_k_dense_replace") or 0
+    if (config.get("n_routed_experts") or 0) and dense < spec.num_layers:
+        raise UnsupportedConfigError(f"mistral4: mixture-of-experts layers (first_k_dense_replace={dense} < "
+                                     f"{spec.num_layers} layers) are not supported by vkformers' dense decoder")
+    spec = _mla(spec, config)
+    params = config.get("rope_parameters") or {}
+    rope_config = dict(config, head_dim=spec.head_dim)
+    if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
+        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
+    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
+                   rope_configs=((rope_config, None),) * spec.num_layers)
+    beta = params.get("llama_4_scaling_beta")
+    if beta:
+        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+    return spec
 
 
 def minicpm3(config: dict) -> DecoderSpec:
@@ -865,7 +924,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "gpt-sw3": gpt2,  # GPT2Config / GPT2LMHeadModel under another model_type
     "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
     "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
-    "modernbert-decoder": modernbert_decoder,
+    "modernbert-decoder": modernbert_decoder, "hy_v3": hy_v3, "laguna": laguna, "mistral4": mistral4,
 }
 
 
