@@ -383,6 +383,16 @@ SPECS = [
           "rotary (rope_interleave), yarn factor 4 over original_max_position_embeddings 16 (mscale_all_dim 1 "
           "scales the softmax by (0.1 ln 4 + 1)^2) and Llama-4 query scaling 1 + 0.1 log(1 + floor(pos / 16)), "
           "so generation past position 16 shows it."], model_class="Mistral4ForCausalLM"),
+    # hybrid: Gated DeltaNet linear attention + gated softmax attention
+    Spec("qwen3_5_text", "qwen3_5_text", dict(L, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                                              linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                                              linear_value_head_dim=8, linear_num_key_heads=2,
+                                              linear_num_value_heads=4),
+         ["layer 0 Gated DeltaNet (in_proj_qkv -> causal depthwise conv1d (kernel 4) + silu -> l2-normalised q/k, "
+          "2 key heads shared by 4 value heads of dim 8; decay exp(-exp(A_log) softplus(a + dt_bias)), "
+          "beta = sigmoid(b); delta-rule state update per token; RMSNorm(out) * silu(z) -> out_proj; padded "
+          "positions zeroed on input); layer 1 softmax attention whose q_proj also yields a sigmoid output gate, "
+          "(1+w) q/k RMSNorm, partial rotary 0.25 of head_dim 16; (1+w) RMSNorm everywhere else."]),
 ]
 
 
@@ -390,7 +400,6 @@ SKIPPED = {
     # model_type: reason (not attempted)
     "mixtral": "MoE (vkformers-moe)",
     "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
-    "qwen3_5_text": "hybrid: 3 of 4 layers are Gated DeltaNet linear attention, not softmax attention",
     "olmo_hybrid": "hybrid: linear-attention (gated delta) layers",
     "open-llama": "not in this transformers (deprecated/removed); same layout as llama",
     "code_llama": "tokenizer-only name; the model is llama",

@@ -181,18 +181,26 @@ class DecoderLayer(Module):
         for role in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
             if getattr(s, role) and not (role == "attn_in_norm" and index in s.attn_in_norm_skipped):
                 add(role, getattr(s, role), make_norm(s, d))
-        if s.mla:
+        self.linear = bool(s.linear_layers) and bool(s.linear_layers[index])
+        if self.linear:  # Gated DeltaNet instead of the attention projections
+            from vkformers_llama.gated_deltanet import GatedDeltaNet
+            add("linear", s.linear_attn, GatedDeltaNet(s))
+        elif s.mla:
             self._init_mla(add)
             q_out = s.num_heads * s.mla_v_dim  # o_proj reads the value heads
         elif s.qkv_proj:
             add("qkv", _join(s.attn, s.qkv_proj),
                 make_projection(s, d, q_out + 2 * kv_out, bias=s.q_bias))
         else:
-            add("q", _join(s.attn, s.q_proj), make_projection(s, d, q_out, bias=s.q_bias))
+            q_width = 2 * q_out if s.q_gate else q_out  # Qwen3.5: [query | gate] per head
+            add("q", _join(s.attn, s.q_proj), make_projection(s, d, q_width, bias=s.q_bias))
             add("k", _join(s.attn, s.k_proj), make_projection(s, d, kv_out, bias=s.k_bias))
             add("v", _join(s.attn, s.v_proj), make_projection(s, d, kv_out, bias=s.v_bias))
-        add("o", _join(s.attn, s.o_proj), make_projection(s, q_out, d, bias=s.o_bias))
-        if s.q_norm and s.qk_norm_scope in ("per_head", "per_head_list"):
+        if not self.linear:
+            add("o", _join(s.attn, s.o_proj), make_projection(s, q_out, d, bias=s.o_bias))
+        if s.q_norm and self.linear:
+            pass  # a linear-attention layer has no q/k norm
+        elif s.q_norm and s.qk_norm_scope in ("per_head", "per_head_list"):
             stacked = s.qk_norm_scope == "per_head"
             add("q_norm", _join(s.attn, s.q_norm), HeadwiseNorm(s, s.num_heads, stacked))
             add("k_norm", _join(s.attn, s.k_norm), HeadwiseNorm(s, s.num_kv_heads, stacked))
@@ -341,11 +349,17 @@ class DecoderLayer(Module):
     def attention(self, h, ctx: Context):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
+        if self.linear:
+            return p["linear"](h, ctx, self.index)
         gate = softplus(p["output_gate"](h)) if "output_gate" in p else None
         if s.mla:
             q, k, v = self._mla_qkv(h, ctx)
             return self._attend(q, k, v, ctx, batch, length)
         q, k, v = self._project_qkv(h)
+        if s.q_gate:  # [B, T, heads, (query, gate), D]
+            split = q.reshape(batch, length, s.num_heads, 2 * s.head_dim)
+            gate = F.sigmoid(split[..., s.head_dim:].contiguous().reshape(batch, length, s.num_heads * s.head_dim))
+            q = split[..., :s.head_dim].contiguous().reshape(batch, length, s.num_heads * s.head_dim)
         if s.clip_qkv is not None:
             # maximum/minimum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
             q, k, v = (t.maximum(-s.clip_qkv).minimum(s.clip_qkv) for t in (q, k, v))
@@ -381,10 +395,11 @@ class DecoderLayer(Module):
             out = out[..., :s.mla_v_dim]
         heads, dim = out.shape[1], out.shape[3]
         out = out.permute(0, 2, 1, 3)
-        if gate is not None and s.output_gate_per_head:  # gate [B, T, heads]: one factor per head
+        per_head = s.output_gate_per_head and not s.q_gate
+        if gate is not None and per_head:  # gate [B, T, heads]: one factor per head
             out = out * gate.reshape(batch, length, heads, 1)
         out = out.reshape(batch, length, heads * dim)
-        if gate is not None and not s.output_gate_per_head:  # gate [B, T, heads * dim]
+        if gate is not None and not per_head:  # gate [B, T, heads * dim]
             out = out * gate
         out = p["o"](self._norm("attn_sub_norm", out))
         if s.attn_out_bias and self.index in s.attn_out_bias_layers:
@@ -459,7 +474,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
         # generate may replay a decode step without this forward (generation._DecodeCapture), which sees
         # inputs that change every step but not ones that only change past some position (Llama 4's scale)
-        self.capture_decode = spec.query_position_scale is None
+        self.capture_decode = spec.query_position_scale is None and not spec.linear_layers  # (linear layers: their
+        # recurrent state lives on the cache, updated by the Python forward)
         # HF's longrope models switch to the long factors past the original context, and their
         # generate() then recomputes the cache with them (Phi-3): generation does the same.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

@@ -69,6 +69,14 @@ class DecoderSpec:
     output_gate: str | None = None           # projection inside attn whose softplus scales the attention output
     #                                          before o_proj (Laguna's g_proj)
     output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
+    q_gate: bool = False                     # q_proj yields [query | gate] per head; output *= sigmoid(gate) (Qwen3.5)
+    linear_layers: tuple[bool, ...] = ()     # per layer: Gated DeltaNet linear attention instead of softmax attention
+    linear_attn: str = "linear_attn"         # its module name, and its sizes:
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 4
     mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
     mla_q_lora_rank: int | None = None       # None: one q_proj
     mla_kv_lora_rank: int = 0
@@ -842,6 +850,21 @@ def laguna(config: dict) -> DecoderSpec:
                    windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
 
 
+def qwen3_5_text(config: dict) -> DecoderSpec:
+    """Qwen3.5's hybrid decoder: Gated DeltaNet linear-attention layers (gated_deltanet.py) and softmax-attention
+    layers whose q_proj also yields a sigmoid output gate, (1 + w) RMSNorm everywhere (q/k norm per head),
+    partial rotary. Text positions are equal on the M-RoPE axes, so the multimodal rope is 1-D rope."""
+    spec = qwen3(dict(config, attention_bias=config.get("attention_bias", False)))
+    types = _layer_types(config, spec.num_layers)
+    return replace(spec, windows=(), norm_unit_offset=True, q_gate=True,
+                   linear_layers=tuple(t == "linear_attention" for t in types),
+                   linear_k_heads=config.get("linear_num_key_heads", 16),
+                   linear_v_heads=config.get("linear_num_value_heads", 32),
+                   linear_k_dim=config.get("linear_key_head_dim", 128),
+                   linear_v_dim=config.get("linear_value_head_dim", 128),
+                   linear_conv_kernel=config.get("linear_conv_kernel_dim", 4))
+
+
 # -- multi-head latent attention
 
 def deepseek_v2(config: dict) -> DecoderSpec:
@@ -925,6 +948,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
     "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
     "modernbert-decoder": modernbert_decoder, "hy_v3": hy_v3, "laguna": laguna, "mistral4": mistral4,
+    "qwen3_5_text": qwen3_5_text,
 }
 
 

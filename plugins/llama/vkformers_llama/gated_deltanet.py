@@ -1,0 +1,130 @@
+"""Gated DeltaNet linear attention (the linear layers of Qwen3.5's hybrid decoder), from engine ops.
+
+Per value head h with a state S [key_dim, value_dim] (zero at the start of a sequence):
+
+    S <- S * exp(g_t)                                  decay, g_t = -exp(A_log) * softplus(a_t + dt_bias)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T            delta rule, beta_t = sigmoid(b_t)
+    o_t = S^T q_t
+
+with q, k l2-normalised per head (q also scaled by key_dim^-1/2) after a causal depthwise conv1d + silu
+over [q | k | v]; then RMSNorm(o) * silu(z) and out_proj. Key heads are shared by consecutive value
+heads. The recurrence runs token by token with ordinary engine ops, so autograd gives the backward
+pass; sequences here are short (prefill of a prompt, one token per decode step).
+
+With a KV cache the layer keeps its own state between calls on the cache object: the last
+kernel - 1 conv inputs and S (``cache.linear_states[layer]``), restarted when the cache is at position 0.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor
+from vkformers.models.layers import Linear
+from vkformers.models.module import Module
+
+from vkformers_llama.decoder import make_norm, softplus
+
+
+def concat_time(a, b):
+    """cat([a, b], dim=1) for [B, T, C] tensors, exact (0/1 selection matmuls; the engine has no concat)."""
+    ta, tb = a.shape[1], b.shape[1]
+    first = np.eye(ta, ta + tb, dtype=np.float32)
+    second = np.eye(tb, ta + tb, k=ta, dtype=np.float32)
+    out = a.transpose(1, 2) @ Tensor(first, dtype=a.dtype) + b.transpose(1, 2) @ Tensor(second, dtype=b.dtype)
+    return out.transpose(1, 2)
+
+
+class GatedDeltaNet(Module):
+    """Qwen3.5's ``linear_attn``: parameters under its names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
+    conv1d.weight [C, 1, kernel], dt_bias, A_log, norm.weight, out_proj)."""
+
+    def __init__(self, spec):
+        super().__init__()
+        s, d = spec, spec.hidden_size
+        self.spec = s
+        self.k_heads, self.v_heads = s.linear_k_heads, s.linear_v_heads
+        self.k_dim, self.v_dim, self.kernel = s.linear_k_dim, s.linear_v_dim, s.linear_conv_kernel
+        key_width, value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_channels = 2 * key_width + value_width
+        self.in_proj_qkv = Linear(d, self.conv_channels, bias=False)
+        self.in_proj_z = Linear(d, value_width, bias=False)
+        self.in_proj_b = Linear(d, self.v_heads, bias=False)
+        self.in_proj_a = Linear(d, self.v_heads, bias=False)
+        conv = Module()
+        conv.param("weight", (self.conv_channels, 1, self.kernel))
+        self.conv1d = conv
+        self.param("dt_bias", (self.v_heads,))
+        self.param("A_log", (self.v_heads,))
+        # the gated norm has a plain weight, also in (1 + w) models
+        self.norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True), self.v_dim)
+        self.out_proj = Linear(value_width, d, bias=False)
+
+    def _conv(self, x, history):
+        """Causal depthwise conv1d + silu over time: x [B, T, C], history [B, kernel - 1, C] (the inputs before)."""
+        length = x.shape[1]
+        full = concat_time(history, x)
+        weight = self.conv1d.weight
+        out = None
+        for j in range(self.kernel):  # output t reads inputs t - kernel + 1 .. t, i.e. full[t + j]
+            term = full[:, j:j + length] * weight[:, 0, j]
+            out = term if out is None else out + term
+        return F.silu(out), full[:, length:]
+
+    def _heads(self, x, heads, dim, repeat=1):
+        """[B, T, heads * dim] -> [B, repeat * heads, T, dim], each head repeated ``repeat`` times in a row."""
+        batch, length = x.shape[:2]
+        x = x.reshape(batch, length, heads, 1, dim)
+        if repeat > 1:
+            x = x.expand(batch, length, heads, repeat, dim)
+        return x.contiguous().reshape(batch, length, heads * repeat, dim).permute(0, 2, 1, 3)
+
+    @staticmethod
+    def _l2norm(x, eps=1e-6):
+        return x * ((x * x).sum(-1, keepdim=True) + eps).pow(-0.5)
+
+    def forward(self, h, ctx, index: int):
+        batch, length, _ = h.shape
+        if ctx.host_mask is not None and not ctx.host_mask.all():  # padded positions contribute nothing
+            keep = ctx.host_mask[:, -length:].astype(np.float32)[:, :, None]
+            h = h * Tensor(keep, dtype=h.dtype)
+        states = None
+        if ctx.cache is not None:
+            states = ctx.cache.__dict__.setdefault("linear_states", {})
+            if ctx.cache.position == 0:
+                states.pop(index, None)
+        history, state = (states or {}).get(index, (None, None))
+        if history is None:
+            history = Tensor(np.zeros((batch, self.kernel - 1, self.conv_channels), np.float32), dtype=h.dtype)
+            state = Tensor(np.zeros((batch, self.v_heads, self.k_dim, self.v_dim), np.float32), dtype=h.dtype)
+
+        mixed, history = self._conv(self.in_proj_qkv(h), history)
+        key_width = self.k_heads * self.k_dim
+        repeat = self.v_heads // self.k_heads
+        q = self._l2norm(self._heads(mixed[..., :key_width], self.k_heads, self.k_dim, repeat)) * (self.k_dim ** -0.5)
+        k = self._l2norm(self._heads(mixed[..., key_width:2 * key_width], self.k_heads, self.k_dim, repeat))
+        v = self._heads(mixed[..., 2 * key_width:], self.v_heads, self.v_dim)
+        beta = F.sigmoid(self.in_proj_b(h)).permute(0, 2, 1)                      # [B, H, T]
+        decay = (softplus(self.in_proj_a(h) + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
+
+        heads, kd, vd = self.v_heads, self.k_dim, self.v_dim
+        out = None
+        for t in range(length):
+            k_t = k[:, :, t].reshape(batch, heads, kd, 1)
+            state = state * decay[:, :, t].reshape(batch, heads, 1, 1)
+            remembered = (state * k_t).sum(-2)                                     # S^T k: [B, H, vd]
+            delta = (v[:, :, t] - remembered) * beta[:, :, t].reshape(batch, heads, 1)
+            state = state + k_t * delta.reshape(batch, heads, 1, vd)
+            o_t = (state * q[:, :, t].reshape(batch, heads, kd, 1)).sum(-2)
+            one_hot = np.zeros((length, 1), np.float32)
+            one_hot[t] = 1.0
+            placed = o_t.reshape(batch, heads, 1, vd) * Tensor(one_hot, dtype=o_t.dtype)  # row t of [B, H, T, vd]
+            out = placed if out is None else out + placed
+        if states is not None:
+            states[index] = (history.detach(), state.detach())
+
+        z = self.in_proj_z(h).reshape(batch, length, heads, vd)
+        gated = self.norm(out.permute(0, 2, 1, 3)) * F.silu(z)
+        return self.out_proj(gated.reshape(batch, length, heads * vd))
