@@ -36,3 +36,24 @@ def write_results(path: str | None, results) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def profile_gpu(name: str, fn, runs: int = 2) -> None:
+    """Print wall time against GPU time per kernel for ``fn`` (a vkformers step): the plan cache is
+    cleared so that the plans are recorded with timestamps, then ``fn`` runs ``runs`` times."""
+    import time
+
+    from vkformers.engine import lazy
+    lazy.clear_plan_cache()
+    with lazy.profile() as prof:
+        fn()  # records the plans, with timestamps since a profile is active
+        prof.kernels.clear()
+        prof.replays = 0
+        start = time.perf_counter()
+        for _ in range(runs):
+            fn()
+        wall = (time.perf_counter() - start) / runs
+    gpu = prof.gpu_seconds / runs
+    print(f"[profile] {name}: wall {wall * 1e3:.2f} ms, GPU {gpu * 1e3:.2f} ms per run "
+          f"(host and submit overhead {max(wall - gpu, 0) * 1e3:.2f} ms)")
+    print(prof.report())

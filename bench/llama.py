@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from common import write_results
+from common import profile_gpu, write_results
 
 import vkformers as vkf
 from vkformers.models.loading import AutoModelForCausalLM
@@ -46,7 +46,7 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def bench_vkformers(config, weights, dtype, prompt, new_tokens) -> dict:
+def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
     model.dtype = vkf.dtypes.as_dtype(dtype)
@@ -59,6 +59,10 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens) -> dict:
             ids = prompt[:batch, :16]
             seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
+        if profile:
+            profile_gpu(f"{dtype} prefill {prompt.shape[1]}", lambda: model(prompt[:1]).logits[:, -1].numpy())
+            profile_gpu(f"{dtype} decode b1, {new_tokens} tokens",
+                        lambda: model.generate(prompt[:1, :16], max_new_tokens=new_tokens, do_sample=False), runs=1)
     return out
 
 
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel")
     args = parser.parse_args(argv)
     config = dict(TINYLLAMA, num_hidden_layers=args.layers)
     weights = random_weights(AutoModelForCausalLM.from_config(config))
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
             use_torch = False
     results = {"device": vkf.get_device().name, "config": config, "runs": {}}
     for dtype in args.dtypes.split(","):
-        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens)}
+        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile)}
         if use_torch:
             run["torch"] = bench_torch(config, weights, dtype, prompt, args.new_tokens)
         results["runs"][dtype] = run

@@ -135,6 +135,42 @@ def decode_runs(device, quick: bool) -> list[dict]:
     return rows
 
 
+# Cooperative-matrix configurations the sweep tries (bk, then fragments per subgroup).
+COOPMAT_SWEEP = [CoopmatConfig(**kw, spec_shape=spec) for spec in (False, True) for kw in (
+    dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2), dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2),
+    dict(sg_rows=2, sg_cols=2, bk=64, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4),
+    dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4), dict(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4),
+    dict(sg_rows=4, sg_cols=2, bk=64, frag_m=2, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=64, frag_m=2, frag_n=4))]
+
+
+def check_against_numpy(device, dtype, **options) -> float:
+    """Largest error, relative to the largest |C|, of odd-shaped products (edges, a partial K
+    step, both transposes) and one aligned product, against numpy in float32."""
+    rng = np.random.default_rng(3)
+    worst = 0.0
+    for (m, n, k), trans_a, trans_b in (((1000, 1030, 520), False, False), ((777, 515, 300), True, True),
+                                        ((1024, 1024, 1024), False, True)):
+        a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32)
+        b = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
+        a_dev, b_dev = random_like(device, a, dtype), random_like(device, b, dtype)
+        a_in, b_in = rounded(a, dtype), rounded(b, dtype)
+        c = device.buffer((m, n), "float32")
+        seq = device.sequence()
+        matmul(seq, a_dev, b_dev, c, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b, **options)
+        seq.replay()
+        want = (a_in.T if trans_a else a_in) @ (b_in.T if trans_b else b_in)
+        worst = max(worst, float(np.abs(c.read() - want).max() / np.abs(want).max()))
+    return worst
+
+
+def rounded(x, dtype):
+    return dt.from_bfloat16(dt.to_bfloat16(x)) if dtype == "bfloat16" else x.astype(dtype).astype(np.float32)
+
+
+def random_like(device, x, dtype):
+    return device.upload(dt.to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype), dtype=dtype)
+
+
 def tflops(size: int, seconds: float) -> float:
     return 2 * size**3 / seconds / 1e12
 
@@ -177,21 +213,20 @@ def main() -> None:
             if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
         for dtype in ("float16", "bfloat16"):
             if select_algorithm(device, dtype) == "coopmat":
-                candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in (
-                    CoopmatConfig(2, 4, 32), CoopmatConfig(2, 4, 64), CoopmatConfig(4, 2, 32),
-                    CoopmatConfig(2, 2, 32), CoopmatConfig(2, 2, 64), CoopmatConfig(4, 4, 32),
-                    CoopmatConfig(4, 4, 16))
-                    if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
+                candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in COOPMAT_SWEEP
+                               if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
         for dtype, options in candidates:
             try:
+                error = check_against_numpy(device, dtype, **options) if "coopmat" in options else None
                 seconds = time_vkformers(device, size, dtype, repeats, **options)
             except Exception as exc:  # a configuration the device refuses
                 print(f"sweep {dtype} {options}: {exc}")
                 continue
             cfg = options.get("tiled") or options.get("coopmat")
             results["sweep"].append({"size": size, "dtype": dtype, "config": repr(cfg),
-                                     "tflops": tflops(size, seconds)})
-            print(f"sweep {size}^3 {dtype:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s", flush=True)
+                                     "tflops": tflops(size, seconds), "max_error": error})
+            checked = "" if error is None else f"   max error vs numpy {error:.2e}"
+            print(f"sweep {size}^3 {dtype:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s{checked}", flush=True)
 
     write_results(args.json, results)
 

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from common import write_results
+from common import profile_gpu, write_results
 
 import vkformers as vkf
 from vkformers.models.loading import AutoModelForCausalLM
@@ -40,7 +40,7 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def bench_vkformers(config, weights, dtype, mode, batches, steps) -> dict:
+def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False) -> dict:
     gc.collect()
     start_bytes = vulkan.buffer_memory()["live_bytes"]
     vulkan.reset_peak_buffer_memory()
@@ -60,6 +60,8 @@ def bench_vkformers(config, weights, dtype, mode, batches, steps) -> dict:
     seconds = (time.perf_counter() - start) / steps
     peak = vulkan.buffer_memory()["peak_bytes"] - start_bytes
     tokens = batches[0][0].size
+    if profile:
+        profile_gpu(f"{dtype} {mode} step", lambda: trainer.train_step([batches[0]]))
     del trainer, model
     gc.collect()
     return {"tok_s": tokens / seconds, "step_s": seconds, "peak_gib": peak / 2**30,
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 untimed)")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel")
     args = parser.parse_args(argv)
     config = dict(TINYLLAMA, num_hidden_layers=args.layers)
     if args.hidden:
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
                "runs": {}}
     for dtype in args.dtypes.split(","):
         for mode in args.modes.split(","):
-            run = {"vkformers": bench_vkformers(config, weights, dtype, mode, batches, args.steps)}
+            run = {"vkformers": bench_vkformers(config, weights, dtype, mode, batches, args.steps, args.profile)}
             if use_torch:
                 run["torch"] = bench_torch(config, weights, dtype, mode, batches, args.steps)
             results["runs"][f"{dtype}/{mode}"] = run

@@ -4,7 +4,10 @@ of the semantics documented in vkformers.engine.kernels.attention.
 Tolerances (absolute, values and gradients of order 1): float32 1e-5 forward and 1e-4
 backward (sums over up to kv_len * head_dim products); float16 3e-3 and bfloat16 2e-2
 (one rounding of the result to the storage type, relative to an exact reference computed
-from the same rounded inputs).
+from the same rounded inputs). The cooperative-matrix forward kernel (chosen by "auto" for
+float16/bfloat16 on devices that have it) also rounds the probabilities to the storage type
+before multiplying by v: at most 2^-11 (float16) or 2^-8 (bfloat16) of sum_j p_j |v_j|, i.e.
+1.5e-3 and 1.2e-2 for |v| <= 3, inside the same tolerances.
 """
 from dataclasses import dataclass, replace
 
@@ -12,7 +15,9 @@ import numpy as np
 import pytest
 
 from vkformers.engine.kernels import Operand
-from vkformers.engine.kernels.attention import Tiles, attention_backward, attention_decode, attention_forward
+from vkformers.engine.kernels.attention import (
+    Tiles, attention_backward, attention_decode, attention_forward, coopmat_forward_tiles)
+from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
 FORWARD_TOL = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
@@ -196,6 +201,35 @@ def test_forward_and_backward_float32(device, name):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_forward_and_backward_half_types(device, dtype):
     run_case(device, Case(heads=4, kv_heads=2, q_len=23, kv_len=23, mask=True), dtype)
+
+
+# Half-type forward cases (head_dim a multiple of 16): the cooperative-matrix kernel where the device
+# has it, so every flag and edge (several query blocks, partial key tiles, fully masked rows) is checked there.
+HALF_FORWARD_CASES = {
+    "causal_multi_block": Case(batch=1, heads=2, kv_heads=1, q_len=100, kv_len=100, head_dim=128),
+    "not_causal_hd80": Case(causal=False, head_dim=80, q_len=7, kv_len=33),
+    "padding_mask": Case(mask=True, q_len=45, kv_len=45),
+    "sliding_window": Case(window=13, q_len=90, kv_len=90, batch=1),
+    "softcap_alibi": Case(softcap=2.0, scale=0.5, alibi=True, q_len=40, kv_len=40),
+    "chunked_prefill_offset": Case(q_len=20, kv_len=70, q_offset=40, window=30, mask=True),
+    "head_dim_256": Case(batch=1, heads=2, kv_heads=2, q_len=35, kv_len=35, head_dim=256),
+    "head_dim_16_mqa": Case(batch=1, heads=4, kv_heads=1, q_len=50, kv_len=50, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(HALF_FORWARD_CASES))
+def test_half_type_forward(device, dtype, name):
+    run_case(device, HALF_FORWARD_CASES[name], dtype, backward=False)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_coopmat_forward_selected_when_the_device_has_it(device, dtype):
+    tiles = coopmat_forward_tiles(device, dtype, 128, 0, 0, 0)
+    assert (tiles is not None) == coopmat_supported(device, dtype)
+    assert coopmat_forward_tiles(device, dtype, 72, 0, 0, 0) is None       # head_dim not a multiple of 16
+    assert coopmat_forward_tiles(device, dtype, 128, 0, 4, 0) is None      # k not on an 8-element boundary
+    assert coopmat_forward_tiles(device, "float32", 128, 0, 0, 0) is None
 
 
 def test_operand_offsets(device):

@@ -129,7 +129,7 @@ def test_timestamps_per_operation(device):
     seq.dispatch(axpby, [x, y], GROUPS, [N, 1, 1]).dispatch(axpby, [y, x], GROUPS, [N, 1, 1])
     seq.replay()
     timings = seq.timings()
-    assert [label for label, _ in timings] == ["barrier", "axpby", "barrier", "axpby"]
+    assert [label for label, _ in timings] == ["barrier", "axpby.u32", "barrier", "axpby.u32"]
     assert all(t >= 0 for _, t in timings) and sum(t for _, t in timings) > 0
 
 

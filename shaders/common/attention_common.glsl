@@ -7,7 +7,9 @@
 #define VKFORMERS_ATTENTION_COMMON_GLSL
 
 // Storage element type of q, k, v, out and their gradients; math is float32.
-#if defined(T_F32)
+// (ATTENTION_BITS_ONLY: the kernel handles storage as raw bits itself.)
+#if defined(ATTENTION_BITS_ONLY)
+#elif defined(T_F32)
 #define T float
 #define LOAD(x) (x)
 #define STORE(x) (x)

@@ -1,19 +1,24 @@
 // Cooperative-matrix matmul (VK_KHR_cooperative_matrix): the same operation and
 // interface as matmul.comp, for float16 (or bfloat16) A and B, float32 accumulators.
 //
-// A workgroup of SG_ROWS x SG_COLS subgroups computes a (64 SG_ROWS) x (32 SG_COLS)
-// tile of C; each subgroup 64 x 32 as FRAG_M x FRAG_N 16x16 accumulators. Tiles of
-// A and B are staged in shared memory in their global layout (whichever index is
-// contiguous stays contiguous, moved 8 halves at a time as raw uvec4s, rows padded
-// by 8 halves so the 16-byte row reads of a 16x16 load hit distinct banks), and
-// coopMatLoad reads them row- or column-major accordingly. The next K tile is
-// loaded into registers while the current one is multiplied.
+// A workgroup of SG_ROWS x SG_COLS subgroups computes a (16 FRAG_M SG_ROWS) x
+// (16 FRAG_N SG_COLS) tile of C; each subgroup FRAG_M x FRAG_N 16x16 accumulators.
+// Tiles of A and B are staged in shared memory in their global layout (whichever
+// index is contiguous stays contiguous, moved 8 halves at a time as raw uvec4s, rows
+// padded by 8 halves so the 16-byte row reads of a 16x16 load hit distinct banks),
+// and coopMatLoad reads them row- or column-major accordingly. The next K tile is
+// loaded into registers while the current one is multiplied. Per 16-wide K step a
+// subgroup loads its FRAG_M fragments of A once and one fragment of B at a time.
 //
 // Speed on NVIDIA depends on every loop that touches an array of cooperative
 // matrices or of prefetched registers being unrolled: the driver does not unroll
 // them by itself, and then keeps those arrays in local memory (measured on an
-// H200: 35-70 TFLOP/s without [[unroll]], 540 with it). So every such loop has
-// [[unroll]] and a bound the driver knows (#define or specialization constant).
+// H200: 35-70 TFLOP/s without [[unroll]]). So every such loop has [[unroll]] and a
+// bound the driver knows (#define or specialization constant).
+//
+// Sizes: m, n and k come from push constants, or from specialization constants
+// (SPEC_M/N/K non-zero) so that the driver folds every address and loop bound of
+// a recurring shape at pipeline creation.
 //
 // Edges: a K tile of a workgroup that lies wholly inside C, with whole-vector
 // (aligned) rows of A and B and a whole BK step of K, is loaded without checks;
@@ -54,13 +59,18 @@ layout(constant_id = 6) const uint ALIGNED_A = 0;  // 8-element vector loads of 
 layout(constant_id = 7) const uint ALIGNED_B = 0;
 // constant_id 8: workgroup size = SG_ROWS * SG_COLS * subgroup size
 layout(local_size_x_id = 8) in;
+layout(constant_id = 9) const uint FRAG_M = 4;   // 16x16 accumulators per subgroup along M
+layout(constant_id = 10) const uint FRAG_N = 2;  // and along N
+layout(constant_id = 11) const uint SPEC_M = 0;  // non-zero: the problem's m (else the push constant)
+layout(constant_id = 12) const uint SPEC_N = 0;
+layout(constant_id = 13) const uint SPEC_K = 0;
 #include "matmul_io.glsl"
-
-#define FRAG_M 4
-#define FRAG_N 2
 // Bound on uvec4 loads per invocation per tile (the launcher checks it).
 #define MAX_CHUNKS 16
 const uint BM = 16 * FRAG_M * SG_ROWS;
+#define M_ (SPEC_M != 0 ? SPEC_M : m)
+#define N_ (SPEC_N != 0 ? SPEC_N : n)
+#define K_ (SPEC_K != 0 ? SPEC_K : k)
 const uint BN = 16 * FRAG_N * SG_COLS;
 
 // A staged tile is OUTER rows of INNER contiguous halves, INNER / 8 uvec4s of data
@@ -97,14 +107,14 @@ uvec4 load_chunk_checked(bool from_a, bool aligned, uint base, uint outer, uint 
 uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
     uint o = q / (INNER_A / 8), i = 8 * (q % (INNER_A / 8));
     uint outer = (TRANS_A != 0 ? k0 : row0) + o, inner = (TRANS_A != 0 ? row0 : k0) + i;
-    uint outer_n = TRANS_A != 0 ? k : m, inner_n = TRANS_A != 0 ? m : k;
+    uint outer_n = TRANS_A != 0 ? K_ : M_, inner_n = TRANS_A != 0 ? M_ : K_;
     if (fast) return a_data[(base + outer * inner_n + inner) >> 3];
     return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, outer_n, inner_n);
 }
 uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
     uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
-    uint outer_n = TRANS_B != 0 ? n : k, inner_n = TRANS_B != 0 ? k : n;
+    uint outer_n = TRANS_B != 0 ? N_ : K_, inner_n = TRANS_B != 0 ? K_ : N_;
     if (fast) return b_data[(base + outer * inner_n + inner) >> 3];
     return load_chunk_checked(false, ALIGNED_B != 0, base, outer, inner, outer_n, inner_n);
 }
@@ -120,7 +130,7 @@ void main() {
     const uint sg = gl_SubgroupID;
     const uint sg_row = sg / SG_COLS, sg_col = sg % SG_COLS;
     // Whole-vector loads without checks for K tiles of a workgroup inside C.
-    const bool inside = row0 + BM <= m && col0 + BN <= n;
+    const bool inside = row0 + BM <= M_ && col0 + BN <= N_;
     const bool vector_tiles = inside && ALIGNED_A != 0 && ALIGNED_B != 0;
 
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[FRAG_M][FRAG_N];
@@ -131,7 +141,7 @@ void main() {
     uvec4 next_a[MAX_CHUNKS], next_b[MAX_CHUNKS];
     // Both branches are uniform over the workgroup; the unchecked one is the hot loop.
 #define FETCH_TILES(K0)                                                                               \
-    if (vector_tiles && (K0) + BK <= k) {                                                             \
+    if (vector_tiles && (K0) + BK <= K_) {                                                             \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(true, tid + l * threads, base_b, col0, K0); \
     } else {                                                                                          \
@@ -140,15 +150,14 @@ void main() {
     }
 
     FETCH_TILES(0)
-    for (uint k0 = 0; k0 < k; k0 += BK) {
+    for (uint k0 = 0; k0 < K_; k0 += BK) {
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) tile_a[staged_index_a(tid + l * threads)] = next_a[l];
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];
         barrier();
-        if (k0 + BK < k) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
+        if (k0 + BK < K_) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
 
         [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[FRAG_M];
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb[FRAG_N];
             // Offsets and strides in uvec4s (8 halves).
             [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
                 uint r = sg_row * 16 * FRAG_M + 16 * i;
@@ -156,12 +165,12 @@ void main() {
                 else coopMatLoad(fa[i], tile_a, r * PITCH_A + kk / 8, PITCH_A, gl_CooperativeMatrixLayoutRowMajor);
             }
             [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb;
                 uint c = sg_col * 16 * FRAG_N + 16 * j;
-                if (TRANS_B != 0) coopMatLoad(fb[j], tile_b, c * PITCH_B + kk / 8, PITCH_B, gl_CooperativeMatrixLayoutColumnMajor);
-                else coopMatLoad(fb[j], tile_b, kk * PITCH_B + c / 8, PITCH_B, gl_CooperativeMatrixLayoutRowMajor);
+                if (TRANS_B != 0) coopMatLoad(fb, tile_b, c * PITCH_B + kk / 8, PITCH_B, gl_CooperativeMatrixLayoutColumnMajor);
+                else coopMatLoad(fb, tile_b, kk * PITCH_B + c / 8, PITCH_B, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint i = 0; i < FRAG_M; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb, acc[i][j]);
             }
-            [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
-                [[unroll]] for (uint j = 0; j < FRAG_N; ++j) acc[i][j] = coopMatMulAdd(fa[i], fb[j], acc[i][j]);
         }
         barrier();
     }
@@ -173,7 +182,7 @@ void main() {
         [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
             [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
                 uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
-                coopMatStore(acc[i][j] * alpha, c_data, base_c + r0 * n + c0, n, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(acc[i][j] * alpha, c_data, base_c + r0 * N_ + c0, N_, gl_CooperativeMatrixLayoutRowMajor);
             }
         return;
     }
@@ -189,7 +198,7 @@ void main() {
             uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
             for (uint e = lane; e < 256; e += lanes) {
                 uint r = r0 + e / 16, c = c0 + e % 16;
-                if (r < m && c < n) store_c(base_c + r * n + c, c, stage_c[sg * 256 + e]);
+                if (r < M_ && c < N_) store_c(base_c + r * N_ + c, c, stage_c[sg * 256 + e]);
             }
             subgroupBarrier();
         }

@@ -413,7 +413,7 @@ class Sequence:
             algo = self.device._pipeline(kernel, buffers, groups, spec, len(push_words))
             return kp.OpAlgoDispatch(algo, push_words)
 
-        self._add(_Op(kernel.name, reads, writes, make))
+        self._add(_Op(f"{kernel.name}.{kernel.variant}" if kernel.variant else kernel.name, reads, writes, make))
         return self
 
     def copy(self, src: Buffer, dst: Buffer, nbytes: int | None = None, src_offset: int = 0, dst_offset: int = 0):

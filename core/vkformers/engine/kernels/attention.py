@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vkformers.engine.kernels import Operand, grid, operand, require_elements
+from vkformers.engine.kernels.matmul import coopmat_supported
 
 FLOAT_VARIANTS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 MASK_DTYPES = ("uint8", "bool")
@@ -75,6 +76,36 @@ def pick_tiles(device, head_dim: int, candidates: list[Tiles], shared_bytes) -> 
                 and shared_bytes(t, head_dim) <= limit:
             return t
     raise ValueError(f"attention: no tile size fits head_dim {head_dim} in {limit} bytes of shared memory")
+
+
+@dataclass(frozen=True)
+class CoopmatTiles:
+    """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``."""
+
+    rows: int
+    cols: int
+
+    def shared_bytes(self, head_dim: int, subgroup: int) -> int:
+        pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
+        scores = (self.rows // 16) * (16 * self.cols * 4 + 16 * 16 * (self.cols // 8 + 1))
+        return 2 * self.cols * pitch + max(self.rows * pitch, scores)
+
+
+COOPMAT_FORWARD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16), CoopmatTiles(32, 16),
+                         CoopmatTiles(16, 16)]
+
+
+def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatTiles | None:
+    """Tiles for the cooperative-matrix forward kernel, or None where it cannot run: a float16/bfloat16
+    cooperative matrix on the device, head_dim a multiple of 16 (at most 256), q/k/v offsets on
+    8-element boundaries, and tiles that fit the device's shared memory."""
+    subgroup = int(device.limits["subgroup_size"])
+    if dtype not in ("float16", "bfloat16") or not coopmat_supported(device, dtype) or subgroup not in (16, 32, 64):
+        return None
+    if head_dim % 16 or head_dim > 256 or any(o % 8 for o in offsets):
+        return None
+    limit = int(device.limits["max_compute_shared_memory_size"])
+    return next((t for t in COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit), None)
 
 
 _placeholders: dict[int, object] = {}
@@ -149,10 +180,21 @@ def _check_float32(x: Operand, count: int, what: str) -> None:
     require_elements(x, count, f"attention {what}")
 
 
-def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles, *, batch, heads, kv_heads, q_len,
-                    kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1):
+def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | CoopmatTiles, *, batch, heads, kv_heads,
+                    q_len, kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1):
     device = seq.device
     variant = _variant(q, k, v, out)
+    if isinstance(tiles, CoopmatTiles):
+        subgroup = int(device.limits["subgroup_size"])
+        push = [q.offset, k.offset, v.offset, out.offset, lse.offset,
+                flags.mask.offset if flags.mask else 0, flags.slopes.offset if flags.slopes else 0, 0,
+                heads, kv_heads, q_len, kv_len, kv_stride, kv_stride, flags.q_offset, flags.window,
+                float(scale), float(flags.softcap)]
+        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup]
+        buffers = [q.buffer, k.buffer, v.buffer, *flags.bindings(device), _placeholder(device), out.buffer, lse.buffer]
+        seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
+                     push=push, spec=spec)
+        return
     kernel = device.kernel("attention_fwd", variant)
     final_lse = lse
     if splits > 1:  # flash-decoding: slices write partials to a workspace, then one merge
@@ -175,8 +217,13 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles, *, batc
 def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
                       head_dim: int, scale: float, causal: bool = True, key_padding_mask: Operand | None = None,
                       window: int = 0, softcap: float = 0.0, alibi_slopes: Operand | None = None,
-                      q_offset: int | None = None, tiles: Tiles | None = None) -> None:
-    """Record ``out = softmax(scores) @ v`` and ``lse`` (float32 [batch, heads, q_len]) into ``seq``."""
+                      q_offset: int | None = None, tiles: Tiles | CoopmatTiles | None = None,
+                      algorithm: str = "auto") -> None:
+    """Record ``out = softmax(scores) @ v`` and ``lse`` (float32 [batch, heads, q_len]) into ``seq``.
+
+    ``algorithm``: "auto" (the cooperative-matrix kernel where :func:`coopmat_forward_tiles` allows,
+    else the scalar one), "scalar" or "coopmat". The cooperative-matrix kernel rounds the softmax
+    probabilities to the storage type before multiplying by v, as flash attention does."""
     q, k, v, out, lse = map(operand, (q, k, v, out, lse))
     flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
                          head_dim=head_dim, causal=causal, key_padding_mask=key_padding_mask, window=window,
@@ -187,6 +234,13 @@ def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_head
                           (k, kv_heads * kv_len, "k"), (v, kv_heads * kv_len, "v")):
         require_elements(x, batch * rows * head_dim, f"attention {what}")
     _check_float32(lse, batch * heads * q_len, "lse")
+    if algorithm not in ("auto", "scalar", "coopmat"):
+        raise ValueError(f"attention: algorithm must be 'auto', 'scalar' or 'coopmat', not {algorithm!r}")
+    if tiles is None and algorithm != "scalar":
+        tiles = coopmat_forward_tiles(seq.device, q.dtype.name, head_dim, q.offset, k.offset, v.offset)
+        if tiles is None and algorithm == "coopmat":
+            raise ValueError(f"attention: the cooperative-matrix kernel cannot run {q.dtype.name} head_dim {head_dim} "
+                             f"on {seq.device.name}")
     tiles = tiles or pick_tiles(seq.device, head_dim, FORWARD_TILES, forward_shared_bytes)
     _record_forward(seq, q, k, v, out, lse, flags, tiles, batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len,
                     kv_len=kv_len, kv_stride=kv_len, head_dim=head_dim, scale=scale, kv_len_buffer=None)

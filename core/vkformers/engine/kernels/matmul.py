@@ -6,9 +6,9 @@ Three kernels, chosen per call:
   ``x @ W^T``). Reads B once per 8 rows of A, 16 bytes at a time, one subgroup per
   column of C (trans_b) with a subgroup reduction over k: bound by the bytes of B.
 - ``matmul_coopmat`` (VK_KHR_cooperative_matrix): float16 or bfloat16 A and B,
-  when the device offers that 16x16x16 -> float32 subgroup shape. Workgroup tile
-  128 x 128, each of 8 subgroups owns 64 x 32 as 4 x 2 accumulators, K steps of
-  64 (32 where shared memory is short).
+  when the device offers that 16x16x16 -> float32 subgroup shape. By default a
+  workgroup tile of 128 x 128, each of 8 subgroups owning 64 x 32 as 4 x 2
+  accumulators, K steps of 64 (32 where shared memory is short).
 - ``matmul`` (tiled, shared memory + register blocking): every dtype, every device.
 
 Both accumulate in float32 and convert to C's dtype once, at the end. All
@@ -51,17 +51,20 @@ TILED_SMALL = TiledConfig(bm=64, bn=64, bk=16, tm=4, tn=4)
 
 @dataclass(frozen=True)
 class CoopmatConfig:
-    sg_rows: int = 2   # subgroups along M (each 64 rows)
-    sg_cols: int = 4   # subgroups along N (each 32 columns)
+    sg_rows: int = 2   # subgroups along M
+    sg_cols: int = 4   # subgroups along N
     bk: int = 64       # K step (multiple of 16); on the H200 64 ran 1.5x faster than 32
+    frag_m: int = 4    # 16x16 accumulators per subgroup along M
+    frag_n: int = 2    # and along N
+    spec_shape: bool = False  # m, n, k as specialization constants (one pipeline per shape)
 
     @property
     def bm(self) -> int:
-        return 64 * self.sg_rows
+        return 16 * self.frag_m * self.sg_rows
 
     @property
     def bn(self) -> int:
-        return 32 * self.sg_cols
+        return 16 * self.frag_n * self.sg_cols
 
     def shared_bytes(self) -> int:
         # Two tiles padded by 8 halves per row (the larger of the two layouts each),
@@ -244,7 +247,9 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         aligned_a = int(inner_a % 8 == 0 and a.offset % 8 == 0 and stride_a % 8 == 0)
         aligned_b = int(inner_b % 8 == 0 and b.offset % 8 == 0 and stride_b % 8 == 0)
         spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, *flags, aligned_a, aligned_b,
-                cfg.sg_rows * cfg.sg_cols * subgroup]
+                cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n]
+        if cfg.spec_shape:
+            spec += [m, n, k]
         groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
         seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec)
         return

@@ -1,0 +1,224 @@
+// Fused attention forward on cooperative matrices (VK_KHR_cooperative_matrix): the same
+// operation, bindings and push constants as attention_fwd.comp, for float16 or bfloat16
+// q, k, v, out, with float32 scores, softmax and accumulators.
+//
+// A workgroup owns BLOCK_ROWS query rows, 16 per subgroup; its subgroups share key and
+// value tiles of BLOCK_COLS rows staged in shared memory as raw 16-bit words. Each
+// subgroup keeps its 16 x HEAD_DIM slice of q as A fragments in registers.
+//
+// KHR cooperative matrices do not say which lane holds which element, so the softmax
+// cannot run on the accumulators: each 16 x BLOCK_COLS score tile goes to shared memory,
+// where the subgroup's lanes apply the score rule and masks (attention_score.glsl, as the
+// scalar kernel) with SUBGROUP_SIZE / 16 lanes per row. For the same reason the output
+// accumulators cannot be rescaled row by row as an online softmax would, so there are
+// two passes over the keys: the first finds each row's maximum and sum, the second
+// multiplies the final probabilities (rounded to the storage type) by V. That is 1.5x the
+// tensor-core work of one pass, and none of it leaves the tensor cores.
+//
+// bfloat16: as matmul_coopmat.comp, the source only declares 16-bit floats as the element
+// type of its matrices (probabilities and outputs are written as 16-bit patterns), and the
+// build step rewrites that type for the bf16 variant.
+//! target vulkan1.3
+//! variant f16 -DT_F16
+//! variant bf16 -DT_BF16
+//! postprocess bf16 ../../tools/spirv_bf16.py
+#version 450
+#extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
+#include "common.glsl"
+
+// Storage as 16-bit patterns (attention_common.glsl's T would declare float16_t).
+#define ATTENTION_BITS_ONLY
+#include "attention_common.glsl"
+
+layout(binding = 0) readonly buffer Q { uvec4 q[]; };
+layout(binding = 1) readonly buffer K { uvec4 k[]; };
+layout(binding = 2) readonly buffer V { uvec4 v[]; };
+layout(binding = 3) readonly buffer Mask { uint mask_words[]; };
+layout(binding = 4) readonly buffer Slopes { float alibi_slopes[]; };
+layout(binding = 5) readonly buffer KvLen { uint kv_len_words[]; };
+layout(binding = 6) writeonly buffer Out { uint16_t o[]; };
+layout(binding = 7) writeonly buffer Lse { float lse[]; };
+
+layout(push_constant) uniform Push {
+    uint q_off, k_off, v_off, o_off, lse_off, mask_off, slopes_off, kv_len_off;  // elements; q/k/v multiples of 8
+    uint heads, kv_heads, q_len, kv_len;
+    uint kv_stride;
+    uint mask_stride;
+    int q_offset;
+    uint window;
+    float scale, softcap;
+};
+
+#include "attention_score.glsl"
+
+layout(constant_id = 8) const uint SUBGROUP_SIZE = 32;
+layout(local_size_x_id = 9) in;
+
+#if defined(T_F16)
+uint to_bits(float x) { return packHalf2x16(vec2(x, 0.0)) & 0xFFFFu; }
+#else
+uint to_bits(float x) { return uint(f32_to_bf16(x)); }
+#endif
+
+const uint SUBGROUPS = BLOCK_ROWS / 16;
+const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
+const uint PITCH = HEAD_DIM / 8 + 1;              // uvec4s per staged q/k/v row (8 halves of padding)
+const uint LANES_PER_ROW = SUBGROUP_SIZE / 16;
+const uint SCORES_PER_LANE = BLOCK_COLS / LANES_PER_ROW;  // a multiple of 8: whole uvec4s of probabilities
+const uint S_WORDS = 16 * BLOCK_COLS / 4;          // one subgroup's float scores, in uvec4s
+const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit probabilities
+const uint SG_WORDS = S_WORDS + 16 * P_PITCH;
+const uint Q_WORDS = BLOCK_ROWS * PITCH;
+shared uvec4 k_tile[BLOCK_COLS * PITCH];
+shared uvec4 v_tile[BLOCK_COLS * PITCH];
+// q is staged here once, then each subgroup's scores and probabilities live here.
+shared uvec4 scratch[Q_WORDS > SUBGROUPS * SG_WORDS ? Q_WORDS : SUBGROUPS * SG_WORDS];
+
+// Rows [row0, row0 + BLOCK_COLS) of a [rows, HEAD_DIM] matrix at uvec4 `base` into `tile`; zeros past `rows`.
+#define STAGE_ROWS(tile, src, base, row0, rows)                                                    \
+    for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) { \
+        uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);                                        \
+        tile[r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
+    }
+
+float row_max(float x) {
+    [[unroll]] for (uint s = 1; s < LANES_PER_ROW; s *= 2) x = max(x, subgroupShuffleXor(x, s));
+    return x;
+}
+float row_sum(float x) {
+    [[unroll]] for (uint s = 1; s < LANES_PER_ROW; s *= 2) x += subgroupShuffleXor(x, s);
+    return x;
+}
+
+void main() {
+    const uint q0 = gl_WorkGroupID.x * BLOCK_ROWS, head = gl_WorkGroupID.y, batch = gl_WorkGroupID.z;
+    const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
+    const uint kv_count = kv_len;
+    const int q_base = q_offset < 0 ? int(kv_count) - int(q_len) : q_offset;
+    const uint kv_head = head / (heads / kv_heads);
+    const uint q_row_base = (batch * heads + head) * q_len;
+    const uint kv_row_base = (batch * kv_heads + kv_head) * kv_stride;
+    // This lane's row of the subgroup's 16 and its columns of each score tile.
+    const uint my_row = lane / LANES_PER_ROW, my_col0 = (lane % LANES_PER_ROW) * SCORES_PER_LANE;
+    const uint qi = q0 + sg * 16 + my_row;
+    const int qpos = q_base + int(qi);
+    const bool row_valid = qi < q_len;
+    const uint s_base = sg * SG_WORDS, p_base = s_base + S_WORDS;
+
+    // Stage q (rows past q_len are zeros) and keep this subgroup's fragments.
+    for (uint i = gl_LocalInvocationID.x; i < BLOCK_ROWS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) {
+        uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);
+        scratch[r * PITCH + c] = q0 + r < q_len ? q[q_off / 8 + (q_row_base + q0 + r) * (HEAD_DIM / 8) + c] : uvec4(0);
+    }
+    barrier();
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> qf[D_FRAGS];
+    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
+        coopMatLoad(qf[d], scratch, sg * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+    barrier();  // scratch becomes score space
+
+    // Keys any row of the workgroup can see, and those of this subgroup's rows.
+    const int first_pos = q_base + int(q0), last_pos = q_base + int(min(q0 + BLOCK_ROWS, q_len)) - 1;
+    const uint key_end = CAUSAL ? uint(clamp(last_pos + 1, 0, int(kv_count))) : kv_count;
+    uint key_begin = window > 0u ? uint(clamp(first_pos - int(window) + 1, 0, int(key_end))) : 0u;
+    key_begin -= key_begin % BLOCK_COLS;
+    const int sg_first = q_base + int(q0 + sg * 16), sg_last = sg_first + 15;
+
+    float m = NEG_INF, l = 0.0;
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[D_FRAGS];
+    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
+        acc[d] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+
+    for (uint pass = 0; pass < 2; ++pass) {
+        for (uint key0 = key_begin; key0 < key_end; key0 += BLOCK_COLS) {
+            barrier();  // the previous tiles are no longer read
+            STAGE_ROWS(k_tile, k, k_off / 8, kv_row_base + key0, kv_row_base + kv_count)
+            if (pass == 1) { STAGE_ROWS(v_tile, v, v_off / 8, kv_row_base + key0, kv_row_base + kv_count) }
+            barrier();
+            // Uniform per subgroup: a tile wholly after its last row (causal) or before its window.
+            if ((CAUSAL && int(key0) > sg_last) || (window > 0u && int(key0 + BLOCK_COLS) <= sg_first - int(window) + 1))
+                continue;
+
+            // scores = q k^T: k's rows are the columns of B, i.e. B is k_tile read column-major.
+            [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s =
+                    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;
+                    coopMatLoad(kf, k_tile, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                    s = coopMatMulAdd(qf[d], kf, s);
+                }
+                coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
+            }
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+
+            // This lane's scores, with the score rule; invisible keys are -inf.
+            const bool checks = !row_valid || HAS_MASK || key0 + BLOCK_COLS > kv_count
+                             || (CAUSAL && int(key0 + BLOCK_COLS) - 1 > sg_first)
+                             || (window > 0u && int(key0) <= sg_last - int(window));
+            float sc[SCORES_PER_LANE];
+            float tile_max = NEG_INF;
+            [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 4) {
+                vec4 raw = uintBitsToFloat(scratch[s_base + (my_row * BLOCK_COLS + my_col0 + j) / 4]);
+                [[unroll]] for (uint t = 0; t < 4; ++t) {
+                    uint kpos = key0 + my_col0 + j + t;
+                    float slope;
+                    bool visible = !checks || (row_valid && kpos < kv_count && key_visible(qpos, kpos, batch));
+                    sc[j + t] = visible ? attention_score(raw[t], qpos, kpos, head, slope) : NEG_INF;
+                    tile_max = max(tile_max, sc[j + t]);
+                }
+            }
+            if (pass == 0) {  // online maximum and sum
+                float new_m = max(m, row_max(tile_max));
+                float shift = new_m == NEG_INF ? 0.0 : new_m;  // all masked so far: exp(-inf) = 0, not NaN
+                float part = 0.0;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; ++j) part += exp(sc[j] - shift);
+                l = l * exp(m - shift) + row_sum(part);
+                m = new_m;
+                continue;
+            }
+            // Probabilities (final: divided by the row's sum) as 16-bit patterns, then acc += p v.
+            const float shift = m == NEG_INF ? 0.0 : m, inv = l > 0.0 ? 1.0 / l : 0.0;
+            [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
+                uvec4 packed;
+                [[unroll]] for (uint t = 0; t < 4; ++t)
+                    packed[t] = to_bits(exp(sc[j + 2 * t] - shift) * inv) | (to_bits(exp(sc[j + 2 * t + 1] - shift) * inv) << 16);
+                scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
+            }
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;
+                coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;
+                    coopMatLoad(vf, v_tile, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                    acc[d] = coopMatMulAdd(pf, vf, acc[d]);
+                }
+            }
+        }
+    }
+
+    // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass.
+    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+        subgroupBarrier();
+        coopMatStore(acc[d], scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        if (row_valid) {
+            uint cols = 16 / LANES_PER_ROW, c0 = (lane % LANES_PER_ROW) * cols;
+            for (uint j = 0; j < cols; ++j) {
+                uint e = my_row * 16 + c0 + j;
+                o[o_off + (q_row_base + qi) * HEAD_DIM + d * 16 + c0 + j] =
+                    uint16_t(to_bits(uintBitsToFloat(scratch[s_base + e / 4][e % 4])));
+            }
+        }
+    }
+    if (row_valid && lane % LANES_PER_ROW == 0u)
+        lse[lse_off + q_row_base + qi] = l > 0.0 ? m + log(l) : NEG_INF;
+}
