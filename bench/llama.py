@@ -17,6 +17,7 @@ import numpy as np
 from common import profile_gpu, write_results
 
 import vkformers as vkf
+from vkformers.engine import lazy
 from vkformers.models.loading import AutoModelForCausalLM
 
 TINYLLAMA = dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -53,8 +54,13 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False) -
     model.eval()
     out = {}
     with vkf.no_grad():
-        seconds = timed(lambda: model(prompt[:1]).logits[:, -1].numpy(), 5)
+        first = np.ascontiguousarray(prompt[:1])
+        seconds = timed(lambda: model(first).logits[:, -1].numpy(), 5)
         out["prefill_tok_s"] = prompt.shape[1] / seconds
+        # The same forward as a captured step: from the third call the plan replays without the Python graph.
+        step = lazy.StepCapture()
+        seconds = timed(lambda: step.run(lambda: [model(first).logits[:, -1]], {"ids": first}), 5)
+        out["prefill_captured_tok_s"] = prompt.shape[1] / seconds
         for batch in (1, 8):
             ids = prompt[:batch, :16]
             seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)

@@ -28,6 +28,7 @@ import numpy as np
 from common import profile_gpu, write_results
 
 import vkformers as vkf
+from vkformers.engine import lazy
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.runtime import vulkan
 from vkformers.training import LoraConfig, Trainer, TrainingConfig, apply_lora
@@ -54,10 +55,13 @@ def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False)
                                             weight_decay=WEIGHT_DECAY, clip=CLIP, precision=PRECISION[dtype]),
                       train_batches=None)
     losses = [trainer.train_step([batches[i % len(batches)]]).loss for i in range(2)]  # records, then replays
+    built = lazy.stats["recorded"], 0
     start = time.perf_counter()
     for i in range(steps):
         losses.append(trainer.train_step([batches[i % len(batches)]]).loss)
     seconds = (time.perf_counter() - start) / steps
+    recorded = lazy.stats["recorded"] - built[0]
+    captured = trainer._capture.ready
     peak = vulkan.buffer_memory()["peak_bytes"] - start_bytes
     tokens = batches[0][0].size
     if profile:
@@ -65,7 +69,8 @@ def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False)
     del trainer, model
     gc.collect()
     return {"tok_s": tokens / seconds, "step_s": seconds, "peak_gib": peak / 2**30,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+            "first_loss": losses[0], "last_loss": losses[-1], "recordings_in_timed_steps": recorded,
+            "replayed_without_building": captured}
 
 
 def bench_torch(config, weights, dtype, mode, batches, steps) -> dict:
@@ -171,7 +176,9 @@ def main(argv=None) -> int:
             if ref:
                 line += (f"   torch {ref['tok_s']:10.1f} tok/s ({ours['tok_s'] / ref['tok_s']:.2f}x)"
                          f"  peak {ref['peak_gib']:7.3f} GiB")
-            print(line + f"   loss {ours['first_loss']:.3f} -> {ours['last_loss']:.3f}", flush=True)
+            print(line + f"   loss {ours['first_loss']:.3f} -> {ours['last_loss']:.3f}"
+                  f"   (re-recorded {ours['recordings_in_timed_steps']}x in timed steps; captured replay: "
+                  f"{ours['replayed_without_building']})", flush=True)
     write_results(args.json, results)
     return 0
 

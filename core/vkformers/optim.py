@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkformers.engine import lazy
 from vkformers.engine.function import KernelOp, node
 from vkformers.engine.kernels import adamw as KA
 from vkformers.engine.tensor import Tensor, parameter, tensor
@@ -57,15 +58,20 @@ class AdamW:
 
     def step(self) -> None:
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self._state(p)
-                st["step"] += 1
-                scalars = tensor(KA.adamw_scalars(lr=group["lr"], step=st["step"], beta1=beta1, beta2=beta2,
-                                                  eps=group["eps"], weight_decay=group["weight_decay"]),
-                                 dtype=dt.uint32, device=p.device)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state(p) for p in params]
+            uniform = len({st["step"] for st in states}) == 1  # the usual case: one scalars input per group
+            if uniform:
+                advance = self._advance(group, states)
+                shared = tensor(lazy.generated_input(advance(), advance), dtype=dt.uint32, device=params[0].device)
+            for p, st in zip(params, states):
+                if uniform:
+                    scalars = shared
+                else:
+                    st["step"] += 1
+                    scalars = tensor(self._scalars(group, st["step"]), dtype=dt.uint32, device=p.device)
                 master = st["master"] if st["master"] is not None else p
                 targets = [master, st["exp_avg"], st["exp_avg_sq"]] + ([p] if st["master"] is not None else [])
                 outs = node(AdamWKernel(), [master.lazy, p.grad.float().contiguous().lazy, st["exp_avg"].lazy,
@@ -73,6 +79,21 @@ class AdamW:
                             [(t.shape, t.dtype) for t in targets], into=[t.lazy for t in targets])
                 for t, out in zip(targets, outs):
                     t._set_lazy(out)
+
+    @staticmethod
+    def _scalars(group, step: int) -> np.ndarray:
+        beta1, beta2 = group["betas"]
+        return KA.adamw_scalars(lr=group["lr"], step=step, beta1=beta1, beta2=beta2, eps=group["eps"],
+                                weight_decay=group["weight_decay"])
+
+    def _advance(self, group, states):
+        """Counts one more step for every parameter of the group and returns that step's scalars; a
+        replayed training step (engine.lazy.StepCapture) calls it instead of building the update."""
+        def advance() -> np.ndarray:
+            for st in states:
+                st["step"] += 1
+            return self._scalars(group, states[0]["step"])
+        return advance
 
     def init_state(self) -> None:
         """Create moments (and float32 masters) now rather than inside the first step, so that the first

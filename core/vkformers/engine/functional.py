@@ -18,8 +18,15 @@ from vkformers.engine.ops.nn import (
 
 
 def linear(x, weight, bias=None):
-    """x @ weight.T (+ bias), with weight [out_features, in_features] as in torch and HF checkpoints."""
-    y = x @ weight.transpose(-1, -2)
+    """x @ weight.T (+ bias), with weight [out_features, in_features] as in torch and HF checkpoints.
+
+    Leading dimensions of x are folded into the rows of one product, so that the weight's gradient is
+    one [in, out] product over all tokens, not one per batch row summed afterwards."""
+    if x.ndim > 2 and weight.ndim == 2:
+        lead = x.shape[:-1]
+        y = (x.reshape(-1, x.shape[-1]) @ weight.transpose(-1, -2)).reshape(*lead, weight.shape[0])
+    else:
+        y = x @ weight.transpose(-1, -2)
     return y + bias if bias is not None else y
 
 

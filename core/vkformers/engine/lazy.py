@@ -290,8 +290,7 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
 
     for leaf, buf in zip(leaves, plan.input_buffers):
         buf.host[...] = leaf.host.reshape(buf.shape)
-    plan.seq.replay()
-    plan.replays += 1
+    _run(plan)
 
     # Bind results, then cut the graph so its memory can go.
     for leaf, buf in zip(leaves, plan.input_buffers):
@@ -321,7 +320,7 @@ def _detach_previous_outputs(device: Device, plan: Plan) -> None:
 
 
 def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> Plan:
-    seq = device.sequence()
+    seq = device.sequence(timestamps=bool(_profilers))
     input_buffers = []
     for leaf in leaves:
         buf = Buffer(device, leaf.shape, leaf.dtype, host_visible=True, name="input")
@@ -401,9 +400,200 @@ def replay(plan: Plan) -> None:
 
     Outputs live tensors still hold from its previous replay are copied away first, as in realize()."""
     _detach_previous_outputs(plan.seq.device, plan)
+    _run(plan)
+    stats["replayed"] += 1
+
+
+def _run(plan: Plan) -> None:
     plan.seq.replay()
     plan.replays += 1
-    stats["replayed"] += 1
+    if _profilers and plan.seq.timestamps:
+        timings = plan.seq.timings()
+        for p in _profilers:
+            p.add(timings)
+
+
+# ---------------------------------------------------------------- replaying whole steps
+
+_declarations: list = []  # per StepCapture observing a step: its inputs declared generated or derived
+
+
+def generated_input(array: np.ndarray, regenerate) -> np.ndarray:
+    """Declare ``array``, about to become a graph input as it is, as drawn once per step:
+    ``regenerate()`` draws the next step's value and advances whatever state drawing it advances
+    (optimizer step counters, a dropout generator). A :class:`StepCapture` replaying a step calls
+    these in the order the step declared them instead of building the graph."""
+    for declared in _declarations:
+        declared.append(("generated", array, regenerate))
+    return array
+
+
+def derived_input(array: np.ndarray, source: np.ndarray, derive) -> np.ndarray:
+    """Declare ``array``, about to become a graph input as it is, as ``derive(source)`` where ``source``
+    is one of a :class:`StepCapture` step's named inputs (e.g. labels shifted by one token)."""
+    for declared in _declarations:
+        declared.append(("derived", array, (source, derive)))
+    return array
+
+
+@dataclass
+class _Observed:
+    plan: Plan
+    roles: tuple       # per plan input buffer: ("input", name) | ("generated", i) | ("derived", i) | ("constant",)
+    constants: list    # host arrays of the constant inputs
+    declared: list     # (kind, array, how) as the step declared them
+    sources: list      # per declared input: the named input a derived one comes from (else None)
+    outputs: list      # (buffer, view, dtype) of the tensors the step returned
+    shapes: dict       # shapes of the named inputs
+
+
+class StepCapture:
+    """Runs a step that builds the same graph every time (a training step, a fixed-shape forward)
+    and, once two consecutive steps ran one identical plan, replays that plan without building it.
+
+    ``run(build, inputs)``: ``inputs`` maps names to the numpy arrays ``build()`` turns into graph
+    inputs as they are (``tensor(array)`` of a matching dtype keeps the array); ``build()`` returns the
+    tensors to read and must realize in one submission. Every other input of the plan must be declared
+    (:func:`generated_input`, :func:`derived_input`) or hold the same values in both observed steps; when
+    that is not so the step is simply never replayed. Returns the tensors' values as numpy arrays.
+    """
+
+    def __init__(self):
+        self.forget()
+
+    def forget(self) -> None:
+        self.previous: _Observed | None = None
+        self.ready = False
+        self.readback = None
+
+    def run(self, build, inputs: dict) -> list:
+        if self.ready and all(self.previous.shapes[k] == np.shape(v) for k, v in inputs.items()):
+            return self._replay(inputs)
+        declared: list = []
+        _declarations.append(declared)
+        try:
+            with capture() as seen:
+                outs = build()
+                realize([t.lazy for t in outs])
+        finally:
+            _declarations.remove(declared)
+        current = self._observe(seen.runs, inputs, declared, outs)
+        values = [t.numpy() for t in outs]
+        previous, self.previous, self.readback = self.previous, current, None
+        self.ready = current is not None and previous is not None and _same_step(previous, current)
+        return values
+
+    def _observe(self, runs, inputs, declared, outs) -> _Observed | None:
+        if len(runs) != 1:  # several submissions (or none): no single plan to replay
+            return None
+        run = runs[0]
+        named = {id(a): name for name, a in inputs.items()}
+        declared_index = {id(a): i for i, (_, a, _) in enumerate(declared)}
+        roles = []
+        for a in run.inputs:
+            if id(a) in named:
+                roles.append(("input", named[id(a)]))
+            elif id(a) in declared_index:
+                i = declared_index[id(a)]
+                roles.append((declared[i][0], i))
+            else:
+                roles.append(("constant",))
+        sources = [named.get(id(how[0])) if kind == "derived" else None for kind, _, how in declared]
+        if any(kind == "derived" and src is None for (kind, _, _), src in zip(declared, sources)):
+            return None
+        # Every named input must reach the graph as it is or through a declared derivation: a copy
+        # made on its way in would look constant whenever two batches agree, and replay stale.
+        used = {r[1] for r in roles if r[0] == "input"} | {src for src in sources if src is not None}
+        if used != set(inputs) or {r[1] for r in roles if r[0] in ("generated", "derived")} != set(range(len(declared))):
+            return None
+        node_buffers = {id(b) for bufs in run.plan.node_buffers for b in bufs}
+        outputs = []
+        for t in outs:
+            base = t.lazy.base
+            if base.buffer is None or id(base.buffer) not in node_buffers:
+                return None
+            outputs.append((base.buffer, t.lazy.view, t.dtype))
+        constants = [a for a, r in zip(run.inputs, roles) if r[0] == "constant"]
+        return _Observed(run.plan, tuple(roles), constants, declared, sources, outputs,
+                         {k: np.shape(v) for k, v in inputs.items()})
+
+    def _replay(self, inputs: dict) -> list:
+        seen = self.previous
+        # Generated inputs are drawn in the order the step declared them, as building it would.
+        values = [how() if kind == "generated" else how[1](inputs[source])
+                  for (kind, _, how), source in zip(seen.declared, seen.sources)]
+        for role, buf in zip(seen.roles, seen.plan.input_buffers):
+            if role[0] == "input":
+                buf.host[...] = np.asarray(inputs[role[1]]).reshape(buf.shape)
+            elif role[0] != "constant":
+                buf.host[...] = np.asarray(values[role[1]]).reshape(buf.shape)
+        replay(seen.plan)
+        return self._read_outputs()
+
+    def _read_outputs(self) -> list:
+        if self.readback is None:
+            device = self.previous.plan.seq.device
+            seq = device.sequence()
+            hosts = []
+            for buf, _, _ in self.previous.outputs:
+                host = Buffer(device, buf.shape, buf.dtype, host_visible=True, name="step output")
+                seq.copy(buf, host).download(host)
+                hosts.append(host)
+            self.readback = (seq, hosts)
+        seq, hosts = self.readback
+        seq.replay()
+        out = []
+        for host, (_, view, dtype) in zip(hosts, self.previous.outputs):
+            flat = host.host.reshape(-1)
+            x = np.lib.stride_tricks.as_strided(flat[view.offset:], shape=view.shape,
+                                                strides=tuple(s * flat.itemsize for s in view.strides)).copy()
+            out.append(dt.from_bfloat16(x) if dtype is dt.bfloat16 else x)
+        return out
+
+
+def _same_step(a: _Observed, b: _Observed) -> bool:
+    return (a.plan is b.plan and a.roles == b.roles and len(a.declared) == len(b.declared)
+            and [x[0] for x in a.declared] == [x[0] for x in b.declared] and a.sources == b.sources
+            and [(id(buf), v) for buf, v, _ in a.outputs] == [(id(buf), v) for buf, v, _ in b.outputs]
+            and all(x is y or (x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y))
+                    for x, y in zip(a.constants, b.constants)))
+
+
+_profilers: list = []
+
+
+class profile:
+    """Context manager adding up GPU time per kernel over every plan that runs inside it.
+
+    Only plans recorded inside it carry timestamps, so clear the plan cache (or use fresh shapes) first.
+    ``kernels`` maps a kernel name to [seconds, launches]; ``report()`` formats the largest."""
+
+    def __enter__(self) -> "profile":
+        self.kernels: dict[str, list] = {}
+        self.replays = 0
+        _profilers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _profilers.remove(self)
+
+    def add(self, timings) -> None:
+        self.replays += 1
+        for label, seconds in timings:
+            entry = self.kernels.setdefault(label, [0.0, 0])
+            entry[0] += seconds
+            entry[1] += 1
+
+    @property
+    def gpu_seconds(self) -> float:
+        return sum(s for s, _ in self.kernels.values())
+
+    def report(self, top: int = 15) -> str:
+        total = self.gpu_seconds or 1.0
+        rows = sorted(self.kernels.items(), key=lambda kv: -kv[1][0])[:top]
+        lines = [f"GPU {self.gpu_seconds * 1e3:.2f} ms over {self.replays} replays"]
+        lines += [f"  {name:40s} {s * 1e3:9.3f} ms {100 * s / total:5.1f}%  x{n}" for name, (s, n) in rows]
+        return "\n".join(lines)
 
 
 def clear_plan_cache() -> None:

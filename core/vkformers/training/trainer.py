@@ -133,6 +133,12 @@ def init_weights(model, *, seed: int = 0, std: float = 0.02, dtype="float32") ->
     model.dtype = dt.as_dtype(dtype)
 
 
+def _int32_pair(ids, labels):
+    """Batch arrays as the int32 arrays the model takes in as they are (two objects, even for ids == labels)."""
+    ids, labels = np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(labels, dtype=np.int32)
+    return ids, (labels.copy() if labels is ids else labels)
+
+
 class Trainer:
     """Train ``model`` (whose parameters with ``requires_grad`` are trained) on ``train_batches``.
 
@@ -164,6 +170,7 @@ class Trainer:
         self.history: list[dict] = []
         # Constant one-hot masks that pack the step's statistics into one vector (one read per step).
         self._slots = [parameter(np.eye(3, dtype=bool)[i], requires_grad=False, name="stat_slot") for i in range(3)]
+        self._capture = lazy.StepCapture()
         nn_ops.manual_seed(config.seed)
 
     # -- one step
@@ -183,13 +190,50 @@ class Trainer:
         return where(self._slots[0], loss.reshape(1), out)
 
     def train_step(self, micro_batches) -> StepResult:
-        """Forward/backward every micro-batch, clip, update; returns the step's statistics."""
-        c = self.config
+        """Forward/backward every micro-batch, clip, update; returns the step's statistics.
+
+        Without fp16 loss scaling the whole step is one submission, and from the third step on
+        (same shapes) it replays the recorded plan without building the graph in Python
+        (engine.lazy.StepCapture): inputs are the batches, the optimizer's per-step scalars
+        and dropout seeds are drawn as the graph would draw them."""
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        scale = tensor(np.float32(self.scaler.scale)) if self.scaler else None  # an input, so plans replay
+        if self.scaler is None:
+            batches = [_int32_pair(*mb) for mb in micro_batches]
+            inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels"), mb)}
+            stats = self._capture.run(lambda: [self._build_step(batches, None, update=True)], inputs)[0]
+        else:  # fp16: read the overflow flag first, update only if the gradients are finite
+            self._capture.forget()
+            scale = tensor(np.float32(self.scaler.scale))  # an input, so plans replay
+            stats_vector = self._build_step(micro_batches, scale, update=False)
+            stats = stats_vector.numpy()
+            del stats_vector
+            if stats[2] == 1.0:
+                self._apply_update(*self._pending_update)
+                lazy.realize([])
+            self._pending_update = None
+        self.optimizer.zero_grad()
+        loss_value, norm_value, ok = float(stats[0]), float(stats[1]), stats[2] == 1.0
+        result = StepResult(self.step + 1, loss_value, norm_value, lr,
+                            skipped=not ok and self.scaler is not None,
+                            loss_scale=self.scaler.scale if self.scaler else None)
+        if self.scaler is not None:
+            self.scaler.update(ok)
+            if self.scaler.scale < self.scaler.min_scale:
+                raise NonFiniteLossError(self._stop_message(result, "the fp16 loss scale underflowed "
+                                                                    f"({self.scaler.scale:g}) after repeated overflows"))
+        elif not ok:
+            raise NonFiniteLossError(self._stop_message(result, f"loss {loss_value} / gradient norm {norm_value} "
+                                                                "is not finite"))
+        self.step += 1
+        return result
+
+    def _build_step(self, micro_batches, scale, *, update: bool):
+        """The step's graph: the statistics vector [loss, norm, finite] with the update pending
+        (``update``) or kept in ``_pending_update`` for the caller."""
+        c = self.config
         total = None
         for input_ids, labels in micro_batches:
             loss = self.model(input_ids, labels=labels).loss.float() * (1.0 / len(micro_batches))
@@ -212,32 +256,11 @@ class Trainer:
             if unscale is not None:
                 factor = unscale if factor is None else factor * unscale
             stats_vector = self._pack(total.detach(), norm, finite)
-        del total, sum_sq
-
-        if self.scaler is None:  # one submission: the update rides along with reading the statistics
+        if update:  # one submission: the update rides along with reading the statistics
             self._apply_update(grads, factor)
-            stats = stats_vector.numpy()
-        else:  # fp16: read the overflow flag first, update only if the gradients are finite
-            stats = stats_vector.numpy()
-            if stats[2] == 1.0:
-                self._apply_update(grads, factor)
-                lazy.realize([])
-        del grads, factor, stats_vector, norm, finite, scale, unscale
-        self.optimizer.zero_grad()
-        loss_value, norm_value, ok = float(stats[0]), float(stats[1]), stats[2] == 1.0
-        result = StepResult(self.step + 1, loss_value, norm_value, lr,
-                            skipped=not ok and self.scaler is not None,
-                            loss_scale=self.scaler.scale if self.scaler else None)
-        if self.scaler is not None:
-            self.scaler.update(ok)
-            if self.scaler.scale < self.scaler.min_scale:
-                raise NonFiniteLossError(self._stop_message(result, "the fp16 loss scale underflowed "
-                                                                    f"({self.scaler.scale:g}) after repeated overflows"))
-        elif not ok:
-            raise NonFiniteLossError(self._stop_message(result, f"loss {loss_value} / gradient norm {norm_value} "
-                                                                "is not finite"))
-        self.step += 1
-        return result
+        else:
+            self._pending_update = (grads, factor)
+        return stats_vector
 
     def _apply_update(self, grads, factor) -> None:
         with no_grad():
@@ -297,6 +320,7 @@ class Trainer:
                     raise ckpt.CheckpointLoadError(f"{folder} was trained with {key}={saved[key]!r}, this run has "
                                                    f"{getattr(self.config, key)!r}; resume with the same setting")
         state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.optimizer)
+        self._capture.forget()  # loading may have replaced the tensors the recorded step updates
         self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         self.train_batches.load_state_dict(state["data_position"])
         set_dropout_rng_state(state["dropout_rng"])

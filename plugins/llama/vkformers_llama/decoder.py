@@ -17,6 +17,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.rope_scaling import rope_parameters
+from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Conv1D, Embedding, LayerNorm, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
@@ -444,6 +445,12 @@ def _scaled(x, factor: float):
     return x if factor == 1.0 else x * factor
 
 
+def _shift_labels(labels: np.ndarray) -> np.ndarray:
+    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
+
+
 def _as_numpy(value, dtype=np.int64):
     if value is None:
         return None
@@ -629,7 +636,6 @@ class DecoderForCausalLM(Module, GenerationMixin):
     @staticmethod
     def loss(logits, labels):
         """transformers' ForCausalLMLoss: token t predicts label t + 1; -100 is ignored; mean in float32."""
-        labels = _as_numpy(labels, np.int32)
-        shifted = np.full_like(labels, IGNORE_INDEX)
-        shifted[:, :-1] = labels[:, 1:]
+        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
+        shifted = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
         return F.cross_entropy(logits.float(), Tensor(shifted), ignore_index=IGNORE_INDEX)

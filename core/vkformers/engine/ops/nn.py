@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.lazy import generated_input
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import cross_entropy as KC
 from vkformers.engine.kernels import dropout as KD
@@ -364,6 +365,10 @@ def set_dropout_rng_state(state: dict) -> None:
     _dropout_rng.bit_generator.state = state
 
 
+def _draw_dropout_seed() -> np.ndarray:
+    return _dropout_rng.integers(0, 2**32, size=2, dtype=np.uint64).astype(np.uint32)
+
+
 def dropout(x, p: float = 0.5, training: bool = True, stream: int = 0):
     """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training)."""
     if not training or p == 0.0:
@@ -371,6 +376,5 @@ def dropout(x, p: float = 0.5, training: bool = True, stream: int = 0):
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     from vkformers.engine.tensor import Tensor
-    seed = Tensor(_dropout_rng.integers(0, 2**32, size=2, dtype=np.uint64).astype(np.uint32), dtype=dt.uint32,
-                  device=x.device)
+    seed = Tensor(generated_input(_draw_dropout_seed(), _draw_dropout_seed), dtype=dt.uint32, device=x.device)
     return DropoutFn.apply(x.contiguous(), seed, p=p, stream=stream)
