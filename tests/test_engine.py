@@ -196,3 +196,15 @@ def test_error_messages():
 
 def test_clamp_backward_passes_gradient_inside_the_range_only():
     check(lambda a: a.clamp(-0.5, 0.5), lambda a: np.clip(a, -0.5, 0.5), (13,))
+
+
+def test_scalar_operands_of_every_binary_op():
+    """A Python number on the right: each op computes only its own scalar (maximum(0.0) must not divide
+    by it), and x / 0.0 gives inf as numpy does."""
+    x = np.array([-1.5, 0.0, 2.0], np.float32)
+    t = vkf.tensor(x)
+    np.testing.assert_array_equal(t.maximum(0.0).numpy(), np.maximum(x, 0.0))
+    np.testing.assert_array_equal(t.minimum(0.0).numpy(), np.minimum(x, 0.0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.testing.assert_array_equal((t / 0.0).numpy(), x / np.float32(0.0))
+    np.testing.assert_allclose((t - 2.0).numpy(), x - 2.0)

@@ -246,11 +246,12 @@ def binary(a, b, op):
             target = _float_result(a.dtype, b.dtype)
             a, b = a.cast(target), b.cast(target)
         return BinaryFn.apply(a, b, op=op)
-    scalar_ops = {"add": ("add_scalar", b), "sub": ("add_scalar", -b), "mul": ("mul_scalar", b),
-                  "div": ("mul_scalar", 1.0 / b), "pow": ("pow_scalar", b)}
-    if op in scalar_ops:
-        name, value = scalar_ops[op]
-        return unary(a, name, value)
+    if op in ("add", "sub", "mul", "pow"):
+        name = {"add": "add_scalar", "sub": "add_scalar", "mul": "mul_scalar", "pow": "pow_scalar"}[op]
+        return unary(a, name, -b if op == "sub" else b)
+    if op == "div":  # x / 0 is inf or nan, as in numpy and torch
+        with np.errstate(divide="ignore"):
+            return unary(a, "mul_scalar", float(np.float64(1.0) / np.float64(b)))
     return binary(a, Tensor(np.float32(b), dtype=a.dtype, device=a.device), op)
 
 
