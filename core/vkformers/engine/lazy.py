@@ -535,9 +535,13 @@ class StepCapture:
             device = self.previous.plan.seq.device
             seq = device.sequence()
             hosts = []
-            for buf, _, _ in self.previous.outputs:
-                host = Buffer(device, buf.shape, buf.dtype, host_visible=True, name="step output")
-                seq.copy(buf, host).download(host)
+            for buf, view, _ in self.previous.outputs:
+                # only the span the view covers (the last token's logits, not all of them)
+                first = view.offset
+                count = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
+                host = Buffer(device, (count,), buf.dtype, host_visible=True, name="step output")
+                seq.copy(buf, host, nbytes=count * buf.dtype.itemsize, src_offset=first * buf.dtype.itemsize)
+                seq.download(host)
                 hosts.append(host)
             self.readback = (seq, hosts)
         seq, hosts = self.readback
@@ -545,7 +549,7 @@ class StepCapture:
         out = []
         for host, (_, view, dtype) in zip(hosts, self.previous.outputs):
             flat = host.host.reshape(-1)
-            x = np.lib.stride_tricks.as_strided(flat[view.offset:], shape=view.shape,
+            x = np.lib.stride_tricks.as_strided(flat, shape=view.shape,
                                                 strides=tuple(s * flat.itemsize for s in view.strides)).copy()
             out.append(dt.from_bfloat16(x) if dtype is dt.bfloat16 else x)
         return out
