@@ -140,8 +140,7 @@ def test_loss_drops_and_steps_replay_one_recording(tmp_path):
 def test_captured_steps_replay_without_building_and_equal_built_steps():
     """From step 3 a step replays its recorded plan without running the model's Python forward; with
     dropout (seeds drawn per step), a cosine schedule and clipping, losses and weights equal those of
-    steps built every time (to float32 rounding: the embedding's backward adds with float atomics, whose
-    order may change the gradient norm in its last bit)."""
+    steps built every time, exactly."""
     def run(build_every_step):
         model = tiny_model(dropout=0.1)
         config = TrainingConfig(steps=6, batch_size=4, seq_len=16, lr=1e-2, schedule="cosine", warmup=2, clip=0.5,
@@ -157,8 +156,8 @@ def test_captured_steps_replay_without_building_and_equal_built_steps():
         return losses(results), model.lm_head.weight.numpy(), len(forwards), steps
 
     captured, built = run(False), run(True)
-    np.testing.assert_allclose(captured[0], built[0], rtol=1e-6)
-    np.testing.assert_allclose(captured[1], built[1], rtol=1e-5, atol=1e-7)
+    assert captured[0] == built[0]
+    np.testing.assert_array_equal(captured[1], built[1])
     assert (captured[2], built[2]) == (2, 6)
     assert set(captured[3]) == set(built[3]) == {6}  # the optimizer counted every replayed step
 

@@ -2,8 +2,9 @@
 //   forward:  out[n, :] = table[ids[n], :]          (table, out: ELEM_T; ids: int32)
 //   backward: d_table[ids[n], :] += d_out[n, :]      (d_out: ELEM_T; d_table: float32)
 // An id outside [0, vocab) never reads or writes out of bounds: forward writes a zero
-// row, backward skips it. The backward scatter-adds with float atomics, so rows that
-// share an id are summed in an unspecified order (not bit-reproducible run to run).
+// row, backward skips it. The backward gives each invocation one column and walks the
+// tokens in order, so rows that share an id are summed in token order: bit-reproducible
+// (exact resume depends on it) and without float atomics, which not every GPU has.
 //! variant f32 -DFORWARD -DELEM_F32
 //! variant f16 -DFORWARD -DELEM_F16
 //! variant bf16 -DFORWARD -DELEM_BF16
@@ -12,7 +13,6 @@
 //! variant backward_bf16 -DBACKWARD -DELEM_BF16
 #version 450
 #extension GL_GOOGLE_include_directive : require
-#extension GL_EXT_shader_atomic_float : require
 #include "transformer_common.glsl"
 layout(local_size_x = 256) in;
 
@@ -31,15 +31,21 @@ layout(binding = 2) readonly buffer DOut { ELEM_T d_out[]; };
 #endif
 
 void main() {
+#ifdef FORWARD
     uint i = global_index();  // one invocation per output element
     if (i >= count * dim) return;
     uint n = i / dim;
     uint col = i - n * dim;
     int id = ids[ids_offset + n];
     bool valid = id >= 0 && uint(id) < vocab;
-#ifdef FORWARD
     out_rows[out_offset + i] = valid ? table[table_offset + uint(id) * dim + col] : store_elem(0.0);
 #else
-    if (valid) atomicAdd(d_table[table_offset + uint(id) * dim + col], load_elem(d_out[out_offset + i]));
+    uint col = global_index();  // one invocation per column, tokens in order
+    if (col >= dim) return;
+    for (uint n = 0; n < count; ++n) {
+        int id = ids[ids_offset + n];
+        if (id >= 0 && uint(id) < vocab)
+            d_table[table_offset + uint(id) * dim + col] += load_elem(d_out[out_offset + n * dim + col]);
+    }
 #endif
 }

@@ -2,9 +2,9 @@
 
 Ids outside [0, vocab) read nothing: the forward writes a zero row for them and the
 backward skips them (no flag is raised; validate ids on the host if that matters).
-The backward adds into a float32 ``d_table`` with float atomics (shaderBufferFloat32AtomicAdd),
-so it accumulates (zero it first with ``seq.fill``) and rows sharing an id are summed in
-an unspecified order: not bit-reproducible from run to run.
+The backward adds into a float32 ``d_table`` (it accumulates: zero it first with ``seq.fill``),
+one invocation per column walking the tokens in order: rows sharing an id are summed in token
+order, so gradients are bit-reproducible (exact resume) and no float atomics are needed.
 """
 from __future__ import annotations
 
@@ -34,13 +34,10 @@ def embedding(seq, table, ids, out, *, count: int, dim: int, vocab: int | None =
 
 def embedding_backward(seq, d_out, ids, d_table, *, count: int, dim: int, vocab: int | None = None):
     """d_table [vocab, dim] (float32) += d_out [count, dim] scattered by ids; accumulates."""
-    if not seq.device.features.get("shaderBufferFloat32AtomicAdd"):
-        raise RuntimeError("embedding_backward needs float atomics (shaderBufferFloat32AtomicAdd), "
-                           f"which {seq.device.name} does not enable")
     vocab = _sizes(d_table, dim, count, vocab)
     d_table = checked(d_table, "float32", vocab * dim, "embedding d_table")
     ids = checked(ids, "int32", count, "embedding ids")
     d_out = checked(d_out, ("float32", "float16", "bfloat16"), count * dim, "embedding d_out")
     kernel = seq.device.kernel("embedding", "backward_" + element_variant(d_out, "embedding d_out"))
-    seq.dispatch(kernel, [ids.buffer, d_table.buffer, d_out.buffer], element_groups(seq, count * dim),
+    seq.dispatch(kernel, [ids.buffer, d_table.buffer, d_out.buffer], element_groups(seq, dim),
                  push=[count, dim, vocab, ids.offset, d_table.offset, d_out.offset])
