@@ -64,8 +64,9 @@ def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False)
     captured = trainer._capture.ready
     peak = vulkan.buffer_memory()["peak_bytes"] - start_bytes
     tokens = batches[0][0].size
-    if profile:
-        profile_gpu(f"{dtype} {mode} step", lambda: trainer.train_step([batches[0]]))
+    if profile:  # forget the captured step so that its plan is recorded again, with timestamps
+        trainer._capture.forget()
+        profile_gpu(f"{dtype} {mode} step", lambda: trainer.train_step([batches[0]]), runs=3)
     del trainer, model
     gc.collect()
     return {"tok_s": tokens / seconds, "step_s": seconds, "peak_gib": peak / 2**30,
