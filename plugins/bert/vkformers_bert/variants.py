@@ -1,0 +1,272 @@
+"""Per-architecture deltas: how each bidirectional encoder's config.json fills an :class:`EncoderSpec`.
+
+A variant is BERT plus a declared difference (RoBERTa: other names, positions counted
+from the padding index, a GELU head; MegatronBERT: pre-LayerNorm; ALBERT: factorised
+embeddings and one block shared by every layer; ...). Every variant keeps Hugging Face's
+parameter names, so checkpoints load and save unchanged.
+
+A config option that changes the maths but is not implemented raises
+:class:`UnsupportedConfigError` naming the option instead of silently computing something else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from vkformers.errors import VkformersError
+
+
+class UnsupportedConfigError(VkformersError, ValueError):
+    """A config option of a known encoder architecture that the shared encoder does not implement."""
+
+
+@dataclass
+class EncoderSpec:
+    """Every knob of the shared encoder block. Paths are Hugging Face parameter names."""
+
+    # -- sizes
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2                 # 0: no token-type embeddings
+    embedding_size: int | None = None        # width of the embeddings when it differs from hidden (ALBERT, ELECTRA)
+    head_size: int | None = None             # width of the MLM head's transform (None: embedding width)
+
+    # -- embeddings (paths relative to `embeddings`, except embed_project)
+    embeddings: str = "bert.embeddings"
+    word: str = "word_embeddings"
+    position: str | None = "position_embeddings"
+    token_type: str | None = "token_type_embeddings"
+    embed_norm: str | None = "LayerNorm"
+    embed_project: str | None = None         # full path: embedding width -> hidden (ELECTRA, ALBERT, RemBERT)
+
+    # -- layers: block i lives at layer_paths[i] (ALBERT repeats one path) or f"{layers}.{i}"
+    layers: str = "bert.encoder.layer"
+    layer_paths: tuple[str, ...] = ()
+    q_proj: str = "attention.self.query"
+    k_proj: str = "attention.self.key"
+    v_proj: str = "attention.self.value"
+    o_proj: str = "attention.output.dense"
+    attn_norm: str = "attention.output.LayerNorm"   # post-LN: after the residual; pre-LN: on the block input
+    up_proj: str = "intermediate.dense"
+    down_proj: str = "output.dense"
+    mlp_norm: str = "output.LayerNorm"
+    pre_norm: bool = False                   # x + f(norm(x)) instead of norm(x + f(x))
+    final_norm: str | None = None            # full path (pre-LN encoders)
+
+    # -- numerics
+    norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+
+    # -- positions
+    positions: str = "absolute"              # absolute (learned table) | rotary | none
+    positions_from_padding: bool = False     # RoBERTa: cumsum(ids != pad) * (ids != pad) + pad
+    pad_token_id: int | None = 0
+    rotary_interleaved: bool = False         # RoFormer rotates pairs (2i, 2i+1); ESM rotate_half
+    rotary_value: bool = False               # RoFormer's rotary_value: rotate v too
+    rope_theta: float = 10000.0
+    frozen: tuple[str, ...] = ()             # full paths of checkpoint tables that are not trained (RoFormer's sinusoids)
+    unused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # parameters the MLM forward never reads (ESM contact head)
+
+    # -- ESM's embedding tweaks
+    token_dropout: bool = False              # zero the mask token's embedding, rescale by the observed mask ratio
+    mask_token_id: int | None = None
+    zero_padded_embeddings: bool = False     # embeddings * attention_mask
+
+    # -- MLM head: decoder(norm(act(dense(x)))) + bias
+    head_dense: str = "cls.predictions.transform.dense"
+    head_norm: str = "cls.predictions.transform.LayerNorm"
+    head_act: str = "gelu"
+    decoder: str = "cls.predictions.decoder"
+    decoder_bias: str | None = "cls.predictions.bias"   # separate bias parameter; None: the decoder Linear's own
+    tie_embeddings: bool = True
+
+    @property
+    def embed_dim(self) -> int:
+        return self.embedding_size or self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def layer_path(self, index: int) -> str:
+        return self.layer_paths[index] if self.layer_paths else f"{self.layers}.{index}"
+
+
+# ---------------------------------------------------------------- config readers
+
+def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
+    """Raise UnsupportedConfigError when config[option] (or its default) is a value we do not implement."""
+    value = config.get(option, default)
+    if not supported(value):
+        raise UnsupportedConfigError(f"{arch}: config option {option}={value!r} is not supported by vkformers' "
+                                     f"encoder yet")
+
+
+def _common_refusals(arch: str, config: dict) -> None:
+    refuse(arch, config, "is_decoder", lambda v: not v, False)
+    refuse(arch, config, "add_cross_attention", lambda v: not v, False)
+    # transformers 5 dropped relative position embeddings from BERT-likes; a checkpoint trained with them
+    # would compute something else, so it is refused rather than run with absolute positions
+    refuse(arch, config, "position_embedding_type", lambda v: v in (None, "absolute"))
+
+
+def bert(config: dict, prefix: str = "bert") -> EncoderSpec:
+    arch = config.get("model_type", "bert")
+    _common_refusals(arch, config)
+    return EncoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
+        intermediate_size=config["intermediate_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 512),
+        type_vocab_size=config.get("type_vocab_size", 2), norm_eps=config.get("layer_norm_eps", 1e-12),
+        hidden_act=config.get("hidden_act", "gelu"), head_act=config.get("hidden_act", "gelu"),
+        pad_token_id=config.get("pad_token_id", 0), tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        embeddings=f"{prefix}.embeddings", layers=f"{prefix}.encoder.layer")
+
+
+def ernie(config: dict) -> EncoderSpec:
+    refuse("ernie", config, "use_task_id", lambda v: not v, False)  # task-type embeddings
+    return bert(config, "ernie")
+
+
+def megatron_bert(config: dict) -> EncoderSpec:
+    """Pre-LN BERT: no embedding LayerNorm, attention.ln / ln before the sublayers, encoder.ln at the end."""
+    return replace(bert(config), embed_norm=None, pre_norm=True, attn_norm="attention.ln", mlp_norm="ln",
+                   final_norm="bert.encoder.ln")
+
+
+ROBERTA_HEAD = dict(head_dense="lm_head.dense", head_norm="lm_head.layer_norm", head_act="gelu",
+                    decoder="lm_head.decoder", decoder_bias="lm_head.bias")
+
+
+def roberta(config: dict, prefix: str = "roberta") -> EncoderSpec:
+    """BERT with positions counted from padding_idx + 1 (padding tokens take padding_idx) and a GELU head."""
+    return replace(bert(config, prefix), positions_from_padding=True, pad_token_id=config.get("pad_token_id", 1),
+                   **ROBERTA_HEAD)
+
+
+def data2vec_text(config: dict) -> EncoderSpec:
+    return roberta(config, "data2vec_text")
+
+
+def roberta_prelayernorm(config: dict) -> EncoderSpec:
+    """RoBERTa with pre-LN blocks (attention.LayerNorm, intermediate.LayerNorm) and a final LayerNorm."""
+    return replace(roberta(config, "roberta_prelayernorm"), pre_norm=True, attn_norm="attention.LayerNorm",
+                   mlp_norm="intermediate.LayerNorm", final_norm="roberta_prelayernorm.LayerNorm")
+
+
+def xlm_roberta_xl(config: dict) -> EncoderSpec:
+    """Pre-LN RoBERTa without the embedding LayerNorm (the XL/XXL models)."""
+    return replace(roberta(config), embed_norm=None, pre_norm=True, attn_norm="attention.self_attn_layer_norm",
+                   mlp_norm="LayerNorm", final_norm="roberta.encoder.LayerNorm")
+
+
+def electra(config: dict) -> EncoderSpec:
+    """BERT embeddings of width embedding_size, projected to hidden; the generator's MLM head (GELU)."""
+    spec = bert(config, "electra")
+    size = config.get("embedding_size", 128)
+    return replace(spec, embedding_size=size,
+                   embed_project="electra.embeddings_project" if size != spec.hidden_size else None,
+                   head_dense="generator_predictions.dense", head_norm="generator_predictions.LayerNorm",
+                   head_act="gelu", decoder="generator_lm_head", decoder_bias=None)
+
+
+def albert(config: dict) -> EncoderSpec:
+    """Factorised embeddings (embedding_size -> hidden) and one block per group, shared by its layers."""
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "gelu_new")), "albert")
+    groups, inner = config.get("num_hidden_groups", 1), config.get("inner_group_num", 1)
+    group = "albert.encoder.albert_layer_groups"
+    paths = []
+    for i in range(spec.num_layers):  # transformers: group int(i / (layers / groups)), each applies its inner layers
+        g = int(i / (spec.num_layers / groups))
+        paths += [f"{group}.{g}.albert_layers.{j}" for j in range(inner)]
+    return replace(spec, num_layers=len(paths), layer_paths=tuple(paths), embedding_size=config.get("embedding_size", 128),
+                   embed_project="albert.encoder.embedding_hidden_mapping_in", q_proj="attention.query",
+                   k_proj="attention.key", v_proj="attention.value", o_proj="attention.dense",
+                   attn_norm="attention.LayerNorm", up_proj="ffn", down_proj="ffn_output",
+                   mlp_norm="full_layer_layer_norm", head_dense="predictions.dense", head_norm="predictions.LayerNorm",
+                   decoder="predictions.decoder", decoder_bias="predictions.bias")
+
+
+def rembert(config: dict) -> EncoderSpec:
+    """Input embeddings of input_embedding_size projected to hidden; an untied head of output_embedding_size."""
+    spec = bert(dict(config, tie_word_embeddings=config.get("tie_word_embeddings", False)), "rembert")
+    return replace(spec, embedding_size=config.get("input_embedding_size", 256),
+                   head_size=config.get("output_embedding_size", 1664),
+                   embed_project="rembert.encoder.embedding_hidden_mapping_in", head_dense="cls.predictions.dense",
+                   head_norm="cls.predictions.LayerNorm", decoder_bias=None)
+
+
+def roformer(config: dict) -> EncoderSpec:
+    """Word + token-type embeddings only; interleaved rotary (sinusoid table as a frozen checkpoint tensor)."""
+    spec = bert(config, "roformer")
+    size = config.get("embedding_size") or spec.hidden_size
+    return replace(spec, embedding_size=size, position=None, positions="rotary", rotary_interleaved=True,
+                   rotary_value=bool(config.get("rotary_value", False)),
+                   embed_project="roformer.embeddings_project" if size != spec.hidden_size else None,
+                   frozen=("roformer.encoder.embed_positions.weight",))
+
+
+def distilbert(config: dict) -> EncoderSpec:
+    arch = "distilbert"
+    refuse(arch, config, "sinusoidal_pos_embds", lambda v: not v, False)
+    dim = config["dim"]
+    return EncoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=dim, num_layers=config["n_layers"], num_heads=config["n_heads"],
+        intermediate_size=config["hidden_dim"], max_position_embeddings=config.get("max_position_embeddings", 512),
+        type_vocab_size=0, token_type=None, norm_eps=1e-12, hidden_act=config.get("activation", "gelu"),
+        head_act=config.get("activation", "gelu"), pad_token_id=config.get("pad_token_id", 0),
+        embeddings="distilbert.embeddings", layers="distilbert.transformer.layer", q_proj="attention.q_lin",
+        k_proj="attention.k_lin", v_proj="attention.v_lin", o_proj="attention.out_lin", attn_norm="sa_layer_norm",
+        up_proj="ffn.lin1", down_proj="ffn.lin2", mlp_norm="output_layer_norm", head_dense="vocab_transform",
+        head_norm="vocab_layer_norm", decoder="vocab_projector", decoder_bias=None,
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def esm(config: dict) -> EncoderSpec:
+    """Pre-LN; positions from padding (absolute) or rotate_half rotary; token dropout; GELU everywhere."""
+    arch = "esm"
+    refuse(arch, config, "is_folding_model", lambda v: not v, False)
+    position_type = config.get("position_embedding_type", "absolute")
+    if position_type not in ("absolute", "rotary"):
+        raise UnsupportedConfigError(f"esm: config option position_embedding_type={position_type!r} is not "
+                                     "supported by vkformers' encoder yet")
+    spec = bert(dict(config, position_embedding_type=None, hidden_act="gelu", type_vocab_size=0), "esm")
+    rotary = position_type == "rotary"
+    if config.get("token_dropout") and config.get("mask_token_id") is None:
+        raise UnsupportedConfigError("esm: config option token_dropout=True needs mask_token_id")
+    if not rotary and config.get("pad_token_id") is None:
+        raise UnsupportedConfigError("esm: absolute positions need pad_token_id (positions count from it)")
+    heads = spec.num_heads * spec.num_layers
+    return replace(spec, token_type=None, type_vocab_size=0,
+                   embed_norm="layer_norm" if config.get("emb_layer_norm_before") else None,
+                   position=None if rotary else "position_embeddings", positions="rotary" if rotary else "absolute",
+                   positions_from_padding=not rotary, pad_token_id=config.get("pad_token_id"),
+                   pre_norm=True, attn_norm="attention.LayerNorm", mlp_norm="LayerNorm",
+                   final_norm="esm.encoder.emb_layer_norm_after", token_dropout=bool(config.get("token_dropout")),
+                   mask_token_id=config.get("mask_token_id"), zero_padded_embeddings=True,
+                   unused=(("esm.contact_head.regression.weight", (1, heads)),
+                           ("esm.contact_head.regression.bias", (1,))),
+                   **ROBERTA_HEAD)
+
+
+VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = {
+    "bert": bert, "ernie": ernie, "megatron-bert": megatron_bert, "roberta": roberta, "xlm-roberta": roberta,
+    "camembert": roberta, "data2vec-text": data2vec_text, "roberta-prelayernorm": roberta_prelayernorm,
+    "xlm-roberta-xl": xlm_roberta_xl, "electra": electra, "albert": albert, "rembert": rembert,
+    "roformer": roformer, "distilbert": distilbert, "esm": esm,
+}
+
+
+def encoder_spec(config: dict, architecture_name: str) -> EncoderSpec:
+    """The spec of a config (already resolved to ``architecture_name``, its canonical name)."""
+    try:
+        variant = VARIANTS[architecture_name]
+    except KeyError:
+        raise UnsupportedConfigError(f"architecture {architecture_name!r} is registered by vkformers-bert but has "
+                                     f"no encoder variant yet; implemented: {', '.join(sorted(VARIANTS))}") from None
+    return variant(config)

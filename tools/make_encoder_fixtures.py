@@ -1,0 +1,282 @@
+"""Write tests/fixtures/encoders/<name>/: tiny random Hugging Face masked-LM encoders plus transformers' outputs.
+
+Each fixture is a 2-layer, hidden-32 *ForMaskedLM model built from a config alone (no network),
+re-initialised from a fixed seed (tools/make_fixtures.py's reinit_), and what transformers computes
+for a [2, 8] batch whose second row is right-padded by 2: logits, the masked-LM loss, every
+parameter's gradient and the parameters after one AdamW step. vkformers' tests
+(tests/test_encoder_parity.py) load the folder with AutoModelForMaskedLM and compare. Layout:
+tests/fixtures/encoders/README.md. Needs transformers and torch (CPU):
+
+    python tools/make_encoder_fixtures.py                  # every fixture
+    python tools/make_encoder_fixtures.py --only bert,esm  # just these
+    python tools/make_encoder_fixtures.py --list
+
+Deterministic: one CPU thread, fixed seeds, sorted JSON (meta.json records the versions).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForMaskedLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_fixtures import (ADAMW, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, SEQ, VEC_STD, VOCAB,  # noqa: E402
+                           check_overrides, reinit_)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "tests" / "fixtures" / "encoders"
+MAX_POS = 40
+RIGHT_PAD = 2
+FIRST_TOKEN = 5                   # inputs use ids FIRST_TOKEN..VOCAB-1: clear of pad/bos/eos/mask ids below 5
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+B = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+         intermediate_size=INTER, max_position_embeddings=MAX_POS, initializer_range=0.2, **NO_DROPOUT)
+ROBERTA_TOK = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
+
+
+@dataclass
+class Spec:
+    name: str                    # fixture folder
+    model_type: str              # HF model_type
+    overrides: dict
+    notes: list = field(default_factory=list)
+    mask_token_id: int | None = None  # put this id into the inputs at a few labelled positions (ESM token dropout)
+
+
+SPECS = [
+    Spec("bert", "bert", dict(B), ["post-LN; absolute positions arange(T); token types; GELU head tied to the "
+                                   "word embeddings + cls.predictions.bias."]),
+    Spec("roberta", "roberta", dict(B, **ROBERTA_TOK),
+         ["positions from padding: cumsum(ids != pad) * (ids != pad) + pad (pad 1), so real tokens start at 2; "
+          "head lm_head.dense -> gelu -> layer_norm -> tied decoder + lm_head.bias."]),
+    Spec("xlm-roberta", "xlm-roberta", dict(B, **ROBERTA_TOK),
+         ["RoBERTa; transformers names the tied weight lm_head.decoder.weight in named_parameters, the file holds it "
+          "as roberta.embeddings.word_embeddings.weight (gradients here use the file's name)."]),
+    Spec("camembert", "camembert", dict(B, **ROBERTA_TOK), ["RoBERTa (as xlm-roberta)."]),
+    Spec("data2vec-text", "data2vec-text", dict(B, **ROBERTA_TOK), ["RoBERTa under the data2vec_text prefix."]),
+    Spec("ernie", "ernie", dict(B), ["BERT under the ernie prefix (use_task_id off)."]),
+    Spec("distilbert", "distilbert", dict(vocab_size=VOCAB, dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
+                                          hidden_dim=INTER, max_position_embeddings=MAX_POS, dropout=0.0,
+                                          attention_dropout=0.0, initializer_range=0.2),
+         ["no token types; q_lin/k_lin/v_lin/out_lin, sa_layer_norm, ffn.lin1/lin2, output_layer_norm; head "
+          "vocab_transform -> gelu -> vocab_layer_norm -> vocab_projector (tied, own bias); LayerNorm eps 1e-12."]),
+    Spec("electra", "electra", dict(B, embedding_size=16),
+         ["embeddings of width 16 (embedding_size) projected to 32 by embeddings_project; generator head "
+          "generator_predictions.dense (32 -> 16) -> gelu -> LayerNorm -> generator_lm_head tied (16 -> 48)."]),
+    Spec("albert", "albert", dict(B, embedding_size=16),
+         ["factorised embeddings (16) mapped to hidden by encoder.embedding_hidden_mapping_in; ONE layer group "
+          "shared by both layers (gradients of the shared block sum two uses); gelu_new; head predictions.dense "
+          "(32 -> 16) -> gelu_new -> LayerNorm -> tied decoder + predictions.bias."]),
+    Spec("roberta-prelayernorm", "roberta-prelayernorm", dict(B, **ROBERTA_TOK),
+         ["pre-LN: attention.LayerNorm before self-attention, intermediate.LayerNorm before the MLP, final "
+          "roberta_prelayernorm.LayerNorm; embeddings keep their LayerNorm."]),
+    Spec("megatron-bert", "megatron-bert", dict(B),
+         ["pre-LN BERT: no embedding LayerNorm, attention.ln / ln before the sublayers, encoder.ln at the end."]),
+    Spec("xlm-roberta-xl", "xlm-roberta-xl", dict(B, **ROBERTA_TOK),
+         ["pre-LN RoBERTa without embedding LayerNorm (attention.self_attn_layer_norm, LayerNorm, "
+          "encoder.LayerNorm); type_vocab_size 1."]),
+    Spec("rembert", "rembert", dict(B, input_embedding_size=16, output_embedding_size=40),
+         ["input embeddings of width 16 mapped to 32 (encoder.embedding_hidden_mapping_in); UNTIED head "
+          "cls.predictions.dense (32 -> 40) -> gelu -> LayerNorm -> decoder (40 -> 48, own bias)."]),
+    Spec("roformer", "roformer", dict(B),
+         ["no absolute positions: interleaved rotary (pairs 2i, 2i+1) on q and k from the sinusoid table "
+          "encoder.embed_positions (a frozen parameter: restored to its sinusoids after the random re-init, "
+          "no gradient, no AdamW update)."]),
+    Spec("esm", "esm", dict(B, pad_token_id=1, mask_token_id=4, token_dropout=True, position_embedding_type="rotary",
+                            emb_layer_norm_before=False),
+         ["ESM-2 layout: rotate_half rotary on arange positions, query scaled before rotation; token dropout "
+          "(mask token 4 appears in the inputs: its embedding is zeroed and the row rescaled by 0.88 / (1 - mask "
+          "ratio)); embeddings zeroed at padding; pre-LN with emb_layer_norm_after; contact head unused by the "
+          "MLM loss (no gradient)."], mask_token_id=4),
+    Spec("esm_absolute", "esm", dict(B, pad_token_id=1, mask_token_id=4, token_dropout=False,
+                                     position_embedding_type="absolute", emb_layer_norm_before=True),
+         ["ESM-1b layout: absolute positions counted from padding (as RoBERTa), embedding LayerNorm, no token "
+          "dropout."]),
+]
+
+
+def make_inputs(config, mask_token_id=None):
+    """ids [2, 8] (row 1 right-padded by 2 with the pad id), mask, labels (-100 at padding and unlabelled
+    positions), token types (two segments) when the model has them."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(FIRST_TOKEN, VOCAB, (2, SEQ), generator=g, dtype=torch.int64)
+    mask = torch.ones(2, SEQ, dtype=torch.int64)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    ids[1, SEQ - RIGHT_PAD:] = pad
+    mask[1, SEQ - RIGHT_PAD:] = 0
+    labelled = torch.rand((2, SEQ), generator=g) < 0.6
+    labelled &= mask.bool()
+    labels = torch.where(labelled, torch.randint(FIRST_TOKEN, VOCAB, (2, SEQ), generator=g), -100)
+    if mask_token_id is not None:  # masked-LM inputs: a few labelled positions hold the mask token
+        ids[0, 1] = ids[0, 4] = ids[1, 2] = mask_token_id
+        labels[0, 1], labels[0, 4], labels[1, 2] = 7, 9, 11
+    types = torch.zeros(2, SEQ, dtype=torch.int64)
+    if getattr(config, "type_vocab_size", 0) and config.type_vocab_size >= 2:
+        types[0, SEQ // 2:] = 1
+        types[1, 3:SEQ - RIGHT_PAD] = 1
+    return ids, mask, labels, types
+
+
+def _restore_fixed_tables(model):
+    """Tables that are fixed functions, not weights (RoFormer's sinusoids): back to their values after reinit_."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "create_weight") and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.copy_(module.create_weight())
+
+
+def _legacy(name: str) -> str:
+    """The TF-era spelling transformers still writes for some models (ESM): LayerNorm.gamma / .beta."""
+    return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+
+
+def _saved_names(model, saved_keys) -> dict[str, str]:
+    """named_parameters() name -> the name of the tensor the file holds for it (tied weights: the embedding's),
+    in its current spelling (a file's LayerNorm.gamma is reported as LayerNorm.weight, as transformers loads it)."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    out = {}
+    for name, p in model.named_parameters():
+        stored = [a for a in aliases[id(p)] if a in saved_keys or _legacy(a) in saved_keys]
+        if not stored:
+            raise RuntimeError(f"parameter {name} is not in the saved file")
+        out[name] = stored[0]
+    return out
+
+
+def build(spec: Spec, out_root: Path):
+    out = out_root / spec.name
+    if out.exists():
+        shutil.rmtree(out)
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
+    model = AutoModelForMaskedLM.from_config(config, attn_implementation="eager", dtype=torch.float32).float().eval()
+    issues = check_overrides(model.config, spec.overrides)
+    reinit_(model)
+    _restore_fixed_tables(model)
+
+    tmp = out_root / (spec.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    saved_keys = set(load_file(str(tmp / "model.safetensors")).keys())
+    names = _saved_names(model, saved_keys)
+    params = dict(model.named_parameters())
+
+    ids, mask, labels, types = make_inputs(model.config, spec.mask_token_id)
+    has_types = any(n.endswith("token_type_embeddings.weight") for n in names.values())
+    kwargs = dict(token_type_ids=types) if has_types else {}
+    out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+    logits = out_fwd.logits.detach().float()
+    out_fwd.loss.backward()
+    ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32), "labels": labels.to(torch.int32),
+           "logits": logits.contiguous(), "loss": out_fwd.loss.detach().float().reshape(())}
+    if has_types:
+        ref["token_type_ids"] = types.to(torch.int32)
+    no_grad = []
+    for n, p in params.items():
+        if p.grad is None:
+            no_grad.append(names[n])
+            ref[f"grad.{names[n]}"] = torch.zeros_like(p.detach())
+        else:
+            ref[f"grad.{names[n]}"] = p.grad.detach().float().contiguous().clone()
+
+    with torch.no_grad():  # the saved folder reproduces the logits when transformers reloads it
+        reloaded = AutoModelForMaskedLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
+        reload_diff = (reloaded(input_ids=ids, attention_mask=mask, **kwargs).logits - logits)[mask.bool()].abs().max()
+
+    opt = torch.optim.AdamW(list(params.values()), foreach=False, **ADAMW)
+    opt.step()
+    for n, p in params.items():
+        ref[f"adamw.{names[n]}"] = p.detach().float().contiguous().clone()
+    for k, v in ref.items():
+        if not torch.isfinite(v.float()).all():
+            raise RuntimeError(f"non-finite values in {k}")
+    save_file(ref, str(tmp / "reference.safetensors"))
+
+    meta = {
+        "fixture": spec.name,
+        "model_type": spec.model_type,
+        "model_class": type(model).__name__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "config_overrides": spec.overrides,
+        "config_override_issues": issues,
+        "attn_implementation": "eager",
+        "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), "
+                f"1-D params += N(0,{VEC_STD}), generator seed 1234, named_parameters() order "
+                "(tools/make_fixtures.reinit_); fixed sinusoid tables restored afterwards",
+        "adamw": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],
+                  "weight_decay": ADAMW["weight_decay"], "foreach": False},
+        "notes": spec.notes,
+        "num_parameters": sum(p.numel() for p in params.values()),
+        "parameters": sorted(names.values()),
+        "renamed_in_file": {n: s for n, s in names.items() if n != s},
+        "token_type_ids": has_types,
+        "params_without_grad": sorted(no_grad),
+        "checks": {
+            "loss": round(out_fwd.loss.item(), 6),
+            "logits_std": round(logits[mask.bool()].std().item(), 4),
+            "labelled_positions": int((labels != -100).sum()),
+            "reloaded_logits_max_abs_diff": float(f"{reload_diff.item():.3g}"),
+        },
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated fixture names")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failures")
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in SPECS:
+            print(f"{s.name:22s} {s.model_type:22s} {' '.join(s.notes)[:90]}")
+        return 0
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    only = [x for x in args.only.split(",") if x]
+    unknown = set(only) - {s.name for s in SPECS}
+    if unknown:
+        ap.error(f"unknown fixture(s): {sorted(unknown)}")
+    failed = 0
+    for spec in SPECS:
+        if only and spec.name not in only:
+            continue
+        try:
+            meta = build(spec, out_root)
+            print(f"ok    {spec.name:22s} loss={meta['checks']['loss']:.4f} std={meta['checks']['logits_std']} "
+                  f"reload_diff={meta['checks']['reloaded_logits_max_abs_diff']} issues={meta['config_override_issues']}")
+        except Exception as e:  # report and go on
+            failed += 1
+            tmp = out_root / (spec.name + ".tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            print(f"FAIL  {spec.name:22s} {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            if args.verbose:
+                traceback.print_exc()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
