@@ -51,7 +51,9 @@ def _unsupported_reason(folder: Path) -> str | None:
     from vkformers_llama.variants import UnsupportedConfigError, decoder_spec
     config = load_config(folder)
     architecture = registry().resolve(config)
-    if architecture.family != "llama":
+    if architecture.family == "moe":  # the same decoder with a mixture-of-experts block (vkformers-moe's variants)
+        from vkformers_moe.variants import decoder_spec
+    elif architecture.family != "llama":
         return f"architecture {architecture.name} belongs to vkformers-{architecture.family}"
     try:
         decoder_spec(config, architecture.name)

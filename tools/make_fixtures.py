@@ -74,6 +74,9 @@ class Spec:
     adamw_steps: int = 1             # 2: also store adamw2.<param> (a second forward/backward + step)
     saved_model_type: str | None = None  # config.json's model_type when the config class writes another
     #                                      (GPT-SW3 is GPT2Config, which saves "gpt2")
+    saved_names: bool = False        # grad./adamw. under the names save_pretrained writes, not the in-memory ones
+    #                                  (mixture-of-experts: transformers 5 fuses the experts in memory, saves one
+    #                                  module per expert)
 
 
 def _gpt2_names(**kw):
@@ -393,12 +396,36 @@ SPECS = [
           "beta = sigmoid(b); delta-rule state update per token; RMSNorm(out) * silu(z) -> out_proj; padded "
           "positions zeroed on input); layer 1 softmax attention whose q_proj also yields a sigmoid output gate, "
           "(1+w) q/k RMSNorm, partial rotary 0.25 of head_dim 16; (1+w) RMSNorm everywhere else."]),
+    # ---- mixture-of-experts decoders (vkformers-moe); references under the saved per-expert names -----------
+    Spec("mixtral", "mixtral", dict(L, num_local_experts=4, num_experts_per_tok=2, sliding_window=SW),
+         ["Mistral (sliding_window 4) whose MLP is a sparse MoE block in every layer: router block_sparse_moe.gate "
+          "(softmax over 4 experts, top-2, renormalised), SwiGLU experts saved as experts.<e>.w1 (gate) / w3 (up) / "
+          "w2 (down) (transformers 5 fuses them in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I])."],
+         saved_names=True),
+    Spec("qwen2_moe", "qwen2_moe", dict(L, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=20, mlp_only_layers=[0]),
+         ["layer 0 dense (mlp_only_layers=[0], intermediate 24), layer 1 sparse: softmax router over 4 experts, top-2 "
+          "NOT renormalised (norm_topk_prob False), experts of width 16, plus a shared expert (width 20) scaled by "
+          "sigmoid(shared_expert_gate(x)); q/k/v biases (qkv_bias)."], saved_names=True),
+    Spec("qwen3_moe", "qwen3_moe", dict(L, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                        norm_topk_prob=True),
+         ["Qwen3 attention (per-head q/k RMSNorm, head_dim 16) with a sparse MoE block in every layer: softmax "
+          "router over 4 experts, top-2 renormalised (norm_topk_prob), experts of width 16, no shared expert."],
+         saved_names=True),
+    Spec("olmoe", "olmoe", dict(L, num_experts=4, num_experts_per_tok=2, clip_qkv=1.0),
+         ["OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv 1.0) with a sparse MoE block in "
+          "every layer: softmax router over 4 experts, top-2 not renormalised (norm_topk_prob False)."],
+         saved_names=True),
+    Spec("granitemoe", "granitemoe", dict(L, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                                          logits_scaling=0.5, residual_multiplier=0.5, attention_multiplier=0.25),
+         ["Granite multipliers with a sparse MoE block in every layer: router block_sparse_moe.router.layer, softmax "
+          "over the top-2 of 4 router logits; experts saved fused: input_linear.weight [E, 2I, H] ([gate | up]) and "
+          "output_linear.weight [E, H, I]."], saved_names=True),
 ]
 
 
 SKIPPED = {
     # model_type: reason (not attempted)
-    "mixtral": "MoE (vkformers-moe)",
     "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
     "olmo_hybrid": "not verified: its Gated DeltaNet layers compute like qwen3_5_text's (separate q/k/v projections, "
                    "beta = 2 sigmoid(b), o_norm eps 1e-5, pre-norm linear blocks between OLMo 2 attention blocks), but "
@@ -459,6 +486,22 @@ def check_overrides(config, overrides):
         elif got != v:
             issues.append(f"{k}: asked {v!r}, config has {got!r}")
     return issues
+
+
+def _saved_layout(model, tensors: dict) -> dict:
+    """{in-memory name: tensor} -> {saved name: tensor}, by the conversion save_pretrained applies."""
+    from transformers.core_model_loading import revert_weight_conversion
+    return {n: t.detach().float().contiguous().clone() for n, t in revert_weight_conversion(model, dict(tensors)).items()}
+
+
+def _with_saved_names(model, ref: dict) -> dict:
+    """The reference with grad./adamw./adamw2. tensors renamed (and split) as model.safetensors stores them."""
+    out = {k: v for k, v in ref.items() if not k.startswith(("grad.", "adamw.", "adamw2."))}
+    for kind in ("grad", "adamw", "adamw2"):
+        named = {k[len(kind) + 1:]: v for k, v in ref.items() if k.startswith(kind + ".")}
+        if named:
+            out.update({f"{kind}.{n}": t for n, t in _saved_layout(model, named).items()})
+    return out
 
 
 def build(spec: Spec, out_root: Path):
@@ -556,6 +599,9 @@ def build(spec: Spec, out_root: Path):
     for k, v in ref.items():
         if not torch.isfinite(v.float()).all():
             raise RuntimeError(f"non-finite values in {k}")
+    if spec.saved_names:
+        ref = _with_saved_names(model, ref)
+        no_grad = sorted(_saved_layout(model, {n: params[n].detach() for n in no_grad})) if no_grad else []
     save_file(ref, str(tmp / "reference.safetensors"))
 
     saved = set(load_file(str(tmp / "model.safetensors")).keys())
@@ -595,6 +641,9 @@ def build(spec: Spec, out_root: Path):
             "greedy_first_step_vs_batch_logits_max_abs_diff": float(f"{prefill_diff:.3g}"),
         },
     }
+    if spec.saved_names:
+        meta["reference_names"] = ("saved: grad./adamw. keys (and params_without_grad) use the names of "
+                                   "model.safetensors (one tensor per expert), not named_parameters()")
     if spec.adamw_steps == 2:
         meta["adamw"]["second_step"] = "adamw2.<param>: a second forward/backward on the same batch, then step"
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")

@@ -37,7 +37,8 @@ IGNORE_INDEX = -100
 
 # Buffers some checkpoints carry that are not parameters (causal-mask and rotary caches).
 IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
-                           "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps")  # the last two: xIELU (Apertus)
+                           "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps",  # these two: xIELU (Apertus)
+                           ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
 
 
 def place(root: Module, path: str, module: Module) -> Module:
@@ -210,14 +211,18 @@ class DecoderLayer(Module):
             add("q_norm", _join(s.attn, s.q_norm), make_norm(s, q_out if full else s.head_dim))
             add("k_norm", _join(s.attn, s.k_norm), make_norm(s, kv_out if full else s.head_dim))
         inter = s.intermediate_size
-        if s.mlp_kind == "gated" and s.gate_up_proj:
+        sparse = s.moe.block(s, index) if s.moe is not None else None
+        if sparse is not None:  # a mixture-of-experts block instead of the dense MLP (vkformers-moe)
+            add("moe", sparse.path, sparse)
+        elif s.mlp_kind == "gated" and s.gate_up_proj:
             add("gate_up", _join(s.mlp, s.gate_up_proj), make_projection(s, d, 2 * inter, bias=s.mlp_bias))
         elif s.mlp_kind == "gated":
             add("gate", _join(s.mlp, s.gate_proj), make_projection(s, d, inter, bias=s.mlp_bias))
             add("up", _join(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
         else:
             add("up", _join(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
-        add("down", _join(s.mlp, s.down_proj), make_projection(s, inter, d, bias=s.mlp_bias))
+        if sparse is None:
+            add("down", _join(s.mlp, s.down_proj), make_projection(s, inter, d, bias=s.mlp_bias))
         if s.attn_sub_norm:
             add("attn_sub_norm", _join(s.attn, s.attn_sub_norm), make_norm(s, q_out))
         if s.mlp_sub_norm:
@@ -361,10 +366,12 @@ class DecoderLayer(Module):
             split = q.reshape(batch, length, s.num_heads, 2 * s.head_dim)
             gate = F.sigmoid(split[..., s.head_dim:].contiguous().reshape(batch, length, s.num_heads * s.head_dim))
             q = split[..., :s.head_dim].contiguous().reshape(batch, length, s.num_heads * s.head_dim)
+        if "q_norm" in p and s.qk_norm_scope == "full" and s.clip_after_qk_norm:
+            q, k = p["q_norm"](q), p["k_norm"](k)
         if s.clip_qkv is not None:
             # maximum/minimum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
             q, k, v = (t.maximum(-s.clip_qkv).minimum(s.clip_qkv) for t in (q, k, v))
-        if "q_norm" in p and s.qk_norm_scope == "full":
+        if "q_norm" in p and s.qk_norm_scope == "full" and not s.clip_after_qk_norm:
             q, k = p["q_norm"](q), p["k_norm"](k)
         q = q.reshape(batch, length, s.num_heads, s.head_dim)
         k = k.reshape(batch, length, s.num_kv_heads, s.head_dim)
@@ -411,6 +418,8 @@ class DecoderLayer(Module):
 
     def mlp(self, h):
         p, s = self.parts, self.spec
+        if "moe" in p:
+            return p["moe"](h)
         if "gate_up" in p:
             gate_up = p["gate_up"](h)
             inter = s.intermediate_size
@@ -472,11 +481,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
     """A dense causal decoder of any architecture in :data:`vkformers_llama.variants.VARIANTS`."""
 
     ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+    decoder_spec = staticmethod(decoder_spec)  # config -> DecoderSpec; a subclass may read other variants (vkformers-moe)
 
     def __init__(self, config: dict, architecture):
         super().__init__()
         name = getattr(architecture, "name", architecture)
-        spec = decoder_spec(config, name)
+        spec = self.decoder_spec(config, name)
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
         # generate may replay a decode step without this forward (generation._DecodeCapture), which sees
@@ -524,6 +534,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def load_state_dict(self, arrays, *args, **kwargs):
         super().load_state_dict(arrays, *args, **kwargs)
+        for path, module in self.named_modules():  # checkpoint buffers that are not parameters (MoE routing biases)
+            if hasattr(module, "load_buffers"):
+                module.load_buffers(arrays, path)
         if self.spec.hidden_act == "xielu":  # xIELU's beta / eps are checkpoint buffers, not parameters
             for i, layer in enumerate(self.layers):
                 prefix = _join(self.spec.layers, str(i), self.spec.mlp, "act_fn")

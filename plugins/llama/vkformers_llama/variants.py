@@ -123,6 +123,7 @@ class DecoderSpec:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     clip_qkv: float | None = None            # OLMo: clamp q, k, v to [-c, c]
+    clip_after_qk_norm: bool = False         # OLMoE: clamp after the whole-projection q/k norm, not before
 
     # -- positions
     rope: bool = True
@@ -145,6 +146,10 @@ class DecoderSpec:
     residual_scale: float = 1.0              # Granite residual_multiplier
     logits_scale: float = 1.0                # Granite 1 / logits_scaling, Cohere logit_scale
     tie_embeddings: bool = False
+
+    # -- mixture of experts
+    moe: object | None = None                # an object whose block(spec, layer index) gives the Module replacing
+    #                                          that layer's MLP, or None for a dense layer (vkformers_moe.MoeSpec)
 
     extra: dict = field(default_factory=dict)  # free room for a variant's own notes
 

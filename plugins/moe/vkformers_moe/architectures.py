@@ -62,3 +62,14 @@ ALIASES = {
     "glm_moe_dsa":            "deepseek_v3",  # GLM-5 MoE-DSA: normalized to deepseek_v32 then DeepSeek-V3 contract
     "minimax_m3_vl":          "minimax_m3_vl_text",  # wrapper; text_config; model.language_model.* prefix
 }
+
+# How far the parity tests prove each architecture against its transformers fixture (tests/fixtures/<name>/);
+# tests/test_verified_claims.py checks every claim here has that proof, run by CI.
+#   verified:          logits, loss, every parameter gradient (test_decoder_parity.py), one AdamW step
+#                      (test_adamw_parity.py) and greedy tokens with the KV cache (test_generation.py)
+#   forward-verified:  logits and loss
+# Everything not listed stays "registered".
+VERIFIED: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+FORWARD_VERIFIED: tuple[str, ...] = ()
+STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
+                            **{name: "verified" for name in VERIFIED}}

@@ -1,0 +1,211 @@
+"""The sparse mixture-of-experts feed-forward block, as a declared delta on the shared decoder.
+
+A :class:`MoeSpec` describes one family's MoE layer (router, top-k selection, experts, shared
+experts) under the checkpoint's own names; the llama plugin's decoder asks it, layer by layer,
+for the block that replaces the dense MLP (``DecoderSpec.moe``). Mixtral, for instance, is
+Mistral with ``MoeSpec(path="block_sparse_moe", expert_names=("w1", "w3", "w2"), ...)``.
+
+Semantics (transformers 5): router logits = linear(x); scores = softmax or sigmoid of them;
+the top-k experts are chosen on the scores (plus a selection-only bias, optionally within the
+best expert groups); the chosen scores, optionally renormalised and scaled, weight the experts'
+SwiGLU outputs; shared experts (optionally gated by sigmoid(linear(x))) are added. Gradients
+reach the router only through the chosen scores, as in transformers.
+
+Cost: correctness first. Every expert runs on every token and is weighted by its routing weight
+(zero for the experts not chosen), so a layer costs num_experts dense MLPs instead of top_k.
+Top-k is built from engine ops (k rounds of max + masking), so the whole block stays on the GPU
+(no read-back), autograd gives its backward and captured decode steps replay it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor
+from vkformers.models.layers import Linear
+from vkformers.models.module import Module
+from vkformers_llama.decoder import _join, add_param, get_param, place
+
+_HIDDEN = -3.0e38  # a score that never wins the max
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """One architecture's mixture-of-experts layer. Names are relative to the layer (``path``) or to the block."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int                          # each expert's intermediate width
+    layers: tuple[bool, ...]                  # per decoder layer: sparse (True) or the dense MLP (False)
+    hidden_act: str = "silu"
+    path: str = "mlp"                         # the block, relative to the layer (Mixtral: block_sparse_moe)
+    # -- router
+    router: str = "gate"                      # linear [num_experts, hidden] ("<router>.weight")
+    router_bias: bool = False
+    scoring: str = "softmax"                  # softmax | sigmoid
+    selection_bias: str | None = None         # added to the scores for choosing only (DeepSeek-V3 e_score_correction_bias)
+    selection_bias_is_parameter: bool = False  # a trained parameter (no gradient reaches it) rather than a buffer
+    selection_bias_shape: tuple[int, ...] | None = None  # its stored shape; None: (num_experts,)
+    num_groups: int = 1                       # group-limited choice: experts in num_groups groups, of which
+    topk_groups: int = 1                      # the topk_groups best (by group_score) are eligible
+    group_score: str = "top2_sum"             # top2_sum (DeepSeek-V3) | max (DeepSeek-V2)
+    norm_topk: bool = False                   # divide the chosen weights by their sum
+    norm_eps: float = 0.0                     # ... plus this (DeepSeek-V3: 1e-20)
+    routed_scale: float = 1.0                 # multiply the chosen weights (routed_scaling_factor)
+    # -- experts
+    experts: str = "experts"                  # their container ("" for GraniteMoE's fused weights)
+    fused_experts: tuple[str, str] | None = None  # (gate_up, down) 3-D weights [E, 2I, H] and [E, H, I] (GraniteMoE);
+    #                                             None: one module per expert, experts.<e>.<gate|up|down>.weight
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down)
+    # -- shared experts (always on)
+    shared: str | None = None                 # a SwiGLU MLP with the expert names above
+    shared_size: int = 0
+    shared_names: tuple[str, str, str] | None = None  # when they differ from expert_names
+    shared_gate: str | None = None            # linear [1, hidden]: the shared output is scaled by its sigmoid
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}; known: softmax, sigmoid")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unknown expert group score {self.group_score!r}; known: top2_sum, max")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} experts")
+
+    def block(self, spec, index: int) -> "SparseMoeBlock | None":
+        """The hook the shared decoder calls (DecoderSpec.moe): this layer's block, or None for a dense MLP."""
+        return SparseMoeBlock(self, spec.hidden_size) if self.layers[index] else None
+
+
+class SwiGLU(Module):
+    """down(act(gate(x)) * up(x)) without biases: one expert, or the shared experts."""
+
+    def __init__(self, hidden: int, inner: int, names: tuple[str, str, str], act: str):
+        super().__init__()
+        gate, up, down = names
+        object.__setattr__(self, "projections", (place(self, gate, Linear(hidden, inner, bias=False)),
+                                                 place(self, up, Linear(hidden, inner, bias=False)),
+                                                 place(self, down, Linear(inner, hidden, bias=False))))
+        self.act = F.activation(act)
+
+    def forward(self, x):
+        gate, up, down = self.projections
+        return down(self.act(gate(x)) * up(x))
+
+
+def topk_mask(values, k: int):
+    """A boolean mask of the k largest entries along the last axis (no gradient): k rounds of max + masking.
+
+    Ties at the k-th value select every tied entry (transformers' topk picks one); random weights never tie."""
+    values = values.detach()
+    chosen, remaining = None, values
+    for _ in range(k):
+        hit = remaining >= remaining.max(-1, keepdim=True)
+        chosen = F.where(hit, 1.0, 0.0) if chosen is None else F.where(hit, 1.0, chosen)
+        remaining = F.where(hit, _HIDDEN, remaining)
+    return chosen > 0.5
+
+
+class SparseMoeBlock(Module):
+    """Router, top-k choice, experts and shared experts of one layer, under the checkpoint's names."""
+
+    def __init__(self, moe: MoeSpec, hidden: int):
+        super().__init__()
+        self.moe, self.hidden, self.path = moe, hidden, moe.path
+        object.__setattr__(self, "router", place(self, moe.router, Linear(hidden, moe.num_experts,
+                                                                           bias=moe.router_bias)))
+        bias_shape = moe.selection_bias_shape or (moe.num_experts,)
+        self.selection_bias = None  # a buffer: load_buffers fills it (zeros if the checkpoint lacks it)
+        if moe.selection_bias and moe.selection_bias_is_parameter:
+            add_param(self, moe.selection_bias, bias_shape)
+        elif moe.selection_bias:
+            self.selection_bias = Tensor(np.zeros(bias_shape, np.float32))
+        if moe.fused_experts:
+            gate_up, down = moe.fused_experts
+            add_param(self, _join(moe.experts, gate_up), (moe.num_experts, 2 * moe.expert_size, hidden))
+            add_param(self, _join(moe.experts, down), (moe.num_experts, hidden, moe.expert_size))
+            object.__setattr__(self, "expert_list", None)
+        else:
+            object.__setattr__(self, "expert_list", [
+                place(self, _join(moe.experts, str(e)), SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
+                for e in range(moe.num_experts)])
+        object.__setattr__(self, "shared", place(self, moe.shared, SwiGLU(
+            hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act)) if moe.shared else None)
+        object.__setattr__(self, "shared_gate", place(self, moe.shared_gate, Linear(hidden, 1, bias=False))
+                           if moe.shared_gate else None)
+        self.act = F.activation(moe.hidden_act)
+
+    def load_buffers(self, arrays, prefix: str) -> None:
+        """The selection bias, when the checkpoint stores it as a buffer (not a parameter)."""
+        moe = self.moe
+        if moe.selection_bias and not moe.selection_bias_is_parameter:
+            name = f"{prefix}.{moe.selection_bias}"
+            if name in arrays:
+                self.selection_bias = Tensor(np.asarray(arrays[name], np.float32))
+
+    # -- routing
+
+    def routing_weights(self, x):
+        """[tokens, experts] weights: the chosen experts' (renormalised, scaled) scores, zero elsewhere."""
+        moe = self.moe
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if moe.scoring == "softmax" else logits.sigmoid()
+        choice = scores.detach()
+        if moe.selection_bias:
+            bias = (get_param(self, moe.selection_bias) if moe.selection_bias_is_parameter
+                    else self.selection_bias).detach()
+            choice = choice + bias.reshape(moe.num_experts)
+        if moe.num_groups > 1:
+            choice = self._eligible(choice)
+        chosen = topk_mask(choice, moe.top_k)
+        weights = F.where(chosen, scores, 0.0)
+        if moe.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + moe.norm_eps) if moe.norm_eps else \
+                weights / weights.sum(-1, keepdim=True)
+        if moe.routed_scale != 1.0:
+            weights = weights * moe.routed_scale
+        return weights
+
+    def _eligible(self, choice):
+        """The scores with the experts outside the topk_groups best groups set to 0 (as transformers masks them)."""
+        moe = self.moe
+        tokens, size = choice.shape[0], moe.num_experts // moe.num_groups
+        grouped = choice.reshape(tokens, moe.num_groups, size)
+        best = grouped.max(-1, keepdim=True)
+        if moe.group_score == "top2_sum":  # the two largest scores of each group
+            second = F.where(grouped >= best, _HIDDEN, grouped).max(-1, keepdim=True)
+            best = best + second
+        groups = topk_mask(best.reshape(tokens, moe.num_groups), moe.topk_groups)
+        eligible = groups.reshape(tokens, moe.num_groups, 1).expand(tokens, moe.num_groups, size)
+        return F.where(eligible.reshape(tokens, moe.num_experts), choice, 0.0)
+
+    # -- forward
+
+    def forward(self, h):
+        moe = self.moe
+        lead = h.shape[:-1]
+        x = h.reshape(-1, self.hidden)
+        weights = self.routing_weights(x).cast(x.dtype)
+        if self.expert_list is None:  # fused [E, ...] weights: one batched product over all experts
+            gate_up_name, down_name = moe.fused_experts
+            gate_up = get_param(self, _join(moe.experts, gate_up_name))
+            down = get_param(self, _join(moe.experts, down_name))
+            tokens, inner = x.shape[0], moe.expert_size
+            both = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden) @ \
+                gate_up.transpose(-1, -2)
+            y = (self.act(both[..., :inner]) * both[..., inner:]) @ down.transpose(-1, -2)  # [E, tokens, hidden]
+            out = (y * weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)).sum(0)
+        else:
+            out = None
+            for e, expert in enumerate(self.expert_list):
+                y = expert(x) * weights[:, e:e + 1]
+                out = y if out is None else out + y
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * self.shared_gate(x).sigmoid()
+            out = out + shared
+        return out.reshape(*lead, self.hidden)

@@ -1,0 +1,111 @@
+"""Per-architecture deltas of the mixture-of-experts decoders: a dense parent's :class:`DecoderSpec`
+(from vkformers-llama) plus a :class:`MoeSpec` for the sparse layers, e.g. Mixtral = Mistral + a
+top-2 renormalised softmax router over SwiGLU experts stored as ``block_sparse_moe.experts.<e>.w1/w3/w2``.
+
+Names are the checkpoint's (what transformers' ``save_pretrained`` writes: transformers 5 keeps the
+experts fused in memory but saves one module per expert, and vkformers keeps the saved layout).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, granite, llama, mistral, qwen2,
+                                      qwen3, refuse)
+
+from vkformers_moe.block import MoeSpec
+
+
+def _refuse_training_extras(arch: str, config: dict) -> None:
+    """Options that change the loss or training-time routing, which the block does not implement."""
+    refuse(arch, config, "output_router_logits", lambda v: not v)  # adds the load-balancing loss to the loss
+    refuse(arch, config, "router_jitter_noise", lambda v: not v)   # multiplicative noise on the router input
+
+
+def num_experts(config: dict, default: int) -> int:
+    """Routed experts: num_experts or num_local_experts (transformers saves either spelling, by config class)."""
+    return _first(config, "num_experts", "num_local_experts", "n_routed_experts", default=default)
+
+
+def sparse_step_layers(config: dict, num_layers: int) -> tuple[bool, ...]:
+    """Qwen-MoE's schedule: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+    dense = set(config.get("mlp_only_layers") or ())
+    step = config.get("decoder_sparse_step") or 1
+    experts = num_experts(config, 0)
+    return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def mixtral(config: dict) -> DecoderSpec:
+    """Mistral whose MLP is a top-k (renormalised) softmax router over SwiGLU experts w1 (gate), w3 (up), w2 (down)."""
+    _refuse_training_extras("mixtral", config)
+    spec = mistral(config)
+    moe = MoeSpec(num_experts=num_experts(config, 8), top_k=config.get("num_experts_per_tok", 2),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  path="block_sparse_moe", norm_topk=True, expert_names=("w1", "w3", "w2"))
+    return replace(spec, moe=moe)
+
+
+def qwen2_moe(config: dict) -> DecoderSpec:
+    """Qwen2 with top-k softmax experts (norm_topk_prob), plus a shared expert gated by sigmoid(shared_expert_gate)."""
+    _refuse_training_extras("qwen2_moe", config)
+    bias = bool(config.get("qkv_bias", True))
+    spec = replace(qwen2(config), q_bias=bias, k_bias=bias, v_bias=bias)
+    moe = MoeSpec(num_experts=num_experts(config, 60), top_k=config.get("num_experts_per_tok", 4),
+                  expert_size=config.get("moe_intermediate_size", 1408),
+                  layers=sparse_step_layers(dict(config, num_experts=num_experts(config, 60)), spec.num_layers),
+                  hidden_act=spec.hidden_act, norm_topk=bool(config.get("norm_topk_prob", False)),
+                  shared="shared_expert", shared_size=config.get("shared_expert_intermediate_size", 5632),
+                  shared_gate="shared_expert_gate")
+    return replace(spec, moe=moe)
+
+
+def qwen3_moe(config: dict) -> DecoderSpec:
+    """Qwen3 (per-head q/k RMSNorm) with top-k softmax experts (norm_topk_prob), no shared expert."""
+    _refuse_training_extras("qwen3_moe", config)
+    spec = qwen3(config)
+    moe = MoeSpec(num_experts=num_experts(config, 128), top_k=config.get("num_experts_per_tok", 8),
+                  expert_size=config.get("moe_intermediate_size", 768),
+                  layers=sparse_step_layers(dict(config, num_experts=num_experts(config, 128)), spec.num_layers),
+                  hidden_act=spec.hidden_act, norm_topk=bool(config.get("norm_topk_prob", False)))
+    return replace(spec, moe=moe)
+
+
+def olmoe(config: dict) -> DecoderSpec:
+    """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
+    layer (norm_topk_prob)."""
+    _refuse_training_extras("olmoe", config)
+    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full",
+                   norm_eps=config.get("rms_norm_eps", 1e-5), clip_qkv=config.get("clip_qkv"),
+                   clip_after_qk_norm=True)
+    moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  norm_topk=bool(config.get("norm_topk_prob", False)))
+    return replace(spec, moe=moe)
+
+
+def granitemoe(config: dict) -> DecoderSpec:
+    """Granite's multipliers with experts stored fused: block_sparse_moe.input_linear.weight [E, 2I, H] ([gate | up])
+    and output_linear.weight [E, H, I]; softmax over the top-k router logits (= renormalised top-k softmax)."""
+    _refuse_training_extras("granitemoe", config)
+    spec = granite(config)
+    moe = MoeSpec(num_experts=num_experts(config, 8), top_k=config.get("num_experts_per_tok", 2),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  path="block_sparse_moe", router="router.layer", norm_topk=True, experts="",
+                  fused_experts=("input_linear.weight", "output_linear.weight"))
+    return replace(spec, moe=moe)
+
+
+# Canonical architecture name -> its delta (architectures of this plugin's table not listed are refused).
+VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
+    "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "granitemoe": granitemoe,
+}
+
+
+def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:
+    """The spec of a config already resolved to ``architecture_name`` (one of this plugin's architectures)."""
+    try:
+        variant = VARIANTS[architecture_name]
+    except KeyError:
+        raise UnsupportedConfigError(f"architecture {architecture_name!r} is registered by vkformers-moe but has no "
+                                     f"decoder variant yet; implemented: {', '.join(sorted(VARIANTS))}") from None
+    return variant(config)

@@ -1,0 +1,141 @@
+"""vkformers-moe's sparse block against numpy: top-k choice, routing weights (softmax / sigmoid, selection bias,
+group-limited choice, renormalisation, scaling), the per-expert and the fused expert layouts, refused options and
+the plugin's claims. End-to-end parity against transformers runs on the fixtures (test_decoder_parity etc.)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vkformers_moe")
+
+import vkformers as vkf  # noqa: E402
+from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
+from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask  # noqa: E402
+
+HIDDEN, EXPERTS, INNER, TOKENS = 8, 6, 5, 7
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _reference_weights(logits, moe: MoeSpec, bias=None):
+    """The routing weights as transformers computes them, with numpy (topk by sorting)."""
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores = scores / scores.sum(-1, keepdims=True) if moe.scoring == "softmax" else 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + (bias if bias is not None else 0.0)
+    if moe.num_groups > 1:
+        grouped = choice.reshape(len(choice), moe.num_groups, -1)
+        ordered = -np.sort(-grouped, axis=-1)
+        group_score = ordered[..., :2].sum(-1) if moe.group_score == "top2_sum" else ordered[..., 0]
+        best = np.argsort(-group_score, axis=-1)[:, :moe.topk_groups]
+        keep = np.zeros_like(group_score, dtype=bool)
+        np.put_along_axis(keep, best, True, axis=-1)
+        choice = np.where(np.repeat(keep, EXPERTS // moe.num_groups, axis=-1), choice, 0.0)
+    top = np.argsort(-choice, axis=-1)[:, :moe.top_k]
+    weights = np.zeros_like(scores)
+    np.put_along_axis(weights, top, np.take_along_axis(scores, top, -1), -1)
+    if moe.norm_topk:
+        weights = weights / (weights.sum(-1, keepdims=True) + moe.norm_eps)
+    return weights * moe.routed_scale
+
+
+def _block(moe: MoeSpec, seed=0):
+    block = SparseMoeBlock(moe, HIDDEN)
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.standard_normal(slot.shape).astype(np.float32) * 0.5 for name, slot in block.named_slots()}
+    block.load_state_dict(arrays, requires_grad=False)
+    return block, arrays
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_topk_mask_marks_the_k_largest(k):
+    values = np.random.default_rng(k).standard_normal((TOKENS, EXPERTS)).astype(np.float32)
+    want = np.zeros(values.shape, bool)
+    np.put_along_axis(want, np.argsort(-values, axis=-1)[:, :k], True, axis=-1)
+    np.testing.assert_array_equal(topk_mask(vkf.tensor(values), k).numpy(), want)
+
+
+ROUTERS = {
+    "softmax_top2": MoeSpec(EXPERTS, 2, INNER, (True,)),
+    "softmax_top3_renormalised": MoeSpec(EXPERTS, 3, INNER, (True,), norm_topk=True),
+    "sigmoid_bias_groups_top2_sum": MoeSpec(EXPERTS, 2, INNER, (True,), scoring="sigmoid",
+                                            selection_bias="gate.e_score_correction_bias", num_groups=3,
+                                            topk_groups=2, norm_topk=True, norm_eps=1e-20, routed_scale=2.5),
+    "softmax_groups_max": MoeSpec(EXPERTS, 2, INNER, (True,), num_groups=2, topk_groups=1, group_score="max",
+                                  routed_scale=0.5),
+}
+
+
+@pytest.mark.parametrize("name", ROUTERS)
+def test_routing_weights_match_numpy(name):
+    moe = ROUTERS[name]
+    block, arrays = _block(moe)
+    bias = None
+    if moe.selection_bias:
+        bias = np.random.default_rng(1).standard_normal(EXPERTS).astype(np.float32) * 0.3
+        block.load_buffers({f"mlp.{moe.selection_bias}": bias}, "mlp")
+    x = np.random.default_rng(2).standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    logits = x @ arrays["gate.weight"].T
+    got = block.routing_weights(vkf.tensor(x)).numpy()
+    np.testing.assert_allclose(got, _reference_weights(logits, moe, bias), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_block_output_is_the_weighted_sum_of_swiglu_experts(fused):
+    moe = MoeSpec(EXPERTS, 2, INNER, (True,), norm_topk=True, shared="shared_expert", shared_size=3,
+                  shared_gate="shared_expert_gate",
+                  **(dict(experts="", fused_experts=("input_linear.weight", "output_linear.weight")) if fused else {}))
+    block, a = _block(moe)
+    x = np.random.default_rng(3).standard_normal((2, 3, HIDDEN)).astype(np.float32)
+    flat = x.reshape(-1, HIDDEN)
+    weights = _reference_weights(flat @ a["gate.weight"].T, moe)
+    want = np.zeros_like(flat)
+    for e in range(EXPERTS):
+        if fused:
+            gate_up, down = a["input_linear.weight"][e], a["output_linear.weight"][e]
+            gate, up = (flat @ gate_up.T)[:, :INNER], (flat @ gate_up.T)[:, INNER:]
+        else:
+            gate, up = flat @ a[f"experts.{e}.gate_proj.weight"].T, flat @ a[f"experts.{e}.up_proj.weight"].T
+            down = a[f"experts.{e}.down_proj.weight"]
+        want += weights[:, e:e + 1] * ((_silu(gate) * up) @ down.T)
+    shared = (_silu(flat @ a["shared_expert.gate_proj.weight"].T) * (flat @ a["shared_expert.up_proj.weight"].T)) \
+        @ a["shared_expert.down_proj.weight"].T
+    want += shared / (1.0 + np.exp(-(flat @ a["shared_expert_gate.weight"].T)))
+    np.testing.assert_allclose(block(vkf.tensor(x)).numpy(), want.reshape(x.shape), rtol=1e-4, atol=1e-5)
+
+
+def test_unchosen_experts_get_no_gradient():
+    moe = MoeSpec(EXPERTS, 1, INNER, (True,))
+    block, a = _block(moe)
+    for _, p in block.named_parameters():
+        p.requires_grad = True
+    x = np.random.default_rng(4).standard_normal((1, HIDDEN)).astype(np.float32)
+    block(vkf.tensor(x)).sum().backward()
+    chosen = int(np.argmax(x @ a["gate.weight"].T))
+    for e in range(EXPERTS):
+        grad = block.expert_list[e].projections[0].weight.grad
+        norm = 0.0 if grad is None else float(np.abs(grad.numpy()).max())
+        assert (norm > 0) == (e == chosen), (e, chosen, norm)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="scoring"):
+        MoeSpec(EXPERTS, 2, INNER, (True,), scoring="softplus")
+    with pytest.raises(ValueError, match="groups"):
+        MoeSpec(EXPERTS, 2, INNER, (True,), num_groups=4)
+    from vkformers_moe.variants import decoder_spec
+    config = dict(model_type="mixtral", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=4, output_router_logits=True)
+    with pytest.raises(UnsupportedConfigError, match="output_router_logits"):
+        decoder_spec(config, "mixtral")
+    with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
+        decoder_spec(dict(config, output_router_logits=False), "afmoe")
+
+
+def test_claims_are_known_statuses():
+    from vkformers_moe.architectures import ARCHITECTURES, STATUSES
+    from vkformers_moe.variants import VARIANTS
+    assert set(STATUSES) <= {row[0] for row in ARCHITECTURES}
+    assert set(STATUSES.values()) <= {"verified", "forward-verified"}
+    assert set(STATUSES) <= set(VARIANTS)  # a claim needs an implementation
