@@ -57,6 +57,10 @@ class AdamW:
         return st
 
     def step(self) -> None:
+        with lazy.building_graph():
+            self._step()
+
+    def _step(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from vkformers.engine import function as fn
-from vkformers.engine.lazy import LazyBuffer, realize
+from vkformers.engine.lazy import LazyBuffer, building_graph, realize
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Buffer, Device, get_device
 
@@ -123,6 +123,10 @@ class Tensor:
 
     def backward(self, gradient: "Tensor | None" = None) -> None:
         """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad."""
+        with building_graph():
+            self._backward(gradient)
+
+    def _backward(self, gradient: "Tensor | None") -> None:
         if not self.requires_grad:
             raise RuntimeError("backward(): this tensor does not require grad and has no grad graph")
         if gradient is None:

@@ -12,6 +12,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from vkformers.engine.lazy import building_graph
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
@@ -95,7 +96,8 @@ class Module:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        with building_graph():
+            return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError
