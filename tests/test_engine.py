@@ -208,3 +208,18 @@ def test_scalar_operands_of_every_binary_op():
     with np.errstate(divide="ignore", invalid="ignore"):
         np.testing.assert_array_equal((t / 0.0).numpy(), x / np.float32(0.0))
     np.testing.assert_allclose((t - 2.0).numpy(), x - 2.0)
+
+
+def test_garbage_collector_pauses_while_building_and_resumes_after_realizing():
+    import gc
+    from vkformers.engine import lazy
+    assert gc.isenabled()
+    with lazy.building_graph():
+        y = vkf.tensor(np.ones(3, np.float32)) * 2.0
+    assert not gc.isenabled()  # until the graph is realized and cut
+    np.testing.assert_array_equal(y.numpy(), [2.0, 2.0, 2.0])
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        with lazy.building_graph():
+            raise ValueError("a forward that fails")
+    assert gc.isenabled()  # no realization follows a failed build
