@@ -103,6 +103,10 @@ SPECS = [
                                      position_embedding_type="absolute", emb_layer_norm_before=True),
          ["ESM-1b layout: absolute positions counted from padding (as RoBERTa), embedding LayerNorm, no token "
           "dropout."]),
+    Spec("nomic_bert", "nomic_bert", dict(B),
+         ["post-LN; bias-free q/k/v/o_proj; SwiGLU MLP (gate/up/down, no bias, silu); rotate_half rotary with "
+          "rope_parameters (theta 1000); no position table; head transform act is hidden_act (silu), "
+          "cls.predictions.transform.layer_norm."]),
 ]
 
 
@@ -136,23 +140,30 @@ def _restore_fixed_tables(model):
                 module.weight.copy_(module.create_weight())
 
 
-def _legacy(name: str) -> str:
-    """The TF-era spelling transformers still writes for some models (ESM): LayerNorm.gamma / .beta."""
-    return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+def _modern(name: str) -> str:
+    """The file's TF-era spelling that transformers still writes for some models (ESM: LayerNorm.gamma / .beta)
+    as transformers (and vkformers) load it: LayerNorm.weight / .bias."""
+    if name.endswith("LayerNorm.gamma"):
+        return name[:-len("gamma")] + "weight"
+    if name.endswith("LayerNorm.beta"):
+        return name[:-len("beta")] + "bias"
+    return name
 
 
-def _saved_names(model, saved_keys) -> dict[str, str]:
-    """named_parameters() name -> the name of the tensor the file holds for it (tied weights: the embedding's),
-    in its current spelling (a file's LayerNorm.gamma is reported as LayerNorm.weight, as transformers loads it)."""
-    aliases: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    out = {}
-    for name, p in model.named_parameters():
-        stored = [a for a in aliases[id(p)] if a in saved_keys or _legacy(a) in saved_keys]
-        if not stored:
-            raise RuntimeError(f"parameter {name} is not in the saved file")
-        out[name] = stored[0]
+def in_file_layout(model, tensors: dict, file_keys: set) -> dict:
+    """Per-parameter tensors (keyed like named_parameters()) as the checkpoint file lays them out: the model,
+    holding them as its parameters, is saved by transformers itself, so renames, fused projections (NomicBERT's
+    attn.Wqkv) and tied weights come out exactly as in model.safetensors (whose keys are ``file_keys``). Buffers
+    the file also holds (ESM writes its rotary ``inv_freq`` under a literal '*' layer name) are left out."""
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
+        for n, p in model.named_parameters():
+            p.copy_(tensors[n])
+        model.save_pretrained(folder)
+        out = {_modern(k): v.clone() for k, v in load_file(str(Path(folder) / "model.safetensors")).items()
+               if k in file_keys and not k.endswith("inv_freq")}
+        for n, p in model.named_parameters():
+            p.copy_(saved[n])
     return out
 
 
@@ -171,12 +182,11 @@ def build(spec: Spec, out_root: Path):
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
-    saved_keys = set(load_file(str(tmp / "model.safetensors")).keys())
-    names = _saved_names(model, saved_keys)
+    file_keys = set(load_file(str(tmp / "model.safetensors")))
     params = dict(model.named_parameters())
 
     ids, mask, labels, types = make_inputs(model.config, spec.mask_token_id)
-    has_types = any(n.endswith("token_type_embeddings.weight") for n in names.values())
+    has_types = any(n.endswith("token_type_embeddings.weight") for n in params)
     kwargs = dict(token_type_ids=types) if has_types else {}
     out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
     logits = out_fwd.logits.detach().float()
@@ -185,13 +195,12 @@ def build(spec: Spec, out_root: Path):
            "logits": logits.contiguous(), "loss": out_fwd.loss.detach().float().reshape(())}
     if has_types:
         ref["token_type_ids"] = types.to(torch.int32)
-    no_grad = []
-    for n, p in params.items():
-        if p.grad is None:
-            no_grad.append(names[n])
-            ref[f"grad.{names[n]}"] = torch.zeros_like(p.detach())
-        else:
-            ref[f"grad.{names[n]}"] = p.grad.detach().float().contiguous().clone()
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().float() for n, p in params.items()}
+    without_grad = in_file_layout(model, {n: torch.full_like(p, float(p.grad is None)) for n, p in params.items()},
+                                  file_keys)
+    no_grad = sorted(n for n, t in without_grad.items() if bool((t == 1).all()))
+    file_grads = in_file_layout(model, grads, file_keys)
+    ref.update({f"grad.{n}": t.contiguous() for n, t in file_grads.items()})
 
     with torch.no_grad():  # the saved folder reproduces the logits when transformers reloads it
         reloaded = AutoModelForMaskedLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
@@ -199,8 +208,8 @@ def build(spec: Spec, out_root: Path):
 
     opt = torch.optim.AdamW(list(params.values()), foreach=False, **ADAMW)
     opt.step()
-    for n, p in params.items():
-        ref[f"adamw.{names[n]}"] = p.detach().float().contiguous().clone()
+    stepped = in_file_layout(model, {n: p.detach().clone() for n, p in params.items()}, file_keys)
+    ref.update({f"adamw.{n}": t.contiguous() for n, t in stepped.items()})
     for k, v in ref.items():
         if not torch.isfinite(v.float()).all():
             raise RuntimeError(f"non-finite values in {k}")
@@ -222,8 +231,8 @@ def build(spec: Spec, out_root: Path):
                   "weight_decay": ADAMW["weight_decay"], "foreach": False},
         "notes": spec.notes,
         "num_parameters": sum(p.numel() for p in params.values()),
-        "parameters": sorted(names.values()),
-        "renamed_in_file": {n: s for n, s in names.items() if n != s},
+        "parameters": sorted(file_grads),
+        "parameters_in_memory": sorted(params),
         "token_type_ids": has_types,
         "params_without_grad": sorted(no_grad),
         "checks": {

@@ -40,7 +40,7 @@ ALIASES = {
 # "registered". verified: logits, loss, every gradient and one AdamW step match transformers.
 VERIFIED: tuple[str, ...] = (
     "bert", "roberta", "xlm-roberta", "camembert", "data2vec-text", "ernie", "distilbert", "electra", "albert",
-    "roberta-prelayernorm", "megatron-bert", "xlm-roberta-xl", "rembert", "roformer", "esm",
+    "roberta-prelayernorm", "megatron-bert", "xlm-roberta-xl", "rembert", "roformer", "esm", "nomic_bert",
 )
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},

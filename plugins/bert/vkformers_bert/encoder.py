@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Embedding, LayerNorm, Linear
 from vkformers.models.module import Module
@@ -88,11 +89,16 @@ class EncoderBlock(Module):
         super().__init__()
         s, d = spec, spec.hidden_size
         self.spec = s
+        inter, attn_bias, mlp_bias = s.intermediate_size, s.attn_bias, s.mlp_bias
+        fused = s.qkv_proj is not None
         parts = {role: _place(self, path, module) for role, path, module in (
-            ("q", s.q_proj, Linear(d, d)), ("k", s.k_proj, Linear(d, d)), ("v", s.v_proj, Linear(d, d)),
-            ("o", s.o_proj, Linear(d, d)), ("attn_norm", s.attn_norm, LayerNorm(d, eps=s.norm_eps)),
-            ("up", s.up_proj, Linear(d, s.intermediate_size)), ("down", s.down_proj, Linear(s.intermediate_size, d)),
-            ("mlp_norm", s.mlp_norm, LayerNorm(d, eps=s.norm_eps)))}
+            ("qkv", s.qkv_proj, Linear(d, 3 * d, attn_bias)), ("q", None if fused else s.q_proj, Linear(d, d, attn_bias)),
+            ("k", None if fused else s.k_proj, Linear(d, d, attn_bias)),
+            ("v", None if fused else s.v_proj, Linear(d, d, attn_bias)), ("o", s.o_proj, Linear(d, d, attn_bias)),
+            ("attn_norm", s.attn_norm, LayerNorm(d, eps=s.norm_eps)),
+            ("gate", s.gate_proj, Linear(d, inter, mlp_bias)), ("up", s.up_proj, Linear(d, inter, mlp_bias)),
+            ("down", s.down_proj, Linear(inter, d, mlp_bias)), ("mlp_norm", s.mlp_norm, LayerNorm(d, eps=s.norm_eps)))
+            if path}
         object.__setattr__(self, "parts", parts)  # plain references: _place registered them under HF paths
         self.act = F.activation(s.hidden_act)
 
@@ -103,18 +109,25 @@ class EncoderBlock(Module):
         def heads(t):
             return t.reshape(batch, length, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
 
-        q, k, v = heads(p["q"](x)), heads(p["k"](x)), heads(p["v"](x))
+        if "qkv" in p:  # one fused projection, split into views (the parameter keeps the checkpoint's layout)
+            qkv = p["qkv"](x)
+            q, k, v = (heads(qkv[..., i * s.hidden_size:(i + 1) * s.hidden_size]) for i in range(3))
+        else:
+            q, k, v = heads(p["q"](x)), heads(p["k"](x)), heads(p["v"](x))
         if ctx.rotary is not None:
-            inv_freq, positions = ctx.rotary
-            q = F.rope(q.contiguous(), positions, inv_freq, interleaved=s.rotary_interleaved)
-            k = F.rope(k.contiguous(), positions, inv_freq, interleaved=s.rotary_interleaved)
+            inv_freq, positions, scaling = ctx.rotary
+            rotate = dict(interleaved=s.rotary_interleaved, attention_scaling=scaling)
+            q = F.rope(q.contiguous(), positions, inv_freq, **rotate)
+            k = F.rope(k.contiguous(), positions, inv_freq, **rotate)
             if s.rotary_value:
-                v = F.rope(v.contiguous(), positions, inv_freq, interleaved=s.rotary_interleaved)
+                v = F.rope(v.contiguous(), positions, inv_freq, **rotate)
         out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
         return p["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size))
 
     def mlp(self, x):
-        return self.parts["down"](self.act(self.parts["up"](x)))
+        p = self.parts
+        hidden = self.act(p["gate"](x)) * p["up"](x) if "gate" in p else self.act(p["up"](x))
+        return p["down"](hidden)
 
     def forward(self, x, ctx: "Context"):
         p = self.parts
@@ -128,7 +141,7 @@ class EncoderBlock(Module):
 @dataclass
 class Context:
     key_padding_mask: object  # bool Tensor [B, T] or None (no padding)
-    rotary: tuple | None      # (inv_freq Tensor, positions int32 Tensor [B, T]) for rotary encoders
+    rotary: tuple | None      # (inv_freq Tensor, positions int32 Tensor [B, T], attention scaling) if rotary
 
 
 def _as_int_array(value) -> np.ndarray | None:
@@ -156,7 +169,7 @@ class EncoderForMaskedLM(Module):
                       if spec.position else None),
             token_type=(_place(self, _join(emb, spec.token_type), Embedding(spec.type_vocab_size, e))
                         if spec.token_type and spec.type_vocab_size else None),
-            embed_norm=_place(self, _join(emb, spec.embed_norm), LayerNorm(e, eps=spec.norm_eps)) if spec.embed_norm else None,
+            embed_norm=_place(self, spec.embed_norm, LayerNorm(e, eps=spec.norm_eps)) if spec.embed_norm else None,
             embed_project=_place(self, spec.embed_project, Linear(e, d)) if spec.embed_project else None,
         )
         # ALBERT: several layer indices share one block path; _place returns the block already there
@@ -179,8 +192,10 @@ class EncoderForMaskedLM(Module):
         for path, shape in spec.unused:
             _declare(self, path, shape)
         self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
-        self.inv_freq = None
-        if spec.positions == "rotary":
+        self.inv_freq, self.rope_scaling = None, 1.0
+        if spec.positions == "rotary" and spec.rope_from_config:
+            self.inv_freq, self.rope_scaling = rope_parameters(config)
+        elif spec.positions == "rotary":
             theta = float(config.get("rope_theta", spec.rope_theta))
             exponents = np.arange(0, spec.head_dim, 2, dtype=np.float32) / np.float32(spec.head_dim)
             self.inv_freq = (1.0 / theta ** exponents).astype(np.float32)
@@ -243,7 +258,7 @@ class EncoderForMaskedLM(Module):
         rotary = None
         if self.inv_freq is not None:
             positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy()
-            rotary = (Tensor(self.inv_freq), Tensor(positions))
+            rotary = (Tensor(self.inv_freq), Tensor(positions), self.rope_scaling)
         ctx = Context(Tensor(mask.astype(bool)) if mask is not None and not mask.all() else None, rotary)
         for layer in self.layers:
             x = layer(x, ctx)

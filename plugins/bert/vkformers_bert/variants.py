@@ -35,17 +35,18 @@ class EncoderSpec:
     embedding_size: int | None = None        # width of the embeddings when it differs from hidden (ALBERT, ELECTRA)
     head_size: int | None = None             # width of the MLM head's transform (None: embedding width)
 
-    # -- embeddings (paths relative to `embeddings`, except embed_project)
+    # -- embeddings (paths relative to `embeddings`, except embed_norm and embed_project)
     embeddings: str = "bert.embeddings"
     word: str = "word_embeddings"
     position: str | None = "position_embeddings"
     token_type: str | None = "token_type_embeddings"
-    embed_norm: str | None = "LayerNorm"
+    embed_norm: str | None = "bert.embeddings.LayerNorm"  # full path (NomicBERT keeps it outside the embeddings)
     embed_project: str | None = None         # full path: embedding width -> hidden (ELECTRA, ALBERT, RemBERT)
 
     # -- layers: block i lives at layer_paths[i] (ALBERT repeats one path) or f"{layers}.{i}"
     layers: str = "bert.encoder.layer"
     layer_paths: tuple[str, ...] = ()
+    qkv_proj: str | None = None              # one fused [q; k; v] projection instead of three (NomicBERT's Wqkv)
     q_proj: str = "attention.self.query"
     k_proj: str = "attention.self.key"
     v_proj: str = "attention.self.value"
@@ -54,6 +55,9 @@ class EncoderSpec:
     up_proj: str = "intermediate.dense"
     down_proj: str = "output.dense"
     mlp_norm: str = "output.LayerNorm"
+    gate_proj: str | None = None             # gated MLP: down(act(gate(x)) * up(x)) (NomicBERT's SwiGLU)
+    attn_bias: bool = True                   # q/k/v/o biases
+    mlp_bias: bool = True
     pre_norm: bool = False                   # x + f(norm(x)) instead of norm(x + f(x))
     final_norm: str | None = None            # full path (pre-LN encoders)
 
@@ -68,6 +72,7 @@ class EncoderSpec:
     rotary_interleaved: bool = False         # RoFormer rotates pairs (2i, 2i+1); ESM rotate_half
     rotary_value: bool = False               # RoFormer's rotary_value: rotate v too
     rope_theta: float = 10000.0
+    rope_from_config: bool = False           # inv_freq and scaling from the config's rope_parameters (NomicBERT)
     frozen: tuple[str, ...] = ()             # full paths of checkpoint tables that are not trained (RoFormer's sinusoids)
     unused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # parameters the MLM forward never reads (ESM contact head)
 
@@ -125,7 +130,8 @@ def bert(config: dict, prefix: str = "bert") -> EncoderSpec:
         type_vocab_size=config.get("type_vocab_size", 2), norm_eps=config.get("layer_norm_eps", 1e-12),
         hidden_act=config.get("hidden_act", "gelu"), head_act=config.get("hidden_act", "gelu"),
         pad_token_id=config.get("pad_token_id", 0), tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-        embeddings=f"{prefix}.embeddings", layers=f"{prefix}.encoder.layer")
+        embeddings=f"{prefix}.embeddings", embed_norm=f"{prefix}.embeddings.LayerNorm",
+        layers=f"{prefix}.encoder.layer")
 
 
 def ernie(config: dict) -> EncoderSpec:
@@ -218,7 +224,7 @@ def distilbert(config: dict) -> EncoderSpec:
     return EncoderSpec(
         vocab_size=config["vocab_size"], hidden_size=dim, num_layers=config["n_layers"], num_heads=config["n_heads"],
         intermediate_size=config["hidden_dim"], max_position_embeddings=config.get("max_position_embeddings", 512),
-        type_vocab_size=0, token_type=None, norm_eps=1e-12, hidden_act=config.get("activation", "gelu"),
+        type_vocab_size=0, token_type=None, embed_norm="distilbert.embeddings.LayerNorm", norm_eps=1e-12, hidden_act=config.get("activation", "gelu"),
         head_act=config.get("activation", "gelu"), pad_token_id=config.get("pad_token_id", 0),
         embeddings="distilbert.embeddings", layers="distilbert.transformer.layer", q_proj="attention.q_lin",
         k_proj="attention.k_lin", v_proj="attention.v_lin", o_proj="attention.out_lin", attn_norm="sa_layer_norm",
@@ -243,7 +249,7 @@ def esm(config: dict) -> EncoderSpec:
         raise UnsupportedConfigError("esm: absolute positions need pad_token_id (positions count from it)")
     heads = spec.num_heads * spec.num_layers
     return replace(spec, token_type=None, type_vocab_size=0,
-                   embed_norm="layer_norm" if config.get("emb_layer_norm_before") else None,
+                   embed_norm="esm.embeddings.layer_norm" if config.get("emb_layer_norm_before") else None,
                    position=None if rotary else "position_embeddings", positions="rotary" if rotary else "absolute",
                    positions_from_padding=not rotary, pad_token_id=config.get("pad_token_id"),
                    pre_norm=True, attn_norm="attention.LayerNorm", mlp_norm="LayerNorm",
@@ -254,11 +260,26 @@ def esm(config: dict) -> EncoderSpec:
                    **ROBERTA_HEAD)
 
 
+def nomic_bert(config: dict) -> EncoderSpec:
+    """Post-LN like BERT, but bias-free projections (q/k/v fused as attn.Wqkv), a SwiGLU MLP (fc11 up, fc12 gate),
+    rotate_half rotary from rope_parameters and no position table. Names are the released checkpoints', which
+    transformers 5 also writes (it renames them to q_proj/... in memory)."""
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "silu")), "nomic_bert")
+    heads = spec.num_heads
+    if config.get("head_dim") not in (None, spec.hidden_size // heads):
+        raise UnsupportedConfigError(f"nomic_bert: config option head_dim={config['head_dim']!r} is not supported "
+                                     "by vkformers' encoder yet (it must be hidden_size / num_attention_heads)")
+    return replace(spec, position=None, positions="rotary", rope_from_config=True, embed_norm="nomic_bert.emb_ln",
+                   layers="nomic_bert.encoder.layers", qkv_proj="attn.Wqkv", o_proj="attn.out_proj",
+                   attn_norm="norm1", up_proj="mlp.fc11", gate_proj="mlp.fc12", down_proj="mlp.fc2", mlp_norm="norm2",
+                   attn_bias=False, mlp_bias=False, head_norm="cls.predictions.transform.layer_norm")
+
+
 VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = {
     "bert": bert, "ernie": ernie, "megatron-bert": megatron_bert, "roberta": roberta, "xlm-roberta": roberta,
     "camembert": roberta, "data2vec-text": data2vec_text, "roberta-prelayernorm": roberta_prelayernorm,
     "xlm-roberta-xl": xlm_roberta_xl, "electra": electra, "albert": albert, "rembert": rembert,
-    "roformer": roformer, "distilbert": distilbert, "esm": esm,
+    "roformer": roformer, "distilbert": distilbert, "esm": esm, "nomic_bert": nomic_bert,
 }
 
 
