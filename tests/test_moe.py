@@ -31,7 +31,7 @@ def _reference_weights(logits, moe: MoeSpec, bias=None):
         best = np.argsort(-group_score, axis=-1)[:, :moe.topk_groups]
         keep = np.zeros_like(group_score, dtype=bool)
         np.put_along_axis(keep, best, True, axis=-1)
-        choice = np.where(np.repeat(keep, EXPERTS // moe.num_groups, axis=-1), choice, 0.0)
+        choice = np.where(np.repeat(keep, EXPERTS // moe.num_groups, axis=-1), choice, -np.inf)
     top = np.argsort(-choice, axis=-1)[:, :moe.top_k]
     weights = np.zeros_like(scores)
     np.put_along_axis(weights, top, np.take_along_axis(scores, top, -1), -1)

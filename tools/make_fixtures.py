@@ -77,6 +77,7 @@ class Spec:
     saved_names: bool = False        # grad./adamw. under the names save_pretrained writes, not the in-memory ones
     #                                  (mixture-of-experts: transformers 5 fuses the experts in memory, saves one
     #                                  module per expert)
+    noisy_buffers: tuple = ()        # suffixes of buffers to perturb like 1-D parameters (routing biases, zero at init)
 
 
 def _gpt2_names(**kw):
@@ -421,6 +422,38 @@ SPECS = [
          ["Granite multipliers with a sparse MoE block in every layer: router block_sparse_moe.router.layer, softmax "
           "over the top-2 of 4 router logits; experts saved fused: input_linear.weight [E, 2I, H] ([gate | up]) and "
           "output_linear.weight [E, H, I]."], saved_names=True),
+    Spec("flex_olmo", "flex_olmo", dict(L, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+         ["OLMo 2 block (norms after attention and MLP, q/k RMSNorm over the whole projection) with a sparse MoE "
+          "block in every layer: softmax router over 4 experts, top-2 renormalised (norm_topk_prob)."],
+         saved_names=True),
+    Spec("hunyuan_v1_moe", "hunyuan_v1_moe", dict(L, head_dim=8, num_experts=4, moe_topk=2),
+         ["HunYuan block (q/k RMSNorm after rotary) with a sparse MoE block in every layer: router mlp.gate.wg, "
+          "softmax over 4 experts, top-2 renormalised, experts of width intermediate_size (24), plus an always-on "
+          "shared_mlp of the same width."], saved_names=True),
+    Spec("deepseek_v3", "deepseek_v3", dict(
+        L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5),
+         ["MLA (q_lora_rank 24, kv_lora_rank 16, nope 8 + rope 4 dims, v 8, interleaved rotary); layer 0 dense "
+          "(first_k_dense_replace 1), layer 1 sparse: sigmoid router over 8 experts in 4 groups, the 2 groups with "
+          "the largest top-2 sums of sigmoid + e_score_correction_bias (a buffer, perturbed here: zero at init) "
+          "eligible, top-2 chosen on the biased scores, weighted by the unbiased ones renormalised (+1e-20) and "
+          "scaled by routed_scaling_factor 2.5; one shared expert (shared_experts) of width 16."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("glm4_moe", "glm4_moe", dict(
+        L, attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5),
+         ["GLM-4.5: q/k/v biases, per-head q/k RMSNorm (use_qk_norm), rotate_half partial rotary 0.5; layer 0 dense, "
+          "layer 1 DeepSeek-V3 router: sigmoid over 8 experts in 2 groups (1 eligible), e_score_correction_bias "
+          "(buffer, perturbed), top-2 renormalised, scaled by 1.5; one shared expert."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("dots1", "dots1", dict(L, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                n_shared_experts=1, first_k_dense_replace=1, sliding_window=SW,
+                                layer_types=LAYERS_SF),
+         ["dots.llm1: Qwen3 attention (per-head q/k RMSNorm), layer 0 sliding (window 4) and dense, layer 1 full "
+          "attention and sparse: DeepSeek-V3 router (sigmoid, e_score_correction_bias buffer perturbed, one group) "
+          "over 4 experts, top-2 not renormalised (norm_topk_prob False); one shared expert."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
 ]
 
 
@@ -518,6 +551,12 @@ def build(spec: Spec, out_root: Path):
     model = model.float().eval()
     issues = check_overrides(model.config, spec.overrides)
     reinit_(model)
+    if spec.noisy_buffers:
+        g = torch.Generator().manual_seed(4321)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith(spec.noisy_buffers):
+                    b.add_(torch.randn(b.shape, generator=g, dtype=torch.float32) * VEC_STD)
 
     tmp = out_root / (spec.name + ".tmp")
     if tmp.exists():

@@ -130,7 +130,8 @@ class SparseMoeBlock(Module):
             object.__setattr__(self, "expert_list", None)
         else:
             object.__setattr__(self, "expert_list", [
-                place(self, _join(moe.experts, str(e)), SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
+                place(self, _join(moe.experts, str(e)),
+                      SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
                 for e in range(moe.num_experts)])
         object.__setattr__(self, "shared", place(self, moe.shared, SwiGLU(
             hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act)) if moe.shared else None)
@@ -170,7 +171,8 @@ class SparseMoeBlock(Module):
         return weights
 
     def _eligible(self, choice):
-        """The scores with the experts outside the topk_groups best groups set to 0 (as transformers masks them)."""
+        """The choice scores with the experts outside the topk_groups best groups never chosen (transformers masks
+        them to -inf, or to 0 for softmax scores, which are positive: the same choice)."""
         moe = self.moe
         tokens, size = choice.shape[0], moe.num_experts // moe.num_groups
         grouped = choice.reshape(tokens, moe.num_groups, size)
@@ -180,7 +182,7 @@ class SparseMoeBlock(Module):
             best = best + second
         groups = topk_mask(best.reshape(tokens, moe.num_groups), moe.topk_groups)
         eligible = groups.reshape(tokens, moe.num_groups, 1).expand(tokens, moe.num_groups, size)
-        return F.where(eligible.reshape(tokens, moe.num_experts), choice, 0.0)
+        return F.where(eligible.reshape(tokens, moe.num_experts), choice, _HIDDEN)
 
     # -- forward
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, granite, llama, mistral, qwen2,
-                                      qwen3, refuse)
+from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _mla, granite, hunyuan_v1_dense,
+                                      llama, mistral, olmo2, qwen2, qwen3, refuse)
 
 from vkformers_moe.block import MoeSpec
 
@@ -95,9 +95,85 @@ def granitemoe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def flex_olmo(config: dict) -> DecoderSpec:
+    """OLMo 2's block (norms after attention and MLP, q/k RMSNorm over the whole projection) with top-k softmax
+    experts in every layer (norm_topk_prob)."""
+    _refuse_training_extras("flex_olmo", config)
+    spec = olmo2(config)
+    moe = MoeSpec(num_experts=num_experts(config, 7), top_k=config.get("num_experts_per_tok", 5),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  norm_topk=bool(config.get("norm_topk_prob", False)))
+    return replace(spec, moe=moe)
+
+
+def hunyuan_v1_moe(config: dict) -> DecoderSpec:
+    """HunYuan's block (q/k RMSNorm after rotary) with a renormalised top-k softmax router mlp.gate.wg over experts of
+    width intermediate_size, plus an always-on shared_mlp of that width."""
+    _refuse_training_extras("hunyuan_v1_moe", config)
+    for option in ("num_experts", "moe_topk"):
+        refuse("hunyuan_v1_moe", config, option, lambda v: not isinstance(v, list))  # per-layer expert counts
+    spec = hunyuan_v1_dense(config)
+    moe = MoeSpec(num_experts=num_experts(config, 1), top_k=config.get("moe_topk", 1),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  router="gate.wg", norm_topk=True, shared="shared_mlp", shared_size=spec.intermediate_size)
+    return replace(spec, moe=moe)
+
+
+def first_dense_layers(config: dict, num_layers: int) -> tuple[bool, ...]:
+    """DeepSeek's schedule: the first first_k_dense_replace layers dense, the others sparse."""
+    dense = config.get("first_k_dense_replace") or 0
+    return tuple(i >= dense for i in range(num_layers))
+
+
+def deepseek_moe(config: dict, spec: DecoderSpec, *, scoring: str = "sigmoid", selection_bias: bool = True,
+                 group_score: str = "top2_sum", norm_default: bool = True) -> MoeSpec:
+    """DeepSeek-V3's router (also GLM-4.5, dots.llm1): sigmoid scores, an e_score_correction_bias buffer added for
+    choosing only, the topk_group best of n_group expert groups eligible, chosen scores renormalised (+1e-20) and
+    scaled by routed_scaling_factor; n_shared_experts always-on experts of moe_intermediate_size each."""
+    size = config.get("moe_intermediate_size", 1408)
+    shared = config.get("n_shared_experts") or 0
+    return MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok") or 8,
+                   expert_size=size, layers=first_dense_layers(config, spec.num_layers), hidden_act=spec.hidden_act,
+                   scoring=scoring, selection_bias="gate.e_score_correction_bias" if selection_bias else None,
+                   num_groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
+                   group_score=group_score, norm_topk=bool(config.get("norm_topk_prob", norm_default)), norm_eps=1e-20,
+                   routed_scale=float(config.get("routed_scaling_factor") or 1.0),
+                   shared="shared_experts" if shared else None, shared_size=size * shared)
+
+
+def deepseek_v3(config: dict) -> DecoderSpec:
+    """DeepSeek-V2's multi-head latent attention (rope_interleave) with DeepSeek-V3's sigmoid router after the first
+    first_k_dense_replace dense layers."""
+    _refuse_training_extras("deepseek_v3", config)
+    spec = _mla(llama(config), config)
+    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
+    return replace(spec, moe=deepseek_moe(config, spec))
+
+
+def glm4_moe(config: dict) -> DecoderSpec:
+    """GLM-4.5: Llama attention with q/k/v biases (attention_bias), optional per-head q/k RMSNorm (use_qk_norm),
+    rotate_half partial rotary (0.5 by default), and DeepSeek-V3's router after first_k_dense_replace dense layers."""
+    _refuse_training_extras("glm4_moe", config)
+    bias = bool(config.get("attention_bias", False))
+    qk_norm = bool(config.get("use_qk_norm", False))
+    spec = replace(llama(dict(config, attention_bias=False)), q_bias=bias, k_bias=bias, v_bias=bias,
+                   q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
+    return replace(spec, moe=deepseek_moe(config, spec))
+
+
+def dots1(config: dict) -> DecoderSpec:
+    """dots.llm1: Qwen3 attention (per-head q/k RMSNorm, per-layer sliding windows) with DeepSeek-V3's router after
+    first_k_dense_replace dense layers (norm_topk_prob off by default)."""
+    _refuse_training_extras("dots1", config)
+    spec = qwen3(config)
+    return replace(spec, moe=deepseek_moe(config, spec, norm_default=False))
+
+
 # Canonical architecture name -> its delta (architectures of this plugin's table not listed are refused).
 VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "granitemoe": granitemoe,
+    "flex_olmo": flex_olmo, "hunyuan_v1_moe": hunyuan_v1_moe, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
+    "dots1": dots1,
 }
 
 
