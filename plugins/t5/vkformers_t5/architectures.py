@@ -29,3 +29,15 @@ ALIASES = {
     "encoder-decoder": NestedConfig(("decoder",)),  # composite seq2seq wrapper handled by the Seq2Seq facade; encoder and decoder keep their own nested model_type
     "t5gemma":         "t5_gemma_module",  # decoder sub-config parsed as t5_gemma_module
 }
+
+# How far tests/test_seq2seq_parity.py proves each architecture against its transformers 5.24 fixture
+# (tests/fixtures/seq2seq/<name>/); tests/test_verified_claims_seq2seq.py checks every claim has that proof.
+#   verified:          logits, loss, every parameter gradient, one AdamW step and greedy tokens with the cache
+#   forward-verified:  logits and loss
+# Everything not listed stays "registered".
+VERIFIED = ("t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus", "blenderbot-small", "blenderbot", "plbart",
+            "m2m_100")
+FORWARD_VERIFIED = ("t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus", "blenderbot-small", "blenderbot", "plbart",
+            "m2m_100")
+STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
+                            **{name: "verified" for name in VERIFIED}}

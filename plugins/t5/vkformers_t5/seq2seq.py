@@ -1,0 +1,531 @@
+"""One encoder-decoder for every architecture of the family, configured by a :class:`Seq2SeqSpec`.
+
+``model(input_ids, attention_mask=None, decoder_input_ids=None, labels=None)`` follows
+transformers' *ForConditionalGeneration: with labels and no decoder inputs the decoder reads the
+labels shifted right (decoder_start_token_id first, -100 replaced by pad; mBART/PLBart wrap the
+last non-pad label to the front instead), and the loss is the mean cross-entropy over labels !=
+-100 (no shift). ``generate`` decodes greedily (or samples) with a decoder self-attention KV cache;
+the encoder runs once and each layer's cross-attention keys/values are computed once.
+
+Attention: the fused kernel (``F.scaled_dot_product_attention``) wherever it fits: BART-style
+self-attention and every cross-attention. T5's relative position bias is an additive term the kernel
+does not take, so T5 self-attention is composed from engine ops (q k^T + bias, softmax, @ v) and
+autograd gives its backward, the bias table's gradient included. The bias is looked up once per
+stack from layer 0's table and shared by the layers (umT5: each layer its own table).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.function import no_grad
+from vkformers.engine.lazy import realize
+from vkformers.engine.ops.cache import write_kv
+from vkformers.engine.tensor import Tensor, tensor
+from vkformers.errors import VkformersError
+from vkformers.models.cache import KVCache
+from vkformers.models.generation import sampling_probabilities
+from vkformers.models.layers import Embedding, LayerNorm, Linear, ModuleList, RMSNorm
+from vkformers.models.module import Module
+from vkformers.runtime import dtypes as dt
+
+from vkformers_t5.variants import (Seq2SeqSpec, fairseq_table, relative_buckets, seq2seq_spec,
+                                   sinusoidal_table)
+
+IGNORE_INDEX = -100
+MASKED = -1e9  # additive score of a hidden key in the composed attention (exp underflows to exactly 0)
+
+# Hugging Face parameter names of the two layouts. Layer paths are relative to a layer; {ffn} is the
+# index of T5's feed-forward sub-layer (1 in the encoder, 2 in the decoder, after cross-attention).
+LAYOUTS = {
+    "t5": dict(shared="shared", encoder="encoder", decoder="decoder", layers="block", positions=None,
+               embed_norm=None, final_norm="final_layer_norm",
+               self_attn="layer.0.SelfAttention", self_norm="layer.0.layer_norm",
+               cross_attn="layer.1.EncDecAttention", cross_norm="layer.1.layer_norm",
+               ffn="layer.{ffn}.DenseReluDense", ffn_norm="layer.{ffn}.layer_norm",
+               q="q", k="k", v="v", o="o", up="wi", gate="wi_0", gated_up="wi_1", down="wo"),
+    "bart": dict(shared="model.shared", encoder="model.encoder", decoder="model.decoder", layers="layers",
+                 positions="embed_positions", embed_norm="layernorm_embedding", final_norm="layer_norm",
+                 self_attn="self_attn", self_norm="self_attn_layer_norm",
+                 cross_attn="encoder_attn", cross_norm="encoder_attn_layer_norm",
+                 ffn="", ffn_norm="final_layer_norm",
+                 q="q_proj", k="k_proj", v="v_proj", o="out_proj", up="fc1", gate=None, gated_up=None, down="fc2"),
+}
+
+# Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
+# fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
+# cross-attention that transformers ignores too.
+IGNORED_CHECKPOINT_KEYS = ("final_logits_bias", "embed_positions.weight", "embed_positions.weights",
+                           "EncDecAttention.relative_attention_bias.weight")
+
+
+@dataclass
+class Seq2SeqLMOutput:
+    logits: object = None
+    loss: object = None
+    encoder_last_hidden_state: object = None
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def place(root: Module, path: str, module: Module) -> Module:
+    """Attach ``module`` under a dotted HF path, creating plain container modules on the way."""
+    *parents, name = path.split(".")
+    node = root
+    for part in parents:
+        node = node._modules[part] if part in node._modules else node.add(part, Module())
+    return node.add(name, module)
+
+
+def make_norm(spec: Seq2SeqSpec) -> Module:
+    if spec.norm == "rms":
+        return RMSNorm(spec.d_model, eps=spec.norm_eps)
+    return LayerNorm(spec.d_model, eps=spec.norm_eps)
+
+
+def _ids(array) -> np.ndarray:
+    if isinstance(array, Tensor):
+        array = array.numpy()
+    array = np.asarray(array)
+    if array.ndim == 1:
+        array = array[None, :]
+    return array.astype(np.int64)
+
+
+# ---------------------------------------------------------------- attention
+
+class Attention(Module):
+    """q/k/v/o projections; self-attention (optionally with T5's relative bias table) or cross-attention."""
+
+    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool):
+        super().__init__()
+        inner = heads * spec.head_dim
+        object.__setattr__(self, "proj", {})
+        for role in ("q", "k", "v"):
+            self.proj[role] = self.add(names[role], Linear(spec.d_model, inner, bias=spec.linear_bias))
+        self.proj["o"] = self.add(names["o"], Linear(inner, spec.d_model, bias=spec.linear_bias))
+        self.heads, self.head_dim = heads, spec.head_dim
+        self.scale = spec.head_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
+        table = self.add("relative_attention_bias", Embedding(spec.relative_buckets, heads)) if bias_table else None
+        object.__setattr__(self, "table", table)
+
+    def split(self, role: str, x):
+        batch, length, _ = x.shape
+        return self.proj[role](x).reshape(batch, length, self.heads, self.head_dim).permute(0, 2, 1, 3)
+
+    def attend(self, q, k, v, *, causal: bool, bias=None, key_padding_mask=None):
+        """[B, H, Tq, D]. With ``bias`` (relative positions and masks already added in) the attention is
+        composed from engine ops; without, the fused kernel runs."""
+        if bias is None:
+            return F.scaled_dot_product_attention(q, k, v, causal=causal, scale=self.scale,
+                                                  key_padding_mask=key_padding_mask)
+        scores = q @ k.transpose(-1, -2)
+        if self.scale != 1.0:
+            scores = scores * self.scale
+        return (scores + bias).softmax(-1) @ v
+
+    def merge(self, out):
+        batch, heads, length, dim = out.shape
+        return self.proj["o"](out.permute(0, 2, 1, 3).reshape(batch, length, heads * dim))
+
+
+# ---------------------------------------------------------------- one layer
+
+class Block(Module):
+    """Self-attention, cross-attention (decoder), feed-forward; pre-LN or post-LN residuals."""
+
+    def __init__(self, spec: Seq2SeqSpec, names: dict, decoder: bool, index: int):
+        super().__init__()
+        self.spec, self.decoder, self.index = spec, decoder, index
+        heads = spec.decoder_heads if decoder else spec.encoder_heads
+        ffn = spec.decoder_ffn if decoder else spec.encoder_ffn
+        has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
+        refs = dict(
+            self_attn=place(self, names["self_attn"], Attention(spec, names, heads, has_table)),
+            self_norm=place(self, names["self_norm"], make_norm(spec)),
+            cross_attn=place(self, names["cross_attn"], Attention(spec, names, heads, False)) if decoder else None,
+            cross_norm=place(self, names["cross_norm"], make_norm(spec)) if decoder else None,
+        )
+        sub = names["ffn"].format(ffn=2 if decoder else 1)
+        if spec.gated_ffn:
+            refs["gate"] = place(self, _join(sub, names["gate"]), Linear(spec.d_model, ffn, bias=spec.linear_bias))
+            refs["up"] = place(self, _join(sub, names["gated_up"]), Linear(spec.d_model, ffn, bias=spec.linear_bias))
+        else:
+            refs["gate"] = None
+            refs["up"] = place(self, _join(sub, names["up"]), Linear(spec.d_model, ffn, bias=spec.linear_bias))
+        refs["down"] = place(self, _join(sub, names["down"]), Linear(ffn, spec.d_model, bias=spec.linear_bias))
+        refs["ffn_norm"] = place(self, names["ffn_norm"].format(ffn=2 if decoder else 1), make_norm(spec))
+        for name, module in refs.items():
+            object.__setattr__(self, name, module)
+        self.act = F.activation(spec.activation)
+
+    def _residual(self, x, norm, f):
+        if self.spec.pre_norm:
+            return x + f(norm(x))
+        return norm(x + f(x))
+
+    def feed_forward(self, h):
+        if self.gate is not None:
+            return self.down(self.act(self.gate(h)) * self.up(h))
+        return self.down(self.act(self.up(h)))
+
+    def self_attention(self, h, ctx: "StackContext"):
+        attn = self.self_attn
+        q, k, v = attn.split("q", h), attn.split("k", h), attn.split("v", h)
+        bias = ctx.bias(self)
+        cache = ctx.cache
+        if cache is None:
+            out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask)
+        elif bias is None:  # fused kernel over the cached keys (prefill or one-token decode)
+            out = cache.self_attn.attend(self.index, q, k, v, scale=attn.scale)
+        else:  # store the new keys, then the composed attention over the whole cache: the causal part of the
+            # bias hides the rows not written yet, and every decode step has the same shapes (its plan replays)
+            keys, values = cache.self_attn.keys[self.index], cache.self_attn.values[self.index]
+            write_kv(keys, values, k, v, ctx.cache_start)
+            out = attn.attend(q, keys, values, causal=True, bias=bias)
+        return attn.merge(out)
+
+    def cross_attention(self, h, ctx: "StackContext"):
+        attn = self.cross_attn
+        k, v = ctx.cross_keys_values(self.index, attn)
+        out = attn.attend(attn.split("q", h), k, v, causal=False, key_padding_mask=ctx.encoder_padding_mask)
+        return attn.merge(out)
+
+    def forward(self, x, ctx: "StackContext"):
+        x = self._residual(x, self.self_norm, lambda h: self.self_attention(h, ctx))
+        if self.decoder:
+            x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx))
+        return self._residual(x, self.ffn_norm, self.feed_forward)
+
+
+# ---------------------------------------------------------------- a stack's per-forward state
+
+class StackContext:
+    """What the layers of one stack share in one forward pass: masks, relative position bias, cache."""
+
+    def __init__(self, stack: "Stack", length: int, key_padding: np.ndarray | None, past: int = 0, cache=None,
+                 encoder_states=None, encoder_mask: np.ndarray | None = None):
+        self.stack, self.length, self.past, self.cache = stack, length, past, cache
+        self.encoder_states = encoder_states
+        self.key_padding_mask = None if key_padding is None else tensor(key_padding.astype(bool))
+        self.encoder_padding_mask = None
+        if encoder_mask is not None and not encoder_mask.all():
+            self.encoder_padding_mask = tensor(encoder_mask.astype(bool))
+        self.cache_start = tensor(np.array([past], np.uint32)) if cache is not None else None
+        # keys the self-attention sees: the new tokens after the stored ones, or the whole cache
+        self.key_length = cache.self_attn.max_len if cache is not None else past + length
+        self._additive = None
+        if stack.spec.relative_buckets:
+            if stack.decoder:  # causal: key j hidden from query i when j > i (absolute positions)
+                query = past + np.arange(length)
+                keys = np.arange(self.key_length)
+                self._additive = np.where(keys[None, :] > query[:, None], MASKED, 0.0).astype(np.float32)
+            elif key_padding is not None:
+                self._additive = np.where(key_padding[:, None, None, :] != 0, 0.0, MASKED).astype(np.float32)
+        self._shared_bias = None
+
+    def bias(self, block: Block):
+        """The additive attention term of a self-attention layer ([.., H, Tq, Tk]: relative position bias
+        plus the masks), or None when the layer runs the fused kernel."""
+        spec = self.stack.spec
+        if not spec.relative_buckets:
+            return None
+        if spec.relative_bias_every_layer:
+            return self._position_bias(block.self_attn.table)
+        if self._shared_bias is None:  # layer 0's table, shared by every layer of the stack
+            self._shared_bias = self._position_bias(self.stack.layers[0].self_attn.table)
+        return self._shared_bias
+
+    def _position_bias(self, table: Embedding):
+        spec = self.stack.spec
+        query = self.past + np.arange(self.length)
+        buckets = relative_buckets(query, self.key_length, bidirectional=not self.stack.decoder,
+                                   num_buckets=spec.relative_buckets, max_distance=spec.relative_max_distance)
+        values = F.embedding(tensor(buckets), table.weight)                      # [Tq, Tk, H]
+        heads = values.shape[-1]
+        bias = values.permute(2, 0, 1).reshape(1, heads, *buckets.shape)        # [1, H, Tq, Tk]
+        if self._additive is not None:
+            bias = bias + tensor(self._additive, dtype=bias.dtype)
+        return bias
+
+    def cross_keys_values(self, index: int, attn: Attention):
+        """Cross-attention keys and values of one decoder layer: from the encoder output, or from the cache
+        (computed there once per generation)."""
+        if self.cache is not None:
+            return self.cache.cross[index]
+        return attn.split("k", self.encoder_states), attn.split("v", self.encoder_states)
+
+
+# ---------------------------------------------------------------- encoder / decoder stacks
+
+class Stack(Module):
+    def __init__(self, spec: Seq2SeqSpec, names: dict, decoder: bool):
+        super().__init__()
+        self.spec, self.decoder = spec, decoder
+        count = spec.decoder_layers if decoder else spec.encoder_layers
+        self.embed_tokens = Embedding(spec.vocab_size, spec.d_model)
+        refs = dict(embed_positions=None, embed_norm=None, final_norm=None)
+        if spec.positions == "learned":
+            refs["embed_positions"] = place(self, names["positions"],
+                                            Embedding(spec.max_positions + spec.position_offset, spec.d_model))
+        if spec.embed_norm:
+            refs["embed_norm"] = place(self, names["embed_norm"], make_norm(spec))
+        refs["layers"] = place(self, names["layers"], ModuleList(Block(spec, names, decoder, i) for i in range(count)))
+        if spec.final_norm:
+            refs["final_norm"] = place(self, names["final_norm"], make_norm(spec))
+        for name, module in refs.items():
+            object.__setattr__(self, name, module)
+        self.position_table = None
+        if spec.positions == "sinusoidal":
+            self.position_table = Tensor(sinusoidal_table(spec.max_positions, spec.d_model))
+        elif spec.positions == "fairseq":
+            rows = spec.max_positions + spec.position_offset + spec.pad_token_id + 1
+            self.position_table = Tensor(fairseq_table(rows, spec.d_model, spec.pad_token_id))
+
+    def positions(self, ids: np.ndarray, past: int) -> np.ndarray:
+        """Row of the position table for every token (int32 [B, T])."""
+        spec = self.spec
+        batch, length = ids.shape
+        if spec.positions == "fairseq":  # count only non-pad tokens; pads take the (zero) padding row
+            real = (ids != spec.pad_token_id).astype(np.int64)
+            return ((np.cumsum(real, axis=1) + past) * real + spec.pad_token_id).astype(np.int32)
+        rows = past + np.arange(length) + spec.position_offset
+        return np.broadcast_to(rows, (batch, length)).astype(np.int32)
+
+    def embed(self, ids: np.ndarray, past: int):
+        spec = self.spec
+        x = F.embedding(tensor(ids.astype(np.int32)), self.embed_tokens.weight)
+        padded = ids == spec.pad_token_id
+        if spec.pad_embedding_frozen and padded.any():  # nn.Embedding(padding_idx): the pad row gets no gradient
+            real = (~padded).astype(np.float32)[..., None]
+            x = x * tensor(real, dtype=x.dtype) + x.detach() * tensor(1.0 - real, dtype=x.dtype)
+        if spec.embed_scale != 1.0:
+            x = x * spec.embed_scale
+        norm_first = self.decoder and spec.decoder_embed_norm_first
+        if norm_first:
+            x = self.embed_norm(x)
+        table = self.embed_positions.weight if self.embed_positions is not None else self.position_table
+        if table is not None:
+            x = x + F.embedding(tensor(self.positions(ids, past)), table)
+        if self.embed_norm is not None and not norm_first:
+            x = self.embed_norm(x)
+        return x
+
+    def forward(self, ids: np.ndarray, ctx: StackContext):
+        x = self.embed(ids, ctx.past)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+# ---------------------------------------------------------------- generation cache
+
+class Seq2SeqCache:
+    """Decoder self-attention keys/values (a core KVCache) and each layer's cross-attention keys/values."""
+
+    def __init__(self, spec: Seq2SeqSpec, batch: int, max_len: int, dtype, device, encoder_states,
+                 encoder_mask: np.ndarray):
+        self.self_attn = KVCache(spec.decoder_layers, batch, spec.decoder_heads, spec.head_dim, max_len, dtype,
+                                 device)
+        self.encoder_states, self.encoder_mask = encoder_states, encoder_mask
+        self.cross = []
+
+    def fill_cross(self, decoder: "Stack") -> None:
+        """Every decoder layer's cross-attention keys and values, computed once (one submit) before decoding,
+        so that every decode step builds the same graph and replays one recorded plan."""
+        states = self.encoder_states
+        self.cross = [tuple(layer.cross_attn.split(role, states).contiguous() for role in ("k", "v"))
+                      for layer in decoder.layers]
+        realize([t.lazy for kv in self.cross for t in kv])
+
+    @property
+    def position(self) -> int:
+        return self.self_attn.position
+
+
+# ---------------------------------------------------------------- the model
+
+class Seq2SeqForConditionalGeneration(Module):
+    """An encoder-decoder of any architecture in :data:`vkformers_t5.variants.VARIANTS`."""
+
+    ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+
+    def __init__(self, config: dict, architecture):
+        super().__init__()
+        name = getattr(architecture, "name", architecture)
+        spec = seq2seq_spec(config, name)
+        self.config, self.architecture_name, self.spec = config, name, spec
+        self.dtype = dt.float32
+        names = self.names = LAYOUTS[spec.layout]
+        refs = dict(
+            shared=place(self, names["shared"], Embedding(spec.vocab_size, spec.d_model)),
+            encoder=place(self, names["encoder"], Stack(spec, names, decoder=False)),
+            decoder=place(self, names["decoder"], Stack(spec, names, decoder=True)),
+            lm_head=place(self, "lm_head", Linear(spec.d_model, spec.vocab_size, bias=False)),
+        )
+        for key, module in refs.items():
+            object.__setattr__(self, key, module)
+        shared = f"{names['shared']}.weight"
+        for stack in ("encoder", "decoder"):
+            self.tie(f"{names[stack]}.embed_tokens.weight", shared)
+        self.tie("lm_head.weight", shared)
+        self.logits_bias = None
+
+    def load_state_dict(self, arrays, *args, **kwargs):
+        """Ties lm_head to the shared embedding unless the checkpoint holds a different one (transformers 5
+        does the same), and reads final_logits_bias, a buffer rather than a parameter."""
+        shared = f"{self.names['shared']}.weight"
+        head = dict(self.named_slots())["lm_head.weight"]
+        distinct = "lm_head.weight" in arrays and shared in arrays and not np.array_equal(
+            np.asarray(arrays["lm_head.weight"]), np.asarray(arrays[shared]))
+        head.tied_to = shared if self.spec.tie_lm_head and not distinct else None
+        super().load_state_dict(arrays, *args, **kwargs)
+        self.logits_bias = None
+        if self.spec.final_logits_bias and "final_logits_bias" in arrays:
+            bias = np.asarray(arrays["final_logits_bias"], np.float32).reshape(-1)
+            if bias.any():
+                self.logits_bias = tensor(bias, dtype=kwargs.get("dtype", args[0] if args else "float32"))
+
+    # -- pieces
+
+    def encode(self, input_ids, attention_mask=None):
+        """The encoder's last hidden state [B, S, d_model]."""
+        ids = _ids(input_ids)
+        mask = None if attention_mask is None else _ids(attention_mask)
+        padding = mask if mask is not None and not mask.all() else None
+        return self.encoder(ids, StackContext(self.encoder, ids.shape[1], padding))
+
+    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None):
+        """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""
+        ids = _ids(decoder_ids)
+        past = cache.position if cache is not None else 0
+        ctx = StackContext(self.decoder, ids.shape[1], None, past=past, cache=cache, encoder_states=encoder_states,
+                           encoder_mask=encoder_mask)
+        x = self.decoder(ids, ctx)
+        if cache is not None:
+            cache.self_attn.advance(ids.shape[1])
+        if self.spec.output_scale != 1.0:
+            x = x * self.spec.output_scale
+        logits = self.lm_head(x)
+        if self.logits_bias is not None:
+            logits = logits + self.logits_bias
+        return logits
+
+    def shift_right(self, labels: np.ndarray) -> np.ndarray:
+        """Decoder inputs from labels (transformers' shift_tokens_right / _shift_right)."""
+        spec = self.spec
+        labels = np.where(labels == IGNORE_INDEX, spec.pad_token_id, labels)
+        shifted = np.empty_like(labels)
+        shifted[:, 1:] = labels[:, :-1]
+        if spec.shift == "wrap_last":  # mBART / PLBart: the last non-pad token (the language id) comes first
+            last = (labels != spec.pad_token_id).sum(axis=1) - 1
+            shifted[:, 0] = labels[np.arange(labels.shape[0]), last]
+        else:
+            if spec.decoder_start_token_id is None:
+                raise VkformersError(f"{self.architecture_name}: config has no decoder_start_token_id to shift "
+                                     "labels with")
+            shifted[:, 0] = spec.decoder_start_token_id
+        return shifted
+
+    # -- forward
+
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
+                decoder_attention_mask=None, encoder_outputs=None):
+        ids = _ids(input_ids)
+        mask = None if attention_mask is None else _ids(attention_mask)
+        if decoder_attention_mask is not None and not _ids(decoder_attention_mask).all():
+            raise VkformersError("decoder_attention_mask with zeros is not supported (the decoder attends causally "
+                                 "to every decoder token)")
+        label_array = None if labels is None else _ids(labels)
+        if decoder_input_ids is not None:
+            decoder_ids = _ids(decoder_input_ids)
+        elif label_array is not None:
+            decoder_ids = self.shift_right(label_array)
+        elif self.spec.decoder_inputs_from_input_ids:  # BART: denoising input = the input shifted right
+            decoder_ids = self.shift_right(ids)
+        else:
+            raise VkformersError(f"{self.architecture_name}: give decoder_input_ids or labels")
+        encoder_states = encoder_outputs if encoder_outputs is not None else self.encode(ids, mask)
+        logits = self.decode(decoder_ids, encoder_states, mask)
+        loss = None
+        if label_array is not None:
+            loss = F.cross_entropy(logits.float(), tensor(label_array.astype(np.int32)), ignore_index=IGNORE_INDEX)
+        return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_states)
+
+    # -- generation
+
+    def _config_value(self, name):
+        for source in (getattr(self, "generation_config", None), self.config):
+            if isinstance(source, dict) and source.get(name) is not None:
+                return source[name]
+        return None
+
+    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
+                 attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
+                 output_logits: bool = False):
+        """Decoder tokens [batch, 1 + new] (int64), starting with decoder_start_token_id, as transformers returns.
+
+        The encoder runs once; each step feeds one token through the decoder with a self-attention KV
+        cache and cross-attention keys/values computed once. Greedy unless ``do_sample`` (temperature,
+        top-k, top-p; ``numpy.random.default_rng(seed)``). ``eos_token_id`` (default: the config's): a
+        row that produced it is finished and gets ``pad_token_id`` from then on; generation stops when
+        every row is finished. Without ``attention_mask``, pad tokens of the input are masked (when pad
+        differs from eos), as transformers infers it. ``output_logits``: also return each step's logits
+        [new, batch, vocab]."""
+        if int(max_new_tokens) < 0:
+            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature}")
+        spec = self.spec
+        ids = _ids(input_ids)
+        batch = ids.shape[0]
+        eos = self._config_value("eos_token_id") if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        pad = spec.pad_token_id if pad_token_id is None else int(pad_token_id)
+        if attention_mask is not None:
+            mask = _ids(attention_mask)
+        elif pad in ids and pad not in eos:
+            mask = (ids != pad).astype(np.int64)
+        else:
+            mask = np.ones_like(ids)
+        start = decoder_start_token_id if decoder_start_token_id is not None else \
+            self._config_value("decoder_start_token_id")
+        if start is None:
+            start = self._config_value("bos_token_id")
+        if start is None:
+            raise VkformersError(f"{self.architecture_name}: no decoder_start_token_id (config or argument)")
+        rng = np.random.default_rng(seed)
+        tokens = np.full((batch, 1), int(start), np.int64)
+        step_logits = []
+        with no_grad():
+            encoder_states = self.encode(ids, mask).realize()
+            device = self.shared.weight.device
+            cache = Seq2SeqCache(spec, batch, 1 + max(int(max_new_tokens), 1), self.dtype, device, encoder_states,
+                                 mask)
+            cache.fill_cross(self.decoder)
+            unfinished = np.ones(batch, bool)
+            next_input = tokens
+            for step in range(int(max_new_tokens)):
+                logits = self.decode(next_input, encoder_states, mask, cache=cache)
+                scores = logits[:, logits.shape[1] - 1].contiguous().numpy().astype(np.float32)
+                step_logits.append(scores)
+                if do_sample:
+                    probs = sampling_probabilities(scores, temperature, top_k, top_p)
+                    chosen = np.array([rng.choice(probs.shape[-1], p=p / p.sum()) for p in probs])
+                else:
+                    chosen = scores.argmax(axis=-1)
+                chosen = np.where(unfinished, chosen, pad).astype(np.int64)
+                tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
+                if eos:
+                    unfinished &= ~np.isin(chosen, eos)
+                if not unfinished.any():
+                    break
+                next_input = chosen[:, None]
+        if output_logits:
+            return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, spec.vocab_size), np.float32)
+        return tokens

@@ -1,0 +1,229 @@
+"""Per-architecture deltas: how each encoder-decoder's config.json fills a :class:`Seq2SeqSpec`.
+
+One shared encoder-decoder (vkformers_t5.seq2seq) runs them all. A variant is its parent plus a
+declared difference: ``mt5`` is ``t5`` with a gated feed-forward and no output rescale, ``umt5`` has a
+relative position bias in every layer, ``mbart`` is ``bart`` with pre-LN and final layer norms,
+``marian`` is ``bart`` with fixed sinusoidal positions and scaled embeddings, and so on. Parameter
+names are Hugging Face's (two layouts: T5's ``encoder.block.0.layer.0.SelfAttention.q`` and
+BART's ``model.encoder.layers.0.self_attn.q_proj``), so checkpoints load as they are.
+
+A config option that changes the maths but is not implemented raises
+:class:`UnsupportedConfigError` naming it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from vkformers.errors import VkformersError
+
+
+class UnsupportedConfigError(VkformersError, ValueError):
+    """A config option of a known encoder-decoder that the shared model does not implement."""
+
+
+@dataclass(frozen=True)
+class Seq2SeqSpec:
+    """Every knob of the shared encoder-decoder."""
+
+    # -- sizes
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_heads: int
+    decoder_heads: int
+    head_dim: int
+    encoder_ffn: int
+    decoder_ffn: int
+    layout: str = "bart"                  # parameter names: "t5" or "bart" (see seq2seq.LAYOUTS)
+
+    # -- blocks
+    norm: str = "layer"                   # layer | rms (T5LayerNorm: no mean subtraction, no bias)
+    norm_eps: float = 1e-5
+    pre_norm: bool = False                # x + f(norm(x)) (T5, mBART, Pegasus, ...) or norm(x + f(x)) (BART)
+    final_norm: bool = False              # a norm after each stack's last layer
+    activation: str = "gelu"
+    gated_ffn: bool = False               # T5 v1.1: wo(act(wi_0 x) * wi_1 x)
+    linear_bias: bool = True              # attention and feed-forward projections have biases
+    attention_scale: float | None = None  # None: head_dim**-0.5; T5: 1.0
+
+    # -- positions
+    relative_buckets: int = 0             # T5 relative position bias (0: none)
+    relative_max_distance: int = 128
+    relative_bias_every_layer: bool = False  # umT5: each layer its own table; T5: layer 0's, shared
+    positions: str | None = None          # learned | sinusoidal (Marian/Pegasus) | fairseq (M2M-100) | None
+    position_offset: int = 0              # learned table row = position + offset (BART: 2)
+    max_positions: int = 1024
+
+    # -- embeddings and head
+    embed_scale: float = 1.0              # sqrt(d_model) with scale_embedding
+    embed_norm: bool = False              # layernorm_embedding after the positions are added
+    decoder_embed_norm_first: bool = False  # BlenderbotSmall's decoder: norm the token embeddings, then add positions
+    final_logits_bias: bool = False       # a [1, vocab] buffer added to the logits
+    pad_embedding_frozen: bool = False    # token embedding with padding_idx: pad tokens pass no gradient to it
+    output_scale: float = 1.0             # T5: d_model**-0.5 before lm_head (scale_decoder_outputs)
+    tie_lm_head: bool = True              # unless the checkpoint holds a distinct lm_head.weight
+
+    # -- tokens
+    pad_token_id: int = 0
+    decoder_start_token_id: int | None = 0
+    eos_token_id: int | list | None = None
+    shift: str = "start"                  # start: [start] + labels[:-1]; wrap_last (mBART/PLBart): the last
+    #                                       non-pad label first
+    decoder_inputs_from_input_ids: bool = False  # BART: no decoder inputs and no labels -> shift input_ids
+
+
+def _get(config: dict, *names, default=None):
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return default
+
+
+def refuse(arch: str, config: dict, option: str, supported, default=None) -> None:
+    value = config.get(option, default)
+    if not supported(value):
+        raise UnsupportedConfigError(f"{arch}: config option {option}={value!r} is not supported by vkformers' "
+                                     f"encoder-decoder yet")
+
+
+# ---------------------------------------------------------------- T5 family
+
+def t5_spec(config: dict, arch: str, *, every_layer_bias: bool = False, rescale: bool | None = None) -> Seq2SeqSpec:
+    projection = str(config.get("feed_forward_proj", "relu"))
+    parts = projection.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise UnsupportedConfigError(f"{arch}: feed_forward_proj={projection!r} is not 'ACT' or 'gated-ACT'")
+    activation = "gelu_new" if projection == "gated-gelu" else parts[-1]
+    if rescale is None:  # transformers 5: scale_decoder_outputs, saved from the tie_word_embeddings it was given
+        rescale = bool(config["scale_decoder_outputs"]) if "scale_decoder_outputs" in config else \
+            config.get("tie_word_embeddings", True) is not False
+    d_model, heads = config["d_model"], config["num_heads"]
+    layers = config["num_layers"]
+    return Seq2SeqSpec(
+        vocab_size=config["vocab_size"], d_model=d_model, encoder_layers=layers,
+        decoder_layers=_get(config, "num_decoder_layers", default=layers), encoder_heads=heads, decoder_heads=heads,
+        head_dim=config.get("d_kv", d_model // heads), encoder_ffn=config["d_ff"], decoder_ffn=config["d_ff"],
+        layout="t5", norm="rms", norm_eps=config.get("layer_norm_epsilon", 1e-6), pre_norm=True, final_norm=True,
+        activation=activation, gated_ffn=parts[0] == "gated" and len(parts) == 2, linear_bias=False,
+        attention_scale=1.0, relative_buckets=config.get("relative_attention_num_buckets", 32),
+        relative_max_distance=config.get("relative_attention_max_distance", 128),
+        relative_bias_every_layer=every_layer_bias, positions=None,
+        output_scale=d_model ** -0.5 if rescale else 1.0,
+        pad_token_id=_get(config, "pad_token_id", default=0),
+        decoder_start_token_id=_get(config, "decoder_start_token_id", "pad_token_id", default=0),
+        eos_token_id=config.get("eos_token_id"), shift="start")
+
+
+# ---------------------------------------------------------------- BART family
+
+def bart_spec(config: dict, arch: str, **delta) -> Seq2SeqSpec:
+    d_model = config["d_model"]
+    spec = Seq2SeqSpec(
+        vocab_size=config["vocab_size"], d_model=d_model,
+        encoder_layers=config["encoder_layers"], decoder_layers=config["decoder_layers"],
+        encoder_heads=config["encoder_attention_heads"], decoder_heads=config["decoder_attention_heads"],
+        head_dim=d_model // config["encoder_attention_heads"],
+        encoder_ffn=config["encoder_ffn_dim"], decoder_ffn=config["decoder_ffn_dim"], layout="bart",
+        activation=config.get("activation_function", "gelu"),
+        positions="learned", position_offset=2, max_positions=config.get("max_position_embeddings", 1024),
+        embed_scale=math.sqrt(d_model) if config.get("scale_embedding", False) else 1.0,
+        embed_norm=True, final_logits_bias=True, pad_embedding_frozen=True,
+        tie_lm_head=config.get("tie_word_embeddings", True) is not False,
+        pad_token_id=_get(config, "pad_token_id", default=1),
+        decoder_start_token_id=_get(config, "decoder_start_token_id", "bos_token_id"),
+        eos_token_id=config.get("eos_token_id"), decoder_inputs_from_input_ids=True)
+    if d_model // config["decoder_attention_heads"] != spec.head_dim:
+        raise UnsupportedConfigError(f"{arch}: encoder and decoder head sizes differ")
+    return replace(spec, **delta)
+
+
+def _marian(config, arch):
+    refuse(arch, config, "share_encoder_decoder_embeddings", lambda v: v is not False, True)
+    refuse(arch, config, "decoder_vocab_size", lambda v: v in (None, config["vocab_size"]))
+    return bart_spec(config, arch, positions="sinusoidal", position_offset=0, embed_norm=False,
+                     decoder_inputs_from_input_ids=False)
+
+
+VARIANTS = {
+    "t5": lambda c, a: t5_spec(c, a),
+    "mt5": lambda c, a: t5_spec(c, a, rescale=False),     # transformers 5's mT5 never rescales
+    "umt5": lambda c, a: t5_spec(c, a, every_layer_bias=True),
+    "bart": bart_spec,
+    "mbart": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, shift="wrap_last"),
+    "plbart": lambda c, a: bart_spec(c, a, shift="wrap_last"),
+    "marian": _marian,
+    "pegasus": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
+                                      position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False),
+    "blenderbot": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
+                                         decoder_inputs_from_input_ids=False),
+    "blenderbot-small": lambda c, a: bart_spec(c, a, position_offset=0, decoder_embed_norm_first=True,
+                                               decoder_inputs_from_input_ids=False),
+    "m2m_100": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq", position_offset=2,
+                                      embed_norm=False, final_logits_bias=False, decoder_inputs_from_input_ids=False),
+}
+
+
+def seq2seq_spec(config: dict, arch: str) -> Seq2SeqSpec:
+    if arch not in VARIANTS:
+        raise UnsupportedConfigError(f"{arch}: no encoder-decoder variant in vkformers-t5 yet "
+                                     f"(implemented: {', '.join(sorted(VARIANTS))})")
+    return VARIANTS[arch](config, arch)
+
+
+# ---------------------------------------------------------------- position tables and buckets
+
+def sinusoidal_table(rows: int, dim: int) -> np.ndarray:
+    """Marian / Pegasus: [sin | cos] halves of pos / 10000^(2i / dim), from position 0 (computed in float64)."""
+    position = np.arange(rows, dtype=np.float64)[:, None]
+    inv = np.power(10000.0, 2 * (np.arange(dim) // 2) / dim)[None, :]
+    angles = position / inv
+    sentinel = dim // 2 + dim % 2
+    table = np.empty((rows, dim), np.float32)
+    table[:, :sentinel] = np.sin(angles[:, 0::2])
+    table[:, sentinel:] = np.cos(angles[:, 1::2])
+    return table
+
+
+def fairseq_table(rows: int, dim: int, padding_idx: int | None) -> np.ndarray:
+    """M2M-100: fairseq's [sin | cos] table (float32 maths), the padding row zero."""
+    half = dim // 2
+    step = np.float32(math.log(10000) / (half - 1))
+    freqs = np.exp(np.arange(half, dtype=np.float32) * -step)
+    angles = np.arange(rows, dtype=np.float32)[:, None] * freqs[None, :]
+    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+    if dim % 2:
+        table = np.concatenate([table, np.zeros((rows, 1), np.float32)], axis=1)
+    if padding_idx is not None:
+        table[padding_idx] = 0
+    return table.astype(np.float32)
+
+
+def relative_buckets(query_positions: np.ndarray, key_length: int, *, bidirectional: bool, num_buckets: int,
+                     max_distance: int) -> np.ndarray:
+    """T5's bucket of (key position - query position) for every query/key pair, as int32 [Tq, Tk].
+
+    Exact buckets for small distances, logarithmic ones up to max_distance (float32 maths as in
+    transformers, so the boundaries fall where they do there); bidirectional (encoder) halves the
+    buckets between keys before and after the query."""
+    relative = np.arange(key_length, dtype=np.int64)[None, :] - query_positions.astype(np.int64)[:, None]
+    buckets = np.zeros(relative.shape, np.int64)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative > 0) * num_buckets
+        relative = np.abs(relative)
+    else:
+        relative = -np.minimum(relative, 0)
+    max_exact = num_buckets // 2
+    small = relative < max_exact
+    with np.errstate(divide="ignore"):
+        ratio = np.log(relative.astype(np.float32) / np.float32(max_exact)) / np.float32(
+            math.log(max_distance / max_exact))
+    large = max_exact + (ratio * np.float32(num_buckets - max_exact)).astype(np.float32)
+    large = np.where(small, 0, large)  # log(0) = -inf where small: not used
+    large = np.minimum(large.astype(np.int64), num_buckets - 1)
+    buckets += np.where(small, relative, large)
+    return buckets.astype(np.int32)

@@ -1,0 +1,178 @@
+"""The shared encoder-decoder (vkformers-t5) against transformers 5.24: every fixture in tests/fixtures/seq2seq/.
+
+Each fixture (tools/make_seq2seq_fixtures.py) is a tiny random *ForConditionalGeneration checkpoint plus
+transformers' own outputs for input_ids [2, 8] (row 1 right-padded by 2) and labels [2, 6] with some -100.
+A new fixture folder is tested automatically. Tolerances (float32):
+- logits 1e-4 absolute; loss 1e-5 relative;
+- gradients: per tensor, max |ours - theirs| <= 1e-3 * max(max |theirs|, 1e-3 * G), G the largest gradient
+  magnitude of the model (the floor is for tensors whose exact gradient is zero, e.g. key biases: softmax
+  ignores a shift shared by all of a query's scores, so the reference holds rounding noise there);
+- one AdamW step (lr 1e-2, weight decay 0.01) from the reference gradients: 1e-5 absolute;
+- greedy decoding with the KV cache: the tokens equal transformers', each step's logits within 1e-4 of
+  transformers' (its own cached generate), and for the fixtures in CACHE_CHECKED, within 1e-4 of our own
+  forward without a cache over the generated tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import vkformers as vkf
+from vkformers.engine.lazy import realize
+from vkformers.models.loading import AutoModelForSeq2SeqLM
+from vkformers.models.safetensors_io import read_safetensors
+from vkformers.optim import AdamW
+
+FIXTURES = Path(os.environ.get("VKFORMERS_SEQ2SEQ_FIXTURES", Path(__file__).parent / "fixtures" / "seq2seq"))
+LOGITS_ATOL = 1e-4
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-3
+ADAMW_ATOL = 1e-5
+# The cache paths differ by attention kind, not by variant: t5 runs the composed attention with the relative
+# bias over its cache, bart the fused decode kernel (m2m_100: positions counted over non-pad tokens).
+CACHE_CHECKED = ("t5", "bart", "m2m_100")
+
+
+def fixture_names() -> list[str]:
+    if not FIXTURES.is_dir():
+        return []
+    return sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
+
+
+class Case:
+    """One fixture, run once per test session: forward with labels and backward, realized in one submit."""
+
+    _cache: dict[str, "Case"] = {}
+
+    @classmethod
+    def get(cls, name: str) -> "Case":
+        if name not in cls._cache:
+            cls._cache[name] = cls(name)
+        return cls._cache[name]
+
+    def __init__(self, name: str):
+        self.folder = FIXTURES / name
+        self.meta = json.loads((self.folder / "meta.json").read_text())
+        self.ref = {k: e.as_float() for k, e in read_safetensors(self.folder / "reference.safetensors").items()}
+        self.model = AutoModelForSeq2SeqLM.from_pretrained(self.folder, dtype="float32")
+        out = self.model(self.ref["input_ids"].astype(np.int64), attention_mask=self.ref["attention_mask"],
+                         labels=self.ref["labels"].astype(np.int64))
+        out.loss.backward()
+        self.params = dict(self.model.named_parameters())
+        realize([out.logits.lazy, out.loss.lazy] + [p.grad.lazy for p in self.params.values() if p.grad is not None])
+        self.logits, self.loss = out.logits.numpy(), out.loss.item()
+        self.grads = {n: None if p.grad is None else p.grad.numpy() for n, p in self.params.items()}
+        for p in self.params.values():
+            p.grad = None
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_logits(name):
+    case = Case.get(name)
+    error = np.abs(case.logits - case.ref["logits"]).max()
+    assert error <= LOGITS_ATOL, f"{name}: logits differ by {error:.3g}"
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_loss(name):
+    case = Case.get(name)
+    expected = float(case.ref["loss"])
+    error = abs(case.loss - expected) / abs(expected)
+    assert error <= LOSS_RTOL, f"{name}: loss {case.loss} vs {expected} (relative error {error:.3g})"
+
+
+def trainable_reference_names(case: Case) -> list[str]:
+    """transformers' trainable parameters; frozen ones (fixed sinusoidal tables) are computed, not parameters."""
+    frozen = set(case.meta["params_without_grad"])
+    return [n for n in case.meta["parameters"] if n not in frozen]
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_gradients(name):
+    case = Case.get(name)
+    names = trainable_reference_names(case)
+    assert sorted(names) == sorted(case.params), (
+        f"{name}: parameters differ from transformers': only ours {sorted(set(case.params) - set(names))}, "
+        f"only theirs {sorted(set(names) - set(case.params))}")
+    largest = max(np.abs(case.ref[f"grad.{n}"]).max() for n in names)
+    failures = []
+    for n in names:
+        expected = case.ref[f"grad.{n}"]
+        got = case.grads[n] if case.grads[n] is not None else np.zeros_like(expected)
+        error = np.abs(got - expected).max()
+        bound = GRAD_RTOL * max(np.abs(expected).max(), 1e-3 * largest)
+        if not error <= bound:
+            failures.append(f"{n}: {error:.3g} > {bound:.3g}")
+    assert not failures, f"{name}: gradients differ: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_one_adamw_step(name):
+    case = Case.get(name)
+    params = case.params
+    for n, p in params.items():
+        p.grad = vkf.tensor(case.ref[f"grad.{n}"])
+    AdamW(list(params.values()), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01).step()
+    realize([p.lazy for p in params.values()])
+    try:
+        for n, p in params.items():
+            np.testing.assert_allclose(p.numpy(), case.ref[f"adamw.{n}"], atol=ADAMW_ATOL, rtol=0, err_msg=n)
+    finally:
+        Case._cache.pop(name, None)  # the weights moved: later tests of this fixture reload it
+
+
+def _generate(name):
+    folder = FIXTURES / name
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    expected = ref["greedy_tokens"].astype(np.int64)
+    prompt = ref["input_ids"][:1].astype(np.int64)
+    tokens, logits = model.generate(prompt, max_new_tokens=expected.shape[1] - 1, do_sample=False, eos_token_id=[],
+                                    output_logits=True)
+    return model, ref, prompt, expected, tokens, logits[:, 0]
+
+
+@pytest.mark.parametrize("name", fixture_names())
+def test_greedy_tokens_with_cache(name):
+    model, ref, prompt, expected, tokens, logits = _generate(name)
+    assert tokens.tolist() == expected.tolist(), f"{name}: {tokens.tolist()} vs transformers {expected.tolist()}"
+    error = np.abs(logits - ref["greedy_logits"]).max()
+    assert error <= LOGITS_ATOL, f"{name}: cached step logits differ from transformers' by {error:.3g}"
+    if name in CACHE_CHECKED:
+        uncached = model(prompt, decoder_input_ids=tokens[:, :-1]).logits.numpy()[0]
+        error = np.abs(uncached - logits).max()
+        assert error <= LOGITS_ATOL, f"{name}: cached decoding differs from the uncached forward by {error:.3g}"
+
+
+def test_generate_stops_at_eos_and_pads():
+    """A row that produced eos is finished: later tokens are pad, and generation stops once all rows are done."""
+    name = "bart"
+    folder = FIXTURES / name
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, requires_grad=False)
+    greedy = ref["greedy_tokens"].astype(np.int64)[0]
+    eos = int(greedy[3])  # a generated token plays eos: decoding ends at its first occurrence
+    first = 1 + list(greedy[1:]).index(eos)
+    prompt = np.repeat(ref["input_ids"][:1].astype(np.int64), 2, axis=0)
+    tokens = model.generate(prompt, max_new_tokens=8, eos_token_id=eos)
+    assert tokens.tolist() == [greedy[:first + 1].tolist()] * 2
+
+
+def test_labels_shift_and_errors():
+    """Decoder inputs come from labels shifted right (-100 -> pad); mBART wraps the last non-pad label first;
+    a config option that is not implemented is refused by name."""
+    from vkformers_t5.variants import UnsupportedConfigError, seq2seq_spec
+    case = Case.get("bart")
+    labels = np.array([[5, 6, -100, 7]])
+    assert case.model.shift_right(labels).tolist() == [[2, 5, 6, 0]]
+    mbart = AutoModelForSeq2SeqLM.from_config(json.loads((FIXTURES / "mbart" / "config.json").read_text()))
+    assert mbart.shift_right(np.array([[5, 6, 9, -100]])).tolist() == [[9, 5, 6, 9]]
+    config = json.loads((FIXTURES / "marian" / "config.json").read_text())
+    with pytest.raises(UnsupportedConfigError, match="share_encoder_decoder_embeddings"):
+        seq2seq_spec(dict(config, share_encoder_decoder_embeddings=False), "marian")
+    with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
+        seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")

@@ -1,0 +1,279 @@
+"""Write tests/fixtures/seq2seq/<name>/: tiny random Hugging Face encoder-decoders plus transformers' own outputs.
+
+Each fixture is a *ForConditionalGeneration model (d_model 32, 2 encoder + 2 decoder layers, 4 heads,
+feed-forward 24, vocab 48, float32, eager attention) built from a config alone (no network), re-initialised
+from a fixed seed (tools/make_fixtures.py's reinit_), saved with save_pretrained, and the outputs
+transformers computes for it: logits and loss for labels, every parameter's gradient, the parameters
+after one AdamW step, and an 8-token greedy continuation (eos disabled). vkformers' tests
+(tests/test_seq2seq_parity.py) load the folder with AutoModelForSeq2SeqLM and compare. Layout:
+tests/fixtures/seq2seq/README.md. Needs transformers and torch (CPU):
+
+    python tools/make_seq2seq_fixtures.py                    # every fixture, into tests/fixtures/seq2seq
+    python tools/make_seq2seq_fixtures.py --only t5,bart     # just these
+    python tools/make_seq2seq_fixtures.py --list
+
+Deterministic: one CPU thread, fixed seeds, sorted JSON (meta.json records the versions).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from make_fixtures import (ADAMW, BOS, EOS, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, PAD, VEC_STD, VOCAB,  # noqa: E402
+                           check_overrides, reinit_)
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForSeq2SeqLM, GenerationConfig  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "tests" / "fixtures" / "seq2seq"
+
+SEQ = 8                          # encoder tokens
+RIGHT_PAD = 2                    # row 1: 6 tokens then 2 pads
+TARGET = 6                       # label tokens
+NEW_TOKENS = 8
+POSITIONS = 24                   # learned position tables: >= 8 encoder and 1 + 8 decoder positions
+FINAL_LOGITS_BIAS_STD = 0.1      # BART-style final_logits_bias buffers (zeros by default) get noise, so they show
+
+TOK = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+# BART-style config names
+B = dict(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+         encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=INTER, decoder_ffn_dim=INTER,
+         max_position_embeddings=POSITIONS, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+         init_std=0.2, **TOK)
+# T5-style config names
+T = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTER, num_layers=LAYERS,
+         num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
+         relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=PAD, **TOK)
+
+
+@dataclass
+class Spec:
+    name: str                    # fixture folder
+    model_type: str              # HF model_type
+    overrides: dict
+    notes: list = field(default_factory=list)
+    untied_lm_head: bool = False  # write a distinct lm_head.weight into the checkpoint and reload: transformers
+    #                               5.24 ties T5's lm_head unless the checkpoint holds a different one (T5 v1.1)
+
+
+SPECS = [
+    Spec("t5", "t5", dict(T), ["original T5: ReLU feed-forward, lm_head tied to shared with the d_model**-0.5 "
+                               "rescale; relative position bias from 8 buckets (max_distance 16) in layer 0, "
+                               "shared by the other layers; no attention scaling."]),
+    Spec("mt5", "mt5", dict(T), ["mT5: gated-gelu; transformers 5.24 ties lm_head and never rescales mT5's output."]),
+    Spec("umt5", "umt5", dict(T, tie_word_embeddings=False),
+         ["umT5: every layer has its own relative_attention_bias; gated-gelu; untied lm_head (distinct in the "
+          "checkpoint, as in T5 v1.1 / flan-t5 / umT5 releases), no output rescale (scale_decoder_outputs false)."],
+         untied_lm_head=True),
+    Spec("bart", "bart", dict(B, decoder_start_token_id=EOS),
+         ["post-LN; learned positions with offset 2; layernorm_embedding; gelu; final_logits_bias; tied."]),
+    Spec("mbart", "mbart", dict(B, decoder_start_token_id=EOS),
+         ["pre-LN with final encoder/decoder layer_norm; layernorm_embedding; learned positions offset 2; labels "
+          "shift with the last non-pad token wrapped to the front (mBART's language id)."]),
+    Spec("marian", "marian", dict(B, decoder_vocab_size=VOCAB, decoder_start_token_id=PAD, scale_embedding=True,
+                                  activation_function="swish"),
+         ["post-LN; fixed sinusoidal positions (sin | cos halves, from 0), a frozen parameter; scale_embedding; "
+          "swish; no layernorm_embedding; final_logits_bias."]),
+    Spec("pegasus", "pegasus", dict(B, decoder_start_token_id=PAD, scale_embedding=True),
+         ["pre-LN with final layer_norm; fixed sinusoidal positions (frozen parameter); scale_embedding."]),
+    Spec("blenderbot-small", "blenderbot-small", dict(B, decoder_start_token_id=BOS),
+         ["post-LN; learned positions without offset; layernorm_embedding (decoder: on the token embeddings "
+          "before the positions are added)."]),
+    Spec("blenderbot", "blenderbot", dict(B, decoder_start_token_id=BOS),
+         ["pre-LN with final layer_norm; learned positions without offset; no layernorm_embedding."]),
+    Spec("plbart", "plbart", dict(B, decoder_start_token_id=EOS),
+         ["BART layout with scale_embedding (default true); labels shift with the last non-pad token wrapped."]),
+    Spec("m2m_100", "m2m_100", dict(B, decoder_start_token_id=EOS),
+         ["pre-LN with final layer_norm; fairseq sinusoidal positions (offset 2, padding row zero) counted over "
+          "non-pad tokens from input_ids; scale_embedding; relu; no final_logits_bias."]),
+]
+
+
+def make_inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=g, dtype=torch.int64)
+    mask = torch.ones(2, SEQ, dtype=torch.int64)
+    ids[1, SEQ - RIGHT_PAD:] = PAD
+    mask[1, SEQ - RIGHT_PAD:] = 0
+    labels = torch.randint(3, VOCAB, (2, TARGET), generator=g, dtype=torch.int64)
+    labels[0, 3] = -100                      # an ignored label in the middle: its shifted decoder input is pad
+    labels[1, TARGET - 2:] = -100            # a shorter target (ignored tail)
+    return ids, mask, labels
+
+
+def clean_generation_config(config) -> GenerationConfig:
+    """Plain greedy decoding: no forced/suppressed tokens, no eos, no length rules."""
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False, num_beams=1,
+                            use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
+                            decoder_start_token_id=config.decoder_start_token_id, forced_bos_token_id=None,
+                            forced_eos_token_id=None, temperature=None, top_p=None, top_k=None)
+
+
+def build(spec: Spec, out_root: Path):
+    out = out_root / spec.name
+    if out.exists():
+        shutil.rmtree(out)
+    tmp = out_root / (spec.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
+    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = model.float().eval()
+    issues = check_overrides(model.config, spec.overrides)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    reinit_(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():  # fixed tables (sinusoidal positions) keep their values
+            if n in frozen:
+                p.copy_(frozen[n])
+        if hasattr(model, "final_logits_bias"):
+            g = torch.Generator().manual_seed(99)
+            model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape, generator=g) *
+                                          FINAL_LOGITS_BIAS_STD)
+    model.save_pretrained(tmp)
+    if spec.untied_lm_head:
+        weights = load_file(str(tmp / "model.safetensors"))
+        g = torch.Generator().manual_seed(77)
+        weights["lm_head.weight"] = torch.randn(weights["shared.weight"].shape, generator=g) * INIT_STD
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForSeq2SeqLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32)
+        model = model.float().eval()
+        if model.lm_head.weight is model.get_input_embeddings().weight:
+            raise RuntimeError("lm_head is still tied after writing a distinct one")
+
+    ids, mask, labels = make_inputs()
+    params = dict(model.named_parameters())
+    fwd = model(input_ids=ids, attention_mask=mask, labels=labels)
+    logits = fwd.logits.detach().float()
+    fwd.loss.backward()
+    ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),
+           "labels": labels.to(torch.int32), "logits": logits.contiguous(),
+           "loss": fwd.loss.detach().float().reshape(())}
+    no_grad = []
+    for n, p in params.items():
+        if p.grad is None:
+            no_grad.append(n)
+            ref[f"grad.{n}"] = torch.zeros_like(p.detach())
+        else:
+            ref[f"grad.{n}"] = p.grad.detach().float().contiguous().clone()
+
+    with torch.no_grad():
+        prompt = ids[:1]
+        saved_config, model.generation_config = model.generation_config, clean_generation_config(model.config)
+        try:
+            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 generation_config=clean_generation_config(model.config), output_logits=True,
+                                 return_dict_in_generate=True)
+        finally:
+            model.generation_config = saved_config
+        tokens = gen.sequences
+        glogits = torch.cat([step.float() for step in gen.logits], dim=0)
+        assert tokens.shape == (1, 1 + NEW_TOKENS), tokens.shape
+        argmax_ok = bool((glogits.argmax(-1) == tokens[0, 1:]).all())
+        full = model(input_ids=prompt, decoder_input_ids=tokens).logits[0, :-1]
+        cache_diff = (full - glogits).abs().max().item()
+    ref["greedy_tokens"] = tokens.to(torch.int32)
+    ref["greedy_logits"] = glogits.contiguous()
+
+    trainable = [p for p in params.values() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, foreach=False, **ADAMW)
+    opt.step()
+    for n, p in params.items():
+        ref[f"adamw.{n}"] = p.detach().float().contiguous().clone()
+    for k, v in ref.items():
+        if not torch.isfinite(v.float()).all():
+            raise RuntimeError(f"non-finite values in {k}")
+    save_file(ref, str(tmp / "reference.safetensors"))
+
+    saved = set(load_file(str(tmp / "model.safetensors")).keys())
+    meta = {
+        "fixture": spec.name,
+        "model_type": spec.model_type,
+        "model_class": type(model).__name__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "config_overrides": spec.overrides,
+        "config_override_issues": issues,
+        "attn_implementation": "eager",
+        "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), 1-D params "
+                f"+= N(0,{VEC_STD}), generator seed 1234, named_parameters() order; frozen parameters (fixed "
+                f"sinusoidal tables) restored; final_logits_bias = N(0,{FINAL_LOGITS_BIAS_STD}) (seed 99)"
+                + ("; lm_head.weight = N(0,0.2) (seed 77) written into the checkpoint, model reloaded"
+                   if spec.untied_lm_head else ""),
+        "adamw": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]), "eps": ADAMW["eps"],
+                  "weight_decay": ADAMW["weight_decay"], "foreach": False, "params": "those with requires_grad"},
+        "generation": {"prompt": "input_ids[0:1] (unpadded)", "max_new_tokens": NEW_TOKENS, "do_sample": False,
+                       "use_cache": True, "eos_token_id": None, "forced_bos/eos": None,
+                       "decoder_start_token_id": model.config.decoder_start_token_id},
+        "notes": spec.notes,
+        "num_parameters": sum(p.numel() for p in params.values()),
+        "parameters": list(params.keys()),
+        "params_without_grad": no_grad,
+        "saved_keys_not_parameters": sorted(saved - set(params)),
+        "parameters_not_saved": sorted(set(params) - saved),
+        "checks": {
+            "loss": round(fwd.loss.item(), 6),
+            "logits_std": round(logits.std().item(), 4),
+            "greedy_logits_argmax_equals_tokens": argmax_ok,
+            "greedy_logits_vs_no_cache_forward_max_abs_diff": float(f"{cache_diff:.3g}"),
+        },
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return meta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated fixture names")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failures")
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in SPECS:
+            print(f"{s.name:18s} {s.model_type:18s} {' '.join(s.notes)[:100]}")
+        return 0
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    only = [x for x in args.only.split(",") if x]
+    unknown = set(only) - {s.name for s in SPECS}
+    if unknown:
+        ap.error(f"unknown fixture(s): {sorted(unknown)}")
+    failures = 0
+    for spec in SPECS:
+        if only and spec.name not in only:
+            continue
+        try:
+            meta = build(spec, out_root)
+            print(f"ok    {spec.name:18s} loss={meta['checks']['loss']:.4f} std={meta['checks']['logits_std']} "
+                  f"cache_diff={meta['checks']['greedy_logits_vs_no_cache_forward_max_abs_diff']} "
+                  f"issues={meta['config_override_issues']}")
+        except Exception as e:  # report and go on
+            failures += 1
+            tmp = out_root / (spec.name + ".tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            print(f"FAIL  {spec.name:18s} {type(e).__name__}: {e}".splitlines()[0][:300])
+            if args.verbose:
+                traceback.print_exc()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
