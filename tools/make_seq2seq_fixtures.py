@@ -93,6 +93,8 @@ SPECS = [
          ["pre-LN with final layer_norm; learned positions without offset; no layernorm_embedding."]),
     Spec("plbart", "plbart", dict(B, decoder_start_token_id=EOS),
          ["BART layout with scale_embedding (default true); labels shift with the last non-pad token wrapped."]),
+    Spec("mvp", "mvp", dict(B, decoder_start_token_id=EOS),
+         ["MVP without prompts (use_prompt false): the BART layout."]),
     Spec("m2m_100", "m2m_100", dict(B, decoder_start_token_id=EOS),
          ["pre-LN with final layer_norm; fairseq sinusoidal positions (offset 2, padding row zero) counted over "
           "non-pad tokens from input_ids; scale_embedding; relu; no final_logits_bias."]),

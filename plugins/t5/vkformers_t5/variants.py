@@ -148,11 +148,17 @@ def _marian(config, arch):
                      decoder_inputs_from_input_ids=False)
 
 
+def _mvp(config, arch):
+    refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
+    return bart_spec(config, arch)
+
+
 VARIANTS = {
     "t5": lambda c, a: t5_spec(c, a),
     "mt5": lambda c, a: t5_spec(c, a, rescale=False),     # transformers 5's mT5 never rescales
     "umt5": lambda c, a: t5_spec(c, a, every_layer_bias=True),
     "bart": bart_spec,
+    "mvp": _mvp,
     "mbart": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, shift="wrap_last"),
     "plbart": lambda c, a: bart_spec(c, a, shift="wrap_last"),
     "marian": _marian,
