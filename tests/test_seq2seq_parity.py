@@ -166,13 +166,27 @@ def test_labels_shift_and_errors():
     """Decoder inputs come from labels shifted right (-100 -> pad); mBART wraps the last non-pad label first;
     a config option that is not implemented is refused by name."""
     from vkformers_t5.variants import UnsupportedConfigError, seq2seq_spec
-    case = Case.get("bart")
-    labels = np.array([[5, 6, -100, 7]])
-    assert case.model.shift_right(labels).tolist() == [[2, 5, 6, 0]]
-    mbart = AutoModelForSeq2SeqLM.from_config(json.loads((FIXTURES / "mbart" / "config.json").read_text()))
+    def built(name):  # from the config alone: shifting needs no weights
+        return AutoModelForSeq2SeqLM.from_config(json.loads((FIXTURES / name / "config.json").read_text()))
+
+    assert built("bart").shift_right(np.array([[5, 6, -100, 7]])).tolist() == [[2, 5, 6, 0]]
+    mbart = built("mbart")
     assert mbart.shift_right(np.array([[5, 6, 9, -100]])).tolist() == [[9, 5, 6, 9]]
     config = json.loads((FIXTURES / "marian" / "config.json").read_text())
     with pytest.raises(UnsupportedConfigError, match="share_encoder_decoder_embeddings"):
         seq2seq_spec(dict(config, share_encoder_decoder_embeddings=False), "marian")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
+
+
+def test_bfloat16_forward_runs_close_to_float32():
+    """Loaded as bfloat16 (fixed float32 sinusoidal tables are cast to the model dtype): logits stay within
+    bfloat16 rounding of transformers' float32 ones and the greedy tokens are the same."""
+    folder = FIXTURES / "marian"
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype="bfloat16", requires_grad=False)
+    out = model(ref["input_ids"].astype(np.int64), attention_mask=ref["attention_mask"],
+                labels=ref["labels"].astype(np.int64))
+    assert out.logits.dtype.name == "bfloat16"
+    assert np.abs(out.logits.numpy() - ref["logits"]).max() < 0.25
+    assert abs(out.loss.item() - float(ref["loss"])) < 0.02

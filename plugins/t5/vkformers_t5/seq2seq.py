@@ -310,7 +310,7 @@ class Stack(Module):
             x = self.embed_norm(x)
         table = self.embed_positions.weight if self.embed_positions is not None else self.position_table
         if table is not None:
-            x = x + F.embedding(tensor(self.positions(ids, past)), table)
+            x = x + F.embedding(tensor(self.positions(ids, past)), table).cast(x.dtype)  # fixed tables: float32
         if self.embed_norm is not None and not norm_first:
             x = self.embed_norm(x)
         return x
