@@ -454,6 +454,41 @@ SPECS = [
           "attention and sparse: DeepSeek-V3 router (sigmoid, e_score_correction_bias buffer perturbed, one group) "
           "over 4 experts, top-2 not renormalised (norm_topk_prob False); one shared expert."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
+    Spec("deepseek_v2_moe", "deepseek_v2", dict(
+        L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, head_dim=4, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5),
+         ["deepseek_v2_dense's MLA with layer 1 sparse (first_k_dense_replace 1): softmax router over 8 experts, "
+          "group_limited_greedy (the 2 of 4 groups with the largest maximum eligible), top-2 not renormalised, scaled "
+          "by routed_scaling_factor 1.5; one shared expert of width 16."], saved_names=True),
+    Spec("mistral4_moe", "mistral4", dict(
+        L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1,
+                             partial_rotary_factor=1 / 3)),
+         ["mistral4_dense's attention with layer 1 sparse (first_k_dense_replace 1): softmax router over 8 experts "
+          "in 2 groups (1 eligible, by top-2 sums), top-2 renormalised (+1e-20), scaled by 1.5; one shared expert."],
+         model_class="Mistral4ForCausalLM", saved_names=True),
+    Spec("hy_v3_moe", "hy_v3", dict(L, head_dim=16, attention_bias=True, mlp_layer_types=["dense", "sparse"],
+                                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    num_shared_experts=1, router_scaling_factor=2.0),
+         ["hy_v3_dense's attention with layer 1 sparse: sigmoid router mlp.router.gate over 4 experts, the buffer "
+          "mlp.expert_bias (e_score_correction_bias in memory; perturbed here, zero at init) added for choosing, "
+          "top-2 renormalised (+1e-20) and scaled by router_scaling_factor 2; shared_mlp of width 16."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("laguna_moe", "laguna", dict(L, head_dim=8, sliding_window=SW, layer_types=LAYERS_FS,
+                                      num_attention_heads_per_layer=[4, 6], mlp_layer_types=["dense", "sparse"],
+                                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=12, moe_routed_scaling_factor=1.5,
+                                      moe_router_logit_softcapping=1.0),
+         ["laguna_dense's attention with layer 1 sparse: router logits soft-capped (1.0 tanh(l / 1.0)), sigmoid over "
+          "4 experts plus the gradient-free parameter e_score_correction_bias (saved as "
+          "experts.e_score_correction_bias) for choosing, top-2 renormalised, routed output scaled by 1.5; shared "
+          "expert (saved as shared_expert) of width 12."], saved_names=True),
 ]
 
 

@@ -822,37 +822,46 @@ def mpt(config: dict) -> DecoderSpec:
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
-# -- mixture-of-experts families, dense layers only
+# -- mixture-of-experts families (the sparse block comes from vkformers-moe)
 
-def _refuse_sparse_mlp_layers(arch: str, config: dict, num_layers: int) -> None:
-    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) must be all dense."""
+def _with_moe(arch: str, config: dict, spec: DecoderSpec, sparse: bool) -> DecoderSpec:
+    """The spec with the mixture-of-experts block of vkformers-moe in the sparse layers (when there are any)."""
+    if not sparse:
+        return spec
+    try:
+        from vkformers_moe.variants import moe_spec
+    except ImportError:
+        raise UnsupportedConfigError(f"{arch}: mixture-of-experts layers need the vkformers-moe plugin "
+                                     f"(pip install vkformers-moe)") from None
+    return replace(spec, moe=moe_spec(arch, config, spec))
+
+
+def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
+    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) names a sparse layer."""
     types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
-    if any(t != "dense" for t in types):
-        raise UnsupportedConfigError(f"{arch}: mixture-of-experts layers (mlp_layer_types={types}) are not supported "
-                                     f"by vkformers' dense decoder")
+    return any(t != "dense" for t in types)
 
 
 def hy_v3(config: dict) -> DecoderSpec:
-    """Hunyuan V3, dense layers only: Llama with per-head q/k RMSNorm before the rotation."""
-    spec = llama(config)
-    _refuse_sparse_mlp_layers("hy_v3", config, spec.num_layers)
-    return replace(spec, q_norm="q_norm", k_norm="k_norm")
+    """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
+    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
+    return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
 
 
 def laguna(config: dict) -> DecoderSpec:
-    """Laguna, dense layers only: per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
+    """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
     per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per layer type."""
     refuse("laguna", config, "gating", lambda v: v in (None, True, "per-head", "per-element"))
     spec = llama(config)
-    _refuse_sparse_mlp_layers("laguna", config, spec.num_layers)
     types = _layer_types(config, spec.num_layers)
     heads = config.get("num_attention_heads_per_layer")
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    return replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
+    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
                    output_gate_per_head=config.get("gating", True) != "per-element",
                    heads_per_layer=tuple(heads) if heads else (),
                    windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
 
 
 def qwen3_5_text(config: dict) -> DecoderSpec:
@@ -873,13 +882,10 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
 # -- multi-head latent attention
 
 def deepseek_v2(config: dict) -> DecoderSpec:
-    """Llama block with MLA; only dense MLPs (every layer before first_k_dense_replace)."""
-    spec = llama(config)
+    """Llama block with MLA; mixture-of-experts MLPs (vkformers-moe) from layer first_k_dense_replace on."""
+    spec = _mla(llama(config), config)
     dense = config.get("first_k_dense_replace", 0)
-    if (config.get("n_routed_experts") or 0) and dense < spec.num_layers:
-        raise UnsupportedConfigError(f"deepseek_v2: mixture-of-experts layers (first_k_dense_replace={dense} < "
-                                     f"{spec.num_layers} layers) are not supported by vkformers' dense decoder")
-    return _mla(spec, config)
+    return _with_moe("deepseek_v2", config, spec, bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers)
 
 
 def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
@@ -899,14 +905,12 @@ def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
 
 
 def mistral4(config: dict) -> DecoderSpec:
-    """Mistral 4, dense layers only (every layer before first_k_dense_replace): MLA whose rotary dims come from
-    rope_parameters.partial_rotary_factor of head_dim (nope + rope), optional interleaving (rope_interleave) and
-    Llama-4 query scaling by position."""
+    """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),
+    optional interleaving (rope_interleave) and Llama-4 query scaling by position; mixture-of-experts MLPs
+    (vkformers-moe) from layer first_k_dense_replace on."""
     spec = llama(config)
     dense = config.get("first_k_dense_replace") or 0
-    if (config.get("n_routed_experts") or 0) and dense < spec.num_layers:
-        raise UnsupportedConfigError(f"mistral4: mixture-of-experts layers (first_k_dense_replace={dense} < "
-                                     f"{spec.num_layers} layers) are not supported by vkformers' dense decoder")
+    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
     spec = _mla(spec, config)
     params = config.get("rope_parameters") or {}
     rope_config = dict(config, head_dim=spec.head_dim)
@@ -917,7 +921,7 @@ def mistral4(config: dict) -> DecoderSpec:
     beta = params.get("llama_4_scaling_beta")
     if beta:
         spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
-    return spec
+    return _with_moe("mistral4", config, spec, sparse)
 
 
 def minicpm3(config: dict) -> DecoderSpec:

@@ -44,6 +44,7 @@ class MoeSpec:
     # -- router
     router: str = "gate"                      # linear [num_experts, hidden] ("<router>.weight")
     router_bias: bool = False
+    router_softcap: float = 0.0               # logits = c tanh(logits / c) before scoring (Laguna); 0: none
     scoring: str = "softmax"                  # softmax | sigmoid
     selection_bias: str | None = None         # added to the scores for choosing only (DeepSeek-V3 e_score_correction_bias)
     selection_bias_is_parameter: bool = False  # a trained parameter (no gradient reaches it) rather than a buffer
@@ -153,6 +154,8 @@ class SparseMoeBlock(Module):
         """[tokens, experts] weights: the chosen experts' (renormalised, scaled) scores, zero elsewhere."""
         moe = self.moe
         logits = self.router(x).float()
+        if moe.router_softcap:
+            logits = (logits * (1.0 / moe.router_softcap)).tanh() * moe.router_softcap
         scores = logits.softmax(-1) if moe.scoring == "softmax" else logits.sigmoid()
         choice = scores.detach()
         if moe.selection_bias:

@@ -169,6 +169,71 @@ def dots1(config: dict) -> DecoderSpec:
     return replace(spec, moe=deepseek_moe(config, spec, norm_default=False))
 
 
+# -- the sparse layers of architectures that vkformers-llama registers (it asks moe_spec for them)
+
+def _deepseek_v2_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """DeepSeek-V2: softmax scores, greedy top-k or group_limited_greedy (the topk_group groups with the largest
+    maximum eligible), chosen scores scaled by routed_scaling_factor, not renormalised."""
+    method = config.get("topk_method") or "greedy"
+    refuse("deepseek_v2", config, "topk_method", lambda v: (v or "greedy") in ("greedy", "group_limited_greedy"))
+    # transformers 5.24 never renormalises DeepSeek-V2's weights; a config asking for it would be ambiguous
+    refuse("deepseek_v2", config, "norm_topk_prob", lambda v: not v)
+    grouped = method == "group_limited_greedy"
+    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False, group_score="max"),
+                   num_groups=(config.get("n_group") or 1) if grouped else 1,
+                   topk_groups=(config.get("topk_group") or 1) if grouped else 1, norm_topk=False)
+
+
+def _mistral4_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """Mistral 4: DeepSeek-V3's grouped choice (top-2 sums) on softmax scores, no selection bias; experts stored fused
+    as transformers saves them (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False),
+                   fused_experts=("gate_up_proj", "down_proj"))
+
+
+def _hy_v3_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """Hunyuan V3: sigmoid router mlp.router.gate with the buffer mlp.expert_bias added for choosing, chosen scores
+    renormalised (+1e-20) and scaled by router_scaling_factor; always-on shared_mlp (moe_intermediate_size *
+    num_shared_experts); sparse layers from mlp_layer_types."""
+    size, shared = config.get("moe_intermediate_size", 1536), config.get("num_shared_experts") or 0
+    return MoeSpec(num_experts=num_experts(config, 192), top_k=config.get("num_experts_per_tok") or 8,
+                   expert_size=size, layers=_mlp_layer_types(config, spec.num_layers), hidden_act=spec.hidden_act,
+                   router="router.gate", scoring="sigmoid", selection_bias="expert_bias", norm_topk=True,
+                   norm_eps=1e-20, routed_scale=float(config.get("router_scaling_factor", 2.826)),
+                   shared="shared_mlp" if shared else None, shared_size=size * shared)
+
+
+def _laguna_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """Laguna: optionally soft-capped sigmoid router, a trained (gradient-free) selection bias saved as
+    experts.e_score_correction_bias, chosen scores renormalised and scaled by moe_routed_scaling_factor; an always-on
+    shared expert (shared_expert_intermediate_size); sparse layers from mlp_layer_types."""
+    refuse("laguna", config, "moe_apply_router_weight_on_input", lambda v: not v)
+    return MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok") or 8,
+                   expert_size=config.get("moe_intermediate_size", 512),
+                   layers=_mlp_layer_types(config, spec.num_layers), hidden_act=spec.hidden_act,
+                   router_softcap=float(config.get("moe_router_logit_softcapping") or 0.0), scoring="sigmoid",
+                   selection_bias="experts.e_score_correction_bias", selection_bias_is_parameter=True, norm_topk=True,
+                   routed_scale=float(config.get("moe_routed_scaling_factor", 1.0)), shared="shared_expert",
+                   shared_size=config.get("shared_expert_intermediate_size", 512))
+
+
+def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
+    """mlp_layer_types (default: the first layer dense, the others sparse)."""
+    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    return tuple(t == "sparse" for t in types)
+
+
+LLAMA_PLUGIN_MOE: dict[str, Callable[[dict, DecoderSpec], MoeSpec]] = {
+    "deepseek_v2": _deepseek_v2_moe, "mistral4": _mistral4_moe, "hy_v3": _hy_v3_moe, "laguna": _laguna_moe,
+}
+
+
+def moe_spec(architecture_name: str, config: dict, spec: DecoderSpec) -> MoeSpec:
+    """The sparse layers of a vkformers-llama architecture (its variant calls this when the config has any)."""
+    _refuse_training_extras(architecture_name, config)
+    return LLAMA_PLUGIN_MOE[architecture_name](config, spec)
+
+
 # Canonical architecture name -> its delta (architectures of this plugin's table not listed are refused).
 VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "granitemoe": granitemoe,
