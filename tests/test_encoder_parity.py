@@ -186,8 +186,34 @@ def test_unsupported_option_is_named():
 
 def test_unimplemented_encoder_architecture_is_named():
     from vkformers_bert.variants import UnsupportedConfigError
-    with pytest.raises(UnsupportedConfigError, match="'big_bird'.*no encoder variant"):
-        AutoModelForMaskedLM.from_config({"model_type": "big_bird", "vocab_size": 48})
+    with pytest.raises(UnsupportedConfigError, match="'bert-generation'.*no encoder variant"):
+        AutoModelForMaskedLM.from_config({"model_type": "bert-generation", "vocab_size": 48})
+
+
+@pytest.mark.parametrize("fixture, option, value", [
+    ("big_bird", "attention_type", "block_sparse"), ("flaubert", "pre_norm", True), ("xlm", "causal", True),
+    ("roc_bert", "concat_input", False), ("modernbert", "sparse_prediction", True)])
+def test_unimplemented_variant_options_are_named(fixture, option, value):
+    from vkformers_bert.variants import UnsupportedConfigError
+    if fixture not in fixture_names():
+        pytest.skip(f"fixture {fixture} missing")
+    config = dict(load_config(FIXTURES / fixture), **{option: value})
+    with pytest.raises(UnsupportedConfigError, match=f"{option}={value!r}"):
+        AutoModelForMaskedLM.from_config(config)
+
+
+def test_modernbert_sliding_layer_sees_only_its_window():
+    """Layer 1 of the ModernBERT fixture is a sliding layer (|i - j| <= 2 of 8 positions): run with full attention
+    there instead, the logits move far beyond the parity tolerance, so the window is what the fixture checks."""
+    case = Case.get("modernbert")
+    layers = case.model.layers
+    assert [layer.window for layer in layers] == [0, 2]
+    layers[1].window = 0
+    try:
+        logits = case.model(**_inputs(case.ref)).logits.numpy()
+    finally:
+        layers[1].window = 2
+    assert np.abs(logits - case.ref["logits"])[case.mask].max() > 100 * LOGITS_ATOL
 
 
 def test_too_long_input_is_refused():

@@ -107,6 +107,47 @@ SPECS = [
          ["post-LN; bias-free q/k/v/o_proj; SwiGLU MLP (gate/up/down, no bias, silu); rotate_half rotary with "
           "rope_parameters (theta 1000); no position table; head transform act is hidden_act (silu), "
           "cls.predictions.transform.layer_norm."]),
+    Spec("big_bird", "big_bird", dict(B, attention_type="original_full", sep_token_id=3),
+         ["attention_type 'original_full' (block-sparse attention is not implemented by vkformers and refused): "
+          "BERT under the bert prefix with gelu_new; pooler (bert.pooler) unused by the MLM loss."]),
+    Spec("roc_bert", "roc_bert", dict(B, shape_vocab_size=10, pronunciation_vocab_size=12, shape_embed_dim=8,
+                                      pronunciation_embed_dim=8),
+         ["concat_input: map_inputs_layer([word; shape_embed(0); pronunciation_embed(0)]) + token types + "
+          "positions -> LayerNorm; shape/pronunciation ids default to 0 = pad_token_id, so those tables get no "
+          "gradient (nn.Embedding padding_idx)."]),
+    Spec("jina_embeddings_v3", "jina_embeddings_v3", dict(B, **ROBERTA_TOK),
+         ["post-LN; no position table: rotate_half rotary (rope theta 20000) on q and k; type_vocab_size 1; "
+          "RoBERTa's lm_head (dense -> gelu -> layer_norm -> tied decoder + lm_head.bias); LayerNorm eps 1e-5."]),
+    Spec("xlm", "xlm", dict(vocab_size=VOCAB, emb_dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
+                            max_position_embeddings=MAX_POS, dropout=0.0, attention_dropout=0.0),
+         ["post-LN; parts in per-layer lists (attentions.i.q_lin, layer_norm1.i, ffns.i.lin1, layer_norm2.i); "
+          "FFN 4 x emb_dim, gelu; hidden states zeroed at padding after the embeddings and every layer; head "
+          "pred_layer.proj tied with its own bias; pad 2; one language (no lang embeddings)."]),
+    Spec("flaubert", "flaubert", dict(vocab_size=VOCAB, emb_dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
+                                      max_position_embeddings=MAX_POS, dropout=0.0, attention_dropout=0.0,
+                                      pre_norm=False, layerdrop=0.0),
+         ["XLM's layout under flaubert (post-LN, as flaubert-base). pre_norm=True is not fixtured: transformers "
+          "5.24's FlaubertModel fails on it (it indexes its EncoderDecoderCache per layer), so vkformers refuses it."]),
+    Spec("eurobert", "eurobert", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                      num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=INTER,
+                                      max_position_embeddings=MAX_POS, pad_token_id=1, bos_token_id=0,
+                                      eos_token_id=2, mask_token_id=4, initializer_range=0.2),
+         ["Llama layout, bidirectional: RMSNorm pre-norm, grouped-query attention (4 q heads, 2 kv heads), "
+          "SwiGLU, rotate_half rotary; final model.norm; bare untied lm_head without bias."]),
+    Spec("esmc", "esmc", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                              num_attention_heads=HEADS, intermediate_size=INTER, max_position_embeddings=MAX_POS,
+                              initializer_range=0.2, mask_token_id=4),
+         ["pre-LN (LayerNorm with bias), bias-free LayerNorms over the full q / k projections, rotary, SwiGLU, "
+          "sublayer outputs divided by sqrt(2 / 36); final esmc.norm without bias; untied head dense -> gelu -> "
+          "LayerNorm -> decoder (bias)."]),
+    Spec("modernbert", "modernbert", dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                          num_attention_heads=HEADS, intermediate_size=INTER,
+                                          max_position_embeddings=MAX_POS, pad_token_id=0, bos_token_id=1,
+                                          eos_token_id=2, cls_token_id=1, sep_token_id=2, local_attention=4,
+                                          initializer_range=0.2),
+         ["pre-LN without norm biases, layer 0 without attn_norm, fused Wqkv, GeGLU Wi = [input; gate]; "
+          "layer 0 full attention (rope theta 160000), layer 1 sliding: keys with |i - j| <= local_attention / 2 "
+          "= 2 (rope theta 10000); head dense -> gelu -> norm -> tied decoder (bias)."]),
 ]
 
 

@@ -5,7 +5,7 @@ from vkformers.models.registry import NESTED_TEXT_CONFIG
 ARCHITECTURES = [
     ("bert",                 "encoder", "layer", False, False, "BERT-family; upstream claims HF forward-logit fixtures"),
     ("albert",               "encoder", "layer", False, False, "BERT-family"),
-    ("big_bird",             "encoder", "layer", False, False, "BERT-family"),
+    ("big_bird",             "encoder", "layer", False, False, "BERT-family; attention_type original_full only"),
     ("roc_bert",             "encoder", "layer", False, False, "causality per config; BERT-family"),
     ("rembert",              "encoder", "layer", False, False, "BERT-family"),
     ("electra",              "encoder", "layer", False, False, "BERT-family"),
@@ -41,6 +41,7 @@ ALIASES = {
 VERIFIED: tuple[str, ...] = (
     "bert", "roberta", "xlm-roberta", "camembert", "data2vec-text", "ernie", "distilbert", "electra", "albert",
     "roberta-prelayernorm", "megatron-bert", "xlm-roberta-xl", "rembert", "roformer", "esm", "nomic_bert",
+    "big_bird", "roc_bert", "jina_embeddings_v3", "xlm", "flaubert", "eurobert", "esmc", "modernbert",
 )
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},

@@ -21,7 +21,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
-from vkformers.models.layers import Embedding, LayerNorm, Linear
+from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
@@ -83,57 +83,88 @@ def _join(*parts: str) -> str:
 
 
 class EncoderBlock(Module):
-    """Self-attention and MLP, each with a residual and a LayerNorm (after it, or before the sublayer)."""
+    """Self-attention and MLP, each with a residual and a norm (after it, or before the sublayer).
 
-    def __init__(self, spec: EncoderSpec):
+    ``root``/``index``: XLM keeps each part in its own per-layer list (``transformer.attentions.{i}.q_lin``,
+    ``transformer.layer_norm1.{i}``); the parts are then placed under the model at those formatted full paths."""
+
+    def __init__(self, spec: EncoderSpec, root: Module | None = None, index: int = 0):
         super().__init__()
         s, d = spec, spec.hidden_size
-        self.spec = s
-        inter, attn_bias, mlp_bias = s.intermediate_size, s.attn_bias, s.mlp_bias
+        self.spec, self.index = s, index
+        inter, attn_bias, mlp_bias, kv = s.intermediate_size, s.attn_bias, s.mlp_bias, s.kv_heads * s.head_dim
+        host = self if root is None else root
         fused = s.qkv_proj is not None
-        parts = {role: _place(self, path, module) for role, path, module in (
-            ("qkv", s.qkv_proj, Linear(d, 3 * d, attn_bias)), ("q", None if fused else s.q_proj, Linear(d, d, attn_bias)),
-            ("k", None if fused else s.k_proj, Linear(d, d, attn_bias)),
-            ("v", None if fused else s.v_proj, Linear(d, d, attn_bias)), ("o", s.o_proj, Linear(d, d, attn_bias)),
-            ("attn_norm", s.attn_norm, LayerNorm(d, eps=s.norm_eps)),
-            ("gate", s.gate_proj, Linear(d, inter, mlp_bias)), ("up", s.up_proj, Linear(d, inter, mlp_bias)),
-            ("down", s.down_proj, Linear(inter, d, mlp_bias)), ("mlp_norm", s.mlp_norm, LayerNorm(d, eps=s.norm_eps)))
+        attn_norm = s.attn_norm if (index > 0 or not s.first_attn_norm_identity) else None
+
+        def norm():
+            return RMSNorm(d, eps=s.norm_eps) if s.norm == "rms" else LayerNorm(d, eps=s.norm_eps, bias=s.norm_bias)
+
+        parts = {role: _place(host, path.format(i=index) if root is not None else path, module)
+                 for role, path, module in (
+            ("qkv", s.qkv_proj, Linear(d, d + 2 * kv, attn_bias)),
+            ("q", None if fused else s.q_proj, Linear(d, d, attn_bias)),
+            ("k", None if fused else s.k_proj, Linear(d, kv, attn_bias)),
+            ("v", None if fused else s.v_proj, Linear(d, kv, attn_bias)), ("o", s.o_proj, Linear(d, d, attn_bias)),
+            ("q_norm", s.qk_norm[0] if s.qk_norm else None, LayerNorm(d, eps=s.qk_norm_eps, bias=False)),
+            ("k_norm", s.qk_norm[1] if s.qk_norm else None, LayerNorm(kv, eps=s.qk_norm_eps, bias=False)),
+            ("attn_norm", attn_norm, norm()),
+            ("gate", s.gate_proj, Linear(d, inter, mlp_bias)),
+            ("up", s.up_proj, Linear(d, 2 * inter if s.fused_up_gate else inter, mlp_bias)),
+            ("down", s.down_proj, Linear(inter, d, mlp_bias)), ("mlp_norm", s.mlp_norm, norm()))
             if path}
         object.__setattr__(self, "parts", parts)  # plain references: _place registered them under HF paths
         self.act = F.activation(s.hidden_act)
+        self.window = s.layer_windows[index] if s.layer_windows else 0
 
     def attention(self, x, ctx: "Context"):
         s, p = self.spec, self.parts
         batch, length, _ = x.shape
+        kv = s.kv_heads * s.head_dim
 
-        def heads(t):
-            return t.reshape(batch, length, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
+        def heads(t, n):
+            return t.reshape(batch, length, n, s.head_dim).permute(0, 2, 1, 3)
 
         if "qkv" in p:  # one fused projection, split into views (the parameter keeps the checkpoint's layout)
             qkv = p["qkv"](x)
-            q, k, v = (heads(qkv[..., i * s.hidden_size:(i + 1) * s.hidden_size]) for i in range(3))
+            q, k, v = qkv[..., :s.hidden_size], qkv[..., s.hidden_size:s.hidden_size + kv], qkv[..., s.hidden_size + kv:]
         else:
-            q, k, v = heads(p["q"](x)), heads(p["k"](x)), heads(p["v"](x))
-        if ctx.rotary is not None:
-            inv_freq, positions, scaling = ctx.rotary
+            q, k, v = p["q"](x), p["k"](x), p["v"](x)
+        if "q_norm" in p:  # ESMC: LayerNorm over the whole projection, before the heads split
+            q, k = p["q_norm"](q), p["k_norm"](k)
+        q, k, v = heads(q, s.num_heads), heads(k, s.kv_heads), heads(v, s.kv_heads)
+        rotary = ctx.rotary[self.index] if ctx.rotary is not None else None
+        if rotary is not None:
+            inv_freq, positions, scaling = rotary
             rotate = dict(interleaved=s.rotary_interleaved, attention_scaling=scaling)
             q = F.rope(q.contiguous(), positions, inv_freq, **rotate)
             k = F.rope(k.contiguous(), positions, inv_freq, **rotate)
             if s.rotary_value:
                 v = F.rope(v.contiguous(), positions, inv_freq, **rotate)
-        out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
+        if self.window:  # bidirectional window |i - j| <= window: composed from ops with an additive mask
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / float(np.sqrt(s.head_dim)))
+            out = (scores + ctx.window_bias(self.window, batch, length)).softmax(-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
         return p["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size))
 
     def mlp(self, x):
-        p = self.parts
-        hidden = self.act(p["gate"](x)) * p["up"](x) if "gate" in p else self.act(p["up"](x))
+        p, s = self.parts, self.spec
+        if s.fused_up_gate:  # ModernBERT's Wi: [input; gate], act(input) * gate
+            both = p["up"](x)
+            hidden = self.act(both[..., :s.intermediate_size]) * both[..., s.intermediate_size:]
+        else:
+            hidden = self.act(p["gate"](x)) * p["up"](x) if "gate" in p else self.act(p["up"](x))
         return p["down"](hidden)
 
     def forward(self, x, ctx: "Context"):
-        p = self.parts
+        p, scale = self.parts, self.spec.residual_scale
         if self.spec.pre_norm:
-            x = x + self.attention(p["attn_norm"](x), ctx)
-            return x + self.mlp(p["mlp_norm"](x))
+            h = p["attn_norm"](x) if "attn_norm" in p else x
+            a = self.attention(h, ctx)
+            x = x + (a * (1.0 / scale) if scale != 1.0 else a)
+            m = self.mlp(p["mlp_norm"](x))
+            return x + (m * (1.0 / scale) if scale != 1.0 else m)
         x = p["attn_norm"](x + self.attention(x, ctx))
         return p["mlp_norm"](x + self.mlp(x))
 
@@ -141,7 +172,16 @@ class EncoderBlock(Module):
 @dataclass
 class Context:
     key_padding_mask: object  # bool Tensor [B, T] or None (no padding)
-    rotary: tuple | None      # (inv_freq Tensor, positions int32 Tensor [B, T], attention scaling) if rotary
+    rotary: list | None       # per layer: (inv_freq Tensor, positions int32 Tensor [B, T], attention scaling), if rotary
+    mask: np.ndarray | None = None  # the int attention mask [B, T] (window attention builds its bias from it)
+
+    def window_bias(self, window: int, batch: int, length: int) -> Tensor:
+        """0 where query i may see key j (|i - j| <= window and j not padding), -1e30 elsewhere: [B, 1, T, T]."""
+        pos = np.arange(length)
+        allowed = np.abs(pos[:, None] - pos[None, :]) <= window
+        keys = np.ones((batch, length), bool) if self.mask is None else self.mask.astype(bool)
+        allowed = allowed[None, None] & keys[:, None, None, :]
+        return Tensor(np.where(allowed, np.float32(0), np.float32(-1e30)).astype(np.float32))
 
 
 def _as_int_array(value) -> np.ndarray | None:
@@ -169,16 +209,29 @@ class EncoderForMaskedLM(Module):
                       if spec.position else None),
             token_type=(_place(self, _join(emb, spec.token_type), Embedding(spec.type_vocab_size, e))
                         if spec.token_type and spec.type_vocab_size else None),
-            embed_norm=_place(self, spec.embed_norm, LayerNorm(e, eps=spec.norm_eps)) if spec.embed_norm else None,
+            embed_norm=(_place(self, spec.embed_norm, LayerNorm(e, eps=spec.norm_eps, bias=spec.norm_bias))
+                        if spec.embed_norm else None),
             embed_project=_place(self, spec.embed_project, Linear(e, d)) if spec.embed_project else None,
+            # RoCBERT: word ++ shape ++ pronunciation embeddings, mapped back to the embedding width
+            concat=[_place(self, path, Embedding(rows, width)) for path, rows, width in spec.concat_embeds],
+            concat_map=(_place(self, spec.concat_map, Linear(e + sum(w for _, _, w in spec.concat_embeds), e))
+                        if spec.concat_map else None),
         )
-        # ALBERT: several layer indices share one block path; _place returns the block already there
-        refs["layers"] = [_place(self, spec.layer_path(i), EncoderBlock(spec)) for i in range(spec.num_layers)]
-        refs["final_norm"] = _place(self, spec.final_norm, LayerNorm(d, eps=spec.norm_eps)) if spec.final_norm else None
-        h = spec.head_size or e
-        refs["head_dense"] = _place(self, spec.head_dense, Linear(d, h))
-        refs["head_norm"] = _place(self, spec.head_norm, LayerNorm(h, eps=spec.norm_eps))
-        refs["decoder"] = _place(self, spec.decoder, Linear(h, spec.vocab_size, bias=spec.decoder_bias is None))
+        if spec.scattered_layers:  # XLM: parts live in per-layer lists under the model, no block module
+            refs["layers"] = [EncoderBlock(spec, root=self, index=i) for i in range(spec.num_layers)]
+        else:  # ALBERT: several layer indices share one block path; _place returns the block already there
+            refs["layers"] = [_place(self, spec.layer_path(i), EncoderBlock(spec, index=i))
+                              for i in range(spec.num_layers)]
+        final_norm = (RMSNorm(d, eps=spec.norm_eps) if spec.norm == "rms"
+                      else LayerNorm(d, eps=spec.norm_eps, bias=spec.norm_bias and spec.final_norm_bias))
+        refs["final_norm"] = _place(self, spec.final_norm, final_norm) if spec.final_norm else None
+        h = (spec.head_size or e) if spec.head_dense else d
+        refs["head_dense"] = _place(self, spec.head_dense, Linear(d, h, spec.head_dense_bias)) if spec.head_dense else None
+        refs["head_norm"] = (_place(self, spec.head_norm, LayerNorm(h, eps=spec.head_norm_eps or spec.norm_eps,
+                                                                    bias=spec.head_norm_bias))
+                             if spec.head_norm else None)
+        refs["decoder"] = _place(self, spec.decoder, Linear(h, spec.vocab_size,
+                                                            bias=spec.decoder_bias is None and spec.decoder_linear_bias))
         for key, module in refs.items():
             object.__setattr__(self, key, module)
         if spec.decoder_bias:
@@ -193,7 +246,10 @@ class EncoderForMaskedLM(Module):
             _declare(self, path, shape)
         self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
         self.inv_freq, self.rope_scaling = None, 1.0
-        if spec.positions == "rotary" and spec.rope_from_config:
+        self.layer_rope = None  # per layer (inv_freq, scaling) when layer types rotate differently (ModernBERT)
+        if spec.positions == "rotary" and spec.layer_rope_types:
+            self.layer_rope = [rope_parameters(config, layer_type=t) for t in spec.layer_rope_types]
+        elif spec.positions == "rotary" and spec.rope_from_config:
             self.inv_freq, self.rope_scaling = rope_parameters(config)
         elif spec.positions == "rotary":
             theta = float(config.get("rope_theta", spec.rope_theta))
@@ -227,9 +283,26 @@ class EncoderForMaskedLM(Module):
         scale = np.float32(1 - 0.15 * 0.8) / (np.float32(1) - observed)
         return np.where(is_mask, np.float32(0), scale[:, None]).astype(np.float32)[..., None]
 
+    def _concat_embeddings(self, x, shape):
+        """map([word; shape; pronunciation]) as a sum of slices of the map's weight (no concatenation op). The
+        extra ids default to 0 (transformers' default when none are given); a lookup of the padding row has no
+        gradient (nn.Embedding's padding_idx), so that row enters as a constant."""
+        weight, start = self.concat_map.weight, x.shape[-1]
+        out = F.linear(x, weight[:, :start].contiguous(), self.concat_map.bias)
+        for table in self.concat:
+            width = table.weight.shape[-1]
+            rows = F.embedding(Tensor(np.zeros(shape, np.int32)), table.weight)
+            if self.spec.pad_token_id == 0:
+                rows = rows.detach()
+            out = out + F.linear(rows, weight[:, start:start + width].contiguous())
+            start += width
+        return out
+
     def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None):
         s = self.spec
         x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight)
+        if self.concat_map is not None:
+            x = self._concat_embeddings(x, ids.shape)
         if s.token_dropout:
             x = x * Tensor(self._token_dropout_scale(ids, mask), dtype=x.dtype)
         if self.token_type is not None:
@@ -256,15 +329,29 @@ class EncoderForMaskedLM(Module):
         mask = _as_int_array(attention_mask)
         x = self.embed(ids, mask, _as_int_array(token_type_ids))
         rotary = None
-        if self.inv_freq is not None:
-            positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy()
-            rotary = (Tensor(self.inv_freq), Tensor(positions), self.rope_scaling)
-        ctx = Context(Tensor(mask.astype(bool)) if mask is not None and not mask.all() else None, rotary)
+        if self.inv_freq is not None or self.layer_rope is not None:
+            positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
+            ropes = self.layer_rope or [(self.inv_freq, self.rope_scaling)] * len(self.layers)
+            tables = {}
+            for inv_freq, scaling in ropes:
+                tables.setdefault(id(inv_freq), (Tensor(inv_freq), positions, scaling))
+            rotary = [tables[id(inv_freq)] for inv_freq, _ in ropes]
+        ctx = Context(Tensor(mask.astype(bool)) if mask is not None and not mask.all() else None, rotary, mask)
+        keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)
+                if self.spec.zero_padded_hidden and mask is not None else None)
+        if keep is not None:
+            x = x * keep
         for layer in self.layers:
             x = layer(x, ctx)
+            if keep is not None:  # XLM zeroes the padded positions after every layer
+                x = x * keep
         if self.final_norm is not None:
             x = self.final_norm(x)
-        h = self.head_norm(F.activation(self.spec.head_act)(self.head_dense(x)))
+        h = x
+        if self.head_dense is not None:
+            h = F.activation(self.spec.head_act)(self.head_dense(h))
+        if self.head_norm is not None:
+            h = self.head_norm(h)
         logits = self.decoder(h)
         if self.spec.decoder_bias:
             logits = logits + _get(self, self.spec.decoder_bias)

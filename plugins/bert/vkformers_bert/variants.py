@@ -56,10 +56,22 @@ class EncoderSpec:
     down_proj: str = "output.dense"
     mlp_norm: str = "output.LayerNorm"
     gate_proj: str | None = None             # gated MLP: down(act(gate(x)) * up(x)) (NomicBERT's SwiGLU)
+    fused_up_gate: bool = False              # up_proj holds [input; gate]: down(act(input) * gate) (ModernBERT's Wi)
+    num_kv_heads: int | None = None          # grouped-query attention (EuroBERT)
+    qk_norm: tuple[str, str] | None = None   # LayerNorms (no bias) over the whole q / k projections (ESMC)
+    qk_norm_eps: float = 1e-5
+    residual_scale: float = 1.0              # x + f(norm(x)) / residual_scale (ESMC: sqrt(layers / 36))
+    first_attn_norm_identity: bool = False   # layer 0 has no attention norm (ModernBERT: the embeddings end normed)
+    layer_windows: tuple[int, ...] = ()      # per layer: 0 full attention, w > 0 keys with |i - j| <= w (ModernBERT)
+    scattered_layers: bool = False           # part paths are full paths with {i} (XLM's per-layer lists)
     attn_bias: bool = True                   # q/k/v/o biases
     mlp_bias: bool = True
     pre_norm: bool = False                   # x + f(norm(x)) instead of norm(x + f(x))
     final_norm: str | None = None            # full path (pre-LN encoders)
+    norm: str = "layer"                      # layer | rms: the blocks' and the final norm (EuroBERT: rms)
+    norm_bias: bool = True                   # LayerNorms of the embeddings, blocks and the end carry a bias
+    final_norm_bias: bool = True             # ESMC's final LayerNorm has none
+    zero_padded_hidden: bool = False         # XLM: hidden states * attention_mask after the embeddings and each layer
 
     # -- numerics
     norm_eps: float = 1e-12
@@ -72,6 +84,7 @@ class EncoderSpec:
     rotary_interleaved: bool = False         # RoFormer rotates pairs (2i, 2i+1); ESM rotate_half
     rotary_value: bool = False               # RoFormer's rotary_value: rotate v too
     rope_theta: float = 10000.0
+    layer_rope_types: tuple[str, ...] = ()   # per layer: the rope_parameters key it rotates with (ModernBERT)
     rope_from_config: bool = False           # inv_freq and scaling from the config's rope_parameters (NomicBERT)
     frozen: tuple[str, ...] = ()             # full paths of checkpoint tables that are not trained (RoFormer's sinusoids)
     unused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # parameters the MLM forward never reads (ESM contact head)
@@ -81,13 +94,25 @@ class EncoderSpec:
     mask_token_id: int | None = None
     zero_padded_embeddings: bool = False     # embeddings * attention_mask
 
+    # -- RoCBERT: [word; shape; pronunciation] embeddings (ids 0 when not given) mapped to the embedding width
+    concat_embeds: tuple[tuple[str, int, int], ...] = ()   # (full path, rows, width)
+    concat_map: str | None = None
+
     # -- MLM head: decoder(norm(act(dense(x)))) + bias
-    head_dense: str = "cls.predictions.transform.dense"
-    head_norm: str = "cls.predictions.transform.LayerNorm"
+    head_dense: str | None = "cls.predictions.transform.dense"   # None: no transform (XLM, EuroBERT)
+    head_norm: str | None = "cls.predictions.transform.LayerNorm"
     head_act: str = "gelu"
     decoder: str = "cls.predictions.decoder"
     decoder_bias: str | None = "cls.predictions.bias"   # separate bias parameter; None: the decoder Linear's own
     tie_embeddings: bool = True
+    head_dense_bias: bool = True
+    head_norm_bias: bool = True
+    head_norm_eps: float | None = None       # None: norm_eps
+    decoder_linear_bias: bool = True         # the decoder Linear's own bias when decoder_bias is None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     @property
     def embed_dim(self) -> int:
@@ -275,11 +300,147 @@ def nomic_bert(config: dict) -> EncoderSpec:
                    attn_bias=False, mlp_bias=False, head_norm="cls.predictions.transform.layer_norm")
 
 
+def big_bird(config: dict) -> EncoderSpec:
+    """BERT when attention_type is "original_full"; block-sparse attention is refused (not implemented)."""
+    refuse("big_bird", config, "attention_type", lambda v: v == "original_full", "block_sparse")
+    refuse("big_bird", config, "rescale_embeddings", lambda v: not v, False)
+    refuse("big_bird", config, "use_bias", lambda v: v, True)
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "gelu_new")), "bert")
+    return replace(spec, unused=(("bert.pooler.weight", (spec.hidden_size, spec.hidden_size)),
+                                 ("bert.pooler.bias", (spec.hidden_size,))))
+
+
+def roc_bert(config: dict) -> EncoderSpec:
+    """BERT whose word embedding is concatenated with shape and pronunciation embeddings (ids 0 unless given,
+    which vkformers' forward does not take) and mapped back by embeddings.map_inputs_layer."""
+    for option in ("enable_shape", "enable_pronunciation", "concat_input"):
+        refuse("roc_bert", config, option, lambda v: v, True)
+    spec = bert(config, "roc_bert")
+    return replace(spec, concat_map="roc_bert.embeddings.map_inputs_layer", concat_embeds=(
+        ("roc_bert.embeddings.shape_embed", config["shape_vocab_size"], config["shape_embed_dim"]),
+        ("roc_bert.embeddings.pronunciation_embed", config["pronunciation_vocab_size"],
+         config["pronunciation_embed_dim"])))
+
+
+def jina_embeddings_v3(config: dict) -> EncoderSpec:
+    """Post-LN like XLM-RoBERTa, but no position table: rotate_half rotary (rope_parameters) on q and k; RoBERTa's
+    head. Names are the released checkpoints' (which transformers 5 also writes): emb_ln, encoder.layers.i with
+    mixer.Wqkv (fused, biased), mixer.out_proj, norm1, mlp.fc1/fc2, norm2."""
+    spec = roberta(dict(config, layer_norm_eps=config.get("layer_norm_eps", 1e-5)))
+    return replace(spec, position=None, positions="rotary", rope_from_config=True, positions_from_padding=False,
+                   embed_norm="roberta.emb_ln", layers="roberta.encoder.layers", qkv_proj="mixer.Wqkv",
+                   o_proj="mixer.out_proj", attn_norm="norm1", up_proj="mlp.fc1", down_proj="mlp.fc2",
+                   mlp_norm="norm2")
+
+
+def xlm(config: dict) -> EncoderSpec:
+    """XLM / FlauBERT: word + position embeddings, layer_norm_emb, post-LN blocks whose parts sit in per-layer lists, hidden states zeroed at padding after the embeddings
+    and every layer, FFN of 4 x emb_dim, and a bare tied projection pred_layer.proj as the head."""
+    arch = config.get("model_type", "xlm")
+    refuse(arch, config, "causal", lambda v: not v, False)
+    refuse(arch, config, "is_encoder", lambda v: v, True)
+    refuse(arch, config, "sinusoidal_embeddings", lambda v: not v, False)
+    refuse(arch, config, "asm", lambda v: not v, False)
+    refuse(arch, config, "layerdrop", lambda v: not v, 0.0)  # a training-time option; refused rather than ignored
+    # FlauBERT's pre_norm: transformers 5.24 cannot run it (no reference to check against), so it is refused
+    refuse(arch, config, "pre_norm", lambda v: not v, False)
+    dim = config["emb_dim"]
+    t = "transformer"
+    return EncoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=dim, num_layers=config["n_layers"], num_heads=config["n_heads"],
+        intermediate_size=4 * dim, max_position_embeddings=config.get("max_position_embeddings", 512),
+        type_vocab_size=0, token_type=None, embeddings=t, word="embeddings", position="position_embeddings",
+        embed_norm=f"{t}.layer_norm_emb", norm_eps=config.get("layer_norm_eps", 1e-12),
+        hidden_act="gelu" if config.get("gelu_activation", True) else "relu",
+        pad_token_id=config.get("pad_token_id", 2), zero_padded_hidden=True, scattered_layers=True,
+        q_proj=f"{t}.attentions.{{i}}.q_lin", k_proj=f"{t}.attentions.{{i}}.k_lin",
+        v_proj=f"{t}.attentions.{{i}}.v_lin", o_proj=f"{t}.attentions.{{i}}.out_lin",
+        attn_norm=f"{t}.layer_norm1.{{i}}", up_proj=f"{t}.ffns.{{i}}.lin1", down_proj=f"{t}.ffns.{{i}}.lin2",
+        mlp_norm=f"{t}.layer_norm2.{{i}}",
+        unused=((f"{t}.lang_embeddings.weight", (config.get("n_langs", 1), dim)),)
+        if config.get("n_langs", 1) > 1 and config.get("use_lang_emb", True) else (),
+        head_dense=None, head_norm=None, decoder="pred_layer.proj", decoder_bias=None,
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def _llama_like(config: dict, prefix: str, arch: str) -> EncoderSpec:
+    """Pre-norm blocks with a SwiGLU MLP and rotary from rope_parameters, no position table or token types."""
+    heads = config["num_attention_heads"]
+    if config.get("head_dim") not in (None, config["hidden_size"] // heads):
+        raise UnsupportedConfigError(f"{arch}: config option head_dim={config['head_dim']!r} is not supported by "
+                                     "vkformers' encoder yet (it must be hidden_size / num_attention_heads)")
+    bias = bool(config.get("attention_bias", False))
+    return EncoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        intermediate_size=config["intermediate_size"], max_position_embeddings=config.get("max_position_embeddings"),
+        type_vocab_size=0, token_type=None, position=None, positions="rotary", rope_from_config=True,
+        embeddings=prefix, word="embed_tokens", embed_norm=None, layers=f"{prefix}.layers",
+        q_proj="self_attn.q_proj", k_proj="self_attn.k_proj", v_proj="self_attn.v_proj", o_proj="self_attn.o_proj",
+        attn_norm="input_layernorm", gate_proj="mlp.gate_proj", up_proj="mlp.up_proj", down_proj="mlp.down_proj",
+        mlp_norm="post_attention_layernorm", attn_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)),
+        pre_norm=True, final_norm=f"{prefix}.norm", hidden_act=config.get("hidden_act", "silu"),
+        pad_token_id=config.get("pad_token_id"), tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def eurobert(config: dict) -> EncoderSpec:
+    """Llama's layout run bidirectionally: RMSNorm, grouped-query attention, SwiGLU, rotary; a bare lm_head."""
+    spec = _llama_like(config, "model", "eurobert")
+    return replace(spec, norm="rms", norm_eps=config.get("rms_norm_eps", 1e-5), head_dense=None, head_norm=None,
+                   decoder="lm_head", decoder_bias=None, decoder_linear_bias=bool(config.get("mlp_bias", False)))
+
+
+def esmc(config: dict) -> EncoderSpec:
+    """Llama-like with LayerNorms (eps 1e-5; the final one without bias), bias-free LayerNorms over the whole
+    q and k projections, sublayer outputs divided by sqrt(layers / 36), and an untied ESM-style head
+    dense -> gelu -> LayerNorm -> decoder (own bias)."""
+    spec = _llama_like(config, "esmc", "esmc")
+    if spec.num_kv_heads != spec.num_heads:
+        raise UnsupportedConfigError("esmc: config option num_key_value_heads differs from num_attention_heads; "
+                                     "its QK norm covers the full projection, which needs equal head counts")
+    return replace(spec, norm_eps=1e-5, final_norm_bias=False, qk_norm=("self_attn.q_norm", "self_attn.k_norm"),
+                   residual_scale=(spec.num_layers / 36) ** 0.5, head_dense="lm_head.dense",
+                   head_norm="lm_head.layer_norm", head_norm_eps=1e-5, head_act="gelu", decoder="lm_head.decoder",
+                   decoder_bias=None)
+
+
+def modernbert(config: dict) -> EncoderSpec:
+    """Pre-LN (bias per norm_bias, layer 0 without an attention norm: the embeddings end in a norm), fused
+    Wqkv, GeGLU Wi = [input; gate], rotate_half rotary whose theta depends on the layer type, and sliding
+    layers attending to keys within local_attention / 2 on both sides; head dense -> act -> norm -> tied decoder."""
+    arch = "modernbert"
+    refuse(arch, config, "sparse_prediction", lambda v: not v, False)
+    heads, d = config["num_attention_heads"], config["hidden_size"]
+    types = tuple(config.get("layer_types") or ())
+    if len(types) != config["num_hidden_layers"] or set(types) - {"full_attention", "sliding_attention"}:
+        raise UnsupportedConfigError(f"{arch}: config option layer_types={types!r} is not supported by vkformers' "
+                                     "encoder yet")
+    half = config.get("local_attention", 128) // 2
+    norm_bias = bool(config.get("norm_bias", False))
+    return EncoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=d, num_layers=config["num_hidden_layers"], num_heads=heads,
+        intermediate_size=config["intermediate_size"], max_position_embeddings=config.get("max_position_embeddings"),
+        type_vocab_size=0, token_type=None, position=None, positions="rotary", layer_rope_types=types,
+        layer_windows=tuple(half if t == "sliding_attention" else 0 for t in types),
+        embeddings="model.embeddings", word="tok_embeddings", embed_norm="model.embeddings.norm",
+        layers="model.layers", qkv_proj="attn.Wqkv", o_proj="attn.Wo", attn_norm="attn_norm",
+        first_attn_norm_identity=True, up_proj="mlp.Wi", fused_up_gate=True, down_proj="mlp.Wo", mlp_norm="mlp_norm",
+        attn_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
+        pre_norm=True, final_norm="model.final_norm", norm=("layer"), norm_bias=norm_bias,
+        norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
+        head_dense="head.dense", head_dense_bias=bool(config.get("classifier_bias", False)), head_norm="head.norm",
+        head_norm_bias=norm_bias, head_act=config.get("classifier_activation", "gelu"), decoder="decoder",
+        decoder_bias=None, decoder_linear_bias=bool(config.get("decoder_bias", True)),
+        pad_token_id=config.get("pad_token_id"), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
 VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = {
     "bert": bert, "ernie": ernie, "megatron-bert": megatron_bert, "roberta": roberta, "xlm-roberta": roberta,
     "camembert": roberta, "data2vec-text": data2vec_text, "roberta-prelayernorm": roberta_prelayernorm,
     "xlm-roberta-xl": xlm_roberta_xl, "electra": electra, "albert": albert, "rembert": rembert,
     "roformer": roformer, "distilbert": distilbert, "esm": esm, "nomic_bert": nomic_bert,
+    "big_bird": big_bird, "roc_bert": roc_bert, "jina_embeddings_v3": jina_embeddings_v3, "xlm": xlm,
+    "flaubert": xlm, "eurobert": eurobert, "esmc": esmc, "modernbert": modernbert,
 }
 
 
