@@ -23,6 +23,7 @@ import pytest
 
 import vkformers as vkf
 from vkformers.engine.lazy import realize
+from vkformers.engine.tensor import parameter
 from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
@@ -113,22 +114,19 @@ def test_gradients(name):
 @pytest.mark.parametrize("name", fixture_names())
 def test_one_adamw_step(name):
     case = Case.get(name)
-    params = case.params
+    # copies of the loaded parameters take the step, so the cached model keeps its weights for the decoding test
+    params = {n: parameter(p.numpy(), dtype=p.dtype, name=n) for n, p in case.params.items()}
     for n, p in params.items():
         p.grad = vkf.tensor(case.ref[f"grad.{n}"])
     AdamW(list(params.values()), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01).step()
     realize([p.lazy for p in params.values()])
-    try:
-        for n, p in params.items():
-            np.testing.assert_allclose(p.numpy(), case.ref[f"adamw.{n}"], atol=ADAMW_ATOL, rtol=0, err_msg=n)
-    finally:
-        Case._cache.pop(name, None)  # the weights moved: later tests of this fixture reload it
+    for n, p in params.items():
+        np.testing.assert_allclose(p.numpy(), case.ref[f"adamw.{n}"], atol=ADAMW_ATOL, rtol=0, err_msg=n)
 
 
 def _generate(name):
-    folder = FIXTURES / name
-    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    case = Case.get(name)  # the loaded model, untouched by the AdamW test (generate runs without gradients)
+    model, ref = case.model, case.ref
     expected = ref["greedy_tokens"].astype(np.int64)
     prompt = ref["input_ids"][:1].astype(np.int64)
     tokens, logits = model.generate(prompt, max_new_tokens=expected.shape[1] - 1, do_sample=False, eos_token_id=[],
@@ -150,10 +148,8 @@ def test_greedy_tokens_with_cache(name):
 
 def test_generate_stops_at_eos_and_pads():
     """A row that produced eos is finished: later tokens are pad, and generation stops once all rows are done."""
-    name = "bart"
-    folder = FIXTURES / name
-    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder, requires_grad=False)
+    case = Case.get("bart")
+    model, ref = case.model, case.ref
     greedy = ref["greedy_tokens"].astype(np.int64)[0]
     eos = int(greedy[3])  # a generated token plays eos: decoding ends at its first occurrence
     first = 1 + list(greedy[1:]).index(eos)
@@ -172,6 +168,9 @@ def test_labels_shift_and_errors():
     assert built("bart").shift_right(np.array([[5, 6, -100, 7]])).tolist() == [[2, 5, 6, 0]]
     mbart = built("mbart")
     assert mbart.shift_right(np.array([[5, 6, 9, -100]])).tolist() == [[9, 5, 6, 9]]
+    fsmt = built("fsmt")  # separate vocabularies: the encoder's table has the source size, no shared table
+    assert dict(fsmt.named_slots())["model.encoder.embed_tokens.weight"].shape == (56, 32) and fsmt.shared is None
+    assert fsmt.shift_right(np.array([[5, 6, 9, -100]])).tolist() == [[9, 5, 6, 9]]
     config = json.loads((FIXTURES / "marian" / "config.json").read_text())
     with pytest.raises(UnsupportedConfigError, match="share_encoder_decoder_embeddings"):
         seq2seq_spec(dict(config, share_encoder_decoder_embeddings=False), "marian")

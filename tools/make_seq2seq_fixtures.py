@@ -62,6 +62,8 @@ class Spec:
     model_type: str              # HF model_type
     overrides: dict
     notes: list = field(default_factory=list)
+    labels_shifted_here: bool = False  # pass decoder_input_ids = prepare_decoder_input_ids_from_labels(labels):
+    #                                    FSMT's forward shifts input_ids, not labels, when they are missing
     untied_lm_head: bool = False  # write a distinct lm_head.weight into the checkpoint and reload: transformers
     #                               5.24 ties T5's lm_head unless the checkpoint holds a different one (T5 v1.1)
 
@@ -98,6 +100,14 @@ SPECS = [
     Spec("m2m_100", "m2m_100", dict(B, decoder_start_token_id=EOS),
          ["pre-LN with final layer_norm; fairseq sinusoidal positions (offset 2, padding row zero) counted over "
           "non-pad tokens from input_ids; scale_embedding; relu; no final_logits_bias."]),
+    Spec("fsmt", "fsmt", dict({k: v for k, v in B.items() if k != "vocab_size"}, src_vocab_size=VOCAB + 8,
+                              tgt_vocab_size=VOCAB, langs=["en", "de"], decoder_start_token_id=EOS),
+         ["FSMT: post-LN, no layernorm_embedding, no final_logits_bias; separate source (56) and target (48) "
+          "vocabularies, untied output_projection; positions over non-pad tokens read from embed_positions.weight, "
+          "which transformers 5.24 trains (a parameter; re-initialised here like the others, so the checkpoint's "
+          "table is what counts); scale_embedding; relu. decoder_input_ids = prepare_decoder_input_ids_from_labels(labels) (last non-pad "
+          "label wrapped first), so the shifted -100s are pad decoder tokens the decoder self-attention ignores."],
+         labels_shifted_here=True),
 ]
 
 
@@ -156,7 +166,10 @@ def build(spec: Spec, out_root: Path):
 
     ids, mask, labels = make_inputs()
     params = dict(model.named_parameters())
-    fwd = model(input_ids=ids, attention_mask=mask, labels=labels)
+    extra = {}
+    if spec.labels_shifted_here:
+        extra["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels.clone())
+    fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **extra)
     logits = fwd.logits.detach().float()
     fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),

@@ -45,14 +45,17 @@ LAYOUTS = {
                self_attn="layer.0.SelfAttention", self_norm="layer.0.layer_norm",
                cross_attn="layer.1.EncDecAttention", cross_norm="layer.1.layer_norm",
                ffn="layer.{ffn}.DenseReluDense", ffn_norm="layer.{ffn}.layer_norm",
-               q="q", k="k", v="v", o="o", up="wi", gate="wi_0", gated_up="wi_1", down="wo"),
+               q="q", k="k", v="v", o="o", up="wi", gate="wi_0", gated_up="wi_1", down="wo", lm_head="lm_head"),
     "bart": dict(shared="model.shared", encoder="model.encoder", decoder="model.decoder", layers="layers",
                  positions="embed_positions", embed_norm="layernorm_embedding", final_norm="layer_norm",
                  self_attn="self_attn", self_norm="self_attn_layer_norm",
                  cross_attn="encoder_attn", cross_norm="encoder_attn_layer_norm",
                  ffn="", ffn_norm="final_layer_norm",
-                 q="q_proj", k="k_proj", v="v_proj", o="out_proj", up="fc1", gate=None, gated_up=None, down="fc2"),
+                 q="q_proj", k="k_proj", v="v_proj", o="out_proj", up="fc1", gate=None, gated_up=None, down="fc2",
+                 lm_head="lm_head"),
 }
+# FSMT: BART's layer names, no shared table (each stack its own vocabulary), the head inside the decoder
+LAYOUTS["fsmt"] = dict(LAYOUTS["bart"], shared=None, lm_head="model.decoder.output_projection")
 
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
@@ -267,11 +270,14 @@ class Stack(Module):
         super().__init__()
         self.spec, self.decoder = spec, decoder
         count = spec.decoder_layers if decoder else spec.encoder_layers
-        self.embed_tokens = Embedding(spec.vocab_size, spec.d_model)
+        vocab = spec.source_vocab_size if spec.source_vocab_size and not decoder else spec.vocab_size
+        self.embed_tokens = Embedding(vocab, spec.d_model)
         refs = dict(embed_positions=None, embed_norm=None, final_norm=None)
         if spec.positions == "learned":
             refs["embed_positions"] = place(self, names["positions"],
                                             Embedding(spec.max_positions + spec.position_offset, spec.d_model))
+        elif spec.positions == "fairseq" and spec.fairseq_table_trained:
+            refs["embed_positions"] = place(self, names["positions"], Embedding(self.fairseq_rows(), spec.d_model))
         if spec.embed_norm:
             refs["embed_norm"] = place(self, names["embed_norm"], make_norm(spec))
         refs["layers"] = place(self, names["layers"], ModuleList(Block(spec, names, decoder, i) for i in range(count)))
@@ -282,9 +288,12 @@ class Stack(Module):
         self.position_table = None
         if spec.positions == "sinusoidal":
             self.position_table = Tensor(sinusoidal_table(spec.max_positions, spec.d_model))
-        elif spec.positions == "fairseq":
-            rows = spec.max_positions + spec.position_offset + spec.pad_token_id + 1
-            self.position_table = Tensor(fairseq_table(rows, spec.d_model, spec.pad_token_id))
+        elif spec.positions == "fairseq" and not spec.fairseq_table_trained:
+            self.position_table = Tensor(fairseq_table(self.fairseq_rows(), spec.d_model, spec.pad_token_id))
+
+    def fairseq_rows(self) -> int:
+        spec = self.spec
+        return spec.max_positions + spec.position_offset + spec.pad_token_id + 1
 
     def positions(self, ids: np.ndarray, past: int) -> np.ndarray:
         """Row of the position table for every token (int32 [B, T])."""
@@ -292,6 +301,8 @@ class Stack(Module):
         batch, length = ids.shape
         if spec.positions == "fairseq":  # count only non-pad tokens; pads take the (zero) padding row
             real = (ids != spec.pad_token_id).astype(np.int64)
+            if spec.fairseq_past_unmasked:
+                return (np.cumsum(real, axis=1) * real + spec.pad_token_id + past).astype(np.int32)
             return ((np.cumsum(real, axis=1) + past) * real + spec.pad_token_id).astype(np.int32)
         rows = past + np.arange(length) + spec.position_offset
         return np.broadcast_to(rows, (batch, length)).astype(np.int32)
@@ -310,7 +321,11 @@ class Stack(Module):
             x = self.embed_norm(x)
         table = self.embed_positions.weight if self.embed_positions is not None else self.position_table
         if table is not None:
-            x = x + F.embedding(tensor(self.positions(ids, past)), table).cast(x.dtype)  # fixed tables: float32
+            rows = F.embedding(tensor(self.positions(ids, past)), table).cast(x.dtype)  # fixed tables: float32
+            if spec.fairseq_table_trained and padded.any():  # pads read the table's padding row: no gradient
+                real = (~padded).astype(np.float32)[..., None]
+                rows = rows * tensor(real, dtype=x.dtype) + rows.detach() * tensor(1.0 - real, dtype=x.dtype)
+            x = x + rows
         if self.embed_norm is not None and not norm_first:
             x = self.embed_norm(x)
         return x
@@ -362,26 +377,35 @@ class Seq2SeqForConditionalGeneration(Module):
         self.dtype = dt.float32
         names = self.names = LAYOUTS[spec.layout]
         refs = dict(
-            shared=place(self, names["shared"], Embedding(spec.vocab_size, spec.d_model)),
+            shared=place(self, names["shared"], Embedding(spec.vocab_size, spec.d_model)) if names["shared"] else None,
             encoder=place(self, names["encoder"], Stack(spec, names, decoder=False)),
             decoder=place(self, names["decoder"], Stack(spec, names, decoder=True)),
-            lm_head=place(self, "lm_head", Linear(spec.d_model, spec.vocab_size, bias=False)),
+            lm_head=place(self, names["lm_head"], Linear(spec.d_model, spec.vocab_size, bias=False)),
         )
         for key, module in refs.items():
             object.__setattr__(self, key, module)
-        shared = f"{names['shared']}.weight"
-        for stack in ("encoder", "decoder"):
-            self.tie(f"{names[stack]}.embed_tokens.weight", shared)
-        self.tie("lm_head.weight", shared)
+        # the table the head ties to: the shared one, or (FSMT: no shared table) the decoder's
+        self.head_tie_target = f"{names['shared']}.weight" if names["shared"] else \
+            f"{names['decoder']}.embed_tokens.weight"
+        if names["shared"]:
+            for stack in ("encoder", "decoder"):
+                self.tie(f"{names[stack]}.embed_tokens.weight", self.head_tie_target)
+        self.tie(f"{names['lm_head']}.weight", self.head_tie_target)
         self.logits_bias = None
 
     def load_state_dict(self, arrays, *args, **kwargs):
         """Ties lm_head to the shared embedding unless the checkpoint holds a different one (transformers 5
         does the same), and reads final_logits_bias, a buffer rather than a parameter."""
-        shared = f"{self.names['shared']}.weight"
-        head = dict(self.named_slots())["lm_head.weight"]
-        distinct = "lm_head.weight" in arrays and shared in arrays and not np.array_equal(
-            np.asarray(arrays["lm_head.weight"]), np.asarray(arrays[shared]))
+        if self.spec.fairseq_table_trained:  # FSMT checkpoints may leave out the (sinusoidal) position tables
+            arrays = dict(arrays)
+            for stack in (self.encoder, self.decoder):
+                name = f"{self.names['encoder' if stack is self.encoder else 'decoder']}.{self.names['positions']}.weight"
+                if name not in arrays:
+                    arrays[name] = fairseq_table(stack.fairseq_rows(), self.spec.d_model, self.spec.pad_token_id)
+        shared, head_name = self.head_tie_target, f"{self.names['lm_head']}.weight"
+        head = dict(self.named_slots())[head_name]
+        distinct = head_name in arrays and shared in arrays and not np.array_equal(
+            np.asarray(arrays[head_name]), np.asarray(arrays[shared]))
         head.tied_to = shared if self.spec.tie_lm_head and not distinct else None
         super().load_state_dict(arrays, *args, **kwargs)
         self.logits_bias = None
@@ -403,8 +427,11 @@ class Seq2SeqForConditionalGeneration(Module):
         """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""
         ids = _ids(decoder_ids)
         past = cache.position if cache is not None else 0
-        ctx = StackContext(self.decoder, ids.shape[1], None, past=past, cache=cache, encoder_states=encoder_states,
-                           encoder_mask=encoder_mask)
+        padding = None
+        if self.spec.decoder_pad_keys_masked and cache is None and (ids == self.spec.pad_token_id).any():
+            padding = (ids != self.spec.pad_token_id).astype(np.int64)
+        ctx = StackContext(self.decoder, ids.shape[1], padding, past=past, cache=cache,
+                           encoder_states=encoder_states, encoder_mask=encoder_mask)
         x = self.decoder(ids, ctx)
         if cache is not None:
             cache.self_attn.advance(ids.shape[1])
@@ -504,7 +531,7 @@ class Seq2SeqForConditionalGeneration(Module):
         step_logits = []
         with no_grad():
             encoder_states = self.encode(ids, mask).realize()
-            device = self.shared.weight.device
+            device = self.decoder.embed_tokens.weight.device
             cache = Seq2SeqCache(spec, batch, 1 + max(int(max_new_tokens), 1), self.dtype, device, encoder_states,
                                  mask)
             cache.fill_cross(self.decoder)

@@ -38,7 +38,8 @@ class Seq2SeqSpec:
     head_dim: int
     encoder_ffn: int
     decoder_ffn: int
-    layout: str = "bart"                  # parameter names: "t5" or "bart" (see seq2seq.LAYOUTS)
+    layout: str = "bart"                  # parameter names: "t5", "bart" or "fsmt" (see seq2seq.LAYOUTS)
+    source_vocab_size: int | None = None  # FSMT: the encoder's own vocabulary (None: vocab_size)
 
     # -- blocks
     norm: str = "layer"                   # layer | rms (T5LayerNorm: no mean subtraction, no bias)
@@ -54,7 +55,11 @@ class Seq2SeqSpec:
     relative_buckets: int = 0             # T5 relative position bias (0: none)
     relative_max_distance: int = 128
     relative_bias_every_layer: bool = False  # umT5: each layer its own table; T5: layer 0's, shared
-    positions: str | None = None          # learned | sinusoidal (Marian/Pegasus) | fairseq (M2M-100) | None
+    positions: str | None = None          # learned | sinusoidal (Marian/Pegasus) | fairseq (M2M-100, FSMT) | None
+    fairseq_table_trained: bool = False   # FSMT: the fairseq table is a parameter (embed_positions.weight, its
+    #                                       pad row without gradient), read from the checkpoint when it has it
+    fairseq_past_unmasked: bool = False   # FSMT: row = non-pad count * real + pad + past (M2M-100: the past is
+    #                                       counted only for real tokens)
     position_offset: int = 0              # learned table row = position + offset (BART: 2)
     max_positions: int = 1024
 
@@ -74,6 +79,8 @@ class Seq2SeqSpec:
     shift: str = "start"                  # start: [start] + labels[:-1]; wrap_last (mBART/PLBart): the last
     #                                       non-pad label first
     decoder_inputs_from_input_ids: bool = False  # BART: no decoder inputs and no labels -> shift input_ids
+    decoder_pad_keys_masked: bool = False  # FSMT (fairseq): decoder self-attention ignores pad decoder tokens
+    #                                        (forward without the cache, as transformers does when training)
 
 
 def _get(config: dict, *names, default=None):
@@ -148,6 +155,19 @@ def _marian(config, arch):
                      decoder_inputs_from_input_ids=False)
 
 
+def _fsmt(config, arch):
+    """FSMT (fairseq WMT19): post-LN BART layers without layernorm_embedding or final_logits_bias; separate
+    source and target vocabularies (model.encoder/decoder.embed_tokens, no shared table); fairseq sinusoidal
+    positions in a table that transformers trains (a parameter with padding_idx); the head is model.decoder.output_projection (tied to the decoder embedding only with
+    tie_word_embeddings); labels shift with the last non-pad label wrapped first (its
+    prepare_decoder_input_ids_from_labels)."""
+    config = dict(config, vocab_size=config["tgt_vocab_size"])
+    return bart_spec(config, arch, layout="fsmt", source_vocab_size=config["src_vocab_size"], positions="fairseq",
+                     position_offset=0, fairseq_table_trained=True, fairseq_past_unmasked=True, embed_norm=False, final_logits_bias=False,
+                     tie_lm_head=config.get("tie_word_embeddings", False) is True, shift="wrap_last",
+                     decoder_inputs_from_input_ids=False, decoder_pad_keys_masked=True)
+
+
 def _mvp(config, arch):
     refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
     return bart_spec(config, arch)
@@ -162,6 +182,7 @@ VARIANTS = {
     "mbart": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, shift="wrap_last"),
     "plbart": lambda c, a: bart_spec(c, a, shift="wrap_last"),
     "marian": _marian,
+    "fsmt": _fsmt,
     "pegasus": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
                                       position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False),
     "blenderbot": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
