@@ -214,6 +214,8 @@ class DecoderLayer(Module):
         sparse = s.moe.block(s, index) if s.moe is not None else None
         if sparse is not None:  # a mixture-of-experts block instead of the dense MLP (vkformers-moe)
             add("moe", sparse.path, sparse)
+            for path, module in getattr(sparse, "layer_modules", {}).items():  # its parts stored beside it
+                place(self, path, module)
         elif s.mlp_kind == "gated" and s.gate_up_proj:
             add("gate_up", _join(s.mlp, s.gate_up_proj), make_projection(s, d, 2 * inter, bias=s.mlp_bias))
         elif s.mlp_kind == "gated":

@@ -65,6 +65,10 @@ class MoeSpec:
     shared_size: int = 0
     shared_names: tuple[str, str, str] | None = None  # when they differ from expert_names
     shared_gate: str | None = None            # linear [1, hidden]: the shared output is scaled by its sigmoid
+    shared_bias: bool = False                 # the shared experts' linears have biases (ERNIE 4.5 use_bias)
+    shared_fused: bool = False                # shared_names are (gate_up, down): one [2 size, hidden] input linear
+    shared_in_layer: bool = False             # ``shared`` is relative to the decoder layer, beside the block
+    #                                           (GraniteMoeShared: layers.<i>.shared_mlp next to block_sparse_moe)
 
     def __post_init__(self):
         if self.scoring not in ("softmax", "sigmoid"):
@@ -73,6 +77,8 @@ class MoeSpec:
             raise ValueError(f"unknown expert group score {self.group_score!r}; known: top2_sum, max")
         if self.num_experts % self.num_groups:
             raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups")
+        if self.shared_fused and len(self.shared_names or ()) != 2:
+            raise ValueError("shared_fused needs shared_names (gate_up, down)")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} experts")
 
@@ -82,18 +88,29 @@ class MoeSpec:
 
 
 class SwiGLU(Module):
-    """down(act(gate(x)) * up(x)) without biases: one expert, or the shared experts."""
+    """down(act(gate(x)) * up(x)): one expert, or the shared experts. ``fused``: names are (gate_up, down), one
+    linear [2 inner, hidden] computing [gate | up] (GraniteMoE's input_linear / output_linear)."""
 
-    def __init__(self, hidden: int, inner: int, names: tuple[str, str, str], act: str):
+    def __init__(self, hidden: int, inner: int, names: tuple[str, ...], act: str, bias: bool = False,
+                 fused: bool = False):
         super().__init__()
-        gate, up, down = names
-        object.__setattr__(self, "projections", (place(self, gate, Linear(hidden, inner, bias=False)),
-                                                 place(self, up, Linear(hidden, inner, bias=False)),
-                                                 place(self, down, Linear(inner, hidden, bias=False))))
+        self.inner = inner
+        if fused:
+            gate_up, down = names
+            object.__setattr__(self, "projections", (place(self, gate_up, Linear(hidden, 2 * inner, bias=bias)),
+                                                     None, place(self, down, Linear(inner, hidden, bias=bias))))
+        else:
+            gate, up, down = names
+            object.__setattr__(self, "projections", (place(self, gate, Linear(hidden, inner, bias=bias)),
+                                                     place(self, up, Linear(hidden, inner, bias=bias)),
+                                                     place(self, down, Linear(inner, hidden, bias=bias))))
         self.act = F.activation(act)
 
     def forward(self, x):
         gate, up, down = self.projections
+        if up is None:
+            both = gate(x)
+            return down(self.act(both[..., :self.inner]) * both[..., self.inner:])
         return down(self.act(gate(x)) * up(x))
 
 
@@ -134,8 +151,13 @@ class SparseMoeBlock(Module):
                 place(self, _join(moe.experts, str(e)),
                       SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
                 for e in range(moe.num_experts)])
-        object.__setattr__(self, "shared", place(self, moe.shared, SwiGLU(
-            hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act)) if moe.shared else None)
+        shared = SwiGLU(hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act,
+                        bias=moe.shared_bias, fused=moe.shared_fused) if moe.shared else None
+        # layer_modules: placed by the decoder layer under these layer-relative paths (the block calls them)
+        object.__setattr__(self, "layer_modules", {moe.shared: shared} if shared and moe.shared_in_layer else {})
+        if shared is not None and not moe.shared_in_layer:
+            place(self, moe.shared, shared)
+        object.__setattr__(self, "shared", shared)
         object.__setattr__(self, "shared_gate", place(self, moe.shared_gate, Linear(hidden, 1, bias=False))
                            if moe.shared_gate else None)
         self.act = F.activation(moe.hidden_act)

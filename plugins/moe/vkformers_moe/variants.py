@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _mla, granite, hunyuan_v1_dense,
-                                      llama, mistral, olmo2, qwen2, qwen3, refuse)
+from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _mla, ernie4_5, granite,
+                                      granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2, qwen3, refuse)
 
 from vkformers_moe.block import MoeSpec
 
@@ -92,6 +92,51 @@ def granitemoe(config: dict) -> DecoderSpec:
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
                   path="block_sparse_moe", router="router.layer", norm_topk=True, experts="",
                   fused_experts=("input_linear.weight", "output_linear.weight"))
+    return replace(spec, moe=moe)
+
+
+def granitemoeshared(config: dict) -> DecoderSpec:
+    """GraniteMoE plus an always-on shared MLP beside the sparse block (layers.<i>.shared_mlp, fused like the experts:
+    input_linear [2S, H] = [gate | up], output_linear [H, S]; none when shared_intermediate_size is 0)."""
+    spec = granitemoe(config)
+    size = config.get("shared_intermediate_size") or 0
+    if not size:
+        return spec
+    return replace(spec, moe=replace(spec.moe, shared="shared_mlp", shared_size=size, shared_in_layer=True,
+                                     shared_fused=True, shared_names=("input_linear", "output_linear")))
+
+
+def granitemoe_swa(config: dict) -> DecoderSpec:
+    """granite_swa's attention (per-layer sliding windows and rope theta, per-head sinks) with GraniteMoeShared's
+    sparse block and shared MLP; no checkpoint conversion in transformers, so the block is saved as it runs: router
+    block_sparse_moe.router.weight, experts fused as experts.gate_up_proj [E, 2I, H] and experts.down_proj."""
+    moe = replace(granitemoeshared(config).moe, router="router", experts="experts",
+                  fused_experts=("gate_up_proj", "down_proj"))
+    return replace(granite_swa(config), moe=moe)
+
+
+def ernie4_5_moe(config: dict) -> DecoderSpec:
+    """ERNIE 4.5 (interleaved rotary, use_bias) whose layers moe_layer_start_index..moe_layer_end_index, every
+    moe_layer_interval-th, are sparse: softmax router gate over moe_num_experts, top-moe_k chosen on the scores plus
+    the gradient-free parameter moe_statics.e_score_correction_bias [1, E], the unbiased scores renormalised (the
+    moe_norm_min clamp of the sum never binds: top-k softmax sums are far above it); shared_experts of
+    moe_intermediate_size * moe_num_shared_experts (with biases when use_bias, as lm_head then has one)."""
+    _refuse_training_extras("ernie4_5_moe", config)
+    spec = replace(ernie4_5(config), lm_head_bias=bool(config.get("use_bias", False)))  # unlike dense ERNIE 4.5
+    n = spec.num_layers
+    start, end = config.get("moe_layer_start_index", 1), config.get("moe_layer_end_index", -1)
+    end = n - 1 if end == -1 else end
+    interval = config.get("moe_layer_interval") or 1
+    experts = _first(config, "moe_num_experts", "num_experts", default=64)
+    size, shared = config.get("moe_intermediate_size", 1536), config.get("moe_num_shared_experts", 2) or 0
+    refuse("ernie4_5_moe", config, "moe_norm_min", lambda v: v is None or v <= 1e-6)
+    moe = MoeSpec(num_experts=experts, top_k=_first(config, "moe_k", "num_experts_per_tok", default=6),
+                  expert_size=size,
+                  layers=tuple((i + 1) % interval == 0 and start <= i <= end for i in range(n)),
+                  hidden_act=spec.hidden_act, selection_bias="moe_statics.e_score_correction_bias",
+                  selection_bias_is_parameter=True, selection_bias_shape=(1, experts), norm_topk=True,
+                  shared="shared_experts" if shared else None, shared_size=size * shared,
+                  shared_bias=bool(config.get("use_bias", False)))
     return replace(spec, moe=moe)
 
 
@@ -238,7 +283,8 @@ def moe_spec(architecture_name: str, config: dict, spec: DecoderSpec) -> MoeSpec
 VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "granitemoe": granitemoe,
     "flex_olmo": flex_olmo, "hunyuan_v1_moe": hunyuan_v1_moe, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
-    "dots1": dots1,
+    "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
+    "ernie4_5_moe": ernie4_5_moe,
 }
 
 
