@@ -466,6 +466,21 @@ SPECS = [
           "1): softmax router gate over 4 experts, top-2 chosen on scores + moe_statics.e_score_correction_bias (a "
           "gradient-free parameter [1, 4], random here), unbiased scores renormalised; shared_experts of width 16 "
           "with biases."], saved_names=True),
+    Spec("cohere2_moe", "cohere2_moe", dict(
+        L, head_dim=8, logit_scale=0.5, sliding_window=SW, layer_types=LAYERS_SF, num_experts=4, num_experts_per_tok=2,
+        num_shared_experts=1, mlp_layer_types=["dense", "sparse"], prefix_dense_intermediate_size=20),
+         ["cohere2's block (parallel residual, LayerNorm without bias, logit_scale 0.5); layer 0 sliding (window 4) "
+          "and dense (prefix_dense_intermediate_size 20, rotates), layer 1 full attention without rotary and sparse: "
+          "softmax over the top-2 of 4 router logits, experts of width 24, one shared expert (width 24) averaged "
+          "with them (shared_expert_combination_strategy average)."], saved_names=True),
+    Spec("exaone_moe", "exaone_moe", dict(
+        L, sliding_window=SW, layer_types=LAYERS_SF, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        n_group=2, topk_group=1),
+         ["EXAONE MoE: pre-norm block with per-head q/k RMSNorm; layer 0 sliding (window 4, rotates) and dense, layer 1 "
+          "full attention (no rotary) and sparse: DeepSeek-V3 router (sigmoid, e_score_correction_bias buffer saved as "
+          "mlp.e_score_correction_bias, perturbed; 2 groups, 1 eligible), top-2 of 4 renormalised, scaled by 2.5; "
+          "one shared expert of width 16."], saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

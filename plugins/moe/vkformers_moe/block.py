@@ -67,6 +67,8 @@ class MoeSpec:
     shared_gate: str | None = None            # linear [1, hidden]: the shared output is scaled by its sigmoid
     shared_bias: bool = False                 # the shared experts' linears have biases (ERNIE 4.5 use_bias)
     shared_fused: bool = False                # shared_names are (gate_up, down): one [2 size, hidden] input linear
+    output_scale: float = 1.0                 # the block's output (routed + shared) is multiplied by this (Cohere2
+    #                                           MoE's "average" shared-expert combination: 0.5)
     shared_in_layer: bool = False             # ``shared`` is relative to the decoder layer, beside the block
     #                                           (GraniteMoeShared: layers.<i>.shared_mlp next to block_sparse_moe)
 
@@ -235,4 +237,6 @@ class SparseMoeBlock(Module):
             if self.shared_gate is not None:
                 shared = shared * self.shared_gate(x).sigmoid()
             out = out + shared
+        if moe.output_scale != 1.0:
+            out = out * moe.output_scale
         return out.reshape(*lead, self.hidden)

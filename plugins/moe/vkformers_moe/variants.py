@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _mla, ernie4_5, granite,
-                                      granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2, qwen3, refuse)
+from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _layer_types, _mla, cohere2,
+                                      ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2,
+                                      qwen3, refuse, sliding_windows)
 
 from vkformers_moe.block import MoeSpec
 
@@ -137,6 +138,61 @@ def ernie4_5_moe(config: dict) -> DecoderSpec:
                   selection_bias_is_parameter=True, selection_bias_shape=(1, experts), norm_topk=True,
                   shared="shared_experts" if shared else None, shared_size=size * shared,
                   shared_bias=bool(config.get("use_bias", False)))
+    return replace(spec, moe=moe)
+
+
+def _mlp_types(config: dict, num_layers: int) -> list[str]:
+    """mlp_layer_types, else the first first_k_dense_replace layers dense."""
+    dense = config.get("first_k_dense_replace") or 0
+    return config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(num_layers)]
+
+
+def cohere2_moe(config: dict) -> DecoderSpec:
+    """Cohere 2 (parallel residual, interleaved rotary on sliding layers, logit_scale) with RMSNorm when rms_norm_eps
+    is set; dense layers (mlp_layer_types) of prefix_dense_intermediate_size, which always rotate when
+    prefix_dense_sliding_window_pattern is 1; sparse layers: router gate, top-k of the logits then softmax over them
+    (= renormalised top-k softmax) or sigmoid (renormalised if norm_topk_prob), experts of intermediate_size,
+    num_shared_experts * intermediate_size shared experts summed or averaged with them."""
+    _refuse_training_extras("cohere2_moe", config)
+    selection = config.get("expert_selection_fn") or "softmax"
+    refuse("cohere2_moe", config, "expert_selection_fn", lambda v: (v or "softmax") in ("softmax", "sigmoid"))
+    combine = config.get("shared_expert_combination_strategy") or "average"
+    refuse("cohere2_moe", config, "shared_expert_combination_strategy", lambda v: (v or "average") in ("sum", "average"))
+    spec = cohere2(config)
+    n = spec.num_layers
+    mlp_types, types = _mlp_types(config, n), _layer_types(config, n)
+    force = config.get("prefix_dense_sliding_window_pattern", 1) == 1
+    spec = replace(spec, rope_layers=tuple(t == "sliding_attention" or (m == "dense" and force)
+                                           for t, m in zip(types, mlp_types)),
+                   intermediate_size=config.get("prefix_dense_intermediate_size") or spec.intermediate_size)
+    if config.get("rms_norm_eps") is not None:
+        spec = replace(spec, norm="rms", norm_eps=config["rms_norm_eps"])
+    size, shared = config.get("intermediate_size"), config.get("num_shared_experts") or 0
+    moe = MoeSpec(num_experts=num_experts(config, 8), top_k=config.get("num_experts_per_tok", 2), expert_size=size,
+                  layers=tuple(m == "sparse" for m in mlp_types), hidden_act=spec.hidden_act, scoring=selection,
+                  norm_topk=selection == "softmax" or bool(config.get("norm_topk_prob", True)),
+                  shared="shared_experts" if shared else None, shared_size=size * shared,
+                  output_scale=0.5 if shared and combine == "average" else 1.0)
+    return replace(spec, moe=moe)
+
+
+def exaone_moe(config: dict) -> DecoderSpec:
+    """EXAONE MoE: Qwen3-style pre-norm block with per-head q/k RMSNorm, EXAONE 4's per-layer windows (with sliding
+    layers only those rotate), DeepSeek-V3's router (e_score_correction_bias saved as mlp.e_score_correction_bias)
+    on the layers mlp_layer_types marks sparse, num_shared_experts shared experts."""
+    _refuse_training_extras("exaone_moe", config)
+    spec = qwen3(config)
+    n = spec.num_layers
+    types = _layer_types(config, n)
+    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
+                   rope_layers=tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ())
+    moe = replace(deepseek_moe(config, spec), selection_bias="e_score_correction_bias",
+                  layers=tuple(m == "sparse" for m in _mlp_types(dict(config, first_k_dense_replace=config.get(
+                      "first_k_dense_replace", 1)), n)),
+                  shared="shared_experts", shared_size=config.get("moe_intermediate_size", 1024) *
+                  (config.get("num_shared_experts", 1) or 0))
+    if not moe.shared_size:
+        moe = replace(moe, shared=None)
     return replace(spec, moe=moe)
 
 
@@ -284,7 +340,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "granitemoe": granitemoe,
     "flex_olmo": flex_olmo, "hunyuan_v1_moe": hunyuan_v1_moe, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
     "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
-    "ernie4_5_moe": ernie4_5_moe,
+    "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
 }
 
 
