@@ -185,9 +185,9 @@ def test_unsupported_option_is_named():
 
 
 def test_unimplemented_encoder_architecture_is_named():
-    from vkformers_bert.variants import UnsupportedConfigError
-    with pytest.raises(UnsupportedConfigError, match="'bert-generation'.*no encoder variant"):
-        AutoModelForMaskedLM.from_config({"model_type": "bert-generation", "vocab_size": 48})
+    from vkformers_bert.variants import UnsupportedConfigError, encoder_spec
+    with pytest.raises(UnsupportedConfigError, match="'made-up-encoder'.*no encoder variant"):
+        encoder_spec({"vocab_size": 48}, "made-up-encoder")
 
 
 @pytest.mark.parametrize("fixture, option, value", [

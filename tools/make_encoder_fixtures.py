@@ -52,6 +52,8 @@ class Spec:
     overrides: dict
     notes: list = field(default_factory=list)
     mask_token_id: int | None = None  # put this id into the inputs at a few labelled positions (ESM token dropout)
+    model_class: str | None = None    # a transformers class to use instead of AutoModelForMaskedLM's choice
+    loss_by_hand: bool = False        # the class's own loss is not the masked-LM one: cross-entropy on the logits
 
 
 SPECS = [
@@ -148,6 +150,12 @@ SPECS = [
          ["pre-LN without norm biases, layer 0 without attn_norm, fused Wqkv, GeGLU Wi = [input; gate]; "
           "layer 0 full attention (rope theta 160000), layer 1 sliding: keys with |i - j| <= local_attention / 2 "
           "= 2 (rope theta 10000); head dense -> gelu -> norm -> tied decoder (bias)."]),
+    Spec("bert-generation", "bert-generation", dict(B, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+         ["BertGenerationDecoder with is_decoder=False (transformers maps no masked-LM class to bert-generation; "
+          "this is its encoder + LM head, run bidirectionally): BERT without token types, head a bare tied "
+          "lm_head.decoder whose bias is lm_head.bias. Its own loss shifts labels (causal LM), so the reference loss "
+          "is the masked-LM one computed here from its logits: cross-entropy over labels != -100, no shift."],
+         model_class="BertGenerationDecoder", loss_by_hand=True),
 ]
 
 
@@ -214,7 +222,11 @@ def build(spec: Spec, out_root: Path):
         shutil.rmtree(out)
     torch.manual_seed(0)
     config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
-    model = AutoModelForMaskedLM.from_config(config, attn_implementation="eager", dtype=torch.float32).float().eval()
+    auto = getattr(transformers, spec.model_class) if spec.model_class else AutoModelForMaskedLM
+    if spec.model_class:
+        model = auto._from_config(config, attn_implementation="eager", dtype=torch.float32).float().eval()
+    else:
+        model = auto.from_config(config, attn_implementation="eager", dtype=torch.float32).float().eval()
     issues = check_overrides(model.config, spec.overrides)
     reinit_(model)
     _restore_fixed_tables(model)
@@ -229,7 +241,12 @@ def build(spec: Spec, out_root: Path):
     ids, mask, labels, types = make_inputs(model.config, spec.mask_token_id)
     has_types = any(n.endswith("token_type_embeddings.weight") for n in params)
     kwargs = dict(token_type_ids=types) if has_types else {}
-    out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+    if spec.loss_by_hand:
+        out_fwd = model(input_ids=ids, attention_mask=mask, **kwargs)
+        out_fwd.loss = torch.nn.functional.cross_entropy(out_fwd.logits.reshape(-1, out_fwd.logits.shape[-1]),
+                                                         labels.reshape(-1), ignore_index=-100)
+    else:
+        out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
     logits = out_fwd.logits.detach().float()
     out_fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32), "labels": labels.to(torch.int32),
@@ -244,7 +261,7 @@ def build(spec: Spec, out_root: Path):
     ref.update({f"grad.{n}": t.contiguous() for n, t in file_grads.items()})
 
     with torch.no_grad():  # the saved folder reproduces the logits when transformers reloads it
-        reloaded = AutoModelForMaskedLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
+        reloaded = auto.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
         reload_diff = (reloaded(input_ids=ids, attention_mask=mask, **kwargs).logits - logits)[mask.bool()].abs().max()
 
     opt = torch.optim.AdamW(list(params.values()), foreach=False, **ADAMW)

@@ -42,6 +42,7 @@ VERIFIED: tuple[str, ...] = (
     "bert", "roberta", "xlm-roberta", "camembert", "data2vec-text", "ernie", "distilbert", "electra", "albert",
     "roberta-prelayernorm", "megatron-bert", "xlm-roberta-xl", "rembert", "roformer", "esm", "nomic_bert",
     "big_bird", "roc_bert", "jina_embeddings_v3", "xlm", "flaubert", "eurobert", "esmc", "modernbert",
+    "bert-generation",
 )
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},

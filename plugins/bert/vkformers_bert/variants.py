@@ -434,13 +434,21 @@ def modernbert(config: dict) -> EncoderSpec:
         pad_token_id=config.get("pad_token_id"), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+def bert_generation(config: dict) -> EncoderSpec:
+    """BertGeneration's encoder with its LM head, bidirectional (is_decoder=False): BERT without token types
+    whose head is the bare tied lm_head.decoder plus lm_head.bias."""
+    spec = bert(dict(config, type_vocab_size=0), "bert")
+    return replace(spec, token_type=None, head_dense=None, head_norm=None, decoder="lm_head.decoder",
+                   decoder_bias="lm_head.bias")
+
+
 VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = {
     "bert": bert, "ernie": ernie, "megatron-bert": megatron_bert, "roberta": roberta, "xlm-roberta": roberta,
     "camembert": roberta, "data2vec-text": data2vec_text, "roberta-prelayernorm": roberta_prelayernorm,
     "xlm-roberta-xl": xlm_roberta_xl, "electra": electra, "albert": albert, "rembert": rembert,
     "roformer": roformer, "distilbert": distilbert, "esm": esm, "nomic_bert": nomic_bert,
     "big_bird": big_bird, "roc_bert": roc_bert, "jina_embeddings_v3": jina_embeddings_v3, "xlm": xlm,
-    "flaubert": xlm, "eurobert": eurobert, "esmc": esmc, "modernbert": modernbert,
+    "flaubert": xlm, "eurobert": eurobert, "esmc": esmc, "modernbert": modernbert, "bert-generation": bert_generation,
 }
 
 
