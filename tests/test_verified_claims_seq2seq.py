@@ -45,7 +45,7 @@ def test_claim_has_a_parity_fixture(architecture):
         folder = parity.FIXTURES / name
         meta = json.loads((folder / "meta.json").read_text())
         keys = set(read_safetensors(folder / "reference.safetensors"))
-        trainable = [n for n in meta["parameters"] if n not in meta["params_without_grad"]]
+        trainable = [n for n in meta["parameters"] if n not in meta["params_frozen"]]
         assert trainable and all(f"grad.{n}" in keys and f"adamw.{n}" in keys for n in trainable), (
             f"{architecture.name} is marked verified but fixture {name} lacks gradients or the AdamW step")
         assert {"greedy_tokens", "greedy_logits"} <= keys, (

@@ -77,6 +77,13 @@ SPECS = [
          ["umT5: every layer has its own relative_attention_bias; gated-gelu; untied lm_head (distinct in the "
           "checkpoint, as in T5 v1.1 / flan-t5 / umT5 releases), no output rescale (scale_decoder_outputs false)."],
          untied_lm_head=True),
+    Spec("switch_transformers", "switch_transformers",
+         dict(T, num_experts=4, expert_capacity=3, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
+         ["Switch Transformers: T5 with layer 1 of each stack a sparse top-1 mixture of 4 relu experts (router "
+          "softmax in float32, output times the chosen probability); expert_capacity 3 per sequence, so some of "
+          "the 8 encoder / 6 decoder tokens overflow and skip the feed-forward; tied lm_head with the rescale; "
+          "the loss is the cross-entropy only (no output_router_logits). Router jitter noise applies only in "
+          "training mode, so not here."]),
     Spec("bart", "bart", dict(B, decoder_start_token_id=EOS),
          ["post-LN; learned positions with offset 2; layernorm_embedding; gelu; final_logits_bias; tied."]),
     Spec("mbart", "mbart", dict(B, decoder_start_token_id=EOS),
@@ -235,6 +242,8 @@ def build(spec: Spec, out_root: Path):
         "num_parameters": sum(p.numel() for p in params.values()),
         "parameters": list(params.keys()),
         "params_without_grad": no_grad,
+        "params_frozen": [n for n, p in params.items() if not p.requires_grad],  # the rest are trainable; a
+        #                 trainable one without grad (an expert no token chose) gets zeros and AdamW skips it
         "saved_keys_not_parameters": sorted(saved - set(params)),
         "parameters_not_saved": sorted(set(params) - saved),
         "checks": {

@@ -54,6 +54,8 @@ LAYOUTS = {
                  q="q_proj", k="k_proj", v="v_proj", o="out_proj", up="fc1", gate=None, gated_up=None, down="fc2",
                  lm_head="lm_head"),
 }
+# Switch Transformers: T5's names, the feed-forward module is "mlp" (sparse ones: mlp.router / mlp.experts)
+LAYOUTS["switch"] = dict(LAYOUTS["t5"], ffn="layer.{ffn}.mlp")
 # FSMT: BART's layer names, no shared table (each stack its own vocabulary), the head inside the decoder
 LAYOUTS["fsmt"] = dict(LAYOUTS["bart"], shared=None, lm_head="model.decoder.output_projection")
 
@@ -136,6 +138,46 @@ class Attention(Module):
         return self.proj["o"](out.permute(0, 2, 1, 3).reshape(batch, length, heads * dim))
 
 
+# ---------------------------------------------------------------- Switch Transformers' sparse feed-forward
+
+class SwitchMoE(Module):
+    """Top-1 mixture of relu experts (mlp.router.classifier, mlp.experts.expert_<e>.wi/wo), composed from
+    engine ops so that autograd gives the backward and cached decode steps replay.
+
+    router probabilities = softmax(classifier(x)) in float32; each token picks its most probable expert;
+    per sequence (one forward call), an expert keeps the first expert_capacity tokens that chose it (a
+    running count: the chosen one-hot times an upper-triangular ones matrix); a kept token's output is its
+    expert's output times that probability, a dropped token's is zero. Gradients reach the router through the
+    chosen probability only, as in transformers. Correctness first: every expert runs on every token."""
+
+    def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
+        super().__init__()
+        self.capacity = spec.expert_capacity
+        object.__setattr__(self, "router", place(self, "router.classifier",
+                                                 Linear(spec.d_model, spec.num_experts, bias=spec.router_bias)))
+        object.__setattr__(self, "experts", [
+            (place(self, f"experts.expert_{e}.{names['up']}", Linear(spec.d_model, ffn, bias=False)),
+             place(self, f"experts.expert_{e}.{names['down']}", Linear(ffn, spec.d_model, bias=False)))
+            for e in range(spec.num_experts)])
+        self.act = F.activation(spec.activation)
+
+    def forward(self, h):
+        probs = self.router(h.float()).softmax(-1)                       # [B, T, E]
+        chosen = probs.detach()
+        onehot = F.where(chosen >= chosen.max(-1, keepdim=True), 1.0, 0.0)
+        length = h.shape[1]
+        if self.capacity < length:  # running count of the tokens that chose each expert, in sequence order
+            upper = tensor(np.triu(np.ones((length, length), np.float32)))
+            count = (onehot.permute(0, 2, 1) @ upper).permute(0, 2, 1)   # [B, T, E]
+            onehot = onehot * F.where(count <= float(self.capacity), 1.0, 0.0)
+        weight = (probs * onehot).cast(h.dtype)                          # nonzero only at a kept choice
+        out = None
+        for e, (up, down) in enumerate(self.experts):
+            y = down(self.act(up(h))) * weight[:, :, e:e + 1]
+            out = y if out is None else out + y
+        return out
+
+
 # ---------------------------------------------------------------- one layer
 
 class Block(Module):
@@ -154,13 +196,18 @@ class Block(Module):
             cross_norm=place(self, names["cross_norm"], make_norm(spec)) if decoder else None,
         )
         sub = names["ffn"].format(ffn=2 if decoder else 1)
-        if spec.gated_ffn:
+        sparse = spec.decoder_sparse if decoder else spec.encoder_sparse
+        refs["moe"] = place(self, sub, SwitchMoE(spec, names, ffn)) if sparse and sparse[index] else None
+        if refs["moe"] is not None:
+            refs["gate"] = refs["up"] = refs["down"] = None
+        elif spec.gated_ffn:
             refs["gate"] = place(self, _join(sub, names["gate"]), Linear(spec.d_model, ffn, bias=spec.linear_bias))
             refs["up"] = place(self, _join(sub, names["gated_up"]), Linear(spec.d_model, ffn, bias=spec.linear_bias))
         else:
             refs["gate"] = None
             refs["up"] = place(self, _join(sub, names["up"]), Linear(spec.d_model, ffn, bias=spec.linear_bias))
-        refs["down"] = place(self, _join(sub, names["down"]), Linear(ffn, spec.d_model, bias=spec.linear_bias))
+        if refs["moe"] is None:
+            refs["down"] = place(self, _join(sub, names["down"]), Linear(ffn, spec.d_model, bias=spec.linear_bias))
         refs["ffn_norm"] = place(self, names["ffn_norm"].format(ffn=2 if decoder else 1), make_norm(spec))
         for name, module in refs.items():
             object.__setattr__(self, name, module)
@@ -172,6 +219,8 @@ class Block(Module):
         return norm(x + f(x))
 
     def feed_forward(self, h):
+        if self.moe is not None:
+            return self.moe(h)
         if self.gate is not None:
             return self.down(self.act(self.gate(h)) * self.up(h))
         return self.down(self.act(self.up(h)))

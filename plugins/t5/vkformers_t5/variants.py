@@ -50,6 +50,12 @@ class Seq2SeqSpec:
     gated_ffn: bool = False               # T5 v1.1: wo(act(wi_0 x) * wi_1 x)
     linear_bias: bool = True              # attention and feed-forward projections have biases
     attention_scale: float | None = None  # None: head_dim**-0.5; T5: 1.0
+    # Switch Transformers: these layers' feed-forward is a sparse top-1 mixture of experts (see seq2seq.SwitchMoE)
+    encoder_sparse: tuple[bool, ...] = ()  # per encoder layer (empty: all dense)
+    decoder_sparse: tuple[bool, ...] = ()
+    num_experts: int = 0
+    expert_capacity: int = 0              # tokens per expert and sequence (per forward call); later ones are dropped
+    router_bias: bool = False
 
     # -- positions
     relative_buckets: int = 0             # T5 relative position bias (0: none)
@@ -168,6 +174,28 @@ def _fsmt(config, arch):
                      decoder_inputs_from_input_ids=False, decoder_pad_keys_masked=True)
 
 
+def _sparse_layers(layers: int, sparse: int) -> tuple[bool, ...]:
+    """Switch Transformers' choice: every (layers // sparse)-th layer, from layer 1 (all when the step is 1)."""
+    step = layers // sparse if sparse > 0 else layers
+    return tuple((i % step == 1 or step == 1) if step > 0 else False for i in range(layers))
+
+
+def _switch(config, arch):
+    """T5 (relu DenseActDense named ``mlp``) whose sparse layers route each token to one of num_experts
+    experts (top-1 of a float32 softmax router), weighted by its router probability; an expert takes at most
+    expert_capacity tokens of a sequence (in order), the rest skip the feed-forward. The loss is the
+    cross-entropy only (transformers adds the router z/aux losses only with output_router_logits). The router's
+    jitter noise (training only in transformers) is not applied."""
+    refuse(arch, config, "router_dtype", lambda v: v == "float32", "float32")
+    spec = t5_spec(dict(config, feed_forward_proj=config.get("dense_act_fn", "relu")), arch)
+    decoder_layers = _get(config, "num_decoder_layers", default=config["num_layers"])
+    return replace(spec, layout="switch",
+                   encoder_sparse=_sparse_layers(config["num_layers"], config.get("num_sparse_encoder_layers", 3)),
+                   decoder_sparse=_sparse_layers(decoder_layers, config.get("num_sparse_decoder_layers", 3)),
+                   num_experts=config.get("num_experts", 8), expert_capacity=config.get("expert_capacity", 64),
+                   router_bias=bool(config.get("router_bias", False)))
+
+
 def _mvp(config, arch):
     refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
     return bart_spec(config, arch)
@@ -177,6 +205,7 @@ VARIANTS = {
     "t5": lambda c, a: t5_spec(c, a),
     "mt5": lambda c, a: t5_spec(c, a, rescale=False),     # transformers 5's mT5 never rescales
     "umt5": lambda c, a: t5_spec(c, a, every_layer_bias=True),
+    "switch_transformers": _switch,
     "bart": bart_spec,
     "mvp": _mvp,
     "mbart": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, shift="wrap_last"),
