@@ -481,6 +481,24 @@ SPECS = [
           "full attention (no rotary) and sparse: DeepSeek-V3 router (sigmoid, e_score_correction_bias buffer saved as "
           "mlp.e_score_correction_bias, perturbed; 2 groups, 1 eligible), top-2 of 4 renormalised, scaled by 2.5; "
           "one shared expert of width 16."], saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("minimax_m2", "minimax_m2", dict(L, head_dim=8, rotary_dim=4, num_local_experts=4, num_experts_per_tok=2),
+         ["MiniMax-M2: q/k RMSNorm over the whole projection, partial rotary (rotary_dim 4 of head_dim 8); sparse MoE "
+          "block in every layer: sigmoid router over 4 experts, top-2 chosen with the e_score_correction_bias buffer "
+          "(perturbed, zero at init), unbiased scores renormalised; experts saved as Mixtral's w1/w3/w2."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("solar_open", "solar_open", dict(
+        {k: v for k, v in L.items() if k != "intermediate_size"}, head_dim=8, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.0),
+         ["Solar Open: Llama attention with q/k/v biases (o_proj none); a sparse block in every layer: DeepSeek-V3 "
+          "router (sigmoid, e_score_correction_bias buffer perturbed, 2 groups of 2 experts, 1 eligible), top-2 of 4 "
+          "renormalised (+1e-20), scaled by 2; one shared expert of width 16."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("mellum", "mellum", dict(
+        L, head_dim=8, sliding_window=SW, layer_types=LAYERS_SF, mlp_layer_types=["dense", "sparse"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16),
+         ["Mellum: Qwen3 attention (per-head q/k RMSNorm); layer 0 sliding (window 4, rope theta 1e4) and dense "
+          "(width 24), layer 1 full attention (rope theta 5e5) and sparse: softmax router over 4 experts, top-2 "
+          "renormalised (norm_topk_prob)."], saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

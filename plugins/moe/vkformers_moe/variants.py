@@ -196,6 +196,54 @@ def exaone_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def minimax_m2(config: dict) -> DecoderSpec:
+    """MiniMax-M2: Llama attention with q/k RMSNorm over the whole projection and partial rotary (rope_parameters
+    partial_rotary_factor, which transformers derives from the released configs' rotary_dim); a sparse block in every
+    layer, saved as Mixtral's (block_sparse_moe, experts.<e>.w1/w3/w2): sigmoid router, top-k chosen with the
+    block_sparse_moe.e_score_correction_bias buffer, the unbiased scores renormalised."""
+    _refuse_training_extras("minimax_m2", config)
+    if "rotary_dim" in config and "partial_rotary_factor" not in (config.get("rope_parameters") or {}):
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config = dict(config, rope_parameters=dict(config.get("rope_parameters") or {},
+                                                   partial_rotary_factor=config["rotary_dim"] / head_dim))
+    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full")
+    moe = MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok", 8),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  path="block_sparse_moe", scoring="sigmoid", selection_bias="e_score_correction_bias",
+                  norm_topk=True, expert_names=("w1", "w3", "w2"))
+    return replace(spec, moe=moe)
+
+
+def solar_open(config: dict) -> DecoderSpec:
+    """Solar Open: Llama attention (q/k/v biases under attention_bias, o_proj never) with DeepSeek-V3's router (sigmoid,
+    gate.e_score_correction_bias, groups, renormalised, routed_scaling_factor) and n_shared_experts shared experts in
+    every layer."""
+    _refuse_training_extras("solar_open", config)
+    bias = bool(config.get("attention_bias", False))
+    spec = replace(llama(dict(config, attention_bias=False)), q_bias=bias, k_bias=bias, v_bias=bias)
+    moe = replace(deepseek_moe(dict(config, first_k_dense_replace=0), spec),
+                  num_experts=num_experts(config, 128))
+    return replace(spec, moe=moe)
+
+
+def mellum(config: dict) -> DecoderSpec:
+    """Mellum: Qwen3 attention (per-head q/k RMSNorm) with per-layer sliding windows and one rope_parameters dict per
+    layer type; sparse layers (mlp_layer_types) with a top-k softmax router (norm_topk_prob), dense ones of
+    intermediate_size. Multi-token-prediction layers (mtp.*) are not part of the causal LM (transformers ignores them)."""
+    _refuse_training_extras("mellum", config)
+    spec = qwen3(config)
+    n = spec.num_layers
+    types = _layer_types(config, n)
+    params = config.get("rope_parameters")
+    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
+    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False), rope_configs=ropes)
+    moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
+                  expert_size=config.get("moe_intermediate_size", 896),
+                  layers=tuple(m == "sparse" for m in (config.get("mlp_layer_types") or ["sparse"] * n)),
+                  hidden_act=spec.hidden_act, norm_topk=bool(config.get("norm_topk_prob", True)))
+    return replace(spec, moe=moe)
+
+
 def flex_olmo(config: dict) -> DecoderSpec:
     """OLMo 2's block (norms after attention and MLP, q/k RMSNorm over the whole projection) with top-k softmax
     experts in every layer (norm_topk_prob)."""
@@ -341,6 +389,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "flex_olmo": flex_olmo, "hunyuan_v1_moe": hunyuan_v1_moe, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
     "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
+    "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
 }
 
 
