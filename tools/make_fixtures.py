@@ -499,6 +499,14 @@ SPECS = [
          ["Mellum: Qwen3 attention (per-head q/k RMSNorm); layer 0 sliding (window 4, rope theta 1e4) and dense "
           "(width 24), layer 1 full attention (rope theta 5e5) and sparse: softmax router over 4 experts, top-2 "
           "renormalised (norm_topk_prob)."], saved_names=True),
+    Spec("afmoe", "afmoe", dict(
+        L, head_dim=8, sliding_window=SW, layer_types=LAYERS_SF, num_dense_layers=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, num_shared_experts=1, route_scale=1.5, mup_enabled=True),
+         ["AFMoE: per-head q/k RMSNorm, attention output * sigmoid(gate_proj(x)) per channel, norms before and after "
+          "attention and MLP, mup_enabled (embeddings * sqrt(32)); layer 0 sliding (window 4, rotary) and dense, "
+          "layer 1 full (no rotary) and sparse: sigmoid router mlp.router.gate over 4 experts, top-2 chosen with the "
+          "gradient-free parameter expert_bias (random here), renormalised, scaled by route_scale 1.5; one shared "
+          "expert of width 16."], saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

@@ -359,7 +359,9 @@ class DecoderLayer(Module):
         batch, length, _ = h.shape
         if self.linear:
             return p["linear"](h, ctx, self.index)
-        gate = softplus(p["output_gate"](h)) if "output_gate" in p else None
+        gate = p["output_gate"](h) if "output_gate" in p else None
+        if gate is not None:
+            gate = gate.sigmoid() if s.output_gate_sigmoid else softplus(gate)
         if s.mla:
             q, k, v = self._mla_qkv(h, ctx)
             return self._attend(q, k, v, ctx, batch, length)

@@ -69,6 +69,7 @@ class DecoderSpec:
     output_gate: str | None = None           # projection inside attn whose softplus scales the attention output
     #                                          before o_proj (Laguna's g_proj)
     output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
+    output_gate_sigmoid: bool = False        # sigmoid instead of softplus (AFMoE's gate_proj)
     q_gate: bool = False                     # q_proj yields [query | gate] per head; output *= sigmoid(gate) (Qwen3.5)
     linear_layers: tuple[bool, ...] = ()     # per layer: Gated DeltaNet linear attention instead of softmax attention
     linear_attn: str = "linear_attn"         # its module name, and its sizes:

@@ -244,6 +244,31 @@ def mellum(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def afmoe(config: dict) -> DecoderSpec:
+    """AFMoE: per-head q/k RMSNorm, rotary on sliding layers only, attention output gated by sigmoid(gate_proj(x))
+    per channel, norms before and after attention and MLP, sqrt(hidden) embedding scale under mup_enabled; after
+    num_dense_layers dense layers, a sigmoid router mlp.router.gate chosen with the gradient-free parameter
+    mlp.expert_bias, renormalised (+1e-20) and scaled by route_scale, plus num_shared_experts shared experts."""
+    _refuse_training_extras("afmoe", config)
+    spec = qwen3(config)
+    n = spec.num_layers
+    types = _layer_types(config, n)
+    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
+                   rope_layers=tuple(t == "sliding_attention" for t in types),
+                   output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True,
+                   attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_mlp_layernorm",
+                   mlp_out_norm="post_mlp_layernorm",
+                   embed_scale=spec.hidden_size ** 0.5 if config.get("mup_enabled") else 1.0)
+    size, shared = config.get("moe_intermediate_size", 1408), config.get("num_shared_experts", 2) or 0
+    dense = config.get("num_dense_layers", 1) or 0
+    moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 6), expert_size=size,
+                  layers=tuple(i >= dense for i in range(n)), hidden_act=spec.hidden_act, router="router.gate",
+                  scoring="sigmoid", selection_bias="expert_bias", selection_bias_is_parameter=True, norm_topk=True,
+                  norm_eps=1e-20, routed_scale=float(config.get("route_scale") or 1.0),
+                  shared="shared_experts" if shared else None, shared_size=size * shared)
+    return replace(spec, moe=moe)
+
+
 def flex_olmo(config: dict) -> DecoderSpec:
     """OLMo 2's block (norms after attention and MLP, q/k RMSNorm over the whole projection) with top-k softmax
     experts in every layer (norm_topk_prob)."""
@@ -390,6 +415,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
+    "afmoe": afmoe,
 }
 
 
