@@ -130,7 +130,7 @@ def test_bad_options_are_refused():
     with pytest.raises(UnsupportedConfigError, match="output_router_logits"):
         decoder_spec(config, "mixtral")
     with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
-        decoder_spec(dict(config, output_router_logits=False), "dbrx")
+        decoder_spec(dict(config, output_router_logits=False), "gpt_oss")
 
 
 def test_claims_are_known_statuses():

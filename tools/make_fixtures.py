@@ -507,6 +507,15 @@ SPECS = [
           "layer 1 full (no rotary) and sparse: sigmoid router mlp.router.gate over 4 experts, top-2 chosen with the "
           "gradient-free parameter expert_bias (random here), renormalised, scaled by route_scale 1.5; one shared "
           "expert of width 16."], saved_names=True),
+    Spec("dbrx", "dbrx", dict(vocab_size=VOCAB, d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, max_seq_len=MAX_POS,
+                              attn_config=dict(kv_n_heads=KV_HEADS, clip_qkv=1.0, rope_theta=10000.0),
+                              ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2),
+                              initializer_range=0.2, **TOK),
+         ["DBRX: transformer.blocks.<i>.norm_attn_norm.{norm_1, attn, norm_2} (LayerNorm without bias), fused Wqkv "
+          "[q | k | v] clamped to [-1, 1] (clip_qkv), GQA 4q/2kv, out_proj; ffn: softmax router ffn.router.layer over "
+          "4 experts, top-2 divided by their 1-norm (moe_normalize_expert_weights 1), experts stacked as "
+          "ffn.experts.mlp.w1 (gate) / v1 (up) / w2 (down, stored [I, H] per expert) of shape [4 * 16, 32]."],
+         saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
@@ -604,6 +613,8 @@ def check_overrides(config, overrides):
             issues.append(f"{k}: not a field of {type(config).__name__}")
             continue
         got = getattr(config, k, None)
+        if isinstance(v, dict) and hasattr(got, "to_dict"):  # a nested config (DBRX attn_config / ffn_config)
+            got = got.to_dict()
         if isinstance(v, dict) and isinstance(got, dict):
             diff = {kk: got.get(kk) for kk, vv in v.items() if got.get(kk) != vv}
             if diff:

@@ -60,6 +60,8 @@ class MoeSpec:
     fused_experts: tuple[str, str] | None = None  # (gate_up, down) 3-D weights [E, 2I, H] and [E, H, I] (GraniteMoE);
     #                                             None: one module per expert, experts.<e>.<gate|up|down>.weight
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down)
+    stacked_experts: bool = False             # expert_names are 2-D [E * I, hidden] weights, experts stacked on rows;
+    #                                           the down one holds each expert's [I, hidden] (DBRX mlp.w1/v1/w2)
     # -- shared experts (always on)
     shared: str | None = None                 # a SwiGLU MLP with the expert names above
     shared_size: int = 0
@@ -143,7 +145,11 @@ class SparseMoeBlock(Module):
             add_param(self, moe.selection_bias, bias_shape)
         elif moe.selection_bias:
             self.selection_bias = Tensor(np.zeros(bias_shape, np.float32))
-        if moe.fused_experts:
+        if moe.stacked_experts:
+            for name in moe.expert_names:
+                add_param(self, _join(moe.experts, name), (moe.num_experts * moe.expert_size, hidden))
+            object.__setattr__(self, "expert_list", None)
+        elif moe.fused_experts:
             gate_up, down = moe.fused_experts
             add_param(self, _join(moe.experts, gate_up), (moe.num_experts, 2 * moe.expert_size, hidden))
             add_param(self, _join(moe.experts, down), (moe.num_experts, hidden, moe.expert_size))
@@ -218,7 +224,13 @@ class SparseMoeBlock(Module):
         lead = h.shape[:-1]
         x = h.reshape(-1, self.hidden)
         weights = self.routing_weights(x).cast(x.dtype)
-        if self.expert_list is None:  # fused [E, ...] weights: one batched product over all experts
+        if moe.stacked_experts:  # [E * I, H] weights: one batched product over all experts
+            tokens, shape = x.shape[0], (moe.num_experts, moe.expert_size, self.hidden)
+            gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
+            xs = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden)
+            y = (self.act(xs @ gate.transpose(-1, -2)) * (xs @ up.transpose(-1, -2))) @ down  # [E, tokens, hidden]
+            out = (y * weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)).sum(0)
+        elif self.expert_list is None:  # fused [E, ...] weights: one batched product over all experts
             gate_up_name, down_name = moe.fused_experts
             gate_up = get_param(self, _join(moe.experts, gate_up_name))
             down = get_param(self, _join(moe.experts, down_name))

@@ -269,6 +269,34 @@ def afmoe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def dbrx(config: dict) -> DecoderSpec:
+    """DBRX (nested attn_config / ffn_config): transformer.blocks.<i>.norm_attn_norm.{norm_1, attn, norm_2} with
+    LayerNorms without bias, fused Wqkv [q | k | v] clamped by clip_qkv, out_proj; ffn: softmax router
+    ffn.router.layer, top moe_top_k divided by their moe_normalize_expert_weights-norm (1: their sum; None: kept),
+    experts stacked as ffn.experts.mlp.w1 (gate) / v1 (up) / w2 (down) [E * ffn_hidden_size, d_model]."""
+    _refuse_training_extras("dbrx", config)
+    attn, ffn = config.get("attn_config") or {}, config.get("ffn_config") or {}
+    refuse("dbrx", ffn, "moe_normalize_expert_weights", lambda v: v in (None, 1, 1.0), default=1.0)
+    refuse("dbrx", ffn, "moe_jitter_eps", lambda v: not v)
+    act = (ffn.get("ffn_act_fn") or {}).get("name", "silu")
+    flat = dict(config, hidden_size=config["d_model"], num_attention_heads=config["n_heads"],
+                num_hidden_layers=config["n_layers"], num_key_value_heads=attn.get("kv_n_heads", 1),
+                max_position_embeddings=config.get("max_seq_len", 2048), intermediate_size=ffn.get("ffn_hidden_size",
+                3584), tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), hidden_act=act)
+    if not flat.get("rope_parameters") and "rope_theta" in attn:
+        flat["rope_parameters"] = {"rope_type": "default", "rope_theta": attn["rope_theta"]}
+    spec = replace(llama(flat), embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
+                   attn_in_norm="norm_attn_norm.norm_1", mlp_in_norm="norm_attn_norm.norm_2",
+                   attn="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks", o_proj="out_proj",
+                   norm="layer", norm_eps=1e-5, norm_bias=False, clip_qkv=attn.get("clip_qkv"),
+                   rope_configs=((flat, None),) * flat["n_layers"])  # rotary reads the flattened sizes
+    moe = MoeSpec(num_experts=ffn.get("moe_num_experts", 4), top_k=ffn.get("moe_top_k", 1),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=act, path="ffn",
+                  router="router.layer", norm_topk=ffn.get("moe_normalize_expert_weights", 1.0) is not None,
+                  experts="experts.mlp", stacked_experts=True, expert_names=("w1", "v1", "w2"))
+    return replace(spec, moe=moe)
+
+
 def flex_olmo(config: dict) -> DecoderSpec:
     """OLMo 2's block (norms after attention and MLP, q/k RMSNorm over the whole projection) with top-k softmax
     experts in every layer (norm_topk_prob)."""
@@ -415,7 +443,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
-    "afmoe": afmoe,
+    "afmoe": afmoe, "dbrx": dbrx,
 }
 
 
