@@ -181,6 +181,9 @@ def test_labels_shift_and_errors():
     assert seq2seq_spec(switch, "switch_transformers").encoder_sparse == (False, True)
     with pytest.raises(UnsupportedConfigError, match="router_dtype"):
         seq2seq_spec(dict(switch, router_dtype="bfloat16"), "switch_transformers")
+    pegasus_x = built("pegasus_x")  # block_size 16, staggered: 8 tokens fit one local block, 9 do not
+    with pytest.raises(vkf.VkformersError, match="local attention"):
+        pegasus_x.encode(np.full((1, 9), 5))
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

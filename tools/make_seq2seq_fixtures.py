@@ -95,6 +95,12 @@ SPECS = [
           "swish; no layernorm_embedding; final_logits_bias."]),
     Spec("pegasus", "pegasus", dict(B, decoder_start_token_id=PAD, scale_embedding=True),
          ["pre-LN with final layer_norm; fixed sinusoidal positions (frozen parameter); scale_embedding."]),
+    Spec("pegasus_x", "pegasus_x", dict(B, decoder_start_token_id=PAD, num_global_tokens=2, block_size=16,
+                                        stagger_local_blocks=True),
+         ["PEGASUS-X with one local block covering the input: block_size 16 with staggered odd layers (shifted by "
+          "8), so the 8 input tokens stay in one block and block-local attention is full attention over [2 global "
+          "tokens; input]; global tokens have their own pre-attention norm; pre-LN; sinusoidal positions "
+          "(fairseq formula, from 0); no attention biases; scale_embedding; no final_logits_bias."]),
     Spec("blenderbot-small", "blenderbot-small", dict(B, decoder_start_token_id=BOS),
          ["post-LN; learned positions without offset; layernorm_embedding (decoder: on the token embeddings "
           "before the positions are added)."]),

@@ -36,7 +36,8 @@ ALIASES = {
 #   forward-verified:  logits and loss
 # Everything not listed stays "registered".
 VERIFIED = ("t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus", "blenderbot-small", "blenderbot", "plbart",
-            "m2m_100", "mvp", "fsmt", "switch_transformers")
+            "m2m_100", "mvp", "fsmt", "switch_transformers",
+            "pegasus_x")
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

@@ -109,10 +109,11 @@ class Attention(Module):
     def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool):
         super().__init__()
         inner = heads * spec.head_dim
+        bias = spec.linear_bias if spec.attention_bias is None else spec.attention_bias
         object.__setattr__(self, "proj", {})
         for role in ("q", "k", "v"):
-            self.proj[role] = self.add(names[role], Linear(spec.d_model, inner, bias=spec.linear_bias))
-        self.proj["o"] = self.add(names["o"], Linear(inner, spec.d_model, bias=spec.linear_bias))
+            self.proj[role] = self.add(names[role], Linear(spec.d_model, inner, bias=bias))
+        self.proj["o"] = self.add(names["o"], Linear(inner, spec.d_model, bias=bias))
         self.heads, self.head_dim = heads, spec.head_dim
         self.scale = spec.head_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
         table = self.add("relative_attention_bias", Embedding(spec.relative_buckets, heads)) if bias_table else None
@@ -209,6 +210,8 @@ class Block(Module):
         if refs["moe"] is None:
             refs["down"] = place(self, _join(sub, names["down"]), Linear(ffn, spec.d_model, bias=spec.linear_bias))
         refs["ffn_norm"] = place(self, names["ffn_norm"].format(ffn=2 if decoder else 1), make_norm(spec))
+        refs["global_norm"] = place(self, "global_self_attn_layer_norm", make_norm(spec)) \
+            if spec.global_tokens and not decoder else None
         for name, module in refs.items():
             object.__setattr__(self, name, module)
         self.act = F.activation(spec.activation)
@@ -248,7 +251,11 @@ class Block(Module):
         return attn.merge(out)
 
     def forward(self, x, ctx: "StackContext"):
-        x = self._residual(x, self.self_norm, lambda h: self.self_attention(h, ctx))
+        norm = self.self_norm
+        if self.global_norm is not None:  # PEGASUS-X: the global tokens (first rows) have their own norm
+            rows = ctx.global_rows
+            norm = lambda h: self.global_norm(h) * rows + self.self_norm(h) * (1.0 - rows)  # noqa: E731
+        x = self._residual(x, norm, lambda h: self.self_attention(h, ctx))
         if self.decoder:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx))
         return self._residual(x, self.ffn_norm, self.feed_forward)
@@ -279,6 +286,10 @@ class StackContext:
             elif key_padding is not None:
                 self._additive = np.where(key_padding[:, None, None, :] != 0, 0.0, MASKED).astype(np.float32)
         self._shared_bias = None
+        self.global_rows = None  # PEGASUS-X encoder: 1 on the global token rows, 0 on the input's
+        if stack.spec.global_tokens and not stack.decoder:
+            rows = (np.arange(length) < stack.spec.global_tokens).astype(np.float32)
+            self.global_rows = tensor(rows[None, :, None])
 
     def bias(self, block: Block):
         """The additive attention term of a self-attention layer ([.., H, Tq, Tk]: relative position bias
@@ -332,11 +343,15 @@ class Stack(Module):
         refs["layers"] = place(self, names["layers"], ModuleList(Block(spec, names, decoder, i) for i in range(count)))
         if spec.final_norm:
             refs["final_norm"] = place(self, names["final_norm"], make_norm(spec))
+        refs["embed_global"] = place(self, "embed_global", Embedding(spec.global_tokens, spec.d_model)) \
+            if spec.global_tokens and not decoder else None
         for name, module in refs.items():
             object.__setattr__(self, name, module)
         self.position_table = None
         if spec.positions == "sinusoidal":
             self.position_table = Tensor(sinusoidal_table(spec.max_positions, spec.d_model))
+        elif spec.positions == "fairseq_from_zero":
+            self.position_table = Tensor(fairseq_table(spec.max_positions, spec.d_model, None))
         elif spec.positions == "fairseq" and not spec.fairseq_table_trained:
             self.position_table = Tensor(fairseq_table(self.fairseq_rows(), spec.d_model, spec.pad_token_id))
 
@@ -381,9 +396,26 @@ class Stack(Module):
 
     def forward(self, ids: np.ndarray, ctx: StackContext):
         x = self.embed(ids, ctx.past)
+        if self.embed_global is not None:
+            x = self.prepend_global(x)
         for layer in self.layers:
             x = layer(x, ctx)
+        if self.embed_global is not None:
+            x = x[:, self.spec.global_tokens:]
         return self.final_norm(x) if self.final_norm is not None else x
+
+    def prepend_global(self, x):
+        """[global tokens; x] along the sequence: two exact 0/1 placement matmuls (no concatenation op)."""
+        batch, length, _ = x.shape
+        count = self.spec.global_tokens
+        total = count + length
+        place_global = np.eye(count, total, dtype=np.float32)                 # [G, G+S]
+        place_input = np.eye(length, total, k=count, dtype=np.float32)        # [S, G+S]
+        ids = np.broadcast_to(np.arange(count, dtype=np.int32), (batch, count))
+        glob = F.embedding(tensor(np.ascontiguousarray(ids)), self.embed_global.weight)  # [B, G, D]
+        joined = glob.permute(0, 2, 1) @ tensor(place_global, dtype=x.dtype) + \
+            x.permute(0, 2, 1) @ tensor(place_input, dtype=x.dtype)         # [B, D, G+S]
+        return joined.permute(0, 2, 1)
 
 
 # ---------------------------------------------------------------- generation cache
@@ -470,7 +502,18 @@ class Seq2SeqForConditionalGeneration(Module):
         ids = _ids(input_ids)
         mask = None if attention_mask is None else _ids(attention_mask)
         padding = mask if mask is not None and not mask.all() else None
-        return self.encoder(ids, StackContext(self.encoder, ids.shape[1], padding))
+        length, spec = ids.shape[1], self.spec
+        if spec.global_tokens:  # PEGASUS-X: global tokens first, never masked
+            fits = spec.local_block // 2 if spec.stagger_blocks else spec.local_block
+            if length > fits:
+                raise VkformersError(f"{self.architecture_name}: {length} input tokens do not fit one local attention "
+                                     f"block ({fits} with block_size {spec.local_block}"
+                                     f"{' and staggered blocks' if spec.stagger_blocks else ''}); block-local "
+                                     "attention over several blocks is not implemented")
+            if padding is not None:
+                padding = np.concatenate([np.ones((ids.shape[0], spec.global_tokens), np.int64), padding], axis=1)
+            length += spec.global_tokens
+        return self.encoder(ids, StackContext(self.encoder, length, padding))
 
     def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None):
         """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""

@@ -50,6 +50,13 @@ class Seq2SeqSpec:
     gated_ffn: bool = False               # T5 v1.1: wo(act(wi_0 x) * wi_1 x)
     linear_bias: bool = True              # attention and feed-forward projections have biases
     attention_scale: float | None = None  # None: head_dim**-0.5; T5: 1.0
+    attention_bias: bool | None = None    # q/k/v/o biases (None: linear_bias; PEGASUS-X: none, fc1/fc2 have them)
+    # PEGASUS-X's encoder: global_tokens learned tokens (embed_global) precede the input in every layer, with their
+    # own pre-attention norm; block-local attention runs only when one local block covers the input, where it is
+    # full attention over [global tokens; input] (longer inputs are refused)
+    global_tokens: int = 0
+    local_block: int = 0
+    stagger_blocks: bool = False          # odd layers shift their blocks by half a block: the input must fit in half
     # Switch Transformers: these layers' feed-forward is a sparse top-1 mixture of experts (see seq2seq.SwitchMoE)
     encoder_sparse: tuple[bool, ...] = ()  # per encoder layer (empty: all dense)
     decoder_sparse: tuple[bool, ...] = ()
@@ -61,7 +68,8 @@ class Seq2SeqSpec:
     relative_buckets: int = 0             # T5 relative position bias (0: none)
     relative_max_distance: int = 128
     relative_bias_every_layer: bool = False  # umT5: each layer its own table; T5: layer 0's, shared
-    positions: str | None = None          # learned | sinusoidal (Marian/Pegasus) | fairseq (M2M-100, FSMT) | None
+    positions: str | None = None          # learned | sinusoidal (Marian/Pegasus) | fairseq (M2M-100, FSMT) |
+    #                                       fairseq_from_zero (PEGASUS-X: fairseq's table, rows 0, 1, ...) | None
     fairseq_table_trained: bool = False   # FSMT: the fairseq table is a parameter (embed_positions.weight, its
     #                                       pad row without gradient), read from the checkpoint when it has it
     fairseq_past_unmasked: bool = False   # FSMT: row = non-pad count * real + pad + past (M2M-100: the past is
@@ -196,6 +204,14 @@ def _switch(config, arch):
                    router_bias=bool(config.get("router_bias", False)))
 
 
+def _pegasus_x(config, arch):
+    return bart_spec(config, arch, pre_norm=True, final_norm=True, positions="fairseq_from_zero", position_offset=0,
+                     embed_norm=False, final_logits_bias=False, attention_bias=False,
+                     global_tokens=config.get("num_global_tokens", 32), local_block=config.get("block_size", 512),
+                     stagger_blocks=bool(config.get("stagger_local_blocks", True)) and config["encoder_layers"] > 1,
+                     decoder_inputs_from_input_ids=False)
+
+
 def _mvp(config, arch):
     refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
     return bart_spec(config, arch)
@@ -212,6 +228,7 @@ VARIANTS = {
     "plbart": lambda c, a: bart_spec(c, a, shift="wrap_last"),
     "marian": _marian,
     "fsmt": _fsmt,
+    "pegasus_x": _pegasus_x,
     "pegasus": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
                                       position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False),
     "blenderbot": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
