@@ -20,7 +20,7 @@ ARCHITECTURES = [
     ("pegasus",             "encoder-decoder", "layer", False, False, "BART-layout; sinusoidal positions"),
     ("m2m_100",             "encoder-decoder", "layer", False, False, "BART-layout; sinusoidal positions"),
     ("bigbird_pegasus",     "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout"),
-    ("pegasus_x",           "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions"),
+    ("pegasus_x",           "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions; inputs longer than one local attention block refused"),
 ]
 
 # Other Hugging Face spellings that run as one of the architectures above.
