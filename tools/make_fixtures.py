@@ -516,6 +516,11 @@ SPECS = [
           "4 experts, top-2 divided by their 1-norm (moe_normalize_expert_weights 1), experts stacked as "
           "ffn.experts.mlp.w1 (gate) / v1 (up) / w2 (down, stored [I, H] per expert) of shape [4 * 16, 32]."],
          saved_names=True),
+    Spec("aria_text", "aria_text", dict(L, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1),
+         ["Aria's text decoder: Llama attention with a sparse block in every layer: router mlp.router over 4 experts, "
+          "softmax over the top-2 logits (= renormalised top-k softmax); experts saved fused and transposed: "
+          "mlp.experts.fc1.weight [E, H, 2I] ([gate | up]) and fc2.weight [E, I, H] (x @ W); shared_experts of width "
+          "24."], saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

@@ -60,6 +60,7 @@ class MoeSpec:
     fused_experts: tuple[str, str] | None = None  # (gate_up, down) 3-D weights [E, 2I, H] and [E, H, I] (GraniteMoE);
     #                                             None: one module per expert, experts.<e>.<gate|up|down>.weight
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down)
+    fused_transposed: bool = False            # fused_experts stored [E, H, 2I] and [E, I, H] (x @ W: Aria fc1 / fc2)
     stacked_experts: bool = False             # expert_names are 2-D [E * I, hidden] weights, experts stacked on rows;
     #                                           the down one holds each expert's [I, hidden] (DBRX mlp.w1/v1/w2)
     # -- shared experts (always on)
@@ -151,8 +152,11 @@ class SparseMoeBlock(Module):
             object.__setattr__(self, "expert_list", None)
         elif moe.fused_experts:
             gate_up, down = moe.fused_experts
-            add_param(self, _join(moe.experts, gate_up), (moe.num_experts, 2 * moe.expert_size, hidden))
-            add_param(self, _join(moe.experts, down), (moe.num_experts, hidden, moe.expert_size))
+            t = moe.fused_transposed
+            add_param(self, _join(moe.experts, gate_up),
+                      (moe.num_experts, hidden, 2 * moe.expert_size) if t else (moe.num_experts, 2 * moe.expert_size, hidden))
+            add_param(self, _join(moe.experts, down),
+                      (moe.num_experts, moe.expert_size, hidden) if t else (moe.num_experts, hidden, moe.expert_size))
             object.__setattr__(self, "expert_list", None)
         else:
             object.__setattr__(self, "expert_list", [
@@ -235,9 +239,10 @@ class SparseMoeBlock(Module):
             gate_up = get_param(self, _join(moe.experts, gate_up_name))
             down = get_param(self, _join(moe.experts, down_name))
             tokens, inner = x.shape[0], moe.expert_size
-            both = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden) @ \
-                gate_up.transpose(-1, -2)
-            y = (self.act(both[..., :inner]) * both[..., inner:]) @ down.transpose(-1, -2)  # [E, tokens, hidden]
+            if not moe.fused_transposed:
+                gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+            both = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden) @ gate_up
+            y = (self.act(both[..., :inner]) * both[..., inner:]) @ down  # [E, tokens, hidden]
             out = (y * weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)).sum(0)
         else:
             out = None

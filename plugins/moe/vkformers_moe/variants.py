@@ -297,6 +297,22 @@ def dbrx(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def aria_text(config: dict) -> DecoderSpec:
+    """Aria's text decoder: Llama with a sparse block in every layer: router mlp.router, softmax over the top-k logits
+    (= renormalised top-k softmax), SiLU experts saved fused and transposed (experts.fc1.weight [E, H, 2I] = [gate |
+    up], fc2.weight [E, I, H]), shared_experts of intermediate_size * moe_num_shared_experts."""
+    _refuse_training_extras("aria_text", config)
+    refuse("aria_text", config, "hidden_act", lambda v: v == "silu", default="silu")  # the routed experts are SiLU
+    refuse("aria_text", config, "mlp_bias", lambda v: not v)
+    spec = llama(config)
+    shared = config.get("moe_num_shared_experts", 2) or 0
+    moe = MoeSpec(num_experts=config.get("moe_num_experts", 8), top_k=config.get("moe_topk", 2),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, router="router",
+                  norm_topk=True, fused_experts=("fc1.weight", "fc2.weight"), fused_transposed=True,
+                  shared="shared_experts" if shared else None, shared_size=spec.intermediate_size * shared)
+    return replace(spec, moe=moe)
+
+
 def flex_olmo(config: dict) -> DecoderSpec:
     """OLMo 2's block (norms after attention and MLP, q/k RMSNorm over the whole projection) with top-k softmax
     experts in every layer (norm_topk_prob)."""
@@ -443,7 +459,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
-    "afmoe": afmoe, "dbrx": dbrx,
+    "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
 }
 
 
