@@ -26,7 +26,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
-from vkformers_llama.decoder import _join, add_param, get_param, place
+from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
 
 _HIDDEN = -3.0e38  # a score that never wins the max
 
@@ -72,6 +72,8 @@ class MoeSpec:
     shared_fused: bool = False                # shared_names are (gate_up, down): one [2 size, hidden] input linear
     output_scale: float = 1.0                 # the block's output (routed + shared) is multiplied by this (Cohere2
     #                                           MoE's "average" shared-expert combination: 0.5)
+    output_norm: str | None = None            # a norm (the decoder's kind) on the block's output, stored beside the
+    #                                           block in the layer under this path (A.X-K1 post_mlp_layernorm)
     shared_in_layer: bool = False             # ``shared`` is relative to the decoder layer, beside the block
     #                                           (GraniteMoeShared: layers.<i>.shared_mlp next to block_sparse_moe)
 
@@ -89,7 +91,7 @@ class MoeSpec:
 
     def block(self, spec, index: int) -> "SparseMoeBlock | None":
         """The hook the shared decoder calls (DecoderSpec.moe): this layer's block, or None for a dense MLP."""
-        return SparseMoeBlock(self, spec.hidden_size) if self.layers[index] else None
+        return SparseMoeBlock(self, spec.hidden_size, spec) if self.layers[index] else None
 
 
 class SwiGLU(Module):
@@ -135,7 +137,7 @@ def topk_mask(values, k: int):
 class SparseMoeBlock(Module):
     """Router, top-k choice, experts and shared experts of one layer, under the checkpoint's names."""
 
-    def __init__(self, moe: MoeSpec, hidden: int):
+    def __init__(self, moe: MoeSpec, hidden: int, spec=None):
         super().__init__()
         self.moe, self.hidden, self.path = moe, hidden, moe.path
         object.__setattr__(self, "router", place(self, moe.router, Linear(hidden, moe.num_experts,
@@ -170,6 +172,10 @@ class SparseMoeBlock(Module):
         if shared is not None and not moe.shared_in_layer:
             place(self, moe.shared, shared)
         object.__setattr__(self, "shared", shared)
+        norm = make_norm(spec, hidden) if moe.output_norm else None
+        if norm is not None:
+            self.layer_modules[moe.output_norm] = norm
+        object.__setattr__(self, "output_norm", norm)
         object.__setattr__(self, "shared_gate", place(self, moe.shared_gate, Linear(hidden, 1, bias=False))
                            if moe.shared_gate else None)
         self.act = F.activation(moe.hidden_act)
@@ -256,4 +262,6 @@ class SparseMoeBlock(Module):
             out = out + shared
         if moe.output_scale != 1.0:
             out = out * moe.output_scale
+        if self.output_norm is not None:
+            out = self.output_norm(out)
         return out.reshape(*lead, self.hidden)

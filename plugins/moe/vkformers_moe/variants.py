@@ -368,6 +368,19 @@ def deepseek_v3(config: dict) -> DecoderSpec:
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
+def axk1(config: dict) -> DecoderSpec:
+    """A.X-K1: DeepSeek-V3 (MLA with a q LoRA, grouped sigmoid router, shared experts) whose sparse layers
+    (mlp_layer_types) end in an RMSNorm on the block's output, saved beside it as layers.<i>.post_mlp_layernorm."""
+    _refuse_training_extras("axk1", config)
+    spec = _mla(llama(config), config)
+    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
+    n = spec.num_layers
+    types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
+    moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types),
+                  output_norm="post_mlp_layernorm")
+    return replace(spec, moe=moe)
+
+
 def glm4_moe(config: dict) -> DecoderSpec:
     """GLM-4.5: Llama attention with q/k/v biases (attention_bias), optional per-head q/k RMSNorm (use_qk_norm),
     rotate_half partial rotary (0.5 by default), and DeepSeek-V3's router after first_k_dense_replace dense layers."""
@@ -460,6 +473,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
+    "axk1": axk1,
 }
 
 
