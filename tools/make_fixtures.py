@@ -529,6 +529,13 @@ SPECS = [
           "perturbed, top-2 renormalised, scaled by 2.5, one shared expert); layer 0 dense, layer 1 sparse, whose block "
           "output goes through an RMSNorm saved as layers.1.post_mlp_layernorm."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("phimoe", "phimoe", dict(L, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                                  sliding_window=SW, router_jitter_noise=0.5),
+         ["PhiMoE: LayerNorms with bias, q/k/v/o biases, lm_head bias, sliding_window 4; SparseMixer routing (eval "
+          "form): expert 1 = argmax of the router logits, weighted by the softmax over the logits within the jitter "
+          "threshold of it ((max - l) / max(|l|, max) <= 2 * router_jitter_noise, 0.5 here so it keeps some and drops "
+          "some), expert 2 likewise among the rest; experts saved as block_sparse_moe.experts.<e>.w1/w3/w2."],
+         saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

@@ -45,7 +45,8 @@ class MoeSpec:
     router: str = "gate"                      # linear [num_experts, hidden] ("<router>.weight")
     router_bias: bool = False
     router_softcap: float = 0.0               # logits = c tanh(logits / c) before scoring (Laguna); 0: none
-    scoring: str = "softmax"                  # softmax | sigmoid
+    scoring: str = "softmax"                  # softmax | sigmoid | sparsemixer (PhiMoE, top-2, eval form)
+    sparsemixer_eps: float = 0.0              # SparseMixer's jitter threshold (PhiMoE router_jitter_noise)
     selection_bias: str | None = None         # added to the scores for choosing only (DeepSeek-V3 e_score_correction_bias)
     selection_bias_is_parameter: bool = False  # a trained parameter (no gradient reaches it) rather than a buffer
     selection_bias_shape: tuple[int, ...] | None = None  # its stored shape; None: (num_experts,)
@@ -78,8 +79,10 @@ class MoeSpec:
     #                                           (GraniteMoeShared: layers.<i>.shared_mlp next to block_sparse_moe)
 
     def __post_init__(self):
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"unknown router scoring {self.scoring!r}; known: softmax, sigmoid")
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}; known: softmax, sigmoid, sparsemixer")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"sparsemixer routing chooses 2 experts, not top_k {self.top_k}")
         if self.group_score not in ("top2_sum", "max"):
             raise ValueError(f"unknown expert group score {self.group_score!r}; known: top2_sum, max")
         if self.num_experts % self.num_groups:
@@ -196,6 +199,8 @@ class SparseMoeBlock(Module):
         logits = self.router(x).float()
         if moe.router_softcap:
             logits = (logits * (1.0 / moe.router_softcap)).tanh() * moe.router_softcap
+        if moe.scoring == "sparsemixer":
+            return self._sparsemixer(logits)
         scores = logits.softmax(-1) if moe.scoring == "softmax" else logits.sigmoid()
         choice = scores.detach()
         if moe.selection_bias:
@@ -212,6 +217,25 @@ class SparseMoeBlock(Module):
         if moe.routed_scale != 1.0:
             weights = weights * moe.routed_scale
         return weights
+
+    def _sparsemixer(self, logits):
+        """PhiMoE's SparseMixer as transformers evaluates it (no sampling): expert 1 is the argmax of the logits,
+        weighted by the softmax over the logits l with (max - l) / max(|l|, max) <= 2 eps (the others masked out);
+        expert 2 likewise among the logits without expert 1. Gradients reach the logits through both softmaxes."""
+        eps2 = 2.0 * self.moe.sparsemixer_eps
+        values = logits.detach()
+        size = F.where(values >= 0.0, values, values * -1.0)  # |l|
+
+        def choose(candidates):
+            top = candidates.max(-1, keepdim=True)
+            factor = F.where(size >= top, size, top)
+            return candidates >= top, (top - values) / factor > eps2
+
+        first, drop = choose(values)
+        weights = F.where(first, F.where(drop, _HIDDEN, logits).softmax(-1), 0.0)
+        second, drop = choose(F.where(first, _HIDDEN, values))
+        masked = F.where(drop, _HIDDEN, F.where(first, _HIDDEN, logits))
+        return weights + F.where(second, masked.softmax(-1), 0.0)
 
     def _eligible(self, choice):
         """The choice scores with the experts outside the topk_groups best groups never chosen (transformers masks

@@ -46,6 +46,23 @@ def mixtral(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def phimoe(config: dict) -> DecoderSpec:
+    """PhiMoE: Mistral (sliding_window) with LayerNorms with bias, q/k/v/o biases (attention_bias), lm_head bias
+    (lm_head_bias) and SparseMixer routing over Mixtral-style experts (block_sparse_moe.experts.<e>.w1/w3/w2);
+    router_jitter_noise is SparseMixer's threshold here, not training noise."""
+    refuse("phimoe", config, "output_router_logits", lambda v: not v)
+    refuse("phimoe", config, "input_jitter_noise", lambda v: not v)
+    bias = bool(config.get("attention_bias", False))
+    spec = replace(mistral(config), norm="layer", norm_bias=True, norm_eps=config.get("rms_norm_eps", 1e-5),
+                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+                   lm_head_bias=bool(config.get("lm_head_bias", False)))
+    moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 2),
+                  expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
+                  path="block_sparse_moe", scoring="sparsemixer",
+                  sparsemixer_eps=float(config.get("router_jitter_noise", 0.01) or 0.0), expert_names=("w1", "w3", "w2"))
+    return replace(spec, moe=moe)
+
+
 def qwen2_moe(config: dict) -> DecoderSpec:
     """Qwen2 with top-k softmax experts (norm_topk_prob), plus a shared expert gated by sigmoid(shared_expert_gate)."""
     _refuse_training_extras("qwen2_moe", config)
@@ -473,7 +490,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
-    "axk1": axk1,
+    "axk1": axk1, "phimoe": phimoe,
 }
 
 
