@@ -124,6 +124,10 @@ def test_bad_options_are_refused():
         MoeSpec(EXPERTS, 2, INNER, (True,), scoring="softplus")
     with pytest.raises(ValueError, match="groups"):
         MoeSpec(EXPERTS, 2, INNER, (True,), num_groups=4)
+    with pytest.raises(ValueError, match="chooses 2 experts"):
+        MoeSpec(EXPERTS, 1, INNER, (True,), scoring="sparsemixer")
+    with pytest.raises(ValueError, match="gate_up, down"):
+        MoeSpec(EXPERTS, 2, INNER, (True,), shared="shared_mlp", shared_size=INNER, shared_fused=True)
     from vkformers_moe.variants import decoder_spec
     config = dict(model_type="mixtral", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=4, output_router_logits=True)
@@ -131,6 +135,10 @@ def test_bad_options_are_refused():
         decoder_spec(config, "mixtral")
     with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
         decoder_spec(dict(config, output_router_logits=False), "gpt_oss")
+    dbrx = dict(model_type="dbrx", vocab_size=16, d_model=8, n_heads=2, n_layers=1,
+                ffn_config=dict(moe_normalize_expert_weights=2.0))
+    with pytest.raises(UnsupportedConfigError, match="moe_normalize_expert_weights"):
+        decoder_spec(dbrx, "dbrx")
 
 
 def test_claims_are_known_statuses():
