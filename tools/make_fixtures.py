@@ -523,9 +523,9 @@ SPECS = [
           "24."], saved_names=True),
     Spec("axk1", "axk1", dict(
         L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
-        v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
-        n_group=4, topk_group=2, mlp_layer_types=["dense", "sparse"], routed_scaling_factor=2.5),
-         ["A.X-K1: deepseek_v3's MLA and router (8 experts in 4 groups, 2 eligible, e_score_correction_bias buffer "
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], routed_scaling_factor=2.5),
+         ["A.X-K1: deepseek_v3's MLA and router (4 experts in 2 groups, 1 eligible, e_score_correction_bias buffer "
           "perturbed, top-2 renormalised, scaled by 2.5, one shared expert); layer 0 dense, layer 1 sparse, whose block "
           "output goes through an RMSNorm saved as layers.1.post_mlp_layernorm."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
