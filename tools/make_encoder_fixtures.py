@@ -31,7 +31,7 @@ from transformers import AutoModelForMaskedLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import (ADAMW, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, SEQ, VEC_STD, VOCAB,  # noqa: E402
+from make_fixtures import (ADAMW, build_each, parse_fixture_args, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, SEQ, VEC_STD, VOCAB,  # noqa: E402
                            check_overrides, reinit_)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,42 +306,13 @@ def build(spec: Spec, out_root: Path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="", help="comma-separated fixture names")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failures")
-    args = ap.parse_args(argv)
-    if args.list:
-        for s in SPECS:
-            print(f"{s.name:22s} {s.model_type:22s} {' '.join(s.notes)[:90]}")
+    parsed = parse_fixture_args(argv, SPECS, DEFAULT_OUT, name_width=22)
+    if parsed is None:
         return 0
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    out_root = Path(args.out)
-    out_root.mkdir(parents=True, exist_ok=True)
-    only = [x for x in args.only.split(",") if x]
-    unknown = set(only) - {s.name for s in SPECS}
-    if unknown:
-        ap.error(f"unknown fixture(s): {sorted(unknown)}")
-    failed = 0
-    for spec in SPECS:
-        if only and spec.name not in only:
-            continue
-        try:
-            meta = build(spec, out_root)
-            print(f"ok    {spec.name:22s} loss={meta['checks']['loss']:.4f} std={meta['checks']['logits_std']} "
-                  f"reload_diff={meta['checks']['reloaded_logits_max_abs_diff']} issues={meta['config_override_issues']}")
-        except Exception as e:  # report and go on
-            failed += 1
-            tmp = out_root / (spec.name + ".tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            print(f"FAIL  {spec.name:22s} {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            if args.verbose:
-                traceback.print_exc()
+    args, out_root, only = parsed
+    _, failed = build_each(SPECS, only, out_root, build, verbose=args.verbose,
+                           summary=lambda meta: (f"loss={meta['checks']['loss']:.4f} std={meta['checks']['logits_std']} "
+                                                 f"reload_diff={meta['checks']['reloaded_logits_max_abs_diff']} issues={meta['config_override_issues']}"))
     return 1 if failed else 0
 
 

@@ -925,17 +925,19 @@ def build_lora(out_root: Path):
     return meta
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_fixture_args(argv, specs, default_out, extra_names=(), name_width=22):
+    """The options every fixture script takes (--only, --out, --list, -v). Prints the list and returns None
+    for --list; otherwise makes torch deterministic and returns (args, output folder, names asked for)."""
+    ap = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated fixture names")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=str(default_out))
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--verbose", "-v", action="store_true", help="print tracebacks of failures")
     args = ap.parse_args(argv)
     if args.list:
-        for s in SPECS:
-            print(f"{s.name:22s} {s.model_type:18s} {' '.join(s.notes)[:100]}")
-        return 0
+        for s in specs:
+            print(f"{s.name:{name_width}s} {s.model_type:22s} {' '.join(s.notes)[:90]}")
+        return None
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     transformers.logging.set_verbosity_error()
@@ -943,35 +945,60 @@ def main(argv=None):
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     only = [x for x in args.only.split(",") if x]
-    unknown = set(only) - {s.name for s in SPECS} - {LORA_FIXTURE}
+    unknown = set(only) - {s.name for s in specs} - set(extra_names)
     if unknown:
         ap.error(f"unknown fixture(s): {sorted(unknown)}")
-    index_path = out_root / "index.json"
-    index = json.loads(index_path.read_text()) if only and index_path.exists() else {}
-    built, failed = index.get("built", {}), index.get("failed", {})
-    for spec in SPECS:
+    return args, out_root, only
+
+
+def build_each(specs, only, out_root, build, summary, verbose=False):
+    """build(spec, out_root) for every spec asked for; a failure removes its half-written folder and
+    the rest go on. summary(meta) is the text after "ok". Returns ({name: meta}, {name: reason})."""
+    built, failed = {}, {}
+    width = max(len(s.name) for s in specs)
+    for spec in specs:
         if only and spec.name not in only:
             continue
-        built.pop(spec.name, None)
-        failed.pop(spec.name, None)
         try:
             meta = build(spec, out_root)
-            built[spec.name] = {"model_type": spec.model_type, "model_class": meta["model_class"],
-                                "left_pad_invariant": meta["checks"]["left_pad_invariant"],
-                                "tied_word_embeddings": meta["tied_word_embeddings"]}
-            print(f"ok    {spec.name:22s} loss={meta['checks']['loss']:.4f} "
-                  f"std={meta['checks']['logits_std']} pad_inv={meta['checks']['left_pad_invariant']} "
-                  f"cache_diff={meta['checks']['greedy_logits_vs_no_cache_forward_max_abs_diff']} "
-                  f"issues={meta['config_override_issues']}")
+            built[spec.name] = meta
+            print(f"ok    {spec.name:{width}s} {summary(meta)}")
         except Exception as e:  # record and go on
             tmp = out_root / (spec.name + ".tmp")
             if tmp.exists():
                 shutil.rmtree(tmp)
-            reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            failed[spec.name] = {"model_type": spec.model_type, "reason": reason}
-            print(f"FAIL  {spec.name:22s} {reason}")
-            if args.verbose:
+            failed[spec.name] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            print(f"FAIL  {spec.name:{width}s} {failed[spec.name]}")
+            if verbose:
                 traceback.print_exc()
+    return built, failed
+
+
+def main(argv=None):
+    parsed = parse_fixture_args(argv, SPECS, DEFAULT_OUT, extra_names={LORA_FIXTURE})
+    if parsed is None:
+        return 0
+    args, out_root, only = parsed
+    index_path = out_root / "index.json"
+    index = json.loads(index_path.read_text()) if only and index_path.exists() else {}
+    built, failed = index.get("built", {}), index.get("failed", {})
+    for spec in SPECS:
+        if not only or spec.name in only:
+            built.pop(spec.name, None)
+            failed.pop(spec.name, None)
+    new, new_failed = build_each(
+        SPECS, only, out_root, build, verbose=args.verbose,
+        summary=lambda meta: (f"loss={meta['checks']['loss']:.4f} std={meta['checks']['logits_std']} "
+                              f"pad_inv={meta['checks']['left_pad_invariant']} "
+                              f"cache_diff={meta['checks']['greedy_logits_vs_no_cache_forward_max_abs_diff']} "
+                              f"issues={meta['config_override_issues']}"))
+    specs = {spec.name: spec for spec in SPECS}
+    for name, meta in new.items():
+        built[name] = {"model_type": specs[name].model_type, "model_class": meta["model_class"],
+                       "left_pad_invariant": meta["checks"]["left_pad_invariant"],
+                       "tied_word_embeddings": meta["tied_word_embeddings"]}
+    for name, reason in new_failed.items():
+        failed[name] = {"model_type": specs[name].model_type, "reason": reason}
     if not only or LORA_FIXTURE in only:
         try:
             meta = build_lora(out_root)
