@@ -565,35 +565,48 @@ class StepCapture:
 
     def _read_outputs(self) -> list:
         if self.readback is None:
-            device = self.previous.plan.seq.device
-            seq = device.sequence()
-            hosts = []
-            for buf, view, _ in self.previous.outputs:
-                # only the span the view covers (the last token's logits, not all of them)
-                first = view.offset
-                count = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
-                host = Buffer(device, (count,), buf.dtype, host_visible=True, name="step output")
-                seq.copy(buf, host, nbytes=count * buf.dtype.itemsize, src_offset=first * buf.dtype.itemsize)
-                seq.download(host)
-                hosts.append(host)
-            self.readback = (seq, hosts)
-        seq, hosts = self.readback
-        seq.replay()
+            self.readback = ViewReadback([(buf, view) for buf, view, _ in self.previous.outputs])
+        return self.readback.read()
+
+
+class ViewReadback:
+    """Reads views of device buffers (a replayed plan's outputs) back to the host in one submission:
+    a recorded copy of only the span each view covers (the last token's logits, not all of them)
+    into a host-visible buffer, then numpy's view of it, bfloat16 widened as Tensor.numpy() does."""
+
+    def __init__(self, views):
+        self.views = [view for _, view in views]
+        device = views[0][0].device
+        self.seq = device.sequence()
+        self.hosts = []
+        for buf, view in views:
+            count = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
+            host = Buffer(device, (count,), buf.dtype, host_visible=True, name="readback")
+            self.seq.copy(buf, host, nbytes=count * buf.dtype.itemsize, src_offset=view.offset * buf.dtype.itemsize)
+            self.seq.download(host)
+            self.hosts.append(host)
+
+    def read(self) -> list:
+        self.seq.replay()
         out = []
-        for host, (_, view, dtype) in zip(hosts, self.previous.outputs):
+        for host, view in zip(self.hosts, self.views):
             flat = host.host.reshape(-1)
             x = np.lib.stride_tricks.as_strided(flat, shape=view.shape,
                                                 strides=tuple(s * flat.itemsize for s in view.strides)).copy()
-            out.append(dt.from_bfloat16(x) if dtype is dt.bfloat16 else x)
+            out.append(dt.from_bfloat16(x) if host.dtype is dt.bfloat16 else x)
         return out
 
 
+def same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two host inputs hold the same values (the same array, or equal dtype, shape and contents)."""
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
+
+
 def _same_step(a: _Observed, b: _Observed) -> bool:
-    return (a.plan is b.plan and a.roles == b.roles and len(a.declared) == len(b.declared)
+    return (a.plan is b.plan and a.roles == b.roles
             and [x[0] for x in a.declared] == [x[0] for x in b.declared] and a.sources == b.sources
             and [(id(buf), v) for buf, v, _ in a.outputs] == [(id(buf), v) for buf, v, _ in b.outputs]
-            and all(x is y or (x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y))
-                    for x, y in zip(a.constants, b.constants)))
+            and all(same_values(x, y) for x, y in zip(a.constants, b.constants)))
 
 
 _profilers: list = []

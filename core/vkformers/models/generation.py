@@ -23,7 +23,6 @@ from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.models.cache import KVCache
 from vkformers.runtime import dtypes as dt
-from vkformers.runtime.vulkan import Buffer
 
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
 
@@ -139,7 +138,6 @@ def _positions(mask: np.ndarray) -> np.ndarray:
 
 
 def _dtype(model):
-    from vkformers.runtime import dtypes as dt
     return dt.as_dtype(getattr(model, "dtype", None) or "float32")
 
 
@@ -227,7 +225,7 @@ class _DecodeCapture:
         self.cache = cache
         self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
         self.ready = False
-        self.readback = None   # (recorded copy of the logits into a host-visible buffer, that buffer)
+        self.readback = None   # lazy.ViewReadback of the logits
 
     def forget(self) -> None:
         """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
@@ -241,7 +239,7 @@ class _DecodeCapture:
         plan, roles, constants, buffer, view = current
         if plan is not previous[0] or roles != previous[1] or buffer is not previous[3] or view != previous[4]:
             return
-        if any(not _same_array(a, b) for a, b in zip(constants, previous[2])):
+        if any(not lazy.same_values(a, b) for a, b in zip(constants, previous[2])):
             return  # an input made inside the forward changed between steps: only the Python forward knows it
         self.ready = True
 
@@ -279,20 +277,8 @@ class _DecodeCapture:
         lazy.replay(plan)
         self.cache.advance(1)
         if self.readback is None:
-            host = Buffer(buffer.device, buffer.shape, buffer.dtype, host_visible=True, name="logits")
-            self.readback = (buffer.device.sequence().copy(buffer, host).download(host), host)
-        seq, host = self.readback
-        seq.replay()
-        flat = host.host.reshape(-1)
-        logits = np.lib.stride_tricks.as_strided(flat[view.offset:], shape=view.shape,
-                                                 strides=tuple(s * flat.itemsize for s in view.strides))
-        if buffer.dtype is dt.bfloat16:
-            return dt.from_bfloat16(np.ascontiguousarray(logits))
-        return _to_scores(logits)
-
-
-def _same_array(a, b) -> bool:
-    return a is b or (a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
+            self.readback = lazy.ViewReadback([(buffer, view)])
+        return _to_scores(self.readback.read()[0])
 
 
 def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float) -> np.ndarray:
