@@ -71,11 +71,7 @@ class AdamW:
                 advance = self._advance(group, states)
                 shared = tensor(lazy.generated_input(advance(), advance), dtype=dt.uint32, device=params[0].device)
             for p, st in zip(params, states):
-                if uniform:
-                    scalars = shared
-                else:
-                    st["step"] += 1
-                    scalars = tensor(self._scalars(group, st["step"]), dtype=dt.uint32, device=p.device)
+                scalars = shared if uniform else tensor(self._advance(group, [st])(), dtype=dt.uint32, device=p.device)
                 master = st["master"] if st["master"] is not None else p
                 targets = [master, st["exp_avg"], st["exp_avg_sq"]] + ([p] if st["master"] is not None else [])
                 outs = node(AdamWKernel(), [master.lazy, p.grad.float().contiguous().lazy, st["exp_avg"].lazy,

@@ -203,17 +203,21 @@ class Trainer:
         if self.scaler is None:
             batches = [_int32_pair(*mb) for mb in micro_batches]
             inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels"), mb)}
-            stats = self._capture.run(lambda: [self._build_step(batches, None, update=True)], inputs)[0]
+
+            def build():  # one submission: the update rides along with reading the statistics
+                stats_vector, grads, factor = self._build_step(batches, None)
+                self._apply_update(grads, factor)
+                return [stats_vector]
+            stats = self._capture.run(build, inputs)[0]
         else:  # fp16: read the overflow flag first, update only if the gradients are finite
             self._capture.forget()
             scale = tensor(np.float32(self.scaler.scale))  # an input, so plans replay
-            stats_vector = self._build_step(micro_batches, scale, update=False)
+            stats_vector, grads, factor = self._build_step(micro_batches, scale)
             stats = stats_vector.numpy()
-            del stats_vector
             if stats[2] == 1.0:
-                self._apply_update(*self._pending_update)
+                self._apply_update(grads, factor)
                 lazy.realize([])
-            self._pending_update = None
+            del stats_vector, grads, factor
         self.optimizer.zero_grad()
         loss_value, norm_value, ok = float(stats[0]), float(stats[1]), stats[2] == 1.0
         result = StepResult(self.step + 1, loss_value, norm_value, lr,
@@ -230,9 +234,9 @@ class Trainer:
         self.step += 1
         return result
 
-    def _build_step(self, micro_batches, scale, *, update: bool):
-        """The step's graph: the statistics vector [loss, norm, finite] with the update pending
-        (``update``) or kept in ``_pending_update`` for the caller."""
+    def _build_step(self, micro_batches, scale):
+        """The step's graph up to the update: the statistics vector [loss, norm, finite], and the
+        gradients with the factor (clipping, unscaling) the update applies to them."""
         c = self.config
         total = None
         for input_ids, labels in micro_batches:
@@ -256,11 +260,7 @@ class Trainer:
             if unscale is not None:
                 factor = unscale if factor is None else factor * unscale
             stats_vector = self._pack(total.detach(), norm, finite)
-        if update:  # one submission: the update rides along with reading the statistics
-            self._apply_update(grads, factor)
-        else:
-            self._pending_update = (grads, factor)
-        return stats_vector
+        return stats_vector, grads, factor
 
     def _apply_update(self, grads, factor) -> None:
         with no_grad():

@@ -184,18 +184,6 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
                     q_len, kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1):
     device = seq.device
     variant = _variant(q, k, v, out)
-    if isinstance(tiles, CoopmatTiles):
-        subgroup = int(device.limits["subgroup_size"])
-        push = [q.offset, k.offset, v.offset, out.offset, lse.offset,
-                flags.mask.offset if flags.mask else 0, flags.slopes.offset if flags.slopes else 0, 0,
-                heads, kv_heads, q_len, kv_len, kv_stride, kv_stride, flags.q_offset, flags.window,
-                float(scale), float(flags.softcap)]
-        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup]
-        buffers = [q.buffer, k.buffer, v.buffer, *flags.bindings(device), _placeholder(device), out.buffer, lse.buffer]
-        seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
-                     push=push, spec=spec)
-        return
-    kernel = device.kernel("attention_fwd", variant)
     final_lse = lse
     if splits > 1:  # flash-decoding: slices write partials to a workspace, then one merge
         lse = Operand(device.buffer(batch * heads * splits * (head_dim + 2), "float32", name="attention partials"))
@@ -205,10 +193,16 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
             flags.mask.offset if flags.mask else 0, flags.slopes.offset if flags.slopes else 0, kv_len_source.offset,
             heads, kv_heads, q_len, kv_len or 0, kv_stride, kv_stride, flags.q_offset, flags.window,
             float(scale), float(flags.softcap)]
+    if isinstance(tiles, CoopmatTiles):  # prefill only: kv_len pushed, one split (attention_forward checks)
+        subgroup = int(device.limits["subgroup_size"])
+        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup]
+        seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
+                     push=push, spec=spec)
+        return
     spec = [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(kv_len_buffer is not None),
             tiles.threads, splits]
-    seq.dispatch(kernel, buffers, (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch),
-                 push=push, spec=spec)
+    seq.dispatch(device.kernel("attention_fwd", variant), buffers,
+                 (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push, spec=spec)
     if splits > 1:
         seq.dispatch(device.kernel("attention_decode_combine", variant), [lse.buffer, out.buffer, final_lse.buffer],
                      (1, heads, batch), push=[heads, splits, head_dim, out.offset, final_lse.offset])
