@@ -30,6 +30,8 @@ import pytest
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.safetensors_io import read_safetensors
 
+from fixture_cases import CachedCase, fixture_folders
+
 FIXTURES = Path(os.environ.get("VKFORMERS_FIXTURES", Path(__file__).parent / "fixtures"))  # override: other fixtures
 IGNORE = -100
 LOGITS_ATOL = 1e-4
@@ -39,9 +41,7 @@ GRAD_RTOL = 1e-3
 
 def fixture_names() -> list[str]:
     """Every fixture folder (one with a reference); tests/test_verified_claims.py uses the same list."""
-    if not FIXTURES.is_dir():
-        return []
-    return sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
+    return fixture_folders(FIXTURES)
 
 
 def _unsupported_reason(folder: Path) -> str | None:
@@ -62,16 +62,9 @@ def _unsupported_reason(folder: Path) -> str | None:
     return None
 
 
-class Case:
+class Case(CachedCase):
     """One fixture run once per test session: forward with labels, then backward."""
 
-    _cache: dict[str, "Case"] = {}
-
-    @classmethod
-    def get(cls, name: str) -> "Case":
-        if name not in cls._cache:
-            cls._cache[name] = cls(name)
-        return cls._cache[name]
 
     def __init__(self, name: str):
         self.folder = FIXTURES / name
@@ -171,5 +164,5 @@ def test_gradients(name):
     assert not failures, f"{name}: gradients differ: " + "; ".join(failures)
 
 
-# Greedy-token parity (reference greedy_tokens / greedy_logits) goes here, added by whoever lands
-# generation against the fixtures; add it only once it passes for the architectures it claims.
+# Greedy tokens with the KV cache (reference greedy_tokens / greedy_logits) are compared in
+# tests/test_generation.py, one AdamW step in tests/test_adamw_parity.py.

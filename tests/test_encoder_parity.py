@@ -27,6 +27,8 @@ from vkformers.models.loading import AutoModelForMaskedLM, load_config
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
+from fixture_cases import CachedCase, fixture_folders
+
 FIXTURES = Path(os.environ.get("VKFORMERS_ENCODER_FIXTURES", Path(__file__).parent / "fixtures" / "encoders"))
 LOGITS_ATOL = 1e-4
 LOSS_RTOL = 1e-5
@@ -36,9 +38,7 @@ ADAMW_ATOL = 1e-5
 
 def fixture_names() -> list[str]:
     """Every fixture folder (one with a reference); tests/test_verified_claims_encoder.py uses the same list."""
-    if not FIXTURES.is_dir():
-        return []
-    return sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
+    return fixture_folders(FIXTURES)
 
 
 def unsupported_reason(folder: Path) -> str | None:
@@ -66,19 +66,15 @@ def _inputs(ref):
                 token_type_ids=None if types is None else types.astype(np.int32))
 
 
-class Case:
+class Case(CachedCase):
     """One fixture run once per test session: forward with labels, then backward."""
-
-    _cache: dict[str, "Case"] = {}
 
     @classmethod
     def get(cls, name: str) -> "Case":
         reason = unsupported_reason(FIXTURES / name)
         if reason:
             pytest.skip(f"not implemented: {reason}")
-        if name not in cls._cache:
-            cls._cache[name] = cls(name)
-        return cls._cache[name]
+        return super().get(name)
 
     def __init__(self, name: str):
         self.folder = FIXTURES / name

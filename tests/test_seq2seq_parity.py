@@ -28,6 +28,8 @@ from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
+from fixture_cases import CachedCase, fixture_folders
+
 FIXTURES = Path(os.environ.get("VKFORMERS_SEQ2SEQ_FIXTURES", Path(__file__).parent / "fixtures" / "seq2seq"))
 LOGITS_ATOL = 1e-4
 LOSS_RTOL = 1e-5
@@ -39,21 +41,12 @@ CACHE_CHECKED = ("t5", "bart", "m2m_100")
 
 
 def fixture_names() -> list[str]:
-    if not FIXTURES.is_dir():
-        return []
-    return sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
+    return fixture_folders(FIXTURES)
 
 
-class Case:
+class Case(CachedCase):
     """One fixture, run once per test session: forward with labels and backward, realized in one submit."""
 
-    _cache: dict[str, "Case"] = {}
-
-    @classmethod
-    def get(cls, name: str) -> "Case":
-        if name not in cls._cache:
-            cls._cache[name] = cls(name)
-        return cls._cache[name]
 
     def __init__(self, name: str):
         self.folder = FIXTURES / name
