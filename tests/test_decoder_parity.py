@@ -77,15 +77,15 @@ class Case(CachedCase):
         # query t of row b sees no key when every key 0..t is padding
         self.sees_nothing = np.cumsum(self.mask, axis=1) == 0
         self.eager = self.meta.get("attn_implementation", "eager") == "eager"
-        # positions t whose logits predict a label (labels[t + 1]) while seeing no key
-        reads_blind = np.zeros_like(self.sees_nothing)
-        reads_blind[:, :-1] = self.sees_nothing[:, :-1] & (labels[:, 1:] != IGNORE)
+        # positions t whose logits predict a label (labels[t + 1]; TrOCR: labels[t]) while seeing no key
+        reads_blind = blind_reads(self.sees_nothing, labels, self.meta)
         self.loss_reads_blind_rows = bool(self.eager and reads_blind.any())
         self.ref_loss = float(self.ref["loss"])
         if self.loss_reads_blind_rows:  # drop those terms from both losses (exact, from the reference logits)
-            self.ref_loss = _loss_without(self.ref["logits"], labels, reads_blind, self.ref_loss)
+            shift = label_shift(self.meta)
+            self.ref_loss = _loss_without(self.ref["logits"], labels, reads_blind, self.ref_loss, shift)
             labels = labels.copy()
-            labels[:, 1:][reads_blind[:, :-1]] = IGNORE
+            labels[:, shift:][reads_blind[:, :labels.shape[1] - shift]] = IGNORE
 
         self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype="float32")
         out = self.model(ids, attention_mask=self.mask, labels=labels)
@@ -95,14 +95,28 @@ class Case(CachedCase):
         self.params = dict(self.model.named_parameters())
 
 
-def _loss_without(logits, labels, drop, loss) -> float:
+def label_shift(meta: dict) -> int:
+    """1: logits[t] predicts labels[t + 1] (transformers shifts inside); 0: labels[t] (meta loss_shifts_labels false)."""
+    return 1 if meta.get("loss_shifts_labels", True) else 0
+
+
+def blind_reads(sees_nothing: np.ndarray, labels: np.ndarray, meta: dict) -> np.ndarray:
+    """Positions whose logits the loss reads (their label is not ignored) while the query sees no key."""
+    shift, length = label_shift(meta), labels.shape[1]
+    reads = np.zeros_like(sees_nothing)
+    reads[:, :length - shift] = sees_nothing[:, :length - shift] & (labels[:, shift:] != IGNORE)
+    return reads
+
+
+def _loss_without(logits, labels, drop, loss, shift=1) -> float:
     """The mean cross-entropy ``loss`` recomputed without the terms at positions ``drop``."""
-    z = logits[:, :-1].astype(np.float64)
-    y = labels[:, 1:]
+    length = labels.shape[1]
+    z = logits[:, :length - shift].astype(np.float64)
+    y = labels[:, shift:]
     keep = y != IGNORE
     lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
     nll = lse - np.take_along_axis(z, np.where(keep, y, 0)[..., None], -1)[..., 0]
-    dropped = drop[:, :-1] & keep
+    dropped = drop[:, :length - shift] & keep
     total = loss * keep.sum() - nll[dropped].sum()
     return float(total / (keep.sum() - dropped.sum()))
 

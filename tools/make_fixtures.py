@@ -78,6 +78,8 @@ class Spec:
     #                                  (mixture-of-experts: transformers 5 fuses the experts in memory, saves one
     #                                  module per expert)
     noisy_buffers: tuple = ()        # suffixes of buffers to perturb like 1-D parameters (routing biases, zero at init)
+    loss_shifts_labels: bool = True  # False: the model's loss reads labels[t] for logits[t] (TrOCRForCausalLM), so
+    #                                  the fixture passes the next-token targets (make_inputs' labels shifted left)
 
 
 def _gpt2_names(**kw):
@@ -290,6 +292,24 @@ SPECS = [
                               attention_dropout=0.0, **TOK),
          ["sinusoidal positions (offset 2, from cumsum(attention_mask) like fairseq); embeddings scaled by "
           "sqrt(d_model); biases; tied."]),
+    Spec("trocr", "trocr", dict(vocab_size=VOCAB, d_model=HIDDEN, decoder_layers=LAYERS, decoder_attention_heads=HEADS,
+                                decoder_ffn_dim=INTER, max_position_embeddings=LEARNED_POS, init_std=0.2, dropout=0.0,
+                                **TOK),
+         ["TrOCRForCausalLM (the decoder alone, no encoder states): post-LayerNorm block, layernorm_embedding after "
+          "the learned positions (offset 2, arange, not from the mask), no final norm, gelu, biases, tied "
+          "output_projection. The layers' encoder_attn (built since TrOCRForCausalLM sets is_decoder) is never run: "
+          "no gradient. Its loss does not shift labels, so the reference labels are the next-token targets."],
+         loss_shifts_labels=False),
+    Spec("trocr_sinusoidal", "trocr", dict(vocab_size=VOCAB, d_model=HIDDEN, decoder_layers=LAYERS,
+                                           decoder_attention_heads=HEADS, decoder_ffn_dim=INTER,
+                                           max_position_embeddings=MAX_POS, use_learned_position_embeddings=False,
+                                           scale_embedding=True, layernorm_embedding=False, activation_function="relu",
+                                           cross_attention_hidden_size=16, init_std=0.2, dropout=0.0, **TOK),
+         ["TrOCR with fixed fairseq sinusoidal positions counted over non-pad tokens (rows from pad + 1, pads the "
+          "zero padding row: left padding is invisible), embeddings scaled by sqrt(d_model), no layernorm_embedding, "
+          "relu; cross_attention_hidden_size 16 gives the unused encoder_attn k/v projections their own width. "
+          "Labels as in trocr (next-token targets, not shifted inside)."],
+         loss_shifts_labels=False),
     Spec("ctrl", "ctrl", dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, dff=INTER,
                               n_positions=MAX_POS, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, **TOK),
          ["sinusoidal positions ([sin | cos] halves); embeddings scaled by sqrt(n_embd); lm_head bias; tied."]),
@@ -695,6 +715,8 @@ def build(spec: Spec, out_root: Path):
             raise RuntimeError(f"model_type {spec.saved_model_type!r} loads as {type(reloaded).__name__}")
 
     ids, mask, labels = make_inputs()
+    if not spec.loss_shifts_labels:
+        labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
     params = dict(model.named_parameters())  # tied weights appear once, under their canonical name
     out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels)
     logits = out_fwd.logits.detach().float()
@@ -803,6 +825,8 @@ def build(spec: Spec, out_root: Path):
             "greedy_first_step_vs_batch_logits_max_abs_diff": float(f"{prefill_diff:.3g}"),
         },
     }
+    if not spec.loss_shifts_labels:
+        meta["loss_shifts_labels"] = False  # labels[t] is the target of logits[t]
     if spec.saved_names:
         meta["reference_names"] = ("saved: grad./adamw. keys (and params_without_grad) use the names of "
                                    "model.safetensors (one tensor per expert), not named_parameters()")

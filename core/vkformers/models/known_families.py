@@ -24,6 +24,7 @@ KNOWN_FAMILIES = {
     "phi": "llama",
     "opt": "llama",
     "biogpt": "llama",
+    "trocr": "llama",
     "xglm": "llama",
     "stablelm": "llama",
     "llama": "llama",
@@ -214,7 +215,6 @@ KNOWN_FAMILIES = {
     "modernbert": "bert",
     "modernvbert": "bert",
     # vkformers-t5
-    "trocr": "t5",
     "t5": "t5",
     "mt5": "t5",
     "umt5": "t5",

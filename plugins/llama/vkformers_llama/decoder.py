@@ -7,7 +7,7 @@ Hugging Face's layout.
 
 Forward semantics follow transformers 5: without a cache and without ``position_ids``
 every row uses positions ``arange(T)`` (also with left padding); ``attention_mask`` zeros
-mask those keys on top of the causal mask; ``labels`` are shifted inside.
+mask those keys on top of the causal mask; ``labels`` are shifted inside (not for TrOCR, as there).
 """
 from __future__ import annotations
 
@@ -236,6 +236,8 @@ class DecoderLayer(Module):
                 Linear(d, s.num_heads if s.output_gate_per_head else q_out, bias=False))
         if s.attn_out_bias and index in s.attn_out_bias_layers:
             add_param(self, _join(s.attn, s.attn_out_bias), (d,))
+        for path, shape in s.unused_layer_params:
+            add_param(self, path, shape)
         if s.hidden_act == "xielu":
             add_param(self, _join(s.mlp, "act_fn.alpha_p"), (1,))
             add_param(self, _join(s.mlp, "act_fn.alpha_n"), (1,))
@@ -647,12 +649,14 @@ class DecoderForCausalLM(Module, GenerationMixin):
             logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
         if cache is not None:
             cache.advance(length)
-        loss = self.loss(logits, labels) if labels is not None else None
+        loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
 
     @staticmethod
-    def loss(logits, labels):
-        """transformers' ForCausalLMLoss: token t predicts label t + 1; -100 is ignored; mean in float32."""
+    def loss(logits, labels, shift: bool = True):
+        """transformers' ForCausalLMLoss: token t predicts label t + 1 (label t without ``shift``); -100 is
+        ignored; mean in float32."""
         labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
-        shifted = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
-        return F.cross_entropy(logits.float(), Tensor(shifted), ignore_index=IGNORE_INDEX)
+        if shift:
+            labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
+        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)

@@ -147,6 +147,10 @@ class DecoderSpec:
     residual_scale: float = 1.0              # Granite residual_multiplier
     logits_scale: float = 1.0                # Granite 1 / logits_scaling, Cohere logit_scale
     tie_embeddings: bool = False
+    shift_labels: bool = True                # False: labels[t] is the target of logits[t] (TrOCRForCausalLM)
+    unused_layer_params: tuple = ()          # (layer-relative path, shape): tensors each layer's checkpoint holds that
+    #                                          this forward never reads (TrOCR's encoder_attn without encoder states);
+    #                                          loaded and saved as they are, never given a gradient
 
     # -- mixture of experts
     moe: object | None = None                # an object whose block(spec, layer index) gives the Module replacing
@@ -792,6 +796,37 @@ def xglm(config: dict) -> DecoderSpec:
                    extra=dict(padding_row=config.get("pad_token_id")))
 
 
+def trocr(config: dict) -> DecoderSpec:
+    """TrOCRForCausalLM, the decoder without encoder states: OPT-350m's post-LN block with layernorm_embedding
+    after the positions, no final norm, tied output_projection, and labels not shifted inside. Positions are
+    learned (offset 2, arange) or fairseq sinusoidal counted over non-pad tokens (rows from pad + 1; the
+    attention mask stands in for input_ids != pad). TrOCRForCausalLM always builds the layers' cross-attention
+    (is_decoder): carried, never run."""
+    spec = opt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["decoder_attention_heads"],
+                    num_hidden_layers=config["decoder_layers"], ffn_dim=config["decoder_ffn_dim"],
+                    do_layer_norm_before=False, word_embed_proj_dim=None,
+                    activation_function=config.get("activation_function", "gelu")))
+    d, pad = spec.hidden_size, config.get("pad_token_id")
+    scale = math.sqrt(d) if config.get("scale_embedding", False) else 1.0
+    if config.get("use_learned_position_embeddings", True):
+        positions = dict(positions_from_mask=False)
+    else:
+        if pad is None:
+            raise UnsupportedConfigError("trocr: sinusoidal positions need a pad_token_id (their padding row)")
+        positions = dict(position_embed=None, sinusoidal_positions="fairseq", position_offset=pad + 1,
+                         extra=dict(padding_row=pad))
+    kdim = config.get("cross_attention_hidden_size") or d
+    cross = tuple((f"encoder_attn.{name}.{kind}", shape)
+                  for name, rows, cols in (("k_proj", d, kdim), ("v_proj", d, kdim), ("q_proj", d, d),
+                                           ("out_proj", d, d))
+                  for kind, shape in (("weight", (rows, cols)), ("bias", (rows,))))
+    cross += (("encoder_attn_layer_norm.weight", (d,)), ("encoder_attn_layer_norm.bias", (d,)))
+    return replace(spec, embed_scale=scale, embed_norm="model.decoder.layernorm_embedding"
+                   if config.get("layernorm_embedding", True) else None, lm_head="output_projection",
+                   tie_embeddings=config.get("tie_word_embeddings", True) is not False, shift_labels=False,
+                   unused_layer_params=cross, **positions)
+
+
 def ctrl(config: dict) -> DecoderSpec:
     """Pre-LN block with scaled embeddings and a fixed [sin | cos] position table; lm_head bias."""
     spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
@@ -958,7 +993,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
     "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
     "modernbert-decoder": modernbert_decoder, "hy_v3": hy_v3, "laguna": laguna, "mistral4": mistral4,
-    "qwen3_5_text": qwen3_5_text,
+    "qwen3_5_text": qwen3_5_text, "trocr": trocr,
 }
 
 

@@ -3,7 +3,6 @@ from vkformers.models.registry import NestedConfig
 
 # (name, kind, norm, moe, llama_layout, notes)
 ARCHITECTURES = [
-    ("trocr",               "encoder-decoder", "layer", False, False, "decoder native only; decoder only (vision encoder not native)"),
     ("t5",                  "encoder-decoder", "rms",   False, False, "T5-family; relative position bias; upstream claims HF forward-logit fixtures"),
     ("mt5",                 "encoder-decoder", "rms",   False, False, "T5-family; relative position bias"),
     ("umt5",                "encoder-decoder", "rms",   False, False, "T5-family; relative position bias"),
