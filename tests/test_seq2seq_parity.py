@@ -177,6 +177,9 @@ def test_labels_shift_and_errors():
     pegasus_x = built("pegasus_x")  # block_size 16, staggered: 8 tokens fit one local block, 9 do not
     with pytest.raises(vkf.VkformersError, match="local attention"):
         pegasus_x.encode(np.full((1, 9), 5))
+    bigbird = json.loads((FIXTURES / "bigbird_pegasus" / "config.json").read_text())
+    with pytest.raises(UnsupportedConfigError, match="attention_type='block_sparse'.*original_full"):
+        seq2seq_spec(dict(bigbird, attention_type="block_sparse"), "bigbird_pegasus")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

@@ -101,6 +101,11 @@ SPECS = [
           "8), so the 8 input tokens stay in one block and block-local attention is full attention over [2 global "
           "tokens; input]; global tokens have their own pre-attention norm; pre-LN; sinusoidal positions "
           "(fairseq formula, from 0); no attention biases; scale_embedding; no final_logits_bias."]),
+    Spec("bigbird_pegasus", "bigbird_pegasus", dict(B, attention_type="original_full", decoder_start_token_id=PAD),
+         ["BigBird-Pegasus with attention_type original_full (block_sparse is refused): pre-LN; learned positions "
+          "from 0; scale_embedding (default true); gelu_new; no q/k/v/o biases (use_bias false, the default), fc1/fc2 "
+          "with biases; each stack ends in a norm named layernorm_embedding; the encoder's self-attention is "
+          "self_attn.self.query/key/value + self_attn.output, the decoder's BART's; final_logits_bias; tied."]),
     Spec("blenderbot-small", "blenderbot-small", dict(B, decoder_start_token_id=BOS),
          ["post-LN; learned positions without offset; layernorm_embedding (decoder: on the token embeddings "
           "before the positions are added)."]),

@@ -18,7 +18,7 @@ ARCHITECTURES = [
     ("blenderbot-small",    "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout"),
     ("pegasus",             "encoder-decoder", "layer", False, False, "BART-layout; sinusoidal positions"),
     ("m2m_100",             "encoder-decoder", "layer", False, False, "BART-layout; sinusoidal positions"),
-    ("bigbird_pegasus",     "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout"),
+    ("bigbird_pegasus",     "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; attention_type original_full only"),
     ("pegasus_x",           "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions; inputs longer than one local attention block refused"),
 ]
 
@@ -36,7 +36,7 @@ ALIASES = {
 # Everything not listed stays "registered".
 VERIFIED = ("t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus", "blenderbot-small", "blenderbot", "plbart",
             "m2m_100", "mvp", "fsmt", "switch_transformers",
-            "pegasus_x")
+            "pegasus_x", "bigbird_pegasus")
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

@@ -58,6 +58,10 @@ LAYOUTS = {
 LAYOUTS["switch"] = dict(LAYOUTS["t5"], ffn="layer.{ffn}.mlp")
 # FSMT: BART's layer names, no shared table (each stack its own vocabulary), the head inside the decoder
 LAYOUTS["fsmt"] = dict(LAYOUTS["bart"], shared=None, lm_head="model.decoder.output_projection")
+# BigBird-Pegasus: each stack's last norm is named layernorm_embedding; the encoder's self-attention is BigBird's
+# (q/k/v under self_attn.self, the output projection self_attn.output), the decoder's BART's
+LAYOUTS["bigbird_pegasus"] = dict(LAYOUTS["bart"], embed_norm=None, final_norm="layernorm_embedding",
+                                  encoder_self_attn=dict(q="self.query", k="self.key", v="self.value", o="output"))
 
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
@@ -112,8 +116,8 @@ class Attention(Module):
         bias = spec.linear_bias if spec.attention_bias is None else spec.attention_bias
         object.__setattr__(self, "proj", {})
         for role in ("q", "k", "v"):
-            self.proj[role] = self.add(names[role], Linear(spec.d_model, inner, bias=bias))
-        self.proj["o"] = self.add(names["o"], Linear(inner, spec.d_model, bias=bias))
+            self.proj[role] = place(self, names[role], Linear(spec.d_model, inner, bias=bias))
+        self.proj["o"] = place(self, names["o"], Linear(inner, spec.d_model, bias=bias))
         self.heads, self.head_dim = heads, spec.head_dim
         self.scale = spec.head_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
         table = self.add("relative_attention_bias", Embedding(spec.relative_buckets, heads)) if bias_table else None
@@ -190,8 +194,9 @@ class Block(Module):
         heads = spec.decoder_heads if decoder else spec.encoder_heads
         ffn = spec.decoder_ffn if decoder else spec.encoder_ffn
         has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
+        self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
         refs = dict(
-            self_attn=place(self, names["self_attn"], Attention(spec, names, heads, has_table)),
+            self_attn=place(self, names["self_attn"], Attention(spec, self_names, heads, has_table)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
             cross_attn=place(self, names["cross_attn"], Attention(spec, names, heads, False)) if decoder else None,
             cross_norm=place(self, names["cross_norm"], make_norm(spec)) if decoder else None,

@@ -38,7 +38,7 @@ class Seq2SeqSpec:
     head_dim: int
     encoder_ffn: int
     decoder_ffn: int
-    layout: str = "bart"                  # parameter names: "t5", "bart" or "fsmt" (see seq2seq.LAYOUTS)
+    layout: str = "bart"                  # parameter names: a key of seq2seq.LAYOUTS (t5, bart, fsmt, ...)
     source_vocab_size: int | None = None  # FSMT: the encoder's own vocabulary (None: vocab_size)
 
     # -- blocks
@@ -212,6 +212,19 @@ def _pegasus_x(config, arch):
                      decoder_inputs_from_input_ids=False)
 
 
+def _bigbird_pegasus(config, arch):
+    """PEGASUS's pre-LN layers with learned positions from 0, scaled embeddings (scale_embedding defaults to
+    true), final_logits_bias, and each stack's last norm named layernorm_embedding; q/k/v/o biases follow
+    use_bias (fc1/fc2 always have them). The encoder's BigBird attention runs only as full attention."""
+    if config.get("attention_type", "block_sparse") != "original_full":
+        raise UnsupportedConfigError(
+            f"{arch}: attention_type={config.get('attention_type', 'block_sparse')!r} is not supported: BigBird's "
+            "block-sparse attention is not implemented; only attention_type='original_full' (full attention) runs")
+    scale = math.sqrt(config["d_model"]) if config.get("scale_embedding", True) else 1.0
+    return bart_spec(config, arch, layout="bigbird_pegasus", pre_norm=True, final_norm=True, position_offset=0,
+                     embed_norm=False, embed_scale=scale, attention_bias=bool(config.get("use_bias", False)))
+
+
 def _mvp(config, arch):
     refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
     return bart_spec(config, arch)
@@ -229,6 +242,7 @@ VARIANTS = {
     "marian": _marian,
     "fsmt": _fsmt,
     "pegasus_x": _pegasus_x,
+    "bigbird_pegasus": _bigbird_pegasus,
     "pegasus": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
                                       position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False),
     "blenderbot": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
