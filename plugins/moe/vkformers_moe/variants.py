@@ -12,7 +12,7 @@ from typing import Callable
 
 from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _layer_types, _mla, cohere2,
                                       ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2,
-                                      qwen3, refuse, sliding_windows)
+                                      qwen3, qwen3_5_text, refuse, sliding_windows)
 
 from vkformers_moe.block import MoeSpec
 
@@ -85,6 +85,19 @@ def qwen3_moe(config: dict) -> DecoderSpec:
                   expert_size=config.get("moe_intermediate_size", 768),
                   layers=sparse_step_layers(dict(config, num_experts=num_experts(config, 128)), spec.num_layers),
                   hidden_act=spec.hidden_act, norm_topk=bool(config.get("norm_topk_prob", False)))
+    return replace(spec, moe=moe)
+
+
+def qwen3_5_moe_text(config: dict) -> DecoderSpec:
+    """Qwen3.5's hybrid decoder (Gated DeltaNet and gated-attention layers) with a sparse block in every layer: softmax
+    router mlp.gate, top-k always renormalised, SwiGLU experts (saved one module per expert), plus a shared_expert
+    scaled by sigmoid(shared_expert_gate(x))."""
+    _refuse_training_extras("qwen3_5_moe_text", config)
+    spec = qwen3_5_text(config)
+    moe = MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok", 8),
+                  expert_size=config.get("moe_intermediate_size", 512), layers=(True,) * spec.num_layers,
+                  hidden_act=spec.hidden_act, norm_topk=True, shared="shared_expert",
+                  shared_size=config.get("shared_expert_intermediate_size", 512), shared_gate="shared_expert_gate")
     return replace(spec, moe=moe)
 
 
@@ -490,7 +503,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
-    "axk1": axk1, "phimoe": phimoe,
+    "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
 }
 
 
