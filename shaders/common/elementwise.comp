@@ -104,16 +104,11 @@ float pow_accurate(float base, float e) {
     return (base < 0.0 && odd) ? -r : r;
 }
 
-float gelu(float x) { return 0.5 * x * erfc_accurate(-x * SQRT1_2); }
-
 // d/dx [x Phi(x)] = Phi(x) + x phi(x)
 float gelu_grad(float x) {
     return 0.5 * erfc_accurate(-x * SQRT1_2) + x * INV_SQRT_2PI * exp_minus_square(x * SQRT1_2);
 }
 
-// 0.5 x (1 + tanh(u)) = x sigmoid(2u): no cancellation for negative x.
-float gelu_tanh_inner(float x) { return SQRT_2_OVER_PI * (x + 0.044715 * x * x * x); }
-float gelu_tanh(float x) { return x * sigmoid_accurate(2.0 * gelu_tanh_inner(x)); }
 // 1 - sigmoid(z) is computed as sigmoid(-z): no cancellation where sigmoid(z) is near 1.
 float gelu_tanh_grad(float x) {
     float u = gelu_tanh_inner(x);
@@ -135,7 +130,7 @@ float apply(float x, float y, float s0, float s1) {
     case OP_RELU: return negative_not_nan(x) ? 0.0 : x;  // keeps NaN, as torch does
     case OP_GELU: return gelu(x);
     case OP_GELU_TANH: return gelu_tanh(x);
-    case OP_SILU: return x * sigmoid_accurate(x);
+    case OP_SILU: return silu(x);
     case OP_RELU2: return negative_not_nan(x) ? 0.0 : x * x;
     case OP_QUICK_GELU: return x * sigmoid_accurate(1.702 * x);
     case OP_SIN: return sin_accurate(x);

@@ -162,4 +162,12 @@ float sin_quadrant(float x, uint quadrant) {
 float sin_accurate(float x) { return sin_quadrant(x, 0u); }
 float cos_accurate(float x) { return sin_quadrant(x, 1u); }
 
+// Activations shared by the elementwise and fused decode kernels.
+float gelu(float x) { return 0.5 * x * erfc_accurate(-x * SQRT1_2); }
+// 0.5 x (1 + tanh(u)) = x sigmoid(2u): no cancellation for negative x.
+float gelu_tanh_inner(float x) { return SQRT_2_OVER_PI * (x + 0.044715 * x * x * x); }
+float gelu_tanh(float x) { return x * sigmoid_accurate(2.0 * gelu_tanh_inner(x)); }
+float silu(float x) { return x * sigmoid_accurate(x); }
+
+
 #endif

@@ -12,6 +12,7 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "transformer_common.glsl"
+#include "rope_angle.glsl"
 layout(local_size_x = 256) in;
 
 layout(constant_id = 0) const bool INTERLEAVED = false;
@@ -28,40 +29,6 @@ layout(push_constant) uniform Push {
     float attention_scaling;
     uint x_offset; uint positions_offset; uint inv_freq_offset; uint out_offset;
 };
-
-// cos and sin of a float32 angle that may be ~1e5 rad. GPU sin/cos are accurate only
-// near [-pi, pi], and reducing with k * 2pi in float32 loses the answer (without a fused
-// multiply-add, which Vulkan does not promise), so the reduction is done exactly in
-// integers: frac(|angle| / 2pi) as 32-bit fixed point = bits of mantissa * floor(2^64 / 2pi).
-const uint INV_TWO_PI_HI = 0x28BE60DBu;  // floor(2^64 / (2 pi)), upper and lower words
-const uint INV_TWO_PI_LO = 0x9391054Au;
-const float TWO_PI_OVER_2_32 = 1.462918119976564e-09;
-
-float reduce_angle(float a) {  // a >= 0; returns a - 2 pi k in [-pi, pi)
-    if (a <= 3.14159265) return a;
-    uint bits = floatBitsToUint(a);
-    int e = int(bits >> 23) - 150;                  // a = m * 2^e, m a 24-bit integer
-    uint m = (bits & 0x7FFFFFu) | 0x800000u;
-    uint hh, hl, lh, ll;
-    umulExtended(m, INV_TWO_PI_HI, hh, hl);
-    umulExtended(m, INV_TWO_PI_LO, lh, ll);
-    uint w0 = ll, w1 = hl + lh, w2 = hh + (w1 < hl ? 1u : 0u);  // the 88-bit product
-    int shift = 32 - e;  // the fraction's 32 bits start here: in [24, 54] for pi < a < 2^32
-    uint frac;
-    if (shift >= 32) {
-        int t = shift - 32;
-        frac = t == 0 ? w1 : (w1 >> t) | (w2 << (32 - t));
-    } else {
-        int t = max(shift, 1);
-        frac = (w0 >> t) | (w1 << (32 - t));
-    }
-    return float(int(frac)) * TWO_PI_OVER_2_32;  // signed: the fraction in [-1/2, 1/2) turns
-}
-
-vec2 cos_sin(float angle) {
-    float r = reduce_angle(abs(angle));
-    return vec2(cos(r), angle < 0.0 ? -sin(r) : sin(r));
-}
 
 void main() {
     uint half_rot = rot_dim / 2;

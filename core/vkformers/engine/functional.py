@@ -1,6 +1,14 @@
 """The ops models are written with, named as in ``torch.nn.functional``."""
 from __future__ import annotations
 
+from vkformers.engine.ops.decode import (  # fused decode-step products (inference)
+    FusedNorm,
+    fusable,
+    fusable_weights,
+    fused_gated,
+    fused_linear,
+    fused_qkv_rope_write,
+)
 from vkformers.engine.ops.elementwise import unary, where
 from vkformers.engine.ops.nn import (
     cross_entropy,
@@ -85,6 +93,8 @@ def log_softmax(x, dim: int = -1):
     return x.log_softmax(dim)
 
 
-__all__ = ["activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "gated", "gather_flat", "gelu", "layer_norm",
+__all__ = ["FusedNorm", "activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+           "fusable_weights", "fused_gated", "fused_linear", "fused_qkv_rope_write", "gated", "gather_flat", "gelu",
+           "layer_norm",
            "linear", "log_softmax", "manual_seed", "quick_gelu", "relu", "relu2", "rms_norm", "rope",
            "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]

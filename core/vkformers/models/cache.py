@@ -87,7 +87,7 @@ class KVCache:
             mask = (self.mask if new == 1 else self.mask[:, :end]).astype(bool)
         return np.array([start, end], np.uint32), mask
 
-    def _step_inputs(self, new: int, key_padding_mask):
+    def step_inputs(self, new: int, key_padding_mask=None):
         """([start, end] as a uint32 tensor, device mask or None) for this forward, built by its first attend()."""
         if self._step is not None and self._step[0] == new:
             return self._step[1], self._step[2]
@@ -126,7 +126,7 @@ class KVCache:
         if k.shape != expected or v.shape != expected or batch != self.batch or head_dim != self.head_dim:
             raise ValueError(f"KVCache.attend: q {q.shape}, k {k.shape}, v {v.shape} do not fit the cache "
                              f"(k and v must be {expected})")
-        bounds, mask = self._step_inputs(new, key_padding_mask)
+        bounds, mask = self.step_inputs(new, key_padding_mask)
         k_cache, v_cache = self.keys[layer], self.values[layer]
         write_kv(k_cache, v_cache, k, v, bounds[0:1])
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -137,6 +137,16 @@ class KVCache:
             return F.scaled_dot_product_attention(q, k.cast(self.dtype), v.cast(self.dtype), causal=True, **flags)
         end = self.position + new  # chunked prefill: the stored keys and the new ones, read from the cache
         return F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], causal=True, **flags)
+
+    def attend_stored(self, layer: int, q: Tensor, *, scale: float | None = None, window: int = 0,
+                      softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None) -> Tensor:
+        """Decode attention of q ([B, H, 1, D]) over the stored keys, the new token's included: for a layer
+        that wrote its k and v into ``keys[layer]`` / ``values[layer]`` itself, at ``step_inputs(1)[0][0]``
+        (a fused projection does, engine/ops/decode.py)."""
+        bounds, mask = self.step_inputs(1, key_padding_mask)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        return decode_attention(q, self.keys[layer], self.values[layer], bounds[1:2], scale=scale, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask)
 
 
 def _host_array(mask) -> np.ndarray:

@@ -18,6 +18,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine import lazy
+from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Conv1D, Embedding, LayerNorm, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
@@ -436,8 +437,64 @@ class DecoderLayer(Module):
             hidden = self.act(p["up"](h))
         return p["down"](self._norm("mlp_sub_norm", hidden))
 
+    # -- decode step: fused kernels
+
+    def _fused_decode_plan(self):
+        """The modules a fused decode step reads, or None when this layer is not the plain pre-norm block
+        with RMS norms, separate q/k/v (all biased or none), rotary attention and a gated MLP that the
+        fused kernels (engine/ops/decode.py) compose."""
+        s, p = self.spec, self.parts
+        names = ("attn_in_norm", "q", "k", "v", "o", "mlp_in_norm", "gate", "up", "down")
+        optional = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "q_norm", "k_norm",
+                    "output_gate", "moe", "qkv", "gate_up", "linear"}
+        if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.q_gate or s.clip_qkv is not None
+                or not self.rotates or s.attention_sinks or s.query_position_scale is not None
+                or (s.attn_out_bias and self.index in s.attn_out_bias_layers)
+                or _FUSED_ACTIVATIONS.get(s.hidden_act) is None or any(n not in p for n in names)
+                or optional & set(p) or any(type(p[n]) is not Linear for n in names if n not in
+                                            ("attn_in_norm", "mlp_in_norm"))):
+            return None
+        if len({p[n].has_bias for n in ("q", "k", "v")}) != 1 or p["gate"].has_bias != p["up"].has_bias:
+            return None
+        return {n: p[n] for n in names}
+
+    def _decode_fused(self, x, ctx: Context):
+        """One decode step of this layer in five dispatches: norm + q/k/v + rotary + cache write, attention,
+        o_proj + residual, norm + gate/up + activation, down + residual. None (nothing built) when the
+        layer or its operands don't fit the fused kernels."""
+        p = self._fused_decode_plan()  # checked per call: LoRA may have wrapped a projection since
+        if p is None:
+            return None
+        s, cache, batch = self.spec, ctx.cache, x.shape[0]
+        weights = [p[n].weight for n in ("q", "k", "v")]
+        attn_norm, mlp_norm = (F.FusedNorm(n.weight if n.elementwise else None, n.eps, n.unit_offset)
+                               for n in (p["attn_in_norm"], p["mlp_in_norm"]))
+        if not (F.fusable(x, weights, attn_norm) and F.fusable_weights(x.dtype, batch, [p["o"].weight])
+                and F.fusable(x, [p["gate"].weight, p["up"].weight], mlp_norm)
+                and F.fusable_weights(x.dtype, batch, [p["down"].weight])):
+            return None
+        bias = lambda name: p[name].bias if p[name].has_bias else None  # noqa: E731
+        biases = lambda *names: [p[n].bias for n in names] if p[names[0]].has_bias else None  # noqa: E731
+        bounds, _ = cache.step_inputs(1, ctx.key_padding_mask)
+        inv_freq, scaling = ctx.rope_tables[self.index]
+        q = F.fused_qkv_rope_write(x, *weights, k_cache=cache.keys[self.index], v_cache=cache.values[self.index],
+                                   cache_start=bounds[0:1], positions=ctx.rope_positions, inv_freq=inv_freq,
+                                   head_dim=s.head_dim, attention_scaling=scaling, interleaved=s.rope_interleaved,
+                                   norm=attn_norm, biases=biases("q", "k", "v"))
+        out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
+                                  alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
+        x = F.fused_linear(out.reshape(batch, 1, -1), p["o"].weight, bias=bias("o"), residual=x,
+                           residual_scale=s.residual_scale)
+        hidden = F.fused_gated(x, p["gate"].weight, p["up"].weight, activation=_FUSED_ACTIVATIONS[s.hidden_act],
+                               norm=mlp_norm, biases=biases("gate", "up"))
+        return F.fused_linear(hidden, p["down"].weight, bias=bias("down"), residual=x, residual_scale=s.residual_scale)
+
     def forward(self, x, ctx: Context):
         s = self.spec
+        if ctx.cache is not None and x.shape[1] == 1 and not grad_enabled():
+            fused = self._decode_fused(x, ctx)
+            if fused is not None:
+                return fused
         if s.post_norm:
             return self._forward_post_norm(x, ctx)
         h = self._norm("attn_in_norm", x)
@@ -454,6 +511,11 @@ class DecoderLayer(Module):
         """OPT-350m (do_layer_norm_before=False): x = norm(x + attn(x)); x = norm'(x + mlp(x))."""
         x = self._norm("attn_in_norm", x + self.attention(x, ctx))
         return self._norm("mlp_in_norm", x + self.mlp(x))
+
+
+# hidden_act names -> the fused decode kernel's activations
+_FUSED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                      "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
 
 
 def _scaled(x, factor: float):

@@ -1,0 +1,105 @@
+"""Fused decode-step products (shaders/common/decode_matvec.comp): ``epilogue(rms_norm(x) @ W^T)``.
+
+A decode step multiplies one token per sequence (at most ``MAX_ROWS`` rows) by every weight of the
+model. On a GPU each product is bound by reading its weight, and what costs most beside them are
+the small dependent dispatches between products (norm, rotary, cache write, activation, residual
+add), each a few microseconds of idle GPU. One dispatch here does a whole span of them:
+
+- ``mode="plain"``:  out = [residual + residual_scale *] (norm(x) @ W0^T [+ bias0])
+- ``mode="gated"``:  out = act(norm(x) @ W0^T [+ b0]) * (norm(x) @ W1^T [+ b1])
+- ``mode="qkv"``:    q, k, v = norm(x) @ {W0, W1, W2}^T [+ biases]; q and k rotated (rotary
+  embedding at ``positions``); q -> out0 [rows, heads, 1, head_dim], k and v written into the KV
+  caches out1 / out2 [rows, kv_heads, capacity, head_dim] at slot ``cache_start[0]``.
+
+x, the weights, the norm weight, biases, residual and outputs share one dtype (float32, float16 or
+bfloat16); accumulation is float32 and every intermediate stays float32 (Hugging Face rounds the
+norm output and each product to a 16-bit dtype in between: the 16-bit results differ by that
+rounding). The rows of x, the norm weight and the weights are read as 16-byte vectors: k and x's
+offset must be whole vectors and the weights and norm weight unviewed (:func:`supported` says).
+"""
+from __future__ import annotations
+
+from vkformers.engine.kernels import Operand, operand, require_elements
+from vkformers.engine.kernels.transformer_args import element_variant
+
+MAX_ROWS = 8
+MODES = {"plain": 0, "gated": 1, "qkv": 2}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+def elements_per_vector(dtype) -> int:
+    return 4 if dtype.name == "float32" else 8
+
+
+def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | None = None) -> bool:
+    """Whether the fused kernel can take these operands (else the caller composes the ordinary ops)."""
+    per_vector = elements_per_vector(x.dtype)
+    whole = [w for w in weights] + ([norm_weight] if norm_weight is not None else [])
+    return (1 <= rows <= MAX_ROWS and x.dtype.name in ("float32", "float16", "bfloat16")
+            and k % per_vector == 0 and x.offset % per_vector == 0
+            and all(w.offset == 0 and w.dtype is x.dtype for w in whole))
+
+
+def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str = "plain", norm_weight=None,
+                  norm: bool = False, eps: float = 1e-6, norm_offset: bool = False, biases=None, residual=None,
+                  residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
+                  cache_start=None, inv_freq=None, head_dim: int = 0, rot_dim: int = 0, kv_heads: int = 0,
+                  capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False) -> None:
+    """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
+    or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
+    prologue on (``norm_weight`` None: no weight)."""
+    x, out0 = operand(x), operand(out0)
+    weights = [operand(w) for w in weights]
+    expected = {"plain": 1, "gated": 2, "qkv": 3}[mode]
+    if len(weights) != expected:
+        raise ValueError(f"decode_matvec: mode {mode!r} takes {expected} weights, got {len(weights)}")
+    norm_weight = operand(norm_weight) if norm_weight is not None else None
+    if not supported(x, weights, k, rows, norm_weight):
+        raise ValueError(f"decode_matvec: unsupported operands (rows {rows}, k {k}, dtype {x.dtype.name}, "
+                         f"offsets must be whole 16-byte vectors)")
+    ns = [int(n) for n in widths]
+    for w, n in zip(weights, ns):
+        require_elements(w, n * k, "decode_matvec weight")
+    if mode == "gated" and ns[0] != ns[1]:
+        raise ValueError(f"decode_matvec: gate ({ns[0]}) and up ({ns[1]}) widths differ")
+    require_elements(x, rows * k, "decode_matvec x")
+    biases = [operand(b) for b in biases] if biases is not None else None
+    if biases is not None:
+        for b, n in zip(biases, ns):
+            require_elements(b, n, "decode_matvec bias")
+    if mode == "qkv":
+        if head_dim % 2 or rot_dim % 2 or rot_dim > head_dim or any(n % head_dim for n in ns):
+            raise ValueError(f"decode_matvec: head_dim {head_dim} / rot_dim {rot_dim} do not fit widths {ns}")
+        out1, out2 = operand(out1), operand(out2)
+        for cache, what in ((out1, "k cache"), (out2, "v cache")):
+            require_elements(cache, rows * kv_heads * capacity * head_dim, f"decode_matvec {what}")
+        require_elements(out0, rows * ns[0], "decode_matvec q")
+    else:
+        require_elements(out0, rows * ns[0], "decode_matvec out")
+    if residual is not None:
+        residual = operand(residual)
+        require_elements(residual, rows * ns[0], "decode_matvec residual")
+
+    filler_in, filler_out = x, out0  # absent operands: spec constants keep the kernel off them
+    positions = operand(positions) if positions is not None else filler_in
+    cache_start = operand(cache_start) if cache_start is not None else filler_in
+    inv_freq = operand(inv_freq) if inv_freq is not None else filler_in
+    padded_w = weights + [weights[0]] * (3 - len(weights))
+    padded_b = (biases or []) + [filler_in] * (3 - len(biases or []))
+    buffers = [x.buffer, (norm_weight or x).buffer, *(w.buffer for w in padded_w), *(b.buffer for b in padded_b),
+               (residual or filler_in).buffer, out0.buffer, (out1 or filler_out).buffer, (out2 or filler_out).buffer,
+               positions.buffer, cache_start.buffer, inv_freq.buffer]
+    padded_n = ns + [0] * (3 - len(ns))
+    push = [k, *padded_n, float(eps), float(residual_scale), head_dim, rot_dim, kv_heads, capacity,
+            float(attention_scaling), *(b.offset for b in padded_b), (residual or filler_in).offset, out0.offset,
+            positions.offset, cache_start.offset, inv_freq.offset, x.offset // elements_per_vector(x.dtype)]
+    device = seq.device
+    subgroup = device.limits["subgroup_size"]
+    threads = subgroup if device.is_cpu else max(128, subgroup)
+    pairs = {"plain": -(-ns[0] // 2), "gated": ns[0], "qkv": sum(ns) // 2}[mode]
+    per_group = threads // subgroup
+    unroll = 1 if device.is_cpu else 4
+    spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
+            int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll]
+    seq.dispatch(device.kernel("decode_matvec", element_variant(x, "decode_matvec")), buffers,
+                 (-(-pairs // per_group), 1, 1), push, spec)

@@ -1,0 +1,141 @@
+"""Fused decode-step ops on tensors (engine/kernels/decode.py): a product with the steps around it.
+
+Inference only (no gradient): models call them for a decode step (one new token per sequence) under
+``no_grad`` when :func:`fusable` accepts the operands, and compose the ordinary ops otherwise. Each
+replaces a norm, a product and its epilogue (bias, residual add, gated activation, or rotary
+embedding plus the KV-cache write) by one dispatch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vkformers.engine.function import KernelOp, contiguous, grad_enabled, node
+from vkformers.engine.kernels import decode as KD
+from vkformers.runtime import dtypes as dt
+
+
+@dataclass(frozen=True)
+class FusedNorm:
+    """The RMS norm folded in front of a product: ``weight`` None for a norm without one."""
+
+    weight: object  # Tensor or None
+    eps: float
+    unit_offset: bool = False
+
+
+class DecodeMatvec(KernelOp):
+    """ins: x [, norm weight], weights [, biases] [, residual] [, positions, cache start, inv_freq, k cache,
+    v cache]; outs: out0 [, k cache, v cache (in place)]. Attributes are decode_matvec's keywords."""
+
+    name = "decode_matvec"
+
+    def emit(self, seq, outs, ins):
+        ins = list(ins)
+        x = ins.pop(0)
+        norm_weight = ins.pop(0).operand if self.has_norm_weight else None
+        weights = [ins.pop(0).operand for _ in self.widths]
+        biases = [ins.pop(0).operand for _ in self.widths] if self.has_bias else None
+        residual = ins.pop(0).operand if self.has_residual else None
+        extra = {}
+        if self.mode == "qkv":
+            positions, start, inv_freq = (ins.pop(0).operand for _ in range(3))
+            extra = dict(out1=outs[1].operand, out2=outs[2].operand, positions=positions, cache_start=start,
+                         inv_freq=inv_freq)
+        KD.decode_matvec(seq, x.operand, weights, outs[0].operand, rows=self.rows, k=self.k, widths=self.widths,
+                         mode=self.mode, norm_weight=norm_weight, norm=self.norm, eps=self.eps,
+                         norm_offset=self.norm_offset, biases=biases, residual=residual,
+                         residual_scale=self.residual_scale, activation=self.activation, head_dim=self.head_dim,
+                         rot_dim=self.rot_dim, kv_heads=self.kv_heads, capacity=self.capacity,
+                         attention_scaling=self.attention_scaling, interleaved=self.interleaved, **extra)
+
+
+def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
+    """Whether the fused kernel takes x [..., k] (at most 8 rows) and these [n, k] weights: no gradient
+    recorded, one dtype, whole unviewed weights, k a whole number of 16-byte vectors."""
+    if grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    return x.shape[-1] == weights[0].shape[-1] and fusable_weights(x.dtype, math.prod(x.shape[:-1]), weights, norm)
+
+
+def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) -> bool:
+    """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights."""
+    k = weights[0].shape[-1]
+    whole = list(weights) + ([norm.weight] if norm is not None and norm.weight is not None else [])
+    return (1 <= rows <= KD.MAX_ROWS and dtype.name in ("float32", "float16", "bfloat16")
+            and k % KD.elements_per_vector(dtype) == 0 and all(w.ndim == 2 and w.shape[1] == k for w in weights)
+            and all(w.dtype is dtype and w.lazy.view.offset == 0 and w.lazy.view.is_contiguous for w in whole))
+
+
+def _inputs_and_attrs(x, weights, norm, biases, residual):
+    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    x_lazy = contiguous(x.lazy)
+    if x_lazy.view.offset % KD.elements_per_vector(x.dtype):
+        from vkformers.engine.ops.elementwise import CopyStrided
+        x_lazy = node(CopyStrided(), [x_lazy], [(x_lazy.shape, x_lazy.dtype)])[0]
+    inputs = [x_lazy]
+    if norm is not None and norm.weight is not None:
+        inputs.append(norm.weight.lazy)
+    inputs += [w.lazy for w in weights]
+    if biases is not None:
+        inputs += [b.cast(x.dtype).lazy for b in biases]
+    if residual is not None:
+        inputs.append(residual.cast(x.dtype).lazy)
+    attrs = dict(rows=rows, k=k, widths=tuple(w.shape[0] for w in weights), norm=norm is not None,
+                 has_norm_weight=norm is not None and norm.weight is not None,
+                 eps=float(norm.eps) if norm else 0.0, norm_offset=bool(norm and norm.unit_offset),
+                 has_bias=biases is not None, has_residual=residual is not None, residual_scale=1.0,
+                 activation="silu", head_dim=0, rot_dim=0, kv_heads=0, capacity=0, attention_scaling=1.0,
+                 interleaved=False)
+    return inputs, attrs
+
+
+def _result(lazy):
+    from vkformers.engine.tensor import Tensor
+    return Tensor._from_lazy(lazy)
+
+
+def fused_linear(x, weight, *, norm: FusedNorm | None = None, bias=None, residual=None, residual_scale: float = 1.0):
+    """``[residual + residual_scale *] (rms_norm(x) @ weight.T [+ bias])`` for x [..., k]: one dispatch."""
+    inputs, attrs = _inputs_and_attrs(x, [weight], norm, None if bias is None else [bias], residual)
+    attrs.update(mode="plain", residual_scale=float(residual_scale))
+    shape = x.shape[:-1] + (weight.shape[0],)
+    return _result(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
+
+
+def fused_gated(x, gate_weight, up_weight, *, activation: str = "silu", norm: FusedNorm | None = None, biases=None):
+    """``act(rms_norm(x) @ gate.T [+ b]) * (rms_norm(x) @ up.T [+ b])`` for x [..., k]: one dispatch."""
+    if activation not in KD.ACTIVATIONS:
+        raise ValueError(f"fused_gated: activation must be one of {sorted(KD.ACTIVATIONS)}, not {activation!r}")
+    inputs, attrs = _inputs_and_attrs(x, [gate_weight, up_weight], norm, biases, None)
+    attrs.update(mode="gated", activation=activation)
+    shape = x.shape[:-1] + (gate_weight.shape[0],)
+    return _result(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
+
+
+def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, positions, inv_freq, head_dim: int,
+                         attention_scaling: float = 1.0, interleaved: bool = False, norm: FusedNorm | None = None,
+                         biases=None):
+    """q, k, v projections of x [batch, 1, hidden] with the rotary embedding (angles ``positions`` [batch, 1]
+    int32 times ``inv_freq`` float32 [rot_dim / 2]), k and v written into the caches [batch, kv_heads,
+    capacity, head_dim] (persistent tensors) at slot ``cache_start[0]`` (uint32, read on the GPU).
+    Returns q [batch, heads, 1, head_dim]; the caches' tensors are updated in place."""
+    batch, length, _ = x.shape
+    if length != 1:
+        raise ValueError(f"fused_qkv_rope_write: one new token per sequence, got {length}")
+    for cache, what in ((k_cache, "k"), (v_cache, "v")):
+        if not cache.lazy.base.persistent or cache.dtype is not x.dtype:
+            raise ValueError(f"fused_qkv_rope_write: the {what} cache must be a persistent {x.dtype.name} tensor")
+    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    inputs, attrs = _inputs_and_attrs(x, [wq, wk, wv], norm, biases, None)
+    inputs += [positions.cast(dt.int32).lazy, cache_start.reshape(1).lazy, inv_freq.float().lazy,
+               k_cache.lazy, v_cache.lazy]
+    attrs.update(mode="qkv", head_dim=head_dim, rot_dim=2 * inv_freq.shape[0], kv_heads=kv_heads,
+                 capacity=capacity, attention_scaling=float(attention_scaling), interleaved=bool(interleaved))
+    heads = wq.shape[0] // head_dim
+    q, k_out, v_out = node(DecodeMatvec(**attrs), inputs,
+                           [((batch, heads, 1, head_dim), x.dtype), (k_cache.shape, k_cache.dtype),
+                            (v_cache.shape, v_cache.dtype)], into=[None, k_cache.lazy, v_cache.lazy])
+    k_cache._set_lazy(k_out)
+    v_cache._set_lazy(v_out)
+    return _result(q)

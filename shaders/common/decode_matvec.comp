@@ -1,0 +1,256 @@
+// Fused products of a decode step (one new token per sequence, ROWS <= 8 rows of x):
+//   y = epilogue(rms_norm(x) @ W^T), W row-major [n, k] (a Linear's weight), float32 accumulation.
+// Folding the steps around a product into it saves the dependent dispatches (and barriers)
+// that dominate a decode step on a GPU; the product itself is bound by reading W.
+//
+// Prologue, HAS_NORM: rms_norm(x) @ W^T = rstd * ((x * g) @ W^T) per row, rstd = 1/sqrt(mean(x^2) + eps),
+// so the norm costs one extra sum of squares in the same pass over x (g: the norm weight, 1 + g for
+// NORM_OFFSET; no weight when NORM_WEIGHT is 0).
+//
+// A subgroup computes two output columns at a time (a "pair") for every row; what a pair is and
+// where it goes depends on MODE:
+//   MODE_PLAIN: columns (2u, 2u + 1) of W0; out0 = y (+ bias) (or residual + residual_scale * y).
+//   MODE_GATED: column u of W0 (gate) and of W1 (up); out0[u] = act(gate) * up (SwiGLU, GeGLU).
+//   MODE_QKV:   W0, W1, W2 are the q, k and v projections of one attention layer. q and k pairs are
+//               the two dims a rotary embedding turns together (half-split (i, i + rot/2) or
+//               interleaved (2i, 2i + 1); dims past rot_dim pass through), rotated by
+//               position * inv_freq[i]; q goes to out0 ([rows, heads, 1, head_dim]), k and v are
+//               written into the KV caches out1 / out2 ([rows, kv_heads, capacity, head_dim]) at the
+//               slot cache_start[0], read on the GPU so that one recorded step serves every position.
+// Lanes stride over k in 16-byte vectors (4 float32 or 8 16-bit values): x, g and W are bound as
+// raw 16-byte words, so k must be a whole number of vectors (the launcher checks).
+//! variant f32 -DELEM_F32
+//! variant f16 -DELEM_F16
+//! variant bf16 -DELEM_BF16
+#version 450
+#extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
+#include "transformer_common.glsl"
+#include "elementwise_math.glsl"
+#include "rope_angle.glsl"
+
+#define MODE_PLAIN 0
+#define MODE_GATED 1
+#define MODE_QKV 2
+#define ACT_SILU 0
+#define ACT_GELU 1
+#define ACT_GELU_TANH 2
+#define ACT_RELU 3
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 1) const uint ROWS = 1;
+layout(constant_id = 2) const uint MODE = MODE_PLAIN;
+layout(constant_id = 3) const uint HAS_NORM = 0;
+layout(constant_id = 4) const uint NORM_WEIGHT = 1;
+layout(constant_id = 5) const uint NORM_OFFSET = 0;
+layout(constant_id = 6) const uint HAS_BIAS = 0;
+layout(constant_id = 7) const uint HAS_RESIDUAL = 0;
+layout(constant_id = 8) const uint ACT = ACT_SILU;
+layout(constant_id = 9) const uint INTERLEAVED = 0;
+layout(constant_id = 10) const uint UNROLL = 4;  // vectors of each W row a lane has in flight
+
+layout(binding = 0) readonly buffer X { uvec4 x_words[]; };
+layout(binding = 1) readonly buffer NormW { uvec4 g_words[]; };
+layout(binding = 2) readonly buffer W0 { uvec4 w0[]; };
+layout(binding = 3) readonly buffer W1 { uvec4 w1[]; };
+layout(binding = 4) readonly buffer W2 { uvec4 w2[]; };
+layout(binding = 5) readonly buffer Bias0 { ELEM_T bias0[]; };
+layout(binding = 6) readonly buffer Bias1 { ELEM_T bias1[]; };
+layout(binding = 7) readonly buffer Bias2 { ELEM_T bias2[]; };
+layout(binding = 8) readonly buffer Residual { ELEM_T residual[]; };
+layout(binding = 9) buffer Out0 { ELEM_T out0[]; };
+layout(binding = 10) buffer Out1 { ELEM_T out1[]; };
+layout(binding = 11) buffer Out2 { ELEM_T out2[]; };
+layout(binding = 12) readonly buffer Positions { int positions[]; };
+layout(binding = 13) readonly buffer CacheStart { uint cache_start[]; };
+layout(binding = 14) readonly buffer InvFreq { float inv_freq[]; };
+
+layout(push_constant) uniform Push {
+    uint k;                       // inner size (elements)
+    uint n0; uint n1; uint n2;    // output columns of W0, W1, W2 (0 where unused)
+    float eps;
+    float residual_scale;
+    uint head_dim; uint rot_dim; uint kv_heads; uint capacity;
+    float attention_scaling;
+    uint bias_offset0; uint bias_offset1; uint bias_offset2;
+    uint residual_offset; uint out_offset; uint positions_offset; uint start_offset; uint inv_freq_offset;
+    uint x_offset;                // in 16-byte vectors
+};
+
+#if defined(ELEM_F32)
+#define PER_VECTOR 4
+#define VECS 1
+#else
+#define PER_VECTOR 8
+#define VECS 2
+#endif
+struct Vector { vec4 v[VECS]; };
+
+Vector decode(uvec4 w) {
+    Vector x;
+#if defined(ELEM_F32)
+    x.v[0] = uintBitsToFloat(w);
+#elif defined(ELEM_F16)
+    x.v[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
+    x.v[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
+#else  // bfloat16: element 2j in the low half of word j, 2j+1 in the high half
+    x.v[0] = uintBitsToFloat(uvec4(w.x << 16, w.x & 0xFFFF0000u, w.y << 16, w.y & 0xFFFF0000u));
+    x.v[1] = uintBitsToFloat(uvec4(w.z << 16, w.z & 0xFFFF0000u, w.w << 16, w.w & 0xFFFF0000u));
+#endif
+    return x;
+}
+
+float vector_dot(Vector a, Vector b) {
+    float s = dot(a.v[0], b.v[0]);
+    [[unroll]] for (uint j = 1; j < VECS; ++j) s += dot(a.v[j], b.v[j]);
+    return s;
+}
+
+uvec4 weight_word(uint which, uint index) {
+    if (which == 0) return w0[index];
+    if (which == 1) return w1[index];
+    return w2[index];
+}
+
+float bias_of(uint which, uint column) {
+    if (which == 0) return load_elem(bias0[bias_offset0 + column]);
+    if (which == 1) return load_elem(bias1[bias_offset1 + column]);
+    return load_elem(bias2[bias_offset2 + column]);
+}
+
+float activation(float x) {
+    if (ACT == ACT_GELU) return gelu(x);
+    if (ACT == ACT_GELU_TANH) return gelu_tanh(x);
+    if (ACT == ACT_RELU) return x > 0.0 ? x : 0.0;
+    return silu(x);
+}
+
+// Which matrix and rows of it pair p is, and whether (and by which frequency) the pair rotates.
+struct Pair { uint which; uint col0; uint col1; int freq; uint head; uint dim0; uint dim1; };
+
+Pair pair_of(uint p) {
+    Pair r;
+    r.freq = -1;
+    if (MODE == MODE_PLAIN) {
+        r.which = 0; r.col0 = 2 * p; r.col1 = 2 * p + 1;
+        return r;
+    }
+    if (MODE == MODE_GATED) {
+        r.which = 0; r.col0 = p; r.col1 = p;  // gate column p of W0, up column p of W1
+        return r;
+    }
+    uint half_head = head_dim / 2, q_pairs = n0 / 2, k_pairs = n1 / 2;
+    r.which = p < q_pairs ? 0 : (p < q_pairs + k_pairs ? 1 : 2);
+    uint local = p - (r.which == 0 ? 0 : (r.which == 1 ? q_pairs : q_pairs + k_pairs));
+    r.head = local / half_head;
+    uint i = local % half_head;
+    if (r.which == 2) {
+        r.dim0 = 2 * i; r.dim1 = 2 * i + 1;
+    } else if (INTERLEAVED != 0) {
+        r.dim0 = 2 * i; r.dim1 = 2 * i + 1;
+        if (2 * i < rot_dim) r.freq = int(i);
+    } else if (i < rot_dim / 2) {
+        r.dim0 = i; r.dim1 = i + rot_dim / 2; r.freq = int(i);
+    } else {
+        r.dim0 = rot_dim + 2 * (i - rot_dim / 2); r.dim1 = r.dim0 + 1;
+    }
+    r.col0 = r.head * head_dim + r.dim0;
+    r.col1 = r.head * head_dim + r.dim1;
+    return r;
+}
+
+void store(uint row, Pair pr, float y0, float y1) {
+    if (MODE == MODE_GATED) {
+        out0[out_offset + row * n0 + pr.col0] = store_elem(activation(y0) * y1);
+        return;
+    }
+    if (MODE == MODE_PLAIN) {
+        [[unroll]] for (uint c = 0; c < 2; ++c) {
+            uint col = c == 0 ? pr.col0 : pr.col1;
+            if (col >= n0) break;
+            float y = c == 0 ? y0 : y1;
+            if (HAS_RESIDUAL != 0) y = load_elem(residual[residual_offset + row * n0 + col]) + residual_scale * y;
+            out0[out_offset + row * n0 + col] = store_elem(y);
+        }
+        return;
+    }
+    if (pr.which == 0) {
+        out0[out_offset + row * n0 + pr.col0] = store_elem(y0);
+        out0[out_offset + row * n0 + pr.col1] = store_elem(y1);
+        return;
+    }
+    uint slot = ((row * kv_heads + pr.head) * capacity + cache_start[start_offset]) * head_dim;
+    if (pr.which == 1) {
+        out1[slot + pr.dim0] = store_elem(y0);
+        out1[slot + pr.dim1] = store_elem(y1);
+    } else {
+        out2[slot + pr.dim0] = store_elem(y0);
+        out2[slot + pr.dim1] = store_elem(y1);
+    }
+}
+
+void main() {
+    uint pairs = MODE == MODE_PLAIN ? (n0 + 1) / 2 : (MODE == MODE_GATED ? n0 : (n0 + n1 + n2) / 2);
+    uint p = gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID;
+    if (p >= pairs) return;  // a whole subgroup leaves together
+    Pair pr = pair_of(p);
+    uint second = MODE == MODE_GATED ? 1 : pr.which;  // the matrix of the second column
+    uint col1 = min(pr.col1, (MODE == MODE_PLAIN ? n0 : pr.col1 + 1) - 1);  // plain: odd n0 repeats a row
+    uint vectors = k / PER_VECTOR, lane = gl_SubgroupInvocationID, step = gl_SubgroupSize;
+
+    float acc0[ROWS], acc1[ROWS], squares[ROWS];
+    [[unroll]] for (uint r = 0; r < ROWS; ++r) { acc0[r] = 0.0; acc1[r] = 0.0; squares[r] = 0.0; }
+    for (uint base = lane; base < vectors; base += step * UNROLL) {
+        uvec4 a[UNROLL], b[UNROLL];
+        [[unroll]] for (uint u = 0; u < UNROLL; ++u) {  // every load issued before any is used
+            uint v = min(base + u * step, vectors - 1);
+            a[u] = weight_word(pr.which, pr.col0 * vectors + v);
+            b[u] = weight_word(second, col1 * vectors + v);
+        }
+        [[unroll]] for (uint u = 0; u < UNROLL; ++u) {
+            uint v = base + u * step;
+            if (v >= vectors) break;
+            Vector wa = decode(a[u]), wb = decode(b[u]);
+            Vector g;
+            if (HAS_NORM != 0 && NORM_WEIGHT != 0) {
+                g = decode(g_words[v]);
+                if (NORM_OFFSET != 0) [[unroll]] for (uint j = 0; j < VECS; ++j) g.v[j] += 1.0;
+            }
+            [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+                Vector xv = decode(x_words[x_offset + r * vectors + v]);
+                if (HAS_NORM != 0) {
+                    squares[r] += vector_dot(xv, xv);
+                    if (NORM_WEIGHT != 0) [[unroll]] for (uint j = 0; j < VECS; ++j) xv.v[j] *= g.v[j];
+                }
+                acc0[r] += vector_dot(xv, wa);
+                acc1[r] += vector_dot(xv, wb);
+            }
+        }
+    }
+    float sums0[ROWS], sums1[ROWS];
+    [[unroll]] for (uint r = 0; r < ROWS; ++r) {  // in uniform control flow: every lane takes part
+        sums0[r] = subgroupAdd(acc0[r]);
+        sums1[r] = subgroupAdd(acc1[r]);
+        if (HAS_NORM != 0) {
+            float rstd = inversesqrt(subgroupAdd(squares[r]) / float(k) + eps);
+            sums0[r] *= rstd;
+            sums1[r] *= rstd;
+        }
+    }
+    [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+        if (lane != r % step) continue;  // one lane stores each row
+        float y0 = sums0[r], y1 = sums1[r];
+        if (HAS_BIAS != 0) {
+            y0 += bias_of(pr.which, pr.col0);
+            y1 += bias_of(second, col1);
+        }
+        if (pr.freq >= 0) {
+            float angle = float(positions[positions_offset + r]) * inv_freq[inv_freq_offset + pr.freq];
+            vec2 cs = cos_sin(angle) * attention_scaling;
+            float r0 = y0 * cs.x - y1 * cs.y;
+            y1 = y1 * cs.x + y0 * cs.y;
+            y0 = r0;
+        }
+        store(r, pr, y0, y1);
+    }
+}

@@ -1,0 +1,125 @@
+"""Fused decode-step ops (engine/ops/decode.py) against float64 numpy: RMS norm folded into the
+product, bias, residual, gated activations, and q/k/v with the rotary embedding and the KV-cache
+write at a position read on the GPU.
+
+Tolerances: float32 1e-4 relative to the output's scale (k up to 520 summed in float32); float16
+and bfloat16 inputs are rounded to the storage type first and the result is rounded once, so the
+bounds are a few units of the storage type's last place (float16 4e-3, bfloat16 3e-2 of the scale).
+"""
+import numpy as np
+import pytest
+
+import vkformers as vkf
+from vkformers.engine.ops.decode import FusedNorm, fusable, fused_gated, fused_linear, fused_qkv_rope_write
+from test_attention import rounded
+from test_kernels_transformer import rope_reference
+
+DTYPES = ["float32", "float16", "bfloat16"]
+TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def make(rng, shape, dtype, scale=1.0):
+    """(float64 values as stored, tensor)."""
+    exact, host = rounded(rng.standard_normal(shape) * scale, dtype)
+    return exact, vkf.tensor(host, dtype=dtype)
+
+
+def rms(x, weight, eps, offset=False):
+    w = 1.0 if weight is None else (1.0 + weight if offset else weight)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def check(got, want, dtype):
+    """got: Tensor.numpy() (16-bit values come back widened to float32)."""
+    got = np.asarray(got, np.float64)
+    scale = max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (3, 520, 37), (8, 256, 130)])
+def test_fused_linear_with_norm_bias_and_residual(device, dtype, rows, k, n):
+    rng = np.random.default_rng(rows * k + n)
+    x, xt = make(rng, (rows, 1, k), dtype)
+    w, wt = make(rng, (n, k), dtype, 0.1)
+    g, gt = make(rng, (k,), dtype)
+    b, bt = make(rng, (n,), dtype)
+    r, rt = make(rng, (rows, 1, n), dtype)
+    with vkf.no_grad():
+        assert fusable(xt, [wt], FusedNorm(gt, 1e-5))
+        plain = fused_linear(xt, wt).numpy()
+        full = fused_linear(xt, wt, norm=FusedNorm(gt, 1e-5), bias=bt, residual=rt, residual_scale=0.5).numpy()
+        bare_norm = fused_linear(xt, wt, norm=FusedNorm(None, 1e-6)).numpy()
+    check(plain, x @ w.T, dtype)
+    check(full, r + 0.5 * (rms(x, g, 1e-5) @ w.T + b), dtype)
+    check(bare_norm, rms(x, None, 1e-6) @ w.T, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_fused_gated_matches_act_gate_times_up(device, dtype, activation):
+    rng = np.random.default_rng(7)
+    rows, k, n = 2, 128, 72
+    x, xt = make(rng, (rows, 1, k), dtype)
+    (wg, wgt), (wu, wut) = make(rng, (n, k), dtype, 0.2), make(rng, (n, k), dtype, 0.2)
+    g, gt = make(rng, (k,), dtype, 0.1)
+    (bg, bgt), (bu, but) = make(rng, (n,), dtype), make(rng, (n,), dtype)
+    with vkf.no_grad():
+        got = fused_gated(xt, wgt, wut, activation=activation, norm=FusedNorm(gt, 1e-6, unit_offset=True),
+                          biases=[bgt, but]).numpy()
+    h = rms(x, g, 1e-6, offset=True)
+    gate, up = h @ wg.T + bg, h @ wu.T + bu
+    from math import erf, sqrt
+    acts = {"silu": lambda t: t / (1 + np.exp(-t)),
+            "gelu": np.vectorize(lambda t: 0.5 * t * (1 + erf(t / sqrt(2)))),
+            "gelu_tanh": lambda t: 0.5 * t * (1 + np.tanh(np.sqrt(2 / np.pi) * (t + 0.044715 * t ** 3)))}
+    check(got, acts[activation](gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rot_dim, interleaved", [(16, 16, False), (16, 16, True), (16, 8, False),
+                                                           (8, 4, True)])
+def test_fused_qkv_rotates_and_writes_the_cache(device, dtype, head_dim, rot_dim, interleaved):
+    rng = np.random.default_rng(head_dim + rot_dim + interleaved)
+    batch, heads, kv_heads, hidden, capacity, start = 3, 4, 2, 64, 6, 4
+    x, xt = make(rng, (batch, 1, hidden), dtype)
+    (wq, wqt), (wk, wkt), (wv, wvt) = (make(rng, (h * head_dim, hidden), dtype, 0.2)
+                                       for h in (heads, kv_heads, kv_heads))
+    biases = [make(rng, (h * head_dim,), dtype) for h in (heads, kv_heads, kv_heads)]
+    g, gt = make(rng, (hidden,), dtype)
+    positions = np.array([[4], [9], [70000]], np.int32)  # left padding: rows sit at different positions
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, rot_dim, 2) / rot_dim)).astype(np.float32)
+    stored, sentinel = rounded(np.full((batch, kv_heads, capacity, head_dim), 5.0), dtype)
+    k_cache = vkf.parameter(sentinel, dtype=dtype, requires_grad=False)
+    v_cache = vkf.parameter(sentinel, dtype=dtype, requires_grad=False)
+    with vkf.no_grad():
+        q = fused_qkv_rope_write(xt, wqt, wkt, wvt, k_cache=k_cache, v_cache=v_cache,
+                                 cache_start=vkf.tensor(np.array([start], np.uint32)),
+                                 positions=vkf.tensor(positions), inv_freq=vkf.tensor(inv_freq), head_dim=head_dim,
+                                 attention_scaling=0.9, interleaved=interleaved, norm=FusedNorm(gt, 1e-6),
+                                 biases=[b[1] for b in biases]).numpy()
+        caches = k_cache.numpy(), v_cache.numpy()
+    h = rms(x, g, 1e-6)[:, 0]
+
+    def heads_of(w, b, count):  # [batch, count, 1, head_dim]
+        return (h @ w.T + b).reshape(batch, count, 1, head_dim)
+    rotate = lambda t: rope_reference(t, positions, inv_freq, rot_dim, interleaved, 0.9)
+    check(q, rotate(heads_of(wq, biases[0][0], heads)), dtype)
+    want_k, want_v = stored.copy(), stored.copy()
+    want_k[:, :, start:start + 1] = rotate(heads_of(wk, biases[1][0], kv_heads))
+    want_v[:, :, start:start + 1] = heads_of(wv, biases[2][0], kv_heads)
+    check(caches[0], want_k, dtype)
+    check(caches[1], want_v, dtype)
+
+
+def test_fusable_refuses_what_the_kernel_cannot_take(device):
+    x = vkf.tensor(np.zeros((9, 1, 64), np.float32))
+    w = vkf.tensor(np.zeros((8, 64), np.float32))
+    with vkf.no_grad():
+        assert not fusable(x, [w])  # 9 rows
+        assert not fusable(x[:2], [vkf.tensor(np.zeros((8, 64), np.float16))])  # mixed dtypes
+        assert not fusable(vkf.tensor(np.zeros((1, 1, 66), np.float32)), [vkf.tensor(np.zeros((8, 66), np.float32))])
+        assert not fusable(x[:2], [w[1:]])  # a view into a weight
+        assert fusable(x[:2], [w])
+    trainable = vkf.tensor(np.zeros((8, 64), np.float32), requires_grad=True)
+    assert not fusable(x[:2], [trainable])  # a gradient is being recorded
