@@ -565,6 +565,17 @@ SPECS = [
           "gate from q_proj) with a sparse block in both layers: softmax router mlp.gate over 4 experts, top-2 "
           "renormalised, experts of width 16 (saved one module per expert), plus a shared_expert of width 20 scaled by sigmoid(shared_expert_gate(x))."],
          saved_names=True),
+    Spec("qwen3_next", "qwen3_next", dict(
+        L, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20,
+        norm_topk_prob=False, mlp_only_layers=[0]),
+         ["qwen3_5_text's hybrid decoder (layer 0 Gated DeltaNet, layer 1 softmax attention with a sigmoid output "
+          "gate from q_proj) whose linear layer's projections are fused per key head: in_proj_qkvz ([q, k, v, z] of "
+          "each of the 2 key heads and its 2 value heads) and in_proj_ba ([b, a] likewise). Layer 0 dense "
+          "(mlp_only_layers [0], intermediate 24), layer 1 sparse: softmax router over 4 experts, top-2 NOT "
+          "renormalised (norm_topk_prob False), experts of width 16, a shared_expert of width 20 scaled by "
+          "sigmoid(shared_expert_gate(x))."], saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

@@ -25,7 +25,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 
-from vkformers_llama.decoder import make_norm, softplus
+from vkformers_llama.decoder import concat_last, make_norm, softplus
 
 
 def concat_time(a, b):
@@ -38,8 +38,9 @@ def concat_time(a, b):
 
 
 class GatedDeltaNet(Module):
-    """Qwen3.5's ``linear_attn``: parameters under its names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
-    conv1d.weight [C, 1, kernel], dt_bias, A_log, norm.weight, out_proj)."""
+    """Qwen3.5's ``linear_attn``: parameters under its names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, or
+    Qwen3-Next's grouped in_proj_qkvz and in_proj_ba; conv1d.weight [C, 1, kernel], dt_bias, A_log, norm.weight,
+    out_proj)."""
 
     def __init__(self, spec):
         super().__init__()
@@ -49,10 +50,14 @@ class GatedDeltaNet(Module):
         self.k_dim, self.v_dim, self.kernel = s.linear_k_dim, s.linear_v_dim, s.linear_conv_kernel
         key_width, value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.conv_channels = 2 * key_width + value_width
-        self.in_proj_qkv = Linear(d, self.conv_channels, bias=False)
-        self.in_proj_z = Linear(d, value_width, bias=False)
-        self.in_proj_b = Linear(d, self.v_heads, bias=False)
-        self.in_proj_a = Linear(d, self.v_heads, bias=False)
+        if s.linear_grouped_projections:
+            self.in_proj_qkvz = Linear(d, self.conv_channels + value_width, bias=False)
+            self.in_proj_ba = Linear(d, 2 * self.v_heads, bias=False)
+        else:
+            self.in_proj_qkv = Linear(d, self.conv_channels, bias=False)
+            self.in_proj_z = Linear(d, value_width, bias=False)
+            self.in_proj_b = Linear(d, self.v_heads, bias=False)
+            self.in_proj_a = Linear(d, self.v_heads, bias=False)
         conv = Module()
         conv.param("weight", (self.conv_channels, 1, self.kernel))
         self.conv1d = conv
@@ -61,6 +66,22 @@ class GatedDeltaNet(Module):
         # the gated norm has a plain weight, also in (1 + w) models
         self.norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True), self.v_dim)
         self.out_proj = Linear(value_width, d, bias=False)
+
+    def _project(self, h):
+        """[q | k | v] (the conv's channels), z, b and a of the input."""
+        if not self.spec.linear_grouped_projections:
+            return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
+        # per key head: [q (k_dim), k (k_dim), v, z (its value heads' v_dim each)] and [b, a (one per value head)]
+        batch, length = h.shape[:2]
+        kd, vd, heads, repeat = self.k_dim, self.v_dim, self.k_heads, self.v_heads // self.k_heads
+        grouped = self.in_proj_qkvz(h).reshape(batch, length, heads, 2 * kd + 2 * repeat * vd)
+        bounds = (0, kd, 2 * kd, 2 * kd + repeat * vd, 2 * kd + 2 * repeat * vd)
+        q, k, v, z = (grouped[..., a:b].contiguous().reshape(batch, length, heads * (b - a))
+                      for a, b in zip(bounds, bounds[1:]))
+        ba = self.in_proj_ba(h).reshape(batch, length, heads, 2 * repeat)
+        b, a = (ba[..., i * repeat:(i + 1) * repeat].contiguous().reshape(batch, length, self.v_heads)
+                for i in range(2))
+        return concat_last(concat_last(q, k), v), z, b, a
 
     def _conv(self, x, history):
         """Causal depthwise conv1d + silu over time: x [B, T, C], history [B, kernel - 1, C] (the inputs before)."""
@@ -100,14 +121,15 @@ class GatedDeltaNet(Module):
             history = Tensor(np.zeros((batch, self.kernel - 1, self.conv_channels), np.float32), dtype=h.dtype)
             state = Tensor(np.zeros((batch, self.v_heads, self.k_dim, self.v_dim), np.float32), dtype=h.dtype)
 
-        mixed, history = self._conv(self.in_proj_qkv(h), history)
+        mixed, z, b, a = self._project(h)
+        mixed, history = self._conv(mixed, history)
         key_width = self.k_heads * self.k_dim
         repeat = self.v_heads // self.k_heads
         q = self._l2norm(self._heads(mixed[..., :key_width], self.k_heads, self.k_dim, repeat)) * (self.k_dim ** -0.5)
         k = self._l2norm(self._heads(mixed[..., key_width:2 * key_width], self.k_heads, self.k_dim, repeat))
         v = self._heads(mixed[..., 2 * key_width:], self.v_heads, self.v_dim)
-        beta = F.sigmoid(self.in_proj_b(h)).permute(0, 2, 1)                      # [B, H, T]
-        decay = (softplus(self.in_proj_a(h) + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
+        beta = F.sigmoid(b).permute(0, 2, 1)                                       # [B, H, T]
+        decay = (softplus(a + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
 
         heads, kd, vd = self.v_heads, self.k_dim, self.v_dim
         out = None
@@ -125,6 +147,6 @@ class GatedDeltaNet(Module):
         if states is not None:
             states[index] = (history.detach(), state.detach())
 
-        z = self.in_proj_z(h).reshape(batch, length, heads, vd)
+        z = z.reshape(batch, length, heads, vd)
         gated = self.norm(out.permute(0, 2, 1, 3)) * F.silu(z)
         return self.out_proj(gated.reshape(batch, length, heads * vd))

@@ -78,6 +78,8 @@ class DecoderSpec:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv_kernel: int = 4
+    linear_grouped_projections: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba laid out per key head ([q k v z] /
+    #                                          [b a] of its value heads) instead of in_proj_qkv / _z / _b / _a
     mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
     mla_q_lora_rank: int | None = None       # None: one q_proj
     mla_kv_lora_rank: int = 0

@@ -101,6 +101,15 @@ def qwen3_5_moe_text(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def qwen3_next(config: dict) -> DecoderSpec:
+    """Qwen3.5's hybrid decoder whose Gated DeltaNet projections are laid out per key head (in_proj_qkvz,
+    in_proj_ba), with Qwen2-MoE's sparse block (norm_topk_prob, sigmoid-gated shared_expert) on the layers of
+    decoder_sparse_step / mlp_only_layers and dense MLPs of intermediate_size elsewhere."""
+    _refuse_training_extras("qwen3_next", config)
+    moe = qwen2_moe(dict(config, norm_topk_prob=config.get("norm_topk_prob", True))).moe
+    return replace(qwen3_5_text(config), linear_grouped_projections=True, moe=moe)
+
+
 def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
@@ -504,6 +513,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
     "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
+    "qwen3_next": qwen3_next,
 }
 
 
