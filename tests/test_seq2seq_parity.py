@@ -180,6 +180,12 @@ def test_labels_shift_and_errors():
     bigbird = json.loads((FIXTURES / "bigbird_pegasus" / "config.json").read_text())
     with pytest.raises(UnsupportedConfigError, match="attention_type='block_sparse'.*original_full"):
         seq2seq_spec(dict(bigbird, attention_type="block_sparse"), "bigbird_pegasus")
+    t5gemma = json.loads((FIXTURES / "t5gemma" / "config.json").read_text())
+    assert built("t5gemma").shift_right(np.array([[5, -100, 7]])).tolist() == [[1, 5, 0]]  # decoder.bos_token_id
+    with pytest.raises(UnsupportedConfigError, match="encoder and decoder differ in hidden_size"):
+        seq2seq_spec(dict(t5gemma, encoder=dict(t5gemma["encoder"], hidden_size=64)), "t5_gemma_module")
+    with pytest.raises(UnsupportedConfigError, match="stack config alone"):
+        seq2seq_spec(t5gemma["decoder"], "t5_gemma_module")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

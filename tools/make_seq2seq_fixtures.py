@@ -55,6 +55,12 @@ T = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTER, num
          num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
          relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=PAD, **TOK)
 
+# T5Gemma stack (T5GemmaModuleConfig) names: GQA 4 query / 2 key-value heads, windows and soft-capping that show
+G = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+         num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS, max_position_embeddings=128,
+         sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
+         dropout_rate=0.0, **TOK)
+
 
 @dataclass
 class Spec:
@@ -66,6 +72,7 @@ class Spec:
     #                                    FSMT's forward shifts input_ids, not labels, when they are missing
     untied_lm_head: bool = False  # write a distinct lm_head.weight into the checkpoint and reload: transformers
     #                               5.24 ties T5's lm_head unless the checkpoint holds a different one (T5 v1.1)
+    forward_kwargs: dict = field(default_factory=dict)  # extra arguments of the reference forward (use_cache)
 
 
 SPECS = [
@@ -84,6 +91,16 @@ SPECS = [
           "the 8 encoder / 6 decoder tokens overflow and skip the feed-forward; tied lm_head with the rescale; "
           "the loss is the cross-entropy only (no output_router_logits). Router jitter noise applies only in "
           "training mode, so not here."]),
+    Spec("t5gemma", "t5gemma", dict(encoder=dict(G, layer_types=["full_attention", "sliding_attention"]),
+                                    decoder=dict(G), vocab_size=VOCAB, dropout_rate=0.0),
+         ["T5Gemma (T5GemmaForConditionalGeneration): Gemma 2 stacks with (1 + w) RMSNorms before and after each "
+          "sublayer, rotary self-attention (bidirectional in the encoder), GQA 4 query / 2 key-value heads (cross-"
+          "attention too), query_pre_attn_scalar 24, attention and final soft-capping lowered to 2.0, sliding window "
+          "4 (encoder: layer 1, |i - j| <= 4; decoder: layer 0, i - 4 < j <= i), GeGLU (gelu_pytorch_tanh), "
+          "embeddings scaled by sqrt(hidden); separate encoder / decoder embeddings, lm_head.out_proj tied to the "
+          "decoder's. Labels shift with decoder.bos_token_id first. Reference forward with use_cache=False: the "
+          "decoder then ignores the pad decoder tokens (shifted -100 labels), as transformers does when training "
+          "(in eval with its cache it would not)."], forward_kwargs=dict(use_cache=False)),
     Spec("bart", "bart", dict(B, decoder_start_token_id=EOS),
          ["post-LN; learned positions with offset 2; layernorm_embedding; gelu; final_logits_bias; tied."]),
     Spec("mbart", "mbart", dict(B, decoder_start_token_id=EOS),
@@ -145,7 +162,8 @@ def clean_generation_config(config) -> GenerationConfig:
     """Plain greedy decoding: no forced/suppressed tokens, no eos, no length rules."""
     return GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False, num_beams=1,
                             use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
-                            decoder_start_token_id=config.decoder_start_token_id, forced_bos_token_id=None,
+                            decoder_start_token_id=getattr(config, "decoder_start_token_id", None),  # T5Gemma: none
+                            forced_bos_token_id=None,
                             forced_eos_token_id=None, temperature=None, top_p=None, top_k=None)
 
 
@@ -187,7 +205,7 @@ def build(spec: Spec, out_root: Path):
     extra = {}
     if spec.labels_shifted_here:
         extra["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels.clone())
-    fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **extra)
+    fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **extra, **spec.forward_kwargs)
     logits = fwd.logits.detach().float()
     fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),
@@ -248,7 +266,7 @@ def build(spec: Spec, out_root: Path):
                   "weight_decay": ADAMW["weight_decay"], "foreach": False, "params": "those with requires_grad"},
         "generation": {"prompt": "input_ids[0:1] (unpadded)", "max_new_tokens": NEW_TOKENS, "do_sample": False,
                        "use_cache": True, "eos_token_id": None, "forced_bos/eos": None,
-                       "decoder_start_token_id": model.config.decoder_start_token_id},
+                       "decoder_start_token_id": getattr(model.config, "decoder_start_token_id", None)},
         "notes": spec.notes,
         "num_parameters": sum(p.numel() for p in params.values()),
         "parameters": list(params.keys()),

@@ -7,7 +7,7 @@ ARCHITECTURES = [
     ("mt5",                 "encoder-decoder", "rms",   False, False, "T5-family; relative position bias"),
     ("umt5",                "encoder-decoder", "rms",   False, False, "T5-family; relative position bias"),
     ("switch_transformers", "encoder-decoder", "rms",   True,  False, "T5-family; relative position bias; upstream claims HF forward-logit fixtures"),
-    ("t5_gemma_module",     "encoder-decoder", "rms",   False, True,  "native KV-cache generation; decoder module of t5gemma"),
+    ("t5_gemma_module",     "encoder-decoder", "rms",   False, True,  "native KV-cache generation; decoder module of t5gemma; runs the whole t5gemma config (encoder and decoder must share hidden_size and head_dim)"),
     ("bart",                "encoder-decoder", "layer", False, False, "BART-layout; upstream claims HF forward-logit fixtures"),
     ("mbart",               "encoder-decoder", "layer", False, False, "BART-layout"),
     ("marian",              "encoder-decoder", "layer", False, False, "not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions"),
@@ -36,7 +36,7 @@ ALIASES = {
 # Everything not listed stays "registered".
 VERIFIED = ("t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus", "blenderbot-small", "blenderbot", "plbart",
             "m2m_100", "mvp", "fsmt", "switch_transformers",
-            "pegasus_x", "bigbird_pegasus")
+            "pegasus_x", "bigbird_pegasus", "t5_gemma_module")
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

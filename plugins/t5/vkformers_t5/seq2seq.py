@@ -11,7 +11,8 @@ Attention: the fused kernel (``F.scaled_dot_product_attention``) wherever it fit
 self-attention and every cross-attention. T5's relative position bias is an additive term the kernel
 does not take, so T5 self-attention is composed from engine ops (q k^T + bias, softmax, @ v) and
 autograd gives its backward, the bias table's gradient included. The bias is looked up once per
-stack from layer 0's table and shared by the layers (umT5: each layer its own table).
+stack from layer 0's table and shared by the layers (umT5: each layer its own table). T5Gemma's encoder
+sliding-window layers (a bidirectional window, which the kernel does not take) are composed the same way.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
 from vkformers.engine.lazy import realize
 from vkformers.engine.ops.cache import write_kv
+from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor, tensor
 from vkformers.errors import VkformersError
 from vkformers.models.cache import KVCache
@@ -62,6 +64,13 @@ LAYOUTS["fsmt"] = dict(LAYOUTS["bart"], shared=None, lm_head="model.decoder.outp
 # (q/k/v under self_attn.self, the output projection self_attn.output), the decoder's BART's
 LAYOUTS["bigbird_pegasus"] = dict(LAYOUTS["bart"], embed_norm=None, final_norm="layernorm_embedding",
                                   encoder_self_attn=dict(q="self.query", k="self.key", v="self.value", o="output"))
+# T5Gemma: Gemma 2 layers (a norm before and after each sublayer), no shared table, the head under lm_head.out_proj
+LAYOUTS["t5gemma"] = dict(LAYOUTS["bart"], shared=None, positions=None, embed_norm=None, final_norm="norm",
+                          self_norm="pre_self_attn_layernorm", cross_attn="cross_attn",
+                          cross_norm="pre_cross_attn_layernorm", ffn="mlp", ffn_norm="pre_feedforward_layernorm",
+                          self_post_norm="post_self_attn_layernorm", cross_post_norm="post_cross_attn_layernorm",
+                          ffn_post_norm="post_feedforward_layernorm", o="o_proj", up=None, gate="gate_proj",
+                          gated_up="up_proj", down="down_proj", lm_head="lm_head.out_proj")
 
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
@@ -92,7 +101,7 @@ def place(root: Module, path: str, module: Module) -> Module:
 
 def make_norm(spec: Seq2SeqSpec) -> Module:
     if spec.norm == "rms":
-        return RMSNorm(spec.d_model, eps=spec.norm_eps)
+        return RMSNorm(spec.d_model, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
     return LayerNorm(spec.d_model, eps=spec.norm_eps)
 
 
@@ -108,39 +117,54 @@ def _ids(array) -> np.ndarray:
 # ---------------------------------------------------------------- attention
 
 class Attention(Module):
-    """q/k/v/o projections; self-attention (optionally with T5's relative bias table) or cross-attention."""
+    """q/k/v/o projections; self-attention (optionally with T5's relative bias table) or cross-attention.
+    ``kv_heads`` < ``heads``: grouped-query attention (k and v have kv_heads heads)."""
 
-    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool):
+    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None):
         super().__init__()
+        kv_heads = kv_heads or heads
         inner = heads * spec.head_dim
         bias = spec.linear_bias if spec.attention_bias is None else spec.attention_bias
         object.__setattr__(self, "proj", {})
-        for role in ("q", "k", "v"):
-            self.proj[role] = place(self, names[role], Linear(spec.d_model, inner, bias=bias))
+        for role, width in (("q", inner), ("k", kv_heads * spec.head_dim), ("v", kv_heads * spec.head_dim)):
+            self.proj[role] = place(self, names[role], Linear(spec.d_model, width, bias=bias))
         self.proj["o"] = place(self, names["o"], Linear(inner, spec.d_model, bias=bias))
-        self.heads, self.head_dim = heads, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.softcap = heads, kv_heads, spec.head_dim, spec.attn_softcap
         self.scale = spec.head_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
         table = self.add("relative_attention_bias", Embedding(spec.relative_buckets, heads)) if bias_table else None
         object.__setattr__(self, "table", table)
 
     def split(self, role: str, x):
         batch, length, _ = x.shape
-        return self.proj[role](x).reshape(batch, length, self.heads, self.head_dim).permute(0, 2, 1, 3)
+        heads = self.heads if role == "q" else self.kv_heads
+        return self.proj[role](x).reshape(batch, length, heads, self.head_dim).permute(0, 2, 1, 3)
 
-    def attend(self, q, k, v, *, causal: bool, bias=None, key_padding_mask=None):
+    def attend(self, q, k, v, *, causal: bool, bias=None, key_padding_mask=None, window: int = 0):
         """[B, H, Tq, D]. With ``bias`` (relative positions and masks already added in) the attention is
         composed from engine ops; without, the fused kernel runs."""
         if bias is None:
             return F.scaled_dot_product_attention(q, k, v, causal=causal, scale=self.scale,
-                                                  key_padding_mask=key_padding_mask)
+                                                  key_padding_mask=key_padding_mask, window=window,
+                                                  softcap=self.softcap)
+        if k.shape[1] != q.shape[1]:  # grouped heads: each key/value head serves heads / kv_heads query heads
+            k, v = (_repeat_heads(t, q.shape[1]) for t in (k, v))
         scores = q @ k.transpose(-1, -2)
         if self.scale != 1.0:
             scores = scores * self.scale
+        if self.softcap:
+            scores = (scores * (1.0 / self.softcap)).tanh() * self.softcap
         return (scores + bias).softmax(-1) @ v
 
     def merge(self, out):
         batch, heads, length, dim = out.shape
         return self.proj["o"](out.permute(0, 2, 1, 3).reshape(batch, length, heads * dim))
+
+
+def _repeat_heads(t, heads: int):
+    """[B, KVH, S, D] -> [B, heads, S, D], each key/value head repeated for its group of query heads."""
+    batch, kv_heads, length, dim = t.shape
+    return t.unsqueeze(2).expand(batch, kv_heads, heads // kv_heads, length, dim).contiguous().reshape(
+        batch, heads, length, dim)
 
 
 # ---------------------------------------------------------------- Switch Transformers' sparse feed-forward
@@ -192,15 +216,23 @@ class Block(Module):
         super().__init__()
         self.spec, self.decoder, self.index = spec, decoder, index
         heads = spec.decoder_heads if decoder else spec.encoder_heads
+        kv_heads = spec.decoder_kv_heads if decoder else spec.encoder_kv_heads
         ffn = spec.decoder_ffn if decoder else spec.encoder_ffn
+        windows = spec.decoder_windows if decoder else spec.encoder_windows
+        self.window = windows[index] if windows else 0
         has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
         self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
         refs = dict(
-            self_attn=place(self, names["self_attn"], Attention(spec, self_names, heads, has_table)),
+            self_attn=place(self, names["self_attn"], Attention(spec, self_names, heads, has_table, kv_heads)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
-            cross_attn=place(self, names["cross_attn"], Attention(spec, names, heads, False)) if decoder else None,
+            cross_attn=(place(self, names["cross_attn"], Attention(spec, names, heads, False, kv_heads))
+                        if decoder else None),
             cross_norm=place(self, names["cross_norm"], make_norm(spec)) if decoder else None,
         )
+        post = {"self": "self_post_norm", "cross": "cross_post_norm", "ffn": "ffn_post_norm"}
+        for part, name in post.items():  # Gemma 2's sandwich: a norm on each sublayer's output too
+            wanted = spec.sublayer_post_norm and (decoder or part != "cross")
+            refs[name] = place(self, names[name], make_norm(spec)) if wanted else None
         sub = names["ffn"].format(ffn=2 if decoder else 1)
         sparse = spec.decoder_sparse if decoder else spec.encoder_sparse
         refs["moe"] = place(self, sub, SwitchMoE(spec, names, ffn)) if sparse and sparse[index] else None
@@ -221,7 +253,9 @@ class Block(Module):
             object.__setattr__(self, name, module)
         self.act = F.activation(spec.activation)
 
-    def _residual(self, x, norm, f):
+    def _residual(self, x, norm, f, post_norm=None):
+        if post_norm is not None:
+            return x + post_norm(f(norm(x)))
         if self.spec.pre_norm:
             return x + f(norm(x))
         return norm(x + f(x))
@@ -236,12 +270,16 @@ class Block(Module):
     def self_attention(self, h, ctx: "StackContext"):
         attn = self.self_attn
         q, k, v = attn.split("q", h), attn.split("k", h), attn.split("v", h)
+        if ctx.rope is not None:
+            q, k = ctx.rotate(q), ctx.rotate(k)
         bias = ctx.bias(self)
         cache = ctx.cache
         if cache is None:
-            out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask)
+            out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask,
+                              window=self.window)
         elif bias is None:  # fused kernel over the cached keys (prefill or one-token decode)
-            out = cache.self_attn.attend(self.index, q, k, v, scale=attn.scale)
+            out = cache.self_attn.attend(self.index, q, k, v, scale=attn.scale, window=self.window,
+                                         softcap=attn.softcap)
         else:  # store the new keys, then the composed attention over the whole cache: the causal part of the
             # bias hides the rows not written yet, and every decode step has the same shapes (its plan replays)
             keys, values = cache.self_attn.keys[self.index], cache.self_attn.values[self.index]
@@ -260,10 +298,10 @@ class Block(Module):
         if self.global_norm is not None:  # PEGASUS-X: the global tokens (first rows) have their own norm
             rows = ctx.global_rows
             norm = lambda h: self.global_norm(h) * rows + self.self_norm(h) * (1.0 - rows)  # noqa: E731
-        x = self._residual(x, norm, lambda h: self.self_attention(h, ctx))
+        x = self._residual(x, norm, lambda h: self.self_attention(h, ctx), self.self_post_norm)
         if self.decoder:
-            x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx))
-        return self._residual(x, self.ffn_norm, self.feed_forward)
+            x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx), self.cross_post_norm)
+        return self._residual(x, self.ffn_norm, self.feed_forward, self.ffn_post_norm)
 
 
 # ---------------------------------------------------------------- a stack's per-forward state
@@ -291,22 +329,49 @@ class StackContext:
             elif key_padding is not None:
                 self._additive = np.where(key_padding[:, None, None, :] != 0, 0.0, MASKED).astype(np.float32)
         self._shared_bias = None
+        self._window_bias = {}
+        self._key_padding = key_padding
+        self.rope = None  # rotary self-attention: (inv_freq, attention scaling); positions past, past + 1, ...
+        if stack.spec.rope:
+            inv_freq, scaling = rope_parameters(stack.spec.rope[1 if stack.decoder else 0], past + length)
+            self.rope = (tensor(inv_freq), scaling)
+        self._positions = None
         self.global_rows = None  # PEGASUS-X encoder: 1 on the global token rows, 0 on the input's
         if stack.spec.global_tokens and not stack.decoder:
             rows = (np.arange(length) < stack.spec.global_tokens).astype(np.float32)
             self.global_rows = tensor(rows[None, :, None])
+
+    def rotate(self, x):
+        """Rotary embedding of q or k [B, H, T, D] at positions past, past + 1, ... (every row alike)."""
+        if self._positions is None:
+            rows = np.broadcast_to(self.past + np.arange(self.length, dtype=np.int32), (x.shape[0], self.length))
+            self._positions = tensor(np.ascontiguousarray(rows))
+        inv_freq, scaling = self.rope
+        return F.rope(x, self._positions, inv_freq, attention_scaling=scaling)
 
     def bias(self, block: Block):
         """The additive attention term of a self-attention layer ([.., H, Tq, Tk]: relative position bias
         plus the masks), or None when the layer runs the fused kernel."""
         spec = self.stack.spec
         if not spec.relative_buckets:
+            if block.window and not self.stack.decoder:  # bidirectional window: composed (the kernel's is causal)
+                return self.encoder_window_bias(block.window)
             return None
         if spec.relative_bias_every_layer:
             return self._position_bias(block.self_attn.table)
         if self._shared_bias is None:  # layer 0's table, shared by every layer of the stack
             self._shared_bias = self._position_bias(self.stack.layers[0].self_attn.table)
         return self._shared_bias
+
+    def encoder_window_bias(self, window: int):
+        """[B or 1, 1, T, T]: 0 where |i - j| <= window and key j is not padding, else MASKED."""
+        if window not in self._window_bias:
+            index = np.arange(self.length)
+            allowed = np.abs(index[:, None] - index[None, :]) <= window
+            if self._key_padding is not None:
+                allowed = allowed[None, None] & (self._key_padding[:, None, None, :] != 0)
+            self._window_bias[window] = tensor(np.where(allowed, 0.0, MASKED).astype(np.float32))
+        return self._window_bias[window]
 
     def _position_bias(self, table: Embedding):
         spec = self.stack.spec
@@ -430,8 +495,8 @@ class Seq2SeqCache:
 
     def __init__(self, spec: Seq2SeqSpec, batch: int, max_len: int, dtype, device, encoder_states,
                  encoder_mask: np.ndarray):
-        self.self_attn = KVCache(spec.decoder_layers, batch, spec.decoder_heads, spec.head_dim, max_len, dtype,
-                                 device)
+        self.self_attn = KVCache(spec.decoder_layers, batch, spec.decoder_kv_heads or spec.decoder_heads,
+                                 spec.head_dim, max_len, dtype, device)
         self.encoder_states, self.encoder_mask = encoder_states, encoder_mask
         self.cross = []
 
@@ -506,6 +571,8 @@ class Seq2SeqForConditionalGeneration(Module):
         """The encoder's last hidden state [B, S, d_model]."""
         ids = _ids(input_ids)
         mask = None if attention_mask is None else _ids(attention_mask)
+        if mask is None and self.spec.encoder_pads_masked:
+            mask = (ids != self.spec.pad_token_id).astype(np.int64)
         padding = mask if mask is not None and not mask.all() else None
         length, spec = ids.shape[1], self.spec
         if spec.global_tokens:  # PEGASUS-X: global tokens first, never masked
@@ -537,6 +604,8 @@ class Seq2SeqForConditionalGeneration(Module):
         logits = self.lm_head(x)
         if self.logits_bias is not None:
             logits = logits + self.logits_bias
+        if self.spec.final_softcap:
+            logits = (logits * (1.0 / self.spec.final_softcap)).tanh() * self.spec.final_softcap
         return logits
 
     def shift_right(self, labels: np.ndarray) -> np.ndarray:

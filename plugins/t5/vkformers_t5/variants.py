@@ -41,9 +41,14 @@ class Seq2SeqSpec:
     layout: str = "bart"                  # parameter names: a key of seq2seq.LAYOUTS (t5, bart, fsmt, ...)
     source_vocab_size: int | None = None  # FSMT: the encoder's own vocabulary (None: vocab_size)
 
+    encoder_kv_heads: int | None = None   # grouped-query attention: key/value heads (None: as many as query heads)
+    decoder_kv_heads: int | None = None
+
     # -- blocks
     norm: str = "layer"                   # layer | rms (T5LayerNorm: no mean subtraction, no bias)
     norm_eps: float = 1e-5
+    norm_unit_offset: bool = False        # rms: x * (1 + weight), as Gemma stores it
+    sublayer_post_norm: bool = False      # x + post_norm(f(norm(x))) (T5Gemma's Gemma 2 sandwich); needs pre_norm
     pre_norm: bool = False                # x + f(norm(x)) (T5, mBART, Pegasus, ...) or norm(x + f(x)) (BART)
     final_norm: bool = False              # a norm after each stack's last layer
     activation: str = "gelu"
@@ -51,6 +56,10 @@ class Seq2SeqSpec:
     linear_bias: bool = True              # attention and feed-forward projections have biases
     attention_scale: float | None = None  # None: head_dim**-0.5; T5: 1.0
     attention_bias: bool | None = None    # q/k/v/o biases (None: linear_bias; PEGASUS-X: none, fc1/fc2 have them)
+    attn_softcap: float = 0.0             # scores = c tanh(scores / c) in every attention (T5Gemma)
+    final_softcap: float = 0.0            # the same on the logits
+    encoder_windows: tuple[int, ...] = ()  # per layer: self-attention sliding window (0: full); empty: none.
+    decoder_windows: tuple[int, ...] = ()  # encoder: |i - j| <= w (bidirectional); decoder: i - w < j <= i
     # PEGASUS-X's encoder: global_tokens learned tokens (embed_global) precede the input in every layer, with their
     # own pre-attention norm; block-local attention runs only when one local block covers the input, where it is
     # full attention over [global tokens; input] (longer inputs are refused)
@@ -68,6 +77,8 @@ class Seq2SeqSpec:
     relative_buckets: int = 0             # T5 relative position bias (0: none)
     relative_max_distance: int = 128
     relative_bias_every_layer: bool = False  # umT5: each layer its own table; T5: layer 0's, shared
+    rope: tuple = ()                      # (encoder config, decoder config) whose rope_parameters rotate q and k of
+    #                                       self-attention (positions 0, 1, ... whatever the padding); empty: none
     positions: str | None = None          # learned | sinusoidal (Marian/Pegasus) | fairseq (M2M-100, FSMT) |
     #                                       fairseq_from_zero (PEGASUS-X: fairseq's table, rows 0, 1, ...) | None
     fairseq_table_trained: bool = False   # FSMT: the fairseq table is a parameter (embed_positions.weight, its
@@ -95,6 +106,7 @@ class Seq2SeqSpec:
     decoder_inputs_from_input_ids: bool = False  # BART: no decoder inputs and no labels -> shift input_ids
     decoder_pad_keys_masked: bool = False  # FSMT (fairseq): decoder self-attention ignores pad decoder tokens
     #                                        (forward without the cache, as transformers does when training)
+    encoder_pads_masked: bool = False     # T5Gemma: without an attention_mask the encoder (only) masks pad tokens
 
 
 def _get(config: dict, *names, default=None):
@@ -225,6 +237,49 @@ def _bigbird_pegasus(config, arch):
                      embed_norm=False, embed_scale=scale, attention_bias=bool(config.get("use_bias", False)))
 
 
+def _t5gemma(config, arch):
+    """T5Gemma: Gemma 2 stacks (T5GemmaModuleConfig each, under "encoder" and "decoder") as an encoder-decoder:
+    (1 + w) RMSNorms before and after each sublayer, rotary self-attention (encoder bidirectional) with grouped
+    key/value heads, query_pre_attn_scalar scaling, tanh soft-capping of attention scores and logits, sliding
+    windows from layer_types (bidirectional |i - j| <= w in the encoder), a GeGLU feed-forward, embeddings
+    scaled by sqrt(hidden); no shared table: the head (lm_head.out_proj) ties to the decoder's embeddings.
+    Labels shift with decoder.bos_token_id first; the decoder ignores pad decoder tokens as transformers does
+    when training (use_cache off)."""
+    encoder, decoder = config.get("encoder"), config.get("decoder")
+    if not isinstance(encoder, dict) or not isinstance(decoder, dict):
+        raise UnsupportedConfigError(f"{arch}: a T5Gemma stack config alone is not a model; load the t5gemma "
+                                     "config that holds it (encoder and decoder)")
+    for option in ("hidden_size", "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping", "rms_norm_eps",
+                   "hidden_activation", "attention_bias"):
+        if encoder.get(option) != decoder.get(option):
+            raise UnsupportedConfigError(f"{arch}: encoder and decoder differ in {option} ({encoder.get(option)!r} "
+                                         f"vs {decoder.get(option)!r}); vkformers' encoder-decoder shares it")
+
+    def windows(stack):
+        window = stack.get("sliding_window") or 0
+        return tuple(window if t == "sliding_attention" else 0 for t in stack["layer_types"])
+
+    d, bias = decoder["hidden_size"], bool(decoder.get("attention_bias", False))
+    softcap = decoder.get("attn_logit_softcapping") or 0.0
+    return Seq2SeqSpec(
+        vocab_size=decoder["vocab_size"], source_vocab_size=encoder["vocab_size"], d_model=d,
+        encoder_layers=encoder["num_hidden_layers"], decoder_layers=decoder["num_hidden_layers"],
+        encoder_heads=encoder["num_attention_heads"], decoder_heads=decoder["num_attention_heads"],
+        encoder_kv_heads=encoder["num_key_value_heads"], decoder_kv_heads=decoder["num_key_value_heads"],
+        head_dim=decoder.get("head_dim") or d // decoder["num_attention_heads"],
+        encoder_ffn=encoder["intermediate_size"], decoder_ffn=decoder["intermediate_size"], layout="t5gemma",
+        norm="rms", norm_eps=decoder.get("rms_norm_eps", 1e-6), norm_unit_offset=True, pre_norm=True,
+        sublayer_post_norm=True, final_norm=True, activation=decoder.get("hidden_activation", "gelu_pytorch_tanh"),
+        gated_ffn=True, linear_bias=False, attention_bias=bias,
+        attention_scale=decoder.get("query_pre_attn_scalar", 256) ** -0.5, attn_softcap=float(softcap),
+        final_softcap=float(decoder.get("final_logit_softcapping") or 0.0),
+        encoder_windows=windows(encoder), decoder_windows=windows(decoder), rope=(encoder, decoder),
+        embed_scale=math.sqrt(d), pad_embedding_frozen=True,
+        tie_lm_head=config.get("tie_word_embeddings", True) is not False,
+        pad_token_id=_get(decoder, "pad_token_id", default=0), decoder_start_token_id=decoder.get("bos_token_id"),
+        eos_token_id=config.get("eos_token_id"), decoder_pad_keys_masked=True, encoder_pads_masked=True)
+
+
 def _mvp(config, arch):
     refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
     return bart_spec(config, arch)
@@ -243,6 +298,7 @@ VARIANTS = {
     "fsmt": _fsmt,
     "pegasus_x": _pegasus_x,
     "bigbird_pegasus": _bigbird_pegasus,
+    "t5_gemma_module": _t5gemma,  # the t5gemma spelling resolves here with its whole config
     "pegasus": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
                                       position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False),
     "blenderbot": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
