@@ -110,6 +110,16 @@ def test_schedules_match_transformers_formulas():
 
 # ---------------------------------------------------------------- the loop
 
+def test_a_model_whose_loss_does_not_shift_labels_is_refused():
+    """TrOCRForCausalLM's loss reads labels[t] for logits[t]; the Trainer's batches assume the shift inside."""
+    pytest.importorskip("vkformers_llama")
+    from vkformers.models.loading import AutoModelForCausalLM
+    from pathlib import Path
+    model = AutoModelForCausalLM.from_pretrained(Path(__file__).parent / "fixtures" / "trocr", dtype="float32")
+    with pytest.raises(vkf.VkformersError, match="trocr: its loss reads labels"):
+        Trainer(model, TrainingConfig(steps=1, batch_size=1, seq_len=8), None)
+
+
 def test_loss_drops_and_steps_replay_one_recording(tmp_path):
     data = tiny_data()
     train, held = data.split(0.1)

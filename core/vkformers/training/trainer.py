@@ -157,6 +157,10 @@ class Trainer:
         self.params = [t for _, t in model.named_parameters() if t.requires_grad]
         if not self.params:
             raise VkformersError("nothing to train: no parameter of the model requires grad")
+        if getattr(getattr(model, "spec", None), "shift_labels", True) is False:  # TrOCRForCausalLM
+            raise VkformersError(f"{getattr(model, 'architecture_name', 'this model')}: its loss reads labels[t] for "
+                                 "logits[t] (transformers does not shift them), but the Trainer's batches hold labels "
+                                 "aligned with input_ids for a loss that shifts them")
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]  # biases and norm weights, as HF's Trainer does
         groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if g]
