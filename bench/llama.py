@@ -18,6 +18,7 @@ from common import profile_gpu, write_results
 
 import vkformers as vkf
 from vkformers.engine import lazy
+from vkformers.engine.ops import decode as fused_decode
 from vkformers.models.loading import AutoModelForCausalLM
 
 TINYLLAMA = dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -47,7 +48,7 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False) -> dict:
+def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, unfused=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
     model.dtype = vkf.dtypes.as_dtype(dtype)
@@ -65,6 +66,11 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False) -
             ids = prompt[:batch, :16]
             seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
+            if unfused:  # the same decode composed of the ordinary ops (one dispatch per op)
+                fused_decode.enabled = False
+                seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
+                fused_decode.enabled = True
+                out[f"decode_b{batch}_unfused_tok_s"] = batch * new_tokens / seconds
         if profile:
             profile_gpu(f"{dtype} prefill {prompt.shape[1]}", lambda: model(prompt[:1]).logits[:, -1].numpy())
             profile_gpu(f"{dtype} decode b1, {new_tokens} tokens",
@@ -106,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time decoding without the fused decode kernels (engine/ops/decode.py)")
     args = parser.parse_args(argv)
     config = dict(TINYLLAMA, num_hidden_layers=args.layers)
     weights = random_weights(AutoModelForCausalLM.from_config(config))
@@ -119,7 +127,7 @@ def main(argv=None) -> int:
             use_torch = False
     results = {"device": vkf.get_device().name, "config": config, "runs": {}}
     for dtype in args.dtypes.split(","):
-        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile)}
+        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile, args.unfused)}
         if use_torch:
             run["torch"] = bench_torch(config, weights, dtype, prompt, args.new_tokens)
         results["runs"][dtype] = run

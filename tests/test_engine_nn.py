@@ -83,21 +83,36 @@ def test_rope_half_layout():
           lambda x: np_rope(x, pos.astype(np.float64), inv_freq.astype(np.float64)), (2, 3, 4, 8))
 
 
-def np_attention(q, k, v, causal=True):
+def np_attention(q, k, v, causal=True, return_lse=False):
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, 1), np.repeat(v, group, 1)
     s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
     if causal:
         ql, kl = s.shape[-2:]
         s = np.where(np.arange(kl)[None, :] <= np.arange(ql)[:, None] + (kl - ql), s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+    top = s.max(-1, keepdims=True)
+    p = np.exp(s - top)
+    out = (p / p.sum(-1, keepdims=True)) @ v
+    return (out, (top + np.log(p.sum(-1, keepdims=True)))[..., 0]) if return_lse else out
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_gqa(causal):
     check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, causal=causal),
           lambda q, k, v: np_attention(q, k, v, causal), (1, 4, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8))
+
+
+def test_attention_logsumexp_carries_its_gradient():
+    """Attention sinks (gpt-oss): out * sigmoid(lse - sink) renormalises the softmax over one extra logit per
+    head; the gradient reaches q and k through the logsumexp too."""
+    def ours(q, k, v, sink):
+        out, lse = F.scaled_dot_product_attention(q, k, v, return_lse=True)
+        return out * (lse - sink.reshape(1, -1, 1)).sigmoid().reshape(*lse.shape, 1)
+
+    def reference(q, k, v, sink):
+        out, lse = np_attention(q, k, v, return_lse=True)
+        return out / (1 + np.exp(sink[None, :, None] - lse))[..., None]
+    check(ours, reference, (1, 4, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8), (4,))
 
 
 def test_attention_on_transposed_views():

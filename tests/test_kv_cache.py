@@ -92,12 +92,13 @@ def test_write_kv_and_decode_attention_ops(device):
              vkf.tensor(np.array([0], np.uint32), dtype="uint32"))
     write_kv(k_cache, v_cache, vkf.tensor(k[:, :, -1:]), vkf.tensor(v[:, :, -1:]),
              vkf.tensor(np.array([length - 1], np.uint32), dtype="uint32"))
-    out = decode_attention(vkf.tensor(q[:, :, -1:]), k_cache, v_cache,
-                           vkf.tensor(np.array([length], np.uint32), dtype="uint32"), scale=head_dim ** -0.5,
-                           key_padding_mask=vkf.tensor(mask.astype(bool)), window=5, softcap=3.0,
-                           alibi_slopes=vkf.tensor(slopes.astype(np.float32)))
-    want = reference(case, q, k, v, mask[:, :length], slopes)[0][:, :, -1:]
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-5, rtol=1e-5)
+    out, lse = decode_attention(vkf.tensor(q[:, :, -1:]), k_cache, v_cache,
+                                vkf.tensor(np.array([length], np.uint32), dtype="uint32"), scale=head_dim ** -0.5,
+                                key_padding_mask=vkf.tensor(mask.astype(bool)), window=5, softcap=3.0,
+                                alibi_slopes=vkf.tensor(slopes.astype(np.float32)), return_lse=True)
+    want, want_lse = reference(case, q, k, v, mask[:, :length], slopes)
+    np.testing.assert_allclose(out.numpy(), want[:, :, -1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse[:, :, -1:], atol=1e-5, rtol=1e-5)  # attention sinks read it
     np.testing.assert_allclose(k_cache.numpy()[:, :, :length], k, atol=1e-6)
     np.testing.assert_array_equal(k_cache.numpy()[:, :, length:], 0)
 

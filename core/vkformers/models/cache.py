@@ -112,12 +112,13 @@ class KVCache:
     # -- the attention layer's call
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, window: int = 0,
-               softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None) -> Tensor:
+               softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None,
+               return_lse: bool = False):
         """Store k, v ([B, KVH, T, D]) at the current position; attention of q ([B, H, T, D]) over all stored keys.
 
         T == 1 runs the decode kernel (kv_len read on the GPU); T > 1 (prefill) runs causal attention,
         over the new keys alone when the cache was empty and over the stored ones plus the new ones
-        otherwise. Returns [B, H, T, D].
+        otherwise. Returns [B, H, T, D] (and with ``return_lse`` each row's logsumexp, float32 [B, H, T]).
         """
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"KVCache: layer {layer} out of range 0..{self.num_layers - 1}")
@@ -130,7 +131,8 @@ class KVCache:
         k_cache, v_cache = self.keys[layer], self.values[layer]
         write_kv(k_cache, v_cache, k, v, bounds[0:1])
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        flags = dict(scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask)
+        flags = dict(scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask,
+                     return_lse=return_lse)
         if new == 1:
             return decode_attention(q, k_cache, v_cache, bounds[1:2], **flags)
         if self.position == 0:  # prefill into an empty cache: the new keys are all there is
@@ -139,14 +141,16 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], causal=True, **flags)
 
     def attend_stored(self, layer: int, q: Tensor, *, scale: float | None = None, window: int = 0,
-                      softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None) -> Tensor:
+                      softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None,
+                      return_lse: bool = False):
         """Decode attention of q ([B, H, 1, D]) over the stored keys, the new token's included: for a layer
         that wrote its k and v into ``keys[layer]`` / ``values[layer]`` itself, at ``step_inputs(1)[0][0]``
         (a fused projection does, engine/ops/decode.py)."""
         bounds, mask = self.step_inputs(1, key_padding_mask)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return decode_attention(q, self.keys[layer], self.values[layer], bounds[1:2], scale=scale, window=window,
-                                softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask)
+                                softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask,
+                                return_lse=return_lse)
 
 
 def _host_array(mask) -> np.ndarray:

@@ -291,11 +291,12 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
                        q_len: int, kv_len: int, head_dim: int, scale: float, causal: bool = True,
                        key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
                        alibi_slopes: Operand | None = None, q_offset: int | None = None,
-                       tiles: Tiles | None = None) -> None:
+                       tiles: Tiles | None = None, d_lse: Operand | None = None) -> None:
     """Record the gradients d_q, d_k, d_v of :func:`attention_forward` (same flags) into ``seq``.
 
-    Three dispatches, all deterministic: delta = rowsum(d_out * out); dK/dV per key block
+    Three dispatches, all deterministic: delta = rowsum(d_out * out) [- d_lse]; dK/dV per key block
     (summed over the query heads of a GQA group inside one workgroup); dQ per query block.
+    ``d_lse`` (float32, one per query row): the gradient reaching the forward's logsumexp, if any.
     """
     q, k, v, out, d_out, lse, d_q, d_k, d_v = map(operand, (q, k, v, out, d_out, lse, d_q, d_k, d_v))
     flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
@@ -310,10 +311,14 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     device = seq.device
     tiles = tiles or pick_tiles(device, head_dim, BACKWARD_TILES, backward_shared_bytes)
 
+    if d_lse is not None:
+        d_lse = operand(d_lse)
+        _check_float32(d_lse, q_rows, "d_lse")
     delta = device.buffer(q_rows, "float32", name="attention delta")
-    seq.dispatch(device.kernel("attention_bwd_prep", variant), [out.buffer, d_out.buffer, delta],
+    seq.dispatch(device.kernel("attention_bwd_prep", variant), [out.buffer, d_out.buffer, delta,
+                                                                (d_lse or out).buffer],
                  grid(q_rows, 128, device.limits["max_compute_work_group_count_x"]),
-                 push=[q_rows, head_dim, out.offset, d_out.offset])
+                 push=[q_rows, head_dim, out.offset, d_out.offset, d_lse.offset if d_lse else 0, int(d_lse is not None)])
 
     kernel = device.kernel("attention_bwd", variant)
     inputs = [q.buffer, k.buffer, v.buffer, d_out.buffer, lse.buffer, delta, *flags.bindings(device)]

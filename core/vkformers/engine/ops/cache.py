@@ -58,7 +58,7 @@ class DecodeAttention(KernelOp):
     name = "attention_decode"
 
     def emit(self, seq, outs, ins):
-        (out,), (q, k_cache, v_cache, kv_len, *extra) = outs, ins
+        (out, *lse), (q, k_cache, v_cache, kv_len, *extra) = outs, ins
         mask = extra.pop(0).operand if self.has_mask else None
         slopes = extra.pop(0).operand if self.has_alibi else None
         batch, heads, _, head_dim = q.shape
@@ -66,17 +66,18 @@ class DecodeAttention(KernelOp):
         KA.attention_decode(seq, q.operand, k_cache.operand, v_cache.operand, out.operand, batch=batch, heads=heads,
                             kv_heads=kv_heads, kv_len=None, max_len=max_len, head_dim=head_dim, scale=self.scale,
                             kv_len_buffer=kv_len.operand, key_padding_mask=mask, window=self.window,
-                            softcap=self.softcap, alibi_slopes=slopes)
+                            softcap=self.softcap, alibi_slopes=slopes, lse=lse[0].operand if lse else None)
 
 
 def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None, key_padding_mask=None,
-                     window: int = 0, softcap: float = 0.0, alibi_slopes=None):
+                     window: int = 0, softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False):
     """Attention of one new query per row over the first ``kv_len`` entries of the caches.
 
     q: [batch, heads, 1, head_dim]; k_cache, v_cache: [batch, kv_heads, max_len, head_dim];
     kv_len: a uint32 tensor of one element, read on the GPU (the query sits at position kv_len - 1
     and its own key must already be in the cache); key_padding_mask: bool/uint8 [batch, max_len],
-    1 = attend. Returns [batch, heads, 1, head_dim] in q's dtype.
+    1 = attend. Returns [batch, heads, 1, head_dim] in q's dtype (and with ``return_lse`` the logsumexp of
+    each row's scores, float32 [batch, heads, 1]).
     """
     from vkformers.engine.tensor import Tensor
     batch, heads, q_len, head_dim = q.shape
@@ -98,6 +99,6 @@ def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None,
         extra.append(alibi_slopes.float().lazy)
     op = DecodeAttention(scale=scale, window=int(window), softcap=float(softcap),
                          has_mask=key_padding_mask is not None, has_alibi=alibi_slopes is not None)
-    out = node(op, [q.cast(dtype).lazy, k_cache.lazy, v_cache.lazy, kv_len.reshape(1).lazy, *extra],
-               [((batch, heads, 1, head_dim), dtype)])[0]
-    return Tensor._from_lazy(out)
+    outs = node(op, [q.cast(dtype).lazy, k_cache.lazy, v_cache.lazy, kv_len.reshape(1).lazy, *extra],
+                [((batch, heads, 1, head_dim), dtype)] + ([((batch, heads, 1), dt.float32)] if return_lse else []))
+    return tuple(Tensor._from_lazy(o) for o in outs) if return_lse else Tensor._from_lazy(outs[0])

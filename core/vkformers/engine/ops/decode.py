@@ -8,11 +8,17 @@ embedding plus the KV-cache write) by one dispatch.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from vkformers.engine.function import KernelOp, contiguous, grad_enabled, node
 from vkformers.engine.kernels import decode as KD
 from vkformers.runtime import dtypes as dt
+
+
+# False (or VKFORMERS_FUSED_DECODE=0): fusable() refuses everything and models compose the ordinary ops,
+# e.g. to compare the two in a benchmark or to rule the fused kernels out when chasing a wrong result.
+enabled = os.environ.get("VKFORMERS_FUSED_DECODE", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
 
 def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) -> bool:
     """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights."""
+    if not enabled:
+        return False
     k = weights[0].shape[-1]
     whole = list(weights) + ([norm.weight] if norm is not None and norm.weight is not None else [])
     return (1 <= rows <= KD.MAX_ROWS and dtype.name in ("float32", "float16", "bfloat16")

@@ -280,42 +280,49 @@ class AttentionBackwardKernel(AttentionKernel):
 
     def emit(self, seq, outs, ins):
         (dq, dk, dv), (q, k, v, out, d_out, lse, *extra) = outs, ins
+        d_lse = extra.pop().operand if self.has_d_lse else None
         mask, alibi = _optional(extra, self.attrs)
         KA.attention_backward(seq, q.operand, k.operand, v.operand, out.operand, d_out.operand, lse.operand,
                               dq.operand, dk.operand, dv.operand, key_padding_mask=mask, alibi_slopes=alibi,
-                              **self.kernel_flags(q, k))
+                              d_lse=d_lse, **self.kernel_flags(q, k))
 
 
 class AttentionFn(Function):
-    def forward(self, q, k, v, mask, alibi, **attrs):
+    def forward(self, q, k, v, mask, alibi, return_lse=False, **attrs):
         extra = [x for x in (mask, alibi) if x is not None]
         self.attrs = dict(attrs, has_mask=mask is not None, has_alibi=alibi is not None)
         out, lse = node(AttentionKernel(**self.attrs), [q, k, v] + extra,
                         [(q.shape, q.dtype), (q.shape[:-1], dt.float32)])
         self.saved = (q, k, v, out, lse, extra)
-        return out
+        return (out, lse) if return_lse else out
 
-    def backward(self, g):
+    def backward(self, g, g_lse=None):
         q, k, v, out, lse, extra = self.saved
-        grads = node(AttentionBackwardKernel(**self.attrs), [q, k, v, out, g.contiguous().lazy, lse] + extra,
+        if g is None:  # only the logsumexp was used
+            g = _tensor(out).detach() * 0.0
+        d_lse = [g_lse.float().contiguous().lazy] if g_lse is not None else []
+        grads = node(AttentionBackwardKernel(**self.attrs, has_d_lse=bool(d_lse)),
+                     [q, k, v, out, g.contiguous().lazy, lse] + extra + d_lse,
                      [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)])
         return tuple(_tensor(x) for x in grads) + (None, None)
 
 
 def scaled_dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
                                  key_padding_mask=None, window: int = 0, softcap: float = 0.0, alibi_slopes=None,
-                                 q_offset: int | None = None):
+                                 q_offset: int | None = None, return_lse: bool = False):
     """softmax(scale * q k^T [+ alibi], masked) v for q [B, H, Sq, D], k and v [B, KVH, Skv, D] (GQA when KVH < H).
 
     key_padding_mask: [B, Skv] bool/uint8, 1 = attend (HF attention_mask). window > 0: sliding window.
     softcap > 0: scores = softcap * tanh(scores / softcap). Fully masked rows give zeros.
+    return_lse: also return each query row's logsumexp of the (scaled, masked) scores, float32 [B, H, Sq]
+    (-inf for a row that sees no key), differentiable: e.g. attention sinks, out * sigmoid(lse - sink).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return AttentionFn.apply(q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask, alibi_slopes,
-                             scale=float(scale), causal=causal, window=int(window), softcap=float(softcap),
-                             q_offset=q_offset)
+                             return_lse=return_lse, scale=float(scale), causal=causal, window=int(window),
+                             softcap=float(softcap), q_offset=q_offset)
 
 
 def gather_flat(values, index):
