@@ -576,6 +576,18 @@ SPECS = [
           "(mlp_only_layers [0], intermediate 24), layer 1 sparse: softmax router over 4 experts, top-2 NOT "
           "renormalised (norm_topk_prob False), experts of width 16, a shared_expert of width 20 scaled by "
           "sigmoid(shared_expert_gate(x))."], saved_names=True),
+    Spec("llama4_text", "llama4_text", dict(
+        L, head_dim=8, intermediate_size=16, intermediate_size_mlp=24, num_local_experts=4, num_experts_per_tok=2,
+        interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=3, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1),
+         ["Llama 4's text decoder. Layer 0: rotary (interleaved pairs) attention in chunks of 3 tokens "
+          "(attention_chunk_size 3: key j visible to query i iff j <= i and j // 3 == i // 3, so the 8-token input "
+          "and the 20-token generation span several chunks), q/k normalised after the rotation by a weightless "
+          "RMS norm (use_qk_norm), dense MLP of intermediate_size_mlp 24. Layer 1: NoPE full attention whose "
+          "queries are scaled by 1 + 0.1 log(1 + floor((pos + 1) / 4)) (attn_temperature_tuning, floor_scale 4, "
+          "attn_scale 0.1), and a sparse block (interleave_moe_layer_step 2): top-2 of 4 router logits, each "
+          "chosen expert's INPUT scaled by sigmoid(its logit), experts fused and transposed (x @ W), plus a "
+          "shared_expert."], saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

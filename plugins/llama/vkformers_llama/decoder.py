@@ -400,10 +400,7 @@ class DecoderLayer(Module):
             q = q * ctx.query_scale
         options = dict(scale=self.scale, window=self.window, softcap=s.attn_softcap, alibi_slopes=self.alibi,
                        key_padding_mask=ctx.key_padding_mask)
-        if ctx.cache is not None:
-            out = ctx.cache.attend(self.index, q, k, v, **options)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, causal=True, **options)
+        out = self.attend_heads(q, k, v, ctx, **options)
         if s.attention_sinks:
             out = out * self._sink_scale(q, k, ctx)
         if s.mla and out.shape[-1] != s.mla_v_dim:
@@ -420,6 +417,13 @@ class DecoderLayer(Module):
         if s.attn_out_bias and self.index in s.attn_out_bias_layers:
             out = out + self._param(s.attn_out_bias)
         return out
+
+    def attend_heads(self, q, k, v, ctx: Context, **options):
+        """Causal attention of q [B, H, T, D] over k, v [B, KVH, T, D], which enter the cache here (if any). A
+        plugin's layer may compose another mask (vkformers-moe's Llama 4 chunks)."""
+        if ctx.cache is not None:
+            return ctx.cache.attend(self.index, q, k, v, **options)
+        return F.scaled_dot_product_attention(q, k, v, causal=True, **options)
 
     # -- MLP
 
@@ -443,6 +447,8 @@ class DecoderLayer(Module):
         """The modules a fused decode step reads, or None when this layer is not the plain pre-norm block
         with RMS norms, separate q/k/v (all biased or none), rotary attention and a gated MLP that the
         fused kernels (engine/ops/decode.py) compose."""
+        if type(self).attend_heads is not DecoderLayer.attend_heads:  # a plugin's own attention (Llama 4 chunks)
+            return None
         s, p = self.spec, self.parts
         names = ("attn_in_norm", "q", "k", "v", "o", "mlp_in_norm", "gate", "up", "down")
         optional = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "q_norm", "k_norm",
@@ -582,7 +588,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
             position_embed=(place(self, spec.position_embed,
                                   Embedding(spec.max_position_embeddings + spec.position_offset, d))
                             if spec.position_embed else None),
-            layers=place(self, spec.layers, ModuleList(DecoderLayer(spec, i, alibi) for i in range(spec.num_layers))),
+            layers=place(self, spec.layers, ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
+                                                         for i in range(spec.num_layers))),
             final_norm=place(self, spec.final_norm, make_norm(spec, d)) if spec.final_norm else None,
             head_dense=(place(self, _join(spec.head_transform, "dense"), Linear(d, d, bias=spec.head_transform_bias))
                         if spec.head_transform else None),

@@ -157,6 +157,8 @@ class DecoderSpec:
     # -- mixture of experts
     moe: object | None = None                # an object whose block(spec, layer index) gives the Module replacing
     #                                          that layer's MLP, or None for a dense layer (vkformers_moe.MoeSpec)
+    make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
+    #                                          composed layer (vkformers-moe's Llama 4 attention)
 
     extra: dict = field(default_factory=dict)  # free room for a variant's own notes
 

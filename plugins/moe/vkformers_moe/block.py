@@ -64,6 +64,8 @@ class MoeSpec:
     fused_transposed: bool = False            # fused_experts stored [E, H, 2I] and [E, I, H] (x @ W: Aria fc1 / fc2)
     stacked_experts: bool = False             # expert_names are 2-D [E * I, hidden] weights, experts stacked on rows;
     #                                           the down one holds each expert's [I, hidden] (DBRX mlp.w1/v1/w2)
+    scale_inputs: bool = False                # the routing weight scales each expert's input, not its output (Llama 4:
+    #                                           an unchosen expert sees zeros, and its SwiGLU without biases gives 0)
     # -- shared experts (always on)
     shared: str | None = None                 # a SwiGLU MLP with the expert names above
     shared_size: int = 0
@@ -253,31 +255,38 @@ class SparseMoeBlock(Module):
 
     # -- forward
 
+    def _batched_experts(self, xs):
+        """Every expert's SwiGLU of xs [E, tokens, hidden], from stacked [E * I, H] or fused [E, ...] weights."""
+        moe = self.moe
+        if moe.stacked_experts:
+            shape = (moe.num_experts, moe.expert_size, self.hidden)
+            gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
+            return (self.act(xs @ gate.transpose(-1, -2)) * (xs @ up.transpose(-1, -2))) @ down
+        gate_up_name, down_name = moe.fused_experts
+        gate_up = get_param(self, _join(moe.experts, gate_up_name))
+        down = get_param(self, _join(moe.experts, down_name))
+        if not moe.fused_transposed:
+            gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
+        both = xs @ gate_up
+        return (self.act(both[..., :moe.expert_size]) * both[..., moe.expert_size:]) @ down
+
     def forward(self, h):
         moe = self.moe
         lead = h.shape[:-1]
         x = h.reshape(-1, self.hidden)
         weights = self.routing_weights(x).cast(x.dtype)
-        if moe.stacked_experts:  # [E * I, H] weights: one batched product over all experts
-            tokens, shape = x.shape[0], (moe.num_experts, moe.expert_size, self.hidden)
-            gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
+        tokens = x.shape[0]
+        if self.expert_list is None:  # [E, ...] weights: one batched product over all experts
             xs = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden)
-            y = (self.act(xs @ gate.transpose(-1, -2)) * (xs @ up.transpose(-1, -2))) @ down  # [E, tokens, hidden]
-            out = (y * weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)).sum(0)
-        elif self.expert_list is None:  # fused [E, ...] weights: one batched product over all experts
-            gate_up_name, down_name = moe.fused_experts
-            gate_up = get_param(self, _join(moe.experts, gate_up_name))
-            down = get_param(self, _join(moe.experts, down_name))
-            tokens, inner = x.shape[0], moe.expert_size
-            if not moe.fused_transposed:
-                gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-            both = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden) @ gate_up
-            y = (self.act(both[..., :inner]) * both[..., inner:]) @ down  # [E, tokens, hidden]
-            out = (y * weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)).sum(0)
+            per_expert = weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)
+            if moe.scale_inputs:
+                xs = xs * per_expert
+            y = self._batched_experts(xs)  # [E, tokens, hidden]
+            out = (y if moe.scale_inputs else y * per_expert).sum(0)
         else:
             out = None
             for e, expert in enumerate(self.expert_list):
-                y = expert(x) * weights[:, e:e + 1]
+                y = expert(x * weights[:, e:e + 1]) if moe.scale_inputs else expert(x) * weights[:, e:e + 1]
                 out = y if out is None else out + y
         if self.shared is not None:
             shared = self.shared(x)

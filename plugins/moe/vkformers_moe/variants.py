@@ -15,6 +15,7 @@ from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _firs
                                       qwen3, qwen3_5_text, refuse, sliding_windows)
 
 from vkformers_moe.block import MoeSpec
+from vkformers_moe.llama4 import Llama4Attention
 
 
 def _refuse_training_extras(arch: str, config: dict) -> None:
@@ -108,6 +109,37 @@ def qwen3_next(config: dict) -> DecoderSpec:
     _refuse_training_extras("qwen3_next", config)
     moe = qwen2_moe(dict(config, norm_topk_prob=config.get("norm_topk_prob", True))).moe
     return replace(qwen3_5_text(config), linear_grouped_projections=True, moe=moe)
+
+
+def llama4_text(config: dict) -> DecoderSpec:
+    """Llama 4's text decoder: Llama blocks (feed_forward) with interleaved rotary on the layers no_rope_layers marks,
+    Llama 4's attention deltas (llama4.py: chunked attention, NoPE temperature, weightless q/k norm) and, on
+    moe_layers (default every interleave_moe_layer_step-th), a sparse block: sigmoid of the top-k router logits
+    scaling each chosen expert's input, experts saved fused and transposed (experts.gate_up_proj [E, H, 2I],
+    down_proj [E, I, H]), plus a shared_expert; dense layers have intermediate_size_mlp."""
+    _refuse_training_extras("llama4_text", config)
+    spec = llama(config)
+    n = spec.num_layers
+    interval = config.get("no_rope_layer_interval") or 4
+    rotary = [bool(r) for r in config.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(n)]]
+    chunk = config.get("attention_chunk_size")
+    types = config.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in rotary]
+    step = config.get("interleave_moe_layer_step") or 1
+    sparse = config.get("moe_layers")
+    sparse = set(range(step - 1, n, step) if sparse is None else sparse)
+    attention = Llama4Attention(
+        chunks=tuple(chunk if t == "chunked_attention" else 0 for t in types),
+        qk_norm=tuple(bool(config.get("use_qk_norm", True)) and r for r in rotary),
+        temperature=tuple(bool(config.get("attn_temperature_tuning", True)) and not r for r in rotary),
+        floor_scale=float(config.get("floor_scale", 8192)), attn_scale=float(config.get("attn_scale", 0.1)),
+        eps=spec.norm_eps)
+    size = config.get("intermediate_size", 8192)
+    moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 1), expert_size=size,
+                  layers=tuple(i in sparse for i in range(n)), hidden_act=spec.hidden_act, path="feed_forward",
+                  router="router", scoring="sigmoid", scale_inputs=True, fused_experts=("gate_up_proj", "down_proj"),
+                  fused_transposed=True, shared="shared_expert", shared_size=size)
+    return replace(spec, mlp="feed_forward", intermediate_size=config.get("intermediate_size_mlp", 16384),
+                   rope_interleaved=True, rope_layers=tuple(rotary), make_layer=attention, moe=moe)
 
 
 def olmoe(config: dict) -> DecoderSpec:
@@ -513,7 +545,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
     "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
-    "qwen3_next": qwen3_next,
+    "qwen3_next": qwen3_next, "llama4_text": llama4_text,
 }
 
 
