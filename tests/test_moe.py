@@ -126,6 +126,8 @@ def test_bad_options_are_refused():
         MoeSpec(EXPERTS, 2, INNER, (True,), num_groups=4)
     with pytest.raises(ValueError, match="chooses 2 experts"):
         MoeSpec(EXPERTS, 1, INNER, (True,), scoring="sparsemixer")
+    with pytest.raises(ValueError, match="identity experts"):
+        MoeSpec(EXPERTS, 2, INNER, (True,), identity_experts=2, num_groups=2)
     with pytest.raises(ValueError, match="gate_up, down"):
         MoeSpec(EXPERTS, 2, INNER, (True,), shared="shared_mlp", shared_size=INNER, shared_fused=True)
     from vkformers_moe.variants import decoder_spec

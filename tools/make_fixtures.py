@@ -588,6 +588,19 @@ SPECS = [
           "attn_scale 0.1), and a sparse block (interleave_moe_layer_step 2): top-2 of 4 router logits, each "
           "chosen expert's INPUT scaled by sigmoid(its logit), experts fused and transposed (x @ W), plus a "
           "shared_expert."], saved_names=True),
+    Spec("longcat_flash", "longcat_flash", dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4, v_head_dim=8,
+        ffn_hidden_size=INTER, expert_ffn_hidden_size=16, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
+        routed_scaling_factor=1.5, initializer_range=0.2, **TOK),
+         ["LongCat-Flash: each of the 2 layers holds two sublayers, each MLA attention (q_lora_rank 24, kv_lora_rank "
+          "16, nope 8 + rope 4 dims, v 8, interleaved rotary; q scaled by sqrt(32 / 24) and the normed kv latent by "
+          "sqrt(32 / 16)) and a dense MLP (self_attn.<j>, mlps.<j>, input_layernorm.<j>, "
+          "post_attention_layernorm.<j>), plus one sparse block (mlp) fed by the first sublayer's "
+          "post-attention norm and added after the second sublayer: softmax router mlp.router.classifier over 4 "
+          "experts and 2 zero-compute (identity) experts, top-2 chosen with the e_score_correction_bias buffer "
+          "(perturbed), not renormalised, scaled by 1.5; an identity expert returns its input."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

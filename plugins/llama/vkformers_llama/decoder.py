@@ -267,7 +267,7 @@ class DecoderLayer(Module):
     def _init_mla(self, add):
         s, d = self.spec, self.spec.hidden_size
         heads, qk_dim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim
-        rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False)
+        rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False, norm_eps=s.mla_norm_eps or s.norm_eps)
         if s.mla_q_lora_rank:
             add("q_a", _join(s.attn, "q_a_proj"), Linear(d, s.mla_q_lora_rank, bias=s.q_bias))
             add("q_a_norm", _join(s.attn, "q_a_layernorm"), make_norm(rms, s.mla_q_lora_rank))
@@ -285,10 +285,15 @@ class DecoderLayer(Module):
         batch, length, _ = h.shape
         heads, nope, rdim, vdim = s.num_heads, s.mla_nope_dim, s.mla_rope_dim, s.mla_v_dim
         q = p["q_b"](p["q_a_norm"](p["q_a"](h))) if "q_b" in p else p["q"](h)
+        if s.mla_q_scale != 1.0:
+            q = q * s.mla_q_scale
         q = q.reshape(batch, length, heads, nope + rdim).permute(0, 2, 1, 3)
         compressed = p["kv_a"](h)
         latent, k_rot = compressed[..., :s.mla_kv_lora_rank], compressed[..., s.mla_kv_lora_rank:]
-        kv = p["kv_b"](p["kv_a_norm"](latent)).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
+        latent = p["kv_a_norm"](latent)
+        if s.mla_kv_scale != 1.0:
+            latent = latent * s.mla_kv_scale
+        kv = p["kv_b"](latent).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
         k_nope, v = kv[..., :nope], kv[..., nope:]
         inv_freq, scaling = ctx.rope_tables[self.index]
         q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved,

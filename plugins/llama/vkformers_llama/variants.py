@@ -86,6 +86,9 @@ class DecoderSpec:
     mla_nope_dim: int = 0                    # per-head query/key dims without rotary
     mla_rope_dim: int = 0                    # per-head rotary dims (one shared rotary key for all heads)
     mla_v_dim: int = 0
+    mla_q_scale: float = 1.0                 # multiplies the queries (LongCat: sqrt(hidden / q_lora_rank))
+    mla_kv_scale: float = 1.0                # multiplies the normed kv latent (LongCat: sqrt(hidden / kv_lora_rank))
+    mla_norm_eps: float | None = None        # q_a / kv_a norms' eps when not norm_eps (LongCat: 1e-6)
     q_norm: str | None = None                # QK-norm parameter names (inside attn)
     k_norm: str | None = None
     qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
@@ -158,7 +161,7 @@ class DecoderSpec:
     moe: object | None = None                # an object whose block(spec, layer index) gives the Module replacing
     #                                          that layer's MLP, or None for a dense layer (vkformers_moe.MoeSpec)
     make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
-    #                                          composed layer (vkformers-moe's Llama 4 attention)
+    #                                          composed layer (vkformers-moe's Llama 4 attention, LongCat's sublayers)
 
     extra: dict = field(default_factory=dict)  # free room for a variant's own notes
 

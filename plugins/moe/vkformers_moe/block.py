@@ -66,6 +66,10 @@ class MoeSpec:
     #                                           the down one holds each expert's [I, hidden] (DBRX mlp.w1/v1/w2)
     scale_inputs: bool = False                # the routing weight scales each expert's input, not its output (Llama 4:
     #                                           an unchosen expert sees zeros, and its SwiGLU without biases gives 0)
+    identity_experts: int = 0                 # zero-compute experts after the routed ones (LongCat): scored by the
+    #                                           router like them, each returns its input
+    identity_weights: tuple[str, ...] = ()    # projections transformers declares for them but never runs (LongCat
+    #                                           gate_proj / up_proj): parameters, zeros when a checkpoint lacks them
     # -- shared experts (always on)
     shared: str | None = None                 # a SwiGLU MLP with the expert names above
     shared_size: int = 0
@@ -91,8 +95,10 @@ class MoeSpec:
             raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups")
         if self.shared_fused and len(self.shared_names or ()) != 2:
             raise ValueError("shared_fused needs shared_names (gate_up, down)")
-        if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} experts")
+        if self.identity_experts and (self.num_groups > 1 or self.scoring == "sparsemixer"):
+            raise ValueError("identity experts are not supported with expert groups or sparsemixer routing")
+        if not 0 < self.top_k <= self.num_experts + self.identity_experts:
+            raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts + self.identity_experts} experts")
 
     def block(self, spec, index: int) -> "SparseMoeBlock | None":
         """The hook the shared decoder calls (DecoderSpec.moe): this layer's block, or None for a dense MLP."""
@@ -145,9 +151,9 @@ class SparseMoeBlock(Module):
     def __init__(self, moe: MoeSpec, hidden: int, spec=None):
         super().__init__()
         self.moe, self.hidden, self.path = moe, hidden, moe.path
-        object.__setattr__(self, "router", place(self, moe.router, Linear(hidden, moe.num_experts,
-                                                                           bias=moe.router_bias)))
-        bias_shape = moe.selection_bias_shape or (moe.num_experts,)
+        scored = moe.num_experts + moe.identity_experts
+        object.__setattr__(self, "router", place(self, moe.router, Linear(hidden, scored, bias=moe.router_bias)))
+        bias_shape = moe.selection_bias_shape or (scored,)
         self.selection_bias = None  # a buffer: load_buffers fills it (zeros if the checkpoint lacks it)
         if moe.selection_bias and moe.selection_bias_is_parameter:
             add_param(self, moe.selection_bias, bias_shape)
@@ -170,6 +176,11 @@ class SparseMoeBlock(Module):
                 place(self, _join(moe.experts, str(e)),
                       SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
                 for e in range(moe.num_experts)])
+        # loaded and saved, never run (no gradient); load_state_dict supplies zeros when a checkpoint lacks them
+        self.unused_weights = tuple(_join(moe.experts, str(e), name, "weight") for e in range(moe.num_experts, scored)
+                                    for name in moe.identity_weights)
+        for name in self.unused_weights:
+            add_param(self, name, (moe.expert_size, hidden))
         shared = SwiGLU(hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act,
                         bias=moe.shared_bias, fused=moe.shared_fused) if moe.shared else None
         # layer_modules: placed by the decoder layer under these layer-relative paths (the block calls them)
@@ -208,7 +219,7 @@ class SparseMoeBlock(Module):
         if moe.selection_bias:
             bias = (get_param(self, moe.selection_bias) if moe.selection_bias_is_parameter
                     else self.selection_bias).detach()
-            choice = choice + bias.reshape(moe.num_experts)
+            choice = choice + bias.reshape(moe.num_experts + moe.identity_experts)
         if moe.num_groups > 1:
             choice = self._eligible(choice)
         chosen = topk_mask(choice, moe.top_k)
@@ -276,6 +287,10 @@ class SparseMoeBlock(Module):
         x = h.reshape(-1, self.hidden)
         weights = self.routing_weights(x).cast(x.dtype)
         tokens = x.shape[0]
+        identity = None
+        if moe.identity_experts:  # their weights, summed, scale the input itself
+            identity = x * weights[:, moe.num_experts:].sum(-1, keepdim=True)
+            weights = weights[:, :moe.num_experts]
         if self.expert_list is None:  # [E, ...] weights: one batched product over all experts
             xs = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden)
             per_expert = weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)
@@ -288,6 +303,8 @@ class SparseMoeBlock(Module):
             for e, expert in enumerate(self.expert_list):
                 y = expert(x * weights[:, e:e + 1]) if moe.scale_inputs else expert(x) * weights[:, e:e + 1]
                 out = y if out is None else out + y
+        if identity is not None:
+            out = out + identity
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -25,7 +25,7 @@ _HIDDEN = -1e30  # added to the scores of keys a query does not see
 
 @dataclass(frozen=True)
 class Llama4Attention:
-    """The per-layer options; ``layer(spec, index, alibi)`` builds a decoder layer with them (DecoderSpec.make_layer)."""
+    """The per-layer options; called with (spec, index, alibi) it builds a layer (DecoderSpec.make_layer)."""
 
     chunks: tuple[int, ...]      # per layer: chunk size, 0 for full attention
     qk_norm: tuple[bool, ...]    # per layer: weightless RMS norm of q and k after the rotation

@@ -16,6 +16,7 @@ from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _firs
 
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.llama4 import Llama4Attention
+from vkformers_moe.longcat import LongcatLayers
 
 
 def _refuse_training_extras(arch: str, config: dict) -> None:
@@ -140,6 +141,30 @@ def llama4_text(config: dict) -> DecoderSpec:
                   fused_transposed=True, shared="shared_expert", shared_size=size)
     return replace(spec, mlp="feed_forward", intermediate_size=config.get("intermediate_size_mlp", 16384),
                    rope_interleaved=True, rope_layers=tuple(rotary), make_layer=attention, moe=moe)
+
+
+def longcat_flash(config: dict) -> DecoderSpec:
+    """LongCat-Flash (longcat.py): num_layers layers of two sublayers, each DeepSeek-V3's MLA (interleaved rotary,
+    q_lora_rank; queries scaled by sqrt(hidden / q_lora_rank), the normed kv latent by sqrt(hidden / kv_lora_rank),
+    both latent norms with eps 1e-6) and a dense MLP of ffn_hidden_size, plus a sparse block per layer: softmax router
+    mlp.router.classifier over n_routed_experts and zero_expert_num identity experts, top-moe_topk chosen with the
+    router.e_score_correction_bias buffer, not renormalised, scaled by routed_scaling_factor; experts of
+    expert_ffn_hidden_size (the identity experts' gate/up projections are stored but never run)."""
+    _refuse_training_extras("longcat_flash", config)
+    layers = config.get("num_layers") or config["num_hidden_layers"] // 2
+    flat = dict(config, num_hidden_layers=2 * layers, intermediate_size=config.get("ffn_hidden_size", 12288))
+    hidden = config["hidden_size"]
+    sub = replace(_mla(llama(flat), flat), mla_q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
+                  mla_kv_scale=(hidden / config["kv_lora_rank"]) ** 0.5, mla_norm_eps=1e-6)
+    experts, identity = config.get("n_routed_experts", 512), config.get("zero_expert_num") or 0
+    moe = MoeSpec(num_experts=experts, top_k=config.get("moe_topk", 12),
+                  expert_size=config.get("expert_ffn_hidden_size", 2048), layers=(True,) * layers,
+                  hidden_act=sub.hidden_act, router="router.classifier",
+                  router_bias=bool(config.get("router_bias", False)),
+                  selection_bias="router.e_score_correction_bias",
+                  routed_scale=float(config.get("routed_scaling_factor", 6.0)), identity_experts=identity,
+                  identity_weights=("gate_proj", "up_proj"))
+    return replace(sub, num_layers=layers, make_layer=LongcatLayers(sub), moe=moe)
 
 
 def olmoe(config: dict) -> DecoderSpec:
@@ -546,6 +571,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
     "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
+    "longcat_flash": longcat_flash,
 }
 
 
