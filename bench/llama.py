@@ -67,9 +67,9 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, u
             seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
             if unfused:  # the same decode composed of the ordinary ops (one dispatch per op)
-                fused_decode.enabled = False
+                fused_decode.enabled, default = False, fused_decode.enabled
                 seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
-                fused_decode.enabled = True
+                fused_decode.enabled = default
                 out[f"decode_b{batch}_unfused_tok_s"] = batch * new_tokens / seconds
         if profile:
             profile_gpu(f"{dtype} prefill {prompt.shape[1]}", lambda: model(prompt[:1]).logits[:, -1].numpy())

@@ -1,6 +1,7 @@
 """Tests need a Vulkan device (lavapipe on CPU is enough). Without one the run stops loudly."""
 import pytest
 
+from vkformers.engine.ops import decode as fused_decode
 from vkformers.errors import VkformersError
 from vkformers.runtime.vulkan import get_device
 
@@ -10,6 +11,10 @@ def pytest_sessionstart(session):
         get_device()
     except VkformersError as exc:
         pytest.exit(f"vkformers tests need a Vulkan device and found none: {exc}", returncode=3)
+    # Decode with the fused kernels, as on a GPU, also where they are off by default (a CPU device: lavapipe in
+    # CI), so that the parity and generation tests check them against transformers.
+    if fused_decode.enabled is None:
+        fused_decode.enabled = True
 
 
 @pytest.fixture(scope="session")

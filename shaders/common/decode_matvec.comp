@@ -48,6 +48,7 @@ layout(constant_id = 7) const uint HAS_RESIDUAL = 0;
 layout(constant_id = 8) const uint ACT = ACT_SILU;
 layout(constant_id = 9) const uint INTERLEAVED = 0;
 layout(constant_id = 10) const uint UNROLL = 4;  // vectors of each W row a lane has in flight
+layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;  // more on a CPU: fewer, longer workgroups
 
 layout(binding = 0) readonly buffer X { uvec4 x_words[]; };
 layout(binding = 1) readonly buffer NormW { uvec4 g_words[]; };
@@ -189,10 +190,8 @@ void store(uint row, Pair pr, float y0, float y1) {
     }
 }
 
-void main() {
-    uint pairs = MODE == MODE_PLAIN ? (n0 + 1) / 2 : (MODE == MODE_GATED ? n0 : (n0 + n1 + n2) / 2);
-    uint p = gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID;
-    if (p >= pairs) return;  // a whole subgroup leaves together
+// Pair p for every row of x: one subgroup.
+void pair_product(uint p) {
     Pair pr = pair_of(p);
     uint second = MODE == MODE_GATED ? 1 : pr.which;  // the matrix of the second column
     uint col1 = min(pr.col1, (MODE == MODE_PLAIN ? n0 : pr.col1 + 1) - 1);  // plain: odd n0 repeats a row
@@ -252,5 +251,14 @@ void main() {
             y0 = r0;
         }
         store(r, pr, y0, y1);
+    }
+}
+
+void main() {
+    uint pairs = MODE == MODE_PLAIN ? (n0 + 1) / 2 : (MODE == MODE_GATED ? n0 : (n0 + n1 + n2) / 2);
+    uint first = (gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID) * PAIRS_PER_SUBGROUP;
+    for (uint i = 0; i < PAIRS_PER_SUBGROUP; ++i) {
+        if (first + i >= pairs) return;  // uniform: a whole subgroup leaves together
+        pair_product(first + i);
     }
 }

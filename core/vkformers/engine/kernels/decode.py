@@ -97,9 +97,13 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     subgroup = device.limits["subgroup_size"]
     threads = subgroup if device.is_cpu else max(128, subgroup)
     pairs = {"plain": -(-ns[0] // 2), "gated": ns[0], "qkv": sum(ns) // 2}[mode]
-    per_group = threads // subgroup
+    # A GPU: 4 subgroups per workgroup, one pair each, 4 vectors per lane in flight (latency hiding).
+    # lavapipe: one subgroup per workgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups).
+    per_subgroup = 4 if device.is_cpu else 1
+    per_group = threads // subgroup * per_subgroup
     unroll = 1 if device.is_cpu else 4
     spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
-            int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll]
+            int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
+            per_subgroup]
     seq.dispatch(device.kernel("decode_matvec", element_variant(x, "decode_matvec")), buffers,
                  (-(-pairs // per_group), 1, 1), push, spec)
