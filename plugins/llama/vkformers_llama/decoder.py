@@ -159,7 +159,7 @@ class Context:
             positions, key_padding_mask, rope_tables, cache)
         self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
         self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
-        self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (eager attention sinks)
+        self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (host-built masks)
 
 
 class DecoderLayer(Module):
@@ -308,33 +308,6 @@ class DecoderLayer(Module):
             v = concat_last(v, Tensor(np.zeros((batch, heads, length, nope + rdim - vdim), np.float32), dtype=v.dtype))
         return q, k, v.contiguous()
 
-    def _sink_scale(self, q, k, ctx: Context):
-        """sigmoid(logsumexp(scores) - sink) per query row: the softmax renormalised over one extra sink logit.
-
-        The scores are recomputed here (the attention kernel keeps its logsumexp to itself); with a cache, over
-        every stored key."""
-        batch, heads, new, dim = q.shape
-        if ctx.cache is not None:
-            past = ctx.cache.position
-            k = ctx.cache.keys[self.index][:, :, :past + new]
-            key_mask = ctx.cache.mask[:, :past + new]
-        else:
-            past, key_mask = 0, ctx.host_mask
-        kv_heads, keys = k.shape[1], k.shape[2]
-        group = heads // kv_heads
-        k = k.reshape(batch, kv_heads, 1, keys, dim).expand(batch, kv_heads, group, keys, dim)
-        k = k.contiguous().reshape(batch, heads, keys, dim)
-        query_pos = past + np.arange(new)[:, None]
-        key_pos = np.arange(keys)[None, :]
-        visible = (key_pos <= query_pos) & ((query_pos - key_pos < self.window) if self.window else True)
-        visible = visible[None] & (key_mask.astype(bool)[:, None, :] if key_mask is not None else True)
-        hidden = Tensor(np.where(visible, 0.0, -1e30).astype(np.float32)[:, None])
-        scores = (q @ k.transpose(-1, -2)) * self.scale + hidden
-        top = scores.max(-1, keepdim=True).detach()
-        lse = (scores - top).exp().sum(-1, keepdim=True).log() + top
-        sinks = self._param(self.spec.attention_sinks).reshape(1, heads, 1, 1)
-        return (lse - sinks).sigmoid()
-
     # -- attention
 
     def _project_qkv(self, h):
@@ -405,9 +378,13 @@ class DecoderLayer(Module):
             q = q * ctx.query_scale
         options = dict(scale=self.scale, window=self.window, softcap=s.attn_softcap, alibi_slopes=self.alibi,
                        key_padding_mask=ctx.key_padding_mask)
-        out = self.attend_heads(q, k, v, ctx, **options)
         if s.attention_sinks:
-            out = out * self._sink_scale(q, k, ctx)
+            options["return_lse"] = True
+        out = self.attend_heads(q, k, v, ctx, **options)
+        if s.attention_sinks:  # softmax over the scores and one sink logit per head, whose value is zero
+            out, lse = out
+            sinks = self._param(s.attention_sinks).float().reshape(1, -1, 1)
+            out = out * (lse - sinks).sigmoid().cast(out.dtype).reshape(*lse.shape, 1)
         if s.mla and out.shape[-1] != s.mla_v_dim:
             out = out[..., :s.mla_v_dim]
         heads, dim = out.shape[1], out.shape[3]
@@ -710,13 +687,15 @@ class DecoderForCausalLM(Module, GenerationMixin):
                       query_scale=self._query_scale(positions), host_mask=mask)
         for layer in self.layers:
             x = layer(x, ctx)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        if self.project_out is not None:
-            x = self.project_out(x)
-        if self.head_dense is not None:
-            x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
-        logits = self.lm_head(x)
+        logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
+        if logits is None:
+            if self.final_norm is not None:
+                x = self.final_norm(x)
+            if self.project_out is not None:
+                x = self.project_out(x)
+            if self.head_dense is not None:
+                x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
+            logits = self.lm_head(x)
         if s.logits_scale != 1.0:
             logits = logits * s.logits_scale
         if s.final_softcap:
@@ -725,6 +704,15 @@ class DecoderForCausalLM(Module, GenerationMixin):
             cache.advance(length)
         loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def _fused_decode_head(self, x):
+        """Final RMS norm and lm_head of a decode step as one fused product, or None where they differ."""
+        norm, head = self.final_norm, self.lm_head
+        if (not isinstance(norm, RMSNorm) or self.project_out is not None or self.head_dense is not None
+                or type(head) is not Linear or head.has_bias):
+            return None
+        fused_norm = F.FusedNorm(norm.weight if norm.elementwise else None, norm.eps, norm.unit_offset)
+        return F.fused_linear(x, head.weight, norm=fused_norm) if F.fusable(x, [head.weight], fused_norm) else None
 
     @staticmethod
     def loss(logits, labels, shift: bool = True):
