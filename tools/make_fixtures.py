@@ -479,6 +479,15 @@ SPECS = [
         logits_scaling=0.5, residual_multiplier=0.5, attention_multiplier=0.25),
          ["granitemoe plus an always-on shared MLP beside the sparse block: layers.<i>.shared_mlp.input_linear "
           "[2*20, 32] ([gate | up]) and output_linear [32, 20], added to the experts' output."], saved_names=True),
+    Spec("granitemoe_swa", "granitemoe_swa", dict(
+        L, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=20, embedding_multiplier=2.0,
+        logits_scaling=0.5, residual_multiplier=0.5, attention_multiplier=0.25, sliding_window=SW,
+        layer_types=LAYERS_FS, layer_rope_theta=[10000.0, 0]),
+         ["granite_swa's attention (per-head sinks: softmax over the scores and one learned logit per head) with "
+          "granitemoeshared's sparse block and shared MLP; layer 0 full attention with rotary, layer 1 sliding "
+          "(window 4) without rotary (layer_rope_theta 0 = NoPE). No checkpoint conversion in transformers 5.24: "
+          "the experts are saved fused as block_sparse_moe.experts.gate_up_proj [4, 2*24, 32] / down_proj."],
+         saved_names=True),
     Spec("ernie4_5_moe", "ernie4_5_moe", dict(
         L, use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
         moe_num_shared_experts=1, moe_layer_start_index=1),
@@ -656,10 +665,6 @@ SKIPPED = {
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
-    "granitemoe_swa": "not kept: a granite_swa + granitemoeshared fixture passed logits, loss, gradients, AdamW and "
-                      "cached greedy tokens, but its generation test took ~20 s on lavapipe (attention sinks build "
-                      "a host mask every decode step, so the MoE steps are not captured); over the per-fixture "
-                      "test-time budget, so it stays registered",
 }
 
 
