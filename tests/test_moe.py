@@ -130,13 +130,15 @@ def test_bad_options_are_refused():
         MoeSpec(EXPERTS, 2, INNER, (True,), identity_experts=2, num_groups=2)
     with pytest.raises(ValueError, match="gate_up, down"):
         MoeSpec(EXPERTS, 2, INNER, (True,), shared="shared_mlp", shared_size=INNER, shared_fused=True)
+    with pytest.raises(ValueError, match="need fused_experts"):
+        MoeSpec(EXPERTS, 2, INNER, (True,), swiglu_clip=(1.702, 7.0))
     from vkformers_moe.variants import decoder_spec
     config = dict(model_type="mixtral", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=4, output_router_logits=True)
     with pytest.raises(UnsupportedConfigError, match="output_router_logits"):
         decoder_spec(config, "mixtral")
     with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
-        decoder_spec(dict(config, output_router_logits=False), "gpt_oss")
+        decoder_spec(dict(config, output_router_logits=False), "deepseek_v4")
     dbrx = dict(model_type="dbrx", vocab_size=16, d_model=8, n_heads=2, n_layers=1,
                 ffn_config=dict(moe_normalize_expert_weights=2.0))
     with pytest.raises(UnsupportedConfigError, match="moe_normalize_expert_weights"):

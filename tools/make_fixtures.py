@@ -610,6 +610,16 @@ SPECS = [
           "experts and 2 zero-compute (identity) experts, top-2 chosen with the e_score_correction_bias buffer "
           "(perturbed), not renormalised, scaled by 1.5; an identity expert returns its input."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("gpt_oss", "gpt_oss", dict(L, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=SW,
+                                    swiglu_limit=1.0),
+         ["GPT-OSS: q/k/v/o biases, per-head attention sinks (softmax over the scores and one learned logit per "
+          "head), layer 0 sliding (window 4) and layer 1 full (the default layer_types), the default yarn rope "
+          "(factor 32 over original_max_position_embeddings 4096, theta 150000, truncate false). Sparse block in "
+          "both layers: router mlp.router with a bias, softmax over the top-2 of 4 logits; experts fused and "
+          "transposed (x @ W) with biases: gate_up_proj [4, 32, 2*24] whose columns alternate gate, up, "
+          "gate_up_proj_bias, down_proj, down_proj_bias; clipped SwiGLU (up.clamp(-l, l) + 1) * g sigmoid(1.702 g), "
+          "g = gate.clamp(max=l), with swiglu_limit l lowered from 7 to 1.0 so both clamps bind."],
+         saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

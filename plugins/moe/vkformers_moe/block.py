@@ -62,6 +62,11 @@ class MoeSpec:
     #                                             None: one module per expert, experts.<e>.<gate|up|down>.weight
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down)
     fused_transposed: bool = False            # fused_experts stored [E, H, 2I] and [E, I, H] (x @ W: Aria fc1 / fc2)
+    fused_bias: tuple[str, str] | None = None  # biases of fused_experts, [E, 2I] and [E, H] (GPT-OSS gate_up_proj_bias,
+    #                                            down_proj_bias), in the routed output like the weights
+    gate_up_interleaved: bool = False         # fused gate_up columns alternate gate, up (GPT-OSS) instead of [gate | up]
+    swiglu_clip: tuple[float, float] | None = None  # (alpha, limit): the experts' GLU is GPT-OSS's clipped SwiGLU,
+    #                                           (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g), g = min(gate, limit)
     stacked_experts: bool = False             # expert_names are 2-D [E * I, hidden] weights, experts stacked on rows;
     #                                           the down one holds each expert's [I, hidden] (DBRX mlp.w1/v1/w2)
     scale_inputs: bool = False                # the routing weight scales each expert's input, not its output (Llama 4:
@@ -97,6 +102,8 @@ class MoeSpec:
             raise ValueError("shared_fused needs shared_names (gate_up, down)")
         if self.identity_experts and (self.num_groups > 1 or self.scoring == "sparsemixer"):
             raise ValueError("identity experts are not supported with expert groups or sparsemixer routing")
+        if (self.fused_bias or self.gate_up_interleaved or self.swiglu_clip) and not self.fused_experts:
+            raise ValueError("fused_bias, gate_up_interleaved and swiglu_clip need fused_experts")
         if not 0 < self.top_k <= self.num_experts + self.identity_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts + self.identity_experts} experts")
 
@@ -170,6 +177,9 @@ class SparseMoeBlock(Module):
                       (moe.num_experts, hidden, 2 * moe.expert_size) if t else (moe.num_experts, 2 * moe.expert_size, hidden))
             add_param(self, _join(moe.experts, down),
                       (moe.num_experts, moe.expert_size, hidden) if t else (moe.num_experts, hidden, moe.expert_size))
+            if moe.fused_bias:
+                add_param(self, _join(moe.experts, moe.fused_bias[0]), (moe.num_experts, 2 * moe.expert_size))
+                add_param(self, _join(moe.experts, moe.fused_bias[1]), (moe.num_experts, hidden))
             object.__setattr__(self, "expert_list", None)
         else:
             object.__setattr__(self, "expert_list", [
@@ -272,14 +282,32 @@ class SparseMoeBlock(Module):
         if moe.stacked_experts:
             shape = (moe.num_experts, moe.expert_size, self.hidden)
             gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
-            return (self.act(xs @ gate.transpose(-1, -2)) * (xs @ up.transpose(-1, -2))) @ down
+            return self._glu(xs @ gate.transpose(-1, -2), xs @ up.transpose(-1, -2)) @ down
         gate_up_name, down_name = moe.fused_experts
         gate_up = get_param(self, _join(moe.experts, gate_up_name))
         down = get_param(self, _join(moe.experts, down_name))
         if not moe.fused_transposed:
             gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
         both = xs @ gate_up
-        return (self.act(both[..., :moe.expert_size]) * both[..., moe.expert_size:]) @ down
+        if moe.fused_bias:
+            both = both + get_param(self, _join(moe.experts, moe.fused_bias[0])).reshape(moe.num_experts, 1, -1)
+        if moe.gate_up_interleaved:
+            gate, up = both[..., 0::2], both[..., 1::2]
+        else:
+            gate, up = both[..., :moe.expert_size], both[..., moe.expert_size:]
+        out = self._glu(gate, up) @ down
+        if moe.fused_bias:
+            out = out + get_param(self, _join(moe.experts, moe.fused_bias[1])).reshape(moe.num_experts, 1, -1)
+        return out
+
+    def _glu(self, gate, up):
+        """act(gate) * up, or GPT-OSS's clipped SwiGLU (MoeSpec.swiglu_clip)."""
+        if self.moe.swiglu_clip is None:
+            return self.act(gate) * up
+        alpha, limit = self.moe.swiglu_clip
+        # minimum/maximum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
+        gate, up = gate.minimum(limit), up.maximum(-limit).minimum(limit)
+        return gate * (gate * alpha).sigmoid() * (up + 1.0)
 
     def forward(self, h):
         moe = self.moe

@@ -167,6 +167,25 @@ def longcat_flash(config: dict) -> DecoderSpec:
     return replace(sub, num_layers=layers, make_layer=LongcatLayers(sub), moe=moe)
 
 
+def gpt_oss(config: dict) -> DecoderSpec:
+    """GPT-OSS: Llama attention with q/k/v/o biases (attention_bias, on by default), per-head sinks and layer_types
+    (default: even layers sliding, odd full), with a sparse block in every layer: router mlp.router with a bias,
+    softmax over the top-k logits (= renormalised top-k softmax), experts saved fused and transposed with biases
+    (experts.gate_up_proj [E, H, 2I] whose columns alternate gate, up; gate_up_proj_bias [E, 2I]; down_proj
+    [E, I, H]; down_proj_bias [E, H]) and the clipped SwiGLU of swiglu_alpha / swiglu_limit."""
+    _refuse_training_extras("gpt_oss", config)
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    spec = llama(dict(config, attention_bias=config.get("attention_bias", True)))
+    moe = MoeSpec(num_experts=num_experts(config, 128), top_k=config.get("num_experts_per_tok", 4),
+                  expert_size=spec.intermediate_size, layers=(True,) * n, router="router", router_bias=True,
+                  norm_topk=True, fused_experts=("gate_up_proj", "down_proj"), fused_transposed=True,
+                  fused_bias=("gate_up_proj_bias", "down_proj_bias"), gate_up_interleaved=True,
+                  swiglu_clip=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
+    return replace(spec, windows=sliding_windows(dict(config, layer_types=types), n, every_layer=False),
+                   attention_sinks="sinks", moe=moe)
+
+
 def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
@@ -571,7 +590,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
     "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
-    "longcat_flash": longcat_flash,
+    "longcat_flash": longcat_flash, "gpt_oss": gpt_oss,
 }
 
 
