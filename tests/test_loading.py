@@ -104,3 +104,23 @@ def test_offline_hub_miss_names_repo_and_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(HubError, match=r"'someone/missing-model' offline .* cache .*hub-cache"):
         resolve_checkpoint("someone/missing-model", cache_dir=tmp_path / "hub-cache")
+
+
+def test_olmo_hybrid_convs_saved_as_equal_chunks_are_resplit():
+    """transformers 5.24 saves OLMo Hybrid's q/k/v_conv1d as three EQUAL chunks of their concatenation (torch.chunk)
+    whatever the key and value widths; loading re-splits them at their sizes, as the released checkpoints hold them."""
+    pytest.importorskip("vkformers_llama")
+    config = json.loads((FIXTURE.parent / "olmo_hybrid" / "config.json").read_text())
+    config["linear_value_head_dim"] = 8  # value width 4 * 8 = 32, key width 2 * 8 = 16
+    model = AutoModelForCausalLM.from_config(config)
+    rng = np.random.default_rng(0)
+    arrays = {n: rng.standard_normal(s.shape).astype(np.float32) for n, s in model.named_slots()}
+    convs = [f"model.layers.0.linear_attn.{c}_conv1d.weight" for c in "qkv"]
+    full = np.concatenate([arrays[n] for n in convs])
+    size = -(-len(full) // 3)  # torch.chunk: ceil-sized chunks, the last one smaller
+    chunked = dict(arrays, **{n: full[i * size:(i + 1) * size] for i, n in enumerate(convs)})
+    assert [len(chunked[n]) for n in convs] == [22, 22, 20]
+    model.load_state_dict(chunked)
+    params = dict(model.named_parameters())
+    for n in convs:
+        np.testing.assert_array_equal(params[n].numpy(), arrays[n])

@@ -417,6 +417,19 @@ SPECS = [
           "beta = sigmoid(b); delta-rule state update per token; RMSNorm(out) * silu(z) -> out_proj; padded "
           "positions zeroed on input); layer 1 softmax attention whose q_proj also yields a sigmoid output gate, "
           "(1+w) q/k RMSNorm, partial rotary 0.25 of head_dim 16; (1+w) RMSNorm everywhere else."]),
+    Spec("olmo_hybrid", "olmo_hybrid", dict(L, layer_types=["linear_attention", "full_attention"],
+                                            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=4,
+                                            linear_num_key_heads=2, linear_num_value_heads=4,
+                                            rope_parameters=dict(rope_type="default", rope_theta=None)),
+         ["layer 0 pre-norm Gated DeltaNet: separate q/k/v_proj, each through its own causal depthwise conv (kernel "
+          "4) + silu, l2-normalised q/k, 2 key heads of dim 8 shared by 4 value heads of dim 4; beta = 2 sigmoid(b) "
+          "(linear_allow_neg_eigval), decay exp(-exp(A_log) softplus(a + dt_bias)); o_norm(out) (RMSNorm, eps "
+          "1e-5) * silu(g_proj) -> o_proj. Layer 1 OLMo 2 attention block (post-norms, q/k RMSNorm over the whole "
+          "projection) without rotary (rope_theta None, as in the released checkpoints). References under the "
+          "saved names: transformers saves input_layernorm / post_attention_layernorm as attention_layer_norm / "
+          "feedforward_layer_norm and splits linear_attn.conv1d into q/k/v_conv1d with torch.chunk, i.e. in three "
+          "EQUAL parts; key and value widths are both 16 here, so the parts are the true q, k, v convs."],
+         saved_names=True),
     # ---- mixture-of-experts decoders (vkformers-moe); references under the saved per-expert names -----------
     Spec("mixtral", "mixtral", dict(L, num_local_experts=4, num_experts_per_tok=2, sliding_window=SW),
          ["Mistral (sliding_window 4) whose MLP is a sparse MoE block in every layer: router block_sparse_moe.gate "
@@ -661,15 +674,6 @@ SPECS = [
 SKIPPED = {
     # model_type: reason (not attempted)
     "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
-    "olmo_hybrid": "not verified: its Gated DeltaNet layers compute like qwen3_5_text's (separate q/k/v projections, "
-                   "beta = 2 sigmoid(b), o_norm eps 1e-5, pre-norm linear blocks between OLMo 2 attention blocks), but "
-                   "save_pretrained writes the released checkpoint layout, not the module's: q_conv1d/k_conv1d/"
-                   "v_conv1d.weight instead of the one linear_attn.conv1d.weight transformers concatenates on load, "
-                   "and attention_layer_norm / feedforward_layer_norm for input_layernorm / post_attention_layernorm "
-                   "(in attention layers too). The parity tests map reference gradient names to checkpoint names by "
-                   "zipping parameters_not_saved with saved_keys_not_parameters, which cannot express one parameter "
-                   "split into three (4 names vs 6): test_adamw_parity / test_decoder_parity need an explicit "
-                   "rename/split map in meta.json first",
     "open-llama": "not in transformers 5.24 (removed; no config class to build a reference from), so it stays "
                   "registered; its layout is llama's",
     "code_llama": "tokenizer-only name; the model is llama",

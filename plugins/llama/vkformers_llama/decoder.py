@@ -173,6 +173,8 @@ class DecoderLayer(Module):
         super().__init__()
         if spec.heads_per_layer:  # Laguna: the query head count differs per layer (the KV heads do not)
             spec = replace(spec, num_heads=spec.heads_per_layer[index])
+        if spec.linear_layer_norms and spec.linear_layers and spec.linear_layers[index]:
+            spec = replace(spec, **dict(spec.linear_layer_norms))
         s, d = spec, spec.hidden_size
         object.__setattr__(self, "parts", {})
         self.spec, self.index = s, index
@@ -590,6 +592,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
                                                           spec.extra.get("padding_row")))
 
     def load_state_dict(self, arrays, *args, **kwargs):
+        for path, module in self.named_modules():  # files laid out otherwise than the parameters (OLMo Hybrid's convs)
+            if hasattr(module, "convert_checkpoint"):
+                arrays = module.convert_checkpoint(arrays, path)
         super().load_state_dict(arrays, *args, **kwargs)
         for path, module in self.named_modules():  # checkpoint buffers that are not parameters (MoE routing biases)
             if hasattr(module, "load_buffers"):

@@ -3,16 +3,18 @@
 Per value head h with a state S [key_dim, value_dim] (zero at the start of a sequence):
 
     S <- S * exp(g_t)                                  decay, g_t = -exp(A_log) * softplus(a_t + dt_bias)
-    S <- S + k_t (beta_t (v_t - S^T k_t))^T            delta rule, beta_t = sigmoid(b_t)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T            delta rule, beta_t = sigmoid(b_t) (OLMo Hybrid: 2x that)
     o_t = S^T q_t
 
 with q, k l2-normalised per head (q also scaled by key_dim^-1/2) after a causal depthwise conv1d + silu
 over [q | k | v]; then RMSNorm(o) * silu(z) and out_proj. Key heads are shared by consecutive value
-heads. The recurrence runs token by token with ordinary engine ops, so autograd gives the backward
-pass; sequences here are short (prefill of a prompt, one token per decode step).
+heads. The conv is depthwise, so OLMo Hybrid's three convs (q_conv1d, k_conv1d, v_conv1d, as its
+checkpoints store them) run one per projection, with no concatenation. The recurrence runs token by
+token with ordinary engine ops, so autograd gives the backward pass; sequences here are short (prefill
+of a prompt, one token per decode step).
 
-With a KV cache the layer keeps its own state between calls on the cache object: the last
-kernel - 1 conv inputs and S (``cache.linear_states[layer]``), restarted when the cache is at position 0.
+With a KV cache the layer keeps its own state between calls on the cache object: the last kernel - 1
+inputs of each conv and S (``cache.linear_states[layer]``), restarted when the cache is at position 0.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def concat_time(a, b):
 class GatedDeltaNet(Module):
     """Qwen3.5's ``linear_attn``: parameters under its names (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, or
     Qwen3-Next's grouped in_proj_qkvz and in_proj_ba; conv1d.weight [C, 1, kernel], dt_bias, A_log, norm.weight,
-    out_proj)."""
+    out_proj), or OLMo Hybrid's (q/k/v_proj, g_proj (z), b_proj, a_proj, q/k/v_conv1d.weight, o_norm, o_proj)."""
 
     def __init__(self, spec):
         super().__init__()
@@ -50,7 +52,18 @@ class GatedDeltaNet(Module):
         self.k_dim, self.v_dim, self.kernel = s.linear_k_dim, s.linear_v_dim, s.linear_conv_kernel
         key_width, value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.conv_channels = 2 * key_width + value_width
-        if s.linear_grouped_projections:
+        self.split = s.linear_split_projections
+        self.conv_widths = (key_width, key_width, value_width) if self.split else (self.conv_channels,)
+        if self.split:  # OLMo Hybrid
+            for name, width in (("q", key_width), ("k", key_width), ("v", value_width)):
+                setattr(self, f"{name}_proj", Linear(d, width, bias=False))
+                conv = Module()
+                conv.param("weight", (width, 1, self.kernel))
+                setattr(self, f"{name}_conv1d", conv)
+            self.g_proj = Linear(d, value_width, bias=False)
+            self.b_proj = Linear(d, self.v_heads, bias=False)
+            self.a_proj = Linear(d, self.v_heads, bias=False)
+        elif s.linear_grouped_projections:
             self.in_proj_qkvz = Linear(d, self.conv_channels + value_width, bias=False)
             self.in_proj_ba = Linear(d, 2 * self.v_heads, bias=False)
         else:
@@ -58,19 +71,50 @@ class GatedDeltaNet(Module):
             self.in_proj_z = Linear(d, value_width, bias=False)
             self.in_proj_b = Linear(d, self.v_heads, bias=False)
             self.in_proj_a = Linear(d, self.v_heads, bias=False)
-        conv = Module()
-        conv.param("weight", (self.conv_channels, 1, self.kernel))
-        self.conv1d = conv
+        if not self.split:
+            conv = Module()
+            conv.param("weight", (self.conv_channels, 1, self.kernel))
+            self.conv1d = conv
         self.param("dt_bias", (self.v_heads,))
         self.param("A_log", (self.v_heads,))
         # the gated norm has a plain weight, also in (1 + w) models
-        self.norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True), self.v_dim)
-        self.out_proj = Linear(value_width, d, bias=False)
+        norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True,
+                                 norm_eps=s.linear_norm_eps or s.norm_eps), self.v_dim)
+        out_proj = Linear(value_width, d, bias=False)
+        setattr(self, "o_norm" if self.split else "norm", norm)
+        setattr(self, "o_proj" if self.split else "out_proj", out_proj)
+        object.__setattr__(self, "gated_norm", norm)  # plain references (not registered twice) under either name
+        object.__setattr__(self, "output", out_proj)
+
+    def _conv_weights(self):
+        if self.split:
+            return [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        return [self.conv1d.weight]
+
+    def convert_checkpoint(self, arrays, path: str):
+        """transformers 5.24 saves OLMo Hybrid's q/k/v_conv1d as three EQUAL chunks of the concatenated conv
+        (torch.chunk), not at their sizes (key, key, value widths) as the released checkpoints hold them: re-split
+        such a file. Returns ``arrays``, or a copy with those three replaced."""
+        names = [f"{path}.{n}_conv1d.weight" for n in "qkv"] if self.split else []
+        if not names or not all(n in arrays for n in names):
+            return arrays
+        widths = list(self.conv_widths)
+        if [np.shape(arrays[n])[0] for n in names] == widths:
+            return arrays
+        full = np.concatenate([np.asarray(arrays[n]) for n in names], axis=0)
+        if full.shape[0] != sum(widths):
+            return arrays  # some other layout: load_state_dict names the mismatch
+        arrays = dict(arrays)
+        for name, part in zip(names, np.split(full, np.cumsum(widths)[:-1], axis=0)):
+            arrays[name] = part
+        return arrays
 
     def _project(self, h):
-        """[q | k | v] (the conv's channels), z, b and a of the input."""
+        """The inputs of each conv ([q | k | v], or q, k, v apart), z, b and a."""
+        if self.split:
+            return [self.q_proj(h), self.k_proj(h), self.v_proj(h)], self.g_proj(h), self.b_proj(h), self.a_proj(h)
         if not self.spec.linear_grouped_projections:
-            return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
+            return [self.in_proj_qkv(h)], self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
         # per key head: [q (k_dim), k (k_dim), v, z (its value heads' v_dim each)] and [b, a (one per value head)]
         batch, length = h.shape[:2]
         kd, vd, heads, repeat = self.k_dim, self.v_dim, self.k_heads, self.v_heads // self.k_heads
@@ -81,13 +125,12 @@ class GatedDeltaNet(Module):
         ba = self.in_proj_ba(h).reshape(batch, length, heads, 2 * repeat)
         b, a = (ba[..., i * repeat:(i + 1) * repeat].contiguous().reshape(batch, length, self.v_heads)
                 for i in range(2))
-        return concat_last(concat_last(q, k), v), z, b, a
+        return [concat_last(concat_last(q, k), v)], z, b, a
 
-    def _conv(self, x, history):
+    def _conv(self, x, history, weight):
         """Causal depthwise conv1d + silu over time: x [B, T, C], history [B, kernel - 1, C] (the inputs before)."""
         length = x.shape[1]
         full = concat_time(history, x)
-        weight = self.conv1d.weight
         out = None
         for j in range(self.kernel):  # output t reads inputs t - kernel + 1 .. t, i.e. full[t + j]
             term = full[:, j:j + length] * weight[:, 0, j]
@@ -116,19 +159,28 @@ class GatedDeltaNet(Module):
             states = ctx.cache.__dict__.setdefault("linear_states", {})
             if ctx.cache.position == 0:
                 states.pop(index, None)
-        history, state = (states or {}).get(index, (None, None))
-        if history is None:
-            history = Tensor(np.zeros((batch, self.kernel - 1, self.conv_channels), np.float32), dtype=h.dtype)
+        inputs, z, b, a = self._project(h)
+        weights = self._conv_weights()
+        histories, state = (states or {}).get(index, (None, None))
+        if histories is None:
+            histories = [Tensor(np.zeros((batch, self.kernel - 1, width), np.float32), dtype=h.dtype)
+                         for width in self.conv_widths]
             state = Tensor(np.zeros((batch, self.v_heads, self.k_dim, self.v_dim), np.float32), dtype=h.dtype)
-
-        mixed, z, b, a = self._project(h)
-        mixed, history = self._conv(mixed, history)
+        convolved = [self._conv(x, past, w) for x, past, w in zip(inputs, histories, weights)]
+        histories = [past for _, past in convolved]
         key_width = self.k_heads * self.k_dim
+        if len(convolved) == 3:
+            q, k, v = (out for out, _ in convolved)
+        else:
+            mixed = convolved[0][0]
+            q, k, v = mixed[..., :key_width], mixed[..., key_width:2 * key_width], mixed[..., 2 * key_width:]
         repeat = self.v_heads // self.k_heads
-        q = self._l2norm(self._heads(mixed[..., :key_width], self.k_heads, self.k_dim, repeat)) * (self.k_dim ** -0.5)
-        k = self._l2norm(self._heads(mixed[..., key_width:2 * key_width], self.k_heads, self.k_dim, repeat))
-        v = self._heads(mixed[..., 2 * key_width:], self.v_heads, self.v_dim)
+        q = self._l2norm(self._heads(q, self.k_heads, self.k_dim, repeat)) * (self.k_dim ** -0.5)
+        k = self._l2norm(self._heads(k, self.k_heads, self.k_dim, repeat))
+        v = self._heads(v, self.v_heads, self.v_dim)
         beta = F.sigmoid(b).permute(0, 2, 1)                                       # [B, H, T]
+        if self.spec.linear_beta_scale != 1.0:  # OLMo Hybrid (allow_neg_eigval): beta in [0, 2]
+            beta = beta * self.spec.linear_beta_scale
         decay = (softplus(a + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
 
         heads, kd, vd = self.v_heads, self.k_dim, self.v_dim
@@ -145,8 +197,8 @@ class GatedDeltaNet(Module):
             placed = o_t.reshape(batch, heads, 1, vd) * Tensor(one_hot, dtype=o_t.dtype)  # row t of [B, H, T, vd]
             out = placed if out is None else out + placed
         if states is not None:
-            states[index] = (history.detach(), state.detach())
+            states[index] = ([past.detach() for past in histories], state.detach())
 
         z = z.reshape(batch, length, heads, vd)
-        gated = self.norm(out.permute(0, 2, 1, 3)) * F.silu(z)
-        return self.out_proj(gated.reshape(batch, length, heads * vd))
+        gated = self.gated_norm(out.permute(0, 2, 1, 3)) * F.silu(z)
+        return self.output(gated.reshape(batch, length, heads * vd))

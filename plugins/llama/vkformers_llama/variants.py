@@ -80,6 +80,12 @@ class DecoderSpec:
     linear_conv_kernel: int = 4
     linear_grouped_projections: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba laid out per key head ([q k v z] /
     #                                          [b a] of its value heads) instead of in_proj_qkv / _z / _b / _a
+    linear_split_projections: bool = False   # OLMo Hybrid: q/k/v/g/b/a_proj, one conv per q/k/v (q_conv1d, ...),
+    #                                          o_norm, o_proj
+    linear_beta_scale: float = 1.0           # beta = scale * sigmoid(b) (OLMo Hybrid's allow_neg_eigval: 2)
+    linear_norm_eps: float | None = None     # the gated output norm's eps when not norm_eps (OLMo Hybrid: 1e-5)
+    linear_layer_norms: tuple = ()           # (role, path) pairs: the linear layers' norms where they differ from
+    #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
     mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
     mla_q_lora_rank: int | None = None       # None: one q_proj
     mla_kv_lora_rank: int = 0
@@ -922,6 +928,29 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
                    linear_conv_kernel=config.get("linear_conv_kernel_dim", 4))
 
 
+def olmo_hybrid(config: dict) -> DecoderSpec:
+    """OLMo 2 attention blocks (post-norms, q/k norm over the whole projection; no rotary when rope_theta is None,
+    as released) and pre-norm Gated DeltaNet blocks with separate projections, one conv per q/k/v and
+    beta = 2 sigmoid(b). Names as its checkpoints store them (what transformers' save_pretrained writes):
+    attention_layer_norm / feedforward_layer_norm for input_layernorm / post_attention_layernorm."""
+    refuse("olmo_hybrid", config, "hidden_act", lambda v: v in ("silu", "swish"), "silu")  # also the conv's
+    spec = olmo2(config)
+    types = _layer_types(config, spec.num_layers)
+    params = config.get("rope_parameters")
+    k_heads = config.get("linear_num_key_heads") or spec.num_heads
+    k_dim = config.get("linear_key_head_dim") or int(0.75 * spec.hidden_size / k_heads)
+    return replace(spec, attn_out_norm="feedforward_layer_norm",
+                   rope=not (isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None),
+                   linear_layers=tuple(t == "linear_attention" for t in types),
+                   linear_k_heads=k_heads, linear_v_heads=config.get("linear_num_value_heads") or spec.num_heads,
+                   linear_k_dim=k_dim, linear_v_dim=config.get("linear_value_head_dim") or 2 * k_dim,
+                   linear_conv_kernel=config.get("linear_conv_kernel_dim", 4), linear_split_projections=True,
+                   linear_beta_scale=2.0 if config.get("linear_allow_neg_eigval", True) else 1.0,
+                   linear_norm_eps=1e-5,  # fixed in transformers (FLA's FusedRMSNormGated default)
+                   linear_layer_norms=(("attn_in_norm", "attention_layer_norm"), ("attn_out_norm", None),
+                                       ("mlp_in_norm", "feedforward_layer_norm"), ("mlp_out_norm", None)))
+
+
 # -- multi-head latent attention
 
 def deepseek_v2(config: dict) -> DecoderSpec:
@@ -1000,7 +1029,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
     "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
     "modernbert-decoder": modernbert_decoder, "hy_v3": hy_v3, "laguna": laguna, "mistral4": mistral4,
-    "qwen3_5_text": qwen3_5_text, "trocr": trocr,
+    "qwen3_5_text": qwen3_5_text, "trocr": trocr, "olmo_hybrid": olmo_hybrid,
 }
 
 
