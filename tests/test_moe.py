@@ -139,6 +139,10 @@ def test_bad_options_are_refused():
         decoder_spec(config, "mixtral")
     with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
         decoder_spec(dict(config, output_router_logits=False), "deepseek_v4")
+    mimo = dict(model_type="mimo_v2_flash", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                head_dim=4, v_head_dim=8)
+    with pytest.raises(UnsupportedConfigError, match="v_head_dim"):
+        decoder_spec(mimo, "mimo_v2_flash")
     dbrx = dict(model_type="dbrx", vocab_size=16, d_model=8, n_heads=2, n_layers=1,
                 ffn_config=dict(moe_normalize_expert_weights=2.0))
     with pytest.raises(UnsupportedConfigError, match="moe_normalize_expert_weights"):

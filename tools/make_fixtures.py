@@ -633,6 +633,18 @@ SPECS = [
           "gate_up_proj_bias, down_proj, down_proj_bias; clipped SwiGLU (up.clamp(-l, l) + 1) * g sigmoid(1.702 g), "
           "g = gate.clamp(max=l), with swiglu_limit l lowered from 7 to 1.0 so both clamps bind."],
          saved_names=True),
+    Spec("mimo_v2_flash", "mimo_v2_flash", dict(
+        L, num_key_value_heads=1, head_dim=12, v_head_dim=8, attention_bias=True, sliding_window=SW,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5),
+         ["MiMo-V2-Flash: layer 0 full attention (1 KV head) with a dense MLP, layer 1 sliding (window 4) with twice "
+          "the KV heads (2) and per-head attention sinks (saved as self_attn.attention_sink_bias), and a sparse block "
+          "(the default layer_types / mlp_layer_types). q/k heads of head_dim 12, value heads of v_head_dim 8 scaled "
+          "by attention_value_scale 0.707; q/k/v biases (attention_bias), o_proj without; rotary per layer type "
+          "(rope theta 5e6 full, 1e4 sliding) on int(12 * 0.334) = 4 dims. Sparse block: DeepSeek-V3's router "
+          "(sigmoid, e_score_correction_bias buffer perturbed, 4 experts in 2 groups, 1 eligible), top-2 renormalised, "
+          "scaled by 1.5, no shared experts."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

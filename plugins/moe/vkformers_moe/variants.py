@@ -16,6 +16,7 @@ from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _firs
 
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.llama4 import Llama4Attention
+from vkformers_moe.mimo import MimoAttention
 from vkformers_moe.longcat import LongcatLayers
 
 
@@ -184,6 +185,36 @@ def gpt_oss(config: dict) -> DecoderSpec:
                   swiglu_clip=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
     return replace(spec, windows=sliding_windows(dict(config, layer_types=types), n, every_layer=False),
                    attention_sinks="sinks", moe=moe)
+
+
+def mimo_v2_flash(config: dict) -> DecoderSpec:
+    """MiMo-V2-Flash (mimo.py): Llama blocks whose sliding layers (layer_types; default: all but layer 0 and every
+    6th) have twice the KV heads and per-head sinks (self_attn.attention_sink_bias); value heads of v_head_dim
+    scaled by attention_value_scale, o_proj without bias; rotary per layer type (default rope on
+    int(head_dim * partial_rotary_factor) dims, 0.334 when a type's dict omits it). Sparse layers (mlp_layer_types;
+    default all but the first): DeepSeek-V3's router (sigmoid, e_score_correction_bias, groups, norm_topk_prob,
+    routed_scaling_factor) without shared experts."""
+    _refuse_training_extras("mimo_v2_flash", config)
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                          for i in range(n)]
+    window = config.get("sliding_window", 129)
+    if config.get("sliding_window_size") is not None:  # the released configs' spelling: keys before the query
+        window = config["sliding_window_size"] + 1
+    ropes = config.get("rope_parameters") or {"full_attention": {"rope_type": "default", "rope_theta": 5e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    ropes = {t: dict(p, partial_rotary_factor=p.get("partial_rotary_factor", 0.334)) for t, p in ropes.items()}
+    rope_config = dict(config, rope_parameters=ropes)
+    spec = llama(config)
+    kv_heads = tuple(2 * spec.num_kv_heads if t == "sliding_attention" else spec.num_kv_heads for t in types)
+    v_dim, value_scale = config.get("v_head_dim", 128), config.get("attention_value_scale", 0.707)
+    refuse("mimo_v2_flash", config, "v_head_dim", lambda v: v <= spec.head_dim, 128)  # values padded to head_dim
+    attention = MimoAttention(kv_heads=kv_heads, sinks=tuple(t == "sliding_attention" for t in types),
+                              v_head_dim=v_dim, value_scale=1.0 if value_scale is None else float(value_scale))
+    spec = replace(spec, num_kv_heads=max(kv_heads), attention_sinks="attention_sink_bias", make_layer=attention,
+                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                   rope_configs=tuple((rope_config, t) for t in types))
+    return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))
 
 
 def olmoe(config: dict) -> DecoderSpec:
@@ -590,7 +621,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
     "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
-    "longcat_flash": longcat_flash, "gpt_oss": gpt_oss,
+    "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash,
 }
 
 
