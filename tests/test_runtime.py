@@ -151,6 +151,19 @@ def test_kp_data_view_has_real_strides(device):
 
 
 def test_patched_kp_enables_device_features(device):
-    assert getattr(kp, "vkformers_patch", 0) >= 1
-    assert kp.__version__.endswith("+vkformers.1")
+    assert getattr(kp, "vkformers_patch", 0) >= 2
+    assert kp.__version__.endswith("+vkformers.2")
     assert device.features["storageBuffer16BitAccess"] and device.features["shaderFloat16"]
+
+
+def test_new_buffers_reuse_the_compiled_pipeline(device):
+    """kp (our patch) shares one pipeline per kernel and configuration between algorithms: a dispatch over new
+    buffers, as every new plan has, allocates a descriptor set instead of compiling the shader again."""
+    axpby = device.kernel("axpby", "u32")
+    counts = []
+    for i in range(3):
+        a, b = device.upload(np.full(256, i, np.uint32)), device.upload(np.ones(256, np.uint32))
+        device.sequence().dispatch(axpby, [a, b], (1,), [256, 2, 1]).replay()  # b = 2a + b
+        np.testing.assert_array_equal(b.read(), 2 * i + 1)
+        counts.append(kp.shared_pipelines())
+    assert counts[1:] == counts[:1] * 2, counts

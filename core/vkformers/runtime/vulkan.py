@@ -188,7 +188,8 @@ class Device:
                 [b._tensor for b in buffers], kernel.code, list(groups),
                 np.asarray(spec, dtype=np.uint32), np.zeros(push_words, dtype=np.uint32))
             self._pipelines[key] = algo
-            # Buffers own no pipelines; forget the pipeline when a buffer goes.
+            # A kp algorithm is a descriptor set over these buffers; kp (our patch) shares the compiled pipeline
+            # among all algorithms of one kernel and configuration. Forget the algorithm when a buffer goes.
             for b in buffers:
                 b._pipeline_keys.append(key)
         return algo
