@@ -48,7 +48,7 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, unfused=False) -> dict:
+def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, fused_ab=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
     model.dtype = vkf.dtypes.as_dtype(dtype)
@@ -66,11 +66,11 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, u
             ids = prompt[:batch, :16]
             seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
-            if unfused:  # the same decode composed of the ordinary ops (one dispatch per op)
-                fused_decode.enabled, default = False, fused_decode.enabled
+            for fused in ((True, False) if fused_ab else ()):  # decoding with the fused kernels forced on, off
+                fused_decode.enabled, default = fused, fused_decode.enabled
                 seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
                 fused_decode.enabled = default
-                out[f"decode_b{batch}_unfused_tok_s"] = batch * new_tokens / seconds
+                out[f"decode_b{batch}_{'fused' if fused else 'unfused'}_tok_s"] = batch * new_tokens / seconds
         if profile:
             profile_gpu(f"{dtype} prefill {prompt.shape[1]}", lambda: model(prompt[:1]).logits[:, -1].numpy())
             profile_gpu(f"{dtype} decode b1, {new_tokens} tokens",
@@ -112,8 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel")
-    parser.add_argument("--unfused", action="store_true",
-                        help="also time decoding without the fused decode kernels (engine/ops/decode.py)")
+    parser.add_argument("--fused-ab", action="store_true",
+                        help="also time decoding with the fused decode kernels (engine/ops/decode.py) forced on and off "
+                             "(by default they run on GPUs only)")
     args = parser.parse_args(argv)
     config = dict(TINYLLAMA, num_hidden_layers=args.layers)
     weights = random_weights(AutoModelForCausalLM.from_config(config))
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
             use_torch = False
     results = {"device": vkf.get_device().name, "config": config, "runs": {}}
     for dtype in args.dtypes.split(","):
-        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile, args.unfused)}
+        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile, args.fused_ab)}
         if use_torch:
             run["torch"] = bench_torch(config, weights, dtype, prompt, args.new_tokens)
         results["runs"][dtype] = run
