@@ -155,3 +155,44 @@ def test_claims_are_known_statuses():
     assert set(STATUSES) <= {row[0] for row in ARCHITECTURES}
     assert set(STATUSES.values()) <= {"verified", "forward-verified"}
     assert set(STATUSES) <= set(VARIANTS)  # a claim needs an implementation
+
+
+def test_axk2_select_keys_keeps_the_k_best_visible():
+    from vkformers_moe.axk2 import select_keys
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal((2, 6, 6)).astype(np.float32)
+    visible = np.tril(np.ones((6, 6), bool))[None] & (np.arange(6) >= np.array([[0], [2]]))[:, None, :]
+    keep = select_keys(scores, visible, 3)
+    for b in range(2):
+        for s in range(6):
+            seen = np.flatnonzero(visible[b, s])
+            best = seen[np.argsort(-scores[b, s, seen])[:3]]
+            np.testing.assert_array_equal(np.flatnonzero(keep[b, s]), np.sort(best))
+
+
+def test_axk2_key_selection_changes_the_logits(monkeypatch):
+    """The axk2 fixture keeps index_topk 4 keys per query of its 8-token rows, so keys are dropped; with the
+    selection off (index_topk = the sequence) the logits are no longer transformers' (test_decoder_parity and
+    test_generation check them with it on)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import vkformers_moe.axk2 as axk2
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.models.safetensors_io import read_safetensors
+    folder = Path(__file__).parent / "fixtures" / "axk2"
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    ids, mask = ref["input_ids"].astype(np.int64), ref["attention_mask"].astype(np.int64)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    dropped = []
+    select = axk2.select_keys
+    monkeypatch.setattr(axk2, "select_keys", lambda s, v, k: dropped.append(int((v & ~select(s, v, k)).sum()))
+                        or select(s, v, k))
+    on = model(ids, attention_mask=mask).logits.numpy()
+    assert len(dropped) == 2 and min(dropped) > 0  # both layers drop keys
+    for layer in model.layers:
+        layer.options = replace(layer.options, index_topk=ids.shape[1])
+    off = model(ids, attention_mask=mask).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(on[real], ref["logits"][real], atol=1e-4)
+    assert np.abs(off - ref["logits"])[real].max() > 0.1

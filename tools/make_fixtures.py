@@ -571,6 +571,21 @@ SPECS = [
           "perturbed, top-2 renormalised, scaled by 2.5, one shared expert); layer 0 dense, layer 1 sparse, whose block "
           "output goes through an RMSNorm saved as layers.1.post_mlp_layernorm."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("axk2", "axk2", dict(
+        L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        mlp_layer_types=["dense", "sparse"], routed_scaling_factor=2.5, index_topk=4, index_head_dim=8,
+        index_n_heads=8, gated_norm_rank=8),
+         ["A.X-K2: DeepSeek-V3.2's MLA with a DSA indexer (8 heads of 8, rotate_half rotary on the first 4 dims, "
+          "LayerNorm'd key, relu scores weighted per head) keeping the index_topk 4 best keys of each query: fewer "
+          "than the 8-token sequence and the 20-token generation, so keys are dropped. q_gate_proj (saved as "
+          "q_b_proj) maps [q_a_layernorm(q_a) | q_a] to each head's query and a sigmoid gate on its attention output. "
+          "input_layernorm (both layers) and post_attention_layernorm (sparse layer 1) are RMSNorms followed by a "
+          "low-rank sigmoid gate (norm.weight, mlp.fc1 / fc2 saved as W_down / W_up, rank 8); layer 0 dense. Router: sigmoid, "
+          "e_score_correction_bias buffer perturbed, no groups (n_group None, A.X-K2-Light), top-2 renormalised, "
+          "scaled by 2.5, one shared expert. The indexer runs without gradient: its parameters are in "
+          "params_without_grad."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     Spec("phimoe", "phimoe", dict(L, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                                   sliding_window=SW, router_jitter_noise=0.5),
          ["PhiMoE: LayerNorms with bias, q/k/v/o biases, lm_head bias, sliding_window 4; SparseMixer routing (eval "

@@ -281,12 +281,14 @@ class DecoderLayer(Module):
         add("kv_b", _join(s.attn, "kv_b_proj"),
             Linear(s.mla_kv_lora_rank, heads * (s.mla_nope_dim + s.mla_v_dim), bias=False))
 
-    def _mla_qkv(self, h, ctx: Context):
-        """q, k [B, H, T, nope + rope] and v [B, H, T, v_dim]; the rotary key part is shared by all heads."""
+    def _mla_qkv(self, h, ctx: Context, q=None):
+        """q, k [B, H, T, nope + rope] and v [B, H, T, v_dim]; the rotary key part is shared by all heads. ``q``:
+        the queries [B, T, H * (nope + rope)] when a plugin's layer projects them otherwise (A.X-K2)."""
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
         heads, nope, rdim, vdim = s.num_heads, s.mla_nope_dim, s.mla_rope_dim, s.mla_v_dim
-        q = p["q_b"](p["q_a_norm"](p["q_a"](h))) if "q_b" in p else p["q"](h)
+        if q is None:
+            q = p["q_b"](p["q_a_norm"](p["q_a"](h))) if "q_b" in p else p["q"](h)
         if s.mla_q_scale != 1.0:
             q = q * s.mla_q_scale
         q = q.reshape(batch, length, heads, nope + rdim).permute(0, 2, 1, 3)

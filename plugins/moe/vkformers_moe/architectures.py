@@ -72,7 +72,7 @@ ALIASES = {
 VERIFIED: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "flex_olmo", "hunyuan_v1_moe",
                             "deepseek_v3", "glm4_moe", "dots1", "granitemoeshared", "ernie4_5_moe",
                             "cohere2_moe", "exaone_moe", "minimax_m2", "solar_open", "mellum", "afmoe",
-                            "dbrx", "aria_text", "axk1", "phimoe", "qwen3_5_moe_text",
+                            "dbrx", "aria_text", "axk1", "axk2", "phimoe", "qwen3_5_moe_text",
                             "qwen3_next", "llama4_text", "longcat_flash", "granitemoe_swa",
                             "gpt_oss", "mimo_v2_flash")
 FORWARD_VERIFIED: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _firs
                                       ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2,
                                       qwen3, qwen3_5_text, refuse, sliding_windows)
 
+from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
@@ -527,6 +528,23 @@ def axk1(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def axk2(config: dict) -> DecoderSpec:
+    """A.X-K2 (axk2.py): DeepSeek-V3.2's MLA with the DSA indexer (each query attends to its index_topk best keys),
+    a fused query/gate projection (q_b_proj) whose sigmoid gate scales the attention output, and gated RMS norms
+    (input_layernorm; post_attention_layernorm of the sparse layers). Sparse layers (mlp_layer_types): DeepSeek-V3's
+    router (groups only when n_group is set), shared experts."""
+    _refuse_training_extras("axk2", config)
+    refuse("axk2", config, "q_lora_rank", lambda v: bool(v) and v > 0, 384)  # the indexer and gate read the q LoRA
+    spec = _mla(llama(config), config)
+    spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: AXK2RMSNorm's default eps
+    n = spec.num_layers
+    types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
+    moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types))
+    attention = Axk2Attention(index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 16),
+                              index_dim=config.get("index_head_dim", 128), gate_rank=config.get("gated_norm_rank", 16))
+    return replace(spec, moe=moe, make_layer=attention)
+
+
 def glm4_moe(config: dict) -> DecoderSpec:
     """GLM-4.5: Llama attention with q/k/v biases (attention_bias), optional per-head q/k RMSNorm (use_qk_norm),
     rotate_half partial rotary (0.5 by default), and DeepSeek-V3's router after first_k_dense_replace dense layers."""
@@ -619,7 +637,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
     "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
-    "axk1": axk1, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
+    "axk1": axk1, "axk2": axk2, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
     "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash,
 }

@@ -1,0 +1,160 @@
+"""A.X-K2's deltas on the shared decoder layer's MLA: DeepSeek-V3.2's sparse attention (DSA), a gated query
+projection and gated RMS norms.
+
+transformers 5 (AXK2Attention, DeepseekV32Indexer, AXK2GatedRMSNorm):
+
+- q_b_proj (named q_gate_proj in memory) maps [q_a_layernorm(q_a) | q_a] to each head's query and a gate of
+  v_head_dim; the attention output is multiplied by sigmoid(gate) before o_proj.
+- The indexer scores every visible key t for query s: sum_h w[s, h] relu(q_h[s] . k[t] / sqrt(D)), q_h from
+  wq_b(q_a_layernorm(q_a)), k = LayerNorm(wk(x)) (one key head), both rotated rotate_half on their first
+  qk_rope_head_dim dims, w = weights_proj(x) / sqrt(heads). Each query attends to its index_topk best keys only.
+  The indexer runs without gradient (its parameters get none).
+- input_layernorm, and post_attention_layernorm of the sparse layers, are RMS norms whose output y is scaled by
+  sigmoid(W_up(silu(W_down(y)))).
+
+The attention kernels know no per-query key selection: the layer composes its attention from matmuls, a host mask
+(causal, padding and the selection) and a softmax, over the stored keys with a cache. The selection is read back to
+the host, where numpy picks the top-k; the indexer's keys of the stored tokens are kept on the cache object. So
+generate does not capture these decode steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor
+from vkformers.models.layers import LayerNorm, Linear
+from vkformers_llama.decoder import DecoderLayer, _join, concat_last, place
+
+_HIDDEN = -1e30  # added to the scores of keys a query does not see
+
+
+@dataclass(frozen=True)
+class Axk2Attention:
+    """The model's DSA and gate sizes; called with (spec, index, alibi) it builds a layer (DecoderSpec.make_layer)."""
+
+    index_topk: int
+    index_heads: int
+    index_dim: int
+    gate_rank: int
+
+    def __call__(self, spec, index: int, alibi=None) -> "Axk2Layer":
+        return Axk2Layer(self, spec, index, alibi)
+
+
+def select_keys(scores: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:
+    """[B, S, T] bool: of the visible keys, the k with the largest index scores (all of them when k or fewer)."""
+    if scores.shape[-1] <= k:
+        return visible
+    ranked = np.where(visible, scores, -np.inf)
+    best = np.argpartition(-ranked, k - 1, axis=-1)[..., :k]
+    keep = np.zeros(visible.shape, bool)
+    np.put_along_axis(keep, best, True, axis=-1)
+    return keep & visible
+
+
+class Axk2Layer(DecoderLayer):
+    """The shared MLA layer with A.X-K2's gated query projection, DSA key selection and gated norms."""
+
+    capture_decode = False  # the selection is made on the host each step
+
+    def __init__(self, options: Axk2Attention, spec, index: int, alibi=None):
+        sparse = spec.moe is not None and spec.moe.layers[index]
+        gated = {"attn_in_norm": spec.attn_in_norm, **({"mlp_in_norm": spec.mlp_in_norm} if sparse else {})}
+        layer = replace(spec, output_gate_per_head=False, **{role: _join(path, "norm") for role, path in gated.items()})
+        super().__init__(layer, index, alibi)
+        self.options = options
+        s, d = self.spec, spec.hidden_size
+        object.__setattr__(self, "norm_gates", {
+            role: (place(self, _join(path, "W_down"), Linear(d, options.gate_rank, bias=False)),
+                   place(self, _join(path, "W_up"), Linear(options.gate_rank, d, bias=False)))
+            for role, path in gated.items()})
+        indexer, heads, dim = _join(s.attn, "indexer"), options.index_heads, options.index_dim
+        self.parts["index_q"] = place(self, _join(indexer, "wq_b"), Linear(s.mla_q_lora_rank, heads * dim, bias=False))
+        self.parts["index_k"] = place(self, _join(indexer, "wk"), Linear(d, dim, bias=False))
+        self.parts["index_k_norm"] = place(self, _join(indexer, "k_norm"), LayerNorm(dim, eps=1e-6))
+        self.parts["index_w"] = place(self, _join(indexer, "weights_proj"), Linear(d, heads, bias=False))
+        object.__setattr__(self, "_index_scores", None)
+
+    def _init_mla(self, add):
+        s = self.spec
+
+        def gated_query(role, path, module):  # q_b_proj reads [normed q_a | q_a] and gives query and gate per head
+            if role == "q_b":
+                module = Linear(2 * s.mla_q_lora_rank, s.num_heads * (s.mla_nope_dim + s.mla_rope_dim + s.mla_v_dim),
+                                bias=False)
+            add(role, path, module)
+        super()._init_mla(gated_query)
+
+    def _norm(self, role, x):
+        y = super()._norm(role, x)
+        if role not in self.norm_gates:
+            return y
+        down, up = self.norm_gates[role]
+        return y * up(F.silu(down(y))).sigmoid()
+
+    def attention(self, h, ctx):
+        s, p = self.spec, self.parts
+        batch, length, _ = h.shape
+        heads, qk, vdim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim, s.mla_v_dim
+        compressed = p["q_a"](h)
+        residual = p["q_a_norm"](compressed)
+        both = p["q_b"](concat_last(residual, compressed)).reshape(batch, length, heads, qk + vdim)
+        q = both[..., :qk].contiguous().reshape(batch, length, heads * qk)
+        gate = both[..., qk:].contiguous().reshape(batch, length, heads * vdim).sigmoid()
+        q, k, v = self._mla_qkv(h, ctx, q=q)
+        object.__setattr__(self, "_index_scores", self._index(h.detach(), residual.detach(), ctx))
+        return self._attend(q, k, v, ctx, batch, length, gate)
+
+    def _index(self, h, residual, ctx):
+        """The indexer's scores [B, S, T] of the new queries over every key (stored ones included)."""
+        s, p, o = self.spec, self.parts, self.options
+        batch, length, _ = h.shape
+        heads, dim, rdim = o.index_heads, o.index_dim, s.mla_rope_dim
+        inv_freq, scaling = ctx.rope_tables[self.index]
+
+        def rotate(x):  # rotate_half on the first rdim dims (not MLA's interleaved pairs)
+            turned = F.rope(x[..., :rdim].contiguous(), ctx.rope_positions, inv_freq, interleaved=False,
+                            attention_scaling=scaling)
+            return concat_last(turned, x[..., rdim:]) if rdim < dim else turned
+
+        q = rotate(p["index_q"](residual).reshape(batch, length, heads, dim).permute(0, 2, 1, 3))
+        k = rotate(p["index_k_norm"](p["index_k"](h)).reshape(batch, 1, length, dim))
+        if ctx.cache is not None:  # keys of the stored tokens, kept on the cache object
+            stored = ctx.cache.__dict__.setdefault("index_keys", {})
+            if ctx.cache.position == 0:
+                stored.pop(self.index, None)
+            keys = k.numpy()
+            if self.index in stored:
+                keys = np.concatenate([stored[self.index], keys], axis=2)
+            stored[self.index] = keys
+            k = Tensor(keys, dtype=q.dtype)
+        total = k.shape[2]
+        k = k.expand(batch, heads, total, dim).contiguous()
+        scores = ((q @ k.transpose(-1, -2)).float() * dim ** -0.5).relu()  # [B, heads, S, T]
+        weights = (p["index_w"](h).float() * heads ** -0.5).permute(0, 2, 1).contiguous()
+        weights = weights.reshape(batch, heads, length, 1)
+        return (scores * weights).sum(1)
+
+    def attend_heads(self, q, k, v, ctx, **options):
+        """softmax(q k^T * scale + mask) v, the mask hiding later keys, padding and the keys the indexer drops."""
+        batch, heads, new, _ = q.shape
+        if ctx.cache is not None:  # store the new keys (the cache's causal output is not used), attend over all
+            ctx.cache.attend(self.index, q, k, v, scale=options["scale"], key_padding_mask=ctx.key_padding_mask)
+            end = ctx.cache.position + new
+            k, v = ctx.cache.keys[self.index][:, :, :end], ctx.cache.values[self.index][:, :, :end]
+            key_mask = ctx.cache.mask[:, :end]
+        else:
+            key_mask = ctx.host_mask
+        keys = k.shape[2]
+        visible = np.arange(keys)[None, None, :] <= (keys - new + np.arange(new))[None, :, None]
+        if key_mask is not None:
+            visible = visible & key_mask.astype(bool)[:, None, :]
+        visible = np.broadcast_to(visible, (batch, new, keys))
+        keep = select_keys(self._index_scores.numpy(), visible, self.options.index_topk)
+        object.__setattr__(self, "_index_scores", None)
+        hidden = Tensor(np.where(keep, 0.0, _HIDDEN).astype(np.float32)[:, None])
+        scores = (q @ k.transpose(-1, -2)).float() * options["scale"] + hidden
+        return scores.softmax(-1).cast(v.dtype) @ v
