@@ -660,6 +660,26 @@ SPECS = [
           "(sigmoid, e_score_correction_bias buffer perturbed, 4 experts in 2 groups, 1 eligible), top-2 renormalised, "
           "scaled by 1.5, no shared experts."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("minimax_m3_vl_text", "minimax_m3_vl_text", dict(
+        L, head_dim=8, intermediate_size=16, dense_intermediate_size=INTER, shared_intermediate_size=12,
+        num_local_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5, swiglu_limit=1.0,
+        layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "sparse"],
+        index_n_heads=2, index_head_dim=12, index_block_size=2, index_topk_blocks=3, index_local_blocks=2),
+         ["MiniMax-M3's text decoder (MiniMaxM3VLForCausalLM). (1 + w) RMSNorms everywhere (layers, final, per-head "
+          "q/k norms before the rotation, the indexer's q/k norms); rotary over the whole head_dim 8 (transformers "
+          "5.24 ignores rotary_dim, default 64, for this config class). Layer 0: lightning-indexer block-sparse "
+          "attention (layer_types minimax_m3_sparse): per query, 2 indexer heads (one per KV group) score every "
+          "earlier key (q_proj 2 x 12, k_proj 12, normed, rotary on their first 8 dims), the maxima over blocks of "
+          "2 keys (index_block_size) pick the top-3 blocks (index_topk_blocks), the query's own block and the one "
+          "before it always among them (index_local_blocks 2); keys of other blocks are hidden. The 8-token input "
+          "has 4 blocks and the 20-token generation 10, so keys are dropped from query block 3 on (with "
+          "index_topk_blocks raised to 100, nothing dropped, transformers' logits change by up to 3.05). Dense MLP "
+          "(gate_up_proj [2*24, 32]). Layer 1: full attention; sparse block: sigmoid router over 4 experts, "
+          "e_score_correction_bias buffer (perturbed) for choosing, top-2 renormalised, routed output scaled by "
+          "1.5; experts fused [E, 2I, H] / [E, H, I]; shared_experts (gate_up_proj, width 12). Every GLU is the "
+          "clipped SwiGLU (up.clamp(-l, l) + 1) * g sigmoid(1.702 g), g = gate.clamp(max=l), swiglu_limit l "
+          "lowered to 1.0 so both clamps bind."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

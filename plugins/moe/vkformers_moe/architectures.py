@@ -74,7 +74,7 @@ VERIFIED: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gran
                             "cohere2_moe", "exaone_moe", "minimax_m2", "solar_open", "mellum", "afmoe",
                             "dbrx", "aria_text", "axk1", "axk2", "phimoe", "qwen3_5_moe_text",
                             "qwen3_next", "llama4_text", "longcat_flash", "granitemoe_swa",
-                            "gpt_oss", "mimo_v2_flash")
+                            "gpt_oss", "mimo_v2_flash", "minimax_m3_vl_text")
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

@@ -82,6 +82,7 @@ class MoeSpec:
     shared_gate: str | None = None            # linear [1, hidden]: the shared output is scaled by its sigmoid
     shared_bias: bool = False                 # the shared experts' linears have biases (ERNIE 4.5 use_bias)
     shared_fused: bool = False                # shared_names are (gate_up, down): one [2 size, hidden] input linear
+    shared_swiglu_clip: bool = False          # the shared experts' GLU is swiglu_clip's too (MiniMax-M3)
     output_scale: float = 1.0                 # the block's output (routed + shared) is multiplied by this (Cohere2
     #                                           MoE's "average" shared-expert combination: 0.5)
     output_norm: str | None = None            # a norm (the decoder's kind) on the block's output, stored beside the
@@ -104,6 +105,8 @@ class MoeSpec:
             raise ValueError("identity experts are not supported with expert groups or sparsemixer routing")
         if (self.fused_bias or self.gate_up_interleaved or self.swiglu_clip) and not self.fused_experts:
             raise ValueError("fused_bias, gate_up_interleaved and swiglu_clip need fused_experts")
+        if self.shared_swiglu_clip and not (self.swiglu_clip and self.shared):
+            raise ValueError("shared_swiglu_clip needs swiglu_clip and shared experts")
         if not 0 < self.top_k <= self.num_experts + self.identity_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts + self.identity_experts} experts")
 
@@ -112,14 +115,24 @@ class MoeSpec:
         return SparseMoeBlock(self, spec.hidden_size, spec) if self.layers[index] else None
 
 
+def clipped_swiglu(gate, up, clip: tuple[float, float]):
+    """GPT-OSS's clipped SwiGLU (MoeSpec.swiglu_clip): (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g),
+    g = min(gate, limit)."""
+    alpha, limit = clip
+    # minimum/maximum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
+    gate, up = gate.minimum(limit), up.maximum(-limit).minimum(limit)
+    return gate * (gate * alpha).sigmoid() * (up + 1.0)
+
+
 class SwiGLU(Module):
     """down(act(gate(x)) * up(x)): one expert, or the shared experts. ``fused``: names are (gate_up, down), one
-    linear [2 inner, hidden] computing [gate | up] (GraniteMoE's input_linear / output_linear)."""
+    linear [2 inner, hidden] computing [gate | up] (GraniteMoE's input_linear / output_linear). ``clip``: the GLU is
+    clipped_swiglu's instead."""
 
     def __init__(self, hidden: int, inner: int, names: tuple[str, ...], act: str, bias: bool = False,
-                 fused: bool = False):
+                 fused: bool = False, clip: tuple[float, float] | None = None):
         super().__init__()
-        self.inner = inner
+        self.inner, self.clip = inner, clip
         if fused:
             gate_up, down = names
             object.__setattr__(self, "projections", (place(self, gate_up, Linear(hidden, 2 * inner, bias=bias)),
@@ -135,8 +148,10 @@ class SwiGLU(Module):
         gate, up, down = self.projections
         if up is None:
             both = gate(x)
-            return down(self.act(both[..., :self.inner]) * both[..., self.inner:])
-        return down(self.act(gate(x)) * up(x))
+            g, u = both[..., :self.inner], both[..., self.inner:]
+        else:
+            g, u = gate(x), up(x)
+        return down(clipped_swiglu(g, u, self.clip) if self.clip else self.act(g) * u)
 
 
 def topk_mask(values, k: int):
@@ -192,7 +207,8 @@ class SparseMoeBlock(Module):
         for name in self.unused_weights:
             add_param(self, name, (moe.expert_size, hidden))
         shared = SwiGLU(hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act,
-                        bias=moe.shared_bias, fused=moe.shared_fused) if moe.shared else None
+                        bias=moe.shared_bias, fused=moe.shared_fused,
+                        clip=moe.swiglu_clip if moe.shared_swiglu_clip else None) if moe.shared else None
         # layer_modules: placed by the decoder layer under these layer-relative paths (the block calls them)
         object.__setattr__(self, "layer_modules", {moe.shared: shared} if shared and moe.shared_in_layer else {})
         if shared is not None and not moe.shared_in_layer:
@@ -304,10 +320,7 @@ class SparseMoeBlock(Module):
         """act(gate) * up, or GPT-OSS's clipped SwiGLU (MoeSpec.swiglu_clip)."""
         if self.moe.swiglu_clip is None:
             return self.act(gate) * up
-        alpha, limit = self.moe.swiglu_clip
-        # minimum/maximum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
-        gate, up = gate.minimum(limit), up.maximum(-limit).minimum(limit)
-        return gate * (gate * alpha).sigmoid() * (up + 1.0)
+        return clipped_swiglu(gate, up, self.moe.swiglu_clip)
 
     def forward(self, h):
         moe = self.moe

@@ -18,6 +18,7 @@ from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
+from vkformers_moe.minimax_m3 import MinimaxM3Attention
 from vkformers_moe.longcat import LongcatLayers
 
 
@@ -361,6 +362,55 @@ def minimax_m2(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+def minimax_m3_vl_text(config: dict) -> DecoderSpec:
+    """MiniMax-M3's text decoder (minimax_m3.py): Llama attention with per-head q/k norms before the rotation, (1 + w)
+    RMS norms everywhere, rotary from rope_parameters alone (transformers 5.24 ignores rotary_dim here, unlike
+    MiniMax-M2); lightning-indexer block-sparse attention on the layers layer_types marks minimax_m3_sparse. MLPs
+    (mlp_layer_types): dense ones of dense_intermediate_size (fused gate_up_proj), sparse ones with a sigmoid router
+    (gate.e_score_correction_bias for choosing), top-k renormalised, the routed output scaled by
+    routed_scaling_factor, experts fused [E, 2I, H] / [E, H, I], shared_experts (fused gate_up_proj). Every GLU is
+    GPT-OSS's clipped SwiGLU (swiglu_alpha, swiglu_limit). The released configs' sparse_attention_config and
+    moe_layer_freq are read as transformers reads them."""
+    if "text_config" in config:  # the weights sit under model.language_model.*, beside the vision tower
+        raise UnsupportedConfigError("minimax_m3_vl: the multimodal wrapper is not unwrapped (text_config, "
+                                     "model.language_model.* weights); only MiniMax-M3's text model loads")
+    _refuse_training_extras("minimax_m3_vl_text", config)
+    legacy = config.get("sparse_attention_config") or {}
+    index = {flat: legacy.get(old, config.get(flat, default)) for flat, old, default in (
+        ("index_n_heads", "sparse_num_index_heads", 4), ("index_head_dim", "sparse_index_dim", 128),
+        ("index_block_size", "sparse_block_size", 128), ("index_topk_blocks", "sparse_topk_blocks", 16),
+        ("index_local_blocks", "sparse_local_block", 1))}
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or (["minimax_m3_sparse" if f else "full_attention"
+                                           for f in legacy["sparse_attention_freq"]]
+                                          if "sparse_attention_freq" in legacy else ["full_attention"] * n)
+    mlp_types = config.get("mlp_layer_types") or (["sparse" if f else "dense" for f in config["moe_layer_freq"]]
+                                                  if config.get("moe_layer_freq") is not None else ["sparse"] * n)
+    clip = (float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
+    spec = replace(llama(dict(config, hidden_act="silu")), q_norm="q_norm", k_norm="k_norm", norm_unit_offset=True,
+                   gate_up_proj="gate_up_proj", intermediate_size=config.get("dense_intermediate_size", 12288))
+    rope = config.get("rope_parameters") or {}
+    rotary = int(spec.head_dim * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if "minimax_m3_sparse" in types:  # transformers rotates the indexer by the first index_head_dim rotary columns
+        flat = dict(config, **index)
+        refuse("minimax_m3_vl_text", flat, "index_head_dim", lambda v: v >= rotary)
+        refuse("minimax_m3_vl_text", flat, "index_n_heads", lambda v: spec.num_heads % v == 0)
+        # more forced local blocks than kept ones: transformers keeps an arbitrary subset of them
+        refuse("minimax_m3_vl_text", flat, "index_local_blocks", lambda v: v <= index["index_topk_blocks"])
+    attention = MinimaxM3Attention(
+        sparse=tuple(t == "minimax_m3_sparse" for t in types), index_heads=index["index_n_heads"],
+        index_dim=index["index_head_dim"], block=index["index_block_size"], topk_blocks=index["index_topk_blocks"],
+        local_blocks=index["index_local_blocks"], swiglu_clip=clip)
+    moe = MoeSpec(num_experts=num_experts(config, 128), top_k=config.get("num_experts_per_tok", 4),
+                  expert_size=config.get("intermediate_size", 3072), layers=tuple(t == "sparse" for t in mlp_types),
+                  scoring="sigmoid", selection_bias="gate.e_score_correction_bias", norm_topk=True,
+                  routed_scale=float(config.get("routed_scaling_factor", 2.0)),
+                  fused_experts=("gate_up_proj", "down_proj"), swiglu_clip=clip, shared="shared_experts",
+                  shared_size=config.get("shared_intermediate_size", 3072), shared_names=("gate_up_proj", "down_proj"),
+                  shared_fused=True, shared_swiglu_clip=True)
+    return replace(spec, make_layer=attention, moe=moe)
+
+
 def solar_open(config: dict) -> DecoderSpec:
     """Solar Open: Llama attention (q/k/v biases under attention_bias, o_proj never) with DeepSeek-V3's router (sigmoid,
     gate.e_score_correction_bias, groups, renormalised, routed_scaling_factor) and n_shared_experts shared experts in
@@ -640,6 +690,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "axk1": axk1, "axk2": axk2, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
     "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash,
+    "minimax_m3_vl_text": minimax_m3_vl_text,
 }
 
 
