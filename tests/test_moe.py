@@ -170,17 +170,19 @@ def test_axk2_select_keys_keeps_the_k_best_visible():
             np.testing.assert_array_equal(np.flatnonzero(keep[b, s]), np.sort(best))
 
 
-def test_axk2_key_selection_changes_the_logits(monkeypatch):
-    """The axk2 fixture keeps index_topk 4 keys per query of its 8-token rows, so keys are dropped; with the
+@pytest.mark.parametrize("name, selecting", [("axk2", 2), ("deepseek_v32", 2), ("glm_moe_dsa", 1)])
+def test_dsa_key_selection_changes_the_logits(monkeypatch, name, selecting):
+    """The DSA fixtures keep index_topk 4 keys per query of their 8-token rows, so keys are dropped; with the
     selection off (index_topk = the sequence) the logits are no longer transformers' (test_decoder_parity and
-    test_generation check them with it on)."""
+    test_generation check them with it on). deepseek_v32 / glm_moe_dsa are aliases of deepseek_v3 whose configs
+    select the DSA layer; glm_moe_dsa's layer 1 reuses layer 0's selection (one selecting layer)."""
     from dataclasses import replace
     from pathlib import Path
 
     import vkformers_moe.axk2 as axk2
     from vkformers.models.loading import AutoModelForCausalLM
     from vkformers.models.safetensors_io import read_safetensors
-    folder = Path(__file__).parent / "fixtures" / "axk2"
+    folder = Path(__file__).parent / "fixtures" / name
     ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
     ids, mask = ref["input_ids"].astype(np.int64), ref["attention_mask"].astype(np.int64)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
@@ -189,10 +191,27 @@ def test_axk2_key_selection_changes_the_logits(monkeypatch):
     monkeypatch.setattr(axk2, "select_keys", lambda s, v, k: dropped.append(int((v & ~select(s, v, k)).sum()))
                         or select(s, v, k))
     on = model(ids, attention_mask=mask).logits.numpy()
-    assert len(dropped) == 2 and min(dropped) > 0  # both layers drop keys
+    assert len(dropped) == selecting and min(dropped) > 0  # every selecting layer drops keys
+    assert all(type(layer).__name__ == "Axk2Layer" for layer in model.layers)
     for layer in model.layers:
         layer.options = replace(layer.options, index_topk=ids.shape[1])
     off = model(ids, attention_mask=mask).logits.numpy()
     real = mask.astype(bool)
     np.testing.assert_allclose(on[real], ref["logits"][real], atol=1e-4)
     assert np.abs(off - ref["logits"])[real].max() > 0.1
+
+
+def test_dsa_aliases_need_a_q_lora():
+    """deepseek_v32 / glm_moe_dsa (aliases of deepseek_v3): the indexer reads the q LoRA, so a config without one
+    is refused rather than run without the indexer."""
+    import json
+    from pathlib import Path
+
+    from vkformers_moe.variants import decoder_spec
+    config = json.loads((Path(__file__).parent / "fixtures" / "deepseek_v32" / "config.json").read_text())
+    assert decoder_spec(config, "deepseek_v3").make_layer is not None
+    with pytest.raises(UnsupportedConfigError, match="q_lora_rank"):
+        decoder_spec(dict(config, q_lora_rank=None), "deepseek_v3")
+    glm = dict(config, model_type="glm_moe_dsa", indexer_types=["shared", "full"])
+    with pytest.raises(UnsupportedConfigError, match="indexer_types"):
+        decoder_spec(glm, "deepseek_v3")

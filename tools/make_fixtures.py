@@ -586,6 +586,30 @@ SPECS = [
           "scaled by 2.5, one shared expert. The indexer runs without gradient: its parameters are in "
           "params_without_grad."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("deepseek_v32", "deepseek_v32", dict(
+        L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=4,
+        index_head_dim=8, index_n_heads=8),
+         ["DeepSeek-V3.2 (an alias of deepseek_v3 in vkformers-moe, whose configs select the DSA layer): DeepSeek-V3's "
+          "MLA (q_lora_rank 24, kv_lora_rank 16, nope 8 + rope 4, v 8, interleaved rotary) plus a DSA indexer (8 heads "
+          "of 8, rotate_half rotary on the first 4 dims, LayerNorm'd key, relu scores weighted per head) keeping the "
+          "index_topk 4 best keys of each query: fewer than the 8-token sequence and the 20-token generation, so "
+          "keys are dropped. Layer 0 dense, layer 1 sparse: DeepSeek-V3's router (8 experts in 4 groups, 2 eligible, "
+          "e_score_correction_bias perturbed, top-2 renormalised, scaled by 2.5, one shared expert). The indexer "
+          "runs without gradient: its parameters are in params_without_grad."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("glm_moe_dsa", "glm_moe_dsa", dict(
+        L, num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, index_topk=4, index_head_dim=8, index_n_heads=4,
+        indexer_types=["full", "shared"]),
+         ["GLM-5 (an alias of deepseek_v3 in vkformers-moe, whose configs select the DSA layer): DeepSeek-V3.2's "
+          "MLA and DSA indexer (4 heads of 8, index_topk 4 of up to 20 keys), the indexer rotating interleaved pairs "
+          "of its first 4 dims; layer 1 is an indexer_types 'shared' layer: no indexer, it reuses layer 0's key "
+          "selection. Layer 0 dense, layer 1 sparse (4 experts, no groups, top-2 renormalised, scaled by 2.5, one "
+          "shared expert, e_score_correction_bias perturbed); rms_norm_eps 1e-5 (the q_a / kv_a norms keep 1e-6)."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     Spec("phimoe", "phimoe", dict(L, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                                   sliding_window=SW, router_jitter_noise=0.5),
          ["PhiMoE: LayerNorms with bias, q/k/v/o biases, lm_head bias, sliding_window 4; SparseMixer routing (eval "

@@ -1,5 +1,9 @@
-"""A.X-K2's deltas on the shared decoder layer's MLA: DeepSeek-V3.2's sparse attention (DSA), a gated query
-projection and gated RMS norms.
+"""DeepSeek-V3.2's sparse attention (DSA) on the shared decoder layer's MLA, and A.X-K2's deltas on it (a gated
+query projection and gated RMS norms).
+
+deepseek_v32 and glm_moe_dsa configs (aliases of deepseek_v3) use the layer with gate_rank 0: the plain MLA q_b_proj
+of q_a_layernorm(q_a), no gates. glm_moe_dsa rotates the indexer's interleaved pairs, and its "shared" layers
+(indexer_types) have no indexer: they reuse the key selection of the previous layer.
 
 transformers 5 (AXK2Attention, DeepseekV32Indexer, AXK2GatedRMSNorm):
 
@@ -38,7 +42,9 @@ class Axk2Attention:
     index_topk: int
     index_heads: int
     index_dim: int
-    gate_rank: int
+    gate_rank: int = 0                         # A.X-K2's gated query and norms; 0: DeepSeek-V3.2's plain MLA
+    index_rope_interleaved: bool = False       # GLM-5's indexer rotates interleaved pairs, DeepSeek-V3.2's halves
+    shared_index: tuple[bool, ...] = ()        # GLM-5: layers reusing the previous layer's selection
 
     def __call__(self, spec, index: int, alibi=None) -> "Axk2Layer":
         return Axk2Layer(self, spec, index, alibi)
@@ -56,30 +62,37 @@ def select_keys(scores: np.ndarray, visible: np.ndarray, k: int) -> np.ndarray:
 
 
 class Axk2Layer(DecoderLayer):
-    """The shared MLA layer with A.X-K2's gated query projection, DSA key selection and gated norms."""
+    """The shared MLA layer with DSA key selection (and A.X-K2's gated query projection and gated norms)."""
 
     capture_decode = False  # the selection is made on the host each step
 
     def __init__(self, options: Axk2Attention, spec, index: int, alibi=None):
         sparse = spec.moe is not None and spec.moe.layers[index]
         gated = {"attn_in_norm": spec.attn_in_norm, **({"mlp_in_norm": spec.mlp_in_norm} if sparse else {})}
+        if not options.gate_rank:
+            gated = {}
         layer = replace(spec, output_gate_per_head=False, **{role: _join(path, "norm") for role, path in gated.items()})
+        self.options = options  # before the shared layer's __init__, which calls _init_mla
+        self.shares_index = index < len(options.shared_index) and options.shared_index[index]
         super().__init__(layer, index, alibi)
-        self.options = options
         s, d = self.spec, spec.hidden_size
         object.__setattr__(self, "norm_gates", {
             role: (place(self, _join(path, "W_down"), Linear(d, options.gate_rank, bias=False)),
                    place(self, _join(path, "W_up"), Linear(options.gate_rank, d, bias=False)))
             for role, path in gated.items()})
+        object.__setattr__(self, "_index_scores", None)
+        if self.shares_index:
+            return
         indexer, heads, dim = _join(s.attn, "indexer"), options.index_heads, options.index_dim
         self.parts["index_q"] = place(self, _join(indexer, "wq_b"), Linear(s.mla_q_lora_rank, heads * dim, bias=False))
         self.parts["index_k"] = place(self, _join(indexer, "wk"), Linear(d, dim, bias=False))
         self.parts["index_k_norm"] = place(self, _join(indexer, "k_norm"), LayerNorm(dim, eps=1e-6))
         self.parts["index_w"] = place(self, _join(indexer, "weights_proj"), Linear(d, heads, bias=False))
-        object.__setattr__(self, "_index_scores", None)
 
     def _init_mla(self, add):
         s = self.spec
+        if not self.options.gate_rank:
+            return super()._init_mla(add)
 
         def gated_query(role, path, module):  # q_b_proj reads [normed q_a | q_a] and gives query and gate per head
             if role == "q_b":
@@ -101,11 +114,16 @@ class Axk2Layer(DecoderLayer):
         heads, qk, vdim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim, s.mla_v_dim
         compressed = p["q_a"](h)
         residual = p["q_a_norm"](compressed)
-        both = p["q_b"](concat_last(residual, compressed)).reshape(batch, length, heads, qk + vdim)
-        q = both[..., :qk].contiguous().reshape(batch, length, heads * qk)
-        gate = both[..., qk:].contiguous().reshape(batch, length, heads * vdim).sigmoid()
+        gate = None
+        if self.options.gate_rank:
+            both = p["q_b"](concat_last(residual, compressed)).reshape(batch, length, heads, qk + vdim)
+            q = both[..., :qk].contiguous().reshape(batch, length, heads * qk)
+            gate = both[..., qk:].contiguous().reshape(batch, length, heads * vdim).sigmoid()
+        else:
+            q = p["q_b"](residual)
         q, k, v = self._mla_qkv(h, ctx, q=q)
-        object.__setattr__(self, "_index_scores", self._index(h.detach(), residual.detach(), ctx))
+        if not self.shares_index:
+            object.__setattr__(self, "_index_scores", self._index(h.detach(), residual.detach(), ctx))
         return self._attend(q, k, v, ctx, batch, length, gate)
 
     def _index(self, h, residual, ctx):
@@ -115,9 +133,9 @@ class Axk2Layer(DecoderLayer):
         heads, dim, rdim = o.index_heads, o.index_dim, s.mla_rope_dim
         inv_freq, scaling = ctx.rope_tables[self.index]
 
-        def rotate(x):  # rotate_half on the first rdim dims (not MLA's interleaved pairs)
-            turned = F.rope(x[..., :rdim].contiguous(), ctx.rope_positions, inv_freq, interleaved=False,
-                            attention_scaling=scaling)
+        def rotate(x):  # rotate_half (DeepSeek-V3.2) or interleaved pairs (GLM-5) on the first rdim dims
+            turned = F.rope(x[..., :rdim].contiguous(), ctx.rope_positions, inv_freq,
+                            interleaved=o.index_rope_interleaved, attention_scaling=scaling)
             return concat_last(turned, x[..., rdim:]) if rdim < dim else turned
 
         q = rotate(p["index_q"](residual).reshape(batch, length, heads, dim).permute(0, 2, 1, 3))
@@ -153,7 +171,11 @@ class Axk2Layer(DecoderLayer):
         if key_mask is not None:
             visible = visible & key_mask.astype(bool)[:, None, :]
         visible = np.broadcast_to(visible, (batch, new, keys))
-        keep = select_keys(self._index_scores.numpy(), visible, self.options.index_topk)
+        if self.shares_index:  # the selection of the previous layer (GLM-5's shared layers)
+            keep = ctx.dsa_keep
+        else:
+            keep = select_keys(self._index_scores.numpy(), visible, self.options.index_topk)
+            ctx.dsa_keep = keep
         object.__setattr__(self, "_index_scores", None)
         hidden = Tensor(np.where(keep, 0.0, _HIDDEN).astype(np.float32)[:, None])
         scores = (q @ k.transpose(-1, -2)).float() * options["scale"] + hidden

@@ -558,11 +558,55 @@ def deepseek_moe(config: dict, spec: DecoderSpec, *, scoring: str = "sigmoid", s
 
 def deepseek_v3(config: dict) -> DecoderSpec:
     """DeepSeek-V2's multi-head latent attention (rope_interleave) with DeepSeek-V3's sigmoid router after the first
-    first_k_dense_replace dense layers."""
+    first_k_dense_replace dense layers. Configs of its aliases deepseek_v32 / glm_moe_dsa (or with index_topk) add
+    the DSA indexer: deepseek_v32()."""
     _refuse_training_extras("deepseek_v3", config)
+    if config.get("model_type") in DSA_MODEL_TYPES or "index_topk" in config:
+        return deepseek_v32(config)
     spec = _mla(llama(config), config)
     spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
     return replace(spec, moe=deepseek_moe(config, spec))
+
+
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def dsa_indexer_types(config: dict, num_layers: int) -> list[str]:
+    """GLM-5's per-layer indexer modes ("full" runs the indexer, "shared" reuses the previous layer's selection):
+    indexer_types, else index_topk_pattern ("FSS..."), else every index_topk_freq-th layer from
+    index_skip_topk_offset - 1 (transformers' GlmMoeDsaConfig). DeepSeek-V3.2: every layer full."""
+    if config.get("model_type") != "glm_moe_dsa":
+        return ["full"] * num_layers
+    if config.get("indexer_types"):
+        return list(config["indexer_types"])
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(config.get("index_topk_freq", 1), 1), config.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def deepseek_v32(config: dict) -> DecoderSpec:
+    """DeepSeek-V3.2 (deepseek_v32) and GLM-5 (glm_moe_dsa), aliases of deepseek_v3: its MLA (always with a q LoRA,
+    interleaved rotary) plus the DSA indexer of axk2.py (each query attends to its index_topk best keys) with
+    A.X-K2's gates off. GLM-5's indexer rotates interleaved pairs, and its "shared" layers reuse the previous layer's
+    selection. Sparse layers from mlp_layer_types (default: the first first_k_dense_replace, 3, dense)."""
+    arch = config.get("model_type") or "deepseek_v32"
+    refuse(arch, config, "q_lora_rank", lambda v: bool(v) and v > 0, 1536)  # the indexer reads the q LoRA
+    spec = _mla(llama(config), config)
+    spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: the RMSNorm's default eps
+    n, dense = spec.num_layers, config.get("first_k_dense_replace", 3)
+    types = config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(n)]
+    indexer = dsa_indexer_types(config, n)
+    refuse(arch, config, "indexer_types", lambda v: indexer[0] == "full" and set(indexer) <= {"full", "shared"},
+           indexer)  # a shared layer needs a full one before it
+    glm = arch == "glm_moe_dsa"
+    attention = Axk2Attention(index_topk=config.get("index_topk", 2048),
+                              index_heads=config.get("index_n_heads", 32 if glm else 64),
+                              index_dim=config.get("index_head_dim", 128), index_rope_interleaved=glm,
+                              shared_index=tuple(t == "shared" for t in indexer))
+    moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types))
+    return replace(spec, moe=moe, make_layer=attention)
 
 
 def axk1(config: dict) -> DecoderSpec:
