@@ -138,7 +138,7 @@ def test_bad_options_are_refused():
     with pytest.raises(UnsupportedConfigError, match="output_router_logits"):
         decoder_spec(config, "mixtral")
     with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
-        decoder_spec(dict(config, output_router_logits=False), "deepseek_v4")
+        decoder_spec(dict(config, output_router_logits=False), "qwen4_exp_text")
     mimo = dict(model_type="mimo_v2_flash", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                 head_dim=4, v_head_dim=8)
     with pytest.raises(UnsupportedConfigError, match="v_head_dim"):
@@ -199,6 +199,27 @@ def test_dsa_key_selection_changes_the_logits(monkeypatch, name, selecting):
     real = mask.astype(bool)
     np.testing.assert_allclose(on[real], ref["logits"][real], atol=1e-4)
     assert np.abs(off - ref["logits"])[real].max() > 0.1
+
+
+def test_deepseek_v4_fixture_exercises_its_options():
+    """The deepseek_v4 fixture's logits are transformers' (test_decoder_parity), and each option below moves them:
+    the CSA indexer's choice (index_topk 2 of up to 4 entries), the Sinkhorn iterations, the sliding window."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.models.safetensors_io import read_safetensors
+    folder = Path(__file__).parent / "fixtures" / "deepseek_v4"
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    ids, mask = ref["input_ids"].astype(np.int64), ref["attention_mask"].astype(np.int64)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    real = mask.astype(bool)
+    options = model.spec.make_layer
+    for change in (dict(index_topk=8), dict(sinkhorn_iters=1), dict(window=8)):
+        for layer in model.layers:
+            layer.options = replace(options, **change)
+        off = model(ids, attention_mask=mask).logits.numpy()
+        assert np.abs(off - ref["logits"])[real].max() > 0.1, change
 
 
 def test_dsa_aliases_need_a_q_lora():

@@ -80,6 +80,7 @@ class Spec:
     noisy_buffers: tuple = ()        # suffixes of buffers to perturb like 1-D parameters (routing biases, zero at init)
     loss_shifts_labels: bool = True  # False: the model's loss reads labels[t] for logits[t] (TrOCRForCausalLM), so
     #                                  the fixture passes the next-token targets (make_inputs' labels shifted left)
+    prepare: object = None           # called with the model after reinit_: buffers a fixture sets (hash routing tables)
 
 
 def _gpt2_names(**kw):
@@ -704,6 +705,31 @@ SPECS = [
           "clipped SwiGLU (up.clamp(-l, l) + 1) * g sigmoid(1.702 g), g = gate.clamp(max=l), swiglu_limit l "
           "lowered to 1.0 so both clamps bind."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("deepseek_v4", "deepseek_v4", dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=HEADS, num_key_value_heads=1,
+        head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8, sliding_window=SW,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 3},
+        index_n_heads=4, index_head_dim=8, index_topk=2, hc_mult=3, hc_sinkhorn_iters=3,
+        mlp_layer_types=["hash_moe", "moe", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=1.5, swiglu_limit=1.0,
+        max_position_embeddings=MAX_POS, initializer_range=0.2, **TOK),
+         ["DeepSeek-V4: the residual stream is hc_mult 3 parallel streams (mHC): before each attention and MLP a "
+          "hyper-connection (attn_hc / ffn_hc: fn, base, scale) computes from the normed streams a collapse "
+          "(sigmoid), an expansion (2 sigmoid) and a Sinkhorn-normalised (3 iterations) mixing matrix; a hyper head "
+          "(hc_head) collapses the streams before the final norm. Attention: shared-KV MQA (one head of 16, keys = "
+          "values: kv_proj, kv_norm), queries through q_a_proj, q_a_norm, q_b_proj and a weightless per-head RMS "
+          "norm, interleaved rotary on the trailing 8 dims (undone on the output at the query's position), per-head "
+          "sinks, sliding window 4, grouped output projection (2 groups of 2 heads to 8 each, o_a_proj, then "
+          "o_b_proj). Layer 0 sliding only (rope theta 1e4); layer 1 CSA: compressed entries from overlapping "
+          "windows of 2 + 2 tokens (softmax-gated, position_bias, kv_norm, rotary at the window start, theta 1.6e5), "
+          "of which a lightning indexer (4 heads of 8, own compressor) keeps the top 2 per query; layer 2 HCA: one "
+          "entry per 3 tokens, all causal ones visible. Sparse block in every layer: sqrt(softplus) scores over 4 "
+          "experts, layer 0 routed by the hash table tid2eid[input_ids] (random distinct experts here; zero at "
+          "init), layers 1-2 by top-2 of scores + e_score_correction_bias (perturbed); renormalised, scaled by 1.5; "
+          "experts and the shared expert clip gate (max 1) and up (+-1) before silu(gate) * up. Saved with the "
+          "reference checkpoint's names (attn.wq_a, ffn.experts.<e>.w1, hc_attn_fn, head, ...)."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",), prepare=lambda model: _hash_tables(model)),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
@@ -763,6 +789,15 @@ def reinit_(model):
                 p.copy_(noise * INIT_STD)
             else:
                 p.add_(noise * VEC_STD)
+
+
+def _hash_tables(model):
+    """DeepSeek-V4's hash routing tables (tid2eid, zeros at init): distinct random experts for every token."""
+    g = torch.Generator().manual_seed(4321)
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            experts = model.config.n_routed_experts
+            b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
 
 
 def make_inputs():
@@ -835,6 +870,9 @@ def build(spec: Spec, out_root: Path):
             for name, b in model.named_buffers():
                 if name.endswith(spec.noisy_buffers):
                     b.add_(torch.randn(b.shape, generator=g, dtype=torch.float32) * VEC_STD)
+    if spec.prepare is not None:
+        with torch.no_grad():
+            spec.prepare(model)
 
     tmp = out_root / (spec.name + ".tmp")
     if tmp.exists():

@@ -692,8 +692,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.rope_negated else None,
                       query_scale=self._query_scale(positions), host_mask=mask)
-        for layer in self.layers:
-            x = layer(x, ctx)
+        x = self.run_layers(x, ctx)
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
         if logits is None:
             if self.final_norm is not None:
@@ -711,6 +710,13 @@ class DecoderForCausalLM(Module, GenerationMixin):
             cache.advance(length)
         loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def run_layers(self, x, ctx: Context):
+        """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream
+        between them: DeepSeek-V4's hyper-connections)."""
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return x
 
     def _fused_decode_head(self, x):
         """Final RMS norm and lm_head of a decode step as one fused product, or None where they differ."""

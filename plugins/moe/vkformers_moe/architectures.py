@@ -21,7 +21,7 @@ ARCHITECTURES = [
     ("glm5_next_text",     "causal-decoder", "rms",   True, True,  "native KV-cache generation; KDA linear attention + DSA sparse attention + mHC (parsed via DeepSeek-V3.2 contract; glm5_kda_* shaders)"),
     ("mimo_v2_flash",      "causal-decoder", "rms",   True, True,  "native KV-cache generation"),
     ("deepseek_v3",        "causal-decoder", "rms",   True, True,  "MLA + grouped-sigmoid MoE"),
-    ("deepseek_v4",        "causal-decoder", "rms",   True, False, "native KV-cache generation; HCA/CSA compressed attention + mHC + hyper head (dedicated deepseek_v4_* shaders); upstream claims 2-step AdamW parity"),
+    ("deepseek_v4",        "causal-decoder", "rms",   True, False, "native KV-cache generation; HCA/CSA compressed attention + mHC + hyper head (composed from engine ops, deepseek_v4.py); upstream claims 2-step AdamW parity"),
     ("axk1",               "causal-decoder", "rms",   True, True,  "DeepSeek-V3-derived (MLA)"),
     ("axk2",               "causal-decoder", "rms",   True, True,  "DeepSeek-V3.2-derived (MLA + DSA)"),
     ("longcat_flash",      "causal-decoder", "rms",   True, True,  "MLA via Youtu/DeepSeek normalization; zero/identity experts"),
@@ -74,7 +74,7 @@ VERIFIED: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gran
                             "cohere2_moe", "exaone_moe", "minimax_m2", "solar_open", "mellum", "afmoe",
                             "dbrx", "aria_text", "axk1", "axk2", "phimoe", "qwen3_5_moe_text",
                             "qwen3_next", "llama4_text", "longcat_flash", "granitemoe_swa",
-                            "gpt_oss", "mimo_v2_flash", "minimax_m3_vl_text")
+                            "gpt_oss", "mimo_v2_flash", "minimax_m3_vl_text", "deepseek_v4")
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

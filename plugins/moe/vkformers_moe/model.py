@@ -14,6 +14,13 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     decoder_spec = staticmethod(decoder_spec)
 
+    def __new__(cls, config=None, architecture=None, *args, **kwargs):
+        # an architecture whose residual stream is not one hidden state has its own subclass (DeepSeek-V4's streams)
+        if cls is MoeDecoderForCausalLM and getattr(architecture, "name", architecture) == "deepseek_v4":
+            from vkformers_moe.deepseek_v4 import DeepseekV4ForCausalLM
+            cls = DeepseekV4ForCausalLM
+        return super().__new__(cls)
+
     def __init__(self, config: dict, architecture):
         super().__init__(config, architecture)
         # a composed layer may build inputs on the host from the position (Llama 4's chunk mask)

@@ -219,6 +219,42 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
     return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))
 
 
+def deepseek_v4(config: dict) -> DecoderSpec:
+    """DeepSeek-V4 (deepseek_v4.py): hc_mult hyper-connected residual streams, shared-KV attention with sinks over a
+    sliding window plus compressed entries (layer_types: sliding / CSA with a lightning indexer / HCA), grouped output
+    projection; a sparse block in every layer (sqrt(softplus) scores, hash-routed on the hash_moe layers, top-k of
+    scores + gate.bias elsewhere; clipped SwiGLU experts and one shared expert of moe_intermediate_size)."""
+    from vkformers_moe.deepseek_v4 import DeepseekV4Layers  # imports the model module, which imports this one
+    _refuse_training_extras("deepseek_v4", config)
+    refuse("deepseek_v4", config, "scoring_func", lambda v: v == "sqrtsoftplus", "sqrtsoftplus")
+    refuse("deepseek_v4", config, "norm_topk_prob", lambda v: v is not False, True)
+    n = config["num_hidden_layers"]
+    size = config.get("moe_intermediate_size", 2048)
+    spec = replace(llama(dict(config, intermediate_size=size, tie_word_embeddings=False)), num_kv_heads=1,
+                   lm_head="head")
+    types = tuple(config.get("layer_types") or ["heavily_compressed_attention"] * min(n, 2) + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))])
+    mlp_types = config.get("mlp_layer_types") or ["hash_moe"] * min(n, 3) + ["moe"] * max(n - 3, 0)
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128,
+             **(config.get("compress_rates") or {})}
+    moe = MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok") or 6, expert_size=size,
+                  layers=(True,) * n, path="ffn", router="gate", selection_bias="gate.bias", norm_topk=True,
+                  norm_eps=1e-20, routed_scale=float(config.get("routed_scaling_factor") or 1.0),
+                  expert_names=("w1", "w3", "w2"), shared="shared_experts", shared_size=size)
+    partial = config.get("partial_rotary_factor") or 64 / 512
+    layers = DeepseekV4Layers(
+        layer_types=types, hash_layers=tuple(t == "hash_moe" for t in mlp_types), moe=moe,
+        hash_moe=replace(moe, selection_bias=None), swiglu_limit=float(config.get("swiglu_limit", 10.0)),
+        q_lora_rank=config.get("q_lora_rank", 1024), o_groups=config.get("o_groups", 8),
+        o_lora_rank=config.get("o_lora_rank", 1024), rope_dim=int(spec.head_dim * partial),
+        window=config.get("sliding_window", 128), csa_rate=rates["compressed_sparse_attention"],
+        hca_rate=rates["heavily_compressed_attention"], index_heads=config.get("index_n_heads", 64),
+        index_dim=config.get("index_head_dim", 128), index_topk=config.get("index_topk", 512),
+        hc_mult=config.get("hc_mult", 4), sinkhorn_iters=config.get("hc_sinkhorn_iters", 20),
+        hc_eps=float(config.get("hc_eps", 1e-6)))
+    return replace(spec, make_layer=layers,
+                   rope_configs=tuple((config, "main" if t == "sliding_attention" else "compress") for t in types))
+
 def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
@@ -733,7 +769,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
     "axk1": axk1, "axk2": axk2, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
-    "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash,
+    "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash, "deepseek_v4": deepseek_v4,
     "minimax_m3_vl_text": minimax_m3_vl_text,
 }
 
