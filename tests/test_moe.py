@@ -138,7 +138,7 @@ def test_bad_options_are_refused():
     with pytest.raises(UnsupportedConfigError, match="output_router_logits"):
         decoder_spec(config, "mixtral")
     with pytest.raises(UnsupportedConfigError, match="no decoder variant"):
-        decoder_spec(dict(config, output_router_logits=False), "qwen4_exp_text")
+        decoder_spec(dict(config, output_router_logits=False), "no_such_moe")
     mimo = dict(model_type="mimo_v2_flash", vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                 head_dim=4, v_head_dim=8)
     with pytest.raises(UnsupportedConfigError, match="v_head_dim"):
@@ -220,6 +220,67 @@ def test_deepseek_v4_fixture_exercises_its_options():
             layer.options = replace(options, **change)
         off = model(ids, attention_mask=mask).logits.numpy()
         assert np.abs(off - ref["logits"])[real].max() > 0.1, change
+
+
+def test_qwen4_exp_fixture_exercises_its_options():
+    """The qwen4_exp_text fixture's logits are transformers' (test_decoder_parity), and each feature below moves them:
+    the QSA selection (budget 4 of up to 8 tokens), PLE, its conv and its eos segments, the streams' injection
+    weights and input mixing."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from vkformers.engine.tensor import Tensor
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.models.safetensors_io import read_safetensors
+    from vkformers_moe import qwen4_exp
+    folder = Path(__file__).parent / "fixtures" / "qwen4_exp_text"
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    ids, mask = ref["input_ids"].astype(np.int64), ref["attention_mask"].astype(np.int64)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    real = mask.astype(bool)
+    linear, indexed = model.layers
+    ple, options = linear.ple, linear.options
+
+    def moved():
+        return np.abs(model(ids, attention_mask=mask).logits.numpy() - ref["logits"])[real].max()
+
+    indexed.options = replace(indexed.options, budget=100)
+    assert moved() > 0.1, "selection"
+    indexed.options = options
+    ple.o = replace(options, eos=-1)
+    assert moved() > 0.1, "eos segments"
+    ple.o = options
+    conv = ple.conv1d.weight
+    kept = conv.numpy().copy()
+    conv.assign(Tensor(np.zeros_like(kept)))
+    assert moved() > 0.1, "PLE conv"
+    conv.assign(Tensor(kept))
+    object.__setattr__(linear, "ple", None)
+    assert moved() > 0.1, "PLE"
+    object.__setattr__(linear, "ple", ple)
+    inject, forward = qwen4_exp.GatedResidual.inject, qwen4_exp.GatedResidual.forward
+    try:
+        qwen4_exp.GatedResidual.inject = lambda self, s, out, w: inject(self, s, out, w * 0.0 + 1.0)
+        assert moved() > 0.1, "injection weights"
+        qwen4_exp.GatedResidual.inject = inject
+
+        def unmixed(self, streams):  # the plain mean of the normed streams
+            b, t, _ = streams.shape
+            x = self.hc_norm(streams).reshape(b, t, self.n, self.d).mean(2)
+            return (x, forward(self, streams)[1]) if self.combine else x
+        qwen4_exp.GatedResidual.forward = unmixed
+        assert moved() > 0.1, "input mixing"
+    finally:
+        qwen4_exp.GatedResidual.inject, qwen4_exp.GatedResidual.forward = inject, forward
+    assert moved() < 1e-4
+    import json
+
+    from vkformers_moe.variants import decoder_spec
+    config = json.loads((folder / "config.json").read_text())
+    with pytest.raises(UnsupportedConfigError, match="text_config"):
+        decoder_spec(dict(model_type="qwen4_exp", text_config=config), "qwen4_exp_text")
+    with pytest.raises(UnsupportedConfigError, match="output_gate_type"):
+        decoder_spec(dict(config, output_gate_type="sigmoid"), "qwen4_exp_text")
 
 
 def test_dsa_aliases_need_a_q_lora():

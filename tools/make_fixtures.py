@@ -730,6 +730,29 @@ SPECS = [
           "experts and the shared expert clip gate (max 1) and up (+-1) before silu(gate) * up. Saved with the "
           "reference checkpoint's names (attn.wq_a, ffn.experts.<e>.w1, hc_attn_fn, head, ...)."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",), prepare=lambda model: _hash_tables(model)),
+    Spec("qwen4_exp_text", "qwen4_exp_text", dict(
+        {k: v for k, v in L.items() if k != "intermediate_size"}, head_dim=16,
+        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=20, hc_count=3,
+        hc_lowrank=8, ple_layer_ids=[1], ple_embed_dim=16, ple_conv_kernel_size=3, ngram_size=3, heads_per_ngram=2,
+        ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=16, split_ngram_parts=2, indexer_n_heads=2,
+        indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)),
+         ["Qwen4-Exp's text decoder (Qwen4ExpForCausalLM). The residual stream is hc_count 3 streams: before the "
+          "attention and the MLP a gated residual (attn_hyper_connection / mlp_hyper_connection) RMS-normalises each "
+          "stream ((1 + w) over 3 x 32), mixes them into the block input (mean of sigmoid(up(silu(down(.) / 3))) * "
+          "streams) and adds the block output to each stream scaled by 2 sigmoid(block_inject_weight(.) / 3); "
+          "hyper_connection_mixer collapses the streams instead of a final norm. Layer 0: Qwen3.5's Gated DeltaNet, "
+          "preceded by PLE (ple_layer_ids [1]): hashed 2- and 3-gram embeddings (2 heads each over primes above 49, "
+          "table stored as 2 shards), a key per stream and one value, sign-sqrt gated, plus a dilated (3) depthwise "
+          "conv of kernel 3. Layer 1 (full_attention, run as indexed_attention): Qwen3.5's gated attention whose "
+          "keys are chosen by the QSA indexer: 2 index heads of 8 and one raw key, keys averaged over blocks of 2 "
+          "visible tokens, normed and rotated at the block start, relu scores summed over heads; each query keeps "
+          "its top 2 complete blocks (budget 4) plus the incomplete tail. Sparse block in both layers: softmax "
+          "router over 4 experts, top-2 renormalised, shared_expert of width 20 gated by sigmoid. The indexer runs "
+          "without gradient: its parameters are in params_without_grad."],
+         saved_names=True),
     # MoE layers of architectures vkformers-llama registers (their *_dense fixtures above cover the dense layers)
     Spec("deepseek_v2_moe", "deepseek_v2", dict(
         L, num_key_value_heads=HEADS, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,

@@ -13,7 +13,7 @@ ARCHITECTURES = [
     ("qwen3_moe",          "causal-decoder", "rms",   True, True,  "native KV-cache generation"),
     ("qwen3_next",         "causal-decoder", "rms",   True, True,  "native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule"),
     ("qwen3_5_moe_text",   "causal-decoder", "rms",   True, True,  "native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule; upstream claims 2-step AdamW parity"),
-    ("qwen4_exp_text",     "causal-decoder", "rms",   True, True,  "native KV-cache generation; DeltaNet + sparse QSA + GR/hyper-connection streams + PLE (dedicated qwen4_* shaders); upstream claims 2-step AdamW parity"),
+    ("qwen4_exp_text",     "causal-decoder", "rms",   True, True,  "native KV-cache generation; DeltaNet + sparse QSA + GR/hyper-connection streams + PLE (composed from engine ops, qwen4_exp.py); upstream claims 2-step AdamW parity"),
     ("dots1",              "causal-decoder", "rms",   True, True,  "Qwen3-style attention"),
     ("mellum",             "causal-decoder", "rms",   True, True,  "parsed via Qwen3 geometry"),
     ("gpt_oss",            "causal-decoder", "rms",   True, True,  "native KV-cache generation; clipped SwiGLU (gpt_oss_swiglu shader); alternating sliding/full attention; upstream claims 2-step AdamW parity"),
@@ -74,7 +74,8 @@ VERIFIED: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gran
                             "cohere2_moe", "exaone_moe", "minimax_m2", "solar_open", "mellum", "afmoe",
                             "dbrx", "aria_text", "axk1", "axk2", "phimoe", "qwen3_5_moe_text",
                             "qwen3_next", "llama4_text", "longcat_flash", "granitemoe_swa",
-                            "gpt_oss", "mimo_v2_flash", "minimax_m3_vl_text", "deepseek_v4")
+                            "gpt_oss", "mimo_v2_flash", "minimax_m3_vl_text", "deepseek_v4",
+                            "qwen4_exp_text")
 FORWARD_VERIFIED: tuple[str, ...] = ()
 STATUSES: dict[str, str] = {**{name: "forward-verified" for name in FORWARD_VERIFIED},
                             **{name: "verified" for name in VERIFIED}}

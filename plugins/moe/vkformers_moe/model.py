@@ -19,6 +19,9 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         if cls is MoeDecoderForCausalLM and getattr(architecture, "name", architecture) == "deepseek_v4":
             from vkformers_moe.deepseek_v4 import DeepseekV4ForCausalLM
             cls = DeepseekV4ForCausalLM
+        if cls is MoeDecoderForCausalLM and getattr(architecture, "name", architecture) == "qwen4_exp_text":
+            from vkformers_moe.qwen4_exp import Qwen4ExpForCausalLM  # gated-residual streams
+            cls = Qwen4ExpForCausalLM
         return super().__new__(cls)
 
     def __init__(self, config: dict, architecture):

@@ -255,6 +255,39 @@ def deepseek_v4(config: dict) -> DecoderSpec:
     return replace(spec, make_layer=layers,
                    rope_configs=tuple((config, "main" if t == "sliding_attention" else "compress") for t in types))
 
+def qwen4_exp_text(config: dict) -> DecoderSpec:
+    """Qwen4-Exp (qwen4_exp.py): Qwen3.5-MoE's layers without their norms, between gated residuals over hc_count
+    streams (collapsed by hyper_connection_mixer, no final norm); PLE hashed n-gram embeddings on ple_layer_ids;
+    QSA block selection on the attention layers when indexer_n_heads is set."""
+    from vkformers_moe.qwen4_exp import Qwen4ExpLayers  # imports the model module, which imports this one
+    if "text_config" in config:
+        raise UnsupportedConfigError("qwen4_exp: the multimodal wrapper is not unwrapped (text_config, "
+                                     "model.language_model.* weights); load its text config as qwen4_exp_text")
+    refuse("qwen4_exp_text", config, "output_gate_type", lambda v: v in (None, "silu", "swish"), "silu")
+    refuse("qwen4_exp_text", config, "hidden_act", lambda v: v in ("silu", "swish"), "silu")
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["linear_attention" if (i + 1) % 4 else "indexed_attention" for i in range(n)]
+    spec = qwen3_5_moe_text(dict(config, layer_types=types))
+    ple = sorted(set(config.get("ple_layer_ids") or ()))
+    refuse("qwen4_exp_text", config, "ple_layer_ids", lambda v: all(types[i - 1] == "linear_attention" for i in ple))
+    if config.get("indexer_n_heads") is not None:
+        refuse("qwen4_exp_text", config, "indexer_kv_heads", lambda v: v == 1, 1)
+    eos = config.get("eos_token_id")
+    hidden = spec.hidden_size
+    layers = Qwen4ExpLayers(
+        hc_count=config.get("hc_count", 4), hc_lowrank=config.get("hc_lowrank", 320),
+        ple_index=tuple(ple.index(i + 1) if i + 1 in ple else None for i in range(n)),
+        ple_dim=config.get("ple_embed_dim") or hidden, ple_kernel=config.get("ple_conv_kernel_size", 4),
+        ngram_size=config.get("ngram_size", 3), heads_per_ngram=config.get("heads_per_ngram", 8),
+        ngram_base=config.get("ngram_vocab_size_base", 20_000_000),
+        ngram_divisor=config.get("make_ngram_vocab_size_divisible_by", 128),
+        ngram_shards=config.get("split_ngram_parts", 512), seed=config.get("seed", 1234),
+        eos=(eos[0] if isinstance(eos, list) else eos) if eos is not None else 0,
+        index_heads=config.get("indexer_n_heads") or 0, index_dim=config.get("indexer_head_dim") or 0,
+        budget=config.get("indexer_budget") or 0, ratio=config.get("indexer_compress_ratio") or 1)
+    return replace(spec, attn_in_norm=None, mlp_in_norm=None, final_norm=None, make_layer=layers)
+
+
 def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
@@ -771,6 +804,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
     "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash, "deepseek_v4": deepseek_v4,
     "minimax_m3_vl_text": minimax_m3_vl_text,
+    "qwen4_exp_text": qwen4_exp_text,
 }
 
 
