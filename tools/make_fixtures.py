@@ -705,6 +705,28 @@ SPECS = [
           "clipped SwiGLU (up.clamp(-l, l) + 1) * g sigmoid(1.702 g), g = gate.clamp(max=l), swiglu_limit l "
           "lowered to 1.0 so both clamps bind."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("glm5_next_text", "glm5_next_text", dict(
+        L, num_hidden_layers=3, num_key_value_heads=HEADS, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=0, v_head_dim=8, layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        indexer_types=["full", "full", "shared"], index_topk=4, index_kpool=2, index_head_dim=8, index_n_heads=8,
+        linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4, hc_mult=3, hc_sinkhorn_iters=3,
+        mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        swiglu_limit=1.0),
+         ["GLM-5.3-Flash's text decoder (transformers 5.24 has no causal LM class for it: Glm5NextTextModel plus an "
+          "lm_head, built here by _glm5_next_text_lm). The residual stream is hc_mult 3 streams with DeepSeek-V4's "
+          "hyper-connections (attn_hc / ffn_hc, saved hc_attn_fn / base / scale; 3 Sinkhorn iterations), collapsed "
+          "by their mean before the final norm. Layer 0: Kimi Delta Attention (2 heads of 8; q/k/v_proj, causal "
+          "conv of 4 saved as q/k/v_conv1d, per-key-channel decay -5 sigmoid(exp(A_log) (f_b(f_a(x)) + dt_bias)), "
+          "beta sigmoid(b_proj), output RMS norm gated by sigmoid(g_b(g_a(x)))), dense MLP. Layers 1-2: NoPE MLA "
+          "(q_lora_rank 24, kv_lora_rank 16, nope 8, v 8) with a DSA indexer over pools of index_kpool 2 keys "
+          "(softmax-gated pool keys, 8 heads of 8): each query keeps its index_topk / 2 = 2 best complete visible "
+          "pools plus the incomplete tail, so keys are dropped from the 8-token input on; layer 2 (indexer_types "
+          "shared) reuses layer 1's choice. Sparse layers 1-2: DeepSeek-V3's router (4 experts in 2 groups, 1 "
+          "eligible, e_score_correction_bias perturbed, top-2 renormalised, scaled by 2.5, one shared expert). Every "
+          "SwiGLU clips gate (max 1) and up (+-1), swiglu_limit lowered to 1 so both bind. The indexer runs without "
+          "gradient: its parameters are in params_without_grad."],
+         model_class="Glm5NextTextForCausalLM", saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     Spec("deepseek_v4", "deepseek_v4", dict(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=3, num_attention_heads=HEADS, num_key_value_heads=1,
         head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8, sliding_window=SW,
@@ -823,6 +845,40 @@ def _hash_tables(model):
             b.copy_(torch.stack([torch.randperm(experts, generator=g)[:b.shape[1]] for _ in range(b.shape[0])]))
 
 
+def _glm5_next_text_lm():
+    """GLM-5.3-Flash's text model with an lm_head: transformers 5.24 ships Glm5NextTextModel but no causal LM for it
+    (only the multimodal Glm5NextForConditionalGeneration, whose text half is this)."""
+    from torch import nn
+    from transformers import GenerationMixin
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.models.glm5_next import modeling_glm5_next as glm5
+
+    class Glm5NextTextForCausalLM(glm5.Glm5NextPreTrainedModel, GenerationMixin):
+        config_class = transformers.Glm5NextTextConfig
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = glm5.Glm5NextTextModel(config)
+            self.vocab_size = config.vocab_size
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                    labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+            logits = self.lm_head(out.last_hidden_state)
+            loss = (self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)
+                    if labels is not None else None)
+            return MoeCausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+
+    return Glm5NextTextForCausalLM
+
+
+LOCAL_MODEL_CLASSES = {"Glm5NextTextForCausalLM": _glm5_next_text_lm}  # causal LMs transformers does not ship
+
+
 def make_inputs():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (2, SEQ), generator=g, dtype=torch.int64)
@@ -880,7 +936,7 @@ def build(spec: Spec, out_root: Path):
     torch.manual_seed(0)
     config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
     if spec.model_class:
-        cls = getattr(transformers, spec.model_class)
+        cls = getattr(transformers, spec.model_class, None) or LOCAL_MODEL_CLASSES[spec.model_class]()
         model = cls._from_config(config, attn_implementation=spec.attn, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn, dtype=torch.float32)

@@ -189,7 +189,7 @@ class DecoderLayer(Module):
         self.linear = bool(s.linear_layers) and bool(s.linear_layers[index])
         if self.linear:  # Gated DeltaNet instead of the attention projections
             from vkformers_llama.gated_deltanet import GatedDeltaNet
-            add("linear", s.linear_attn, GatedDeltaNet(s))
+            add("linear", s.linear_attn, (s.linear_module or GatedDeltaNet)(s))
         elif s.mla:
             self._init_mla(add)
             q_out = s.num_heads * s.mla_v_dim  # o_proj reads the value heads
@@ -293,19 +293,23 @@ class DecoderLayer(Module):
             q = q * s.mla_q_scale
         q = q.reshape(batch, length, heads, nope + rdim).permute(0, 2, 1, 3)
         compressed = p["kv_a"](h)
-        latent, k_rot = compressed[..., :s.mla_kv_lora_rank], compressed[..., s.mla_kv_lora_rank:]
+        latent, k_rot = (compressed[..., :s.mla_kv_lora_rank], compressed[..., s.mla_kv_lora_rank:]) if rdim else \
+            (compressed, None)
         latent = p["kv_a_norm"](latent)
         if s.mla_kv_scale != 1.0:
             latent = latent * s.mla_kv_scale
         kv = p["kv_b"](latent).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        inv_freq, scaling = ctx.rope_tables[self.index]
-        q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved,
-                       attention_scaling=scaling)
-        k_rot = F.rope(k_rot.reshape(batch, 1, length, rdim), ctx.rope_positions, inv_freq,
-                       interleaved=s.rope_interleaved, attention_scaling=scaling)
-        q = concat_last(q[..., :nope], q_rot)
-        k = concat_last(k_nope, k_rot.expand(batch, heads, length, rdim))
+        if rdim:
+            inv_freq, scaling = ctx.rope_tables[self.index]
+            q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved,
+                           attention_scaling=scaling)
+            k_rot = F.rope(k_rot.reshape(batch, 1, length, rdim), ctx.rope_positions, inv_freq,
+                           interleaved=s.rope_interleaved, attention_scaling=scaling)
+            q = concat_last(q[..., :nope], q_rot)
+            k = concat_last(k_nope, k_rot.expand(batch, heads, length, rdim))
+        else:  # NoPE MLA (GLM-5.3-Flash): no rotary key part
+            k = k_nope.contiguous()
         if vdim > nope + rdim:
             raise UnsupportedConfigError(f"MLA with v_head_dim {vdim} > qk head dim {nope + rdim} is not supported")
         if vdim < nope + rdim:  # the attention kernel has one head size: pad v with zeros, slice the output

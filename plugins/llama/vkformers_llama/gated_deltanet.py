@@ -149,6 +149,15 @@ class GatedDeltaNet(Module):
     def _l2norm(x, eps=1e-6):
         return x * ((x * x).sum(-1, keepdim=True) + eps).pow(-0.5)
 
+    def _decay(self, a):
+        """exp(g) [B, H, T]: g = -exp(A_log) * softplus(a + dt_bias), one per head (a variant may decay each key
+        channel: [B, H, T, key_dim])."""
+        return (softplus(a + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
+
+    @staticmethod
+    def _output_gate(z):
+        return F.silu(z)
+
     def forward(self, h, ctx, index: int):
         batch, length, _ = h.shape
         if ctx.host_mask is not None and not ctx.host_mask.all():  # padded positions contribute nothing
@@ -181,13 +190,13 @@ class GatedDeltaNet(Module):
         beta = F.sigmoid(b).permute(0, 2, 1)                                       # [B, H, T]
         if self.spec.linear_beta_scale != 1.0:  # OLMo Hybrid (allow_neg_eigval): beta in [0, 2]
             beta = beta * self.spec.linear_beta_scale
-        decay = (softplus(a + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
+        decay = self._decay(a)
 
         heads, kd, vd = self.v_heads, self.k_dim, self.v_dim
         out = None
         for t in range(length):
             k_t = k[:, :, t].reshape(batch, heads, kd, 1)
-            state = state * decay[:, :, t].reshape(batch, heads, 1, 1)
+            state = state * decay[:, :, t].reshape(batch, heads, -1, 1)           # per head or per key channel
             remembered = (state * k_t).sum(-2)                                     # S^T k: [B, H, vd]
             delta = (v[:, :, t] - remembered) * beta[:, :, t].reshape(batch, heads, 1)
             state = state + k_t * delta.reshape(batch, heads, 1, vd)
@@ -200,5 +209,5 @@ class GatedDeltaNet(Module):
             states[index] = ([past.detach() for past in histories], state.detach())
 
         z = z.reshape(batch, length, heads, vd)
-        gated = self.gated_norm(out.permute(0, 2, 1, 3)) * F.silu(z)
+        gated = self.gated_norm(out.permute(0, 2, 1, 3)) * self._output_gate(z)
         return self.output(gated.reshape(batch, length, heads * vd))

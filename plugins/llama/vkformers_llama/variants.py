@@ -86,6 +86,8 @@ class DecoderSpec:
     linear_norm_eps: float | None = None     # the gated output norm's eps when not norm_eps (OLMo Hybrid: 1e-5)
     linear_layer_norms: tuple = ()           # (role, path) pairs: the linear layers' norms where they differ from
     #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
+    linear_module: Callable | None = None    # (spec) -> the linear layers' module, instead of GatedDeltaNet (a
+    #                                          plugin's variant of it: vkformers-moe's Kimi Delta Attention)
     mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
     mla_q_lora_rank: int | None = None       # None: one q_proj
     mla_kv_lora_rank: int = 0

@@ -18,7 +18,7 @@ ARCHITECTURES = [
     ("mellum",             "causal-decoder", "rms",   True, True,  "parsed via Qwen3 geometry"),
     ("gpt_oss",            "causal-decoder", "rms",   True, True,  "native KV-cache generation; clipped SwiGLU (gpt_oss_swiglu shader); alternating sliding/full attention; upstream claims 2-step AdamW parity"),
     ("glm4_moe",           "causal-decoder", "rms",   True, True,  ""),
-    ("glm5_next_text",     "causal-decoder", "rms",   True, True,  "native KV-cache generation; KDA linear attention + DSA sparse attention + mHC (parsed via DeepSeek-V3.2 contract; glm5_kda_* shaders)"),
+    ("glm5_next_text",     "causal-decoder", "rms",   True, True,  "native KV-cache generation; KDA linear attention + DSA sparse attention + mHC (parsed via DeepSeek-V3.2 contract; composed from engine ops, glm5_next.py)"),
     ("mimo_v2_flash",      "causal-decoder", "rms",   True, True,  "native KV-cache generation"),
     ("deepseek_v3",        "causal-decoder", "rms",   True, True,  "MLA + grouped-sigmoid MoE"),
     ("deepseek_v4",        "causal-decoder", "rms",   True, False, "native KV-cache generation; HCA/CSA compressed attention + mHC + hyper head (composed from engine ops, deepseek_v4.py); upstream claims 2-step AdamW parity"),
@@ -73,7 +73,7 @@ VERIFIED: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gran
                             "deepseek_v3", "glm4_moe", "dots1", "granitemoeshared", "ernie4_5_moe",
                             "cohere2_moe", "exaone_moe", "minimax_m2", "solar_open", "mellum", "afmoe",
                             "dbrx", "aria_text", "axk1", "axk2", "phimoe", "qwen3_5_moe_text",
-                            "qwen3_next", "llama4_text", "longcat_flash", "granitemoe_swa",
+                            "qwen3_next", "llama4_text", "longcat_flash", "granitemoe_swa", "glm5_next_text",
                             "gpt_oss", "mimo_v2_flash", "minimax_m3_vl_text", "deepseek_v4",
                             "qwen4_exp_text")
 FORWARD_VERIFIED: tuple[str, ...] = ()

@@ -156,6 +156,10 @@ class Axk2Layer(DecoderLayer):
         weights = weights.reshape(batch, heads, length, 1)
         return (scores * weights).sum(1)
 
+    def _select_keys(self, visible, key_mask):
+        """[B, S, T] bool: the keys each query attends to, from the indexer's output (self._index_scores)."""
+        return select_keys(self._index_scores.numpy(), visible, self.options.index_topk)
+
     def attend_heads(self, q, k, v, ctx, **options):
         """softmax(q k^T * scale + mask) v, the mask hiding later keys, padding and the keys the indexer drops."""
         batch, heads, new, _ = q.shape
@@ -174,7 +178,7 @@ class Axk2Layer(DecoderLayer):
         if self.shares_index:  # the selection of the previous layer (GLM-5's shared layers)
             keep = ctx.dsa_keep
         else:
-            keep = select_keys(self._index_scores.numpy(), visible, self.options.index_topk)
+            keep = self._select_keys(visible, key_mask)
             ctx.dsa_keep = keep
         object.__setattr__(self, "_index_scores", None)
         hidden = Tensor(np.where(keep, 0.0, _HIDDEN).astype(np.float32)[:, None])

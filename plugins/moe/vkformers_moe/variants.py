@@ -644,7 +644,7 @@ def dsa_indexer_types(config: dict, num_layers: int) -> list[str]:
     """GLM-5's per-layer indexer modes ("full" runs the indexer, "shared" reuses the previous layer's selection):
     indexer_types, else index_topk_pattern ("FSS..."), else every index_topk_freq-th layer from
     index_skip_topk_offset - 1 (transformers' GlmMoeDsaConfig). DeepSeek-V3.2: every layer full."""
-    if config.get("model_type") != "glm_moe_dsa":
+    if config.get("model_type") not in ("glm_moe_dsa", "glm5_next_text"):
         return ["full"] * num_layers
     if config.get("indexer_types"):
         return list(config["indexer_types"])
@@ -676,6 +676,53 @@ def deepseek_v32(config: dict) -> DecoderSpec:
                               shared_index=tuple(t == "shared" for t in indexer))
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types))
     return replace(spec, moe=moe, make_layer=attention)
+
+
+def glm5_next_text(config: dict) -> DecoderSpec:
+    """GLM-5.3-Flash's text decoder (glm5_next.py): hc_mult hyper-connected streams (DeepSeek-V4's, collapsed by their
+    mean), layer_types "linear_attention" Kimi Delta Attention (linear_* sizes, linear_attn_config) and
+    "indexed_attention" NoPE MLA with a pooled DSA indexer (index_kpool; indexer_types "shared" layers reuse the
+    previous layer's choice); clipped SwiGLU (swiglu_limit) in dense MLPs, experts and shared experts; DeepSeek-V3's
+    router on the mlp_layer_types "sparse" layers."""
+    from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention  # imports model.py, which imports this
+    arch = "glm5_next_text"
+    if "text_config" in config:  # the wrapper's weights sit beside a vision tower
+        raise UnsupportedConfigError("glm5_next: the multimodal wrapper is not unwrapped (text_config); only the "
+                                     "text model's checkpoints load")
+    _refuse_training_extras(arch, config)
+    refuse(arch, config, "qk_rope_head_dim", lambda v: not v, 0)  # transformers requires NoPE here
+    refuse(arch, config, "hidden_act", lambda v: v == "silu", "silu")  # the experts' clipped SwiGLU is silu's
+    refuse(arch, config, "q_lora_rank", lambda v: bool(v), 1536)  # the indexer reads the q LoRA
+    n = config.get("num_hidden_layers", 45)
+    types = ["indexed_attention" if t == "full_attention" else t for t in config.get("layer_types") or
+             ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]]
+    mlp_types = config.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * max(n - 3, 0)
+    indexer = dsa_indexer_types(config, n)
+    linear = tuple(t == "linear_attention" for t in types)
+    # transformers hands a shared layer the choice of the layer right before it, which must run its indexer
+    refuse(arch, config, "indexer_types", lambda v: all(
+        indexer[i] == "full" or (not linear[i] and i and not linear[i - 1] and indexer[i - 1] == "full")
+        for i in range(n)), indexer)
+    lin = config.get("linear_attn_config") or {}
+    lower = lin.get("gate_lower_bound", config.get("linear_lower_bound", -5.0))
+    if lower is None and lin.get("safe_gate", bool(lin)):
+        lower = -5.0
+    heads, dim = lin.get("num_heads", config.get("linear_num_heads", 64)), lin.get("head_dim",
+                                                                                   config.get("linear_head_dim", 128))
+    spec = _mla(llama(dict(config, head_dim=None)), config)
+    spec = replace(spec, rope=False, linear_layers=linear, linear_attn="self_attn", linear_k_heads=heads,
+                   linear_v_heads=heads, linear_k_dim=dim, linear_v_dim=dim, linear_split_projections=True,
+                   linear_conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
+                   linear_module=lambda s: KimiDeltaAttention(s, lower_bound=lower))
+    layers = Glm5NextLayers(
+        index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 32),
+        index_dim=config.get("index_head_dim", 128),
+        shared_index=tuple(lin_i or t == "shared" for lin_i, t in zip(linear, indexer)),  # linear: no indexer
+        kpool=config.get("index_kpool", 16), kpool_tail=bool(config.get("index_kpool_always_select_tail", True)),
+        swiglu_limit=float(config.get("swiglu_limit", 10.0)), hc_mult=config.get("hc_mult", 4),
+        sinkhorn_iters=config.get("hc_sinkhorn_iters", 20), hc_eps=float(config.get("hc_eps", 1e-6)))
+    moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in mlp_types))
+    return replace(spec, moe=moe, make_layer=layers)
 
 
 def axk1(config: dict) -> DecoderSpec:
@@ -804,6 +851,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "qwen3_next": qwen3_next, "llama4_text": llama4_text,
     "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash, "deepseek_v4": deepseek_v4,
     "minimax_m3_vl_text": minimax_m3_vl_text,
+    "glm5_next_text": glm5_next_text,
     "qwen4_exp_text": qwen4_exp_text,
 }
 
