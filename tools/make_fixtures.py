@@ -61,6 +61,8 @@ L = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidd
 SW = 4                           # sliding window smaller than the 8-token sequence
 LAYERS_SF = ["sliding_attention", "full_attention"]
 LAYERS_FS = ["full_attention", "sliding_attention"]
+# transformers before 4.56 spells the dtype argument torch_dtype (the OpenLlama fixture is built with 4.49)
+FLOAT32 = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
 
 
 @dataclass
@@ -81,6 +83,8 @@ class Spec:
     loss_shifts_labels: bool = True  # False: the model's loss reads labels[t] for logits[t] (TrOCRForCausalLM), so
     #                                  the fixture passes the next-token targets (make_inputs' labels shifted left)
     prepare: object = None           # called with the model after reinit_: buffers a fixture sets (hash routing tables)
+    transformers_major: int = 5      # the transformers release line that has the model (4: OpenLlama, removed in 5);
+    #                                  a run builds only the specs of its own line (see tests/fixtures/README.md)
 
 
 def _gpt2_names(**kw):
@@ -376,6 +380,16 @@ SPECS = [
           "(rope theta 160000), layer 1 sliding with window local_attention // 2 = 4 (rope theta 10000); "
           "prediction head lm_head = LayerNorm(gelu(dense(x))) (classifier_bias on here so its bias shows) before "
           "the tied `decoder` projection with bias."]),
+    # removed in transformers 5: built with transformers 4.49 (transformers.models.deprecated.open_llama)
+    Spec("open-llama", "open-llama", dict(
+        {k: v for k, v in L.items() if k != "num_key_value_heads"}, hidden_dropout_prob=0.0,
+        attention_dropout_prob=0.0),
+         ["OpenLlamaForCausalLM (transformers 4.x only), the config's defaults: use_stable_embedding (a LayerNorm "
+          "with bias, eps 1e-5, model.embed_layer_norm, right after the embedding) and shared_input_output_embedding "
+          "(logits = hidden @ embed_tokens.weight^T, no lm_head, although tie_word_embeddings is false); MHA only "
+          "(no num_key_value_heads); use_memory_efficient_attention on (it only matters in training mode: xformers' "
+          "kernel, and transformers then drops the padding mask); dropouts set to 0 (the references run in eval "
+          "mode, where they do nothing)."], transformers_major=4),
     # MoE families whose config can make every layer dense (like deepseek_v2_dense): only the dense layers
     Spec("hy_v3_dense", "hy_v3", dict(L, head_dim=16, attention_bias=True, mlp_layer_types=["dense", "dense"],
                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
@@ -816,8 +830,6 @@ SPECS = [
 SKIPPED = {
     # model_type: reason (not attempted)
     "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
-    "open-llama": "not in transformers 5.24 (removed; no config class to build a reference from), so it stays "
-                  "registered; its layout is llama's",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
@@ -937,9 +949,9 @@ def build(spec: Spec, out_root: Path):
     config = CONFIG_MAPPING[spec.model_type](**spec.overrides)
     if spec.model_class:
         cls = getattr(transformers, spec.model_class, None) or LOCAL_MODEL_CLASSES[spec.model_class]()
-        model = cls._from_config(config, attn_implementation=spec.attn, dtype=torch.float32)
+        model = cls._from_config(config, attn_implementation=spec.attn, **FLOAT32)
     else:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn, **FLOAT32)
     model = model.float().eval()
     issues = check_overrides(model.config, spec.overrides)
     reinit_(model)
@@ -1043,6 +1055,7 @@ def build(spec: Spec, out_root: Path):
     saved = set(load_file(str(tmp / "model.safetensors")).keys())
     tied = model.get_output_embeddings() is not None and model.get_input_embeddings() is not None and \
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tied = tied or bool(getattr(config, "shared_input_output_embedding", False))  # OpenLlama: no lm_head at all
     softcap = getattr(config, "final_logit_softcapping", None)
     meta = {
         "fixture": spec.name,
@@ -1255,15 +1268,28 @@ def main(argv=None):
     if parsed is None:
         return 0
     args, out_root, only = parsed
+    major = int(transformers.__version__.split(".")[0])
+    other_line = {s.name: s.transformers_major for s in SPECS if s.transformers_major != major}
+    if major != 5:
+        other_line[LORA_FIXTURE] = 5  # built on the 5.x llama fixture
+    asked_other = sorted(set(only) & set(other_line))
+    if asked_other:
+        print(f"{', '.join(asked_other)}: need transformers {other_line[asked_other[0]]}.x, this is "
+              f"{transformers.__version__} (tests/fixtures/README.md says how to build them)", file=sys.stderr)
+        return 2
+    specs_here = [s for s in SPECS if s.name not in other_line]
     index_path = out_root / "index.json"
-    index = json.loads(index_path.read_text()) if only and index_path.exists() else {}
+    index = json.loads(index_path.read_text()) if index_path.exists() else {}
     built, failed = index.get("built", {}), index.get("failed", {})
-    for spec in SPECS:
+    if not only:  # a full run rewrites the index, but keeps the entries of the other release line's fixtures
+        built = {n: e for n, e in built.items() if n in other_line}
+        failed = {n: e for n, e in failed.items() if n in other_line}
+    for spec in specs_here:
         if not only or spec.name in only:
             built.pop(spec.name, None)
             failed.pop(spec.name, None)
     new, new_failed = build_each(
-        SPECS, only, out_root, build, verbose=args.verbose,
+        specs_here, only, out_root, build, verbose=args.verbose,
         summary=lambda meta: (f"loss={meta['checks']['loss']:.4f} std={meta['checks']['logits_std']} "
                               f"pad_inv={meta['checks']['left_pad_invariant']} "
                               f"cache_diff={meta['checks']['greedy_logits_vs_no_cache_forward_max_abs_diff']} "
@@ -1273,9 +1299,12 @@ def main(argv=None):
         built[name] = {"model_type": specs[name].model_type, "model_class": meta["model_class"],
                        "left_pad_invariant": meta["checks"]["left_pad_invariant"],
                        "tied_word_embeddings": meta["tied_word_embeddings"]}
+        if specs[name].transformers_major != 5:  # the index's top-level versions are the main (5.x) run's
+            built[name]["transformers_version"] = meta["transformers_version"]
+            built[name]["torch_version"] = meta["torch_version"]
     for name, reason in new_failed.items():
         failed[name] = {"model_type": specs[name].model_type, "reason": reason}
-    if not only or LORA_FIXTURE in only:
+    if LORA_FIXTURE not in other_line and (not only or LORA_FIXTURE in only):
         try:
             meta = build_lora(out_root)
             print(f"ok    {LORA_FIXTURE:22s} loss={meta['checks']['loss']:.4f} "
@@ -1288,8 +1317,10 @@ def main(argv=None):
             print(f"FAIL  {LORA_FIXTURE:22s} {type(e).__name__}: {e}")
             if args.verbose:
                 traceback.print_exc()
-    index = {"transformers_version": transformers.__version__, "torch_version": torch.__version__,
-             "built": dict(sorted(built.items())), "failed": dict(sorted(failed.items())),
+    versions = {"transformers_version": transformers.__version__, "torch_version": torch.__version__}
+    if major != 5:
+        versions = {k: index.get(k, v) for k, v in versions.items()}
+    index = {**versions, "built": dict(sorted(built.items())), "failed": dict(sorted(failed.items())),
              "not_attempted": dict(sorted(SKIPPED.items()))}
     index_path.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
     return 0

@@ -86,6 +86,14 @@ def make_norm(spec: DecoderSpec, dim: int) -> Module:
     return layer_norm(dim, eps=spec.norm_eps, bias=spec.norm_bias, elementwise=spec.norm_weight)
 
 
+def _embed_norm_spec(spec: DecoderSpec) -> DecoderSpec:
+    """The spec make_norm builds the embedding norm from: the blocks' norm, or a LayerNorm of its own."""
+    if spec.embed_norm_layer_eps is None:
+        return spec
+    return replace(spec, norm="layer", norm_eps=spec.embed_norm_layer_eps, norm_weight=True, norm_bias=True,
+                   norm_unit_offset=False)
+
+
 def concat_last(a, b):
     """cat([a, b], -1) with a differentiable, exact matmul by 0/1 selection matrices (the engine has no concat)."""
     na, nb = a.shape[-1], b.shape[-1]
@@ -574,7 +582,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
             project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
             project_out=(place(self, spec.project_out, Linear(d, spec.embed_dim, bias=False))
                          if spec.project_out else None),
-            embed_norm=place(self, spec.embed_norm, make_norm(spec, d)) if spec.embed_norm else None,
+            embed_norm=(place(self, spec.embed_norm, make_norm(_embed_norm_spec(spec), d))
+                        if spec.embed_norm else None),
             position_embed=(place(self, spec.position_embed,
                                   Embedding(spec.max_position_embeddings + spec.position_offset, d))
                             if spec.position_embed else None),

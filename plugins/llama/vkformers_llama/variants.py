@@ -42,6 +42,8 @@ class DecoderSpec:
     # -- parameter names (model level: full paths; layer level: relative to the layer)
     embed: str = "model.embed_tokens"
     embed_norm: str | None = None            # BLOOM's word_embeddings_layernorm
+    embed_norm_layer_eps: float | None = None  # set: embed_norm is a LayerNorm with weight and bias of this eps,
+    #                                          whatever ``norm`` the blocks use (Open-Llama's stable embedding)
     embed_dim: int | None = None             # token-embedding width when it differs from hidden_size (OPT-350m)
     project_in: str | None = None            # embed_dim -> hidden after the embedding, hidden -> embed_dim before lm_head
     project_out: str | None = None
@@ -696,6 +698,22 @@ def persimmon(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+def open_llama(config: dict) -> DecoderSpec:
+    """Open-Llama (transformers 4.x's deprecated OpenLlama): Llama with MHA only, a LayerNorm (eps 1e-5, torch's
+    default) on the embeddings (use_stable_embedding) and logits from the embedding matrix without an lm_head
+    (shared_input_output_embedding, whatever tie_word_embeddings says). Its other options only act in training
+    mode: hidden / attention dropout (vkformers applies no dropout, in any family) and
+    use_memory_efficient_attention (xformers' kernel, and transformers then drops the padding mask)."""
+    # its rotary: 4.x rope_scaling {type: linear | dynamic}; dynamic keeps the longest table seen by the model
+    # object and sizes it by the cached length (pads included), unlike the shared per-forward dynamic rope
+    refuse("open-llama", config, "rope_scaling", lambda v: not v or v.get("type") == "linear")
+    spec = llama(dict(config, num_key_value_heads=None, head_dim=None))
+    shared = config.get("shared_input_output_embedding", True)
+    stable = config.get("use_stable_embedding", True)
+    return replace(spec, tie_embeddings=bool(shared or config.get("tie_word_embeddings", False)),
+                   embed_norm="model.embed_layer_norm" if stable else None, embed_norm_layer_eps=1e-5)
+
+
 def seed_oss(config: dict) -> DecoderSpec:
     """Llama with q/k/v biases on by default (attention_bias) and the o_proj bias apart (attention_out_bias)."""
     bias = bool(config.get("attention_bias", True))
@@ -1032,6 +1050,7 @@ VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
     "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
     "modernbert-decoder": modernbert_decoder, "hy_v3": hy_v3, "laguna": laguna, "mistral4": mistral4,
     "qwen3_5_text": qwen3_5_text, "trocr": trocr, "olmo_hybrid": olmo_hybrid,
+    "open-llama": open_llama,
 }
 
 
