@@ -56,6 +56,27 @@ def test_sharded_checkpoint(checkpoint):
     np.testing.assert_array_equal(AutoModelForCausalLM.from_pretrained(checkpoint)(IDS).logits.numpy(), reference)
 
 
+@pytest.mark.parametrize("wrapper, layout", [("llava", "transformers 5"), ("mistral3", "transformers 4")])
+def test_multimodal_wrapper_checkpoint_runs_its_language_model(checkpoint, wrapper, layout):
+    """A LLaVA-style checkpoint (config with a nested text_config; language-model weights under
+    model.language_model.* in transformers 5, language_model.model.* in 4.x, beside a vision tower)
+    loads as its text model, with the same logits as the text checkpoint."""
+    text_config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(
+        {"model_type": wrapper, "text_config": text_config, "vision_config": {"model_type": "pixtral"}}))
+    prefix, head = (("model.language_model.", "lm_head.") if layout == "transformers 5"
+                    else ("language_model.model.", "language_model.lm_head."))
+    arrays = {(head + n[len("lm_head."):] if n.startswith("lm_head.") else prefix + n[len("model."):]): a
+              for n, a in weights(checkpoint).items()}
+    arrays["model.vision_tower.patch_conv.weight" if layout == "transformers 5"
+           else "vision_tower.patch_conv.weight"] = np.ones((2, 3), np.float32)
+    write_safetensors(checkpoint / "model.safetensors", arrays)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert model.config == text_config
+    reference = AutoModelForCausalLM.from_pretrained(FIXTURE)(IDS).logits.numpy()
+    np.testing.assert_array_equal(model(IDS).logits.numpy(), reference)
+
+
 def test_corrupt_safetensors(checkpoint):
     data = (checkpoint / "model.safetensors").read_bytes()
     (checkpoint / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated

@@ -67,5 +67,11 @@ def test_unsupported_indexer_options_are_refused():
     with pytest.raises(UnsupportedConfigError, match="index_local_blocks"):
         decoder_spec(dict(sparse, index_local_blocks=4, index_topk_blocks=2), "minimax_m3_vl_text")
     decoder_spec(dict(SMALL, index_head_dim=2), "minimax_m3_vl_text")  # no sparse layer: no indexer to refuse
-    with pytest.raises(UnsupportedConfigError, match="wrapper"):
-        decoder_spec(dict(model_type="minimax_m3_vl", text_config=SMALL), "minimax_m3_vl_text")
+
+
+
+def test_the_multimodal_wrapper_config_builds_its_text_model():
+    """minimax_m3_vl (text_config, weights under model.language_model.*): core's loading unwraps it."""
+    from vkformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(dict(model_type="minimax_m3_vl", text_config=SMALL))
+    assert model.config is SMALL or model.config == SMALL

@@ -93,6 +93,26 @@ def read_weights(folder: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
+# Where multimodal wrappers keep their language model's weights: transformers 5 (model.language_model.*, lm_head.*)
+# and 4.x (language_model.model.*, language_model.lm_head.*); renamed to the text model's own names.
+WRAPPER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def language_model_weights(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A wrapper checkpoint's language-model weights under the text model's names; the vision or audio tower and
+    projector are left out (vkformers runs the text model). A checkpoint without a wrapper prefix is returned as is."""
+    if not any(name.startswith(("model.language_model.", "language_model.")) for name in arrays):
+        return arrays
+    renamed = {}
+    for name, array in arrays.items():
+        for prefix, replacement in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                renamed[replacement + name[len(prefix):]] = array
+                break
+    return renamed
+
+
 def model_dtype(config: dict, requested) -> dt.DType:
     """The requested dtype; "auto" takes the config's (5.x ``dtype`` or 4.x ``torch_dtype``)."""
     if requested in (None, "auto"):
@@ -113,7 +133,10 @@ class AutoModel:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         model = cls.from_config(config)
-        model.load_state_dict(read_weights(folder), dtype=model_dtype(config, dtype), requires_grad=requires_grad,
+        weights = read_weights(folder)
+        if model.config is not config:  # a multimodal wrapper: its language model runs
+            weights = language_model_weights(weights)
+        model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                               ignore=getattr(model, "ignored_checkpoint_keys", ()))
         model.name_or_path = str(name_or_path)
         model.dtype = model_dtype(config, dtype)
@@ -124,7 +147,10 @@ class AutoModel:
 
     @classmethod
     def from_config(cls, config: dict) -> Module:
+        """The model of ``config``'s architecture, randomly initialised; a multimodal wrapper's config builds its
+        language model (``model.config`` is then the nested text config)."""
         architecture = registry().resolve(config)
+        config = registry().backbone_config(config)
         model_class = plugin_manager().hook.vkformers_model_class(architecture=architecture, task=cls.task)
         if model_class is None:
             raise VkformersError(

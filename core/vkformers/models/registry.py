@@ -245,6 +245,25 @@ class Registry:
             return self._architectures[alias.target]
         return self.resolve(self._nested_config(alias, config))
 
+    def backbone_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The config the resolved architecture's model reads: ``config`` itself, or for a multimodal wrapper
+        (an alias whose config nests its language model's, e.g. LLaVA, Gemma 3, Qwen2-VL) the nested text config,
+        which names the backbone's own ``model_type``. Root fields the nested one lacks are not copied, except
+        ``tie_word_embeddings``, which wrappers keep at the root."""
+        spelling = self._find_spelling(config.get("model_type"))
+        if spelling in self._architectures:
+            return config
+        alias = self._aliases[spelling]
+        if alias.is_wrapper:
+            nested = self._nested_config(alias, config)
+        elif isinstance(config.get("text_config"), Mapping) and "model_type" in config["text_config"]:
+            nested = config["text_config"]
+        else:
+            return config
+        if "tie_word_embeddings" in config and "tie_word_embeddings" not in nested:
+            nested = {**nested, "tie_word_embeddings": config["tie_word_embeddings"]}
+        return nested
+
     def _find_spelling(self, model_type: str) -> str:
         if model_type in self._architectures or model_type in self._aliases:
             return model_type

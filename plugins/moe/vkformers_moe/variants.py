@@ -260,9 +260,6 @@ def qwen4_exp_text(config: dict) -> DecoderSpec:
     streams (collapsed by hyper_connection_mixer, no final norm); PLE hashed n-gram embeddings on ple_layer_ids;
     QSA block selection on the attention layers when indexer_n_heads is set."""
     from vkformers_moe.qwen4_exp import Qwen4ExpLayers  # imports the model module, which imports this one
-    if "text_config" in config:
-        raise UnsupportedConfigError("qwen4_exp: the multimodal wrapper is not unwrapped (text_config, "
-                                     "model.language_model.* weights); load its text config as qwen4_exp_text")
     refuse("qwen4_exp_text", config, "output_gate_type", lambda v: v in (None, "silu", "swish"), "silu")
     refuse("qwen4_exp_text", config, "hidden_act", lambda v: v in ("silu", "swish"), "silu")
     n = config["num_hidden_layers"]
@@ -440,9 +437,6 @@ def minimax_m3_vl_text(config: dict) -> DecoderSpec:
     routed_scaling_factor, experts fused [E, 2I, H] / [E, H, I], shared_experts (fused gate_up_proj). Every GLU is
     GPT-OSS's clipped SwiGLU (swiglu_alpha, swiglu_limit). The released configs' sparse_attention_config and
     moe_layer_freq are read as transformers reads them."""
-    if "text_config" in config:  # the weights sit under model.language_model.*, beside the vision tower
-        raise UnsupportedConfigError("minimax_m3_vl: the multimodal wrapper is not unwrapped (text_config, "
-                                     "model.language_model.* weights); only MiniMax-M3's text model loads")
     _refuse_training_extras("minimax_m3_vl_text", config)
     legacy = config.get("sparse_attention_config") or {}
     index = {flat: legacy.get(old, config.get(flat, default)) for flat, old, default in (
@@ -686,9 +680,6 @@ def glm5_next_text(config: dict) -> DecoderSpec:
     router on the mlp_layer_types "sparse" layers."""
     from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention  # imports model.py, which imports this
     arch = "glm5_next_text"
-    if "text_config" in config:  # the wrapper's weights sit beside a vision tower
-        raise UnsupportedConfigError("glm5_next: the multimodal wrapper is not unwrapped (text_config); only the "
-                                     "text model's checkpoints load")
     _refuse_training_extras(arch, config)
     refuse(arch, config, "qk_rope_head_dim", lambda v: not v, 0)  # transformers requires NoPE here
     refuse(arch, config, "hidden_act", lambda v: v == "silu", "silu")  # the experts' clipped SwiGLU is silu's
