@@ -78,7 +78,7 @@ def test_fused_gated_matches_act_gate_times_up(device, dtype, activation):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim, rot_dim, interleaved", [(16, 16, False), (16, 16, True), (16, 8, False),
-                                                           (8, 4, True)])
+                                                           (8, 4, True), (8, 0, False)])  # 0: a NoPE layer
 def test_fused_qkv_rotates_and_writes_the_cache(device, dtype, head_dim, rot_dim, interleaved):
     rng = np.random.default_rng(head_dim + rot_dim + interleaved)
     batch, heads, kv_heads, hidden, capacity, start = 3, 4, 2, 64, 6, 4
@@ -92,10 +92,14 @@ def test_fused_qkv_rotates_and_writes_the_cache(device, dtype, head_dim, rot_dim
     stored, sentinel = rounded(np.full((batch, kv_heads, capacity, head_dim), 5.0), dtype)
     k_cache = vkf.parameter(sentinel, dtype=dtype, requires_grad=False)
     v_cache = vkf.parameter(sentinel, dtype=dtype, requires_grad=False)
+    if interleaved:  # the three as row slices of one fused [q | k | v] weight (Phi-3's qkv_proj)
+        fused = vkf.tensor(rounded(np.concatenate([wq, wk, wv]), dtype)[1], dtype=dtype)
+        wqt, wkt, wvt = fused[:len(wq)], fused[len(wq):len(wq) + len(wk)], fused[len(wq) + len(wk):]
     with vkf.no_grad():
         q = fused_qkv_rope_write(xt, wqt, wkt, wvt, k_cache=k_cache, v_cache=v_cache,
                                  cache_start=vkf.tensor(np.array([start], np.uint32)),
-                                 positions=vkf.tensor(positions), inv_freq=vkf.tensor(inv_freq), head_dim=head_dim,
+                                 positions=vkf.tensor(positions), head_dim=head_dim,
+                                 inv_freq=vkf.tensor(inv_freq) if rot_dim else None,
                                  attention_scaling=0.9, interleaved=interleaved, norm=FusedNorm(gt, 1e-6),
                                  biases=[b[1] for b in biases]).numpy()
         caches = k_cache.numpy(), v_cache.numpy()
@@ -119,7 +123,8 @@ def test_fusable_refuses_what_the_kernel_cannot_take(device):
         assert not fusable(x, [w])  # 9 rows
         assert not fusable(x[:2], [vkf.tensor(np.zeros((8, 64), np.float16))])  # mixed dtypes
         assert not fusable(vkf.tensor(np.zeros((1, 1, 66), np.float32)), [vkf.tensor(np.zeros((8, 66), np.float32))])
-        assert not fusable(x[:2], [w[1:]])  # a view into a weight
+        assert not fusable(x[:2], [w.reshape(-1)[2:2 + 7 * 64].reshape(7, 64)])  # rows not on 16-byte vectors
+        assert fusable(x[:2], [w[1:]])  # a row slice of a fused weight
         assert fusable(x[:2], [w])
     trainable = vkf.tensor(np.zeros((8, 64), np.float32), requires_grad=True)
     assert not fusable(x[:2], [trainable])  # a gradient is being recorded

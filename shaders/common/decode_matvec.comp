@@ -18,7 +18,7 @@
 //               written into the KV caches out1 / out2 ([rows, kv_heads, capacity, head_dim]) at the
 //               slot cache_start[0], read on the GPU so that one recorded step serves every position.
 // Lanes stride over k in 16-byte vectors (4 float32 or 8 16-bit values): x, g and W are bound as
-// raw 16-byte words, so k must be a whole number of vectors (the launcher checks).
+// raw 16-byte words, so k and the offsets must be whole numbers of vectors (the launcher checks).
 //! variant f32 -DELEM_F32
 //! variant f16 -DELEM_F16
 //! variant bf16 -DELEM_BF16
@@ -76,6 +76,8 @@ layout(push_constant) uniform Push {
     uint bias_offset0; uint bias_offset1; uint bias_offset2;
     uint residual_offset; uint out_offset; uint positions_offset; uint start_offset; uint inv_freq_offset;
     uint x_offset;                // in 16-byte vectors
+    uint w_offset0; uint w_offset1; uint w_offset2;  // in 16-byte vectors: rows of one fused weight ([q | k | v])
+    uint g_offset;                // in 16-byte vectors
 };
 
 #if defined(ELEM_F32)
@@ -108,9 +110,9 @@ float vector_dot(Vector a, Vector b) {
 }
 
 uvec4 weight_word(uint which, uint index) {
-    if (which == 0) return w0[index];
-    if (which == 1) return w1[index];
-    return w2[index];
+    if (which == 0) return w0[w_offset0 + index];
+    if (which == 1) return w1[w_offset1 + index];
+    return w2[w_offset2 + index];
 }
 
 float bias_of(uint which, uint column) {
@@ -212,7 +214,7 @@ void pair_product(uint p) {
             Vector wa = decode(a[u]), wb = decode(b[u]);
             Vector g;
             if (HAS_NORM != 0 && NORM_WEIGHT != 0) {
-                g = decode(g_words[v]);
+                g = decode(g_words[g_offset + v]);
                 if (NORM_OFFSET != 0) [[unroll]] for (uint j = 0; j < VECS; ++j) g.v[j] += 1.0;
             }
             [[unroll]] for (uint r = 0; r < ROWS; ++r) {

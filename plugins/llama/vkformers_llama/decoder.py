@@ -442,56 +442,69 @@ class DecoderLayer(Module):
     # -- decode step: fused kernels
 
     def _fused_decode_plan(self):
-        """The modules a fused decode step reads, or None when this layer is not the plain pre-norm block
-        with RMS norms, separate q/k/v (all biased or none), rotary attention and a gated MLP that the
-        fused kernels (engine/ops/decode.py) compose."""
+        """What a fused decode step reads: the two norms and (weight, bias or None) of the q, k, v, o, gate, up
+        and down products (row slices of a fused qkv_proj [q | k | v] or gate_up_proj [gate | up]); None when
+        this layer is not the plain pre-norm block with RMS norms, rotary attention and a gated MLP that the
+        fused kernels (engine/ops/decode.py) compose (rotary or none)."""
         if type(self).attend_heads is not DecoderLayer.attend_heads:  # a plugin's own attention (Llama 4 chunks)
             return None
         s, p = self.spec, self.parts
-        names = ("attn_in_norm", "q", "k", "v", "o", "mlp_in_norm", "gate", "up", "down")
-        optional = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "q_norm", "k_norm",
-                    "output_gate", "moe", "qkv", "gate_up", "linear"}
+        attn = ("qkv",) if "qkv" in p else ("q", "k", "v")
+        mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
+        projections = (*attn, "o", *mlp, "down")
+        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "q_norm", "k_norm",
+                         "output_gate", "moe", "linear"}
         if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.q_gate or s.clip_qkv is not None
-                or not self.rotates or s.attention_sinks or s.query_position_scale is not None
-                or (s.attn_out_bias and self.index in s.attn_out_bias_layers)
-                or _FUSED_ACTIVATIONS.get(s.hidden_act) is None or any(n not in p for n in names)
-                or optional & set(p) or any(type(p[n]) is not Linear for n in names if n not in
-                                            ("attn_in_norm", "mlp_in_norm"))):
+                or s.attention_sinks or s.query_position_scale is not None
+                or (s.attn_out_bias and self.index in s.attn_out_bias_layers) or s.mlp_kind != "gated"
+                or ("qkv" in p and s.qkv_layout != "blocks") or _FUSED_ACTIVATIONS.get(s.hidden_act) is None
+                or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *projections)) or disqualifying & set(p)
+                or any(type(p[n]) is not Linear for n in projections)
+                or len({p[n].has_bias for n in attn}) != 1 or len({p[n].has_bias for n in mlp}) != 1):
             return None
-        if len({p[n].has_bias for n in ("q", "k", "v")}) != 1 or p["gate"].has_bias != p["up"].has_bias:
-            return None
-        return {n: p[n] for n in names}
+
+        def blocks(name, widths=None):  # (weight, bias or None) of a projection, or of each row block of a fused one
+            w, b = p[name].weight, p[name].bias if p[name].has_bias else None
+            starts = [0]
+            for width in widths or ():
+                starts.append(starts[-1] + width)
+            if widths is None:
+                return [(w, b)]
+            return [(w[i:j], None if b is None else b[i:j]) for i, j in zip(starts, starts[1:])]
+        q_out, kv_out, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        return dict(attn_norm=p["attn_in_norm"], mlp_norm=p["mlp_in_norm"], o=blocks("o")[0], down=blocks("down")[0],
+                    qkv=blocks("qkv", (q_out, kv_out, kv_out)) if "qkv" in p else [blocks(n)[0] for n in attn],
+                    gate_up=blocks("gate_up", (inter, inter)) if "gate_up" in p else [blocks(n)[0] for n in mlp])
 
     def _decode_fused(self, x, ctx: Context):
         """One decode step of this layer in five dispatches: norm + q/k/v + rotary + cache write, attention,
         o_proj + residual, norm + gate/up + activation, down + residual. None (nothing built) when the
         layer or its operands don't fit the fused kernels."""
-        p = self._fused_decode_plan()  # checked per call: LoRA may have wrapped a projection since
-        if p is None:
+        plan = self._fused_decode_plan()  # checked per call: LoRA may have wrapped a projection since
+        if plan is None:
             return None
         s, cache, batch = self.spec, ctx.cache, x.shape[0]
-        weights = [p[n].weight for n in ("q", "k", "v")]
         attn_norm, mlp_norm = (F.FusedNorm(n.weight if n.elementwise else None, n.eps, n.unit_offset)
-                               for n in (p["attn_in_norm"], p["mlp_in_norm"]))
-        if not (F.fusable(x, weights, attn_norm) and F.fusable_weights(x.dtype, batch, [p["o"].weight])
-                and F.fusable(x, [p["gate"].weight, p["up"].weight], mlp_norm)
-                and F.fusable_weights(x.dtype, batch, [p["down"].weight])):
+                               for n in (plan["attn_norm"], plan["mlp_norm"]))
+        weights = lambda part: [w for w, _ in plan[part]]  # noqa: E731
+        biases = lambda part: None if plan[part][0][1] is None else [b for _, b in plan[part]]  # noqa: E731
+        (o, o_bias), (down, down_bias) = plan["o"], plan["down"]
+        if not (F.fusable(x, weights("qkv"), attn_norm) and F.fusable_weights(x.dtype, batch, [o])
+                and F.fusable(x, weights("gate_up"), mlp_norm) and F.fusable_weights(x.dtype, batch, [down])):
             return None
-        bias = lambda name: p[name].bias if p[name].has_bias else None  # noqa: E731
-        biases = lambda *names: [p[n].bias for n in names] if p[names[0]].has_bias else None  # noqa: E731
         bounds, _ = cache.step_inputs(1, ctx.key_padding_mask)
-        inv_freq, scaling = ctx.rope_tables[self.index]
-        q = F.fused_qkv_rope_write(x, *weights, k_cache=cache.keys[self.index], v_cache=cache.values[self.index],
-                                   cache_start=bounds[0:1], positions=ctx.rope_positions, inv_freq=inv_freq,
-                                   head_dim=s.head_dim, attention_scaling=scaling, interleaved=s.rope_interleaved,
-                                   norm=attn_norm, biases=biases("q", "k", "v"))
+        inv_freq, scaling = ctx.rope_tables[self.index] if self.rotates else (None, 1.0)  # NoPE layers: no rotation
+        q = F.fused_qkv_rope_write(x, *weights("qkv"), k_cache=cache.keys[self.index],
+                                   v_cache=cache.values[self.index], cache_start=bounds[0:1],
+                                   positions=ctx.rope_positions, inv_freq=inv_freq, head_dim=s.head_dim,
+                                   attention_scaling=scaling, interleaved=s.rope_interleaved, norm=attn_norm,
+                                   biases=biases("qkv"))
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
-        x = F.fused_linear(out.reshape(batch, 1, -1), p["o"].weight, bias=bias("o"), residual=x,
-                           residual_scale=s.residual_scale)
-        hidden = F.fused_gated(x, p["gate"].weight, p["up"].weight, activation=_FUSED_ACTIVATIONS[s.hidden_act],
-                               norm=mlp_norm, biases=biases("gate", "up"))
-        return F.fused_linear(hidden, p["down"].weight, bias=bias("down"), residual=x, residual_scale=s.residual_scale)
+        x = F.fused_linear(out.reshape(batch, 1, -1), o, bias=o_bias, residual=x, residual_scale=s.residual_scale)
+        hidden = F.fused_gated(x, *weights("gate_up"), activation=_FUSED_ACTIVATIONS[s.hidden_act], norm=mlp_norm,
+                               biases=biases("gate_up"))
+        return F.fused_linear(hidden, down, bias=down_bias, residual=x, residual_scale=s.residual_scale)
 
     def forward(self, x, ctx: Context):
         s = self.spec

@@ -15,7 +15,8 @@ x, the weights, the norm weight, biases, residual and outputs share one dtype (f
 bfloat16); accumulation is float32 and every intermediate stays float32 (Hugging Face rounds the
 norm output and each product to a 16-bit dtype in between: the 16-bit results differ by that
 rounding). The rows of x, the norm weight and the weights are read as 16-byte vectors: k and x's
-offset must be whole vectors and the weights and norm weight unviewed (:func:`supported` says).
+offset must be whole vectors, and so must the weights' and norm weight's offsets (row slices of one fused
+weight are fine; :func:`supported` says).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
     whole = [w for w in weights] + ([norm_weight] if norm_weight is not None else [])
     return (1 <= rows <= MAX_ROWS and x.dtype.name in ("float32", "float16", "bfloat16")
             and k % per_vector == 0 and x.offset % per_vector == 0
-            and all(w.offset == 0 and w.dtype is x.dtype for w in whole))
+            and all(w.offset % per_vector == 0 and w.dtype is x.dtype for w in whole))
 
 
 def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str = "plain", norm_weight=None,
@@ -92,7 +93,9 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     padded_n = ns + [0] * (3 - len(ns))
     push = [k, *padded_n, float(eps), float(residual_scale), head_dim, rot_dim, kv_heads, capacity,
             float(attention_scaling), *(b.offset for b in padded_b), (residual or filler_in).offset, out0.offset,
-            positions.offset, cache_start.offset, inv_freq.offset, x.offset // elements_per_vector(x.dtype)]
+            positions.offset, cache_start.offset, inv_freq.offset, x.offset // elements_per_vector(x.dtype),
+            *(w.offset // elements_per_vector(x.dtype) for w in padded_w),
+            (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
     threads = subgroup if device.is_cpu else max(128, subgroup)

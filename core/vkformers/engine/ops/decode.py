@@ -33,7 +33,7 @@ class FusedNorm:
 
 
 class DecodeMatvec(KernelOp):
-    """ins: x [, norm weight], weights [, biases] [, residual] [, positions, cache start, inv_freq, k cache,
+    """ins: x [, norm weight], weights [, biases] [, residual] [, cache start [, positions, inv_freq], k cache,
     v cache]; outs: out0 [, k cache, v cache (in place)]. Attributes are decode_matvec's keywords."""
 
     name = "decode_matvec"
@@ -47,7 +47,8 @@ class DecodeMatvec(KernelOp):
         residual = ins.pop(0).operand if self.has_residual else None
         extra = {}
         if self.mode == "qkv":
-            positions, start, inv_freq = (ins.pop(0).operand for _ in range(3))
+            start = ins.pop(0).operand
+            positions, inv_freq = (ins.pop(0).operand, ins.pop(0).operand) if self.rot_dim else (None, None)
             extra = dict(out1=outs[1].operand, out2=outs[2].operand, positions=positions, cache_start=start,
                          inv_freq=inv_freq)
         KD.decode_matvec(seq, x.operand, weights, outs[0].operand, rows=self.rows, k=self.k, widths=self.widths,
@@ -60,7 +61,8 @@ class DecodeMatvec(KernelOp):
 
 def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
     """Whether the fused kernel takes x [..., k] (at most 8 rows) and these [n, k] weights: no gradient
-    recorded, one dtype, whole unviewed weights, k a whole number of 16-byte vectors."""
+    recorded, one dtype, contiguous weights (row slices of a fused one are fine) starting on a 16-byte vector,
+    k a whole number of vectors."""
     if grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False
     return x.shape[-1] == weights[0].shape[-1] and fusable_weights(x.dtype, math.prod(x.shape[:-1]), weights, norm)
@@ -70,11 +72,12 @@ def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) ->
     """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights."""
     if enabled is False or (enabled is None and weights[0].lazy.device.is_cpu):
         return False
-    k = weights[0].shape[-1]
+    k, per_vector = weights[0].shape[-1], KD.elements_per_vector(dtype)
     whole = list(weights) + ([norm.weight] if norm is not None and norm.weight is not None else [])
     return (1 <= rows <= KD.MAX_ROWS and dtype.name in ("float32", "float16", "bfloat16")
-            and k % KD.elements_per_vector(dtype) == 0 and all(w.ndim == 2 and w.shape[1] == k for w in weights)
-            and all(w.dtype is dtype and w.lazy.view.offset == 0 and w.lazy.view.is_contiguous for w in whole))
+            and k % per_vector == 0 and all(w.ndim == 2 and w.shape[1] == k for w in weights)
+            and all(w.dtype is dtype and w.lazy.view.offset % per_vector == 0 and w.lazy.view.is_contiguous
+                    for w in whole))
 
 
 def _inputs_and_attrs(x, weights, norm, biases, residual):
@@ -123,11 +126,11 @@ def fused_gated(x, gate_weight, up_weight, *, activation: str = "silu", norm: Fu
     return _result(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
 
 
-def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, positions, inv_freq, head_dim: int,
-                         attention_scaling: float = 1.0, interleaved: bool = False, norm: FusedNorm | None = None,
-                         biases=None):
+def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, head_dim: int, positions=None,
+                         inv_freq=None, attention_scaling: float = 1.0, interleaved: bool = False,
+                         norm: FusedNorm | None = None, biases=None):
     """q, k, v projections of x [batch, 1, hidden] with the rotary embedding (angles ``positions`` [batch, 1]
-    int32 times ``inv_freq`` float32 [rot_dim / 2]), k and v written into the caches [batch, kv_heads,
+    int32 times ``inv_freq`` float32 [rot_dim / 2]; None: no rotation, a NoPE layer), k and v written into the caches [batch, kv_heads,
     capacity, head_dim] (persistent tensors) at slot ``cache_start[0]`` (uint32, read on the GPU).
     Returns q [batch, heads, 1, head_dim]; the caches' tensors are updated in place."""
     batch, length, _ = x.shape
@@ -138,10 +141,13 @@ def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, positi
             raise ValueError(f"fused_qkv_rope_write: the {what} cache must be a persistent {x.dtype.name} tensor")
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     inputs, attrs = _inputs_and_attrs(x, [wq, wk, wv], norm, biases, None)
-    inputs += [positions.cast(dt.int32).lazy, cache_start.reshape(1).lazy, inv_freq.float().lazy,
-               k_cache.lazy, v_cache.lazy]
-    attrs.update(mode="qkv", head_dim=head_dim, rot_dim=2 * inv_freq.shape[0], kv_heads=kv_heads,
-                 capacity=capacity, attention_scaling=float(attention_scaling), interleaved=bool(interleaved))
+    inputs.append(cache_start.reshape(1).lazy)
+    if inv_freq is not None:
+        inputs += [positions.cast(dt.int32).lazy, inv_freq.float().lazy]
+    inputs += [k_cache.lazy, v_cache.lazy]
+    attrs.update(mode="qkv", head_dim=head_dim, rot_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
+                 kv_heads=kv_heads, capacity=capacity, attention_scaling=float(attention_scaling),
+                 interleaved=bool(interleaved))
     heads = wq.shape[0] // head_dim
     q, k_out, v_out = node(DecodeMatvec(**attrs), inputs,
                            [((batch, heads, 1, head_dim), x.dtype), (k_cache.shape, k_cache.dtype),
