@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import vkformers as vkf
-from vkformers.engine.ops.decode import FusedNorm, fusable, fused_gated, fused_linear, fused_qkv_rope_write
+from vkformers.engine.ops.decode import (FusedNorm, fusable, fused_gated, fused_head_norm_rope_write, fused_linear,
+                                        fused_qkv_rope_write)
 from test_attention import rounded
 from test_kernels_transformer import rope_reference
 
@@ -112,6 +113,39 @@ def test_fused_qkv_rotates_and_writes_the_cache(device, dtype, head_dim, rot_dim
     want_k, want_v = stored.copy(), stored.copy()
     want_k[:, :, start:start + 1] = rotate(heads_of(wk, biases[1][0], kv_heads))
     want_v[:, :, start:start + 1] = heads_of(wv, biases[2][0], kv_heads)
+    check(caches[0], want_k, dtype)
+    check(caches[1], want_v, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim, rot_dim, interleaved, offset", [(16, 16, False, False), (16, 8, True, True),
+                                                                   (8, 0, False, False)])
+def test_head_norm_rope_write_normalises_each_head(device, dtype, head_dim, rot_dim, interleaved, offset):
+    """Qwen3's q_norm / k_norm (one weight over each head's values), rotary and the cache write in one dispatch."""
+    rng = np.random.default_rng(head_dim + rot_dim)
+    batch, heads, kv_heads, capacity, start = 2, 4, 2, 5, 3
+    q, qt = make(rng, (batch, 1, heads * head_dim), dtype, 3.0)
+    (k, kt), (v, vt) = make(rng, (batch, 1, kv_heads * head_dim), dtype, 3.0), make(rng, (batch, 1, kv_heads * head_dim), dtype)
+    (gq, gqt), (gk, gkt) = make(rng, (head_dim,), dtype), make(rng, (head_dim,), dtype)
+    positions = np.array([[6], [70000]], np.int32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, rot_dim, 2) / max(rot_dim, 1))).astype(np.float32)
+    stored, sentinel = rounded(np.full((batch, kv_heads, capacity, head_dim), 5.0), dtype)
+    k_cache, v_cache = (vkf.parameter(sentinel, dtype=dtype, requires_grad=False) for _ in range(2))
+    with vkf.no_grad():
+        got = fused_head_norm_rope_write(
+            qt, kt, vt, q_norm=FusedNorm(gqt, 1e-6, offset), k_norm=FusedNorm(gkt, 1e-6, offset), k_cache=k_cache,
+            v_cache=v_cache, cache_start=vkf.tensor(np.array([start], np.uint32)), head_dim=head_dim,
+            positions=vkf.tensor(positions), inv_freq=vkf.tensor(inv_freq) if rot_dim else None,
+            attention_scaling=0.8, interleaved=interleaved).numpy()
+        caches = k_cache.numpy(), v_cache.numpy()
+
+    def normed(x, g, count):  # [batch, count, 1, head_dim]
+        return rms(x.reshape(batch, count, 1, head_dim), g, 1e-6, offset)
+    rotate = lambda t: rope_reference(t, positions, inv_freq, rot_dim, interleaved, 0.8)  # noqa: E731
+    check(got, rotate(normed(q, gq, heads)), dtype)
+    want_k, want_v = stored.copy(), stored.copy()
+    want_k[:, :, start:start + 1] = rotate(normed(k, gk, kv_heads))
+    want_v[:, :, start:start + 1] = v.reshape(batch, kv_heads, 1, head_dim)
     check(caches[0], want_k, dtype)
     check(caches[1], want_v, dtype)
 

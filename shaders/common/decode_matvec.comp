@@ -147,16 +147,8 @@ Pair pair_of(uint p) {
     uint local = p - (r.which == 0 ? 0 : (r.which == 1 ? q_pairs : q_pairs + k_pairs));
     r.head = local / half_head;
     uint i = local % half_head;
-    if (r.which == 2) {
-        r.dim0 = 2 * i; r.dim1 = 2 * i + 1;
-    } else if (INTERLEAVED != 0) {
-        r.dim0 = 2 * i; r.dim1 = 2 * i + 1;
-        if (2 * i < rot_dim) r.freq = int(i);
-    } else if (i < rot_dim / 2) {
-        r.dim0 = i; r.dim1 = i + rot_dim / 2; r.freq = int(i);
-    } else {
-        r.dim0 = rot_dim + 2 * (i - rot_dim / 2); r.dim1 = r.dim0 + 1;
-    }
+    uvec2 dims = rotary_pair(i, r.which == 2 ? 0 : rot_dim, INTERLEAVED != 0, r.freq);  // v: never rotated
+    r.dim0 = dims.x; r.dim1 = dims.y;
     r.col0 = r.head * head_dim + r.dim0;
     r.col1 = r.head * head_dim + r.dim1;
     return r;
@@ -247,10 +239,9 @@ void pair_product(uint p) {
         }
         if (pr.freq >= 0) {
             float angle = float(positions[positions_offset + r]) * inv_freq[inv_freq_offset + pr.freq];
-            vec2 cs = cos_sin(angle) * attention_scaling;
-            float r0 = y0 * cs.x - y1 * cs.y;
-            y1 = y1 * cs.x + y0 * cs.y;
-            y0 = r0;
+            vec2 y = rotate_pair(vec2(y0, y1), angle, attention_scaling);
+            y0 = y.x;
+            y1 = y.y;
         }
         store(r, pr, y0, y1);
     }

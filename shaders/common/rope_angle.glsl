@@ -36,4 +36,27 @@ vec2 cos_sin(float angle) {
     return vec2(cos(r), angle < 0.0 ? -sin(r) : sin(r));
 }
 
+// Pair i (i < head_dim / 2) of a head's dims that a rotary embedding turns together: (i, i + rot_dim/2) in
+// the half-split layout (HF rotate_half), (2i, 2i + 1) interleaved (GPT-J); dims past rot_dim pass through in
+// pairs (2i', 2i' + 1). Returns the two dims; freq is the inv_freq index, or -1 for a pass-through pair.
+uvec2 rotary_pair(uint i, uint rot_dim, bool interleaved, out int freq) {
+    freq = -1;
+    if (interleaved) {
+        if (2 * i < rot_dim) freq = int(i);
+        return uvec2(2 * i, 2 * i + 1);
+    }
+    if (i < rot_dim / 2) {
+        freq = int(i);
+        return uvec2(i, i + rot_dim / 2);
+    }
+    uint d = rot_dim + 2 * (i - rot_dim / 2);
+    return uvec2(d, d + 1);
+}
+
+// (x0, x1) of a pair rotated by angle, cos and sin scaled by attention_scaling (yarn / longrope), as HF.
+vec2 rotate_pair(vec2 x, float angle, float attention_scaling) {
+    vec2 cs = cos_sin(angle) * attention_scaling;
+    return vec2(x.x * cs.x - x.y * cs.y, x.y * cs.x + x.x * cs.y);
+}
+
 #endif

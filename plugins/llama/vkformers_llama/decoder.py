@@ -452,8 +452,12 @@ class DecoderLayer(Module):
         attn = ("qkv",) if "qkv" in p else ("q", "k", "v")
         mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
         projections = (*attn, "o", *mlp, "down")
-        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "q_norm", "k_norm",
-                         "output_gate", "moe", "linear"}
+        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "moe",
+                         "linear"}
+        qk_norm = (p["q_norm"], p["k_norm"]) if "q_norm" in p else None  # Qwen3: one RMS weight over each head
+        if qk_norm and (s.qk_norm_scope != "head" or s.qk_norm_after_rope or s.head_dim > 256
+                        or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
+            return None
         if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.q_gate or s.clip_qkv is not None
                 or s.attention_sinks or s.query_position_scale is not None
                 or (s.attn_out_bias and self.index in s.attn_out_bias_layers) or s.mlp_kind != "gated"
@@ -472,14 +476,15 @@ class DecoderLayer(Module):
                 return [(w, b)]
             return [(w[i:j], None if b is None else b[i:j]) for i, j in zip(starts, starts[1:])]
         q_out, kv_out, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        return dict(attn_norm=p["attn_in_norm"], mlp_norm=p["mlp_in_norm"], o=blocks("o")[0], down=blocks("down")[0],
+        return dict(attn_norm=p["attn_in_norm"], mlp_norm=p["mlp_in_norm"], qk_norm=qk_norm, o=blocks("o")[0],
+                    down=blocks("down")[0],
                     qkv=blocks("qkv", (q_out, kv_out, kv_out)) if "qkv" in p else [blocks(n)[0] for n in attn],
                     gate_up=blocks("gate_up", (inter, inter)) if "gate_up" in p else [blocks(n)[0] for n in mlp])
 
     def _decode_fused(self, x, ctx: Context):
         """One decode step of this layer in five dispatches: norm + q/k/v + rotary + cache write, attention,
-        o_proj + residual, norm + gate/up + activation, down + residual. None (nothing built) when the
-        layer or its operands don't fit the fused kernels."""
+        o_proj + residual, norm + gate/up + activation, down + residual (with QK-norm: the q, k, v products, then
+        the norms + rotary + cache write). None (nothing built) when the layer or its operands don't fit."""
         plan = self._fused_decode_plan()  # checked per call: LoRA may have wrapped a projection since
         if plan is None:
             return None
@@ -494,11 +499,15 @@ class DecoderLayer(Module):
             return None
         bounds, _ = cache.step_inputs(1, ctx.key_padding_mask)
         inv_freq, scaling = ctx.rope_tables[self.index] if self.rotates else (None, 1.0)  # NoPE layers: no rotation
-        q = F.fused_qkv_rope_write(x, *weights("qkv"), k_cache=cache.keys[self.index],
-                                   v_cache=cache.values[self.index], cache_start=bounds[0:1],
-                                   positions=ctx.rope_positions, inv_freq=inv_freq, head_dim=s.head_dim,
-                                   attention_scaling=scaling, interleaved=s.rope_interleaved, norm=attn_norm,
-                                   biases=biases("qkv"))
+        rotary = dict(k_cache=cache.keys[self.index], v_cache=cache.values[self.index], cache_start=bounds[0:1],
+                      positions=ctx.rope_positions, inv_freq=inv_freq, head_dim=s.head_dim, attention_scaling=scaling,
+                      interleaved=s.rope_interleaved)
+        if plan["qk_norm"] is None:
+            q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=biases("qkv"), **rotary)
+        else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache
+            q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b) for w, b in plan["qkv"])
+            q_norm, k_norm = (F.FusedNorm(n.weight, n.eps, n.unit_offset) for n in plan["qk_norm"])
+            q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
         x = F.fused_linear(out.reshape(batch, 1, -1), o, bias=o_bias, residual=x, residual_scale=s.residual_scale)

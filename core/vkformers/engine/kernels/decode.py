@@ -110,3 +110,32 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
             per_subgroup]
     seq.dispatch(device.kernel("decode_matvec", element_variant(x, "decode_matvec")), buffers,
                  (-(-pairs // per_group), 1, 1), push, spec)
+
+
+def decode_head_norm_rope(seq, q_in, k_in, v_in, q_weight, k_weight, q_out, k_cache, v_cache, cache_start, *,
+                          rows: int, heads: int, kv_heads: int, head_dim: int, capacity: int, eps: float,
+                          positions=None, inv_freq=None, rot_dim: int = 0, attention_scaling: float = 1.0,
+                          interleaved: bool = False, norm_offset: bool = False) -> None:
+    """QK-norm models' decode tail (shaders/common/decode_head_norm_rope.comp): RMS norm of each q and k head
+    (weights [head_dim]), the rotary embedding, q into q_out [rows, heads, 1, head_dim], k and v into the caches
+    [rows, kv_heads, capacity, head_dim] at slot ``cache_start[0]``. q_in, k_in, v_in: [rows, heads * head_dim]."""
+    q_in, k_in, v_in, q_weight, k_weight, q_out, k_cache, v_cache, cache_start = map(
+        operand, (q_in, k_in, v_in, q_weight, k_weight, q_out, k_cache, v_cache, cache_start))
+    if head_dim % 2 or head_dim > 256 or rot_dim % 2 or rot_dim > head_dim:
+        raise ValueError(f"decode_head_norm_rope: head_dim {head_dim} (even, at most 256) / rot_dim {rot_dim}")
+    for x, count, what in ((q_in, rows * heads * head_dim, "q"), (k_in, rows * kv_heads * head_dim, "k"),
+                           (v_in, rows * kv_heads * head_dim, "v"), (q_weight, head_dim, "q norm weight"),
+                           (k_weight, head_dim, "k norm weight"), (q_out, rows * heads * head_dim, "q out"),
+                           (k_cache, rows * kv_heads * capacity * head_dim, "k cache"),
+                           (v_cache, rows * kv_heads * capacity * head_dim, "v cache")):
+        require_elements(x, count, f"decode_head_norm_rope {what}")
+    positions = operand(positions) if positions is not None else cache_start
+    inv_freq = operand(inv_freq) if inv_freq is not None else cache_start  # unread without rotary dims
+    buffers = [q_in.buffer, k_in.buffer, v_in.buffer, q_weight.buffer, k_weight.buffer, positions.buffer,
+               inv_freq.buffer, cache_start.buffer, q_out.buffer, k_cache.buffer, v_cache.buffer]
+    push = [heads, kv_heads, head_dim, rot_dim, capacity, float(eps), float(attention_scaling), q_in.offset,
+            k_in.offset, v_in.offset, q_weight.offset, k_weight.offset, positions.offset, inv_freq.offset,
+            cache_start.offset]
+    device = seq.device
+    seq.dispatch(device.kernel("decode_head_norm_rope", element_variant(q_in, "decode_head_norm_rope")), buffers,
+                 (rows * (heads + kv_heads), 1, 1), push, [int(interleaved), int(norm_offset)])

@@ -155,3 +155,48 @@ def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, head_d
     k_cache._set_lazy(k_out)
     v_cache._set_lazy(v_out)
     return _result(q)
+
+
+class DecodeHeadNormRope(KernelOp):
+    """ins: q, k, v, q norm weight, k norm weight, cache start [, positions, inv_freq], k cache, v cache;
+    outs: q [B, H, 1, D], k cache, v cache (in place)."""
+
+    name = "decode_head_norm_rope"
+
+    def emit(self, seq, outs, ins):
+        q, k, v, q_weight, k_weight, start, *rest = ins
+        positions, inv_freq = (rest[0].operand, rest[1].operand) if self.rot_dim else (None, None)
+        KD.decode_head_norm_rope(seq, q.operand, k.operand, v.operand, q_weight.operand, k_weight.operand,
+                                 outs[0].operand, outs[1].operand, outs[2].operand, start.operand, rows=self.rows,
+                                 heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                 capacity=self.capacity, eps=self.eps, positions=positions, inv_freq=inv_freq,
+                                 rot_dim=self.rot_dim, attention_scaling=self.attention_scaling,
+                                 interleaved=self.interleaved, norm_offset=self.norm_offset)
+
+
+def fused_head_norm_rope_write(q, k, v, *, q_norm: FusedNorm, k_norm: FusedNorm, k_cache, v_cache, cache_start,
+                               head_dim: int, positions=None, inv_freq=None, attention_scaling: float = 1.0,
+                               interleaved: bool = False):
+    """QK-norm (one weight [head_dim] per q / k, as Qwen3), the rotary embedding and the KV-cache write of a decode
+    step in one dispatch. q [B, 1, H * D], k and v [B, 1, KVH * D] (e.g. fused_linear's products); returns q
+    [B, H, 1, D]; the caches' tensors are updated in place at slot ``cache_start[0]``."""
+    batch = q.shape[0]
+    if q_norm.weight is None or k_norm.weight is None or q_norm.unit_offset != k_norm.unit_offset:
+        raise ValueError("fused_head_norm_rope_write: q and k norms need weights of the same kind")
+    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    dtype = k_cache.dtype
+    inputs = [t.cast(dtype).contiguous().lazy for t in (q, k, v, q_norm.weight, k_norm.weight)]
+    inputs.append(cache_start.reshape(1).lazy)
+    if inv_freq is not None:
+        inputs += [positions.cast(dt.int32).lazy, inv_freq.float().lazy]
+    inputs += [k_cache.lazy, v_cache.lazy]
+    heads = q.shape[-1] // head_dim
+    op = DecodeHeadNormRope(rows=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
+                            eps=float(q_norm.eps), rot_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
+                            attention_scaling=float(attention_scaling), interleaved=bool(interleaved),
+                            norm_offset=bool(q_norm.unit_offset))
+    out, k_out, v_out = node(op, inputs, [((batch, heads, 1, head_dim), dtype), (k_cache.shape, dtype),
+                                          (v_cache.shape, dtype)], into=[None, k_cache.lazy, v_cache.lazy])
+    k_cache._set_lazy(k_out)
+    v_cache._set_lazy(v_out)
+    return _result(out)
