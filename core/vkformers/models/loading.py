@@ -93,17 +93,25 @@ def read_weights(folder: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-# Where multimodal wrappers keep their language model's weights: transformers 5 (model.language_model.*, lm_head.*)
-# and 4.x (language_model.model.*, language_model.lm_head.*); renamed to the text model's own names.
-WRAPPER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                    ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+# Where multimodal wrappers keep their language model's weights, as transformers 5.24 saves them (the original
+# releases' layouts): model.language_model.* and lm_head.* (LLaVA-style 5.x), language_model.model.* and
+# language_model.lm_head.* (4.x, Mistral 3, InternVL, ...), model.text_model.* (Idefics 2/3, SmolVLM),
+# text_model.model.* and text_model.lm_head.* (Emu3); renamed to the
+# text model's own names. Kimi-K2.5: transformers writes its decoder layers as language_model.model.blocks.* (its
+# vision tower's blocks <-> layers rename reversed over the whole file) and reads them back as layers.
+WRAPPER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.blocks.", "model.layers."),
+                    ("language_model.model.", "model."), ("model.text_model.", "model."), ("text_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."), ("text_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 
 
 def language_model_weights(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A wrapper checkpoint's language-model weights under the text model's names; the vision or audio tower and
-    projector are left out (vkformers runs the text model). A checkpoint without a wrapper prefix is returned as is."""
-    if not any(name.startswith(("model.language_model.", "language_model.")) for name in arrays):
-        return arrays
+    projector are left out (vkformers runs the text model). Wrappers that save the language model under its own
+    names (model.*, lm_head.*) beside top-level towers (visual.*, audio_tower.*, mlp_AR.*: Qwen2-VL, Qwen2.5-VL,
+    the Qwen3-Omni thinker, PaddleOCR-VL) keep those names."""
+    nested = tuple(prefix for prefix, _ in WRAPPER_PREFIXES if prefix != "lm_head.")
+    if not any(name.startswith(nested) for name in arrays):
+        return {name: array for name, array in arrays.items() if name.startswith(("model.", "lm_head."))}
     renamed = {}
     for name, array in arrays.items():
         for prefix, replacement in WRAPPER_PREFIXES:
@@ -134,10 +142,18 @@ class AutoModel:
         config = load_config(folder)
         model = cls.from_config(config)
         weights = read_weights(folder)
-        if model.config is not config:  # a multimodal wrapper: its language model runs
-            weights = language_model_weights(weights)
-        model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
-                              ignore=getattr(model, "ignored_checkpoint_keys", ()))
+        if model.config is config:
+            model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
+                                  ignore=getattr(model, "ignored_checkpoint_keys", ()))
+        else:  # a multimodal wrapper: its language model runs
+            try:
+                model.load_state_dict(language_model_weights(weights), dtype=model_dtype(config, dtype),
+                                      requires_grad=requires_grad, ignore=getattr(model, "ignored_checkpoint_keys", ()))
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"model_type {config['model_type']!r} (a multimodal wrapper run as its "
+                    f"{model.config['model_type']!r} language model): its language-model weights are not laid out "
+                    f"as vkformers reads them: {exc}") from None
         model.name_or_path = str(name_or_path)
         model.dtype = model_dtype(config, dtype)
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen

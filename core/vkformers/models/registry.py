@@ -42,6 +42,9 @@ class NestedConfig:
     """
 
     path: tuple[str, ...]
+    # (key, value) pairs set on the nested config: what the wrapper's own head does differently from the text model's
+    # (the lm_heads of Aya Vision and Granite Speech leave out their text model's logit scale)
+    overrides: tuple[tuple[str, Any], ...] = ()
 
     def describe(self) -> str:
         return "config" + "".join(f"[{key!r}]" for key in self.path) + "['model_type']"
@@ -248,8 +251,9 @@ class Registry:
     def backbone_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
         """The config the resolved architecture's model reads: ``config`` itself, or for a multimodal wrapper
         (an alias whose config nests its language model's, e.g. LLaVA, Gemma 3, Qwen2-VL) the nested text config,
-        which names the backbone's own ``model_type``. Root fields the nested one lacks are not copied, except
-        ``tie_word_embeddings``, which wrappers keep at the root."""
+        which names the backbone's own ``model_type``. Root fields are not copied, except ``tie_word_embeddings``: the
+        wrapper's lm_head is tied or not by the root's flag in transformers 5 (the nested one's when the root has
+        none, as 4.x wrote them). The alias's ``overrides`` are set last."""
         spelling = self._find_spelling(config.get("model_type"))
         if spelling in self._architectures:
             return config
@@ -260,8 +264,10 @@ class Registry:
             nested = config["text_config"]
         else:
             return config
-        if "tie_word_embeddings" in config and "tie_word_embeddings" not in nested:
+        if "tie_word_embeddings" in config:
             nested = {**nested, "tie_word_embeddings": config["tie_word_embeddings"]}
+        if alias.is_wrapper and alias.target.overrides:
+            nested = {**nested, **dict(alias.target.overrides)}
         return nested
 
     def _find_spelling(self, model_type: str) -> str:

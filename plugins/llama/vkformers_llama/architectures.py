@@ -1,5 +1,5 @@
 """Architectures provided by vkformers-llama: dense causal decoders (no mixture of experts) (table format: vkformers.models.registry.architectures_from_table)."""
-from vkformers.models.registry import NESTED_TEXT_CONFIG
+from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 
 # (name, kind, norm, moe, llama_layout, notes)
 ARCHITECTURES = [
@@ -100,10 +100,10 @@ ALIASES = {
     "exaone4_5_text":       "exaone4",  # legacy spelling normalized to exaone4
     "exaone4_5":            NESTED_TEXT_CONFIG,  # typically exaone4_5_text/exaone4 -> exaone4
     "cohere_compass":       "cohere_compass_text",  # wrapper; text_config
-    "cohere2_vision":       NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "cohere2_vision":       NestedConfig(("text_config",), (("logit_scale", 1.0),)),  # its lm_head does not scale logits
     "cosmos3_omni":         NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
     "got_ocr2":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
-    "aya_vision":           NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "aya_vision":           NestedConfig(("text_config",), (("logit_scale", 1.0),)),  # its lm_head does not scale logits
     "llava":                NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
     "llava_next":           NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
     "llava_next_video":     NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
@@ -127,8 +127,8 @@ ALIASES = {
     "paddleocr_vl":         NESTED_TEXT_CONFIG,  # generic wrapper arm; legacy flat root config falls back to paddleocr_vl_text -> llama
     "audioflamingo3":       NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
     "qwen3_asr":            NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
-    "granite_speech":       NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
-    "granite_speech_plus":  NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "granite_speech":       NestedConfig(("text_config",), (("logits_scaling", 1.0),)),  # its lm_head skips logits_scaling
+    "granite_speech_plus":  NestedConfig(("text_config",), (("logits_scaling", 1.0),)),  # its lm_head skips logits_scaling
     "granite4_vision_text": "granite",  # normalized to granite
     "granite4_vision":      NESTED_TEXT_CONFIG,  # typically granite4_vision_text -> granite
     "glmasr":               NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run

@@ -543,7 +543,8 @@ def ernie4_5(config: dict) -> DecoderSpec:
 
 def glm(config: dict) -> DecoderSpec:
     """Fused gate_up MLP, q/k/v biases, interleaved partial rotary."""
-    bias = bool(config.get("attention_bias", True))
+    # GLM-OCR's text attention has no biases (its config has no attention_bias field)
+    bias = bool(config.get("attention_bias", config.get("model_type") != "glm_ocr_text"))
     return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, gate_up_proj="gate_up_proj",
                    rope_interleaved=True)
 
