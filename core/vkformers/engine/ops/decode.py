@@ -17,7 +17,8 @@ from vkformers.runtime import dtypes as dt
 
 
 # None (the default): on GPUs only. The fused kernels trade a little arithmetic for fewer dispatches, which a
-# GPU waits on; on a CPU device (lavapipe) a 4-layer TinyLlama-width decode step took 22% longer fused.
+# GPU waits on; on a CPU device (lavapipe) decoding ran slower fused (bench/llama.py --layers 4 --fused-ab:
+# 1.2 against 1.5 tokens/s, docs/benchmarks.md).
 # True / False (VKFORMERS_FUSED_DECODE=1 / 0) force them on or off: the tests on lavapipe, a benchmark
 # comparing both, or ruling them out when chasing a wrong result.
 enabled: bool | None = {"1": True, "0": False}.get(os.environ.get("VKFORMERS_FUSED_DECODE", ""))
