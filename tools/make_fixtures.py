@@ -941,6 +941,26 @@ def _with_saved_names(model, ref: dict) -> dict:
     return out
 
 
+def greedy_reference(model, prompt):
+    """transformers' cached greedy continuation of ``prompt`` (NEW_TOKENS tokens, eos off) and its logits per step."""
+    gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
+                               num_beams=1, temperature=None, top_p=None, top_k=None)
+    # generate() fills the eos_token_id=None above from model.generation_config (eos 2), and min_new_tokens
+    # then masks token 2 out of every step: the tokens would be argmax over the others while output_logits
+    # stay raw. Clear it for the call so the continuation is the plain argmax (generation_config.json is
+    # already saved; fixtures whose raw argmax never hit token 2 are unchanged by this).
+    saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg,
+                             output_logits=True, return_dict_in_generate=True)
+    finally:
+        model.generation_config.eos_token_id = saved_eos
+    tokens = gen.sequences
+    assert tokens.shape == (1, prompt.shape[1] + NEW_TOKENS), tokens.shape
+    return tokens, torch.cat([step.float() for step in gen.logits], dim=0)
+
+
 def build(spec: Spec, out_root: Path):
     out = out_root / spec.name
     if out.exists():
@@ -1007,22 +1027,7 @@ def build(spec: Spec, out_root: Path):
         pad_diff = (alone - logits[1, LEFT_PAD:]).abs().max().item()
 
         prompt = ids[:1]
-        gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                   use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
-                                   num_beams=1, temperature=None, top_p=None, top_k=None)
-        # generate() fills the eos_token_id=None above from model.generation_config (eos 2), and min_new_tokens
-        # then masks token 2 out of every step: the tokens would be argmax over the others while output_logits
-        # stay raw. Clear it for the call so the continuation is the plain argmax (generation_config.json is
-        # already saved; fixtures whose raw argmax never hit token 2 are unchanged by this).
-        saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
-        try:
-            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg,
-                                 output_logits=True, return_dict_in_generate=True)
-        finally:
-            model.generation_config.eos_token_id = saved_eos
-        tokens = gen.sequences
-        glogits = torch.cat([step.float() for step in gen.logits], dim=0)
-        assert tokens.shape == (1, SEQ + NEW_TOKENS), tokens.shape
+        tokens, glogits = greedy_reference(model, prompt)
         assert glogits.shape == (NEW_TOKENS, logits.shape[-1]), glogits.shape
         argmax_ok = bool((glogits.argmax(-1) == tokens[0, SEQ:]).all())
         full = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0, SEQ - 1:-1]

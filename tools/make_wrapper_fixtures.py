@@ -28,10 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from make_fixtures import (FLOAT32, L, NEW_TOKENS, PAD, BOS, SEQ, SPECS, VEC_STD, build_each,  # noqa: E402
-                           make_inputs, parse_fixture_args, reinit_)
+from make_fixtures import (FLOAT32, L, NEW_TOKENS, SPECS, VEC_STD, build_each,  # noqa: E402
+                           greedy_reference, make_inputs, parse_fixture_args, reinit_)
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import GenerationConfig  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
@@ -204,18 +203,7 @@ def build(spec: Spec, out_root: Path):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
         prompt = ids[:1]
-        gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                                   use_cache=True, eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS,
-                                   num_beams=1, temperature=None, top_p=None, top_k=None)
-        saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
-        try:  # eos off, as make_fixtures does
-            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_cfg,
-                                 output_logits=True, return_dict_in_generate=True)
-        finally:
-            model.generation_config.eos_token_id = saved_eos
-        tokens = gen.sequences
-        glogits = torch.cat([step.float() for step in gen.logits], dim=0)
-        assert tokens.shape == (1, SEQ + NEW_TOKENS), tokens.shape
+        tokens, glogits = greedy_reference(model, prompt)
         prefill_diff = (glogits[0] - logits[0, -1]).abs().max().item()
         # what transformers' own loader makes of the saved folder
         reloaded = cls.from_pretrained(tmp, attn_implementation="eager", **FLOAT32).eval()
