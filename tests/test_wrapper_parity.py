@@ -29,8 +29,6 @@ WRAPPER_REFUSED = {
     "minimax_m3_vl": "saved in MiniMax's release layout (block_sparse_moe, per-expert w1/w2/w3, split dense MLPs, "
                      "self_attn.index_*), not the text model's names",
     "mllama": "the text model's embedding has vocab_size + 8 rows (image tokens) and cross-attention layers",
-    "qwen3_vl_moe": "experts saved fused (experts.gate_up_proj [E, 2I, H], experts.down_proj), which the qwen3_moe "
-                    "decoder does not read",
 }
 
 

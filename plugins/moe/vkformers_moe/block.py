@@ -62,6 +62,9 @@ class MoeSpec:
     #                                             None: one module per expert, experts.<e>.<gate|up|down>.weight
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # (gate, up, down)
     fused_transposed: bool = False            # fused_experts stored [E, H, 2I] and [E, I, H] (x @ W: Aria fc1 / fc2)
+    fused_either_layout: bool = False         # a file may hold fused_experts the other way round: transposed at load
+    #                                           when the shape says so (Qwen3-VL-MoE: released [E, H, 2I], transformers
+    #                                           5.24 saves [E, 2I, H]; it reads both by shape, as here)
     fused_bias: tuple[str, str] | None = None  # biases of fused_experts, [E, 2I] and [E, H] (GPT-OSS gate_up_proj_bias,
     #                                            down_proj_bias), in the routed output like the weights
     gate_up_interleaved: bool = False         # fused gate_up columns alternate gate, up (GPT-OSS) instead of [gate | up]
@@ -186,12 +189,8 @@ class SparseMoeBlock(Module):
                 add_param(self, _join(moe.experts, name), (moe.num_experts * moe.expert_size, hidden))
             object.__setattr__(self, "expert_list", None)
         elif moe.fused_experts:
-            gate_up, down = moe.fused_experts
-            t = moe.fused_transposed
-            add_param(self, _join(moe.experts, gate_up),
-                      (moe.num_experts, hidden, 2 * moe.expert_size) if t else (moe.num_experts, 2 * moe.expert_size, hidden))
-            add_param(self, _join(moe.experts, down),
-                      (moe.num_experts, moe.expert_size, hidden) if t else (moe.num_experts, hidden, moe.expert_size))
+            for name, shape in zip(moe.fused_experts, self._fused_shapes()):
+                add_param(self, _join(moe.experts, name), shape)
             if moe.fused_bias:
                 add_param(self, _join(moe.experts, moe.fused_bias[0]), (moe.num_experts, 2 * moe.expert_size))
                 add_param(self, _join(moe.experts, moe.fused_bias[1]), (moe.num_experts, hidden))
@@ -221,6 +220,25 @@ class SparseMoeBlock(Module):
         object.__setattr__(self, "shared_gate", place(self, moe.shared_gate, Linear(hidden, 1, bias=False))
                            if moe.shared_gate else None)
         self.act = F.activation(moe.hidden_act)
+
+    def _fused_shapes(self):
+        """The (gate_up, down) parameters' shapes: [E, 2I, H] and [E, H, I], or transposed (fused_transposed)."""
+        e, i, h = self.moe.num_experts, self.moe.expert_size, self.hidden
+        return ((e, h, 2 * i), (e, i, h)) if self.moe.fused_transposed else ((e, 2 * i, h), (e, h, i))
+
+    def convert_checkpoint(self, arrays, path: str):
+        """fused_either_layout: fused expert weights stored transposed against the parameters (and not square in
+        their last two dims) are transposed. Returns ``arrays``, or a copy with those replaced."""
+        moe = self.moe
+        if not (moe.fused_experts and moe.fused_either_layout):
+            return arrays
+        converted = dict(arrays)
+        for name, want in zip(moe.fused_experts, self._fused_shapes()):
+            key = _join(path, moe.experts, name)
+            have = np.shape(arrays.get(key, ()))
+            if len(have) == 3 and have != want and have == (want[0], want[2], want[1]):
+                converted[key] = np.ascontiguousarray(np.swapaxes(np.asarray(arrays[key]), 1, 2))
+        return converted
 
     def load_buffers(self, arrays, prefix: str) -> None:
         """The selection bias, when the checkpoint stores it as a buffer (not a parameter)."""

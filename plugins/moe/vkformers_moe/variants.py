@@ -83,13 +83,16 @@ def qwen2_moe(config: dict) -> DecoderSpec:
 
 
 def qwen3_moe(config: dict) -> DecoderSpec:
-    """Qwen3 (per-head q/k RMSNorm) with top-k softmax experts (norm_topk_prob), no shared expert."""
+    """Qwen3 (per-head q/k RMSNorm) with top-k softmax experts (norm_topk_prob), no shared expert. Qwen3-VL-MoE's text
+    model (qwen3_vl_moe_text) keeps its experts fused (experts.gate_up_proj, experts.down_proj), in either layout."""
     _refuse_training_extras("qwen3_moe", config)
     spec = qwen3(config)
     moe = MoeSpec(num_experts=num_experts(config, 128), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=config.get("moe_intermediate_size", 768),
                   layers=sparse_step_layers(dict(config, num_experts=num_experts(config, 128)), spec.num_layers),
                   hidden_act=spec.hidden_act, norm_topk=bool(config.get("norm_topk_prob", False)))
+    if config.get("model_type") == "qwen3_vl_moe_text":
+        moe = replace(moe, fused_experts=("gate_up_proj", "down_proj"), fused_either_layout=True)
     return replace(spec, moe=moe)
 
 
