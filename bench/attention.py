@@ -109,18 +109,20 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
     return result
 
 
-def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
+                 grouped: bool = False) -> dict:
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
     out = device.buffer(q.shape, dtype, name="out")
     seq = device.sequence(timestamps=True)
     attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
-                     kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5)
+                     kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5,
+                     grouped=grouped)
     seconds = gpu_seconds(seq, repeats)
     cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
-    result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "decode_us": seconds * 1e6,
-              "decode_cache_gbps": cache_bytes / seconds * 1e-9}
+    result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "grouped": grouped,
+              "decode_us": seconds * 1e6, "decode_cache_gbps": cache_bytes / seconds * 1e-9}
     if HAVE_CUDA:
         tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
         tq, tk, tv = (torch.from_numpy(x).cuda().to(tdtype) for x in (q, k, v))
@@ -160,11 +162,15 @@ def main(argv=None) -> int:
         diffs = {k: v for k, v in r.items() if k.startswith("max_abs_diff")}
         if diffs:
             print("          " + ", ".join(f"{k[13:]} {v:.2e}" for k, v in diffs.items()))
-        d = bench_decode(device, dtype, 256 if args.quick else 4096, heads, max(1, heads // 4), args.head_dim, repeats)
-        results["decode"].append(d)
-        print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}): {d['decode_us']:.1f} us, "
-              f"{d['decode_cache_gbps']:.0f} GB/s of cache"
-              + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})" if "decode_ratio" in d else ""))
+        # a long cache (split over workgroups), then a short one (a decode step of a short chat) both ways:
+        # grouped takes a KV head's query heads as one tile's rows (attention_decode(grouped=True))
+        for kv_len, grouped in ((256 if args.quick else 4096, False), (80, False), (80, True)):
+            d = bench_decode(device, dtype, kv_len, heads, max(1, heads // 4), args.head_dim, repeats, grouped)
+            results["decode"].append(d)
+            print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{', grouped' if grouped else ''}): "
+                  f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"
+                  + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})"
+                     if "decode_ratio" in d else ""))
     write_results(args.json, results)
     return 0
 

@@ -282,9 +282,10 @@ def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, sp
     np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_replays_with_kv_len_from_a_buffer(device, splits):
-    case = Case(heads=4, kv_heads=2, q_len=33, kv_len=33, mask=True)
+@pytest.mark.parametrize("splits, grouped, heads", [(1, False, 4), (4, False, 4), (1, True, 4), (1, True, 12)])
+def test_decode_replays_with_kv_len_from_a_buffer(device, splits, grouped, heads):
+    """grouped: the query heads of a KV head as the rows of one tile (6 heads per KV head: a partial tile)."""
+    case = Case(heads=heads, kv_heads=2, q_len=33, kv_len=33, mask=True, softcap=2.0 if grouped else 0.0)
     max_len = 48
     q, k, v, (_, k_cache, v_cache) = decode_setup(device, case, max_len)
     mask = np.ones((case.batch, max_len), np.uint8)
@@ -295,7 +296,8 @@ def test_decode_replays_with_kv_len_from_a_buffer(device, splits):
     seq = device.sequence().upload(kv_len).upload(q_now)
     attention_decode(seq, q_now, k_cache, v_cache, out, batch=case.batch, heads=case.heads, kv_heads=case.kv_heads,
                      kv_len=None, max_len=max_len, head_dim=case.head_dim, scale=case.the_scale,
-                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits)
+                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits, grouped=grouped,
+                     softcap=case.softcap)
     for length in (1, 2, 17, 33):  # one recording, replayed as the cache grows
         kv_len.host[:] = length
         q_now.host[:] = q[:, :, length - 1: length].astype(np.float32)
