@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import vkformers as vkf
+from vkformers.engine import lazy
+from vkformers.engine.kernels import decode as KD
 from vkformers.engine.ops.decode import (FusedNorm, fusable, fused_gated, fused_head_norm_rope_write, fused_linear,
                                         fused_qkv_rope_write)
 from test_attention import rounded
@@ -37,9 +39,20 @@ def check(got, want, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * scale)
 
 
+@pytest.fixture(params=["this device", "GPU shape"])
+def launch(request, monkeypatch):
+    """The launch shape of this device, and a GPU's (several subgroups per workgroup, 4 loads in flight per lane,
+    one pair each), so that lavapipe runs the code paths a GPU takes."""
+    if request.param == "GPU shape":
+        monkeypatch.setattr(KD, "launch_shape", lambda device: (4, 4, 1))
+        lazy.clear_plan_cache()  # plans recorded with the other shape
+    yield request.param
+    lazy.clear_plan_cache()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, k, n", [(1, 64, 48), (3, 520, 37), (8, 256, 130)])
-def test_fused_linear_with_norm_bias_and_residual(device, dtype, rows, k, n):
+def test_fused_linear_with_norm_bias_and_residual(device, launch, dtype, rows, k, n):
     rng = np.random.default_rng(rows * k + n)
     x, xt = make(rng, (rows, 1, k), dtype)
     w, wt = make(rng, (n, k), dtype, 0.1)
@@ -58,7 +71,7 @@ def test_fused_linear_with_norm_bias_and_residual(device, dtype, rows, k, n):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
-def test_fused_gated_matches_act_gate_times_up(device, dtype, activation):
+def test_fused_gated_matches_act_gate_times_up(device, launch, dtype, activation):
     rng = np.random.default_rng(7)
     rows, k, n = 2, 128, 72
     x, xt = make(rng, (rows, 1, k), dtype)
@@ -80,7 +93,7 @@ def test_fused_gated_matches_act_gate_times_up(device, dtype, activation):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim, rot_dim, interleaved", [(16, 16, False), (16, 16, True), (16, 8, False),
                                                            (8, 4, True), (8, 0, False)])  # 0: a NoPE layer
-def test_fused_qkv_rotates_and_writes_the_cache(device, dtype, head_dim, rot_dim, interleaved):
+def test_fused_qkv_rotates_and_writes_the_cache(device, launch, dtype, head_dim, rot_dim, interleaved):
     rng = np.random.default_rng(head_dim + rot_dim + interleaved)
     batch, heads, kv_heads, hidden, capacity, start = 3, 4, 2, 64, 6, 4
     x, xt = make(rng, (batch, 1, hidden), dtype)

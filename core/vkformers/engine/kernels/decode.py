@@ -41,6 +41,13 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
             and all(w.offset % per_vector == 0 and w.dtype is x.dtype for w in whole))
 
 
+def launch_shape(device) -> tuple[int, int, int]:
+    """(subgroups per workgroup, vectors of W per lane in flight, pairs of columns per subgroup). A GPU: 4
+    subgroups of one pair each, 4 vectors in flight (latency hiding); a CPU (lavapipe): one subgroup doing 4 pairs
+    (as the small-m matmul: fewer, longer workgroups). The tests also run the GPU shape on lavapipe."""
+    return (1, 1, 4) if device.is_cpu else (max(1, 128 // device.limits["subgroup_size"]), 4, 1)
+
+
 def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str = "plain", norm_weight=None,
                   norm: bool = False, eps: float = 1e-6, norm_offset: bool = False, biases=None, residual=None,
                   residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
@@ -98,13 +105,10 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
             (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
-    threads = subgroup if device.is_cpu else max(128, subgroup)
+    subgroups, unroll, per_subgroup = launch_shape(device)
+    threads = subgroups * subgroup
     pairs = {"plain": -(-ns[0] // 2), "gated": ns[0], "qkv": sum(ns) // 2}[mode]
-    # A GPU: 4 subgroups per workgroup, one pair each, 4 vectors per lane in flight (latency hiding).
-    # lavapipe: one subgroup per workgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups).
-    per_subgroup = 4 if device.is_cpu else 1
-    per_group = threads // subgroup * per_subgroup
-    unroll = 1 if device.is_cpu else 4
+    per_group = subgroups * per_subgroup
     spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
             int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
             per_subgroup]
