@@ -28,7 +28,6 @@ WRAPPER_REFUSED = {
                     "attention names (to_q, to_out, norm_q)",
     "minimax_m3_vl": "saved in MiniMax's release layout (block_sparse_moe, per-expert w1/w2/w3, split dense MLPs, "
                      "self_attn.index_*), not the text model's names",
-    "mllama": "the text model's embedding has vocab_size + 8 rows (image tokens) and cross-attention layers",
 }
 
 

@@ -92,6 +92,8 @@ OVERRIDES = [
     Spec("glm4v_moe", text=dict(use_qk_norm=False, **mrope(1, 1, 0)),
          notes=["transformers' GLM-4.5V text attention has no q/k norms whatever use_qk_norm says"]),
     Spec("qwen3_vl_moe", text=dict(moe_intermediate_size=12)),  # 2I != hidden: the fused experts' layout shows
+    Spec("mllama", text=dict(num_hidden_layers=3, cross_attention_layers=[1])),  # a cross-attention layer, which
+    #                                                                        text-only runs skip, between two others
     Spec("emu3", root=dict(vocabulary_map={}), tower=dict(vq_config=dict(
         base_channels=32, latent_channels=32, channel_multiplier=[1, 1], codebook_size=16))),  # GroupNorm(32)
     Spec("vibevoice_asr", tower={f"{kind}_tokenizer_encoder_config": dict(num_filters=1, depths=[1] * 7, ffn_expansion=1)

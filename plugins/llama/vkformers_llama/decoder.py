@@ -571,6 +571,15 @@ def _round_to(value: float, dtype) -> float:
     return float(np.float32(value))
 
 
+def checkpoint_named(layers: ModuleList, spec) -> ModuleList:
+    """``layers`` named by their checkpoint indices (DecoderSpec.checkpoint_layers) instead of 0, 1, ...: loading
+    and saving then use the checkpoint's names; iteration and indexing stay in run order."""
+    if spec.checkpoint_layers:
+        layers._modules.clear()
+        layers._modules.update((str(i), layer) for i, layer in zip(spec.checkpoint_layers, layers.items))
+    return layers
+
+
 class DecoderForCausalLM(Module, GenerationMixin):
     """A dense causal decoder of any architecture in :data:`vkformers_llama.variants.VARIANTS`."""
 
@@ -600,7 +609,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
                       else alibi_slopes(spec.num_heads))
             alibi = Tensor((slopes * np.float32(spec.alibi_slope_scale)).astype(np.float32))
         refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths
-            embed=place(self, spec.embed, Embedding(spec.vocab_size, spec.embed_dim or d)),
+            embed=place(self, spec.embed, Embedding(spec.vocab_size + spec.embed_extra_rows, spec.embed_dim or d)),
             project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
             project_out=(place(self, spec.project_out, Linear(d, spec.embed_dim, bias=False))
                          if spec.project_out else None),
@@ -609,8 +618,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
             position_embed=(place(self, spec.position_embed,
                                   Embedding(spec.max_position_embeddings + spec.position_offset, d))
                             if spec.position_embed else None),
-            layers=place(self, spec.layers, ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
-                                                         for i in range(spec.num_layers))),
+            layers=place(self, spec.layers, checkpoint_named(ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
+                                                                          for i in range(spec.num_layers)), spec)),
             final_norm=place(self, spec.final_norm, make_norm(spec, d)) if spec.final_norm else None,
             head_dense=(place(self, _join(spec.head_transform, "dense"), Linear(d, d, bias=spec.head_transform_bias))
                         if spec.head_transform else None),
@@ -629,6 +638,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
                                                           spec.extra.get("padding_row")))
 
     def load_state_dict(self, arrays, *args, **kwargs):
+        if self.spec.checkpoint_layers:  # the layers this forward skips (Mllama's cross-attention ones): not loaded
+            kept = {f"{self.spec.layers}.{i}." for i in self.spec.checkpoint_layers}
+            arrays = {name: array for name, array in arrays.items()
+                      if not name.startswith(f"{self.spec.layers}.") or name.startswith(tuple(kept))}
         for path, module in self.named_modules():  # files laid out otherwise than the parameters (OLMo Hybrid's convs)
             if hasattr(module, "convert_checkpoint"):
                 arrays = module.convert_checkpoint(arrays, path)

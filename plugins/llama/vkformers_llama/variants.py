@@ -162,6 +162,7 @@ class DecoderSpec:
     residual_scale: float = 1.0              # Granite residual_multiplier
     logits_scale: float = 1.0                # Granite 1 / logits_scaling, Cohere logit_scale
     tie_embeddings: bool = False
+    embed_extra_rows: int = 0                # embedding rows past vocab_size that text never looks up (Mllama: 8)
     shift_labels: bool = True                # False: labels[t] is the target of logits[t] (TrOCRForCausalLM)
     unused_layer_params: tuple = ()          # (layer-relative path, shape): tensors each layer's checkpoint holds that
     #                                          this forward never reads (TrOCR's encoder_attn without encoder states);
@@ -172,6 +173,9 @@ class DecoderSpec:
     #                                          that layer's MLP, or None for a dense layer (vkformers_moe.MoeSpec)
     make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
     #                                          composed layer (vkformers-moe's Llama 4 attention, LongCat's sublayers)
+    checkpoint_layers: tuple[int, ...] = ()  # each layer's index in the checkpoint when the file has others this
+    #                                          forward skips (Mllama's cross-attention layers), whose weights are
+    #                                          not loaded; empty: 0 .. num_layers - 1
 
     extra: dict = field(default_factory=dict)  # free room for a variant's own notes
 
@@ -269,9 +273,19 @@ def llama(config: dict) -> DecoderSpec:
     arch = config.get("model_type", "llama")
     refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
     bias = bool(config.get("attention_bias", False))
-    return DecoderSpec(**_sizes(config), norm_eps=_first(config, "rms_norm_eps", default=1e-6),
+    spec = DecoderSpec(**_sizes(config), norm_eps=_first(config, "rms_norm_eps", default=1e-6),
                        hidden_act=config.get("hidden_act", "silu"), q_bias=bias, k_bias=bias, v_bias=bias,
                        o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+    return mllama_text_model(config, spec) if arch == "mllama_text_model" else spec
+
+
+def mllama_text_model(config: dict, spec: DecoderSpec) -> DecoderSpec:
+    """Mllama's text model run text-only: Llama whose cross_attention_layers (image cross-attention, which
+    transformers skips without image states) are left out, and whose embedding has 8 more rows (image tokens)."""
+    refuse("mllama_text_model", config, "tie_word_embeddings", lambda v: not v)  # embedding and head differ in rows
+    cross = set(config.get("cross_attention_layers") or ())
+    kept = tuple(i for i in range(spec.num_layers) if i not in cross)
+    return replace(spec, num_layers=len(kept), checkpoint_layers=kept, embed_extra_rows=8)
 
 
 def mistral(config: dict) -> DecoderSpec:
