@@ -26,8 +26,6 @@ LOGITS_ATOL = 1e-4
 WRAPPER_REFUSED = {
     "cosmos3_omni": "its language model is saved at the file's root (layers.*, embed_tokens.*) with Diffusers "
                     "attention names (to_q, to_out, norm_q)",
-    "minimax_m3_vl": "saved in MiniMax's release layout (block_sparse_moe, per-expert w1/w2/w3, split dense MLPs, "
-                     "self_attn.index_*), not the text model's names",
 }
 
 

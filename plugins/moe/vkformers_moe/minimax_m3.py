@@ -48,6 +48,16 @@ class MinimaxM3Attention:
         return MinimaxM3Layer(self, spec, index, alibi)
 
 
+# MiniMax's release layout (as transformers 5.24 also saves the minimax_m3_vl wrapper) -> the text model's names, as
+# transformers' conversion for it renames them; split gate / up and per-expert w1 / w3 / w2 are fused after
+RELEASE_RENAMES = (("self_attn.index_q_proj.", "self_attn.indexer.q_proj."),
+                   ("self_attn.index_k_proj.", "self_attn.indexer.k_proj."),
+                   ("self_attn.index_q_norm.", "self_attn.indexer.q_norm."),
+                   ("self_attn.index_k_norm.", "self_attn.indexer.k_norm."),
+                   ("block_sparse_moe.e_score_correction_bias", "mlp.gate.e_score_correction_bias"),
+                   ("block_sparse_moe.", "mlp."))
+
+
 class MinimaxM3Layer(DecoderLayer):
     """The shared decoder layer with MiniMax-M3's dense MLP and, on sparse layers, its block-sparse attention."""
 
@@ -65,6 +75,36 @@ class MinimaxM3Layer(DecoderLayer):
                                        ("index_q_norm", "q_norm", make_norm(s, o.index_dim)),
                                        ("index_k_norm", "k_norm", make_norm(s, o.index_dim))):
                 self.parts[role] = place(self, _join(path, name), module)
+
+    def convert_checkpoint(self, arrays, path: str):
+        """A file in MiniMax's release layout (RELEASE_RENAMES; gate_proj + up_proj, experts.<e>.w1 / w3 / w2) gets
+        this layer's names (fused gate_up_proj [gate | up], experts.gate_up_proj [E, 2I, H] and down_proj [E, H, I]).
+        Returns ``arrays``, or a copy with this layer's tensors renamed."""
+        prefix = f"{path}."
+        mine = {n[len(prefix):]: a for n, a in arrays.items() if n.startswith(prefix)}
+        if not any(n.startswith(old) for n in mine for old, _ in RELEASE_RENAMES) and \
+                not any(n.endswith((".gate_proj.weight", ".w1.weight")) for n in mine):
+            return arrays
+        renamed = {}
+        for name, array in mine.items():
+            old, new = next(((o, r) for o, r in RELEASE_RENAMES if name.startswith(o)), ("", ""))
+            renamed[new + name[len(old):]] = array
+        for gate in [n for n in renamed if n.endswith(".gate_proj.weight")]:  # dense MLP, shared experts
+            up = gate[:-len("gate_proj.weight")] + "up_proj.weight"
+            if up in renamed:
+                fused = np.concatenate([renamed.pop(gate), renamed.pop(up)], axis=0)
+                renamed[gate[:-len("gate_proj.weight")] + "gate_up_proj.weight"] = fused
+        moe = self.spec.moe
+        experts = _join(self.spec.mlp, moe.experts) if moe and moe.fused_experts else None
+        count = sum(1 for n in renamed if experts and n.startswith(f"{experts}.") and n.endswith(".w1.weight"))
+        if count:
+            w = {k: [renamed.pop(f"{experts}.{e}.{k}.weight") for e in range(count)] for k in ("w1", "w3", "w2")}
+            gate_up, down = moe.fused_experts
+            renamed[f"{experts}.{gate_up}"] = np.stack([np.concatenate(p, axis=0) for p in zip(w["w1"], w["w3"])])
+            renamed[f"{experts}.{down}"] = np.stack(w["w2"])
+        converted = {n: a for n, a in arrays.items() if not n.startswith(prefix)}
+        converted.update((prefix + n, a) for n, a in renamed.items())
+        return converted
 
     def mlp(self, h):
         if "gate_up" not in self.parts:  # the sparse block (its experts clip likewise: MoeSpec.swiglu_clip)
