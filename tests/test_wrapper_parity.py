@@ -23,10 +23,7 @@ from fixture_cases import fixture_folders
 FIXTURES = Path(os.environ.get("VKFORMERS_WRAPPER_FIXTURES", Path(__file__).parent / "fixtures" / "wrappers"))
 LOGITS_ATOL = 1e-4
 # Wrappers whose checkpoint vkformers refuses (the error names the spelling): {spelling: why}
-WRAPPER_REFUSED = {
-    "cosmos3_omni": "its language model is saved at the file's root (layers.*, embed_tokens.*) with Diffusers "
-                    "attention names (to_q, to_out, norm_q)",
-}
+WRAPPER_REFUSED: dict[str, str] = {}
 
 
 def reference(name):

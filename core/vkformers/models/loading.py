@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +147,8 @@ class AutoModel:
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   ignore=getattr(model, "ignored_checkpoint_keys", ()))
         else:  # a multimodal wrapper: its language model runs
+            for pattern, replacement in registry().checkpoint_renames(config):
+                weights = {re.sub(pattern, replacement, name): array for name, array in weights.items()}
             try:
                 model.load_state_dict(language_model_weights(weights), dtype=model_dtype(config, dtype),
                                       requires_grad=requires_grad, ignore=getattr(model, "ignored_checkpoint_keys", ()))

@@ -45,6 +45,9 @@ class NestedConfig:
     # (key, value) pairs set on the nested config: what the wrapper's own head does differently from the text model's
     # (the lm_heads of Aya Vision and Granite Speech leave out their text model's logit scale)
     overrides: tuple[tuple[str, Any], ...] = ()
+    # (regex, replacement) pairs applied in order to the wrapper file's tensor names before its language model's are
+    # picked out, as transformers' conversion mapping for it renames them (Cosmos3-Omni: root-level layers.*)
+    renames: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
         return "config" + "".join(f"[{key!r}]" for key in self.path) + "['model_type']"
@@ -269,6 +272,11 @@ class Registry:
         if alias.is_wrapper and alias.target.overrides:
             nested = {**nested, **dict(alias.target.overrides)}
         return nested
+
+    def checkpoint_renames(self, config: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The declared renames of a wrapper's file names (NestedConfig.renames); () for any other config."""
+        alias = self._aliases.get(self._find_spelling(config.get("model_type")))
+        return alias.target.renames if alias is not None and alias.is_wrapper else ()
 
     def _find_spelling(self, model_type: str) -> str:
         if model_type in self._architectures or model_type in self._aliases:

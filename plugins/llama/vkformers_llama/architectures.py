@@ -101,7 +101,12 @@ ALIASES = {
     "exaone4_5":            NESTED_TEXT_CONFIG,  # typically exaone4_5_text/exaone4 -> exaone4
     "cohere_compass":       "cohere_compass_text",  # wrapper; text_config
     "cohere2_vision":       NestedConfig(("text_config",), (("logit_scale", 1.0),)),  # its lm_head does not scale logits
-    "cosmos3_omni":         NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    # Cosmos3-Omni's language model is saved at the file's root, with Diffusers attention names
+    "cosmos3_omni":         NestedConfig(("text_config",), renames=(
+        (r"^(layers|embed_tokens|norm)\.", r"model.language_model.\1."),
+        *((rf"\.self_attn\.{old}\.", f".self_attn.{new}.") for old, new in (
+            ("to_q", "q_proj"), ("to_k", "k_proj"), ("to_v", "v_proj"), ("to_out", "o_proj"), ("norm_q", "q_norm"),
+            ("norm_k", "k_norm"))))),
     "got_ocr2":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
     "aya_vision":           NestedConfig(("text_config",), (("logit_scale", 1.0),)),  # its lm_head does not scale logits
     "llava":                NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
