@@ -941,6 +941,25 @@ def _with_saved_names(model, ref: dict) -> dict:
     return out
 
 
+def init_and_save(model, spec, tmp: Path) -> Path:
+    """Re-initialise ``model`` (reinit_, then the Spec's perturbed ``noisy_buffers`` and ``prepare``, if a Spec is
+    given) and save it to ``tmp``."""
+    reinit_(model)
+    if spec is not None and spec.noisy_buffers:
+        g = torch.Generator().manual_seed(4321)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith(spec.noisy_buffers):
+                    b.add_(torch.randn(b.shape, generator=g, dtype=torch.float32) * VEC_STD)
+    if spec is not None and spec.prepare is not None:
+        with torch.no_grad():
+            spec.prepare(model)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    return tmp
+
+
 def greedy_reference(model, prompt):
     """transformers' cached greedy continuation of ``prompt`` (NEW_TOKENS tokens, eos off) and its logits per step."""
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
@@ -974,21 +993,7 @@ def build(spec: Spec, out_root: Path):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attn, **FLOAT32)
     model = model.float().eval()
     issues = check_overrides(model.config, spec.overrides)
-    reinit_(model)
-    if spec.noisy_buffers:
-        g = torch.Generator().manual_seed(4321)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name.endswith(spec.noisy_buffers):
-                    b.add_(torch.randn(b.shape, generator=g, dtype=torch.float32) * VEC_STD)
-    if spec.prepare is not None:
-        with torch.no_grad():
-            spec.prepare(model)
-
-    tmp = out_root / (spec.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
+    tmp = init_and_save(model, spec, out_root / (spec.name + ".tmp"))
     if spec.saved_model_type:
         config_file = tmp / "config.json"
         saved = json.loads(config_file.read_text())

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from make_fixtures import (FLOAT32, L, NEW_TOKENS, SPECS, VEC_STD, build_each,  # noqa: E402
-                           greedy_reference, make_inputs, parse_fixture_args, reinit_)
+                           greedy_reference, init_and_save, make_inputs, parse_fixture_args)
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
@@ -186,20 +186,7 @@ def build(spec: Spec, out_root: Path):
     config, text_type, base = make_config(spec)
     cls = model_class(spec.name)
     model = cls._from_config(config, attn_implementation="eager", **FLOAT32).float().eval()
-    reinit_(model)
-    if base is not None and base.noisy_buffers:
-        g = torch.Generator().manual_seed(4321)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name.endswith(base.noisy_buffers):
-                    b.add_(torch.randn(b.shape, generator=g, dtype=torch.float32) * VEC_STD)
-    if base is not None and base.prepare is not None:
-        with torch.no_grad():
-            base.prepare(model)
-    tmp = out_root / (spec.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
+    tmp = init_and_save(model, base, out_root / (spec.name + ".tmp"))
 
     ids, mask, _ = make_inputs()
     with torch.no_grad():
