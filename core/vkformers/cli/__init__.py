@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vkformers.cli import architectures, build_kernels, devices, doctor, generate, merge_lora, train
+from vkformers.cli import architectures, bench, build_kernels, devices, doctor, generate, merge_lora, train
 from vkformers.errors import VkformersError
 
-COMMANDS = (devices, doctor, architectures, build_kernels, generate, train, merge_lora)
+COMMANDS = (devices, doctor, architectures, build_kernels, generate, train, merge_lora, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
