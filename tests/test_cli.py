@@ -1,5 +1,5 @@
 """The CLI commands devices, doctor, build-kernels and bench (architectures: test_registry.py; generate:
-test_cli_generate.py; train: test_training.py)."""
+test_cli_generate.py; train: test_data.py, test_lora.py)."""
 import json
 
 from vkformers.cli import main
