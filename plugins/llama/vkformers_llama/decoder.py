@@ -442,30 +442,31 @@ class DecoderLayer(Module):
     # -- decode step: fused kernels
 
     def _fused_decode_plan(self):
-        """What a fused decode step reads: the two norms and (weight, bias or None) of the q, k, v, o, gate, up
-        and down products (row slices of a fused qkv_proj [q | k | v] or gate_up_proj [gate | up]); None when
-        this layer is not the plain pre-norm block with RMS norms, rotary attention and a gated MLP that the
-        fused kernels (engine/ops/decode.py) compose (rotary or none)."""
+        """What a fused decode step reads: the attention norm and (weight, bias or None) of the q, k, v and o
+        products (row slices of a fused qkv_proj [q | k | v]), and for a gated MLP the MLP norm and its gate, up
+        and down products (or of a fused gate_up_proj [gate | up]; "gate_up" None: the MLP, e.g. a MoE block, is
+        composed as usual). None when this layer is not the plain pre-norm block with RMS norms and rotary (or
+        no) attention that the fused kernels (engine/ops/decode.py) compose."""
         if type(self).attend_heads is not DecoderLayer.attend_heads:  # a plugin's own attention (Llama 4 chunks)
             return None
         s, p = self.spec, self.parts
         attn = ("qkv",) if "qkv" in p else ("q", "k", "v")
         mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
-        projections = (*attn, "o", *mlp, "down")
-        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "moe",
-                         "linear"}
+        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "linear"}
         qk_norm = (p["q_norm"], p["k_norm"]) if "q_norm" in p else None  # Qwen3: one RMS weight over each head
         if qk_norm and (s.qk_norm_scope != "head" or s.qk_norm_after_rope or s.head_dim > 256
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
             return None
         if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.q_gate or s.clip_qkv is not None
                 or s.attention_sinks or s.query_position_scale is not None
-                or (s.attn_out_bias and self.index in s.attn_out_bias_layers) or s.mlp_kind != "gated"
-                or ("qkv" in p and s.qkv_layout != "blocks") or _FUSED_ACTIVATIONS.get(s.hidden_act) is None
-                or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *projections)) or disqualifying & set(p)
-                or any(type(p[n]) is not Linear for n in projections)
-                or len({p[n].has_bias for n in attn}) != 1 or len({p[n].has_bias for n in mlp}) != 1):
+                or (s.attn_out_bias and self.index in s.attn_out_bias_layers)
+                or ("qkv" in p and s.qkv_layout != "blocks") or disqualifying & set(p)
+                or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
+                or any(type(p[n]) is not Linear for n in (*attn, "o")) or len({p[n].has_bias for n in attn}) != 1):
             return None
+        fused_mlp = ("moe" not in p and s.mlp_kind == "gated" and _FUSED_ACTIVATIONS.get(s.hidden_act) is not None
+                     and all(n in p and type(p[n]) is Linear for n in (*mlp, "down"))
+                     and len({p[n].has_bias for n in mlp}) == 1)
 
         def blocks(name, widths=None):  # (weight, bias or None) of a projection, or of each row block of a fused one
             w, b = p[name].weight, p[name].bias if p[name].has_bias else None
@@ -476,10 +477,13 @@ class DecoderLayer(Module):
                 return [(w, b)]
             return [(w[i:j], None if b is None else b[i:j]) for i, j in zip(starts, starts[1:])]
         q_out, kv_out, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        return dict(attn_norm=p["attn_in_norm"], mlp_norm=p["mlp_in_norm"], qk_norm=qk_norm, o=blocks("o")[0],
-                    down=blocks("down")[0],
+        plan = dict(attn_norm=p["attn_in_norm"], mlp_norm=p["mlp_in_norm"], qk_norm=qk_norm, o=blocks("o")[0],
                     qkv=blocks("qkv", (q_out, kv_out, kv_out)) if "qkv" in p else [blocks(n)[0] for n in attn],
-                    gate_up=blocks("gate_up", (inter, inter)) if "gate_up" in p else [blocks(n)[0] for n in mlp])
+                    gate_up=None, down=None)
+        if fused_mlp:
+            plan.update(down=blocks("down")[0], gate_up=blocks("gate_up", (inter, inter)) if "gate_up" in p
+                        else [blocks(n)[0] for n in mlp])
+        return plan
 
     def _decode_fused(self, x, ctx: Context):
         """One decode step of this layer in five dispatches: norm + q/k/v + rotary + cache write, attention,
@@ -493,9 +497,11 @@ class DecoderLayer(Module):
                                for n in (plan["attn_norm"], plan["mlp_norm"]))
         weights = lambda part: [w for w, _ in plan[part]]  # noqa: E731
         biases = lambda part: None if plan[part][0][1] is None else [b for _, b in plan[part]]  # noqa: E731
-        (o, o_bias), (down, down_bias) = plan["o"], plan["down"]
+        o, o_bias = plan["o"]
+        fused_mlp = plan["gate_up"] is not None
         if not (F.fusable(x, weights("qkv"), attn_norm) and F.fusable_weights(x.dtype, batch, [o])
-                and F.fusable(x, weights("gate_up"), mlp_norm) and F.fusable_weights(x.dtype, batch, [down])):
+                and (not fused_mlp or (F.fusable(x, weights("gate_up"), mlp_norm)
+                                       and F.fusable_weights(x.dtype, batch, [plan["down"][0]])))):
             return None
         bounds, _ = cache.step_inputs(1, ctx.key_padding_mask)
         inv_freq, scaling = ctx.rope_tables[self.index] if self.rotates else (None, 1.0)  # NoPE layers: no rotation
@@ -511,8 +517,11 @@ class DecoderLayer(Module):
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
         x = F.fused_linear(out.reshape(batch, 1, -1), o, bias=o_bias, residual=x, residual_scale=s.residual_scale)
+        if not fused_mlp:  # a MoE block or another MLP: composed as in forward()
+            return x + _scaled(self.mlp(self._norm("mlp_in_norm", x)), s.residual_scale)
         hidden = F.fused_gated(x, *weights("gate_up"), activation=_FUSED_ACTIVATIONS[s.hidden_act], norm=mlp_norm,
                                biases=biases("gate_up"))
+        down, down_bias = plan["down"]
         return F.fused_linear(hidden, down, bias=down_bias, residual=x, residual_scale=s.residual_scale)
 
     def forward(self, x, ctx: Context):
