@@ -84,16 +84,9 @@ def bench_matmul(device, n: int, dtype: str, repeats: int) -> dict:
 
 def _random_model(config: dict, dtype: str):
     from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.training import init_weights
     model = AutoModelForCausalLM.from_config(config)
-    rng = np.random.default_rng(0)
-    weights = {}
-    for name, slot in model.named_slots():
-        if slot.tied_to is None:
-            is_norm = name.endswith("norm.weight") or "layernorm" in name
-            weights[name] = (np.ones(slot.shape, np.float32) if is_norm
-                             else rng.standard_normal(slot.shape, dtype=np.float32) * 0.02)
-    model.load_state_dict(weights, dtype=dtype, requires_grad=False)
-    model.dtype = dt.as_dtype(dtype)
+    init_weights(model, seed=0, dtype=dtype)  # normal(0, 0.02) matrices, ones for norms
     return model.eval()
 
 

@@ -130,11 +130,12 @@ class KVCache:
         bounds, mask = self.step_inputs(new, key_padding_mask)
         k_cache, v_cache = self.keys[layer], self.values[layer]
         write_kv(k_cache, v_cache, k, v, bounds[0:1])
+        if new == 1:
+            return self.attend_stored(layer, q, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      key_padding_mask=key_padding_mask, return_lse=return_lse)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         flags = dict(scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask,
                      return_lse=return_lse)
-        if new == 1:
-            return decode_attention(q, k_cache, v_cache, bounds[1:2], **flags)
         if self.position == 0:  # prefill into an empty cache: the new keys are all there is
             return F.scaled_dot_product_attention(q, k.cast(self.dtype), v.cast(self.dtype), causal=True, **flags)
         end = self.position + new  # chunked prefill: the stored keys and the new ones, read from the cache
@@ -143,9 +144,9 @@ class KVCache:
     def attend_stored(self, layer: int, q: Tensor, *, scale: float | None = None, window: int = 0,
                       softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None,
                       return_lse: bool = False):
-        """Decode attention of q ([B, H, 1, D]) over the stored keys, the new token's included: for a layer
-        that wrote its k and v into ``keys[layer]`` / ``values[layer]`` itself, at ``step_inputs(1)[0][0]``
-        (a fused projection does, engine/ops/decode.py)."""
+        """Decode attention of q ([B, H, 1, D]) over the stored keys, the new token's included (at
+        ``step_inputs(1)[0][0]``: written by attend(), or by the layer itself, as a fused projection does,
+        engine/ops/decode.py)."""
         bounds, mask = self.step_inputs(1, key_padding_mask)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return decode_attention(q, self.keys[layer], self.values[layer], bounds[1:2], scale=scale, window=window,

@@ -493,8 +493,7 @@ class DecoderLayer(Module):
         if plan is None:
             return None
         s, cache, batch = self.spec, ctx.cache, x.shape[0]
-        attn_norm, mlp_norm = (F.FusedNorm(n.weight if n.elementwise else None, n.eps, n.unit_offset)
-                               for n in (plan["attn_norm"], plan["mlp_norm"]))
+        attn_norm, mlp_norm = _fused_norm(plan["attn_norm"]), _fused_norm(plan["mlp_norm"])
         weights = lambda part: [w for w, _ in plan[part]]  # noqa: E731
         biases = lambda part: None if plan[part][0][1] is None else [b for _, b in plan[part]]  # noqa: E731
         o, o_bias = plan["o"]
@@ -512,7 +511,7 @@ class DecoderLayer(Module):
             q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=biases("qkv"), **rotary)
         else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache
             q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b) for w, b in plan["qkv"])
-            q_norm, k_norm = (F.FusedNorm(n.weight, n.eps, n.unit_offset) for n in plan["qk_norm"])
+            q_norm, k_norm = (_fused_norm(n) for n in plan["qk_norm"])
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
@@ -546,6 +545,11 @@ class DecoderLayer(Module):
         """OPT-350m (do_layer_norm_before=False): x = norm(x + attn(x)); x = norm'(x + mlp(x))."""
         x = self._norm("attn_in_norm", x + self.attention(x, ctx))
         return self._norm("mlp_in_norm", x + self.mlp(x))
+
+
+def _fused_norm(norm: RMSNorm) -> F.FusedNorm:
+    """An RMSNorm module as the fused decode kernels' prologue."""
+    return F.FusedNorm(norm.weight if norm.elementwise else None, norm.eps, norm.unit_offset)
 
 
 # hidden_act names -> the fused decode kernel's activations
@@ -781,7 +785,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         if (not isinstance(norm, RMSNorm) or self.project_out is not None or self.head_dense is not None
                 or type(head) is not Linear or head.has_bias):
             return None
-        fused_norm = F.FusedNorm(norm.weight if norm.elementwise else None, norm.eps, norm.unit_offset)
+        fused_norm = _fused_norm(norm)
         return F.fused_linear(x, head.weight, norm=fused_norm) if F.fusable(x, [head.weight], fused_norm) else None
 
     @staticmethod

@@ -48,8 +48,7 @@ class DecodeMatvec(KernelOp):
         residual = ins.pop(0).operand if self.has_residual else None
         extra = {}
         if self.mode == "qkv":
-            start = ins.pop(0).operand
-            positions, inv_freq = (ins.pop(0).operand, ins.pop(0).operand) if self.rot_dim else (None, None)
+            start, positions, inv_freq = _cache_start_and_rotary(ins, self.rot_dim)
             extra = dict(out1=outs[1].operand, out2=outs[2].operand, positions=positions, cache_start=start,
                          inv_freq=inv_freq)
         KD.decode_matvec(seq, x.operand, weights, outs[0].operand, rows=self.rows, k=self.k, widths=self.widths,
@@ -131,31 +130,49 @@ def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, head_d
                          inv_freq=None, attention_scaling: float = 1.0, interleaved: bool = False,
                          norm: FusedNorm | None = None, biases=None):
     """q, k, v projections of x [batch, 1, hidden] with the rotary embedding (angles ``positions`` [batch, 1]
-    int32 times ``inv_freq`` float32 [rot_dim / 2]; None: no rotation, a NoPE layer), k and v written into the caches [batch, kv_heads,
-    capacity, head_dim] (persistent tensors) at slot ``cache_start[0]`` (uint32, read on the GPU).
-    Returns q [batch, heads, 1, head_dim]; the caches' tensors are updated in place."""
-    batch, length, _ = x.shape
+    int32 times ``inv_freq`` float32 [rot_dim / 2]; None: no rotation, a NoPE layer), k and v written into the
+    caches [batch, kv_heads, capacity, head_dim] (persistent tensors) at slot ``cache_start[0]`` (uint32, read
+    on the GPU). Returns q [batch, heads, 1, head_dim]; the caches' tensors are updated in place."""
+    length = x.shape[1]
     if length != 1:
         raise ValueError(f"fused_qkv_rope_write: one new token per sequence, got {length}")
     for cache, what in ((k_cache, "k"), (v_cache, "v")):
         if not cache.lazy.base.persistent or cache.dtype is not x.dtype:
             raise ValueError(f"fused_qkv_rope_write: the {what} cache must be a persistent {x.dtype.name} tensor")
-    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     inputs, attrs = _inputs_and_attrs(x, [wq, wk, wv], norm, biases, None)
-    inputs.append(cache_start.reshape(1).lazy)
+    attrs.update(mode="qkv", **_rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache))
+    return _rotate_and_write(DecodeMatvec(**attrs), inputs, wq.shape[0] // head_dim, k_cache, v_cache, cache_start,
+                             positions, inv_freq)
+
+
+def _rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache) -> dict:
+    """The rotary and cache attributes shared by the two kernels that end a decode step's q/k/v."""
+    return dict(head_dim=head_dim, rot_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
+                kv_heads=k_cache.shape[1], capacity=k_cache.shape[2], attention_scaling=float(attention_scaling),
+                interleaved=bool(interleaved))
+
+
+def _rotate_and_write(op, inputs, heads: int, k_cache, v_cache, cache_start, positions, inv_freq):
+    """Add ``op``, which rotates q and k and writes k and v into the caches at ``cache_start[0]``: its inputs end
+    with the cache start [, positions, inv_freq] and the caches, its outputs are q [B, H, 1, D] and the caches
+    (in place). Returns q; the caches' tensors now hold the write."""
+    inputs = inputs + [cache_start.reshape(1).lazy]
     if inv_freq is not None:
         inputs += [positions.cast(dt.int32).lazy, inv_freq.float().lazy]
     inputs += [k_cache.lazy, v_cache.lazy]
-    attrs.update(mode="qkv", head_dim=head_dim, rot_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
-                 kv_heads=kv_heads, capacity=capacity, attention_scaling=float(attention_scaling),
-                 interleaved=bool(interleaved))
-    heads = wq.shape[0] // head_dim
-    q, k_out, v_out = node(DecodeMatvec(**attrs), inputs,
-                           [((batch, heads, 1, head_dim), x.dtype), (k_cache.shape, k_cache.dtype),
-                            (v_cache.shape, v_cache.dtype)], into=[None, k_cache.lazy, v_cache.lazy])
+    batch, head_dim, dtype = k_cache.shape[0], k_cache.shape[3], k_cache.dtype
+    q, k_out, v_out = node(op, inputs, [((batch, heads, 1, head_dim), dtype), (k_cache.shape, dtype),
+                                        (v_cache.shape, dtype)], into=[None, k_cache.lazy, v_cache.lazy])
     k_cache._set_lazy(k_out)
     v_cache._set_lazy(v_out)
     return _result(q)
+
+
+def _cache_start_and_rotary(ins: list, rot_dim: int):
+    """(cache start, positions, inv_freq) operands popped from the front of a :func:`_rotate_and_write` op's
+    remaining inputs (positions and inv_freq None without rotary dims)."""
+    start = ins.pop(0).operand
+    return (start, ins.pop(0).operand, ins.pop(0).operand) if rot_dim else (start, None, None)
 
 
 class DecodeHeadNormRope(KernelOp):
@@ -165,10 +182,10 @@ class DecodeHeadNormRope(KernelOp):
     name = "decode_head_norm_rope"
 
     def emit(self, seq, outs, ins):
-        q, k, v, q_weight, k_weight, start, *rest = ins
-        positions, inv_freq = (rest[0].operand, rest[1].operand) if self.rot_dim else (None, None)
+        q, k, v, q_weight, k_weight, *rest = ins
+        start, positions, inv_freq = _cache_start_and_rotary(rest, self.rot_dim)
         KD.decode_head_norm_rope(seq, q.operand, k.operand, v.operand, q_weight.operand, k_weight.operand,
-                                 outs[0].operand, outs[1].operand, outs[2].operand, start.operand, rows=self.rows,
+                                 outs[0].operand, outs[1].operand, outs[2].operand, start, rows=self.rows,
                                  heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                  capacity=self.capacity, eps=self.eps, positions=positions, inv_freq=inv_freq,
                                  rot_dim=self.rot_dim, attention_scaling=self.attention_scaling,
@@ -181,23 +198,10 @@ def fused_head_norm_rope_write(q, k, v, *, q_norm: FusedNorm, k_norm: FusedNorm,
     """QK-norm (one weight [head_dim] per q / k, as Qwen3), the rotary embedding and the KV-cache write of a decode
     step in one dispatch. q [B, 1, H * D], k and v [B, 1, KVH * D] (e.g. fused_linear's products); returns q
     [B, H, 1, D]; the caches' tensors are updated in place at slot ``cache_start[0]``."""
-    batch = q.shape[0]
     if q_norm.weight is None or k_norm.weight is None or q_norm.unit_offset != k_norm.unit_offset:
         raise ValueError("fused_head_norm_rope_write: q and k norms need weights of the same kind")
-    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
-    dtype = k_cache.dtype
-    inputs = [t.cast(dtype).contiguous().lazy for t in (q, k, v, q_norm.weight, k_norm.weight)]
-    inputs.append(cache_start.reshape(1).lazy)
-    if inv_freq is not None:
-        inputs += [positions.cast(dt.int32).lazy, inv_freq.float().lazy]
-    inputs += [k_cache.lazy, v_cache.lazy]
+    inputs = [t.cast(k_cache.dtype).contiguous().lazy for t in (q, k, v, q_norm.weight, k_norm.weight)]
     heads = q.shape[-1] // head_dim
-    op = DecodeHeadNormRope(rows=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity,
-                            eps=float(q_norm.eps), rot_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
-                            attention_scaling=float(attention_scaling), interleaved=bool(interleaved),
-                            norm_offset=bool(q_norm.unit_offset))
-    out, k_out, v_out = node(op, inputs, [((batch, heads, 1, head_dim), dtype), (k_cache.shape, dtype),
-                                          (v_cache.shape, dtype)], into=[None, k_cache.lazy, v_cache.lazy])
-    k_cache._set_lazy(k_out)
-    v_cache._set_lazy(v_out)
-    return _result(out)
+    op = DecodeHeadNormRope(rows=q.shape[0], heads=heads, eps=float(q_norm.eps), norm_offset=bool(q_norm.unit_offset),
+                            **_rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache))
+    return _rotate_and_write(op, inputs, heads, k_cache, v_cache, cache_start, positions, inv_freq)
