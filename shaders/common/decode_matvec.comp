@@ -81,33 +81,11 @@ layout(push_constant) uniform Push {
 };
 
 #if defined(ELEM_F32)
-#define PER_VECTOR 4
-#define VECS 1
-#else
-#define PER_VECTOR 8
-#define VECS 2
-#endif
-struct Vector { vec4 v[VECS]; };
-
-Vector decode(uvec4 w) {
-    Vector x;
-#if defined(ELEM_F32)
-    x.v[0] = uintBitsToFloat(w);
+#define VECTOR_F32
 #elif defined(ELEM_F16)
-    x.v[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-    x.v[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-#else  // bfloat16: element 2j in the low half of word j, 2j+1 in the high half
-    x.v[0] = uintBitsToFloat(uvec4(w.x << 16, w.x & 0xFFFF0000u, w.y << 16, w.y & 0xFFFF0000u));
-    x.v[1] = uintBitsToFloat(uvec4(w.z << 16, w.z & 0xFFFF0000u, w.w << 16, w.w & 0xFFFF0000u));
+#define VECTOR_F16
 #endif
-    return x;
-}
-
-float vector_dot(Vector a, Vector b) {
-    float s = dot(a.v[0], b.v[0]);
-    [[unroll]] for (uint j = 1; j < VECS; ++j) s += dot(a.v[j], b.v[j]);
-    return s;
-}
+#include "vector16.glsl"
 
 uvec4 weight_word(uint which, uint index) {
     if (which == 0) return w0[w_offset0 + index];

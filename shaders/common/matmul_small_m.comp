@@ -49,30 +49,12 @@ layout(constant_id = 9) const uint UNROLL = 2;     // TRANS_B = 1: vectors per l
 #define MATMUL_INPUTS_AS_WORDS
 #include "matmul_io.glsl"
 
-
-// A 16-byte vector of inputs as float32: VECS vec4s.
 #if defined(IN_F32)
-#define PER_VECTOR 4
-#define VECS 1
-#else
-#define PER_VECTOR 8
-#define VECS 2
-#endif
-struct Vector { vec4 v[VECS]; };
-
-Vector decode(uvec4 w) {
-    Vector x;
-#if defined(IN_F32)
-    x.v[0] = uintBitsToFloat(w);
+#define VECTOR_F32
 #elif defined(IN_F16)
-    x.v[0] = vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y));
-    x.v[1] = vec4(unpackHalf2x16(w.z), unpackHalf2x16(w.w));
-#else  // bfloat16: element 2j in the low half of word j, 2j+1 in the high half
-    x.v[0] = uintBitsToFloat(uvec4(w.x << 16, w.x & 0xFFFF0000u, w.y << 16, w.y & 0xFFFF0000u));
-    x.v[1] = uintBitsToFloat(uvec4(w.z << 16, w.z & 0xFFFF0000u, w.w << 16, w.w & 0xFFFF0000u));
+#define VECTOR_F16
 #endif
-    return x;
-}
+#include "vector16.glsl"
 
 // Element e (counted in elements from the start of the buffer), one 32-bit word read.
 float element(bool from_a, uint e) {
@@ -87,12 +69,6 @@ float element(bool from_a, uint e) {
     return uintBitsToFloat(bits << 16);
 #endif
 #endif
-}
-
-float vector_dot(Vector x, Vector y) {
-    float s = dot(x.v[0], y.v[0]);
-    for (uint j = 1; j < VECS; ++j) s += dot(x.v[j], y.v[j]);
-    return s;
 }
 
 // Elements kk .. kk + PER_VECTOR - 1 of op(A) row `row`, zeros past k.
