@@ -17,7 +17,7 @@ import numpy as np
 
 from common import cuda_median, cuda_torch, write_results
 
-from vkformers.engine.kernels.attention import attention_backward, attention_decode, attention_forward
+from vkformers.engine.kernels.attention import DECODE_TILES, attention_backward, attention_decode, attention_forward
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -110,7 +110,7 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
-                 grouped: bool = False) -> dict:
+                 general: bool = False) -> dict:
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
@@ -118,10 +118,10 @@ def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, hea
     seq = device.sequence(timestamps=True)
     attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
                      kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5,
-                     grouped=grouped)
+                     tiles=DECODE_TILES[0] if general else None)
     seconds = gpu_seconds(seq, repeats)
     cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
-    result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "grouped": grouped,
+    result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "general": general,
               "decode_us": seconds * 1e6, "decode_cache_gbps": cache_bytes / seconds * 1e-9}
     if HAVE_CUDA:
         tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
@@ -162,12 +162,13 @@ def main(argv=None) -> int:
         diffs = {k: v for k, v in r.items() if k.startswith("max_abs_diff")}
         if diffs:
             print("          " + ", ".join(f"{k[13:]} {v:.2e}" for k, v in diffs.items()))
-        # a long cache (split over workgroups), then a short one (a decode step of a short chat) both ways:
-        # grouped takes a KV head's query heads as one tile's rows (attention_decode(grouped=True))
-        for kv_len, grouped in ((256 if args.quick else 4096, False), (80, False), (80, True)):
-            d = bench_decode(device, dtype, kv_len, heads, max(1, heads // 4), args.head_dim, repeats, grouped)
+        # a long cache, then a short one (a decode step of a short chat), each by attention_decode.comp and by
+        # the general forward kernel with one query row (the fallback, general=True)
+        for kv_len, general in ((256 if args.quick else 4096, False), (256 if args.quick else 4096, True),
+                                (80, False), (80, True)):
+            d = bench_decode(device, dtype, kv_len, heads, max(1, heads // 4), args.head_dim, repeats, general)
             results["decode"].append(d)
-            print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{', grouped' if grouped else ''}): "
+            print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{', general' if general else ''}): "
                   f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"
                   + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})"
                      if "decode_ratio" in d else ""))

@@ -73,8 +73,10 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, f
                 out[f"decode_b{batch}_{'fused' if fused else 'unfused'}_tok_s"] = batch * new_tokens / seconds
         if profile:
             profile_gpu(f"{dtype} prefill {prompt.shape[1]}", lambda: model(prompt[:1]).logits[:, -1].numpy())
-            profile_gpu(f"{dtype} decode b1, {new_tokens} tokens",
-                        lambda: model.generate(prompt[:1, :16], max_new_tokens=new_tokens, do_sample=False), runs=1)
+            for batch in (1, 8):
+                profile_gpu(f"{dtype} decode b{batch}, {new_tokens} tokens",
+                            lambda: model.generate(prompt[:batch, :16], max_new_tokens=new_tokens, do_sample=False),
+                            runs=1)
     return out
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    Tiles, attention_backward, attention_decode, attention_forward, coopmat_forward_tiles)
+    DECODE_TILES, Tiles, attention_backward, attention_decode, attention_forward, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -265,8 +265,11 @@ def decode_setup(device, case: Case, max_len: int, dtype="float32"):
     return q, k, v, [device.upload(x.astype(np.float32)) for x in (q[:, :, -1:], k_cache, v_cache)]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, splits", [(4, 2, 64, 1), (4, 1, 80, 3), (2, 2, 256, 5)])
-def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, splits):
+@pytest.mark.parametrize("general", [False, True], ids=["decode_kernel", "forward_kernel"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, splits", [(4, 2, 64, 1), (4, 1, 80, 3), (2, 2, 256, 5),
+                                                                (12, 1, 32, 2)])
+def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, splits, general):
+    """general: the forward kernel with one query row (the fallback where K/V rows are not whole vectors)."""
     case = Case(heads=heads, kv_heads=kv_heads, head_dim=head_dim, q_len=33, kv_len=33, window=20, alibi=True)
     q, k, v, (q_last, k_cache, v_cache) = decode_setup(device, case, max_len=40)
     slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
@@ -275,17 +278,19 @@ def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, sp
     seq = device.sequence()
     attention_decode(seq, q_last, k_cache, v_cache, out, batch=case.batch, heads=heads, kv_heads=kv_heads,
                      kv_len=33, max_len=40, head_dim=head_dim, scale=case.the_scale, window=20,
-                     alibi_slopes=device.upload(slopes.astype(np.float32)), lse=lse, splits=splits)
+                     alibi_slopes=device.upload(slopes.astype(np.float32)), lse=lse, splits=splits,
+                     tiles=DECODE_TILES[-1] if general else None)
     seq.replay()
     expected, expected_lse = reference(case, q, k, v, None, slopes)
     np.testing.assert_allclose(out.read(), expected[:, :, -1:], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits, grouped, heads", [(1, False, 4), (4, False, 4), (1, True, 4), (1, True, 12)])
-def test_decode_replays_with_kv_len_from_a_buffer(device, splits, grouped, heads):
-    """grouped: the query heads of a KV head as the rows of one tile (6 heads per KV head: a partial tile)."""
-    case = Case(heads=heads, kv_heads=2, q_len=33, kv_len=33, mask=True, softcap=2.0 if grouped else 0.0)
+@pytest.mark.parametrize("splits, heads, softcap", [(1, 4, 0.0), (4, 4, 0.0), (None, 4, 2.0), (1, 12, 2.0),
+                                                    (3, 20, 0.0)])
+def test_decode_replays_with_kv_len_from_a_buffer(device, splits, heads, softcap):
+    """20 heads on 2 KV heads: 10 per KV head, two workgroups of 5 each. splits None: the default."""
+    case = Case(heads=heads, kv_heads=2, q_len=33, kv_len=33, mask=True, softcap=softcap)
     max_len = 48
     q, k, v, (_, k_cache, v_cache) = decode_setup(device, case, max_len)
     mask = np.ones((case.batch, max_len), np.uint8)
@@ -296,7 +301,7 @@ def test_decode_replays_with_kv_len_from_a_buffer(device, splits, grouped, heads
     seq = device.sequence().upload(kv_len).upload(q_now)
     attention_decode(seq, q_now, k_cache, v_cache, out, batch=case.batch, heads=case.heads, kv_heads=case.kv_heads,
                      kv_len=None, max_len=max_len, head_dim=case.head_dim, scale=case.the_scale,
-                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits, grouped=grouped,
+                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits,
                      softcap=case.softcap)
     for length in (1, 2, 17, 33):  # one recording, replayed as the cache grows
         kv_len.host[:] = length

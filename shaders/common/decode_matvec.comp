@@ -49,6 +49,11 @@ layout(constant_id = 8) const uint ACT = ACT_SILU;
 layout(constant_id = 9) const uint INTERLEAVED = 0;
 layout(constant_id = 10) const uint UNROLL = 4;  // vectors of each W row a lane has in flight
 layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;  // more on a CPU: fewer, longer workgroups
+// SPLIT_K: the workgroup's subgroups share each pair, subgroup s taking the s-th slice of k, and add up their
+// sums in shared memory: more loads in flight for a narrow product (few pairs) with a long k.
+layout(constant_id = 12) const uint SPLIT_K = 0;
+
+shared float split_sums[SPLIT_K != 0 ? 3 * ROWS * 32 : 1];  // [subgroup][row][acc0, acc1, squares]
 
 layout(binding = 0) readonly buffer X { uvec4 x_words[]; };
 layout(binding = 1) readonly buffer NormW { uvec4 g_words[]; };
@@ -162,25 +167,31 @@ void store(uint row, Pair pr, float y0, float y1) {
     }
 }
 
-// Pair p for every row of x: one subgroup.
+// Pair p for every row of x: one subgroup, or with SPLIT_K the whole workgroup.
 void pair_product(uint p) {
     Pair pr = pair_of(p);
     uint second = MODE == MODE_GATED ? 1 : pr.which;  // the matrix of the second column
     uint col1 = min(pr.col1, (MODE == MODE_PLAIN ? n0 : pr.col1 + 1) - 1);  // plain: odd n0 repeats a row
     uint vectors = k / PER_VECTOR, lane = gl_SubgroupInvocationID, step = gl_SubgroupSize;
+    uint begin = 0, end = vectors;
+    if (SPLIT_K != 0) {
+        uint slice = (vectors + gl_NumSubgroups - 1) / gl_NumSubgroups;
+        begin = min(vectors, gl_SubgroupID * slice);
+        end = min(vectors, begin + slice);
+    }
 
     float acc0[ROWS], acc1[ROWS], squares[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; ++r) { acc0[r] = 0.0; acc1[r] = 0.0; squares[r] = 0.0; }
-    for (uint base = lane; base < vectors; base += step * UNROLL) {
+    for (uint base = begin + lane; base < end; base += step * UNROLL) {
         uvec4 a[UNROLL], b[UNROLL];
         [[unroll]] for (uint u = 0; u < UNROLL; ++u) {  // every load issued before any is used
-            uint v = min(base + u * step, vectors - 1);
+            uint v = min(base + u * step, end - 1);
             a[u] = weight_word(pr.which, pr.col0 * vectors + v);
             b[u] = weight_word(second, col1 * vectors + v);
         }
         [[unroll]] for (uint u = 0; u < UNROLL; ++u) {
             uint v = base + u * step;
-            if (v >= vectors) break;
+            if (v >= end) break;
             Vector wa = decode(a[u]), wb = decode(b[u]);
             Vector g;
             if (HAS_NORM != 0 && NORM_WEIGHT != 0) {
@@ -198,15 +209,32 @@ void pair_product(uint p) {
             }
         }
     }
-    float sums0[ROWS], sums1[ROWS];
+    float sums0[ROWS], sums1[ROWS], sumsq[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; ++r) {  // in uniform control flow: every lane takes part
         sums0[r] = subgroupAdd(acc0[r]);
         sums1[r] = subgroupAdd(acc1[r]);
-        if (HAS_NORM != 0) {
-            float rstd = inversesqrt(subgroupAdd(squares[r]) / float(k) + eps);
-            sums0[r] *= rstd;
-            sums1[r] *= rstd;
+        sumsq[r] = HAS_NORM != 0 ? subgroupAdd(squares[r]) : 0.0;
+    }
+    if (SPLIT_K != 0) {  // subgroup 0 adds up every subgroup's slice
+        if (subgroupElect()) [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+            uint at = (gl_SubgroupID * ROWS + r) * 3;
+            split_sums[at] = sums0[r]; split_sums[at + 1] = sums1[r]; split_sums[at + 2] = sumsq[r];
         }
+        barrier();
+        [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+            sums0[r] = 0.0; sums1[r] = 0.0; sumsq[r] = 0.0;
+            for (uint s = 0; s < gl_NumSubgroups; ++s) {
+                uint at = (s * ROWS + r) * 3;
+                sums0[r] += split_sums[at]; sums1[r] += split_sums[at + 1]; sumsq[r] += split_sums[at + 2];
+            }
+        }
+        barrier();  // read before the next pair overwrites them
+        if (gl_SubgroupID != 0) return;
+    }
+    if (HAS_NORM != 0) [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+        float rstd = inversesqrt(sumsq[r] / float(k) + eps);
+        sums0[r] *= rstd;
+        sums1[r] *= rstd;
     }
     [[unroll]] for (uint r = 0; r < ROWS; ++r) {
         if (lane != r % step) continue;  // one lane stores each row
@@ -227,9 +255,10 @@ void pair_product(uint p) {
 
 void main() {
     uint pairs = MODE == MODE_PLAIN ? (n0 + 1) / 2 : (MODE == MODE_GATED ? n0 : (n0 + n1 + n2) / 2);
-    uint first = (gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID) * PAIRS_PER_SUBGROUP;
+    uint first = (SPLIT_K != 0 ? gl_WorkGroupID.x : gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID)
+               * PAIRS_PER_SUBGROUP;
     for (uint i = 0; i < PAIRS_PER_SUBGROUP; ++i) {
-        if (first + i >= pairs) return;  // uniform: a whole subgroup leaves together
+        if (first + i >= pairs) return;  // uniform: a whole subgroup (SPLIT_K: workgroup) leaves together
         pair_product(first + i);
     }
 }

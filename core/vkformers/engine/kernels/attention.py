@@ -63,14 +63,29 @@ FORWARD_TILES = [Tiles(32, 32, 8), Tiles(16, 32, 8), Tiles(16, 16, 8), Tiles(16,
                  Tiles(16, 16, 4), Tiles(8, 8, 4), Tiles(8, 8, 2), Tiles(8, 8, 1), Tiles(4, 4, 1)]
 BACKWARD_TILES = [Tiles(16, 16, 8), Tiles(16, 8, 8), Tiles(8, 8, 8), Tiles(4, 8, 8),
                   Tiles(16, 16, 4), Tiles(8, 8, 4), Tiles(8, 8, 2), Tiles(8, 8, 1), Tiles(4, 4, 1), Tiles(2, 2, 1)]
-# Decode has one query row per workgroup: all threads share it and each scores few keys.
+# The fallback decode (attention_fwd.comp, q_len 1) has one query row per workgroup: all threads share it.
 DECODE_TILES = [Tiles(1, 64, 64), Tiles(1, 64, 32), Tiles(1, 32, 32), Tiles(1, 64, 16), Tiles(1, 16, 16),
                 Tiles(1, 32, 8), Tiles(1, 8, 8), Tiles(1, 8, 4), Tiles(1, 8, 2), Tiles(1, 8, 1), Tiles(1, 2, 1)]
 
+# attention_decode.comp: keys per tile (= threads per workgroup) and query heads per workgroup at most.
+DECODE_KEYS = 64
+DECODE_MAX_HEADS = 8
+# Workgroups a decode step's attention aims for when it splits the cache (flash-decoding): enough to
+# fill a GPU's compute units with one new token; a CPU runs few threads and gains nothing from more.
+DECODE_TARGET_WORKGROUPS = {"gpu": 256, "cpu": 4}
 
-# Grouped decode (attention_decode(grouped=True)): the query heads of one KV head are the rows of one tile.
-GROUPED_DECODE_TILES = [Tiles(rows, cols, lanes) for rows in (2, 4, 8, 16, 32)
-                        for cols, lanes in ((64, 16), (32, 16), (32, 8), (16, 8), (8, 8), (8, 4), (8, 2), (8, 1))]
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """attention_decode.comp: ``rows`` query heads of one KV head per workgroup, tiles of DECODE_KEYS keys."""
+
+    rows: int
+    cols: int = DECODE_KEYS
+    lanes: int = 1
+
+    @property
+    def threads(self) -> int:
+        return self.cols
 
 
 def pick_tiles(device, head_dim: int, candidates: list[Tiles], shared_bytes) -> Tiles:
@@ -185,7 +200,7 @@ def _check_float32(x: Operand, count: int, what: str) -> None:
     require_elements(x, count, f"attention {what}")
 
 
-def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | CoopmatTiles, *, batch, heads, kv_heads,
+def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | CoopmatTiles | DecodeTiles, *, batch, heads, kv_heads,
                     q_len, kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1):
     device = seq.device
     variant = _variant(q, k, v, out)
@@ -206,8 +221,12 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
         return
     spec = [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(kv_len_buffer is not None),
             tiles.threads, splits]
-    seq.dispatch(device.kernel("attention_fwd", variant), buffers,
-                 (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push, spec=spec)
+    if isinstance(tiles, DecodeTiles):  # attention_decode.comp: x the slice, y the group of query heads
+        seq.dispatch(device.kernel("attention_decode", variant), buffers, (splits, heads // tiles.rows, batch),
+                     push=push, spec=spec)
+    else:
+        seq.dispatch(device.kernel("attention_fwd", variant), buffers,
+                     (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push, spec=spec)
     if splits > 1:
         seq.dispatch(device.kernel("attention_decode_combine", variant), [lse.buffer, out.buffer, final_lse.buffer],
                      (1, heads, batch), push=[heads, splits, head_dim, out.offset, final_lse.offset])
@@ -249,7 +268,7 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
                      max_len: int, head_dim: int, scale: float, kv_len_buffer: Operand | None = None,
                      key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
                      alibi_slopes: Operand | None = None, lse: Operand | None = None,
-                     splits: int | None = None, tiles: Tiles | None = None, grouped: bool | None = None) -> None:
+                     splits: int | None = None, tiles: Tiles | None = None) -> None:
     """One new query per sequence (q, out: [batch, heads, 1, head_dim]) against the first
     ``kv_len`` entries of a cache of capacity ``max_len`` ([batch, kv_heads, max_len, head_dim]).
 
@@ -259,15 +278,12 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     kv_len - 1 (its own key must already be in the cache). ``key_padding_mask`` is
     [batch, max_len]. ``lse`` (float32 [batch, heads]) is optional.
 
-    ``splits`` > 1 divides the cache among that many workgroups per head (flash-decoding)
-    and merges their partial softmaxes in a second dispatch; default: one split per 256
-    cache entries of capacity, at most 32 (a short cache gets a single pass).
-
-    ``grouped``: with GQA, one workgroup per KV head takes the query heads that share it as the rows of one
-    tile (the forward kernel, non-causal over the kv_len stored keys), reading each key and value once
-    instead of once per query head. Only for one split, no sliding window and no ALiBi (else ignored).
-    None: on a CPU device only, where it measured 3.8x faster (``bench/attention.py --quick``: 529 against
-    2,029 us at kv_len 80, 4 heads on 1 KV head); on GPUs it waits for a measurement (the "grouped" decode row).
+    attention_decode.comp runs it: a workgroup takes up to DECODE_MAX_HEADS query heads of one KV head
+    and reads each cached key and value once for all of them. ``splits`` > 1 divides the cache among
+    that many workgroups per head group (flash-decoding) and merges their partial softmaxes in a second
+    dispatch; default: enough for DECODE_TARGET_WORKGROUPS, at most one per 4 tiles of DECODE_KEYS entries of
+    capacity (a short cache is not worth the merge's dispatch) and 64. Where K/V rows are not whole 16-byte vectors (head_dim, offsets), or with ``tiles``,
+    the general forward kernel runs instead, one query head per workgroup.
     """
     q, k_cache, v_cache, out = map(operand, (q, k_cache, v_cache, out))
     if kv_len_buffer is None:
@@ -289,28 +305,25 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
         lse = Operand(seq.device.buffer(batch * heads, "float32", name="attention_decode lse"))
     lse = operand(lse)
     _check_float32(lse, batch * heads, "lse")
-    splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
-    if splits < 1:
+    if splits is not None and int(splits) < 1:
         raise ValueError(f"attention_decode: splits must be >= 1, got {splits}")
-    group = heads // kv_heads
-    if grouped is None:
-        grouped = seq.device.is_cpu
-    if grouped and splits == 1 and not window and alibi_slopes is None and 1 < group <= 32:
-        # q [batch, kv_heads, group, head_dim] is q [batch, heads, 1, head_dim]; every row sees all kv_len keys
-        flags = _check_flags(batch=batch, heads=kv_heads, kv_heads=kv_heads, q_len=group, kv_len=kv_len,
-                             mask_len=max_len, head_dim=head_dim, causal=False, key_padding_mask=key_padding_mask,
-                             window=0, softcap=softcap, alibi_slopes=None, q_offset=None)
-        rows = 1 << (group - 1).bit_length()
-        tiles = tiles or pick_tiles(seq.device, head_dim, [t for t in GROUPED_DECODE_TILES if t.rows == rows],
-                                    forward_shared_bytes)
-        _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, batch=batch, heads=kv_heads,
-                        kv_heads=kv_heads, q_len=group, kv_len=kv_len, kv_stride=max_len, head_dim=head_dim,
-                        scale=scale, kv_len_buffer=kv_len_buffer)
+    args = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=1, kv_len=kv_len, kv_stride=max_len,
+                head_dim=head_dim, scale=scale, kv_len_buffer=kv_len_buffer)
+    per_vector = 4 if q.dtype.name == "float32" else 8
+    if tiles is None and head_dim % per_vector == 0 and head_dim // per_vector <= DECODE_KEYS \
+            and k_cache.offset % per_vector == 0 and v_cache.offset % per_vector == 0:
+        group = heads // kv_heads
+        group_heads = max(h for h in range(1, min(group, DECODE_MAX_HEADS) + 1) if group % h == 0)
+        workgroups = batch * heads // group_heads
+        if splits is None:
+            target = DECODE_TARGET_WORKGROUPS["cpu" if seq.device.is_cpu else "gpu"]
+            splits = max(1, min(64, max_len // (4 * DECODE_KEYS), target // workgroups))
+        _record_forward(seq, q, k_cache, v_cache, out, lse, flags, DecodeTiles(group_heads), **args,
+                        splits=int(splits))
         return
+    splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
     tiles = tiles or pick_tiles(seq.device, head_dim, DECODE_TILES, forward_shared_bytes)
-    _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, batch=batch, heads=heads, kv_heads=kv_heads,
-                    q_len=1, kv_len=kv_len, kv_stride=max_len, head_dim=head_dim, scale=scale,
-                    kv_len_buffer=kv_len_buffer, splits=splits)
+    _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, **args, splits=splits)
 
 
 def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: int, heads: int, kv_heads: int,

@@ -41,21 +41,26 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
             and all(w.offset % per_vector == 0 and w.dtype is x.dtype for w in whole))
 
 
-def launch_shape(device) -> tuple[int, int, int]:
-    """(subgroups per workgroup, vectors of W per lane in flight, pairs of columns per subgroup). A GPU: 4
-    subgroups of one pair each, 4 vectors in flight (latency hiding); a CPU (lavapipe): one subgroup doing 4 pairs
-    (as the small-m matmul: fewer, longer workgroups). The tests also run the GPU shape on lavapipe."""
-    return (1, 1, 4) if device.is_cpu else (max(1, 128 // device.limits["subgroup_size"]), 4, 1)
+def launch_shape(device) -> tuple[int, int, int, int]:
+    """(subgroups per workgroup, vectors of W per lane in flight, pairs of columns per subgroup, split k: the
+    workgroup's subgroups share each pair, each taking a slice of k). A GPU: 4 subgroups sharing one pair, 2 vectors
+    in flight per lane: on the H200 the decode products of a TinyLlama token took 0.41 ms per 8 layers against 0.49
+    with one pair per subgroup and 4 in flight (``bench/decode.py --sweep``: the narrow o_proj and down_proj gain
+    most). A CPU (lavapipe): one subgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups). The tests
+    also run the GPU shapes on lavapipe."""
+    return (1, 1, 4, 0) if device.is_cpu else (max(1, 128 // device.limits["subgroup_size"]), 2, 1, 1)
 
 
 def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str = "plain", norm_weight=None,
                   norm: bool = False, eps: float = 1e-6, norm_offset: bool = False, biases=None, residual=None,
                   residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
                   cache_start=None, inv_freq=None, head_dim: int = 0, rot_dim: int = 0, kv_heads: int = 0,
-                  capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False) -> None:
+                  capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False,
+                  launch: tuple[int, int, int, int] | None = None) -> None:
     """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
     or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
-    prologue on (``norm_weight`` None: no weight)."""
+    prologue on (``norm_weight`` None: no weight). ``launch``: (subgroups per workgroup, vectors in flight, pairs per
+    subgroup, split k) instead of :func:`launch_shape` (bench/decode.py sweeps them)."""
     x, out0 = operand(x), operand(out0)
     weights = [operand(w) for w in weights]
     expected = {"plain": 1, "gated": 2, "qkv": 3}[mode]
@@ -105,13 +110,15 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
             (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
-    subgroups, unroll, per_subgroup = launch_shape(device)
+    subgroups, unroll, per_subgroup, split_k = launch or launch_shape(device)
+    if split_k and subgroups > 32:
+        raise ValueError(f"decode_matvec: split k takes at most 32 subgroups per workgroup, got {subgroups}")
     threads = subgroups * subgroup
     pairs = {"plain": -(-ns[0] // 2), "gated": ns[0], "qkv": sum(ns) // 2}[mode]
-    per_group = subgroups * per_subgroup
+    per_group = per_subgroup if split_k else subgroups * per_subgroup
     spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
             int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
-            per_subgroup]
+            per_subgroup, int(split_k)]
     seq.dispatch(device.kernel("decode_matvec", element_variant(x, "decode_matvec")), buffers,
                  (-(-pairs // per_group), 1, 1), push, spec)
 
