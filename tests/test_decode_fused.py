@@ -48,7 +48,7 @@ def launch(request, monkeypatch):
     """The launch shape of this device, and a GPU's (several subgroups per workgroup, 2 or 4 loads in flight per lane,
     k split among them or one pair each), so that lavapipe runs the code paths a GPU takes."""
     if request.param in GPU_SHAPES:
-        monkeypatch.setattr(KD, "launch_shape", lambda device: GPU_SHAPES[request.param])
+        monkeypatch.setattr(KD, "launch_shape", lambda device, rows=1: GPU_SHAPES[request.param])
         lazy.clear_plan_cache()  # plans recorded with the other shape
     yield request.param
     lazy.clear_plan_cache()
