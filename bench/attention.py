@@ -7,6 +7,7 @@ CUDA GPU (timed with CUDA events; its outputs also check ours at full size), els
 (float32, CPU) at the same shape, which is only a sanity reference.
 
     python bench/attention.py [--quick] [--json OUT] [--seq 2048] [--heads 32] [--head-dim 128]
+                              [--decode-only] [--decode-sweep] [--kv-heads N]
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
-                 general: bool = False) -> dict:
+                 general: bool = False, heads_per_workgroup: int | None = None) -> dict:
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
@@ -118,10 +119,11 @@ def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, hea
     seq = device.sequence(timestamps=True)
     attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
                      kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5,
-                     tiles=DECODE_TILES[0] if general else None)
+                     tiles=DECODE_TILES[0] if general else None, heads_per_workgroup=heads_per_workgroup)
     seconds = gpu_seconds(seq, repeats)
     cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
     result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "general": general,
+              "heads_per_workgroup": heads_per_workgroup,
               "decode_us": seconds * 1e6, "decode_cache_gbps": cache_bytes / seconds * 1e-9}
     if HAVE_CUDA:
         tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
@@ -135,6 +137,21 @@ def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, hea
     return result
 
 
+def print_prefill(r: dict, dtype: str, seq_len: int, heads: int, head_dim: int, results: dict) -> None:
+    results["prefill"].append(r)
+    line = (f"{dtype:9s} seq {seq_len} heads {heads} d {head_dim} causal: forward {r['forward_ms']:.3f} ms "
+            f"({r['forward_tflops']:.1f} TFLOP/s, ref {r['torch_forward_ms']:.3f} ms, ratio {r['forward_ratio']:.3f})")
+    if "fwd_bwd_ratio" in r:
+        line += (f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms ({r['fwd_bwd_tflops']:.1f} TFLOP/s, "
+                 f"ref {r['torch_fwd_bwd_ms']:.3f} ms, ratio {r['fwd_bwd_ratio']:.3f})")
+    else:
+        line += f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms"
+    print(line)
+    diffs = {k: v for k, v in r.items() if k.startswith("max_abs_diff")}
+    if diffs:
+        print("          " + ", ".join(f"{k[13:]} {v:.2e}" for k, v in diffs.items()))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke test)")
@@ -142,36 +159,35 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kv-heads", type=int, default=0, help="decode: KV heads (default heads / 4)")
     parser.add_argument("--dtypes", default="float16,float32,bfloat16")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="decode: also time each number of query heads per workgroup")
     args = parser.parse_args(argv)
     device = get_device()
     seq_len, heads, repeats = (256, 4, 3) if args.quick else (args.seq, args.heads, 10)
     print(f"device: {device.name}; reference: {'torch CUDA sdpa' if HAVE_CUDA else 'numpy CPU'}")
     results = {"device": device.name, "prefill": [], "decode": []}
     for dtype in args.dtypes.split(","):
-        r = bench_prefill(device, dtype, seq_len, heads, args.head_dim, repeats)
-        results["prefill"].append(r)
-        line = (f"{dtype:9s} seq {seq_len} heads {heads} d {args.head_dim} causal: forward {r['forward_ms']:.3f} ms "
-                f"({r['forward_tflops']:.1f} TFLOP/s, ref {r['torch_forward_ms']:.3f} ms, ratio {r['forward_ratio']:.3f})")
-        if "fwd_bwd_ratio" in r:
-            line += (f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms ({r['fwd_bwd_tflops']:.1f} TFLOP/s, "
-                     f"ref {r['torch_fwd_bwd_ms']:.3f} ms, ratio {r['fwd_bwd_ratio']:.3f})")
-        else:
-            line += f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms"
-        print(line)
-        diffs = {k: v for k, v in r.items() if k.startswith("max_abs_diff")}
-        if diffs:
-            print("          " + ", ".join(f"{k[13:]} {v:.2e}" for k, v in diffs.items()))
+        if not args.decode_only:
+            print_prefill(bench_prefill(device, dtype, seq_len, heads, args.head_dim, repeats), dtype, seq_len, heads,
+                          args.head_dim, results)
         # a long cache, then a short one (a decode step of a short chat), each by attention_decode.comp and by
-        # the general forward kernel with one query row (the fallback, general=True)
-        for kv_len, general in ((256 if args.quick else 4096, False), (256 if args.quick else 4096, True),
-                                (80, False), (80, True)):
-            d = bench_decode(device, dtype, kv_len, heads, max(1, heads // 4), args.head_dim, repeats, general)
-            results["decode"].append(d)
-            print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{', general' if general else ''}): "
-                  f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"
-                  + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})"
-                     if "decode_ratio" in d else ""))
+        # the general forward kernel with one query row (the fallback, general=True); --decode-sweep also times
+        # attention_decode.comp with each number of query heads per workgroup
+        kv_heads = args.kv_heads or max(1, heads // 4)
+        group = heads // kv_heads
+        sweep = [h for h in range(1, 9) if group % h == 0] if args.decode_sweep else [None]
+        for kv_len in (256 if args.quick else 4096, 80):
+            for general, per_group in [(False, h) for h in sweep] + [(True, None)]:
+                d = bench_decode(device, dtype, kv_len, heads, kv_heads, args.head_dim, repeats, general, per_group)
+                results["decode"].append(d)
+                what = ", general" if general else (f", {per_group} heads per workgroup" if per_group else "")
+                print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{what}): "
+                      f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"
+                      + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})"
+                         if "decode_ratio" in d else ""))
     write_results(args.json, results)
     return 0
 

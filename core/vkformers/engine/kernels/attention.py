@@ -268,7 +268,8 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
                      max_len: int, head_dim: int, scale: float, kv_len_buffer: Operand | None = None,
                      key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
                      alibi_slopes: Operand | None = None, lse: Operand | None = None,
-                     splits: int | None = None, tiles: Tiles | None = None) -> None:
+                     splits: int | None = None, tiles: Tiles | None = None,
+                     heads_per_workgroup: int | None = None) -> None:
     """One new query per sequence (q, out: [batch, heads, 1, head_dim]) against the first
     ``kv_len`` entries of a cache of capacity ``max_len`` ([batch, kv_heads, max_len, head_dim]).
 
@@ -278,11 +279,16 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     kv_len - 1 (its own key must already be in the cache). ``key_padding_mask`` is
     [batch, max_len]. ``lse`` (float32 [batch, heads]) is optional.
 
-    attention_decode.comp runs it: a workgroup takes up to DECODE_MAX_HEADS query heads of one KV head
-    and reads each cached key and value once for all of them. ``splits`` > 1 divides the cache among
+    attention_decode.comp runs it: a workgroup takes one or more query heads of one KV head and reads each
+    cached key and value once for all of them. ``splits`` > 1 divides the cache among
     that many workgroups per head group (flash-decoding) and merges their partial softmaxes in a second
     dispatch; default: enough for DECODE_TARGET_WORKGROUPS, at most one per 4 tiles of DECODE_KEYS entries of
-    capacity (a short cache is not worth the merge's dispatch) and 64. Where K/V rows are not whole 16-byte vectors (head_dim, offsets), or with ``tiles``,
+    capacity (a short cache is not worth the merge's dispatch) and 64. ``heads_per_workgroup``: how many query heads
+    of a KV head one workgroup takes (at most DECODE_MAX_HEADS, dividing the group). Default: 1, or 2 on a GPU for
+    caches of 1024 entries or more: sharing K/V among more heads lengthens each workgroup's serial work more
+    than it saves reads (H200, bf16, 32 heads on 4 KV heads, ``bench/attention.py --decode-only --decode-sweep
+    --kv-heads 4``: cache 80 in 11.0 / 13.6 / 17.4 / 26.6 us with 1 / 2 / 4 / 8 heads per workgroup, cache 4096 in
+    48.3 / 34.3 / 39.0 / 55.7 us; lavapipe: 1 fastest at both). Where K/V rows are not whole 16-byte vectors (head_dim, offsets), or with ``tiles``,
     the general forward kernel runs instead, one query head per workgroup.
     """
     q, k_cache, v_cache, out = map(operand, (q, k_cache, v_cache, out))
@@ -313,7 +319,11 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     if tiles is None and head_dim % per_vector == 0 and head_dim // per_vector <= DECODE_KEYS \
             and k_cache.offset % per_vector == 0 and v_cache.offset % per_vector == 0:
         group = heads // kv_heads
-        group_heads = max(h for h in range(1, min(group, DECODE_MAX_HEADS) + 1) if group % h == 0)
+        group_heads = heads_per_workgroup or (2 if group % 2 == 0 and max_len >= 1024 and not seq.device.is_cpu
+                                              else 1)
+        if group % group_heads or group_heads > DECODE_MAX_HEADS:
+            raise ValueError(f"attention_decode: heads_per_workgroup {group_heads} must divide the {group} query "
+                             f"heads of a KV head and be at most {DECODE_MAX_HEADS}")
         workgroups = batch * heads // group_heads
         if splits is None:
             target = DECODE_TARGET_WORKGROUPS["cpu" if seq.device.is_cpu else "gpu"]
