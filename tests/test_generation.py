@@ -409,3 +409,27 @@ def test_captured_decode_equals_the_python_forward(case, monkeypatch):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_scores, want_scores)
     assert want_calls == steps and got_calls < 5, (want_calls, got_calls)  # prefill + the steps that capture
+
+
+def test_a_later_generate_replays_from_its_first_decode_step(monkeypatch):
+    """The recorded decode step outlives generate: the next call with the same cache runs the Python forward
+    for its prefill only, with the same tokens and scores as the first call."""
+    model = TinyLM()
+    first, first_scores, first_calls = _generate_recording(model, PROMPT, True, monkeypatch, max_new_tokens=8,
+                                                           eos_token_id=[])
+    again, again_scores, again_calls = _generate_recording(model, PROMPT, True, monkeypatch, max_new_tokens=8,
+                                                           eos_token_id=[])
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_array_equal(again_scores, first_scores)
+    assert first_calls == 3 and again_calls == 1, (first_calls, again_calls)  # prefill + 2 steps; prefill
+
+
+def test_new_weights_are_not_replayed_from_an_old_capture(monkeypatch):
+    """load_state_dict gives the parameters new buffers: the next generate records its decode step again
+    (a replay of the old plan would read the old weights)."""
+    model, other = TinyLM(seed=0), TinyLM(seed=1)
+    model.generate(PROMPT, max_new_tokens=6, eos_token_id=[])
+    model.load_state_dict({name: p.numpy() for name, p in other.named_parameters()}, requires_grad=False)
+    got, _, calls = _generate_recording(model, PROMPT, True, monkeypatch, max_new_tokens=6, eos_token_id=[])
+    np.testing.assert_array_equal(got, other.generate(PROMPT, max_new_tokens=6, eos_token_id=[]))
+    assert calls == 3, calls
