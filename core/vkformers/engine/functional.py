@@ -31,9 +31,9 @@ def linear(x, weight, bias=None):
 
     Leading dimensions of x are folded into the rows of one product, so that the weight's gradient is
     one [in, out] product over all tokens, not one per batch row summed afterwards."""
-    if x.ndim > 2 and weight.ndim == 2:
-        lead = x.shape[:-1]
-        y = (x.reshape(-1, x.shape[-1]) @ weight.transpose(-1, -2)).reshape(*lead, weight.shape[0])
+    if x.ndim >= 2 and weight.ndim == 2:
+        from vkformers.engine.ops.matmul import LinearFn
+        y = LinearFn.apply(x, weight)
     else:
         y = x @ weight.transpose(-1, -2)
     return y + bias if bias is not None else y

@@ -12,6 +12,7 @@ new inputs into the plan's input buffers, one submit, read the results.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import weakref
@@ -28,6 +29,7 @@ from vkformers.runtime.vulkan import Buffer, Device, get_device
 
 # ---------------------------------------------------------------- views
 
+@functools.lru_cache(maxsize=4096)  # graph building asks for the same few shapes thousands of times
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -103,7 +105,8 @@ class LazyBuffer:
         self.persistent = persistent  # parameters and optimizer state keep their own buffer
         self.refs = 0               # live Tensors (and saved-for-backward uses) of this storage, on bases
         self.replaces = None        # for assignments: the previous version of the same storage
-        self.consumers = weakref.WeakSet()  # nodes reading this storage that may still run
+        # nodes reading this storage that may still run (kept on bases only: views share their base's)
+        self.consumers = weakref.WeakSet() if base is None else None
 
     @property
     def realized(self) -> bool:

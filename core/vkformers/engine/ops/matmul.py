@@ -71,6 +71,38 @@ class MatmulFn(Function):
         return ga, gb
 
 
+class LinearFn(Function):
+    """``x @ weight.T`` for x [..., k] and weight [n, k] (a Linear layer): the leading dims are the rows of one
+    product, recorded as one graph node (no reshape or transpose nodes around it: building a model's graph in
+    Python costs per node). The backward computes what matmul's would on those views."""
+
+    def forward(self, x, weight):
+        if x.dtype is not weight.dtype:
+            raise TypeError(f"linear: input and weight are {x.dtype.name} and {weight.dtype.name}; cast one first")
+        n, k = weight.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"linear: input {x.shape} does not fit weight {weight.shape} (last dim must be {k})")
+        from vkformers.engine.lazy import View
+        from vkformers.engine.ops.movement import reshape_lazy
+        m = math.prod(x.shape[:-1])
+        rows = reshape_lazy(x, (m, k))
+        a, trans_a, stride_a = _matrix_layout(rows, ())
+        b, trans_b, stride_b = _matrix_layout(weight.make_view(weight.view.permute((1, 0))), ())
+        self.saved = (rows, weight)
+        self.x_shape = x.shape
+        op = Matmul(m=m, n=n, k=k, batch=1, trans_a=trans_a, trans_b=trans_b, stride_a=stride_a, stride_b=stride_b)
+        y = node(op, [a, b], [((m, n), x.dtype)])[0]
+        return y.make_view(View.dense(x.shape[:-1] + (n,)))
+
+    def backward(self, g):
+        from vkformers.engine.tensor import Tensor
+        rows, weight = (Tensor._from_lazy(v) for v in self.saved)
+        g_rows = g.reshape(-1, g.shape[-1])
+        gx = (g_rows @ weight).reshape(self.x_shape) if self.needs_grad[0] else None
+        gw = (rows.transpose(0, 1) @ g_rows).transpose(0, 1) if self.needs_grad[1] else None
+        return gx, gw
+
+
 def matmul(a, b):
     if a.ndim == 1:
         return matmul(a.reshape(1, -1), b).reshape(b.shape[:-2] + b.shape[-1:])

@@ -4,14 +4,19 @@ from __future__ import annotations
 from vkformers.engine.function import Function, contiguous
 
 
+def reshape_lazy(x, shape):
+    """The lazy buffer ``x`` under a new shape: a view, or a view of a contiguous copy when x is strided."""
+    new_view = x.view.reshape(shape)
+    if new_view is None:
+        x = contiguous(x)
+        new_view = x.view.reshape(shape)
+    return x.make_view(new_view)
+
+
 class Reshape(Function):
     def forward(self, x, shape):
         self.in_shape = x.shape
-        new_view = x.view.reshape(shape)
-        if new_view is None:  # a strided view cannot be reshaped in place: copy first
-            x = contiguous(x)
-            new_view = x.view.reshape(shape)
-        return x.make_view(new_view)
+        return reshape_lazy(x, shape)
 
     def backward(self, g):
         return g.reshape(self.in_shape)
