@@ -265,14 +265,17 @@ def test_bad_arguments(model):
 
 # ------------------------------------------------------------ replay
 
-def test_decode_steps_replay_without_recording(model):
+def test_decode_steps_replay_without_recording():
+    model = TinyLM()  # no decode step captured by an earlier test
     counts = []
     model.generate(PROMPT, max_new_tokens=9,
                    streamer=lambda tokens: counts.append((lazy.stats["recorded"], lazy.stats["replayed"])))
     # counts[0]: after the prefill; counts[1], counts[2]: after the first two decode steps
     recorded, replayed = zip(*counts)
     assert recorded[2:] == (recorded[2],) * len(recorded[2:]), counts
-    assert np.diff(replayed[2:]).tolist() == [1] * (len(counts) - 3), counts  # one submit per token
+    # greedy: after the two recorded steps, chains of generation.CHAIN_STEPS steps, one submit each
+    steps = np.diff(replayed[2:]).tolist()
+    assert set(steps) <= {0, 1} and 0 < sum(steps) < len(steps), counts
     before = lazy.stats["recorded"]
     model.generate(PROMPT, max_new_tokens=9)  # same shapes: the cache and every plan are reused
     assert lazy.stats["recorded"] == before
@@ -400,6 +403,8 @@ def test_captured_decode_equals_the_python_forward(case, monkeypatch):
     the same tokens and the same logits (bit for bit: the same plan runs on the same inputs)."""
     if not case.startswith("tiny"):
         pytest.importorskip("vkformers_llama")
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)  # every step's scores on the host (chains: tests below)
     model, kwargs = CAPTURE_CASES[case]()
     ids, steps = kwargs.pop("input_ids"), 12
     want, want_scores, want_calls = _generate_recording(model, ids, False, monkeypatch, max_new_tokens=steps,
@@ -414,6 +419,8 @@ def test_captured_decode_equals_the_python_forward(case, monkeypatch):
 def test_a_later_generate_replays_from_its_first_decode_step(monkeypatch):
     """The recorded decode step outlives generate: the next call with the same cache runs the Python forward
     for its prefill only, with the same tokens and scores as the first call."""
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)  # every step's scores on the host
     model = TinyLM()
     first, first_scores, first_calls = _generate_recording(model, PROMPT, True, monkeypatch, max_new_tokens=8,
                                                            eos_token_id=[])
@@ -433,3 +440,41 @@ def test_new_weights_are_not_replayed_from_an_old_capture(monkeypatch):
     got, _, calls = _generate_recording(model, PROMPT, True, monkeypatch, max_new_tokens=6, eos_token_id=[])
     np.testing.assert_array_equal(got, other.generate(PROMPT, max_new_tokens=6, eos_token_id=[]))
     assert calls == 3, calls
+
+
+@pytest.mark.parametrize("case", ["tiny", "llama_fixture", "gemma2_fixture_left_padded"])
+def test_chained_greedy_steps_equal_step_by_step(case, monkeypatch):
+    """Greedy decoding chains captured steps (generation.CHAIN_STEPS per submission, the GPU choosing the tokens
+    in between): the same tokens as one step per submission, for lengths that end a chain early, fill it, or
+    span several; with an eos inside a chain; and fewer submissions. A left-padded batch (a key padding mask)
+    is not chained and must still match."""
+    from vkformers.models import generation
+    if case != "tiny":
+        pytest.importorskip("vkformers_llama")
+    model, kwargs = CAPTURE_CASES[case]()
+    ids = kwargs.pop("input_ids")
+    for new_tokens in (3, 8, 9, 12, 20):
+        monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+        want = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=[], **kwargs)
+        monkeypatch.setattr(generation, "CHAIN_STEPS", 8)
+        before = lazy.stats["replayed"]
+        got = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=[], **kwargs)
+        np.testing.assert_array_equal(got, want, err_msg=f"{new_tokens} new tokens")
+        if case == "tiny" and new_tokens >= 8:
+            assert lazy.stats["replayed"] - before < new_tokens // 2, (new_tokens, lazy.stats["replayed"] - before)
+    eos = int(want[0, ids.shape[1] + 5])  # the sixth new token of the first row: inside the first chain
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+    want = model.generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=0, **kwargs)
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 8)
+    got = model.generate(ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=0, **kwargs)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_chained_steps_in_bfloat16_choose_as_the_host_does(monkeypatch):
+    """bfloat16 logits: the GPU's argmax (lowest index among equal values) picks what numpy's picks."""
+    from vkformers.models import generation
+    model = TinyLM(dtype="bfloat16")
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+    want = model.generate(PROMPT, max_new_tokens=18, eos_token_id=[])
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 8)
+    np.testing.assert_array_equal(model.generate(PROMPT, max_new_tokens=18, eos_token_id=[]), want)

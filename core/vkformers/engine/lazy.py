@@ -218,7 +218,7 @@ class Plan:
 
 MAX_PLANS = 64
 _plans: dict[tuple, Plan] = {}
-stats = {"recorded": 0, "replayed": 0}
+stats = {"recorded": 0, "replayed": 0, "cleared": 0}
 
 
 def _schedule(targets: list[LazyBuffer]) -> list[Node]:
@@ -431,12 +431,19 @@ class capture:
         _recorders.remove(self)
 
 
-def replay(plan: Plan) -> None:
+def replay(plan: Plan, seq=None) -> None:
     """Run ``plan`` again on what its input buffers' host mirrors hold now (see :class:`capture`).
 
-    Outputs live tensors still hold from its previous replay are copied away first, as in realize()."""
+    Outputs live tensors still hold from its previous replay are copied away first, as in realize().
+    ``seq``: run that sequence instead, one built from the plan's operations (``Sequence.extend``)."""
     _detach_previous_outputs(plan.seq.device, plan)
-    _run(plan)
+    if seq is None:
+        _run(plan)
+    else:
+        seq.replay()
+        if _profilers and seq.timestamps:
+            for p in _profilers:
+                p.add(seq.timings())
     stats["replayed"] += 1
 
 
@@ -577,10 +584,12 @@ class ViewReadback:
     a recorded copy of only the span each view covers (the last token's logits, not all of them)
     into a host-visible buffer, then numpy's view of it, bfloat16 widened as Tensor.numpy() does."""
 
-    def __init__(self, views):
+    def __init__(self, views, seq=None):
+        """``seq``: record the copies at the end of that sequence (read them with :meth:`values` after it ran)
+        instead of into one of their own."""
         self.views = [view for _, view in views]
         device = views[0][0].device
-        self.seq = device.sequence()
+        self.seq = seq or device.sequence()
         self.hosts = []
         for buf, view in views:
             count = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
@@ -591,6 +600,10 @@ class ViewReadback:
 
     def read(self) -> list:
         self.seq.replay()
+        return self.values()
+
+    def values(self) -> list:
+        """The views as the last run of the sequence left them."""
         out = []
         for host, view in zip(self.hosts, self.views):
             flat = host.host.reshape(-1)
@@ -650,4 +663,6 @@ class profile:
 
 
 def clear_plan_cache() -> None:
+    """Forget every recorded plan; steps captured from them (generation's decode step) are recorded again too."""
     _plans.clear()
+    stats["cleared"] += 1

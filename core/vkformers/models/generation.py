@@ -25,6 +25,7 @@ from vkformers.models.cache import KVCache
 from vkformers.runtime import dtypes as dt
 
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
+CHAIN_STEPS = 8  # greedy decode steps per submission once the step is captured (GPU-chosen tokens in between)
 
 
 class GenerationMixin:
@@ -70,16 +71,22 @@ class GenerationMixin:
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
         capture_limit = self.max_position_embeddings if getattr(self, "capture_decode", True) else 0
         decode = self._decode_capture(cache)
+        greedy = not do_sample and repetition_penalty == 1.0
+        chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
             out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
             logits = _last_logits(out)
             del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
             for step in range(max_new_tokens):
-                scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
-                if do_sample:
-                    next_tokens = _sample(scores, rng, temperature, top_k, top_p)
+                stepped = bool(chosen)  # a token the GPU chose: the chain also ran its step
+                if stepped:
+                    next_tokens = chosen.pop(0)
                 else:
-                    next_tokens = scores.argmax(axis=-1)
+                    scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
+                    if do_sample:
+                        next_tokens = _sample(scores, rng, temperature, top_k, top_p)
+                    else:
+                        next_tokens = scores.argmax(axis=-1)
                 next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
                 _stream(streamer, next_tokens)
@@ -88,6 +95,8 @@ class GenerationMixin:
                 if not unfinished.any() or step == max_new_tokens - 1:
                     break
                 mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
+                if stepped:
+                    continue  # its step ran in the chain that chose it
                 if recompute_beyond is not None and cache.position <= recompute_beyond < tokens.shape[1]:
                     # the model's positional tables change for every token past this length (Phi-3
                     # longrope): as transformers does, drop the cache and recompute the whole sequence once
@@ -100,6 +109,16 @@ class GenerationMixin:
                 step_ids = next_tokens[:, None].astype(np.int32)
                 step_positions = _positions(mask)[:, -1:].astype(np.int32)
                 if decode.ready and tokens.shape[1] <= capture_limit:
+                    # greedy: chain steps in one submission, the GPU choosing the tokens in between, while the
+                    # sequence stays short of the capture limit and of the Phi-3 recomputation point
+                    steps = min(CHAIN_STEPS, max_new_tokens - 1 - step, capture_limit - tokens.shape[1] + 1)
+                    if recompute_beyond is not None and cache.position <= recompute_beyond:
+                        steps = min(steps, recompute_beyond - tokens.shape[1] + 1)
+                    if greedy and steps > 1 and decode.chainable:
+                        result = decode.run_chain(step_ids, step_positions, steps)
+                        if result is not None:
+                            logits, chosen = result
+                            continue
                     logits = decode.run(step_ids, step_positions)
                     if logits is not None:
                         continue
@@ -152,7 +171,7 @@ def _capture_key(model, cache: KVCache):
     if any(p.lazy.base.node is not None for p in params):
         return None
     return (id(cache), tuple(id(p.lazy.base.buffer) for p in params), getattr(model, "training", False),
-            fused_decode.enabled)
+            fused_decode.enabled, lazy.stats["cleared"])
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:
@@ -251,10 +270,11 @@ class _DecodeCapture:
         self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
         self.ready = False
         self.readback = None   # lazy.ViewReadback of the logits
+        self.chains = {}       # steps -> _Chain, recorded on first use
 
     def forget(self) -> None:
         """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
-        self.previous, self.ready, self.readback = None, False, None
+        self.previous, self.ready, self.readback, self.chains = None, False, None, {}
 
     def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last) -> None:
         current = self._describe(runs, step_ids, step_positions, last)
@@ -304,6 +324,65 @@ class _DecodeCapture:
         if self.readback is None:
             self.readback = lazy.ViewReadback([(buffer, view)])
         return _to_scores(self.readback.read()[0])
+
+
+    @property
+    def chainable(self) -> bool:
+        """Whether steps can be chained: the step reads no key padding mask (a chained step would have to
+        extend it on the GPU)."""
+        return self.ready and "mask" not in self.previous[1]
+
+    def run_chain(self, step_ids: np.ndarray, step_positions: np.ndarray, steps: int):
+        """``steps`` greedy decode steps in one submission, the GPU choosing each step's input token from the
+        step before (decode_next_token.comp, numpy's argmax rule): (the last step's logits as float32
+        [batch, vocab], the steps - 1 tokens chosen in between as a list of [batch] int64 arrays), or None when
+        the cache's mask changed kind (then the caller runs the forward)."""
+        plan, roles = self.previous[:2]
+        bounds, mask = self.cache.step_arrays(1)
+        if mask is not None:
+            self.forget()
+            return None
+        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds}
+        for role, target in zip(roles, plan.input_buffers):
+            if role != "constant":
+                target.host[...] = values[role].reshape(target.shape)
+        chain = self.chains.get(steps) or self._record_chain(steps)
+        lazy.replay(plan, chain.seq)
+        self.cache.advance(1)
+        for _ in range(steps - 1):  # the host's account of the cache: the chained tokens are stored
+            self.cache.step_arrays(1)
+            self.cache.advance(1)
+        logits = _to_scores(chain.logits.values()[0])
+        history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
+        return logits, list(history)
+
+    def _record_chain(self, steps: int) -> "_Chain":
+        from vkformers.engine.kernels import Operand
+        from vkformers.engine.kernels import decode as KD
+        from vkformers.runtime.vulkan import Buffer
+        plan, roles, _, buffer, view = self.previous
+        inputs = {role: target for role, target in zip(roles, plan.input_buffers) if role != "constant"}
+        batch, vocab = view.shape
+        device = plan.seq.device
+        history = Buffer(device, ((steps - 1) * batch,), "int32", host_visible=True, name="chained tokens")
+        seq = device.sequence(timestamps=plan.seq.timestamps).extend(plan.seq, others=False)
+        for step in range(steps):
+            seq.extend(plan.seq, uploads=False)
+            if step < steps - 1:
+                KD.next_token(seq, Operand(buffer, view.offset), inputs["ids"], inputs["bounds"], history,
+                              rows=batch, vocab=vocab, row_stride=view.strides[0], step=step,
+                              positions=inputs.get("positions"))
+        logits = lazy.ViewReadback([(buffer, view)], seq)
+        seq.download(history)
+        self.chains[steps] = chain = _Chain(seq, logits, history)
+        return chain
+
+
+class _Chain:
+    """A recorded sequence of chained decode steps, with the readback of its last logits and chosen tokens."""
+
+    def __init__(self, seq, logits, history):
+        self.seq, self.logits, self.history = seq, logits, history
 
 
 def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float) -> np.ndarray:

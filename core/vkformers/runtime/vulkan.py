@@ -443,6 +443,14 @@ class Sequence:
         self._add(_Op("download", (buf,), (), lambda: kp.OpTensorSyncLocal([buf._tensor]), "transfer"))
         return self
 
+    def extend(self, other: "Sequence", *, uploads: bool = True, others: bool = True) -> "Sequence":
+        """Append ``other``'s operations (its uploads, the rest, or both): one command buffer can then run a
+        recorded step several times (generation chains decode steps so)."""
+        for op in other._ops:
+            if (uploads if op.label == "upload" else others):
+                self._add(op)
+        return self
+
     def _copy_tensor(self, src, dst, nbytes):
         # one-shot copies between a Buffer and a bare staging tensor
         src_t = src._tensor if isinstance(src, Buffer) else src

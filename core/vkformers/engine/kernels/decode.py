@@ -154,3 +154,23 @@ def decode_head_norm_rope(seq, q_in, k_in, v_in, q_weight, k_weight, q_out, k_ca
     device = seq.device
     seq.dispatch(device.kernel("decode_head_norm_rope", element_variant(q_in, "decode_head_norm_rope")), buffers,
                  (rows * (heads + kv_heads), 1, 1), push, [int(interleaved), int(norm_offset)])
+
+
+def next_token(seq, logits, ids, bounds, history, *, rows: int, vocab: int, row_stride: int, step: int,
+               positions=None) -> None:
+    """Between chained greedy decode steps (shaders/common/decode_next_token.comp): ``ids[r]`` and
+    ``history[step * rows + r]`` = argmax of row r of ``logits`` (``row_stride`` elements apart; the lowest index
+    among equal maxima, as numpy), ``positions[r] += 1`` when given, and both cache bounds ``[start, end] += 1``.
+    ids, positions: int32 [rows]; bounds: uint32 [2]; history: int32 [steps * rows]."""
+    logits, ids, bounds, history = map(operand, (logits, ids, bounds, history))
+    positions = operand(positions) if positions is not None else None
+    require_elements(logits, (rows - 1) * row_stride + vocab, "next_token logits")
+    for x, count, what in ((ids, rows, "ids"), (bounds, 2, "bounds"), (history, (step + 1) * rows, "history")):
+        require_elements(x, count, f"next_token {what}")
+    if positions is not None:
+        require_elements(positions, rows, "next_token positions")
+    push = [vocab, row_stride, logits.offset, ids.offset, positions.offset if positions is not None else 0,
+            bounds.offset, history.offset + step * rows, int(positions is not None)]
+    seq.dispatch(seq.device.kernel("decode_next_token", element_variant(logits, "next_token")),
+                 [logits.buffer, ids.buffer, (positions or ids).buffer, bounds.buffer, history.buffer], (rows, 1, 1),
+                 push)
