@@ -179,3 +179,33 @@ def test_fusable_refuses_what_the_kernel_cannot_take(device):
         assert fusable(x[:2], [w])
     trainable = vkf.tensor(np.zeros((8, 64), np.float32), requires_grad=True)
     assert not fusable(x[:2], [trainable])  # a gradient is being recorded
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_next_token_is_numpys_argmax_and_advances_the_step(device, dtype, with_positions):
+    """decode_next_token.comp (chained greedy decoding): per row the argmax of a strided logits view (ties: the
+    lowest index; a row of -inf: token 0), written to ids and to the step's slot of the history; positions and
+    both cache bounds advance by one."""
+    rows, vocab, stride, step = 3, 5000, 5008, 2
+    rng = np.random.default_rng(0)
+    exact, host = rounded(rng.standard_normal((rows, stride)) * 4, dtype)
+    exact[0, [17, 4000]] = exact[0].max() + 1.0  # a tie: 17 wins
+    exact[2, :] = -np.inf
+    host = rounded(exact, dtype)[1]
+    logits = device.upload(host, dtype=dtype)
+    ids = device.upload(np.full(rows, -1, np.int32))
+    positions = device.upload(np.array([5, 9, 11], np.int32))
+    bounds = device.upload(np.array([7, 8], np.uint32))
+    history = device.upload(np.full((step + 1) * rows, -1, np.int32))
+    seq = device.sequence()
+    KD.next_token(seq, logits, ids, bounds, history, rows=rows, vocab=vocab, row_stride=stride, step=step,
+                  positions=positions if with_positions else None)
+    seq.replay()
+    want = np.argmax(exact[:, :vocab], axis=-1)
+    assert want[0] == 17 and want[2] == 0
+    np.testing.assert_array_equal(ids.read(), want)
+    np.testing.assert_array_equal(history.read()[step * rows:], want)
+    np.testing.assert_array_equal(history.read()[:step * rows], -1)
+    np.testing.assert_array_equal(positions.read(), [6, 10, 12] if with_positions else [5, 9, 11])
+    np.testing.assert_array_equal(bounds.read(), [8, 9])

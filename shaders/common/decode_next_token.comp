@@ -7,9 +7,10 @@
 //! variant bf16 -DELEM_BF16
 #version 450
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #include "transformer_common.glsl"
 
-layout(local_size_x = 256) in;
+layout(local_size_x_id = 0) in;  // as many threads as the device allows (up to 1024): one row is one workgroup
 layout(binding = 0) readonly buffer Logits { ELEM_T logits[]; };
 layout(binding = 1) buffer Ids { int ids[]; };
 layout(binding = 2) buffer Positions { int positions[]; };
@@ -20,25 +21,32 @@ layout(push_constant) uniform Push {
     uint has_positions;
 };
 
-shared float best_values[256];
-shared uint best_indices[256];
+const uint IN_FLIGHT = 8;  // loads a thread issues before comparing: the scan is bound by their latency
+shared float best_values[gl_WorkGroupSize.x];
+shared uint best_indices[gl_WorkGroupSize.x];
 
 bool better(float value, uint index, float best, uint best_index) {
     return value > best || (value == best && index < best_index);
 }
 
 void main() {
-    const uint row = gl_WorkGroupID.x, tid = gl_LocalInvocationID.x;
+    const uint row = gl_WorkGroupID.x, tid = gl_LocalInvocationID.x, threads = gl_WorkGroupSize.x;
+    const uint first = logits_offset + row * row_stride;
     float best = uintBitsToFloat(0xFF800000u);  // -inf
     uint best_index = 0xFFFFFFFFu;
-    for (uint i = tid; i < vocab; i += gl_WorkGroupSize.x) {
-        float value = load_elem(logits[logits_offset + row * row_stride + i]);
-        if (better(value, i, best, best_index)) { best = value; best_index = i; }
+    for (uint base = tid; base < vocab; base += threads * IN_FLIGHT) {
+        float values[IN_FLIGHT];
+        [[unroll]] for (uint u = 0; u < IN_FLIGHT; ++u)
+            values[u] = load_elem(logits[first + min(base + u * threads, vocab - 1)]);
+        [[unroll]] for (uint u = 0; u < IN_FLIGHT; ++u) {
+            uint i = base + u * threads;
+            if (i < vocab && better(values[u], i, best, best_index)) { best = values[u]; best_index = i; }
+        }
     }
     best_values[tid] = best;
     best_indices[tid] = best_index;
     barrier();
-    for (uint half_size = gl_WorkGroupSize.x / 2; half_size > 0; half_size /= 2) {
+    for (uint half_size = threads / 2; half_size > 0; half_size /= 2) {
         if (tid < half_size && better(best_values[tid + half_size], best_indices[tid + half_size],
                                       best_values[tid], best_indices[tid])) {
             best_values[tid] = best_values[tid + half_size];

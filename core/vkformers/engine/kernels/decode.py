@@ -171,6 +171,7 @@ def next_token(seq, logits, ids, bounds, history, *, rows: int, vocab: int, row_
         require_elements(positions, rows, "next_token positions")
     push = [vocab, row_stride, logits.offset, ids.offset, positions.offset if positions is not None else 0,
             bounds.offset, history.offset + step * rows, int(positions is not None)]
+    threads = 1 << (min(1024, int(seq.device.limits.get("max_compute_work_group_invocations", 128))).bit_length() - 1)
     seq.dispatch(seq.device.kernel("decode_next_token", element_variant(logits, "next_token")),
                  [logits.buffer, ids.buffer, (positions or ids).buffer, bounds.buffer, history.buffer], (rows, 1, 1),
-                 push)
+                 push, spec=[threads])
