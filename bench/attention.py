@@ -111,7 +111,8 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
-                 general: bool = False, heads_per_workgroup: int | None = None) -> dict:
+                 general: bool = False, heads_per_workgroup: int | None = None,
+                 keys_per_tile: int | None = None) -> dict:
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
@@ -119,11 +120,12 @@ def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, hea
     seq = device.sequence(timestamps=True)
     attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
                      kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5,
-                     tiles=DECODE_TILES[0] if general else None, heads_per_workgroup=heads_per_workgroup)
+                     tiles=DECODE_TILES[0] if general else None, heads_per_workgroup=heads_per_workgroup,
+                     keys_per_tile=keys_per_tile)
     seconds = gpu_seconds(seq, repeats)
     cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
     result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "general": general,
-              "heads_per_workgroup": heads_per_workgroup,
+              "heads_per_workgroup": heads_per_workgroup, "keys_per_tile": keys_per_tile,
               "decode_us": seconds * 1e6, "decode_cache_gbps": cache_bytes / seconds * 1e-9}
     if HAVE_CUDA:
         tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="float16,float32,bfloat16")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
     parser.add_argument("--decode-sweep", action="store_true",
-                        help="decode: also time each number of query heads per workgroup")
+                        help="decode: also time each number of query heads per workgroup and tile size")
     args = parser.parse_args(argv)
     device = get_device()
     seq_len, heads, repeats = (256, 4, 3) if args.quick else (args.seq, args.heads, 10)
@@ -178,12 +180,15 @@ def main(argv=None) -> int:
         # attention_decode.comp with each number of query heads per workgroup
         kv_heads = args.kv_heads or max(1, heads // 4)
         group = heads // kv_heads
-        sweep = [h for h in range(1, 9) if group % h == 0] if args.decode_sweep else [None]
+        sweep = ([(h, keys) for keys in (64, 128) for h in range(1, 9) if group % h == 0] if args.decode_sweep
+                 else [(None, None)])
         for kv_len in (256 if args.quick else 4096, 80):
-            for general, per_group in [(False, h) for h in sweep] + [(True, None)]:
-                d = bench_decode(device, dtype, kv_len, heads, kv_heads, args.head_dim, repeats, general, per_group)
+            for general, (per_group, keys) in [(False, h) for h in sweep] + [(True, (None, None))]:
+                d = bench_decode(device, dtype, kv_len, heads, kv_heads, args.head_dim, repeats, general, per_group,
+                                 keys)
                 results["decode"].append(d)
-                what = ", general" if general else (f", {per_group} heads per workgroup" if per_group else "")
+                what = (", general" if general else
+                        f", {per_group} heads per workgroup, {keys}-key tiles" if per_group else "")
                 print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{what}): "
                       f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"
                       + (f" (torch {d['torch_decode_us']:.1f} us, ratio {d['decode_ratio']:.3f})"

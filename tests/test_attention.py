@@ -265,10 +265,11 @@ def decode_setup(device, case: Case, max_len: int, dtype="float32"):
     return q, k, v, [device.upload(x.astype(np.float32)) for x in (q[:, :, -1:], k_cache, v_cache)]
 
 
-@pytest.mark.parametrize("general", [False, True], ids=["decode_kernel", "forward_kernel"])
+@pytest.mark.parametrize("general, keys", [(False, 64), (False, 128), (True, None)],
+                         ids=["decode_kernel_64_keys", "decode_kernel_128_keys", "forward_kernel"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, splits", [(4, 2, 64, 1), (4, 1, 80, 3), (2, 2, 256, 5),
                                                                 (12, 1, 32, 2)])
-def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, splits, general):
+def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, splits, general, keys):
     """general: the forward kernel with one query row (the fallback where K/V rows are not whole vectors)."""
     case = Case(heads=heads, kv_heads=kv_heads, head_dim=head_dim, q_len=33, kv_len=33, window=20, alibi=True)
     q, k, v, (q_last, k_cache, v_cache) = decode_setup(device, case, max_len=40)
@@ -279,16 +280,36 @@ def test_decode_equals_last_row_of_forward(device, heads, kv_heads, head_dim, sp
     attention_decode(seq, q_last, k_cache, v_cache, out, batch=case.batch, heads=heads, kv_heads=kv_heads,
                      kv_len=33, max_len=40, head_dim=head_dim, scale=case.the_scale, window=20,
                      alibi_slopes=device.upload(slopes.astype(np.float32)), lse=lse, splits=splits,
-                     tiles=DECODE_TILES[-1] if general else None)
+                     tiles=DECODE_TILES[-1] if general else None, keys_per_tile=keys)
     seq.replay()
     expected, expected_lse = reference(case, q, k, v, None, slopes)
     np.testing.assert_allclose(out.read(), expected[:, :, -1:], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("keys", [64, 128])
+@pytest.mark.parametrize("splits, window", [(1, 0), (2, 0), (1, 150)])
+def test_decode_over_several_tiles(device, keys, splits, window):
+    """A cache of 300 keys: several tiles per workgroup (the online softmax across them), split or not, and a
+    sliding window that starts inside a tile."""
+    case = Case(heads=4, kv_heads=2, q_len=300, kv_len=300, window=window, softcap=5.0)
+    q, k, v, (q_last, k_cache, v_cache) = decode_setup(device, case, max_len=320)
+    out = device.buffer((case.batch, case.heads, 1, case.head_dim), "float32")
+    lse = device.buffer((case.batch, case.heads), "float32")
+    seq = device.sequence()
+    attention_decode(seq, q_last, k_cache, v_cache, out, batch=case.batch, heads=case.heads, kv_heads=case.kv_heads,
+                     kv_len=300, max_len=320, head_dim=case.head_dim, scale=case.the_scale, window=window,
+                     softcap=case.softcap, lse=lse, splits=splits, keys_per_tile=keys)
+    seq.replay()
+    expected, expected_lse = reference(case, q, k, v, None, None)
+    np.testing.assert_allclose(out.read(), expected[:, :, -1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keys", [64, 128])
 @pytest.mark.parametrize("splits, heads, softcap", [(1, 4, 0.0), (4, 4, 0.0), (None, 4, 2.0), (1, 12, 2.0),
                                                     (3, 20, 0.0)])
-def test_decode_replays_with_kv_len_from_a_buffer(device, splits, heads, softcap):
+def test_decode_replays_with_kv_len_from_a_buffer(device, splits, heads, softcap, keys):
     """20 heads on 2 KV heads: 10 per KV head, two workgroups of 5 each. splits None: the default."""
     case = Case(heads=heads, kv_heads=2, q_len=33, kv_len=33, mask=True, softcap=softcap)
     max_len = 48
@@ -301,7 +322,7 @@ def test_decode_replays_with_kv_len_from_a_buffer(device, splits, heads, softcap
     seq = device.sequence().upload(kv_len).upload(q_now)
     attention_decode(seq, q_now, k_cache, v_cache, out, batch=case.batch, heads=case.heads, kv_heads=case.kv_heads,
                      kv_len=None, max_len=max_len, head_dim=case.head_dim, scale=case.the_scale,
-                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits,
+                     kv_len_buffer=kv_len, key_padding_mask=device.upload(mask), splits=splits, keys_per_tile=keys,
                      softcap=case.softcap)
     for length in (1, 2, 17, 33):  # one recording, replayed as the cache grows
         kv_len.host[:] = length

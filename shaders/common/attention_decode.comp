@@ -122,15 +122,20 @@ void main() {
 
     for (uint key0 = key_begin; key0 < key_end; key0 += KEYS) {
         barrier();  // q_tile written; the previous tile's p, maxima and sums read
-        const uint key = key0 + t;
+        const uint key = key0 + t, count = min(KEYS, key_end - key0);
+        // Every load of the tile's first pass is issued before any is used (the tile costs round trips to
+        // memory, not arithmetic): this thread's K row, and its first V_BATCH rows of V for the p @ V pass.
+        uvec4 k_row[VECTORS], v_rows[V_BATCH];
+        [[unroll]] for (uint vi = 0; vi < VECTORS; ++vi)
+            k_row[vi] = k_words[k_base + min(key, key_end - 1u) * VECTORS + vi];
+        [[unroll]] for (uint i = 0; i < V_BATCH; ++i)
+            v_rows[i] = v_words[v_base + (key0 + min(first_row + i * KEY_STEP, count - 1u)) * VECTORS + owned];
         float s[HEADS];
         [[unroll]] for (uint g = 0; g < HEADS; ++g) s[g] = 0.0;
-        if (key < key_end) {
-            [[unroll]] for (uint vi = 0; vi < VECTORS; ++vi) {
-                Vector kv = decode(k_words[k_base + key * VECTORS + vi]);
-                [[unroll]] for (uint g = 0; g < HEADS; ++g)
-                    [[unroll]] for (uint j = 0; j < VECS; ++j) s[g] += dot(kv.v[j], q_tile[(g * HEAD_DIM) / 4 + vi * VECS + j]);
-            }
+        [[unroll]] for (uint vi = 0; vi < VECTORS; ++vi) {
+            Vector kv = decode(k_row[vi]);
+            [[unroll]] for (uint g = 0; g < HEADS; ++g)
+                [[unroll]] for (uint j = 0; j < VECS; ++j) s[g] += dot(kv.v[j], q_tile[(g * HEAD_DIM) / 4 + vi * VECS + j]);
         }
         const bool visible = key < key_end && key_visible(qpos, key, batch);
         [[unroll]] for (uint g = 0; g < HEADS; ++g) {
@@ -160,17 +165,14 @@ void main() {
             [[unroll]] for (uint j = 0; j < VECS; ++j) acc[g].v[j] *= rescale[g];
         }
         if (pv_thread) {
-            const uint count = min(KEYS, key_end - key0);
             for (uint c0 = first_row; c0 < count; c0 += KEY_STEP * V_BATCH) {
-                uvec4 words[V_BATCH];  // the batch's loads all issued before any is used
-                [[unroll]] for (uint i = 0; i < V_BATCH; ++i) {
-                    uint c = min(c0 + i * KEY_STEP, count - 1);
-                    words[i] = v_words[v_base + (key0 + c) * VECTORS + owned];
-                }
+                if (c0 != first_row)  // the next batch of rows, all loads before any use
+                    [[unroll]] for (uint i = 0; i < V_BATCH; ++i)
+                        v_rows[i] = v_words[v_base + (key0 + min(c0 + i * KEY_STEP, count - 1u)) * VECTORS + owned];
                 [[unroll]] for (uint i = 0; i < V_BATCH; ++i) {
                     uint c = c0 + i * KEY_STEP;
                     if (c >= count) break;
-                    Vector vv = decode(words[i]);
+                    Vector vv = decode(v_rows[i]);
                     [[unroll]] for (uint g = 0; g < HEADS; ++g) {
                         float p = p_tile[g * KEYS + c];
                         [[unroll]] for (uint j = 0; j < VECS; ++j) acc[g].v[j] += p * vv.v[j];

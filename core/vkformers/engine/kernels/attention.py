@@ -68,7 +68,7 @@ DECODE_TILES = [Tiles(1, 64, 64), Tiles(1, 64, 32), Tiles(1, 32, 32), Tiles(1, 6
                 Tiles(1, 32, 8), Tiles(1, 8, 8), Tiles(1, 8, 4), Tiles(1, 8, 2), Tiles(1, 8, 1), Tiles(1, 2, 1)]
 
 # attention_decode.comp: keys per tile (= threads per workgroup) and query heads per workgroup at most.
-DECODE_KEYS = 64
+DECODE_KEYS = {"gpu": 128, "cpu": 64}
 DECODE_MAX_HEADS = 8
 # Workgroups a decode step's attention aims for when it splits the cache (flash-decoding): enough to
 # fill a GPU's compute units with one new token; a CPU runs few threads and gains nothing from more.
@@ -77,10 +77,10 @@ DECODE_TARGET_WORKGROUPS = {"gpu": 256, "cpu": 4}
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """attention_decode.comp: ``rows`` query heads of one KV head per workgroup, tiles of DECODE_KEYS keys."""
+    """attention_decode.comp: ``rows`` query heads of one KV head per workgroup, tiles of ``cols`` keys."""
 
     rows: int
-    cols: int = DECODE_KEYS
+    cols: int = 64
     lanes: int = 1
 
     @property
@@ -269,7 +269,7 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
                      key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
                      alibi_slopes: Operand | None = None, lse: Operand | None = None,
                      splits: int | None = None, tiles: Tiles | None = None,
-                     heads_per_workgroup: int | None = None) -> None:
+                     heads_per_workgroup: int | None = None, keys_per_tile: int | None = None) -> None:
     """One new query per sequence (q, out: [batch, heads, 1, head_dim]) against the first
     ``kv_len`` entries of a cache of capacity ``max_len`` ([batch, kv_heads, max_len, head_dim]).
 
@@ -282,14 +282,17 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     attention_decode.comp runs it: a workgroup takes one or more query heads of one KV head and reads each
     cached key and value once for all of them. ``splits`` > 1 divides the cache among
     that many workgroups per head group (flash-decoding) and merges their partial softmaxes in a second
-    dispatch; default: enough for DECODE_TARGET_WORKGROUPS, at most one per 4 tiles of DECODE_KEYS entries of
-    capacity (a short cache is not worth the merge's dispatch) and 64. ``heads_per_workgroup``: how many query heads
+    dispatch; default: enough for DECODE_TARGET_WORKGROUPS, at most one per 4 tiles of capacity (a short cache
+    is not worth the merge's dispatch) and 64. ``keys_per_tile`` (the workgroup's threads, one key each when
+    scoring; default DECODE_KEYS): on a GPU a tile costs round trips to memory more than arithmetic, so fewer, larger
+    tiles; 128 there is unmeasured yet (the figures below are 64-key tiles; ``--decode-sweep`` times both); lavapipe:
+    64 (kv_len 80 in 313 against 628 us). ``heads_per_workgroup``: how many query heads
     of a KV head one workgroup takes (at most DECODE_MAX_HEADS, dividing the group). Default: 1, or 2 on a GPU for
     caches of 1024 entries or more: sharing K/V among more heads lengthens each workgroup's serial work more
     than it saves reads (H200, bf16, 32 heads on 4 KV heads, ``bench/attention.py --decode-only --decode-sweep
     --kv-heads 4``: cache 80 in 11.0 / 13.6 / 17.4 / 26.6 us with 1 / 2 / 4 / 8 heads per workgroup, cache 4096 in
-    48.3 / 34.3 / 39.0 / 55.7 us; lavapipe: 1 fastest at both). Where K/V rows are not whole 16-byte vectors (head_dim, offsets), or with ``tiles``,
-    the general forward kernel runs instead, one query head per workgroup.
+    48.3 / 34.3 / 39.0 / 55.7 us; lavapipe: 1 fastest at both). Where K/V rows are not whole 16-byte vectors
+    (head_dim, offsets), or with ``tiles``, the general forward kernel runs instead, one query head per workgroup.
     """
     q, k_cache, v_cache, out = map(operand, (q, k_cache, v_cache, out))
     if kv_len_buffer is None:
@@ -316,7 +319,10 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     args = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=1, kv_len=kv_len, kv_stride=max_len,
                 head_dim=head_dim, scale=scale, kv_len_buffer=kv_len_buffer)
     per_vector = 4 if q.dtype.name == "float32" else 8
-    if tiles is None and head_dim % per_vector == 0 and head_dim // per_vector <= DECODE_KEYS \
+    keys_per_tile = keys_per_tile or DECODE_KEYS["cpu" if seq.device.is_cpu else "gpu"]
+    if keys_per_tile not in (32, 64, 128, 256):
+        raise ValueError(f"attention_decode: keys_per_tile must be 32, 64, 128 or 256, got {keys_per_tile}")
+    if tiles is None and head_dim % per_vector == 0 and head_dim // per_vector <= keys_per_tile \
             and k_cache.offset % per_vector == 0 and v_cache.offset % per_vector == 0:
         group = heads // kv_heads
         group_heads = heads_per_workgroup or (2 if group % 2 == 0 and max_len >= 1024 and not seq.device.is_cpu
@@ -327,8 +333,8 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
         workgroups = batch * heads // group_heads
         if splits is None:
             target = DECODE_TARGET_WORKGROUPS["cpu" if seq.device.is_cpu else "gpu"]
-            splits = max(1, min(64, max_len // (4 * DECODE_KEYS), target // workgroups))
-        _record_forward(seq, q, k_cache, v_cache, out, lse, flags, DecodeTiles(group_heads), **args,
+            splits = max(1, min(64, max_len // (4 * keys_per_tile), target // workgroups))
+        _record_forward(seq, q, k_cache, v_cache, out, lse, flags, DecodeTiles(group_heads, keys_per_tile), **args,
                         splits=int(splits))
         return
     splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
