@@ -223,3 +223,26 @@ def test_garbage_collector_pauses_while_building_and_resumes_after_realizing():
         with lazy.building_graph():
             raise ValueError("a forward that fails")
     assert gc.isenabled()  # no realization follows a failed build
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_numpy_of_a_view_reads_only_its_span(dtype, monkeypatch):
+    """numpy() of a view of a computed tensor copies only the elements the view spans (e.g. the last token's
+    logits of a long prompt), from any element offset (odd ones included for 16-bit types)."""
+    from vkformers.runtime import vulkan
+    host = (np.arange(5 * 7 * 9, dtype=np.float32).reshape(5, 7, 9) % 64) / 4  # exact in every dtype
+    x = vkf.tensor(host, dtype=dtype) * 1.0  # computed: its storage is a device-only buffer
+    x.realize()
+    staged = []
+    allocate = vulkan._allocate
+    monkeypatch.setattr(vulkan, "_allocate", lambda device, words, kind, name, nbytes:
+                        staged.append(nbytes) or allocate(device, words, kind, name, nbytes))
+    itemsize = 4 if dtype == "float32" else 2
+    views = ((x[4:5, 6], host[4:5, 6], 9), (x[2, 3:6, 1::3], host[2, 3:6, 1::3], 2 * 9 + 7 + 1),
+             (x[4, 6, 8], host[4, 6, 8], 1), (x.transpose(0, 2)[1:3], host.transpose(2, 1, 0)[1:3], None),
+             (x[:, -1], host[:, -1], None), (x[1:1], host[1:1], 0))
+    for view, want, span in views:
+        staged.clear()
+        np.testing.assert_array_equal(view.numpy(), want)
+        if span is not None:  # a view of x itself (the others are copies first): only its span is staged
+            assert sum(staged) <= span * itemsize + 4, (want.shape, staged)

@@ -85,13 +85,15 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """The values as a numpy array (float16 for float16; bfloat16 is widened to float32)."""
         self.realize()
-        base = self.lazy.base
+        base, v = self.lazy.base, self.lazy.view
+        if v.numel == 0:
+            return np.zeros(v.shape, np.float32 if self.dtype is dt.bfloat16 else self.dtype.host)
+        span = sum((n - 1) * s for n, s in zip(v.shape, v.strides)) + 1
         if base.host is not None:
-            flat = base.host.reshape(-1)
-        else:
-            flat = base.buffer.read().reshape(-1)
-        v = self.lazy.view
-        out = np.lib.stride_tricks.as_strided(flat[v.offset:], shape=v.shape,
+            flat = base.host.reshape(-1)[v.offset:]
+        else:  # only the span the view covers travels (the last token's logits, not all of them)
+            flat = base.buffer.read(v.offset, span)
+        out = np.lib.stride_tricks.as_strided(flat, shape=v.shape,
                                               strides=tuple(s * flat.itemsize for s in v.strides)).copy()
         return dt.from_bfloat16(out) if self.dtype is dt.bfloat16 else out
 

@@ -278,19 +278,27 @@ class Buffer:
         seq.replay()
         staging.destroy()
 
-    def read(self) -> np.ndarray:
-        """The buffer's contents as a numpy array of its shape (bfloat16 as uint16 bits)."""
+    def read(self, start: int = 0, count: int | None = None) -> np.ndarray:
+        """The buffer's contents as a numpy array of its shape (bfloat16 as uint16 bits); with ``start`` or
+        ``count``, only elements start .. start + count, flat (a view's span: only those bytes travel)."""
+        whole = start == 0 and count in (None, self.count)
+        count = self.count - start if count is None else count
+        if not 0 <= start <= start + count <= self.count:
+            raise ValueError(f"buffer {self.name!r}: elements {start}..{start + count} outside 0..{self.count}")
         if self.host_visible:
             self.device.run(lambda seq: seq.download(self))
-            return self.host.copy()
-        staging = _allocate(self.device, np.empty(max(1, -(-self.nbytes // 4)), np.uint32), kp.TensorTypes.host,
-                            f"{self.name} (staging)", self.nbytes)
+            return self.host.copy() if whole else self.host.reshape(-1)[start:start + count].copy()
+        size = self.dtype.itemsize
+        first, last = start * size // 4 * 4, -(-(start + count) * size // 4) * 4  # whole 32-bit words
+        staging = _allocate(self.device, np.empty(max(1, (last - first) // 4), np.uint32), kp.TensorTypes.host,
+                            f"{self.name} (staging)", last - first)
         seq = self.device.sequence()
-        seq._copy_tensor(self, staging, self.nbytes)
+        seq._copy_tensor(self, staging, last - first, src_offset=first)
         seq.replay()
-        out = staging.data().view(np.uint8)[: self.nbytes].view(self.dtype.host).reshape(self.shape).copy()
+        skip = start * size - first
+        out = staging.data().view(np.uint8)[skip:skip + count * size].view(self.dtype.host).copy()
         staging.destroy()
-        return out
+        return out.reshape(self.shape) if whole else out
 
 
 def _as_words(data: np.ndarray) -> np.ndarray:
@@ -451,12 +459,13 @@ class Sequence:
                 self._add(op)
         return self
 
-    def _copy_tensor(self, src, dst, nbytes):
+    def _copy_tensor(self, src, dst, nbytes, src_offset: int = 0):
         # one-shot copies between a Buffer and a bare staging tensor
         src_t = src._tensor if isinstance(src, Buffer) else src
         dst_t = dst._tensor if isinstance(dst, Buffer) else dst
         self._keep.extend([src_t, dst_t])
-        self._add(_Op("copy", (), (), lambda: kp.OpBufferCopy(src_t, dst_t, 0, 0, -(-nbytes // 4) * 4), "transfer"))
+        self._add(_Op("copy", (), (), lambda: kp.OpBufferCopy(src_t, dst_t, src_offset, 0, -(-nbytes // 4) * 4),
+                      "transfer"))
 
     def _require_host_visible(self, buf: Buffer):
         if not buf.host_visible:
