@@ -3,6 +3,7 @@ import pytest
 
 from vkformers.engine.ops import decode as fused_decode
 from vkformers.errors import VkformersError
+from vkformers.models import generation
 from vkformers.runtime.vulkan import get_device
 
 
@@ -15,6 +16,10 @@ def pytest_sessionstart(session):
     # CI), so that the parity and generation tests check them against transformers.
     if fused_decode.enabled is None:
         fused_decode.enabled = True
+    # Likewise chain greedy decode steps (GPU-chosen tokens between them) as on a GPU: every decoder's cached
+    # greedy tokens then check the chained path too.
+    if generation.CHAIN_STEPS is None:
+        generation.CHAIN_STEPS = 8
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,10 @@ from vkformers.models.cache import KVCache
 from vkformers.runtime import dtypes as dt
 
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
-CHAIN_STEPS = 8  # greedy decode steps per submission once the step is captured (GPU-chosen tokens in between)
+# Greedy decode steps per submission once the step is captured (the GPU chooses the tokens in between). None:
+# 8 on a GPU; 1 on a CPU device, whose own work hides the host's round trip (lavapipe measured no gain) and where
+# a streamer would otherwise get its tokens in bursts seconds apart.
+CHAIN_STEPS: int | None = None
 
 
 class GenerationMixin:
@@ -111,7 +114,8 @@ class GenerationMixin:
                 if decode.ready and tokens.shape[1] <= capture_limit:
                     # greedy: chain steps in one submission, the GPU choosing the tokens in between, while the
                     # sequence stays short of the capture limit and of the Phi-3 recomputation point
-                    steps = min(CHAIN_STEPS, max_new_tokens - 1 - step, capture_limit - tokens.shape[1] + 1)
+                    steps = min(_chain_steps(cache.device), max_new_tokens - 1 - step,
+                                capture_limit - tokens.shape[1] + 1)
                     if recompute_beyond is not None and cache.position <= recompute_beyond:
                         steps = min(steps, recompute_beyond - tokens.shape[1] + 1)
                     if greedy and steps > 1 and decode.chainable:
@@ -162,6 +166,10 @@ class GenerationMixin:
 
 
 # ---------------------------------------------------------------- model attributes
+
+def _chain_steps(device) -> int:
+    return CHAIN_STEPS if CHAIN_STEPS is not None else (1 if device.is_cpu else 8)
+
 
 def _capture_key(model, cache: KVCache):
     """What a recorded decode step depends on beyond its per-step inputs, or None when a parameter has pending
