@@ -22,6 +22,7 @@ import numpy as np
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.models.cache import KVCache
+from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
 from vkformers.runtime import dtypes as dt
 
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
@@ -130,22 +131,22 @@ class GenerationMixin:
                     out = self(step_ids, attention_mask=mask, position_ids=step_positions, cache=cache)
                     last = _last_position(out)
                     del out
-                    logits = _to_scores(last.numpy())
+                    logits = to_scores(last.numpy())
                 decode.observe(seen.runs, step_ids, step_positions, last)
                 del last
         _end(streamer)
         return tokens
 
-    def _decode_capture(self, cache: KVCache) -> "_DecodeCapture":
+    def _decode_capture(self, cache: KVCache) -> "DecodeCapture":
         """The captured decode step of the last generate when it still applies (same cache, same parameter
         buffers, all realized, same mode and fused-kernel switch), so that a later call replays from its first
         decode step instead of building and confirming two steps in Python (~40 ms each for a 22-layer model);
         else a new capture."""
-        key = _capture_key(self, cache)
+        key = capture_key(self, cache)
         held = getattr(self, "_held_decode", None)
         if key is not None and held is not None and held[0] == key:
             return held[1]
-        decode = _DecodeCapture(cache)
+        decode = DecodeCapture(cache)
         object.__setattr__(self, "_held_decode", (key, decode) if key is not None else None)
         return decode
 
@@ -169,17 +170,6 @@ class GenerationMixin:
 
 def _chain_steps(device) -> int:
     return CHAIN_STEPS if CHAIN_STEPS is not None else (1 if device.is_cpu else 8)
-
-
-def _capture_key(model, cache: KVCache):
-    """What a recorded decode step depends on beyond its per-step inputs, or None when a parameter has pending
-    (unrealized) updates: the graph would then contain them, and the recorded plan does not."""
-    from vkformers.engine.ops import decode as fused_decode
-    params = model.parameters() if hasattr(model, "parameters") else []
-    if any(p.lazy.base.node is not None for p in params):
-        return None
-    return (id(cache), tuple(id(p.lazy.base.buffer) for p in params), getattr(model, "training", False),
-            fused_decode.enabled, lazy.stats["cleared"])
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:
@@ -246,151 +236,9 @@ def _last_position(out):
     return logits[:, logits.shape[1] - 1].contiguous()
 
 
-def _to_scores(logits: np.ndarray) -> np.ndarray:
-    return logits.astype(np.float32)
-
-
 def _last_logits(out) -> np.ndarray:
     """The last position's logits as float32 [batch, vocab]."""
-    return _to_scores(_last_position(out).numpy())
-
-
-# ---------------------------------------------------------------- captured decode step
-
-class _DecodeCapture:
-    """Decode steps replayed without running the model's Python forward.
-
-    Every decode step builds the same graph, and the engine replays one recorded plan for it; what
-    remains per token is building that graph in Python, which costs far more than the GPU work of a
-    small model. So generate watches the decode steps (``observe``): once two consecutive ones ran
-    the same plan as a single realization, with the step's token ids, positions and cache inputs
-    landing in the same input buffers, and every other input (rotary tables, constants) holding
-    the same values in both, later steps (``run``) write their ids, positions and cache inputs into
-    those buffers, replay the plan and read the logits, with no graph at all.
-
-    The inputs are recognised by identity: the model must make its input tensors from the very
-    int32 arrays it is given (``Tensor(np.asarray(ids, np.int32))`` does), and the cache records the
-    arrays of its own. A step whose inputs cannot all be found is simply not captured.
-    """
-
-    def __init__(self, cache: KVCache):
-        self.cache = cache
-        self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
-        self.ready = False
-        self.readback = None   # lazy.ViewReadback of the logits
-        self.chains = {}       # steps -> _Chain, recorded on first use
-
-    def forget(self) -> None:
-        """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
-        self.previous, self.ready, self.readback, self.chains = None, False, None, {}
-
-    def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last) -> None:
-        current = self._describe(runs, step_ids, step_positions, last)
-        previous, self.previous = self.previous, current
-        if current is None or previous is None:
-            return
-        plan, roles, constants, buffer, view = current
-        if plan is not previous[0] or roles != previous[1] or buffer is not previous[3] or view != previous[4]:
-            return
-        if any(not lazy.same_values(a, b) for a, b in zip(constants, previous[2])):
-            return  # an input made inside the forward changed between steps: only the Python forward knows it
-        self.ready = True
-
-    def _describe(self, runs, step_ids, step_positions, last):
-        if len(runs) != 1:  # the step realized more than once (or not at all): no single plan to replay
-            return None
-        run = runs[0]
-        step_bounds, step_mask = self.cache.step_hosts
-        known = {id(step_ids): "ids", id(step_positions): "positions", id(step_bounds): "bounds"}
-        if step_mask is not None:
-            known[id(step_mask)] = "mask"
-        roles = tuple(known.get(id(a), "constant") for a in run.inputs)
-        # ids must be found (a copy of them could look constant when a token repeats); positions may be
-        # unused (ALiBi) or copied, which the constancy check catches as they grow by one every step
-        if not {"ids", "bounds"} <= set(roles) or ("mask" in roles) != (step_mask is not None):
-            return None
-        constants = [a for a, role in zip(run.inputs, roles) if role == "constant"]
-        lb = last.lazy
-        if lb.base.buffer is None or lb.base.buffer not in [b for bufs in run.plan.node_buffers for b in bufs]:
-            return None
-        return run.plan, roles, constants, lb.base.buffer, lb.view
-
-    def run(self, step_ids: np.ndarray, step_positions: np.ndarray) -> np.ndarray | None:
-        """One decode step by replay: the logits as float32 [batch, vocab], or None when it cannot (the
-        cache's mask changed kind): then the caller runs the forward."""
-        plan, roles, _, buffer, view = self.previous
-        bounds, mask = self.cache.step_arrays(1)
-        if (mask is not None) != ("mask" in roles):
-            self.forget()
-            return None
-        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask}
-        for role, target in zip(roles, plan.input_buffers):
-            if role != "constant":
-                target.host[...] = values[role].reshape(target.shape)
-        lazy.replay(plan)
-        self.cache.advance(1)
-        if self.readback is None:
-            self.readback = lazy.ViewReadback([(buffer, view)])
-        return _to_scores(self.readback.read()[0])
-
-
-    @property
-    def chainable(self) -> bool:
-        """Whether steps can be chained: the step reads no key padding mask (a chained step would have to
-        extend it on the GPU)."""
-        return self.ready and "mask" not in self.previous[1]
-
-    def run_chain(self, step_ids: np.ndarray, step_positions: np.ndarray, steps: int):
-        """``steps`` greedy decode steps in one submission, the GPU choosing each step's input token from the
-        step before (decode_next_token.comp, numpy's argmax rule): (the last step's logits as float32
-        [batch, vocab], the steps - 1 tokens chosen in between as a list of [batch] int64 arrays), or None when
-        the cache's mask changed kind (then the caller runs the forward)."""
-        plan, roles = self.previous[:2]
-        bounds, mask = self.cache.step_arrays(1)
-        if mask is not None:
-            self.forget()
-            return None
-        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds}
-        for role, target in zip(roles, plan.input_buffers):
-            if role != "constant":
-                target.host[...] = values[role].reshape(target.shape)
-        chain = self.chains.get(steps) or self._record_chain(steps)
-        lazy.replay(plan, chain.seq)
-        self.cache.advance(1)
-        for _ in range(steps - 1):  # the host's account of the cache: the chained tokens are stored
-            self.cache.step_arrays(1)
-            self.cache.advance(1)
-        logits = _to_scores(chain.logits.values()[0])
-        history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
-        return logits, list(history)
-
-    def _record_chain(self, steps: int) -> "_Chain":
-        from vkformers.engine.kernels import Operand
-        from vkformers.engine.kernels import decode as KD
-        from vkformers.runtime.vulkan import Buffer
-        plan, roles, _, buffer, view = self.previous
-        inputs = {role: target for role, target in zip(roles, plan.input_buffers) if role != "constant"}
-        batch, vocab = view.shape
-        device = plan.seq.device
-        history = Buffer(device, ((steps - 1) * batch,), "int32", host_visible=True, name="chained tokens")
-        seq = device.sequence(timestamps=plan.seq.timestamps).extend(plan.seq, others=False)
-        for step in range(steps):
-            seq.extend(plan.seq, uploads=False)
-            if step < steps - 1:
-                KD.next_token(seq, Operand(buffer, view.offset), inputs["ids"], inputs["bounds"], history,
-                              rows=batch, vocab=vocab, row_stride=view.strides[0], step=step,
-                              positions=inputs.get("positions"))
-        logits = lazy.ViewReadback([(buffer, view)], seq)
-        seq.download(history)
-        self.chains[steps] = chain = _Chain(seq, logits, history)
-        return chain
-
-
-class _Chain:
-    """A recorded sequence of chained decode steps, with the readback of its last logits and chosen tokens."""
-
-    def __init__(self, seq, logits, history):
-        self.seq, self.logits, self.history = seq, logits, history
+    return to_scores(_last_position(out).numpy())
 
 
 def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float) -> np.ndarray:

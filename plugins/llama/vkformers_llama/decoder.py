@@ -605,7 +605,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         spec = self.decoder_spec(config, name)
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
-        # generate may replay a decode step without this forward (generation._DecodeCapture), which sees
+        # generate may replay a decode step without this forward (models/decode_capture.py), which sees
         # inputs that change every step but not ones that only change past some position (Llama 4's scale)
         self.capture_decode = spec.query_position_scale is None and not spec.linear_layers  # (linear layers: their
         # recurrent state lives on the cache, updated by the Python forward)

@@ -1,0 +1,166 @@
+"""Decode steps that ``generate`` replays without the model's Python forward (models/generation.py).
+
+``DecodeCapture`` watches the first decode steps and, once two ran the same recorded plan, replays that plan
+for every later token with new ids, positions and cache bounds written into its inputs. Greedy decoding
+chains several such steps in one submission (``run_chain``): the GPU chooses each step's token from the
+step before (shaders/common/decode_next_token.comp). ``capture_key`` says when a capture may serve a
+later ``generate`` call too.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine import lazy
+from vkformers.engine.kernels import Operand
+from vkformers.engine.kernels import decode as KD
+from vkformers.engine.ops import decode as fused_decode
+from vkformers.models.cache import KVCache
+from vkformers.runtime.vulkan import Buffer
+
+
+def to_scores(logits: np.ndarray) -> np.ndarray:
+    return logits.astype(np.float32)
+
+
+def capture_key(model, cache: KVCache):
+    """What a recorded decode step depends on beyond its per-step inputs, or None when a parameter has pending
+    (unrealized) updates: the graph would then contain them, and the recorded plan does not."""
+    params = model.parameters() if hasattr(model, "parameters") else []
+    if any(p.lazy.base.node is not None for p in params):
+        return None
+    return (id(cache), tuple(id(p.lazy.base.buffer) for p in params), getattr(model, "training", False),
+            fused_decode.enabled, lazy.stats["cleared"])
+
+
+
+class DecodeCapture:
+    """Decode steps replayed without running the model's Python forward.
+
+    Every decode step builds the same graph, and the engine replays one recorded plan for it; what
+    remains per token is building that graph in Python, which costs far more than the GPU work of a
+    small model. So generate watches the decode steps (``observe``): once two consecutive ones ran
+    the same plan as a single realization, with the step's token ids, positions and cache inputs
+    landing in the same input buffers, and every other input (rotary tables, constants) holding
+    the same values in both, later steps (``run``) write their ids, positions and cache inputs into
+    those buffers, replay the plan and read the logits, with no graph at all.
+
+    The inputs are recognised by identity: the model must make its input tensors from the very
+    int32 arrays it is given (``Tensor(np.asarray(ids, np.int32))`` does), and the cache records the
+    arrays of its own. A step whose inputs cannot all be found is simply not captured.
+    """
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
+        self.ready = False
+        self.readback = None   # lazy.ViewReadback of the logits
+        self.chains = {}       # steps -> _Chain, recorded on first use
+
+    def forget(self) -> None:
+        """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
+        self.previous, self.ready, self.readback, self.chains = None, False, None, {}
+
+    def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last) -> None:
+        current = self._describe(runs, step_ids, step_positions, last)
+        previous, self.previous = self.previous, current
+        if current is None or previous is None:
+            return
+        plan, roles, constants, buffer, view = current
+        if plan is not previous[0] or roles != previous[1] or buffer is not previous[3] or view != previous[4]:
+            return
+        if any(not lazy.same_values(a, b) for a, b in zip(constants, previous[2])):
+            return  # an input made inside the forward changed between steps: only the Python forward knows it
+        self.ready = True
+
+    def _describe(self, runs, step_ids, step_positions, last):
+        if len(runs) != 1:  # the step realized more than once (or not at all): no single plan to replay
+            return None
+        run = runs[0]
+        step_bounds, step_mask = self.cache.step_hosts
+        known = {id(step_ids): "ids", id(step_positions): "positions", id(step_bounds): "bounds"}
+        if step_mask is not None:
+            known[id(step_mask)] = "mask"
+        roles = tuple(known.get(id(a), "constant") for a in run.inputs)
+        # ids must be found (a copy of them could look constant when a token repeats); positions may be
+        # unused (ALiBi) or copied, which the constancy check catches as they grow by one every step
+        if not {"ids", "bounds"} <= set(roles) or ("mask" in roles) != (step_mask is not None):
+            return None
+        constants = [a for a, role in zip(run.inputs, roles) if role == "constant"]
+        lb = last.lazy
+        if lb.base.buffer is None or lb.base.buffer not in [b for bufs in run.plan.node_buffers for b in bufs]:
+            return None
+        return run.plan, roles, constants, lb.base.buffer, lb.view
+
+    def run(self, step_ids: np.ndarray, step_positions: np.ndarray) -> np.ndarray | None:
+        """One decode step by replay: the logits as float32 [batch, vocab], or None when it cannot (the
+        cache's mask changed kind): then the caller runs the forward."""
+        plan, roles, _, buffer, view = self.previous
+        bounds, mask = self.cache.step_arrays(1)
+        if (mask is not None) != ("mask" in roles):
+            self.forget()
+            return None
+        _write_inputs(plan, roles, {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask})
+        lazy.replay(plan)
+        self.cache.advance(1)
+        if self.readback is None:
+            self.readback = lazy.ViewReadback([(buffer, view)])
+        return to_scores(self.readback.read()[0])
+
+    @property
+    def chainable(self) -> bool:
+        """Whether steps can be chained: the step reads no key padding mask (a chained step would have to
+        extend it on the GPU)."""
+        return self.ready and "mask" not in self.previous[1]
+
+    def run_chain(self, step_ids: np.ndarray, step_positions: np.ndarray, steps: int):
+        """``steps`` greedy decode steps in one submission, the GPU choosing each step's input token from the
+        step before (decode_next_token.comp, numpy's argmax rule): (the last step's logits as float32
+        [batch, vocab], the steps - 1 tokens chosen in between as a list of [batch] int64 arrays), or None when
+        the cache's mask changed kind (then the caller runs the forward)."""
+        plan, roles = self.previous[:2]
+        bounds, mask = self.cache.step_arrays(1)
+        if mask is not None:
+            self.forget()
+            return None
+        _write_inputs(plan, roles, {"ids": step_ids, "positions": step_positions, "bounds": bounds})
+        chain = self.chains.get(steps) or self._record_chain(steps)
+        lazy.replay(plan, chain.seq)
+        self.cache.advance(1)
+        for _ in range(steps - 1):  # the host's account of the cache: the chained tokens are stored
+            self.cache.step_arrays(1)
+            self.cache.advance(1)
+        logits = to_scores(chain.logits.values()[0])
+        history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
+        return logits, list(history)
+
+    def _record_chain(self, steps: int) -> "_Chain":
+        plan, roles, _, buffer, view = self.previous
+        inputs = {role: target for role, target in zip(roles, plan.input_buffers) if role != "constant"}
+        batch, vocab = view.shape
+        device = plan.seq.device
+        history = Buffer(device, ((steps - 1) * batch,), "int32", host_visible=True, name="chained tokens")
+        seq = device.sequence(timestamps=plan.seq.timestamps).extend(plan.seq, others=False)
+        for step in range(steps):
+            seq.extend(plan.seq, uploads=False)
+            if step < steps - 1:
+                KD.next_token(seq, Operand(buffer, view.offset), inputs["ids"], inputs["bounds"], history,
+                              rows=batch, vocab=vocab, row_stride=view.strides[0], step=step,
+                              positions=inputs.get("positions"))
+        logits = lazy.ViewReadback([(buffer, view)], seq)
+        seq.download(history)
+        self.chains[steps] = chain = _Chain(seq, logits, history)
+        return chain
+
+
+class _Chain:
+    """A recorded sequence of chained decode steps, with the readback of its last logits and chosen tokens."""
+
+    def __init__(self, seq, logits, history):
+        self.seq, self.logits, self.history = seq, logits, history
+
+
+def _write_inputs(plan, roles, values) -> None:
+    """A step's own inputs into the plan's input buffers (the constants stay as the recording left them)."""
+    for role, target in zip(roles, plan.input_buffers):
+        if role != "constant":
+            target.host[...] = values[role].reshape(target.shape)
