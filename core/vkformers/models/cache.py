@@ -61,7 +61,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget the stored tokens (the buffers stay allocated and are overwritten)."""
         self.position = 0
-        self.mask[:] = 1
+        self.mask[:] = 1  # ones past the stored tokens: chained decode steps (decode_capture.py) rely on it
         self._step = None
 
     def advance(self, count: int) -> None:

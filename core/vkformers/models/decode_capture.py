@@ -106,23 +106,20 @@ class DecodeCapture:
             self.readback = lazy.ViewReadback([(buffer, view)])
         return to_scores(self.readback.read()[0])
 
-    @property
-    def chainable(self) -> bool:
-        """Whether steps can be chained: the step reads no key padding mask (a chained step would have to
-        extend it on the GPU)."""
-        return self.ready and "mask" not in self.previous[1]
 
     def run_chain(self, step_ids: np.ndarray, step_positions: np.ndarray, steps: int):
         """``steps`` greedy decode steps in one submission, the GPU choosing each step's input token from the
         step before (decode_next_token.comp, numpy's argmax rule): (the last step's logits as float32
         [batch, vocab], the steps - 1 tokens chosen in between as a list of [batch] int64 arrays), or None when
-        the cache's mask changed kind (then the caller runs the forward)."""
+        the cache's mask changed kind (then the caller runs the forward). A key padding mask needs no update between
+        the chained steps: the cache's mask holds ones past the stored tokens (KVCache.reset), so the one uploaded
+        with the first step already covers the new tokens."""
         plan, roles = self.previous[:2]
         bounds, mask = self.cache.step_arrays(1)
-        if mask is not None:
+        if (mask is not None) != ("mask" in roles):
             self.forget()
             return None
-        _write_inputs(plan, roles, {"ids": step_ids, "positions": step_positions, "bounds": bounds})
+        _write_inputs(plan, roles, {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask})
         chain = self.chains.get(steps) or self._record_chain(steps)
         lazy.replay(plan, chain.seq)
         self.cache.advance(1)

@@ -119,7 +119,7 @@ class GenerationMixin:
                                 capture_limit - tokens.shape[1] + 1)
                     if recompute_beyond is not None and cache.position <= recompute_beyond:
                         steps = min(steps, recompute_beyond - tokens.shape[1] + 1)
-                    if greedy and steps > 1 and decode.chainable:
+                    if greedy and steps > 1:
                         result = decode.run_chain(step_ids, step_positions, steps)
                         if result is not None:
                             logits, chosen = result
