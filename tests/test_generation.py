@@ -479,3 +479,15 @@ def test_chained_steps_in_bfloat16_choose_as_the_host_does(monkeypatch):
     want = model.generate(PROMPT, max_new_tokens=18, eos_token_id=[])
     monkeypatch.setattr(generation, "CHAIN_STEPS", 8)
     np.testing.assert_array_equal(model.generate(PROMPT, max_new_tokens=18, eos_token_id=[]), want)
+
+
+def test_chained_steps_stop_at_the_capture_limit(monkeypatch):
+    """Past max_position_embeddings (64 here) generate leaves the captured step for the Python forward: a chain
+    must end there too, and the tokens equal those of one step per submission."""
+    from vkformers.models import generation
+    model = TinyLM()
+    for new_tokens in (57, 58, 70):  # to the limit, one past it, well past it
+        monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+        want = model.generate(PROMPT, max_new_tokens=new_tokens, eos_token_id=[])
+        monkeypatch.setattr(generation, "CHAIN_STEPS", 8)
+        np.testing.assert_array_equal(model.generate(PROMPT, max_new_tokens=new_tokens, eos_token_id=[]), want)
