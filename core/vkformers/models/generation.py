@@ -3,9 +3,10 @@
 One forward over the prompt fills the cache (prefill); then each new token is one forward of
 a single position. That decode forward builds the same graph every step (the cache reads its
 position from a small uploaded tensor), so it is recorded once and replayed for every later
-token. Choosing the next token runs on the host in numpy, on the last position's logits
-(``[batch, vocab]`` read back per step), with transformers' semantics and order: repetition
-penalty, then (when sampling) temperature, top-k, top-p.
+token (models/decode_capture.py). Choosing the next token runs on the host in numpy, on the last
+position's logits (``[batch, vocab]`` read back per step), with transformers' semantics and order:
+repetition penalty, then (when sampling) temperature, top-k, top-p. Plain greedy decoding on a GPU
+chains CHAIN_STEPS replays per submission instead, the GPU taking the argmax between them.
 
 A model class inheriting the mixin provides ``num_layers``, ``num_kv_heads``, ``head_dim``,
 ``max_position_embeddings`` and ``dtype``; optionally ``recompute_cache_beyond`` (an int: when the
