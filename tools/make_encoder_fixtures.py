@@ -15,12 +15,9 @@ Deterministic: one CPU thread, fixed seeds, sorted JSON (meta.json records the v
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
 import tempfile
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (ADAMW, build_each, parse_fixture_args, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, SEQ, VEC_STD, VOCAB,  # noqa: E402
-                           check_overrides, reinit_)
+                           check_overrides, publish, reinit_)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "encoders"
@@ -300,9 +297,7 @@ def build(spec: Spec, out_root: Path):
             "reloaded_logits_max_abs_diff": float(f"{reload_diff.item():.3g}"),
         },
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    tmp.rename(out)
-    return meta
+    return publish(tmp, out, meta)
 
 
 def main(argv=None):

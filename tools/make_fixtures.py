@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import traceback
@@ -941,6 +940,14 @@ def _with_saved_names(model, ref: dict) -> dict:
     return out
 
 
+def publish(tmp: Path, out: Path, meta: dict) -> dict:
+    """Write meta.json into the fixture's temporary folder, then move it into place in one rename (a failed
+    build never leaves a half-written fixture)."""
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return meta
+
+
 def init_and_save(model, spec, tmp: Path) -> Path:
     """Re-initialise ``model`` (reinit_, then the Spec's perturbed ``noisy_buffers`` and ``prepare``, if a Spec is
     given) and save it to ``tmp``."""
@@ -1107,9 +1114,7 @@ def build(spec: Spec, out_root: Path):
                                    "model.safetensors (one tensor per expert), not named_parameters()")
     if spec.adamw_steps == 2:
         meta["adamw"]["second_step"] = "adamw2.<param>: a second forward/backward on the same batch, then step"
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    tmp.rename(out)
-    return meta
+    return publish(tmp, out, meta)
 
 
 # ---- LoRA (PEFT) on the llama fixture ----------------------------------------------------------
@@ -1219,9 +1224,7 @@ def build_lora(out_root: Path):
             "peft_reload_of_saved_adapter_logits_max_abs_diff": float(f"{reload_diff:.3g}"),
         },
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    tmp.rename(out)
-    return meta
+    return publish(tmp, out, meta)
 
 
 def parse_fixture_args(argv, specs, default_out, extra_names=(), name_width=22):

@@ -16,11 +16,8 @@ Deterministic: one CPU thread, fixed seeds, sorted JSON (meta.json records the v
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from make_fixtures import (ADAMW, build_each, parse_fixture_args, BOS, EOS, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, PAD, VEC_STD, VOCAB,  # noqa: E402
-                           check_overrides, reinit_)
+                           check_overrides, publish, reinit_)
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
@@ -282,9 +279,7 @@ def build(spec: Spec, out_root: Path):
             "greedy_logits_vs_no_cache_forward_max_abs_diff": float(f"{cache_diff:.3g}"),
         },
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    tmp.rename(out)
-    return meta
+    return publish(tmp, out, meta)
 
 
 def main(argv=None):

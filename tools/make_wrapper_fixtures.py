@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from make_fixtures import (FLOAT32, L, NEW_TOKENS, SPECS, VEC_STD, build_each,  # noqa: E402
-                           greedy_reference, init_and_save, make_inputs, parse_fixture_args)
+from make_fixtures import (FLOAT32, L, NEW_TOKENS, SPECS, build_each,  # noqa: E402
+                           greedy_reference, init_and_save, make_inputs, parse_fixture_args, publish)
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.models.auto import modeling_auto  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
@@ -227,9 +227,7 @@ def build(spec: Spec, out_root: Path):
             "from_pretrained_reload_logits_max_abs_diff": float(f"{reload_diff:.3g}"),
         },
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    tmp.rename(out)
-    return meta
+    return publish(tmp, out, meta)
 
 
 def main(argv=None):
