@@ -437,21 +437,17 @@ def replay(plan: Plan, seq=None) -> None:
     Outputs live tensors still hold from its previous replay are copied away first, as in realize().
     ``seq``: run that sequence instead, one built from the plan's operations (``Sequence.extend``)."""
     _detach_previous_outputs(plan.seq.device, plan)
-    if seq is None:
-        _run(plan)
-    else:
-        seq.replay()
-        if _profilers and seq.timestamps:
-            for p in _profilers:
-                p.add(seq.timings())
+    _run(plan, seq)
     stats["replayed"] += 1
 
 
-def _run(plan: Plan) -> None:
-    plan.seq.replay()
+def _run(plan: Plan, seq=None) -> None:
+    """Submit the plan's sequence (or ``seq``, built from its operations) and wait; profilers get its timings."""
+    seq = seq or plan.seq
+    seq.replay()
     plan.replays += 1
-    if _profilers and plan.seq.timestamps:
-        timings = plan.seq.timings()
+    if _profilers and seq.timestamps:
+        timings = seq.timings()
         for p in _profilers:
             p.add(timings)
 

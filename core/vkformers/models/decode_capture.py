@@ -94,18 +94,14 @@ class DecodeCapture:
     def run(self, step_ids: np.ndarray, step_positions: np.ndarray) -> np.ndarray | None:
         """One decode step by replay: the logits as float32 [batch, vocab], or None when it cannot (the
         cache's mask changed kind): then the caller runs the forward."""
-        plan, roles, _, buffer, view = self.previous
-        bounds, mask = self.cache.step_arrays(1)
-        if (mask is not None) != ("mask" in roles):
-            self.forget()
+        plan, _, _, buffer, view = self.previous
+        if not self._write_step(step_ids, step_positions):
             return None
-        _write_inputs(plan, roles, {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask})
         lazy.replay(plan)
         self.cache.advance(1)
         if self.readback is None:
             self.readback = lazy.ViewReadback([(buffer, view)])
         return to_scores(self.readback.read()[0])
-
 
     def run_chain(self, step_ids: np.ndarray, step_positions: np.ndarray, steps: int):
         """``steps`` greedy decode steps in one submission, the GPU choosing each step's input token from the
@@ -114,12 +110,9 @@ class DecodeCapture:
         the cache's mask changed kind (then the caller runs the forward). A key padding mask needs no update between
         the chained steps: the cache's mask holds ones past the stored tokens (KVCache.reset), so the one uploaded
         with the first step already covers the new tokens."""
-        plan, roles = self.previous[:2]
-        bounds, mask = self.cache.step_arrays(1)
-        if (mask is not None) != ("mask" in roles):
-            self.forget()
+        if not self._write_step(step_ids, step_positions):
             return None
-        _write_inputs(plan, roles, {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask})
+        plan = self.previous[0]
         chain = self.chains.get(steps) or self._record_chain(steps)
         lazy.replay(plan, chain.seq)
         self.cache.advance(1)
@@ -129,6 +122,20 @@ class DecodeCapture:
         logits = to_scores(chain.logits.values()[0])
         history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
         return logits, list(history)
+
+    def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray) -> bool:
+        """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants stay
+        as the recording left them); False, forgetting the capture, when the cache's mask changed kind."""
+        plan, roles = self.previous[:2]
+        bounds, mask = self.cache.step_arrays(1)
+        if (mask is not None) != ("mask" in roles):
+            self.forget()
+            return False
+        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask}
+        for role, target in zip(roles, plan.input_buffers):
+            if role != "constant":
+                target.host[...] = values[role].reshape(target.shape)
+        return True
 
     def _record_chain(self, steps: int) -> "_Chain":
         plan, roles, _, buffer, view = self.previous
@@ -154,10 +161,3 @@ class _Chain:
 
     def __init__(self, seq, logits, history):
         self.seq, self.logits, self.history = seq, logits, history
-
-
-def _write_inputs(plan, roles, values) -> None:
-    """A step's own inputs into the plan's input buffers (the constants stay as the recording left them)."""
-    for role, target in zip(roles, plan.input_buffers):
-        if role != "constant":
-            target.host[...] = values[role].reshape(target.shape)

@@ -80,7 +80,7 @@ class DecodeTiles:
     """attention_decode.comp: ``rows`` query heads of one KV head per workgroup, tiles of ``cols`` keys."""
 
     rows: int
-    cols: int = 64
+    cols: int
     lanes: int = 1
 
     @property
