@@ -6,7 +6,7 @@ time comes from GPU timestamps (the median of several dispatches in one replay).
 The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
 torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
 
-    python bench/matmul.py [--quick] [--json OUT] [--sweep] [--decode-only]
+    python bench/matmul.py [--quick] [--json OUT] [--sweep] [--decode-only] [--prefill]
 
 --sweep also times alternative tile configurations at the largest size.
 The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 and
@@ -14,6 +14,10 @@ The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 an
 "auto" picks) and the large-m kernel for comparison, against the same-shape PyTorch
 matmul and a device-to-device copy of the weight timed in the same run (CUDA), or
 numpy on the CPU. --quick uses smaller decode shapes (m=1, n=1536, k=576 too).
+--prefill (only): the products of a TinyLlama 1.1B prefill (x @ W^T for q, k, v, o, gate, up, down and
+the lm_head) at m = 16 and 512 prompt tokens, each over distinct weights (no cache reuse): the tiles and
+K split that "auto" picks, the 128 x 128 tile unsplit, and PyTorch; then one prompt's products in all
+(22 layers and the lm_head).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import numpy as np
 from common import cuda_median, cuda_torch, write_results
 
 from vkformers.engine.kernels.matmul import (
-    CoopmatConfig, SmallMConfig, TiledConfig, matmul, select_algorithm, tiled_config)
+    COOPMAT_DEFAULT, CoopmatConfig, SmallMConfig, TiledConfig, coopmat_config, matmul, select_algorithm, split_k,
+    tiled_config)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -135,6 +140,58 @@ def decode_runs(device, quick: bool) -> list[dict]:
     return rows
 
 
+PREFILL_PRODUCTS = {"q_proj": (2048, 2048, 1), "k_proj": (256, 2048, 1), "v_proj": (256, 2048, 1),
+                    "o_proj": (2048, 2048, 1), "gate_proj": (5632, 2048, 1), "up_proj": (5632, 2048, 1),
+                    "down_proj": (2048, 5632, 1), "lm_head": (32000, 2048, 0)}  # (n, k, per layer: 1 else 0)
+PREFILL_LAYERS = 22
+
+
+def time_products_vkformers(device, m: int, n: int, k: int, dtype: str, repeats: int, **options) -> float:
+    """Seconds of one y[m, n] = x[m, k] @ W[n, k]^T from GPU timestamps: every kernel of the call (a split
+    product has two), averaged over ``repeats`` calls on distinct weights."""
+    rng = np.random.default_rng(0)
+    x = random_buffer(device, (m, k), dtype, rng)
+    weights = [random_buffer(device, (n, k), dtype, rng) for _ in range(repeats)]
+    ys = [device.buffer((m, n), dtype) for _ in range(repeats)]
+    seq = device.sequence(timestamps=True)
+    for w, y in zip(weights, ys):
+        matmul(seq, x, w, y, m=m, n=n, k=k, trans_b=True, **options)
+    seq.replay()
+    seq.replay()
+    return sum(t for label, t in seq.timings() if label.startswith("matmul")) / repeats
+
+
+def prefill_runs(device, dtype: str = "bfloat16", repeats: int = 8) -> list[dict]:
+    rows = []
+    for m in (16, 512):
+        totals = {"auto": 0.0, "128x128": 0.0, "reference": 0.0}
+        for name, (n, k, per_layer) in PREFILL_PRODUCTS.items():
+            kernel = select_algorithm(device, dtype, m)
+            cfg = coopmat_config(device, m, n) if kernel == "coopmat" else None
+            splits = split_k(device, cfg, m, n, k, 1) if cfg else 1
+            ours = time_products_vkformers(device, m, n, k, dtype, repeats)
+            plain = (time_products_vkformers(device, m, n, k, dtype, repeats, algorithm="coopmat",
+                                             coopmat=COOPMAT_DEFAULT) if kernel == "coopmat" else ours)
+            ref, _, ref_name = time_decode_reference(m, n, k, dtype, 20)
+            count = PREFILL_LAYERS if per_layer else 1
+            for key, seconds in (("auto", ours), ("128x128", plain), ("reference", ref)):
+                totals[key] += count * seconds
+            tile = f"{cfg.bm}x{cfg.bn} / {splits}" if cfg else kernel
+            rows.append({"m": m, "product": name, "n": n, "k": k, "dtype": dtype, "kernel": kernel, "tile": tile,
+                         "seconds": ours, "seconds_128x128": plain, "reference": ref_name,
+                         "reference_seconds": ref, "ratio": ref / ours})
+            print(f"prefill m={m:3d} {name:9s} {n:5d}x{k:4d} {dtype}: {tile:13s} {ours * 1e6:8.1f} us   "
+                  f"128x128 unsplit {plain * 1e6:8.1f} us   {ref_name}: {ref * 1e6:8.1f} us   "
+                  f"ratio {ref / ours:.3f}", flush=True)
+        rows.append({"m": m, "product": "prompt", "seconds": totals["auto"], "seconds_128x128": totals["128x128"],
+                     "reference_seconds": totals["reference"], "ratio": totals["reference"] / totals["auto"]})
+        print(f"prefill m={m:3d} all products of a prompt ({PREFILL_LAYERS} layers + lm_head): "
+              f"{totals['auto'] * 1e3:.3f} ms   128x128 unsplit {totals['128x128'] * 1e3:.3f} ms   "
+              f"reference {totals['reference'] * 1e3:.3f} ms   ratio {totals['reference'] / totals['auto']:.3f}",
+              flush=True)
+    return rows
+
+
 # Cooperative-matrix configurations the sweep tries (bk, then fragments per subgroup).
 COOPMAT_SWEEP = [CoopmatConfig(**kw, spec_shape=spec) for spec in (False, True) for kw in (
     dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2), dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2),
@@ -181,9 +238,14 @@ def main() -> None:
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
     parser.add_argument("--decode-only", action="store_true", help="only the decode (small-m) cases")
+    parser.add_argument("--prefill", action="store_true", help="only the products of a TinyLlama prefill")
     args = parser.parse_args()
 
     device = get_device()
+    if args.prefill:
+        print(f"device: {device.name}")
+        write_results(args.json, {"device": device.name, "prefill": prefill_runs(device)})
+        return
     sizes = () if args.decode_only else (128, 256) if args.quick else (4096, 8192)
     repeats = 3 if args.quick else 10
     print(f"device: {device.name}")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from vkformers.engine.kernels import Operand
-from vkformers.engine.kernels.matmul import SMALL_M_MAX, SmallMConfig, matmul, select_algorithm
+from vkformers.engine.kernels import matmul as KM
+from vkformers.engine.kernels.matmul import SMALL_M_MAX, SmallMConfig, coopmat_supported, matmul, select_algorithm
 from vkformers.runtime import dtypes as dt
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -52,7 +53,7 @@ def check(got: np.ndarray, ref: np.ndarray, out_dtype: str) -> None:
 
 def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=1, trans_a=False,
              trans_b=False, bias=False, alpha=1.0, beta=0.0, offsets=(0, 0, 0, 0), pad=(0, 0, 0),
-             algorithm="auto", small_m=None, seed=0):
+             algorithm="auto", small_m=None, splits=None, seed=0):
     rng = np.random.default_rng(seed)
     shape_a, shape_b = ((k, m) if trans_a else (m, k)), ((n, k) if trans_b else (k, n))
     # Batch strides with optional padding between matrices (non-dense batches).
@@ -69,7 +70,7 @@ def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=
     matmul(seq, *ops, m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b,
            stride_a=stride_a if batch > 1 else None, stride_b=stride_b if batch > 1 else None,
            stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm,
-           small_m=small_m)
+           small_m=small_m, splits=splits)
     seq.replay()
 
     c_buf = ops[2]
@@ -189,6 +190,45 @@ def test_coopmat_selected_when_the_device_has_it(device):
     assert select_algorithm(device, "float16") == ("coopmat" if offered("float16") else "tiled")
     bf16 = offered("bfloat16") and device.features.get("shaderBFloat16CooperativeMatrix")
     assert select_algorithm(device, "bfloat16") == ("coopmat" if bf16 else "tiled")
+
+
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+def test_split_k(device, in_dtype):
+    """Cooperative-matrix products of few tiles split K into slices whose float32 partial sums a second pass
+    adds up (with bias, alpha, beta, batches and ragged K, where a slice may even be empty). Without a
+    cooperative matrix for the dtype the kernel is refused, so there is nothing to split."""
+    if not coopmat_supported(device, in_dtype):
+        with pytest.raises(ValueError, match="cooperative matrix"):
+            run_case(device, 16, 64, 256, in_dtype=in_dtype, algorithm="coopmat", splits=2)
+        return
+    # m = 16 and 24 pick the 16- and 32-row tiles and split K by themselves (one tile of C, 16 K steps).
+    assert KM.split_k(device, KM.coopmat_config(device, 16, 64), 16, 64, 1024, 1) > 1
+    run_case(device, 16, 64, 1024, in_dtype=in_dtype, trans_b=True, algorithm="coopmat")
+    run_case(device, 24, 40, 1000, in_dtype=in_dtype, out_dtype=in_dtype, trans_b=True, bias=True,
+             alpha=0.5, beta=1.0, algorithm="coopmat")
+    for splits in (2, 3, 5):  # 200 = 64 + 64 + 64 + 8: with 3 and 5 slices the last ones are short or empty
+        run_case(device, 45, 71, 200, in_dtype=in_dtype, trans_a=True, algorithm="coopmat", splits=splits)
+    run_case(device, 19, 24, 160, in_dtype=in_dtype, out_dtype="float32", batch=3, pad=(5, 8, 3),
+             offsets=(3, 8, 5, 2), bias=True, beta=1.0, algorithm="coopmat", splits=2)
+
+
+def test_coopmat_tiles_fill_the_gpu():
+    """Tile and split choice on a GPU with 32-wide subgroups (pure arithmetic, no device needed): a C of many
+    tiles keeps the 128 x 128 tile unsplit; fewer tiles take smaller ones, then slices of K."""
+    class Gpu:
+        is_cpu = False
+        limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
+    gpu = Gpu()
+    big = KM.coopmat_config(gpu, 4096, 4096)
+    assert (big.bm, big.bn) == (128, 128) and KM.split_k(gpu, big, 4096, 4096, 4096, 1) == 1
+    mid = KM.coopmat_config(gpu, 512, 2048)  # 64 tiles of 128 x 128: too few
+    assert mid.bm * mid.bn < 128 * 128 and KM._groups(mid, 512, 2048) >= KM.FILL_WORKGROUPS
+    short = KM.coopmat_config(gpu, 16, 2048)
+    assert short.bm == 16
+    splits = KM.split_k(gpu, short, 16, 2048, 2048, 1)
+    assert splits * KM._groups(short, 16, 2048) >= KM.FILL_WORKGROUPS
+    assert -(-2048 // short.bk) // splits >= KM.MIN_SPLIT_STEPS
+    assert KM.split_k(gpu, short, 16, 2048, 128, 1) == 1  # two K steps: nothing to split
 
 
 def test_rejects_bad_arguments(device):

@@ -64,6 +64,10 @@ layout(constant_id = 10) const uint FRAG_N = 2;  // and along N
 layout(constant_id = 11) const uint SPEC_M = 0;  // non-zero: the problem's m (else the push constant)
 layout(constant_id = 12) const uint SPEC_N = 0;
 layout(constant_id = 13) const uint SPEC_K = 0;
+// SPLITS > 1: workgroup z = batch * SPLITS + s takes the s-th slice of K (whole BK steps) and stores its
+// float32 partial sums as C[z] (C a scratch [batch, SPLITS, m, n]); matmul_split_reduce.comp adds them
+// up and applies the epilogue. More workgroups in flight when the tiles of C are too few to fill the GPU.
+layout(constant_id = 14) const uint SPLITS = 1;
 #include "matmul_io.glsl"
 // Bound on uvec4 loads per invocation per tile (the launcher checks it).
 #define MAX_CHUNKS 16
@@ -125,8 +129,11 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint threads = gl_WorkGroupSize.x;
     const uint row0 = gl_WorkGroupID.y * BM, col0 = gl_WorkGroupID.x * BN;
-    const uint base_a = off_a + gl_WorkGroupID.z * stride_a;
-    const uint base_b = off_b + gl_WorkGroupID.z * stride_b;
+    const uint batch = gl_WorkGroupID.z / SPLITS, split = gl_WorkGroupID.z % SPLITS;
+    const uint base_a = off_a + batch * stride_a;
+    const uint base_b = off_b + batch * stride_b;
+    const uint k_slice = (K_ + SPLITS * BK - 1) / (SPLITS * BK) * BK;
+    const uint k_begin = min(K_, split * k_slice), k_end = min(K_, k_begin + k_slice);
     const uint sg = gl_SubgroupID;
     const uint sg_row = sg / SG_COLS, sg_col = sg % SG_COLS;
     // Whole-vector loads without checks for K tiles of a workgroup inside C.
@@ -149,12 +156,12 @@ void main() {
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(false, tid + l * threads, base_b, col0, K0); \
     }
 
-    FETCH_TILES(0)
-    for (uint k0 = 0; k0 < K_; k0 += BK) {
+    FETCH_TILES(k_begin)
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) tile_a[staged_index_a(tid + l * threads)] = next_a[l];
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];
         barrier();
-        if (k0 + BK < K_) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
+        if (k0 + BK < k_end) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
 
         [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[FRAG_M];

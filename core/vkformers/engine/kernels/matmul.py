@@ -84,11 +84,57 @@ class CoopmatConfig:
 
 COOPMAT_DEFAULT = CoopmatConfig()
 COOPMAT_SMALL_SHARED = CoopmatConfig(bk=32)  # devices with less than 45 KiB of shared memory
+# Smaller tiles for a C of few tiles (prefill of a short prompt, narrow projections): 64 x 128, 64 x 64,
+# and for m <= 32 tiles of 32 or 16 rows, so that the rows past m are not multiplied.
+COOPMAT_SMALLER = (CoopmatConfig(sg_rows=2, sg_cols=4, frag_m=2, frag_n=2), CoopmatConfig(sg_rows=2, sg_cols=2, frag_m=2, frag_n=2))
+COOPMAT_ROWS = {16: CoopmatConfig(sg_rows=1, sg_cols=4, frag_m=1, frag_n=2),
+                32: CoopmatConfig(sg_rows=2, sg_cols=2, frag_m=1, frag_n=2)}
+# Workgroups a GPU needs in flight (Vulkan does not say how many compute units it has; the H200 has 132):
+# fewer tiles than this take smaller tiles, then split K (matmul_split_reduce.comp adds the slices).
+FILL_WORKGROUPS = 128
+MIN_SPLIT_STEPS = 4  # K steps per slice at least: each slice's loads overlap its multiplies
+MAX_SPLIT_BYTES = 64 << 20  # float32 partial sums
 
 
-def coopmat_config(device) -> CoopmatConfig:
+def coopmat_config(device, m: int | None = None, n: int | None = None, batch: int = 1) -> CoopmatConfig:
+    """The default tile, or (given m and n) the largest tile whose grid still fills the GPU (from
+    ``bench/matmul.py --prefill`` on the H200: at m = 512, n = 2048, 64 x 64 tiles took 30 us against 44 with
+    128 x 128; at m = 16, 16-row tiles 19 us against 49)."""
     shared = device.limits["max_compute_shared_memory_size"]
-    return COOPMAT_DEFAULT if COOPMAT_DEFAULT.shared_bytes() <= shared else COOPMAT_SMALL_SHARED
+    if COOPMAT_DEFAULT.shared_bytes() > shared:
+        return COOPMAT_SMALL_SHARED
+    if m is None or n is None or device.is_cpu:
+        return COOPMAT_DEFAULT
+    subgroup = device.limits["subgroup_size"]
+    rows = next((cfg for limit, cfg in COOPMAT_ROWS.items() if m <= limit), None)
+    candidates = [rows] if rows else [COOPMAT_DEFAULT, *COOPMAT_SMALLER]
+    usable = [cfg for cfg in candidates if _runs(cfg, subgroup, shared)] or [COOPMAT_DEFAULT]
+    for cfg in usable:
+        if _groups(cfg, m, n) * batch >= FILL_WORKGROUPS:
+            return cfg
+    return usable[-1]
+
+
+def split_k(device, cfg: CoopmatConfig, m: int, n: int, k: int, batch: int) -> int:
+    """Slices of K for a grid of too few tiles (1: no split)."""
+    grid = _groups(cfg, m, n) * batch
+    if device.is_cpu or grid >= FILL_WORKGROUPS:
+        return 1
+    splits = min(-(-FILL_WORKGROUPS // grid), -(-k // cfg.bk) // MIN_SPLIT_STEPS,
+                 MAX_SPLIT_BYTES // (4 * m * n * batch))
+    return max(1, splits)
+
+
+def _groups(cfg: CoopmatConfig, m: int, n: int) -> int:
+    return -(-m // cfg.bm) * -(-n // cfg.bn)
+
+
+def _runs(cfg: CoopmatConfig, subgroup: int, shared: int) -> bool:
+    try:
+        cfg.check(subgroup)
+    except ValueError:
+        return False
+    return cfg.shared_bytes() <= shared
 
 
 def coopmat_supported(device, in_dtype) -> bool:
@@ -181,7 +227,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
            stride_b: int | None = None, stride_c: int | None = None, bias: Operand | None = None,
            alpha: float = 1.0, beta: float = 0.0, algorithm: str = "auto",
            tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None,
-           small_m: SmallMConfig | None = None) -> None:
+           small_m: SmallMConfig | None = None, splits: int | None = None) -> None:
     """Record ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]`` for b < batch into ``seq``.
 
     A is [m, k] ([k, m] when ``trans_a``), B is [k, n] ([n, k] when ``trans_b``),
@@ -190,7 +236,8 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     ``bias`` (n elements) has C's dtype. ``beta == 0`` never reads C.
     ``algorithm``: "auto" (the small-m kernel for m <= SMALL_M_MAX, else cooperative
     matrix when the device has it for the input dtype, else tiled), "small_m", "tiled"
-    or "coopmat"; ``tiled``/``coopmat``/``small_m`` override configurations (benchmarks).
+    or "coopmat"; ``tiled``/``coopmat``/``small_m`` override configurations (benchmarks), ``splits`` the
+    slices of K of the cooperative-matrix kernel (default: :func:`split_k` unless ``coopmat`` is given).
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -238,9 +285,10 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         return
 
     if algorithm == "coopmat":
-        cfg = coopmat or coopmat_config(device)
+        cfg = coopmat or coopmat_config(device, m, n, batch)
         subgroup = device.limits["subgroup_size"]
         cfg.check(subgroup)
+        splits = splits or (1 if coopmat else split_k(device, cfg, m, n, k, batch))
         # 8 halves are staged at a time; whole-vector loads need the contiguous
         # dimension, the offset and the batch stride to be multiples of 8.
         inner_a, inner_b = (m if trans_a else k), (k if trans_b else n)
@@ -251,7 +299,21 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         if cfg.spec_shape:
             spec += [m, n, k]
         groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
-        seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec)
+        if splits == 1:
+            seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec)
+            return
+        # Split K: float32 partial products per slice into a scratch buffer, then one pass adds them up.
+        partials = device.buffer(batch * splits * m * n, "float32", name="matmul split-k partials")
+        spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), 0, aligned_a, aligned_b,
+                cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n,
+                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits]  # no bias in the partials
+        partial_push = [m, n, k, a.offset, b.offset, 0, 0, stride_a, stride_b, m * n, 1.0, 0.0]
+        seq.dispatch(device.kernel("matmul_coopmat", f"{SHORT[in_dtype]}_f32"),
+                     [a.buffer, b.buffer, partials, partials], groups[:2] + (batch * splits,), partial_push, spec)
+        reduce_push = [m, n, splits, 0, 0, c.offset, bias.offset if bias else 0, m * n, 0, stride_c,
+                       float(alpha), float(beta)]
+        seq.dispatch(device.kernel("matmul_split_reduce", SHORT[out_dtype]), [partials, partials, c.buffer, (bias or c).buffer],
+                     (-(-m * n // 256), batch), reduce_push, [256, int(bias is not None)])
         return
 
     cfg = tiled or tiled_config(device, m, n)
