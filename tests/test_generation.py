@@ -431,6 +431,28 @@ def test_a_later_generate_replays_from_its_first_decode_step(monkeypatch):
     assert first_calls == 3 and again_calls == 1, (first_calls, again_calls)  # prefill + 2 steps; prefill
 
 
+def test_prompts_of_a_repeated_shape_replay_the_prefill(monkeypatch):
+    """From the third prompt of one shape without padding, generate replays the recorded prefill as well: no
+    Python forward at all, and the tokens and scores of a model that captures nothing. Other shapes and padded
+    prompts still run the forward."""
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)  # every step's scores on the host
+    model = TinyLM()
+    prompts = [PROMPT, PROMPT[:, ::-1].copy(), (PROMPT + 7) % 60, PROMPT[:, :5]]
+    calls = []
+    for ids in prompts:
+        got, got_scores, n = _generate_recording(model, ids, True, monkeypatch, max_new_tokens=6, eos_token_id=[])
+        want, want_scores, _ = _generate_recording(TinyLM(), ids, False, monkeypatch, max_new_tokens=6,
+                                                   eos_token_id=[])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got_scores, want_scores, rtol=0, atol=1e-5)
+        calls.append(n)
+    assert calls[2] == 0 and calls[3] >= 1, calls
+    _, _, padded_calls = _generate_recording(model, PADDED[1:], True, monkeypatch, max_new_tokens=4,
+                                             eos_token_id=[], attention_mask=PADDED_MASK[:1])
+    assert padded_calls >= 1
+
+
 def test_new_weights_are_not_replayed_from_an_old_capture(monkeypatch):
     """load_state_dict gives the parameters new buffers: the next generate records its decode step again
     (a replay of the old plan would read the old weights)."""

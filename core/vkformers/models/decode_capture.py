@@ -4,7 +4,8 @@
 for every later token with new ids, positions and cache bounds written into its inputs. Greedy decoding
 chains several such steps in one submission (``run_chain``): the GPU chooses each step's token from the
 step before (shaders/common/decode_next_token.comp). ``capture_key`` says when a capture may serve a
-later ``generate`` call too.
+later ``generate`` call too. The same machinery replays a prompt's forward (prefill) when later calls bring
+prompts of the same shape without padding (``tokens`` = the prompt's length).
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ class DecodeCapture:
     arrays of its own. A step whose inputs cannot all be found is simply not captured.
     """
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, tokens: int = 1):
         self.cache = cache
+        self.tokens = tokens   # per step: 1 for decode; a prompt's length for a captured prefill (no chains)
         self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
         self.ready = False
         self.readback = None   # lazy.ViewReadback of the logits
@@ -98,7 +100,7 @@ class DecodeCapture:
         if not self._write_step(step_ids, step_positions):
             return None
         lazy.replay(plan)
-        self.cache.advance(1)
+        self.cache.advance(self.tokens)
         if self.readback is None:
             self.readback = lazy.ViewReadback([(buffer, view)])
         return to_scores(self.readback.read()[0])
@@ -110,6 +112,8 @@ class DecodeCapture:
         the cache's mask changed kind (then the caller runs the forward). A key padding mask needs no update between
         the chained steps: the cache's mask holds ones past the stored tokens (KVCache.reset), so the one uploaded
         with the first step already covers the new tokens."""
+        if self.tokens != 1:
+            raise ValueError("only decode steps of one token chain")
         if not self._write_step(step_ids, step_positions):
             return None
         plan = self.previous[0]
@@ -127,7 +131,7 @@ class DecodeCapture:
         """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants stay
         as the recording left them); False, forgetting the capture, when the cache's mask changed kind."""
         plan, roles = self.previous[:2]
-        bounds, mask = self.cache.step_arrays(1)
+        bounds, mask = self.cache.step_arrays(self.tokens)
         if (mask is not None) != ("mask" in roles):
             self.forget()
             return False

@@ -26,6 +26,7 @@ from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
 from vkformers.runtime import dtypes as dt
 
+PREFILL_CAPTURES = 4  # prompt lengths whose recorded prefill a model keeps
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
 # Greedy decode steps per submission once the step is captured (the GPU chooses the tokens in between). None:
 # 8 on a GPU; 1 on a CPU device, whose own work hides the host's round trip (lavapipe measured no gain) and where
@@ -76,12 +77,14 @@ class GenerationMixin:
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
         capture_limit = self.max_position_embeddings if getattr(self, "capture_decode", True) else 0
         decode = self._decode_capture(cache)
+        # prompts without padding: every input but the ids follows from the shape, so a recorded prefill may
+        # serve later calls (Phi-3's recomputation point aside)
+        prefill = (self._prefill_capture(cache, length)
+                   if capture_limit and recompute_beyond is None and mask.all() else None)
         greedy = not do_sample and repetition_penalty == 1.0
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
-            out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
-            logits = _last_logits(out)
-            del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
+            logits = self._prefill(ids, mask, positions, cache, prefill)
             for step in range(max_new_tokens):
                 stepped = bool(chosen)  # a token the GPU chose: the chain also ran its step
                 if stepped:
@@ -151,6 +154,42 @@ class GenerationMixin:
         object.__setattr__(self, "_held_decode", (key, decode) if key is not None else None)
         return decode
 
+    def _prefill(self, ids, mask, positions, cache: KVCache, capture: "DecodeCapture | None") -> np.ndarray:
+        """The prompt's forward into the cache: the last position's logits (float32 [batch, vocab]). With a
+        capture, a prompt of a shape two earlier calls ran replays their plan without the Python forward."""
+        if capture is None:
+            return _last_logits(self(ids, attention_mask=mask, position_ids=positions, cache=cache))
+        # int32 arrays the model turns into its input tensors as they are: the capture finds them in the plan
+        ids, positions = ids.astype(np.int32), positions.astype(np.int32)
+        if capture.ready:
+            logits = capture.run(ids, positions)
+            if logits is not None:
+                return logits
+        with lazy.capture() as seen:
+            out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
+            last = _last_position(out)
+            del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
+            logits = to_scores(last.numpy())
+        capture.observe(seen.runs, ids, positions, last)
+        return logits
+
+    def _prefill_capture(self, cache: KVCache, length: int) -> "DecodeCapture | None":
+        """The prefill capture for prompts of ``length`` tokens on this cache (the last PREFILL_CAPTURES
+        lengths are kept; a key change drops them all), or None while a parameter has pending updates."""
+        key = capture_key(self, cache)
+        if key is None:
+            return None
+        held = getattr(self, "_held_prefill", None)
+        if held is None or held[0] != key:
+            held = (key, {})
+            object.__setattr__(self, "_held_prefill", held)
+        captures = held[1]
+        if length not in captures:
+            if len(captures) >= PREFILL_CAPTURES:
+                captures.pop(next(iter(captures)))
+            captures[length] = DecodeCapture(cache, tokens=length)
+        return captures[length]
+
     def _generation_cache(self, batch: int, length: int) -> KVCache:
         """A reset KV cache for ``batch`` rows of up to ``length`` tokens; reused across calls when it fits,
         so that a later generate replays the decode step recorded by an earlier one."""
@@ -158,6 +197,7 @@ class GenerationMixin:
         if cache is None or cache.batch != batch or cache.max_len < length or cache.dtype != _dtype(self):
             object.__setattr__(self, "_kv_cache", None)  # free the old buffers before allocating new ones
             object.__setattr__(self, "_held_decode", None)  # (its recorded step holds them too)
+            object.__setattr__(self, "_held_prefill", None)
             del cache
             max_len = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
             cache = KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, max_len, _dtype(self),
