@@ -41,6 +41,7 @@ def random_weights(model, seed=0) -> dict[str, np.ndarray]:
 
 
 WARM_UP_SECONDS = 3.0
+DECODE_REPEATS = 5  # generate calls timed per batch size (the median counts), in both frameworks
 
 
 def warm_up(fn, seconds: float = WARM_UP_SECONDS) -> None:
@@ -53,12 +54,15 @@ def warm_up(fn, seconds: float = WARM_UP_SECONDS) -> None:
 
 
 def timed(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after two untimed ones (single calls vary on a shared GPU host)."""
     fn()
     fn()
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeats
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, fused_ab=False) -> dict:
@@ -78,7 +82,7 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, f
         out["prefill_captured_tok_s"] = prompt.shape[1] / seconds
         for batch in (1, 8):
             ids = prompt[:batch, :16]
-            seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
+            seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), DECODE_REPEATS)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
             for fused in ((True, False) if fused_ab else ()):  # decoding with the fused kernels forced on, off
                 fused_decode.enabled, default = fused, fused_decode.enabled
@@ -113,7 +117,7 @@ def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
         out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: sync(model(ids[:1]).logits[:, -1]), 5)
         for batch in (1, 8):
             seconds = timed(lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,
-                                                        min_new_tokens=new_tokens, do_sample=False)), 1)
+                                                        min_new_tokens=new_tokens, do_sample=False)), DECODE_REPEATS)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
     model.to("cpu")  # free the GPU for the next run
     torch.cuda.empty_cache()
