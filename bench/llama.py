@@ -82,7 +82,8 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, f
         out["prefill_captured_tok_s"] = prompt.shape[1] / seconds
         for batch in (1, 8):
             ids = prompt[:batch, :16]
-            seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), DECODE_REPEATS)
+            seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False),
+                            DECODE_REPEATS)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
             for fused in ((True, False) if fused_ab else ()):  # decoding with the fused kernels forced on, off
                 fused_decode.enabled, default = fused, fused_decode.enabled
@@ -116,8 +117,9 @@ def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
         warm_up(lambda: sync(model(ids[:1]).logits[:, -1]))
         out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: sync(model(ids[:1]).logits[:, -1]), 5)
         for batch in (1, 8):
-            seconds = timed(lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,
-                                                        min_new_tokens=new_tokens, do_sample=False)), DECODE_REPEATS)
+            generate = lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,
+                                                   min_new_tokens=new_tokens, do_sample=False))
+            seconds = timed(generate, DECODE_REPEATS)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / seconds
     model.to("cpu")  # free the GPU for the next run
     torch.cuda.empty_cache()

@@ -140,7 +140,8 @@ class Device:
         writes of up to STAGING_REUSE_BYTES share one (allocating host memory took ~3 ms of a 64 KB read on
         the H200); larger ones get their own, freed by the caller."""
         if words * 4 > STAGING_REUSE_BYTES:
-            return _allocate(self, np.empty(words, np.uint32), kp.TensorTypes.host, f"{name} (staging)", words * 4), False
+            staging = _allocate(self, np.empty(words, np.uint32), kp.TensorTypes.host, f"{name} (staging)", words * 4)
+            return staging, False
         if self._staging is None or self._staging.size() < words:
             size = max(words, 16 * 1024)
             self._staging = _allocate(self, np.empty(size, np.uint32), kp.TensorTypes.host, "staging", size * 4)
