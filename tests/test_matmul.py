@@ -321,6 +321,19 @@ def test_small_m_selection(device):
         assert select_algorithm(device, "bfloat16", m) == "small_m"
     assert select_algorithm(device, "float32", SMALL_M_MAX + 1) == select_algorithm(device, "float32")
     assert select_algorithm(device, "float16", 64) == select_algorithm(device, "float16")
+    # x @ W^T for a short prompt: a CPU device keeps the small-m kernel up to SMALL_M_MAX_CPU_LINEAR rows
+    linear = select_algorithm(device, "bfloat16", KM.SMALL_M_MAX_CPU_LINEAR, trans_b=True)
+    assert linear == ("small_m" if device.is_cpu else select_algorithm(device, "bfloat16"))
+    assert select_algorithm(device, "float32", KM.SMALL_M_MAX_CPU_LINEAR + 1, trans_b=True) == \
+        select_algorithm(device, "float32")
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_small_m_several_row_blocks(device, in_dtype):
+    """More rows than one block of 8 (a short prompt on a CPU device), ragged, with bias and beta."""
+    run_case(device, 27, 47, 520, in_dtype=in_dtype, trans_b=True, bias=True, beta=1.0, alpha=0.5,
+             algorithm="small_m")
+    run_case(device, 32, 24, 64, in_dtype=in_dtype, out_dtype="float32", trans_b=True, algorithm="small_m")
 
 
 def test_small_m_rejects_bad_configuration(device):

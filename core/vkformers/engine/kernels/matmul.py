@@ -163,12 +163,19 @@ def coopmat_supported(device, in_dtype) -> bool:
 # against 38 ms for the tiled kernel (whose time hardly depends on m up to 64), so
 # there the threshold could be higher; it is set by the GPU argument.
 SMALL_M_MAX = 8
+# A CPU device (lavapipe) keeps the small-m kernel further for x @ W^T (a Linear layer, trans_b): the rows
+# of a short prompt. ``bench/matmul.py --prefill --quick`` (m = 16, bfloat16): a TinyLlama prompt's products
+# took 37.2 s with the tiled kernel; B is read once per 8 rows either way, but the tiled kernel's 64-row tiles
+# mostly multiply padding there. Other layouts keep the tiled kernel (it won for A @ B at m = 32-64).
+SMALL_M_MAX_CPU_LINEAR = 32
 
 
-def select_algorithm(device, in_dtype, m: int | None = None) -> str:
-    """``"small_m"`` for m <= SMALL_M_MAX (when ``m`` is given); else ``"coopmat"`` where the
-    device supports it for ``in_dtype``, else ``"tiled"``."""
+def select_algorithm(device, in_dtype, m: int | None = None, trans_a: bool = False, trans_b: bool = False) -> str:
+    """``"small_m"`` for m <= SMALL_M_MAX (when ``m`` is given; on a CPU device up to SMALL_M_MAX_CPU_LINEAR
+    for x @ W^T); else ``"coopmat"`` where the device supports it for ``in_dtype``, else ``"tiled"``."""
     if m is not None and m <= SMALL_M_MAX:
+        return "small_m"
+    if m is not None and device.is_cpu and trans_b and not trans_a and m <= SMALL_M_MAX_CPU_LINEAR:
         return "small_m"
     return "coopmat" if coopmat_supported(device, in_dtype) else "tiled"
 
@@ -267,7 +274,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
 
     device = seq.device
     if algorithm == "auto":
-        algorithm = select_algorithm(device, in_dtype, m)
+        algorithm = select_algorithm(device, in_dtype, m, trans_a, trans_b)
     elif algorithm == "coopmat" and not coopmat_supported(device, in_dtype):
         raise ValueError(f"matmul: {device.name} has no {in_dtype} cooperative matrix")
     elif algorithm not in ("tiled", "coopmat", "small_m"):
