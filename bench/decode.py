@@ -46,7 +46,6 @@ def record_chain(device, dtype: str, layers: int, launch) -> tuple:
     norm = buf(HIDDEN, "norm")
     logits = buf(VOCAB, "logits")
     seq = device.sequence(timestamps=True)
-    nbytes = 0
     for _ in range(layers):
         wq, wk, wv = buf(HIDDEN * HIDDEN, "wq"), buf(kv * HIDDEN, "wk"), buf(kv * HIDDEN, "wv")
         wo, wg, wu, wd = (buf(HIDDEN * HIDDEN, "wo"), buf(FFN * HIDDEN, "wg"), buf(FFN * HIDDEN, "wu"),
@@ -59,12 +58,10 @@ def record_chain(device, dtype: str, layers: int, launch) -> tuple:
         KD.decode_matvec(seq, h, [wg, wu], act, rows=1, k=HIDDEN, widths=[FFN, FFN], mode="gated",
                          norm_weight=norm, norm=True, launch=launch)
         KD.decode_matvec(seq, act, [wd], x, rows=1, k=FFN, widths=[HIDDEN], residual=h, launch=launch)
-        nbytes += (2 * HIDDEN * HIDDEN + 2 * kv * HIDDEN + 3 * FFN * HIDDEN) * dt.as_dtype(dtype).itemsize
     head = buf(VOCAB * HIDDEN, "lm_head")
     KD.decode_matvec(seq, x, [head], logits, rows=1, k=HIDDEN, widths=[VOCAB], norm_weight=norm, norm=True,
                      launch=launch)
-    nbytes += VOCAB * HIDDEN * dt.as_dtype(dtype).itemsize
-    return seq, nbytes
+    return seq, layers * sum(product_bytes(dtype)) + VOCAB * HIDDEN * dt.as_dtype(dtype).itemsize
 
 
 PRODUCTS = ("qkv + norm + rotary", "o_proj + residual", "gate/up + norm + act", "down + residual")

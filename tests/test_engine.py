@@ -233,10 +233,10 @@ def test_numpy_of_a_view_reads_only_its_span(dtype, monkeypatch):
     host = (np.arange(5 * 7 * 9, dtype=np.float32).reshape(5, 7, 9) % 64) / 4  # exact in every dtype
     x = vkf.tensor(host, dtype=dtype) * 1.0  # computed: its storage is a device-only buffer
     x.realize()
-    staged = []
-    allocate = vulkan._allocate
-    monkeypatch.setattr(vulkan, "_allocate", lambda device, words, kind, name, nbytes:
-                        staged.append(nbytes) or allocate(device, words, kind, name, nbytes))
+    staged = []  # bytes copied into staging (the staging buffer itself may be a reused, larger one)
+    copy = vulkan.Sequence._copy_tensor
+    monkeypatch.setattr(vulkan.Sequence, "_copy_tensor", lambda seq, src, dst, nbytes, src_offset=0:
+                        staged.append(nbytes) or copy(seq, src, dst, nbytes, src_offset))
     itemsize = 4 if dtype == "float32" else 2
     views = ((x[4:5, 6], host[4:5, 6], 9), (x[2, 3:6, 1::3], host[2, 3:6, 1::3], 2 * 9 + 7 + 1),
              (x[4, 6, 8], host[4, 6, 8], 1), (x.transpose(0, 2)[1:3], host.transpose(2, 1, 0)[1:3], None),
@@ -245,4 +245,4 @@ def test_numpy_of_a_view_reads_only_its_span(dtype, monkeypatch):
         staged.clear()
         np.testing.assert_array_equal(view.numpy(), want)
         if span is not None:  # a view of x itself (the others are copies first): only its span is staged
-            assert sum(staged) <= span * itemsize + 4, (want.shape, staged)
+            assert (len(staged) == 1 or span == 0) and sum(staged) <= span * itemsize + 4, (want.shape, staged)

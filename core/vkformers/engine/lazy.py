@@ -56,6 +56,11 @@ class View:
         return math.prod(self.shape)
 
     @property
+    def span(self) -> int:
+        """Elements from the first to the last one the view covers (what must travel to read it)."""
+        return sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + 1
+
+    @property
     def is_contiguous(self) -> bool:
         return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
 
@@ -588,7 +593,7 @@ class ViewReadback:
         self.seq = seq or device.sequence()
         self.hosts = []
         for buf, view in views:
-            count = sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
+            count = view.span
             host = Buffer(device, (count,), buf.dtype, host_visible=True, name="readback")
             self.seq.copy(buf, host, nbytes=count * buf.dtype.itemsize, src_offset=view.offset * buf.dtype.itemsize)
             self.seq.download(host)

@@ -88,11 +88,10 @@ class Tensor:
         base, v = self.lazy.base, self.lazy.view
         if v.numel == 0:
             return np.zeros(v.shape, np.float32 if self.dtype is dt.bfloat16 else self.dtype.host)
-        span = sum((n - 1) * s for n, s in zip(v.shape, v.strides)) + 1
         if base.host is not None:
             flat = base.host.reshape(-1)[v.offset:]
         else:  # only the span the view covers travels (the last token's logits, not all of them)
-            flat = base.buffer.read(v.offset, span)
+            flat = base.buffer.read(v.offset, v.span)
         out = np.lib.stride_tricks.as_strided(flat, shape=v.shape,
                                               strides=tuple(s * flat.itemsize for s in v.strides)).copy()
         return dt.from_bfloat16(out) if self.dtype is dt.bfloat16 else out

@@ -33,7 +33,6 @@ def capture_key(model, cache: KVCache):
             fused_decode.enabled, lazy.stats["cleared"])
 
 
-
 class DecodeCapture:
     """Decode steps replayed without running the model's Python forward.
 

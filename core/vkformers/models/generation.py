@@ -76,10 +76,11 @@ class GenerationMixin:
         tokens = ids
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
         capture_limit = self.max_position_embeddings if getattr(self, "capture_decode", True) else 0
-        decode = self._decode_capture(cache)
+        key = capture_key(self, cache)
+        decode = self._decode_capture(cache, key)
         # prompts without padding: every input but the ids follows from the shape, so a recorded prefill may
         # serve later calls (Phi-3's recomputation point aside)
-        prefill = (self._prefill_capture(cache, length)
+        prefill = (self._prefill_capture(cache, length, key)
                    if capture_limit and recompute_beyond is None and mask.all() else None)
         greedy = not do_sample and repetition_penalty == 1.0
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
@@ -141,12 +142,11 @@ class GenerationMixin:
         _end(streamer)
         return tokens
 
-    def _decode_capture(self, cache: KVCache) -> "DecodeCapture":
+    def _decode_capture(self, cache: KVCache, key) -> "DecodeCapture":
         """The captured decode step of the last generate when it still applies (same cache, same parameter
         buffers, all realized, same mode and fused-kernel switch), so that a later call replays from its first
         decode step instead of building and confirming two steps in Python (~40 ms each for a 22-layer model);
-        else a new capture."""
-        key = capture_key(self, cache)
+        else a new capture. ``key``: :func:`capture_key` of this model and cache."""
         held = getattr(self, "_held_decode", None)
         if key is not None and held is not None and held[0] == key:
             return held[1]
@@ -173,10 +173,10 @@ class GenerationMixin:
         capture.observe(seen.runs, ids, positions, last)
         return logits
 
-    def _prefill_capture(self, cache: KVCache, length: int) -> "DecodeCapture | None":
+    def _prefill_capture(self, cache: KVCache, length: int, key) -> "DecodeCapture | None":
         """The prefill capture for prompts of ``length`` tokens on this cache (the last PREFILL_CAPTURES
-        lengths are kept; a key change drops them all), or None while a parameter has pending updates."""
-        key = capture_key(self, cache)
+        lengths are kept; a change of ``key``, as for the decode capture, drops them all), or None while a
+        parameter has pending updates."""
         if key is None:
             return None
         held = getattr(self, "_held_prefill", None)

@@ -302,22 +302,19 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         inner_a, inner_b = (m if trans_a else k), (k if trans_b else n)
         aligned_a = int(inner_a % 8 == 0 and a.offset % 8 == 0 and stride_a % 8 == 0)
         aligned_b = int(inner_b % 8 == 0 and b.offset % 8 == 0 and stride_b % 8 == 0)
-        spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, *flags, aligned_a, aligned_b,
-                cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n]
-        if cfg.spec_shape:
-            spec += [m, n, k]
-        groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
-        if splits == 1:
+        split = splits > 1  # the bias goes to the second pass then, not into the partial sums
+        spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), int(bias is not None and not split),
+                aligned_a, aligned_b, cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n,
+                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits]
+        groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch * splits)
+        if not split:
             seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec)
             return
         # Split K: float32 partial products per slice into a scratch buffer, then one pass adds them up.
         partials = device.buffer(batch * splits * m * n, "float32", name="matmul split-k partials")
-        spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), 0, aligned_a, aligned_b,
-                cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n,
-                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits]  # no bias in the partials
         partial_push = [m, n, k, a.offset, b.offset, 0, 0, stride_a, stride_b, m * n, 1.0, 0.0]
         seq.dispatch(device.kernel("matmul_coopmat", f"{SHORT[in_dtype]}_f32"),
-                     [a.buffer, b.buffer, partials, partials], groups[:2] + (batch * splits,), partial_push, spec)
+                     [a.buffer, b.buffer, partials, partials], groups, partial_push, spec)
         reduce_push = [m, n, splits, 0, 0, c.offset, bias.offset if bias else 0, m * n, 0, stride_c,
                        float(alpha), float(beta)]
         seq.dispatch(device.kernel("matmul_split_reduce", SHORT[out_dtype]),
