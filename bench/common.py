@@ -2,8 +2,28 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
+
+# The H200 raises its clocks over the first seconds of load (the same 512-token prefill replay took 52 ms right
+# after loading and 14 ms three seconds later), so every timing runs after a warm-up, in both frameworks, and
+# neither pays for the other's clock ramp.
+WARM_UP_SECONDS = 1.0
+
+
+def warm_up(fn, seconds: float = WARM_UP_SECONDS) -> None:
+    """Run ``fn`` repeatedly for ``seconds`` (untimed)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
+
+
+def replay_timings(seq, seconds: float = WARM_UP_SECONDS) -> list[tuple[str, float]]:
+    """GPU timestamps (label, seconds) of one replay of ``seq`` after ``seconds`` of warm-up replays."""
+    warm_up(seq.replay, seconds)
+    seq.replay()
+    return seq.timings()
 
 
 def cuda_torch():
@@ -15,12 +35,14 @@ def cuda_torch():
     return torch if torch.cuda.is_available() else None
 
 
-def cuda_median(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` on the GPU, timed with CUDA events after 3 warm-up calls."""
+def cuda_median(fn, repeats: int, warm_up_seconds: float = WARM_UP_SECONDS) -> float:
+    """Median seconds of ``fn`` on the GPU, timed with CUDA events after ``warm_up_seconds`` of calls."""
     import torch
-    for _ in range(3):
+
+    def call_and_wait():
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    warm_up(call_and_wait, warm_up_seconds)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -41,8 +63,6 @@ def write_results(path: str | None, results) -> None:
 def profile_gpu(name: str, fn, runs: int = 2) -> None:
     """Print wall time against GPU time per kernel for ``fn`` (a vkformers step): the plan cache is
     cleared so that the plans are recorded with timestamps, then ``fn`` runs ``runs`` times."""
-    import time
-
     from vkformers.engine import lazy
     lazy.clear_plan_cache()
     with lazy.profile() as prof:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from common import profile_gpu, write_results
+from common import profile_gpu, warm_up, write_results
 
 import vkformers as vkf
 from vkformers.engine import lazy
@@ -40,17 +40,8 @@ def random_weights(model, seed=0) -> dict[str, np.ndarray]:
     return weights
 
 
-WARM_UP_SECONDS = 3.0
+WARM_UP_SECONDS = 3.0  # before each framework's first timing (see common.WARM_UP_SECONDS)
 DECODE_REPEATS = 5  # generate calls timed per batch size (the median counts), in both frameworks
-
-
-def warm_up(fn, seconds: float = WARM_UP_SECONDS) -> None:
-    """Run ``fn`` for a few seconds before any timing: on the H200 a replay of the same 512-token prefill took
-    52 ms right after loading and 14 ms three seconds later (the GPU raising its clocks), which would otherwise
-    count against whichever framework runs first."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        fn()
 
 
 def timed(fn, repeats: int) -> float:
@@ -73,7 +64,7 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, f
     out = {}
     with vkf.no_grad():
         first = np.ascontiguousarray(prompt[:1])
-        warm_up(lambda: model(first).logits[:, -1].numpy())
+        warm_up(lambda: model(first).logits[:, -1].numpy(), WARM_UP_SECONDS)
         seconds = timed(lambda: model(first).logits[:, -1].numpy(), 5)
         out["prefill_tok_s"] = prompt.shape[1] / seconds
         # The same forward as a captured step: from the third call the plan replays without the Python graph.
@@ -114,7 +105,7 @@ def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
         return x
 
     with torch.no_grad():
-        warm_up(lambda: sync(model(ids[:1]).logits[:, -1]))
+        warm_up(lambda: sync(model(ids[:1]).logits[:, -1]), WARM_UP_SECONDS)
         out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: sync(model(ids[:1]).logits[:, -1]), 5)
         for batch in (1, 8):
             generate = lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,

@@ -2,7 +2,8 @@
 
 float32 (tiled kernel), float16 and bfloat16 (cooperative-matrix kernel where the
 device has it; fp32 accumulation; C in the input dtype, and also in float32), square sizes. Kernel
-time comes from GPU timestamps (the median of several dispatches in one replay).
+time comes from GPU timestamps (the median of several dispatches in one replay, after a second of
+warm-up replays: see common.WARM_UP_SECONDS).
 The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
 torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
 
@@ -27,7 +28,7 @@ import time
 
 import numpy as np
 
-from common import cuda_median, cuda_torch, write_results
+from common import cuda_median, cuda_torch, replay_timings, write_results
 
 from vkformers.engine.kernels.matmul import (
     COOPMAT_DEFAULT, CoopmatConfig, SmallMConfig, TiledConfig, coopmat_config, matmul, select_algorithm, split_k,
@@ -51,9 +52,7 @@ def time_vkformers(device, size: int, dtype: str, repeats: int, out_dtype: str |
     seq = device.sequence(timestamps=True)
     for _ in range(repeats):
         matmul(seq, a, b, c, m=size, n=size, k=size, **options)
-    seq.replay()  # warm-up (pipeline creation, clocks)
-    seq.replay()
-    return float(np.median([t for label, t in seq.timings() if label.startswith("matmul")]))
+    return float(np.median([t for label, t in replay_timings(seq) if label.startswith("matmul")]))
 
 
 def time_reference(size: int, dtype: str, repeats: int):
@@ -85,9 +84,7 @@ def time_decode_vkformers(device, m: int, n: int, k: int, dtype: str, repeats: i
     seq = device.sequence(timestamps=True)
     for _ in range(repeats):
         matmul(seq, x, w, y, m=m, n=n, k=k, trans_b=True, **options)
-    seq.replay()
-    seq.replay()
-    return float(np.median([t for label, t in seq.timings() if label.startswith("matmul")]))
+    return float(np.median([t for label, t in replay_timings(seq) if label.startswith("matmul")]))
 
 
 def time_decode_reference(m: int, n: int, k: int, dtype: str, repeats: int):
@@ -157,9 +154,7 @@ def time_products_vkformers(device, m: int, n: int, k: int, dtype: str, repeats:
     seq = device.sequence(timestamps=True)
     for w, y in zip(weights, ys):
         matmul(seq, x, w, y, m=m, n=n, k=k, trans_b=True, **options)
-    seq.replay()
-    seq.replay()
-    return sum(t for label, t in seq.timings() if label.startswith("matmul")) / repeats
+    return sum(t for label, t in replay_timings(seq) if label.startswith("matmul")) / repeats
 
 
 def prefill_runs(device, dtype: str = "bfloat16", quick: bool = False) -> list[dict]:

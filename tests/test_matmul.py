@@ -53,7 +53,7 @@ def check(got: np.ndarray, ref: np.ndarray, out_dtype: str) -> None:
 
 def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=1, trans_a=False,
              trans_b=False, bias=False, alpha=1.0, beta=0.0, offsets=(0, 0, 0, 0), pad=(0, 0, 0),
-             algorithm="auto", small_m=None, splits=None, seed=0):
+             algorithm="auto", small_m=None, splits=None, coopmat=None, seed=0):
     rng = np.random.default_rng(seed)
     shape_a, shape_b = ((k, m) if trans_a else (m, k)), ((n, k) if trans_b else (k, n))
     # Batch strides with optional padding between matrices (non-dense batches).
@@ -70,7 +70,7 @@ def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=
     matmul(seq, *ops, m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b,
            stride_a=stride_a if batch > 1 else None, stride_b=stride_b if batch > 1 else None,
            stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm,
-           small_m=small_m, splits=splits)
+           small_m=small_m, splits=splits, coopmat=coopmat)
     seq.replay()
 
     c_buf = ops[2]
@@ -212,15 +212,33 @@ def test_split_k(device, in_dtype):
              offsets=(3, 8, 5, 2), bias=True, beta=1.0, algorithm="coopmat", splits=2)
 
 
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+def test_coopmat_large_tile(device, in_dtype):
+    """The 128 x 256 tile of large products (4 x 4 accumulators per subgroup): whole tiles (unchecked loads,
+    direct stores), edges in every layout, and the general epilogue (bias, beta, 16-bit C, batches)."""
+    large = KM.COOPMAT_LARGE
+    if not coopmat_supported(device, in_dtype):
+        with pytest.raises(ValueError, match="cooperative matrix"):
+            run_case(device, 16, 64, 256, in_dtype=in_dtype, algorithm="coopmat", coopmat=large)
+        return
+    run_case(device, 256, 512, 96, in_dtype=in_dtype, algorithm="coopmat", coopmat=large)
+    for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
+        run_case(device, 200, 300, 520, in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm="coopmat",
+                 coopmat=large)
+    run_case(device, 77, 150, 40, in_dtype=in_dtype, out_dtype=in_dtype, batch=2, pad=(8, 16, 3),
+             offsets=(8, 16, 5, 2), bias=True, alpha=0.5, beta=1.0, algorithm="coopmat", coopmat=large)
+
+
 def test_coopmat_tiles_fill_the_gpu():
     """Tile and split choice on a GPU with 32-wide subgroups (pure arithmetic, no device needed): a C of many
-    tiles keeps the 128 x 128 tile unsplit; fewer tiles take smaller ones, then slices of K."""
+    tiles takes the 128 x 256 tile unsplit; fewer tiles take smaller ones, then slices of K."""
     class Gpu:
         is_cpu = False
         limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
     gpu = Gpu()
     big = KM.coopmat_config(gpu, 4096, 4096)
-    assert (big.bm, big.bn) == (128, 128) and KM.split_k(gpu, big, 4096, 4096, 4096, 1) == 1
+    assert (big.bm, big.bn) == (128, 256) and KM.split_k(gpu, big, 4096, 4096, 4096, 1) == 1
+    assert KM.coopmat_config(gpu, 2048, 4096) == KM.COOPMAT_DEFAULT  # 256 tiles of 128 x 256: too few for it
     mid = KM.coopmat_config(gpu, 512, 2048)  # 64 tiles of 128 x 128: too few
     assert mid.bm * mid.bn < 128 * 128 and KM._groups(mid, 512, 2048) >= KM.FILL_WORKGROUPS
     short = KM.coopmat_config(gpu, 16, 2048)

@@ -6,9 +6,9 @@ Three kernels, chosen per call:
   ``x @ W^T``). Reads B once per 8 rows of A, 16 bytes at a time, one subgroup per
   column of C (trans_b) with a subgroup reduction over k: bound by the bytes of B.
 - ``matmul_coopmat`` (VK_KHR_cooperative_matrix): float16 or bfloat16 A and B,
-  when the device offers that 16x16x16 -> float32 subgroup shape. By default a
-  workgroup tile of 128 x 128, each of 8 subgroups owning 64 x 32 as 4 x 2
-  accumulators, K steps of 64 (32 where shared memory is short).
+  when the device offers that 16x16x16 -> float32 subgroup shape. For a large C a
+  workgroup tile of 128 x 256, each of 8 subgroups owning 64 x 64 as 4 x 4
+  accumulators, K steps of 32; smaller tiles (and split K) where C has few tiles.
 - ``matmul`` (tiled, shared memory + register blocking): every dtype, every device.
 
 Both accumulate in float32 and convert to C's dtype once, at the end. All
@@ -83,6 +83,12 @@ class CoopmatConfig:
 
 
 COOPMAT_DEFAULT = CoopmatConfig()
+# A C of many tiles: 128 x 256 tiles, each subgroup 64 x 64 (4 x 4 accumulators), K steps of 32 (bench/matmul.py
+# --sweep on the H200, 8192^3, A @ B: 280 TFLOP/s against 232 for the default 128 x 128 tile, fp16 and bf16
+# alike). Measured only there (2048 tiles), so it is taken only for a C of at least LARGE_TILE_MIN_WORKGROUPS
+# such tiles, where a GPU of ~130 compute units still runs several waves of them.
+COOPMAT_LARGE = CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4)
+LARGE_TILE_MIN_WORKGROUPS = 512
 COOPMAT_SMALL_SHARED = CoopmatConfig(bk=32)  # devices with less than 45 KiB of shared memory
 # Smaller tiles for a C of few tiles (prefill of a short prompt, narrow projections): 64 x 128, 64 x 64,
 # and for m <= 32 tiles of 32 or 16 rows, so that the rows past m are not multiplied.
@@ -108,10 +114,10 @@ def coopmat_config(device, m: int | None = None, n: int | None = None, batch: in
         return COOPMAT_DEFAULT
     subgroup = device.limits["subgroup_size"]
     rows = next((cfg for limit, cfg in COOPMAT_ROWS.items() if m <= limit), None)
-    candidates = [rows] if rows else [COOPMAT_DEFAULT, *COOPMAT_SMALLER]
+    candidates = [rows] if rows else [COOPMAT_LARGE, COOPMAT_DEFAULT, *COOPMAT_SMALLER]
     usable = [cfg for cfg in candidates if _runs(cfg, subgroup, shared)] or [COOPMAT_DEFAULT]
     for cfg in usable:
-        if _groups(cfg, m, n) * batch >= FILL_WORKGROUPS:
+        if _groups(cfg, m, n) * batch >= (LARGE_TILE_MIN_WORKGROUPS if cfg == COOPMAT_LARGE else FILL_WORKGROUPS):
             return cfg
     return usable[-1]
 
