@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 
-from common import cuda_median, cuda_torch, write_results
+from common import cuda_median, cuda_torch, warm_up, write_results
 
-from vkformers.engine.kernels.attention import DECODE_TILES, attention_backward, attention_decode, attention_forward
+from vkformers.engine.kernels.attention import (
+    DECODE_TILES, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -27,8 +28,8 @@ HAVE_CUDA = torch is not None
 
 
 def gpu_seconds(seq, repeats: int) -> float:
-    """Median GPU time of one replay: every recorded operation after the leading barrier."""
-    seq.replay()
+    """Median GPU time of one replay (every recorded operation after the leading barrier), after warm-up."""
+    warm_up(seq.replay)
     times = []
     for _ in range(repeats):
         seq.replay()
@@ -77,6 +78,15 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
     result = {"dtype": dtype, "seq": seq_len, "heads": heads, "head_dim": head_dim,
               "forward_ms": fwd_s * 1e3, "forward_tflops": flops / fwd_s * 1e-12,
               "fwd_bwd_ms": both_s * 1e3, "fwd_bwd_tflops": 3.5 * flops / both_s * 1e-12}
+    # The cooperative-matrix backward where the device has one (asked for by name: "auto" does not pick it yet).
+    coopmat_grads = None
+    if coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0) is not None:
+        coopmat_grads = [device.buffer(shape, dtype, name=n) for n in ("d_q", "d_k", "d_v")]
+        both_coopmat = device.sequence(timestamps=True)
+        attention_forward(both_coopmat, *bufs[:3], out, lse, **sizes)
+        attention_backward(both_coopmat, *bufs[:3], out, bufs[3], lse, *coopmat_grads, **sizes, algorithm="coopmat")
+        seconds = gpu_seconds(both_coopmat, repeats)
+        result.update(fwd_bwd_coopmat_ms=seconds * 1e3, fwd_bwd_coopmat_tflops=3.5 * flops / seconds * 1e-12)
 
     if HAVE_CUDA:
         tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
@@ -96,8 +106,11 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
         ref = [x.detach().float().requires_grad_() for x in leaves]
         ref_out = sdpa(*ref, is_causal=True)
         ref_out.backward(tdo.float())
-        for name, ours, theirs in (("out", out, ref_out), ("d_q", d_q, ref[0].grad), ("d_k", d_k, ref[1].grad),
-                                   ("d_v", d_v, ref[2].grad)):
+        compared = [("out", out, ref_out), ("d_q", d_q, ref[0].grad), ("d_k", d_k, ref[1].grad),
+                    ("d_v", d_v, ref[2].grad)]
+        if coopmat_grads:
+            compared += [(f"coopmat_{name}", ours, theirs) for (name, _, theirs), ours in zip(compared[1:], coopmat_grads)]
+        for name, ours, theirs in compared:
             diff = np.abs(as_float32(ours.read(), dtype) - theirs.detach().cpu().numpy()).max()
             result[f"max_abs_diff_{name}_vs_torch_fp32"] = float(diff)
         result["reference"] = "torch sdpa (CUDA, same dtype)"
@@ -107,6 +120,8 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
     result["forward_ratio"] = result["torch_forward_ms"] / result["forward_ms"]
     if "torch_fwd_bwd_ms" in result:
         result["fwd_bwd_ratio"] = result["torch_fwd_bwd_ms"] / result["fwd_bwd_ms"]
+        if "fwd_bwd_coopmat_ms" in result:
+            result["fwd_bwd_coopmat_ratio"] = result["torch_fwd_bwd_ms"] / result["fwd_bwd_coopmat_ms"]
     return result
 
 
@@ -148,6 +163,10 @@ def print_prefill(r: dict, dtype: str, seq_len: int, heads: int, head_dim: int, 
                  f"ref {r['torch_fwd_bwd_ms']:.3f} ms, ratio {r['fwd_bwd_ratio']:.3f})")
     else:
         line += f"; fwd+bwd {r['fwd_bwd_ms']:.3f} ms"
+    if "fwd_bwd_coopmat_ms" in r:
+        line += f"; fwd+bwd with the coopmat backward {r['fwd_bwd_coopmat_ms']:.3f} ms"
+        if "fwd_bwd_coopmat_ratio" in r:
+            line += f" (ratio {r['fwd_bwd_coopmat_ratio']:.3f})"
     print(line)
     diffs = {k: v for k, v in r.items() if k.startswith("max_abs_diff")}
     if diffs:

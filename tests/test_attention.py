@@ -16,7 +16,8 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    DECODE_TILES, Tiles, attention_backward, attention_decode, attention_forward, coopmat_forward_tiles)
+    DECODE_TILES, Tiles, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles,
+    coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -140,7 +141,7 @@ def upload_at(device, host, dtype, offset):
     return Operand(device.upload(padded, dtype=dtype), offset)
 
 
-def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles=None):
+def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles=None, backward_algorithm="auto"):
     rounded_inputs, mask, slopes = make_inputs(case, dtype)
     (q, q_host), (k, k_host), (v, v_host), (d_out, d_out_host) = rounded_inputs
     shape_q, shape_kv = q.shape, k.shape
@@ -154,7 +155,7 @@ def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles
     if backward:
         d_out_buf = device.upload(d_out_host, dtype=dtype)
         grads = [device.buffer(s, dtype, name=n) for s, n in ((shape_q, "d_q"), (shape_kv, "d_k"), (shape_kv, "d_v"))]
-        attention_backward(seq, q_buf, k_buf, v_buf, out, d_out_buf, lse, *grads, **kw)
+        attention_backward(seq, q_buf, k_buf, v_buf, out, d_out_buf, lse, *grads, **kw, algorithm=backward_algorithm)
     seq.replay()
 
     expected = reference(case, q, k, v, mask, slopes, d_out if backward else None)
@@ -221,6 +222,48 @@ HALF_FORWARD_CASES = {
 @pytest.mark.parametrize("name", list(HALF_FORWARD_CASES))
 def test_half_type_forward(device, dtype, name):
     run_case(device, HALF_FORWARD_CASES[name], dtype, backward=False)
+
+
+# Half-type backward cases: the cooperative-matrix backward where the device has it (head_dim <= 128), with
+# GQA sums over several heads, partial and skipped tiles, fully masked rows, and every score flag.
+HALF_BACKWARD_CASES = {
+    "causal_multi_block_gqa": Case(batch=1, heads=4, kv_heads=2, q_len=100, kv_len=100, head_dim=128),
+    "not_causal_hd80": Case(causal=False, head_dim=80, q_len=7, kv_len=33),
+    "padding_mask": Case(mask=True, q_len=45, kv_len=45),
+    "sliding_window": Case(window=13, q_len=90, kv_len=90, batch=1),
+    "softcap_alibi": Case(softcap=2.0, scale=0.5, alibi=True, q_len=40, kv_len=40),
+    "chunked_prefill_offset": Case(q_len=20, kv_len=70, q_offset=40, window=30, mask=True),
+    "head_dim_16_mqa": Case(batch=1, heads=4, kv_heads=1, q_len=50, kv_len=50, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(HALF_BACKWARD_CASES))
+def test_half_type_backward(device, dtype, name):
+    run_case(device, HALF_BACKWARD_CASES[name], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(HALF_BACKWARD_CASES))
+def test_coopmat_backward(device, dtype, name):
+    """The cooperative-matrix backward, asked for by name (auto does not pick it yet); refused by name where
+    the device has no cooperative matrix for the dtype."""
+    case = HALF_BACKWARD_CASES[name]
+    if coopmat_backward_tiles(device, dtype, case.head_dim, 0, 0, 0, 0) is None:
+        with pytest.raises(ValueError, match="cooperative-matrix backward"):
+            run_case(device, case, dtype, backward_algorithm="coopmat")
+        return
+    run_case(device, case, dtype, backward_algorithm="coopmat")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_coopmat_backward_selected_when_the_device_has_it(device, dtype):
+    tiles = coopmat_backward_tiles(device, dtype, 128, 0, 0, 0, 0)
+    assert (tiles is not None) == coopmat_supported(device, dtype)
+    assert coopmat_backward_tiles(device, dtype, 256, 0, 0, 0, 0) is None   # head_dim over 128
+    assert coopmat_backward_tiles(device, dtype, 72, 0, 0, 0, 0) is None    # head_dim not a multiple of 16
+    assert coopmat_backward_tiles(device, dtype, 128, 0, 0, 0, 4) is None   # d_out not on an 8-element boundary
+    assert coopmat_backward_tiles(device, "float32", 128, 0, 0, 0, 0) is None
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -128,6 +128,43 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> C
     return next((t for t in COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit), None)
 
 
+@dataclass(frozen=True)
+class CoopmatBackwardTiles:
+    """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``."""
+
+    rows: int
+    cols: int
+
+    def shared_bytes(self, head_dim: int, subgroup: int) -> int:
+        pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
+        per_subgroup = 2 * 16 * self.cols * 4 + 2 * 16 * 16 * (self.cols // 8 + 1)  # q.k, dO.v; P, dS
+        return 2 * self.cols * pitch + (self.rows // 16) * per_subgroup + 2 * 4 * self.cols
+
+    def fits(self, subgroup: int) -> bool:
+        # The owned rows are staged where the two streamed tiles go; each lane takes whole uvec4s of P and dS.
+        return self.rows <= 2 * self.cols and (self.cols // (subgroup // 16)) % 8 == 0
+
+
+COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32, 32), CoopmatBackwardTiles(32, 16),
+                          CoopmatBackwardTiles(16, 16)]
+# Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
+COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
+# The cooperative-matrix backward was written without a GPU at hand (lavapipe has no cooperative matrix): until
+# tests/test_attention.py has passed on one, "auto" keeps the scalar kernel and only algorithm="coopmat" runs it.
+COOPMAT_BACKWARD_AUTO = False
+
+
+def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatBackwardTiles | None:
+    """Tiles for the cooperative-matrix backward kernel, or None where it cannot run: as
+    :func:`coopmat_forward_tiles`, with head_dim at most COOPMAT_BACKWARD_MAX_HEAD_DIM."""
+    if head_dim > COOPMAT_BACKWARD_MAX_HEAD_DIM or coopmat_forward_tiles(device, dtype, head_dim, *offsets) is None:
+        return None
+    subgroup = int(device.limits["subgroup_size"])
+    limit = int(device.limits["max_compute_shared_memory_size"])
+    return next((t for t in COOPMAT_BACKWARD_TILES
+                 if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
+
+
 _placeholders: dict[int, object] = {}
 
 
@@ -346,12 +383,16 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
                        q_len: int, kv_len: int, head_dim: int, scale: float, causal: bool = True,
                        key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
                        alibi_slopes: Operand | None = None, q_offset: int | None = None,
-                       tiles: Tiles | None = None, d_lse: Operand | None = None) -> None:
+                       tiles: Tiles | CoopmatBackwardTiles | None = None, d_lse: Operand | None = None,
+                       algorithm: str = "auto") -> None:
     """Record the gradients d_q, d_k, d_v of :func:`attention_forward` (same flags) into ``seq``.
 
     Three dispatches, all deterministic: delta = rowsum(d_out * out) [- d_lse]; dK/dV per key block
     (summed over the query heads of a GQA group inside one workgroup); dQ per query block.
     ``d_lse`` (float32, one per query row): the gradient reaching the forward's logsumexp, if any.
+    ``algorithm``: "auto" (the scalar kernel, until COOPMAT_BACKWARD_AUTO), "scalar" or "coopmat" (where
+    :func:`coopmat_backward_tiles` allows). The cooperative-matrix kernel rounds P and dS to the storage
+    type before its products, as flash attention does.
     """
     q, k, v, out, d_out, lse, d_q, d_k, d_v = map(operand, (q, k, v, out, d_out, lse, d_q, d_k, d_v))
     flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
@@ -364,6 +405,13 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
         require_elements(x, rows * head_dim, f"attention {what}")
     _check_float32(lse, q_rows, "lse")
     device = seq.device
+    if algorithm not in ("auto", "scalar", "coopmat"):
+        raise ValueError(f"attention: algorithm must be 'auto', 'scalar' or 'coopmat', not {algorithm!r}")
+    if tiles is None and (algorithm == "coopmat" or (algorithm == "auto" and COOPMAT_BACKWARD_AUTO)):
+        tiles = coopmat_backward_tiles(device, q.dtype.name, head_dim, q.offset, k.offset, v.offset, d_out.offset)
+        if tiles is None and algorithm == "coopmat":
+            raise ValueError(f"attention: the cooperative-matrix backward cannot run {q.dtype.name} head_dim "
+                             f"{head_dim} on {device.name}")
     tiles = tiles or pick_tiles(device, head_dim, BACKWARD_TILES, backward_shared_bytes)
 
     if d_lse is not None:
@@ -375,7 +423,8 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
                  grid(q_rows, 128, device.limits["max_compute_work_group_count_x"]),
                  push=[q_rows, head_dim, out.offset, d_out.offset, d_lse.offset if d_lse else 0, int(d_lse is not None)])
 
-    kernel = device.kernel("attention_bwd", variant)
+    coopmat = isinstance(tiles, CoopmatBackwardTiles)
+    kernel = device.kernel("attention_bwd_coopmat" if coopmat else "attention_bwd", variant)
     inputs = [q.buffer, k.buffer, v.buffer, d_out.buffer, lse.buffer, delta, *flags.bindings(device)]
 
     def push(grad1: Operand, grad2: Operand):
@@ -385,6 +434,10 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
                 float(scale), float(flags.softcap)]
 
     def spec(compute_dq: bool):
+        if coopmat:
+            subgroup = int(device.limits["subgroup_size"])
+            return [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), int(compute_dq), tiles.rows // 16 * subgroup,
+                    subgroup]
         return [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(compute_dq), tiles.threads]
 
     seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
