@@ -129,11 +129,8 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> C
 
 
 @dataclass(frozen=True)
-class CoopmatBackwardTiles:
+class CoopmatBackwardTiles(CoopmatTiles):
     """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``."""
-
-    rows: int
-    cols: int
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
