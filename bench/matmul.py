@@ -7,9 +7,10 @@ warm-up replays: see common.WARM_UP_SECONDS).
 The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
 torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
 
-    python bench/matmul.py [--quick] [--json OUT] [--sweep] [--decode-only] [--prefill]
+    python bench/matmul.py [--quick] [--json OUT] [--sweep] [--layouts] [--decode-only] [--prefill]
 
---sweep also times alternative tile configurations at the largest size.
+--sweep also times alternative tile configurations at the largest size; --layouts the transposed
+layouts A @ B^T (a Linear layer's forward) and A^T @ B (its weight gradient) beside the same PyTorch product.
 The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 and
 5632 x 2048, trans_b) report GB/s of weight bytes read: the small-m kernel (what
 "auto" picks) and the large-m kernel for comparison, against the same-shape PyTorch
@@ -55,14 +56,15 @@ def time_vkformers(device, size: int, dtype: str, repeats: int, out_dtype: str |
     return float(np.median([t for label, t in replay_timings(seq) if label.startswith("matmul")]))
 
 
-def time_reference(size: int, dtype: str, repeats: int):
-    """(seconds, name) of the reference matmul."""
+def time_reference(size: int, dtype: str, repeats: int, trans_a: bool = False, trans_b: bool = False):
+    """(seconds, name) of the reference matmul (op(x) @ op(y), transposed views as in PyTorch code)."""
     torch = cuda_torch()
     if torch is not None:
         torch.backends.cuda.matmul.allow_tf32 = False
         x = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
         y = torch.randn(size, size, device="cuda", dtype=getattr(torch, dtype))
-        return cuda_median(lambda: torch.matmul(x, y), repeats), f"torch {torch.cuda.get_device_name()}"
+        op_x, op_y = (x.T if trans_a else x), (y.T if trans_b else y)
+        return cuda_median(lambda: torch.matmul(op_x, op_y), repeats), f"torch {torch.cuda.get_device_name()}"
     x = np.random.default_rng(0).standard_normal((size, size), dtype=np.float32)
     times = []
     for _ in range(max(1, repeats // 2)):
@@ -236,6 +238,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (lavapipe)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    parser.add_argument("--layouts", action="store_true",
+                        help="also time A @ B^T (a Linear layer) and A^T @ B (its weight gradient)")
     parser.add_argument("--decode-only", action="store_true", help="only the decode (small-m) cases")
     parser.add_argument("--prefill", action="store_true", help="only the products of a TinyLlama prefill")
     args = parser.parse_args()
@@ -263,6 +267,19 @@ def main() -> None:
                 results["runs"].append(row)
                 print(f"{size:5d}^3 {dtype:8s} -> {out_dtype:8s} {kernel:7s} {row['tflops']:8.2f} TFLOP/s   "
                       f"{ref_name}: {row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
+
+    if args.layouts:
+        results["layouts"] = []
+        for size in sizes:
+            for dtype in DTYPES:
+                for trans_a, trans_b, name in ((False, True, "A @ B^T"), (True, False, "A^T @ B")):
+                    ref, ref_name = time_reference(size, dtype, repeats, trans_a, trans_b)
+                    ours = time_vkformers(device, size, dtype, repeats, trans_a=trans_a, trans_b=trans_b)
+                    row = {"size": size, "dtype": dtype, "layout": name, "tflops": tflops(size, ours),
+                           "reference": ref_name, "reference_tflops": tflops(size, ref), "ratio": ref / ours}
+                    results["layouts"].append(row)
+                    print(f"{size:5d}^3 {dtype:8s} {name:8s} {row['tflops']:8.2f} TFLOP/s   {ref_name}: "
+                          f"{row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
 
     if args.sweep:
         size = sizes[-1]
