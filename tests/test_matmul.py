@@ -354,6 +354,29 @@ def test_small_m_several_row_blocks(device, in_dtype):
     run_case(device, 32, 24, 64, in_dtype=in_dtype, out_dtype="float32", trans_b=True, algorithm="small_m")
 
 
+@pytest.mark.parametrize("trans_b", [True, False])
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+def test_small_m_gate_skips_products(device, in_dtype, trans_b):
+    """A gated small-m product: where the gate is zero the product counts as zero (C = bias + beta * C) and
+    its A and B are never read (they hold NaN here); elsewhere the gate changes nothing."""
+    m, n, k, batch = 3, 40, 24, 3
+    rng = np.random.default_rng(5)
+    a = rounded(rng.standard_normal((batch, m, k)), in_dtype)
+    b = rounded(rng.standard_normal((batch, n, k) if trans_b else (batch, k, n)), in_dtype)
+    a[1], b[1] = np.nan, np.nan
+    c0, bias = rng.standard_normal((batch, m, n)), rng.standard_normal(n)
+    ops = [upload(device, x, d) for x, d in ((a, in_dtype), (b, in_dtype), (c0, "float32"), (bias, "float32"))]
+    gate = Operand(device.upload(np.array([7.0, 1.0, 0.0, 2.0], np.float32)), 1)  # products 0, 1, 2: 1, 0, 2
+    seq = device.sequence()
+    matmul(seq, *ops[:3], m=m, n=n, k=k, batch=batch, trans_b=trans_b, bias=ops[3], beta=0.5,
+           algorithm="small_m", gate=gate)
+    seq.replay()
+    got = ops[2].buffer.read()[: batch * m * n].reshape(batch, m, n).astype(np.float64)
+    for z in range(batch):
+        product = 0.0 if z == 1 else a[z] @ (b[z].T if trans_b else b[z])
+        check(got[z], product + bias + 0.5 * c0[z], "float32")
+
+
 def test_small_m_rejects_bad_configuration(device):
     a = device.upload(np.zeros((4, 4), np.float32))
     with pytest.raises(ValueError):

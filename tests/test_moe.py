@@ -105,6 +105,33 @@ def test_block_output_is_the_weighted_sum_of_swiglu_experts(fused):
     np.testing.assert_allclose(block(vkf.tensor(x)).numpy(), want.reshape(x.shape), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_unchosen_experts_are_skipped_outside_autograd(fused):
+    """Under no_grad the experts' products are gated: an expert no token chose reads none of its weights (NaN
+    here, which a dense product would spread through its zero routing weight) and the output is unchanged."""
+    moe = MoeSpec(EXPERTS, 2, INNER, (True,), **(dict(experts="", fused_experts=(
+        "input_linear.weight", "output_linear.weight")) if fused else {}))
+    block, a = _block(moe)
+    x = np.random.default_rng(6).standard_normal((2, HIDDEN)).astype(np.float32)
+    with vkf.no_grad():
+        want = block(vkf.tensor(x)).numpy()
+    unchosen = np.flatnonzero(_reference_weights(x @ a["gate.weight"].T, moe).sum(0) == 0)
+    assert len(unchosen) >= 2
+    poisoned = dict(a)
+    for e in unchosen:
+        if fused:
+            for name in moe.fused_experts:
+                poisoned[name] = poisoned[name].copy()
+                poisoned[name][e] = np.nan
+        else:
+            for name in moe.expert_names:
+                poisoned[f"experts.{e}.{name}.weight"] = np.full_like(a[f"experts.{e}.{name}.weight"], np.nan)
+    block.load_state_dict(poisoned, requires_grad=False)
+    with vkf.no_grad():
+        got = block(vkf.tensor(x)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_unchosen_experts_get_no_gradient():
     moe = MoeSpec(EXPERTS, 1, INNER, (True,))
     block, a = _block(moe)

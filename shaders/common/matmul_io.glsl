@@ -45,12 +45,21 @@ layout(binding = 1) readonly buffer MatB { IN_T b_data[]; };
 layout(binding = 2) buffer MatC { OUT_T c_data[]; };
 layout(binding = 3) readonly buffer Bias { OUT_T bias_data[]; };  // bound to C when there is no bias
 
+// MATMUL_GATE (the small-m kernel): product b counts as zero when gate_data[gate_off + b] == 0 (an expert
+// no token chose); the gate is bound to C when unused.
+#if defined(MATMUL_GATE)
+layout(binding = 4) readonly buffer Gate { float gate_data[]; };
+#endif
+
 // Offsets and batch strides are in elements.
 layout(push_constant) uniform Push {
     uint m, n, k;
     uint off_a, off_b, off_c, off_bias;
     uint stride_a, stride_b, stride_c;
     float alpha, beta;
+#if defined(MATMUL_GATE)
+    uint gate_off;
+#endif
 };
 
 #if !defined(MATMUL_INPUTS_AS_WORDS)

@@ -26,17 +26,31 @@ from vkformers.engine.ops.nn import (
 )
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, gate=None):
     """x @ weight.T (+ bias), with weight [out_features, in_features] as in torch and HF checkpoints.
 
     Leading dimensions of x are folded into the rows of one product, so that the weight's gradient is
-    one [in, out] product over all tokens, not one per batch row summed afterwards."""
+    one [in, out] product over all tokens, not one per batch row summed afterwards. ``gate`` (float32, one
+    element, no gradient): outside autograd, where it is zero the product may be skipped and count as zero
+    (a mixture-of-experts expert that no token chose; see engine.kernels.matmul)."""
     if x.ndim >= 2 and weight.ndim == 2:
         from vkformers.engine.ops.matmul import LinearFn
-        y = LinearFn.apply(x, weight)
+        y = LinearFn.apply(x, weight, gate)
     else:
         y = x @ weight.transpose(-1, -2)
     return y + bias if bias is not None else y
+
+
+def matmul(a, b, gate=None):
+    """a @ b with numpy broadcasting over batch dims; ``gate``: as :func:`linear`'s, one element per product."""
+    from vkformers.engine.ops.matmul import matmul as batched
+    return batched(a, b, gate)
+
+
+def grad_enabled() -> bool:
+    """Whether operations record a gradient graph (False inside ``no_grad``)."""
+    from vkformers.engine.function import grad_enabled as enabled
+    return enabled()
 
 
 def relu(x):

@@ -15,8 +15,9 @@ class Linear(Module):
         if bias:
             self.param("bias", (out_features,))
 
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias if self.has_bias else None)
+    def forward(self, x, gate=None):
+        """``gate``: see F.linear (a mixture-of-experts expert's products may be skipped where it is zero)."""
+        return F.linear(x, self.weight, self.bias if self.has_bias else None, gate=gate)
 
 
 class Conv1D(Module):

@@ -11,10 +11,13 @@ best expert groups); the chosen scores, optionally renormalised and scaled, weig
 SwiGLU outputs; shared experts (optionally gated by sigmoid(linear(x))) are added. Gradients
 reach the router only through the chosen scores, as in transformers.
 
-Cost: correctness first. Every expert runs on every token and is weighted by its routing weight
-(zero for the experts not chosen), so a layer costs num_experts dense MLPs instead of top_k.
-Top-k is built from engine ops (k rounds of max + masking), so the whole block stays on the GPU
-(no read-back), autograd gives its backward and captured decode steps replay it.
+Cost: every expert runs on every token and is weighted by its routing weight (zero for the
+experts not chosen), so a layer costs num_experts dense MLPs instead of top_k. Outside autograd
+(generation, evaluation) the experts' products are gated by whether any token chose them: the
+small-m kernel (the few tokens of a decode step) then skips the experts no token chose, reading
+none of their weights; larger products still run every expert. Top-k is built from engine ops
+(k rounds of max + masking), so the whole block stays on the GPU (no read-back), autograd gives
+its backward and captured decode steps replay it.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from vkformers.models.module import Module
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
 
 _HIDDEN = -3.0e38  # a score that never wins the max
+# Outside autograd, skip the products of experts that no token of a step chose (see SparseMoeBlock.forward);
+# False runs every expert as during training (bench/moe.py compares the two).
+GATE_UNCHOSEN_EXPERTS = True
 
 
 @dataclass(frozen=True)
@@ -147,14 +153,15 @@ class SwiGLU(Module):
                                                      place(self, down, Linear(inner, hidden, bias=bias))))
         self.act = F.activation(act)
 
-    def forward(self, x):
+    def forward(self, x, active=None):
+        """``active``: a gate for every product (see Linear.forward): an expert that no token chose."""
         gate, up, down = self.projections
         if up is None:
-            both = gate(x)
+            both = gate(x, active)
             g, u = both[..., :self.inner], both[..., self.inner:]
         else:
-            g, u = gate(x), up(x)
-        return down(clipped_swiglu(g, u, self.clip) if self.clip else self.act(g) * u)
+            g, u = gate(x, active), up(x, active)
+        return down(clipped_swiglu(g, u, self.clip) if self.clip else self.act(g) * u, active)
 
 
 def topk_mask(values, k: int):
@@ -310,26 +317,30 @@ class SparseMoeBlock(Module):
 
     # -- forward
 
-    def _batched_experts(self, xs):
-        """Every expert's SwiGLU of xs [E, tokens, hidden], from stacked [E * I, H] or fused [E, ...] weights."""
+    def _batched_experts(self, xs, active=None):
+        """Every expert's SwiGLU of xs [E, tokens, hidden], from stacked [E * I, H] or fused [E, ...] weights.
+        ``active`` [E]: the products' gate (zero for an expert no token chose)."""
         moe = self.moe
+
+        def product(a, b):
+            return F.matmul(a, b, active)
         if moe.stacked_experts:
             shape = (moe.num_experts, moe.expert_size, self.hidden)
             gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
-            return self._glu(xs @ gate.transpose(-1, -2), xs @ up.transpose(-1, -2)) @ down
+            return product(self._glu(product(xs, gate.transpose(-1, -2)), product(xs, up.transpose(-1, -2))), down)
         gate_up_name, down_name = moe.fused_experts
         gate_up = get_param(self, _join(moe.experts, gate_up_name))
         down = get_param(self, _join(moe.experts, down_name))
         if not moe.fused_transposed:
             gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
-        both = xs @ gate_up
+        both = product(xs, gate_up)
         if moe.fused_bias:
             both = both + get_param(self, _join(moe.experts, moe.fused_bias[0])).reshape(moe.num_experts, 1, -1)
         if moe.gate_up_interleaved:
             gate, up = both[..., 0::2], both[..., 1::2]
         else:
             gate, up = both[..., :moe.expert_size], both[..., moe.expert_size:]
-        out = self._glu(gate, up) @ down
+        out = product(self._glu(gate, up), down)
         if moe.fused_bias:
             out = out + get_param(self, _join(moe.experts, moe.fused_bias[1])).reshape(moe.num_experts, 1, -1)
         return out
@@ -350,17 +361,23 @@ class SparseMoeBlock(Module):
         if moe.identity_experts:  # their weights, summed, scale the input itself
             identity = x * weights[:, moe.num_experts:].sum(-1, keepdim=True)
             weights = weights[:, :moe.num_experts]
+        # Outside autograd, gate the experts' products: an expert whose weight is zero for every token adds
+        # nothing (its output is multiplied by zero, or with scale_inputs its input is zero and its SwiGLU 0).
+        gated = GATE_UNCHOSEN_EXPERTS and not F.grad_enabled()
+        active = weights.float().abs().sum(0).detach() if gated else None
         if self.expert_list is None:  # [E, ...] weights: one batched product over all experts
             xs = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden)
             per_expert = weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)
             if moe.scale_inputs:
                 xs = xs * per_expert
-            y = self._batched_experts(xs)  # [E, tokens, hidden]
+            y = self._batched_experts(xs, active)  # [E, tokens, hidden]
             out = (y if moe.scale_inputs else y * per_expert).sum(0)
         else:
             out = None
             for e, expert in enumerate(self.expert_list):
-                y = expert(x * weights[:, e:e + 1]) if moe.scale_inputs else expert(x) * weights[:, e:e + 1]
+                gate = None if active is None else active[e:e + 1]
+                y = expert(x * weights[:, e:e + 1], gate) if moe.scale_inputs else \
+                    expert(x, gate) * weights[:, e:e + 1]
                 out = y if out is None else out + y
         if identity is not None:
             out = out + identity

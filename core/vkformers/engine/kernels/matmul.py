@@ -241,7 +241,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
            stride_b: int | None = None, stride_c: int | None = None, bias: Operand | None = None,
            alpha: float = 1.0, beta: float = 0.0, algorithm: str = "auto",
            tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None,
-           small_m: SmallMConfig | None = None, splits: int | None = None) -> None:
+           small_m: SmallMConfig | None = None, splits: int | None = None, gate: Operand | None = None) -> None:
     """Record ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]`` for b < batch into ``seq``.
 
     A is [m, k] ([k, m] when ``trans_a``), B is [k, n] ([n, k] when ``trans_b``),
@@ -252,6 +252,9 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     matrix when the device has it for the input dtype, else tiled), "small_m", "tiled"
     or "coopmat"; ``tiled``/``coopmat``/``small_m`` override configurations (benchmarks), ``splits`` the
     slices of K of the cooperative-matrix kernel (default: :func:`split_k` unless ``coopmat`` is given).
+    ``gate`` (float32, one element per batch from its offset on): the small-m kernel treats product b as zero
+    where gate[b] == 0, reading none of its A and B (a mixture-of-experts expert no token chose); the other
+    kernels compute it in full. So a gated product is only for results that a zero gate makes irrelevant.
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -274,6 +277,11 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         require_elements(x, (batch - 1) * stride + size, f"matmul {what}")
     if bias is not None:
         require_elements(bias, n, "matmul bias")
+    if gate is not None:
+        gate = operand(gate)
+        if gate.dtype.name != "float32":
+            raise TypeError(f"matmul: the gate must be float32, not {gate.dtype.name}")
+        require_elements(gate, batch, "matmul gate")
     for value in (stride_a, stride_b, stride_c, a.offset, b.offset, c.offset, bias.offset if bias else 0):
         if not 0 <= value < 2**32:
             raise ValueError(f"matmul: offsets and strides must fit in 32 bits, got {value}")
@@ -293,9 +301,10 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     flags = [int(trans_a), int(trans_b), int(bias is not None)]
 
     if algorithm == "small_m":
-        _dispatch_small_m(seq, variant, buffers, push, m=m, n=n, k=k, batch=batch, trans_a=trans_a,
-                          trans_b=trans_b, has_bias=bias is not None, offset_a=a.offset, offset_b=b.offset,
-                          stride_a=stride_a, stride_b=stride_b, cfg=small_m)
+        _dispatch_small_m(seq, variant, [*buffers, (gate or c).buffer], [*push, gate.offset if gate else 0], m=m,
+                          n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b, has_bias=bias is not None,
+                          offset_a=a.offset, offset_b=b.offset, stride_a=stride_a, stride_b=stride_b, cfg=small_m,
+                          gated=gate is not None)
         return
 
     if algorithm == "coopmat":
@@ -335,7 +344,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
 
 
 def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, trans_b, has_bias,
-                      offset_a, offset_b, stride_a, stride_b, cfg: SmallMConfig | None) -> None:
+                      offset_a, offset_b, stride_a, stride_b, cfg: SmallMConfig | None, gated: bool) -> None:
     device = seq.device
     cfg = cfg or small_m_config(device, m, n, trans_b)
     cfg.check(trans_b)
@@ -352,6 +361,6 @@ def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, t
     while -(-n // rows_per_wg) > max_groups:  # very wide C: more columns per workgroup
         rows_per_wg *= 2
     spec = [block_m, rows_per_wg, cfg.rows_per_subgroup, int(trans_a), int(trans_b), int(has_bias),
-            aligned_a, aligned_b, cfg.threads, cfg.unroll]
+            aligned_a, aligned_b, cfg.threads, cfg.unroll, int(gated)]
     groups = (-(-n // rows_per_wg), -(-m // block_m), batch)
     seq.dispatch(device.kernel("matmul_small_m", variant), buffers, groups, push, spec)

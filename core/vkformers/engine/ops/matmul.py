@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from vkformers.engine.function import Function, KernelOp, contiguous, node
+from vkformers.engine.function import Function, KernelOp, contiguous, grad_enabled, node
 from vkformers.engine.kernels import matmul as KM
 
 
@@ -12,10 +12,22 @@ class Matmul(KernelOp):
     contiguous_inputs = False  # forward() settled the layouts; emit reads the transposes from the strides
 
     def emit(self, seq, outs, ins):
-        (c,), (a, b) = outs, ins
+        (c,), (a, b, *gate) = outs, ins  # a third input: the gate of a gated product
         KM.matmul(seq, a.operand, b.operand, c.operand, m=self.m, n=self.n, k=self.k, batch=self.batch,
                   trans_a=self.trans_a, trans_b=self.trans_b, stride_a=self.stride_a, stride_b=self.stride_b,
-                  stride_c=self.m * self.n)
+                  stride_c=self.m * self.n, gate=gate[0].operand if gate else None)
+
+
+def _gate_inputs(fn, gate, batch: int) -> list:
+    """[gate] when the product may skip its gated-off batches, else []. A gate (float32, one element per batch
+    product) is a hint for results that a zero gate makes irrelevant (KM.matmul ``gate``); while gradients are
+    tracked it is dropped: the full product is a valid result, and its gradient is the one autograd knows."""
+    if gate is None or (grad_enabled() and any(fn.needs_grad)):
+        return []
+    if gate.dtype.name != "float32" or math.prod(gate.shape) != batch:
+        raise ValueError(f"matmul: the gate must be float32 with one element per product ({batch}), "
+                         f"got {gate.dtype.name} {gate.shape}")
+    return [gate]
 
 
 def _matrix_layout(x, batch_shape):
@@ -45,7 +57,7 @@ def _matrix_layout(x, batch_shape):
 
 
 class MatmulFn(Function):
-    def forward(self, a, b):
+    def forward(self, a, b, gate=None):
         if a.dtype is not b.dtype:
             raise TypeError(f"matmul: operands are {a.dtype.name} and {b.dtype.name}; cast one first")
         self.shapes = (a.shape, b.shape)
@@ -58,9 +70,10 @@ class MatmulFn(Function):
         a_k, trans_a, stride_a = _matrix_layout(a, batch_shape)
         b_k, trans_b, stride_b = _matrix_layout(b, batch_shape)
         self.saved = (a, b)
-        op = Matmul(m=m, n=n, k=k, batch=max(1, math.prod(batch_shape)), trans_a=trans_a, trans_b=trans_b,
-                    stride_a=stride_a, stride_b=stride_b)
-        return node(op, [a_k, b_k], [(tuple(batch_shape) + (m, n), a.dtype)])[0]
+        batch = max(1, math.prod(batch_shape))
+        op = Matmul(m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b, stride_a=stride_a,
+                    stride_b=stride_b)
+        return node(op, [a_k, b_k, *_gate_inputs(self, gate, batch)], [(tuple(batch_shape) + (m, n), a.dtype)])[0]
 
     def backward(self, g):
         from vkformers.engine.ops.movement import sum_to_shape
@@ -76,7 +89,7 @@ class LinearFn(Function):
     product, recorded as one graph node (no reshape or transpose nodes around it: building a model's graph in
     Python costs per node). The backward computes what matmul's would on those views."""
 
-    def forward(self, x, weight):
+    def forward(self, x, weight, gate=None):
         if x.dtype is not weight.dtype:
             raise TypeError(f"linear: input and weight are {x.dtype.name} and {weight.dtype.name}; cast one first")
         n, k = weight.shape
@@ -91,7 +104,7 @@ class LinearFn(Function):
         self.saved = (rows, weight)
         self.x_shape = x.shape
         op = Matmul(m=m, n=n, k=k, batch=1, trans_a=trans_a, trans_b=trans_b, stride_a=stride_a, stride_b=stride_b)
-        y = node(op, [a, b], [((m, n), x.dtype)])[0]
+        y = node(op, [a, b, *_gate_inputs(self, gate, 1)], [((m, n), x.dtype)])[0]
         return y.make_view(View.dense(x.shape[:-1] + (n,)))
 
     def backward(self, g):
@@ -103,7 +116,13 @@ class LinearFn(Function):
         return gx, gw
 
 
-def matmul(a, b):
+def matmul(a, b, gate=None):
+    """a @ b with numpy broadcasting; ``gate`` (float32, one element per batch product, no gradient): products
+    whose gate is zero may be skipped and count as zero (see KM.matmul), outside autograd only."""
+    if gate is not None:
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError("matmul: a gate needs batched matrices on both sides")
+        return MatmulFn.apply(a, b, gate)
     if a.ndim == 1:
         return matmul(a.reshape(1, -1), b).reshape(b.shape[:-2] + b.shape[-1:])
     if b.ndim == 1:
