@@ -59,7 +59,6 @@ def timed(fn, repeats: int) -> float:
 def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, fused_ab=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
-    model.dtype = vkf.dtypes.as_dtype(dtype)
     model.eval()
     out = {}
     with vkf.no_grad():

@@ -34,7 +34,6 @@ QUICK = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_a
 def bench_vkformers(config, weights, dtype, prompt, new_tokens) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
-    model.dtype = vkf.dtypes.as_dtype(dtype)
     model.eval()
     out = {}
     for gated in (True, False):

@@ -47,7 +47,6 @@ def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False)
     vulkan.reset_peak_buffer_memory()
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=True)
-    model.dtype = vkf.dtypes.as_dtype(dtype)
     if mode == "lora":
         apply_lora(model, LoraConfig(**LORA))
     trainer = Trainer(model, TrainingConfig(steps=steps + 2, batch_size=batches[0][0].shape[0],

@@ -43,6 +43,15 @@ def test_save_pretrained_round_trip_in_float32_and_bfloat16(tmp_path):
                                atol=0.1)
 
 
+def test_load_state_dict_sets_the_compute_dtype(checkpoint):
+    """from_config + load_state_dict(dtype=bfloat16) computes in bfloat16, as from_pretrained(dtype=...) does."""
+    model = AutoModelForCausalLM.from_config(json.loads((checkpoint / "config.json").read_text()))
+    model.load_state_dict(weights(checkpoint), dtype="bfloat16")
+    assert model.dtype.name == "bfloat16"
+    want = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="bfloat16")(IDS).logits.numpy()
+    np.testing.assert_array_equal(model(IDS).logits.numpy(), want)
+
+
 def test_sharded_checkpoint(checkpoint):
     arrays = weights(checkpoint)
     names = sorted(arrays)

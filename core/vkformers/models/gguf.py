@@ -365,7 +365,6 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     model.load_state_dict(arrays, dtype=target, requires_grad=requires_grad,
                           ignore=getattr(model, "ignored_checkpoint_keys", ()))
     model.name_or_path = str(path)
-    model.dtype = target
     return model.eval()
 
 

@@ -158,7 +158,6 @@ class AutoModel:
                     f"{model.config['model_type']!r} language model): its language-model weights are not laid out "
                     f"as vkformers reads them: {exc}") from None
         model.name_or_path = str(name_or_path)
-        model.dtype = model_dtype(config, dtype)
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
             from vkformers.training.lora import load_adapter
             load_adapter(model, adapter)

@@ -111,7 +111,8 @@ class Module:
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], dtype="float32", strict: bool = True,
                         requires_grad: bool = True, ignore=()) -> None:
-        """Upload every slot's array (converted to its dtype). Names are checked both ways; shapes must match."""
+        """Upload every slot's array (converted to its dtype). Names are checked both ways; shapes must match.
+        A model (a module with a ``dtype``) then computes in ``dtype``, as from_pretrained sets it."""
         dtype = dt.as_dtype(dtype)
         slots = dict(self.named_slots())
         missing = [n for n, s in slots.items() if n not in arrays and s.tied_to is None]
@@ -133,6 +134,8 @@ class Module:
         for name, slot in slots.items():  # ties resolve after their owners load
             if slot.tied_to is not None and slot.tensor is None:
                 slot.tensor = slots[slot.tied_to].tensor
+        if isinstance(getattr(self, "dtype", None), dt.DType):  # a model: it computes in its weights' dtype
+            self.dtype = dtype
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every parameter as float32 numpy arrays (float16 stays float16), under HF names."""

@@ -130,7 +130,6 @@ def init_weights(model, *, seed: int = 0, std: float = 0.02, dtype="float32") ->
         else:
             arrays[name] = (rng.standard_normal(slot.shape) * std).astype(np.float32)
     model.load_state_dict(arrays, dtype=dtype)
-    model.dtype = dt.as_dtype(dtype)
 
 
 def _int32_pair(ids, labels):
