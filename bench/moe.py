@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from common import write_results
-from llama import DECODE_REPEATS, WARM_UP_SECONDS, random_weights, timed, warm_up
+from common import warm_up, write_results
+from llama import DECODE_REPEATS, WARM_UP_SECONDS, random_weights, timed
 
 import vkformers as vkf
 from vkformers.models.loading import AutoModelForCausalLM

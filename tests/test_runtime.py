@@ -94,6 +94,21 @@ def test_buffer_round_trip(device, dtype):
         np.testing.assert_array_equal(buf.read(), data)
 
 
+@pytest.mark.parametrize("reuse_bytes", [0, 1 << 20])
+def test_writes_and_reads_through_own_or_reused_staging(device, monkeypatch, reuse_bytes):
+    """A device-only buffer is written and read through host staging: a buffer of its own (larger than
+    STAGING_REUSE_BYTES, made from the data) or the device's reused one; rewrites and partial reads included."""
+    from vkformers.runtime import vulkan
+    monkeypatch.setattr(vulkan, "STAGING_REUSE_BYTES", reuse_bytes)
+    rng = np.random.default_rng(2)
+    first, second = (rng.standard_normal(3001).astype(np.float32) for _ in range(2))
+    buf = device.upload(first)
+    np.testing.assert_array_equal(buf.read(), first)
+    buf.write(second)
+    np.testing.assert_array_equal(buf.read(), second)
+    np.testing.assert_array_equal(buf.read(17, 100), second[17:117])
+
+
 def test_fp16_and_bf16_conversion_kernels(device):
     rng = np.random.default_rng(2)
     x = np.concatenate([rng.standard_normal(997).astype(np.float32) * 100,

@@ -135,16 +135,21 @@ class Device:
         self._pipelines: dict[tuple, object] = {}
         self._staging = None  # host tensor reused by small reads and writes
 
-    def _staging_tensor(self, words: int, name: str):
-        """A host-visible tensor of at least ``words`` 32-bit words and whether it is the reused one: reads and
-        writes of up to STAGING_REUSE_BYTES share one (allocating host memory took ~3 ms of a 64 KB read on
-        the H200); larger ones get their own, freed by the caller."""
-        if words * 4 > STAGING_REUSE_BYTES:
-            staging = _allocate(self, np.empty(words, np.uint32), kp.TensorTypes.host, f"{name} (staging)", words * 4)
-            return staging, False
-        if self._staging is None or self._staging.size() < words:
-            size = max(words, 16 * 1024)
+    def _staging_tensor(self, words: int | np.ndarray, name: str):
+        """A host-visible tensor of at least ``words`` 32-bit words (or holding the uint32 array ``words``), and
+        whether it is the reused one: reads and writes of up to STAGING_REUSE_BYTES share one (allocating host
+        memory took ~3 ms of a 64 KB read on the H200); larger ones get their own, freed by the caller and
+        created from the data itself (a write's data is copied once)."""
+        data = words if isinstance(words, np.ndarray) else None
+        count = words.size if data is not None else words
+        if count * 4 > STAGING_REUSE_BYTES:
+            initial = data if data is not None else np.empty(count, np.uint32)
+            return _allocate(self, initial, kp.TensorTypes.host, f"{name} (staging)", count * 4), False
+        if self._staging is None or self._staging.size() < count:
+            size = max(count, 16 * 1024)
             self._staging = _allocate(self, np.empty(size, np.uint32), kp.TensorTypes.host, "staging", size * 4)
+        if data is not None:
+            self._staging.data()[:count] = data
         return self._staging, True
 
     def __repr__(self) -> str:
@@ -285,9 +290,7 @@ class Buffer:
             self.host.reshape(-1)[:] = data
             self.device.run(lambda seq: seq.upload(self))
             return
-        words = _as_words(data)
-        staging, reused = self.device._staging_tensor(words.size, self.name)
-        staging.data()[:words.size] = words
+        staging, reused = self.device._staging_tensor(_as_words(data), self.name)
         seq = self.device.sequence()
         seq._copy_tensor(staging, self, self.nbytes)
         seq.replay()
