@@ -1,12 +1,13 @@
-"""Mixture-of-experts decoding: a Mixtral-shaped model with random weights, greedy decode with and without skipping
-the experts that no token of a step chose (vkformers_moe.block.GATE_UNCHOSEN_EXPERTS), in the same run, beside
-transformers + PyTorch CUDA (eager, its own weights: speed only) where a CUDA GPU is present.
+"""Mixture-of-experts speed: a Mixtral-shaped model with random weights; greedy decode, a prompt's forward (prefill)
+and a training step (forward + backward), each with the experts running only on the tokens that chose them
+(vkformers_moe.block.SKIP_UNCHOSEN) and with every expert on every token, in the same run, beside transformers +
+PyTorch CUDA (eager, its own weights: speed only) where a CUDA GPU is present.
 
-Outside autograd the experts' products are gated: the small-m kernel (up to 8 rows of a decode step) reads none of
-an unchosen expert's weights, so a step reads about top_k / num_experts of the expert weights (plus the shared
-layers) instead of all of them.
+A decode step skips the experts that no token chose (the small-m kernel reads none of their weights); a prefill or
+training step lists each expert's tokens on the GPU and multiplies those rows only, about top_k / num_experts of the
+experts' dense work.
 
-    python bench/moe.py [--quick] [--dtype bfloat16] [--layers 8] [--new-tokens 32] [--json OUT]
+    python bench/moe.py [--quick] [--dtype bfloat16] [--layers 8] [--new-tokens 32] [--prompt 512] [--json OUT]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from common import warm_up, write_results
 from llama import DECODE_REPEATS, WARM_UP_SECONDS, random_weights, timed
 
 import vkformers as vkf
+from vkformers.engine import lazy
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers_moe import block as moe_block
 
@@ -31,31 +33,53 @@ QUICK = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_a
              num_key_value_heads=2, vocab_size=1000)
 
 
-def bench_vkformers(config, weights, dtype, prompt, new_tokens) -> dict:
+def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> dict:
     model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(weights, dtype=dtype, requires_grad=False)
+    model.load_state_dict(weights, dtype=dtype, requires_grad=True)
+    params = [p for _, p in model.named_parameters()]
     model.eval()
     out = {}
-    for gated in (True, False):
-        moe_block.GATE_UNCHOSEN_EXPERTS = gated
+
+    def train_step():
+        for p in params:
+            p.grad = None
+        loss = model(long_prompt, labels=long_prompt).loss
+        loss.backward()
+        return loss.item()
+    for skip in (True, False):
+        moe_block.SKIP_UNCHOSEN = skip
+        name = "routed" if skip else "dense"
         for batch in (1, 8):
             ids = prompt[:batch]
             generate = lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
             warm_up(generate, WARM_UP_SECONDS)
             seconds = timed(generate, DECODE_REPEATS)
-            out[f"decode_b{batch}_{'gated' if gated else 'dense'}_tok_s"] = batch * new_tokens / seconds
-    moe_block.GATE_UNCHOSEN_EXPERTS = True
+            out[f"decode_b{batch}_{name}_tok_s"] = batch * new_tokens / seconds
+        with vkf.no_grad():
+            step = lazy.StepCapture()  # from the third call a replay, without the Python graph
+            seconds = timed(lambda: step.run(lambda: [model(long_prompt).logits[:, -1]], {"ids": long_prompt}), 5)
+        out[f"prefill_{name}_tok_s"] = long_prompt.size / seconds
+        out[f"train_{name}_tok_s"] = long_prompt.size / timed(train_step, 3)
+    moe_block.SKIP_UNCHOSEN = True
     return out
 
 
-def bench_torch(config, dtype, prompt, new_tokens) -> dict:
+def bench_torch(config, dtype, prompt, new_tokens, long_prompt) -> dict:
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
     model = MixtralForCausalLM(MixtralConfig(**{k: v for k, v in config.items() if k != "model_type"}))
-    model = model.to("cuda", torch_dtype).eval()
+    model = model.to("cuda", torch_dtype)
     ids = torch.from_numpy(prompt.astype(np.int64)).cuda()
+    long_ids = torch.from_numpy(long_prompt.astype(np.int64)).cuda()
     out = {}
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        model(long_ids, labels=long_ids).loss.backward()
+        torch.cuda.synchronize()
+    out["train_tok_s"] = long_prompt.size / timed(train_step, 3)
+    model.eval()
     with torch.no_grad():
         for batch in (1, 8):
             def generate():
@@ -63,6 +87,10 @@ def bench_torch(config, dtype, prompt, new_tokens) -> dict:
                 torch.cuda.synchronize()
             warm_up(generate, WARM_UP_SECONDS)
             out[f"decode_b{batch}_tok_s"] = batch * new_tokens / timed(generate, DECODE_REPEATS)
+
+        def prefill():
+            model(long_ids).logits[:, -1].float().cpu()
+        out["prefill_tok_s"] = long_prompt.size / timed(prefill, 5)
     model.to("cpu")
     torch.cuda.empty_cache()
     return out
@@ -74,6 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--layers", type=int, help="decoder layers (default 8, --quick 2)")
     parser.add_argument("--new-tokens", type=int, help="tokens per generate call (default 32, --quick 8)")
+    parser.add_argument("--prompt", type=int, help="prefill and training tokens (default 512, --quick 128)")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
     config = dict(MIXTRAL, **(QUICK if args.quick else {}))
@@ -81,23 +110,26 @@ def main(argv=None) -> int:
         config["num_hidden_layers"] = args.layers
     new_tokens = args.new_tokens or (8 if args.quick else 32)
     weights = random_weights(AutoModelForCausalLM.from_config(config))
-    prompt = np.random.default_rng(1).integers(0, config["vocab_size"], (8, 16)).astype(np.int32)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, config["vocab_size"], (8, 16)).astype(np.int32)
+    long_prompt = rng.integers(0, config["vocab_size"], (1, args.prompt or (128 if args.quick else 512)))
+    long_prompt = long_prompt.astype(np.int32)
     try:
         import torch
         use_torch = torch.cuda.is_available()
     except ImportError:
         use_torch = False
     results = {"device": vkf.get_device().name, "config": config, "dtype": args.dtype,
-               "vkformers": bench_vkformers(config, weights, args.dtype, prompt, new_tokens)}
+               "vkformers": bench_vkformers(config, weights, args.dtype, prompt, new_tokens, long_prompt)}
     if use_torch:
-        results["torch"] = bench_torch(config, args.dtype, prompt, new_tokens)
+        results["torch"] = bench_torch(config, args.dtype, prompt, new_tokens, long_prompt)
     ours = results["vkformers"]
-    for batch in (1, 8):
-        gated, dense = ours[f"decode_b{batch}_gated_tok_s"], ours[f"decode_b{batch}_dense_tok_s"]
-        line = f"{args.dtype} decode b{batch}: gated {gated:9.1f} tok/s, dense {dense:9.1f} ({gated / dense:.2f}x)"
+    for measure, unit in (("decode_b1", "tok/s"), ("decode_b8", "tok/s"), ("prefill", "tok/s"), ("train", "tok/s")):
+        routed, dense = ours[f"{measure}_routed_tok_s"], ours[f"{measure}_dense_tok_s"]
+        line = f"{args.dtype} {measure:9s}: routed {routed:9.1f} {unit}, dense {dense:9.1f} ({routed / dense:.2f}x)"
         if use_torch:
-            ref = results["torch"][f"decode_b{batch}_tok_s"]
-            line += f", transformers eager {ref:9.1f} ({gated / ref:.2f}x)"
+            ref = results["torch"][f"{measure}_tok_s"]
+            line += f", transformers eager {ref:9.1f} ({routed / ref:.2f}x)"
         print(line, flush=True)
     write_results(args.json, results)
     return 0

@@ -51,6 +51,45 @@ def test_embedding_forward_and_backward():
     np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_gather_rows_and_its_gradient_through_the_inverse():
+    """Rows picked per slice (each row at most once per slice, -1: a zero row), as a mixture-of-experts block
+    lists each expert's tokens; the gradient, a gather through ``inverse``, equals the scatter-add of numpy."""
+    src = RNG.standard_normal((5, 3)).astype(np.float32)
+    index = np.array([[3, 0, -1, -1, -1], [1, 2, 4, 0, -1]], np.int32)  # two slices of 5 rows
+    inverse = np.full((2, 5), -1, np.int32)
+    for p, row in enumerate(index):
+        for s, r in enumerate(row):
+            if r >= 0:
+                inverse[p, r] = p * 5 + s
+    t = vkf.tensor(src, requires_grad=True)
+    out = F.gather_rows(t, vkf.tensor(index), vkf.tensor(inverse))
+    np.testing.assert_array_equal(out.numpy(), np.where(index[..., None] >= 0, src[index], 0.0))
+    w = RNG.standard_normal(out.shape)
+    (out * vkf.tensor(w)).sum().backward()
+    expected = np.zeros_like(src, dtype=np.float64)
+    keep = index.reshape(-1) >= 0
+    np.add.at(expected, index.reshape(-1)[keep], w.reshape(-1, 3)[keep])
+    np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="inverse"):
+        F.gather_rows(t, vkf.tensor(index), vkf.tensor(inverse[:, :4]))
+
+
+def test_linear_with_live_rows_matches_numpy_on_the_live_rows():
+    """F.linear(live_rows=c): rows past c are padding (zeros here, as a mixture-of-experts list pads them); the
+    live rows, the input's gradient on them and the weight's gradient are those of the full product."""
+    x = RNG.standard_normal((150, 6)).astype(np.float32)
+    x[97:] = 0.0
+    w = RNG.standard_normal((5, 6)).astype(np.float32)
+    g = RNG.standard_normal((150, 5)).astype(np.float32)
+    g[97:] = 0.0  # nothing uses the padding rows' results
+    tx, tw = vkf.tensor(x, requires_grad=True), vkf.tensor(w, requires_grad=True)
+    y = F.linear(tx, tw, live_rows=vkf.tensor(np.array([97.0], np.float32)))
+    np.testing.assert_allclose(y.numpy()[:97], x[:97] @ w.T, rtol=1e-5, atol=1e-5)
+    (y * vkf.tensor(g)).sum().backward()
+    np.testing.assert_allclose(tx.grad.numpy()[:97], g[:97] @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(tw.grad.numpy(), g.T @ x, rtol=1e-5, atol=1e-5)
+
+
 def test_cross_entropy_with_ignored_labels():
     logits = RNG.standard_normal((2, 3, 7))
     labels = np.array([[1, -100, 6], [0, 2, -100]], np.int32)

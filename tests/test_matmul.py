@@ -377,6 +377,89 @@ def test_small_m_gate_skips_products(device, in_dtype, trans_b):
         check(got[z], product + bias + 0.5 * c0[z], "float32")
 
 
+GATED_KERNELS = [("tiled", dict(tiled=KM.TILED_SMALL)), ("coopmat", dict(coopmat=KM.COOPMAT_DEFAULT, splits=1)),
+                 ("coopmat", dict(coopmat=KM.COOPMAT_DEFAULT, splits=3)), ("small_m", {})]
+
+
+def _gated_case(device, algorithm, options, in_dtype, mode, m, k, counts, trans_a=False, poison=None):
+    """A batch of products with a gate per product: returns (got, a, b, bias, c0) as float64 arrays.
+    ``poison(z)``: a mask of rows of A[z] to fill with NaN (rows the kernel must not read)."""
+    n, batch = 40, len(counts)
+    rng = np.random.default_rng(11)
+    a = rounded(rng.standard_normal((batch, k, m) if trans_a else (batch, m, k)), in_dtype)
+    clean = a.copy()
+    for z in range(batch if poison else 0):
+        a[z][poison(z)] = np.nan
+    b = rounded(rng.standard_normal((batch, k, n)), in_dtype)
+    c0, bias = rng.standard_normal((batch, m, n)), rng.standard_normal(n)
+    ops = [upload(device, x, d) for x, d in ((a, in_dtype), (b, in_dtype), (c0, "float32"), (bias, "float32"))]
+    gate = Operand(device.upload(np.array([9.0, *counts], np.float32)), 1)
+    seq = device.sequence()
+    matmul(seq, *ops[:3], m=m, n=n, k=k, batch=batch, trans_a=trans_a, bias=ops[3], beta=0.5, algorithm=algorithm,
+           gate=gate, gate_mode=mode, **options)
+    seq.replay()
+    got = ops[2].buffer.read()[: batch * m * n].reshape(batch, m, n).astype(np.float64)
+    return got, (np.swapaxes(clean, 1, 2) if trans_a else clean), b, bias, c0
+
+
+def _no_coopmat(device, in_dtype, algorithm) -> bool:
+    """True (after checking that asking for it is refused) where the device has no such cooperative matrix."""
+    if algorithm != "coopmat" or coopmat_supported(device, in_dtype):
+        return False
+    with pytest.raises(ValueError, match="cooperative matrix"):
+        run_case(device, 16, 64, 256, in_dtype=in_dtype, algorithm="coopmat")
+    return True
+
+
+@pytest.mark.parametrize("algorithm, options", GATED_KERNELS)
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+def test_row_gate_skips_the_row_blocks_past_the_count(device, algorithm, options, in_dtype):
+    """gate_mode "rows": a block of rows that starts at or past its product's count is not multiplied (it
+    stores bias + beta * C, as for a zero product; its rows of A hold NaN here and are never read); every other
+    row is the full product. Counts 0 (an expert no token chose), inside the first block, past it, all rows."""
+    if _no_coopmat(device, in_dtype, algorithm):
+        return
+    m, k = (6, 24) if algorithm == "small_m" else (300, 72)
+    block = min(m, 8) if algorithm == "small_m" else (options.get("tiled") or options.get("coopmat")).bm
+    counts = [0, 3, block + 1, m] if algorithm == "small_m" else [0, 3, 130, m]
+
+    def skipped(z):
+        return np.arange(m) // block * block >= counts[z]
+    got, a, b, bias, c0 = _gated_case(device, algorithm, options, in_dtype, "rows", m, k, counts, poison=skipped)
+    for z in range(len(counts)):
+        full, skip = a[z] @ b[z] + bias + 0.5 * c0[z], skipped(z)
+        assert not np.isnan(got[z]).any()
+        if (~skip).any():
+            check(got[z][~skip], full[~skip], "float32")
+        if skip.any():
+            check(got[z][skip], (bias + 0.5 * c0[z])[skip], "float32")
+
+
+@pytest.mark.parametrize("algorithm, options", GATED_KERNELS)
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_depth_gate_skips_the_k_steps_past_the_count(device, algorithm, options, trans_a):
+    """gate_mode "depth" (a row-limited product's weight gradient, A^T @ dC): the K steps that start at or past
+    the count are skipped, so the product sums k < the count rounded up to a K step; the small-m kernel ignores
+    the gate (exact when, as its callers guarantee, the entries past the count are zero)."""
+    in_dtype = "float16"
+    if _no_coopmat(device, in_dtype, algorithm):
+        return
+    m, k = (5, 200) if algorithm == "small_m" else (70, 200)
+    step = KM.TILED_SMALL.bk if algorithm == "tiled" else KM.COOPMAT_DEFAULT.bk
+    counts = [0, 1, 64, 150, k]
+    got, a, b, bias, c0 = _gated_case(device, algorithm, options, in_dtype, "depth", m, k, counts, trans_a)
+    for z, count in enumerate(counts):
+        depth = k if algorithm == "small_m" else min(k, -(-count // step) * step)
+        check(got[z], a[z][:, :depth] @ b[z][:depth] + bias + 0.5 * c0[z], "float32")
+
+
+def test_gate_mode_is_checked(device):
+    a = device.upload(np.zeros((4, 4), np.float32))
+    gate = device.upload(np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="gate_mode"):
+        matmul(device.sequence(), a, a, a, m=4, n=4, k=4, gate=gate, gate_mode="columns")
+
+
 def test_small_m_rejects_bad_configuration(device):
     a = device.upload(np.zeros((4, 4), np.float32))
     with pytest.raises(ValueError):

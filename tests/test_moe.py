@@ -10,7 +10,9 @@ pytest.importorskip("vkformers_moe")
 
 import vkformers as vkf  # noqa: E402
 from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
+from vkformers_moe import block as moe_block  # noqa: E402
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask  # noqa: E402
+from vkformers_moe.routes import ExpertRoutes  # noqa: E402
 
 HIDDEN, EXPERTS, INNER, TOKENS = 8, 6, 5, 7
 
@@ -144,6 +146,69 @@ def test_unchosen_experts_get_no_gradient():
         grad = block.expert_list[e].projections[0].weight.grad
         norm = 0.0 if grad is None else float(np.abs(grad.numpy()).max())
         assert (norm > 0) == (e == chosen), (e, chosen, norm)
+
+
+def test_expert_routes_list_each_experts_tokens_in_order():
+    """moe_routes.comp against numpy, over more tokens than one pass of its workgroup (256)."""
+    tokens, experts = 300, 5
+    rng = np.random.default_rng(8)
+    weights = rng.random((tokens, experts)).astype(np.float32) * (rng.random((tokens, experts)) < 0.4)
+    weights[:, 3] = 0.0  # an expert no token chose
+    routes = ExpertRoutes.of(vkf.tensor(weights))
+    token_of_slot, slot_of_token = routes.token_of_slot.numpy(), routes.slot_of_token.numpy()
+    for e in range(experts):
+        chosen = np.flatnonzero(weights[:, e] != 0)
+        want = np.full(tokens, -1)
+        want[:len(chosen)] = chosen
+        np.testing.assert_array_equal(token_of_slot[e], want)
+        slots = np.full(tokens, -1)
+        slots[chosen] = np.arange(len(chosen))
+        np.testing.assert_array_equal(slot_of_token[e], slots)
+        stacked = routes.stacked_token_of_slot.numpy()[e], routes.stacked_slot_of_token.numpy()[e]
+        np.testing.assert_array_equal(stacked[0], np.where(want >= 0, want + e * tokens, -1))
+        np.testing.assert_array_equal(stacked[1], np.where(slots >= 0, slots + e * tokens, -1))
+    np.testing.assert_array_equal(routes.counts.numpy(), (weights != 0).sum(0))
+
+
+ROUTED_LAYOUTS = {
+    "per_expert": dict(shared="shared_expert", shared_size=3),
+    "fused": dict(experts="", fused_experts=("input_linear.weight", "output_linear.weight")),
+    "per_expert_scaled_inputs": dict(scale_inputs=True),
+    "fused_scaled_inputs": dict(experts="", fused_experts=("input_linear.weight", "output_linear.weight"),
+                                scale_inputs=True),
+    "stacked": dict(stacked_experts=True, expert_names=("w1", "v1", "w2")),
+    "fused_biases_clipped": dict(experts="experts", fused_experts=("gate_up_proj", "down_proj"),
+                                 fused_transposed=True, fused_bias=("gate_up_proj_bias", "down_proj_bias"),
+                                 gate_up_interleaved=True, swiglu_clip=(1.702, 0.7)),
+}
+
+
+@pytest.mark.parametrize("layout", ROUTED_LAYOUTS)
+def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout):
+    """A step of COMPACT_MIN_TOKENS or more tokens runs each expert on its list of tokens only; its output and
+    every gradient (input, router, experts) equal the dense block's, where each expert runs on every token."""
+    moe = MoeSpec(EXPERTS, 2, INNER, (True,), norm_topk=True, **ROUTED_LAYOUTS[layout])
+    block, _ = _block(moe)
+    params = dict(block.named_parameters())
+    x = np.random.default_rng(9).standard_normal((2, 50, HIDDEN)).astype(np.float32)
+    assert x.shape[0] * x.shape[1] >= moe_block.COMPACT_MIN_TOKENS
+
+    def run(skip):
+        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+        for p in params.values():
+            p.requires_grad, p.grad = True, None
+        t = vkf.tensor(x, requires_grad=True)
+        out = block(t)
+        (out * vkf.tensor(np.cos(np.arange(x.size)).reshape(x.shape).astype(np.float32))).sum().backward()
+        grads = {name: p.grad.numpy() for name, p in params.items() if p.grad is not None}
+        return out.numpy(), t.grad.numpy(), grads
+
+    dense, routed = run(False), run(True)
+    np.testing.assert_allclose(routed[0], dense[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(routed[1], dense[1], rtol=1e-4, atol=1e-5)
+    assert routed[2].keys() == dense[2].keys()
+    for name in dense[2]:
+        np.testing.assert_allclose(routed[2][name], dense[2][name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_bad_options_are_refused():

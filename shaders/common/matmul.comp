@@ -29,6 +29,7 @@ layout(constant_id = 6) const uint TRANS_B = 0;
 layout(constant_id = 7) const uint HAS_BIAS = 0;
 // constant_id 8: the workgroup size, which must be (BM / TM) * (BN / TN)
 layout(local_size_x_id = 8) in;
+layout(constant_id = 9) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, GATE_ROWS or GATE_DEPTH
 #include "matmul_io.glsl"
 
 #define MAX_T 8       // register block bound (arrays below are sized for it)
@@ -79,8 +80,13 @@ void main() {
             ? load_b(base_b + (TRANS_B != 0 ? gc * k + gk : gk * n + gc)) : 0.0;        \
     }
 
-    LOAD_TILES(0)
-    for (; k0 < k; k0 += BK) {
+    // A gated product (uniform over the workgroup): padding rows are not multiplied, zero K steps skipped.
+    uint k_end = k;
+    if (GATE_MODE == GATE_ROWS && row0 >= gate_count(gl_WorkGroupID.z)) k_end = 0;
+    if (GATE_MODE == GATE_DEPTH) k_end = min(k, gate_count(gl_WorkGroupID.z));
+
+    if (k_end > 0) { LOAD_TILES(0) }
+    for (; k0 < k_end; k0 += BK) {
         for (uint l = 0; l < LOADS_A; ++l) {
             uint e = tid + l * THREADS;
             if (TRANS_A != 0) store_shared_a(e / BM, e % BM, next_a[l]);
@@ -92,7 +98,7 @@ void main() {
             else store_shared_b(e / BN, e % BN, next_b[l]);
         }
         barrier();
-        if (k0 + BK < k) { LOAD_TILES(k0 + BK) }  // in flight while we multiply
+        if (k0 + BK < k_end) { LOAD_TILES(k0 + BK) }  // in flight while we multiply
 
         for (uint kk = 0; kk < BK; ++kk) {
             vec4 a[MAX_T / 4], b[MAX_T / 4];

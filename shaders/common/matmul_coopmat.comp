@@ -68,6 +68,7 @@ layout(constant_id = 13) const uint SPEC_K = 0;
 // float32 partial sums as C[z] (C a scratch [batch, SPLITS, m, n]); matmul_split_reduce.comp adds them
 // up and applies the epilogue. More workgroups in flight when the tiles of C are too few to fill the GPU.
 layout(constant_id = 14) const uint SPLITS = 1;
+layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, GATE_ROWS or GATE_DEPTH
 #include "matmul_io.glsl"
 // Bound on uvec4 loads per invocation per tile (the launcher checks it).
 #define MAX_CHUNKS 16
@@ -133,7 +134,11 @@ void main() {
     const uint base_a = off_a + batch * stride_a;
     const uint base_b = off_b + batch * stride_b;
     const uint k_slice = (K_ + SPLITS * BK - 1) / (SPLITS * BK) * BK;
-    const uint k_begin = min(K_, split * k_slice), k_end = min(K_, k_begin + k_slice);
+    const uint k_begin = min(K_, split * k_slice);
+    uint k_end = min(K_, k_begin + k_slice);
+    // A gated product (uniform over the workgroup): padding rows are not multiplied, zero K steps skipped.
+    if (GATE_MODE == GATE_ROWS && row0 >= gate_count(batch)) k_end = k_begin;
+    if (GATE_MODE == GATE_DEPTH) k_end = max(k_begin, min(k_end, gate_count(batch)));
     const uint sg = gl_SubgroupID;
     const uint sg_row = sg / SG_COLS, sg_col = sg % SG_COLS;
     // Whole-vector loads without checks for K tiles of a workgroup inside C.
@@ -156,7 +161,7 @@ void main() {
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(false, tid + l * threads, base_b, col0, K0); \
     }
 
-    FETCH_TILES(k_begin)
+    if (k_begin < k_end) { FETCH_TILES(k_begin) }
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) tile_a[staged_index_a(tid + l * threads)] = next_a[l];
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];

@@ -45,11 +45,15 @@ layout(binding = 1) readonly buffer MatB { IN_T b_data[]; };
 layout(binding = 2) buffer MatC { OUT_T c_data[]; };
 layout(binding = 3) readonly buffer Bias { OUT_T bias_data[]; };  // bound to C when there is no bias
 
-// MATMUL_GATE (the small-m kernel): product b counts as zero when gate_data[gate_off + b] == 0 (an expert
-// no token chose); the gate is bound to C when unused.
-#if defined(MATMUL_GATE)
+// Gated products (engine/kernels/matmul.py ``gate``): each kernel's GATE_MODE specialization constant
+// reads gate[b] = gate_data[gate_off + b] as a count g for product b. GATE_ROWS: rows of A and C at or past g
+// are padding, whose results nobody uses, so a block of rows that starts there is not multiplied (it stores
+// the epilogue of a zero product). GATE_DEPTH: the K entries at or past g are zero in A or in B, so the
+// K steps past g are skipped (the result is exact). The gate is bound to C when unused.
+#define GATE_NONE 0
+#define GATE_ROWS 1
+#define GATE_DEPTH 2
 layout(binding = 4) readonly buffer Gate { float gate_data[]; };
-#endif
 
 // Offsets and batch strides are in elements.
 layout(push_constant) uniform Push {
@@ -57,10 +61,11 @@ layout(push_constant) uniform Push {
     uint off_a, off_b, off_c, off_bias;
     uint stride_a, stride_b, stride_c;
     float alpha, beta;
-#if defined(MATMUL_GATE)
     uint gate_off;
-#endif
 };
+
+// Product b's gate as a count (uniform over a workgroup).
+uint gate_count(uint b) { return uint(max(gate_data[gate_off + b], 0.0)); }
 
 #if !defined(MATMUL_INPUTS_AS_WORDS)
 float load_a(uint i) { return LOAD_IN(a_data[i]); }

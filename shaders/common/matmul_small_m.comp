@@ -14,8 +14,9 @@
 //   thread t takes column t % ROWS_PER_WG and every (WG / ROWS_PER_WG)-th k, so
 //   consecutive threads read consecutive elements of a row of B; the k slices are
 //   summed through shared memory.
-// GATED: a product whose gate is zero (a mixture-of-experts expert that no token of the
-// step chose) reads nothing and stores C as if the product were zero.
+// GATE_MODE (matmul_io.glsl): GATE_ROWS skips a block of rows at or past the product's gate, storing
+// the epilogue of a zero product and reading nothing (a mixture-of-experts expert that no token of the
+// step chose has a gate of 0); GATE_DEPTH is ignored (the entries it would skip are zero).
 // A and B are bound as raw 16-byte words (uvec4) and decoded here: a whole vector
 // where ALIGNED_A / ALIGNED_B say every row starts on a 16-byte boundary, else
 // element by element (one 32-bit word each), with checks at the end of k.
@@ -47,10 +48,9 @@ layout(constant_id = 7) const uint ALIGNED_B = 0;  // the same for rows of B (TR
 // constant_id 8: the workgroup size
 layout(local_size_x_id = 8) in;
 layout(constant_id = 9) const uint UNROLL = 2;     // TRANS_B = 1: vectors per lane in flight per row
-layout(constant_id = 10) const uint GATED = 0;
+layout(constant_id = 10) const uint GATE_MODE = 0;
 
 #define MATMUL_INPUTS_AS_WORDS
-#define MATMUL_GATE
 #include "matmul_io.glsl"
 
 #if defined(IN_F32)
@@ -183,7 +183,7 @@ void main() {
     const uint base_b = off_b + gl_WorkGroupID.z * stride_b;
     const uint base_c = off_c + gl_WorkGroupID.z * stride_c;
     const uint row0 = gl_WorkGroupID.y * BLOCK_M;
-    if (GATED != 0 && gate_data[gate_off + gl_WorkGroupID.z] == 0.0) {  // uniform over the workgroup
+    if (GATE_MODE == GATE_ROWS && row0 >= gate_count(gl_WorkGroupID.z)) {  // uniform over the workgroup
         for (uint t = gl_LocalInvocationID.x; t < BLOCK_M * ROWS_PER_WG; t += gl_WorkGroupSize.x) {
             uint i = t / ROWS_PER_WG, col = gl_WorkGroupID.x * ROWS_PER_WG + t % ROWS_PER_WG;
             if (row0 + i < m && col < n) store_c(base_c + (row0 + i) * n + col, col, 0.0);

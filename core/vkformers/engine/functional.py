@@ -17,6 +17,7 @@ from vkformers.engine.ops.nn import (
     dropout_rng_state,
     embedding,
     gather_flat,
+    gather_rows,
     layer_norm,
     manual_seed,
     rms_norm,
@@ -26,25 +27,26 @@ from vkformers.engine.ops.nn import (
 )
 
 
-def linear(x, weight, bias=None, gate=None):
+def linear(x, weight, bias=None, live_rows=None):
     """x @ weight.T (+ bias), with weight [out_features, in_features] as in torch and HF checkpoints.
 
     Leading dimensions of x are folded into the rows of one product, so that the weight's gradient is
-    one [in, out] product over all tokens, not one per batch row summed afterwards. ``gate`` (float32, one
-    element, no gradient): outside autograd, where it is zero the product may be skipped and count as zero
-    (a mixture-of-experts expert that no token chose; see engine.kernels.matmul)."""
+    one [in, out] product over all tokens, not one per batch row summed afterwards. ``live_rows`` (float32,
+    one count, no gradient): the rows of x at or past it are padding, whose results are not used; the
+    kernels may skip them (a mixture-of-experts expert run on the rows of the tokens that chose it; see
+    engine.ops.matmul)."""
     if x.ndim >= 2 and weight.ndim == 2:
         from vkformers.engine.ops.matmul import LinearFn
-        y = LinearFn.apply(x, weight, gate)
+        y = LinearFn.apply(x, weight, live_rows)
     else:
         y = x @ weight.transpose(-1, -2)
     return y + bias if bias is not None else y
 
 
-def matmul(a, b, gate=None):
-    """a @ b with numpy broadcasting over batch dims; ``gate``: as :func:`linear`'s, one element per product."""
+def matmul(a, b, live_rows=None):
+    """a @ b with numpy broadcasting over batch dims; ``live_rows``: as :func:`linear`'s, one count per product."""
     from vkformers.engine.ops.matmul import matmul as batched
-    return batched(a, b, gate)
+    return batched(a, b, live_rows)
 
 
 def grad_enabled() -> bool:
@@ -110,5 +112,5 @@ def log_softmax(x, dim: int = -1):
 
 __all__ = ["FusedNorm", "activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
-           "gated", "gather_flat", "gelu", "layer_norm", "linear", "log_softmax", "manual_seed", "quick_gelu", "relu",
+           "gated", "gather_flat", "gather_rows", "gelu", "layer_norm", "linear", "log_softmax", "manual_seed", "quick_gelu", "relu",
            "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]

@@ -15,9 +15,9 @@ class Linear(Module):
         if bias:
             self.param("bias", (out_features,))
 
-    def forward(self, x, gate=None):
-        """``gate``: see F.linear (a mixture-of-experts expert's products may be skipped where it is zero)."""
-        return F.linear(x, self.weight, self.bias if self.has_bias else None, gate=gate)
+    def forward(self, x, live_rows=None):
+        """``live_rows``: see F.linear (the rows past it are padding a mixture-of-experts expert may skip)."""
+        return F.linear(x, self.weight, self.bias if self.has_bias else None, live_rows=live_rows)
 
 
 class Conv1D(Module):

@@ -11,13 +11,14 @@ best expert groups); the chosen scores, optionally renormalised and scaled, weig
 SwiGLU outputs; shared experts (optionally gated by sigmoid(linear(x))) are added. Gradients
 reach the router only through the chosen scores, as in transformers.
 
-Cost: every expert runs on every token and is weighted by its routing weight (zero for the
-experts not chosen), so a layer costs num_experts dense MLPs instead of top_k. Outside autograd
-(generation, evaluation) the experts' products are gated by whether any token chose them: the
-small-m kernel (the few tokens of a decode step) then skips the experts no token chose, reading
-none of their weights; larger products still run every expert. Top-k is built from engine ops
-(k rounds of max + masking), so the whole block stays on the GPU (no read-back), autograd gives
-its backward and captured decode steps replay it.
+Cost: an expert multiplies only the rows of the tokens that chose it. For a step of at least
+COMPACT_MIN_TOKENS tokens (prefill, training) the block lists each expert's tokens on the GPU
+(routes.py), gathers their rows, runs the expert on the first `count` rows (the matmul kernels skip the
+blocks of rows past it, forward and backward) and puts the outputs back in token order: about top_k /
+num_experts of the dense work. A step of fewer tokens (decoding) keeps the tokens in place and gates
+each expert's products whole: an expert no token chose is skipped, reading none of its weights. Top-k is
+built from engine ops (k rounds of max + masking), so the whole block stays on the GPU (no read-back),
+autograd gives its backward and captured decode steps replay it.
 """
 from __future__ import annotations
 
@@ -30,11 +31,16 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
+from vkformers_moe.routes import ExpertRoutes
 
 _HIDDEN = -3.0e38  # a score that never wins the max
-# Outside autograd, skip the products of experts that no token of a step chose (see SparseMoeBlock.forward);
-# False runs every expert as during training (bench/moe.py compares the two).
-GATE_UNCHOSEN_EXPERTS = True
+# Run each expert on the tokens that chose it (SparseMoeBlock.forward); False runs every expert on every token,
+# weighted by zero where not chosen (bench/moe.py compares the two in one run).
+SKIP_UNCHOSEN = True
+# From this many tokens a step gathers each expert's tokens into a list; below it, the tokens stay in place and
+# only the experts that no token chose are skipped (a decode step of a few tokens: gathering would add two
+# small dispatches per expert and layer, and the rows fit one tile of the kernels anyway).
+COMPACT_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -153,15 +159,15 @@ class SwiGLU(Module):
                                                      place(self, down, Linear(inner, hidden, bias=bias))))
         self.act = F.activation(act)
 
-    def forward(self, x, active=None):
-        """``active``: a gate for every product (see Linear.forward): an expert that no token chose."""
+    def forward(self, x, live_rows=None):
+        """``live_rows``: rows of x at or past it are padding (Linear.forward): a routed expert's list."""
         gate, up, down = self.projections
         if up is None:
-            both = gate(x, active)
+            both = gate(x, live_rows)
             g, u = both[..., :self.inner], both[..., self.inner:]
         else:
-            g, u = gate(x, active), up(x, active)
-        return down(clipped_swiglu(g, u, self.clip) if self.clip else self.act(g) * u, active)
+            g, u = gate(x, live_rows), up(x, live_rows)
+        return down(clipped_swiglu(g, u, self.clip) if self.clip else self.act(g) * u, live_rows)
 
 
 def topk_mask(values, k: int):
@@ -317,13 +323,13 @@ class SparseMoeBlock(Module):
 
     # -- forward
 
-    def _batched_experts(self, xs, active=None):
+    def _batched_experts(self, xs, live_rows=None):
         """Every expert's SwiGLU of xs [E, tokens, hidden], from stacked [E * I, H] or fused [E, ...] weights.
-        ``active`` [E]: the products' gate (zero for an expert no token chose)."""
+        ``live_rows`` [E]: each expert's rows past it are padding (F.matmul)."""
         moe = self.moe
 
         def product(a, b):
-            return F.matmul(a, b, active)
+            return F.matmul(a, b, live_rows)
         if moe.stacked_experts:
             shape = (moe.num_experts, moe.expert_size, self.hidden)
             gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
@@ -351,6 +357,42 @@ class SparseMoeBlock(Module):
             return self.act(gate) * up
         return clipped_swiglu(gate, up, self.moe.swiglu_clip)
 
+    def _dense_experts(self, x, weights, live_rows):
+        """Every expert on every token, weighted by ``weights`` [tokens, E] (zero where not chosen)."""
+        moe = self.moe
+        tokens = x.shape[0]
+        if self.expert_list is None:  # [E, ...] weights: one batched product over all experts
+            xs = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden)
+            per_expert = weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)
+            if moe.scale_inputs:
+                xs = xs * per_expert
+            y = self._batched_experts(xs, live_rows)  # [E, tokens, hidden]
+            return (y if moe.scale_inputs else y * per_expert).sum(0)
+        out = None
+        for e, expert in enumerate(self.expert_list):
+            live = None if live_rows is None else live_rows[e:e + 1]
+            y = expert(x * weights[:, e:e + 1], live) if moe.scale_inputs else expert(x, live) * weights[:, e:e + 1]
+            out = y if out is None else out + y
+        return out
+
+    def _routed_experts(self, x, weights, routes: ExpertRoutes):
+        """Each expert on its list of tokens (routes), the outputs put back in token order and weighted."""
+        moe = self.moe
+        scales = routes.gather_weights(weights) if moe.scale_inputs else None  # [E, tokens, 1], list order
+        if self.expert_list is None:
+            xs = routes.gather(x)  # [E, tokens, hidden]
+            y = routes.scatter(self._batched_experts(xs * scales if moe.scale_inputs else xs, routes.counts))
+            if moe.scale_inputs:
+                return y.sum(0)
+            return (y * weights.transpose(0, 1).reshape(moe.num_experts, -1, 1)).sum(0)
+        out = None
+        for e, expert in enumerate(self.expert_list):
+            xe = routes.gather_one(x, e)
+            y = routes.scatter_one(expert(xe * scales[e] if moe.scale_inputs else xe, routes.counts[e:e + 1]), e)
+            y = y if moe.scale_inputs else y * weights[:, e:e + 1]
+            out = y if out is None else out + y
+        return out
+
     def forward(self, h):
         moe = self.moe
         lead = h.shape[:-1]
@@ -361,24 +403,13 @@ class SparseMoeBlock(Module):
         if moe.identity_experts:  # their weights, summed, scale the input itself
             identity = x * weights[:, moe.num_experts:].sum(-1, keepdim=True)
             weights = weights[:, :moe.num_experts]
-        # Outside autograd, gate the experts' products: an expert whose weight is zero for every token adds
-        # nothing (its output is multiplied by zero, or with scale_inputs its input is zero and its SwiGLU 0).
-        gated = GATE_UNCHOSEN_EXPERTS and not F.grad_enabled()
-        active = weights.float().abs().sum(0).detach() if gated else None
-        if self.expert_list is None:  # [E, ...] weights: one batched product over all experts
-            xs = x.reshape(1, tokens, self.hidden).expand(moe.num_experts, tokens, self.hidden)
-            per_expert = weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)
-            if moe.scale_inputs:
-                xs = xs * per_expert
-            y = self._batched_experts(xs, active)  # [E, tokens, hidden]
-            out = (y if moe.scale_inputs else y * per_expert).sum(0)
-        else:
-            out = None
-            for e, expert in enumerate(self.expert_list):
-                gate = None if active is None else active[e:e + 1]
-                y = expert(x * weights[:, e:e + 1], gate) if moe.scale_inputs else \
-                    expert(x, gate) * weights[:, e:e + 1]
-                out = y if out is None else out + y
+        if not SKIP_UNCHOSEN:
+            out = self._dense_experts(x, weights, None)
+        elif tokens >= COMPACT_MIN_TOKENS:
+            out = self._routed_experts(x, weights, ExpertRoutes.of(weights))
+        else:  # tokens in place; an expert no token chose has no live rows (and scaled by zero adds nothing)
+            chosen = weights.float().detach().abs().sum(0) > 0.0
+            out = self._dense_experts(x, weights, F.where(chosen, float(tokens), 0.0))
         if identity is not None:
             out = out + identity
         if self.shared is not None:

@@ -23,6 +23,7 @@ from vkformers.engine.kernels import Operand, operand, require_elements
 from vkformers.runtime import dtypes as dt
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+GATE_MODES = {"rows": 1, "depth": 2}  # the kernels' GATE_MODE (matmul_io.glsl)
 INPUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -241,7 +242,8 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
            stride_b: int | None = None, stride_c: int | None = None, bias: Operand | None = None,
            alpha: float = 1.0, beta: float = 0.0, algorithm: str = "auto",
            tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None,
-           small_m: SmallMConfig | None = None, splits: int | None = None, gate: Operand | None = None) -> None:
+           small_m: SmallMConfig | None = None, splits: int | None = None, gate: Operand | None = None,
+           gate_mode: str = "rows") -> None:
     """Record ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]`` for b < batch into ``seq``.
 
     A is [m, k] ([k, m] when ``trans_a``), B is [k, n] ([n, k] when ``trans_b``),
@@ -252,9 +254,12 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     matrix when the device has it for the input dtype, else tiled), "small_m", "tiled"
     or "coopmat"; ``tiled``/``coopmat``/``small_m`` override configurations (benchmarks), ``splits`` the
     slices of K of the cooperative-matrix kernel (default: :func:`split_k` unless ``coopmat`` is given).
-    ``gate`` (float32, one element per batch from its offset on): the small-m kernel treats product b as zero
-    where gate[b] == 0, reading none of its A and B (a mixture-of-experts expert no token chose); the other
-    kernels compute it in full. So a gated product is only for results that a zero gate makes irrelevant.
+    ``gate`` (float32, one count per batch product from its offset on) marks what a product may skip, by
+    ``gate_mode`` (a mixture-of-experts expert run on the few rows of tokens that chose it):
+    "rows": the rows of A and C at or past gate[b] are padding, whose results are not used; a kernel skips the
+    blocks of rows that start there (storing the epilogue of a zero product: bias + beta * C), and with a gate
+    of 0 reads none of the product's A and B. "depth": the K entries at or past gate[b] are zero in A or in B
+    (the weight gradient of a rows-gated product), so K steps past it may be skipped; the result is exact.
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -282,6 +287,9 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         if gate.dtype.name != "float32":
             raise TypeError(f"matmul: the gate must be float32, not {gate.dtype.name}")
         require_elements(gate, batch, "matmul gate")
+    if gate_mode not in GATE_MODES:
+        raise ValueError(f"matmul: gate_mode must be one of {', '.join(GATE_MODES)}, not {gate_mode!r}")
+    gate_spec = GATE_MODES[gate_mode] if gate is not None else 0
     for value in (stride_a, stride_b, stride_c, a.offset, b.offset, c.offset, bias.offset if bias else 0):
         if not 0 <= value < 2**32:
             raise ValueError(f"matmul: offsets and strides must fit in 32 bits, got {value}")
@@ -295,16 +303,16 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         raise ValueError(f"matmul: algorithm must be 'auto', 'small_m', 'tiled' or 'coopmat', not {algorithm!r}")
 
     variant = f"{SHORT[in_dtype]}_{SHORT[out_dtype]}"
-    buffers = [a.buffer, b.buffer, c.buffer, (bias or c).buffer]
+    buffers = [a.buffer, b.buffer, c.buffer, (bias or c).buffer, (gate or c).buffer]
+    gate_offset = gate.offset if gate else 0
     push = [m, n, k, a.offset, b.offset, c.offset, bias.offset if bias else 0,
-            stride_a, stride_b, stride_c, float(alpha), float(beta)]
+            stride_a, stride_b, stride_c, float(alpha), float(beta), gate_offset]
     flags = [int(trans_a), int(trans_b), int(bias is not None)]
 
     if algorithm == "small_m":
-        _dispatch_small_m(seq, variant, [*buffers, (gate or c).buffer], [*push, gate.offset if gate else 0], m=m,
-                          n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b, has_bias=bias is not None,
-                          offset_a=a.offset, offset_b=b.offset, stride_a=stride_a, stride_b=stride_b, cfg=small_m,
-                          gated=gate is not None)
+        _dispatch_small_m(seq, variant, buffers, push, m=m, n=n, k=k, batch=batch, trans_a=trans_a,
+                          trans_b=trans_b, has_bias=bias is not None, offset_a=a.offset, offset_b=b.offset,
+                          stride_a=stride_a, stride_b=stride_b, cfg=small_m, gate_mode=gate_spec)
         return
 
     if algorithm == "coopmat":
@@ -320,31 +328,33 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         split = splits > 1  # the bias goes to the second pass then, not into the partial sums
         spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), int(bias is not None and not split),
                 aligned_a, aligned_b, cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n,
-                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits]
+                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits, gate_spec]
         groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch * splits)
         if not split:
             seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec)
             return
         # Split K: float32 partial products per slice into a scratch buffer, then one pass adds them up.
         partials = device.buffer(batch * splits * m * n, "float32", name="matmul split-k partials")
-        partial_push = [m, n, k, a.offset, b.offset, 0, 0, stride_a, stride_b, m * n, 1.0, 0.0]
+        partial_push = [m, n, k, a.offset, b.offset, 0, 0, stride_a, stride_b, m * n, 1.0, 0.0, gate_offset]
         seq.dispatch(device.kernel("matmul_coopmat", f"{SHORT[in_dtype]}_f32"),
-                     [a.buffer, b.buffer, partials, partials], groups, partial_push, spec)
+                     [a.buffer, b.buffer, partials, partials, (gate.buffer if gate else partials)], groups,
+                     partial_push, spec)
         reduce_push = [m, n, splits, 0, 0, c.offset, bias.offset if bias else 0, m * n, 0, stride_c,
-                       float(alpha), float(beta)]
+                       float(alpha), float(beta), 0]
         seq.dispatch(device.kernel("matmul_split_reduce", SHORT[out_dtype]),
-                     [partials, partials, c.buffer, (bias or c).buffer], (-(-m * n // 256), batch), reduce_push,
+                     [partials, partials, c.buffer, (bias or c).buffer, c.buffer], (-(-m * n // 256), batch),
+                     reduce_push,
                      [256, int(bias is not None)])
         return
 
     cfg = tiled or tiled_config(device, m, n)
-    spec = [cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, *flags, cfg.threads]
+    spec = [cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, *flags, cfg.threads, gate_spec]
     groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
     seq.dispatch(device.kernel("matmul", variant), buffers, groups, push, spec)
 
 
 def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, trans_b, has_bias,
-                      offset_a, offset_b, stride_a, stride_b, cfg: SmallMConfig | None, gated: bool) -> None:
+                      offset_a, offset_b, stride_a, stride_b, cfg: SmallMConfig | None, gate_mode: int) -> None:
     device = seq.device
     cfg = cfg or small_m_config(device, m, n, trans_b)
     cfg.check(trans_b)
@@ -361,6 +371,6 @@ def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, t
     while -(-n // rows_per_wg) > max_groups:  # very wide C: more columns per workgroup
         rows_per_wg *= 2
     spec = [block_m, rows_per_wg, cfg.rows_per_subgroup, int(trans_a), int(trans_b), int(has_bias),
-            aligned_a, aligned_b, cfg.threads, cfg.unroll, int(gated)]
+            aligned_a, aligned_b, cfg.threads, cfg.unroll, gate_mode]
     groups = (-(-n // rows_per_wg), -(-m // block_m), batch)
     seq.dispatch(device.kernel("matmul_small_m", variant), buffers, groups, push, spec)

@@ -68,6 +68,37 @@ def embedding(ids, table):
     return EmbeddingFn.apply(table, ids)
 
 
+class GatherRowsFn(Function):
+    """out[s] = src[index[s]] for src [rows, width] and int32 ``index`` of any shape (a zero row where an
+    index is -1 or out of range): the embedding kernel. ``inverse`` (int32 [..., rows]) says where each row of
+    src went, out.flat[inverse[p, r]] for every leading slice p (-1: nowhere), so that the gradient is a
+    gather too: d_src[r] = sum over p of d_out.flat[inverse[p, r]], parallel over every element, where the
+    embedding's scatter-add walks the rows in order. For an index that picks each row at most once per slice
+    (mixture-of-experts token lists)."""
+
+    def forward(self, src, index, inverse):
+        for name, ids in (("index", index), ("inverse", inverse)):
+            if ids.dtype is not dt.int32:
+                raise TypeError(f"gather_rows: {name} must be int32, not {ids.dtype.name}")
+        if len(src.shape) != 2 or inverse.shape[-1] != src.shape[0]:
+            raise ValueError(f"gather_rows: src must be [rows, width] and inverse [..., rows]; got src "
+                             f"{src.shape}, inverse {inverse.shape}")
+        self.saved, self.out_rows = (inverse,), math.prod(index.shape)
+        return node(EmbeddingKernel(), [src, index], [(index.shape + src.shape[1:], src.dtype)])[0]
+
+    def backward(self, g):
+        (inverse,) = self.saved
+        width = g.shape[-1]
+        d = node(EmbeddingKernel(), [g.reshape(self.out_rows, width).lazy, inverse],
+                 [(inverse.shape + (width,), g.dtype)])[0]
+        d = _tensor(d)
+        return (d.reshape(-1, *d.shape[-2:]).sum(0) if len(inverse.shape) > 1 else d), None, None
+
+
+def gather_rows(src, index, inverse):
+    return GatherRowsFn.apply(src, index, inverse)
+
+
 # ---------------------------------------------------------------- norms
 
 class RMSNormKernel(KernelOp):

@@ -1,0 +1,81 @@
+"""Each expert's list of the tokens that chose it, made on the GPU, so that an expert multiplies those rows only.
+
+``ExpertRoutes.of(weights)`` runs this plugin's kernel (``shaders/moe_routes.comp``) on the routing weights
+[tokens, experts] (zero where a token did not choose an expert). The block then gathers each list's rows of the
+input (row s of expert e is token ``token_of_slot[e, s]``; the rows past the list are zeros), runs the expert
+with ``live_rows`` = the list's length (the matmul kernels skip the blocks of rows past it, forward and backward),
+and puts the outputs back in token order (zeros for the tokens that did not choose it). Both moves are gathers
+(F.gather_rows) whose gradient is the opposite gather, so autograd, training and captured replays work as on the
+dense block, and nothing is read back to the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vkformers.engine import functional as F
+from vkformers.engine.function import KernelOp, node
+from vkformers.engine.tensor import Tensor
+from vkformers.runtime import dtypes as dt
+
+
+class ExpertRoutesKernel(KernelOp):
+    name = "moe_routes"
+
+    def emit(self, seq, outs, ins):
+        (routes, counts), (weights,) = outs, ins
+        tokens, experts = weights.shape
+        w, r, c = weights.operand, routes.operand, counts.operand
+        seq.dispatch(seq.device.kernel("moe_routes"), [w.buffer, r.buffer, c.buffer], (experts, 1, 1),
+                     push=[tokens, experts, w.offset, r.offset, c.offset])
+
+
+@dataclass(frozen=True)
+class ExpertRoutes:
+    """int32 [experts, tokens] maps (-1: none) and float32 [experts] list lengths; ``stacked_*`` count rows of
+    the [experts * tokens] stack of all lists (see moe_routes.comp)."""
+
+    token_of_slot: Tensor
+    slot_of_token: Tensor
+    stacked_token_of_slot: Tensor
+    stacked_slot_of_token: Tensor
+    counts: Tensor
+
+    @classmethod
+    def of(cls, weights) -> "ExpertRoutes":
+        tokens, experts = weights.shape
+        routes, counts = node(ExpertRoutesKernel(), [weights.detach().float().lazy],
+                              [((4, experts, tokens), dt.int32), ((experts,), dt.float32)])
+        maps = Tensor._from_lazy(routes)
+        return cls(maps[0], maps[1], maps[2], maps[3], Tensor._from_lazy(counts))
+
+    @property
+    def experts(self) -> int:
+        return self.token_of_slot.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.token_of_slot.shape[1]
+
+    def gather(self, x):
+        """x [tokens, width] -> [experts, tokens, width]: each expert's rows, in its list's order."""
+        return F.gather_rows(x, self.token_of_slot, self.stacked_slot_of_token)
+
+    def scatter(self, y):
+        """y [experts, tokens, width] in list order -> the same in token order, zero where a token did not choose."""
+        rows = self.experts * self.tokens
+        return F.gather_rows(y.reshape(rows, y.shape[-1]), self.stacked_slot_of_token,
+                             self.stacked_token_of_slot.reshape(rows))
+
+    def gather_one(self, x, expert: int):
+        """x [tokens, width] -> [tokens, width]: expert ``expert``'s rows (one module per expert)."""
+        return F.gather_rows(x, self.token_of_slot[expert], self.slot_of_token[expert])
+
+    def scatter_one(self, y, expert: int):
+        """gather_one's inverse: y [tokens, width] in list order -> token order, zero where not chosen."""
+        return F.gather_rows(y, self.slot_of_token[expert], self.token_of_slot[expert])
+
+    def gather_weights(self, weights):
+        """weights [tokens, experts] -> [experts, tokens, 1]: each list's routing weights (scale_inputs)."""
+        rows = self.experts * self.tokens
+        by_expert = weights.transpose(0, 1).reshape(rows, 1)
+        return F.gather_rows(by_expert, self.stacked_token_of_slot, self.stacked_slot_of_token.reshape(rows))
