@@ -357,7 +357,22 @@ class SparseMoeBlock(Module):
             return self.act(gate) * up
         return clipped_swiglu(gate, up, self.moe.swiglu_clip)
 
-    def _dense_experts(self, x, weights, live_rows):
+    def experts_output(self, x, weights, run=None):
+        """sum over experts e of weights[:, e] * expert_e(x) for x [tokens, hidden] and routing weights [tokens, E]
+        (zero where not chosen), each expert run only where it is needed (see the module's docstring).
+        ``run(expert, x, live_rows)``: how to run one module of expert_list (default: the module itself), for
+        blocks whose experts differ (DeepSeek-V4's clipped SwiGLU)."""
+        tokens = x.shape[0]
+        run = run or (lambda expert, rows, live: expert(rows, live))
+        if not SKIP_UNCHOSEN:
+            return self._dense_experts(x, weights, None, run)
+        if tokens >= COMPACT_MIN_TOKENS:
+            return self._routed_experts(x, weights, ExpertRoutes.of(weights), run)
+        # tokens in place; an expert no token chose has no live rows (and scaled by zero adds nothing)
+        chosen = weights.float().detach().abs().sum(0) > 0.0
+        return self._dense_experts(x, weights, F.where(chosen, float(tokens), 0.0), run)
+
+    def _dense_experts(self, x, weights, live_rows, run):
         """Every expert on every token, weighted by ``weights`` [tokens, E] (zero where not chosen)."""
         moe = self.moe
         tokens = x.shape[0]
@@ -371,11 +386,12 @@ class SparseMoeBlock(Module):
         out = None
         for e, expert in enumerate(self.expert_list):
             live = None if live_rows is None else live_rows[e:e + 1]
-            y = expert(x * weights[:, e:e + 1], live) if moe.scale_inputs else expert(x, live) * weights[:, e:e + 1]
+            y = run(expert, x * weights[:, e:e + 1], live) if moe.scale_inputs else \
+                run(expert, x, live) * weights[:, e:e + 1]
             out = y if out is None else out + y
         return out
 
-    def _routed_experts(self, x, weights, routes: ExpertRoutes):
+    def _routed_experts(self, x, weights, routes: ExpertRoutes, run):
         """Each expert on its list of tokens (routes), the outputs put back in token order and weighted."""
         moe = self.moe
         scales = routes.gather_weights(weights) if moe.scale_inputs else None  # [E, tokens, 1], list order
@@ -388,7 +404,7 @@ class SparseMoeBlock(Module):
         out = None
         for e, expert in enumerate(self.expert_list):
             xe = routes.gather_one(x, e)
-            y = routes.scatter_one(expert(xe * scales[e] if moe.scale_inputs else xe, routes.counts[e:e + 1]), e)
+            y = routes.scatter_one(run(expert, xe * scales[e] if moe.scale_inputs else xe, routes.counts[e:e + 1]), e)
             y = y if moe.scale_inputs else y * weights[:, e:e + 1]
             out = y if out is None else out + y
         return out
@@ -398,18 +414,11 @@ class SparseMoeBlock(Module):
         lead = h.shape[:-1]
         x = h.reshape(-1, self.hidden)
         weights = self.routing_weights(x).cast(x.dtype)
-        tokens = x.shape[0]
         identity = None
         if moe.identity_experts:  # their weights, summed, scale the input itself
             identity = x * weights[:, moe.num_experts:].sum(-1, keepdim=True)
             weights = weights[:, :moe.num_experts]
-        if not SKIP_UNCHOSEN:
-            out = self._dense_experts(x, weights, None)
-        elif tokens >= COMPACT_MIN_TOKENS:
-            out = self._routed_experts(x, weights, ExpertRoutes.of(weights))
-        else:  # tokens in place; an expert no token chose has no live rows (and scaled by zero adds nothing)
-            chosen = weights.float().detach().abs().sum(0) > 0.0
-            out = self._dense_experts(x, weights, F.where(chosen, float(tokens), 0.0))
+        out = self.experts_output(x, weights)
         if identity is not None:
             out = out + identity
         if self.shared is not None:

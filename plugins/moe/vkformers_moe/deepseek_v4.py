@@ -125,19 +125,18 @@ class DeepseekV4Moe(SparseMoeBlock):
             weights = F.where(topk_mask(choice, moe.top_k), scores, 0.0)
         return weights / (weights.sum(-1, keepdim=True) + moe.norm_eps) * moe.routed_scale
 
-    def _swiglu(self, mlp, x):
+    def _swiglu(self, mlp, x, live_rows=None):
+        """An expert's (or the shared expert's) SwiGLU with V4's clipping; ``live_rows``: see Linear.forward."""
         gate, up, down = mlp.projections
         # minimum/maximum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
-        g, u = gate(x).minimum(self.limit), up(x).maximum(-self.limit).minimum(self.limit)
-        return down(F.silu(g) * u)
+        g, u = gate(x, live_rows).minimum(self.limit), up(x, live_rows).maximum(-self.limit).minimum(self.limit)
+        return down(F.silu(g) * u, live_rows)
 
     def forward(self, h, ids=None):
         lead = h.shape[:-1]
         x = h.reshape(-1, self.hidden)
         weights = self.routing_weights(x, ids).cast(x.dtype)
-        out = self._swiglu(self.shared, x)
-        for e, expert in enumerate(self.expert_list):
-            out = out + self._swiglu(expert, x) * weights[:, e:e + 1]
+        out = self._swiglu(self.shared, x) + self.experts_output(x, weights, self._swiglu)
         return out.reshape(*lead, self.hidden)
 
 

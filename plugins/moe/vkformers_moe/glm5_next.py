@@ -134,10 +134,9 @@ class Glm5NextLayer(Axk2Layer):
         block, lead = p["moe"], h.shape[:-1]
         x = h.reshape(-1, block.hidden)
         weights = block.routing_weights(x).cast(x.dtype)  # DeepSeek-V3's router
-        out = self._swiglu(block.shared, x) if block.shared is not None else None
-        for e, expert in enumerate(block.expert_list):
-            term = self._swiglu(expert, x) * weights[:, e:e + 1]
-            out = term if out is None else out + term
+        out = block.experts_output(x, weights, self._swiglu)
+        if block.shared is not None:
+            out = self._swiglu(block.shared, x) + out
         return out.reshape(*lead, block.hidden)
 
     # -- the pooled indexer (no gradient: its inputs are read back, numpy pools and ranks)
