@@ -211,6 +211,27 @@ def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout):
         np.testing.assert_allclose(routed[2][name], dense[2][name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_experts_output_runs_a_custom_expert_on_the_routed_rows(monkeypatch):
+    """experts_output(x, weights, run) (DeepSeek-V4's and GLM-5-Next's clipped SwiGLU): run sees each expert's
+    list with its live rows, and the result equals the dense form's."""
+    moe = MoeSpec(EXPERTS, 2, INNER, (True,))
+    block, _ = _block(moe)
+    x = vkf.tensor(np.random.default_rng(12).standard_normal((90, HIDDEN)).astype(np.float32))
+    weights = block.routing_weights(x)
+    seen = []
+
+    def run(expert, rows, live_rows):
+        seen.append(live_rows is not None)
+        gate, up, down = expert.projections
+        return down(gate(rows, live_rows).minimum(0.5) * up(rows, live_rows), live_rows)
+    results = {}
+    for skip in (True, False):
+        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+        results[skip] = block.experts_output(x, weights, run).numpy()
+    assert seen == [True] * EXPERTS + [False] * EXPERTS
+    np.testing.assert_allclose(results[True], results[False], rtol=1e-5, atol=1e-5)
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="scoring"):
         MoeSpec(EXPERTS, 2, INNER, (True,), scoring="softplus")
