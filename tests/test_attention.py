@@ -16,8 +16,8 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    DECODE_TILES, Tiles, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles,
-    coopmat_forward_tiles)
+    COOPMAT_BACKWARD_TILES, DECODE_TILES, CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward,
+    attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -141,7 +141,10 @@ def upload_at(device, host, dtype, offset):
     return Operand(device.upload(padded, dtype=dtype), offset)
 
 
-def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles=None, backward_algorithm="auto"):
+def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles=None, backward_algorithm="auto",
+             backward_tiles=None):
+    """Forward (and backward) of ``case`` against the numpy reference; ``tiles`` for both passes unless
+    ``backward_tiles`` is given."""
     rounded_inputs, mask, slopes = make_inputs(case, dtype)
     (q, q_host), (k, k_host), (v, v_host), (d_out, d_out_host) = rounded_inputs
     shape_q, shape_kv = q.shape, k.shape
@@ -155,6 +158,8 @@ def run_case(device, case: Case, dtype="float32", backward=True, offset=0, tiles
     if backward:
         d_out_buf = device.upload(d_out_host, dtype=dtype)
         grads = [device.buffer(s, dtype, name=n) for s, n in ((shape_q, "d_q"), (shape_kv, "d_k"), (shape_kv, "d_v"))]
+        if backward_tiles is not None:
+            kw["tiles"] = backward_tiles
         attention_backward(seq, q_buf, k_buf, v_buf, out, d_out_buf, lse, *grads, **kw, algorithm=backward_algorithm)
     seq.replay()
 
@@ -215,6 +220,7 @@ HALF_FORWARD_CASES = {
     "chunked_prefill_offset": Case(q_len=20, kv_len=70, q_offset=40, window=30, mask=True),
     "head_dim_256": Case(batch=1, heads=2, kv_heads=2, q_len=35, kv_len=35, head_dim=256),
     "head_dim_16_mqa": Case(batch=1, heads=4, kv_heads=1, q_len=50, kv_len=50, head_dim=16),
+    "not_causal_more_queries": Case(causal=False, q_len=40, kv_len=25, batch=1),
 }
 
 
@@ -246,6 +252,35 @@ def test_coopmat_backward(device, dtype, name):
             run_case(device, case, dtype, backward_algorithm="coopmat")
         return
     run_case(device, case, dtype, backward_algorithm="coopmat")
+
+
+@pytest.mark.parametrize("tiles", COOPMAT_BACKWARD_TILES)
+@pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset"])
+def test_coopmat_backward_every_tile_shape(device, tiles, name):
+    """Each tile shape of the cooperative-matrix backward (the automatic choice takes only the first that fits),
+    with the operands at an 8-element offset; a shape the device cannot run is refused by name."""
+    case = HALF_BACKWARD_CASES[name]
+    subgroup = int(device.limits["subgroup_size"])
+    runs = coopmat_backward_tiles(device, "float16", case.head_dim, 8, 8, 8, 0) is not None and tiles.fits(subgroup) \
+        and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
+    if not runs:
+        with pytest.raises(ValueError, match="cooperative-matrix backward"):
+            run_case(device, case, "float16", offset=8, backward_algorithm="coopmat", backward_tiles=tiles)
+        return
+    run_case(device, case, "float16", offset=8, backward_algorithm="coopmat", backward_tiles=tiles)
+
+
+def test_given_coopmat_tiles_are_checked(device):
+    """Tiles a caller chooses pass the automatic choice's checks (the kernels would stage out of bounds)."""
+    case = Case(q_len=20, kv_len=20)
+    with pytest.raises(TypeError, match="CoopmatBackwardTiles"):
+        run_case(device, case, "float16", backward_algorithm="coopmat", backward_tiles=CoopmatTiles(64, 32))
+    with pytest.raises(ValueError, match="algorithm='scalar'"):
+        run_case(device, case, "float16", backward_algorithm="scalar", backward_tiles=CoopmatBackwardTiles(64, 32))
+    with pytest.raises(ValueError, match="cooperative-matrix backward"):  # owned rows overflow the staging
+        run_case(device, case, "float16", backward_algorithm="coopmat", backward_tiles=CoopmatBackwardTiles(64, 16))
+    with pytest.raises(ValueError, match="cooperative-matrix forward"):  # not a multiple of 16 rows
+        run_case(device, case, "float16", backward=False, tiles=CoopmatTiles(24, 32))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

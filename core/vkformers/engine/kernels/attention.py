@@ -162,6 +162,27 @@ def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> 
                  if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
 
 
+def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim: int, offsets, algorithm: str,
+                               backward: bool) -> None:
+    """Cooperative-matrix tiles a caller chose (tests, benchmarks) pass the checks of the automatic choice: the
+    kernels stage whole tiles and 16-row fragments, and would read or write out of bounds otherwise."""
+    kind = "backward" if backward else "forward"
+    if algorithm == "scalar":
+        raise ValueError(f"attention: cooperative-matrix tiles {tiles} given with algorithm='scalar'")
+    if backward and not isinstance(tiles, CoopmatBackwardTiles):
+        raise TypeError(f"attention: the cooperative-matrix backward takes CoopmatBackwardTiles, not {tiles}")
+    possible = coopmat_backward_tiles if backward else coopmat_forward_tiles
+    if possible(device, dtype, head_dim, *offsets) is None:
+        raise ValueError(f"attention: the cooperative-matrix {kind} cannot run {dtype} head_dim {head_dim} with "
+                         f"offsets {tuple(offsets)} on {device.name}")
+    subgroup = int(device.limits["subgroup_size"])
+    limit = int(device.limits["max_compute_shared_memory_size"])
+    if tiles.rows % 16 or tiles.cols % 16 or tiles.shared_bytes(head_dim, subgroup) > limit \
+            or (backward and not tiles.fits(subgroup)):
+        raise ValueError(f"attention: {tiles} cannot run the cooperative-matrix {kind} for head_dim {head_dim} "
+                         f"with subgroups of {subgroup} in {limit} bytes of shared memory")
+
+
 _placeholders: dict[int, object] = {}
 
 
@@ -288,6 +309,9 @@ def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_head
     _check_float32(lse, batch * heads * q_len, "lse")
     if algorithm not in ("auto", "scalar", "coopmat"):
         raise ValueError(f"attention: algorithm must be 'auto', 'scalar' or 'coopmat', not {algorithm!r}")
+    if isinstance(tiles, CoopmatTiles):
+        _check_given_coopmat_tiles(seq.device, tiles, q.dtype.name, head_dim, (q.offset, k.offset, v.offset),
+                                   algorithm, backward=False)
     if tiles is None and algorithm != "scalar":
         tiles = coopmat_forward_tiles(seq.device, q.dtype.name, head_dim, q.offset, k.offset, v.offset)
         if tiles is None and algorithm == "coopmat":
@@ -404,6 +428,9 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     device = seq.device
     if algorithm not in ("auto", "scalar", "coopmat"):
         raise ValueError(f"attention: algorithm must be 'auto', 'scalar' or 'coopmat', not {algorithm!r}")
+    if isinstance(tiles, CoopmatTiles):
+        _check_given_coopmat_tiles(device, tiles, q.dtype.name, head_dim, (q.offset, k.offset, v.offset, d_out.offset),
+                                   algorithm, backward=True)
     if tiles is None and (algorithm == "coopmat" or (algorithm == "auto" and COOPMAT_BACKWARD_AUTO)):
         tiles = coopmat_backward_tiles(device, q.dtype.name, head_dim, q.offset, k.offset, v.offset, d_out.offset)
         if tiles is None and algorithm == "coopmat":
