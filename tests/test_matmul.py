@@ -181,6 +181,21 @@ def test_gradient_accumulation_replayed(device):
     check(c.read().astype(np.float64), 3 * (x.astype(np.float64) @ y), "float32")
 
 
+def test_coopmat_needs_a_fixed_subgroup_size():
+    """A device whose subgroups may be 32 or 64 lanes (AMD) keeps the portable kernels: the cooperative-matrix
+    kernels' workgroups are laid out for subgroup_size lanes and kp's pipelines do not require a size."""
+    from types import SimpleNamespace
+    shape = dict(m=16, n=16, k=16, a_type="float16", b_type="float16", c_type="float32", result_type="float32",
+                 scope="subgroup")
+
+    def device(low, high):
+        return SimpleNamespace(features={"shaderFloat16": True}, cooperative_matrix_shapes=[shape],
+                               limits={"subgroup_size": 64, "min_subgroup_size": low, "max_subgroup_size": high})
+    assert coopmat_supported(device(32, 32), "float16")
+    assert not coopmat_supported(device(32, 64), "float16")
+    assert coopmat_supported(device(0, 0), "float16")  # a driver that does not report the range
+
+
 def test_coopmat_selected_when_the_device_has_it(device):
     shapes = device.cooperative_matrix_shapes
     def offered(name):

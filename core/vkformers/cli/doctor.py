@@ -47,8 +47,12 @@ def _check_driver():
 def _check_features(device):
     wanted = ("shaderFloat16", "storageBuffer16BitAccess", "subgroupSizeControl")
     missing = [f for f in wanted if not device.features.get(f)]
-    coopmat = "cooperative matrix: yes" if device.cooperative_matrix_shapes else \
-        "cooperative matrix: no (fp16/bf16 matmuls use the tiled kernel)"
+    from vkformers.engine.kernels.matmul import subgroup_size_is_fixed
+    coopmat = "cooperative matrix: no (fp16/bf16 matmuls use the tiled kernel)"
+    if device.cooperative_matrix_shapes:
+        coopmat = "cooperative matrix: yes" if subgroup_size_is_fixed(device) else (
+            f"cooperative matrix: yes, unused (subgroups of {device.limits.get('min_subgroup_size')} to "
+            f"{device.limits.get('max_subgroup_size')} lanes; the kernels need one fixed size)")
     if missing:
         return False, f"{device.name} lacks {', '.join(missing)}; {coopmat}", "update the GPU driver (Mesa 22.3+ or vendor)"
     return True, f"{device.name}: fp16, 16-bit storage, subgroup size control; {coopmat}", None

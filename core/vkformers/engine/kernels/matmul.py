@@ -145,10 +145,20 @@ def _runs(cfg: CoopmatConfig, subgroup: int, shared: int) -> bool:
     return cfg.shared_bytes() <= shared
 
 
+def subgroup_size_is_fixed(device) -> bool:
+    """Whether every subgroup of a kernel has ``subgroup_size`` lanes. The cooperative-matrix kernels (SPIR-V 1.6)
+    lay their workgroups out in subgroups of that size, but SPIR-V 1.6 lets a driver pick any size between the
+    device's min and max subgroup size (AMD: 32 or 64) unless the pipeline requires one, which kp's pipelines do
+    not yet; so they run only where the two are equal (NVIDIA: 32), and elsewhere the portable kernels run."""
+    low, high = device.limits.get("min_subgroup_size") or 0, device.limits.get("max_subgroup_size") or 0
+    return not (low and high) or low == high
+
+
 def coopmat_supported(device, in_dtype) -> bool:
-    """Whether ``device`` has the subgroup 16x16x16 ``in_dtype`` -> float32 cooperative matrix we use."""
+    """Whether ``device`` has the subgroup 16x16x16 ``in_dtype`` -> float32 cooperative matrix we use, and a
+    fixed subgroup size (:func:`subgroup_size_is_fixed`)."""
     name = dt.as_dtype(in_dtype).name
-    if name not in ("float16", "bfloat16"):
+    if name not in ("float16", "bfloat16") or not subgroup_size_is_fixed(device):
         return False
     if name == "bfloat16" and not device.features.get("shaderBFloat16CooperativeMatrix"):
         return False
