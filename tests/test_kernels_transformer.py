@@ -470,6 +470,32 @@ def test_adamw_three_steps_match_torch_formula(device, copy_dtype):
         np.testing.assert_array_equal(read(copy), round_to(p[1:], copy_dtype))
 
 
+@pytest.mark.parametrize("grad_dtype", ["float16", "bfloat16"])
+def test_adamw_reads_16_bit_gradients_times_a_device_factor(device, grad_dtype):
+    """A 16-bit gradient is read as stored (no float32 copy) and multiplied by a float32 element from the GPU
+    (a clipping factor): the update equals the float32 formula on the widened gradient times that factor."""
+    rng = np.random.default_rng(14)
+    n, factor = 777, np.float32(0.37)
+    param = rng.standard_normal(n).astype(np.float32)
+    grad = round_to(rng.standard_normal(n), grad_dtype).astype(np.float32)
+    hp = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    scalars = device.upload(adamw_scalars(step=1, **hp))
+    pb, m, v = (device.upload(x) for x in (param, np.zeros(n, np.float32), np.zeros(n, np.float32)))
+    gb = upload(device, grad, grad_dtype)
+    copy = device.buffer(n, grad_dtype)
+    factor_buf = Operand(device.upload(np.array([5.0, factor], np.float32)), 1)
+    seq = device.sequence()
+    adamw_step(seq, scalars, pb, gb, m, v, count=n, model_copy=copy, grad_factor=factor_buf)
+    seq.replay()
+    ref_p, ref_m, ref_v = torch_adamw_reference(param, [grad * factor], **hp)
+    np.testing.assert_allclose(pb.read(), ref_p, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(m.read(), ref_m, rtol=1e-6, atol=1e-12)
+    np.testing.assert_array_equal(read(copy), round_to(pb.read(), grad_dtype))
+    with pytest.raises(TypeError, match="model copy"):
+        adamw_step(device.sequence(), scalars, pb, gb, m, v, count=n, model_copy=device.buffer(n, "float16"
+                   if grad_dtype == "bfloat16" else "bfloat16"))
+
+
 def test_adamw_rejects_overlapping_state(device):
     buf = device.buffer(20)
     with pytest.raises(ValueError, match="overlap"):

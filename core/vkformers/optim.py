@@ -25,10 +25,20 @@ class AdamWKernel(KernelOp):
     name = "adamw"
 
     def emit(self, seq, outs, ins):
-        (_, grad, _, _, scalars) = ins
+        (_, grad, _, _, scalars, *factor) = ins
         master, exp_avg, exp_avg_sq, *copy = outs
         KA.adamw_step(seq, scalars.operand, master.operand, grad.operand, exp_avg.operand, exp_avg_sq.operand,
-                      count=master.numel, model_copy=copy[0].operand if copy else None)
+                      count=master.numel, model_copy=copy[0].operand if copy else None,
+                      grad_factor=factor[0].operand if factor else None)
+
+
+def _update_grad(p: Tensor) -> Tensor:
+    """p's gradient as the update reads it: in its own dtype (the kernel widens 16-bit values) unless it is
+    neither float32 nor p's storage type."""
+    grad = p.grad
+    if grad.dtype is not dt.float32 and (p.dtype is dt.float32 or grad.dtype is not p.dtype):
+        grad = grad.float()
+    return grad.contiguous()
 
 
 class AdamW:
@@ -56,11 +66,17 @@ class AdamW:
             self.state[id(p)] = st
         return st
 
-    def step(self) -> None:
+    def step(self, grad_factor: Tensor | None = None) -> None:
+        """One update of every parameter with a gradient. ``grad_factor`` (a float32 tensor of one element,
+        e.g. a clipping factor computed on the GPU): the gradients are multiplied by it as the kernel reads
+        them, with no scaled copy of each (an extension of torch's signature)."""
+        if grad_factor is not None and (grad_factor.dtype is not dt.float32 or grad_factor.numel() != 1):
+            raise ValueError(f"AdamW.step: grad_factor must be one float32 element, got {grad_factor.dtype.name} "
+                             f"{grad_factor.shape}")
         with lazy.building_graph():
-            self._step()
+            self._step(grad_factor)
 
-    def _step(self) -> None:
+    def _step(self, grad_factor) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -74,8 +90,9 @@ class AdamW:
                 scalars = shared if uniform else tensor(self._advance(group, [st])(), dtype=dt.uint32, device=p.device)
                 master = st["master"] if st["master"] is not None else p
                 targets = [master, st["exp_avg"], st["exp_avg_sq"]] + ([p] if st["master"] is not None else [])
-                outs = node(AdamWKernel(), [master.lazy, p.grad.float().contiguous().lazy, st["exp_avg"].lazy,
-                                            st["exp_avg_sq"].lazy, scalars.lazy],
+                factor = [] if grad_factor is None else [grad_factor.reshape(1).lazy]
+                outs = node(AdamWKernel(), [master.lazy, _update_grad(p).lazy, st["exp_avg"].lazy,
+                                            st["exp_avg_sq"].lazy, scalars.lazy, *factor],
                             [(t.shape, t.dtype) for t in targets], into=[t.lazy for t in targets])
                 for t, out in zip(targets, outs):
                     t._set_lazy(out)

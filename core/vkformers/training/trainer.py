@@ -248,10 +248,10 @@ class Trainer:
             total = loss if total is None else total + loss
             del loss
         with no_grad():
-            grads = [(p, p.grad.float()) for p in self.params if p.grad is not None]
+            grads = [(p, p.grad) for p in self.params if p.grad is not None]
             sum_sq = None
             for _, g in grads:  # global norm: one reduction per gradient, summed on the GPU
-                s = g.square().sum()
+                s = g.float().square().sum()  # a 16-bit gradient widened on the way (not kept)
                 sum_sq = s if sum_sq is None else sum_sq + s
             norm = sum_sq.sqrt()
             # "x <= FLT_MAX" is false for inf and NaN alike
@@ -266,10 +266,12 @@ class Trainer:
         return stats_vector, grads, factor
 
     def _apply_update(self, grads, factor) -> None:
+        """AdamW on the gradients times ``factor`` (clipping, unscaling), which the update kernel applies as it
+        reads each gradient: no scaled copy of the gradients is made."""
         with no_grad():
             for p, g in grads:
-                p.grad = g * factor if factor is not None else g
-        self.optimizer.step()
+                p.grad = g
+            self.optimizer.step(grad_factor=factor.float().reshape(1) if factor is not None else None)
 
     def _stop_message(self, result: StepResult, what: str) -> str:
         where_ = self.last_checkpoint or "none saved yet"

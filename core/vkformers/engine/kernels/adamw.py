@@ -38,17 +38,22 @@ def adamw_scalars(*, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.
     return words
 
 
-def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, model_copy=None):
-    """Update param, exp_avg, exp_avg_sq (float32 [count]) in place from grad (float32 [count]).
+GRAD_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
-    scalars: uint32 [ADAMW_SCALAR_WORDS] (adamw_scalars). model_copy: optional float16 or
-    bfloat16 [count] that receives the updated parameters.
+
+def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, model_copy=None, grad_factor=None):
+    """Update param, exp_avg, exp_avg_sq (float32 [count]) in place from grad ([count], float32, float16 or
+    bfloat16, read as it is stored).
+
+    scalars: uint32 [ADAMW_SCALAR_WORDS] (adamw_scalars). model_copy: optional float16 or bfloat16 [count] that
+    receives the updated parameters. grad_factor: optional float32 element the gradient is multiplied by
+    (computed on the GPU: gradient clipping, loss unscaling), besides the scalars' grad_scale.
     """
     positive(count=count)
     fits_uint32("adamw_step", count)
     scalars = checked(scalars, "uint32", ADAMW_SCALAR_WORDS, "adamw scalars")
     param = checked(param, "float32", count, "adamw param")
-    grad = checked(grad, "float32", count, "adamw grad")
+    grad = checked(grad, tuple(GRAD_TYPES), count, "adamw grad")
     exp_avg = checked(exp_avg, "float32", count, "adamw exp_avg")
     exp_avg_sq = checked(exp_avg_sq, "float32", count, "adamw exp_avg_sq")
     states = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
@@ -57,13 +62,18 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
         for b in names[i + 1:]:
             if overlaps(states[a], count, states[b], count):
                 raise ValueError(f"adamw_step: {a} and {b} overlap")
-    buffers = [scalars.buffer, param.buffer, grad.buffer, exp_avg.buffer, exp_avg_sq.buffer]
-    variant, copy_offset = "f32", 0
+    if grad_factor is not None:
+        grad_factor = checked(grad_factor, "float32", 1, "adamw grad_factor")
+    buffers = [scalars.buffer, param.buffer, grad.buffer, exp_avg.buffer, exp_avg_sq.buffer,
+               (grad_factor or param).buffer]
+    variant, copy_offset = f"g_{GRAD_TYPES[grad.dtype.name]}", 0
     if model_copy is not None:
         model_copy = checked(model_copy, ("float16", "bfloat16"), count, "adamw model_copy")
-        variant = "copy_f16" if model_copy.dtype.name == "float16" else "copy_bf16"
+        variant += "_c_" + GRAD_TYPES[model_copy.dtype.name]
+        if grad.dtype.name != "float32" and grad.dtype != model_copy.dtype:
+            raise TypeError(f"adamw_step: a {grad.dtype.name} gradient with a {model_copy.dtype.name} model copy")
         buffers.append(model_copy.buffer)
         copy_offset = model_copy.offset
     seq.dispatch(seq.device.kernel("adamw", variant), buffers, element_groups(seq, count),
                  push=[count, scalars.offset, param.offset, grad.offset, exp_avg.offset, exp_avg_sq.offset,
-                       copy_offset])
+                       copy_offset, grad_factor.offset if grad_factor else 0], spec=[int(grad_factor is not None)])
