@@ -12,6 +12,7 @@ import vkformers as vkf  # noqa: E402
 from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
 from vkformers_moe import block as moe_block  # noqa: E402
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask  # noqa: E402
+from vkformers_moe import routes as moe_routes  # noqa: E402
 from vkformers_moe.routes import ExpertRoutes  # noqa: E402
 
 HIDDEN, EXPERTS, INNER, TOKENS = 8, 6, 5, 7
@@ -56,6 +57,24 @@ def test_topk_mask_marks_the_k_largest(k):
     want = np.zeros(values.shape, bool)
     np.put_along_axis(want, np.argsort(-values, axis=-1)[:, :k], True, axis=-1)
     np.testing.assert_array_equal(topk_mask(vkf.tensor(values), k).numpy(), want)
+
+
+def test_topk_mask_ties_go_to_the_lower_index():
+    """The kernel chooses exactly k per row (ties to the lower index, as torch.topk), also with k >= the row's
+    length, over more rows than one dimension of a dispatch grid holds on some devices."""
+    values = np.array([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(topk_mask(vkf.tensor(values), 2).numpy(),
+                                  [[False, True, True, False, False], [True, True, False, False, False]])
+    np.testing.assert_array_equal(topk_mask(vkf.tensor(values), 7).numpy(), np.ones(values.shape, bool))
+    many = np.random.default_rng(3).standard_normal((70000, 3)).astype(np.float32)
+    want = many >= np.sort(many, axis=-1)[:, 1:2]
+    np.testing.assert_array_equal(topk_mask(vkf.tensor(many), 2).numpy(), want)
+
+
+def test_topk_mask_of_long_rows_takes_rounds_of_max():
+    values = np.random.default_rng(4).standard_normal((2, moe_routes.TOPK_MAX_ENTRIES + 5)).astype(np.float32)
+    want = values >= np.sort(values, axis=-1)[:, -3:-2]
+    np.testing.assert_array_equal(topk_mask(vkf.tensor(values), 3).numpy(), want)
 
 
 ROUTERS = {

@@ -17,7 +17,7 @@ COMPACT_MIN_TOKENS tokens (prefill, training) the block lists each expert's toke
 blocks of rows past it, forward and backward) and puts the outputs back in token order: about top_k /
 num_experts of the dense work. A step of fewer tokens (decoding) keeps the tokens in place and gates
 each expert's products whole: an expert no token chose is skipped, reading none of its weights. Top-k is
-built from engine ops (k rounds of max + masking), so the whole block stays on the GPU (no read-back),
+one dispatch of this plugin's kernel (routes.topk_mask), so the whole block stays on the GPU (no read-back),
 autograd gives its backward and captured decode steps replay it.
 """
 from __future__ import annotations
@@ -31,9 +31,8 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
-from vkformers_moe.routes import ExpertRoutes
+from vkformers_moe.routes import _HIDDEN, ExpertRoutes, topk_mask  # noqa: F401 (re-exported)
 
-_HIDDEN = -3.0e38  # a score that never wins the max
 # Run each expert on the tokens that chose it (SparseMoeBlock.forward); False runs every expert on every token,
 # weighted by zero where not chosen (bench/moe.py compares the two in one run).
 SKIP_UNCHOSEN = True
@@ -168,19 +167,6 @@ class SwiGLU(Module):
         else:
             g, u = gate(x, live_rows), up(x, live_rows)
         return down(clipped_swiglu(g, u, self.clip) if self.clip else self.act(g) * u, live_rows)
-
-
-def topk_mask(values, k: int):
-    """A boolean mask of the k largest entries along the last axis (no gradient): k rounds of max + masking.
-
-    Ties at the k-th value select every tied entry (transformers' topk picks one); random weights never tie."""
-    values = values.detach()
-    chosen, remaining = None, values
-    for _ in range(k):
-        hit = remaining >= remaining.max(-1, keepdim=True)
-        chosen = F.where(hit, 1.0, 0.0) if chosen is None else F.where(hit, 1.0, chosen)
-        remaining = F.where(hit, _HIDDEN, remaining)
-    return chosen > 0.5
 
 
 class SparseMoeBlock(Module):

@@ -1,4 +1,8 @@
-"""Each expert's list of the tokens that chose it, made on the GPU, so that an expert multiplies those rows only.
+"""Routing on the GPU: the top-k choice, and each expert's list of the tokens that chose it, so that an expert
+multiplies those rows only.
+
+``topk_mask(values, k)`` marks the k largest entries of each row with this plugin's kernel
+(``shaders/moe_topk.comp``): one dispatch where k rounds of max and masking took four each.
 
 ``ExpertRoutes.of(weights)`` runs this plugin's kernel (``shaders/moe_routes.comp``) on the routing weights
 [tokens, experts] (zero where a token did not choose an expert). The block then gathers each list's rows of the
@@ -10,12 +14,46 @@ dense block, and nothing is read back to the host.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from vkformers.engine import functional as F
 from vkformers.engine.function import KernelOp, node
 from vkformers.engine.tensor import Tensor
 from vkformers.runtime import dtypes as dt
+
+TOPK_MAX_ENTRIES = 1024  # moe_topk.comp's MAX_N: a row it stages in shared memory
+_HIDDEN = -3.0e38  # a score that never wins the max
+
+
+class TopkMaskKernel(KernelOp):
+    name = "moe_topk"
+
+    def emit(self, seq, outs, ins):
+        (mask,), (values,) = outs, ins
+        n = values.shape[-1]
+        rows = values.numel // n
+        v, m = values.operand, mask.operand
+        x = min(rows, seq.device.limits["max_compute_work_group_count_x"])
+        seq.dispatch(seq.device.kernel("moe_topk"), [v.buffer, m.buffer], (x, -(-rows // x), 1),
+                     push=[rows, n, self.k, v.offset, m.offset], spec=[TOPK_MAX_ENTRIES])
+
+
+def topk_mask(values, k: int):
+    """A boolean mask of the k largest entries along the last axis (no gradient). Ties go to the lower index,
+    so each row has exactly k (torch.topk's choice); rows longer than TOPK_MAX_ENTRIES take k rounds of max and
+    masking instead, where a tie at the k-th value selects every tied entry (random weights never tie)."""
+    values = values.detach()
+    n = values.shape[-1]
+    if n <= TOPK_MAX_ENTRIES:
+        mask = node(TopkMaskKernel(k=int(k)), [values.float().lazy], [(values.shape, dt.float32)])[0]
+        return Tensor._from_lazy(mask) > 0.5
+    chosen, remaining = None, values
+    for _ in range(k):
+        hit = remaining >= remaining.max(-1, keepdim=True)
+        chosen = F.where(hit, 1.0, 0.0) if chosen is None else F.where(hit, 1.0, chosen)
+        remaining = F.where(hit, _HIDDEN, remaining)
+    return chosen > 0.5
 
 
 class ExpertRoutesKernel(KernelOp):
