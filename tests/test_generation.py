@@ -405,6 +405,7 @@ def test_captured_decode_equals_the_python_forward(case, monkeypatch):
         pytest.importorskip("vkformers_llama")
     from vkformers.models import generation
     monkeypatch.setattr(generation, "CHAIN_STEPS", 1)  # every step's scores on the host (chains: tests below)
+    monkeypatch.setattr(generation, "PREFILL_BUCKET", {"gpu": 1, "cpu": 1})  # the prompt at its own length
     model, kwargs = CAPTURE_CASES[case]()
     ids, steps = kwargs.pop("input_ids"), 12
     want, want_scores, want_calls = _generate_recording(model, ids, False, monkeypatch, max_new_tokens=steps,
@@ -451,6 +452,39 @@ def test_prompts_of_a_repeated_shape_replay_the_prefill(monkeypatch):
     _, _, padded_calls = _generate_recording(model, PADDED[1:], True, monkeypatch, max_new_tokens=4,
                                              eos_token_id=[], attention_mask=PADDED_MASK[:1])
     assert padded_calls >= 1
+
+
+def test_prompts_of_one_bucket_share_a_padded_prefill(monkeypatch):
+    """A decoder whose prompts may be padded on the right runs each prompt padded to a multiple of
+    PREFILL_BUCKET (on a GPU; forced here on any device), so prompts of different lengths share one recorded
+    prefill: the third prompt of a bucket runs no Python forward; every prompt gives the tokens of the
+    unpadded, uncaptured model (the scores to float32 rounding: the padded products tile differently)."""
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+    monkeypatch.setattr(generation, "PREFILL_BUCKET", {"gpu": 64, "cpu": 64})
+    model, reference = _fixture_model("llama"), _fixture_model("llama")
+    assert model.prompt_padding_is_exact(9, 64)
+    calls = []
+    for length in (5, 9, 13, 3):
+        ids = PADDED[1:, :length]
+        got, got_scores, n = _generate_recording(model, ids, True, monkeypatch, max_new_tokens=6, eos_token_id=[])
+        want, want_scores, _ = _generate_recording(reference, ids, False, monkeypatch, max_new_tokens=6,
+                                                   eos_token_id=[])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got_scores, want_scores, rtol=0, atol=1e-5)
+        calls.append(n)
+    assert calls[2] == 0 and calls[3] == 0, calls
+    assert model._kv_cache.position == 3 + 5  # the padding is not in the cache
+
+
+def test_prompt_padding_is_refused_where_the_rotary_tables_change():
+    """Dynamic NTK scaling changes the rotary frequencies past max_position_embeddings: a prompt is not padded
+    across that point."""
+    pytest.importorskip("vkformers_llama")
+    config = dict(PLUGIN_CONFIGS["gemma2_softcap_window"], model_type="llama", max_position_embeddings=48,
+                  rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    model = _plugin_model(config)
+    assert model.prompt_padding_is_exact(10, 40) and not model.prompt_padding_is_exact(10, 64)
 
 
 def test_new_weights_are_not_replayed_from_an_old_capture(monkeypatch):

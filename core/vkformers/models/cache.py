@@ -71,6 +71,14 @@ class KVCache:
         self.position += int(count)
         self._step = None
 
+    def rewind(self, count: int) -> None:
+        """Forget the last ``count`` stored tokens (a prompt padded on the right for a reusable prefill: the
+        padding's keys stay in the buffers and are overwritten by the tokens generated next)."""
+        if not 0 <= count <= self.position:
+            raise ValueError(f"KVCache: cannot rewind {count} of {self.position} stored tokens")
+        self.position -= int(count)
+        self._step = None
+
     # -- one forward's inputs
 
     def step_arrays(self, new: int, key_padding_mask=None):

@@ -61,8 +61,10 @@ class DecodeCapture:
         """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
         self.previous, self.ready, self.readback, self.chains = None, False, None, {}
 
-    def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last) -> None:
-        current = self._describe(runs, step_ids, step_positions, last)
+    def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last, rows=None) -> None:
+        """``rows`` (int32, one per batch row, or None): the array of an input that picks which position's
+        logits ``last`` holds (a prompt padded to a reusable length: its last real token)."""
+        current = self._describe(runs, step_ids, step_positions, last, rows)
         previous, self.previous = self.previous, current
         if current is None or previous is None:
             return
@@ -73,7 +75,7 @@ class DecodeCapture:
             return  # an input made inside the forward changed between steps: only the Python forward knows it
         self.ready = True
 
-    def _describe(self, runs, step_ids, step_positions, last):
+    def _describe(self, runs, step_ids, step_positions, last, rows=None):
         if len(runs) != 1:  # the step realized more than once (or not at all): no single plan to replay
             return None
         run = runs[0]
@@ -81,10 +83,13 @@ class DecodeCapture:
         known = {id(step_ids): "ids", id(step_positions): "positions", id(step_bounds): "bounds"}
         if step_mask is not None:
             known[id(step_mask)] = "mask"
+        if rows is not None:
+            known[id(rows)] = "rows"
         roles = tuple(known.get(id(a), "constant") for a in run.inputs)
         # ids must be found (a copy of them could look constant when a token repeats); positions may be
         # unused (ALiBi) or copied, which the constancy check catches as they grow by one every step
-        if not {"ids", "bounds"} <= set(roles) or ("mask" in roles) != (step_mask is not None):
+        if not {"ids", "bounds"} <= set(roles) or ("mask" in roles) != (step_mask is not None) \
+                or ("rows" in roles) != (rows is not None):
             return None
         constants = [a for a, role in zip(run.inputs, roles) if role == "constant"]
         lb = last.lazy
@@ -92,11 +97,11 @@ class DecodeCapture:
             return None
         return run.plan, roles, constants, lb.base.buffer, lb.view
 
-    def run(self, step_ids: np.ndarray, step_positions: np.ndarray) -> np.ndarray | None:
+    def run(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None) -> np.ndarray | None:
         """One decode step by replay: the logits as float32 [batch, vocab], or None when it cannot (the
-        cache's mask changed kind): then the caller runs the forward."""
+        cache's mask changed kind): then the caller runs the forward. ``rows``: as for observe."""
         plan, _, _, buffer, view = self.previous
-        if not self._write_step(step_ids, step_positions):
+        if not self._write_step(step_ids, step_positions, rows):
             return None
         lazy.replay(plan)
         self.cache.advance(self.tokens)
@@ -126,7 +131,7 @@ class DecodeCapture:
         history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
         return logits, list(history)
 
-    def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray) -> bool:
+    def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None) -> bool:
         """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants stay
         as the recording left them); False, forgetting the capture, when the cache's mask changed kind."""
         plan, roles = self.previous[:2]
@@ -134,7 +139,7 @@ class DecodeCapture:
         if (mask is not None) != ("mask" in roles):
             self.forget()
             return False
-        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask}
+        values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask, "rows": rows}
         for role, target in zip(roles, plan.input_buffers):
             if role != "constant":
                 target.host[...] = values[role].reshape(target.shape)

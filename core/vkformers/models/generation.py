@@ -27,6 +27,11 @@ from vkformers.models.decode_capture import DecodeCapture, capture_key, to_score
 from vkformers.runtime import dtypes as dt
 
 PREFILL_CAPTURES = 4  # prompt lengths whose recorded prefill a model keeps
+# A model whose prompt_padding_is_exact(length, padded) allows it pads a prompt on the right to a multiple of this
+# (causal attention: the padding changes none of the prompt's logits, and the cache forgets it), so that prompts of
+# different lengths share one recorded prefill: on a GPU a 22-layer prefill's Python graph costs more than its
+# GPU time, and up to 63 more tokens cost little. A CPU device computes every padding token at full cost: 0, off.
+PREFILL_BUCKET = {"gpu": 64, "cpu": 0}
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
 # Greedy decode steps per submission once the step is captured (the GPU chooses the tokens in between). None:
 # 8 on a GPU; 1 on a CPU device, whose own work hides the host's round trip (lavapipe measured no gain) and where
@@ -80,12 +85,14 @@ class GenerationMixin:
         decode = self._decode_capture(cache, key)
         # prompts without padding: every input but the ids follows from the shape, so a recorded prefill may
         # serve later calls (Phi-3's recomputation point aside)
-        prefill = (self._prefill_capture(cache, length, key)
-                   if capture_limit and recompute_beyond is None and mask.all() else None)
+        capturable = capture_limit and recompute_beyond is None and mask.all()
+        bucket = PREFILL_BUCKET["cpu" if cache.device.is_cpu else "gpu"]
+        padded = _padded_length(self, length, bucket, min(cache.max_len, capture_limit)) if capturable else None
+        prefill = self._prefill_capture(cache, padded or length, key) if capturable else None
         greedy = not do_sample and repetition_penalty == 1.0
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
-            logits = self._prefill(ids, mask, positions, cache, prefill)
+            logits = self._prefill(ids, mask, positions, cache, prefill, padded)
             for step in range(max_new_tokens):
                 stepped = bool(chosen)  # a token the GPU chose: the chain also ran its step
                 if stepped:
@@ -154,23 +161,37 @@ class GenerationMixin:
         object.__setattr__(self, "_held_decode", (key, decode) if key is not None else None)
         return decode
 
-    def _prefill(self, ids, mask, positions, cache: KVCache, capture: "DecodeCapture | None") -> np.ndarray:
+    def _prefill(self, ids, mask, positions, cache: KVCache, capture: "DecodeCapture | None",
+                 padded: int | None = None) -> np.ndarray:
         """The prompt's forward into the cache: the last position's logits (float32 [batch, vocab]). With a
-        capture, a prompt of a shape two earlier calls ran replays their plan without the Python forward."""
+        capture, a prompt of a shape two earlier calls ran replays their plan without the Python forward;
+        ``padded`` (>= the prompt's length, or None): the prompt runs padded on the right to that length
+        (repeating its last token), its last real token's logits are picked on the GPU by an input (so prompts
+        of every length up to ``padded`` share one plan), and the cache forgets the padding."""
         if capture is None:
             return _last_logits(self(ids, attention_mask=mask, position_ids=positions, cache=cache))
         # int32 arrays the model turns into its input tensors as they are: the capture finds them in the plan
         ids, positions = ids.astype(np.int32), positions.astype(np.int32)
+        batch, length = ids.shape
+        extra = (padded or length) - length
+        rows = None if padded is None else np.arange(batch, dtype=np.int32) * padded + (length - 1)
+        if extra:
+            ids = np.ascontiguousarray(np.concatenate([ids, np.repeat(ids[:, -1:], extra, axis=1)], axis=1))
+            positions = np.ascontiguousarray(np.concatenate(
+                [positions, positions[:, -1:] + np.arange(1, extra + 1, dtype=np.int32)], axis=1))
+            mask = np.ones(ids.shape, mask.dtype)
         if capture.ready:
-            logits = capture.run(ids, positions)
+            logits = capture.run(ids, positions, rows)
             if logits is not None:
+                cache.rewind(extra)
                 return logits
         with lazy.capture() as seen:
             out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
-            last = _last_position(out)
+            last = _last_position(out) if rows is None else _positions_logits(out, rows)
             del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
             logits = to_scores(last.numpy())
-        capture.observe(seen.runs, ids, positions, last)
+        capture.observe(seen.runs, ids, positions, last, rows)
+        cache.rewind(extra)
         return logits
 
     def _prefill_capture(self, cache: KVCache, length: int, key) -> "DecodeCapture | None":
@@ -275,6 +296,29 @@ def _last_position(out):
     """The last position's logits [batch, vocab] as a tensor, sliced on the GPU so only those are read back."""
     logits = out.logits
     return logits[:, logits.shape[1] - 1].contiguous()
+
+
+def _positions_logits(out, rows: np.ndarray):
+    """The logits of flat position ``rows[b]`` (b * length + position) for each batch row, as [batch, vocab],
+    picked on the GPU from an input that a captured prefill rewrites."""
+    from vkformers.engine import functional as F
+    from vkformers.engine.tensor import Tensor
+    logits = out.logits
+    batch, length, vocab = logits.shape
+    return F.embedding(Tensor(rows), logits.reshape(batch * length, vocab))
+
+
+def _padded_length(model, length: int, bucket: int, limit: int) -> int | None:
+    """The prompt length a reusable prefill runs at: ``length`` rounded up to ``bucket`` where the model says
+    right padding is exact for it (``prompt_padding_is_exact(length, padded)``) and it fits ``limit``; None
+    where it does not or ``bucket`` is 0 (the prompt runs at its own length)."""
+    if bucket < 1:
+        return None
+    padded = -(-length // bucket) * bucket
+    exact = getattr(model, "prompt_padding_is_exact", None)
+    if padded > limit or exact is None or not exact(length, padded):
+        return None
+    return padded
 
 
 def _last_logits(out) -> np.ndarray:

@@ -710,6 +710,20 @@ class DecoderForCausalLM(Module, GenerationMixin):
             tables.append(by_key[key])
         return tables
 
+    def prompt_padding_is_exact(self, length: int, padded: int) -> bool:
+        """Whether a prompt padded on the right from ``length`` to ``padded`` tokens keeps its own tokens'
+        logits and cache entries (generate pads prompts so that prompts of different lengths share a recorded
+        prefill): causal attention without state outside the cache (capture_decode), and rotary tables that are
+        the same for both lengths (dynamic NTK changes them past the original context)."""
+        if not self.capture_decode:
+            return False
+        for config, layer_type in (self.rope_configs if self.spec.rope else ()):
+            short, short_scale = rope_parameters(config, length, layer_type=layer_type)
+            long, long_scale = rope_parameters(config, padded, layer_type=layer_type)
+            if short_scale != long_scale or not np.array_equal(short, long):
+                return False
+        return True
+
     def _query_scale(self, positions):
         """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1]."""
         if self.spec.query_position_scale is None:
