@@ -1,6 +1,7 @@
 """Llama benchmark: the 1.1B TinyLlama shape with random weights, vkformers against transformers + PyTorch CUDA.
 
-Measures, for each dtype: prefill of 512 tokens (tokens/s, batch 1) and greedy decode
+Measures, for each dtype: prefill of 512 tokens (tokens/s, batch 1), generate with one new token after
+prompts of 8 different lengths (100-127: a serving-like mix; prompt tokens/s) and greedy decode
 (new tokens/s) at batch 1 and batch 8, with the same config and the same random weights
 in both frameworks, in the same process, each after a few seconds of warm-up prefills. Without CUDA (or
 --no-torch) only vkformers runs.
@@ -42,6 +43,7 @@ def random_weights(model, seed=0) -> dict[str, np.ndarray]:
 
 WARM_UP_SECONDS = 3.0  # before each framework's first timing (see common.WARM_UP_SECONDS)
 DECODE_REPEATS = 5  # generate calls timed per batch size (the median counts), in both frameworks
+VARIED_LENGTHS = (100, 103, 109, 112, 117, 121, 124, 127)  # a serving-like mix: one new token after each prompt
 
 
 def timed(fn, repeats: int) -> float:
@@ -70,6 +72,10 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, f
         step = lazy.StepCapture()
         seconds = timed(lambda: step.run(lambda: [model(first).logits[:, -1]], {"ids": first}), 5)
         out["prefill_captured_tok_s"] = prompt.shape[1] / seconds
+        # prompts of 8 different lengths in one bucket of generation.PREFILL_BUCKET, one new token each
+        varied = [np.ascontiguousarray(prompt[:1, :n]) for n in VARIED_LENGTHS]
+        seconds = timed(lambda: [model.generate(ids, max_new_tokens=1, do_sample=False) for ids in varied], 3)
+        out["varied_prompts_tok_s"] = sum(VARIED_LENGTHS) / seconds
         for batch in (1, 8):
             ids = prompt[:batch, :16]
             seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False),
@@ -106,6 +112,9 @@ def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
     with torch.no_grad():
         warm_up(lambda: sync(model(ids[:1]).logits[:, -1]), WARM_UP_SECONDS)
         out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: sync(model(ids[:1]).logits[:, -1]), 5)
+        seconds = timed(lambda: [sync(model.generate(ids[:1, :n], max_new_tokens=1, min_new_tokens=1,
+                                                     do_sample=False)) for n in VARIED_LENGTHS], 3)
+        out["varied_prompts_tok_s"] = sum(VARIED_LENGTHS) / seconds
         for batch in (1, 8):
             generate = lambda: sync(model.generate(ids[:batch, :16], max_new_tokens=new_tokens,
                                                    min_new_tokens=new_tokens, do_sample=False))
