@@ -201,3 +201,29 @@ def test_bfloat16_forward_runs_close_to_float32():
     assert out.logits.dtype.name == "bfloat16"
     assert np.abs(out.logits.numpy() - ref["logits"]).max() < 0.25
     assert abs(out.loss.item() - float(ref["loss"])) < 0.02
+
+
+def test_switch_skips_the_experts_no_token_chose():
+    """Switch Transformers' sparse feed-forward on one token (a decoding step): the experts it did not choose
+    are not run (their weights hold NaN here, which a product would spread through their zero routing weight),
+    with and without gradients, and the output is unchanged."""
+    pytest.importorskip("vkformers_t5")
+    from vkformers_t5.seq2seq import SwitchMoE
+    model = AutoModelForSeq2SeqLM.from_pretrained(FIXTURES / "switch_transformers", dtype="float32",
+                                                  requires_grad=False)
+    block = next(m for _, m in model.named_modules() if isinstance(m, SwitchMoE))
+    arrays = {name: p.numpy() for name, p in block.named_parameters()}
+    h = np.random.default_rng(2).standard_normal((1, 1, block.router.in_features)).astype(np.float32)
+    with vkf.no_grad():
+        want = block(vkf.tensor(h)).numpy()
+    chosen = int(np.argmax(h.reshape(1, -1) @ arrays["router.classifier.weight"].T))
+    poisoned = {name: np.full_like(a, np.nan) if name.startswith("experts.") and
+                not name.startswith(f"experts.expert_{chosen}.") else a for name, a in arrays.items()}
+    block.load_state_dict(poisoned, requires_grad=True)
+    with vkf.no_grad():
+        np.testing.assert_allclose(block(vkf.tensor(h)).numpy(), want, rtol=1e-6, atol=1e-6)
+    x = vkf.tensor(h, requires_grad=True)
+    out = block(x)
+    out.sum().backward()
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
+    assert np.isfinite(x.grad.numpy()).all()

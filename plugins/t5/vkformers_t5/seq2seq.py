@@ -177,7 +177,9 @@ class SwitchMoE(Module):
     per sequence (one forward call), an expert keeps the first expert_capacity tokens that chose it (a
     running count: the chosen one-hot times an upper-triangular ones matrix); a kept token's output is its
     expert's output times that probability, a dropped token's is zero. Gradients reach the router through the
-    chosen probability only, as in transformers. Correctness first: every expert runs on every token."""
+    chosen probability only, as in transformers. Every expert runs on every token, except that an expert no
+    token of the call chose is skipped (its products get no live rows, F.linear): a decoding step of one token
+    per row reads the weights of as many experts as there are rows, not all of them."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
         super().__init__()
@@ -200,9 +202,12 @@ class SwitchMoE(Module):
             count = (onehot.permute(0, 2, 1) @ upper).permute(0, 2, 1)   # [B, T, E]
             onehot = onehot * F.where(count <= float(self.capacity), 1.0, 0.0)
         weight = (probs * onehot).cast(h.dtype)                          # nonzero only at a kept choice
+        rows = h.shape[0] * h.shape[1]
+        chosen = weight.float().detach().abs().reshape(rows, -1).sum(0) > 0.0
+        live = F.where(chosen, float(rows), 0.0)                          # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):
-            y = down(self.act(up(h))) * weight[:, :, e:e + 1]
+            y = down(self.act(up(h, live[e:e + 1])), live[e:e + 1]) * weight[:, :, e:e + 1]
             out = y if out is None else out + y
         return out
 
