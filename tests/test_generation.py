@@ -477,6 +477,28 @@ def test_prompts_of_one_bucket_share_a_padded_prefill(monkeypatch):
     assert model._kv_cache.position == 3 + 5  # the padding is not in the cache
 
 
+def test_left_padded_batches_replay_the_prefill(monkeypatch):
+    """Batched prompts of different lengths (left-padded, with an attention mask) replay a recorded prefill too:
+    the mask is an input the capture rewrites. Three batches of one bucket with different padding: the third
+    runs no Python forward, and each gives the uncaptured model's tokens."""
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+    monkeypatch.setattr(generation, "PREFILL_BUCKET", {"gpu": 64, "cpu": 64})
+    model, reference = _fixture_model("llama"), _fixture_model("llama")
+    calls = []
+    for pads in ((3, 0), (0, 5), (2, 1)):
+        mask = (np.arange(10) >= np.array(pads)[:, None]).astype(np.int64)
+        ids = np.where(mask == 1, PADDED[[1, 1]], 0)
+        got, got_scores, n = _generate_recording(model, ids, True, monkeypatch, max_new_tokens=5, eos_token_id=[],
+                                                 attention_mask=mask)
+        want, want_scores, _ = _generate_recording(reference, ids, False, monkeypatch, max_new_tokens=5,
+                                                   eos_token_id=[], attention_mask=mask)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got_scores, want_scores, rtol=0, atol=1e-5)
+        calls.append(n)
+    assert calls[2] == 0, calls
+
+
 def test_prompt_padding_is_refused_where_the_rotary_tables_change():
     """Dynamic NTK scaling changes the rotary frequencies past max_position_embeddings: a prompt is not padded
     across that point."""

@@ -97,11 +97,13 @@ class DecodeCapture:
             return None
         return run.plan, roles, constants, lb.base.buffer, lb.view
 
-    def run(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None) -> np.ndarray | None:
+    def run(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None,
+            key_padding_mask=None) -> np.ndarray | None:
         """One decode step by replay: the logits as float32 [batch, vocab], or None when it cannot (the
-        cache's mask changed kind): then the caller runs the forward. ``rows``: as for observe."""
+        cache's mask changed kind): then the caller runs the forward. ``rows``: as for observe;
+        ``key_padding_mask``: a captured prefill's prompt mask [batch, tokens] (1 = token), stored in the cache."""
         plan, _, _, buffer, view = self.previous
-        if not self._write_step(step_ids, step_positions, rows):
+        if not self._write_step(step_ids, step_positions, rows, key_padding_mask):
             return None
         lazy.replay(plan)
         self.cache.advance(self.tokens)
@@ -131,11 +133,12 @@ class DecodeCapture:
         history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
         return logits, list(history)
 
-    def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None) -> bool:
+    def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None,
+                    key_padding_mask=None) -> bool:
         """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants stay
         as the recording left them); False, forgetting the capture, when the cache's mask changed kind."""
         plan, roles = self.previous[:2]
-        bounds, mask = self.cache.step_arrays(self.tokens)
+        bounds, mask = self.cache.step_arrays(self.tokens, key_padding_mask)
         if (mask is not None) != ("mask" in roles):
             self.forget()
             return False

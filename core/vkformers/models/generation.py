@@ -83,9 +83,9 @@ class GenerationMixin:
         capture_limit = self.max_position_embeddings if getattr(self, "capture_decode", True) else 0
         key = capture_key(self, cache)
         decode = self._decode_capture(cache, key)
-        # prompts without padding: every input but the ids follows from the shape, so a recorded prefill may
-        # serve later calls (Phi-3's recomputation point aside)
-        capturable = capture_limit and recompute_beyond is None and mask.all()
+        # a recorded prefill may serve later prompts of its shape: ids, positions and the padding mask are its
+        # inputs, everything else follows from the shape (Phi-3's recomputation point aside)
+        capturable = capture_limit and recompute_beyond is None
         bucket = PREFILL_BUCKET["cpu" if cache.device.is_cpu else "gpu"]
         padded = _padded_length(self, length, bucket, min(cache.max_len, capture_limit)) if capturable else None
         prefill = self._prefill_capture(cache, padded or length, key) if capturable else None
@@ -179,9 +179,9 @@ class GenerationMixin:
             ids = np.ascontiguousarray(np.concatenate([ids, np.repeat(ids[:, -1:], extra, axis=1)], axis=1))
             positions = np.ascontiguousarray(np.concatenate(
                 [positions, positions[:, -1:] + np.arange(1, extra + 1, dtype=np.int32)], axis=1))
-            mask = np.ones(ids.shape, mask.dtype)
+            mask = np.concatenate([mask, np.ones((batch, extra), mask.dtype)], axis=1)
         if capture.ready:
-            logits = capture.run(ids, positions, rows)
+            logits = capture.run(ids, positions, rows, mask)
             if logits is not None:
                 cache.rewind(extra)
                 return logits
