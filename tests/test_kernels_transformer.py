@@ -491,6 +491,8 @@ def test_adamw_reads_16_bit_gradients_times_a_device_factor(device, grad_dtype):
     np.testing.assert_allclose(pb.read(), ref_p, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(m.read(), ref_m, rtol=1e-6, atol=1e-12)
     np.testing.assert_array_equal(read(copy), round_to(pb.read(), grad_dtype))
+    with pytest.raises(ValueError, match="grad_factor and param overlap|param and grad_factor overlap"):
+        adamw_step(device.sequence(), scalars, pb, gb, m, v, count=n, grad_factor=Operand(pb, 5))
     with pytest.raises(TypeError, match="model copy"):
         adamw_step(device.sequence(), scalars, pb, gb, m, v, count=n, model_copy=device.buffer(n, "float16"
                    if grad_dtype == "bfloat16" else "bfloat16"))

@@ -66,6 +66,8 @@ def test_topk_mask_ties_go_to_the_lower_index():
     np.testing.assert_array_equal(topk_mask(vkf.tensor(values), 2).numpy(),
                                   [[False, True, True, False, False], [True, True, False, False, False]])
     np.testing.assert_array_equal(topk_mask(vkf.tensor(values), 7).numpy(), np.ones(values.shape, bool))
+    nan = np.array([[np.nan, 1.0, np.nan, 2.0]], np.float32)  # NaN ranks above every number (torch.topk)
+    np.testing.assert_array_equal(topk_mask(vkf.tensor(nan), 3).numpy(), [[True, False, True, True]])
     many = np.random.default_rng(3).standard_normal((70000, 3)).astype(np.float32)
     want = many >= np.sort(many, axis=-1)[:, 1:2]
     np.testing.assert_array_equal(topk_mask(vkf.tensor(many), 2).numpy(), want)

@@ -69,14 +69,14 @@ void main() {
         uint e = tid + l * THREADS, r, kk;                                              \
         if (TRANS_A != 0) { kk = e / BM; r = e % BM; } else { r = e / BK; kk = e % BK; } \
         uint gr = row0 + r, gk = (K0) + kk;                                             \
-        next_a[l] = (gr < m && gk < k)                                                  \
+        next_a[l] = (gr < m && gk < k_end)                                                  \
             ? load_a(base_a + (TRANS_A != 0 ? gk * m + gr : gr * k + gk)) : 0.0;        \
     }                                                                                   \
     for (uint l = 0; l < LOADS_B; ++l) {                                                \
         uint e = tid + l * THREADS, c, kk;                                              \
         if (TRANS_B != 0) { c = e / BK; kk = e % BK; } else { kk = e / BN; c = e % BN; } \
         uint gc = col0 + c, gk = (K0) + kk;                                             \
-        next_b[l] = (gc < n && gk < k)                                                  \
+        next_b[l] = (gc < n && gk < k_end)                                                  \
             ? load_b(base_b + (TRANS_B != 0 ? gc * k + gk : gk * n + gc)) : 0.0;        \
     }
 

@@ -95,15 +95,19 @@ uint half_bits(bool from_a, uint e) {
     return (word >> ((e & 1) * 16)) & 0xFFFFu;
 }
 
+// The K entries a product reads: K_, or a depth-gated product's count (set by main; zeros past it).
+uint k_limit;
+
 // Checked load: 8 halves of row `outer`, columns inner..inner+7, of a dense
-// [outer_n, inner_n] matrix at element `base`; zeros outside the matrix.
-uvec4 load_chunk_checked(bool from_a, bool aligned, uint base, uint outer, uint inner, uint outer_n, uint inner_n) {
-    if (outer >= outer_n) return uvec4(0);
+// [outer_n, inner_n] matrix at element `base`; zeros past row outer_end and column inner_end.
+uvec4 load_chunk_checked(bool from_a, bool aligned, uint base, uint outer, uint inner, uint outer_end, uint inner_n,
+                         uint inner_end) {
+    if (outer >= outer_end) return uvec4(0);
     uint e = base + outer * inner_n + inner;
-    if (aligned && inner + 8 <= inner_n) return from_a ? a_data[e >> 3] : b_data[e >> 3];
+    if (aligned && inner + 8 <= inner_end) return from_a ? a_data[e >> 3] : b_data[e >> 3];
     uvec4 v = uvec4(0);
     [[unroll]] for (uint j = 0; j < 8; ++j)
-        if (inner + j < inner_n) v[j >> 1] |= half_bits(from_a, e + j) << ((j & 1) * 16);
+        if (inner + j < inner_end) v[j >> 1] |= half_bits(from_a, e + j) << ((j & 1) * 16);
     return v;
 }
 
@@ -112,16 +116,18 @@ uvec4 load_chunk_checked(bool from_a, bool aligned, uint base, uint outer, uint 
 uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
     uint o = q / (INNER_A / 8), i = 8 * (q % (INNER_A / 8));
     uint outer = (TRANS_A != 0 ? k0 : row0) + o, inner = (TRANS_A != 0 ? row0 : k0) + i;
-    uint outer_n = TRANS_A != 0 ? K_ : M_, inner_n = TRANS_A != 0 ? M_ : K_;
+    uint inner_n = TRANS_A != 0 ? M_ : K_;
     if (fast) return a_data[(base + outer * inner_n + inner) >> 3];
-    return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, outer_n, inner_n);
+    return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, TRANS_A != 0 ? k_limit : M_, inner_n,
+                              TRANS_A != 0 ? M_ : k_limit);
 }
 uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
     uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
-    uint outer_n = TRANS_B != 0 ? N_ : K_, inner_n = TRANS_B != 0 ? K_ : N_;
+    uint inner_n = TRANS_B != 0 ? K_ : N_;
     if (fast) return b_data[(base + outer * inner_n + inner) >> 3];
-    return load_chunk_checked(false, ALIGNED_B != 0, base, outer, inner, outer_n, inner_n);
+    return load_chunk_checked(false, ALIGNED_B != 0, base, outer, inner, TRANS_B != 0 ? N_ : k_limit, inner_n,
+                              TRANS_B != 0 ? k_limit : N_);
 }
 uint staged_index_a(uint q) { return q / (INNER_A / 8) * PITCH_A + q % (INNER_A / 8); }
 uint staged_index_b(uint q) { return q / (INNER_B / 8) * PITCH_B + q % (INNER_B / 8); }
@@ -138,7 +144,8 @@ void main() {
     uint k_end = min(K_, k_begin + k_slice);
     // A gated product (uniform over the workgroup): padding rows are not multiplied, zero K steps skipped.
     if (GATE_MODE == GATE_ROWS && row0 >= gate_count(batch)) k_end = k_begin;
-    if (GATE_MODE == GATE_DEPTH) k_end = max(k_begin, min(k_end, gate_count(batch)));
+    k_limit = GATE_MODE == GATE_DEPTH ? min(K_, gate_count(batch)) : K_;
+    if (GATE_MODE == GATE_DEPTH) k_end = max(k_begin, min(k_end, k_limit));
     const uint sg = gl_SubgroupID;
     const uint sg_row = sg / SG_COLS, sg_col = sg % SG_COLS;
     // Whole-vector loads without checks for K tiles of a workgroup inside C.
@@ -153,7 +160,7 @@ void main() {
     uvec4 next_a[MAX_CHUNKS], next_b[MAX_CHUNKS];
     // Both branches are uniform over the workgroup; the unchecked one is the hot loop.
 #define FETCH_TILES(K0)                                                                               \
-    if (vector_tiles && (K0) + BK <= K_) {                                                             \
+    if (vector_tiles && (K0) + BK <= k_limit) {                                                             \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(true, tid + l * threads, base_b, col0, K0); \
     } else {                                                                                          \

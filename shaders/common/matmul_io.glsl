@@ -48,8 +48,8 @@ layout(binding = 3) readonly buffer Bias { OUT_T bias_data[]; };  // bound to C 
 // Gated products (engine/kernels/matmul.py ``gate``): each kernel's GATE_MODE specialization constant
 // reads gate[b] = gate_data[gate_off + b] as a count g for product b. GATE_ROWS: rows of A and C at or past g
 // are padding, whose results nobody uses, so a block of rows that starts there is not multiplied (it stores
-// the epilogue of a zero product). GATE_DEPTH: the K entries at or past g are zero in A or in B, so the
-// K steps past g are skipped (the result is exact). The gate is bound to C when unused.
+// the epilogue of a zero product). GATE_DEPTH: the K entries at or past g are left out (not read: the tile
+// kernels stop their K loop there and load zeros past it). The gate is bound to C when unused.
 #define GATE_NONE 0
 #define GATE_ROWS 1
 #define GATE_DEPTH 2

@@ -16,7 +16,7 @@
 //   summed through shared memory.
 // GATE_MODE (matmul_io.glsl): GATE_ROWS skips a block of rows at or past the product's gate, storing
 // the epilogue of a zero product and reading nothing (a mixture-of-experts expert that no token of the
-// step chose has a gate of 0); GATE_DEPTH is ignored (the entries it would skip are zero).
+// step chose has a gate of 0). No GATE_DEPTH: the launcher gives depth-gated products to the tile kernels.
 // A and B are bound as raw 16-byte words (uvec4) and decoded here: a whole vector
 // where ALIGNED_A / ALIGNED_B say every row starts on a 16-byte boundary, else
 // element by element (one 32-bit word each), with checks at the end of k.

@@ -1,5 +1,6 @@
 // Top-k along the last axis: mask[r, i] = 1.0 where values[r, i] is among the k largest of row r, else 0.0.
-// Ties go to the lower index, so exactly k entries are chosen (torch.topk's order on a tie). One workgroup per
+// Ties go to the lower index, so exactly k entries are chosen (torch.topk's order on a tie; NaN ranks above
+// every number, as there). One workgroup per
 // row stages it in shared memory; each invocation counts, for its entries, the entries ranked above them
 // (n x n comparisons per row: rows are a router's experts or an indexer's blocks, at most MAX_N).
 #version 450
@@ -19,10 +20,14 @@ void main() {
     barrier();
     for (uint i = tid; i < n; i += gl_WorkGroupSize.x) {
         const float v = row_values[i];
+        const bool v_nan = isnan(v);
         uint above = 0;
         for (uint j = 0; j < n; ++j) {
             const float w = row_values[j];
-            above += (w > v || (w == v && j < i)) ? 1u : 0u;
+            const bool w_nan = isnan(w);
+            const bool greater = w_nan ? !v_nan : (!v_nan && w > v);
+            const bool tie = w_nan ? v_nan : w == v;
+            above += (greater || (tie && j < i)) ? 1u : 0u;
         }
         mask[mask_off + r * n + i] = above < k ? 1.0 : 0.0;
     }

@@ -32,7 +32,9 @@ class TopkMaskKernel(KernelOp):
     def emit(self, seq, outs, ins):
         (mask,), (values,) = outs, ins
         n = values.shape[-1]
-        rows = values.numel // n
+        rows = values.numel // n if n else 0
+        if rows == 0:  # an empty tensor: nothing to choose
+            return
         v, m = values.operand, mask.operand
         x = min(rows, seq.device.limits["max_compute_work_group_count_x"])
         seq.dispatch(seq.device.kernel("moe_topk"), [v.buffer, m.buffer], (x, -(-rows // x), 1),
@@ -81,6 +83,8 @@ class ExpertRoutes:
     @classmethod
     def of(cls, weights) -> "ExpertRoutes":
         tokens, experts = weights.shape
+        if tokens < 1 or experts < 1:
+            raise ValueError(f"ExpertRoutes: routing weights of shape {weights.shape} list no tokens or experts")
         routes, counts = node(ExpertRoutesKernel(), [weights.detach().float().lazy],
                               [((4, experts, tokens), dt.int32), ((experts,), dt.float32)])
         maps = Tensor._from_lazy(routes)

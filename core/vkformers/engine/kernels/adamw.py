@@ -56,19 +56,21 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
     grad = checked(grad, tuple(GRAD_TYPES), count, "adamw grad")
     exp_avg = checked(exp_avg, "float32", count, "adamw exp_avg")
     exp_avg_sq = checked(exp_avg_sq, "float32", count, "adamw exp_avg_sq")
-    states = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "grad": grad}
-    names = list(states)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if overlaps(states[a], count, states[b], count):
-                raise ValueError(f"adamw_step: {a} and {b} overlap")
     if grad_factor is not None:
         grad_factor = checked(grad_factor, "float32", 1, "adamw grad_factor")
+    if model_copy is not None:
+        model_copy = checked(model_copy, ("float16", "bfloat16"), count, "adamw model_copy")
+    states = {"param": (param, count), "exp_avg": (exp_avg, count), "exp_avg_sq": (exp_avg_sq, count),
+              "grad": (grad, count), "grad_factor": (grad_factor, 1), "model_copy": (model_copy, count)}
+    names = [name for name, (x, _) in states.items() if x is not None]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if overlaps(*states[a], *states[b]):
+                raise ValueError(f"adamw_step: {a} and {b} overlap")
     buffers = [scalars.buffer, param.buffer, grad.buffer, exp_avg.buffer, exp_avg_sq.buffer,
                (grad_factor or param).buffer]
     variant, copy_offset = f"g_{GRAD_TYPES[grad.dtype.name]}", 0
     if model_copy is not None:
-        model_copy = checked(model_copy, ("float16", "bfloat16"), count, "adamw model_copy")
         variant += "_c_" + GRAD_TYPES[model_copy.dtype.name]
         if grad.dtype.name != "float32" and grad.dtype != model_copy.dtype:
             raise TypeError(f"adamw_step: a {grad.dtype.name} gradient with a {model_copy.dtype.name} model copy")

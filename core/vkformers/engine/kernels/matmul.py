@@ -268,8 +268,9 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     ``gate_mode`` (a mixture-of-experts expert run on the few rows of tokens that chose it):
     "rows": the rows of A and C at or past gate[b] are padding, whose results are not used; a kernel skips the
     blocks of rows that start there (storing the epilogue of a zero product: bias + beta * C), and with a gate
-    of 0 reads none of the product's A and B. "depth": the K entries at or past gate[b] are zero in A or in B
-    (the weight gradient of a rows-gated product), so K steps past it may be skipped; the result is exact.
+    of 0 reads none of the product's A and B. "depth": the sum over K stops at gate[b] (the weight gradient of
+    a rows-gated product, over its live rows); the entries past it are not read (the small-m kernel, which has
+    no depth gate, is not used for these).
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -305,8 +306,13 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
             raise ValueError(f"matmul: offsets and strides must fit in 32 bits, got {value}")
 
     device = seq.device
+    depth_gated = gate is not None and gate_mode == "depth"
     if algorithm == "auto":
         algorithm = select_algorithm(device, in_dtype, m, trans_a, trans_b)
+        if depth_gated and algorithm == "small_m":  # it has no depth gate: the tile kernels take these
+            algorithm = select_algorithm(device, in_dtype)
+    elif algorithm == "small_m" and depth_gated:
+        raise ValueError("matmul: the small-m kernel has no depth gate")
     elif algorithm == "coopmat" and not coopmat_supported(device, in_dtype):
         raise ValueError(f"matmul: {device.name} has no {in_dtype} cooperative matrix")
     elif algorithm not in ("tiled", "coopmat", "small_m"):

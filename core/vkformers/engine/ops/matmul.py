@@ -25,7 +25,7 @@ def _check_live_rows(live_rows, batch: int) -> list:
     if live_rows.dtype.name != "float32" or math.prod(live_rows.shape) != batch:
         raise ValueError(f"matmul: live_rows must be float32 with one count per product ({batch}), "
                          f"got {live_rows.dtype.name} {live_rows.shape}")
-    return [live_rows]
+    return [contiguous(live_rows)]  # the kernels read the counts as a dense array
 
 
 def _matrix_layout(x, batch_shape):
