@@ -253,6 +253,34 @@ def test_experts_output_runs_a_custom_expert_on_the_routed_rows(monkeypatch):
     np.testing.assert_allclose(results[True], results[False], rtol=1e-5, atol=1e-5)
 
 
+def test_lora_adapters_on_routed_experts(monkeypatch):
+    """PEFT-style LoRA on the experts' projections: the adapters run on each expert's routed rows too, and the
+    output and the adapters' gradients equal the dense block's."""
+    from vkformers.training import LoraConfig, apply_lora
+    from vkformers.training.lora import LoraLinear
+    block, _ = _block(MoeSpec(EXPERTS, 2, INNER, (True,)))
+    apply_lora(block, LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj", "down_proj"]))
+    rng = np.random.default_rng(13)
+    for _, module in block.named_modules():
+        if isinstance(module, LoraLinear):  # B = 0 at init: give the adapters something to add
+            module.lora_B.weight = vkf.parameter(rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
+    adapters = {n: p for n, p in block.named_parameters() if "lora_" in n}
+    x = rng.standard_normal((2 * moe_block.COMPACT_MIN_TOKENS, HIDDEN)).astype(np.float32)
+
+    def run(skip):
+        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+        for p in adapters.values():
+            p.grad = None
+        out = block(vkf.tensor(x))
+        out.square().sum().backward()
+        return out.numpy(), {n: p.grad.numpy() for n, p in adapters.items()}
+
+    (dense, dense_grads), (routed, routed_grads) = run(False), run(True)
+    np.testing.assert_allclose(routed, dense, rtol=1e-5, atol=1e-5)
+    for name in dense_grads:
+        np.testing.assert_allclose(routed_grads[name], dense_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="scoring"):
         MoeSpec(EXPERTS, 2, INNER, (True,), scoring="softplus")
