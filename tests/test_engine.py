@@ -246,3 +246,21 @@ def test_numpy_of_a_view_reads_only_its_span(dtype, monkeypatch):
         np.testing.assert_array_equal(view.numpy(), want)
         if span is not None:  # a view of x itself (the others are copies first): only its span is staged
             assert (len(staged) == 1 or span == 0) and sum(staged) <= span * itemsize + 4, (want.shape, staged)
+
+
+def test_a_realized_graph_leaves_no_cyclic_garbage():
+    """Realizing a graph (forward and backward) frees it by reference counting: nothing waits for the garbage
+    collector (a reference cycle holding each realized graph cost ~7 ms of collection per decode step of a
+    22-layer model). Nodes built and dropped without being realized still form cycles (a node and its outputs)."""
+    import gc
+    x = vkf.tensor(RNG.standard_normal((4, 4)).astype(np.float32), requires_grad=True)
+
+    def step():  # as a training step: the loss and the gradients are read, so every node is realized
+        y = ((x @ x).relu() * 2.0 + x.transpose(0, 1)).sum()
+        y.backward()
+        lazy.realize([y.lazy, x.grad.lazy])
+        x.grad = None
+    step()
+    gc.collect()
+    step()
+    assert gc.collect() == 0
