@@ -112,8 +112,10 @@ class LazyBuffer:
         self.persistent = persistent  # parameters and optimizer state keep their own buffer
         self.refs = 0               # live Tensors (and saved-for-backward uses) of this storage, on bases
         self.replaces = None        # for assignments: the previous version of the same storage
-        # nodes reading this storage that may still run (kept on bases only: views share their base's)
-        self.consumers = weakref.WeakSet() if base is None else None
+        # weak references to the nodes reading this storage while it is a node's unrealized output (kept on bases
+        # only; realize() asks whether a node outside its schedule will read it). A list: a WeakSet per tensor
+        # cost more to build and free than the rest of the tensor.
+        self.consumers = None
 
     @property
     def base(self) -> "LazyBuffer":
@@ -172,8 +174,15 @@ def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, 
     output overwrites: an in-place update (assignments, optimizer steps, cache writes).
     """
     node = Node(op, tuple(inputs))
+    reader = None
     for x in node.inputs:
-        x.base.consumers.add(node)
+        base = x.base
+        if base.node is not None:  # an unrealized output: the only storage whose readers realize() asks about
+            reader = reader or weakref.ref(node)
+            if base.consumers is None:
+                base.consumers = [reader]
+            else:
+                base.consumers.append(reader)
     targets = into if isinstance(into, (list, tuple)) else [into] * len(out_specs)
     for index, ((shape, dtype), target) in enumerate(zip(out_specs, targets)):
         out = LazyBuffer(shape, dtype, device, node=node, index=index)
@@ -279,6 +288,15 @@ def _schedule(targets: list[LazyBuffer]) -> list[Node]:
     return order
 
 
+def _read_later(lb: LazyBuffer, scheduled: set[int]) -> bool:
+    """Whether a live node outside ``scheduled`` reads ``lb`` (a graph built on it, to be realized later)."""
+    for ref in lb.consumers or ():
+        node = ref()
+        if node is not None and id(node) not in scheduled:
+            return True
+    return False
+
+
 def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> tuple:
     index_of = {id(n): i for i, n in enumerate(order)}
     leaf_index = {id(lb): i for i, lb in enumerate(leaves)}
@@ -322,7 +340,7 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
     # Outputs someone can still read get their own buffers; the rest may share by liveness.
     scheduled = {id(n) for n in order}
     keep = {id(o) for n in order for o in n.outputs
-            if o.refs > 0 or o.persistent or any(id(c) not in scheduled for c in o.consumers)}
+            if o.refs > 0 or o.persistent or _read_later(o, scheduled)}
     keep |= {id(t.base) for t in targets}
     key = _signature(order, leaves, keep)
     plan = _plans.pop(key, None)
