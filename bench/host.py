@@ -1,0 +1,92 @@
+"""Host time of a step built in Python: what a decode step costs when its graph is built, scheduled and matched
+to a recorded plan on the host, against the same step replayed from a capture (no Python graph), in one run.
+
+A 22-layer Llama of hidden 64 keeps the GPU's share small, so the figures are the engine's host overhead per
+step (graph building, scheduling, the plan lookup, the readback), as a model family whose decode steps are not
+captured (hybrid, DSA) pays it every token, and every model pays it for a prompt's first forward.
+
+    python bench/host.py [--layers 22] [--new-tokens 32] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from common import write_results
+from llama import random_weights
+
+import vkformers as vkf
+from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.runtime import vulkan
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
+REPEATS = 5  # generate calls per measure; the median counts
+
+
+class ReplayClock:
+    """Seconds spent in Sequence.replay (submit and wait: the device's share) while active."""
+
+    def __init__(self):
+        self.seconds, self._original = 0.0, vulkan.Sequence.replay
+
+    def __enter__(self):
+        clock, original = self, self._original
+
+        def replay(seq, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(seq, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+        vulkan.Sequence.replay = replay
+        return self
+
+    def __exit__(self, *exc):
+        vulkan.Sequence.replay = self._original
+
+
+def per_token(model, ids, new_tokens: int, captured: bool) -> tuple[float, float]:
+    """(wall, host) milliseconds per generated token, medians over REPEATS generate calls."""
+    object.__setattr__(model, "capture_decode", captured)
+    generate = lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)  # noqa: E731
+    generate()
+    generate()
+    walls, hosts = [], []
+    for _ in range(REPEATS):
+        with ReplayClock() as clock:
+            start = time.perf_counter()
+            generate()
+            wall = time.perf_counter() - start
+        walls.append(wall / new_tokens * 1e3)
+        hosts.append((wall - clock.seconds) / new_tokens * 1e3)
+    return float(np.median(walls)), float(np.median(hosts))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args(argv)
+    config = dict(TINY, num_hidden_layers=args.layers)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(random_weights(model), dtype="float32", requires_grad=False)
+    model.eval()
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (1, 8)).astype(np.int32)
+    built_wall, built_host = per_token(model, ids, args.new_tokens, captured=False)
+    replayed_wall, replayed_host = per_token(model, ids, args.new_tokens, captured=True)
+    print(f"{args.layers} layers on {vkf.get_device().name}: decode step built in Python {built_wall:.1f} ms "
+          f"(host {built_host:.1f} ms), replayed {replayed_wall:.1f} ms (host {replayed_host:.1f} ms): "
+          f"built / replayed {built_wall / replayed_wall:.2f}x", flush=True)
+    write_results(args.json, {"device": vkf.get_device().name, "layers": args.layers,
+                              "built_ms": built_wall, "built_host_ms": built_host,
+                              "replayed_ms": replayed_wall, "replayed_host_ms": replayed_host})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
