@@ -232,6 +232,24 @@ def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout):
         np.testing.assert_allclose(routed[2][name], dense[2][name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_routed_experts_in_bfloat16(monkeypatch, fused):
+    """The routed path in bfloat16 (gathers, row-limited products, scatter) against the dense block in
+    bfloat16, to bfloat16 rounding."""
+    moe = MoeSpec(EXPERTS, 2, INNER, (True,), **(dict(experts="", fused_experts=(
+        "input_linear.weight", "output_linear.weight")) if fused else {}))
+    block, arrays = _block(moe)
+    block.load_state_dict(arrays, dtype="bfloat16", requires_grad=False)
+    x = vkf.tensor(np.random.default_rng(10).standard_normal((100, HIDDEN)).astype(np.float32)).cast("bfloat16")
+    results = {}
+    for skip in (True, False):
+        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+        with vkf.no_grad():
+            results[skip] = block(x).float().numpy()
+    scale = np.abs(results[False]).max()
+    np.testing.assert_allclose(results[True], results[False], rtol=0, atol=8e-3 * scale)  # 2^-7: one rounding
+
+
 def test_experts_output_runs_a_custom_expert_on_the_routed_rows(monkeypatch):
     """experts_output(x, weights, run) (DeepSeek-V4's and GLM-5-Next's clipped SwiGLU): run sees each expert's
     list with its live rows, and the result equals the dense form's."""
