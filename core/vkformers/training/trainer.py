@@ -208,19 +208,19 @@ class Trainer:
             inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels"), mb)}
 
             def build():  # one submission: the update rides along with reading the statistics
-                stats_vector, grads, factor = self._build_step(batches, None)
-                self._apply_update(grads, factor)
+                stats_vector, factor = self._build_step(batches, None)
+                self._apply_update(factor)
                 return [stats_vector]
             stats = self._capture.run(build, inputs)[0]
         else:  # fp16: read the overflow flag first, update only if the gradients are finite
             self._capture.forget()
             scale = tensor(np.float32(self.scaler.scale))  # an input, so plans replay
-            stats_vector, grads, factor = self._build_step(micro_batches, scale)
+            stats_vector, factor = self._build_step(micro_batches, scale)
             stats = stats_vector.numpy()
             if stats[2] == 1.0:
-                self._apply_update(grads, factor)
+                self._apply_update(factor)
                 lazy.realize([])
-            del stats_vector, grads, factor
+            del stats_vector, factor
         self.optimizer.zero_grad()
         loss_value, norm_value, ok = float(stats[0]), float(stats[1]), stats[2] == 1.0
         result = StepResult(self.step + 1, loss_value, norm_value, lr,
@@ -238,8 +238,8 @@ class Trainer:
         return result
 
     def _build_step(self, micro_batches, scale):
-        """The step's graph up to the update: the statistics vector [loss, norm, finite], and the
-        gradients with the factor (clipping, unscaling) the update applies to them."""
+        """The step's graph up to the update: the statistics vector [loss, norm, finite], and the factor
+        (clipping, unscaling; None for neither) the update applies to the parameters' gradients."""
         c = self.config
         total = None
         for input_ids, labels in micro_batches:
@@ -248,10 +248,11 @@ class Trainer:
             total = loss if total is None else total + loss
             del loss
         with no_grad():
-            grads = [(p, p.grad) for p in self.params if p.grad is not None]
             sum_sq = None
-            for _, g in grads:  # global norm: one reduction per gradient, summed on the GPU
-                s = g.float().square().sum()  # a 16-bit gradient widened on the way (not kept)
+            for p in self.params:  # global norm: one reduction per gradient, summed on the GPU
+                if p.grad is None:
+                    continue
+                s = p.grad.float().square().sum()  # a 16-bit gradient widened on the way (not kept)
                 sum_sq = s if sum_sq is None else sum_sq + s
             norm = sum_sq.sqrt()
             # "x <= FLT_MAX" is false for inf and NaN alike
@@ -263,14 +264,12 @@ class Trainer:
             if unscale is not None:
                 factor = unscale if factor is None else factor * unscale
             stats_vector = self._pack(total.detach(), norm, finite)
-        return stats_vector, grads, factor
+        return stats_vector, factor
 
-    def _apply_update(self, grads, factor) -> None:
+    def _apply_update(self, factor) -> None:
         """AdamW on the gradients times ``factor`` (clipping, unscaling), which the update kernel applies as it
         reads each gradient: no scaled copy of the gradients is made."""
         with no_grad():
-            for p, g in grads:
-                p.grad = g
             self.optimizer.step(grad_factor=factor.float().reshape(1) if factor is not None else None)
 
     def _stop_message(self, result: StepResult, what: str) -> str:

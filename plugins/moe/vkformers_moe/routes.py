@@ -14,7 +14,6 @@ dense block, and nothing is read back to the host.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from vkformers.engine import functional as F
