@@ -1,6 +1,8 @@
 """The ops models are written with, named as in ``torch.nn.functional``."""
 from __future__ import annotations
 
+import math
+
 from vkformers.engine.ops.decode import (  # fused decode-step products (inference)
     FusedNorm,
     fusable,
@@ -49,10 +51,14 @@ def matmul(a, b, live_rows=None):
     return batched(a, b, live_rows)
 
 
-def grad_enabled() -> bool:
-    """Whether operations record a gradient graph (False inside ``no_grad``)."""
-    from vkformers.engine.function import grad_enabled as enabled
-    return enabled()
+def live_rows_where_used(weights):
+    """float32 [n] for ``weights`` [..., n] (no gradient): per column, the number of rows (the leading dims'
+    product) where some row's entry in that column is nonzero, else 0. The ``live_rows`` of products that run
+    on every row but matter only where a row uses them: a mixture-of-experts expert and its routing weights
+    (an expert no token chose is skipped whole)."""
+    rows = math.prod(weights.shape[:-1])
+    used = weights.float().detach().abs().reshape(rows, -1).sum(0) > 0.0
+    return where(used, float(rows), 0.0)
 
 
 def relu(x):
@@ -112,5 +118,5 @@ def log_softmax(x, dim: int = -1):
 
 __all__ = ["FusedNorm", "activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
-           "gated", "gather_flat", "gather_rows", "gelu", "layer_norm", "linear", "log_softmax", "manual_seed", "quick_gelu", "relu",
+           "gated", "gather_flat", "gather_rows", "gelu", "layer_norm", "linear", "live_rows_where_used", "log_softmax", "manual_seed", "quick_gelu", "relu",
            "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]

@@ -355,8 +355,7 @@ class SparseMoeBlock(Module):
         if tokens >= COMPACT_MIN_TOKENS:
             return self._routed_experts(x, weights, ExpertRoutes.of(weights), run)
         # tokens in place; an expert no token chose has no live rows (and scaled by zero adds nothing)
-        chosen = weights.float().detach().abs().sum(0) > 0.0
-        return self._dense_experts(x, weights, F.where(chosen, float(tokens), 0.0), run)
+        return self._dense_experts(x, weights, F.live_rows_where_used(weights), run)
 
     def _dense_experts(self, x, weights, live_rows, run):
         """Every expert on every token, weighted by ``weights`` [tokens, E] (zero where not chosen)."""

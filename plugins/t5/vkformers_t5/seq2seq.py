@@ -202,9 +202,7 @@ class SwitchMoE(Module):
             count = (onehot.permute(0, 2, 1) @ upper).permute(0, 2, 1)   # [B, T, E]
             onehot = onehot * F.where(count <= float(self.capacity), 1.0, 0.0)
         weight = (probs * onehot).cast(h.dtype)                          # nonzero only at a kept choice
-        rows = h.shape[0] * h.shape[1]
-        chosen = weight.float().detach().abs().reshape(rows, -1).sum(0) > 0.0
-        live = F.where(chosen, float(rows), 0.0)                          # per expert: every row or none
+        live = F.live_rows_where_used(weight)                            # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):
             y = down(self.act(up(h, live[e:e + 1])), live[e:e + 1]) * weight[:, :, e:e + 1]
