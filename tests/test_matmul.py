@@ -143,6 +143,19 @@ def test_inner_and_edge_workgroups_mixed(device, in_dtype, trans_a, trans_b):
                  bias=True, beta=1.0, algorithm=algorithm)
 
 
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_c_of_whole_tiles(device, in_dtype, out_dtype):
+    """16-bit C: whole tiles go through the coopmat kernel's 8-values-per-store epilogue (C aligned to 8
+    elements, no bias, beta 0), ragged tiles and an unaligned C through the element-wise one."""
+    for algorithm in algorithms(device, in_dtype):
+        run_case(device, 256, 264, 64, in_dtype=in_dtype, out_dtype=out_dtype, alpha=0.5, algorithm=algorithm)
+        run_case(device, 128, 256, 48, in_dtype=in_dtype, out_dtype=out_dtype, batch=2, pad=(8, 16, 8),
+                 offsets=(8, 16, 8, 0), trans_b=True, algorithm=algorithm)
+        run_case(device, 128, 128, 32, in_dtype=in_dtype, out_dtype=out_dtype, offsets=(0, 0, 3, 0),
+                 algorithm=algorithm)
+
+
 @pytest.mark.parametrize("in_dtype", DTYPES)
 def test_batched_with_strides_and_offsets(device, in_dtype):
     for algorithm in algorithms(device, in_dtype):

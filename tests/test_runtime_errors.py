@@ -15,6 +15,7 @@ from vkformers.errors import (
     OutOfDeviceMemoryError,
 )
 from vkformers.runtime import vulkan
+from vkformers.runtime.kernels import find_spirv
 from vkformers.runtime.spirv import SpirvError, reflect
 
 NO_DRIVER_ENV = {**os.environ, "VK_ICD_FILENAMES": "/nonexistent/icd.json", "VK_DRIVER_FILES": "/nonexistent/icd.json"}
@@ -64,6 +65,15 @@ def test_corrupt_spirv():
         reflect(b"\x00" * 64)
     with pytest.raises(SpirvError):
         reflect(b"abc")
+
+
+def test_aliased_binding_is_written_if_any_view_writes():
+    """The coopmat matmul declares C twice (16-bit elements and 16-byte vectors; the second write-only): one
+    binding, which the recorder must treat as written."""
+    for variant in ("f16_f16", "bf16_bf16", "f16_f32"):
+        iface = reflect(find_spirv("matmul_coopmat", variant).read_bytes())
+        assert [b.index for b in iface.bindings] == [0, 1, 2, 3, 4]
+        assert [b.readonly for b in iface.bindings] == [True, True, False, True, True]
 
 
 def test_bad_device_index(monkeypatch):

@@ -25,8 +25,9 @@
 // any other tile is loaded element by element with bounds checks (zeros outside).
 // The choice is per workgroup and K step, so the hot loop of large problems never
 // checks bounds. The epilogue stores float32 results of a whole tile directly
-// (coopMatStore) when there is no bias and beta == 0; otherwise it goes through
-// shared memory so it can bounds-check, add bias and beta * C, and convert.
+// (coopMatStore) when there is no bias and beta == 0, and 16-bit results of such a
+// tile through shared memory 8 values per store; otherwise it goes through shared
+// memory one value at a time so it can bounds-check, add bias and beta * C, and convert.
 //
 // bfloat16: no GLSL compiler we have knows GL_EXT_bfloat16, so the bf16_* variants
 // compile this very source (16-bit floats appear only in the A and B matrix types)
@@ -70,6 +71,11 @@ layout(constant_id = 13) const uint SPEC_K = 0;
 layout(constant_id = 14) const uint SPLITS = 1;
 layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, GATE_ROWS or GATE_DEPTH
 #include "matmul_io.glsl"
+#if !defined(OUT_F32)
+// C seen as uvec4s of 8 raw 16-bit values, for the whole-vector epilogue.
+layout(binding = 2) writeonly buffer MatCVectors { uvec4 c_vec[]; };
+uint pack_out2(float lo, float hi) { return uint(TO_OUT(lo)) | (uint(TO_OUT(hi)) << 16); }
+#endif
 // Bound on uvec4 loads per invocation per tile (the launcher checks it).
 #define MAX_CHUNKS 16
 const uint BM = 16 * FRAG_M * SG_ROWS;
@@ -203,6 +209,30 @@ void main() {
                 uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
                 coopMatStore(acc[i][j] * alpha, c_data, base_c + r0 * N_ + c0, N_, gl_CooperativeMatrixLayoutRowMajor);
             }
+        return;
+    }
+#else
+    // 16-bit C, whole tile, nothing to add, rows of whole aligned uvec4s: each subgroup stages one 16x16
+    // accumulator at a time and each lane converts and writes 8 of its values as one 16-byte store
+    // (the general epilogue below writes them one 2-byte element at a time).
+    if (inside && HAS_BIAS == 0 && beta == 0.0 && N_ % 8 == 0 && base_c % 8 == 0) {
+        const uint lanes = gl_SubgroupSize, lane = gl_SubgroupInvocationID;
+        [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
+            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
+                coopMatStore(acc[i][j], stage_c, sg * 256, 16, gl_CooperativeMatrixLayoutRowMajor);
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
+                for (uint v = lane; v < 32; v += lanes) {  // 32 runs of 8 values: row v / 2, columns 8 (v % 2)
+                    uint s = sg * 256 + 8 * v;
+                    uvec4 bits;
+                    [[unroll]] for (uint w = 0; w < 4; ++w)
+                        bits[w] = pack_out2(alpha * stage_c[s + 2 * w], alpha * stage_c[s + 2 * w + 1]);
+                    c_vec[(base_c + (r0 + v / 2) * N_ + c0 + 8 * (v % 2)) >> 3] = bits;
+                }
+                subgroupBarrier();
+            }
+        }
         return;
     }
 #endif

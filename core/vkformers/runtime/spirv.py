@@ -89,7 +89,7 @@ def reflect(code: bytes) -> KernelInterface:
             local_size = (ops[2], ops[3], ops[4])
         i += count
 
-    bindings: list[Binding] = []
+    readonly_by_index: dict[int, bool] = {}  # a binding declared twice (aliased views) is read-only if both are
     push_bytes = 0
     for var_id, ptr_type, storage in variables:
         pointee = pointers.get(ptr_type, (0, 0))[1]
@@ -103,7 +103,8 @@ def reflect(code: bytes) -> KernelInterface:
             readonly = DECORATION_NON_WRITABLE in deco or (
                 bool(members) and all(DECORATION_NON_WRITABLE in m for m in members.values())
             )
-            bindings.append(Binding(deco[DECORATION_BINDING][0], readonly))
+            index = deco[DECORATION_BINDING][0]
+            readonly_by_index[index] = readonly_by_index.get(index, True) and readonly
         elif storage == STORAGE_CLASS_PUSH_CONSTANT:
             # Push blocks hold 32-bit scalars (and vectors of them): size = last offset + last size.
             offsets = member_decorations.get(pointee, {})
@@ -111,7 +112,7 @@ def reflect(code: bytes) -> KernelInterface:
                 offset = offsets.get(member, {}).get(DECORATION_OFFSET, [0])[0]
                 push_bytes = max(push_bytes, offset + scalar_bytes.get(member_type, 4))
 
-    bindings.sort(key=lambda b: b.index)
+    bindings = [Binding(index, readonly) for index, readonly in sorted(readonly_by_index.items())]
     if [b.index for b in bindings] != list(range(len(bindings))):
         raise SpirvError(f"bindings must be numbered 0..n-1, found {[b.index for b in bindings]}")
     spec_ids = tuple(sorted(d[DECORATION_SPEC_ID][0] for d in decorations.values() if DECORATION_SPEC_ID in d))
