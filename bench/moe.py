@@ -46,20 +46,26 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> 
         loss = model(long_prompt, labels=long_prompt).loss
         loss.backward()
         return loss.item()
-    for skip in (True, False):
+    # Two rounds, dense and routed in turn, each figure the faster of its two: the first measure of a process
+    # ran up to 2x slow on the H200 (a probe: the same routed decode 34.8 ms, then 13.2 ms after the dense one).
+    for skip in (False, True, False, True):
         moe_block.SKIP_UNCHOSEN = skip
+        model.forget_captures()  # the captured steps were recorded with the other mode's graph
         name = "routed" if skip else "dense"
+        speeds = {}
         for batch in (1, 8):
             ids = prompt[:batch]
             generate = lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
             warm_up(generate, WARM_UP_SECONDS)
-            seconds = timed(generate, DECODE_REPEATS)
-            out[f"decode_b{batch}_{name}_tok_s"] = batch * new_tokens / seconds
+            speeds[f"decode_b{batch}"] = batch * new_tokens / timed(generate, DECODE_REPEATS)
         with vkf.no_grad():
             step = lazy.StepCapture()  # from the third call a replay, without the Python graph
             seconds = timed(lambda: step.run(lambda: [model(long_prompt).logits[:, -1]], {"ids": long_prompt}), 5)
-        out[f"prefill_{name}_tok_s"] = long_prompt.size / seconds
-        out[f"train_{name}_tok_s"] = long_prompt.size / timed(train_step, 3)
+        speeds["prefill"] = long_prompt.size / seconds
+        speeds["train"] = long_prompt.size / timed(train_step, 3)
+        for measure, speed in speeds.items():
+            key = f"{measure}_{name}_tok_s"
+            out[key] = max(out.get(key, 0.0), speed)
     moe_block.SKIP_UNCHOSEN = True
     return out
 

@@ -149,6 +149,13 @@ class GenerationMixin:
         _end(streamer)
         return tokens
 
+    def forget_captures(self) -> None:
+        """Drop the recorded prefill and decode steps that later generate calls would replay. Their key covers
+        the parameters, the cache and the mode, not a module switch that changes the graph (a benchmark
+        toggling vkformers_moe.block.SKIP_UNCHOSEN, say): after such a change, call this."""
+        object.__setattr__(self, "_held_decode", None)
+        object.__setattr__(self, "_held_prefill", None)
+
     def _decode_capture(self, cache: KVCache, key) -> "DecodeCapture":
         """The captured decode step of the last generate when it still applies (same cache, same parameter
         buffers, all realized, same mode and fused-kernel switch), so that a later call replays from its first
