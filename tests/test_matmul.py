@@ -491,8 +491,91 @@ def test_depth_gated_products_avoid_the_small_m_kernel(device):
     got, a, b, bias, c0 = _gated_case(device, "auto", {}, "float32", "depth", 4, 40, [10, 40])
     for z, count in enumerate([10, 40]):
         check(got[z], a[z][:, :count] @ b[z][:count] + bias + 0.5 * c0[z], "float32")
-    with pytest.raises(ValueError, match="depth gate"):
+    with pytest.raises(ValueError, match="no depth gate"):
         _gated_case(device, "small_m", {}, "float32", "depth", 4, 40, [10, 40])
+
+
+SPANS = [(0, 0), (0, 130), (130, 3), (133, 150), (283, 10)]  # rows 293.. belong to no span
+
+
+@pytest.mark.parametrize("algorithm, options", [k for k in GATED_KERNELS[:2]] + [("auto", {})])
+@pytest.mark.parametrize("in_dtype", ["float32", "float16"])
+def test_span_rows_gate_multiplies_each_products_rows_of_packed_matrices(device, algorithm, options, in_dtype):
+    """gate_mode "span_rows" (a mixture of experts' packed token rows, one span per expert): product z writes
+    C rows start.. start+count-1 = those rows of A @ B[z] (+ bias + beta C), and no other row; A's rows outside
+    every span hold NaN and are never read. One batched call (A and C shared, stride 0), spans of 0 rows, of
+    part of a block, and running past a block edge."""
+    if _no_coopmat(device, in_dtype, algorithm):
+        return
+    rows, k, n, experts = 300, 72, 40, len(SPANS)
+    rng = np.random.default_rng(5)
+    a = rounded(rng.standard_normal((rows, k)), in_dtype)
+    covered = np.zeros(rows, bool)
+    for start, count in SPANS:
+        covered[start:start + count] = True
+    a_poisoned = a.copy()
+    a_poisoned[~covered] = np.nan
+    b = rounded(rng.standard_normal((experts, k, n)), in_dtype)
+    c0, bias = rounded(rng.standard_normal((rows, n)), "float32"), rng.standard_normal(n)
+    ops = [upload(device, x, d) for x, d in ((a_poisoned, in_dtype), (b, in_dtype), (c0, "float32"), (bias, "float32"))]
+    gate = Operand(device.upload(np.array([7.0, *np.ravel(SPANS)], np.float32)), 1)
+    seq = device.sequence()
+    matmul(seq, *ops[:3], m=rows, n=n, k=k, batch=experts, stride_a=0, stride_b=k * n, stride_c=0, bias=ops[3],
+           beta=0.5, algorithm=algorithm, gate=gate, gate_mode="span_rows", **options)
+    seq.replay()
+    got = ops[2].buffer.read()[: rows * n].reshape(rows, n).astype(np.float64)
+    want = c0.copy()
+    for z, (start, count) in enumerate(SPANS):
+        span = slice(start, start + count)
+        want[span] = a[span] @ b[z] + bias + 0.5 * c0[span]
+    check(got[covered], want[covered], "float32")
+    np.testing.assert_array_equal(got[~covered], c0[~covered])
+
+
+@pytest.mark.parametrize("algorithm, options", [k for k in GATED_KERNELS[:2]] + [("auto", {})])
+def test_span_depth_gate_sums_each_products_k_entries(device, algorithm, options):
+    """gate_mode "span_depth" (the weight gradient of span-rows products, A^T @ dC over a span of rows): product
+    z sums K entries start.. start+count-1 of A ([K, M], transposed) and B ([K, N]); the entries outside every
+    span hold NaN and are never read. A span of 0 entries gives bias + beta C."""
+    in_dtype = "float16"
+    if _no_coopmat(device, in_dtype, algorithm):
+        return
+    rows, m, n, experts = 300, 48, 40, len(SPANS)
+    rng = np.random.default_rng(6)
+    a, b = (rounded(rng.standard_normal((rows, width)), in_dtype) for width in (m, n))
+    covered = np.zeros(rows, bool)
+    for start, count in SPANS:
+        covered[start:start + count] = True
+    a_poisoned, b_poisoned = a.copy(), b.copy()
+    a_poisoned[~covered] = np.nan
+    b_poisoned[~covered] = np.nan
+    c0, bias = rng.standard_normal((experts, m, n)), rng.standard_normal(n)
+    ops = [upload(device, x, d) for x, d in ((a_poisoned, in_dtype), (b_poisoned, in_dtype), (c0, "float32"),
+                                             (bias, "float32"))]
+    gate = Operand(device.upload(np.array([7.0, *np.ravel(SPANS)], np.float32)), 1)
+    seq = device.sequence()
+    matmul(seq, *ops[:3], m=m, n=n, k=rows, batch=experts, trans_a=True, stride_a=0, stride_b=0, stride_c=m * n,
+           bias=ops[3], beta=0.5, algorithm=algorithm, gate=gate, gate_mode="span_depth", **options)
+    seq.replay()
+    got = ops[2].buffer.read()[: experts * m * n].reshape(experts, m, n).astype(np.float64)
+    for z, (start, count) in enumerate(SPANS):
+        span = slice(start, start + count)
+        check(got[z], a[span].T @ b[span] + bias + 0.5 * c0[z], "float32")
+
+
+def test_span_gates_are_checked(device):
+    a = device.upload(np.zeros((8, 8), np.float32))
+    gate = device.upload(np.zeros(2, np.float32))
+    for kwargs, message in ((dict(gate_mode="span_rows", trans_a=True), "A not transposed"),
+                            (dict(gate_mode="span_depth"), "A transposed and B not"),
+                            (dict(gate_mode="span_depth", trans_a=True, trans_b=True), "A transposed and B not"),
+                            (dict(gate_mode="span_rows", algorithm="small_m"), "no span_rows gate"),
+                            (dict(gate_mode="span_rows", splits=2), "not split")):
+        with pytest.raises(ValueError, match=message):
+            matmul(device.sequence(), a, a, a, m=8, n=8, k=8, gate=gate, **kwargs)
+    with pytest.raises(ValueError, match="gate"):  # a span is a pair per product
+        matmul(device.sequence(), a, a, a, m=8, n=8, k=8, gate=device.upload(np.zeros(1, np.float32)),
+               gate_mode="span_rows")
 
 
 def test_gate_mode_is_checked(device):

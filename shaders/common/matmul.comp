@@ -29,7 +29,7 @@ layout(constant_id = 6) const uint TRANS_B = 0;
 layout(constant_id = 7) const uint HAS_BIAS = 0;
 // constant_id 8: the workgroup size, which must be (BM / TM) * (BN / TN)
 layout(local_size_x_id = 8) in;
-layout(constant_id = 9) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, GATE_ROWS or GATE_DEPTH
+layout(constant_id = 9) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
 #include "matmul_io.glsl"
 
 #define MAX_T 8       // register block bound (arrays below are sized for it)
@@ -51,8 +51,25 @@ void store_shared_b(uint kk, uint col, float v) { tile_b[(kk * PITCH_B + col) / 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint row0 = gl_WorkGroupID.y * BM, col0 = gl_WorkGroupID.x * BN;
-    const uint base_a = off_a + gl_WorkGroupID.z * stride_a;
-    const uint base_b = off_b + gl_WorkGroupID.z * stride_b;
+    const uint z = gl_WorkGroupID.z;
+    // A gated product (uniform over the workgroup): padding rows are not multiplied, zero K steps skipped;
+    // a span moves the product to its rows (or K entries) of packed A, B and C.
+    uint m_rows = m, k_end = k, shift_a = 0, shift_b = 0, shift_c = 0;
+    if (GATE_MODE == GATE_ROWS && row0 >= gate_count(z)) k_end = 0;
+    if (GATE_MODE == GATE_DEPTH) k_end = min(k, gate_count(z));
+    if (GATE_MODE == GATE_SPAN_ROWS) {
+        m_rows = span_count(z, m);
+        if (row0 >= m_rows) return;  // uniform: no row of this block is the span's
+        shift_a = span_start(z) * k;
+        shift_c = span_start(z) * n;
+    }
+    if (GATE_MODE == GATE_SPAN_DEPTH) {
+        k_end = span_count(z, k);
+        shift_a = span_start(z) * m;
+        shift_b = span_start(z) * n;
+    }
+    const uint base_a = off_a + z * stride_a + shift_a;
+    const uint base_b = off_b + z * stride_b + shift_b;
     const uint tx = tid % (BN / TN), ty = tid / (BN / TN);
 
     float acc[MAX_T][MAX_T];
@@ -69,7 +86,7 @@ void main() {
         uint e = tid + l * THREADS, r, kk;                                              \
         if (TRANS_A != 0) { kk = e / BM; r = e % BM; } else { r = e / BK; kk = e % BK; } \
         uint gr = row0 + r, gk = (K0) + kk;                                             \
-        next_a[l] = (gr < m && gk < k_end)                                                  \
+        next_a[l] = (gr < m_rows && gk < k_end)                                             \
             ? load_a(base_a + (TRANS_A != 0 ? gk * m + gr : gr * k + gk)) : 0.0;        \
     }                                                                                   \
     for (uint l = 0; l < LOADS_B; ++l) {                                                \
@@ -79,11 +96,6 @@ void main() {
         next_b[l] = (gc < n && gk < k_end)                                                  \
             ? load_b(base_b + (TRANS_B != 0 ? gc * k + gk : gk * n + gc)) : 0.0;        \
     }
-
-    // A gated product (uniform over the workgroup): padding rows are not multiplied, zero K steps skipped.
-    uint k_end = k;
-    if (GATE_MODE == GATE_ROWS && row0 >= gate_count(gl_WorkGroupID.z)) k_end = 0;
-    if (GATE_MODE == GATE_DEPTH) k_end = min(k, gate_count(gl_WorkGroupID.z));
 
     if (k_end > 0) { LOAD_TILES(0) }
     for (; k0 < k_end; k0 += BK) {
@@ -110,10 +122,10 @@ void main() {
         barrier();
     }
 
-    const uint base_c = off_c + gl_WorkGroupID.z * stride_c;
+    const uint base_c = off_c + z * stride_c + shift_c;
     for (uint i = 0; i < TM; ++i) {
         uint r = row0 + ty * TM + i;
-        if (r >= m) break;
+        if (r >= m_rows) break;
         for (uint j = 0; j < TN; ++j) {
             uint c = col0 + tx * TN + j;
             if (c < n) store_c(base_c + r * n + c, c, acc[i][j]);

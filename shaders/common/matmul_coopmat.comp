@@ -69,7 +69,7 @@ layout(constant_id = 13) const uint SPEC_K = 0;
 // float32 partial sums as C[z] (C a scratch [batch, SPLITS, m, n]); matmul_split_reduce.comp adds them
 // up and applies the epilogue. More workgroups in flight when the tiles of C are too few to fill the GPU.
 layout(constant_id = 14) const uint SPLITS = 1;
-layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, GATE_ROWS or GATE_DEPTH
+layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
 #include "matmul_io.glsl"
 #if !defined(OUT_F32)
 // C seen as uvec4s of 8 raw 16-bit values, for the whole-vector epilogue.
@@ -101,8 +101,9 @@ uint half_bits(bool from_a, uint e) {
     return (word >> ((e & 1) * 16)) & 0xFFFFu;
 }
 
-// The K entries a product reads: K_, or a depth-gated product's count (set by main; zeros past it).
-uint k_limit;
+// The K entries a product reads: K_, or a depth-gated product's count (set by main; zeros past it); and the
+// rows of A and C it has: M_, or a span's count (set by main).
+uint k_limit, m_rows;
 
 // Checked load: 8 halves of row `outer`, columns inner..inner+7, of a dense
 // [outer_n, inner_n] matrix at element `base`; zeros past row outer_end and column inner_end.
@@ -124,8 +125,8 @@ uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
     uint outer = (TRANS_A != 0 ? k0 : row0) + o, inner = (TRANS_A != 0 ? row0 : k0) + i;
     uint inner_n = TRANS_A != 0 ? M_ : K_;
     if (fast) return a_data[(base + outer * inner_n + inner) >> 3];
-    return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, TRANS_A != 0 ? k_limit : M_, inner_n,
-                              TRANS_A != 0 ? M_ : k_limit);
+    return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, TRANS_A != 0 ? k_limit : m_rows, inner_n,
+                              TRANS_A != 0 ? m_rows : k_limit);
 }
 uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
     uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
@@ -143,8 +144,6 @@ void main() {
     const uint threads = gl_WorkGroupSize.x;
     const uint row0 = gl_WorkGroupID.y * BM, col0 = gl_WorkGroupID.x * BN;
     const uint batch = gl_WorkGroupID.z / SPLITS, split = gl_WorkGroupID.z % SPLITS;
-    const uint base_a = off_a + batch * stride_a;
-    const uint base_b = off_b + batch * stride_b;
     const uint k_slice = (K_ + SPLITS * BK - 1) / (SPLITS * BK) * BK;
     const uint k_begin = min(K_, split * k_slice);
     uint k_end = min(K_, k_begin + k_slice);
@@ -152,10 +151,27 @@ void main() {
     if (GATE_MODE == GATE_ROWS && row0 >= gate_count(batch)) k_end = k_begin;
     k_limit = GATE_MODE == GATE_DEPTH ? min(K_, gate_count(batch)) : K_;
     if (GATE_MODE == GATE_DEPTH) k_end = max(k_begin, min(k_end, k_limit));
+    // A span (never split over K): the product's rows, or K entries, of packed matrices.
+    m_rows = M_;
+    uint shift_a = 0, shift_b = 0, shift_c = 0;
+    if (GATE_MODE == GATE_SPAN_ROWS) {
+        m_rows = span_count(batch, M_);
+        if (row0 >= m_rows) return;  // uniform: no row of this block is the span's
+        shift_a = span_start(batch) * K_;
+        shift_c = span_start(batch) * N_;
+    }
+    if (GATE_MODE == GATE_SPAN_DEPTH) {
+        k_limit = span_count(batch, K_);
+        k_end = min(k_end, k_limit);
+        shift_a = span_start(batch) * M_;
+        shift_b = span_start(batch) * N_;
+    }
+    const uint base_a = off_a + batch * stride_a + shift_a;
+    const uint base_b = off_b + batch * stride_b + shift_b;
     const uint sg = gl_SubgroupID;
     const uint sg_row = sg / SG_COLS, sg_col = sg % SG_COLS;
     // Whole-vector loads without checks for K tiles of a workgroup inside C.
-    const bool inside = row0 + BM <= M_ && col0 + BN <= N_;
+    const bool inside = row0 + BM <= m_rows && col0 + BN <= N_;
     const bool vector_tiles = inside && ALIGNED_A != 0 && ALIGNED_B != 0;
 
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[FRAG_M][FRAG_N];
@@ -200,7 +216,7 @@ void main() {
         barrier();
     }
 
-    const uint base_c = off_c + gl_WorkGroupID.z * stride_c;
+    const uint base_c = off_c + gl_WorkGroupID.z * stride_c + shift_c;
 #if defined(OUT_F32)
     // float32 C, whole tile, nothing to add: store the accumulators directly.
     if (inside && HAS_BIAS == 0 && beta == 0.0) {
@@ -247,7 +263,7 @@ void main() {
             uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
             for (uint e = lane; e < 256; e += lanes) {
                 uint r = r0 + e / 16, c = c0 + e % 16;
-                if (r < M_ && c < N_) store_c(base_c + r * N_ + c, c, stage_c[sg * 256 + e]);
+                if (r < m_rows && c < N_) store_c(base_c + r * N_ + c, c, stage_c[sg * 256 + e]);
             }
             subgroupBarrier();
         }

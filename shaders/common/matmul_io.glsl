@@ -50,9 +50,17 @@ layout(binding = 3) readonly buffer Bias { OUT_T bias_data[]; };  // bound to C 
 // are padding, whose results nobody uses, so a block of rows that starts there is not multiplied (it stores
 // the epilogue of a zero product). GATE_DEPTH: the K entries at or past g are left out (not read: the tile
 // kernels stop their K loop there and load zeros past it). The gate is bound to C when unused.
+// Span gates read a pair (start s, count g) = gate_data[gate_off + 2b], [gate_off + 2b + 1] for product b: the
+// product is on g rows (or K entries) from row s of matrices packed for many products (a mixture of experts'
+// token rows, each expert's rows one span). GATE_SPAN_ROWS: C rows s.. s+g-1 = A rows s.. s+g-1 (A not
+// transposed) @ B; no other row of C is written. GATE_SPAN_DEPTH: K entries s.. s+g-1 only, A transposed
+// ([K, M] storage) and B not ([K, N]): the weight gradient of a span-rows product. Not in the small-m kernel,
+// nor split over K (the launcher sees to both).
 #define GATE_NONE 0
 #define GATE_ROWS 1
 #define GATE_DEPTH 2
+#define GATE_SPAN_ROWS 3
+#define GATE_SPAN_DEPTH 4
 layout(binding = 4) readonly buffer Gate { float gate_data[]; };
 
 // Offsets and batch strides are in elements.
@@ -66,6 +74,9 @@ layout(push_constant) uniform Push {
 
 // Product b's gate as a count (uniform over a workgroup).
 uint gate_count(uint b) { return uint(max(gate_data[gate_off + b], 0.0)); }
+// Product b's span gate: its first row (or K entry) and its count, the count cut to what fits in `size`.
+uint span_start(uint b) { return uint(max(gate_data[gate_off + 2 * b], 0.0)); }
+uint span_count(uint b, uint size) { return min(uint(max(gate_data[gate_off + 2 * b + 1], 0.0)), size - min(span_start(b), size)); }
 
 #if !defined(MATMUL_INPUTS_AS_WORDS)
 float load_a(uint i) { return LOAD_IN(a_data[i]); }

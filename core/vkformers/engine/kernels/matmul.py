@@ -23,7 +23,8 @@ from vkformers.engine.kernels import Operand, operand, require_elements
 from vkformers.runtime import dtypes as dt
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-GATE_MODES = {"rows": 1, "depth": 2}  # the kernels' GATE_MODE (matmul_io.glsl)
+GATE_MODES = {"rows": 1, "depth": 2, "span_rows": 3, "span_depth": 4}  # the kernels' GATE_MODE (matmul_io.glsl)
+SPAN_GATES = ("span_rows", "span_depth")
 INPUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -270,7 +271,11 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     blocks of rows that start there (storing the epilogue of a zero product: bias + beta * C), and with a gate
     of 0 reads none of the product's A and B. "depth": the sum over K stops at gate[b] (the weight gradient of
     a rows-gated product, over its live rows); the entries past it are not read (the small-m kernel, which has
-    no depth gate, is not used for these).
+    no depth gate, is not used for these). Span gates hold a pair (start, count) per product, gate[2b] and
+    gate[2b + 1]: "span_rows" (A not transposed) computes C rows start.. start+count-1 from the same rows of A
+    and writes no other row of C; "span_depth" (A transposed, B not) sums K entries start.. start+count-1 only.
+    Products over rows packed for many products (a mixture of experts' tokens, one span per expert); the
+    small-m kernel and split K take no spans.
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -297,7 +302,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         gate = operand(gate)
         if gate.dtype.name != "float32":
             raise TypeError(f"matmul: the gate must be float32, not {gate.dtype.name}")
-        require_elements(gate, batch, "matmul gate")
+        require_elements(gate, 2 * batch if gate_mode in SPAN_GATES else batch, "matmul gate")
     if gate_mode not in GATE_MODES:
         raise ValueError(f"matmul: gate_mode must be one of {', '.join(GATE_MODES)}, not {gate_mode!r}")
     gate_spec = GATE_MODES[gate_mode] if gate is not None else 0
@@ -305,14 +310,20 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         if not 0 <= value < 2**32:
             raise ValueError(f"matmul: offsets and strides must fit in 32 bits, got {value}")
 
+    span = gate is not None and gate_mode in SPAN_GATES
+    if span and (trans_a != (gate_mode == "span_depth") or (gate_mode == "span_depth" and trans_b)):
+        raise ValueError(f"matmul: a {gate_mode} gate needs " + ("A not transposed" if gate_mode == "span_rows"
+                                                                  else "A transposed and B not"))
+    if span and splits not in (None, 1):
+        raise ValueError("matmul: a product with a span gate is not split over K")
     device = seq.device
-    depth_gated = gate is not None and gate_mode == "depth"
+    not_small_m = gate is not None and gate_mode != "rows"  # the small-m kernel has only the rows gate
     if algorithm == "auto":
         algorithm = select_algorithm(device, in_dtype, m, trans_a, trans_b)
-        if depth_gated and algorithm == "small_m":  # it has no depth gate: the tile kernels take these
+        if not_small_m and algorithm == "small_m":  # the tile kernels take these
             algorithm = select_algorithm(device, in_dtype)
-    elif algorithm == "small_m" and depth_gated:
-        raise ValueError("matmul: the small-m kernel has no depth gate")
+    elif algorithm == "small_m" and not_small_m:
+        raise ValueError(f"matmul: the small-m kernel has no {gate_mode} gate")
     elif algorithm == "coopmat" and not coopmat_supported(device, in_dtype):
         raise ValueError(f"matmul: {device.name} has no {in_dtype} cooperative matrix")
     elif algorithm not in ("tiled", "coopmat", "small_m"):
@@ -335,7 +346,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         cfg = coopmat or coopmat_config(device, m, n, batch)
         subgroup = device.limits["subgroup_size"]
         cfg.check(subgroup)
-        splits = splits or (1 if coopmat else split_k(device, cfg, m, n, k, batch))
+        splits = splits or (1 if coopmat or span else split_k(device, cfg, m, n, k, batch))
         # 8 halves are staged at a time; whole-vector loads need the contiguous
         # dimension, the offset and the batch stride to be multiples of 8.
         inner_a, inner_b = (m if trans_a else k), (k if trans_b else n)
