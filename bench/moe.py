@@ -4,8 +4,10 @@ and a training step (forward + backward), each with the experts running only on 
 PyTorch CUDA (eager, its own weights: speed only) where a CUDA GPU is present.
 
 A decode step skips the experts that no token chose (the small-m kernel reads none of their weights); a prefill or
-training step lists each expert's tokens on the GPU and multiplies those rows only, about top_k / num_experts of the
-experts' dense work.
+training step packs the tokens' rows expert after expert into one matrix on the GPU and multiplies each expert's rows
+only, about top_k / num_experts of the experts' dense work ("routed"); "listed" gives each expert its own list of
+tokens instead (vkformers_moe.block.PACK_ROUTED = False), prefill and training only. Also the peak device memory of
+a training step (bytes of live device buffers) in each mode.
 
     python bench/moe.py [--quick] [--dtype bfloat16] [--layers 8] [--new-tokens 32] [--prompt 512] [--json OUT]
 """
@@ -21,6 +23,7 @@ from llama import DECODE_REPEATS, WARM_UP_SECONDS, random_weights, timed
 
 import vkformers as vkf
 from vkformers.engine import lazy
+from vkformers.runtime import vulkan
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers_moe import block as moe_block
 
@@ -29,6 +32,9 @@ MIXTRAL = dict(model_type="mixtral", hidden_size=2048, intermediate_size=5632, n
                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048,
                num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
                tie_word_embeddings=False, hidden_act="silu")
+# (SKIP_UNCHOSEN, PACK_ROUTED): every expert on every token; the tokens' rows of all experts packed into one
+# matrix; one list of tokens per expert ([tokens, hidden] each).
+MODES = {"dense": (False, True), "routed": (True, True), "listed": (True, False)}
 QUICK = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=1000)
 
@@ -46,14 +52,24 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> 
         loss = model(long_prompt, labels=long_prompt).loss
         loss.backward()
         return loss.item()
-    # Two rounds, dense and routed in turn, each figure the faster of its two: the first measure of a process
-    # ran up to 2x slow on the H200 (a probe: the same routed decode 34.8 ms, then 13.2 ms after the dense one).
-    for skip in (False, True, False, True):
-        moe_block.SKIP_UNCHOSEN = skip
+    def train_peak_gib():
+        """Device memory a training step adds to the weights: activations, gradients and the step's scratch (its
+        recorded plan is dropped first, so that the step allocates what it holds)."""
+        for p in params:
+            p.grad = None
+        lazy.clear_plan_cache()
+        before = vulkan.buffer_memory()["live_bytes"]
+        vulkan.reset_peak_buffer_memory()
+        train_step()
+        return (vulkan.buffer_memory()["peak_bytes"] - before) / 2**30
+
+    # Two rounds, the modes in turn, each figure the faster of its two: the first measure of a process ran up to
+    # 2x slow on the H200. Decoding (fewer than COMPACT_MIN_TOKENS tokens) is the same routed or listed.
+    for name in list(MODES) * 2:
+        moe_block.SKIP_UNCHOSEN, moe_block.PACK_ROUTED = MODES[name]
         model.forget_captures()  # the captured steps were recorded with the other mode's graph
-        name = "routed" if skip else "dense"
         speeds = {}
-        for batch in (1, 8):
+        for batch in (1, 8) if name != "listed" else ():
             ids = prompt[:batch]
             generate = lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
             warm_up(generate, WARM_UP_SECONDS)
@@ -66,7 +82,8 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> 
         for measure, speed in speeds.items():
             key = f"{measure}_{name}_tok_s"
             out[key] = max(out.get(key, 0.0), speed)
-    moe_block.SKIP_UNCHOSEN = True
+        out[f"train_{name}_peak_gib"] = train_peak_gib()
+    moe_block.SKIP_UNCHOSEN, moe_block.PACK_ROUTED = MODES["routed"]
     return out
 
 
@@ -137,6 +154,10 @@ def main(argv=None) -> int:
             ref = results["torch"][f"{measure}_tok_s"]
             line += f", transformers eager {ref:9.1f} ({routed / ref:.2f}x)"
         print(line, flush=True)
+    print(f"{args.dtype} one list per expert: prefill {ours['prefill_listed_tok_s']:.1f} tok/s, train "
+          f"{ours['train_listed_tok_s']:.1f} ({ours['train_routed_tok_s'] / ours['train_listed_tok_s']:.2f}x packed "
+          f"/ listed); train step peak memory: packed {ours['train_routed_peak_gib']:.3f} GiB, listed "
+          f"{ours['train_listed_peak_gib']:.3f}, dense {ours['train_dense_peak_gib']:.3f}", flush=True)
     write_results(args.json, results)
     return 0
 

@@ -90,6 +90,60 @@ def test_linear_with_live_rows_matches_numpy_on_the_live_rows():
     np.testing.assert_allclose(tw.grad.numpy(), g.T @ x, rtol=1e-5, atol=1e-5)
 
 
+GROUP_SPANS = [(0, 40), (40, 0), (40, 3), (43, 70)]  # rows 113.. 119 belong to no span
+
+
+@pytest.mark.parametrize("layout", ["list", "list_transposed", "stacked", "stacked_transposed"])
+def test_grouped_matmul_over_packed_spans(layout):
+    """F.grouped_matmul: span e's rows of x times w_e, forward and both gradients against numpy, for weights as E
+    tensors or one stacked [E, k, n], each as stored or a transposed view (a Linear weight's .T). The rows past
+    every span are not written (not compared) and get no gradient; a span of 0 rows changes nothing."""
+    rows, k, n, experts = 120, 6, 5, len(GROUP_SPANS)
+    x = RNG.standard_normal((rows, k)).astype(np.float32)
+    g = RNG.standard_normal((rows, n)).astype(np.float32)
+    covered = np.zeros(rows, bool)
+    for start, count in GROUP_SPANS:
+        covered[start:start + count] = True
+    g[~covered] = 0.0  # nothing reads those rows
+    transposed = layout.endswith("transposed")
+    stored = RNG.standard_normal((experts, n, k) if transposed else (experts, k, n)).astype(np.float32)
+    ws = np.swapaxes(stored, 1, 2) if transposed else stored  # [E, k, n] as used
+    spans = vkf.tensor(np.array(GROUP_SPANS, np.float32))
+    tx = vkf.tensor(x, requires_grad=True)
+    if layout.startswith("stacked"):
+        tw = vkf.tensor(stored, requires_grad=True)
+        weights = tw.transpose(1, 2) if transposed else tw
+        params = [tw]
+    else:
+        params = [vkf.tensor(w, requires_grad=True) for w in stored]
+        weights = [p.transpose(0, 1) if transposed else p for p in params]
+    y = F.grouped_matmul(tx, weights, spans)
+    want = np.zeros((rows, n), np.float64)
+    for e, (start, count) in enumerate(GROUP_SPANS):
+        want[start:start + count] = x[start:start + count] @ ws[e]
+    np.testing.assert_allclose(y.numpy()[covered], want[covered], rtol=1e-5, atol=1e-5)
+    (y * vkf.tensor(g)).sum().backward()
+    gx = np.zeros_like(x, np.float64)
+    gw = np.zeros_like(ws, np.float64)
+    for e, (start, count) in enumerate(GROUP_SPANS):
+        span = slice(start, start + count)
+        gx[span] = g[span] @ ws[e].T
+        gw[e] = x[span].T @ g[span]
+    np.testing.assert_allclose(tx.grad.numpy()[covered], gx[covered], rtol=1e-5, atol=1e-5)
+    gw_stored = np.swapaxes(gw, 1, 2) if transposed else gw
+    got = params[0].grad.numpy() if len(params) == 1 else np.stack([p.grad.numpy() for p in params])
+    np.testing.assert_allclose(got, gw_stored, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_checks_its_operands():
+    x = vkf.tensor(np.zeros((8, 4), np.float32))
+    w = [vkf.tensor(np.zeros((4, 3), np.float32))] * 2
+    with pytest.raises(ValueError, match="spans must be float32"):
+        F.grouped_matmul(x, w, vkf.tensor(np.zeros((3, 2), np.float32)))
+    with pytest.raises(ValueError, match="every weight"):
+        F.grouped_matmul(x, [vkf.tensor(np.zeros((5, 3), np.float32))] * 2, vkf.tensor(np.zeros((2, 2), np.float32)))
+
+
 def test_cross_entropy_with_ignored_labels():
     logits = RNG.standard_normal((2, 3, 7))
     labels = np.array([[1, -100, 6], [0, 2, -100]], np.int32)

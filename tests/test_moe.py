@@ -191,6 +191,34 @@ def test_expert_routes_list_each_experts_tokens_in_order():
     np.testing.assert_array_equal(routes.counts.numpy(), (weights != 0).sum(0))
 
 
+def test_packed_routes_map_packed_rows_tokens_and_choices():
+    """moe_pack.comp against numpy: experts' spans of packed rows (expert after expert, each list in token
+    order), the token, choice and weight of every packed row and the inverse maps; -1 for the rows past the
+    packed ones and the choices a token did not make (rows with fewer than top_k nonzero weights)."""
+    tokens, experts, top_k = 300, 6, 2
+    rng = np.random.default_rng(14)
+    weights = np.zeros((tokens, experts), np.float32)
+    for t in range(tokens):
+        chosen = rng.choice(experts - 1, size=top_k, replace=False)  # expert 5: chosen by no token
+        weights[t, chosen] = rng.random(top_k) + 0.1
+    weights[::7, :] *= (np.arange(experts) == np.argmax(weights[::7], -1)[:, None])  # every 7th token: one choice
+    packed = moe_routes.PackedRoutes.of(vkf.tensor(weights), top_k)
+    rows = tokens * top_k
+    counts = (weights != 0).sum(0)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    np.testing.assert_array_equal(packed.spans.numpy(), np.stack([starts, counts], 1))
+    token_of_row, pair_of_row, flat_of_row = (np.full(rows, -1) for _ in range(3))
+    row_of_pair, row_of_flat = np.full((top_k, tokens), -1), np.full((tokens, experts), -1)
+    for e in range(experts):
+        for s, t in enumerate(np.flatnonzero(weights[:, e])):
+            p, j = starts[e] + s, int((weights[t, :e] != 0).sum())
+            token_of_row[p], pair_of_row[p], flat_of_row[p] = t, j * tokens + t, t * experts + e
+            row_of_pair[j, t], row_of_flat[t, e] = p, p
+    for name, want in (("token_of_row", token_of_row), ("pair_of_row", pair_of_row), ("flat_of_row", flat_of_row),
+                       ("row_of_pair", row_of_pair), ("row_of_flat", row_of_flat)):
+        np.testing.assert_array_equal(getattr(packed, name).numpy(), want, err_msg=name)
+
+
 ROUTED_LAYOUTS = {
     "per_expert": dict(shared="shared_expert", shared_size=3),
     "fused": dict(experts="", fused_experts=("input_linear.weight", "output_linear.weight")),
@@ -204,12 +232,19 @@ ROUTED_LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("layout", ROUTED_LAYOUTS)
-def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout):
-    """A step of COMPACT_MIN_TOKENS or more tokens runs each expert on its list of tokens only; its output and
-    every gradient (input, router, experts) equal the dense block's, where each expert runs on every token."""
+def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout, packed):
+    """A step of COMPACT_MIN_TOKENS or more tokens runs each expert on its tokens only, packed into one matrix
+    (PACK_ROUTED, where the layout allows) or one list per expert; its output and every gradient (input,
+    router, experts) equal the dense block's, where each expert runs on every token."""
     moe = MoeSpec(EXPERTS, 2, INNER, (True,), norm_topk=True, **ROUTED_LAYOUTS[layout])
     block, _ = _block(moe)
+    monkeypatch.setattr(moe_block, "PACK_ROUTED", packed)
+    assert block._packable() == (layout != "fused_biases_clipped")
+    packings = []
+    pack = moe_block.PackedRoutes.of
+    monkeypatch.setattr(moe_block.PackedRoutes, "of", lambda weights, k: packings.append(k) or pack(weights, k))
     params = dict(block.named_parameters())
     x = np.random.default_rng(9).standard_normal((2, 50, HIDDEN)).astype(np.float32)
     assert x.shape[0] * x.shape[1] >= moe_block.COMPACT_MIN_TOKENS
@@ -225,6 +260,7 @@ def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout):
         return out.numpy(), t.grad.numpy(), grads
 
     dense, routed = run(False), run(True)
+    assert packings == ([2] if packed and block._packable() else [])
     np.testing.assert_allclose(routed[0], dense[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(routed[1], dense[1], rtol=1e-4, atol=1e-5)
     assert routed[2].keys() == dense[2].keys()
@@ -297,6 +333,27 @@ def test_lora_adapters_on_routed_experts(monkeypatch):
     np.testing.assert_allclose(routed, dense, rtol=1e-5, atol=1e-5)
     for name in dense_grads:
         np.testing.assert_allclose(routed_grads[name], dense_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _moe_fixtures() -> list[str]:
+    from test_decoder_parity import FIXTURES, fixture_names
+    from vkformers.models.loading import load_config
+    from vkformers.models.plugins import registry
+    return [name for name in fixture_names() if registry().resolve(load_config(FIXTURES / name)).family == "moe"]
+
+
+@pytest.mark.parametrize("name", _moe_fixtures())
+def test_routed_experts_match_transformers(monkeypatch, name):
+    """Every mixture-of-experts fixture with its experts run on the tokens that chose them (packed, or listed
+    where the experts need it) from the first token on: logits and every gradient against transformers, with
+    tests/test_decoder_parity.py's tolerances (its own run keeps the fixtures' 16 tokens in place)."""
+    import test_decoder_parity as parity
+    if parity._unsupported_reason(parity.FIXTURES / name):
+        pytest.skip("not implemented (test_decoder_parity says why)")
+    monkeypatch.setattr(moe_block, "COMPACT_MIN_TOKENS", 1)
+    case = parity.Case(name)  # a run of its own, not the cached one
+    parity.check_logits(name, case)
+    parity.check_gradients(name, case)
 
 
 def test_bad_options_are_refused():

@@ -51,6 +51,14 @@ def matmul(a, b, live_rows=None):
     return batched(a, b, live_rows)
 
 
+def grouped_matmul(x, weights, spans):
+    """x [rows, k] @ w_e over each span e of its rows (spans float32 [E, 2] of start, count; no gradient), for
+    ``weights`` E tensors [k, n] or one [E, k, n]: a mixture of experts over its tokens' rows packed expert by
+    expert, one node for all experts. Rows in no span are left unwritten (engine.ops.matmul.GroupedMatmulFn)."""
+    from vkformers.engine.ops.matmul import grouped_matmul as grouped
+    return grouped(x, weights, spans)
+
+
 def live_rows_where_used(weights):
     """float32 [n] for ``weights`` [..., n] (no gradient): per column, the number of rows (the leading dims'
     product) where some row's entry in that column is nonzero, else 0. The ``live_rows`` of products that run

@@ -12,10 +12,12 @@ SwiGLU outputs; shared experts (optionally gated by sigmoid(linear(x))) are adde
 reach the router only through the chosen scores, as in transformers.
 
 Cost: an expert multiplies only the rows of the tokens that chose it. For a step of at least
-COMPACT_MIN_TOKENS tokens (prefill, training) the block lists each expert's tokens on the GPU
-(routes.py), gathers their rows, runs the expert on the first `count` rows (the matmul kernels skip the
-blocks of rows past it, forward and backward) and puts the outputs back in token order: about top_k /
-num_experts of the dense work. A step of fewer tokens (decoding) keeps the tokens in place and gates
+COMPACT_MIN_TOKENS tokens (prefill, training) the block packs the tokens' rows expert after expert into one
+[tokens x top_k, hidden] matrix (routes.PackedRoutes, on the GPU), each expert a span of it, runs every
+expert's products over its span in one node (F.grouped_matmul, forward and backward) and sums each token's
+rows back: about top_k / num_experts of the dense work, and activations of tokens x top_k rows. Experts that
+the packed path cannot run (a custom ``run``, LoRA adapters, biases) get a list of tokens each instead
+(routes.ExpertRoutes: a [tokens, hidden] buffer per expert, its first `count` rows used). A step of fewer tokens (decoding) keeps the tokens in place and gates
 each expert's products whole: an expert no token chose is skipped, reading none of its weights. Top-k is
 one dispatch of this plugin's kernel (routes.topk_mask), so the whole block stays on the GPU (no read-back),
 autograd gives its backward and captured decode steps replay it.
@@ -31,7 +33,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
-from vkformers_moe.routes import _HIDDEN, ExpertRoutes, topk_mask  # noqa: F401 (re-exported)
+from vkformers_moe.routes import _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask  # noqa: F401
 
 # Run each expert on the tokens that chose it (SparseMoeBlock.forward); False runs every expert on every token,
 # weighted by zero where not chosen (bench/moe.py compares the two in one run).
@@ -40,6 +42,9 @@ SKIP_UNCHOSEN = True
 # only the experts that no token chose are skipped (a decode step of a few tokens: gathering would add two
 # small dispatches per expert and layer, and the rows fit one tile of the kernels anyway).
 COMPACT_MIN_TOKENS = 64
+# Such a step packs all experts' rows into one matrix where the experts allow it (see the module docstring);
+# False gives each expert its own list (tests and bench/moe.py compare the two).
+PACK_ROUTED = True
 
 
 @dataclass(frozen=True)
@@ -309,13 +314,11 @@ class SparseMoeBlock(Module):
 
     # -- forward
 
-    def _batched_experts(self, xs, live_rows=None):
-        """Every expert's SwiGLU of xs [E, tokens, hidden], from stacked [E * I, H] or fused [E, ...] weights.
-        ``live_rows`` [E]: each expert's rows past it are padding (F.matmul)."""
+    def _batched_experts(self, xs, product):
+        """The experts' SwiGLU from stacked [E * I, H] or fused [E, ...] weights: ``product(a, w)`` multiplies by
+        the [E, ., .] weights, xs being [E, tokens, hidden] (F.matmul, batched over the experts) or the packed
+        [rows, hidden] (F.grouped_matmul over the experts' spans)."""
         moe = self.moe
-
-        def product(a, b):
-            return F.matmul(a, b, live_rows)
         if moe.stacked_experts:
             shape = (moe.num_experts, moe.expert_size, self.hidden)
             gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
@@ -349,6 +352,8 @@ class SparseMoeBlock(Module):
         ``run(expert, x, live_rows)``: how to run one module of expert_list (default: the module itself), for
         blocks whose experts differ (DeepSeek-V4's clipped SwiGLU)."""
         tokens = x.shape[0]
+        if SKIP_UNCHOSEN and tokens >= COMPACT_MIN_TOKENS and PACK_ROUTED and run is None and self._packable():
+            return self._packed_experts(x, weights)
         run = run or (lambda expert, rows, live: expert(rows, live))
         if not SKIP_UNCHOSEN:
             return self._dense_experts(x, weights, None, run)
@@ -366,7 +371,7 @@ class SparseMoeBlock(Module):
             per_expert = weights.transpose(0, 1).reshape(moe.num_experts, tokens, 1)
             if moe.scale_inputs:
                 xs = xs * per_expert
-            y = self._batched_experts(xs, live_rows)  # [E, tokens, hidden]
+            y = self._batched_experts(xs, lambda a, w: F.matmul(a, w, live_rows))  # [E, tokens, hidden]
             return (y if moe.scale_inputs else y * per_expert).sum(0)
         out = None
         for e, expert in enumerate(self.expert_list):
@@ -376,13 +381,44 @@ class SparseMoeBlock(Module):
             out = y if out is None else out + y
         return out
 
+    def _packable(self) -> bool:
+        """Whether the packed path runs these experts: plain weights, no biases (per-expert biases would need a
+        gather per row that sums back over rows), no LoRA adapters (their own modules)."""
+        moe = self.moe
+        if moe.fused_bias or moe.num_experts > PACK_MAX_EXPERTS:
+            return False
+        if self.expert_list is None:
+            return True
+        return all(type(p) is Linear and not p.has_bias for expert in self.expert_list
+                   for p in expert.projections) and all(expert.clip is None for expert in self.expert_list)
+
+    def _packed_experts(self, x, weights):
+        """Every expert on its span of the packed rows (PackedRoutes), each token's rows weighted and summed."""
+        moe = self.moe
+        packed = PackedRoutes.of(weights, moe.top_k)
+        rows = packed.gather(x)  # [tokens * top_k, hidden]; rows past the packed ones are zeros
+        scale = packed.gather_weights(weights)  # [tokens * top_k, 1]
+        if moe.scale_inputs:
+            rows = rows * scale
+
+        def product(a, w):
+            return F.grouped_matmul(a, w, packed.spans)
+        if self.expert_list is None:
+            y = self._batched_experts(rows, product)
+        else:
+            gates, ups, downs = ([expert.projections[i].weight.transpose(0, 1) for expert in self.expert_list]
+                                 for i in range(3))
+            y = product(self.act(product(rows, gates)) * product(rows, ups), downs)
+        return packed.combine(y if moe.scale_inputs else y * scale)
+
     def _routed_experts(self, x, weights, routes: ExpertRoutes, run):
         """Each expert on its list of tokens (routes), the outputs put back in token order and weighted."""
         moe = self.moe
         scales = routes.gather_weights(weights) if moe.scale_inputs else None  # [E, tokens, 1], list order
         if self.expert_list is None:
             xs = routes.gather(x)  # [E, tokens, hidden]
-            y = routes.scatter(self._batched_experts(xs * scales if moe.scale_inputs else xs, routes.counts))
+            y = routes.scatter(self._batched_experts(xs * scales if moe.scale_inputs else xs,
+                                                     lambda a, w: F.matmul(a, w, routes.counts)))
             if moe.scale_inputs:
                 return y.sum(0)
             return (y * weights.transpose(0, 1).reshape(moe.num_experts, -1, 1)).sum(0)

@@ -11,6 +11,10 @@ with ``live_rows`` = the list's length (the matmul kernels skip the blocks of ro
 and puts the outputs back in token order (zeros for the tokens that did not choose it). Both moves are gathers
 (F.gather_rows) whose gradient is the opposite gather, so autograd, training and captured replays work as on the
 dense block, and nothing is read back to the host.
+
+``PackedRoutes.of(weights, top_k)`` (``shaders/moe_pack.comp``) packs all experts' rows into one
+[tokens * top_k, width] matrix instead, expert after expert, with each expert's span of rows (F.grouped_matmul):
+activations of tokens x top_k rows in all, where the lists above hold tokens rows per expert.
 """
 from __future__ import annotations
 
@@ -71,8 +75,9 @@ class ExpertRoutesKernel(KernelOp):
 @dataclass(frozen=True)
 class ExpertRoutes:
     """int32 [experts, tokens] maps (-1: none) and float32 [experts] list lengths; ``stacked_*`` count rows of
-    the [experts * tokens] stack of all lists (see moe_routes.comp)."""
+    the [experts * tokens] stack of all lists (see moe_routes.comp); ``routes`` all four maps, [4, experts, tokens]."""
 
+    routes: Tensor
     token_of_slot: Tensor
     slot_of_token: Tensor
     stacked_token_of_slot: Tensor
@@ -87,7 +92,7 @@ class ExpertRoutes:
         routes, counts = node(ExpertRoutesKernel(), [weights.detach().float().lazy],
                               [((4, experts, tokens), dt.int32), ((experts,), dt.float32)])
         maps = Tensor._from_lazy(routes)
-        return cls(maps[0], maps[1], maps[2], maps[3], Tensor._from_lazy(counts))
+        return cls(maps, maps[0], maps[1], maps[2], maps[3], Tensor._from_lazy(counts))
 
     @property
     def experts(self) -> int:
@@ -120,3 +125,63 @@ class ExpertRoutes:
         rows = self.experts * self.tokens
         by_expert = weights.transpose(0, 1).reshape(rows, 1)
         return F.gather_rows(by_expert, self.stacked_token_of_slot, self.stacked_slot_of_token.reshape(rows))
+
+
+class PackRoutesKernel(KernelOp):
+    name = "moe_pack"
+
+    def emit(self, seq, outs, ins):
+        (weights, routes, counts) = ins
+        tokens, experts = weights.shape
+        groups = max(1, -(-tokens // 256))
+        seq.dispatch(seq.device.kernel("moe_pack"), [x.operand.buffer for x in (*ins, *outs)], (groups, 1, 1),
+                     push=[tokens, experts, self.top_k, *(x.operand.offset for x in (*ins, *outs))],
+                     spec=[PACK_MAX_EXPERTS])
+
+
+PACK_MAX_EXPERTS = 1024  # moe_pack.comp's shared array of span starts
+
+
+@dataclass(frozen=True)
+class PackedRoutes:
+    """Each expert's tokens as one span of a packed [tokens * top_k, width] matrix (see moe_pack.comp for the maps).
+    ``spans`` float32 [experts, 2] (start, count) goes to F.grouped_matmul."""
+
+    spans: Tensor
+    token_of_row: Tensor
+    pair_of_row: Tensor
+    row_of_pair: Tensor
+    flat_of_row: Tensor
+    row_of_flat: Tensor
+
+    @classmethod
+    def of(cls, weights, top_k: int) -> "PackedRoutes":
+        """For routing weights [tokens, experts] with at most ``top_k`` nonzeros per row."""
+        tokens, experts = weights.shape
+        if experts > PACK_MAX_EXPERTS:
+            raise ValueError(f"PackedRoutes: at most {PACK_MAX_EXPERTS} experts, got {experts}")
+        lists = ExpertRoutes.of(weights)
+        rows = tokens * top_k
+        w = weights.detach().float()
+        outs = node(PackRoutesKernel(top_k=int(top_k)), [w.lazy, lists.routes.lazy, lists.counts.lazy],
+                    [((experts, 2), dt.float32), ((rows,), dt.int32), ((rows,), dt.int32), ((top_k, tokens), dt.int32),
+                     ((rows,), dt.int32), ((tokens, experts), dt.int32)])
+        return cls(*(Tensor._from_lazy(o) for o in outs))
+
+    @property
+    def tokens(self) -> int:
+        return self.row_of_pair.shape[1]
+
+    def gather(self, x):
+        """x [tokens, width] -> [tokens * top_k, width]: each packed row its token's row (zeros past the packed
+        ones). The gradient sums each token's top_k rows."""
+        return F.gather_rows(x, self.token_of_row, self.row_of_pair)
+
+    def gather_weights(self, weights):
+        """weights [tokens, experts] -> [tokens * top_k, 1]: each packed row's routing weight."""
+        return F.gather_rows(weights.reshape(-1, 1), self.flat_of_row, self.row_of_flat.reshape(-1))
+
+    def combine(self, y):
+        """y [tokens * top_k, width] -> [tokens, width]: the sum of each token's rows."""
+        per_choice = F.gather_rows(y, self.row_of_pair, self.pair_of_row)  # [top_k, tokens, width]
+        return per_choice.sum(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from vkformers.engine.function import Function, KernelOp, contiguous, node
+from vkformers.engine.lazy import LazyBuffer
 from vkformers.engine.kernels import matmul as KM
 
 
@@ -140,3 +141,118 @@ def matmul(a, b, live_rows=None):
     if b.ndim == 1:
         return matmul(a, b.reshape(-1, 1)).reshape(a.shape[:-1])
     return MatmulFn.apply(a, b)
+
+
+# ---------------------------------------------------------------- products over packed rows (mixture of experts)
+
+class SpanProducts(KernelOp):
+    """E products over rows packed span by span (KM.matmul's span gates; spans float32 [E, 2] of (start, count)).
+    mode "span_rows": outs (c [rows, n]); ins (a [rows, k], spans, *bs): c[span e] = a[span e] @ op(b_e) with
+    op(b_e) [k, n] (transposed per ``trans_b``), bs E matrices or one stacked [E, ., .] (batch stride
+    ``stride_b``). mode "span_depth": outs E matrices [m, n] (or one stacked [E, m, n]); ins (a [rows, m], spans,
+    b [rows, n]): out_e = a[span e]^T @ b[span e]."""
+
+    name = "span_products"
+    contiguous_inputs = False  # forward() settled the layouts
+
+    def emit(self, seq, outs, ins):
+        a, spans, *bs = ins
+        experts, stacked = self.experts, self.stacked
+        common = dict(m=self.m, n=self.n, k=self.k, gate_mode=self.mode)
+        if self.mode == "span_rows":
+            (c,) = outs
+            if stacked:
+                KM.matmul(seq, a.operand, bs[0].operand, c.operand, batch=experts, trans_b=self.trans_b[0],
+                          stride_a=0, stride_b=self.stride_b, stride_c=0, gate=spans.operand, **common)
+                return
+            for e, b in enumerate(bs):
+                KM.matmul(seq, a.operand, b.operand, c.operand, trans_b=self.trans_b[e],
+                          gate=KM.Operand(spans.operand.buffer, spans.operand.offset + 2 * e), **common)
+            return
+        (b,) = bs
+        if stacked:
+            KM.matmul(seq, a.operand, b.operand, outs[0].operand, batch=experts, trans_a=True, stride_a=0,
+                      stride_b=0, stride_c=self.m * self.n, gate=spans.operand, **common)
+            return
+        for e, c in enumerate(outs):
+            KM.matmul(seq, a.operand, b.operand, c.operand, trans_a=True,
+                      gate=KM.Operand(spans.operand.buffer, spans.operand.offset + 2 * e), **common)
+
+
+def _check_spans(spans, experts: int) -> LazyBuffer:
+    if spans.dtype.name != "float32" or spans.shape != (experts, 2):
+        raise ValueError(f"grouped_matmul: spans must be float32 [{experts}, 2] (start, count), "
+                         f"got {spans.dtype.name} {spans.shape}")
+    return contiguous(spans)
+
+
+def _span_rows(a, spans, weights, stacked: bool, n: int):
+    """a [rows, k] @ op(w_e) over each span: one node. ``weights``: [k, n] views (or one [E, k, n] view)."""
+    rows, k = a.shape
+    experts = weights[0].shape[0] if stacked else len(weights)
+    layouts = [_matrix_layout(w, (experts,) if stacked else ()) for w in weights]
+    op = SpanProducts(mode="span_rows", m=rows, n=n, k=k, experts=experts, stacked=stacked,
+                      trans_b=tuple(t for _, t, _ in layouts), stride_b=layouts[0][2] if stacked else 0)
+    return node(op, [contiguous(a), spans, *(w for w, _, _ in layouts)], [((rows, n), a.dtype)])[0]
+
+
+def _span_depth(a, b, spans, experts: int, stacked: bool):
+    """a[span e]^T @ b[span e] for a [rows, m], b [rows, n]: E outputs [m, n] (one [E, m, n] when stacked)."""
+    (rows, m), n = a.shape, b.shape[1]
+    op = SpanProducts(mode="span_depth", m=m, n=n, k=rows, experts=experts, stacked=stacked, trans_b=(),
+                      stride_b=0)
+    shapes = [((experts, m, n), a.dtype)] if stacked else [((m, n), a.dtype)] * experts
+    return node(op, [contiguous(a), spans, contiguous(b)], shapes)
+
+
+def _transposed(w, stacked: bool):
+    return w.make_view(w.view.permute((0, 2, 1) if stacked else (1, 0)))
+
+
+class GroupedMatmulFn(Function):
+    """x [rows, k] whose rows are packed span by span (spans float32 [E, 2]: start, count; no gradient) times one
+    weight per span: y[span e] = x[span e] @ w_e, w_e [k, n] (E tensors, or one [E, k, n] when ``stacked``).
+    Rows in no span are left unwritten (whatever the buffer held): only span rows may be read downstream.
+    Backward: the input's gradient over the same spans, each weight's over its span's rows only."""
+
+    def forward(self, x, spans, *weights, stacked=False):
+        experts = weights[0].shape[0] if stacked else len(weights)
+        if any(w.dtype is not x.dtype for w in weights):
+            raise TypeError(f"grouped_matmul: input and weights must share a dtype ({x.dtype.name})")
+        shapes = {w.shape[-2:] for w in weights}
+        if len(x.shape) != 2 or len(shapes) != 1 or next(iter(shapes))[0] != x.shape[1] or (
+                stacked and (len(weights) != 1 or len(weights[0].shape) != 3)):
+            raise ValueError(f"grouped_matmul: x must be [rows, k] and every weight [k, n] (or one [E, k, n]), "
+                             f"got x {x.shape} and weights {sorted(shapes)}")
+        spans = _check_spans(spans, experts)
+        self.saved = (x, spans, tuple(weights))
+        self.stacked, self.experts = stacked, experts
+        return _span_rows(x, spans, weights, stacked, weights[0].shape[-1])
+
+    def backward(self, g):
+        x, spans, weights = self.saved
+        stacked, experts = self.stacked, self.experts
+        g = contiguous(g.lazy)
+        gx = None
+        if self.needs_grad[0]:
+            gx = _span_rows(g, spans, [_transposed(w, stacked) for w in weights], stacked, x.shape[1])
+        gws = [None] * len(weights)
+        if any(self.needs_grad[2:]):
+            # each gradient in its weight's stored orientation (a transposed view's as its transpose)
+            stored_t = _matrix_layout(weights[0], (experts,) if stacked else ())[1]
+            outs = _span_depth(g, x, spans, experts, stacked) if stored_t else _span_depth(x, g, spans, experts,
+                                                                                            stacked)
+            gws = [_transposed(o, stacked) if stored_t else o for o in outs]
+        from vkformers.engine.tensor import Tensor
+        wrap = lambda v: None if v is None else Tensor._from_lazy(v)  # noqa: E731
+        return (wrap(gx), None, *(wrap(w) if need else None for w, need in zip(gws, self.needs_grad[2:])))
+
+
+def grouped_matmul(x, weights, spans):
+    """x [rows, k] @ w_e over span e of its rows (spans float32 [E, 2]: start, count), for ``weights`` a list of E
+    tensors [k, n] or one [E, k, n]. A mixture of experts with its tokens' rows packed expert by expert: each
+    expert multiplies its own rows, one node (E dispatches, or one batched) for all. Rows outside every span
+    are not written."""
+    if isinstance(weights, (list, tuple)):
+        return GroupedMatmulFn.apply(x, spans, *weights)
+    return GroupedMatmulFn.apply(x, spans, weights, stacked=True)
