@@ -307,13 +307,16 @@ def test_experts_output_runs_a_custom_expert_on_the_routed_rows(monkeypatch):
     np.testing.assert_allclose(results[True], results[False], rtol=1e-5, atol=1e-5)
 
 
-def test_lora_adapters_on_routed_experts(monkeypatch):
-    """PEFT-style LoRA on the experts' projections: the adapters run on each expert's routed rows too, and the
-    output and the adapters' gradients equal the dense block's."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_lora_adapters_on_routed_experts(monkeypatch, packed):
+    """PEFT-style LoRA on the experts' projections: the adapters run on each expert's routed rows too (packed
+    spans or per-expert lists), and the output and the adapters' gradients equal the dense block's."""
     from vkformers.training import LoraConfig, apply_lora
     from vkformers.training.lora import LoraLinear
     block, _ = _block(MoeSpec(EXPERTS, 2, INNER, (True,)))
     apply_lora(block, LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj", "down_proj"]))
+    monkeypatch.setattr(moe_block, "PACK_ROUTED", packed)
+    assert block._packable()
     rng = np.random.default_rng(13)
     for _, module in block.named_modules():
         if isinstance(module, LoraLinear):  # B = 0 at init: give the adapters something to add

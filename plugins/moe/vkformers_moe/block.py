@@ -32,6 +32,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
+from vkformers.training.lora import LoraLinear
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
 from vkformers_moe.routes import _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask  # noqa: F401
 
@@ -382,15 +383,37 @@ class SparseMoeBlock(Module):
         return out
 
     def _packable(self) -> bool:
-        """Whether the packed path runs these experts: plain weights, no biases (per-expert biases would need a
-        gather per row that sums back over rows), no LoRA adapters (their own modules)."""
+        """Whether the packed path runs these experts: no biases (per-expert biases would need a gather per row
+        that sums back over rows); per-expert modules all plain or all with like LoRA adapters, projection by
+        projection."""
         moe = self.moe
         if moe.fused_bias or moe.num_experts > PACK_MAX_EXPERTS:
             return False
         if self.expert_list is None:
             return True
-        return all(type(p) is Linear and not p.has_bias for expert in self.expert_list
-                   for p in expert.projections) and all(expert.clip is None for expert in self.expert_list)
+
+        def kind(linear):
+            if linear.has_bias or type(linear) not in (Linear, LoraLinear):
+                return None
+            return (linear.r, linear.scaling, linear.dropout) if type(linear) is LoraLinear else "plain"
+        for i in range(3):
+            kinds = {kind(expert.projections[i]) for expert in self.expert_list}
+            if len(kinds) != 1 or None in kinds:
+                return False
+        return all(expert.clip is None for expert in self.expert_list)
+
+    @staticmethod
+    def _grouped_linear(rows, linears, spans):
+        """Each expert's Linear (linears[e]) on its span of the packed rows, with its LoRA adapter if it has one
+        (LoraLinear.forward over spans)."""
+        y = F.grouped_matmul(rows, [linear.weight.transpose(0, 1) for linear in linears], spans)
+        first = linears[0]
+        if type(first) is not LoraLinear:
+            return y
+        h = F.dropout(rows, first.dropout, training=first.training).float()
+        low = F.grouped_matmul(h, [linear.lora_A.weight.transpose(0, 1) for linear in linears], spans)
+        update = F.grouped_matmul(low, [linear.lora_B.weight.transpose(0, 1) for linear in linears], spans)
+        return y + (update * first.scaling).cast(y.dtype)
 
     def _packed_experts(self, x, weights):
         """Every expert on its span of the packed rows (PackedRoutes), each token's rows weighted and summed."""
@@ -406,9 +429,10 @@ class SparseMoeBlock(Module):
         if self.expert_list is None:
             y = self._batched_experts(rows, product)
         else:
-            gates, ups, downs = ([expert.projections[i].weight.transpose(0, 1) for expert in self.expert_list]
-                                 for i in range(3))
-            y = product(self.act(product(rows, gates)) * product(rows, ups), downs)
+            gates, ups, downs = ([expert.projections[i] for expert in self.expert_list] for i in range(3))
+            hidden = self.act(self._grouped_linear(rows, gates, packed.spans)) * \
+                self._grouped_linear(rows, ups, packed.spans)
+            y = self._grouped_linear(hidden, downs, packed.spans)
         return packed.combine(y if moe.scale_inputs else y * scale)
 
     def _routed_experts(self, x, weights, routes: ExpertRoutes, run):
