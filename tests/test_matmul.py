@@ -563,6 +563,48 @@ def test_span_depth_gate_sums_each_products_k_entries(device, algorithm, options
         check(got[z], a[span].T @ b[span] + bias + 0.5 * c0[z], "float32")
 
 
+WHOLE_TILE_SPANS = [(0, 0), (0, 260), (260, 3), (263, 300), (563, 30)]  # blocks wholly inside a span, and ragged
+
+
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("algorithm", ["coopmat", "tiled"])
+def test_span_gates_on_whole_tiles(device, algorithm, out_dtype):
+    """Span products whose blocks lie wholly inside a span (the coopmat kernel's unchecked loads and direct
+    epilogues: C written 8 16-bit values or a 16x16 float32 fragment at a time) beside ragged ones, at span
+    starts that are not multiples of a tile: span_rows, then span_depth over the same spans."""
+    in_dtype = "bfloat16" if out_dtype == "bfloat16" else "float16"
+    if _no_coopmat(device, in_dtype, algorithm):
+        return
+    rows, k, n = 600, 128, 256
+    experts = len(WHOLE_TILE_SPANS)
+    rng = np.random.default_rng(7)
+    a = rounded(rng.standard_normal((rows, k)), in_dtype)
+    b = rounded(rng.standard_normal((experts, k, n)), in_dtype)
+    gate = Operand(device.upload(np.array([7.0, *np.ravel(WHOLE_TILE_SPANS)], np.float32)), 1)
+    ops = [upload(device, x, d) for x, d in ((a, in_dtype), (b, in_dtype), (np.zeros((rows, n)), out_dtype))]
+    seq = device.sequence()
+    matmul(seq, *ops, m=rows, n=n, k=k, batch=experts, stride_a=0, stride_b=k * n, stride_c=0, alpha=0.5,
+           algorithm=algorithm, gate=gate, gate_mode="span_rows")
+    seq.replay()
+    got = from_storage(ops[2].buffer.read().reshape(-1), out_dtype)[: rows * n].reshape(rows, n)
+    for z, (start, count) in enumerate(WHOLE_TILE_SPANS):
+        span = slice(start, start + count)
+        if count:
+            check(got[span].astype(np.float64), 0.5 * (a[span] @ b[z]), out_dtype)
+    np.testing.assert_array_equal(got[593:], 0.0)  # rows in no span
+    # span_depth: the weight gradient's shape, [k, n] per expert = a[span]^T @ c[span], in whole tiles
+    c = rounded(rng.standard_normal((rows, n)), in_dtype)
+    ops = [upload(device, x, d) for x, d in ((a, in_dtype), (c, in_dtype), (np.zeros((experts, k, n)), out_dtype))]
+    seq = device.sequence()
+    matmul(seq, *ops, m=k, n=n, k=rows, batch=experts, trans_a=True, stride_a=0, stride_b=0, stride_c=k * n,
+           algorithm=algorithm, gate=gate, gate_mode="span_depth")
+    seq.replay()
+    got = from_storage(ops[2].buffer.read().reshape(-1), out_dtype)[: experts * k * n].reshape(experts, k, n)
+    for z, (start, count) in enumerate(WHOLE_TILE_SPANS):
+        span = slice(start, start + count)
+        check(got[z].astype(np.float64), a[span].T @ c[span], out_dtype)
+
+
 def test_span_gates_are_checked(device):
     a = device.upload(np.zeros((8, 8), np.float32))
     gate = device.upload(np.zeros(2, np.float32))

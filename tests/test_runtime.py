@@ -49,6 +49,28 @@ def test_independent_dispatches_share_a_barrier_slot(device):
     np.testing.assert_array_equal(ys[1].read(), 4 * np.arange(1024, dtype=np.uint32))
 
 
+def test_a_write_group_gets_no_barrier_between_its_dispatches(device):
+    """Dispatches given one write_group (each writing its own part of a shared output: a mixture of experts'
+    products over their rows) get no barrier between them; a dispatch outside the group that reads or writes
+    that output does, and so does a group member after an outside write. (Recorded only: these axpby
+    dispatches do not keep the group's promise of disjoint writes.)"""
+    axpby = device.kernel("axpby", "u32")
+    xs = [device.upload(np.full(1024, i, np.uint32)) for i in range(3)]
+    y, z = device.upload(np.zeros(1024, np.uint32)), device.upload(np.zeros(1024, np.uint32))
+    group = object()
+
+    def members(seq):
+        for x in xs:
+            seq.dispatch(axpby, [x, y], (4,), [1024, 1, 1], write_group=group)
+        return seq
+    assert members(device.sequence()).record().num_barriers == 0
+    seq = members(device.sequence())
+    seq.dispatch(axpby, [y, z], (4,), [1024, 1, 0])  # reads the group's output: a barrier
+    seq.dispatch(axpby, [xs[0], y], (4,), [1024, 1, 1])  # WAR on y by an op outside the group: another
+    seq.dispatch(axpby, [xs[1], y], (4,), [1024, 1, 1], write_group=group)  # WAW after an outside write: another
+    assert seq.record().num_barriers == 3
+
+
 def test_float_push_constants(device):
     axpby = device.kernel("axpby", "f32")
     x0 = np.linspace(-4, 4, 1000, dtype=np.float32)

@@ -218,8 +218,9 @@ void main() {
 
     const uint base_c = off_c + gl_WorkGroupID.z * stride_c + shift_c;
 #if defined(OUT_F32)
-    // float32 C, whole tile, nothing to add: store the accumulators directly.
-    if (inside && HAS_BIAS == 0 && beta == 0.0) {
+    // float32 C, whole tile, nothing to add: store the accumulators directly (coopMatStore needs a 16-byte
+    // aligned start and stride: N_ and base_c multiples of 4 floats).
+    if (inside && HAS_BIAS == 0 && beta == 0.0 && N_ % 4 == 0 && base_c % 4 == 0) {
         [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
             [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
                 uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;

@@ -384,6 +384,7 @@ class _Op:
     writes: tuple
     make: object  # () -> kp op
     kind: str = "dispatch"
+    group: object = None  # Sequence.dispatch's write_group
 
 
 @dataclass
@@ -410,8 +411,13 @@ class Sequence:
 
     # -- building
 
-    def dispatch(self, kernel: Kernel, buffers: Seq[Buffer], groups, push: Seq = (), spec: Seq = ()) -> "Sequence":
-        """Run ``kernel`` over ``groups`` workgroups with ``buffers`` bound to bindings 0..n-1."""
+    def dispatch(self, kernel: Kernel, buffers: Seq[Buffer], groups, push: Seq = (), spec: Seq = (),
+                 write_group=None) -> "Sequence":
+        """Run ``kernel`` over ``groups`` workgroups with ``buffers`` bound to bindings 0..n-1.
+
+        ``write_group`` (any object): dispatches given the same one write disjoint parts of the buffers they share
+        and read nothing another of them writes (a mixture of experts' products, each into its own rows of one
+        output), so no barrier is put between them: they may run at the same time on a GPU."""
         iface = kernel.interface
         buffers = tuple(buffers)
         if len(buffers) != len(iface.bindings):
@@ -444,7 +450,8 @@ class Sequence:
             algo = self.device._pipeline(kernel, buffers, groups, spec, len(push_words))
             return kp.OpAlgoDispatch(algo, push_words)
 
-        self._add(_Op(f"{kernel.name}.{kernel.variant}" if kernel.variant else kernel.name, reads, writes, make))
+        self._add(_Op(f"{kernel.name}.{kernel.variant}" if kernel.variant else kernel.name, reads, writes, make,
+                      group=write_group))
         return self
 
     def copy(self, src: Buffer, dst: Buffer, nbytes: int | None = None, src_offset: int = 0, dst_offset: int = 0):
@@ -510,8 +517,9 @@ class Sequence:
         if self._seq is not None:
             return self
         kp_ops, labels = [], []
-        written: set[int] = set()
-        touched: set[int] = set()
+        # since the last barrier: buffer id -> the write groups (None: no group) of the ops that wrote / used it
+        written: dict[int, set] = {}
+        touched: dict[int, set] = {}
         # A leading barrier orders this replay after earlier submits (which may still
         # be running after submit()), and gives an empty sequence something to run.
         kp_ops.append(kp.OpGlobalBarrier())
@@ -519,15 +527,21 @@ class Sequence:
         for op in self._ops:
             reads = {id(b) for b in op.reads}
             writes = {id(b) for b in op.writes}
-            needed = (reads & written) or (writes & (written | touched))
+            # RAW, WAR and WAW hazards since the last barrier, except among ops of one write group (whose
+            # bindings may name a buffer the group writes without reading what another member wrote)
+            same = {op.group} if op.group is not None else set()
+            needed = any(written.get(i, set()) - same for i in reads) or any(
+                (written.get(i, set()) | touched.get(i, set())) - same for i in writes)
             if self.barriers == "always" or (self.barriers == "tracked" and needed):
                 kp_ops.append(kp.OpGlobalBarrier())
                 labels.append("barrier")
-                written, touched = set(), set()
+                written, touched = {}, {}
             kp_ops.append(op.make())
             labels.append(op.label)
-            written |= writes
-            touched |= reads | writes
+            for i in writes:
+                written.setdefault(i, set()).add(op.group)
+            for i in reads | writes:
+                touched.setdefault(i, set()).add(op.group)
         seq = self.device._manager.sequence(0, len(kp_ops) if self.timestamps else 0)
         for kp_op in kp_ops:
             seq.record(kp_op)

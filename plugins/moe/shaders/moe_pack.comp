@@ -8,7 +8,8 @@
 //                t's j-th chosen expert, in expert order); flat_of_row [rows]: its weight t * experts + e
 //   row_of_pair  int32 [top_k, tokens] and row_of_flat [tokens, experts]: the inverse maps
 // -1 wherever nothing maps (rows past the packed ones, fewer than top_k choices, experts not chosen). A row of
-// weights must hold at most top_k nonzeros (the top-k choice's); any beyond are left out of every map.
+// weights must hold at most top_k nonzeros (the top-k choice's): the counts include any beyond, which would
+// push later experts' rows past tokens * top_k (left out of every map, never written out of bounds).
 // One invocation per token; every workgroup sums the counts into span starts in shared memory.
 #version 450
 layout(local_size_x = 256) in;

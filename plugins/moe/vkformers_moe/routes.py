@@ -156,10 +156,12 @@ class PackedRoutes:
 
     @classmethod
     def of(cls, weights, top_k: int) -> "PackedRoutes":
-        """For routing weights [tokens, experts] with at most ``top_k`` nonzeros per row."""
+        """For routing weights [tokens, experts] with at most ``top_k`` nonzeros per row (a top-k choice's)."""
         tokens, experts = weights.shape
         if experts > PACK_MAX_EXPERTS:
             raise ValueError(f"PackedRoutes: at most {PACK_MAX_EXPERTS} experts, got {experts}")
+        if tokens * top_k > 2**24:  # spans are float32 (the matmul gates): exact row numbers up to 2^24
+            raise ValueError(f"PackedRoutes: {tokens} tokens x top {top_k} exceed 2^24 packed rows; split the batch")
         lists = ExpertRoutes.of(weights)
         rows = tokens * top_k
         w = weights.detach().float()

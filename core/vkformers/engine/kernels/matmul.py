@@ -254,7 +254,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
            alpha: float = 1.0, beta: float = 0.0, algorithm: str = "auto",
            tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None,
            small_m: SmallMConfig | None = None, splits: int | None = None, gate: Operand | None = None,
-           gate_mode: str = "rows") -> None:
+           gate_mode: str = "rows", write_group=None) -> None:
     """Record ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]`` for b < batch into ``seq``.
 
     A is [m, k] ([k, m] when ``trans_a``), B is [k, n] ([n, k] when ``trans_b``),
@@ -275,7 +275,8 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     gate[2b + 1]: "span_rows" (A not transposed) computes C rows start.. start+count-1 from the same rows of A
     and writes no other row of C; "span_depth" (A transposed, B not) sums K entries start.. start+count-1 only.
     Products over rows packed for many products (a mixture of experts' tokens, one span per expert); the
-    small-m kernel and split K take no spans.
+    small-m kernel and split K take no spans. ``write_group``: Sequence.dispatch's (span-rows products into one
+    C, each writing its own rows, need no barrier between them).
     """
     a, b, c = operand(a), operand(b), operand(c)
     bias = operand(bias) if bias is not None else None
@@ -358,7 +359,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
                 *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits, gate_spec]
         groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch * splits)
         if not split:
-            seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec)
+            seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec, write_group=write_group)
             return
         # Split K: float32 partial products per slice into a scratch buffer, then one pass adds them up.
         partials = device.buffer(batch * splits * m * n, "float32", name="matmul split-k partials")
@@ -377,7 +378,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
     cfg = tiled or tiled_config(device, m, n)
     spec = [cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, *flags, cfg.threads, gate_spec]
     groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
-    seq.dispatch(device.kernel("matmul", variant), buffers, groups, push, spec)
+    seq.dispatch(device.kernel("matmul", variant), buffers, groups, push, spec, write_group=write_group)
 
 
 def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, trans_b, has_bias,

@@ -165,9 +165,11 @@ class SpanProducts(KernelOp):
                 KM.matmul(seq, a.operand, bs[0].operand, c.operand, batch=experts, trans_b=self.trans_b[0],
                           stride_a=0, stride_b=self.stride_b, stride_c=0, gate=spans.operand, **common)
                 return
+            together = object()  # disjoint spans of c: no barrier between the experts' products
             for e, b in enumerate(bs):
                 KM.matmul(seq, a.operand, b.operand, c.operand, trans_b=self.trans_b[e],
-                          gate=KM.Operand(spans.operand.buffer, spans.operand.offset + 2 * e), **common)
+                          gate=KM.Operand(spans.operand.buffer, spans.operand.offset + 2 * e), write_group=together,
+                          **common)
             return
         (b,) = bs
         if stacked:
@@ -212,7 +214,8 @@ def _transposed(w, stacked: bool):
 class GroupedMatmulFn(Function):
     """x [rows, k] whose rows are packed span by span (spans float32 [E, 2]: start, count; no gradient) times one
     weight per span: y[span e] = x[span e] @ w_e, w_e [k, n] (E tensors, or one [E, k, n] when ``stacked``).
-    Rows in no span are left unwritten (whatever the buffer held): only span rows may be read downstream.
+    Spans must not overlap (the experts' products run concurrently). Rows in no span are left unwritten
+    (whatever the buffer held): only span rows may be read downstream.
     Backward: the input's gradient over the same spans, each weight's over its span's rows only."""
 
     def forward(self, x, spans, *weights, stacked=False):
