@@ -158,7 +158,10 @@ class SpanProducts(KernelOp):
     def emit(self, seq, outs, ins):
         a, spans, *bs = ins
         experts, stacked = self.experts, self.stacked
-        common = dict(m=self.m, n=self.n, k=self.k, gate_mode=self.mode)
+        # Cooperative-matrix tiles sized for a span of average length (the product's m counts every packed row).
+        rows_per_span = max(1, -(-self.m // experts)) if self.mode == "span_rows" else self.m
+        common = dict(m=self.m, n=self.n, k=self.k, gate_mode=self.mode,
+                      coopmat=KM.coopmat_config(seq.device, rows_per_span, self.n, experts))
         if self.mode == "span_rows":
             (c,) = outs
             if stacked:
