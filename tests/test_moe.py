@@ -12,8 +12,8 @@ import vkformers as vkf  # noqa: E402
 from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
 from vkformers_moe import block as moe_block  # noqa: E402
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask  # noqa: E402
-from vkformers_moe import routes as moe_routes  # noqa: E402
-from vkformers_moe.routes import ExpertRoutes  # noqa: E402
+from vkformers.engine.ops import routing as moe_routes  # noqa: E402
+from vkformers.engine.ops.routing import ExpertRoutes  # noqa: E402
 
 HIDDEN, EXPERTS, INNER, TOKENS = 8, 6, 5, 7
 

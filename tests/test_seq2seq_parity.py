@@ -66,7 +66,10 @@ class Case(CachedCase):
 
 @pytest.mark.parametrize("name", fixture_names())
 def test_logits(name):
-    case = Case.get(name)
+    check_logits(name, Case.get(name))
+
+
+def check_logits(name: str, case: Case) -> None:
     error = np.abs(case.logits - case.ref["logits"]).max()
     assert error <= LOGITS_ATOL, f"{name}: logits differ by {error:.3g}"
 
@@ -89,7 +92,10 @@ def trainable_reference_names(case: Case) -> list[str]:
 
 @pytest.mark.parametrize("name", fixture_names())
 def test_gradients(name):
-    case = Case.get(name)
+    check_gradients(name, Case.get(name))
+
+
+def check_gradients(name: str, case: Case) -> None:
     names = trainable_reference_names(case)
     assert sorted(names) == sorted(case.params), (
         f"{name}: parameters differ from transformers': only ours {sorted(set(case.params) - set(names))}, "
@@ -201,6 +207,22 @@ def test_bfloat16_forward_runs_close_to_float32():
     assert out.logits.dtype.name == "bfloat16"
     assert np.abs(out.logits.numpy() - ref["logits"]).max() < 0.25
     assert abs(out.loss.item() - float(ref["loss"])) < 0.02
+
+
+def test_switch_packed_experts_match_transformers(monkeypatch):
+    """Switch Transformers with every call's tokens packed expert by expert (PACK_MIN_TOKENS lowered to 1, as an
+    encoder of 64 tokens or more runs): logits and every gradient against transformers, with the tolerances of
+    test_logits and test_gradients (whose own run keeps the fixture's 16 tokens in place)."""
+    pytest.importorskip("vkformers_t5")
+    import vkformers_t5.seq2seq as seq2seq
+    monkeypatch.setattr(seq2seq, "PACK_MIN_TOKENS", 1)
+    packings = []
+    pack = seq2seq.PackedRoutes.of
+    monkeypatch.setattr(seq2seq.PackedRoutes, "of", lambda weights, k: packings.append(k) or pack(weights, k))
+    case = Case("switch_transformers")  # a run of its own, not the cached one
+    assert packings, "the packed path did not run"
+    check_logits("switch_transformers", case)
+    check_gradients("switch_transformers", case)
 
 
 def test_switch_skips_the_experts_no_token_chose():

@@ -20,6 +20,33 @@ class Linear(Module):
         return F.linear(x, self.weight, self.bias if self.has_bias else None, live_rows=live_rows)
 
 
+def linears_can_be_grouped(linears) -> bool:
+    """Whether :func:`grouped_linear` runs these Linear layers (a mixture's experts' projections): no biases, and
+    all plain or all with like LoRA adapters (same rank, scaling and dropout)."""
+    def kind(linear):
+        if not isinstance(linear, Linear) or linear.has_bias:
+            return None
+        if hasattr(linear, "lora_A"):  # training.lora.LoraLinear (models do not import training)
+            return "lora", linear.r, linear.scaling, linear.dropout
+        return "plain" if type(linear) is Linear else None
+    kinds = {kind(linear) for linear in linears}
+    return len(kinds) == 1 and None not in kinds
+
+
+def grouped_linear(rows, linears, spans):
+    """linears[e] on span e of ``rows`` (F.grouped_matmul: a mixture of experts' token rows packed expert after
+    expert), with each layer's LoRA adapter where it has one (as LoraLinear.forward; see
+    :func:`linears_can_be_grouped`)."""
+    y = F.grouped_matmul(rows, [linear.weight.transpose(0, 1) for linear in linears], spans)
+    first = linears[0]
+    if not hasattr(first, "lora_A"):
+        return y
+    h = F.dropout(rows, first.dropout, training=first.training).float()
+    low = F.grouped_matmul(h, [linear.lora_A.weight.transpose(0, 1) for linear in linears], spans)
+    update = F.grouped_matmul(low, [linear.lora_B.weight.transpose(0, 1) for linear in linears], spans)
+    return y + (update * first.scaling).cast(y.dtype)
+
+
 class Conv1D(Module):
     """GPT-2's projection: y = x @ weight + bias with weight stored [in_features, out_features] (the transpose
     of Linear's), kept in that layout so checkpoints load and save unchanged."""

@@ -13,13 +13,13 @@ reach the router only through the chosen scores, as in transformers.
 
 Cost: an expert multiplies only the rows of the tokens that chose it. For a step of at least
 COMPACT_MIN_TOKENS tokens (prefill, training) the block packs the tokens' rows expert after expert into one
-[tokens x top_k, hidden] matrix (routes.PackedRoutes, on the GPU), each expert a span of it, runs every
+[tokens x top_k, hidden] matrix (engine.ops.routing.PackedRoutes, on the GPU), each expert a span of it, runs every
 expert's products over its span in one node (F.grouped_matmul, forward and backward) and sums each token's
 rows back: about top_k / num_experts of the dense work, and activations of tokens x top_k rows. Experts that
 the packed path cannot run (a custom ``run``, LoRA adapters, biases) get a list of tokens each instead
-(routes.ExpertRoutes: a [tokens, hidden] buffer per expert, its first `count` rows used). A step of fewer tokens (decoding) keeps the tokens in place and gates
+(ExpertRoutes: a [tokens, hidden] buffer per expert, its first `count` rows used). A step of fewer tokens (decoding) keeps the tokens in place and gates
 each expert's products whole: an expert no token chose is skipped, reading none of its weights. Top-k is
-one dispatch of this plugin's kernel (routes.topk_mask), so the whole block stays on the GPU (no read-back),
+one dispatch (vkformers.engine.ops.routing.topk_mask), so the whole block stays on the GPU (no read-back),
 autograd gives its backward and captured decode steps replay it.
 """
 from __future__ import annotations
@@ -30,11 +30,10 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
-from vkformers.models.layers import Linear
+from vkformers.engine.ops.routing import _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask  # noqa: F401
+from vkformers.models.layers import Linear, grouped_linear, linears_can_be_grouped
 from vkformers.models.module import Module
-from vkformers.training.lora import LoraLinear
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
-from vkformers_moe.routes import _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask  # noqa: F401
 
 # Run each expert on the tokens that chose it (SparseMoeBlock.forward); False runs every expert on every token,
 # weighted by zero where not chosen (bench/moe.py compares the two in one run).
@@ -384,36 +383,14 @@ class SparseMoeBlock(Module):
 
     def _packable(self) -> bool:
         """Whether the packed path runs these experts: no biases (per-expert biases would need a gather per row
-        that sums back over rows); per-expert modules all plain or all with like LoRA adapters, projection by
-        projection."""
+        that sums back over rows); per-expert modules grouped_linear can run, projection by projection."""
         moe = self.moe
         if moe.fused_bias or moe.num_experts > PACK_MAX_EXPERTS:
             return False
         if self.expert_list is None:
             return True
-
-        def kind(linear):
-            if linear.has_bias or type(linear) not in (Linear, LoraLinear):
-                return None
-            return (linear.r, linear.scaling, linear.dropout) if type(linear) is LoraLinear else "plain"
-        for i in range(3):
-            kinds = {kind(expert.projections[i]) for expert in self.expert_list}
-            if len(kinds) != 1 or None in kinds:
-                return False
-        return all(expert.clip is None for expert in self.expert_list)
-
-    @staticmethod
-    def _grouped_linear(rows, linears, spans):
-        """Each expert's Linear (linears[e]) on its span of the packed rows, with its LoRA adapter if it has one
-        (LoraLinear.forward over spans)."""
-        y = F.grouped_matmul(rows, [linear.weight.transpose(0, 1) for linear in linears], spans)
-        first = linears[0]
-        if type(first) is not LoraLinear:
-            return y
-        h = F.dropout(rows, first.dropout, training=first.training).float()
-        low = F.grouped_matmul(h, [linear.lora_A.weight.transpose(0, 1) for linear in linears], spans)
-        update = F.grouped_matmul(low, [linear.lora_B.weight.transpose(0, 1) for linear in linears], spans)
-        return y + (update * first.scaling).cast(y.dtype)
+        return all(linears_can_be_grouped([expert.projections[i] for expert in self.expert_list]) for i in range(3)) \
+            and all(expert.clip is None for expert in self.expert_list)
 
     def _packed_experts(self, x, weights):
         """Every expert on its span of the packed rows (PackedRoutes), each token's rows weighted and summed."""
@@ -430,9 +407,8 @@ class SparseMoeBlock(Module):
             y = self._batched_experts(rows, product)
         else:
             gates, ups, downs = ([expert.projections[i] for expert in self.expert_list] for i in range(3))
-            hidden = self.act(self._grouped_linear(rows, gates, packed.spans)) * \
-                self._grouped_linear(rows, ups, packed.spans)
-            y = self._grouped_linear(hidden, downs, packed.spans)
+            hidden = self.act(grouped_linear(rows, gates, packed.spans)) * grouped_linear(rows, ups, packed.spans)
+            y = grouped_linear(hidden, downs, packed.spans)
         return packed.combine(y if moe.scale_inputs else y * scale)
 
     def _routed_experts(self, x, weights, routes: ExpertRoutes, run):

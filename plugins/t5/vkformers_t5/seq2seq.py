@@ -24,12 +24,14 @@ from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
 from vkformers.engine.lazy import realize
 from vkformers.engine.ops.cache import write_kv
+from vkformers.engine.ops.routing import PackedRoutes, topk_mask
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor, tensor
 from vkformers.errors import VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.generation import sampling_probabilities
-from vkformers.models.layers import Embedding, LayerNorm, Linear, ModuleList, RMSNorm
+from vkformers.models.layers import (Embedding, LayerNorm, Linear, ModuleList, RMSNorm, grouped_linear,
+                                     linears_can_be_grouped)
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
@@ -169,6 +171,9 @@ def _repeat_heads(t, heads: int):
 
 # ---------------------------------------------------------------- Switch Transformers' sparse feed-forward
 
+PACK_MIN_TOKENS = 64  # from this many tokens a call packs each expert's tokens (SwitchMoE); fewer stay in place
+
+
 class SwitchMoE(Module):
     """Top-1 mixture of relu experts (mlp.router.classifier, mlp.experts.expert_<e>.wi/wo), composed from
     engine ops so that autograd gives the backward and cached decode steps replay.
@@ -177,9 +182,11 @@ class SwitchMoE(Module):
     per sequence (one forward call), an expert keeps the first expert_capacity tokens that chose it (a
     running count: the chosen one-hot times an upper-triangular ones matrix); a kept token's output is its
     expert's output times that probability, a dropped token's is zero. Gradients reach the router through the
-    chosen probability only, as in transformers. Every expert runs on every token, except that an expert no
-    token of the call chose is skipped (its products get no live rows, F.linear): a decoding step of one token
-    per row reads the weights of as many experts as there are rows, not all of them."""
+    chosen probability only, as in transformers. A call of PACK_MIN_TOKENS tokens or more (the encoder, a
+    training batch) packs each expert's tokens into its span of one matrix (engine.ops.routing.PackedRoutes,
+    F.grouped_matmul), so every expert runs on its tokens only; a shorter one (decoding) runs every expert on
+    every token, except that an expert no token of the call chose is skipped (its products get no live rows,
+    F.linear): a decoding step of one token per row reads the weights of as many experts as there are rows."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
         super().__init__()
@@ -195,13 +202,20 @@ class SwitchMoE(Module):
     def forward(self, h):
         probs = self.router(h.float()).softmax(-1)                       # [B, T, E]
         chosen = probs.detach()
-        onehot = F.where(chosen >= chosen.max(-1, keepdim=True), 1.0, 0.0)
+        onehot = F.where(topk_mask(chosen, 1), 1.0, 0.0)                 # argmax's: a tie goes to the lower index
         length = h.shape[1]
         if self.capacity < length:  # running count of the tokens that chose each expert, in sequence order
             upper = tensor(np.triu(np.ones((length, length), np.float32)))
             count = (onehot.permute(0, 2, 1) @ upper).permute(0, 2, 1)   # [B, T, E]
             onehot = onehot * F.where(count <= float(self.capacity), 1.0, 0.0)
         weight = (probs * onehot).cast(h.dtype)                          # nonzero only at a kept choice
+        tokens = h.shape[0] * length
+        ups, downs = ([expert[i] for expert in self.experts] for i in (0, 1))
+        if tokens >= PACK_MIN_TOKENS and linears_can_be_grouped(ups) and linears_can_be_grouped(downs):
+            x, weights = h.reshape(tokens, -1), weight.reshape(tokens, -1)
+            packed = PackedRoutes.of(weights, 1)
+            y = grouped_linear(self.act(grouped_linear(packed.gather(x), ups, packed.spans)), downs, packed.spans)
+            return packed.combine(y * packed.gather_weights(weights)).reshape(h.shape)
         live = F.live_rows_where_used(weight)                            # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):

@@ -1,10 +1,10 @@
-"""Routing on the GPU: the top-k choice, and each expert's list of the tokens that chose it, so that an expert
-multiplies those rows only.
+"""Mixture-of-experts routing on the GPU: the top-k choice, and each expert's tokens, so that an expert multiplies
+those rows only (vkformers-moe's sparse block, and Switch Transformers in vkformers-t5).
 
-``topk_mask(values, k)`` marks the k largest entries of each row with this plugin's kernel
-(``shaders/moe_topk.comp``): one dispatch where k rounds of max and masking took four each.
+``topk_mask(values, k)`` marks the k largest entries of each row with ``shaders/common/moe_topk.comp``: one
+dispatch where k rounds of max and masking took four each.
 
-``ExpertRoutes.of(weights)`` runs this plugin's kernel (``shaders/moe_routes.comp``) on the routing weights
+``ExpertRoutes.of(weights)`` runs ``shaders/common/moe_routes.comp`` on the routing weights
 [tokens, experts] (zero where a token did not choose an expert). The block then gathers each list's rows of the
 input (row s of expert e is token ``token_of_slot[e, s]``; the rows past the list are zeros), runs the expert
 with ``live_rows`` = the list's length (the matmul kernels skip the blocks of rows past it, forward and backward),
@@ -12,7 +12,7 @@ and puts the outputs back in token order (zeros for the tokens that did not choo
 (F.gather_rows) whose gradient is the opposite gather, so autograd, training and captured replays work as on the
 dense block, and nothing is read back to the host.
 
-``PackedRoutes.of(weights, top_k)`` (``shaders/moe_pack.comp``) packs all experts' rows into one
+``PackedRoutes.of(weights, top_k)`` (``shaders/common/moe_pack.comp``) packs all experts' rows into one
 [tokens * top_k, width] matrix instead, expert after expert, with each expert's span of rows (F.grouped_matmul):
 activations of tokens x top_k rows in all, where the lists above hold tokens rows per expert.
 """
