@@ -10,6 +10,7 @@ tokens instead (vkformers_moe.block.PACK_ROUTED = False), prefill and training o
 a training step (bytes of live device buffers) in each mode.
 
     python bench/moe.py [--quick] [--dtype bfloat16] [--layers 8] [--new-tokens 32] [--prompt 512] [--json OUT]
+                        [--experts 8] [--top-k 2] [--expert-size 5632]
 """
 from __future__ import annotations
 
@@ -126,11 +127,19 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, help="decoder layers (default 8, --quick 2)")
     parser.add_argument("--new-tokens", type=int, help="tokens per generate call (default 32, --quick 8)")
     parser.add_argument("--prompt", type=int, help="prefill and training tokens (default 512, --quick 128)")
+    parser.add_argument("--experts", type=int, help="experts per layer (default 8): many experts, e.g. 64 with "
+                        "--top-k 8 and --expert-size 1408, is where packing saves the most memory")
+    parser.add_argument("--top-k", type=int, help="experts per token (default 2)")
+    parser.add_argument("--expert-size", type=int, help="each expert's intermediate width (default 5632, --quick 1408)")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
     config = dict(MIXTRAL, **(QUICK if args.quick else {}))
     if args.layers:
         config["num_hidden_layers"] = args.layers
+    for option, key in ((args.experts, "num_local_experts"), (args.top_k, "num_experts_per_tok"),
+                        (args.expert_size, "intermediate_size")):
+        if option:
+            config[key] = option
     new_tokens = args.new_tokens or (8 if args.quick else 32)
     weights = random_weights(AutoModelForCausalLM.from_config(config))
     rng = np.random.default_rng(1)
