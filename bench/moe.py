@@ -53,6 +53,7 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> 
         loss = model(long_prompt, labels=long_prompt).loss
         loss.backward()
         return loss.item()
+
     def train_peak_gib():
         """Device memory a training step adds to the weights: activations, gradients and the step's scratch (its
         recorded plan is dropped first, so that the step allocates what it holds)."""

@@ -126,5 +126,6 @@ def log_softmax(x, dim: int = -1):
 
 __all__ = ["FusedNorm", "activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
-           "gated", "gather_flat", "gather_rows", "gelu", "layer_norm", "linear", "live_rows_where_used", "log_softmax", "manual_seed", "quick_gelu", "relu",
-           "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]
+           "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
+           "live_rows_where_used", "log_softmax", "manual_seed", "quick_gelu", "relu", "relu2", "rms_norm", "rope",
+           "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]

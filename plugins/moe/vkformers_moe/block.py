@@ -16,9 +16,10 @@ COMPACT_MIN_TOKENS tokens (prefill, training) the block packs the tokens' rows e
 [tokens x top_k, hidden] matrix (engine.ops.routing.PackedRoutes, on the GPU), each expert a span of it, runs every
 expert's products over its span in one node (F.grouped_matmul, forward and backward) and sums each token's
 rows back: about top_k / num_experts of the dense work, and activations of tokens x top_k rows. Experts that
-the packed path cannot run (a custom ``run``, LoRA adapters, biases) get a list of tokens each instead
-(ExpertRoutes: a [tokens, hidden] buffer per expert, its first `count` rows used). A step of fewer tokens (decoding) keeps the tokens in place and gates
-each expert's products whole: an expert no token chose is skipped, reading none of its weights. Top-k is
+the packed path cannot run (a custom ``run``, biases, unlike LoRA adapters) get a list of tokens each instead
+(ExpertRoutes: a [tokens, hidden] buffer per expert, its first `count` rows used). A step of fewer tokens
+(decoding) keeps the tokens in place and gates each expert's products whole: an expert no token chose is
+skipped, reading none of its weights. Top-k is
 one dispatch (vkformers.engine.ops.routing.topk_mask), so the whole block stays on the GPU (no read-back),
 autograd gives its backward and captured decode steps replay it.
 """
@@ -30,7 +31,8 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
-from vkformers.engine.ops.routing import _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask  # noqa: F401
+from vkformers.engine.ops.routing import (  # noqa: F401 (topk_mask re-exported)
+    _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask)
 from vkformers.models.layers import Linear, grouped_linear, linears_can_be_grouped
 from vkformers.models.module import Module
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
@@ -38,9 +40,9 @@ from vkformers_llama.decoder import _join, add_param, get_param, make_norm, plac
 # Run each expert on the tokens that chose it (SparseMoeBlock.forward); False runs every expert on every token,
 # weighted by zero where not chosen (bench/moe.py compares the two in one run).
 SKIP_UNCHOSEN = True
-# From this many tokens a step gathers each expert's tokens into a list; below it, the tokens stay in place and
-# only the experts that no token chose are skipped (a decode step of a few tokens: gathering would add two
-# small dispatches per expert and layer, and the rows fit one tile of the kernels anyway).
+# From this many tokens a step routes each expert's tokens to it (packed, or a list per expert); below it, the
+# tokens stay in place and only the experts that no token chose are skipped (a decode step of a few tokens:
+# routing would add dispatches per layer, and the rows fit one tile of the kernels anyway).
 COMPACT_MIN_TOKENS = 64
 # Such a step packs all experts' rows into one matrix where the experts allow it (see the module docstring);
 # False gives each expert its own list (tests and bench/moe.py compare the two).
@@ -389,27 +391,21 @@ class SparseMoeBlock(Module):
             return False
         if self.expert_list is None:
             return True
-        return all(linears_can_be_grouped([expert.projections[i] for expert in self.expert_list]) for i in range(3)) \
-            and all(expert.clip is None for expert in self.expert_list)
+        projections = zip(*(expert.projections for expert in self.expert_list))
+        return all(linears_can_be_grouped(linears) for linears in projections) and \
+            all(expert.clip is None for expert in self.expert_list)
 
     def _packed_experts(self, x, weights):
         """Every expert on its span of the packed rows (PackedRoutes), each token's rows weighted and summed."""
         moe = self.moe
-        packed = PackedRoutes.of(weights, moe.top_k)
-        rows = packed.gather(x)  # [tokens * top_k, hidden]; rows past the packed ones are zeros
-        scale = packed.gather_weights(weights)  # [tokens * top_k, 1]
-        if moe.scale_inputs:
-            rows = rows * scale
 
-        def product(a, w):
-            return F.grouped_matmul(a, w, packed.spans)
-        if self.expert_list is None:
-            y = self._batched_experts(rows, product)
-        else:
+        def experts(rows, spans):
+            if self.expert_list is None:
+                return self._batched_experts(rows, lambda a, w: F.grouped_matmul(a, w, spans))
             gates, ups, downs = ([expert.projections[i] for expert in self.expert_list] for i in range(3))
-            hidden = self.act(grouped_linear(rows, gates, packed.spans)) * grouped_linear(rows, ups, packed.spans)
-            y = grouped_linear(hidden, downs, packed.spans)
-        return packed.combine(y if moe.scale_inputs else y * scale)
+            return grouped_linear(self.act(grouped_linear(rows, gates, spans)) * grouped_linear(rows, ups, spans),
+                                  downs, spans)
+        return PackedRoutes.of(weights, moe.top_k).weighted_sum(x, weights, experts, moe.scale_inputs)
 
     def _routed_experts(self, x, weights, routes: ExpertRoutes, run):
         """Each expert on its list of tokens (routes), the outputs put back in token order and weighted."""
@@ -425,7 +421,8 @@ class SparseMoeBlock(Module):
         out = None
         for e, expert in enumerate(self.expert_list):
             xe = routes.gather_one(x, e)
-            y = routes.scatter_one(run(expert, xe * scales[e] if moe.scale_inputs else xe, routes.counts[e:e + 1]), e)
+            y = run(expert, xe * scales[e] if moe.scale_inputs else xe, routes.counts[e:e + 1])
+            y = routes.scatter_one(y, e)
             y = y if moe.scale_inputs else y * weights[:, e:e + 1]
             out = y if out is None else out + y
         return out

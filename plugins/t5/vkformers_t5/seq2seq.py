@@ -212,10 +212,11 @@ class SwitchMoE(Module):
         tokens = h.shape[0] * length
         ups, downs = ([expert[i] for expert in self.experts] for i in (0, 1))
         if tokens >= PACK_MIN_TOKENS and linears_can_be_grouped(ups) and linears_can_be_grouped(downs):
-            x, weights = h.reshape(tokens, -1), weight.reshape(tokens, -1)
-            packed = PackedRoutes.of(weights, 1)
-            y = grouped_linear(self.act(grouped_linear(packed.gather(x), ups, packed.spans)), downs, packed.spans)
-            return packed.combine(y * packed.gather_weights(weights)).reshape(h.shape)
+            weights = weight.reshape(tokens, -1)
+            out = PackedRoutes.of(weights, 1).weighted_sum(
+                h.reshape(tokens, -1), weights,
+                lambda rows, spans: grouped_linear(self.act(grouped_linear(rows, ups, spans)), downs, spans))
+            return out.reshape(h.shape)
         live = F.live_rows_where_used(weight)                            # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):

@@ -192,13 +192,15 @@ def _check_spans(spans, experts: int) -> LazyBuffer:
 
 
 def _span_rows(a, spans, weights, stacked: bool, n: int):
-    """a [rows, k] @ op(w_e) over each span: one node. ``weights``: [k, n] views (or one [E, k, n] view)."""
+    """a [rows, k] @ op(w_e) over each span: one node, and whether the first weight is stored transposed.
+    ``weights``: [k, n] views (or one [E, k, n] view)."""
     rows, k = a.shape
     experts = weights[0].shape[0] if stacked else len(weights)
     layouts = [_matrix_layout(w, (experts,) if stacked else ()) for w in weights]
     op = SpanProducts(mode="span_rows", m=rows, n=n, k=k, experts=experts, stacked=stacked,
                       trans_b=tuple(t for _, t, _ in layouts), stride_b=layouts[0][2] if stacked else 0)
-    return node(op, [contiguous(a), spans, *(w for w, _, _ in layouts)], [((rows, n), a.dtype)])[0]
+    out = node(op, [contiguous(a), spans, *(w for w, _, _ in layouts)], [((rows, n), a.dtype)])[0]
+    return out, layouts[0][1]
 
 
 def _span_depth(a, b, spans, experts: int, stacked: bool):
@@ -233,7 +235,8 @@ class GroupedMatmulFn(Function):
         spans = _check_spans(spans, experts)
         self.saved = (x, spans, tuple(weights))
         self.stacked, self.experts = stacked, experts
-        return _span_rows(x, spans, weights, stacked, weights[0].shape[-1])
+        y, self.stored_transposed = _span_rows(x, spans, weights, stacked, weights[0].shape[-1])
+        return y
 
     def backward(self, g):
         x, spans, weights = self.saved
@@ -241,14 +244,14 @@ class GroupedMatmulFn(Function):
         g = contiguous(g.lazy)
         gx = None
         if self.needs_grad[0]:
-            gx = _span_rows(g, spans, [_transposed(w, stacked) for w in weights], stacked, x.shape[1])
+            gx = _span_rows(g, spans, [_transposed(w, stacked) for w in weights], stacked, x.shape[1])[0]
         gws = [None] * len(weights)
         if any(self.needs_grad[2:]):
             # each gradient in its weight's stored orientation (a transposed view's as its transpose)
-            stored_t = _matrix_layout(weights[0], (experts,) if stacked else ())[1]
-            outs = _span_depth(g, x, spans, experts, stacked) if stored_t else _span_depth(x, g, spans, experts,
-                                                                                            stacked)
-            gws = [_transposed(o, stacked) if stored_t else o for o in outs]
+            if self.stored_transposed:
+                gws = [_transposed(o, stacked) for o in _span_depth(g, x, spans, experts, stacked)]
+            else:
+                gws = _span_depth(x, g, spans, experts, stacked)
         from vkformers.engine.tensor import Tensor
         wrap = lambda v: None if v is None else Tensor._from_lazy(v)  # noqa: E731
         return (wrap(gx), None, *(wrap(w) if need else None for w, need in zip(gws, self.needs_grad[2:])))

@@ -187,3 +187,12 @@ class PackedRoutes:
         """y [tokens * top_k, width] -> [tokens, width]: the sum of each token's rows."""
         per_choice = F.gather_rows(y, self.row_of_pair, self.pair_of_row)  # [top_k, tokens, width]
         return per_choice.sum(0)
+
+    def weighted_sum(self, x, weights, experts, scale_inputs: bool = False):
+        """sum over e of weights[:, e] * expert_e(x) for x [tokens, width]: ``experts(rows, spans)`` runs every
+        expert on its span of the packed rows; ``scale_inputs``: the weights scale each expert's input instead
+        of its output."""
+        rows = self.gather(x)  # rows past the packed ones are zeros
+        scale = self.gather_weights(weights)
+        y = experts(rows * scale if scale_inputs else rows, self.spans)
+        return self.combine(y if scale_inputs else y * scale)
