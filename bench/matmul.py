@@ -9,7 +9,7 @@ torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / referenc
 
     python bench/matmul.py [--quick] [--json OUT] [--sweep] [--layouts] [--decode-only] [--prefill]
 
---sweep also times alternative tile configurations at the largest size; --layouts the transposed
+--sweep also times alternative tile configurations at each size; --layouts the transposed
 layouts A @ B^T (a Linear layer's forward) and A^T @ B (its weight gradient) beside the same PyTorch product.
 The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 and
 5632 x 2048, trans_b) report GB/s of weight bytes read: the small-m kernel (what
@@ -193,12 +193,18 @@ def prefill_runs(device, dtype: str = "bfloat16", quick: bool = False) -> list[d
     return rows
 
 
-# Cooperative-matrix configurations the sweep tries (bk, then fragments per subgroup).
-COOPMAT_SWEEP = [CoopmatConfig(**kw, spec_shape=spec) for spec in (False, True) for kw in (
-    dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2), dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2),
-    dict(sg_rows=2, sg_cols=2, bk=64, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4),
-    dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4), dict(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4),
-    dict(sg_rows=4, sg_cols=2, bk=64, frag_m=2, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=64, frag_m=2, frag_n=4))]
+# Cooperative-matrix configurations the sweep tries (subgroups, bk, fragments per subgroup, bands of tile rows).
+# The sixth session's sweep also tried m, n, k as specialization constants (spec_shape): no gain.
+COOPMAT_SWEEP = [CoopmatConfig(**kw) for kw in (
+    dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2), dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2,
+                                                             group_rows=16),
+    dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4,
+                                                             group_rows=16),
+    dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=32),
+    dict(sg_rows=2, sg_cols=4, bk=48, frag_m=4, frag_n=4, group_rows=16),
+    dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4,
+                                                             group_rows=16),
+    dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=32))]
 
 
 def check_against_numpy(device, dtype, **options) -> float:
@@ -206,8 +212,11 @@ def check_against_numpy(device, dtype, **options) -> float:
     step, both transposes) and one aligned product, against numpy in float32."""
     rng = np.random.default_rng(3)
     worst = 0.0
+    cfg, limit = options.get("coopmat"), device.limits["max_compute_shared_memory_size"]
     for (m, n, k), trans_a, trans_b in (((1000, 1030, 520), False, False), ((777, 515, 300), True, True),
                                         ((1024, 1024, 1024), False, True)):
+        if cfg is not None and cfg.shared_bytes(trans_a, trans_b) > limit:
+            continue  # a tile too large for this layout's staging
         a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32)
         b = rng.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
         a_dev, b_dev = random_like(device, a, dtype), random_like(device, b, dtype)
@@ -282,25 +291,28 @@ def main() -> None:
                           f"{row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
 
     if args.sweep:
-        size = sizes[-1]
         results["sweep"] = []
+        # The sixth and ninth sessions' sweeps also tried 128 x 64 tiles with K steps of 8 and 32, 64 x 128,
+        # 128 x 128 of 4 x 8 per invocation, 64 x 64 and 128 x 128 of 8 x 8: all slower.
         candidates = [("float32", dict(algorithm="tiled", tiled=cfg)) for cfg in (
-            TiledConfig(128, 64, 8, 8, 4), TiledConfig(128, 64, 16, 8, 4), TiledConfig(128, 64, 32, 8, 4),
-            TiledConfig(64, 128, 16, 4, 8), TiledConfig(128, 128, 16, 8, 4), TiledConfig(128, 128, 16, 4, 8),
-            TiledConfig(64, 64, 16, 4, 4), TiledConfig(128, 128, 8, 8, 8))
+            TiledConfig(128, 64, 16, 8, 4), TiledConfig(128, 64, 16, 8, 4, 8), TiledConfig(128, 64, 16, 8, 4, 16),
+            TiledConfig(128, 128, 16, 8, 4), TiledConfig(128, 128, 16, 8, 4, 8))
             if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
         for dtype in ("float16", "bfloat16"):
             if select_algorithm(device, dtype) == "coopmat":
                 candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in COOPMAT_SWEEP
-                               if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
-        for dtype, options in candidates:
+                               if cfg.shared_bytes(False, False) <= device.limits["max_compute_shared_memory_size"]]
+        errors = {}  # each coopmat configuration checked against numpy once
+        for size, (dtype, options) in ((size, c) for size in sizes for c in candidates):
+            cfg = options.get("tiled") or options.get("coopmat")
             try:
-                error = check_against_numpy(device, dtype, **options) if "coopmat" in options else None
+                if "coopmat" in options and (dtype, cfg) not in errors:
+                    errors[dtype, cfg] = check_against_numpy(device, dtype, **options)
                 seconds = time_vkformers(device, size, dtype, repeats, **options)
             except Exception as exc:  # a configuration the device refuses
                 print(f"sweep {dtype} {options}: {exc}")
                 continue
-            cfg = options.get("tiled") or options.get("coopmat")
+            error = errors.get((dtype, cfg))
             results["sweep"].append({"size": size, "dtype": dtype, "config": repr(cfg),
                                      "tflops": tflops(size, seconds), "max_error": error})
             checked = "" if error is None else f"   max error vs numpy {error:.2e}"

@@ -53,7 +53,7 @@ def check(got: np.ndarray, ref: np.ndarray, out_dtype: str) -> None:
 
 def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=1, trans_a=False,
              trans_b=False, bias=False, alpha=1.0, beta=0.0, offsets=(0, 0, 0, 0), pad=(0, 0, 0),
-             algorithm="auto", small_m=None, splits=None, coopmat=None, seed=0):
+             algorithm="auto", small_m=None, splits=None, coopmat=None, tiled=None, seed=0):
     rng = np.random.default_rng(seed)
     shape_a, shape_b = ((k, m) if trans_a else (m, k)), ((n, k) if trans_b else (k, n))
     # Batch strides with optional padding between matrices (non-dense batches).
@@ -70,7 +70,7 @@ def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=
     matmul(seq, *ops, m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b,
            stride_a=stride_a if batch > 1 else None, stride_b=stride_b if batch > 1 else None,
            stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm,
-           small_m=small_m, splits=splits, coopmat=coopmat)
+           small_m=small_m, splits=splits, coopmat=coopmat, tiled=tiled)
     seq.replay()
 
     c_buf = ops[2]
@@ -257,6 +257,41 @@ def test_coopmat_large_tile(device, in_dtype):
              offsets=(8, 16, 5, 2), bias=True, alpha=0.5, beta=1.0, algorithm="coopmat", coopmat=large)
 
 
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_tiles_visited_in_bands_of_rows(device, in_dtype):
+    """group_rows: workgroups take C's tiles in bands of 3 tile rows, column by column (the last band has
+    fewer rows); every tile is still computed (a missed one would keep C's old values: beta = 1)."""
+    tiled = KM.TiledConfig(64, 64, 16, 4, 4, group_rows=3)
+    run_case(device, 64 * 7 + 5, 64 * 4 + 3, 40, in_dtype=in_dtype, batch=2, beta=1.0, algorithm="tiled",
+             tiled=tiled)
+    if not coopmat_supported(device, in_dtype):
+        return
+    for cfg in (KM.CoopmatConfig(group_rows=3), KM.CoopmatConfig(sg_rows=2, sg_cols=2, bk=48, frag_m=4, frag_n=4,
+                                                                 group_rows=5)):
+        run_case(device, cfg.bm * 7 + 5, cfg.bn * 4 + 3, 100, in_dtype=in_dtype, out_dtype=in_dtype, batch=2,
+                 beta=1.0, algorithm="coopmat", coopmat=cfg)
+        run_case(device, cfg.bm * 11, cfg.bn * 3, 96, in_dtype=in_dtype, algorithm="coopmat", coopmat=cfg)
+
+
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+def test_coopmat_k_steps_of_48(device, in_dtype):
+    """A K step of 48 (3 fragments; K = 8192 ends on a partial step) in the 128 x 256 tile: whole tiles, an
+    edge, and K not a multiple of the step, in the layouts whose staged tiles fit the device."""
+    cfg = KM.CoopmatConfig(sg_rows=2, sg_cols=4, bk=48, frag_m=4, frag_n=4)
+    if not coopmat_supported(device, in_dtype):
+        with pytest.raises(ValueError, match="cooperative matrix"):
+            run_case(device, 16, 64, 256, in_dtype=in_dtype, algorithm="coopmat", coopmat=cfg)
+        return
+    limit = device.limits["max_compute_shared_memory_size"]
+    for trans_a, trans_b in ((False, False), (True, False), (False, True), (True, True)):
+        if cfg.shared_bytes(trans_a, trans_b) > limit:
+            continue
+        run_case(device, 256, 512, 200, in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm="coopmat",
+                 coopmat=cfg)
+        run_case(device, 200, 300, 520, in_dtype=in_dtype, out_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b,
+                 algorithm="coopmat", coopmat=cfg)
+
+
 def test_coopmat_tiles_fill_the_gpu():
     """Tile and split choice on a GPU with 32-wide subgroups (pure arithmetic, no device needed): a C of many
     tiles takes the 128 x 256 tile unsplit; fewer tiles take smaller ones, then slices of K."""
@@ -275,6 +310,36 @@ def test_coopmat_tiles_fill_the_gpu():
     assert splits * KM._groups(short, 16, 2048) >= KM.FILL_WORKGROUPS
     assert -(-2048 // short.bk) // splits >= KM.MIN_SPLIT_STEPS
     assert KM.split_k(gpu, short, 16, 2048, 128, 1) == 1  # two K steps: nothing to split
+
+
+def test_tiled_tiles_by_size():
+    """The tiled kernel's tile on a GPU with 48 KiB of shared memory (pure arithmetic): 128 x 128 tiles of 512
+    invocations for a C of at least 512 of them (batches count), 128 x 64 below, 64 x 64 for a small C, and
+    never more invocations than the device allows."""
+    class Gpu:
+        is_cpu = False
+        limits = {"max_compute_shared_memory_size": 48 * 1024, "max_compute_work_group_invocations": 1024}
+    gpu = Gpu()
+    assert KM.tiled_config(gpu, 4096, 4096) == KM.TILED_HUGE
+    assert KM.tiled_config(gpu, 2048, 2048) == KM.TILED_LARGE  # 256 tiles of 128 x 128
+    assert KM.tiled_config(gpu, 2048, 2048, batch=2) == KM.TILED_HUGE
+    assert KM.tiled_config(gpu, 128, 256) == KM.TILED_SMALL
+    gpu.limits["max_compute_work_group_invocations"] = 256
+    assert KM.tiled_config(gpu, 4096, 4096) == KM.TILED_LARGE
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_tiled_kernel_in_each_tile(device, in_dtype):
+    """Each tile the launcher chooses, explicitly (a device picks only some of them by itself): edges, both
+    transposes, a 16-bit C and the full epilogue."""
+    for tiled in (KM.TILED_SMALL, KM.TILED_LARGE, KM.TILED_HUGE):
+        if tiled.threads > device.limits["max_compute_work_group_invocations"] \
+                or tiled.shared_bytes() > device.limits["max_compute_shared_memory_size"]:
+            continue
+        run_case(device, 300, 260, 40, in_dtype=in_dtype, trans_a=True, trans_b=True, algorithm="tiled",
+                 tiled=tiled)
+        run_case(device, 256, 384, 33, in_dtype=in_dtype, out_dtype=in_dtype, batch=2, bias=True, beta=0.5,
+                 algorithm="tiled", tiled=tiled)
 
 
 def test_rejects_bad_arguments(device):

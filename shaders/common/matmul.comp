@@ -30,6 +30,7 @@ layout(constant_id = 7) const uint HAS_BIAS = 0;
 // constant_id 8: the workgroup size, which must be (BM / TM) * (BN / TN)
 layout(local_size_x_id = 8) in;
 layout(constant_id = 9) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
+layout(constant_id = 10) const uint GROUP_ROWS = 0;  // matmul_io.glsl tile_of_workgroup: bands of tile rows
 #include "matmul_io.glsl"
 
 #define MAX_T 8       // register block bound (arrays below are sized for it)
@@ -50,7 +51,8 @@ void store_shared_b(uint kk, uint col, float v) { tile_b[(kk * PITCH_B + col) / 
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint row0 = gl_WorkGroupID.y * BM, col0 = gl_WorkGroupID.x * BN;
+    const uvec2 tile = tile_of_workgroup(GROUP_ROWS);
+    const uint row0 = tile.y * BM, col0 = tile.x * BN;
     const uint z = gl_WorkGroupID.z;
     // A gated product (uniform over the workgroup): padding rows are not multiplied, zero K steps skipped;
     // a span moves the product to its rows (or K entries) of packed A, B and C.

@@ -34,7 +34,7 @@
 // and the build step rewrites that type to bfloat16 (tools/spirv_bf16.py).
 //! target vulkan1.3
 //! variant f16_f32 -DOUT_F32
-//! variant f16_f16 -DOUT_F16
+//! variant f16_f16 -DOUT_F16 -DSTORE_F16_MATRICES
 //! variant f16_bf16 -DOUT_BF16
 //! variant bf16_f32 -DOUT_F32
 //! variant bf16_f16 -DOUT_F16
@@ -70,11 +70,17 @@ layout(constant_id = 13) const uint SPEC_K = 0;
 // up and applies the epilogue. More workgroups in flight when the tiles of C are too few to fill the GPU.
 layout(constant_id = 14) const uint SPLITS = 1;
 layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
+layout(constant_id = 16) const uint GROUP_ROWS = 0;  // matmul_io.glsl tile_of_workgroup: bands of tile rows
 #include "matmul_io.glsl"
 #if !defined(OUT_F32)
 // C seen as uvec4s of 8 raw 16-bit values, for the whole-vector epilogue.
 layout(binding = 2) writeonly buffer MatCVectors { uvec4 c_vec[]; };
 uint pack_out2(float lo, float hi) { return uint(TO_OUT(lo)) | (uint(TO_OUT(hi)) << 16); }
+#endif
+#if defined(STORE_F16_MATRICES)
+// float16 C (float16 inputs only: the bfloat16 rewrite would turn this type too) as float16 values, for
+// coopMatStore of accumulators converted to float16 (a 16x16 float16 accumulator is one of the device's shapes).
+layout(binding = 2) writeonly buffer MatCHalves { float16_t c_half[]; };
 #endif
 // Bound on uvec4 loads per invocation per tile (the launcher checks it).
 #define MAX_CHUNKS 16
@@ -142,7 +148,8 @@ uint staged_index_b(uint q) { return q / (INNER_B / 8) * PITCH_B + q % (INNER_B 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint threads = gl_WorkGroupSize.x;
-    const uint row0 = gl_WorkGroupID.y * BM, col0 = gl_WorkGroupID.x * BN;
+    const uvec2 tile = tile_of_workgroup(GROUP_ROWS);
+    const uint row0 = tile.y * BM, col0 = tile.x * BN;
     const uint batch = gl_WorkGroupID.z / SPLITS, split = gl_WorkGroupID.z % SPLITS;
     const uint k_slice = (K_ + SPLITS * BK - 1) / (SPLITS * BK) * BK;
     const uint k_begin = min(K_, split * k_slice);
@@ -228,7 +235,21 @@ void main() {
             }
         return;
     }
-#else
+#elif defined(STORE_F16_MATRICES)
+    // float16 C, whole tile, nothing to add, 16-byte aligned rows: convert the accumulators to float16 and
+    // store them directly, as for float32.
+    if (inside && HAS_BIAS == 0 && beta == 0.0 && N_ % 8 == 0 && base_c % 8 == 0) {
+        [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
+            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
+                uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> h =
+                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(acc[i][j] * alpha);
+                coopMatStore(h, c_half, base_c + r0 * N_ + c0, N_, gl_CooperativeMatrixLayoutRowMajor);
+            }
+        return;
+    }
+#endif
+#if !defined(OUT_F32)
     // 16-bit C, whole tile, nothing to add, rows of whole aligned uvec4s: each subgroup stages one 16x16
     // accumulator at a time and each lane converts and writes 8 of its values as one 16-byte store
     // (the general epilogue below writes them one 2-byte element at a time).

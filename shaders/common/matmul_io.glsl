@@ -72,6 +72,19 @@ layout(push_constant) uniform Push {
     uint gate_off;
 };
 
+// The (column, row) of the tile of C this workgroup computes; x and y of the grid only enumerate the tiles.
+// group_rows > 1: the tiles are visited in bands of group_rows tile rows, column by column within a band, so
+// that the workgroups in flight together read a few rows of A and a few columns of B (cache reuse), instead of
+// one row of A's tiles against all of B.
+uvec2 tile_of_workgroup(uint group_rows) {
+    if (group_rows <= 1) return gl_WorkGroupID.xy;
+    const uint cols = gl_NumWorkGroups.x, rows = gl_NumWorkGroups.y;
+    const uint id = gl_WorkGroupID.y * cols + gl_WorkGroupID.x;
+    const uint band = id / (group_rows * cols), first = band * group_rows;
+    const uint height = min(group_rows, rows - first), in_band = id - first * cols;
+    return uvec2(in_band / height, first + in_band % height);
+}
+
 // Product b's gate as a count (uniform over a workgroup).
 uint gate_count(uint b) { return uint(max(gate_data[gate_off + b], 0.0)); }
 // Product b's span gate: its first row (or K entry) and its count, the count cut to what fits in `size`.

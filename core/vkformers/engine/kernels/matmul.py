@@ -35,6 +35,7 @@ class TiledConfig:
     bk: int
     tm: int
     tn: int
+    group_rows: int = 0  # > 1: workgroups visit C in bands of this many tile rows (matmul_io.glsl)
 
     @property
     def threads(self) -> int:
@@ -47,6 +48,9 @@ class TiledConfig:
 # A GPU with 48 KiB of shared memory: 128 x 64 tiles, 8 x 4 per invocation (on the
 # H200 8 x 8 per invocation ran 16x slower: the driver spills the accumulators).
 TILED_LARGE = TiledConfig(bm=128, bn=64, bk=16, tm=8, tn=4)
+# A C of at least LARGE_TILE_MIN_WORKGROUPS such tiles: 128 x 128, 512 invocations (bench/matmul.py --sweep on
+# the H200, float32: 4096^3 36.5 against 34.8 TFLOP/s for 128 x 64, 8192^3 37.2 against 35.9).
+TILED_HUGE = TiledConfig(bm=128, bn=128, bk=16, tm=8, tn=4)
 # lavapipe (32 KiB) and small problems: 64 x 64 tiles, 4 x 4 per invocation.
 TILED_SMALL = TiledConfig(bm=64, bn=64, bk=16, tm=4, tn=4)
 
@@ -59,6 +63,7 @@ class CoopmatConfig:
     frag_m: int = 4    # 16x16 accumulators per subgroup along M
     frag_n: int = 2    # and along N
     spec_shape: bool = False  # m, n, k as specialization constants (one pipeline per shape)
+    group_rows: int = 0  # > 1: workgroups visit C in bands of this many tile rows (matmul_io.glsl)
 
     @property
     def bm(self) -> int:
@@ -68,12 +73,14 @@ class CoopmatConfig:
     def bn(self) -> int:
         return 16 * self.frag_n * self.sg_cols
 
-    def shared_bytes(self) -> int:
-        # Two tiles padded by 8 halves per row (the larger of the two layouts each),
+    def shared_bytes(self, trans_a: bool | None = None, trans_b: bool | None = None) -> int:
+        # Two tiles staged in their global layout, rows padded by 8 halves (a layout not given: the larger),
         # plus a 16x16 float32 epilogue slice per subgroup.
-        def tile(rows_cols: int) -> int:
-            return 16 * max(rows_cols * (self.bk // 8 + 1), self.bk * (rows_cols // 8 + 1))
-        return tile(self.bm) + tile(self.bn) + 1024 * self.sg_rows * self.sg_cols
+        def tile(rows_cols: int, k_contiguous: bool | None) -> int:
+            layouts = {True: rows_cols * (self.bk // 8 + 1), False: self.bk * (rows_cols // 8 + 1)}
+            return 16 * (max(layouts.values()) if k_contiguous is None else layouts[k_contiguous])
+        k_contiguous_a = None if trans_a is None else not trans_a
+        return tile(self.bm, k_contiguous_a) + tile(self.bn, trans_b) + 1024 * self.sg_rows * self.sg_cols
 
     def check(self, subgroup: int) -> None:
         """Refuse a configuration the kernel cannot run: each invocation moves a whole
@@ -88,8 +95,10 @@ COOPMAT_DEFAULT = CoopmatConfig()
 # A C of many tiles: 128 x 256 tiles, each subgroup 64 x 64 (4 x 4 accumulators), K steps of 32 (bench/matmul.py
 # --sweep on the H200, 8192^3, A @ B: 280 TFLOP/s against 232 for the default 128 x 128 tile, fp16 and bf16
 # alike). Measured only there (2048 tiles), so it is taken only for a C of at least LARGE_TILE_MIN_WORKGROUPS
-# such tiles, where a GPU of ~130 compute units still runs several waves of them.
-COOPMAT_LARGE = CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4)
+# such tiles, where a GPU of ~130 compute units still runs several waves of them. Its tiles are visited in
+# bands of 16 tile rows (two --sweep runs at 8192^3: +2 to +8% against row by row; 4096^3, whose 16 tile rows
+# make one band: within 1%).
+COOPMAT_LARGE = CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16)
 LARGE_TILE_MIN_WORKGROUPS = 512
 COOPMAT_SMALL_SHARED = CoopmatConfig(bk=32)  # devices with less than 45 KiB of shared memory
 # Smaller tiles for a C of few tiles (prefill of a short prompt, narrow projections): 64 x 128, 64 x 64,
@@ -134,7 +143,7 @@ def split_k(device, cfg: CoopmatConfig, m: int, n: int, k: int, batch: int) -> i
     return max(1, splits)
 
 
-def _groups(cfg: CoopmatConfig, m: int, n: int) -> int:
+def _groups(cfg: CoopmatConfig | TiledConfig, m: int, n: int) -> int:
     return -(-m // cfg.bm) * -(-n // cfg.bn)
 
 
@@ -243,8 +252,11 @@ def small_m_config(device, m: int, n: int, trans_b: bool) -> SmallMConfig:
                         rows_per_subgroup=per_subgroup)
 
 
-def tiled_config(device, m: int, n: int) -> TiledConfig:
+def tiled_config(device, m: int, n: int, batch: int = 1) -> TiledConfig:
     big = device.limits["max_compute_shared_memory_size"] >= 48 * 1024 and not device.is_cpu
+    if big and _groups(TILED_HUGE, m, n) * batch >= LARGE_TILE_MIN_WORKGROUPS \
+            and device.limits.get("max_compute_work_group_invocations", 0) >= TILED_HUGE.threads:
+        return TILED_HUGE
     return TILED_LARGE if big and m * n >= 256 * 256 else TILED_SMALL
 
 
@@ -356,7 +368,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         split = splits > 1  # the bias goes to the second pass then, not into the partial sums
         spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), int(bias is not None and not split),
                 aligned_a, aligned_b, cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n,
-                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits, gate_spec]
+                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits, gate_spec, cfg.group_rows]
         groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch * splits)
         if not split:
             seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec, write_group=write_group)
@@ -375,8 +387,8 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
                      [256, int(bias is not None)])
         return
 
-    cfg = tiled or tiled_config(device, m, n)
-    spec = [cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, *flags, cfg.threads, gate_spec]
+    cfg = tiled or tiled_config(device, m, n, batch)
+    spec = [cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, *flags, cfg.threads, gate_spec, cfg.group_rows]
     groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch)
     seq.dispatch(device.kernel("matmul", variant), buffers, groups, push, spec, write_group=write_group)
 
