@@ -25,9 +25,11 @@
 // any other tile is loaded element by element with bounds checks (zeros outside).
 // The choice is per workgroup and K step, so the hot loop of large problems never
 // checks bounds. The epilogue stores float32 results of a whole tile directly
-// (coopMatStore) when there is no bias and beta == 0, and 16-bit results of such a
-// tile through shared memory 8 values per store; otherwise it goes through shared
-// memory one value at a time so it can bounds-check, add bias and beta * C, and convert.
+// (coopMatStore) when there is no bias and beta == 0, float16 results of such a tile
+// likewise after converting the accumulators, bfloat16 ones through shared memory 8
+// values per store (a bfloat16 accumulator is not one of the device's shapes);
+// otherwise it goes through shared memory one value at a time so it can
+// bounds-check, add bias and beta * C, and convert.
 //
 // bfloat16: no GLSL compiler we have knows GL_EXT_bfloat16, so the bf16_* variants
 // compile this very source (16-bit floats appear only in the A and B matrix types)
