@@ -9,8 +9,9 @@ torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / referenc
 
     python bench/matmul.py [--quick] [--json OUT] [--sweep] [--layouts] [--decode-only] [--prefill]
 
---sweep also times alternative tile configurations at each size; --layouts the transposed
-layouts A @ B^T (a Linear layer's forward) and A^T @ B (its weight gradient) beside the same PyTorch product.
+--sweep also times alternative tile configurations at each size (with --layouts, for A @ B^T too); --layouts
+the transposed layouts A @ B^T (a Linear layer's forward) and A^T @ B (its weight gradient) beside the same
+PyTorch product.
 The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 and
 5632 x 2048, trans_b) report GB/s of weight bytes read: the small-m kernel (what
 "auto" picks) and the large-m kernel for comparison, against the same-shape PyTorch
@@ -204,7 +205,8 @@ COOPMAT_SWEEP = [CoopmatConfig(**kw) for kw in (
     dict(sg_rows=2, sg_cols=4, bk=48, frag_m=4, frag_n=4, group_rows=16),
     dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4,
                                                              group_rows=16),
-    dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=32))]
+    dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=32),
+    dict(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16))]
 
 
 def check_against_numpy(device, dtype, **options) -> float:
@@ -298,25 +300,31 @@ def main() -> None:
             TiledConfig(128, 64, 16, 8, 4), TiledConfig(128, 64, 16, 8, 4, 8), TiledConfig(128, 64, 16, 8, 4, 16),
             TiledConfig(128, 128, 16, 8, 4), TiledConfig(128, 128, 16, 8, 4, 8))
             if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
+        # A @ B, and with --layouts also A @ B^T (a Linear layer's forward: B staged as rows of K).
+        layouts = [(False, "A @ B")] + ([(True, "A @ B^T")] if args.layouts else [])
+        limit = device.limits["max_compute_shared_memory_size"]
         for dtype in ("float16", "bfloat16"):
             if select_algorithm(device, dtype) == "coopmat":
-                candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in COOPMAT_SWEEP
-                               if cfg.shared_bytes(False, False) <= device.limits["max_compute_shared_memory_size"]]
+                candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in COOPMAT_SWEEP]
         errors = {}  # each coopmat configuration checked against numpy once
-        for size, (dtype, options) in ((size, c) for size in sizes for c in candidates):
+        for size, (trans_b, layout), (dtype, options) in (
+                (size, lay, c) for size in sizes for lay in layouts for c in candidates):
             cfg = options.get("tiled") or options.get("coopmat")
+            if "coopmat" in options and cfg.shared_bytes(False, trans_b) > limit:
+                continue  # its staged tiles do not fit in this layout
             try:
                 if "coopmat" in options and (dtype, cfg) not in errors:
                     errors[dtype, cfg] = check_against_numpy(device, dtype, **options)
-                seconds = time_vkformers(device, size, dtype, repeats, **options)
+                seconds = time_vkformers(device, size, dtype, repeats, trans_b=trans_b, **options)
             except Exception as exc:  # a configuration the device refuses
                 print(f"sweep {dtype} {options}: {exc}")
                 continue
             error = errors.get((dtype, cfg))
-            results["sweep"].append({"size": size, "dtype": dtype, "config": repr(cfg),
+            results["sweep"].append({"size": size, "dtype": dtype, "layout": layout, "config": repr(cfg),
                                      "tflops": tflops(size, seconds), "max_error": error})
             checked = "" if error is None else f"   max error vs numpy {error:.2e}"
-            print(f"sweep {size}^3 {dtype:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s{checked}", flush=True)
+            print(f"sweep {size}^3 {dtype:8s} {layout:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s{checked}",
+                  flush=True)
 
     write_results(args.json, results)
 

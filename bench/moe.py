@@ -10,7 +10,7 @@ tokens instead (vkformers_moe.block.PACK_ROUTED = False), prefill and training o
 a training step (bytes of live device buffers) in each mode.
 
     python bench/moe.py [--quick] [--dtype bfloat16] [--layers 8] [--new-tokens 32] [--prompt 512] [--json OUT]
-                        [--experts 8] [--top-k 2] [--expert-size 5632]
+                        [--experts 8] [--top-k 2] [--expert-size 5632] [--profile]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from common import warm_up, write_results
+from common import profile_gpu, warm_up, write_results
 from llama import DECODE_REPEATS, WARM_UP_SECONDS, random_weights, timed
 
 import vkformers as vkf
@@ -40,7 +40,7 @@ QUICK = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_a
              num_key_value_heads=2, vocab_size=1000)
 
 
-def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> dict:
+def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt, profile=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=True)
     params = [p for _, p in model.named_parameters()]
@@ -48,6 +48,9 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> 
     out = {}
 
     def train_step():
+        """Forward, loss and backward (one submission: backward() computes the gradients before it returns;
+        before 2026-12-02 it left them lazy, so this step, which never reads them, ran the forward and loss only).
+        """
         for p in params:
             p.grad = None
         loss = model(long_prompt, labels=long_prompt).loss
@@ -86,6 +89,9 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt) -> 
             out[key] = max(out.get(key, 0.0), speed)
         out[f"train_{name}_peak_gib"] = train_peak_gib()
     moe_block.SKIP_UNCHOSEN, moe_block.PACK_ROUTED = MODES["routed"]
+    if profile:
+        model.forget_captures()
+        profile_gpu(f"{dtype} train step {long_prompt.size} (routed)", train_step)
     return out
 
 
@@ -132,6 +138,8 @@ def main(argv=None) -> int:
                         "--top-k 8 and --expert-size 1408, is where packing saves the most memory")
     parser.add_argument("--top-k", type=int, help="experts per token (default 2)")
     parser.add_argument("--expert-size", type=int, help="each expert's intermediate width (default 5632, --quick 1408)")
+    parser.add_argument("--profile", action="store_true", help="also print the GPU time per kernel of a training "
+                        "step (routed)")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
     config = dict(MIXTRAL, **(QUICK if args.quick else {}))
@@ -153,7 +161,8 @@ def main(argv=None) -> int:
     except ImportError:
         use_torch = False
     results = {"device": vkf.get_device().name, "config": config, "dtype": args.dtype,
-               "vkformers": bench_vkformers(config, weights, args.dtype, prompt, new_tokens, long_prompt)}
+               "vkformers": bench_vkformers(config, weights, args.dtype, prompt, new_tokens, long_prompt,
+                                            args.profile)}
     if use_torch:
         results["torch"] = bench_torch(config, args.dtype, prompt, new_tokens, long_prompt)
     ours = results["vkformers"]

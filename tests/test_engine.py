@@ -123,6 +123,31 @@ def test_gradients_accumulate():
     np.testing.assert_allclose(a.grad.numpy(), 3.0 + 2 * np.array([1.0, 2.0]))
 
 
+def test_backward_computes_the_gradients_before_returning():
+    """backward() runs the forward and backward in one submission before it returns (as PyTorch's has run), so
+    a loop that never reads the gradients still computes them; inside lazy.deferred_backward() (the trainer's
+    step) they stay lazy and are realized with what reads them."""
+    w = parameter(RNG.standard_normal((8, 4)).astype(np.float32))
+    x = RNG.standard_normal((3, 8)).astype(np.float32)
+    runs = lazy.stats["recorded"] + lazy.stats["replayed"]
+    loss = (vkf.tensor(x) @ w).relu().sum()
+    loss.backward()
+    assert w.grad.lazy.realized and loss.lazy.realized  # the loss comes with them: no second submission
+    assert lazy.stats["recorded"] + lazy.stats["replayed"] == runs + 1
+    want = x.T @ (x @ w.numpy() > 0).astype(np.float32)
+    np.testing.assert_allclose(w.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+
+    w.grad = None
+    with lazy.deferred_backward():
+        loss = (vkf.tensor(x) @ w).relu().sum()
+        loss.backward()
+    assert not w.grad.lazy.realized and not loss.lazy.realized
+    runs = lazy.stats["recorded"] + lazy.stats["replayed"]
+    lazy.realize([loss.lazy, w.grad.lazy])
+    assert lazy.stats["recorded"] + lazy.stats["replayed"] == runs + 1
+    np.testing.assert_allclose(w.grad.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_same_graph_replays_without_recording():
     w = parameter(RNG.standard_normal((8, 4)).astype(np.float32))
 

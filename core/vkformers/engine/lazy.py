@@ -196,6 +196,26 @@ def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, 
 # ---------------------------------------------------------------- building graphs
 
 _gc_paused = False
+_backward_deferrals = 0
+
+
+@contextmanager
+def deferred_backward():
+    """Inside, ``Tensor.backward()`` leaves the gradients lazy, to be realized with what follows them (a
+    trainer's clipping and update) in one submission. Outside it, and outside a :class:`capture`, backward()
+    computes them before it returns, as PyTorch's does."""
+    global _backward_deferrals
+    _backward_deferrals += 1
+    try:
+        yield
+    finally:
+        _backward_deferrals -= 1
+
+
+def backward_deferred() -> bool:
+    """Whether gradients stay lazy after backward(): inside :func:`deferred_backward` or a :class:`capture`
+    (a captured step must realize in one submission)."""
+    return _backward_deferrals > 0 or bool(_recorders)
 
 
 @contextmanager

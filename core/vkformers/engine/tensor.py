@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from vkformers.engine import function as fn
-from vkformers.engine.lazy import LazyBuffer, building_graph, realize
+from vkformers.engine.lazy import LazyBuffer, backward_deferred, building_graph, realize
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Buffer, Device, get_device
 
@@ -123,11 +123,16 @@ class Tensor:
     # -- autograd
 
     def backward(self, gradient: "Tensor | None" = None) -> None:
-        """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad."""
+        """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad, and compute those
+        gradients (with the pending forward, one submission) before returning, as PyTorch does. Inside
+        ``lazy.deferred_backward()`` or a capture they stay lazy, to be realized with the step that uses them."""
         with building_graph():
-            self._backward(gradient)
+            leaves = self._backward(gradient)
+        if leaves and not backward_deferred():  # self too: a loop reads its loss next
+            realize([self.lazy, *(leaf.grad.lazy for leaf in leaves)])
 
-    def _backward(self, gradient: "Tensor | None") -> None:
+    def _backward(self, gradient: "Tensor | None") -> list[Tensor]:
+        """Build the gradient graph; returns the leaves whose ``grad`` it set."""
         if not self.requires_grad:
             raise RuntimeError("backward(): this tensor does not require grad and has no grad graph")
         if gradient is None:
@@ -153,7 +158,8 @@ class Tensor:
 
         if self._ctx is None:  # a leaf
             _accumulate(self, gradient)
-            return
+            return [self]
+        leaves: dict[int, Tensor] = {}
         visit(self._ctx)
         grads: dict[tuple, Tensor] = {(id(self._ctx), self._index): gradient}
         with no_grad():
@@ -170,10 +176,12 @@ class Tensor:
                         raise RuntimeError(f"{type(f).__name__}.backward gave shape {g.shape} for {parent.shape}")
                     if parent._ctx is None:
                         _accumulate(parent, g)
+                        leaves[id(parent)] = parent
                     else:
                         key = (id(parent._ctx), parent._index)
                         grads[key] = g if key not in grads else grads[key] + g
                 f.release()  # free the graph, as torch does without retain_graph
+        return list(leaves.values())
 
     # -- views
 

@@ -242,11 +242,12 @@ class Trainer:
         (clipping, unscaling; None for neither) the update applies to the parameters' gradients."""
         c = self.config
         total = None
-        for input_ids, labels in micro_batches:
-            loss = self.model(input_ids, labels=labels).loss.float() * (1.0 / len(micro_batches))
-            (loss * scale if scale is not None else loss).backward()
-            total = loss if total is None else total + loss
-            del loss
+        with lazy.deferred_backward():  # realized with the clip and the update, one submission
+            for input_ids, labels in micro_batches:
+                loss = self.model(input_ids, labels=labels).loss.float() * (1.0 / len(micro_batches))
+                (loss * scale if scale is not None else loss).backward()
+                total = loss if total is None else total + loss
+                del loss
         with no_grad():
             sum_sq = None
             for p in self.params:  # global norm: one reduction per gradient, summed on the GPU
