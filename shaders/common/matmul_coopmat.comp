@@ -74,15 +74,23 @@ layout(constant_id = 14) const uint SPLITS = 1;
 layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
 layout(constant_id = 16) const uint GROUP_ROWS = 0;  // matmul_io.glsl tile_of_workgroup: bands of tile rows
 #include "matmul_io.glsl"
-#if !defined(OUT_F32)
+// A whole tile of C, nothing to add, is stored straight from the accumulators where C's type allows:
+// STORE_ACCUMULATOR(m, at) writes the float accumulator m at element `at` of C, rows N_ apart (coopMatStore: a
+// start and stride of whole 16-byte units, STORE_ALIGN elements).
+#if defined(OUT_F32)
+#define STORE_ALIGN 4
+#define STORE_ACCUMULATOR(M, AT) coopMatStore(M, c_data, AT, N_, gl_CooperativeMatrixLayoutRowMajor)
+#elif defined(STORE_F16_MATRICES)
+// float16 C (float16 inputs only: the bfloat16 rewrite would turn this type too) as float16 values, for
+// accumulators converted to float16 (a 16x16 float16 accumulator is one of the device's shapes).
+layout(binding = 2) writeonly buffer MatCHalves { float16_t c_half[]; };
+#define STORE_ALIGN 8
+#define STORE_ACCUMULATOR(M, AT) coopMatStore(coopmat<float16_t, gl_ScopeSubgroup, 16, 16, \
+    gl_MatrixUseAccumulator>(M), c_half, AT, N_, gl_CooperativeMatrixLayoutRowMajor)
+#else
 // C seen as uvec4s of 8 raw 16-bit values, for the whole-vector epilogue.
 layout(binding = 2) writeonly buffer MatCVectors { uvec4 c_vec[]; };
 uint pack_out2(float lo, float hi) { return uint(TO_OUT(lo)) | (uint(TO_OUT(hi)) << 16); }
-#endif
-#if defined(STORE_F16_MATRICES)
-// float16 C (float16 inputs only: the bfloat16 rewrite would turn this type too) as float16 values, for
-// coopMatStore of accumulators converted to float16 (a 16x16 float16 accumulator is one of the device's shapes).
-layout(binding = 2) writeonly buffer MatCHalves { float16_t c_half[]; };
 #endif
 // Bound on uvec4 loads per invocation per tile (the launcher checks it).
 #define MAX_CHUNKS 16
@@ -226,32 +234,17 @@ void main() {
     }
 
     const uint base_c = off_c + gl_WorkGroupID.z * stride_c + shift_c;
-#if defined(OUT_F32)
-    // float32 C, whole tile, nothing to add: store the accumulators directly (coopMatStore needs a 16-byte
-    // aligned start and stride: N_ and base_c multiples of 4 floats).
-    if (inside && HAS_BIAS == 0 && beta == 0.0 && N_ % 4 == 0 && base_c % 4 == 0) {
+#if defined(STORE_ACCUMULATOR)
+    // Whole tile, nothing to add, 16-byte aligned rows: store the accumulators directly.
+    if (inside && HAS_BIAS == 0 && beta == 0.0 && N_ % STORE_ALIGN == 0 && base_c % STORE_ALIGN == 0) {
         [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
             [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
                 uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
-                coopMatStore(acc[i][j] * alpha, c_data, base_c + r0 * N_ + c0, N_, gl_CooperativeMatrixLayoutRowMajor);
+                STORE_ACCUMULATOR(acc[i][j] * alpha, base_c + r0 * N_ + c0);
             }
         return;
     }
-#elif defined(STORE_F16_MATRICES)
-    // float16 C, whole tile, nothing to add, 16-byte aligned rows: convert the accumulators to float16 and
-    // store them directly, as for float32.
-    if (inside && HAS_BIAS == 0 && beta == 0.0 && N_ % 8 == 0 && base_c % 8 == 0) {
-        [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
-            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
-                uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
-                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> h =
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(acc[i][j] * alpha);
-                coopMatStore(h, c_half, base_c + r0 * N_ + c0, N_, gl_CooperativeMatrixLayoutRowMajor);
-            }
-        return;
-    }
-#endif
-#if !defined(OUT_F32)
+#else
     // 16-bit C, whole tile, nothing to add, rows of whole aligned uvec4s: each subgroup stages one 16x16
     // accumulator at a time and each lane converts and writes 8 of its values as one 16-byte store
     // (the general epilogue below writes them one 2-byte element at a time).
