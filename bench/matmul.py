@@ -195,7 +195,7 @@ def prefill_runs(device, dtype: str = "bfloat16", quick: bool = False) -> list[d
 
 
 # Cooperative-matrix configurations the sweep tries (subgroups, bk, fragments per subgroup, bands of tile rows).
-# The sixth session's sweep also tried m, n, k as specialization constants (spec_shape): no gain.
+# m, n and k as specialization constants (spec_shape) were also swept on an H200: no gain.
 COOPMAT_SWEEP = [CoopmatConfig(**kw) for kw in (
     dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2), dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2,
                                                              group_rows=16),
@@ -294,7 +294,7 @@ def main() -> None:
 
     if args.sweep:
         results["sweep"] = []
-        # The sixth and ninth sessions' sweeps also tried 128 x 64 tiles with K steps of 8 and 32, 64 x 128,
+        # Sweeps on an H200 also tried 128 x 64 tiles with K steps of 8 and 32, 64 x 128,
         # 128 x 128 of 4 x 8 per invocation, 64 x 64 and 128 x 128 of 8 x 8: all slower.
         candidates = [("float32", dict(algorithm="tiled", tiled=cfg)) for cfg in (
             TiledConfig(128, 64, 16, 8, 4), TiledConfig(128, 64, 16, 8, 4, 8), TiledConfig(128, 64, 16, 8, 4, 16),
