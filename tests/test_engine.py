@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import vkformers as vkf
+from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor, no_grad, parameter
 
@@ -90,9 +91,36 @@ def gelu(x):
     ("slice and index", lambda a: a[1, :, ::2] + a[0, :, 1::2], lambda a: a[1, :, ::2] + a[0, :, 1::2],
      [(2, 3, 4)], False),
     ("expand", lambda a: a.expand(3, 4) * 1.0, lambda a: np.broadcast_to(a, (3, 4)) * 1.0, [(1, 4)], False),
+    ("cat last dim", lambda a, b: F.cat([a, b], -1), lambda a, b: np.concatenate([a, b], -1),
+     [(2, 3, 4), (2, 3, 1)], False),
+    ("cat of views, middle dim", lambda a, b, c: F.cat([a.transpose(0, 2), b[:, ::2], c], 1),
+     lambda a, b, c: np.concatenate([a.transpose(2, 1, 0), b[:, ::2], c], 1), [(5, 3, 2), (2, 7, 5), (2, 1, 5)],
+     False),
+    ("cat dim 0", lambda a, b: F.cat([a, b]), lambda a, b: np.concatenate([a, b]), [(1, 3), (4, 3)], False),
+    ("stack new middle dim", lambda a, b: F.stack([a, b * 2.0], 1), lambda a, b: np.stack([a, b * 2], 1),
+     [(3, 4), (3, 4)], False),
+    ("softplus", lambda a: F.softplus(a * 8.0), lambda a: np.logaddexp(0, a * 8), [(40,)], False),
+    ("softplus beta", lambda a: F.softplus(a * 8.0, beta=2.0, threshold=5.0),
+     lambda a: np.where(a * 16 > 5, a * 8, np.logaddexp(0, a * 16) / 2), [(40,)], False),
 ])
 def test_forward_and_backward(name, vk_fn, np_fn, shapes, positive):
     check(vk_fn, np_fn, *shapes, positive=positive)
+
+
+def test_cat_in_half_precision_and_its_errors():
+    a = RNG.standard_normal((2, 3)).astype(np.float16)
+    b = RNG.standard_normal((2, 5)).astype(np.float16)
+    out = F.cat([vkf.tensor(a, dtype=vkf.float16), vkf.tensor(b, dtype=vkf.float16)], 1)
+    assert out.dtype is vkf.float16
+    np.testing.assert_array_equal(out.float().numpy(), np.concatenate([a, b], 1).astype(np.float32))
+    with pytest.raises(ValueError, match="differ outside dim 1"):
+        F.cat([vkf.tensor(a), vkf.tensor(b.T)], 1)
+    with pytest.raises(TypeError, match="cast one first"):
+        F.cat([vkf.tensor(a.astype(np.float32)), vkf.tensor(b, dtype=vkf.float16)], 1)
+    with pytest.raises(IndexError, match="out of range"):
+        F.cat([vkf.tensor(a)], 2)
+    with pytest.raises(ValueError, match="one shape"):
+        F.stack([vkf.tensor(a), vkf.tensor(b)])
 
 
 def test_argmax_and_compare():

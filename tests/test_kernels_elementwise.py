@@ -92,6 +92,7 @@ UNARY = {
     "silu": lambda v: v * sigmoid(v), "relu2": lambda v: np.maximum(v, 0) ** 2,
     "quick_gelu": lambda v: v * sigmoid(1.702 * v), "sin": np.sin, "cos": np.cos,
     "reciprocal": lambda v: 1 / v, "square": np.square, "erf": ERF,
+    "softplus": lambda v: np.where(v > 20, v, np.logaddexp(0, v)),
 }
 SCALAR_ARGS = {"add_scalar": (1.25,), "mul_scalar": (-0.75,), "pow_scalar": (2.5,), "clamp": (-0.5, 0.75),
                "rsub_scalar": (2.5,)}
@@ -122,17 +123,19 @@ BINARY = {
     "relu2_backward": lambda x, dy: dy * 2 * np.maximum(x, 0),
     "quick_gelu_backward": lambda x, dy: dy * (sigmoid(1.702 * x) + 1.702 * x * sigmoid(1.702 * x)
                                                * (1 - sigmoid(1.702 * x))),
+    "softplus_backward": lambda x, dy: dy * np.where(x > 20, 1.0, sigmoid(x)),
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
     "ne": np.not_equal,
 }
 # Forward functions of the backward ops, to check the references above by finite differences.
 FORWARD_OF = {"relu_backward": "relu", "gelu_backward": "gelu", "gelu_tanh_backward": "gelu_tanh",
-              "silu_backward": "silu", "relu2_backward": "relu2", "quick_gelu_backward": "quick_gelu"}
+              "silu_backward": "silu", "relu2_backward": "relu2", "quick_gelu_backward": "quick_gelu",
+              "softplus_backward": "softplus"}
 
 EXACT_F32 = {"neg", "abs", "relu", "add", "sub", "mul", "maximum", "minimum", "square", "relu2", "clamp",
              "add_scalar", "mul_scalar", "rsub_scalar", "relu_backward", "relu2_backward"}
 AMPLIFIED_F32 = {"gelu", "gelu_tanh", "silu", "quick_gelu", "gelu_backward", "gelu_tanh_backward",
-                 "silu_backward", "quick_gelu_backward", "sigmoid_backward", "tanh_backward"}
+                 "silu_backward", "quick_gelu_backward", "sigmoid_backward", "tanh_backward", "softplus_backward"}
 
 
 def f32_tolerance(op: str) -> tuple[float, float]:
@@ -433,8 +436,8 @@ def test_launcher_errors(device):
     x = device.upload(np.zeros(12, np.float32))
     out = device.buffer(12)
     seq = device.sequence()
-    with pytest.raises(ValueError, match="unknown elementwise op 'softplus'"):
-        ew.unary(seq, "softplus", x, None, out, (12,))
+    with pytest.raises(ValueError, match="unknown elementwise op 'softsign'"):
+        ew.unary(seq, "softsign", x, None, out, (12,))
     with pytest.raises(ValueError, match="binary op"):
         ew.unary(seq, "add", x, None, out, (12,))
     with pytest.raises(ValueError, match="takes 2 scalar"):
@@ -467,6 +470,22 @@ def test_copy_strided_makes_views_contiguous(device, dtype):
     x, out = upload(device, base, dtype), device.buffer((3, 5, 7), dtype)
     run(device, lambda s: ew.copy_strided(s, Operand(x, 2), (1, 21, 3), out, (3, 5, 7)))
     np.testing.assert_array_equal(download(out), stored(view, dtype) if dtype != "uint32" else view)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copy_strided_writes_through_output_strides(device, dtype):
+    # A [3, 5, 7] part written into columns 2..8 of a [3, 5, 11] result (a concatenation along the last dim),
+    # from a permuted view: nothing outside the slice changes.
+    rng = np.random.default_rng(9)
+    base = rng.integers(-50, 50, 3 * 5 * 7 + 2)
+    view = _view(base, 2, (1, 21, 3), (3, 5, 7))
+    x = upload(device, base, dtype)
+    out = upload(device, np.full((3, 5, 11), 99), dtype)
+    run(device, lambda s: ew.copy_strided(s, Operand(x, 2), (1, 21, 3), Operand(out, 2), (3, 5, 7),
+                                          out_strides=(55, 11, 1)))
+    expected = np.full((3, 5, 11), 99)
+    expected[:, :, 2:9] = view
+    np.testing.assert_array_equal(download(out), stored(expected, dtype))
 
 
 @pytest.mark.parametrize("src,dst", sorted(ew.COPY_CONVERSIONS))

@@ -76,6 +76,11 @@ def test_aliased_binding_is_written_if_any_view_writes():
         assert [b.readonly for b in iface.bindings] == [True, True, False, True, True]
 
 
+def test_push_block_ending_in_an_array_is_sized_by_its_length():
+    """copy_strided's push block: shape[6], src_stride[6], src_offset, dst_offset, dst_stride[6] (20 uints)."""
+    assert reflect(find_spirv("copy_strided", "b32").read_bytes()).push_constant_bytes == 80
+
+
 def test_bad_device_index(monkeypatch):
     with pytest.raises(DeviceIndexError, match="index 99 does not exist; devices are 0: "):
         vulkan.get_device(99)

@@ -1,6 +1,7 @@
 // out[i] = convert(x[strided index of i]): a view made contiguous (contiguous(), to(dtype)).
 // The output is contiguous from out_offset; the input has any strides and offset,
-// over up to 6 dims. b32/b16/b8 copy raw elements of one size (any dtype of that
+// over up to 6 dims. With DST_STRIDED the output is written through dst_stride too
+// (a part of a concatenation lands in its slice of the result). b32/b16/b8 copy raw elements of one size (any dtype of that
 // size); the other variants convert: between float dtypes (fp32 in between),
 // float -> int32 truncates toward zero, anything -> bool is (x != 0).
 //! variant b32 -DSRC_B32 -DDST_B32
@@ -34,6 +35,7 @@ layout(local_size_x = 256) in;
 #include "common.glsl"
 
 layout(constant_id = 0) const uint NDIM = 1;  // dims after the launcher coalesced them, 1..MAX_DIMS
+layout(constant_id = 1) const bool DST_STRIDED = false;
 #define MAX_DIMS 6
 
 // Source element type, and the value it is read as (VALUE_T: float for floats, int for int32/bool).
@@ -93,6 +95,7 @@ layout(push_constant) uniform Push {
     uint src_stride[MAX_DIMS];
     uint src_offset;
     uint dst_offset;
+    uint dst_stride[MAX_DIMS];  // read only with DST_STRIDED
 };
 
 void main() {
@@ -101,11 +104,15 @@ void main() {
     uint i = global_index();
     if (i >= count) return;
     uint src_index = src_offset;
+    uint dst_index = dst_offset;
     uint rest = i;
     for (uint d = NDIM - 1; d > 0; --d) {  // innermost dim first; dim 0 needs no division
-        src_index += (rest % shape[d]) * src_stride[d];
+        uint coord = rest % shape[d];
+        src_index += coord * src_stride[d];
+        if (DST_STRIDED) dst_index += coord * dst_stride[d];
         rest /= shape[d];
     }
     src_index += rest * src_stride[0];
-    dst[dst_offset + i] = CONVERT(src[src_index]);
+    dst_index = DST_STRIDED ? dst_index + rest * dst_stride[0] : dst_offset + i;
+    dst[dst_index] = CONVERT(src[src_index]);
 }

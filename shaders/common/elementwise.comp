@@ -138,6 +138,7 @@ float apply(float x, float y, float s0, float s1) {
     case OP_RECIPROCAL: return 1.0 / x;
     case OP_SQUARE: return x * x;
     case OP_ERF: return erf_accurate(x);
+    case OP_SOFTPLUS: return x > 20.0 ? x : max(x, 0.0) + log1p_accurate(exp_accurate(-abs(x)));
 
     case OP_ADD_SCALAR: return x + s0;
     case OP_MUL_SCALAR: return x * s0;
@@ -164,6 +165,7 @@ float apply(float x, float y, float s0, float s1) {
     case OP_SIGMOID_BACKWARD: return y * x * (1.0 - x);
     case OP_TANH_BACKWARD: return y * (1.0 - x * x);
     case OP_RELU2_BACKWARD: return x > 0.0 ? 2.0 * x * y : 0.0;
+    case OP_SOFTPLUS_BACKWARD: return x > 20.0 ? y : y * sigmoid_accurate(x);
     case OP_QUICK_GELU_BACKWARD: {
         float s = sigmoid_accurate(1.702 * x);
         return y * (s + 1.702 * x * s * sigmoid_accurate(-1.702 * x));

@@ -65,6 +65,13 @@ float log_accurate(float x) {
     return fe * LN2_HI + (log1p_f + fe * LN2_LO);
 }
 
+// log(1 + x) for small x too: u = 1 + x rounds, and x / (u - 1) undoes that rounding (Goldberg).
+float log1p_accurate(float x) {
+    precise float u = 1.0 + x;
+    if (u == 1.0 || isinf(u)) return u == 1.0 ? x : log_accurate(u);
+    return log_accurate(u) * (x / (u - 1.0));
+}
+
 float sigmoid_accurate(float x) { return 1.0 / (1.0 + exp_accurate(-x)); }
 
 float tanh_accurate(float x) {

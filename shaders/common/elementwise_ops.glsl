@@ -24,6 +24,7 @@
 #define OP_RECIPROCAL 16
 #define OP_SQUARE 17
 #define OP_ERF 18
+#define OP_SOFTPLUS 19
 // unary with scalars s0, s1 (push constants)
 #define OP_ADD_SCALAR 20
 #define OP_MUL_SCALAR 21
@@ -47,6 +48,7 @@
 #define OP_TANH_BACKWARD 45
 #define OP_RELU2_BACKWARD 46
 #define OP_QUICK_GELU_BACKWARD 47
+#define OP_SOFTPLUS_BACKWARD 48
 // compare (the *_cmp variants): out = a <op> b as a byte mask
 #define OP_LT 50
 #define OP_LE 51

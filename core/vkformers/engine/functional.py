@@ -12,7 +12,7 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
     fused_linear,
     fused_qkv_rope_write,
 )
-from vkformers.engine.ops.elementwise import unary, where
+from vkformers.engine.ops.elementwise import cat, stack, unary, where
 from vkformers.engine.ops.nn import (
     cross_entropy,
     dropout,
@@ -98,9 +98,18 @@ def tanh(x):
     return unary(x, "tanh")
 
 
+def softplus(x, beta: float = 1.0, threshold: float = 20.0):
+    """log(1 + e^(beta x)) / beta, and x itself where beta x > threshold, as torch.nn.functional.softplus."""
+    if beta == 1.0 and threshold == 20.0:
+        return unary(x, "softplus")
+    scaled = x * beta
+    return where(scaled > threshold, x, unary(scaled, "softplus") * (1.0 / beta))
+
+
 ACTIVATIONS = {"relu": relu, "relu2": relu2, "gelu": gelu, "gelu_new": lambda x: gelu(x, "tanh"),
                "gelu_pytorch_tanh": lambda x: gelu(x, "tanh"), "gelu_fast": lambda x: gelu(x, "tanh"),
-               "quick_gelu": quick_gelu, "silu": silu, "swish": silu, "sigmoid": sigmoid, "tanh": tanh}
+               "quick_gelu": quick_gelu, "silu": silu, "swish": silu, "sigmoid": sigmoid, "tanh": tanh,
+               "softplus": softplus}
 
 
 def activation(name: str):
@@ -124,8 +133,9 @@ def log_softmax(x, dim: int = -1):
     return x.log_softmax(dim)
 
 
-__all__ = ["FusedNorm", "activation", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+__all__ = ["FusedNorm", "activation", "cat", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "manual_seed", "quick_gelu", "relu", "relu2", "rms_norm", "rope",
-           "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "tanh", "where"]
+           "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "softplus", "stack",
+           "tanh", "where"]

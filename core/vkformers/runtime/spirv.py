@@ -16,13 +16,16 @@ OP_EXECUTION_MODE = 16
 OP_TYPE_INT = 21
 OP_TYPE_FLOAT = 22
 OP_TYPE_VECTOR = 23
+OP_TYPE_ARRAY = 28
 OP_TYPE_STRUCT = 30
 OP_TYPE_POINTER = 32
+OP_CONSTANT = 43
 OP_VARIABLE = 59
 OP_DECORATE = 71
 OP_MEMBER_DECORATE = 72
 EXECUTION_MODE_LOCAL_SIZE = 17
 DECORATION_SPEC_ID = 1
+DECORATION_ARRAY_STRIDE = 6
 DECORATION_NON_WRITABLE = 24
 DECORATION_BINDING = 33
 DECORATION_DESCRIPTOR_SET = 34
@@ -62,6 +65,8 @@ def reflect(code: bytes) -> KernelInterface:
     pointers: dict[int, tuple[int, int]] = {}  # id -> (storage class, pointee)
     structs: dict[int, list[int]] = {}
     scalar_bytes: dict[int, int] = {}
+    constants: dict[int, int] = {}  # id -> value of 32-bit integer constants (array lengths)
+    arrays: dict[int, tuple[int, int]] = {}  # id -> (element type, length constant id)
     variables: list[tuple[int, int, int]] = []  # (id, pointer type, storage class)
     local_size = None
 
@@ -83,11 +88,19 @@ def reflect(code: bytes) -> KernelInterface:
             scalar_bytes[ops[0]] = ops[1] // 8
         elif opcode == OP_TYPE_VECTOR:
             scalar_bytes[ops[0]] = scalar_bytes.get(ops[1], 4) * ops[2]
+        elif opcode == OP_TYPE_ARRAY:
+            arrays[ops[0]] = (ops[1], ops[2])
+        elif opcode == OP_CONSTANT and len(ops) == 3:
+            constants[ops[1]] = ops[2]
         elif opcode == OP_VARIABLE:
             variables.append((ops[1], ops[0], ops[2]))
         elif opcode == OP_EXECUTION_MODE and ops[1] == EXECUTION_MODE_LOCAL_SIZE:
             local_size = (ops[2], ops[3], ops[4])
         i += count
+
+    for array, (element, length) in arrays.items():  # push blocks use arrays of scalars (std430 stride)
+        stride = decorations.get(array, {}).get(DECORATION_ARRAY_STRIDE, [scalar_bytes.get(element, 4)])[0]
+        scalar_bytes[array] = stride * constants.get(length, 1)
 
     readonly_by_index: dict[int, bool] = {}  # a binding declared twice (aliased views) is read-only if both are
     push_bytes = 0
@@ -106,7 +119,7 @@ def reflect(code: bytes) -> KernelInterface:
             index = deco[DECORATION_BINDING][0]
             readonly_by_index[index] = readonly_by_index.get(index, True) and readonly
         elif storage == STORAGE_CLASS_PUSH_CONSTANT:
-            # Push blocks hold 32-bit scalars (and vectors of them): size = last offset + last size.
+            # Push blocks hold 32-bit scalars (and vectors and arrays of them): size = last offset + last size.
             offsets = member_decorations.get(pointee, {})
             for member, member_type in enumerate(structs.get(pointee, [])):
                 offset = offsets.get(member, {}).get(DECORATION_OFFSET, [0])[0]

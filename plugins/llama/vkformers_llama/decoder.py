@@ -94,28 +94,13 @@ def _embed_norm_spec(spec: DecoderSpec) -> DecoderSpec:
                    norm_unit_offset=False)
 
 
-def concat_last(a, b):
-    """cat([a, b], -1) with a differentiable, exact matmul by 0/1 selection matrices (the engine has no concat)."""
-    na, nb = a.shape[-1], b.shape[-1]
-    left = np.eye(na, na + nb, dtype=np.float32)
-    right = np.eye(nb, na + nb, k=na, dtype=np.float32)
-    return a @ Tensor(left, dtype=a.dtype) + b @ Tensor(right, dtype=b.dtype)
-
-
 def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
     """Apertus' xIELU: alpha_p x^2 + beta x for x > 0, else alpha_n (expm1(min(x, eps)) - x) + beta x, with
     alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n) (learned a_p, a_n)."""
-    softplus = lambda t: (t.exp() + 1.0).log()  # noqa: E731  (|a| is O(1): no overflow)
-    ap, an = softplus(alpha_p), softplus(alpha_n) + beta
+    ap, an = F.softplus(alpha_p), F.softplus(alpha_n) + beta
     positive = ap * x * x + x * beta
     negative = ((x.minimum(eps)).exp() - 1.0 - x) * an + x * beta
     return F.where(x > 0.0, positive, negative)
-
-
-def softplus(x):
-    """log(1 + e^x) as relu(x) + log(1 + e^-|x|): no overflow for large |x|."""
-    positive = F.relu(x)  # not x.maximum(0.0): the scalar path of binary ops computes 1 / 0 for it
-    return positive + ((x - positive * 2.0).exp() + 1.0).log()
 
 
 def make_projection(spec: DecoderSpec, in_features: int, out_features: int, bias: bool) -> Module:
@@ -141,14 +126,7 @@ class HeadwiseNorm(Module):
     def _weight(self):
         if self.stacked:
             return self.weight
-        # stack the per-head weights without a concat op: sum_h one_hot(h) (x) weight_h
-        rows = None
-        for h, norm in enumerate(self.norms):
-            one_hot = np.zeros((self.heads, 1), np.float32)
-            one_hot[h] = 1.0
-            row = Tensor(one_hot, dtype=norm.weight.dtype) * norm.weight
-            rows = row if rows is None else rows + row
-        return rows
+        return F.stack([norm.weight for norm in self.norms])
 
     def forward(self, x):  # x [B, T, heads, D]
         if self.spec.norm == "rms":
@@ -314,14 +292,15 @@ class DecoderLayer(Module):
                            attention_scaling=scaling)
             k_rot = F.rope(k_rot.reshape(batch, 1, length, rdim), ctx.rope_positions, inv_freq,
                            interleaved=s.rope_interleaved, attention_scaling=scaling)
-            q = concat_last(q[..., :nope], q_rot)
-            k = concat_last(k_nope, k_rot.expand(batch, heads, length, rdim))
+            q = F.cat([q[..., :nope], q_rot], -1)
+            k = F.cat([k_nope, k_rot.expand(batch, heads, length, rdim)], -1)
         else:  # NoPE MLA (GLM-5.3-Flash): no rotary key part
             k = k_nope.contiguous()
         if vdim > nope + rdim:
             raise UnsupportedConfigError(f"MLA with v_head_dim {vdim} > qk head dim {nope + rdim} is not supported")
         if vdim < nope + rdim:  # the attention kernel has one head size: pad v with zeros, slice the output
-            v = concat_last(v, Tensor(np.zeros((batch, heads, length, nope + rdim - vdim), np.float32), dtype=v.dtype))
+            padding = Tensor(np.zeros((batch, heads, length, nope + rdim - vdim), np.float32), dtype=v.dtype)
+            v = F.cat([v, padding], -1)
         return q, k, v.contiguous()
 
     # -- attention
@@ -358,7 +337,7 @@ class DecoderLayer(Module):
             return p["linear"](h, ctx, self.index)
         gate = p["output_gate"](h) if "output_gate" in p else None
         if gate is not None:
-            gate = gate.sigmoid() if s.output_gate_sigmoid else softplus(gate)
+            gate = gate.sigmoid() if s.output_gate_sigmoid else F.softplus(gate)
         if s.mla:
             q, k, v = self._mla_qkv(h, ctx)
             return self._attend(q, k, v, ctx, batch, length)

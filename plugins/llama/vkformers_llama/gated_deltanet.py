@@ -27,16 +27,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 
-from vkformers_llama.decoder import concat_last, make_norm, softplus
-
-
-def concat_time(a, b):
-    """cat([a, b], dim=1) for [B, T, C] tensors, exact (0/1 selection matmuls; the engine has no concat)."""
-    ta, tb = a.shape[1], b.shape[1]
-    first = np.eye(ta, ta + tb, dtype=np.float32)
-    second = np.eye(tb, ta + tb, k=ta, dtype=np.float32)
-    out = a.transpose(1, 2) @ Tensor(first, dtype=a.dtype) + b.transpose(1, 2) @ Tensor(second, dtype=b.dtype)
-    return out.transpose(1, 2)
+from vkformers_llama.decoder import make_norm
 
 
 class GatedDeltaNet(Module):
@@ -125,12 +116,12 @@ class GatedDeltaNet(Module):
         ba = self.in_proj_ba(h).reshape(batch, length, heads, 2 * repeat)
         b, a = (ba[..., i * repeat:(i + 1) * repeat].contiguous().reshape(batch, length, self.v_heads)
                 for i in range(2))
-        return [concat_last(concat_last(q, k), v)], z, b, a
+        return [F.cat([q, k, v], -1)], z, b, a
 
     def _conv(self, x, history, weight):
         """Causal depthwise conv1d + silu over time: x [B, T, C], history [B, kernel - 1, C] (the inputs before)."""
         length = x.shape[1]
-        full = concat_time(history, x)
+        full = F.cat([history, x], 1)
         out = None
         for j in range(self.kernel):  # output t reads inputs t - kernel + 1 .. t, i.e. full[t + j]
             term = full[:, j:j + length] * weight[:, 0, j]
@@ -152,7 +143,7 @@ class GatedDeltaNet(Module):
     def _decay(self, a):
         """exp(g) [B, H, T]: g = -exp(A_log) * softplus(a + dt_bias), one per head (a variant may decay each key
         channel: [B, H, T, key_dim])."""
-        return (softplus(a + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
+        return (F.softplus(a + self.dt_bias) * (self.A_log.exp() * -1.0)).exp().permute(0, 2, 1)
 
     @staticmethod
     def _output_gate(z):
@@ -193,7 +184,7 @@ class GatedDeltaNet(Module):
         decay = self._decay(a)
 
         heads, kd, vd = self.v_heads, self.k_dim, self.v_dim
-        out = None
+        outputs = []
         for t in range(length):
             k_t = k[:, :, t].reshape(batch, heads, kd, 1)
             state = state * decay[:, :, t].reshape(batch, heads, -1, 1)           # per head or per key channel
@@ -201,10 +192,8 @@ class GatedDeltaNet(Module):
             delta = (v[:, :, t] - remembered) * beta[:, :, t].reshape(batch, heads, 1)
             state = state + k_t * delta.reshape(batch, heads, 1, vd)
             o_t = (state * q[:, :, t].reshape(batch, heads, kd, 1)).sum(-2)
-            one_hot = np.zeros((length, 1), np.float32)
-            one_hot[t] = 1.0
-            placed = o_t.reshape(batch, heads, 1, vd) * Tensor(one_hot, dtype=o_t.dtype)  # row t of [B, H, T, vd]
-            out = placed if out is None else out + placed
+            outputs.append(o_t)
+        out = F.stack(outputs, 2)                                                  # [B, H, T, vd]
         if states is not None:
             states[index] = ([past.detach() for past in histories], state.detach())
 

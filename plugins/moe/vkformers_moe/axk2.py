@@ -30,7 +30,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import LayerNorm, Linear
-from vkformers_llama.decoder import DecoderLayer, _join, concat_last, place
+from vkformers_llama.decoder import DecoderLayer, _join, place
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
 
@@ -116,7 +116,7 @@ class Axk2Layer(DecoderLayer):
         residual = p["q_a_norm"](compressed)
         gate = None
         if self.options.gate_rank:
-            both = p["q_b"](concat_last(residual, compressed)).reshape(batch, length, heads, qk + vdim)
+            both = p["q_b"](F.cat([residual, compressed], -1)).reshape(batch, length, heads, qk + vdim)
             q = both[..., :qk].contiguous().reshape(batch, length, heads * qk)
             gate = both[..., qk:].contiguous().reshape(batch, length, heads * vdim).sigmoid()
         else:
@@ -136,7 +136,7 @@ class Axk2Layer(DecoderLayer):
         def rotate(x):  # rotate_half (DeepSeek-V3.2) or interleaved pairs (GLM-5) on the first rdim dims
             turned = F.rope(x[..., :rdim].contiguous(), ctx.rope_positions, inv_freq,
                             interleaved=o.index_rope_interleaved, attention_scaling=scaling)
-            return concat_last(turned, x[..., rdim:]) if rdim < dim else turned
+            return F.cat([turned, x[..., rdim:]], -1) if rdim < dim else turned
 
         q = rotate(p["index_q"](residual).reshape(batch, length, heads, dim).permute(0, 2, 1, 3))
         k = rotate(p["index_k_norm"](p["index_k"](h)).reshape(batch, 1, length, dim))

@@ -37,8 +37,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
-from vkformers_llama.decoder import (IGNORED_CHECKPOINT_KEYS, add_param, concat_last, get_param, make_norm, place,
-                                     softplus)
+from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, add_param, get_param, make_norm, place
 
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask
 from vkformers_moe.model import MoeDecoderForCausalLM
@@ -74,18 +73,6 @@ class DeepseekV4Layers:
         return DeepseekV4Layer(self, spec, index)
 
 
-def _cat_last(*parts):
-    out = parts[0]
-    for part in parts[1:]:
-        out = concat_last(out, part)
-    return out
-
-
-def _cat_seq(a, b):
-    """cat([a, b], -2) for [..., T, D] tensors."""
-    return concat_last(a.transpose(-1, -2), b.transpose(-1, -2)).transpose(-1, -2).contiguous()
-
-
 def _hyper_weights(streams, fn, base, scale, eps: float, norm_eps: float):
     """(pre, mixes) of one hyper-connection: mixes = rms(flattened streams) @ fn^T, pre = sigmoid(a s0 + b) + eps."""
     b, t, n, d = streams.shape
@@ -114,7 +101,7 @@ class DeepseekV4Moe(SparseMoeBlock):
 
     def routing_weights(self, x, ids=None):
         moe = self.moe
-        scores = softplus(self.router(x).float()).sqrt()
+        scores = F.softplus(self.router(x).float()).sqrt()
         if self.hashed:  # the token's experts come from the table; counted, as transformers adds repeats
             chosen = self.table[np.asarray(ids).reshape(-1)]
             counts = np.zeros((chosen.shape[0], moe.num_experts), np.float32)
@@ -227,7 +214,7 @@ class DeepseekV4Layer(Module):
         inv_freq, scaling = ctx.rope_tables[self.index]
         nope = x.shape[-1] - self.options.rope_dim
         rotated = F.rope(x[..., nope:].contiguous(), positions, inv_freq, interleaved=True, attention_scaling=scaling)
-        return concat_last(x[..., :nope], rotated) if nope else rotated
+        return F.cat([x[..., :nope], rotated], -1) if nope else rotated
 
     def _history(self, h, ctx):
         """(attention inputs of every token so far [B, K, D], their positions [B, K] and padding mask [B, K] on the
@@ -243,7 +230,7 @@ class DeepseekV4Layer(Module):
             states.pop(self.index, None)
         if self.index in states:
             past, past_positions, past_mask = states[self.index]
-            h = _cat_seq(past, h)
+            h = F.cat([past, h], -2)
             positions, mask = np.concatenate([past_positions, positions], 1), np.concatenate([past_mask, mask], 1)
         states[self.index] = (h, positions, mask)
         return h, positions, mask, h.shape[1] - length
@@ -263,8 +250,8 @@ class DeepseekV4Layer(Module):
             shift = Tensor(np.eye(windows, k=1, dtype=np.float32))  # column w takes row w - 1
             first = Tensor(np.where(np.arange(windows) == 0, _HIDDEN, 0.0).astype(np.float32).reshape(1, windows, 1, 1))
             previous = [(t[:, :, :dim].permute(0, 2, 3, 1) @ shift).permute(0, 3, 1, 2) for t in (kv, gate)]
-            kv = _cat_last(previous[0], kv[:, :, dim:])
-            gate = _cat_last(previous[1] + first, gate[:, :, dim:])
+            kv = F.cat([previous[0], kv[:, :, dim:]], -1)
+            gate = F.cat([previous[1] + first, gate[:, :, dim:]], -1)
         entries = p[f"{role}_norm"]((kv * gate.softmax(-1)).sum(-1))  # [B, W, dim]
         starts = np.broadcast_to(np.arange(windows, dtype=np.int32) * rate, (b, windows)).copy()
         return self._rotate(entries.reshape(b, 1, windows, dim), Tensor(starts), ctx)
@@ -322,7 +309,7 @@ class DeepseekV4Layer(Module):
             parts.append(scores)
             values.append(entries)
         sinks = get_param(self, "attn.attn_sink").float().reshape(1, heads, 1, 1).expand(b, heads, t, 1)
-        probs = _cat_last(*parts, sinks.contiguous()).softmax(-1)
+        probs = F.cat([*parts, sinks], -1).softmax(-1)
         out, offset = None, 0
         for v in values:
             size = v.shape[2]

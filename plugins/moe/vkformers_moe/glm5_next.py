@@ -30,7 +30,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
-from vkformers_llama.decoder import DecoderLayer, add_param, get_param, make_norm, softplus
+from vkformers_llama.decoder import DecoderLayer, add_param, get_param, make_norm
 from vkformers_llama.gated_deltanet import GatedDeltaNet
 
 from vkformers_moe.axk2 import Axk2Attention, Axk2Layer
@@ -74,7 +74,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         batch, length, _ = a.shape
         g = (a + self.dt_bias).reshape(batch, length, self.v_heads, self.v_dim)
         rate = self.A_log.exp().reshape(1, 1, self.v_heads, 1)
-        g = (g * rate).sigmoid() * self.lower_bound if self.lower_bound is not None else softplus(g) * rate * -1.0
+        g = (g * rate).sigmoid() * self.lower_bound if self.lower_bound is not None else F.softplus(g) * rate * -1.0
         return g.exp().permute(0, 2, 1, 3)  # [B, H, T, key_dim]
 
     @staticmethod

@@ -17,7 +17,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
-from vkformers_llama.decoder import DecoderLayer, _join, concat_last, make_projection, place
+from vkformers_llama.decoder import DecoderLayer, _join, make_projection, place
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ class MimoLayer(DecoderLayer):
         batch, kv_heads, length, vdim = v.shape
         dim = k.shape[-1]
         if vdim < dim:  # the attention kernel has one head size
-            v = concat_last(v, Tensor(np.zeros((batch, kv_heads, length, dim - vdim), np.float32), dtype=v.dtype))
+            padding = Tensor(np.zeros((batch, kv_heads, length, dim - vdim), np.float32), dtype=v.dtype)
+            v = F.cat([v, padding], -1)
         repeat = self.cache_kv_heads // kv_heads
         if repeat > 1:  # the cache's head count: each KV head repeated, in place
             k, v = (t.reshape(batch, kv_heads, 1, length, dim).expand(batch, kv_heads, repeat, length, dim)

@@ -23,7 +23,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
-from vkformers_llama.decoder import DecoderLayer, _join, concat_last, make_norm, place
+from vkformers_llama.decoder import DecoderLayer, _join, make_norm, place
 
 from vkformers_moe.block import clipped_swiglu, topk_mask
 
@@ -164,12 +164,12 @@ class MinimaxM3Layer(DecoderLayer):
             if past == 0:
                 stored.pop(self.index, None)
             if self.index in stored:
-                k = concat_last(stored[self.index], k)
+                k = F.cat([stored[self.index], k], -1)
             stored[self.index] = k
         blocks = -(-keys // o.block)
         width = blocks * o.block
         if width > keys:  # whole blocks: the padding keys lie after every query, hidden below
-            k = concat_last(k, Tensor(np.zeros((batch, 1, o.index_dim, width - keys), np.float32), dtype=k.dtype))
+            k = F.cat([k, Tensor(np.zeros((batch, 1, o.index_dim, width - keys), np.float32), dtype=k.dtype)], -1)
         future = np.arange(width)[None, :] > queries[:, None]
         scores = (q.detach() @ k).float() + Tensor(np.where(future, _HIDDEN, 0.0).astype(np.float32)[None, None])
         pooled = scores.reshape(batch, o.index_heads, new, blocks, o.block).max(-1)

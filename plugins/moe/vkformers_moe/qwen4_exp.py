@@ -38,8 +38,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
-from vkformers_llama.decoder import DecoderLayer, _join, add_param, concat_last, get_param, make_norm, place
-from vkformers_llama.gated_deltanet import concat_time
+from vkformers_llama.decoder import DecoderLayer, _join, add_param, get_param, make_norm, place
 
 from vkformers_moe.model import MoeDecoderForCausalLM
 
@@ -209,10 +208,7 @@ class PerLayerEmbedding(Module):
 
     def _table(self):
         shards = [get_param(self, f"ple_embedding.ngram_embedding.shard_{i}.weight") for i in range(len(self.shards))]
-        table = shards[0]
-        for shard in shards[1:]:  # rows appended: cat along dim 0 as a transposed concat_last
-            table = concat_last(table.transpose(0, 1), shard.transpose(0, 1)).transpose(0, 1).contiguous()
-        return table
+        return F.cat(shards, 0)
 
     def forward(self, streams, ctx):
         b, t, _ = streams.shape
@@ -244,7 +240,7 @@ class PerLayerEmbedding(Module):
         if keep is not None and not keep.all():
             m = Tensor(keep.astype(np.float32)[:, :, None], dtype=gated.dtype)
             gated, normed = gated * m, normed * m
-        full = concat_time(conv_past, normed)
+        full = F.cat([conv_past, normed], 1)
         weight, r, k = self.conv1d.weight, o.ngram_size, o.ple_kernel
         conv = None
         for j in range(k):  # output t reads inputs t - (k - 1 - j) r

@@ -493,17 +493,12 @@ class Stack(Module):
         return self.final_norm(x) if self.final_norm is not None else x
 
     def prepend_global(self, x):
-        """[global tokens; x] along the sequence: two exact 0/1 placement matmuls (no concatenation op)."""
-        batch, length, _ = x.shape
+        """[global tokens; x] along the sequence."""
+        batch = x.shape[0]
         count = self.spec.global_tokens
-        total = count + length
-        place_global = np.eye(count, total, dtype=np.float32)                 # [G, G+S]
-        place_input = np.eye(length, total, k=count, dtype=np.float32)        # [S, G+S]
         ids = np.broadcast_to(np.arange(count, dtype=np.int32), (batch, count))
         glob = F.embedding(tensor(np.ascontiguousarray(ids)), self.embed_global.weight)  # [B, G, D]
-        joined = glob.permute(0, 2, 1) @ tensor(place_global, dtype=x.dtype) + \
-            x.permute(0, 2, 1) @ tensor(place_input, dtype=x.dtype)         # [B, D, G+S]
-        return joined.permute(0, 2, 1)
+        return F.cat([glob, x], 1)
 
 
 # ---------------------------------------------------------------- generation cache

@@ -63,6 +63,7 @@ OPS: dict[str, ElementwiseOp] = _ops(
     ElementwiseOp("reciprocal", 16, "unary"),
     ElementwiseOp("square", 17, "unary", int32=True),
     ElementwiseOp("erf", 18, "unary"),
+    ElementwiseOp("softplus", 19, "unary"),        # log(1 + e^x), x itself past 20 (torch's threshold)
     ElementwiseOp("add_scalar", 20, "unary", scalars=1, int32=True),   # x + s
     ElementwiseOp("mul_scalar", 21, "unary", scalars=1, int32=True),   # x * s
     ElementwiseOp("pow_scalar", 22, "unary", scalars=1),               # x ** s
@@ -84,6 +85,7 @@ OPS: dict[str, ElementwiseOp] = _ops(
     ElementwiseOp("tanh_backward", 45, "binary"),
     ElementwiseOp("relu2_backward", 46, "binary"),
     ElementwiseOp("quick_gelu_backward", 47, "binary"),
+    ElementwiseOp("softplus_backward", 48, "binary"),
     ElementwiseOp("lt", 50, "compare", int32=True),
     ElementwiseOp("le", 51, "compare", int32=True),
     ElementwiseOp("gt", 52, "compare", int32=True),
@@ -283,10 +285,11 @@ def copy_variant(src: str, dst: str) -> str:
                     + ", ".join(f"{s}->{d}" for s, d in sorted(COPY_CONVERSIONS)))
 
 
-def copy_strided(seq, x, x_strides, out, shape) -> None:
-    """out (contiguous ``shape``) = x read with ``x_strides`` (None: contiguous), converting
-    the dtype when ``out``'s differs: between float32/float16/bfloat16, float <-> int32
-    (truncation toward zero), and to/from bool (nonzero -> 1)."""
+def copy_strided(seq, x, x_strides, out, shape, out_strides=None, write_group=None) -> None:
+    """out (contiguous ``shape``, or written through ``out_strides``) = x read with ``x_strides`` (None:
+    contiguous), converting the dtype when ``out``'s differs: between float32/float16/bfloat16, float <-> int32
+    (truncation toward zero), and to/from bool (nonzero -> 1). ``write_group``: Sequence.dispatch's (copies
+    into disjoint parts of one output, as a concatenation's)."""
     x, out = operand(x), operand(out)
     variant = copy_variant(x.dtype.name, out.dtype.name)
     shape = tuple(int(n) for n in shape)
@@ -294,13 +297,14 @@ def copy_strided(seq, x, x_strides, out, shape) -> None:
         raise ValueError(f"copy_strided: negative size in shape {shape}")
     strides = _check_view("copy_strided input", x, x_strides, shape)
     count = math.prod(shape)
-    require_elements(out, count, "copy_strided output")
+    out_view = _check_view("copy_strided output", out, out_strides, shape)
     if count == 0:
         return
-    dims, (x_dims_strides,) = coalesce(shape, [strides])
+    dims, (x_dims_strides, out_dims_strides) = coalesce(shape, [strides, out_view])
     if len(dims) > MAX_DIMS:
         raise ValueError(f"copy_strided: shape {shape} with strides {strides} needs {len(dims)} dims after "
                          f"merging contiguous ones; the kernel takes at most {MAX_DIMS}")
-    push = [*_padded(dims, 1), *_padded(x_dims_strides), x.offset, out.offset]
+    strided_out = out_dims_strides != list(contiguous_strides(dims))
+    push = [*_padded(dims, 1), *_padded(x_dims_strides), x.offset, out.offset, *_padded(out_dims_strides)]
     seq.dispatch(seq.device.kernel("copy_strided", variant), [x.buffer, out.buffer], _groups(seq, count),
-                 push=push, spec=[len(dims)])
+                 push=push, spec=[len(dims), int(strided_out)], write_group=write_group)

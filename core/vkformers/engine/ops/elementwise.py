@@ -1,4 +1,4 @@
-"""Elementwise ops with numpy broadcasting: unary, scalar, binary, compare, where, casts and copies.
+"""Elementwise ops with numpy broadcasting: unary, scalar, binary, compare, where, casts, copies and concatenation.
 
 One kernel (shaders/common/elementwise.comp) runs them all; the op is a
 specialization constant. Inputs are read through their strides, so broadcast and
@@ -52,6 +52,23 @@ class CopyStrided(KernelOp):
     def emit(self, seq, outs, ins):
         (y,), (x,) = outs, ins
         K.copy_strided(seq, x.operand, x.strides, y.operand, y.shape)
+
+
+class Concat(KernelOp):
+    """out = the inputs laid end to end along ``dim``: one strided copy per input into its slice of out."""
+
+    name = "concat"
+    contiguous_inputs = False
+
+    def emit(self, seq, outs, ins):
+        (y,), dim = outs, self.dim
+        start, together = 0, object()
+        for x in ins:
+            if x.numel:
+                into = K.Operand(y.operand.buffer, y.operand.offset + start * y.strides[dim])
+                K.copy_strided(seq, x.operand, x.strides, into, x.shape, out_strides=y.strides,
+                               write_group=together)
+            start += x.shape[dim]
 
 
 def broadcast_shape(*shapes) -> tuple[int, ...]:
@@ -120,6 +137,7 @@ UNARY_GRADIENTS = {
     "gelu": lambda x, y, g: _backward_kernel("gelu_backward", x, g),
     "gelu_tanh": lambda x, y, g: _backward_kernel("gelu_tanh_backward", x, g),
     "silu": lambda x, y, g: _backward_kernel("silu_backward", x, g),
+    "softplus": lambda x, y, g: _backward_kernel("softplus_backward", x, g),
     "quick_gelu": lambda x, y, g: _backward_kernel("quick_gelu_backward", x, g),
     "add_scalar": lambda x, y, g, s: g,
     "mul_scalar": lambda x, y, g, s: g * s,
@@ -201,6 +219,57 @@ class Contiguous(Function):
 
     def backward(self, g):
         return g
+
+
+class ConcatFn(Function):
+    def forward(self, *parts, dim):
+        self.dim, self.sizes = dim, [p.shape[dim] for p in parts]
+        shape = list(parts[0].shape)
+        shape[dim] = sum(self.sizes)
+        return node(Concat(dim=dim), list(parts), [(tuple(shape), parts[0].dtype)])[0]
+
+    def backward(self, g):
+        grads, start = [], 0
+        for size, needed in zip(self.sizes, self.needs_grad):
+            index = (slice(None),) * self.dim + (slice(start, start + size),)
+            grads.append(g[index] if needed else None)
+            start += size
+        return tuple(grads)
+
+
+def cat(tensors, dim: int = 0):
+    """torch.cat: the tensors joined along ``dim``; all other sizes and the dtype must agree."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("cat() needs at least one tensor")
+    first = tensors[0]
+    ndim = first.ndim
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"cat(): dim {dim} is out of range for tensors of {ndim} dims")
+    dim %= ndim
+    for t in tensors[1:]:
+        if t.ndim != ndim or any(a != b for d, (a, b) in enumerate(zip(t.shape, first.shape)) if d != dim):
+            raise ValueError(f"cat(): shapes {first.shape} and {t.shape} differ outside dim {dim}")
+        if t.dtype is not first.dtype:
+            raise TypeError(f"cat(): dtypes {first.dtype.name} and {t.dtype.name} differ; cast one first")
+    if len(tensors) == 1:
+        return first
+    return ConcatFn.apply(*tensors, dim=dim)
+
+
+def stack(tensors, dim: int = 0):
+    """torch.stack: the tensors (all of one shape) joined along a new dimension ``dim``."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack() needs at least one tensor")
+    ndim = tensors[0].ndim + 1
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"stack(): dim {dim} is out of range for a result of {ndim} dims")
+    dim %= ndim
+    shapes = {t.shape for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(f"stack(): every tensor must have one shape, got {sorted(shapes)}")
+    return cat([t.unsqueeze(dim) for t in tensors], dim)
 
 
 def scatter_into_zeros(g, shape, spec):
