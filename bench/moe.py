@@ -1,12 +1,13 @@
 """Mixture-of-experts speed: a Mixtral-shaped model with random weights; greedy decode, a prompt's forward (prefill)
 and a training step (forward + backward), each with the experts running only on the tokens that chose them
-(vkformers_moe.block.SKIP_UNCHOSEN) and with every expert on every token, in the same run, beside transformers +
+(experts mode "routed", vkformers_moe.block.set_experts_mode) and with every expert on every token ("dense"), in
+the same run, beside transformers +
 PyTorch CUDA (eager, its own weights: speed only) where a CUDA GPU is present.
 
 A decode step skips the experts that no token chose (the small-m kernel reads none of their weights); a prefill or
 training step packs the tokens' rows expert after expert into one matrix on the GPU and multiplies each expert's rows
 only, about top_k / num_experts of the experts' dense work ("routed"); "listed" gives each expert its own list of
-tokens instead (vkformers_moe.block.PACK_ROUTED = False), prefill and training only. Also the peak device memory of
+tokens instead, prefill and training only. Also the peak device memory of
 a training step (bytes of live device buffers) in each mode.
 
     python bench/moe.py [--quick] [--dtype bfloat16] [--layers 8] [--new-tokens 32] [--prompt 512] [--json OUT]
@@ -33,9 +34,9 @@ MIXTRAL = dict(model_type="mixtral", hidden_size=2048, intermediate_size=5632, n
                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048,
                num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
                tie_word_embeddings=False, hidden_act="silu")
-# (SKIP_UNCHOSEN, PACK_ROUTED): every expert on every token; the tokens' rows of all experts packed into one
+# vkformers_moe.block.EXPERTS_MODES: every expert on every token; the tokens' rows of all experts packed into one
 # matrix; one list of tokens per expert ([tokens, hidden] each).
-MODES = {"dense": (False, True), "routed": (True, True), "listed": (True, False)}
+MODES = ("dense", "routed", "listed")
 QUICK = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=1000)
 
@@ -71,8 +72,7 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt, pro
     # Two rounds, the modes in turn, each figure the faster of its two: the first measure of a process ran up to
     # 2x slow on the H200. Decoding (fewer than COMPACT_MIN_TOKENS tokens) is the same routed or listed.
     for name in list(MODES) * 2:
-        moe_block.SKIP_UNCHOSEN, moe_block.PACK_ROUTED = MODES[name]
-        model.forget_captures()  # the captured steps were recorded with the other mode's graph
+        moe_block.set_experts_mode(model, name)  # also drops the captured steps of the other mode's graph
         speeds = {}
         for batch in (1, 8) if name != "listed" else ():
             ids = prompt[:batch]
@@ -88,7 +88,7 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, long_prompt, pro
             key = f"{measure}_{name}_tok_s"
             out[key] = max(out.get(key, 0.0), speed)
         out[f"train_{name}_peak_gib"] = train_peak_gib()
-    moe_block.SKIP_UNCHOSEN, moe_block.PACK_ROUTED = MODES["routed"]
+    moe_block.set_experts_mode(model, "routed")
     if profile:  # profile_gpu records the step afresh (it clears the plan cache)
         profile_gpu(f"{dtype} train step {long_prompt.size} (routed)", train_step)
     return out

@@ -236,11 +236,10 @@ ROUTED_LAYOUTS = {
 @pytest.mark.parametrize("layout", ROUTED_LAYOUTS)
 def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout, packed):
     """A step of COMPACT_MIN_TOKENS or more tokens runs each expert on its tokens only, packed into one matrix
-    (PACK_ROUTED, where the layout allows) or one list per expert; its output and every gradient (input,
+    (experts mode "routed", where the layout allows) or one list per expert ("listed"); its output and every gradient (input,
     router, experts) equal the dense block's, where each expert runs on every token."""
     moe = MoeSpec(EXPERTS, 2, INNER, (True,), norm_topk=True, **ROUTED_LAYOUTS[layout])
     block, _ = _block(moe)
-    monkeypatch.setattr(moe_block, "PACK_ROUTED", packed)
     assert block._packable() == (layout != "fused_biases_clipped")
     packings = []
     pack = moe_block.PackedRoutes.of
@@ -249,8 +248,8 @@ def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout, p
     x = np.random.default_rng(9).standard_normal((2, 50, HIDDEN)).astype(np.float32)
     assert x.shape[0] * x.shape[1] >= moe_block.COMPACT_MIN_TOKENS
 
-    def run(skip):
-        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+    def run(mode):
+        block.experts_mode = mode
         for p in params.values():
             p.requires_grad, p.grad = True, None
         t = vkf.tensor(x, requires_grad=True)
@@ -259,7 +258,7 @@ def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout, p
         grads = {name: p.grad.numpy() for name, p in params.items() if p.grad is not None}
         return out.numpy(), t.grad.numpy(), grads
 
-    dense, routed = run(False), run(True)
+    dense, routed = run("dense"), run("routed" if packed else "listed")
     assert packings == ([2] if packed and block._packable() else [])
     np.testing.assert_allclose(routed[0], dense[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(routed[1], dense[1], rtol=1e-4, atol=1e-5)
@@ -269,7 +268,7 @@ def test_routed_experts_match_every_expert_on_every_token(monkeypatch, layout, p
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_routed_experts_in_bfloat16(monkeypatch, fused):
+def test_routed_experts_in_bfloat16(fused):
     """The routed path in bfloat16 (gathers, row-limited products, scatter) against the dense block in
     bfloat16, to bfloat16 rounding."""
     moe = MoeSpec(EXPERTS, 2, INNER, (True,), **(dict(experts="", fused_experts=(
@@ -278,15 +277,15 @@ def test_routed_experts_in_bfloat16(monkeypatch, fused):
     block.load_state_dict(arrays, dtype="bfloat16", requires_grad=False)
     x = vkf.tensor(np.random.default_rng(10).standard_normal((100, HIDDEN)).astype(np.float32)).cast("bfloat16")
     results = {}
-    for skip in (True, False):
-        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+    for mode in ("routed", "dense"):
+        block.experts_mode = mode
         with vkf.no_grad():
-            results[skip] = block(x).float().numpy()
-    scale = np.abs(results[False]).max()
-    np.testing.assert_allclose(results[True], results[False], rtol=0, atol=8e-3 * scale)  # 2^-7: one rounding
+            results[mode] = block(x).float().numpy()
+    scale = np.abs(results["dense"]).max()
+    np.testing.assert_allclose(results["routed"], results["dense"], rtol=0, atol=8e-3 * scale)  # 2^-7: one rounding
 
 
-def test_experts_output_runs_a_custom_expert_on_the_routed_rows(monkeypatch):
+def test_experts_output_runs_a_custom_expert_on_the_routed_rows():
     """experts_output(x, weights, run) (DeepSeek-V4's and GLM-5-Next's clipped SwiGLU): run sees each expert's
     list with its live rows, and the result equals the dense form's."""
     moe = MoeSpec(EXPERTS, 2, INNER, (True,))
@@ -300,22 +299,21 @@ def test_experts_output_runs_a_custom_expert_on_the_routed_rows(monkeypatch):
         gate, up, down = expert.projections
         return down(gate(rows, live_rows).minimum(0.5) * up(rows, live_rows), live_rows)
     results = {}
-    for skip in (True, False):
-        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
-        results[skip] = block.experts_output(x, weights, run).numpy()
+    for mode in ("routed", "dense"):
+        block.experts_mode = mode
+        results[mode] = block.experts_output(x, weights, run).numpy()
     assert seen == [True] * EXPERTS + [False] * EXPERTS
-    np.testing.assert_allclose(results[True], results[False], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results["routed"], results["dense"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_lora_adapters_on_routed_experts(monkeypatch, packed):
+def test_lora_adapters_on_routed_experts(packed):
     """PEFT-style LoRA on the experts' projections: the adapters run on each expert's routed rows too (packed
     spans or per-expert lists), and the output and the adapters' gradients equal the dense block's."""
     from vkformers.training import LoraConfig, apply_lora
     from vkformers.training.lora import LoraLinear
     block, _ = _block(MoeSpec(EXPERTS, 2, INNER, (True,)))
     apply_lora(block, LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj", "down_proj"]))
-    monkeypatch.setattr(moe_block, "PACK_ROUTED", packed)
     assert block._packable()
     rng = np.random.default_rng(13)
     for _, module in block.named_modules():
@@ -324,15 +322,15 @@ def test_lora_adapters_on_routed_experts(monkeypatch, packed):
     adapters = {n: p for n, p in block.named_parameters() if "lora_" in n}
     x = rng.standard_normal((2 * moe_block.COMPACT_MIN_TOKENS, HIDDEN)).astype(np.float32)
 
-    def run(skip):
-        monkeypatch.setattr(moe_block, "SKIP_UNCHOSEN", skip)
+    def run(mode):
+        block.experts_mode = mode
         for p in adapters.values():
             p.grad = None
         out = block(vkf.tensor(x))
         out.square().sum().backward()
         return out.numpy(), {n: p.grad.numpy() for n, p in adapters.items()}
 
-    (dense, dense_grads), (routed, routed_grads) = run(False), run(True)
+    (dense, dense_grads), (routed, routed_grads) = run("dense"), run("routed" if packed else "listed")
     np.testing.assert_allclose(routed, dense, rtol=1e-5, atol=1e-5)
     for name in dense_grads:
         np.testing.assert_allclose(routed_grads[name], dense_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)
@@ -357,6 +355,22 @@ def test_routed_experts_match_transformers(monkeypatch, name):
     case = parity.Case(name)  # a run of its own, not the cached one
     parity.check_logits(name, case)
     parity.check_gradients(name, case)
+
+
+def test_set_experts_mode_sets_every_block_and_drops_the_captured_steps():
+    from test_decoder_parity import FIXTURES
+    from vkformers import AutoModelForCausalLM
+    from vkformers.errors import VkformersError
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / "mixtral")
+    ids = np.array([[3, 5, 7, 9]], np.int32)
+    routed = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert model._held_decode is not None
+    blocks = [m for _, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    assert moe_block.set_experts_mode(model, "dense") == len(blocks) > 0
+    assert {b.experts_mode for b in blocks} == {"dense"} and model._held_decode is None
+    np.testing.assert_array_equal(model.generate(ids, max_new_tokens=3, do_sample=False), routed)
+    with pytest.raises(VkformersError, match="'sparse' is not one of routed, listed, dense"):
+        moe_block.set_experts_mode(model, "sparse")
 
 
 def test_bad_options_are_refused():

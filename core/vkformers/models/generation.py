@@ -151,8 +151,8 @@ class GenerationMixin:
 
     def forget_captures(self) -> None:
         """Drop the recorded prefill and decode steps that later generate calls would replay. Their key covers
-        the parameters, the cache and the mode, not a module switch that changes the graph (a benchmark
-        toggling vkformers_moe.block.SKIP_UNCHOSEN, say): after such a change, call this."""
+        the parameters, the cache and the mode, not a module setting that changes the graph (the experts mode
+        of vkformers_moe.block.set_experts_mode, say): after such a change, call this."""
         object.__setattr__(self, "_held_decode", None)
         object.__setattr__(self, "_held_prefill", None)
 

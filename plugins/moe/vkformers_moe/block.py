@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.errors import VkformersError
 from vkformers.engine.tensor import Tensor
 from vkformers.engine.ops.routing import (  # noqa: F401 (topk_mask re-exported)
     _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask)
@@ -37,16 +38,17 @@ from vkformers.models.layers import Linear, grouped_linear, linears_can_be_group
 from vkformers.models.module import Module
 from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
 
-# Run each expert on the tokens that chose it (SparseMoeBlock.forward); False runs every expert on every token,
-# weighted by zero where not chosen (bench/moe.py compares the two in one run).
-SKIP_UNCHOSEN = True
+# How a block runs its experts (SparseMoeBlock.experts_mode; set_experts_mode sets it on a whole model):
+# "routed": each expert on the tokens that chose it, their rows packed into one matrix where the experts allow it
+#           (see the module docstring), else a list of rows per expert;
+# "listed": as routed, always a list of rows per expert;
+# "dense":  every expert on every token, weighted by zero where not chosen (the reference the others are tested
+#           and measured against).
+EXPERTS_MODES = ("routed", "listed", "dense")
 # From this many tokens a step routes each expert's tokens to it (packed, or a list per expert); below it, the
 # tokens stay in place and only the experts that no token chose are skipped (a decode step of a few tokens:
 # routing would add dispatches per layer, and the rows fit one tile of the kernels anyway).
 COMPACT_MIN_TOKENS = 64
-# Such a step packs all experts' rows into one matrix where the experts allow it (see the module docstring);
-# False gives each expert its own list (tests and bench/moe.py compare the two).
-PACK_ROUTED = True
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ class SparseMoeBlock(Module):
     def __init__(self, moe: MoeSpec, hidden: int, spec=None):
         super().__init__()
         self.moe, self.hidden, self.path = moe, hidden, moe.path
+        self.experts_mode = "routed"
         scored = moe.num_experts + moe.identity_experts
         object.__setattr__(self, "router", place(self, moe.router, Linear(hidden, scored, bias=moe.router_bias)))
         bias_shape = moe.selection_bias_shape or (scored,)
@@ -353,11 +356,11 @@ class SparseMoeBlock(Module):
         (zero where not chosen), each expert run only where it is needed (see the module's docstring).
         ``run(expert, x, live_rows)``: how to run one module of expert_list (default: the module itself), for
         blocks whose experts differ (DeepSeek-V4's clipped SwiGLU)."""
-        tokens = x.shape[0]
-        if SKIP_UNCHOSEN and tokens >= COMPACT_MIN_TOKENS and PACK_ROUTED and run is None and self._packable():
+        tokens, mode = x.shape[0], self.experts_mode
+        if mode == "routed" and tokens >= COMPACT_MIN_TOKENS and run is None and self._packable():
             return self._packed_experts(x, weights)
         run = run or (lambda expert, rows, live: expert(rows, live))
-        if not SKIP_UNCHOSEN:
+        if mode == "dense":
             return self._dense_experts(x, weights, None, run)
         if tokens >= COMPACT_MIN_TOKENS:
             return self._routed_experts(x, weights, ExpertRoutes.of(weights), run)
@@ -449,3 +452,16 @@ class SparseMoeBlock(Module):
         if self.output_norm is not None:
             out = self.output_norm(out)
         return out.reshape(*lead, self.hidden)
+
+
+def set_experts_mode(model: Module, mode: str) -> int:
+    """Run every mixture-of-experts block of ``model`` in ``mode`` (one of EXPERTS_MODES); returns how many blocks
+    changed. The model's captured generate steps are dropped: they were recorded with the other mode's graph."""
+    if mode not in EXPERTS_MODES:
+        raise VkformersError(f"experts mode {mode!r} is not one of {', '.join(EXPERTS_MODES)}")
+    blocks = [m for _, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        block.experts_mode = mode
+    if hasattr(model, "forget_captures"):
+        model.forget_captures()
+    return len(blocks)

@@ -146,10 +146,6 @@ COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32,
                           CoopmatBackwardTiles(16, 16)]
 # Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
 COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
-# "auto" picks the cooperative-matrix backward where it can run: tests/test_attention.py passed with it on an
-# NVIDIA H200 (2026-12-02), where bench/attention.py timed forward + backward at seq 2048 in 4.3 ms against 28.2 ms
-# with the scalar kernel (fp16). False keeps the scalar kernel unless algorithm="coopmat" is asked for.
-COOPMAT_BACKWARD_AUTO = True
 
 
 def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatBackwardTiles | None:
@@ -412,7 +408,7 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     Three dispatches, all deterministic: delta = rowsum(d_out * out) [- d_lse]; dK/dV per key block
     (summed over the query heads of a GQA group inside one workgroup); dQ per query block.
     ``d_lse`` (float32, one per query row): the gradient reaching the forward's logsumexp, if any.
-    ``algorithm``: "auto" (the coopmat kernel where it can run, if COOPMAT_BACKWARD_AUTO), "scalar" or "coopmat" (where
+    ``algorithm``: "auto" (the coopmat kernel where it can run), "scalar" or "coopmat" (where
     :func:`coopmat_backward_tiles` allows). The cooperative-matrix kernel rounds P and dS to the storage
     type before its products, as flash attention does.
     """
@@ -432,7 +428,7 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     if isinstance(tiles, CoopmatTiles):
         _check_given_coopmat_tiles(device, tiles, q.dtype.name, head_dim, (q.offset, k.offset, v.offset, d_out.offset),
                                    algorithm, backward=True)
-    if tiles is None and (algorithm == "coopmat" or (algorithm == "auto" and COOPMAT_BACKWARD_AUTO)):
+    if tiles is None and algorithm in ("auto", "coopmat"):
         tiles = coopmat_backward_tiles(device, q.dtype.name, head_dim, q.offset, k.offset, v.offset, d_out.offset)
         if tiles is None and algorithm == "coopmat":
             raise ValueError(f"attention: the cooperative-matrix backward cannot run {q.dtype.name} head_dim "
