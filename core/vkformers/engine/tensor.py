@@ -97,6 +97,15 @@ class Tensor:
                                               strides=tuple(s * flat.itemsize for s in v.strides)).copy()
         return dt.from_bfloat16(out) if self.dtype is dt.bfloat16 else out
 
+    def peek(self) -> np.ndarray | None:
+        """The values when the host holds them (an input not yet uploaded), without running anything; else None."""
+        base, v = self.lazy.base, self.lazy.view
+        if base.host is None or base.node is not None:
+            return None
+        flat = base.host.reshape(-1)[v.offset:]
+        return np.lib.stride_tricks.as_strided(flat, shape=v.shape,
+                                               strides=tuple(s * flat.itemsize for s in v.strides))
+
     def item(self):
         if self.numel() != 1:
             raise ValueError(f"item() needs a tensor of one element, this one has shape {self.shape}")
