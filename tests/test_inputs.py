@@ -168,5 +168,7 @@ def test_repetition_penalty_and_greedy_temperature_zero():
                                   llama.generate(IDS, max_new_tokens=3))
 
 
-def test_input_error_is_a_vkformers_error():
+def test_input_errors_are_vkformers_errors():
+    from vkformers.models.cache import CacheFullError
     assert issubclass(InputError, VkformersError) and issubclass(InputError, ValueError)
+    assert issubclass(CacheFullError, VkformersError)  # more tokens than a cache given to forward holds
