@@ -34,6 +34,13 @@ def test_jsonl_text_column_and_prompt_masking(tmp_path):
     np.testing.assert_array_equal(labels, [-100, -100, 99, 256])
 
 
+def test_a_utf8_byte_order_mark_is_not_part_of_the_data(tmp_path):
+    f = write(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + json.dumps({"text": "hi"}).encode() + b"\n")
+    assert [r.text for r in read_records(f)] == ["hi"]
+    f = write(tmp_path / "bom.txt", b"\xef\xbb\xbfab")
+    assert [r.text for r in read_records(f)] == ["ab"]
+
+
 def test_all_prompt_sequences_are_dropped():
     tokens, labels = tokenize_records([Record("x", prompt="p" * 7)], TOK)  # 7 prompt + x + EOS
     ds = PackedDataset(tokens, labels, 3)

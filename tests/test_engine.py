@@ -317,3 +317,27 @@ def test_a_realized_graph_leaves_no_cyclic_garbage():
     gc.collect()
     step()
     assert gc.collect() == 0
+
+
+def test_reductions_take_pytorch_and_numpy_axis_spellings():
+    from vkformers.engine import functional as F
+    from vkformers.errors import ArgumentError
+    x = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    t = Tensor(x)
+    np.testing.assert_allclose(t.sum(dim=1, keepdim=True).numpy(), x.sum(1, keepdims=True), **FORWARD_TOL)
+    np.testing.assert_allclose(t.sum(axis=(0, 2), keepdims=True).numpy(), x.sum((0, 2), keepdims=True),
+                               **FORWARD_TOL)
+    np.testing.assert_allclose(t.mean(dim=-1).numpy(), x.mean(-1), **FORWARD_TOL)
+    np.testing.assert_allclose(t.mean(axis=0, keepdims=True).numpy(), x.mean(0, keepdims=True), **FORWARD_TOL)
+    np.testing.assert_allclose(t.max(dim=1, keepdims=True).numpy(), x.max(1, keepdims=True), **FORWARD_TOL)
+    np.testing.assert_array_equal(t.argmax(axis=0, keepdims=True).numpy(), x.argmax(0)[None])
+    np.testing.assert_array_equal(t.argmax(dim=2).numpy(), x.argmax(2))
+    e = np.exp(x - x.max(0, keepdims=True))
+    np.testing.assert_allclose(F.softmax(t, axis=0).numpy(), e / e.sum(0), **FORWARD_TOL)
+    np.testing.assert_allclose(t.softmax(dim=0).numpy(), e / e.sum(0), **FORWARD_TOL)
+    np.testing.assert_allclose(F.log_softmax(t, dim=0).numpy(), np.log(e / e.sum(0)), rtol=1e-5, atol=1e-5)
+    for call in (lambda: t.sum(axis=1, dim=1), lambda: t.max(1, dim=0), lambda: F.softmax(t, 0, axis=0)):
+        with pytest.raises(ArgumentError, match="axis was given twice"):
+            call()
+    with pytest.raises(ArgumentError, match="keepdim=True and keepdims=True both given"):
+        t.mean(0, keepdim=True, keepdims=True)

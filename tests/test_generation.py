@@ -375,7 +375,7 @@ def _plugin_model(config):
     return model
 
 
-PADDED = np.array([[0, 0, 0, 5, 9, 14, 2, 33, 7, 1], [4, 8, 15, 16, 23, 42, 11, 3, 60, 12]])
+PADDED = np.array([[0, 0, 0, 5, 9, 14, 2, 33, 7, 1], [4, 8, 15, 16, 23, 42, 11, 3, 46, 12]])  # ids below the fixtures' vocab_size (48)
 PADDED_MASK = (np.arange(10) >= np.array([[3], [0]])).astype(np.int64)
 CAPTURE_CASES = {
     "tiny": lambda: (TinyLM(), dict(input_ids=PROMPT)),

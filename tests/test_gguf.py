@@ -268,6 +268,35 @@ def test_model_from_gguf_matches_safetensors_checkpoint(tiny, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_gguf_model_applies_an_adapter_as_the_safetensors_checkpoint_does(tiny, tmp_path):
+    """from_pretrained("x.gguf", adapter=DIR) wraps and loads the PEFT adapter, as the folder path does."""
+    from vkformers.engine.tensor import parameter
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.models.safetensors_io import write_safetensors
+    from vkformers.training.lora import LoraConfig, LoraLinear, apply_lora, save_adapter
+    path, weights = tiny
+    config, _, _ = vkgguf.load_gguf(path, tokenizer=False)
+    folder, adapter = tmp_path / "hf", tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    write_safetensors(folder / "model.safetensors", weights)
+    trained = AutoModelForCausalLM.from_pretrained(folder)
+    apply_lora(trained, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    rng = np.random.default_rng(3)
+    for _, module in trained.named_modules():
+        if isinstance(module, LoraLinear):  # B = 0 would leave the adapter without effect
+            module.lora_B.weight = parameter(0.2 * rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
+    save_adapter(trained, adapter)
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    base = AutoModelForCausalLM.from_pretrained(path)(ids).logits.numpy()
+    with_adapter = AutoModelForCausalLM.from_pretrained(path, adapter=adapter)
+    assert any(isinstance(m, LoraLinear) for _, m in with_adapter.named_modules())
+    got = with_adapter(ids).logits.numpy()
+    want = AutoModelForCausalLM.from_pretrained(folder, adapter=adapter)(ids).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(got - base).max() > 1e-3  # the adapter changed the outputs
+
+
 # ---------------------------------------------------------------------------------------------- SmolLM2
 # What transformers' own GGUF loader (transformers 5.24, integrations/gguf) reads from this file: token ids
 # of its tokenizer, and dequantised values; the row-weighted sum pins the q/k row order.

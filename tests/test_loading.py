@@ -154,3 +154,57 @@ def test_olmo_hybrid_convs_saved_as_equal_chunks_are_resplit():
     params = dict(model.named_parameters())
     for n in convs:
         np.testing.assert_array_equal(params[n].numpy(), arrays[n])
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", r"config.json: expected a JSON object of settings, got a JSON list"),
+    ('{"model_type": "llama",', r"config.json: not valid JSON"),
+])
+def test_config_that_is_not_a_json_object(checkpoint, content, message):
+    (checkpoint / "config.json").write_text(content)
+    with pytest.raises(CheckpointError, match=message):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("hidden_size", "32", r"hidden_size is '32' \(a JSON string\), expected an integer; fix hidden_size"),
+    ("num_attention_heads", 4.0, r"num_attention_heads is 4.0 \(a JSON number\), expected an integer"),
+    ("num_hidden_layers", None, r"num_hidden_layers is None \(a JSON null\), expected an integer"),
+    ("rms_norm_eps", "1e-6", r"rms_norm_eps is '1e-6' \(a JSON string\), expected a number"),
+    ("tie_word_embeddings", "false", r"tie_word_embeddings is 'false' \(a JSON string\), expected true or false"),
+    ("model_type", 7, r"model_type is 7 \(a JSON number\), expected a string"),
+])
+def test_config_field_of_the_wrong_type_is_named(checkpoint, field, value, expected):
+    from vkformers.models.config_check import ConfigError
+    config = json.loads((checkpoint / "config.json").read_text())
+    config[field] = value
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=expected):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    with pytest.raises(ConfigError, match=expected):
+        AutoModelForCausalLM.from_config(config)
+
+
+def test_wrapper_config_fields_are_checked_in_the_nested_text_config(checkpoint):
+    from vkformers.models.config_check import ConfigError
+    text_config = json.loads((checkpoint / "config.json").read_text())
+    text_config["intermediate_size"] = "64"
+    with pytest.raises(ConfigError, match=r"nested text model.*intermediate_size is '64'"):
+        AutoModelForCausalLM.from_config({"model_type": "llava", "text_config": text_config,
+                                          "vision_config": {"model_type": "pixtral"}})
+
+
+def test_shard_index_without_weight_map_or_pointing_outside_the_folder(checkpoint, tmp_path):
+    index = checkpoint / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 1}}))
+    with pytest.raises(CheckpointError, match=r"index.json: no \"weight_map\" object"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(checkpoint / "model.safetensors", elsewhere)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "../elsewhere/model.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"shard '../elsewhere/model.safetensors' lies outside the model folder"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": str(elsewhere / "model.safetensors")}}))
+    with pytest.raises(CheckpointError, match=r"lies outside the model folder"):
+        AutoModelForCausalLM.from_pretrained(checkpoint)

@@ -241,3 +241,14 @@ def test_architectures_unknown_family_exits_2_listing_families(capsys):
     exit_code, _, err = run_architectures_command(capsys, family="gpt")
     assert exit_code == 2
     assert "bert, llama, moe, t5" in err
+
+
+def test_public_subpackages_are_attributes_after_import():
+    import subprocess
+    import sys
+    # a fresh interpreter: this one has imported the submodules already
+    code = ("import vkformers as v; print(v.optim.AdamW.__name__, v.training.Trainer.__name__, "
+            "v.engine.functional.softmax.__name__, v.models.loading.AutoModelForCausalLM.__name__, "
+            "v.runtime.Device.__name__, v.errors.InputError.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["AdamW", "Trainer", "softmax", "AutoModelForCausalLM", "Device", "InputError"]

@@ -51,3 +51,13 @@ class BufferTooLargeError(VkformersError, ValueError):
 
 class OutOfDeviceMemoryError(VkformersError, MemoryError):
     """The device ran out of memory; the message names the buffer and its size."""
+
+
+class ArgumentError(VkformersError, TypeError):
+    """A call whose arguments contradict each other (an axis given both as ``dim=`` and ``axis=``)."""
+
+
+class InputError(VkformersError, ValueError):
+    """Model or generation inputs that the model cannot run: token ids outside the vocabulary, a mask of the wrong
+    shape, a sequence longer than the position table, an invalid sampling setting. The message names the
+    argument and what to change."""

@@ -27,6 +27,7 @@ from vkformers.engine.ops.nn import (
     scaled_dot_product_attention,
     set_dropout_rng_state,
 )
+from vkformers.engine.tensor import UNSET
 
 
 def linear(x, weight, bias=None, live_rows=None):
@@ -125,12 +126,13 @@ def gated(gate, up, act: str = "silu"):
     return activation(act)(gate) * up
 
 
-def softmax(x, dim: int = -1):
-    return x.softmax(dim)
+def softmax(x, dim=UNSET, *, axis=UNSET):
+    """softmax over ``dim`` (or numpy's ``axis``; default the last)."""
+    return x.softmax(axis, dim=dim)
 
 
-def log_softmax(x, dim: int = -1):
-    return x.log_softmax(dim)
+def log_softmax(x, dim=UNSET, *, axis=UNSET):
+    return x.log_softmax(axis, dim=dim)
 
 
 __all__ = ["FusedNorm", "activation", "cat", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",

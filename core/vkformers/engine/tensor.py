@@ -12,6 +12,7 @@ import numpy as np
 
 from vkformers.engine import function as fn
 from vkformers.engine.lazy import LazyBuffer, backward_deferred, building_graph, realize
+from vkformers.errors import ArgumentError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Buffer, Device, get_device
 
@@ -95,6 +96,15 @@ class Tensor:
         out = np.lib.stride_tricks.as_strided(flat, shape=v.shape,
                                               strides=tuple(s * flat.itemsize for s in v.strides)).copy()
         return dt.from_bfloat16(out) if self.dtype is dt.bfloat16 else out
+
+    def peek(self) -> np.ndarray | None:
+        """The values when the host holds them (an input not yet uploaded), without running anything; else None."""
+        base, v = self.lazy.base, self.lazy.view
+        if base.host is None or base.node is not None:
+            return None
+        flat = base.host.reshape(-1)[v.offset:]
+        return np.lib.stride_tricks.as_strided(flat, shape=v.shape,
+                                               strides=tuple(s * flat.itemsize for s in v.strides))
 
     def item(self):
         if self.numel() != 1:
@@ -352,21 +362,53 @@ def _install_methods():
         "minimum": lambda self, o: E.binary(self, o, "minimum"),
         "clamp": lambda self, min=-3.0e38, max=3.0e38: E.unary(self, "clamp", min, max),
         "matmul": lambda self, o: matmul(self, o),
-        "sum": lambda self, axis=None, keepdim=False: R.SumFn.apply(
-            self, axes=R.normalize_axes(axis, self.ndim), keepdim=keepdim),
-        "mean": lambda self, axis=None, keepdim=False: self.sum(axis, keepdim) * (
-            1.0 / math.prod(self.shape[a] for a in R.normalize_axes(axis, self.ndim))),
-        "max": lambda self, axis=-1, keepdim=False: R.MaxFn.apply(self, axis=axis % self.ndim, keepdim=keepdim),
-        "argmax": lambda self, axis=-1, keepdim=False: R.argmax(self, axis, keepdim),
-        "softmax": lambda self, axis=-1: _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=False)),
-        "log_softmax": lambda self, axis=-1: _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=True)),
     }
+    def sum(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("sum", axis, dim, keepdim, keepdims, None)
+        return R.SumFn.apply(self, axes=R.normalize_axes(axis, self.ndim), keepdim=keep)
+
+    def mean(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("mean", axis, dim, keepdim, keepdims, None)
+        return self.sum(axis, keep) * (1.0 / math.prod(self.shape[a] for a in R.normalize_axes(axis, self.ndim)))
+
+    def max(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("max", axis, dim, keepdim, keepdims, -1)
+        return R.MaxFn.apply(self, axis=axis % self.ndim, keepdim=keep)
+
+    def argmax(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("argmax", axis, dim, keepdim, keepdims, -1)
+        return R.argmax(self, axis, keep)
+
+    def softmax(self, axis=UNSET, *, dim=UNSET):
+        axis, _ = reduction_args("softmax", axis, dim, UNSET, UNSET, -1)
+        return _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=False))
+
+    def log_softmax(self, axis=UNSET, *, dim=UNSET):
+        axis, _ = reduction_args("log_softmax", axis, dim, UNSET, UNSET, -1)
+        return _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=True))
+
+    methods.update(sum=sum, mean=mean, max=max, argmax=argmax, softmax=softmax, log_softmax=log_softmax)
     for name in ("exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "cos",
                  "reciprocal", "square"):
         methods[name] = (lambda op: lambda self: E.unary(self, op))(name)
     for name, fn_ in methods.items():
         setattr(Tensor, name, fn_)
     Tensor.__hash__ = object.__hash__  # == is elementwise (as in torch); hash by identity
+
+
+UNSET = object()  # an argument not given (None is a value: "all axes")
+
+
+def reduction_args(op: str, axis, dim, keepdim, keepdims, default_axis):
+    """(axis, keepdim) of a reduction called with PyTorch's ``dim``/``keepdim`` or numpy's ``axis``/``keepdims``
+    (either spelling, not both)."""
+    if axis is not UNSET and dim is not UNSET:
+        raise ArgumentError(f"{op}: the axis was given twice (axis={axis!r}, dim={dim!r}); pass one of them")
+    if keepdim is not UNSET and keepdims is not UNSET:
+        raise ArgumentError(f"{op}: keepdim={keepdim!r} and keepdims={keepdims!r} both given; pass one of them")
+    axis = dim if dim is not UNSET else axis if axis is not UNSET else default_axis
+    keep = keepdims if keepdims is not UNSET else keepdim if keepdim is not UNSET else False
+    return axis, bool(keep)
 
 
 def _as_tensor(value, like: Tensor) -> Tensor:

@@ -29,11 +29,12 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.ops.cache import decode_attention, write_kv
 from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Device, get_device
 
 
-class CacheFullError(ValueError):
+class CacheFullError(VkformersError, ValueError):
     """More tokens than the cache was created for."""
 
 

@@ -23,7 +23,9 @@ import numpy as np
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.models.cache import KVCache
+from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
+from vkformers.models.inputs import check_generation_settings, check_model_inputs, check_prompt_length
 from vkformers.runtime import dtypes as dt
 
 PREFILL_CAPTURES = 4  # prompt lengths whose recorded prefill a model keeps
@@ -54,18 +56,24 @@ class GenerationMixin:
         finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
         object with transformers' ``put``/``end`` methods (put first receives the prompt).
         """
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
         if ids.ndim == 1:
             ids = ids[None]
-        if ids.ndim != 2 or ids.shape[1] == 0:
-            raise ValueError(f"generate: input_ids must be [batch, length] with length >= 1, got {ids.shape}")
+        mask = None if attention_mask is None else np.asarray(
+            attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask)
+        limits = self.input_limits()
+        if limits is not None:
+            check_model_inputs(limits, {"input_ids": ids, "attention_mask": mask})
+            check_prompt_length(limits, ids.shape[1], int(max_new_tokens))
+        elif ids.ndim != 2 or ids.shape[1] == 0:
+            raise InputError(f"generate: input_ids must be [batch, length] with length >= 1, got {ids.shape}")
+        max_new_tokens = int(max_new_tokens)
         ids = ids.astype(np.int64)
         batch, length = ids.shape
-        mask = np.ones_like(ids) if attention_mask is None else np.asarray(
-            attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask).astype(np.int64)
+        mask = np.ones_like(ids) if mask is None else mask.astype(np.int64)
         if mask.shape != ids.shape:
-            raise ValueError(f"generate: attention_mask {mask.shape} does not match input_ids {ids.shape}")
-        _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
+            raise InputError(f"generate: attention_mask {mask.shape} does not match input_ids {ids.shape}")
         eos = _eos_ids(self, eos_token_id)
         pad = _pad_id(self, pad_token_id, eos)
         rng = np.random.default_rng(seed)
@@ -283,21 +291,6 @@ def _pad_id(model, pad_token_id, eos: list[int]) -> int:
 
 
 # ---------------------------------------------------------------- logits processing (host, numpy)
-
-def _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty):
-    if int(max_new_tokens) < 0:
-        raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-    if repetition_penalty <= 0:
-        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
-    if do_sample:
-        if temperature <= 0:
-            raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature} "
-                             "(use do_sample=False for greedy decoding)")
-        if top_k < 0:
-            raise ValueError(f"generate: top_k must be >= 0 (0 disables it), got {top_k}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
-
 
 def _last_position(out):
     """The last position's logits [batch, vocab] as a tensor, sliced on the GPU so only those are read back."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from vkformers.errors import VkformersError
 from vkformers.models.atomic import write_json_atomic
+from vkformers.models.config_check import check_config_fields, check_config_object
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
@@ -60,16 +61,32 @@ def load_config(folder: Path) -> dict:
     file = folder / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
+    config = read_json(file)
+    check_config_object(config, str(file))
+    return config
+
+
+def read_json(file: Path):
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+        return json.loads(file.read_text(encoding="utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc}); fix or re-download the file") from None
 
 
 def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        listing = read_json(index)
+        weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise CheckpointError(f"{index}: no \"weight_map\" object (tensor name -> shard file); fix or "
+                                  "re-download the file")
+        shards = sorted(set(weight_map.values()))
+        root = folder.resolve()
+        outside = [s for s in shards if not (folder / s).resolve().is_relative_to(root)]
+        if outside:
+            raise CheckpointError(f"{index}: shard {outside[0]!r} lies outside the model folder {folder}; "
+                                  "vkformers reads shards only from inside it")
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
@@ -138,7 +155,16 @@ class AutoModel:
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
-            return load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad)
+            model = load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad)
+        else:
+            model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad)
+        if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
+            from vkformers.training.lora import load_adapter
+            load_adapter(model, adapter)
+        return model.eval()
+
+    @classmethod
+    def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad) -> Module:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         model = cls.from_config(config)
@@ -158,17 +184,17 @@ class AutoModel:
                     f"{model.config['model_type']!r} language model): its language-model weights are not laid out "
                     f"as vkformers reads them: {exc}") from None
         model.name_or_path = str(name_or_path)
-        if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
-            from vkformers.training.lora import load_adapter
-            load_adapter(model, adapter)
-        return model.eval()
+        return model
 
     @classmethod
     def from_config(cls, config: dict) -> Module:
         """The model of ``config``'s architecture, randomly initialised; a multimodal wrapper's config builds its
         language model (``model.config`` is then the nested text config)."""
+        check_config_object(config)
         architecture = registry().resolve(config)
-        config = registry().backbone_config(config)
+        backbone = registry().backbone_config(config)
+        check_config_fields(backbone, "config" if backbone is config else "config (its nested text model)")
+        config = backbone
         model_class = plugin_manager().hook.vkformers_model_class(architecture=architecture, task=cls.task)
         if model_class is None:
             raise VkformersError(

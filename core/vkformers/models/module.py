@@ -15,6 +15,7 @@ import numpy as np
 from vkformers.engine.lazy import building_graph
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
+from vkformers.models.inputs import InputLimits, check_model_inputs, forward_arguments
 from vkformers.runtime import dtypes as dt
 
 
@@ -96,8 +97,16 @@ class Module:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
+        limits = self.input_limits()
+        if limits is not None:  # a model: its inputs are checked before any graph is built
+            check_model_inputs(limits, forward_arguments(self, args, kwargs))
         with building_graph():
             return self.forward(*args, **kwargs)
+
+    def input_limits(self) -> InputLimits | None:
+        """What a model's inputs may hold (its vocabulary, position table, ...), checked on every call; None for
+        a layer, whose inputs its model has checked."""
+        return None
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError

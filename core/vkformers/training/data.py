@@ -158,7 +158,7 @@ def _decode(raw: bytes, path: Path, first_line: int = 1) -> str:
 
 def _read_text(path: Path) -> str:
     raw = path.read_bytes()
-    text = _decode(raw, path)
+    text = _decode(raw, path).removeprefix("\ufeff")  # a UTF-8 byte-order mark
     if not text.strip():
         raise DataError(f"{path}: the file is empty")
     return text
@@ -183,6 +183,8 @@ def _read_jsonl(path: Path, text_column, prompt_column, completion_column) -> It
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             line = _decode(raw, path, number)
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark (Windows editors write one)
             if not line.strip():
                 continue
             where = f"{path}:{number}"

@@ -21,6 +21,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
+from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
@@ -318,14 +319,17 @@ class EncoderForMaskedLM(Module):
             x = self.embed_project(x)
         return x
 
+    def input_limits(self) -> InputLimits:
+        s = self.spec
+        max_length = None
+        if self.position is not None:  # fairseq positions (RoBERTa) start past the padding id: pad + 1
+            max_length = s.max_position_embeddings - (s.pad_token_id + 1 if s.positions_from_padding else 0)
+        return InputLimits(vocab_size=s.vocab_size, max_length=max_length,
+                           type_vocab_size=s.type_vocab_size if self.token_type is not None else None)
+
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         ids = _as_int_array(input_ids)
-        if ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
         batch, length = ids.shape
-        if self.position is not None and int(self._positions(ids).max()) >= self.spec.max_position_embeddings:
-            raise ValueError(f"{self.architecture_name}: {length} tokens need more positions than the model's "
-                             f"{self.spec.max_position_embeddings} (max_position_embeddings)")
         mask = _as_int_array(attention_mask)
         x = self.embed(ids, mask, _as_int_array(token_type_ids))
         rotary = None

@@ -20,6 +20,7 @@ from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine import lazy
 from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
+from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Conv1D, Embedding, LayerNorm, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
@@ -665,6 +666,14 @@ class DecoderForCausalLM(Module, GenerationMixin):
     @property
     def max_position_embeddings(self) -> int:
         return self.spec.max_position_embeddings
+
+    def input_limits(self) -> InputLimits:
+        s = self.spec
+        table = s.position_embed or s.sinusoidal_positions  # rotary, ALiBi and NoPE models have none to run past
+        field = next((f for f in ("max_position_embeddings", "n_positions", "max_seq_len") if f in self.config),
+                     "max_position_embeddings")
+        return InputLimits(vocab_size=s.vocab_size + s.embed_extra_rows, label_classes=s.vocab_size,
+                           max_length=s.max_position_embeddings if table else None, max_length_field=field)
 
     # -- forward
 

@@ -30,6 +30,7 @@ from vkformers.engine.tensor import Tensor, tensor
 from vkformers.errors import VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.generation import sampling_probabilities
+from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, check_prompt_length
 from vkformers.models.layers import (Embedding, LayerNorm, Linear, ModuleList, RMSNorm, grouped_linear,
                                      linears_can_be_grouped)
 from vkformers.models.module import Module
@@ -443,6 +444,17 @@ class Stack(Module):
         elif spec.positions == "fairseq" and not spec.fairseq_table_trained:
             self.position_table = Tensor(fairseq_table(self.fairseq_rows(), spec.d_model, spec.pad_token_id))
 
+    def max_length(self) -> int | None:
+        """Tokens per sequence the position table has rows for; None for relative positions (T5), no table."""
+        spec = self.spec
+        if spec.positions == "learned":  # row = position + offset
+            return spec.max_positions
+        if spec.positions == "fairseq":  # row = pad + 1 + position
+            return self.fairseq_rows() - 1 - spec.pad_token_id
+        if spec.positions in ("sinusoidal", "fairseq_from_zero"):
+            return spec.max_positions - spec.position_offset
+        return None
+
     def fairseq_rows(self) -> int:
         spec = self.spec
         return spec.max_positions + spec.position_offset + spec.pad_token_id + 1
@@ -578,6 +590,13 @@ class Seq2SeqForConditionalGeneration(Module):
             if bias.any():
                 self.logits_bias = tensor(bias, dtype=kwargs.get("dtype", args[0] if args else "float32"))
 
+    def input_limits(self) -> InputLimits:
+        spec = self.spec
+        return InputLimits(vocab_size=spec.source_vocab_size or spec.vocab_size, decoder_vocab_size=spec.vocab_size,
+                           label_classes=spec.vocab_size, max_length=self.encoder.max_length(),
+                           decoder_max_length=self.decoder.max_length(), labels_like="decoder_input_ids",
+                           one_dimensional_ok=True)
+
     # -- pieces
 
     def encode(self, input_ids, attention_mask=None):
@@ -683,10 +702,10 @@ class Seq2SeqForConditionalGeneration(Module):
         every row is finished. Without ``attention_mask``, pad tokens of the input are masked (when pad
         differs from eos), as transformers infers it. ``output_logits``: also return each step's logits
         [new, batch, vocab]."""
-        if int(max_new_tokens) < 0:
-            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-        if do_sample and temperature <= 0:
-            raise ValueError(f"generate: temperature must be > 0 when sampling, got {temperature}")
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p)
+        limits = self.input_limits()
+        check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
+        check_prompt_length(limits, 1, int(max_new_tokens), decoder=True)
         spec = self.spec
         ids = _ids(input_ids)
         batch = ids.shape[0]
