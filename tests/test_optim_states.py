@@ -147,3 +147,24 @@ def test_resume_refuses_another_optimizer(tmp_path):
     make_trainer(tmp_path, "adamw_8bit", steps=1, save_every=1).train()
     with pytest.raises(CheckpointLoadError, match="same --optim"):
         make_trainer(tmp_path, "adamw").resume()
+
+
+def test_cli_train_with_8bit_states_and_gradient_checkpointing(tmp_path):
+    import json
+    from test_lora import tiny_llama_folder
+    from vkformers.cli import main
+    from vkformers.cli.train import OPTIMS
+    from vkformers.models.safetensors_io import read_safetensors
+    from vkformers.optim import OPTIMIZERS
+    assert set(OPTIMS) == set(OPTIMIZERS)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question. " * 40)
+    assert main(["train", "--model", str(tiny_llama_folder(tmp_path / "config")), "--from-scratch", "--tokenizer",
+                 "byte", "--data", str(corpus), "--out", str(tmp_path / "run"), "--steps", "3", "--batch-size", "2",
+                 "--seq-len", "16", "--no-progress", "--optim", "adamw_8bit", "--gradient-checkpointing"]) == 0
+    folder = tmp_path / "run" / "checkpoints" / "checkpoint-3"
+    config = json.loads((folder / "trainer_state.json").read_text())["config"]
+    assert config["optim"] == "adamw_8bit" and config["gradient_checkpointing"] is True
+    states = read_safetensors(folder / "optimizer.safetensors")
+    assert states["0.0.exp_avg"].array.dtype == np.uint8  # the embedding (257 x 32): 8-bit codes
+    assert states["0.0.exp_avg_absmax"].array.shape == (-(-257 * 32 // 256),)
