@@ -37,7 +37,7 @@ class Checkpoint(Function):
         return tuple(outputs)
 
     def backward(self, *grads):
-        waits = [g.lazy for g in grads if g is not None]
+        waits = [g.lazy for g in grads if g is not None and g.lazy.base.node is not None]
         with enable_grad(), scheduled_after(waits), replaying_dropout_seeds(self.seeds):
             inputs = [Tensor._from_lazy(lb, requires_grad=flag) for lb, flag in zip(self.saved, self.input_flags)]
             outs = _as_tuple(self.block(*inputs))
@@ -46,7 +46,7 @@ class Checkpoint(Function):
             if roots:
                 backpropagate(roots, sink)
         weights = self.parents[self.input_count:]
-        _weight_grads_first([sink.get(id(t)) for t in inputs], [sink[id(w)] for w in weights if id(w) in sink])
+        _weight_grads_first([sink.get(id(t)) for t in inputs], [sink[id(w)] for w in weights if id(w) in sink], waits)
         return tuple(sink.get(id(t)) if needs else None for t, needs in zip(inputs + list(weights), self.needs_grad))
 
     def release(self) -> None:
@@ -77,16 +77,21 @@ def checkpoint(block, *inputs: Tensor):
     return results if isinstance(out, (tuple, list)) else results[0]
 
 
-def _weight_grads_first(input_grads, weight_grads) -> None:
+def _weight_grads_first(input_grads, weight_grads, waits) -> None:
     """Schedule the block's weight gradients before the gradients of its inputs. Only an optimizer step reads
     the weight gradients, so the scheduler would otherwise put their products last, keeping every block's
     recomputed activations alive to the end; the block below recomputes after its input gradient, so this way
-    one block's activations are freed before the next block's exist."""
-    waits = tuple(g.lazy for g in weight_grads if g.lazy.base.node is not None)
+    one block's activations are freed before the next block's exist. Only nodes of this recomputation (those
+    scheduled after ``waits``) get the extra order: an input gradient that is the output gradient passed
+    through belongs to the block above."""
+    if not waits:
+        return
     for g in input_grads:
-        if g is not None and waits and g.lazy.base.node is not None:
-            producer = g.lazy.base.node
-            producer.waits_for = producer.waits_for + waits
+        producer = g.lazy.base.node if g is not None else None
+        if producer is None or not all(any(w is x for x in producer.waits_for) for w in waits):
+            continue
+        first = tuple(w.lazy for w in weight_grads if w.lazy.base.node not in (None, producer))
+        producer.waits_for = producer.waits_for + first
 
 
 def _as_tuple(out) -> tuple:
