@@ -165,6 +165,7 @@ uint quantize(float x, float scale, bool is_signed) {
 void main() {
     uint local = gl_LocalInvocationID.x;
     uint block = global_index() / 256;  // one workgroup per block
+    if (block * 256 * BLOCK_ITEMS >= n) return;  // a 2-D grid's spare workgroups (the whole group returns)
     signed_map[local] = qmap[qmap_offset + local];
     unsigned_map[local] = qmap[qmap_offset + 256 + local];
     float scale_m = absmax_m[absmax_m_offset + block];
