@@ -136,3 +136,24 @@ def test_models_without_it_say_so():
     model = AutoModelForSeq2SeqLM.from_pretrained(FIXTURES / "seq2seq" / "t5", dtype="float32")
     with pytest.raises(GradientCheckpointingError, match="does not support gradient checkpointing"):
         model.gradient_checkpointing_enable()
+
+
+def test_a_block_reading_a_computed_tensor_stops_its_backward_there():
+    """The recomputation's backward hands the gradient of an outside result to the outer graph (not through it)."""
+    import vkformers as vkf
+    from vkformers.engine.checkpoint import checkpoint
+    rng = np.random.default_rng(0)
+    w = vkf.parameter(rng.standard_normal((4, 4)).astype(np.float32))
+    x0 = vkf.tensor(rng.standard_normal((3, 4)).astype(np.float32), requires_grad=True)
+    expected = None
+    for checkpointing in (False, True):
+        shared = (w * 2.0).tanh()  # computed before the block, read inside it
+        block = (lambda h: (h @ shared).sin() + h)
+        y = checkpoint(block, x0 * 1.5) if checkpointing else block(x0 * 1.5)
+        y.sum().backward()
+        got = (w.grad.numpy(), x0.grad.numpy())
+        w.grad = x0.grad = None
+        if expected is None:
+            expected = got
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)

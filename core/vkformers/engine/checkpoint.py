@@ -13,6 +13,12 @@ Why the gradients are bit-identical to an ordinary backward:
 - the layer's internal gradients flow through the same backward functions; only the sums into the layer's
   input and weights are formed inside the block (two-term sums are the same in any order).
 
+A block may read tensors computed outside it that need gradients (they become parents of the Checkpoint and
+the recomputation's backward stops at them). If several blocks read one such tensor (an encoder output every
+decoder layer attends to, a bias shared by all layers), its gradient is summed block by block rather than in
+the ordinary backward's order, which can change its last bits: the encoder-decoder models therefore do not
+offer checkpointing (Module.supports_gradient_checkpointing).
+
 Memory: the first forward's internals are read only by the next op of that forward, so the memory planner
 (lazy._record) recycles them at once. The recomputation's nodes wait for the gradient of the block's output
 (lazy.scheduled_after): they run just before that block's backward, not with the forward, and one block's
@@ -44,7 +50,7 @@ class Checkpoint(Function):
             roots = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             sink: dict = {}
             if roots:
-                backpropagate(roots, sink)
+                backpropagate(roots, sink, boundary=self.parents[self.input_count:])
         weights = self.parents[self.input_count:]
         _weight_grads_first([sink.get(id(t)) for t in inputs], [sink[id(w)] for w in weights if id(w) in sink], waits)
         return tuple(sink.get(id(t)) if needs else None for t, needs in zip(inputs + list(weights), self.needs_grad))

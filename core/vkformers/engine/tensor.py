@@ -225,11 +225,14 @@ class Tensor:
         return self.cast(dt.bfloat16)
 
 
-def backpropagate(roots, sink: dict | None = None) -> list[Tensor]:
+def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
     """Reverse mode from ``roots``, (tensor, its gradient) pairs; returns the leaves reached.
 
     Without ``sink`` each leaf's gradient is accumulated into ``leaf.grad``; with it, into ``sink[id(leaf)]``
-    (``.grad`` untouched: a recomputed layer's backward hands its gradients to the graph around it)."""
+    (``.grad`` untouched: a recomputed layer's backward hands its gradients to the graph around it).
+    ``boundary``: tensors treated as leaves though computed (a recomputed layer's reads of results from
+    outside it; the graph beyond them is the outer backward's)."""
+    stop = {id(t) for t in boundary}
     functions, seen = [], set()
 
     def visit(f):  # depth-first post-order over Functions, iteratively (deep graphs)
@@ -244,7 +247,7 @@ def backpropagate(roots, sink: dict | None = None) -> list[Tensor]:
             seen.add(id(g))
             stack.append((g, True))
             for p in g.parents:
-                if p is not None and p._ctx is not None and id(p._ctx) not in seen:
+                if p is not None and p._ctx is not None and id(p._ctx) not in seen and id(p) not in stop:
                     stack.append((p._ctx, False))
 
     leaves: dict[int, Tensor] = {}
@@ -258,7 +261,7 @@ def backpropagate(roots, sink: dict | None = None) -> list[Tensor]:
 
     grads: dict[tuple, Tensor] = {}
     for root, gradient in roots:
-        if root._ctx is None:
+        if root._ctx is None or id(root) in stop:
             to_leaf(root, gradient)
             continue
         visit(root._ctx)
@@ -276,7 +279,7 @@ def backpropagate(roots, sink: dict | None = None) -> list[Tensor]:
                     continue
                 if g.shape != parent.shape:
                     raise RuntimeError(f"{type(f).__name__}.backward gave shape {g.shape} for {parent.shape}")
-                if parent._ctx is None:
+                if parent._ctx is None or id(parent) in stop:
                     to_leaf(parent, g)
                 else:
                     key = (id(parent._ctx), parent._index)
