@@ -39,12 +39,12 @@ class Slot:
 
 class Module:
     supports_gradient_checkpointing = False  # True on models whose layer loop goes through call_layer()
+    gradient_checkpointing = False  # (also for subclasses that skip Module.__init__)
 
     def __init__(self):
         object.__setattr__(self, "_slots", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "training", False)
-        object.__setattr__(self, "gradient_checkpointing", False)
 
     # -- declaration
 
