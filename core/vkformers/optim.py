@@ -9,6 +9,12 @@ step stay valid as the step count and schedule move.
 
 Parameters stored as float16/bfloat16 get a float32 master copy; the kernel
 updates the master and writes the rounded copy into the parameter.
+
+Optimizer-state memory (``state_dtype``): the moments m and v are float32 (8 bytes per parameter), bfloat16
+(4 bytes) or 8-bit blockwise states as bitsandbytes' ``AdamW8bit`` (2 bytes plus 8 per block of 256):
+each block of m is stored as indices into a signed dynamic quantization map scaled by the block's absolute
+maximum, v likewise with the unsigned map (Dettmers et al., "8-bit Optimizers via Block-wise Quantization",
+2022). As in bitsandbytes, tensors smaller than ``min_8bit_size`` elements keep float32 states.
 """
 from __future__ import annotations
 
@@ -18,18 +24,26 @@ from vkformers.engine import lazy
 from vkformers.engine.function import KernelOp, node
 from vkformers.engine.kernels import adamw as KA
 from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
 
 
 class AdamWKernel(KernelOp):
+    """Inputs: master, grad, exp_avg, exp_avg_sq, scalars[, factor][, qmap]; outputs: master, exp_avg,
+    exp_avg_sq[, 16-bit model copy][, absmax of m, absmax of v] (block_size > 0: 8-bit states)."""
+
     name = "adamw"
 
     def emit(self, seq, outs, ins):
-        (_, grad, _, _, scalars, *factor) = ins
-        master, exp_avg, exp_avg_sq, *copy = outs
+        (_, grad, _, _, scalars, *extra) = ins
+        factor = extra[0].operand if self.has_factor else None
+        qmap = extra[-1].operand if self.block_size else None
+        master, exp_avg, exp_avg_sq, *rest = outs
+        copy = rest[0].operand if self.has_copy else None
+        absmax = [a.operand for a in rest[-2:]] if self.block_size else None
         KA.adamw_step(seq, scalars.operand, master.operand, grad.operand, exp_avg.operand, exp_avg_sq.operand,
-                      count=master.numel, model_copy=copy[0].operand if copy else None,
-                      grad_factor=factor[0].operand if factor else None)
+                      count=master.numel, model_copy=copy, grad_factor=factor, absmax=absmax, qmap=qmap,
+                      block_size=self.block_size or 256)
 
 
 def _update_grad(p: Tensor) -> Tensor:
@@ -41,30 +55,94 @@ def _update_grad(p: Tensor) -> Tensor:
     return grad.contiguous()
 
 
+class OptimizerConfigError(VkformersError, ValueError):
+    """An optimizer option out of range (state dtype, block size)."""
+
+
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def dynamic_map(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
+    """bitsandbytes' ``create_dynamic_map``: 256 ascending float32 values in [-1, 1] (signed) or [0, 1].
+
+    Each exponent 10^-6 .. 10^0 gets a linear run of fractions (the means of consecutive points of
+    linspace(0.1, 1)), twice as many per decade as the one below; plus 0 and 1."""
+    data: list[float] = []
+    non_sign_bits = total_bits - 1
+    for i in range(max_exponent_bits):
+        items = 2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed else \
+            2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        boundaries = np.linspace(0.1, 1, items, dtype=np.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / np.float32(2.0)
+        decade = np.float32(10.0 ** (-(max_exponent_bits - 1) + i))
+        data += (decade * means).tolist()
+        if signed:
+            data += (-decade * means).tolist()
+    data += [0.0, 1.0]
+    data += [0.0] * (2 ** total_bits - len(data))
+    return np.sort(np.asarray(data, np.float32))
+
+
+QUANTIZATION_MAPS = np.concatenate([dynamic_map(True), dynamic_map(False)])  # as adamw.comp's qmap reads them
+ZERO_CODE = int(np.flatnonzero(QUANTIZATION_MAPS[:256] == 0.0)[0])  # a fresh m: zero (any code is, with absmax 0)
+
+
 class AdamW:
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+    """torch.optim.AdamW. ``state_dtype``: how m and v are stored, "float32" (torch's), "bfloat16" or "int8"
+    (8-bit blockwise, ``block_size`` 256 or 2048 elements per absmax, for tensors of at least ``min_8bit_size``
+    elements). The update itself is computed in float32 in every case."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 *, state_dtype: str = "float32", block_size: int = 256, min_8bit_size: int = 4096):
+        if state_dtype not in STATE_DTYPES:
+            raise OptimizerConfigError(f"AdamW state_dtype must be one of {', '.join(STATE_DTYPES)}, "
+                                       f"got {state_dtype!r}")
+        if block_size not in KA.QUANTIZED_BLOCK_SIZES:
+            raise OptimizerConfigError(f"AdamW block_size must be one of {KA.QUANTIZED_BLOCK_SIZES} "
+                                       f"(bitsandbytes' blockwise sizes), got {block_size!r}")
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[int, dict] = {}
+        self.state_dtype, self.block_size, self.min_8bit_size = state_dtype, block_size, int(min_8bit_size)
+        self._qmap = None  # QUANTIZATION_MAPS on the device, made with the first 8-bit state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
 
+    def state_layout(self, p: Tensor) -> dict:
+        """{name: (shape, dtype)} of p's moment tensors (the float32 master aside), as this optimizer keeps them."""
+        kind = self.state_dtype
+        if kind == "int8" and p.numel() < self.min_8bit_size:
+            kind = "float32"
+        if kind != "int8":
+            return {name: (p.shape, dt.as_dtype(kind)) for name in ("exp_avg", "exp_avg_sq")}
+        blocks = -(-p.numel() // self.block_size)
+        return {"exp_avg": ((p.numel(),), dt.uint8), "exp_avg_sq": ((p.numel(),), dt.uint8),
+                "exp_avg_absmax": ((blocks,), dt.float32), "exp_avg_sq_absmax": ((blocks,), dt.float32)}
+
     def _state(self, p: Tensor) -> dict:
         st = self.state.get(id(p))
         if st is None:
-            zeros = np.zeros(p.shape, np.float32)
-            st = {"step": 0, "exp_avg": parameter(zeros, requires_grad=False, name="exp_avg"),
-                  "exp_avg_sq": parameter(zeros, requires_grad=False, name="exp_avg_sq"),
-                  "master": None if p.dtype is dt.float32 else
-                  parameter(p.numpy().astype(np.float32), requires_grad=False, name="master")}
+            st = {"step": 0}
+            for name, (shape, dtype) in self.state_layout(p).items():
+                zeros = np.zeros(shape, np.float32 if dtype is dt.bfloat16 else dtype.host)
+                if dtype is dt.uint8 and name == "exp_avg":  # the code of 0.0 in the signed map
+                    zeros[...] = ZERO_CODE
+                st[name] = parameter(zeros, dtype=dtype, requires_grad=False, name=name)
+            st["master"] = (None if p.dtype is dt.float32 else
+                            parameter(p.numpy().astype(np.float32), requires_grad=False, name="master"))
             self.state[id(p)] = st
         return st
+
+    def _quantization_maps(self, device) -> Tensor:
+        if self._qmap is None:
+            self._qmap = parameter(QUANTIZATION_MAPS, requires_grad=False, device=device, name="adamw_qmap")
+        return self._qmap
 
     def step(self, grad_factor: Tensor | None = None) -> None:
         """One update of every parameter with a gradient. ``grad_factor`` (a float32 tensor of one element,
@@ -91,8 +169,14 @@ class AdamW:
                 master = st["master"] if st["master"] is not None else p
                 targets = [master, st["exp_avg"], st["exp_avg_sq"]] + ([p] if st["master"] is not None else [])
                 factor = [] if grad_factor is None else [grad_factor.reshape(1).lazy]
-                outs = node(AdamWKernel(), [master.lazy, _update_grad(p).lazy, st["exp_avg"].lazy,
-                                            st["exp_avg_sq"].lazy, scalars.lazy, *factor],
+                quantized = "exp_avg_absmax" in st
+                if quantized:  # the absmax pair is updated in place too; the maps are read
+                    targets += [st["exp_avg_absmax"], st["exp_avg_sq_absmax"]]
+                    factor.append(self._quantization_maps(p.device).lazy)
+                kernel = AdamWKernel(has_factor=grad_factor is not None, has_copy=st["master"] is not None,
+                                     block_size=self.block_size if quantized else 0)
+                outs = node(kernel, [master.lazy, _update_grad(p).lazy, st["exp_avg"].lazy,
+                                     st["exp_avg_sq"].lazy, scalars.lazy, *factor],
                             [(t.shape, t.dtype) for t in targets], into=[t.lazy for t in targets])
                 for t, out in zip(targets, outs):
                     t._set_lazy(out)
@@ -121,7 +205,8 @@ class AdamW:
 
     def state_dict(self) -> dict:
         """Moments (and masters) as numpy arrays plus step counts, keyed by parameter position
-        (training/checkpoint.py's load_optimizer_state is the inverse)."""
+        (training/checkpoint.py's load_optimizer_state is the inverse). bfloat16 moments come widened to float32
+        (exactly), 8-bit ones as their uint8 codes beside float32 absmax arrays."""
         out = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -130,7 +215,20 @@ class AdamW:
                     continue
                 key = f"{gi}.{pi}"
                 out[f"{key}.step"] = np.array(st["step"], np.int64)
-                for name in ("exp_avg", "exp_avg_sq", "master"):
-                    if st[name] is not None:
-                        out[f"{key}.{name}"] = st[name].numpy()
+                for name, value in st.items():
+                    if name != "step" and value is not None:
+                        out[f"{key}.{name}"] = value.numpy()
         return out
+
+
+class AdamW8bit(AdamW):
+    """bitsandbytes' ``AdamW8bit``: AdamW with 8-bit blockwise moments (``AdamW(..., state_dtype="int8")``)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 *, block_size: int = 256, min_8bit_size: int = 4096):
+        super().__init__(params, lr, betas, eps, weight_decay, state_dtype="int8", block_size=block_size,
+                         min_8bit_size=min_8bit_size)
+
+
+# ``vkformers train --optim``: name -> AdamW keyword arguments
+OPTIMIZERS = {"adamw": {}, "adamw_bf16_states": {"state_dtype": "bfloat16"}, "adamw_8bit": {"state_dtype": "int8"}}

@@ -13,6 +13,7 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+OPTIMS = ("adamw", "adamw_8bit", "adamw_bf16_states")  # optim.OPTIMIZERS (not imported here: --help stays fast)
 
 
 def add_parser(subparsers):
@@ -59,6 +60,12 @@ def add_parser(subparsers):
     loop.add_argument("--precision", choices=tuple(DTYPES), default="fp32",
                       help="weights' dtype; bf16/fp16 train with float32 masters, fp16 with dynamic loss scaling")
     loop.add_argument("--seed", type=int, default=0, help="data order, dropout and adapter init")
+    loop.add_argument("--optim", choices=OPTIMS, default="adamw",
+                      help="AdamW moments in float32 (adamw), 8-bit blockwise as bitsandbytes' AdamW8bit "
+                           "(adamw_8bit, a quarter of the memory) or bfloat16 (adamw_bf16_states, half)")
+    loop.add_argument("--gradient-checkpointing", action="store_true",
+                      help="keep only each layer's input and recompute the layer in the backward pass: less "
+                           "activation memory for one more forward per step, the same gradients")
     loop.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                       help="continue from the newest checkpoint in --out (or the folder given)")
     loop.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -123,7 +130,7 @@ def run(args) -> int:
                             weight_decay=args.weight_decay, clip=args.clip, grad_accum=args.grad_accum,
                             eval_every=args.eval_every, eval_batches=args.eval_batches,
                             save_every=args.save_every or args.steps, keep=args.keep, precision=args.precision,
-                            seed=args.seed)
+                            seed=args.seed, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing)
     run_info = {"model": str(args.model), "data": [str(p) for p in paths], "tokenizer": args.tokenizer or args.model,
                 "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}
     trainer = Trainer(model, config, Batches(train, args.batch_size, seed=args.seed),

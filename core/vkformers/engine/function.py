@@ -10,6 +10,7 @@ and kernel in one place.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,12 @@ def view(x: LazyBuffer, new_view: View) -> LazyBuffer:
 # ---------------------------------------------------------------- autograd
 
 _grad_state = threading.local()
+_serials = itertools.count()
+
+
+def function_serial() -> int:
+    """A number above the serial of every Function created so far (each gets the next one)."""
+    return next(_serials)
 
 
 def grad_enabled() -> bool:
@@ -97,10 +104,20 @@ class no_grad:
         return wrapper
 
 
+class enable_grad(no_grad):
+    """Context manager under which operations record a gradient graph again (inside a backward pass, which runs
+    under no_grad: a checkpointed layer's recomputation)."""
+
+    def __enter__(self):
+        self.previous = grad_enabled()
+        _grad_state.enabled = True
+
+
 class Function:
     """A differentiable operation: ``forward`` on lazy buffers, ``backward`` on tensors."""
 
     def __init__(self, *parents: "Tensor"):
+        self.serial = next(_serials)  # creation order (engine/checkpoint.py tells a block's own functions by it)
         self.parents = parents
         self.needs_grad = tuple(p is not None and p.requires_grad for p in parents)
         self.saved: tuple = ()

@@ -155,16 +155,34 @@ class Arg:
 class Node:
     """One op applied to inputs, producing ``len(outputs)`` lazy buffers."""
 
-    __slots__ = ("op", "inputs", "outputs", "after", "__weakref__")
+    __slots__ = ("op", "inputs", "outputs", "after", "waits_for", "__weakref__")
 
     def __init__(self, op, inputs: tuple[LazyBuffer, ...]):
         self.op = op
         self.inputs = inputs
         self.outputs: list[LazyBuffer] = []
         self.after: list[Node] = []  # extra ordering (an assignment waits for the readers of the old value)
+        # buffers this node reads nothing of but is scheduled after (see :func:`scheduled_after`)
+        self.waits_for: tuple[LazyBuffer, ...] = _waits[-1] if _waits else ()
 
 
 _pending_assignments: list[LazyBuffer] = []
+_waits: list[tuple] = []
+
+
+@contextmanager
+def scheduled_after(buffers: Iterable[LazyBuffer]):
+    """Nodes created inside are scheduled after the nodes producing ``buffers``, though they do not read them.
+
+    A recomputation in the backward pass (engine/checkpoint.py) reads only the saved layer input and the
+    weights: without this it could be scheduled as early as the forward, and its activations would then
+    stay alive through the whole backward, which is what recomputing them is meant to avoid."""
+    pending = tuple(b for b in buffers if b is not None and b.base.node is not None)
+    _waits.append((_waits[-1] if _waits else ()) + pending)
+    try:
+        yield
+    finally:
+        _waits.pop()
 
 
 def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, into=None):
@@ -273,6 +291,8 @@ def _schedule(targets: list[LazyBuffer]) -> list[Node]:
         if node is None or id(node) in seen:
             return
         seen.add(id(node))
+        for x in node.waits_for:
+            collect(x)
         for x in node.inputs:
             readers.setdefault(id(x.base), []).append(node)
             collect(x)
@@ -292,7 +312,7 @@ def _schedule(targets: list[LazyBuffer]) -> list[Node]:
         if id(node) in visiting:
             raise RuntimeError("cycle in the tensor graph (an assignment reads its own result?)")
         visiting.add(id(node))
-        for x in node.inputs:
+        for x in (*node.waits_for, *node.inputs):
             if x.base.node is not None and id(x.base.node) in seen:
                 place(x.base.node)
         for other in node.after:
@@ -391,7 +411,7 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
                 if not out.persistent:
                     plan.bound.append(weakref.ref(out))
             out.node, out.replaces = None, None
-        n.inputs, n.after = (), []
+        n.inputs, n.after, n.waits_for = (), [], ()
     _resume_gc()
 
 
@@ -444,9 +464,12 @@ def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: s
             return Arg(Operand(buf, lb.view.offset), lb.view.shape, lb.view.strides, lb.dtype)
 
         n.op.emit(seq, [arg(o) for o in n.outputs], [arg(x) for x in n.inputs])
-        # Buffers whose last reader was this node go back to the pool.
-        for x in {id(x.base): x.base for x in n.inputs}.values():
-            if last_use.get(id(x)) == i and id(x) in storage and id(x) not in keep:
+        # Buffers whose last reader was this node go back to the pool, and so do outputs nothing reads (a
+        # forward's statistics kept for a backward that recomputes them instead).
+        done = [x for x in {id(x.base): x.base for x in n.inputs}.values() if last_use.get(id(x)) == i]
+        done += [o for o in n.outputs if id(o) not in last_use and o.buffer is None]
+        for x in done:
+            if id(x) in storage and id(x) not in keep:
                 free.setdefault((x.dtype.name, math.prod(x.shape)), []).append(storage[id(x)])
     seq.record()
     output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]

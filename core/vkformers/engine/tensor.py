@@ -149,50 +149,9 @@ class Tensor:
             if self.numel() != 1:
                 raise RuntimeError(f"backward() without a gradient needs a one-element tensor, not {self.shape}")
             gradient = full(self.shape, 1.0, dtype=self.dtype, device=self.device)
-        functions, seen = [], set()
+        return backpropagate([(self, gradient)])
 
-        def visit(f):  # depth-first post-order over Functions, iteratively (deep graphs)
-            stack = [(f, False)]
-            while stack:
-                g, done = stack.pop()
-                if done:
-                    functions.append(g)
-                    continue
-                if id(g) in seen:
-                    continue
-                seen.add(id(g))
-                stack.append((g, True))
-                for p in g.parents:
-                    if p is not None and p._ctx is not None and id(p._ctx) not in seen:
-                        stack.append((p._ctx, False))
-
-        if self._ctx is None:  # a leaf
-            _accumulate(self, gradient)
-            return [self]
-        leaves: dict[int, Tensor] = {}
-        visit(self._ctx)
-        grads: dict[tuple, Tensor] = {(id(self._ctx), self._index): gradient}
-        with no_grad():
-            for f in reversed(functions):
-                outs = [grads.pop((id(f), i), None) for i in range(getattr(f, "outputs_count", 1))]
-                if all(g is None for g in outs):
-                    continue
-                in_grads = f.backward(*outs)
-                in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
-                for parent, needs, g in zip(f.parents, f.needs_grad, in_grads):
-                    if not needs or g is None:
-                        continue
-                    if g.shape != parent.shape:
-                        raise RuntimeError(f"{type(f).__name__}.backward gave shape {g.shape} for {parent.shape}")
-                    if parent._ctx is None:
-                        _accumulate(parent, g)
-                        leaves[id(parent)] = parent
-                    else:
-                        key = (id(parent._ctx), parent._index)
-                        grads[key] = g if key not in grads else grads[key] + g
-                f.release()  # free the graph, as torch does without retain_graph
-        return list(leaves.values())
-
+    # -- views
     # -- views
 
     def reshape(self, *shape) -> "Tensor":
@@ -274,6 +233,69 @@ class Tensor:
 
     def bfloat16(self) -> "Tensor":
         return self.cast(dt.bfloat16)
+
+
+def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
+    """Reverse mode from ``roots``, (tensor, its gradient) pairs; returns the leaves reached.
+
+    Without ``sink`` each leaf's gradient is accumulated into ``leaf.grad``; with it, into ``sink[id(leaf)]``
+    (``.grad`` untouched: a recomputed layer's backward hands its gradients to the graph around it).
+    ``boundary``: tensors treated as leaves though computed (a recomputed layer's reads of results from
+    outside it; the graph beyond them is the outer backward's)."""
+    stop = {id(t) for t in boundary}
+    functions, seen = [], set()
+
+    def visit(f):  # depth-first post-order over Functions, iteratively (deep graphs)
+        stack = [(f, False)]
+        while stack:
+            g, done = stack.pop()
+            if done:
+                functions.append(g)
+                continue
+            if id(g) in seen:
+                continue
+            seen.add(id(g))
+            stack.append((g, True))
+            for p in g.parents:
+                if p is not None and p._ctx is not None and id(p._ctx) not in seen and id(p) not in stop:
+                    stack.append((p._ctx, False))
+
+    leaves: dict[int, Tensor] = {}
+
+    def to_leaf(leaf: Tensor, g: Tensor) -> None:
+        if sink is None:
+            _accumulate(leaf, g)
+        else:
+            sink[id(leaf)] = g if id(leaf) not in sink else sink[id(leaf)] + g
+        leaves[id(leaf)] = leaf
+
+    grads: dict[tuple, Tensor] = {}
+    for root, gradient in roots:
+        if root._ctx is None or id(root) in stop:
+            to_leaf(root, gradient)
+            continue
+        visit(root._ctx)
+        key = (id(root._ctx), root._index)
+        grads[key] = gradient if key not in grads else grads[key] + gradient
+    with no_grad():
+        for f in reversed(functions):
+            outs = [grads.pop((id(f), i), None) for i in range(getattr(f, "outputs_count", 1))]
+            if all(g is None for g in outs):
+                continue
+            in_grads = f.backward(*outs)
+            in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
+            for parent, needs, g in zip(f.parents, f.needs_grad, in_grads):
+                if not needs or g is None:
+                    continue
+                if g.shape != parent.shape:
+                    raise RuntimeError(f"{type(f).__name__}.backward gave shape {g.shape} for {parent.shape}")
+                if parent._ctx is None or id(parent) in stop:
+                    to_leaf(parent, g)
+                else:
+                    key = (id(parent._ctx), parent._index)
+                    grads[key] = g if key not in grads else grads[key] + g
+            f.release()  # free the graph, as torch does without retain_graph
+    return list(leaves.values())
 
 
 def _accumulate(leaf: Tensor, g: Tensor) -> None:

@@ -12,6 +12,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from vkformers.engine.checkpoint import checkpoint
 from vkformers.engine.lazy import building_graph
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
@@ -21,6 +22,10 @@ from vkformers.runtime import dtypes as dt
 
 class CheckpointError(VkformersError, ValueError):
     """Weights that do not fit the model: missing, unexpected or misshapen tensors, or a bad file."""
+
+
+class GradientCheckpointingError(VkformersError, ValueError):
+    """gradient_checkpointing_enable() on a model whose layer loop does not recompute its layers."""
 
 
 @dataclass
@@ -34,6 +39,9 @@ class Slot:
 
 
 class Module:
+    supports_gradient_checkpointing = False  # True on models whose layer loop goes through call_layer()
+    gradient_checkpointing = False  # (also for subclasses that skip Module.__init__)
+
     def __init__(self):
         object.__setattr__(self, "_slots", {})
         object.__setattr__(self, "_modules", {})
@@ -95,6 +103,35 @@ class Module:
 
     def eval(self) -> "Module":
         return self.train(False)
+
+    # -- gradient checkpointing (transformers' names)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Keep only each layer's input for the backward pass and recompute the layer there (in training mode,
+        with gradients recorded): less activation memory for one more forward per step; the gradients are
+        bit-identical. ``gradient_checkpointing_kwargs`` is accepted for transformers' signature and ignored."""
+        if not self.supports_gradient_checkpointing:
+            raise GradientCheckpointingError(
+                f"{type(self).__name__} does not support gradient checkpointing; train without it")
+        self._set_gradient_checkpointing(True)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self._set_gradient_checkpointing(False)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.gradient_checkpointing
+
+    def _set_gradient_checkpointing(self, on: bool) -> None:
+        for _, module in self.named_modules():
+            object.__setattr__(module, "gradient_checkpointing", on)
+
+    def call_layer(self, layer, x, *args, **kwargs):
+        """``layer(x, *args, **kwargs)``, recomputed in the backward pass when gradient checkpointing is on
+        (engine/checkpoint.py); the shared layer loops call their layers through this."""
+        if self.gradient_checkpointing and self.training:
+            return checkpoint(lambda h: layer(h, *args, **kwargs), x)
+        return layer(x, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         limits = self.input_limits()

@@ -114,14 +114,20 @@ def load_optimizer_state(optimizer, arrays: dict[str, np.ndarray]) -> None:
     for key, p in expected.items():
         if f"{key}.step" not in arrays:
             continue
+        layout = {**optimizer.state_layout(p), "master": (p.shape, dt.float32)}
+        present = {k.rsplit(".", 1)[1] for k in arrays if k.rsplit(".", 1)[0] == key} - {"step"}
+        if present - set(layout) or (set(layout) - {"master"}) - present:
+            raise CheckpointLoadError(f"optimizer state {key} holds {sorted(present)}, this optimizer keeps "
+                                      f"{sorted(layout)} (resume with the same --optim)")
         fields = {}
-        for name in ("exp_avg", "exp_avg_sq", "master"):
+        for name, (shape, dtype) in layout.items():
             array = arrays.get(f"{key}.{name}")
-            if array is not None and tuple(array.shape) != p.shape:
+            if array is not None and tuple(array.shape) != shape:
                 raise CheckpointLoadError(f"optimizer state {key}.{name} has shape {tuple(array.shape)}, "
-                                          f"the parameter {p.shape}")
-            fields[name] = None if array is None else parameter(np.asarray(array, np.float32), requires_grad=False,
-                                                                 name=name)
+                                          f"expected {shape}")
+            fields[name] = None if array is None else parameter(
+                np.asarray(array, np.float32 if dtype is dt.bfloat16 else dtype.host), dtype=dtype,
+                requires_grad=False, name=name)
         if (fields["master"] is None) != (p.dtype is dt.float32):
             raise CheckpointLoadError(f"optimizer state {key}: float32 master present/absent does not fit a "
                                       f"{p.dtype.name} parameter (resume with the same --precision)")

@@ -36,7 +36,7 @@ from vkformers.engine.ops.nn import dropout_rng_state, set_dropout_rng_state
 from vkformers.engine.ops.elementwise import where
 from vkformers.engine.tensor import Tensor, parameter, tensor
 from vkformers.errors import VkformersError
-from vkformers.optim import AdamW
+from vkformers.optim import OPTIMIZERS, AdamW
 from vkformers.runtime import dtypes as dt
 from vkformers.training import checkpoint as ckpt
 from vkformers.training.schedules import SCHEDULES, lr_factor
@@ -71,6 +71,8 @@ class TrainingConfig:
     seed: int = 0
     loss_scale: float = 2.0 ** 16   # fp16 only: initial dynamic loss scale
     scale_growth_interval: int = 2000
+    optim: str = "adamw"            # optim.OPTIMIZERS: adamw | adamw_bf16_states | adamw_8bit
+    gradient_checkpointing: bool = False  # recompute each layer in the backward pass (less activation memory)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -80,6 +82,8 @@ class TrainingConfig:
         if self.grad_accum < 1 or self.batch_size < 1 or self.steps < 0:
             raise ValueError("steps >= 0, batch_size >= 1 and grad_accum >= 1 are required")
         self.betas = tuple(self.betas)
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
 
 
 @dataclass
@@ -163,7 +167,9 @@ class Trainer:
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]  # biases and norm weights, as HF's Trainer does
         groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if g]
-        self.optimizer = AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+        self.optimizer = AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **OPTIMIZERS[config.optim])
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
         # Create moments (and float32 masters of 16-bit weights) now: created inside the first step they
         # would read each weight back mid-graph, splitting step 1 into many submissions and recordings.
         self.optimizer.init_state()

@@ -196,6 +196,8 @@ def _as_int_array(value) -> np.ndarray | None:
 class EncoderForMaskedLM(Module):
     """A bidirectional encoder of any architecture in :data:`vkformers_bert.variants.VARIANTS`."""
 
+    supports_gradient_checkpointing = True  # forward runs its layers through call_layer
+
     def __init__(self, config: dict, architecture):
         super().__init__()
         name = getattr(architecture, "name", architecture)
@@ -346,7 +348,7 @@ class EncoderForMaskedLM(Module):
         if keep is not None:
             x = x * keep
         for layer in self.layers:
-            x = layer(x, ctx)
+            x = self.call_layer(layer, x, ctx)
             if keep is not None:  # XLM zeroes the padded positions after every layer
                 x = x * keep
         if self.final_norm is not None:

@@ -577,6 +577,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
     """A dense causal decoder of any architecture in :data:`vkformers_llama.variants.VARIANTS`."""
 
     ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+    supports_gradient_checkpointing = True  # run_layers goes through call_layer
     decoder_spec = staticmethod(decoder_spec)  # config -> DecoderSpec; a subclass may read other variants (vkformers-moe)
 
     def __init__(self, config: dict, architecture):
@@ -778,7 +779,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream
         between them: DeepSeek-V4's hyper-connections)."""
         for layer in self.layers:
-            x = layer(x, ctx)
+            x = self.call_layer(layer, x, ctx)
         return x
 
     def _fused_decode_head(self, x):

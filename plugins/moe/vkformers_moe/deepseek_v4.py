@@ -362,7 +362,7 @@ class DeepseekV4ForCausalLM(MoeDecoderForCausalLM):
             x = F.where(Tensor((self._input_ids == pad)[:, :, None]), x.detach(), x)
         streams = x.reshape(b, t, 1, d).expand(b, t, o.hc_mult, d).contiguous()
         for layer in self.layers:
-            streams = layer(streams, ctx)
+            streams = self.call_layer(layer, streams, ctx)
         pre, _ = _hyper_weights(streams, get_param(self, "model.hc_head.hc_fn"),
                                 get_param(self, "model.hc_head.hc_base"), get_param(self, "model.hc_head.hc_scale"),
                                 o.hc_eps, self.spec.norm_eps)

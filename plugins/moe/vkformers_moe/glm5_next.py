@@ -205,5 +205,5 @@ class Glm5NextForCausalLM(MoeDecoderForCausalLM):
         n, (b, t, d) = self.spec.make_layer.hc_mult, x.shape
         streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous()
         for layer in self.layers:
-            streams = layer(streams, ctx)
+            streams = self.call_layer(layer, streams, ctx)
         return streams.sum(2) * (1.0 / n)

@@ -396,5 +396,5 @@ class Qwen4ExpForCausalLM(MoeDecoderForCausalLM):
         ctx.input_ids = self._input_ids
         streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous().reshape(b, t, n * d)
         for layer in self.layers:
-            streams = layer(streams, ctx)
+            streams = self.call_layer(layer, streams, ctx)
         return self.mixer(streams)

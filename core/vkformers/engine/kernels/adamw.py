@@ -39,12 +39,18 @@ def adamw_scalars(*, lr: float, step: int, beta1: float = 0.9, beta2: float = 0.
 
 
 GRAD_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+STATE_TYPES = {"float32": "", "bfloat16": "_s_bf16", "uint8": "_s_q8"}  # moment storage -> variant suffix
+QUANTIZED_BLOCK_SIZES = (256, 2048)  # bitsandbytes' blockwise optimizer block sizes
 
 
-def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, model_copy=None, grad_factor=None):
-    """Update param, exp_avg, exp_avg_sq (float32 [count]) in place from grad ([count], float32, float16 or
+def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, model_copy=None, grad_factor=None,
+               absmax=None, qmap=None, block_size: int = 256):
+    """Update param (float32 [count]), exp_avg and exp_avg_sq in place from grad ([count], float32, float16 or
     bfloat16, read as it is stored).
 
+    The moments are float32, bfloat16, or uint8 codes of 8-bit blockwise states: then ``absmax`` is a pair of
+    float32 [ceil(count / block_size)] operands (each block's absolute maximum of m and of v, updated too) and
+    ``qmap`` a float32 [512] operand (the signed then the unsigned quantization map, ascending; optim.py).
     scalars: uint32 [ADAMW_SCALAR_WORDS] (adamw_scalars). model_copy: optional float16 or bfloat16 [count] that
     receives the updated parameters. grad_factor: optional float32 element the gradient is multiplied by
     (computed on the GPU: gradient clipping, loss unscaling), besides the scalars' grad_scale.
@@ -54,14 +60,25 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
     scalars = checked(scalars, "uint32", ADAMW_SCALAR_WORDS, "adamw scalars")
     param = checked(param, "float32", count, "adamw param")
     grad = checked(grad, tuple(GRAD_TYPES), count, "adamw grad")
-    exp_avg = checked(exp_avg, "float32", count, "adamw exp_avg")
-    exp_avg_sq = checked(exp_avg_sq, "float32", count, "adamw exp_avg_sq")
+    exp_avg = checked(exp_avg, tuple(STATE_TYPES), count, "adamw exp_avg")
+    exp_avg_sq = checked(exp_avg_sq, exp_avg.dtype.name, count, "adamw exp_avg_sq")
+    quantized = exp_avg.dtype.name == "uint8"
+    blocks = -(-count // block_size)
+    if quantized:
+        if block_size not in QUANTIZED_BLOCK_SIZES:
+            raise ValueError(f"adamw_step: 8-bit states need a block size in {QUANTIZED_BLOCK_SIZES}, got {block_size}")
+        if absmax is None or qmap is None:
+            raise ValueError("adamw_step: 8-bit states need absmax and qmap")
+        absmax = [checked(a, "float32", blocks, f"adamw absmax {which}") for a, which in zip(absmax, "mv")]
+        qmap = checked(qmap, "float32", 512, "adamw qmap")
     if grad_factor is not None:
         grad_factor = checked(grad_factor, "float32", 1, "adamw grad_factor")
     if model_copy is not None:
         model_copy = checked(model_copy, ("float16", "bfloat16"), count, "adamw model_copy")
     states = {"param": (param, count), "exp_avg": (exp_avg, count), "exp_avg_sq": (exp_avg_sq, count),
               "grad": (grad, count), "grad_factor": (grad_factor, 1), "model_copy": (model_copy, count)}
+    if quantized:
+        states.update(absmax_m=(absmax[0], blocks), absmax_v=(absmax[1], blocks))
     names = [name for name, (x, _) in states.items() if x is not None]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -76,6 +93,14 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
             raise TypeError(f"adamw_step: a {grad.dtype.name} gradient with a {model_copy.dtype.name} model copy")
         buffers.append(model_copy.buffer)
         copy_offset = model_copy.offset
-    seq.dispatch(seq.device.kernel("adamw", variant), buffers, element_groups(seq, count),
-                 push=[count, scalars.offset, param.offset, grad.offset, exp_avg.offset, exp_avg_sq.offset,
-                       copy_offset, grad_factor.offset if grad_factor else 0], spec=[int(grad_factor is not None)])
+    variant += STATE_TYPES[exp_avg.dtype.name]
+    push = [count, scalars.offset, param.offset, grad.offset, exp_avg.offset, exp_avg_sq.offset,
+            copy_offset, grad_factor.offset if grad_factor else 0]
+    spec = [int(grad_factor is not None)]
+    groups = element_groups(seq, count)
+    if quantized:  # one workgroup of 256 invocations per block
+        buffers += [absmax[0].buffer, absmax[1].buffer, qmap.buffer]
+        push += [absmax[0].offset, absmax[1].offset, qmap.offset]
+        spec.append(block_size // 256)
+        groups = element_groups(seq, blocks * 256)
+    seq.dispatch(seq.device.kernel("adamw", variant), buffers, groups, push=push, spec=spec)

@@ -6,6 +6,7 @@ backward uses the matching backward kernel.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -407,12 +408,49 @@ def _draw_dropout_seed() -> np.ndarray:
     return _dropout_rng.integers(0, 2**32, size=2, dtype=np.uint64).astype(np.uint32)
 
 
+_seed_tapes: list = []  # innermost last: ("record", list) or ("replay", iterator)
+
+
+@contextmanager
+def recording_dropout_seeds():
+    """Inside, the seed tensor of every dropout call is appended to the yielded list (in call order)."""
+    seeds: list = []
+    _seed_tapes.append(("record", seeds))
+    try:
+        yield seeds
+    finally:
+        _seed_tapes.pop()
+
+
+@contextmanager
+def replaying_dropout_seeds(seeds):
+    """Inside, dropout calls take their seed tensors from ``seeds`` in order instead of drawing new ones, so a
+    recomputed forward (engine/checkpoint.py) applies the masks the first forward applied, and draws nothing."""
+    _seed_tapes.append(("replay", iter(seeds)))
+    try:
+        yield
+    finally:
+        _seed_tapes.pop()
+
+
+def _dropout_seed(device):
+    from vkformers.engine.tensor import Tensor
+    if _seed_tapes and _seed_tapes[-1][0] == "replay":
+        seed = next(_seed_tapes[-1][1], None)
+        if seed is None:
+            raise RuntimeError("a recomputed forward called dropout more often than the forward it repeats")
+        return seed
+    seed = Tensor(generated_input(_draw_dropout_seed(), _draw_dropout_seed), dtype=dt.uint32, device=device)
+    for kind, tape in _seed_tapes:
+        if kind == "record":
+            tape.append(seed)
+    return seed
+
+
 def dropout(x, p: float = 0.5, training: bool = True, stream: int = 0):
     """Zero each element with probability p and scale the rest by 1/(1-p) (identity when not training)."""
     if not training or p == 0.0:
         return x
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    from vkformers.engine.tensor import Tensor
-    seed = Tensor(generated_input(_draw_dropout_seed(), _draw_dropout_seed), dtype=dt.uint32, device=x.device)
-    return DropoutFn.apply(x.contiguous(), seed, p=p, stream=stream)
+    return DropoutFn.apply(x.contiguous(), _dropout_seed(x.device), p=p, stream=stream)
