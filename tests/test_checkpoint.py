@@ -42,8 +42,11 @@ def test_keeps_the_last_k_and_writes_the_state(tmp_path):
     trainer.train()
     assert [step for step, _ in checkpoints(tmp_path / "checkpoints")] == [4, 5]
     folder = latest_checkpoint(tmp_path / "checkpoints")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "optimizer.safetensors",
-                                                        "trainer_state.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json", "model.safetensors",
+                                                        "optimizer.safetensors", "trainer_state.json"]
+    manifest = json.loads((folder / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+    assert manifest["model.safetensors"]["size"] == (folder / "model.safetensors").stat().st_size
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["step"] == 5 and state["data_position"]["cursor"] > 0 and state["config"]["lr"] == 1e-2
     assert state["dropout_rng"]["bit_generator"] == "PCG64"

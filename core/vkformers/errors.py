@@ -51,3 +51,8 @@ class BufferTooLargeError(VkformersError, ValueError):
 
 class OutOfDeviceMemoryError(VkformersError, MemoryError):
     """The device ran out of memory; the message names the buffer and its size."""
+
+
+class UnsafePathError(VkformersError, OSError):
+    """A file vkformers would write is a symbolic link (or a hard link, for appends): writing would change a
+    file outside the output folder, so the write is refused."""
