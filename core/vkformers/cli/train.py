@@ -1,8 +1,9 @@
 """``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset.
 
-Writes into --out: checkpoints/checkpoint-<step>/ (atomic, the last --keep), metrics.jsonl (one line
-per step), loss_curve.png, and final/ (the trained model as save_pretrained writes it, or the PEFT
-adapter; --merge folds the adapter into the model instead).
+Writes into --out: checkpoints/checkpoint-<step>/ (atomic, verified by --resume, the last --keep),
+metrics.jsonl (one line per step), loss_curve.png (with matplotlib: pip install 'vkformers[plot]'), and
+final/ (the trained model as save_pretrained writes it, or the PEFT adapter; --merge folds the adapter
+into the model instead). Nothing is written through a symbolic link inside --out.
 """
 from __future__ import annotations
 
