@@ -18,7 +18,7 @@ from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.errors import UnsafePathError
-from vkformers.models.atomic import write_json_atomic
+from vkformers.models.atomic import atomic_write, write_json_atomic
 from vkformers.training import (Batches, ByteTokenizer, NonFiniteLossError, PackedDataset, Trainer, TrainingConfig,
                                 fixed_batches, init_weights, lr_factor, tokenize_records)
 from vkformers.training.checkpoint import write_into
@@ -302,7 +302,7 @@ def test_a_diverged_fp16_run_keeps_its_metrics_and_names_the_last_good_checkpoin
     """A NaN forward in fp16: the steps are skipped, the scale halves until it underflows and the run stops.
     The checkpoint saved after the skipped step 2 is not called good; the metrics and the curve stay."""
     config = TrainingConfig(steps=1, batch_size=4, seq_len=16, lr=1e-2, precision="fp16", schedule="constant",
-                            save_every=1, keep=3, loss_scale=2.0 ** -23)
+                            save_every=1, keep=1, loss_scale=2.0 ** -23)
     model = tiny_model(dtype="float16")
     trainer = Trainer(model, config, Batches(tiny_data(), 4), out_dir=tmp_path)
     trainer.train()
@@ -316,7 +316,8 @@ def test_a_diverged_fp16_run_keeps_its_metrics_and_names_the_last_good_checkpoin
     message = str(stopped.value)
     assert message.startswith("step 3: the fp16 loss scale underflowed")
     assert f"Last good checkpoint: {good} (resume from it, --resume {good}," in message
-    assert good.name == "checkpoint-1" and (tmp_path / "checkpoints" / "checkpoint-2").is_dir()
+    assert good.name == "checkpoint-1"  # kept beside the newest (--keep 1): the only one worth resuming
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
     assert f"the metrics of the steps run are in {tmp_path / 'metrics.jsonl'}" in message
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and math.isfinite(metrics[0]["loss"])
@@ -439,6 +440,14 @@ def test_an_atomic_write_neither_follows_its_target_nor_its_temporary_name(tmp_p
     (folder / "state.json.tmp").symlink_to(outside)  # a planted temporary name is replaced, not followed
     write_json_atomic(folder / "state.json", {"step": 3})
     assert json.loads((folder / "state.json").read_text()) == {"step": 3} and outside.read_text() == "precious"
+    assert sorted(p.name for p in folder.iterdir()) == ["state.json"]
+    def full_disk(f):
+        f.write("partial")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match=r"No space left on device: '.*state.json'"):
+        with atomic_write(folder / "state.json", "w") as f:
+            full_disk(f)
+    assert json.loads((folder / "state.json").read_text()) == {"step": 3}  # the old file, whole
     assert sorted(p.name for p in folder.iterdir()) == ["state.json"]
     (folder / "link.json").symlink_to(outside)
     with pytest.raises(UnsafePathError, match="link.json is a symbolic link"):

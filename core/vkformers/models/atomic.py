@@ -89,9 +89,11 @@ def atomic_write(path, mode: str = "w"):
             os.fsync(f.fileno())
         refuse_symlink(path)  # a link planted while writing
         os.replace(tmp, path)  # renames over the entry itself: never writes into a link's target
-    except BaseException:
+    except BaseException as exc:
         with suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write() names no file: say which
+            exc.filename = str(path)
         raise
 
 

@@ -228,16 +228,25 @@ def newest_verified_checkpoint(root) -> tuple[Path | None, list[tuple[Path, str]
     return None, []
 
 
+def _delete(path: Path) -> None:
+    """Delete a folder, or only the link if ``path`` is one (never what it points at)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _remove(folder: Path) -> None:
     """Rename out of the checkpoint namespace first, then delete (a crash mid-delete leaves only trash)."""
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     os.rename(folder, trash)
-    shutil.rmtree(trash, ignore_errors=True)  # a link is not followed: rmtree refuses one
+    _delete(trash)
 
 
 def save_checkpoint(root, step: int, *, model, optimizer, trainer_state: dict, keep: int = 2,
-                    adapter: bool = False) -> Path:
-    """Write checkpoint ``step`` atomically under ``root`` and keep only the newest ``keep``; returns its folder.
+                    adapter: bool = False, spare=None) -> Path:
+    """Write checkpoint ``step`` atomically under ``root`` and keep only the newest ``keep`` (and ``spare``,
+    a folder not to delete: the last good one of a run going wrong); returns its folder.
 
     A failed write raises :class:`CheckpointSaveError` naming the file; nothing of the new checkpoint stays
     and the older ones are untouched."""
@@ -246,10 +255,8 @@ def save_checkpoint(root, step: int, *, model, optimizer, trainer_state: dict, k
     tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
     writing = tmp
     try:
-        for stale in root.glob(".tmp-checkpoint-*"):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        for stale in root.glob(".trash-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in [*root.glob(".tmp-checkpoint-*"), *root.glob(".trash-*")]:  # left by a killed save
+            _delete(stale)
         tmp.mkdir()  # fails on anything already there, a link included
 
         if adapter:
@@ -293,7 +300,8 @@ def save_checkpoint(root, step: int, *, model, optimizer, trainer_state: dict, k
             + (" (free some disk space, then resume)" if exc.errno == errno.ENOSPC else "")) from exc
 
     for _, old in checkpoints(root)[:-keep] if keep > 0 else []:
-        _remove(old)
+        if spare is None or old != Path(spare):
+            _remove(old)
     return final
 
 

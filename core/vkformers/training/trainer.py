@@ -352,7 +352,8 @@ class Trainer:
         root = refuse_symlinks_below(self.out_dir, self.out_dir / "checkpoints")
         self.last_checkpoint = ckpt.save_checkpoint(
             root, self.step, model=self.model, optimizer=self.optimizer,
-            trainer_state=self.trainer_state(), keep=self.config.keep, adapter=hasattr(self.model, "lora_config"))
+            trainer_state=self.trainer_state(), keep=self.config.keep, adapter=hasattr(self.model, "lora_config"),
+            spare=self.last_good_checkpoint)
         if not self.history or math.isfinite(self.history[-1].get("loss", math.nan)):
             self.last_good_checkpoint = self.last_checkpoint
         return self.last_checkpoint
