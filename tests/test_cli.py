@@ -84,9 +84,12 @@ def test_debug_shows_the_traceback(monkeypatch, capsys, how):
 
 
 def test_a_closed_stdout_ends_quietly(monkeypatch, capsys):
+    import vkformers.cli
+    detached = []  # not the real dup2 onto fd 1: under `pytest -s` that would silence the test run itself
+    monkeypatch.setattr(vkformers.cli, "_detach_stdout", lambda: detached.append(True))
     monkeypatch.setattr(devices, "run", failing(BrokenPipeError(32, "Broken pipe")))
     assert main(["devices"]) == 141
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and detached == [True]
 
 
 def test_architectures_json_into_a_closed_pipe_exits_quietly():

@@ -295,7 +295,7 @@ def save_checkpoint(root, step: int, *, model, optimizer, trainer_state: dict, k
             raise
         kept = [f.name for _, f in checkpoints(root) if f != final]
         raise CheckpointSaveError(
-            f"could not save checkpoint {final}: writing {writing} failed: {exc.strerror or exc}; "
+            f"could not save checkpoint {final}: writing {exc.filename or writing} failed: {exc.strerror or exc}; "
             + (f"the earlier checkpoint(s) {', '.join(kept)} are intact" if kept else "no earlier checkpoint exists")
             + (" (free some disk space, then resume)" if exc.errno == errno.ENOSPC else "")) from exc
 
