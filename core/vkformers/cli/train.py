@@ -1,14 +1,18 @@
 """``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset.
 
-Writes into --out: checkpoints/checkpoint-<step>/ (atomic, the last --keep), metrics.jsonl (one line
-per step), loss_curve.png, and final/ (the trained model as save_pretrained writes it, or the PEFT
-adapter; --merge folds the adapter into the model instead).
+Writes into --out: checkpoints/checkpoint-<step>/ (atomic, verified by --resume, the last --keep),
+metrics.jsonl (one line per step), loss_curve.png (with matplotlib: pip install 'vkformers[plot]'), and
+final/ (the trained model as save_pretrained writes it, or the PEFT adapter; --merge folds the adapter
+into the model instead). Nothing is written through a symbolic link inside --out.
 """
 from __future__ import annotations
 
 import argparse
-import shutil
+import sys
 from pathlib import Path
+
+from vkformers.cli.options import (fraction, non_negative_int, non_negative_number, positive_int, positive_number,
+                                   unit_interval, whole_number)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -28,14 +32,14 @@ def add_parser(subparsers):
     data.add_argument("--hf-dataset", metavar="ORG/NAME", help="a hub dataset (Parquet/JSONL files, cached)")
     data.add_argument("--split", default="train", help="hub dataset split (default train)")
     data.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out files (default: --eval-fraction)")
-    data.add_argument("--eval-fraction", type=float, default=0.02, help="share of sequences held out (default 0.02)")
+    data.add_argument("--eval-fraction", type=fraction, default=0.02, help="share of sequences held out (default 0.02)")
     data.add_argument("--text-column", help="JSONL/Parquet column with the text (default 'text')")
     data.add_argument("--prompt-column", help="column with prompts, masked out of the loss")
     data.add_argument("--completion-column", help="column with completions (with --prompt-column)")
     lora = p.add_argument_group("LoRA (PEFT-compatible adapters; without --lora-rank the whole model trains)")
-    lora.add_argument("--lora-rank", type=int, help="adapter rank r")
-    lora.add_argument("--lora-alpha", type=float, help="alpha (default 2 * rank)")
-    lora.add_argument("--lora-dropout", type=float, default=0.0)
+    lora.add_argument("--lora-rank", type=positive_int, help="adapter rank r")
+    lora.add_argument("--lora-alpha", type=positive_number, help="alpha (default 2 * rank)")
+    lora.add_argument("--lora-dropout", type=fraction, default=0.0)
     lora.add_argument("--lora-targets", nargs="+", metavar="NAME",
                       help="module names to adapt (default per family, e.g. q_proj v_proj); one value with "
                            "regex characters is a regular expression on full module names")
@@ -43,23 +47,25 @@ def add_parser(subparsers):
     lora.add_argument("--modules-to-save", nargs="+", metavar="NAME", help="modules trained fully and saved too")
     lora.add_argument("--merge", action="store_true", help="write final/ as the merged model, not the adapter")
     loop = p.add_argument_group("training")
-    loop.add_argument("--steps", type=int, default=1000)
-    loop.add_argument("--batch-size", type=int, default=8)
-    loop.add_argument("--seq-len", type=int, default=512)
-    loop.add_argument("--lr", type=float, default=2e-4)
+    loop.add_argument("--steps", type=positive_int, default=1000)
+    loop.add_argument("--batch-size", type=positive_int, default=8)
+    loop.add_argument("--seq-len", type=whole_number(2), default=512, help="tokens per sequence (at least 2)")
+    loop.add_argument("--lr", type=positive_number, default=2e-4)
     loop.add_argument("--schedule", choices=("constant", "linear", "cosine"), default="cosine")
-    loop.add_argument("--warmup", type=int, default=0, help="warmup steps")
-    loop.add_argument("--min-lr-ratio", type=float, default=0.0)
-    loop.add_argument("--weight-decay", type=float, default=0.0)
-    loop.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    loop.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    loop.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end)")
-    loop.add_argument("--eval-batches", type=int, default=8)
-    loop.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    loop.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    loop.add_argument("--warmup", type=non_negative_int, default=0, help="warmup steps")
+    loop.add_argument("--min-lr-ratio", type=unit_interval, default=0.0)
+    loop.add_argument("--weight-decay", type=non_negative_number, default=0.0)
+    loop.add_argument("--clip", type=non_negative_number, default=1.0, help="max global gradient norm (0: off)")
+    loop.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    loop.add_argument("--eval-every", type=non_negative_int, default=0,
+                      help="steps between evaluations (0: at the end)")
+    loop.add_argument("--eval-batches", type=positive_int, default=8)
+    loop.add_argument("--save-every", type=non_negative_int, default=0,
+                      help="steps between checkpoints (0: only at the end)")
+    loop.add_argument("--keep", type=non_negative_int, default=2, help="checkpoints kept (0: all)")
     loop.add_argument("--precision", choices=tuple(DTYPES), default="fp32",
                       help="weights' dtype; bf16/fp16 train with float32 masters, fp16 with dynamic loss scaling")
-    loop.add_argument("--seed", type=int, default=0, help="data order, dropout and adapter init")
+    loop.add_argument("--seed", type=non_negative_int, default=0, help="data order, dropout and adapter init")
     loop.add_argument("--optim", choices=OPTIMS, default="adamw",
                       help="AdamW moments in float32 (adamw), 8-bit blockwise as bitsandbytes' AdamW8bit "
                            "(adamw_8bit, a quarter of the memory) or bfloat16 (adamw_bf16_states, half)")
@@ -93,22 +99,26 @@ def load_model(args):
 
 
 def copy_tokenizer_files(source, folder: Path) -> None:
+    """The tokenizer's files beside the final model (those not there already), never written through a link."""
+    from vkformers.models.atomic import refuse_symlink, write_bytes_atomic
     from vkformers.models.loading import resolve_checkpoint
     try:
         source = resolve_checkpoint(source)
     except Exception:  # a tokenizer that is not a folder (e.g. "byte"): nothing to copy
         return
     for name in TOKENIZER_FILES:
-        if (source / name).is_file() and not (folder / name).exists():
-            shutil.copy2(source / name, folder / name)
+        if (source / name).is_file() and not refuse_symlink(folder / name).exists():
+            write_bytes_atomic(folder / name, (source / name).read_bytes())
 
 
 def run(args) -> int:
     from vkformers.errors import VkformersError
     from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                     hf_dataset_files, load_dataset, load_tokenizer)
+    from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
     if bool(args.data) == bool(args.hf_dataset):
         raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
+    check_output_folder(args.out)  # before minutes of loading
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
                    completion_column=args.completion_column)
@@ -120,6 +130,10 @@ def run(args) -> int:
         train, held_out = dataset.split(args.eval_fraction)
 
     model = load_model(args)
+    tokenizer_name = args.tokenizer or args.model
+    for what, part in (("the training data", train), ("the held-out data", held_out)):
+        if part is not None:  # up front: an id past the embedding would only show as a nan loss later
+            check_token_ids(part.input_ids, model_vocab_size(model), f"{what} (tokenized by {tokenizer_name})")
     if args.lora_rank:
         apply_lora(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                                      lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
@@ -141,8 +155,12 @@ def run(args) -> int:
           f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}")
     if args.resume:
         folder = trainer.resume(None if args.resume == "latest" else args.resume)
+        for skipped, reason in trainer.skipped_checkpoints:
+            print(f"vkformers train: skipped {skipped}: {reason}", file=sys.stderr)
         print(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
     trainer.train()
+    if trainer.loss_curve_file is None:
+        print(f"vkformers train: note: {PLOT_HINT}", file=sys.stderr)
     final = trainer.save_final(args.out / "final", merge=args.merge)
     copy_tokenizer_files(args.tokenizer or args.model, final)
     last = trainer.history[-1] if trainer.history else {}

@@ -8,12 +8,12 @@ keep bfloat16 as its uint16 bit pattern. Errors name the file and the problem.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from vkformers.models.atomic import atomic_write
 from vkformers.models.module import CheckpointError
 from vkformers.runtime import dtypes as dt
 
@@ -95,12 +95,8 @@ def write_safetensors(path, tensors: dict[str, np.ndarray], *, bfloat16: set[str
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:  # never through a link at path
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for array in blobs:
             f.write(array.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -19,11 +19,10 @@ bf16 steps stay one submission; a non-finite loss there stops the run with
 """
 from __future__ import annotations
 
+import io
 import json
 import math
-import struct
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +35,8 @@ from vkformers.engine.ops.nn import dropout_rng_state, set_dropout_rng_state
 from vkformers.engine.ops.elementwise import where
 from vkformers.engine.tensor import Tensor, parameter, tensor
 from vkformers.errors import VkformersError
+from vkformers.models.atomic import make_folder, open_for_append, refuse_symlinks_below, write_bytes_atomic, \
+    write_text_atomic
 from vkformers.optim import OPTIMIZERS, AdamW
 from vkformers.runtime import dtypes as dt
 from vkformers.training import checkpoint as ckpt
@@ -43,10 +44,24 @@ from vkformers.training.schedules import SCHEDULES, lr_factor
 
 PRECISIONS = {"fp32": dt.float32, "bf16": dt.bfloat16, "fp16": dt.float16}
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+PLOT_HINT = ("no loss_curve.png: drawing it needs matplotlib (pip install 'vkformers[plot]'); "
+             "metrics.jsonl has every step")
 
 
 class NonFiniteLossError(VkformersError, FloatingPointError):
     """The loss or the gradients became NaN/inf; the run stopped and nothing after the last checkpoint was saved."""
+
+
+class TrainingConfigError(VkformersError, ValueError):
+    """A training setting out of its range (a batch size of 0, a negative learning rate...)."""
+
+
+class VocabularyMismatchError(VkformersError, ValueError):
+    """Token ids the model's embedding has no row for: the tokenizer does not belong to the model."""
+
+
+class OutputFolderError(VkformersError, OSError):
+    """An output folder that cannot be one (an existing file of that name)."""
 
 
 @dataclass
@@ -76,14 +91,27 @@ class TrainingConfig:
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+            raise TrainingConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.grad_accum < 1 or self.batch_size < 1 or self.steps < 0:
-            raise ValueError("steps >= 0, batch_size >= 1 and grad_accum >= 1 are required")
+            raise TrainingConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        at_least = {"steps": 0, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "warmup": 0, "eval_every": 0,
+                    "eval_batches": 1, "save_every": 0, "keep": 0, "seed": 0, "scale_growth_interval": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise TrainingConfigError(f"{name} must be a whole number >= {low}, got {value!r}")
+        for name, ok, what in (("lr", lambda v: v > 0, "> 0"), ("weight_decay", lambda v: v >= 0, ">= 0"),
+                               ("clip", lambda v: v >= 0, ">= 0 (0: off)"), ("eps", lambda v: v > 0, "> 0"),
+                               ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+                               ("loss_scale", lambda v: v > 0, "> 0")):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.floating)) or not math.isfinite(value) or not ok(value):
+                raise TrainingConfigError(f"{name} must be a finite number {what}, got {value!r}")
         self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise TrainingConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.optim not in OPTIMIZERS:
-            raise ValueError(f"optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
+            raise TrainingConfigError(f"optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
 
 
 @dataclass
@@ -155,7 +183,7 @@ class Trainer:
                  progress: bool = False, run_info: dict | None = None):
         self.model, self.config, self.train_batches = model, config, train_batches
         self.eval_batches = eval_batches or []
-        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.out_dir = check_output_folder(out_dir) if out_dir is not None else None
         self.progress, self.run_info = progress, run_info or {}
         self.params = [t for _, t in model.named_parameters() if t.requires_grad]
         if not self.params:
@@ -175,7 +203,15 @@ class Trainer:
         self.optimizer.init_state()
         self.scaler = LossScaler(config.loss_scale, config.scale_growth_interval) if config.precision == "fp16" \
             else None
+        self.vocab_size = model_vocab_size(model)
+        for input_ids, _ in self.eval_batches:
+            check_token_ids(input_ids, self.vocab_size, "the held-out data")
         self.step, self.tokens_seen, self.last_checkpoint = 0, 0, None
+        # the newest checkpoint saved after a step with a finite loss (an fp16 run can save one whose step
+        # overflowed and was skipped: its weights are the previous step's, but what follows may be broken)
+        self.last_good_checkpoint = None
+        self.skipped_checkpoints: list[tuple[Path, str]] = []  # by resume(): newer ones that failed verification
+        self.loss_curve_file: Path | None = None  # written by train() when matplotlib is installed
         self.history: list[dict] = []
         # Constant one-hot masks that pack the step's statistics into one vector (one read per step).
         self._slots = [parameter(np.eye(3, dtype=bool)[i], requires_grad=False, name="stat_slot") for i in range(3)]
@@ -190,7 +226,10 @@ class Trainer:
                                 total=c.steps, min_ratio=c.min_lr_ratio)
 
     def _next_micro_batches(self):
-        return [next(self.train_batches) for _ in range(self.config.grad_accum)]
+        batches = [next(self.train_batches) for _ in range(self.config.grad_accum)]
+        for input_ids, _ in batches:  # cheap on the host; an id past the embedding would train on garbage
+            check_token_ids(input_ids, self.vocab_size, "the training data")
+        return batches
 
     def _pack(self, loss: Tensor, norm: Tensor, finite: Tensor) -> Tensor:
         """[loss, norm, finite] as one float32 vector (``where``, so a NaN in one slot stays in that slot)."""
@@ -280,9 +319,14 @@ class Trainer:
             self.optimizer.step(grad_factor=factor.float().reshape(1) if factor is not None else None)
 
     def _stop_message(self, result: StepResult, what: str) -> str:
-        where_ = self.last_checkpoint or "none saved yet"
-        return (f"step {result.step}: {what}; training stopped. Last good checkpoint: {where_} "
-                "(resume from it with a lower --lr, --clip, or --precision bf16/fp32)")
+        good = self.last_good_checkpoint
+        message = f"step {result.step}: {what}; training stopped. "
+        message += (f"Last good checkpoint: {good} (resume from it, --resume {good}, with a lower --lr, --clip, or "
+                     "--precision bf16/fp32)" if good else
+                     "No good checkpoint was saved (start again with a lower --lr, --clip, or --precision bf16/fp32)")
+        if self.out_dir is not None:
+            message += f"; the metrics of the steps run are in {self.out_dir / 'metrics.jsonl'}"
+        return message
 
     # -- evaluation
 
@@ -311,33 +355,44 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         if self.out_dir is None:
             raise VkformersError("save_checkpoint needs an out_dir")
+        root = refuse_symlinks_below(self.out_dir, self.out_dir / "checkpoints")
         self.last_checkpoint = ckpt.save_checkpoint(
-            self.out_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
-            trainer_state=self.trainer_state(), keep=self.config.keep, adapter=hasattr(self.model, "lora_config"))
+            root, self.step, model=self.model, optimizer=self.optimizer,
+            trainer_state=self.trainer_state(), keep=self.config.keep, adapter=hasattr(self.model, "lora_config"),
+            spare=self.last_good_checkpoint)
+        if not self.history or math.isfinite(self.history[-1].get("loss", math.nan)):
+            self.last_good_checkpoint = self.last_checkpoint
         return self.last_checkpoint
 
     def resume(self, folder=None) -> Path | None:
-        """Continue from ``folder`` (default: the newest complete checkpoint in out_dir); None if there is none."""
+        """Continue from ``folder`` (default: the newest checkpoint in out_dir that verifies); None if there is
+        none. Newer checkpoints that fail verification (cut short, damaged) are skipped and listed, with
+        the reason, in ``skipped_checkpoints``; a ``folder`` given that fails raises CheckpointLoadError."""
+        self.skipped_checkpoints = []
         if folder is None:
-            folder = ckpt.latest_checkpoint(self.out_dir / "checkpoints") if self.out_dir else None
+            if self.out_dir is None:
+                return None
+            folder, self.skipped_checkpoints = ckpt.newest_verified_checkpoint(self.out_dir / "checkpoints")
             if folder is None:
                 return None
-        folder = Path(folder)
-        state_file = folder / ckpt.STATE_FILE
-        if state_file.is_file():
-            saved = json.loads(state_file.read_text())["config"]
-            for key in ("precision", "batch_size", "seq_len", "grad_accum"):
-                if saved[key] != getattr(self.config, key):
-                    raise ckpt.CheckpointLoadError(f"{folder} was trained with {key}={saved[key]!r}, this run has "
-                                                   f"{getattr(self.config, key)!r}; resume with the same setting")
-        state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.optimizer)
+        else:
+            folder = Path(folder)
+            reason = ckpt.verify_checkpoint(folder)
+            if reason is not None:
+                raise ckpt.CheckpointLoadError(f"{folder} is not an intact checkpoint: {reason}")
+        saved = json.loads((folder / ckpt.STATE_FILE).read_text())["config"]
+        for key in ("precision", "batch_size", "seq_len", "grad_accum"):
+            if saved.get(key) != getattr(self.config, key):
+                raise ckpt.CheckpointLoadError(f"{folder} was trained with {key}={saved.get(key)!r}, this run has "
+                                               f"{getattr(self.config, key)!r}; resume with the same setting")
+        state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.optimizer, verify=False)
         self._capture.forget()  # loading may have replaced the tensors the recorded step updates
         self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         self.train_batches.load_state_dict(state["data_position"])
         set_dropout_rng_state(state["dropout_rng"])
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
-        self.last_checkpoint = folder
+        self.last_checkpoint = self.last_good_checkpoint = folder
         if self.out_dir is not None and (self.out_dir / "metrics.jsonl").is_file():  # forget steps to be redone
             self.history = [m for m in _read_metrics(self.out_dir / "metrics.jsonl") if m["step"] <= self.step]
             _write_metrics(self.out_dir / "metrics.jsonl", self.history)
@@ -350,8 +405,8 @@ class Trainer:
         c = self.config
         metrics_file = None
         if self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            metrics_file = open(self.out_dir / "metrics.jsonl", "a")
+            make_folder(self.out_dir)
+            metrics_file = open_for_append(self.out_dir / "metrics.jsonl")
         bar = _progress_bar(c.steps, self.step, self.progress)
         done: list[dict] = []
         try:
@@ -387,20 +442,36 @@ class Trainer:
                     bar.update(1)
                 if self.out_dir is not None and c.save_every and (self.step % c.save_every == 0 or last):
                     self.save_checkpoint()
-        finally:
-            if bar is not None:
-                bar.close()
-            if metrics_file:
-                metrics_file.close()
-        if self.out_dir is not None and self.history:
-            write_loss_curve(self.out_dir / "loss_curve.png", self.history)
+        except BaseException:
+            self._close(bar, metrics_file)
+            try:  # the curve of the steps run so far, without hiding why the run stopped
+                self._write_loss_curve()
+            except Exception:
+                pass
+            raise
+        self._close(bar, metrics_file)
+        self._write_loss_curve()
         return done
+
+    @staticmethod
+    def _close(bar, metrics_file) -> None:
+        if bar is not None:
+            bar.close()
+        if metrics_file:
+            metrics_file.close()
+
+    def _write_loss_curve(self) -> None:
+        if self.out_dir is not None and self.history:
+            path = self.out_dir / "loss_curve.png"
+            self.loss_curve_file = path if write_loss_curve(path, self.history) else None
 
     def save_final(self, folder=None, *, merge: bool = False) -> Path:
         """The trained model as ``save_pretrained`` writes it, or the PEFT adapter (merged into the model if asked)."""
         from vkformers.models.loading import save_pretrained
         from vkformers.training import lora
         folder = Path(folder) if folder is not None else self.out_dir / "final"
+        if self.out_dir is not None and folder.is_relative_to(self.out_dir):  # out/final, not a link out of it
+            refuse_symlinks_below(self.out_dir, folder)
         if hasattr(self.model, "lora_config") and not merge:
             lora.save_adapter(self.model, folder)
         else:
@@ -425,9 +496,7 @@ def _read_metrics(file: Path) -> list[dict]:
 
 
 def _write_metrics(file: Path, records: list[dict]) -> None:
-    tmp = file.with_name(file.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(file)
+    write_text_atomic(file, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
@@ -437,52 +506,67 @@ def _progress_bar(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
 
 
-def write_loss_curve(path, history: list[dict], width: int = 640, height: int = 360) -> None:
-    """A small line plot (PNG, no plotting library): training loss in blue, held-out loss as red dots.
+def write_loss_curve(path, history: list[dict]) -> bool:
+    """The training loss per step and the held-out loss, with axes, ticks and a legend (matplotlib, Agg
+    canvas). Only finite points are drawn (fp16 steps that overflowed, a run that diverged: left out, counted
+    in the title).
+    Returns False, writing nothing, when matplotlib is not installed (``pip install 'vkformers[plot]'``)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    train = [(m["step"], m["loss"]) for m in history if _finite(m.get("loss"))]
+    held_out = [(m["step"], m["eval_loss"]) for m in history if _finite(m.get("eval_loss"))]
+    figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)  # the Agg canvas, whatever pyplot's backend is: no window, no global state
+    axes = figure.add_subplot()
+    if train:
+        axes.plot(*zip(*train), color="tab:blue", linewidth=1.2, label="training loss")
+    if held_out:
+        axes.plot(*zip(*held_out), color="tab:red", marker="o", markersize=4, linewidth=1, label="held-out loss")
+    skipped = len(history) - len(train)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("cross-entropy loss (nats per token)")
+    axes.set_title("loss curve" + (f" ({skipped} step(s) with a non-finite loss not drawn)" if skipped else ""))
+    axes.grid(True, color="0.9")
+    if train or held_out:
+        axes.legend()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    write_bytes_atomic(path, buffer.getvalue())
+    return True
 
-    The y axis runs from the lowest to the highest loss shown; grey lines mark whole loss values.
-    """
-    steps = [m["step"] for m in history if math.isfinite(m.get("loss", math.nan))]
-    losses = [m["loss"] for m in history if math.isfinite(m.get("loss", math.nan))]
-    evals = [(m["step"], m["eval_loss"]) for m in history if m.get("eval_loss") is not None]
-    if not steps:
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def model_vocab_size(model) -> int | None:
+    """The number of token ids the model's embedding has rows for (config's vocab_size), if it says."""
+    config = getattr(model, "config", None) or {}
+    size = config.get("vocab_size") if hasattr(config, "get") else None
+    return int(size) if isinstance(size, (int, np.integer)) and size > 0 else None
+
+
+def check_token_ids(input_ids, vocab_size: int | None, what: str = "the data") -> None:
+    """:class:`VocabularyMismatchError` when ``input_ids`` hold an id the model has no embedding row for."""
+    if vocab_size is None or np.size(input_ids) == 0:
         return
-    image = np.full((height, width, 3), 255, np.uint8)
-    margin = 20
-    values = losses + [v for _, v in evals]
-    lo, hi = min(values), max(values)
-    hi = hi if hi > lo else lo + 1.0
-    s0, s1 = min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1
-
-    def xy(step, value):
-        x = margin + (step - s0) / (s1 - s0) * (width - 2 * margin)
-        y = height - margin - (value - lo) / (hi - lo) * (height - 2 * margin)
-        return x, y
-
-    for whole in range(math.ceil(lo), math.floor(hi) + 1):  # grid at integer losses
-        image[int(round(xy(s0, whole)[1])), margin:width - margin] = (220, 220, 220)
-    image[height - margin, margin:width - margin] = 0     # axes
-    image[margin:height - margin + 1, margin] = 0
-    points = [xy(s, v) for s, v in zip(steps, losses)]
-    for (x0, y0), (x1, y1) in zip(points, points[1:] or points):
-        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-        for t in np.linspace(0.0, 1.0, n + 1):
-            x, y = int(round(x0 + (x1 - x0) * t)), int(round(y0 + (y1 - y0) * t))
-            image[max(0, y - 1):y + 1, max(0, x - 1):x + 1] = (31, 119, 180)
-    for s, v in evals:
-        x, y = (int(round(c)) for c in xy(s, v))
-        image[max(0, y - 3):y + 4, max(0, x - 3):x + 4] = (214, 39, 40)
-    write_png(path, image)
+    largest = int(np.max(input_ids))
+    if largest >= vocab_size:
+        raise VocabularyMismatchError(
+            f"{what} holds token id {largest:,} but the model's vocabulary has {vocab_size:,} ids "
+            f"(0-{vocab_size - 1:,}): "
+            "the tokenizer does not belong to this model; use the model's own tokenizer (leave out --tokenizer), "
+            f"or a model whose vocab_size is at least {largest + 1:,}")
 
 
-def write_png(path, rgb: np.ndarray) -> None:
-    """An 8-bit RGB PNG from an [H, W, 3] uint8 array (zlib + struct, as the PNG spec lays it out)."""
-    height, width, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(height))  # filter type 0 per row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) \
-        + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(png)
+def check_output_folder(path) -> Path:
+    """``path`` if it can be an output folder (missing, or a folder); :class:`OutputFolderError` if it names
+    something else, such as an existing file."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputFolderError(f"{path} exists and is not a folder; give a folder for the output "
+                                "(it is created if missing)")
+    return path

@@ -1,0 +1,49 @@
+"""Argument types that check ranges where argparse parses, so a bad value is a one-line usage error
+(``vkformers train: error: argument --batch-size: must be a whole number >= 1, got 0``), not a
+failure minutes later. Use as ``type=`` in ``add_argument``; new options pick the type that fits.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def whole_number(low: int, high: int | None = None):
+    """An int in [low, high] (high None: no upper bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be a whole number {span}, got {text}")
+        return value
+    parse.__name__ = "whole number"  # argparse names the type in its own messages
+    return parse
+
+
+def number(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
+    """A finite float in the interval from ``low`` to ``high`` (each end closed unless ``*_open``)."""
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    span = f"in {left}{low:g}, {high:g}{right}" if high is not None else f"{'>' if low_open else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or (
+                high is not None and (value > high or (high_open and value == high))):
+            raise argparse.ArgumentTypeError(f"must be a finite number {span}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+positive_int = whole_number(1)
+non_negative_int = whole_number(0)
+positive_number = number(0.0, low_open=True)
+non_negative_number = number(0.0)
+fraction = number(0.0, 1.0, high_open=True)  # a share or a probability that must leave something: [0, 1)
+unit_interval = number(0.0, 1.0)
