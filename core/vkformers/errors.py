@@ -51,3 +51,7 @@ class BufferTooLargeError(VkformersError, ValueError):
 
 class OutOfDeviceMemoryError(VkformersError, MemoryError):
     """The device ran out of memory; the message names the buffer and its size."""
+
+
+class InvalidSettingError(VkformersError, ValueError):
+    """An environment setting (VKFORMERS_*) whose value is not one the setting takes."""
