@@ -20,7 +20,7 @@ import pytest
 from vkformers import AutoModelForCausalLM
 from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
-from vkformers.models import tokenizer
+from vkformers.models import generation, tokenizer
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.runtime import vulkan
 
@@ -201,6 +201,32 @@ def test_generate_replays_its_captured_steps_after_unrelated_shapes(model, small
     again = model.generate(prompt, max_new_tokens=5, eos_token_id=[])
     assert lazy.stats["recorded"] == recorded, "the prefill and decode steps should replay"
     np.testing.assert_array_equal(again, tokens[0])
+
+
+def test_prefill_captures_keep_the_most_recently_used_lengths(model, small_bounds, monkeypatch):
+    """generate keeps PREFILL_CAPTURES recorded prompt forwards, the least recently used dropped first; a dropped
+    capture no longer holds its plan in the cache."""
+    monkeypatch.setattr(generation, "PREFILL_CAPTURES", 2)
+    model.forget_captures()
+
+    def generate(length):
+        return model.generate(np.arange(3, 3 + length)[None], max_new_tokens=2, eos_token_id=[])
+
+    expected = [generate(4) for _ in range(3)][0]
+    captured = model._held_prefill[1][4]
+    assert captured.ready
+    for length in (5, 6, 7):
+        generate(length)
+        generate(length)  # captured (and its plan held) ...
+        generate(4)       # ... until two other lengths came after it
+    captures = model._held_prefill[1]
+    assert list(captures) == [7, 4] and captures[4] is captured
+    live = {id(c) for c in captures.values()} | {id(model._held_decode[1])}
+    assert all(id(h) in live for plan in lazy._plans.values() for h in plan.holders)
+    recorded = lazy.stats["recorded"]
+    np.testing.assert_array_equal(generate(4), expected)
+    assert lazy.stats["recorded"] == recorded
+    model.forget_captures()
 
 
 def test_compiled_chat_templates_are_bounded(monkeypatch):
