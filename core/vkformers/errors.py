@@ -66,3 +66,7 @@ class InputError(VkformersError, ValueError):
 class UnsafePathError(VkformersError, OSError):
     """A file vkformers would write is a symbolic link (or a hard link, for appends): writing would change a
     file outside the output folder, so the write is refused."""
+
+
+class InvalidSettingError(VkformersError, ValueError):
+    """An environment setting (VKFORMERS_*) whose value is not one the setting takes."""

@@ -16,6 +16,7 @@ import functools
 import gc
 import math
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable
@@ -24,7 +25,8 @@ import numpy as np
 
 from vkformers.engine.kernels import Operand
 from vkformers.runtime import dtypes as dt
-from vkformers.runtime.vulkan import Buffer, Device, get_device
+from vkformers.runtime.settings import bytes_setting, count_setting
+from vkformers.runtime.vulkan import Buffer, Device, buffer_serial_mark, get_device
 
 
 # ---------------------------------------------------------------- views
@@ -266,18 +268,68 @@ def _resume_gc() -> None:
 class Plan:
     """A recorded sequence with the buffers it binds, reusable for graphs of the same signature."""
 
-    def __init__(self, seq, node_buffers, input_buffers, output_slots):
+    def __init__(self, seq, node_buffers, input_buffers, output_slots, nbytes: int = 0):
         self.seq = seq
         self.node_buffers = node_buffers    # per scheduled node: its output buffers (None for views)
         self.input_buffers = input_buffers  # host-visible buffers of input leaves, in leaf order
         self.output_slots = output_slots    # (node index, output index) whose buffers user tensors keep
         self.bound: list = []               # weakrefs to lazy buffers bound by the last replay
         self.replays = 0
+        self.nbytes = nbytes                # bytes of the buffers the plan made for itself (not parameters)
+        self.key = None                     # its signature in the plan cache
+        self.holders = weakref.WeakSet()    # captures replaying it: the cache keeps it while one lives
+
+    def hold(self, holder) -> None:
+        """``holder`` (a capture) replays this plan without the cache: the cache must not evict it meanwhile."""
+        self.holders.add(holder)
+
+    def release(self, holder) -> None:
+        self.holders.discard(holder)
 
 
-MAX_PLANS = 64
-_plans: dict[tuple, Plan] = {}
-stats = {"recorded": 0, "replayed": 0, "cleared": 0}
+# The plan cache: recorded plans by graph signature, least recently used first. It keeps at most MAX_PLANS plans
+# and MAX_PLAN_BYTES bytes of their own buffers (activations, inputs, workspaces), evicting the least recently used
+# plan that no capture holds; the plan just used always stays. An evicted plan's buffers, descriptor sets and command
+# buffer are freed as soon as nothing else holds them (tensors still holding its outputs keep those buffers).
+MAX_PLANS = count_setting("VKFORMERS_PLAN_CACHE_PLANS", 64)
+MAX_PLAN_BYTES = bytes_setting("VKFORMERS_PLAN_CACHE_BYTES", 2 << 30)
+_plans: OrderedDict[tuple, Plan] = OrderedDict()
+_plan_bytes = 0  # sum of nbytes over _plans
+stats = {"recorded": 0, "replayed": 0, "cleared": 0, "evicted": 0}
+
+
+def plan_cache_info() -> dict:
+    """The plan cache's size and bounds: plans, bytes (of their own buffers), max_plans, max_bytes."""
+    return {"plans": len(_plans), "bytes": _plan_bytes, "max_plans": MAX_PLANS, "max_bytes": MAX_PLAN_BYTES}
+
+
+def _cache_plan(key: tuple, plan: Plan) -> None:
+    global _plan_bytes
+    plan.key = key
+    _plans[key] = plan
+    _plan_bytes += plan.nbytes
+    _trim_plans(keep=plan)
+
+
+def _touch_plan(plan: Plan) -> None:
+    """Mark a cached plan as the most recently used."""
+    if plan.key is not None and _plans.get(plan.key) is plan:
+        _plans.move_to_end(plan.key)
+
+
+def _trim_plans(keep: Plan | None = None) -> None:
+    """Evict least recently used plans until the cache is within its bounds, sparing ``keep`` and held plans.
+    Plans only run to completion (replay waits), so no evicted plan has a submission in flight."""
+    global _plan_bytes
+    for key in list(_plans):
+        if len(_plans) <= MAX_PLANS and _plan_bytes <= MAX_PLAN_BYTES:
+            return
+        plan = _plans[key]
+        if plan is keep or len(plan.holders):
+            continue
+        del _plans[key]
+        _plan_bytes -= plan.nbytes
+        stats["evicted"] += 1
 
 
 def _schedule(targets: list[LazyBuffer]) -> list[Node]:
@@ -383,16 +435,15 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
             if o.refs > 0 or o.persistent or _read_later(o, scheduled)}
     keep |= {id(t.base) for t in targets}
     key = _signature(order, leaves, keep)
-    plan = _plans.pop(key, None)
+    plan = _plans.get(key)
     if plan is None:
         plan = _record(device, order, leaves, keep)
         stats["recorded"] += 1
-        if len(_plans) >= MAX_PLANS:  # forget the least recently used plan (and its buffers)
-            _plans.pop(next(iter(_plans)))
+        _cache_plan(key, plan)
     else:
+        _plans.move_to_end(key)  # most recently used last
         _detach_previous_outputs(device, plan)
         stats["replayed"] += 1
-    _plans[key] = plan  # most recently used last
     for recorder in _recorders:
         recorder.runs.append(Realization(plan, [leaf.host for leaf in leaves]))
 
@@ -429,6 +480,7 @@ def _detach_previous_outputs(device: Device, plan: Plan) -> None:
 
 
 def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> Plan:
+    mark = buffer_serial_mark()  # buffers made from here on are the plan's own
     seq = device.sequence(timestamps=bool(_profilers))
     input_buffers = []
     for leaf in leaves:
@@ -473,7 +525,8 @@ def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: s
                 free.setdefault((x.dtype.name, math.prod(x.shape)), []).append(storage[id(x)])
     seq.record()
     output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]
-    return Plan(seq, node_buffers, input_buffers, output_slots)
+    nbytes = sum(max(1, -(-b.nbytes // 4)) * 4 for b in seq.buffers() if b.serial > mark)  # as buffer_memory()
+    return Plan(seq, node_buffers, input_buffers, output_slots, nbytes)
 
 
 # ---------------------------------------------------------------- replaying a plan without its graph
@@ -513,6 +566,7 @@ def replay(plan: Plan, seq=None) -> None:
     Outputs live tensors still hold from its previous replay are copied away first, as in realize().
     ``seq``: run that sequence instead, one built from the plan's operations (``Sequence.extend``)."""
     _detach_previous_outputs(plan.seq.device, plan)
+    _touch_plan(plan)
     _run(plan, seq)
     stats["replayed"] += 1
 
@@ -577,6 +631,8 @@ class StepCapture:
         self.forget()
 
     def forget(self) -> None:
+        if getattr(self, "previous", None) is not None:
+            self.previous.plan.release(self)
         self.previous: _Observed | None = None
         self.ready = False
         self.readback = None
@@ -596,6 +652,10 @@ class StepCapture:
         values = [t.numpy() for t in outs]
         previous, self.previous, self.readback = self.previous, current, None
         self.ready = current is not None and previous is not None and _same_step(previous, current)
+        if previous is not None:
+            previous.plan.release(self)
+        if self.ready:  # replayed from now on without the cache: it must stay
+            current.plan.hold(self)
         return values
 
     def _observe(self, runs, inputs, declared, outs) -> _Observed | None:
@@ -736,5 +796,7 @@ class profile:
 
 def clear_plan_cache() -> None:
     """Forget every recorded plan; steps captured from them (generation's decode step) are recorded again too."""
+    global _plan_bytes
     _plans.clear()
+    _plan_bytes = 0
     stats["cleared"] += 1

@@ -59,6 +59,8 @@ class DecodeCapture:
 
     def forget(self) -> None:
         """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
+        if self.previous is not None:
+            self.previous[0].release(self)
         self.previous, self.ready, self.readback, self.chains = None, False, None, {}
 
     def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last, rows=None) -> None:
@@ -66,14 +68,23 @@ class DecodeCapture:
         logits ``last`` holds (a prompt padded to a reusable length: its last real token)."""
         current = self._describe(runs, step_ids, step_positions, last, rows)
         previous, self.previous = self.previous, current
+        if previous is not None:
+            previous[0].release(self)
+        if self._confirms(previous, current):
+            self.ready = True
+        if self.ready and current is not None:
+            current[0].hold(self)  # replayed without the plan cache: the cache must keep it
+
+    @staticmethod
+    def _confirms(previous, current) -> bool:
+        """Whether two consecutive steps ran the same plan with the same roles, output and constants."""
         if current is None or previous is None:
-            return
+            return False
         plan, roles, constants, buffer, view = current
         if plan is not previous[0] or roles != previous[1] or buffer is not previous[3] or view != previous[4]:
-            return
-        if any(not lazy.same_values(a, b) for a, b in zip(constants, previous[2])):
-            return  # an input made inside the forward changed between steps: only the Python forward knows it
-        self.ready = True
+            return False
+        # an input made inside the forward that changed between steps: only the Python forward knows it
+        return all(lazy.same_values(a, b) for a, b in zip(constants, previous[2]))
 
     def _describe(self, runs, step_ids, step_positions, last, rows=None):
         if len(runs) != 1:  # the step realized more than once (or not at all): no single plan to replay

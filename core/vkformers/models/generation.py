@@ -210,8 +210,8 @@ class GenerationMixin:
         return logits
 
     def _prefill_capture(self, cache: KVCache, length: int, key) -> "DecodeCapture | None":
-        """The prefill capture for prompts of ``length`` tokens on this cache (the last PREFILL_CAPTURES
-        lengths are kept; a change of ``key``, as for the decode capture, drops them all), or None while a
+        """The prefill capture for prompts of ``length`` tokens on this cache (the PREFILL_CAPTURES lengths used
+        most recently are kept; a change of ``key``, as for the decode capture, drops them all), or None while a
         parameter has pending updates."""
         if key is None:
             return None
@@ -220,11 +220,11 @@ class GenerationMixin:
             held = (key, {})
             object.__setattr__(self, "_held_prefill", held)
         captures = held[1]
-        if length not in captures:
-            if len(captures) >= PREFILL_CAPTURES:
-                captures.pop(next(iter(captures)))
-            captures[length] = DecodeCapture(cache, tokens=length)
-        return captures[length]
+        capture = captures.pop(length, None) or DecodeCapture(cache, tokens=length)
+        captures[length] = capture  # least recently used first
+        while len(captures) > max(PREFILL_CAPTURES, 1):
+            captures.pop(next(iter(captures)))
+        return capture
 
     def _generation_cache(self, batch: int, length: int) -> KVCache:
         """A reset KV cache for ``batch`` rows of up to ``length`` tokens; reused across calls when it fits,

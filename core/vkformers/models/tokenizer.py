@@ -279,12 +279,14 @@ class PreTrainedTokenizer:
 
 # -- chat templates (Jinja) ----------------------------------------------------------------------------------
 _CONTINUE_MARK = "\x00vkformers-continue\x00"
-_compiled_templates: dict[str, object] = {}
+_compiled_templates: dict[str, object] = {}  # least recently used first
+MAX_COMPILED_TEMPLATES = 16  # a server may be handed many templates: keep the last few compiled
 
 
 def compile_chat_template(source: str):
     """The template compiled in transformers' environment (cached: templates are long, compiling is slow)."""
     if source in _compiled_templates:
+        _compiled_templates[source] = _compiled_templates.pop(source)  # now the most recently used
         return _compiled_templates[source]
     try:
         import jinja2
@@ -327,6 +329,8 @@ def compile_chat_template(source: str):
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise TokenizerError(f"chat template does not compile: {exc} (line {exc.lineno})") from None
     _compiled_templates[source] = compiled
+    while len(_compiled_templates) > max(MAX_COMPILED_TEMPLATES, 1):
+        del _compiled_templates[next(iter(_compiled_templates))]
     return compiled
 
 

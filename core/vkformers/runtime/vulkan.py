@@ -17,6 +17,7 @@ import math
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -34,6 +35,7 @@ from vkformers.errors import (
 )
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.kernels import find_spirv
+from vkformers.runtime.settings import count_setting
 from vkformers.runtime.spirv import KernelInterface, reflect
 
 try:
@@ -46,6 +48,10 @@ else:
 
 DEVICE_ENV = "VKFORMERS_DEVICE"
 KP_BYTES_LIMIT = 1 << 32  # kp sizes buffers with uint32
+# Kernel bindings (kp algorithms: one descriptor set over one kernel's buffers) a device keeps for reuse, least
+# recently used dropped first. A binding goes anyway when one of its buffers does; a recorded sequence keeps its
+# own until it goes. The compiled pipelines they share (kp's cache) are keyed by kernel configuration, never by shape.
+MAX_BINDINGS = count_setting("VKFORMERS_BINDING_CACHE", 16384)
 
 # VkComponentTypeKHR values, for naming cooperative-matrix shapes.
 COMPONENT_TYPES = {0: "float16", 1: "float32", 2: "float64", 3: "int8", 4: "int16", 5: "int32",
@@ -132,7 +138,8 @@ class Device:
         self.limits: dict = self.info["limits"]
         self.features: dict = self.info["enabled_features"]
         self._kernels: dict[tuple, Kernel] = {}
-        self._pipelines: dict[tuple, object] = {}
+        self._pipelines: OrderedDict[tuple, object] = OrderedDict()  # kernel bindings, least recently used first
+        self._pipeline_keys: dict[int, set] = {}  # buffer serial -> keys of the bindings over that buffer
         self._staging = None  # host tensor reused by small reads and writes
 
     def _staging_tensor(self, words: int | np.ndarray, name: str):
@@ -199,24 +206,43 @@ class Device:
         return seq
 
     def _pipeline(self, kernel: "Kernel", buffers: tuple["Buffer", ...], groups, spec, push_words: int):
-        key = (kernel.path, tuple(id(b) for b in buffers), groups, spec, push_words)
+        """The kp algorithm (a descriptor set over ``buffers``) of one dispatch; kp (our patch) shares the compiled
+        pipeline among all algorithms of one kernel and configuration."""
+        key = (kernel.path, tuple(b.serial for b in buffers), groups, spec, push_words)
         algo = self._pipelines.get(key)
-        if algo is None:
-            algo = self._manager.algorithm(
-                [b._tensor for b in buffers], kernel.code, list(groups),
-                np.asarray(spec, dtype=np.uint32), np.zeros(push_words, dtype=np.uint32))
-            self._pipelines[key] = algo
-            # A kp algorithm is a descriptor set over these buffers; kp (our patch) shares the compiled pipeline
-            # among all algorithms of one kernel and configuration. Forget the algorithm when a buffer goes.
-            for b in buffers:
-                b._pipeline_keys.append(key)
+        if algo is not None:
+            self._pipelines.move_to_end(key)
+            return algo
+        algo = self._manager.algorithm(
+            [b._tensor for b in buffers], kernel.code, list(groups),
+            np.asarray(spec, dtype=np.uint32), np.zeros(push_words, dtype=np.uint32))
+        self._pipelines[key] = algo
+        for b in buffers:
+            self._pipeline_keys.setdefault(b.serial, set()).add(key)
+        while len(self._pipelines) > max(MAX_BINDINGS, 1):
+            self._drop_pipeline(next(iter(self._pipelines)))
         return algo
 
-    def _forget_pipelines(self, keys: list) -> None:
-        for key in keys:
-            algo = self._pipelines.pop(key, None)
-            if algo is not None:
-                algo.destroy()
+    def _drop_pipeline(self, key: tuple) -> None:
+        # Only this cache's reference goes: kp frees the descriptor set when no recorded operation holds it any
+        # more (a recorded sequence waits for its last submission before it lets go), never under a running one.
+        self._pipelines.pop(key, None)
+        for serial in key[1]:
+            keys = self._pipeline_keys.get(serial)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._pipeline_keys[serial]
+
+    def _forget_buffer(self, serial: int) -> None:
+        """A buffer went: drop the bindings over it."""
+        for key in self._pipeline_keys.pop(serial, ()):
+            self._drop_pipeline(key)
+
+    def cache_sizes(self) -> dict:
+        """Entries of this device's caches: kernel bindings (descriptor sets), kernels, kp's shared pipelines."""
+        return {"bindings": len(self._pipelines), "kernels": len(self._kernels),
+                "pipelines": int(kp.shared_pipelines())}
 
 
 # ---------------------------------------------------------------- buffers
@@ -228,6 +254,11 @@ _buffer_bytes = {"live": 0, "peak": 0}  # Buffer allocations of this process (st
 def _count_buffer_bytes(delta: int) -> None:
     _buffer_bytes["live"] += delta
     _buffer_bytes["peak"] = max(_buffer_bytes["peak"], _buffer_bytes["live"])
+
+
+def buffer_serial_mark() -> int:
+    """A number above the serial of every Buffer made before this call and below that of every one made after."""
+    return next(_buffer_serials)
 
 
 def buffer_memory() -> dict:
@@ -257,7 +288,6 @@ class Buffer:
         self.name = name
         self.host_visible = host_visible
         self.serial = next(_buffer_serials)  # unique for the process's life, unlike id()
-        self._pipeline_keys: list = []
         if self.nbytes > device.max_buffer_bytes:
             raise BufferTooLargeError(
                 f"buffer {name!r} needs {self.nbytes:,} bytes, more than this device can bind in one buffer "
@@ -266,7 +296,7 @@ class Buffer:
         words = max(1, -(-self.nbytes // 4))
         kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
         self._tensor = _allocate(device, np.empty(words, dtype=np.uint32), kind, name, self.nbytes)
-        weakref.finalize(self, Device._forget_pipelines, device, self._pipeline_keys)
+        weakref.finalize(self, Device._forget_buffer, device, self.serial)
         _count_buffer_bytes(words * 4)
         weakref.finalize(self, _count_buffer_bytes, -words * 4)
 
@@ -446,8 +476,10 @@ class Sequence:
         reads = tuple(b for b, info in zip(buffers, iface.bindings))
         writes = tuple(b for b, info in zip(buffers, iface.bindings) if not info.readonly)
 
+        device = self.device  # not self: the closure, kept in self._ops, would make the sequence cyclic garbage
+
         def make():
-            algo = self.device._pipeline(kernel, buffers, groups, spec, len(push_words))
+            algo = device._pipeline(kernel, buffers, groups, spec, len(push_words))
             return kp.OpAlgoDispatch(algo, push_words)
 
         self._add(_Op(f"{kernel.name}.{kernel.variant}" if kernel.variant else kernel.name, reads, writes, make,
@@ -504,6 +536,14 @@ class Sequence:
         if self._seq is not None:
             raise RuntimeError("this sequence was already recorded; build a new one")
         self._ops.append(op)
+
+    def buffers(self) -> list[Buffer]:
+        """The buffers its operations bind, each once."""
+        seen = {}
+        for op in self._ops:
+            for b in (*op.reads, *op.writes):
+                seen.setdefault(id(b), b)
+        return list(seen.values())
 
     # -- recording and replay
 
