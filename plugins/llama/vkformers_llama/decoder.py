@@ -25,7 +25,7 @@ from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, alibi_slopes, decoder_spec,
+from vkformers_llama.variants import (DecoderSpec, alibi_slopes, decoder_spec,
                                       mpt_alibi_slopes, sinusoidal_table)
 
 try:
@@ -318,9 +318,12 @@ class DecoderLayer(Module):
             k = concat_last(k_nope, k_rot.expand(batch, heads, length, rdim))
         else:  # NoPE MLA (GLM-5.3-Flash): no rotary key part
             k = k_nope.contiguous()
+        # the attention kernel has one head size: pad the narrower side with zeros (zero query/key dims add nothing
+        # to the scores, whose scale is the qk head dim's; zero value dims are sliced off the output)
         if vdim > nope + rdim:
-            raise UnsupportedConfigError(f"MLA with v_head_dim {vdim} > qk head dim {nope + rdim} is not supported")
-        if vdim < nope + rdim:  # the attention kernel has one head size: pad v with zeros, slice the output
+            q, k = (concat_last(t, Tensor(np.zeros((batch, heads, length, vdim - nope - rdim), np.float32),
+                                          dtype=t.dtype)) for t in (q, k))
+        if vdim < nope + rdim:
             v = concat_last(v, Tensor(np.zeros((batch, heads, length, nope + rdim - vdim), np.float32), dtype=v.dtype))
         return q, k, v.contiguous()
 
@@ -681,7 +684,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     @property
     def head_dim(self) -> int:
-        return self.spec.head_dim
+        """The attention's head size, what the KV cache stores: MLA pads the narrower of qk and v to the wider."""
+        return max(self.spec.head_dim, self.spec.mla_v_dim) if self.spec.mla else self.spec.head_dim
 
     @property
     def max_position_embeddings(self) -> int:

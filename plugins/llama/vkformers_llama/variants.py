@@ -820,14 +820,15 @@ def openai_gpt(config: dict) -> DecoderSpec:
 
 
 def biogpt(config: dict) -> DecoderSpec:
-    """OPT-like pre-LN block: scaled embeddings, learned positions offset by 2, tied output_projection."""
+    """OPT-like pre-LN block: scaled embeddings, learned positions offset by 2, tied output_projection. Its
+    LayerNorms are built without an eps (torch's default 1e-5): transformers never reads layer_norm_eps (1e-12)."""
     spec = DecoderSpec(**_sizes(config))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
                    position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
                    lm_head="output_projection", o_proj="out_proj", attn_in_norm="self_attn_layer_norm",
                    mlp_in_norm="final_layer_norm", mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2",
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-12),
+                   norm="layer", norm_bias=True, norm_eps=1e-5,
                    hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
                    mlp_bias=True)
 
@@ -835,7 +836,7 @@ def biogpt(config: dict) -> DecoderSpec:
 def xglm(config: dict) -> DecoderSpec:
     """BioGPT's block with a fixed fairseq sinusoidal position table (offset 2) instead of a learned one."""
     spec = biogpt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["attention_heads"],
-                       num_hidden_layers=config["num_layers"], layer_norm_eps=1e-5,
+                       num_hidden_layers=config["num_layers"],
                        hidden_act=config.get("activation_function", "gelu")))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="model.embed_tokens", embed_scale=scale, position_embed=None,
