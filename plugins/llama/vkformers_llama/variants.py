@@ -155,6 +155,10 @@ class DecoderSpec:
     #                                          or ctrl; indexed by position + position_offset
     position_offset: int = 0                 # OPT: learned table index = position + 2
     positions_from_mask: bool = False        # OPT: position = cumsum(attention_mask) - 1
+    # The positions transformers' generate ends up using: "mask" (the position_ids it passes, cumsum(mask) - 1);
+    # TrOCR reads none and counts itself: "index" (learned table: every token at its index, pads included) or
+    # "fairseq" (sinusoidal: the prompt's non-pad tokens counted, each later token at its index, pads -1)
+    generation_positions: str = "mask"
 
     # -- scalings
     embed_scale: float = 1.0                 # Gemma sqrt(hidden) (rounded to the model dtype), Granite embedding_multiplier
@@ -849,7 +853,9 @@ def trocr(config: dict) -> DecoderSpec:
     """TrOCRForCausalLM, the decoder without encoder states: OPT-350m's post-LN block with layernorm_embedding
     after the positions, no final norm, tied output_projection, and labels not shifted inside. Positions are
     learned (offset 2, arange) or fairseq sinusoidal counted over non-pad tokens (rows from pad + 1; the
-    attention mask stands in for input_ids != pad). TrOCRForCausalLM always builds the layers' cross-attention
+    attention mask stands in for input_ids != pad). Its forward takes no position_ids, so under generate a
+    left-padded row's learned positions count the pads, and its sinusoidal ones too from the first new token on
+    (cache length + 1): generation_positions. TrOCRForCausalLM always builds the layers' cross-attention
     (is_decoder): carried, never run."""
     spec = opt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["decoder_attention_heads"],
                     num_hidden_layers=config["decoder_layers"], ffn_dim=config["decoder_ffn_dim"],
@@ -858,12 +864,12 @@ def trocr(config: dict) -> DecoderSpec:
     d, pad = spec.hidden_size, config.get("pad_token_id")
     scale = math.sqrt(d) if config.get("scale_embedding", False) else 1.0
     if config.get("use_learned_position_embeddings", True):
-        positions = dict(positions_from_mask=False)
+        positions = dict(positions_from_mask=False, generation_positions="index")
     else:
         if pad is None:
             raise UnsupportedConfigError("trocr: sinusoidal positions need a pad_token_id (their padding row)")
         positions = dict(position_embed=None, sinusoidal_positions="fairseq", position_offset=pad + 1,
-                         extra=dict(padding_row=pad))
+                         extra=dict(padding_row=pad), generation_positions="fairseq")
     kdim = config.get("cross_attention_hidden_size") or d
     cross = tuple((f"encoder_attn.{name}.{kind}", shape)
                   for name, rows, cols in (("k_proj", d, kdim), ("v_proj", d, kdim), ("q_proj", d, d),
