@@ -34,6 +34,16 @@ CASES = {
     "trocr_sinusoidal_padded": ("trocr_sinusoidal", {}, 10, (3,)),
     "glm5_next_wide_v": ("glm5_next_text", dict(v_head_dim=16), 10, (3,)),
     "biogpt_eps": ("biogpt", dict(layer_norm_eps=1.0), 10, (3,)),
+    "glm5_next_padded": ("glm5_next_text", {}, 12, (5, 2)),
+    "glm_moe_dsa_padded": ("glm_moe_dsa", {}, 12, (5, 2)),
+    "deepseek_v32_padded": ("deepseek_v32", {}, 12, (5, 2)),
+    "axk2_padded": ("axk2", {}, 12, (5, 2)),
+    "llama_padded": ("llama", {}, 12, (5, 2)),
+    "opt_padded": ("opt", {}, 12, (5, 2)),
+    "gemma2_padded": ("gemma2", {}, 12, (5, 2)),
+    "bloom_padded": ("bloom", {}, 12, (5, 2)),
+    "xglm_padded": ("xglm", {}, 12, (5, 2)),
+    "qwen3_next_padded": ("qwen3_next", {}, 12, (5, 2)),
 }
 
 
