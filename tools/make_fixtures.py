@@ -17,6 +17,7 @@ Deterministic: one CPU thread, fixed seeds, sorted JSON, so re-running gives ide
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -823,6 +824,24 @@ SPECS = [
           "4 experts plus the gradient-free parameter e_score_correction_bias (saved as "
           "experts.e_score_correction_bias) for choosing, top-2 renormalised, routed output scaled by 1.5; shared "
           "expert (saved as shared_expert) of width 12."], saved_names=True),
+]
+
+
+def _variant(name: str, base: str, overrides: dict, notes: list) -> Spec:
+    """A fixture on another's Spec with some config fields changed (a config option of its own to check)."""
+    spec = next(s for s in SPECS if s.name == base)
+    return dataclasses.replace(spec, name=name, overrides={**spec.overrides, **overrides}, notes=notes + spec.notes)
+
+
+SPECS += [
+    _variant("hunyuan_v1_dense-ntk-alpha", "hunyuan_v1_dense", dict(rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=1000.0)),
+        ["rope_type dynamic with alpha 1000: HunYuan's fixed NTK-alpha scaling, base = theta * alpha ** (8 / 6) "
+         "(transformers' HunYuanDenseV1RotaryEmbedding; the shared dynamic NTK would ignore alpha)."]),
+    _variant("biogpt-layer-norm-eps", "biogpt", dict(layer_norm_eps=1.0),
+             ["layer_norm_eps 1.0, which transformers never reads: BioGPT's LayerNorms keep torch's eps 1e-5."]),
+    _variant("glm5_next_text-wide-v", "glm5_next_text", dict(v_head_dim=16),
+             ["v_head_dim 16, wider than the qk head dim (nope 8 + rope 0): value heads of 16, o_proj 4 x 16 -> 32."]),
 ]
 
 

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 
 import transformers
-from transformers import GPTNeoXConfig, LlamaConfig, Phi3Config
+from transformers import GPTNeoXConfig, HunYuanDenseV1Config, LlamaConfig, Phi3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "rope_reference.json"
@@ -33,6 +34,11 @@ CASES = [
     ("dynamic_long", {**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 10000),
     ("dynamic_partial_long", {**BASE, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                               "rope_scaling": {"rope_type": "dynamic", "factor": 3.0}}, 20000),
+    # HunYuan reads "dynamic" with an alpha as fixed NTK-alpha scaling (any seq_len); other models ignore alpha
+    ("dynamic_ntk_alpha_hunyuan", {**BASE, "model_type": "hunyuan_v1_dense", "head_dim": 64, "rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0, "alpha": 1000.0}}, 10000),
+    ("dynamic_alpha_ignored_llama", {**BASE, "model_type": "llama", "rope_scaling": {
+        "rope_type": "dynamic", "factor": 2.0, "alpha": 1000.0}}, 10000),
     ("llama3_4x", {**BASE, "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, None),
@@ -66,6 +72,9 @@ CASES = [
 
 
 def reference(config: dict, seq_len):
+    if config.get("model_type") == "hunyuan_v1_dense":  # its own rotary module (NTK alpha), static frequencies
+        rotary = HunYuanDenseV1RotaryEmbedding(HunYuanDenseV1Config(**config))
+        return rotary.inv_freq, rotary.attention_scaling
     scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     partial = "partial_rotary_factor" in config

@@ -1,9 +1,10 @@
 """Rotary-embedding frequencies of a Hugging Face config, without transformers or torch.
 
 :func:`rope_parameters` reproduces transformers' ``modeling_rope_utils`` (5.x; the 4.x
-formulas agree) for the rope types default, linear, dynamic (NTK), llama3, yarn, longrope
-and proportional, including its float32 arithmetic: torch computes the frequencies in
-float32 from Python-float scalars, so every step below rounds to float32 where torch's does
+formulas agree) for the rope types default, linear, dynamic (NTK; HunYuan's with a fixed
+``alpha``), llama3, yarn, longrope and proportional, including its float32 arithmetic: torch
+computes the frequencies in float32 from Python-float scalars, so every step below rounds to
+float32 where torch's does
 (numpy float32 + - * / are the same IEEE operations; pow may differ by an ulp).
 
 Config names read (4.x and 5.x):
@@ -28,6 +29,9 @@ import numpy as np
 
 F32 = np.float32
 ROPE_TYPE_ALIASES = {"su": "longrope", "mrope": "default"}  # 4.x spellings (Phi-3 "su", Qwen2-VL "mrope")
+# Models whose rotary embedding reads "dynamic" with an ``alpha`` as fixed NTK-alpha scaling (HunYuan's
+# DynamicNTKAlphaRotary); every other model's "dynamic" ignores alpha, as transformers' shared one does.
+NTK_ALPHA_MODEL_TYPES = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl_text"})
 
 
 def rope_parameters(config: dict, seq_len: int | None = None, *, layer_type: str | None = None
@@ -35,6 +39,8 @@ def rope_parameters(config: dict, seq_len: int | None = None, *, layer_type: str
     """(inv_freq float32 [rot_dim / 2], attention_scaling) for a config.json dict."""
     params = _rope_dict(config, layer_type)
     rope_type = ROPE_TYPE_ALIASES.get(params["rope_type"], params["rope_type"])
+    if rope_type == "dynamic" and params.get("alpha") and config.get("model_type") in NTK_ALPHA_MODEL_TYPES:
+        rope_type = "ntk_alpha"
     if rope_type not in _COMPUTE:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(sorted(_COMPUTE))}")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -104,6 +110,12 @@ def _dynamic(params, config, head_dim, seq_len):
     seq_len = max_positions if seq_len is None else max(seq_len, max_positions)
     base = params["rope_theta"] * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
     return _plain_inv_freq(base, dim), 1.0
+
+
+def _ntk_alpha(params, config, head_dim, seq_len):
+    """HunYuan: base = theta * alpha ** (d / (d - 2)) over the whole head_dim, whatever the sequence length."""
+    base = params["rope_theta"] * params["alpha"] ** (head_dim / (head_dim - 2))
+    return _plain_inv_freq(base, head_dim), 1.0
 
 
 def _llama3(params, config, head_dim, seq_len):
@@ -186,4 +198,4 @@ def _proportional(params, config, head_dim, seq_len):
 
 
 _COMPUTE = {"default": _default, "linear": _linear, "dynamic": _dynamic, "llama3": _llama3, "yarn": _yarn,
-            "longrope": _longrope, "proportional": _proportional}
+            "longrope": _longrope, "proportional": _proportional, "ntk_alpha": _ntk_alpha}

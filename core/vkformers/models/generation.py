@@ -84,7 +84,7 @@ class GenerationMixin:
             return ids
 
         cache = self._generation_cache(batch, length + max_new_tokens)
-        positions = _positions(mask)
+        positions = self.generation_positions(mask, ids, length)
         unfinished = np.ones(batch, bool)
         tokens = ids
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
@@ -126,12 +126,12 @@ class GenerationMixin:
                     # longrope): as transformers does, drop the cache and recompute the whole sequence once
                     decode.forget()
                     cache.reset()
-                    logits = _last_logits(self(tokens, attention_mask=mask, position_ids=_positions(mask),
-                                                cache=cache))
+                    positions = self.generation_positions(mask, tokens, length)
+                    logits = _last_logits(self(tokens, attention_mask=mask, position_ids=positions, cache=cache))
                     continue
                 # int32 arrays the model turns into its input tensors as they are: a captured step finds them
                 step_ids = next_tokens[:, None].astype(np.int32)
-                step_positions = _positions(mask)[:, -1:].astype(np.int32)
+                step_positions = self.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
                 if decode.ready and tokens.shape[1] <= capture_limit:
                     # greedy: chain steps in one submission, the GPU choosing the tokens in between, while the
                     # sequence stays short of the capture limit and of the Phi-3 recomputation point
@@ -156,6 +156,12 @@ class GenerationMixin:
                 del last
         _end(streamer)
         return tokens
+
+    def generation_positions(self, mask: np.ndarray, tokens: np.ndarray, prompt_length: int) -> np.ndarray:
+        """The positions [batch, T] of every token so far (the prompt's first ``prompt_length``), as the model sees
+        them under transformers' generate: the position_ids generate passes (cumsum(attention_mask) - 1). A model
+        whose forward reads no position_ids (and counts the tokens itself) overrides this."""
+        return _positions(mask)
 
     def forget_captures(self) -> None:
         """Drop the recorded prefill and decode steps that later generate calls would replay. Their key covers
@@ -250,9 +256,11 @@ def _chain_steps(device) -> int:
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:
-    """transformers' generate positions: cumsum(attention_mask) - 1, with 1 at padding."""
+    """transformers' generate positions: cumsum(attention_mask) - 1, with 0 at padding (5.x; 4.x put 1 there). Most
+    models never let a padded position reach a real token; those that do (DeepSeek-V4's compressed entries pool the
+    padded tokens' states) depend on it."""
     positions = np.cumsum(mask, axis=1) - 1
-    positions[mask == 0] = 1
+    positions[mask == 0] = 0
     return positions
 
 

@@ -26,7 +26,7 @@ from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, alibi_slopes, decoder_spec,
+from vkformers_llama.variants import (DecoderSpec, alibi_slopes, decoder_spec,
                                       mpt_alibi_slopes, sinusoidal_table)
 
 try:
@@ -141,12 +141,13 @@ class Context:
     """What every layer of one forward pass shares: positions, masks, rotary tables, the cache."""
 
     def __init__(self, positions, key_padding_mask, rope_tables, cache, rope_positions=None, query_scale=None,
-                 host_mask=None):
+                 host_mask=None, host_positions=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
         self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
         self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
         self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (host-built masks)
+        self.host_positions = host_positions  # positions as numpy [B, T] (host-built masks), or None
 
 
 class DecoderLayer(Module):
@@ -297,9 +298,12 @@ class DecoderLayer(Module):
             k = F.cat([k_nope, k_rot.expand(batch, heads, length, rdim)], -1)
         else:  # NoPE MLA (GLM-5.3-Flash): no rotary key part
             k = k_nope.contiguous()
+        # the attention kernel has one head size: pad the narrower side with zeros (zero query/key dims add nothing
+        # to the scores, whose scale is the qk head dim's; zero value dims are sliced off the output)
         if vdim > nope + rdim:
-            raise UnsupportedConfigError(f"MLA with v_head_dim {vdim} > qk head dim {nope + rdim} is not supported")
-        if vdim < nope + rdim:  # the attention kernel has one head size: pad v with zeros, slice the output
+            q, k = (F.cat([t, Tensor(np.zeros((batch, heads, length, vdim - nope - rdim), np.float32), dtype=t.dtype)],
+                          -1) for t in (q, k))
+        if vdim < nope + rdim:
             padding = Tensor(np.zeros((batch, heads, length, nope + rdim - vdim), np.float32), dtype=v.dtype)
             v = F.cat([v, padding], -1)
         return q, k, v.contiguous()
@@ -662,7 +666,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     @property
     def head_dim(self) -> int:
-        return self.spec.head_dim
+        """The attention's head size, what the KV cache stores: MLA pads the narrower of qk and v to the wider."""
+        return max(self.spec.head_dim, self.spec.mla_v_dim) if self.spec.mla else self.spec.head_dim
 
     @property
     def max_position_embeddings(self) -> int:
@@ -687,6 +692,19 @@ class DecoderForCausalLM(Module, GenerationMixin):
         if self.spec.positions_from_mask and attention_mask is not None:  # OPT: count only attended tokens
             return ((np.cumsum(attention_mask, axis=1) * attention_mask - 1)[:, -length:]).astype(np.int32)
         return np.broadcast_to(past + np.arange(length, dtype=np.int32), (batch, length)).astype(np.int32)
+
+    def generation_positions(self, mask: np.ndarray, tokens: np.ndarray, prompt_length: int) -> np.ndarray:
+        kind = self.spec.generation_positions
+        if kind == "mask":
+            return super().generation_positions(mask, tokens, prompt_length)
+        index = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+        if kind == "index":
+            return index.copy()
+        # "fairseq": transformers counts non-pad ids from the prompt (cumsum), then places each later token at the
+        # cache length; a pad id gets the padding row (relative position -1)
+        real = tokens != self.spec.extra["padding_row"]
+        counted = np.where(index < prompt_length, np.cumsum(real, axis=1) - 1, index)
+        return np.where(real, counted, -1)
 
     def _rope_tables(self, seq_len: int):
         """(inv_freq Tensor, attention_scaling) per layer; layers sharing a rope config share one table."""
@@ -755,7 +773,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.rope else None
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.rope_negated else None,
-                      query_scale=self._query_scale(positions), host_mask=mask)
+                      query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions)
         x = self.run_layers(x, ctx)
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
         if logits is None:

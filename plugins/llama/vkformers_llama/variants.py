@@ -155,6 +155,10 @@ class DecoderSpec:
     #                                          or ctrl; indexed by position + position_offset
     position_offset: int = 0                 # OPT: learned table index = position + 2
     positions_from_mask: bool = False        # OPT: position = cumsum(attention_mask) - 1
+    # The positions transformers' generate ends up using: "mask" (the position_ids it passes, cumsum(mask) - 1);
+    # TrOCR reads none and counts itself: "index" (learned table: every token at its index, pads included) or
+    # "fairseq" (sinusoidal: the prompt's non-pad tokens counted, each later token at its index, pads -1)
+    generation_positions: str = "mask"
 
     # -- scalings
     embed_scale: float = 1.0                 # Gemma sqrt(hidden) (rounded to the model dtype), Granite embedding_multiplier
@@ -820,14 +824,15 @@ def openai_gpt(config: dict) -> DecoderSpec:
 
 
 def biogpt(config: dict) -> DecoderSpec:
-    """OPT-like pre-LN block: scaled embeddings, learned positions offset by 2, tied output_projection."""
+    """OPT-like pre-LN block: scaled embeddings, learned positions offset by 2, tied output_projection. Its
+    LayerNorms are built without an eps (torch's default 1e-5): transformers never reads layer_norm_eps (1e-12)."""
     spec = DecoderSpec(**_sizes(config))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
                    position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
                    lm_head="output_projection", o_proj="out_proj", attn_in_norm="self_attn_layer_norm",
                    mlp_in_norm="final_layer_norm", mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2",
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-12),
+                   norm="layer", norm_bias=True, norm_eps=1e-5,
                    hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
                    mlp_bias=True)
 
@@ -835,7 +840,7 @@ def biogpt(config: dict) -> DecoderSpec:
 def xglm(config: dict) -> DecoderSpec:
     """BioGPT's block with a fixed fairseq sinusoidal position table (offset 2) instead of a learned one."""
     spec = biogpt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["attention_heads"],
-                       num_hidden_layers=config["num_layers"], layer_norm_eps=1e-5,
+                       num_hidden_layers=config["num_layers"],
                        hidden_act=config.get("activation_function", "gelu")))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="model.embed_tokens", embed_scale=scale, position_embed=None,
@@ -848,7 +853,9 @@ def trocr(config: dict) -> DecoderSpec:
     """TrOCRForCausalLM, the decoder without encoder states: OPT-350m's post-LN block with layernorm_embedding
     after the positions, no final norm, tied output_projection, and labels not shifted inside. Positions are
     learned (offset 2, arange) or fairseq sinusoidal counted over non-pad tokens (rows from pad + 1; the
-    attention mask stands in for input_ids != pad). TrOCRForCausalLM always builds the layers' cross-attention
+    attention mask stands in for input_ids != pad). Its forward takes no position_ids, so under generate a
+    left-padded row's learned positions count the pads, and its sinusoidal ones too from the first new token on
+    (cache length + 1): generation_positions. TrOCRForCausalLM always builds the layers' cross-attention
     (is_decoder): carried, never run."""
     spec = opt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["decoder_attention_heads"],
                     num_hidden_layers=config["decoder_layers"], ffn_dim=config["decoder_ffn_dim"],
@@ -857,12 +864,12 @@ def trocr(config: dict) -> DecoderSpec:
     d, pad = spec.hidden_size, config.get("pad_token_id")
     scale = math.sqrt(d) if config.get("scale_embedding", False) else 1.0
     if config.get("use_learned_position_embeddings", True):
-        positions = dict(positions_from_mask=False)
+        positions = dict(positions_from_mask=False, generation_positions="index")
     else:
         if pad is None:
             raise UnsupportedConfigError("trocr: sinusoidal positions need a pad_token_id (their padding row)")
         positions = dict(position_embed=None, sinusoidal_positions="fairseq", position_offset=pad + 1,
-                         extra=dict(padding_row=pad))
+                         extra=dict(padding_row=pad), generation_positions="fairseq")
     kdim = config.get("cross_attention_hidden_size") or d
     cross = tuple((f"encoder_attn.{name}.{kind}", shape)
                   for name, rows, cols in (("k_proj", d, kdim), ("v_proj", d, kdim), ("q_proj", d, d),

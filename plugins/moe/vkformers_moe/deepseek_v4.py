@@ -13,7 +13,8 @@ ffn.experts.<e>.w1, hc_attn_fn, head, ...):
   the last norm weightless and per head; interleaved rotary on the trailing qk_rope_head_dim dims, undone on the
   output at the query's position; per-head sinks; a sliding window over the tokens plus compressed entries:
   HCA: one entry per compress_rate tokens, kv_norm(sum over the window of softmax(wgate h + ape) * wkv h), rotated
-  at the window's first position; query t sees the entries w < (t + 1) // rate.
+  at the window's first position; query t sees the entries w < (t + 1) // rate (a single-token forward, a decode
+  step, sees them all, as in transformers; they differ where left padding makes positions lag token indices).
   CSA: entry w mixes the first channel half of window w - 1 with the second half of window w (one softmax over
   both); a lightning indexer (its own compressor at index_head_dim, queries wq_b(q_residual), relu scores weighted
   per head by weights_proj) keeps each query's index_topk best causal entries. No gradient reaches the indexer.
@@ -39,6 +40,7 @@ from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, add_param, get_param, make_norm, place
 
+from vkformers_moe import torch_topk
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask
 from vkformers_moe.model import MoeDecoderForCausalLM
 
@@ -268,10 +270,8 @@ class DeepseekV4Layer(Module):
         scores = (q @ keys.transpose(-1, -2)).relu() * (o.index_dim ** -0.5)  # [B, heads, T, W]
         weights = (p["i_weights"](h) * (o.index_heads ** -0.5)).permute(0, 2, 1).reshape(b, o.index_heads, t, 1)
         scores = np.where(visible, (scores * weights).sum(1).numpy(), -np.inf)  # [B, T, W], read back
-        # the host picks: exactly k per query (relu scores often tie at 0 inside the chosen set)
-        best = np.argsort(-scores, axis=-1, kind="stable")[..., :min(o.index_topk, windows)]
-        chosen = np.zeros(scores.shape, bool)
-        np.put_along_axis(chosen, best, True, axis=-1)
+        # the host picks exactly k per query, equal scores as torch.topk picks them (relu scores often tie at 0)
+        chosen = torch_topk.topk_mask(scores, min(o.index_topk, windows))
         return Tensor((chosen & visible)[:, None])
 
     def attention(self, h, ctx):
@@ -300,6 +300,10 @@ class DeepseekV4Layer(Module):
             windows = entries.shape[2]
             entries = entries.expand(b, heads, windows, dim).contiguous()
             causal = np.arange(windows) < ((key_positions[:, start:] + 1) // self.rate)[:, :, None]  # [B, T, W]
+            if t == 1 and self.kind == HCA:
+                # transformers masks HCA entries by position only for a forward of several tokens: a single token
+                # (a decode step) sees every entry, even where left padding puts its position behind its index
+                causal = np.ones_like(causal)
             scores = (q @ entries.transpose(-1, -2)) * scale
             if self.kind == CSA:
                 scores = F.where(self._indexer_choice(h_all, h, q_residual, query_positions, ctx, causal),

@@ -2,15 +2,17 @@
 
 transformers 5 (MiniMaxM3VLAttention / MiniMaxM3VLIndexer): on the layers of type "minimax_m3_sparse" an indexer
 scores every key for every query with its own small heads (q_proj [index_n_heads * index_head_dim], one shared key
-k_proj [index_head_dim], (1 + w) RMS norms, rotary on the first dims of the main rotary table), no scaling. Keys after
-the query (by position) score -inf; the scores are max-pooled over blocks of index_block_size keys (counted from
-key slot 0); the query's own block and the index_local_blocks - 1 before it score +inf; the top index_topk_blocks
-blocks of finite score are kept. Query head h attends only to the keys of the blocks its indexer head h // (heads /
-index_n_heads) kept, on top of the causal and padding mask. The selection has no gradient (top-k indices), so the
-indexer's weights get none. Dense MLPs (fused gate_up_proj) use GPT-OSS's clipped SwiGLU, as the experts do.
+k_proj [index_head_dim], (1 + w) RMS norms, rotary on the first dims of the main rotary table), no scaling. Keys whose
+slot lies after the query's position score -inf; the scores are max-pooled over blocks of index_block_size keys
+(counted from key slot 0); the block of the query's position and the index_local_blocks - 1 before it score +inf
+(slots and positions differ in a left-padded row under generate, whose positions count only real tokens); the top
+index_topk_blocks blocks of finite score are kept. Query head h attends only to the keys of the blocks its indexer
+head h // (heads / index_n_heads) kept, on top of the causal and padding mask. The selection has no gradient (top-k
+indices), so the indexer's weights get none. Dense MLPs (fused gate_up_proj) use GPT-OSS's clipped SwiGLU, as the experts do.
 
-The attention kernels know no such mask: a sparse layer composes its attention from matmuls, the selection (engine
-ops: block maxima, top-k by rounds of max, as the MoE router does) and a softmax, over the stored keys with a cache.
+The attention kernels know no such mask: a sparse layer composes its attention from matmuls, the selection (block
+maxima on the device, the top-k on the host, equal scores resolved as torch.topk does: vkformers_moe.torch_topk) and
+a softmax, over the stored keys with a cache.
 The indexer's keys of earlier tokens live on the cache object (``cache.index_keys``), so generate does not capture
 these models' decode steps.
 """
@@ -25,10 +27,10 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers_llama.decoder import DecoderLayer, _join, make_norm, place
 
-from vkformers_moe.block import clipped_swiglu, topk_mask
+from vkformers_moe import torch_topk
+from vkformers_moe.block import clipped_swiglu
 
 _HIDDEN = -1e30  # a score no kept key has (finite: 0 * it stays 0 in the matmul concatenations)
-_LOCAL = 1e30    # the always-kept local blocks' score
 
 
 @dataclass(frozen=True)
@@ -170,17 +172,21 @@ class MinimaxM3Layer(DecoderLayer):
         width = blocks * o.block
         if width > keys:  # whole blocks: the padding keys lie after every query, hidden below
             k = F.cat([k, Tensor(np.zeros((batch, 1, o.index_dim, width - keys), np.float32), dtype=k.dtype)], -1)
-        future = np.arange(width)[None, :] > queries[:, None]
-        scores = (q.detach() @ k).float() + Tensor(np.where(future, _HIDDEN, 0.0).astype(np.float32)[None, None])
+        # As transformers: key slots are compared with the query's position (its slot only without left padding;
+        # generate's positions count a row's real tokens), and the query's own block is its position's.
+        positions = np.broadcast_to(ctx.host_positions, (batch, new))[:, None, :, None]  # [B, 1, T, 1]
+        future = np.arange(width) > positions
+        scores = (q.detach() @ k).float() + Tensor(np.where(future, _HIDDEN, 0.0).astype(np.float32))
         pooled = scores.reshape(batch, o.index_heads, new, blocks, o.block).max(-1)
-        own, block = (queries // o.block)[:, None], np.arange(blocks)[None, :]
-        local = (block <= own) & (block > own - o.local_blocks)
-        if o.local_blocks > 0:  # distinct scores: topk_mask spends one round on all the entries of a tie
-            boost = np.broadcast_to(np.where(local, _LOCAL * 2.0 ** np.minimum(block - own, 0), 0.0), pooled.shape)
-            pooled = F.where(Tensor(np.broadcast_to(local, pooled.shape).copy()), Tensor(boost.astype(np.float32)),
-                             pooled)
-        chosen = topk_mask(pooled, min(o.topk_blocks, blocks))
-        kept = F.where(chosen, F.where(pooled > _HIDDEN / 2, 1.0, 0.0), 0.0)  # future-only blocks are never kept
+        own, block = positions // o.block, np.arange(blocks)
+        local = (block <= own) & (block > own - o.local_blocks)  # [B, 1, T, blocks]
+        # the choice on the host, as torch.topk makes it: blocks of left padding tie (the pads' keys are equal)
+        pooled = pooled.numpy()
+        pooled = np.where(pooled > _HIDDEN / 2, pooled, -np.inf)  # blocks all in the query's future
+        if o.local_blocks > 0:
+            pooled = np.where(local, np.inf, pooled)
+        chosen = torch_topk.topk_mask(pooled, min(o.topk_blocks, blocks)) & (pooled > -np.inf)
+        kept = Tensor(chosen.astype(np.float32))
         heads = self.spec.num_heads
         kept = (kept.reshape(batch, o.index_heads, new, blocks, 1)
                 .expand(batch, o.index_heads, new, blocks, o.block).contiguous()
