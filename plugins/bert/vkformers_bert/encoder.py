@@ -285,15 +285,13 @@ class EncoderForMaskedLM(Module):
 
     def _concat_embeddings(self, x, shape):
         """map([word; shape; pronunciation]) as a sum of slices of the map's weight (no concatenation op). The
-        extra ids default to 0 (transformers' default when none are given); a lookup of the padding row has no
-        gradient (nn.Embedding's padding_idx), so that row enters as a constant."""
+        extra ids default to 0 (transformers' default when none are given); a lookup of the padding row passes it no
+        gradient (nn.Embedding's padding_idx): the tables' gradient is then zero, not missing, as in torch."""
         weight, start = self.concat_map.weight, x.shape[-1]
         out = F.linear(x, weight[:, :start].contiguous(), self.concat_map.bias)
         for table in self.concat:
             width = table.weight.shape[-1]
-            rows = F.embedding(Tensor(np.zeros(shape, np.int32)), table.weight)
-            if self.spec.pad_token_id == 0:
-                rows = rows.detach()
+            rows = F.embedding(Tensor(np.zeros(shape, np.int32)), table.weight, padding_idx=self.spec.pad_token_id)
             out = out + F.linear(rows, weight[:, start:start + width].contiguous())
             start += width
         return out
