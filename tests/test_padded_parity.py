@@ -22,7 +22,12 @@ import numpy as np
 import pytest
 
 from test_decoder_parity import FIXTURES, LOGITS_ATOL, LOSS_RTOL, _unsupported_reason, fixture_names
-from vkformers.models.loading import AutoModelForCausalLM
+from test_encoder_parity import FIXTURES as ENCODER_FIXTURES
+from test_encoder_parity import _inputs as encoder_inputs
+from test_encoder_parity import _reference as encoder_reference
+from test_encoder_parity import fixture_names as encoder_fixture_names
+from test_encoder_parity import unsupported_reason as encoder_unsupported_reason
+from vkformers.models.loading import AutoModelForCausalLM, AutoModelForMaskedLM
 from vkformers.models.safetensors_io import read_safetensors
 
 PADDED = "padded.safetensors"
@@ -106,3 +111,26 @@ def test_pad_row_gradient(name):
     assert error <= bound, (f"{name}: the pad row's gradient differs by {error:.3g} (tolerance {bound:.3g}; "
                             f"transformers' padding_idx: {_index().get(name, {}).get('padding_idx')}); "
                             f"max |ours| {np.abs(got).max():.3g}, max |theirs| {np.abs(want).max():.3g}")
+
+
+@pytest.mark.parametrize("name", encoder_fixture_names())
+def test_encoder_pad_row_gradient(name):
+    """The encoders' word embedding: the fixture's (right-padded) batch with the pad id also a real token of row 0
+    (encoders/<name>/padded.safetensors); every family but ESM C has padding_idx = pad_token_id in transformers.
+    The masked-LM loss within 1e-5 relative, the pad row within 1e-3 of its largest value (floor 1e-5)."""
+    if encoder_unsupported_reason(ENCODER_FIXTURES / name):
+        pytest.skip("not implemented")
+    ref = {k: e.as_float() for k, e in read_safetensors(ENCODER_FIXTURES / name / PADDED).items()}
+    fixture = encoder_reference(ENCODER_FIXTURES / name)
+    model = AutoModelForMaskedLM.from_pretrained(ENCODER_FIXTURES / name, dtype="float32")
+    inputs = dict(encoder_inputs(fixture), input_ids=ref["pad_grad_input_ids"].astype(np.int32))
+    out = model(**inputs, labels=fixture["labels"].astype(np.int32))
+    out.loss.backward()
+    want_loss = float(ref["pad_grad_loss"])
+    loss = out.loss.item()
+    assert abs(loss - want_loss) <= LOSS_RTOL * abs(want_loss), f"{name}: loss {loss} vs {want_loss}"
+    pad = int(fixture["input_ids"][1, -1])  # row 1 is right-padded with the pad id
+    got = model.word.weight.grad.numpy()[pad]
+    want = ref["pad_grad_embedding_row"]
+    error, bound = np.abs(got - want).max(), ROW_RTOL * max(np.abs(want).max(), ROW_FLOOR / ROW_RTOL)
+    assert error <= bound, f"{name}: the pad row's gradient differs by {error:.3g} (tolerance {bound:.3g})"

@@ -21,6 +21,11 @@ Run it after tools/make_fixtures.py (a rebuilt fixture folder loses its padded.s
 
     /tmp/tfvenv/bin/python tools/make_padded_references.py                 # every fixture
     /tmp/tfvenv/bin/python tools/make_padded_references.py --only llama,gpt2
+    /tmp/tfvenv/bin/python tools/make_padded_references.py --encoders      # tests/fixtures/encoders/<name>/
+
+For an encoder fixture it writes only the pad-row gradient batch (``pad_grad_input_ids``: the fixture's batch with
+the pad id at row 0's position 4; its attention_mask, labels and token types are the fixture's), ``pad_grad_loss``
+(the masked-LM cross-entropy) and ``pad_grad_embedding_row``; its safetensors metadata holds the padding_idx.
 """
 from __future__ import annotations
 
@@ -130,7 +135,52 @@ def build(spec: mf.Spec, out_root: Path) -> dict:
     return {"padding_idx": embedding.padding_idx, "padded_generate_pad_invariant": invariant}
 
 
+def build_encoder(spec, out_root: Path) -> dict:
+    """An encoder fixture (tests/fixtures/encoders): its batch with the pad id also a real token of row 0, the
+    masked-LM loss and the word embedding's pad-row gradient (the batch keeps the fixture's labels and types)."""
+    folder = out_root / spec.name
+    cls = getattr(transformers, spec.model_class) if spec.model_class else transformers.AutoModelForMaskedLM
+    model = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).float().eval()
+    ref = load_file(str(folder / "reference.safetensors"))
+    ids, mask, labels = ref["input_ids"].long(), ref["attention_mask"].long(), ref["labels"].long()
+    kwargs = {"token_type_ids": ref["token_type_ids"].long()} if "token_type_ids" in ref else {}
+    with torch.no_grad():
+        diff = (model(input_ids=ids, attention_mask=mask, **kwargs).logits - ref["logits"])[mask.bool()].abs().max()
+    if diff > 1e-5:
+        raise RuntimeError(f"the reloaded model does not reproduce the fixture's logits (max diff {diff:.3g})")
+    pad = model.config.pad_token_id
+    ids = ids.clone()
+    ids[0, PAD_AS_TOKEN_AT] = pad
+    logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100)  # what every one of them computes inside
+    loss.backward()
+    embedding = model.get_input_embeddings()
+    save_file({"pad_grad_input_ids": ids.to(torch.int32), "pad_grad_loss": loss.detach().float().reshape(()),
+               "pad_grad_embedding_row": embedding.weight.grad[pad].detach().float().contiguous()},
+              str(folder / FILE), metadata={"transformers_version": transformers.__version__,
+                                            "torch_version": torch.__version__,
+                                            "padding_idx": str(embedding.padding_idx)})
+    return {"padding_idx": embedding.padding_idx}
+
+
+def main_encoders(argv) -> int:
+    import make_encoder_fixtures as me
+    parsed = mf.parse_fixture_args(argv, me.SPECS, me.DEFAULT_OUT)
+    if parsed is None:
+        return 0
+    args, out_root, only = parsed
+    specs = [s for s in me.SPECS if (out_root / s.name / "reference.safetensors").is_file()]
+    _, failed = mf.build_each(specs, only, out_root, build_encoder, verbose=args.verbose,
+                              summary=lambda info: f"padding_idx={info['padding_idx']}")
+    return 1 if failed else 0
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--encoders" in argv:  # the encoder fixtures (tests/fixtures/encoders) instead
+        argv.remove("--encoders")
+        return main_encoders(argv)
     parsed = mf.parse_fixture_args(argv, mf.SPECS, mf.DEFAULT_OUT)
     if parsed is None:
         return 0

@@ -298,7 +298,8 @@ class EncoderForMaskedLM(Module):
 
     def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None):
         s = self.spec
-        x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight)
+        x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight,
+                        padding_idx=s.pad_token_id if s.word_padding_idx else None)
         if self.concat_map is not None:
             x = self._concat_embeddings(x, ids.shape)
         if s.token_dropout:
@@ -307,7 +308,9 @@ class EncoderForMaskedLM(Module):
             types = np.zeros(ids.shape, np.int32) if token_type_ids is None else token_type_ids.astype(np.int32)
             x = x + F.embedding(Tensor(types), self.token_type.weight)
         if self.position is not None:
-            x = x + F.embedding(Tensor(self._positions(ids)), self.position.weight)
+            # positions counted from padding (RoBERTa): pads read row pad_token_id, a padding_idx in transformers
+            x = x + F.embedding(Tensor(self._positions(ids)), self.position.weight,
+                                padding_idx=s.pad_token_id if s.positions_from_padding else None)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if s.zero_padded_embeddings and mask is not None:
