@@ -27,7 +27,9 @@ from test_encoder_parity import _inputs as encoder_inputs
 from test_encoder_parity import _reference as encoder_reference
 from test_encoder_parity import fixture_names as encoder_fixture_names
 from test_encoder_parity import unsupported_reason as encoder_unsupported_reason
-from vkformers.models.loading import AutoModelForCausalLM, AutoModelForMaskedLM
+from test_seq2seq_parity import FIXTURES as SEQ2SEQ_FIXTURES
+from test_seq2seq_parity import fixture_names as seq2seq_fixture_names
+from vkformers.models.loading import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 from vkformers.models.safetensors_io import read_safetensors
 
 PADDED = "padded.safetensors"
@@ -134,3 +136,20 @@ def test_encoder_pad_row_gradient(name):
     want = ref["pad_grad_embedding_row"]
     error, bound = np.abs(got - want).max(), ROW_RTOL * max(np.abs(want).max(), ROW_FLOOR / ROW_RTOL)
     assert error <= bound, f"{name}: the pad row's gradient differs by {error:.3g} (tolerance {bound:.3g})"
+
+
+@pytest.mark.parametrize("name", seq2seq_fixture_names())
+def test_seq2seq_padded_generate(name):
+    """Greedy generate from both rows of an encoder-decoder fixture's batch at once (row 1 right-padded by 2, with its
+    attention_mask; seq2seq/<name>/padded.safetensors), eos off: transformers' tokens, and every step's logits of
+    both rows within 1e-4."""
+    ref = {k: e.as_float() for k, e in read_safetensors(SEQ2SEQ_FIXTURES / name / PADDED).items()}
+    fixture = {k: e.as_float() for k, e in read_safetensors(SEQ2SEQ_FIXTURES / name / "reference.safetensors").items()}
+    model = AutoModelForSeq2SeqLM.from_pretrained(SEQ2SEQ_FIXTURES / name, dtype="float32", requires_grad=False)
+    want = ref["generate_tokens"].astype(np.int64)
+    tokens, logits = model.generate(fixture["input_ids"].astype(np.int64),
+                                    attention_mask=fixture["attention_mask"].astype(np.int64),
+                                    max_new_tokens=want.shape[1] - 1, eos_token_id=[], output_logits=True)
+    assert tokens.tolist() == want.tolist(), f"{name}: {tokens.tolist()} vs transformers {want.tolist()}"
+    error = np.abs(logits - ref["generate_logits"]).max()
+    assert error <= LOGITS_ATOL, f"{name}: step logits differ from transformers' by {error:.3g}"

@@ -22,10 +22,15 @@ Run it after tools/make_fixtures.py (a rebuilt fixture folder loses its padded.s
     /tmp/tfvenv/bin/python tools/make_padded_references.py                 # every fixture
     /tmp/tfvenv/bin/python tools/make_padded_references.py --only llama,gpt2
     /tmp/tfvenv/bin/python tools/make_padded_references.py --encoders      # tests/fixtures/encoders/<name>/
+    /tmp/tfvenv/bin/python tools/make_padded_references.py --seq2seq       # tests/fixtures/seq2seq/<name>/
 
 For an encoder fixture it writes only the pad-row gradient batch (``pad_grad_input_ids``: the fixture's batch with
 the pad id at row 0's position 4; its attention_mask, labels and token types are the fixture's), ``pad_grad_loss``
 (the masked-LM cross-entropy) and ``pad_grad_embedding_row``; its safetensors metadata holds the padding_idx.
+For an encoder-decoder fixture: ``generate_tokens`` [2, 1 + 8] / ``generate_logits`` [8, 2, vocab], greedy generate
+from both rows of the fixture's batch at once (row 1 right-padded by 2, with its attention_mask), eos off; the
+metadata says whether that is pad-invariant (each row as generated alone). Their pad rows need no extra batch: the
+fixtures' decoder inputs already hold the pad id as a real token (a shifted -100 label).
 """
 from __future__ import annotations
 
@@ -176,11 +181,64 @@ def main_encoders(argv) -> int:
     return 1 if failed else 0
 
 
+def build_seq2seq(spec, out_root: Path) -> dict:
+    """An encoder-decoder fixture (tests/fixtures/seq2seq): greedy generate from both rows of its batch at once (row 1
+    right-padded by 2, with its attention_mask), eos off, as make_seq2seq_fixtures generates from row 0 alone."""
+    import make_seq2seq_fixtures as ms
+    folder = out_root / spec.name
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, attn_implementation="eager",
+                                                               dtype=torch.float32).float().eval()
+    ref = load_file(str(folder / "reference.safetensors"))
+    ids, mask = ref["input_ids"].long(), ref["attention_mask"].long()
+    gen_cfg = ms.clean_generation_config(model.config)
+    saved_config, model.generation_config = model.generation_config, gen_cfg
+    try:
+        def run(prompt, prompt_mask):
+            out = model.generate(input_ids=prompt, attention_mask=prompt_mask, generation_config=gen_cfg,
+                                 output_logits=True, return_dict_in_generate=True)
+            return out.sequences, torch.stack([step.float() for step in out.logits])  # [steps, batch, vocab]
+        with torch.no_grad():
+            tokens, logits = run(ids, mask)
+            alone0 = run(ids[:1], mask[:1])[0]
+            if not torch.equal(alone0[0], ref["greedy_tokens"][0].long()):
+                raise RuntimeError("row 0 alone does not reproduce the fixture's greedy_tokens")
+            invariant = True
+            for row in range(ids.shape[0]):
+                length = int(mask[row].sum())
+                alone, alone_logits = run(ids[row:row + 1, :length], mask[row:row + 1, :length])
+                invariant &= bool(torch.equal(alone[0], tokens[row]))
+                invariant &= (alone_logits[:, 0] - logits[:, row]).abs().max().item() <= PAD_INVARIANT_ATOL
+    finally:
+        model.generation_config = saved_config
+    if tokens.shape[1] != 1 + ms.NEW_TOKENS:
+        raise RuntimeError(f"generate stopped early: {tokens.shape}")
+    save_file({"generate_tokens": tokens.to(torch.int32).contiguous(), "generate_logits": logits.contiguous()},
+              str(folder / FILE), metadata={"transformers_version": transformers.__version__,
+                                            "torch_version": torch.__version__,
+                                            "padded_generate_pad_invariant": str(invariant)})
+    return {"padded_generate_pad_invariant": invariant}
+
+
+def main_seq2seq(argv) -> int:
+    import make_seq2seq_fixtures as ms
+    parsed = mf.parse_fixture_args(argv, ms.SPECS, ms.DEFAULT_OUT)
+    if parsed is None:
+        return 0
+    args, out_root, only = parsed
+    specs = [s for s in ms.SPECS if (out_root / s.name / "reference.safetensors").is_file()]
+    _, failed = mf.build_each(specs, only, out_root, build_seq2seq, verbose=args.verbose,
+                              summary=lambda info: f"pad_invariant={info['padded_generate_pad_invariant']}")
+    return 1 if failed else 0
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--encoders" in argv:  # the encoder fixtures (tests/fixtures/encoders) instead
         argv.remove("--encoders")
         return main_encoders(argv)
+    if "--seq2seq" in argv:  # the encoder-decoder fixtures (tests/fixtures/seq2seq) instead
+        argv.remove("--seq2seq")
+        return main_seq2seq(argv)
     parsed = mf.parse_fixture_args(argv, mf.SPECS, mf.DEFAULT_OUT)
     if parsed is None:
         return 0
