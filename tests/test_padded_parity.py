@@ -46,9 +46,6 @@ KNOWN_PAD_GRADIENT_FAILURES = {
     "trocr_sinusoidal": "open bug: trocr's positions under padding (transformers counts sinusoidal positions over "
                         "ids != pad, so a real pad-id token moves them; the loss differs by 8e-4 relative)",
 }
-# transformers 4.49 builds open-llama (tests/fixtures/README.md); its padded reference needs that release too.
-NO_PADDED_REFERENCE = {"open-llama": "no padded.safetensors: tools/make_padded_references.py needs transformers 4.49 "
-                                     "for it (OpenLlama is not in 5.x)"}
 
 
 def _index() -> dict:
@@ -69,9 +66,8 @@ def _model(name: str):
 
 
 def _cases(known: dict) -> list:
-    known = {**known, **NO_PADDED_REFERENCE}
-    return [pytest.param(n, marks=pytest.mark.xfail(reason=known[n], strict=n in NO_PADDED_REFERENCE))
-            if n in known else n for n in fixture_names()]
+    return [pytest.param(n, marks=pytest.mark.xfail(reason=known[n], strict=False)) if n in known else n
+            for n in fixture_names()]
 
 
 @pytest.mark.parametrize("name", _cases(KNOWN_PADDED_GENERATE_FAILURES))
