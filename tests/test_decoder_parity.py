@@ -184,5 +184,28 @@ def check_gradients(name: str, case: Case) -> None:
     assert not failures, f"{name}: gradients differ: " + "; ".join(failures)
 
 
+KNOWN_GRADIENT_PRESENCE_DIFFERENCES = {
+    "longcat_flash": "its identity experts' projections (experts 4, 5) get no gradient here; torch fuses every "
+                     "expert into one parameter, whose gradient (zero in their rows) AdamW then decays",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    reason=KNOWN_GRADIENT_PRESENCE_DIFFERENCES[n], strict=True)) if n in KNOWN_GRADIENT_PRESENCE_DIFFERENCES else n
+    for n in fixture_names()])
+def test_gradient_presence(name):
+    """A parameter has a gradient (zeros included) exactly where torch gives it one: torch's AdamW decays a
+    parameter whose gradient is zero and skips one without (meta.json params_without_grad)."""
+    case = _case(name)
+    if case.loss_reads_blind_rows:
+        pytest.skip("the fixture's gradients cannot be compared (see test_gradients)")
+    without_grad = set(case.meta.get("params_without_grad", []))
+    differ = [f"{ours}: " + ("no gradient, where torch has one" if case.params[ours].grad is None
+                             else "a gradient, where torch has none")
+              for theirs, ours in sorted(_grad_names(case).items())
+              if (case.params[ours].grad is None) != (theirs in without_grad)]
+    assert not differ, f"{name}: " + "; ".join(differ)
+
+
 # Greedy tokens with the KV cache (reference greedy_tokens / greedy_logits) are compared in
 # tests/test_generation.py, one AdamW step in tests/test_adamw_parity.py.

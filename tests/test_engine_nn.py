@@ -51,6 +51,37 @@ def test_embedding_forward_and_backward():
     np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("padding_idx", [3, -8])  # -8: row 3 of 11, counted from the end as torch does
+def test_embedding_padding_idx_passes_no_gradient_to_its_row(padding_idx):
+    """torch.nn.Embedding(padding_idx=p): the forward reads row p like any other, the backward skips its lookups."""
+    table = RNG.standard_normal((11, 4)).astype(np.float32)
+    ids = np.array([[3, 1, 3], [10, 3, 1]], np.int32)
+    t = vkf.tensor(table, requires_grad=True)
+    out = F.embedding(vkf.tensor(ids), t, padding_idx=padding_idx)
+    np.testing.assert_array_equal(out.numpy(), table[ids])
+    w = RNG.standard_normal(out.shape)
+    (out * vkf.tensor(w)).sum().backward()
+    expected = np.zeros_like(table, dtype=np.float64)
+    np.add.at(expected, ids.reshape(-1), w.reshape(-1, 4))
+    expected[3] = 0
+    np.testing.assert_allclose(t.grad.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_looked_up_only_at_padding_idx_gets_zero_gradient_and_weight_decay():
+    """As in PyTorch: a parameter in the graph whose gradient is all zero has grad zeros, not None, so AdamW
+    still decays it: p * (1 - lr * weight_decay), the Adam term being 0 / (0 + eps) = 0."""
+    from vkformers.models.layers import Embedding
+    from vkformers.optim import AdamW
+    embedding = Embedding(6, 4, padding_idx=0)
+    table = RNG.standard_normal((6, 4)).astype(np.float32)
+    embedding.load_state_dict({"weight": table})
+    (embedding(vkf.tensor(np.zeros((2, 3), np.int32))) * 2.0).sum().backward()
+    assert embedding.weight.grad is not None
+    np.testing.assert_array_equal(embedding.weight.grad.numpy(), np.zeros_like(table))
+    AdamW([embedding.weight], lr=0.1, weight_decay=0.5).step()
+    np.testing.assert_allclose(embedding.weight.numpy(), table * np.float32(1 - 0.1 * 0.5), rtol=1e-6, atol=0)
+
+
 def test_gather_rows_and_its_gradient_through_the_inverse():
     """Rows picked per slice (each row at most once per slice, -1: a zero row), as a mixture-of-experts block
     lists each expert's tokens; the gradient, a gather through ``inverse``, equals the scatter-add of numpy."""

@@ -345,3 +345,33 @@ def test_smollm2_bundled_gguf(gguf_package):
         np.testing.assert_array_equal(array[:2, :3], corner)
         assert array.sum() == pytest.approx(total, rel=1e-9)
         assert (array * np.arange(shape[0])[:, None]).sum() == pytest.approx(row_weighted, rel=1e-9)
+
+
+def test_smollm2_pad_row_gradient(gguf_package):
+    """SmolLM2 pads with <|im_end|> (id 2), which also ends every chat turn, and ties its LM head to the embedding.
+    transformers builds the embedding with padding_idx 2: on a left-padded chat batch no lookup of id 2 passes
+    gradient into that row, so its gradient is the tied LM head's share alone. Reference: transformers on the same
+    dequantized weights (tools/make_smollm2_pad_reference.py, tests/data/smollm2_pad_gradient.safetensors). The loss
+    within 1e-5 relative; each stored embedding-gradient row (the pad row, "user", "\\n") within 1e-3 of the
+    largest of them (30 float32 layers: the differences are ~1e-5 of it)."""
+    from pathlib import Path
+    from vkformers.cli.generate import default_model
+    from vkformers.errors import VkformersError
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.models.safetensors_io import read_safetensors
+    try:
+        path = default_model()
+    except VkformersError as exc:
+        pytest.skip(str(exc))
+    ref = {k: e.as_float() for k, e in read_safetensors(
+        Path(__file__).parent / "data" / "smollm2_pad_gradient.safetensors").items()}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    out = model(ref["input_ids"].astype(np.int32), attention_mask=ref["attention_mask"].astype(np.int32),
+                labels=ref["labels"].astype(np.int32))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(float(ref["loss"]), rel=1e-5)
+    rows = ref["rows"].astype(np.int64)
+    got = dict(model.named_parameters())["model.embed_tokens.weight"].grad.numpy()[rows]
+    want = ref["embedding_grad_rows"]
+    error = np.abs(got - want).max(axis=1)
+    assert (error <= 1e-3 * np.abs(want).max()).all(), f"rows {rows.tolist()}: max differences {error.tolist()}"

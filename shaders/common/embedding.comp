@@ -1,6 +1,7 @@
 // Token embedding lookup and its gradient.
 //   forward:  out[n, :] = table[ids[n], :]          (table, out: ELEM_T; ids: int32)
 //   backward: d_table[ids[n], :] += d_out[n, :]      (d_out: ELEM_T; d_table: float32)
+//             except where ids[n] == padding_idx (nn.Embedding's padding_idx; -1: none): that row gets nothing
 // An id outside [0, vocab) never reads or writes out of bounds: forward writes a zero
 // row, backward skips it. The backward gives each invocation one column and walks the
 // tokens in order, so rows that share an id are summed in token order: bit-reproducible
@@ -16,9 +17,10 @@
 #include "transformer_common.glsl"
 layout(local_size_x = 256) in;
 
-// count: tokens; dim: embedding width; *_offset: element offsets of the operands.
+// count: tokens; dim: embedding width; *_offset: element offsets of the operands; padding_idx: the id whose
+// lookups pass no gradient (backward only; -1: none).
 layout(push_constant) uniform Push {
-    uint count; uint dim; uint vocab; uint ids_offset; uint table_offset; uint out_offset;
+    uint count; uint dim; uint vocab; uint ids_offset; uint table_offset; uint out_offset; int padding_idx;
 };
 layout(binding = 0) readonly buffer Ids { int ids[]; };
 
@@ -44,7 +46,7 @@ void main() {
     if (col >= dim) return;
     for (uint n = 0; n < count; ++n) {
         int id = ids[ids_offset + n];
-        if (id >= 0 && uint(id) < vocab)
+        if (id >= 0 && uint(id) < vocab && id != padding_idx)
             d_table[table_offset + uint(id) * dim + col] += load_elem(d_out[out_offset + n * dim + col]);
     }
 #endif

@@ -64,12 +64,16 @@ class Conv1D(Module):
 
 
 class Embedding(Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    """A lookup table; ``padding_idx`` as torch.nn.Embedding's (negative counts from the end): lookups of that row
+    pass it no gradient."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None):
         super().__init__()
+        self.padding_idx = padding_idx
         self.param("weight", (num_embeddings, embedding_dim))
 
     def forward(self, ids):
-        return F.embedding(ids, self.weight)
+        return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
 
 class RMSNorm(Module):

@@ -288,22 +288,21 @@ class EncoderForMaskedLM(Module):
 
     def _concat_embeddings(self, x, shape):
         """map([word; shape; pronunciation]) as a sum of slices of the map's weight (no concatenation op). The
-        extra ids default to 0 (transformers' default when none are given); a lookup of the padding row has no
-        gradient (nn.Embedding's padding_idx), so that row enters as a constant."""
+        extra ids default to 0 (transformers' default when none are given); a lookup of the padding row passes it no
+        gradient (nn.Embedding's padding_idx): the tables' gradient is then zero, not missing, as in torch."""
         weight, start = self.concat_map.weight, x.shape[-1]
         out = F.linear(x, weight[:, :start].contiguous(), self.concat_map.bias)
         for table in self.concat:
             width = table.weight.shape[-1]
-            rows = F.embedding(Tensor(np.zeros(shape, np.int32)), table.weight)
-            if self.spec.pad_token_id == 0:
-                rows = rows.detach()
+            rows = F.embedding(Tensor(np.zeros(shape, np.int32)), table.weight, padding_idx=self.spec.pad_token_id)
             out = out + F.linear(rows, weight[:, start:start + width].contiguous())
             start += width
         return out
 
     def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None):
         s = self.spec
-        x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight)
+        x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight,
+                        padding_idx=s.pad_token_id if s.word_padding_idx else None)
         if self.concat_map is not None:
             x = self._concat_embeddings(x, ids.shape)
         if s.token_dropout:
@@ -312,7 +311,9 @@ class EncoderForMaskedLM(Module):
             types = np.zeros(ids.shape, np.int32) if token_type_ids is None else token_type_ids.astype(np.int32)
             x = x + F.embedding(Tensor(types), self.token_type.weight)
         if self.position is not None:
-            x = x + F.embedding(Tensor(self._positions(ids)), self.position.weight)
+            # positions counted from padding (RoBERTa): pads read row pad_token_id, a padding_idx in transformers
+            x = x + F.embedding(Tensor(self._positions(ids)), self.position.weight,
+                                padding_idx=s.pad_token_id if s.positions_from_padding else None)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if s.zero_padded_embeddings and mask is not None:

@@ -81,6 +81,8 @@ class EncoderSpec:
     positions: str = "absolute"              # absolute (learned table) | rotary | none
     positions_from_padding: bool = False     # RoBERTa: cumsum(ids != pad) * (ids != pad) + pad
     pad_token_id: int | None = 0
+    word_padding_idx: bool = True            # the word embedding has padding_idx = pad_token_id (transformers builds
+    #                                          every family so but ESM C): lookups of it pass that row no gradient
     rotary_interleaved: bool = False         # RoFormer rotates pairs (2i, 2i+1); ESM rotate_half
     rotary_value: bool = False               # RoFormer's rotary_value: rotate v too
     rope_theta: float = 10000.0
@@ -401,7 +403,7 @@ def esmc(config: dict) -> EncoderSpec:
     return replace(spec, norm_eps=1e-5, final_norm_bias=False, qk_norm=("self_attn.q_norm", "self_attn.k_norm"),
                    residual_scale=(spec.num_layers / 36) ** 0.5, head_dense="lm_head.dense",
                    head_norm="lm_head.layer_norm", head_norm_eps=1e-5, head_act="gelu", decoder="lm_head.decoder",
-                   decoder_bias=None)
+                   decoder_bias=None, word_padding_idx=False)
 
 
 def modernbert(config: dict) -> EncoderSpec:

@@ -607,7 +607,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
                       else alibi_slopes(spec.num_heads))
             alibi = Tensor((slopes * np.float32(spec.alibi_slope_scale)).astype(np.float32))
         refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths
-            embed=place(self, spec.embed, Embedding(spec.vocab_size + spec.embed_extra_rows, spec.embed_dim or d)),
+            embed=place(self, spec.embed, Embedding(spec.vocab_size + spec.embed_extra_rows, spec.embed_dim or d,
+                                                         padding_idx=spec.embed_padding_idx)),
             project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
             project_out=(place(self, spec.project_out, Linear(d, spec.embed_dim, bias=False))
                          if spec.project_out else None),
@@ -749,7 +750,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         mask = _as_numpy(attention_mask)
         positions = self._positions(batch, length, mask, position_ids, past)
 
-        x = F.embedding(ids, self.embed.weight)
+        x = F.embedding(ids, self.embed.weight, padding_idx=self.embed.padding_idx)
         if s.embed_scale != 1.0:
             scale = _round_to(s.embed_scale, self.dtype) if s.embed_scale_in_dtype else s.embed_scale
             x = x * scale

@@ -166,6 +166,9 @@ class DecoderSpec:
     residual_scale: float = 1.0              # Granite residual_multiplier
     logits_scale: float = 1.0                # Granite 1 / logits_scaling, Cohere logit_scale
     tie_embeddings: bool = False
+    embed_padding_idx: int | None = None     # the token embedding's padding_idx: lookups of it pass no gradient to
+    #                                          its row, as transformers builds most families (pad_token_id);
+    #                                          GPT-2-era families build it without one (None)
     embed_extra_rows: int = 0                # embedding rows past vocab_size that text never looks up (Mllama: 8)
     shift_labels: bool = True                # False: labels[t] is the target of logits[t] (TrOCRForCausalLM)
     unused_layer_params: tuple = ()          # (layer-relative path, shape): tensors each layer's checkpoint holds that
@@ -213,7 +216,15 @@ def _sizes(config: dict) -> dict:
                                  default=4 * hidden),
         max_position_embeddings=_first(config, "max_position_embeddings", "n_positions", default=2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        embed_padding_idx=padding_idx(config),
     )
+
+
+def padding_idx(config: dict) -> int | None:
+    """The config's pad_token_id as nn.Embedding(vocab, dim, padding_idx=pad_token_id) takes it (negative: from
+    the end), or None without one. One outside the table (transformers refuses it) matches no id: None."""
+    pad, rows = config.get("pad_token_id"), config["vocab_size"]
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) and -rows <= pad < rows else None
 
 
 def sliding_windows(config: dict, num_layers: int, *, every_layer: bool) -> tuple[int, ...]:
@@ -415,7 +426,8 @@ def gpt2(config: dict) -> DecoderSpec:
     spec = DecoderSpec(**_sizes(config))
     scales = tuple(spec.head_dim ** -0.5 / ((i + 1) if config.get("scale_attn_by_inverse_layer_idx") else 1)
                    for i in range(spec.num_layers))
-    return replace(spec, embed="transformer.wte", position_embed="transformer.wpe", rope=False,
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="transformer.wte", position_embed="transformer.wpe", rope=False,
                    layers="transformer.h", final_norm="transformer.ln_f", attn="attn", qkv_proj="c_attn",
                    o_proj="c_proj", attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc",
                    down_proj="c_proj", conv1d=True, norm="layer", norm_bias=True,
@@ -433,7 +445,8 @@ def gpt_neox(config: dict) -> DecoderSpec:
         rope_config["rope_theta"] = config["rotary_emb_base"]
     parallel = bool(config.get("use_parallel_residual", True))
     bias = bool(config.get("attention_bias", True))
-    return replace(spec, embed="gpt_neox.embed_in", layers="gpt_neox.layers",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="gpt_neox.embed_in", layers="gpt_neox.layers",
                    final_norm="gpt_neox.final_layer_norm", lm_head="embed_out", attn="attention",
                    qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
                    up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
@@ -489,7 +502,9 @@ def falcon(config: dict) -> DecoderSpec:
         norms = dict(attn_in_norm="ln_attn", mlp_in_norm="ln_mlp")
     else:
         norms = dict(attn_in_norm="input_layernorm", mlp_in_norm=None if parallel else "post_attention_layernorm")
-    return replace(spec, num_kv_heads=kv_heads, embed="transformer.word_embeddings", layers="transformer.h",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   num_kv_heads=kv_heads, embed="transformer.word_embeddings",
+                   layers="transformer.h",
                    final_norm="transformer.ln_f", attn="self_attention", qkv_proj="query_key_value",
                    qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
                    o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h",
@@ -505,7 +520,9 @@ def falcon(config: dict) -> DecoderSpec:
 def bloom(config: dict) -> DecoderSpec:
     refuse("bloom", config, "apply_residual_connection_post_layernorm", lambda v: not v)
     spec = DecoderSpec(**_sizes(config))
-    return replace(spec, embed="transformer.word_embeddings", embed_norm="transformer.word_embeddings_layernorm",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="transformer.word_embeddings",
+                   embed_norm="transformer.word_embeddings_layernorm",
                    layers="transformer.h", final_norm="transformer.ln_f", attn="self_attention",
                    qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
                    up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
@@ -755,7 +772,8 @@ def gptj(config: dict) -> DecoderSpec:
     rope_config = dict(config, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                     partial_rotary_factor=rotary / spec.head_dim),
                        hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads)
-    return replace(spec, embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn="attn",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn="attn",
                    o_proj="out_proj", attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True, up_proj="fc_in",
                    down_proj="fc_out", mlp_kind="plain", mlp_bias=True, norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5),
@@ -778,7 +796,8 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
         rope_config["partial_rotary_factor"] = config["rotary_pct"]
     if "rotary_emb_base" in config and not config.get("rope_parameters"):
         rope_config["rope_theta"] = config["rotary_emb_base"]
-    return replace(spec, embed="gpt_neox_japanese.embed_in", layers="gpt_neox_japanese.layers",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="gpt_neox_japanese.embed_in", layers="gpt_neox_japanese.layers",
                    final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out", attn="attention",
                    qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
                    up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
@@ -805,7 +824,8 @@ def gpt_neo(config: dict) -> DecoderSpec:
     for pattern, repeat in config.get("attention_types") or [[["global"], spec.num_layers]]:
         types += list(pattern) * repeat
     window = config.get("window_size", 256)
-    return replace(spec, embed="transformer.wte", position_embed="transformer.wpe", rope=False,
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="transformer.wte", position_embed="transformer.wpe", rope=False,
                    layers="transformer.h", final_norm="transformer.ln_f", attn="attn.attention", o_proj="out_proj",
                    attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc", down_proj="c_proj",
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
@@ -885,7 +905,8 @@ def trocr(config: dict) -> DecoderSpec:
 def ctrl(config: dict) -> DecoderSpec:
     """Pre-LN block with scaled embeddings and a fixed [sin | cos] position table; lm_head bias."""
     spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
-    return replace(spec, embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
                    rope=False, layers="transformer.h", final_norm="transformer.layernorm", attn="multi_head_attention",
                    q_proj="Wq", k_proj="Wk", v_proj="Wv", o_proj="dense", attn_in_norm="layernorm1",
                    mlp_in_norm="layernorm2", mlp="ffn", mlp_kind="plain", up_proj="0", down_proj="2", norm="layer",
@@ -905,7 +926,8 @@ def mpt(config: dict) -> DecoderSpec:
     spec = DecoderSpec(**_sizes(dict(config, hidden_size=config["d_model"], num_attention_heads=config["n_heads"],
                                      num_hidden_layers=config["n_layers"],
                                      max_position_embeddings=config.get("max_seq_len"))))
-    return replace(spec, embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
+    return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
+                   embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attn="attn", qkv_proj="Wqkv", o_proj="out_proj", attn_in_norm="norm_1", mlp_in_norm="norm_2",
                    mlp="ffn", mlp_kind="plain", norm="layer", norm_bias=bias,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu", q_bias=bias, k_bias=bias,

@@ -473,11 +473,8 @@ class Stack(Module):
 
     def embed(self, ids: np.ndarray, past: int):
         spec = self.spec
-        x = F.embedding(tensor(ids.astype(np.int32)), self.embed_tokens.weight)
-        padded = ids == spec.pad_token_id
-        if spec.pad_embedding_frozen and padded.any():  # nn.Embedding(padding_idx): the pad row gets no gradient
-            real = (~padded).astype(np.float32)[..., None]
-            x = x * tensor(real, dtype=x.dtype) + x.detach() * tensor(1.0 - real, dtype=x.dtype)
+        x = F.embedding(tensor(ids.astype(np.int32)), self.embed_tokens.weight,  # nn.Embedding(padding_idx)
+                        padding_idx=spec.pad_token_id if spec.pad_embedding_frozen else None)
         if spec.embed_scale != 1.0:
             x = x * spec.embed_scale
         norm_first = self.decoder and spec.decoder_embed_norm_first
@@ -485,11 +482,10 @@ class Stack(Module):
             x = self.embed_norm(x)
         table = self.embed_positions.weight if self.embed_positions is not None else self.position_table
         if table is not None:
-            rows = F.embedding(tensor(self.positions(ids, past)), table).cast(x.dtype)  # fixed tables: float32
-            if spec.fairseq_table_trained and padded.any():  # pads read the table's padding row: no gradient
-                real = (~padded).astype(np.float32)[..., None]
-                rows = rows * tensor(real, dtype=x.dtype) + rows.detach() * tensor(1.0 - real, dtype=x.dtype)
-            x = x + rows
+            # pads read the table's padding row (position pad_token_id), which a trained table keeps out of the gradient
+            rows = F.embedding(tensor(self.positions(ids, past)), table,
+                               padding_idx=spec.pad_token_id if spec.fairseq_table_trained else None)
+            x = x + rows.cast(x.dtype)  # fixed tables: float32
         if self.embed_norm is not None and not norm_first:
             x = self.embed_norm(x)
         return x

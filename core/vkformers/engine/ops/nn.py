@@ -48,25 +48,30 @@ class EmbeddingBackwardKernel(KernelOp):
         (d_table,), (d_out, ids) = outs, ins
         seq.fill(d_table.operand.buffer, 0)  # the kernel adds into d_table
         KE.embedding_backward(seq, d_out.operand, ids.operand, d_table.operand, count=ids.numel,
-                              dim=self.vocab_shape[1], vocab=self.vocab_shape[0])
+                              dim=self.vocab_shape[1], vocab=self.vocab_shape[0], padding_idx=self.padding_idx)
 
 
 class EmbeddingFn(Function):
-    def forward(self, table, ids):
+    def forward(self, table, ids, padding_idx=None):
         if ids.dtype is not dt.int32:
             raise TypeError(f"embedding ids must be int32, not {ids.dtype.name}")
+        if padding_idx is not None and padding_idx < 0:  # counted from the end, as torch.nn.Embedding does
+            padding_idx += table.shape[0]
         self.saved, self.table_shape, self.table_dtype = (ids,), table.shape, table.dtype
+        self.padding_idx = padding_idx
         return node(EmbeddingKernel(), [table, ids], [(ids.shape + table.shape[1:], table.dtype)])[0]
 
     def backward(self, g):
         (ids,) = self.saved
-        d_table = node(EmbeddingBackwardKernel(vocab_shape=self.table_shape), [g.float().lazy, ids],
-                       [(self.table_shape, dt.float32)])[0]
+        d_table = node(EmbeddingBackwardKernel(vocab_shape=self.table_shape, padding_idx=self.padding_idx),
+                       [g.float().lazy, ids], [(self.table_shape, dt.float32)])[0]
         return _tensor(d_table).cast(self.table_dtype), None
 
 
-def embedding(ids, table):
-    return EmbeddingFn.apply(table, ids)
+def embedding(ids, table, padding_idx: int | None = None):
+    """table[ids]; lookups of row ``padding_idx`` (torch.nn.Embedding's; negative counts from the end) pass it
+    no gradient. The forward reads that row like any other."""
+    return EmbeddingFn.apply(table, ids, padding_idx=padding_idx)
 
 
 class GatherRowsFn(Function):
