@@ -51,3 +51,8 @@ class BufferTooLargeError(VkformersError, ValueError):
 
 class OutOfDeviceMemoryError(VkformersError, MemoryError):
     """The device ran out of memory; the message names the buffer and its size."""
+
+
+class QuantizationError(VkformersError, ValueError):
+    """A quantized weight used as it cannot be: an unsupported block type or quantization, a shape its blocks do
+    not fit, or training or saving what is frozen in packed blocks."""

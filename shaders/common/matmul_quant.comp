@@ -2,8 +2,8 @@
 //   TRANS_W = 1:  C [m, n] = A [m, k] @ W^T, W [n, k]   (a Linear layer's forward, x @ W^T)
 //   TRANS_W = 0:  C [m, n] = A [m, k] @ W,   W [k, n]   (its input gradient, dY @ W)
 // A and C share the activation dtype (the variant); the sums are float32. W is never expanded to memory.
-// MODE 0 (matvec, TRANS_W = 1, m <= MAX_ROWS): a workgroup per column of C, its invocations splitting k four
-// elements at a time, every row of A served by each dequantized group. MODE 1 (tiled): a BM x BN tile of C per
+// MODE 0 (matvec, TRANS_W = 1, m = ROWS): a workgroup per column of C, its invocations splitting k four
+// elements at a time, every row of A served by each dequantized group (SPLIT_K = 0: an invocation per column). MODE 1 (tiled): a BM x BN tile of C per
 // workgroup, K in steps of BK; each step dequantizes its BK x BN slice of W into shared memory, where TM x TN
 // register blocks multiply it; sizes past m, n or k read zeros, so no size needs to be a multiple of a tile.
 //! variant f32 -DELEM_F32
@@ -22,6 +22,8 @@ layout(constant_id = 5) const uint BK = 32;      // multiple of 4
 layout(constant_id = 6) const uint TM = 4;       // at most MAX_T
 layout(constant_id = 7) const uint TN = 4;       // at most MAX_T
 layout(local_size_x_id = 8) in;                  // tiled: (BM / TM) * (BN / TN); matvec: any multiple of the subgroup
+layout(constant_id = 9) const uint SPLIT_K = 1;  // matvec: 1: a workgroup per column; 0: an invocation per column
+layout(constant_id = 10) const uint ROWS = 1;    // matvec: m, so that the per-row sums stay in registers
 
 layout(push_constant) uniform Push {
     uint m; uint n; uint k;
@@ -33,26 +35,43 @@ layout(binding = 1) readonly buffer Packed { uint packed_words[]; };
 layout(binding = 2) writeonly buffer C { ELEM_T c[]; };
 #include "quant_block.glsl"
 
-#define MAX_ROWS 8
 #define MAX_T 8
 
 shared float tile_a[BK * (BM + 1)];  // k-major, padded against bank conflicts
 shared float tile_w[BK * (BN + 1)];
 
-void matvec() {
-    const uint col = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
-    if (col >= n) return;  // uniform over the workgroup
-    float acc[MAX_ROWS];
-    for (uint r = 0; r < MAX_ROWS; ++r) acc[r] = 0.0;
-    for (uint kk = 4u * gl_LocalInvocationID.x; kk < k; kk += 4u * gl_WorkGroupSize.x) {
+// One invocation per column, walking its row of W alone: on a CPU device (lavapipe) each invocation then
+// streams one row, and no reduction is needed.
+void matvec_by_column() {
+    const uint col = global_index();
+    if (col >= n) return;
+    float acc[ROWS];
+    for (uint r = 0; r < ROWS; ++r) acc[r] = 0.0;
+    for (uint kk = 0; kk < k; kk += 4u) {
         vec4 w = quant_row4(off_w, row_bytes, col, kk);
-        for (uint r = 0; r < m; ++r) {
+        for (uint r = 0; r < ROWS; ++r) {
             uint at = off_a + r * k + kk;
             acc[r] += w.x * load_elem(a[at]) + w.y * load_elem(a[at + 1u]) + w.z * load_elem(a[at + 2u])
                       + w.w * load_elem(a[at + 3u]);
         }
     }
-    for (uint r = 0; r < m; ++r) {
+    for (uint r = 0; r < ROWS; ++r) c[off_c + r * n + col] = store_elem(acc[r]);
+}
+
+void matvec() {
+    const uint col = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
+    if (col >= n) return;  // uniform over the workgroup
+    float acc[ROWS];
+    for (uint r = 0; r < ROWS; ++r) acc[r] = 0.0;
+    for (uint kk = 4u * gl_LocalInvocationID.x; kk < k; kk += 4u * gl_WorkGroupSize.x) {
+        vec4 w = quant_row4(off_w, row_bytes, col, kk);
+        for (uint r = 0; r < ROWS; ++r) {
+            uint at = off_a + r * k + kk;
+            acc[r] += w.x * load_elem(a[at]) + w.y * load_elem(a[at + 1u]) + w.z * load_elem(a[at + 2u])
+                      + w.w * load_elem(a[at + 3u]);
+        }
+    }
+    for (uint r = 0; r < ROWS; ++r) {
         float total = workgroup_sum(acc[r]);
         if (gl_LocalInvocationID.x == 0u) c[off_c + r * n + col] = store_elem(total);
     }
@@ -107,5 +126,7 @@ void tiled() {
 }
 
 void main() {
-    if (MODE == 0u) matvec(); else tiled();
+    if (MODE == 0u && SPLIT_K == 0u) matvec_by_column();
+    else if (MODE == 0u) matvec();
+    else tiled();
 }

@@ -51,51 +51,48 @@ uvec2 k_scale_min(uint at, uint j) {
     return uvec2((hi & 15u) | ((q_byte(at + j - 4u) >> 6) << 4), (hi >> 4) | ((q_byte(at + j) >> 6) << 4));
 }
 
+// Four bytes from byte `at` on, the first in the low 8 bits (at is even: at most two words; the second is read only
+// when the bytes reach into it, so a read never passes the buffer's end).
+uint q_word4(uint at) {
+    uint shift = (at & 3u) * 8u, first = packed_words[at >> 2];
+    return shift == 0u ? first : (first >> shift) | (packed_words[(at >> 2) + 1u] << (32u - shift));
+}
+vec4 q_bytes(uint v) { return vec4(uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu); }
+vec4 q_int8s(uint v) {
+    int s = int(v);
+    return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8), bitfieldExtract(s, 24, 8));
+}
+
 // Elements j .. j+3 (j a multiple of 4) of the block starting at byte `block`. Four consecutive elements
-// always share one scale, so the block's header is read once per four.
+// always share one scale and sit in consecutive bytes, so each field is read once per four.
 vec4 dequant4(uint block, uint j) {
-    vec4 q;
     if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
-        uint shift = j < 16u ? 0u : 4u;
         uint at = block + (FORMAT == QUANT_Q4_0 ? 2u : 4u) + (j & 15u);
-        for (uint e = 0u; e < 4u; ++e) q[e] = float((q_byte(at + e) >> shift) & 15u);
+        vec4 q = q_bytes((q_word4(at) >> (j < 16u ? 0u : 4u)) & 0x0F0F0F0Fu);
         float d = q_half(block);
         if (FORMAT == QUANT_Q4_0) return d * (q - 8.0);
         return d * q + q_half(block + 2u);
     }
-    if (FORMAT == QUANT_Q8_0) {
-        for (uint e = 0u; e < 4u; ++e) q[e] = float(q_int8(block + 2u + j + e));
-        return q_half(block) * q;
-    }
+    if (FORMAT == QUANT_Q8_0) return q_half(block) * q_int8s(q_word4(block + 2u + j));
     if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
         uint sub = j / 32u, l = j % 32u;
         uint nibbles = block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * (sub / 2u) + l;
-        uint shift = (sub & 1u) * 4u;
-        for (uint e = 0u; e < 4u; ++e) {
-            uint v = (q_byte(nibbles + e) >> shift) & 15u;
-            if (FORMAT == QUANT_Q5_K) v += ((q_byte(block + 16u + l + e) >> sub) & 1u) << 4;
-            q[e] = float(v);
-        }
+        uint v = (q_word4(nibbles) >> ((sub & 1u) * 4u)) & 0x0F0F0F0Fu;
+        if (FORMAT == QUANT_Q5_K) v |= ((q_word4(block + 16u + l) >> sub) & 0x01010101u) << 4;
         uvec2 sm = k_scale_min(block + 4u, sub);
-        return (q_half(block) * float(sm.x)) * q - q_half(block + 2u) * float(sm.y);
+        return (q_half(block) * float(sm.x)) * q_bytes(v) - q_half(block + 2u) * float(sm.y);
     }
     if (FORMAT == QUANT_Q6_K) {
         uint half_ = j / 128u, quarter = (j % 128u) / 32u, l = j % 32u;
-        uint low = block + 64u * half_ + 32u * (quarter & 1u) + l;
-        uint high = block + 128u + 32u * half_ + l;
-        uint shift = quarter < 2u ? 0u : 4u;
-        for (uint e = 0u; e < 4u; ++e) {
-            uint v = ((q_byte(low + e) >> shift) & 15u) | (((q_byte(high + e) >> (2u * quarter)) & 3u) << 4);
-            q[e] = float(int(v) - 32);
-        }
+        uint low = (q_word4(block + 64u * half_ + 32u * (quarter & 1u) + l) >> (quarter < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        uint high = (q_word4(block + 128u + 32u * half_ + l) >> (2u * quarter)) & 0x03030303u;
         float scale = float(q_int8(block + 192u + 8u * half_ + l / 16u + 2u * quarter));
-        return (q_half(block + 208u) * scale) * q;
+        return (q_half(block + 208u) * scale) * (q_bytes(low | (high << 4)) - 32.0);
     }
     // NF4
     uint packed_ = block + 4u + j / 2u;
     uint b0 = q_byte(packed_), b1 = q_byte(packed_ + 1u);
-    q = vec4(NF4_LEVELS[b0 >> 4], NF4_LEVELS[b0 & 15u], NF4_LEVELS[b1 >> 4], NF4_LEVELS[b1 & 15u]);
-    return q * q_float(block);
+    return vec4(NF4_LEVELS[b0 >> 4], NF4_LEVELS[b0 & 15u], NF4_LEVELS[b1 >> 4], NF4_LEVELS[b1 & 15u]) * q_float(block);
 }
 
 // W[row, col .. col+3] of a packed matrix whose rows are `row_bytes` long from byte `base` (col a multiple of 4).

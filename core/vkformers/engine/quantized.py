@@ -16,12 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine.tensor import Tensor, parameter
-from vkformers.errors import VkformersError
+from vkformers.errors import QuantizationError
 from vkformers.runtime import dtypes as dt
-
-
-class QuantizationError(VkformersError, ValueError):
-    """A quantized format or tensor that cannot be used as asked."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +198,6 @@ class QuantizedTensor:
     """A frozen [rows, cols] weight held as packed blocks (``packed``: uint8 device tensor [rows, row_bytes]);
     ``dtype`` is the compute dtype of the products that read it (their activations and results)."""
 
-    requires_grad = False
     grad = None
 
     def __init__(self, packed: Tensor, fmt, shape, dtype="float32"):
@@ -224,8 +219,22 @@ class QuantizedTensor:
         return 2
 
     @property
+    def requires_grad(self) -> bool:
+        return False
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if value:
+            raise QuantizationError(f"a {self.format.name} weight is frozen in its packed blocks and cannot be "
+                                    "trained; train LoRA adapters on top of it (training.lora.apply_lora)")
+
+    @property
     def lazy(self):
         return self.packed.lazy
+
+    @property
+    def device(self):
+        return self.packed.device
 
     @property
     def nbytes(self) -> int:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from vkformers.errors import VkformersError
+from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
+from vkformers.models.quantize import quantize_checkpoint, refuse_quantized
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
 
@@ -134,15 +135,24 @@ class AutoModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
-                        trust_remote_code: bool = False, requires_grad: bool = True, adapter=None):
+                        trust_remote_code: bool = False, requires_grad: bool = True, adapter=None,
+                        quantization: str | None = None, dequantize: bool = False):
+        """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
+        checkpoint while loading (models/quantize.py). A GGUF file keeps its block formats unless
+        ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them)."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
-            return load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad)
+            if quantization is not None:
+                raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; a GGUF "
+                                        "file keeps its own block formats (dequantize=True expands them)")
+            return load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad, dequantize=dequantize)
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         model = cls.from_config(config)
         weights = read_weights(folder)
+        if quantization is not None:
+            weights = quantize_checkpoint(model, weights, quantization)
         if model.config is config:
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   ignore=getattr(model, "ignored_checkpoint_keys", ()))
@@ -193,6 +203,8 @@ class AutoModelForSeq2SeqLM(AutoModel):
 
 def save_pretrained(model: Module, folder, *, dtype=None) -> None:
     """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads."""
+    refuse_quantized(model, "save_pretrained", "it writes float safetensors, which would expand them silently; "
+                     "load the model with dequantize=True (GGUF) or without quantization= to save it")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = dt.as_dtype(dtype) if dtype else getattr(model, "dtype", dt.float32)

@@ -36,6 +36,7 @@ from vkformers.engine.ops.nn import dropout_rng_state, set_dropout_rng_state
 from vkformers.engine.ops.elementwise import where
 from vkformers.engine.tensor import Tensor, parameter, tensor
 from vkformers.errors import VkformersError
+from vkformers.models.quantize import refuse_quantized
 from vkformers.optim import AdamW
 from vkformers.runtime import dtypes as dt
 from vkformers.training import checkpoint as ckpt
@@ -153,6 +154,9 @@ class Trainer:
         self.eval_batches = eval_batches or []
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress, self.run_info = progress, run_info or {}
+        if getattr(model, "lora_config", None) is None:
+            refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; train "
+                             "LoRA adapters on top of them (training.lora.apply_lora, or --lora-rank)")
         self.params = [t for _, t in model.named_parameters() if t.requires_grad]
         if not self.params:
             raise VkformersError("nothing to train: no parameter of the model requires grad")

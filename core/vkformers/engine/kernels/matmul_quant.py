@@ -13,11 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vkformers.engine.kernels import Operand, operand, require_elements
+from vkformers.engine.kernels import Operand, grid, operand, require_elements
 from vkformers.engine.kernels.transformer_args import element_groups, fits_uint32
 
 ACTIVATION_VARIANTS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-MATVEC_MAX_ROWS = 8  # the kernel's MAX_ROWS
+MATVEC_MAX_ROWS = 8  # rows of A per matvec dispatch on a GPU
+# A CPU device (lavapipe) takes the matvec kernel for up to CPU_MATVEC_MAX rows, CPU_MATVEC_ROWS per dispatch:
+# there the tiled kernel took 11 s for a 49152 x 576 Q4_1 weight whatever m up to its 64-row tile, the matvec
+# 0.4 s at m = 1 and 1.6 s at m = 8.
+CPU_MATVEC_ROWS = 32
+CPU_MATVEC_MAX = 256
 MATVEC_THREADS = 64
 
 
@@ -61,10 +66,11 @@ def _activations(a: Operand, c: Operand, what: str) -> str:
 
 
 def matmul_quant(seq, a, w, c, fmt, *, m: int, n: int, k: int, trans_w: bool = True, algorithm: str = "auto",
-                 tile: QuantTileConfig | None = None) -> None:
+                 tile: QuantTileConfig | None = None, split_k: bool | None = None) -> None:
     """Record ``C [m, n] = A [m, k] @ W^T`` (``trans_w``: W [n, k]) or ``A @ W`` (W [k, n]) into ``seq``; W
-    packed in ``fmt`` (engine.quantized.QuantFormat). ``algorithm``: "auto", "matvec" (trans_w, m at most
-    MATVEC_MAX_ROWS) or "tiled"; ``tile`` overrides the tiled kernel's configuration (tests of its tails)."""
+    packed in ``fmt`` (engine.quantized.QuantFormat). ``algorithm``: "auto" (matvec up to MATVEC_MAX_ROWS rows,
+    CPU_MATVEC_MAX on a CPU device), "matvec" (trans_w only; in blocks of rows) or "tiled". ``tile``
+    overrides the tiled kernel's configuration, ``split_k`` the matvec's layout (default: by device)."""
     a, c = operand(a), operand(c)
     variant = _activations(a, c, "matmul_quant")
     if min(m, n, k) < 1:
@@ -74,24 +80,34 @@ def matmul_quant(seq, a, w, c, fmt, *, m: int, n: int, k: int, trans_w: bool = T
     require_elements(a, m * k, "matmul_quant A")
     require_elements(c, m * n, "matmul_quant C")
     fits_uint32("matmul_quant", max(m * k, m * n, w.offset + w_rows * fmt.row_bytes(w_cols)))
+    device = seq.device
     if algorithm == "auto":
-        algorithm = "matvec" if trans_w and m <= MATVEC_MAX_ROWS else "tiled"
-    if algorithm == "matvec" and (not trans_w or m > MATVEC_MAX_ROWS):
-        raise ValueError(f"matmul_quant: the matvec kernel takes A @ W^T with at most {MATVEC_MAX_ROWS} rows")
+        algorithm = "matvec" if trans_w and m <= (CPU_MATVEC_MAX if device.is_cpu else MATVEC_MAX_ROWS) else "tiled"
+    if algorithm == "matvec" and not trans_w:
+        raise ValueError("matmul_quant: the matvec kernel takes A @ W^T only")
     if algorithm not in ("matvec", "tiled"):
         raise ValueError(f"matmul_quant: algorithm must be 'auto', 'matvec' or 'tiled', not {algorithm!r}")
-    push = [m, n, k, a.offset, w.offset, c.offset, fmt.row_bytes(w_cols)]
     buffers = [a.buffer, w.buffer, c.buffer]
-    kernel = seq.device.kernel("matmul_quant", variant)
+    kernel = device.kernel("matmul_quant", variant)
     cfg = tile or QUANT_TILE
     cfg.check()
     if algorithm == "matvec":
-        max_x = seq.device.limits["max_compute_work_group_count_x"]
-        groups = (min(n, max_x), -(-n // max_x), 1)
-        spec = [fmt.shader_id, 0, 1, cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, MATVEC_THREADS]
-    else:
-        groups = (-(-n // cfg.bn), -(-m // cfg.bm), 1)
-        spec = [fmt.shader_id, 1, int(trans_w), cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, cfg.threads]
+        # A GPU splits each column's k over a workgroup (coalesced reads of W); a CPU device gives each
+        # invocation a whole column (on lavapipe 10x faster: no reduction, one row streamed per invocation).
+        by_column = device.is_cpu if split_k is None else not split_k
+        max_x = device.limits["max_compute_work_group_count_x"]
+        groups = grid(n, MATVEC_THREADS, max_x) if by_column else (min(n, max_x), -(-n // max_x), 1)
+        step = CPU_MATVEC_ROWS if device.is_cpu else MATVEC_MAX_ROWS
+        for first in range(0, m, step):  # blocks of rows, each reading W once
+            rows = min(step, m - first)
+            push = [rows, n, k, a.offset + first * k, w.offset, c.offset + first * n, fmt.row_bytes(w_cols)]
+            spec = [fmt.shader_id, 0, 1, cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, MATVEC_THREADS, int(not by_column),
+                    rows]
+            seq.dispatch(kernel, buffers, groups, push, spec)
+        return
+    push = [m, n, k, a.offset, w.offset, c.offset, fmt.row_bytes(w_cols)]
+    groups = (-(-n // cfg.bn), -(-m // cfg.bm), 1)
+    spec = [fmt.shader_id, 1, int(trans_w), cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, cfg.threads, 1, 1]
     seq.dispatch(kernel, buffers, groups, push, spec)
 
 

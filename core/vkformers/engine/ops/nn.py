@@ -11,6 +11,8 @@ import numpy as np
 
 from vkformers.engine.function import Function, KernelOp, node
 from vkformers.engine.lazy import generated_input
+from vkformers.engine.ops.quant import quantized_embedding
+from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import cross_entropy as KC
 from vkformers.engine.kernels import dropout as KD
@@ -65,6 +67,8 @@ class EmbeddingFn(Function):
 
 
 def embedding(ids, table):
+    if isinstance(table, QuantizedTensor):  # a frozen table of packed blocks, dequantized row by row
+        return quantized_embedding(ids, table)
     return EmbeddingFn.apply(table, ids)
 
 
