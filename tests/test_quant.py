@@ -329,3 +329,25 @@ def test_smollm2_q4_1_kept_quantized():
         assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-2
         tokens = kept.generate(ids, max_new_tokens=32, do_sample=False)
         np.testing.assert_array_equal(tokens, expanded.generate(ids, max_new_tokens=32, do_sample=False))
+
+
+def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
+    """``vkformers generate --model x.gguf`` runs the file's blocks packed (--dequantize expands them);
+    --quantization names a format for safetensors checkpoints and is refused for a GGUF file."""
+    from vkformers.cli import build_parser, main
+    from vkformers.cli import generate as cli_generate
+    from vkformers.models.gguf import load_gguf_tokenizer
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", random_llama(backend.get_vocab_size(), seed=18), backend,
+                           quant="Q8_0")
+    kept = cli_generate.load_model(str(path), "auto")
+    assert any(isinstance(t, QuantizedTensor) for t in kept.parameters())
+    assert not any(isinstance(t, QuantizedTensor) for t in cli_generate.load_model(str(path), "auto",
+                                                                                   dequantize=True).parameters())
+    tok = load_gguf_tokenizer(path)
+    ids = cli_generate.prompt_ids(tok, "the capital of france is", chat=False, system=None)
+    out = kept.generate(ids, max_new_tokens=6, eos_token_id=[tok.eos_token_id])
+    assert main(["generate", "--model", str(path), "--prompt", "the capital of france is", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    assert build_parser().parse_args(["generate", "--quantization", "q4_k"]).quantization == "q4_k"
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--quantization", "nf4"]) == 1
+    assert "applies to safetensors checkpoints" in capsys.readouterr().err
