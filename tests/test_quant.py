@@ -223,6 +223,33 @@ def test_from_pretrained_quantization(tmp_path, fmt):
     assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
 
 
+def test_from_pretrained_q4_k(tmp_path):
+    """Q4_K (blocks of 256) on a llama 256 wide: every projection packed, logits those of the dequantized model."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    config = dict(LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    rng = np.random.default_rng(19)
+    shapes = {"model.embed_tokens.weight": (320, 256), "model.norm.weight": (256,),
+              "model.layers.0.input_layernorm.weight": (256,), "model.layers.0.post_attention_layernorm.weight": (256,),
+              "model.layers.0.self_attn.q_proj.weight": (256, 256), "model.layers.0.self_attn.k_proj.weight": (128, 256),
+              "model.layers.0.self_attn.v_proj.weight": (128, 256), "model.layers.0.self_attn.o_proj.weight": (256, 256),
+              "model.layers.0.mlp.gate_proj.weight": (512, 256), "model.layers.0.mlp.up_proj.weight": (512, 256),
+              "model.layers.0.mlp.down_proj.weight": (256, 512)}
+    weights = {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight") else 0.1 * rng.standard_normal(s))
+               .astype(np.float32) for n, s in shapes.items()}
+    model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "hf", config, weights),
+                                                 quantization="q4_k", requires_grad=False)
+    params = dict(model.named_parameters())
+    assert {n for n, t in params.items() if isinstance(t, QuantizedTensor)} == {n for n in weights if "proj" in n}
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert relative_error(params[name].numpy(), weights[name]) < 0.15  # Q4_K's rounding of the original
+    dequantized = {n: (params[n].numpy() if "proj" in n else a) for n, a in weights.items()}
+    reference = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "ref", config, dequantized),
+                                                     requires_grad=False)
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    got, want = model(ids).logits.numpy(), reference(ids).logits.numpy()
+    assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
+
+
 def test_quantized_model_refusals(tmp_path):
     from vkformers.models.loading import AutoModelForCausalLM
     from vkformers.training.trainer import Trainer, TrainingConfig
