@@ -77,8 +77,8 @@ def relative_error(got, want):
 
 # Paths: the matvec with k split over a workgroup (the GPU layout) or a column per invocation (the CPU one), and
 # the tiled kernel with its default tile or small odd tiles whose K step (40) divides no K here (tails in m, n, k).
-PATHS = {"matvec_split": dict(algorithm="matvec", split_k=True), "matvec_column": dict(algorithm="matvec", split_k=False),
-         "tiled": dict(algorithm="tiled"),
+PATHS = {"matvec_split": dict(algorithm="matvec", split_k=True),
+         "matvec_column": dict(algorithm="matvec", split_k=False), "tiled": dict(algorithm="tiled"),
          "tiled_tails": dict(algorithm="tiled", tile=KQ.QuantTileConfig(bm=16, bn=32, bk=40, tm=2, tn=4))}
 
 
@@ -228,12 +228,13 @@ def test_from_pretrained_q4_k(tmp_path):
     from vkformers.models.loading import AutoModelForCausalLM
     config = dict(LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=1)
     rng = np.random.default_rng(19)
+    layer = "model.layers.0."
     shapes = {"model.embed_tokens.weight": (320, 256), "model.norm.weight": (256,),
-              "model.layers.0.input_layernorm.weight": (256,), "model.layers.0.post_attention_layernorm.weight": (256,),
-              "model.layers.0.self_attn.q_proj.weight": (256, 256), "model.layers.0.self_attn.k_proj.weight": (128, 256),
-              "model.layers.0.self_attn.v_proj.weight": (128, 256), "model.layers.0.self_attn.o_proj.weight": (256, 256),
-              "model.layers.0.mlp.gate_proj.weight": (512, 256), "model.layers.0.mlp.up_proj.weight": (512, 256),
-              "model.layers.0.mlp.down_proj.weight": (256, 512)}
+              layer + "input_layernorm.weight": (256,), layer + "post_attention_layernorm.weight": (256,),
+              layer + "self_attn.q_proj.weight": (256, 256), layer + "self_attn.k_proj.weight": (128, 256),
+              layer + "self_attn.v_proj.weight": (128, 256), layer + "self_attn.o_proj.weight": (256, 256),
+              layer + "mlp.gate_proj.weight": (512, 256), layer + "mlp.up_proj.weight": (512, 256),
+              layer + "mlp.down_proj.weight": (256, 512)}
     weights = {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight") else 0.1 * rng.standard_normal(s))
                .astype(np.float32) for n, s in shapes.items()}
     model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "hf", config, weights),
@@ -373,7 +374,8 @@ def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
     tok = load_gguf_tokenizer(path)
     ids = cli_generate.prompt_ids(tok, "the capital of france is", chat=False, system=None)
     out = kept.generate(ids, max_new_tokens=6, eos_token_id=[tok.eos_token_id])
-    assert main(["generate", "--model", str(path), "--prompt", "the capital of france is", "--max-new-tokens", "6"]) == 0
+    argv = ["generate", "--model", str(path), "--prompt", "the capital of france is", "--max-new-tokens", "6"]
+    assert main(argv) == 0
     assert capsys.readouterr().out == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
     assert build_parser().parse_args(["generate", "--quantization", "q4_k"]).quantization == "q4_k"
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--quantization", "nf4"]) == 1

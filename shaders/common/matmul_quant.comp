@@ -3,9 +3,10 @@
 //   TRANS_W = 0:  C [m, n] = A [m, k] @ W,   W [k, n]   (its input gradient, dY @ W)
 // A and C share the activation dtype (the variant); the sums are float32. W is never expanded to memory.
 // MODE 0 (matvec, TRANS_W = 1, m = ROWS): a workgroup per column of C, its invocations splitting k four
-// elements at a time, every row of A served by each dequantized group (SPLIT_K = 0: an invocation per column). MODE 1 (tiled): a BM x BN tile of C per
-// workgroup, K in steps of BK; each step dequantizes its BK x BN slice of W into shared memory, where TM x TN
-// register blocks multiply it; sizes past m, n or k read zeros, so no size needs to be a multiple of a tile.
+// elements at a time, every row of A served by each dequantized group (SPLIT_K = 0: an invocation per column).
+// MODE 1 (tiled): a BM x BN tile of C per workgroup, K in steps of BK; each step dequantizes its BK x BN slice
+// of W into shared memory, where TM x TN register blocks multiply it; sizes past m, n or k read zeros, so no
+// size needs to be a multiple of a tile.
 //! variant f32 -DELEM_F32
 //! variant f16 -DELEM_F16
 //! variant bf16 -DELEM_BF16

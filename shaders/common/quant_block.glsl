@@ -17,7 +17,9 @@
 #define QUANT_Q6_K 5u  // 256 per block, 210 bytes: 128 low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
 #define QUANT_NF4 6u   // 64 per block, 36 bytes: f32 absmax, 32 bytes (element 2i in the high nibble of byte i)
 
-uint quant_block_size() { return FORMAT >= QUANT_Q4_K && FORMAT <= QUANT_Q6_K ? 256u : (FORMAT == QUANT_NF4 ? 64u : 32u); }
+uint quant_block_size() {
+    return FORMAT >= QUANT_Q4_K && FORMAT <= QUANT_Q6_K ? 256u : (FORMAT == QUANT_NF4 ? 64u : 32u);
+}
 
 uint quant_block_bytes() {
     switch (FORMAT) {
@@ -60,7 +62,8 @@ uint q_word4(uint at) {
 vec4 q_bytes(uint v) { return vec4(uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu); }
 vec4 q_int8s(uint v) {
     int s = int(v);
-    return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8), bitfieldExtract(s, 24, 8));
+    return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8),
+                bitfieldExtract(s, 24, 8));
 }
 
 // Elements j .. j+3 (j a multiple of 4) of the block starting at byte `block`. Four consecutive elements

@@ -393,5 +393,6 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
 
 
 __all__ = ["LLAMA_LAYER_NAMES", "LLAMA_TENSOR_NAMES", "config_from_metadata", "dequantize_tensor", "hf_tensor_name",
-           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor", "permute_rotary_rows",
+           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
+           "permute_rotary_rows",
            "read_metadata", "tokenizer_from_metadata", "unpermute_rotary_rows"]

@@ -21,7 +21,7 @@ from vkformers.models.atomic import write_json_atomic
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
-from vkformers.models.quantize import quantize_checkpoint, refuse_quantized
+from vkformers.models.quantize import CheckpointQuantizer, quantize_checkpoint, refuse_quantized
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
 
@@ -86,12 +86,13 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors")
 
 
-def read_weights(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint as numpy (bfloat16 widened to float32 exactly)."""
+def read_weights(folder: Path, convert=None) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint as numpy (bfloat16 widened to float32 exactly); ``convert(name, array)``
+    (a CheckpointQuantizer) transforms each as it is read."""
     arrays = {}
     for file in weight_files(folder):
         for name, entry in read_safetensors(file).items():
-            arrays[name] = entry.as_float()
+            arrays[name] = entry.as_float() if convert is None else convert(name, entry.as_float())
     return arrays
 
 
@@ -150,17 +151,22 @@ class AutoModel:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         model = cls.from_config(config)
-        weights = read_weights(folder)
-        if quantization is not None:
-            weights = quantize_checkpoint(model, weights, quantization)
-        if model.config is config:
+        plain = model.config is config  # else a multimodal wrapper, whose names change after reading
+        quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
+        weights = read_weights(folder, convert=quantizer)  # each weight packed as soon as it is read
+        if quantizer is not None:
+            quantizer.warn_kept()
+        if plain:
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   ignore=getattr(model, "ignored_checkpoint_keys", ()))
         else:  # a multimodal wrapper: its language model runs
             for pattern, replacement in registry().checkpoint_renames(config):
                 weights = {re.sub(pattern, replacement, name): array for name, array in weights.items()}
+            weights = language_model_weights(weights)
+            if quantization is not None:
+                weights = quantize_checkpoint(model, weights, quantization)
             try:
-                model.load_state_dict(language_model_weights(weights), dtype=model_dtype(config, dtype),
+                model.load_state_dict(weights, dtype=model_dtype(config, dtype),
                                       requires_grad=requires_grad, ignore=getattr(model, "ignored_checkpoint_keys", ()))
             except CheckpointError as exc:
                 raise CheckpointError(

@@ -30,28 +30,43 @@ def quantizable_weights(model: Module) -> list[str]:
     return names
 
 
+class CheckpointQuantizer:
+    """Packs the model's Linear weights (:func:`quantizable_weights`) in ``quantization`` as the checkpoint is
+    read, one tensor at a time: ``quantizer(name, array)`` returns the array to load (a QuantizedArray for those
+    weights). Weights whose inner size is not a whole number of blocks pass through; :meth:`warn_kept` names
+    them in one warning."""
+
+    def __init__(self, model: Module, quantization: str):
+        if str(quantization).lower() not in QUANTIZE_FORMATS:
+            raise QuantizationError(f"quantization={quantization!r} is not supported; choose one of "
+                                    f"{', '.join(QUANTIZE_FORMATS)}")
+        self.format = quant_format(quantization)
+        self.names = set(quantizable_weights(model))
+        self.kept: list[str] = []
+
+    def __call__(self, name: str, array):
+        if name not in self.names or getattr(array, "ndim", 0) != 2:
+            return array
+        if array.shape[1] % self.format.block:
+            self.kept.append(f"{name} {tuple(array.shape)}")
+            return array
+        return QuantizedArray(quantize(np.asarray(array, dtype=np.float32), self.format), self.format.name,
+                              tuple(int(s) for s in array.shape))
+
+    def warn_kept(self) -> None:
+        if self.kept:
+            fmt, kept = self.format, self.kept
+            warnings.warn(f"{fmt.name}: {len(kept)} weight(s) whose inner size is not a multiple of {fmt.block} "
+                          f"stay in the compute dtype: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}",
+                          stacklevel=3)
+
+
 def quantize_checkpoint(model: Module, arrays: dict, quantization: str) -> dict:
-    """``arrays`` with the model's Linear weights (:func:`quantizable_weights`) replaced by QuantizedArray in
-    ``quantization``, each float array dropped as soon as it is packed."""
-    if str(quantization).lower() not in QUANTIZE_FORMATS:
-        raise QuantizationError(f"quantization={quantization!r} is not supported; choose one of "
-                                f"{', '.join(QUANTIZE_FORMATS)}")
-    fmt = quant_format(quantization)
-    kept = []
-    for name in quantizable_weights(model):
-        array = arrays.get(name)
-        if array is None or getattr(array, "ndim", 0) != 2:
-            continue
-        if array.shape[1] % fmt.block:
-            kept.append(f"{name} {tuple(array.shape)}")
-            continue
-        arrays[name] = QuantizedArray(quantize(np.asarray(array, dtype=np.float32), fmt), fmt.name,
-                                      tuple(int(s) for s in array.shape))
-    if kept:
-        warnings.warn(f"{fmt.name}: {len(kept)} weight(s) whose inner size is not a multiple of {fmt.block} stay "
-                      f"in the compute dtype: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}",
-                      stacklevel=3)
-    return arrays
+    """``arrays`` (already read) with the model's Linear weights packed (:class:`CheckpointQuantizer`)."""
+    quantizer = CheckpointQuantizer(model, quantization)
+    packed = {name: quantizer(name, array) for name, array in arrays.items()}
+    quantizer.warn_kept()
+    return packed
 
 
 def quantized_weight_names(model: Module) -> list[str]:
@@ -66,4 +81,4 @@ def refuse_quantized(model: Module, what: str, hint: str) -> None:
                                 f"({names[0]}, ...); {hint}")
 
 
-__all__ = ["quantizable_weights", "quantize_checkpoint", "quantized_weight_names", "refuse_quantized"]
+__all__ = ["CheckpointQuantizer", "quantizable_weights", "quantize_checkpoint", "quantized_weight_names", "refuse_quantized"]
