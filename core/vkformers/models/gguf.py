@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vkformers.engine.quantized import GGUF_FORMATS, QuantizationError, QuantizedArray
 from vkformers.errors import VkformersError
 from vkformers.models.module import CheckpointError
 
@@ -49,6 +50,8 @@ LLAMA_TENSOR_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Tensor types read as float arrays; the others are blocks (kept packed unless dequantize=True).
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 # Tensors llama.cpp derives from the config (llama 3's rope frequency factors): the config carries them already.
 DERIVED_TENSORS = {"rope_freqs.weight"}
 
@@ -195,7 +198,19 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(shape)  # a copy: the reader's arrays map the file
 
 
-def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
+def packed_tensor(tensor) -> QuantizedArray:
+    """A quantized reader tensor as its packed blocks (no expansion), for a block type the kernels read."""
+    fmt = tensor.tensor_type.name.lower()
+    if fmt not in GGUF_FORMATS or len(tensor.shape) != 2:
+        raise QuantizationError(
+            f"GGUF tensor {tensor.name}: block type {tensor.tensor_type.name} is not supported quantized "
+            f"(supported: {', '.join(f.upper() for f in GGUF_FORMATS)}); load with dequantize=True to expand it")
+    rows, cols = (int(d) for d in reversed(tensor.shape))
+    return QuantizedArray(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1), fmt, (rows, cols))
+
+
+def read_tensors(reader, config: dict, *, keep_quantized: bool = False) -> dict[str, np.ndarray]:
+    """HF name -> float32 array; with ``keep_quantized``, block-quantized tensors as QuantizedArray (packed)."""
     arrays, unknown = {}, []
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
@@ -203,11 +218,17 @@ def read_tensors(reader, config: dict) -> dict[str, np.ndarray]:
             if tensor.name not in DERIVED_TENSORS:
                 unknown.append(tensor.name)
             continue
-        array = dequantize_tensor(tensor)
+        keep = keep_quantized and tensor.tensor_type.name not in FLOAT_TYPES
+        array = packed_tensor(tensor) if keep else dequantize_tensor(tensor)
+        rows = array.packed if keep else array  # packed rows hold whole blocks: they reorder like float rows
         if ".attn_q." in tensor.name:
-            array = unpermute_rotary_rows(array, config["num_attention_heads"])
+            rows = unpermute_rotary_rows(rows, config["num_attention_heads"])
         elif ".attn_k." in tensor.name:
-            array = unpermute_rotary_rows(array, config["num_key_value_heads"])
+            rows = unpermute_rotary_rows(rows, config["num_key_value_heads"])
+        if keep:
+            array.packed = rows
+        else:
+            array = rows
         arrays[name] = array
     if unknown:
         raise CheckpointError(f"GGUF tensors with no Hugging Face name: {', '.join(unknown[:8])}"
@@ -338,13 +359,14 @@ def tokenizer_from_metadata(meta: dict, *, name_or_path: str = ""):
 
 
 # -- entry points ---------------------------------------------------------------------------------------------
-def load_gguf(path, *, tokenizer: bool = True):
+def load_gguf(path, *, tokenizer: bool = True, dequantize: bool = True):
     """``(config, arrays, tokenizer)`` of a GGUF file: a config.json dict, float32 numpy arrays under HF
-    names (q/k rows restored to HF's rotary order), and a PreTrainedTokenizer (None with tokenizer=False)."""
+    names (q/k rows restored to HF's rotary order), and a PreTrainedTokenizer (None with tokenizer=False).
+    ``dequantize=False``: block-quantized tensors come as QuantizedArray, packed as in the file."""
     reader = _reader(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, {t.name for t in reader.tensors})
-    arrays = read_tensors(reader, config)
+    arrays = read_tensors(reader, config, keep_quantized=not dequantize)
     if config["vocab_size"] is None:
         config["vocab_size"] = int(arrays["model.embed_tokens.weight"].shape[0])
     return config, arrays, tokenizer_from_metadata(meta, name_or_path=str(path)) if tokenizer else None
@@ -355,11 +377,13 @@ def load_gguf_tokenizer(path):
     return tokenizer_from_metadata(read_metadata(_reader(path)), name_or_path=str(path))
 
 
-def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = True):
+def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = True, dequantize: bool = False):
     """``AutoModel*.from_pretrained("file.gguf")``: the model ``auto_class`` builds from the GGUF's config,
-    with its weights (``dtype="auto"``: float32, the exact value of every dequantised weight)."""
+    with its weights (``dtype="auto"``: float32). As llama.cpp, block-quantized tensors stay in their block
+    format on the device (frozen; ``dtype`` is then the activations'); ``dequantize=True`` expands every one
+    to ``dtype`` (with "auto", float32: the exact value of every dequantised weight)."""
     from vkformers.models.loading import model_dtype
-    config, arrays, _ = load_gguf(path, tokenizer=False)
+    config, arrays, _ = load_gguf(path, tokenizer=False, dequantize=dequantize)
     model = auto_class.from_config(config)
     target = model_dtype(config, dtype)
     model.load_state_dict(arrays, dtype=target, requires_grad=requires_grad,
@@ -369,5 +393,6 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
 
 
 __all__ = ["LLAMA_LAYER_NAMES", "LLAMA_TENSOR_NAMES", "config_from_metadata", "dequantize_tensor", "hf_tensor_name",
-           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "permute_rotary_rows",
+           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
+           "permute_rotary_rows",
            "read_metadata", "tokenizer_from_metadata", "unpermute_rotary_rows"]

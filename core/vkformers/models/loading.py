@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from vkformers.errors import VkformersError
+from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
+from vkformers.models.quantize import CheckpointQuantizer, quantize_checkpoint, refuse_quantized
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
 
@@ -102,12 +103,13 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors")
 
 
-def read_weights(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint as numpy (bfloat16 widened to float32 exactly)."""
+def read_weights(folder: Path, convert=None) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint as numpy (bfloat16 widened to float32 exactly); ``convert(name, array)``
+    (a CheckpointQuantizer) transforms each as it is read."""
     arrays = {}
     for file in weight_files(folder):
         for name, entry in read_safetensors(file).items():
-            arrays[name] = entry.as_float()
+            arrays[name] = entry.as_float() if convert is None else convert(name, entry.as_float())
     return arrays
 
 
@@ -151,32 +153,46 @@ class AutoModel:
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
-                        trust_remote_code: bool = False, requires_grad: bool = True, adapter=None):
+                        trust_remote_code: bool = False, requires_grad: bool = True, adapter=None,
+                        quantization: str | None = None, dequantize: bool = False):
+        """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
+        checkpoint while loading (models/quantize.py). A GGUF file keeps its block formats unless
+        ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them)."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
-            model = load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad)
+            if quantization is not None:
+                raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; a GGUF "
+                                        "file keeps its own block formats (dequantize=True expands them)")
+            model = load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad, dequantize=dequantize)
         else:
-            model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad)
+            model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization)
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
             from vkformers.training.lora import load_adapter
             load_adapter(model, adapter)
         return model.eval()
 
     @classmethod
-    def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad) -> Module:
+    def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad, quantization) -> Module:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         model = cls.from_config(config)
-        weights = read_weights(folder)
-        if model.config is config:
+        plain = model.config is config  # else a multimodal wrapper, whose names change after reading
+        quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
+        weights = read_weights(folder, convert=quantizer)  # each weight packed as soon as it is read
+        if quantizer is not None:
+            quantizer.warn_kept()
+        if plain:
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   ignore=getattr(model, "ignored_checkpoint_keys", ()))
         else:  # a multimodal wrapper: its language model runs
             for pattern, replacement in registry().checkpoint_renames(config):
                 weights = {re.sub(pattern, replacement, name): array for name, array in weights.items()}
+            weights = language_model_weights(weights)
+            if quantization is not None:
+                weights = quantize_checkpoint(model, weights, quantization)
             try:
-                model.load_state_dict(language_model_weights(weights), dtype=model_dtype(config, dtype),
+                model.load_state_dict(weights, dtype=model_dtype(config, dtype),
                                       requires_grad=requires_grad, ignore=getattr(model, "ignored_checkpoint_keys", ()))
             except CheckpointError as exc:
                 raise CheckpointError(
@@ -219,6 +235,8 @@ class AutoModelForSeq2SeqLM(AutoModel):
 
 def save_pretrained(model: Module, folder, *, dtype=None) -> None:
     """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads."""
+    refuse_quantized(model, "save_pretrained", "it writes float safetensors, which would expand them silently; "
+                     "load the model with dequantize=True (GGUF) or without quantization= to save it")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = dt.as_dtype(dtype) if dtype else getattr(model, "dtype", dt.float32)

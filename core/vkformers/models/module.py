@@ -14,6 +14,7 @@ import numpy as np
 
 from vkformers.engine.checkpoint import checkpoint
 from vkformers.engine.lazy import building_graph
+from vkformers.engine.quantized import QuantizedArray, QuantizedTensor
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import InputLimits, check_model_inputs, forward_arguments
@@ -34,7 +35,7 @@ class Slot:
 
     shape: tuple[int, ...]
     dtype: dt.DType | None = None  # None: the model's dtype
-    tensor: Tensor | None = None
+    tensor: Tensor | QuantizedTensor | None = None
     tied_to: str | None = None     # another parameter's full name (tied embeddings)
 
 
@@ -175,6 +176,9 @@ class Module:
             array = arrays[name]
             if tuple(array.shape) != slot.shape:
                 raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(array.shape)}, model expects {slot.shape}")
+            if isinstance(array, QuantizedArray):  # packed blocks stay packed; the weight is frozen
+                slot.tensor = QuantizedTensor.upload(array, dtype=slot.dtype or dtype, name=name)
+                continue
             slot.tensor = parameter(np.asarray(array), dtype=slot.dtype or dtype, requires_grad=requires_grad,
                                     name=name)
         for name, slot in slots.items():  # ties resolve after their owners load
@@ -184,5 +188,6 @@ class Module:
             self.dtype = dtype
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Every parameter as float32 numpy arrays (float16 stays float16), under HF names."""
+        """Every parameter as float32 numpy arrays (float16 stays float16; quantized weights dequantized), under
+        HF names."""
         return {name: t.numpy() for name, t in self.named_parameters()}

@@ -37,6 +37,7 @@ from vkformers.engine.tensor import Tensor, parameter, tensor
 from vkformers.errors import VkformersError
 from vkformers.models.atomic import make_folder, open_for_append, refuse_symlinks_below, write_bytes_atomic, \
     write_text_atomic
+from vkformers.models.quantize import refuse_quantized
 from vkformers.optim import OPTIMIZERS, AdamW
 from vkformers.runtime import dtypes as dt
 from vkformers.training import checkpoint as ckpt
@@ -185,6 +186,9 @@ class Trainer:
         self.eval_batches = eval_batches or []
         self.out_dir = check_output_folder(out_dir) if out_dir is not None else None
         self.progress, self.run_info = progress, run_info or {}
+        if getattr(model, "lora_config", None) is None:
+            refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; train "
+                             "LoRA adapters on top of them (training.lora.apply_lora, or --lora-rank)")
         self.params = [t for _, t in model.named_parameters() if t.requires_grad]
         if not self.params:
             raise VkformersError("nothing to train: no parameter of the model requires grad")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vkformers.engine.function import KernelOp, contiguous, grad_enabled, node
 from vkformers.engine.kernels import decode as KD
+from vkformers.engine.quantized import QuantizedTensor
 from vkformers.runtime import dtypes as dt
 
 
@@ -70,8 +71,9 @@ def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
 
 def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) -> bool:
     """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights."""
-    if enabled is False or (enabled is None and weights[0].lazy.device.is_cpu):
-        return False
+    if enabled is False or any(isinstance(w, QuantizedTensor) for w in weights) \
+            or (enabled is None and weights[0].lazy.device.is_cpu):
+        return False  # quantized weights take their own products (engine/ops/quant.py)
     k, per_vector = weights[0].shape[-1], KD.elements_per_vector(dtype)
     whole = list(weights) + ([norm.weight] if norm is not None and norm.weight is not None else [])
     return (1 <= rows <= KD.MAX_ROWS and dtype.name in ("float32", "float16", "bfloat16")

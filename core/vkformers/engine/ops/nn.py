@@ -12,6 +12,8 @@ import numpy as np
 
 from vkformers.engine.function import Function, KernelOp, node
 from vkformers.engine.lazy import generated_input
+from vkformers.engine.ops.quant import quantized_embedding
+from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import cross_entropy as KC
 from vkformers.engine.kernels import dropout as KD
@@ -70,7 +72,10 @@ class EmbeddingFn(Function):
 
 def embedding(ids, table, padding_idx: int | None = None):
     """table[ids]; lookups of row ``padding_idx`` (torch.nn.Embedding's; negative counts from the end) pass it
-    no gradient. The forward reads that row like any other."""
+    no gradient. The forward reads that row like any other. A table of packed blocks (frozen) is dequantized row
+    by row."""
+    if isinstance(table, QuantizedTensor):
+        return quantized_embedding(ids, table)
     return EmbeddingFn.apply(table, ids, padding_idx=padding_idx)
 
 

@@ -1,0 +1,107 @@
+// Dequantization of GGUF block formats (and QLoRA's NF4) read straight from the packed bytes.
+//
+// The including kernel declares, before this file:
+//   layout(constant_id = N) const uint FORMAT = ...;          // one of the QUANT_* ids below
+//   layout(binding = B) readonly buffer Packed { uint packed_words[]; };
+// Packed weights are the file's bytes unchanged (a row of W is its blocks one after another), read as 32-bit
+// words: blocks of 18, 34 or 210 bytes do not start on a word, so every field is picked out by byte address.
+// Layouts follow the GGUF spec (ggml-common.h); engine/quantized.py holds the same table for the host.
+#ifndef VKFORMERS_QUANT_BLOCK_GLSL
+#define VKFORMERS_QUANT_BLOCK_GLSL
+
+#define QUANT_Q4_0 0u  // 32 per block, 18 bytes: f16 d, 16 bytes of nibbles (low: 0..15, high: 16..31)
+#define QUANT_Q4_1 1u  // 32 per block, 20 bytes: f16 d, f16 m, 16 bytes of nibbles; x = d * q + m
+#define QUANT_Q8_0 2u  // 32 per block, 34 bytes: f16 d, 32 int8
+#define QUANT_Q4_K 3u  // 256 per block, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+#define QUANT_Q5_K 4u  // 256 per block, 176 bytes: as Q4_K plus 32 bytes of fifth bits (qh) before the nibbles
+#define QUANT_Q6_K 5u  // 256 per block, 210 bytes: 128 low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d
+#define QUANT_NF4 6u   // 64 per block, 36 bytes: f32 absmax, 32 bytes (element 2i in the high nibble of byte i)
+
+uint quant_block_size() {
+    return FORMAT >= QUANT_Q4_K && FORMAT <= QUANT_Q6_K ? 256u : (FORMAT == QUANT_NF4 ? 64u : 32u);
+}
+
+uint quant_block_bytes() {
+    switch (FORMAT) {
+        case QUANT_Q4_0: return 18u;
+        case QUANT_Q4_1: return 20u;
+        case QUANT_Q8_0: return 34u;
+        case QUANT_Q4_K: return 144u;
+        case QUANT_Q5_K: return 176u;
+        case QUANT_Q6_K: return 210u;
+        default: return 36u;
+    }
+}
+
+uint q_byte(uint at) { return (packed_words[at >> 2] >> ((at & 3u) * 8u)) & 0xFFu; }
+int q_int8(uint at) { return int(q_byte(at) << 24) >> 24; }
+float q_half(uint at) {  // at is even: a half never straddles two words
+    uint word = packed_words[at >> 2];
+    return unpackHalf2x16((at & 2u) != 0u ? word >> 16 : word).x;
+}
+float q_float(uint at) { return uintBitsToFloat(packed_words[at >> 2]); }  // at is a multiple of 4
+
+const float NF4_LEVELS[16] = float[16](
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0);
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 bytes at `at` (ggml's get_scale_min_k4).
+uvec2 k_scale_min(uint at, uint j) {
+    if (j < 4u) return uvec2(q_byte(at + j) & 63u, q_byte(at + j + 4u) & 63u);
+    uint hi = q_byte(at + j + 4u);
+    return uvec2((hi & 15u) | ((q_byte(at + j - 4u) >> 6) << 4), (hi >> 4) | ((q_byte(at + j) >> 6) << 4));
+}
+
+// Four bytes from byte `at` on, the first in the low 8 bits (at is even: at most two words; the second is read only
+// when the bytes reach into it, so a read never passes the buffer's end).
+uint q_word4(uint at) {
+    uint shift = (at & 3u) * 8u, first = packed_words[at >> 2];
+    return shift == 0u ? first : (first >> shift) | (packed_words[(at >> 2) + 1u] << (32u - shift));
+}
+vec4 q_bytes(uint v) { return vec4(uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu); }
+vec4 q_int8s(uint v) {
+    int s = int(v);
+    return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8),
+                bitfieldExtract(s, 24, 8));
+}
+
+// Elements j .. j+3 (j a multiple of 4) of the block starting at byte `block`. Four consecutive elements
+// always share one scale and sit in consecutive bytes, so each field is read once per four.
+vec4 dequant4(uint block, uint j) {
+    if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
+        uint at = block + (FORMAT == QUANT_Q4_0 ? 2u : 4u) + (j & 15u);
+        vec4 q = q_bytes((q_word4(at) >> (j < 16u ? 0u : 4u)) & 0x0F0F0F0Fu);
+        float d = q_half(block);
+        if (FORMAT == QUANT_Q4_0) return d * (q - 8.0);
+        return d * q + q_half(block + 2u);
+    }
+    if (FORMAT == QUANT_Q8_0) return q_half(block) * q_int8s(q_word4(block + 2u + j));
+    if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        uint sub = j / 32u, l = j % 32u;
+        uint nibbles = block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * (sub / 2u) + l;
+        uint v = (q_word4(nibbles) >> ((sub & 1u) * 4u)) & 0x0F0F0F0Fu;
+        if (FORMAT == QUANT_Q5_K) v |= ((q_word4(block + 16u + l) >> sub) & 0x01010101u) << 4;
+        uvec2 sm = k_scale_min(block + 4u, sub);
+        return (q_half(block) * float(sm.x)) * q_bytes(v) - q_half(block + 2u) * float(sm.y);
+    }
+    if (FORMAT == QUANT_Q6_K) {
+        uint half_ = j / 128u, quarter = (j % 128u) / 32u, l = j % 32u;
+        uint low = (q_word4(block + 64u * half_ + 32u * (quarter & 1u) + l) >> (quarter < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        uint high = (q_word4(block + 128u + 32u * half_ + l) >> (2u * quarter)) & 0x03030303u;
+        float scale = float(q_int8(block + 192u + 8u * half_ + l / 16u + 2u * quarter));
+        return (q_half(block + 208u) * scale) * (q_bytes(low | (high << 4)) - 32.0);
+    }
+    // NF4
+    uint packed_ = block + 4u + j / 2u;
+    uint b0 = q_byte(packed_), b1 = q_byte(packed_ + 1u);
+    return vec4(NF4_LEVELS[b0 >> 4], NF4_LEVELS[b0 & 15u], NF4_LEVELS[b1 >> 4], NF4_LEVELS[b1 & 15u]) * q_float(block);
+}
+
+// W[row, col .. col+3] of a packed matrix whose rows are `row_bytes` long from byte `base` (col a multiple of 4).
+vec4 quant_row4(uint base, uint row_bytes, uint row, uint col) {
+    uint size = quant_block_size();
+    return dequant4(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size);
+}
+
+#endif

@@ -1,0 +1,382 @@
+"""Quantized weights: the block formats' products, lookups and gradients against the gguf package's dequantization
+(and an NF4 reference written here) followed by float64 arithmetic; loading, refusals, QLoRA; the bundled
+SmolLM2-135M-Instruct Q4_1 GGUF kept quantized against its dequantized float32 self.
+
+Needs the ``gguf`` package (the [gguf] extra), as tests/test_gguf.py: its tests fail without it.
+"""
+import json
+
+import numpy as np
+import pytest
+
+import gguf
+from test_gguf import CONFIG, random_llama, train_bpe, write_tiny_gguf
+from vkformers.engine import functional as F
+from vkformers.engine.kernels import matmul_quant as KQ
+from vkformers.engine.quantized import FORMATS, QuantizedArray, QuantizedTensor, quantize
+from vkformers.engine.tensor import Tensor
+from vkformers.errors import QuantizationError
+from vkformers.runtime import dtypes as dt
+
+FORMAT_NAMES = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "nf4")
+NF4_CODE = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0]  # bitsandbytes' NF4 code book
+TOLERANCE = 1e-5  # relative to max |C|
+
+
+def random_blocks(fmt, rows, cols, seed=0):
+    """Random packed rows: every byte random but the scales, set to finite magnitudes (fp16 d, dmin; NF4's f32
+    absmax), so every code of every field is exercised."""
+    rng = np.random.default_rng(seed)
+    f = FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(rows, cols // f.block, f.block_bytes), dtype=np.uint8)
+
+    def put(offset, low, high, dtype):
+        values = rng.uniform(low, high, raw.shape[:2]).astype(dtype)
+        raw[..., offset:offset + values.itemsize] = values.view(np.uint8).reshape(*raw.shape[:2], -1)
+
+    if fmt == "nf4":
+        put(0, 0.5, 2.0, np.float32)
+    elif fmt == "q6_k":
+        put(208, 0.001, 0.01, np.float16)
+    else:
+        put(0, 0.005, 0.05, np.float16)
+        if fmt in ("q4_1", "q4_k", "q5_k"):
+            put(2, 0.005, 0.05, np.float16)
+    return raw.reshape(rows, -1)
+
+
+def reference_weights(packed, fmt, rows, cols):
+    """float64 [rows, cols]: gguf.quants.dequantize, or NF4 unpacked here (absmax, then element 2i in the high
+    nibble of byte i)."""
+    if fmt == "nf4":
+        blocks = packed.reshape(-1, 36)
+        absmax = blocks[:, :4].copy().view(np.float32).astype(np.float64)
+        nibbles = blocks[:, 4:]
+        codes = np.empty((blocks.shape[0], 64), np.int64)
+        codes[:, 0::2], codes[:, 1::2] = nibbles >> 4, nibbles & 15
+        return (np.array(NF4_CODE, np.float64)[codes] * absmax).reshape(rows, cols)
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    return gguf.quants.dequantize(packed, qtype).astype(np.float64).reshape(rows, cols)
+
+
+def run_product(device, x, packed, fmt, *, n, k, trans_w=True, **options):
+    m = x.shape[0]
+    a = device.upload(x)
+    w = device.upload(packed.reshape(-1), dtype="uint8")
+    c = device.buffer(m * n, "float32")
+    device.run(lambda seq: KQ.matmul_quant(seq, a, w, c, FORMATS[fmt], m=m, n=n, k=k, trans_w=trans_w, **options))
+    return c.read().reshape(m, n).astype(np.float64)
+
+
+def relative_error(got, want):
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
+# Paths: the matvec with k split over a workgroup (the GPU layout) or a column per invocation (the CPU one), and
+# the tiled kernel with its default tile or small odd tiles whose K step (40) divides no K here (tails in m, n, k).
+PATHS = {"matvec_split": dict(algorithm="matvec", split_k=True),
+         "matvec_column": dict(algorithm="matvec", split_k=False), "tiled": dict(algorithm="tiled"),
+         "tiled_tails": dict(algorithm="tiled", tile=KQ.QuantTileConfig(bm=16, bn=32, bk=40, tm=2, tn=4))}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_product_matches_dequantized_reference(device, fmt, path):
+    block = FORMATS[fmt].block
+    n, k = 45, 3 * block
+    m = 5 if path.startswith("matvec") else 37
+    packed = random_blocks(fmt, n, k, seed=1)
+    x = np.random.default_rng(2).standard_normal((m, k)).astype(np.float32)
+    got = run_product(device, x, packed, fmt, n=n, k=k, **PATHS[path])
+    want = x.astype(np.float64) @ reference_weights(packed, fmt, n, k).T
+    assert relative_error(got, want) < TOLERANCE
+
+
+@pytest.mark.parametrize("tile", [None, KQ.QuantTileConfig(bm=16, bn=32, bk=40, tm=2, tn=4)])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_input_gradient_product(device, fmt, tile):
+    """dX = dY @ W (W not transposed): the tiled kernel reading W's rows as its K."""
+    block = FORMATS[fmt].block
+    n, k, m = 45, 2 * block, 19
+    packed = random_blocks(fmt, n, k, seed=3)
+    g = np.random.default_rng(4).standard_normal((m, n)).astype(np.float32)
+    got = run_product(device, g, packed, fmt, n=k, k=n, trans_w=False, tile=tile)
+    want = g.astype(np.float64) @ reference_weights(packed, fmt, n, k)
+    assert relative_error(got, want) < TOLERANCE
+
+
+def test_matvec_row_blocks(device):
+    """More rows than one matvec dispatch takes (on a CPU device 32, on a GPU 8): blocks of rows."""
+    n, k, m = 33, 64, 41
+    packed = random_blocks("q8_0", n, k, seed=5)
+    x = np.random.default_rng(6).standard_normal((m, k)).astype(np.float32)
+    got = run_product(device, x, packed, "q8_0", n=n, k=k, algorithm="matvec")
+    assert relative_error(got, x.astype(np.float64) @ reference_weights(packed, "q8_0", n, k).T) < TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_linear_embedding_and_backward_through_ops(fmt):
+    """F.linear on a batch [2, 3, k] and its gradient, F.embedding's rows, with a QuantizedTensor weight."""
+    n, k = 24, FORMATS[fmt].block * 2
+    packed = random_blocks(fmt, n, k, seed=7)
+    weight = QuantizedTensor.upload(QuantizedArray(packed, fmt, (n, k)))
+    w64 = reference_weights(packed, fmt, n, k)
+    rng = np.random.default_rng(8)
+    x_np = rng.standard_normal((2, 3, k)).astype(np.float32)
+    x = Tensor(x_np, requires_grad=True)
+    y = F.linear(x, weight)
+    assert y.shape == (2, 3, n)
+    assert relative_error(y.numpy().astype(np.float64), x_np.astype(np.float64) @ w64.T) < TOLERANCE
+    g_np = rng.standard_normal((2, 3, n)).astype(np.float32)
+    (y * Tensor(g_np)).sum().backward()
+    assert relative_error(x.grad.numpy().astype(np.float64), g_np.astype(np.float64) @ w64) < TOLERANCE
+    ids = np.array([[3, 0], [23, -1]], np.int32)
+    rows = F.embedding(Tensor(ids), weight).numpy()
+    np.testing.assert_array_equal(rows[ids >= 0], w64[ids[ids >= 0]].astype(np.float32))
+    assert not rows[1, 1].any()  # an id outside the table reads a zero row
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+def test_half_precision_activations(dtype, tolerance):
+    """float16 / bfloat16 inputs and results (the sums in float32): within the result dtype's rounding."""
+    n, k = 40, 64
+    packed = random_blocks("q4_1", n, k, seed=9)
+    weight = QuantizedTensor.upload(QuantizedArray(packed, "q4_1", (n, k)), dtype=dtype)
+    x_np = np.random.default_rng(10).standard_normal((3, k)).astype(np.float32)
+    x = Tensor(x_np).cast(dtype)
+    for m_rows in (x, Tensor(np.tile(x_np, (30, 1))).cast(dtype)):  # matvec and tiled
+        y = F.linear(m_rows, weight)
+        assert y.dtype is dt.as_dtype(dtype)
+        want = m_rows.float().numpy().astype(np.float64) @ reference_weights(packed, "q4_1", n, k).T
+        assert relative_error(y.float().numpy().astype(np.float64), want) < tolerance
+
+
+def test_quantizers_round_trip():
+    """Host quantizers (loading a float checkpoint): NF4 to the nearest level of absmax-scaled values, Q4_K a
+    valid block gguf decodes, within each format's rounding."""
+    w = np.random.default_rng(11).standard_normal((8, 512)).astype(np.float32)
+    for fmt, tolerance in (("nf4", 0.15), ("q4_k", 0.15), ("q4_0", 0.15), ("q8_0", 0.01)):
+        back = reference_weights(quantize(w, fmt), fmt, 8, 512)
+        assert relative_error(back, w) < tolerance, fmt
+    nf4 = reference_weights(quantize(w, "nf4"), "nf4", 8, 512).reshape(-1, 64)
+    absmax = np.abs(w.reshape(-1, 64)).max(axis=1, keepdims=True)
+    expected = np.array(NF4_CODE)[np.abs(w.reshape(-1, 64, 1) / absmax[..., None] - np.array(NF4_CODE)).argmin(-1)]
+    np.testing.assert_allclose(nf4, expected * absmax, rtol=1e-6)
+
+
+def test_bitsandbytes_double_quantized_absmax():
+    """bitsandbytes' NF4 with double-quantized absmax (uint8 codes into a 256-entry map, per-256-block scales,
+    an offset) expands to the absmax bitsandbytes computes."""
+    from vkformers.engine.quantized import nf4_from_bitsandbytes
+    rng = np.random.default_rng(12)
+    rows, cols = 4, 128
+    packed = rng.integers(0, 256, rows * cols // 2, dtype=np.uint8)
+    code = np.linspace(-1, 1, 256).astype(np.float32)
+    absmax_codes = rng.integers(0, 256, rows * cols // 64, dtype=np.uint8)
+    nested = np.array([0.7], np.float32)
+    ours = nf4_from_bitsandbytes(packed, absmax_codes, (rows, cols), nested_absmax=nested, nested_code=code,
+                                 offset=0.25)
+    absmax = code[absmax_codes].astype(np.float64) * 0.7 + 0.25
+    nibbles = np.stack([packed >> 4, packed & 15], axis=-1).reshape(-1, 64)
+    want = (np.array(NF4_CODE)[nibbles] * absmax.astype(np.float32)[:, None]).reshape(rows, cols)
+    np.testing.assert_allclose(reference_weights(ours, "nf4", rows, cols), want, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def write_checkpoint(folder, config, weights):
+    from vkformers.models.safetensors_io import write_safetensors
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    write_safetensors(folder / "model.safetensors", weights)
+    return folder
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "tie_word_embeddings": True,
+         **CONFIG}
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "q8_0", "q4_1"])
+def test_from_pretrained_quantization(tmp_path, fmt):
+    """quantization= packs the Linear weights (not embeddings, norms or the head) while loading; a weight whose
+    inner size is not a multiple of the block (down_proj, 96 wide, for NF4's 64) stays float, with one
+    warning; the logits are those of the float model holding the dequantized weights."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    weights = random_llama(320, seed=13)
+    folder = write_checkpoint(tmp_path / "hf", LLAMA, weights)
+    if fmt == "nf4":
+        with pytest.warns(UserWarning, match=r"nf4: 2 weight\(s\) whose inner size is not a multiple of 64 stay in"):
+            model = AutoModelForCausalLM.from_pretrained(folder, quantization=fmt, requires_grad=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, quantization=fmt, requires_grad=False)
+    params = dict(model.named_parameters())
+    quantized = {name for name, t in params.items() if isinstance(t, QuantizedTensor)}
+    expected = {n for n in weights if n.endswith("proj.weight") and not (fmt == "nf4" and "down_proj" in n)}
+    assert quantized == expected
+    dequantized = {name: (params[name].numpy() if name in quantized else array) for name, array in weights.items()}
+    reference = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "ref", LLAMA, dequantized),
+                                                     requires_grad=False)
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    got, want = model(ids).logits.numpy(), reference(ids).logits.numpy()
+    assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
+
+
+def test_from_pretrained_q4_k(tmp_path):
+    """Q4_K (blocks of 256) on a llama 256 wide: every projection packed, logits those of the dequantized model."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    config = dict(LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    rng = np.random.default_rng(19)
+    layer = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (320, 256), "model.norm.weight": (256,),
+              layer + "input_layernorm.weight": (256,), layer + "post_attention_layernorm.weight": (256,),
+              layer + "self_attn.q_proj.weight": (256, 256), layer + "self_attn.k_proj.weight": (128, 256),
+              layer + "self_attn.v_proj.weight": (128, 256), layer + "self_attn.o_proj.weight": (256, 256),
+              layer + "mlp.gate_proj.weight": (512, 256), layer + "mlp.up_proj.weight": (512, 256),
+              layer + "mlp.down_proj.weight": (256, 512)}
+    weights = {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight") else 0.1 * rng.standard_normal(s))
+               .astype(np.float32) for n, s in shapes.items()}
+    model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "hf", config, weights),
+                                                 quantization="q4_k", requires_grad=False)
+    params = dict(model.named_parameters())
+    assert {n for n, t in params.items() if isinstance(t, QuantizedTensor)} == {n for n in weights if "proj" in n}
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert relative_error(params[name].numpy(), weights[name]) < 0.15  # Q4_K's rounding of the original
+    dequantized = {n: (params[n].numpy() if "proj" in n else a) for n, a in weights.items()}
+    reference = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "ref", config, dequantized),
+                                                     requires_grad=False)
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    got, want = model(ids).logits.numpy(), reference(ids).logits.numpy()
+    assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
+
+
+def test_quantized_model_refusals(tmp_path):
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.training.trainer import Trainer, TrainingConfig
+    folder = write_checkpoint(tmp_path / "hf", LLAMA, random_llama(320, seed=14))
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization="q8_0")
+    with pytest.raises(QuantizationError, match="save_pretrained refused: 14 weight"):
+        model.save_pretrained(tmp_path / "out")
+    with pytest.raises(QuantizationError, match="full fine-tuning refused: .*train LoRA adapters on top"):
+        Trainer(model, TrainingConfig(), [])
+    weight = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    with pytest.raises(QuantizationError, match="q8_0 weight is frozen"):
+        weight.requires_grad = True
+    with pytest.raises(QuantizationError, match="quantization='q3_k' is not supported"):
+        AutoModelForCausalLM.from_pretrained(folder, quantization="q3_k")
+
+
+def test_qlora_gradients_match_float_base(tmp_path):
+    """LoRA on a Q8_0 base: the adapters' gradients equal those on a float base holding the dequantized
+    weights (the backward through the quantized weight is dX = dY @ W in the same kernel)."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.training.lora import LoraConfig, apply_lora
+    weights = random_llama(320, seed=15)
+    quantized = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "hf", LLAMA, weights),
+                                                     quantization="q8_0")
+    params = dict(quantized.named_parameters())
+    dequantized = {n: (params[n].numpy() if isinstance(params[n], QuantizedTensor) else a) for n, a in weights.items()}
+    reference = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "ref", LLAMA, dequantized))
+    ids = np.array([[5, 17, 42, 7, 99, 3, 11, 250]])
+    grads = []
+    for model in (quantized, reference):
+        apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]), seed=0)
+        for name, t in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                t.assign(Tensor(np.full(t.shape, 0.05, np.float32)))  # nonzero B: A gets a gradient too
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: t.grad.numpy() for n, t in model.named_parameters() if t.requires_grad})
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) == 12
+    for name in grads[0]:
+        assert relative_error(grads[0][name].astype(np.float64), grads[1][name].astype(np.float64)) < 1e-4, name
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+@pytest.fixture(scope="module")
+def backend():
+    return train_bpe()
+
+
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0", "Q4_1"])
+def test_gguf_kept_quantized(backend, tmp_path, quant):
+    """A GGUF file's block-quantized matrices stay packed (q/k rows restored to HF's order), and the model gives
+    the logits of the same file loaded with dequantize=True."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", random_llama(backend.get_vocab_size(), seed=16, tied=False),
+                           backend, quant=quant)
+    kept = AutoModelForCausalLM.from_pretrained(path, requires_grad=False)
+    expanded = AutoModelForCausalLM.from_pretrained(path, requires_grad=False, dequantize=True)
+    kept_params, expanded_params = dict(kept.named_parameters()), dict(expanded.named_parameters())
+    packed = {n for n, t in kept_params.items() if isinstance(t, QuantizedTensor)}
+    assert packed == {n for n in kept_params if n.endswith("proj.weight") or n in ("model.embed_tokens.weight",
+                                                                                      "lm_head.weight")}
+    assert all(kept_params[n].format.name == quant.lower() for n in packed)
+    for name in packed:
+        np.testing.assert_array_equal(kept_params[name].numpy(), expanded_params[name].numpy())
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    got, want = kept(ids).logits.numpy(), expanded(ids).logits.numpy()
+    assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
+
+
+def test_gguf_unsupported_block_type(backend, tmp_path):
+    from vkformers.models.loading import AutoModelForCausalLM
+    path = write_tiny_gguf(tmp_path / "q5.gguf", random_llama(backend.get_vocab_size(), seed=17), backend, quant="Q5_0")
+    with pytest.raises(QuantizationError, match=r"GGUF tensor token_embd.weight: block type Q5_0 is not supported"):
+        AutoModelForCausalLM.from_pretrained(path)
+    assert AutoModelForCausalLM.from_pretrained(path, dequantize=True, requires_grad=False) is not None
+    with pytest.raises(QuantizationError, match="applies to safetensors checkpoints"):
+        AutoModelForCausalLM.from_pretrained(path, quantization="nf4")
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2
+def test_smollm2_q4_1_kept_quantized():
+    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 embeddings, tied head) kept quantized: logits within
+    1e-2 of its dequantized float32 self (relative to max |logit|), the same 32 greedy tokens on two prompts,
+    and under 120 MB of device buffers."""
+    from vkformers.cli.generate import default_model
+    from vkformers.errors import VkformersError
+    from vkformers.models.loading import AutoModelForCausalLM
+    from vkformers.runtime.vulkan import buffer_memory
+    try:
+        path = default_model()
+    except VkformersError as exc:
+        pytest.skip(str(exc))
+    before = buffer_memory()["live_bytes"]
+    kept = AutoModelForCausalLM.from_pretrained(path, requires_grad=False)
+    assert buffer_memory()["live_bytes"] - before < 120e6
+    params = dict(kept.named_parameters())
+    assert isinstance(params["model.embed_tokens.weight"], QuantizedTensor)
+    assert params["model.embed_tokens.weight"].format.name == "q8_0"
+    assert params["model.layers.0.mlp.down_proj.weight"].format.name == "q4_1"
+    expanded = AutoModelForCausalLM.from_pretrained(path, requires_grad=False, dequantize=True)
+    prompts = [np.array([[1, 4093, 198, 504, 3575, 282, 4649, 314]]), np.array([[19556, 905, 17, 216, 33, 34]])]
+    for ids in prompts:
+        got, want = kept(ids).logits.numpy(), expanded(ids).logits.numpy()
+        assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-2
+        tokens = kept.generate(ids, max_new_tokens=32, do_sample=False)
+        np.testing.assert_array_equal(tokens, expanded.generate(ids, max_new_tokens=32, do_sample=False))
+
+
+def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
+    """``vkformers generate --model x.gguf`` runs the file's blocks packed (--dequantize expands them);
+    --quantization names a format for safetensors checkpoints and is refused for a GGUF file."""
+    from vkformers.cli import build_parser, main
+    from vkformers.cli import generate as cli_generate
+    from vkformers.models.gguf import load_gguf_tokenizer
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", random_llama(backend.get_vocab_size(), seed=18), backend,
+                           quant="Q8_0")
+    kept = cli_generate.load_model(str(path), "auto")
+    assert any(isinstance(t, QuantizedTensor) for t in kept.parameters())
+    assert not any(isinstance(t, QuantizedTensor) for t in cli_generate.load_model(str(path), "auto",
+                                                                                   dequantize=True).parameters())
+    tok = load_gguf_tokenizer(path)
+    ids = cli_generate.prompt_ids(tok, "the capital of france is", chat=False, system=None)
+    out = kept.generate(ids, max_new_tokens=6, eos_token_id=[tok.eos_token_id])
+    argv = ["generate", "--model", str(path), "--prompt", "the capital of france is", "--max-new-tokens", "6"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    assert build_parser().parse_args(["generate", "--quantization", "q4_k"]).quantization == "q4_k"
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--quantization", "nf4"]) == 1
+    assert "applies to safetensors checkpoints" in capsys.readouterr().err
