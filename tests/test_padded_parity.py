@@ -37,11 +37,7 @@ ROW_RTOL, ROW_FLOOR = 1e-3, 1e-5
 
 # Known to differ from transformers, each with the open bug of the issue "Correct under every input" that covers
 # it (fixed in the architecture's plugin). On all three transformers' own padded generate is not pad-invariant.
-KNOWN_PADDED_GENERATE_FAILURES = {
-    "deepseek_v4": "open bug: deepseek_v4's left-padded generate (row 1 differs from step 1 on)",
-    "minimax_m3_vl_text": "open bug: minimax_m3_vl_text's lightning indexer under padding (row 1 differs from step 1)",
-    "trocr": "open bug: trocr's positions under padding (row 1 differs from step 0)",
-}
+KNOWN_PADDED_GENERATE_FAILURES: dict[str, str] = {}
 KNOWN_PAD_GRADIENT_FAILURES = {
     "trocr_sinusoidal": "open bug: trocr's positions under padding (transformers counts sinusoidal positions over "
                         "ids != pad, so a real pad-id token moves them; the loss differs by 8e-4 relative)",

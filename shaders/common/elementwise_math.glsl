@@ -68,8 +68,9 @@ float log_accurate(float x) {
 // log(1 + x) for small x too: u = 1 + x rounds, and x / (u - 1) undoes that rounding (Goldberg).
 float log1p_accurate(float x) {
     precise float u = 1.0 + x;
+    precise float rounded = u - 1.0;  // precise: a compiler may not fold (1 + x) - 1 into x
     if (u == 1.0 || isinf(u)) return u == 1.0 ? x : log_accurate(u);
-    return log_accurate(u) * (x / (u - 1.0));
+    return log_accurate(u) * (x / rounded);
 }
 
 float sigmoid_accurate(float x) { return 1.0 / (1.0 + exp_accurate(-x)); }

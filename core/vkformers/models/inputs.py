@@ -31,6 +31,7 @@ class InputLimits:
     max_length: int | None = None         # tokens per sequence (cache included) a position table has rows for;
     #                                       None: rotary or relative positions, no table to run past
     max_length_field: str = "max_position_embeddings"  # the config field that sets max_length, for messages
+    min_position: int = 0                 # position_ids below it are refused (-1: a fairseq table's padding row)
     type_vocab_size: int | None = None    # token_type_ids in [0, type_vocab_size)
     decoder_vocab_size: int | None = None  # encoder-decoders: decoder_input_ids (input_ids are the encoder's)
     decoder_max_length: int | None = None
@@ -172,8 +173,8 @@ def _positions(limits, value, ids) -> None:
                          "they need one position per token") from None
     if positions.values is not None and positions.values.size:
         low, high = int(positions.values.min()), int(positions.values.max())
-        if low < 0:
-            raise InputError(f"position_ids hold {low}; positions count from 0")
+        if low < limits.min_position:
+            raise InputError(f"position_ids hold {low}; positions count from {limits.min_position}")
         if limits.max_length is not None and high >= limits.max_length:
             raise InputError(f"position_ids hold {high}, past the model's {limits.max_length} positions "
                              f"({limits.max_length_field}: 0 to {limits.max_length - 1})")

@@ -680,7 +680,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
         field = next((f for f in ("max_position_embeddings", "n_positions", "max_seq_len") if f in self.config),
                      "max_position_embeddings")
         return InputLimits(vocab_size=s.vocab_size + s.embed_extra_rows, label_classes=s.vocab_size,
-                           max_length=s.max_position_embeddings if table else None, max_length_field=field)
+                           max_length=s.max_position_embeddings if table else None, max_length_field=field,
+                           min_position=-1 if s.generation_positions == "fairseq" else 0)
 
     # -- forward
 
