@@ -242,7 +242,8 @@ def test_a_family_declaration_gives_the_registry_rows_aliases_statuses_and_varia
     assert dict(registry.get("toy_twin").traits) == {"llama_layout": False, "moe": False, "norm": "layer"}
     assert registry.get("toy_child").trait("moe") is True
     assert registry.resolve("toy-base-v2") == base
-    assert registry.resolve({"model_type": "toy_wrapper", "text_config": {"model_type": "toy_child"}}).name == "toy_child"
+    wrapped = {"model_type": "toy_wrapper", "text_config": {"model_type": "toy_child"}}
+    assert registry.resolve(wrapped).name == "toy_child"
     assert family.statuses() == {"toy_base": "verified"}
     assert {name: variant({}) for name, variant in family.variants().items()} == {
         "toy_base": "base", "toy_twin": "base", "toy_child": "child"}

@@ -835,7 +835,8 @@ def persimmon(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
-@architecture("open-llama", norm="rms", llama_layout=True, status="verified",  # its fixture is built with transformers 4.49 (removed in 5)
+# its fixture is built with transformers 4.49 (removed in 5)
+@architecture("open-llama", norm="rms", llama_layout=True, status="verified",
               notes="native KV-cache generation")
 def open_llama(config: dict) -> DecoderSpec:
     """Open-Llama (transformers 4.x's deprecated OpenLlama): Llama with MHA only, a LayerNorm (eps 1e-5, torch's
@@ -1068,14 +1069,16 @@ def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
     return any(t != "dense" for t in types)
 
 
-@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")  # mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense cover dense-only configs)
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
 def hy_v3(config: dict) -> DecoderSpec:
     """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
     spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
     return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
 
 
-@architecture("laguna", norm="rms", llama_layout=True, status="verified")  # mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense cover dense-only configs)
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("laguna", norm="rms", llama_layout=True, status="verified")
 def laguna(config: dict) -> DecoderSpec:
     """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
     per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per layer type."""
@@ -1140,7 +1143,8 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
 
 # -- multi-head latent attention
 
-@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",  # mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense cover dense-only configs)
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",
               notes="MLA")
 def deepseek_v2(config: dict) -> DecoderSpec:
     """Llama block with MLA; mixture-of-experts MLPs (vkformers-moe) from layer first_k_dense_replace on."""
@@ -1165,7 +1169,8 @@ def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
                    attention_scales=(scale,) * spec.num_layers)
 
 
-@architecture("mistral4", norm="rms", llama_layout=True, status="verified",  # mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense cover dense-only configs)
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("mistral4", norm="rms", llama_layout=True, status="verified",
               notes="native KV-cache generation; upstream claims 2-step AdamW parity")
 def mistral4(config: dict) -> DecoderSpec:
     """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),

@@ -343,8 +343,9 @@ architecture("pegasus", norm="layer", status="verified",
                                             position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False))
 architecture("m2m_100", norm="layer", status="verified",
              notes="BART-layout; sinusoidal positions",
-             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq", position_offset=2,
-                                            embed_norm=False, final_logits_bias=False, decoder_inputs_from_input_ids=False))
+             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq",
+                                            position_offset=2, embed_norm=False, final_logits_bias=False,
+                                            decoder_inputs_from_input_ids=False))
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
 # whatever architecture that names.
