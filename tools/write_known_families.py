@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
-import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,11 +27,20 @@ from vkformers.models.plugins import ENTRY_POINT_GROUP, new_plugin_manager  # no
 from vkformers.models.registry import Registry  # noqa: E402
 
 
+def plugin_entry_points(pyproject: str) -> dict[str, str]:
+    """The name = "module:object" lines of the pyproject's vkformers.plugins table (tomllib needs Python 3.11)."""
+    table = re.search(rf'^\[project\.entry-points\."{re.escape(ENTRY_POINT_GROUP)}"\]\n(.*?)(?=^\[|\Z)', pyproject,
+                      re.MULTILINE | re.DOTALL)
+    if table is None:
+        return {}
+    return dict(re.findall(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', table.group(1), re.MULTILINE))
+
+
 def repository_plugins() -> dict[str, object]:
     """Entry point name -> plugin object, for every plugin distribution in plugins/."""
     found = {}
     for pyproject in sorted(PLUGINS.glob("*/pyproject.toml")):
-        entry_points = tomllib.loads(pyproject.read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+        entry_points = plugin_entry_points(pyproject.read_text())
         sys.path.insert(0, str(pyproject.parent))
         for name, reference in entry_points.items():
             module_name, _, attribute = reference.partition(":")
