@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from vkformers.cli import architectures as architectures_cli
-from vkformers.errors import DuplicateArchitectureError, UnknownArchitectureError, VkformersError
+from vkformers.errors import (ArchitectureDeclarationError, DuplicateArchitectureError, UnknownArchitectureError,
+                              VkformersError)
 from vkformers.models import plugins
+from vkformers.models.family import Family, FamilyPlugin
 from vkformers.models.hookspecs import hookimpl
 from vkformers.models.known_families import KNOWN_FAMILIES
-from vkformers.models.registry import Architecture, Registry
+from vkformers.models.registry import NESTED_TEXT_CONFIG, Architecture, Registry
 
 TSV = Path(__file__).parent / "data" / "hierarchos_architectures.tsv"
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 # The reference list's bracketed targets, and a config that names a backbone through each.
 WRAPPER_CONFIGS = {
@@ -195,7 +200,97 @@ def test_each_plugin_holds_only_its_kind(registry):
 def test_known_families_index_matches_the_plugins(registry):
     owners = {a.name: a.family for a in registry.architectures()}
     owners.update({alias.spelling: alias.family for alias in registry.aliases()})
-    assert owners == KNOWN_FAMILIES
+    assert owners == KNOWN_FAMILIES, "known_families.py is out of step; run: python tools/write_known_families.py"
+
+
+def test_known_families_file_is_what_the_tool_writes_from_the_declarations():
+    spec = importlib.util.spec_from_file_location("write_known_families", TOOLS / "write_known_families.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.TARGET.read_text() == tool.render(tool.spelling_families()), (
+        "core/vkformers/models/known_families.py is out of step with the plugins' declarations; "
+        "run: python tools/write_known_families.py")
+
+
+def toy_family() -> Family:
+    """A third party's family, declared the way the four plugins declare theirs."""
+    family = Family("toyfam", kind="causal-decoder", norm="rms")
+
+    @family.architecture("toy_base", llama_layout=True, status="verified", notes="the parent",
+                         aliases=["toy-base-v2"])
+    @family.architecture("toy_twin", norm="layer")  # a second name on the same variant
+    def toy_base(config: dict) -> str:
+        return "base"
+
+    family.architecture("toy_child", moe=True, model_class="vkformers.models.module:Module",
+                        variant=lambda config: "child")
+    family.wrappers({"toy_wrapper": NESTED_TEXT_CONFIG})
+    return family
+
+
+class ToySharedModel:
+    pass
+
+
+def test_a_family_declaration_gives_the_registry_rows_aliases_statuses_and_variants():
+    family = toy_family()
+    registry = registry_of(FamilyPlugin(family, Path(__file__).parent, model_classes={"causal-lm": ToySharedModel}))
+    base = registry.get("toy_base")
+    assert (base.family, base.kind, base.tasks, base.status, base.notes) == (
+        "toyfam", "causal-decoder", ("causal-lm",), "verified", "the parent")
+    assert dict(base.traits) == {"llama_layout": True, "moe": False, "norm": "rms"}
+    assert dict(registry.get("toy_twin").traits) == {"llama_layout": False, "moe": False, "norm": "layer"}
+    assert registry.get("toy_child").trait("moe") is True
+    assert registry.resolve("toy-base-v2") == base
+    wrapped = {"model_type": "toy_wrapper", "text_config": {"model_type": "toy_child"}}
+    assert registry.resolve(wrapped).name == "toy_child"
+    assert family.statuses() == {"toy_base": "verified"}
+    assert {name: variant({}) for name, variant in family.variants().items()} == {
+        "toy_base": "base", "toy_twin": "base", "toy_child": "child"}
+
+
+def test_a_declared_model_class_replaces_the_shared_one_for_that_architecture_only():
+    from vkformers.models.module import Module
+
+    plugin = FamilyPlugin(toy_family(), Path(__file__).parent, model_classes={"causal-lm": ToySharedModel})
+    registry = registry_of(plugin)
+    assert plugin.vkformers_model_class(registry.get("toy_child"), "causal-lm") is Module
+    assert plugin.vkformers_model_class(registry.get("toy_base"), "causal-lm") is ToySharedModel
+    assert plugin.vkformers_model_class(registry.get("toy_child"), "masked-lm") is None
+
+
+def test_moe_architectures_with_their_own_class_get_it_from_their_declaration(registry):
+    from vkformers_moe.deepseek_v4 import DeepseekV4ForCausalLM
+    from vkformers_moe.glm5_next import Glm5NextForCausalLM
+    from vkformers_moe.model import MoeDecoderForCausalLM
+    from vkformers_moe.qwen4_exp import Qwen4ExpForCausalLM
+
+    def model_class(name):
+        return plugins.plugin_manager().hook.vkformers_model_class(architecture=registry.get(name), task="causal-lm")
+
+    assert model_class("deepseek_v4") is DeepseekV4ForCausalLM
+    assert model_class("glm5_next_text") is Glm5NextForCausalLM
+    assert model_class("qwen4_exp_text") is Qwen4ExpForCausalLM
+    assert model_class("mixtral") is MoeDecoderForCausalLM
+
+
+@pytest.mark.parametrize("declare, error, fragment", [
+    (lambda f: f.architecture("a", variant=len), ArchitectureDeclarationError, "declares no norm"),
+    (lambda f: f.architecture("a", norm="rms", status="proven", variant=len), ArchitectureDeclarationError,
+     "status 'proven'"),
+    (lambda f: f.architecture("a", norm="rms", kind="decoder", variant=len), ArchitectureDeclarationError,
+     "kind 'decoder'"),
+    (lambda f: [f.architecture("a", norm="rms", variant=len) for _ in range(2)], DuplicateArchitectureError,
+     "declares architecture 'a' twice"),
+    (lambda f: f.wrappers({"w": "a"}), ArchitectureDeclarationError, "wrapper 'w' needs a NestedConfig"),
+    (lambda f: [f.architecture(n, norm="rms", aliases=["x"], variant=len) for n in "ab"] and f.aliases(),
+     DuplicateArchitectureError, "declares alias 'x' twice"),
+    (lambda f: f.architecture("a", norm="rms", model_class="no_colon", variant=len) and f.model_class("a"),
+     ArchitectureDeclarationError, "package.module:ClassName"),
+])
+def test_a_malformed_declaration_is_refused_naming_what_is_wrong(declare, error, fragment):
+    with pytest.raises(error, match=re.escape(fragment)):
+        declare(Family("toyfam", kind="causal-decoder"))
 
 
 def test_kernel_dirs_is_a_flat_list():

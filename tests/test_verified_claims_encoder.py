@@ -45,10 +45,10 @@ def test_claim_has_a_parity_fixture(architecture):
 
 
 def test_encoder_claims_are_known_statuses():
-    from vkformers_bert.architectures import ARCHITECTURES, STATUSES
-    names = {row[0] for row in ARCHITECTURES}
-    assert set(STATUSES) <= names
-    assert set(STATUSES.values()) <= set(CLAIMS)
+    from vkformers_bert.variants import FAMILY
+    assert set(FAMILY.statuses().values()) <= set(CLAIMS)
+    assert {a.name: a.status for a in registry().architectures()
+            if a.family == "bert" and a.status != "registered"} == FAMILY.statuses()
 
 
 def test_the_bert_plugin_serves_masked_lm():

@@ -22,6 +22,11 @@ class DuplicateArchitectureError(VkformersError):
     """Two plugins register the same canonical architecture or alias spelling."""
 
 
+class ArchitectureDeclarationError(VkformersError, ValueError):
+    """A plugin's architecture declaration is malformed (no norm, an unknown kind or status, a wrapper that is
+    not a NestedConfig, a model class that is not "package.module:ClassName")."""
+
+
 LAVAPIPE_HINT = (
     "To run on the CPU, install Mesa's lavapipe driver and the Vulkan loader: "
     "`sudo apt-get install mesa-vulkan-drivers libvulkan1` (Debian/Ubuntu), "

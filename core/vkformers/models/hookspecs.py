@@ -17,8 +17,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def vkformers_architectures():
     """Return a list of :class:`vkformers.models.registry.Architecture` this plugin provides.
 
-    Build them from a plain table with
-    :func:`vkformers.models.registry.architectures_from_table`. A canonical name
+    A :class:`vkformers.models.family.FamilyPlugin` answers it from the plugin's
+    :class:`~vkformers.models.family.Family` declarations. A canonical name
     registered by two plugins is refused (``DuplicateArchitectureError``).
     """
 

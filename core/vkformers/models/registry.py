@@ -5,14 +5,14 @@ Core knows no architecture by itself. Each family plugin (``vkformers-llama``,
 through the hooks in :mod:`vkformers.models.hookspecs`; :class:`Registry` collects
 them, refuses duplicates and answers look-ups.
 
-A plugin writes its data as a plain table and turns it into objects with
-:func:`architectures_from_table`, so every plugin builds them the same way.
+A plugin declares each architecture once, on its variant function, with
+:class:`vkformers.models.family.Family`, so every plugin builds them the same way.
 """
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Mapping, Union
 
 from vkformers.errors import DuplicateArchitectureError, UnknownArchitectureError
 from vkformers.models.known_families import KNOWN_FAMILIES
@@ -94,32 +94,6 @@ class Alias:
     @property
     def is_wrapper(self) -> bool:
         return isinstance(self.target, NestedConfig)
-
-
-def architectures_from_table(family: str, rows: Iterable[tuple],
-                             statuses: Mapping[str, str] | None = None) -> list[Architecture]:
-    """Build a plugin's Architecture objects from its table.
-
-    Each row is ``(name, kind, norm, moe, llama_layout, notes)``: the columns
-    every plugin's ``architectures.py`` uses. ``statuses`` maps a name to how far
-    the plugin's tests prove it (see STATUSES); unnamed ones are "registered".
-    """
-    rows, statuses = list(rows), dict(statuses or {})
-    unknown = sorted(set(statuses) - {row[0] for row in rows})
-    if unknown:
-        raise ValueError(f"plugin {family!r} gives a status to architectures it does not register: {unknown}")
-    return [
-        Architecture(
-            name=name,
-            family=family,
-            kind=kind,
-            tasks=TASKS_BY_KIND[kind],
-            traits=(("llama_layout", llama_layout), ("moe", moe), ("norm", norm)),
-            notes=notes,
-            status=statuses.get(name, "registered"),
-        )
-        for name, kind, norm, moe, llama_layout, notes in rows
-    ]
 
 
 def install_hint(family: str) -> str:

@@ -3,8 +3,7 @@ from pathlib import Path
 
 from vkformers.models.family import FamilyPlugin
 
-from vkformers_bert.architectures import ALIASES, ARCHITECTURES, STATUSES
 from vkformers_bert.encoder import EncoderForMaskedLM
+from vkformers_bert.variants import FAMILY
 
-plugin = FamilyPlugin("bert", ARCHITECTURES, ALIASES, Path(__file__).parent,
-                      model_classes={"masked-lm": EncoderForMaskedLM}, statuses=STATUSES)
+plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"masked-lm": EncoderForMaskedLM})

@@ -14,6 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from vkformers.errors import VkformersError
+from vkformers.models.family import Family
+from vkformers.models.registry import NESTED_TEXT_CONFIG
+
+# The architectures of vkformers-bert, each declared once on its variant function (vkformers.models.family).
+FAMILY = Family("bert", kind="encoder")
+architecture = FAMILY.architecture
 
 
 class UnsupportedConfigError(VkformersError, ValueError):
@@ -146,6 +152,8 @@ def _common_refusals(arch: str, config: dict) -> None:
     refuse(arch, config, "position_embedding_type", lambda v: v in (None, "absolute"))
 
 
+@architecture("bert", norm="layer", status="verified",
+              notes="BERT-family; upstream claims HF forward-logit fixtures")
 def bert(config: dict, prefix: str = "bert") -> EncoderSpec:
     arch = config.get("model_type", "bert")
     _common_refusals(arch, config)
@@ -161,11 +169,15 @@ def bert(config: dict, prefix: str = "bert") -> EncoderSpec:
         layers=f"{prefix}.encoder.layer")
 
 
+@architecture("ernie", norm="layer", status="verified",
+              notes="BERT-family")
 def ernie(config: dict) -> EncoderSpec:
     refuse("ernie", config, "use_task_id", lambda v: not v, False)  # task-type embeddings
     return bert(config, "ernie")
 
 
+@architecture("megatron-bert", norm="layer", status="verified",
+              notes="causality per config; BERT-family")
 def megatron_bert(config: dict) -> EncoderSpec:
     """Pre-LN BERT: no embedding LayerNorm, attention.ln / ln before the sublayers, encoder.ln at the end."""
     return replace(bert(config), embed_norm=None, pre_norm=True, attn_norm="attention.ln", mlp_norm="ln",
@@ -176,28 +188,42 @@ ROBERTA_HEAD = dict(head_dense="lm_head.dense", head_norm="lm_head.layer_norm", 
                     decoder="lm_head.decoder", decoder_bias="lm_head.bias")
 
 
+@architecture("roberta", norm="layer", status="verified",
+              notes="BERT-family")
+@architecture("camembert", norm="layer", status="verified",
+              notes="BERT-family")
+@architecture("xlm-roberta", norm="layer", status="verified",
+              notes="BERT-family")
 def roberta(config: dict, prefix: str = "roberta") -> EncoderSpec:
     """BERT with positions counted from padding_idx + 1 (padding tokens take padding_idx) and a GELU head."""
     return replace(bert(config, prefix), positions_from_padding=True, pad_token_id=config.get("pad_token_id", 1),
                    **ROBERTA_HEAD)
 
 
+@architecture("data2vec-text", norm="layer", status="verified",
+              notes="BERT-family")
 def data2vec_text(config: dict) -> EncoderSpec:
     return roberta(config, "data2vec_text")
 
 
+@architecture("roberta-prelayernorm", norm="layer", status="verified",
+              notes="BERT-family")
 def roberta_prelayernorm(config: dict) -> EncoderSpec:
     """RoBERTa with pre-LN blocks (attention.LayerNorm, intermediate.LayerNorm) and a final LayerNorm."""
     return replace(roberta(config, "roberta_prelayernorm"), pre_norm=True, attn_norm="attention.LayerNorm",
                    mlp_norm="intermediate.LayerNorm", final_norm="roberta_prelayernorm.LayerNorm")
 
 
+@architecture("xlm-roberta-xl", norm="layer", status="verified",
+              notes="BERT-family")
 def xlm_roberta_xl(config: dict) -> EncoderSpec:
     """Pre-LN RoBERTa without the embedding LayerNorm (the XL/XXL models)."""
     return replace(roberta(config), embed_norm=None, pre_norm=True, attn_norm="attention.self_attn_layer_norm",
                    mlp_norm="LayerNorm", final_norm="roberta.encoder.LayerNorm")
 
 
+@architecture("electra", norm="layer", status="verified",
+              notes="BERT-family")
 def electra(config: dict) -> EncoderSpec:
     """BERT embeddings of width embedding_size, projected to hidden; the generator's MLM head (GELU)."""
     spec = bert(config, "electra")
@@ -208,6 +234,8 @@ def electra(config: dict) -> EncoderSpec:
                    head_act="gelu", decoder="generator_lm_head", decoder_bias=None)
 
 
+@architecture("albert", norm="layer", status="verified",
+              notes="BERT-family")
 def albert(config: dict) -> EncoderSpec:
     """Factorised embeddings (embedding_size -> hidden) and one block per group, shared by its layers."""
     spec = bert(dict(config, hidden_act=config.get("hidden_act", "gelu_new")), "albert")
@@ -225,6 +253,8 @@ def albert(config: dict) -> EncoderSpec:
                    decoder="predictions.decoder", decoder_bias="predictions.bias")
 
 
+@architecture("rembert", norm="layer", status="verified",
+              notes="BERT-family")
 def rembert(config: dict) -> EncoderSpec:
     """Input embeddings of input_embedding_size projected to hidden; an untied head of output_embedding_size."""
     spec = bert(dict(config, tie_word_embeddings=config.get("tie_word_embeddings", False)), "rembert")
@@ -234,6 +264,8 @@ def rembert(config: dict) -> EncoderSpec:
                    head_norm="cls.predictions.LayerNorm", decoder_bias=None)
 
 
+@architecture("roformer", norm="layer", status="verified",
+              notes="BERT-family")
 def roformer(config: dict) -> EncoderSpec:
     """Word + token-type embeddings only; interleaved rotary (sinusoid table as a frozen checkpoint tensor)."""
     spec = bert(config, "roformer")
@@ -244,6 +276,8 @@ def roformer(config: dict) -> EncoderSpec:
                    frozen=("roformer.encoder.embed_positions.weight",))
 
 
+@architecture("distilbert", norm="layer", status="verified",
+              notes="BERT-family")
 def distilbert(config: dict) -> EncoderSpec:
     arch = "distilbert"
     refuse(arch, config, "sinusoidal_pos_embds", lambda v: not v, False)
@@ -260,6 +294,8 @@ def distilbert(config: dict) -> EncoderSpec:
         tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("esm", norm="layer", status="verified",
+              notes="BERT-family")
 def esm(config: dict) -> EncoderSpec:
     """Pre-LN; positions from padding (absolute) or rotate_half rotary; token dropout; GELU everywhere."""
     arch = "esm"
@@ -287,6 +323,8 @@ def esm(config: dict) -> EncoderSpec:
                    **ROBERTA_HEAD)
 
 
+@architecture("nomic_bert", norm="layer", status="verified",
+              notes="BERT-family")
 def nomic_bert(config: dict) -> EncoderSpec:
     """Post-LN like BERT, but bias-free projections (q/k/v fused as attn.Wqkv), a SwiGLU MLP (fc11 up, fc12 gate),
     rotate_half rotary from rope_parameters and no position table. Names are the released checkpoints', which
@@ -302,6 +340,8 @@ def nomic_bert(config: dict) -> EncoderSpec:
                    attn_bias=False, mlp_bias=False, head_norm="cls.predictions.transform.layer_norm")
 
 
+@architecture("big_bird", norm="layer", status="verified",
+              notes="BERT-family; attention_type original_full only")
 def big_bird(config: dict) -> EncoderSpec:
     """BERT when attention_type is "original_full"; block-sparse attention is refused (not implemented)."""
     refuse("big_bird", config, "attention_type", lambda v: v == "original_full", "block_sparse")
@@ -312,6 +352,8 @@ def big_bird(config: dict) -> EncoderSpec:
                                  ("bert.pooler.bias", (spec.hidden_size,))))
 
 
+@architecture("roc_bert", norm="layer", status="verified",
+              notes="causality per config; BERT-family")
 def roc_bert(config: dict) -> EncoderSpec:
     """BERT whose word embedding is concatenated with shape and pronunciation embeddings (ids 0 unless given,
     which vkformers' forward does not take) and mapped back by embeddings.map_inputs_layer."""
@@ -324,6 +366,8 @@ def roc_bert(config: dict) -> EncoderSpec:
          config["pronunciation_embed_dim"])))
 
 
+@architecture("jina_embeddings_v3", norm="layer", status="verified",
+              notes="BERT-family")
 def jina_embeddings_v3(config: dict) -> EncoderSpec:
     """Post-LN like XLM-RoBERTa, but no position table: rotate_half rotary (rope_parameters) on q and k; RoBERTa's
     head. Names are the released checkpoints' (which transformers 5 also writes): emb_ln, encoder.layers.i with
@@ -335,6 +379,10 @@ def jina_embeddings_v3(config: dict) -> EncoderSpec:
                    mlp_norm="norm2")
 
 
+@architecture("xlm", norm="layer", status="verified",
+              notes="BERT-family")
+@architecture("flaubert", norm="layer", status="verified",
+              notes="BERT-family")
 def xlm(config: dict) -> EncoderSpec:
     """XLM / FlauBERT: word + position embeddings, layer_norm_emb, post-LN blocks whose parts sit in per-layer lists, hidden states zeroed at padding after the embeddings
     and every layer, FFN of 4 x emb_dim, and a bare tied projection pred_layer.proj as the head."""
@@ -385,6 +433,7 @@ def _llama_like(config: dict, prefix: str, arch: str) -> EncoderSpec:
         pad_token_id=config.get("pad_token_id"), tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+@architecture("eurobert", norm="rms", llama_layout=True, status="verified")
 def eurobert(config: dict) -> EncoderSpec:
     """Llama's layout run bidirectionally: RMSNorm, grouped-query attention, SwiGLU, rotary; a bare lm_head."""
     spec = _llama_like(config, "model", "eurobert")
@@ -392,6 +441,8 @@ def eurobert(config: dict) -> EncoderSpec:
                    decoder="lm_head", decoder_bias=None, decoder_linear_bias=bool(config.get("mlp_bias", False)))
 
 
+@architecture("esmc", norm="layer", status="verified",
+              notes="full-projection QK norm")
 def esmc(config: dict) -> EncoderSpec:
     """Llama-like with LayerNorms (eps 1e-5; the final one without bias), bias-free LayerNorms over the whole
     q and k projections, sublayer outputs divided by sqrt(layers / 36), and an untied ESM-style head
@@ -406,6 +457,7 @@ def esmc(config: dict) -> EncoderSpec:
                    decoder_bias=None, word_padding_idx=False)
 
 
+@architecture("modernbert", norm="layer", status="verified")
 def modernbert(config: dict) -> EncoderSpec:
     """Pre-LN (bias per norm_bias, layer 0 without an attention norm: the embeddings end in a norm), fused
     Wqkv, GeGLU Wi = [input; gate], rotate_half rotary whose theta depends on the layer type, and sliding
@@ -436,6 +488,8 @@ def modernbert(config: dict) -> EncoderSpec:
         pad_token_id=config.get("pad_token_id"), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("bert-generation", norm="layer", status="verified",
+              notes="causality per config; BERT-family")
 def bert_generation(config: dict) -> EncoderSpec:
     """BertGeneration's encoder with its LM head, bidirectional (is_decoder=False): BERT without token types
     whose head is the bare tied lm_head.decoder plus lm_head.bias."""
@@ -444,14 +498,14 @@ def bert_generation(config: dict) -> EncoderSpec:
                    decoder_bias="lm_head.bias")
 
 
-VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = {
-    "bert": bert, "ernie": ernie, "megatron-bert": megatron_bert, "roberta": roberta, "xlm-roberta": roberta,
-    "camembert": roberta, "data2vec-text": data2vec_text, "roberta-prelayernorm": roberta_prelayernorm,
-    "xlm-roberta-xl": xlm_roberta_xl, "electra": electra, "albert": albert, "rembert": rembert,
-    "roformer": roformer, "distilbert": distilbert, "esm": esm, "nomic_bert": nomic_bert,
-    "big_bird": big_bird, "roc_bert": roc_bert, "jina_embeddings_v3": jina_embeddings_v3, "xlm": xlm,
-    "flaubert": xlm, "eurobert": eurobert, "esmc": esmc, "modernbert": modernbert, "bert-generation": bert_generation,
-}
+# Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
+# whatever architecture that names.
+FAMILY.wrappers({
+    "modernvbert": NESTED_TEXT_CONFIG,  # no explicit dispatcher arm; handled by the generic text_config fallback
+})
+
+# Canonical architecture name -> its variant, from the declarations above.
+VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = FAMILY.variants()
 
 
 def encoder_spec(config: dict, architecture_name: str) -> EncoderSpec:

@@ -3,8 +3,7 @@ from pathlib import Path
 
 from vkformers.models.family import FamilyPlugin
 
-from vkformers_llama.architectures import ALIASES, ARCHITECTURES, STATUSES
 from vkformers_llama.decoder import DecoderForCausalLM
+from vkformers_llama.variants import FAMILY
 
-plugin = FamilyPlugin("llama", ARCHITECTURES, ALIASES, Path(__file__).parent,
-                      model_classes={"causal-lm": DecoderForCausalLM}, statuses=STATUSES)
+plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"causal-lm": DecoderForCausalLM})

@@ -19,6 +19,12 @@ from typing import Callable
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.family import Family
+from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
+
+# The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
+FAMILY = Family("llama", kind="causal-decoder")
+architecture = FAMILY.architecture
 
 
 class UnsupportedConfigError(VkformersError, ValueError):
@@ -284,6 +290,19 @@ def sinusoidal_table(kind: str, rows: int, dim: int, padding_row: int | None = N
 
 # ---------------------------------------------------------------- the variants
 
+@architecture("llama", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims HF forward-logit fixtures",
+              aliases=[
+                  "code_llama",  # historical Code Llama spelling; Llama parser
+                  "mllama_text_model",  # Mllama text-only: cross-attention layers skipped, self-attention layers run on Llama graph
+                  "mllama",  # multimodal wrapper; text_config parsed as mllama_text_model
+                  "paddleocr_vl_text",  # parsed on Llama contract (use_bias mapped to attention/mlp bias; mRoPE reduced)
+              ])
+# Emu3's text decoder is a Llama block (attention_bias read by llama)
+@architecture("emu3_text_model", norm="rms", llama_layout=True, status="verified",
+              aliases=[
+                  "emu3",  # multimodal wrapper; text_config
+              ])
 def llama(config: dict) -> DecoderSpec:
     arch = config.get("model_type", "llama")
     refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
@@ -303,11 +322,25 @@ def mllama_text_model(config: dict, spec: DecoderSpec) -> DecoderSpec:
     return replace(spec, num_layers=len(kept), checkpoint_layers=kept, embed_extra_rows=8)
 
 
+@architecture("mistral", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims HF forward-logit fixtures",
+              aliases=[
+                  "mistral3",  # multimodal wrapper; text_config parsed with Mistral parser
+              ])
 def mistral(config: dict) -> DecoderSpec:
     spec = llama(config)
     return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=True))
 
 
+@architecture("qwen2", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims HF forward-logit fixtures",
+              aliases=[
+                  "qwen2_vl_text",  # mRoPE reduced to 1-D RoPE for text-only
+                  "qwen2_5_vl_text",  # mRoPE reduced to 1-D RoPE for text-only
+                  "qwen2_vl",  # multimodal wrapper; text_config parsed as Qwen2-VL text
+                  "qwen2_5_vl",  # multimodal wrapper; text_config parsed as Qwen2-VL text
+                  "qwen2_5_omni_text",  # parsed with Qwen2-VL text parser
+              ])
 def qwen2(config: dict) -> DecoderSpec:
     spec = replace(llama(config), q_bias=True, k_bias=True, v_bias=True, o_bias=False)
     if config.get("layer_types"):
@@ -320,12 +353,20 @@ def qwen2(config: dict) -> DecoderSpec:
     return replace(spec, windows=windows)
 
 
+@architecture("qwen3", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation",
+              aliases=[
+                  "qwen3_vl_text",  # normalized to qwen3
+                  "qwen3_vl",  # multimodal wrapper; text_config
+              ])
 def qwen3(config: dict) -> DecoderSpec:
     return replace(qwen2(config), q_bias=bool(config.get("attention_bias", False)),
                    k_bias=bool(config.get("attention_bias", False)), v_bias=bool(config.get("attention_bias", False)),
                    o_bias=bool(config.get("attention_bias", False)), q_norm="q_norm", k_norm="k_norm")
 
 
+@architecture("gemma", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def gemma(config: dict) -> DecoderSpec:
     act = _first(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
     return replace(llama(config), hidden_act=act, norm_unit_offset=True, embed_scale=config["hidden_size"] ** 0.5,
@@ -339,6 +380,8 @@ def _gemma_layer_types(config: dict, num_layers: int, default_sliding: Callable[
     return ["sliding_attention" if default_sliding(i) else "full_attention" for i in range(num_layers)]
 
 
+@architecture("gemma2", norm="rms", llama_layout=True, status="verified",
+              notes="pre+post sublayer norms; logit softcapping")
 def gemma2(config: dict) -> DecoderSpec:
     spec = gemma(config)
     types = _gemma_layer_types(config, spec.num_layers, lambda i: i % 2 == 0)
@@ -351,6 +394,11 @@ def gemma2(config: dict) -> DecoderSpec:
                    final_softcap=config.get("final_logit_softcapping") or 0.0)
 
 
+@architecture("gemma3_text", norm="rms", llama_layout=True, status="verified",
+              notes="pre+post sublayer norms; QK-norm",
+              aliases=[
+                  "gemma3",  # multimodal wrapper; text_config
+              ])
 def gemma3_text(config: dict) -> DecoderSpec:
     spec = gemma2(config)
     pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
@@ -367,17 +415,25 @@ def gemma3_text(config: dict) -> DecoderSpec:
                    windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
+@architecture("phi3", norm="rms", status="verified",
+              notes="native KV-cache generation; upstream claims 2-step AdamW parity",
+              aliases=[
+                  "phi4_multimodal",  # root config normalized to phi3; image/audio towers preserved, not executed; upstream claims 2-step AdamW parity
+              ])
 def phi3(config: dict) -> DecoderSpec:
     spec = mistral(config)
     return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", gate_up_proj="gate_up_proj",
                    norm_eps=_first(config, "rms_norm_eps", default=1e-5))
 
 
+@architecture("olmo", norm="layer", llama_layout=True, status="verified",
+              notes="parameter-free LayerNorm")
 def olmo(config: dict) -> DecoderSpec:
     return replace(llama(config), norm="layer", norm_eps=1e-5, norm_weight=False, norm_bias=False,
                    clip_qkv=config.get("clip_qkv"))
 
 
+@architecture("olmo2", norm="rms", llama_layout=True, status="verified")
 def olmo2(config: dict) -> DecoderSpec:
     spec = llama(config)
     return replace(spec, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full", attn_in_norm=None,
@@ -385,6 +441,11 @@ def olmo2(config: dict) -> DecoderSpec:
                    mlp_out_norm="post_feedforward_layernorm", norm_eps=config.get("rms_norm_eps", 1e-5))
 
 
+@architecture("granite", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation",
+              aliases=[
+                  "granite4_vision_text",  # normalized to granite
+              ])
 def granite(config: dict) -> DecoderSpec:
     return replace(llama(config), embed_scale=config.get("embedding_multiplier", 1.0),
                    residual_scale=config.get("residual_multiplier", 1.0),
@@ -392,6 +453,7 @@ def granite(config: dict) -> DecoderSpec:
                    logits_scale=1.0 / config.get("logits_scaling", 1.0))
 
 
+@architecture("cohere", norm="layer", llama_layout=True, status="verified")
 def cohere(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("use_qk_norm", False))
     return replace(llama(config), q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None,
@@ -401,6 +463,8 @@ def cohere(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("stablelm", norm="layer", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def stablelm(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
     bias = bool(config.get("use_qkv_bias", False))
@@ -412,6 +476,8 @@ def stablelm(config: dict) -> DecoderSpec:
                    qk_norm_scope="per_head_list")
 
 
+@architecture("starcoder2", norm="layer", status="verified",
+              notes="native KV-cache generation")
 def starcoder2(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", True))
     spec = mistral(config)
@@ -420,6 +486,9 @@ def starcoder2(config: dict) -> DecoderSpec:
                    down_proj="c_proj", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=bias)
 
 
+@architecture("gpt2", norm="layer", status="verified",
+              notes="native KV-cache generation; upstream claims HF forward-logit fixtures")
+@architecture("gpt-sw3", norm="layer", status="verified")  # GPT2Config / GPT2LMHeadModel under another model_type
 def gpt2(config: dict) -> DecoderSpec:
     refuse("gpt2", config, "add_cross_attention", lambda v: not v)
     refuse("gpt2", config, "scale_attn_weights", lambda v: v in (None, True))
@@ -436,6 +505,7 @@ def gpt2(config: dict) -> DecoderSpec:
                    o_bias=True, mlp_bias=True, attention_scales=scales)
 
 
+@architecture("gpt_neox", norm="layer", status="verified")
 def gpt_neox(config: dict) -> DecoderSpec:
     spec = DecoderSpec(**_sizes(config))
     rope_config = dict(config)  # 4.x spelled the rotary fraction and base differently
@@ -456,6 +526,7 @@ def gpt_neox(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+@architecture("phi", norm="layer", status="verified")
 def phi(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
     return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", o_proj="dense",
@@ -467,6 +538,7 @@ def phi(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+@architecture("opt", norm="layer", status="verified")
 def opt(config: dict) -> DecoderSpec:
     refuse("opt", config, "layer_norm_elementwise_affine", lambda v: v in (None, True))
     bias = bool(config.get("enable_bias", True))
@@ -487,6 +559,7 @@ def opt(config: dict) -> DecoderSpec:
                    v_bias=bias, o_bias=bias, mlp_bias=bias)
 
 
+@architecture("falcon", norm="layer", status="verified")
 def falcon(config: dict) -> DecoderSpec:
     new_arch = bool(config.get("new_decoder_architecture", False))
     if new_arch:
@@ -517,6 +590,8 @@ def falcon(config: dict) -> DecoderSpec:
                       else {}))
 
 
+@architecture("bloom", norm="layer", status="verified",
+              notes="ALiBi")
 def bloom(config: dict) -> DecoderSpec:
     refuse("bloom", config, "apply_residual_connection_post_layernorm", lambda v: not v)
     spec = DecoderSpec(**_sizes(config))
@@ -537,16 +612,19 @@ def _layer_types(config: dict, num_layers: int) -> list[str]:
     return list(config.get("layer_types") or ["full_attention"] * num_layers)
 
 
+@architecture("arcee", norm="rms", llama_layout=True, status="verified")
 def arcee(config: dict) -> DecoderSpec:
     """Llama with a plain (ungated) up/down MLP (squared ReLU)."""
     return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
 
 
+@architecture("ministral", norm="rms", llama_layout=True, status="verified")
 def ministral(config: dict) -> DecoderSpec:
     """Mistral with per-layer layer_types (sliding_windows reads them)."""
     return mistral(config)
 
 
+@architecture("ministral3", norm="rms", llama_layout=True, status="verified")
 def ministral3(config: dict) -> DecoderSpec:
     """Mistral + Llama-4 query scaling by position (rope_parameters.llama_4_scaling_beta)."""
     spec = mistral(config)
@@ -557,10 +635,12 @@ def ministral3(config: dict) -> DecoderSpec:
     return spec
 
 
+@architecture("helium", norm="rms", llama_layout=True, status="verified")
 def helium(config: dict) -> DecoderSpec:
     return replace(llama(config), rope_interleaved=True)
 
 
+@architecture("smollm3", norm="rms", llama_layout=True, status="verified")
 def smollm3(config: dict) -> DecoderSpec:
     """Llama with NoPE layers: no_rope_layers[i] == 1 means layer i rotates."""
     spec = llama(config)
@@ -570,12 +650,14 @@ def smollm3(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("ernie4_5", norm="rms", llama_layout=True, status="verified")
 def ernie4_5(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", False))
     return replace(llama(config), rope_interleaved=True, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
                    mlp_bias=bias)
 
 
+@architecture("glm", norm="rms", llama_layout=True, status="verified")
 def glm(config: dict) -> DecoderSpec:
     """Fused gate_up MLP, q/k/v biases, interleaved partial rotary."""
     # GLM-OCR's text attention has no biases (its config has no attention_bias field)
@@ -584,17 +666,31 @@ def glm(config: dict) -> DecoderSpec:
                    rope_interleaved=True)
 
 
+@architecture("glm4", norm="rms", llama_layout=True, status="verified",
+              aliases=[
+                  "glm4v_text",  # GLM4V text: full-head RoPE, mRoPE reduced to 1-D
+                  "glm4v",  # multimodal wrapper; text_config parsed as glm4v_text
+                  "glm_ocr_text",  # parsed with GLM4V text parser
+                  "glm_ocr",  # multimodal wrapper; text_config parsed with GLM4V text parser
+              ])
 def glm4(config: dict) -> DecoderSpec:
     """GLM with sandwich norms on the attention and MLP outputs."""
     return replace(glm(config), attn_out_norm="post_self_attn_layernorm", mlp_out_norm="post_mlp_layernorm")
 
 
+@architecture("hunyuan_v1_dense", norm="rms", llama_layout=True, status="verified",
+              notes="DynamicNTKAlpha RoPE",
+              aliases=[
+                  "hunyuan_vl_text",  # mRoPE reduced; tied embeddings default
+                  "hunyuan_vl",  # multimodal wrapper; text_config parsed as hunyuan_vl_text
+              ])
 def hunyuan_v1_dense(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("use_qk_norm", True))
     return replace(llama(config), q_norm="query_layernorm" if qk_norm else None,
                    k_norm="key_layernorm" if qk_norm else None, qk_norm_after_rope=True)
 
 
+@architecture("hyperclovax", norm="rms", llama_layout=True, status="verified")
 def hyperclovax(config: dict) -> DecoderSpec:
     """Granite multipliers plus Peri-LN post-norms on both sublayer outputs."""
     spec = replace(granite(config), logits_scale=config.get("logits_scaling", 1.0))  # multiplies, unlike Granite
@@ -603,6 +699,7 @@ def hyperclovax(config: dict) -> DecoderSpec:
     return spec
 
 
+@architecture("granite_swa", norm="rms", llama_layout=True, status="verified")
 def granite_swa(config: dict) -> DecoderSpec:
     """Granite + per-layer sliding window, per-layer rope theta (0: NoPE) and per-head attention sinks."""
     spec = granite(config)
@@ -619,6 +716,7 @@ def _with_rope_theta(config: dict, theta: float) -> dict:
     return dict(config, rope_parameters=params)
 
 
+@architecture("olmo3", norm="rms", llama_layout=True, status="verified")
 def olmo3(config: dict) -> DecoderSpec:
     """OLMo 2 block with per-layer sliding windows and a rope dict per layer type."""
     spec = olmo2(config)
@@ -628,6 +726,10 @@ def olmo3(config: dict) -> DecoderSpec:
     return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
 
 
+@architecture("exaone4", norm="rms", llama_layout=True, status="verified",
+              aliases=[
+                  "exaone4_5_text",  # legacy spelling normalized to exaone4
+              ])
 def exaone4(config: dict) -> DecoderSpec:
     """OLMo 2-style post-norms with per-head q/k RMSNorm; with sliding layers, only those rotate."""
     spec = replace(olmo2(config), qk_norm_scope="head")
@@ -637,6 +739,7 @@ def exaone4(config: dict) -> DecoderSpec:
     return replace(spec, windows=windows, rope_layers=rope_layers)
 
 
+@architecture("cohere2", norm="layer", llama_layout=True, status="verified")
 def cohere2(config: dict) -> DecoderSpec:
     """Cohere with sliding layers that rotate and full-attention layers without rotary."""
     spec = cohere(config)
@@ -645,6 +748,10 @@ def cohere2(config: dict) -> DecoderSpec:
                    rope_layers=tuple(t == "sliding_attention" for t in types))
 
 
+@architecture("cohere_compass_text", norm="layer", llama_layout=True, status="verified",
+              aliases=[
+                  "cohere_compass",  # wrapper; text_config
+              ])
 def cohere_compass_text(config: dict) -> DecoderSpec:
     """Cohere 2's block with rotate_half rotary from a rope dict per layer type; a type whose dict is null has
     no rotary (NoPE). Text positions are equal on the three M-RoPE axes, so its multimodal rope is 1-D rope."""
@@ -658,6 +765,7 @@ def cohere_compass_text(config: dict) -> DecoderSpec:
                    rope_layers=tuple(bool(params.get(t)) for t in types))
 
 
+@architecture("modernbert-decoder", norm="layer", status="verified")
 def modernbert_decoder(config: dict) -> DecoderSpec:
     """Embedding LayerNorm, no attention input norm in layer 0, fused Wi = [input | gate] GLU, MHA with per-layer
     sliding windows (local_attention // 2) and a rope dict per layer type, then a dense-gelu-LayerNorm prediction
@@ -680,17 +788,21 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("vaultgemma", norm="rms", llama_layout=True, status="verified")
 def vaultgemma(config: dict) -> DecoderSpec:
     """Gemma 2 without the sublayer post-norms."""
     return replace(gemma2(config), attn_out_norm=None, mlp_out_norm=None)
 
 
+@architecture("jais2", norm="layer", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def jais2(config: dict) -> DecoderSpec:
     """LayerNorm with bias, plain squared-ReLU MLP, biases."""
     return replace(llama(config), norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
                    mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
 
 
+@architecture("nemotron", norm="layer", llama_layout=True, status="verified")
 def nemotron(config: dict) -> DecoderSpec:
     """LayerNorm1P (x * (1 + w) + b), plain squared-ReLU MLP, partial rotary."""
     return replace(llama(config), norm="layer", norm_bias=True, norm_unit_offset=True,
@@ -698,6 +810,8 @@ def nemotron(config: dict) -> DecoderSpec:
                    hidden_act=config.get("hidden_act", "relu2"))
 
 
+@architecture("nanochat", norm="rms", llama_layout=True, status="verified",
+              notes="parameter-free RMSNorm")
 def nanochat(config: dict) -> DecoderSpec:
     """Parameter-free RMSNorm everywhere (also right after the embedding and on q/k after rotary), rotation by
     -theta, plain squared-ReLU fc1/fc2 MLP, final soft-capping."""
@@ -707,6 +821,8 @@ def nanochat(config: dict) -> DecoderSpec:
                    final_softcap=config.get("final_logit_softcapping") or 0.0)
 
 
+@architecture("apertus", norm="rms", llama_layout=True, status="verified",
+              notes="xIELU activation")
 def apertus(config: dict) -> DecoderSpec:
     """Plain up/down MLP with the learned xIELU activation; q/k RMSNorm; renamed sublayer norms."""
     qk_norm = bool(config.get("qk_norm", True))
@@ -715,6 +831,8 @@ def apertus(config: dict) -> DecoderSpec:
                    q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
 
 
+@architecture("bitnet", norm="rms", llama_layout=True, status="verified",
+              notes="relu2 + projection sub-norms")
 def bitnet(config: dict) -> DecoderSpec:
     """Llama with squared-ReLU GLU and RMSNorm sub-norms before o_proj and down_proj. Plain float weights: a
     checkpoint quantised for BitNet kernels (quantization_config) is refused."""
@@ -723,6 +841,10 @@ def bitnet(config: dict) -> DecoderSpec:
                    mlp_sub_norm="ffn_sub_norm")
 
 
+@architecture("persimmon", norm="layer", status="verified",
+              aliases=[
+                  "fuyu",  # text_config (or legacy root fields) parsed as Persimmon
+              ])
 def persimmon(config: dict) -> DecoderSpec:
     """Fused per-head query_key_value, per-head q/k LayerNorm, partial rotary, squared-ReLU MLP, biases."""
     qk_norm = bool(config.get("qk_layernorm", True))
@@ -734,6 +856,9 @@ def persimmon(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+# its fixture is built with transformers 4.49 (removed in 5)
+@architecture("open-llama", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def open_llama(config: dict) -> DecoderSpec:
     """Open-Llama (transformers 4.x's deprecated OpenLlama): Llama with MHA only, a LayerNorm (eps 1e-5, torch's
     default) on the embeddings (use_stable_embedding) and logits from the embedding matrix without an lm_head
@@ -750,6 +875,7 @@ def open_llama(config: dict) -> DecoderSpec:
                    embed_norm="model.embed_layer_norm" if stable else None, embed_norm_layer_eps=1e-5)
 
 
+@architecture("seed_oss", norm="rms", llama_layout=True, status="verified")
 def seed_oss(config: dict) -> DecoderSpec:
     """Llama with q/k/v biases on by default (attention_bias) and the o_proj bias apart (attention_out_bias)."""
     bias = bool(config.get("attention_bias", True))
@@ -757,6 +883,8 @@ def seed_oss(config: dict) -> DecoderSpec:
                    o_bias=bool(config.get("attention_out_bias", False)))
 
 
+@architecture("cwm", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def cwm(config: dict) -> DecoderSpec:
     """Llama with per-layer sliding windows from layer_types (its default rope is llama3)."""
     spec = llama(config)
@@ -765,6 +893,7 @@ def cwm(config: dict) -> DecoderSpec:
 
 # -- GPT-family relatives
 
+@architecture("gptj", norm="layer", status="verified")
 def gptj(config: dict) -> DecoderSpec:
     """Parallel block from one LayerNorm, interleaved rotary on the first rotary_dim dims, lm_head bias."""
     spec = DecoderSpec(**_sizes(config))
@@ -782,11 +911,13 @@ def gptj(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+@architecture("codegen", norm="layer", status="verified")
 def codegen(config: dict) -> DecoderSpec:
     """GPT-J with one fused qkv_proj in 4 model-parallel chunks, each [q, v, k]."""
     return replace(gptj(config), qkv_proj="qkv_proj", qkv_layout="chunks_qvk", qkv_chunks=4)
 
 
+@architecture("gpt_neox_japanese", norm="layer", status="verified")
 def gpt_neox_japanese(config: dict) -> DecoderSpec:
     """Sequential GPT-NeoX block without projection biases; the last layer adds a separate dense_bias."""
     spec = DecoderSpec(**_sizes(config))
@@ -807,6 +938,7 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("gpt_bigcode", norm="layer", status="verified")
 def gpt_bigcode(config: dict) -> DecoderSpec:
     """GPT-2 with nn.Linear weights and multi-query attention (c_attn = [q | k | v], one KV head)."""
     refuse("gpt_bigcode", config, "scale_attn_weights", lambda v: v in (None, True))
@@ -816,6 +948,7 @@ def gpt_bigcode(config: dict) -> DecoderSpec:
                    hidden_act=config.get("activation_function", "gelu_pytorch_tanh"))
 
 
+@architecture("gpt_neo", norm="layer", status="verified")
 def gpt_neo(config: dict) -> DecoderSpec:
     """GPT-2-like block with nn.Linear q/k/v (no bias), unscaled scores and global/local (windowed) layers."""
     spec = DecoderSpec(**_sizes(dict(config, num_attention_heads=config["num_heads"],
@@ -834,6 +967,7 @@ def gpt_neo(config: dict) -> DecoderSpec:
                    windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]))
 
 
+@architecture("openai-gpt", norm="layer", status="verified")
 def openai_gpt(config: dict) -> DecoderSpec:
     """GPT-1: GPT-2's Conv1D layers with post-LayerNorm blocks and no final norm."""
     spec = DecoderSpec(**_sizes(config))
@@ -843,6 +977,7 @@ def openai_gpt(config: dict) -> DecoderSpec:
                    attention_scales=(), intermediate_size=4 * spec.hidden_size)
 
 
+@architecture("biogpt", norm="layer", status="verified")
 def biogpt(config: dict) -> DecoderSpec:
     """OPT-like pre-LN block: scaled embeddings, learned positions offset by 2, tied output_projection. Its
     LayerNorms are built without an eps (torch's default 1e-5): transformers never reads layer_norm_eps (1e-12)."""
@@ -857,6 +992,8 @@ def biogpt(config: dict) -> DecoderSpec:
                    mlp_bias=True)
 
 
+@architecture("xglm", norm="layer", status="verified",
+              notes="sinusoidal positions")
 def xglm(config: dict) -> DecoderSpec:
     """BioGPT's block with a fixed fairseq sinusoidal position table (offset 2) instead of a learned one."""
     spec = biogpt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["attention_heads"],
@@ -869,6 +1006,8 @@ def xglm(config: dict) -> DecoderSpec:
                    extra=dict(padding_row=config.get("pad_token_id")))
 
 
+@architecture("trocr", norm="layer", status="verified",
+              notes="TrOCRForCausalLM: the decoder alone (vision encoder not native)")
 def trocr(config: dict) -> DecoderSpec:
     """TrOCRForCausalLM, the decoder without encoder states: OPT-350m's post-LN block with layernorm_embedding
     after the positions, no final norm, tied output_projection, and labels not shifted inside. Positions are
@@ -902,6 +1041,8 @@ def trocr(config: dict) -> DecoderSpec:
                    unused_layer_params=cross, **positions)
 
 
+@architecture("ctrl", norm="layer", status="verified",
+              notes="sinusoidal positions")
 def ctrl(config: dict) -> DecoderSpec:
     """Pre-LN block with scaled embeddings and a fixed [sin | cos] position table; lm_head bias."""
     spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
@@ -914,6 +1055,8 @@ def ctrl(config: dict) -> DecoderSpec:
                    k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True)
 
 
+@architecture("mpt", norm="layer", status="verified",
+              notes="ALiBi")
 def mpt(config: dict) -> DecoderSpec:
     """ALiBi, fused Wqkv [q | k | v], bias-free LayerNorm and projections, 4x GELU MLP."""
     attn = config.get("attn_config") or {}
@@ -955,12 +1098,16 @@ def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
     return any(t != "dense" for t in types)
 
 
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
 def hy_v3(config: dict) -> DecoderSpec:
     """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
     spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
     return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
 
 
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("laguna", norm="rms", llama_layout=True, status="verified")
 def laguna(config: dict) -> DecoderSpec:
     """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
     per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per layer type."""
@@ -977,6 +1124,12 @@ def laguna(config: dict) -> DecoderSpec:
     return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
 
 
+@architecture("qwen3_5_text", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule; upstream claims 2-step"
+                     " AdamW parity"),
+              aliases=[
+                  "qwen3_5",  # multimodal wrapper; text_config
+              ])
 def qwen3_5_text(config: dict) -> DecoderSpec:
     """Qwen3.5's hybrid decoder: Gated DeltaNet linear-attention layers (gated_deltanet.py) and softmax-attention
     layers whose q_proj also yields a sigmoid output gate, (1 + w) RMSNorm everywhere (q/k norm per head),
@@ -992,6 +1145,8 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
                    linear_conv_kernel=config.get("linear_conv_kernel_dim", 4))
 
 
+@architecture("olmo_hybrid", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule")
 def olmo_hybrid(config: dict) -> DecoderSpec:
     """OLMo 2 attention blocks (post-norms, q/k norm over the whole projection; no rotary when rope_theta is None,
     as released) and pre-norm Gated DeltaNet blocks with separate projections, one conv per q/k/v and
@@ -1017,6 +1172,9 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
 
 # -- multi-head latent attention
 
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",
+              notes="MLA")
 def deepseek_v2(config: dict) -> DecoderSpec:
     """Llama block with MLA; mixture-of-experts MLPs (vkformers-moe) from layer first_k_dense_replace on."""
     spec = _mla(llama(config), config)
@@ -1040,6 +1198,9 @@ def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
                    attention_scales=(scale,) * spec.num_layers)
 
 
+# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
+@architecture("mistral4", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims 2-step AdamW parity")
 def mistral4(config: dict) -> DecoderSpec:
     """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),
     optional interleaving (rope_interleave) and Llama-4 query scaling by position; mixture-of-experts MLPs
@@ -1060,6 +1221,8 @@ def mistral4(config: dict) -> DecoderSpec:
     return _with_moe("mistral4", config, spec, sparse)
 
 
+@architecture("minicpm3", norm="rms", llama_layout=True, status="verified",
+              notes="MLA")
 def minicpm3(config: dict) -> DecoderSpec:
     """MLA + muP scalings: embeddings * scale_emb, residual branches * scale_depth / sqrt(layers), logits on
     hidden / (hidden_size / dim_model_base)."""
@@ -1070,32 +1233,57 @@ def minicpm3(config: dict) -> DecoderSpec:
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
+@architecture("youtu", norm="rms", llama_layout=True, status="verified",
+              notes="MLA (DeepSeek-style)")
 def youtu(config: dict) -> DecoderSpec:
     return replace(_mla(llama(config), config), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
-# Canonical architecture name -> its delta. Architectures not listed have no implementation yet.
-VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
-    "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "gemma": gemma, "gemma2": gemma2,
-    "gemma3_text": gemma3_text, "phi3": phi3, "olmo": olmo, "olmo2": olmo2, "granite": granite, "cohere": cohere,
-    "stablelm": stablelm, "starcoder2": starcoder2, "gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "opt": opt,
-    "falcon": falcon, "bloom": bloom,
-    # added from the fixtures' deltas
-    "arcee": arcee, "ministral": ministral, "ministral3": ministral3, "helium": helium, "smollm3": smollm3,
-    "ernie4_5": ernie4_5, "glm": glm, "glm4": glm4, "hunyuan_v1_dense": hunyuan_v1_dense, "hyperclovax": hyperclovax,
-    "granite_swa": granite_swa, "olmo3": olmo3, "exaone4": exaone4, "cohere2": cohere2, "vaultgemma": vaultgemma,
-    "jais2": jais2, "nemotron": nemotron, "nanochat": nanochat, "apertus": apertus, "persimmon": persimmon,
-    "gptj": gptj, "codegen": codegen, "gpt_neox_japanese": gpt_neox_japanese, "gpt_bigcode": gpt_bigcode,
-    "gpt_neo": gpt_neo, "openai-gpt": openai_gpt, "biogpt": biogpt, "xglm": xglm, "ctrl": ctrl, "mpt": mpt,
-    "bitnet": bitnet, "deepseek_v2": deepseek_v2, "minicpm3": minicpm3, "youtu": youtu,
-    # second pass
-    "gpt-sw3": gpt2,  # GPT2Config / GPT2LMHeadModel under another model_type
-    "emu3_text_model": llama,  # Emu3's text decoder is a Llama block (attention_bias read by llama)
-    "seed_oss": seed_oss, "cwm": cwm, "cohere_compass_text": cohere_compass_text,
-    "modernbert-decoder": modernbert_decoder, "hy_v3": hy_v3, "laguna": laguna, "mistral4": mistral4,
-    "qwen3_5_text": qwen3_5_text, "trocr": trocr, "olmo_hybrid": olmo_hybrid,
-    "open-llama": open_llama,
-}
+# Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
+# whatever architecture that names.
+FAMILY.wrappers({
+    "exaone4_5":            NESTED_TEXT_CONFIG,  # typically exaone4_5_text/exaone4 -> exaone4
+    "cohere2_vision":       NestedConfig(("text_config",), (("logit_scale", 1.0),)),  # its lm_head does not scale logits
+    # Cosmos3-Omni's language model is saved at the file's root, with Diffusers attention names
+    "cosmos3_omni":         NestedConfig(("text_config",), renames=(
+        (r"^(layers|embed_tokens|norm)\.", r"model.language_model.\1."),
+        *((rf"\.self_attn\.{old}\.", f".self_attn.{new}.") for old, new in (
+            ("to_q", "q_proj"), ("to_k", "k_proj"), ("to_v", "v_proj"), ("to_out", "o_proj"), ("norm_q", "q_norm"),
+            ("norm_k", "k_norm"))))),
+    "got_ocr2":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "aya_vision":           NestedConfig(("text_config",), (("logit_scale", 1.0),)),  # its lm_head does not scale logits
+    "llava":                NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "llava_next":           NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "llava_next_video":     NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "llava_onevision":      NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "video_llava":          NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "video_llama_3":        NESTED_TEXT_CONFIG,  # explicit dispatcher arm
+    "vipllava":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "idefics2":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "idefics3":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "smolvlm":              NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "qwen2_audio":          NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "voxtral":              NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "fast_vlm":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "internvl":             NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "janus":                NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "ovis2":                NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "paligemma":            NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "deepseek_vl":          NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "deepseek_vl_hybrid":   NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "paddleocr_vl":         NESTED_TEXT_CONFIG,  # generic wrapper arm; legacy flat root config falls back to paddleocr_vl_text -> llama
+    "audioflamingo3":       NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "qwen3_asr":            NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "granite_speech":       NestedConfig(("text_config",), (("logits_scaling", 1.0),)),  # its lm_head skips logits_scaling
+    "granite_speech_plus":  NestedConfig(("text_config",), (("logits_scaling", 1.0),)),  # its lm_head skips logits_scaling
+    "granite4_vision":      NESTED_TEXT_CONFIG,  # typically granite4_vision_text -> granite
+    "glmasr":               NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "musicflamingo":        NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+    "vibevoice_asr":        NESTED_TEXT_CONFIG,  # generic multimodal/speech wrapper; non-text towers not run
+})
+
+# Canonical architecture name -> its variant, from the declarations above.
+VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = FAMILY.variants()
 
 
 def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:

@@ -10,23 +10,11 @@ from vkformers_moe.variants import decoder_spec
 
 
 class MoeDecoderForCausalLM(DecoderForCausalLM):
-    """A causal decoder of any architecture in :data:`vkformers_moe.variants.VARIANTS`."""
+    """A causal decoder of any architecture in :data:`vkformers_moe.variants.VARIANTS`. An architecture whose
+    residual stream is not one hidden state (DeepSeek-V4's streams) declares its own subclass as its
+    ``model_class``."""
 
     decoder_spec = staticmethod(decoder_spec)
-
-    def __new__(cls, config=None, architecture=None, *args, **kwargs):
-        # an architecture whose residual stream is not one hidden state has its own subclass (DeepSeek-V4's streams)
-        name = getattr(architecture, "name", architecture)
-        if cls is MoeDecoderForCausalLM and name == "deepseek_v4":
-            from vkformers_moe.deepseek_v4 import DeepseekV4ForCausalLM
-            cls = DeepseekV4ForCausalLM
-        elif cls is MoeDecoderForCausalLM and name == "glm5_next_text":
-            from vkformers_moe.glm5_next import Glm5NextForCausalLM
-            cls = Glm5NextForCausalLM
-        if cls is MoeDecoderForCausalLM and getattr(architecture, "name", architecture) == "qwen4_exp_text":
-            from vkformers_moe.qwen4_exp import Qwen4ExpForCausalLM  # gated-residual streams
-            cls = Qwen4ExpForCausalLM
-        return super().__new__(cls)
 
     def __init__(self, config: dict, architecture):
         super().__init__(config, architecture)

@@ -3,8 +3,7 @@ from pathlib import Path
 
 from vkformers.models.family import FamilyPlugin
 
-from vkformers_moe.architectures import ALIASES, ARCHITECTURES, STATUSES
 from vkformers_moe.model import MoeDecoderForCausalLM
+from vkformers_moe.variants import FAMILY
 
-plugin = FamilyPlugin("moe", ARCHITECTURES, ALIASES, Path(__file__).parent,
-                      model_classes={"causal-lm": MoeDecoderForCausalLM}, statuses=STATUSES)
+plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"causal-lm": MoeDecoderForCausalLM})

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+from vkformers.models.family import Family
+from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _layer_types, _mla, cohere2,
                                       ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2,
                                       qwen3, qwen3_5_text, refuse, sliding_windows)
@@ -20,6 +22,10 @@ from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
 from vkformers_moe.minimax_m3 import MinimaxM3Attention
 from vkformers_moe.longcat import LongcatLayers
+
+# The architectures of vkformers-moe, each declared once on its variant function (vkformers.models.family).
+FAMILY = Family("moe", kind="causal-decoder", moe=True)
+architecture = FAMILY.architecture
 
 
 def _refuse_training_extras(arch: str, config: dict) -> None:
@@ -41,6 +47,8 @@ def sparse_step_layers(config: dict, num_layers: int) -> tuple[bool, ...]:
     return tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
+@architecture("mixtral", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims HF forward-logit fixtures")
 def mixtral(config: dict) -> DecoderSpec:
     """Mistral whose MLP is a top-k (renormalised) softmax router over SwiGLU experts w1 (gate), w3 (up), w2 (down)."""
     _refuse_training_extras("mixtral", config)
@@ -51,6 +59,8 @@ def mixtral(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("phimoe", norm="layer", llama_layout=True, status="verified",
+              notes="native KV-cache generation; SparseMixer routing")
 def phimoe(config: dict) -> DecoderSpec:
     """PhiMoE: Mistral (sliding_window) with LayerNorms with bias, q/k/v/o biases (attention_bias), lm_head bias
     (lm_head_bias) and SparseMixer routing over Mixtral-style experts (block_sparse_moe.experts.<e>.w1/w3/w2);
@@ -68,6 +78,8 @@ def phimoe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("qwen2_moe", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def qwen2_moe(config: dict) -> DecoderSpec:
     """Qwen2 with top-k softmax experts (norm_topk_prob), plus a shared expert gated by sigmoid(shared_expert_gate)."""
     _refuse_training_extras("qwen2_moe", config)
@@ -82,6 +94,13 @@ def qwen2_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("qwen3_moe", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation",
+              aliases=[
+                  "qwen3_vl_moe_text",  # normalized to qwen3_moe
+                  "qwen3_vl_moe",  # multimodal wrapper; text_config
+                  "qwen3_omni_moe_text",  # normalized to qwen3_moe
+              ])
 def qwen3_moe(config: dict) -> DecoderSpec:
     """Qwen3 (per-head q/k RMSNorm) with top-k softmax experts (norm_topk_prob), no shared expert. Qwen3-VL-MoE's text
     model (qwen3_vl_moe_text) keeps its experts fused (experts.gate_up_proj, experts.down_proj), in either layout."""
@@ -96,6 +115,12 @@ def qwen3_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("qwen3_5_moe_text", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule; upstream claims 2-step"
+                     " AdamW parity"),
+              aliases=[
+                  "qwen3_5_moe",  # multimodal wrapper; text_config
+              ])
 def qwen3_5_moe_text(config: dict) -> DecoderSpec:
     """Qwen3.5's hybrid decoder (Gated DeltaNet and gated-attention layers) with a sparse block in every layer: softmax
     router mlp.gate, top-k always renormalised, SwiGLU experts (saved one module per expert), plus a shared_expert
@@ -109,6 +134,8 @@ def qwen3_5_moe_text(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("qwen3_next", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule")
 def qwen3_next(config: dict) -> DecoderSpec:
     """Qwen3.5's hybrid decoder whose Gated DeltaNet projections are laid out per key head (in_proj_qkvz,
     in_proj_ba), with Qwen2-MoE's sparse block (norm_topk_prob, sigmoid-gated shared_expert) on the layers of
@@ -118,6 +145,11 @@ def qwen3_next(config: dict) -> DecoderSpec:
     return replace(qwen3_5_text(config), linear_grouped_projections=True, moe=moe)
 
 
+@architecture("llama4_text", norm="rms", llama_layout=True, status="verified",
+              notes="chunked attention; NoPE layers",
+              aliases=[
+                  "llama4",  # multimodal wrapper; text_config
+              ])
 def llama4_text(config: dict) -> DecoderSpec:
     """Llama 4's text decoder: Llama blocks (feed_forward) with interleaved rotary on the layers no_rope_layers marks,
     Llama 4's attention deltas (llama4.py: chunked attention, NoPE temperature, weightless q/k norm) and, on
@@ -149,6 +181,8 @@ def llama4_text(config: dict) -> DecoderSpec:
                    rope_interleaved=True, rope_layers=tuple(rotary), make_layer=attention, moe=moe)
 
 
+@architecture("longcat_flash", norm="rms", llama_layout=True, status="verified",
+              notes="MLA via Youtu/DeepSeek normalization; zero/identity experts")
 def longcat_flash(config: dict) -> DecoderSpec:
     """LongCat-Flash (longcat.py): num_layers layers of two sublayers, each DeepSeek-V3's MLA (interleaved rotary,
     q_lora_rank; queries scaled by sqrt(hidden / q_lora_rank), the normed kv latent by sqrt(hidden / kv_lora_rank),
@@ -173,6 +207,9 @@ def longcat_flash(config: dict) -> DecoderSpec:
     return replace(sub, num_layers=layers, make_layer=LongcatLayers(sub), moe=moe)
 
 
+@architecture("gpt_oss", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; clipped SwiGLU (gpt_oss_swiglu shader); alternating sliding/full "
+                     "attention; upstream claims 2-step AdamW parity"))
 def gpt_oss(config: dict) -> DecoderSpec:
     """GPT-OSS: Llama attention with q/k/v/o biases (attention_bias, on by default), per-head sinks and layer_types
     (default: even layers sliding, odd full), with a sparse block in every layer: router mlp.router with a bias,
@@ -192,6 +229,8 @@ def gpt_oss(config: dict) -> DecoderSpec:
                    attention_sinks="sinks", moe=moe)
 
 
+@architecture("mimo_v2_flash", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def mimo_v2_flash(config: dict) -> DecoderSpec:
     """MiMo-V2-Flash (mimo.py): Llama blocks whose sliding layers (layer_types; default: all but layer 0 and every
     6th) have twice the KV heads and per-head sinks (self_attn.attention_sink_bias); value heads of v_head_dim
@@ -222,6 +261,10 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
     return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))
 
 
+@architecture("deepseek_v4", norm="rms", status="verified",
+              notes=("native KV-cache generation; HCA/CSA compressed attention + mHC + hyper head (composed from engine"
+                     " ops, deepseek_v4.py); upstream claims 2-step AdamW parity"),
+              model_class="vkformers_moe.deepseek_v4:DeepseekV4ForCausalLM")
 def deepseek_v4(config: dict) -> DecoderSpec:
     """DeepSeek-V4 (deepseek_v4.py): hc_mult hyper-connected residual streams, shared-KV attention with sinks over a
     sliding window plus compressed entries (layer_types: sliding / CSA with a lightning indexer / HCA), grouped output
@@ -258,6 +301,13 @@ def deepseek_v4(config: dict) -> DecoderSpec:
     return replace(spec, make_layer=layers,
                    rope_configs=tuple((config, "main" if t == "sliding_attention" else "compress") for t in types))
 
+@architecture("qwen4_exp_text", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; DeltaNet + sparse QSA + GR/hyper-connection streams + PLE (composed "
+                     "from engine ops, qwen4_exp.py); upstream claims 2-step AdamW parity"),
+              model_class="vkformers_moe.qwen4_exp:Qwen4ExpForCausalLM",
+              aliases=[
+                  "qwen4_exp",  # wrapper; text_config
+              ])
 def qwen4_exp_text(config: dict) -> DecoderSpec:
     """Qwen4-Exp (qwen4_exp.py): Qwen3.5-MoE's layers without their norms, between gated residuals over hc_count
     streams (collapsed by hyper_connection_mixer, no final norm); PLE hashed n-gram embeddings on ple_layer_ids;
@@ -288,6 +338,7 @@ def qwen4_exp_text(config: dict) -> DecoderSpec:
     return replace(spec, attn_in_norm=None, mlp_in_norm=None, final_norm=None, make_layer=layers)
 
 
+@architecture("olmoe", norm="rms", llama_layout=True, status="verified")
 def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
@@ -301,6 +352,7 @@ def olmoe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("granitemoe", norm="rms", llama_layout=True, status="verified")
 def granitemoe(config: dict) -> DecoderSpec:
     """Granite's multipliers with experts stored fused: block_sparse_moe.input_linear.weight [E, 2I, H] ([gate | up])
     and output_linear.weight [E, H, I]; softmax over the top-k router logits (= renormalised top-k softmax)."""
@@ -313,6 +365,7 @@ def granitemoe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("granitemoeshared", norm="rms", llama_layout=True, status="verified")
 def granitemoeshared(config: dict) -> DecoderSpec:
     """GraniteMoE plus an always-on shared MLP beside the sparse block (layers.<i>.shared_mlp, fused like the experts:
     input_linear [2S, H] = [gate | up], output_linear [H, S]; none when shared_intermediate_size is 0)."""
@@ -324,6 +377,7 @@ def granitemoeshared(config: dict) -> DecoderSpec:
                                      shared_fused=True, shared_names=("input_linear", "output_linear")))
 
 
+@architecture("granitemoe_swa", norm="rms", llama_layout=True, status="verified")
 def granitemoe_swa(config: dict) -> DecoderSpec:
     """granite_swa's attention (per-layer sliding windows and rope theta, per-head sinks) with GraniteMoeShared's
     sparse block and shared MLP; no checkpoint conversion in transformers, so the block is saved as it runs: router
@@ -333,6 +387,7 @@ def granitemoe_swa(config: dict) -> DecoderSpec:
     return replace(granite_swa(config), moe=moe)
 
 
+@architecture("ernie4_5_moe", norm="rms", llama_layout=True, status="verified")
 def ernie4_5_moe(config: dict) -> DecoderSpec:
     """ERNIE 4.5 (interleaved rotary, use_bias) whose layers moe_layer_start_index..moe_layer_end_index, every
     moe_layer_interval-th, are sparse: softmax router gate over moe_num_experts, top-moe_k chosen on the scores plus
@@ -364,6 +419,7 @@ def _mlp_types(config: dict, num_layers: int) -> list[str]:
     return config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(num_layers)]
 
 
+@architecture("cohere2_moe", norm="layer", llama_layout=True, status="verified")
 def cohere2_moe(config: dict) -> DecoderSpec:
     """Cohere 2 (parallel residual, interleaved rotary on sliding layers, logit_scale) with RMSNorm when rms_norm_eps
     is set; dense layers (mlp_layer_types) of prefix_dense_intermediate_size, which always rotate when
@@ -393,6 +449,7 @@ def cohere2_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("exaone_moe", norm="rms", llama_layout=True, status="verified")
 def exaone_moe(config: dict) -> DecoderSpec:
     """EXAONE MoE: Qwen3-style pre-norm block with per-head q/k RMSNorm, EXAONE 4's per-layer windows (with sliding
     layers only those rotate), DeepSeek-V3's router (e_score_correction_bias saved as mlp.e_score_correction_bias)
@@ -413,6 +470,8 @@ def exaone_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("minimax_m2", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims 2-step AdamW parity")
 def minimax_m2(config: dict) -> DecoderSpec:
     """MiniMax-M2: Llama attention with q/k RMSNorm over the whole projection and partial rotary (rope_parameters
     partial_rotary_factor, which transformers derives from the released configs' rotary_dim); a sparse block in every
@@ -431,6 +490,12 @@ def minimax_m2(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("minimax_m3_vl_text", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; Lightning-indexer block-sparse attention; GPT-OSS clipped SwiGLU; "
+                     "upstream claims 2-step AdamW parity"),
+              aliases=[
+                  "minimax_m3_vl",  # wrapper; text_config; model.language_model.* prefix
+              ])
 def minimax_m3_vl_text(config: dict) -> DecoderSpec:
     """MiniMax-M3's text decoder (minimax_m3.py): Llama attention with per-head q/k norms before the rotation, (1 + w)
     RMS norms everywhere, rotary from rope_parameters alone (transformers 5.24 ignores rotary_dim here, unlike
@@ -477,6 +542,8 @@ def minimax_m3_vl_text(config: dict) -> DecoderSpec:
     return replace(spec, make_layer=attention, moe=moe)
 
 
+@architecture("solar_open", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation")
 def solar_open(config: dict) -> DecoderSpec:
     """Solar Open: Llama attention (q/k/v biases under attention_bias, o_proj never) with DeepSeek-V3's router (sigmoid,
     gate.e_score_correction_bias, groups, renormalised, routed_scaling_factor) and n_shared_experts shared experts in
@@ -489,6 +556,8 @@ def solar_open(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("mellum", norm="rms", llama_layout=True, status="verified",
+              notes="parsed via Qwen3 geometry")
 def mellum(config: dict) -> DecoderSpec:
     """Mellum: Qwen3 attention (per-head q/k RMSNorm) with per-layer sliding windows and one rope_parameters dict per
     layer type; sparse layers (mlp_layer_types) with a top-k softmax router (norm_topk_prob), dense ones of
@@ -507,6 +576,7 @@ def mellum(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("afmoe", norm="rms", llama_layout=True, status="verified")
 def afmoe(config: dict) -> DecoderSpec:
     """AFMoE: per-head q/k RMSNorm, rotary on sliding layers only, attention output gated by sigmoid(gate_proj(x))
     per channel, norms before and after attention and MLP, sqrt(hidden) embedding scale under mup_enabled; after
@@ -532,6 +602,8 @@ def afmoe(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("dbrx", norm="layer", status="verified",
+              notes="native KV-cache generation; upstream claims HF forward-logit fixtures")
 def dbrx(config: dict) -> DecoderSpec:
     """DBRX (nested attn_config / ffn_config): transformer.blocks.<i>.norm_attn_norm.{norm_1, attn, norm_2} with
     LayerNorms without bias, fused Wqkv [q | k | v] clamped by clip_qkv, out_proj; ffn: softmax router
@@ -560,6 +632,10 @@ def dbrx(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("aria_text", norm="rms", llama_layout=True, status="verified",
+              aliases=[
+                  "aria",  # multimodal wrapper; text_config
+              ])
 def aria_text(config: dict) -> DecoderSpec:
     """Aria's text decoder: Llama with a sparse block in every layer: router mlp.router, softmax over the top-k logits
     (= renormalised top-k softmax), SiLU experts saved fused and transposed (experts.fc1.weight [E, H, 2I] = [gate |
@@ -576,6 +652,7 @@ def aria_text(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("flex_olmo", norm="rms", llama_layout=True, status="verified")
 def flex_olmo(config: dict) -> DecoderSpec:
     """OLMo 2's block (norms after attention and MLP, q/k RMSNorm over the whole projection) with top-k softmax
     experts in every layer (norm_topk_prob)."""
@@ -587,6 +664,7 @@ def flex_olmo(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("hunyuan_v1_moe", norm="rms", llama_layout=True, status="verified")
 def hunyuan_v1_moe(config: dict) -> DecoderSpec:
     """HunYuan's block (q/k RMSNorm after rotary) with a renormalised top-k softmax router mlp.gate.wg over experts of
     width intermediate_size, plus an always-on shared_mlp of that width."""
@@ -622,6 +700,14 @@ def deepseek_moe(config: dict, spec: DecoderSpec, *, scoring: str = "sigmoid", s
                    shared="shared_experts" if shared else None, shared_size=size * shared)
 
 
+@architecture("deepseek_v3", norm="rms", llama_layout=True, status="verified",
+              notes="MLA + grouped-sigmoid MoE",
+              aliases=[
+                  "glm4_moe_lite",  # GLM-4.7-Flash-style MLA+MoE; defaults normalized onto DeepSeek-V3 contract
+                  "deepseek_v32",  # DeepSeek-V3.2: DeepSeek-V3 contract plus DSA indexer attached by package loader
+                  "kimi_k2",  # normalized to deepseek_v3
+                  "glm_moe_dsa",  # GLM-5 MoE-DSA: normalized to deepseek_v32 then DeepSeek-V3 contract
+              ])
 def deepseek_v3(config: dict) -> DecoderSpec:
     """DeepSeek-V2's multi-head latent attention (rope_interleave) with DeepSeek-V3's sigmoid router after the first
     first_k_dense_replace dense layers. Configs of its aliases deepseek_v32 / glm_moe_dsa (or with index_topk) add
@@ -675,6 +761,13 @@ def deepseek_v32(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe, make_layer=attention)
 
 
+@architecture("glm5_next_text", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; KDA linear attention + DSA sparse attention + mHC (parsed via "
+                     "DeepSeek-V3.2 contract; composed from engine ops, glm5_next.py)"),
+              model_class="vkformers_moe.glm5_next:Glm5NextForCausalLM",
+              aliases=[
+                  "glm5_next",  # wrapper; text_config
+              ])
 def glm5_next_text(config: dict) -> DecoderSpec:
     """GLM-5.3-Flash's text decoder (glm5_next.py): hc_mult hyper-connected streams (DeepSeek-V4's, collapsed by their
     mean), layer_types "linear_attention" Kimi Delta Attention (linear_* sizes, linear_attn_config) and
@@ -719,6 +812,8 @@ def glm5_next_text(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe, make_layer=layers)
 
 
+@architecture("axk1", norm="rms", llama_layout=True, status="verified",
+              notes="DeepSeek-V3-derived (MLA)")
 def axk1(config: dict) -> DecoderSpec:
     """A.X-K1: DeepSeek-V3 (MLA with a q LoRA, grouped sigmoid router, shared experts) whose sparse layers
     (mlp_layer_types) end in an RMSNorm on the block's output, saved beside it as layers.<i>.post_mlp_layernorm."""
@@ -732,6 +827,8 @@ def axk1(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe)
 
 
+@architecture("axk2", norm="rms", llama_layout=True, status="verified",
+              notes="DeepSeek-V3.2-derived (MLA + DSA)")
 def axk2(config: dict) -> DecoderSpec:
     """A.X-K2 (axk2.py): DeepSeek-V3.2's MLA with the DSA indexer (each query attends to its index_topk best keys),
     a fused query/gate projection (q_b_proj) whose sigmoid gate scales the attention output, and gated RMS norms
@@ -749,6 +846,11 @@ def axk2(config: dict) -> DecoderSpec:
     return replace(spec, moe=moe, make_layer=attention)
 
 
+@architecture("glm4_moe", norm="rms", llama_layout=True, status="verified",
+              aliases=[
+                  "glm4v_moe_text",  # GLM-4.5V text; mRoPE reduced
+                  "glm4v_moe",  # multimodal wrapper; text_config parsed as glm4v_moe_text
+              ])
 def glm4_moe(config: dict) -> DecoderSpec:
     """GLM-4.5: Llama attention with q/k/v biases (attention_bias), optional per-head q/k RMSNorm (use_qk_norm),
     rotate_half partial rotary (0.5 by default), and DeepSeek-V3's router after first_k_dense_replace dense layers."""
@@ -760,6 +862,8 @@ def glm4_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
+@architecture("dots1", norm="rms", llama_layout=True, status="verified",
+              notes="Qwen3-style attention")
 def dots1(config: dict) -> DecoderSpec:
     """dots.llm1: Qwen3 attention (per-head q/k RMSNorm, per-layer sliding windows) with DeepSeek-V3's router after
     first_k_dense_replace dense layers (norm_topk_prob off by default)."""
@@ -833,21 +937,17 @@ def moe_spec(architecture_name: str, config: dict, spec: DecoderSpec) -> MoeSpec
     return LLAMA_PLUGIN_MOE[architecture_name](config, spec)
 
 
-# Canonical architecture name -> its delta (architectures of this plugin's table not listed are refused).
-VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = {
-    "mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "granitemoe": granitemoe,
-    "flex_olmo": flex_olmo, "hunyuan_v1_moe": hunyuan_v1_moe, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
-    "dots1": dots1, "granitemoeshared": granitemoeshared, "granitemoe_swa": granitemoe_swa,
-    "ernie4_5_moe": ernie4_5_moe, "cohere2_moe": cohere2_moe, "exaone_moe": exaone_moe,
-    "minimax_m2": minimax_m2, "solar_open": solar_open, "mellum": mellum,
-    "afmoe": afmoe, "dbrx": dbrx, "aria_text": aria_text,
-    "axk1": axk1, "axk2": axk2, "phimoe": phimoe, "qwen3_5_moe_text": qwen3_5_moe_text,
-    "qwen3_next": qwen3_next, "llama4_text": llama4_text,
-    "longcat_flash": longcat_flash, "gpt_oss": gpt_oss, "mimo_v2_flash": mimo_v2_flash, "deepseek_v4": deepseek_v4,
-    "minimax_m3_vl_text": minimax_m3_vl_text,
-    "glm5_next_text": glm5_next_text,
-    "qwen4_exp_text": qwen4_exp_text,
-}
+# Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
+# whatever architecture that names.
+FAMILY.wrappers({
+    "qwen3_omni_moe_thinker": NESTED_TEXT_CONFIG,  # typically qwen3_omni_moe_text -> qwen3_moe
+    "qwen3_omni_moe":         NestedConfig(("thinker_config", "text_config")),  # resolves thinker_config.text_config dynamically; typically qwen3_omni_moe_text -> qwen3_moe
+    "glm46v":                 NESTED_TEXT_CONFIG,  # explicit dispatcher arm
+    "kimi_k25":               NESTED_TEXT_CONFIG,  # typically kimi_k2 -> deepseek_v3; upstream claims 2-step AdamW parity
+})
+
+# Canonical architecture name -> its variant, from the declarations above.
+VARIANTS: dict[str, Callable[[dict], DecoderSpec]] = FAMILY.variants()
 
 
 def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:

@@ -3,8 +3,7 @@ from pathlib import Path
 
 from vkformers.models.family import FamilyPlugin
 
-from vkformers_t5.architectures import ALIASES, ARCHITECTURES, STATUSES
 from vkformers_t5.seq2seq import Seq2SeqForConditionalGeneration
+from vkformers_t5.variants import FAMILY
 
-plugin = FamilyPlugin("t5", ARCHITECTURES, ALIASES, Path(__file__).parent,
-                      model_classes={"seq2seq-lm": Seq2SeqForConditionalGeneration}, statuses=STATUSES)
+plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"seq2seq-lm": Seq2SeqForConditionalGeneration})

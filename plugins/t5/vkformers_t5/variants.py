@@ -18,6 +18,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.family import Family
+from vkformers.models.registry import NestedConfig
+
+# The architectures of vkformers-t5, each declared once on its variant function (vkformers.models.family).
+FAMILY = Family("t5", kind="encoder-decoder")
+architecture = FAMILY.architecture
 
 
 class UnsupportedConfigError(VkformersError, ValueError):
@@ -153,6 +159,8 @@ def t5_spec(config: dict, arch: str, *, every_layer_bias: bool = False, rescale:
 
 # ---------------------------------------------------------------- BART family
 
+@architecture("bart", norm="layer", status="verified",
+              notes="BART-layout; upstream claims HF forward-logit fixtures")
 def bart_spec(config: dict, arch: str, **delta) -> Seq2SeqSpec:
     d_model = config["d_model"]
     spec = Seq2SeqSpec(
@@ -174,6 +182,8 @@ def bart_spec(config: dict, arch: str, **delta) -> Seq2SeqSpec:
     return replace(spec, **delta)
 
 
+@architecture("marian", norm="layer", status="verified",
+              notes="not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions")
 def _marian(config, arch):
     refuse(arch, config, "share_encoder_decoder_embeddings", lambda v: v is not False, True)
     refuse(arch, config, "decoder_vocab_size", lambda v: v in (None, config["vocab_size"]))
@@ -181,6 +191,8 @@ def _marian(config, arch):
                      decoder_inputs_from_input_ids=False)
 
 
+@architecture("fsmt", norm="layer", status="verified",
+              notes="not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions")
 def _fsmt(config, arch):
     """FSMT (fairseq WMT19): post-LN BART layers without layernorm_embedding or final_logits_bias; separate
     source and target vocabularies (model.encoder/decoder.embed_tokens, no shared table); fairseq sinusoidal
@@ -200,6 +212,8 @@ def _sparse_layers(layers: int, sparse: int) -> tuple[bool, ...]:
     return tuple((i % step == 1 or step == 1) if step > 0 else False for i in range(layers))
 
 
+@architecture("switch_transformers", norm="rms", moe=True, status="verified",
+              notes="T5-family; relative position bias; upstream claims HF forward-logit fixtures")
 def _switch(config, arch):
     """T5 (relu DenseActDense named ``mlp``) whose sparse layers route each token to one of num_experts
     experts (top-1 of a float32 softmax router), weighted by its router probability; an expert takes at most
@@ -216,6 +230,9 @@ def _switch(config, arch):
                    router_bias=bool(config.get("router_bias", False)))
 
 
+@architecture("pegasus_x", norm="layer", status="verified",
+              notes=("not in upstream native dense-text-encoder set; BART-layout; sinusoidal positions; inputs longer "
+                     "than one local attention block refused"))
 def _pegasus_x(config, arch):
     return bart_spec(config, arch, pre_norm=True, final_norm=True, positions="fairseq_from_zero", position_offset=0,
                      embed_norm=False, final_logits_bias=False, attention_bias=False,
@@ -224,6 +241,8 @@ def _pegasus_x(config, arch):
                      decoder_inputs_from_input_ids=False)
 
 
+@architecture("bigbird_pegasus", norm="layer", status="verified",
+              notes="not in upstream native dense-text-encoder set; BART-layout; attention_type original_full only")
 def _bigbird_pegasus(config, arch):
     """PEGASUS's pre-LN layers with learned positions from 0, scaled embeddings (scale_embedding defaults to
     true), final_logits_bias, and each stack's last norm named layernorm_embedding; q/k/v/o biases follow
@@ -237,6 +256,13 @@ def _bigbird_pegasus(config, arch):
                      embed_norm=False, embed_scale=scale, attention_bias=bool(config.get("use_bias", False)))
 
 
+# the t5gemma spelling resolves here with its whole config
+@architecture("t5_gemma_module", norm="rms", llama_layout=True, status="verified",
+              notes=("native KV-cache generation; decoder module of t5gemma; runs the whole t5gemma config (encoder and"
+                     " decoder must share hidden_size and head_dim)"),
+              aliases=[
+                  "t5gemma",  # decoder sub-config parsed as t5_gemma_module
+              ])
 def _t5gemma(config, arch):
     """T5Gemma: Gemma 2 stacks (T5GemmaModuleConfig each, under "encoder" and "decoder") as an encoder-decoder:
     (1 + w) RMSNorms before and after each sublayer, rotary self-attention (encoder bidirectional) with grouped
@@ -280,34 +306,55 @@ def _t5gemma(config, arch):
         eos_token_id=config.get("eos_token_id"), decoder_pad_keys_masked=True, encoder_pads_masked=True)
 
 
+@architecture("mvp", norm="layer", status="verified",
+              notes="BART-layout")
 def _mvp(config, arch):
     refuse(arch, config, "use_prompt", lambda v: not v, False)  # prompt tables prepended to keys: not implemented
     return bart_spec(config, arch)
 
 
-VARIANTS = {
-    "t5": lambda c, a: t5_spec(c, a),
-    "mt5": lambda c, a: t5_spec(c, a, rescale=False),     # transformers 5's mT5 never rescales
-    "umt5": lambda c, a: t5_spec(c, a, every_layer_bias=True),
-    "switch_transformers": _switch,
-    "bart": bart_spec,
-    "mvp": _mvp,
-    "mbart": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, shift="wrap_last"),
-    "plbart": lambda c, a: bart_spec(c, a, shift="wrap_last"),
-    "marian": _marian,
-    "fsmt": _fsmt,
-    "pegasus_x": _pegasus_x,
-    "bigbird_pegasus": _bigbird_pegasus,
-    "t5_gemma_module": _t5gemma,  # the t5gemma spelling resolves here with its whole config
-    "pegasus": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
-                                      position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False),
-    "blenderbot": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
-                                         decoder_inputs_from_input_ids=False),
-    "blenderbot-small": lambda c, a: bart_spec(c, a, position_offset=0, decoder_embed_norm_first=True,
-                                               decoder_inputs_from_input_ids=False),
-    "m2m_100": lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq", position_offset=2,
-                                      embed_norm=False, final_logits_bias=False, decoder_inputs_from_input_ids=False),
-}
+# Variants that are not named functions, declared here.
+architecture("t5", norm="rms", status="verified",
+             notes="T5-family; relative position bias; upstream claims HF forward-logit fixtures",
+             variant=lambda c, a: t5_spec(c, a))
+architecture("mt5", norm="rms", status="verified",
+             notes="T5-family; relative position bias",
+             variant=lambda c, a: t5_spec(c, a, rescale=False))  # transformers 5's mT5 never rescales
+architecture("umt5", norm="rms", status="verified",
+             notes="T5-family; relative position bias",
+             variant=lambda c, a: t5_spec(c, a, every_layer_bias=True))
+architecture("mbart", norm="layer", status="verified",
+             notes="BART-layout",
+             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, shift="wrap_last"))
+architecture("plbart", norm="layer", status="verified",
+             notes="BART-layout",
+             variant=lambda c, a: bart_spec(c, a, shift="wrap_last"))
+architecture("blenderbot", norm="layer", status="verified",
+             notes="BART-layout",
+             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, position_offset=0, embed_norm=False,
+                                            decoder_inputs_from_input_ids=False))
+architecture("blenderbot-small", norm="layer", status="verified",
+             notes="not in upstream native dense-text-encoder set; BART-layout",
+             variant=lambda c, a: bart_spec(c, a, position_offset=0, decoder_embed_norm_first=True,
+                                            decoder_inputs_from_input_ids=False))
+architecture("pegasus", norm="layer", status="verified",
+             notes="BART-layout; sinusoidal positions",
+             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
+                                            position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False))
+architecture("m2m_100", norm="layer", status="verified",
+             notes="BART-layout; sinusoidal positions",
+             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq",
+                                            position_offset=2, embed_norm=False, final_logits_bias=False,
+                                            decoder_inputs_from_input_ids=False))
+
+# Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
+# whatever architecture that names.
+FAMILY.wrappers({
+    "encoder-decoder": NestedConfig(("decoder",)),  # composite seq2seq wrapper handled by the Seq2Seq facade; encoder and decoder keep their own nested model_type
+})
+
+# Canonical architecture name -> its variant, from the declarations above.
+VARIANTS = FAMILY.variants()
 
 
 def seq2seq_spec(config: dict, arch: str) -> Seq2SeqSpec:
