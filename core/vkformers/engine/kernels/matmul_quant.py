@@ -125,5 +125,5 @@ def embedding_quant(seq, table, ids, out, fmt, *, count: int, dim: int, vocab: i
     fits_uint32("embedding_quant", max(count * dim, table.offset + vocab * fmt.row_bytes(dim)))
     kernel = seq.device.kernel("embedding", "quant_" + ACTIVATION_VARIANTS[out.dtype.name])
     seq.dispatch(kernel, [ids.buffer, table.buffer, out.buffer], element_groups(seq, count * dim // 4),
-                 push=[count, dim, vocab, ids.offset, table.offset, out.offset],
+                 push=[count, dim, vocab, ids.offset, table.offset, out.offset, -1],  # -1: no padding_idx
                  spec=[fmt.shader_id, fmt.row_bytes(dim)])
