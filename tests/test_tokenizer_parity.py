@@ -122,3 +122,13 @@ def test_refusals_name_the_fix():
     with pytest.warns(UserWarning, match="max_length is ignored when padding=True"):
         tok(TEXTS[:2], padding=True, max_length=4)
     assert tok.backend.padding is None and tok.backend.truncation is None
+
+
+def test_training_tokenizes_documents_whole():
+    """The trainer's token stream: each document's own tokens, neither padded to 128 nor cut there."""
+    from vkformers.training.data import Record, load_tokenizer, tokenize_records
+    tok = load_tokenizer(tokenizer_path("minilm"))
+    tokens, labels = tokenize_records([Record(text=TEXTS[0]), Record(text=TEXTS[-1], prompt=TEXTS[1])], tok)
+    first, prompt, second = (tok.encode(t) for t in (TEXTS[0], TEXTS[1], TEXTS[-1]))
+    assert tokens.tolist() == first + prompt + second and tok.pad_token_id not in tokens.tolist()
+    assert labels.tolist() == first + [-100] * len(prompt) + second

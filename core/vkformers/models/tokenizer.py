@@ -10,6 +10,10 @@ fast tokenizer for the parts inference and training need::
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     tok.decode(ids, skip_special_tokens=True)
 
+As in transformers, a call pads or truncates only when it asks (``padding=``, ``truncation=``, ``max_length=``);
+the padding and truncation a tokenizer.json may store (sentence-transformers checkpoints store pad-to-128) are not
+applied, only their sides and pad token kept as defaults. BERT-style tokenizers also return ``token_type_ids``.
+
 Chat templates are Jinja, rendered like transformers renders them (sandboxed, ``trim_blocks``/``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML), so a template written for
 transformers produces the same text here. Slow (sentencepiece ``tokenizer.model`` only) tokenizers are not read:
