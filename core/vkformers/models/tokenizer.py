@@ -10,6 +10,10 @@ fast tokenizer for the parts inference and training need::
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     tok.decode(ids, skip_special_tokens=True)
 
+As in transformers, a call pads or truncates only when it asks (``padding=``, ``truncation=``, ``max_length=``);
+the padding and truncation a tokenizer.json may store (sentence-transformers checkpoints store pad-to-128) are not
+applied, only their sides and pad token kept as defaults. BERT-style tokenizers also return ``token_type_ids``.
+
 Chat templates are Jinja, rendered like transformers renders them (sandboxed, ``trim_blocks``/``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML), so a template written for
 transformers produces the same text here. Slow (sentencepiece ``tokenizer.model`` only) tokenizers are not read:
@@ -18,6 +22,7 @@ such a checkpoint needs its ``tokenizer.json`` (``transformers`` writes one with
 from __future__ import annotations
 
 import json
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -26,6 +31,33 @@ import numpy as np
 from vkformers.errors import VkformersError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+# transformers' tokenizer classes whose model_input_names include token_type_ids (BERT-style models take them),
+# by tokenizer_config.json "tokenizer_class" (with or without "Fast"), else by config.json "model_type".
+TOKEN_TYPE_TOKENIZER_CLASSES = frozenset({
+    "BertTokenizer", "CanineTokenizer", "ConvBertTokenizer", "DebertaTokenizer", "DebertaV2Tokenizer",
+    "DPRContextEncoderTokenizer", "DPRQuestionEncoderTokenizer", "ElectraTokenizer", "FNetTokenizer",
+    "LayoutLMTokenizer", "LayoutLMv2Tokenizer", "LxmertTokenizer", "MarkupLMTokenizer", "MobileBertTokenizer",
+    "SqueezeBertTokenizer", "TapasTokenizer"})
+TOKEN_TYPE_MODEL_TYPES = frozenset({
+    "align", "bert", "blip", "bros", "canine", "chinese_clip", "convbert", "deberta", "deberta-v2", "distilbert",
+    "dpr", "electra", "ernie", "flava", "fnet", "git", "layoutlm", "layoutlmv2", "lxmert", "markuplm",
+    "megatron-bert", "mobilebert", "nezha", "nomic_bert", "qdqbert", "realm", "retribert", "squeezebert", "tapas",
+    "tvp", "vilt", "visual_bert"})
+PADDING_STRATEGIES = ("longest", "max_length", "do_not_pad")
+TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second", "do_not_truncate")
+LARGE_INTEGER = int(1e20)  # transformers: a model_max_length above this means "no limit" (it stores 1e30)
+
+
+def _model_input_names(config: dict) -> list[str]:
+    """What transformers' tokenizer class for this checkpoint returns by default."""
+    tokenizer_class = config.get("tokenizer_class")
+    if tokenizer_class is not None:
+        has_token_types = tokenizer_class.removesuffix("Fast") in TOKEN_TYPE_TOKENIZER_CLASSES
+    else:
+        has_token_types = config.get("model_type") in TOKEN_TYPE_MODEL_TYPES
+    return ["input_ids", "token_type_ids", "attention_mask"] if has_token_types else ["input_ids", "attention_mask"]
 
 
 class TokenizerError(VkformersError, ValueError):
@@ -55,6 +87,15 @@ def _as_id_list(ids) -> list[int]:
     return np.asarray(ids).reshape(-1).astype(np.int64).tolist()
 
 
+def _as_array(name: str, values: list) -> np.ndarray:
+    """One int64 array of a batch's rows; rows of different lengths are refused (they need padding)."""
+    lengths = sorted({len(v) for v in values if isinstance(v, (list, tuple))})
+    if len(lengths) > 1:
+        raise TokenizerError(f"{name}: rows of {lengths[0]} to {lengths[-1]} tokens cannot become one array; "
+                             "pass padding=True (or padding='max_length') with return_tensors='np'")
+    return np.asarray(values, dtype=np.int64) if values else np.zeros((0, 0), dtype=np.int64)
+
+
 class PreTrainedTokenizer:
     """A ``tokenizers.Tokenizer`` plus the settings transformers keeps in ``tokenizer_config.json``."""
 
@@ -62,12 +103,22 @@ class PreTrainedTokenizer:
         self.backend = backend
         self.config = dict(config or {})
         self.name_or_path = name_or_path
-        self.padding_side = self.config.get("padding_side", "right")
-        self.truncation_side = self.config.get("truncation_side", "right")
+        # tokenizer.json may store a padding and a truncation (sentence-transformers checkpoints pad to 128 and
+        # cut there); transformers takes only their sides and pad token as defaults and pads or truncates a
+        # call only when the call asks, so the backend keeps neither.
+        stored_padding, stored_truncation = backend.padding or {}, backend.truncation or {}
+        backend.no_padding()
+        backend.no_truncation()
+        self.padding_side = self.config.get("padding_side") or stored_padding.get("direction") or "right"
+        self.truncation_side = self.config.get("truncation_side") or stored_truncation.get("direction") or "right"
+        self.pad_token_type_id = stored_padding.get("pad_type_id", 0)
         self.model_max_length = self.config.get("model_max_length")
+        self.model_input_names = list(self.config.get("model_input_names") or _model_input_names(self.config))
         self.chat_template = self.config.get("chat_template")
         for name in SPECIAL_TOKEN_NAMES:
             setattr(self, name, _token_content(self.config.get(name)))
+        if self.pad_token is None and stored_padding.get("pad_token") is not None:
+            self.pad_token = stored_padding["pad_token"]
         extra = self.config.get("additional_special_tokens") or self.config.get("extra_special_tokens") or []
         self.additional_special_tokens = [_token_content(t) for t in (extra.values() if isinstance(extra, dict)
                                                                       else extra)]
@@ -147,69 +198,181 @@ class PreTrainedTokenizer:
         return [self.backend.id_to_token(i) for i in _as_id_list(ids)]
 
     # -- encoding ------------------------------------------------------------------------------------------
-    def encode(self, text: str, text_pair: str | None = None, *, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, text_pair, add_special_tokens=add_special_tokens).ids
+    def encode(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
+               max_length: int | None = None, stride: int = 0, padding_side: str | None = None,
+               return_tensors: str | None = None, **kwargs) -> list[int]:
+        """The ids of one text (or pair), as ``__call__`` computes them."""
+        return self(text, text_pair, add_special_tokens=add_special_tokens, padding=padding, truncation=truncation,
+                    max_length=max_length, stride=stride, padding_side=padding_side, return_tensors=return_tensors,
+                    return_attention_mask=False, return_token_type_ids=False, **kwargs)["input_ids"]
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[str]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
 
-    def __call__(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False,
-                 truncation=False, max_length: int | None = None, padding_side: str | None = None,
-                 return_tensors: str | None = None, return_attention_mask: bool = True, **unused) -> BatchEncoding:
-        """Encode one text or a list. ``padding``: False, True/"longest" or "max_length"; ``padding_side``
-        "left" (for generation) or "right" (default: the tokenizer's). ``return_tensors="np"`` gives int64
-        arrays [batch, length] (a single text becomes a batch of one)."""
-        batched = not isinstance(text, str)
-        texts = list(text) if batched else [text]
-        pairs = (list(text_pair) if batched else [text_pair]) if text_pair is not None else None
-        if pairs is not None and len(pairs) != len(texts):
-            raise TokenizerError(f"{len(texts)} texts but {len(pairs)} text pairs")
-        inputs = list(zip(texts, pairs)) if pairs is not None else texts
-        encodings = self.backend.encode_batch(inputs, add_special_tokens=add_special_tokens) if inputs else []
-        rows = [e.ids for e in encodings]
-        if truncation and max_length is None:
-            max_length = self.model_max_length
-        if truncation and max_length is not None:
-            rows = [r[-max_length:] if self.truncation_side == "left" else r[:max_length] for r in rows]
-        masks = [[1] * len(r) for r in rows]
-        if padding in (True, "longest", "max_length"):
-            rows, masks = self._pad(rows, masks, padding, max_length, padding_side or self.padding_side)
-        elif padding not in (False, None, "do_not_pad"):
-            raise TokenizerError(f"padding={padding!r}: use False, True/'longest' or 'max_length'")
-        if return_tensors is not None:
-            if return_tensors != "np":
-                raise TokenizerError(f"return_tensors={return_tensors!r}: vkformers tokenizers return numpy ('np')")
-            if len({len(r) for r in rows}) > 1:
-                raise TokenizerError("texts of different lengths need padding=True to become one array")
-            rows, masks = np.array(rows, dtype=np.int64), np.array(masks, dtype=np.int64)
-        elif not batched:
-            rows, masks = rows[0], masks[0]
-        out = BatchEncoding(input_ids=rows)
+    def __call__(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
+                 max_length: int | None = None, stride: int = 0, is_split_into_words: bool = False,
+                 pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+                 return_tensors: str | None = None, return_token_type_ids: bool | None = None,
+                 return_attention_mask: bool | None = None, return_overflowing_tokens: bool = False,
+                 return_special_tokens_mask: bool = False, return_offsets_mapping: bool = False,
+                 return_length: bool = False, verbose: bool = True, **unsupported) -> BatchEncoding:
+        """Encode a text, a pair (``tok(a, b)``) or a batch of either, as transformers' fast tokenizers do:
+        nothing is padded or truncated unless asked.
+
+        ``padding``: False/"do_not_pad", True/"longest" (the batch's longest) or "max_length" (``max_length``,
+        default ``model_max_length``), rounded up to ``pad_to_multiple_of``, on ``padding_side`` ("left" or
+        "right"; default the tokenizer's). ``truncation``: False/"do_not_truncate", True/"longest_first",
+        "only_first" or "only_second", to ``max_length`` (default ``model_max_length``); ``max_length`` alone
+        truncates longest-first. ``return_overflowing_tokens`` with ``stride`` returns the truncated remainder
+        as extra rows (``overflow_to_sample_mapping`` names each row's text). ``is_split_into_words``: the texts
+        are lists of words. ``return_token_type_ids``/``return_attention_mask`` default to what the model takes
+        (``model_input_names``). ``return_tensors="np"`` gives int64 arrays [batch, length] (a single text
+        becomes a batch of one); without it a batch gives lists of lists, a single text plain lists."""
+        if unsupported:
+            raise TokenizerError(f"tokenizer call: unsupported argument(s) {', '.join(sorted(unsupported))}")
+        if return_tensors is not None and return_tensors != "np":
+            raise TokenizerError(f"return_tensors={return_tensors!r}: vkformers runs without torch, tensorflow or "
+                                 "jax and returns numpy arrays; use return_tensors='np'")
+        padding_strategy, truncation_strategy, max_length = self._padding_truncation_strategies(
+            padding, truncation, max_length, pad_to_multiple_of, verbose)
+        side = padding_side if padding_side is not None else self.padding_side
+        if side not in ("left", "right"):
+            raise TokenizerError(f"padding_side={side!r}: use 'left' or 'right'")
+        batched, inputs = self._batch_inputs(text, text_pair, is_split_into_words)
+        encodings = self._encode_batch(inputs, add_special_tokens, is_split_into_words, padding_strategy,
+                                       truncation_strategy, max_length, stride, pad_to_multiple_of, side)
+        if return_token_type_ids is None:
+            return_token_type_ids = "token_type_ids" in self.model_input_names
+        if return_attention_mask is None:
+            return_attention_mask = "attention_mask" in self.model_input_names
+        columns = {"input_ids": lambda e: e.ids}
+        if return_token_type_ids:
+            columns["token_type_ids"] = lambda e: e.type_ids
         if return_attention_mask:
-            out["attention_mask"] = masks
+            columns["attention_mask"] = lambda e: e.attention_mask
+        if return_special_tokens_mask:
+            columns["special_tokens_mask"] = lambda e: e.special_tokens_mask
+        if return_offsets_mapping:
+            columns["offset_mapping"] = lambda e: e.offsets
+        if return_length:
+            columns["length"] = lambda e: len(e.ids)
+        rows, sample_of_row = [], []
+        for index, encoding in enumerate(encodings):
+            for row in [encoding, *encoding.overflowing] if return_overflowing_tokens else [encoding]:
+                rows.append(row)
+                sample_of_row.append(index)
+        out = BatchEncoding({name: [column(row) for row in rows] for name, column in columns.items()})
+        if return_overflowing_tokens:
+            out["overflow_to_sample_mapping"] = sample_of_row
+        if return_tensors == "np":
+            return BatchEncoding({name: _as_array(name, values) for name, values in out.items()})
+        if not batched and not return_overflowing_tokens:  # one text: drop the batch level, as transformers does
+            out = BatchEncoding({name: values[0] if values and isinstance(values[0], list) else values
+                                 for name, values in out.items()})
         return out
 
-    def _pad(self, rows, masks, padding, max_length, side):
-        if side not in ("left", "right"):
-            raise TokenizerError(f"padding_side={side!r}: 'left' or 'right'")
-        if self.pad_token_id is None:
+    def _padding_truncation_strategies(self, padding, truncation, max_length, pad_to_multiple_of, verbose):
+        """transformers' rules: ``(padding, truncation, max_length)`` as the backend takes them."""
+        if max_length is not None and padding is False and truncation is None:
+            truncation = "longest_first"  # max_length alone truncates (transformers' backward compatibility)
+        if padding is True:
+            if verbose and max_length is not None and truncation in (None, False, "do_not_truncate"):
+                warnings.warn("max_length is ignored when padding=True and there is no truncation; to pad to "
+                              "max_length, use padding='max_length'", stacklevel=3)
+            padding = "longest"
+        elif padding is False or padding is None:
+            padding = "do_not_pad"
+        if padding not in PADDING_STRATEGIES:
+            raise TokenizerError(f"padding={padding!r}: use False, True/'longest', 'max_length' or 'do_not_pad'")
+        if truncation is True:
+            truncation = "longest_first"
+        elif truncation is False or truncation is None:
+            truncation = "do_not_truncate"
+        if truncation not in TRUNCATION_STRATEGIES:
+            raise TokenizerError(f"truncation={truncation!r}: use False, True/'longest_first', 'only_first', "
+                                 "'only_second' or 'do_not_truncate'")
+        if max_length is None:
+            limit = self.model_max_length
+            unbounded = limit is None or limit > LARGE_INTEGER
+            if padding == "max_length":
+                if unbounded:
+                    padding = "do_not_pad"
+                else:
+                    max_length = limit
+            if truncation != "do_not_truncate":
+                if unbounded:
+                    truncation = "do_not_truncate"
+                else:
+                    max_length = limit
+        elif not isinstance(max_length, (int, np.integer)) or isinstance(max_length, bool) or max_length < 0:
+            raise TokenizerError(f"max_length={max_length!r}: a number of tokens (an int >= 0)")
+        if padding != "do_not_pad" and self.pad_token_id is None:
             raise TokenizerError("this tokenizer has no pad token; set one first, e.g. "
                                  "`tokenizer.pad_token = tokenizer.eos_token`")
-        width = max((len(r) for r in rows), default=0)
-        if padding == "max_length":
-            if max_length is None:
-                raise TokenizerError("padding='max_length' needs max_length")
-            width = max(width, max_length)
-        padded, padded_masks = [], []
-        for row, mask in zip(rows, masks):
-            fill = width - len(row)
-            if side == "left":
-                padded.append([self.pad_token_id] * fill + row)
-                padded_masks.append([0] * fill + mask)
-            else:
-                padded.append(row + [self.pad_token_id] * fill)
-                padded_masks.append(mask + [0] * fill)
-        return padded, padded_masks
+        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, (int, np.integer))
+                                               or pad_to_multiple_of < 1):
+            raise TokenizerError(f"pad_to_multiple_of={pad_to_multiple_of!r}: a positive int")
+        if (truncation != "do_not_truncate" and padding != "do_not_pad" and pad_to_multiple_of is not None
+                and max_length is not None and max_length % pad_to_multiple_of != 0):
+            raise TokenizerError(f"truncation and padding are both on but the truncation length ({max_length}) is "
+                                 f"not a multiple of pad_to_multiple_of ({pad_to_multiple_of}); pick a max_length "
+                                 "that is")
+        return padding, truncation, None if max_length is None else int(max_length)
+
+    @staticmethod
+    def _batch_inputs(text, text_pair, is_split_into_words):
+        """``(batched, inputs)``: the backend's list of texts or (text, pair) tuples."""
+        def valid(value):
+            if isinstance(value, str):
+                return True
+            if not isinstance(value, (list, tuple)):
+                return False
+            if not value or isinstance(value[0], str):
+                return True
+            if isinstance(value[0], (list, tuple)):
+                return not value[0] or isinstance(value[0][0], str)
+            return False
+
+        for name, value in (("text", text), ("text_pair", text_pair)):
+            if value is not None and not valid(value):
+                raise TokenizerError(f"{name} is a {type(value).__name__}: pass a str, a list of str (a batch), or "
+                                     "with is_split_into_words=True a list of words or a list of such lists")
+        if text is None:
+            raise TokenizerError("no text given")
+        if is_split_into_words:
+            batched = isinstance(text, (list, tuple)) and bool(text) and isinstance(text[0], (list, tuple))
+        else:
+            batched = isinstance(text, (list, tuple))
+        if not batched:
+            return False, [(text, text_pair)] if text_pair else [text]
+        if isinstance(text_pair, str):
+            raise TokenizerError("a batch of texts needs text_pair as a list of the same length, not a str")
+        if text_pair is not None and len(text) != len(text_pair):
+            raise TokenizerError(f"{len(text)} texts but {len(text_pair)} text pairs")
+        return True, list(zip(text, text_pair)) if text_pair is not None else list(text)
+
+    def _encode_batch(self, inputs, add_special_tokens, is_split_into_words, padding, truncation, max_length,
+                      stride, pad_to_multiple_of, side):
+        """The backend's encodings with this call's padding and truncation (set for the call only: the
+        tokenizer never pads or truncates unless asked)."""
+        if not inputs:
+            return []
+        try:
+            if truncation != "do_not_truncate":
+                self.backend.enable_truncation(max_length, stride=stride, strategy=truncation,
+                                               direction=self.truncation_side)
+            if padding != "do_not_pad":
+                self.backend.enable_padding(direction=side, pad_id=self.pad_token_id, pad_token=self.pad_token,
+                                            pad_type_id=self.pad_token_type_id, pad_to_multiple_of=pad_to_multiple_of,
+                                            length=max_length if padding == "max_length" else None)
+            return self.backend.encode_batch(inputs, add_special_tokens=add_special_tokens,
+                                             is_pretokenized=is_split_into_words)
+        except Exception as exc:  # the Rust side raises a bare Exception (e.g. a pair too short to truncate)
+            raise TokenizerError(f"cannot encode with truncation={truncation!r}, max_length={max_length}, "
+                                 f"stride={stride}: {exc}") from None
+        finally:
+            self.backend.no_truncation()
+            self.backend.no_padding()
 
     # -- decoding ------------------------------------------------------------------------------------------
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -412,7 +575,11 @@ def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> P
         backend = Tokenizer.from_file(str(file))
     except Exception as exc:  # the Rust side raises a bare Exception on malformed files
         raise TokenizerError(f"{file}: not a tokenizers file ({exc})") from None
-    return PreTrainedTokenizer(backend, tokenizer_config(folder), name_or_path=name_or_path or str(folder))
+    config = tokenizer_config(folder)
+    if "tokenizer_class" not in config and (folder / "config.json").is_file():
+        # which inputs the model takes (token_type_ids or not) then follows its model_type, as in transformers
+        config.setdefault("model_type", _read_json(folder / "config.json").get("model_type"))
+    return PreTrainedTokenizer(backend, config, name_or_path=name_or_path or str(folder))
 
 
 __all__ = ["AutoTokenizer", "BatchEncoding", "PreTrainedTokenizer", "TokenizerError", "compile_chat_template",

@@ -68,6 +68,8 @@ class _TokenizersFile:
     def __init__(self, folder: Path):
         from tokenizers import Tokenizer
         self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.backend.no_padding()  # a stored padding/truncation would pad or cut every document
+        self.backend.no_truncation()
         self.eos_token_id = _eos_id_from_folder(folder, self.backend)
 
     def encode(self, text: str) -> list[int]:
