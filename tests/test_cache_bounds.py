@@ -207,6 +207,7 @@ def test_prefill_captures_keep_the_most_recently_used_lengths(model, small_bound
     """generate keeps PREFILL_CAPTURES recorded prompt forwards, the least recently used dropped first; a dropped
     capture no longer holds its plan in the cache."""
     monkeypatch.setattr(generation, "PREFILL_CAPTURES", 2)
+    monkeypatch.setitem(generation.PREFILL_BUCKET, "gpu", 0)  # each length its own capture on a GPU too
     model.forget_captures()
 
     def generate(length):
