@@ -366,7 +366,7 @@ def test_smollm2_pad_row_gradient(gguf_package):
         pytest.skip(str(exc))
     ref = {k: e.as_float() for k, e in read_safetensors(
         Path(__file__).parent / "data" / "smollm2_pad_gradient.safetensors").items()}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32", dequantize=True)  # trainable weights
     out = model(ref["input_ids"].astype(np.int32), attention_mask=ref["attention_mask"].astype(np.int32),
                 labels=ref["labels"].astype(np.int32))
     out.loss.backward()
