@@ -334,11 +334,12 @@ def test_gguf_unsupported_block_type(backend, tmp_path):
 def test_smollm2_q4_1_kept_quantized():
     """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 embeddings, tied head) kept quantized: logits within
     1e-2 of its dequantized float32 self (relative to max |logit|), the same 32 greedy tokens on two prompts,
-    and under 120 MB of device buffers."""
+    and under 120 MB of device buffers; a forward allocates less than one of its MLP weights would take
+    dequantized (no weight is expanded to memory)."""
     from vkformers.cli.generate import default_model
     from vkformers.errors import VkformersError
     from vkformers.models.loading import AutoModelForCausalLM
-    from vkformers.runtime.vulkan import buffer_memory
+    from vkformers.runtime.vulkan import buffer_memory, reset_peak_buffer_memory
     try:
         path = default_model()
     except VkformersError as exc:
@@ -350,8 +351,12 @@ def test_smollm2_q4_1_kept_quantized():
     assert isinstance(params["model.embed_tokens.weight"], QuantizedTensor)
     assert params["model.embed_tokens.weight"].format.name == "q8_0"
     assert params["model.layers.0.mlp.down_proj.weight"].format.name == "q4_1"
-    expanded = AutoModelForCausalLM.from_pretrained(path, requires_grad=False, dequantize=True)
     prompts = [np.array([[1, 4093, 198, 504, 3575, 282, 4649, 314]]), np.array([[19556, 905, 17, 216, 33, 34]])]
+    live = buffer_memory()["live_bytes"]
+    reset_peak_buffer_memory()
+    kept(prompts[0]).logits.numpy()
+    assert buffer_memory()["peak_bytes"] - live < 1536 * 576 * 4  # 1.8 MB of activations and logits here
+    expanded = AutoModelForCausalLM.from_pretrained(path, requires_grad=False, dequantize=True)
     for ids in prompts:
         got, want = kept(ids).logits.numpy(), expanded(ids).logits.numpy()
         assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-2
