@@ -251,6 +251,57 @@ def test_from_pretrained_q4_k(tmp_path):
     assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
 
 
+def bitsandbytes_nf4(weight, nested):
+    """``weight`` as bitsandbytes saves a 4-bit NF4 Linear weight, and the values it dequantizes to (float64)."""
+    blocks = weight.reshape(-1, 64).astype(np.float64)
+    absmax = np.abs(blocks).max(axis=1)
+    codes = np.abs(blocks[..., None] / absmax[:, None, None] - np.array(NF4_CODE)).argmin(-1).astype(np.uint8)
+    parts = {"": (codes.reshape(-1, 2)[:, 0] << 4 | codes.reshape(-1, 2)[:, 1]).astype(np.uint8).reshape(-1, 1),
+             ".quant_map": np.array(NF4_CODE, np.float32)}
+    state = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": list(weight.shape)}
+    if nested:  # absmax - offset quantized to a 256-entry code, one float scale per 256 blocks
+        offset = np.float32(absmax.mean())
+        code = np.linspace(-1, 1, 256).astype(np.float32)
+        scale = np.abs(absmax - offset).max().astype(np.float32)
+        index = np.abs((absmax - offset)[:, None] / scale - code).argmin(-1).astype(np.uint8)
+        parts.update({".absmax": index, ".nested_absmax": np.array([scale], np.float32), ".nested_quant_map": code})
+        state.update(nested_blocksize=256, nested_offset=float(offset))
+        absmax = (code[index] * scale + offset).astype(np.float32)
+    else:
+        absmax = absmax.astype(np.float32)
+        parts[".absmax"] = absmax
+    parts[".quant_state.bitsandbytes__nf4"] = np.frombuffer(json.dumps(state).encode(), np.uint8).copy()
+    values = np.array(NF4_CODE)[codes] * absmax.astype(np.float64)[:, None]
+    return parts, values.reshape(weight.shape)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_bitsandbytes_nf4_checkpoint(tmp_path, nested):
+    """A checkpoint saved with bitsandbytes' NF4 (plain or double-quantized absmax) loads packed, with the
+    logits of the float model holding the values bitsandbytes dequantizes to."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    weights = random_llama(320, seed=20)
+    packed, reference = {}, {}
+    for name, array in weights.items():
+        if name.endswith(("q_proj.weight", "gate_proj.weight")):
+            parts, values = bitsandbytes_nf4(array, nested)
+            packed.update({name + suffix: part for suffix, part in parts.items()})
+            reference[name] = values.astype(np.float32)
+        else:
+            packed[name] = reference[name] = array
+    model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "bnb", LLAMA, packed), requires_grad=False)
+    params = dict(model.named_parameters())
+    assert {n for n, t in params.items() if isinstance(t, QuantizedTensor)} == \
+        {n for n in weights if n.endswith(("q_proj.weight", "gate_proj.weight"))}
+    np.testing.assert_allclose(params["model.layers.1.mlp.gate_proj.weight"].numpy(),
+                               reference["model.layers.1.mlp.gate_proj.weight"], rtol=1e-6)
+    want_model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "ref", LLAMA, reference),
+                                                      requires_grad=False)
+    ids = np.array([[5, 17, 42, 7, 99, 3]])
+    got, want = model(ids).logits.numpy(), want_model(ids).logits.numpy()
+    assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
+
+
 def test_quantized_model_refusals(tmp_path):
     from vkformers.models.loading import AutoModelForCausalLM
     from vkformers.training.trainer import Trainer, TrainingConfig
@@ -334,11 +385,12 @@ def test_gguf_unsupported_block_type(backend, tmp_path):
 def test_smollm2_q4_1_kept_quantized():
     """The bundled SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 embeddings, tied head) kept quantized: logits within
     1e-2 of its dequantized float32 self (relative to max |logit|), the same 32 greedy tokens on two prompts,
-    and under 120 MB of device buffers."""
+    and under 120 MB of device buffers; a forward allocates less than one of its MLP weights would take
+    dequantized (no weight is expanded to memory)."""
     from vkformers.cli.generate import default_model
     from vkformers.errors import VkformersError
     from vkformers.models.loading import AutoModelForCausalLM
-    from vkformers.runtime.vulkan import buffer_memory
+    from vkformers.runtime.vulkan import buffer_memory, reset_peak_buffer_memory
     try:
         path = default_model()
     except VkformersError as exc:
@@ -350,8 +402,12 @@ def test_smollm2_q4_1_kept_quantized():
     assert isinstance(params["model.embed_tokens.weight"], QuantizedTensor)
     assert params["model.embed_tokens.weight"].format.name == "q8_0"
     assert params["model.layers.0.mlp.down_proj.weight"].format.name == "q4_1"
-    expanded = AutoModelForCausalLM.from_pretrained(path, requires_grad=False, dequantize=True)
     prompts = [np.array([[1, 4093, 198, 504, 3575, 282, 4649, 314]]), np.array([[19556, 905, 17, 216, 33, 34]])]
+    live = buffer_memory()["live_bytes"]
+    reset_peak_buffer_memory()
+    kept(prompts[0]).logits.numpy()
+    assert buffer_memory()["peak_bytes"] - live < 1536 * 576 * 4  # 1.8 MB of activations and logits here
+    expanded = AutoModelForCausalLM.from_pretrained(path, requires_grad=False, dequantize=True)
     for ids in prompts:
         got, want = kept(ids).logits.numpy(), expanded(ids).logits.numpy()
         assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-2

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from vkformers.engine import functional as F
+from vkformers.engine.quantized import QuantizedTensor
 from vkformers.models.module import Module
 
 
@@ -15,6 +16,11 @@ class Linear(Module):
         if bias:
             self.param("bias", (out_features,))
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the weight is packed blocks (engine.quantized), which only F.linear's quantized product reads."""
+        return isinstance(self.weight, QuantizedTensor)
+
     def forward(self, x, live_rows=None):
         """``live_rows``: see F.linear (the rows past it are padding a mixture-of-experts expert may skip)."""
         return F.linear(x, self.weight, self.bias if self.has_bias else None, live_rows=live_rows)
@@ -24,7 +30,7 @@ def linears_can_be_grouped(linears) -> bool:
     """Whether :func:`grouped_linear` runs these Linear layers (a mixture's experts' projections): no biases, and
     all plain or all with like LoRA adapters (same rank, scaling and dropout)."""
     def kind(linear):
-        if not isinstance(linear, Linear) or linear.has_bias:
+        if not isinstance(linear, Linear) or linear.has_bias or linear.quantized:
             return None
         if hasattr(linear, "lora_A"):  # training.lora.LoraLinear (models do not import training)
             return "lora", linear.r, linear.scaling, linear.dropout

@@ -22,7 +22,8 @@ from vkformers.models.config_check import check_config_fields, check_config_obje
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
-from vkformers.models.quantize import CheckpointQuantizer, quantize_checkpoint, refuse_quantized
+from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
+                                       refuse_quantized)
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
 
@@ -179,7 +180,7 @@ class AutoModel:
         model = cls.from_config(config)
         plain = model.config is config  # else a multimodal wrapper, whose names change after reading
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
-        weights = read_weights(folder, convert=quantizer)  # each weight packed as soon as it is read
+        weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer))  # each packed as it is read
         if quantizer is not None:
             quantizer.warn_kept()
         if plain:

@@ -446,10 +446,11 @@ class DecoderLayer(Module):
                 or (s.attn_out_bias and self.index in s.attn_out_bias_layers)
                 or ("qkv" in p and s.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
-                or any(type(p[n]) is not Linear for n in (*attn, "o")) or len({p[n].has_bias for n in attn}) != 1):
+                or any(type(p[n]) is not Linear or p[n].quantized for n in (*attn, "o"))
+                or len({p[n].has_bias for n in attn}) != 1):
             return None
         fused_mlp = ("moe" not in p and s.mlp_kind == "gated" and _FUSED_ACTIVATIONS.get(s.hidden_act) is not None
-                     and all(n in p and type(p[n]) is Linear for n in (*mlp, "down"))
+                     and all(n in p and type(p[n]) is Linear and not p[n].quantized for n in (*mlp, "down"))
                      and len({p[n].has_bias for n in mlp}) == 1)
 
         def blocks(name, widths=None):  # (weight, bias or None) of a projection, or of each row block of a fused one
@@ -806,7 +807,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         """Final RMS norm and lm_head of a decode step as one fused product, or None where they differ."""
         norm, head = self.final_norm, self.lm_head
         if (not isinstance(norm, RMSNorm) or self.project_out is not None or self.head_dense is not None
-                or type(head) is not Linear or head.has_bias):
+                or type(head) is not Linear or head.has_bias or head.quantized):
             return None
         fused_norm = _fused_norm(norm)
         return F.fused_linear(x, head.weight, norm=fused_norm) if F.fusable(x, [head.weight], fused_norm) else None
