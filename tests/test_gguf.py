@@ -273,7 +273,7 @@ def test_gguf_model_applies_an_adapter_as_the_safetensors_checkpoint_does(tiny, 
     from vkformers.engine.tensor import parameter
     from vkformers.models.loading import AutoModelForCausalLM
     from vkformers.models.safetensors_io import write_safetensors
-    from vkformers.training.lora import LoraConfig, LoraLinear, apply_lora, save_adapter
+    from vkformers.models.lora import LoraConfig, LoraLinear, apply_lora, save_adapter
     path, weights = tiny
     config, _, _ = vkgguf.load_gguf(path, tokenizer=False)
     folder, adapter = tmp_path / "hf", tmp_path / "adapter"

@@ -8,7 +8,7 @@ import pytest
 import vkformers as vkf
 from test_training import tiny_data, tiny_model
 from vkformers.training import Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, load_adapter, merge_lora
-from vkformers.training.lora import LoraError, LoraLinear, resolve_targets, save_adapter
+from vkformers.models.lora import LoraError, LoraLinear, resolve_targets, save_adapter
 from vkformers.models.safetensors_io import read_safetensors
 
 IDS = np.array([[3, 70, 101, 32, 5, 200, 9, 1]], np.int32)

@@ -17,7 +17,7 @@ from vkformers.engine.tensor import parameter, tensor
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
-from vkformers.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter, trainable_parameters
+from vkformers.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter, trainable_parameters
 
 ADAPTER = FIXTURES / "llama_lora"
 pytestmark = pytest.mark.skipif(not (ADAPTER / ADAPTER_WEIGHTS).is_file(), reason="no llama_lora fixture")
@@ -95,7 +95,7 @@ def test_save_adapter_writes_what_peft_wrote(case, tmp_path):
 
 def test_a_new_adapter_config_agrees_with_peft(tmp_path):
     """A fresh apply_lora writes a subset of PEFT's fields (PEFT fills the others with defaults), same values."""
-    from vkformers.training.lora import LoraConfig, apply_lora
+    from vkformers.models.lora import LoraConfig, apply_lora
     meta = json.loads((ADAPTER / "meta.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(FIXTURES / meta["base_fixture"], dtype="float32")
     apply_lora(model, LoraConfig(**meta["lora_config"]))

@@ -311,7 +311,7 @@ def test_lora_adapters_on_routed_experts(packed):
     """PEFT-style LoRA on the experts' projections: the adapters run on each expert's routed rows too (packed
     spans or per-expert lists), and the output and the adapters' gradients equal the dense block's."""
     from vkformers.training import LoraConfig, apply_lora
-    from vkformers.training.lora import LoraLinear
+    from vkformers.models.lora import LoraLinear
     block, _ = _block(MoeSpec(EXPERTS, 2, INNER, (True,)))
     apply_lora(block, LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj", "down_proj"]))
     assert block._packable()

@@ -322,7 +322,7 @@ def test_qlora_gradients_match_float_base(tmp_path):
     """LoRA on a Q8_0 base: the adapters' gradients equal those on a float base holding the dequantized
     weights (the backward through the quantized weight is dX = dY @ W in the same kernel)."""
     from vkformers.models.loading import AutoModelForCausalLM
-    from vkformers.training.lora import LoraConfig, apply_lora
+    from vkformers.models.lora import LoraConfig, apply_lora
     weights = random_llama(320, seed=15)
     quantized = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "hf", LLAMA, weights),
                                                      quantization="q8_0")

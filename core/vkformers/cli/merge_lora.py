@@ -20,7 +20,7 @@ def add_parser(subparsers):
 def run(args) -> int:
     from vkformers.cli.train import copy_tokenizer_files
     from vkformers.models.loading import AutoModelForCausalLM, save_pretrained
-    from vkformers.training.lora import load_adapter, merge_lora
+    from vkformers.models.lora import load_adapter, merge_lora
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, requires_grad=False)
     merge_lora(load_adapter(model, args.adapter))
     save_pretrained(model, args.out)

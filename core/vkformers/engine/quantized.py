@@ -226,7 +226,7 @@ class QuantizedTensor:
     def requires_grad(self, value: bool) -> None:
         if value:
             raise QuantizationError(f"a {self.format.name} weight is frozen in its packed blocks and cannot be "
-                                    "trained; train LoRA adapters on top of it (training.lora.apply_lora)")
+                                    "trained; train LoRA adapters on top of it (models.lora.apply_lora)")
 
     @property
     def lazy(self):

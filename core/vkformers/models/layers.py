@@ -32,7 +32,7 @@ def linears_can_be_grouped(linears) -> bool:
     def kind(linear):
         if not isinstance(linear, Linear) or linear.has_bias or linear.quantized:
             return None
-        if hasattr(linear, "lora_A"):  # training.lora.LoraLinear (models do not import training)
+        if hasattr(linear, "lora_A"):  # models.lora.LoraLinear, a Linear subclass (lora imports this module)
             return "lora", linear.r, linear.scaling, linear.dropout
         return "plain" if type(linear) is Linear else None
     kinds = {kind(linear) for linear in linears}

@@ -20,6 +20,7 @@ from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object
 from vkformers.models.gguf import is_gguf_file, load_gguf_model
+from vkformers.models.lora import load_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
@@ -169,7 +170,6 @@ class AutoModel:
         else:
             model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization)
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
-            from vkformers.training.lora import load_adapter
             load_adapter(model, adapter)
         return model.eval()
 

@@ -10,7 +10,7 @@
 from vkformers.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vkformers.training.data import (Batches, ByteTokenizer, DataError, PackedDataset, fixed_batches,
                                      hf_dataset_files, load_dataset, load_tokenizer, read_records, tokenize_records)
-from vkformers.training.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
+from vkformers.models.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter  # re-exported: a training API too
 from vkformers.training.schedules import learning_rate, lr_factor
 from vkformers.training.trainer import (LossScaler, NonFiniteLossError, StepResult, Trainer, TrainingConfig,
                                         init_weights)

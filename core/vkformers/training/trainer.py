@@ -37,6 +37,8 @@ from vkformers.engine.tensor import Tensor, parameter, tensor
 from vkformers.errors import VkformersError
 from vkformers.models.atomic import make_folder, open_for_append, refuse_symlinks_below, write_bytes_atomic, \
     write_text_atomic
+from vkformers.models import lora
+from vkformers.models.loading import save_pretrained
 from vkformers.models.quantize import refuse_quantized
 from vkformers.optim import OPTIMIZERS, AdamW
 from vkformers.runtime import dtypes as dt
@@ -188,7 +190,7 @@ class Trainer:
         self.progress, self.run_info = progress, run_info or {}
         if getattr(model, "lora_config", None) is None:
             refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; train "
-                             "LoRA adapters on top of them (training.lora.apply_lora, or --lora-rank)")
+                             "LoRA adapters on top of them (models.lora.apply_lora, or --lora-rank)")
         self.params = [t for _, t in model.named_parameters() if t.requires_grad]
         if not self.params:
             raise VkformersError("nothing to train: no parameter of the model requires grad")
@@ -471,8 +473,6 @@ class Trainer:
 
     def save_final(self, folder=None, *, merge: bool = False) -> Path:
         """The trained model as ``save_pretrained`` writes it, or the PEFT adapter (merged into the model if asked)."""
-        from vkformers.models.loading import save_pretrained
-        from vkformers.training import lora
         folder = Path(folder) if folder is not None else self.out_dir / "final"
         if self.out_dir is not None and folder.is_relative_to(self.out_dir):  # out/final, not a link out of it
             refuse_symlinks_below(self.out_dir, folder)
