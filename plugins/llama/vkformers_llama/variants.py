@@ -1081,51 +1081,7 @@ def mpt(config: dict) -> DecoderSpec:
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
-# -- mixture-of-experts families (the sparse block comes from vkformers-moe)
-
-def _with_moe(arch: str, config: dict, spec: DecoderSpec, sparse: bool) -> DecoderSpec:
-    """The spec with the mixture-of-experts block of vkformers-moe in the sparse layers (when there are any)."""
-    if not sparse:
-        return spec
-    try:
-        from vkformers_moe.variants import moe_spec
-    except ImportError:
-        raise UnsupportedConfigError(f"{arch}: mixture-of-experts layers need the vkformers-moe plugin "
-                                     f"(pip install vkformers-moe)") from None
-    return replace(spec, moe=moe_spec(arch, config, spec))
-
-
-def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
-    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) names a sparse layer."""
-    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
-    return any(t != "dense" for t in types)
-
-
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
-def hy_v3(config: dict) -> DecoderSpec:
-    """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
-    return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
-
-
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("laguna", norm="rms", llama_layout=True, status="verified")
-def laguna(config: dict) -> DecoderSpec:
-    """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
-    per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per layer type."""
-    refuse("laguna", config, "gating", lambda v: v in (None, True, "per-head", "per-element"))
-    spec = llama(config)
-    types = layer_types(config, spec.num_layers)
-    heads = config.get("num_attention_heads_per_layer")
-    params = config.get("rope_parameters")
-    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
-                   output_gate_per_head=config.get("gating", True) != "per-element",
-                   heads_per_layer=tuple(heads) if heads else (),
-                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
-    return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
-
+# -- hybrid decoders: Gated DeltaNet linear-attention layers beside softmax-attention ones
 
 @architecture("qwen3_5_text", norm="rms", llama_layout=True, status="verified",
               notes=("native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule; upstream claims 2-step"
@@ -1175,16 +1131,6 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
 
 # -- multi-head latent attention
 
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",
-              notes="MLA")
-def deepseek_v2(config: dict) -> DecoderSpec:
-    """Llama block with MLA; mixture-of-experts MLPs (vkformers-moe) from layer first_k_dense_replace on."""
-    spec = with_mla(llama(config), config)
-    dense = config.get("first_k_dense_replace", 0)
-    return _with_moe("deepseek_v2", config, spec, bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers)
-
-
 def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
     """``spec`` with DeepSeek-V2's multi-head latent attention from the config's q/kv LoRA ranks and nope / rope / v
     head dims: interleaved rotary on the rope dims only, the softmax scale with YaRN's mscale when it sets one."""
@@ -1201,29 +1147,6 @@ def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
                    head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
                    rope_configs=((rope_config, None),) * spec.num_layers,
                    attention_scales=(scale,) * spec.num_layers)
-
-
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("mistral4", norm="rms", llama_layout=True, status="verified",
-              notes="native KV-cache generation; upstream claims 2-step AdamW parity")
-def mistral4(config: dict) -> DecoderSpec:
-    """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),
-    optional interleaving (rope_interleave) and Llama-4 query scaling by position; mixture-of-experts MLPs
-    (vkformers-moe) from layer first_k_dense_replace on."""
-    spec = llama(config)
-    dense = config.get("first_k_dense_replace") or 0
-    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
-    spec = with_mla(spec, config)
-    params = config.get("rope_parameters") or {}
-    rope_config = dict(config, head_dim=spec.head_dim)
-    if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
-        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
-                   rope_configs=((rope_config, None),) * spec.num_layers)
-    beta = params.get("llama_4_scaling_beta")
-    if beta:
-        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
-    return _with_moe("mistral4", config, spec, sparse)
 
 
 @architecture("minicpm3", norm="rms", llama_layout=True, status="verified",

@@ -872,26 +872,35 @@ def dots1(config: dict) -> DecoderSpec:
     return replace(spec, moe=deepseek_moe(config, spec, norm_default=False))
 
 
-# -- the sparse layers of architectures that vkformers-llama registers (it asks moe_spec for them)
+# -- decoders whose config may make every layer dense: the dense parent's spec alone then (fixtures *_dense), with the
+#    sparse block on the sparse layers otherwise (fixtures *_moe)
 
-def _deepseek_v2_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
-    """DeepSeek-V2: softmax scores, greedy top-k or group_limited_greedy (the topk_group groups with the largest
-    maximum eligible), chosen scores scaled by routed_scaling_factor, not renormalised."""
-    method = config.get("topk_method") or "greedy"
-    refuse("deepseek_v2", config, "topk_method", lambda v: (v or "greedy") in ("greedy", "group_limited_greedy"))
-    # transformers 5.24 never renormalises DeepSeek-V2's weights; a config asking for it would be ambiguous
-    refuse("deepseek_v2", config, "norm_topk_prob", lambda v: not v)
-    grouped = method == "group_limited_greedy"
-    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False, group_score="max"),
-                   num_groups=(config.get("n_group") or 1) if grouped else 1,
-                   topk_groups=(config.get("topk_group") or 1) if grouped else 1, norm_topk=False)
+def _with_moe(arch: str, config: dict, spec: DecoderSpec, sparse: bool,
+              sparse_block: Callable[[dict, DecoderSpec], MoeSpec]) -> DecoderSpec:
+    """``spec`` with the block ``sparse_block(config, spec)`` in its sparse layers when it has any, else ``spec``."""
+    if not sparse:
+        return spec
+    _refuse_training_extras(arch, config)
+    return replace(spec, moe=sparse_block(config, spec))
 
 
-def _mistral4_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
-    """Mistral 4: DeepSeek-V3's grouped choice (top-2 sums) on softmax scores, no selection bias; experts stored fused
-    as transformers saves them (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
-    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False),
-                   fused_experts=("gate_up_proj", "down_proj"))
+def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
+    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) names a sparse layer."""
+    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    return any(t != "dense" for t in types)
+
+
+def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
+    """mlp_layer_types (default: the first layer dense, the others sparse)."""
+    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    return tuple(t == "sparse" for t in types)
+
+
+@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
+def hy_v3(config: dict) -> DecoderSpec:
+    """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
+    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
+    return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _hy_v3_moe)
 
 
 def _hy_v3_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
@@ -904,6 +913,24 @@ def _hy_v3_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
                    router="router.gate", scoring="sigmoid", selection_bias="expert_bias", norm_topk=True,
                    norm_eps=1e-20, routed_scale=float(config.get("router_scaling_factor", 2.826)),
                    shared="shared_mlp" if shared else None, shared_size=size * shared)
+
+
+@architecture("laguna", norm="rms", llama_layout=True, status="verified")
+def laguna(config: dict) -> DecoderSpec:
+    """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or
+    per channel, per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per
+    layer type."""
+    refuse("laguna", config, "gating", lambda v: v in (None, True, "per-head", "per-element"))
+    spec = llama(config)
+    types = layer_types(config, spec.num_layers)
+    heads = config.get("num_attention_heads_per_layer")
+    params = config.get("rope_parameters")
+    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
+    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
+                   output_gate_per_head=config.get("gating", True) != "per-element",
+                   heads_per_layer=tuple(heads) if heads else (),
+                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _laguna_moe)
 
 
 def _laguna_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
@@ -920,21 +947,56 @@ def _laguna_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
                    shared_size=config.get("shared_expert_intermediate_size", 512))
 
 
-def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
-    """mlp_layer_types (default: the first layer dense, the others sparse)."""
-    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
-    return tuple(t == "sparse" for t in types)
+@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",
+              notes="MLA")
+def deepseek_v2(config: dict) -> DecoderSpec:
+    """Llama block with MLA; mixture-of-experts MLPs from layer first_k_dense_replace on."""
+    spec = with_mla(llama(config), config)
+    dense = config.get("first_k_dense_replace", 0)
+    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
+    return _with_moe("deepseek_v2", config, spec, sparse, _deepseek_v2_moe)
 
 
-LLAMA_PLUGIN_MOE: dict[str, Callable[[dict, DecoderSpec], MoeSpec]] = {
-    "deepseek_v2": _deepseek_v2_moe, "mistral4": _mistral4_moe, "hy_v3": _hy_v3_moe, "laguna": _laguna_moe,
-}
+def _deepseek_v2_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """DeepSeek-V2: softmax scores, greedy top-k or group_limited_greedy (the topk_group groups with the largest
+    maximum eligible), chosen scores scaled by routed_scaling_factor, not renormalised."""
+    method = config.get("topk_method") or "greedy"
+    refuse("deepseek_v2", config, "topk_method", lambda v: (v or "greedy") in ("greedy", "group_limited_greedy"))
+    # transformers 5.24 never renormalises DeepSeek-V2's weights; a config asking for it would be ambiguous
+    refuse("deepseek_v2", config, "norm_topk_prob", lambda v: not v)
+    grouped = method == "group_limited_greedy"
+    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False, group_score="max"),
+                   num_groups=(config.get("n_group") or 1) if grouped else 1,
+                   topk_groups=(config.get("topk_group") or 1) if grouped else 1, norm_topk=False)
 
 
-def moe_spec(architecture_name: str, config: dict, spec: DecoderSpec) -> MoeSpec:
-    """The sparse layers of a vkformers-llama architecture (its variant calls this when the config has any)."""
-    _refuse_training_extras(architecture_name, config)
-    return LLAMA_PLUGIN_MOE[architecture_name](config, spec)
+@architecture("mistral4", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims 2-step AdamW parity")
+def mistral4(config: dict) -> DecoderSpec:
+    """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),
+    optional interleaving (rope_interleave) and Llama-4 query scaling by position; mixture-of-experts MLPs from
+    layer first_k_dense_replace on."""
+    spec = llama(config)
+    dense = config.get("first_k_dense_replace") or 0
+    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
+    spec = with_mla(spec, config)
+    params = config.get("rope_parameters") or {}
+    rope_config = dict(config, head_dim=spec.head_dim)
+    if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
+        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
+    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
+                   rope_configs=((rope_config, None),) * spec.num_layers)
+    beta = params.get("llama_4_scaling_beta")
+    if beta:
+        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+    return _with_moe("mistral4", config, spec, sparse, _mistral4_moe)
+
+
+def _mistral4_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """Mistral 4: DeepSeek-V3's grouped choice (top-2 sums) on softmax scores, no selection bias; experts stored fused
+    as transformers saves them (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False),
+                   fused_experts=("gate_up_proj", "down_proj"))
 
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
