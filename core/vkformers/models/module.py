@@ -191,3 +191,39 @@ class Module:
         """Every parameter as float32 numpy arrays (float16 stays float16; quantized weights dequantized), under
         HF names."""
         return {name: t.numpy() for name, t in self.named_parameters()}
+
+
+# -- dotted Hugging Face paths (shared by the family plugins, which build modules under their checkpoints' names)
+
+def join_path(*parts: str) -> str:
+    """The dotted path of ``parts``, skipping empty ones: ``join_path("mlp", "", "gate")`` is ``"mlp.gate"``."""
+    return ".".join(part for part in parts if part)
+
+
+def _container(root: Module, parents: list[str]) -> Module:
+    """The module at ``parents`` under ``root``, adding plain container modules where there are none yet."""
+    node = root
+    for part in parents:
+        node = node._modules[part] if part in node._modules else node.add(part, Module())
+    return node
+
+
+def place(root: Module, path: str, module: Module) -> Module:
+    """Attach ``module`` under a dotted HF path, creating plain container modules on the way; returns it."""
+    *parents, name = path.split(".")
+    return _container(root, parents).add(name, module)
+
+
+def add_param(root: Module, path: str, shape) -> None:
+    """Declare a parameter under a dotted HF path (a lone tensor such as ``self_attn.sinks``)."""
+    *parents, name = path.split(".")
+    _container(root, parents).param(name, shape)
+
+
+def get_param(root: Module, path: str):
+    """The parameter at a dotted HF path under ``root`` (its Tensor once loaded)."""
+    *parents, name = path.split(".")
+    node = root
+    for part in parents:
+        node = node._modules[part]
+    return getattr(node, name)

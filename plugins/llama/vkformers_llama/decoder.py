@@ -23,7 +23,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Conv1D, Embedding, LayerNorm, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
-from vkformers.models.module import Module
+from vkformers.models.module import Module, add_param, get_param, join_path, place
 from vkformers.runtime import dtypes as dt
 
 from vkformers_llama.variants import (DecoderSpec, alibi_slopes, decoder_spec,
@@ -43,36 +43,6 @@ IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias",
                            ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
 
 
-def place(root: Module, path: str, module: Module) -> Module:
-    """Attach ``module`` under a dotted HF path, creating plain container modules on the way."""
-    *parents, name = path.split(".")
-    node = root
-    for part in parents:
-        node = node._modules[part] if part in node._modules else node.add(part, Module())
-    return node.add(name, module)
-
-
-def _join(*parts: str) -> str:
-    return ".".join(p for p in parts if p)
-
-
-def add_param(root: Module, path: str, shape) -> None:
-    """Declare a parameter under a dotted HF path (a lone tensor such as ``self_attn.sinks``)."""
-    *parents, name = path.split(".")
-    node = root
-    for part in parents:
-        node = node._modules[part] if part in node._modules else node.add(part, Module())
-    node.param(name, shape)
-
-
-def get_param(root: Module, path: str):
-    *parents, name = path.split(".")
-    node = root
-    for part in parents:
-        node = node._modules[part]
-    return getattr(node, name)
-
-
 class LayerNorm1P(LayerNorm):
     """Nemotron's LayerNorm with the weight stored as an offset from 1: layer_norm(x) * (1 + w) + b."""
 
@@ -81,6 +51,8 @@ class LayerNorm1P(LayerNorm):
 
 
 def make_norm(spec: DecoderSpec, dim: int) -> Module:
+    """The decoder's norm over ``dim`` channels as ``spec`` configures it (RMSNorm or LayerNorm, weight, bias,
+    unit offset, eps); plugins that compose their own layers build their norms with it."""
     if spec.norm == "rms":
         return RMSNorm(dim, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset, elementwise=spec.norm_weight)
     layer_norm = LayerNorm1P if spec.norm_unit_offset else LayerNorm
@@ -105,6 +77,7 @@ def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
 
 
 def make_projection(spec: DecoderSpec, in_features: int, out_features: int, bias: bool) -> Module:
+    """A projection as the spec's checkpoints store it: Conv1D ([in, out], GPT-2) or Linear."""
     return (Conv1D if spec.conv1d else Linear)(in_features, out_features, bias=bias)
 
 
@@ -182,25 +155,25 @@ class DecoderLayer(Module):
             self._init_mla(add)
             q_out = s.num_heads * s.mla_v_dim  # o_proj reads the value heads
         elif s.qkv_proj:
-            add("qkv", _join(s.attn, s.qkv_proj),
+            add("qkv", join_path(s.attn, s.qkv_proj),
                 make_projection(s, d, q_out + 2 * kv_out, bias=s.q_bias))
         else:
             q_width = 2 * q_out if s.q_gate else q_out  # Qwen3.5: [query | gate] per head
-            add("q", _join(s.attn, s.q_proj), make_projection(s, d, q_width, bias=s.q_bias))
-            add("k", _join(s.attn, s.k_proj), make_projection(s, d, kv_out, bias=s.k_bias))
-            add("v", _join(s.attn, s.v_proj), make_projection(s, d, kv_out, bias=s.v_bias))
+            add("q", join_path(s.attn, s.q_proj), make_projection(s, d, q_width, bias=s.q_bias))
+            add("k", join_path(s.attn, s.k_proj), make_projection(s, d, kv_out, bias=s.k_bias))
+            add("v", join_path(s.attn, s.v_proj), make_projection(s, d, kv_out, bias=s.v_bias))
         if not self.linear:
-            add("o", _join(s.attn, s.o_proj), make_projection(s, q_out, d, bias=s.o_bias))
+            add("o", join_path(s.attn, s.o_proj), make_projection(s, q_out, d, bias=s.o_bias))
         if s.q_norm and self.linear:
             pass  # a linear-attention layer has no q/k norm
         elif s.q_norm and s.qk_norm_scope in ("per_head", "per_head_list"):
             stacked = s.qk_norm_scope == "per_head"
-            add("q_norm", _join(s.attn, s.q_norm), HeadwiseNorm(s, s.num_heads, stacked))
-            add("k_norm", _join(s.attn, s.k_norm), HeadwiseNorm(s, s.num_kv_heads, stacked))
+            add("q_norm", join_path(s.attn, s.q_norm), HeadwiseNorm(s, s.num_heads, stacked))
+            add("k_norm", join_path(s.attn, s.k_norm), HeadwiseNorm(s, s.num_kv_heads, stacked))
         elif s.q_norm:
             full = s.qk_norm_scope == "full"
-            add("q_norm", _join(s.attn, s.q_norm), make_norm(s, q_out if full else s.head_dim))
-            add("k_norm", _join(s.attn, s.k_norm), make_norm(s, kv_out if full else s.head_dim))
+            add("q_norm", join_path(s.attn, s.q_norm), make_norm(s, q_out if full else s.head_dim))
+            add("k_norm", join_path(s.attn, s.k_norm), make_norm(s, kv_out if full else s.head_dim))
         inter = s.intermediate_size
         sparse = s.moe.block(s, index) if s.moe is not None else None
         if sparse is not None:  # a mixture-of-experts block instead of the dense MLP (vkformers-moe)
@@ -208,30 +181,30 @@ class DecoderLayer(Module):
             for path, module in getattr(sparse, "layer_modules", {}).items():  # its parts stored beside it
                 place(self, path, module)
         elif s.mlp_kind == "gated" and s.gate_up_proj:
-            add("gate_up", _join(s.mlp, s.gate_up_proj), make_projection(s, d, 2 * inter, bias=s.mlp_bias))
+            add("gate_up", join_path(s.mlp, s.gate_up_proj), make_projection(s, d, 2 * inter, bias=s.mlp_bias))
         elif s.mlp_kind == "gated":
-            add("gate", _join(s.mlp, s.gate_proj), make_projection(s, d, inter, bias=s.mlp_bias))
-            add("up", _join(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
+            add("gate", join_path(s.mlp, s.gate_proj), make_projection(s, d, inter, bias=s.mlp_bias))
+            add("up", join_path(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
         else:
-            add("up", _join(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
+            add("up", join_path(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
         if sparse is None:
-            add("down", _join(s.mlp, s.down_proj), make_projection(s, inter, d, bias=s.mlp_bias))
+            add("down", join_path(s.mlp, s.down_proj), make_projection(s, inter, d, bias=s.mlp_bias))
         if s.attn_sub_norm:
-            add("attn_sub_norm", _join(s.attn, s.attn_sub_norm), make_norm(s, q_out))
+            add("attn_sub_norm", join_path(s.attn, s.attn_sub_norm), make_norm(s, q_out))
         if s.mlp_sub_norm:
-            add("mlp_sub_norm", _join(s.mlp, s.mlp_sub_norm), make_norm(s, inter))
+            add("mlp_sub_norm", join_path(s.mlp, s.mlp_sub_norm), make_norm(s, inter))
         if s.attention_sinks:
-            add_param(self, _join(s.attn, s.attention_sinks), (s.num_heads,))
+            add_param(self, join_path(s.attn, s.attention_sinks), (s.num_heads,))
         if s.output_gate:
-            add("output_gate", _join(s.attn, s.output_gate),
+            add("output_gate", join_path(s.attn, s.output_gate),
                 Linear(d, s.num_heads if s.output_gate_per_head else q_out, bias=False))
         if s.attn_out_bias and index in s.attn_out_bias_layers:
-            add_param(self, _join(s.attn, s.attn_out_bias), (d,))
+            add_param(self, join_path(s.attn, s.attn_out_bias), (d,))
         for path, shape in s.unused_layer_params:
             add_param(self, path, shape)
         if s.hidden_act == "xielu":
-            add_param(self, _join(s.mlp, "act_fn.alpha_p"), (1,))
-            add_param(self, _join(s.mlp, "act_fn.alpha_n"), (1,))
+            add_param(self, join_path(s.mlp, "act_fn.alpha_p"), (1,))
+            add_param(self, join_path(s.mlp, "act_fn.alpha_n"), (1,))
             self.xielu_buffers = (0.5, -1e-6)  # transformers' defaults; from_pretrained reads the checkpoint's
             self.act = self._xielu
         else:
@@ -245,10 +218,10 @@ class DecoderLayer(Module):
         return self.parts[role](x) if role in self.parts else x
 
     def _param(self, path):
-        return get_param(self, _join(self.spec.attn, path))
+        return get_param(self, join_path(self.spec.attn, path))
 
     def _xielu(self, x):
-        mlp = _join(self.spec.mlp, "act_fn")
+        mlp = join_path(self.spec.mlp, "act_fn")
         beta, eps = self.xielu_buffers
         return xielu(x, get_param(self, mlp + ".alpha_p"), get_param(self, mlp + ".alpha_n"), beta, eps)
 
@@ -259,14 +232,15 @@ class DecoderLayer(Module):
         heads, qk_dim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim
         rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False, norm_eps=s.mla_norm_eps or s.norm_eps)
         if s.mla_q_lora_rank:
-            add("q_a", _join(s.attn, "q_a_proj"), Linear(d, s.mla_q_lora_rank, bias=s.q_bias))
-            add("q_a_norm", _join(s.attn, "q_a_layernorm"), make_norm(rms, s.mla_q_lora_rank))
-            add("q_b", _join(s.attn, "q_b_proj"), Linear(s.mla_q_lora_rank, heads * qk_dim, bias=False))
+            add("q_a", join_path(s.attn, "q_a_proj"), Linear(d, s.mla_q_lora_rank, bias=s.q_bias))
+            add("q_a_norm", join_path(s.attn, "q_a_layernorm"), make_norm(rms, s.mla_q_lora_rank))
+            add("q_b", join_path(s.attn, "q_b_proj"), Linear(s.mla_q_lora_rank, heads * qk_dim, bias=False))
         else:
-            add("q", _join(s.attn, "q_proj"), Linear(d, heads * qk_dim, bias=False))
-        add("kv_a", _join(s.attn, "kv_a_proj_with_mqa"), Linear(d, s.mla_kv_lora_rank + s.mla_rope_dim, bias=s.q_bias))
-        add("kv_a_norm", _join(s.attn, "kv_a_layernorm"), make_norm(rms, s.mla_kv_lora_rank))
-        add("kv_b", _join(s.attn, "kv_b_proj"),
+            add("q", join_path(s.attn, "q_proj"), Linear(d, heads * qk_dim, bias=False))
+        add("kv_a", join_path(s.attn, "kv_a_proj_with_mqa"),
+            Linear(d, s.mla_kv_lora_rank + s.mla_rope_dim, bias=s.q_bias))
+        add("kv_a_norm", join_path(s.attn, "kv_a_layernorm"), make_norm(rms, s.mla_kv_lora_rank))
+        add("kv_b", join_path(s.attn, "kv_b_proj"),
             Linear(s.mla_kv_lora_rank, heads * (s.mla_nope_dim + s.mla_v_dim), bias=False))
 
     def _mla_qkv(self, h, ctx: Context, q=None):
@@ -621,9 +595,11 @@ class DecoderForCausalLM(Module, GenerationMixin):
             layers=place(self, spec.layers, checkpoint_named(ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
                                                                           for i in range(spec.num_layers)), spec)),
             final_norm=place(self, spec.final_norm, make_norm(spec, d)) if spec.final_norm else None,
-            head_dense=(place(self, _join(spec.head_transform, "dense"), Linear(d, d, bias=spec.head_transform_bias))
+            head_dense=(place(self, join_path(spec.head_transform, "dense"),
+                              Linear(d, d, bias=spec.head_transform_bias))
                         if spec.head_transform else None),
-            head_norm=place(self, _join(spec.head_transform, "norm"), make_norm(spec, d)) if spec.head_transform else None,
+            head_norm=(place(self, join_path(spec.head_transform, "norm"), make_norm(spec, d))
+                       if spec.head_transform else None),
             lm_head=place(self, spec.lm_head, Linear(spec.embed_dim or d, spec.vocab_size, bias=spec.lm_head_bias)),
         )
         for name, module in refs.items():
@@ -651,7 +627,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
                 module.load_buffers(arrays, path)
         if self.spec.hidden_act == "xielu":  # xIELU's beta / eps are checkpoint buffers, not parameters
             for i, layer in enumerate(self.layers):
-                prefix = _join(self.spec.layers, str(i), self.spec.mlp, "act_fn")
+                prefix = join_path(self.spec.layers, str(i), self.spec.mlp, "act_fn")
                 if f"{prefix}.beta" in arrays:
                     layer.xielu_buffers = (float(np.asarray(arrays[f"{prefix}.beta"]).reshape(-1)[0]),
                                            float(np.asarray(arrays[f"{prefix}.eps"]).reshape(-1)[0]))

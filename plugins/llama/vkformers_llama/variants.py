@@ -195,7 +195,9 @@ class DecoderSpec:
 
 # ---------------------------------------------------------------- config readers
 
-def _first(config: dict, *names, default=None):
+def first_of(config: dict, *names, default=None):
+    """The value of the first of ``names`` the config sets (not None), else ``default``: one option under the
+    spellings of several config classes (hidden_size, n_embd, d_model)."""
     for name in names:
         if config.get(name) is not None:
             return config[name]
@@ -211,16 +213,16 @@ def refuse(arch: str, config: dict, option: str, supported: Callable[[object], b
 
 
 def _sizes(config: dict) -> dict:
-    hidden = _first(config, "hidden_size", "n_embd", "d_model")
-    heads = _first(config, "num_attention_heads", "n_head")
+    hidden = first_of(config, "hidden_size", "n_embd", "d_model")
+    heads = first_of(config, "num_attention_heads", "n_head")
     return dict(
         vocab_size=config["vocab_size"], hidden_size=hidden,
-        num_layers=_first(config, "num_hidden_layers", "n_layer"),
-        num_heads=heads, num_kv_heads=_first(config, "num_key_value_heads", default=heads),
-        head_dim=_first(config, "head_dim", default=hidden // heads),
-        intermediate_size=_first(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
+        num_layers=first_of(config, "num_hidden_layers", "n_layer"),
+        num_heads=heads, num_kv_heads=first_of(config, "num_key_value_heads", default=heads),
+        head_dim=first_of(config, "head_dim", default=hidden // heads),
+        intermediate_size=first_of(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
                                  default=4 * hidden),
-        max_position_embeddings=_first(config, "max_position_embeddings", "n_positions", default=2048),
+        max_position_embeddings=first_of(config, "max_position_embeddings", "n_positions", default=2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
         embed_padding_idx=padding_idx(config),
     )
@@ -307,7 +309,7 @@ def llama(config: dict) -> DecoderSpec:
     arch = config.get("model_type", "llama")
     refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
     bias = bool(config.get("attention_bias", False))
-    spec = DecoderSpec(**_sizes(config), norm_eps=_first(config, "rms_norm_eps", default=1e-6),
+    spec = DecoderSpec(**_sizes(config), norm_eps=first_of(config, "rms_norm_eps", default=1e-6),
                        hidden_act=config.get("hidden_act", "silu"), q_bias=bias, k_bias=bias, v_bias=bias,
                        o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
     return mllama_text_model(config, spec) if arch == "mllama_text_model" else spec
@@ -368,7 +370,7 @@ def qwen3(config: dict) -> DecoderSpec:
 @architecture("gemma", norm="rms", llama_layout=True, status="verified",
               notes="native KV-cache generation")
 def gemma(config: dict) -> DecoderSpec:
-    act = _first(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
+    act = first_of(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
     return replace(llama(config), hidden_act=act, norm_unit_offset=True, embed_scale=config["hidden_size"] ** 0.5,
                    embed_scale_in_dtype=True, tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -386,7 +388,7 @@ def gemma2(config: dict) -> DecoderSpec:
     spec = gemma(config)
     types = _gemma_layer_types(config, spec.num_layers, lambda i: i % 2 == 0)
     window = config.get("sliding_window") or 0
-    scale = _first(config, "query_pre_attn_scalar", default=spec.head_dim) ** -0.5
+    scale = first_of(config, "query_pre_attn_scalar", default=spec.head_dim) ** -0.5
     return replace(spec, attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
                    mlp_out_norm="post_feedforward_layernorm", attention_scales=(scale,) * spec.num_layers,
                    windows=tuple(window if t == "sliding_attention" else 0 for t in types),
@@ -423,7 +425,7 @@ def gemma3_text(config: dict) -> DecoderSpec:
 def phi3(config: dict) -> DecoderSpec:
     spec = mistral(config)
     return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", gate_up_proj="gate_up_proj",
-                   norm_eps=_first(config, "rms_norm_eps", default=1e-5))
+                   norm_eps=first_of(config, "rms_norm_eps", default=1e-5))
 
 
 @architecture("olmo", norm="layer", llama_layout=True, status="verified",
@@ -608,7 +610,8 @@ def bloom(config: dict) -> DecoderSpec:
 
 # -- Llama-block relatives
 
-def _layer_types(config: dict, num_layers: int) -> list[str]:
+def layer_types(config: dict, num_layers: int) -> list[str]:
+    """Each layer's attention type from the config's layer_types (default: every layer "full_attention")."""
     return list(config.get("layer_types") or ["full_attention"] * num_layers)
 
 
@@ -703,8 +706,8 @@ def hyperclovax(config: dict) -> DecoderSpec:
 def granite_swa(config: dict) -> DecoderSpec:
     """Granite + per-layer sliding window, per-layer rope theta (0: NoPE) and per-head attention sinks."""
     spec = granite(config)
-    types = _layer_types(config, spec.num_layers)
-    thetas = config.get("layer_rope_theta") or [_first(config, "rope_theta", default=10000.0)] * spec.num_layers
+    types = layer_types(config, spec.num_layers)
+    thetas = config.get("layer_rope_theta") or [first_of(config, "rope_theta", default=10000.0)] * spec.num_layers
     rope_configs = tuple((_with_rope_theta(config, t), None) for t in thetas)
     return replace(spec, windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0 for t in types),
                    rope_configs=rope_configs, rope_layers=tuple(bool(t) for t in thetas), attention_sinks="sinks")
@@ -720,7 +723,7 @@ def _with_rope_theta(config: dict, theta: float) -> dict:
 def olmo3(config: dict) -> DecoderSpec:
     """OLMo 2 block with per-layer sliding windows and a rope dict per layer type."""
     spec = olmo2(config)
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
     return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
@@ -733,7 +736,7 @@ def olmo3(config: dict) -> DecoderSpec:
 def exaone4(config: dict) -> DecoderSpec:
     """OLMo 2-style post-norms with per-head q/k RMSNorm; with sliding layers, only those rotate."""
     spec = replace(olmo2(config), qk_norm_scope="head")
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     windows = sliding_windows(config, spec.num_layers, every_layer=False)
     rope_layers = tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ()
     return replace(spec, windows=windows, rope_layers=rope_layers)
@@ -743,7 +746,7 @@ def exaone4(config: dict) -> DecoderSpec:
 def cohere2(config: dict) -> DecoderSpec:
     """Cohere with sliding layers that rotate and full-attention layers without rotary."""
     spec = cohere(config)
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False),
                    rope_layers=tuple(t == "sliding_attention" for t in types))
 
@@ -756,7 +759,7 @@ def cohere_compass_text(config: dict) -> DecoderSpec:
     """Cohere 2's block with rotate_half rotary from a rope dict per layer type; a type whose dict is null has
     no rotary (NoPE). Text positions are equal on the three M-RoPE axes, so its multimodal rope is 1-D rope."""
     spec = cohere(config)
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters") or {}
     no_rope = dict(config, rope_parameters={"rope_type": "default"})  # any table: rope_layers skips the rotation
     return replace(spec, rope_interleaved=False, logits_scale=config.get("logit_scale") or 1.0,
@@ -771,7 +774,7 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
     sliding windows (local_attention // 2) and a rope dict per layer type, then a dense-gelu-LayerNorm prediction
     head before the tied ``decoder`` projection (with bias)."""
     spec = DecoderSpec(**_sizes(dict(config, num_key_value_heads=None)))
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     local = config.get("local_attention")
     window = config.get("sliding_window") or (local // 2 if local else 0)
     attn_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
@@ -806,7 +809,7 @@ def jais2(config: dict) -> DecoderSpec:
 def nemotron(config: dict) -> DecoderSpec:
     """LayerNorm1P (x * (1 + w) + b), plain squared-ReLU MLP, partial rotary."""
     return replace(llama(config), norm="layer", norm_bias=True, norm_unit_offset=True,
-                   norm_eps=_first(config, "norm_eps", "layer_norm_eps", default=1e-5), mlp_kind="plain",
+                   norm_eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5), mlp_kind="plain",
                    hidden_act=config.get("hidden_act", "relu2"))
 
 
@@ -1078,51 +1081,7 @@ def mpt(config: dict) -> DecoderSpec:
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
-# -- mixture-of-experts families (the sparse block comes from vkformers-moe)
-
-def _with_moe(arch: str, config: dict, spec: DecoderSpec, sparse: bool) -> DecoderSpec:
-    """The spec with the mixture-of-experts block of vkformers-moe in the sparse layers (when there are any)."""
-    if not sparse:
-        return spec
-    try:
-        from vkformers_moe.variants import moe_spec
-    except ImportError:
-        raise UnsupportedConfigError(f"{arch}: mixture-of-experts layers need the vkformers-moe plugin "
-                                     f"(pip install vkformers-moe)") from None
-    return replace(spec, moe=moe_spec(arch, config, spec))
-
-
-def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
-    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) names a sparse layer."""
-    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
-    return any(t != "dense" for t in types)
-
-
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
-def hy_v3(config: dict) -> DecoderSpec:
-    """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
-    return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
-
-
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("laguna", norm="rms", llama_layout=True, status="verified")
-def laguna(config: dict) -> DecoderSpec:
-    """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or per channel,
-    per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per layer type."""
-    refuse("laguna", config, "gating", lambda v: v in (None, True, "per-head", "per-element"))
-    spec = llama(config)
-    types = _layer_types(config, spec.num_layers)
-    heads = config.get("num_attention_heads_per_layer")
-    params = config.get("rope_parameters")
-    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
-                   output_gate_per_head=config.get("gating", True) != "per-element",
-                   heads_per_layer=tuple(heads) if heads else (),
-                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
-    return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers))
-
+# -- hybrid decoders: Gated DeltaNet linear-attention layers beside softmax-attention ones
 
 @architecture("qwen3_5_text", norm="rms", llama_layout=True, status="verified",
               notes=("native KV-cache generation; hybrid Gated-DeltaNet/full-attention schedule; upstream claims 2-step"
@@ -1135,7 +1094,7 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
     layers whose q_proj also yields a sigmoid output gate, (1 + w) RMSNorm everywhere (q/k norm per head),
     partial rotary. Text positions are equal on the M-RoPE axes, so the multimodal rope is 1-D rope."""
     spec = qwen3(dict(config, attention_bias=config.get("attention_bias", False)))
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     return replace(spec, windows=(), norm_unit_offset=True, q_gate=True,
                    linear_layers=tuple(t == "linear_attention" for t in types),
                    linear_k_heads=config.get("linear_num_key_heads", 16),
@@ -1154,7 +1113,7 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
     attention_layer_norm / feedforward_layer_norm for input_layernorm / post_attention_layernorm."""
     refuse("olmo_hybrid", config, "hidden_act", lambda v: v in ("silu", "swish"), "silu")  # also the conv's
     spec = olmo2(config)
-    types = _layer_types(config, spec.num_layers)
+    types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters")
     k_heads = config.get("linear_num_key_heads") or spec.num_heads
     k_dim = config.get("linear_key_head_dim") or int(0.75 * spec.hidden_size / k_heads)
@@ -1172,17 +1131,9 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
 
 # -- multi-head latent attention
 
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",
-              notes="MLA")
-def deepseek_v2(config: dict) -> DecoderSpec:
-    """Llama block with MLA; mixture-of-experts MLPs (vkformers-moe) from layer first_k_dense_replace on."""
-    spec = _mla(llama(config), config)
-    dense = config.get("first_k_dense_replace", 0)
-    return _with_moe("deepseek_v2", config, spec, bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers)
-
-
-def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
+def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
+    """``spec`` with DeepSeek-V2's multi-head latent attention from the config's q/kv LoRA ranks and nope / rope / v
+    head dims: interleaved rotary on the rope dims only, the softmax scale with YaRN's mscale when it sets one."""
     nope, rope_dim, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     scale = (nope + rope_dim) ** -0.5
@@ -1198,35 +1149,12 @@ def _mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
                    attention_scales=(scale,) * spec.num_layers)
 
 
-# verified with its mixture-of-experts layers from vkformers-moe (fixtures *_moe; *_dense: dense-only)
-@architecture("mistral4", norm="rms", llama_layout=True, status="verified",
-              notes="native KV-cache generation; upstream claims 2-step AdamW parity")
-def mistral4(config: dict) -> DecoderSpec:
-    """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),
-    optional interleaving (rope_interleave) and Llama-4 query scaling by position; mixture-of-experts MLPs
-    (vkformers-moe) from layer first_k_dense_replace on."""
-    spec = llama(config)
-    dense = config.get("first_k_dense_replace") or 0
-    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
-    spec = _mla(spec, config)
-    params = config.get("rope_parameters") or {}
-    rope_config = dict(config, head_dim=spec.head_dim)
-    if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
-        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
-                   rope_configs=((rope_config, None),) * spec.num_layers)
-    beta = params.get("llama_4_scaling_beta")
-    if beta:
-        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
-    return _with_moe("mistral4", config, spec, sparse)
-
-
 @architecture("minicpm3", norm="rms", llama_layout=True, status="verified",
               notes="MLA")
 def minicpm3(config: dict) -> DecoderSpec:
     """MLA + muP scalings: embeddings * scale_emb, residual branches * scale_depth / sqrt(layers), logits on
     hidden / (hidden_size / dim_model_base)."""
-    spec = replace(_mla(llama(config), config), rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
+    spec = replace(with_mla(llama(config), config), rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
     return replace(spec, embed_scale=config.get("scale_emb", 1.0),
                    residual_scale=config.get("scale_depth", 1.0) / math.sqrt(spec.num_layers),
                    logits_scale=config.get("dim_model_base", spec.hidden_size) / spec.hidden_size,
@@ -1236,7 +1164,7 @@ def minicpm3(config: dict) -> DecoderSpec:
 @architecture("youtu", norm="rms", llama_layout=True, status="verified",
               notes="MLA (DeepSeek-style)")
 def youtu(config: dict) -> DecoderSpec:
-    return replace(_mla(llama(config), config), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+    return replace(with_mla(llama(config), config), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as

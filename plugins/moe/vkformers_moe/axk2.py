@@ -30,7 +30,8 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import LayerNorm, Linear
-from vkformers_llama.decoder import DecoderLayer, _join, place
+from vkformers.models.module import join_path, place
+from vkformers_llama.decoder import DecoderLayer
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
 
@@ -71,23 +72,25 @@ class Axk2Layer(DecoderLayer):
         gated = {"attn_in_norm": spec.attn_in_norm, **({"mlp_in_norm": spec.mlp_in_norm} if sparse else {})}
         if not options.gate_rank:
             gated = {}
-        layer = replace(spec, output_gate_per_head=False, **{role: _join(path, "norm") for role, path in gated.items()})
+        layer = replace(spec, output_gate_per_head=False,
+                        **{role: join_path(path, "norm") for role, path in gated.items()})
         self.options = options  # before the shared layer's __init__, which calls _init_mla
         self.shares_index = index < len(options.shared_index) and options.shared_index[index]
         super().__init__(layer, index, alibi)
         s, d = self.spec, spec.hidden_size
         object.__setattr__(self, "norm_gates", {
-            role: (place(self, _join(path, "W_down"), Linear(d, options.gate_rank, bias=False)),
-                   place(self, _join(path, "W_up"), Linear(options.gate_rank, d, bias=False)))
+            role: (place(self, join_path(path, "W_down"), Linear(d, options.gate_rank, bias=False)),
+                   place(self, join_path(path, "W_up"), Linear(options.gate_rank, d, bias=False)))
             for role, path in gated.items()})
         object.__setattr__(self, "_index_scores", None)
         if self.shares_index:
             return
-        indexer, heads, dim = _join(s.attn, "indexer"), options.index_heads, options.index_dim
-        self.parts["index_q"] = place(self, _join(indexer, "wq_b"), Linear(s.mla_q_lora_rank, heads * dim, bias=False))
-        self.parts["index_k"] = place(self, _join(indexer, "wk"), Linear(d, dim, bias=False))
-        self.parts["index_k_norm"] = place(self, _join(indexer, "k_norm"), LayerNorm(dim, eps=1e-6))
-        self.parts["index_w"] = place(self, _join(indexer, "weights_proj"), Linear(d, heads, bias=False))
+        indexer, heads, dim = join_path(s.attn, "indexer"), options.index_heads, options.index_dim
+        self.parts["index_q"] = place(self, join_path(indexer, "wq_b"),
+                                      Linear(s.mla_q_lora_rank, heads * dim, bias=False))
+        self.parts["index_k"] = place(self, join_path(indexer, "wk"), Linear(d, dim, bias=False))
+        self.parts["index_k_norm"] = place(self, join_path(indexer, "k_norm"), LayerNorm(dim, eps=1e-6))
+        self.parts["index_w"] = place(self, join_path(indexer, "weights_proj"), Linear(d, heads, bias=False))
 
     def _init_mla(self, add):
         s = self.spec

@@ -35,8 +35,8 @@ from vkformers.engine.tensor import Tensor
 from vkformers.engine.ops.routing import (  # noqa: F401 (topk_mask re-exported)
     _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask)
 from vkformers.models.layers import Linear, grouped_linear, linears_can_be_grouped
-from vkformers.models.module import Module
-from vkformers_llama.decoder import _join, add_param, get_param, make_norm, place
+from vkformers.models.module import Module, add_param, get_param, join_path, place
+from vkformers_llama.decoder import make_norm
 
 # How a block runs its experts (SparseMoeBlock.experts_mode; set_experts_mode sets it on a whole model):
 # "routed": each expert on the tokens that chose it, their rows packed into one matrix where the experts allow it
@@ -195,23 +195,23 @@ class SparseMoeBlock(Module):
             self.selection_bias = Tensor(np.zeros(bias_shape, np.float32))
         if moe.stacked_experts:
             for name in moe.expert_names:
-                add_param(self, _join(moe.experts, name), (moe.num_experts * moe.expert_size, hidden))
+                add_param(self, join_path(moe.experts, name), (moe.num_experts * moe.expert_size, hidden))
             object.__setattr__(self, "expert_list", None)
         elif moe.fused_experts:
             for name, shape in zip(moe.fused_experts, self._fused_shapes()):
-                add_param(self, _join(moe.experts, name), shape)
+                add_param(self, join_path(moe.experts, name), shape)
             if moe.fused_bias:
-                add_param(self, _join(moe.experts, moe.fused_bias[0]), (moe.num_experts, 2 * moe.expert_size))
-                add_param(self, _join(moe.experts, moe.fused_bias[1]), (moe.num_experts, hidden))
+                add_param(self, join_path(moe.experts, moe.fused_bias[0]), (moe.num_experts, 2 * moe.expert_size))
+                add_param(self, join_path(moe.experts, moe.fused_bias[1]), (moe.num_experts, hidden))
             object.__setattr__(self, "expert_list", None)
         else:
             object.__setattr__(self, "expert_list", [
-                place(self, _join(moe.experts, str(e)),
+                place(self, join_path(moe.experts, str(e)),
                       SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
                 for e in range(moe.num_experts)])
         # loaded and saved, never run (no gradient); load_state_dict supplies zeros when a checkpoint lacks them
-        self.unused_weights = tuple(_join(moe.experts, str(e), name, "weight") for e in range(moe.num_experts, scored)
-                                    for name in moe.identity_weights)
+        self.unused_weights = tuple(join_path(moe.experts, str(e), name, "weight")
+                                    for e in range(moe.num_experts, scored) for name in moe.identity_weights)
         for name in self.unused_weights:
             add_param(self, name, (moe.expert_size, hidden))
         shared = SwiGLU(hidden, moe.shared_size, moe.shared_names or moe.expert_names, moe.hidden_act,
@@ -243,7 +243,7 @@ class SparseMoeBlock(Module):
             return arrays
         converted = dict(arrays)
         for name, want in zip(moe.fused_experts, self._fused_shapes()):
-            key = _join(path, moe.experts, name)
+            key = join_path(path, moe.experts, name)
             have = np.shape(arrays.get(key, ()))
             if len(have) == 3 and have != want and have == (want[0], want[2], want[1]):
                 converted[key] = np.ascontiguousarray(np.swapaxes(np.asarray(arrays[key]), 1, 2))
@@ -326,23 +326,23 @@ class SparseMoeBlock(Module):
         moe = self.moe
         if moe.stacked_experts:
             shape = (moe.num_experts, moe.expert_size, self.hidden)
-            gate, up, down = (get_param(self, _join(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
+            gate, up, down = (get_param(self, join_path(moe.experts, n)).reshape(*shape) for n in moe.expert_names)
             return product(self._glu(product(xs, gate.transpose(-1, -2)), product(xs, up.transpose(-1, -2))), down)
         gate_up_name, down_name = moe.fused_experts
-        gate_up = get_param(self, _join(moe.experts, gate_up_name))
-        down = get_param(self, _join(moe.experts, down_name))
+        gate_up = get_param(self, join_path(moe.experts, gate_up_name))
+        down = get_param(self, join_path(moe.experts, down_name))
         if not moe.fused_transposed:
             gate_up, down = gate_up.transpose(-1, -2), down.transpose(-1, -2)
         both = product(xs, gate_up)
         if moe.fused_bias:
-            both = both + get_param(self, _join(moe.experts, moe.fused_bias[0])).reshape(moe.num_experts, 1, -1)
+            both = both + get_param(self, join_path(moe.experts, moe.fused_bias[0])).reshape(moe.num_experts, 1, -1)
         if moe.gate_up_interleaved:
             gate, up = both[..., 0::2], both[..., 1::2]
         else:
             gate, up = both[..., :moe.expert_size], both[..., moe.expert_size:]
         out = product(self._glu(gate, up), down)
         if moe.fused_bias:
-            out = out + get_param(self, _join(moe.experts, moe.fused_bias[1])).reshape(moe.num_experts, 1, -1)
+            out = out + get_param(self, join_path(moe.experts, moe.fused_bias[1])).reshape(moe.num_experts, 1, -1)
         return out
 
     def _glu(self, gate, up):

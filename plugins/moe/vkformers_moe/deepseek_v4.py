@@ -37,8 +37,8 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
-from vkformers.models.module import Module
-from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, add_param, get_param, make_norm, place
+from vkformers.models.module import Module, add_param, get_param, place
+from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vkformers.models.module import Module
-from vkformers_llama.decoder import DecoderLayer, place
+from vkformers.models.module import Module, place
+from vkformers_llama.decoder import DecoderLayer
 
 
 def graft(root: Module, module: Module) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
-from vkformers_llama.decoder import DecoderLayer, _join, make_projection, place
+from vkformers.models.module import join_path, place
+from vkformers_llama.decoder import DecoderLayer, make_projection
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ class MimoLayer(DecoderLayer):
         super().__init__(layer, index, alibi)
         self.options, self.cache_kv_heads = options, spec.num_kv_heads
         s, d, vdim = self.spec, spec.hidden_size, options.v_head_dim
-        self.parts["v"] = place(self, _join(s.attn, s.v_proj), make_projection(s, d, s.num_kv_heads * vdim, s.v_bias))
-        self.parts["o"] = place(self, _join(s.attn, s.o_proj), make_projection(s, s.num_heads * vdim, d, False))
+        self.parts["v"] = place(self, join_path(s.attn, s.v_proj),
+                                make_projection(s, d, s.num_kv_heads * vdim, s.v_bias))
+        self.parts["o"] = place(self, join_path(s.attn, s.o_proj), make_projection(s, s.num_heads * vdim, d, False))
 
     def attention(self, h, ctx):
         s, p = self.spec, self.parts

@@ -25,7 +25,8 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
-from vkformers_llama.decoder import DecoderLayer, _join, make_norm, place
+from vkformers.models.module import join_path, place
+from vkformers_llama.decoder import DecoderLayer, make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import clipped_swiglu
@@ -71,12 +72,12 @@ class MinimaxM3Layer(DecoderLayer):
         self._selection = None
         if self.sparse:
             s, o, d = self.spec, options, spec.hidden_size
-            path = _join(s.attn, o.indexer)
+            path = join_path(s.attn, o.indexer)
             for role, name, module in (("index_q", "q_proj", Linear(d, o.index_heads * o.index_dim, bias=False)),
                                        ("index_k", "k_proj", Linear(d, o.index_dim, bias=False)),
                                        ("index_q_norm", "q_norm", make_norm(s, o.index_dim)),
                                        ("index_k_norm", "k_norm", make_norm(s, o.index_dim))):
-                self.parts[role] = place(self, _join(path, name), module)
+                self.parts[role] = place(self, join_path(path, name), module)
 
     def convert_checkpoint(self, arrays, path: str):
         """A file in MiniMax's release layout (RELEASE_RENAMES; gate_proj + up_proj, experts.<e>.w1 / w3 / w2) gets
@@ -97,7 +98,7 @@ class MinimaxM3Layer(DecoderLayer):
                 fused = np.concatenate([renamed.pop(gate), renamed.pop(up)], axis=0)
                 renamed[gate[:-len("gate_proj.weight")] + "gate_up_proj.weight"] = fused
         moe = self.spec.moe
-        experts = _join(self.spec.mlp, moe.experts) if moe and moe.fused_experts else None
+        experts = join_path(self.spec.mlp, moe.experts) if moe and moe.fused_experts else None
         count = sum(1 for n in renamed if experts and n.startswith(f"{experts}.") and n.endswith(".w1.weight"))
         if count:
             w = {k: [renamed.pop(f"{experts}.{e}.{k}.weight") for e in range(count)] for k in ("w1", "w3", "w2")}

@@ -37,8 +37,8 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
-from vkformers.models.module import Module
-from vkformers_llama.decoder import DecoderLayer, _join, add_param, get_param, make_norm, place
+from vkformers.models.module import Module, add_param, get_param, join_path, place
+from vkformers_llama.decoder import DecoderLayer, make_norm
 
 from vkformers_moe.model import MoeDecoderForCausalLM
 
@@ -271,11 +271,11 @@ class Qwen4ExpLayer(DecoderLayer):
         self.indexed = not self.linear and o.index_heads > 0
         self._keep = None
         if self.indexed:
-            path = _join(self.spec.attn, "indexer")
-            self.parts["index_qk"] = place(self, _join(path, "index_qk_proj"),
+            path = join_path(self.spec.attn, "indexer")
+            self.parts["index_qk"] = place(self, join_path(path, "index_qk_proj"),
                                            Linear(d, (o.index_heads + 1) * o.index_dim, bias=False))
-            self.parts["index_q_norm"] = place(self, _join(path, "q_layernorm"), make_norm(self.spec, o.index_dim))
-            self.parts["index_k_norm"] = place(self, _join(path, "k_layernorm"), make_norm(self.spec, o.index_dim))
+            self.parts["index_q_norm"] = place(self, join_path(path, "q_layernorm"), make_norm(self.spec, o.index_dim))
+            self.parts["index_k_norm"] = place(self, join_path(path, "k_layernorm"), make_norm(self.spec, o.index_dim))
 
     def forward(self, streams, ctx):
         if self.ple is not None:

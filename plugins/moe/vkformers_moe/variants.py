@@ -12,9 +12,9 @@ from typing import Callable
 
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, _first, _layer_types, _mla, cohere2,
-                                      ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2, qwen2,
-                                      qwen3, qwen3_5_text, refuse, sliding_windows)
+from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, cohere2, ernie4_5, first_of, granite,
+                                      granite_swa, hunyuan_v1_dense, layer_types, llama, mistral, olmo2, qwen2, qwen3,
+                                      qwen3_5_text, refuse, sliding_windows, with_mla)
 
 from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
@@ -36,7 +36,7 @@ def _refuse_training_extras(arch: str, config: dict) -> None:
 
 def num_experts(config: dict, default: int) -> int:
     """Routed experts: num_experts or num_local_experts (transformers saves either spelling, by config class)."""
-    return _first(config, "num_experts", "num_local_experts", "n_routed_experts", default=default)
+    return first_of(config, "num_experts", "num_local_experts", "n_routed_experts", default=default)
 
 
 def sparse_step_layers(config: dict, num_layers: int) -> tuple[bool, ...]:
@@ -194,7 +194,7 @@ def longcat_flash(config: dict) -> DecoderSpec:
     layers = config.get("num_layers") or config["num_hidden_layers"] // 2
     flat = dict(config, num_hidden_layers=2 * layers, intermediate_size=config.get("ffn_hidden_size", 12288))
     hidden = config["hidden_size"]
-    sub = replace(_mla(llama(flat), flat), mla_q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
+    sub = replace(with_mla(llama(flat), flat), mla_q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
                   mla_kv_scale=(hidden / config["kv_lora_rank"]) ** 0.5, mla_norm_eps=1e-6)
     experts, identity = config.get("n_routed_experts", 512), config.get("zero_expert_num") or 0
     moe = MoeSpec(num_experts=experts, top_k=config.get("moe_topk", 12),
@@ -400,10 +400,10 @@ def ernie4_5_moe(config: dict) -> DecoderSpec:
     start, end = config.get("moe_layer_start_index", 1), config.get("moe_layer_end_index", -1)
     end = n - 1 if end == -1 else end
     interval = config.get("moe_layer_interval") or 1
-    experts = _first(config, "moe_num_experts", "num_experts", default=64)
+    experts = first_of(config, "moe_num_experts", "num_experts", default=64)
     size, shared = config.get("moe_intermediate_size", 1536), config.get("moe_num_shared_experts", 2) or 0
     refuse("ernie4_5_moe", config, "moe_norm_min", lambda v: v is None or v <= 1e-6)
-    moe = MoeSpec(num_experts=experts, top_k=_first(config, "moe_k", "num_experts_per_tok", default=6),
+    moe = MoeSpec(num_experts=experts, top_k=first_of(config, "moe_k", "num_experts_per_tok", default=6),
                   expert_size=size,
                   layers=tuple((i + 1) % interval == 0 and start <= i <= end for i in range(n)),
                   hidden_act=spec.hidden_act, selection_bias="moe_statics.e_score_correction_bias",
@@ -433,7 +433,7 @@ def cohere2_moe(config: dict) -> DecoderSpec:
     refuse("cohere2_moe", config, "shared_expert_combination_strategy", lambda v: (v or "average") in ("sum", "average"))
     spec = cohere2(config)
     n = spec.num_layers
-    mlp_types, types = _mlp_types(config, n), _layer_types(config, n)
+    mlp_types, types = _mlp_types(config, n), layer_types(config, n)
     force = config.get("prefix_dense_sliding_window_pattern", 1) == 1
     spec = replace(spec, rope_layers=tuple(t == "sliding_attention" or (m == "dense" and force)
                                            for t, m in zip(types, mlp_types)),
@@ -457,7 +457,7 @@ def exaone_moe(config: dict) -> DecoderSpec:
     _refuse_training_extras("exaone_moe", config)
     spec = qwen3(config)
     n = spec.num_layers
-    types = _layer_types(config, n)
+    types = layer_types(config, n)
     spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
                    rope_layers=tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ())
     moe = replace(deepseek_moe(config, spec), selection_bias="e_score_correction_bias",
@@ -565,7 +565,7 @@ def mellum(config: dict) -> DecoderSpec:
     _refuse_training_extras("mellum", config)
     spec = qwen3(config)
     n = spec.num_layers
-    types = _layer_types(config, n)
+    types = layer_types(config, n)
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
     spec = replace(spec, windows=sliding_windows(config, n, every_layer=False), rope_configs=ropes)
@@ -585,7 +585,7 @@ def afmoe(config: dict) -> DecoderSpec:
     _refuse_training_extras("afmoe", config)
     spec = qwen3(config)
     n = spec.num_layers
-    types = _layer_types(config, n)
+    types = layer_types(config, n)
     spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
                    rope_layers=tuple(t == "sliding_attention" for t in types),
                    output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True,
@@ -715,7 +715,7 @@ def deepseek_v3(config: dict) -> DecoderSpec:
     _refuse_training_extras("deepseek_v3", config)
     if config.get("model_type") in DSA_MODEL_TYPES or "index_topk" in config:
         return deepseek_v32(config)
-    spec = _mla(llama(config), config)
+    spec = with_mla(llama(config), config)
     spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
     return replace(spec, moe=deepseek_moe(config, spec))
 
@@ -745,7 +745,7 @@ def deepseek_v32(config: dict) -> DecoderSpec:
     selection. Sparse layers from mlp_layer_types (default: the first first_k_dense_replace, 3, dense)."""
     arch = config.get("model_type") or "deepseek_v32"
     refuse(arch, config, "q_lora_rank", lambda v: bool(v) and v > 0, 1536)  # the indexer reads the q LoRA
-    spec = _mla(llama(config), config)
+    spec = with_mla(llama(config), config)
     spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: the RMSNorm's default eps
     n, dense = spec.num_layers, config.get("first_k_dense_replace", 3)
     types = config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(n)]
@@ -796,7 +796,7 @@ def glm5_next_text(config: dict) -> DecoderSpec:
         lower = -5.0
     heads, dim = lin.get("num_heads", config.get("linear_num_heads", 64)), lin.get("head_dim",
                                                                                    config.get("linear_head_dim", 128))
-    spec = _mla(llama(dict(config, head_dim=None)), config)
+    spec = with_mla(llama(dict(config, head_dim=None)), config)
     spec = replace(spec, rope=False, linear_layers=linear, linear_attn="self_attn", linear_k_heads=heads,
                    linear_v_heads=heads, linear_k_dim=dim, linear_v_dim=dim, linear_split_projections=True,
                    linear_conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
@@ -818,7 +818,7 @@ def axk1(config: dict) -> DecoderSpec:
     """A.X-K1: DeepSeek-V3 (MLA with a q LoRA, grouped sigmoid router, shared experts) whose sparse layers
     (mlp_layer_types) end in an RMSNorm on the block's output, saved beside it as layers.<i>.post_mlp_layernorm."""
     _refuse_training_extras("axk1", config)
-    spec = _mla(llama(config), config)
+    spec = with_mla(llama(config), config)
     spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
@@ -836,7 +836,7 @@ def axk2(config: dict) -> DecoderSpec:
     router (groups only when n_group is set), shared experts."""
     _refuse_training_extras("axk2", config)
     refuse("axk2", config, "q_lora_rank", lambda v: bool(v) and v > 0, 384)  # the indexer and gate read the q LoRA
-    spec = _mla(llama(config), config)
+    spec = with_mla(llama(config), config)
     spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: AXK2RMSNorm's default eps
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
@@ -872,26 +872,35 @@ def dots1(config: dict) -> DecoderSpec:
     return replace(spec, moe=deepseek_moe(config, spec, norm_default=False))
 
 
-# -- the sparse layers of architectures that vkformers-llama registers (it asks moe_spec for them)
+# -- decoders whose config may make every layer dense: the dense parent's spec alone then (fixtures *_dense), with the
+#    sparse block on the sparse layers otherwise (fixtures *_moe)
 
-def _deepseek_v2_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
-    """DeepSeek-V2: softmax scores, greedy top-k or group_limited_greedy (the topk_group groups with the largest
-    maximum eligible), chosen scores scaled by routed_scaling_factor, not renormalised."""
-    method = config.get("topk_method") or "greedy"
-    refuse("deepseek_v2", config, "topk_method", lambda v: (v or "greedy") in ("greedy", "group_limited_greedy"))
-    # transformers 5.24 never renormalises DeepSeek-V2's weights; a config asking for it would be ambiguous
-    refuse("deepseek_v2", config, "norm_topk_prob", lambda v: not v)
-    grouped = method == "group_limited_greedy"
-    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False, group_score="max"),
-                   num_groups=(config.get("n_group") or 1) if grouped else 1,
-                   topk_groups=(config.get("topk_group") or 1) if grouped else 1, norm_topk=False)
+def _with_moe(arch: str, config: dict, spec: DecoderSpec, sparse: bool,
+              sparse_block: Callable[[dict, DecoderSpec], MoeSpec]) -> DecoderSpec:
+    """``spec`` with the block ``sparse_block(config, spec)`` in its sparse layers when it has any, else ``spec``."""
+    if not sparse:
+        return spec
+    _refuse_training_extras(arch, config)
+    return replace(spec, moe=sparse_block(config, spec))
 
 
-def _mistral4_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
-    """Mistral 4: DeepSeek-V3's grouped choice (top-2 sums) on softmax scores, no selection bias; experts stored fused
-    as transformers saves them (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
-    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False),
-                   fused_experts=("gate_up_proj", "down_proj"))
+def _has_sparse_mlp_layers(config: dict, num_layers: int) -> bool:
+    """mlp_layer_types (default: the first layer dense, the others mixture-of-experts) names a sparse layer."""
+    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    return any(t != "dense" for t in types)
+
+
+def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
+    """mlp_layer_types (default: the first layer dense, the others sparse)."""
+    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    return tuple(t == "sparse" for t in types)
+
+
+@architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
+def hy_v3(config: dict) -> DecoderSpec:
+    """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
+    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
+    return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _hy_v3_moe)
 
 
 def _hy_v3_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
@@ -904,6 +913,24 @@ def _hy_v3_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
                    router="router.gate", scoring="sigmoid", selection_bias="expert_bias", norm_topk=True,
                    norm_eps=1e-20, routed_scale=float(config.get("router_scaling_factor", 2.826)),
                    shared="shared_mlp" if shared else None, shared_size=size * shared)
+
+
+@architecture("laguna", norm="rms", llama_layout=True, status="verified")
+def laguna(config: dict) -> DecoderSpec:
+    """Laguna (sparse layers from mlp_layer_types): per-head q/k RMSNorm, a softplus output gate (g_proj) per head or
+    per channel, per-layer query head counts, per-layer sliding windows and a rope dict (with partial rotary) per
+    layer type."""
+    refuse("laguna", config, "gating", lambda v: v in (None, True, "per-head", "per-element"))
+    spec = llama(config)
+    types = layer_types(config, spec.num_layers)
+    heads = config.get("num_attention_heads_per_layer")
+    params = config.get("rope_parameters")
+    ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
+    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
+                   output_gate_per_head=config.get("gating", True) != "per-element",
+                   heads_per_layer=tuple(heads) if heads else (),
+                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _laguna_moe)
 
 
 def _laguna_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
@@ -920,21 +947,56 @@ def _laguna_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
                    shared_size=config.get("shared_expert_intermediate_size", 512))
 
 
-def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
-    """mlp_layer_types (default: the first layer dense, the others sparse)."""
-    types = config.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
-    return tuple(t == "sparse" for t in types)
+@architecture("deepseek_v2", norm="rms", llama_layout=True, status="verified",
+              notes="MLA")
+def deepseek_v2(config: dict) -> DecoderSpec:
+    """Llama block with MLA; mixture-of-experts MLPs from layer first_k_dense_replace on."""
+    spec = with_mla(llama(config), config)
+    dense = config.get("first_k_dense_replace", 0)
+    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
+    return _with_moe("deepseek_v2", config, spec, sparse, _deepseek_v2_moe)
 
 
-LLAMA_PLUGIN_MOE: dict[str, Callable[[dict, DecoderSpec], MoeSpec]] = {
-    "deepseek_v2": _deepseek_v2_moe, "mistral4": _mistral4_moe, "hy_v3": _hy_v3_moe, "laguna": _laguna_moe,
-}
+def _deepseek_v2_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """DeepSeek-V2: softmax scores, greedy top-k or group_limited_greedy (the topk_group groups with the largest
+    maximum eligible), chosen scores scaled by routed_scaling_factor, not renormalised."""
+    method = config.get("topk_method") or "greedy"
+    refuse("deepseek_v2", config, "topk_method", lambda v: (v or "greedy") in ("greedy", "group_limited_greedy"))
+    # transformers 5.24 never renormalises DeepSeek-V2's weights; a config asking for it would be ambiguous
+    refuse("deepseek_v2", config, "norm_topk_prob", lambda v: not v)
+    grouped = method == "group_limited_greedy"
+    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False, group_score="max"),
+                   num_groups=(config.get("n_group") or 1) if grouped else 1,
+                   topk_groups=(config.get("topk_group") or 1) if grouped else 1, norm_topk=False)
 
 
-def moe_spec(architecture_name: str, config: dict, spec: DecoderSpec) -> MoeSpec:
-    """The sparse layers of a vkformers-llama architecture (its variant calls this when the config has any)."""
-    _refuse_training_extras(architecture_name, config)
-    return LLAMA_PLUGIN_MOE[architecture_name](config, spec)
+@architecture("mistral4", norm="rms", llama_layout=True, status="verified",
+              notes="native KV-cache generation; upstream claims 2-step AdamW parity")
+def mistral4(config: dict) -> DecoderSpec:
+    """Mistral 4: MLA whose rotary dims come from rope_parameters.partial_rotary_factor of head_dim (nope + rope),
+    optional interleaving (rope_interleave) and Llama-4 query scaling by position; mixture-of-experts MLPs from
+    layer first_k_dense_replace on."""
+    spec = llama(config)
+    dense = config.get("first_k_dense_replace") or 0
+    sparse = bool(config.get("n_routed_experts") or 0) and dense < spec.num_layers
+    spec = with_mla(spec, config)
+    params = config.get("rope_parameters") or {}
+    rope_config = dict(config, head_dim=spec.head_dim)
+    if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
+        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
+    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
+                   rope_configs=((rope_config, None),) * spec.num_layers)
+    beta = params.get("llama_4_scaling_beta")
+    if beta:
+        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+    return _with_moe("mistral4", config, spec, sparse, _mistral4_moe)
+
+
+def _mistral4_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
+    """Mistral 4: DeepSeek-V3's grouped choice (top-2 sums) on softmax scores, no selection bias; experts stored fused
+    as transformers saves them (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I])."""
+    return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False),
+                   fused_experts=("gate_up_proj", "down_proj"))
 
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
