@@ -38,10 +38,7 @@ ROW_RTOL, ROW_FLOOR = 1e-3, 1e-5
 # Known to differ from transformers, each with the open bug of the issue "Correct under every input" that covers
 # it (fixed in the architecture's plugin). On all three transformers' own padded generate is not pad-invariant.
 KNOWN_PADDED_GENERATE_FAILURES: dict[str, str] = {}
-KNOWN_PAD_GRADIENT_FAILURES = {
-    "trocr_sinusoidal": "open bug: trocr's positions under padding (transformers counts sinusoidal positions over "
-                        "ids != pad, so a real pad-id token moves them; the loss differs by 8e-4 relative)",
-}
+KNOWN_PAD_GRADIENT_FAILURES: dict[str, str] = {}
 
 
 def _index() -> dict:

@@ -726,6 +726,11 @@ class DecoderForCausalLM(Module, GenerationMixin):
         batch, length = ids.shape
         past = cache.position if cache is not None else 0
         mask = _as_numpy(attention_mask)
+        if position_ids is None and s.generation_positions == "fairseq" and not isinstance(input_ids, Tensor):
+            # as transformers' TrOCR: the ids that are not the pad id are counted (a pad id takes the padding row
+            # wherever it stands, attended or not); ids already on the device fall back to the mask's count
+            real = np.asarray(input_ids) != s.extra["padding_row"]
+            position_ids = np.where(real, np.cumsum(real, axis=1) - 1 + past, -1).astype(np.int32)
         positions = self._positions(batch, length, mask, position_ids, past)
 
         x = F.embedding(ids, self.embed.weight, padding_idx=self.embed.padding_idx)
