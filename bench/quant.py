@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
 from common import warm_up, write_results
+from llama import timed
 
 import vkformers as vkf
 from vkformers.engine.quantized import QuantizedArray, quant_format, quantize
@@ -77,16 +77,6 @@ def weight_bytes_per_token(model, fmt: str | None) -> int:
     return total
 
 
-def timed(fn, repeats: int = REPEATS) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def bench_format(config, fmt: str | None, prompt, new_tokens, bandwidth_gbs: float) -> dict:
     before = vulkan.buffer_memory()["live_bytes"]
     model = AutoModelForCausalLM.from_config(config)
@@ -96,16 +86,15 @@ def bench_format(config, fmt: str | None, prompt, new_tokens, bandwidth_gbs: flo
     with vkf.no_grad():
         first = np.ascontiguousarray(prompt[:1])
         warm_up(lambda: model(first).logits[:, -1].numpy(), 2.0)
-        out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: model(first).logits[:, -1].numpy())
+        out["prefill_tok_s"] = prompt.shape[1] / timed(lambda: model(first).logits[:, -1].numpy(), REPEATS)
         ids = np.ascontiguousarray(prompt[:1, :16])
         generate = lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
         warm_up(generate, 2.0)
-        out["decode_b1_tok_s"] = new_tokens / timed(generate)
+        out["decode_b1_tok_s"] = new_tokens / timed(generate, REPEATS)
     bound = bandwidth_gbs * 1e9 / weight_bytes_per_token(model, fmt)
     out["decode_b1_bound_tok_s"] = bound
     out["decode_b1_of_bound"] = out["decode_b1_tok_s"] / bound
-    model.forget_captures()
-    del model
+    model.forget_captures()  # its plans go with it when the function returns
     return out
 
 
