@@ -21,6 +21,7 @@ import json
 import numpy as np
 import pytest
 
+from fixture_cases import with_known_failures
 from test_decoder_parity import FIXTURES, LOGITS_ATOL, LOSS_RTOL, _unsupported_reason, fixture_names
 from test_encoder_parity import FIXTURES as ENCODER_FIXTURES
 from test_encoder_parity import _inputs as encoder_inputs
@@ -59,8 +60,7 @@ def _model(name: str):
 
 
 def _cases(known: dict) -> list:
-    return [pytest.param(n, marks=pytest.mark.xfail(reason=known[n], strict=False)) if n in known else n
-            for n in fixture_names()]
+    return with_known_failures(fixture_names(), known)
 
 
 @pytest.mark.parametrize("name", _cases(KNOWN_PADDED_GENERATE_FAILURES))

@@ -28,7 +28,7 @@ from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
-from fixture_cases import CachedCase, fixture_folders
+from fixture_cases import CachedCase, fixture_folders, with_known_failures
 
 FIXTURES = Path(os.environ.get("VKFORMERS_SEQ2SEQ_FIXTURES", Path(__file__).parent / "fixtures" / "seq2seq"))
 LOGITS_ATOL = 1e-4
@@ -118,9 +118,7 @@ KNOWN_GRADIENT_PRESENCE_DIFFERENCES = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    reason=KNOWN_GRADIENT_PRESENCE_DIFFERENCES[n], strict=True)) if n in KNOWN_GRADIENT_PRESENCE_DIFFERENCES else n
-    for n in fixture_names()])
+@pytest.mark.parametrize("name", with_known_failures(fixture_names(), KNOWN_GRADIENT_PRESENCE_DIFFERENCES))
 def test_gradient_presence(name):
     """A parameter has a gradient (zeros included) exactly where torch gives it one: torch's AdamW decays a
     parameter whose gradient is zero and skips one without (meta.json params_without_grad)."""
