@@ -140,7 +140,7 @@ def copy_tokenizer_files(source, folder: Path) -> None:
 
 def run(args) -> int:
     from vkformers.errors import VkformersError
-    from vkformers.models.quantize import refuse_quantized
+    from vkformers.models.quantize import quantized_weight_names, refuse_quantized
     from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                     hf_dataset_files, load_dataset, load_tokenizer)
     from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
@@ -187,8 +187,10 @@ def run(args) -> int:
                       eval_batches=fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None,
                       out_dir=args.out, progress=not args.no_progress, run_info=run_info)
     trained = sum(t.numel() for t in trainer.params)
+    packed = len(quantized_weight_names(model))
     print(f"training {trained:,} parameters on {len(train):,} sequences of {args.seq_len} tokens"
-          f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}")
+          f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}"
+          f"{f'; {packed} quantized weights frozen under the adapters' if packed else ''}")
     if args.resume:
         folder = trainer.resume(None if args.resume == "latest" else args.resume)
         for skipped, reason in trainer.skipped_checkpoints:
