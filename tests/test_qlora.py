@@ -108,9 +108,9 @@ def test_trainer_lowers_the_loss_over_20_steps_with_the_packed_base_untouched(tm
 
 def test_saved_adapter_gives_the_logits_peft_computes_over_the_dequantized_base(tmp_path):
     """The fixture's adapter (vkformers' Trainer on the NF4 model, then save_final) loaded by PEFT over the float
-    base gave reference.safetensors; vkformers with the adapter on the NF4 model gives the same logits, and
+    base gave peft_reference.safetensors; vkformers with the adapter on the NF4 model gives the same logits, and
     writes the adapter PEFT read back byte for byte."""
-    reference = {k: e.as_float() for k, e in read_safetensors(FIXTURE / "reference.safetensors").items()}
+    reference = {k: e.as_float() for k, e in read_safetensors(FIXTURE / "peft_reference.safetensors").items()}
     ids = reference["input_ids"].astype(np.int32)
     model = load_adapter(load_nf4(), FIXTURE)
     logits = model(ids).logits.numpy()
@@ -146,7 +146,7 @@ def test_freshly_trained_adapter_loads_in_peft(tmp_path):
     tool = Path(__file__).parent.parent / "tools" / "make_qlora_reference.py"
     subprocess.run([str(REFERENCE_PYTHON), str(tool), "--peft", str(folder)], check=True, capture_output=True,
                    timeout=300)
-    reference = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    reference = {k: e.as_float() for k, e in read_safetensors(folder / "peft_reference.safetensors").items()}
     logits = model.eval()(reference["input_ids"].astype(np.int32)).logits.numpy()
     assert np.abs(logits - reference["logits"]).max() <= 1e-4
     assert json.loads((folder / "meta.json").read_text())["adapter_effect_max_abs"] > 0.01

@@ -7,7 +7,7 @@ dequantized weights are written as model.safetensors: a float checkpoint that NF
 values, so it is at once the QLoRA base (loaded with quantization="nf4") and the float model PEFT runs on.
 vkformers' Trainer (gradient checkpointing on) trains LoRA adapters on the NF4 model for a few steps and saves
 them (adapter_config.json, adapter_model.safetensors); PEFT then loads that adapter over the dequantized base in
-transformers, and its logits on a fixed batch go into reference.safetensors.
+transformers, and its logits on a fixed batch go into peft_reference.safetensors.
 
 Run with the python that has vkformers; the PEFT half runs in a subprocess under a python with torch,
 transformers and peft (no network needed):
@@ -99,7 +99,7 @@ def vkformers_half(out: Path, reference_python: str) -> None:
 
     subprocess.run([reference_python, __file__, "--peft", str(out)], check=True)
     from vkformers.models.safetensors_io import read_safetensors
-    reference = read_safetensors(out / "reference.safetensors")["logits"].as_float()
+    reference = read_safetensors(out / "peft_reference.safetensors")["logits"].as_float()
     meta = json.loads((out / "meta.json").read_text())
     meta.update(lora=LORA, training=TRAINING, text=f"{TEXT.relative_to(ROOT)}[:{TEXT_CHARS}]", training_losses=losses,
                 quantized_weights=quantized,
@@ -127,7 +127,7 @@ def peft_half(folder: Path) -> None:
         plain = base(ids).logits.numpy()
         model = PeftModel.from_pretrained(base, folder).eval()
         logits = model(ids).logits.numpy().astype(np.float32)
-    save_file({"input_ids": input_ids(), "logits": logits}, str(folder / "reference.safetensors"))
+    save_file({"input_ids": input_ids(), "logits": logits}, str(folder / "peft_reference.safetensors"))
     meta = {"generator": "tools/make_qlora_reference.py", "transformers_version": transformers.__version__,
             "torch_version": torch.__version__, "peft_version": peft.__version__,
             "adapter_effect_max_abs": float(f"{np.abs(logits - plain).max():.3g}")}
