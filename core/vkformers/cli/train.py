@@ -1,5 +1,9 @@
 """``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset.
 
+QLoRA: --quantization nf4 (or q4_0, q4_1, q8_0, q4_k) packs the model's Linear weights while loading; they stay
+frozen and LoRA adapters (--lora-rank) train on top, with --gradient-checkpointing and --optim adamw_8bit for less
+memory still. A .gguf model keeps its own packed blocks, so it trains with --lora-rank only too.
+
 Writes into --out: checkpoints/checkpoint-<step>/ (atomic, verified by --resume, the last --keep),
 metrics.jsonl (one line per step), loss_curve.png (with matplotlib: pip install 'vkformers[plot]'), and
 final/ (the trained model as save_pretrained writes it, or the PEFT adapter; --merge folds the adapter
@@ -13,6 +17,8 @@ from pathlib import Path
 
 from vkformers.cli.options import (fraction, non_negative_int, non_negative_number, positive_int, positive_number,
                                    unit_interval, whole_number)
+from vkformers.engine.quantized import QUANTIZE_FORMATS
+from vkformers.errors import QuantizationError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -26,6 +32,9 @@ def add_parser(subparsers):
     p.add_argument("--model", required=True, help="model folder or hub repo id")
     p.add_argument("--from-scratch", action="store_true", help="random weights (only the model's config.json is read)")
     p.add_argument("--tokenizer", help="tokenizer folder/repo (default: the model's); 'byte' for UTF-8 bytes")
+    p.add_argument("--quantization", choices=QUANTIZE_FORMATS,
+                   help="pack the model's Linear weights in these blocks while loading (QLoRA: needs --lora-rank; "
+                        "nf4 is QLoRA's 4-bit NormalFloat); a GGUF file keeps its own blocks without it")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", metavar="PATH", help="text/JSONL/Parquet files or folders")
@@ -95,7 +104,25 @@ def load_model(args):
         init_weights(model, seed=args.seed, dtype=DTYPES[args.precision])
         model.name_or_path = str(args.model)
         return model.train()
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.precision]).train()
+    return AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.precision],
+                                                quantization=args.quantization).train()
+
+
+def check_quantization_options(args) -> None:
+    """Refuse, before any loading, what a quantized base cannot do: its packed weights are frozen."""
+    if not args.quantization:
+        return
+    if not args.lora_rank:
+        raise QuantizationError(f"--quantization {args.quantization} needs --lora-rank: quantized weights are frozen, "
+                                "so only LoRA adapters train on top of them (QLoRA); drop --quantization for full "
+                                "fine-tuning")
+    if args.from_scratch:
+        raise QuantizationError("--quantization applies to trained weights, not --from-scratch; train the float "
+                                "model first, then fine-tune it with --quantization and --lora-rank")
+    if args.merge:
+        raise QuantizationError(f"--merge with --quantization {args.quantization}: the adapter cannot be folded into "
+                                "packed weights; drop --merge to save the adapter, then merge it into the float model "
+                                "(vkformers merge-lora)")
 
 
 def copy_tokenizer_files(source, folder: Path) -> None:
@@ -113,11 +140,13 @@ def copy_tokenizer_files(source, folder: Path) -> None:
 
 def run(args) -> int:
     from vkformers.errors import VkformersError
+    from vkformers.models.quantize import quantized_weight_names, refuse_quantized
     from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                     hf_dataset_files, load_dataset, load_tokenizer)
     from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
     if bool(args.data) == bool(args.hf_dataset):
         raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
+    check_quantization_options(args)
     check_output_folder(args.out)  # before minutes of loading
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
@@ -130,6 +159,12 @@ def run(args) -> int:
         train, held_out = dataset.split(args.eval_fraction)
 
     model = load_model(args)
+    if not args.lora_rank:  # a GGUF file's packed blocks: refused in the CLI's words (the Trainer refuses too)
+        refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; add "
+                         "--lora-rank to train LoRA adapters on top of them (QLoRA)")
+    elif args.merge:
+        refuse_quantized(model, "--merge", "the adapter cannot be folded into packed weights; drop --merge to save "
+                         "the adapter, then merge it into a float copy of the model (vkformers merge-lora)")
     tokenizer_name = args.tokenizer or args.model
     for what, part in (("the training data", train), ("the held-out data", held_out)):
         if part is not None:  # up front: an id past the embedding would only show as a nan loss later
@@ -146,13 +181,16 @@ def run(args) -> int:
                             save_every=args.save_every or args.steps, keep=args.keep, precision=args.precision,
                             seed=args.seed, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing)
     run_info = {"model": str(args.model), "data": [str(p) for p in paths], "tokenizer": args.tokenizer or args.model,
+                "quantization": args.quantization,
                 "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}
     trainer = Trainer(model, config, Batches(train, args.batch_size, seed=args.seed),
                       eval_batches=fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None,
                       out_dir=args.out, progress=not args.no_progress, run_info=run_info)
     trained = sum(t.numel() for t in trainer.params)
+    packed = len(quantized_weight_names(model))
     print(f"training {trained:,} parameters on {len(train):,} sequences of {args.seq_len} tokens"
-          f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}")
+          f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}"
+          f"{f'; {packed} quantized weights frozen under the adapters' if packed else ''}")
     if args.resume:
         folder = trainer.resume(None if args.resume == "latest" else args.resume)
         for skipped, reason in trainer.skipped_checkpoints:
