@@ -69,7 +69,7 @@ def _gguf_quants():
 
 
 def _gguf_type(fmt: QuantFormat):
-    import gguf
+    import gguf  # the optional [gguf] extra
     return gguf.GGMLQuantizationType[fmt.name.upper()]
 
 
