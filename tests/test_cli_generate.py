@@ -108,8 +108,8 @@ def test_an_empty_prompt_without_bos_is_an_error(capsys, monkeypatch):
         def __call__(self, text, return_tensors=None):
             return {"input_ids": np.zeros((1, 0), np.int64)}
 
-    from vkformers.models import tokenizer
-    monkeypatch.setattr(tokenizer.AutoTokenizer, "from_pretrained", staticmethod(lambda name: NoBos()))
+    from vkformers.models import loading
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", staticmethod(lambda name: NoBos()))
     assert main(["generate", "--model", "any", "--prompt", ""]) == 1
     assert capsys.readouterr().err == ("vkformers generate: error: the prompt is empty and this tokenizer has no "
                                        "beginning-of-sequence token to start from; give a non-empty --prompt "

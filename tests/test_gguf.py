@@ -201,7 +201,7 @@ def test_config_arrays_tokenizer_round_trip(tiny, backend):
                                          return_dict=False)
     assert chat[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert tokenizer.decode(chat, skip_special_tokens=True) == "user\nhello\nassistant\n"
-    from vkformers.models.tokenizer import AutoTokenizer
+    from vkformers.models.loading import AutoTokenizer
     assert AutoTokenizer.from_pretrained(path).encode("hello world") == tokenizer.encode("hello world")
 
 

@@ -265,10 +265,8 @@ def test_a_declared_model_class_replaces_the_shared_one_for_that_architecture_on
 
 
 def test_moe_architectures_with_their_own_class_get_it_from_their_declaration(registry):
-    from vkformers_moe.deepseek_v4 import DeepseekV4ForCausalLM
-    from vkformers_moe.glm5_next import Glm5NextForCausalLM
-    from vkformers_moe.model import MoeDecoderForCausalLM
-    from vkformers_moe.qwen4_exp import Qwen4ExpForCausalLM
+    from vkformers_moe.model import (DeepseekV4ForCausalLM, Glm5NextForCausalLM, MoeDecoderForCausalLM,
+                                     Qwen4ExpForCausalLM)
 
     def model_class(name):
         return plugins.plugin_manager().hook.vkformers_model_class(architecture=registry.get(name), task="causal-lm")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from vkformers.models.tokenizer import AutoTokenizer, TokenizerError
+from vkformers.models.loading import AutoTokenizer
+from vkformers.models.tokenizer import TokenizerError
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens",

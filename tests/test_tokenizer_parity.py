@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vkformers.models.tokenizer import AutoTokenizer, TokenizerError
+from vkformers.models.loading import AutoTokenizer
+from vkformers.models.tokenizer import TokenizerError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_parity.json"
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))

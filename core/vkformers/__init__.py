@@ -6,8 +6,8 @@ from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor, full, ones, parameter, tensor, zeros
 from vkformers.errors import VkformersError
 from vkformers.models import generation, loading, tokenizer  # noqa: F401
-from vkformers.models.loading import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
-from vkformers.models.tokenizer import AutoTokenizer
+from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
+                                       AutoTokenizer)
 from vkformers.runtime import Buffer, Device, Sequence, dtypes, get_device
 from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, uint8
 

@@ -17,8 +17,10 @@ import numpy as np
 
 from vkformers.engine.function import no_grad
 from vkformers.engine.kernels import matmul as KM
+from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
+from vkformers.training import init_weights
 
 # A small random Llama (GQA, SwiGLU, RoPE) for when no --model is given; --quick halves it.
 RANDOM_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1408,
@@ -83,8 +85,6 @@ def bench_matmul(device, n: int, dtype: str, repeats: int) -> dict:
 
 
 def _random_model(config: dict, dtype: str):
-    from vkformers.models.loading import AutoModelForCausalLM
-    from vkformers.training import init_weights
     model = AutoModelForCausalLM.from_config(config)
     init_weights(model, seed=0, dtype=dtype)  # normal(0, 0.02) matrices, ones for norms
     return model.eval()
@@ -119,7 +119,6 @@ def run(args) -> int:
         print(f"matmul {n}^3 {dtype:9s} {r['tflops']:8.3f} TFLOP/s  (numpy float32 {r['numpy_float32_tflops']:.3f}, "
               f"{r['ratio_to_numpy']:.2f}x; max relative error {r['max_relative_error']:.1e})")
     if args.model:
-        from vkformers.models.loading import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, requires_grad=False)
         name = args.model
     else:

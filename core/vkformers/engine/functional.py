@@ -13,6 +13,9 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
     fused_qkv_rope_write,
 )
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
+from vkformers.engine.ops.matmul import LinearFn
+from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
+from vkformers.engine.ops.matmul import matmul as _batched_matmul
 from vkformers.engine.ops.quant import quantized_embedding, quantized_linear
 from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.ops.nn import (
@@ -43,7 +46,6 @@ def linear(x, weight, bias=None, live_rows=None):
     if isinstance(weight, QuantizedTensor):  # packed blocks, dequantized inside the product
         return quantized_linear(x, weight, bias)
     if x.ndim >= 2 and weight.ndim == 2:
-        from vkformers.engine.ops.matmul import LinearFn
         y = LinearFn.apply(x, weight, live_rows)
     else:
         y = x @ weight.transpose(-1, -2)
@@ -52,16 +54,14 @@ def linear(x, weight, bias=None, live_rows=None):
 
 def matmul(a, b, live_rows=None):
     """a @ b with numpy broadcasting over batch dims; ``live_rows``: as :func:`linear`'s, one count per product."""
-    from vkformers.engine.ops.matmul import matmul as batched
-    return batched(a, b, live_rows)
+    return _batched_matmul(a, b, live_rows)
 
 
 def grouped_matmul(x, weights, spans):
     """x [rows, k] @ w_e over each span e of its rows (spans float32 [E, 2] of start, count; no gradient), for
     ``weights`` E tensors [k, n] or one [E, k, n]: a mixture of experts over its tokens' rows packed expert by
     expert, one node for all experts. Rows in no span are left unwritten (engine.ops.matmul.GroupedMatmulFn)."""
-    from vkformers.engine.ops.matmul import grouped_matmul as grouped
-    return grouped(x, weights, spans)
+    return _grouped_matmul(x, weights, spans)
 
 
 def live_rows_where_used(weights):

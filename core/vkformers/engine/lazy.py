@@ -187,6 +187,14 @@ def scheduled_after(buffers: Iterable[LazyBuffer]):
         _waits.pop()
 
 
+def persistent_buffer(host: np.ndarray, dtype: dt.DType, device: Device, name: str) -> LazyBuffer:
+    """A lazy buffer over device storage of its own, written now from ``host`` (already in ``dtype``'s host
+    layout): a parameter, optimizer state or packed quantized weight, updated in place afterwards."""
+    buf = Buffer(device, host.shape, dtype, name=name)
+    buf.write(host)
+    return LazyBuffer(host.shape, dtype, device, buffer=buf, persistent=True)
+
+
 def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, into=None):
     """Add a node to the graph; returns its output lazy buffers.
 

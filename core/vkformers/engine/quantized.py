@@ -12,12 +12,18 @@ checkpoint (``quantize``), and bitsandbytes' NF4 tensors (double-quantized absma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vkformers.engine.tensor import Tensor, parameter
+from vkformers.engine.function import wrap
+from vkformers.engine.lazy import persistent_buffer
 from vkformers.errors import QuantizationError
 from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import get_device
+
+if TYPE_CHECKING:  # annotations only: engine/tensor.py sits above the ops, which use this module
+    from vkformers.engine.tensor import Tensor
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ def _gguf_quants():
 
 
 def _gguf_type(fmt: QuantFormat):
-    import gguf
+    import gguf  # the optional [gguf] extra
     return gguf.GGMLQuantizationType[fmt.name.upper()]
 
 
@@ -210,8 +216,8 @@ class QuantizedTensor:
 
     @classmethod
     def upload(cls, array: QuantizedArray, dtype="float32", name: str = "quantized") -> "QuantizedTensor":
-        packed = parameter(np.ascontiguousarray(array.packed, dtype=np.uint8), dtype=dt.uint8, requires_grad=False,
-                           name=name)
+        packed = wrap(persistent_buffer(np.ascontiguousarray(array.packed, dtype=np.uint8), dt.uint8, get_device(),
+                                        name))
         return cls(packed, array.format, array.shape, dtype)
 
     @property

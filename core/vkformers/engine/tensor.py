@@ -11,12 +11,17 @@ import math
 import numpy as np
 
 from vkformers.engine import function as fn
-from vkformers.engine.lazy import LazyBuffer, backward_deferred, building_graph, realize
+from vkformers.engine.lazy import LazyBuffer, backward_deferred, building_graph, persistent_buffer, realize
+from vkformers.engine.ops import elementwise as E
+from vkformers.engine.ops import reduce as R
+from vkformers.engine.ops.matmul import matmul as batched_matmul
+from vkformers.engine.ops.movement import Expand, Permute, Reshape, getitem
 from vkformers.errors import ArgumentError
 from vkformers.runtime import dtypes as dt
-from vkformers.runtime.vulkan import Buffer, Device, get_device
+from vkformers.runtime.vulkan import Device, get_device
 
 no_grad = fn.no_grad
+UNSET = object()  # an argument not given (None is a value: "all axes")
 
 
 class Tensor:
@@ -119,10 +124,9 @@ class Tensor:
 
     def assign(self, value: "Tensor") -> "Tensor":
         """Overwrite this tensor's device storage with ``value`` (in place, e.g. an optimizer update)."""
-        from vkformers.engine.ops.elementwise import assign
         if value.shape != self.shape:
             raise ValueError(f"assign: shape {value.shape} does not match {self.shape}")
-        self._set_lazy(assign(self.lazy, value.cast(self.dtype).lazy))
+        self._set_lazy(E.assign(self.lazy, value.cast(self.dtype).lazy))
         return self
 
     def _set_lazy(self, lazy: LazyBuffer) -> None:
@@ -161,7 +165,6 @@ class Tensor:
             shape = tuple(self.numel() // known if s == -1 else s for s in shape)
         if math.prod(shape) != self.numel():
             raise ValueError(f"cannot reshape {self.shape} ({self.numel()} elements) to {shape}")
-        from vkformers.engine.ops.movement import Reshape
         return Reshape.apply(self, shape=shape)
 
     view = reshape
@@ -170,7 +173,6 @@ class Tensor:
         order = tuple(d % self.ndim for d in _shape_arg(order))
         if sorted(order) != list(range(self.ndim)):
             raise ValueError(f"permute: {order} is not a permutation of {self.ndim} dims")
-        from vkformers.engine.ops.movement import Permute
         return Permute.apply(self, order=order)
 
     def transpose(self, dim0: int = -2, dim1: int = -1) -> "Tensor":
@@ -187,18 +189,15 @@ class Tensor:
         shape = tuple(o if s == -1 else s for s, o in zip(shape, (1,) * (len(shape) - self.ndim) + self.shape))
         if shape == self.shape:
             return self
-        from vkformers.engine.ops.movement import Expand
         return Expand.apply(self, shape=shape)
 
     def __getitem__(self, index) -> "Tensor":
-        from vkformers.engine.ops.movement import getitem
         return getitem(self, index)
 
     def contiguous(self) -> "Tensor":
         if self.lazy.view.is_contiguous:
             return self
-        from vkformers.engine.ops.elementwise import Contiguous
-        return Contiguous.apply(self)
+        return E.Contiguous.apply(self)
 
     def unsqueeze(self, dim: int) -> "Tensor":
         dim = dim % (self.ndim + 1)
@@ -220,8 +219,7 @@ class Tensor:
         dtype = dt.as_dtype(dtype)
         if dtype is self.dtype:
             return self
-        from vkformers.engine.ops.elementwise import Cast
-        return Cast.apply(self, dtype=dtype)
+        return E.Cast.apply(self, dtype=dtype)
 
     to = cast
 
@@ -233,6 +231,79 @@ class Tensor:
 
     def bfloat16(self) -> "Tensor":
         return self.cast(dt.bfloat16)
+
+    # -- operators and math (engine/ops/*)
+
+    def __add__(self, other): return E.binary(self, other, "add")
+    def __radd__(self, other): return E.binary(self, other, "add")
+    def __sub__(self, other): return E.binary(self, other, "sub")
+    def __rsub__(self, other): return E.binary(_as_tensor(other, self), self, "sub")
+    def __mul__(self, other): return E.binary(self, other, "mul")
+    def __rmul__(self, other): return E.binary(self, other, "mul")
+    def __truediv__(self, other): return E.binary(self, other, "div")
+    def __rtruediv__(self, other): return E.binary(_as_tensor(other, self), self, "div")
+    def __pow__(self, other): return E.binary(self, other, "pow")
+    def __rpow__(self, other): return E.binary(_as_tensor(other, self), self, "pow")
+    def __neg__(self): return E.unary(self, "neg")
+    def __matmul__(self, other): return batched_matmul(self, other)
+    def __rmatmul__(self, other): return batched_matmul(other, self)
+    def __lt__(self, other): return E.compare(self, other, "lt")
+    def __le__(self, other): return E.compare(self, other, "le")
+    def __gt__(self, other): return E.compare(self, other, "gt")
+    def __ge__(self, other): return E.compare(self, other, "ge")
+    def __eq__(self, other): return E.compare(self, other, "eq")  # elementwise, as in torch
+    def __ne__(self, other): return E.compare(self, other, "ne")
+    __hash__ = object.__hash__  # == is elementwise; hash by identity
+
+    def eq(self, other): return E.compare(self, other, "eq")
+    def ne(self, other): return E.compare(self, other, "ne")
+    def pow(self, other): return E.binary(self, other, "pow")
+    def maximum(self, other): return E.binary(self, other, "maximum")
+    def minimum(self, other): return E.binary(self, other, "minimum")
+    def clamp(self, min=-3.0e38, max=3.0e38): return E.unary(self, "clamp", min, max)
+    def matmul(self, other): return batched_matmul(self, other)
+
+    def exp(self): return E.unary(self, "exp")
+    def log(self): return E.unary(self, "log")
+    def sqrt(self): return E.unary(self, "sqrt")
+    def rsqrt(self): return E.unary(self, "rsqrt")
+    def abs(self): return E.unary(self, "abs")
+    def tanh(self): return E.unary(self, "tanh")
+    def sigmoid(self): return E.unary(self, "sigmoid")
+    def relu(self): return E.unary(self, "relu")
+    def gelu(self): return E.unary(self, "gelu")
+    def silu(self): return E.unary(self, "silu")
+    def sin(self): return E.unary(self, "sin")
+    def cos(self): return E.unary(self, "cos")
+    def reciprocal(self): return E.unary(self, "reciprocal")
+    def square(self): return E.unary(self, "square")
+
+    def sum(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("sum", axis, dim, keepdim, keepdims, None)
+        return R.SumFn.apply(self, axes=R.normalize_axes(axis, self.ndim), keepdim=keep)
+
+    def mean(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("mean", axis, dim, keepdim, keepdims, None)
+        return self.sum(axis, keep) * (1.0 / math.prod(self.shape[a] for a in R.normalize_axes(axis, self.ndim)))
+
+    def max(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("max", axis, dim, keepdim, keepdims, -1)
+        return R.MaxFn.apply(self, axis=axis % self.ndim, keepdim=keep)
+
+    def argmax(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
+        axis, keep = reduction_args("argmax", axis, dim, keepdim, keepdims, -1)
+        return R.argmax(self, axis, keep)
+
+    def softmax(self, axis=UNSET, *, dim=UNSET):
+        axis, _ = reduction_args("softmax", axis, dim, UNSET, UNSET, -1)
+        return _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=False))
+
+    def log_softmax(self, axis=UNSET, *, dim=UNSET):
+        axis, _ = reduction_args("log_softmax", axis, dim, UNSET, UNSET, -1)
+        return _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=True))
+
+
+fn.register_tensor_type(Tensor)  # ops and Functions build tensors through it (engine/function.py)
 
 
 def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
@@ -337,10 +408,8 @@ def parameter(data, dtype=None, requires_grad: bool = True, device: Device | Non
     device = device or get_device()
     array = np.asarray(data)
     dtype = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
-    buf = Buffer(device, array.shape, dtype, name=name)
-    buf.write(_to_host(array, dtype))
-    lazy = LazyBuffer(array.shape, dtype, device, buffer=buf, persistent=True)
-    return Tensor._from_lazy(lazy, requires_grad=requires_grad)
+    return Tensor._from_lazy(persistent_buffer(_to_host(array, dtype), dtype, device, name),
+                             requires_grad=requires_grad)
 
 
 def full(shape, value, dtype="float32", device: Device | None = None) -> Tensor:
@@ -355,70 +424,6 @@ def zeros(shape, dtype="float32", device: Device | None = None) -> Tensor:
 
 def ones(shape, dtype="float32", device: Device | None = None) -> Tensor:
     return full(shape, 1, dtype, device)
-
-
-# ---------------------------------------------------------------- operators and math (engine/ops/*)
-
-def _install_methods():
-    from vkformers.engine.ops import elementwise as E
-    from vkformers.engine.ops import reduce as R
-    from vkformers.engine.ops.matmul import matmul
-
-    def rbinary(op):
-        return lambda self, other: E.binary(_as_tensor(other, self), self, op)
-
-    methods = {
-        "__add__": lambda self, o: E.binary(self, o, "add"), "__radd__": lambda self, o: E.binary(self, o, "add"),
-        "__sub__": lambda self, o: E.binary(self, o, "sub"), "__rsub__": rbinary("sub"),
-        "__mul__": lambda self, o: E.binary(self, o, "mul"), "__rmul__": lambda self, o: E.binary(self, o, "mul"),
-        "__truediv__": lambda self, o: E.binary(self, o, "div"), "__rtruediv__": rbinary("div"),
-        "__pow__": lambda self, o: E.binary(self, o, "pow"), "__rpow__": rbinary("pow"),
-        "__neg__": lambda self: E.unary(self, "neg"),
-        "__matmul__": lambda self, o: matmul(self, o), "__rmatmul__": lambda self, o: matmul(o, self),
-        "__lt__": lambda self, o: E.compare(self, o, "lt"), "__le__": lambda self, o: E.compare(self, o, "le"),
-        "__gt__": lambda self, o: E.compare(self, o, "gt"), "__ge__": lambda self, o: E.compare(self, o, "ge"),
-        "__eq__": lambda self, o: E.compare(self, o, "eq"), "__ne__": lambda self, o: E.compare(self, o, "ne"),
-        "eq": lambda self, o: E.compare(self, o, "eq"), "ne": lambda self, o: E.compare(self, o, "ne"),
-        "pow": lambda self, o: E.binary(self, o, "pow"),
-        "maximum": lambda self, o: E.binary(self, o, "maximum"),
-        "minimum": lambda self, o: E.binary(self, o, "minimum"),
-        "clamp": lambda self, min=-3.0e38, max=3.0e38: E.unary(self, "clamp", min, max),
-        "matmul": lambda self, o: matmul(self, o),
-    }
-    def sum(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
-        axis, keep = reduction_args("sum", axis, dim, keepdim, keepdims, None)
-        return R.SumFn.apply(self, axes=R.normalize_axes(axis, self.ndim), keepdim=keep)
-
-    def mean(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
-        axis, keep = reduction_args("mean", axis, dim, keepdim, keepdims, None)
-        return self.sum(axis, keep) * (1.0 / math.prod(self.shape[a] for a in R.normalize_axes(axis, self.ndim)))
-
-    def max(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
-        axis, keep = reduction_args("max", axis, dim, keepdim, keepdims, -1)
-        return R.MaxFn.apply(self, axis=axis % self.ndim, keepdim=keep)
-
-    def argmax(self, axis=UNSET, keepdim=UNSET, *, dim=UNSET, keepdims=UNSET):
-        axis, keep = reduction_args("argmax", axis, dim, keepdim, keepdims, -1)
-        return R.argmax(self, axis, keep)
-
-    def softmax(self, axis=UNSET, *, dim=UNSET):
-        axis, _ = reduction_args("softmax", axis, dim, UNSET, UNSET, -1)
-        return _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=False))
-
-    def log_softmax(self, axis=UNSET, *, dim=UNSET):
-        axis, _ = reduction_args("log_softmax", axis, dim, UNSET, UNSET, -1)
-        return _last_axis(self, axis, lambda t: R.SoftmaxFn.apply(t, log=True))
-
-    methods.update(sum=sum, mean=mean, max=max, argmax=argmax, softmax=softmax, log_softmax=log_softmax)
-    for name in ("exp", "log", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "cos",
-                 "reciprocal", "square"):
-        methods[name] = (lambda op: lambda self: E.unary(self, op))(name)
-    for name, fn_ in methods.items():
-        setattr(Tensor, name, fn_)
-    Tensor.__hash__ = object.__hash__  # == is elementwise (as in torch); hash by identity
-
-
-UNSET = object()  # an argument not given (None is a value: "all axes")
 
 
 def reduction_args(op: str, axis, dim, keepdim, keepdims, default_axis):
@@ -444,5 +449,3 @@ def _last_axis(t: Tensor, axis: int, fn_):
         return fn_(t)
     return fn_(t.transpose(axis, -1)).transpose(axis, -1)
 
-
-_install_methods()

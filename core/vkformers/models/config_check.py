@@ -8,6 +8,7 @@ multimodal wrapper's nested text config; T5Gemma's nested ``encoder`` and ``deco
 from __future__ import annotations
 
 from vkformers.models.module import CheckpointError
+from vkformers.runtime import dtypes as dt
 
 
 class ConfigError(CheckpointError):
@@ -78,3 +79,10 @@ def _kind(value) -> str:
 def _wrong(where: str, name: str, value, expected: str) -> ConfigError:
     return ConfigError(f"{where}: {name} is {value!r} (a JSON {_kind(value)}), expected {expected}; "
                        f"fix {name} in config.json")
+
+
+def model_dtype(config: dict, requested) -> dt.DType:
+    """The requested dtype; "auto" takes the config's (5.x ``dtype`` or 4.x ``torch_dtype``)."""
+    if requested in (None, "auto"):
+        requested = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return dt.as_dtype(str(requested).replace("torch.", ""))

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
+from vkformers.engine.tensor import Tensor
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
@@ -309,8 +311,6 @@ def _last_position(out):
 def _positions_logits(out, rows: np.ndarray):
     """The logits of flat position ``rows[b]`` (b * length + position) for each batch row, as [batch, vocab],
     picked on the GPU from an input that a captured prefill rewrites."""
-    from vkformers.engine import functional as F
-    from vkformers.engine.tensor import Tensor
     logits = out.logits
     batch, length, vocab = logits.shape
     return F.embedding(Tensor(rows), logits.reshape(batch * length, vocab))

@@ -29,7 +29,9 @@ import numpy as np
 
 from vkformers.engine.quantized import GGUF_FORMATS, QuantizationError, QuantizedArray
 from vkformers.errors import VkformersError
+from vkformers.models.config_check import model_dtype
 from vkformers.models.module import CheckpointError
+from vkformers.models.tokenizer import PreTrainedTokenizer
 
 INSTALL_HINT = "reading .gguf files needs the gguf package: pip install 'vkformers[gguf]' (or pip install gguf)"
 
@@ -314,7 +316,6 @@ def tokenizer_from_metadata(meta: dict, *, name_or_path: str = ""):
     """The vkformers tokenizer a GGUF's ``tokenizer.*`` metadata describes."""
     from tokenizers import AddedToken, Tokenizer
 
-    from vkformers.models.tokenizer import PreTrainedTokenizer
     kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{name_or_path}: the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
@@ -382,7 +383,6 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     with its weights (``dtype="auto"``: float32). As llama.cpp, block-quantized tensors stay in their block
     format on the device (frozen; ``dtype`` is then the activations'); ``dequantize=True`` expands every one
     to ``dtype`` (with "auto", float32: the exact value of every dequantised weight)."""
-    from vkformers.models.loading import model_dtype
     config, arrays, _ = load_gguf(path, tokenizer=False, dequantize=dequantize)
     model = auto_class.from_config(config)
     target = model_dtype(config, dtype)

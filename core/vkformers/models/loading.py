@@ -18,14 +18,15 @@ import numpy as np
 
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
-from vkformers.models.config_check import check_config_fields, check_config_object
-from vkformers.models.gguf import is_gguf_file, load_gguf_model
+from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
+from vkformers.models.gguf import is_gguf_file, load_gguf_model, load_gguf_tokenizer
 from vkformers.models.lora import load_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
                                        refuse_quantized)
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
+from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
 from vkformers.runtime import dtypes as dt
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -49,7 +50,7 @@ def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=N
         return path
     if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
         raise CheckpointError(f"{name_or_path}: no such file or folder")
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, snapshot_download  # slow to import: only for a hub name
     offline = constants.HF_HUB_OFFLINE
     try:
         return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
@@ -143,11 +144,20 @@ def language_model_weights(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
     return renamed
 
 
-def model_dtype(config: dict, requested) -> dt.DType:
-    """The requested dtype; "auto" takes the config's (5.x ``dtype`` or 4.x ``torch_dtype``)."""
-    if requested in (None, "auto"):
-        requested = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return dt.as_dtype(str(requested).replace("torch.", ""))
+class AutoTokenizer:
+    @classmethod
+    def from_pretrained(cls, name_or_path, *, revision: str | None = None, cache_dir=None,
+                        padding_side: str | None = None, **unused) -> PreTrainedTokenizer:
+        """The tokenizer of a checkpoint folder, a hub repo id (through the HF cache; HF_HUB_OFFLINE honoured)
+        or a ``.gguf`` file."""
+        if is_gguf_file(name_or_path):
+            tokenizer = load_gguf_tokenizer(name_or_path)
+        else:
+            folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+            tokenizer = load_tokenizer_folder(folder, name_or_path=str(name_or_path))
+        if padding_side is not None:
+            tokenizer.padding_side = padding_side
+        return tokenizer
 
 
 class AutoModel:

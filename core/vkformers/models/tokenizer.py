@@ -1,8 +1,8 @@
 """Tokenizers of Hugging Face checkpoints: ``tokenizer.json`` through the ``tokenizers`` library.
 
-``AutoTokenizer.from_pretrained(path_or_repo)`` reads ``tokenizer.json`` (the "fast" tokenizer file every
-recent checkpoint ships) and ``tokenizer_config.json`` (special tokens, ``add_bos_token``, padding side, chat
-template), or the tokenizer a ``.gguf`` file describes. The object it returns behaves like a transformers
+``AutoTokenizer.from_pretrained(path_or_repo)`` (models/loading.py) reads ``tokenizer.json`` (the "fast"
+tokenizer file every recent checkpoint ships) and ``tokenizer_config.json`` (special tokens, ``add_bos_token``,
+padding side, chat template), or the tokenizer a ``.gguf`` file describes. The object it returns behaves like a transformers
 fast tokenizer for the parts inference and training need::
 
     tok = AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -129,7 +129,7 @@ class PreTrainedTokenizer:
     # -- special tokens ------------------------------------------------------------------------------------
     def _set_bos_eos_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         """What transformers' Llama-style tokenizers do with add_bos_token/add_eos_token: rebuild the template."""
-        from tokenizers import processors
+        from tokenizers import processors  # loaded with the first tokenizer, not with vkformers
         bos = [self.bos_token] if add_bos and self.bos_token_id is not None else []
         eos = [self.eos_token] if add_eos and self.eos_token_id is not None else []
         single = [*bos, "$A", *eos]
@@ -451,7 +451,7 @@ def compile_chat_template(source: str):
     if source in _compiled_templates:
         _compiled_templates[source] = _compiled_templates.pop(source)  # now the most recently used
         return _compiled_templates[source]
-    try:
+    try:  # jinja2 is slow to import: only when a chat template is rendered
         import jinja2
         from jinja2 import nodes
         from jinja2.ext import Extension
@@ -501,7 +501,7 @@ def render_chat(template, messages: list[dict], *, add_generation_prompt=False, 
                 **context) -> str:
     """One conversation as text. ``continue_final_message`` leaves the last message open (no end-of-turn
     tokens after it), so the model continues it: the message gets a marker, and the text stops there."""
-    import jinja2
+    import jinja2  # slow to import: only when a chat template is rendered
     messages = [dict(m) for m in messages]
     if continue_final_message:
         last = messages[-1]
@@ -542,26 +542,8 @@ def tokenizer_config(folder: Path) -> dict:
     return config
 
 
-class AutoTokenizer:
-    @classmethod
-    def from_pretrained(cls, name_or_path, *, revision: str | None = None, cache_dir=None,
-                        padding_side: str | None = None, **unused) -> PreTrainedTokenizer:
-        """The tokenizer of a checkpoint folder, a hub repo id (through the HF cache; HF_HUB_OFFLINE honoured)
-        or a ``.gguf`` file."""
-        from vkformers.models import gguf
-        if gguf.is_gguf_file(name_or_path):
-            tokenizer = gguf.load_gguf_tokenizer(name_or_path)
-        else:
-            from vkformers.models.loading import resolve_checkpoint
-            folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
-            tokenizer = load_tokenizer_folder(folder, name_or_path=str(name_or_path))
-        if padding_side is not None:
-            tokenizer.padding_side = padding_side
-        return tokenizer
-
-
 def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> PreTrainedTokenizer:
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # loaded with the first tokenizer, not with vkformers
     folder = Path(folder)
     file = folder / "tokenizer.json"
     if not file.is_file():
@@ -582,5 +564,5 @@ def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> P
     return PreTrainedTokenizer(backend, config, name_or_path=name_or_path or str(folder))
 
 
-__all__ = ["AutoTokenizer", "BatchEncoding", "PreTrainedTokenizer", "TokenizerError", "compile_chat_template",
+__all__ = ["BatchEncoding", "PreTrainedTokenizer", "TokenizerError", "compile_chat_template",
            "load_tokenizer_folder", "render_chat"]

@@ -34,7 +34,7 @@ from vkformers.errors import VkformersError
 from vkformers.models.atomic import make_folder, write_json_atomic
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.runtime import dtypes as dt
-from vkformers.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
+from vkformers.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, _peft_key_to_model, save_adapter
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -334,7 +334,6 @@ def load_checkpoint(folder, *, model, optimizer=None, verify: bool = True) -> di
 
 
 def _load_adapter_in_place(model, file: Path) -> None:
-    from vkformers.models.lora import PEFT_PREFIX, _peft_key_to_model
     arrays = {_peft_key_to_model(k): e.as_float() for k, e in read_safetensors(file).items()}
     params = dict(model.named_parameters())
     trainable = {n: t for n, t in params.items() if t.requires_grad}

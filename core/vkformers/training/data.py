@@ -28,6 +28,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.loading import AutoTokenizer
 
 IGNORE_INDEX = -100
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -62,56 +63,11 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-class _TokenizersFile:
-    """A ``tokenizer.json`` through the ``tokenizers`` library (used until models.tokenizer is available)."""
-
-    def __init__(self, folder: Path):
-        from tokenizers import Tokenizer
-        self.backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.backend.no_padding()  # a stored padding/truncation would pad or cut every document
-        self.backend.no_truncation()
-        self.eos_token_id = _eos_id_from_folder(folder, self.backend)
-
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self.backend.decode(list(ids))
-
-
-def _eos_id_from_folder(folder: Path, backend) -> int | None:
-    for name in ("generation_config.json", "config.json"):
-        file = folder / name
-        if file.is_file():
-            value = json.loads(file.read_text()).get("eos_token_id")
-            if isinstance(value, list):
-                value = value[0] if value else None
-            if value is not None:
-                return int(value)
-    config = folder / "tokenizer_config.json"
-    if config.is_file():
-        token = json.loads(config.read_text()).get("eos_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        if token is not None:
-            return backend.token_to_id(token)
-    return None
-
-
 def load_tokenizer(name_or_path):
     """``"byte"`` -> :class:`ByteTokenizer`; otherwise the tokenizer of a model folder or hub repo."""
     if str(name_or_path) == "byte":
         return ByteTokenizer()
-    try:
-        from vkformers.models.tokenizer import AutoTokenizer
-    except ImportError:
-        AutoTokenizer = None
-    if AutoTokenizer is not None:
-        return AutoTokenizer.from_pretrained(name_or_path)
-    from vkformers.models.loading import resolve_checkpoint
-    folder = resolve_checkpoint(name_or_path)
-    if not (folder / "tokenizer.json").is_file():
-        raise DataError(f"{folder}: no tokenizer.json (pass --tokenizer PATH, or --tokenizer byte)")
-    return _TokenizersFile(folder)
+    return AutoTokenizer.from_pretrained(name_or_path)
 
 
 # ---------------------------------------------------------------- reading
@@ -204,7 +160,7 @@ def _read_jsonl(path: Path, text_column, prompt_column, completion_column) -> It
 
 def _read_parquet(path: Path, text_column, prompt_column, completion_column) -> Iterator[Record]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # the optional [parquet] extra
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow (pip install 'vkformers[parquet]')") from None
     try:
@@ -233,7 +189,7 @@ def hf_dataset_files(repo_id: str, split: str = "train", *, revision: str | None
     name is a whole component of its path (``data/train-00000-of-00001.parquet``, ``train.jsonl``,
     ``default/train/0000.parquet``).
     """
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, snapshot_download  # slow to import: only for a hub name
     suffixes = ("parquet", "jsonl", "txt")
     patterns = [f"*{split}*.{s}" for s in suffixes]
     try:

@@ -20,20 +20,18 @@ from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine import lazy
 from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
+from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Conv1D, Embedding, LayerNorm, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, add_param, get_param, join_path, place
 from vkformers.runtime import dtypes as dt
 
+from vkformers_llama.gated_deltanet import GatedDeltaNet
+from vkformers_llama.norms import make_norm
 from vkformers_llama.variants import (DecoderSpec, alibi_slopes, decoder_spec,
                                       mpt_alibi_slopes, sinusoidal_table)
 
-try:
-    from vkformers.models.generation import GenerationMixin
-except ImportError:  # TODO(lead): remove once core/vkformers/models/generation.py lands (written in parallel)
-    class GenerationMixin:  # type: ignore[no-redef]
-        pass
 
 IGNORE_INDEX = -100
 
@@ -41,22 +39,6 @@ IGNORE_INDEX = -100
 IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                            "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps",  # these two: xIELU (Apertus)
                            ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
-
-
-class LayerNorm1P(LayerNorm):
-    """Nemotron's LayerNorm with the weight stored as an offset from 1: layer_norm(x) * (1 + w) + b."""
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight + 1.0, self.bias if self.has_bias else None, eps=self.eps)
-
-
-def make_norm(spec: DecoderSpec, dim: int) -> Module:
-    """The decoder's norm over ``dim`` channels as ``spec`` configures it (RMSNorm or LayerNorm, weight, bias,
-    unit offset, eps); plugins that compose their own layers build their norms with it."""
-    if spec.norm == "rms":
-        return RMSNorm(dim, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset, elementwise=spec.norm_weight)
-    layer_norm = LayerNorm1P if spec.norm_unit_offset else LayerNorm
-    return layer_norm(dim, eps=spec.norm_eps, bias=spec.norm_bias, elementwise=spec.norm_weight)
 
 
 def _embed_norm_spec(spec: DecoderSpec) -> DecoderSpec:
@@ -149,7 +131,6 @@ class DecoderLayer(Module):
                 add(role, getattr(s, role), make_norm(s, d))
         self.linear = bool(s.linear_layers) and bool(s.linear_layers[index])
         if self.linear:  # Gated DeltaNet instead of the attention projections
-            from vkformers_llama.gated_deltanet import GatedDeltaNet
             add("linear", s.linear_attn, (s.linear_module or GatedDeltaNet)(s))
         elif s.mla:
             self._init_mla(add)

@@ -27,7 +27,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 
-from vkformers_llama.decoder import make_norm
+from vkformers_llama.norms import make_norm
 
 
 class GatedDeltaNet(Module):

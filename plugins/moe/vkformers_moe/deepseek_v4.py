@@ -38,11 +38,10 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param, place
-from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, make_norm
+from vkformers_llama.decoder import make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask
-from vkformers_moe.model import MoeDecoderForCausalLM
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see (finite: the 0/1 concatenation multiplies it)
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -332,42 +331,3 @@ class DeepseekV4Layer(Module):
         weight = get_param(self, "attn.wo_a.weight").reshape(groups, rank, width).transpose(-1, -2)
         y = (x.contiguous() @ weight.contiguous()).permute(1, 0, 2).reshape(b, t, groups * rank)
         return p["wo_b"](y)
-
-
-class DeepseekV4ForCausalLM(MoeDecoderForCausalLM):
-    """The shared causal LM whose residual stream is hc_mult streams between the embedding and the final norm."""
-
-    def __init__(self, config: dict, architecture):
-        super().__init__(config, architecture)
-        n, d = self.spec.make_layer.hc_mult, self.spec.hidden_size
-        add_param(self, "model.hc_head.hc_fn", (n, n * d))
-        add_param(self, "model.hc_head.hc_base", (n,))
-        add_param(self, "model.hc_head.hc_scale", (1,))
-        # routing buffers, read by the sparse blocks (load_buffers), not parameters
-        self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS + (".ffn.gate.bias", ".ffn.gate.tid2eid")
-        self.capture_decode = False
-        self._input_ids = self._host_positions = None
-
-    def forward(self, input_ids, *args, **kwargs):
-        ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
-        self._input_ids = ids.astype(np.int64)  # hash routing reads the token ids
-        return super().forward(input_ids, *args, **kwargs)
-
-    def _positions(self, *args):
-        self._host_positions = super()._positions(*args)
-        return self._host_positions
-
-    def run_layers(self, x, ctx):
-        o, (b, t, d) = self.spec.make_layer, x.shape
-        ctx.input_ids, ctx.host_positions = self._input_ids, np.asarray(self._host_positions)
-        pad = self.config.get("pad_token_id")
-        if pad is not None and (self._input_ids == pad).any():
-            # the embedding's padding_idx row gets no gradient (the compressed entries read padded tokens)
-            x = F.where(Tensor((self._input_ids == pad)[:, :, None]), x.detach(), x)
-        streams = x.reshape(b, t, 1, d).expand(b, t, o.hc_mult, d).contiguous()
-        for layer in self.layers:
-            streams = self.call_layer(layer, streams, ctx)
-        pre, _ = _hyper_weights(streams, get_param(self, "model.hc_head.hc_fn"),
-                                get_param(self, "model.hc_head.hc_base"), get_param(self, "model.hc_head.hc_scale"),
-                                o.hc_eps, self.spec.norm_eps)
-        return _collapse(streams, pre)

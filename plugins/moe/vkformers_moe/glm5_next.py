@@ -35,7 +35,6 @@ from vkformers_llama.gated_deltanet import GatedDeltaNet
 
 from vkformers_moe.axk2 import Axk2Attention, Axk2Layer
 from vkformers_moe.deepseek_v4 import DeepseekV4Layer, DeepseekV4Moe
-from vkformers_moe.model import MoeDecoderForCausalLM
 
 
 class KimiDeltaAttention(GatedDeltaNet):
@@ -196,14 +195,3 @@ class Glm5NextLayer(Axk2Layer):
             keep[b, s, tail[ok]] = True
         keep &= valid[:, total - new:, None]  # padded queries keep nothing
         return keep & visible
-
-
-class Glm5NextForCausalLM(MoeDecoderForCausalLM):
-    """The shared causal LM on hc_mult streams between the embedding and the final norm, collapsed by their mean."""
-
-    def run_layers(self, x, ctx):
-        n, (b, t, d) = self.spec.make_layer.hc_mult, x.shape
-        streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous()
-        for layer in self.layers:
-            streams = self.call_layer(layer, streams, ctx)
-        return streams.sum(2) * (1.0 / n)

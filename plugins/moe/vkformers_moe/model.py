@@ -4,8 +4,13 @@ from __future__ import annotations
 from collections import ChainMap
 
 import numpy as np
-from vkformers_llama.decoder import DecoderForCausalLM
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor
+from vkformers.models.module import add_param, get_param, place
+from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
 
+from vkformers_moe.deepseek_v4 import _collapse, _hyper_weights
+from vkformers_moe.qwen4_exp import GatedResidual
 from vkformers_moe.variants import decoder_spec
 
 
@@ -32,3 +37,83 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         zeros = {f"{path}.{name}": np.zeros((module.moe.expert_size, module.hidden), np.float32)
                  for path, module in self.named_modules() for name in getattr(module, "unused_weights", ())}
         super().load_state_dict(ChainMap(arrays, {n: z for n, z in zeros.items() if n not in arrays}), *args, **kwargs)
+
+
+class DeepseekV4ForCausalLM(MoeDecoderForCausalLM):
+    """The shared causal LM whose residual stream is hc_mult streams between the embedding and the final norm."""
+
+    def __init__(self, config: dict, architecture):
+        super().__init__(config, architecture)
+        n, d = self.spec.make_layer.hc_mult, self.spec.hidden_size
+        add_param(self, "model.hc_head.hc_fn", (n, n * d))
+        add_param(self, "model.hc_head.hc_base", (n,))
+        add_param(self, "model.hc_head.hc_scale", (1,))
+        # routing buffers, read by the sparse blocks (load_buffers), not parameters
+        self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS + (".ffn.gate.bias", ".ffn.gate.tid2eid")
+        self.capture_decode = False
+        self._input_ids = self._host_positions = None
+
+    def forward(self, input_ids, *args, **kwargs):
+        ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
+        self._input_ids = ids.astype(np.int64)  # hash routing reads the token ids
+        return super().forward(input_ids, *args, **kwargs)
+
+    def _positions(self, *args):
+        self._host_positions = super()._positions(*args)
+        return self._host_positions
+
+    def run_layers(self, x, ctx):
+        o, (b, t, d) = self.spec.make_layer, x.shape
+        ctx.input_ids, ctx.host_positions = self._input_ids, np.asarray(self._host_positions)
+        pad = self.config.get("pad_token_id")
+        if pad is not None and (self._input_ids == pad).any():
+            # the embedding's padding_idx row gets no gradient (the compressed entries read padded tokens)
+            x = F.where(Tensor((self._input_ids == pad)[:, :, None]), x.detach(), x)
+        streams = x.reshape(b, t, 1, d).expand(b, t, o.hc_mult, d).contiguous()
+        for layer in self.layers:
+            streams = self.call_layer(layer, streams, ctx)
+        pre, _ = _hyper_weights(streams, get_param(self, "model.hc_head.hc_fn"),
+                                get_param(self, "model.hc_head.hc_base"), get_param(self, "model.hc_head.hc_scale"),
+                                o.hc_eps, self.spec.norm_eps)
+        return _collapse(streams, pre)
+
+
+class Qwen4ExpForCausalLM(MoeDecoderForCausalLM):
+    """The shared causal LM whose residual stream is hc_count streams, collapsed by the hyper-connection mixer
+    (there is no final norm)."""
+
+    def __init__(self, config: dict, architecture):
+        super().__init__(config, architecture)
+        o, d = self.spec.make_layer, self.spec.hidden_size
+        object.__setattr__(self, "mixer", place(self, "model.hyper_connection_mixer",
+                                                 GatedResidual(o.hc_count, d, o.hc_lowrank, self.spec.norm_eps,
+                                                               combine=False)))
+        # hash constants: derived from the config, read by PerLayerEmbedding.load_buffers
+        self.ignored_checkpoint_keys = self.ignored_checkpoint_keys + (
+            ".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
+        self.capture_decode = False
+        self._input_ids = None
+
+    def forward(self, input_ids, *args, **kwargs):
+        ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
+        self._input_ids = ids.astype(np.int64)  # PLE hashes the token ids
+        return super().forward(input_ids, *args, **kwargs)
+
+    def run_layers(self, x, ctx):
+        n, (b, t, d) = self.spec.make_layer.hc_count, x.shape
+        ctx.input_ids = self._input_ids
+        streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous().reshape(b, t, n * d)
+        for layer in self.layers:
+            streams = self.call_layer(layer, streams, ctx)
+        return self.mixer(streams)
+
+
+class Glm5NextForCausalLM(MoeDecoderForCausalLM):
+    """The shared causal LM on hc_mult streams between the embedding and the final norm, collapsed by their mean."""
+
+    def run_layers(self, x, ctx):
+        n, (b, t, d) = self.spec.make_layer.hc_mult, x.shape
+        streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous()
+        for layer in self.layers:
+            streams = self.call_layer(layer, streams, ctx)
+        return streams.sum(2) * (1.0 / n)

@@ -40,7 +40,6 @@ from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param, join_path, place
 from vkformers_llama.decoder import DecoderLayer, make_norm
 
-from vkformers_moe.model import MoeDecoderForCausalLM
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
 
@@ -368,33 +367,3 @@ class Qwen4ExpLayer(DecoderLayer):
         hidden = Tensor(np.where(self._keep, 0.0, _HIDDEN).astype(np.float32)[:, None])
         scores = (q @ k.transpose(-1, -2)).float() * options["scale"] + hidden
         return scores.softmax(-1).cast(v.dtype) @ v
-
-
-class Qwen4ExpForCausalLM(MoeDecoderForCausalLM):
-    """The shared causal LM whose residual stream is hc_count streams, collapsed by the hyper-connection mixer
-    (there is no final norm)."""
-
-    def __init__(self, config: dict, architecture):
-        super().__init__(config, architecture)
-        o, d = self.spec.make_layer, self.spec.hidden_size
-        object.__setattr__(self, "mixer", place(self, "model.hyper_connection_mixer",
-                                                 GatedResidual(o.hc_count, d, o.hc_lowrank, self.spec.norm_eps,
-                                                               combine=False)))
-        # hash constants: derived from the config, read by PerLayerEmbedding.load_buffers
-        self.ignored_checkpoint_keys = self.ignored_checkpoint_keys + (
-            ".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
-        self.capture_decode = False
-        self._input_ids = None
-
-    def forward(self, input_ids, *args, **kwargs):
-        ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
-        self._input_ids = ids.astype(np.int64)  # PLE hashes the token ids
-        return super().forward(input_ids, *args, **kwargs)
-
-    def run_layers(self, x, ctx):
-        n, (b, t, d) = self.spec.make_layer.hc_count, x.shape
-        ctx.input_ids = self._input_ids
-        streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous().reshape(b, t, n * d)
-        for layer in self.layers:
-            streams = self.call_layer(layer, streams, ctx)
-        return self.mixer(streams)

@@ -18,8 +18,11 @@ from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, coher
 
 from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
+from vkformers_moe.deepseek_v4 import DeepseekV4Layers
+from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention
 from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
+from vkformers_moe.qwen4_exp import Qwen4ExpLayers
 from vkformers_moe.minimax_m3 import MinimaxM3Attention
 from vkformers_moe.longcat import LongcatLayers
 
@@ -264,13 +267,12 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
 @architecture("deepseek_v4", norm="rms", status="verified",
               notes=("native KV-cache generation; HCA/CSA compressed attention + mHC + hyper head (composed from engine"
                      " ops, deepseek_v4.py); upstream claims 2-step AdamW parity"),
-              model_class="vkformers_moe.deepseek_v4:DeepseekV4ForCausalLM")
+              model_class="vkformers_moe.model:DeepseekV4ForCausalLM")
 def deepseek_v4(config: dict) -> DecoderSpec:
     """DeepSeek-V4 (deepseek_v4.py): hc_mult hyper-connected residual streams, shared-KV attention with sinks over a
     sliding window plus compressed entries (layer_types: sliding / CSA with a lightning indexer / HCA), grouped output
     projection; a sparse block in every layer (sqrt(softplus) scores, hash-routed on the hash_moe layers, top-k of
     scores + gate.bias elsewhere; clipped SwiGLU experts and one shared expert of moe_intermediate_size)."""
-    from vkformers_moe.deepseek_v4 import DeepseekV4Layers  # imports the model module, which imports this one
     _refuse_training_extras("deepseek_v4", config)
     refuse("deepseek_v4", config, "scoring_func", lambda v: v == "sqrtsoftplus", "sqrtsoftplus")
     refuse("deepseek_v4", config, "norm_topk_prob", lambda v: v is not False, True)
@@ -304,7 +306,7 @@ def deepseek_v4(config: dict) -> DecoderSpec:
 @architecture("qwen4_exp_text", norm="rms", llama_layout=True, status="verified",
               notes=("native KV-cache generation; DeltaNet + sparse QSA + GR/hyper-connection streams + PLE (composed "
                      "from engine ops, qwen4_exp.py); upstream claims 2-step AdamW parity"),
-              model_class="vkformers_moe.qwen4_exp:Qwen4ExpForCausalLM",
+              model_class="vkformers_moe.model:Qwen4ExpForCausalLM",
               aliases=[
                   "qwen4_exp",  # wrapper; text_config
               ])
@@ -312,7 +314,6 @@ def qwen4_exp_text(config: dict) -> DecoderSpec:
     """Qwen4-Exp (qwen4_exp.py): Qwen3.5-MoE's layers without their norms, between gated residuals over hc_count
     streams (collapsed by hyper_connection_mixer, no final norm); PLE hashed n-gram embeddings on ple_layer_ids;
     QSA block selection on the attention layers when indexer_n_heads is set."""
-    from vkformers_moe.qwen4_exp import Qwen4ExpLayers  # imports the model module, which imports this one
     refuse("qwen4_exp_text", config, "output_gate_type", lambda v: v in (None, "silu", "swish"), "silu")
     refuse("qwen4_exp_text", config, "hidden_act", lambda v: v in ("silu", "swish"), "silu")
     n = config["num_hidden_layers"]
@@ -764,7 +765,7 @@ def deepseek_v32(config: dict) -> DecoderSpec:
 @architecture("glm5_next_text", norm="rms", llama_layout=True, status="verified",
               notes=("native KV-cache generation; KDA linear attention + DSA sparse attention + mHC (parsed via "
                      "DeepSeek-V3.2 contract; composed from engine ops, glm5_next.py)"),
-              model_class="vkformers_moe.glm5_next:Glm5NextForCausalLM",
+              model_class="vkformers_moe.model:Glm5NextForCausalLM",
               aliases=[
                   "glm5_next",  # wrapper; text_config
               ])
@@ -774,7 +775,6 @@ def glm5_next_text(config: dict) -> DecoderSpec:
     "indexed_attention" NoPE MLA with a pooled DSA indexer (index_kpool; indexer_types "shared" layers reuse the
     previous layer's choice); clipped SwiGLU (swiglu_limit) in dense MLPs, experts and shared experts; DeepSeek-V3's
     router on the mlp_layer_types "sparse" layers."""
-    from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention  # imports model.py, which imports this
     arch = "glm5_next_text"
     _refuse_training_extras(arch, config)
     refuse(arch, config, "qk_rope_head_dim", lambda v: not v, 0)  # transformers requires NoPE here

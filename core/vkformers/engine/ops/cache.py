@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from vkformers.engine.function import KernelOp, node
+from vkformers.engine.function import KernelOp, node, wrap
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import kv_cache as KV
 from vkformers.runtime import dtypes as dt
@@ -79,7 +79,6 @@ def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None,
     1 = attend. Returns [batch, heads, 1, head_dim] in q's dtype (and with ``return_lse`` the logsumexp of
     each row's scores, float32 [batch, heads, 1]).
     """
-    from vkformers.engine.tensor import Tensor
     batch, heads, q_len, head_dim = q.shape
     if q_len != 1:
         raise ValueError(f"decode_attention: one query per row, got q_len {q_len}")
@@ -101,4 +100,4 @@ def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None,
                          has_mask=key_padding_mask is not None, has_alibi=alibi_slopes is not None)
     outs = node(op, [q.cast(dtype).lazy, k_cache.lazy, v_cache.lazy, kv_len.reshape(1).lazy, *extra],
                 [((batch, heads, 1, head_dim), dtype)] + ([((batch, heads, 1), dt.float32)] if return_lse else []))
-    return tuple(Tensor._from_lazy(o) for o in outs) if return_lse else Tensor._from_lazy(outs[0])
+    return tuple(wrap(o) for o in outs) if return_lse else wrap(outs[0])

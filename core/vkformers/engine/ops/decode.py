@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from vkformers.engine.function import KernelOp, contiguous, grad_enabled, node
+from vkformers.engine.function import CopyStrided, KernelOp, contiguous, grad_enabled, node, wrap
 from vkformers.engine.kernels import decode as KD
 from vkformers.engine.quantized import QuantizedTensor
 from vkformers.runtime import dtypes as dt
@@ -86,7 +86,6 @@ def _inputs_and_attrs(x, weights, norm, biases, residual):
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
     x_lazy = contiguous(x.lazy)
     if x_lazy.view.offset % KD.elements_per_vector(x.dtype):
-        from vkformers.engine.ops.elementwise import CopyStrided
         x_lazy = node(CopyStrided(), [x_lazy], [(x_lazy.shape, x_lazy.dtype)])[0]
     inputs = [x_lazy]
     if norm is not None and norm.weight is not None:
@@ -105,17 +104,12 @@ def _inputs_and_attrs(x, weights, norm, biases, residual):
     return inputs, attrs
 
 
-def _result(lazy):
-    from vkformers.engine.tensor import Tensor
-    return Tensor._from_lazy(lazy)
-
-
 def fused_linear(x, weight, *, norm: FusedNorm | None = None, bias=None, residual=None, residual_scale: float = 1.0):
     """``[residual + residual_scale *] (rms_norm(x) @ weight.T [+ bias])`` for x [..., k]: one dispatch."""
     inputs, attrs = _inputs_and_attrs(x, [weight], norm, None if bias is None else [bias], residual)
     attrs.update(mode="plain", residual_scale=float(residual_scale))
     shape = x.shape[:-1] + (weight.shape[0],)
-    return _result(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
+    return wrap(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
 
 
 def fused_gated(x, gate_weight, up_weight, *, activation: str = "silu", norm: FusedNorm | None = None, biases=None):
@@ -125,7 +119,7 @@ def fused_gated(x, gate_weight, up_weight, *, activation: str = "silu", norm: Fu
     inputs, attrs = _inputs_and_attrs(x, [gate_weight, up_weight], norm, biases, None)
     attrs.update(mode="gated", activation=activation)
     shape = x.shape[:-1] + (gate_weight.shape[0],)
-    return _result(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
+    return wrap(node(DecodeMatvec(**attrs), inputs, [(shape, x.dtype)])[0])
 
 
 def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, head_dim: int, positions=None,
@@ -167,7 +161,7 @@ def _rotate_and_write(op, inputs, heads: int, k_cache, v_cache, cache_start, pos
                                         (v_cache.shape, dtype)], into=[None, k_cache.lazy, v_cache.lazy])
     k_cache._set_lazy(k_out)
     v_cache._set_lazy(v_out)
-    return _result(q)
+    return wrap(q)
 
 
 def _cache_start_and_rotary(ins: list, rot_dim: int):

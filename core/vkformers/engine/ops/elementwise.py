@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.function import CopyStrided, Function, KernelOp, constant, is_tensor, node, wrap
 from vkformers.engine.kernels import elementwise as K
 from vkformers.engine.lazy import LazyBuffer, View
 from vkformers.runtime import dtypes as dt
@@ -43,17 +43,6 @@ class Where(KernelOp):
         K.where(seq, m.operand, m.strides, a.operand, a.strides, b.operand, b.strides, y.operand, y.shape)
 
 
-class CopyStrided(KernelOp):
-    """out (contiguous, any dtype) = x (any strides and dtype): layout changes and casts."""
-
-    name = "copy"
-    contiguous_inputs = False
-
-    def emit(self, seq, outs, ins):
-        (y,), (x,) = outs, ins
-        K.copy_strided(seq, x.operand, x.strides, y.operand, y.shape)
-
-
 class Concat(KernelOp):
     """out = the inputs laid end to end along ``dim``: one strided copy per input into its slice of out."""
 
@@ -76,6 +65,15 @@ def broadcast_shape(*shapes) -> tuple[int, ...]:
         return tuple(np.broadcast_shapes(*shapes))
     except ValueError:
         raise ValueError(f"shapes {' and '.join(map(str, shapes))} do not broadcast") from None
+
+
+def sum_to_shape(g, shape):
+    """Sum ``g`` over the dimensions that broadcasting added or stretched, giving ``shape``."""
+    if g.shape == tuple(shape):
+        return g
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1)
+    return g.sum(axis=axes, keepdim=True).reshape(shape)
 
 
 def _expand(x: LazyBuffer, shape) -> LazyBuffer:
@@ -107,16 +105,14 @@ class UnaryFn(Function):
         return y
 
     def backward(self, g):
-        from vkformers.engine.tensor import Tensor
-        x, y = (Tensor._from_lazy(v) for v in self.saved)
+        x, y = (wrap(v) for v in self.saved)
         return UNARY_GRADIENTS[self.op](x, y, g, *self.scalars)
 
 
 def _backward_kernel(op, first, g):
     """One of the kernel's fused activation gradients: op(first, dy)."""
-    from vkformers.engine.tensor import Tensor
     out = node(Binary(op=op), [first.lazy, g.lazy], [(g.shape, g.dtype)])[0]
-    return Tensor._from_lazy(out)
+    return wrap(out)
 
 
 UNARY_GRADIENTS = {
@@ -159,9 +155,7 @@ class BinaryFn(Function):
         return y
 
     def backward(self, g):
-        from vkformers.engine.ops.movement import sum_to_shape
-        from vkformers.engine.tensor import Tensor
-        a, b, y = (Tensor._from_lazy(v) for v in self.saved)
+        a, b, y = (wrap(v) for v in self.saved)
         ga, gb = BINARY_GRADIENTS[self.op](a, b, y, g)
         return (sum_to_shape(ga, a.shape) if ga is not None and self.needs_grad[0] else None,
                 sum_to_shape(gb, b.shape) if gb is not None and self.needs_grad[1] else None)
@@ -182,11 +176,10 @@ COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 
 def compare(a, b, op):
     """A boolean mask tensor (no gradient)."""
-    from vkformers.engine.tensor import Tensor
     a, b = _pair(a, b)
     shape = broadcast_shape(a.shape, b.shape)
     out = node(Binary(op=op), [_expand(a.lazy, shape), _expand(b.lazy, shape)], [(shape, dt.bool_)])[0]
-    return Tensor._from_lazy(out)
+    return wrap(out)
 
 
 class WhereFn(Function):
@@ -197,9 +190,7 @@ class WhereFn(Function):
                     [(shape, _float_result(a.dtype, b.dtype))])[0]
 
     def backward(self, g):
-        from vkformers.engine.ops.movement import sum_to_shape
-        from vkformers.engine.tensor import Tensor
-        mask = Tensor._from_lazy(self.mask)
+        mask = wrap(self.mask)
         return (None, sum_to_shape(where(mask, g, 0.0), self.shapes[0]),
                 sum_to_shape(where(mask, 0.0, g), self.shapes[1]))
 
@@ -272,20 +263,6 @@ def stack(tensors, dim: int = 0):
     return cat([t.unsqueeze(dim) for t in tensors], dim)
 
 
-def scatter_into_zeros(g, shape, spec):
-    """A tensor of ``shape``, zero except the region ``spec`` (per-dim start, stop, step) holding ``g``."""
-    from vkformers.engine.tensor import Tensor, zeros
-    # Build it with `where` over an index mask: exact and uses only existing kernels.
-    out_shape = tuple(shape)
-    region = np.zeros(out_shape, dtype=bool)
-    region[tuple(slice(a, b, s) for a, b, s in spec)] = True
-    index = np.full(out_shape, 0, dtype=np.int32)
-    index[region] = np.arange(int(region.sum()), dtype=np.int32)
-    from vkformers.engine.ops.nn import gather_flat
-    gathered = gather_flat(g.contiguous().reshape(-1), Tensor(index, device=g.device))
-    return where(Tensor(region, device=g.device), gathered, zeros(out_shape, g.dtype, g.device))
-
-
 # ---------------------------------------------------------------- tensor-facing helpers
 
 def _scalar_ok(value) -> bool:
@@ -293,13 +270,12 @@ def _scalar_ok(value) -> bool:
 
 
 def _pair(a, b):
-    from vkformers.engine.tensor import Tensor
-    if not isinstance(a, Tensor):
-        a = Tensor(np.asarray(a, dtype=np.float32 if b.dtype is not dt.int32 else np.int32), dtype=b.dtype,
-                   device=b.device)
-    if not isinstance(b, Tensor):
-        b = Tensor(np.asarray(b, dtype=np.float32 if a.dtype is not dt.int32 else np.int32), dtype=a.dtype,
-                   device=a.device)
+    if not is_tensor(a):
+        a = constant(np.asarray(a, dtype=np.float32 if b.dtype is not dt.int32 else np.int32), dtype=b.dtype,
+                     device=b.device)
+    if not is_tensor(b):
+        b = constant(np.asarray(b, dtype=np.float32 if a.dtype is not dt.int32 else np.int32), dtype=a.dtype,
+                     device=a.device)
     return a, b
 
 
@@ -308,8 +284,7 @@ def unary(x, op, *scalars):
 
 
 def binary(a, b, op):
-    from vkformers.engine.tensor import Tensor
-    if isinstance(b, Tensor) or not _scalar_ok(b) or a.dtype is dt.int32:
+    if is_tensor(b) or not _scalar_ok(b) or a.dtype is dt.int32:
         a, b = _pair(a, b)
         if a.dtype is not b.dtype:
             target = _float_result(a.dtype, b.dtype)
@@ -321,18 +296,16 @@ def binary(a, b, op):
     if op == "div":  # x / 0 is inf or nan, as in numpy and torch
         with np.errstate(divide="ignore"):
             return unary(a, "mul_scalar", float(np.float64(1.0) / np.float64(b)))
-    return binary(a, Tensor(np.float32(b), dtype=a.dtype, device=a.device), op)
+    return binary(a, constant(np.float32(b), dtype=a.dtype, device=a.device), op)
 
 
 def where(mask, a, b):
     """Elementwise ``a if mask else b``; a and b may be tensors or Python numbers."""
-    from vkformers.engine.tensor import Tensor
-    ref = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else \
-        Tensor(np.float32(0), device=mask.device)
+    ref = a if is_tensor(a) else b if is_tensor(b) else constant(np.float32(0), device=mask.device)
     a, b = _pair(a, ref)[0], _pair(b, ref)[0]
     if a.dtype is not b.dtype:
         target = _float_result(a.dtype, b.dtype)
         a, b = a.cast(target), b.cast(target)
-    if not isinstance(mask, Tensor):
-        mask = Tensor(np.asarray(mask, dtype=bool), device=a.device)
+    if not is_tensor(mask):
+        mask = constant(np.asarray(mask, dtype=bool), device=a.device)
     return WhereFn.apply(mask, a, b)

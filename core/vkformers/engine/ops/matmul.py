@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import math
 
-from vkformers.engine.function import Function, KernelOp, contiguous, node
-from vkformers.engine.lazy import LazyBuffer
+from vkformers.engine.function import Function, KernelOp, contiguous, node, reshape_lazy, wrap
+from vkformers.engine.lazy import LazyBuffer, View
+from vkformers.engine.ops.elementwise import broadcast_shape, sum_to_shape
 from vkformers.engine.kernels import matmul as KM
 
 
@@ -69,7 +70,6 @@ class MatmulFn(Function):
         k2, n = b.shape[-2:]
         if k != k2:
             raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align ({k} != {k2})")
-        from vkformers.engine.ops.elementwise import broadcast_shape
         batch_shape = broadcast_shape(a.shape[:-2], b.shape[:-2])
         a_k, trans_a, stride_a = _matrix_layout(a, batch_shape)
         b_k, trans_b, stride_b = _matrix_layout(b, batch_shape)
@@ -81,9 +81,7 @@ class MatmulFn(Function):
         return node(op, inputs, [(tuple(batch_shape) + (m, n), a.dtype)])[0]
 
     def backward(self, g):
-        from vkformers.engine.ops.movement import sum_to_shape
-        from vkformers.engine.tensor import Tensor
-        a, b, live = (None if v is None else Tensor._from_lazy(v) for v in self.saved)
+        a, b, live = (None if v is None else wrap(v) for v in self.saved)
         ga = gb = None
         if self.needs_grad[0]:
             ga = sum_to_shape(MatmulFn.apply(g, b.transpose(-1, -2), live), a.shape)
@@ -104,8 +102,6 @@ class LinearFn(Function):
         n, k = weight.shape
         if x.shape[-1] != k:
             raise ValueError(f"linear: input {x.shape} does not fit weight {weight.shape} (last dim must be {k})")
-        from vkformers.engine.lazy import View
-        from vkformers.engine.ops.movement import reshape_lazy
         m = math.prod(x.shape[:-1])
         rows = reshape_lazy(x, (m, k))
         a, trans_a, stride_a = _matrix_layout(rows, ())
@@ -118,8 +114,7 @@ class LinearFn(Function):
         return y.make_view(View.dense(x.shape[:-1] + (n,)))
 
     def backward(self, g):
-        from vkformers.engine.tensor import Tensor
-        rows, weight, live = (None if v is None else Tensor._from_lazy(v) for v in self.saved)
+        rows, weight, live = (None if v is None else wrap(v) for v in self.saved)
         g_rows = g.reshape(-1, g.shape[-1])
         gx = MatmulFn.apply(g_rows, weight, live).reshape(self.x_shape) if self.needs_grad[0] else None
         gw = None
@@ -252,9 +247,12 @@ class GroupedMatmulFn(Function):
                 gws = [_transposed(o, stacked) for o in _span_depth(g, x, spans, experts, stacked)]
             else:
                 gws = _span_depth(x, g, spans, experts, stacked)
-        from vkformers.engine.tensor import Tensor
-        wrap = lambda v: None if v is None else Tensor._from_lazy(v)  # noqa: E731
-        return (wrap(gx), None, *(wrap(w) if need else None for w, need in zip(gws, self.needs_grad[2:])))
+        return (_wrap_optional(gx), None,
+                *(_wrap_optional(w) if need else None for w, need in zip(gws, self.needs_grad[2:])))
+
+
+def _wrap_optional(lazy):
+    return None if lazy is None else wrap(lazy)
 
 
 def grouped_matmul(x, weights, spans):

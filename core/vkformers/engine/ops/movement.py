@@ -1,16 +1,11 @@
 """Views: reshape, permute, expand and slicing. They move no data; backward undoes the view."""
 from __future__ import annotations
 
-from vkformers.engine.function import Function, contiguous
+import numpy as np
 
-
-def reshape_lazy(x, shape):
-    """The lazy buffer ``x`` under a new shape: a view, or a view of a contiguous copy when x is strided."""
-    new_view = x.view.reshape(shape)
-    if new_view is None:
-        x = contiguous(x)
-        new_view = x.view.reshape(shape)
-    return x.make_view(new_view)
+from vkformers.engine.function import Function, constant, reshape_lazy
+from vkformers.engine.ops.elementwise import sum_to_shape, where
+from vkformers.engine.ops.nn import gather_flat
 
 
 class Reshape(Function):
@@ -43,15 +38,6 @@ class Expand(Function):
         return sum_to_shape(g, self.in_shape)
 
 
-def sum_to_shape(g, shape):
-    """Sum ``g`` over the dimensions that broadcasting added or stretched, giving ``shape``."""
-    if g.shape == tuple(shape):
-        return g
-    lead = g.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1)
-    return g.sum(axis=axes, keepdim=True).reshape(shape)
-
-
 class Slice(Function):
     """Basic indexing with slices (step > 0) and integers; the gradient lands in a zero tensor."""
 
@@ -63,8 +49,20 @@ class Slice(Function):
         return x.make_view(view)
 
     def backward(self, g):
-        from vkformers.engine.ops.elementwise import scatter_into_zeros
         return scatter_into_zeros(g, self.in_shape, self.spec)
+
+
+def scatter_into_zeros(g, shape, spec):
+    """A tensor of ``shape``, zero except the region ``spec`` (per-dim start, stop, step) holding ``g``."""
+    # Build it with `where` over an index mask: exact and uses only existing kernels.
+    out_shape = tuple(shape)
+    region = np.zeros(out_shape, dtype=bool)
+    region[tuple(slice(a, b, s) for a, b, s in spec)] = True
+    index = np.full(out_shape, 0, dtype=np.int32)
+    index[region] = np.arange(int(region.sum()), dtype=np.int32)
+    gathered = gather_flat(g.contiguous().reshape(-1), constant(index, device=g.device))
+    zeros = constant(np.zeros(out_shape, np.float32), dtype=g.dtype, device=g.device)
+    return where(constant(region, device=g.device), gathered, zeros)
 
 
 def getitem(t, index):

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.function import Function, KernelOp, constant, node, wrap
 from vkformers.engine.lazy import generated_input
 from vkformers.engine.ops.quant import quantized_embedding
 from vkformers.engine.quantized import QuantizedTensor
@@ -21,11 +21,6 @@ from vkformers.engine.kernels import embedding as KE
 from vkformers.engine.kernels import norm as KN
 from vkformers.engine.kernels import rope as KR
 from vkformers.runtime import dtypes as dt
-
-
-def _tensor(lazy):
-    from vkformers.engine.tensor import Tensor
-    return Tensor._from_lazy(lazy)
 
 
 def _rows_cols(shape):
@@ -67,7 +62,7 @@ class EmbeddingFn(Function):
         (ids,) = self.saved
         d_table = node(EmbeddingBackwardKernel(vocab_shape=self.table_shape, padding_idx=self.padding_idx),
                        [g.float().lazy, ids], [(self.table_shape, dt.float32)])[0]
-        return _tensor(d_table).cast(self.table_dtype), None
+        return wrap(d_table).cast(self.table_dtype), None
 
 
 def embedding(ids, table, padding_idx: int | None = None):
@@ -102,7 +97,7 @@ class GatherRowsFn(Function):
         width = g.shape[-1]
         d = node(EmbeddingKernel(), [g.reshape(self.out_rows, width).lazy, inverse],
                  [(inverse.shape + (width,), g.dtype)])[0]
-        d = _tensor(d)
+        d = wrap(d)
         return (d.reshape(-1, *d.shape[-2:]).sum(0) if len(inverse.shape) > 1 else d), None, None
 
 
@@ -146,8 +141,8 @@ class RMSNormFn(Function):
         ins = [g.lazy, x, rstd] + ([weight] if weight is not None else [])
         outs = [(x.shape, x.dtype)] + ([(weight.shape, dt.float32)] if weight is not None else [])
         grads = node(RMSNormBackwardKernel(unit_offset=self.unit_offset), ins, outs)
-        dx = _tensor(grads[0])
-        dw = _tensor(grads[1]).cast(weight.dtype) if weight is not None else None
+        dx = wrap(grads[0])
+        dw = wrap(grads[1]).cast(weight.dtype) if weight is not None else None
         return dx, dw
 
 
@@ -199,7 +194,7 @@ class LayerNormFn(Function):
         outs = [(x.shape, x.dtype)] + [(p.shape, dt.float32) for p in params]
         grads = node(LayerNormBackwardKernel(**self.flags), [g.lazy, x, mean, rstd] + ([weight] if weight is not None else []),
                      outs)
-        grads = [_tensor(v) for v in grads]
+        grads = [wrap(v) for v in grads]
         dx, rest = grads[0], grads[1:]
         dw = rest.pop(0).cast(weight.dtype) if weight is not None else None
         db = rest.pop(0).cast(bias.dtype) if bias is not None else None
@@ -232,7 +227,7 @@ class RopeFn(Function):
         positions, inv_freq = self.saved
         # the transpose of a rotation by theta (scaled by s) is the rotation by -theta, scaled by s
         dx = node(RopeKernel(inverse=True, **self.flags), [g.lazy, positions, inv_freq], [(g.shape, g.dtype)])[0]
-        return _tensor(dx), None, None
+        return wrap(dx), None, None
 
 
 def rope(x, positions, inv_freq, interleaved: bool = False, attention_scaling: float = 1.0):
@@ -276,7 +271,7 @@ class CrossEntropyFn(Function):
         logits, labels, lse, count = self.saved
         d = node(CrossEntropyBackwardKernel(ignore_index=self.ignore_index),
                  [logits, labels, lse, g.float().lazy, count], [(logits.shape, logits.dtype)])[0]
-        return _tensor(d), None
+        return wrap(d), None
 
 
 def cross_entropy(logits, labels, ignore_index: int = -100):
@@ -341,12 +336,12 @@ class AttentionFn(Function):
     def backward(self, g, g_lse=None):
         q, k, v, out, lse, extra = self.saved
         if g is None:  # only the logsumexp was used
-            g = _tensor(out).detach() * 0.0
+            g = wrap(out).detach() * 0.0
         d_lse = [g_lse.float().contiguous().lazy] if g_lse is not None else []
         grads = node(AttentionBackwardKernel(**self.attrs, has_d_lse=bool(d_lse)),
                      [q, k, v, out, g.contiguous().lazy, lse] + extra + d_lse,
                      [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)])
-        return tuple(_tensor(x) for x in grads) + (None, None)
+        return tuple(wrap(x) for x in grads) + (None, None)
 
 
 def scaled_dot_product_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
@@ -371,7 +366,7 @@ def gather_flat(values, index):
     """values[index] for a 1-D ``values`` and an int32 ``index`` of any shape (no gradient)."""
     table = values.reshape(-1, 1)
     out = node(EmbeddingKernel(), [table.lazy, index.lazy], [(index.shape + (1,), values.dtype)])[0]
-    return _tensor(out).reshape(index.shape)
+    return wrap(out).reshape(index.shape)
 
 
 # ---------------------------------------------------------------- dropout
@@ -391,7 +386,7 @@ class DropoutFn(Function):
 
     def backward(self, g):
         (seed,) = self.saved  # the same seed regenerates the same mask
-        return _tensor(node(DropoutKernel(**self.flags), [g.contiguous().lazy, seed], [(g.shape, g.dtype)])[0]), None
+        return wrap(node(DropoutKernel(**self.flags), [g.contiguous().lazy, seed], [(g.shape, g.dtype)])[0]), None
 
 
 _dropout_rng = np.random.default_rng()
@@ -444,13 +439,12 @@ def replaying_dropout_seeds(seeds):
 
 
 def _dropout_seed(device):
-    from vkformers.engine.tensor import Tensor
     if _seed_tapes and _seed_tapes[-1][0] == "replay":
         seed = next(_seed_tapes[-1][1], None)
         if seed is None:
             raise RuntimeError("a recomputed forward called dropout more often than the forward it repeats")
         return seed
-    seed = Tensor(generated_input(_draw_dropout_seed(), _draw_dropout_seed), dtype=dt.uint32, device=device)
+    seed = constant(generated_input(_draw_dropout_seed(), _draw_dropout_seed), dtype=dt.uint32, device=device)
     for kind, tape in _seed_tapes:
         if kind == "record":
             tape.append(seed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.function import Function, KernelOp, node, reshape_lazy, wrap
 from vkformers.engine.kernels import matmul_quant as KQ
 from vkformers.engine.lazy import View
 from vkformers.engine.quantized import QuantizedTensor, quant_format
@@ -45,7 +45,6 @@ class QuantizedLinearFn(Function):
     """``x @ W^T`` for x [..., k] and a quantized W [n, k]; the backward gives x's gradient only."""
 
     def forward(self, x, packed, weight: QuantizedTensor = None):
-        from vkformers.engine.ops.movement import reshape_lazy
         n, k = weight.shape
         if x.shape[-1] != k:
             raise ValueError(f"linear: input {x.shape} does not fit weight {weight.shape} (last dim must be {k})")
@@ -58,8 +57,6 @@ class QuantizedLinearFn(Function):
         return y.make_view(View.dense(x.shape[:-1] + (n,)))
 
     def backward(self, g):
-        from vkformers.engine.ops.movement import reshape_lazy
-        from vkformers.engine.tensor import Tensor
         if not self.needs_grad[0]:
             return None, None
         (packed,) = self.saved
@@ -67,7 +64,7 @@ class QuantizedLinearFn(Function):
         m = math.prod(self.x_shape[:-1])
         rows = reshape_lazy(g.cast(self.x_dtype).contiguous().lazy, (m, n))
         gx = _product(rows, packed, self.weight, m=m, trans_w=False)
-        return Tensor._from_lazy(gx.make_view(View.dense(self.x_shape))), None
+        return wrap(gx.make_view(View.dense(self.x_shape))), None
 
 
 def quantized_linear(x, weight: QuantizedTensor, bias=None):
@@ -79,14 +76,13 @@ def quantized_linear(x, weight: QuantizedTensor, bias=None):
 def quantized_embedding(ids, table: QuantizedTensor, dtype=None):
     """Rows of a quantized table [vocab, dim] picked by int32 ``ids``, dequantized to ``dtype`` (default: the
     table's compute dtype). No gradient: the table is frozen."""
-    from vkformers.engine.tensor import Tensor
     if ids.dtype is not dt.int32:
         raise TypeError(f"embedding ids must be int32, not {ids.dtype.name}")
     vocab, dim = table.shape
     out_dtype = dt.as_dtype(dtype) if dtype is not None else table.dtype
     op = QuantEmbedding(dim=dim, vocab=vocab, format=table.format.name)
     out = node(op, [table.lazy, ids.lazy], [(ids.shape + (dim,), out_dtype)])[0]
-    return Tensor._from_lazy(out)
+    return wrap(out)
 
 
 __all__ = ["QuantEmbedding", "QuantMatmul", "QuantizedLinearFn", "quantized_embedding", "quantized_linear"]

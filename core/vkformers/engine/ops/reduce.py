@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 
-from vkformers.engine.function import Function, KernelOp, node
+from vkformers.engine.function import Function, KernelOp, node, wrap
+from vkformers.engine.ops.elementwise import where
 from vkformers.engine.kernels import reduce as KR
 from vkformers.engine.kernels import softmax as KS
 from vkformers.runtime import dtypes as dt
@@ -61,9 +62,7 @@ class MaxFn(Function):
         return y if not keepdim else y.make_view(y.view.reshape(_kept_shape(x.shape, (axis,))))
 
     def backward(self, g):
-        from vkformers.engine.ops.elementwise import where
-        from vkformers.engine.tensor import Tensor
-        x, y = (Tensor._from_lazy(v) for v in self.saved)
+        x, y = (wrap(v) for v in self.saved)
         kept = _kept_shape(x.shape, (self.axis,))
         # Ties share the gradient of one maximum each (like torch.amax's backward splits it).
         hit = where(x == y.reshape(kept), 1.0, 0.0)
@@ -72,10 +71,9 @@ class MaxFn(Function):
 
 
 def argmax(x, axis: int = -1, keepdim: bool = False):
-    from vkformers.engine.tensor import Tensor
     axis %= x.ndim
     y = _reduce_one(x.lazy, "argmax", axis, dt.int32)
-    out = Tensor._from_lazy(y)
+    out = wrap(y)
     return out.reshape(_kept_shape(x.shape, (axis,))) if keepdim else out
 
 
@@ -104,7 +102,6 @@ class SoftmaxFn(Function):
         return y
 
     def backward(self, g):
-        from vkformers.engine.tensor import Tensor
         (y,) = self.saved
         dx = node(SoftmaxBackward(log=self.log), [y, g.lazy], [(y.shape, y.dtype)])[0]
-        return Tensor._from_lazy(dx)
+        return wrap(dx)

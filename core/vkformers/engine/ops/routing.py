@@ -19,11 +19,15 @@ activations of tokens x top_k rows in all, where the lists above hold tokens row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from vkformers.engine import functional as F
-from vkformers.engine.function import KernelOp, node
-from vkformers.engine.tensor import Tensor
+from vkformers.engine.function import KernelOp, node, wrap
+from vkformers.engine.ops.elementwise import where
+from vkformers.engine.ops.nn import gather_rows
 from vkformers.runtime import dtypes as dt
+
+if TYPE_CHECKING:  # annotations only: engine/tensor.py sits above the ops
+    from vkformers.engine.tensor import Tensor
 
 TOPK_MAX_ENTRIES = 1024  # moe_topk.comp's MAX_N: a row it stages in shared memory
 _HIDDEN = -3.0e38  # a score that never wins the max
@@ -52,12 +56,12 @@ def topk_mask(values, k: int):
     n = values.shape[-1]
     if n <= TOPK_MAX_ENTRIES:
         mask = node(TopkMaskKernel(k=int(k)), [values.float().lazy], [(values.shape, dt.float32)])[0]
-        return Tensor._from_lazy(mask) > 0.5
+        return wrap(mask) > 0.5
     chosen, remaining = None, values
     for _ in range(k):
         hit = remaining >= remaining.max(-1, keepdim=True)
-        chosen = F.where(hit, 1.0, 0.0) if chosen is None else F.where(hit, 1.0, chosen)
-        remaining = F.where(hit, _HIDDEN, remaining)
+        chosen = where(hit, 1.0, 0.0) if chosen is None else where(hit, 1.0, chosen)
+        remaining = where(hit, _HIDDEN, remaining)
     return chosen > 0.5
 
 
@@ -91,8 +95,8 @@ class ExpertRoutes:
             raise ValueError(f"ExpertRoutes: routing weights of shape {weights.shape} list no tokens or experts")
         routes, counts = node(ExpertRoutesKernel(), [weights.detach().float().lazy],
                               [((4, experts, tokens), dt.int32), ((experts,), dt.float32)])
-        maps = Tensor._from_lazy(routes)
-        return cls(maps, maps[0], maps[1], maps[2], maps[3], Tensor._from_lazy(counts))
+        maps = wrap(routes)
+        return cls(maps, maps[0], maps[1], maps[2], maps[3], wrap(counts))
 
     @property
     def experts(self) -> int:
@@ -104,27 +108,27 @@ class ExpertRoutes:
 
     def gather(self, x):
         """x [tokens, width] -> [experts, tokens, width]: each expert's rows, in its list's order."""
-        return F.gather_rows(x, self.token_of_slot, self.stacked_slot_of_token)
+        return gather_rows(x, self.token_of_slot, self.stacked_slot_of_token)
 
     def scatter(self, y):
         """y [experts, tokens, width] in list order -> the same in token order, zero where a token did not choose."""
         rows = self.experts * self.tokens
-        return F.gather_rows(y.reshape(rows, y.shape[-1]), self.stacked_slot_of_token,
+        return gather_rows(y.reshape(rows, y.shape[-1]), self.stacked_slot_of_token,
                              self.stacked_token_of_slot.reshape(rows))
 
     def gather_one(self, x, expert: int):
         """x [tokens, width] -> [tokens, width]: expert ``expert``'s rows (one module per expert)."""
-        return F.gather_rows(x, self.token_of_slot[expert], self.slot_of_token[expert])
+        return gather_rows(x, self.token_of_slot[expert], self.slot_of_token[expert])
 
     def scatter_one(self, y, expert: int):
         """gather_one's inverse: y [tokens, width] in list order -> token order, zero where not chosen."""
-        return F.gather_rows(y, self.slot_of_token[expert], self.token_of_slot[expert])
+        return gather_rows(y, self.slot_of_token[expert], self.token_of_slot[expert])
 
     def gather_weights(self, weights):
         """weights [tokens, experts] -> [experts, tokens, 1]: each list's routing weights (scale_inputs)."""
         rows = self.experts * self.tokens
         by_expert = weights.transpose(0, 1).reshape(rows, 1)
-        return F.gather_rows(by_expert, self.stacked_token_of_slot, self.stacked_slot_of_token.reshape(rows))
+        return gather_rows(by_expert, self.stacked_token_of_slot, self.stacked_slot_of_token.reshape(rows))
 
 
 class PackRoutesKernel(KernelOp):
@@ -168,7 +172,7 @@ class PackedRoutes:
         outs = node(PackRoutesKernel(top_k=int(top_k)), [w.lazy, lists.routes.lazy, lists.counts.lazy],
                     [((experts, 2), dt.float32), ((rows,), dt.int32), ((rows,), dt.int32), ((top_k, tokens), dt.int32),
                      ((rows,), dt.int32), ((tokens, experts), dt.int32)])
-        return cls(*(Tensor._from_lazy(o) for o in outs))
+        return cls(*(wrap(o) for o in outs))
 
     @property
     def tokens(self) -> int:
@@ -177,15 +181,15 @@ class PackedRoutes:
     def gather(self, x):
         """x [tokens, width] -> [tokens * top_k, width]: each packed row its token's row (zeros past the packed
         ones). The gradient sums each token's top_k rows."""
-        return F.gather_rows(x, self.token_of_row, self.row_of_pair)
+        return gather_rows(x, self.token_of_row, self.row_of_pair)
 
     def gather_weights(self, weights):
         """weights [tokens, experts] -> [tokens * top_k, 1]: each packed row's routing weight."""
-        return F.gather_rows(weights.reshape(-1, 1), self.flat_of_row, self.row_of_flat.reshape(-1))
+        return gather_rows(weights.reshape(-1, 1), self.flat_of_row, self.row_of_flat.reshape(-1))
 
     def combine(self, y):
         """y [tokens * top_k, width] -> [tokens, width]: the sum of each token's rows."""
-        per_choice = F.gather_rows(y, self.row_of_pair, self.pair_of_row)  # [top_k, tokens, width]
+        per_choice = gather_rows(y, self.row_of_pair, self.pair_of_row)  # [top_k, tokens, width]
         return per_choice.sum(0)
 
     def weighted_sum(self, x, weights, experts, scale_inputs: bool = False):

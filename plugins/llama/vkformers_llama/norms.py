@@ -1,0 +1,25 @@
+"""The decoder's norms as a :class:`DecoderSpec` configures them: used by the decoder, by Gated DeltaNet and by
+plugins that compose their own layers."""
+from __future__ import annotations
+
+from vkformers.engine import functional as F
+from vkformers.models.layers import LayerNorm, RMSNorm
+from vkformers.models.module import Module
+
+from vkformers_llama.variants import DecoderSpec
+
+
+class LayerNorm1P(LayerNorm):
+    """Nemotron's LayerNorm with the weight stored as an offset from 1: layer_norm(x) * (1 + w) + b."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight + 1.0, self.bias if self.has_bias else None, eps=self.eps)
+
+
+def make_norm(spec: DecoderSpec, dim: int) -> Module:
+    """The decoder's norm over ``dim`` channels as ``spec`` configures it (RMSNorm or LayerNorm, weight, bias,
+    unit offset, eps); plugins that compose their own layers build their norms with it."""
+    if spec.norm == "rms":
+        return RMSNorm(dim, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset, elementwise=spec.norm_weight)
+    layer_norm = LayerNorm1P if spec.norm_unit_offset else LayerNorm
+    return layer_norm(dim, eps=spec.norm_eps, bias=spec.norm_bias, elementwise=spec.norm_weight)
