@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE_ROOTS = [ROOT / "core", *sorted(p for p in (ROOT / "plugins").iterdir() if p.is_dir())]
 
 # (importing module, imported module) -> why the import waits until the function runs.
-LOCAL_IMPORTS_ALLOWED = {
-    **{("vkformers.cli.train", module): "not yet moved to module level: a pending change to cli/train.py"
-       for module in ("vkformers.errors", "vkformers.models.atomic", "vkformers.models.loading",
-                      "vkformers.training", "vkformers.training.trainer")},
-}
+LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

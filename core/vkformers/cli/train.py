@@ -18,7 +18,13 @@ from pathlib import Path
 from vkformers.cli.options import (fraction, non_negative_int, non_negative_number, positive_int, positive_number,
                                    unit_interval, whole_number)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
-from vkformers.errors import QuantizationError
+from vkformers.errors import QuantizationError, VkformersError
+from vkformers.models.atomic import refuse_symlink, write_bytes_atomic
+from vkformers.models.loading import AutoModelForCausalLM, load_config, resolve_checkpoint
+from vkformers.models.quantize import quantized_weight_names, refuse_quantized
+from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
+                                hf_dataset_files, init_weights, load_dataset, load_tokenizer)
+from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -97,8 +103,6 @@ def lora_targets(values):
 
 
 def load_model(args):
-    from vkformers.models.loading import AutoModelForCausalLM, load_config, resolve_checkpoint
-    from vkformers.training import init_weights
     if args.from_scratch:
         model = AutoModelForCausalLM.from_config(load_config(resolve_checkpoint(args.model)))
         init_weights(model, seed=args.seed, dtype=DTYPES[args.precision])
@@ -127,8 +131,6 @@ def check_quantization_options(args) -> None:
 
 def copy_tokenizer_files(source, folder: Path) -> None:
     """The tokenizer's files beside the final model (those not there already), never written through a link."""
-    from vkformers.models.atomic import refuse_symlink, write_bytes_atomic
-    from vkformers.models.loading import resolve_checkpoint
     try:
         source = resolve_checkpoint(source)
     except Exception:  # a tokenizer that is not a folder (e.g. "byte"): nothing to copy
@@ -139,11 +141,6 @@ def copy_tokenizer_files(source, folder: Path) -> None:
 
 
 def run(args) -> int:
-    from vkformers.errors import VkformersError
-    from vkformers.models.quantize import quantized_weight_names, refuse_quantized
-    from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
-                                    hf_dataset_files, load_dataset, load_tokenizer)
-    from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
     if bool(args.data) == bool(args.hf_dataset):
         raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
     check_quantization_options(args)
