@@ -31,15 +31,17 @@ CASES = {
     "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"), "qwen2moe": ("qwen2_moe", "qwen2moe"),
     "qwen3moe": ("qwen3_moe", "qwen3moe"), "gemma": ("gemma", "gemma"), "gemma2": ("gemma2", "gemma2"),
     "gemma3": ("gemma3_text", "gemma3"), "phi3": ("phi3", "phi3"), "starcoder2": ("starcoder2", "starcoder2"),
-    "gpt2": ("gpt2", "gpt2"), "falcon": ("falcon", "falcon"), "deepseek2": ("deepseek_v2_moe", "deepseek2"),
+    "gpt2": ("gpt2", "gpt2"), "falcon": ("falcon", "falcon"),
+    "falcon_new_arch": ("falcon_new_arch", "falcon"), "deepseek2": ("deepseek_v2_moe", "deepseek2"),
 }
 # transformers' GGUF loader (5.24) reads these GGUF architectures (its name for them where it differs)
 TRANSFORMERS_READS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "starcoder2",
-                      "gpt2", "falcon"}
+                      "gpt2", "falcon", "falcon_new_arch"}
 
 # config keys transformers' GGUF loader leaves at its defaults for these fixtures' unusual sizes
 CONFIG_OVERRIDES = ("head_dim", "pad_token_id", "n_inner", "n_positions", "ffn_hidden_size", "moe_intermediate_size",
-                    "shared_expert_intermediate_size", "intermediate_size", "num_kv_heads", "multi_query")
+                    "shared_expert_intermediate_size", "intermediate_size", "num_kv_heads", "multi_query",
+                    "new_decoder_architecture")
 # HF per-layer name (after model.layers.N. / transformer.h.N.) -> GGUF stem (after blk.N.)
 COMMON = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
@@ -58,7 +60,8 @@ LAYERS = {
     "gpt2": {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"},
     "falcon": {"input_layernorm": "attn_norm", "self_attention.query_key_value": "attn_qkv",
-               "self_attention.dense": "attn_output", "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"},
+               "self_attention.dense": "attn_output", "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
+               "ln_attn": "attn_norm", "ln_mlp": "attn_norm_2"},
     "deepseek2": {**COMMON, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
                   "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
                   "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b"},
@@ -77,10 +80,19 @@ def llama_cpp_permute(weight, heads):
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def falcon_qkv_ungrouped(weight, heads, kv_heads):
+    """convert_hf_to_gguf's Falcon QKV: HF's per-KV-group [q.. | k | v] blocks -> [all q | all k | all v]."""
+    qkv = weight.reshape(kv_heads, heads // kv_heads + 2, -1, weight.shape[-1])
+    return np.concatenate([qkv[:, :-2].reshape(-1, weight.shape[-1]), qkv[:, [-2]].reshape(-1, weight.shape[-1]),
+                           qkv[:, [-1]].reshape(-1, weight.shape[-1])])
+
+
 def gguf_tensors(arch: str, config: dict, weights: dict) -> dict[str, np.ndarray]:
     layers = LAYERS.get(arch, COMMON)
     heads = config.get("num_attention_heads") or config.get("n_head")
     kv_heads = config.get("num_key_value_heads", heads)
+    if arch == "falcon":
+        kv_heads = config["num_kv_heads"] if config.get("new_decoder_architecture") else 1
     out, experts = {}, {}
     for name, array in weights.items():
         array = np.asarray(array, dtype=np.float32)
@@ -104,6 +116,8 @@ def gguf_tensors(arch: str, config: dict, weights: dict) -> dict[str, np.ndarray
             array = array + 1.0
         if arch == "gpt2" and array.ndim == 2 and target != "token_embd" and target != "position_embd":
             array = array.T
+        if arch == "falcon" and target.endswith(".attn_qkv"):
+            array = falcon_qkv_ungrouped(array, heads, kv_heads)
         if target.endswith("ffn_gate_inp_shexp"):
             array = array.reshape(-1)
         out[f"{target}.{suffix}"] = np.ascontiguousarray(array)
@@ -125,7 +139,8 @@ def write(path: Path, case: str, arch: str, config: dict, tensors: dict, quantiz
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(get("intermediate_size", "n_inner", "ffn_hidden_size", default=4 * hidden))
     w.add_head_count(heads)
-    kv = 1 if arch == "falcon" and config.get("multi_query") else get("num_key_value_heads", "num_kv_heads", default=heads)
+    old_falcon = arch == "falcon" and not config.get("new_decoder_architecture")
+    kv = 1 if old_falcon and config.get("multi_query") else get("num_key_value_heads", "num_kv_heads", default=heads)
     w.add_head_count_kv(kv)
     w.add_vocab_size(config["vocab_size"])
     rope = config.get("rope_parameters") or {}
