@@ -123,6 +123,12 @@ def gguf_tensors(arch: str, config: dict, weights: dict) -> dict[str, np.ndarray
         out[f"{target}.{suffix}"] = np.ascontiguousarray(array)
     for name, per_expert in experts.items():
         out[name] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    if arch == "deepseek2":  # newer converters also write kv_b split per head for MLA's absorbed product
+        nope, v_dim = config["qk_nope_head_dim"], config["v_head_dim"]
+        for name in [n for n in out if n.endswith(".attn_kv_b.weight")]:
+            per_head = out[name].reshape(heads, nope + v_dim, -1)
+            out[name.replace("attn_kv_b", "attn_k_b")] = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+            out[name.replace("attn_kv_b", "attn_v_b")] = np.ascontiguousarray(per_head[:, nope:])
     if arch == "gpt2":
         out["output.weight"] = out["token_embd.weight"]  # the converter repeats the tied embedding
     return out

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkformers.models.gguf import LLAMA_ROTARY_TRANSFORMS, GGUFArchitecture, GGUFMetadata, TensorTransform
+from vkformers.models.gguf import (DERIVED_TENSORS, LLAMA_ROTARY_TRANSFORMS, GGUFArchitecture, GGUFMetadata,
+                                   TensorTransform)
 
 from vkformers_moe.variants import FAMILY
 
@@ -102,5 +103,8 @@ FAMILY.gguf(
                       "attn_kv_b": "self_attn.kv_b_proj", "attn_output": "self_attn.o_proj",
                       "ffn_norm": "post_attention_layernorm", **DENSE_MLP, **EXPERTS,
                       "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
-                      "ffn_down_shexp": "mlp.shared_experts.down_proj"}),
+                      "ffn_down_shexp": "mlp.shared_experts.down_proj"},
+                     # newer converters add attn_kv_b split per head (k transposed) for MLA's absorbed
+                     # product, beside attn_kv_b itself: the same numbers twice
+                     skipped=(*DERIVED_TENSORS, "attn_k_b", "attn_v_b")),
 )
