@@ -120,3 +120,31 @@ def test_every_mapped_architecture_is_declared_by_the_plugin_that_runs_it():
                      "starcoder2", "gpt2", "falcon", "deepseek2"}
     for entry in vkgguf.gguf_architectures():
         assert registry().resolve({"model_type": entry.model_type}).name == entry.model_type
+
+
+def test_a_gguf_mapping_names_an_architecture_its_plugin_declares():
+    from vkformers.errors import ArchitectureDeclarationError
+    from vkformers.models.family import Family
+    family = Family("demo", kind="causal-decoder", norm="rms")
+    family.architecture("demo_lm", variant=lambda config: None)
+    family.gguf(vkgguf.GGUFArchitecture("demo", "demo_lm", "DemoForCausalLM", lambda m: m.common_config(), {}))
+    assert [e.model_type for e in family.gguf_architectures()] == ["demo_lm"]
+    with pytest.raises(ArchitectureDeclarationError, match="maps to 'llama', which the plugin does not declare"):
+        family.gguf(vkgguf.GGUFArchitecture("llama", "llama", "LlamaForCausalLM", lambda m: {}, {}))
+    with pytest.raises(ArchitectureDeclarationError, match="takes GGUFArchitecture entries, not dict"):
+        family.gguf({"llama": "llama"})
+
+
+def test_a_tensor_the_mapping_lacks_is_named(tmp_path):
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_embedding_length(4)
+    writer.add_head_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((4, 4), np.float32))
+    writer.add_tensor("blk.0.mystery.weight", np.ones((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(vkgguf.CheckpointError, match=r"no Hugging Face name in the 'qwen3' mapping: blk\.0\.mystery"):
+        vkgguf.load_gguf(path, tokenizer=False)
