@@ -178,13 +178,14 @@ class GGUFMetadata:
         return self.tensor_shapes.get(name)
 
     def common_config(self) -> dict:
-        """The config keys a llama-like decoder reads, from the metadata every llama.cpp decoder writes."""
+        """The config keys a llama-like decoder reads, from the metadata every llama.cpp decoder writes (with
+        rope_scaling where the file has a linear or YaRN one)."""
         hidden = self.get("embedding_length")
         heads = self.get("attention.head_count")
         ffn = self.get("feed_forward_length")
         if not ffn and self.shape("blk.0.ffn_up.weight"):
             ffn = self.shape("blk.0.ffn_up.weight")[0]
-        return {
+        config = {
             "hidden_size": hidden,
             "num_hidden_layers": self.get("block_count"),
             "num_attention_heads": heads,
@@ -198,6 +199,9 @@ class GGUFMetadata:
             "tie_word_embeddings": not self.has_tensor("output.weight"),
             "vocab_size": self.get("vocab_size") or len(self.values.get("tokenizer.ggml.tokens") or []) or None,
         }
+        if self.rope_scaling():
+            config["rope_scaling"] = self.rope_scaling()
+        return config
 
     def rope_scaling(self) -> dict | None:
         scaling = self.get("rope.scaling.type")

@@ -36,12 +36,8 @@ def _with_window(metadata: GGUFMetadata, config: dict) -> dict:
 
 
 def _llama_config(metadata: GGUFMetadata) -> dict:
-    config = {**metadata.common_config(),
-              "attention_bias": metadata.has_tensor("blk.0.attn_q.bias"),
-              "mlp_bias": metadata.has_tensor("blk.0.ffn_up.bias")}
-    if metadata.rope_scaling():
-        config["rope_scaling"] = metadata.rope_scaling()
-    return config
+    return {**metadata.common_config(), "attention_bias": metadata.has_tensor("blk.0.attn_q.bias"),
+            "mlp_bias": metadata.has_tensor("blk.0.ffn_up.bias")}
 
 
 def _mistral_config(metadata: GGUFMetadata) -> dict:
