@@ -33,7 +33,7 @@ gguf = pytest.importorskip("gguf", reason=vkgguf.INSTALL_HINT)
 
 DATA = Path(__file__).parent / "data" / "gguf"
 FIXTURES = Path(__file__).parent / "fixtures"
-CASES = {"llama": ("llama", "llama"), "mistral": ("mistral", "mistral"), "mixtral": ("mixtral", "mixtral"),
+CASES = {"llama": ("llama", "llama"), "llama3_rope": ("llama_rope_llama3", "llama"), "mistral": ("mistral", "mistral"), "mixtral": ("mixtral", "mixtral"),
          "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"), "qwen2moe": ("qwen2_moe", "qwen2_moe"),
          "qwen3moe": ("qwen3_moe", "qwen3_moe"), "gemma": ("gemma", "gemma"), "gemma2": ("gemma2", "gemma2"),
          "gemma3": ("gemma3_text", "gemma3_text"), "phi3": ("phi3", "phi3"),
@@ -148,3 +148,21 @@ def test_a_tensor_the_mapping_lacks_is_named(tmp_path):
     writer.close()
     with pytest.raises(vkgguf.CheckpointError, match=r"no Hugging Face name in the 'qwen3' mapping: blk\.0\.mystery"):
         vkgguf.load_gguf(path, tokenizer=False)
+
+
+def test_llama_3_1_rope_freqs_become_its_rope_config():
+    """Llama 3.1 8B's rope (factor 8, low 1, high 4 over 8192 positions, theta 5e5, head_dim 128): llama.cpp keeps
+    it as rope_freqs alone; the config derived from them gives the same divisor for each of the 64 frequencies."""
+    from vkformers_llama.gguf_tables import llama3_rope_divisors
+    inv_freq = 500000.0 ** (-np.arange(0, 128, 2) / 128)
+    divisors = llama3_rope_divisors(inv_freq, 8.0, 1.0, 4.0, 8192).astype(np.float32)
+    meta = {"general.architecture": "llama", "llama.embedding_length": 4096, "llama.attention.head_count": 32,
+            "llama.rope.freq_base": 500000.0, "llama.context_length": 131072, "llama.block_count": 1}
+    config = vkgguf.config_from_metadata(meta, {"rope_freqs.weight": (64,), "output.weight": (1, 1)},
+                                         lambda name: divisors)
+    rope = config["rope_scaling"]
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+    got = llama3_rope_divisors(inv_freq, 8.0, rope["low_freq_factor"], rope["high_freq_factor"],
+                               rope["original_max_position_embeddings"])
+    np.testing.assert_allclose(got, divisors, rtol=1e-5)
+    assert 1 < (divisors > 1.001).sum() - (divisors > 7.999).sum()  # several blended frequencies: the fit ran

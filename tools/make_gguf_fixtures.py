@@ -27,7 +27,7 @@ OUT = ROOT / "tests" / "data" / "gguf"
 
 # case: (fixture folder, GGUF general.architecture)
 CASES = {
-    "llama": ("llama", "llama"), "mistral": ("mistral", "llama"), "mixtral": ("mixtral", "llama"),
+    "llama": ("llama", "llama"), "llama3_rope": ("llama_rope_llama3", "llama"), "mistral": ("mistral", "llama"), "mixtral": ("mixtral", "llama"),
     "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"), "qwen2moe": ("qwen2_moe", "qwen2moe"),
     "qwen3moe": ("qwen3_moe", "qwen3moe"), "gemma": ("gemma", "gemma"), "gemma2": ("gemma2", "gemma2"),
     "gemma3": ("gemma3_text", "gemma3"), "phi3": ("phi3", "phi3"), "starcoder2": ("starcoder2", "starcoder2"),
@@ -35,7 +35,7 @@ CASES = {
     "falcon_new_arch": ("falcon_new_arch", "falcon"), "deepseek2": ("deepseek_v2_moe", "deepseek2"),
 }
 # transformers' GGUF loader (5.24) reads these GGUF architectures (its name for them where it differs)
-TRANSFORMERS_READS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "starcoder2",
+TRANSFORMERS_READS = {"llama", "llama3_rope", "mistral", "mixtral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "starcoder2",
                       "gpt2", "falcon", "falcon_new_arch"}
 
 # config keys transformers' GGUF loader leaves at its defaults for these fixtures' unusual sizes
@@ -129,6 +129,21 @@ def gguf_tensors(arch: str, config: dict, weights: dict) -> dict[str, np.ndarray
             per_head = out[name].reshape(heads, nope + v_dim, -1)
             out[name.replace("attn_kv_b", "attn_k_b")] = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
             out[name.replace("attn_kv_b", "attn_v_b")] = np.ascontiguousarray(per_head[:, nope:])
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: the divisor of each frequency
+        dim = config.get("head_dim") or config["hidden_size"] // heads
+        factors = []
+        for freq in rope["rope_theta"] ** (-np.arange(0, dim, 2) / dim):
+            wavelen = 2 * np.pi / freq
+            old = rope["original_max_position_embeddings"]
+            if wavelen < old / rope["high_freq_factor"]:
+                factors.append(1.0)
+            elif wavelen > old / rope["low_freq_factor"]:
+                factors.append(rope["factor"])
+            else:
+                smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+                factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        out["rope_freqs.weight"] = np.array(factors, dtype=np.float32)
     if arch == "gpt2":
         out["output.weight"] = out["token_embd.weight"]  # the converter repeats the tied embedding
     return out

@@ -163,10 +163,19 @@ class GGUFMetadata:
     """A file's metadata, read by the keys of its architecture (``get("block_count")`` reads
     ``<arch>.block_count``), with the HF-order shapes of its tensors."""
 
-    def __init__(self, values: dict, tensor_shapes: Mapping[str, tuple[int, ...]]):
+    def __init__(self, values: dict, tensor_shapes: Mapping[str, tuple[int, ...]],
+                 read_tensor: Callable[[str], np.ndarray] | None = None):
         self.values = values
         self.architecture = values.get("general.architecture")
         self.tensor_shapes = dict(tensor_shapes)
+        self._read_tensor = read_tensor
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        """A tensor's values (float32), for config llama.cpp keeps as data (llama 3's rope_freqs); None when the
+        file has no such tensor or only its metadata was given."""
+        if self._read_tensor is None or name not in self.tensor_shapes:
+            return None
+        return self._read_tensor(name)
 
     def get(self, key: str, default=None):
         return self.values.get(f"{self.architecture}.{key}", default)
@@ -230,12 +239,12 @@ def gguf_architecture(metadata: GGUFMetadata) -> GGUFArchitecture:
         f"{', '.join(mapped) or 'none'}); install the plugin of that family or convert the model to safetensors")
 
 
-def config_from_metadata(meta: dict, tensor_shapes) -> dict:
+def config_from_metadata(meta: dict, tensor_shapes, read_tensor: Callable[[str], np.ndarray] | None = None) -> dict:
     """The config.json a transformers checkpoint of this model has (``tensor_shapes``: name -> HF-order shape,
-    or only the names)."""
+    or only the names; ``read_tensor``: a tensor's values by name, for config kept as data)."""
     if not isinstance(tensor_shapes, Mapping):
         tensor_shapes = {name: () for name in tensor_shapes}
-    metadata = GGUFMetadata(meta, tensor_shapes)
+    metadata = GGUFMetadata(meta, tensor_shapes, read_tensor)
     entry = gguf_architecture(metadata)
     config = {"architectures": [entry.hf_class], "model_type": entry.model_type, **entry.config(metadata)}
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -484,9 +493,10 @@ def load_gguf(path, *, tokenizer: bool = True, dequantize: bool = True):
     ``dequantize=False``: block-quantized tensors come as QuantizedArray, packed as in the file."""
     reader = _reader(path)
     meta = read_metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
     metadata = GGUFMetadata(meta, _tensor_shapes(reader))
     entry = gguf_architecture(metadata)
-    config = config_from_metadata(meta, metadata.tensor_shapes)
+    config = config_from_metadata(meta, metadata.tensor_shapes, lambda name: dequantize_tensor(by_name[name]))
     arrays = read_tensors(reader, config, keep_quantized=not dequantize, entry=entry)
     if config.get("vocab_size") is None and "token_embd.weight" in metadata.tensor_shapes:
         config["vocab_size"] = metadata.tensor_shapes["token_embd.weight"][0]

@@ -11,6 +11,7 @@ import numpy as np
 
 from vkformers.models.gguf import (DECODER_TENSORS, LLAMA_ROTARY_TRANSFORMS, GGUFArchitecture, GGUFMetadata,
                                    TensorTransform)
+from vkformers.models.module import CheckpointError
 
 from vkformers_llama.variants import FAMILY
 
@@ -35,9 +36,57 @@ def _with_window(metadata: GGUFMetadata, config: dict) -> dict:
     return {**config, "sliding_window": window} if window else config
 
 
+def llama3_rope_divisors(inv_freq: np.ndarray, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3's rope scaling (transformers' "llama3" rope,
+    llama.cpp's rope_freqs tensor): 1 for short wavelengths, ``factor`` for long ones, a blend between."""
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, blended))
+
+
+def _llama3_rope(metadata: GGUFMetadata, config: dict) -> dict | None:
+    """Llama 3.1+'s rope scaling, which llama.cpp keeps only as the per-frequency divisors of rope_freqs: the
+    transformers parameters that give the same divisors. Only the ratios original / low and original / high
+    matter, so original is the file's context length; with fewer than two blended frequencies, Llama 3's
+    high / low = 4 fixes the band."""
+    divisors = metadata.tensor("rope_freqs.weight")
+    if divisors is None or metadata.rope_scaling():
+        return None
+    divisors = divisors.astype(np.float64)
+    rotary = metadata.get("rope.dimension_count") or config["head_dim"]
+    inv_freq = config["rope_theta"] ** (-np.arange(0, rotary, 2) / rotary)
+    factor = float(divisors.max())
+    original = config["max_position_embeddings"]
+    position = original * inv_freq / (2 * np.pi)  # original / wavelength
+    blended = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
+    share = (1 / divisors - 1 / factor) / (1 - 1 / factor)  # 0 at factor, 1 at 1: (position - low) / (high - low)
+    if blended.sum() >= 2:
+        slope, intercept = np.polyfit(position[blended], share[blended], 1)
+        low = -intercept / slope
+        high = low + 1 / slope
+    elif blended.sum() == 1:
+        low = float(position[blended][0] / (1 + 3 * share[blended][0]))
+        high = 4 * low
+    else:
+        scaled = position[divisors >= factor - 1e-6]
+        low = float(scaled.max()) * 1.01 if scaled.size else float(position.min()) / 2
+        high = 4 * low
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low), "high_freq_factor": float(high),
+            "original_max_position_embeddings": original}
+    if not np.allclose(llama3_rope_divisors(inv_freq, factor, low, high, original), divisors, rtol=1e-4):
+        raise CheckpointError(f"GGUF rope_freqs of this {metadata.architecture} file are not Llama 3's rope "
+                              f"scaling; vkformers cannot express them as a transformers rope config")
+    return rope
+
+
 def _llama_config(metadata: GGUFMetadata) -> dict:
-    return {**metadata.common_config(), "attention_bias": metadata.has_tensor("blk.0.attn_q.bias"),
-            "mlp_bias": metadata.has_tensor("blk.0.ffn_up.bias")}
+    config = {**metadata.common_config(), "attention_bias": metadata.has_tensor("blk.0.attn_q.bias"),
+              "mlp_bias": metadata.has_tensor("blk.0.ffn_up.bias")}
+    rope = _llama3_rope(metadata, config)
+    if rope:
+        config["rope_scaling"] = rope
+    return config
 
 
 def _mistral_config(metadata: GGUFMetadata) -> dict:
