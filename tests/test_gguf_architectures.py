@@ -37,6 +37,7 @@ CASES = {"llama": ("llama", "llama"), "llama3_rope": ("llama_rope_llama3", "llam
          "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"), "qwen2moe": ("qwen2_moe", "qwen2_moe"),
          "qwen3moe": ("qwen3_moe", "qwen3_moe"), "gemma": ("gemma", "gemma"), "gemma2": ("gemma2", "gemma2"),
          "gemma3": ("gemma3_text", "gemma3_text"), "phi3": ("phi3", "phi3"),
+         "phi3_longrope": ("phi3_longrope", "phi3"),
          "starcoder2": ("starcoder2", "starcoder2"), "gpt2": ("gpt2", "gpt2"), "falcon": ("falcon", "falcon"),
          "falcon_new_arch": ("falcon_new_arch", "falcon"),
          "deepseek2": ("deepseek_v2_moe", "deepseek_v2")}  # case: (fixture, model_type the GGUF maps to)

@@ -30,12 +30,12 @@ CASES = {
     "llama": ("llama", "llama"), "llama3_rope": ("llama_rope_llama3", "llama"), "mistral": ("mistral", "llama"), "mixtral": ("mixtral", "llama"),
     "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"), "qwen2moe": ("qwen2_moe", "qwen2moe"),
     "qwen3moe": ("qwen3_moe", "qwen3moe"), "gemma": ("gemma", "gemma"), "gemma2": ("gemma2", "gemma2"),
-    "gemma3": ("gemma3_text", "gemma3"), "phi3": ("phi3", "phi3"), "starcoder2": ("starcoder2", "starcoder2"),
+    "gemma3": ("gemma3_text", "gemma3"), "phi3": ("phi3", "phi3"), "phi3_longrope": ("phi3_longrope", "phi3"), "starcoder2": ("starcoder2", "starcoder2"),
     "gpt2": ("gpt2", "gpt2"), "falcon": ("falcon", "falcon"),
     "falcon_new_arch": ("falcon_new_arch", "falcon"), "deepseek2": ("deepseek_v2_moe", "deepseek2"),
 }
 # transformers' GGUF loader (5.24) reads these GGUF architectures (its name for them where it differs)
-TRANSFORMERS_READS = {"llama", "llama3_rope", "mistral", "mixtral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "starcoder2",
+TRANSFORMERS_READS = {"llama", "llama3_rope", "mistral", "mixtral", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3", "phi3_longrope", "starcoder2",
                       "gpt2", "falcon", "falcon_new_arch"}
 
 # config keys transformers' GGUF loader leaves at its defaults for these fixtures' unusual sizes
@@ -144,6 +144,9 @@ def gguf_tensors(arch: str, config: dict, weights: dict) -> dict[str, np.ndarray
                 smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
                 factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
         out["rope_freqs.weight"] = np.array(factors, dtype=np.float32)
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+        out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     if arch == "gpt2":
         out["output.weight"] = out["token_embd.weight"]  # the converter repeats the tied embedding
     return out
@@ -176,6 +179,8 @@ def write(path: Path, case: str, arch: str, config: dict, tensors: dict, quantiz
         w.add_value_length(config["head_dim"])
     if config.get("sliding_window") and case in ("mistral", "mixtral", "phi3", "starcoder2", "gemma2", "gemma3"):
         w.add_sliding_window(config["sliding_window"])
+    if rope.get("original_max_position_embeddings") and arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch in ("gemma2", "gemma3"):
         w.add_float32(f"{arch}.attention.scale", float(config["query_pre_attn_scalar"]) ** -0.5)
         if config.get("attn_logit_softcapping"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkformers.models.gguf import (DECODER_TENSORS, LLAMA_ROTARY_TRANSFORMS, GGUFArchitecture, GGUFMetadata,
+from vkformers.models.gguf import (DECODER_TENSORS, DERIVED_TENSORS, LLAMA_ROTARY_TRANSFORMS, GGUFArchitecture, GGUFMetadata,
                                    TensorTransform)
 from vkformers.models.module import CheckpointError
 
@@ -147,8 +147,14 @@ def _phi3_config(metadata: GGUFMetadata) -> dict:
     rotary = metadata.get("rope.dimension_count")
     if rotary:
         config["partial_rotary_factor"] = rotary / config["head_dim"]
-    if metadata.get("rope.scaling.original_context_length"):
-        config["original_max_position_embeddings"] = metadata.get("rope.scaling.original_context_length")
+    original = metadata.get("rope.scaling.original_context_length")
+    if original:
+        config["original_max_position_embeddings"] = original
+    long, short = metadata.tensor("rope_factors_long.weight"), metadata.tensor("rope_factors_short.weight")
+    if long is not None and short is not None:  # LongRoPE (Phi-3 128k, Phi-3.5): llama.cpp keeps its factors as data
+        config["rope_scaling"] = {"rope_type": "longrope", "long_factor": long.tolist(),
+                                  "short_factor": short.tolist(),
+                                  "original_max_position_embeddings": original or config["max_position_embeddings"]}
     return config
 
 
@@ -231,7 +237,8 @@ FAMILY.gguf(
     GGUFArchitecture("phi3", "phi3", "Phi3ForCausalLM", _phi3_config,
                      {"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
                       "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}),
+                      "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+                     skipped=(*DERIVED_TENSORS, "rope_factors_long", "rope_factors_short")),  # in the config
     GGUFArchitecture("starcoder2", "starcoder2", "Starcoder2ForCausalLM", _starcoder2_config,
                      {**LLAMA_LAYERS, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}),
     GGUFArchitecture("gpt2", "gpt2", "GPT2LMHeadModel", _gpt2_config,
