@@ -40,7 +40,8 @@ INSTALL_HINT = "reading .gguf files needs the gguf package: pip install 'vkforme
 
 # Tensor types read as float arrays; the others are blocks (kept packed unless dequantize=True).
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-# Tensors llama.cpp derives from the config (llama 3's rope frequency factors): the config carries them already.
+# Tensors llama.cpp derives from the config (llama 3's rope frequency divisors): a plugin's config function reads
+# them back (GGUFMetadata.tensor); they are no weight.
 DERIVED_TENSORS = ("rope_freqs",)
 # The global tensors most architectures share (GGUF stem -> HF stem).
 DECODER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

@@ -137,8 +137,6 @@ def _gemma3_config(metadata: GGUFMetadata) -> dict:
     sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)]
     config.update(layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
                   rope_local_base_freq=10000.0)  # llama.cpp's fixed base of Gemma 3's local layers
-    if not metadata.get("attn_logit_softcapping"):
-        config.update(attn_logit_softcapping=None, final_logit_softcapping=None)
     return config
 
 
