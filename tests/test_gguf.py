@@ -245,8 +245,8 @@ def test_errors(gguf_package, tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(vkgguf.CheckpointError, match="not a readable GGUF"):
         vkgguf.load_gguf(tmp_path / "junk.gguf")
-    with pytest.raises(vkgguf.VkformersError, match="'gemma' is not supported"):
-        vkgguf.config_from_metadata({"general.architecture": "gemma"}, set())
+    with pytest.raises(vkgguf.UnknownArchitectureError, match=r"GGUF architecture 'mamba' is not mapped .*\(mapped: .*llama"):
+        vkgguf.config_from_metadata({"general.architecture": "mamba"}, set())
 
 
 # ---------------------------------------------------------------------------------------------- as a model

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from vkformers.errors import ArchitectureDeclarationError, DuplicateArchitectureError
+from vkformers.models.gguf import GGUFArchitecture
 from vkformers.models.hookspecs import hookimpl
 from vkformers.models.registry import KINDS, STATUSES, TASKS_BY_KIND, AliasTarget, Architecture, NestedConfig
 from vkformers.runtime.kernels import KernelDir
@@ -63,6 +64,7 @@ class Family:
         self._defaults = dict(kind=kind, norm=norm, moe=moe, llama_layout=llama_layout)
         self._declarations: dict[str, Declaration] = {}
         self._wrappers: dict[str, NestedConfig] = {}
+        self._gguf: list[GGUFArchitecture] = []
 
     def architecture(self, name: str, *, kind: str | None = None, norm: str | None = None,
                      moe: bool | None = None, llama_layout: bool | None = None, notes: str = "",
@@ -117,7 +119,22 @@ class Family:
                 raise DuplicateArchitectureError(f"plugin {self.name!r} declares wrapper {spelling!r} twice; keep one")
             self._wrappers[spelling] = target
 
+    def gguf(self, *entries: GGUFArchitecture) -> None:
+        """Declare how llama.cpp ``.gguf`` files of the family's architectures are read (see
+        :class:`vkformers.models.gguf.GGUFArchitecture`); the order is the order they are tried in."""
+        for entry in entries:
+            if not isinstance(entry, GGUFArchitecture):
+                raise ArchitectureDeclarationError(f"plugin {self.name!r}: Family.gguf takes GGUFArchitecture "
+                                                   f"entries, not {type(entry).__name__}")
+            if entry.model_type not in self._declarations:
+                raise ArchitectureDeclarationError(f"plugin {self.name!r}: GGUF architecture {entry.name!r} maps to "
+                                                   f"{entry.model_type!r}, which the plugin does not declare")
+            self._gguf.append(entry)
+
     # -- what the declarations give ----------------------------------------
+
+    def gguf_architectures(self) -> list[GGUFArchitecture]:
+        return list(self._gguf)
 
     def architectures(self) -> list[Architecture]:
         return [declaration.architecture for declaration in self._declarations.values()]
@@ -195,6 +212,10 @@ class FamilyPlugin:
             return declared
         shared = self.model_classes.get(task)
         return None if shared is None else load_object(shared)
+
+    @hookimpl
+    def vkformers_gguf_architectures(self):
+        return self.declarations.gguf_architectures()
 
     @hookimpl
     def vkformers_kernel_dirs(self):

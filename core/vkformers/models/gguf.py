@@ -9,53 +9,44 @@ and tokenizer_config.json, in llama.cpp's spelling. :func:`load_gguf` turns it b
 
 Reading uses the ``gguf`` package (llama.cpp's own Python reader, ``pip install 'vkformers[gguf]'``), whose
 ``gguf.quants.dequantize`` expands every quantisation it knows (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-the K-quants, ...) to float32. Three things llama.cpp changed on the way in are undone here:
+the K-quants, ...) to float32. What llama.cpp changed on the way in is undone through the plugins' tables:
 
-- tensor names: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (:data:`LLAMA_TENSOR_NAMES`);
-- llama.cpp's converter reorders the rows of q_proj/k_proj of llama models so that each head's rotary pairs are
-  adjacent (GGML's "normal" RoPE rotates neighbours, HF's rotates the two halves); :func:`unpermute_rotary_rows`
-  restores HF's half-split order;
+- each family plugin declares, per GGUF ``general.architecture``, a :class:`GGUFArchitecture` (hook
+  ``vkformers_gguf_architectures``): the HF ``model_type``, the config built from the metadata keys, the tensor
+  names (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; experts stacked in one 3-D
+  ``ffn_gate_exps`` split per expert) and the converter's tensor changes (:class:`TensorTransform`), such as
+  llama's q/k row order (GGML's "normal" RoPE rotates neighbours, HF's the two halves:
+  :func:`unpermute_rotary_rows`, :data:`LLAMA_ROTARY_TRANSFORMS`). This module is the generic reader;
 - the tokenizer: a byte-level BPE ("gpt2") or SentencePiece ("llama") vocabulary rebuilt as a ``tokenizers``
   Tokenizer, with the control tokens as special tokens, BOS/EOS/PAD and the chat template.
 
-Only the llama architecture is mapped so far (SmolLM, Llama 1-3, Mistral, TinyLlama are written as llama).
+A file whose architecture no installed plugin maps raises UnknownArchitectureError listing the mapped ones.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Mapping
 
 import numpy as np
 
 from vkformers.engine.quantized import GGUF_FORMATS, QuantizationError, QuantizedArray
-from vkformers.errors import VkformersError
+from vkformers.errors import UnknownArchitectureError, VkformersError
 from vkformers.models.config_check import model_dtype
 from vkformers.models.module import CheckpointError
+from vkformers.models.plugins import plugin_manager
 from vkformers.models.tokenizer import PreTrainedTokenizer
 
 INSTALL_HINT = "reading .gguf files needs the gguf package: pip install 'vkformers[gguf]' (or pip install gguf)"
 
-# llama.cpp's per-layer tensor names (after "blk.N.") and the Hugging Face names (after "model.layers.N.").
-LLAMA_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-LLAMA_TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 # Tensor types read as float arrays; the others are blocks (kept packed unless dequantize=True).
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-# Tensors llama.cpp derives from the config (llama 3's rope frequency factors): the config carries them already.
-DERIVED_TENSORS = {"rope_freqs.weight"}
+# Tensors llama.cpp derives from the config (llama 3's rope frequency divisors): a plugin's config function reads
+# them back (GGUFMetadata.tensor); they are no weight.
+DERIVED_TENSORS = ("rope_freqs",)
+# The global tensors most architectures share (GGUF stem -> HF stem).
+DECODER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -118,40 +109,147 @@ def read_metadata(reader) -> dict:
     return {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def config_from_metadata(meta: dict, tensor_names) -> dict:
-    """The config.json a transformers llama checkpoint of this model has."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise VkformersError(f"GGUF architecture {arch!r} is not supported yet (vkformers maps 'llama' GGUF files)")
+@dataclass(frozen=True)
+class TensorTransform:
+    """What llama.cpp's converter did to a tensor, undone: ``function(array, config)`` takes the array in HF's
+    dimension order (as in the file) and returns HF's. ``reorders_rows``: a pure permutation of whole rows,
+    which applies to packed blocks as well; any other transform expands a quantized tensor first."""
 
-    def get(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
+    function: Callable[[np.ndarray, dict], np.ndarray]
+    reorders_rows: bool = False
 
-    hidden = get("embedding_length")
-    heads = get("attention.head_count")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": get("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": get("attention.head_count_kv", heads),
-        "intermediate_size": get("feed_forward_length"),
-        "head_dim": get("attention.key_length", hidden // heads),
-        "max_position_embeddings": get("context_length", 2048),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": get("rope.freq_base", 10000.0),
-        "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "vocab_size": get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None,
-    }
-    scaling = get("rope.scaling.type")
-    if scaling in ("linear", "yarn") and get("rope.scaling.factor"):
-        config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
-        if get("rope.scaling.original_context_length"):
-            config["rope_scaling"]["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How the files of one GGUF ``general.architecture`` map to a Hugging Face ``model_type``.
+
+    ``config(metadata)`` builds config.json from a :class:`GGUFMetadata` (``metadata.common_config()`` has
+    the keys decoders share). ``layer_tensors`` maps the stem after ``blk.N.`` (``attn_q``) to the HF name
+    after ``<layer_prefix>.N.`` (``self_attn.q_proj``); a name with ``{expert}`` splits a 3-D expert tensor
+    (``ffn_gate_exps``) into one HF tensor per expert. ``tensors`` maps the global stems. ``transforms`` (by
+    GGUF stem) undo the converter's changes. ``skipped``: stems with no HF twin (derived or duplicated data).
+    ``applies(metadata)``: whether this entry reads the file, for a GGUF name shared by several (llama with
+    experts is Mixtral); None: always (tried after those with a test).
+    """
+
+    name: str
+    model_type: str
+    hf_class: str
+    config: Callable[["GGUFMetadata"], dict]
+    layer_tensors: Mapping[str, str]
+    tensors: Mapping[str, str] = field(default_factory=lambda: dict(DECODER_TENSORS))
+    layer_prefix: str = "model.layers"
+    transforms: Mapping[str, TensorTransform] = field(default_factory=dict)
+    skipped: tuple[str, ...] = DERIVED_TENSORS
+    applies: Callable[["GGUFMetadata"], bool] | None = None
+
+    def hf_name(self, gguf_name: str) -> tuple[str, str] | None:
+        """``blk.3.attn_q.weight`` -> (``model.layers.3.self_attn.q_proj.weight``, ``attn_q``); None for a
+        name with no HF twin. An expert tensor's name keeps its ``{expert}`` field."""
+        stem, _, suffix = gguf_name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            return None
+        layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+        if layer and layer.group(2) in self.layer_tensors:
+            hf = self.layer_tensors[layer.group(2)]
+            return f"{self.layer_prefix}.{layer.group(1)}.{hf}.{suffix}", layer.group(2)
+        if stem in self.tensors:
+            return f"{self.tensors[stem]}.{suffix}", stem
+        return None
+
+    def is_skipped(self, gguf_name: str) -> bool:
+        stem = gguf_name.rpartition(".")[0]
+        return stem in self.skipped or stem.partition(".")[2].partition(".")[2] in self.skipped
+
+
+class GGUFMetadata:
+    """A file's metadata, read by the keys of its architecture (``get("block_count")`` reads
+    ``<arch>.block_count``), with the HF-order shapes of its tensors."""
+
+    def __init__(self, values: dict, tensor_shapes: Mapping[str, tuple[int, ...]],
+                 read_tensor: Callable[[str], np.ndarray] | None = None):
+        self.values = values
+        self.architecture = values.get("general.architecture")
+        self.tensor_shapes = dict(tensor_shapes)
+        self._read_tensor = read_tensor
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        """A tensor's values (float32), for config llama.cpp keeps as data (llama 3's rope_freqs); None when the
+        file has no such tensor or only its metadata was given."""
+        if self._read_tensor is None or name not in self.tensor_shapes:
+            return None
+        return self._read_tensor(name)
+
+    def get(self, key: str, default=None):
+        return self.values.get(f"{self.architecture}.{key}", default)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensor_shapes
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.tensor_shapes.get(name)
+
+    def common_config(self) -> dict:
+        """The config keys a llama-like decoder reads, from the metadata every llama.cpp decoder writes (with
+        rope_scaling where the file has a linear or YaRN one)."""
+        hidden = self.get("embedding_length")
+        heads = self.get("attention.head_count")
+        ffn = self.get("feed_forward_length")
+        if not ffn and self.shape("blk.0.ffn_up.weight"):
+            ffn = self.shape("blk.0.ffn_up.weight")[0]
+        config = {
+            "hidden_size": hidden,
+            "num_hidden_layers": self.get("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.get("attention.head_count_kv", heads),
+            "intermediate_size": ffn,
+            "head_dim": self.get("attention.key_length", hidden // heads if hidden and heads else None),
+            "max_position_embeddings": self.get("context_length", 2048),
+            "rms_norm_eps": self.get("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": self.get("rope.freq_base", 10000.0),
+            "hidden_act": "silu",
+            "tie_word_embeddings": not self.has_tensor("output.weight"),
+            "vocab_size": self.get("vocab_size") or len(self.values.get("tokenizer.ggml.tokens") or []) or None,
+        }
+        if self.rope_scaling():
+            config["rope_scaling"] = self.rope_scaling()
+        return config
+
+    def rope_scaling(self) -> dict | None:
+        scaling = self.get("rope.scaling.type")
+        if scaling not in ("linear", "yarn") or not self.get("rope.scaling.factor"):
+            return None
+        rope = {"rope_type": scaling, "factor": self.get("rope.scaling.factor")}
+        if self.get("rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = self.get("rope.scaling.original_context_length")
+        return rope
+
+
+def gguf_architectures() -> list[GGUFArchitecture]:
+    """Every GGUF mapping the installed plugins declare (hook ``vkformers_gguf_architectures``)."""
+    return [entry for entries in plugin_manager().hook.vkformers_gguf_architectures() for entry in entries]
+
+
+def gguf_architecture(metadata: GGUFMetadata) -> GGUFArchitecture:
+    """The entry that reads this file; UnknownArchitectureError naming the mapped ones when none does."""
+    entries = [e for e in gguf_architectures() if e.name == metadata.architecture]
+    for entry in sorted(entries, key=lambda e: e.applies is None):
+        if entry.applies is None or entry.applies(metadata):
+            return entry
+    mapped = sorted({e.name for e in gguf_architectures()})
+    raise UnknownArchitectureError(
+        f"GGUF architecture {metadata.architecture!r} is not mapped by any installed vkformers plugin (mapped: "
+        f"{', '.join(mapped) or 'none'}); install the plugin of that family or convert the model to safetensors")
+
+
+def config_from_metadata(meta: dict, tensor_shapes, read_tensor: Callable[[str], np.ndarray] | None = None) -> dict:
+    """The config.json a transformers checkpoint of this model has (``tensor_shapes``: name -> HF-order shape,
+    or only the names; ``read_tensor``: a tensor's values by name, for config kept as data)."""
+    if not isinstance(tensor_shapes, Mapping):
+        tensor_shapes = {name: () for name in tensor_shapes}
+    metadata = GGUFMetadata(meta, tensor_shapes, read_tensor)
+    entry = gguf_architecture(metadata)
+    config = {"architectures": [entry.hf_class], "model_type": entry.model_type, **entry.config(metadata)}
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{key}" in meta:
@@ -159,18 +257,15 @@ def config_from_metadata(meta: dict, tensor_names) -> dict:
     return config
 
 
-# -- tensors --------------------------------------------------------------------------------------------------
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for names with no HF twin."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if gguf_name in DERIVED_TENSORS or suffix not in ("weight", "bias"):
-        return None
-    layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if layer and layer.group(2) in LLAMA_LAYER_NAMES:
-        return f"model.layers.{layer.group(1)}.{LLAMA_LAYER_NAMES[layer.group(2)]}.{suffix}"
-    if stem in LLAMA_TENSOR_NAMES:
-        return f"{LLAMA_TENSOR_NAMES[stem]}.{suffix}"
-    return None
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (for the dense entry of
+    ``architecture``); None for names with no HF twin."""
+    entries = [e for e in gguf_architectures() if e.name == architecture]
+    entry = next((e for e in entries if e.applies is None), entries[0] if entries else None)
+    if entry is None:
+        gguf_architecture(GGUFMetadata({"general.architecture": architecture}, {}))  # raises the named error
+    found = entry.hf_name(gguf_name)
+    return None if found is None or entry.is_skipped(gguf_name) else found[0]
 
 
 def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -188,6 +283,20 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def _unpermute_queries(weight: np.ndarray, config: dict) -> np.ndarray:
+    return unpermute_rotary_rows(weight, config["num_attention_heads"])
+
+
+def _unpermute_keys(weight: np.ndarray, config: dict) -> np.ndarray:
+    return unpermute_rotary_rows(weight, config["num_key_value_heads"])
+
+
+# llama.cpp permutes attn_q/attn_k of the architectures it runs with GGML's adjacent-pair RoPE while HF
+# rotates half-split pairs (llama, Mistral and Mixtral written as llama); these undo it, packed blocks too.
+LLAMA_ROTARY_TRANSFORMS = {"attn_q": TensorTransform(_unpermute_queries, reorders_rows=True),
+                           "attn_k": TensorTransform(_unpermute_keys, reorders_rows=True)}
+
+
 def dequantize_tensor(tensor) -> np.ndarray:
     """A reader tensor as float32 numpy in HF's shape (GGUF lists dimensions innermost first)."""
     gguf = _gguf()
@@ -201,41 +310,61 @@ def dequantize_tensor(tensor) -> np.ndarray:
 
 
 def packed_tensor(tensor) -> QuantizedArray:
-    """A quantized reader tensor as its packed blocks (no expansion), for a block type the kernels read."""
+    """A quantized reader tensor as its packed blocks (no expansion), for a block type the kernels read; a 3-D
+    (expert) tensor comes as one QuantizedArray of all its experts' rows, split by :func:`read_tensors`."""
     fmt = tensor.tensor_type.name.lower()
-    if fmt not in GGUF_FORMATS or len(tensor.shape) != 2:
+    if fmt not in GGUF_FORMATS or len(tensor.shape) not in (2, 3):
         raise QuantizationError(
             f"GGUF tensor {tensor.name}: block type {tensor.tensor_type.name} is not supported quantized "
             f"(supported: {', '.join(f.upper() for f in GGUF_FORMATS)}); load with dequantize=True to expand it")
-    rows, cols = (int(d) for d in reversed(tensor.shape))
+    dims = [int(d) for d in reversed(tensor.shape)]
+    rows, cols = int(np.prod(dims[:-1])), dims[-1]
     return QuantizedArray(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1), fmt, (rows, cols))
 
 
-def read_tensors(reader, config: dict, *, keep_quantized: bool = False) -> dict[str, np.ndarray]:
+def read_tensors(reader, config: dict, *, keep_quantized: bool = False, entry: GGUFArchitecture | None = None
+                 ) -> dict[str, np.ndarray]:
     """HF name -> float32 array; with ``keep_quantized``, block-quantized tensors as QuantizedArray (packed)."""
+    if entry is None:
+        entry = gguf_architecture(GGUFMetadata(read_metadata(reader), _tensor_shapes(reader)))
     arrays, unknown = {}, []
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            if tensor.name not in DERIVED_TENSORS:
+        found = entry.hf_name(tensor.name)
+        if found is None or entry.is_skipped(tensor.name):
+            if not entry.is_skipped(tensor.name):
                 unknown.append(tensor.name)
             continue
-        keep = keep_quantized and tensor.tensor_type.name not in FLOAT_TYPES
-        array = packed_tensor(tensor) if keep else dequantize_tensor(tensor)
-        rows = array.packed if keep else array  # packed rows hold whole blocks: they reorder like float rows
-        if ".attn_q." in tensor.name:
-            rows = unpermute_rotary_rows(rows, config["num_attention_heads"])
-        elif ".attn_k." in tensor.name:
-            rows = unpermute_rotary_rows(rows, config["num_key_value_heads"])
+        name, stem = found
+        transform = entry.transforms.get(stem)
+        keep = (keep_quantized and tensor.tensor_type.name not in FLOAT_TYPES
+                and (transform is None or transform.reorders_rows))
         if keep:
-            array.packed = rows
+            array = packed_tensor(tensor)
+            if transform is not None:
+                array.packed = transform.function(array.packed, config)
         else:
-            array = rows
-        arrays[name] = array
+            array = dequantize_tensor(tensor)
+            if transform is not None:
+                array = np.ascontiguousarray(transform.function(array, config), dtype=np.float32)
+        if "{expert}" not in name:
+            arrays[name] = array
+            continue
+        experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 1
+        if not keep:
+            arrays.update({name.format(expert=e): np.ascontiguousarray(array[e]) for e in range(experts)})
+            continue
+        rows, cols = array.shape[0] // experts, array.shape[1]
+        for e in range(experts):
+            arrays[name.format(expert=e)] = QuantizedArray(
+                np.ascontiguousarray(array.packed[e * rows:(e + 1) * rows]), array.format, (rows, cols))
     if unknown:
-        raise CheckpointError(f"GGUF tensors with no Hugging Face name: {', '.join(unknown[:8])}"
-                              + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
+        raise CheckpointError(f"GGUF tensors with no Hugging Face name in the {entry.name!r} mapping: "
+                              f"{', '.join(unknown[:8])}" + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
     return arrays
+
+
+def _tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
+    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
 
 
 # -- tokenizer ------------------------------------------------------------------------------------------------
@@ -366,10 +495,13 @@ def load_gguf(path, *, tokenizer: bool = True, dequantize: bool = True):
     ``dequantize=False``: block-quantized tensors come as QuantizedArray, packed as in the file."""
     reader = _reader(path)
     meta = read_metadata(reader)
-    config = config_from_metadata(meta, {t.name for t in reader.tensors})
-    arrays = read_tensors(reader, config, keep_quantized=not dequantize)
-    if config["vocab_size"] is None:
-        config["vocab_size"] = int(arrays["model.embed_tokens.weight"].shape[0])
+    by_name = {t.name: t for t in reader.tensors}
+    metadata = GGUFMetadata(meta, _tensor_shapes(reader))
+    entry = gguf_architecture(metadata)
+    config = config_from_metadata(meta, metadata.tensor_shapes, lambda name: dequantize_tensor(by_name[name]))
+    arrays = read_tensors(reader, config, keep_quantized=not dequantize, entry=entry)
+    if config.get("vocab_size") is None and "token_embd.weight" in metadata.tensor_shapes:
+        config["vocab_size"] = metadata.tensor_shapes["token_embd.weight"][0]
     return config, arrays, tokenizer_from_metadata(meta, name_or_path=str(path)) if tokenizer else None
 
 
@@ -392,7 +524,7 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     return model.eval()
 
 
-__all__ = ["LLAMA_LAYER_NAMES", "LLAMA_TENSOR_NAMES", "config_from_metadata", "dequantize_tensor", "hf_tensor_name",
-           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
+__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "TensorTransform", "config_from_metadata",
+           "dequantize_tensor", "gguf_architecture", "gguf_architectures", "hf_tensor_name", "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
            "permute_rotary_rows",
            "read_metadata", "tokenizer_from_metadata", "unpermute_rotary_rows"]

@@ -43,3 +43,14 @@ def vkformers_kernel_dirs():
 def vkformers_model_class(architecture, task):
     """The Module class that runs ``architecture`` (a registry Architecture) for ``task``
     ("causal-lm", "masked-lm", "seq2seq-lm"), or None. Called as ``cls(config: dict, architecture)``."""
+
+
+@hookspec
+def vkformers_gguf_architectures():
+    """Return a list of :class:`vkformers.models.gguf.GGUFArchitecture`: how a llama.cpp ``.gguf`` file of a
+    ``general.architecture`` this plugin runs becomes a Hugging Face config and checkpoint (metadata keys to
+    config keys, GGUF tensor names to HF names, and the tensor transforms llama.cpp's converter applied).
+
+    A :class:`vkformers.models.family.FamilyPlugin` answers it from ``Family.gguf(...)`` declarations. One
+    GGUF name may have several entries (llama with experts is Mixtral): the first whose ``applies`` holds wins.
+    """
