@@ -69,7 +69,7 @@ def is_gguf_file(name_or_path) -> bool:
 
 def _gguf():
     try:
-        import gguf
+        import gguf  # the optional [gguf] extra: imported only when a GGUF file is read
     except ImportError:
         raise VkformersError(INSTALL_HINT) from None
     return gguf
@@ -90,7 +90,7 @@ def _reader(path):
 # -- metadata -------------------------------------------------------------------------------------------------
 def _field_value(field):
     """A metadata value as Python (str, int, float, bool or a list of them); works on every gguf >= 0.10."""
-    from gguf import GGUFValueType
+    from gguf import GGUFValueType  # the optional [gguf] extra (see _gguf)
     kind = field.types[0]
     if kind == GGUFValueType.ARRAY:
         if not field.data:
@@ -382,7 +382,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _byte_level_model(meta: dict):
-    from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors  # loaded only for a GGUF's tokenizer
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     tokens = meta["tokenizer.ggml.tokens"]
@@ -423,7 +423,7 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[in
 
 
 def _sentencepiece_model(meta: dict):
-    from tokenizers import decoders, models, normalizers
+    from tokenizers import decoders, models, normalizers  # loaded only for a GGUF's tokenizer
     tokens = meta["tokenizer.ggml.tokens"]
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
@@ -443,7 +443,7 @@ def _sentencepiece_model(meta: dict):
 
 def tokenizer_from_metadata(meta: dict, *, name_or_path: str = ""):
     """The vkformers tokenizer a GGUF's ``tokenizer.*`` metadata describes."""
-    from tokenizers import AddedToken, Tokenizer
+    from tokenizers import AddedToken, Tokenizer  # loaded only for a GGUF's tokenizer
 
     kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta:

@@ -506,7 +506,7 @@ def _write_metrics(file: Path, records: list[dict]) -> None:
 def _progress_bar(total: int, initial: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # huggingface_hub's dependency; loaded only when a bar is shown
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, desc="train")
 
 
@@ -516,7 +516,7 @@ def write_loss_curve(path, history: list[dict]) -> bool:
     in the title).
     Returns False, writing nothing, when matplotlib is not installed (``pip install 'vkformers[plot]'``)."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # the optional [plot] extra
         from matplotlib.figure import Figure
     except ImportError:
         return False
