@@ -169,15 +169,14 @@ def build_encoder(spec, out_root: Path) -> dict:
     return {"padding_idx": embedding.padding_idx}
 
 
-def main_encoders(argv) -> int:
-    import make_encoder_fixtures as me
-    parsed = mf.parse_fixture_args(argv, me.SPECS, me.DEFAULT_OUT)
+def main_kind(argv, kind, build_one, summary) -> int:
+    """Build the padded references of another kind's fixtures (``kind``: its make_*_fixtures module)."""
+    parsed = mf.parse_fixture_args(argv, kind.SPECS, kind.DEFAULT_OUT)
     if parsed is None:
         return 0
     args, out_root, only = parsed
-    specs = [s for s in me.SPECS if (out_root / s.name / "reference.safetensors").is_file()]
-    _, failed = mf.build_each(specs, only, out_root, build_encoder, verbose=args.verbose,
-                              summary=lambda info: f"padding_idx={info['padding_idx']}")
+    specs = [s for s in kind.SPECS if (out_root / s.name / "reference.safetensors").is_file()]
+    _, failed = mf.build_each(specs, only, out_root, build_one, verbose=args.verbose, summary=summary)
     return 1 if failed else 0
 
 
@@ -219,26 +218,18 @@ def build_seq2seq(spec, out_root: Path) -> dict:
     return {"padded_generate_pad_invariant": invariant}
 
 
-def main_seq2seq(argv) -> int:
-    import make_seq2seq_fixtures as ms
-    parsed = mf.parse_fixture_args(argv, ms.SPECS, ms.DEFAULT_OUT)
-    if parsed is None:
-        return 0
-    args, out_root, only = parsed
-    specs = [s for s in ms.SPECS if (out_root / s.name / "reference.safetensors").is_file()]
-    _, failed = mf.build_each(specs, only, out_root, build_seq2seq, verbose=args.verbose,
-                              summary=lambda info: f"pad_invariant={info['padded_generate_pad_invariant']}")
-    return 1 if failed else 0
-
-
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--encoders" in argv:  # the encoder fixtures (tests/fixtures/encoders) instead
         argv.remove("--encoders")
-        return main_encoders(argv)
+        import make_encoder_fixtures
+        return main_kind(argv, make_encoder_fixtures, build_encoder,
+                         lambda info: f"padding_idx={info['padding_idx']}")
     if "--seq2seq" in argv:  # the encoder-decoder fixtures (tests/fixtures/seq2seq) instead
         argv.remove("--seq2seq")
-        return main_seq2seq(argv)
+        import make_seq2seq_fixtures
+        return main_kind(argv, make_seq2seq_fixtures, build_seq2seq,
+                         lambda info: f"pad_invariant={info['padded_generate_pad_invariant']}")
     parsed = mf.parse_fixture_args(argv, mf.SPECS, mf.DEFAULT_OUT)
     if parsed is None:
         return 0
