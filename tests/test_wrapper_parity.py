@@ -1,7 +1,8 @@
 """Multimodal wrapper checkpoints against transformers 5.24: every fixture in tests/fixtures/wrappers/.
 
 Each fixture (tools/make_wrapper_fixtures.py) is a tiny random *ForConditionalGeneration checkpoint as transformers
-saves it (language model, vision / audio tower, projector) plus transformers' outputs for input_ids only: logits of a
+saves it (language model, vision / audio tower, projector; the towers' tensors as one-element stand-ins,
+tools/slim_wrapper_fixtures.py) plus transformers' outputs for input_ids only: logits of a
 [2, 8] batch (row 1 left-padded by 2) and a 12-token greedy generate with the KV cache. vkformers loads the folder
 with AutoModelForCausalLM, which runs the wrapper's language model alone. Logits within 1e-4 (positions with a real
 token), greedy tokens equal. A spelling vkformers refuses must say so by name (WRAPPER_REFUSED).

@@ -7,7 +7,9 @@ model_type (that fixture's overrides, else the plain Llama-style sizes), its tow
 re-initialised by make_fixtures' reinit_, saved with save_pretrained (config.json + model.safetensors, towers
 included: that is the file users load), and transformers' outputs for input_ids only (no pixels or audio): logits of
 make_fixtures' [2, 8] batch (row 1 left-padded) and a 12-token greedy generate with the KV cache (eos off).
-tests/test_wrapper_parity.py loads each folder with vkformers' AutoModelForCausalLM and compares.
+tests/test_wrapper_parity.py loads each folder with vkformers' AutoModelForCausalLM and compares. Afterwards
+tools/slim_wrapper_fixtures.py (vkformers' environment) turns the towers' tensors into one-element stand-ins: the
+names stay, the bytes go.
 
     python tools/make_wrapper_fixtures.py                    # every wrapper, into tests/fixtures/wrappers
     python tools/make_wrapper_fixtures.py --only llava,gemma3
