@@ -1,0 +1,185 @@
+"""The shared Mamba model (MambaForCausalLM and the variants of ``vkformers_ssm/variants.py``), under Hugging
+Face's parameter names (backbone.embeddings, backbone.layers.N.norm / .mixer.*, backbone.norm_f, lm_head).
+
+A mixer: in_proj -> [x | z]; x through the causal depthwise conv1d (F.causal_conv1d) and silu; x_proj -> dt, B, C
+(Falcon-Mamba: each RMS-normalised without weight); delta = softplus(dt_proj(dt)); the selective scan
+(vkformers_ssm.scan) with A = -exp(A_log) and the skip D; times silu(z); out_proj. Padded positions are zeroed
+before in_proj and after the conv, as transformers does, so a left-padded row's state stays zero until its
+first token.
+
+Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
+:class:`SSMStateCache`; a decode step is the same forward over one token from those states.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine import lazy
+from vkformers.engine.tensor import Tensor
+from vkformers.models.generation import GenerationMixin
+from vkformers.models.inputs import InputLimits
+from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.loading import CausalLMOutput
+from vkformers.models.module import Module
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import get_device
+
+from vkformers_ssm.scan import selective_scan
+from vkformers_ssm.variants import MambaSpec, mamba_spec
+
+IGNORE_INDEX = -100
+
+
+class SSMStateCache:
+    """Each layer's recurrent state between forwards: (conv inputs [batch, kernel - 1, channels], scan state
+    [batch, channels, state]), detached; ``position`` counts the tokens seen."""
+
+    def __init__(self, batch: int, dtype, device=None):
+        self.batch, self.dtype = batch, dt.as_dtype(dtype)
+        self.device = device or get_device()
+        self.states: dict[int, tuple[Tensor, Tensor]] = {}
+        self.position = 0
+
+    def reset(self) -> None:
+        self.states, self.position = {}, 0
+
+    def advance(self, count: int) -> None:
+        self.position += count
+
+
+class MambaMixer(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, rank = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.time_step_rank
+        self.in_proj = Linear(d, 2 * inner, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (inner, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (inner,))
+        self.conv1d = conv
+        self.x_proj = Linear(inner, rank + 2 * n, bias=False)
+        self.dt_proj = Linear(rank, inner, bias=True)
+        self.param("A_log", (inner, n))
+        self.param("D", (inner,))
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+
+    def forward(self, h, keep, cache, index: int):
+        s = self.spec
+        inner, n, rank, past = s.intermediate_size, s.state_size, s.time_step_rank, s.conv_kernel - 1
+        batch = h.shape[0]
+        if keep is not None:
+            h = h * keep
+        xz = self.in_proj(h)
+        x, z = xz[..., :inner], xz[..., inner:]
+        history, state = None, None
+        if cache is not None:
+            history, state = cache.states.get(index, (None, None))
+            if history is None and past:
+                history = Tensor(np.zeros((batch, past, inner), np.float32), dtype=x.dtype)
+        x_in = x.contiguous()
+        x = F.silu(F.causal_conv1d(x_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None, history))
+        if keep is not None:
+            x = x * keep
+        projected = self.x_proj(x)
+        dt_in, B, C = projected[..., :rank], projected[..., rank:rank + n], projected[..., rank + n:]
+        if s.bcdt_norm_eps is not None:
+            dt_in, B, C = (F.rms_norm(v.contiguous(), None, eps=s.bcdt_norm_eps) for v in (dt_in, B, C))
+        delta = F.softplus(self.dt_proj(dt_in).float())
+        A = self.A_log.float().exp() * -1.0
+        y, last = selective_scan(x, delta, A, B, C, self.D, state)
+        if cache is not None:
+            conv_state = F.cat([history, x_in], 1)[:, -past:].contiguous() if past else None
+            cache.states[index] = (None if conv_state is None else conv_state.detach(), last.detach())
+        y = y * F.silu(z.float())
+        return self.out_proj(y.cast(h.dtype))
+
+
+class MambaBlock(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.mixer = MambaMixer(spec)
+
+    def forward(self, h, keep, cache, index):
+        return h + self.mixer(self.norm(h), keep, cache, index)
+
+
+class MambaBackbone(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.embeddings = Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = ModuleList(MambaBlock(spec) for _ in range(spec.num_layers))
+        self.norm_f = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+
+
+class MambaForCausalLM(Module, GenerationMixin):
+    """Mamba and its variants (:data:`vkformers_ssm.variants.VARIANTS`)."""
+
+    supports_gradient_checkpointing = True
+    capture_decode = False  # the recurrent states live on the cache, updated by the Python forward
+
+    def __init__(self, config: dict, architecture):
+        super().__init__()
+        name = getattr(architecture, "name", architecture)
+        self.config, self.architecture_name = config, name
+        self.spec = mamba_spec(config, name)
+        self.dtype = dt.float32  # from_pretrained sets the loaded dtype
+        self.backbone = MambaBackbone(self.spec)
+        self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        if self.spec.tie_embeddings:
+            self.tie("lm_head.weight", "backbone.embeddings.weight")
+
+    def load_state_dict(self, arrays, *args, **kwargs):
+        # early checkpoints name the table backbone.embedding (transformers renames it on load too)
+        arrays = {name.replace("backbone.embedding.", "backbone.embeddings."): a for name, a in arrays.items()}
+        super().load_state_dict(arrays, *args, **kwargs)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(vocab_size=self.spec.vocab_size)
+
+    def _generation_cache(self, batch: int, length: int) -> SSMStateCache:
+        params = self.parameters()
+        return SSMStateCache(batch, self.dtype, params[0].device if params else None)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
+        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
+        if ids.dtype is not dt.int32:
+            ids = ids.cast(dt.int32)
+        length = ids.shape[1]
+        mask = attention_mask.numpy() if isinstance(attention_mask, Tensor) else attention_mask
+        keep = None
+        if mask is not None:
+            mask = np.asarray(mask)[:, -length:]
+            if not mask.all():
+                keep = Tensor(mask.astype(np.float32)[:, :, None])
+        if cache is not None and cache.position == 0:
+            cache.reset()
+        x = self.backbone.embeddings(ids)
+        if keep is not None:
+            keep = keep.cast(x.dtype)
+        for index, layer in enumerate(self.backbone.layers):
+            x = self.call_layer(layer, x, keep, cache, index)
+        logits = self.lm_head(self.backbone.norm_f(x))
+        if cache is not None:
+            cache.advance(length)
+        loss = self.loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    @staticmethod
+    def loss(logits, labels):
+        """transformers' ForCausalLMLoss: token t predicts label t + 1; -100 is ignored; mean in float32."""
+        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
+        labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
+        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)
+
+
+def _shift_labels(labels: np.ndarray) -> np.ndarray:
+    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
