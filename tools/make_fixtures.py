@@ -87,6 +87,11 @@ class Spec:
     #                                  a run builds only the specs of its own line (see tests/fixtures/README.md)
 
 
+# Mamba's config names (hidden 32, 2 layers); expand 3 gives 96 channels, state 8, dt rank 4.
+MAMBA = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=8, expand=3, conv_kernel=4,
+             time_step_rank=4, initializer_range=0.2, **TOK)
+
+
 def _gpt2_names(**kw):
     return dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=LEARNED_POS,
                 n_inner=INTER, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -824,6 +829,16 @@ SPECS = [
           "4 experts plus the gradient-free parameter e_score_correction_bias (saved as "
           "experts.e_score_correction_bias) for choosing, top-2 renormalised, routed output scaled by 1.5; shared "
           "expert (saved as shared_expert) of width 12."], saved_names=True),
+    # ---- state-space models (vkformers-ssm) ------------------------------------------------------
+    Spec("mamba", "mamba", MAMBA,
+         ["Mamba-1: in_proj -> causal depthwise conv1d (kernel 4) + silu -> x_proj (dt rank 4, B, C of state 8) -> "
+          "softplus(dt_proj) -> selective scan with D skip, times silu(z) -> out_proj; 96 channels (expand 3: two "
+          "workgroups of the scan kernel); tied lm_head. Reference: transformers' torch path (slow forward, "
+          "sequential scan; no mamba_ssm / causal_conv1d kernels on the CPU), float32. Padded positions are zeroed "
+          "before in_proj and after the conv (attention_mask)."], adamw_steps=2),
+    Spec("falcon_mamba", "falcon_mamba", dict(MAMBA, mixer_rms_eps=1e-6),
+         ["Mamba-1 as the mamba fixture plus Falcon-Mamba's weightless RMSNorms (eps 1e-6) of dt, B and C before "
+          "dt_proj and the scan. Reference: transformers' torch path, float32."]),
 ]
 
 
@@ -847,7 +862,7 @@ SPECS += [
 
 SKIPPED = {
     # model_type: reason (not attempted)
-    "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
+    "jamba": "hybrid Mamba/attention MoE; hybrids wait for the decoder kit in core (vkformers-ssm has Mamba-1)",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",

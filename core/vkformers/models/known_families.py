@@ -213,6 +213,9 @@ KNOWN_FAMILIES = {
     "qwen4_exp": "moe",
     "qwen4_exp_text": "moe",
     "solar_open": "moe",
+    # vkformers-ssm
+    "falcon_mamba": "ssm",
+    "mamba": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

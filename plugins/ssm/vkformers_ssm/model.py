@@ -40,6 +40,7 @@ class SSMStateCache:
         self.device = device or get_device()
         self.states: dict[int, tuple[Tensor, Tensor]] = {}
         self.position = 0
+        self.step_hosts = (None, None)  # no per-step device inputs: generate records no decode step to replay
 
     def reset(self) -> None:
         self.states, self.position = {}, 0
@@ -127,6 +128,7 @@ class MambaForCausalLM(Module, GenerationMixin):
         self.spec = mamba_spec(config, name)
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
         self.backbone = MambaBackbone(self.spec)
+        object.__setattr__(self, "embed", self.backbone.embeddings)  # the token table, as the shared decoder names it
         self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
         if self.spec.tie_embeddings:
             self.tie("lm_head.weight", "backbone.embeddings.weight")
