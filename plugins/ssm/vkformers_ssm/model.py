@@ -7,6 +7,9 @@ A mixer: in_proj -> [x | z]; x through the causal depthwise conv1d (F.causal_con
 before in_proj and after the conv, as transformers does, so a left-padded row's state stays zero until its
 first token.
 
+The residual stream is kept in the model's dtype: transformers' residual_in_fp32 keeps it in float32, which makes
+no difference in float32 (what the fixtures check) but rounds differently in 16-bit.
+
 Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
 :class:`SSMStateCache`; a decode step is the same forward over one token from those states.
 """

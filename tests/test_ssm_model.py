@@ -1,0 +1,62 @@
+"""vkformers-ssm's Mamba model beyond the parity fixtures: training through the Trainer (captured steps replay
+and equal steps built every time; the loss drops), gradient checkpointing, and a config option it does not
+implement refused by name. The parity with transformers itself is tests/test_decoder_parity.py,
+test_generation.py, test_adamw_parity.py, test_training_parity.py and test_padded_parity.py on
+tests/fixtures/mamba and tests/fixtures/falcon_mamba."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.training import Batches, PackedDataset, Trainer, TrainingConfig
+from vkformers_ssm.variants import UnsupportedConfigError, mamba
+
+FIXTURE = Path(__file__).parent / "fixtures" / "mamba"
+
+
+def _data(seq_len=12):
+    tokens = np.random.default_rng(0).integers(3, 48, 600).astype(np.int64)
+    return PackedDataset(tokens, tokens.copy(), seq_len)
+
+
+def _train(capture: bool):
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+    config = TrainingConfig(steps=5, batch_size=4, seq_len=12, lr=1e-2, schedule="cosine", warmup=1, clip=1.0,
+                            seed=3)
+    trainer = Trainer(model, config, Batches(_data(), 4, seed=1))
+    if not capture:
+        run_step = trainer._capture.run
+        trainer._capture.run = lambda *a: (trainer._capture.forget(), run_step(*a))[1]
+    results = trainer.train()
+    return [r["loss"] for r in results], model.backbone.layers[0].mixer.A_log.numpy()
+
+
+def test_trainer_steps_replay_and_equal_built_steps():
+    (captured, a_captured), (built, a_built) = _train(True), _train(False)
+    assert captured == built
+    np.testing.assert_array_equal(a_captured, a_built)
+    assert captured[-1] < captured[0]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = np.random.default_rng(1).integers(3, 48, (2, 10)).astype(np.int32)
+    grads = []
+    for checkpointing in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype="float32")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.numpy() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        np.testing.assert_array_equal(grads[0][name], grads[1][name], err_msg=name)
+
+
+def test_an_unimplemented_activation_is_refused():
+    config = json.loads((FIXTURE / "config.json").read_text())
+    with pytest.raises(UnsupportedConfigError, match="hidden_act"):
+        mamba({**config, "hidden_act": "gelu"})
