@@ -1,7 +1,8 @@
 """vkformers-ssm's selective scan (plugins/ssm/shaders/selective_scan.comp) against numpy in float64: the outputs
 and the last state, a scan split in two (the second half from the first's state, as a recurrent cache runs) against
 the whole, and the gradients of u, delta, A, B, C and D against central differences, over shapes that cross the
-kernel's tiles: more channels than a workgroup's, more steps than a checkpoint chunk, a single step."""
+kernel's tiles: more channels than a workgroup's, more steps than a checkpoint chunk, a single step, B and C in
+groups of channels (Mamba-2), Mamba-2's state of 128."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,28 +15,39 @@ from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, selectiv
 def reference(u, delta, A, B, C, D, h0=None):
     batch, length, channels = u.shape
     h = np.zeros((batch, channels, A.shape[1])) if h0 is None else h0.copy()
+    if B.ndim == 4:  # groups: each run of channels / groups channels reads its own B and C
+        B, C = (np.repeat(v, channels // v.shape[2], axis=2) for v in (B, C))
+        return _reference_per_channel(u, delta, A, B, C, D, h)
+    B, C = (np.repeat(v[:, :, None], channels, axis=2) for v in (B, C))
+    return _reference_per_channel(u, delta, A, B, C, D, h)
+
+
+def _reference_per_channel(u, delta, A, B, C, D, h):
+    length = u.shape[1]
     ys = []
     for t in range(length):
-        h = np.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * u[:, t, :, None]
-        ys.append((h * C[:, t, None, :]).sum(-1) + D * u[:, t])
+        h = np.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t] * u[:, t, :, None]
+        ys.append((h * C[:, t]).sum(-1) + D * u[:, t])
     return np.stack(ys, 1), h
 
 
-def _inputs(rng, batch, length, channels, state):
+def _inputs(rng, batch, length, channels, state, groups=None):
+    bc = (batch, length, state) if groups is None else (batch, length, groups, state)
     return [rng.standard_normal((batch, length, channels)), np.abs(rng.standard_normal((batch, length, channels))) * 0.5,
-            -np.exp(rng.standard_normal((channels, state)) * 0.5), rng.standard_normal((batch, length, state)),
-            rng.standard_normal((batch, length, state)), rng.standard_normal(channels)]
+            -np.exp(rng.standard_normal((channels, state)) * 0.5), rng.standard_normal(bc), rng.standard_normal(bc),
+            rng.standard_normal(channels)]
 
 
 def _tensors(values, requires_grad=False):
     return [Tensor(np.asarray(v, np.float32), requires_grad=requires_grad) for v in values]
 
 
-@pytest.mark.parametrize("batch,length,channels,state", [
-    (2, 5, 3, 4), (1, 1, 8, 16), (2, 2 * CHUNK + 3, 5, 2), (1, 4, GROUP + 6, MAX_STATE)])
-def test_forward_and_last_state_match_numpy(batch, length, channels, state):
+@pytest.mark.parametrize("batch,length,channels,state,groups", [
+    (2, 5, 3, 4, None), (1, 1, 8, 16, None), (2, 2 * CHUNK + 3, 5, 2, None), (1, 4, GROUP + 6, 128, None),
+    (2, 5, 12, 4, 3), (1, 3, 2 * (GROUP + 2), 8, 2)])
+def test_forward_and_last_state_match_numpy(batch, length, channels, state, groups):
     rng = np.random.default_rng(0)
-    values = _inputs(rng, batch, length, channels, state)
+    values = _inputs(rng, batch, length, channels, state, groups)
     h0 = rng.standard_normal((batch, channels, state))
     y, last = selective_scan(*_tensors(values), initial_state=Tensor(h0.astype(np.float32)))
     want_y, want_last = reference(*values, h0)
@@ -67,10 +79,12 @@ def _central_differences(f, value, eps=1e-6):
     return grad
 
 
-@pytest.mark.parametrize("batch,length,channels,state", [(2, 6, 3, 4), (1, CHUNK + 2, 2, 2), (1, 3, GROUP + 2, 2)])
-def test_gradients_match_finite_differences(batch, length, channels, state):
+@pytest.mark.parametrize("batch,length,channels,state,groups", [
+    (2, 6, 3, 4, None), (1, CHUNK + 2, 2, 2, None), (1, 3, GROUP + 2, 2, None), (2, 4, 6, 3, 3),
+    (1, 2, 2 * (GROUP + 1), 2, 2)])
+def test_gradients_match_finite_differences(batch, length, channels, state, groups):
     rng = np.random.default_rng(2)
-    values = _inputs(rng, batch, length, channels, state)
+    values = _inputs(rng, batch, length, channels, state, groups)
     g = rng.standard_normal((batch, length, channels))
     tensors = _tensors(values, requires_grad=True)
     y, _ = selective_scan(*tensors)

@@ -1,13 +1,18 @@
-// Mamba-1 selective scan, float32, one invocation per (batch row b, channel i) carrying the state h[i, :] (STATE):
+// Selective scan, float32, one invocation per (batch row b, channel i) carrying the state h[i, :] (STATE):
 //   a_t = exp(delta_t A[i, :]),  h_t = a_t h_{t-1} + delta_t B_t u_t,  y_t = C_t . h_t + D[i] u_t
-// u, delta, y, du, ddelta: [batch, length, channels]; A [channels, STATE]; B, C [batch, length, STATE];
+// u, delta, y, du, ddelta: [batch, length, channels]; A [channels, STATE]; B, C [batch, length, groups, STATE],
+// the channels split in `groups` equal runs, run g reading group g (Mamba-1: one group; Mamba-2: n_groups);
 // D [channels]; h0, h_last [batch, channels, STATE]; checkpoints [batch, chunks, channels, STATE] hold the state
 // before every CHUNK steps, from which the backward recomputes each chunk's states into its workspace.
 //
 // FORWARD   y, the last state and the checkpoints (h0: the state before u, a recurrent cache's; zeros without).
 // BACKWARD  from dy: du, ddelta, and float32 partial sums the caller finishes: dA and dD per batch row
 //           ([batch, channels, STATE], [batch, channels]), dB and dC per workgroup of channels
-//           ([batch, length, groups, STATE] each). The initial state gets no gradient.
+//           ([batch, length, groups * blocks, STATE] each: blocks workgroups per group). The initial state gets no
+//           gradient.
+// Workgroups: x = groups * blocks (blocks = ceil(channels per group / 64)), y = batch rows; a workgroup's channels
+// lie in one group. The backward's per-step sums go through shared memory by subgroup: subgroups of at least 4
+// invocations (MAX_SUBGROUPS of them in a workgroup of 64).
 //! variant forward -DFORWARD
 //! variant backward -DBACKWARD
 #version 450
@@ -15,7 +20,7 @@
 #extension GL_KHR_shader_subgroup_arithmetic : require
 layout(local_size_x = 64) in;
 
-#define MAX_STATE 32
+#define MAX_SUBGROUPS 16
 layout(constant_id = 0) const uint STATE = 16;
 layout(constant_id = 1) const uint CHUNK = 64;
 layout(constant_id = 2) const bool HAS_INITIAL = false;
@@ -33,15 +38,17 @@ layout(binding = 7) writeonly buffer Y { float y[]; };
 layout(binding = 8) writeonly buffer Last { float h_last[]; };
 layout(binding = 9) writeonly buffer Checkpoints { float checkpoints[]; };
 layout(push_constant) uniform Push {
-    uint batch; uint length; uint channels; uint chunks;
+    uint batch; uint length; uint channels; uint chunks; uint groups;
     uint u_off; uint delta_off; uint a_off; uint b_off; uint c_off; uint d_off;
     uint h0_off; uint y_off; uint last_off; uint ckpt_off;
 };
 
 void main() {
-    uint i = gl_GlobalInvocationID.x, b = gl_WorkGroupID.y;
-    if (i >= channels) return;
-    float h[MAX_STATE], a_row[MAX_STATE];
+    uint per_group = channels / groups, blocks = (per_group + 63) / 64;
+    uint group = gl_WorkGroupID.x / blocks, within = (gl_WorkGroupID.x % blocks) * 64 + gl_LocalInvocationID.x;
+    uint i = group * per_group + within, b = gl_WorkGroupID.y;
+    if (within >= per_group) return;
+    float h[STATE], a_row[STATE];
     for (uint n = 0; n < STATE; ++n) {
         h[n] = HAS_INITIAL ? h0[h0_off + (b * channels + i) * STATE + n] : 0.0;
         a_row[n] = A[a_off + i * STATE + n];
@@ -56,8 +63,9 @@ void main() {
         float ut = u[u_off + row * channels + i], dt = delta[delta_off + row * channels + i];
         float acc = d * ut;
         for (uint n = 0; n < STATE; ++n) {
-            h[n] = exp(dt * a_row[n]) * h[n] + dt * Bm[b_off + row * STATE + n] * ut;
-            acc += Cm[c_off + row * STATE + n] * h[n];
+            uint bc = (row * groups + group) * STATE + n;
+            h[n] = exp(dt * a_row[n]) * h[n] + dt * Bm[b_off + bc] * ut;
+            acc += Cm[c_off + bc] * h[n];
         }
         y[y_off + row * channels + i] = acc;
     }
@@ -82,14 +90,16 @@ layout(push_constant) uniform Push {
 };
 
 // per time step: the workgroup's sums over its channels of the dB and dC terms (2 STATE values)
-shared float partial_sums[64][2 * MAX_STATE];
+shared float partial_sums[MAX_SUBGROUPS][2 * STATE];
 
 void main() {
-    uint i = gl_GlobalInvocationID.x, b = gl_WorkGroupID.y, group = gl_WorkGroupID.x;
-    uint lane = gl_LocalInvocationID.x;
-    bool live = i < channels;
-    uint ic = live ? i : 0;  // dead invocations compute on channel 0 and contribute zeros to the shared sums
-    float a_row[MAX_STATE], g[MAX_STATE], dA_acc[MAX_STATE], h_prev[MAX_STATE];
+    uint per_group = channels / groups, blocks = (per_group + 63) / 64;
+    uint group = gl_WorkGroupID.x / blocks, within = (gl_WorkGroupID.x % blocks) * 64 + gl_LocalInvocationID.x;
+    uint b = gl_WorkGroupID.y, lane = gl_LocalInvocationID.x, partial = gl_WorkGroupID.x;
+    bool live = within < per_group;
+    // dead invocations compute on their group's first channel and contribute zeros to the shared sums
+    uint i = group * per_group + (live ? within : 0), ic = i;
+    float a_row[STATE], g[STATE], dA_acc[STATE], h_prev[STATE];
     for (uint n = 0; n < STATE; ++n) {
         a_row[n] = A[a_off + ic * STATE + n];
         g[n] = 0.0;
@@ -101,13 +111,13 @@ void main() {
         uint start = uint(k) * CHUNK, end = min(start + CHUNK, length);
         uint ckpt = ckpt_off + ((b * chunks + uint(k)) * channels + ic) * STATE;
         // the chunk's states, from its checkpoint
-        float h[MAX_STATE];
+        float h[STATE];
         for (uint n = 0; n < STATE; ++n) h[n] = checkpoints[ckpt + n];
         for (uint t = start; t < end; ++t) {
             uint row = b * length + t;
             float ut = u[u_off + row * channels + ic], dt = delta[delta_off + row * channels + ic];
             for (uint n = 0; n < STATE; ++n) {
-                h[n] = exp(dt * a_row[n]) * h[n] + dt * Bm[b_off + row * STATE + n] * ut;
+                h[n] = exp(dt * a_row[n]) * h[n] + dt * Bm[b_off + (row * groups + group) * STATE + n] * ut;
                 if (live) states[ws + (t - start) * STATE + n] = h[n];
             }
         }
@@ -119,7 +129,8 @@ void main() {
                 h_prev[n] = t == start ? checkpoints[ckpt + n] : states[ws + (t - 1 - start) * STATE + n];
             float du_acc = d * dyt, ddt = 0.0;
             for (uint n = 0; n < STATE; ++n) {
-                float bn = Bm[b_off + row * STATE + n], cn = Cm[c_off + row * STATE + n];
+                uint bc = (row * groups + group) * STATE + n;
+                float bn = Bm[b_off + bc], cn = Cm[c_off + bc];
                 float ht = states[ws + (t - start) * STATE + n];
                 float an = exp(dt * a_row[n]);
                 g[n] += dyt * cn;                          // dL/dh_t
@@ -140,11 +151,11 @@ void main() {
                 ddelta[ddelta_off + row * channels + i] = ddt;
             }
             barrier();
-            if (lane < 2 * STATE) {
+            for (uint k = lane; k < 2 * STATE; k += 64) {
                 float total = 0.0;
-                for (uint s = 0; s < gl_NumSubgroups; ++s) total += partial_sums[s][lane];
-                uint at = (row * groups + group) * STATE + lane % STATE;
-                if (lane < STATE) dB[db_off + at] = total; else dC[dc_off + at] = total;
+                for (uint s = 0; s < gl_NumSubgroups; ++s) total += partial_sums[s][k];
+                uint at = (row * groups * blocks + partial) * STATE + k % STATE;
+                if (k < STATE) dB[db_off + at] = total; else dC[dc_off + at] = total;
             }
             barrier();
         }
