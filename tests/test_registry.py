@@ -31,9 +31,9 @@ WRAPPER_CONFIGS = {
     "(nested thinker_config.text_config)": lambda backbone: {"thinker_config": {"text_config": {"model_type": backbone}}},
     "(nested encoder/decoder configs)": lambda backbone: {"encoder": {"model_type": "bert"}, "decoder": {"model_type": backbone}},
 }
-EXPECTED_PER_FAMILY = {"llama": 63, "moe": 38, "bert": 25, "t5": 17, "ssm": 2}
+EXPECTED_PER_FAMILY = {"llama": 63, "moe": 38, "bert": 25, "t5": 17, "ssm": 3}
 # Architectures registered beyond the reference list (canonical names without aliases), by family.
-BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm"}
+BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 SPELLINGS = 224 + len(BEYOND_REFERENCE)
 

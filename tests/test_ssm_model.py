@@ -13,7 +13,7 @@ import pytest
 
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.training import Batches, PackedDataset, Trainer, TrainingConfig
-from vkformers_ssm.variants import UnsupportedConfigError, mamba
+from vkformers_ssm.variants import UnsupportedConfigError, mamba, mamba2
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mamba"
 
@@ -60,3 +60,10 @@ def test_an_unimplemented_activation_is_refused():
     config = json.loads((FIXTURE / "config.json").read_text())
     with pytest.raises(UnsupportedConfigError, match="hidden_act"):
         mamba({**config, "hidden_act": "gelu"})
+
+
+def test_mamba2_refuses_a_time_step_limit_it_does_not_apply():
+    config = json.loads((FIXTURE.parent / "mamba2" / "config.json").read_text())
+    config["time_step_limit"] = [0.0, 1.0]
+    with pytest.raises(UnsupportedConfigError, match="time_step_limit"):
+        mamba2(config)

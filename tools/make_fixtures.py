@@ -839,6 +839,12 @@ SPECS = [
     Spec("falcon_mamba", "falcon_mamba", dict(MAMBA, mixer_rms_eps=1e-6),
          ["Mamba-1 as the mamba fixture plus Falcon-Mamba's weightless RMSNorms (eps 1e-6) of dt, B and C before "
           "dt_proj and the scan. Reference: transformers' torch path, float32."]),
+    Spec("mamba2", "mamba2", dict(MAMBA, expand=3, num_heads=12, head_dim=8, n_groups=2, chunk_size=4),
+         ["Mamba-2: in_proj -> [z | x B C | dt]; causal depthwise conv1d (kernel 4) + silu over x, B, C; 12 heads of "
+          "8 channels with scalar A, D, dt (softplus(dt + dt_bias)); B and C (state 8) in 2 groups of 6 heads; gated "
+          "RMSNorm over each group's 48 channels of y * silu(z); untied lm_head. Reference: transformers' torch "
+          "path, float32: the chunked SSD scan (chunk_size 4, so the 8-token batch spans two chunks and generation "
+          "steps through the recurrent update)."]),
 ]
 
 

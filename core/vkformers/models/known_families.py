@@ -216,6 +216,7 @@ KNOWN_FAMILIES = {
     # vkformers-ssm
     "falcon_mamba": "ssm",
     "mamba": "ssm",
+    "mamba2": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

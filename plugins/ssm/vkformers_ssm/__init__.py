@@ -1,1 +1,1 @@
-"""vkformers-ssm: state-space models (Mamba, Falcon-Mamba) for vkformers."""
+"""vkformers-ssm: state-space models (Mamba, Falcon-Mamba, Mamba-2) for vkformers."""

@@ -1,4 +1,4 @@
-"""The shared Mamba model (MambaForCausalLM and the variants of ``vkformers_ssm/variants.py``), under Hugging
+"""The shared Mamba model (MambaForCausalLM, Mamba2ForCausalLM and the variants of ``vkformers_ssm/variants.py``), under Hugging
 Face's parameter names (backbone.embeddings, backbone.layers.N.norm / .mixer.*, backbone.norm_f, lm_head).
 
 A mixer: in_proj -> [x | z]; x through the causal depthwise conv1d (F.causal_conv1d) and silu; x_proj -> dt, B, C
@@ -100,11 +100,75 @@ class MambaMixer(Module):
         return self.out_proj(y.cast(h.dtype))
 
 
+class Mamba2Mixer(Module):
+    """Mamba-2's mixer: in_proj -> [z | x B C | dt]; the conv + silu over [x B C]; per head scalar A = -exp(A_log),
+    D and dt = softplus(dt + dt_bias), given to every channel of the head; B and C per group of heads; then
+    RMSNorm over each group of channels of y * silu(z), times norm.weight; out_proj."""
+
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, groups = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.n_groups
+        self.conv_channels = inner + 2 * groups * n
+        self.in_proj = Linear(d, inner + self.conv_channels + spec.num_heads, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (self.conv_channels, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (self.conv_channels,))
+        self.conv1d = conv
+        self.param("dt_bias", (spec.num_heads,))
+        self.param("A_log", (spec.num_heads,))
+        self.param("D", (spec.num_heads,))
+        self.norm = RMSNorm(inner, eps=spec.norm_eps)
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+
+    def _per_channel(self, x, *shape):
+        """A per-head tensor [..., heads] given to each of the head's head_dim channels: [..., heads * head_dim]
+        (then ``shape`` trailing sizes of 1 broadcast to them)."""
+        s = self.spec
+        lead = tuple(x.shape[:-1])
+        expanded = x.reshape(*lead, s.num_heads, 1, *([1] * len(shape)))
+        return expanded.expand(*lead, s.num_heads, s.head_dim, *shape).contiguous().reshape(
+            *lead, s.intermediate_size, *shape)
+
+    def forward(self, h, keep, cache, index: int):
+        s = self.spec
+        inner, n, groups, past = s.intermediate_size, s.state_size, s.n_groups, s.conv_kernel - 1
+        batch, length = h.shape[:2]
+        if keep is not None:
+            h = h * keep
+        projected = self.in_proj(h)
+        z = projected[..., :inner]
+        xbc_in = projected[..., inner:inner + self.conv_channels].contiguous()
+        dt_in = projected[..., inner + self.conv_channels:]
+        history, state = None, None
+        if cache is not None:
+            history, state = cache.states.get(index, (None, None))
+            if history is None and past:
+                history = Tensor(np.zeros((batch, past, self.conv_channels), np.float32), dtype=xbc_in.dtype)
+        xbc = F.silu(F.causal_conv1d(xbc_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None,
+                                     history))
+        if keep is not None:
+            xbc = xbc * keep
+        x = xbc[..., :inner].contiguous()
+        B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
+        C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
+        dt_heads = F.softplus((dt_in + self.dt_bias).float())
+        A = self._per_channel(self.A_log.float().exp() * -1.0, n)
+        y, last = selective_scan(x, self._per_channel(dt_heads), A, B, C, self._per_channel(self.D.float()), state)
+        if cache is not None:
+            conv_state = F.cat([history, xbc_in], 1)[:, -past:].contiguous() if past else None
+            cache.states[index] = (None if conv_state is None else conv_state.detach(), last.detach())
+        gated = (y * F.silu(z.float())).reshape(batch, length, groups, inner // groups)
+        normed = F.rms_norm(gated, None, eps=s.norm_eps).reshape(batch, length, inner)
+        return self.out_proj((self.norm.weight.float() * normed).cast(h.dtype))
+
+
 class MambaBlock(Module):
     def __init__(self, spec: MambaSpec):
         super().__init__()
         self.norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
-        self.mixer = MambaMixer(spec)
+        self.mixer = Mamba2Mixer(spec) if spec.mamba2 else MambaMixer(spec)
 
     def forward(self, h, keep, cache, index):
         return h + self.mixer(self.norm(h), keep, cache, index)

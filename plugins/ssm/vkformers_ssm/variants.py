@@ -33,6 +33,12 @@ class MambaSpec:
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
     bcdt_norm_eps: float | None = None  # Falcon-Mamba: weightless RMSNorm of dt, B and C before use
+    # Mamba-2: heads of head_dim channels, each with one scalar A, D and dt (dt_bias); B and C in n_groups groups
+    # of heads, from the conv like x; out = gated group RMSNorm(y * silu(z)) (eps norm_eps)
+    mamba2: bool = False
+    num_heads: int = 0
+    head_dim: int = 0
+    n_groups: int = 1
 
 
 def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
@@ -65,6 +71,27 @@ def mamba(config: dict) -> MambaSpec:
 @architecture("falcon_mamba", status="verified", notes="Mamba with weightless RMSNorms of dt, B and C")
 def falcon_mamba(config: dict) -> MambaSpec:
     return replace(mamba(config), bcdt_norm_eps=config.get("mixer_rms_eps", 1e-6))
+
+
+@architecture("mamba2", status="verified",
+              notes="Mamba-2 on the selective-scan kernel (B, C in groups; per-head A, D, dt); gated group RMSNorm")
+def mamba2(config: dict) -> MambaSpec:
+    refuse("mamba2", config, "hidden_act", lambda v: v == "silu", "silu")
+    refuse("mamba2", config, "time_step_limit", lambda v: list(v) == [0.0, float("inf")], (0.0, float("inf")))
+    hidden = config["hidden_size"]
+    inner = int(config.get("expand", 2) * hidden)
+    heads, head_dim, groups = config.get("num_heads", 128), config.get("head_dim", 64), config.get("n_groups", 8)
+    if heads * head_dim != inner or heads % groups:
+        raise UnsupportedConfigError(f"mamba2: num_heads {heads} x head_dim {head_dim} must equal expand x "
+                                     f"hidden_size ({inner}) and num_heads split in n_groups ({groups}); fix the config")
+    return MambaSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=config["num_hidden_layers"],
+        intermediate_size=inner, state_size=config.get("state_size", 128), conv_kernel=config.get("conv_kernel", 4),
+        time_step_rank=0, norm_eps=config.get("layer_norm_epsilon", 1e-5),
+        use_bias=bool(config.get("use_bias", False)), use_conv_bias=bool(config.get("use_conv_bias", True)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        residual_in_fp32=bool(config.get("residual_in_fp32", True)),
+        mamba2=True, num_heads=heads, head_dim=head_dim, n_groups=groups)
 
 
 VARIANTS = FAMILY.variants()
