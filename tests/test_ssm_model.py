@@ -67,3 +67,14 @@ def test_mamba2_refuses_a_time_step_limit_it_does_not_apply():
     config["time_step_limit"] = [0.0, 1.0]
     with pytest.raises(UnsupportedConfigError, match="time_step_limit"):
         mamba2(config)
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+def test_bfloat16_follows_float32(name):
+    """The 16-bit path (conv in bfloat16, the scan in float32 from bfloat16 inputs) stays near the float32 logits."""
+    ids = np.random.default_rng(4).integers(3, 48, (2, 9)).astype(np.int32)
+    folder = FIXTURE.parent / name
+    full = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")(ids).logits.numpy()
+    half = AutoModelForCausalLM.from_pretrained(folder, dtype="bfloat16")(ids).logits.float().numpy()
+    assert np.abs(half - full).max() <= 0.05 * np.abs(full).max()
+    assert (half.argmax(-1) == full.argmax(-1)).mean() >= 0.9
