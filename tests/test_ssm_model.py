@@ -78,3 +78,23 @@ def test_bfloat16_follows_float32(name):
     half = AutoModelForCausalLM.from_pretrained(folder, dtype="bfloat16")(ids).logits.float().numpy()
     assert np.abs(half - full).max() <= 0.05 * np.abs(full).max()
     assert (half.argmax(-1) == full.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+def test_generate_replays_the_recorded_decode_step(name):
+    """Decode steps run the Python forward twice (recorded, confirmed), then replay in place-updated states, chained
+    on the GPU (tests/conftest.py chains 8 steps); the tokens stay transformers' (the fixture's greedy tokens), and a
+    second call replays from its first step."""
+    from vkformers.models.safetensors_io import read_safetensors
+    folder = FIXTURE.parent / name
+    reference = read_safetensors(folder / "reference.safetensors")
+    want = reference["greedy_tokens"].as_float().astype(np.int64)
+    prompt = reference["input_ids"].as_float().astype(np.int32)[:1]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    forwards, original = [], model.forward
+    model.forward = lambda *a, **k: forwards.append(1) or original(*a, **k)
+    new = want.shape[1] - prompt.shape[1]
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new), want)
+    assert len(forwards) == 3  # prefill and two decode steps; the rest replayed
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new), want)
+    assert len(forwards) == 4  # the prefill only

@@ -11,7 +11,8 @@ The residual stream is kept in the model's dtype: transformers' residual_in_fp32
 no difference in float32 (what the fixtures check) but rounds differently in 16-bit.
 
 Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
-:class:`SSMStateCache`; a decode step is the same forward over one token from those states.
+:class:`SSMStateCache`, overwritten in place; a decode step is the same forward over one token from those states,
+recorded once by generate and replayed (models/decode_capture.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
-from vkformers.engine.tensor import Tensor
+from vkformers.engine.tensor import Tensor, parameter
 from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
@@ -35,21 +36,48 @@ IGNORE_INDEX = -100
 
 
 class SSMStateCache:
-    """Each layer's recurrent state between forwards: (conv inputs [batch, kernel - 1, channels], scan state
-    [batch, channels, state]), detached; ``position`` counts the tokens seen."""
+    """Each layer's recurrent state between forwards, in persistent device tensors overwritten in place (so that
+    every decode step builds the same graph, which generate records once and replays): the last kernel - 1 conv
+    inputs [batch, kernel - 1, conv channels] in the model's dtype, and the scan state [batch, channels, state] in
+    float32. ``position`` counts the tokens seen; a forward at position 0 starts from zeros without reading them."""
 
-    def __init__(self, batch: int, dtype, device=None):
-        self.batch, self.dtype = batch, dt.as_dtype(dtype)
+    def __init__(self, batch: int, dtype, shapes, max_len: int, device=None):
+        self.batch, self.dtype, self.max_len = batch, dt.as_dtype(dtype), max_len
         self.device = device or get_device()
-        self.states: dict[int, tuple[Tensor, Tensor]] = {}
+        self.conv_states, self.ssm_states = [], []
+        for index, (conv_shape, state_shape) in enumerate(shapes):
+            self.conv_states.append(parameter(np.zeros(conv_shape, np.float32), self.dtype, requires_grad=False,
+                                              device=self.device, name=f"conv_state.{index}"))
+            self.ssm_states.append(parameter(np.zeros(state_shape, np.float32), "float32", requires_grad=False,
+                                             device=self.device, name=f"ssm_state.{index}"))
         self.position = 0
-        self.step_hosts = (None, None)  # no per-step device inputs: generate records no decode step to replay
+        self.step_hosts = (None, None)  # no bounds or mask inputs: a step reads the states it overwrites
 
     def reset(self) -> None:
-        self.states, self.position = {}, 0
+        self.position = 0
 
     def advance(self, count: int) -> None:
         self.position += count
+
+    def rewind(self, count: int) -> None:
+        """A state holds every token it saw: only nothing can be taken back (generate pads no prompt of a model
+        without ``prompt_padding_is_exact``)."""
+        if count:
+            raise ValueError(f"SSMStateCache: a recurrent state cannot forget its last {count} tokens")
+
+    def step_arrays(self, new: int, key_padding_mask=None):
+        """No per-step inputs besides the token ids (decode_capture.py asks)."""
+        return None, None
+
+    def read(self, index: int, batch: int, past: int, channels: int, dtype):
+        """(conv inputs before this forward, scan state or None): zeros and None at position 0."""
+        if self.position == 0:
+            return Tensor(np.zeros((batch, past, channels), np.float32), dtype=dtype), None
+        return self.conv_states[index], self.ssm_states[index]
+
+    def write(self, index: int, conv_inputs, state) -> None:
+        self.conv_states[index].assign(conv_inputs.detach())
+        self.ssm_states[index].assign(state.detach())
 
 
 class MambaMixer(Module):
@@ -77,11 +105,7 @@ class MambaMixer(Module):
             h = h * keep
         xz = self.in_proj(h)
         x, z = xz[..., :inner], xz[..., inner:]
-        history, state = None, None
-        if cache is not None:
-            history, state = cache.states.get(index, (None, None))
-            if history is None and past:
-                history = Tensor(np.zeros((batch, past, inner), np.float32), dtype=x.dtype)
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, inner, x.dtype)
         x_in = x.contiguous()
         x = F.silu(F.causal_conv1d(x_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None, history))
         if keep is not None:
@@ -94,8 +118,7 @@ class MambaMixer(Module):
         A = self.A_log.float().exp() * -1.0
         y, last = selective_scan(x, delta, A, B, C, self.D, state)
         if cache is not None:
-            conv_state = F.cat([history, x_in], 1)[:, -past:].contiguous() if past else None
-            cache.states[index] = (None if conv_state is None else conv_state.detach(), last.detach())
+            cache.write(index, F.cat([history, x_in], 1)[:, -past:], last)
         y = y * F.silu(z.float())
         return self.out_proj(y.cast(h.dtype))
 
@@ -141,11 +164,8 @@ class Mamba2Mixer(Module):
         z = projected[..., :inner]
         xbc_in = projected[..., inner:inner + self.conv_channels].contiguous()
         dt_in = projected[..., inner + self.conv_channels:]
-        history, state = None, None
-        if cache is not None:
-            history, state = cache.states.get(index, (None, None))
-            if history is None and past:
-                history = Tensor(np.zeros((batch, past, self.conv_channels), np.float32), dtype=xbc_in.dtype)
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, self.conv_channels,
+                                                                        xbc_in.dtype)
         xbc = F.silu(F.causal_conv1d(xbc_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None,
                                      history))
         if keep is not None:
@@ -157,8 +177,7 @@ class Mamba2Mixer(Module):
         A = self._per_channel(self.A_log.float().exp() * -1.0, n)
         y, last = selective_scan(x, self._per_channel(dt_heads), A, B, C, self._per_channel(self.D.float()), state)
         if cache is not None:
-            conv_state = F.cat([history, xbc_in], 1)[:, -past:].contiguous() if past else None
-            cache.states[index] = (None if conv_state is None else conv_state.detach(), last.detach())
+            cache.write(index, F.cat([history, xbc_in], 1)[:, -past:], last)
         gated = (y * F.silu(z.float())).reshape(batch, length, groups, inner // groups)
         normed = F.rms_norm(gated, None, eps=s.norm_eps).reshape(batch, length, inner)
         return self.out_proj((self.norm.weight.float() * normed).cast(h.dtype))
@@ -186,7 +205,7 @@ class MambaForCausalLM(Module, GenerationMixin):
     """Mamba and its variants (:data:`vkformers_ssm.variants.VARIANTS`)."""
 
     supports_gradient_checkpointing = True
-    capture_decode = False  # the recurrent states live on the cache, updated by the Python forward
+    max_position_embeddings = 1 << 30  # no position table: generate may capture decode steps at any length
 
     def __init__(self, config: dict, architecture):
         super().__init__()
@@ -213,8 +232,22 @@ class MambaForCausalLM(Module, GenerationMixin):
         return InputLimits(vocab_size=self.spec.vocab_size)
 
     def _generation_cache(self, batch: int, length: int) -> SSMStateCache:
-        params = self.parameters()
-        return SSMStateCache(batch, self.dtype, params[0].device if params else None)
+        """A reset state cache for ``batch`` rows, reused across calls when it fits (a later generate then replays
+        the decode step recorded by an earlier one)."""
+        cache = getattr(self, "_state_cache", None)
+        if cache is None or cache.batch != batch or cache.dtype != dt.as_dtype(self.dtype):
+            s = self.spec
+            conv_channels = s.intermediate_size + (2 * s.n_groups * s.state_size if s.mamba2 else 0)
+            shapes = [((batch, s.conv_kernel - 1, conv_channels), (batch, s.intermediate_size, s.state_size))
+                      for _ in range(s.num_layers)]
+            params = self.parameters()
+            object.__setattr__(self, "_held_decode", None)
+            object.__setattr__(self, "_held_prefill", None)
+            cache = SSMStateCache(batch, self.dtype, shapes, self.max_position_embeddings,
+                                  params[0].device if params else None)
+            object.__setattr__(self, "_state_cache", cache)
+        cache.reset()
+        return cache
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
         ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
@@ -227,8 +260,6 @@ class MambaForCausalLM(Module, GenerationMixin):
             mask = np.asarray(mask)[:, -length:]
             if not mask.all():
                 keep = Tensor(mask.astype(np.float32)[:, :, None])
-        if cache is not None and cache.position == 0:
-            cache.reset()
         x = self.backbone.embeddings(ids)
         if keep is not None:
             keep = keep.cast(x.dtype)

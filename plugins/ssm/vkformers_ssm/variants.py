@@ -57,6 +57,7 @@ def _time_step_rank(config: dict) -> int:
               notes="selective scan, causal depthwise conv1d kernels; recurrent state cache for generation")
 def mamba(config: dict) -> MambaSpec:
     refuse("mamba", config, "hidden_act", lambda v: v == "silu", "silu")
+    refuse("mamba", config, "conv_kernel", lambda v: int(v) >= 2, 4)
     hidden = config["hidden_size"]
     return MambaSpec(
         vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=config["num_hidden_layers"],
@@ -77,6 +78,7 @@ def falcon_mamba(config: dict) -> MambaSpec:
               notes="Mamba-2 on the selective-scan kernel (B, C in groups; per-head A, D, dt); gated group RMSNorm")
 def mamba2(config: dict) -> MambaSpec:
     refuse("mamba2", config, "hidden_act", lambda v: v == "silu", "silu")
+    refuse("mamba2", config, "conv_kernel", lambda v: int(v) >= 2, 4)
     refuse("mamba2", config, "time_step_limit", lambda v: list(v) == [0.0, float("inf")], (0.0, float("inf")))
     hidden = config["hidden_size"]
     inner = int(config.get("expand", 2) * hidden)
