@@ -8,7 +8,7 @@ norms 1, A_log log(1..16) cycled, D 1, dt_bias -4).
   reference reports which scan it ran: the mamba_ssm / causal_conv1d CUDA kernels when the image has them, else
   transformers' torch path (the chunked SSD in eager PyTorch).
 - Generation: greedy, a `--prompt`-token prompt and `--new` new tokens at batch 1 and 8, both frameworks with their
-  recurrent caches (vkformers: the Python forward per step; no captured replay yet).
+  recurrent caches (vkformers: the decode step recorded once, then replayed and chained on the GPU).
 Without CUDA (or with --no-torch) only vkformers runs.
 
     python bench/ssm.py [--dtype float32|bfloat16] [--layers 48] [--hidden 2048] [--batch 8] [--seq 2048] [--steps 3]
