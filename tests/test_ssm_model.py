@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.safetensors_io import read_safetensors
 from vkformers.training import Batches, PackedDataset, Trainer, TrainingConfig
 from vkformers_ssm.variants import UnsupportedConfigError, mamba, mamba2
 
@@ -85,7 +86,6 @@ def test_generate_replays_the_recorded_decode_step(name):
     """Decode steps run the Python forward twice (recorded, confirmed), then replay in place-updated states, chained
     on the GPU (tests/conftest.py chains 8 steps); the tokens stay transformers' (the fixture's greedy tokens), and a
     second call replays from its first step."""
-    from vkformers.models.safetensors_io import read_safetensors
     folder = FIXTURE.parent / name
     reference = read_safetensors(folder / "reference.safetensors")
     want = reference["greedy_tokens"].as_float().astype(np.int64)

@@ -10,6 +10,7 @@ import pytest
 
 from vkformers.engine.tensor import Tensor
 from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, selective_scan
+from vkformers_ssm.ssd import chunked_scan
 
 
 def reference(u, delta, A, B, C, D, h0=None):
@@ -107,3 +108,49 @@ def test_a_state_above_the_kernels_is_refused():
     values = _inputs(np.random.default_rng(3), 1, 2, 2, MAX_STATE + 1)
     with pytest.raises(StateSizeError, match="state size"):
         selective_scan(*_tensors(values))
+
+
+# ---- Mamba-2's chunked scan (vkformers_ssm.ssd), against the same numpy recurrence with per-head A and dt
+
+def _mamba2_inputs(rng, batch, length, heads, head_dim, groups, state):
+    return [rng.standard_normal((batch, length, heads, head_dim)),
+            np.abs(rng.standard_normal((batch, length, heads))) * 0.5, -np.exp(rng.standard_normal(heads) * 0.5),
+            rng.standard_normal((batch, length, groups, state)), rng.standard_normal((batch, length, groups, state))]
+
+
+def _mamba2_reference(x, dt, A, B, C, h0=None):
+    batch, length, heads, head_dim = x.shape
+    state = B.shape[-1]
+    channels = heads * head_dim
+    y, last = reference(x.reshape(batch, length, channels), np.repeat(dt, head_dim, axis=2),
+                        np.repeat(A, head_dim)[:, None].repeat(state, 1), B, C, np.zeros(channels), h0)
+    return y, last
+
+
+@pytest.mark.parametrize("batch,length,heads,head_dim,groups,state,chunk", [
+    (2, 7, 4, 3, 2, 5, 3), (1, 8, 2, 4, 1, 3, 4), (1, 1, 2, 2, 2, 2, 4), (2, 9, 6, 2, 3, 4, 16)])
+def test_chunked_scan_matches_the_recurrence(batch, length, heads, head_dim, groups, state, chunk):
+    rng = np.random.default_rng(5)
+    values = _mamba2_inputs(rng, batch, length, heads, head_dim, groups, state)
+    h0 = rng.standard_normal((batch, heads * head_dim, state))
+    y, last = chunked_scan(*_tensors(values), chunk, initial_state=Tensor(h0.astype(np.float32)))
+    want_y, want_last = _mamba2_reference(*values, h0)
+    np.testing.assert_allclose(y.numpy(), want_y, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(last.numpy(), want_last, atol=2e-4, rtol=1e-4)
+
+
+def test_chunked_scan_gradients_match_finite_differences():
+    rng = np.random.default_rng(6)
+    values = _mamba2_inputs(rng, 1, 5, 2, 2, 2, 3)
+    g = rng.standard_normal((1, 5, 4))
+    tensors = _tensors(values, requires_grad=True)
+    y, _ = chunked_scan(*tensors, 2)
+    (y * Tensor(g.astype(np.float32))).sum().backward()
+    for k, (name, tensor) in enumerate(zip(["x", "dt", "A", "B", "C"], tensors)):
+        def loss(v, k=k):
+            args = list(values)
+            args[k] = v
+            return (_mamba2_reference(*args)[0] * g).sum()
+        want = _central_differences(loss, values[k])
+        np.testing.assert_allclose(tensor.grad.numpy(), want, atol=1e-4 * max(np.abs(want).max(), 1e-3),
+                                   err_msg=name)

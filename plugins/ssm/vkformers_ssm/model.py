@@ -30,6 +30,7 @@ from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
 from vkformers_ssm.scan import selective_scan
+from vkformers_ssm.ssd import chunked_scan
 from vkformers_ssm.variants import MambaSpec, mamba_spec
 
 IGNORE_INDEX = -100
@@ -125,7 +126,8 @@ class MambaMixer(Module):
 
 class Mamba2Mixer(Module):
     """Mamba-2's mixer: in_proj -> [z | x B C | dt]; the conv + silu over [x B C]; per head scalar A = -exp(A_log),
-    D and dt = softplus(dt + dt_bias), given to every channel of the head; B and C per group of heads; then
+    D and dt = softplus(dt + dt_bias); B and C per group of heads; the chunked scan (vkformers_ssm.ssd) over a
+    sequence, the selective-scan kernel (each head's A, D, dt given to its channels) for a one-token step; then
     RMSNorm over each group of channels of y * silu(z), times norm.weight; out_proj."""
 
     def __init__(self, spec: MambaSpec):
@@ -174,8 +176,14 @@ class Mamba2Mixer(Module):
         B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
         C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
         dt_heads = F.softplus((dt_in + self.dt_bias).float())
-        A = self._per_channel(self.A_log.float().exp() * -1.0, n)
-        y, last = selective_scan(x, self._per_channel(dt_heads), A, B, C, self._per_channel(self.D.float()), state)
+        A_heads = self.A_log.float().exp() * -1.0
+        if length > 1:  # prefill and training: the chunked scan's matrix products
+            y, last = chunked_scan(x.reshape(batch, length, s.num_heads, s.head_dim), dt_heads, A_heads, B, C,
+                                   s.chunk_size, state)
+            y = y + x.float() * self._per_channel(self.D.float())
+        else:  # a decode step: the recurrent update
+            y, last = selective_scan(x, self._per_channel(dt_heads), self._per_channel(A_heads, n), B, C,
+                                     self._per_channel(self.D.float()), state)
         if cache is not None:
             cache.write(index, F.cat([history, xbc_in], 1)[:, -past:], last)
         gated = (y * F.silu(z.float())).reshape(batch, length, groups, inner // groups)

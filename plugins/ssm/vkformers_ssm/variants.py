@@ -39,6 +39,7 @@ class MambaSpec:
     num_heads: int = 0
     head_dim: int = 0
     n_groups: int = 1
+    chunk_size: int = 256  # Mamba-2: steps per chunk of the chunked scan (prefill, training)
 
 
 def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
@@ -79,6 +80,7 @@ def falcon_mamba(config: dict) -> MambaSpec:
 def mamba2(config: dict) -> MambaSpec:
     refuse("mamba2", config, "hidden_act", lambda v: v == "silu", "silu")
     refuse("mamba2", config, "conv_kernel", lambda v: int(v) >= 2, 4)
+    refuse("mamba2", config, "chunk_size", lambda v: int(v) >= 1, 256)
     refuse("mamba2", config, "time_step_limit", lambda v: list(v) == [0.0, float("inf")], (0.0, float("inf")))
     hidden = config["hidden_size"]
     inner = int(config.get("expand", 2) * hidden)
@@ -93,7 +95,7 @@ def mamba2(config: dict) -> MambaSpec:
         use_bias=bool(config.get("use_bias", False)), use_conv_bias=bool(config.get("use_conv_bias", True)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         residual_in_fp32=bool(config.get("residual_in_fp32", True)),
-        mamba2=True, num_heads=heads, head_dim=head_dim, n_groups=groups)
+        mamba2=True, num_heads=heads, head_dim=head_dim, n_groups=groups, chunk_size=int(config.get("chunk_size", 256)))
 
 
 VARIANTS = FAMILY.variants()
