@@ -13,6 +13,7 @@ import pytest
 
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.safetensors_io import read_safetensors
+from vkformers.models.lora import LoraConfig, apply_lora
 from vkformers.training import Batches, PackedDataset, Trainer, TrainingConfig
 from vkformers_ssm.variants import UnsupportedConfigError, mamba, mamba2
 
@@ -102,3 +103,15 @@ def test_generate_replays_the_recorded_decode_step(name):
     assert len(forwards) == 3  # prefill and two decode steps; the rest replayed
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new), want)
     assert len(forwards) == 4  # the prefill only
+
+
+def test_lora_adapters_train_on_the_mixer_projections():
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE.parent / "mamba2", dtype="float32")
+    apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj", "out_proj"]))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    before = model.backbone.layers[0].mixer.in_proj.weight.numpy().copy()
+    config = TrainingConfig(steps=4, batch_size=4, seq_len=12, lr=1e-2, schedule="constant", seed=3)
+    losses = [r["loss"] for r in Trainer(model, config, Batches(_data(), 4, seed=1)).train()]
+    assert losses[-1] < losses[0]
+    np.testing.assert_array_equal(model.backbone.layers[0].mixer.in_proj.weight.numpy(), before)
