@@ -12,6 +12,7 @@ norms 1, A_log log(1..16) cycled, D 1, dt_bias -4).
 Without CUDA (or with --no-torch) only vkformers runs.
 
     python bench/ssm.py [--dtype float32|bfloat16] [--layers 48] [--hidden 2048] [--batch 8] [--seq 2048] [--steps 3]
+                        [--gradient-checkpointing]
     python bench/ssm.py --layers 1 --hidden 64 --batch 1 --seq 16 --steps 1 --new 4 --no-torch   # lavapipe
 """
 from __future__ import annotations
@@ -57,9 +58,11 @@ def random_weights(model, seed=0) -> dict[str, np.ndarray]:
     return weights
 
 
-def bench_vkformers(config, weights, dtype, batches, steps, prompts, new_tokens) -> dict:
+def bench_vkformers(config, weights, dtype, batches, steps, prompts, new_tokens, checkpointing=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=True)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     trainer = Trainer(model, TrainingConfig(steps=steps + 2, batch_size=batches[0][0].shape[0],
                                             seq_len=batches[0][0].shape[1], lr=LR, schedule="constant",
                                             weight_decay=WEIGHT_DECAY, clip=CLIP, precision=PRECISION[dtype]),
@@ -81,7 +84,7 @@ def bench_vkformers(config, weights, dtype, batches, steps, prompts, new_tokens)
     return result
 
 
-def bench_torch(config, weights, dtype, batches, steps, prompts, new_tokens) -> dict:
+def bench_torch(config, weights, dtype, batches, steps, prompts, new_tokens, checkpointing=False) -> dict:
     import torch
     import transformers
     from transformers import Mamba2Config, Mamba2ForCausalLM
@@ -92,6 +95,8 @@ def bench_torch(config, weights, dtype, batches, steps, prompts, new_tokens) -> 
     model = Mamba2ForCausalLM(Mamba2Config(**{k: v for k, v in config.items() if k != "model_type"}))
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     model = model.to("cuda", torch_dtype).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
     data = [tuple(torch.from_numpy(a.astype(np.int64)).cuda() for a in b) for b in batches]
@@ -138,6 +143,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="both frameworks recompute each layer in the backward (the chunked scan of a 2048-token "
+                             "batch of 8 keeps ~1 GiB per layer of decay matrices otherwise)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -150,11 +158,14 @@ def main(argv=None) -> int:
     prompts = {b: rng.integers(3, config["vocab_size"], (b, args.prompt)).astype(np.int32) for b in (1, 8)}
     weights = random_weights(AutoModelForCausalLM.from_config(config))
     results = {"config": config, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
-               "vkformers": bench_vkformers(config, weights, args.dtype, batches, args.steps, prompts, args.new)}
+               "gradient_checkpointing": args.gradient_checkpointing,
+               "vkformers": bench_vkformers(config, weights, args.dtype, batches, args.steps, prompts, args.new,
+                                            args.gradient_checkpointing)}
     torch = None if args.no_torch else cuda_torch()
     if torch is not None:
         gc.collect()
-        results["torch"] = bench_torch(config, weights, args.dtype, batches, args.steps, prompts, args.new)
+        results["torch"] = bench_torch(config, weights, args.dtype, batches, args.steps, prompts, args.new,
+                                       args.gradient_checkpointing)
     for name in ("vkformers", "torch"):
         if name in results:
             r = results[name]
