@@ -116,7 +116,8 @@ def bench_torch(config, weights, dtype, batches, steps, prompts, new_tokens, che
         losses.append(step(i))
     seconds = (time.perf_counter() - start) / steps
     result = {"train_tok_s": batches[0][0].size / seconds, "step_s": seconds, "losses": losses,
-              "scan": "mamba_ssm/causal_conv1d CUDA kernels" if kernels else "transformers' torch path",
+              "scan": ("mamba_ssm and causal_conv1d installed (their CUDA kernels)" if kernels
+                       else "transformers' torch path (no mamba_ssm / causal_conv1d installed)"),
               "transformers": transformers.__version__}
     optimizer.zero_grad(set_to_none=True)
     model.eval()
