@@ -34,7 +34,8 @@ def _reference_per_channel(u, delta, A, B, C, D, h):
 
 def _inputs(rng, batch, length, channels, state, groups=None):
     bc = (batch, length, state) if groups is None else (batch, length, groups, state)
-    return [rng.standard_normal((batch, length, channels)), np.abs(rng.standard_normal((batch, length, channels))) * 0.5,
+    return [rng.standard_normal((batch, length, channels)),
+            np.abs(rng.standard_normal((batch, length, channels))) * 0.5,
             -np.exp(rng.standard_normal((channels, state)) * 0.5), rng.standard_normal(bc), rng.standard_normal(bc),
             rng.standard_normal(channels)]
 

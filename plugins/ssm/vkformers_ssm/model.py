@@ -1,8 +1,9 @@
-"""The shared Mamba model (MambaForCausalLM, Mamba2ForCausalLM and the variants of ``vkformers_ssm/variants.py``), under Hugging
-Face's parameter names (backbone.embeddings, backbone.layers.N.norm / .mixer.*, backbone.norm_f, lm_head).
+"""The shared model of the state-space variants (``vkformers_ssm/variants.py``: Mamba, Falcon-Mamba, Mamba-2)
+under Hugging Face's parameter names (backbone.embeddings, backbone.layers.N.norm / .mixer.*, backbone.norm_f,
+lm_head).
 
-A mixer: in_proj -> [x | z]; x through the causal depthwise conv1d (F.causal_conv1d) and silu; x_proj -> dt, B, C
-(Falcon-Mamba: each RMS-normalised without weight); delta = softplus(dt_proj(dt)); the selective scan
+A Mamba-1 mixer (Mamba-2's: :class:`Mamba2Mixer`): in_proj -> [x | z]; x through the causal depthwise conv1d
+(F.causal_conv1d) and silu; x_proj -> dt, B, C (Falcon-Mamba: each RMS-normalised without weight); delta = softplus(dt_proj(dt)); the selective scan
 (vkformers_ssm.scan) with A = -exp(A_log) and the skip D; times silu(z); out_proj. Padded positions are zeroed
 before in_proj and after the conv, as transformers does, so a left-padded row's state stays zero until its
 first token.

@@ -127,8 +127,9 @@ def selective_scan(u, delta, A, B, C, D, initial_state=None):
     if state > MAX_STATE:
         raise StateSizeError(f"selective_scan: state size {state} is above the kernel's {MAX_STATE}; "
                              "use a model with a smaller state_size")
-    expected = {"delta": (u.shape, delta), "A": ((channels, state), A), "B": ((batch, length, groups, state) if grouped else (batch, length, state), B),
-                "C": ((batch, length, groups, state) if grouped else (batch, length, state), C), "D": ((channels,), D)}
+    bc_shape = (batch, length, groups, state) if grouped else (batch, length, state)
+    expected = {"delta": (u.shape, delta), "A": ((channels, state), A), "B": (bc_shape, B), "C": (bc_shape, C),
+                "D": ((channels,), D)}
     if initial_state is not None:
         expected["initial_state"] = ((batch, channels, state), initial_state)
     for name, (shape, value) in expected.items():

@@ -87,7 +87,8 @@ def mamba2(config: dict) -> MambaSpec:
     heads, head_dim, groups = config.get("num_heads", 128), config.get("head_dim", 64), config.get("n_groups", 8)
     if heads * head_dim != inner or heads % groups:
         raise UnsupportedConfigError(f"mamba2: num_heads {heads} x head_dim {head_dim} must equal expand x "
-                                     f"hidden_size ({inner}) and num_heads split in n_groups ({groups}); fix the config")
+                                     f"hidden_size ({inner}), and num_heads split in n_groups ({groups}); "
+                                     "fix the config")
     return MambaSpec(
         vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=config["num_hidden_layers"],
         intermediate_size=inner, state_size=config.get("state_size", 128), conv_kernel=config.get("conv_kernel", 4),
