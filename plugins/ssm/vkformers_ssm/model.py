@@ -8,8 +8,8 @@ A Mamba-1 mixer (Mamba-2's: :class:`Mamba2Mixer`): in_proj -> [x | z]; x through
 before in_proj and after the conv, as transformers does, so a left-padded row's state stays zero until its
 first token.
 
-The residual stream is kept in the model's dtype: transformers' residual_in_fp32 keeps it in float32, which makes
-no difference in float32 (what the fixtures check) but rounds differently in 16-bit.
+In a 16-bit model the residual stream is float32 where the config says residual_in_fp32 (transformers' order of
+roundings: see MambaBlock.forward); the scans run in float32 from 16-bit inputs.
 
 Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
 :class:`SSMStateCache`, overwritten in place; a decode step is the same forward over one token from those states,
@@ -195,11 +195,17 @@ class Mamba2Mixer(Module):
 class MambaBlock(Module):
     def __init__(self, spec: MambaSpec):
         super().__init__()
+        self.residual_in_fp32 = spec.residual_in_fp32
         self.norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.mixer = Mamba2Mixer(spec) if spec.mamba2 else MambaMixer(spec)
 
     def forward(self, h, keep, cache, index):
-        return h + self.mixer(self.norm(h), keep, cache, index)
+        """h: the residual stream, float32 after the first block of a 16-bit model with residual_in_fp32 (as
+        transformers: the norm reads it rounded to the weights' dtype, the mixer's output adds to it in float32)."""
+        out = self.mixer(self.norm(h.cast(self.norm.weight.dtype)), keep, cache, index)
+        if self.residual_in_fp32:
+            return h.float() + out.float()
+        return h + out
 
 
 class MambaBackbone(Module):
@@ -274,7 +280,12 @@ class MambaForCausalLM(Module, GenerationMixin):
             keep = keep.cast(x.dtype)
         for index, layer in enumerate(self.backbone.layers):
             x = self.call_layer(layer, x, keep, cache, index)
-        logits = self.lm_head(self.backbone.norm_f(x))
+        norm_f = self.backbone.norm_f
+        if x.dtype is norm_f.weight.dtype:
+            x = norm_f(x)
+        else:  # a float32 residual stream: normalised in float32 (the weight widened), then rounded for lm_head
+            x = F.rms_norm(x, None, eps=norm_f.eps) * norm_f.weight.float()
+        logits = self.lm_head(x.cast(self.lm_head.weight.dtype))
         if cache is not None:
             cache.advance(length)
         loss = self.loss(logits, labels) if labels is not None else None
