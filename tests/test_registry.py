@@ -1,6 +1,6 @@
-"""The architecture registry and the four family plugins (no GPU needed).
+"""The architecture registry and the five family plugins (no GPU needed).
 
-Needs the plugins installed: pip install -e plugins/llama -e plugins/bert -e plugins/t5 -e plugins/moe
+Needs the plugins installed: pip install -e plugins/llama -e plugins/bert -e plugins/t5 -e plugins/moe -e plugins/ssm
 """
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ WRAPPER_CONFIGS = {
     "(nested thinker_config.text_config)": lambda backbone: {"thinker_config": {"text_config": {"model_type": backbone}}},
     "(nested encoder/decoder configs)": lambda backbone: {"encoder": {"model_type": "bert"}, "decoder": {"model_type": backbone}},
 }
-EXPECTED_PER_FAMILY = {"llama": 63, "moe": 38, "bert": 25, "t5": 17}
+EXPECTED_PER_FAMILY = {"llama": 63, "moe": 38, "bert": 25, "t5": 17, "ssm": 3}
+# Architectures registered beyond the reference list (canonical names without aliases), by family.
+BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm"}
+CANONICAL = 143 + len(BEYOND_REFERENCE)
+SPELLINGS = 224 + len(BEYOND_REFERENCE)
 
 
 def reference_rows() -> list[tuple[str, str]]:
@@ -81,16 +85,17 @@ def registry() -> Registry:
     return plugins.registry()
 
 
-def test_the_four_plugins_register_143_canonical_and_224_spellings(registry):
-    assert len(registry.architectures()) == 143
-    assert len(registry.spellings()) == 224
+def test_the_plugins_register_the_reference_list_and_the_architectures_beyond_it(registry):
+    assert len(registry.architectures()) == CANONICAL
+    assert len(registry.spellings()) == SPELLINGS
     assert registry.families() == sorted(EXPECTED_PER_FAMILY)
     per_family = {family: sum(1 for a in registry.architectures() if a.family == family) for family in EXPECTED_PER_FAMILY}
     assert per_family == EXPECTED_PER_FAMILY
 
 
 def test_registered_spellings_are_exactly_the_reference_list(registry):
-    assert sorted(model_type for model_type, _ in reference_rows()) == registry.spellings()
+    assert sorted([model_type for model_type, _ in reference_rows()] + list(BEYOND_REFERENCE)) == registry.spellings()
+    assert all(registry.get(name).family == family for name, family in BEYOND_REFERENCE.items())
 
 
 @pytest.mark.parametrize("model_type,canonical", reference_rows())
@@ -162,7 +167,7 @@ def test_third_party_plugin_adds_architecture_and_alias_without_touching_core():
         assert registry.resolve("toy-decoder-v2") == registry.get("toy_decoder")
         assert registry.get("toy_decoder").family == "toy"
         assert registry.resolve("my_llama").name == "llama"
-        assert len(registry.architectures()) == 144
+        assert len(registry.architectures()) == CANONICAL + 1
     finally:
         plugins.unregister_plugin(toy)
     with pytest.raises(UnknownArchitectureError):
@@ -174,7 +179,7 @@ def test_duplicate_registration_is_refused(rival):
     with pytest.raises(DuplicateArchitectureError, match="registered twice: by plugin 'llama'"):
         plugins.register_plugin(rival(), name="rival")
     # The refused plugin is left out; the registry still works.
-    assert len(plugins.registry().architectures()) == 143
+    assert len(plugins.registry().architectures()) == CANONICAL
 
 
 def test_alias_to_an_unregistered_architecture_is_refused():
@@ -190,15 +195,16 @@ def test_alias_to_an_unregistered_architecture_is_refused():
 def test_only_the_llama_plugin_claims_verification_so_far(registry):
     # Each claim is proven by tests/test_verified_claims.py (llama and moe: causal decoders) or
     # tests/test_verified_claims_encoder.py (bert: encoders) or tests/test_verified_claims_seq2seq.py
-    # (t5: encoder-decoders).
+    # (t5: encoder-decoders); ssm's causal decoders by tests/test_verified_claims.py too.
     claimed = {a.family for a in registry.architectures() if a.status != "registered"}
-    assert claimed <= {"llama", "moe", "bert", "t5"}
+    assert claimed <= {"llama", "moe", "bert", "t5", "ssm"}
 
 
 def test_each_plugin_holds_only_its_kind(registry):
     for architecture in registry.architectures():
         kind, moe = architecture.kind, architecture.trait("moe")
-        expected = {"encoder": "bert", "encoder-decoder": "t5"}.get(kind) or ("moe" if moe else "llama")
+        expected = (BEYOND_REFERENCE.get(architecture.name) or {"encoder": "bert", "encoder-decoder": "t5"}.get(kind)
+                    or ("moe" if moe else "llama"))
         assert architecture.family == expected, architecture.name
 
 
@@ -312,18 +318,18 @@ def test_architectures_json_counts(capsys):
     assert exit_code == 0
     listing = json.loads(out)
     counts = listing["counts"]
-    assert (counts["canonical"], counts["spellings"]) == (143, 224)
-    assert counts["verified"] + counts["forward-verified"] + counts["registered"] == 143
+    assert (counts["canonical"], counts["spellings"]) == (CANONICAL, SPELLINGS)
+    assert counts["verified"] + counts["forward-verified"] + counts["registered"] == CANONICAL
     statuses = [row["status"] for row in listing["architectures"]]
     assert counts["verified"] == statuses.count("verified")
-    assert len(listing["architectures"]) == 143
+    assert len(listing["architectures"]) == CANONICAL
 
 
 def test_architectures_table_summary_line(capsys):
     exit_code, out, _ = run_architectures_command(capsys)
     assert exit_code == 0
     statuses = [a.status for a in plugins.registry().architectures()]
-    expected = (f"143 canonical, 224 spellings; {statuses.count('verified')} verified, "
+    expected = (f"{CANONICAL} canonical, {SPELLINGS} spellings; {statuses.count('verified')} verified, "
                 f"{statuses.count('forward-verified')} forward-verified, {statuses.count('registered')} registered")
     assert expected in out
 
@@ -338,7 +344,7 @@ def test_architectures_family_filter(capsys):
 def test_architectures_unknown_family_exits_2_listing_families(capsys):
     exit_code, _, err = run_architectures_command(capsys, family="gpt")
     assert exit_code == 2
-    assert "bert, llama, moe, t5" in err
+    assert "bert, llama, moe, ssm, t5" in err
 
 
 def test_public_subpackages_are_attributes_after_import():

@@ -85,6 +85,15 @@ class Spec:
     prepare: object = None           # called with the model after reinit_: buffers a fixture sets (hash routing tables)
     transformers_major: int = 5      # the transformers release line that has the model (4: OpenLlama, removed in 5);
     #                                  a run builds only the specs of its own line (see tests/fixtures/README.md)
+    reference_path: str | None = None  # where transformers has special kernels for the model (state-space scans):
+    #                                    the code path that computed the reference, recorded in meta.json and the index
+
+
+MAMBA1_PATH = ("transformers' torch path in float32: the sequential scan (mamba_selective_scan's fallback), the "
+               "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels")
+# Mamba's config names (hidden 32, 2 layers); expand 3 gives 96 channels, state 8, dt rank 4.
+MAMBA = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=8, expand=3, conv_kernel=4,
+             time_step_rank=4, initializer_range=0.2, **TOK)
 
 
 def _gpt2_names(**kw):
@@ -824,6 +833,24 @@ SPECS = [
           "4 experts plus the gradient-free parameter e_score_correction_bias (saved as "
           "experts.e_score_correction_bias) for choosing, top-2 renormalised, routed output scaled by 1.5; shared "
           "expert (saved as shared_expert) of width 12."], saved_names=True),
+    # ---- state-space models (vkformers-ssm) ------------------------------------------------------
+    Spec("mamba", "mamba", MAMBA,
+         ["Mamba-1: in_proj -> causal depthwise conv1d (kernel 4) + silu -> x_proj (dt rank 4, B, C of state 8) -> "
+          "softplus(dt_proj) -> selective scan with D skip, times silu(z) -> out_proj; 96 channels (expand 3: two "
+          "workgroups of the scan kernel); tied lm_head. Reference: transformers' torch path (slow forward, "
+          "sequential scan; no mamba_ssm / causal_conv1d kernels on the CPU), float32. Padded positions are zeroed "
+          "before in_proj and after the conv (attention_mask)."], adamw_steps=2, reference_path=MAMBA1_PATH),
+    Spec("falcon_mamba", "falcon_mamba", dict(MAMBA, mixer_rms_eps=1e-6),
+         ["Mamba-1 as the mamba fixture plus Falcon-Mamba's weightless RMSNorms (eps 1e-6) of dt, B and C before "
+          "dt_proj and the scan. Reference: transformers' torch path, float32."], reference_path=MAMBA1_PATH),
+    Spec("mamba2", "mamba2", dict(MAMBA, expand=3, num_heads=12, head_dim=8, n_groups=2, chunk_size=4),
+         ["Mamba-2: in_proj -> [z | x B C | dt]; causal depthwise conv1d (kernel 4) + silu over x, B, C; 12 heads of "
+          "8 channels with scalar A, D, dt (softplus(dt + dt_bias)); B and C (state 8) in 2 groups of 6 heads; gated "
+          "RMSNorm over each group's 48 channels of y * silu(z); untied lm_head. Reference: transformers' torch "
+          "path, float32: the chunked SSD scan (chunk_size 4, so the 8-token batch spans two chunks and generation "
+          "steps through the recurrent update)."],
+         reference_path="transformers' torch path in float32: the chunked SSD scan (mamba2_chunk_scan's fallback), the "
+                        "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels"),
 ]
 
 
@@ -847,7 +874,7 @@ SPECS += [
 
 SKIPPED = {
     # model_type: reason (not attempted)
-    "jamba": "hybrid Mamba/attention MoE, not a dense decoder",
+    "jamba": "hybrid Mamba/attention MoE; hybrids wait for the decoder kit in core (vkformers-ssm has Mamba-1)",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
@@ -1126,6 +1153,8 @@ def build(spec: Spec, out_root: Path):
             "greedy_first_step_vs_batch_logits_max_abs_diff": float(f"{prefill_diff:.3g}"),
         },
     }
+    if spec.reference_path:
+        meta["reference_path"] = spec.reference_path
     if not spec.loss_shifts_labels:
         meta["loss_shifts_labels"] = False  # labels[t] is the target of logits[t]
     if spec.saved_names:
@@ -1331,6 +1360,8 @@ def main(argv=None):
         built[name] = {"model_type": specs[name].model_type, "model_class": meta["model_class"],
                        "left_pad_invariant": meta["checks"]["left_pad_invariant"],
                        "tied_word_embeddings": meta["tied_word_embeddings"]}
+        if specs[name].reference_path:
+            built[name]["reference_path"] = specs[name].reference_path
         if specs[name].transformers_major != 5:  # the index's top-level versions are the main (5.x) run's
             built[name]["transformers_version"] = meta["transformers_version"]
             built[name]["torch_version"] = meta["torch_version"]

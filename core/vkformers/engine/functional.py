@@ -12,6 +12,7 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
     fused_linear,
     fused_qkv_rope_write,
 )
+from vkformers.engine.ops.conv import causal_conv1d
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
 from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
@@ -139,7 +140,7 @@ def log_softmax(x, dim=UNSET, *, axis=UNSET):
     return x.log_softmax(axis, dim=dim)
 
 
-__all__ = ["FusedNorm", "activation", "cat", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+__all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",

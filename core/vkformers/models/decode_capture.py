@@ -46,7 +46,9 @@ class DecodeCapture:
 
     The inputs are recognised by identity: the model must make its input tensors from the very
     int32 arrays it is given (``Tensor(np.asarray(ids, np.int32))`` does), and the cache records the
-    arrays of its own. A step whose inputs cannot all be found is simply not captured.
+    arrays of its own. A step whose inputs cannot all be found is simply not captured. A cache of recurrent
+    states (a state-space model's) has no bounds (``step_hosts`` (None, None)): its step reads states that it
+    overwrites in place, persistent buffers like the KV cache's, so ids alone change between steps.
     """
 
     def __init__(self, cache: KVCache, tokens: int = 1):
@@ -91,7 +93,9 @@ class DecodeCapture:
             return None
         run = runs[0]
         step_bounds, step_mask = self.cache.step_hosts
-        known = {id(step_ids): "ids", id(step_positions): "positions", id(step_bounds): "bounds"}
+        known = {id(step_ids): "ids", id(step_positions): "positions"}
+        if step_bounds is not None:  # a recurrent state cache has none: its step reads no position
+            known[id(step_bounds)] = "bounds"
         if step_mask is not None:
             known[id(step_mask)] = "mask"
         if rows is not None:
@@ -99,7 +103,7 @@ class DecodeCapture:
         roles = tuple(known.get(id(a), "constant") for a in run.inputs)
         # ids must be found (a copy of them could look constant when a token repeats); positions may be
         # unused (ALiBi) or copied, which the constancy check catches as they grow by one every step
-        if not {"ids", "bounds"} <= set(roles) or ("mask" in roles) != (step_mask is not None) \
+        if "ids" not in roles or ("bounds" in roles) != (step_bounds is not None) or ("mask" in roles) != (step_mask is not None) \
                 or ("rows" in roles) != (rows is not None):
             return None
         constants = [a for a, role in zip(run.inputs, roles) if role == "constant"]
@@ -165,11 +169,13 @@ class DecodeCapture:
         batch, vocab = view.shape
         device = plan.seq.device
         history = Buffer(device, ((steps - 1) * batch,), "int32", host_visible=True, name="chained tokens")
+        # a cache without bounds (recurrent states) gets a scratch pair for the kernel to count in
+        bounds = inputs.get("bounds") or Buffer(device, (2,), "uint32", name="chained bounds")
         seq = device.sequence(timestamps=plan.seq.timestamps).extend(plan.seq, others=False)
         for step in range(steps):
             seq.extend(plan.seq, uploads=False)
             if step < steps - 1:
-                KD.next_token(seq, Operand(buffer, view.offset), inputs["ids"], inputs["bounds"], history,
+                KD.next_token(seq, Operand(buffer, view.offset), inputs["ids"], bounds, history,
                               rows=batch, vocab=vocab, row_stride=view.strides[0], step=step,
                               positions=inputs.get("positions"))
         logits = lazy.ViewReadback([(buffer, view)], seq)

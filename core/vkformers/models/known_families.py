@@ -213,6 +213,10 @@ KNOWN_FAMILIES = {
     "qwen4_exp": "moe",
     "qwen4_exp_text": "moe",
     "solar_open": "moe",
+    # vkformers-ssm
+    "falcon_mamba": "ssm",
+    "mamba": "ssm",
+    "mamba2": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

@@ -65,9 +65,24 @@ def load_config(folder: Path) -> dict:
     file = folder / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{folder}: no config.json")
-    config = read_json(file)
+    config = _decode_floats(read_json(file))
     check_config_object(config, str(file))
     return config
+
+
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _decode_floats(value):
+    """transformers 5 writes a non-finite float of a config as {"__float__": "Infinity"} (JSON has no such number):
+    the float it stands for, anywhere in the config."""
+    if isinstance(value, dict):
+        if len(value) == 1 and value.get("__float__") in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[value["__float__"]]
+        return {k: _decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
 
 
 def read_json(file: Path):

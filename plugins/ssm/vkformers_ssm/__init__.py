@@ -1,0 +1,1 @@
+"""vkformers-ssm: state-space models (Mamba, Falcon-Mamba, Mamba-2) for vkformers."""

@@ -1,0 +1,305 @@
+"""The shared model of the state-space variants (``vkformers_ssm/variants.py``: Mamba, Falcon-Mamba, Mamba-2)
+under Hugging Face's parameter names (backbone.embeddings, backbone.layers.N.norm / .mixer.*, backbone.norm_f,
+lm_head).
+
+A Mamba-1 mixer (Mamba-2's: :class:`Mamba2Mixer`): in_proj -> [x | z]; x through the causal depthwise conv1d
+(F.causal_conv1d) and silu; x_proj -> dt, B, C (Falcon-Mamba: each RMS-normalised without weight); delta = softplus(dt_proj(dt)); the selective scan
+(vkformers_ssm.scan) with A = -exp(A_log) and the skip D; times silu(z); out_proj. Padded positions are zeroed
+before in_proj and after the conv, as transformers does, so a left-padded row's state stays zero until its
+first token.
+
+In a 16-bit model the residual stream is float32 where the config says residual_in_fp32 (transformers' order of
+roundings: see MambaBlock.forward); the scans run in float32 from 16-bit inputs.
+
+Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
+:class:`SSMStateCache`, overwritten in place; a decode step is the same forward over one token from those states,
+recorded once by generate and replayed (models/decode_capture.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine import lazy
+from vkformers.engine.tensor import Tensor, parameter
+from vkformers.models.generation import GenerationMixin
+from vkformers.models.inputs import InputLimits
+from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.loading import CausalLMOutput
+from vkformers.models.module import Module
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import get_device
+
+from vkformers_ssm.scan import selective_scan
+from vkformers_ssm.ssd import chunked_scan
+from vkformers_ssm.variants import MambaSpec, mamba_spec
+
+IGNORE_INDEX = -100
+
+
+class SSMStateCache:
+    """Each layer's recurrent state between forwards, in persistent device tensors overwritten in place (so that
+    every decode step builds the same graph, which generate records once and replays): the last kernel - 1 conv
+    inputs [batch, kernel - 1, conv channels] in the model's dtype, and the scan state [batch, channels, state] in
+    float32. ``position`` counts the tokens seen; a forward at position 0 starts from zeros without reading them."""
+
+    def __init__(self, batch: int, dtype, shapes, max_len: int, device=None):
+        self.batch, self.dtype, self.max_len = batch, dt.as_dtype(dtype), max_len
+        self.device = device or get_device()
+        self.conv_states, self.ssm_states = [], []
+        for index, (conv_shape, state_shape) in enumerate(shapes):
+            self.conv_states.append(parameter(np.zeros(conv_shape, np.float32), self.dtype, requires_grad=False,
+                                              device=self.device, name=f"conv_state.{index}"))
+            self.ssm_states.append(parameter(np.zeros(state_shape, np.float32), "float32", requires_grad=False,
+                                             device=self.device, name=f"ssm_state.{index}"))
+        self.position = 0
+        self.step_hosts = (None, None)  # no bounds or mask inputs: a step reads the states it overwrites
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def advance(self, count: int) -> None:
+        self.position += count
+
+    def rewind(self, count: int) -> None:
+        """A state holds every token it saw: only nothing can be taken back (generate pads no prompt of a model
+        without ``prompt_padding_is_exact``)."""
+        if count:
+            raise ValueError(f"SSMStateCache: a recurrent state cannot forget its last {count} tokens")
+
+    def step_arrays(self, new: int, key_padding_mask=None):
+        """No per-step inputs besides the token ids (decode_capture.py asks)."""
+        return None, None
+
+    def read(self, index: int, batch: int, past: int, channels: int, dtype):
+        """(conv inputs before this forward, scan state or None): zeros and None at position 0."""
+        if self.position == 0:
+            return Tensor(np.zeros((batch, past, channels), np.float32), dtype=dtype), None
+        return self.conv_states[index], self.ssm_states[index]
+
+    def write(self, index: int, conv_inputs, state) -> None:
+        self.conv_states[index].assign(conv_inputs.detach())
+        self.ssm_states[index].assign(state.detach())
+
+
+class MambaMixer(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, rank = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.time_step_rank
+        self.in_proj = Linear(d, 2 * inner, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (inner, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (inner,))
+        self.conv1d = conv
+        self.x_proj = Linear(inner, rank + 2 * n, bias=False)
+        self.dt_proj = Linear(rank, inner, bias=True)
+        self.param("A_log", (inner, n))
+        self.param("D", (inner,))
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+
+    def forward(self, h, keep, cache, index: int):
+        s = self.spec
+        inner, n, rank, past = s.intermediate_size, s.state_size, s.time_step_rank, s.conv_kernel - 1
+        batch = h.shape[0]
+        if keep is not None:
+            h = h * keep
+        xz = self.in_proj(h)
+        x, z = xz[..., :inner], xz[..., inner:]
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, inner, x.dtype)
+        x_in = x.contiguous()
+        x = F.silu(F.causal_conv1d(x_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None, history))
+        if keep is not None:
+            x = x * keep
+        projected = self.x_proj(x)
+        dt_in, B, C = projected[..., :rank], projected[..., rank:rank + n], projected[..., rank + n:]
+        if s.bcdt_norm_eps is not None:
+            dt_in, B, C = (F.rms_norm(v.contiguous(), None, eps=s.bcdt_norm_eps) for v in (dt_in, B, C))
+        delta = F.softplus(self.dt_proj(dt_in).float())
+        A = self.A_log.float().exp() * -1.0
+        y, last = selective_scan(x, delta, A, B, C, self.D, state)
+        if cache is not None:
+            cache.write(index, F.cat([history, x_in], 1)[:, -past:], last)
+        y = y * F.silu(z.float())
+        return self.out_proj(y.cast(h.dtype))
+
+
+class Mamba2Mixer(Module):
+    """Mamba-2's mixer: in_proj -> [z | x B C | dt]; the conv + silu over [x B C]; per head scalar A = -exp(A_log),
+    D and dt = softplus(dt + dt_bias); B and C per group of heads; the chunked scan (vkformers_ssm.ssd) over a
+    sequence, the selective-scan kernel (each head's A, D, dt given to its channels) for a one-token step; then
+    RMSNorm over each group of channels of y * silu(z), times norm.weight; out_proj."""
+
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, groups = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.n_groups
+        self.conv_channels = inner + 2 * groups * n
+        self.in_proj = Linear(d, inner + self.conv_channels + spec.num_heads, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (self.conv_channels, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (self.conv_channels,))
+        self.conv1d = conv
+        self.param("dt_bias", (spec.num_heads,))
+        self.param("A_log", (spec.num_heads,))
+        self.param("D", (spec.num_heads,))
+        self.norm = RMSNorm(inner, eps=spec.norm_eps)
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+
+    def _per_channel(self, x, *shape):
+        """A per-head tensor [..., heads] given to each of the head's head_dim channels: [..., heads * head_dim]
+        (then ``shape`` trailing sizes of 1 broadcast to them)."""
+        s = self.spec
+        lead = tuple(x.shape[:-1])
+        expanded = x.reshape(*lead, s.num_heads, 1, *([1] * len(shape)))
+        return expanded.expand(*lead, s.num_heads, s.head_dim, *shape).contiguous().reshape(
+            *lead, s.intermediate_size, *shape)
+
+    def forward(self, h, keep, cache, index: int):
+        s = self.spec
+        inner, n, groups, past = s.intermediate_size, s.state_size, s.n_groups, s.conv_kernel - 1
+        batch, length = h.shape[:2]
+        if keep is not None:
+            h = h * keep
+        projected = self.in_proj(h)
+        z = projected[..., :inner]
+        xbc_in = projected[..., inner:inner + self.conv_channels].contiguous()
+        dt_in = projected[..., inner + self.conv_channels:]
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, self.conv_channels,
+                                                                        xbc_in.dtype)
+        xbc = F.silu(F.causal_conv1d(xbc_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None,
+                                     history))
+        if keep is not None:
+            xbc = xbc * keep
+        x = xbc[..., :inner].contiguous()
+        B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
+        C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
+        dt_heads = F.softplus((dt_in + self.dt_bias).float())
+        A_heads = self.A_log.float().exp() * -1.0
+        if length > 1:  # prefill and training: the chunked scan's matrix products
+            y, last = chunked_scan(x.reshape(batch, length, s.num_heads, s.head_dim), dt_heads, A_heads, B, C,
+                                   s.chunk_size, state)
+            y = y + x.float() * self._per_channel(self.D.float())
+        else:  # a decode step: the recurrent update
+            y, last = selective_scan(x, self._per_channel(dt_heads), self._per_channel(A_heads, n), B, C,
+                                     self._per_channel(self.D.float()), state)
+        if cache is not None:
+            cache.write(index, F.cat([history, xbc_in], 1)[:, -past:], last)
+        gated = (y * F.silu(z.float())).reshape(batch, length, groups, inner // groups)
+        normed = F.rms_norm(gated, None, eps=s.norm_eps).reshape(batch, length, inner)
+        return self.out_proj((self.norm.weight.float() * normed).cast(h.dtype))
+
+
+class MambaBlock(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.residual_in_fp32 = spec.residual_in_fp32
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+        self.mixer = Mamba2Mixer(spec) if spec.mamba2 else MambaMixer(spec)
+
+    def forward(self, h, keep, cache, index):
+        """h: the residual stream, float32 after the first block of a 16-bit model with residual_in_fp32 (as
+        transformers: the norm reads it rounded to the weights' dtype, the mixer's output adds to it in float32)."""
+        out = self.mixer(self.norm(h.cast(self.norm.weight.dtype)), keep, cache, index)
+        if self.residual_in_fp32:
+            return h.float() + out.float()
+        return h + out
+
+
+class MambaBackbone(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.embeddings = Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = ModuleList(MambaBlock(spec) for _ in range(spec.num_layers))
+        self.norm_f = RMSNorm(spec.hidden_size, eps=spec.norm_eps)
+
+
+class MambaForCausalLM(Module, GenerationMixin):
+    """Mamba and its variants (:data:`vkformers_ssm.variants.VARIANTS`)."""
+
+    supports_gradient_checkpointing = True
+    max_position_embeddings = 1 << 30  # no position table: generate may capture decode steps at any length
+
+    def __init__(self, config: dict, architecture):
+        super().__init__()
+        name = getattr(architecture, "name", architecture)
+        self.config, self.architecture_name = config, name
+        self.spec = mamba_spec(config, name)
+        self.dtype = dt.float32  # from_pretrained sets the loaded dtype
+        self.backbone = MambaBackbone(self.spec)
+        object.__setattr__(self, "embed", self.backbone.embeddings)  # the token table, as the shared decoder names it
+        self.lm_head = Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        if self.spec.tie_embeddings:
+            self.tie("lm_head.weight", "backbone.embeddings.weight")
+
+    def load_state_dict(self, arrays, *args, **kwargs):
+        # early checkpoints name the table backbone.embedding (transformers renames it on load too)
+        arrays = {name.replace("backbone.embedding.", "backbone.embeddings."): a for name, a in arrays.items()}
+        super().load_state_dict(arrays, *args, **kwargs)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(vocab_size=self.spec.vocab_size)
+
+    def _generation_cache(self, batch: int, length: int) -> SSMStateCache:
+        """A reset state cache for ``batch`` rows, reused across calls when it fits (a later generate then replays
+        the decode step recorded by an earlier one)."""
+        cache = getattr(self, "_state_cache", None)
+        if cache is None or cache.batch != batch or cache.dtype != dt.as_dtype(self.dtype):
+            s = self.spec
+            conv_channels = s.intermediate_size + (2 * s.n_groups * s.state_size if s.mamba2 else 0)
+            shapes = [((batch, s.conv_kernel - 1, conv_channels), (batch, s.intermediate_size, s.state_size))
+                      for _ in range(s.num_layers)]
+            params = self.parameters()
+            object.__setattr__(self, "_held_decode", None)
+            object.__setattr__(self, "_held_prefill", None)
+            cache = SSMStateCache(batch, self.dtype, shapes, self.max_position_embeddings,
+                                  params[0].device if params else None)
+            object.__setattr__(self, "_state_cache", cache)
+        cache.reset()
+        return cache
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
+        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
+        if ids.dtype is not dt.int32:
+            ids = ids.cast(dt.int32)
+        length = ids.shape[1]
+        mask = attention_mask.numpy() if isinstance(attention_mask, Tensor) else attention_mask
+        keep = None
+        if mask is not None:
+            mask = np.asarray(mask)[:, -length:]
+            if not mask.all():
+                keep = Tensor(mask.astype(np.float32)[:, :, None])
+        x = self.backbone.embeddings(ids)
+        if keep is not None:
+            keep = keep.cast(x.dtype)
+        for index, layer in enumerate(self.backbone.layers):
+            x = self.call_layer(layer, x, keep, cache, index)
+        norm_f = self.backbone.norm_f
+        if x.dtype is norm_f.weight.dtype:
+            x = norm_f(x)
+        else:  # a float32 residual stream: normalised in float32 (the weight widened), then rounded for lm_head
+            x = F.rms_norm(x, None, eps=norm_f.eps) * norm_f.weight.float()
+        logits = self.lm_head(x.cast(self.lm_head.weight.dtype))
+        if cache is not None:
+            cache.advance(length)
+        loss = self.loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    @staticmethod
+    def loss(logits, labels):
+        """transformers' ForCausalLMLoss: token t predicts label t + 1; -100 is ignored; mean in float32."""
+        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
+        labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
+        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)
+
+
+def _shift_labels(labels: np.ndarray) -> np.ndarray:
+    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted

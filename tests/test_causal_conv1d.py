@@ -1,0 +1,80 @@
+"""F.causal_conv1d (shaders/common/causal_conv1d.comp) against numpy: forward in float32, float16 and bfloat16,
+with and without bias and history; gradients of x, weight and bias against float64 central differences."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor
+
+
+def reference(x, weight, bias=None, history=None):
+    batch, length, channels = x.shape
+    kernel = weight.shape[-1]
+    past = np.zeros((batch, kernel - 1, channels)) if history is None else history
+    full = np.concatenate([past, x], axis=1)
+    out = sum(full[:, j:j + length] * weight.reshape(channels, kernel)[:, j] for j in range(kernel))
+    return out + (0 if bias is None else bias)
+
+
+def _inputs(rng, batch, length, channels, kernel):
+    return (rng.standard_normal((batch, length, channels)), rng.standard_normal((channels, 1, kernel)),
+            rng.standard_normal(channels), rng.standard_normal((batch, kernel - 1, channels)))
+
+
+@pytest.mark.parametrize("batch,length,channels,kernel", [(2, 5, 3, 4), (1, 1, 7, 4), (3, 9, 300, 2), (2, 4, 5, 1)])
+@pytest.mark.parametrize("with_bias,with_history", [(True, True), (False, False), (True, False)])
+def test_forward_matches_numpy(batch, length, channels, kernel, with_bias, with_history):
+    x, w, b, h = _inputs(np.random.default_rng(0), batch, length, channels, kernel)
+    b, h = (b if with_bias else None), (h if with_history else None)
+    got = F.causal_conv1d(Tensor(x.astype(np.float32)), Tensor(w.astype(np.float32)),
+                          None if b is None else Tensor(b.astype(np.float32)),
+                          None if h is None else Tensor(h.astype(np.float32))).numpy()
+    np.testing.assert_allclose(got, reference(x, w, b, h), atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [("float16", 2e-2), ("bfloat16", 1e-1)])
+def test_forward_in_16_bit(dtype, atol):
+    x, w, b, h = _inputs(np.random.default_rng(1), 2, 6, 9, 4)
+    got = F.causal_conv1d(*(Tensor(v.astype(np.float32), dtype=dtype) for v in (x, w, b, h)))
+    assert got.dtype.name == dtype
+    np.testing.assert_allclose(got.float().numpy(), reference(x, w, b, h), atol=atol)
+
+
+def _central_differences(f, value, eps=1e-6):
+    grad = np.zeros_like(value)
+    for index in np.ndindex(value.shape):
+        step = np.zeros_like(value)
+        step[index] = eps
+        grad[index] = (f(value + step) - f(value - step)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("with_history", [True, False])
+def test_gradients_match_finite_differences(with_history):
+    rng = np.random.default_rng(2)
+    x, w, b, h = _inputs(rng, 2, 6, 3, 4)
+    h = h if with_history else None
+    g = rng.standard_normal(x.shape)
+    xs, ws, bs = (Tensor(v.astype(np.float32), requires_grad=True) for v in (x, w, b))
+    out = F.causal_conv1d(xs, ws, bs, None if h is None else Tensor(h.astype(np.float32)))
+    (out * Tensor(g.astype(np.float32))).sum().backward()
+    expected = {
+        "x": _central_differences(lambda v: (reference(v, w, b, h) * g).sum(), x),
+        "weight": _central_differences(lambda v: (reference(x, v, b, h) * g).sum(), w),
+        "bias": _central_differences(lambda v: (reference(x, w, v, h) * g).sum(), b),
+    }
+    for name, tensor in (("x", xs), ("weight", ws), ("bias", bs)):
+        np.testing.assert_allclose(tensor.grad.numpy(), expected[name], atol=2e-5, err_msg=name)
+
+
+def test_history_gets_no_gradient_and_shapes_are_checked():
+    x = Tensor(np.ones((1, 3, 2), np.float32), requires_grad=True)
+    history = Tensor(np.ones((1, 3, 2), np.float32), requires_grad=True)
+    F.causal_conv1d(x, Tensor(np.ones((2, 4), np.float32)), history=history).sum().backward()
+    assert history.grad is None and x.grad is not None
+    with pytest.raises(ValueError, match="history must be"):
+        F.causal_conv1d(x, Tensor(np.ones((2, 4), np.float32)), history=Tensor(np.ones((1, 2, 2), np.float32)))
+    with pytest.raises(ValueError, match="does not fit"):
+        F.causal_conv1d(x, Tensor(np.ones((3, 4), np.float32)))
