@@ -12,7 +12,9 @@ import pytest
 import gguf
 from test_gguf import CONFIG, random_llama, train_bpe, write_tiny_gguf
 from vkformers.engine import functional as F
+from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import matmul_quant as KQ
+from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.engine.quantized import FORMATS, QuantizedArray, QuantizedTensor, quantize
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import QuantizationError
@@ -106,6 +108,79 @@ def test_input_gradient_product(device, fmt, tile):
     got = run_product(device, g, packed, fmt, n=k, k=n, trans_w=False, tile=tile)
     want = g.astype(np.float64) @ reference_weights(packed, fmt, n, k)
     assert relative_error(got, want) < TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_matvec_batches_tails_and_offsets(device, fmt):
+    """The matvec for 1 to 8 rows of A in both layouts: k of more 32-weight units than a GPU workgroup has
+    invocations and not a multiple of them, an odd n (the last workgroup's second column past n), A read 16
+    bytes at a time (offset 0) or element by element (an offset of 3 elements)."""
+    block = FORMATS[fmt].block
+    k = block * -(-(32 * KQ.MATVEC_THREADS + 96) // block)
+    assert (k // 32) % KQ.MATVEC_THREADS and k // 32 > KQ.MATVEC_THREADS
+    n = 2 * KQ.MATVEC_COLS + 1
+    packed = random_blocks(fmt, n, k, seed=12)
+    w64 = reference_weights(packed, fmt, n, k)
+    w = device.upload(packed.reshape(-1), dtype="uint8")
+    rng = np.random.default_rng(13)
+    for m, skip, split_k in ((1, 0, True), (2, 3, True), (3, 0, True), (8, 3, True), (8, 0, True), (5, 3, False)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        a = device.upload(np.concatenate([np.zeros(skip, np.float32), x.reshape(-1)]))
+        c = device.buffer(m * n, "float32")
+        device.run(lambda seq: KQ.matmul_quant(seq, Operand(a, skip), w, c, FORMATS[fmt], m=m, n=n, k=k,
+                                               algorithm="matvec", split_k=split_k))
+        got = c.read().reshape(m, n).astype(np.float64)
+        assert relative_error(got, x.astype(np.float64) @ w64.T) < TOLERANCE, (m, skip, split_k)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_matvec_half_activations(device, fmt, dtype, tolerance):
+    """16-bit A and C in the GPU matvec layout: A read as 8 halves per 16 bytes (offsets 0 and 8) or one by one
+    (offset 3); within the result dtype's rounding."""
+    n, k, m = 7, 512, 2
+    packed = random_blocks(fmt, n, k, seed=14)
+    w = device.upload(packed.reshape(-1), dtype="uint8")
+    x = np.random.default_rng(15).standard_normal((m, k)).astype(np.float32)
+    to_host = {"float16": lambda v: v.astype(np.float16), "bfloat16": dt.to_bfloat16}[dtype]
+    to_float = {"float16": lambda v: v.astype(np.float32), "bfloat16": dt.from_bfloat16}[dtype]
+    for skip in (0, 8, 3):
+        stored = to_host(np.concatenate([np.zeros(skip, np.float32), x.reshape(-1)]))
+        x_rounded = to_float(stored[skip:]).reshape(m, k).astype(np.float64)
+        a = device.upload(stored, dtype=dtype)
+        c = device.buffer(m * n, dtype)
+        device.run(lambda seq: KQ.matmul_quant(seq, Operand(a, skip), w, c, FORMATS[fmt], m=m, n=n, k=k,
+                                               algorithm="matvec", split_k=True))
+        got = to_float(c.read()).reshape(m, n).astype(np.float64)
+        want = x_rounded @ reference_weights(packed, fmt, n, k).T
+        assert relative_error(got, want) < tolerance, skip
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_coopmat_product(device, fmt, dtype, tolerance):
+    """The cooperative-matrix product (W dequantized into the staged tile) for x @ W^T and dY @ W: whole tiles
+    (the unchecked loads) and tails in m, n and k; a device without the matrix type has no such path."""
+    if not coopmat_supported(device, dtype):
+        pytest.skip(f"{device.name} has no {dtype} cooperative matrix")
+    to_host = {"float16": lambda v: v.astype(np.float16), "bfloat16": dt.to_bfloat16}[dtype]
+    to_float = {"float16": lambda v: v.astype(np.float32), "bfloat16": dt.from_bfloat16}[dtype]
+    block = FORMATS[fmt].block
+    rng = np.random.default_rng(16)
+    for m, n, k, trans_w in ((300, 200, 3 * block * -(-96 // block), True), (37, 45, 3 * block, True),
+                             (300, 3 * block * -(-96 // block), 200, False), (19, 2 * block, 45, False)):
+        w_rows, w_cols = (n, k) if trans_w else (k, n)
+        packed = random_blocks(fmt, w_rows, w_cols, seed=17)
+        stored = to_host(rng.standard_normal((m, k)).astype(np.float32))
+        a = device.upload(stored, dtype=dtype)
+        w = device.upload(packed.reshape(-1), dtype="uint8")
+        c = device.buffer(m * n, dtype)
+        device.run(lambda seq: KQ.matmul_quant(seq, a, w, c, FORMATS[fmt], m=m, n=n, k=k, trans_w=trans_w,
+                                               algorithm="coopmat"))
+        w64 = reference_weights(packed, fmt, w_rows, w_cols)
+        want = to_float(stored).astype(np.float64) @ (w64.T if trans_w else w64)
+        got = to_float(c.read()).reshape(m, n).astype(np.float64)
+        assert relative_error(got, want) < tolerance, (m, n, k, trans_w)
 
 
 def test_matvec_row_blocks(device):

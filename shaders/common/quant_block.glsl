@@ -104,4 +104,108 @@ vec4 quant_row4(uint base, uint row_bytes, uint row, uint col) {
     return dequant4(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size);
 }
 
+// ---- Units: the matvec's work item, 32 weights of one block read with few wide loads and each scale once.
+// A block of B elements holds B / 32 units; unit u's weights are four octets (8 consecutive elements each),
+// octet o starting at element quant_octet_start(u, o) of the block.
+
+// The funnel of two words from byte `shift` (0 or 16) of `lo` on, without a shift by 32.
+uint q_funnel(uint lo, uint hi, uint shift) { return (lo >> shift) | ((hi << (31u - shift)) << 1u); }
+// Whether every block (and every row) starts on a word: 20, 36, 144 and 176 bytes, rows of whole blocks.
+bool q_word_aligned() {
+    return FORMAT == QUANT_Q4_1 || FORMAT == QUANT_NF4 || FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K;
+}
+// 16 bytes from byte `at` (even) on, byte 0 lowest in .x; the fifth word is read only when the bytes reach it.
+uvec4 q_16bytes(uint at) {
+    uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
+    uint w0 = packed_words[i], w1 = packed_words[i + 1u], w2 = packed_words[i + 2u], w3 = packed_words[i + 3u];
+    uint w4 = s != 0u ? packed_words[i + 4u] : 0u;
+    return uvec4(q_funnel(w0, w1, s), q_funnel(w1, w2, s), q_funnel(w2, w3, s), q_funnel(w3, w4, s));
+}
+uvec2 q_8bytes(uint at) {  // at even
+    uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
+    uint w0 = packed_words[i], w1 = packed_words[i + 1u];
+    uint w2 = s != 0u ? packed_words[i + 2u] : 0u;
+    return uvec2(q_funnel(w0, w1, s), q_funnel(w1, w2, s));
+}
+vec4 nf4_levels(uint v) {  // v: four bytes, each two codes (the high nibble first)
+    return vec4(NF4_LEVELS[(v >> 4) & 15u], NF4_LEVELS[v & 15u], NF4_LEVELS[(v >> 12) & 15u], NF4_LEVELS[(v >> 8) & 15u]);
+}
+
+uint quant_octet_start(uint u, uint o) {
+    if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K)  // low nibbles: sub-block 2j, high: 2j + 1
+        return 64u * (u >> 1) + 16u * (u & 1u) + 8u * (o & 1u) + 32u * (o >> 1);
+    if (FORMAT == QUANT_Q6_K) return 128u * (u >> 2) + 32u * o + 8u * (u & 3u);  // octet o: quarter o
+    return 32u * u + 8u * o;
+}
+
+// The 32 weights of unit u of the block at byte `block`: w[2o], w[2o + 1] are octet o's.
+void quant_unit(uint block, uint u, out vec4 w[8]) {
+    if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
+        uvec4 q = q_16bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u));
+        float d = q_half(block), m = FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u);
+        for (uint o = 0u; o < 4u; ++o) {
+            uint shift = 4u * (o >> 1);
+            w[2u * o] = d * q_bytes((q[2u * (o & 1u)] >> shift) & 0x0F0F0F0Fu) + m;
+            w[2u * o + 1u] = d * q_bytes((q[2u * (o & 1u) + 1u] >> shift) & 0x0F0F0F0Fu) + m;
+        }
+    } else if (FORMAT == QUANT_Q8_0) {
+        uvec4 lo = q_16bytes(block + 2u), hi = q_16bytes(block + 18u);
+        float d = q_half(block);
+        w[0] = d * q_int8s(lo.x); w[1] = d * q_int8s(lo.y); w[2] = d * q_int8s(lo.z); w[3] = d * q_int8s(lo.w);
+        w[4] = d * q_int8s(hi.x); w[5] = d * q_int8s(hi.y); w[6] = d * q_int8s(hi.z); w[7] = d * q_int8s(hi.w);
+    } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        uint j = u >> 1, h = u & 1u;
+        uvec4 q = q_16bytes(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
+        uvec4 qh = FORMAT == QUANT_Q5_K ? q_16bytes(block + 16u + 16u * h) : uvec4(0u);
+        // Scales and mins of sub-blocks 2j and 2j + 1 from the 12 bytes at block + 4 (ggml's get_scale_min_k4).
+        uint s0 = packed_words[(block >> 2) + 1u], s1 = packed_words[(block >> 2) + 2u], s2 = packed_words[(block >> 2) + 3u];
+        vec2 scale, minimum;
+        for (uint e = 0u; e < 2u; ++e) {
+            uint sub = 2u * j + e, sc, mn;
+            if (sub < 4u) {
+                sc = (s0 >> (8u * sub)) & 63u;
+                mn = (s1 >> (8u * sub)) & 63u;
+            } else {
+                uint hi = (s2 >> (8u * (sub - 4u))) & 0xFFu;
+                sc = (hi & 15u) | (((s0 >> (8u * (sub - 4u))) >> 6 & 3u) << 4);
+                mn = (hi >> 4) | (((s1 >> (8u * (sub - 4u))) >> 6 & 3u) << 4);
+            }
+            scale[e] = float(sc);
+            minimum[e] = float(mn);
+        }
+        vec2 dm = unpackHalf2x16(packed_words[block >> 2]);
+        scale *= dm.x;
+        minimum *= dm.y;
+        for (uint o = 0u; o < 4u; ++o) {
+            uint e = o >> 1, shift = 4u * e;
+            uvec2 v = (uvec2(q[2u * (o & 1u)], q[2u * (o & 1u) + 1u]) >> shift) & 0x0F0F0F0Fu;
+            if (FORMAT == QUANT_Q5_K)
+                v |= ((uvec2(qh[2u * (o & 1u)], qh[2u * (o & 1u) + 1u]) >> (2u * j + e)) & 0x01010101u) << 4;
+            w[2u * o] = scale[e] * q_bytes(v.x) - minimum[e];
+            w[2u * o + 1u] = scale[e] * q_bytes(v.y) - minimum[e];
+        }
+    } else if (FORMAT == QUANT_Q6_K) {
+        uint h = u >> 2, l = 8u * (u & 3u);
+        uvec2 ql_a = q_8bytes(block + 64u * h + l), ql_b = q_8bytes(block + 64u * h + 32u + l);
+        uvec2 qh = q_8bytes(block + 128u + 32u * h + l);
+        uvec2 scales = q_8bytes(block + 192u + 8u * h);
+        float d = q_half(block + 208u);
+        for (uint o = 0u; o < 4u; ++o) {
+            uvec2 low = (((o & 1u) == 0u ? ql_a : ql_b) >> (o < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+            uvec2 v = low | (((qh >> (2u * o)) & 0x03030303u) << 4);
+            uint at = (u & 3u) / 2u + 2u * o;  // scale byte within the 8
+            float scale = d * float(bitfieldExtract(int(scales[at >> 2]), int(8u * (at & 3u)), 8));
+            w[2u * o] = scale * (q_bytes(v.x) - 32.0);
+            w[2u * o + 1u] = scale * (q_bytes(v.y) - 32.0);
+        }
+    } else {  // NF4: 16 bytes of unit u, element 2i in the high nibble of byte i
+        uvec4 q = q_16bytes(block + 4u + 16u * u);
+        float absmax = q_float(block);
+        w[0] = absmax * nf4_levels(q.x); w[1] = absmax * nf4_levels(q.x >> 16);
+        w[2] = absmax * nf4_levels(q.y); w[3] = absmax * nf4_levels(q.y >> 16);
+        w[4] = absmax * nf4_levels(q.z); w[5] = absmax * nf4_levels(q.z >> 16);
+        w[6] = absmax * nf4_levels(q.w); w[7] = absmax * nf4_levels(q.w >> 16);
+    }
+}
+
 #endif
