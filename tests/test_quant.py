@@ -114,23 +114,26 @@ def test_input_gradient_product(device, fmt, tile):
 def test_matvec_batches_tails_and_offsets(device, fmt):
     """The matvec for 1 to 8 rows of A in both layouts: k of more 32-weight units than a GPU workgroup has
     invocations and not a multiple of them, an odd n (the last workgroup's second column past n), A read 16
-    bytes at a time (offset 0) or element by element (an offset of 3 elements)."""
+    bytes at a time (offset 0) or element by element (an offset of 3 elements), W read 16 bytes at a time
+    (offset 0) or by words (an offset of 4 bytes)."""
     block = FORMATS[fmt].block
     k = block * -(-(32 * KQ.MATVEC_THREADS + 96) // block)
     assert (k // 32) % KQ.MATVEC_THREADS and k // 32 > KQ.MATVEC_THREADS
     n = 2 * KQ.MATVEC_COLS + 1
     packed = random_blocks(fmt, n, k, seed=12)
     w64 = reference_weights(packed, fmt, n, k)
-    w = device.upload(packed.reshape(-1), dtype="uint8")
+    weights = {0: Operand(device.upload(packed.reshape(-1), dtype="uint8"), 0),
+               4: Operand(device.upload(np.concatenate([np.zeros(4, np.uint8), packed.reshape(-1)]), dtype="uint8"), 4)}
     rng = np.random.default_rng(13)
-    for m, skip, split_k in ((1, 0, True), (2, 3, True), (3, 0, True), (8, 3, True), (8, 0, True), (5, 3, False)):
+    for m, skip, w_skip, split_k in ((1, 0, 0, True), (2, 3, 4, True), (3, 0, 4, True), (8, 3, 0, True),
+                                     (8, 0, 0, True), (5, 3, 0, False), (4, 0, 4, False)):
         x = rng.standard_normal((m, k)).astype(np.float32)
         a = device.upload(np.concatenate([np.zeros(skip, np.float32), x.reshape(-1)]))
         c = device.buffer(m * n, "float32")
-        device.run(lambda seq: KQ.matmul_quant(seq, Operand(a, skip), w, c, FORMATS[fmt], m=m, n=n, k=k,
+        device.run(lambda seq: KQ.matmul_quant(seq, Operand(a, skip), weights[w_skip], c, FORMATS[fmt], m=m, n=n, k=k,
                                                algorithm="matvec", split_k=split_k))
         got = c.read().reshape(m, n).astype(np.float64)
-        assert relative_error(got, x.astype(np.float64) @ w64.T) < TOLERANCE, (m, skip, split_k)
+        assert relative_error(got, x.astype(np.float64) @ w64.T) < TOLERANCE, (m, skip, w_skip, split_k)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])

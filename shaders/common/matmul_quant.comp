@@ -32,6 +32,7 @@ layout(constant_id = 9) const uint SPLIT_K = 1;  // matvec: 1: a workgroup per c
 layout(constant_id = 10) const uint ROWS = 1;    // matvec: m, so that the per-row sums stay in registers
 layout(constant_id = 11) const uint COLS = 1;    // matvec: columns of C per workgroup (SPLIT_K = 0: 1)
 layout(constant_id = 12) const uint A_VEC = 0;   // matvec: A's offset is a whole number of 16-byte vectors
+layout(constant_id = 13) const uint W_VEC = 0;   // W's byte offset is a multiple of 16 (16-byte loads of Q4_K, Q5_K)
 
 layout(push_constant) uniform Push {
     uint m; uint n; uint k;
@@ -41,6 +42,8 @@ layout(push_constant) uniform Push {
 layout(binding = 0) readonly buffer A { ELEM_T a[]; };
 layout(binding = 0) readonly buffer AVectors { uvec4 a_vec[]; };  // the same buffer, 16 bytes at a time
 layout(binding = 1) readonly buffer Packed { uint packed_words[]; };
+layout(binding = 1) readonly buffer PackedVectors { uvec4 packed_vec[]; };
+#define QUANT_PACKED_VECTORS
 layout(binding = 2) writeonly buffer C { ELEM_T c[]; };
 #include "quant_block.glsl"
 

@@ -121,6 +121,14 @@ uvec4 q_16bytes(uint at) {
     uint w4 = s != 0u ? packed_words[i + 4u] : 0u;
     return uvec4(q_funnel(w0, w1, s), q_funnel(w1, w2, s), q_funnel(w2, w3, s), q_funnel(w3, w4, s));
 }
+// 16 bytes at `at`, which is a multiple of 16 when the packed buffer's offset is (W_VEC): one 16-byte load
+// where the including kernel declares the buffer as uvec4s too (QUANT_PACKED_VECTORS: packed_vec, W_VEC).
+uvec4 q_16bytes_aligned(uint at) {
+#if defined(QUANT_PACKED_VECTORS)
+    if (W_VEC == 1u) return packed_vec[at >> 4];
+#endif
+    return q_16bytes(at);
+}
 uvec2 q_8bytes(uint at) {  // at even
     uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
     uint w0 = packed_words[i], w1 = packed_words[i + 1u];
@@ -155,10 +163,13 @@ void quant_unit(uint block, uint u, out vec4 w[8]) {
         w[4] = d * q_int8s(hi.x); w[5] = d * q_int8s(hi.y); w[6] = d * q_int8s(hi.z); w[7] = d * q_int8s(hi.w);
     } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
         uint j = u >> 1, h = u & 1u;
-        uvec4 q = q_16bytes(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
-        uvec4 qh = FORMAT == QUANT_Q5_K ? q_16bytes(block + 16u + 16u * h) : uvec4(0u);
-        // Scales and mins of sub-blocks 2j and 2j + 1 from the 12 bytes at block + 4 (ggml's get_scale_min_k4).
-        uint s0 = packed_words[(block >> 2) + 1u], s1 = packed_words[(block >> 2) + 2u], s2 = packed_words[(block >> 2) + 3u];
+        // Blocks of 144 and 176 bytes: every field below starts on 16 bytes when the block does.
+        uvec4 q = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
+        uvec4 qh = FORMAT == QUANT_Q5_K ? q_16bytes_aligned(block + 16u + 16u * h) : uvec4(0u);
+        // d and dmin, then the scales and mins of sub-blocks 2j and 2j + 1 from the 12 bytes at block + 4
+        // (ggml's get_scale_min_k4).
+        uvec4 head = q_16bytes_aligned(block);
+        uint s0 = head.y, s1 = head.z, s2 = head.w;
         vec2 scale, minimum;
         for (uint e = 0u; e < 2u; ++e) {
             uint sub = 2u * j + e, sc, mn;
@@ -173,7 +184,7 @@ void quant_unit(uint block, uint u, out vec4 w[8]) {
             scale[e] = float(sc);
             minimum[e] = float(mn);
         }
-        vec2 dm = unpackHalf2x16(packed_words[block >> 2]);
+        vec2 dm = unpackHalf2x16(head.x);
         scale *= dm.x;
         minimum *= dm.y;
         for (uint o = 0u; o < 4u; ++o) {

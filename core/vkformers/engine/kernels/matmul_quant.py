@@ -120,12 +120,12 @@ def matmul_quant(seq, a, w, c, fmt, *, m: int, n: int, k: int, trans_w: bool = T
             a_offset = a.offset + first * k
             push = [rows, n, k, a_offset, w.offset, c.offset + first * n, fmt.row_bytes(w_cols)]
             spec = [fmt.shader_id, 0, 1, cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, threads, int(not by_column),
-                    rows, cols, int(a_offset % per_vector == 0)]
+                    rows, cols, int(a_offset % per_vector == 0), int(w.offset % 16 == 0)]
             seq.dispatch(kernel, buffers, groups, push, spec)
         return
     push = [m, n, k, a.offset, w.offset, c.offset, fmt.row_bytes(w_cols)]
     groups = (-(-n // cfg.bn), -(-m // cfg.bm), 1)
-    spec = [fmt.shader_id, 1, int(trans_w), cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, cfg.threads, 1, 1, 1, 0]
+    spec = [fmt.shader_id, 1, int(trans_w), cfg.bm, cfg.bn, cfg.bk, cfg.tm, cfg.tn, cfg.threads, 1, 1, 1, 0, 0]
     seq.dispatch(kernel, buffers, groups, push, spec)
 
 
