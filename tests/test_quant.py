@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 
 import gguf
+import vkformers as vkf
+from test_attention import rounded
+from test_decode_fused import launch, rms  # noqa: F401 (launch: a fixture)
 from test_gguf import CONFIG, random_llama, train_bpe, write_tiny_gguf
+from test_kernels_transformer import rope_reference
 from vkformers.engine import functional as F
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import matmul_quant as KQ
 from vkformers.engine.kernels.matmul import coopmat_supported
+from vkformers.engine.ops import decode as fused_ops
 from vkformers.engine.quantized import FORMATS, QuantizedArray, QuantizedTensor, quantize
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import QuantizationError
@@ -514,3 +519,64 @@ def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
     assert build_parser().parse_args(["generate", "--quantization", "q4_k"]).quantization == "q4_k"
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--quantization", "nf4"]) == 1
     assert "applies to safetensors checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_fused_decode_with_quantized_weights(device, launch, fmt, monkeypatch):
+    """The fused decode-step products (decode_matvec's q_* variants) with packed weights: norm + bias + residual
+    on an odd width, the gated MLP, and q/k/v with the rotary embedding and the cache write, in this device's
+    launch shape and a GPU's (test_decode_fused's fixture); float32 within TOLERANCE of float64 on the exact
+    dequantized weights, bfloat16 within its rounding. Every format's units in the plain mode; the gated and
+    q/k/v modes (the same units, other epilogues) for three of them."""
+    monkeypatch.setattr(fused_ops, "enabled", True)
+    block = FORMATS[fmt].block
+    k = block * -(-128 // block)
+    rng = np.random.default_rng(18)
+
+    def weight(n, seed):
+        packed = random_blocks(fmt, n, k, seed=seed)
+        return QuantizedTensor.upload(QuantizedArray(packed, fmt, (n, k))), reference_weights(packed, fmt, n, k)
+
+    def tensor(shape, dtype="float32", scale=1.0):
+        exact, host = rounded(rng.standard_normal(shape) * scale, dtype)
+        return exact, Tensor(host, dtype=dtype) if dtype != "float32" else Tensor(host)
+
+    def close(got, want, tolerance):
+        assert relative_error(np.asarray(got, np.float64), want) < tolerance
+
+    (wt, w), (gate_t, gate), (up_t, up) = weight(37, 19), weight(24, 20), weight(24, 21)
+    g, gt = tensor((k,))
+    with vkf.no_grad():
+        for dtype, tolerance in (("float32", TOLERANCE), ("bfloat16", 1.6e-2)):
+            x, xt = tensor((3, 1, k), dtype)
+            b, bt = tensor((37,), dtype)
+            r, rt = tensor((3, 1, 37), dtype)
+            gd, gdt = tensor((k,), dtype)
+            assert fused_ops.fusable(xt, [wt], fused_ops.FusedNorm(gdt, 1e-5))
+            got = fused_ops.fused_linear(xt, wt, norm=fused_ops.FusedNorm(gdt, 1e-5), bias=bt, residual=rt,
+                                         residual_scale=0.5)
+            close(got.float().numpy(), r + 0.5 * (rms(x, gd, 1e-5) @ w.T + b), tolerance)
+        if fmt not in ("q4_k", "q6_k", "q8_0"):  # the unit layouts are the plain product's; the modes, these
+            return
+        x, xt = tensor((2, 1, k))
+        got = fused_ops.fused_gated(xt[:2], gate_t, up_t, norm=fused_ops.FusedNorm(gt, 1e-6)).numpy()
+        h = rms(x, g, 1e-6)
+        close(got, h @ gate.T / (1 + np.exp(-(h @ gate.T))) * (h @ up.T), TOLERANCE)
+
+        heads, kv_heads, head_dim, capacity, start = 4, 2, 16, 5, 3
+        (wq_t, wq), (wk_t, wk), (wv_t, wv) = weight(heads * head_dim, 22), weight(32, 23), weight(32, 24)
+        k_cache = vkf.parameter(np.zeros((2, kv_heads, capacity, head_dim), np.float32), requires_grad=False)
+        v_cache = vkf.parameter(np.zeros((2, kv_heads, capacity, head_dim), np.float32), requires_grad=False)
+        positions = np.array([[4], [9]], np.int32)
+        inv_freq = (1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+        q = fused_ops.fused_qkv_rope_write(xt, wq_t, wk_t, wv_t, k_cache=k_cache, v_cache=v_cache,
+                                           cache_start=Tensor(np.array([start], np.uint32)),
+                                           positions=Tensor(positions), head_dim=head_dim,
+                                           inv_freq=Tensor(inv_freq), norm=fused_ops.FusedNorm(gt, 1e-6)).numpy()
+        caches = k_cache.numpy(), v_cache.numpy()
+    h = h[:, 0]
+    rotate = lambda t: rope_reference(t, positions, inv_freq, head_dim, False, 1.0)  # noqa: E731
+    close(q, rotate((h @ wq.T).reshape(2, heads, 1, head_dim)), TOLERANCE)
+    close(caches[0][:, :, start:start + 1], rotate((h @ wk.T).reshape(2, kv_heads, 1, head_dim)), TOLERANCE)
+    close(caches[1][:, :, start:start + 1], (h @ wv.T).reshape(2, kv_heads, 1, head_dim), TOLERANCE)
+    assert not caches[0][:, :, :start].any() and not caches[1][:, :, start + 1:].any()

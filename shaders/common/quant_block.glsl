@@ -3,11 +3,19 @@
 // The including kernel declares, before this file:
 //   layout(constant_id = N) const uint FORMAT = ...;          // one of the QUANT_* ids below
 //   layout(binding = B) readonly buffer Packed { uint packed_words[]; };
+// or defines QUANT_WORD(i), word i of the packed bytes, its own way (a choice among several buffers).
 // Packed weights are the file's bytes unchanged (a row of W is its blocks one after another), read as 32-bit
 // words: blocks of 18, 34 or 210 bytes do not start on a word, so every field is picked out by byte address.
 // Layouts follow the GGUF spec (ggml-common.h); engine/quantized.py holds the same table for the host.
 #ifndef VKFORMERS_QUANT_BLOCK_GLSL
 #define VKFORMERS_QUANT_BLOCK_GLSL
+
+#ifndef QUANT_WORD
+#define QUANT_WORD(i) packed_words[i]
+#endif
+#ifndef QUANT_VEC
+#define QUANT_VEC(i) packed_vec[i]
+#endif
 
 #define QUANT_Q4_0 0u  // 32 per block, 18 bytes: f16 d, 16 bytes of nibbles (low: 0..15, high: 16..31)
 #define QUANT_Q4_1 1u  // 32 per block, 20 bytes: f16 d, f16 m, 16 bytes of nibbles; x = d * q + m
@@ -33,13 +41,13 @@ uint quant_block_bytes() {
     }
 }
 
-uint q_byte(uint at) { return (packed_words[at >> 2] >> ((at & 3u) * 8u)) & 0xFFu; }
+uint q_byte(uint at) { return (QUANT_WORD(at >> 2) >> ((at & 3u) * 8u)) & 0xFFu; }
 int q_int8(uint at) { return int(q_byte(at) << 24) >> 24; }
 float q_half(uint at) {  // at is even: a half never straddles two words
-    uint word = packed_words[at >> 2];
+    uint word = QUANT_WORD(at >> 2);
     return unpackHalf2x16((at & 2u) != 0u ? word >> 16 : word).x;
 }
-float q_float(uint at) { return uintBitsToFloat(packed_words[at >> 2]); }  // at is a multiple of 4
+float q_float(uint at) { return uintBitsToFloat(QUANT_WORD(at >> 2)); }  // at is a multiple of 4
 
 const float NF4_LEVELS[16] = float[16](
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -56,8 +64,8 @@ uvec2 k_scale_min(uint at, uint j) {
 // Four bytes from byte `at` on, the first in the low 8 bits (at is even: at most two words; the second is read only
 // when the bytes reach into it, so a read never passes the buffer's end).
 uint q_word4(uint at) {
-    uint shift = (at & 3u) * 8u, first = packed_words[at >> 2];
-    return shift == 0u ? first : (first >> shift) | (packed_words[(at >> 2) + 1u] << (32u - shift));
+    uint shift = (at & 3u) * 8u, first = QUANT_WORD(at >> 2);
+    return shift == 0u ? first : (first >> shift) | (QUANT_WORD((at >> 2) + 1u) << (32u - shift));
 }
 vec4 q_bytes(uint v) { return vec4(uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu); }
 vec4 q_int8s(uint v) {
@@ -117,22 +125,23 @@ bool q_word_aligned() {
 // 16 bytes from byte `at` (even) on, byte 0 lowest in .x; the fifth word is read only when the bytes reach it.
 uvec4 q_16bytes(uint at) {
     uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
-    uint w0 = packed_words[i], w1 = packed_words[i + 1u], w2 = packed_words[i + 2u], w3 = packed_words[i + 3u];
-    uint w4 = s != 0u ? packed_words[i + 4u] : 0u;
+    uint w0 = QUANT_WORD(i), w1 = QUANT_WORD(i + 1u), w2 = QUANT_WORD(i + 2u), w3 = QUANT_WORD(i + 3u);
+    uint w4 = s != 0u ? QUANT_WORD(i + 4u) : 0u;
     return uvec4(q_funnel(w0, w1, s), q_funnel(w1, w2, s), q_funnel(w2, w3, s), q_funnel(w3, w4, s));
 }
 // 16 bytes at `at`, which is a multiple of 16 when the packed buffer's offset is (W_VEC): one 16-byte load
-// where the including kernel declares the buffer as uvec4s too (QUANT_PACKED_VECTORS: packed_vec, W_VEC).
+// where the including kernel declares the buffer as uvec4s too (QUANT_PACKED_VECTORS: W_VEC, and packed_vec or
+// QUANT_VEC(i), the 16 bytes i).
 uvec4 q_16bytes_aligned(uint at) {
 #if defined(QUANT_PACKED_VECTORS)
-    if (W_VEC == 1u) return packed_vec[at >> 4];
+    if (W_VEC == 1u) return QUANT_VEC(at >> 4);
 #endif
     return q_16bytes(at);
 }
 uvec2 q_8bytes(uint at) {  // at even
     uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
-    uint w0 = packed_words[i], w1 = packed_words[i + 1u];
-    uint w2 = s != 0u ? packed_words[i + 2u] : 0u;
+    uint w0 = QUANT_WORD(i), w1 = QUANT_WORD(i + 1u);
+    uint w2 = s != 0u ? QUANT_WORD(i + 2u) : 0u;
     return uvec2(q_funnel(w0, w1, s), q_funnel(w1, w2, s));
 }
 vec4 nf4_levels(uint v) {  // v: four bytes, each two codes (the high nibble first)
