@@ -521,8 +521,9 @@ def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
     assert "applies to safetensors checkpoints" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("launch")
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_fused_decode_with_quantized_weights(device, launch, fmt, monkeypatch):
+def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
     """The fused decode-step products (decode_matvec's q_* variants) with packed weights: norm + bias + residual
     on an odd width, the gated MLP, and q/k/v with the rotary embedding and the cache write, in this device's
     launch shape and a GPU's (test_decode_fused's fixture); float32 within TOLERANCE of float64 on the exact
