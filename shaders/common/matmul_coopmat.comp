@@ -170,7 +170,8 @@ uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
     uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
     if (outer >= (TRANS_B != 0 ? N_ : k_limit) || inner >= (TRANS_B != 0 ? k_limit : N_)) return uvec4(0);
-    vec4 lo = quant_row4(off_b, stride_b, outer, inner), hi = quant_row4(off_b, stride_b, outer, inner + 4);
+    vec4 lo, hi;
+    quant_row8(off_b, stride_b, outer, inner, lo, hi);
     return uvec4(pack_b2(lo.x, lo.y), pack_b2(lo.z, lo.w), pack_b2(hi.x, hi.y), pack_b2(hi.z, hi.w));
 }
 #else

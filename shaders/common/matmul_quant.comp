@@ -24,7 +24,7 @@ layout(constant_id = 1) const uint MODE = 0;     // 0: matvec, 1: tiled
 layout(constant_id = 2) const uint TRANS_W = 1;
 layout(constant_id = 3) const uint BM = 64;
 layout(constant_id = 4) const uint BN = 64;
-layout(constant_id = 5) const uint BK = 32;      // multiple of 4
+layout(constant_id = 5) const uint BK = 32;      // multiple of 8 (as BN)
 layout(constant_id = 6) const uint TM = 4;       // at most MAX_T
 layout(constant_id = 7) const uint TN = 4;       // at most MAX_T
 layout(local_size_x_id = 8) in;                  // tiled: (BM / TM) * (BN / TN); matvec: any multiple of the subgroup
@@ -131,18 +131,26 @@ void tiled() {
             bool inside = row0 + r < m && k0 + kk < k;
             tile_a[kk * (BM + 1) + r] = inside ? load_elem(a[off_a + (row0 + r) * k + k0 + kk]) : 0.0;
         }
-        // W's inner dimension (k for W^T, n for W) is a whole number of blocks, so of groups of 4.
+        // W's inner dimension (k for W^T, n for W) is a whole number of blocks, so of runs of 8.
         if (TRANS_W == 1u) {
-            for (uint i = tid; i < BN * BK / 4u; i += threads) {
-                uint r = i / (BK / 4u), kk = 4u * (i % (BK / 4u));
-                vec4 w = col0 + r < n && k0 + kk < k ? quant_row4(off_w, row_bytes, col0 + r, k0 + kk) : vec4(0.0);
-                for (uint e = 0u; e < 4u; ++e) tile_w[(kk + e) * (BN + 1) + r] = w[e];
+            for (uint i = tid; i < BN * BK / 8u; i += threads) {
+                uint r = i / (BK / 8u), kk = 8u * (i % (BK / 8u));
+                vec4 lo = vec4(0.0), hi = vec4(0.0);
+                if (col0 + r < n && k0 + kk < k) quant_row8(off_w, row_bytes, col0 + r, k0 + kk, lo, hi);
+                for (uint e = 0u; e < 4u; ++e) {
+                    tile_w[(kk + e) * (BN + 1) + r] = lo[e];
+                    tile_w[(kk + 4u + e) * (BN + 1) + r] = hi[e];
+                }
             }
         } else {
-            for (uint i = tid; i < BN * BK / 4u; i += threads) {
-                uint kk = i / (BN / 4u), cc = 4u * (i % (BN / 4u));
-                vec4 w = k0 + kk < k && col0 + cc < n ? quant_row4(off_w, row_bytes, k0 + kk, col0 + cc) : vec4(0.0);
-                for (uint e = 0u; e < 4u; ++e) tile_w[kk * (BN + 1) + cc + e] = w[e];
+            for (uint i = tid; i < BN * BK / 8u; i += threads) {
+                uint kk = i / (BN / 8u), cc = 8u * (i % (BN / 8u));
+                vec4 lo = vec4(0.0), hi = vec4(0.0);
+                if (k0 + kk < k && col0 + cc < n) quant_row8(off_w, row_bytes, k0 + kk, col0 + cc, lo, hi);
+                for (uint e = 0u; e < 4u; ++e) {
+                    tile_w[kk * (BN + 1) + cc + e] = lo[e];
+                    tile_w[kk * (BN + 1) + cc + 4u + e] = hi[e];
+                }
             }
         }
         barrier();

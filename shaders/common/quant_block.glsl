@@ -228,4 +228,47 @@ void quant_unit(uint block, uint u, out vec4 w[8]) {
     }
 }
 
+// Elements j .. j+7 (j a multiple of 8) of the block starting at byte `block`, as dequant4 but each field read once:
+// eight consecutive elements share one scale and sit in eight consecutive bytes (four for NF4).
+void dequant8(uint block, uint j, out vec4 lo, out vec4 hi) {
+    if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
+        uvec2 q = (q_8bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u) + (j & 15u)) >> (j < 16u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        float d = q_half(block), m = FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u);
+        lo = d * q_bytes(q.x) + m;
+        hi = d * q_bytes(q.y) + m;
+    } else if (FORMAT == QUANT_Q8_0) {
+        uvec2 q = q_8bytes(block + 2u + j);
+        float d = q_half(block);
+        lo = d * q_int8s(q.x);
+        hi = d * q_int8s(q.y);
+    } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        uint sub = j / 32u, l = j % 32u;
+        uvec2 v = (q_8bytes(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * (sub / 2u) + l) >> ((sub & 1u) * 4u))
+                  & 0x0F0F0F0Fu;
+        if (FORMAT == QUANT_Q5_K) v |= ((q_8bytes(block + 16u + l) >> sub) & 0x01010101u) << 4;
+        uvec2 sm = k_scale_min(block + 4u, sub);
+        float scale = q_half(block) * float(sm.x), minimum = q_half(block + 2u) * float(sm.y);
+        lo = scale * q_bytes(v.x) - minimum;
+        hi = scale * q_bytes(v.y) - minimum;
+    } else if (FORMAT == QUANT_Q6_K) {
+        uint half_ = j / 128u, quarter = (j % 128u) / 32u, l = j % 32u;
+        uvec2 low = (q_8bytes(block + 64u * half_ + 32u * (quarter & 1u) + l) >> (quarter < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        uvec2 high = (q_8bytes(block + 128u + 32u * half_ + l) >> (2u * quarter)) & 0x03030303u;
+        float scale = q_half(block + 208u) * float(q_int8(block + 192u + 8u * half_ + l / 16u + 2u * quarter));
+        lo = scale * (q_bytes(low.x | (high.x << 4)) - 32.0);
+        hi = scale * (q_bytes(low.y | (high.y << 4)) - 32.0);
+    } else {  // NF4: four bytes, word-aligned (blocks of 36 bytes, the codes from byte 4)
+        uint v = QUANT_WORD((block + 4u + j / 2u) >> 2);
+        float absmax = q_float(block);
+        lo = absmax * nf4_levels(v);
+        hi = absmax * nf4_levels(v >> 16);
+    }
+}
+
+// W[row, col .. col+7] (col a multiple of 8) of a packed matrix whose rows are `row_bytes` long from byte `base`.
+void quant_row8(uint base, uint row_bytes, uint row, uint col, out vec4 lo, out vec4 hi) {
+    uint size = quant_block_size();
+    dequant8(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size, lo, hi);
+}
+
 #endif

@@ -45,7 +45,7 @@ class QuantTileConfig:
         return (self.bm // self.tm) * (self.bn // self.tn)
 
     def check(self) -> None:
-        if self.bk % 4 or self.tm > 8 or self.tn > 8 or self.bm % self.tm or self.bn % self.tn:
+        if self.bk % 8 or self.bn % 8 or self.tm > 8 or self.tn > 8 or self.bm % self.tm or self.bn % self.tn:
             raise ValueError(f"matmul_quant: tile configuration {self} is not valid")
 
 
