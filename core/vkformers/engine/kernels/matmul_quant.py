@@ -75,7 +75,8 @@ def matmul_quant(seq, a, w, c, fmt, *, m: int, n: int, k: int, trans_w: bool = T
                  tile: QuantTileConfig | None = None, split_k: bool | None = None) -> None:
     """Record ``C [m, n] = A [m, k] @ W^T`` (``trans_w``: W [n, k]) or ``A @ W`` (W [k, n]) into ``seq``; W
     packed in ``fmt`` (engine.quantized.QuantFormat). ``algorithm``: "auto" (matvec up to MATVEC_MAX_ROWS rows,
-    CPU_MATVEC_MAX on a CPU device), "matvec" (trans_w only; in blocks of rows) or "tiled". ``tile``
+    CPU_MATVEC_MAX on a CPU device; else coopmat where the device has the activations' cooperative matrix, else
+    tiled), "matvec" (trans_w only; in blocks of rows), "tiled" or "coopmat". ``tile``
     overrides the tiled kernel's configuration, ``split_k`` the matvec's layout (default: by device)."""
     a, c = operand(a), operand(c)
     variant = _activations(a, c, "matmul_quant")
