@@ -10,9 +10,16 @@ import numpy as np
 import pytest
 
 import gguf
+import vkformers as vkf
+from test_attention import rounded
+from test_decode_fused import launch, rms  # noqa: F401 (launch: a fixture)
 from test_gguf import CONFIG, random_llama, train_bpe, write_tiny_gguf
+from test_kernels_transformer import rope_reference
 from vkformers.engine import functional as F
+from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import matmul_quant as KQ
+from vkformers.engine.kernels.matmul import coopmat_supported
+from vkformers.engine.ops import decode as fused_ops
 from vkformers.engine.quantized import FORMATS, QuantizedArray, QuantizedTensor, quantize
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import QuantizationError
@@ -106,6 +113,82 @@ def test_input_gradient_product(device, fmt, tile):
     got = run_product(device, g, packed, fmt, n=k, k=n, trans_w=False, tile=tile)
     want = g.astype(np.float64) @ reference_weights(packed, fmt, n, k)
     assert relative_error(got, want) < TOLERANCE
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_matvec_batches_tails_and_offsets(device, fmt):
+    """The matvec for 1 to 8 rows of A in both layouts: k of more 32-weight units than a GPU workgroup has
+    invocations and not a multiple of them, an odd n (the last workgroup's second column past n), A read 16
+    bytes at a time (offset 0) or element by element (an offset of 3 elements), W read 16 bytes at a time
+    (offset 0) or by words (an offset of 4 bytes)."""
+    block = FORMATS[fmt].block
+    k = block * -(-(32 * KQ.MATVEC_THREADS + 96) // block)
+    assert (k // 32) % KQ.MATVEC_THREADS and k // 32 > KQ.MATVEC_THREADS
+    n = 2 * KQ.MATVEC_COLS + 1
+    packed = random_blocks(fmt, n, k, seed=12)
+    w64 = reference_weights(packed, fmt, n, k)
+    weights = {0: Operand(device.upload(packed.reshape(-1), dtype="uint8"), 0),
+               4: Operand(device.upload(np.concatenate([np.zeros(4, np.uint8), packed.reshape(-1)]), dtype="uint8"), 4)}
+    rng = np.random.default_rng(13)
+    for m, skip, w_skip, split_k in ((1, 0, 0, True), (2, 3, 4, True), (3, 0, 4, True), (8, 3, 0, True),
+                                     (8, 0, 0, True), (5, 3, 0, False), (4, 0, 4, False)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        a = device.upload(np.concatenate([np.zeros(skip, np.float32), x.reshape(-1)]))
+        c = device.buffer(m * n, "float32")
+        device.run(lambda seq: KQ.matmul_quant(seq, Operand(a, skip), weights[w_skip], c, FORMATS[fmt], m=m, n=n, k=k,
+                                               algorithm="matvec", split_k=split_k))
+        got = c.read().reshape(m, n).astype(np.float64)
+        assert relative_error(got, x.astype(np.float64) @ w64.T) < TOLERANCE, (m, skip, w_skip, split_k)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_matvec_half_activations(device, fmt, dtype, tolerance):
+    """16-bit A and C in the GPU matvec layout: A read as 8 halves per 16 bytes (offsets 0 and 8) or one by one
+    (offset 3); within the result dtype's rounding."""
+    n, k, m = 7, 512, 2
+    packed = random_blocks(fmt, n, k, seed=14)
+    w = device.upload(packed.reshape(-1), dtype="uint8")
+    x = np.random.default_rng(15).standard_normal((m, k)).astype(np.float32)
+    to_host = {"float16": lambda v: v.astype(np.float16), "bfloat16": dt.to_bfloat16}[dtype]
+    to_float = {"float16": lambda v: v.astype(np.float32), "bfloat16": dt.from_bfloat16}[dtype]
+    for skip in (0, 8, 3):
+        stored = to_host(np.concatenate([np.zeros(skip, np.float32), x.reshape(-1)]))
+        x_rounded = to_float(stored[skip:]).reshape(m, k).astype(np.float64)
+        a = device.upload(stored, dtype=dtype)
+        c = device.buffer(m * n, dtype)
+        device.run(lambda seq: KQ.matmul_quant(seq, Operand(a, skip), w, c, FORMATS[fmt], m=m, n=n, k=k,
+                                               algorithm="matvec", split_k=True))
+        got = to_float(c.read()).reshape(m, n).astype(np.float64)
+        want = x_rounded @ reference_weights(packed, fmt, n, k).T
+        assert relative_error(got, want) < tolerance, skip
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float16", 2e-3), ("bfloat16", 1.6e-2)])
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_coopmat_product(device, fmt, dtype, tolerance):
+    """The cooperative-matrix product (W dequantized into the staged tile) for x @ W^T and dY @ W: whole tiles
+    (the unchecked loads) and tails in m, n and k; a device without the matrix type has no such path."""
+    if not coopmat_supported(device, dtype):
+        pytest.skip(f"{device.name} has no {dtype} cooperative matrix")
+    to_host = {"float16": lambda v: v.astype(np.float16), "bfloat16": dt.to_bfloat16}[dtype]
+    to_float = {"float16": lambda v: v.astype(np.float32), "bfloat16": dt.from_bfloat16}[dtype]
+    block = FORMATS[fmt].block
+    rng = np.random.default_rng(16)
+    for m, n, k, trans_w in ((300, 200, 3 * block * -(-96 // block), True), (37, 45, 3 * block, True),
+                             (300, 3 * block * -(-96 // block), 200, False), (19, 2 * block, 45, False)):
+        w_rows, w_cols = (n, k) if trans_w else (k, n)
+        packed = random_blocks(fmt, w_rows, w_cols, seed=17)
+        stored = to_host(rng.standard_normal((m, k)).astype(np.float32))
+        a = device.upload(stored, dtype=dtype)
+        w = device.upload(packed.reshape(-1), dtype="uint8")
+        c = device.buffer(m * n, dtype)
+        device.run(lambda seq: KQ.matmul_quant(seq, a, w, c, FORMATS[fmt], m=m, n=n, k=k, trans_w=trans_w,
+                                               algorithm="coopmat"))
+        w64 = reference_weights(packed, fmt, w_rows, w_cols)
+        want = to_float(stored).astype(np.float64) @ (w64.T if trans_w else w64)
+        got = to_float(c.read()).reshape(m, n).astype(np.float64)
+        assert relative_error(got, want) < tolerance, (m, n, k, trans_w)
 
 
 def test_matvec_row_blocks(device):
@@ -436,3 +519,65 @@ def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
     assert build_parser().parse_args(["generate", "--quantization", "q4_k"]).quantization == "q4_k"
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--quantization", "nf4"]) == 1
     assert "applies to safetensors checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("launch")
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
+    """The fused decode-step products (decode_matvec's q_* variants) with packed weights: norm + bias + residual
+    on an odd width, the gated MLP, and q/k/v with the rotary embedding and the cache write, in this device's
+    launch shape and a GPU's (test_decode_fused's fixture); float32 within TOLERANCE of float64 on the exact
+    dequantized weights, bfloat16 within its rounding. Every format's units in the plain mode; the gated and
+    q/k/v modes (the same units, other epilogues) for three of them."""
+    monkeypatch.setattr(fused_ops, "enabled", True)
+    block = FORMATS[fmt].block
+    k = block * -(-128 // block)
+    rng = np.random.default_rng(18)
+
+    def weight(n, seed):
+        packed = random_blocks(fmt, n, k, seed=seed)
+        return QuantizedTensor.upload(QuantizedArray(packed, fmt, (n, k))), reference_weights(packed, fmt, n, k)
+
+    def tensor(shape, dtype="float32", scale=1.0):
+        exact, host = rounded(rng.standard_normal(shape) * scale, dtype)
+        return exact, Tensor(host, dtype=dtype) if dtype != "float32" else Tensor(host)
+
+    def close(got, want, tolerance):
+        assert relative_error(np.asarray(got, np.float64), want) < tolerance
+
+    (wt, w), (gate_t, gate), (up_t, up) = weight(37, 19), weight(24, 20), weight(24, 21)
+    g, gt = tensor((k,))
+    with vkf.no_grad():
+        for dtype, tolerance in (("float32", TOLERANCE), ("bfloat16", 1.6e-2)):
+            x, xt = tensor((3, 1, k), dtype)
+            b, bt = tensor((37,), dtype)
+            r, rt = tensor((3, 1, 37), dtype)
+            gd, gdt = tensor((k,), dtype)
+            assert fused_ops.fusable(xt, [wt], fused_ops.FusedNorm(gdt, 1e-5))
+            got = fused_ops.fused_linear(xt, wt, norm=fused_ops.FusedNorm(gdt, 1e-5), bias=bt, residual=rt,
+                                         residual_scale=0.5)
+            close(got.float().numpy(), r + 0.5 * (rms(x, gd, 1e-5) @ w.T + b), tolerance)
+        if fmt not in ("q4_k", "q6_k", "q8_0"):  # the unit layouts are the plain product's; the modes, these
+            return
+        x, xt = tensor((2, 1, k))
+        got = fused_ops.fused_gated(xt[:2], gate_t, up_t, norm=fused_ops.FusedNorm(gt, 1e-6)).numpy()
+        h = rms(x, g, 1e-6)
+        close(got, h @ gate.T / (1 + np.exp(-(h @ gate.T))) * (h @ up.T), TOLERANCE)
+
+        heads, kv_heads, head_dim, capacity, start = 4, 2, 16, 5, 3
+        (wq_t, wq), (wk_t, wk), (wv_t, wv) = weight(heads * head_dim, 22), weight(32, 23), weight(32, 24)
+        k_cache = vkf.parameter(np.zeros((2, kv_heads, capacity, head_dim), np.float32), requires_grad=False)
+        v_cache = vkf.parameter(np.zeros((2, kv_heads, capacity, head_dim), np.float32), requires_grad=False)
+        positions = np.array([[4], [9]], np.int32)
+        inv_freq = (1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+        q = fused_ops.fused_qkv_rope_write(xt, wq_t, wk_t, wv_t, k_cache=k_cache, v_cache=v_cache,
+                                           cache_start=Tensor(np.array([start], np.uint32)),
+                                           positions=Tensor(positions), head_dim=head_dim,
+                                           inv_freq=Tensor(inv_freq), norm=fused_ops.FusedNorm(gt, 1e-6)).numpy()
+        caches = k_cache.numpy(), v_cache.numpy()
+    h = h[:, 0]
+    rotate = lambda t: rope_reference(t, positions, inv_freq, head_dim, False, 1.0)  # noqa: E731
+    close(q, rotate((h @ wq.T).reshape(2, heads, 1, head_dim)), TOLERANCE)
+    close(caches[0][:, :, start:start + 1], rotate((h @ wk.T).reshape(2, kv_heads, 1, head_dim)), TOLERANCE)
+    close(caches[1][:, :, start:start + 1], (h @ wv.T).reshape(2, kv_heads, 1, head_dim), TOLERANCE)
+    assert not caches[0][:, :, :start].any() and not caches[1][:, :, start + 1:].any()

@@ -19,9 +19,15 @@
 //               slot cache_start[0], read on the GPU so that one recorded step serves every position.
 // Lanes stride over k in 16-byte vectors (4 float32 or 8 16-bit values): x, g and W are bound as
 // raw 16-byte words, so k and the offsets must be whole numbers of vectors (the launcher checks).
+// QUANT_W (the q_* variants): W0, W1, W2 are quantized weights of one block format (quant_block.glsl, FORMAT),
+// read from their packed bytes (w_offset0..2 in bytes, rows of k / block whole blocks): lanes stride over units
+// of 32 weights (quant_unit) instead of vectors, and x, g follow each unit's four runs of 8 elements.
 //! variant f32 -DELEM_F32
 //! variant f16 -DELEM_F16
 //! variant bf16 -DELEM_BF16
+//! variant q_f32 -DELEM_F32 -DQUANT_W
+//! variant q_f16 -DELEM_F16 -DQUANT_W
+//! variant q_bf16 -DELEM_BF16 -DQUANT_W
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
@@ -91,6 +97,44 @@ layout(push_constant) uniform Push {
 #define VECTOR_F16
 #endif
 #include "vector16.glsl"
+
+#if defined(QUANT_W)
+layout(constant_id = 13) const uint FORMAT = 0;  // quant_block.glsl QUANT_*
+layout(constant_id = 14) const uint W_VEC = 0;   // every weight's byte offset is a multiple of 16
+layout(binding = 2) readonly buffer W0Words { uint w0_words[]; };
+layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
+layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
+uint quant_source;  // the weight quant_unit reads (uniform over a subgroup)
+uint quant_word(uint i) { return quant_source == 0u ? w0_words[i] : (quant_source == 1u ? w1_words[i] : w2_words[i]); }
+uvec4 quant_vec(uint i) { return quant_source == 0u ? w0[i] : (quant_source == 1u ? w1[i] : w2[i]); }
+#define QUANT_WORD(i) quant_word(i)
+#define QUANT_VEC(i) quant_vec(i)
+#define QUANT_PACKED_VECTORS
+#include "quant_block.glsl"
+
+uint weight_byte_offset(uint which) { return which == 0u ? w_offset0 : (which == 1u ? w_offset1 : w_offset2); }
+
+// Elements e .. e + 7 (e a multiple of 8) of row r of x, and of the norm weight.
+void x_octet(uint r, uint e, out vec4 lo, out vec4 hi) {
+    Vector a = decode(x_words[x_offset + (r * k + e) / PER_VECTOR]);
+#if defined(VECTOR_F32)
+    Vector b = decode(x_words[x_offset + (r * k + e) / PER_VECTOR + 1u]);
+    lo = a.v[0]; hi = b.v[0];
+#else
+    lo = a.v[0]; hi = a.v[1];
+#endif
+}
+void g_octet(uint e, out vec4 lo, out vec4 hi) {
+    Vector a = decode(g_words[g_offset + e / PER_VECTOR]);
+#if defined(VECTOR_F32)
+    Vector b = decode(g_words[g_offset + e / PER_VECTOR + 1u]);
+    lo = a.v[0]; hi = b.v[0];
+#else
+    lo = a.v[0]; hi = a.v[1];
+#endif
+    if (NORM_OFFSET != 0) { lo += 1.0; hi += 1.0; }
+}
+#endif
 
 uvec4 weight_word(uint which, uint index) {
     if (which == 0) return w0[w_offset0 + index];
@@ -182,6 +226,43 @@ void pair_product(uint p) {
 
     float acc0[ROWS], acc1[ROWS], squares[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; ++r) { acc0[r] = 0.0; acc1[r] = 0.0; squares[r] = 0.0; }
+#if defined(QUANT_W)
+    const uint per_block = quant_block_size() / 32u, block_bytes = quant_block_bytes();
+    const uint row_bytes = k / quant_block_size() * block_bytes;
+    const uint units = k / 32u;
+    begin = 0u;
+    end = units;
+    if (SPLIT_K != 0) {
+        uint slice = (units + gl_NumSubgroups - 1) / gl_NumSubgroups;
+        begin = min(units, gl_SubgroupID * slice);
+        end = min(units, begin + slice);
+    }
+    const uint row_a = weight_byte_offset(pr.which) + pr.col0 * row_bytes;
+    const uint row_b = weight_byte_offset(second) + col1 * row_bytes;
+    for (uint t = begin + lane; t < end; t += step) {
+        const uint block = t / per_block, u = t % per_block;
+        vec4 wa[8], wb[8];
+        quant_source = pr.which;
+        quant_unit(row_a + block * block_bytes, u, wa);
+        quant_source = second;
+        quant_unit(row_b + block * block_bytes, u, wb);
+        [[unroll]] for (uint o = 0u; o < 4u; ++o) {
+            const uint e = block * quant_block_size() + quant_octet_start(u, o);
+            vec4 g_lo, g_hi;
+            if (HAS_NORM != 0 && NORM_WEIGHT != 0) g_octet(e, g_lo, g_hi);
+            [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+                vec4 lo, hi;
+                x_octet(r, e, lo, hi);
+                if (HAS_NORM != 0) {
+                    squares[r] += dot(lo, lo) + dot(hi, hi);
+                    if (NORM_WEIGHT != 0) { lo *= g_lo; hi *= g_hi; }
+                }
+                acc0[r] += dot(lo, wa[2u * o]) + dot(hi, wa[2u * o + 1u]);
+                acc1[r] += dot(lo, wb[2u * o]) + dot(hi, wb[2u * o + 1u]);
+            }
+        }
+    }
+#else
     for (uint base = begin + lane; base < end; base += step * UNROLL) {
         uvec4 a[UNROLL], b[UNROLL];
         [[unroll]] for (uint u = 0; u < UNROLL; ++u) {  // every load issued before any is used
@@ -209,6 +290,7 @@ void pair_product(uint p) {
             }
         }
     }
+#endif
     float sums0[ROWS], sums1[ROWS], sumsq[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; ++r) {  // in uniform control flow: every lane takes part
         sums0[r] = subgroupAdd(acc0[r]);

@@ -31,6 +31,11 @@
 // otherwise it goes through shared memory one value at a time so it can
 // bounds-check, add bias and beta * C, and convert.
 //
+// QUANT_B (the *_quant variants): B is a quantized weight W (quant_block.glsl, FORMAT), read from its packed
+// bytes and dequantized 8 values at a time into the staged tile (never expanded to memory): TRANS_B = 1 for
+// x @ W^T (W [n, k]), 0 for dY @ W (W [k, n]); off_b is W's offset in bytes and stride_b its row's bytes (one
+// product, no batch). W's rows are whole blocks, so a staged run of 8 is wholly inside or past them.
+//
 // bfloat16: no GLSL compiler we have knows GL_EXT_bfloat16, so the bf16_* variants
 // compile this very source (16-bit floats appear only in the A and B matrix types)
 // and the build step rewrites that type to bfloat16 (tools/spirv_bf16.py).
@@ -41,6 +46,8 @@
 //! variant bf16_f32 -DOUT_F32
 //! variant bf16_f16 -DOUT_F16
 //! variant bf16_bf16 -DOUT_BF16
+//! variant f16_f16_quant -DOUT_F16 -DSTORE_F16_MATRICES -DQUANT_B
+//! variant bf16_bf16_quant -DOUT_BF16 -DQUANT_B -DQUANT_B_BF16
 //! postprocess bf16_* ../../tools/spirv_bf16.py
 #version 450
 #extension GL_GOOGLE_include_directive : require
@@ -74,6 +81,11 @@ layout(constant_id = 14) const uint SPLITS = 1;
 layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
 layout(constant_id = 16) const uint GROUP_ROWS = 0;  // matmul_io.glsl tile_of_workgroup: bands of tile rows
 #include "matmul_io.glsl"
+#if defined(QUANT_B)
+layout(constant_id = 17) const uint FORMAT = 0;  // quant_block.glsl QUANT_*
+layout(binding = 1) readonly buffer Packed { uint packed_words[]; };  // B's bytes as words
+#include "quant_block.glsl"
+#endif
 // A whole tile of C, nothing to add, is stored straight from the accumulators where C's type allows:
 // STORE_ACCUMULATOR(m, at) writes the float accumulator m at element `at` of C, rows N_ apart (coopMatStore: a
 // start and stride of whole 16-byte units, STORE_ALIGN elements).
@@ -144,6 +156,25 @@ uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
     return load_chunk_checked(true, ALIGNED_A != 0, base, outer, inner, TRANS_A != 0 ? k_limit : m_rows, inner_n,
                               TRANS_A != 0 ? m_rows : k_limit);
 }
+#if defined(QUANT_B)
+// Two floats as the halves (float16 or bfloat16 bits, rounded to nearest even) of one word.
+uint pack_b2(float lo, float hi) {
+#if defined(QUANT_B_BF16)
+    return uint(f32_to_bf16(lo)) | (uint(f32_to_bf16(hi)) << 16);
+#else
+    return packHalf2x16(vec2(lo, hi));
+#endif
+}
+// W[outer, inner .. inner + 7] dequantized (zeros past W's rows or the K entries read).
+uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
+    uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
+    uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
+    if (outer >= (TRANS_B != 0 ? N_ : k_limit) || inner >= (TRANS_B != 0 ? k_limit : N_)) return uvec4(0);
+    vec4 lo, hi;
+    quant_row8(off_b, stride_b, outer, inner, lo, hi);
+    return uvec4(pack_b2(lo.x, lo.y), pack_b2(lo.z, lo.w), pack_b2(hi.x, hi.y), pack_b2(hi.z, hi.w));
+}
+#else
 uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
     uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
@@ -152,6 +183,8 @@ uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
     return load_chunk_checked(false, ALIGNED_B != 0, base, outer, inner, TRANS_B != 0 ? N_ : k_limit, inner_n,
                               TRANS_B != 0 ? k_limit : N_);
 }
+#endif
+
 uint staged_index_a(uint q) { return q / (INNER_A / 8) * PITCH_A + q % (INNER_A / 8); }
 uint staged_index_b(uint q) { return q / (INNER_B / 8) * PITCH_B + q % (INNER_B / 8); }
 

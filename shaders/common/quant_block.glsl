@@ -3,11 +3,19 @@
 // The including kernel declares, before this file:
 //   layout(constant_id = N) const uint FORMAT = ...;          // one of the QUANT_* ids below
 //   layout(binding = B) readonly buffer Packed { uint packed_words[]; };
+// or defines QUANT_WORD(i), word i of the packed bytes, its own way (a choice among several buffers).
 // Packed weights are the file's bytes unchanged (a row of W is its blocks one after another), read as 32-bit
 // words: blocks of 18, 34 or 210 bytes do not start on a word, so every field is picked out by byte address.
 // Layouts follow the GGUF spec (ggml-common.h); engine/quantized.py holds the same table for the host.
 #ifndef VKFORMERS_QUANT_BLOCK_GLSL
 #define VKFORMERS_QUANT_BLOCK_GLSL
+
+#ifndef QUANT_WORD
+#define QUANT_WORD(i) packed_words[i]
+#endif
+#ifndef QUANT_VEC
+#define QUANT_VEC(i) packed_vec[i]
+#endif
 
 #define QUANT_Q4_0 0u  // 32 per block, 18 bytes: f16 d, 16 bytes of nibbles (low: 0..15, high: 16..31)
 #define QUANT_Q4_1 1u  // 32 per block, 20 bytes: f16 d, f16 m, 16 bytes of nibbles; x = d * q + m
@@ -33,13 +41,13 @@ uint quant_block_bytes() {
     }
 }
 
-uint q_byte(uint at) { return (packed_words[at >> 2] >> ((at & 3u) * 8u)) & 0xFFu; }
+uint q_byte(uint at) { return (QUANT_WORD(at >> 2) >> ((at & 3u) * 8u)) & 0xFFu; }
 int q_int8(uint at) { return int(q_byte(at) << 24) >> 24; }
 float q_half(uint at) {  // at is even: a half never straddles two words
-    uint word = packed_words[at >> 2];
+    uint word = QUANT_WORD(at >> 2);
     return unpackHalf2x16((at & 2u) != 0u ? word >> 16 : word).x;
 }
-float q_float(uint at) { return uintBitsToFloat(packed_words[at >> 2]); }  // at is a multiple of 4
+float q_float(uint at) { return uintBitsToFloat(QUANT_WORD(at >> 2)); }  // at is a multiple of 4
 
 const float NF4_LEVELS[16] = float[16](
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -56,8 +64,8 @@ uvec2 k_scale_min(uint at, uint j) {
 // Four bytes from byte `at` on, the first in the low 8 bits (at is even: at most two words; the second is read only
 // when the bytes reach into it, so a read never passes the buffer's end).
 uint q_word4(uint at) {
-    uint shift = (at & 3u) * 8u, first = packed_words[at >> 2];
-    return shift == 0u ? first : (first >> shift) | (packed_words[(at >> 2) + 1u] << (32u - shift));
+    uint shift = (at & 3u) * 8u, first = QUANT_WORD(at >> 2);
+    return shift == 0u ? first : (first >> shift) | (QUANT_WORD((at >> 2) + 1u) << (32u - shift));
 }
 vec4 q_bytes(uint v) { return vec4(uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu); }
 vec4 q_int8s(uint v) {
@@ -102,6 +110,165 @@ vec4 dequant4(uint block, uint j) {
 vec4 quant_row4(uint base, uint row_bytes, uint row, uint col) {
     uint size = quant_block_size();
     return dequant4(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size);
+}
+
+// ---- Units: the matvec's work item, 32 weights of one block read with few wide loads and each scale once.
+// A block of B elements holds B / 32 units; unit u's weights are four octets (8 consecutive elements each),
+// octet o starting at element quant_octet_start(u, o) of the block.
+
+// The funnel of two words from byte `shift` (0 or 16) of `lo` on, without a shift by 32.
+uint q_funnel(uint lo, uint hi, uint shift) { return (lo >> shift) | ((hi << (31u - shift)) << 1u); }
+// Whether every block (and every row) starts on a word: 20, 36, 144 and 176 bytes, rows of whole blocks.
+bool q_word_aligned() {
+    return FORMAT == QUANT_Q4_1 || FORMAT == QUANT_NF4 || FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K;
+}
+// 16 bytes from byte `at` (even) on, byte 0 lowest in .x; the fifth word is read only when the bytes reach it.
+uvec4 q_16bytes(uint at) {
+    uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
+    uint w0 = QUANT_WORD(i), w1 = QUANT_WORD(i + 1u), w2 = QUANT_WORD(i + 2u), w3 = QUANT_WORD(i + 3u);
+    uint w4 = s != 0u ? QUANT_WORD(i + 4u) : 0u;
+    return uvec4(q_funnel(w0, w1, s), q_funnel(w1, w2, s), q_funnel(w2, w3, s), q_funnel(w3, w4, s));
+}
+// 16 bytes at `at`, which is a multiple of 16 when the packed buffer's offset is (W_VEC): one 16-byte load
+// where the including kernel declares the buffer as uvec4s too (QUANT_PACKED_VECTORS: W_VEC, and packed_vec or
+// QUANT_VEC(i), the 16 bytes i).
+uvec4 q_16bytes_aligned(uint at) {
+#if defined(QUANT_PACKED_VECTORS)
+    if (W_VEC == 1u) return QUANT_VEC(at >> 4);
+#endif
+    return q_16bytes(at);
+}
+uvec2 q_8bytes(uint at) {  // at even
+    uint i = at >> 2, s = q_word_aligned() ? 0u : (at & 3u) * 8u;
+    uint w0 = QUANT_WORD(i), w1 = QUANT_WORD(i + 1u);
+    uint w2 = s != 0u ? QUANT_WORD(i + 2u) : 0u;
+    return uvec2(q_funnel(w0, w1, s), q_funnel(w1, w2, s));
+}
+vec4 nf4_levels(uint v) {  // v: four bytes, each two codes (the high nibble first)
+    return vec4(NF4_LEVELS[(v >> 4) & 15u], NF4_LEVELS[v & 15u], NF4_LEVELS[(v >> 12) & 15u], NF4_LEVELS[(v >> 8) & 15u]);
+}
+
+uint quant_octet_start(uint u, uint o) {
+    if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K)  // low nibbles: sub-block 2j, high: 2j + 1
+        return 64u * (u >> 1) + 16u * (u & 1u) + 8u * (o & 1u) + 32u * (o >> 1);
+    if (FORMAT == QUANT_Q6_K) return 128u * (u >> 2) + 32u * o + 8u * (u & 3u);  // octet o: quarter o
+    return 32u * u + 8u * o;
+}
+
+// The 32 weights of unit u of the block at byte `block`: w[2o], w[2o + 1] are octet o's.
+void quant_unit(uint block, uint u, out vec4 w[8]) {
+    if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
+        uvec4 q = q_16bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u));
+        float d = q_half(block), m = FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u);
+        for (uint o = 0u; o < 4u; ++o) {
+            uint shift = 4u * (o >> 1);
+            w[2u * o] = d * q_bytes((q[2u * (o & 1u)] >> shift) & 0x0F0F0F0Fu) + m;
+            w[2u * o + 1u] = d * q_bytes((q[2u * (o & 1u) + 1u] >> shift) & 0x0F0F0F0Fu) + m;
+        }
+    } else if (FORMAT == QUANT_Q8_0) {
+        uvec4 lo = q_16bytes(block + 2u), hi = q_16bytes(block + 18u);
+        float d = q_half(block);
+        w[0] = d * q_int8s(lo.x); w[1] = d * q_int8s(lo.y); w[2] = d * q_int8s(lo.z); w[3] = d * q_int8s(lo.w);
+        w[4] = d * q_int8s(hi.x); w[5] = d * q_int8s(hi.y); w[6] = d * q_int8s(hi.z); w[7] = d * q_int8s(hi.w);
+    } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        uint j = u >> 1, h = u & 1u;
+        // Blocks of 144 and 176 bytes: every field below starts on 16 bytes when the block does.
+        uvec4 q = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
+        uvec4 qh = FORMAT == QUANT_Q5_K ? q_16bytes_aligned(block + 16u + 16u * h) : uvec4(0u);
+        // d and dmin, then the scales and mins of sub-blocks 2j and 2j + 1 from the 12 bytes at block + 4
+        // (ggml's get_scale_min_k4).
+        uvec4 head = q_16bytes_aligned(block);
+        uint s0 = head.y, s1 = head.z, s2 = head.w;
+        vec2 scale, minimum;
+        for (uint e = 0u; e < 2u; ++e) {
+            uint sub = 2u * j + e, sc, mn;
+            if (sub < 4u) {
+                sc = (s0 >> (8u * sub)) & 63u;
+                mn = (s1 >> (8u * sub)) & 63u;
+            } else {
+                uint hi = (s2 >> (8u * (sub - 4u))) & 0xFFu;
+                sc = (hi & 15u) | (((s0 >> (8u * (sub - 4u))) >> 6 & 3u) << 4);
+                mn = (hi >> 4) | (((s1 >> (8u * (sub - 4u))) >> 6 & 3u) << 4);
+            }
+            scale[e] = float(sc);
+            minimum[e] = float(mn);
+        }
+        vec2 dm = unpackHalf2x16(head.x);
+        scale *= dm.x;
+        minimum *= dm.y;
+        for (uint o = 0u; o < 4u; ++o) {
+            uint e = o >> 1, shift = 4u * e;
+            uvec2 v = (uvec2(q[2u * (o & 1u)], q[2u * (o & 1u) + 1u]) >> shift) & 0x0F0F0F0Fu;
+            if (FORMAT == QUANT_Q5_K)
+                v |= ((uvec2(qh[2u * (o & 1u)], qh[2u * (o & 1u) + 1u]) >> (2u * j + e)) & 0x01010101u) << 4;
+            w[2u * o] = scale[e] * q_bytes(v.x) - minimum[e];
+            w[2u * o + 1u] = scale[e] * q_bytes(v.y) - minimum[e];
+        }
+    } else if (FORMAT == QUANT_Q6_K) {
+        uint h = u >> 2, l = 8u * (u & 3u);
+        uvec2 ql_a = q_8bytes(block + 64u * h + l), ql_b = q_8bytes(block + 64u * h + 32u + l);
+        uvec2 qh = q_8bytes(block + 128u + 32u * h + l);
+        uvec2 scales = q_8bytes(block + 192u + 8u * h);
+        float d = q_half(block + 208u);
+        for (uint o = 0u; o < 4u; ++o) {
+            uvec2 low = (((o & 1u) == 0u ? ql_a : ql_b) >> (o < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+            uvec2 v = low | (((qh >> (2u * o)) & 0x03030303u) << 4);
+            uint at = (u & 3u) / 2u + 2u * o;  // scale byte within the 8
+            float scale = d * float(bitfieldExtract(int(scales[at >> 2]), int(8u * (at & 3u)), 8));
+            w[2u * o] = scale * (q_bytes(v.x) - 32.0);
+            w[2u * o + 1u] = scale * (q_bytes(v.y) - 32.0);
+        }
+    } else {  // NF4: 16 bytes of unit u, element 2i in the high nibble of byte i
+        uvec4 q = q_16bytes(block + 4u + 16u * u);
+        float absmax = q_float(block);
+        w[0] = absmax * nf4_levels(q.x); w[1] = absmax * nf4_levels(q.x >> 16);
+        w[2] = absmax * nf4_levels(q.y); w[3] = absmax * nf4_levels(q.y >> 16);
+        w[4] = absmax * nf4_levels(q.z); w[5] = absmax * nf4_levels(q.z >> 16);
+        w[6] = absmax * nf4_levels(q.w); w[7] = absmax * nf4_levels(q.w >> 16);
+    }
+}
+
+// Elements j .. j+7 (j a multiple of 8) of the block starting at byte `block`, as dequant4 but each field read once:
+// eight consecutive elements share one scale and sit in eight consecutive bytes (four for NF4).
+void dequant8(uint block, uint j, out vec4 lo, out vec4 hi) {
+    if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
+        uvec2 q = (q_8bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u) + (j & 15u)) >> (j < 16u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        float d = q_half(block), m = FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u);
+        lo = d * q_bytes(q.x) + m;
+        hi = d * q_bytes(q.y) + m;
+    } else if (FORMAT == QUANT_Q8_0) {
+        uvec2 q = q_8bytes(block + 2u + j);
+        float d = q_half(block);
+        lo = d * q_int8s(q.x);
+        hi = d * q_int8s(q.y);
+    } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        uint sub = j / 32u, l = j % 32u;
+        uvec2 v = (q_8bytes(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * (sub / 2u) + l) >> ((sub & 1u) * 4u))
+                  & 0x0F0F0F0Fu;
+        if (FORMAT == QUANT_Q5_K) v |= ((q_8bytes(block + 16u + l) >> sub) & 0x01010101u) << 4;
+        uvec2 sm = k_scale_min(block + 4u, sub);
+        float scale = q_half(block) * float(sm.x), minimum = q_half(block + 2u) * float(sm.y);
+        lo = scale * q_bytes(v.x) - minimum;
+        hi = scale * q_bytes(v.y) - minimum;
+    } else if (FORMAT == QUANT_Q6_K) {
+        uint half_ = j / 128u, quarter = (j % 128u) / 32u, l = j % 32u;
+        uvec2 low = (q_8bytes(block + 64u * half_ + 32u * (quarter & 1u) + l) >> (quarter < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        uvec2 high = (q_8bytes(block + 128u + 32u * half_ + l) >> (2u * quarter)) & 0x03030303u;
+        float scale = q_half(block + 208u) * float(q_int8(block + 192u + 8u * half_ + l / 16u + 2u * quarter));
+        lo = scale * (q_bytes(low.x | (high.x << 4)) - 32.0);
+        hi = scale * (q_bytes(low.y | (high.y << 4)) - 32.0);
+    } else {  // NF4: four bytes, word-aligned (blocks of 36 bytes, the codes from byte 4)
+        uint v = QUANT_WORD((block + 4u + j / 2u) >> 2);
+        float absmax = q_float(block);
+        lo = absmax * nf4_levels(v);
+        hi = absmax * nf4_levels(v >> 16);
+    }
+}
+
+// W[row, col .. col+7] (col a multiple of 8) of a packed matrix whose rows are `row_bytes` long from byte `base`.
+void quant_row8(uint base, uint row_bytes, uint row, uint col, out vec4 lo, out vec4 hi) {
+    uint size = quant_block_size();
+    dequant8(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size, lo, hi);
 }
 
 #endif

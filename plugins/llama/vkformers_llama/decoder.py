@@ -401,11 +401,13 @@ class DecoderLayer(Module):
                 or (s.attn_out_bias and self.index in s.attn_out_bias_layers)
                 or ("qkv" in p and s.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
-                or any(type(p[n]) is not Linear or p[n].quantized for n in (*attn, "o"))
+                # quantized weights fuse whole (F.fusable: one block format), never as row slices of a fused one
+                or any(type(p[n]) is not Linear or (p[n].quantized and n == "qkv") for n in (*attn, "o"))
                 or len({p[n].has_bias for n in attn}) != 1):
             return None
         fused_mlp = ("moe" not in p and s.mlp_kind == "gated" and _FUSED_ACTIVATIONS.get(s.hidden_act) is not None
-                     and all(n in p and type(p[n]) is Linear and not p[n].quantized for n in (*mlp, "down"))
+                     and all(n in p and type(p[n]) is Linear and not (p[n].quantized and n == "gate_up")
+                             for n in (*mlp, "down"))
                      and len({p[n].has_bias for n in mlp}) == 1)
 
         def blocks(name, widths=None):  # (weight, bias or None) of a projection, or of each row block of a fused one

@@ -17,6 +17,9 @@ norm output and each product to a 16-bit dtype in between: the 16-bit results di
 rounding). The rows of x, the norm weight and the weights are read as 16-byte vectors: k and x's
 offset must be whole vectors, and so must the weights' and norm weight's offsets (row slices of one fused
 weight are fine; :func:`supported` says).
+
+Quantized weights (``quant_format``: all weights packed in that one block format, uint8 operands whose offsets
+are whole 4-byte words) take the kernel's q_* variants, which dequantize 32-weight units as they read them.
 """
 from __future__ import annotations
 
@@ -32,11 +35,14 @@ def elements_per_vector(dtype) -> int:
     return 4 if dtype.name == "float32" else 8
 
 
-def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | None = None) -> bool:
+def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | None = None, quant_format=None) -> bool:
     """Whether the fused kernel can take these operands (else the caller composes the ordinary ops)."""
     per_vector = elements_per_vector(x.dtype)
-    whole = [w for w in weights] + ([norm_weight] if norm_weight is not None else [])
-    return (1 <= rows <= MAX_ROWS and x.dtype.name in ("float32", "float16", "bfloat16")
+    dense = [] if quant_format is not None else list(weights)
+    whole = dense + ([norm_weight] if norm_weight is not None else [])
+    packed = quant_format is None or (k % quant_format.block == 0
+                                      and all(w.dtype.name == "uint8" and w.offset % 4 == 0 for w in weights))
+    return (1 <= rows <= MAX_ROWS and x.dtype.name in ("float32", "float16", "bfloat16") and packed
             and k % per_vector == 0 and x.offset % per_vector == 0
             and all(w.offset % per_vector == 0 and w.dtype is x.dtype for w in whole))
 
@@ -60,23 +66,25 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
                   residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
                   cache_start=None, inv_freq=None, head_dim: int = 0, rot_dim: int = 0, kv_heads: int = 0,
                   capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False,
-                  launch: tuple[int, int, int, int] | None = None) -> None:
+                  launch: tuple[int, int, int, int] | None = None, quant_format=None) -> None:
     """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
     or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
     prologue on (``norm_weight`` None: no weight). ``launch``: (subgroups per workgroup, vectors in flight, pairs per
-    subgroup, split k) instead of :func:`launch_shape` (bench/decode.py sweeps them)."""
+    subgroup, split k) instead of :func:`launch_shape` (bench/decode.py sweeps them). ``quant_format``
+    (engine.quantized.QuantFormat): the weights are packed uint8 operands of that format."""
     x, out0 = operand(x), operand(out0)
     weights = [operand(w) for w in weights]
     expected = {"plain": 1, "gated": 2, "qkv": 3}[mode]
     if len(weights) != expected:
         raise ValueError(f"decode_matvec: mode {mode!r} takes {expected} weights, got {len(weights)}")
     norm_weight = operand(norm_weight) if norm_weight is not None else None
-    if not supported(x, weights, k, rows, norm_weight):
+    if not supported(x, weights, k, rows, norm_weight, quant_format):
         raise ValueError(f"decode_matvec: unsupported operands (rows {rows}, k {k}, dtype {x.dtype.name}, "
                          f"offsets must be whole 16-byte vectors)")
     ns = [int(n) for n in widths]
+    row_size = quant_format.row_bytes(k) if quant_format is not None else k
     for w, n in zip(weights, ns):
-        require_elements(w, n * k, "decode_matvec weight")
+        require_elements(w, n * row_size, "decode_matvec weight")
     if mode == "gated" and ns[0] != ns[1]:
         raise ValueError(f"decode_matvec: gate ({ns[0]}) and up ({ns[1]}) widths differ")
     require_elements(x, rows * k, "decode_matvec x")
@@ -110,7 +118,7 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     push = [k, *padded_n, float(eps), float(residual_scale), head_dim, rot_dim, kv_heads, capacity,
             float(attention_scaling), *(b.offset for b in padded_b), (residual or filler_in).offset, out0.offset,
             positions.offset, cache_start.offset, inv_freq.offset, x.offset // elements_per_vector(x.dtype),
-            *(w.offset // elements_per_vector(x.dtype) for w in padded_w),
+            *(w.offset if quant_format is not None else w.offset // elements_per_vector(x.dtype) for w in padded_w),
             (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
@@ -123,7 +131,11 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
             int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
             per_subgroup, int(split_k)]
-    seq.dispatch(device.kernel("decode_matvec", element_variant(x, "decode_matvec")), buffers,
+    variant = element_variant(x, "decode_matvec")
+    if quant_format is not None:
+        variant = "q_" + variant
+        spec += [quant_format.shader_id, int(all(w.offset % 16 == 0 for w in padded_w))]
+    seq.dispatch(device.kernel("decode_matvec", variant), buffers,
                  (-(-pairs // per_group), 1, 1), push, spec)
 
 

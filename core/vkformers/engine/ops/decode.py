@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from vkformers.engine.function import CopyStrided, KernelOp, contiguous, grad_enabled, node, wrap
 from vkformers.engine.kernels import decode as KD
-from vkformers.engine.quantized import QuantizedTensor
+from vkformers.engine.quantized import QuantizedTensor, quant_format
 from vkformers.runtime import dtypes as dt
 
 
@@ -52,12 +52,14 @@ class DecodeMatvec(KernelOp):
             start, positions, inv_freq = _cache_start_and_rotary(ins, self.rot_dim)
             extra = dict(out1=outs[1].operand, out2=outs[2].operand, positions=positions, cache_start=start,
                          inv_freq=inv_freq)
+        quant = quant_format(self.attrs["quant"]) if self.attrs.get("quant") else None
         KD.decode_matvec(seq, x.operand, weights, outs[0].operand, rows=self.rows, k=self.k, widths=self.widths,
                          mode=self.mode, norm_weight=norm_weight, norm=self.norm, eps=self.eps,
                          norm_offset=self.norm_offset, biases=biases, residual=residual,
                          residual_scale=self.residual_scale, activation=self.activation, head_dim=self.head_dim,
                          rot_dim=self.rot_dim, kv_heads=self.kv_heads, capacity=self.capacity,
-                         attention_scaling=self.attention_scaling, interleaved=self.interleaved, **extra)
+                         attention_scaling=self.attention_scaling, interleaved=self.interleaved, quant_format=quant,
+                         **extra)
 
 
 def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
@@ -71,11 +73,17 @@ def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
 
 def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) -> bool:
     """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights."""
-    if enabled is False or any(isinstance(w, QuantizedTensor) for w in weights) \
-            or (enabled is None and weights[0].lazy.device.is_cpu):
-        return False  # quantized weights take their own products (engine/ops/quant.py)
+    if enabled is False or (enabled is None and weights[0].lazy.device.is_cpu):
+        return False
     k, per_vector = weights[0].shape[-1], KD.elements_per_vector(dtype)
-    whole = list(weights) + ([norm.weight] if norm is not None and norm.weight is not None else [])
+    quantized = [w for w in weights if isinstance(w, QuantizedTensor)]
+    if quantized:  # all packed in one block format, each a whole QuantizedTensor on a 4-byte word
+        if len(quantized) != len(weights) or len({w.format.name for w in quantized}) != 1 \
+                or k % quantized[0].format.block \
+                or any(w.lazy.view.offset % 4 or not w.lazy.view.is_contiguous for w in quantized):
+            return False
+    dense = [] if quantized else list(weights)
+    whole = dense + ([norm.weight] if norm is not None and norm.weight is not None else [])
     return (1 <= rows <= KD.MAX_ROWS and dtype.name in ("float32", "float16", "bfloat16")
             and k % per_vector == 0 and all(w.ndim == 2 and w.shape[1] == k for w in weights)
             and all(w.dtype is dtype and w.lazy.view.offset % per_vector == 0 and w.lazy.view.is_contiguous
@@ -100,7 +108,8 @@ def _inputs_and_attrs(x, weights, norm, biases, residual):
                  eps=float(norm.eps) if norm else 0.0, norm_offset=bool(norm and norm.unit_offset),
                  has_bias=biases is not None, has_residual=residual is not None, residual_scale=1.0,
                  activation="silu", head_dim=0, rot_dim=0, kv_heads=0, capacity=0, attention_scaling=1.0,
-                 interleaved=False)
+                 interleaved=False,
+                 quant=weights[0].format.name if isinstance(weights[0], QuantizedTensor) else None)
     return inputs, attrs
 
 
