@@ -30,7 +30,7 @@ import pytest
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.safetensors_io import read_safetensors
 
-from fixture_cases import CachedCase, fixture_folders, with_known_failures
+from fixture_cases import CachedCase, fixture_folders
 
 FIXTURES = Path(os.environ.get("VKFORMERS_FIXTURES", Path(__file__).parent / "fixtures"))  # override: other fixtures
 IGNORE = -100
@@ -186,13 +186,7 @@ def check_gradients(name: str, case: Case) -> None:
     assert not failures, f"{name}: gradients differ: " + "; ".join(failures)
 
 
-KNOWN_GRADIENT_PRESENCE_DIFFERENCES = {
-    "longcat_flash": "its identity experts' projections (experts 4, 5) get no gradient here; torch fuses every "
-                     "expert into one parameter, whose gradient (zero in their rows) AdamW then decays",
-}
-
-
-@pytest.mark.parametrize("name", with_known_failures(fixture_names(), KNOWN_GRADIENT_PRESENCE_DIFFERENCES))
+@pytest.mark.parametrize("name", fixture_names())
 def test_gradient_presence(name):
     """A parameter has a gradient (zeros included) exactly where torch gives it one: torch's AdamW decays a
     parameter whose gradient is zero and skips one without (meta.json params_without_grad)."""

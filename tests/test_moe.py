@@ -3,6 +3,8 @@ group-limited choice, renormalisation, scaling), the per-expert and the fused ex
 the plugin's claims. End-to-end parity against transformers runs on the fixtures (test_decoder_parity etc.)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from vkformers_moe import block as moe_block  # noqa: E402
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask  # noqa: E402
 from vkformers.engine.ops import routing as moe_routes  # noqa: E402
 from vkformers.engine.ops.routing import ExpertRoutes  # noqa: E402
+from vkformers.models.loading import AutoModelForCausalLM  # noqa: E402
 
 HIDDEN, EXPERTS, INNER, TOKENS = 8, 6, 5, 7
 
@@ -549,3 +552,30 @@ def test_dsa_aliases_need_a_q_lora():
     glm = dict(config, model_type="glm_moe_dsa", indexer_types=["shared", "full"])
     with pytest.raises(UnsupportedConfigError, match="indexer_types"):
         decoder_spec(glm, "deepseek_v3")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_identity_expert_weights_get_gradients_as_transformers_gives_them(checkpointing):
+    """LongCat: transformers keeps every expert's projections in one parameter (the identity experts' rows,
+    never run, included) and runs it only when a token chose a routed expert. A parameter that runs gets a
+    gradient, zeros included (AdamW decays it); one that does not, none (AdamW skips it)."""
+    folder = Path(__file__).parent / "fixtures" / "longcat_flash"
+    ids = np.array([[5, 9, 3, 17, 22, 4]])
+
+    def expert_grads(identity_only: bool):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        for _, block in model.named_modules():
+            if isinstance(block, SparseMoeBlock) and identity_only:  # the identity experts always win the choice
+                bias = np.zeros(block.selection_bias.shape, np.float32)
+                bias[block.moe.num_experts:] = 1e3
+                block.selection_bias = vkf.tensor(bias)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if ".mlp.experts." in n}
+
+    chosen = expert_grads(identity_only=False)
+    assert chosen and all(g is not None for g in chosen.values())
+    unused = [n for n in chosen if ".experts.4." in n or ".experts.5." in n]
+    assert unused and all(not chosen[n].numpy().any() for n in unused)
+    assert all(g is None for g in expert_grads(identity_only=True).values())

@@ -28,7 +28,7 @@ from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
-from fixture_cases import CachedCase, fixture_folders, with_known_failures
+from fixture_cases import CachedCase, fixture_folders
 
 FIXTURES = Path(os.environ.get("VKFORMERS_SEQ2SEQ_FIXTURES", Path(__file__).parent / "fixtures" / "seq2seq"))
 LOGITS_ATOL = 1e-4
@@ -84,8 +84,8 @@ def test_loss(name):
 
 def trainable_reference_names(case: Case) -> list[str]:
     """transformers' trainable parameters; frozen ones (fixed sinusoidal tables) are computed, not parameters.
-    A trainable parameter transformers gave no gradient (a Switch expert no token chose) is expected to get a
-    zero gradient here, and the AdamW step leaves it alone in both."""
+    A trainable parameter transformers gave no gradient (a Switch expert no token chose) gets none here either
+    (test_gradient_presence), and the AdamW step leaves it alone in both."""
     frozen = set(case.meta["params_frozen"])
     return [n for n in case.meta["parameters"] if n not in frozen]
 
@@ -112,17 +112,14 @@ def check_gradients(name: str, case: Case) -> None:
     assert not failures, f"{name}: gradients differ: " + "; ".join(failures)
 
 
-KNOWN_GRADIENT_PRESENCE_DIFFERENCES = {
-    "switch_transformers": "the experts no token was routed to get a zero gradient here (the packed experts' "
-                           "backward), none in torch (one module per expert), so our AdamW decays them and torch's not",
-}
-
-
-@pytest.mark.parametrize("name", with_known_failures(fixture_names(), KNOWN_GRADIENT_PRESENCE_DIFFERENCES))
+@pytest.mark.parametrize("name", fixture_names())
 def test_gradient_presence(name):
     """A parameter has a gradient (zeros included) exactly where torch gives it one: torch's AdamW decays a
     parameter whose gradient is zero and skips one without (meta.json params_without_grad)."""
-    case = Case.get(name)
+    check_gradient_presence(name, Case.get(name))
+
+
+def check_gradient_presence(name: str, case: Case) -> None:
     without_grad = set(case.meta["params_without_grad"])
     differ = [f"{n}: " + ("no gradient, where torch has one" if case.grads[n] is None
                           else "a gradient, where torch has none")
@@ -241,6 +238,27 @@ def test_switch_packed_experts_match_transformers(monkeypatch):
     assert packings, "the packed path did not run"
     check_logits("switch_transformers", case)
     check_gradients("switch_transformers", case)
+    check_gradient_presence("switch_transformers", case)
+
+
+def test_switch_adamw_skips_the_experts_no_token_was_kept_for():
+    """A training step as the trainer builds it (backward deferred, the update in the same graph): the experts
+    transformers gives no gradient keep their weights exactly (no weight decay), the others move."""
+    from vkformers.engine import lazy
+    case = Case.get("switch_transformers")
+    model = AutoModelForSeq2SeqLM.from_pretrained(case.folder, dtype="float32")
+    params = dict(model.named_parameters())
+    before = {n: p.numpy() for n, p in params.items()}
+    with lazy.deferred_backward():
+        model(case.ref["input_ids"].astype(np.int64), attention_mask=case.ref["attention_mask"],
+              labels=case.ref["labels"].astype(np.int64)).loss.backward()
+    AdamW(list(params.values()), lr=1e-2, weight_decay=0.01).step()
+    realize([p.lazy for p in params.values()])
+    unused = set(case.meta["params_without_grad"])
+    assert unused, "the fixture routes a token to every expert: nothing to check"
+    for n, p in params.items():
+        moved = not np.array_equal(p.numpy(), before[n])
+        assert moved != (n in unused), f"{n}: {'updated' if moved else 'left alone'}, unlike torch's AdamW"
 
 
 def test_switch_skips_the_experts_no_token_chose():

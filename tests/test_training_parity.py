@@ -5,14 +5,23 @@ For the fixtures that store ``adamw2.<param>`` (llama, qwen2, gemma2; tools/make
 (lr 1e-2, betas (0.9, 0.999), eps 1e-8, weight decay 0.01), then forward + backward again at the
 updated weights and a second step with the same optimizer. Here vkformers does the same with its own
 forward, its own gradients and its own AdamW, and every parameter must match transformers' after
-the second step within 1e-5 absolute, element by element (max |ours - theirs|, the L-infinity norm).
+the second step, element by element, within
 
-One exception, from the arithmetic rather than the implementation: AdamW's first step moves an element
-by lr * g / (|g| + eps) (eps 1e-8), whose derivative in g is lr * eps / (|g| + eps)^2. For a gradient
-element of ~1e-7 (gemma2 has one: layers.1.mlp.gate_proj [18, 17], 1.4e-7, the sum of terms ~1e-3
-that cancel) a 1e-8 difference in the gradient -- fp32 rounding of that sum -- moves the parameter by
-~4e-5. Elements whose first-step reference gradient is nonzero and below TINY_GRAD (100 eps) are therefore held to
-TINY_GRAD_ATOL (lr / 10: the step's sign and rough size) and counted; every other element to 1e-5.
+    ATOL + lr * AMPLIFICATION * GRAD_NOISE * max|g1 of its tensor| / (|g1| + eps)
+
+The absolute part (1e-5) is the implementation's. The second part is what float32 gradients alone allow,
+whoever computes them: AdamW normalizes each element's step by its gradient's size (lr * m / sqrt(v)), so a
+gradient error d moves the parameter by about lr * d / |g| (the first step's lr * g1 / (|g1| + eps) hardly
+depends on g1; the second step's m / sqrt(v), a function of g1 and g2, changes by at most 1.2 d / |g1| for
+errors d in both, whatever g2 is; AMPLIFICATION = 4 leaves room for g2's noise, relative to its own tensor's
+scale, being larger than g1's). A gradient is a float32 sum over the batch's tokens whose rounding, in any
+order of summation, is GRAD_NOISE (1e-6, a few float32 epsilons times the square root of the terms) of the
+tensor's largest gradient, g1 being the first step's reference gradient. Where |g1| is near its tensor's largest, the second part is ~1e-8 and the
+bound is 1e-5; an element whose gradient nearly cancels is amplified: qwen2's layers.1.self_attn.k_proj.bias
+has one of 8e-6 in a tensor whose largest is 1.2e-2 (with rotary positions a key bias barely moves the
+scores), gemma2's layers.1.mlp.gate_proj one of 1.4e-7. transformers itself, run on another CPU, moves
+qwen2's layers.0 k_proj.bias by 2.7e-6 against its own fixture after the two steps; a GPU sums in other
+orders still.
 
 (tests/test_adamw_parity.py checks one step from transformers' gradients; this one closes the loop.)
 """
@@ -28,8 +37,8 @@ from vkformers.optim import AdamW
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 ATOL = 1e-5
-TINY_GRAD = 1e-6
-TINY_GRAD_ATOL = 1e-3
+GRAD_NOISE = 1e-6
+AMPLIFICATION = 4.0
 
 
 def two_step_fixtures() -> list[str]:
@@ -86,18 +95,28 @@ def test_two_training_steps_match_transformers(name):
     failures = []
     for ref_name, p in sorted(ours.items()):
         error = np.abs(p.numpy() - reference[f"adamw2.{ref_name}"])
-        first_grad = reference[f"grad.{ref_name}"]
-        tiny = (np.abs(first_grad) < TINY_GRAD) & (first_grad != 0)  # exact zeros (unused embedding rows) stay strict
-        if not error[~tiny].max(initial=0.0) <= ATOL:
-            failures.append(f"{ref_name}: max abs diff {error[~tiny].max():.3g}")
-        if not error[tiny].max(initial=0.0) <= TINY_GRAD_ATOL:
-            failures.append(f"{ref_name}: max abs diff {error[tiny].max():.3g} where |first gradient| < {TINY_GRAD}")
-    assert not failures, f"{name}: after two steps (tolerance {ATOL} absolute): " + "; ".join(failures)
+        bound = tolerance(reference[f"grad.{ref_name}"])
+        worst = np.unravel_index(np.argmax(error / bound), error.shape)
+        if not error[worst] <= bound[worst]:
+            g1 = reference[f"grad.{ref_name}"]
+            failures.append(f"{ref_name}{list(worst)}: {error[worst]:.3g} > {bound[worst]:.3g} (first gradient "
+                            f"{g1[worst]:.3g}, its tensor's largest {np.abs(g1).max():.3g})")
+    assert not failures, f"{name}: after two steps: " + "; ".join(failures)
+
+
+def tolerance(first_grad: np.ndarray) -> np.ndarray:
+    """Each element's bound (see the module docstring): ATOL, plus what float32 gradient noise of its tensor
+    moves it by through AdamW's normalized steps. An exactly zero gradient (an unused embedding row) is summed
+    from no terms: its bound is ATOL."""
+    noise = GRAD_NOISE * np.abs(first_grad).max()
+    amplified = ADAMW["lr"] * AMPLIFICATION * noise / (np.abs(first_grad) + ADAMW["eps"])
+    return ATOL + np.where(first_grad != 0, amplified, 0.0)
 
 
 def test_adamw_parameter_order_does_not_matter():
     # Regression: an update writing several buffers (parameter, moments) waited only for the readers of the
     # last one, so a backward op could read a parameter after its update when parameters came in another order.
     ours, _, reference = train_two_steps("llama", order=lambda names: names[::-1])
-    error = max(float(np.abs(p.numpy() - reference[f"adamw2.{n}"]).max()) for n, p in ours.items())
-    assert error <= ATOL, f"reversed parameter order: max abs diff {error:.3g}"
+    excess = max(float((np.abs(p.numpy() - reference[f"adamw2.{n}"]) / tolerance(reference[f"grad.{n}"])).max())
+                 for n, p in ours.items())
+    assert excess <= 1.0, f"reversed parameter order: {excess:.3g} times the tolerance"

@@ -49,9 +49,11 @@ class Checkpoint(Function):
             outs = _as_tuple(self.block(*inputs))
             roots = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             sink: dict = {}
+            conditions: dict = {}
             if roots:
-                backpropagate(roots, sink, boundary=self.parents[self.input_count:])
+                backpropagate(roots, sink, boundary=self.parents[self.input_count:], conditions=conditions)
         weights = self.parents[self.input_count:]
+        self.gradient_conditions = list(conditions.values())  # handed to the outer pass, as GradientUse's
         _weight_grads_first([sink.get(id(t)) for t in inputs], [sink[id(w)] for w in weights if id(w) in sink], waits)
         return tuple(sink.get(id(t)) if needs else None for t, needs in zip(inputs + list(weights), self.needs_grad))
 

@@ -33,7 +33,7 @@ from vkformers.engine.ops.nn import (
     scaled_dot_product_attention,
     set_dropout_rng_state,
 )
-from vkformers.engine.tensor import UNSET
+from vkformers.engine.tensor import UNSET, gradient_use  # noqa: F401 (models count gradients with it)
 
 
 def linear(x, weight, bias=None, live_rows=None):

@@ -8,6 +8,8 @@ realized next, so a whole training step becomes one recorded submission.
 from __future__ import annotations
 
 import math
+import weakref
+
 import numpy as np
 
 from vkformers.engine import function as fn
@@ -25,7 +27,9 @@ UNSET = object()  # an argument not given (None is a value: "all axes")
 
 
 class Tensor:
-    __slots__ = ("lazy", "requires_grad", "grad", "_ctx", "_index", "__weakref__")
+    # _grad_if: None, or a float32 [1] device value: the gradient counts as present only where it is nonzero
+    # (see GradientUse); decided on the host when .grad is next read
+    __slots__ = ("lazy", "requires_grad", "_grad", "_grad_if", "_ctx", "_index", "__weakref__")
     __array_priority__ = 1000  # numpy scalars defer to Tensor's operators
 
     def __init__(self, data, dtype=None, requires_grad: bool = False, device: Device | None = None):
@@ -36,12 +40,12 @@ class Tensor:
         target = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
         self.lazy = LazyBuffer(array.shape, target, device, host=_to_host(array, target))
         self.lazy.base.refs += 1
-        self.requires_grad, self.grad, self._ctx, self._index = requires_grad, None, None, 0
+        self.requires_grad, self._grad, self._grad_if, self._ctx, self._index = requires_grad, None, None, None, 0
 
     @classmethod
     def _from_lazy(cls, lazy: LazyBuffer, requires_grad=False, ctx=None, index=0) -> "Tensor":
         t = cls.__new__(cls)
-        t.lazy, t.requires_grad, t.grad, t._ctx, t._index = lazy, requires_grad, None, ctx, index
+        t.lazy, t.requires_grad, t._grad, t._grad_if, t._ctx, t._index = lazy, requires_grad, None, None, ctx, index
         lazy.base.refs += 1  # the storage is what a later realization must keep
         return t
 
@@ -136,6 +140,19 @@ class Tensor:
 
     # -- autograd
 
+    @property
+    def grad(self) -> "Tensor | None":
+        """The accumulated gradient, or None where no backward reached this tensor (or reached it only through
+        a part of the graph that did not run: see GradientUse)."""
+        if self._grad_if is not None:
+            resolve_gradient_presence()
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: "Tensor | None") -> None:
+        self._grad, self._grad_if = value, None
+        _undecided.pop(id(self), None)
+
     def backward(self, gradient: "Tensor | None" = None) -> None:
         """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad, and compute those
         gradients (with the pending forward, one submission) before returning, as PyTorch does. Inside
@@ -143,7 +160,9 @@ class Tensor:
         with building_graph():
             leaves = self._backward(gradient)
         if leaves and not backward_deferred():  # self too: a loop reads its loss next
-            realize([self.lazy, *(leaf.grad.lazy for leaf in leaves)])
+            realize([self.lazy, *(leaf._grad.lazy for leaf in leaves),
+                     *(leaf._grad_if.lazy for leaf in leaves if leaf._grad_if is not None)])
+            resolve_gradient_presence()
 
     def _backward(self, gradient: "Tensor | None") -> list[Tensor]:
         """Build the gradient graph; returns the leaves whose ``grad`` it set."""
@@ -306,13 +325,14 @@ class Tensor:
 fn.register_tensor_type(Tensor)  # ops and Functions build tensors through it (engine/function.py)
 
 
-def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
+def backpropagate(roots, sink: dict | None = None, boundary=(), conditions: dict | None = None) -> list[Tensor]:
     """Reverse mode from ``roots``, (tensor, its gradient) pairs; returns the leaves reached.
 
     Without ``sink`` each leaf's gradient is accumulated into ``leaf.grad``; with it, into ``sink[id(leaf)]``
     (``.grad`` untouched: a recomputed layer's backward hands its gradients to the graph around it).
     ``boundary``: tensors treated as leaves though computed (a recomputed layer's reads of results from
-    outside it; the graph beyond them is the outer backward's)."""
+    outside it; the graph beyond them is the outer backward's). ``conditions`` (a dict, filled): id(leaf) ->
+    (leaf, condition) for the leaves whose gradients of this pass count only under a condition (GradientUse)."""
     stop = {id(t) for t in boundary}
     functions, seen = [], set()
 
@@ -332,10 +352,11 @@ def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
                     stack.append((p._ctx, False))
 
     leaves: dict[int, Tensor] = {}
+    conditions = {} if conditions is None else conditions
 
     def to_leaf(leaf: Tensor, g: Tensor) -> None:
         if sink is None:
-            _accumulate(leaf, g)
+            _accumulate(leaf, g, conditions.get(id(leaf), (None, None))[1])
         else:
             sink[id(leaf)] = g if id(leaf) not in sink else sink[id(leaf)] + g
         leaves[id(leaf)] = leaf
@@ -355,6 +376,9 @@ def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
                 continue
             in_grads = f.backward(*outs)
             in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
+            for leaf, condition in getattr(f, "gradient_conditions", ()):  # set by the backward just run
+                known = conditions.get(id(leaf))
+                conditions[id(leaf)] = (leaf, condition if known is None else known[1] + condition)
             for parent, needs, g in zip(f.parents, f.needs_grad, in_grads):
                 if not needs or g is None:
                     continue
@@ -369,9 +393,72 @@ def backpropagate(roots, sink: dict | None = None, boundary=()) -> list[Tensor]:
     return list(leaves.values())
 
 
-def _accumulate(leaf: Tensor, g: Tensor) -> None:
+def _accumulate(leaf: Tensor, g: Tensor, condition: Tensor | None = None) -> None:
+    """leaf.grad += g; with ``condition``, this contribution counts as a gradient only where it is nonzero
+    (a gradient already present stays present; two conditional ones are present where either is)."""
     g = g.cast(leaf.dtype)
-    leaf.grad = g.detach() if leaf.grad is None else (leaf.grad + g).detach()
+    undecided, present = leaf._grad_if, leaf._grad is not None and leaf._grad_if is None
+    leaf._grad = g.detach() if leaf._grad is None else (leaf._grad + g).detach()
+    if condition is None or present:
+        leaf._grad_if = None
+        _undecided.pop(id(leaf), None)
+        return
+    leaf._grad_if = (condition if undecided is None else undecided + condition).detach()
+    _undecided[id(leaf)] = weakref.ref(leaf)
+
+
+_undecided: dict[int, weakref.ref] = {}  # leaves whose gradient's presence waits on a device value
+
+
+def resolve_gradient_presence() -> None:
+    """Decide every pending conditional gradient (see GradientUse): realize the conditions (one submission, and
+    only the graph they need) and drop the gradients whose condition is zero, as torch leaves ``.grad`` None
+    for a parameter whose module did not run."""
+    leaves = [t for t in (ref() for ref in _undecided.values()) if t is not None and t._grad_if is not None]
+    _undecided.clear()
+    if not leaves:
+        return
+    with no_grad():
+        flags = E.cat([t._grad_if.float().reshape(1) for t in leaves], 0) if len(leaves) > 1 else \
+            leaves[0]._grad_if.float().reshape(1)
+    values = flags.numpy()
+    for t, value in zip(leaves, values):
+        t._grad_if = None
+        if value == 0.0:
+            t._grad = None
+
+
+class GradientUse(fn.Function):
+    """x unchanged (a view); its backward passes x's gradient through and counts gradients as torch would:
+
+    - ``used``: tensors requiring grad that x's graph does not read (weights a checkpoint stores beside the ones
+      that run, which torch keeps in one parameter with them) get a zero gradient;
+    - ``present_if``: (condition, tensors) pairs, condition a float32 device value of one element: the gradients
+      this backward pass gives those tensors count as present only where it is nonzero, decided on the host
+      when ``.grad`` is next read. torch runs a module only when a data-dependent test on the host says so
+      (an expert no token chose), and a module that did not run leaves its parameters' ``.grad`` None, which
+      AdamW then skips; here the module runs on no rows and the gradient it gives is zero."""
+
+    def forward(self, x, *used, present_if=()):
+        self.used_shapes = [u.shape for u in used]
+        self.gradient_conditions = [(t, condition) for condition, tensors in present_if
+                                    for t in tensors if t.requires_grad]
+        return fn.view(x, x.view)
+
+    def backward(self, g):
+        zeros = []
+        for shape, needs in zip(self.used_shapes, self.needs_grad[1:]):
+            zero = full((1,) * len(shape), 0.0, dtype=g.dtype, device=g.device) if needs else None
+            zeros.append(zero.expand(*shape) if zero is not None and shape else zero)
+        return (g, *zeros)
+
+
+def gradient_use(x: Tensor, used=(), present_if=()) -> Tensor:
+    """x, with gradients counted as :class:`GradientUse` says; x itself where no gradient is recorded."""
+    if not fn.grad_enabled():
+        return x
+    present_if = tuple((condition.detach().float().reshape(1), tuple(tensors)) for condition, tensors in present_if)
+    return GradientUse.apply(x, *used, present_if=present_if)
 
 
 def _shape_arg(shape) -> tuple[int, ...]:

@@ -209,7 +209,8 @@ class SparseMoeBlock(Module):
                 place(self, join_path(moe.experts, str(e)),
                       SwiGLU(hidden, moe.expert_size, moe.expert_names, moe.hidden_act))
                 for e in range(moe.num_experts)])
-        # loaded and saved, never run (no gradient); load_state_dict supplies zeros when a checkpoint lacks them
+        # loaded and saved, never run (a zero gradient: _count_expert_gradients); load_state_dict supplies zeros
+        # when a checkpoint lacks them
         self.unused_weights = tuple(join_path(moe.experts, str(e), name, "weight")
                                     for e in range(moe.num_experts, scored) for name in moe.identity_weights)
         for name in self.unused_weights:
@@ -430,6 +431,18 @@ class SparseMoeBlock(Module):
             out = y if out is None else out + y
         return out
 
+    def _count_expert_gradients(self, out, routed_weights):
+        """out (the routed experts' sum), with gradients given as transformers gives them where identity experts
+        share the routing (LongCat): it keeps all experts' projections in one parameter, the identity experts'
+        never-run rows included, and runs that parameter only when some token chose a routed expert. So every
+        expert weight gets a gradient then (zeros for the unused ones), and none when every choice was an
+        identity expert."""
+        prefix = f"{self.moe.experts}."
+        experts = [p for name, p in self.named_parameters() if name.startswith(prefix)]
+        chose_routed = F.live_rows_where_used(routed_weights).sum()
+        return F.gradient_use(out, used=[get_param(self, n) for n in self.unused_weights],
+                              present_if=[(chose_routed, experts)])
+
     def forward(self, h):
         moe = self.moe
         lead = h.shape[:-1]
@@ -441,7 +454,7 @@ class SparseMoeBlock(Module):
             weights = weights[:, :moe.num_experts]
         out = self.experts_output(x, weights)
         if identity is not None:
-            out = out + identity
+            out = self._count_expert_gradients(out, weights) + identity
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -187,7 +187,8 @@ class SwitchMoE(Module):
     training batch) packs each expert's tokens into its span of one matrix (engine.ops.routing.PackedRoutes,
     F.grouped_matmul), so every expert runs on its tokens only; a shorter one (decoding) runs every expert on
     every token, except that an expert no token of the call chose is skipped (its products get no live rows,
-    F.linear): a decoding step of one token per row reads the weights of as many experts as there are rows."""
+    F.linear): a decoding step of one token per row reads the weights of as many experts as there are rows.
+    An expert no token was kept for gets no gradient (None), as transformers' loop over the experts hit."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
         super().__init__()
@@ -214,16 +215,23 @@ class SwitchMoE(Module):
         ups, downs = ([expert[i] for expert in self.experts] for i in (0, 1))
         if tokens >= PACK_MIN_TOKENS and linears_can_be_grouped(ups) and linears_can_be_grouped(downs):
             weights = weight.reshape(tokens, -1)
-            out = PackedRoutes.of(weights, 1).weighted_sum(
+            routes = PackedRoutes.of(weights, 1)
+            out = routes.weighted_sum(
                 h.reshape(tokens, -1), weights,
                 lambda rows, spans: grouped_linear(self.act(grouped_linear(rows, ups, spans)), downs, spans))
-            return out.reshape(h.shape)
+            return self._count_gradients(out, routes.spans[:, 1]).reshape(h.shape)
         live = F.live_rows_where_used(weight)                            # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):
             y = down(self.act(up(h, live[e:e + 1])), live[e:e + 1]) * weight[:, :, e:e + 1]
             out = y if out is None else out + y
-        return out
+        return self._count_gradients(out, live)
+
+    def _count_gradients(self, out, rows_per_expert):
+        """out, with an expert's parameters given a gradient only where some token was kept for it (float32 [E]
+        counts): transformers runs one module per expert, and only those a token was routed to."""
+        return F.gradient_use(out, present_if=[(rows_per_expert[e:e + 1], up.parameters() + down.parameters())
+                                               for e, (up, down) in enumerate(self.experts)])
 
 
 # ---------------------------------------------------------------- one layer
