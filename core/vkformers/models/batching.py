@@ -1,0 +1,375 @@
+"""``BatchScheduler``: continuous batching of generation requests for a server (``vkformers serve``).
+
+One thread owns the model. Each turn of its loop is a step boundary: new requests join the running batch there,
+finished or cancelled ones leave, then one decode step runs for every row at once. The batch lives in one
+:class:`KVCache` as a left-padded batch, as ``generate`` runs one: every row writes its next token at the same
+column and the cache's padding mask hides the columns before each row's first token. When requests join, the
+batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together into
+a cache of a recorded size (rows rounded up to a power of two, so the decode step replays one of a few captured
+plans, models/decode_capture.py); a request that left stays as a masked row until then. Each request chooses
+its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
+top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
+
+Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
+span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
+back until the next token says.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkformers.errors import InputError
+from vkformers.models.cache import KVCache
+from vkformers.models.decode_capture import DecodeCapture, capture_key
+from vkformers.models.generation import CACHE_ROUNDING, _sample, _softmax
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+
+
+@dataclass
+class SamplingParams:
+    """One request's generation settings. ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most
+    likely alternatives to report with each token's log-probability (0: only the chosen token's)."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        if self.max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InputError(f"logprobs must be in 0..20, got {self.logprobs}")
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this step, most likely first
+
+
+@dataclass
+class Update:
+    """What a request produced since its last update: text (stop strings and held-back text excluded), the tokens'
+    log-probabilities (with SamplingParams.logprobs), and the finish reason once it is done."""
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    completion_tokens: int
+
+
+class Request:
+    """One generation request. ``on_update`` (called on the scheduler's thread) receives each :class:`Update`."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, on_update, eos: list[int]):
+        self.prompt, self.params, self.on_update = [int(t) for t in prompt], params, on_update
+        self.eos = set(eos)
+        self.rng = np.random.default_rng(params.seed)
+        self.generated: list[int] = []
+        self.text = ""       # the decoded text so far, cut at a stop string
+        self.sent = 0        # characters of text already sent
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.arrived = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """Leave at the next step boundary (a client that went away)."""
+        self.cancelled = True
+
+
+@dataclass
+class Metrics:
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0            # requests that left before their end (a client gone)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    rebuilds: int = 0
+    batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
+    live_rows: int = 0
+    waiting: int = 0
+    cache_tokens: int = 0         # KV entries the running batch's cache holds (rows x length)
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    occupancy_sum: float = 0.0    # live / batch rows, summed over decode steps
+    peak_live_rows: int = 0       # most requests one decode step served
+
+
+class BatchScheduler:
+    """Runs requests on ``model`` (a GenerationMixin causal LM), ``tokenizer`` decoding their text.
+
+    ``max_batch``: most requests decoded together (more wait); ``max_model_len``: most tokens (prompt and
+    generated) of one request. ``start()`` starts the thread; ``submit()`` queues a request; ``close()`` stops.
+    """
+
+    def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=()):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch = int(max_batch)
+        limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
+        self.max_model_len = int(max_model_len or limit or 2048)
+        if limit is not None and self.max_model_len > limit:
+            raise InputError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        self.eos = sorted({int(e) for e in eos})
+        self.pad = self.eos[0] if self.eos else 0
+        self.metrics = Metrics()
+        self._waiting: list[Request] = []
+        self._rows: list[Request | None] = []  # the running batch, one entry per cache row (None: a filler row)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
+        self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
+        self.error: BaseException | None = None
+
+    # -- the caller's side
+
+    def start(self) -> "BatchScheduler":
+        self._thread = threading.Thread(target=self._loop, name="vkformers-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise InputError when a prompt of ``prompt_tokens`` and ``max_tokens`` more do not fit max_model_len."""
+        if prompt_tokens < 1:
+            raise InputError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise InputError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed the "
+                             f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
+                             "max_tokens")
+
+    def submit(self, request: Request) -> Request:
+        request.params.check()
+        self.check(len(request.prompt), request.params.max_tokens)
+        with self._cond:
+            if self.error is not None:
+                raise RuntimeError(f"the scheduler stopped: {self.error}")
+            self._waiting.append(request)
+            self.metrics.requests += 1
+            self.metrics.prompt_tokens += len(request.prompt)
+            self.metrics.waiting = len(self._waiting)
+            self._cond.notify_all()
+        return request
+
+    # -- the scheduler's thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closing and not self._waiting and not self._live():
+                        self._release_rows()
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    joining = self._admit()
+                if joining or self._state is None:
+                    self._rebuild()
+                else:
+                    self._step()
+        except BaseException as exc:  # a failed step fails every request instead of leaving clients waiting
+            self.error = exc
+            with self._cond:
+                for request in self._waiting + [r for r in self._rows if r is not None]:
+                    if not request.finished:
+                        request.finish_reason = "error"
+                        request.on_update(Update("", [], "error", len(request.generated)))
+                self._waiting.clear()
+            raise
+
+    def _live(self) -> list[Request]:
+        live = []
+        for request in self._rows:
+            if request is None or request.finished:
+                continue
+            if request.cancelled:
+                self._finish(request, FINISH_CANCELLED)
+                continue
+            live.append(request)
+        return live
+
+    def _release_rows(self) -> None:
+        """Nothing runs: let the batch go (its cache stays allocated for the next)."""
+        self._rows, self._state = [], None
+        self.metrics.batch_rows = self.metrics.live_rows = self.metrics.cache_tokens = 0
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into the batch, as many as max_batch allows (called under the lock)."""
+        live = self._live()
+        joining = []
+        while self._waiting and len(live) + len(joining) < self.max_batch:
+            request = self._waiting.pop(0)
+            if request.cancelled:
+                self._finish(request, FINISH_CANCELLED)
+                continue
+            joining.append(request)
+        self.metrics.waiting = len(self._waiting)
+        if joining:
+            self._rows = live + joining
+        return joining
+
+    def _bucket(self, count: int) -> int:
+        rows = 1
+        while rows < count:
+            rows *= 2
+        return min(rows, self.max_batch) if count <= self.max_batch else count
+
+    def _cache(self, rows: int, length: int):
+        """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on
+        it (kept per row count, so that batches of a size seen before replay their recorded step)."""
+        held = self._caches.get(rows)
+        if held is None or held[0].max_len < length:
+            self._caches.pop(rows, None)
+            del held
+            model = self.model
+            max_len = min(-(-length // CACHE_ROUNDING) * CACHE_ROUNDING, max(self.max_model_len, length))
+            params = model.parameters() if hasattr(model, "parameters") else []
+            cache = KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, max_len,
+                            getattr(model, "dtype", None) or "float32", params[0].device if params else None)
+            held = (cache, None, None)
+        cache, capture, key = held
+        new_key = capture_key(self.model, cache)
+        if capture is None or new_key is None or new_key != key:
+            capture = DecodeCapture(cache)
+        self._caches[rows] = (cache, capture, new_key)
+        cache.reset()
+        return cache, capture
+
+    def _rebuild(self) -> None:
+        """Prefill every live request's tokens so far (prompt and generated) as one left-padded batch; each
+        request then takes its next token from the prefill's logits."""
+        with self._cond:
+            live = self._live()
+            self._rows = list(live)
+        if not live:
+            self._release_rows()
+            return
+        histories = [r.prompt + r.generated for r in live]
+        rows = self._bucket(len(live))
+        histories += [[self.pad]] * (rows - len(live))  # filler rows: one token, never read
+        length = max(len(h) for h in histories)
+        ids = np.full((rows, length), self.pad, np.int64)
+        mask = np.zeros((rows, length), np.int64)
+        for row, history in enumerate(histories):
+            ids[row, length - len(history):] = history
+            mask[row, length - len(history):] = 1
+        remaining = max(r.params.max_tokens - len(r.generated) for r in live)
+        cache, capture = self._cache(rows, length + remaining)
+        positions = self.model.generation_positions(mask, ids, length)
+        logits = self.model.prefill(ids, mask, positions, cache)
+        self._state = (cache, capture, ids, mask, length)
+        self._rows = live + [None] * (rows - len(live))
+        self.metrics.rebuilds += 1
+        self.metrics.batch_rows, self.metrics.live_rows = rows, len(live)
+        self.metrics.cache_tokens = rows * cache.max_len
+        self._choose(logits)
+
+    def _step(self) -> None:
+        """One decode step of every row: each row's last token in, the next token chosen."""
+        cache, capture, tokens, mask, length = self._state
+        if cache.position + 1 > cache.max_len:  # cannot happen: rebuilds size the cache for every live request
+            raise RuntimeError(f"the batch's cache is full ({cache.max_len} tokens)")
+        last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
+        tokens = np.concatenate([tokens, last[:, None]], axis=1)
+        mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
+        step_ids = last[:, None].astype(np.int32)
+        step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
+        replay = bool(getattr(self.model, "capture_decode", True))
+        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=replay)
+        self._state = (cache, capture, tokens, mask, length)
+        live = sum(1 for r in self._rows if r is not None and not r.finished)
+        self.metrics.steps += 1
+        self.metrics.live_rows = live
+        self.metrics.peak_live_rows = max(self.metrics.peak_live_rows, live)
+        self.metrics.occupancy_sum += live / len(self._rows)
+        self._choose(logits)
+
+    def _choose(self, logits: np.ndarray) -> None:
+        """Each live row's next token from its logits, as generate chooses for a batch of one."""
+        now = time.perf_counter()
+        for row, request in enumerate(self._rows):
+            if request is None or request.finished:
+                continue
+            scores = logits[row:row + 1]
+            params = request.params
+            if params.temperature == 0:
+                token = int(scores.argmax(axis=-1)[0])
+            else:
+                token = int(_sample(scores, request.rng, params.temperature, 0, params.top_p)[0])
+            request.generated.append(token)
+            if request.first_token_at is None:
+                request.first_token_at = now
+                self.metrics.ttft_sum += now - request.arrived
+                self.metrics.ttft_count += 1
+            self.metrics.generation_tokens += 1
+            if params.logprobs is not None:
+                request.pending_logprobs.append(_logprob(scores[0], token, params.logprobs))
+            self._advance_text(request, token)
+
+    def _advance_text(self, request: Request, token: int) -> None:
+        params = request.params
+        finish = None
+        text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
+        if params.stop:
+            # a stop string in the text not yet sent (the sent text held back enough to contain none)
+            found = [i for i in (text.find(s, request.sent) for s in params.stop if s) if i >= 0]
+            if found:
+                text, finish = text[:min(found)], FINISH_STOP
+        request.text = text
+        if finish is None and token in request.eos:
+            finish = FINISH_STOP
+        if finish is None and len(request.generated) >= params.max_tokens:
+            finish = FINISH_LENGTH
+        if finish is not None:
+            self._finish(request, finish)
+            return
+        hold = max((len(s) for s in params.stop), default=1) - 1  # the end of the text may begin a stop string
+        ready = len(text) - hold
+        while ready > request.sent and text[ready - 1] == "\ufffd":  # an incomplete character waits
+            ready -= 1
+        if ready > request.sent or request.pending_logprobs:
+            delta = text[request.sent:max(ready, request.sent)]
+            request.sent += len(delta)
+            logprobs, request.pending_logprobs = request.pending_logprobs, []
+            request.on_update(Update(delta, logprobs, None, len(request.generated)))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.metrics.finished += 1
+        self.metrics.cancelled += reason == FINISH_CANCELLED
+        delta = request.text[request.sent:]
+        request.sent = len(request.text)
+        logprobs, request.pending_logprobs = request.pending_logprobs, []
+        request.on_update(Update(delta, logprobs, reason, len(request.generated)))
+
+
+def _logprob(scores: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability under the model's distribution (before temperature and top-p), and the
+    ``top`` most likely tokens'."""
+    logprobs = np.log(np.maximum(_softmax(scores[None])[0], 1e-300))
+    best = np.argsort(-logprobs, kind="stable")[:top] if top else []
+    return TokenLogprob(token, float(logprobs[token]), [(int(t), float(logprobs[t])) for t in best])

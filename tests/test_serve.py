@@ -1,0 +1,325 @@
+"""``vkformers serve``: the continuous-batching scheduler against ``model.generate``, and the OpenAI-compatible routes
+through the ``openai`` client and raw HTTP, on a tiny random llama GGUF (with a byte-level BPE tokenizer and a chat
+template) served by uvicorn on a free local port.
+
+The engine is not shared across threads: every reference ``generate`` runs while the scheduler is idle.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from vkformers.cli import main
+from vkformers.cli import serve as cli_serve
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
+from vkformers.models.loading import AutoModelForCausalLM
+
+uvicorn = pytest.importorskip("uvicorn", reason="vkformers serve needs the [serve] extra")
+openai = pytest.importorskip("openai", reason="the serve tests talk through the openai client (test extra)")
+
+API_KEY = "test-key"
+SERVED = "tiny"
+PROMPTS = ["the capital of france is", "hello", "once upon a time there was a", "gpu", "a b c d e f g h",
+           "the quick brown fox", "x", "language models on any gpu through vulkan compute"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_gguf import gguf, random_llama, train_bpe, write_tiny_gguf
+    if gguf is None:
+        pytest.fail("the gguf package is needed to write the tiny model", pytrace=False)
+    backend = train_bpe()
+    path = write_tiny_gguf(tmp_path_factory.mktemp("serve") / "tiny.gguf", random_llama(backend.get_vocab_size()),
+                           backend)
+    tokenizer = load_gguf_tokenizer(path)
+    reference = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    return path, tokenizer, reference
+
+
+def reference_tokens(reference, ids, max_tokens, eos=(), **sampling):
+    ids = np.asarray(ids, np.int64)[None]
+    return reference.generate(ids, max_new_tokens=max_tokens, eos_token_id=list(eos), **sampling)[0, ids.shape[1]:]
+
+
+def encode(tokenizer, text):
+    return [int(t) for t in tokenizer(text, return_tensors="np")["input_ids"][0]]
+
+
+def wait_for(condition, seconds=120.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def run_staggered(scheduler, jobs):
+    """Submit (prompt ids, SamplingParams) jobs: half at once, the others one by one after further decode steps, so
+    that they join a running batch at different step boundaries. Returns the finished requests."""
+    requests = []
+    for index, (ids, params) in enumerate(jobs):
+        if index >= len(jobs) // 2:
+            steps = scheduler.metrics.steps
+            wait_for(lambda: scheduler.metrics.steps >= steps + 2 or all(r.finished for r in requests))
+        requests.append(scheduler.submit(Request(ids, params, lambda update: None, [])))
+    wait_for(lambda: all(r.finished for r in requests))
+    return requests
+
+
+def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
+    path, tokenizer, reference = tiny
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6]
+    greedy = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lengths)]
+    sampled = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=i))
+               for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    expected_greedy = [reference_tokens(reference, ids, p.max_tokens) for ids, p in greedy]
+    expected_sampled = [reference_tokens(reference, ids, p.max_tokens, do_sample=True, temperature=0.8, top_p=0.9,
+                                         seed=p.seed) for ids, p in sampled]
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    scheduler = BatchScheduler(model, tokenizer, max_batch=8).start()
+    try:
+        for jobs, expected in ((greedy, expected_greedy), (sampled, expected_sampled)):
+            requests = run_staggered(scheduler, jobs)
+            for request, tokens in zip(requests, expected):
+                assert request.generated == tokens.tolist() and request.finish_reason == "length"
+        # requests did run together, and joined a batch that was already decoding
+        assert scheduler.metrics.peak_live_rows >= 3 and scheduler.metrics.rebuilds >= 2 * 2
+    finally:
+        scheduler.close()
+    assert scheduler.error is None
+
+
+def test_max_batch_makes_requests_wait(tiny):
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=4, temperature=0)) for p in PROMPTS[:5]]
+    expected = [reference_tokens(reference, ids, 4) for ids, _ in jobs]
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
+                               max_batch=2)
+    requests = [scheduler.submit(Request(ids, params, lambda update: None, [])) for ids, params in jobs]
+    assert scheduler.metrics.waiting == 5
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    assert scheduler.metrics.requests == 5 and scheduler.metrics.finished == 5
+
+
+# ---------------------------------------------------------------- the HTTP server
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    path, tokenizer, _ = tiny
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
+                               eos=cli_serve.eos_ids(model, tokenizer)).start()
+    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    wait_for(lambda: web.started, 30)
+    yield {"port": port, "scheduler": scheduler, "tokenizer": tokenizer,
+           "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)}
+    web.should_exit = True
+    thread.join(30)
+    scheduler.close()
+
+
+def request(server, method, route, body=None, *, raw=None, key=API_KEY):
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (None if body is None else json.dumps(body))
+    connection.request(method, route, body=data, headers=headers)
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    return response.status, text
+
+
+def expected_eos(server, tiny):
+    return cli_serve.eos_ids(tiny[2], server["tokenizer"])
+
+
+def test_health_models_and_metrics(server):
+    assert request(server, "GET", "/health", key=None) == (200, '{"status":"ok"}')
+    models = server["client"].models.list()
+    assert [m.id for m in models.data] == [SERVED]
+    status, text = request(server, "GET", "/metrics", key=None)
+    assert status == 200
+    for name in ("vkformers_requests_total", "vkformers_requests_cancelled_total", "vkformers_generation_tokens_total", "vkformers_requests_running",
+                 "vkformers_batch_occupancy", "vkformers_kv_cache_tokens", "vkformers_time_to_first_token_seconds_sum"):
+        assert f"{name}{{model=\"{SERVED}\"}} " in text
+
+
+def test_completion_matches_generate(server, tiny):
+    tokenizer, reference = server["tokenizer"], tiny[2]
+    prompt = PROMPTS[0]
+    ids = encode(tokenizer, prompt)
+    tokens = reference_tokens(reference, ids, 8, expected_eos(server, tiny))
+    response = server["client"].completions.create(model=SERVED, prompt=prompt, max_tokens=8, temperature=0,
+                                                   logprobs=3)
+    choice = response.choices[0]
+    assert choice.text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == len(tokens)
+    assert response.usage.total_tokens == len(ids) + len(tokens)
+    assert choice.finish_reason == ("stop" if tokens[-1] in expected_eos(server, tiny) else "length")
+    # greedy: the chosen token is the most likely one, its log-probability the highest of the top ones (keyed by
+    # text: byte tokens that decode alike share a key)
+    assert len(choice.logprobs.token_logprobs) == len(tokens)
+    for logprob, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert 1 <= len(top) <= 3 and logprob <= 0 and abs(max(top.values()) - logprob) < 1e-6
+    # token ids as the prompt give the same
+    again = server["client"].completions.create(model=SERVED, prompt=ids, max_tokens=8, temperature=0)
+    assert again.choices[0].text == choice.text
+
+
+def test_streamed_completion_equals_the_whole_one(server):
+    client = server["client"]
+    whole = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    status, text = request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi", "max_tokens": 3,
+                                                               "stream": True})
+    assert status == 200 and text.endswith("data: [DONE]\n\n")
+
+
+def test_chat_completion_uses_the_chat_template(server, tiny):
+    tokenizer, reference = server["tokenizer"], tiny[2]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ids = [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         return_tensors="np")["input_ids"][0]]
+    tokens = reference_tokens(reference, ids, 7, expected_eos(server, tiny))
+    client = server["client"]
+    response = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=7, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    message = response.choices[0].message
+    assert message.role == "assistant" and message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == len(tokens)
+    assert len(response.choices[0].logprobs.content) == len(tokens)
+    assert all(len(entry.top_logprobs) == 2 for entry in response.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(model=SERVED, messages=messages, max_tokens=7, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+
+
+def test_seeded_sampling_repeats(server):
+    client = server["client"]
+    runs = [client.completions.create(model=SERVED, prompt=PROMPTS[5], max_tokens=8, temperature=0.9, top_p=0.95,
+                                      seed=11).choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_stop_string_across_tokens(server):
+    """A stop string made of the end of one token and the start of the next cuts the text there."""
+    client, tokenizer = server["client"], server["tokenizer"]
+    for prompt in PROMPTS:  # a random model's text is mostly bytes: find two whole-character tokens in a row
+        ids = encode(tokenizer, prompt)
+        whole = client.completions.create(model=SERVED, prompt=ids, max_tokens=12, temperature=0, logprobs=0)
+        full, pieces = whole.choices[0].text, whole.choices[0].logprobs.tokens
+        for i in range(1, len(pieces)):
+            before, stop = "".join(pieces[:i]), pieces[i - 1][-1:] + pieces[i][:1]
+            if len(stop) == 2 and "\ufffd" not in stop and full.startswith(before + pieces[i]) \
+                    and full.find(stop) == len(before) - 1:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no generated text with a stop string across two tokens")
+    expected = full[:len(before) - 1]
+    for stream in (False, True):
+        result = client.completions.create(model=SERVED, prompt=ids, max_tokens=12, temperature=0, stop=[stop],
+                                           stream=stream)
+        if stream:
+            chunks = list(result)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = result.choices[0].text, result.choices[0].finish_reason
+        assert (text, finish) == (expected, "stop")
+
+
+def error_of(status_text):
+    status, text = status_text
+    return status, json.loads(text)["error"]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    route = "/v1/completions"
+    status, error = error_of(request(server, "POST", route, raw="{not json"))
+    assert status == 400 and error["type"] == "invalid_request_error" and "JSON" in error["message"]
+    status, error = error_of(request(server, "POST", route, {"model": "gpt-4", "prompt": "hi"}))
+    assert status == 404 and error["code"] == "model_not_found"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi " * 200}))
+    assert status == 400 and "maximum context length of 96" in error["message"]
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "max_tokens": -1}))
+    assert status == 400 and error["param"] == "max_tokens"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "n": 2}))
+    assert status == 400 and error["param"] == "n"
+    status, error = error_of(request(server, "POST", "/v1/chat/completions", {"model": SERVED, "messages": []}))
+    assert status == 400 and error["param"] == "messages"
+    for key in ("wrong", None):
+        status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi"}, key=key))
+        assert status == 401 and error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        server["client"].completions.create(model="other", prompt="hi", max_tokens=2)
+    assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
+    scheduler = server["scheduler"]
+    choose = scheduler._choose
+    monkeypatch.setattr(scheduler, "_choose", lambda logits: time.sleep(0.02) or choose(logits))  # slow enough
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+    body = {"model": SERVED, "prompt": "a", "max_tokens": 95, "temperature": 0.5, "seed": 1, "stream": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event: the request is decoding
+    wait_for(lambda: scheduler.metrics.live_rows == 1)
+    cancelled, tokens = scheduler.metrics.cancelled, scheduler.metrics.generation_tokens
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.cache_tokens == 0, 60)
+    assert scheduler.metrics.cancelled == cancelled + 1
+    assert scheduler.metrics.generation_tokens - tokens < 90
+    assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+# ---------------------------------------------------------------- the command
+
+def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # an import of it fails
+    assert main(["serve", "--model", "anything"]) == 1
+    assert capsys.readouterr().err == f"vkformers serve: error: {cli_serve.INSTALL_HINT}\n"
+
+
+def test_serve_arguments():
+    from vkformers.cli import build_parser
+    args = build_parser().parse_args(["serve", "--model", "m.gguf", "--port", "9000", "--max-batch", "8",
+                                      "--max-model-len", "512", "--api-key", "k", "--host", "0.0.0.0"])
+    assert (args.model, args.port, args.max_batch, args.max_model_len, args.api_key, args.host) == (
+        "m.gguf", 9000, 8, 512, "k", "0.0.0.0")
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.host, defaults.port, defaults.max_batch, defaults.model) == ("127.0.0.1", 8000, 64, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-batch", "0"])
