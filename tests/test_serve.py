@@ -89,7 +89,8 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
             for request, tokens in zip(requests, expected):
                 assert request.generated == tokens.tolist() and request.finish_reason == "length"
         # requests did run together, and joined a batch that was already decoding
-        assert scheduler.metrics.peak_live_rows >= 3 and scheduler.metrics.rebuilds >= 2 * 2
+        assert scheduler.metrics.peak_live_rows >= 3
+        assert scheduler.metrics.placements >= 2 and scheduler.metrics.rebuilds >= 2
     finally:
         scheduler.close()
     assert scheduler.error is None
@@ -287,7 +288,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
 def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
     scheduler = server["scheduler"]
     choose = scheduler._choose
-    monkeypatch.setattr(scheduler, "_choose", lambda logits: time.sleep(0.02) or choose(logits))  # slow enough
+    monkeypatch.setattr(scheduler, "_choose", lambda *args: time.sleep(0.02) or choose(*args))  # slow enough
     connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
     body = {"model": SERVED, "prompt": "a", "max_tokens": 95, "temperature": 0.5, "seed": 1, "stream": True}
     connection.request("POST", "/v1/completions", body=json.dumps(body),

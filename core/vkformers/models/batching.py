@@ -3,10 +3,14 @@
 One thread owns the model. Each turn of its loop is a step boundary: new requests join the running batch there,
 finished or cancelled ones leave, then one decode step runs for every row at once. The batch lives in one
 :class:`KVCache` as a left-padded batch, as ``generate`` runs one: every row writes its next token at the same
-column and the cache's padding mask hides the columns before each row's first token. When requests join, the
-batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together into
-a cache of a recorded size (rows rounded up to a power of two, so the decode step replays one of a few captured
-plans, models/decode_capture.py); a request that left stays as a masked row until then. Each request chooses
+column and the cache's padding mask hides the columns before each row's first token. Requests join in one of
+two ways. Into free rows (left by finished requests, or fillers): their prompts are prefilled apart, in a small
+cache, and their keys and values moved into those rows so as to end at the batch's current column
+(``KVCache.place_row``); the running rows lose no work. When no free rows fit them (too few, a prompt longer than
+the batch's columns so far, or no room left for its output), the batch is rebuilt: the prompts and the tokens
+generated so far of every live request are prefilled together into a cache of a recorded size (rows rounded up
+to a power of two, so that the decode step replays one of a few captured plans, models/decode_capture.py). A
+request that left stays as a masked row until a newcomer takes it. Each request chooses
 its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
 top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vkformers.engine import lazy
 from vkformers.errors import InputError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
@@ -102,7 +107,8 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    rebuilds: int = 0
+    rebuilds: int = 0             # prefills of the whole batch (requests joining when no free rows fit them)
+    placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
     batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
     live_rows: int = 0
     waiting: int = 0
@@ -136,6 +142,8 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
+        self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
+        self._joining: list[Request] = []
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
         self.error: BaseException | None = None
 
@@ -186,15 +194,19 @@ class BatchScheduler:
                         self._cond.wait()
                     if self._closing:
                         return
-                    joining = self._admit()
-                if joining or self._state is None:
-                    self._rebuild()
+                    self._joining = self._admit()
+                if self._joining:
+                    if self._state is not None and self._fits(self._joining):
+                        self._place(self._joining)
+                    else:
+                        self._rebuild(self._joining)
+                    self._joining = []
                 else:
                     self._step()
         except BaseException as exc:  # a failed step fails every request instead of leaving clients waiting
             self.error = exc
             with self._cond:
-                for request in self._waiting + [r for r in self._rows if r is not None]:
+                for request in self._waiting + self._joining + [r for r in self._rows if r is not None]:
                     if not request.finished:
                         request.finish_reason = "error"
                         request.on_update(Update("", [], "error", len(request.generated)))
@@ -218,7 +230,7 @@ class BatchScheduler:
         self.metrics.batch_rows = self.metrics.live_rows = self.metrics.cache_tokens = 0
 
     def _admit(self) -> list[Request]:
-        """Move waiting requests into the batch, as many as max_batch allows (called under the lock)."""
+        """Waiting requests that join the batch now, as many as max_batch allows (called under the lock)."""
         live = self._live()
         joining = []
         while self._waiting and len(live) + len(joining) < self.max_batch:
@@ -228,8 +240,6 @@ class BatchScheduler:
                 continue
             joining.append(request)
         self.metrics.waiting = len(self._waiting)
-        if joining:
-            self._rows = live + joining
         return joining
 
     def _bucket(self, count: int) -> int:
@@ -238,19 +248,21 @@ class BatchScheduler:
             rows *= 2
         return min(rows, self.max_batch) if count <= self.max_batch else count
 
+    def _new_cache(self, rows: int, length: int) -> KVCache:
+        model = self.model
+        max_len = min(-(-length // CACHE_ROUNDING) * CACHE_ROUNDING, max(self.max_model_len, length))
+        params = model.parameters() if hasattr(model, "parameters") else []
+        return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, max_len,
+                       getattr(model, "dtype", None) or "float32", params[0].device if params else None)
+
     def _cache(self, rows: int, length: int):
         """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on
         it (kept per row count, so that batches of a size seen before replay their recorded step)."""
         held = self._caches.get(rows)
         if held is None or held[0].max_len < length:
             self._caches.pop(rows, None)
-            del held
-            model = self.model
-            max_len = min(-(-length // CACHE_ROUNDING) * CACHE_ROUNDING, max(self.max_model_len, length))
-            params = model.parameters() if hasattr(model, "parameters") else []
-            cache = KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, max_len,
-                            getattr(model, "dtype", None) or "float32", params[0].device if params else None)
-            held = (cache, None, None)
+            del held  # free the old buffers before allocating new ones
+            held = (self._new_cache(rows, length), None, None)
         cache, capture, key = held
         new_key = capture_key(self.model, cache)
         if capture is None or new_key is None or new_key != key:
@@ -259,26 +271,38 @@ class BatchScheduler:
         cache.reset()
         return cache, capture
 
-    def _rebuild(self) -> None:
-        """Prefill every live request's tokens so far (prompt and generated) as one left-padded batch; each
-        request then takes its next token from the prefill's logits."""
-        with self._cond:
-            live = self._live()
-            self._rows = list(live)
-        if not live:
-            self._release_rows()
-            return
-        histories = [r.prompt + r.generated for r in live]
-        rows = self._bucket(len(live))
-        histories += [[self.pad]] * (rows - len(live))  # filler rows: one token, never read
+    def _prefill_cache(self, rows: int, length: int) -> KVCache:
+        """A reset cache that prompts joining a running batch are prefilled into, kept per row count."""
+        cache = self._joining_caches.get(rows)
+        if cache is None or cache.max_len < length:
+            self._joining_caches.pop(rows, None)
+            del cache
+            cache = self._joining_caches[rows] = self._new_cache(rows, length)
+        cache.reset()
+        return cache
+
+    def _left_padded(self, histories: list[list[int]], rows: int):
+        """ids and mask [rows, longest] of the token lists, left-padded; filler rows hold one pad token."""
+        histories = histories + [[self.pad]] * (rows - len(histories))
         length = max(len(h) for h in histories)
         ids = np.full((rows, length), self.pad, np.int64)
         mask = np.zeros((rows, length), np.int64)
         for row, history in enumerate(histories):
             ids[row, length - len(history):] = history
             mask[row, length - len(history):] = 1
+        return ids, mask
+
+    def _rebuild(self, joining: list[Request]) -> None:
+        """Prefill every live request's tokens so far (prompt and generated) and the joining prompts as one
+        left-padded batch; each request then takes its next token from the prefill's logits."""
+        with self._cond:
+            live = self._live() + joining
+        rows = self._bucket(len(live))
+        ids, mask = self._left_padded([r.prompt + r.generated for r in live], rows)
+        length = ids.shape[1]
         remaining = max(r.params.max_tokens - len(r.generated) for r in live)
-        cache, capture = self._cache(rows, length + remaining)
+        # a spare CACHE_ROUNDING columns, so that requests joining later find room for their outputs
+        cache, capture = self._cache(rows, length + remaining + CACHE_ROUNDING)
         positions = self.model.generation_positions(mask, ids, length)
         logits = self.model.prefill(ids, mask, positions, cache)
         self._state = (cache, capture, ids, mask, length)
@@ -286,12 +310,42 @@ class BatchScheduler:
         self.metrics.rebuilds += 1
         self.metrics.batch_rows, self.metrics.live_rows = rows, len(live)
         self.metrics.cache_tokens = rows * cache.max_len
-        self._choose(logits)
+        self._choose(logits, list(enumerate(live)))
+
+    def _fits(self, joining: list[Request]) -> bool:
+        """Whether the joining requests can take free rows of the running batch: as many free rows, prompts no
+        longer than the batch's tokens so far, and room in its cache for their outputs."""
+        cache = self._state[0]
+        free = sum(1 for r in self._rows if r is None or r.finished)
+        return len(joining) <= free and all(
+            len(r.prompt) <= cache.position and cache.position + r.params.max_tokens <= cache.max_len
+            for r in joining)
+
+    def _place(self, joining: list[Request]) -> None:
+        """Prefill the joining prompts apart, then move their keys and values into free rows of the running batch,
+        ending at its current column (left padding before them): the live rows lose no work."""
+        cache, capture, tokens, mask, length = self._state
+        ids, prompt_mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
+        source = self._prefill_cache(ids.shape[0], ids.shape[1])
+        positions = self.model.generation_positions(prompt_mask, ids, ids.shape[1])
+        logits = self.model.prefill(ids, prompt_mask, positions, source)
+        free = [row for row, r in enumerate(self._rows) if r is None or r.finished]
+        end = cache.position
+        for index, (request, row) in enumerate(zip(joining, free)):
+            cache.place_row(source, index, row)
+            tokens[row] = self.pad
+            tokens[row, end - ids.shape[1]:] = ids[index]
+            mask[row] = cache.mask[row, :end]
+            self._rows[row] = request
+        lazy.realize([])  # the copies, before the next step's graph
+        self.metrics.placements += 1
+        self.metrics.live_rows = sum(1 for r in self._rows if r is not None and not r.finished)
+        self._choose(logits, list(enumerate(joining)))
 
     def _step(self) -> None:
         """One decode step of every row: each row's last token in, the next token chosen."""
         cache, capture, tokens, mask, length = self._state
-        if cache.position + 1 > cache.max_len:  # cannot happen: rebuilds size the cache for every live request
+        if cache.position + 1 > cache.max_len:  # cannot happen: rebuilds and placements keep room for every row
             raise RuntimeError(f"the batch's cache is full ({cache.max_len} tokens)")
         last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
         tokens = np.concatenate([tokens, last[:, None]], axis=1)
@@ -306,13 +360,13 @@ class BatchScheduler:
         self.metrics.live_rows = live
         self.metrics.peak_live_rows = max(self.metrics.peak_live_rows, live)
         self.metrics.occupancy_sum += live / len(self._rows)
-        self._choose(logits)
+        self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
 
-    def _choose(self, logits: np.ndarray) -> None:
-        """Each live row's next token from its logits, as generate chooses for a batch of one."""
+    def _choose(self, logits: np.ndarray, rows: list[tuple[int, Request]]) -> None:
+        """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one."""
         now = time.perf_counter()
-        for row, request in enumerate(self._rows):
-            if request is None or request.finished:
+        for row, request in rows:
+            if request.finished:
                 continue
             scores = logits[row:row + 1]
             params = request.params

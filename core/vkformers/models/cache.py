@@ -80,6 +80,24 @@ class KVCache:
         self.position -= int(count)
         self._step = None
 
+    def place_row(self, source: "KVCache", source_row: int, row: int) -> None:
+        """Make ``row`` hold ``source``'s stored tokens of ``source_row`` (keys, values and mask), ending at this
+        cache's position: a sequence prefilled apart joins a running batch. The row's earlier columns are masked
+        out. The copy runs with the next realization."""
+        count, end = source.position, self.position
+        if not (0 <= row < self.batch and 0 <= source_row < source.batch and count <= end) or (
+                source.num_layers, source.kv_heads, source.head_dim, source.dtype) != (
+                self.num_layers, self.kv_heads, self.head_dim, self.dtype):
+            raise ValueError(f"KVCache.place_row: {count} tokens of row {source_row} do not fit row {row} of a cache "
+                             f"at position {end}")
+        start = tensor(np.array([end - count], np.uint32), dtype=dt.uint32, device=self.device)
+        for layer in range(self.num_layers):
+            write_kv(self.keys[layer], self.values[layer], source.keys[layer][source_row:source_row + 1, :, :count],
+                     source.values[layer][source_row:source_row + 1, :, :count], start, first_row=row)
+        self.mask[row, :end - count] = 0
+        self.mask[row, end - count:end] = source.mask[source_row, :count]
+        self._step = None
+
     # -- one forward's inputs
 
     def step_arrays(self, new: int, key_padding_mask=None):
