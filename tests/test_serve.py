@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -122,9 +126,7 @@ def server(tiny):
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
                                eos=cli_serve.eos_ids(model, tokenizer)).start()
     app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=web.run, daemon=True)
     thread.start()
@@ -307,6 +309,43 @@ def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
 
 
 # ---------------------------------------------------------------- the command
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_command_serves_until_stopped(tiny):
+    """`vkformers serve` in its own process: it says where, /health answers, the model is named after the file,
+    and Ctrl-C stops it."""
+    path, tokenizer, reference = tiny
+    port = free_port()
+    command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
+               "serve", "--model", str(path), "--port", str(port), "--max-batch", "2"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        line = process.stderr.readline()
+        assert line == f"vkformers serve: tiny on http://127.0.0.1:{port}/v1 (ready when /health answers)\n"
+
+        def healthy():
+            assert process.poll() is None, process.stderr.read()
+            try:
+                return request({"port": port}, "GET", "/health", key=None)[0] == 200
+            except OSError:
+                return False
+        wait_for(healthy, 120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        text = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0].text
+    finally:
+        process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, then the command returns
+        status = process.wait(60)
+    assert status == 0
+    ids = encode(tokenizer, PROMPTS[1])
+    eos = cli_serve.eos_ids(reference, tokenizer)
+    assert text == tokenizer.decode(reference_tokens(reference, ids, 5, eos), skip_special_tokens=True)
+
 
 def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # an import of it fails

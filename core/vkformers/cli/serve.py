@@ -322,7 +322,8 @@ def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str
                     loop.call_soon_threadsafe(updates.put_nowait, update)
                 except RuntimeError:  # the event loop closed (server shutting down)
                     pass
-            job = scheduler.submit(Request(prompt, params, deliver, scheduler.eos))
+            eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
+            job = scheduler.submit(Request(prompt, params, deliver, eos))
         except InputError as exc:
             return error(ApiError(400, str(exc)))
         except ApiError as exc:
