@@ -272,6 +272,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert status == 400 and "maximum context length of 96" in error["message"]
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "max_tokens": -1}))
     assert status == 400 and error["param"] == "max_tokens"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": [5, 10 ** 6]}))
+    assert status == 400 and "vocab" in error["message"]
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "n": 2}))
     assert status == 400 and error["param"] == "n"
     status, error = error_of(request(server, "POST", "/v1/chat/completions", {"model": SERVED, "messages": []}))
@@ -284,6 +286,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
                       max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
         server["client"].completions.create(model="other", prompt="hi", max_tokens=2)
+    assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
+    scheduler = server["scheduler"]
+    prefill = scheduler.model.prefill
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(scheduler.model, "prefill", broken)
+    errors = scheduler.metrics.errors
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi",
+                                                                         "max_tokens": 3}))
+    assert status == 500 and error["type"] == "server_error" and "device lost" in error["message"]
+    assert scheduler.metrics.errors == errors + 1
+    monkeypatch.setattr(scheduler.model, "prefill", prefill)
+    assert request(server, "GET", "/health", key=None)[0] == 200
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 

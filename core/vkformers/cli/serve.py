@@ -229,6 +229,7 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
     rows = [("requests_total", "counter", "requests received", m.requests),
             ("requests_finished_total", "counter", "requests finished", m.finished),
             ("requests_cancelled_total", "counter", "requests left before their end (client gone)", m.cancelled),
+            ("batch_errors_total", "counter", "batches that failed (their requests got an error)", m.errors),
             ("prompt_tokens_total", "counter", "prompt tokens received", m.prompt_tokens),
             ("generation_tokens_total", "counter", "tokens generated", m.generation_tokens),
             ("decode_steps_total", "counter", "batched decode steps", m.steps),
@@ -261,6 +262,9 @@ def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str
 
     def error(exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    def failed() -> ApiError:
+        return ApiError(500, f"generation failed: {scheduler.last_error or scheduler.error}", kind="server_error")
 
     def authorize(request):
         if api_key is None:
@@ -344,7 +348,7 @@ def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str
         finally:
             job.cancel()  # a client gone before the end: the request leaves the batch
         if finish == "error":
-            return error(ApiError(500, f"generation failed: {scheduler.error}", kind="server_error"))
+            return error(failed())
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": chat_logprobs(tokenizer, entries) if params.logprobs is not None else None,
@@ -368,8 +372,7 @@ def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str
             while True:
                 update = await updates.get()
                 if update.finish_reason == "error":
-                    failure = ApiError(500, f"generation failed: {scheduler.error}", kind="server_error")
-                    yield f"data: {json.dumps(failure.body())}\n\n"
+                    yield f"data: {json.dumps(failed().body())}\n\n"
                     break
                 if update.text or update.logprobs or update.finish_reason:
                     logprobs = None

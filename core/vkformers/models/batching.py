@@ -31,8 +31,9 @@ from vkformers.errors import InputError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, _sample, _softmax
+from vkformers.models.inputs import check_model_inputs
 
-FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED = "stop", "length", "cancelled"
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Metrics:
     requests: int = 0
     finished: int = 0
     cancelled: int = 0            # requests that left before their end (a client gone)
+    errors: int = 0               # batches that failed (their requests got an error)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -145,7 +147,8 @@ class BatchScheduler:
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
         self._joining: list[Request] = []
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None       # what ended the thread (then no request is taken)
+        self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
 
     # -- the caller's side
 
@@ -173,6 +176,9 @@ class BatchScheduler:
     def submit(self, request: Request) -> Request:
         request.params.check()
         self.check(len(request.prompt), request.params.max_tokens)
+        limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
+        if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
+            check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
         with self._cond:
             if self.error is not None:
                 raise RuntimeError(f"the scheduler stopped: {self.error}")
@@ -195,23 +201,41 @@ class BatchScheduler:
                     if self._closing:
                         return
                     self._joining = self._admit()
-                if self._joining:
-                    if self._state is not None and self._fits(self._joining):
-                        self._place(self._joining)
-                    else:
-                        self._rebuild(self._joining)
-                    self._joining = []
-                else:
-                    self._step()
-        except BaseException as exc:  # a failed step fails every request instead of leaving clients waiting
+                self._turn()
+        except BaseException as exc:  # the thread ends: no request may wait for it
             self.error = exc
             with self._cond:
-                for request in self._waiting + self._joining + [r for r in self._rows if r is not None]:
-                    if not request.finished:
-                        request.finish_reason = "error"
-                        request.on_update(Update("", [], "error", len(request.generated)))
+                self._fail(self._waiting + self._joining + self._rows)
                 self._waiting.clear()
             raise
+
+    def _turn(self) -> None:
+        """Admit waiting requests, or run one decode step. A failure fails the requests of the batch (each gets an
+        "error" update) and drops the batch and its recorded steps; the next requests start a new one."""
+        try:
+            if self._joining:
+                if self._state is not None and self._fits(self._joining):
+                    self._place(self._joining)
+                else:
+                    self._rebuild(self._joining)
+            else:
+                self._step()
+        except Exception as exc:
+            self.last_error = exc
+            self.metrics.errors += 1
+            with self._cond:
+                self._fail(self._joining + self._rows)
+            self._release_rows()
+            self._caches.clear()
+            self._joining_caches.clear()
+        finally:
+            self._joining = []
+
+    def _fail(self, requests) -> None:
+        for request in requests:
+            if request is not None and not request.finished:
+                request.finish_reason = FINISH_ERROR
+                request.on_update(Update("", [], FINISH_ERROR, len(request.generated)))
 
     def _live(self) -> list[Request]:
         live = []
