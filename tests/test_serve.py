@@ -21,6 +21,7 @@ import pytest
 
 from vkformers.cli import main
 from vkformers.cli import serve as cli_serve
+from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
@@ -98,6 +99,26 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     finally:
         scheduler.close()
     assert scheduler.error is None
+
+
+def test_caches_grow_and_batches_pack_as_tokens_come(tiny, monkeypatch):
+    """With a few columns to spare, the batch's cache doubles as outputs grow, and a batch whose columns reach the
+    limit is packed again; outputs stay those of generate alone."""
+    path, tokenizer, reference = tiny
+    monkeypatch.setattr(batching, "CACHE_GROWTH", 4)
+    monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
+    monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)  # columns up to max_model_len, then the batch is packed
+    lengths = [20, 9, 14, 12, 18, 4, 16, 11]
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lengths)]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
+                               max_batch=4, max_model_len=64).start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    assert scheduler.metrics.growths >= 1 and scheduler.error is None and scheduler.metrics.errors == 0
 
 
 def test_max_batch_makes_requests_wait(tiny):

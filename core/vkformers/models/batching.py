@@ -34,6 +34,13 @@ from vkformers.models.generation import CACHE_ROUNDING, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+# Columns a batch's cache gets beyond its tokens so far (or fewer: what its requests may still generate); when
+# they run out, the cache doubles (its rows copied over), so that memory follows the tokens held rather than every
+# request's max_tokens. Columns are shared by all rows (each row's tokens end at the current one): past
+# COLUMN_LIMIT x max_model_len of them the batch is rebuilt instead, which packs it to its longest sequence.
+CACHE_GROWTH = 256
+COLUMN_LIMIT = 2
+COLUMN_ROUNDING = CACHE_ROUNDING
 
 
 @dataclass
@@ -111,6 +118,7 @@ class Metrics:
     steps: int = 0
     rebuilds: int = 0             # prefills of the whole batch (requests joining when no free rows fit them)
     placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
+    growths: int = 0              # doublings of the running batch's cache
     batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
     live_rows: int = 0
     waiting: int = 0
@@ -272,9 +280,15 @@ class BatchScheduler:
             rows *= 2
         return min(rows, self.max_batch) if count <= self.max_batch else count
 
+    def _columns(self, length: int) -> int:
+        return min(-(-length // COLUMN_ROUNDING) * COLUMN_ROUNDING, self._column_limit())
+
+    def _column_limit(self) -> int:
+        return -(-COLUMN_LIMIT * self.max_model_len // COLUMN_ROUNDING) * COLUMN_ROUNDING
+
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
-        max_len = min(-(-length // CACHE_ROUNDING) * CACHE_ROUNDING, max(self.max_model_len, length))
+        max_len = self._columns(length)
         params = model.parameters() if hasattr(model, "parameters") else []
         return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, max_len,
                        getattr(model, "dtype", None) or "float32", params[0].device if params else None)
@@ -325,8 +339,7 @@ class BatchScheduler:
         ids, mask = self._left_padded([r.prompt + r.generated for r in live], rows)
         length = ids.shape[1]
         remaining = max(r.params.max_tokens - len(r.generated) for r in live)
-        # a spare CACHE_ROUNDING columns, so that requests joining later find room for their outputs
-        cache, capture = self._cache(rows, length + remaining + CACHE_ROUNDING)
+        cache, capture = self._cache(rows, length + min(remaining, CACHE_GROWTH))
         positions = self.model.generation_positions(mask, ids, length)
         logits = self.model.prefill(ids, mask, positions, cache)
         self._state = (cache, capture, ids, mask, length)
@@ -338,11 +351,11 @@ class BatchScheduler:
 
     def _fits(self, joining: list[Request]) -> bool:
         """Whether the joining requests can take free rows of the running batch: as many free rows, prompts no
-        longer than the batch's tokens so far, and room in its cache for their outputs."""
-        cache = self._state[0]
+        longer than the batch's columns so far, and columns to spare for their first outputs."""
+        position = self._state[0].position
         free = sum(1 for r in self._rows if r is None or r.finished)
         return len(joining) <= free and all(
-            len(r.prompt) <= cache.position and cache.position + r.params.max_tokens <= cache.max_len
+            len(r.prompt) <= position and position + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit()
             for r in joining)
 
     def _place(self, joining: list[Request]) -> None:
@@ -368,9 +381,12 @@ class BatchScheduler:
 
     def _step(self) -> None:
         """One decode step of every row: each row's last token in, the next token chosen."""
+        if self._state[0].position + 1 > self._state[0].max_len:
+            if self._state[0].max_len >= self._column_limit():
+                self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
+                return
+            self._grow()
         cache, capture, tokens, mask, length = self._state
-        if cache.position + 1 > cache.max_len:  # cannot happen: rebuilds and placements keep room for every row
-            raise RuntimeError(f"the batch's cache is full ({cache.max_len} tokens)")
         last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
         tokens = np.concatenate([tokens, last[:, None]], axis=1)
         mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
@@ -385,6 +401,19 @@ class BatchScheduler:
         self.metrics.peak_live_rows = max(self.metrics.peak_live_rows, live)
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
+
+    def _grow(self) -> None:
+        """Double the running batch's cache (up to the column limit), its rows copied over."""
+        old, _, tokens, mask, length = self._state
+        rows = old.batch
+        self._caches.pop(rows, None)
+        cache, capture = self._cache(rows, 2 * old.max_len)
+        cache.advance(old.position)
+        cache.place_row(old, 0, 0, rows=rows)
+        lazy.realize([])
+        self._state = (cache, capture, tokens, mask, length)
+        self.metrics.growths += 1
+        self.metrics.cache_tokens = rows * cache.max_len
 
     def _choose(self, logits: np.ndarray, rows: list[tuple[int, Request]]) -> None:
         """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one."""
