@@ -297,6 +297,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert status == 400 and "vocab" in error["message"]
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "n": 2}))
     assert status == 400 and error["param"] == "n"
+    status, error = error_of(request(server, "POST", "/v1/chat/completions",
+                                     {"model": SERVED, "messages": [{"role": "user", "content": "hi " * 200}]}))
+    assert status == 400 and "maximum context length of 96" in error["message"]
     status, error = error_of(request(server, "POST", "/v1/chat/completions", {"model": SERVED, "messages": []}))
     assert status == 400 and error["param"] == "messages"
     for key in ("wrong", None):
@@ -391,6 +394,13 @@ def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # an import of it fails
     assert main(["serve", "--model", "anything"]) == 1
     assert capsys.readouterr().err == f"vkformers serve: error: {cli_serve.INSTALL_HINT}\n"
+
+
+def test_served_names():
+    assert cli_serve.served_name(None) == "SmolLM2-135M-Instruct"
+    assert cli_serve.served_name("/models/tiny.gguf") == "tiny"
+    assert cli_serve.served_name("HuggingFaceTB/SmolLM2-360M") == "HuggingFaceTB/SmolLM2-360M"
+    assert cli_serve.served_name("./checkpoint/") == "./checkpoint"
 
 
 def test_serve_arguments():

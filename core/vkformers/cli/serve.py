@@ -40,7 +40,8 @@ def add_parser(subparsers):
                         help=f"checkpoint folder, hub repo id or .gguf file (default: {cli_generate.DEFAULT_MODEL_FILE} "
                              f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package)")
     parser.add_argument("--served-model-name", default=None,
-                        help="the model's name in the API (default: the --model folder's or file's name)")
+                        help="the model's name in the API (default: a .gguf file's stem, else --model as given; "
+                             "SmolLM2-135M-Instruct for the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--max-batch", type=positive_int, default=64,
@@ -75,8 +76,7 @@ def run(args) -> int:
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
     model_name = args.model or cli_generate.default_model()
-    served = args.served_model_name or (Path(str(model_name)).stem if args.model is None
-                                        else Path(str(model_name).rstrip("/")).name.removesuffix(".gguf"))
+    served = args.served_model_name or served_name(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
     if args.adapter is not None:
@@ -91,6 +91,13 @@ def run(args) -> int:
     finally:
         scheduler.close()
     return 0
+
+
+def served_name(model: str | None) -> str:
+    """The model's name in the API: the bundled model's, a .gguf file's stem, else --model as given."""
+    if model is None:
+        return cli_generate.DEFAULT_MODEL_FILE.split(".")[0]
+    return Path(model).stem if model.endswith(".gguf") else model.rstrip("/")
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -136,8 +143,8 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
         raise ApiError(400, "echo is not supported", param="echo")
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     given = next((name for name in names if body.get(name) is not None), None)
-    default = max_model_len - prompt_tokens if chat else min(DEFAULT_COMPLETION_TOKENS,
-                                                             max(max_model_len - prompt_tokens, 1))
+    room = max(max_model_len - prompt_tokens, 1)  # (a prompt that leaves none is refused by the scheduler)
+    default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
     max_tokens = default if given is None else _number(body, given, None, int, low=1)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
