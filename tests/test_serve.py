@@ -101,6 +101,28 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     assert scheduler.error is None
 
 
+def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny):
+    """Three short prompts decode in a batch of four rows; a prompt longer than the batch's columns takes the free
+    row after the batch's tokens move right (no prefill of the running rows again)."""
+    path, tokenizer, reference = tiny
+    short = [(encode(tokenizer, p), SamplingParams(max_tokens=12, temperature=0)) for p in ("x", "gpu", "hello")]
+    long = (encode(tokenizer, PROMPTS[7]), SamplingParams(max_tokens=6, temperature=0))
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in short + [long]]
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
+                               max_batch=4)
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in short]  # one batch
+    scheduler.start()
+    try:
+        wait_for(lambda: scheduler.metrics.steps >= 2)
+        requests.append(scheduler.submit(Request(*long, lambda update: None, [])))
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    metrics = scheduler.metrics
+    assert (metrics.rebuilds, metrics.placements, metrics.shifts, metrics.peak_live_rows) == (1, 1, 1, 4)
+
+
 def test_caches_grow_and_batches_pack_as_tokens_come(tiny, monkeypatch):
     """With a few columns to spare, the batch's cache doubles as outputs grow, and a batch whose columns reach the
     limit is packed again; outputs stay those of generate alone."""

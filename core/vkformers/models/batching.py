@@ -6,11 +6,12 @@ finished or cancelled ones leave, then one decode step runs for every row at onc
 column and the cache's padding mask hides the columns before each row's first token. Requests join in one of
 two ways. Into free rows (left by finished requests, or fillers): their prompts are prefilled apart, in a small
 cache, and their keys and values moved into those rows so as to end at the batch's current column
-(``KVCache.place_row``); the running rows lose no work. When no free rows fit them (too few, a prompt longer than
-the batch's columns so far, or no room left for its output), the batch is rebuilt: the prompts and the tokens
-generated so far of every live request are prefilled together into a cache of a recorded size (rows rounded up
-to a power of two, so that the decode step replays one of a few captured plans, models/decode_capture.py). A
-request that left stays as a masked row until a newcomer takes it. Each request chooses
+(``KVCache.place_row``); the running rows lose no work (a prompt longer than the batch's columns so far first
+moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
+batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together into
+a cache of a recorded size (rows rounded up to a power of two, so that the decode step replays one of a few
+captured plans, models/decode_capture.py). A request that left stays as a masked row until a newcomer takes it.
+Each request chooses
 its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
 top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
 
@@ -119,6 +120,7 @@ class Metrics:
     rebuilds: int = 0             # prefills of the whole batch (requests joining when no free rows fit them)
     placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
     growths: int = 0              # doublings of the running batch's cache
+    shifts: int = 0               # moves of the running batch to the right, for a longer prompt joining it
     batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
     live_rows: int = 0
     waiting: int = 0
@@ -350,17 +352,20 @@ class BatchScheduler:
         self._choose(logits, list(enumerate(live)))
 
     def _fits(self, joining: list[Request]) -> bool:
-        """Whether the joining requests can take free rows of the running batch: as many free rows, prompts no
-        longer than the batch's columns so far, and columns to spare for their first outputs."""
-        position = self._state[0].position
+        """Whether the joining requests can take free rows of the running batch: as many free rows, and columns
+        to spare for their prompts and first outputs (a prompt longer than the batch's columns so far shifts the
+        batch right, _move)."""
+        start = max([self._state[0].position] + [len(r.prompt) for r in joining])
         free = sum(1 for r in self._rows if r is None or r.finished)
         return len(joining) <= free and all(
-            len(r.prompt) <= position and position + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit()
-            for r in joining)
+            start + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit() for r in joining)
 
     def _place(self, joining: list[Request]) -> None:
         """Prefill the joining prompts apart, then move their keys and values into free rows of the running batch,
         ending at its current column (left padding before them): the live rows lose no work."""
+        longest = max(len(r.prompt) for r in joining)
+        if longest > self._state[0].position:
+            self._move(longest - self._state[0].position, longest + CACHE_GROWTH)
         cache, capture, tokens, mask, length = self._state
         ids, prompt_mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
         source = self._prefill_cache(ids.shape[0], ids.shape[1])
@@ -385,7 +390,7 @@ class BatchScheduler:
             if self._state[0].max_len >= self._column_limit():
                 self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
                 return
-            self._grow()
+            self._move(0, 2 * self._state[0].max_len)  # double the cache
         cache, capture, tokens, mask, length = self._state
         last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
         tokens = np.concatenate([tokens, last[:, None]], axis=1)
@@ -402,17 +407,24 @@ class BatchScheduler:
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
 
-    def _grow(self) -> None:
-        """Double the running batch's cache (up to the column limit), its rows copied over."""
+    def _move(self, shift: int, columns: int) -> None:
+        """Copy the running batch into a new cache of at least ``columns`` columns, every row's tokens ``shift``
+        columns further right (the columns before them masked): to grow the cache, or to make room on the left for
+        a prompt longer than the batch's columns so far."""
         old, _, tokens, mask, length = self._state
         rows = old.batch
         self._caches.pop(rows, None)
-        cache, capture = self._cache(rows, 2 * old.max_len)
-        cache.advance(old.position)
+        cache, capture = self._cache(rows, max(columns, old.position + shift))
+        cache.advance(old.position + shift)
         cache.place_row(old, 0, 0, rows=rows)
         lazy.realize([])
-        self._state = (cache, capture, tokens, mask, length)
-        self.metrics.growths += 1
+        if shift:
+            tokens = np.concatenate([np.full((rows, shift), self.pad, tokens.dtype), tokens], axis=1)
+            mask = np.concatenate([np.zeros((rows, shift), mask.dtype), mask], axis=1)
+            self.metrics.shifts += 1
+        else:
+            self.metrics.growths += 1
+        self._state = (cache, capture, tokens, mask, length + shift)
         self.metrics.cache_tokens = rows * cache.max_len
 
     def _choose(self, logits: np.ndarray, rows: list[tuple[int, Request]]) -> None:
