@@ -101,9 +101,12 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     assert scheduler.error is None
 
 
-def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny):
+@pytest.mark.parametrize("bucket", [0, 16])
+def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket, monkeypatch):
     """Three short prompts decode in a batch of four rows; a prompt longer than the batch's columns takes the free
-    row after the batch's tokens move right (no prefill of the running rows again)."""
+    row after the batch's tokens move right (no prefill of the running rows again). bucket 16: prompts prefilled
+    at a multiple of 16 tokens, as a GPU rounds them (to 64) to share recorded prefills."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", bucket)
     path, tokenizer, reference = tiny
     short = [(encode(tokenizer, p), SamplingParams(max_tokens=12, temperature=0)) for p in ("x", "gpu", "hello")]
     long = (encode(tokenizer, PROMPTS[7]), SamplingParams(max_tokens=6, temperature=0))

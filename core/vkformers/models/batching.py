@@ -31,7 +31,7 @@ from vkformers.engine import lazy
 from vkformers.errors import InputError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
-from vkformers.models.generation import CACHE_ROUNDING, _sample, _softmax
+from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
@@ -290,10 +290,8 @@ class BatchScheduler:
 
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
-        max_len = self._columns(length)
-        params = model.parameters() if hasattr(model, "parameters") else []
-        return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, max_len,
-                       getattr(model, "dtype", None) or "float32", params[0].device if params else None)
+        return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, self._columns(length),
+                       getattr(model, "dtype", None) or "float32", self._device())
 
     def _cache(self, rows: int, length: int):
         """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on
@@ -321,10 +319,21 @@ class BatchScheduler:
         cache.reset()
         return cache
 
+    def _width(self, longest: int) -> int:
+        """The length prompts of up to ``longest`` tokens are prefilled at: on a GPU rounded up to PREFILL_BUCKET
+        (more left padding), so that prompts of similar lengths replay one recorded prefill plan."""
+        device = self._device()
+        bucket = PREFILL_BUCKET["cpu" if device is None or device.is_cpu else "gpu"]
+        return -(-longest // bucket) * bucket if bucket else longest
+
+    def _device(self):
+        params = self.model.parameters() if hasattr(self.model, "parameters") else []
+        return params[0].device if params else None
+
     def _left_padded(self, histories: list[list[int]], rows: int):
-        """ids and mask [rows, longest] of the token lists, left-padded; filler rows hold one pad token."""
+        """ids and mask [rows, width] of the token lists, left-padded; filler rows hold one pad token."""
         histories = histories + [[self.pad]] * (rows - len(histories))
-        length = max(len(h) for h in histories)
+        length = self._width(max(len(h) for h in histories))
         ids = np.full((rows, length), self.pad, np.int64)
         mask = np.zeros((rows, length), np.int64)
         for row, history in enumerate(histories):
@@ -355,7 +364,7 @@ class BatchScheduler:
         """Whether the joining requests can take free rows of the running batch: as many free rows, and columns
         to spare for their prompts and first outputs (a prompt longer than the batch's columns so far shifts the
         batch right, _move)."""
-        start = max([self._state[0].position] + [len(r.prompt) for r in joining])
+        start = max(self._state[0].position, self._width(max(len(r.prompt) for r in joining)))
         free = sum(1 for r in self._rows if r is None or r.finished)
         return len(joining) <= free and all(
             start + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit() for r in joining)
@@ -363,11 +372,10 @@ class BatchScheduler:
     def _place(self, joining: list[Request]) -> None:
         """Prefill the joining prompts apart, then move their keys and values into free rows of the running batch,
         ending at its current column (left padding before them): the live rows lose no work."""
-        longest = max(len(r.prompt) for r in joining)
-        if longest > self._state[0].position:
-            self._move(longest - self._state[0].position, longest + CACHE_GROWTH)
-        cache, capture, tokens, mask, length = self._state
         ids, prompt_mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
+        if ids.shape[1] > self._state[0].position:
+            self._move(ids.shape[1] - self._state[0].position, ids.shape[1] + CACHE_GROWTH)
+        cache, capture, tokens, mask, length = self._state
         source = self._prefill_cache(ids.shape[0], ids.shape[1])
         positions = self.model.generation_positions(prompt_mask, ids, ids.shape[1])
         logits = self.model.prefill(ids, prompt_mask, positions, source)
