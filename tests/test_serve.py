@@ -101,12 +101,14 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     assert scheduler.error is None
 
 
-@pytest.mark.parametrize("bucket", [0, 16])
-def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket, monkeypatch):
+@pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])
+def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket, chunk, monkeypatch):
     """Three short prompts decode in a batch of four rows; a prompt longer than the batch's columns takes the free
     row after the batch's tokens move right (no prefill of the running rows again). bucket 16: prompts prefilled
-    at a multiple of 16 tokens, as a GPU rounds them (to 64) to share recorded prefills."""
+    at a multiple of 16 tokens, as a GPU rounds them (to 64) to share recorded prefills. chunk 8: the long prompt
+    is prefilled 8 tokens a turn, the others decoding in between."""
     monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", bucket)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", chunk)
     path, tokenizer, reference = tiny
     short = [(encode(tokenizer, p), SamplingParams(max_tokens=12, temperature=0)) for p in ("x", "gpu", "hello")]
     long = (encode(tokenizer, PROMPTS[7]), SamplingParams(max_tokens=6, temperature=0))
@@ -124,6 +126,8 @@ def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket
     assert [r.generated for r in requests] == [e.tolist() for e in expected]
     metrics = scheduler.metrics
     assert (metrics.rebuilds, metrics.placements, metrics.shifts, metrics.peak_live_rows) == (1, 1, 1, 4)
+    width = len(long[0]) if bucket == 0 else -(-len(long[0]) // bucket) * bucket
+    assert metrics.prefill_chunks == -(-width // chunk)
 
 
 def test_caches_grow_and_batches_pack_as_tokens_come(tiny, monkeypatch):

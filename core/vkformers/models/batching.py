@@ -5,7 +5,8 @@ finished or cancelled ones leave, then one decode step runs for every row at onc
 :class:`KVCache` as a left-padded batch, as ``generate`` runs one: every row writes its next token at the same
 column and the cache's padding mask hides the columns before each row's first token. Requests join in one of
 two ways. Into free rows (left by finished requests, or fillers): their prompts are prefilled apart, in a small
-cache, and their keys and values moved into those rows so as to end at the batch's current column
+cache (PREFILL_CHUNK tokens a turn, the running batch decoding a step between two chunks), and their keys and
+values moved into those rows so as to end at the batch's current column
 (``KVCache.place_row``); the running rows lose no work (a prompt longer than the batch's columns so far first
 moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
 batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together into
@@ -40,6 +41,9 @@ FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "
 # request's max_tokens. Columns are shared by all rows (each row's tokens end at the current one): past
 # COLUMN_LIMIT x max_model_len of them the batch is rebuilt instead, which packs it to its longest sequence.
 CACHE_GROWTH = 256
+# Tokens of joining prompts prefilled per turn, a decode step of the running batch between two such chunks, so that
+# a long prompt does not stall the other streams for its whole prefill.
+PREFILL_CHUNK = 512
 COLUMN_LIMIT = 2
 COLUMN_ROUNDING = CACHE_ROUNDING
 
@@ -121,6 +125,7 @@ class Metrics:
     placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
     growths: int = 0              # doublings of the running batch's cache
     shifts: int = 0               # moves of the running batch to the right, for a longer prompt joining it
+    prefill_chunks: int = 0       # chunks of joining prompts prefilled (a decode step between two)
     batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
     live_rows: int = 0
     waiting: int = 0
@@ -129,6 +134,17 @@ class Metrics:
     ttft_count: int = 0
     occupancy_sum: float = 0.0    # live / batch rows, summed over decode steps
     peak_live_rows: int = 0       # most requests one decode step served
+
+
+@dataclass
+class _Prefill:
+    """Joining prompts being prefilled into ``cache``, ``done`` of their (left-padded) tokens so far."""
+    requests: list[Request]
+    ids: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+    cache: KVCache
+    done: int = 0
 
 
 class BatchScheduler:
@@ -156,6 +172,7 @@ class BatchScheduler:
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
         self._joining: list[Request] = []
+        self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
@@ -205,7 +222,7 @@ class BatchScheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._closing and not self._waiting and not self._live():
+                    while not self._closing and not self._waiting and not self._live() and self._prefilling is None:
                         self._release_rows()
                         self._cond.wait()
                     if self._closing:
@@ -225,16 +242,21 @@ class BatchScheduler:
         try:
             if self._joining:
                 if self._state is not None and self._fits(self._joining):
-                    self._place(self._joining)
+                    self._start_prefill(self._joining)
                 else:
                     self._rebuild(self._joining)
-            else:
+            if self._prefilling is not None:
+                self._prefill_chunk()
+                if self._prefilling is not None and any(r is not None and not r.finished for r in self._rows):
+                    self._step()
+            elif not self._joining:
                 self._step()
         except Exception as exc:
             self.last_error = exc
             self.metrics.errors += 1
             with self._cond:
-                self._fail(self._joining + self._rows)
+                self._fail(self._joining + self._rows + (self._prefilling.requests if self._prefilling else []))
+            self._prefilling = None
             self._release_rows()
             self._caches.clear()
             self._joining_caches.clear()
@@ -264,9 +286,12 @@ class BatchScheduler:
         self.metrics.batch_rows = self.metrics.live_rows = self.metrics.cache_tokens = 0
 
     def _admit(self) -> list[Request]:
-        """Waiting requests that join the batch now, as many as max_batch allows (called under the lock)."""
+        """Waiting requests that join the batch now, as many as max_batch allows (called under the lock); none
+        while joining prompts are being prefilled."""
         live = self._live()
         joining = []
+        if self._prefilling is not None:
+            return joining
         while self._waiting and len(live) + len(joining) < self.max_batch:
             request = self._waiting.pop(0)
             if request.cancelled:
@@ -369,22 +394,40 @@ class BatchScheduler:
         return len(joining) <= free and all(
             start + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit() for r in joining)
 
-    def _place(self, joining: list[Request]) -> None:
-        """Prefill the joining prompts apart, then move their keys and values into free rows of the running batch,
-        ending at its current column (left padding before them): the live rows lose no work."""
-        ids, prompt_mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
-        if ids.shape[1] > self._state[0].position:
-            self._move(ids.shape[1] - self._state[0].position, ids.shape[1] + CACHE_GROWTH)
+    def _start_prefill(self, joining: list[Request]) -> None:
+        ids, mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
+        positions = self.model.generation_positions(mask, ids, ids.shape[1])
+        self._prefilling = _Prefill(joining, ids, mask, positions, self._prefill_cache(ids.shape[0], ids.shape[1]))
+
+    def _prefill_chunk(self) -> None:
+        """The next PREFILL_CHUNK tokens of the joining prompts; after the last, they join (_place)."""
+        job = self._prefilling
+        start, width = job.done, job.ids.shape[1]
+        end = min(start + max(PREFILL_CHUNK, 1), width)
+        logits = self.model.prefill(job.ids[:, start:end], job.mask[:, :end], job.positions[:, start:end], job.cache)
+        job.done = end
+        self.metrics.prefill_chunks += 1
+        if end == width:
+            self._prefilling = None
+            self._place(job.requests, job.ids, job.cache, logits)
+
+    def _place(self, joining: list[Request], ids: np.ndarray, source: KVCache, logits: np.ndarray) -> None:
+        """Move the prefilled prompts' keys and values (``source``) into free rows of the running batch, ending at
+        its current column (left padding before them): the live rows lose no work."""
+        width = ids.shape[1]
+        free = sum(1 for r in self._rows if r is None or r.finished)
+        if max(width, self._state[0].position) >= self._column_limit() or free < len(joining):
+            self._rebuild(joining)  # the batch ran on (or was packed) while they prefilled: no room left
+            return
+        if width > self._state[0].position:
+            self._move(width - self._state[0].position, width + CACHE_GROWTH)
         cache, capture, tokens, mask, length = self._state
-        source = self._prefill_cache(ids.shape[0], ids.shape[1])
-        positions = self.model.generation_positions(prompt_mask, ids, ids.shape[1])
-        logits = self.model.prefill(ids, prompt_mask, positions, source)
         free = [row for row, r in enumerate(self._rows) if r is None or r.finished]
         end = cache.position
         for index, (request, row) in enumerate(zip(joining, free)):
             cache.place_row(source, index, row)
             tokens[row] = self.pad
-            tokens[row, end - ids.shape[1]:] = ids[index]
+            tokens[row, end - width:] = ids[index]
             mask[row] = cache.mask[row, :end]
             self._rows[row] = request
         lazy.realize([])  # the copies, before the next step's graph
