@@ -342,6 +342,40 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_many_clients_at_once_get_each_their_own_output(server, tiny):
+    """16 client threads, 8 requests each (streamed or not, greedy), against a batch of at most 4 rows: every
+    response is the one generate gives its prompt alone, and the server ends with nothing running."""
+    tokenizer, reference, scheduler = server["tokenizer"], tiny[2], server["scheduler"]
+    eos = expected_eos(server, tiny)
+    expected = {p: tokenizer.decode(reference_tokens(reference, encode(tokenizer, p), 6, eos), skip_special_tokens=True)
+                for p in PROMPTS}
+    failures, finished = [], scheduler.metrics.finished
+    client = server["client"]
+
+    def work(index):
+        for turn in range(8):
+            prompt = PROMPTS[(index + turn) % len(PROMPTS)]
+            try:
+                if (index + turn) % 2:
+                    text = "".join(c.choices[0].text for c in client.completions.create(
+                        model=SERVED, prompt=prompt, max_tokens=6, temperature=0, stream=True))
+                else:
+                    text = client.completions.create(model=SERVED, prompt=prompt, max_tokens=6,
+                                                     temperature=0).choices[0].text
+                if text != expected[prompt]:
+                    failures.append((prompt, text, expected[prompt]))
+            except Exception as exc:  # collected: the assertion below names it
+                failures.append((prompt, repr(exc)))
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert scheduler.metrics.finished == finished + 16 * 8
+    wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.waiting == 0)
+
+
 def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
     scheduler = server["scheduler"]
     prefill = scheduler.model.prefill
