@@ -110,7 +110,7 @@ def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket
     monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", bucket)
     monkeypatch.setattr(batching, "PREFILL_CHUNK", chunk)
     path, tokenizer, reference = tiny
-    short = [(encode(tokenizer, p), SamplingParams(max_tokens=12, temperature=0)) for p in ("x", "gpu", "hello")]
+    short = [(encode(tokenizer, p), SamplingParams(max_tokens=40, temperature=0)) for p in ("x", "gpu", "hello")]
     long = (encode(tokenizer, PROMPTS[7]), SamplingParams(max_tokens=6, temperature=0))
     expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in short + [long]]
     scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
