@@ -26,8 +26,11 @@ from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
 
-uvicorn = pytest.importorskip("uvicorn", reason="vkformers serve needs the [serve] extra")
-openai = pytest.importorskip("openai", reason="the serve tests talk through the openai client (test extra)")
+try:  # the [serve] extra and the openai client of the [test] extra (CI installs both)
+    import openai
+    import uvicorn
+except ImportError:
+    openai = uvicorn = None
 
 API_KEY = "test-key"
 SERVED = "tiny"
@@ -170,7 +173,14 @@ def test_max_batch_makes_requests_wait(tiny):
 # ---------------------------------------------------------------- the HTTP server
 
 @pytest.fixture(scope="module")
-def server(tiny):
+def web():
+    if uvicorn is None or openai is None:
+        pytest.fail("the serve tests need pip install 'vkformers[serve,test]' (Starlette, uvicorn, openai)",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, web):
     path, tokenizer, _ = tiny
     model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
@@ -422,7 +432,7 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def test_the_command_serves_until_stopped(tiny):
+def test_the_command_serves_until_stopped(tiny, web):
     """`vkformers serve` in its own process: it says where, /health answers, the model is named after the file,
     and Ctrl-C stops it."""
     path, tokenizer, reference = tiny
