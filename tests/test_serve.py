@@ -19,12 +19,14 @@ import time
 import numpy as np
 import pytest
 
+import vkformers as vkf
 from vkformers.cli import main
 from vkformers.cli import serve as cli_serve
 from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.lora import LoraConfig, LoraLinear, apply_lora, merge_lora, save_adapter
 
 try:  # the [serve] extra and the openai client of the [test] extra (CI installs both)
     import openai
@@ -432,13 +434,22 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def test_the_command_serves_until_stopped(tiny, web):
-    """`vkformers serve` in its own process: it says where, /health answers, the model is named after the file,
-    and Ctrl-C stops it."""
-    path, tokenizer, reference = tiny
+def test_the_command_serves_until_stopped(tiny, web, tmp_path):
+    """`vkformers serve --adapter` in its own process: it says where, /health answers, the model is named after the
+    file, answers with the adapted model's output, and Ctrl-C stops it."""
+    path, tokenizer, _ = tiny
+    adapted = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    apply_lora(adapted, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    rng = np.random.default_rng(3)
+    for _, module in adapted.named_modules():
+        if isinstance(module, LoraLinear):
+            module.lora_B.weight = vkf.parameter(rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
+    save_adapter(adapted, tmp_path / "adapter")
+    reference = merge_lora(adapted)
     port = free_port()
     command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
-               "serve", "--model", str(path), "--port", str(port), "--max-batch", "2"]
+               "serve", "--model", str(path), "--port", str(port), "--max-batch", "2",
+               "--adapter", str(tmp_path / "adapter")]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         line = process.stderr.readline()
@@ -461,6 +472,7 @@ def test_the_command_serves_until_stopped(tiny, web):
     ids = encode(tokenizer, PROMPTS[1])
     eos = cli_serve.eos_ids(reference, tokenizer)
     assert text == tokenizer.decode(reference_tokens(reference, ids, 5, eos), skip_special_tokens=True)
+    assert text != tokenizer.decode(reference_tokens(tiny[2], ids, 5, eos), skip_special_tokens=True)  # adapted
 
 
 def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys):
