@@ -155,6 +155,25 @@ def test_caches_grow_and_batches_pack_as_tokens_come(tiny, monkeypatch):
     assert scheduler.metrics.growths >= 1 and scheduler.error is None and scheduler.metrics.errors == 0
 
 
+def test_requests_cancelled_before_they_run_never_start(tiny):
+    path, tokenizer, _ = tiny
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer)
+    updates = []
+    requests = [scheduler.submit(Request(encode(tokenizer, p), SamplingParams(max_tokens=3), updates.append, []))
+                for p in PROMPTS[:2]]
+    for request in requests:
+        request.cancel()
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+        assert scheduler.submit(Request(encode(tokenizer, "hi"), SamplingParams(max_tokens=2), updates.append, []))
+        wait_for(lambda: scheduler.metrics.finished == 3)
+    finally:
+        scheduler.close()
+    assert [r.finish_reason for r in requests] == ["cancelled"] * 2 and all(not r.generated for r in requests)
+    assert scheduler.metrics.errors == 0 and scheduler.metrics.cancelled == 2 and updates[-1].finish_reason == "length"
+
+
 def test_max_batch_makes_requests_wait(tiny):
     path, tokenizer, reference = tiny
     jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=4, temperature=0)) for p in PROMPTS[:5]]

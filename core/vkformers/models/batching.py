@@ -245,11 +245,12 @@ class BatchScheduler:
                     self._start_prefill(self._joining)
                 else:
                     self._rebuild(self._joining)
+            decoding = self._state is not None and any(r is not None and not r.finished for r in self._rows)
             if self._prefilling is not None:
                 self._prefill_chunk()
-                if self._prefilling is not None and any(r is not None and not r.finished for r in self._rows):
+                if self._prefilling is not None and decoding:
                     self._step()
-            elif not self._joining:
+            elif not self._joining and decoding:  # (none may be: the waiting requests were all cancelled)
                 self._step()
         except Exception as exc:
             self.last_error = exc
