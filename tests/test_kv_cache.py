@@ -110,6 +110,47 @@ def test_write_kv_needs_a_persistent_cache():
         write_kv(cache, cache, new, new, vkf.tensor(np.zeros(1, np.uint32), dtype="uint32"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_kv_into_some_rows_and_place_row(dtype):
+    """write_kv from first_row on touches only those rows; KVCache.place_row moves one sequence's stored tokens
+    into a row of another cache so that they end at its position, masking the row's earlier columns."""
+    layers, kv_heads, head_dim = 2, 2, 4
+    host = lambda x: rounded(x, dtype)[0].astype(np.float32)  # values the cache's dtype holds exactly
+    target = KVCache(layers, 3, kv_heads, head_dim, 12, dtype)
+    source = KVCache(layers, 2, kv_heads, head_dim, 8, dtype)
+    old = [host(RNG.standard_normal((3, kv_heads, 12, head_dim))) for _ in range(2 * layers)]
+    for tensor, values in zip(target.keys + target.values, old):
+        tensor.assign(vkf.tensor(values, dtype=dtype))
+    new = [host(RNG.standard_normal((2, kv_heads, 5, head_dim))) for _ in range(2 * layers)]
+    for layer in range(layers):
+        write_kv(source.keys[layer], source.values[layer], vkf.tensor(new[layer], dtype=dtype),
+                 vkf.tensor(new[layers + layer], dtype=dtype), vkf.tensor(np.zeros(1, np.uint32), dtype="uint32"))
+    source.step_arrays(5, np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))  # row 0 holds a left-padded prompt
+    source.advance(5)
+    target.step_arrays(7)
+    target.advance(7)
+    target.place_row(source, 0, 2)
+    lazy.realize([])
+    for layer in range(layers):
+        for tensor, before, placed in ((target.keys[layer], old[layer], new[layer]),
+                                       (target.values[layer], old[layers + layer], new[layers + layer])):
+            got = tensor.float().numpy()
+            np.testing.assert_array_equal(got[:2], before[:2])          # other rows untouched
+            np.testing.assert_array_equal(got[2, :, 2:7], placed[0])    # the 5 tokens end at position 7
+            np.testing.assert_array_equal(got[2, :, :2], before[2, :, :2])
+            np.testing.assert_array_equal(got[2, :, 7:], before[2, :, 7:])
+    np.testing.assert_array_equal(target.mask[2], [0, 0, 0, 0, 1, 1, 1] + [1] * 5)
+    np.testing.assert_array_equal(target.mask[:2], 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        write_kv(target.keys[0], target.values[0], vkf.tensor(new[0]), vkf.tensor(new[0]),
+                 vkf.tensor(np.zeros(1, np.uint32), dtype="uint32"), first_row=2)
+    too_long = KVCache(layers, 1, kv_heads, head_dim, 16, dtype)
+    too_long.step_arrays(9)
+    too_long.advance(9)
+    with pytest.raises(ValueError, match="do not fit"):
+        target.place_row(too_long, 0, 0)
+
+
 # ------------------------------------------------------------ KVCache.attend
 
 def run_cache(cache: KVCache, case: Case, chunks, q, k, v, mask, slopes, dtype):

@@ -80,6 +80,27 @@ class KVCache:
         self.position -= int(count)
         self._step = None
 
+    def place_row(self, source: "KVCache", source_row: int, row: int, rows: int = 1) -> None:
+        """Make ``row`` (and the ``rows - 1`` after it) hold ``source``'s stored tokens of ``source_row`` (and the
+        rows after it): keys, values and mask, ending at this cache's position. A sequence prefilled apart joins a
+        running batch so; a batch moves to a larger cache so. The rows' earlier columns are masked out. The copy
+        runs with the next realization."""
+        count, end = source.position, self.position
+        if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
+                and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
+                                                    source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
+                                                                      self.dtype):
+            raise ValueError(f"KVCache.place_row: {count} tokens of rows {source_row}..{source_row + rows - 1} do "
+                             f"not fit rows {row}.. of a cache at position {end}")
+        start = tensor(np.array([end - count], np.uint32), dtype=dt.uint32, device=self.device)
+        picked = slice(source_row, source_row + rows)
+        for layer in range(self.num_layers):
+            write_kv(self.keys[layer], self.values[layer], source.keys[layer][picked, :, :count],
+                     source.values[layer][picked, :, :count], start, first_row=row)
+        self.mask[row:row + rows, :end - count] = 0
+        self.mask[row:row + rows, end - count:end] = source.mask[picked, :count]
+        self._step = None
+
     # -- one forward's inputs
 
     def step_arrays(self, new: int, key_padding_mask=None):

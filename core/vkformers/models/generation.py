@@ -149,15 +149,27 @@ class GenerationMixin:
                     logits = decode.run(step_ids, step_positions)
                     if logits is not None:
                         continue
-                with lazy.capture() as seen:
-                    out = self(step_ids, attention_mask=mask, position_ids=step_positions, cache=cache)
-                    last = _last_position(out)
-                    del out
-                    logits = to_scores(last.numpy())
-                decode.observe(seen.runs, step_ids, step_positions, last)
-                del last
+                logits = self.decode_step(decode, cache, step_ids, step_positions, mask, replay=False)
         _end(streamer)
         return tokens
+
+    def decode_step(self, decode: "DecodeCapture", cache: KVCache, step_ids: np.ndarray, step_positions: np.ndarray,
+                    mask: np.ndarray, replay: bool = True) -> np.ndarray:
+        """One decode step of every row: ``step_ids`` and ``step_positions`` (int32 [batch, 1]) in, the logits
+        (float32 [batch, vocab]) out. ``decode`` replays its recorded step when it is ready (and ``replay``), else
+        the model's forward runs and ``decode`` watches it. ``mask``: the attention mask over every token so far,
+        the new ones included ([batch, stored + 1])."""
+        if replay and decode.ready:
+            logits = decode.run(step_ids, step_positions)
+            if logits is not None:
+                return logits
+        with lazy.capture() as seen:
+            out = self(step_ids, attention_mask=mask, position_ids=step_positions, cache=cache)
+            last = _last_position(out)
+            del out
+            logits = to_scores(last.numpy())
+        decode.observe(seen.runs, step_ids, step_positions, last)
+        return logits
 
     def generation_positions(self, mask: np.ndarray, tokens: np.ndarray, prompt_length: int) -> np.ndarray:
         """The positions [batch, T] of every token so far (the prompt's first ``prompt_length``), as the model sees
@@ -183,6 +195,11 @@ class GenerationMixin:
         decode = DecodeCapture(cache)
         object.__setattr__(self, "_held_decode", (key, decode) if key is not None else None)
         return decode
+
+    def prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        """The forward of left-padded prompts ``ids`` [batch, T] (``mask``: 1 = token) into the empty ``cache``:
+        the last position's logits, float32 [batch, vocab]."""
+        return self._prefill(ids, mask, positions, cache, None)
 
     def _prefill(self, ids, mask, positions, cache: KVCache, capture: "DecodeCapture | None",
                  padded: int | None = None) -> np.ndarray:

@@ -11,41 +11,51 @@ import math
 
 from vkformers.engine.function import KernelOp, node, wrap
 from vkformers.engine.kernels import attention as KA
+from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import kv_cache as KV
 from vkformers.runtime import dtypes as dt
 
 
 class KVCacheWrite(KernelOp):
-    """ins: k_new, v_new, start, k_cache (old), v_cache (old); outs: the caches' new versions (in place)."""
+    """ins: k_new, v_new, start, k_cache (old), v_cache (old); outs: the caches' new versions (in place).
+    ``first_row``: the cache's batch row that k_new's first row goes to."""
 
     name = "kv_cache_write"
 
     def emit(self, seq, outs, ins):
         (k_cache, v_cache), (k_new, v_new, start, _, _) = outs, ins
         batch, kv_heads, rows, head_dim = k_new.shape
-        KV.kv_cache_write(seq, k_new.operand, v_new.operand, start.operand, k_cache.operand, v_cache.operand,
+        skip = self.first_row * kv_heads * k_cache.shape[2] * head_dim
+        k_out = Operand(k_cache.operand.buffer, k_cache.operand.offset + skip)
+        v_out = Operand(v_cache.operand.buffer, v_cache.operand.offset + skip)
+        KV.kv_cache_write(seq, k_new.operand, v_new.operand, start.operand, k_out, v_out,
                           outer=batch * kv_heads, rows=rows, inner=head_dim, capacity=k_cache.shape[2])
 
 
-def write_kv(k_cache, v_cache, k_new, v_new, start) -> None:
-    """``k_cache[:, :, s:s+T] = k_new`` and the same for v, with ``s = start[0]`` read on the GPU.
+def write_kv(k_cache, v_cache, k_new, v_new, start, first_row: int = 0) -> None:
+    """``k_cache[r:r+B, :, s:s+T] = k_new`` and the same for v, with ``s = start[0]`` read on the GPU and
+    ``r = first_row``.
 
     k_cache, v_cache: persistent tensors (``vkformers.parameter``) [batch, kv_heads, max_len, head_dim];
-    k_new, v_new: [batch, kv_heads, T, head_dim]; start: a uint32 tensor of one element (a view
-    of a larger one is fine). The caches' tensors are updated in place: later reads of them in
-    the same graph see the new rows; the write runs with the next realization.
+    k_new, v_new: [B, kv_heads, T, head_dim] (B = batch, or fewer rows from ``first_row`` on: one sequence
+    moved into a running batch); start: a uint32 tensor of one element (a view of a larger one is fine).
+    The caches' tensors are updated in place: later reads of them in the same graph see the new rows; the
+    write runs with the next realization.
     """
     for cache, new, what in ((k_cache, k_new, "k"), (v_cache, v_new, "v")):
         if not cache.lazy.base.persistent:
             raise ValueError(f"write_kv: the {what} cache must be a persistent tensor (vkformers.parameter)")
-        if new.ndim != 4 or new.shape[:2] != cache.shape[:2] or new.shape[3] != cache.shape[3]:
-            raise ValueError(f"write_kv: new {what} {new.shape} does not fit the cache {cache.shape}")
+        if new.ndim != 4 or new.shape[1] != cache.shape[1] or new.shape[3] != cache.shape[3] \
+                or not 0 <= first_row or first_row + new.shape[0] > cache.shape[0]:
+            raise ValueError(f"write_kv: new {what} {new.shape} from row {first_row} does not fit the cache "
+                             f"{cache.shape}")
     if k_new.shape != v_new.shape:
         raise ValueError(f"write_kv: k {k_new.shape} and v {v_new.shape} differ")
     if start.numel() != 1 or start.dtype not in (dt.uint32, dt.int32):
         raise TypeError(f"write_kv: start must be one uint32 element, got {start.shape} {start.dtype.name}")
     k_new, v_new = k_new.cast(k_cache.dtype), v_new.cast(v_cache.dtype)
-    k_out, v_out = node(KVCacheWrite(), [k_new.lazy, v_new.lazy, start.reshape(1).lazy, k_cache.lazy, v_cache.lazy],
+    op = KVCacheWrite(first_row=int(first_row))
+    k_out, v_out = node(op, [k_new.lazy, v_new.lazy, start.reshape(1).lazy, k_cache.lazy, v_cache.lazy],
                         [(k_cache.shape, k_cache.dtype), (v_cache.shape, v_cache.dtype)],
                         into=[k_cache.lazy, v_cache.lazy])
     k_cache._set_lazy(k_out)

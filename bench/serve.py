@@ -1,0 +1,171 @@
+"""Serving benchmark: ``vkformers serve``'s routes under concurrent streaming clients.
+
+Starts the server in this process (the scheduler and the Starlette app on uvicorn, on a free local port) and, for
+each concurrency, runs that many client threads, each streaming its requests one after another through
+/v1/completions: random token prompts of --prompt-range tokens, outputs of --output-range tokens (``ignore_eos``,
+so that every output has its drawn length). Prints per concurrency the aggregate output tokens/s, time to first
+token p50/p99 and inter-token latency p50/p99 (from the arrival times of the streamed events; a chunk of several
+tokens counts as that many tokens, spread evenly). --soak N sends N short requests from --soak-threads threads
+and prints the process's RSS and the device buffer bytes before and after.
+
+    python bench/serve.py [--model M] [--concurrency 1,8,32,64] [--requests 4] [--quick] [--soak 1000] [--json OUT]
+
+--quick: short prompts and outputs, for lavapipe. No PyTorch reference here yet.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import resource
+import socket
+import threading
+import time
+
+import numpy as np
+
+from common import write_results
+
+from vkformers.cli import generate as cli_generate
+from vkformers.cli import serve as cli_serve
+from vkformers.models.batching import BatchScheduler
+from vkformers.models.loading import AutoTokenizer
+from vkformers.runtime.vulkan import buffer_memory
+
+
+def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None):
+    uvicorn = cli_serve.web_modules()
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    model = cli_generate.load_model(model_name, dtype)
+    scheduler = BatchScheduler(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
+                               eos=cli_serve.eos_ids(model, tokenizer)).start()
+    app = cli_serve.build_app(scheduler, tokenizer, "bench")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return port, scheduler, server, thread, len(tokenizer)
+
+
+def stream_completion(port: int, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    """(seconds to the first token, seconds between tokens, tokens) of one streamed request."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    start = time.perf_counter()
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    arrivals, tokens, seen = [], 0, 0
+    for line in response:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(event["error"]["message"])
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        elif event["choices"][0]["text"] or event["choices"][0]["finish_reason"]:
+            arrivals.append(time.perf_counter())
+    connection.close()
+    if not arrivals:
+        raise RuntimeError("no token arrived")
+    # the events carry the text as it becomes whole: spread the tokens evenly over the events' times
+    seen = max(tokens, len(arrivals))
+    times = np.interp(np.linspace(0, len(arrivals) - 1, seen), np.arange(len(arrivals)), arrivals)
+    return float(times[0] - start), list(np.diff(times)), tokens
+
+
+def run_load(port: int, vocab: int, clients: int, requests: int, prompt_range, output_range, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    jobs = [[(rng.integers(100, vocab - 100, rng.integers(*prompt_range, endpoint=True)).tolist(),
+              int(rng.integers(*output_range, endpoint=True))) for _ in range(requests)] for _ in range(clients)]
+    ttfts, gaps, totals, errors = [], [], [0], []
+    lock = threading.Lock()
+
+    def client(work):
+        for prompt, max_tokens in work:
+            try:
+                ttft, between, tokens = stream_completion(port, prompt, max_tokens)
+            except Exception as exc:  # counted and reported: a failed request is a result here
+                with lock:
+                    errors.append(str(exc))
+                continue
+            with lock:
+                ttfts.append(ttft)
+                gaps.extend(between)
+                totals[0] += tokens
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(work,)) for work in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    pct = lambda values, q: float(np.percentile(values, q)) * 1e3 if values else float("nan")
+    return {"clients": clients, "requests": clients * requests, "failed": len(errors),
+            "output_tokens_per_s": totals[0] / elapsed, "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99),
+            "itl_ms_p50": pct(gaps, 50), "itl_ms_p99": pct(gaps, 99), "seconds": elapsed,
+            "first_error": errors[0] if errors else None}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("--prompt-range", default="64,1024")
+    parser.add_argument("--output-range", default="64,256")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="prompts of 16-64 and outputs of 8-32 tokens")
+    parser.add_argument("--soak", type=int, default=0, help="also send this many short requests")
+    parser.add_argument("--soak-threads", type=int, default=16)
+    parser.add_argument("--json", metavar="OUT")
+    args = parser.parse_args(argv)
+    parse_range = lambda text: tuple(int(v) for v in text.split(","))
+    prompt_range, output_range = parse_range(args.prompt_range), parse_range(args.output_range)
+    if args.quick:
+        prompt_range, output_range = (16, 64), (8, 32)
+    port, scheduler, server, thread, vocab = start_server(args.model or cli_generate.default_model(), args.dtype,
+                                                          args.max_batch, args.max_model_len)
+    results = []
+    run_load(port, vocab, 1, 1, prompt_range, (4, 4), seed=0)  # warm-up: kernels, first plans
+    for clients in (int(c) for c in args.concurrency.split(",")):
+        result = run_load(port, vocab, clients, args.requests, prompt_range, output_range, seed=clients)
+        results.append(result)
+        print(f"{clients:3d} clients: {result['output_tokens_per_s']:8.1f} output tok/s, TTFT p50 "
+              f"{result['ttft_ms_p50']:7.1f} ms p99 {result['ttft_ms_p99']:7.1f} ms, ITL p50 {result['itl_ms_p50']:6.1f}"
+              f" ms p99 {result['itl_ms_p99']:6.1f} ms, {result['failed']} failed of {result['requests']}", flush=True)
+    if args.soak:
+        per_thread = -(-args.soak // args.soak_threads)
+        run_load(port, vocab, args.soak_threads, 2, (8, 16), (4, 8), seed=1)  # warm-up at that load
+        before = rss_bytes(), buffer_memory()["live_bytes"]
+        soak = run_load(port, vocab, args.soak_threads, per_thread, (8, 16), (4, 8), seed=2)
+        after = rss_bytes(), buffer_memory()["live_bytes"]
+        soak.update(rss_before=before[0], rss_after=after[0], buffers_before=before[1], buffers_after=after[1])
+        results.append({"soak": soak})
+        print(f"soak: {soak['requests']} requests from {args.soak_threads} threads, {soak['failed']} failed; RSS "
+              f"{before[0] / 2**20:.1f} -> {after[0] / 2**20:.1f} MiB, device buffers {before[1] / 2**20:.1f} -> "
+              f"{after[1] / 2**20:.1f} MiB")
+    server.should_exit = True
+    thread.join()
+    scheduler.close()
+    write_results(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,546 @@
+"""``BatchScheduler``: continuous batching of generation requests for a server (``vkformers serve``).
+
+One thread owns the model. Each turn of its loop is a step boundary: new requests join the running batch there,
+finished or cancelled ones leave, then one decode step runs for every row at once. The batch lives in one
+:class:`KVCache` as a left-padded batch, as ``generate`` runs one: every row writes its next token at the same
+column and the cache's padding mask hides the columns before each row's first token. Requests join in one of
+two ways. Into free rows (left by finished requests, or fillers): their prompts are prefilled apart, in a small
+cache (PREFILL_CHUNK tokens a turn, the running batch decoding a step between two chunks), and their keys and
+values moved into those rows so as to end at the batch's current column
+(``KVCache.place_row``); the running rows lose no work (a prompt longer than the batch's columns so far first
+moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
+batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together into
+a cache of a recorded size (rows rounded up to a power of two, so that the decode step replays one of a few
+captured plans, models/decode_capture.py). A request that left stays as a masked row until a newcomer takes it.
+Each request chooses
+its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
+top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
+
+Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
+span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
+back until the next token says.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkformers.engine import lazy
+from vkformers.errors import InputError
+from vkformers.models.cache import KVCache
+from vkformers.models.decode_capture import DecodeCapture, capture_key
+from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
+from vkformers.models.inputs import check_model_inputs
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+# Columns a batch's cache gets beyond its tokens so far (or fewer: what its requests may still generate); when
+# they run out, the cache doubles (its rows copied over), so that memory follows the tokens held rather than every
+# request's max_tokens. Columns are shared by all rows (each row's tokens end at the current one): past
+# COLUMN_LIMIT x max_model_len of them the batch is rebuilt instead, which packs it to its longest sequence.
+CACHE_GROWTH = 256
+# Tokens of joining prompts prefilled per turn, a decode step of the running batch between two such chunks, so that
+# a long prompt does not stall the other streams for its whole prefill.
+PREFILL_CHUNK = 512
+COLUMN_LIMIT = 2
+COLUMN_ROUNDING = CACHE_ROUNDING
+
+
+@dataclass
+class SamplingParams:
+    """One request's generation settings. ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most
+    likely alternatives to report with each token's log-probability (0: only the chosen token's)."""
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        if self.max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InputError(f"logprobs must be in 0..20, got {self.logprobs}")
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this step, most likely first
+
+
+@dataclass
+class Update:
+    """What a request produced since its last update: text (stop strings and held-back text excluded), the tokens'
+    log-probabilities (with SamplingParams.logprobs), and the finish reason once it is done."""
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    completion_tokens: int
+
+
+class Request:
+    """One generation request. ``on_update`` (called on the scheduler's thread) receives each :class:`Update`."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, on_update, eos: list[int]):
+        self.prompt, self.params, self.on_update = [int(t) for t in prompt], params, on_update
+        self.eos = set(eos)
+        self.rng = np.random.default_rng(params.seed)
+        self.generated: list[int] = []
+        self.text = ""       # the decoded text so far, cut at a stop string
+        self.sent = 0        # characters of text already sent
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.arrived = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """Leave at the next step boundary (a client that went away)."""
+        self.cancelled = True
+
+
+@dataclass
+class Metrics:
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0            # requests that left before their end (a client gone)
+    errors: int = 0               # batches that failed (their requests got an error)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    rebuilds: int = 0             # prefills of the whole batch (requests joining when no free rows fit them)
+    placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
+    growths: int = 0              # doublings of the running batch's cache
+    shifts: int = 0               # moves of the running batch to the right, for a longer prompt joining it
+    prefill_chunks: int = 0       # chunks of joining prompts prefilled (a decode step between two)
+    batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
+    live_rows: int = 0
+    waiting: int = 0
+    cache_tokens: int = 0         # KV entries the running batch's cache holds (rows x length)
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    occupancy_sum: float = 0.0    # live / batch rows, summed over decode steps
+    peak_live_rows: int = 0       # most requests one decode step served
+
+
+@dataclass
+class _Prefill:
+    """Joining prompts being prefilled into ``cache``, ``done`` of their (left-padded) tokens so far."""
+    requests: list[Request]
+    ids: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+    cache: KVCache
+    done: int = 0
+
+
+class BatchScheduler:
+    """Runs requests on ``model`` (a GenerationMixin causal LM), ``tokenizer`` decoding their text.
+
+    ``max_batch``: most requests decoded together (more wait); ``max_model_len``: most tokens (prompt and
+    generated) of one request. ``start()`` starts the thread; ``submit()`` queues a request; ``close()`` stops.
+    """
+
+    def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=()):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch = int(max_batch)
+        limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
+        self.max_model_len = int(max_model_len or limit or 2048)
+        if limit is not None and self.max_model_len > limit:
+            raise InputError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        self.eos = sorted({int(e) for e in eos})
+        self.pad = self.eos[0] if self.eos else 0
+        self.metrics = Metrics()
+        self._waiting: list[Request] = []
+        self._rows: list[Request | None] = []  # the running batch, one entry per cache row (None: a filler row)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
+        self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
+        self._joining: list[Request] = []
+        self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
+        self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
+        self.error: BaseException | None = None       # what ended the thread (then no request is taken)
+        self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
+
+    # -- the caller's side
+
+    def start(self) -> "BatchScheduler":
+        self._thread = threading.Thread(target=self._loop, name="vkformers-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise InputError when a prompt of ``prompt_tokens`` and ``max_tokens`` more do not fit max_model_len."""
+        if prompt_tokens < 1:
+            raise InputError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise InputError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed the "
+                             f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
+                             "max_tokens")
+
+    def submit(self, request: Request) -> Request:
+        request.params.check()
+        self.check(len(request.prompt), request.params.max_tokens)
+        limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
+        if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
+            check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
+        with self._cond:
+            if self.error is not None:
+                raise RuntimeError(f"the scheduler stopped: {self.error}")
+            self._waiting.append(request)
+            self.metrics.requests += 1
+            self.metrics.prompt_tokens += len(request.prompt)
+            self.metrics.waiting = len(self._waiting)
+            self._cond.notify_all()
+        return request
+
+    # -- the scheduler's thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closing and not self._waiting and not self._live() and self._prefilling is None:
+                        self._release_rows()
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    self._joining = self._admit()
+                self._turn()
+        except BaseException as exc:  # the thread ends: no request may wait for it
+            self.error = exc
+            with self._cond:
+                self._fail(self._waiting + self._joining + self._rows)
+                self._waiting.clear()
+            raise
+
+    def _turn(self) -> None:
+        """Admit waiting requests, or run one decode step. A failure fails the requests of the batch (each gets an
+        "error" update) and drops the batch and its recorded steps; the next requests start a new one."""
+        try:
+            if self._joining:
+                if self._state is not None and self._fits(self._joining):
+                    self._start_prefill(self._joining)
+                else:
+                    self._rebuild(self._joining)
+            decoding = self._state is not None and any(r is not None and not r.finished for r in self._rows)
+            if self._prefilling is not None:
+                self._prefill_chunk()
+                if self._prefilling is not None and decoding:
+                    self._step()
+            elif not self._joining and decoding:  # (none may be: the waiting requests were all cancelled)
+                self._step()
+        except Exception as exc:
+            self.last_error = exc
+            self.metrics.errors += 1
+            with self._cond:
+                self._fail(self._joining + self._rows + (self._prefilling.requests if self._prefilling else []))
+            self._prefilling = None
+            self._release_rows()
+            self._caches.clear()
+            self._joining_caches.clear()
+        finally:
+            self._joining = []
+
+    def _fail(self, requests) -> None:
+        for request in requests:
+            if request is not None and not request.finished:
+                request.finish_reason = FINISH_ERROR
+                request.on_update(Update("", [], FINISH_ERROR, len(request.generated)))
+
+    def _live(self) -> list[Request]:
+        live = []
+        for request in self._rows:
+            if request is None or request.finished:
+                continue
+            if request.cancelled:
+                self._finish(request, FINISH_CANCELLED)
+                continue
+            live.append(request)
+        return live
+
+    def _release_rows(self) -> None:
+        """Nothing runs: let the batch go (its cache stays allocated for the next)."""
+        self._rows, self._state = [], None
+        self.metrics.batch_rows = self.metrics.live_rows = self.metrics.cache_tokens = 0
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests that join the batch now, as many as max_batch allows (called under the lock); none
+        while joining prompts are being prefilled."""
+        live = self._live()
+        joining = []
+        if self._prefilling is not None:
+            return joining
+        while self._waiting and len(live) + len(joining) < self.max_batch:
+            request = self._waiting.pop(0)
+            if request.cancelled:
+                self._finish(request, FINISH_CANCELLED)
+                continue
+            joining.append(request)
+        self.metrics.waiting = len(self._waiting)
+        return joining
+
+    def _bucket(self, count: int) -> int:
+        rows = 1
+        while rows < count:
+            rows *= 2
+        return min(rows, self.max_batch) if count <= self.max_batch else count
+
+    def _columns(self, length: int) -> int:
+        return min(-(-length // COLUMN_ROUNDING) * COLUMN_ROUNDING, self._column_limit())
+
+    def _column_limit(self) -> int:
+        return -(-COLUMN_LIMIT * self.max_model_len // COLUMN_ROUNDING) * COLUMN_ROUNDING
+
+    def _new_cache(self, rows: int, length: int) -> KVCache:
+        model = self.model
+        return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, self._columns(length),
+                       getattr(model, "dtype", None) or "float32", self._device())
+
+    def _cache(self, rows: int, length: int):
+        """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on
+        it (kept per row count, so that batches of a size seen before replay their recorded step)."""
+        held = self._caches.get(rows)
+        if held is None or held[0].max_len < length:
+            self._caches.pop(rows, None)
+            del held  # free the old buffers before allocating new ones
+            held = (self._new_cache(rows, length), None, None)
+        cache, capture, key = held
+        new_key = capture_key(self.model, cache)
+        if capture is None or new_key is None or new_key != key:
+            capture = DecodeCapture(cache)
+        self._caches[rows] = (cache, capture, new_key)
+        cache.reset()
+        return cache, capture
+
+    def _prefill_cache(self, rows: int, length: int) -> KVCache:
+        """A reset cache that prompts joining a running batch are prefilled into, kept per row count."""
+        cache = self._joining_caches.get(rows)
+        if cache is None or cache.max_len < length:
+            self._joining_caches.pop(rows, None)
+            del cache
+            cache = self._joining_caches[rows] = self._new_cache(rows, length)
+        cache.reset()
+        return cache
+
+    def _width(self, longest: int) -> int:
+        """The length prompts of up to ``longest`` tokens are prefilled at: on a GPU rounded up to PREFILL_BUCKET
+        (more left padding), so that prompts of similar lengths replay one recorded prefill plan."""
+        device = self._device()
+        bucket = PREFILL_BUCKET["cpu" if device is None or device.is_cpu else "gpu"]
+        return -(-longest // bucket) * bucket if bucket else longest
+
+    def _device(self):
+        params = self.model.parameters() if hasattr(self.model, "parameters") else []
+        return params[0].device if params else None
+
+    def _left_padded(self, histories: list[list[int]], rows: int):
+        """ids and mask [rows, width] of the token lists, left-padded; filler rows hold one pad token."""
+        histories = histories + [[self.pad]] * (rows - len(histories))
+        length = self._width(max(len(h) for h in histories))
+        ids = np.full((rows, length), self.pad, np.int64)
+        mask = np.zeros((rows, length), np.int64)
+        for row, history in enumerate(histories):
+            ids[row, length - len(history):] = history
+            mask[row, length - len(history):] = 1
+        return ids, mask
+
+    def _rebuild(self, joining: list[Request]) -> None:
+        """Prefill every live request's tokens so far (prompt and generated) and the joining prompts as one
+        left-padded batch; each request then takes its next token from the prefill's logits."""
+        with self._cond:
+            live = self._live() + joining
+        rows = self._bucket(len(live))
+        ids, mask = self._left_padded([r.prompt + r.generated for r in live], rows)
+        length = ids.shape[1]
+        remaining = max(r.params.max_tokens - len(r.generated) for r in live)
+        cache, capture = self._cache(rows, length + min(remaining, CACHE_GROWTH))
+        positions = self.model.generation_positions(mask, ids, length)
+        logits = self.model.prefill(ids, mask, positions, cache)
+        self._state = (cache, capture, ids, mask, length)
+        self._rows = live + [None] * (rows - len(live))
+        self.metrics.rebuilds += 1
+        self.metrics.batch_rows, self.metrics.live_rows = rows, len(live)
+        self.metrics.cache_tokens = rows * cache.max_len
+        self._choose(logits, list(enumerate(live)))
+
+    def _fits(self, joining: list[Request]) -> bool:
+        """Whether the joining requests can take free rows of the running batch: as many free rows, and columns
+        to spare for their prompts and first outputs (a prompt longer than the batch's columns so far shifts the
+        batch right, _move)."""
+        start = max(self._state[0].position, self._width(max(len(r.prompt) for r in joining)))
+        free = sum(1 for r in self._rows if r is None or r.finished)
+        return len(joining) <= free and all(
+            start + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit() for r in joining)
+
+    def _start_prefill(self, joining: list[Request]) -> None:
+        ids, mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
+        positions = self.model.generation_positions(mask, ids, ids.shape[1])
+        self._prefilling = _Prefill(joining, ids, mask, positions, self._prefill_cache(ids.shape[0], ids.shape[1]))
+
+    def _prefill_chunk(self) -> None:
+        """The next PREFILL_CHUNK tokens of the joining prompts; after the last, they join (_place)."""
+        job = self._prefilling
+        start, width = job.done, job.ids.shape[1]
+        end = min(start + max(PREFILL_CHUNK, 1), width)
+        logits = self.model.prefill(job.ids[:, start:end], job.mask[:, :end], job.positions[:, start:end], job.cache)
+        job.done = end
+        self.metrics.prefill_chunks += 1
+        if end == width:
+            self._prefilling = None
+            self._place(job.requests, job.ids, job.cache, logits)
+
+    def _place(self, joining: list[Request], ids: np.ndarray, source: KVCache, logits: np.ndarray) -> None:
+        """Move the prefilled prompts' keys and values (``source``) into free rows of the running batch, ending at
+        its current column (left padding before them): the live rows lose no work."""
+        width = ids.shape[1]
+        free = sum(1 for r in self._rows if r is None or r.finished)
+        if max(width, self._state[0].position) >= self._column_limit() or free < len(joining):
+            self._rebuild(joining)  # the batch ran on (or was packed) while they prefilled: no room left
+            return
+        if width > self._state[0].position:
+            self._move(width - self._state[0].position, width + CACHE_GROWTH)
+        cache, capture, tokens, mask, length = self._state
+        free = [row for row, r in enumerate(self._rows) if r is None or r.finished]
+        end = cache.position
+        for index, (request, row) in enumerate(zip(joining, free)):
+            cache.place_row(source, index, row)
+            tokens[row] = self.pad
+            tokens[row, end - width:] = ids[index]
+            mask[row] = cache.mask[row, :end]
+            self._rows[row] = request
+        lazy.realize([])  # the copies, before the next step's graph
+        self.metrics.placements += 1
+        self.metrics.live_rows = sum(1 for r in self._rows if r is not None and not r.finished)
+        self._choose(logits, list(enumerate(joining)))
+
+    def _step(self) -> None:
+        """One decode step of every row: each row's last token in, the next token chosen."""
+        if self._state[0].position + 1 > self._state[0].max_len:
+            if self._state[0].max_len >= self._column_limit():
+                self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
+                return
+            self._move(0, 2 * self._state[0].max_len)  # double the cache
+        cache, capture, tokens, mask, length = self._state
+        last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
+        tokens = np.concatenate([tokens, last[:, None]], axis=1)
+        mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
+        step_ids = last[:, None].astype(np.int32)
+        step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
+        replay = bool(getattr(self.model, "capture_decode", True))
+        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=replay)
+        self._state = (cache, capture, tokens, mask, length)
+        live = sum(1 for r in self._rows if r is not None and not r.finished)
+        self.metrics.steps += 1
+        self.metrics.live_rows = live
+        self.metrics.peak_live_rows = max(self.metrics.peak_live_rows, live)
+        self.metrics.occupancy_sum += live / len(self._rows)
+        self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
+
+    def _move(self, shift: int, columns: int) -> None:
+        """Copy the running batch into a new cache of at least ``columns`` columns, every row's tokens ``shift``
+        columns further right (the columns before them masked): to grow the cache, or to make room on the left for
+        a prompt longer than the batch's columns so far."""
+        old, _, tokens, mask, length = self._state
+        rows = old.batch
+        self._caches.pop(rows, None)
+        cache, capture = self._cache(rows, max(columns, old.position + shift))
+        cache.advance(old.position + shift)
+        cache.place_row(old, 0, 0, rows=rows)
+        lazy.realize([])
+        if shift:
+            tokens = np.concatenate([np.full((rows, shift), self.pad, tokens.dtype), tokens], axis=1)
+            mask = np.concatenate([np.zeros((rows, shift), mask.dtype), mask], axis=1)
+            self.metrics.shifts += 1
+        else:
+            self.metrics.growths += 1
+        self._state = (cache, capture, tokens, mask, length + shift)
+        self.metrics.cache_tokens = rows * cache.max_len
+
+    def _choose(self, logits: np.ndarray, rows: list[tuple[int, Request]]) -> None:
+        """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one."""
+        now = time.perf_counter()
+        for row, request in rows:
+            if request.finished:
+                continue
+            scores = logits[row:row + 1]
+            params = request.params
+            if params.temperature == 0:
+                token = int(scores.argmax(axis=-1)[0])
+            else:
+                token = int(_sample(scores, request.rng, params.temperature, 0, params.top_p)[0])
+            request.generated.append(token)
+            if request.first_token_at is None:
+                request.first_token_at = now
+                self.metrics.ttft_sum += now - request.arrived
+                self.metrics.ttft_count += 1
+            self.metrics.generation_tokens += 1
+            if params.logprobs is not None:
+                request.pending_logprobs.append(_logprob(scores[0], token, params.logprobs))
+            self._advance_text(request, token)
+
+    def _advance_text(self, request: Request, token: int) -> None:
+        params = request.params
+        finish = None
+        text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
+        if params.stop:
+            # a stop string in the text not yet sent (the sent text held back enough to contain none)
+            found = [i for i in (text.find(s, request.sent) for s in params.stop if s) if i >= 0]
+            if found:
+                text, finish = text[:min(found)], FINISH_STOP
+        request.text = text
+        if finish is None and token in request.eos:
+            finish = FINISH_STOP
+        if finish is None and len(request.generated) >= params.max_tokens:
+            finish = FINISH_LENGTH
+        if finish is not None:
+            self._finish(request, finish)
+            return
+        hold = max((len(s) for s in params.stop), default=1) - 1  # the end of the text may begin a stop string
+        ready = len(text) - hold
+        while ready > request.sent and text[ready - 1] == "\ufffd":  # an incomplete character waits
+            ready -= 1
+        if ready > request.sent or request.pending_logprobs:
+            delta = text[request.sent:max(ready, request.sent)]
+            request.sent += len(delta)
+            logprobs, request.pending_logprobs = request.pending_logprobs, []
+            request.on_update(Update(delta, logprobs, None, len(request.generated)))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.metrics.finished += 1
+        self.metrics.cancelled += reason == FINISH_CANCELLED
+        delta = request.text[request.sent:]
+        request.sent = len(request.text)
+        logprobs, request.pending_logprobs = request.pending_logprobs, []
+        request.on_update(Update(delta, logprobs, reason, len(request.generated)))
+
+
+def _logprob(scores: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability under the model's distribution (before temperature and top-p), and the
+    ``top`` most likely tokens'."""
+    logprobs = np.log(np.maximum(_softmax(scores[None])[0], 1e-300))
+    best = np.argsort(-logprobs, kind="stable")[:top] if top else []
+    return TokenLogprob(token, float(logprobs[token]), [(int(t), float(logprobs[t])) for t in best])

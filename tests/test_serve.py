@@ -1,0 +1,519 @@
+"""``vkformers serve``: the continuous-batching scheduler against ``model.generate``, and the OpenAI-compatible routes
+through the ``openai`` client and raw HTTP, on a tiny random llama GGUF (with a byte-level BPE tokenizer and a chat
+template) served by uvicorn on a free local port.
+
+The engine is not shared across threads: every reference ``generate`` runs while the scheduler is idle.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import vkformers as vkf
+from vkformers.cli import main
+from vkformers.cli import serve as cli_serve
+from vkformers.models import batching
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
+from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.lora import LoraConfig, LoraLinear, apply_lora, merge_lora, save_adapter
+
+try:  # the [serve] extra and the openai client of the [test] extra (CI installs both)
+    import openai
+    import uvicorn
+except ImportError:
+    openai = uvicorn = None
+
+API_KEY = "test-key"
+SERVED = "tiny"
+PROMPTS = ["the capital of france is", "hello", "once upon a time there was a", "gpu", "a b c d e f g h",
+           "the quick brown fox", "x", "language models on any gpu through vulkan compute"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from test_gguf import gguf, random_llama, train_bpe, write_tiny_gguf
+    if gguf is None:
+        pytest.fail("the gguf package is needed to write the tiny model", pytrace=False)
+    backend = train_bpe()
+    path = write_tiny_gguf(tmp_path_factory.mktemp("serve") / "tiny.gguf", random_llama(backend.get_vocab_size()),
+                           backend)
+    tokenizer = load_gguf_tokenizer(path)
+    reference = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    return path, tokenizer, reference
+
+
+def reference_tokens(reference, ids, max_tokens, eos=(), **sampling):
+    ids = np.asarray(ids, np.int64)[None]
+    return reference.generate(ids, max_new_tokens=max_tokens, eos_token_id=list(eos), **sampling)[0, ids.shape[1]:]
+
+
+def encode(tokenizer, text):
+    return [int(t) for t in tokenizer(text, return_tensors="np")["input_ids"][0]]
+
+
+def wait_for(condition, seconds=120.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def run_staggered(scheduler, jobs):
+    """Submit (prompt ids, SamplingParams) jobs: half at once, the others one by one after further decode steps, so
+    that they join a running batch at different step boundaries. Returns the finished requests."""
+    requests = []
+    for index, (ids, params) in enumerate(jobs):
+        if index >= len(jobs) // 2:
+            steps = scheduler.metrics.steps
+            wait_for(lambda: scheduler.metrics.steps >= steps + 2 or all(r.finished for r in requests))
+        requests.append(scheduler.submit(Request(ids, params, lambda update: None, [])))
+    wait_for(lambda: all(r.finished for r in requests))
+    return requests
+
+
+def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
+    path, tokenizer, reference = tiny
+    lengths = [5, 9, 3, 12, 7, 4, 10, 6]
+    greedy = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lengths)]
+    sampled = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=i))
+               for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    expected_greedy = [reference_tokens(reference, ids, p.max_tokens) for ids, p in greedy]
+    expected_sampled = [reference_tokens(reference, ids, p.max_tokens, do_sample=True, temperature=0.8, top_p=0.9,
+                                         seed=p.seed) for ids, p in sampled]
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    scheduler = BatchScheduler(model, tokenizer, max_batch=8).start()
+    try:
+        for jobs, expected in ((greedy, expected_greedy), (sampled, expected_sampled)):
+            requests = run_staggered(scheduler, jobs)
+            for request, tokens in zip(requests, expected):
+                assert request.generated == tokens.tolist() and request.finish_reason == "length"
+        # requests did run together, and joined a batch that was already decoding
+        assert scheduler.metrics.peak_live_rows >= 3
+        assert scheduler.metrics.placements >= 2 and scheduler.metrics.rebuilds >= 2
+    finally:
+        scheduler.close()
+    assert scheduler.error is None
+
+
+@pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])
+def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket, chunk, monkeypatch):
+    """Three short prompts decode in a batch of four rows; a prompt longer than the batch's columns takes the free
+    row after the batch's tokens move right (no prefill of the running rows again). bucket 16: prompts prefilled
+    at a multiple of 16 tokens, as a GPU rounds them (to 64) to share recorded prefills. chunk 8: the long prompt
+    is prefilled 8 tokens a turn, the others decoding in between."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", bucket)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", chunk)
+    path, tokenizer, reference = tiny
+    short = [(encode(tokenizer, p), SamplingParams(max_tokens=40, temperature=0)) for p in ("x", "gpu", "hello")]
+    long = (encode(tokenizer, PROMPTS[7]), SamplingParams(max_tokens=6, temperature=0))
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in short + [long]]
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
+                               max_batch=4)
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in short]  # one batch
+    scheduler.start()
+    try:
+        wait_for(lambda: scheduler.metrics.steps >= 2)
+        requests.append(scheduler.submit(Request(*long, lambda update: None, [])))
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    metrics = scheduler.metrics
+    assert (metrics.rebuilds, metrics.placements, metrics.shifts, metrics.peak_live_rows) == (1, 1, 1, 4)
+    width = len(long[0]) if bucket == 0 else -(-len(long[0]) // bucket) * bucket
+    assert metrics.prefill_chunks == -(-width // chunk)
+
+
+def test_caches_grow_and_batches_pack_as_tokens_come(tiny, monkeypatch):
+    """With a few columns to spare, the batch's cache doubles as outputs grow, and a batch whose columns reach the
+    limit is packed again; outputs stay those of generate alone."""
+    path, tokenizer, reference = tiny
+    monkeypatch.setattr(batching, "CACHE_GROWTH", 4)
+    monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
+    monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)  # columns up to max_model_len, then the batch is packed
+    lengths = [20, 9, 14, 12, 18, 4, 16, 11]
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lengths)]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
+                               max_batch=4, max_model_len=64).start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    assert scheduler.metrics.growths >= 1 and scheduler.error is None and scheduler.metrics.errors == 0
+
+
+def test_requests_cancelled_before_they_run_never_start(tiny):
+    path, tokenizer, _ = tiny
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer)
+    updates = []
+    requests = [scheduler.submit(Request(encode(tokenizer, p), SamplingParams(max_tokens=3), updates.append, []))
+                for p in PROMPTS[:2]]
+    for request in requests:
+        request.cancel()
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+        assert scheduler.submit(Request(encode(tokenizer, "hi"), SamplingParams(max_tokens=2), updates.append, []))
+        wait_for(lambda: scheduler.metrics.finished == 3)
+    finally:
+        scheduler.close()
+    assert [r.finish_reason for r in requests] == ["cancelled"] * 2 and all(not r.generated for r in requests)
+    assert scheduler.metrics.errors == 0 and scheduler.metrics.cancelled == 2 and updates[-1].finish_reason == "length"
+
+
+def test_max_batch_makes_requests_wait(tiny):
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=4, temperature=0)) for p in PROMPTS[:5]]
+    expected = [reference_tokens(reference, ids, 4) for ids, _ in jobs]
+    scheduler = BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer,
+                               max_batch=2)
+    requests = [scheduler.submit(Request(ids, params, lambda update: None, [])) for ids, params in jobs]
+    assert scheduler.metrics.waiting == 5
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    assert scheduler.metrics.requests == 5 and scheduler.metrics.finished == 5
+
+
+# ---------------------------------------------------------------- the HTTP server
+
+@pytest.fixture(scope="module")
+def web():
+    if uvicorn is None or openai is None:
+        pytest.fail("the serve tests need pip install 'vkformers[serve,test]' (Starlette, uvicorn, openai)",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, web):
+    path, tokenizer, _ = tiny
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
+                               eos=cli_serve.eos_ids(model, tokenizer)).start()
+    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    wait_for(lambda: web.started, 30)
+    yield {"port": port, "scheduler": scheduler, "tokenizer": tokenizer,
+           "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)}
+    web.should_exit = True
+    thread.join(30)
+    scheduler.close()
+
+
+def request(server, method, route, body=None, *, raw=None, key=API_KEY):
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw if raw is not None else (None if body is None else json.dumps(body))
+    connection.request(method, route, body=data, headers=headers)
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    return response.status, text
+
+
+def expected_eos(server, tiny):
+    return cli_serve.eos_ids(tiny[2], server["tokenizer"])
+
+
+def test_health_models_and_metrics(server):
+    assert request(server, "GET", "/health", key=None) == (200, '{"status":"ok"}')
+    models = server["client"].models.list()
+    assert [m.id for m in models.data] == [SERVED]
+    status, text = request(server, "GET", "/metrics", key=None)
+    assert status == 200
+    for name in ("vkformers_requests_total", "vkformers_requests_cancelled_total", "vkformers_generation_tokens_total", "vkformers_requests_running",
+                 "vkformers_batch_occupancy", "vkformers_kv_cache_tokens", "vkformers_time_to_first_token_seconds_sum"):
+        assert f"{name}{{model=\"{SERVED}\"}} " in text
+
+
+def test_completion_matches_generate(server, tiny):
+    tokenizer, reference = server["tokenizer"], tiny[2]
+    prompt = PROMPTS[0]
+    ids = encode(tokenizer, prompt)
+    tokens = reference_tokens(reference, ids, 8, expected_eos(server, tiny))
+    response = server["client"].completions.create(model=SERVED, prompt=prompt, max_tokens=8, temperature=0,
+                                                   logprobs=3)
+    choice = response.choices[0]
+    assert choice.text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == len(tokens)
+    assert response.usage.total_tokens == len(ids) + len(tokens)
+    assert choice.finish_reason == ("stop" if tokens[-1] in expected_eos(server, tiny) else "length")
+    # greedy: the chosen token is the most likely one, its log-probability the highest of the top ones (keyed by
+    # text: byte tokens that decode alike share a key)
+    assert len(choice.logprobs.token_logprobs) == len(tokens)
+    for logprob, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert 1 <= len(top) <= 3 and logprob <= 0 and abs(max(top.values()) - logprob) < 1e-6
+    # token ids as the prompt give the same
+    again = server["client"].completions.create(model=SERVED, prompt=ids, max_tokens=8, temperature=0)
+    assert again.choices[0].text == choice.text
+
+
+def test_streamed_completion_equals_the_whole_one(server):
+    client = server["client"]
+    whole = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    status, text = request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi", "max_tokens": 3,
+                                                               "stream": True})
+    assert status == 200 and text.endswith("data: [DONE]\n\n")
+
+
+def test_chat_completion_uses_the_chat_template(server, tiny):
+    tokenizer, reference = server["tokenizer"], tiny[2]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    ids = [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         return_tensors="np")["input_ids"][0]]
+    tokens = reference_tokens(reference, ids, 7, expected_eos(server, tiny))
+    client = server["client"]
+    response = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=7, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    message = response.choices[0].message
+    assert message.role == "assistant" and message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == len(tokens)
+    assert len(response.choices[0].logprobs.content) == len(tokens)
+    assert all(len(entry.top_logprobs) == 2 for entry in response.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(model=SERVED, messages=messages, max_tokens=7, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+
+
+def test_seeded_sampling_repeats(server):
+    client = server["client"]
+    runs = [client.completions.create(model=SERVED, prompt=PROMPTS[5], max_tokens=8, temperature=0.9, top_p=0.95,
+                                      seed=11).choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_stop_string_across_tokens(server):
+    """A stop string made of the end of one token and the start of the next cuts the text there."""
+    client, tokenizer = server["client"], server["tokenizer"]
+    for prompt in PROMPTS:  # a random model's text is mostly bytes: find two whole-character tokens in a row
+        ids = encode(tokenizer, prompt)
+        whole = client.completions.create(model=SERVED, prompt=ids, max_tokens=12, temperature=0, logprobs=0)
+        full, pieces = whole.choices[0].text, whole.choices[0].logprobs.tokens
+        for i in range(1, len(pieces)):
+            before, stop = "".join(pieces[:i]), pieces[i - 1][-1:] + pieces[i][:1]
+            if len(stop) == 2 and "\ufffd" not in stop and full.startswith(before + pieces[i]) \
+                    and full.find(stop) == len(before) - 1:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no generated text with a stop string across two tokens")
+    expected = full[:len(before) - 1]
+    for stream in (False, True):
+        result = client.completions.create(model=SERVED, prompt=ids, max_tokens=12, temperature=0, stop=[stop],
+                                           stream=stream)
+        if stream:
+            chunks = list(result)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = result.choices[0].text, result.choices[0].finish_reason
+        assert (text, finish) == (expected, "stop")
+
+
+def error_of(status_text):
+    status, text = status_text
+    return status, json.loads(text)["error"]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    route = "/v1/completions"
+    status, error = error_of(request(server, "POST", route, raw="{not json"))
+    assert status == 400 and error["type"] == "invalid_request_error" and "JSON" in error["message"]
+    status, error = error_of(request(server, "POST", route, {"model": "gpt-4", "prompt": "hi"}))
+    assert status == 404 and error["code"] == "model_not_found"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi " * 200}))
+    assert status == 400 and "maximum context length of 96" in error["message"]
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "max_tokens": -1}))
+    assert status == 400 and error["param"] == "max_tokens"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": [5, 10 ** 6]}))
+    assert status == 400 and "vocab" in error["message"]
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "n": 2}))
+    assert status == 400 and error["param"] == "n"
+    status, error = error_of(request(server, "POST", "/v1/chat/completions",
+                                     {"model": SERVED, "messages": [{"role": "user", "content": "hi " * 200}]}))
+    assert status == 400 and "maximum context length of 96" in error["message"]
+    status, error = error_of(request(server, "POST", "/v1/chat/completions", {"model": SERVED, "messages": []}))
+    assert status == 400 and error["param"] == "messages"
+    for key in ("wrong", None):
+        status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi"}, key=key))
+        assert status == 401 and error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        server["client"].completions.create(model="other", prompt="hi", max_tokens=2)
+    assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_many_clients_at_once_get_each_their_own_output(server, tiny):
+    """16 client threads, 8 requests each (streamed or not, greedy), against a batch of at most 4 rows: every
+    response is the one generate gives its prompt alone, and the server ends with nothing running."""
+    tokenizer, reference, scheduler = server["tokenizer"], tiny[2], server["scheduler"]
+    eos = expected_eos(server, tiny)
+    expected = {p: tokenizer.decode(reference_tokens(reference, encode(tokenizer, p), 6, eos), skip_special_tokens=True)
+                for p in PROMPTS}
+    failures, finished = [], scheduler.metrics.finished
+    client = server["client"]
+
+    def work(index):
+        for turn in range(8):
+            prompt = PROMPTS[(index + turn) % len(PROMPTS)]
+            try:
+                if (index + turn) % 2:
+                    text = "".join(c.choices[0].text for c in client.completions.create(
+                        model=SERVED, prompt=prompt, max_tokens=6, temperature=0, stream=True))
+                else:
+                    text = client.completions.create(model=SERVED, prompt=prompt, max_tokens=6,
+                                                     temperature=0).choices[0].text
+                if text != expected[prompt]:
+                    failures.append((prompt, text, expected[prompt]))
+            except Exception as exc:  # collected: the assertion below names it
+                failures.append((prompt, repr(exc)))
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert scheduler.metrics.finished == finished + 16 * 8
+    wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.waiting == 0)
+
+
+def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
+    scheduler = server["scheduler"]
+    prefill = scheduler.model.prefill
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(scheduler.model, "prefill", broken)
+    errors = scheduler.metrics.errors
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi",
+                                                                         "max_tokens": 3}))
+    assert status == 500 and error["type"] == "server_error" and "device lost" in error["message"]
+    assert scheduler.metrics.errors == errors + 1
+    monkeypatch.setattr(scheduler.model, "prefill", prefill)
+    assert request(server, "GET", "/health", key=None)[0] == 200
+    assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
+    scheduler = server["scheduler"]
+    choose = scheduler._choose
+    monkeypatch.setattr(scheduler, "_choose", lambda *args: time.sleep(0.02) or choose(*args))  # slow enough
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+    body = {"model": SERVED, "prompt": "a", "max_tokens": 95, "temperature": 0.5, "seed": 1, "stream": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event: the request is decoding
+    wait_for(lambda: scheduler.metrics.live_rows == 1)
+    cancelled, tokens = scheduler.metrics.cancelled, scheduler.metrics.generation_tokens
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.cache_tokens == 0, 60)
+    assert scheduler.metrics.cancelled == cancelled + 1
+    assert scheduler.metrics.generation_tokens - tokens < 90
+    assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+# ---------------------------------------------------------------- the command
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_the_command_serves_until_stopped(tiny, web, tmp_path):
+    """`vkformers serve --adapter` in its own process: it says where, /health answers, the model is named after the
+    file, answers with the adapted model's output, and Ctrl-C stops it."""
+    path, tokenizer, _ = tiny
+    adapted = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    apply_lora(adapted, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    rng = np.random.default_rng(3)
+    for _, module in adapted.named_modules():
+        if isinstance(module, LoraLinear):
+            module.lora_B.weight = vkf.parameter(rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
+    save_adapter(adapted, tmp_path / "adapter")
+    reference = merge_lora(adapted)
+    port = free_port()
+    command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
+               "serve", "--model", str(path), "--port", str(port), "--max-batch", "2",
+               "--adapter", str(tmp_path / "adapter")]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        line = process.stderr.readline()
+        assert line == f"vkformers serve: tiny on http://127.0.0.1:{port}/v1 (ready when /health answers)\n"
+
+        def healthy():
+            assert process.poll() is None, process.stderr.read()
+            try:
+                return request({"port": port}, "GET", "/health", key=None)[0] == 200
+            except OSError:
+                return False
+        wait_for(healthy, 120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        text = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0].text
+    finally:
+        process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, then the command returns
+        status = process.wait(60)
+    assert status == 0
+    ids = encode(tokenizer, PROMPTS[1])
+    eos = cli_serve.eos_ids(reference, tokenizer)
+    assert text == tokenizer.decode(reference_tokens(reference, ids, 5, eos), skip_special_tokens=True)
+    assert text != tokenizer.decode(reference_tokens(tiny[2], ids, 5, eos), skip_special_tokens=True)  # adapted
+
+
+def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # an import of it fails
+    assert main(["serve", "--model", "anything"]) == 1
+    assert capsys.readouterr().err == f"vkformers serve: error: {cli_serve.INSTALL_HINT}\n"
+
+
+def test_served_names():
+    assert cli_serve.served_name(None) == "SmolLM2-135M-Instruct"
+    assert cli_serve.served_name("/models/tiny.gguf") == "tiny"
+    assert cli_serve.served_name("HuggingFaceTB/SmolLM2-360M") == "HuggingFaceTB/SmolLM2-360M"
+    assert cli_serve.served_name("./checkpoint/") == "./checkpoint"
+
+
+def test_serve_arguments():
+    from vkformers.cli import build_parser
+    args = build_parser().parse_args(["serve", "--model", "m.gguf", "--port", "9000", "--max-batch", "8",
+                                      "--max-model-len", "512", "--api-key", "k", "--host", "0.0.0.0"])
+    assert (args.model, args.port, args.max_batch, args.max_model_len, args.api_key, args.host) == (
+        "m.gguf", 9000, 8, 512, "k", "0.0.0.0")
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.host, defaults.port, defaults.max_batch, defaults.model) == ("127.0.0.1", 8000, 64, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-batch", "0"])
