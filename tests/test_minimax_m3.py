@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vkformers_moe")
 
-from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
+from vkformers.models.decoder import UnsupportedConfigError  # noqa: E402
 
 FOLDER = Path(__file__).parent / "fixtures" / "minimax_m3_vl_text"
 SMALL = dict(model_type="minimax_m3_vl_text", vocab_size=16, hidden_size=8, num_hidden_layers=2,

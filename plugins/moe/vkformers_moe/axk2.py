@@ -31,7 +31,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import LayerNorm, Linear
 from vkformers.models.module import join_path, place
-from vkformers_llama.decoder import DecoderLayer
+from vkformers.models.decoder import DecoderLayer
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
 

@@ -38,7 +38,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param, place
-from vkformers_llama.decoder import make_norm
+from vkformers.models.decoder import make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask

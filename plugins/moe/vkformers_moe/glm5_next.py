@@ -30,8 +30,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param
-from vkformers_llama.decoder import DecoderLayer, make_norm
-from vkformers_llama.gated_deltanet import GatedDeltaNet
+from vkformers.models.decoder import DecoderLayer, GatedDeltaNet, make_norm
 
 from vkformers_moe.axk2 import Axk2Attention, Axk2Layer
 from vkformers_moe.deepseek_v4 import DeepseekV4Layer, DeepseekV4Moe

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vkformers.models.module import Module, place
-from vkformers_llama.decoder import DecoderLayer
+from vkformers.models.decoder import DecoderLayer
 
 
 def graft(root: Module, module: Module) -> None:

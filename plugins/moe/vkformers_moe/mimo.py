@@ -18,7 +18,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.module import join_path, place
-from vkformers_llama.decoder import DecoderLayer, make_projection
+from vkformers.models.decoder import DecoderLayer, make_projection
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import join_path, place
-from vkformers_llama.decoder import DecoderLayer, make_norm
+from vkformers.models.decoder import DecoderLayer, make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import clipped_swiglu

@@ -7,7 +7,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.module import add_param, get_param, place
-from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
+from vkformers.models.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
 
 from vkformers_moe.deepseek_v4 import _collapse, _hyper_weights
 from vkformers_moe.qwen4_exp import GatedResidual

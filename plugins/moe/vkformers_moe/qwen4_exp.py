@@ -38,7 +38,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param, join_path, place
-from vkformers_llama.decoder import DecoderLayer, make_norm
+from vkformers.models.decoder import DecoderLayer, make_norm
 
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see

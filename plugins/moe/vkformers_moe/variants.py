@@ -1,5 +1,5 @@
 """Per-architecture deltas of the mixture-of-experts decoders: a dense parent's :class:`DecoderSpec`
-(from vkformers-llama) plus a :class:`MoeSpec` for the sparse layers, e.g. Mixtral = Mistral + a
+(the decoder kit's spec, read by a vkformers-llama variant) plus a :class:`MoeSpec` for the sparse layers, e.g. Mixtral = Mistral + a
 top-2 renormalised softmax router over SwiGLU experts stored as ``block_sparse_moe.experts.<e>.w1/w3/w2``.
 
 Names are the checkpoint's (what transformers' ``save_pretrained`` writes: transformers 5 keeps the
@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+from vkformers.models.decoder.spec import (DecoderSpec, UnsupportedConfigError, first_of, layer_types, refuse,
+                                           sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, cohere2, ernie4_5, first_of, granite,
-                                      granite_swa, hunyuan_v1_dense, layer_types, llama, mistral, olmo2, qwen2, qwen3,
-                                      qwen3_5_text, refuse, sliding_windows, with_mla)
+# dense parents this plugin's architectures extend (vkformers-llama is a declared dependency)
+from vkformers_llama.variants import (cohere2, ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2,
+                                      qwen2, qwen3, qwen3_5_text)
 
 from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec

@@ -3,10 +3,9 @@ plugins that compose their own layers."""
 from __future__ import annotations
 
 from vkformers.engine import functional as F
+from vkformers.models.decoder.spec import DecoderSpec
 from vkformers.models.layers import LayerNorm, RMSNorm
 from vkformers.models.module import Module
-
-from vkformers_llama.variants import DecoderSpec
 
 
 class LayerNorm1P(LayerNorm):

@@ -25,9 +25,8 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
+from vkformers.models.decoder.norms import make_norm
 from vkformers.models.module import Module
-
-from vkformers_llama.norms import make_norm
 
 
 class GatedDeltaNet(Module):

@@ -1,13 +1,6 @@
-"""One decoder for every dense causal LM of the family, configured by a :class:`DecoderSpec`.
-
-The model declares its parameters under the checkpoint's own names (``model.layers.0.
-self_attn.q_proj.weight``, ``transformer.h.0.attn.c_attn.weight``, ...); fused projections
-stay one parameter and are split with views, so gradients and saved checkpoints keep
-Hugging Face's layout.
-
-Forward semantics follow transformers 5: without a cache and without ``position_ids``
-every row uses positions ``arange(T)`` (also with left padding); ``attention_mask`` zeros
-mask those keys on top of the causal mask; ``labels`` are shifted inside (not for TrOCR, as there).
+"""The decoder kit's block: one :class:`DecoderLayer` (attention and MLP with the spec's norms and residual
+wiring), the :class:`Context` every layer of a forward pass shares, and the pieces plugins compose their own
+layers from (:func:`make_projection`, :class:`HeadwiseNorm`).
 """
 from __future__ import annotations
 
@@ -16,37 +9,13 @@ from dataclasses import replace
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.engine.rope_scaling import rope_parameters
-from vkformers.engine import lazy
 from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
-from vkformers.models.generation import GenerationMixin
-from vkformers.models.inputs import InputLimits
-from vkformers.models.layers import Conv1D, Embedding, LayerNorm, Linear, ModuleList, RMSNorm
-from vkformers.models.loading import CausalLMOutput
+from vkformers.models.decoder.gated_deltanet import GatedDeltaNet
+from vkformers.models.decoder.norms import make_norm
+from vkformers.models.decoder.spec import DecoderSpec
+from vkformers.models.layers import Conv1D, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module, add_param, get_param, join_path, place
-from vkformers.runtime import dtypes as dt
-
-from vkformers_llama.gated_deltanet import GatedDeltaNet
-from vkformers_llama.norms import make_norm
-from vkformers_llama.variants import (DecoderSpec, alibi_slopes, decoder_spec,
-                                      mpt_alibi_slopes, sinusoidal_table)
-
-
-IGNORE_INDEX = -100
-
-# Buffers some checkpoints carry that are not parameters (causal-mask and rotary caches).
-IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
-                           "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps",  # these two: xIELU (Apertus)
-                           ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
-
-
-def _embed_norm_spec(spec: DecoderSpec) -> DecoderSpec:
-    """The spec make_norm builds the embedding norm from: the blocks' norm, or a LayerNorm of its own."""
-    if spec.embed_norm_layer_eps is None:
-        return spec
-    return replace(spec, norm="layer", norm_eps=spec.embed_norm_layer_eps, norm_weight=True, norm_bias=True,
-                   norm_unit_offset=False)
 
 
 def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
@@ -433,7 +402,7 @@ class DecoderLayer(Module):
         if plan is None:
             return None
         s, cache, batch = self.spec, ctx.cache, x.shape[0]
-        attn_norm, mlp_norm = _fused_norm(plan["attn_norm"]), _fused_norm(plan["mlp_norm"])
+        attn_norm, mlp_norm = fused_norm(plan["attn_norm"]), fused_norm(plan["mlp_norm"])
         weights = lambda part: [w for w, _ in plan[part]]  # noqa: E731
         biases = lambda part: None if plan[part][0][1] is None else [b for _, b in plan[part]]  # noqa: E731
         o, o_bias = plan["o"]
@@ -451,7 +420,7 @@ class DecoderLayer(Module):
             q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=biases("qkv"), **rotary)
         else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache
             q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b) for w, b in plan["qkv"])
-            q_norm, k_norm = (_fused_norm(n) for n in plan["qk_norm"])
+            q_norm, k_norm = (fused_norm(n) for n in plan["qk_norm"])
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
@@ -487,7 +456,7 @@ class DecoderLayer(Module):
         return self._norm("mlp_in_norm", x + self.mlp(x))
 
 
-def _fused_norm(norm: RMSNorm) -> F.FusedNorm:
+def fused_norm(norm: RMSNorm) -> F.FusedNorm:
     """An RMSNorm module as the fused decode kernels' prologue."""
     return F.FusedNorm(norm.weight if norm.elementwise else None, norm.eps, norm.unit_offset)
 
@@ -499,286 +468,3 @@ _FUSED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pyt
 
 def _scaled(x, factor: float):
     return x if factor == 1.0 else x * factor
-
-
-def _shift_labels(labels: np.ndarray) -> np.ndarray:
-    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
-    shifted[:, :-1] = labels[:, 1:]
-    return shifted
-
-
-def _as_numpy(value, dtype=np.int64):
-    if value is None:
-        return None
-    if isinstance(value, Tensor):
-        value = value.numpy()
-    return np.asarray(value).astype(dtype)
-
-
-def _round_to(value: float, dtype) -> float:
-    """A Python float rounded to a storage dtype (torch multiplies by a scalar tensor of that dtype)."""
-    if dtype is dt.bfloat16:
-        return float(dt.from_bfloat16(dt.to_bfloat16(np.asarray([value], np.float32)))[0])
-    if dtype is dt.float16:
-        return float(np.float16(value))
-    return float(np.float32(value))
-
-
-def checkpoint_named(layers: ModuleList, spec) -> ModuleList:
-    """``layers`` named by their checkpoint indices (DecoderSpec.checkpoint_layers) instead of 0, 1, ...: loading
-    and saving then use the checkpoint's names; iteration and indexing stay in run order."""
-    if spec.checkpoint_layers:
-        layers._modules.clear()
-        layers._modules.update((str(i), layer) for i, layer in zip(spec.checkpoint_layers, layers.items))
-    return layers
-
-
-class DecoderForCausalLM(Module, GenerationMixin):
-    """A dense causal decoder of any architecture in :data:`vkformers_llama.variants.VARIANTS`."""
-
-    ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
-    supports_gradient_checkpointing = True  # run_layers goes through call_layer
-    decoder_spec = staticmethod(decoder_spec)  # config -> DecoderSpec; a subclass may read other variants (vkformers-moe)
-
-    def __init__(self, config: dict, architecture):
-        super().__init__()
-        name = getattr(architecture, "name", architecture)
-        spec = self.decoder_spec(config, name)
-        self.config, self.architecture_name, self.spec = config, name, spec
-        self.dtype = dt.float32  # from_pretrained sets the loaded dtype
-        # generate may replay a decode step without this forward (models/decode_capture.py), which sees
-        # inputs that change every step but not ones that only change past some position (Llama 4's scale)
-        self.capture_decode = spec.query_position_scale is None and not spec.linear_layers  # (linear layers: their
-        # recurrent state lives on the cache, updated by the Python forward)
-        # HF's longrope models switch to the long factors past the original context, and their
-        # generate() then recomputes the cache with them (Phi-3): generation does the same.
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in ("longrope", "su"):
-            self.recompute_cache_beyond = rope.get("original_max_position_embeddings") or \
-                config.get("original_max_position_embeddings")
-        d = spec.hidden_size
-        alibi = None
-        if spec.alibi:
-            slopes = (mpt_alibi_slopes(spec.num_heads, spec.extra.get("alibi_bias_max", 8)) if spec.alibi_kind == "mpt"
-                      else alibi_slopes(spec.num_heads))
-            alibi = Tensor((slopes * np.float32(spec.alibi_slope_scale)).astype(np.float32))
-        refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths
-            embed=place(self, spec.embed, Embedding(spec.vocab_size + spec.embed_extra_rows, spec.embed_dim or d,
-                                                         padding_idx=spec.embed_padding_idx)),
-            project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
-            project_out=(place(self, spec.project_out, Linear(d, spec.embed_dim, bias=False))
-                         if spec.project_out else None),
-            embed_norm=(place(self, spec.embed_norm, make_norm(_embed_norm_spec(spec), d))
-                        if spec.embed_norm else None),
-            position_embed=(place(self, spec.position_embed,
-                                  Embedding(spec.max_position_embeddings + spec.position_offset, d))
-                            if spec.position_embed else None),
-            layers=place(self, spec.layers, checkpoint_named(ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
-                                                                          for i in range(spec.num_layers)), spec)),
-            final_norm=place(self, spec.final_norm, make_norm(spec, d)) if spec.final_norm else None,
-            head_dense=(place(self, join_path(spec.head_transform, "dense"),
-                              Linear(d, d, bias=spec.head_transform_bias))
-                        if spec.head_transform else None),
-            head_norm=(place(self, join_path(spec.head_transform, "norm"), make_norm(spec, d))
-                       if spec.head_transform else None),
-            lm_head=place(self, spec.lm_head, Linear(spec.embed_dim or d, spec.vocab_size, bias=spec.lm_head_bias)),
-        )
-        for name, module in refs.items():
-            object.__setattr__(self, name, module)
-        if spec.tie_embeddings:
-            self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
-        self.rope_configs = spec.rope_configs or ((config, None),) * spec.num_layers
-        self.position_table = None
-        if spec.sinusoidal_positions:  # fixed, not a parameter
-            rows = spec.max_position_embeddings + spec.position_offset
-            self.position_table = Tensor(sinusoidal_table(spec.sinusoidal_positions, rows, d,
-                                                          spec.extra.get("padding_row")))
-
-    def load_state_dict(self, arrays, *args, **kwargs):
-        if self.spec.checkpoint_layers:  # the layers this forward skips (Mllama's cross-attention ones): not loaded
-            kept = {f"{self.spec.layers}.{i}." for i in self.spec.checkpoint_layers}
-            arrays = {name: array for name, array in arrays.items()
-                      if not name.startswith(f"{self.spec.layers}.") or name.startswith(tuple(kept))}
-        for path, module in self.named_modules():  # files laid out otherwise than the parameters (OLMo Hybrid's convs)
-            if hasattr(module, "convert_checkpoint"):
-                arrays = module.convert_checkpoint(arrays, path)
-        super().load_state_dict(arrays, *args, **kwargs)
-        for path, module in self.named_modules():  # checkpoint buffers that are not parameters (MoE routing biases)
-            if hasattr(module, "load_buffers"):
-                module.load_buffers(arrays, path)
-        if self.spec.hidden_act == "xielu":  # xIELU's beta / eps are checkpoint buffers, not parameters
-            for i, layer in enumerate(self.layers):
-                prefix = join_path(self.spec.layers, str(i), self.spec.mlp, "act_fn")
-                if f"{prefix}.beta" in arrays:
-                    layer.xielu_buffers = (float(np.asarray(arrays[f"{prefix}.beta"]).reshape(-1)[0]),
-                                           float(np.asarray(arrays[f"{prefix}.eps"]).reshape(-1)[0]))
-
-    # -- what GenerationMixin reads
-
-    @property
-    def num_layers(self) -> int:
-        return self.spec.num_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.spec.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        """The attention's head size, what the KV cache stores: MLA pads the narrower of qk and v to the wider."""
-        return max(self.spec.head_dim, self.spec.mla_v_dim) if self.spec.mla else self.spec.head_dim
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.spec.max_position_embeddings
-
-    def input_limits(self) -> InputLimits:
-        s = self.spec
-        table = s.position_embed or s.sinusoidal_positions  # rotary, ALiBi and NoPE models have none to run past
-        field = next((f for f in ("max_position_embeddings", "n_positions", "max_seq_len") if f in self.config),
-                     "max_position_embeddings")
-        return InputLimits(vocab_size=s.vocab_size + s.embed_extra_rows, label_classes=s.vocab_size,
-                           max_length=s.max_position_embeddings if table else None, max_length_field=field,
-                           min_position=-1 if s.generation_positions == "fairseq" else 0)
-
-    # -- forward
-
-    def _positions(self, batch, length, attention_mask, position_ids, past) -> np.ndarray:
-        if position_ids is not None:
-            given = position_ids.numpy() if isinstance(position_ids, Tensor) else np.asarray(position_ids)
-            if given.shape == (batch, length) and given.dtype == np.int32:
-                return given  # the array itself: generate recognises it in a captured decode step
-            return np.broadcast_to(given, (batch, length)).astype(np.int32)
-        if self.spec.positions_from_mask and attention_mask is not None:  # OPT: count only attended tokens
-            return ((np.cumsum(attention_mask, axis=1) * attention_mask - 1)[:, -length:]).astype(np.int32)
-        return np.broadcast_to(past + np.arange(length, dtype=np.int32), (batch, length)).astype(np.int32)
-
-    def generation_positions(self, mask: np.ndarray, tokens: np.ndarray, prompt_length: int) -> np.ndarray:
-        kind = self.spec.generation_positions
-        if kind == "mask":
-            return super().generation_positions(mask, tokens, prompt_length)
-        index = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-        if kind == "index":
-            return index.copy()
-        # "fairseq": transformers counts non-pad ids from the prompt (cumsum), then places each later token at the
-        # cache length; a pad id gets the padding row (relative position -1)
-        real = tokens != self.spec.extra["padding_row"]
-        counted = np.where(index < prompt_length, np.cumsum(real, axis=1) - 1, index)
-        return np.where(real, counted, -1)
-
-    def _rope_tables(self, seq_len: int):
-        """(inv_freq Tensor, attention_scaling) per layer; layers sharing a rope config share one table."""
-        tables, by_key = [], {}
-        for config, layer_type in self.rope_configs:
-            key = (id(config), layer_type)
-            if key not in by_key:
-                inv_freq, scaling = rope_parameters(config, seq_len, layer_type=layer_type)
-                by_key[key] = (Tensor(inv_freq.astype(np.float32)), scaling)
-            tables.append(by_key[key])
-        return tables
-
-    def prompt_padding_is_exact(self, length: int, padded: int) -> bool:
-        """Whether a prompt padded on the right from ``length`` to ``padded`` tokens keeps its own tokens'
-        logits and cache entries (generate pads prompts so that prompts of different lengths share a recorded
-        prefill): causal attention without state outside the cache (capture_decode), and rotary tables that are
-        the same for both lengths (dynamic NTK changes them past the original context)."""
-        if not self.capture_decode:
-            return False
-        for config, layer_type in (self.rope_configs if self.spec.rope else ()):
-            short, short_scale = rope_parameters(config, length, layer_type=layer_type)
-            long, long_scale = rope_parameters(config, padded, layer_type=layer_type)
-            if short_scale != long_scale or not np.array_equal(short, long):
-                return False
-        return True
-
-    def _query_scale(self, positions):
-        """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1]."""
-        if self.spec.query_position_scale is None:
-            return None
-        beta, length = self.spec.query_position_scale
-        scale = 1.0 + beta * np.log1p(np.floor(positions.astype(np.float32) / np.float32(length)))
-        return Tensor(scale.astype(np.float32)[:, None, :, None])
-
-    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
-        s = self.spec
-        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
-        if ids.dtype is not dt.int32:
-            ids = ids.cast(dt.int32)
-        batch, length = ids.shape
-        past = cache.position if cache is not None else 0
-        mask = _as_numpy(attention_mask)
-        if position_ids is None and s.generation_positions == "fairseq" and not isinstance(input_ids, Tensor):
-            # as transformers' TrOCR: the ids that are not the pad id are counted (a pad id takes the padding row
-            # wherever it stands, attended or not); ids already on the device fall back to the mask's count
-            real = np.asarray(input_ids) != s.extra["padding_row"]
-            position_ids = np.where(real, np.cumsum(real, axis=1) - 1 + past, -1).astype(np.int32)
-        positions = self._positions(batch, length, mask, position_ids, past)
-
-        x = F.embedding(ids, self.embed.weight, padding_idx=self.embed.padding_idx)
-        if s.embed_scale != 1.0:
-            scale = _round_to(s.embed_scale, self.dtype) if s.embed_scale_in_dtype else s.embed_scale
-            x = x * scale
-        if self.project_in is not None:
-            x = self.project_in(x)
-        # One positions input, everything else derived on the GPU: a captured decode step rewrites
-        # only this array (models/generation.py), so derived copies must not be separate host inputs.
-        position_tensor = Tensor(positions)
-        tables = [t for t in (self.position_embed.weight if self.position_embed is not None else None,
-                              self.position_table) if t is not None]
-        if tables:
-            absolute = position_tensor + s.position_offset if s.position_offset else position_tensor
-            for table in tables:
-                x = x + F.embedding(absolute, table)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-
-        key_padding_mask = None
-        if mask is not None and (cache is not None or not mask.all()):
-            key_padding_mask = Tensor(mask.astype(bool))
-        rope_tables = self._rope_tables(int(positions.max()) + 1) if s.rope else None
-        ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
-                      rope_positions=-position_tensor if s.rope_negated else None,
-                      query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions)
-        x = self.run_layers(x, ctx)
-        logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
-        if logits is None:
-            if self.final_norm is not None:
-                x = self.final_norm(x)
-            if self.project_out is not None:
-                x = self.project_out(x)
-            if self.head_dense is not None:
-                x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
-            logits = self.lm_head(x)
-        if s.logits_scale != 1.0:
-            logits = logits * s.logits_scale
-        if s.final_softcap:
-            logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
-        if cache is not None:
-            cache.advance(length)
-        loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss)
-
-    def run_layers(self, x, ctx: Context):
-        """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream
-        between them: DeepSeek-V4's hyper-connections)."""
-        for layer in self.layers:
-            x = self.call_layer(layer, x, ctx)
-        return x
-
-    def _fused_decode_head(self, x):
-        """Final RMS norm and lm_head of a decode step as one fused product, or None where they differ."""
-        norm, head = self.final_norm, self.lm_head
-        if (not isinstance(norm, RMSNorm) or self.project_out is not None or self.head_dense is not None
-                or type(head) is not Linear or head.has_bias or head.quantized):
-            return None
-        fused_norm = _fused_norm(norm)
-        return F.fused_linear(x, head.weight, norm=fused_norm) if F.fusable(x, [head.weight], fused_norm) else None
-
-    @staticmethod
-    def loss(logits, labels, shift: bool = True):
-        """transformers' ForCausalLMLoss: token t predicts label t + 1 (label t without ``shift``); -100 is
-        ignored; mean in float32."""
-        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
-        if shift:
-            labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
-        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)
