@@ -163,6 +163,40 @@ class DecoderLayer(Module):
         self.scale = s.attention_scales[index] if s.attention_scales else s.head_dim ** -0.5
         self.window = s.windows[index] if s.windows else 0
         self.alibi = alibi
+        self._choose_strategies()
+
+    def _choose_strategies(self):
+        """Pick, once from the spec, the functions forward runs: which attention (linear, MLA or softmax over
+        q/k/v projections), how a fused qkv projection splits, where the QK-norm sits, which MLP (the slot's
+        block, a fused or separate gated MLP, a plain one) and how the residual stream is wired."""
+        s, p = self.spec, self.parts
+        if self.linear:
+            attention = self._linear_attention
+        elif s.mla:
+            attention = self._mla_attention
+        else:
+            attention = self._softmax_attention
+        split = _QKV_SPLITS.get(s.qkv_layout) if "qkv" in p else _separate_qkv
+        if split is None:
+            raise ValueError(f"unknown qkv layout {s.qkv_layout!r}")
+        qk_norm = None
+        if "q_norm" in p and s.qk_norm_scope == "full":
+            qk_norm = "after_clip" if s.clip_after_qk_norm else "before_clip"
+        elif "q_norm" in p:
+            qk_norm = "after_rope" if s.qk_norm_after_rope else "heads"
+        if "moe" in p:
+            mlp = self._sparse_mlp
+        elif "gate_up" in p:
+            mlp = self._fused_gated_mlp
+        elif "gate" in p:
+            mlp = self._gated_mlp
+        else:
+            mlp = self._plain_mlp
+        residual = (self._post_norm_residual if s.post_norm else self._parallel_residual if s.parallel_residual
+                    else self._sequential_residual)
+        for name, value in (("_attention", attention), ("_split_qkv", split), ("_qk_norm_at", qk_norm),
+                            ("_mlp", mlp), ("_residual", residual)):
+            object.__setattr__(self, name, value)
 
     def _norm(self, role, x):
         return self.parts[role](x) if role in self.parts else x
@@ -235,64 +269,49 @@ class DecoderLayer(Module):
     # -- attention
 
     def _project_qkv(self, h):
-        s, p = self.spec, self.parts
-        batch, length, _ = h.shape
-        heads, kv_heads, dim = s.num_heads, s.num_kv_heads, s.head_dim
-        if "qkv" not in p:
-            return p["q"](h), p["k"](h), p["v"](h)
-        fused = p["qkv"](h)
-        if s.qkv_layout == "blocks":  # [q | k | v]
-            q_out, kv_out = heads * dim, kv_heads * dim
-            return fused[..., :q_out], fused[..., q_out:q_out + kv_out], fused[..., q_out + kv_out:]
-        if s.qkv_layout == "per_head":  # [heads, (q, k, v), dim]
-            grouped = fused.reshape(batch, length, heads, 3, dim)
-            return tuple(grouped[:, :, :, i, :].reshape(batch, length, heads * dim) for i in range(3))
-        if s.qkv_layout == "chunks_qvk":  # CodeGen: [chunks, (q, v, k), heads/chunks * dim]
-            chunks = fused.reshape(batch, length, s.qkv_chunks, 3, heads * dim // s.qkv_chunks)
-            q, v, k = (chunks[:, :, :, i, :].reshape(batch, length, heads * dim) for i in range(3))
-            return q, k, v
-        if s.qkv_layout == "grouped":  # [kv_heads, (queries of the group..., k, v), dim] (Falcon new arch)
-            group = heads // kv_heads
-            grouped = fused.reshape(batch, length, kv_heads, group + 2, dim)
-            return (grouped[:, :, :, :group, :].reshape(batch, length, heads * dim),
-                    grouped[:, :, :, group, :].reshape(batch, length, kv_heads * dim),
-                    grouped[:, :, :, group + 1, :].reshape(batch, length, kv_heads * dim))
-        raise ValueError(f"unknown qkv layout {s.qkv_layout!r}")
+        return self._split_qkv(self.spec, self.parts, h)
 
     def attention(self, h, ctx: Context):
+        """The attention sublayer on the normed stream ``h``, as chosen at build time."""
+        return self._attention(h, ctx)
+
+    def _linear_attention(self, h, ctx: Context):
+        return self.parts["linear"](h, ctx, self.index)
+
+    def _mla_attention(self, h, ctx: Context):
+        batch, length, _ = h.shape
+        q, k, v = self._mla_qkv(h, ctx)
+        return self._attend(q, k, v, ctx, batch, length)
+
+    def _softmax_attention(self, h, ctx: Context):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
-        if self.linear:
-            return p["linear"](h, ctx, self.index)
         gate = p["output_gate"](h) if "output_gate" in p else None
         if gate is not None:
             gate = gate.sigmoid() if s.output_gate_sigmoid else F.softplus(gate)
-        if s.mla:
-            q, k, v = self._mla_qkv(h, ctx)
-            return self._attend(q, k, v, ctx, batch, length)
         q, k, v = self._project_qkv(h)
         if s.q_gate:  # [B, T, heads, (query, gate), D]
             split = q.reshape(batch, length, s.num_heads, 2 * s.head_dim)
             gate = F.sigmoid(split[..., s.head_dim:].contiguous().reshape(batch, length, s.num_heads * s.head_dim))
             q = split[..., :s.head_dim].contiguous().reshape(batch, length, s.num_heads * s.head_dim)
-        if "q_norm" in p and s.qk_norm_scope == "full" and s.clip_after_qk_norm:
+        if self._qk_norm_at == "after_clip":  # OLMoE: the clip reads the normed q, k
             q, k = p["q_norm"](q), p["k_norm"](k)
         if s.clip_qkv is not None:
             # maximum/minimum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
             q, k, v = (t.maximum(-s.clip_qkv).minimum(s.clip_qkv) for t in (q, k, v))
-        if "q_norm" in p and s.qk_norm_scope == "full" and not s.clip_after_qk_norm:
+        if self._qk_norm_at == "before_clip":  # the whole projection's norm, named for where it sits in HF's order
             q, k = p["q_norm"](q), p["k_norm"](k)
         q = q.reshape(batch, length, s.num_heads, s.head_dim)
         k = k.reshape(batch, length, s.num_kv_heads, s.head_dim)
         v = v.reshape(batch, length, s.num_kv_heads, s.head_dim)
-        if "q_norm" in p and s.qk_norm_scope != "full" and not s.qk_norm_after_rope:
+        if self._qk_norm_at == "heads":
             q, k = p["q_norm"](q), p["k_norm"](k)
         q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
         if self.rotates:
             inv_freq, scaling = ctx.rope_tables[self.index]
             q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
             k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
-        if "q_norm" in p and s.qk_norm_after_rope:  # [B, H, T, D]: the norm is over D either way
+        if self._qk_norm_at == "after_rope":  # [B, H, T, D]: the norm is over D either way
             q, k = p["q_norm"](q), p["k_norm"](k)
         return self._attend(q, k, v, ctx, batch, length, gate)
 
@@ -334,18 +353,24 @@ class DecoderLayer(Module):
     # -- MLP
 
     def mlp(self, h):
-        p, s = self.parts, self.spec
-        if "moe" in p:
-            return p["moe"](h)
-        if "gate_up" in p:
-            gate_up = p["gate_up"](h)
-            inter = s.intermediate_size
-            hidden = self.act(gate_up[..., :inter]) * gate_up[..., inter:]
-        elif "gate" in p:
-            hidden = self.act(p["gate"](h)) * p["up"](h)
-        else:
-            hidden = self.act(p["up"](h))
-        return p["down"](self._norm("mlp_sub_norm", hidden))
+        """The MLP sublayer on the normed stream ``h``, as chosen at build time (a slot's block, or dense)."""
+        return self._mlp(h)
+
+    def _sparse_mlp(self, h):
+        return self.parts["moe"](h)
+
+    def _fused_gated_mlp(self, h):
+        p, inter = self.parts, self.spec.intermediate_size
+        gate_up = p["gate_up"](h)
+        return p["down"](self._norm("mlp_sub_norm", self.act(gate_up[..., :inter]) * gate_up[..., inter:]))
+
+    def _gated_mlp(self, h):
+        p = self.parts
+        return p["down"](self._norm("mlp_sub_norm", self.act(p["gate"](h)) * p["up"](h)))
+
+    def _plain_mlp(self, h):
+        p = self.parts
+        return p["down"](self._norm("mlp_sub_norm", self.act(p["up"](h))))
 
     # -- decode step: fused kernels
 
@@ -433,24 +458,30 @@ class DecoderLayer(Module):
         return F.fused_linear(hidden, down, bias=down_bias, residual=x, residual_scale=s.residual_scale)
 
     def forward(self, x, ctx: Context):
-        s = self.spec
         if ctx.cache is not None and x.shape[1] == 1 and not grad_enabled():
             fused = self._decode_fused(x, ctx)
             if fused is not None:
                 return fused
-        if s.post_norm:
-            return self._forward_post_norm(x, ctx)
-        h = self._norm("attn_in_norm", x)
-        attn = self._norm("attn_out_norm", self.attention(h, ctx))
-        if s.parallel_residual:  # attention and MLP both read the block input
-            mlp_in = self._norm("mlp_in_norm", x) if "mlp_in_norm" in self.parts else h
-            mlp = self._norm("mlp_out_norm", self.mlp(mlp_in))
-            return x + _scaled(attn + mlp, s.residual_scale)
+        return self._residual(x, ctx)
+
+    def _sequential_residual(self, x, ctx: Context):
+        """Pre-norm blocks: x += attn(norm(x)); x += mlp(norm'(x)) (optional post-norms on each output)."""
+        s = self.spec
+        attn = self._norm("attn_out_norm", self.attention(self._norm("attn_in_norm", x), ctx))
         x = x + _scaled(attn, s.residual_scale)
         mlp = self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x)))
         return x + _scaled(mlp, s.residual_scale)
 
-    def _forward_post_norm(self, x, ctx: Context):
+    def _parallel_residual(self, x, ctx: Context):
+        """Attention and MLP both read the block input: x + attn(norm(x)) + mlp(norm'(x)) (norm' = norm without
+        an mlp_in_norm)."""
+        h = self._norm("attn_in_norm", x)
+        attn = self._norm("attn_out_norm", self.attention(h, ctx))
+        mlp_in = self._norm("mlp_in_norm", x) if "mlp_in_norm" in self.parts else h
+        mlp = self._norm("mlp_out_norm", self.mlp(mlp_in))
+        return x + _scaled(attn + mlp, self.spec.residual_scale)
+
+    def _post_norm_residual(self, x, ctx: Context):
         """OPT-350m (do_layer_norm_before=False): x = norm(x + attn(x)); x = norm'(x + mlp(x))."""
         x = self._norm("attn_in_norm", x + self.attention(x, ctx))
         return self._norm("mlp_in_norm", x + self.mlp(x))
@@ -468,3 +499,46 @@ _FUSED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pyt
 
 def _scaled(x, factor: float):
     return x if factor == 1.0 else x * factor
+
+
+# How a layer's q, k, v come out of its projections, by DecoderSpec.qkv_layout (chosen once per layer).
+
+def _separate_qkv(s: DecoderSpec, p: dict, h):
+    return p["q"](h), p["k"](h), p["v"](h)
+
+
+def _blocks_qkv(s: DecoderSpec, p: dict, h):  # [q | k | v]
+    fused = p["qkv"](h)
+    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return fused[..., :q_out], fused[..., q_out:q_out + kv_out], fused[..., q_out + kv_out:]
+
+
+def _per_head_qkv(s: DecoderSpec, p: dict, h):  # [heads, (q, k, v), dim]
+    fused = p["qkv"](h)
+    batch, length, _ = h.shape
+    grouped = fused.reshape(batch, length, s.num_heads, 3, s.head_dim)
+    return tuple(grouped[:, :, :, i, :].reshape(batch, length, s.num_heads * s.head_dim) for i in range(3))
+
+
+def _chunks_qvk_qkv(s: DecoderSpec, p: dict, h):  # CodeGen: [chunks, (q, v, k), heads/chunks * dim]
+    fused = p["qkv"](h)
+    batch, length, _ = h.shape
+    width = s.num_heads * s.head_dim
+    chunks = fused.reshape(batch, length, s.qkv_chunks, 3, width // s.qkv_chunks)
+    q, v, k = (chunks[:, :, :, i, :].reshape(batch, length, width) for i in range(3))
+    return q, k, v
+
+
+def _grouped_qkv(s: DecoderSpec, p: dict, h):  # [kv_heads, (queries of the group..., k, v), dim] (Falcon new arch)
+    fused = p["qkv"](h)
+    batch, length, _ = h.shape
+    heads, kv_heads, dim = s.num_heads, s.num_kv_heads, s.head_dim
+    group = heads // kv_heads
+    grouped = fused.reshape(batch, length, kv_heads, group + 2, dim)
+    return (grouped[:, :, :, :group, :].reshape(batch, length, heads * dim),
+            grouped[:, :, :, group, :].reshape(batch, length, kv_heads * dim),
+            grouped[:, :, :, group + 1, :].reshape(batch, length, kv_heads * dim))
+
+
+_QKV_SPLITS = {"blocks": _blocks_qkv, "per_head": _per_head_qkv, "chunks_qvk": _chunks_qvk_qkv,
+               "grouped": _grouped_qkv}
