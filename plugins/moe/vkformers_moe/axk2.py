@@ -87,7 +87,7 @@ class Axk2Layer(DecoderLayer):
             return
         indexer, heads, dim = join_path(s.attn, "indexer"), options.index_heads, options.index_dim
         self.parts["index_q"] = place(self, join_path(indexer, "wq_b"),
-                                      Linear(s.mla_q_lora_rank, heads * dim, bias=False))
+                                      Linear(s.mla.q_lora_rank, heads * dim, bias=False))
         self.parts["index_k"] = place(self, join_path(indexer, "wk"), Linear(d, dim, bias=False))
         self.parts["index_k_norm"] = place(self, join_path(indexer, "k_norm"), LayerNorm(dim, eps=1e-6))
         self.parts["index_w"] = place(self, join_path(indexer, "weights_proj"), Linear(d, heads, bias=False))
@@ -99,7 +99,7 @@ class Axk2Layer(DecoderLayer):
 
         def gated_query(role, path, module):  # q_b_proj reads [normed q_a | q_a] and gives query and gate per head
             if role == "q_b":
-                module = Linear(2 * s.mla_q_lora_rank, s.num_heads * (s.mla_nope_dim + s.mla_rope_dim + s.mla_v_dim),
+                module = Linear(2 * s.mla.q_lora_rank, s.num_heads * (s.mla.nope_dim + s.mla.rope_dim + s.mla.v_dim),
                                 bias=False)
             add(role, path, module)
         super()._init_mla(gated_query)
@@ -114,7 +114,7 @@ class Axk2Layer(DecoderLayer):
     def attention(self, h, ctx):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
-        heads, qk, vdim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim, s.mla_v_dim
+        heads, qk, vdim = s.num_heads, s.mla.nope_dim + s.mla.rope_dim, s.mla.v_dim
         compressed = p["q_a"](h)
         residual = p["q_a_norm"](compressed)
         gate = None
@@ -133,7 +133,7 @@ class Axk2Layer(DecoderLayer):
         """The indexer's scores [B, S, T] of the new queries over every key (stored ones included)."""
         s, p, o = self.spec, self.parts, self.options
         batch, length, _ = h.shape
-        heads, dim, rdim = o.index_heads, o.index_dim, s.mla_rope_dim
+        heads, dim, rdim = o.index_heads, o.index_dim, s.mla.rope_dim
         inv_freq, scaling = ctx.rope_tables[self.index]
 
         def rotate(x):  # rotate_half (DeepSeek-V3.2) or interleaved pairs (GLM-5) on the first rdim dims

@@ -199,8 +199,8 @@ def longcat_flash(config: dict) -> DecoderSpec:
     layers = config.get("num_layers") or config["num_hidden_layers"] // 2
     flat = dict(config, num_hidden_layers=2 * layers, intermediate_size=config.get("ffn_hidden_size", 12288))
     hidden = config["hidden_size"]
-    sub = replace(with_mla(llama(flat), flat), mla_q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
-                  mla_kv_scale=(hidden / config["kv_lora_rank"]) ** 0.5, mla_norm_eps=1e-6)
+    sub = with_mla(llama(flat), flat).amend("mla", q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
+                                            kv_scale=(hidden / config["kv_lora_rank"]) ** 0.5, norm_eps=1e-6)
     experts, identity = config.get("n_routed_experts", 512), config.get("zero_expert_num") or 0
     moe = MoeSpec(num_experts=experts, top_k=config.get("moe_topk", 12),
                   expert_size=config.get("expert_ffn_hidden_size", 2048), layers=(True,) * layers,
@@ -749,7 +749,7 @@ def deepseek_v32(config: dict) -> DecoderSpec:
     arch = config.get("model_type") or "deepseek_v32"
     refuse(arch, config, "q_lora_rank", lambda v: bool(v) and v > 0, 1536)  # the indexer reads the q LoRA
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: the RMSNorm's default eps
+    spec = replace(spec, rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: the RMSNorm's default eps
     n, dense = spec.num_layers, config.get("first_k_dense_replace", 3)
     types = config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(n)]
     indexer = dsa_indexer_types(config, n)
@@ -839,7 +839,7 @@ def axk2(config: dict) -> DecoderSpec:
     _refuse_training_extras("axk2", config)
     refuse("axk2", config, "q_lora_rank", lambda v: bool(v) and v > 0, 384)  # the indexer and gate read the q LoRA
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: AXK2RMSNorm's default eps
+    spec = replace(spec, rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: AXK2RMSNorm's default eps
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types))
@@ -985,7 +985,7 @@ def mistral4(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters") or {}
     rope_config = dict(config, head_dim=spec.head_dim)
     if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
-        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
+        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla.rope_dim / spec.head_dim)
     spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
                    rope_configs=((rope_config, None),) * spec.num_layers)
     beta = params.get("llama_4_scaling_beta")

@@ -103,7 +103,7 @@ class DecoderLayer(Module):
             add("linear", s.linear_attn, (s.linear_module or GatedDeltaNet)(s))
         elif s.mla:
             self._init_mla(add)
-            q_out = s.num_heads * s.mla_v_dim  # o_proj reads the value heads
+            q_out = s.num_heads * s.mla.v_dim  # o_proj reads the value heads
         elif s.qkv_proj:
             add("qkv", join_path(s.attn, s.qkv_proj),
                 make_projection(s, d, q_out + 2 * kv_out, bias=s.q_bias))
@@ -212,38 +212,38 @@ class DecoderLayer(Module):
     # -- multi-head latent attention (DeepSeek-V2)
 
     def _init_mla(self, add):
-        s, d = self.spec, self.spec.hidden_size
-        heads, qk_dim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim
-        rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False, norm_eps=s.mla_norm_eps or s.norm_eps)
-        if s.mla_q_lora_rank:
-            add("q_a", join_path(s.attn, "q_a_proj"), Linear(d, s.mla_q_lora_rank, bias=s.q_bias))
-            add("q_a_norm", join_path(s.attn, "q_a_layernorm"), make_norm(rms, s.mla_q_lora_rank))
-            add("q_b", join_path(s.attn, "q_b_proj"), Linear(s.mla_q_lora_rank, heads * qk_dim, bias=False))
+        s, m, d = self.spec, self.spec.mla, self.spec.hidden_size
+        heads, qk_dim = s.num_heads, m.nope_dim + m.rope_dim
+        rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False, norm_eps=m.norm_eps or s.norm_eps)
+        if m.q_lora_rank:
+            add("q_a", join_path(s.attn, "q_a_proj"), Linear(d, m.q_lora_rank, bias=s.q_bias))
+            add("q_a_norm", join_path(s.attn, "q_a_layernorm"), make_norm(rms, m.q_lora_rank))
+            add("q_b", join_path(s.attn, "q_b_proj"), Linear(m.q_lora_rank, heads * qk_dim, bias=False))
         else:
             add("q", join_path(s.attn, "q_proj"), Linear(d, heads * qk_dim, bias=False))
         add("kv_a", join_path(s.attn, "kv_a_proj_with_mqa"),
-            Linear(d, s.mla_kv_lora_rank + s.mla_rope_dim, bias=s.q_bias))
-        add("kv_a_norm", join_path(s.attn, "kv_a_layernorm"), make_norm(rms, s.mla_kv_lora_rank))
+            Linear(d, m.kv_lora_rank + m.rope_dim, bias=s.q_bias))
+        add("kv_a_norm", join_path(s.attn, "kv_a_layernorm"), make_norm(rms, m.kv_lora_rank))
         add("kv_b", join_path(s.attn, "kv_b_proj"),
-            Linear(s.mla_kv_lora_rank, heads * (s.mla_nope_dim + s.mla_v_dim), bias=False))
+            Linear(m.kv_lora_rank, heads * (m.nope_dim + m.v_dim), bias=False))
 
     def _mla_qkv(self, h, ctx: Context, q=None):
         """q, k [B, H, T, nope + rope] and v [B, H, T, v_dim]; the rotary key part is shared by all heads. ``q``:
         the queries [B, T, H * (nope + rope)] when a plugin's layer projects them otherwise (A.X-K2)."""
-        s, p = self.spec, self.parts
+        s, m, p = self.spec, self.spec.mla, self.parts
         batch, length, _ = h.shape
-        heads, nope, rdim, vdim = s.num_heads, s.mla_nope_dim, s.mla_rope_dim, s.mla_v_dim
+        heads, nope, rdim, vdim = s.num_heads, m.nope_dim, m.rope_dim, m.v_dim
         if q is None:
             q = p["q_b"](p["q_a_norm"](p["q_a"](h))) if "q_b" in p else p["q"](h)
-        if s.mla_q_scale != 1.0:
-            q = q * s.mla_q_scale
+        if m.q_scale != 1.0:
+            q = q * m.q_scale
         q = q.reshape(batch, length, heads, nope + rdim).permute(0, 2, 1, 3)
         compressed = p["kv_a"](h)
-        latent, k_rot = (compressed[..., :s.mla_kv_lora_rank], compressed[..., s.mla_kv_lora_rank:]) if rdim else \
+        latent, k_rot = (compressed[..., :m.kv_lora_rank], compressed[..., m.kv_lora_rank:]) if rdim else \
             (compressed, None)
         latent = p["kv_a_norm"](latent)
-        if s.mla_kv_scale != 1.0:
-            latent = latent * s.mla_kv_scale
+        if m.kv_scale != 1.0:
+            latent = latent * m.kv_scale
         kv = p["kv_b"](latent).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
         k_nope, v = kv[..., :nope], kv[..., nope:]
         if rdim:
@@ -328,8 +328,8 @@ class DecoderLayer(Module):
             out, lse = out
             sinks = self._param(s.attention_sinks).float().reshape(1, -1, 1)
             out = out * (lse - sinks).sigmoid().cast(out.dtype).reshape(*lse.shape, 1)
-        if s.mla and out.shape[-1] != s.mla_v_dim:
-            out = out[..., :s.mla_v_dim]
+        if s.mla and out.shape[-1] != s.mla.v_dim:
+            out = out[..., :s.mla.v_dim]
         heads, dim = out.shape[1], out.shape[3]
         out = out.permute(0, 2, 1, 3)
         per_head = s.output_gate_per_head and not s.q_gate

@@ -175,7 +175,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
     @property
     def head_dim(self) -> int:
         """The attention's head size, what the KV cache stores: MLA pads the narrower of qk and v to the wider."""
-        return max(self.spec.head_dim, self.spec.mla_v_dim) if self.spec.mla else self.spec.head_dim
+        return max(self.spec.head_dim, self.spec.mla.v_dim) if self.spec.mla else self.spec.head_dim
 
     @property
     def max_position_embeddings(self) -> int:

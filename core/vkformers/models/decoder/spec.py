@@ -20,6 +20,21 @@ class UnsupportedConfigError(VkformersError, ValueError):
 
 
 @dataclass
+class MLASpec:
+    """DeepSeek-V2's multi-head latent attention: q (optionally through a LoRA) and a compressed kv latent, whose
+    up-projection gives each head's key (nope part) and value; one rotary key part shared by all heads."""
+
+    kv_lora_rank: int
+    nope_dim: int                            # per-head query/key dims without rotary
+    rope_dim: int                            # per-head rotary dims (0: NoPE MLA)
+    v_dim: int
+    q_lora_rank: int | None = None           # None: one q_proj
+    q_scale: float = 1.0                     # multiplies the queries (LongCat: sqrt(hidden / q_lora_rank))
+    kv_scale: float = 1.0                    # multiplies the normed kv latent (LongCat: sqrt(hidden / kv_lora_rank))
+    norm_eps: float | None = None            # q_a / kv_a norms' eps when not the spec's norm_eps (LongCat: 1e-6)
+
+
+@dataclass
 class DecoderSpec:
     """Every knob of the shared decoder. Names are Hugging Face parameter paths."""
 
@@ -84,15 +99,7 @@ class DecoderSpec:
     #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
     linear_module: Callable | None = None    # (spec) -> the linear layers' module, instead of GatedDeltaNet (a
     #                                          plugin's variant of it: vkformers-moe's Kimi Delta Attention)
-    mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
-    mla_q_lora_rank: int | None = None       # None: one q_proj
-    mla_kv_lora_rank: int = 0
-    mla_nope_dim: int = 0                    # per-head query/key dims without rotary
-    mla_rope_dim: int = 0                    # per-head rotary dims (one shared rotary key for all heads)
-    mla_v_dim: int = 0
-    mla_q_scale: float = 1.0                 # multiplies the queries (LongCat: sqrt(hidden / q_lora_rank))
-    mla_kv_scale: float = 1.0                # multiplies the normed kv latent (LongCat: sqrt(hidden / kv_lora_rank))
-    mla_norm_eps: float | None = None        # q_a / kv_a norms' eps when not norm_eps (LongCat: 1e-6)
+    mla: MLASpec | None = None               # DeepSeek-V2 multi-head latent attention instead of q/k/v projections
     q_norm: str | None = None                # QK-norm parameter names (inside attn)
     k_norm: str | None = None
     qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
@@ -179,6 +186,14 @@ class DecoderSpec:
     #                                          not loaded; empty: 0 .. num_layers - 1
 
     extra: dict = field(default_factory=dict)  # free room for a variant's own notes
+
+    def amend(self, part: str, **changes) -> DecoderSpec:
+        """This spec with fields of its sub-spec ``part`` changed: ``spec.amend("mla", norm_eps=1e-6)`` is
+        ``replace(spec, mla=replace(spec.mla, norm_eps=1e-6))``."""
+        current = getattr(self, part)
+        if current is None:
+            raise ValueError(f"DecoderSpec.{part} is not set: replace(spec, {part}=...) sets the whole sub-spec")
+        return replace(self, **{part: replace(current, **changes)})
 
 
 # ---------------------------------------------------------------- config readers
@@ -278,8 +293,9 @@ def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
         mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale *= mscale * mscale
     rope_config = dict(config, head_dim=rope_dim)
-    return replace(spec, mla=True, mla_q_lora_rank=config.get("q_lora_rank"),
-                   mla_kv_lora_rank=config["kv_lora_rank"], mla_nope_dim=nope, mla_rope_dim=rope_dim, mla_v_dim=v_dim,
+    mla = MLASpec(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"], nope_dim=nope,
+                  rope_dim=rope_dim, v_dim=v_dim)
+    return replace(spec, mla=mla,
                    head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
                    rope_configs=((rope_config, None),) * spec.num_layers,
                    attention_scales=(scale,) * spec.num_layers)
