@@ -17,8 +17,8 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from vkformers.models.decoder.spec import (DecoderSpec, UnsupportedConfigError, first_of, layer_types, padding_idx,
-                                           refuse, sliding_windows, with_mla)
+from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, UnsupportedConfigError, first_of,
+                                           layer_types, padding_idx, refuse, sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 
@@ -843,13 +843,13 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
     partial rotary. Text positions are equal on the M-RoPE axes, so the multimodal rope is 1-D rope."""
     spec = qwen3(dict(config, attention_bias=config.get("attention_bias", False)))
     types = layer_types(config, spec.num_layers)
-    return replace(spec, windows=(), norm_unit_offset=True, q_gate=True,
-                   linear_layers=tuple(t == "linear_attention" for t in types),
-                   linear_k_heads=config.get("linear_num_key_heads", 16),
-                   linear_v_heads=config.get("linear_num_value_heads", 32),
-                   linear_k_dim=config.get("linear_key_head_dim", 128),
-                   linear_v_dim=config.get("linear_value_head_dim", 128),
-                   linear_conv_kernel=config.get("linear_conv_kernel_dim", 4))
+    linear_attention = LinearAttentionSpec(layers=tuple(t == "linear_attention" for t in types),
+                                           k_heads=config.get("linear_num_key_heads", 16),
+                                           v_heads=config.get("linear_num_value_heads", 32),
+                                           k_dim=config.get("linear_key_head_dim", 128),
+                                           v_dim=config.get("linear_value_head_dim", 128),
+                                           conv_kernel=config.get("linear_conv_kernel_dim", 4))
+    return replace(spec, windows=(), norm_unit_offset=True, q_gate=True, linear_attention=linear_attention)
 
 
 @architecture("olmo_hybrid", norm="rms", llama_layout=True, status="verified",
@@ -865,16 +865,18 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters")
     k_heads = config.get("linear_num_key_heads") or spec.num_heads
     k_dim = config.get("linear_key_head_dim") or int(0.75 * spec.hidden_size / k_heads)
+    linear_attention = LinearAttentionSpec(
+        layers=tuple(t == "linear_attention" for t in types),
+        k_heads=k_heads, v_heads=config.get("linear_num_value_heads") or spec.num_heads,
+        k_dim=k_dim, v_dim=config.get("linear_value_head_dim") or 2 * k_dim,
+        conv_kernel=config.get("linear_conv_kernel_dim", 4), split_projections=True,
+        beta_scale=2.0 if config.get("linear_allow_neg_eigval", True) else 1.0,
+        norm_eps=1e-5,  # fixed in transformers (FLA's FusedRMSNormGated default)
+        layer_norms=(("attn_in_norm", "attention_layer_norm"), ("attn_out_norm", None),
+                     ("mlp_in_norm", "feedforward_layer_norm"), ("mlp_out_norm", None)))
     return replace(spec, attn_out_norm="feedforward_layer_norm",
                    rope=not (isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None),
-                   linear_layers=tuple(t == "linear_attention" for t in types),
-                   linear_k_heads=k_heads, linear_v_heads=config.get("linear_num_value_heads") or spec.num_heads,
-                   linear_k_dim=k_dim, linear_v_dim=config.get("linear_value_head_dim") or 2 * k_dim,
-                   linear_conv_kernel=config.get("linear_conv_kernel_dim", 4), linear_split_projections=True,
-                   linear_beta_scale=2.0 if config.get("linear_allow_neg_eigval", True) else 1.0,
-                   linear_norm_eps=1e-5,  # fixed in transformers (FLA's FusedRMSNormGated default)
-                   linear_layer_norms=(("attn_in_norm", "attention_layer_norm"), ("attn_out_norm", None),
-                                       ("mlp_in_norm", "feedforward_layer_norm"), ("mlp_out_norm", None)))
+                   linear_attention=linear_attention)
 
 
 # -- multi-head latent attention

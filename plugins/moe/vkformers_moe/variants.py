@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from vkformers.models.decoder.spec import (DecoderSpec, UnsupportedConfigError, first_of, layer_types, refuse,
-                                           sliding_windows, with_mla)
+from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, UnsupportedConfigError, first_of,
+                                           layer_types, refuse, sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 # dense parents this plugin's architectures extend (vkformers-llama is a declared dependency)
@@ -147,7 +147,7 @@ def qwen3_next(config: dict) -> DecoderSpec:
     decoder_sparse_step / mlp_only_layers and dense MLPs of intermediate_size elsewhere."""
     _refuse_training_extras("qwen3_next", config)
     moe = qwen2_moe(dict(config, norm_topk_prob=config.get("norm_topk_prob", True))).moe
-    return replace(qwen3_5_text(config), linear_grouped_projections=True, moe=moe)
+    return replace(qwen3_5_text(config).amend("linear_attention", grouped_projections=True), moe=moe)
 
 
 @architecture("llama4_text", norm="rms", llama_layout=True, status="verified",
@@ -799,10 +799,11 @@ def glm5_next_text(config: dict) -> DecoderSpec:
     heads, dim = lin.get("num_heads", config.get("linear_num_heads", 64)), lin.get("head_dim",
                                                                                    config.get("linear_head_dim", 128))
     spec = with_mla(llama(dict(config, head_dim=None)), config)
-    spec = replace(spec, rope=False, linear_layers=linear, linear_attn="self_attn", linear_k_heads=heads,
-                   linear_v_heads=heads, linear_k_dim=dim, linear_v_dim=dim, linear_split_projections=True,
-                   linear_conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
-                   linear_module=lambda s: KimiDeltaAttention(s, lower_bound=lower))
+    linear_attention = LinearAttentionSpec(
+        layers=linear, path="self_attn", k_heads=heads, v_heads=heads, k_dim=dim, v_dim=dim, split_projections=True,
+        conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
+        module=lambda s: KimiDeltaAttention(s, lower_bound=lower))
+    spec = replace(spec, rope=False, linear_attention=linear_attention)
     layers = Glm5NextLayers(
         index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 32),
         index_dim=config.get("index_head_dim", 128),

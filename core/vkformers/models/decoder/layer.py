@@ -85,8 +85,9 @@ class DecoderLayer(Module):
         super().__init__()
         if spec.heads_per_layer:  # Laguna: the query head count differs per layer (the KV heads do not)
             spec = replace(spec, num_heads=spec.heads_per_layer[index])
-        if spec.linear_layer_norms and spec.linear_layers and spec.linear_layers[index]:
-            spec = replace(spec, **dict(spec.linear_layer_norms))
+        linear = spec.linear_attention
+        if linear is not None and linear.layer_norms and linear.layers[index]:
+            spec = replace(spec, **dict(linear.layer_norms))
         s, d = spec, spec.hidden_size
         object.__setattr__(self, "parts", {})
         self.spec, self.index = s, index
@@ -98,9 +99,9 @@ class DecoderLayer(Module):
         for role in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
             if getattr(s, role) and not (role == "attn_in_norm" and index in s.attn_in_norm_skipped):
                 add(role, getattr(s, role), make_norm(s, d))
-        self.linear = bool(s.linear_layers) and bool(s.linear_layers[index])
+        self.linear = linear is not None and bool(linear.layers[index])
         if self.linear:  # Gated DeltaNet instead of the attention projections
-            add("linear", s.linear_attn, (s.linear_module or GatedDeltaNet)(s))
+            add("linear", linear.path, (linear.module or GatedDeltaNet)(s))
         elif s.mla:
             self._init_mla(add)
             q_out = s.num_heads * s.mla.v_dim  # o_proj reads the value heads

@@ -20,6 +20,30 @@ class UnsupportedConfigError(VkformersError, ValueError):
 
 
 @dataclass
+class LinearAttentionSpec:
+    """Gated DeltaNet linear attention (:mod:`vkformers.models.decoder.gated_deltanet`) on the layers ``layers``
+    marks, in place of softmax attention: its sizes and how its checkpoints lay out the projections."""
+
+    layers: tuple[bool, ...]                 # per layer: linear attention (True) or softmax attention
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+    path: str = "linear_attn"                # its module, relative to the layer
+    grouped_projections: bool = False        # Qwen3-Next: in_proj_qkvz / in_proj_ba laid out per key head ([q k v z] /
+    #                                          [b a] of its value heads) instead of in_proj_qkv / _z / _b / _a
+    split_projections: bool = False          # OLMo Hybrid: q/k/v/g/b/a_proj, one conv per q/k/v (q_conv1d, ...),
+    #                                          o_norm, o_proj
+    beta_scale: float = 1.0                  # beta = scale * sigmoid(b) (OLMo Hybrid's allow_neg_eigval: 2)
+    norm_eps: float | None = None            # the gated output norm's eps when not the spec's norm_eps (OLMo Hybrid)
+    layer_norms: tuple = ()                  # (role, path) pairs: the linear layers' norms where they differ from
+    #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
+    module: Callable | None = None           # (spec) -> the linear layers' module, instead of GatedDeltaNet (a
+    #                                          plugin's variant of it: vkformers-moe's Kimi Delta Attention)
+
+
+@dataclass
 class MLASpec:
     """DeepSeek-V2's multi-head latent attention: q (optionally through a LoRA) and a compressed kv latent, whose
     up-projection gives each head's key (nope part) and value; one rotary key part shared by all heads."""
@@ -82,23 +106,7 @@ class DecoderSpec:
     output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
     output_gate_sigmoid: bool = False        # sigmoid instead of softplus (AFMoE's gate_proj)
     q_gate: bool = False                     # q_proj yields [query | gate] per head; output *= sigmoid(gate) (Qwen3.5)
-    linear_layers: tuple[bool, ...] = ()     # per layer: Gated DeltaNet linear attention instead of softmax attention
-    linear_attn: str = "linear_attn"         # its module name, and its sizes:
-    linear_k_heads: int = 0
-    linear_v_heads: int = 0
-    linear_k_dim: int = 0
-    linear_v_dim: int = 0
-    linear_conv_kernel: int = 4
-    linear_grouped_projections: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba laid out per key head ([q k v z] /
-    #                                          [b a] of its value heads) instead of in_proj_qkv / _z / _b / _a
-    linear_split_projections: bool = False   # OLMo Hybrid: q/k/v/g/b/a_proj, one conv per q/k/v (q_conv1d, ...),
-    #                                          o_norm, o_proj
-    linear_beta_scale: float = 1.0           # beta = scale * sigmoid(b) (OLMo Hybrid's allow_neg_eigval: 2)
-    linear_norm_eps: float | None = None     # the gated output norm's eps when not norm_eps (OLMo Hybrid: 1e-5)
-    linear_layer_norms: tuple = ()           # (role, path) pairs: the linear layers' norms where they differ from
-    #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
-    linear_module: Callable | None = None    # (spec) -> the linear layers' module, instead of GatedDeltaNet (a
-    #                                          plugin's variant of it: vkformers-moe's Kimi Delta Attention)
+    linear_attention: LinearAttentionSpec | None = None  # Gated DeltaNet instead of softmax attention on some layers
     mla: MLASpec | None = None               # DeepSeek-V2 multi-head latent attention instead of q/k/v projections
     q_norm: str | None = None                # QK-norm parameter names (inside attn)
     k_norm: str | None = None
