@@ -17,8 +17,8 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, UnsupportedConfigError, first_of,
-                                           layer_types, padding_idx, refuse, sliding_windows, with_mla)
+from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, MLPSpec, UnsupportedConfigError,
+                                           first_of, layer_types, padding_idx, refuse, sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 
@@ -64,7 +64,7 @@ def llama(config: dict) -> DecoderSpec:
     bias = bool(config.get("attention_bias", False))
     spec = DecoderSpec(**_sizes(config), norm_eps=first_of(config, "rms_norm_eps", default=1e-6),
                        hidden_act=config.get("hidden_act", "silu"), q_bias=bias, k_bias=bias, v_bias=bias,
-                       o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+                       o_bias=bias, mlp=MLPSpec(bias=bool(config.get("mlp_bias", False))))
     return mllama_text_model(config, spec) if arch == "mllama_text_model" else spec
 
 
@@ -177,7 +177,7 @@ def gemma3_text(config: dict) -> DecoderSpec:
               ])
 def phi3(config: dict) -> DecoderSpec:
     spec = mistral(config)
-    return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", gate_up_proj="gate_up_proj",
+    return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", mlp=replace(spec.mlp, gate_up_proj="gate_up_proj"),
                    norm_eps=first_of(config, "rms_norm_eps", default=1e-5))
 
 
@@ -237,8 +237,9 @@ def starcoder2(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", True))
     spec = mistral(config)
     return replace(spec, norm="layer", norm_eps=config.get("norm_epsilon", 1e-5), norm_bias=True,
-                   hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"), mlp_kind="plain", up_proj="c_fc",
-                   down_proj="c_proj", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=bias)
+                   hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"),
+                   mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=bias),
+                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias)
 
 
 @architecture("gpt2", norm="layer", status="verified",
@@ -253,11 +254,12 @@ def gpt2(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", position_embed="transformer.wpe", rope=False,
                    layers="transformer.h", final_norm="transformer.ln_f", attn="attn", qkv_proj="c_attn",
-                   o_proj="c_proj", attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc",
-                   down_proj="c_proj", conv1d=True, norm="layer", norm_bias=True,
+                   o_proj="c_proj", attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
+                   conv1d=True, norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5),
                    hidden_act=config.get("activation_function", "gelu_new"), q_bias=True, k_bias=True, v_bias=True,
-                   o_bias=True, mlp_bias=True, attention_scales=scales)
+                   o_bias=True, attention_scales=scales)
 
 
 @architecture("gpt_neox", norm="layer", status="verified")
@@ -273,10 +275,11 @@ def gpt_neox(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="gpt_neox.embed_in", layers="gpt_neox.layers",
                    final_norm="gpt_neox.final_layer_norm", lm_head="embed_out", attn="attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
-                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
+                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
+                   norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=True, parallel_residual=parallel,
+                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, parallel_residual=parallel,
                    rope_configs=((rope_config, None),) * spec.num_layers,
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
@@ -285,12 +288,14 @@ def gpt_neox(config: dict) -> DecoderSpec:
 def phi(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
     return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", o_proj="dense",
-                   mlp_kind="plain", up_proj="fc1", down_proj="fc2", norm="layer", norm_bias=True,
+                   norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu_new"),
-                   q_bias=True, k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True,
+                   q_bias=True, k_bias=True, v_bias=True, o_bias=True, lm_head_bias=True,
                    parallel_residual=True, mlp_in_norm=None,
                    q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
+                                                                                        up_proj="fc1", down_proj="fc2",
+                                                                                        bias=True)
 
 
 @architecture("opt", norm="layer", status="verified")
@@ -309,9 +314,10 @@ def opt(config: dict) -> DecoderSpec:
                    position_offset=2, positions_from_mask=True, rope=False, layers="model.decoder.layers",
                    final_norm=None if remove_final else "model.decoder.final_layer_norm",
                    o_proj="out_proj", attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
-                   mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2", norm="layer", norm_bias=bias,
+                   mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=bias),
+                   norm="layer", norm_bias=bias,
                    norm_eps=1e-5, hidden_act=config.get("activation_function", "relu"), q_bias=bias, k_bias=bias,
-                   v_bias=bias, o_bias=bias, mlp_bias=bias)
+                   v_bias=bias, o_bias=bias)
 
 
 @architecture("falcon", norm="layer", status="verified")
@@ -335,10 +341,11 @@ def falcon(config: dict) -> DecoderSpec:
                    layers="transformer.h",
                    final_norm="transformer.ln_f", attn="self_attention", qkv_proj="query_key_value",
                    qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
-                   o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h",
+                   o_proj="dense",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=bias),
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
                    hidden_act=config.get("activation", "gelu"), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
-                   mlp_bias=bias, parallel_residual=parallel,
+                   parallel_residual=parallel,
                    intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms,
                    # Falcon-RW: ALiBi instead of rotary, added before the 1/sqrt(D) scaling
                    **(dict(rope=False, alibi=True, alibi_slope_scale=spec.head_dim ** -0.5) if config.get("alibi")
@@ -354,10 +361,11 @@ def bloom(config: dict) -> DecoderSpec:
                    embed="transformer.word_embeddings",
                    embed_norm="transformer.word_embeddings_layernorm",
                    layers="transformer.h", final_norm="transformer.ln_f", attn="self_attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
-                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
+                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
+                   norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh", q_bias=True,
-                   k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, rope=False, alibi=True,
+                   k_bias=True, v_bias=True, o_bias=True, rope=False, alibi=True,
                    intermediate_size=4 * spec.hidden_size)
 
 
@@ -366,7 +374,7 @@ def bloom(config: dict) -> DecoderSpec:
 @architecture("arcee", norm="rms", llama_layout=True, status="verified")
 def arcee(config: dict) -> DecoderSpec:
     """Llama with a plain (ungated) up/down MLP (squared ReLU)."""
-    return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
+    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("ministral", norm="rms", llama_layout=True, status="verified")
@@ -404,8 +412,8 @@ def smollm3(config: dict) -> DecoderSpec:
 @architecture("ernie4_5", norm="rms", llama_layout=True, status="verified")
 def ernie4_5(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", False))
-    return replace(llama(config), rope_interleaved=True, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
-                   mlp_bias=bias)
+    return replace(llama(config), rope_interleaved=True, q_bias=bias, k_bias=bias, v_bias=bias,
+                   o_bias=bias).amend("mlp", bias=bias)
 
 
 @architecture("glm", norm="rms", llama_layout=True, status="verified")
@@ -413,8 +421,8 @@ def glm(config: dict) -> DecoderSpec:
     """Fused gate_up MLP, q/k/v biases, interleaved partial rotary."""
     # GLM-OCR's text attention has no biases (its config has no attention_bias field)
     bias = bool(config.get("attention_bias", config.get("model_type") != "glm_ocr_text"))
-    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, gate_up_proj="gate_up_proj",
-                   rope_interleaved=True)
+    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False,
+                   rope_interleaved=True).amend("mlp", gate_up_proj="gate_up_proj")
 
 
 @architecture("glm4", norm="rms", llama_layout=True, status="verified",
@@ -530,10 +538,11 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
                    final_norm="model.final_norm", lm_head="decoder", lm_head_bias=bool(config.get("decoder_bias", True)),
                    head_transform="lm_head", head_transform_bias=bool(config.get("classifier_bias", False)),
                    head_transform_act=config.get("classifier_activation", "gelu"), attn="attn", o_proj="Wo",
-                   attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm", gate_up_proj="Wi",
-                   down_proj="Wo", norm="layer", norm_bias=bool(config.get("norm_bias", False)),
+                   attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm",
+                   mlp=replace(spec.mlp, gate_up_proj="Wi", down_proj="Wo", bias=mlp_bias),
+                   norm="layer", norm_bias=bool(config.get("norm_bias", False)),
                    norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
-                   q_bias=attn_bias, k_bias=attn_bias, v_bias=attn_bias, o_bias=attn_bias, mlp_bias=mlp_bias,
+                   q_bias=attn_bias, k_bias=attn_bias, v_bias=attn_bias, o_bias=attn_bias,
                    windows=tuple(window if t == "sliding_attention" else 0 for t in types),
                    rope_configs=tuple((config, t) for t in types),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
@@ -550,15 +559,15 @@ def vaultgemma(config: dict) -> DecoderSpec:
 def jais2(config: dict) -> DecoderSpec:
     """LayerNorm with bias, plain squared-ReLU MLP, biases."""
     return replace(llama(config), norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
-                   mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
+                   hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("nemotron", norm="layer", llama_layout=True, status="verified")
 def nemotron(config: dict) -> DecoderSpec:
     """LayerNorm1P (x * (1 + w) + b), plain squared-ReLU MLP, partial rotary."""
     return replace(llama(config), norm="layer", norm_bias=True, norm_unit_offset=True,
-                   norm_eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5), mlp_kind="plain",
-                   hidden_act=config.get("hidden_act", "relu2"))
+                   norm_eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5),
+                   hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("nanochat", norm="rms", llama_layout=True, status="verified",
@@ -566,10 +575,11 @@ def nemotron(config: dict) -> DecoderSpec:
 def nanochat(config: dict) -> DecoderSpec:
     """Parameter-free RMSNorm everywhere (also right after the embedding and on q/k after rotary), rotation by
     -theta, plain squared-ReLU fc1/fc2 MLP, final soft-capping."""
-    return replace(llama(config), norm_weight=False, embed_norm="model.norm", up_proj="fc1", down_proj="fc2",
-                   mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"), q_norm="q_norm", k_norm="k_norm",
+    return replace(llama(config), norm_weight=False, embed_norm="model.norm",
+                   hidden_act=config.get("hidden_act", "relu2"), q_norm="q_norm", k_norm="k_norm",
                    qk_norm_after_rope=True, rope_negated=True,
-                   final_softcap=config.get("final_logit_softcapping") or 0.0)
+                   final_softcap=config.get("final_logit_softcapping") or 0.0).amend("mlp", up_proj="fc1",
+                                                                                     down_proj="fc2", kind="plain")
 
 
 @architecture("apertus", norm="rms", llama_layout=True, status="verified",
@@ -577,7 +587,8 @@ def nanochat(config: dict) -> DecoderSpec:
 def apertus(config: dict) -> DecoderSpec:
     """Plain up/down MLP with the learned xIELU activation; q/k RMSNorm; renamed sublayer norms."""
     qk_norm = bool(config.get("qk_norm", True))
-    return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "xielu"),
+    spec = llama(config)
+    return replace(spec, hidden_act=config.get("hidden_act", "xielu"), mlp=replace(spec.mlp, kind="plain"),
                    attn_in_norm="attention_layernorm", mlp_in_norm="feedforward_layernorm",
                    q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
 
@@ -588,8 +599,8 @@ def bitnet(config: dict) -> DecoderSpec:
     """Llama with squared-ReLU GLU and RMSNorm sub-norms before o_proj and down_proj. Plain float weights: a
     checkpoint quantised for BitNet kernels (quantization_config) is refused."""
     refuse("bitnet", config, "quantization_config", lambda v: not v)
-    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2"), attn_sub_norm="attn_sub_norm",
-                   mlp_sub_norm="ffn_sub_norm")
+    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2"),
+                   attn_sub_norm="attn_sub_norm").amend("mlp", sub_norm="ffn_sub_norm")
 
 
 @architecture("persimmon", norm="layer", status="verified",
@@ -600,11 +611,14 @@ def persimmon(config: dict) -> DecoderSpec:
     """Fused per-head query_key_value, per-head q/k LayerNorm, partial rotary, squared-ReLU MLP, biases."""
     qk_norm = bool(config.get("qk_layernorm", True))
     return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", qkv_proj="query_key_value",
-                   qkv_layout="per_head", o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h",
-                   down_proj="dense_4h_to_h", norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
+                   qkv_layout="per_head", o_proj="dense",
+                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
                    hidden_act=config.get("hidden_act", "relu2"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
-                   mlp_bias=True, q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
+                                                                                        up_proj="dense_h_to_4h",
+                                                                                        down_proj="dense_4h_to_h",
+                                                                                        bias=True)
 
 
 # its fixture is built with transformers 4.49 (removed in 5)
@@ -654,8 +668,9 @@ def gptj(config: dict) -> DecoderSpec:
                        hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads)
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn="attn",
-                   o_proj="out_proj", attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True, up_proj="fc_in",
-                   down_proj="fc_out", mlp_kind="plain", mlp_bias=True, norm="layer", norm_bias=True,
+                   o_proj="out_proj", attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True,
+                   mlp=replace(spec.mlp, up_proj="fc_in", down_proj="fc_out", kind="plain", bias=True),
+                   norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5),
                    hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True, rope_interleaved=True,
                    rope_configs=((rope_config, None),) * spec.num_layers,
@@ -681,8 +696,9 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="gpt_neox_japanese.embed_in", layers="gpt_neox_japanese.layers",
                    final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out", attn="attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
-                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
+                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h"),
+                   norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
                    intermediate_size=inter, attn_out_bias="dense_bias", attn_out_bias_layers=(spec.num_layers - 1,),
                    rope_configs=((rope_config, None),) * spec.num_layers,
@@ -711,9 +727,10 @@ def gpt_neo(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", position_embed="transformer.wpe", rope=False,
                    layers="transformer.h", final_norm="transformer.ln_f", attn="attn.attention", o_proj="out_proj",
-                   attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc", down_proj="c_proj",
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), o_bias=True, mlp_bias=True,
+                   hidden_act=config.get("activation_function", "gelu_new"), o_bias=True,
                    attention_scales=(1.0,) * spec.num_layers,
                    windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]))
 
@@ -737,10 +754,10 @@ def biogpt(config: dict) -> DecoderSpec:
     return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
                    position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
                    lm_head="output_projection", o_proj="out_proj", attn_in_norm="self_attn_layer_norm",
-                   mlp_in_norm="final_layer_norm", mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2",
+                   mlp_in_norm="final_layer_norm",
+                   mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=True),
                    norm="layer", norm_bias=True, norm_eps=1e-5,
-                   hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
-                   mlp_bias=True)
+                   hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True)
 
 
 @architecture("xglm", norm="layer", status="verified",
@@ -801,9 +818,10 @@ def ctrl(config: dict) -> DecoderSpec:
                    embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
                    rope=False, layers="transformer.h", final_norm="transformer.layernorm", attn="multi_head_attention",
                    q_proj="Wq", k_proj="Wk", v_proj="Wv", o_proj="dense", attn_in_norm="layernorm1",
-                   mlp_in_norm="layernorm2", mlp="ffn", mlp_kind="plain", up_proj="0", down_proj="2", norm="layer",
+                   mlp_in_norm="layernorm2",
+                   mlp=replace(spec.mlp, path="ffn", kind="plain", up_proj="0", down_proj="2", bias=True), norm="layer",
                    norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-6), hidden_act="relu", q_bias=True,
-                   k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True)
+                   k_bias=True, v_bias=True, o_bias=True, lm_head_bias=True)
 
 
 @architecture("mpt", norm="layer", status="verified",
@@ -823,9 +841,9 @@ def mpt(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attn="attn", qkv_proj="Wqkv", o_proj="out_proj", attn_in_norm="norm_1", mlp_in_norm="norm_2",
-                   mlp="ffn", mlp_kind="plain", norm="layer", norm_bias=bias,
+                   mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias), norm="layer", norm_bias=bias,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu", q_bias=bias, k_bias=bias,
-                   v_bias=bias, o_bias=bias, mlp_bias=bias, rope=False, alibi=True, alibi_kind="mpt",
+                   v_bias=bias, o_bias=bias, rope=False, alibi=True, alibi_kind="mpt",
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 

@@ -98,7 +98,7 @@ class MinimaxM3Layer(DecoderLayer):
                 fused = np.concatenate([renamed.pop(gate), renamed.pop(up)], axis=0)
                 renamed[gate[:-len("gate_proj.weight")] + "gate_up_proj.weight"] = fused
         moe = self.spec.moe
-        experts = join_path(self.spec.mlp, moe.experts) if moe and moe.fused_experts else None
+        experts = join_path(self.spec.mlp.path, moe.experts) if moe and moe.fused_experts else None
         count = sum(1 for n in renamed if experts and n.startswith(f"{experts}.") and n.endswith(".w1.weight"))
         if count:
             w = {k: [renamed.pop(f"{experts}.{e}.{k}.weight") for e in range(count)] for k in ("w1", "w3", "w2")}

@@ -182,7 +182,8 @@ def llama4_text(config: dict) -> DecoderSpec:
                   layers=tuple(i in sparse for i in range(n)), hidden_act=spec.hidden_act, path="feed_forward",
                   router="router", scoring="sigmoid", scale_inputs=True, fused_experts=("gate_up_proj", "down_proj"),
                   fused_transposed=True, shared="shared_expert", shared_size=size)
-    return replace(spec, mlp="feed_forward", intermediate_size=config.get("intermediate_size_mlp", 16384),
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward"),
+                   intermediate_size=config.get("intermediate_size_mlp", 16384),
                    rope_interleaved=True, rope_layers=tuple(rotary), make_layer=attention, moe=moe)
 
 
@@ -522,7 +523,8 @@ def minimax_m3_vl_text(config: dict) -> DecoderSpec:
                                                   if config.get("moe_layer_freq") is not None else ["sparse"] * n)
     clip = (float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
     spec = replace(llama(dict(config, hidden_act="silu")), q_norm="q_norm", k_norm="k_norm", norm_unit_offset=True,
-                   gate_up_proj="gate_up_proj", intermediate_size=config.get("dense_intermediate_size", 12288))
+                   intermediate_size=config.get("dense_intermediate_size", 12288))
+    spec = spec.amend("mlp", gate_up_proj="gate_up_proj")
     rope = config.get("rope_parameters") or {}
     rotary = int(spec.head_dim * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     if "minimax_m3_sparse" in types:  # transformers rotates the indexer by the first index_head_dim rotary columns

@@ -125,25 +125,25 @@ class DecoderLayer(Module):
             full = s.qk_norm_scope == "full"
             add("q_norm", join_path(s.attn, s.q_norm), make_norm(s, q_out if full else s.head_dim))
             add("k_norm", join_path(s.attn, s.k_norm), make_norm(s, kv_out if full else s.head_dim))
-        inter = s.intermediate_size
+        inter, m = s.intermediate_size, s.mlp
         sparse = s.moe.block(s, index) if s.moe is not None else None
-        if sparse is not None:  # a mixture-of-experts block instead of the dense MLP (vkformers-moe)
+        if sparse is not None:  # the MLP slot's block instead of the dense MLP (vkformers-moe's sparse block)
             add("moe", sparse.path, sparse)
             for path, module in getattr(sparse, "layer_modules", {}).items():  # its parts stored beside it
                 place(self, path, module)
-        elif s.mlp_kind == "gated" and s.gate_up_proj:
-            add("gate_up", join_path(s.mlp, s.gate_up_proj), make_projection(s, d, 2 * inter, bias=s.mlp_bias))
-        elif s.mlp_kind == "gated":
-            add("gate", join_path(s.mlp, s.gate_proj), make_projection(s, d, inter, bias=s.mlp_bias))
-            add("up", join_path(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
+        elif m.kind == "gated" and m.gate_up_proj:
+            add("gate_up", join_path(m.path, m.gate_up_proj), make_projection(s, d, 2 * inter, bias=m.bias))
+        elif m.kind == "gated":
+            add("gate", join_path(m.path, m.gate_proj), make_projection(s, d, inter, bias=m.bias))
+            add("up", join_path(m.path, m.up_proj), make_projection(s, d, inter, bias=m.bias))
         else:
-            add("up", join_path(s.mlp, s.up_proj), make_projection(s, d, inter, bias=s.mlp_bias))
+            add("up", join_path(m.path, m.up_proj), make_projection(s, d, inter, bias=m.bias))
         if sparse is None:
-            add("down", join_path(s.mlp, s.down_proj), make_projection(s, inter, d, bias=s.mlp_bias))
+            add("down", join_path(m.path, m.down_proj), make_projection(s, inter, d, bias=m.bias))
         if s.attn_sub_norm:
             add("attn_sub_norm", join_path(s.attn, s.attn_sub_norm), make_norm(s, q_out))
-        if s.mlp_sub_norm:
-            add("mlp_sub_norm", join_path(s.mlp, s.mlp_sub_norm), make_norm(s, inter))
+        if m.sub_norm:
+            add("mlp_sub_norm", join_path(m.path, m.sub_norm), make_norm(s, inter))
         if s.attention_sinks:
             add_param(self, join_path(s.attn, s.attention_sinks), (s.num_heads,))
         if s.output_gate:
@@ -154,8 +154,8 @@ class DecoderLayer(Module):
         for path, shape in s.unused_layer_params:
             add_param(self, path, shape)
         if s.hidden_act == "xielu":
-            add_param(self, join_path(s.mlp, "act_fn.alpha_p"), (1,))
-            add_param(self, join_path(s.mlp, "act_fn.alpha_n"), (1,))
+            add_param(self, join_path(s.mlp.path, "act_fn.alpha_p"), (1,))
+            add_param(self, join_path(s.mlp.path, "act_fn.alpha_n"), (1,))
             self.xielu_buffers = (0.5, -1e-6)  # transformers' defaults; from_pretrained reads the checkpoint's
             self.act = self._xielu
         else:
@@ -206,7 +206,7 @@ class DecoderLayer(Module):
         return get_param(self, join_path(self.spec.attn, path))
 
     def _xielu(self, x):
-        mlp = join_path(self.spec.mlp, "act_fn")
+        mlp = join_path(self.spec.mlp.path, "act_fn")
         beta, eps = self.xielu_buffers
         return xielu(x, get_param(self, mlp + ".alpha_p"), get_param(self, mlp + ".alpha_n"), beta, eps)
 
@@ -399,7 +399,7 @@ class DecoderLayer(Module):
                 or any(type(p[n]) is not Linear or p[n].quantized for n in (*attn, "o"))
                 or len({p[n].has_bias for n in attn}) != 1):
             return None
-        fused_mlp = ("moe" not in p and s.mlp_kind == "gated" and _FUSED_ACTIVATIONS.get(s.hidden_act) is not None
+        fused_mlp = ("moe" not in p and s.mlp.kind == "gated" and _FUSED_ACTIVATIONS.get(s.hidden_act) is not None
                      and all(n in p and type(p[n]) is Linear and not p[n].quantized for n in (*mlp, "down"))
                      and len({p[n].has_bias for n in mlp}) == 1)
 

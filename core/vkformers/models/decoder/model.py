@@ -157,7 +157,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
                 module.load_buffers(arrays, path)
         if self.spec.hidden_act == "xielu":  # xIELU's beta / eps are checkpoint buffers, not parameters
             for i, layer in enumerate(self.layers):
-                prefix = join_path(self.spec.layers, str(i), self.spec.mlp, "act_fn")
+                prefix = join_path(self.spec.layers, str(i), self.spec.mlp.path, "act_fn")
                 if f"{prefix}.beta" in arrays:
                     layer.xielu_buffers = (float(np.asarray(arrays[f"{prefix}.beta"]).reshape(-1)[0]),
                                            float(np.asarray(arrays[f"{prefix}.eps"]).reshape(-1)[0]))

@@ -8,15 +8,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.module import Module
 
 
 class UnsupportedConfigError(VkformersError, ValueError):
     """A config option of a known architecture that the shared decoder does not implement."""
+
+
+@dataclass
+class MLPSpec:
+    """The dense MLP: down(act(gate(x)) * up(x)) ("gated") or down(act(up(x))) ("plain"); names relative to
+    ``path`` inside the layer."""
+
+    path: str = "mlp"
+    kind: str = "gated"                      # gated | plain
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"                 # plain MLPs name their input projection here (fc1, c_fc, ...)
+    down_proj: str = "down_proj"
+    gate_up_proj: str | None = None          # fused [gate | up] (Phi-3)
+    bias: bool = False                       # gate/up and down alike
+    sub_norm: str | None = None              # on act(gate) * up before down_proj (BitNet)
+
+
+class MLPBlocks(Protocol):
+    """The decoder's MLP slot (``DecoderSpec.moe``), filled by a plugin: ``block(spec, index)`` gives the Module
+    that layer ``index`` runs instead of its dense MLP, or None to keep the dense MLP there. The block is placed at
+    its ``path`` inside the layer and called on the normed hidden states [B, T, hidden]; modules it keeps beside
+    it in the layer go in its ``layer_modules`` ({path: Module}). Checkpoint buffers that are not parameters reach
+    it through ``load_buffers(arrays, prefix)`` when it defines one."""
+
+    def block(self, spec: DecoderSpec, index: int) -> Module | None: ...
 
 
 @dataclass
@@ -113,19 +139,13 @@ class DecoderSpec:
     qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
     qk_norm_scope: str = "head"              # head: each head's D values, one shared weight [D]; full: the whole
     #                                          projection; per_head: weight [heads, D]; per_head_list: norms.<h>
-    mlp: str = "mlp"
-    mlp_kind: str = "gated"                  # gated: down(act(gate) * up); plain: down(act(up))
-    gate_proj: str = "gate_proj"
-    up_proj: str = "up_proj"                 # plain MLPs name their input projection here (fc1, c_fc, ...)
-    down_proj: str = "down_proj"
-    gate_up_proj: str | None = None          # fused [gate | up] (Phi-3)
+    mlp: MLPSpec = field(default_factory=lambda: MLPSpec())  # the dense MLP (a layer's moe block replaces it)
     attn_in_norm: str | None = "input_layernorm"
     attn_in_norm_skipped: tuple[int, ...] = ()  # layers without it (ModernBERT's layer 0 reads the embedding norm)
     attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
     mlp_in_norm: str | None = "post_attention_layernorm"
     mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
     attn_sub_norm: str | None = None         # inside attn, on the heads' output before o_proj (BitNet)
-    mlp_sub_norm: str | None = None          # inside mlp, on act(gate) * up before down_proj (BitNet)
 
     # -- numerics
     norm: str = "rms"                        # rms | layer
@@ -138,7 +158,6 @@ class DecoderSpec:
     k_bias: bool = False
     v_bias: bool = False
     o_bias: bool = False
-    mlp_bias: bool = False                   # gate/up and down alike
     lm_head_bias: bool = False
     conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
     post_norm: bool = False                  # x = norm(x + f(x)) with attn_in_norm / mlp_in_norm (OPT-350m)
@@ -185,8 +204,8 @@ class DecoderSpec:
     #                                          loaded and saved as they are, never given a gradient
 
     # -- mixture of experts
-    moe: object | None = None                # an object whose block(spec, layer index) gives the Module replacing
-    #                                          that layer's MLP, or None for a dense layer (vkformers_moe.MoeSpec)
+    moe: MLPBlocks | None = None             # the MLP slot: a plugin's blocks replacing the dense MLP of some layers
+    #                                          (vkformers-moe's MoeSpec); None: every layer's MLP is ``mlp``
     make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
     #                                          composed layer (vkformers-moe's Llama 4 attention, LongCat's sublayers)
     checkpoint_layers: tuple[int, ...] = ()  # each layer's index in the checkpoint when the file has others this
