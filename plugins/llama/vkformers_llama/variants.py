@@ -17,8 +17,9 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, MLPSpec, UnsupportedConfigError,
-                                           first_of, layer_types, padding_idx, refuse, sliding_windows, with_mla)
+from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec,
+                                           UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
+                                           sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 
@@ -63,8 +64,9 @@ def llama(config: dict) -> DecoderSpec:
     refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
     bias = bool(config.get("attention_bias", False))
     spec = DecoderSpec(**_sizes(config), norm_eps=first_of(config, "rms_norm_eps", default=1e-6),
-                       hidden_act=config.get("hidden_act", "silu"), q_bias=bias, k_bias=bias, v_bias=bias,
-                       o_bias=bias, mlp=MLPSpec(bias=bool(config.get("mlp_bias", False))))
+                       hidden_act=config.get("hidden_act", "silu"),
+                       attention=AttentionSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
+                       mlp=MLPSpec(bias=bool(config.get("mlp_bias", False))))
     return mllama_text_model(config, spec) if arch == "mllama_text_model" else spec
 
 
@@ -84,7 +86,7 @@ def mllama_text_model(config: dict, spec: DecoderSpec) -> DecoderSpec:
               ])
 def mistral(config: dict) -> DecoderSpec:
     spec = llama(config)
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=True))
+    return spec.amend("attention", windows=sliding_windows(config, spec.num_layers, every_layer=True))
 
 
 @architecture("qwen2", norm="rms", llama_layout=True, status="verified",
@@ -97,7 +99,8 @@ def mistral(config: dict) -> DecoderSpec:
                   "qwen2_5_omni_text",  # parsed with Qwen2-VL text parser
               ])
 def qwen2(config: dict) -> DecoderSpec:
-    spec = replace(llama(config), q_bias=True, k_bias=True, v_bias=True, o_bias=False)
+    spec = llama(config)
+    spec = replace(spec, attention=replace(spec.attention, q_bias=True, k_bias=True, v_bias=True, o_bias=False))
     if config.get("layer_types"):
         windows = sliding_windows(config, spec.num_layers, every_layer=False)
     elif config.get("use_sliding_window"):  # 4.x: layers from max_window_layers on slide
@@ -105,7 +108,7 @@ def qwen2(config: dict) -> DecoderSpec:
         windows = tuple(config["sliding_window"] if i >= first else 0 for i in range(spec.num_layers))
     else:
         windows = ()
-    return replace(spec, windows=windows)
+    return replace(spec, attention=replace(spec.attention, windows=windows))
 
 
 @architecture("qwen3", norm="rms", llama_layout=True, status="verified",
@@ -115,9 +118,13 @@ def qwen2(config: dict) -> DecoderSpec:
                   "qwen3_vl",  # multimodal wrapper; text_config
               ])
 def qwen3(config: dict) -> DecoderSpec:
-    return replace(qwen2(config), q_bias=bool(config.get("attention_bias", False)),
-                   k_bias=bool(config.get("attention_bias", False)), v_bias=bool(config.get("attention_bias", False)),
-                   o_bias=bool(config.get("attention_bias", False)), q_norm="q_norm", k_norm="k_norm")
+    spec = qwen2(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_bias=bool(config.get("attention_bias", False)),
+                                     k_bias=bool(config.get("attention_bias", False)),
+                                     v_bias=bool(config.get("attention_bias", False)),
+                                     o_bias=bool(config.get("attention_bias", False)), q_norm="q_norm",
+                                     k_norm="k_norm"))
 
 
 @architecture("gemma", norm="rms", llama_layout=True, status="verified",
@@ -143,9 +150,10 @@ def gemma2(config: dict) -> DecoderSpec:
     window = config.get("sliding_window") or 0
     scale = first_of(config, "query_pre_attn_scalar", default=spec.head_dim) ** -0.5
     return replace(spec, attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
-                   mlp_out_norm="post_feedforward_layernorm", attention_scales=(scale,) * spec.num_layers,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                   attn_softcap=config.get("attn_logit_softcapping") or 0.0,
+                   mlp_out_norm="post_feedforward_layernorm",
+                   attention=replace(spec.attention, scales=(scale,) * spec.num_layers,
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                                     softcap=config.get("attn_logit_softcapping") or 0.0),
                    final_softcap=config.get("final_logit_softcapping") or 0.0)
 
 
@@ -166,8 +174,10 @@ def gemma3_text(config: dict) -> DecoderSpec:
         local = dict(config, rope_scaling=None, rope_parameters=None,
                      rope_theta=config.get("rope_local_base_freq", 10000.0))
         ropes = tuple((local if t == "sliding_attention" else config, None) for t in types)
-    return replace(spec, q_norm="q_norm", k_norm="k_norm", rope_configs=ropes,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types))
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm",
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
+                   rope_configs=ropes)
 
 
 @architecture("phi3", norm="rms", status="verified",
@@ -177,21 +187,26 @@ def gemma3_text(config: dict) -> DecoderSpec:
               ])
 def phi3(config: dict) -> DecoderSpec:
     spec = mistral(config)
-    return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", mlp=replace(spec.mlp, gate_up_proj="gate_up_proj"),
+    return replace(spec,
+                   attention=replace(spec.attention, qkv_proj="qkv_proj", qkv_layout="blocks"),
+                   mlp=replace(spec.mlp, gate_up_proj="gate_up_proj"),
                    norm_eps=first_of(config, "rms_norm_eps", default=1e-5))
 
 
 @architecture("olmo", norm="layer", llama_layout=True, status="verified",
               notes="parameter-free LayerNorm")
 def olmo(config: dict) -> DecoderSpec:
-    return replace(llama(config), norm="layer", norm_eps=1e-5, norm_weight=False, norm_bias=False,
-                   clip_qkv=config.get("clip_qkv"))
+    spec = llama(config)
+    return replace(spec, norm="layer", norm_eps=1e-5, norm_weight=False, norm_bias=False,
+                   attention=replace(spec.attention, clip_qkv=config.get("clip_qkv")))
 
 
 @architecture("olmo2", norm="rms", llama_layout=True, status="verified")
 def olmo2(config: dict) -> DecoderSpec:
     spec = llama(config)
-    return replace(spec, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full", attn_in_norm=None,
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full"),
+                   attn_in_norm=None,
                    attn_out_norm="post_attention_layernorm", mlp_in_norm=None,
                    mlp_out_norm="post_feedforward_layernorm", norm_eps=config.get("rms_norm_eps", 1e-5))
 
@@ -202,17 +217,22 @@ def olmo2(config: dict) -> DecoderSpec:
                   "granite4_vision_text",  # normalized to granite
               ])
 def granite(config: dict) -> DecoderSpec:
-    return replace(llama(config), embed_scale=config.get("embedding_multiplier", 1.0),
+    spec = llama(config)
+    return replace(spec, embed_scale=config.get("embedding_multiplier", 1.0),
                    residual_scale=config.get("residual_multiplier", 1.0),
-                   attention_scales=(config.get("attention_multiplier", 1.0),) * config["num_hidden_layers"],
+                   attention=replace(spec.attention, scales=(config.get("attention_multiplier",
+                                                                        1.0),) * config["num_hidden_layers"]),
                    logits_scale=1.0 / config.get("logits_scaling", 1.0))
 
 
 @architecture("cohere", norm="layer", llama_layout=True, status="verified")
 def cohere(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("use_qk_norm", False))
-    return replace(llama(config), q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None,
-                   qk_norm_scope="per_head", norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=False,
+    spec = llama(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm" if qk_norm else None,
+                                     k_norm="k_norm" if qk_norm else None, qk_norm_scope="per_head"),
+                   norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=False,
                    parallel_residual=True, mlp_in_norm=None, rope_interleaved=True,
                    logits_scale=config.get("logit_scale", 1.0),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
@@ -224,11 +244,13 @@ def stablelm(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
     bias = bool(config.get("use_qkv_bias", False))
     parallel = bool(config.get("use_parallel_residual", False))
-    return replace(llama(config), norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=True,
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, parallel_residual=parallel,
-                   mlp_in_norm=None if parallel else "post_attention_layernorm",
-                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
-                   qk_norm_scope="per_head_list")
+    spec = llama(config)
+    return replace(spec, norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=True,
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False,
+                                     q_norm="q_layernorm" if qk_norm else None,
+                                     k_norm="k_layernorm" if qk_norm else None, qk_norm_scope="per_head_list"),
+                   parallel_residual=parallel,
+                   mlp_in_norm=None if parallel else "post_attention_layernorm")
 
 
 @architecture("starcoder2", norm="layer", status="verified",
@@ -239,7 +261,7 @@ def starcoder2(config: dict) -> DecoderSpec:
     return replace(spec, norm="layer", norm_eps=config.get("norm_epsilon", 1e-5), norm_bias=True,
                    hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"),
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=bias),
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias)
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias))
 
 
 @architecture("gpt2", norm="layer", status="verified",
@@ -253,13 +275,14 @@ def gpt2(config: dict) -> DecoderSpec:
                    for i in range(spec.num_layers))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", position_embed="transformer.wpe", rope=False,
-                   layers="transformer.h", final_norm="transformer.ln_f", attn="attn", qkv_proj="c_attn",
-                   o_proj="c_proj", attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="attn", qkv_proj="c_attn", o_proj="c_proj", q_bias=True,
+                                     k_bias=True, v_bias=True, o_bias=True, scales=scales),
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
                    conv1d=True, norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), q_bias=True, k_bias=True, v_bias=True,
-                   o_bias=True, attention_scales=scales)
+                   hidden_act=config.get("activation_function", "gelu_new"))
 
 
 @architecture("gpt_neox", norm="layer", status="verified")
@@ -274,12 +297,14 @@ def gpt_neox(config: dict) -> DecoderSpec:
     bias = bool(config.get("attention_bias", True))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="gpt_neox.embed_in", layers="gpt_neox.layers",
-                   final_norm="gpt_neox.final_layer_norm", lm_head="embed_out", attn="attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                   final_norm="gpt_neox.final_layer_norm", lm_head="embed_out",
+                   attention=replace(spec.attention, path="attention", qkv_proj="query_key_value",
+                                     qkv_layout="per_head", o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=bias),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, parallel_residual=parallel,
+                   parallel_residual=parallel,
                    rope_configs=((rope_config, None),) * spec.num_layers,
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
@@ -287,12 +312,15 @@ def gpt_neox(config: dict) -> DecoderSpec:
 @architecture("phi", norm="layer", status="verified")
 def phi(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
-    return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", o_proj="dense",
+    spec = DecoderSpec(**_sizes(config))
+    return replace(spec, final_norm="model.final_layernorm",
+                   attention=replace(spec.attention, o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
+                                     o_bias=True, q_norm="q_layernorm" if qk_norm else None,
+                                     k_norm="k_layernorm" if qk_norm else None),
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu_new"),
-                   q_bias=True, k_bias=True, v_bias=True, o_bias=True, lm_head_bias=True,
+                   lm_head_bias=True,
                    parallel_residual=True, mlp_in_norm=None,
-                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
                    tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
                                                                                         up_proj="fc1", down_proj="fc2",
                                                                                         bias=True)
@@ -313,11 +341,11 @@ def opt(config: dict) -> DecoderSpec:
     return replace(spec, embed="model.decoder.embed_tokens", position_embed="model.decoder.embed_positions",
                    position_offset=2, positions_from_mask=True, rope=False, layers="model.decoder.layers",
                    final_norm=None if remove_final else "model.decoder.final_layer_norm",
-                   o_proj="out_proj", attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
+                   attention=replace(spec.attention, o_proj="out_proj", q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=bias), attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
                    mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=bias),
                    norm="layer", norm_bias=bias,
-                   norm_eps=1e-5, hidden_act=config.get("activation_function", "relu"), q_bias=bias, k_bias=bias,
-                   v_bias=bias, o_bias=bias)
+                   norm_eps=1e-5, hidden_act=config.get("activation_function", "relu"))
 
 
 @architecture("falcon", norm="layer", status="verified")
@@ -339,12 +367,13 @@ def falcon(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    num_kv_heads=kv_heads, embed="transformer.word_embeddings",
                    layers="transformer.h",
-                   final_norm="transformer.ln_f", attn="self_attention", qkv_proj="query_key_value",
-                   qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
-                   o_proj="dense",
+                   final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
+                                     qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
+                                     o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=bias),
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation", "gelu"), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+                   hidden_act=config.get("activation", "gelu"),
                    parallel_residual=parallel,
                    intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms,
                    # Falcon-RW: ALiBi instead of rotary, added before the 1/sqrt(D) scaling
@@ -360,12 +389,14 @@ def bloom(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.word_embeddings",
                    embed_norm="transformer.word_embeddings_layernorm",
-                   layers="transformer.h", final_norm="transformer.ln_f", attn="self_attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                   layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
+                                     qkv_layout="per_head", o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
+                                     o_bias=True),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
                    norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh", q_bias=True,
-                   k_bias=True, v_bias=True, o_bias=True, rope=False, alibi=True,
+                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh",
+                   rope=False, alibi=True,
                    intermediate_size=4 * spec.hidden_size)
 
 
@@ -405,15 +436,17 @@ def smollm3(config: dict) -> DecoderSpec:
     spec = llama(config)
     use_rope = config.get("no_rope_layers")
     windows = sliding_windows(config, spec.num_layers, every_layer=False) if config.get("use_sliding_window") else ()
-    return replace(spec, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else (), windows=windows,
+    return replace(spec, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else (),
+                   attention=replace(spec.attention, windows=windows),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
 @architecture("ernie4_5", norm="rms", llama_layout=True, status="verified")
 def ernie4_5(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", False))
-    return replace(llama(config), rope_interleaved=True, q_bias=bias, k_bias=bias, v_bias=bias,
-                   o_bias=bias).amend("mlp", bias=bias)
+    spec = llama(config)
+    return replace(spec, rope_interleaved=True, mlp=replace(spec.mlp, bias=bias),
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias))
 
 
 @architecture("glm", norm="rms", llama_layout=True, status="verified")
@@ -421,7 +454,8 @@ def glm(config: dict) -> DecoderSpec:
     """Fused gate_up MLP, q/k/v biases, interleaved partial rotary."""
     # GLM-OCR's text attention has no biases (its config has no attention_bias field)
     bias = bool(config.get("attention_bias", config.get("model_type") != "glm_ocr_text"))
-    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False,
+    spec = llama(config)
+    return replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False),
                    rope_interleaved=True).amend("mlp", gate_up_proj="gate_up_proj")
 
 
@@ -445,8 +479,10 @@ def glm4(config: dict) -> DecoderSpec:
               ])
 def hunyuan_v1_dense(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("use_qk_norm", True))
-    return replace(llama(config), q_norm="query_layernorm" if qk_norm else None,
-                   k_norm="key_layernorm" if qk_norm else None, qk_norm_after_rope=True)
+    spec = llama(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="query_layernorm" if qk_norm else None,
+                                     k_norm="key_layernorm" if qk_norm else None, qk_norm_after_rope=True))
 
 
 @architecture("hyperclovax", norm="rms", llama_layout=True, status="verified")
@@ -465,8 +501,11 @@ def granite_swa(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     thetas = config.get("layer_rope_theta") or [first_of(config, "rope_theta", default=10000.0)] * spec.num_layers
     rope_configs = tuple((_with_rope_theta(config, t), None) for t in thetas)
-    return replace(spec, windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0 for t in types),
-                   rope_configs=rope_configs, rope_layers=tuple(bool(t) for t in thetas), attention_sinks="sinks")
+    return replace(spec,
+                   attention=replace(spec.attention, sinks="sinks",
+                                     windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0
+                                                   for t in types)),
+                   rope_configs=rope_configs, rope_layers=tuple(bool(t) for t in thetas))
 
 
 def _with_rope_theta(config: dict, theta: float) -> dict:
@@ -482,7 +521,9 @@ def olmo3(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)), rope_configs=ropes)
 
 
 @architecture("exaone4", norm="rms", llama_layout=True, status="verified",
@@ -491,11 +532,12 @@ def olmo3(config: dict) -> DecoderSpec:
               ])
 def exaone4(config: dict) -> DecoderSpec:
     """OLMo 2-style post-norms with per-head q/k RMSNorm; with sliding layers, only those rotate."""
-    spec = replace(olmo2(config), qk_norm_scope="head")
+    spec = olmo2(config)
+    spec = replace(spec, attention=replace(spec.attention, qk_norm_scope="head"))
     types = layer_types(config, spec.num_layers)
     windows = sliding_windows(config, spec.num_layers, every_layer=False)
     rope_layers = tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ()
-    return replace(spec, windows=windows, rope_layers=rope_layers)
+    return replace(spec, attention=replace(spec.attention, windows=windows), rope_layers=rope_layers)
 
 
 @architecture("cohere2", norm="layer", llama_layout=True, status="verified")
@@ -503,7 +545,9 @@ def cohere2(config: dict) -> DecoderSpec:
     """Cohere with sliding layers that rotate and full-attention layers without rotary."""
     spec = cohere(config)
     types = layer_types(config, spec.num_layers)
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False),
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)),
                    rope_layers=tuple(t == "sliding_attention" for t in types))
 
 
@@ -519,7 +563,8 @@ def cohere_compass_text(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters") or {}
     no_rope = dict(config, rope_parameters={"rope_type": "default"})  # any table: rope_layers skips the rotation
     return replace(spec, rope_interleaved=False, logits_scale=config.get("logit_scale") or 1.0,
-                   windows=sliding_windows(config, spec.num_layers, every_layer=False),
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)),
                    rope_configs=tuple((config, t) if params.get(t) else (no_rope, None) for t in types),
                    rope_layers=tuple(bool(params.get(t)) for t in types))
 
@@ -537,13 +582,14 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
     return replace(spec, embed="model.embeddings.tok_embeddings", embed_norm="model.embeddings.norm",
                    final_norm="model.final_norm", lm_head="decoder", lm_head_bias=bool(config.get("decoder_bias", True)),
                    head_transform="lm_head", head_transform_bias=bool(config.get("classifier_bias", False)),
-                   head_transform_act=config.get("classifier_activation", "gelu"), attn="attn", o_proj="Wo",
+                   head_transform_act=config.get("classifier_activation", "gelu"),
+                   attention=replace(spec.attention, path="attn", o_proj="Wo", q_bias=attn_bias, k_bias=attn_bias,
+                                     v_bias=attn_bias, o_bias=attn_bias,
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
                    attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm",
                    mlp=replace(spec.mlp, gate_up_proj="Wi", down_proj="Wo", bias=mlp_bias),
                    norm="layer", norm_bias=bool(config.get("norm_bias", False)),
                    norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
-                   q_bias=attn_bias, k_bias=attn_bias, v_bias=attn_bias, o_bias=attn_bias,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
                    rope_configs=tuple((config, t) for t in types),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -575,9 +621,11 @@ def nemotron(config: dict) -> DecoderSpec:
 def nanochat(config: dict) -> DecoderSpec:
     """Parameter-free RMSNorm everywhere (also right after the embedding and on q/k after rotary), rotation by
     -theta, plain squared-ReLU fc1/fc2 MLP, final soft-capping."""
-    return replace(llama(config), norm_weight=False, embed_norm="model.norm",
-                   hidden_act=config.get("hidden_act", "relu2"), q_norm="q_norm", k_norm="k_norm",
-                   qk_norm_after_rope=True, rope_negated=True,
+    spec = llama(config)
+    return replace(spec, norm_weight=False, embed_norm="model.norm",
+                   hidden_act=config.get("hidden_act", "relu2"),
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_after_rope=True),
+                   rope_negated=True,
                    final_softcap=config.get("final_logit_softcapping") or 0.0).amend("mlp", up_proj="fc1",
                                                                                      down_proj="fc2", kind="plain")
 
@@ -590,7 +638,8 @@ def apertus(config: dict) -> DecoderSpec:
     spec = llama(config)
     return replace(spec, hidden_act=config.get("hidden_act", "xielu"), mlp=replace(spec.mlp, kind="plain"),
                    attn_in_norm="attention_layernorm", mlp_in_norm="feedforward_layernorm",
-                   q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
+                   attention=replace(spec.attention, q_norm="q_norm" if qk_norm else None,
+                                     k_norm="k_norm" if qk_norm else None))
 
 
 @architecture("bitnet", norm="rms", llama_layout=True, status="verified",
@@ -599,8 +648,9 @@ def bitnet(config: dict) -> DecoderSpec:
     """Llama with squared-ReLU GLU and RMSNorm sub-norms before o_proj and down_proj. Plain float weights: a
     checkpoint quantised for BitNet kernels (quantization_config) is refused."""
     refuse("bitnet", config, "quantization_config", lambda v: not v)
-    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2"),
-                   attn_sub_norm="attn_sub_norm").amend("mlp", sub_norm="ffn_sub_norm")
+    spec = llama(config)
+    return replace(spec, hidden_act=config.get("hidden_act", "relu2"),
+                   attention=replace(spec.attention, sub_norm="attn_sub_norm")).amend("mlp", sub_norm="ffn_sub_norm")
 
 
 @architecture("persimmon", norm="layer", status="verified",
@@ -610,11 +660,14 @@ def bitnet(config: dict) -> DecoderSpec:
 def persimmon(config: dict) -> DecoderSpec:
     """Fused per-head query_key_value, per-head q/k LayerNorm, partial rotary, squared-ReLU MLP, biases."""
     qk_norm = bool(config.get("qk_layernorm", True))
-    return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", qkv_proj="query_key_value",
-                   qkv_layout="per_head", o_proj="dense",
+    spec = DecoderSpec(**_sizes(config))
+    return replace(spec, final_norm="model.final_layernorm",
+                   attention=replace(spec.attention, qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                                     q_bias=True, k_bias=True, v_bias=True, o_bias=True,
+                                     q_norm="q_layernorm" if qk_norm else None,
+                                     k_norm="k_layernorm" if qk_norm else None),
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
-                   hidden_act=config.get("hidden_act", "relu2"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
-                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
+                   hidden_act=config.get("hidden_act", "relu2"),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
                                                                                         up_proj="dense_h_to_4h",
                                                                                         down_proj="dense_4h_to_h",
@@ -644,8 +697,10 @@ def open_llama(config: dict) -> DecoderSpec:
 def seed_oss(config: dict) -> DecoderSpec:
     """Llama with q/k/v biases on by default (attention_bias) and the o_proj bias apart (attention_out_bias)."""
     bias = bool(config.get("attention_bias", True))
-    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias,
-                   o_bias=bool(config.get("attention_out_bias", False)))
+    spec = llama(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=bool(config.get("attention_out_bias", False))))
 
 
 @architecture("cwm", norm="rms", llama_layout=True, status="verified",
@@ -653,7 +708,9 @@ def seed_oss(config: dict) -> DecoderSpec:
 def cwm(config: dict) -> DecoderSpec:
     """Llama with per-layer sliding windows from layer_types (its default rope is llama3)."""
     spec = llama(config)
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False))
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)))
 
 
 # -- GPT-family relatives
@@ -667,8 +724,9 @@ def gptj(config: dict) -> DecoderSpec:
                                                     partial_rotary_factor=rotary / spec.head_dim),
                        hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads)
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn="attn",
-                   o_proj="out_proj", attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True,
+                   embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="attn", o_proj="out_proj"),
+                   attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True,
                    mlp=replace(spec.mlp, up_proj="fc_in", down_proj="fc_out", kind="plain", bias=True),
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5),
@@ -680,7 +738,8 @@ def gptj(config: dict) -> DecoderSpec:
 @architecture("codegen", norm="layer", status="verified")
 def codegen(config: dict) -> DecoderSpec:
     """GPT-J with one fused qkv_proj in 4 model-parallel chunks, each [q, v, k]."""
-    return replace(gptj(config), qkv_proj="qkv_proj", qkv_layout="chunks_qvk", qkv_chunks=4)
+    spec = gptj(config)
+    return replace(spec, attention=replace(spec.attention, qkv_proj="qkv_proj", qkv_layout="chunks_qvk", qkv_chunks=4))
 
 
 @architecture("gpt_neox_japanese", norm="layer", status="verified")
@@ -695,12 +754,14 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
         rope_config["rope_theta"] = config["rotary_emb_base"]
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="gpt_neox_japanese.embed_in", layers="gpt_neox_japanese.layers",
-                   final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out", attn="attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                   final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out",
+                   attention=replace(spec.attention, path="attention", qkv_proj="query_key_value",
+                                     qkv_layout="per_head", o_proj="dense", out_bias="dense_bias",
+                                     out_bias_layers=(spec.num_layers - 1,)),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h"),
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
-                   intermediate_size=inter, attn_out_bias="dense_bias", attn_out_bias_layers=(spec.num_layers - 1,),
+                   intermediate_size=inter,
                    rope_configs=((rope_config, None),) * spec.num_layers,
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -711,7 +772,7 @@ def gpt_bigcode(config: dict) -> DecoderSpec:
     refuse("gpt_bigcode", config, "scale_attn_weights", lambda v: v in (None, True))
     spec = gpt2(config)
     kv_heads = 1 if config.get("multi_query", True) else spec.num_heads
-    return replace(spec, conv1d=False, num_kv_heads=kv_heads, attention_scales=(),
+    return replace(spec, conv1d=False, num_kv_heads=kv_heads, attention=replace(spec.attention, scales=()),
                    hidden_act=config.get("activation_function", "gelu_pytorch_tanh"))
 
 
@@ -726,13 +787,14 @@ def gpt_neo(config: dict) -> DecoderSpec:
     window = config.get("window_size", 256)
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", position_embed="transformer.wpe", rope=False,
-                   layers="transformer.h", final_norm="transformer.ln_f", attn="attn.attention", o_proj="out_proj",
+                   layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="attn.attention", o_proj="out_proj", o_bias=True,
+                                     scales=(1.0,) * spec.num_layers,
+                                     windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers])),
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
                    norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), o_bias=True,
-                   attention_scales=(1.0,) * spec.num_layers,
-                   windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]))
+                   hidden_act=config.get("activation_function", "gelu_new"))
 
 
 @architecture("openai-gpt", norm="layer", status="verified")
@@ -740,9 +802,10 @@ def openai_gpt(config: dict) -> DecoderSpec:
     """GPT-1: GPT-2's Conv1D layers with post-LayerNorm blocks and no final norm."""
     spec = DecoderSpec(**_sizes(config))
     act = {"gelu": "gelu_new"}.get(config.get("afn", "gelu"), config.get("afn", "gelu"))  # its "gelu" is gelu_new
-    return replace(gpt2(dict(config, activation_function=act)), embed="transformer.tokens_embed",
+    spec = gpt2(dict(config, activation_function=act))
+    return replace(spec, embed="transformer.tokens_embed",
                    position_embed="transformer.positions_embed", final_norm=None, post_norm=True,
-                   attention_scales=(), intermediate_size=4 * spec.hidden_size)
+                   attention=replace(spec.attention, scales=()), intermediate_size=4 * spec.hidden_size)
 
 
 @architecture("biogpt", norm="layer", status="verified")
@@ -753,11 +816,13 @@ def biogpt(config: dict) -> DecoderSpec:
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
                    position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
-                   lm_head="output_projection", o_proj="out_proj", attn_in_norm="self_attn_layer_norm",
+                   lm_head="output_projection",
+                   attention=replace(spec.attention, o_proj="out_proj", q_bias=True, k_bias=True, v_bias=True,
+                                     o_bias=True), attn_in_norm="self_attn_layer_norm",
                    mlp_in_norm="final_layer_norm",
                    mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=True),
                    norm="layer", norm_bias=True, norm_eps=1e-5,
-                   hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True)
+                   hidden_act=config.get("hidden_act", "gelu"))
 
 
 @architecture("xglm", norm="layer", status="verified",
@@ -816,12 +881,14 @@ def ctrl(config: dict) -> DecoderSpec:
     spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
-                   rope=False, layers="transformer.h", final_norm="transformer.layernorm", attn="multi_head_attention",
-                   q_proj="Wq", k_proj="Wk", v_proj="Wv", o_proj="dense", attn_in_norm="layernorm1",
+                   rope=False, layers="transformer.h", final_norm="transformer.layernorm",
+                   attention=replace(spec.attention, path="multi_head_attention", q_proj="Wq", k_proj="Wk",
+                                     v_proj="Wv", o_proj="dense", q_bias=True, k_bias=True, v_bias=True, o_bias=True),
+                   attn_in_norm="layernorm1",
                    mlp_in_norm="layernorm2",
                    mlp=replace(spec.mlp, path="ffn", kind="plain", up_proj="0", down_proj="2", bias=True), norm="layer",
-                   norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-6), hidden_act="relu", q_bias=True,
-                   k_bias=True, v_bias=True, o_bias=True, lm_head_bias=True)
+                   norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-6), hidden_act="relu",
+                   lm_head_bias=True)
 
 
 @architecture("mpt", norm="layer", status="verified",
@@ -840,10 +907,12 @@ def mpt(config: dict) -> DecoderSpec:
                                      max_position_embeddings=config.get("max_seq_len"))))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
-                   attn="attn", qkv_proj="Wqkv", o_proj="out_proj", attn_in_norm="norm_1", mlp_in_norm="norm_2",
+                   attention=replace(spec.attention, path="attn", qkv_proj="Wqkv", o_proj="out_proj", q_bias=bias,
+                                     k_bias=bias, v_bias=bias, o_bias=bias), attn_in_norm="norm_1",
+                   mlp_in_norm="norm_2",
                    mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias), norm="layer", norm_bias=bias,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu", q_bias=bias, k_bias=bias,
-                   v_bias=bias, o_bias=bias, rope=False, alibi=True, alibi_kind="mpt",
+                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu",
+                   rope=False, alibi=True, alibi_kind="mpt",
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
@@ -867,7 +936,9 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
                                            k_dim=config.get("linear_key_head_dim", 128),
                                            v_dim=config.get("linear_value_head_dim", 128),
                                            conv_kernel=config.get("linear_conv_kernel_dim", 4))
-    return replace(spec, windows=(), norm_unit_offset=True, q_gate=True, linear_attention=linear_attention)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=(), q_gate=True), norm_unit_offset=True,
+                   linear_attention=linear_attention)
 
 
 @architecture("olmo_hybrid", norm="rms", llama_layout=True, status="verified",

@@ -72,7 +72,7 @@ class Axk2Layer(DecoderLayer):
         gated = {"attn_in_norm": spec.attn_in_norm, **({"mlp_in_norm": spec.mlp_in_norm} if sparse else {})}
         if not options.gate_rank:
             gated = {}
-        layer = replace(spec, output_gate_per_head=False,
+        layer = replace(spec, attention=replace(spec.attention, output_gate_per_head=False),
                         **{role: join_path(path, "norm") for role, path in gated.items()})
         self.options = options  # before the shared layer's __init__, which calls _init_mla
         self.shares_index = index < len(options.shared_index) and options.shared_index[index]
@@ -85,7 +85,7 @@ class Axk2Layer(DecoderLayer):
         object.__setattr__(self, "_index_scores", None)
         if self.shares_index:
             return
-        indexer, heads, dim = join_path(s.attn, "indexer"), options.index_heads, options.index_dim
+        indexer, heads, dim = join_path(s.attention.path, "indexer"), options.index_heads, options.index_dim
         self.parts["index_q"] = place(self, join_path(indexer, "wq_b"),
                                       Linear(s.mla.q_lora_rank, heads * dim, bias=False))
         self.parts["index_k"] = place(self, join_path(indexer, "wk"), Linear(d, dim, bias=False))

@@ -43,7 +43,9 @@ class LongcatLayer(Module):
         super().__init__()
         subs = []
         for j in (0, 1):
-            sub_spec = replace(sublayer, attn=f"self_attn.{j}", mlp=replace(sublayer.mlp, path=f"mlps.{j}"),
+            sub_spec = replace(sublayer,
+                               attention=replace(sublayer.attention, path=f"self_attn.{j}"),
+                               mlp=replace(sublayer.mlp, path=f"mlps.{j}"),
                                attn_in_norm=f"input_layernorm.{j}",
                                mlp_in_norm=f"post_attention_layernorm.{j}", moe=None, make_layer=None)
             sub = DecoderLayer(sub_spec, 2 * index + j, alibi)

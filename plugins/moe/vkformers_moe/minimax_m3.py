@@ -72,7 +72,7 @@ class MinimaxM3Layer(DecoderLayer):
         self._selection = None
         if self.sparse:
             s, o, d = self.spec, options, spec.hidden_size
-            path = join_path(s.attn, o.indexer)
+            path = join_path(s.attention.path, o.indexer)
             for role, name, module in (("index_q", "q_proj", Linear(d, o.index_heads * o.index_dim, bias=False)),
                                        ("index_k", "k_proj", Linear(d, o.index_dim, bias=False)),
                                        ("index_q_norm", "q_norm", make_norm(s, o.index_dim)),

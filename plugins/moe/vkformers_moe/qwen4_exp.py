@@ -270,7 +270,7 @@ class Qwen4ExpLayer(DecoderLayer):
         self.indexed = not self.linear and o.index_heads > 0
         self._keep = None
         if self.indexed:
-            path = join_path(self.spec.attn, "indexer")
+            path = join_path(self.spec.attention.path, "indexer")
             self.parts["index_qk"] = place(self, join_path(path, "index_qk_proj"),
                                            Linear(d, (o.index_heads + 1) * o.index_dim, bias=False))
             self.parts["index_q_norm"] = place(self, join_path(path, "q_layernorm"), make_norm(self.spec, o.index_dim))

@@ -73,8 +73,9 @@ def phimoe(config: dict) -> DecoderSpec:
     refuse("phimoe", config, "output_router_logits", lambda v: not v)
     refuse("phimoe", config, "input_jitter_noise", lambda v: not v)
     bias = bool(config.get("attention_bias", False))
-    spec = replace(mistral(config), norm="layer", norm_bias=True, norm_eps=config.get("rms_norm_eps", 1e-5),
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+    spec = mistral(config)
+    spec = replace(spec, norm="layer", norm_bias=True, norm_eps=config.get("rms_norm_eps", 1e-5),
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
                    lm_head_bias=bool(config.get("lm_head_bias", False)))
     moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 2),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
@@ -89,7 +90,8 @@ def qwen2_moe(config: dict) -> DecoderSpec:
     """Qwen2 with top-k softmax experts (norm_topk_prob), plus a shared expert gated by sigmoid(shared_expert_gate)."""
     _refuse_training_extras("qwen2_moe", config)
     bias = bool(config.get("qkv_bias", True))
-    spec = replace(qwen2(config), q_bias=bias, k_bias=bias, v_bias=bias)
+    spec = qwen2(config)
+    spec = replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias))
     moe = MoeSpec(num_experts=num_experts(config, 60), top_k=config.get("num_experts_per_tok", 4),
                   expert_size=config.get("moe_intermediate_size", 1408),
                   layers=sparse_step_layers(dict(config, num_experts=num_experts(config, 60)), spec.num_layers),
@@ -231,8 +233,10 @@ def gpt_oss(config: dict) -> DecoderSpec:
                   norm_topk=True, fused_experts=("gate_up_proj", "down_proj"), fused_transposed=True,
                   fused_bias=("gate_up_proj_bias", "down_proj_bias"), gate_up_interleaved=True,
                   swiglu_clip=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
-    return replace(spec, windows=sliding_windows(dict(config, layer_types=types), n, every_layer=False),
-                   attention_sinks="sinks", moe=moe)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(dict(config, layer_types=types), n,
+                                                                             every_layer=False), sinks="sinks"),
+                   moe=moe)
 
 
 @architecture("mimo_v2_flash", norm="rms", llama_layout=True, status="verified",
@@ -261,8 +265,10 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
     refuse("mimo_v2_flash", config, "v_head_dim", lambda v: v <= spec.head_dim, 128)  # values padded to head_dim
     attention = MimoAttention(kv_heads=kv_heads, sinks=tuple(t == "sliding_attention" for t in types),
                               v_head_dim=v_dim, value_scale=1.0 if value_scale is None else float(value_scale))
-    spec = replace(spec, num_kv_heads=max(kv_heads), attention_sinks="attention_sink_bias", make_layer=attention,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+    spec = replace(spec, num_kv_heads=max(kv_heads),
+                   attention=replace(spec.attention, sinks="attention_sink_bias",
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
+                   make_layer=attention,
                    rope_configs=tuple((rope_config, t) for t in types))
     return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))
 
@@ -347,9 +353,11 @@ def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
     _refuse_training_extras("olmoe", config)
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full",
-                   norm_eps=config.get("rms_norm_eps", 1e-5), clip_qkv=config.get("clip_qkv"),
-                   clip_after_qk_norm=True)
+    spec = llama(config)
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full",
+                                     clip_qkv=config.get("clip_qkv"), clip_after_qk_norm=True),
+                   norm_eps=config.get("rms_norm_eps", 1e-5))
     moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
                   norm_topk=bool(config.get("norm_topk_prob", False)))
@@ -462,7 +470,7 @@ def exaone_moe(config: dict) -> DecoderSpec:
     spec = qwen3(config)
     n = spec.num_layers
     types = layer_types(config, n)
-    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
+    spec = replace(spec, attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False)),
                    rope_layers=tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ())
     moe = replace(deepseek_moe(config, spec), selection_bias="e_score_correction_bias",
                   layers=tuple(m == "sparse" for m in _mlp_types(dict(config, first_k_dense_replace=config.get(
@@ -486,7 +494,8 @@ def minimax_m2(config: dict) -> DecoderSpec:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         config = dict(config, rope_parameters=dict(config.get("rope_parameters") or {},
                                                    partial_rotary_factor=config["rotary_dim"] / head_dim))
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full")
+    spec = llama(config)
+    spec = replace(spec, attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full"))
     moe = MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
                   path="block_sparse_moe", scoring="sigmoid", selection_bias="e_score_correction_bias",
@@ -522,7 +531,8 @@ def minimax_m3_vl_text(config: dict) -> DecoderSpec:
     mlp_types = config.get("mlp_layer_types") or (["sparse" if f else "dense" for f in config["moe_layer_freq"]]
                                                   if config.get("moe_layer_freq") is not None else ["sparse"] * n)
     clip = (float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
-    spec = replace(llama(dict(config, hidden_act="silu")), q_norm="q_norm", k_norm="k_norm", norm_unit_offset=True,
+    spec = llama(dict(config, hidden_act="silu"))
+    spec = replace(spec, attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm"), norm_unit_offset=True,
                    intermediate_size=config.get("dense_intermediate_size", 12288))
     spec = spec.amend("mlp", gate_up_proj="gate_up_proj")
     rope = config.get("rope_parameters") or {}
@@ -555,7 +565,8 @@ def solar_open(config: dict) -> DecoderSpec:
     every layer."""
     _refuse_training_extras("solar_open", config)
     bias = bool(config.get("attention_bias", False))
-    spec = replace(llama(dict(config, attention_bias=False)), q_bias=bias, k_bias=bias, v_bias=bias)
+    spec = llama(dict(config, attention_bias=False))
+    spec = replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias))
     moe = replace(deepseek_moe(dict(config, first_k_dense_replace=0), spec),
                   num_experts=num_experts(config, 128))
     return replace(spec, moe=moe)
@@ -573,7 +584,9 @@ def mellum(config: dict) -> DecoderSpec:
     types = layer_types(config, n)
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False), rope_configs=ropes)
+    spec = replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False)),
+                   rope_configs=ropes)
     moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=config.get("moe_intermediate_size", 896),
                   layers=tuple(m == "sparse" for m in (config.get("mlp_layer_types") or ["sparse"] * n)),
@@ -591,9 +604,10 @@ def afmoe(config: dict) -> DecoderSpec:
     spec = qwen3(config)
     n = spec.num_layers
     types = layer_types(config, n)
-    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
+    spec = replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False),
+                                     output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True),
                    rope_layers=tuple(t == "sliding_attention" for t in types),
-                   output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True,
                    attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_mlp_layernorm",
                    mlp_out_norm="post_mlp_layernorm",
                    embed_scale=spec.hidden_size ** 0.5 if config.get("mup_enabled") else 1.0)
@@ -625,10 +639,12 @@ def dbrx(config: dict) -> DecoderSpec:
                 3584), tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), hidden_act=act)
     if not flat.get("rope_parameters") and "rope_theta" in attn:
         flat["rope_parameters"] = {"rope_type": "default", "rope_theta": attn["rope_theta"]}
-    spec = replace(llama(flat), embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
+    spec = llama(flat)
+    spec = replace(spec, embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attn_in_norm="norm_attn_norm.norm_1", mlp_in_norm="norm_attn_norm.norm_2",
-                   attn="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks", o_proj="out_proj",
-                   norm="layer", norm_eps=1e-5, norm_bias=False, clip_qkv=attn.get("clip_qkv"),
+                   attention=replace(spec.attention, path="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks",
+                                     o_proj="out_proj", clip_qkv=attn.get("clip_qkv")),
+                   norm="layer", norm_eps=1e-5, norm_bias=False,
                    rope_configs=((flat, None),) * flat["n_layers"])  # rotary reads the flattened sizes
     moe = MoeSpec(num_experts=ffn.get("moe_num_experts", 4), top_k=ffn.get("moe_top_k", 1),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=act, path="ffn",
@@ -862,8 +878,10 @@ def glm4_moe(config: dict) -> DecoderSpec:
     _refuse_training_extras("glm4_moe", config)
     bias = bool(config.get("attention_bias", False))
     qk_norm = bool(config.get("use_qk_norm", False))
-    spec = replace(llama(dict(config, attention_bias=False)), q_bias=bias, k_bias=bias, v_bias=bias,
-                   q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
+    spec = llama(dict(config, attention_bias=False))
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias,
+                                     q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None))
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
@@ -904,7 +922,8 @@ def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
 @architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
 def hy_v3(config: dict) -> DecoderSpec:
     """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
+    spec = llama(config)
+    spec = replace(spec, attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm"))
     return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _hy_v3_moe)
 
 
@@ -931,10 +950,12 @@ def laguna(config: dict) -> DecoderSpec:
     heads = config.get("num_attention_heads_per_layer")
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
-                   output_gate_per_head=config.get("gating", True) != "per-element",
-                   heads_per_layer=tuple(heads) if heads else (),
-                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
+                                     output_gate_per_head=config.get("gating", True) != "per-element",
+                                     heads_per_layer=tuple(heads) if heads else (),
+                                     windows=sliding_windows(config, spec.num_layers, every_layer=False)),
+                   rope_configs=ropes)
     return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _laguna_moe)
 
 

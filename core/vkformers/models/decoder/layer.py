@@ -83,12 +83,12 @@ class DecoderLayer(Module):
 
     def __init__(self, spec: DecoderSpec, index: int, alibi=None):
         super().__init__()
-        if spec.heads_per_layer:  # Laguna: the query head count differs per layer (the KV heads do not)
-            spec = replace(spec, num_heads=spec.heads_per_layer[index])
+        if spec.attention.heads_per_layer:  # Laguna: the query head count differs per layer (the KV heads do not)
+            spec = replace(spec, num_heads=spec.attention.heads_per_layer[index])
         linear = spec.linear_attention
         if linear is not None and linear.layer_norms and linear.layers[index]:
             spec = replace(spec, **dict(linear.layer_norms))
-        s, d = spec, spec.hidden_size
+        s, a, d = spec, spec.attention, spec.hidden_size
         object.__setattr__(self, "parts", {})
         self.spec, self.index = s, index
         q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -105,26 +105,26 @@ class DecoderLayer(Module):
         elif s.mla:
             self._init_mla(add)
             q_out = s.num_heads * s.mla.v_dim  # o_proj reads the value heads
-        elif s.qkv_proj:
-            add("qkv", join_path(s.attn, s.qkv_proj),
-                make_projection(s, d, q_out + 2 * kv_out, bias=s.q_bias))
+        elif a.qkv_proj:
+            add("qkv", join_path(a.path, a.qkv_proj),
+                make_projection(s, d, q_out + 2 * kv_out, bias=a.q_bias))
         else:
-            q_width = 2 * q_out if s.q_gate else q_out  # Qwen3.5: [query | gate] per head
-            add("q", join_path(s.attn, s.q_proj), make_projection(s, d, q_width, bias=s.q_bias))
-            add("k", join_path(s.attn, s.k_proj), make_projection(s, d, kv_out, bias=s.k_bias))
-            add("v", join_path(s.attn, s.v_proj), make_projection(s, d, kv_out, bias=s.v_bias))
+            q_width = 2 * q_out if a.q_gate else q_out  # Qwen3.5: [query | gate] per head
+            add("q", join_path(a.path, a.q_proj), make_projection(s, d, q_width, bias=a.q_bias))
+            add("k", join_path(a.path, a.k_proj), make_projection(s, d, kv_out, bias=a.k_bias))
+            add("v", join_path(a.path, a.v_proj), make_projection(s, d, kv_out, bias=a.v_bias))
         if not self.linear:
-            add("o", join_path(s.attn, s.o_proj), make_projection(s, q_out, d, bias=s.o_bias))
-        if s.q_norm and self.linear:
+            add("o", join_path(a.path, a.o_proj), make_projection(s, q_out, d, bias=a.o_bias))
+        if a.q_norm and self.linear:
             pass  # a linear-attention layer has no q/k norm
-        elif s.q_norm and s.qk_norm_scope in ("per_head", "per_head_list"):
-            stacked = s.qk_norm_scope == "per_head"
-            add("q_norm", join_path(s.attn, s.q_norm), HeadwiseNorm(s, s.num_heads, stacked))
-            add("k_norm", join_path(s.attn, s.k_norm), HeadwiseNorm(s, s.num_kv_heads, stacked))
-        elif s.q_norm:
-            full = s.qk_norm_scope == "full"
-            add("q_norm", join_path(s.attn, s.q_norm), make_norm(s, q_out if full else s.head_dim))
-            add("k_norm", join_path(s.attn, s.k_norm), make_norm(s, kv_out if full else s.head_dim))
+        elif a.q_norm and a.qk_norm_scope in ("per_head", "per_head_list"):
+            stacked = a.qk_norm_scope == "per_head"
+            add("q_norm", join_path(a.path, a.q_norm), HeadwiseNorm(s, s.num_heads, stacked))
+            add("k_norm", join_path(a.path, a.k_norm), HeadwiseNorm(s, s.num_kv_heads, stacked))
+        elif a.q_norm:
+            full = a.qk_norm_scope == "full"
+            add("q_norm", join_path(a.path, a.q_norm), make_norm(s, q_out if full else s.head_dim))
+            add("k_norm", join_path(a.path, a.k_norm), make_norm(s, kv_out if full else s.head_dim))
         inter, m = s.intermediate_size, s.mlp
         sparse = s.moe.block(s, index) if s.moe is not None else None
         if sparse is not None:  # the MLP slot's block instead of the dense MLP (vkformers-moe's sparse block)
@@ -140,17 +140,17 @@ class DecoderLayer(Module):
             add("up", join_path(m.path, m.up_proj), make_projection(s, d, inter, bias=m.bias))
         if sparse is None:
             add("down", join_path(m.path, m.down_proj), make_projection(s, inter, d, bias=m.bias))
-        if s.attn_sub_norm:
-            add("attn_sub_norm", join_path(s.attn, s.attn_sub_norm), make_norm(s, q_out))
+        if a.sub_norm:
+            add("attn_sub_norm", join_path(a.path, a.sub_norm), make_norm(s, q_out))
         if m.sub_norm:
             add("mlp_sub_norm", join_path(m.path, m.sub_norm), make_norm(s, inter))
-        if s.attention_sinks:
-            add_param(self, join_path(s.attn, s.attention_sinks), (s.num_heads,))
-        if s.output_gate:
-            add("output_gate", join_path(s.attn, s.output_gate),
-                Linear(d, s.num_heads if s.output_gate_per_head else q_out, bias=False))
-        if s.attn_out_bias and index in s.attn_out_bias_layers:
-            add_param(self, join_path(s.attn, s.attn_out_bias), (d,))
+        if a.sinks:
+            add_param(self, join_path(a.path, a.sinks), (s.num_heads,))
+        if a.output_gate:
+            add("output_gate", join_path(a.path, a.output_gate),
+                Linear(d, s.num_heads if a.output_gate_per_head else q_out, bias=False))
+        if a.out_bias and index in a.out_bias_layers:
+            add_param(self, join_path(a.path, a.out_bias), (d,))
         for path, shape in s.unused_layer_params:
             add_param(self, path, shape)
         if s.hidden_act == "xielu":
@@ -161,8 +161,8 @@ class DecoderLayer(Module):
         else:
             self.act = F.activation(s.hidden_act)
         self.rotates = s.rope and (not s.rope_layers or bool(s.rope_layers[index]))
-        self.scale = s.attention_scales[index] if s.attention_scales else s.head_dim ** -0.5
-        self.window = s.windows[index] if s.windows else 0
+        self.scale = a.scales[index] if a.scales else s.head_dim ** -0.5
+        self.window = a.windows[index] if a.windows else 0
         self.alibi = alibi
         self._choose_strategies()
 
@@ -177,14 +177,14 @@ class DecoderLayer(Module):
             attention = self._mla_attention
         else:
             attention = self._softmax_attention
-        split = _QKV_SPLITS.get(s.qkv_layout) if "qkv" in p else _separate_qkv
+        split = _QKV_SPLITS.get(s.attention.qkv_layout) if "qkv" in p else _separate_qkv
         if split is None:
-            raise ValueError(f"unknown qkv layout {s.qkv_layout!r}")
+            raise ValueError(f"unknown qkv layout {s.attention.qkv_layout!r}")
         qk_norm = None
-        if "q_norm" in p and s.qk_norm_scope == "full":
-            qk_norm = "after_clip" if s.clip_after_qk_norm else "before_clip"
+        if "q_norm" in p and s.attention.qk_norm_scope == "full":
+            qk_norm = "after_clip" if s.attention.clip_after_qk_norm else "before_clip"
         elif "q_norm" in p:
-            qk_norm = "after_rope" if s.qk_norm_after_rope else "heads"
+            qk_norm = "after_rope" if s.attention.qk_norm_after_rope else "heads"
         if "moe" in p:
             mlp = self._sparse_mlp
         elif "gate_up" in p:
@@ -203,7 +203,7 @@ class DecoderLayer(Module):
         return self.parts[role](x) if role in self.parts else x
 
     def _param(self, path):
-        return get_param(self, join_path(self.spec.attn, path))
+        return get_param(self, join_path(self.spec.attention.path, path))
 
     def _xielu(self, x):
         mlp = join_path(self.spec.mlp.path, "act_fn")
@@ -217,15 +217,15 @@ class DecoderLayer(Module):
         heads, qk_dim = s.num_heads, m.nope_dim + m.rope_dim
         rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False, norm_eps=m.norm_eps or s.norm_eps)
         if m.q_lora_rank:
-            add("q_a", join_path(s.attn, "q_a_proj"), Linear(d, m.q_lora_rank, bias=s.q_bias))
-            add("q_a_norm", join_path(s.attn, "q_a_layernorm"), make_norm(rms, m.q_lora_rank))
-            add("q_b", join_path(s.attn, "q_b_proj"), Linear(m.q_lora_rank, heads * qk_dim, bias=False))
+            add("q_a", join_path(s.attention.path, "q_a_proj"), Linear(d, m.q_lora_rank, bias=s.attention.q_bias))
+            add("q_a_norm", join_path(s.attention.path, "q_a_layernorm"), make_norm(rms, m.q_lora_rank))
+            add("q_b", join_path(s.attention.path, "q_b_proj"), Linear(m.q_lora_rank, heads * qk_dim, bias=False))
         else:
-            add("q", join_path(s.attn, "q_proj"), Linear(d, heads * qk_dim, bias=False))
-        add("kv_a", join_path(s.attn, "kv_a_proj_with_mqa"),
-            Linear(d, m.kv_lora_rank + m.rope_dim, bias=s.q_bias))
-        add("kv_a_norm", join_path(s.attn, "kv_a_layernorm"), make_norm(rms, m.kv_lora_rank))
-        add("kv_b", join_path(s.attn, "kv_b_proj"),
+            add("q", join_path(s.attention.path, "q_proj"), Linear(d, heads * qk_dim, bias=False))
+        add("kv_a", join_path(s.attention.path, "kv_a_proj_with_mqa"),
+            Linear(d, m.kv_lora_rank + m.rope_dim, bias=s.attention.q_bias))
+        add("kv_a_norm", join_path(s.attention.path, "kv_a_layernorm"), make_norm(rms, m.kv_lora_rank))
+        add("kv_b", join_path(s.attention.path, "kv_b_proj"),
             Linear(m.kv_lora_rank, heads * (m.nope_dim + m.v_dim), bias=False))
 
     def _mla_qkv(self, h, ctx: Context, q=None):
@@ -285,21 +285,21 @@ class DecoderLayer(Module):
         return self._attend(q, k, v, ctx, batch, length)
 
     def _softmax_attention(self, h, ctx: Context):
-        s, p = self.spec, self.parts
+        s, a, p = self.spec, self.spec.attention, self.parts
         batch, length, _ = h.shape
         gate = p["output_gate"](h) if "output_gate" in p else None
         if gate is not None:
-            gate = gate.sigmoid() if s.output_gate_sigmoid else F.softplus(gate)
+            gate = gate.sigmoid() if a.output_gate_sigmoid else F.softplus(gate)
         q, k, v = self._project_qkv(h)
-        if s.q_gate:  # [B, T, heads, (query, gate), D]
+        if a.q_gate:  # [B, T, heads, (query, gate), D]
             split = q.reshape(batch, length, s.num_heads, 2 * s.head_dim)
             gate = F.sigmoid(split[..., s.head_dim:].contiguous().reshape(batch, length, s.num_heads * s.head_dim))
             q = split[..., :s.head_dim].contiguous().reshape(batch, length, s.num_heads * s.head_dim)
         if self._qk_norm_at == "after_clip":  # OLMoE: the clip reads the normed q, k
             q, k = p["q_norm"](q), p["k_norm"](k)
-        if s.clip_qkv is not None:
+        if a.clip_qkv is not None:
             # maximum/minimum rather than Tensor.clamp, whose backward multiplies two bool masks (unsupported)
-            q, k, v = (t.maximum(-s.clip_qkv).minimum(s.clip_qkv) for t in (q, k, v))
+            q, k, v = (t.maximum(-a.clip_qkv).minimum(a.clip_qkv) for t in (q, k, v))
         if self._qk_norm_at == "before_clip":  # the whole projection's norm, named for where it sits in HF's order
             q, k = p["q_norm"](q), p["k_norm"](k)
         q = q.reshape(batch, length, s.num_heads, s.head_dim)
@@ -317,31 +317,31 @@ class DecoderLayer(Module):
         return self._attend(q, k, v, ctx, batch, length, gate)
 
     def _attend(self, q, k, v, ctx: Context, batch, length, gate=None):
-        s, p = self.spec, self.parts
+        s, a, p = self.spec, self.spec.attention, self.parts
         if ctx.query_scale is not None:
             q = q * ctx.query_scale
-        options = dict(scale=self.scale, window=self.window, softcap=s.attn_softcap, alibi_slopes=self.alibi,
+        options = dict(scale=self.scale, window=self.window, softcap=a.softcap, alibi_slopes=self.alibi,
                        key_padding_mask=ctx.key_padding_mask)
-        if s.attention_sinks:
+        if a.sinks:
             options["return_lse"] = True
         out = self.attend_heads(q, k, v, ctx, **options)
-        if s.attention_sinks:  # softmax over the scores and one sink logit per head, whose value is zero
+        if a.sinks:  # softmax over the scores and one sink logit per head, whose value is zero
             out, lse = out
-            sinks = self._param(s.attention_sinks).float().reshape(1, -1, 1)
+            sinks = self._param(a.sinks).float().reshape(1, -1, 1)
             out = out * (lse - sinks).sigmoid().cast(out.dtype).reshape(*lse.shape, 1)
         if s.mla and out.shape[-1] != s.mla.v_dim:
             out = out[..., :s.mla.v_dim]
         heads, dim = out.shape[1], out.shape[3]
         out = out.permute(0, 2, 1, 3)
-        per_head = s.output_gate_per_head and not s.q_gate
+        per_head = a.output_gate_per_head and not a.q_gate
         if gate is not None and per_head:  # gate [B, T, heads]: one factor per head
             out = out * gate.reshape(batch, length, heads, 1)
         out = out.reshape(batch, length, heads * dim)
         if gate is not None and not per_head:  # gate [B, T, heads * dim]
             out = out * gate
         out = p["o"](self._norm("attn_sub_norm", out))
-        if s.attn_out_bias and self.index in s.attn_out_bias_layers:
-            out = out + self._param(s.attn_out_bias)
+        if a.out_bias and self.index in a.out_bias_layers:
+            out = out + self._param(a.out_bias)
         return out
 
     def attend_heads(self, q, k, v, ctx: Context, **options):
@@ -388,13 +388,13 @@ class DecoderLayer(Module):
         mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
         disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "linear"}
         qk_norm = (p["q_norm"], p["k_norm"]) if "q_norm" in p else None  # Qwen3: one RMS weight over each head
-        if qk_norm and (s.qk_norm_scope != "head" or s.qk_norm_after_rope or s.head_dim > 256
+        if qk_norm and (s.attention.qk_norm_scope != "head" or s.attention.qk_norm_after_rope or s.head_dim > 256
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
             return None
-        if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.q_gate or s.clip_qkv is not None
-                or s.attention_sinks or s.query_position_scale is not None
-                or (s.attn_out_bias and self.index in s.attn_out_bias_layers)
-                or ("qkv" in p and s.qkv_layout != "blocks") or disqualifying & set(p)
+        if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.attention.q_gate
+                or s.attention.clip_qkv is not None or s.attention.sinks or s.query_position_scale is not None
+                or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
+                or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
                 or any(type(p[n]) is not Linear or p[n].quantized for n in (*attn, "o"))
                 or len({p[n].has_bias for n in attn}) != 1):
@@ -448,7 +448,7 @@ class DecoderLayer(Module):
             q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b) for w, b in plan["qkv"])
             q_norm, k_norm = (fused_norm(n) for n in plan["qk_norm"])
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
-        out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attn_softcap,
+        out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attention.softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
         x = F.fused_linear(out.reshape(batch, 1, -1), o, bias=o_bias, residual=x, residual_scale=s.residual_scale)
         if not fused_mlp:  # a MoE block or another MLP: composed as in forward()
@@ -502,7 +502,7 @@ def _scaled(x, factor: float):
     return x if factor == 1.0 else x * factor
 
 
-# How a layer's q, k, v come out of its projections, by DecoderSpec.qkv_layout (chosen once per layer).
+# How a layer's q, k, v come out of its projections, by AttentionSpec.qkv_layout (chosen once per layer).
 
 def _separate_qkv(s: DecoderSpec, p: dict, h):
     return p["q"](h), p["k"](h), p["v"](h)
@@ -525,7 +525,7 @@ def _chunks_qvk_qkv(s: DecoderSpec, p: dict, h):  # CodeGen: [chunks, (q, v, k),
     fused = p["qkv"](h)
     batch, length, _ = h.shape
     width = s.num_heads * s.head_dim
-    chunks = fused.reshape(batch, length, s.qkv_chunks, 3, width // s.qkv_chunks)
+    chunks = fused.reshape(batch, length, s.attention.qkv_chunks, 3, width // s.attention.qkv_chunks)
     q, v, k = (chunks[:, :, :, i, :].reshape(batch, length, width) for i in range(3))
     return q, k, v
 

@@ -97,8 +97,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
         # generate may replay a decode step without this forward (models/decode_capture.py), which sees
         # inputs that change every step but not ones that only change past some position (Llama 4's scale)
-        self.capture_decode = spec.query_position_scale is None and spec.linear_attention is None  # (linear layers: their
-        # recurrent state lives on the cache, updated by the Python forward)
+        # (nor linear layers: their recurrent state lives on the cache, updated by the Python forward)
+        self.capture_decode = spec.query_position_scale is None and spec.linear_attention is None
         # HF's longrope models switch to the long factors past the original context, and their
         # generate() then recomputes the cache with them (Phi-3): generation does the same.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}

@@ -21,6 +21,46 @@ class UnsupportedConfigError(VkformersError, ValueError):
 
 
 @dataclass
+class AttentionSpec:
+    """Softmax attention over q/k/v projections: names relative to ``path`` inside the layer, biases, QK-norm,
+    gates, and the per-layer scale and window."""
+
+    path: str = "self_attn"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    qkv_proj: str | None = None              # one fused projection instead of q/k/v
+    qkv_layout: str = "blocks"               # blocks: [q | k | v]; per_head: [H, 3, D]; grouped: [KVH, H/KVH + 2, D];
+    #                                          chunks_qvk: [qkv_chunks, (q, v, k), H/qkv_chunks * D] (CodeGen)
+    qkv_chunks: int = 1
+    q_bias: bool = False
+    k_bias: bool = False
+    v_bias: bool = False
+    o_bias: bool = False
+    q_norm: str | None = None                # QK-norm parameter names (inside path)
+    k_norm: str | None = None
+    qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
+    qk_norm_scope: str = "head"              # head: each head's D values, one shared weight [D]; full: the whole
+    #                                          projection; per_head: weight [heads, D]; per_head_list: norms.<h>
+    clip_qkv: float | None = None            # OLMo: clamp q, k, v to [-c, c]
+    clip_after_qk_norm: bool = False         # OLMoE: clamp after the whole-projection q/k norm, not before
+    q_gate: bool = False                     # q_proj yields [query | gate] per head; output *= sigmoid(gate) (Qwen3.5)
+    output_gate: str | None = None           # projection whose softplus scales the attention output before o_proj
+    #                                          (Laguna's g_proj)
+    output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
+    output_gate_sigmoid: bool = False        # sigmoid instead of softplus (AFMoE's gate_proj)
+    sinks: str | None = None                 # per-head learned sink logit: out * sigmoid(lse - sink)
+    sub_norm: str | None = None              # on the heads' output before o_proj (BitNet)
+    out_bias: str | None = None              # a bias added after o_proj, stored apart (GPT-NeoX-Japanese dense_bias)
+    out_bias_layers: tuple[int, ...] = ()    # the layers that have it
+    softcap: float = 0.0                     # c tanh(scores / c) (Gemma 2)
+    scales: tuple[float, ...] = ()           # per layer softmax scale; empty: 1 / sqrt(head_dim)
+    windows: tuple[int, ...] = ()            # per layer sliding window (0: full attention); empty: none
+    heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
+
+
+@dataclass
 class MLPSpec:
     """The dense MLP: down(act(gate(x)) * up(x)) ("gated") or down(act(up(x))) ("plain"); names relative to
     ``path`` inside the layer."""
@@ -114,38 +154,15 @@ class DecoderSpec:
     #                                          prediction head "lm_head", before its "decoder" projection)
     head_transform_bias: bool = False
     head_transform_act: str = "gelu"
-    attn: str = "self_attn"
-    q_proj: str = "q_proj"
-    k_proj: str = "k_proj"
-    v_proj: str = "v_proj"
-    o_proj: str = "o_proj"
-    qkv_proj: str | None = None              # one fused projection instead of q/k/v
-    qkv_layout: str = "blocks"               # blocks: [q | k | v]; per_head: [H, 3, D]; grouped: [KVH, H/KVH + 2, D];
-    #                                          chunks_qvk: [qkv_chunks, (q, v, k), H/qkv_chunks * D] (CodeGen)
-    qkv_chunks: int = 1
-    attn_out_bias: str | None = None         # a bias added after o_proj, stored apart (GPT-NeoX-Japanese dense_bias)
-    attn_out_bias_layers: tuple[int, ...] = ()  # the layers that have it
-    attention_sinks: str | None = None       # per-head learned sink logit (inside attn): out * sigmoid(lse - sink)
-    heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
-    output_gate: str | None = None           # projection inside attn whose softplus scales the attention output
-    #                                          before o_proj (Laguna's g_proj)
-    output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
-    output_gate_sigmoid: bool = False        # sigmoid instead of softplus (AFMoE's gate_proj)
-    q_gate: bool = False                     # q_proj yields [query | gate] per head; output *= sigmoid(gate) (Qwen3.5)
+    attention: AttentionSpec = field(default_factory=lambda: AttentionSpec())  # softmax attention over q/k/v heads
     linear_attention: LinearAttentionSpec | None = None  # Gated DeltaNet instead of softmax attention on some layers
     mla: MLASpec | None = None               # DeepSeek-V2 multi-head latent attention instead of q/k/v projections
-    q_norm: str | None = None                # QK-norm parameter names (inside attn)
-    k_norm: str | None = None
-    qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
-    qk_norm_scope: str = "head"              # head: each head's D values, one shared weight [D]; full: the whole
-    #                                          projection; per_head: weight [heads, D]; per_head_list: norms.<h>
     mlp: MLPSpec = field(default_factory=lambda: MLPSpec())  # the dense MLP (a layer's moe block replaces it)
     attn_in_norm: str | None = "input_layernorm"
     attn_in_norm_skipped: tuple[int, ...] = ()  # layers without it (ModernBERT's layer 0 reads the embedding norm)
     attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
     mlp_in_norm: str | None = "post_attention_layernorm"
     mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
-    attn_sub_norm: str | None = None         # inside attn, on the heads' output before o_proj (BitNet)
 
     # -- numerics
     norm: str = "rms"                        # rms | layer
@@ -154,20 +171,11 @@ class DecoderSpec:
     norm_bias: bool = False                  # LayerNorm bias
     norm_unit_offset: bool = False           # Gemma: x * (1 + weight); Nemotron's LayerNorm1P: x * (1 + weight) + bias
     hidden_act: str = "silu"                 # also "xielu" (Apertus: learned alpha_p / alpha_n under mlp.act_fn)
-    q_bias: bool = False
-    k_bias: bool = False
-    v_bias: bool = False
-    o_bias: bool = False
     lm_head_bias: bool = False
     conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
     post_norm: bool = False                  # x = norm(x + f(x)) with attn_in_norm / mlp_in_norm (OPT-350m)
     parallel_residual: bool = False          # x + attn(norm(x)) + mlp(norm'(x)); norm' = attn_in_norm when mlp_in_norm is None
-    attention_scales: tuple[float, ...] = () # per layer; empty: 1 / sqrt(head_dim)
-    windows: tuple[int, ...] = ()            # per layer sliding window (0: full attention); empty: none
-    attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    clip_qkv: float | None = None            # OLMo: clamp q, k, v to [-c, c]
-    clip_after_qk_norm: bool = False         # OLMoE: clamp after the whole-projection q/k norm, not before
 
     # -- positions
     rope: bool = True
@@ -325,4 +333,4 @@ def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
     return replace(spec, mla=mla,
                    head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
                    rope_configs=((rope_config, None),) * spec.num_layers,
-                   attention_scales=(scale,) * spec.num_layers)
+                   attention=replace(spec.attention, scales=(scale,) * spec.num_layers))
