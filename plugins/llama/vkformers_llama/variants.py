@@ -177,7 +177,7 @@ def gemma3_text(config: dict) -> DecoderSpec:
     return replace(spec,
                    attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm",
                                      windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
-                   rope_configs=ropes)
+                   positions=replace(spec.positions, rope_configs=ropes))
 
 
 @architecture("phi3", norm="rms", status="verified",
@@ -233,7 +233,7 @@ def cohere(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, q_norm="q_norm" if qk_norm else None,
                                      k_norm="k_norm" if qk_norm else None, qk_norm_scope="per_head"),
                    norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=False,
-                   parallel_residual=True, mlp_in_norm=None, rope_interleaved=True,
+                   parallel_residual=True, mlp_in_norm=None, positions=replace(spec.positions, rope_interleaved=True),
                    logits_scale=config.get("logit_scale", 1.0),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -274,7 +274,8 @@ def gpt2(config: dict) -> DecoderSpec:
     scales = tuple(spec.head_dim ** -0.5 / ((i + 1) if config.get("scale_attn_by_inverse_layer_idx") else 1)
                    for i in range(spec.num_layers))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.wte", position_embed="transformer.wpe", rope=False,
+                   embed="transformer.wte", position_embed="transformer.wpe",
+                   positions=replace(spec.positions, rope=False),
                    layers="transformer.h", final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="attn", qkv_proj="c_attn", o_proj="c_proj", q_bias=True,
                                      k_bias=True, v_bias=True, o_bias=True, scales=scales),
@@ -305,7 +306,7 @@ def gpt_neox(config: dict) -> DecoderSpec:
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
                    parallel_residual=parallel,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
@@ -339,7 +340,8 @@ def opt(config: dict) -> DecoderSpec:
                        project_out="model.decoder.project_out" if projected else None, post_norm=not pre_norm)
     remove_final = config.get("_remove_final_layer_norm") or not pre_norm
     return replace(spec, embed="model.decoder.embed_tokens", position_embed="model.decoder.embed_positions",
-                   position_offset=2, positions_from_mask=True, rope=False, layers="model.decoder.layers",
+                   positions=replace(spec.positions, offset=2, from_mask=True, rope=False),
+                   layers="model.decoder.layers",
                    final_norm=None if remove_final else "model.decoder.final_layer_norm",
                    attention=replace(spec.attention, o_proj="out_proj", q_bias=bias, k_bias=bias, v_bias=bias,
                                      o_bias=bias), attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
@@ -377,8 +379,8 @@ def falcon(config: dict) -> DecoderSpec:
                    parallel_residual=parallel,
                    intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms,
                    # Falcon-RW: ALiBi instead of rotary, added before the 1/sqrt(D) scaling
-                   **(dict(rope=False, alibi=True, alibi_slope_scale=spec.head_dim ** -0.5) if config.get("alibi")
-                      else {}))
+                   positions=replace(spec.positions, rope=False, alibi=True, alibi_slope_scale=spec.head_dim ** -0.5)
+                   if config.get("alibi") else spec.positions)
 
 
 @architecture("bloom", norm="layer", status="verified",
@@ -396,7 +398,7 @@ def bloom(config: dict) -> DecoderSpec:
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh",
-                   rope=False, alibi=True,
+                   positions=replace(spec.positions, rope=False, alibi=True),
                    intermediate_size=4 * spec.hidden_size)
 
 
@@ -421,13 +423,14 @@ def ministral3(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters") or {}
     beta = params.get("llama_4_scaling_beta")
     if beta:
-        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+        spec = spec.amend("positions", query_scale=(float(beta), int(params["original_max_position_embeddings"])))
     return spec
 
 
 @architecture("helium", norm="rms", llama_layout=True, status="verified")
 def helium(config: dict) -> DecoderSpec:
-    return replace(llama(config), rope_interleaved=True)
+    spec = llama(config)
+    return replace(spec, positions=replace(spec.positions, rope_interleaved=True))
 
 
 @architecture("smollm3", norm="rms", llama_layout=True, status="verified")
@@ -436,7 +439,8 @@ def smollm3(config: dict) -> DecoderSpec:
     spec = llama(config)
     use_rope = config.get("no_rope_layers")
     windows = sliding_windows(config, spec.num_layers, every_layer=False) if config.get("use_sliding_window") else ()
-    return replace(spec, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else (),
+    return replace(spec,
+                   positions=replace(spec.positions, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else ()),
                    attention=replace(spec.attention, windows=windows),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -445,7 +449,7 @@ def smollm3(config: dict) -> DecoderSpec:
 def ernie4_5(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", False))
     spec = llama(config)
-    return replace(spec, rope_interleaved=True, mlp=replace(spec.mlp, bias=bias),
+    return replace(spec, positions=replace(spec.positions, rope_interleaved=True), mlp=replace(spec.mlp, bias=bias),
                    attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias))
 
 
@@ -456,7 +460,7 @@ def glm(config: dict) -> DecoderSpec:
     bias = bool(config.get("attention_bias", config.get("model_type") != "glm_ocr_text"))
     spec = llama(config)
     return replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False),
-                   rope_interleaved=True).amend("mlp", gate_up_proj="gate_up_proj")
+                   positions=replace(spec.positions, rope_interleaved=True)).amend("mlp", gate_up_proj="gate_up_proj")
 
 
 @architecture("glm4", norm="rms", llama_layout=True, status="verified",
@@ -505,7 +509,8 @@ def granite_swa(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, sinks="sinks",
                                      windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0
                                                    for t in types)),
-                   rope_configs=rope_configs, rope_layers=tuple(bool(t) for t in thetas))
+                   positions=replace(spec.positions, rope_configs=rope_configs,
+                                     rope_layers=tuple(bool(t) for t in thetas)))
 
 
 def _with_rope_theta(config: dict, theta: float) -> dict:
@@ -523,7 +528,8 @@ def olmo3(config: dict) -> DecoderSpec:
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
     return replace(spec,
                    attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
-                                                                             every_layer=False)), rope_configs=ropes)
+                                                                             every_layer=False)),
+                   positions=replace(spec.positions, rope_configs=ropes))
 
 
 @architecture("exaone4", norm="rms", llama_layout=True, status="verified",
@@ -537,7 +543,9 @@ def exaone4(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     windows = sliding_windows(config, spec.num_layers, every_layer=False)
     rope_layers = tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ()
-    return replace(spec, attention=replace(spec.attention, windows=windows), rope_layers=rope_layers)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=windows),
+                   positions=replace(spec.positions, rope_layers=rope_layers))
 
 
 @architecture("cohere2", norm="layer", llama_layout=True, status="verified")
@@ -548,7 +556,7 @@ def cohere2(config: dict) -> DecoderSpec:
     return replace(spec,
                    attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
                                                                              every_layer=False)),
-                   rope_layers=tuple(t == "sliding_attention" for t in types))
+                   positions=replace(spec.positions, rope_layers=tuple(t == "sliding_attention" for t in types)))
 
 
 @architecture("cohere_compass_text", norm="layer", llama_layout=True, status="verified",
@@ -562,11 +570,13 @@ def cohere_compass_text(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters") or {}
     no_rope = dict(config, rope_parameters={"rope_type": "default"})  # any table: rope_layers skips the rotation
-    return replace(spec, rope_interleaved=False, logits_scale=config.get("logit_scale") or 1.0,
+    return replace(spec, logits_scale=config.get("logit_scale") or 1.0,
                    attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
                                                                              every_layer=False)),
-                   rope_configs=tuple((config, t) if params.get(t) else (no_rope, None) for t in types),
-                   rope_layers=tuple(bool(params.get(t)) for t in types))
+                   positions=replace(spec.positions, rope_interleaved=False,
+                                     rope_configs=tuple((config, t) if params.get(t) else (no_rope, None)
+                                                        for t in types),
+                                     rope_layers=tuple(bool(params.get(t)) for t in types)))
 
 
 @architecture("modernbert-decoder", norm="layer", status="verified")
@@ -590,7 +600,7 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
                    mlp=replace(spec.mlp, gate_up_proj="Wi", down_proj="Wo", bias=mlp_bias),
                    norm="layer", norm_bias=bool(config.get("norm_bias", False)),
                    norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
-                   rope_configs=tuple((config, t) for t in types),
+                   positions=replace(spec.positions, rope_configs=tuple((config, t) for t in types)),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
@@ -625,7 +635,7 @@ def nanochat(config: dict) -> DecoderSpec:
     return replace(spec, norm_weight=False, embed_norm="model.norm",
                    hidden_act=config.get("hidden_act", "relu2"),
                    attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_after_rope=True),
-                   rope_negated=True,
+                   positions=replace(spec.positions, rope_negated=True),
                    final_softcap=config.get("final_logit_softcapping") or 0.0).amend("mlp", up_proj="fc1",
                                                                                      down_proj="fc2", kind="plain")
 
@@ -730,8 +740,9 @@ def gptj(config: dict) -> DecoderSpec:
                    mlp=replace(spec.mlp, up_proj="fc_in", down_proj="fc_out", kind="plain", bias=True),
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True, rope_interleaved=True,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True,
+                   positions=replace(spec.positions, rope_interleaved=True,
+                                     rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
@@ -762,7 +773,7 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
                    norm="layer", norm_bias=True,
                    norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
                    intermediate_size=inter,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
@@ -786,7 +797,8 @@ def gpt_neo(config: dict) -> DecoderSpec:
         types += list(pattern) * repeat
     window = config.get("window_size", 256)
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.wte", position_embed="transformer.wpe", rope=False,
+                   embed="transformer.wte", position_embed="transformer.wpe",
+                   positions=replace(spec.positions, rope=False),
                    layers="transformer.h", final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="attn.attention", o_proj="out_proj", o_bias=True,
                                      scales=(1.0,) * spec.num_layers,
@@ -815,7 +827,8 @@ def biogpt(config: dict) -> DecoderSpec:
     spec = DecoderSpec(**_sizes(config))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
-                   position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
+                   positions=replace(spec.positions, offset=2, rope=False), layers="biogpt.layers",
+                   final_norm="biogpt.layer_norm",
                    lm_head="output_projection",
                    attention=replace(spec.attention, o_proj="out_proj", q_bias=True, k_bias=True, v_bias=True,
                                      o_bias=True), attn_in_norm="self_attn_layer_norm",
@@ -834,7 +847,8 @@ def xglm(config: dict) -> DecoderSpec:
                        hidden_act=config.get("activation_function", "gelu")))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="model.embed_tokens", embed_scale=scale, position_embed=None,
-                   sinusoidal_positions="fairseq", layers="model.layers", final_norm="model.layer_norm",
+                   positions=replace(spec.positions, sinusoidal="fairseq"), layers="model.layers",
+                   final_norm="model.layer_norm",
                    lm_head="lm_head", intermediate_size=config.get("ffn_dim", 4 * spec.hidden_size),
                    extra=dict(padding_row=config.get("pad_token_id")))
 
@@ -847,7 +861,7 @@ def trocr(config: dict) -> DecoderSpec:
     learned (offset 2, arange) or fairseq sinusoidal counted over non-pad tokens (rows from pad + 1; the
     attention mask stands in for input_ids != pad). Its forward takes no position_ids, so under generate a
     left-padded row's learned positions count the pads, and its sinusoidal ones too from the first new token on
-    (cache length + 1): generation_positions. TrOCRForCausalLM always builds the layers' cross-attention
+    (cache length + 1): PositionSpec.generation. TrOCRForCausalLM always builds the layers' cross-attention
     (is_decoder): carried, never run."""
     spec = opt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["decoder_attention_heads"],
                     num_hidden_layers=config["decoder_layers"], ffn_dim=config["decoder_ffn_dim"],
@@ -856,12 +870,12 @@ def trocr(config: dict) -> DecoderSpec:
     d, pad = spec.hidden_size, config.get("pad_token_id")
     scale = math.sqrt(d) if config.get("scale_embedding", False) else 1.0
     if config.get("use_learned_position_embeddings", True):
-        positions = dict(positions_from_mask=False, generation_positions="index")
+        spec = spec.amend("positions", from_mask=False, generation="index")
     else:
         if pad is None:
             raise UnsupportedConfigError("trocr: sinusoidal positions need a pad_token_id (their padding row)")
-        positions = dict(position_embed=None, sinusoidal_positions="fairseq", position_offset=pad + 1,
-                         extra=dict(padding_row=pad), generation_positions="fairseq")
+        spec = replace(spec, position_embed=None, extra=dict(padding_row=pad)).amend(
+            "positions", sinusoidal="fairseq", offset=pad + 1, generation="fairseq")
     kdim = config.get("cross_attention_hidden_size") or d
     cross = tuple((f"encoder_attn.{name}.{kind}", shape)
                   for name, rows, cols in (("k_proj", d, kdim), ("v_proj", d, kdim), ("q_proj", d, d),
@@ -871,7 +885,7 @@ def trocr(config: dict) -> DecoderSpec:
     return replace(spec, embed_scale=scale, embed_norm="model.decoder.layernorm_embedding"
                    if config.get("layernorm_embedding", True) else None, lm_head="output_projection",
                    tie_embeddings=config.get("tie_word_embeddings", True) is not False, shift_labels=False,
-                   unused_layer_params=cross, **positions)
+                   unused_layer_params=cross)
 
 
 @architecture("ctrl", norm="layer", status="verified",
@@ -880,8 +894,9 @@ def ctrl(config: dict) -> DecoderSpec:
     """Pre-LN block with scaled embeddings and a fixed [sin | cos] position table; lm_head bias."""
     spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
-                   rope=False, layers="transformer.h", final_norm="transformer.layernorm",
+                   embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size),
+                   positions=replace(spec.positions, sinusoidal="ctrl", rope=False),
+                   layers="transformer.h", final_norm="transformer.layernorm",
                    attention=replace(spec.attention, path="multi_head_attention", q_proj="Wq", k_proj="Wk",
                                      v_proj="Wv", o_proj="dense", q_bias=True, k_bias=True, v_bias=True, o_bias=True),
                    attn_in_norm="layernorm1",
@@ -912,7 +927,7 @@ def mpt(config: dict) -> DecoderSpec:
                    mlp_in_norm="norm_2",
                    mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias), norm="layer", norm_bias=bias,
                    norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu",
-                   rope=False, alibi=True, alibi_kind="mpt",
+                   positions=replace(spec.positions, rope=False, alibi=True, alibi_kind="mpt"),
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
@@ -964,7 +979,8 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
         layer_norms=(("attn_in_norm", "attention_layer_norm"), ("attn_out_norm", None),
                      ("mlp_in_norm", "feedforward_layer_norm"), ("mlp_out_norm", None)))
     return replace(spec, attn_out_norm="feedforward_layer_norm",
-                   rope=not (isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None),
+                   positions=replace(spec.positions, rope=not (isinstance(params, dict) and "rope_theta" in params
+                                                               and params["rope_theta"] is None)),
                    linear_attention=linear_attention)
 
 
@@ -975,7 +991,8 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
 def minicpm3(config: dict) -> DecoderSpec:
     """MLA + muP scalings: embeddings * scale_emb, residual branches * scale_depth / sqrt(layers), logits on
     hidden / (hidden_size / dim_model_base)."""
-    spec = replace(with_mla(llama(config), config), rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
+    spec = with_mla(llama(config), config)
+    spec = spec.amend("positions", rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
     return replace(spec, embed_scale=config.get("scale_emb", 1.0),
                    residual_scale=config.get("scale_depth", 1.0) / math.sqrt(spec.num_layers),
                    logits_scale=config.get("dim_model_base", spec.hidden_size) / spec.hidden_size,

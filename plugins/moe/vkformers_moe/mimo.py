@@ -57,8 +57,10 @@ class MimoLayer(DecoderLayer):
         v = v.permute(0, 2, 1, 3)
         if self.rotates:
             inv_freq, scaling = ctx.rope_tables[self.index]
-            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
-            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
+            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.positions.rope_interleaved,
+                       attention_scaling=scaling)
+            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.positions.rope_interleaved,
+                       attention_scaling=scaling)
         return self._attend(q, k, v, ctx, batch, length)  # sinks and o_proj as in the shared layer
 
     def attend_heads(self, q, k, v, ctx, **options):

@@ -159,8 +159,10 @@ class MinimaxM3Layer(DecoderLayer):
         q = p["index_q_norm"](p["index_q"](h).reshape(batch, new, o.index_heads, o.index_dim)).permute(0, 2, 1, 3)
         k = p["index_k_norm"](p["index_k"](h).reshape(batch, new, 1, o.index_dim)).permute(0, 2, 1, 3)
         inv_freq, scaling = ctx.rope_tables[self.index]
-        q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=self.spec.rope_interleaved, attention_scaling=scaling)
-        k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=self.spec.rope_interleaved, attention_scaling=scaling)
+        q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=self.spec.positions.rope_interleaved,
+                   attention_scaling=scaling)
+        k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=self.spec.positions.rope_interleaved,
+                   attention_scaling=scaling)
         k = k.detach().transpose(-1, -2)  # [B, 1, D, new]
         if ctx.cache is not None:
             stored = ctx.cache.__dict__.setdefault("index_keys", {})

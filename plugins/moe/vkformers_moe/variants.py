@@ -186,7 +186,8 @@ def llama4_text(config: dict) -> DecoderSpec:
                   fused_transposed=True, shared="shared_expert", shared_size=size)
     return replace(spec, mlp=replace(spec.mlp, path="feed_forward"),
                    intermediate_size=config.get("intermediate_size_mlp", 16384),
-                   rope_interleaved=True, rope_layers=tuple(rotary), make_layer=attention, moe=moe)
+                   positions=replace(spec.positions, rope_interleaved=True, rope_layers=tuple(rotary)),
+                   make_layer=attention, moe=moe)
 
 
 @architecture("longcat_flash", norm="rms", llama_layout=True, status="verified",
@@ -269,7 +270,7 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, sinks="attention_sink_bias",
                                      windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
                    make_layer=attention,
-                   rope_configs=tuple((rope_config, t) for t in types))
+                   positions=replace(spec.positions, rope_configs=tuple((rope_config, t) for t in types)))
     return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))
 
 
@@ -309,8 +310,8 @@ def deepseek_v4(config: dict) -> DecoderSpec:
         index_dim=config.get("index_head_dim", 128), index_topk=config.get("index_topk", 512),
         hc_mult=config.get("hc_mult", 4), sinkhorn_iters=config.get("hc_sinkhorn_iters", 20),
         hc_eps=float(config.get("hc_eps", 1e-6)))
-    return replace(spec, make_layer=layers,
-                   rope_configs=tuple((config, "main" if t == "sliding_attention" else "compress") for t in types))
+    ropes = tuple((config, "main" if t == "sliding_attention" else "compress") for t in types)
+    return replace(spec, make_layer=layers, positions=replace(spec.positions, rope_configs=ropes))
 
 @architecture("qwen4_exp_text", norm="rms", llama_layout=True, status="verified",
               notes=("native KV-cache generation; DeltaNet + sparse QSA + GR/hyper-connection streams + PLE (composed "
@@ -447,8 +448,9 @@ def cohere2_moe(config: dict) -> DecoderSpec:
     n = spec.num_layers
     mlp_types, types = _mlp_types(config, n), layer_types(config, n)
     force = config.get("prefix_dense_sliding_window_pattern", 1) == 1
-    spec = replace(spec, rope_layers=tuple(t == "sliding_attention" or (m == "dense" and force)
-                                           for t, m in zip(types, mlp_types)),
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_layers=tuple(
+                       t == "sliding_attention" or (m == "dense" and force) for t, m in zip(types, mlp_types))),
                    intermediate_size=config.get("prefix_dense_intermediate_size") or spec.intermediate_size)
     if config.get("rms_norm_eps") is not None:
         spec = replace(spec, norm="rms", norm_eps=config["rms_norm_eps"])
@@ -471,7 +473,8 @@ def exaone_moe(config: dict) -> DecoderSpec:
     n = spec.num_layers
     types = layer_types(config, n)
     spec = replace(spec, attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False)),
-                   rope_layers=tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ())
+                   positions=replace(spec.positions, rope_layers=tuple(t == "sliding_attention" for t in types)
+                                     if config.get("sliding_window") else ()))
     moe = replace(deepseek_moe(config, spec), selection_bias="e_score_correction_bias",
                   layers=tuple(m == "sparse" for m in _mlp_types(dict(config, first_k_dense_replace=config.get(
                       "first_k_dense_replace", 1)), n)),
@@ -586,7 +589,7 @@ def mellum(config: dict) -> DecoderSpec:
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
     spec = replace(spec,
                    attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False)),
-                   rope_configs=ropes)
+                   positions=replace(spec.positions, rope_configs=ropes))
     moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=config.get("moe_intermediate_size", 896),
                   layers=tuple(m == "sparse" for m in (config.get("mlp_layer_types") or ["sparse"] * n)),
@@ -607,7 +610,7 @@ def afmoe(config: dict) -> DecoderSpec:
     spec = replace(spec,
                    attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False),
                                      output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True),
-                   rope_layers=tuple(t == "sliding_attention" for t in types),
+                   positions=replace(spec.positions, rope_layers=tuple(t == "sliding_attention" for t in types)),
                    attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_mlp_layernorm",
                    mlp_out_norm="post_mlp_layernorm",
                    embed_scale=spec.hidden_size ** 0.5 if config.get("mup_enabled") else 1.0)
@@ -645,7 +648,7 @@ def dbrx(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, path="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks",
                                      o_proj="out_proj", clip_qkv=attn.get("clip_qkv")),
                    norm="layer", norm_eps=1e-5, norm_bias=False,
-                   rope_configs=((flat, None),) * flat["n_layers"])  # rotary reads the flattened sizes
+                   positions=replace(spec.positions, rope_configs=((flat, None),) * flat["n_layers"]))  # flat sizes
     moe = MoeSpec(num_experts=ffn.get("moe_num_experts", 4), top_k=ffn.get("moe_top_k", 1),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=act, path="ffn",
                   router="router.layer", norm_topk=ffn.get("moe_normalize_expert_weights", 1.0) is not None,
@@ -737,7 +740,8 @@ def deepseek_v3(config: dict) -> DecoderSpec:
     if config.get("model_type") in DSA_MODEL_TYPES or "index_topk" in config:
         return deepseek_v32(config)
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_interleaved=config.get("rope_interleave", True) is not False))
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
@@ -767,7 +771,7 @@ def deepseek_v32(config: dict) -> DecoderSpec:
     arch = config.get("model_type") or "deepseek_v32"
     refuse(arch, config, "q_lora_rank", lambda v: bool(v) and v > 0, 1536)  # the indexer reads the q LoRA
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: the RMSNorm's default eps
+    spec = spec.amend("positions", rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: RMSNorm's eps
     n, dense = spec.num_layers, config.get("first_k_dense_replace", 3)
     types = config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(n)]
     indexer = dsa_indexer_types(config, n)
@@ -821,7 +825,7 @@ def glm5_next_text(config: dict) -> DecoderSpec:
         layers=linear, path="self_attn", k_heads=heads, v_heads=heads, k_dim=dim, v_dim=dim, split_projections=True,
         conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
         module=lambda s: KimiDeltaAttention(s, lower_bound=lower))
-    spec = replace(spec, rope=False, linear_attention=linear_attention)
+    spec = replace(spec, positions=replace(spec.positions, rope=False), linear_attention=linear_attention)
     layers = Glm5NextLayers(
         index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 32),
         index_dim=config.get("index_head_dim", 128),
@@ -840,7 +844,8 @@ def axk1(config: dict) -> DecoderSpec:
     (mlp_layer_types) end in an RMSNorm on the block's output, saved beside it as layers.<i>.post_mlp_layernorm."""
     _refuse_training_extras("axk1", config)
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_interleaved=config.get("rope_interleave", True) is not False))
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types),
@@ -858,7 +863,7 @@ def axk2(config: dict) -> DecoderSpec:
     _refuse_training_extras("axk2", config)
     refuse("axk2", config, "q_lora_rank", lambda v: bool(v) and v > 0, 384)  # the indexer and gate read the q LoRA
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: AXK2RMSNorm's default eps
+    spec = spec.amend("positions", rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: AXK2RMSNorm's eps
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types))
@@ -955,7 +960,7 @@ def laguna(config: dict) -> DecoderSpec:
                                      output_gate_per_head=config.get("gating", True) != "per-element",
                                      heads_per_layer=tuple(heads) if heads else (),
                                      windows=sliding_windows(config, spec.num_layers, every_layer=False)),
-                   rope_configs=ropes)
+                   positions=replace(spec.positions, rope_configs=ropes))
     return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _laguna_moe)
 
 
@@ -1010,11 +1015,12 @@ def mistral4(config: dict) -> DecoderSpec:
     rope_config = dict(config, head_dim=spec.head_dim)
     if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
         rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla.rope_dim / spec.head_dim)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
-                   rope_configs=((rope_config, None),) * spec.num_layers)
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_interleaved=config.get("rope_interleave", True) is not False,
+                                     rope_configs=((rope_config, None),) * spec.num_layers))
     beta = params.get("llama_4_scaling_beta")
     if beta:
-        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+        spec = spec.amend("positions", query_scale=(float(beta), int(params["original_max_position_embeddings"])))
     return _with_moe("mistral4", config, spec, sparse, _mistral4_moe)
 
 

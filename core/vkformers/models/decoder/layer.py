@@ -160,7 +160,7 @@ class DecoderLayer(Module):
             self.act = self._xielu
         else:
             self.act = F.activation(s.hidden_act)
-        self.rotates = s.rope and (not s.rope_layers or bool(s.rope_layers[index]))
+        self.rotates = s.positions.rope and (not s.positions.rope_layers or bool(s.positions.rope_layers[index]))
         self.scale = a.scales[index] if a.scales else s.head_dim ** -0.5
         self.window = a.windows[index] if a.windows else 0
         self.alibi = alibi
@@ -249,10 +249,10 @@ class DecoderLayer(Module):
         k_nope, v = kv[..., :nope], kv[..., nope:]
         if rdim:
             inv_freq, scaling = ctx.rope_tables[self.index]
-            q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved,
-                           attention_scaling=scaling)
+            q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq,
+                           interleaved=s.positions.rope_interleaved, attention_scaling=scaling)
             k_rot = F.rope(k_rot.reshape(batch, 1, length, rdim), ctx.rope_positions, inv_freq,
-                           interleaved=s.rope_interleaved, attention_scaling=scaling)
+                           interleaved=s.positions.rope_interleaved, attention_scaling=scaling)
             q = F.cat([q[..., :nope], q_rot], -1)
             k = F.cat([k_nope, k_rot.expand(batch, heads, length, rdim)], -1)
         else:  # NoPE MLA (GLM-5.3-Flash): no rotary key part
@@ -310,8 +310,10 @@ class DecoderLayer(Module):
         q, k, v = (t.permute(0, 2, 1, 3) for t in (q, k, v))
         if self.rotates:
             inv_freq, scaling = ctx.rope_tables[self.index]
-            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
-            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
+            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.positions.rope_interleaved,
+                       attention_scaling=scaling)
+            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.positions.rope_interleaved,
+                       attention_scaling=scaling)
         if self._qk_norm_at == "after_rope":  # [B, H, T, D]: the norm is over D either way
             q, k = p["q_norm"](q), p["k_norm"](k)
         return self._attend(q, k, v, ctx, batch, length, gate)
@@ -392,7 +394,7 @@ class DecoderLayer(Module):
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
             return None
         if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.attention.q_gate
-                or s.attention.clip_qkv is not None or s.attention.sinks or s.query_position_scale is not None
+                or s.attention.clip_qkv is not None or s.attention.sinks or s.positions.query_scale is not None
                 or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
@@ -441,7 +443,7 @@ class DecoderLayer(Module):
         inv_freq, scaling = ctx.rope_tables[self.index] if self.rotates else (None, 1.0)  # NoPE layers: no rotation
         rotary = dict(k_cache=cache.keys[self.index], v_cache=cache.values[self.index], cache_start=bounds[0:1],
                       positions=ctx.rope_positions, inv_freq=inv_freq, head_dim=s.head_dim, attention_scaling=scaling,
-                      interleaved=s.rope_interleaved)
+                      interleaved=s.positions.rope_interleaved)
         if plan["qk_norm"] is None:
             q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=biases("qkv"), **rotary)
         else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache

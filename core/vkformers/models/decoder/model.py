@@ -98,7 +98,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         # generate may replay a decode step without this forward (models/decode_capture.py), which sees
         # inputs that change every step but not ones that only change past some position (Llama 4's scale)
         # (nor linear layers: their recurrent state lives on the cache, updated by the Python forward)
-        self.capture_decode = spec.query_position_scale is None and spec.linear_attention is None
+        self.capture_decode = spec.positions.query_scale is None and spec.linear_attention is None
         # HF's longrope models switch to the long factors past the original context, and their
         # generate() then recomputes the cache with them (Phi-3): generation does the same.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -107,10 +107,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
                 config.get("original_max_position_embeddings")
         d = spec.hidden_size
         alibi = None
-        if spec.alibi:
-            slopes = (mpt_alibi_slopes(spec.num_heads, spec.extra.get("alibi_bias_max", 8)) if spec.alibi_kind == "mpt"
-                      else alibi_slopes(spec.num_heads))
-            alibi = Tensor((slopes * np.float32(spec.alibi_slope_scale)).astype(np.float32))
+        if spec.positions.alibi:
+            slopes = (mpt_alibi_slopes(spec.num_heads, spec.extra.get("alibi_bias_max", 8))
+                      if spec.positions.alibi_kind == "mpt" else alibi_slopes(spec.num_heads))
+            alibi = Tensor((slopes * np.float32(spec.positions.alibi_slope_scale)).astype(np.float32))
         refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths
             embed=place(self, spec.embed, Embedding(spec.vocab_size + spec.embed_extra_rows, spec.embed_dim or d,
                                                          padding_idx=spec.embed_padding_idx)),
@@ -120,7 +120,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
             embed_norm=(place(self, spec.embed_norm, make_norm(_embed_norm_spec(spec), d))
                         if spec.embed_norm else None),
             position_embed=(place(self, spec.position_embed,
-                                  Embedding(spec.max_position_embeddings + spec.position_offset, d))
+                                  Embedding(spec.max_position_embeddings + spec.positions.offset, d))
                             if spec.position_embed else None),
             layers=place(self, spec.layers, checkpoint_named(ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
                                                                           for i in range(spec.num_layers)), spec)),
@@ -136,11 +136,11 @@ class DecoderForCausalLM(Module, GenerationMixin):
             object.__setattr__(self, name, module)
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
-        self.rope_configs = spec.rope_configs or ((config, None),) * spec.num_layers
+        self.rope_configs = spec.positions.rope_configs or ((config, None),) * spec.num_layers
         self.position_table = None
-        if spec.sinusoidal_positions:  # fixed, not a parameter
-            rows = spec.max_position_embeddings + spec.position_offset
-            self.position_table = Tensor(sinusoidal_table(spec.sinusoidal_positions, rows, d,
+        if spec.positions.sinusoidal:  # fixed, not a parameter
+            rows = spec.max_position_embeddings + spec.positions.offset
+            self.position_table = Tensor(sinusoidal_table(spec.positions.sinusoidal, rows, d,
                                                           spec.extra.get("padding_row")))
 
     def load_state_dict(self, arrays, *args, **kwargs):
@@ -183,12 +183,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def input_limits(self) -> InputLimits:
         s = self.spec
-        table = s.position_embed or s.sinusoidal_positions  # rotary, ALiBi and NoPE models have none to run past
+        table = s.position_embed or s.positions.sinusoidal  # rotary, ALiBi and NoPE models have none to run past
         field = next((f for f in ("max_position_embeddings", "n_positions", "max_seq_len") if f in self.config),
                      "max_position_embeddings")
         return InputLimits(vocab_size=s.vocab_size + s.embed_extra_rows, label_classes=s.vocab_size,
                            max_length=s.max_position_embeddings if table else None, max_length_field=field,
-                           min_position=-1 if s.generation_positions == "fairseq" else 0)
+                           min_position=-1 if s.positions.generation == "fairseq" else 0)
 
     # -- forward
 
@@ -198,12 +198,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
             if given.shape == (batch, length) and given.dtype == np.int32:
                 return given  # the array itself: generate recognises it in a captured decode step
             return np.broadcast_to(given, (batch, length)).astype(np.int32)
-        if self.spec.positions_from_mask and attention_mask is not None:  # OPT: count only attended tokens
+        if self.spec.positions.from_mask and attention_mask is not None:  # OPT: count only attended tokens
             return ((np.cumsum(attention_mask, axis=1) * attention_mask - 1)[:, -length:]).astype(np.int32)
         return np.broadcast_to(past + np.arange(length, dtype=np.int32), (batch, length)).astype(np.int32)
 
     def generation_positions(self, mask: np.ndarray, tokens: np.ndarray, prompt_length: int) -> np.ndarray:
-        kind = self.spec.generation_positions
+        kind = self.spec.positions.generation
         if kind == "mask":
             return super().generation_positions(mask, tokens, prompt_length)
         index = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
@@ -233,7 +233,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         the same for both lengths (dynamic NTK changes them past the original context)."""
         if not self.capture_decode:
             return False
-        for config, layer_type in (self.rope_configs if self.spec.rope else ()):
+        for config, layer_type in (self.rope_configs if self.spec.positions.rope else ()):
             short, short_scale = rope_parameters(config, length, layer_type=layer_type)
             long, long_scale = rope_parameters(config, padded, layer_type=layer_type)
             if short_scale != long_scale or not np.array_equal(short, long):
@@ -242,9 +242,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def _query_scale(self, positions):
         """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1]."""
-        if self.spec.query_position_scale is None:
+        if self.spec.positions.query_scale is None:
             return None
-        beta, length = self.spec.query_position_scale
+        beta, length = self.spec.positions.query_scale
         scale = 1.0 + beta * np.log1p(np.floor(positions.astype(np.float32) / np.float32(length)))
         return Tensor(scale.astype(np.float32)[:, None, :, None])
 
@@ -256,7 +256,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         batch, length = ids.shape
         past = cache.position if cache is not None else 0
         mask = _as_numpy(attention_mask)
-        if position_ids is None and s.generation_positions == "fairseq" and not isinstance(input_ids, Tensor):
+        if position_ids is None and s.positions.generation == "fairseq" and not isinstance(input_ids, Tensor):
             # as transformers' TrOCR: the ids that are not the pad id are counted (a pad id takes the padding row
             # wherever it stands, attended or not); ids already on the device fall back to the mask's count
             real = np.asarray(input_ids) != s.extra["padding_row"]
@@ -275,7 +275,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         tables = [t for t in (self.position_embed.weight if self.position_embed is not None else None,
                               self.position_table) if t is not None]
         if tables:
-            absolute = position_tensor + s.position_offset if s.position_offset else position_tensor
+            absolute = position_tensor + s.positions.offset if s.positions.offset else position_tensor
             for table in tables:
                 x = x + F.embedding(absolute, table)
         if self.embed_norm is not None:
@@ -284,9 +284,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
         key_padding_mask = None
         if mask is not None and (cache is not None or not mask.all()):
             key_padding_mask = Tensor(mask.astype(bool))
-        rope_tables = self._rope_tables(int(positions.max()) + 1) if s.rope else None
+        rope_tables = self._rope_tables(int(positions.max()) + 1) if s.positions.rope else None
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
-                      rope_positions=-position_tensor if s.rope_negated else None,
+                      rope_positions=-position_tensor if s.positions.rope_negated else None,
                       query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions)
         x = self.run_layers(x, ctx)
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None

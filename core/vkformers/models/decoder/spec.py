@@ -21,6 +21,31 @@ class UnsupportedConfigError(VkformersError, ValueError):
 
 
 @dataclass
+class PositionSpec:
+    """How positions enter: rotary on q and k (per-layer configs and NoPE layers), ALiBi slopes, or an absolute
+    position table added to the embeddings; and how positions are counted."""
+
+    rope: bool = True
+    rope_interleaved: bool = False           # rotate pairs (2i, 2i+1) (GPT-J, CodeGen, Cohere)
+    rope_configs: tuple = ()                 # per layer (config dict, layer_type) for rope_parameters; empty: (config,
+    #                                          None)
+    rope_layers: tuple[bool, ...] = ()       # per layer: does it rotate (SmolLM3 NoPE, Cohere2 full layers); empty: all
+    rope_negated: bool = False               # rotate by -theta (NanoChat's rotate_half is cat(x2, -x1))
+    query_scale: tuple[float, int] | None = None  # (beta, L): q *= 1 + beta log(1 + floor(pos / L)) (Llama 4)
+    alibi: bool = False
+    alibi_kind: str = "bloom"                # bloom | mpt: how the per-head slopes are spaced
+    alibi_slope_scale: float = 1.0           # Falcon adds ALiBi before the 1/sqrt(D) scaling
+    sinusoidal: str | None = None            # fixed [sin | cos] position table added to the embeddings: fairseq (XGLM)
+    #                                          or ctrl; indexed by position + offset
+    offset: int = 0                          # OPT: learned table index = position + 2
+    from_mask: bool = False                  # OPT: position = cumsum(attention_mask) - 1
+    # The positions transformers' generate ends up using: "mask" (the position_ids it passes, cumsum(mask) - 1);
+    # TrOCR reads none and counts itself: "index" (learned table: every token at its index, pads included) or
+    # "fairseq" (sinusoidal: the prompt's non-pad tokens counted, each later token at its index, pads -1)
+    generation: str = "mask"
+
+
+@dataclass
 class AttentionSpec:
     """Softmax attention over q/k/v projections: names relative to ``path`` inside the layer, biases, QK-norm,
     gates, and the per-layer scale and window."""
@@ -156,6 +181,7 @@ class DecoderSpec:
     head_transform_act: str = "gelu"
     attention: AttentionSpec = field(default_factory=lambda: AttentionSpec())  # softmax attention over q/k/v heads
     linear_attention: LinearAttentionSpec | None = None  # Gated DeltaNet instead of softmax attention on some layers
+    positions: PositionSpec = field(default_factory=lambda: PositionSpec())  # rotary, ALiBi or position tables
     mla: MLASpec | None = None               # DeepSeek-V2 multi-head latent attention instead of q/k/v projections
     mlp: MLPSpec = field(default_factory=lambda: MLPSpec())  # the dense MLP (a layer's moe block replaces it)
     attn_in_norm: str | None = "input_layernorm"
@@ -176,25 +202,6 @@ class DecoderSpec:
     post_norm: bool = False                  # x = norm(x + f(x)) with attn_in_norm / mlp_in_norm (OPT-350m)
     parallel_residual: bool = False          # x + attn(norm(x)) + mlp(norm'(x)); norm' = attn_in_norm when mlp_in_norm is None
     final_softcap: float = 0.0
-
-    # -- positions
-    rope: bool = True
-    rope_interleaved: bool = False           # rotate pairs (2i, 2i+1) (GPT-J, CodeGen, Cohere)
-    rope_configs: tuple = ()                 # per layer (config dict, layer_type) for rope_parameters; empty: (config, None)
-    rope_layers: tuple[bool, ...] = ()       # per layer: does it rotate (SmolLM3 NoPE, Cohere2 full layers); empty: all
-    rope_negated: bool = False               # rotate by -theta (NanoChat's rotate_half is cat(x2, -x1))
-    query_position_scale: tuple[float, int] | None = None  # (beta, L): q *= 1 + beta log(1 + floor(pos / L))
-    alibi: bool = False
-    alibi_kind: str = "bloom"                # bloom | mpt: how the per-head slopes are spaced
-    alibi_slope_scale: float = 1.0           # Falcon adds ALiBi before the 1/sqrt(D) scaling
-    sinusoidal_positions: str | None = None  # fixed [sin | cos] position table added to the embeddings: fairseq (XGLM)
-    #                                          or ctrl; indexed by position + position_offset
-    position_offset: int = 0                 # OPT: learned table index = position + 2
-    positions_from_mask: bool = False        # OPT: position = cumsum(attention_mask) - 1
-    # The positions transformers' generate ends up using: "mask" (the position_ids it passes, cumsum(mask) - 1);
-    # TrOCR reads none and counts itself: "index" (learned table: every token at its index, pads included) or
-    # "fairseq" (sinusoidal: the prompt's non-pad tokens counted, each later token at its index, pads -1)
-    generation_positions: str = "mask"
 
     # -- scalings
     embed_scale: float = 1.0                 # Gemma sqrt(hidden) (rounded to the model dtype), Granite embedding_multiplier
@@ -331,6 +338,7 @@ def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
     mla = MLASpec(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"], nope_dim=nope,
                   rope_dim=rope_dim, v_dim=v_dim)
     return replace(spec, mla=mla,
-                   head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   head_dim=nope + rope_dim, num_kv_heads=spec.num_heads,
+                   positions=replace(spec.positions, rope_interleaved=True, rope_configs=((rope_config,
+                                                                                           None),) * spec.num_layers),
                    attention=replace(spec.attention, scales=(scale,) * spec.num_layers))
