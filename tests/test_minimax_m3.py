@@ -54,7 +54,7 @@ def test_released_config_names_are_read():
     assert spec.make_layer.sparse == (True, False) and spec.moe.layers == (False, True)
     assert (spec.make_layer.index_heads, spec.make_layer.index_dim, spec.make_layer.block,
             spec.make_layer.topk_blocks, spec.make_layer.local_blocks) == (2, 4, 2, 3, 2)
-    assert spec.norm_unit_offset and spec.moe.shared_swiglu_clip
+    assert spec.norms.unit_offset and spec.moe.shared_swiglu_clip
 
 
 def test_unsupported_indexer_options_are_refused():

@@ -17,7 +17,7 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec,
+from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
                                            UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
                                            sliding_windows, with_mla)
 from vkformers.models.family import Family
@@ -63,7 +63,7 @@ def llama(config: dict) -> DecoderSpec:
     arch = config.get("model_type", "llama")
     refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
     bias = bool(config.get("attention_bias", False))
-    spec = DecoderSpec(**_sizes(config), norm_eps=first_of(config, "rms_norm_eps", default=1e-6),
+    spec = DecoderSpec(**_sizes(config), norms=NormSpec(eps=first_of(config, "rms_norm_eps", default=1e-6)),
                        hidden_act=config.get("hidden_act", "silu"),
                        attention=AttentionSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
                        mlp=MLPSpec(bias=bool(config.get("mlp_bias", False))))
@@ -131,7 +131,9 @@ def qwen3(config: dict) -> DecoderSpec:
               notes="native KV-cache generation")
 def gemma(config: dict) -> DecoderSpec:
     act = first_of(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
-    return replace(llama(config), hidden_act=act, norm_unit_offset=True, embed_scale=config["hidden_size"] ** 0.5,
+    spec = llama(config)
+    return replace(spec, hidden_act=act,
+                   norms=replace(spec.norms, unit_offset=True), embed_scale=config["hidden_size"] ** 0.5,
                    embed_scale_in_dtype=True, tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
@@ -190,14 +192,14 @@ def phi3(config: dict) -> DecoderSpec:
     return replace(spec,
                    attention=replace(spec.attention, qkv_proj="qkv_proj", qkv_layout="blocks"),
                    mlp=replace(spec.mlp, gate_up_proj="gate_up_proj"),
-                   norm_eps=first_of(config, "rms_norm_eps", default=1e-5))
+                   norms=replace(spec.norms, eps=first_of(config, "rms_norm_eps", default=1e-5)))
 
 
 @architecture("olmo", norm="layer", llama_layout=True, status="verified",
               notes="parameter-free LayerNorm")
 def olmo(config: dict) -> DecoderSpec:
     spec = llama(config)
-    return replace(spec, norm="layer", norm_eps=1e-5, norm_weight=False, norm_bias=False,
+    return replace(spec, norms=replace(spec.norms, kind="layer", eps=1e-5, weight=False, bias=False),
                    attention=replace(spec.attention, clip_qkv=config.get("clip_qkv")))
 
 
@@ -208,7 +210,8 @@ def olmo2(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full"),
                    attn_in_norm=None,
                    attn_out_norm="post_attention_layernorm", mlp_in_norm=None,
-                   mlp_out_norm="post_feedforward_layernorm", norm_eps=config.get("rms_norm_eps", 1e-5))
+                   mlp_out_norm="post_feedforward_layernorm",
+                   norms=replace(spec.norms, eps=config.get("rms_norm_eps", 1e-5)))
 
 
 @architecture("granite", norm="rms", llama_layout=True, status="verified",
@@ -232,7 +235,7 @@ def cohere(config: dict) -> DecoderSpec:
     return replace(spec,
                    attention=replace(spec.attention, q_norm="q_norm" if qk_norm else None,
                                      k_norm="k_norm" if qk_norm else None, qk_norm_scope="per_head"),
-                   norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=False,
+                   norms=replace(spec.norms, kind="layer", eps=config.get("layer_norm_eps", 1e-5), bias=False),
                    parallel_residual=True, mlp_in_norm=None, positions=replace(spec.positions, rope_interleaved=True),
                    logits_scale=config.get("logit_scale", 1.0),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
@@ -245,7 +248,7 @@ def stablelm(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_qkv_bias", False))
     parallel = bool(config.get("use_parallel_residual", False))
     spec = llama(config)
-    return replace(spec, norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=True,
+    return replace(spec, norms=replace(spec.norms, kind="layer", eps=config.get("layer_norm_eps", 1e-5), bias=True),
                    attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False,
                                      q_norm="q_layernorm" if qk_norm else None,
                                      k_norm="k_layernorm" if qk_norm else None, qk_norm_scope="per_head_list"),
@@ -258,7 +261,7 @@ def stablelm(config: dict) -> DecoderSpec:
 def starcoder2(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", True))
     spec = mistral(config)
-    return replace(spec, norm="layer", norm_eps=config.get("norm_epsilon", 1e-5), norm_bias=True,
+    return replace(spec, norms=replace(spec.norms, kind="layer", eps=config.get("norm_epsilon", 1e-5), bias=True),
                    hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"),
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=bias),
                    attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias))
@@ -281,8 +284,8 @@ def gpt2(config: dict) -> DecoderSpec:
                                      k_bias=True, v_bias=True, o_bias=True, scales=scales),
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
-                   conv1d=True, norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   conv1d=True,
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation_function", "gelu_new"))
 
 
@@ -303,8 +306,8 @@ def gpt_neox(config: dict) -> DecoderSpec:
                                      qkv_layout="per_head", o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias,
                                      o_bias=bias),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
-                   norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "gelu"),
                    parallel_residual=parallel,
                    positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
@@ -318,8 +321,8 @@ def phi(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
                                      o_bias=True, q_norm="q_layernorm" if qk_norm else None,
                                      k_norm="k_layernorm" if qk_norm else None),
-                   norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu_new"),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "gelu_new"),
                    lm_head_bias=True,
                    parallel_residual=True, mlp_in_norm=None,
                    tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
@@ -346,8 +349,8 @@ def opt(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, o_proj="out_proj", q_bias=bias, k_bias=bias, v_bias=bias,
                                      o_bias=bias), attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
                    mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=bias),
-                   norm="layer", norm_bias=bias,
-                   norm_eps=1e-5, hidden_act=config.get("activation_function", "relu"))
+                   norms=replace(spec.norms, kind="layer", bias=bias, eps=1e-5),
+                   hidden_act=config.get("activation_function", "relu"))
 
 
 @architecture("falcon", norm="layer", status="verified")
@@ -374,7 +377,7 @@ def falcon(config: dict) -> DecoderSpec:
                                      qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
                                      o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=bias),
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation", "gelu"),
                    parallel_residual=parallel,
                    intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms,
@@ -396,8 +399,8 @@ def bloom(config: dict) -> DecoderSpec:
                                      qkv_layout="per_head", o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
                                      o_bias=True),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
-                   norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh",
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act="gelu_pytorch_tanh",
                    positions=replace(spec.positions, rope=False, alibi=True),
                    intermediate_size=4 * spec.hidden_size)
 
@@ -598,8 +601,9 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
                                      windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
                    attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm",
                    mlp=replace(spec.mlp, gate_up_proj="Wi", down_proj="Wo", bias=mlp_bias),
-                   norm="layer", norm_bias=bool(config.get("norm_bias", False)),
-                   norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
+                   norms=replace(spec.norms, kind="layer", bias=bool(config.get("norm_bias", False)),
+                                 eps=config.get("norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_activation", "gelu"),
                    positions=replace(spec.positions, rope_configs=tuple((config, t) for t in types)),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -614,15 +618,18 @@ def vaultgemma(config: dict) -> DecoderSpec:
               notes="native KV-cache generation")
 def jais2(config: dict) -> DecoderSpec:
     """LayerNorm with bias, plain squared-ReLU MLP, biases."""
-    return replace(llama(config), norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
+    spec = llama(config)
+    return replace(spec, norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
                    hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("nemotron", norm="layer", llama_layout=True, status="verified")
 def nemotron(config: dict) -> DecoderSpec:
     """LayerNorm1P (x * (1 + w) + b), plain squared-ReLU MLP, partial rotary."""
-    return replace(llama(config), norm="layer", norm_bias=True, norm_unit_offset=True,
-                   norm_eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5),
+    spec = llama(config)
+    return replace(spec,
+                   norms=replace(spec.norms, kind="layer", bias=True, unit_offset=True,
+                                 eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5)),
                    hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
@@ -632,7 +639,7 @@ def nanochat(config: dict) -> DecoderSpec:
     """Parameter-free RMSNorm everywhere (also right after the embedding and on q/k after rotary), rotation by
     -theta, plain squared-ReLU fc1/fc2 MLP, final soft-capping."""
     spec = llama(config)
-    return replace(spec, norm_weight=False, embed_norm="model.norm",
+    return replace(spec, norms=replace(spec.norms, weight=False), embed_norm="model.norm",
                    hidden_act=config.get("hidden_act", "relu2"),
                    attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_after_rope=True),
                    positions=replace(spec.positions, rope_negated=True),
@@ -676,7 +683,7 @@ def persimmon(config: dict) -> DecoderSpec:
                                      q_bias=True, k_bias=True, v_bias=True, o_bias=True,
                                      q_norm="q_layernorm" if qk_norm else None,
                                      k_norm="k_layernorm" if qk_norm else None),
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
                    hidden_act=config.get("hidden_act", "relu2"),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
                                                                                         up_proj="dense_h_to_4h",
@@ -738,8 +745,7 @@ def gptj(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, path="attn", o_proj="out_proj"),
                    attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True,
                    mlp=replace(spec.mlp, up_proj="fc_in", down_proj="fc_out", kind="plain", bias=True),
-                   norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True,
                    positions=replace(spec.positions, rope_interleaved=True,
                                      rope_configs=((rope_config, None),) * spec.num_layers),
@@ -770,8 +776,8 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
                                      qkv_layout="per_head", o_proj="dense", out_bias="dense_bias",
                                      out_bias_layers=(spec.num_layers - 1,)),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h"),
-                   norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "gelu"),
                    intermediate_size=inter,
                    positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
@@ -805,7 +811,7 @@ def gpt_neo(config: dict) -> DecoderSpec:
                                      windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers])),
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation_function", "gelu_new"))
 
 
@@ -834,7 +840,7 @@ def biogpt(config: dict) -> DecoderSpec:
                                      o_bias=True), attn_in_norm="self_attn_layer_norm",
                    mlp_in_norm="final_layer_norm",
                    mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=True),
-                   norm="layer", norm_bias=True, norm_eps=1e-5,
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=1e-5),
                    hidden_act=config.get("hidden_act", "gelu"))
 
 
@@ -901,8 +907,9 @@ def ctrl(config: dict) -> DecoderSpec:
                                      v_proj="Wv", o_proj="dense", q_bias=True, k_bias=True, v_bias=True, o_bias=True),
                    attn_in_norm="layernorm1",
                    mlp_in_norm="layernorm2",
-                   mlp=replace(spec.mlp, path="ffn", kind="plain", up_proj="0", down_proj="2", bias=True), norm="layer",
-                   norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-6), hidden_act="relu",
+                   mlp=replace(spec.mlp, path="ffn", kind="plain", up_proj="0", down_proj="2", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-6)),
+                   hidden_act="relu",
                    lm_head_bias=True)
 
 
@@ -925,8 +932,9 @@ def mpt(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, path="attn", qkv_proj="Wqkv", o_proj="out_proj", q_bias=bias,
                                      k_bias=bias, v_bias=bias, o_bias=bias), attn_in_norm="norm_1",
                    mlp_in_norm="norm_2",
-                   mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias), norm="layer", norm_bias=bias,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu",
+                   mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias),
+                   norms=replace(spec.norms, kind="layer", bias=bias, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act="gelu",
                    positions=replace(spec.positions, rope=False, alibi=True, alibi_kind="mpt"),
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
@@ -952,7 +960,8 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
                                            v_dim=config.get("linear_value_head_dim", 128),
                                            conv_kernel=config.get("linear_conv_kernel_dim", 4))
     return replace(spec,
-                   attention=replace(spec.attention, windows=(), q_gate=True), norm_unit_offset=True,
+                   attention=replace(spec.attention, windows=(), q_gate=True),
+                   norms=replace(spec.norms, unit_offset=True),
                    linear_attention=linear_attention)
 
 

@@ -23,7 +23,7 @@ Decode steps are not captured: the recurrent state and the indexer's pooled keys
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from vkformers.engine import functional as F
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param
 from vkformers.models.decoder import DecoderLayer, GatedDeltaNet, make_norm
+from vkformers.models.decoder.spec import NormSpec
 
 from vkformers_moe.axk2 import Axk2Attention, Axk2Layer
 from vkformers_moe.deepseek_v4 import DeepseekV4Layer, DeepseekV4Moe
@@ -58,8 +59,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.param("A_log", (heads,))
         self.b_proj = Linear(d, heads, bias=False)
         self.g_a_proj, self.g_b_proj = Linear(d, dim, bias=False), Linear(dim, width, bias=False)
-        self.o_norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True,
-                                        norm_eps=s.linear_attention.norm_eps or s.norm_eps), dim)
+        self.o_norm = make_norm(NormSpec("rms", eps=s.linear_attention.norm_eps or s.norms.eps), dim)
         self.o_proj = Linear(width, d, bias=False)
         object.__setattr__(self, "gated_norm", self.o_norm)
         object.__setattr__(self, "output", self.o_proj)

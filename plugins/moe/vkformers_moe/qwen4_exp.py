@@ -168,7 +168,7 @@ class PerLayerEmbedding(Module):
             add_param(self, f"ple_embedding.ngram_embedding.shard_{i}.weight", (size, e // heads))
         self.key_proj = Linear(e, n * d, bias=False)
         self.value_proj = Linear(e, d, bias=False)
-        eps = spec.norm_eps
+        eps = spec.norms.eps
         self.norm_key, self.norm_query, self.norm_conv = (StreamNorm(n, d, eps) for _ in range(3))
         self.conv1d = Module()
         self.conv1d.param("weight", (n * d, 1, o.ple_kernel))
@@ -263,7 +263,7 @@ class Qwen4ExpLayer(DecoderLayer):
         self.options = options
         for name, path in (("attn_hc", "attn_hyper_connection"), ("mlp_hc", "mlp_hyper_connection")):
             object.__setattr__(self, name, place(self, path, GatedResidual(o.hc_count, d, o.hc_lowrank,
-                                                                             spec.norm_eps)))
+                                                                             spec.norms.eps)))
         object.__setattr__(self, "ple", None)
         if o.ple_index[index] is not None:
             object.__setattr__(self, "ple", place(self, "ple", PerLayerEmbedding(o, spec, index)))

@@ -74,7 +74,7 @@ def phimoe(config: dict) -> DecoderSpec:
     refuse("phimoe", config, "input_jitter_noise", lambda v: not v)
     bias = bool(config.get("attention_bias", False))
     spec = mistral(config)
-    spec = replace(spec, norm="layer", norm_bias=True, norm_eps=config.get("rms_norm_eps", 1e-5),
+    spec = replace(spec, norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("rms_norm_eps", 1e-5)),
                    attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
                    lm_head_bias=bool(config.get("lm_head_bias", False)))
     moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 2),
@@ -178,7 +178,7 @@ def llama4_text(config: dict) -> DecoderSpec:
         qk_norm=tuple(bool(config.get("use_qk_norm", True)) and r for r in rotary),
         temperature=tuple(bool(config.get("attn_temperature_tuning", True)) and not r for r in rotary),
         floor_scale=float(config.get("floor_scale", 8192)), attn_scale=float(config.get("attn_scale", 0.1)),
-        eps=spec.norm_eps)
+        eps=spec.norms.eps)
     size = config.get("intermediate_size", 8192)
     moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 1), expert_size=size,
                   layers=tuple(i in sparse for i in range(n)), hidden_act=spec.hidden_act, path="feed_forward",
@@ -358,7 +358,7 @@ def olmoe(config: dict) -> DecoderSpec:
     spec = replace(spec,
                    attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full",
                                      clip_qkv=config.get("clip_qkv"), clip_after_qk_norm=True),
-                   norm_eps=config.get("rms_norm_eps", 1e-5))
+                   norms=replace(spec.norms, eps=config.get("rms_norm_eps", 1e-5)))
     moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
                   norm_topk=bool(config.get("norm_topk_prob", False)))
@@ -453,7 +453,7 @@ def cohere2_moe(config: dict) -> DecoderSpec:
                        t == "sliding_attention" or (m == "dense" and force) for t, m in zip(types, mlp_types))),
                    intermediate_size=config.get("prefix_dense_intermediate_size") or spec.intermediate_size)
     if config.get("rms_norm_eps") is not None:
-        spec = replace(spec, norm="rms", norm_eps=config["rms_norm_eps"])
+        spec = replace(spec, norms=replace(spec.norms, kind="rms", eps=config["rms_norm_eps"]))
     size, shared = config.get("intermediate_size"), config.get("num_shared_experts") or 0
     moe = MoeSpec(num_experts=num_experts(config, 8), top_k=config.get("num_experts_per_tok", 2), expert_size=size,
                   layers=tuple(m == "sparse" for m in mlp_types), hidden_act=spec.hidden_act, scoring=selection,
@@ -535,7 +535,9 @@ def minimax_m3_vl_text(config: dict) -> DecoderSpec:
                                                   if config.get("moe_layer_freq") is not None else ["sparse"] * n)
     clip = (float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
     spec = llama(dict(config, hidden_act="silu"))
-    spec = replace(spec, attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm"), norm_unit_offset=True,
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm"),
+                   norms=replace(spec.norms, unit_offset=True),
                    intermediate_size=config.get("dense_intermediate_size", 12288))
     spec = spec.amend("mlp", gate_up_proj="gate_up_proj")
     rope = config.get("rope_parameters") or {}
@@ -647,7 +649,7 @@ def dbrx(config: dict) -> DecoderSpec:
                    attn_in_norm="norm_attn_norm.norm_1", mlp_in_norm="norm_attn_norm.norm_2",
                    attention=replace(spec.attention, path="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks",
                                      o_proj="out_proj", clip_qkv=attn.get("clip_qkv")),
-                   norm="layer", norm_eps=1e-5, norm_bias=False,
+                   norms=replace(spec.norms, kind="layer", eps=1e-5, bias=False),
                    positions=replace(spec.positions, rope_configs=((flat, None),) * flat["n_layers"]))  # flat sizes
     moe = MoeSpec(num_experts=ffn.get("moe_num_experts", 4), top_k=ffn.get("moe_top_k", 1),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=act, path="ffn",

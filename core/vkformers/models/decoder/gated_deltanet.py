@@ -18,7 +18,6 @@ inputs of each conv and S (``cache.linear_states[layer]``), restarted when the c
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.decoder.norms import make_norm
+from vkformers.models.decoder.spec import NormSpec
 from vkformers.models.module import Module
 
 
@@ -68,8 +68,7 @@ class GatedDeltaNet(Module):
         self.param("dt_bias", (self.v_heads,))
         self.param("A_log", (self.v_heads,))
         # the gated norm has a plain weight, also in (1 + w) models
-        norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True,
-                                 norm_eps=lin.norm_eps or s.norm_eps), self.v_dim)
+        norm = make_norm(NormSpec("rms", eps=lin.norm_eps or s.norms.eps), self.v_dim)
         out_proj = Linear(value_width, d, bias=False)
         setattr(self, "o_norm" if self.split else "norm", norm)
         setattr(self, "o_proj" if self.split else "out_proj", out_proj)

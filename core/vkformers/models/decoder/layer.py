@@ -13,7 +13,7 @@ from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder.gated_deltanet import GatedDeltaNet
 from vkformers.models.decoder.norms import make_norm
-from vkformers.models.decoder.spec import DecoderSpec
+from vkformers.models.decoder.spec import DecoderSpec, NormSpec
 from vkformers.models.layers import Conv1D, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module, add_param, get_param, join_path, place
 
@@ -54,10 +54,10 @@ class HeadwiseNorm(Module):
         return F.stack([norm.weight for norm in self.norms])
 
     def forward(self, x):  # x [B, T, heads, D]
-        if self.spec.norm == "rms":
-            y = F.rms_norm(x, None, eps=self.spec.norm_eps)
+        if self.spec.norms.kind == "rms":
+            y = F.rms_norm(x, None, eps=self.spec.norms.eps)
         else:
-            y = F.layer_norm(x, None, None, eps=self.spec.norm_eps)
+            y = F.layer_norm(x, None, None, eps=self.spec.norms.eps)
         return y * self._weight()
 
 
@@ -215,7 +215,7 @@ class DecoderLayer(Module):
     def _init_mla(self, add):
         s, m, d = self.spec, self.spec.mla, self.spec.hidden_size
         heads, qk_dim = s.num_heads, m.nope_dim + m.rope_dim
-        rms = replace(s, norm="rms", norm_weight=True, norm_unit_offset=False, norm_eps=m.norm_eps or s.norm_eps)
+        rms = NormSpec("rms", eps=m.norm_eps or s.norms.eps)
         if m.q_lora_rank:
             add("q_a", join_path(s.attention.path, "q_a_proj"), Linear(d, m.q_lora_rank, bias=s.attention.q_bias))
             add("q_a_norm", join_path(s.attention.path, "q_a_layernorm"), make_norm(rms, m.q_lora_rank))
@@ -393,7 +393,7 @@ class DecoderLayer(Module):
         if qk_norm and (s.attention.qk_norm_scope != "head" or s.attention.qk_norm_after_rope or s.head_dim > 256
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
             return None
-        if (s.post_norm or s.parallel_residual or s.norm != "rms" or s.mla or s.attention.q_gate
+        if (s.post_norm or s.parallel_residual or s.norms.kind != "rms" or s.mla or s.attention.q_gate
                 or s.attention.clip_qkv is not None or s.attention.sinks or s.positions.query_scale is not None
                 or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)

@@ -11,7 +11,6 @@ mask those keys on top of the causal mask; ``labels`` are shifted inside (not fo
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder.layer import Context, DecoderLayer, fused_norm
 from vkformers.models.decoder.norms import make_norm
-from vkformers.models.decoder.spec import DecoderSpec, alibi_slopes, mpt_alibi_slopes, sinusoidal_table
+from vkformers.models.decoder.spec import DecoderSpec, NormSpec, alibi_slopes, mpt_alibi_slopes, sinusoidal_table
 from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
@@ -37,12 +36,11 @@ IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias",
                            ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
 
 
-def _embed_norm_spec(spec: DecoderSpec) -> DecoderSpec:
-    """The spec make_norm builds the embedding norm from: the blocks' norm, or a LayerNorm of its own."""
+def _embed_norms(spec: DecoderSpec) -> NormSpec:
+    """The embedding norm: the blocks' norm, or a LayerNorm of its own."""
     if spec.embed_norm_layer_eps is None:
-        return spec
-    return replace(spec, norm="layer", norm_eps=spec.embed_norm_layer_eps, norm_weight=True, norm_bias=True,
-                   norm_unit_offset=False)
+        return spec.norms
+    return NormSpec("layer", eps=spec.embed_norm_layer_eps, weight=True, bias=True)
 
 
 def _shift_labels(labels: np.ndarray) -> np.ndarray:
@@ -117,7 +115,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
             project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
             project_out=(place(self, spec.project_out, Linear(d, spec.embed_dim, bias=False))
                          if spec.project_out else None),
-            embed_norm=(place(self, spec.embed_norm, make_norm(_embed_norm_spec(spec), d))
+            embed_norm=(place(self, spec.embed_norm, make_norm(_embed_norms(spec), d))
                         if spec.embed_norm else None),
             position_embed=(place(self, spec.position_embed,
                                   Embedding(spec.max_position_embeddings + spec.positions.offset, d))

@@ -21,6 +21,17 @@ class UnsupportedConfigError(VkformersError, ValueError):
 
 
 @dataclass
+class NormSpec:
+    """The blocks' norms, as :func:`~vkformers.models.decoder.norms.make_norm` builds them."""
+
+    kind: str = "rms"                        # rms | layer
+    eps: float = 1e-6
+    weight: bool = True                      # False: parameter-free (OLMo)
+    bias: bool = False                       # LayerNorm bias
+    unit_offset: bool = False                # Gemma: x * (1 + weight); Nemotron's LayerNorm1P: x * (1 + weight) + bias
+
+
+@dataclass
 class PositionSpec:
     """How positions enter: rotary on q and k (per-layer configs and NoPE layers), ALiBi slopes, or an absolute
     position table added to the embeddings; and how positions are counted."""
@@ -191,11 +202,7 @@ class DecoderSpec:
     mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
 
     # -- numerics
-    norm: str = "rms"                        # rms | layer
-    norm_eps: float = 1e-6
-    norm_weight: bool = True                 # False: parameter-free (OLMo)
-    norm_bias: bool = False                  # LayerNorm bias
-    norm_unit_offset: bool = False           # Gemma: x * (1 + weight); Nemotron's LayerNorm1P: x * (1 + weight) + bias
+    norms: NormSpec = field(default_factory=lambda: NormSpec())  # every norm of the blocks (make_norm)
     hidden_act: str = "silu"                 # also "xielu" (Apertus: learned alpha_p / alpha_n under mlp.act_fn)
     lm_head_bias: bool = False
     conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
