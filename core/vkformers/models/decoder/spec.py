@@ -138,7 +138,7 @@ class LinearAttentionSpec:
     split_projections: bool = False          # OLMo Hybrid: q/k/v/g/b/a_proj, one conv per q/k/v (q_conv1d, ...),
     #                                          o_norm, o_proj
     beta_scale: float = 1.0                  # beta = scale * sigmoid(b) (OLMo Hybrid's allow_neg_eigval: 2)
-    norm_eps: float | None = None            # the gated output norm's eps when not the spec's norm_eps (OLMo Hybrid)
+    norm_eps: float | None = None            # the gated output norm's eps when not the spec's norms.eps (OLMo Hybrid)
     layer_norms: tuple = ()                  # (role, path) pairs: the linear layers' norms where they differ from
     #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
     module: Callable | None = None           # (spec) -> the linear layers' module, instead of GatedDeltaNet (a
@@ -157,12 +157,13 @@ class MLASpec:
     q_lora_rank: int | None = None           # None: one q_proj
     q_scale: float = 1.0                     # multiplies the queries (LongCat: sqrt(hidden / q_lora_rank))
     kv_scale: float = 1.0                    # multiplies the normed kv latent (LongCat: sqrt(hidden / kv_lora_rank))
-    norm_eps: float | None = None            # q_a / kv_a norms' eps when not the spec's norm_eps (LongCat: 1e-6)
+    norm_eps: float | None = None            # q_a / kv_a norms' eps when not the spec's norms.eps (LongCat: 1e-6)
 
 
 @dataclass
 class DecoderSpec:
-    """Every knob of the shared decoder. Names are Hugging Face parameter paths."""
+    """The shared decoder's configuration: sizes, checkpoint names, numerics, and one sub-spec per part of the
+    block. Names are Hugging Face parameter paths."""
 
     # -- sizes
     vocab_size: int
@@ -178,7 +179,7 @@ class DecoderSpec:
     embed: str = "model.embed_tokens"
     embed_norm: str | None = None            # BLOOM's word_embeddings_layernorm
     embed_norm_layer_eps: float | None = None  # set: embed_norm is a LayerNorm with weight and bias of this eps,
-    #                                          whatever ``norm`` the blocks use (Open-Llama's stable embedding)
+    #                                          whatever ``norms`` the blocks use (Open-Llama's stable embedding)
     embed_dim: int | None = None             # token-embedding width when it differs from hidden_size (OPT-350m)
     project_in: str | None = None            # embed_dim -> hidden after the embedding, hidden -> embed_dim before lm_head
     project_out: str | None = None
@@ -190,11 +191,18 @@ class DecoderSpec:
     #                                          prediction head "lm_head", before its "decoder" projection)
     head_transform_bias: bool = False
     head_transform_act: str = "gelu"
+
+    # -- sub-specs: what each part of the block computes (variants change them with replace(...) or amend)
     attention: AttentionSpec = field(default_factory=lambda: AttentionSpec())  # softmax attention over q/k/v heads
+    mla: MLASpec | None = None               # DeepSeek-V2 multi-head latent attention instead of q/k/v projections
     linear_attention: LinearAttentionSpec | None = None  # Gated DeltaNet instead of softmax attention on some layers
     positions: PositionSpec = field(default_factory=lambda: PositionSpec())  # rotary, ALiBi or position tables
-    mla: MLASpec | None = None               # DeepSeek-V2 multi-head latent attention instead of q/k/v projections
+    norms: NormSpec = field(default_factory=lambda: NormSpec())  # every norm of the blocks (make_norm)
     mlp: MLPSpec = field(default_factory=lambda: MLPSpec())  # the dense MLP (a layer's moe block replaces it)
+    moe: MLPBlocks | None = None             # the MLP slot: a plugin's blocks replacing the dense MLP of some layers
+    #                                          (vkformers-moe's MoeSpec); None: every layer's MLP is ``mlp``
+
+    # -- where the norms sit (layer-relative names; None: no such norm)
     attn_in_norm: str | None = "input_layernorm"
     attn_in_norm_skipped: tuple[int, ...] = ()  # layers without it (ModernBERT's layer 0 reads the embedding norm)
     attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
@@ -202,7 +210,6 @@ class DecoderSpec:
     mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
 
     # -- numerics
-    norms: NormSpec = field(default_factory=lambda: NormSpec())  # every norm of the blocks (make_norm)
     hidden_act: str = "silu"                 # also "xielu" (Apertus: learned alpha_p / alpha_n under mlp.act_fn)
     lm_head_bias: bool = False
     conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
@@ -225,9 +232,7 @@ class DecoderSpec:
     #                                          this forward never reads (TrOCR's encoder_attn without encoder states);
     #                                          loaded and saved as they are, never given a gradient
 
-    # -- mixture of experts
-    moe: MLPBlocks | None = None             # the MLP slot: a plugin's blocks replacing the dense MLP of some layers
-    #                                          (vkformers-moe's MoeSpec); None: every layer's MLP is ``mlp``
+    # -- plugin hooks
     make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
     #                                          composed layer (vkformers-moe's Llama 4 attention, LongCat's sublayers)
     checkpoint_layers: tuple[int, ...] = ()  # each layer's index in the checkpoint when the file has others this
