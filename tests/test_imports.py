@@ -167,7 +167,7 @@ def module_graph(imports: list[Import]) -> dict[str, set[str]]:
 
 def test_sources_are_found():
     files = source_files()
-    assert {"vkformers.engine.tensor", "vkformers.engine.function", "vkformers_llama.decoder",
+    assert {"vkformers.engine.tensor", "vkformers.engine.function", "vkformers.models.decoder.model",
             "vkformers_moe.model"} <= set(files)
 
 

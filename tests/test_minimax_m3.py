@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vkformers_moe")
 
-from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
+from vkformers.models.decoder import UnsupportedConfigError  # noqa: E402
 
 FOLDER = Path(__file__).parent / "fixtures" / "minimax_m3_vl_text"
 SMALL = dict(model_type="minimax_m3_vl_text", vocab_size=16, hidden_size=8, num_hidden_layers=2,
@@ -54,7 +54,7 @@ def test_released_config_names_are_read():
     assert spec.make_layer.sparse == (True, False) and spec.moe.layers == (False, True)
     assert (spec.make_layer.index_heads, spec.make_layer.index_dim, spec.make_layer.block,
             spec.make_layer.topk_blocks, spec.make_layer.local_blocks) == (2, 4, 2, 3, 2)
-    assert spec.norm_unit_offset and spec.moe.shared_swiglu_clip
+    assert spec.norms.unit_offset and spec.moe.shared_swiglu_clip
 
 
 def test_unsupported_indexer_options_are_refused():

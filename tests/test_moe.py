@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vkformers_moe")
 
 import vkformers as vkf  # noqa: E402
-from vkformers_llama.variants import UnsupportedConfigError  # noqa: E402
+from vkformers.models.decoder import UnsupportedConfigError  # noqa: E402
 from vkformers_moe import block as moe_block  # noqa: E402
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask  # noqa: E402
 from vkformers.engine.ops import routing as moe_routes  # noqa: E402

@@ -1,4 +1,5 @@
-"""Per-architecture deltas: how each dense decoder's config.json fills a :class:`DecoderSpec`.
+"""Per-architecture deltas: how each dense decoder's config.json fills the decoder kit's :class:`DecoderSpec`
+(:mod:`vkformers.models.decoder`).
 
 Like transformers' modular files, a variant is its parent plus a declared difference:
 ``mistral`` is ``llama`` with a sliding window, ``gemma2`` is ``gemma`` with sublayer
@@ -13,203 +14,18 @@ something else.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
-import numpy as np
-
-from vkformers.errors import VkformersError
+from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
+                                           UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
+                                           sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
 architecture = FAMILY.architecture
-
-
-class UnsupportedConfigError(VkformersError, ValueError):
-    """A config option of a known architecture that the shared decoder does not implement."""
-
-
-@dataclass
-class DecoderSpec:
-    """Every knob of the shared decoder. Names are Hugging Face parameter paths."""
-
-    # -- sizes
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int = 2048
-
-    # -- parameter names (model level: full paths; layer level: relative to the layer)
-    embed: str = "model.embed_tokens"
-    embed_norm: str | None = None            # BLOOM's word_embeddings_layernorm
-    embed_norm_layer_eps: float | None = None  # set: embed_norm is a LayerNorm with weight and bias of this eps,
-    #                                          whatever ``norm`` the blocks use (Open-Llama's stable embedding)
-    embed_dim: int | None = None             # token-embedding width when it differs from hidden_size (OPT-350m)
-    project_in: str | None = None            # embed_dim -> hidden after the embedding, hidden -> embed_dim before lm_head
-    project_out: str | None = None
-    position_embed: str | None = None        # learned absolute positions (GPT-2 wpe, OPT embed_positions)
-    layers: str = "model.layers"
-    final_norm: str | None = "model.norm"
-    lm_head: str = "lm_head"
-    head_transform: str | None = None        # norm(act(dense(x))) between the final norm and lm_head (ModernBERT's
-    #                                          prediction head "lm_head", before its "decoder" projection)
-    head_transform_bias: bool = False
-    head_transform_act: str = "gelu"
-    attn: str = "self_attn"
-    q_proj: str = "q_proj"
-    k_proj: str = "k_proj"
-    v_proj: str = "v_proj"
-    o_proj: str = "o_proj"
-    qkv_proj: str | None = None              # one fused projection instead of q/k/v
-    qkv_layout: str = "blocks"               # blocks: [q | k | v]; per_head: [H, 3, D]; grouped: [KVH, H/KVH + 2, D];
-    #                                          chunks_qvk: [qkv_chunks, (q, v, k), H/qkv_chunks * D] (CodeGen)
-    qkv_chunks: int = 1
-    attn_out_bias: str | None = None         # a bias added after o_proj, stored apart (GPT-NeoX-Japanese dense_bias)
-    attn_out_bias_layers: tuple[int, ...] = ()  # the layers that have it
-    attention_sinks: str | None = None       # per-head learned sink logit (inside attn): out * sigmoid(lse - sink)
-    heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
-    output_gate: str | None = None           # projection inside attn whose softplus scales the attention output
-    #                                          before o_proj (Laguna's g_proj)
-    output_gate_per_head: bool = True        # one gate per head (broadcast over head_dim), else one per channel
-    output_gate_sigmoid: bool = False        # sigmoid instead of softplus (AFMoE's gate_proj)
-    q_gate: bool = False                     # q_proj yields [query | gate] per head; output *= sigmoid(gate) (Qwen3.5)
-    linear_layers: tuple[bool, ...] = ()     # per layer: Gated DeltaNet linear attention instead of softmax attention
-    linear_attn: str = "linear_attn"         # its module name, and its sizes:
-    linear_k_heads: int = 0
-    linear_v_heads: int = 0
-    linear_k_dim: int = 0
-    linear_v_dim: int = 0
-    linear_conv_kernel: int = 4
-    linear_grouped_projections: bool = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba laid out per key head ([q k v z] /
-    #                                          [b a] of its value heads) instead of in_proj_qkv / _z / _b / _a
-    linear_split_projections: bool = False   # OLMo Hybrid: q/k/v/g/b/a_proj, one conv per q/k/v (q_conv1d, ...),
-    #                                          o_norm, o_proj
-    linear_beta_scale: float = 1.0           # beta = scale * sigmoid(b) (OLMo Hybrid's allow_neg_eigval: 2)
-    linear_norm_eps: float | None = None     # the gated output norm's eps when not norm_eps (OLMo Hybrid: 1e-5)
-    linear_layer_norms: tuple = ()           # (role, path) pairs: the linear layers' norms where they differ from
-    #                                          the attention layers' (OLMo Hybrid: pre-norm linear blocks)
-    linear_module: Callable | None = None    # (spec) -> the linear layers' module, instead of GatedDeltaNet (a
-    #                                          plugin's variant of it: vkformers-moe's Kimi Delta Attention)
-    mla: bool = False                        # DeepSeek-V2 multi-head latent attention (sizes in mla_* below)
-    mla_q_lora_rank: int | None = None       # None: one q_proj
-    mla_kv_lora_rank: int = 0
-    mla_nope_dim: int = 0                    # per-head query/key dims without rotary
-    mla_rope_dim: int = 0                    # per-head rotary dims (one shared rotary key for all heads)
-    mla_v_dim: int = 0
-    mla_q_scale: float = 1.0                 # multiplies the queries (LongCat: sqrt(hidden / q_lora_rank))
-    mla_kv_scale: float = 1.0                # multiplies the normed kv latent (LongCat: sqrt(hidden / kv_lora_rank))
-    mla_norm_eps: float | None = None        # q_a / kv_a norms' eps when not norm_eps (LongCat: 1e-6)
-    q_norm: str | None = None                # QK-norm parameter names (inside attn)
-    k_norm: str | None = None
-    qk_norm_after_rope: bool = False         # HunYuan, NanoChat: normalise q/k after the rotation
-    qk_norm_scope: str = "head"              # head: each head's D values, one shared weight [D]; full: the whole
-    #                                          projection; per_head: weight [heads, D]; per_head_list: norms.<h>
-    mlp: str = "mlp"
-    mlp_kind: str = "gated"                  # gated: down(act(gate) * up); plain: down(act(up))
-    gate_proj: str = "gate_proj"
-    up_proj: str = "up_proj"                 # plain MLPs name their input projection here (fc1, c_fc, ...)
-    down_proj: str = "down_proj"
-    gate_up_proj: str | None = None          # fused [gate | up] (Phi-3)
-    attn_in_norm: str | None = "input_layernorm"
-    attn_in_norm_skipped: tuple[int, ...] = ()  # layers without it (ModernBERT's layer 0 reads the embedding norm)
-    attn_out_norm: str | None = None         # on the attention output before the residual (Gemma 2/3, OLMo 2)
-    mlp_in_norm: str | None = "post_attention_layernorm"
-    mlp_out_norm: str | None = None          # on the MLP output before the residual (Gemma 2/3, OLMo 2)
-    attn_sub_norm: str | None = None         # inside attn, on the heads' output before o_proj (BitNet)
-    mlp_sub_norm: str | None = None          # inside mlp, on act(gate) * up before down_proj (BitNet)
-
-    # -- numerics
-    norm: str = "rms"                        # rms | layer
-    norm_eps: float = 1e-6
-    norm_weight: bool = True                 # False: parameter-free (OLMo)
-    norm_bias: bool = False                  # LayerNorm bias
-    norm_unit_offset: bool = False           # Gemma: x * (1 + weight); Nemotron's LayerNorm1P: x * (1 + weight) + bias
-    hidden_act: str = "silu"                 # also "xielu" (Apertus: learned alpha_p / alpha_n under mlp.act_fn)
-    q_bias: bool = False
-    k_bias: bool = False
-    v_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False                   # gate/up and down alike
-    lm_head_bias: bool = False
-    conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
-    post_norm: bool = False                  # x = norm(x + f(x)) with attn_in_norm / mlp_in_norm (OPT-350m)
-    parallel_residual: bool = False          # x + attn(norm(x)) + mlp(norm'(x)); norm' = attn_in_norm when mlp_in_norm is None
-    attention_scales: tuple[float, ...] = () # per layer; empty: 1 / sqrt(head_dim)
-    windows: tuple[int, ...] = ()            # per layer sliding window (0: full attention); empty: none
-    attn_softcap: float = 0.0
-    final_softcap: float = 0.0
-    clip_qkv: float | None = None            # OLMo: clamp q, k, v to [-c, c]
-    clip_after_qk_norm: bool = False         # OLMoE: clamp after the whole-projection q/k norm, not before
-
-    # -- positions
-    rope: bool = True
-    rope_interleaved: bool = False           # rotate pairs (2i, 2i+1) (GPT-J, CodeGen, Cohere)
-    rope_configs: tuple = ()                 # per layer (config dict, layer_type) for rope_parameters; empty: (config, None)
-    rope_layers: tuple[bool, ...] = ()       # per layer: does it rotate (SmolLM3 NoPE, Cohere2 full layers); empty: all
-    rope_negated: bool = False               # rotate by -theta (NanoChat's rotate_half is cat(x2, -x1))
-    query_position_scale: tuple[float, int] | None = None  # (beta, L): q *= 1 + beta log(1 + floor(pos / L))
-    alibi: bool = False
-    alibi_kind: str = "bloom"                # bloom | mpt: how the per-head slopes are spaced
-    alibi_slope_scale: float = 1.0           # Falcon adds ALiBi before the 1/sqrt(D) scaling
-    sinusoidal_positions: str | None = None  # fixed [sin | cos] position table added to the embeddings: fairseq (XGLM)
-    #                                          or ctrl; indexed by position + position_offset
-    position_offset: int = 0                 # OPT: learned table index = position + 2
-    positions_from_mask: bool = False        # OPT: position = cumsum(attention_mask) - 1
-    # The positions transformers' generate ends up using: "mask" (the position_ids it passes, cumsum(mask) - 1);
-    # TrOCR reads none and counts itself: "index" (learned table: every token at its index, pads included) or
-    # "fairseq" (sinusoidal: the prompt's non-pad tokens counted, each later token at its index, pads -1)
-    generation_positions: str = "mask"
-
-    # -- scalings
-    embed_scale: float = 1.0                 # Gemma sqrt(hidden) (rounded to the model dtype), Granite embedding_multiplier
-    embed_scale_in_dtype: bool = False
-    residual_scale: float = 1.0              # Granite residual_multiplier
-    logits_scale: float = 1.0                # Granite 1 / logits_scaling, Cohere logit_scale
-    tie_embeddings: bool = False
-    embed_padding_idx: int | None = None     # the token embedding's padding_idx: lookups of it pass no gradient to
-    #                                          its row, as transformers builds most families (pad_token_id);
-    #                                          GPT-2-era families build it without one (None)
-    embed_extra_rows: int = 0                # embedding rows past vocab_size that text never looks up (Mllama: 8)
-    shift_labels: bool = True                # False: labels[t] is the target of logits[t] (TrOCRForCausalLM)
-    unused_layer_params: tuple = ()          # (layer-relative path, shape): tensors each layer's checkpoint holds that
-    #                                          this forward never reads (TrOCR's encoder_attn without encoder states);
-    #                                          loaded and saved as they are, never given a gradient
-
-    # -- mixture of experts
-    moe: object | None = None                # an object whose block(spec, layer index) gives the Module replacing
-    #                                          that layer's MLP, or None for a dense layer (vkformers_moe.MoeSpec)
-    make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
-    #                                          composed layer (vkformers-moe's Llama 4 attention, LongCat's sublayers)
-    checkpoint_layers: tuple[int, ...] = ()  # each layer's index in the checkpoint when the file has others this
-    #                                          forward skips (Mllama's cross-attention layers), whose weights are
-    #                                          not loaded; empty: 0 .. num_layers - 1
-
-    extra: dict = field(default_factory=dict)  # free room for a variant's own notes
-
-
-# ---------------------------------------------------------------- config readers
-
-def first_of(config: dict, *names, default=None):
-    """The value of the first of ``names`` the config sets (not None), else ``default``: one option under the
-    spellings of several config classes (hidden_size, n_embd, d_model)."""
-    for name in names:
-        if config.get(name) is not None:
-            return config[name]
-    return default
-
-
-def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
-    """Raise UnsupportedConfigError when config[option] (or its default) is a value we do not implement."""
-    value = config.get(option, default)
-    if not supported(value):
-        raise UnsupportedConfigError(f"{arch}: config option {option}={value!r} is not supported by vkformers' "
-                                     f"decoder yet")
 
 
 def _sizes(config: dict) -> dict:
@@ -226,68 +42,6 @@ def _sizes(config: dict) -> dict:
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
         embed_padding_idx=padding_idx(config),
     )
-
-
-def padding_idx(config: dict) -> int | None:
-    """The config's pad_token_id as nn.Embedding(vocab, dim, padding_idx=pad_token_id) takes it (negative: from
-    the end), or None without one. One outside the table (transformers refuses it) matches no id: None."""
-    pad, rows = config.get("pad_token_id"), config["vocab_size"]
-    return pad if isinstance(pad, int) and not isinstance(pad, bool) and -rows <= pad < rows else None
-
-
-def sliding_windows(config: dict, num_layers: int, *, every_layer: bool) -> tuple[int, ...]:
-    """Per-layer windows: from layer_types when the config has them, else the whole stack or none."""
-    window = config.get("sliding_window") or 0
-    types = config.get("layer_types")
-    if types:
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
-    return (window if every_layer else 0,) * num_layers
-
-
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """BLOOM / MPT ALiBi slopes (float32 [heads]): a geometric series, interleaved when heads is not 2^n."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
-    slopes = [base ** i for i in range(1, closest + 1)]
-    if closest != num_heads:
-        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
-        slopes += [extra_base ** i for i in range(1, 1 + 2 * (num_heads - closest), 2)]
-    return np.asarray(slopes, dtype=np.float32)
-
-
-def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> np.ndarray:
-    """MPT's ALiBi slopes: 2^-(i * max / n') for the next power of two n', odd ones first when n is not 2^k."""
-    padded = 2 ** math.ceil(math.log2(num_heads))
-    slopes = 1.0 / np.power(2.0, np.arange(1, padded + 1, dtype=np.float32) * np.float32(alibi_bias_max / padded))
-    if padded != num_heads:
-        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
-    return slopes.astype(np.float32)
-
-
-def sinusoidal_table(kind: str, rows: int, dim: int, padding_row: int | None = None) -> np.ndarray:
-    """A fixed [rows, dim] float32 position table, [sin | cos] halves.
-
-    fairseq (XGLM): frequencies exp(-i * log(10000) / (dim/2 - 1)), i < dim/2; ``padding_row`` is zero.
-    ctrl: angle pos / 10000^(2 (j // 2) / dim) over all j; sines of the even j, cosines of the odd j.
-    """
-    pos = np.arange(rows, dtype=np.float32)[:, None]
-    if kind == "fairseq":
-        half = dim // 2
-        freq = np.exp(np.arange(half, dtype=np.float32) * np.float32(-math.log(10000) / (half - 1)))
-        angles = pos * freq[None, :]
-        table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
-        if dim % 2:
-            table = np.concatenate([table, np.zeros((rows, 1), np.float32)], axis=1)
-        if padding_row is not None:
-            table[padding_row] = 0.0
-    elif kind == "ctrl":
-        j = np.arange(dim)
-        rates = (1.0 / np.power(10000.0, (2 * (j // 2)) / np.float32(dim))).astype(np.float32)
-        angles = pos * rates[None, :]
-        table = np.concatenate([np.sin(angles[:, 0::2]), np.cos(angles[:, 1::2])], axis=1)
-    else:
-        raise ValueError(f"unknown sinusoidal position table {kind!r}")
-    return table.astype(np.float32)
 
 
 # ---------------------------------------------------------------- the variants
@@ -309,9 +63,10 @@ def llama(config: dict) -> DecoderSpec:
     arch = config.get("model_type", "llama")
     refuse(arch, config, "pretraining_tp", lambda v: v in (None, 1))
     bias = bool(config.get("attention_bias", False))
-    spec = DecoderSpec(**_sizes(config), norm_eps=first_of(config, "rms_norm_eps", default=1e-6),
-                       hidden_act=config.get("hidden_act", "silu"), q_bias=bias, k_bias=bias, v_bias=bias,
-                       o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+    spec = DecoderSpec(**_sizes(config), norms=NormSpec(eps=first_of(config, "rms_norm_eps", default=1e-6)),
+                       hidden_act=config.get("hidden_act", "silu"),
+                       attention=AttentionSpec(q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
+                       mlp=MLPSpec(bias=bool(config.get("mlp_bias", False))))
     return mllama_text_model(config, spec) if arch == "mllama_text_model" else spec
 
 
@@ -331,7 +86,7 @@ def mllama_text_model(config: dict, spec: DecoderSpec) -> DecoderSpec:
               ])
 def mistral(config: dict) -> DecoderSpec:
     spec = llama(config)
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=True))
+    return spec.amend("attention", windows=sliding_windows(config, spec.num_layers, every_layer=True))
 
 
 @architecture("qwen2", norm="rms", llama_layout=True, status="verified",
@@ -344,7 +99,8 @@ def mistral(config: dict) -> DecoderSpec:
                   "qwen2_5_omni_text",  # parsed with Qwen2-VL text parser
               ])
 def qwen2(config: dict) -> DecoderSpec:
-    spec = replace(llama(config), q_bias=True, k_bias=True, v_bias=True, o_bias=False)
+    spec = llama(config)
+    spec = replace(spec, attention=replace(spec.attention, q_bias=True, k_bias=True, v_bias=True, o_bias=False))
     if config.get("layer_types"):
         windows = sliding_windows(config, spec.num_layers, every_layer=False)
     elif config.get("use_sliding_window"):  # 4.x: layers from max_window_layers on slide
@@ -352,7 +108,7 @@ def qwen2(config: dict) -> DecoderSpec:
         windows = tuple(config["sliding_window"] if i >= first else 0 for i in range(spec.num_layers))
     else:
         windows = ()
-    return replace(spec, windows=windows)
+    return replace(spec, attention=replace(spec.attention, windows=windows))
 
 
 @architecture("qwen3", norm="rms", llama_layout=True, status="verified",
@@ -362,16 +118,22 @@ def qwen2(config: dict) -> DecoderSpec:
                   "qwen3_vl",  # multimodal wrapper; text_config
               ])
 def qwen3(config: dict) -> DecoderSpec:
-    return replace(qwen2(config), q_bias=bool(config.get("attention_bias", False)),
-                   k_bias=bool(config.get("attention_bias", False)), v_bias=bool(config.get("attention_bias", False)),
-                   o_bias=bool(config.get("attention_bias", False)), q_norm="q_norm", k_norm="k_norm")
+    spec = qwen2(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_bias=bool(config.get("attention_bias", False)),
+                                     k_bias=bool(config.get("attention_bias", False)),
+                                     v_bias=bool(config.get("attention_bias", False)),
+                                     o_bias=bool(config.get("attention_bias", False)), q_norm="q_norm",
+                                     k_norm="k_norm"))
 
 
 @architecture("gemma", norm="rms", llama_layout=True, status="verified",
               notes="native KV-cache generation")
 def gemma(config: dict) -> DecoderSpec:
     act = first_of(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
-    return replace(llama(config), hidden_act=act, norm_unit_offset=True, embed_scale=config["hidden_size"] ** 0.5,
+    spec = llama(config)
+    return replace(spec, hidden_act=act,
+                   norms=replace(spec.norms, unit_offset=True), embed_scale=config["hidden_size"] ** 0.5,
                    embed_scale_in_dtype=True, tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
@@ -390,9 +152,10 @@ def gemma2(config: dict) -> DecoderSpec:
     window = config.get("sliding_window") or 0
     scale = first_of(config, "query_pre_attn_scalar", default=spec.head_dim) ** -0.5
     return replace(spec, attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_feedforward_layernorm",
-                   mlp_out_norm="post_feedforward_layernorm", attention_scales=(scale,) * spec.num_layers,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                   attn_softcap=config.get("attn_logit_softcapping") or 0.0,
+                   mlp_out_norm="post_feedforward_layernorm",
+                   attention=replace(spec.attention, scales=(scale,) * spec.num_layers,
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                                     softcap=config.get("attn_logit_softcapping") or 0.0),
                    final_softcap=config.get("final_logit_softcapping") or 0.0)
 
 
@@ -413,8 +176,10 @@ def gemma3_text(config: dict) -> DecoderSpec:
         local = dict(config, rope_scaling=None, rope_parameters=None,
                      rope_theta=config.get("rope_local_base_freq", 10000.0))
         ropes = tuple((local if t == "sliding_attention" else config, None) for t in types)
-    return replace(spec, q_norm="q_norm", k_norm="k_norm", rope_configs=ropes,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types))
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm",
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
+                   positions=replace(spec.positions, rope_configs=ropes))
 
 
 @architecture("phi3", norm="rms", status="verified",
@@ -424,23 +189,29 @@ def gemma3_text(config: dict) -> DecoderSpec:
               ])
 def phi3(config: dict) -> DecoderSpec:
     spec = mistral(config)
-    return replace(spec, qkv_proj="qkv_proj", qkv_layout="blocks", gate_up_proj="gate_up_proj",
-                   norm_eps=first_of(config, "rms_norm_eps", default=1e-5))
+    return replace(spec,
+                   attention=replace(spec.attention, qkv_proj="qkv_proj", qkv_layout="blocks"),
+                   mlp=replace(spec.mlp, gate_up_proj="gate_up_proj"),
+                   norms=replace(spec.norms, eps=first_of(config, "rms_norm_eps", default=1e-5)))
 
 
 @architecture("olmo", norm="layer", llama_layout=True, status="verified",
               notes="parameter-free LayerNorm")
 def olmo(config: dict) -> DecoderSpec:
-    return replace(llama(config), norm="layer", norm_eps=1e-5, norm_weight=False, norm_bias=False,
-                   clip_qkv=config.get("clip_qkv"))
+    spec = llama(config)
+    return replace(spec, norms=replace(spec.norms, kind="layer", eps=1e-5, weight=False, bias=False),
+                   attention=replace(spec.attention, clip_qkv=config.get("clip_qkv")))
 
 
 @architecture("olmo2", norm="rms", llama_layout=True, status="verified")
 def olmo2(config: dict) -> DecoderSpec:
     spec = llama(config)
-    return replace(spec, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full", attn_in_norm=None,
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full"),
+                   attn_in_norm=None,
                    attn_out_norm="post_attention_layernorm", mlp_in_norm=None,
-                   mlp_out_norm="post_feedforward_layernorm", norm_eps=config.get("rms_norm_eps", 1e-5))
+                   mlp_out_norm="post_feedforward_layernorm",
+                   norms=replace(spec.norms, eps=config.get("rms_norm_eps", 1e-5)))
 
 
 @architecture("granite", norm="rms", llama_layout=True, status="verified",
@@ -449,18 +220,23 @@ def olmo2(config: dict) -> DecoderSpec:
                   "granite4_vision_text",  # normalized to granite
               ])
 def granite(config: dict) -> DecoderSpec:
-    return replace(llama(config), embed_scale=config.get("embedding_multiplier", 1.0),
+    spec = llama(config)
+    return replace(spec, embed_scale=config.get("embedding_multiplier", 1.0),
                    residual_scale=config.get("residual_multiplier", 1.0),
-                   attention_scales=(config.get("attention_multiplier", 1.0),) * config["num_hidden_layers"],
+                   attention=replace(spec.attention, scales=(config.get("attention_multiplier",
+                                                                        1.0),) * config["num_hidden_layers"]),
                    logits_scale=1.0 / config.get("logits_scaling", 1.0))
 
 
 @architecture("cohere", norm="layer", llama_layout=True, status="verified")
 def cohere(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("use_qk_norm", False))
-    return replace(llama(config), q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None,
-                   qk_norm_scope="per_head", norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=False,
-                   parallel_residual=True, mlp_in_norm=None, rope_interleaved=True,
+    spec = llama(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm" if qk_norm else None,
+                                     k_norm="k_norm" if qk_norm else None, qk_norm_scope="per_head"),
+                   norms=replace(spec.norms, kind="layer", eps=config.get("layer_norm_eps", 1e-5), bias=False),
+                   parallel_residual=True, mlp_in_norm=None, positions=replace(spec.positions, rope_interleaved=True),
                    logits_scale=config.get("logit_scale", 1.0),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -471,11 +247,13 @@ def stablelm(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
     bias = bool(config.get("use_qkv_bias", False))
     parallel = bool(config.get("use_parallel_residual", False))
-    return replace(llama(config), norm="layer", norm_eps=config.get("layer_norm_eps", 1e-5), norm_bias=True,
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, parallel_residual=parallel,
-                   mlp_in_norm=None if parallel else "post_attention_layernorm",
-                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
-                   qk_norm_scope="per_head_list")
+    spec = llama(config)
+    return replace(spec, norms=replace(spec.norms, kind="layer", eps=config.get("layer_norm_eps", 1e-5), bias=True),
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False,
+                                     q_norm="q_layernorm" if qk_norm else None,
+                                     k_norm="k_layernorm" if qk_norm else None, qk_norm_scope="per_head_list"),
+                   parallel_residual=parallel,
+                   mlp_in_norm=None if parallel else "post_attention_layernorm")
 
 
 @architecture("starcoder2", norm="layer", status="verified",
@@ -483,9 +261,10 @@ def stablelm(config: dict) -> DecoderSpec:
 def starcoder2(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", True))
     spec = mistral(config)
-    return replace(spec, norm="layer", norm_eps=config.get("norm_epsilon", 1e-5), norm_bias=True,
-                   hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"), mlp_kind="plain", up_proj="c_fc",
-                   down_proj="c_proj", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=bias)
+    return replace(spec, norms=replace(spec.norms, kind="layer", eps=config.get("norm_epsilon", 1e-5), bias=True),
+                   hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"),
+                   mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=bias),
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias))
 
 
 @architecture("gpt2", norm="layer", status="verified",
@@ -498,13 +277,16 @@ def gpt2(config: dict) -> DecoderSpec:
     scales = tuple(spec.head_dim ** -0.5 / ((i + 1) if config.get("scale_attn_by_inverse_layer_idx") else 1)
                    for i in range(spec.num_layers))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.wte", position_embed="transformer.wpe", rope=False,
-                   layers="transformer.h", final_norm="transformer.ln_f", attn="attn", qkv_proj="c_attn",
-                   o_proj="c_proj", attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc",
-                   down_proj="c_proj", conv1d=True, norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), q_bias=True, k_bias=True, v_bias=True,
-                   o_bias=True, mlp_bias=True, attention_scales=scales)
+                   embed="transformer.wte", position_embed="transformer.wpe",
+                   positions=replace(spec.positions, rope=False),
+                   layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="attn", qkv_proj="c_attn", o_proj="c_proj", q_bias=True,
+                                     k_bias=True, v_bias=True, o_bias=True, scales=scales),
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
+                   conv1d=True,
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act=config.get("activation_function", "gelu_new"))
 
 
 @architecture("gpt_neox", norm="layer", status="verified")
@@ -519,25 +301,33 @@ def gpt_neox(config: dict) -> DecoderSpec:
     bias = bool(config.get("attention_bias", True))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="gpt_neox.embed_in", layers="gpt_neox.layers",
-                   final_norm="gpt_neox.final_layer_norm", lm_head="embed_out", attn="attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
-                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias, mlp_bias=True, parallel_residual=parallel,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   final_norm="gpt_neox.final_layer_norm", lm_head="embed_out",
+                   attention=replace(spec.attention, path="attention", qkv_proj="query_key_value",
+                                     qkv_layout="per_head", o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=bias),
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "gelu"),
+                   parallel_residual=parallel,
+                   positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
 @architecture("phi", norm="layer", status="verified")
 def phi(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("qk_layernorm", False))
-    return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", o_proj="dense",
-                   mlp_kind="plain", up_proj="fc1", down_proj="fc2", norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu_new"),
-                   q_bias=True, k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True,
+    spec = DecoderSpec(**_sizes(config))
+    return replace(spec, final_norm="model.final_layernorm",
+                   attention=replace(spec.attention, o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
+                                     o_bias=True, q_norm="q_layernorm" if qk_norm else None,
+                                     k_norm="k_layernorm" if qk_norm else None),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "gelu_new"),
+                   lm_head_bias=True,
                    parallel_residual=True, mlp_in_norm=None,
-                   q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
+                                                                                        up_proj="fc1", down_proj="fc2",
+                                                                                        bias=True)
 
 
 @architecture("opt", norm="layer", status="verified")
@@ -553,12 +343,14 @@ def opt(config: dict) -> DecoderSpec:
                        project_out="model.decoder.project_out" if projected else None, post_norm=not pre_norm)
     remove_final = config.get("_remove_final_layer_norm") or not pre_norm
     return replace(spec, embed="model.decoder.embed_tokens", position_embed="model.decoder.embed_positions",
-                   position_offset=2, positions_from_mask=True, rope=False, layers="model.decoder.layers",
+                   positions=replace(spec.positions, offset=2, from_mask=True, rope=False),
+                   layers="model.decoder.layers",
                    final_norm=None if remove_final else "model.decoder.final_layer_norm",
-                   o_proj="out_proj", attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
-                   mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2", norm="layer", norm_bias=bias,
-                   norm_eps=1e-5, hidden_act=config.get("activation_function", "relu"), q_bias=bias, k_bias=bias,
-                   v_bias=bias, o_bias=bias, mlp_bias=bias)
+                   attention=replace(spec.attention, o_proj="out_proj", q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=bias), attn_in_norm="self_attn_layer_norm", mlp_in_norm="final_layer_norm",
+                   mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=bias),
+                   norms=replace(spec.norms, kind="layer", bias=bias, eps=1e-5),
+                   hidden_act=config.get("activation_function", "relu"))
 
 
 @architecture("falcon", norm="layer", status="verified")
@@ -580,16 +372,18 @@ def falcon(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    num_kv_heads=kv_heads, embed="transformer.word_embeddings",
                    layers="transformer.h",
-                   final_norm="transformer.ln_f", attn="self_attention", qkv_proj="query_key_value",
-                   qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
-                   o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h",
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation", "gelu"), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
-                   mlp_bias=bias, parallel_residual=parallel,
+                   final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
+                                     qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
+                                     o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=bias),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act=config.get("activation", "gelu"),
+                   parallel_residual=parallel,
                    intermediate_size=config.get("ffn_hidden_size") or 4 * spec.hidden_size, **norms,
                    # Falcon-RW: ALiBi instead of rotary, added before the 1/sqrt(D) scaling
-                   **(dict(rope=False, alibi=True, alibi_slope_scale=spec.head_dim ** -0.5) if config.get("alibi")
-                      else {}))
+                   positions=replace(spec.positions, rope=False, alibi=True, alibi_slope_scale=spec.head_dim ** -0.5)
+                   if config.get("alibi") else spec.positions)
 
 
 @architecture("bloom", norm="layer", status="verified",
@@ -600,25 +394,23 @@ def bloom(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.word_embeddings",
                    embed_norm="transformer.word_embeddings_layernorm",
-                   layers="transformer.h", final_norm="transformer.ln_f", attn="self_attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
-                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu_pytorch_tanh", q_bias=True,
-                   k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, rope=False, alibi=True,
+                   layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
+                                     qkv_layout="per_head", o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
+                                     o_bias=True),
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act="gelu_pytorch_tanh",
+                   positions=replace(spec.positions, rope=False, alibi=True),
                    intermediate_size=4 * spec.hidden_size)
 
 
 # -- Llama-block relatives
 
-def layer_types(config: dict, num_layers: int) -> list[str]:
-    """Each layer's attention type from the config's layer_types (default: every layer "full_attention")."""
-    return list(config.get("layer_types") or ["full_attention"] * num_layers)
-
-
 @architecture("arcee", norm="rms", llama_layout=True, status="verified")
 def arcee(config: dict) -> DecoderSpec:
     """Llama with a plain (ungated) up/down MLP (squared ReLU)."""
-    return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
+    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("ministral", norm="rms", llama_layout=True, status="verified")
@@ -634,13 +426,14 @@ def ministral3(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters") or {}
     beta = params.get("llama_4_scaling_beta")
     if beta:
-        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+        spec = spec.amend("positions", query_scale=(float(beta), int(params["original_max_position_embeddings"])))
     return spec
 
 
 @architecture("helium", norm="rms", llama_layout=True, status="verified")
 def helium(config: dict) -> DecoderSpec:
-    return replace(llama(config), rope_interleaved=True)
+    spec = llama(config)
+    return replace(spec, positions=replace(spec.positions, rope_interleaved=True))
 
 
 @architecture("smollm3", norm="rms", llama_layout=True, status="verified")
@@ -649,15 +442,18 @@ def smollm3(config: dict) -> DecoderSpec:
     spec = llama(config)
     use_rope = config.get("no_rope_layers")
     windows = sliding_windows(config, spec.num_layers, every_layer=False) if config.get("use_sliding_window") else ()
-    return replace(spec, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else (), windows=windows,
+    return replace(spec,
+                   positions=replace(spec.positions, rope_layers=tuple(bool(u) for u in use_rope) if use_rope else ()),
+                   attention=replace(spec.attention, windows=windows),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
 @architecture("ernie4_5", norm="rms", llama_layout=True, status="verified")
 def ernie4_5(config: dict) -> DecoderSpec:
     bias = bool(config.get("use_bias", False))
-    return replace(llama(config), rope_interleaved=True, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
-                   mlp_bias=bias)
+    spec = llama(config)
+    return replace(spec, positions=replace(spec.positions, rope_interleaved=True), mlp=replace(spec.mlp, bias=bias),
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias))
 
 
 @architecture("glm", norm="rms", llama_layout=True, status="verified")
@@ -665,8 +461,9 @@ def glm(config: dict) -> DecoderSpec:
     """Fused gate_up MLP, q/k/v biases, interleaved partial rotary."""
     # GLM-OCR's text attention has no biases (its config has no attention_bias field)
     bias = bool(config.get("attention_bias", config.get("model_type") != "glm_ocr_text"))
-    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False, gate_up_proj="gate_up_proj",
-                   rope_interleaved=True)
+    spec = llama(config)
+    return replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=False),
+                   positions=replace(spec.positions, rope_interleaved=True)).amend("mlp", gate_up_proj="gate_up_proj")
 
 
 @architecture("glm4", norm="rms", llama_layout=True, status="verified",
@@ -689,8 +486,10 @@ def glm4(config: dict) -> DecoderSpec:
               ])
 def hunyuan_v1_dense(config: dict) -> DecoderSpec:
     qk_norm = bool(config.get("use_qk_norm", True))
-    return replace(llama(config), q_norm="query_layernorm" if qk_norm else None,
-                   k_norm="key_layernorm" if qk_norm else None, qk_norm_after_rope=True)
+    spec = llama(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_norm="query_layernorm" if qk_norm else None,
+                                     k_norm="key_layernorm" if qk_norm else None, qk_norm_after_rope=True))
 
 
 @architecture("hyperclovax", norm="rms", llama_layout=True, status="verified")
@@ -709,8 +508,12 @@ def granite_swa(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     thetas = config.get("layer_rope_theta") or [first_of(config, "rope_theta", default=10000.0)] * spec.num_layers
     rope_configs = tuple((_with_rope_theta(config, t), None) for t in thetas)
-    return replace(spec, windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0 for t in types),
-                   rope_configs=rope_configs, rope_layers=tuple(bool(t) for t in thetas), attention_sinks="sinks")
+    return replace(spec,
+                   attention=replace(spec.attention, sinks="sinks",
+                                     windows=tuple(config["sliding_window"] if t == "sliding_attention" else 0
+                                                   for t in types)),
+                   positions=replace(spec.positions, rope_configs=rope_configs,
+                                     rope_layers=tuple(bool(t) for t in thetas)))
 
 
 def _with_rope_theta(config: dict, theta: float) -> dict:
@@ -726,7 +529,10 @@ def olmo3(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)),
+                   positions=replace(spec.positions, rope_configs=ropes))
 
 
 @architecture("exaone4", norm="rms", llama_layout=True, status="verified",
@@ -735,11 +541,14 @@ def olmo3(config: dict) -> DecoderSpec:
               ])
 def exaone4(config: dict) -> DecoderSpec:
     """OLMo 2-style post-norms with per-head q/k RMSNorm; with sliding layers, only those rotate."""
-    spec = replace(olmo2(config), qk_norm_scope="head")
+    spec = olmo2(config)
+    spec = replace(spec, attention=replace(spec.attention, qk_norm_scope="head"))
     types = layer_types(config, spec.num_layers)
     windows = sliding_windows(config, spec.num_layers, every_layer=False)
     rope_layers = tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ()
-    return replace(spec, windows=windows, rope_layers=rope_layers)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=windows),
+                   positions=replace(spec.positions, rope_layers=rope_layers))
 
 
 @architecture("cohere2", norm="layer", llama_layout=True, status="verified")
@@ -747,8 +556,10 @@ def cohere2(config: dict) -> DecoderSpec:
     """Cohere with sliding layers that rotate and full-attention layers without rotary."""
     spec = cohere(config)
     types = layer_types(config, spec.num_layers)
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False),
-                   rope_layers=tuple(t == "sliding_attention" for t in types))
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)),
+                   positions=replace(spec.positions, rope_layers=tuple(t == "sliding_attention" for t in types)))
 
 
 @architecture("cohere_compass_text", norm="layer", llama_layout=True, status="verified",
@@ -762,10 +573,13 @@ def cohere_compass_text(config: dict) -> DecoderSpec:
     types = layer_types(config, spec.num_layers)
     params = config.get("rope_parameters") or {}
     no_rope = dict(config, rope_parameters={"rope_type": "default"})  # any table: rope_layers skips the rotation
-    return replace(spec, rope_interleaved=False, logits_scale=config.get("logit_scale") or 1.0,
-                   windows=sliding_windows(config, spec.num_layers, every_layer=False),
-                   rope_configs=tuple((config, t) if params.get(t) else (no_rope, None) for t in types),
-                   rope_layers=tuple(bool(params.get(t)) for t in types))
+    return replace(spec, logits_scale=config.get("logit_scale") or 1.0,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)),
+                   positions=replace(spec.positions, rope_interleaved=False,
+                                     rope_configs=tuple((config, t) if params.get(t) else (no_rope, None)
+                                                        for t in types),
+                                     rope_layers=tuple(bool(params.get(t)) for t in types)))
 
 
 @architecture("modernbert-decoder", norm="layer", status="verified")
@@ -781,13 +595,16 @@ def modernbert_decoder(config: dict) -> DecoderSpec:
     return replace(spec, embed="model.embeddings.tok_embeddings", embed_norm="model.embeddings.norm",
                    final_norm="model.final_norm", lm_head="decoder", lm_head_bias=bool(config.get("decoder_bias", True)),
                    head_transform="lm_head", head_transform_bias=bool(config.get("classifier_bias", False)),
-                   head_transform_act=config.get("classifier_activation", "gelu"), attn="attn", o_proj="Wo",
-                   attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm", gate_up_proj="Wi",
-                   down_proj="Wo", norm="layer", norm_bias=bool(config.get("norm_bias", False)),
-                   norm_eps=config.get("norm_eps", 1e-5), hidden_act=config.get("hidden_activation", "gelu"),
-                   q_bias=attn_bias, k_bias=attn_bias, v_bias=attn_bias, o_bias=attn_bias, mlp_bias=mlp_bias,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                   rope_configs=tuple((config, t) for t in types),
+                   head_transform_act=config.get("classifier_activation", "gelu"),
+                   attention=replace(spec.attention, path="attn", o_proj="Wo", q_bias=attn_bias, k_bias=attn_bias,
+                                     v_bias=attn_bias, o_bias=attn_bias,
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
+                   attn_in_norm="attn_norm", attn_in_norm_skipped=(0,), mlp_in_norm="mlp_norm",
+                   mlp=replace(spec.mlp, gate_up_proj="Wi", down_proj="Wo", bias=mlp_bias),
+                   norms=replace(spec.norms, kind="layer", bias=bool(config.get("norm_bias", False)),
+                                 eps=config.get("norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_activation", "gelu"),
+                   positions=replace(spec.positions, rope_configs=tuple((config, t) for t in types)),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
@@ -801,16 +618,19 @@ def vaultgemma(config: dict) -> DecoderSpec:
               notes="native KV-cache generation")
 def jais2(config: dict) -> DecoderSpec:
     """LayerNorm with bias, plain squared-ReLU MLP, biases."""
-    return replace(llama(config), norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
-                   mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"))
+    spec = llama(config)
+    return replace(spec, norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("nemotron", norm="layer", llama_layout=True, status="verified")
 def nemotron(config: dict) -> DecoderSpec:
     """LayerNorm1P (x * (1 + w) + b), plain squared-ReLU MLP, partial rotary."""
-    return replace(llama(config), norm="layer", norm_bias=True, norm_unit_offset=True,
-                   norm_eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5), mlp_kind="plain",
-                   hidden_act=config.get("hidden_act", "relu2"))
+    spec = llama(config)
+    return replace(spec,
+                   norms=replace(spec.norms, kind="layer", bias=True, unit_offset=True,
+                                 eps=first_of(config, "norm_eps", "layer_norm_eps", default=1e-5)),
+                   hidden_act=config.get("hidden_act", "relu2")).amend("mlp", kind="plain")
 
 
 @architecture("nanochat", norm="rms", llama_layout=True, status="verified",
@@ -818,10 +638,13 @@ def nemotron(config: dict) -> DecoderSpec:
 def nanochat(config: dict) -> DecoderSpec:
     """Parameter-free RMSNorm everywhere (also right after the embedding and on q/k after rotary), rotation by
     -theta, plain squared-ReLU fc1/fc2 MLP, final soft-capping."""
-    return replace(llama(config), norm_weight=False, embed_norm="model.norm", up_proj="fc1", down_proj="fc2",
-                   mlp_kind="plain", hidden_act=config.get("hidden_act", "relu2"), q_norm="q_norm", k_norm="k_norm",
-                   qk_norm_after_rope=True, rope_negated=True,
-                   final_softcap=config.get("final_logit_softcapping") or 0.0)
+    spec = llama(config)
+    return replace(spec, norms=replace(spec.norms, weight=False), embed_norm="model.norm",
+                   hidden_act=config.get("hidden_act", "relu2"),
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_after_rope=True),
+                   positions=replace(spec.positions, rope_negated=True),
+                   final_softcap=config.get("final_logit_softcapping") or 0.0).amend("mlp", up_proj="fc1",
+                                                                                     down_proj="fc2", kind="plain")
 
 
 @architecture("apertus", norm="rms", llama_layout=True, status="verified",
@@ -829,9 +652,11 @@ def nanochat(config: dict) -> DecoderSpec:
 def apertus(config: dict) -> DecoderSpec:
     """Plain up/down MLP with the learned xIELU activation; q/k RMSNorm; renamed sublayer norms."""
     qk_norm = bool(config.get("qk_norm", True))
-    return replace(llama(config), mlp_kind="plain", hidden_act=config.get("hidden_act", "xielu"),
+    spec = llama(config)
+    return replace(spec, hidden_act=config.get("hidden_act", "xielu"), mlp=replace(spec.mlp, kind="plain"),
                    attn_in_norm="attention_layernorm", mlp_in_norm="feedforward_layernorm",
-                   q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
+                   attention=replace(spec.attention, q_norm="q_norm" if qk_norm else None,
+                                     k_norm="k_norm" if qk_norm else None))
 
 
 @architecture("bitnet", norm="rms", llama_layout=True, status="verified",
@@ -840,8 +665,9 @@ def bitnet(config: dict) -> DecoderSpec:
     """Llama with squared-ReLU GLU and RMSNorm sub-norms before o_proj and down_proj. Plain float weights: a
     checkpoint quantised for BitNet kernels (quantization_config) is refused."""
     refuse("bitnet", config, "quantization_config", lambda v: not v)
-    return replace(llama(config), hidden_act=config.get("hidden_act", "relu2"), attn_sub_norm="attn_sub_norm",
-                   mlp_sub_norm="ffn_sub_norm")
+    spec = llama(config)
+    return replace(spec, hidden_act=config.get("hidden_act", "relu2"),
+                   attention=replace(spec.attention, sub_norm="attn_sub_norm")).amend("mlp", sub_norm="ffn_sub_norm")
 
 
 @architecture("persimmon", norm="layer", status="verified",
@@ -851,12 +677,18 @@ def bitnet(config: dict) -> DecoderSpec:
 def persimmon(config: dict) -> DecoderSpec:
     """Fused per-head query_key_value, per-head q/k LayerNorm, partial rotary, squared-ReLU MLP, biases."""
     qk_norm = bool(config.get("qk_layernorm", True))
-    return replace(DecoderSpec(**_sizes(config)), final_norm="model.final_layernorm", qkv_proj="query_key_value",
-                   qkv_layout="per_head", o_proj="dense", mlp_kind="plain", up_proj="dense_h_to_4h",
-                   down_proj="dense_4h_to_h", norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_eps", 1e-5),
-                   hidden_act=config.get("hidden_act", "relu2"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
-                   mlp_bias=True, q_norm="q_layernorm" if qk_norm else None, k_norm="k_layernorm" if qk_norm else None,
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+    spec = DecoderSpec(**_sizes(config))
+    return replace(spec, final_norm="model.final_layernorm",
+                   attention=replace(spec.attention, qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense",
+                                     q_bias=True, k_bias=True, v_bias=True, o_bias=True,
+                                     q_norm="q_layernorm" if qk_norm else None,
+                                     k_norm="k_layernorm" if qk_norm else None),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "relu2"),
+                   tie_embeddings=bool(config.get("tie_word_embeddings", False))).amend("mlp", kind="plain",
+                                                                                        up_proj="dense_h_to_4h",
+                                                                                        down_proj="dense_4h_to_h",
+                                                                                        bias=True)
 
 
 # its fixture is built with transformers 4.49 (removed in 5)
@@ -882,8 +714,10 @@ def open_llama(config: dict) -> DecoderSpec:
 def seed_oss(config: dict) -> DecoderSpec:
     """Llama with q/k/v biases on by default (attention_bias) and the o_proj bias apart (attention_out_bias)."""
     bias = bool(config.get("attention_bias", True))
-    return replace(llama(config), q_bias=bias, k_bias=bias, v_bias=bias,
-                   o_bias=bool(config.get("attention_out_bias", False)))
+    spec = llama(config)
+    return replace(spec,
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=bool(config.get("attention_out_bias", False))))
 
 
 @architecture("cwm", norm="rms", llama_layout=True, status="verified",
@@ -891,7 +725,9 @@ def seed_oss(config: dict) -> DecoderSpec:
 def cwm(config: dict) -> DecoderSpec:
     """Llama with per-layer sliding windows from layer_types (its default rope is llama3)."""
     spec = llama(config)
-    return replace(spec, windows=sliding_windows(config, spec.num_layers, every_layer=False))
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
+                                                                             every_layer=False)))
 
 
 # -- GPT-family relatives
@@ -905,19 +741,22 @@ def gptj(config: dict) -> DecoderSpec:
                                                     partial_rotary_factor=rotary / spec.head_dim),
                        hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads)
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f", attn="attn",
-                   o_proj="out_proj", attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True, up_proj="fc_in",
-                   down_proj="fc_out", mlp_kind="plain", mlp_bias=True, norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True, rope_interleaved=True,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="attn", o_proj="out_proj"),
+                   attn_in_norm="ln_1", mlp_in_norm=None, parallel_residual=True,
+                   mlp=replace(spec.mlp, up_proj="fc_in", down_proj="fc_out", kind="plain", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act=config.get("activation_function", "gelu_new"), lm_head_bias=True,
+                   positions=replace(spec.positions, rope_interleaved=True,
+                                     rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
 @architecture("codegen", norm="layer", status="verified")
 def codegen(config: dict) -> DecoderSpec:
     """GPT-J with one fused qkv_proj in 4 model-parallel chunks, each [q, v, k]."""
-    return replace(gptj(config), qkv_proj="qkv_proj", qkv_layout="chunks_qvk", qkv_chunks=4)
+    spec = gptj(config)
+    return replace(spec, attention=replace(spec.attention, qkv_proj="qkv_proj", qkv_layout="chunks_qvk", qkv_chunks=4))
 
 
 @architecture("gpt_neox_japanese", norm="layer", status="verified")
@@ -932,12 +771,15 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
         rope_config["rope_theta"] = config["rotary_emb_base"]
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="gpt_neox_japanese.embed_in", layers="gpt_neox_japanese.layers",
-                   final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out", attn="attention",
-                   qkv_proj="query_key_value", qkv_layout="per_head", o_proj="dense", mlp_kind="plain",
-                   up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", norm="layer", norm_bias=True,
-                   norm_eps=config.get("layer_norm_eps", 1e-5), hidden_act=config.get("hidden_act", "gelu"),
-                   intermediate_size=inter, attn_out_bias="dense_bias", attn_out_bias_layers=(spec.num_layers - 1,),
-                   rope_configs=((rope_config, None),) * spec.num_layers,
+                   final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out",
+                   attention=replace(spec.attention, path="attention", qkv_proj="query_key_value",
+                                     qkv_layout="per_head", o_proj="dense", out_bias="dense_bias",
+                                     out_bias_layers=(spec.num_layers - 1,)),
+                   mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h"),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
+                   hidden_act=config.get("hidden_act", "gelu"),
+                   intermediate_size=inter,
+                   positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers),
                    tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
@@ -947,7 +789,7 @@ def gpt_bigcode(config: dict) -> DecoderSpec:
     refuse("gpt_bigcode", config, "scale_attn_weights", lambda v: v in (None, True))
     spec = gpt2(config)
     kv_heads = 1 if config.get("multi_query", True) else spec.num_heads
-    return replace(spec, conv1d=False, num_kv_heads=kv_heads, attention_scales=(),
+    return replace(spec, conv1d=False, num_kv_heads=kv_heads, attention=replace(spec.attention, scales=()),
                    hidden_act=config.get("activation_function", "gelu_pytorch_tanh"))
 
 
@@ -961,13 +803,16 @@ def gpt_neo(config: dict) -> DecoderSpec:
         types += list(pattern) * repeat
     window = config.get("window_size", 256)
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.wte", position_embed="transformer.wpe", rope=False,
-                   layers="transformer.h", final_norm="transformer.ln_f", attn="attn.attention", o_proj="out_proj",
-                   attn_in_norm="ln_1", mlp_in_norm="ln_2", mlp_kind="plain", up_proj="c_fc", down_proj="c_proj",
-                   norm="layer", norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-                   hidden_act=config.get("activation_function", "gelu_new"), o_bias=True, mlp_bias=True,
-                   attention_scales=(1.0,) * spec.num_layers,
-                   windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]))
+                   embed="transformer.wte", position_embed="transformer.wpe",
+                   positions=replace(spec.positions, rope=False),
+                   layers="transformer.h", final_norm="transformer.ln_f",
+                   attention=replace(spec.attention, path="attn.attention", o_proj="out_proj", o_bias=True,
+                                     scales=(1.0,) * spec.num_layers,
+                                     windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers])),
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act=config.get("activation_function", "gelu_new"))
 
 
 @architecture("openai-gpt", norm="layer", status="verified")
@@ -975,9 +820,10 @@ def openai_gpt(config: dict) -> DecoderSpec:
     """GPT-1: GPT-2's Conv1D layers with post-LayerNorm blocks and no final norm."""
     spec = DecoderSpec(**_sizes(config))
     act = {"gelu": "gelu_new"}.get(config.get("afn", "gelu"), config.get("afn", "gelu"))  # its "gelu" is gelu_new
-    return replace(gpt2(dict(config, activation_function=act)), embed="transformer.tokens_embed",
+    spec = gpt2(dict(config, activation_function=act))
+    return replace(spec, embed="transformer.tokens_embed",
                    position_embed="transformer.positions_embed", final_norm=None, post_norm=True,
-                   attention_scales=(), intermediate_size=4 * spec.hidden_size)
+                   attention=replace(spec.attention, scales=()), intermediate_size=4 * spec.hidden_size)
 
 
 @architecture("biogpt", norm="layer", status="verified")
@@ -987,12 +833,15 @@ def biogpt(config: dict) -> DecoderSpec:
     spec = DecoderSpec(**_sizes(config))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="biogpt.embed_tokens", embed_scale=scale, position_embed="biogpt.embed_positions",
-                   position_offset=2, rope=False, layers="biogpt.layers", final_norm="biogpt.layer_norm",
-                   lm_head="output_projection", o_proj="out_proj", attn_in_norm="self_attn_layer_norm",
-                   mlp_in_norm="final_layer_norm", mlp="", mlp_kind="plain", up_proj="fc1", down_proj="fc2",
-                   norm="layer", norm_bias=True, norm_eps=1e-5,
-                   hidden_act=config.get("hidden_act", "gelu"), q_bias=True, k_bias=True, v_bias=True, o_bias=True,
-                   mlp_bias=True)
+                   positions=replace(spec.positions, offset=2, rope=False), layers="biogpt.layers",
+                   final_norm="biogpt.layer_norm",
+                   lm_head="output_projection",
+                   attention=replace(spec.attention, o_proj="out_proj", q_bias=True, k_bias=True, v_bias=True,
+                                     o_bias=True), attn_in_norm="self_attn_layer_norm",
+                   mlp_in_norm="final_layer_norm",
+                   mlp=replace(spec.mlp, path="", kind="plain", up_proj="fc1", down_proj="fc2", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=1e-5),
+                   hidden_act=config.get("hidden_act", "gelu"))
 
 
 @architecture("xglm", norm="layer", status="verified",
@@ -1004,7 +853,8 @@ def xglm(config: dict) -> DecoderSpec:
                        hidden_act=config.get("activation_function", "gelu")))
     scale = math.sqrt(spec.hidden_size) if config.get("scale_embedding", True) else 1.0
     return replace(spec, embed="model.embed_tokens", embed_scale=scale, position_embed=None,
-                   sinusoidal_positions="fairseq", layers="model.layers", final_norm="model.layer_norm",
+                   positions=replace(spec.positions, sinusoidal="fairseq"), layers="model.layers",
+                   final_norm="model.layer_norm",
                    lm_head="lm_head", intermediate_size=config.get("ffn_dim", 4 * spec.hidden_size),
                    extra=dict(padding_row=config.get("pad_token_id")))
 
@@ -1017,7 +867,7 @@ def trocr(config: dict) -> DecoderSpec:
     learned (offset 2, arange) or fairseq sinusoidal counted over non-pad tokens (rows from pad + 1; the
     attention mask stands in for input_ids != pad). Its forward takes no position_ids, so under generate a
     left-padded row's learned positions count the pads, and its sinusoidal ones too from the first new token on
-    (cache length + 1): generation_positions. TrOCRForCausalLM always builds the layers' cross-attention
+    (cache length + 1): PositionSpec.generation. TrOCRForCausalLM always builds the layers' cross-attention
     (is_decoder): carried, never run."""
     spec = opt(dict(config, hidden_size=config["d_model"], num_attention_heads=config["decoder_attention_heads"],
                     num_hidden_layers=config["decoder_layers"], ffn_dim=config["decoder_ffn_dim"],
@@ -1026,12 +876,12 @@ def trocr(config: dict) -> DecoderSpec:
     d, pad = spec.hidden_size, config.get("pad_token_id")
     scale = math.sqrt(d) if config.get("scale_embedding", False) else 1.0
     if config.get("use_learned_position_embeddings", True):
-        positions = dict(positions_from_mask=False, generation_positions="index")
+        spec = spec.amend("positions", from_mask=False, generation="index")
     else:
         if pad is None:
             raise UnsupportedConfigError("trocr: sinusoidal positions need a pad_token_id (their padding row)")
-        positions = dict(position_embed=None, sinusoidal_positions="fairseq", position_offset=pad + 1,
-                         extra=dict(padding_row=pad), generation_positions="fairseq")
+        spec = replace(spec, position_embed=None, extra=dict(padding_row=pad)).amend(
+            "positions", sinusoidal="fairseq", offset=pad + 1, generation="fairseq")
     kdim = config.get("cross_attention_hidden_size") or d
     cross = tuple((f"encoder_attn.{name}.{kind}", shape)
                   for name, rows, cols in (("k_proj", d, kdim), ("v_proj", d, kdim), ("q_proj", d, d),
@@ -1041,7 +891,7 @@ def trocr(config: dict) -> DecoderSpec:
     return replace(spec, embed_scale=scale, embed_norm="model.decoder.layernorm_embedding"
                    if config.get("layernorm_embedding", True) else None, lm_head="output_projection",
                    tie_embeddings=config.get("tie_word_embeddings", True) is not False, shift_labels=False,
-                   unused_layer_params=cross, **positions)
+                   unused_layer_params=cross)
 
 
 @architecture("ctrl", norm="layer", status="verified",
@@ -1050,12 +900,17 @@ def ctrl(config: dict) -> DecoderSpec:
     """Pre-LN block with scaled embeddings and a fixed [sin | cos] position table; lm_head bias."""
     spec = DecoderSpec(**_sizes(dict(config, intermediate_size=config.get("dff"))))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
-                   embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size), sinusoidal_positions="ctrl",
-                   rope=False, layers="transformer.h", final_norm="transformer.layernorm", attn="multi_head_attention",
-                   q_proj="Wq", k_proj="Wk", v_proj="Wv", o_proj="dense", attn_in_norm="layernorm1",
-                   mlp_in_norm="layernorm2", mlp="ffn", mlp_kind="plain", up_proj="0", down_proj="2", norm="layer",
-                   norm_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-6), hidden_act="relu", q_bias=True,
-                   k_bias=True, v_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True)
+                   embed="transformer.w", embed_scale=math.sqrt(spec.hidden_size),
+                   positions=replace(spec.positions, sinusoidal="ctrl", rope=False),
+                   layers="transformer.h", final_norm="transformer.layernorm",
+                   attention=replace(spec.attention, path="multi_head_attention", q_proj="Wq", k_proj="Wk",
+                                     v_proj="Wv", o_proj="dense", q_bias=True, k_bias=True, v_bias=True, o_bias=True),
+                   attn_in_norm="layernorm1",
+                   mlp_in_norm="layernorm2",
+                   mlp=replace(spec.mlp, path="ffn", kind="plain", up_proj="0", down_proj="2", bias=True),
+                   norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-6)),
+                   hidden_act="relu",
+                   lm_head_bias=True)
 
 
 @architecture("mpt", norm="layer", status="verified",
@@ -1074,10 +929,13 @@ def mpt(config: dict) -> DecoderSpec:
                                      max_position_embeddings=config.get("max_seq_len"))))
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
-                   attn="attn", qkv_proj="Wqkv", o_proj="out_proj", attn_in_norm="norm_1", mlp_in_norm="norm_2",
-                   mlp="ffn", mlp_kind="plain", norm="layer", norm_bias=bias,
-                   norm_eps=config.get("layer_norm_epsilon", 1e-5), hidden_act="gelu", q_bias=bias, k_bias=bias,
-                   v_bias=bias, o_bias=bias, mlp_bias=bias, rope=False, alibi=True, alibi_kind="mpt",
+                   attention=replace(spec.attention, path="attn", qkv_proj="Wqkv", o_proj="out_proj", q_bias=bias,
+                                     k_bias=bias, v_bias=bias, o_bias=bias), attn_in_norm="norm_1",
+                   mlp_in_norm="norm_2",
+                   mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias),
+                   norms=replace(spec.norms, kind="layer", bias=bias, eps=config.get("layer_norm_epsilon", 1e-5)),
+                   hidden_act="gelu",
+                   positions=replace(spec.positions, rope=False, alibi=True, alibi_kind="mpt"),
                    intermediate_size=4 * spec.hidden_size, extra=dict(alibi_bias_max=attn.get("alibi_bias_max", 8)))
 
 
@@ -1095,13 +953,16 @@ def qwen3_5_text(config: dict) -> DecoderSpec:
     partial rotary. Text positions are equal on the M-RoPE axes, so the multimodal rope is 1-D rope."""
     spec = qwen3(dict(config, attention_bias=config.get("attention_bias", False)))
     types = layer_types(config, spec.num_layers)
-    return replace(spec, windows=(), norm_unit_offset=True, q_gate=True,
-                   linear_layers=tuple(t == "linear_attention" for t in types),
-                   linear_k_heads=config.get("linear_num_key_heads", 16),
-                   linear_v_heads=config.get("linear_num_value_heads", 32),
-                   linear_k_dim=config.get("linear_key_head_dim", 128),
-                   linear_v_dim=config.get("linear_value_head_dim", 128),
-                   linear_conv_kernel=config.get("linear_conv_kernel_dim", 4))
+    linear_attention = LinearAttentionSpec(layers=tuple(t == "linear_attention" for t in types),
+                                           k_heads=config.get("linear_num_key_heads", 16),
+                                           v_heads=config.get("linear_num_value_heads", 32),
+                                           k_dim=config.get("linear_key_head_dim", 128),
+                                           v_dim=config.get("linear_value_head_dim", 128),
+                                           conv_kernel=config.get("linear_conv_kernel_dim", 4))
+    return replace(spec,
+                   attention=replace(spec.attention, windows=(), q_gate=True),
+                   norms=replace(spec.norms, unit_offset=True),
+                   linear_attention=linear_attention)
 
 
 @architecture("olmo_hybrid", norm="rms", llama_layout=True, status="verified",
@@ -1117,44 +978,30 @@ def olmo_hybrid(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters")
     k_heads = config.get("linear_num_key_heads") or spec.num_heads
     k_dim = config.get("linear_key_head_dim") or int(0.75 * spec.hidden_size / k_heads)
+    linear_attention = LinearAttentionSpec(
+        layers=tuple(t == "linear_attention" for t in types),
+        k_heads=k_heads, v_heads=config.get("linear_num_value_heads") or spec.num_heads,
+        k_dim=k_dim, v_dim=config.get("linear_value_head_dim") or 2 * k_dim,
+        conv_kernel=config.get("linear_conv_kernel_dim", 4), split_projections=True,
+        beta_scale=2.0 if config.get("linear_allow_neg_eigval", True) else 1.0,
+        norm_eps=1e-5,  # fixed in transformers (FLA's FusedRMSNormGated default)
+        layer_norms=(("attn_in_norm", "attention_layer_norm"), ("attn_out_norm", None),
+                     ("mlp_in_norm", "feedforward_layer_norm"), ("mlp_out_norm", None)))
     return replace(spec, attn_out_norm="feedforward_layer_norm",
-                   rope=not (isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None),
-                   linear_layers=tuple(t == "linear_attention" for t in types),
-                   linear_k_heads=k_heads, linear_v_heads=config.get("linear_num_value_heads") or spec.num_heads,
-                   linear_k_dim=k_dim, linear_v_dim=config.get("linear_value_head_dim") or 2 * k_dim,
-                   linear_conv_kernel=config.get("linear_conv_kernel_dim", 4), linear_split_projections=True,
-                   linear_beta_scale=2.0 if config.get("linear_allow_neg_eigval", True) else 1.0,
-                   linear_norm_eps=1e-5,  # fixed in transformers (FLA's FusedRMSNormGated default)
-                   linear_layer_norms=(("attn_in_norm", "attention_layer_norm"), ("attn_out_norm", None),
-                                       ("mlp_in_norm", "feedforward_layer_norm"), ("mlp_out_norm", None)))
+                   positions=replace(spec.positions, rope=not (isinstance(params, dict) and "rope_theta" in params
+                                                               and params["rope_theta"] is None)),
+                   linear_attention=linear_attention)
 
 
 # -- multi-head latent attention
-
-def with_mla(spec: DecoderSpec, config: dict) -> DecoderSpec:
-    """``spec`` with DeepSeek-V2's multi-head latent attention from the config's q/kv LoRA ranks and nope / rope / v
-    head dims: interleaved rotary on the rope dims only, the softmax scale with YaRN's mscale when it sets one."""
-    nope, rope_dim, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    scale = (nope + rope_dim) ** -0.5
-    if params.get("rope_type", params.get("type")) == "yarn" and params.get("mscale_all_dim"):
-        factor = params.get("factor", 1.0)
-        mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= mscale * mscale
-    rope_config = dict(config, head_dim=rope_dim)
-    return replace(spec, mla=True, mla_q_lora_rank=config.get("q_lora_rank"),
-                   mla_kv_lora_rank=config["kv_lora_rank"], mla_nope_dim=nope, mla_rope_dim=rope_dim, mla_v_dim=v_dim,
-                   head_dim=nope + rope_dim, num_kv_heads=spec.num_heads, rope_interleaved=True,
-                   rope_configs=((rope_config, None),) * spec.num_layers,
-                   attention_scales=(scale,) * spec.num_layers)
-
 
 @architecture("minicpm3", norm="rms", llama_layout=True, status="verified",
               notes="MLA")
 def minicpm3(config: dict) -> DecoderSpec:
     """MLA + muP scalings: embeddings * scale_emb, residual branches * scale_depth / sqrt(layers), logits on
     hidden / (hidden_size / dim_model_base)."""
-    spec = replace(with_mla(llama(config), config), rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
+    spec = with_mla(llama(config), config)
+    spec = spec.amend("positions", rope_interleaved=False)  # cos/sin rotate_half, not DeepSeek's pairs
     return replace(spec, embed_scale=config.get("scale_emb", 1.0),
                    residual_scale=config.get("scale_depth", 1.0) / math.sqrt(spec.num_layers),
                    logits_scale=config.get("dim_model_base", spec.hidden_size) / spec.hidden_size,

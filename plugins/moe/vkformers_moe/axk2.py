@@ -31,7 +31,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import LayerNorm, Linear
 from vkformers.models.module import join_path, place
-from vkformers_llama.decoder import DecoderLayer
+from vkformers.models.decoder import DecoderLayer
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
 
@@ -72,7 +72,7 @@ class Axk2Layer(DecoderLayer):
         gated = {"attn_in_norm": spec.attn_in_norm, **({"mlp_in_norm": spec.mlp_in_norm} if sparse else {})}
         if not options.gate_rank:
             gated = {}
-        layer = replace(spec, output_gate_per_head=False,
+        layer = replace(spec, attention=replace(spec.attention, output_gate_per_head=False),
                         **{role: join_path(path, "norm") for role, path in gated.items()})
         self.options = options  # before the shared layer's __init__, which calls _init_mla
         self.shares_index = index < len(options.shared_index) and options.shared_index[index]
@@ -85,9 +85,9 @@ class Axk2Layer(DecoderLayer):
         object.__setattr__(self, "_index_scores", None)
         if self.shares_index:
             return
-        indexer, heads, dim = join_path(s.attn, "indexer"), options.index_heads, options.index_dim
+        indexer, heads, dim = join_path(s.attention.path, "indexer"), options.index_heads, options.index_dim
         self.parts["index_q"] = place(self, join_path(indexer, "wq_b"),
-                                      Linear(s.mla_q_lora_rank, heads * dim, bias=False))
+                                      Linear(s.mla.q_lora_rank, heads * dim, bias=False))
         self.parts["index_k"] = place(self, join_path(indexer, "wk"), Linear(d, dim, bias=False))
         self.parts["index_k_norm"] = place(self, join_path(indexer, "k_norm"), LayerNorm(dim, eps=1e-6))
         self.parts["index_w"] = place(self, join_path(indexer, "weights_proj"), Linear(d, heads, bias=False))
@@ -99,7 +99,7 @@ class Axk2Layer(DecoderLayer):
 
         def gated_query(role, path, module):  # q_b_proj reads [normed q_a | q_a] and gives query and gate per head
             if role == "q_b":
-                module = Linear(2 * s.mla_q_lora_rank, s.num_heads * (s.mla_nope_dim + s.mla_rope_dim + s.mla_v_dim),
+                module = Linear(2 * s.mla.q_lora_rank, s.num_heads * (s.mla.nope_dim + s.mla.rope_dim + s.mla.v_dim),
                                 bias=False)
             add(role, path, module)
         super()._init_mla(gated_query)
@@ -114,7 +114,7 @@ class Axk2Layer(DecoderLayer):
     def attention(self, h, ctx):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
-        heads, qk, vdim = s.num_heads, s.mla_nope_dim + s.mla_rope_dim, s.mla_v_dim
+        heads, qk, vdim = s.num_heads, s.mla.nope_dim + s.mla.rope_dim, s.mla.v_dim
         compressed = p["q_a"](h)
         residual = p["q_a_norm"](compressed)
         gate = None
@@ -133,7 +133,7 @@ class Axk2Layer(DecoderLayer):
         """The indexer's scores [B, S, T] of the new queries over every key (stored ones included)."""
         s, p, o = self.spec, self.parts, self.options
         batch, length, _ = h.shape
-        heads, dim, rdim = o.index_heads, o.index_dim, s.mla_rope_dim
+        heads, dim, rdim = o.index_heads, o.index_dim, s.mla.rope_dim
         inv_freq, scaling = ctx.rope_tables[self.index]
 
         def rotate(x):  # rotate_half (DeepSeek-V3.2) or interleaved pairs (GLM-5) on the first rdim dims

@@ -36,7 +36,7 @@ from vkformers.engine.ops.routing import (  # noqa: F401 (topk_mask re-exported)
     _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask)
 from vkformers.models.layers import Linear, grouped_linear, linears_can_be_grouped
 from vkformers.models.module import Module, add_param, get_param, join_path, place
-from vkformers_llama.decoder import make_norm
+from vkformers.models.decoder import make_norm
 
 # How a block runs its experts (SparseMoeBlock.experts_mode; set_experts_mode sets it on a whole model):
 # "routed": each expert on the tokens that chose it, their rows packed into one matrix where the experts allow it

@@ -38,7 +38,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param, place
-from vkformers_llama.decoder import make_norm
+from vkformers.models.decoder import make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import MoeSpec, SparseMoeBlock, topk_mask
@@ -187,7 +187,7 @@ class DeepseekV4Layer(Module):
         o, (b, t, n, d) = self.options, streams.shape
         base, scale = get_param(self, f"hc_{site}_base"), get_param(self, f"hc_{site}_scale")
         pre, mixes = _hyper_weights(streams, get_param(self, f"hc_{site}_fn"), base, scale, o.hc_eps,
-                                    self.spec.norm_eps)
+                                    self.spec.norms.eps)
         post = (mixes[..., n:2 * n] * scale[1:2] + base[n:2 * n]).sigmoid() * 2.0
         comb = (mixes[..., 2 * n:] * scale[2:3] + base[2 * n:]).reshape(b, t, n, n).softmax(-1) + o.hc_eps
         comb = comb / (comb.sum(-2, keepdim=True) + o.hc_eps)  # Sinkhorn: columns, then rows and columns
@@ -282,7 +282,7 @@ class DeepseekV4Layer(Module):
         query_positions = Tensor(key_positions[:, start:].astype(np.int32))
         q_residual = p["q_norm"](p["wq_a"](h))
         q = p["wq_b"](q_residual).reshape(b, t, heads, dim).permute(0, 2, 1, 3)
-        q = self._rotate(F.rms_norm(q, None, eps=s.norm_eps), query_positions, ctx)
+        q = self._rotate(F.rms_norm(q, None, eps=s.norms.eps), query_positions, ctx)
         kv = p["kv_norm"](p["wkv"](h_all)).reshape(b, 1, keys, dim)
         kv = self._rotate(kv, Tensor(key_positions.astype(np.int32)), ctx).expand(b, heads, keys, dim).contiguous()
 

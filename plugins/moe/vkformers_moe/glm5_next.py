@@ -23,15 +23,15 @@ Decode steps are not captured: the recurrent state and the indexer's pooled keys
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param
-from vkformers_llama.decoder import DecoderLayer, make_norm
-from vkformers_llama.gated_deltanet import GatedDeltaNet
+from vkformers.models.decoder import DecoderLayer, GatedDeltaNet, make_norm
+from vkformers.models.decoder.spec import NormSpec
 
 from vkformers_moe.axk2 import Axk2Attention, Axk2Layer
 from vkformers_moe.deepseek_v4 import DeepseekV4Layer, DeepseekV4Moe
@@ -44,10 +44,10 @@ class KimiDeltaAttention(GatedDeltaNet):
     def __init__(self, spec, lower_bound: float | None = -5.0):
         Module.__init__(self)  # GatedDeltaNet's own projections (z, a) differ: declared here
         s, d = spec, spec.hidden_size
-        heads, dim = s.linear_v_heads, s.linear_v_dim
+        heads, dim = s.linear_attention.v_heads, s.linear_attention.v_dim
         width = heads * dim
         self.spec, self.lower_bound = s, lower_bound
-        self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.kernel = heads, heads, dim, dim, s.linear_conv_kernel
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.kernel = heads, heads, dim, dim, s.linear_attention.conv_kernel
         self.conv_channels, self.split, self.conv_widths = 3 * width, True, (width,) * 3
         for name in "qkv":
             setattr(self, f"{name}_proj", Linear(d, width, bias=False))
@@ -59,8 +59,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.param("A_log", (heads,))
         self.b_proj = Linear(d, heads, bias=False)
         self.g_a_proj, self.g_b_proj = Linear(d, dim, bias=False), Linear(dim, width, bias=False)
-        self.o_norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True,
-                                        norm_eps=s.linear_norm_eps or s.norm_eps), dim)
+        self.o_norm = make_norm(NormSpec("rms", eps=s.linear_attention.norm_eps or s.norms.eps), dim)
         self.o_proj = Linear(width, d, bias=False)
         object.__setattr__(self, "gated_norm", self.o_norm)
         object.__setattr__(self, "output", self.o_proj)

@@ -18,7 +18,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
-from vkformers_llama.decoder import DecoderLayer
+from vkformers.models.decoder import DecoderLayer
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vkformers.models.module import Module, place
-from vkformers_llama.decoder import DecoderLayer
+from vkformers.models.decoder import DecoderLayer
 
 
 def graft(root: Module, module: Module) -> None:
@@ -43,7 +43,10 @@ class LongcatLayer(Module):
         super().__init__()
         subs = []
         for j in (0, 1):
-            sub_spec = replace(sublayer, attn=f"self_attn.{j}", mlp=f"mlps.{j}", attn_in_norm=f"input_layernorm.{j}",
+            sub_spec = replace(sublayer,
+                               attention=replace(sublayer.attention, path=f"self_attn.{j}"),
+                               mlp=replace(sublayer.mlp, path=f"mlps.{j}"),
+                               attn_in_norm=f"input_layernorm.{j}",
                                mlp_in_norm=f"post_attention_layernorm.{j}", moe=None, make_layer=None)
             sub = DecoderLayer(sub_spec, 2 * index + j, alibi)
             graft(self, sub)  # their parameters live under this layer's names

@@ -18,7 +18,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.module import join_path, place
-from vkformers_llama.decoder import DecoderLayer, make_projection
+from vkformers.models.decoder import DecoderLayer, make_projection
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class MimoAttention:
     """The per-layer options; called with (spec, index, alibi) it builds a layer (DecoderSpec.make_layer)."""
 
     kv_heads: tuple[int, ...]    # per layer
-    sinks: tuple[bool, ...]      # per layer: attention sinks (DecoderSpec.attention_sinks names them)
+    sinks: tuple[bool, ...]      # per layer: attention sinks (DecoderSpec.attention.sinks names them)
     v_head_dim: int
     value_scale: float = 1.0
 
@@ -38,14 +38,15 @@ class MimoLayer(DecoderLayer):
     """The shared decoder layer with this layer's KV heads and sinks, and value heads of v_head_dim."""
 
     def __init__(self, options: MimoAttention, spec, index: int, alibi=None):
-        layer = replace(spec, num_kv_heads=options.kv_heads[index], o_bias=False,
-                        attention_sinks=spec.attention_sinks if options.sinks[index] else None)
+        layer = replace(spec, num_kv_heads=options.kv_heads[index],
+                        attention=replace(spec.attention, o_bias=False,
+                                          sinks=spec.attention.sinks if options.sinks[index] else None))
         super().__init__(layer, index, alibi)
         self.options, self.cache_kv_heads = options, spec.num_kv_heads
         s, d, vdim = self.spec, spec.hidden_size, options.v_head_dim
-        self.parts["v"] = place(self, join_path(s.attn, s.v_proj),
-                                make_projection(s, d, s.num_kv_heads * vdim, s.v_bias))
-        self.parts["o"] = place(self, join_path(s.attn, s.o_proj), make_projection(s, s.num_heads * vdim, d, False))
+        a = s.attention
+        self.parts["v"] = place(self, join_path(a.path, a.v_proj), make_projection(s, d, s.num_kv_heads * vdim, a.v_bias))
+        self.parts["o"] = place(self, join_path(a.path, a.o_proj), make_projection(s, s.num_heads * vdim, d, False))
 
     def attention(self, h, ctx):
         s, p = self.spec, self.parts
@@ -56,8 +57,10 @@ class MimoLayer(DecoderLayer):
         v = v.permute(0, 2, 1, 3)
         if self.rotates:
             inv_freq, scaling = ctx.rope_tables[self.index]
-            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
-            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.rope_interleaved, attention_scaling=scaling)
+            q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=s.positions.rope_interleaved,
+                       attention_scaling=scaling)
+            k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=s.positions.rope_interleaved,
+                       attention_scaling=scaling)
         return self._attend(q, k, v, ctx, batch, length)  # sinks and o_proj as in the shared layer
 
     def attend_heads(self, q, k, v, ctx, **options):

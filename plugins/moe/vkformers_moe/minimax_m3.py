@@ -26,7 +26,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import join_path, place
-from vkformers_llama.decoder import DecoderLayer, make_norm
+from vkformers.models.decoder import DecoderLayer, make_norm
 
 from vkformers_moe import torch_topk
 from vkformers_moe.block import clipped_swiglu
@@ -72,7 +72,7 @@ class MinimaxM3Layer(DecoderLayer):
         self._selection = None
         if self.sparse:
             s, o, d = self.spec, options, spec.hidden_size
-            path = join_path(s.attn, o.indexer)
+            path = join_path(s.attention.path, o.indexer)
             for role, name, module in (("index_q", "q_proj", Linear(d, o.index_heads * o.index_dim, bias=False)),
                                        ("index_k", "k_proj", Linear(d, o.index_dim, bias=False)),
                                        ("index_q_norm", "q_norm", make_norm(s, o.index_dim)),
@@ -98,7 +98,7 @@ class MinimaxM3Layer(DecoderLayer):
                 fused = np.concatenate([renamed.pop(gate), renamed.pop(up)], axis=0)
                 renamed[gate[:-len("gate_proj.weight")] + "gate_up_proj.weight"] = fused
         moe = self.spec.moe
-        experts = join_path(self.spec.mlp, moe.experts) if moe and moe.fused_experts else None
+        experts = join_path(self.spec.mlp.path, moe.experts) if moe and moe.fused_experts else None
         count = sum(1 for n in renamed if experts and n.startswith(f"{experts}.") and n.endswith(".w1.weight"))
         if count:
             w = {k: [renamed.pop(f"{experts}.{e}.{k}.weight") for e in range(count)] for k in ("w1", "w3", "w2")}
@@ -159,8 +159,10 @@ class MinimaxM3Layer(DecoderLayer):
         q = p["index_q_norm"](p["index_q"](h).reshape(batch, new, o.index_heads, o.index_dim)).permute(0, 2, 1, 3)
         k = p["index_k_norm"](p["index_k"](h).reshape(batch, new, 1, o.index_dim)).permute(0, 2, 1, 3)
         inv_freq, scaling = ctx.rope_tables[self.index]
-        q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=self.spec.rope_interleaved, attention_scaling=scaling)
-        k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=self.spec.rope_interleaved, attention_scaling=scaling)
+        q = F.rope(q, ctx.rope_positions, inv_freq, interleaved=self.spec.positions.rope_interleaved,
+                   attention_scaling=scaling)
+        k = F.rope(k, ctx.rope_positions, inv_freq, interleaved=self.spec.positions.rope_interleaved,
+                   attention_scaling=scaling)
         k = k.detach().transpose(-1, -2)  # [B, 1, D, new]
         if ctx.cache is not None:
             stored = ctx.cache.__dict__.setdefault("index_keys", {})

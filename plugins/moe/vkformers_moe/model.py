@@ -7,7 +7,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.module import add_param, get_param, place
-from vkformers_llama.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
+from vkformers.models.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
 
 from vkformers_moe.deepseek_v4 import _collapse, _hyper_weights
 from vkformers_moe.qwen4_exp import GatedResidual
@@ -74,7 +74,7 @@ class DeepseekV4ForCausalLM(MoeDecoderForCausalLM):
             streams = self.call_layer(layer, streams, ctx)
         pre, _ = _hyper_weights(streams, get_param(self, "model.hc_head.hc_fn"),
                                 get_param(self, "model.hc_head.hc_base"), get_param(self, "model.hc_head.hc_scale"),
-                                o.hc_eps, self.spec.norm_eps)
+                                o.hc_eps, self.spec.norms.eps)
         return _collapse(streams, pre)
 
 
@@ -86,7 +86,7 @@ class Qwen4ExpForCausalLM(MoeDecoderForCausalLM):
         super().__init__(config, architecture)
         o, d = self.spec.make_layer, self.spec.hidden_size
         object.__setattr__(self, "mixer", place(self, "model.hyper_connection_mixer",
-                                                 GatedResidual(o.hc_count, d, o.hc_lowrank, self.spec.norm_eps,
+                                                 GatedResidual(o.hc_count, d, o.hc_lowrank, self.spec.norms.eps,
                                                                combine=False)))
         # hash constants: derived from the config, read by PerLayerEmbedding.load_buffers
         self.ignored_checkpoint_keys = self.ignored_checkpoint_keys + (

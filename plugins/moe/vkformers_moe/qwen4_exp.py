@@ -38,7 +38,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, add_param, get_param, join_path, place
-from vkformers_llama.decoder import DecoderLayer, make_norm
+from vkformers.models.decoder import DecoderLayer, make_norm
 
 
 _HIDDEN = -1e30  # added to the scores of keys a query does not see
@@ -168,7 +168,7 @@ class PerLayerEmbedding(Module):
             add_param(self, f"ple_embedding.ngram_embedding.shard_{i}.weight", (size, e // heads))
         self.key_proj = Linear(e, n * d, bias=False)
         self.value_proj = Linear(e, d, bias=False)
-        eps = spec.norm_eps
+        eps = spec.norms.eps
         self.norm_key, self.norm_query, self.norm_conv = (StreamNorm(n, d, eps) for _ in range(3))
         self.conv1d = Module()
         self.conv1d.param("weight", (n * d, 1, o.ple_kernel))
@@ -263,14 +263,14 @@ class Qwen4ExpLayer(DecoderLayer):
         self.options = options
         for name, path in (("attn_hc", "attn_hyper_connection"), ("mlp_hc", "mlp_hyper_connection")):
             object.__setattr__(self, name, place(self, path, GatedResidual(o.hc_count, d, o.hc_lowrank,
-                                                                             spec.norm_eps)))
+                                                                             spec.norms.eps)))
         object.__setattr__(self, "ple", None)
         if o.ple_index[index] is not None:
             object.__setattr__(self, "ple", place(self, "ple", PerLayerEmbedding(o, spec, index)))
         self.indexed = not self.linear and o.index_heads > 0
         self._keep = None
         if self.indexed:
-            path = join_path(self.spec.attn, "indexer")
+            path = join_path(self.spec.attention.path, "indexer")
             self.parts["index_qk"] = place(self, join_path(path, "index_qk_proj"),
                                            Linear(d, (o.index_heads + 1) * o.index_dim, bias=False))
             self.parts["index_q_norm"] = place(self, join_path(path, "q_layernorm"), make_norm(self.spec, o.index_dim))

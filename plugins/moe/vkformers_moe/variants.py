@@ -1,5 +1,5 @@
 """Per-architecture deltas of the mixture-of-experts decoders: a dense parent's :class:`DecoderSpec`
-(from vkformers-llama) plus a :class:`MoeSpec` for the sparse layers, e.g. Mixtral = Mistral + a
+(the decoder kit's spec, read by a vkformers-llama variant) plus a :class:`MoeSpec` for the sparse layers, e.g. Mixtral = Mistral + a
 top-2 renormalised softmax router over SwiGLU experts stored as ``block_sparse_moe.experts.<e>.w1/w3/w2``.
 
 Names are the checkpoint's (what transformers' ``save_pretrained`` writes: transformers 5 keeps the
@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, UnsupportedConfigError, first_of,
+                                           layer_types, refuse, sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
-from vkformers_llama.variants import (DecoderSpec, UnsupportedConfigError, cohere2, ernie4_5, first_of, granite,
-                                      granite_swa, hunyuan_v1_dense, layer_types, llama, mistral, olmo2, qwen2, qwen3,
-                                      qwen3_5_text, refuse, sliding_windows, with_mla)
+# dense parents this plugin's architectures extend (vkformers-llama is a declared dependency)
+from vkformers_llama.variants import (cohere2, ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2,
+                                      qwen2, qwen3, qwen3_5_text)
 
 from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
@@ -71,8 +73,9 @@ def phimoe(config: dict) -> DecoderSpec:
     refuse("phimoe", config, "output_router_logits", lambda v: not v)
     refuse("phimoe", config, "input_jitter_noise", lambda v: not v)
     bias = bool(config.get("attention_bias", False))
-    spec = replace(mistral(config), norm="layer", norm_bias=True, norm_eps=config.get("rms_norm_eps", 1e-5),
-                   q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+    spec = mistral(config)
+    spec = replace(spec, norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("rms_norm_eps", 1e-5)),
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
                    lm_head_bias=bool(config.get("lm_head_bias", False)))
     moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 2),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
@@ -87,7 +90,8 @@ def qwen2_moe(config: dict) -> DecoderSpec:
     """Qwen2 with top-k softmax experts (norm_topk_prob), plus a shared expert gated by sigmoid(shared_expert_gate)."""
     _refuse_training_extras("qwen2_moe", config)
     bias = bool(config.get("qkv_bias", True))
-    spec = replace(qwen2(config), q_bias=bias, k_bias=bias, v_bias=bias)
+    spec = qwen2(config)
+    spec = replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias))
     moe = MoeSpec(num_experts=num_experts(config, 60), top_k=config.get("num_experts_per_tok", 4),
                   expert_size=config.get("moe_intermediate_size", 1408),
                   layers=sparse_step_layers(dict(config, num_experts=num_experts(config, 60)), spec.num_layers),
@@ -145,7 +149,7 @@ def qwen3_next(config: dict) -> DecoderSpec:
     decoder_sparse_step / mlp_only_layers and dense MLPs of intermediate_size elsewhere."""
     _refuse_training_extras("qwen3_next", config)
     moe = qwen2_moe(dict(config, norm_topk_prob=config.get("norm_topk_prob", True))).moe
-    return replace(qwen3_5_text(config), linear_grouped_projections=True, moe=moe)
+    return replace(qwen3_5_text(config).amend("linear_attention", grouped_projections=True), moe=moe)
 
 
 @architecture("llama4_text", norm="rms", llama_layout=True, status="verified",
@@ -174,14 +178,16 @@ def llama4_text(config: dict) -> DecoderSpec:
         qk_norm=tuple(bool(config.get("use_qk_norm", True)) and r for r in rotary),
         temperature=tuple(bool(config.get("attn_temperature_tuning", True)) and not r for r in rotary),
         floor_scale=float(config.get("floor_scale", 8192)), attn_scale=float(config.get("attn_scale", 0.1)),
-        eps=spec.norm_eps)
+        eps=spec.norms.eps)
     size = config.get("intermediate_size", 8192)
     moe = MoeSpec(num_experts=num_experts(config, 16), top_k=config.get("num_experts_per_tok", 1), expert_size=size,
                   layers=tuple(i in sparse for i in range(n)), hidden_act=spec.hidden_act, path="feed_forward",
                   router="router", scoring="sigmoid", scale_inputs=True, fused_experts=("gate_up_proj", "down_proj"),
                   fused_transposed=True, shared="shared_expert", shared_size=size)
-    return replace(spec, mlp="feed_forward", intermediate_size=config.get("intermediate_size_mlp", 16384),
-                   rope_interleaved=True, rope_layers=tuple(rotary), make_layer=attention, moe=moe)
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward"),
+                   intermediate_size=config.get("intermediate_size_mlp", 16384),
+                   positions=replace(spec.positions, rope_interleaved=True, rope_layers=tuple(rotary)),
+                   make_layer=attention, moe=moe)
 
 
 @architecture("longcat_flash", norm="rms", llama_layout=True, status="verified",
@@ -197,8 +203,8 @@ def longcat_flash(config: dict) -> DecoderSpec:
     layers = config.get("num_layers") or config["num_hidden_layers"] // 2
     flat = dict(config, num_hidden_layers=2 * layers, intermediate_size=config.get("ffn_hidden_size", 12288))
     hidden = config["hidden_size"]
-    sub = replace(with_mla(llama(flat), flat), mla_q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
-                  mla_kv_scale=(hidden / config["kv_lora_rank"]) ** 0.5, mla_norm_eps=1e-6)
+    sub = with_mla(llama(flat), flat).amend("mla", q_scale=(hidden / config["q_lora_rank"]) ** 0.5,
+                                            kv_scale=(hidden / config["kv_lora_rank"]) ** 0.5, norm_eps=1e-6)
     experts, identity = config.get("n_routed_experts", 512), config.get("zero_expert_num") or 0
     moe = MoeSpec(num_experts=experts, top_k=config.get("moe_topk", 12),
                   expert_size=config.get("expert_ffn_hidden_size", 2048), layers=(True,) * layers,
@@ -228,8 +234,10 @@ def gpt_oss(config: dict) -> DecoderSpec:
                   norm_topk=True, fused_experts=("gate_up_proj", "down_proj"), fused_transposed=True,
                   fused_bias=("gate_up_proj_bias", "down_proj_bias"), gate_up_interleaved=True,
                   swiglu_clip=(float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))))
-    return replace(spec, windows=sliding_windows(dict(config, layer_types=types), n, every_layer=False),
-                   attention_sinks="sinks", moe=moe)
+    return replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(dict(config, layer_types=types), n,
+                                                                             every_layer=False), sinks="sinks"),
+                   moe=moe)
 
 
 @architecture("mimo_v2_flash", norm="rms", llama_layout=True, status="verified",
@@ -258,9 +266,11 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
     refuse("mimo_v2_flash", config, "v_head_dim", lambda v: v <= spec.head_dim, 128)  # values padded to head_dim
     attention = MimoAttention(kv_heads=kv_heads, sinks=tuple(t == "sliding_attention" for t in types),
                               v_head_dim=v_dim, value_scale=1.0 if value_scale is None else float(value_scale))
-    spec = replace(spec, num_kv_heads=max(kv_heads), attention_sinks="attention_sink_bias", make_layer=attention,
-                   windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                   rope_configs=tuple((rope_config, t) for t in types))
+    spec = replace(spec, num_kv_heads=max(kv_heads),
+                   attention=replace(spec.attention, sinks="attention_sink_bias",
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
+                   make_layer=attention,
+                   positions=replace(spec.positions, rope_configs=tuple((rope_config, t) for t in types)))
     return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))
 
 
@@ -300,8 +310,8 @@ def deepseek_v4(config: dict) -> DecoderSpec:
         index_dim=config.get("index_head_dim", 128), index_topk=config.get("index_topk", 512),
         hc_mult=config.get("hc_mult", 4), sinkhorn_iters=config.get("hc_sinkhorn_iters", 20),
         hc_eps=float(config.get("hc_eps", 1e-6)))
-    return replace(spec, make_layer=layers,
-                   rope_configs=tuple((config, "main" if t == "sliding_attention" else "compress") for t in types))
+    ropes = tuple((config, "main" if t == "sliding_attention" else "compress") for t in types)
+    return replace(spec, make_layer=layers, positions=replace(spec.positions, rope_configs=ropes))
 
 @architecture("qwen4_exp_text", norm="rms", llama_layout=True, status="verified",
               notes=("native KV-cache generation; DeltaNet + sparse QSA + GR/hyper-connection streams + PLE (composed "
@@ -344,9 +354,11 @@ def olmoe(config: dict) -> DecoderSpec:
     """OLMo-style attention (q/k RMSNorm over the whole projection, clip_qkv) with top-k softmax experts in every
     layer (norm_topk_prob)."""
     _refuse_training_extras("olmoe", config)
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full",
-                   norm_eps=config.get("rms_norm_eps", 1e-5), clip_qkv=config.get("clip_qkv"),
-                   clip_after_qk_norm=True)
+    spec = llama(config)
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full",
+                                     clip_qkv=config.get("clip_qkv"), clip_after_qk_norm=True),
+                   norms=replace(spec.norms, eps=config.get("rms_norm_eps", 1e-5)))
     moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
                   norm_topk=bool(config.get("norm_topk_prob", False)))
@@ -436,11 +448,12 @@ def cohere2_moe(config: dict) -> DecoderSpec:
     n = spec.num_layers
     mlp_types, types = _mlp_types(config, n), layer_types(config, n)
     force = config.get("prefix_dense_sliding_window_pattern", 1) == 1
-    spec = replace(spec, rope_layers=tuple(t == "sliding_attention" or (m == "dense" and force)
-                                           for t, m in zip(types, mlp_types)),
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_layers=tuple(
+                       t == "sliding_attention" or (m == "dense" and force) for t, m in zip(types, mlp_types))),
                    intermediate_size=config.get("prefix_dense_intermediate_size") or spec.intermediate_size)
     if config.get("rms_norm_eps") is not None:
-        spec = replace(spec, norm="rms", norm_eps=config["rms_norm_eps"])
+        spec = replace(spec, norms=replace(spec.norms, kind="rms", eps=config["rms_norm_eps"]))
     size, shared = config.get("intermediate_size"), config.get("num_shared_experts") or 0
     moe = MoeSpec(num_experts=num_experts(config, 8), top_k=config.get("num_experts_per_tok", 2), expert_size=size,
                   layers=tuple(m == "sparse" for m in mlp_types), hidden_act=spec.hidden_act, scoring=selection,
@@ -459,8 +472,9 @@ def exaone_moe(config: dict) -> DecoderSpec:
     spec = qwen3(config)
     n = spec.num_layers
     types = layer_types(config, n)
-    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
-                   rope_layers=tuple(t == "sliding_attention" for t in types) if config.get("sliding_window") else ())
+    spec = replace(spec, attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False)),
+                   positions=replace(spec.positions, rope_layers=tuple(t == "sliding_attention" for t in types)
+                                     if config.get("sliding_window") else ()))
     moe = replace(deepseek_moe(config, spec), selection_bias="e_score_correction_bias",
                   layers=tuple(m == "sparse" for m in _mlp_types(dict(config, first_k_dense_replace=config.get(
                       "first_k_dense_replace", 1)), n)),
@@ -483,7 +497,8 @@ def minimax_m2(config: dict) -> DecoderSpec:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         config = dict(config, rope_parameters=dict(config.get("rope_parameters") or {},
                                                    partial_rotary_factor=config["rotary_dim"] / head_dim))
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full")
+    spec = llama(config)
+    spec = replace(spec, attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", qk_norm_scope="full"))
     moe = MoeSpec(num_experts=num_experts(config, 256), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act,
                   path="block_sparse_moe", scoring="sigmoid", selection_bias="e_score_correction_bias",
@@ -519,8 +534,12 @@ def minimax_m3_vl_text(config: dict) -> DecoderSpec:
     mlp_types = config.get("mlp_layer_types") or (["sparse" if f else "dense" for f in config["moe_layer_freq"]]
                                                   if config.get("moe_layer_freq") is not None else ["sparse"] * n)
     clip = (float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0)))
-    spec = replace(llama(dict(config, hidden_act="silu")), q_norm="q_norm", k_norm="k_norm", norm_unit_offset=True,
-                   gate_up_proj="gate_up_proj", intermediate_size=config.get("dense_intermediate_size", 12288))
+    spec = llama(dict(config, hidden_act="silu"))
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm"),
+                   norms=replace(spec.norms, unit_offset=True),
+                   intermediate_size=config.get("dense_intermediate_size", 12288))
+    spec = spec.amend("mlp", gate_up_proj="gate_up_proj")
     rope = config.get("rope_parameters") or {}
     rotary = int(spec.head_dim * rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     if "minimax_m3_sparse" in types:  # transformers rotates the indexer by the first index_head_dim rotary columns
@@ -551,7 +570,8 @@ def solar_open(config: dict) -> DecoderSpec:
     every layer."""
     _refuse_training_extras("solar_open", config)
     bias = bool(config.get("attention_bias", False))
-    spec = replace(llama(dict(config, attention_bias=False)), q_bias=bias, k_bias=bias, v_bias=bias)
+    spec = llama(dict(config, attention_bias=False))
+    spec = replace(spec, attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias))
     moe = replace(deepseek_moe(dict(config, first_k_dense_replace=0), spec),
                   num_experts=num_experts(config, 128))
     return replace(spec, moe=moe)
@@ -569,7 +589,9 @@ def mellum(config: dict) -> DecoderSpec:
     types = layer_types(config, n)
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False), rope_configs=ropes)
+    spec = replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False)),
+                   positions=replace(spec.positions, rope_configs=ropes))
     moe = MoeSpec(num_experts=num_experts(config, 64), top_k=config.get("num_experts_per_tok", 8),
                   expert_size=config.get("moe_intermediate_size", 896),
                   layers=tuple(m == "sparse" for m in (config.get("mlp_layer_types") or ["sparse"] * n)),
@@ -587,9 +609,10 @@ def afmoe(config: dict) -> DecoderSpec:
     spec = qwen3(config)
     n = spec.num_layers
     types = layer_types(config, n)
-    spec = replace(spec, windows=sliding_windows(config, n, every_layer=False),
-                   rope_layers=tuple(t == "sliding_attention" for t in types),
-                   output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True,
+    spec = replace(spec,
+                   attention=replace(spec.attention, windows=sliding_windows(config, n, every_layer=False),
+                                     output_gate="gate_proj", output_gate_per_head=False, output_gate_sigmoid=True),
+                   positions=replace(spec.positions, rope_layers=tuple(t == "sliding_attention" for t in types)),
                    attn_out_norm="post_attention_layernorm", mlp_in_norm="pre_mlp_layernorm",
                    mlp_out_norm="post_mlp_layernorm",
                    embed_scale=spec.hidden_size ** 0.5 if config.get("mup_enabled") else 1.0)
@@ -621,11 +644,13 @@ def dbrx(config: dict) -> DecoderSpec:
                 3584), tie_word_embeddings=bool(config.get("tie_word_embeddings", False)), hidden_act=act)
     if not flat.get("rope_parameters") and "rope_theta" in attn:
         flat["rope_parameters"] = {"rope_type": "default", "rope_theta": attn["rope_theta"]}
-    spec = replace(llama(flat), embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
+    spec = llama(flat)
+    spec = replace(spec, embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attn_in_norm="norm_attn_norm.norm_1", mlp_in_norm="norm_attn_norm.norm_2",
-                   attn="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks", o_proj="out_proj",
-                   norm="layer", norm_eps=1e-5, norm_bias=False, clip_qkv=attn.get("clip_qkv"),
-                   rope_configs=((flat, None),) * flat["n_layers"])  # rotary reads the flattened sizes
+                   attention=replace(spec.attention, path="norm_attn_norm.attn", qkv_proj="Wqkv", qkv_layout="blocks",
+                                     o_proj="out_proj", clip_qkv=attn.get("clip_qkv")),
+                   norms=replace(spec.norms, kind="layer", eps=1e-5, bias=False),
+                   positions=replace(spec.positions, rope_configs=((flat, None),) * flat["n_layers"]))  # flat sizes
     moe = MoeSpec(num_experts=ffn.get("moe_num_experts", 4), top_k=ffn.get("moe_top_k", 1),
                   expert_size=spec.intermediate_size, layers=(True,) * spec.num_layers, hidden_act=act, path="ffn",
                   router="router.layer", norm_topk=ffn.get("moe_normalize_expert_weights", 1.0) is not None,
@@ -717,7 +742,8 @@ def deepseek_v3(config: dict) -> DecoderSpec:
     if config.get("model_type") in DSA_MODEL_TYPES or "index_topk" in config:
         return deepseek_v32(config)
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_interleaved=config.get("rope_interleave", True) is not False))
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
@@ -747,7 +773,7 @@ def deepseek_v32(config: dict) -> DecoderSpec:
     arch = config.get("model_type") or "deepseek_v32"
     refuse(arch, config, "q_lora_rank", lambda v: bool(v) and v > 0, 1536)  # the indexer reads the q LoRA
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: the RMSNorm's default eps
+    spec = spec.amend("positions", rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: RMSNorm's eps
     n, dense = spec.num_layers, config.get("first_k_dense_replace", 3)
     types = config.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(n)]
     indexer = dsa_indexer_types(config, n)
@@ -797,10 +823,11 @@ def glm5_next_text(config: dict) -> DecoderSpec:
     heads, dim = lin.get("num_heads", config.get("linear_num_heads", 64)), lin.get("head_dim",
                                                                                    config.get("linear_head_dim", 128))
     spec = with_mla(llama(dict(config, head_dim=None)), config)
-    spec = replace(spec, rope=False, linear_layers=linear, linear_attn="self_attn", linear_k_heads=heads,
-                   linear_v_heads=heads, linear_k_dim=dim, linear_v_dim=dim, linear_split_projections=True,
-                   linear_conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
-                   linear_module=lambda s: KimiDeltaAttention(s, lower_bound=lower))
+    linear_attention = LinearAttentionSpec(
+        layers=linear, path="self_attn", k_heads=heads, v_heads=heads, k_dim=dim, v_dim=dim, split_projections=True,
+        conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
+        module=lambda s: KimiDeltaAttention(s, lower_bound=lower))
+    spec = replace(spec, positions=replace(spec.positions, rope=False), linear_attention=linear_attention)
     layers = Glm5NextLayers(
         index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 32),
         index_dim=config.get("index_head_dim", 128),
@@ -819,7 +846,8 @@ def axk1(config: dict) -> DecoderSpec:
     (mlp_layer_types) end in an RMSNorm on the block's output, saved beside it as layers.<i>.post_mlp_layernorm."""
     _refuse_training_extras("axk1", config)
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False)
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_interleaved=config.get("rope_interleave", True) is not False))
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types),
@@ -837,7 +865,7 @@ def axk2(config: dict) -> DecoderSpec:
     _refuse_training_extras("axk2", config)
     refuse("axk2", config, "q_lora_rank", lambda v: bool(v) and v > 0, 384)  # the indexer and gate read the q LoRA
     spec = with_mla(llama(config), config)
-    spec = replace(spec, rope_interleaved=True, mla_norm_eps=1e-6)  # q_a / kv_a norms: AXK2RMSNorm's default eps
+    spec = spec.amend("positions", rope_interleaved=True).amend("mla", norm_eps=1e-6)  # q_a / kv_a: AXK2RMSNorm's eps
     n = spec.num_layers
     types = config.get("mlp_layer_types") or ["sparse" if i >= 1 else "dense" for i in range(n)]
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in types))
@@ -857,8 +885,10 @@ def glm4_moe(config: dict) -> DecoderSpec:
     _refuse_training_extras("glm4_moe", config)
     bias = bool(config.get("attention_bias", False))
     qk_norm = bool(config.get("use_qk_norm", False))
-    spec = replace(llama(dict(config, attention_bias=False)), q_bias=bias, k_bias=bias, v_bias=bias,
-                   q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None)
+    spec = llama(dict(config, attention_bias=False))
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias,
+                                     q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None))
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
@@ -899,7 +929,8 @@ def _mlp_layer_types(config: dict, num_layers: int) -> tuple[bool, ...]:
 @architecture("hy_v3", norm="rms", llama_layout=True, status="verified")
 def hy_v3(config: dict) -> DecoderSpec:
     """Hunyuan V3: Llama with per-head q/k RMSNorm before the rotation; sparse layers from mlp_layer_types."""
-    spec = replace(llama(config), q_norm="q_norm", k_norm="k_norm")
+    spec = llama(config)
+    spec = replace(spec, attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm"))
     return _with_moe("hy_v3", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _hy_v3_moe)
 
 
@@ -926,10 +957,12 @@ def laguna(config: dict) -> DecoderSpec:
     heads = config.get("num_attention_heads_per_layer")
     params = config.get("rope_parameters")
     ropes = tuple((config, t) for t in types) if params and all(isinstance(v, dict) for v in params.values()) else ()
-    spec = replace(spec, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
-                   output_gate_per_head=config.get("gating", True) != "per-element",
-                   heads_per_layer=tuple(heads) if heads else (),
-                   windows=sliding_windows(config, spec.num_layers, every_layer=False), rope_configs=ropes)
+    spec = replace(spec,
+                   attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm", output_gate="g_proj",
+                                     output_gate_per_head=config.get("gating", True) != "per-element",
+                                     heads_per_layer=tuple(heads) if heads else (),
+                                     windows=sliding_windows(config, spec.num_layers, every_layer=False)),
+                   positions=replace(spec.positions, rope_configs=ropes))
     return _with_moe("laguna", config, spec, _has_sparse_mlp_layers(config, spec.num_layers), _laguna_moe)
 
 
@@ -983,12 +1016,13 @@ def mistral4(config: dict) -> DecoderSpec:
     params = config.get("rope_parameters") or {}
     rope_config = dict(config, head_dim=spec.head_dim)
     if "partial_rotary_factor" not in params:  # transformers' default: the rotary share of the qk head
-        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla_rope_dim / spec.head_dim)
-    spec = replace(spec, rope_interleaved=config.get("rope_interleave", True) is not False,
-                   rope_configs=((rope_config, None),) * spec.num_layers)
+        rope_config["rope_parameters"] = dict(params, partial_rotary_factor=spec.mla.rope_dim / spec.head_dim)
+    spec = replace(spec,
+                   positions=replace(spec.positions, rope_interleaved=config.get("rope_interleave", True) is not False,
+                                     rope_configs=((rope_config, None),) * spec.num_layers))
     beta = params.get("llama_4_scaling_beta")
     if beta:
-        spec = replace(spec, query_position_scale=(float(beta), int(params["original_max_position_embeddings"])))
+        spec = spec.amend("positions", query_scale=(float(beta), int(params["original_max_position_embeddings"])))
     return _with_moe("mistral4", config, spec, sparse, _mistral4_moe)
 
 

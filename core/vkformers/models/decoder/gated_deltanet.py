@@ -18,16 +18,15 @@ inputs of each conv and S (``cache.linear_states[layer]``), restarted when the c
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
+from vkformers.models.decoder.norms import make_norm
+from vkformers.models.decoder.spec import NormSpec
 from vkformers.models.module import Module
-
-from vkformers_llama.norms import make_norm
 
 
 class GatedDeltaNet(Module):
@@ -37,13 +36,13 @@ class GatedDeltaNet(Module):
 
     def __init__(self, spec):
         super().__init__()
-        s, d = spec, spec.hidden_size
+        s, lin, d = spec, spec.linear_attention, spec.hidden_size
         self.spec = s
-        self.k_heads, self.v_heads = s.linear_k_heads, s.linear_v_heads
-        self.k_dim, self.v_dim, self.kernel = s.linear_k_dim, s.linear_v_dim, s.linear_conv_kernel
+        self.k_heads, self.v_heads = lin.k_heads, lin.v_heads
+        self.k_dim, self.v_dim, self.kernel = lin.k_dim, lin.v_dim, lin.conv_kernel
         key_width, value_width = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.conv_channels = 2 * key_width + value_width
-        self.split = s.linear_split_projections
+        self.split = lin.split_projections
         self.conv_widths = (key_width, key_width, value_width) if self.split else (self.conv_channels,)
         if self.split:  # OLMo Hybrid
             for name, width in (("q", key_width), ("k", key_width), ("v", value_width)):
@@ -54,7 +53,7 @@ class GatedDeltaNet(Module):
             self.g_proj = Linear(d, value_width, bias=False)
             self.b_proj = Linear(d, self.v_heads, bias=False)
             self.a_proj = Linear(d, self.v_heads, bias=False)
-        elif s.linear_grouped_projections:
+        elif lin.grouped_projections:
             self.in_proj_qkvz = Linear(d, self.conv_channels + value_width, bias=False)
             self.in_proj_ba = Linear(d, 2 * self.v_heads, bias=False)
         else:
@@ -69,8 +68,7 @@ class GatedDeltaNet(Module):
         self.param("dt_bias", (self.v_heads,))
         self.param("A_log", (self.v_heads,))
         # the gated norm has a plain weight, also in (1 + w) models
-        norm = make_norm(replace(s, norm="rms", norm_unit_offset=False, norm_weight=True,
-                                 norm_eps=s.linear_norm_eps or s.norm_eps), self.v_dim)
+        norm = make_norm(NormSpec("rms", eps=lin.norm_eps or s.norms.eps), self.v_dim)
         out_proj = Linear(value_width, d, bias=False)
         setattr(self, "o_norm" if self.split else "norm", norm)
         setattr(self, "o_proj" if self.split else "out_proj", out_proj)
@@ -104,7 +102,7 @@ class GatedDeltaNet(Module):
         """The inputs of each conv ([q | k | v], or q, k, v apart), z, b and a."""
         if self.split:
             return [self.q_proj(h), self.k_proj(h), self.v_proj(h)], self.g_proj(h), self.b_proj(h), self.a_proj(h)
-        if not self.spec.linear_grouped_projections:
+        if not self.spec.linear_attention.grouped_projections:
             return [self.in_proj_qkv(h)], self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
         # per key head: [q (k_dim), k (k_dim), v, z (its value heads' v_dim each)] and [b, a (one per value head)]
         batch, length = h.shape[:2]
@@ -179,8 +177,8 @@ class GatedDeltaNet(Module):
         k = self._l2norm(self._heads(k, self.k_heads, self.k_dim, repeat))
         v = self._heads(v, self.v_heads, self.v_dim)
         beta = F.sigmoid(b).permute(0, 2, 1)                                       # [B, H, T]
-        if self.spec.linear_beta_scale != 1.0:  # OLMo Hybrid (allow_neg_eigval): beta in [0, 2]
-            beta = beta * self.spec.linear_beta_scale
+        if self.spec.linear_attention.beta_scale != 1.0:  # OLMo Hybrid (allow_neg_eigval): beta in [0, 2]
+            beta = beta * self.spec.linear_attention.beta_scale
         decay = self._decay(a)
 
         heads, kd, vd = self.v_heads, self.k_dim, self.v_dim

@@ -1,0 +1,331 @@
+"""The decoder kit's causal LM: one model for every decoder-only architecture, configured by a :class:`DecoderSpec`.
+
+The model declares its parameters under the checkpoint's own names (``model.layers.0.
+self_attn.q_proj.weight``, ``transformer.h.0.attn.c_attn.weight``, ...); fused projections
+stay one parameter and are split with views, so gradients and saved checkpoints keep
+Hugging Face's layout.
+
+Forward semantics follow transformers 5: without a cache and without ``position_ids``
+every row uses positions ``arange(T)`` (also with left padding); ``attention_mask`` zeros
+mask those keys on top of the causal mask; ``labels`` are shifted inside (not for TrOCR, as there).
+"""
+from __future__ import annotations
+
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine import lazy
+from vkformers.engine.rope_scaling import rope_parameters
+from vkformers.engine.tensor import Tensor
+from vkformers.models.decoder.layer import Context, DecoderLayer, fused_norm
+from vkformers.models.decoder.norms import make_norm
+from vkformers.models.decoder.spec import DecoderSpec, NormSpec, alibi_slopes, mpt_alibi_slopes, sinusoidal_table
+from vkformers.models.generation import GenerationMixin
+from vkformers.models.inputs import InputLimits
+from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.loading import CausalLMOutput
+from vkformers.models.module import Module, join_path, place
+from vkformers.runtime import dtypes as dt
+
+IGNORE_INDEX = -100
+
+# Buffers some checkpoints carry that are not parameters (causal-mask and rotary caches).
+IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                           "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps",  # these two: xIELU (Apertus)
+                           ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
+
+
+def _embed_norms(spec: DecoderSpec) -> NormSpec:
+    """The embedding norm: the blocks' norm, or a LayerNorm of its own."""
+    if spec.embed_norm_layer_eps is None:
+        return spec.norms
+    return NormSpec("layer", eps=spec.embed_norm_layer_eps, weight=True, bias=True)
+
+
+def _shift_labels(labels: np.ndarray) -> np.ndarray:
+    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
+
+
+def _as_numpy(value, dtype=np.int64):
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        value = value.numpy()
+    return np.asarray(value).astype(dtype)
+
+
+def _round_to(value: float, dtype) -> float:
+    """A Python float rounded to a storage dtype (torch multiplies by a scalar tensor of that dtype)."""
+    if dtype is dt.bfloat16:
+        return float(dt.from_bfloat16(dt.to_bfloat16(np.asarray([value], np.float32)))[0])
+    if dtype is dt.float16:
+        return float(np.float16(value))
+    return float(np.float32(value))
+
+
+def checkpoint_named(layers: ModuleList, spec) -> ModuleList:
+    """``layers`` named by their checkpoint indices (DecoderSpec.checkpoint_layers) instead of 0, 1, ...: loading
+    and saving then use the checkpoint's names; iteration and indexing stay in run order."""
+    if spec.checkpoint_layers:
+        layers._modules.clear()
+        layers._modules.update((str(i), layer) for i, layer in zip(spec.checkpoint_layers, layers.items))
+    return layers
+
+
+class DecoderForCausalLM(Module, GenerationMixin):
+    """The causal LM around :class:`DecoderLayer`: embeddings, the layers, final norm and head, as a
+    :class:`DecoderSpec` configures them. A plugin subclasses it with its own :meth:`decoder_spec`."""
+
+    ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+    supports_gradient_checkpointing = True  # run_layers goes through call_layer
+
+    @staticmethod
+    def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:
+        """The spec of ``config``, resolved to ``architecture_name``: a plugin's subclass reads its variants."""
+        raise NotImplementedError("a plugin's DecoderForCausalLM subclass sets decoder_spec to its variants' reader")
+
+    def __init__(self, config: dict, architecture):
+        super().__init__()
+        name = getattr(architecture, "name", architecture)
+        spec = self.decoder_spec(config, name)
+        self.config, self.architecture_name, self.spec = config, name, spec
+        self.dtype = dt.float32  # from_pretrained sets the loaded dtype
+        # generate may replay a decode step without this forward (models/decode_capture.py), which sees
+        # inputs that change every step but not ones that only change past some position (Llama 4's scale)
+        # (nor linear layers: their recurrent state lives on the cache, updated by the Python forward)
+        self.capture_decode = spec.positions.query_scale is None and spec.linear_attention is None
+        # HF's longrope models switch to the long factors past the original context, and their
+        # generate() then recomputes the cache with them (Phi-3): generation does the same.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) in ("longrope", "su"):
+            self.recompute_cache_beyond = rope.get("original_max_position_embeddings") or \
+                config.get("original_max_position_embeddings")
+        d = spec.hidden_size
+        alibi = None
+        if spec.positions.alibi:
+            slopes = (mpt_alibi_slopes(spec.num_heads, spec.extra.get("alibi_bias_max", 8))
+                      if spec.positions.alibi_kind == "mpt" else alibi_slopes(spec.num_heads))
+            alibi = Tensor((slopes * np.float32(spec.positions.alibi_slope_scale)).astype(np.float32))
+        refs = dict(  # plain references (object.__setattr__): place() already registered them under HF paths
+            embed=place(self, spec.embed, Embedding(spec.vocab_size + spec.embed_extra_rows, spec.embed_dim or d,
+                                                         padding_idx=spec.embed_padding_idx)),
+            project_in=place(self, spec.project_in, Linear(spec.embed_dim, d, bias=False)) if spec.project_in else None,
+            project_out=(place(self, spec.project_out, Linear(d, spec.embed_dim, bias=False))
+                         if spec.project_out else None),
+            embed_norm=(place(self, spec.embed_norm, make_norm(_embed_norms(spec), d))
+                        if spec.embed_norm else None),
+            position_embed=(place(self, spec.position_embed,
+                                  Embedding(spec.max_position_embeddings + spec.positions.offset, d))
+                            if spec.position_embed else None),
+            layers=place(self, spec.layers, checkpoint_named(ModuleList((spec.make_layer or DecoderLayer)(spec, i, alibi)
+                                                                          for i in range(spec.num_layers)), spec)),
+            final_norm=place(self, spec.final_norm, make_norm(spec, d)) if spec.final_norm else None,
+            head_dense=(place(self, join_path(spec.head_transform, "dense"),
+                              Linear(d, d, bias=spec.head_transform_bias))
+                        if spec.head_transform else None),
+            head_norm=(place(self, join_path(spec.head_transform, "norm"), make_norm(spec, d))
+                       if spec.head_transform else None),
+            lm_head=place(self, spec.lm_head, Linear(spec.embed_dim or d, spec.vocab_size, bias=spec.lm_head_bias)),
+        )
+        for name, module in refs.items():
+            object.__setattr__(self, name, module)
+        if spec.tie_embeddings:
+            self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
+        self.rope_configs = spec.positions.rope_configs or ((config, None),) * spec.num_layers
+        self.position_table = None
+        if spec.positions.sinusoidal:  # fixed, not a parameter
+            rows = spec.max_position_embeddings + spec.positions.offset
+            self.position_table = Tensor(sinusoidal_table(spec.positions.sinusoidal, rows, d,
+                                                          spec.extra.get("padding_row")))
+
+    def load_state_dict(self, arrays, *args, **kwargs):
+        if self.spec.checkpoint_layers:  # the layers this forward skips (Mllama's cross-attention ones): not loaded
+            kept = {f"{self.spec.layers}.{i}." for i in self.spec.checkpoint_layers}
+            arrays = {name: array for name, array in arrays.items()
+                      if not name.startswith(f"{self.spec.layers}.") or name.startswith(tuple(kept))}
+        for path, module in self.named_modules():  # files laid out otherwise than the parameters (OLMo Hybrid's convs)
+            if hasattr(module, "convert_checkpoint"):
+                arrays = module.convert_checkpoint(arrays, path)
+        super().load_state_dict(arrays, *args, **kwargs)
+        for path, module in self.named_modules():  # checkpoint buffers that are not parameters (MoE routing biases)
+            if hasattr(module, "load_buffers"):
+                module.load_buffers(arrays, path)
+        if self.spec.hidden_act == "xielu":  # xIELU's beta / eps are checkpoint buffers, not parameters
+            for i, layer in enumerate(self.layers):
+                prefix = join_path(self.spec.layers, str(i), self.spec.mlp.path, "act_fn")
+                if f"{prefix}.beta" in arrays:
+                    layer.xielu_buffers = (float(np.asarray(arrays[f"{prefix}.beta"]).reshape(-1)[0]),
+                                           float(np.asarray(arrays[f"{prefix}.eps"]).reshape(-1)[0]))
+
+    # -- what GenerationMixin reads
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.spec.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """The attention's head size, what the KV cache stores: MLA pads the narrower of qk and v to the wider."""
+        return max(self.spec.head_dim, self.spec.mla.v_dim) if self.spec.mla else self.spec.head_dim
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.spec.max_position_embeddings
+
+    def input_limits(self) -> InputLimits:
+        s = self.spec
+        table = s.position_embed or s.positions.sinusoidal  # rotary, ALiBi and NoPE models have none to run past
+        field = next((f for f in ("max_position_embeddings", "n_positions", "max_seq_len") if f in self.config),
+                     "max_position_embeddings")
+        return InputLimits(vocab_size=s.vocab_size + s.embed_extra_rows, label_classes=s.vocab_size,
+                           max_length=s.max_position_embeddings if table else None, max_length_field=field,
+                           min_position=-1 if s.positions.generation == "fairseq" else 0)
+
+    # -- forward
+
+    def _positions(self, batch, length, attention_mask, position_ids, past) -> np.ndarray:
+        if position_ids is not None:
+            given = position_ids.numpy() if isinstance(position_ids, Tensor) else np.asarray(position_ids)
+            if given.shape == (batch, length) and given.dtype == np.int32:
+                return given  # the array itself: generate recognises it in a captured decode step
+            return np.broadcast_to(given, (batch, length)).astype(np.int32)
+        if self.spec.positions.from_mask and attention_mask is not None:  # OPT: count only attended tokens
+            return ((np.cumsum(attention_mask, axis=1) * attention_mask - 1)[:, -length:]).astype(np.int32)
+        return np.broadcast_to(past + np.arange(length, dtype=np.int32), (batch, length)).astype(np.int32)
+
+    def generation_positions(self, mask: np.ndarray, tokens: np.ndarray, prompt_length: int) -> np.ndarray:
+        kind = self.spec.positions.generation
+        if kind == "mask":
+            return super().generation_positions(mask, tokens, prompt_length)
+        index = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+        if kind == "index":
+            return index.copy()
+        # "fairseq": transformers counts non-pad ids from the prompt (cumsum), then places each later token at the
+        # cache length; a pad id gets the padding row (relative position -1)
+        real = tokens != self.spec.extra["padding_row"]
+        counted = np.where(index < prompt_length, np.cumsum(real, axis=1) - 1, index)
+        return np.where(real, counted, -1)
+
+    def _rope_tables(self, seq_len: int):
+        """(inv_freq Tensor, attention_scaling) per layer; layers sharing a rope config share one table."""
+        tables, by_key = [], {}
+        for config, layer_type in self.rope_configs:
+            key = (id(config), layer_type)
+            if key not in by_key:
+                inv_freq, scaling = rope_parameters(config, seq_len, layer_type=layer_type)
+                by_key[key] = (Tensor(inv_freq.astype(np.float32)), scaling)
+            tables.append(by_key[key])
+        return tables
+
+    def prompt_padding_is_exact(self, length: int, padded: int) -> bool:
+        """Whether a prompt padded on the right from ``length`` to ``padded`` tokens keeps its own tokens'
+        logits and cache entries (generate pads prompts so that prompts of different lengths share a recorded
+        prefill): causal attention without state outside the cache (capture_decode), and rotary tables that are
+        the same for both lengths (dynamic NTK changes them past the original context)."""
+        if not self.capture_decode:
+            return False
+        for config, layer_type in (self.rope_configs if self.spec.positions.rope else ()):
+            short, short_scale = rope_parameters(config, length, layer_type=layer_type)
+            long, long_scale = rope_parameters(config, padded, layer_type=layer_type)
+            if short_scale != long_scale or not np.array_equal(short, long):
+                return False
+        return True
+
+    def _query_scale(self, positions):
+        """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1]."""
+        if self.spec.positions.query_scale is None:
+            return None
+        beta, length = self.spec.positions.query_scale
+        scale = 1.0 + beta * np.log1p(np.floor(positions.astype(np.float32) / np.float32(length)))
+        return Tensor(scale.astype(np.float32)[:, None, :, None])
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
+        s = self.spec
+        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
+        if ids.dtype is not dt.int32:
+            ids = ids.cast(dt.int32)
+        batch, length = ids.shape
+        past = cache.position if cache is not None else 0
+        mask = _as_numpy(attention_mask)
+        if position_ids is None and s.positions.generation == "fairseq" and not isinstance(input_ids, Tensor):
+            # as transformers' TrOCR: the ids that are not the pad id are counted (a pad id takes the padding row
+            # wherever it stands, attended or not); ids already on the device fall back to the mask's count
+            real = np.asarray(input_ids) != s.extra["padding_row"]
+            position_ids = np.where(real, np.cumsum(real, axis=1) - 1 + past, -1).astype(np.int32)
+        positions = self._positions(batch, length, mask, position_ids, past)
+
+        x = F.embedding(ids, self.embed.weight, padding_idx=self.embed.padding_idx)
+        if s.embed_scale != 1.0:
+            scale = _round_to(s.embed_scale, self.dtype) if s.embed_scale_in_dtype else s.embed_scale
+            x = x * scale
+        if self.project_in is not None:
+            x = self.project_in(x)
+        # One positions input, everything else derived on the GPU: a captured decode step rewrites
+        # only this array (models/generation.py), so derived copies must not be separate host inputs.
+        position_tensor = Tensor(positions)
+        tables = [t for t in (self.position_embed.weight if self.position_embed is not None else None,
+                              self.position_table) if t is not None]
+        if tables:
+            absolute = position_tensor + s.positions.offset if s.positions.offset else position_tensor
+            for table in tables:
+                x = x + F.embedding(absolute, table)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+
+        key_padding_mask = None
+        if mask is not None and (cache is not None or not mask.all()):
+            key_padding_mask = Tensor(mask.astype(bool))
+        rope_tables = self._rope_tables(int(positions.max()) + 1) if s.positions.rope else None
+        ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
+                      rope_positions=-position_tensor if s.positions.rope_negated else None,
+                      query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions)
+        x = self.run_layers(x, ctx)
+        logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
+        if logits is None:
+            if self.final_norm is not None:
+                x = self.final_norm(x)
+            if self.project_out is not None:
+                x = self.project_out(x)
+            if self.head_dense is not None:
+                x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
+            logits = self.lm_head(x)
+        if s.logits_scale != 1.0:
+            logits = logits * s.logits_scale
+        if s.final_softcap:
+            logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
+        if cache is not None:
+            cache.advance(length)
+        loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    def run_layers(self, x, ctx: Context):
+        """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream
+        between them: DeepSeek-V4's hyper-connections)."""
+        for layer in self.layers:
+            x = self.call_layer(layer, x, ctx)
+        return x
+
+    def _fused_decode_head(self, x):
+        """Final RMS norm and lm_head of a decode step as one fused product, or None where they differ."""
+        norm, head = self.final_norm, self.lm_head
+        if (not isinstance(norm, RMSNorm) or self.project_out is not None or self.head_dense is not None
+                or type(head) is not Linear or head.has_bias or head.quantized):
+            return None
+        prologue = fused_norm(norm)
+        return F.fused_linear(x, head.weight, norm=prologue) if F.fusable(x, [head.weight], prologue) else None
+
+    @staticmethod
+    def loss(logits, labels, shift: bool = True):
+        """transformers' ForCausalLMLoss: token t predicts label t + 1 (label t without ``shift``); -100 is
+        ignored; mean in float32."""
+        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
+        if shift:
+            labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
+        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)
