@@ -33,8 +33,7 @@ import numpy as np
 from common import cuda_median, cuda_torch, replay_timings, write_results
 
 from vkformers.engine.kernels.matmul import (
-    COOPMAT_DEFAULT, CoopmatConfig, SmallMConfig, TiledConfig, coopmat_config, matmul, select_algorithm, split_k,
-    tiled_config)
+    COOPMAT_DEFAULT, CoopmatConfig, TiledConfig, coopmat_config, matmul, select_algorithm, split_k)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 

@@ -5,7 +5,6 @@ The fundamental invariant: decoding with the cache gives what recomputing the wh
 without a cache gives, step after step. Then batching with left padding, sampling (seeded,
 top-k, top-p), repetition penalty, eos, streamer, and that decode steps replay one plan.
 """
-import json
 from pathlib import Path
 
 import numpy as np

@@ -5,7 +5,6 @@ test_attention.py over the whole sequence. Decode steps must replay one recorded
 Tolerances as test_attention.py: float32 1e-5 absolute (values of order 1), float16 3e-3,
 bfloat16 2e-2 (inputs rounded to the storage type first, one rounding of the result).
 """
-from dataclasses import replace
 
 import numpy as np
 import pytest
