@@ -21,6 +21,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
+from vkformers.errors import VkformersError
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module
@@ -37,6 +38,10 @@ IGNORED_CHECKPOINT_KEYS = ("position_ids", "token_type_ids", "rotary_embeddings.
                            "sop_classifier.classifier.weight", "sop_classifier.classifier.bias",
                            "predictions.decoder.weight", "predictions.decoder.bias", "lm_head.decoder.weight",
                            "lm_head.decoder.bias", "vocab_projector.weight", "generator_lm_head.weight")
+
+
+class UnsupportedBaseModel(VkformersError, ValueError):
+    """An encoder whose checkpoint layout does not separate the base model from its head."""
 
 
 @dataclass
@@ -331,6 +336,21 @@ class EncoderForMaskedLM(Module):
                            type_vocab_size=s.type_vocab_size if self.token_type is not None else None)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        x = self.encode(input_ids, attention_mask, token_type_ids)
+        h = x
+        if self.head_dense is not None:
+            h = F.activation(self.spec.head_act)(self.head_dense(h))
+        if self.head_norm is not None:
+            h = self.head_norm(h)
+        logits = self.decoder(h)
+        if self.spec.decoder_bias:
+            logits = logits + _get(self, self.spec.decoder_bias)
+        loss = self.loss(logits, labels) if labels is not None else None
+        return MaskedLMOutput(logits=logits, loss=loss)
+
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None):
+        """The encoder's last hidden states [B, T, hidden] (after the final norm of pre-LN encoders), before any
+        head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed)."""
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
         mask = _as_int_array(attention_mask)
@@ -348,22 +368,19 @@ class EncoderForMaskedLM(Module):
                 if self.spec.zero_padded_hidden and mask is not None else None)
         if keep is not None:
             x = x * keep
+        if hidden_states is not None:
+            hidden_states.append(x)
         for layer in self.layers:
             x = self.call_layer(layer, x, ctx)
             if keep is not None:  # XLM zeroes the padded positions after every layer
                 x = x * keep
+            if hidden_states is not None:
+                hidden_states.append(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        h = x
-        if self.head_dense is not None:
-            h = F.activation(self.spec.head_act)(self.head_dense(h))
-        if self.head_norm is not None:
-            h = self.head_norm(h)
-        logits = self.decoder(h)
-        if self.spec.decoder_bias:
-            logits = logits + _get(self, self.spec.decoder_bias)
-        loss = self.loss(logits, labels) if labels is not None else None
-        return MaskedLMOutput(logits=logits, loss=loss)
+            if hidden_states is not None:
+                hidden_states[-1] = x
+        return x
 
     @staticmethod
     def loss(logits, labels):

@@ -3,7 +3,9 @@ from pathlib import Path
 
 from vkformers.models.family import FamilyPlugin
 
+from vkformers_llama.base import DecoderModel
 from vkformers_llama.decoder import DecoderForCausalLM
 from vkformers_llama.gguf_tables import FAMILY  # the variants, with their GGUF mappings declared
 
-plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"causal-lm": DecoderForCausalLM})
+plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"causal-lm": DecoderForCausalLM,
+                                                                    "base": DecoderModel})

@@ -1,0 +1,144 @@
+"""Write tests/fixtures/heads/<case>/: tiny random transformers task models and what transformers computes.
+
+Each case is a 2-layer, hidden-16 model of one architecture with one task head (sequence classification, token
+classification, question answering), built from a config alone and re-initialised from a fixed seed, and a [3, 7]
+batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, attention mask 0). reference.safetensors
+holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
+parameter's for "single", the head's for "multi" and "regression" (sequence heads; the same weights, through
+problem_type), and the base
+model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"). tests/test_heads_parity.py
+loads each folder with vkformers' AutoModelFor* classes and compares. Needs transformers and torch (CPU):
+
+    python tools/make_head_fixtures.py            # every case
+    python tools/make_head_fixtures.py --only bert-sequence
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import (AutoConfig, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification)
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "heads"
+BATCH, LENGTH, PAD_ROWS = 3, 7, 2
+VOCAB, NUM_LABELS = 40, 3
+ENCODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+               max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               classifier_dropout=0.0)
+ROBERTA_TOKENS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
+DISTILBERT = dict(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=16,
+                  dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, qa_dropout=0.0)
+DECODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               intermediate_size=32, max_position_embeddings=32, pad_token_id=0, tie_word_embeddings=False,
+               classifier_dropout=0.0)
+
+AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
+        "qa": AutoModelForQuestionAnswering}
+
+# case name -> (model_type, config overrides, task)
+CASES = {
+    "bert-sequence": ("bert", ENCODER, "sequence"),
+    "bert-token": ("bert", ENCODER, "token"),
+    "bert-qa": ("bert", ENCODER, "qa"),
+    "roberta-sequence": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "sequence"),
+    "distilbert-sequence": ("distilbert", DISTILBERT, "sequence"),
+    "electra-sequence": ("electra", dict(ENCODER, embedding_size=8), "sequence"),
+    "llama-sequence": ("llama", DECODER, "sequence"),
+    "llama-token": ("llama", DECODER, "token"),
+    "qwen2-sequence": ("qwen2", DECODER, "sequence"),
+}
+
+
+def inputs(pad_id: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    ids = rng.integers(5, VOCAB, (BATCH, LENGTH)).astype(np.int64)
+    mask = np.ones((BATCH, LENGTH), np.int64)
+    ids[1, -PAD_ROWS:], mask[1, -PAD_ROWS:] = pad_id, 0   # right padding
+    ids[2, :PAD_ROWS], mask[2, :PAD_ROWS] = pad_id, 0     # left padding
+    return ids, mask
+
+
+def label_variants(task: str, rng: np.random.Generator, mask: np.ndarray) -> dict:
+    if task == "sequence":
+        return {"single": dict(labels=rng.integers(0, NUM_LABELS, BATCH)),
+                "multi": dict(labels=rng.integers(0, 2, (BATCH, NUM_LABELS)).astype(np.float32)),
+                "regression": dict(labels=rng.normal(size=(BATCH, NUM_LABELS)).astype(np.float32))}
+    if task == "token":
+        labels = rng.integers(0, NUM_LABELS, (BATCH, LENGTH))
+        labels[mask == 0] = -100
+        labels[0, 3] = -100
+        return {"single": dict(labels=labels)}
+    return {"single": dict(start_positions=np.array([1, 3, 99]), end_positions=np.array([4, 3, 6]))}
+
+
+def build(name: str) -> None:
+    model_type, overrides, task = CASES[name]
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    # transformers' encoder QA heads are Linear(hidden, num_labels) split in two: num_labels is 2 there
+    config = AutoConfig.for_model(model_type, num_labels=2 if task == "qa" else NUM_LABELS, **overrides)
+    model = AUTO[task].from_config(config).float().eval()
+    with torch.no_grad():  # larger weights than the default init, so that every gradient is clearly non-zero
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.2)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    ids, mask = inputs(pad_id, rng)
+    tensors = {"input_ids": ids, "attention_mask": mask}
+    for variant, labels in label_variants(task, rng, mask).items():
+        model.config.problem_type = {"single": None, "multi": "multi_label_classification",
+                                     "regression": "regression"}[variant] if task == "sequence" else None
+        model.zero_grad()
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                    **{k: torch.tensor(v) for k, v in labels.items()})
+        out.loss.backward()
+        for key, value in labels.items():
+            tensors[f"{variant}.{key}"] = value
+        tensors[f"{variant}.loss"] = out.loss.detach().numpy().reshape(1)
+        if task == "qa":
+            tensors[f"{variant}.start_logits"] = out.start_logits.detach().numpy()
+            tensors[f"{variant}.end_logits"] = out.end_logits.detach().numpy()
+        else:
+            tensors[f"{variant}.logits"] = out.logits.detach().numpy()
+        for pname, param in model.named_parameters():  # the other label variants: the head's gradients only
+            if param.grad is not None and (variant == "single" or not pname.startswith(model.base_model_prefix)):
+                tensors[f"{variant}.grad.{pname}"] = param.grad.numpy()
+    base = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        out = base(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+    tensors["base.last_hidden_state"] = out.last_hidden_state.numpy()
+    if getattr(out, "pooler_output", None) is not None:
+        tensors["base.pooler_output"] = out.pooler_output.numpy()
+    for i, hidden in enumerate(out.hidden_states):
+        tensors[f"base.hidden_states.{i}"] = hidden.numpy()
+    folder = OUT / name
+    shutil.rmtree(folder, ignore_errors=True)
+    model.config.problem_type = None
+    model.save_pretrained(folder)
+    save_file({k: torch.tensor(np.ascontiguousarray(v)) for k, v in sorted(tensors.items())},
+              str(folder / "reference.safetensors"))
+    (folder / "meta.json").write_text(json.dumps({"case": name, "task": task, "model_type": model_type,
+                                                  "class": type(model).__name__,
+                                                  "transformers": transformers.__version__,
+                                                  "torch": torch.__version__}, indent=1, sort_keys=True) + "\n")
+    print(f"{name}: {type(model).__name__}, {sum((folder / f).stat().st_size for f in ('model.safetensors', 'reference.safetensors')) // 1024} KiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated case names")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    names = args.only.split(",") if args.only else list(CASES)
+    for name in names:
+        build(name)
+
+
+if __name__ == "__main__":
+    main()
