@@ -10,6 +10,7 @@ from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModel
                                        AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                                        AutoModelForSequenceClassification, AutoModelForTokenClassification,
                                        AutoTokenizer)
+from vkformers.models.sentence import SentenceTransformer
 from vkformers.runtime import Buffer, Device, Sequence, dtypes, get_device
 from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, uint8
 
@@ -18,6 +19,6 @@ __version__ = "0.1.0"
 __all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForQuestionAnswering",
            "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
            "AutoTokenizer", "Buffer",
-           "Device", "Sequence", "Tensor", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
+           "Device", "SentenceTransformer", "Sequence", "Tensor", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
            "float16", "float32", "full", "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",
            "runtime", "tensor", "training", "uint8", "zeros"]

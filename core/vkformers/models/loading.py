@@ -31,7 +31,9 @@ from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folde
 from vkformers.runtime import dtypes as dt
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                # sentence-transformers' layout (vkformers.SentenceTransformer)
+                "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*/config.json"]
 
 
 class HubError(VkformersError, OSError):
