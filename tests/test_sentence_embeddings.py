@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import vkformers
+from vkformers.cli import main
 from vkformers.models.sentence import SentenceTransformerError
 
 REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "sentence" / "all-minilm-l6-v2.json").read_text())
@@ -86,3 +87,19 @@ def test_pooling_modes_and_refusals(minilm, tmp_path):
     pooling.write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
     with pytest.raises(SentenceTransformerError, match="weightedmean"):
         vkformers.SentenceTransformer(folder)
+
+
+def test_embed_command(tmp_path, capsys):
+    folder = model_folder()
+    source = tmp_path / "texts.jsonl"
+    source.write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS[:3]))
+    out = tmp_path / "emb.npy"
+    assert main(["embed", "--model", str(folder), "--input", str(source), "--text-field", "body",
+                 "--out", str(out)]) == 0
+    assert_embeddings(np.load(out), np.asarray(REFERENCE["embeddings"])[:3])
+    assert main(["embed", "--model", str(folder), "--text", TEXTS[1]]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert record["text"] == TEXTS[1]
+    assert_embeddings(np.asarray([record["embedding"]], np.float32), np.asarray(REFERENCE["embeddings"])[1:2])
+    assert main(["embed", "--model", str(folder), "--input", str(tmp_path / "none.txt")]) == 1
+    assert "no such file" in capsys.readouterr().err
