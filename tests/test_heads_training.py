@@ -1,8 +1,11 @@
 """Task heads train through the Trainer and AdamW: a tiny BERT sequence classifier and a tiny Llama token
 classifier learn toy tasks from padded batches (attention masks passed) well above chance on held-out data."""
+from pathlib import Path
+
 import numpy as np
 
 import vkformers
+from vkformers.models.lora import LoraConfig, apply_lora, save_adapter, trainable_parameters
 from vkformers.training.trainer import Trainer, TrainingConfig, init_weights
 
 VOCAB, LENGTH, BATCH = 24, 8, 16
@@ -77,3 +80,24 @@ def test_llama_token_classifier_learns():
               "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16, "pad_token_id": 0}
     model = vkformers.AutoModelForTokenClassification.from_config(dict(config, num_labels=3))
     assert train_and_score(model, token_batch, steps=40, lr=3e-3) >= 0.8
+
+
+def test_lora_keeps_the_new_head_trainable_and_saved(tmp_path):
+    """PEFT's modules_to_save: the adapters and the classifier train, the rest stays frozen; the saved adapter
+    (with the classifier) restores the same logits on a fresh model."""
+    fixture = Path(__file__).parent / "fixtures" / "heads" / "bert-sequence"
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(fixture)
+    apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], modules_to_save=["classifier"]))
+    trainable = {name for name, _ in trainable_parameters(model)}
+    assert {"classifier.weight", "classifier.bias"} <= trainable
+    assert not any(name.startswith("bert.") and "lora_" not in name for name in trainable)
+    config = TrainingConfig(steps=5, batch_size=BATCH, seq_len=LENGTH, lr=1e-2, schedule="constant")
+    before = model.state_dict()["classifier.weight"].copy()
+    Trainer(model, config, Batches(sequence_batch, 1)).train()
+    assert not np.allclose(model.state_dict()["classifier.weight"], before)
+    save_adapter(model, tmp_path / "adapter")
+    ids, _, mask = sequence_batch(np.random.default_rng(5))
+    model.eval()
+    expected = model(ids, attention_mask=mask).logits.numpy()
+    again = vkformers.AutoModelForSequenceClassification.from_pretrained(fixture, adapter=tmp_path / "adapter")
+    np.testing.assert_allclose(again(ids, attention_mask=mask).logits.numpy(), expected, atol=1e-5)
