@@ -76,7 +76,7 @@ def base_outputs_match(model, ref):
         close(hidden.numpy(), ref[f"base.hidden_states.{i}"], f"hidden_states[{i}]")
 
 
-@pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence"])
+@pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence"])
 def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
     folder, meta, ref = load_case(name)
     base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)

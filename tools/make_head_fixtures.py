@@ -49,11 +49,13 @@ CASES = {
     "bert-token": ("bert", ENCODER, "token"),
     "bert-qa": ("bert", ENCODER, "qa"),
     "roberta-sequence": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "sequence"),
+    "roberta-token": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "token"),
     "distilbert-sequence": ("distilbert", DISTILBERT, "sequence"),
     "electra-sequence": ("electra", dict(ENCODER, embedding_size=8), "sequence"),
     "llama-sequence": ("llama", DECODER, "sequence"),
     "llama-token": ("llama", DECODER, "token"),
     "qwen2-sequence": ("qwen2", DECODER, "sequence"),
+    "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
 }
 
 
