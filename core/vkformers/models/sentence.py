@@ -22,6 +22,7 @@ from vkformers.models.heads import mean_pool, take_tokens
 from vkformers.models.loading import AutoModel, AutoTokenizer, read_json, resolve_checkpoint
 from vkformers.models.safetensors_io import read_safetensors
 
+PAD_MULTIPLE = 16
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken")  # concat order
 DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": F.tanh, "torch.nn.modules.linear.Identity": lambda x: x,
                      "torch.nn.modules.activation.ReLU": F.relu, "torch.nn.modules.activation.GELU": F.gelu,
@@ -141,8 +142,11 @@ class SentenceTransformer:
     def tokenize(self, texts: list[str]) -> dict:
         if self.do_lower_case:
             texts = [text.lower() for text in texts]
+        # batch lengths rounded up to a multiple of 16 (masked keys change no real token's output), so that a
+        # stream of texts meets few shapes and their recorded plans replay
+        multiple = PAD_MULTIPLE if self.max_seq_length % PAD_MULTIPLE == 0 else None
         return self.tokenizer(texts, padding=True, truncation="longest_first", max_length=self.max_seq_length,
-                              return_tensors="np")
+                              pad_to_multiple_of=multiple, return_tensors="np")
 
     def _embed_batch(self, texts: list[str]) -> np.ndarray:
         features = self.tokenize(texts)
