@@ -119,3 +119,17 @@ def test_architecture_without_a_head_is_refused():
               "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 1}
     with pytest.raises(TaskHeadError, match="no sequence-classification head"):
         vkformers.AutoModelForSequenceClassification.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "marian"])
+def test_encoder_decoder_base_model(name):
+    """AutoModel of an encoder-decoder (T5Model, BartModel, MarianModel) from the seq2seq parity fixture's
+    checkpoint (a ForConditionalGeneration one, LM head left out): the decoder's and the encoder's last hidden
+    states on a padded batch."""
+    ref = load_file(str(FIXTURES / "seq2seq-base" / f"{name}.safetensors"))
+    model = vkformers.AutoModel.from_pretrained(FIXTURES.parent / "seq2seq" / name)
+    assert not any("lm_head" in n for n, _ in model.named_parameters())
+    out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
+                decoder_input_ids=ref["decoder_input_ids"])
+    close(out.encoder_last_hidden_state.numpy(), ref["encoder_last_hidden_state"], "encoder_last_hidden_state")
+    close(out.last_hidden_state.numpy(), ref["last_hidden_state"], "last_hidden_state")

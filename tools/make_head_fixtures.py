@@ -6,8 +6,9 @@ batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, att
 holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
 parameter's for "single", the head's for "multi" and "regression" (sequence heads; the same weights, through
 problem_type), and the base
-model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"). tests/test_heads_parity.py
-loads each folder with vkformers' AutoModelFor* classes and compares. Needs transformers and torch (CPU):
+model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"). seq2seq-base/<name>
+holds transformers' base encoder-decoder (T5Model, BartModel, MarianModel) outputs on the seq2seq parity fixtures'
+weights. tests/test_heads_parity.py loads them with vkformers' AutoModel* classes and compares. Needs transformers and torch (CPU):
 
     python tools/make_head_fixtures.py            # every case
     python tools/make_head_fixtures.py --only bert-sequence
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import (AutoConfig, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+from transformers import (AutoConfig, AutoModel, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,14 +133,42 @@ def build(name: str) -> None:
     print(f"{name}: {type(model).__name__}, {sum((folder / f).stat().st_size for f in ('model.safetensors', 'reference.safetensors')) // 1024} KiB")
 
 
+# encoder-decoder base models (AutoModel): the seq2seq parity fixtures' weights, transformers' T5Model / BartModel
+SEQ2SEQ_BASE = ("t5", "bart", "marian")
+
+
+def build_seq2seq_base(name: str) -> None:
+    source = ROOT / "tests" / "fixtures" / "seq2seq" / name
+    model = AutoModel.from_pretrained(source).float().eval()
+    config = model.config
+    rng = np.random.default_rng(1)
+    ids, mask = inputs(config.pad_token_id, rng)
+    decoder_ids = rng.integers(5, config.vocab_size, (BATCH, 5))
+    tensors = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids}
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                    decoder_input_ids=torch.tensor(decoder_ids))
+    tensors["last_hidden_state"] = out.last_hidden_state.numpy()
+    tensors["encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
+    folder = OUT / "seq2seq-base"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: torch.tensor(np.ascontiguousarray(v)) for k, v in sorted(tensors.items())},
+              str(folder / f"{name}.safetensors"), metadata={"class": type(model).__name__,
+                                                             "transformers": transformers.__version__})
+    print(f"seq2seq-base/{name}: {type(model).__name__}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated case names")
+    parser.add_argument("--only", help="comma-separated case names (seq2seq base models: seq2seq-base/NAME)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    names = args.only.split(",") if args.only else list(CASES)
+    names = args.only.split(",") if args.only else list(CASES) + [f"seq2seq-base/{n}" for n in SEQ2SEQ_BASE]
     for name in names:
-        build(name)
+        if name.startswith("seq2seq-base/"):
+            build_seq2seq_base(name.split("/", 1)[1])
+        else:
+            build(name)
 
 
 if __name__ == "__main__":

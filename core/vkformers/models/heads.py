@@ -49,6 +49,13 @@ class BaseModelOutput:
 
 
 @dataclass
+class Seq2SeqModelOutput:
+    last_hidden_state: object = None          # the decoder's
+    encoder_last_hidden_state: object = None
+    hidden_states: tuple | None = None
+
+
+@dataclass
 class SequenceClassifierOutput:
     loss: object = None
     logits: object = None
@@ -429,7 +436,7 @@ HEAD_MODELS = {cls.task: cls for cls in (ModelForSequenceClassification, ModelFo
                                           ModelForQuestionAnswering)}
 
 __all__ = ["BaseModelOutput", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForQuestionAnswering",
-           "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput",
+           "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput", "Seq2SeqModelOutput",
            "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
            "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_non_pad_index", "mean_pool",
            "problem_type_of", "question_answering_loss", "sequence_classification_loss", "take_tokens",
