@@ -1,6 +1,6 @@
 """Task heads and base models against transformers (tests/fixtures/heads, written by tools/make_head_fixtures.py):
 logits, loss and every gradient of sequence classification (single-label, multi-label, regression), token
-classification (-100 labels) and question answering, on a batch with a right-padded and a left-padded row; the base
+classification (-100 labels), question answering and multiple choice, on a batch with a right-padded and a left-padded row; the base
 model's last_hidden_state, pooler_output and hidden_states, read from the task checkpoint (prefixed names) and from a
 base-model checkpoint (no prefix). float32; tolerances as the encoder parity suite's."""
 import json
@@ -16,7 +16,7 @@ from vkformers.models.heads import TaskHeadError
 FIXTURES = Path(__file__).parent / "fixtures" / "heads"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
 AUTO = {"sequence": vkformers.AutoModelForSequenceClassification, "token": vkformers.AutoModelForTokenClassification,
-        "qa": vkformers.AutoModelForQuestionAnswering}
+        "qa": vkformers.AutoModelForQuestionAnswering, "choice": vkformers.AutoModelForMultipleChoice}
 ATOL, RTOL = 2e-5, 1e-4
 GRAD_ATOL = 2e-5
 

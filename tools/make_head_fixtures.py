@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
-from transformers import (AutoConfig, AutoModel, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+from transformers import (AutoConfig, AutoModel, AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,13 +42,14 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attent
                classifier_dropout=0.0)
 
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
-        "qa": AutoModelForQuestionAnswering}
+        "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
 
 # case name -> (model_type, config overrides, task)
 CASES = {
     "bert-sequence": ("bert", ENCODER, "sequence"),
     "bert-token": ("bert", ENCODER, "token"),
     "bert-qa": ("bert", ENCODER, "qa"),
+    "bert-choice": ("bert", ENCODER, "choice"),
     "roberta-sequence": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "sequence"),
     "roberta-token": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "token"),
     "distilbert-sequence": ("distilbert", DISTILBERT, "sequence"),
@@ -73,6 +74,8 @@ def label_variants(task: str, rng: np.random.Generator, mask: np.ndarray) -> dic
         return {"single": dict(labels=rng.integers(0, NUM_LABELS, BATCH)),
                 "multi": dict(labels=rng.integers(0, 2, (BATCH, NUM_LABELS)).astype(np.float32)),
                 "regression": dict(labels=rng.normal(size=(BATCH, NUM_LABELS)).astype(np.float32))}
+    if task == "choice":
+        return {"single": dict(labels=np.array([2, 0]))}
     if task == "token":
         labels = rng.integers(0, NUM_LABELS, (BATCH, LENGTH))
         labels[mask == 0] = -100
@@ -93,6 +96,8 @@ def build(name: str) -> None:
             param.copy_(torch.randn_like(param) * 0.2)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     ids, mask = inputs(pad_id, rng)
+    if task == "choice":  # [2 questions, 3 choices, length]
+        ids, mask = np.stack([ids, ids[::-1]]), np.stack([mask, mask[::-1]])
     tensors = {"input_ids": ids, "attention_mask": mask}
     for variant, labels in label_variants(task, rng, mask).items():
         model.config.problem_type = {"single": None, "multi": "multi_label_classification",
@@ -114,7 +119,8 @@ def build(name: str) -> None:
                 tensors[f"{variant}.grad.{pname}"] = param.grad.numpy()
     base = getattr(model, model.base_model_prefix)
     with torch.no_grad():
-        out = base(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+        out = base(input_ids=torch.tensor(ids.reshape(-1, LENGTH)), attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
+                   output_hidden_states=True)
     tensors["base.last_hidden_state"] = out.last_hidden_state.numpy()
     if getattr(out, "pooler_output", None) is not None:
         tensors["base.pooler_output"] = out.pooler_output.numpy()

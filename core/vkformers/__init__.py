@@ -7,7 +7,7 @@ from vkformers.engine.tensor import Tensor, full, ones, parameter, tensor, zeros
 from vkformers.errors import VkformersError
 from vkformers.models import generation, loading, tokenizer  # noqa: F401
 from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
-                                       AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
+                                       AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                                        AutoModelForSequenceClassification, AutoModelForTokenClassification,
                                        AutoTokenizer)
 from vkformers.models.sentence import SentenceTransformer
@@ -16,7 +16,8 @@ from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, u
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForQuestionAnswering",
+__all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
+           "AutoModelForQuestionAnswering",
            "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
            "AutoTokenizer", "Buffer",
            "Device", "SentenceTransformer", "Sequence", "Tensor", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",

@@ -104,9 +104,11 @@ class TaskHeads:
     token: str | None = "classifier"
     token_bias: bool = True
     question_answering: str | None = "qa_outputs"
+    multiple_choice: SequenceHead | None = None  # one score per choice (its out projection has one output)
 
 
-ENCODER_HEADS = TaskHeads(SequenceHead("pooler"))  # BERT's: classifier on the pooler, token classifier, qa_outputs
+# BERT's: classifier on the pooler (for sequences and for each choice), token classifier, qa_outputs
+ENCODER_HEADS = TaskHeads(SequenceHead("pooler"), multiple_choice=SequenceHead("pooler"))
 DECODER_HEADS = TaskHeads(SequenceHead("last", out="score", out_bias=False), token="score",
                           question_answering=None)  # transformers' GenericFor* heads of a decoder
 
@@ -432,10 +434,54 @@ class ModelForQuestionAnswering(TaskModel):
                                             hidden_states=out.hidden_states)
 
 
-HEAD_MODELS = {cls.task: cls for cls in (ModelForSequenceClassification, ModelForTokenClassification,
-                                          ModelForQuestionAnswering)}
+@dataclass
+class MultipleChoiceModelOutput:
+    loss: object = None
+    logits: object = None   # [batch, choices]
+    hidden_states: tuple | None = None
 
-__all__ = ["BaseModelOutput", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForQuestionAnswering",
+
+class ModelForMultipleChoice(ModelForSequenceClassification):
+    """transformers' XForMultipleChoice: ``input_ids`` [batch, choices, length]; each choice is scored by the
+    sequence head with one output, ``labels`` [batch] name the right choice (cross-entropy over the choices)."""
+
+    task = "multiple-choice"
+
+    def head_of(self, heads):
+        return heads.multiple_choice if heads is not None else None
+
+    def build_head(self, head: SequenceHead, num_labels, hidden):
+        super().build_head(head, 1, hidden)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                 output_hidden_states=False):
+        ids = _host(input_ids)
+        if ids.ndim != 3:
+            raise TaskHeadError(f"input_ids has shape {ids.shape}; a multiple-choice model takes [batch, choices, "
+                                "length]")
+
+        def flat(value):
+            return None if value is None else _host(value).reshape(-1, ids.shape[-1])
+        self._choices = ids.shape[1]
+        return super().__call__(flat(ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                                labels=labels, output_hidden_states=output_hidden_states)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False):
+        out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, None, output_hidden_states)
+        logits = out.logits.reshape(-1, self._choices)
+        loss = None
+        if labels is not None:
+            host = _host(labels).reshape(-1)
+            loss = F.cross_entropy(logits.float(), Tensor(host.astype(np.int32)), ignore_index=IGNORE_INDEX)
+        return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+HEAD_MODELS = {cls.task: cls for cls in (ModelForSequenceClassification, ModelForTokenClassification,
+                                          ModelForQuestionAnswering, ModelForMultipleChoice)}
+
+__all__ = ["BaseModelOutput", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForMultipleChoice",
+           "ModelForQuestionAnswering", "MultipleChoiceModelOutput",
            "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput", "Seq2SeqModelOutput",
            "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
            "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_non_pad_index", "mean_pool",

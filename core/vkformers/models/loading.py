@@ -313,6 +313,10 @@ class AutoModelForQuestionAnswering(AutoModelClass):
     task = "question-answering"
 
 
+class AutoModelForMultipleChoice(AutoModelClass):
+    task = "multiple-choice"
+
+
 def save_pretrained(model: Module, folder, *, dtype=None) -> None:
     """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads."""
     refuse_quantized(model, "save_pretrained", "it writes float safetensors, which would expand them silently; "

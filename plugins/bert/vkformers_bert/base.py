@@ -14,9 +14,11 @@ from vkformers.models.module import place
 from vkformers_bert.encoder import EncoderForMaskedLM, UnsupportedBaseModel
 
 # transformers' classification heads that read the first token: dense, activation, out_proj (RoBERTa, ELECTRA)
-ROBERTA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="tanh"))
+ROBERTA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="tanh"),
+                          multiple_choice=SequenceHead("pooler"))
 ELECTRA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="gelu"))
-DISTILBERT_HEADS = TaskHeads(SequenceHead("first", out="classifier", dense="pre_classifier", dense_act="relu"))
+DISTILBERT_HEADS = TaskHeads(SequenceHead("first", out="classifier", dense="pre_classifier", dense_act="relu"),
+                             multiple_choice=SequenceHead("first", dense="pre_classifier", dense_act="relu"))
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {
