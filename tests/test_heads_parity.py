@@ -66,6 +66,11 @@ def test_head_matches_transformers(name):
 
 
 def base_outputs_match(model, ref):
+    if "base.encoder_last_hidden_state" in ref:  # an encoder-decoder: its decoder reads the input shifted right
+        out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"])
+        close(out.encoder_last_hidden_state.numpy(), ref["base.encoder_last_hidden_state"], "encoder_last_hidden_state")
+        close(out.last_hidden_state.numpy(), ref["base.last_hidden_state"], "last_hidden_state")
+        return
     out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"], output_hidden_states=True)
     close(out.last_hidden_state.numpy(), ref["base.last_hidden_state"], "last_hidden_state")
     if "base.pooler_output" in ref:
@@ -76,7 +81,8 @@ def base_outputs_match(model, ref):
         close(hidden.numpy(), ref[f"base.hidden_states.{i}"], f"hidden_states[{i}]")
 
 
-@pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence"])
+@pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence",
+                                  "bart-sequence"])
 def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
     folder, meta, ref = load_case(name)
     base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)

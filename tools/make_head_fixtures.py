@@ -58,6 +58,11 @@ CASES = {
     "llama-token": ("llama", DECODER, "token"),
     "qwen2-sequence": ("qwen2", DECODER, "sequence"),
     "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
+    "bart-sequence": ("bart", dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                   decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, classifier_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                                   eos_token_id=2, decoder_start_token_id=2), "sequence"),
 }
 
 
@@ -96,6 +101,9 @@ def build(name: str) -> None:
             param.copy_(torch.randn_like(param) * 0.2)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     ids, mask = inputs(pad_id, rng)
+    if model_type == "bart":  # its sequence head reads each row's last eos token: every row ends with one
+        last = np.where(mask.any(1), LENGTH - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
+        ids[np.arange(BATCH), last] = config.eos_token_id
     if task == "choice":  # [2 questions, 3 choices, length]
         ids, mask = np.stack([ids, ids[::-1]]), np.stack([mask, mask[::-1]])
     tensors = {"input_ids": ids, "attention_mask": mask}
@@ -120,11 +128,13 @@ def build(name: str) -> None:
     base = getattr(model, model.base_model_prefix)
     with torch.no_grad():
         out = base(input_ids=torch.tensor(ids.reshape(-1, LENGTH)), attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
-                   output_hidden_states=True)
+                   output_hidden_states=not config.is_encoder_decoder)
     tensors["base.last_hidden_state"] = out.last_hidden_state.numpy()
     if getattr(out, "pooler_output", None) is not None:
         tensors["base.pooler_output"] = out.pooler_output.numpy()
-    for i, hidden in enumerate(out.hidden_states):
+    if config.is_encoder_decoder:
+        tensors["base.encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
+    for i, hidden in enumerate(getattr(out, "hidden_states", None) or ()):
         tensors[f"base.hidden_states.{i}"] = hidden.numpy()
     folder = OUT / name
     shutil.rmtree(folder, ignore_errors=True)

@@ -84,7 +84,8 @@ class SequenceHead:
     """How a sequence-classification head reads the base model's output, under transformers' names.
 
     ``pooling``: "pooler" (the base's pooler_output: BERT), "first" (the first token's hidden state: RoBERTa,
-    ELECTRA, DistilBERT) or "last" (the last token that is not the pad id, as transformers' decoders take it).
+    ELECTRA, DistilBERT), "last" (the last token that is not the pad id, as transformers' decoders take it) or
+    "eos" (the last end-of-sequence token of each row, as BART's; every row must hold as many).
     ``dense``: an optional hidden -> hidden projection and its activation before the output projection ``out``.
     """
 
@@ -217,6 +218,16 @@ def last_non_pad_index(input_ids: np.ndarray, pad_token_id: int | None) -> np.nd
     return (np.arange(length) * real).argmax(-1)
 
 
+def last_eos_index(input_ids: np.ndarray, eos_token_id) -> np.ndarray:
+    """Per row, the index of the last end-of-sequence token (BART's sequence head reads its hidden state)."""
+    eos = np.isin(input_ids, np.atleast_1d(np.asarray(eos_token_id if eos_token_id is not None else [])))
+    counts = eos.sum(1)
+    if eos_token_id is None or counts.min() == 0 or len(set(counts.tolist())) > 1:
+        raise TaskHeadError("every row must hold the same number (at least one) of end-of-sequence tokens "
+                            f"(eos_token_id {eos_token_id}); add the eos token to each text, as the tokenizer does")
+    return input_ids.shape[1] - 1 - np.argmax(eos[:, ::-1], axis=1)
+
+
 def take_tokens(hidden, index: np.ndarray):
     """hidden[b, index[b]] for hidden [B, T, D]: [B, D], its gradient flowing back to those rows only."""
     batch, length, width = hidden.shape
@@ -298,7 +309,16 @@ class TaskModel(Module):
     # -- shared
     @staticmethod
     def hidden_size(base) -> int:
-        return int(base.config["hidden_size"]) if "hidden_size" in base.config else int(base.spec.hidden_size)
+        """The width of the base's last hidden state: its ``output_size`` if it declares one, else its spec's or
+        config's hidden_size / d_model."""
+        if isinstance(getattr(base, "output_size", None), int):
+            return base.output_size
+        for source in (base.spec, base.config):
+            for name in ("hidden_size", "d_model"):
+                value = getattr(source, name, None) if source is base.spec else source.get(name)
+                if isinstance(value, int):
+                    return value
+        raise TaskHeadError(f"{type(base).__name__}: no hidden_size or d_model to size the head with")
 
     def add_head_linear(self, path: str, in_features: int, out_features: int, bias: bool) -> Linear:
         module = place(self, path, Linear(in_features, out_features, bias=bias))
@@ -382,6 +402,8 @@ class ModelForSequenceClassification(TaskModel):
             pooled = out.pooler_output
         elif self.head.pooling == "first":
             pooled = h[:, 0]
+        elif self.head.pooling == "eos":
+            pooled = take_tokens(h, last_eos_index(_host(input_ids), self.base.config.get("eos_token_id")))
         else:
             ids = _host(input_ids)
             pooled = take_tokens(h, last_non_pad_index(ids, self.base.config.get("pad_token_id")))
@@ -484,6 +506,6 @@ __all__ = ["BaseModelOutput", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "
            "ModelForQuestionAnswering", "MultipleChoiceModelOutput",
            "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput", "Seq2SeqModelOutput",
            "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
-           "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_non_pad_index", "mean_pool",
+           "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_eos_index", "last_non_pad_index", "mean_pool",
            "problem_type_of", "question_answering_loss", "sequence_classification_loss", "take_tokens",
            "token_classification_loss"]

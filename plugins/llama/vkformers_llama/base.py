@@ -27,6 +27,8 @@ class DecoderModel(DecoderForCausalLM):
             raise UnsupportedBaseModel(f"{self.architecture_name}: its checkpoint has no base-model prefix to "
                                        "separate the decoder from its LM head; use AutoModelForCausalLM")
         self.base_model_prefix = prefix
+        # the last hidden state's width: OPT's project_out maps the hidden size back to the embedding width
+        self.output_size = self.spec.embed_dim if self.spec.project_out else self.spec.hidden_size
         for child in [name for name in self._modules if name != prefix]:  # the LM head (and its transform)
             del self._modules[child]
         self._recorded = None

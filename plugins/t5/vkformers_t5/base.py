@@ -2,15 +2,22 @@
 
 ``forward(input_ids, attention_mask=None, decoder_input_ids=None)`` returns the decoder's last hidden state and the
 encoder's (``Seq2SeqModelOutput``); decoder_input_ids default, as in transformers' BART-likes, to the input shifted
-right. Parameters keep the checkpoint's paths (``model.encoder...`` for BART, ``encoder...`` for T5). No task head is
-declared for this family yet.
+right. Parameters keep the checkpoint's paths (``model.encoder...`` for BART, ``encoder...`` for T5). The BART-likes
+declare transformers' sequence head: classification_head (dense, tanh, out_proj) on the decoder state of the last
+eos token.
 """
 from __future__ import annotations
 
 from vkformers.errors import VkformersError
-from vkformers.models.heads import Seq2SeqModelOutput, TaskHeads, base_model_prefix
+from vkformers.models.heads import Seq2SeqModelOutput, SequenceHead, TaskHeads, base_model_prefix
 
 from vkformers_t5.seq2seq import Seq2SeqForConditionalGeneration, _ids
+
+
+BART_HEADS = TaskHeads(SequenceHead("eos", out="classification_head.out_proj", dense="classification_head.dense",
+                                    dense_act="tanh"), token=None, question_answering=None)
+# architecture -> its task heads (transformers' XForSequenceClassification of the BART family)
+DECLARED = {"bart": BART_HEADS, "mbart": BART_HEADS}
 
 
 class Seq2SeqModel(Seq2SeqForConditionalGeneration):
@@ -28,7 +35,7 @@ class Seq2SeqModel(Seq2SeqForConditionalGeneration):
 
     @classmethod
     def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
-        return None
+        return DECLARED.get(getattr(architecture, "name", architecture))
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, output_hidden_states=False):
         if output_hidden_states:
