@@ -1,6 +1,6 @@
 """Write tests/fixtures/heads/<case>/: tiny random transformers task models and what transformers computes.
 
-Each case is a 2-layer, hidden-16 model of one architecture with one task head (sequence classification, token
+Each case is a 1-layer (encoders) or 2-layer (decoders), hidden-16 model of one architecture with one task head (sequence classification, token
 classification, question answering), built from a config alone and re-initialised from a fixed seed, and a [3, 7]
 batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, attention mask 0). reference.safetensors
 holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "heads"
 BATCH, LENGTH, PAD_ROWS = 3, 7, 2
 VOCAB, NUM_LABELS = 40, 3
-ENCODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+ENCODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                classifier_dropout=0.0)
 ROBERTA_TOKENS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
-DISTILBERT = dict(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=16,
+DISTILBERT = dict(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=16,
                   dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, qa_dropout=0.0)
 DECODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                intermediate_size=32, max_position_embeddings=32, pad_token_id=0, tie_word_embeddings=False,
