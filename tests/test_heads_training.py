@@ -101,3 +101,18 @@ def test_lora_keeps_the_new_head_trainable_and_saved(tmp_path):
     expected = model(ids, attention_mask=mask).logits.numpy()
     again = vkformers.AutoModelForSequenceClassification.from_pretrained(fixture, adapter=tmp_path / "adapter")
     np.testing.assert_allclose(again(ids, attention_mask=mask).logits.numpy(), expected, atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    fixture = Path(__file__).parent / "fixtures" / "heads" / "llama-sequence"
+    ids, mask = np.array([[5, 9, 11, 0], [7, 8, 6, 12]]), np.array([[1, 1, 1, 0], [1, 1, 1, 1]])
+
+    def gradients(checkpointing):
+        model = vkformers.AutoModelForSequenceClassification.from_pretrained(fixture)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model(ids, attention_mask=mask, labels=np.array([0, 2])).loss.backward()
+        return {name: param.grad.numpy() for name, param in model.named_parameters()}
+    plain, recomputed = gradients(False), gradients(True)
+    assert all(np.array_equal(plain[name], recomputed[name]) for name in plain)
