@@ -269,7 +269,7 @@ def complete_weights(model, modules: dict, arrays: dict, source: str = "", seed:
 
 
 class TaskModel(Module):
-    """A base model of any family with a task head (the shared part of the three head models)."""
+    """A base model of any family with a task head (what every head model below shares)."""
 
     task = ""
     supports_gradient_checkpointing = True
