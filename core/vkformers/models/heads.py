@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import IGNORE_INDEX, InputLimits
@@ -150,6 +151,14 @@ def _host(labels) -> np.ndarray:
     return labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
 
 
+def _target(labels, dtype) -> Tensor:
+    """The labels flattened to ``dtype`` as a graph input; a captured training step (engine.lazy.StepCapture)
+    derives it anew from the next batch's labels."""
+    def derive(array):
+        return np.ascontiguousarray(np.asarray(array).reshape(-1), dtype=dtype)
+    return Tensor(lazy.derived_input(derive(_host(labels)), labels, derive))
+
+
 def problem_type_of(config: dict, labels: np.ndarray) -> str:
     """transformers' rule when the config names none: one label is regression, integer labels single-label
     classification, anything else multi-label."""
@@ -168,28 +177,25 @@ def sequence_classification_loss(logits, labels, config: dict):
     num_labels = config["num_labels"]
     logits = logits.float()
     if kind == "regression":
-        target = Tensor(host.astype(np.float32).reshape(-1 if num_labels == 1 else host.shape))
-        diff = (logits.reshape(-1) if num_labels == 1 else logits) - target
+        target = _target(labels, np.float32)
+        diff = logits.reshape(-1) - target  # transformers squeezes one label; several compare elementwise
         return (diff * diff).mean()
     if kind == "single_label_classification":
         bad = host[(host != IGNORE_INDEX) & ((host < 0) | (host >= num_labels))]
         if host.dtype.kind not in "iu" or bad.size:
             raise TaskHeadError(f"labels must be class ids in [0, {num_labels}) (or -100); got "
                                 f"{bad.reshape(-1)[0] if bad.size else host.dtype}")
-        return F.cross_entropy(logits.reshape(-1, num_labels), Tensor(host.reshape(-1).astype(np.int32)),
-                               ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits.reshape(-1, num_labels), _target(labels, np.int32), ignore_index=IGNORE_INDEX)
     if host.shape != tuple(logits.shape):
         raise TaskHeadError(f"multi-label labels have shape {host.shape}; they must be [batch, num_labels] = "
                             f"{tuple(logits.shape)} (0/1 per label)")
-    target = Tensor(host.astype(np.float32))
-    return (F.softplus(logits) - logits * target).mean()  # BCE with logits: log(1 + e^x) - x y
+    logits = logits.reshape(-1)
+    return (F.softplus(logits) - logits * _target(labels, np.float32)).mean()  # BCE with logits: log(1 + e^x) - x y
 
 
 def token_classification_loss(logits, labels, num_labels: int):
     """Cross-entropy over every token whose label is not -100 (transformers' ForTokenClassification)."""
-    host = _host(labels)
-    return F.cross_entropy(logits.float().reshape(-1, num_labels), Tensor(host.reshape(-1).astype(np.int32)),
-                           ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.float().reshape(-1, num_labels), _target(labels, np.int32), ignore_index=IGNORE_INDEX)
 
 
 def question_answering_loss(start_logits, end_logits, start_positions, end_positions):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
@@ -190,6 +191,15 @@ class Context:
         return Tensor(np.where(allowed, np.float32(0), np.float32(-1e30)).astype(np.float32))
 
 
+def _as_bool(mask) -> np.ndarray:
+    """A mask as the bytes a bool tensor holds (the array then becomes the graph input as it is)."""
+    return (np.asarray(mask) != 0).astype(np.uint8)
+
+
+def _as_int32(ids) -> np.ndarray:
+    return np.asarray(ids).astype(np.int32)
+
+
 def _as_int_array(value) -> np.ndarray | None:
     if value is None:
         return None
@@ -304,9 +314,12 @@ class EncoderForMaskedLM(Module):
             start += width
         return out
 
-    def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None):
+    def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None, source=None):
+        """``source``: the input_ids as the caller gave them; a captured training step (engine.lazy.StepCapture)
+        derives the ids and positions anew from the next batch's."""
         s = self.spec
-        x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight,
+        source = ids if source is None else source
+        x = F.embedding(Tensor(lazy.derived_input(ids.astype(np.int32), source, _as_int32)), self.word.weight,
                         padding_idx=s.pad_token_id if s.word_padding_idx else None)
         if self.concat_map is not None:
             x = self._concat_embeddings(x, ids.shape)
@@ -317,7 +330,8 @@ class EncoderForMaskedLM(Module):
             x = x + F.embedding(Tensor(types), self.token_type.weight)
         if self.position is not None:
             # positions counted from padding (RoBERTa): pads read row pad_token_id, a padding_idx in transformers
-            x = x + F.embedding(Tensor(self._positions(ids)), self.position.weight,
+            positions = lazy.derived_input(self._positions(ids), source, lambda a: self._positions(_as_int_array(a)))
+            x = x + F.embedding(Tensor(positions), self.position.weight,
                                 padding_idx=s.pad_token_id if s.positions_from_padding else None)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
@@ -354,7 +368,7 @@ class EncoderForMaskedLM(Module):
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
         mask = _as_int_array(attention_mask)
-        x = self.embed(ids, mask, _as_int_array(token_type_ids))
+        x = self.embed(ids, mask, _as_int_array(token_type_ids), source=input_ids)
         rotary = None
         if self.inv_freq is not None or self.layer_rope is not None:
             positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
@@ -363,7 +377,10 @@ class EncoderForMaskedLM(Module):
             for inv_freq, scaling in ropes:
                 tables.setdefault(id(inv_freq), (Tensor(inv_freq), positions, scaling))
             rotary = [tables[id(inv_freq)] for inv_freq, _ in ropes]
-        ctx = Context(Tensor(mask.astype(bool)) if mask is not None and not mask.all() else None, rotary, mask)
+        padding = None
+        if mask is not None and not mask.all():  # a captured training step derives it anew from the next mask
+            padding = Tensor(lazy.derived_input(_as_bool(mask), attention_mask, _as_bool), dtype=dt.bool_)
+        ctx = Context(padding, rotary, mask)
         keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)
                 if self.spec.zero_padded_hidden and mask is not None else None)
         if keep is not None:
