@@ -139,3 +139,13 @@ def test_encoder_decoder_base_model(name):
                 decoder_input_ids=ref["decoder_input_ids"])
     close(out.encoder_last_hidden_state.numpy(), ref["encoder_last_hidden_state"], "encoder_last_hidden_state")
     close(out.last_hidden_state.numpy(), ref["last_hidden_state"], "last_hidden_state")
+
+
+def test_head_of_another_size(capfd):
+    folder, _, ref = load_case("bert-sequence")  # a 3-label head
+    with pytest.raises(TaskHeadError, match="ignore_mismatched_sizes=True"):
+        vkformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=5)
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=5,
+                                                                       ignore_mismatched_sizes=True)
+    assert "freshly initialised: classifier.weight, classifier.bias" in capfd.readouterr().err
+    assert model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits.shape == (3, 5)

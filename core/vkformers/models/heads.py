@@ -359,8 +359,19 @@ class TaskModel(Module):
     def input_limits(self) -> InputLimits:
         return replace(self.base.input_limits(), labels_like=None)  # labels are checked by the head's loss
 
-    def complete_head(self, arrays: dict, source: str = "") -> dict:
-        """``arrays`` with the head's missing weights freshly initialised, said in one line on stderr."""
+    def complete_head(self, arrays: dict, source: str = "", ignore_mismatched_sizes: bool = False) -> dict:
+        """``arrays`` with the head's missing weights freshly initialised, said in one line on stderr; head weights
+        of another shape (a head trained for other labels) are refused, or replaced with
+        ``ignore_mismatched_sizes`` (transformers' option)."""
+        shapes = {f"{path}.{slot}": module._slots[slot].shape for path, module in self.head_modules.items()
+                  for slot in module._slots}
+        mismatched = [name for name, shape in shapes.items() if name in arrays and tuple(arrays[name].shape) != shape]
+        if mismatched and not ignore_mismatched_sizes:
+            name = mismatched[0]
+            raise TaskHeadError(f"the checkpoint's {name} has shape {tuple(arrays[name].shape)}, this head "
+                                f"{shapes[name]} ({self.num_labels} labels); pass ignore_mismatched_sizes=True to "
+                                "start a new head")
+        arrays = {name: array for name, array in arrays.items() if name not in mismatched}
         return complete_weights(self, self.head_modules, arrays, source)
 
     def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):

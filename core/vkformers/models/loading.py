@@ -20,7 +20,7 @@ from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
 from vkformers.models.gguf import is_gguf_file, load_gguf_model, load_gguf_tokenizer
-from vkformers.models.heads import HEAD_MODELS, head_config
+from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 from vkformers.models.lora import load_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
@@ -176,18 +176,20 @@ class AutoModelClass:
         """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
         checkpoint while loading (models/quantize.py). A GGUF file keeps its block formats unless
         ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them). The task heads take
-        transformers' ``num_labels``, ``id2label``, ``label2id`` and ``problem_type``."""
+        transformers' ``num_labels``, ``id2label``, ``label2id``, ``problem_type`` and ``ignore_mismatched_sizes``
+        (a stored head of another shape is replaced by a new one)."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
-        unknown = sorted(set(head_options) - ({"num_labels", "id2label", "label2id", "problem_type"}
-                                              if cls.task in HEAD_MODELS else set()))
+        unknown = sorted(set(head_options) - ({"num_labels", "id2label", "label2id", "problem_type",
+                                               "ignore_mismatched_sizes"} if cls.task in HEAD_MODELS else set()))
         if unknown:
             raise VkformersError(f"{cls.__name__}.from_pretrained() takes no {unknown[0]}=")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
             if quantization is not None:
                 raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; a GGUF "
                                         "file keeps its own block formats (dequantize=True expands them)")
-            model = load_gguf_model(cls.with_options(head_options), name_or_path, dtype=dtype,
+            options = {k: v for k, v in head_options.items() if k != "ignore_mismatched_sizes"}
+            model = load_gguf_model(cls.with_options(options), name_or_path, dtype=dtype,
                                     requires_grad=requires_grad, dequantize=dequantize)
         else:
             model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
@@ -205,7 +207,8 @@ class AutoModelClass:
             lambda klass, config: cls.from_config(config, **head_options))})
 
     @classmethod
-    def fit_checkpoint(cls, model: Module, weights: dict, source: str = "") -> tuple[dict, bool]:
+    def fit_checkpoint(cls, model: Module, weights: dict, source: str = "",
+                       ignore_mismatched_sizes: bool = False) -> tuple[dict, bool]:
         """The checkpoint's tensors under the model's names, and whether every tensor must be used. A base model or
         head model reads a checkpoint saved with or without the base-model prefix (``bert.``, ``model.``), as
         transformers does, and leaves out the tensors of another task's head; a head the checkpoint lacks is
@@ -215,7 +218,9 @@ class AutoModelClass:
             return weights, True
         if prefix and not any(name.startswith(prefix + ".") for name in weights):
             weights = {f"{prefix}.{name}": array for name, array in weights.items()}  # saved from a base model
-        if hasattr(model, "complete_head"):  # a new head (or a pooler the checkpoint lacks): initialised fresh
+        if isinstance(model, TaskModel):  # a new head: initialised fresh
+            weights = model.complete_head(weights, source, ignore_mismatched_sizes)
+        elif hasattr(model, "complete_head"):  # a pooler the checkpoint lacks
             weights = model.complete_head(weights, source)
         return weights, False
 
@@ -224,14 +229,16 @@ class AutoModelClass:
                      head_options=None) -> Module:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
-        model = cls.from_config(config, **(head_options or {}))
+        head_options = dict(head_options or {})
+        ignore_mismatched = bool(head_options.pop("ignore_mismatched_sizes", False))
+        model = cls.from_config(config, **head_options)
         plain = registry().backbone_config(config) is config  # else a multimodal wrapper
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
         weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer))  # each packed as it is read
         if quantizer is not None:
             quantizer.warn_kept()
         if plain:
-            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}")
+            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   strict=strict, ignore=getattr(model, "ignored_checkpoint_keys", ()))
         else:  # a multimodal wrapper: its language model runs
@@ -240,7 +247,7 @@ class AutoModelClass:
             weights = language_model_weights(weights)
             if quantization is not None:
                 weights = quantize_checkpoint(model, weights, quantization)
-            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}")
+            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             try:
                 model.load_state_dict(weights, dtype=model_dtype(config, dtype), strict=strict,
                                       requires_grad=requires_grad, ignore=getattr(model, "ignored_checkpoint_keys", ()))
