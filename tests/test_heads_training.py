@@ -139,3 +139,23 @@ def test_replayed_classifier_steps_match_built_ones(monkeypatch):
     replayed = losses(True)
     monkeypatch.undo()
     np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)
+
+
+def test_replayed_decoder_classifier_steps_match_built_ones(monkeypatch):
+    """The same for a Llama sequence classifier: its padding mask and last-token indices are derived anew."""
+    config = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16, "pad_token_id": 0}
+
+    def losses(replay):
+        model = vkformers.AutoModelForSequenceClassification.from_config(config)
+        init_weights(model, seed=0, std=0.1)
+        trainer = Trainer(model, TrainingConfig(steps=6, batch_size=BATCH, seq_len=LENGTH, lr=3e-3,
+                                                schedule="constant"), Batches(sequence_batch, 1))
+        if not replay:
+            monkeypatch.setattr(type(trainer._capture), "_observe", lambda *args: None)
+        history = [record["loss"] for record in trainer.train()]
+        assert trainer._capture.ready is replay
+        return history
+    replayed = losses(True)
+    monkeypatch.undo()
+    np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)

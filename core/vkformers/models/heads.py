@@ -234,12 +234,23 @@ def last_eos_index(input_ids: np.ndarray, eos_token_id) -> np.ndarray:
     return input_ids.shape[1] - 1 - np.argmax(eos[:, ::-1], axis=1)
 
 
-def take_tokens(hidden, index: np.ndarray):
-    """hidden[b, index[b]] for hidden [B, T, D]: [B, D], its gradient flowing back to those rows only."""
-    batch, length, width = hidden.shape
+def _gather_indices(index: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    batch = len(index)
     flat = (np.arange(batch) * length + index).astype(np.int32)
     inverse = np.full(batch * length, -1, np.int32)
     inverse[flat] = np.arange(batch, dtype=np.int32)
+    return flat, inverse
+
+
+def take_tokens(hidden, index: np.ndarray, source=None, pick=None):
+    """hidden[b, index[b]] for hidden [B, T, D]: [B, D], its gradient flowing back to those rows only.
+    ``source`` and ``pick``: the input ``index`` comes from and ``pick(source) -> index``, so that a captured
+    training step (engine.lazy.StepCapture) derives the indices anew from its next batch."""
+    batch, length, width = hidden.shape
+    flat, inverse = _gather_indices(index, length)
+    if source is not None:
+        flat = lazy.derived_input(flat, source, lambda a: _gather_indices(pick(a), length)[0])
+        inverse = lazy.derived_input(inverse, source, lambda a: _gather_indices(pick(a), length)[1])
     return F.gather_rows(hidden.reshape(batch * length, width), Tensor(flat), Tensor(inverse))
 
 
@@ -420,10 +431,13 @@ class ModelForSequenceClassification(TaskModel):
         elif self.head.pooling == "first":
             pooled = h[:, 0]
         elif self.head.pooling == "eos":
-            pooled = take_tokens(h, last_eos_index(_host(input_ids), self.base.config.get("eos_token_id")))
+            eos = self.base.config.get("eos_token_id")
+            pooled = take_tokens(h, last_eos_index(_host(input_ids), eos), input_ids,
+                                 lambda ids: last_eos_index(np.asarray(ids), eos))
         else:
-            ids = _host(input_ids)
-            pooled = take_tokens(h, last_non_pad_index(ids, self.base.config.get("pad_token_id")))
+            pad = self.base.config.get("pad_token_id")
+            pooled = take_tokens(h, last_non_pad_index(_host(input_ids), pad), input_ids,
+                                 lambda ids: last_non_pad_index(np.asarray(ids), pad))
         if self.dense is not None:
             pooled = F.activation(self.head.dense_act)(self.dense(pooled))
         logits = self.out(pooled)

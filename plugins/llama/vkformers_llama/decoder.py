@@ -515,6 +515,11 @@ def _as_numpy(value, dtype=np.int64):
     return np.asarray(value).astype(dtype)
 
 
+def _mask_bytes(mask) -> np.ndarray:
+    """An attention mask as a bool tensor's bytes: a captured training step derives it anew from the next batch's."""
+    return (np.asarray(mask) != 0).astype(np.uint8)
+
+
 def _round_to(value: float, dtype) -> float:
     """A Python float rounded to a storage dtype (torch multiplies by a scalar tensor of that dtype)."""
     if dtype is dt.bfloat16:
@@ -763,7 +768,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
         key_padding_mask = None
         if mask is not None and (cache is not None or not mask.all()):
-            key_padding_mask = Tensor(mask.astype(bool))
+            key_padding_mask = Tensor(lazy.derived_input(_mask_bytes(mask), attention_mask, _mask_bytes), dtype=dt.bool_)
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.rope else None
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.rope_negated else None,
