@@ -6,14 +6,20 @@ from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor, full, ones, parameter, tensor, zeros
 from vkformers.errors import VkformersError
 from vkformers.models import generation, loading, tokenizer  # noqa: F401
-from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
+from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+                                       AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
+                                       AutoModelForSequenceClassification, AutoModelForTokenClassification,
                                        AutoTokenizer)
+from vkformers.models.sentence import SentenceTransformer
 from vkformers.runtime import Buffer, Device, Sequence, dtypes, get_device
 from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, uint8
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoTokenizer", "Buffer",
-           "Device", "Sequence", "Tensor", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
+__all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
+           "AutoModelForQuestionAnswering",
+           "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+           "AutoTokenizer", "Buffer",
+           "Device", "SentenceTransformer", "Sequence", "Tensor", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
            "float16", "float32", "full", "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",
            "runtime", "tensor", "training", "uint8", "zeros"]

@@ -10,10 +10,11 @@ import os
 import sys
 import traceback
 
-from vkformers.cli import architectures, bench, build_kernels, devices, doctor, generate, merge_lora, serve, train
+from vkformers.cli import (architectures, bench, build_kernels, devices, doctor, embed, generate, merge_lora, serve,
+                           train)
 from vkformers.errors import VkformersError
 
-COMMANDS = (devices, doctor, architectures, build_kernels, generate, serve, train, merge_lora, bench)
+COMMANDS = (devices, doctor, architectures, build_kernels, generate, serve, train, merge_lora, embed, bench)
 DEBUG_ENV = "VKFORMERS_DEBUG"
 DEBUG_HELP = f"show the traceback of an error (also: {DEBUG_ENV}=1)"
 EXIT_ERROR = 1

@@ -1,4 +1,6 @@
-"""``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset.
+"""``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset,
+or (``--task sequence-classification``) a text classifier on labelled CSV, JSONL or Parquet rows (--text-column,
+--label-column), with accuracy and macro F1 on the held-out rows printed and written to metrics.jsonl.
 
 QLoRA: --quantization nf4 (or q4_0, q4_1, q8_0, q4_k) packs the model's Linear weights while loading; they stay
 frozen and LoRA adapters (--lora-rank) train on top, with --gradient-checkpointing and --optim adamw_8bit for less
@@ -12,6 +14,7 @@ into the model instead). Nothing is written through a symbolic link inside --out
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -20,15 +23,19 @@ from vkformers.cli.options import (fraction, non_negative_int, non_negative_numb
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import refuse_symlink, write_bytes_atomic
-from vkformers.models.loading import AutoModelForCausalLM, load_config, resolve_checkpoint
+from vkformers.models.atomic import open_for_append
+from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForSequenceClassification, load_config,
+                                      resolve_checkpoint)
 from vkformers.models.quantize import quantized_weight_names, refuse_quantized
 from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                 hf_dataset_files, init_weights, load_dataset, load_tokenizer)
+from vkformers.training.labelled import LabelledBatches, evaluate_classifier, labelled_batches, load_labelled
 from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TASKS = ("causal-lm", "sequence-classification")
 OPTIMS = ("adamw", "adamw_8bit", "adamw_bf16_states")  # optim.OPTIMIZERS (not imported here: --help stays fast)
 
 
@@ -42,6 +49,9 @@ def add_parser(subparsers):
                    help="pack the model's Linear weights in these blocks while loading (QLoRA: needs --lora-rank; "
                         "nf4 is QLoRA's 4-bit NormalFloat); a GGUF file keeps its own blocks without it")
     p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--task", choices=TASKS, default="causal-lm",
+                   help="causal-lm (default) or sequence-classification: a head on the base model, trained on "
+                        "labelled rows (--text-column, --label-column)")
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", metavar="PATH", help="text/JSONL/Parquet files or folders")
     data.add_argument("--hf-dataset", metavar="ORG/NAME", help="a hub dataset (Parquet/JSONL files, cached)")
@@ -49,6 +59,8 @@ def add_parser(subparsers):
     data.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out files (default: --eval-fraction)")
     data.add_argument("--eval-fraction", type=fraction, default=0.02, help="share of sequences held out (default 0.02)")
     data.add_argument("--text-column", help="JSONL/Parquet column with the text (default 'text')")
+    data.add_argument("--label-column", default="label", help="--task sequence-classification: the column with "
+                                                              "the label (default 'label')")
     data.add_argument("--prompt-column", help="column with prompts, masked out of the loss")
     data.add_argument("--completion-column", help="column with completions (with --prompt-column)")
     lora = p.add_argument_group("LoRA (PEFT-compatible adapters; without --lora-rank the whole model trains)")
@@ -102,14 +114,15 @@ def lora_targets(values):
     return [t for v in values for t in v.split(",") if t]
 
 
-def load_model(args):
+def load_model(args, **head_options):
+    auto = AutoModelForSequenceClassification if args.task == "sequence-classification" else AutoModelForCausalLM
     if args.from_scratch:
-        model = AutoModelForCausalLM.from_config(load_config(resolve_checkpoint(args.model)))
+        model = auto.from_config(load_config(resolve_checkpoint(args.model)), **head_options)
         init_weights(model, seed=args.seed, dtype=DTYPES[args.precision])
         model.name_or_path = str(args.model)
         return model.train()
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.precision],
-                                                quantization=args.quantization).train()
+    return auto.from_pretrained(args.model, dtype=DTYPES[args.precision], quantization=args.quantization,
+                                **head_options).train()
 
 
 def check_quantization_options(args) -> None:
@@ -146,16 +159,37 @@ def run(args) -> int:
     check_quantization_options(args)
     check_output_folder(args.out)  # before minutes of loading
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
-                   completion_column=args.completion_column)
     paths = args.data or hf_dataset_files(args.hf_dataset, args.split)
-    dataset = load_dataset(paths, tokenizer, args.seq_len, **columns)
-    if args.eval_data:
-        train, held_out = dataset, load_dataset(args.eval_data, tokenizer, args.seq_len, **columns)
+    head_options = {}
+    if args.task == "causal-lm":
+        columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
+                       completion_column=args.completion_column)
+        dataset = load_dataset(paths, tokenizer, args.seq_len, **columns)
+        if args.eval_data:
+            train, held_out = dataset, load_dataset(args.eval_data, tokenizer, args.seq_len, **columns)
+        else:
+            train, held_out = dataset.split(args.eval_fraction)
     else:
-        train, held_out = dataset.split(args.eval_fraction)
+        if args.prompt_column or args.completion_column:
+            raise VkformersError("--prompt-column / --completion-column are for causal-lm; a classifier reads "
+                                 "--text-column and --label-column")
+        columns = dict(text_column=args.text_column or "text", label_column=args.label_column)
+        dataset = load_labelled(paths, tokenizer, args.seq_len, **columns)
+        if args.eval_data:
+            train = dataset
+            held_out = load_labelled(args.eval_data, tokenizer, args.seq_len, label_names=dataset.id2label, **columns)
+        else:
+            train, held_out = dataset.split(args.eval_fraction, seed=args.seed)
+        head_options = dict(num_labels=len(dataset.id2label) or 1, problem_type=dataset.problem_type)
+        if dataset.id2label:
+            head_options.update(id2label=dataset.id2label,
+                                label2id={name: int(i) for i, name in dataset.id2label.items()})
 
-    model = load_model(args)
+    model = load_model(args, **head_options)
+    if args.task != "causal-lm" and model.base.config.get("pad_token_id") is None:  # decoders: rows end at a pad
+        model.base.config["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else tokenizer.eos_token_id
+        model.config["pad_token_id"] = model.base.config["pad_token_id"]
     if not args.lora_rank:  # a GGUF file's packed blocks: refused in the CLI's words (the Trainer refuses too)
         refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; add "
                          "--lora-rank to train LoRA adapters on top of them (QLoRA)")
@@ -166,10 +200,13 @@ def run(args) -> int:
     for what, part in (("the training data", train), ("the held-out data", held_out)):
         if part is not None:  # up front: an id past the embedding would only show as a nan loss later
             check_token_ids(part.input_ids, model_vocab_size(model), f"{what} (tokenized by {tokenizer_name})")
+    modules_to_save = args.modules_to_save
+    if args.task != "causal-lm" and modules_to_save is None:  # PEFT's SEQ_CLS task: the new head trains and is saved
+        modules_to_save = sorted({path.split(".")[0] for path in model.head_modules})
     if args.lora_rank:
         apply_lora(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                                      lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
-                                     use_rslora=args.rslora, modules_to_save=args.modules_to_save,
+                                     use_rslora=args.rslora, modules_to_save=modules_to_save,
                                      base_model_name_or_path=str(args.model)), seed=args.seed)
     config = TrainingConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             schedule=args.schedule, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
@@ -180,12 +217,17 @@ def run(args) -> int:
     run_info = {"model": str(args.model), "data": [str(p) for p in paths], "tokenizer": args.tokenizer or args.model,
                 "quantization": args.quantization,
                 "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}
-    trainer = Trainer(model, config, Batches(train, args.batch_size, seed=args.seed),
-                      eval_batches=fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None,
+    if args.task == "causal-lm":
+        batches = Batches(train, args.batch_size, seed=args.seed)
+        eval_batches = fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None
+    else:
+        batches = LabelledBatches(train, args.batch_size, seed=args.seed)
+        eval_batches = labelled_batches(held_out, args.batch_size, args.eval_batches) if held_out else None
+    trainer = Trainer(model, config, batches, eval_batches=eval_batches,
                       out_dir=args.out, progress=not args.no_progress, run_info=run_info)
     trained = sum(t.numel() for t in trainer.params)
     packed = len(quantized_weight_names(model))
-    print(f"training {trained:,} parameters on {len(train):,} sequences of {args.seq_len} tokens"
+    print(f"training {trained:,} parameters on {len(train):,} sequences of {train.seq_len} tokens"
           f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}"
           f"{f'; {packed} quantized weights frozen under the adapters' if packed else ''}")
     if args.resume:
@@ -194,6 +236,11 @@ def run(args) -> int:
             print(f"vkformers train: skipped {skipped}: {reason}", file=sys.stderr)
         print(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
     trainer.train()
+    if args.task != "causal-lm" and eval_batches:
+        metrics = {f"eval_{k}": v for k, v in evaluate_classifier(model, eval_batches).items()}
+        with open_for_append(args.out / "metrics.jsonl") as f:
+            f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
+        print("held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in metrics.items()))
     if trainer.loss_curve_file is None:
         print(f"vkformers train: note: {PLOT_HINT}", file=sys.stderr)
     final = trainer.save_final(args.out / "final", merge=args.merge)

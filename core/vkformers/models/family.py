@@ -207,9 +207,9 @@ class FamilyPlugin:
     def vkformers_model_class(self, architecture, task):
         if architecture.family != self.family:
             return None
-        declared = self.declarations.model_class(architecture.name) if task in architecture.tasks else None
-        if declared is not None:
-            return declared
+        declared = self.declarations.model_class(architecture.name)
+        if declared is not None:  # its own class serves its own tasks; the shared one would run another model
+            return declared if task in architecture.tasks else None
         shared = self.model_classes.get(task)
         return None if shared is None else load_object(shared)
 

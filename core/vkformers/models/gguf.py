@@ -518,7 +518,8 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     config, arrays, _ = load_gguf(path, tokenizer=False, dequantize=dequantize)
     model = auto_class.from_config(config)
     target = model_dtype(config, dtype)
-    model.load_state_dict(arrays, dtype=target, requires_grad=requires_grad,
+    arrays, strict = auto_class.fit_checkpoint(model, arrays, f"at {path}")
+    model.load_state_dict(arrays, dtype=target, requires_grad=requires_grad, strict=strict,
                           ignore=getattr(model, "ignored_checkpoint_keys", ()))
     model.name_or_path = str(path)
     return model.eval()

@@ -42,7 +42,9 @@ def vkformers_kernel_dirs():
 @hookspec(firstresult=True)
 def vkformers_model_class(architecture, task):
     """The Module class that runs ``architecture`` (a registry Architecture) for ``task``
-    ("causal-lm", "masked-lm", "seq2seq-lm"), or None. Called as ``cls(config: dict, architecture)``."""
+    ("causal-lm", "masked-lm", "seq2seq-lm", or "base": the model without its LM head, which core's task heads
+    in :mod:`vkformers.models.heads` sit on; see that module for what a base class declares), or None. Called as
+    ``cls(config: dict, architecture)``."""
 
 
 @hookspec

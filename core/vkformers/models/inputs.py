@@ -35,7 +35,8 @@ class InputLimits:
     type_vocab_size: int | None = None    # token_type_ids in [0, type_vocab_size)
     decoder_vocab_size: int | None = None  # encoder-decoders: decoder_input_ids (input_ids are the encoder's)
     decoder_max_length: int | None = None
-    labels_like: str = "input_ids"        # the argument whose shape labels have (decoder_input_ids in seq2seq)
+    labels_like: str | None = "input_ids"  # the argument whose shape labels have (decoder_input_ids in seq2seq);
+    #                                        None: the model checks its labels itself (task heads)
     one_dimensional_ok: bool = False      # a 1-D input_ids is one sequence (the encoder-decoders take it)
 
 
@@ -62,7 +63,7 @@ def check_model_inputs(limits: InputLimits, arguments: dict) -> None:
                                  limits.decoder_vocab_size or limits.vocab_size, "vocab_size")
         _length("decoder_input_ids", decoder_ids.shape[-1], 0, limits.decoder_max_length, limits.max_length_field)
         _mask(arguments, "decoder_attention_mask", decoder_ids, 0)
-    if arguments.get("labels") is not None:
+    if arguments.get("labels") is not None and limits.labels_like is not None:
         labels = _labels(limits, arguments["labels"])
         like = ids if limits.labels_like == "input_ids" else decoder_ids
         if like is not None:

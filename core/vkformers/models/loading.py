@@ -20,6 +20,7 @@ from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
 from vkformers.models.gguf import is_gguf_file, load_gguf_model, load_gguf_tokenizer
+from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 from vkformers.models.lora import load_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
@@ -30,7 +31,9 @@ from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folde
 from vkformers.runtime import dtypes as dt
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                # sentence-transformers' layout (vkformers.SentenceTransformer)
+                "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*/config.json"]
 
 
 class HubError(VkformersError, OSError):
@@ -175,50 +178,93 @@ class AutoTokenizer:
         return tokenizer
 
 
-class AutoModel:
+class AutoModelClass:
+    """What every ``AutoModel*`` class shares: ``task`` names the model class the family plugin gives
+    (``vkformers_model_class`` hook), or the core head model (``models/heads.py``) put on the plugin's base."""
+
     task = "causal-lm"
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
                         trust_remote_code: bool = False, requires_grad: bool = True, adapter=None,
-                        quantization: str | None = None, dequantize: bool = False):
+                        quantization: str | None = None, dequantize: bool = False, **head_options):
         """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
         checkpoint while loading (models/quantize.py). A GGUF file keeps its block formats unless
-        ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them)."""
+        ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them). The task heads take
+        transformers' ``num_labels``, ``id2label``, ``label2id``, ``problem_type`` and ``ignore_mismatched_sizes``
+        (a stored head of another shape is replaced by a new one)."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
+        unknown = sorted(set(head_options) - ({"num_labels", "id2label", "label2id", "problem_type",
+                                               "ignore_mismatched_sizes"} if cls.task in HEAD_MODELS else set()))
+        if unknown:
+            raise VkformersError(f"{cls.__name__}.from_pretrained() takes no {unknown[0]}=")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
             if quantization is not None:
                 raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; a GGUF "
                                         "file keeps its own block formats (dequantize=True expands them)")
-            model = load_gguf_model(cls, name_or_path, dtype=dtype, requires_grad=requires_grad, dequantize=dequantize)
+            options = {k: v for k, v in head_options.items() if k != "ignore_mismatched_sizes"}
+            model = load_gguf_model(cls.with_options(options), name_or_path, dtype=dtype,
+                                    requires_grad=requires_grad, dequantize=dequantize)
         else:
-            model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization)
+            model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
+                                     head_options)
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
             load_adapter(model, adapter)
         return model.eval()
 
     @classmethod
-    def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad, quantization) -> Module:
+    def with_options(cls, head_options: dict):
+        """This class with ``from_config`` taking the head options (``num_labels``, ...) as given."""
+        if not head_options:
+            return cls
+        return type(cls.__name__, (cls,), {"from_config": classmethod(
+            lambda klass, config: cls.from_config(config, **head_options))})
+
+    @classmethod
+    def fit_checkpoint(cls, model: Module, weights: dict, source: str = "",
+                       ignore_mismatched_sizes: bool = False) -> tuple[dict, bool]:
+        """The checkpoint's tensors under the model's names, and whether every tensor must be used. A base model or
+        head model reads a checkpoint saved with or without the base-model prefix (``bert.``, ``model.``), as
+        transformers does, and leaves out the tensors of another task's head; a head the checkpoint lacks is
+        freshly initialised (``complete_head``)."""
+        prefix = getattr(model, "base_model_prefix", None)
+        if cls.task == "causal-lm" or prefix is None:
+            return weights, True
+        if prefix and not any(name.startswith(prefix + ".") for name in weights):
+            weights = {f"{prefix}.{name}": array for name, array in weights.items()}  # saved from a base model
+        if isinstance(model, TaskModel):  # a new head: initialised fresh
+            weights = model.complete_head(weights, source, ignore_mismatched_sizes)
+        elif hasattr(model, "complete_head"):  # a pooler the checkpoint lacks
+            weights = model.complete_head(weights, source)
+        return weights, False
+
+    @classmethod
+    def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
+                     head_options=None) -> Module:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
-        model = cls.from_config(config)
-        plain = model.config is config  # else a multimodal wrapper, whose names change after reading
+        head_options = dict(head_options or {})
+        ignore_mismatched = bool(head_options.pop("ignore_mismatched_sizes", False))
+        model = cls.from_config(config, **head_options)
+        plain = registry().backbone_config(config) is config  # else a multimodal wrapper
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
         weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer))  # each packed as it is read
         if quantizer is not None:
             quantizer.warn_kept()
         if plain:
+            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
-                                  ignore=getattr(model, "ignored_checkpoint_keys", ()))
+                                  strict=strict, ignore=getattr(model, "ignored_checkpoint_keys", ()))
         else:  # a multimodal wrapper: its language model runs
             for pattern, replacement in registry().checkpoint_renames(config):
                 weights = {re.sub(pattern, replacement, name): array for name, array in weights.items()}
             weights = language_model_weights(weights)
             if quantization is not None:
                 weights = quantize_checkpoint(model, weights, quantization)
+            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             try:
-                model.load_state_dict(weights, dtype=model_dtype(config, dtype),
+                model.load_state_dict(weights, dtype=model_dtype(config, dtype), strict=strict,
                                       requires_grad=requires_grad, ignore=getattr(model, "ignored_checkpoint_keys", ()))
             except CheckpointError as exc:
                 raise CheckpointError(
@@ -229,34 +275,68 @@ class AutoModel:
         return model
 
     @classmethod
-    def from_config(cls, config: dict) -> Module:
+    def from_config(cls, config: dict, **head_options) -> Module:
         """The model of ``config``'s architecture, randomly initialised; a multimodal wrapper's config builds its
-        language model (``model.config`` is then the nested text config)."""
+        language model (``model.config`` is then the nested text config). A task head takes ``num_labels``,
+        ``id2label``, ``label2id`` and ``problem_type`` over the config's."""
         check_config_object(config)
         architecture = registry().resolve(config)
         backbone = registry().backbone_config(config)
         check_config_fields(backbone, "config" if backbone is config else "config (its nested text model)")
         config = backbone
-        model_class = plugin_manager().hook.vkformers_model_class(architecture=architecture, task=cls.task)
+        head_model = HEAD_MODELS.get(cls.task)
+        task = "base" if head_model is not None else cls.task
+        model_class = plugin_manager().hook.vkformers_model_class(architecture=architecture, task=task)
         if model_class is None:
+            what = cls.task if head_model is None else f"{cls.task} (it needs the base model)"
             raise VkformersError(
                 f"architecture {architecture.name!r} (plugin vkformers-{architecture.family}, status "
-                f"{architecture.status}) has no {cls.task} implementation yet")
+                f"{architecture.status}) has no {what} implementation yet")
+        if head_model is not None:
+            model = head_model(head_config(config, **head_options), architecture, model_class)
+            return model
         model = model_class(config, architecture)
         model.config = config
         return model
 
 
-class AutoModelForCausalLM(AutoModel):
+class AutoModel(AutoModelClass):
+    """The base model of any architecture whose plugin gives one (transformers' AutoModel): ``last_hidden_state``,
+    ``pooler_output`` where the architecture has a pooler, ``hidden_states`` with ``output_hidden_states=True``.
+    Its parameters keep the base-model prefix of the task models (``bert.embeddings...``), so its weights load
+    into any of them; it reads checkpoints saved with or without that prefix."""
+
+    task = "base"
+
+
+class AutoModelForCausalLM(AutoModelClass):
     task = "causal-lm"
 
 
-class AutoModelForMaskedLM(AutoModel):
+class AutoModelForMaskedLM(AutoModelClass):
     task = "masked-lm"
 
 
-class AutoModelForSeq2SeqLM(AutoModel):
+class AutoModelForSeq2SeqLM(AutoModelClass):
     task = "seq2seq-lm"
+
+
+class AutoModelForSequenceClassification(AutoModelClass):
+    """A base model with transformers' sequence-classification head (``models/heads.py``)."""
+
+    task = "sequence-classification"
+
+
+class AutoModelForTokenClassification(AutoModelClass):
+    task = "token-classification"
+
+
+class AutoModelForQuestionAnswering(AutoModelClass):
+    task = "question-answering"
+
+
+class AutoModelForMultipleChoice(AutoModelClass):
+    task = "multiple-choice"
 
 
 def save_pretrained(model: Module, folder, *, dtype=None) -> None:

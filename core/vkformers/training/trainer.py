@@ -167,18 +167,27 @@ def init_weights(model, *, seed: int = 0, std: float = 0.02, dtype="float32") ->
     model.load_state_dict(arrays, dtype=dtype)
 
 
-def _int32_pair(ids, labels):
-    """Batch arrays as the int32 arrays the model takes in as they are (two objects, even for ids == labels)."""
-    ids, labels = np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(labels, dtype=np.int32)
-    return ids, (labels.copy() if labels is ids else labels)
+def _int32_pair(ids, labels, *mask):
+    """Batch arrays as the arrays the model takes in as they are (separate objects, even for ids == labels): int32
+    ids, labels (float labels of a regression or multi-label head stay float32) and the attention mask if given."""
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    labels = np.ascontiguousarray(labels, dtype=np.float32 if np.asarray(labels).dtype.kind == "f" else np.int32)
+    return (ids, labels.copy() if labels is ids else labels) + tuple(np.ascontiguousarray(m, np.int32) for m in mask)
+
+
+def _forward(model, batch):
+    """``model(input_ids, labels=..., attention_mask=...)`` for a batch of (input_ids, labels[, attention_mask])."""
+    input_ids, labels, *mask = batch
+    return model(input_ids, labels=labels, **({"attention_mask": mask[0]} if mask else {}))
 
 
 class Trainer:
     """Train ``model`` (whose parameters with ``requires_grad`` are trained) on ``train_batches``.
 
     ``train_batches``: a :class:`~vkformers.training.data.Batches` (or anything iterable with
-    ``state_dict``/``load_state_dict``) yielding (input_ids, labels) numpy arrays.
-    ``eval_batches``: a list of (input_ids, labels) for the held-out loss.
+    ``state_dict``/``load_state_dict``) yielding (input_ids, labels) numpy arrays, or (input_ids, labels,
+    attention_mask) for padded batches (a task head's labels: one per sequence, float for regression).
+    ``eval_batches``: a list of such tuples for the held-out loss.
     ``out_dir``: where checkpoints/, metrics.jsonl, loss_curve.png and final/ go (None: nothing written).
     """
 
@@ -210,7 +219,7 @@ class Trainer:
         self.scaler = LossScaler(config.loss_scale, config.scale_growth_interval) if config.precision == "fp16" \
             else None
         self.vocab_size = model_vocab_size(model)
-        for input_ids, _ in self.eval_batches:
+        for input_ids, *_ in self.eval_batches:
             check_token_ids(input_ids, self.vocab_size, "the held-out data")
         self.step, self.tokens_seen, self.last_checkpoint = 0, 0, None
         # the newest checkpoint saved after a step with a finite loss (an fp16 run can save one whose step
@@ -233,7 +242,7 @@ class Trainer:
 
     def _next_micro_batches(self):
         batches = [next(self.train_batches) for _ in range(self.config.grad_accum)]
-        for input_ids, _ in batches:  # cheap on the host; an id past the embedding would train on garbage
+        for input_ids, *_ in batches:  # cheap on the host; an id past the embedding would train on garbage
             check_token_ids(input_ids, self.vocab_size, "the training data")
         return batches
 
@@ -256,7 +265,7 @@ class Trainer:
         self.model.train()
         if self.scaler is None:
             batches = [_int32_pair(*mb) for mb in micro_batches]
-            inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels"), mb)}
+            inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels", "mask"), mb)}
 
             def build():  # one submission: the update rides along with reading the statistics
                 stats_vector, factor = self._build_step(batches, None)
@@ -294,8 +303,8 @@ class Trainer:
         c = self.config
         total = None
         with lazy.deferred_backward():  # realized with the clip and the update, one submission
-            for input_ids, labels in micro_batches:
-                loss = self.model(input_ids, labels=labels).loss.float() * (1.0 / len(micro_batches))
+            for batch in micro_batches:
+                loss = _forward(self.model, batch).loss.float() * (1.0 / len(micro_batches))
                 (loss * scale if scale is not None else loss).backward()
                 total = loss if total is None else total + loss
                 del loss
@@ -343,8 +352,8 @@ class Trainer:
         self.model.eval()
         with no_grad():
             total = None
-            for input_ids, labels in self.eval_batches[: self.config.eval_batches]:
-                loss = self.model(input_ids, labels=labels).loss.float()
+            for batch in self.eval_batches[: self.config.eval_batches]:
+                loss = _forward(self.model, batch).loss.float()
                 total = loss if total is None else total + loss
             value = total.item() / min(len(self.eval_batches), self.config.eval_batches)
         self.model.train()
@@ -419,7 +428,7 @@ class Trainer:
             started, start_tokens = time.perf_counter(), self.tokens_seen
             while self.step < c.steps:
                 batch = self._next_micro_batches()
-                tokens = sum(int(ids.size) for ids, _ in batch)
+                tokens = sum(int(ids.size) for ids, *_ in batch)
                 step_start = time.perf_counter()
                 result = self.train_step(batch)
                 now = time.perf_counter()

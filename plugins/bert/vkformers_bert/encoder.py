@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
+from vkformers.errors import VkformersError
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module
@@ -37,6 +39,10 @@ IGNORED_CHECKPOINT_KEYS = ("position_ids", "token_type_ids", "rotary_embeddings.
                            "sop_classifier.classifier.weight", "sop_classifier.classifier.bias",
                            "predictions.decoder.weight", "predictions.decoder.bias", "lm_head.decoder.weight",
                            "lm_head.decoder.bias", "vocab_projector.weight", "generator_lm_head.weight")
+
+
+class UnsupportedBaseModel(VkformersError, ValueError):
+    """An encoder whose checkpoint layout does not separate the base model from its head."""
 
 
 @dataclass
@@ -185,6 +191,15 @@ class Context:
         return Tensor(np.where(allowed, np.float32(0), np.float32(-1e30)).astype(np.float32))
 
 
+def _as_bool(mask) -> np.ndarray:
+    """A mask as the bytes a bool tensor holds (the array then becomes the graph input as it is)."""
+    return (np.asarray(mask) != 0).astype(np.uint8)
+
+
+def _as_int32(ids) -> np.ndarray:
+    return np.asarray(ids).astype(np.int32)
+
+
 def _as_int_array(value) -> np.ndarray | None:
     if value is None:
         return None
@@ -299,9 +314,12 @@ class EncoderForMaskedLM(Module):
             start += width
         return out
 
-    def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None):
+    def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None, source=None):
+        """``source``: the input_ids as the caller gave them; a captured training step (engine.lazy.StepCapture)
+        derives the ids and positions anew from the next batch's."""
         s = self.spec
-        x = F.embedding(Tensor(ids.astype(np.int32)), self.word.weight,
+        source = ids if source is None else source
+        x = F.embedding(Tensor(lazy.derived_input(ids.astype(np.int32), source, _as_int32)), self.word.weight,
                         padding_idx=s.pad_token_id if s.word_padding_idx else None)
         if self.concat_map is not None:
             x = self._concat_embeddings(x, ids.shape)
@@ -312,7 +330,8 @@ class EncoderForMaskedLM(Module):
             x = x + F.embedding(Tensor(types), self.token_type.weight)
         if self.position is not None:
             # positions counted from padding (RoBERTa): pads read row pad_token_id, a padding_idx in transformers
-            x = x + F.embedding(Tensor(self._positions(ids)), self.position.weight,
+            positions = lazy.derived_input(self._positions(ids), source, lambda a: self._positions(_as_int_array(a)))
+            x = x + F.embedding(Tensor(positions), self.position.weight,
                                 padding_idx=s.pad_token_id if s.positions_from_padding else None)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
@@ -331,29 +350,7 @@ class EncoderForMaskedLM(Module):
                            type_vocab_size=s.type_vocab_size if self.token_type is not None else None)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
-        ids = _as_int_array(input_ids)
-        batch, length = ids.shape
-        mask = _as_int_array(attention_mask)
-        x = self.embed(ids, mask, _as_int_array(token_type_ids))
-        rotary = None
-        if self.inv_freq is not None or self.layer_rope is not None:
-            positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
-            ropes = self.layer_rope or [(self.inv_freq, self.rope_scaling)] * len(self.layers)
-            tables = {}
-            for inv_freq, scaling in ropes:
-                tables.setdefault(id(inv_freq), (Tensor(inv_freq), positions, scaling))
-            rotary = [tables[id(inv_freq)] for inv_freq, _ in ropes]
-        ctx = Context(Tensor(mask.astype(bool)) if mask is not None and not mask.all() else None, rotary, mask)
-        keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)
-                if self.spec.zero_padded_hidden and mask is not None else None)
-        if keep is not None:
-            x = x * keep
-        for layer in self.layers:
-            x = self.call_layer(layer, x, ctx)
-            if keep is not None:  # XLM zeroes the padded positions after every layer
-                x = x * keep
-        if self.final_norm is not None:
-            x = self.final_norm(x)
+        x = self.encode(input_ids, attention_mask, token_type_ids)
         h = x
         if self.head_dense is not None:
             h = F.activation(self.spec.head_act)(self.head_dense(h))
@@ -364,6 +361,43 @@ class EncoderForMaskedLM(Module):
             logits = logits + _get(self, self.spec.decoder_bias)
         loss = self.loss(logits, labels) if labels is not None else None
         return MaskedLMOutput(logits=logits, loss=loss)
+
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None):
+        """The encoder's last hidden states [B, T, hidden] (after the final norm of pre-LN encoders), before any
+        head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed)."""
+        ids = _as_int_array(input_ids)
+        batch, length = ids.shape
+        mask = _as_int_array(attention_mask)
+        x = self.embed(ids, mask, _as_int_array(token_type_ids), source=input_ids)
+        rotary = None
+        if self.inv_freq is not None or self.layer_rope is not None:
+            positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
+            ropes = self.layer_rope or [(self.inv_freq, self.rope_scaling)] * len(self.layers)
+            tables = {}
+            for inv_freq, scaling in ropes:
+                tables.setdefault(id(inv_freq), (Tensor(inv_freq), positions, scaling))
+            rotary = [tables[id(inv_freq)] for inv_freq, _ in ropes]
+        padding = None
+        if mask is not None and not mask.all():  # a captured training step derives it anew from the next mask
+            padding = Tensor(lazy.derived_input(_as_bool(mask), attention_mask, _as_bool), dtype=dt.bool_)
+        ctx = Context(padding, rotary, mask)
+        keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)
+                if self.spec.zero_padded_hidden and mask is not None else None)
+        if keep is not None:
+            x = x * keep
+        if hidden_states is not None:
+            hidden_states.append(x)
+        for layer in self.layers:
+            x = self.call_layer(layer, x, ctx)
+            if keep is not None:  # XLM zeroes the padded positions after every layer
+                x = x * keep
+            if hidden_states is not None:
+                hidden_states.append(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+            if hidden_states is not None:
+                hidden_states[-1] = x
+        return x
 
     @staticmethod
     def loss(logits, labels):

@@ -3,7 +3,9 @@ from pathlib import Path
 
 from vkformers.models.family import FamilyPlugin
 
+from vkformers_llama.base import DecoderModel
 from vkformers_llama.gguf_tables import FAMILY  # the variants, with their GGUF mappings declared
 from vkformers_llama.model import DenseDecoderForCausalLM
 
-plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"causal-lm": DenseDecoderForCausalLM})
+plugin = FamilyPlugin(FAMILY, Path(__file__).parent, model_classes={"causal-lm": DenseDecoderForCausalLM,
+                                                                    "base": DecoderModel})

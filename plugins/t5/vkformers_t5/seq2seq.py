@@ -583,10 +583,11 @@ class Seq2SeqForConditionalGeneration(Module):
                 if name not in arrays:
                     arrays[name] = fairseq_table(stack.fairseq_rows(), self.spec.d_model, self.spec.pad_token_id)
         shared, head_name = self.head_tie_target, f"{self.names['lm_head']}.weight"
-        head = dict(self.named_slots())[head_name]
+        head = dict(self.named_slots()).get(head_name)  # None in the base model, which has no LM head
         distinct = head_name in arrays and shared in arrays and not np.array_equal(
             np.asarray(arrays[head_name]), np.asarray(arrays[shared]))
-        head.tied_to = shared if self.spec.tie_lm_head and not distinct else None
+        if head is not None:
+            head.tied_to = shared if self.spec.tie_lm_head and not distinct else None
         super().load_state_dict(arrays, *args, **kwargs)
         self.logits_bias = None
         if self.spec.final_logits_bias and "final_logits_bias" in arrays:
@@ -625,6 +626,18 @@ class Seq2SeqForConditionalGeneration(Module):
 
     def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None):
         """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""
+        x = self.decoder_hidden_states(decoder_ids, encoder_states, encoder_mask, cache)
+        if self.spec.output_scale != 1.0:
+            x = x * self.spec.output_scale
+        logits = self.lm_head(x)
+        if self.logits_bias is not None:
+            logits = logits + self.logits_bias
+        if self.spec.final_softcap:
+            logits = (logits * (1.0 / self.spec.final_softcap)).tanh() * self.spec.final_softcap
+        return logits
+
+    def decoder_hidden_states(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
+        """The decoder's last hidden state [B, T, d_model] (after its final norm), what the LM head reads."""
         ids = _ids(decoder_ids)
         past = cache.position if cache is not None else 0
         padding = None
@@ -635,14 +648,7 @@ class Seq2SeqForConditionalGeneration(Module):
         x = self.decoder(ids, ctx)
         if cache is not None:
             cache.self_attn.advance(ids.shape[1])
-        if self.spec.output_scale != 1.0:
-            x = x * self.spec.output_scale
-        logits = self.lm_head(x)
-        if self.logits_bias is not None:
-            logits = logits + self.logits_bias
-        if self.spec.final_softcap:
-            logits = (logits * (1.0 / self.spec.final_softcap)).tanh() * self.spec.final_softcap
-        return logits
+        return x
 
     def shift_right(self, labels: np.ndarray) -> np.ndarray:
         """Decoder inputs from labels (transformers' shift_tokens_right / _shift_right)."""
@@ -660,6 +666,16 @@ class Seq2SeqForConditionalGeneration(Module):
             shifted[:, 0] = spec.decoder_start_token_id
         return shifted
 
+    def decoder_inputs(self, ids: np.ndarray, decoder_input_ids=None, labels: np.ndarray | None = None) -> np.ndarray:
+        """decoder_input_ids as given, else the labels shifted right, else (BART) the input shifted right."""
+        if decoder_input_ids is not None:
+            return _ids(decoder_input_ids)
+        if labels is not None:
+            return self.shift_right(labels)
+        if self.spec.decoder_inputs_from_input_ids:  # BART: denoising input = the input shifted right
+            return self.shift_right(ids)
+        raise VkformersError(f"{self.architecture_name}: give decoder_input_ids or labels")
+
     # -- forward
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
@@ -670,14 +686,7 @@ class Seq2SeqForConditionalGeneration(Module):
             raise VkformersError("decoder_attention_mask with zeros is not supported (the decoder attends causally "
                                  "to every decoder token)")
         label_array = None if labels is None else _ids(labels)
-        if decoder_input_ids is not None:
-            decoder_ids = _ids(decoder_input_ids)
-        elif label_array is not None:
-            decoder_ids = self.shift_right(label_array)
-        elif self.spec.decoder_inputs_from_input_ids:  # BART: denoising input = the input shifted right
-            decoder_ids = self.shift_right(ids)
-        else:
-            raise VkformersError(f"{self.architecture_name}: give decoder_input_ids or labels")
+        decoder_ids = self.decoder_inputs(ids, decoder_input_ids, label_array)
         encoder_states = encoder_outputs if encoder_outputs is not None else self.encode(ids, mask)
         logits = self.decode(decoder_ids, encoder_states, mask)
         loss = None

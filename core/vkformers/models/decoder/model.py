@@ -57,6 +57,11 @@ def _as_numpy(value, dtype=np.int64):
     return np.asarray(value).astype(dtype)
 
 
+def _mask_bytes(mask) -> np.ndarray:
+    """An attention mask as a bool tensor's bytes: a captured training step derives it anew from the next batch's."""
+    return (np.asarray(mask) != 0).astype(np.uint8)
+
+
 def _round_to(value: float, dtype) -> float:
     """A Python float rounded to a storage dtype (torch multiplies by a scalar tensor of that dtype)."""
     if dtype is dt.bfloat16:
@@ -248,6 +253,35 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
         s = self.spec
+        length = np.shape(input_ids)[-1] if not isinstance(input_ids, Tensor) else input_ids.shape[-1]
+        x = self.residual_stream(input_ids, attention_mask, position_ids, cache)
+        logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
+        if logits is None:
+            x = self.final_hidden_states(x)
+            if self.head_dense is not None:
+                x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
+            logits = self.lm_head(x)
+        if s.logits_scale != 1.0:
+            logits = logits * s.logits_scale
+        if s.final_softcap:
+            logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
+        if cache is not None:
+            cache.advance(length)
+        loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    def final_hidden_states(self, x):
+        """The residual stream after the last layer -> the hidden states the LM head reads (transformers' base
+        model's last_hidden_state): final norm, and the projection out of the hidden width where there is one."""
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return x
+
+    def residual_stream(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+        """Embeddings and every layer: the residual stream [B, T, hidden] before the final norm."""
+        s = self.spec
         ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
         if ids.dtype is not dt.int32:
             ids = ids.cast(dt.int32)
@@ -281,29 +315,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
         key_padding_mask = None
         if mask is not None and (cache is not None or not mask.all()):
-            key_padding_mask = Tensor(mask.astype(bool))
+            key_padding_mask = Tensor(lazy.derived_input(_mask_bytes(mask), attention_mask, _mask_bytes), dtype=dt.bool_)
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.positions.rope else None
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.positions.rope_negated else None,
                       query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions)
-        x = self.run_layers(x, ctx)
-        logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
-        if logits is None:
-            if self.final_norm is not None:
-                x = self.final_norm(x)
-            if self.project_out is not None:
-                x = self.project_out(x)
-            if self.head_dense is not None:
-                x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
-            logits = self.lm_head(x)
-        if s.logits_scale != 1.0:
-            logits = logits * s.logits_scale
-        if s.final_softcap:
-            logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
-        if cache is not None:
-            cache.advance(length)
-        loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss)
+        return self.run_layers(x, ctx)
 
     def run_layers(self, x, ctx: Context):
         """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream

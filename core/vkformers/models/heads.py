@@ -1,0 +1,542 @@
+"""Base-model outputs and the task heads every family shares: sequence classification, token classification and
+extractive question answering, with transformers' parameter names, losses and ``problem_type`` semantics.
+
+A family plugin provides one *base model* class (task ``"base"`` of the ``vkformers_model_class`` hook): its
+model without the language-modelling head, whose parameters keep the checkpoint's paths under the base-model
+prefix (``bert.embeddings...``, ``model.layers...``), and whose forward returns :class:`BaseModelOutput`. Its
+class declares
+
+- ``task_heads(config, architecture) -> TaskHeads | None`` (a classmethod): where transformers puts each head
+  of that architecture and how the sequence head pools (None: no head declared for it);
+- ``__init__(config, architecture, add_pooling_layer=True)``: whether to build the pooler (transformers'
+  RoBERTa classifier drops it, BERT's reads it);
+- ``base_model_prefix``: the first path component of its parameters ("" when they have none).
+
+The head models here then wrap any such base: :class:`ModelForSequenceClassification`,
+:class:`ModelForTokenClassification` and :class:`ModelForQuestionAnswering` (``vkformers.AutoModelFor...``).
+A head model holds the base's modules under their own names and adds its head's beside them, so the names are
+transformers' (``bert.encoder.layer.0...`` and ``classifier.weight``; ``model.layers.0...`` and ``score.weight``).
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine import lazy
+from vkformers.engine.tensor import Tensor
+from vkformers.errors import VkformersError
+from vkformers.models.inputs import IGNORE_INDEX, InputLimits
+from vkformers.models.layers import Linear
+from vkformers.models.module import Module, place
+
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+
+
+class TaskHeadError(VkformersError, ValueError):
+    """A task head the architecture does not declare, or labels / a config the head cannot use."""
+
+
+# ---------------------------------------------------------------- outputs (transformers' field names)
+
+@dataclass
+class BaseModelOutput:
+    last_hidden_state: object = None
+    pooler_output: object = None      # tanh(dense(first token)) where the architecture has a pooler
+    hidden_states: tuple | None = None  # embeddings, then each layer's output (output_hidden_states=True)
+
+
+@dataclass
+class Seq2SeqModelOutput:
+    last_hidden_state: object = None          # the decoder's
+    encoder_last_hidden_state: object = None
+    hidden_states: tuple | None = None
+
+
+@dataclass
+class SequenceClassifierOutput:
+    loss: object = None
+    logits: object = None
+    hidden_states: tuple | None = None
+
+
+@dataclass
+class TokenClassifierOutput:
+    loss: object = None
+    logits: object = None
+    hidden_states: tuple | None = None
+
+
+@dataclass
+class QuestionAnsweringModelOutput:
+    loss: object = None
+    start_logits: object = None
+    end_logits: object = None
+    hidden_states: tuple | None = None
+
+
+# ---------------------------------------------------------------- what an architecture declares
+
+@dataclass(frozen=True)
+class SequenceHead:
+    """How a sequence-classification head reads the base model's output, under transformers' names.
+
+    ``pooling``: "pooler" (the base's pooler_output: BERT), "first" (the first token's hidden state: RoBERTa,
+    ELECTRA, DistilBERT), "last" (the last token that is not the pad id, as transformers' decoders take it) or
+    "eos" (the last end-of-sequence token of each row, as BART's; every row must hold as many).
+    ``dense``: an optional hidden -> hidden projection and its activation before the output projection ``out``.
+    """
+
+    pooling: str
+    out: str = "classifier"
+    out_bias: bool = True
+    dense: str | None = None
+    dense_act: str = "tanh"
+
+
+@dataclass(frozen=True)
+class TaskHeads:
+    """Where an architecture's task heads live: the sequence head, the token-classification projection and the
+    question-answering projection (None: transformers has no such head for it)."""
+
+    sequence: SequenceHead | None
+    token: str | None = "classifier"
+    token_bias: bool = True
+    question_answering: str | None = "qa_outputs"
+    multiple_choice: SequenceHead | None = None  # one score per choice (its out projection has one output)
+
+
+# BERT's: classifier on the pooler (for sequences and for each choice), token classifier, qa_outputs
+ENCODER_HEADS = TaskHeads(SequenceHead("pooler"), multiple_choice=SequenceHead("pooler"))
+DECODER_HEADS = TaskHeads(SequenceHead("last", out="score", out_bias=False), token="score",
+                          question_answering=None)  # transformers' GenericFor* heads of a decoder
+
+
+def base_model_prefix(path: str) -> str:
+    """The first component of a dotted parameter path ("bert" of "bert.embeddings"), "" for a top-level one."""
+    return path.split(".", 1)[0] if "." in path else ""
+
+
+# ---------------------------------------------------------------- labels and losses
+
+def head_config(config: dict, num_labels: int | None = None, id2label: dict | None = None,
+                label2id: dict | None = None, problem_type: str | None = None) -> dict:
+    """``config`` with transformers' label fields settled: ``num_labels`` (from the argument, ``id2label`` or the
+    default 2), ``id2label`` / ``label2id`` (``LABEL_i`` names unless given) and ``problem_type``."""
+    config = dict(config)
+    stored = config.get("id2label")
+    if id2label is not None:
+        stored = {str(k): v for k, v in id2label.items()}
+    if num_labels is None:
+        num_labels = len(stored) if stored else int(config.get("num_labels", 2))
+    if not isinstance(num_labels, int) or num_labels < 1:
+        raise TaskHeadError(f"num_labels={num_labels!r}: pass a positive number of labels")
+    if not stored or len(stored) != num_labels:
+        stored = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    config["id2label"] = {str(k): v for k, v in stored.items()}
+    config["label2id"] = ({str(k): int(v) for k, v in label2id.items()} if label2id is not None
+                          else {v: int(k) for k, v in config["id2label"].items()})
+    config["num_labels"] = num_labels
+    if problem_type is not None:
+        config["problem_type"] = problem_type
+    if config.get("problem_type") not in (None,) + PROBLEM_TYPES:
+        raise TaskHeadError(f"problem_type={config['problem_type']!r}; use one of {', '.join(PROBLEM_TYPES)}")
+    return config
+
+
+def _host(labels) -> np.ndarray:
+    return labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+
+
+def _target(labels, dtype) -> Tensor:
+    """The labels flattened to ``dtype`` as a graph input; a captured training step (engine.lazy.StepCapture)
+    derives it anew from the next batch's labels."""
+    def derive(array):
+        return np.ascontiguousarray(np.asarray(array).reshape(-1), dtype=dtype)
+    return Tensor(lazy.derived_input(derive(_host(labels)), labels, derive))
+
+
+def problem_type_of(config: dict, labels: np.ndarray) -> str:
+    """transformers' rule when the config names none: one label is regression, integer labels single-label
+    classification, anything else multi-label."""
+    if config.get("problem_type"):
+        return config["problem_type"]
+    if config["num_labels"] == 1:
+        return "regression"
+    return "single_label_classification" if labels.dtype.kind in "iu" else "multi_label_classification"
+
+
+def sequence_classification_loss(logits, labels, config: dict):
+    """transformers' loss for a sequence head: MSE (regression; one label squeezed), cross-entropy (single label,
+    -100 ignored) or binary cross-entropy with logits (multi-label), each a mean in float32."""
+    host = _host(labels)
+    kind = problem_type_of(config, host)
+    num_labels = config["num_labels"]
+    logits = logits.float()
+    if kind == "regression":
+        target = _target(labels, np.float32)
+        diff = logits.reshape(-1) - target  # transformers squeezes one label; several compare elementwise
+        return (diff * diff).mean()
+    if kind == "single_label_classification":
+        bad = host[(host != IGNORE_INDEX) & ((host < 0) | (host >= num_labels))]
+        if host.dtype.kind not in "iu" or bad.size:
+            raise TaskHeadError(f"labels must be class ids in [0, {num_labels}) (or -100); got "
+                                f"{bad.reshape(-1)[0] if bad.size else host.dtype}")
+        return F.cross_entropy(logits.reshape(-1, num_labels), _target(labels, np.int32), ignore_index=IGNORE_INDEX)
+    if host.shape != tuple(logits.shape):
+        raise TaskHeadError(f"multi-label labels have shape {host.shape}; they must be [batch, num_labels] = "
+                            f"{tuple(logits.shape)} (0/1 per label)")
+    logits = logits.reshape(-1)
+    return (F.softplus(logits) - logits * _target(labels, np.float32)).mean()  # BCE with logits: log(1 + e^x) - x y
+
+
+def token_classification_loss(logits, labels, num_labels: int):
+    """Cross-entropy over every token whose label is not -100 (transformers' ForTokenClassification)."""
+    return F.cross_entropy(logits.float().reshape(-1, num_labels), _target(labels, np.int32), ignore_index=IGNORE_INDEX)
+
+
+def question_answering_loss(start_logits, end_logits, start_positions, end_positions):
+    """The mean of the start and end cross-entropies; positions are clamped to [0, T] and T is ignored (an answer
+    outside the window), as transformers does."""
+    length = start_logits.shape[1]
+    losses = []
+    for logits, positions in ((start_logits, start_positions), (end_logits, end_positions)):
+        target = np.clip(_host(positions).reshape(-1).astype(np.int64), 0, length).astype(np.int32)
+        losses.append(F.cross_entropy(logits.float(), Tensor(target), ignore_index=length))
+    return (losses[0] + losses[1]) * 0.5
+
+
+# ---------------------------------------------------------------- pooling
+
+def last_non_pad_index(input_ids: np.ndarray, pad_token_id: int | None) -> np.ndarray:
+    """Per row, the index of the rightmost token that is not the pad id (left or right padding alike; 0 for a
+    row of pads), as transformers' decoders' sequence head picks it; the last token when there is no pad id."""
+    batch, length = input_ids.shape
+    if pad_token_id is None:
+        if batch != 1:
+            raise TaskHeadError("a batch of more than one sequence needs a pad token to find each row's last "
+                                "token; set config pad_token_id (e.g. to the tokenizer's pad or eos id)")
+        return np.full(batch, length - 1, np.int64)
+    real = (input_ids != pad_token_id).astype(np.int64)
+    return (np.arange(length) * real).argmax(-1)
+
+
+def last_eos_index(input_ids: np.ndarray, eos_token_id) -> np.ndarray:
+    """Per row, the index of the last end-of-sequence token (BART's sequence head reads its hidden state)."""
+    eos = np.isin(input_ids, np.atleast_1d(np.asarray(eos_token_id if eos_token_id is not None else [])))
+    counts = eos.sum(1)
+    if eos_token_id is None or counts.min() == 0 or len(set(counts.tolist())) > 1:
+        raise TaskHeadError("every row must hold the same number (at least one) of end-of-sequence tokens "
+                            f"(eos_token_id {eos_token_id}); add the eos token to each text, as the tokenizer does")
+    return input_ids.shape[1] - 1 - np.argmax(eos[:, ::-1], axis=1)
+
+
+def _gather_indices(index: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    batch = len(index)
+    flat = (np.arange(batch) * length + index).astype(np.int32)
+    inverse = np.full(batch * length, -1, np.int32)
+    inverse[flat] = np.arange(batch, dtype=np.int32)
+    return flat, inverse
+
+
+def take_tokens(hidden, index: np.ndarray, source=None, pick=None):
+    """hidden[b, index[b]] for hidden [B, T, D]: [B, D], its gradient flowing back to those rows only.
+    ``source`` and ``pick``: the input ``index`` comes from and ``pick(source) -> index``, so that a captured
+    training step (engine.lazy.StepCapture) derives the indices anew from its next batch."""
+    batch, length, width = hidden.shape
+    flat, inverse = _gather_indices(index, length)
+    if source is not None:
+        flat = lazy.derived_input(flat, source, lambda a: _gather_indices(pick(a), length)[0])
+        inverse = lazy.derived_input(inverse, source, lambda a: _gather_indices(pick(a), length)[1])
+    return F.gather_rows(hidden.reshape(batch * length, width), Tensor(flat), Tensor(inverse))
+
+
+def mean_pool(hidden, attention_mask: np.ndarray | None):
+    """Mean of the hidden states of the attended tokens (sentence-transformers' mean pooling): [B, D]."""
+    batch, length, _ = hidden.shape
+    mask = np.ones((batch, length), np.float32) if attention_mask is None else attention_mask.astype(np.float32)
+    weights = mask / np.maximum(mask.sum(1, keepdims=True), 1e-9)
+    return (Tensor(weights[:, None, :].astype(np.float32)) @ hidden.float()).reshape(batch, -1)
+
+
+# ---------------------------------------------------------------- head models
+
+def complete_weights(model, modules: dict, arrays: dict, source: str = "", seed: int = 0) -> dict:
+    """``arrays`` with the weights of ``modules`` (path -> Linear: a new task head, a pooler the checkpoint lacks)
+    that it does not hold initialised as transformers' _init_weights does (normal(0, initializer_range), zero
+    biases), said in one line on stderr."""
+    missing = [f"{path}.{slot}" for path, module in modules.items() for slot in module._slots
+               if f"{path}.{slot}" not in arrays]
+    if not missing:
+        return arrays
+    rng = np.random.default_rng(seed)
+    std = float(model.config.get("initializer_range", 0.02))
+    fresh = {}
+    for path, module in modules.items():
+        fresh[f"{path}.weight"] = rng.normal(0.0, std, (module.out_features, module.in_features)).astype(np.float32)
+        if module.has_bias:
+            fresh[f"{path}.bias"] = np.zeros(module.out_features, np.float32)
+    print(f"vkformers: {type(model).__name__} ({model.architecture_name}): weights not in the checkpoint"
+          f"{' ' + source if source else ''}, freshly initialised: {', '.join(missing)}; train them before using "
+          "the model's predictions", file=sys.stderr)
+    return {**arrays, **{name: fresh[name] for name in missing}}
+
+
+class TaskModel(Module):
+    """A base model of any family with a task head (what every head model below shares)."""
+
+    task = ""
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config: dict, architecture, base_class):
+        super().__init__()
+        name = getattr(architecture, "name", architecture)
+        heads = base_class.task_heads(config, architecture)
+        head = self.head_of(heads)
+        if head is None:
+            raise TaskHeadError(f"architecture {name!r} has no {self.task} head in vkformers yet; use "
+                                f"AutoModel for its hidden states and put your own head on them")
+        self.config = head_config(config)
+        base = base_class(self.config, architecture, add_pooling_layer=self.uses_pooler(head))
+        object.__setattr__(self, "base", base)
+        self.base_model_prefix = base.base_model_prefix
+        for child, module in base._modules.items():  # the base's modules keep their own names
+            self.add(child, module)
+        self._slots.update(base._slots)
+        object.__setattr__(self, "head_modules", {})
+        self.heads = heads
+        self.build_head(head, self.config["num_labels"], self.hidden_size(base))
+        self._base_arguments = set(inspect.signature(base.forward).parameters)
+        self.architecture_name = name
+        self.supports_gradient_checkpointing = base.supports_gradient_checkpointing
+
+    # -- declared by each head model
+    def head_of(self, heads: TaskHeads):
+        raise NotImplementedError
+
+    def uses_pooler(self, head) -> bool:
+        return False
+
+    def build_head(self, head, num_labels: int, hidden: int) -> None:
+        raise NotImplementedError
+
+    # -- shared
+    @staticmethod
+    def hidden_size(base) -> int:
+        """The width of the base's last hidden state: its ``output_size`` if it declares one, else its spec's or
+        config's hidden_size / d_model."""
+        if isinstance(getattr(base, "output_size", None), int):
+            return base.output_size
+        for source in (base.spec, base.config):
+            for name in ("hidden_size", "d_model"):
+                value = getattr(source, name, None) if source is base.spec else source.get(name)
+                if isinstance(value, int):
+                    return value
+        raise TaskHeadError(f"{type(base).__name__}: no hidden_size or d_model to size the head with")
+
+    def add_head_linear(self, path: str, in_features: int, out_features: int, bias: bool) -> Linear:
+        module = place(self, path, Linear(in_features, out_features, bias=bias))
+        self.head_modules[path] = module
+        return module
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    @dtype.setter
+    def dtype(self, value):
+        self.base.dtype = value
+
+    @property
+    def ignored_checkpoint_keys(self):
+        return getattr(self.base, "ignored_checkpoint_keys", ())
+
+    @property
+    def num_labels(self) -> int:
+        return self.config["num_labels"]
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.base.train(mode)
+        return self
+
+    def _set_gradient_checkpointing(self, on: bool) -> None:
+        super()._set_gradient_checkpointing(on)
+        self.base._set_gradient_checkpointing(on)
+
+    def input_limits(self) -> InputLimits:
+        return replace(self.base.input_limits(), labels_like=None)  # labels are checked by the head's loss
+
+    def complete_head(self, arrays: dict, source: str = "", ignore_mismatched_sizes: bool = False) -> dict:
+        """``arrays`` with the head's missing weights freshly initialised, said in one line on stderr; head weights
+        of another shape (a head trained for other labels) are refused, or replaced with
+        ``ignore_mismatched_sizes`` (transformers' option)."""
+        shapes = {f"{path}.{slot}": module._slots[slot].shape for path, module in self.head_modules.items()
+                  for slot in module._slots}
+        mismatched = [name for name, shape in shapes.items() if name in arrays and tuple(arrays[name].shape) != shape]
+        if mismatched and not ignore_mismatched_sizes:
+            name = mismatched[0]
+            raise TaskHeadError(f"the checkpoint's {name} has shape {tuple(arrays[name].shape)}, this head "
+                                f"{shapes[name]} ({self.num_labels} labels); pass ignore_mismatched_sizes=True to "
+                                "start a new head")
+        arrays = {name: array for name, array in arrays.items() if name not in mismatched}
+        return complete_weights(self, self.head_modules, arrays, source)
+
+    def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
+        head_names = {f"{path}.{slot}" for path, module in self.head_modules.items() for slot in module._slots}
+        self.base.load_state_dict({k: v for k, v in arrays.items() if k not in head_names}, dtype=dtype,
+                                  strict=strict, requires_grad=requires_grad, ignore=ignore)
+        holder = Module()
+        for path, module in self.head_modules.items():
+            place(holder, path, module)
+        holder.load_state_dict({k: v for k, v in arrays.items() if k in head_names}, dtype=dtype,
+                               requires_grad=requires_grad)
+
+    def run_base(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                 output_hidden_states=False) -> BaseModelOutput:
+        given = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                     output_hidden_states=output_hidden_states)
+        unknown = [k for k, v in given.items() if v is not None and v is not False and k not in self._base_arguments]
+        if unknown:
+            raise TaskHeadError(f"{self.architecture_name} takes no {unknown[0]}; leave it out")
+        return self.base.forward(input_ids, **{k: v for k, v in given.items() if k in self._base_arguments})
+
+
+class ModelForSequenceClassification(TaskModel):
+    """transformers' XForSequenceClassification: one label (or one vector of scores) per sequence."""
+
+    task = "sequence-classification"
+
+    def head_of(self, heads):
+        return heads.sequence if heads is not None else None
+
+    def uses_pooler(self, head) -> bool:
+        return head.pooling == "pooler"
+
+    def build_head(self, head: SequenceHead, num_labels, hidden):
+        self.head = head
+        object.__setattr__(self, "dense", self.add_head_linear(head.dense, hidden, hidden, True) if head.dense
+                           else None)
+        object.__setattr__(self, "out", self.add_head_linear(head.out, hidden, num_labels, head.out_bias))
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        h = out.last_hidden_state
+        if self.head.pooling == "pooler":
+            pooled = out.pooler_output
+        elif self.head.pooling == "first":
+            pooled = h[:, 0]
+        elif self.head.pooling == "eos":
+            eos = self.base.config.get("eos_token_id")
+            pooled = take_tokens(h, last_eos_index(_host(input_ids), eos), input_ids,
+                                 lambda ids: last_eos_index(np.asarray(ids), eos))
+        else:
+            pad = self.base.config.get("pad_token_id")
+            pooled = take_tokens(h, last_non_pad_index(_host(input_ids), pad), input_ids,
+                                 lambda ids: last_non_pad_index(np.asarray(ids), pad))
+        if self.dense is not None:
+            pooled = F.activation(self.head.dense_act)(self.dense(pooled))
+        logits = self.out(pooled)
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+class ModelForTokenClassification(TaskModel):
+    """transformers' XForTokenClassification: one label per token (NER); -100 labels take no part in the loss."""
+
+    task = "token-classification"
+
+    def head_of(self, heads):
+        return heads.token if heads is not None else None
+
+    def build_head(self, head: str, num_labels, hidden):
+        object.__setattr__(self, "out", self.add_head_linear(head, hidden, num_labels, self.heads.token_bias))
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        logits = self.out(out.last_hidden_state)
+        loss = token_classification_loss(logits, labels, self.num_labels) if labels is not None else None
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+class ModelForQuestionAnswering(TaskModel):
+    """transformers' XForQuestionAnswering: start and end logits of the answer span over the tokens."""
+
+    task = "question-answering"
+
+    def head_of(self, heads):
+        return heads.question_answering if heads is not None else None
+
+    def build_head(self, head: str, num_labels, hidden):
+        object.__setattr__(self, "out", self.add_head_linear(head, hidden, 2, True))
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
+                end_positions=None, output_hidden_states=False):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        logits = self.out(out.last_hidden_state)
+        start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = question_answering_loss(start_logits, end_logits, start_positions, end_positions)
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                            hidden_states=out.hidden_states)
+
+
+@dataclass
+class MultipleChoiceModelOutput:
+    loss: object = None
+    logits: object = None   # [batch, choices]
+    hidden_states: tuple | None = None
+
+
+class ModelForMultipleChoice(ModelForSequenceClassification):
+    """transformers' XForMultipleChoice: ``input_ids`` [batch, choices, length]; each choice is scored by the
+    sequence head with one output, ``labels`` [batch] name the right choice (cross-entropy over the choices)."""
+
+    task = "multiple-choice"
+
+    def head_of(self, heads):
+        return heads.multiple_choice if heads is not None else None
+
+    def build_head(self, head: SequenceHead, num_labels, hidden):
+        super().build_head(head, 1, hidden)
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                 output_hidden_states=False):
+        ids = _host(input_ids)
+        if ids.ndim != 3:
+            raise TaskHeadError(f"input_ids has shape {ids.shape}; a multiple-choice model takes [batch, choices, "
+                                "length]")
+
+        def flat(value):
+            return None if value is None else _host(value).reshape(-1, ids.shape[-1])
+        self._choices = ids.shape[1]
+        return super().__call__(flat(ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                                labels=labels, output_hidden_states=output_hidden_states)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                output_hidden_states=False):
+        out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, None, output_hidden_states)
+        logits = out.logits.reshape(-1, self._choices)
+        loss = None
+        if labels is not None:
+            host = _host(labels).reshape(-1)
+            loss = F.cross_entropy(logits.float(), Tensor(host.astype(np.int32)), ignore_index=IGNORE_INDEX)
+        return MultipleChoiceModelOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+HEAD_MODELS = {cls.task: cls for cls in (ModelForSequenceClassification, ModelForTokenClassification,
+                                          ModelForQuestionAnswering, ModelForMultipleChoice)}
+
+__all__ = ["BaseModelOutput", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForMultipleChoice",
+           "ModelForQuestionAnswering", "MultipleChoiceModelOutput",
+           "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput", "Seq2SeqModelOutput",
+           "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
+           "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_eos_index", "last_non_pad_index", "mean_pool",
+           "problem_type_of", "question_answering_loss", "sequence_classification_loss", "take_tokens",
+           "token_classification_loss"]

@@ -1,0 +1,195 @@
+"""Sentence embeddings from a sentence-transformers folder: ``SentenceTransformer(path_or_repo).encode(texts)``.
+
+The folder's ``modules.json`` lists the pipeline: a ``Transformer`` (the base model and tokenizer, with
+``max_seq_length`` and ``do_lower_case`` from ``sentence_bert_config.json``), a ``Pooling`` (its config.json:
+CLS token, mean, max, mean / sqrt(length), last token; several modes are concatenated in sentence-transformers'
+order), optional ``Dense`` layers and ``Normalize``. ``encode`` sorts the texts by length, as sentence-transformers
+does, so that each batch is padded little, and returns numpy in the input order.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.function import no_grad
+from vkformers.engine.tensor import Tensor
+from vkformers.errors import VkformersError
+from vkformers.models.heads import mean_pool, take_tokens
+from vkformers.models.loading import AutoModel, AutoTokenizer, read_json, resolve_checkpoint
+from vkformers.models.safetensors_io import read_safetensors
+
+PAD_MULTIPLE = 16
+POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken")  # concat order
+DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": F.tanh, "torch.nn.modules.linear.Identity": lambda x: x,
+                     "torch.nn.modules.activation.ReLU": F.relu, "torch.nn.modules.activation.GELU": F.gelu,
+                     "torch.nn.modules.activation.Sigmoid": F.sigmoid}
+
+
+class SentenceTransformerError(VkformersError, ValueError):
+    """A sentence-transformers folder whose modules vkformers does not run, or bad arguments to encode."""
+
+
+class Pooling:
+    """sentence-transformers' Pooling module over the token embeddings [B, T, D] and the attention mask."""
+
+    def __init__(self, config: dict, where: str):
+        self.modes = [mode for mode in POOLING_MODES if config.get(f"pooling_mode_{mode}")]
+        others = [k for k, v in config.items() if k.startswith("pooling_mode_") and v
+                  and k[len("pooling_mode_"):] not in POOLING_MODES]
+        if others or not self.modes:
+            raise SentenceTransformerError(f"{where}: pooling {', '.join(others) or 'none'} is not supported; "
+                                           f"vkformers pools with {', '.join(POOLING_MODES)}")
+
+    def __call__(self, hidden, mask: np.ndarray):
+        parts = []
+        for mode in self.modes:
+            if mode == "cls_token":
+                parts.append(hidden[:, 0].float())
+            elif mode == "mean_tokens":
+                parts.append(mean_pool(hidden, mask))
+            elif mode == "mean_sqrt_len_tokens":
+                lengths = np.maximum(mask.sum(1), 1e-9).astype(np.float32)
+                scale = (lengths / np.sqrt(lengths))[:, None].astype(np.float32)
+                parts.append(mean_pool(hidden, mask) * Tensor(scale))
+            elif mode == "lasttoken":  # the last attended token (left or right padding)
+                last = np.where(mask.any(1), mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
+                parts.append(take_tokens(hidden.float(), last))
+            else:  # max over the attended tokens (padding set to -1e9, as sentence-transformers)
+                bias = np.where(mask[:, :, None] > 0, np.float32(0), np.float32(-1e9)).astype(np.float32)
+                parts.append((hidden.float() + Tensor(bias)).max(1))
+        return parts[0] if len(parts) == 1 else F.cat(parts, -1)
+
+
+class Dense:
+    """sentence-transformers' Dense module: activation(x @ W.T + b), weights in its folder's model.safetensors."""
+
+    def __init__(self, folder: Path):
+        config = read_json(folder / "config.json")
+        act = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if act not in DENSE_ACTIVATIONS:
+            raise SentenceTransformerError(f"{folder}: Dense activation {act} is not supported; known: "
+                                           f"{', '.join(sorted(DENSE_ACTIVATIONS))}")
+        file = folder / "model.safetensors"
+        if not file.is_file():
+            raise SentenceTransformerError(f"{folder}: no model.safetensors (vkformers never unpickles "
+                                           "pytorch_model.bin); convert it to safetensors")
+        weights = {name: entry.as_float() for name, entry in read_safetensors(file).items()}
+        self.activation = DENSE_ACTIVATIONS[act]
+        self.weight = Tensor(np.ascontiguousarray(weights["linear.weight"], np.float32))
+        self.bias = Tensor(weights["linear.bias"].astype(np.float32)) if "linear.bias" in weights else None
+
+    def __call__(self, x):
+        return self.activation(F.linear(x, self.weight, self.bias))
+
+
+def _normalize(x):
+    """x / max(||x||, 1e-12) per row (torch.nn.functional.normalize)."""
+    norm = (x * x).sum(-1, keepdim=True).sqrt().maximum(1e-12)
+    return x / norm
+
+
+class SentenceTransformer:
+    """A sentence-transformers model: ``encode(texts)`` gives one embedding per text (numpy float32)."""
+
+    def __init__(self, model_name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
+                 trust_remote_code: bool = False):
+        if trust_remote_code:
+            raise SentenceTransformerError("vkformers never runs code from a checkpoint (trust_remote_code=True "
+                                           "refused)")
+        folder = resolve_checkpoint(model_name_or_path, revision=revision, cache_dir=cache_dir)
+        listing = folder / "modules.json"
+        modules = read_json(listing) if listing.is_file() else [
+            {"type": "sentence_transformers.models.Transformer", "path": ""},  # a plain model: mean pooling
+            {"type": "sentence_transformers.models.Pooling", "path": None}]
+        self.folder, self.pipeline, self.normalize = folder, [], False
+        self.model = self.tokenizer = self.pooling = None
+        for entry in modules:
+            kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
+            path = folder / entry["path"] if entry.get("path") else folder
+            if kind == "Transformer":
+                self._load_transformer(path, dtype)
+            elif kind == "Pooling":
+                config = read_json(path / "config.json") if entry.get("path") else {"pooling_mode_mean_tokens": True}
+                self.pooling = Pooling(config, str(path))
+                self.pipeline.append(self.pooling)
+            elif kind == "Dense":
+                self.pipeline.append(Dense(path))
+            elif kind == "Normalize":
+                self.pipeline.append(_normalize)
+                self.normalize = True
+            else:
+                raise SentenceTransformerError(f"{listing}: module {entry.get('type')!r} is not supported; vkformers "
+                                               "runs Transformer, Pooling, Dense and Normalize")
+        if self.model is None or self.pooling is None:
+            raise SentenceTransformerError(f"{folder}: modules.json needs a Transformer and a Pooling module")
+
+    def _load_transformer(self, path: Path, dtype) -> None:
+        settings = read_json(path / "sentence_bert_config.json") if (path / "sentence_bert_config.json").is_file() else {}
+        self.model = AutoModel.from_pretrained(path, dtype=dtype, requires_grad=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        limit = self.model.input_limits().max_length
+        self.max_seq_length = settings.get("max_seq_length") or min(
+            x for x in (getattr(self.tokenizer, "model_max_length", None), limit, 512) if x)
+        self.do_lower_case = bool(settings.get("do_lower_case", False))
+
+    def get_sentence_embedding_dimension(self) -> int:
+        return int(self.encode(["a"]).shape[-1])
+
+    def tokenize(self, texts: list[str]) -> dict:
+        if self.do_lower_case:
+            texts = [text.lower() for text in texts]
+        # batch lengths rounded up to a multiple of 16 (masked keys change no real token's output), so that a
+        # stream of texts meets few shapes and their recorded plans replay
+        multiple = PAD_MULTIPLE if self.max_seq_length % PAD_MULTIPLE == 0 else None
+        return self.tokenizer(texts, padding=True, truncation="longest_first", max_length=self.max_seq_length,
+                              pad_to_multiple_of=multiple, return_tensors="np")
+
+    def _embed_batch(self, texts: list[str]) -> np.ndarray:
+        features = self.tokenize(texts)
+        mask = features["attention_mask"]
+        inputs = {"input_ids": features["input_ids"], "attention_mask": mask}
+        if "token_type_ids" in features and "token_type_ids" in inspect.signature(self.model.forward).parameters:
+            inputs["token_type_ids"] = features["token_type_ids"]
+        with no_grad():
+            x = self.model(**inputs).last_hidden_state
+            for module in self.pipeline:
+                x = module(x, mask) if module is self.pooling else module(x)
+            return x.float().numpy()
+
+    def encode(self, sentences, batch_size: int = 32, show_progress_bar: bool | None = None,
+               convert_to_numpy: bool = True, normalize_embeddings: bool = False) -> np.ndarray:
+        """Embeddings [len(sentences), D] float32 (one text: [D]), in the input order. ``normalize_embeddings``
+        scales each to unit length (the model's own Normalize module does so already)."""
+        single = isinstance(sentences, str)
+        texts = [sentences] if single else list(sentences)
+        if not all(isinstance(t, str) for t in texts):
+            raise SentenceTransformerError("encode() takes a text or a list of texts")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise SentenceTransformerError(f"batch_size={batch_size!r}: pass a positive integer")
+        order = np.argsort([-len(t) for t in texts], kind="stable")  # longest first, as sentence-transformers
+        chunks = []
+        starts = range(0, len(texts), batch_size)
+        for start in _progress(starts, show_progress_bar and len(starts) > 1):
+            chunks.append(self._embed_batch([texts[i] for i in order[start:start + batch_size]]))
+        out = np.zeros((len(texts), chunks[0].shape[-1] if chunks else 0), np.float32)
+        if chunks:
+            out[order] = np.concatenate(chunks)
+        if normalize_embeddings:
+            out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+        return out[0] if single else out
+
+    __call__ = encode
+
+
+def _progress(items, show: bool):
+    if not show:
+        return items
+    from tqdm.auto import tqdm  # huggingface_hub's dependency; loaded only when a bar is shown
+    return tqdm(items, desc="Batches", file=sys.stderr)
+
+
+__all__ = ["Dense", "Pooling", "SentenceTransformer", "SentenceTransformerError"]

@@ -1,0 +1,76 @@
+"""The encoders without their masked-LM head: transformers' BertModel, RobertaModel, ... (``vkformers.AutoModel``),
+and the base that core's task heads (``vkformers.models.heads``) sit on, with each architecture's head layout.
+
+Parameters keep the base-model prefix (``bert.embeddings...``), as in transformers' task models.
+"""
+from __future__ import annotations
+
+from vkformers.engine import functional as F
+from vkformers.models.heads import (ENCODER_HEADS, BaseModelOutput, SequenceHead, TaskHeads, base_model_prefix,
+                                   complete_weights)
+from vkformers.models.layers import Linear
+from vkformers.models.module import place
+
+from vkformers_bert.encoder import EncoderForMaskedLM, UnsupportedBaseModel
+
+# transformers' classification heads that read the first token: dense, activation, out_proj (RoBERTa, ELECTRA)
+ROBERTA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="tanh"),
+                          multiple_choice=SequenceHead("pooler"))
+ELECTRA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="gelu"))
+DISTILBERT_HEADS = TaskHeads(SequenceHead("first", out="classifier", dense="pre_classifier", dense_act="relu"),
+                             multiple_choice=SequenceHead("first", dense="pre_classifier", dense_act="relu"))
+
+# architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
+DECLARED = {
+    "bert": (ENCODER_HEADS, "pooler.dense"),
+    "ernie": (ENCODER_HEADS, "pooler.dense"),
+    "megatron-bert": (ENCODER_HEADS, "pooler.dense"),
+    "roberta": (ROBERTA_HEADS, "pooler.dense"),
+    "xlm-roberta": (ROBERTA_HEADS, "pooler.dense"),
+    "camembert": (ROBERTA_HEADS, "pooler.dense"),
+    "data2vec-text": (ROBERTA_HEADS, "pooler.dense"),
+    "electra": (ELECTRA_HEADS, None),
+    "distilbert": (DISTILBERT_HEADS, None),
+}
+
+
+def _name(architecture) -> str:
+    return getattr(architecture, "name", architecture)
+
+
+class EncoderModel(EncoderForMaskedLM):
+    """An encoder of the family without the masked-LM head; ``forward`` returns
+    :class:`~vkformers.models.heads.BaseModelOutput`. Architectures not in :data:`DECLARED` have no pooler and no
+    task heads here yet (their hidden states are the same)."""
+
+    def __init__(self, config: dict, architecture, add_pooling_layer: bool = True):
+        super().__init__(config, architecture)
+        prefix = base_model_prefix(self.spec.embeddings)
+        if not prefix or self.spec.scattered_layers:
+            raise UnsupportedBaseModel(f"{self.architecture_name}: its checkpoint has no base-model prefix to "
+                                       "separate the encoder from its head; use AutoModelForMaskedLM")
+        self.base_model_prefix = prefix
+        for child in [name for name in self._modules if name != prefix]:  # the masked-LM head's modules
+            del self._modules[child]
+        _, pooler = DECLARED.get(self.architecture_name, (None, None))
+        self.pooler_path = f"{prefix}.{pooler}" if pooler and add_pooling_layer else None
+        pooler = place(self, self.pooler_path, Linear(self.spec.hidden_size, self.spec.hidden_size)) \
+            if self.pooler_path else None
+        object.__setattr__(self, "pooler", pooler)  # plain reference: place() registered it
+
+    def complete_head(self, arrays: dict, source: str = "") -> dict:
+        """A checkpoint saved without the pooler (RoBERTa's classifiers drop it): the pooler starts fresh, as in
+        transformers."""
+        return complete_weights(self, {self.pooler_path: self.pooler} if self.pooler is not None else {}, arrays,
+                                source)
+
+    @classmethod
+    def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
+        return DECLARED.get(_name(architecture), (None, None))[0]
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_hidden_states=False):
+        recorded = [] if output_hidden_states else None
+        x = self.encode(input_ids, attention_mask, token_type_ids, hidden_states=recorded)
+        pooled = F.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None
+        return BaseModelOutput(last_hidden_state=x, pooler_output=pooled,
+                               hidden_states=tuple(recorded) if recorded is not None else None)

@@ -1,0 +1,151 @@
+"""Task heads and base models against transformers (tests/fixtures/heads, written by tools/make_head_fixtures.py):
+logits, loss and every gradient of sequence classification (single-label, multi-label, regression), token
+classification (-100 labels), question answering and multiple choice, on a batch with a right-padded and a left-padded row; the base
+model's last_hidden_state, pooler_output and hidden_states, read from the task checkpoint (prefixed names) and from a
+base-model checkpoint (no prefix). float32; tolerances as the encoder parity suite's."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import vkformers
+from vkformers.models.heads import TaskHeadError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "heads"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.safetensors").is_file())
+AUTO = {"sequence": vkformers.AutoModelForSequenceClassification, "token": vkformers.AutoModelForTokenClassification,
+        "qa": vkformers.AutoModelForQuestionAnswering, "choice": vkformers.AutoModelForMultipleChoice}
+ATOL, RTOL = 2e-5, 1e-4
+GRAD_ATOL = 2e-5
+
+
+def load_case(name):
+    folder = FIXTURES / name
+    return folder, json.loads((folder / "meta.json").read_text()), load_file(str(folder / "reference.safetensors"))
+
+
+def close(actual, expected, what, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected.astype(np.float64), atol=atol, rtol=RTOL,
+                               err_msg=what)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_head_matches_transformers(name):
+    folder, meta, ref = load_case(name)
+    model = AUTO[meta["task"]].from_pretrained(folder)
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    variants = sorted({key.split(".")[0] for key in ref if key.endswith(".loss")})
+    for variant in variants:
+        if meta["task"] == "sequence":
+            model.config["problem_type"] = {"single": None, "multi": "multi_label_classification",
+                                            "regression": "regression"}[variant]
+        labels = {key.split(".", 1)[1]: ref[key] for key in ref
+                  if key.startswith(variant + ".") and key.split(".", 1)[1] in
+                  ("labels", "start_positions", "end_positions")}
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, **labels)
+        if meta["task"] == "qa":
+            close(out.start_logits.numpy(), ref[f"{variant}.start_logits"], f"{variant} start_logits")
+            close(out.end_logits.numpy(), ref[f"{variant}.end_logits"], f"{variant} end_logits")
+        else:
+            close(out.logits.numpy(), ref[f"{variant}.logits"], f"{variant} logits")
+        close(out.loss.numpy().reshape(1), ref[f"{variant}.loss"], f"{variant} loss")
+        for param in model.parameters():
+            param.grad = None
+        out.loss.backward()
+        grads = {key.split(".grad.", 1)[1]: value for key, value in ref.items() if key.startswith(variant + ".grad.")}
+        params = dict(model.named_parameters())
+        if variant == "single":  # every parameter transformers trains has a gradient here, and no other
+            assert sorted(params) == sorted(grads)
+        for pname, expected in grads.items():
+            grad = params[pname].grad
+            assert grad is not None, f"{variant}: no gradient for {pname}"
+            close(grad.numpy(), expected, f"{variant} grad {pname}", atol=GRAD_ATOL)
+
+
+def base_outputs_match(model, ref):
+    if "base.encoder_last_hidden_state" in ref:  # an encoder-decoder: its decoder reads the input shifted right
+        out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"])
+        close(out.encoder_last_hidden_state.numpy(), ref["base.encoder_last_hidden_state"], "encoder_last_hidden_state")
+        close(out.last_hidden_state.numpy(), ref["base.last_hidden_state"], "last_hidden_state")
+        return
+    out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"], output_hidden_states=True)
+    close(out.last_hidden_state.numpy(), ref["base.last_hidden_state"], "last_hidden_state")
+    if "base.pooler_output" in ref:
+        close(out.pooler_output.numpy(), ref["base.pooler_output"], "pooler_output")
+    count = len([k for k in ref if k.startswith("base.hidden_states.")])
+    assert len(out.hidden_states) == count
+    for i, hidden in enumerate(out.hidden_states):
+        close(hidden.numpy(), ref[f"base.hidden_states.{i}"], f"hidden_states[{i}]")
+
+
+@pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence",
+                                  "bart-sequence"])
+def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
+    folder, meta, ref = load_case(name)
+    base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)
+    # a base-model checkpoint (transformers' BertModel.save_pretrained): no prefix, no head
+    model = vkformers.AutoModel.from_pretrained(folder)
+    prefix = model.base_model_prefix + "."
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    base_outputs_match(vkformers.AutoModel.from_pretrained(tmp_path), ref)
+
+
+def test_fresh_head_from_a_base_checkpoint(tmp_path, capfd):
+    folder, _, ref = load_case("bert-sequence")
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k[len("bert."):]: v for k, v in weights.items() if k.startswith("bert.")}, str(tmp_path / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("id2label"), config.pop("label2id")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=5)
+    assert "freshly initialised: classifier.weight, classifier.bias" in capfd.readouterr().err
+    assert model.config["num_labels"] == 5 and model.config["id2label"]["4"] == "LABEL_4"
+    out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"])
+    assert out.logits.shape == (3, 5) and np.isfinite(out.logits.numpy()).all()
+    close(model.base.state_dict()["bert.pooler.dense.weight"], weights["bert.pooler.dense.weight"], "base weights kept")
+
+
+def test_decoder_batch_without_pad_token_is_refused():
+    folder, _, ref = load_case("llama-sequence")
+    config = json.loads((folder / "config.json").read_text())
+    config["pad_token_id"] = None
+    model = vkformers.AutoModelForSequenceClassification.from_config(config)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    with pytest.raises(TaskHeadError, match="pad token"):
+        model(input_ids=ref["input_ids"])
+
+
+def test_architecture_without_a_head_is_refused():
+    config = {"model_type": "esm", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 1}
+    with pytest.raises(TaskHeadError, match="no sequence-classification head"):
+        vkformers.AutoModelForSequenceClassification.from_config(config)
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "marian"])
+def test_encoder_decoder_base_model(name):
+    """AutoModel of an encoder-decoder (T5Model, BartModel, MarianModel) from the seq2seq parity fixture's
+    checkpoint (a ForConditionalGeneration one, LM head left out): the decoder's and the encoder's last hidden
+    states on a padded batch."""
+    ref = load_file(str(FIXTURES / "seq2seq-base" / f"{name}.safetensors"))
+    model = vkformers.AutoModel.from_pretrained(FIXTURES.parent / "seq2seq" / name)
+    assert not any("lm_head" in n for n, _ in model.named_parameters())
+    out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
+                decoder_input_ids=ref["decoder_input_ids"])
+    close(out.encoder_last_hidden_state.numpy(), ref["encoder_last_hidden_state"], "encoder_last_hidden_state")
+    close(out.last_hidden_state.numpy(), ref["last_hidden_state"], "last_hidden_state")
+
+
+def test_head_of_another_size(capfd):
+    folder, _, ref = load_case("bert-sequence")  # a 3-label head
+    with pytest.raises(TaskHeadError, match="ignore_mismatched_sizes=True"):
+        vkformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=5)
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=5,
+                                                                       ignore_mismatched_sizes=True)
+    assert "freshly initialised: classifier.weight, classifier.bias" in capfd.readouterr().err
+    assert model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits.shape == (3, 5)

