@@ -92,8 +92,8 @@ def worker_vkformers(args) -> None:
     model.train()
     if args.mode == "lora":
         apply_lora(model, LoraConfig(**LORA), seed=SEED)
-    training = TrainingConfig(steps=args.steps + 2, batch_size=args.batch, seq_len=args.seq, lr=LR, schedule="constant",
-                              weight_decay=WEIGHT_DECAY, clip=CLIP, precision=args.dtype)
+    training = TrainingConfig(steps=args.steps + 2, batch_size=args.batch, seq_len=args.seq, lr=LR,
+                              schedule="constant", weight_decay=WEIGHT_DECAY, clip=CLIP, precision=args.dtype)
     if comm.size == 1:  # the baseline is one device as it trains alone (recorded step, no read-back)
         trainer = Trainer(model, training, None)
     else:
