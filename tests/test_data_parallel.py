@@ -98,6 +98,18 @@ def test_gradients_in_bf16_train_close_to_fp32(runs, tmp_path):
     assert 0 < relative_error(weights(r["two"]), weights(bf16)) < 1e-2  # rounded, yet the same trajectory
 
 
+def test_bf16_weights_track_one_rank_to_bf16_rounding_and_zero1_equals_plain(tmp_path):
+    """bfloat16 gradients are rounded per rank before they are averaged (as in PyTorch DDP), so two ranks agree
+    with one rank to bfloat16's resolution, not float32's; ZeRO-1 still changes nothing."""
+    one = trained(tmp_path / "one.npz", 4, "--precision", "bf16")
+    two = trained(tmp_path / "two.npz", 2, "--precision", "bf16", ranks=2)
+    zero = trained(tmp_path / "zero.npz", 2, "--precision", "bf16", "--shard", ranks=2)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-4)
+    assert relative_error(weights(one), weights(two)) < 1e-2
+    for key in weights(two):
+        np.testing.assert_array_equal(zero[key], two[key], err_msg=key)
+
+
 def test_a_rank_dying_stops_the_others_and_the_run_resumes(runs, tmp_path):
     root, r = runs
     out = tmp_path / "killed.npz"

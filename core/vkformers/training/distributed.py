@@ -119,10 +119,12 @@ class Communicator:
         return total / np.float32(self.size)
 
     def all_gather_flat(self, mine: np.ndarray, counts: list[int]) -> np.ndarray:
-        """Every rank's float32 vector (``counts[r]`` elements from rank r), concatenated in rank order."""
-        out = np.empty(sum(counts), np.float32)
+        """Every rank's vector (``counts[r]`` elements from rank r; float32, or uint16 bfloat16 bit patterns),
+        concatenated in rank order."""
+        kind = self.MPI.UINT16_T if mine.dtype == np.uint16 else self.MPI.FLOAT
+        out = np.empty(sum(counts), mine.dtype)
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        self.comm.Allgatherv(np.ascontiguousarray(mine, np.float32), [out, counts, displacements, self.MPI.FLOAT])
+        self.comm.Allgatherv(np.ascontiguousarray(mine), [out, counts, displacements, kind])
         return out
 
     def broadcast(self, value, root: int = 0):
@@ -288,12 +290,15 @@ class DataParallelTrainer(Trainer):
         return tensor(self.comm.finish_mean(loss).reshape(()), device=total.device)
 
     def _gather_parameters(self) -> None:
-        """ZeRO-1: every rank's updated shard to every rank (float32 on the wire; 16-bit weights widened)."""
+        """ZeRO-1: every rank's updated shard to every rank (as bfloat16 when every trained weight is one, exactly;
+        else float32)."""
         mine = self.by_rank[self.comm.rank]
         flat = np.concatenate([p.numpy().reshape(-1).astype(np.float32, copy=False) for p in mine]) if mine \
             else np.zeros(0, np.float32)
+        as_bf16 = all(p.dtype is dt.bfloat16 for p in self.params)
         counts = [sum(p.numel() for p in params) for params in self.by_rank]
-        everything, offset = self.comm.all_gather_flat(flat, counts), 0
+        everything = self.comm.all_gather_flat(dt.to_bfloat16(flat) if as_bf16 else flat, counts)
+        everything, offset = dt.from_bfloat16(everything) if as_bf16 else everything, 0
         for rank, params in enumerate(self.by_rank):
             for p in params:
                 if rank != self.comm.rank:
