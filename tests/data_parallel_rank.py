@@ -1,7 +1,7 @@
 """One rank of tests/test_data_parallel.py's runs (a script, started alone or under mpiexec).
 
     python data_parallel_rank.py OUT.npz BATCH STEPS [--shard] [--comm bf16] [--precision bf16] [--resume]
-                                 [--kill-rank R]
+                                 [--kill-rank R | --hang-rank R]
 
 Trains test_training's TinyLM for STEPS steps on the tiny byte corpus, checkpointing every 2 steps into
 OUT's folder; rank 0 writes the losses and final weights to OUT.npz. Started alone it is the single-device
@@ -10,6 +10,7 @@ reference (batch BATCH); under mpiexec -n N each rank takes BATCH rows of every 
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ def main():
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank dies in the middle of step 3")
+    parser.add_argument("--hang-rank", type=int, default=-1, help="this rank stops answering in step 3")
     parser.add_argument("--bucket-mb", type=float, default=0.01)  # small: several buckets even for TinyLM
     args = parser.parse_args()
     world = distributed.launched_world_size()
@@ -56,6 +58,14 @@ def main():
                 os._exit(9)
             return step(batch)
         trainer.train_step = dying
+    if comm is not None and comm.rank == args.hang_rank:
+        step = trainer.train_step
+
+        def hanging(batch):
+            if trainer.step == 2:
+                time.sleep(600)
+            return step(batch)
+        trainer.train_step = hanging
     if args.resume:
         trainer.resume()
     history = trainer.train()

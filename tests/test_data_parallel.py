@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +25,11 @@ RANK_SCRIPT = Path(__file__).parent / "data_parallel_rank.py"
 STEPS = 3
 
 
-def run(out: Path, batch: int, *flags, ranks: int = 1, timeout: float = 120):
+def run(out: Path, batch: int, *flags, ranks: int = 1, timeout: float = 120, env=None):
     command = [sys.executable, str(RANK_SCRIPT), str(out), str(batch), str(STEPS), *flags]
     if ranks > 1:
         command = [distributed.find_mpiexec(), "-n", str(ranks), *command]
-    env = {**os.environ, distributed.SHARE_DEVICE_ENV: "1"}  # lavapipe is one device: the ranks share it
+    env = {**os.environ, distributed.SHARE_DEVICE_ENV: "1", **(env or {})}  # lavapipe: one device, shared
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -120,6 +121,14 @@ def test_a_rank_dying_stops_the_others_and_the_run_resumes(runs, tmp_path):
     assert int(resumed["step"]) == STEPS and len(resumed["losses"]) == 1
     for key in weights(r["zero"]):
         np.testing.assert_array_equal(resumed[key], r["zero"][key], err_msg=key)
+
+
+def test_a_rank_that_hangs_stops_the_run_after_the_timeout(tmp_path):
+    started = time.monotonic()
+    env = {distributed.TIMEOUT_ENV: "3"}
+    done = run(tmp_path / "hung.npz", 2, "--hang-rank", "1", ranks=2, timeout=60, env=env)
+    assert done.returncode != 0 and time.monotonic() - started < 45
+    assert "rank 0: no answer from the other ranks in the gradient all-reduce for 3 s" in done.stderr
 
 
 def test_resuming_with_another_number_of_ranks_is_refused(runs, tmp_path):

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,6 +39,7 @@ from vkformers.training.data import Batches, DataError
 from vkformers.training.trainer import Trainer, _int32_pair
 
 SHARE_DEVICE_ENV = "VKFORMERS_DATA_PARALLEL_SHARE_DEVICE"  # 1: every rank of a host on one device (testing)
+TIMEOUT_ENV = "VKFORMERS_DATA_PARALLEL_TIMEOUT"  # seconds a rank waits for the others in a step's collective
 COMM_DTYPES = ("fp32", "bf16")
 # environment variables by which MPI launchers give a process its world size (MPICH/Hydra, Open MPI, PMIx, MVAPICH)
 WORLD_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -89,10 +91,15 @@ def _bf16_sum(inbuf, inoutbuf, datatype) -> None:
 
 
 class Communicator:
-    """The ranks of a run (an mpi4py communicator, COMM_WORLD by default) and the collectives training uses."""
+    """The ranks of a run (an mpi4py communicator, COMM_WORLD by default) and the collectives training uses.
 
-    def __init__(self, comm=None):
+    ``timeout_s`` (default ``$VKFORMERS_DATA_PARALLEL_TIMEOUT`` or 600): a collective of a step that other ranks do
+    not join within it (a rank hung, or its host gone without the launcher noticing) aborts the whole run
+    with a message naming the wait, instead of hanging; the run resumes from its last checkpoint."""
+
+    def __init__(self, comm=None, timeout_s: float | None = None):
         self.MPI = _mpi()
+        self.timeout_s = float(os.environ.get(TIMEOUT_ENV, "600")) if timeout_s is None else timeout_s
         self.comm = comm if comm is not None else self.MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
@@ -112,9 +119,21 @@ class Communicator:
             request = self.comm.Iallreduce(self.MPI.IN_PLACE, [buffer, self.MPI.FLOAT], op=self.MPI.SUM)
         return request, buffer
 
+    def wait(self, request, what: str) -> None:
+        """Wait for a non-blocking collective; past ``timeout_s``, say which and abort every rank."""
+        deadline, pause = time.monotonic() + self.timeout_s, 1e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                print(f"vkformers: rank {self.rank}: no answer from the other ranks in {what} for "
+                      f"{self.timeout_s:g} s (a rank hung or its host is gone): stopping the run; resume it "
+                      f"from its last checkpoint ({TIMEOUT_ENV} sets the wait)", file=sys.stderr, flush=True)
+                self.comm.Abort(1)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
     def finish_mean(self, handle) -> np.ndarray:
         request, buffer = handle
-        request.Wait()
+        self.wait(request, "the gradient all-reduce")
         total = dt.from_bfloat16(buffer) if buffer.dtype == np.uint16 else buffer
         return total / np.float32(self.size)
 
@@ -124,7 +143,8 @@ class Communicator:
         kind = self.MPI.UINT16_T if mine.dtype == np.uint16 else self.MPI.FLOAT
         out = np.empty(sum(counts), mine.dtype)
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        self.comm.Allgatherv(np.ascontiguousarray(mine), [out, counts, displacements, kind])
+        self.wait(self.comm.Iallgatherv(np.ascontiguousarray(mine), [out, counts, displacements, kind]),
+                  "the all-gather of the updated weights")
         return out
 
     def broadcast(self, value, root: int = 0):
