@@ -168,3 +168,20 @@ def test_cli_data_parallel_starts_the_ranks_and_matches_one_process(tmp_path, ca
     metrics = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 3  # written by rank 0 alone
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["checkpoint-3"]
+
+
+def test_more_ranks_than_devices_is_refused_with_what_to_do(tmp_path, capfd, monkeypatch):
+    pytest.importorskip("vkformers_llama")
+    from test_lora import tiny_llama_folder
+    from vkformers.cli import main
+    from vkformers.runtime.vulkan import describe_devices
+    monkeypatch.delenv(distributed.SHARE_DEVICE_ENV, raising=False)
+    ranks = len(describe_devices()) + 1
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question. " * 40)
+    assert main(["train", "--model", str(tiny_llama_folder(tmp_path / "config")), "--from-scratch", "--tokenizer",
+                 "byte", "--data", str(corpus), "--steps", "1", "--seq-len", "16", "--no-progress",
+                 "--out", str(tmp_path / "run"), "--batch-size", "1", "--data-parallel", str(ranks)]) != 0
+    err = capfd.readouterr().err
+    assert f"Vulkan device(s): start at most {ranks - 1} ranks per host" in err
+    assert f"{distributed.SHARE_DEVICE_ENV}=1" in err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from vkformers.cli.options import (fraction, non_negative_int, non_negative_number, positive_int, positive_number,
@@ -171,10 +172,13 @@ def start_data_parallel(args):
             return distributed.launch(args.data_parallel, args.argv)
         return None
     comm = distributed.Communicator()
-    if args.data_parallel and args.data_parallel != comm.size:
-        raise distributed.DistributedError(f"--data-parallel {args.data_parallel} but the launcher started "
-                                           f"{comm.size} processes; give the same number (or leave the option out)")
-    distributed.select_device(comm)
+    try:
+        if args.data_parallel and args.data_parallel != comm.size:
+            raise distributed.DistributedError(f"--data-parallel {args.data_parallel} but the launcher started "
+                                               f"{comm.size} processes; give the same number (or leave it out)")
+        distributed.select_device(comm)
+    except distributed.DistributedError as exc:
+        comm.abort_on_error(f"vkformers train: error: rank {comm.rank}: {exc}")
     return comm
 
 
@@ -186,6 +190,19 @@ def run(args) -> int:
     comm = start_data_parallel(args)
     if isinstance(comm, int):  # the launcher ran the ranks
         return comm
+    if comm is None:
+        return train(args, comm)
+    try:
+        return train(args, comm)
+    except BaseException as exc:  # one rank failing ends them all, its message first
+        if getattr(args, "debug", False) or os.environ.get("VKFORMERS_DEBUG") == "1":
+            traceback.print_exc()
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        comm.abort_on_error(f"vkformers train: error: rank {comm.rank}: {text}")
+        raise
+
+
+def train(args, comm) -> int:
     leader = comm is None or comm.rank == 0
     say = print if leader else (lambda *a, **k: None)
     tokenizer = load_tokenizer(args.tokenizer or args.model)

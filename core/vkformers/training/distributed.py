@@ -147,6 +147,12 @@ class Communicator:
                   "the all-gather of the updated weights")
         return out
 
+    def abort_on_error(self, message: str) -> None:
+        """Print ``message`` and end every rank: a rank that just returned would wait in MPI's finalization while
+        the others wait for it in the next collective."""
+        print(message, file=sys.stderr, flush=True)
+        self.comm.Abort(1)
+
     def broadcast(self, value, root: int = 0):
         return self.comm.bcast(value, root=root)
 
