@@ -1,6 +1,6 @@
 """One rank of tests/test_data_parallel.py's runs (a script, started alone or under mpiexec).
 
-    python data_parallel_rank.py OUT.npz BATCH STEPS [--shard] [--comm bf16] [--precision bf16] [--resume]
+    python data_parallel_rank.py OUT.npz BATCH STEPS [--shard] [--comm bf16] [--precision bf16|fp16] [--resume]
                                  [--kill-rank R | --hang-rank R]
 
 Trains test_training's TinyLM for STEPS steps on the tiny byte corpus, checkpointing every 2 steps into
@@ -41,7 +41,7 @@ def main():
         distributed.select_device(comm)
     config = TrainingConfig(steps=args.steps, batch_size=args.batch, seq_len=16, lr=1e-2, warmup=1, clip=1.0,
                             weight_decay=0.1, save_every=2, keep=0, precision=args.precision)
-    model = tiny_model(dtype={"fp32": "float32", "bf16": "bfloat16"}[args.precision])
+    model = tiny_model(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision])
     data = tiny_data()
     folder = args.out.with_suffix("")
     if comm is None:

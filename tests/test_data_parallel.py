@@ -111,6 +111,13 @@ def test_bf16_weights_track_one_rank_to_bf16_rounding_and_zero1_equals_plain(tmp
         np.testing.assert_array_equal(zero[key], two[key], err_msg=key)
 
 
+def test_fp16_with_loss_scaling_and_zero1_tracks_one_rank(tmp_path):
+    one = trained(tmp_path / "one.npz", 4, "--precision", "fp16")
+    two = trained(tmp_path / "two.npz", 2, "--precision", "fp16", "--shard", ranks=2)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-4)
+    assert relative_error(weights(one), weights(two)) < 1e-2
+
+
 def test_a_rank_dying_stops_the_others_and_the_run_resumes(runs, tmp_path):
     root, r = runs
     out = tmp_path / "killed.npz"
