@@ -14,6 +14,9 @@ ZeRO-1 (``shard_optimizer=True``): each rank keeps AdamW moments (and float32 ma
 share of the parameters only (whole tensors, balanced by size), updates them, and an all-gather sends every
 rank the updated weights. Checkpoints are written by rank 0 alone, atomically, with the optimizer state
 gathered to the layout a single-device run loads.
+
+A rank that dies ends the run through the launcher (MPICH's mpiexec ends every rank); one that stops answering is
+caught by the step's collectives, which wait at most ``$VKFORMERS_DATA_PARALLEL_TIMEOUT`` seconds and then abort.
 """
 from __future__ import annotations
 
@@ -335,6 +338,8 @@ class DataParallelTrainer(Trainer):
 
     def save_checkpoint(self) -> Path:
         """Rank 0 writes the checkpoint (atomically, as a single-device run does); every rank learns its folder."""
+        if self.out_dir is None:
+            raise VkformersError("save_checkpoint needs an out_dir")
         state = self.checkpoint_optimizer()
         if self.shard_optimizer:
             shards = self.comm.gather(state.state_dict())
