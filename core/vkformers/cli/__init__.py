@@ -50,6 +50,7 @@ def describe(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start the same command again (train's ranks)
     debug = debug_requested(args)
     try:
         status = args.func(args) or 0

@@ -10,12 +10,19 @@ Writes into --out: checkpoints/checkpoint-<step>/ (atomic, verified by --resume,
 metrics.jsonl (one line per step), loss_curve.png (with matplotlib: pip install 'vkformers[plot]'), and
 final/ (the trained model as save_pretrained writes it, or the PEFT adapter; --merge folds the adapter
 into the model instead). Nothing is written through a symbolic link inside --out.
+
+Several GPUs (pip install 'vkformers[mpi]'): --data-parallel N starts N processes on this machine, one per Vulkan
+device, each with --batch-size sequences of every step (N times the batch of one process); across machines, start
+the command under mpiexec/mpirun instead (one process per GPU). --shard-optimizer keeps each rank's share of the
+AdamW state only (ZeRO-1); --grad-comm bf16 halves the gradient traffic.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from vkformers.cli.options import (fraction, non_negative_int, non_negative_number, positive_int, positive_number,
@@ -27,6 +34,7 @@ from vkformers.models.atomic import open_for_append
 from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForSequenceClassification, load_config,
                                       resolve_checkpoint)
 from vkformers.models.quantize import quantized_weight_names, refuse_quantized
+from vkformers.training import distributed
 from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                 hf_dataset_files, init_weights, load_dataset, load_tokenizer)
 from vkformers.training.labelled import LabelledBatches, evaluate_classifier, labelled_batches, load_labelled
@@ -99,6 +107,19 @@ def add_parser(subparsers):
     loop.add_argument("--gradient-checkpointing", action="store_true",
                       help="keep only each layer's input and recompute the layer in the backward pass: less "
                            "activation memory for one more forward per step, the same gradients")
+    parallel = p.add_argument_group("data parallel (several GPUs; needs pip install 'vkformers[mpi]')")
+    parallel.add_argument("--data-parallel", type=positive_int, metavar="N",
+                          help="start N processes on this machine, one per Vulkan device (under mpiexec: the "
+                               "launcher's process count, checked against N)")
+    parallel.add_argument("--grad-comm", choices=("fp32", "bf16"), default="fp32",
+                          help="dtype of the gradients sent between ranks (default fp32)")
+    parallel.add_argument("--shard-optimizer", action="store_true",
+                          help="ZeRO-1: each rank keeps the AdamW state of its share of the weights only")
+    parallel.add_argument("--bucket-mb", type=positive_number, default=25.0,
+                          help="megabytes of gradients per all-reduce (default 25)")
+    parallel.add_argument("--share-device", action="store_true",
+                          help="run every rank of this machine on one device (for testing; also "
+                               "VKFORMERS_DATA_PARALLEL_SHARE_DEVICE=1)")
     loop.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                       help="continue from the newest checkpoint in --out (or the folder given)")
     loop.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -153,11 +174,52 @@ def copy_tokenizer_files(source, folder: Path) -> None:
             write_bytes_atomic(folder / name, (source / name).read_bytes())
 
 
+def start_data_parallel(args):
+    """None for a single process; else this rank's Communicator (its device chosen). With --data-parallel N and no
+    launcher around, this process starts the N ranks instead and returns their exit status."""
+    world = distributed.launched_world_size()
+    if args.share_device:
+        os.environ[distributed.SHARE_DEVICE_ENV] = "1"
+    if world == 1:
+        if args.data_parallel and args.data_parallel > 1:
+            return distributed.launch(args.data_parallel, args.argv)
+        return None
+    comm = distributed.Communicator()
+    try:
+        if args.data_parallel and args.data_parallel != comm.size:
+            raise distributed.DistributedError(f"--data-parallel {args.data_parallel} but the launcher started "
+                                               f"{comm.size} processes; give the same number (or leave it out)")
+        distributed.select_device(comm)
+    except distributed.DistributedError as exc:
+        comm.abort_on_error(f"vkformers train: error: rank {comm.rank}: {exc}")
+    return comm
+
+
 def run(args) -> int:
     if bool(args.data) == bool(args.hf_dataset):
         raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
     check_quantization_options(args)
     check_output_folder(args.out)  # before minutes of loading
+    if args.task != "causal-lm" and ((args.data_parallel or 1) > 1 or distributed.launched_world_size() > 1):
+        raise VkformersError(f"--data-parallel trains --task causal-lm only; train {args.task} on one device")
+    comm = start_data_parallel(args)
+    if isinstance(comm, int):  # the launcher ran the ranks
+        return comm
+    if comm is None:
+        return train(args, comm)
+    try:
+        return train(args, comm)
+    except BaseException as exc:  # one rank failing ends them all, its message first
+        if getattr(args, "debug", False) or os.environ.get("VKFORMERS_DEBUG") == "1":
+            traceback.print_exc()
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        comm.abort_on_error(f"vkformers train: error: rank {comm.rank}: {text}")
+        raise
+
+
+def train(args, comm) -> int:
+    leader = comm is None or comm.rank == 0
+    say = print if leader else (lambda *a, **k: None)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     paths = args.data or hf_dataset_files(args.hf_dataset, args.split)
     head_options = {}
@@ -223,24 +285,35 @@ def run(args) -> int:
     else:
         batches = LabelledBatches(train, args.batch_size, seed=args.seed)
         eval_batches = labelled_batches(held_out, args.batch_size, args.eval_batches) if held_out else None
-    trainer = Trainer(model, config, batches, eval_batches=eval_batches,
-                      out_dir=args.out, progress=not args.no_progress, run_info=run_info)
+    common = dict(eval_batches=eval_batches, out_dir=args.out, progress=leader and not args.no_progress,
+                  run_info=run_info)
+    if comm is None:
+        trainer = Trainer(model, config, batches, **common)
+    else:
+        run_info["data_parallel"] = comm.size
+        batches = distributed.ShardedBatches(train, args.batch_size, comm.rank, comm.size, seed=args.seed)
+        trainer = distributed.DataParallelTrainer(model, config, batches, comm=comm, comm_dtype=args.grad_comm,
+                                                  shard_optimizer=args.shard_optimizer, bucket_mb=args.bucket_mb,
+                                                  **common)
     trained = sum(t.numel() for t in trainer.params)
     packed = len(quantized_weight_names(model))
-    print(f"training {trained:,} parameters on {len(train):,} sequences of {train.seq_len} tokens"
+    ranks = f" on {comm.size} data-parallel ranks" if comm is not None else ""
+    say(f"training {trained:,} parameters on {len(train):,} sequences of {train.seq_len} tokens"
           f"{f' ({len(held_out):,} held out)' if held_out else ''}, {args.precision}"
-          f"{f'; {packed} quantized weights frozen under the adapters' if packed else ''}")
+          f"{f'; {packed} quantized weights frozen under the adapters' if packed else ''}{ranks}")
     if args.resume:
         folder = trainer.resume(None if args.resume == "latest" else args.resume)
         for skipped, reason in trainer.skipped_checkpoints:
             print(f"vkformers train: skipped {skipped}: {reason}", file=sys.stderr)
-        print(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
+        say(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
     trainer.train()
     if args.task != "causal-lm" and eval_batches:
         metrics = {f"eval_{k}": v for k, v in evaluate_classifier(model, eval_batches).items()}
         with open_for_append(args.out / "metrics.jsonl") as f:
             f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
         print("held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in metrics.items()))
+    if not leader:  # rank 0 writes the final model
+        return 0
     if trainer.loss_curve_file is None:
         print(f"vkformers train: note: {PLOT_HINT}", file=sys.stderr)
     final = trainer.save_final(args.out / "final", merge=args.merge)

@@ -197,6 +197,7 @@ class Trainer:
         self.eval_batches = eval_batches or []
         self.out_dir = check_output_folder(out_dir) if out_dir is not None else None
         self.progress, self.run_info = progress, run_info or {}
+        self.writes_outputs = True  # metrics.jsonl and loss_curve.png (in a data-parallel run: rank 0 only)
         if getattr(model, "lora_config", None) is None:
             refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; train "
                              "LoRA adapters on top of them (models.lora.apply_lora, or --lora-rank)")
@@ -210,7 +211,7 @@ class Trainer:
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]  # biases and norm weights, as HF's Trainer does
         groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, config.weight_decay), (no_decay, 0.0)) if g]
-        self.optimizer = AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **OPTIMIZERS[config.optim])
+        self.optimizer = self.make_optimizer(groups)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         # Create moments (and float32 masters of 16-bit weights) now: created inside the first step they
@@ -232,6 +233,11 @@ class Trainer:
         self._slots = [parameter(np.eye(3, dtype=bool)[i], requires_grad=False, name="stat_slot") for i in range(3)]
         self._capture = lazy.StepCapture()
         nn_ops.manual_seed(config.seed)
+
+    def make_optimizer(self, groups):
+        """The AdamW that updates ``groups`` (a data-parallel trainer with sharded state keeps its shard)."""
+        c = self.config
+        return AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **OPTIMIZERS[c.optim])
 
     # -- one step
 
@@ -282,6 +288,11 @@ class Trainer:
                 lazy.realize([])
             del stats_vector, factor
         self.optimizer.zero_grad()
+        return self._step_result(stats, lr)
+
+    def _step_result(self, stats, lr: float) -> StepResult:
+        """The step's statistics [loss, norm, finite] read back: the loss scale's policy, the stop on a
+        non-finite loss, the step count."""
         loss_value, norm_value, ok = float(stats[0]), float(stats[1]), stats[2] == 1.0
         result = StepResult(self.step + 1, loss_value, norm_value, lr,
                             skipped=not ok and self.scaler is not None,
@@ -300,7 +311,10 @@ class Trainer:
     def _build_step(self, micro_batches, scale):
         """The step's graph up to the update: the statistics vector [loss, norm, finite], and the factor
         (clipping, unscaling; None for neither) the update applies to the parameters' gradients."""
-        c = self.config
+        return self._statistics(self._forward_backward(micro_batches, scale), scale)
+
+    def _forward_backward(self, micro_batches, scale) -> Tensor:
+        """Every micro-batch's forward and backward (the gradients accumulate); returns the mean loss."""
         total = None
         with lazy.deferred_backward():  # realized with the clip and the update, one submission
             for batch in micro_batches:
@@ -308,6 +322,11 @@ class Trainer:
                 (loss * scale if scale is not None else loss).backward()
                 total = loss if total is None else total + loss
                 del loss
+        return total
+
+    def _statistics(self, total: Tensor, scale):
+        """The statistics vector and update factor of :meth:`_build_step` from the loss and gradients."""
+        c = self.config
         with no_grad():
             sum_sq = None
             for p in self.params:  # global norm: one reduction per gradient, summed on the GPU
@@ -367,12 +386,21 @@ class Trainer:
                 "lr": self.current_lr(), "loss_scale": self.scaler.state_dict() if self.scaler else None,
                 "tokens_seen": self.tokens_seen, "config": asdict(self.config), "run": self.run_info}
 
+    def checkpoint_optimizer(self):
+        """What a checkpoint's optimizer state is read into and written from (``state_dict()``, ``param_groups``,
+        ``state``, ``state_layout``): the optimizer, or a view of every rank's shard in a sharded run."""
+        return self.optimizer
+
+    def saves_checkpoints(self) -> bool:
+        """Whether :meth:`train` calls :meth:`save_checkpoint` (every rank of a data-parallel run takes part)."""
+        return self.out_dir is not None
+
     def save_checkpoint(self) -> Path:
         if self.out_dir is None:
             raise VkformersError("save_checkpoint needs an out_dir")
         root = refuse_symlinks_below(self.out_dir, self.out_dir / "checkpoints")
         self.last_checkpoint = ckpt.save_checkpoint(
-            root, self.step, model=self.model, optimizer=self.optimizer,
+            root, self.step, model=self.model, optimizer=self.checkpoint_optimizer(),
             trainer_state=self.trainer_state(), keep=self.config.keep, adapter=hasattr(self.model, "lora_config"),
             spare=self.last_good_checkpoint)
         if not self.history or math.isfinite(self.history[-1].get("loss", math.nan)):
@@ -395,12 +423,18 @@ class Trainer:
             reason = ckpt.verify_checkpoint(folder)
             if reason is not None:
                 raise ckpt.CheckpointLoadError(f"{folder} is not an intact checkpoint: {reason}")
-        saved = json.loads((folder / ckpt.STATE_FILE).read_text())["config"]
+        saved_state = json.loads((folder / ckpt.STATE_FILE).read_text())
+        saved = saved_state["config"]
+        ranks = (saved_state.get("data_parallel") or {}).get("world_size", 1)
+        if ranks != getattr(self.train_batches, "world_size", 1):
+            raise ckpt.CheckpointLoadError(f"{folder} was trained by {ranks} data-parallel rank(s), this run has "
+                                           f"{getattr(self.train_batches, 'world_size', 1)}; resume with the same "
+                                           "number of ranks (its weights load into any run: load_checkpoint)")
         for key in ("precision", "batch_size", "seq_len", "grad_accum"):
             if saved.get(key) != getattr(self.config, key):
                 raise ckpt.CheckpointLoadError(f"{folder} was trained with {key}={saved.get(key)!r}, this run has "
                                                f"{getattr(self.config, key)!r}; resume with the same setting")
-        state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.optimizer, verify=False)
+        state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.checkpoint_optimizer(), verify=False)
         self._capture.forget()  # loading may have replaced the tensors the recorded step updates
         self.step, self.tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
         self.train_batches.load_state_dict(state["data_position"])
@@ -408,7 +442,8 @@ class Trainer:
         if self.scaler and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
         self.last_checkpoint = self.last_good_checkpoint = folder
-        if self.out_dir is not None and (self.out_dir / "metrics.jsonl").is_file():  # forget steps to be redone
+        if self.out_dir is not None and self.writes_outputs and (self.out_dir / "metrics.jsonl").is_file():
+            # forget steps to be redone
             self.history = [m for m in _read_metrics(self.out_dir / "metrics.jsonl") if m["step"] <= self.step]
             _write_metrics(self.out_dir / "metrics.jsonl", self.history)
         return folder
@@ -419,7 +454,7 @@ class Trainer:
         """Run until ``config.steps``; returns the metrics of every step of this run (also in metrics.jsonl)."""
         c = self.config
         metrics_file = None
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.writes_outputs:
             make_folder(self.out_dir)
             metrics_file = open_for_append(self.out_dir / "metrics.jsonl")
         bar = _progress_bar(c.steps, self.step, self.progress)
@@ -455,7 +490,7 @@ class Trainer:
                         post["skipped"] = "overflow"
                     bar.set_postfix(post, refresh=False)
                     bar.update(1)
-                if self.out_dir is not None and c.save_every and (self.step % c.save_every == 0 or last):
+                if self.saves_checkpoints() and c.save_every and (self.step % c.save_every == 0 or last):
                     self.save_checkpoint()
         except BaseException:
             self._close(bar, metrics_file)
@@ -476,7 +511,7 @@ class Trainer:
             metrics_file.close()
 
     def _write_loss_curve(self) -> None:
-        if self.out_dir is not None and self.history:
+        if self.out_dir is not None and self.writes_outputs and self.history:
             path = self.out_dir / "loss_curve.png"
             self.loss_curve_file = path if write_loss_curve(path, self.history) else None
 
