@@ -87,3 +87,13 @@ def test_train_sequence_classifier_full_then_lora(tmp_path, capsys):
     adapter = train(final, write_data(tmp_path, flip=True), tmp_path / "lora", "--lora-rank", "4",
                     "--lora-targets", "query", "value", "--lr", "5e-2", "--steps", "60")
     assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["classifier"]
+
+
+def test_data_parallel_classifier_is_refused(tmp_path, capsys):
+    train_file, held_out = write_data(tmp_path)
+    code = main(["train", "--task", "sequence-classification", "--model", str(model_folder(tmp_path)), "--data",
+                 str(train_file), "--text-column", "sentence", "--label-column", "sentiment", "--out",
+                 str(tmp_path / "out"), "--data-parallel", "2", "--no-progress"])
+    assert code == 1
+    assert "--data-parallel trains --task causal-lm only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
