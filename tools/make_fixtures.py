@@ -872,6 +872,37 @@ SPECS += [
 ]
 
 
+# ---- decoders transformers runs with another architecture's model under their own names -------------------------
+# Smaller than L (hidden 16, 2 heads of 8 over 1 KV head): their parent's graph is checked at full size elsewhere.
+TINY = dict(L, hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+SPECS += [
+    Spec("exaone", "exaone", dict(TINY, num_hidden_layers=1),
+         ["EXAONE 3: one layer of LlamaForCausalLM saved under its original names (transformers' conversion mapping, reversed by "
+          "save_pretrained): transformer.wte / h.<i>.attn.attention.{q,k,v,out}_proj / ln_1 / ln_2 / "
+          "mlp.c_fc_0 (gate), c_fc_1 (up), c_proj (down) / ln_f; rope theta 5e5."], saved_names=True),
+    Spec("internlm3", "internlm3", dict(TINY, num_hidden_layers=1, head_dim=4, attention_bias=True, mlp_bias=True),
+         ["InternLM3: LlamaForCausalLM; one layer; head_dim 4 (not hidden / heads); qkv_bias and bias (attention_bias, "
+          "mlp_bias) on: q/k/v/o and MLP biases."]),
+    Spec("iquestcoder", "iquestcoder", dict(TINY, num_hidden_layers=1, head_dim=12),
+         ["IQuest-Coder: LlamaForCausalLM; one layer; head_dim 12 (not hidden / heads); untied."]),
+    Spec("sarvam_moe", "sarvam_moe", dict(
+        TINY, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1),
+         ["Sarvam-30B (hidden 16, experts of 8): Glm4MoeForCausalLM saved under Sarvam's names: model.word_embeddings, fused [q | k | v] "
+          "attention.query_key_value (with biases), attention.dense, per-head query_layernorm / key_layernorm, "
+          "mlp.gate.expert_bias (the e_score_correction_bias buffer, perturbed); full-head rotary; layer 0 dense, layer "
+          "1 DeepSeek-V3 router (2 groups, 1 eligible) over 4 experts, top-2 renormalised, scaled by 2.5; one shared "
+          "expert."], saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("sarvam_mla", "sarvam_mla", dict(
+        {k: v for k, v in TINY.items() if k != "head_dim"}, num_key_value_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5),
+         ["Sarvam-105B: DeepseekV3ForCausalLM; hidden 16; MLA without a q LoRA (q_lora_rank None: one q_proj), kv_lora_rank 8, "
+          "nope 8 + rope 4, v 8, interleaved rotary; layer 0 dense, layer 1 sigmoid router over 4 experts (one "
+          "group), e_score_correction_bias perturbed, top-2 renormalised, scaled by 2.5; one shared expert."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+]
+
 SKIPPED = {
     # model_type: reason (not attempted)
     "jamba": "hybrid Mamba/attention MoE; hybrids wait for the decoder kit in core (vkformers-ssm has Mamba-1)",

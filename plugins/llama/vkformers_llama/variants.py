@@ -732,6 +732,39 @@ def cwm(config: dict) -> DecoderSpec:
 
 # -- GPT-family relatives
 
+@architecture("internlm3", norm="rms", llama_layout=True, status="verified")
+def internlm3(config: dict) -> DecoderSpec:
+    """Llama (transformers runs it as LlamaForCausalLM); its own configs name the biases qkv_bias and bias."""
+    return llama(dict(config, attention_bias=first_of(config, "attention_bias", "qkv_bias", default=False),
+                      mlp_bias=first_of(config, "mlp_bias", "bias", default=False)))
+
+
+@architecture("iquestcoder", norm="rms", llama_layout=True, status="verified")
+def iquestcoder(config: dict) -> DecoderSpec:
+    """Llama (transformers runs it as LlamaForCausalLM); the original code's clip_qkv and sliding window, which no
+    released checkpoint enables, are refused as transformers refuses them."""
+    refuse("iquestcoder", config, "clip_qkv", lambda v: v is None)
+    refuse("iquestcoder", config, "use_sliding_window", lambda v: not v)
+    return llama(config)
+
+
+@architecture("exaone", norm="rms", llama_layout=True, status="verified")
+def exaone(config: dict) -> DecoderSpec:
+    """EXAONE 3: Llama under its original checkpoint names (transformer.h.<i>.attn.attention.*, ln_1 / ln_2,
+    c_fc_0 / c_fc_1 / c_proj, which transformers' conversion maps to Llama's) and config names (num_layers,
+    layer_norm_epsilon, activation_function); rope theta 5e5 by default."""
+    config = dict(config, num_hidden_layers=first_of(config, "num_hidden_layers", "num_layers"),
+                  rms_norm_eps=first_of(config, "rms_norm_eps", "layer_norm_epsilon", default=1e-5),
+                  hidden_act=first_of(config, "hidden_act", "activation_function", default="silu"))
+    if not config.get("rope_parameters") and "rope_theta" not in config:
+        config["rope_theta"] = 500000.0
+    spec = llama(config)
+    return replace(spec, embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f",
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   attention=replace(spec.attention, path="attn.attention", o_proj="out_proj"),
+                   mlp=replace(spec.mlp, gate_proj="c_fc_0", up_proj="c_fc_1", down_proj="c_proj"))
+
+
 @architecture("gptj", norm="layer", status="verified")
 def gptj(config: dict) -> DecoderSpec:
     """Parallel block from one LayerNorm, interleaved rotary on the first rotary_dim dims, lm_head bias."""

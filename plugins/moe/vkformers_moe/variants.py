@@ -892,6 +892,40 @@ def glm4_moe(config: dict) -> DecoderSpec:
     return replace(spec, moe=deepseek_moe(config, spec))
 
 
+def _sarvam_names(config: dict) -> dict:
+    """Sarvam's own config names for the expert counts (transformers' attribute_map)."""
+    return dict(config, n_routed_experts=first_of(config, "n_routed_experts", "num_experts", "num_local_experts"),
+                n_shared_experts=first_of(config, "n_shared_experts", "num_shared_experts"))
+
+
+@architecture("sarvam_moe", norm="rms", llama_layout=True, status="verified")
+def sarvam_moe(config: dict) -> DecoderSpec:
+    """Sarvam-30B: GLM-4.5 (transformers runs it as Glm4MoeForCausalLM) with q/k RMSNorm on and rotary over the whole
+    head by default, under Sarvam's checkpoint names, which transformers' conversion maps to GLM's: one fused
+    [q | k | v] attention.query_key_value, attention.dense, query_ / key_layernorm, model.word_embeddings and the
+    router's selection bias mlp.gate.expert_bias."""
+    config = dict(_sarvam_names(config), use_qk_norm=config.get("use_qk_norm", True),
+                  attention_bias=first_of(config, "attention_bias", "use_qkv_bias", default=False))
+    spec = glm4_moe(config)
+    a = spec.attention
+    return replace(spec, embed="model.word_embeddings",
+                   attention=replace(a, path="attention", qkv_proj="query_key_value", o_proj="dense",
+                                     q_norm=a.q_norm and "query_layernorm", k_norm=a.k_norm and "key_layernorm"),
+                   moe=replace(spec.moe, selection_bias="gate.expert_bias"))
+
+
+@architecture("sarvam_mla", norm="rms", llama_layout=True, status="verified")
+def sarvam_mla(config: dict) -> DecoderSpec:
+    """Sarvam-105B: DeepSeek-V3 (transformers runs it as DeepseekV3ForCausalLM); its original configs spell the
+    expert counts num_experts / num_shared_experts and YaRN as rope_scaling type deepseek_yarn."""
+    config = _sarvam_names(config)
+    rope = config.get("rope_scaling") or {}
+    if not config.get("rope_parameters") and "deepseek_yarn" in (rope.get("type"), rope.get("rope_type")):
+        config = dict(config, rope_scaling=None,
+                      rope_parameters={k: v for k, v in rope.items() if k != "type"} | {"rope_type": "yarn"})
+    return deepseek_v3(config)
+
+
 @architecture("dots1", norm="rms", llama_layout=True, status="verified",
               notes="Qwen3-style attention")
 def dots1(config: dict) -> DecoderSpec:
