@@ -901,7 +901,14 @@ SPECS += [
           "nope 8 + rope 4, v 8, interleaved rotary; layer 0 dense, layer 1 sigmoid router over 4 experts (one "
           "group), e_score_correction_bias perturbed, top-2 renormalised, scaled by 2.5; one shared expert."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("apertus1p5_text", "apertus1p5_text", dict(
+        {k: v for k, v in TINY.items() if k != "head_dim"}, num_hidden_layers=1, vocab_size=VOCAB + 8, output_vocab_size=VOCAB, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64)),
+         ["Apertus 1.5's text model: one Apertus layer (xIELU, q/k RMSNorm, llama3 rope) whose lm_head is pruned to "
+          "output_vocab_size 48 rows while the embedding keeps vocab_size 56 (8 rows no text id looks up)."]),
 ]
+
 
 SKIPPED = {
     # model_type: reason (not attempted)

@@ -34,6 +34,7 @@ KNOWN_FAMILIES = {
     "xlm-roberta-xl": "bert",
     # vkformers-llama
     "apertus": "llama",
+    "apertus1p5_text": "llama",
     "arcee": "llama",
     "audioflamingo3": "llama",
     "aya_vision": "llama",

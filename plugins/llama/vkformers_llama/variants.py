@@ -659,6 +659,19 @@ def apertus(config: dict) -> DecoderSpec:
                                      k_norm="k_norm" if qk_norm else None))
 
 
+@architecture("apertus1p5_text", norm="rms", llama_layout=True, status="verified",
+              notes="xIELU activation; lm_head pruned to output_vocab_size")
+def apertus1p5_text(config: dict) -> DecoderSpec:
+    """Apertus whose lm_head may keep only the first output_vocab_size ids (the text prefix of the vocabulary):
+    the embedding keeps the rows past them (visual and audio codes) for input."""
+    spec = apertus(config)
+    rows = config.get("output_vocab_size")
+    if not rows or rows == spec.vocab_size:
+        return spec
+    refuse("apertus1p5_text", config, "tie_word_embeddings", lambda v: not v)  # a pruned head is its own matrix
+    return replace(spec, vocab_size=rows, embed_extra_rows=spec.vocab_size - rows)
+
+
 @architecture("bitnet", norm="rms", llama_layout=True, status="verified",
               notes="relu2 + projection sub-norms")
 def bitnet(config: dict) -> DecoderSpec:
