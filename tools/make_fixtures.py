@@ -907,6 +907,10 @@ SPECS += [
                              high_freq_factor=4.0, original_max_position_embeddings=64)),
          ["Apertus 1.5's text model: one Apertus layer (xIELU, q/k RMSNorm, llama3 rope) whose lm_head is pruned to "
           "output_vocab_size 48 rows while the embedding keeps vocab_size 56 (8 rows no text id looks up)."]),
+    Spec("diffllama", "diffllama", dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=4),
+         ["DiffLlama: differential attention, 4 query heads of 4 over 2 KV heads (value halves: KV head 0 and 1); "
+          "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
+          "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
 ]
 
 

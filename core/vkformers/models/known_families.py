@@ -53,6 +53,7 @@ KNOWN_FAMILIES = {
     "cwm": "llama",
     "deepseek_vl": "llama",
     "deepseek_vl_hybrid": "llama",
+    "diffllama": "llama",
     "emu3": "llama",
     "emu3_text_model": "llama",
     "ernie4_5": "llama",

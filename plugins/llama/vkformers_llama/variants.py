@@ -22,6 +22,7 @@ from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAtt
                                            sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
+from vkformers_llama.diffllama import DiffAttention
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
@@ -759,6 +760,16 @@ def iquestcoder(config: dict) -> DecoderSpec:
     refuse("iquestcoder", config, "clip_qkv", lambda v: v is None)
     refuse("iquestcoder", config, "use_sliding_window", lambda v: not v)
     return llama(config)
+
+
+@architecture("diffllama", norm="rms", llama_layout=True, status="verified",
+              notes="differential attention (diffllama.py)")
+def diffllama(config: dict) -> DecoderSpec:
+    """Llama whose attention is differential (vkformers_llama.diffllama): two softmax maps' difference over the two
+    halves of the value heads, a weightless RMS norm per head pair, learned lambda_q1/k1/q2/k2 per layer."""
+    refuse("diffllama", config, "num_key_value_heads", lambda v: v is not None and v % 2 == 0)
+    spec = llama(config)
+    return replace(spec, make_layer=DiffAttention(eps=spec.norms.eps))
 
 
 @architecture("exaone", norm="rms", llama_layout=True, status="verified")
