@@ -785,6 +785,7 @@ def exaone(config: dict) -> DecoderSpec:
     spec = llama(config)
     return replace(spec, embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f",
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   positions=replace(spec.positions, rope_configs=((config, None),) * spec.num_layers),
                    attention=replace(spec.attention, path="attn.attention", o_proj="out_proj"),
                    mlp=replace(spec.mlp, gate_proj="c_fc_0", up_proj="c_fc_1", down_proj="c_proj"))
 
