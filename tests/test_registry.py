@@ -35,7 +35,7 @@ WRAPPER_CONFIGS = {
 BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm",
                     "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
                     "sarvam_moe": "moe", "sarvam_mla": "moe", "apertus1p5_text": "llama",
-                    "diffllama": "llama"}
+                    "diffllama": "llama", "jetmoe": "moe"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 # the reference list's architectures per family, plus those beyond it
 EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)

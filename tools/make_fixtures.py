@@ -883,22 +883,23 @@ SPECS += [
     Spec("internlm3", "internlm3", dict(TINY, num_hidden_layers=1, head_dim=4, attention_bias=True, mlp_bias=True),
          ["InternLM3: LlamaForCausalLM; one layer; head_dim 4 (not hidden / heads); qkv_bias and bias (attention_bias, "
           "mlp_bias) on: q/k/v/o and MLP biases."]),
-    Spec("iquestcoder", "iquestcoder", dict(TINY, num_hidden_layers=1, head_dim=12),
-         ["IQuest-Coder: LlamaForCausalLM; one layer; head_dim 12 (not hidden / heads); untied."]),
+    Spec("iquestcoder", "iquestcoder", dict(TINY, num_hidden_layers=1, head_dim=6),
+         ["IQuest-Coder: LlamaForCausalLM; one layer; head_dim 6 (not hidden / heads); untied."]),
     Spec("sarvam_moe", "sarvam_moe", dict(
-        TINY, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1),
-         ["Sarvam-30B (hidden 16, experts of 8): Glm4MoeForCausalLM saved under Sarvam's names: model.word_embeddings, fused [q | k | v] "
-          "attention.query_key_value (with biases), attention.dense, per-head query_layernorm / key_layernorm, "
+        TINY, intermediate_size=8, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1),
+         ["Sarvam-30B (hidden 16, experts of 8): Glm4MoeForCausalLM saved under Sarvam's names: "
+          "model.word_embeddings, fused [q | k | v] attention.query_key_value (with biases), attention.dense, per-head query_layernorm / key_layernorm, "
           "mlp.gate.expert_bias (the e_score_correction_bias buffer, perturbed); full-head rotary; layer 0 dense, layer "
           "1 DeepSeek-V3 router (2 groups, 1 eligible) over 4 experts, top-2 renormalised, scaled by 2.5; one shared "
           "expert."], saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     Spec("sarvam_mla", "sarvam_mla", dict(
-        {k: v for k, v in TINY.items() if k != "head_dim"}, num_key_value_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        {k: v for k, v in TINY.items() if k != "head_dim"}, intermediate_size=8, num_key_value_heads=2,
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5),
-         ["Sarvam-105B: DeepseekV3ForCausalLM; hidden 16; MLA without a q LoRA (q_lora_rank None: one q_proj), kv_lora_rank 8, "
-          "nope 8 + rope 4, v 8, interleaved rotary; layer 0 dense, layer 1 sigmoid router over 4 experts (one "
+         ["Sarvam-105B: DeepseekV3ForCausalLM; hidden 16; MLA without a q LoRA (q_lora_rank None: one q_proj), "
+          "kv_lora_rank 8, nope 8 + rope 4, v 8, interleaved rotary; layer 0 dense, layer 1 sigmoid router over 4 experts (one "
           "group), e_score_correction_bias perturbed, top-2 renormalised, scaled by 2.5; one shared expert."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
     Spec("apertus1p5_text", "apertus1p5_text", dict(
@@ -911,6 +912,13 @@ SPECS += [
          ["DiffLlama: differential attention, 4 query heads of 4 over 2 KV heads (value halves: KV head 0 and 1); "
           "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
           "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
+    Spec("jetmoe", "jetmoe", dict(
+        {k: v for k, v in TINY.items() if k not in ("head_dim", "num_attention_heads")}, num_hidden_layers=1,
+        num_key_value_heads=2, kv_channels=4, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2),
+         ["JetMoE, one layer: mixture of attention heads (router over 4 query experts, top-2, softmax over the 2 "
+          "logits; each expert 2 query heads of 4 over the shared kv_proj's 2 KV heads; output_linear per expert and "
+          "a bias) and a sparse MLP (4 experts of width 4, top-2, fused input_linear [gate | up] / output_linear, "
+          "bias); tied."]),
 ]
 
 

@@ -190,6 +190,7 @@ KNOWN_FAMILIES = {
     "granitemoeshared": "moe",
     "hunyuan_v1_moe": "moe",
     "hy_v3": "moe",
+    "jetmoe": "moe",
     "kimi_k2": "moe",
     "kimi_k25": "moe",
     "laguna": "moe",

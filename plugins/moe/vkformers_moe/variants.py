@@ -22,6 +22,7 @@ from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.deepseek_v4 import DeepseekV4Layers
 from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention
+from vkformers_moe.jetmoe import JetMoeAttention
 from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
 from vkformers_moe.qwen4_exp import Qwen4ExpLayers
@@ -376,6 +377,28 @@ def granitemoe(config: dict) -> DecoderSpec:
                   path="block_sparse_moe", router="router.layer", norm_topk=True, experts="",
                   fused_experts=("input_linear.weight", "output_linear.weight"))
     return replace(spec, moe=moe)
+
+
+@architecture("jetmoe", norm="rms", llama_layout=True, status="verified",
+              notes="mixture of attention heads (jetmoe.py)")
+def jetmoe(config: dict) -> DecoderSpec:
+    """JetMoE: a mixture of attention heads (vkformers_moe.jetmoe: top_k query experts of KVH heads over one shared
+    kv_proj) and a sparse MLP in every layer whose experts are stored fused (mlp.input_linear [E, 2I, H] = [gate |
+    up], output_linear [E, H, I]) with a bias on its output; both routers take the softmax over the top_k logits."""
+    arch = "jetmoe"
+    _refuse_training_extras(arch, config)
+    # transformers' layer norms keep eps 1e-6 whatever rms_norm_eps says (only the final norm reads it)
+    refuse(arch, config, "rms_norm_eps", lambda v: v == 1e-6, 1e-6)
+    experts, top_k = config.get("num_local_experts", 8), config.get("num_experts_per_tok", 2)
+    kv_heads = config.get("num_key_value_heads", 16)
+    spec = llama(dict(config, num_attention_heads=kv_heads * top_k, num_key_value_heads=kv_heads,
+                      head_dim=config.get("kv_channels", 128), hidden_act=config.get("activation_function", "silu"),
+                      tie_word_embeddings=config.get("tie_word_embeddings", True)))
+    moe = MoeSpec(num_experts=experts, top_k=top_k, expert_size=spec.intermediate_size,
+                  layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act, router="router.layer", norm_topk=True,
+                  experts="", fused_experts=("input_linear.weight", "output_linear.weight"), output_bias="bias")
+    return replace(spec, moe=moe, attention=replace(spec.attention, path="self_attention",
+                                                    module=JetMoeAttention(experts, top_k)))
 
 
 @architecture("granitemoeshared", norm="rms", llama_layout=True, status="verified")
