@@ -928,6 +928,19 @@ SKIPPED = {
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
+    "gemma4_text": "per-layer inputs (PLE), per-layer head dims (512 on full layers), KV sharing between layers, "
+                   "attention_k_eq_v, a MoE block beside the MLP: decoder kit options not built yet",
+    "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
+    "gemma4_unified_text": "waits for gemma4_text",
+    "gemma4_unified_assistant": "waits for gemma4_text",
+    "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
+    "minimax": "lightning attention layers (linear attention with a per-head decay): needs a new engine op",
+    "doge": "dynamic mask attention (a mask learned from the values) and CDMoE (product-key experts)",
+    "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
+                       "indexer on some layers: not attempted yet",
+    "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",
+    "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
+    "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
 
 
