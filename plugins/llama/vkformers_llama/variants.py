@@ -744,8 +744,6 @@ def cwm(config: dict) -> DecoderSpec:
                                                                              every_layer=False)))
 
 
-# -- GPT-family relatives
-
 @architecture("internlm3", norm="rms", llama_layout=True, status="verified")
 def internlm3(config: dict) -> DecoderSpec:
     """Llama (transformers runs it as LlamaForCausalLM); its own configs name the biases qkv_bias and bias."""
@@ -789,6 +787,8 @@ def exaone(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, path="attn.attention", o_proj="out_proj"),
                    mlp=replace(spec.mlp, gate_proj="c_fc_0", up_proj="c_fc_1", down_proj="c_proj"))
 
+
+# -- GPT-family relatives
 
 @architecture("gptj", norm="layer", status="verified")
 def gptj(config: dict) -> DecoderSpec:
