@@ -31,10 +31,15 @@ WRAPPER_CONFIGS = {
     "(nested thinker_config.text_config)": lambda backbone: {"thinker_config": {"text_config": {"model_type": backbone}}},
     "(nested encoder/decoder configs)": lambda backbone: {"encoder": {"model_type": "bert"}, "decoder": {"model_type": backbone}},
 }
-EXPECTED_PER_FAMILY = {"llama": 63, "moe": 38, "bert": 25, "t5": 17, "ssm": 3}
 # Architectures registered beyond the reference list (canonical names without aliases), by family.
-BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm"}
+BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm",
+                    "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
+                    "sarvam_moe": "moe", "sarvam_mla": "moe", "apertus1p5_text": "llama",
+                    "diffllama": "llama", "jetmoe": "moe"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
+# the reference list's architectures per family, plus those beyond it
+EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)
+                       for family, count in {"llama": 63, "moe": 38, "bert": 25, "t5": 17, "ssm": 0}.items()}
 SPELLINGS = 224 + len(BEYOND_REFERENCE)
 
 

@@ -872,12 +872,75 @@ SPECS += [
 ]
 
 
+# ---- decoders transformers runs with another architecture's model under their own names -------------------------
+# Smaller than L (hidden 16, 2 heads of 8 over 1 KV head): their parent's graph is checked at full size elsewhere.
+TINY = dict(L, hidden_size=16, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+SPECS += [
+    Spec("exaone", "exaone", dict(TINY, num_hidden_layers=1),
+         ["EXAONE 3: one layer of LlamaForCausalLM saved under its original names (transformers' conversion mapping, reversed by "
+          "save_pretrained): transformer.wte / h.<i>.attn.attention.{q,k,v,out}_proj / ln_1 / ln_2 / "
+          "mlp.c_fc_0 (gate), c_fc_1 (up), c_proj (down) / ln_f; rope theta 5e5."], saved_names=True),
+    Spec("internlm3", "internlm3", dict(TINY, num_hidden_layers=1, head_dim=4, attention_bias=True, mlp_bias=True),
+         ["InternLM3: LlamaForCausalLM; one layer; head_dim 4 (not hidden / heads); qkv_bias and bias (attention_bias, "
+          "mlp_bias) on: q/k/v/o and MLP biases."]),
+    Spec("iquestcoder", "iquestcoder", dict(TINY, num_hidden_layers=1, head_dim=6),
+         ["IQuest-Coder: LlamaForCausalLM; one layer; head_dim 6 (not hidden / heads); untied."]),
+    Spec("sarvam_moe", "sarvam_moe", dict(
+        TINY, intermediate_size=8, attention_bias=True, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1),
+         ["Sarvam-30B (hidden 16, experts of 8): Glm4MoeForCausalLM saved under Sarvam's names: "
+          "model.word_embeddings, fused [q | k | v] attention.query_key_value (with biases), attention.dense, per-head query_layernorm / key_layernorm, "
+          "mlp.gate.expert_bias (the e_score_correction_bias buffer, perturbed); full-head rotary; layer 0 dense, layer "
+          "1 DeepSeek-V3 router (2 groups, 1 eligible) over 4 experts, top-2 renormalised, scaled by 2.5; one shared "
+          "expert."], saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("sarvam_mla", "sarvam_mla", dict(
+        {k: v for k, v in TINY.items() if k != "head_dim"}, intermediate_size=8, num_key_value_heads=2,
+        kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5),
+         ["Sarvam-105B: DeepseekV3ForCausalLM; hidden 16; MLA without a q LoRA (q_lora_rank None: one q_proj), "
+          "kv_lora_rank 8, nope 8 + rope 4, v 8, interleaved rotary; layer 0 dense, layer 1 sigmoid router over 4 experts (one "
+          "group), e_score_correction_bias perturbed, top-2 renormalised, scaled by 2.5; one shared expert."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("apertus1p5_text", "apertus1p5_text", dict(
+        {k: v for k, v in TINY.items() if k != "head_dim"}, num_hidden_layers=1, vocab_size=VOCAB + 8, output_vocab_size=VOCAB, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64)),
+         ["Apertus 1.5's text model: one Apertus layer (xIELU, q/k RMSNorm, llama3 rope) whose lm_head is pruned to "
+          "output_vocab_size 48 rows while the embedding keeps vocab_size 56 (8 rows no text id looks up)."]),
+    Spec("diffllama", "diffllama", dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=4),
+         ["DiffLlama: differential attention, 4 query heads of 4 over 2 KV heads (value halves: KV head 0 and 1); "
+          "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
+          "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
+    Spec("jetmoe", "jetmoe", dict(
+        {k: v for k, v in TINY.items() if k not in ("head_dim", "num_attention_heads")}, num_hidden_layers=1,
+        num_key_value_heads=2, kv_channels=4, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2),
+         ["JetMoE, one layer: mixture of attention heads (router over 4 query experts, top-2, softmax over the 2 "
+          "logits; each expert 2 query heads of 4 over the shared kv_proj's 2 KV heads; output_linear per expert and "
+          "a bias) and a sparse MLP (4 experts of width 4, top-2, fused input_linear [gate | up] / output_linear, "
+          "bias); tied."]),
+]
+
+
 SKIPPED = {
     # model_type: reason (not attempted)
     "jamba": "hybrid Mamba/attention MoE; hybrids wait for the decoder kit in core (vkformers-ssm has Mamba-1)",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
+    "gemma4_text": "per-layer inputs (PLE), per-layer head dims (512 on full layers), KV sharing between layers, "
+                   "attention_k_eq_v, a MoE block beside the MLP: decoder kit options not built yet",
+    "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
+    "gemma4_unified_text": "waits for gemma4_text",
+    "gemma4_unified_assistant": "waits for gemma4_text",
+    "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
+    "minimax": "lightning attention layers (linear attention with a per-head decay): needs a new engine op",
+    "doge": "dynamic mask attention (a mask learned from the values) and CDMoE (product-key experts)",
+    "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
+                       "indexer on some layers: not attempted yet",
+    "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",
+    "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
+    "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
 
 

@@ -22,6 +22,7 @@ from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAtt
                                            sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
+from vkformers_llama.diffllama import DiffAttention
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
@@ -659,6 +660,19 @@ def apertus(config: dict) -> DecoderSpec:
                                      k_norm="k_norm" if qk_norm else None))
 
 
+@architecture("apertus1p5_text", norm="rms", llama_layout=True, status="verified",
+              notes="xIELU activation; lm_head pruned to output_vocab_size")
+def apertus1p5_text(config: dict) -> DecoderSpec:
+    """Apertus whose lm_head may keep only the first output_vocab_size ids (the text prefix of the vocabulary):
+    the embedding keeps the rows past them (visual and audio codes) for input."""
+    spec = apertus(config)
+    rows = config.get("output_vocab_size")
+    if not rows or rows == spec.vocab_size:
+        return spec
+    refuse("apertus1p5_text", config, "tie_word_embeddings", lambda v: not v)  # a pruned head is its own matrix
+    return replace(spec, vocab_size=rows, embed_extra_rows=spec.vocab_size - rows)
+
+
 @architecture("bitnet", norm="rms", llama_layout=True, status="verified",
               notes="relu2 + projection sub-norms")
 def bitnet(config: dict) -> DecoderSpec:
@@ -728,6 +742,50 @@ def cwm(config: dict) -> DecoderSpec:
     return replace(spec,
                    attention=replace(spec.attention, windows=sliding_windows(config, spec.num_layers,
                                                                              every_layer=False)))
+
+
+@architecture("internlm3", norm="rms", llama_layout=True, status="verified")
+def internlm3(config: dict) -> DecoderSpec:
+    """Llama (transformers runs it as LlamaForCausalLM); its own configs name the biases qkv_bias and bias."""
+    return llama(dict(config, attention_bias=first_of(config, "attention_bias", "qkv_bias", default=False),
+                      mlp_bias=first_of(config, "mlp_bias", "bias", default=False)))
+
+
+@architecture("iquestcoder", norm="rms", llama_layout=True, status="verified")
+def iquestcoder(config: dict) -> DecoderSpec:
+    """Llama (transformers runs it as LlamaForCausalLM); the original code's clip_qkv and sliding window, which no
+    released checkpoint enables, are refused as transformers refuses them."""
+    refuse("iquestcoder", config, "clip_qkv", lambda v: v is None)
+    refuse("iquestcoder", config, "use_sliding_window", lambda v: not v)
+    return llama(config)
+
+
+@architecture("diffllama", norm="rms", llama_layout=True, status="verified",
+              notes="differential attention (diffllama.py)")
+def diffllama(config: dict) -> DecoderSpec:
+    """Llama whose attention is differential (vkformers_llama.diffllama): two softmax maps' difference over the two
+    halves of the value heads, a weightless RMS norm per head pair, learned lambda_q1/k1/q2/k2 per layer."""
+    refuse("diffllama", config, "num_key_value_heads", lambda v: v is not None and v % 2 == 0)
+    spec = llama(config)
+    return replace(spec, make_layer=DiffAttention(eps=spec.norms.eps))
+
+
+@architecture("exaone", norm="rms", llama_layout=True, status="verified")
+def exaone(config: dict) -> DecoderSpec:
+    """EXAONE 3: Llama under its original checkpoint names (transformer.h.<i>.attn.attention.*, ln_1 / ln_2,
+    c_fc_0 / c_fc_1 / c_proj, which transformers' conversion maps to Llama's) and config names (num_layers,
+    layer_norm_epsilon, activation_function); rope theta 5e5 by default."""
+    config = dict(config, num_hidden_layers=first_of(config, "num_hidden_layers", "num_layers"),
+                  rms_norm_eps=first_of(config, "rms_norm_eps", "layer_norm_epsilon", default=1e-5),
+                  hidden_act=first_of(config, "hidden_act", "activation_function", default="silu"))
+    if not config.get("rope_parameters") and "rope_theta" not in config:
+        config["rope_theta"] = 500000.0
+    spec = llama(config)
+    return replace(spec, embed="transformer.wte", layers="transformer.h", final_norm="transformer.ln_f",
+                   attn_in_norm="ln_1", mlp_in_norm="ln_2",
+                   positions=replace(spec.positions, rope_configs=((config, None),) * spec.num_layers),
+                   attention=replace(spec.attention, path="attn.attention", o_proj="out_proj"),
+                   mlp=replace(spec.mlp, gate_proj="c_fc_0", up_proj="c_fc_1", down_proj="c_proj"))
 
 
 # -- GPT-family relatives

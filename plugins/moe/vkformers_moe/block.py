@@ -108,6 +108,7 @@ class MoeSpec:
     shared_swiglu_clip: bool = False          # the shared experts' GLU is swiglu_clip's too (MiniMax-M3)
     output_scale: float = 1.0                 # the block's output (routed + shared) is multiplied by this (Cohere2
     #                                           MoE's "average" shared-expert combination: 0.5)
+    output_bias: str | None = None            # a bias [hidden] added to the block's output (JetMoE mlp.bias)
     output_norm: str | None = None            # a norm (the decoder's kind) on the block's output, stored beside the
     #                                           block in the layer under this path (A.X-K1 post_mlp_layernorm)
     shared_in_layer: bool = False             # ``shared`` is relative to the decoder layer, beside the block
@@ -223,6 +224,8 @@ class SparseMoeBlock(Module):
         if shared is not None and not moe.shared_in_layer:
             place(self, moe.shared, shared)
         object.__setattr__(self, "shared", shared)
+        if moe.output_bias:
+            add_param(self, moe.output_bias, (hidden,))
         norm = make_norm(spec, hidden) if moe.output_norm else None
         if norm is not None:
             self.layer_modules[moe.output_norm] = norm
@@ -462,6 +465,8 @@ class SparseMoeBlock(Module):
             out = out + shared
         if moe.output_scale != 1.0:
             out = out * moe.output_scale
+        if moe.output_bias:
+            out = out + get_param(self, moe.output_bias).cast(out.dtype)
         if self.output_norm is not None:
             out = self.output_norm(out)
         return out.reshape(*lead, self.hidden)

@@ -22,6 +22,7 @@ from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.deepseek_v4 import DeepseekV4Layers
 from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention
+from vkformers_moe.jetmoe import JetMoeAttention
 from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
 from vkformers_moe.qwen4_exp import Qwen4ExpLayers
@@ -376,6 +377,28 @@ def granitemoe(config: dict) -> DecoderSpec:
                   path="block_sparse_moe", router="router.layer", norm_topk=True, experts="",
                   fused_experts=("input_linear.weight", "output_linear.weight"))
     return replace(spec, moe=moe)
+
+
+@architecture("jetmoe", norm="rms", llama_layout=True, status="verified",
+              notes="mixture of attention heads (jetmoe.py)")
+def jetmoe(config: dict) -> DecoderSpec:
+    """JetMoE: a mixture of attention heads (vkformers_moe.jetmoe: top_k query experts of KVH heads over one shared
+    kv_proj) and a sparse MLP in every layer whose experts are stored fused (mlp.input_linear [E, 2I, H] = [gate |
+    up], output_linear [E, H, I]) with a bias on its output; both routers take the softmax over the top_k logits."""
+    arch = "jetmoe"
+    _refuse_training_extras(arch, config)
+    # transformers' layer norms keep eps 1e-6 whatever rms_norm_eps says (only the final norm reads it)
+    refuse(arch, config, "rms_norm_eps", lambda v: v == 1e-6, 1e-6)
+    experts, top_k = config.get("num_local_experts", 8), config.get("num_experts_per_tok", 2)
+    kv_heads = config.get("num_key_value_heads", 16)
+    spec = llama(dict(config, num_attention_heads=kv_heads * top_k, num_key_value_heads=kv_heads,
+                      head_dim=config.get("kv_channels", 128), hidden_act=config.get("activation_function", "silu"),
+                      tie_word_embeddings=config.get("tie_word_embeddings", True)))
+    moe = MoeSpec(num_experts=experts, top_k=top_k, expert_size=spec.intermediate_size,
+                  layers=(True,) * spec.num_layers, hidden_act=spec.hidden_act, router="router.layer", norm_topk=True,
+                  experts="", fused_experts=("input_linear.weight", "output_linear.weight"), output_bias="bias")
+    return replace(spec, moe=moe, attention=replace(spec.attention, path="self_attention",
+                                                    module=JetMoeAttention(experts, top_k)))
 
 
 @architecture("granitemoeshared", norm="rms", llama_layout=True, status="verified")
@@ -890,6 +913,40 @@ def glm4_moe(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, q_bias=bias, k_bias=bias, v_bias=bias,
                                      q_norm="q_norm" if qk_norm else None, k_norm="k_norm" if qk_norm else None))
     return replace(spec, moe=deepseek_moe(config, spec))
+
+
+def _sarvam_names(config: dict) -> dict:
+    """Sarvam's own config names for the expert counts (transformers' attribute_map)."""
+    return dict(config, n_routed_experts=first_of(config, "n_routed_experts", "num_experts", "num_local_experts"),
+                n_shared_experts=first_of(config, "n_shared_experts", "num_shared_experts"))
+
+
+@architecture("sarvam_moe", norm="rms", llama_layout=True, status="verified")
+def sarvam_moe(config: dict) -> DecoderSpec:
+    """Sarvam-30B: GLM-4.5 (transformers runs it as Glm4MoeForCausalLM) with q/k RMSNorm on and rotary over the whole
+    head by default, under Sarvam's checkpoint names, which transformers' conversion maps to GLM's: one fused
+    [q | k | v] attention.query_key_value, attention.dense, query_ / key_layernorm, model.word_embeddings and the
+    router's selection bias mlp.gate.expert_bias."""
+    config = dict(_sarvam_names(config), use_qk_norm=config.get("use_qk_norm", True),
+                  attention_bias=first_of(config, "attention_bias", "use_qkv_bias", default=False))
+    spec = glm4_moe(config)
+    a = spec.attention
+    return replace(spec, embed="model.word_embeddings",
+                   attention=replace(a, path="attention", qkv_proj="query_key_value", o_proj="dense",
+                                     q_norm=a.q_norm and "query_layernorm", k_norm=a.k_norm and "key_layernorm"),
+                   moe=replace(spec.moe, selection_bias="gate.expert_bias"))
+
+
+@architecture("sarvam_mla", norm="rms", llama_layout=True, status="verified")
+def sarvam_mla(config: dict) -> DecoderSpec:
+    """Sarvam-105B: DeepSeek-V3 (transformers runs it as DeepseekV3ForCausalLM); its original configs spell the
+    expert counts num_experts / num_shared_experts and YaRN as rope_scaling type deepseek_yarn."""
+    config = _sarvam_names(config)
+    rope = config.get("rope_scaling") or {}
+    if not config.get("rope_parameters") and "deepseek_yarn" in (rope.get("type"), rope.get("rope_type")):
+        config = dict(config, rope_scaling=None,
+                      rope_parameters={k: v for k, v in rope.items() if k != "type"} | {"rope_type": "yarn"})
+    return deepseek_v3(config)
 
 
 @architecture("dots1", norm="rms", llama_layout=True, status="verified",

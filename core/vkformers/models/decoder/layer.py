@@ -100,8 +100,11 @@ class DecoderLayer(Module):
             if getattr(s, role) and not (role == "attn_in_norm" and index in s.attn_in_norm_skipped):
                 add(role, getattr(s, role), make_norm(s, d))
         self.linear = linear is not None and bool(linear.layers[index])
+        own_attention = a.module is not None and not self.linear
         if self.linear:  # Gated DeltaNet instead of the attention projections
             add("linear", linear.path, (linear.module or GatedDeltaNet)(s))
+        elif own_attention:  # a plugin's attention module instead of the projections
+            add("own_attention", a.path, a.module(s))
         elif s.mla:
             self._init_mla(add)
             q_out = s.num_heads * s.mla.v_dim  # o_proj reads the value heads
@@ -113,10 +116,10 @@ class DecoderLayer(Module):
             add("q", join_path(a.path, a.q_proj), make_projection(s, d, q_width, bias=a.q_bias))
             add("k", join_path(a.path, a.k_proj), make_projection(s, d, kv_out, bias=a.k_bias))
             add("v", join_path(a.path, a.v_proj), make_projection(s, d, kv_out, bias=a.v_bias))
-        if not self.linear:
+        if not self.linear and not own_attention:
             add("o", join_path(a.path, a.o_proj), make_projection(s, q_out, d, bias=a.o_bias))
-        if a.q_norm and self.linear:
-            pass  # a linear-attention layer has no q/k norm
+        if a.q_norm and (self.linear or own_attention):
+            pass  # a linear-attention layer has no q/k norm; a plugin's attention module has its own
         elif a.q_norm and a.qk_norm_scope in ("per_head", "per_head_list"):
             stacked = a.qk_norm_scope == "per_head"
             add("q_norm", join_path(a.path, a.q_norm), HeadwiseNorm(s, s.num_heads, stacked))
@@ -173,6 +176,8 @@ class DecoderLayer(Module):
         s, p = self.spec, self.parts
         if self.linear:
             attention = self._linear_attention
+        elif "own_attention" in p:
+            attention = self._own_attention
         elif s.mla:
             attention = self._mla_attention
         else:
@@ -278,6 +283,9 @@ class DecoderLayer(Module):
 
     def _linear_attention(self, h, ctx: Context):
         return self.parts["linear"](h, ctx, self.index)
+
+    def _own_attention(self, h, ctx: Context):
+        return self.parts["own_attention"](h, ctx, self.index)
 
     def _mla_attention(self, h, ctx: Context):
         batch, length, _ = h.shape
@@ -388,7 +396,8 @@ class DecoderLayer(Module):
         s, p = self.spec, self.parts
         attn = ("qkv",) if "qkv" in p else ("q", "k", "v")
         mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
-        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "linear"}
+        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "linear",
+                        "own_attention"}
         qk_norm = (p["q_norm"], p["k_norm"]) if "q_norm" in p else None  # Qwen3: one RMS weight over each head
         if qk_norm and (s.attention.qk_norm_scope != "head" or s.attention.qk_norm_after_rope or s.head_dim > 256
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):

@@ -137,6 +137,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
         )
         for name, module in refs.items():
             object.__setattr__(self, name, module)
+        # a plugin's composed layer may attend outside the cache's captured decode attention (its capture_decode)
+        self.capture_decode = self.capture_decode and all(getattr(layer, "capture_decode", True)
+                                                          for layer in self.layers)
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
         self.rope_configs = spec.positions.rope_configs or ((config, None),) * spec.num_layers

@@ -94,6 +94,9 @@ class AttentionSpec:
     scales: tuple[float, ...] = ()           # per layer softmax scale; empty: 1 / sqrt(head_dim)
     windows: tuple[int, ...] = ()            # per layer sliding window (0: full attention); empty: none
     heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
+    module: Callable | None = None           # (spec) -> a plugin's attention module at ``path`` instead of the q/k/v/o
+    #                                          projections, called (h, ctx, layer index) -> [B, T, hidden] (JetMoE's
+    #                                          mixture of attention heads); it attends through ctx as the layer would
 
 
 @dataclass
