@@ -32,7 +32,8 @@ WRAPPER_CONFIGS = {
     "(nested encoder/decoder configs)": lambda backbone: {"encoder": {"model_type": "bert"}, "decoder": {"model_type": backbone}},
 }
 # Architectures registered beyond the reference list (canonical names without aliases), by family.
-BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm",
+BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bamba": "ssm", "falcon_h1": "ssm",
+                    "nemotron_h": "ssm", "jamba": "ssm", "granitemoehybrid": "ssm",
                     "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
                     "sarvam_moe": "moe", "sarvam_mla": "moe", "apertus1p5_text": "llama",
                     "diffllama": "llama", "jetmoe": "moe"}

@@ -96,6 +96,15 @@ MAMBA = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, sta
              time_step_rank=4, initializer_range=0.2, **TOK)
 
 
+# hybrids (attention + state-space layers) on hidden 16 and MLP width 8 to keep their fixtures small; a Mamba-2
+# mixer (Bamba's names): expand 2 -> 32 channels in 4 heads of 8, state 8 in 2 groups, chunk 4
+HYBRID = dict(L, hidden_size=16, intermediate_size=8)
+HYBRID_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                     mamba_expand=2, mamba_chunk_size=4)
+MAMBA2_PATH = ("transformers' torch path in float32: the chunked SSD scan (mamba2_chunk_scan's fallback), the "
+               "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels")
+
+
 def _gpt2_names(**kw):
     return dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=LEARNED_POS,
                 n_inner=INTER, initializer_range=0.2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -851,6 +860,58 @@ SPECS = [
           "steps through the recurrent update)."],
          reference_path="transformers' torch path in float32: the chunked SSD scan (mamba2_chunk_scan's fallback), the "
                         "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels"),
+    Spec("bamba", "bamba", dict(HYBRID, attn_layer_indices=[1], **HYBRID_MAMBA2),
+         ["Bamba (hidden 16): layer 0 a Mamba-2 mixer (model.layers.0.mamba: 4 heads of 8 channels, B and C of state "
+          "8 in 2 groups, chunk_size 4), layer 1 GQA attention (4q/2kv of 4 dims, rotary on half of each head: "
+          "partial_rotary_factor "
+          "0.5 fixed by BambaConfig); every layer input_layernorm, pre_ff_layernorm and a SwiGLU feed_forward; "
+          "final_layernorm; untied lm_head. Reference: transformers' torch path in float32 (chunked SSD scan)."],
+         reference_path=MAMBA2_PATH),
+    Spec("falcon_h1", "falcon_h1", dict(HYBRID, num_hidden_layers=1, mamba_d_ssm=32, **HYBRID_MAMBA2,
+                                        embedding_multiplier=1.5,
+                                        lm_head_multiplier=0.7, key_multiplier=0.8, attention_in_multiplier=1.3,
+                                        attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8,
+                                        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.4], mlp_multipliers=[1.3, 0.7]),
+         ["Falcon-H1 (hidden 16, one layer: every layer is alike): the layer runs a Mamba-2 mixer (mamba_d_ssm 32: 4 heads of 8 channels, B and C "
+          "of state 8 in 2 groups, chunk_size 4; mamba_rms_norm off: y * silu(z), no gated norm) and GQA attention "
+          "(4q/2kv of 4 dims) in parallel on the same normed input, then a SwiGLU feed_forward; every muP "
+          "multiplier set away from 1 (embedding 1.5, lm_head 0.7, key 0.8, attention in 1.3 / out 0.9, ssm in 1.2 "
+          "/ out 0.8, the five in_proj sections 1.1 0.9 1.2 0.8 1.4, MLP gate 1.3 / down 0.7). Reference: "
+          "transformers' torch path in float32 (chunked SSD scan)."],
+         reference_path=MAMBA2_PATH),
+    Spec("nemotron_h", "nemotron_h", dict({k: v for k, v in HYBRID.items() if k != "num_hidden_layers"}, head_dim=4,
+                                          layers_block_type=["linear_attention", "full_attention",
+                                                                                 "mlp"],
+                                          mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                                          conv_kernel=4, chunk_size=4),
+         ["Nemotron-H (hidden 16): three blocks, each norm -> one mixer -> residual: a Mamba-2 mixer (4 heads of 8 "
+          "channels, B and C of state 8 in 2 groups, chunk_size 4; dt clamped below at time_step_min 0.001 in the "
+          "chunked scan, not in the recurrent update, as transformers does), GQA attention without rotary (4q/2kv "
+          "of 4 dims), a relu2 MLP (up_proj, down_proj); embedding without padding_idx; norm_f. Reference: "
+          "transformers' torch path in float32 (chunked SSD scan)."],
+         reference_path=MAMBA2_PATH),
+    Spec("jamba", "jamba", dict(HYBRID, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, use_mamba_kernels=False,
+                                mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
+         ["Jamba (hidden 16): layer 0 a Mamba-1 mixer (32 channels, state 8, dt rank 4, RMSNorms with weights on dt, "
+          "B and C) with a sparse feed_forward (router over 4 experts, softmax then top-2 left unnormalised), layer 1 "
+          "GQA attention without rotary (4q/2kv of 4 dims) with a dense SwiGLU feed_forward; input_layernorm, "
+          "pre_ff_layernorm, final_layernorm. Reference: transformers' torch path in float32 (mamba_selective_scan's "
+          "fallback, its associative scan; the recurrent update for generation)."],
+         saved_names=True, reference_path="transformers' torch path in float32: mamba_selective_scan's fallback "
+                                           "(associative scan), the recurrent update for generation; not the "
+                                           "mamba_ssm / causal_conv1d kernels"),
+    Spec("granitemoehybrid", "granitemoehybrid",
+         dict(HYBRID, shared_intermediate_size=8, num_local_experts=3, num_experts_per_tok=2,
+              layer_types=["linear_attention", "full_attention"], mamba_n_heads=2, mamba_d_head=8, mamba_n_groups=1,
+              mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=4, embedding_multiplier=2.0,
+              logits_scaling=1.5, residual_multiplier=0.5, attention_multiplier=0.3),
+         ["GraniteMoeHybrid (hidden 16, expert and shared widths 8): layer 0 a Mamba-2 mixer (2 heads of 8 channels, "
+          "state 4, one group, chunk_size 4), layer 1 GQA attention without rotary (position_embedding_type None, "
+          "its default); each layer a block_sparse_moe (3 experts fused as input_linear / output_linear, top-2 "
+          "softmax) plus the shared_mlp; Granite's multipliers (embedding 2, logits_scaling 1.5, residual 0.5, "
+          "attention 0.3). Reference: transformers' torch path in float32 (chunked SSD scan)."],
+         saved_names=True, reference_path=MAMBA2_PATH),
 ]
 
 
@@ -869,6 +930,9 @@ SPECS += [
              ["layer_norm_eps 1.0, which transformers never reads: BioGPT's LayerNorms keep torch's eps 1e-5."]),
     _variant("glm5_next_text-wide-v", "glm5_next_text", dict(v_head_dim=16),
              ["v_head_dim 16, wider than the qk head dim (nope 8 + rope 0): value heads of 16, o_proj 4 x 16 -> 32."]),
+    _variant("falcon_h1-gated-norm", "falcon_h1", dict(mamba_rms_norm=True, mamba_norm_before_gate=True),
+             ["mamba_rms_norm with mamba_norm_before_gate: the mixer's output is RMS-normalised per group of "
+              "channels, times mamba.norm.weight, then gated by silu(z)."]),
 ]
 
 
@@ -924,7 +988,6 @@ SPECS += [
 
 SKIPPED = {
     # model_type: reason (not attempted)
-    "jamba": "hybrid Mamba/attention MoE; hybrids wait for the decoder kit in core (vkformers-ssm has Mamba-1)",
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",

@@ -222,9 +222,14 @@ KNOWN_FAMILIES = {
     "sarvam_moe": "moe",
     "solar_open": "moe",
     # vkformers-ssm
+    "bamba": "ssm",
+    "falcon_h1": "ssm",
     "falcon_mamba": "ssm",
+    "granitemoehybrid": "ssm",
+    "jamba": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
+    "nemotron_h": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

@@ -1,19 +1,15 @@
 """The shared model of the state-space variants (``vkformers_ssm/variants.py``: Mamba, Falcon-Mamba, Mamba-2)
 under Hugging Face's parameter names (backbone.embeddings, backbone.layers.N.norm / .mixer.*, backbone.norm_f,
-lm_head).
-
-A Mamba-1 mixer (Mamba-2's: :class:`Mamba2Mixer`): in_proj -> [x | z]; x through the causal depthwise conv1d
-(F.causal_conv1d) and silu; x_proj -> dt, B, C (Falcon-Mamba: each RMS-normalised without weight); delta = softplus(dt_proj(dt)); the selective scan
-(vkformers_ssm.scan) with A = -exp(A_log) and the skip D; times silu(z); out_proj. Padded positions are zeroed
-before in_proj and after the conv, as transformers does, so a left-padded row's state stays zero until its
-first token.
+lm_head), and :class:`HybridForCausalLM`, the decoder kit's model for the hybrids (Bamba, Falcon-H1, Nemotron-H,
+Jamba, GraniteMoeHybrid). The mixers themselves are ``vkformers_ssm/mixers.py``.
 
 In a 16-bit model the residual stream is float32 where the config says residual_in_fp32 (transformers' order of
 roundings: see MambaBlock.forward); the scans run in float32 from 16-bit inputs.
 
 Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
 :class:`SSMStateCache`, overwritten in place; a decode step is the same forward over one token from those states,
-recorded once by generate and replayed (models/decode_capture.py).
+recorded once by generate and replayed (models/decode_capture.py). A hybrid keeps them on the kit's KV cache
+instead and runs each decode step through its forward.
 """
 from __future__ import annotations
 
@@ -22,6 +18,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor, parameter
+from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
@@ -30,8 +27,7 @@ from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
-from vkformers_ssm.scan import selective_scan
-from vkformers_ssm.ssd import chunked_scan
+from vkformers_ssm.mixers import Mamba2Mixer, MambaMixer
 from vkformers_ssm.variants import MambaSpec, mamba_spec
 
 IGNORE_INDEX = -100
@@ -80,116 +76,6 @@ class SSMStateCache:
     def write(self, index: int, conv_inputs, state) -> None:
         self.conv_states[index].assign(conv_inputs.detach())
         self.ssm_states[index].assign(state.detach())
-
-
-class MambaMixer(Module):
-    def __init__(self, spec: MambaSpec):
-        super().__init__()
-        self.spec = spec
-        d, inner, n, rank = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.time_step_rank
-        self.in_proj = Linear(d, 2 * inner, bias=spec.use_bias)
-        conv = Module()
-        conv.param("weight", (inner, 1, spec.conv_kernel))
-        if spec.use_conv_bias:
-            conv.param("bias", (inner,))
-        self.conv1d = conv
-        self.x_proj = Linear(inner, rank + 2 * n, bias=False)
-        self.dt_proj = Linear(rank, inner, bias=True)
-        self.param("A_log", (inner, n))
-        self.param("D", (inner,))
-        self.out_proj = Linear(inner, d, bias=spec.use_bias)
-
-    def forward(self, h, keep, cache, index: int):
-        s = self.spec
-        inner, n, rank, past = s.intermediate_size, s.state_size, s.time_step_rank, s.conv_kernel - 1
-        batch = h.shape[0]
-        if keep is not None:
-            h = h * keep
-        xz = self.in_proj(h)
-        x, z = xz[..., :inner], xz[..., inner:]
-        history, state = (None, None) if cache is None else cache.read(index, batch, past, inner, x.dtype)
-        x_in = x.contiguous()
-        x = F.silu(F.causal_conv1d(x_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None, history))
-        if keep is not None:
-            x = x * keep
-        projected = self.x_proj(x)
-        dt_in, B, C = projected[..., :rank], projected[..., rank:rank + n], projected[..., rank + n:]
-        if s.bcdt_norm_eps is not None:
-            dt_in, B, C = (F.rms_norm(v.contiguous(), None, eps=s.bcdt_norm_eps) for v in (dt_in, B, C))
-        delta = F.softplus(self.dt_proj(dt_in).float())
-        A = self.A_log.float().exp() * -1.0
-        y, last = selective_scan(x, delta, A, B, C, self.D, state)
-        if cache is not None:
-            cache.write(index, F.cat([history, x_in], 1)[:, -past:], last)
-        y = y * F.silu(z.float())
-        return self.out_proj(y.cast(h.dtype))
-
-
-class Mamba2Mixer(Module):
-    """Mamba-2's mixer: in_proj -> [z | x B C | dt]; the conv + silu over [x B C]; per head scalar A = -exp(A_log),
-    D and dt = softplus(dt + dt_bias); B and C per group of heads; the chunked scan (vkformers_ssm.ssd) over a
-    sequence, the selective-scan kernel (each head's A, D, dt given to its channels) for a one-token step; then
-    RMSNorm over each group of channels of y * silu(z), times norm.weight; out_proj."""
-
-    def __init__(self, spec: MambaSpec):
-        super().__init__()
-        self.spec = spec
-        d, inner, n, groups = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.n_groups
-        self.conv_channels = inner + 2 * groups * n
-        self.in_proj = Linear(d, inner + self.conv_channels + spec.num_heads, bias=spec.use_bias)
-        conv = Module()
-        conv.param("weight", (self.conv_channels, 1, spec.conv_kernel))
-        if spec.use_conv_bias:
-            conv.param("bias", (self.conv_channels,))
-        self.conv1d = conv
-        self.param("dt_bias", (spec.num_heads,))
-        self.param("A_log", (spec.num_heads,))
-        self.param("D", (spec.num_heads,))
-        self.norm = RMSNorm(inner, eps=spec.norm_eps)
-        self.out_proj = Linear(inner, d, bias=spec.use_bias)
-
-    def _per_channel(self, x, *shape):
-        """A per-head tensor [..., heads] given to each of the head's head_dim channels: [..., heads * head_dim]
-        (then ``shape`` trailing sizes of 1 broadcast to them)."""
-        s = self.spec
-        lead = tuple(x.shape[:-1])
-        expanded = x.reshape(*lead, s.num_heads, 1, *([1] * len(shape)))
-        return expanded.expand(*lead, s.num_heads, s.head_dim, *shape).contiguous().reshape(
-            *lead, s.intermediate_size, *shape)
-
-    def forward(self, h, keep, cache, index: int):
-        s = self.spec
-        inner, n, groups, past = s.intermediate_size, s.state_size, s.n_groups, s.conv_kernel - 1
-        batch, length = h.shape[:2]
-        if keep is not None:
-            h = h * keep
-        projected = self.in_proj(h)
-        z = projected[..., :inner]
-        xbc_in = projected[..., inner:inner + self.conv_channels].contiguous()
-        dt_in = projected[..., inner + self.conv_channels:]
-        history, state = (None, None) if cache is None else cache.read(index, batch, past, self.conv_channels,
-                                                                        xbc_in.dtype)
-        xbc = F.silu(F.causal_conv1d(xbc_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None,
-                                     history))
-        if keep is not None:
-            xbc = xbc * keep
-        x = xbc[..., :inner].contiguous()
-        B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
-        C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
-        dt_heads = F.softplus((dt_in + self.dt_bias).float())
-        A_heads = self.A_log.float().exp() * -1.0
-        if length > 1:  # prefill and training: the chunked scan's matrix products
-            y, last = chunked_scan(x.reshape(batch, length, s.num_heads, s.head_dim), dt_heads, A_heads, B, C,
-                                   s.chunk_size, state)
-            y = y + x.float() * self._per_channel(self.D.float())
-        else:  # a decode step: the recurrent update
-            y, last = selective_scan(x, self._per_channel(dt_heads), self._per_channel(A_heads, n), B, C,
-                                     self._per_channel(self.D.float()), state)
-        if cache is not None:
-            cache.write(index, F.cat([history, xbc_in], 1)[:, -past:], last)
-        gated = (y * F.silu(z.float())).reshape(batch, length, groups, inner // groups)
-        normed = F.rms_norm(gated, None, eps=s.norm_eps).reshape(batch, length, inner)
-        return self.out_proj((self.norm.weight.float() * normed).cast(h.dtype))
 
 
 class MambaBlock(Module):
@@ -303,3 +189,15 @@ def _shift_labels(labels: np.ndarray) -> np.ndarray:
     shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
     shifted[:, :-1] = labels[:, 1:]
     return shifted
+
+
+class HybridForCausalLM(DecoderForCausalLM):
+    """The decoder kit's causal LM over this plugin's hybrid variants (attention and Mamba layers,
+    ``vkformers_ssm/variants.py``); their state-space layers are :class:`~vkformers_ssm.mixers.HybridMamba2Mixer`."""
+
+    decoder_spec = staticmethod(mamba_spec)
+
+    def __init__(self, config: dict, architecture):
+        super().__init__(config, architecture)
+        # the mixers' states live on the cache and change in their Python forward: no replayed decode step
+        self.capture_decode = False

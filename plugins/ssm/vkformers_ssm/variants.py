@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
+
+from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
+                                           first_of, padding_idx)
+
+from vkformers_moe.block import MoeSpec
+from vkformers_moe.variants import granitemoeshared
+
+from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SingleMixerBlock
+from vkformers_ssm.mixers import MambaSpec, mixer_module
 
 FAMILY = Family("ssm", kind="causal-decoder", norm="rms")
 architecture = FAMILY.architecture
@@ -15,31 +24,6 @@ architecture = FAMILY.architecture
 
 class UnsupportedConfigError(VkformersError, ValueError):
     """A config option the shared state-space model does not implement."""
-
-
-@dataclass(frozen=True)
-class MambaSpec:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    intermediate_size: int
-    state_size: int
-    conv_kernel: int
-    time_step_rank: int
-    norm_eps: float
-    hidden_act: str = "silu"
-    use_bias: bool = False            # in_proj, out_proj
-    use_conv_bias: bool = True
-    tie_embeddings: bool = True
-    residual_in_fp32: bool = True
-    bcdt_norm_eps: float | None = None  # Falcon-Mamba: weightless RMSNorm of dt, B and C before use
-    # Mamba-2: heads of head_dim channels, each with one scalar A, D and dt (dt_bias); B and C in n_groups groups
-    # of heads, from the conv like x; out = gated group RMSNorm(y * silu(z)) (eps norm_eps)
-    mamba2: bool = False
-    num_heads: int = 0
-    head_dim: int = 0
-    n_groups: int = 1
-    chunk_size: int = 256  # Mamba-2: steps per chunk of the chunked scan (prefill, training)
 
 
 def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
@@ -99,10 +83,219 @@ def mamba2(config: dict) -> MambaSpec:
         mamba2=True, num_heads=heads, head_dim=head_dim, n_groups=groups, chunk_size=int(config.get("chunk_size", 256)))
 
 
+# -- hybrids: the decoder kit's layers with Mamba mixers on some of them (vkformers_ssm.model.HybridForCausalLM)
+
+HYBRID_MODEL = "vkformers_ssm.model:HybridForCausalLM"
+
+
+def _mamba2_mixer(arch: str, config: dict, hidden: int, *, inner: int, heads: int, head_dim: int, groups: int,
+                  state: int, kernel: int, chunk: int, eps: float, bias: bool, conv_bias: bool) -> MambaSpec:
+    """A hybrid layer's Mamba-2 mixer, from the sizes its config names under its own spellings."""
+    refuse(arch, config, "time_step_limit", lambda v: v is None or list(v) == [0.0, float("inf")], None)
+    if heads * head_dim != inner or heads % groups or kernel < 2 or chunk < 1:
+        raise UnsupportedConfigError(f"{arch}: {heads} mamba heads x head dim {head_dim} must equal the mamba "
+                                     f"width ({inner}), split in {groups} groups, with a conv kernel of 2 or more; "
+                                     "fix the config")
+    return MambaSpec(vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=config["num_hidden_layers"],
+                     intermediate_size=inner, state_size=state, conv_kernel=kernel, time_step_rank=0, norm_eps=eps,
+                     use_bias=bias, use_conv_bias=conv_bias, mamba2=True, num_heads=heads, head_dim=head_dim,
+                     n_groups=groups, chunk_size=chunk)
+
+
+def _hybrid_decoder(config: dict, mamba_layers, mixer: MambaSpec, **changes) -> DecoderSpec:
+    """A Llama-like decoder spec (GQA softmax attention with rotary, gated MLP, RMSNorms) whose layers marked in
+    ``mamba_layers`` run ``mixer`` (at the layer's ``mamba``) instead of attention."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    attention_bias = bool(config.get("attention_bias", False))
+    layers = config["num_hidden_layers"]
+    spec = DecoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=first_of(config, "num_key_value_heads", default=heads),
+        head_dim=first_of(config, "head_dim", default=hidden // heads),
+        intermediate_size=config["intermediate_size"],
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), embed_padding_idx=padding_idx(config),
+        norms=NormSpec(eps=config.get("rms_norm_eps", 1e-6)), hidden_act=config.get("hidden_act", "silu"),
+        attention=AttentionSpec(q_bias=attention_bias, k_bias=attention_bias, v_bias=attention_bias,
+                                o_bias=attention_bias),
+        mlp=MLPSpec(bias=bool(config.get("mlp_bias", False))),
+        # the slot's head sizes are Gated DeltaNet's, which a Mamba module does not read
+        linear_attention=LinearAttentionSpec(layers=tuple(bool(m) for m in mamba_layers), k_heads=1, v_heads=1,
+                                             k_dim=1, v_dim=1, path="mamba", module=mixer_module(mixer)),
+        extra={"mamba": mixer})
+    return replace(spec, **changes)
+
+
+@architecture("bamba", status="verified", model_class=HYBRID_MODEL,
+              notes="Mamba-2 and attention layers (attn_layer_indices) on the decoder kit; per-layer conv and scan "
+                    "states on the KV cache")
+def bamba(config: dict) -> DecoderSpec:
+    refuse("bamba", config, "hidden_act", lambda v: v == "silu", "silu")  # also the mixer's conv activation
+    refuse("bamba", config, "z_loss_coefficient", lambda v: not v, 0.0)
+    hidden = config["hidden_size"]
+    heads, inner = config.get("mamba_n_heads", 128), int(config.get("mamba_expand", 2) * hidden)
+    head_dim = config.get("mamba_d_head", "auto")
+    mixer = _mamba2_mixer("bamba", config, hidden, inner=inner, heads=heads,
+                          head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+                          groups=config.get("mamba_n_groups", 1), state=config.get("mamba_d_state", 256),
+                          kernel=config.get("mamba_d_conv", 4), chunk=config.get("mamba_chunk_size", 256),
+                          eps=config.get("rms_norm_eps", 1e-5), bias=bool(config.get("mamba_proj_bias", False)),
+                          conv_bias=bool(config.get("mamba_conv_bias", True)))
+    attention_layers = set(config.get("attn_layer_indices") or ())
+    # BambaConfig fixes rotary to half of each head whatever the config file says
+    rope_config = dict(config, partial_rotary_factor=0.5)
+    if isinstance(config.get("rope_parameters"), dict):
+        rope_config["rope_parameters"] = dict(config["rope_parameters"], partial_rotary_factor=0.5)
+    spec = _hybrid_decoder(config, [i not in attention_layers for i in range(config["num_hidden_layers"])], mixer,
+                           mlp_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm")
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward"),
+                   positions=replace(spec.positions, rope_configs=((rope_config, None),) * spec.num_layers))
+
+
+@architecture("falcon_h1", status="verified", model_class=HYBRID_MODEL,
+              notes="Mamba-2 mixer and attention in parallel in every layer, with Falcon-H1's muP multipliers")
+def falcon_h1(config: dict) -> DecoderSpec:
+    refuse("falcon_h1", config, "hidden_act", lambda v: v == "silu", "silu")
+    hidden, heads = config["hidden_size"], config.get("mamba_n_heads", 128)
+    inner = config.get("mamba_d_ssm", 1024)
+    inner = int(config.get("mamba_expand", 2) * hidden) if inner is None else int(inner)
+    head_dim = config.get("mamba_d_head", "auto")
+    gated_norm = (("before_gate" if config.get("mamba_norm_before_gate", True) else "after_gate")
+                  if config.get("mamba_rms_norm", False) else None)
+    ssm_multipliers = config.get("ssm_multipliers") or (1.0,) * 5
+    mixer = replace(
+        _mamba2_mixer("falcon_h1", config, hidden, inner=inner, heads=heads,
+                      head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+                      groups=config.get("mamba_n_groups", 1), state=config.get("mamba_d_state", 256),
+                      kernel=config.get("mamba_d_conv", 4), chunk=config.get("mamba_chunk_size", 256),
+                      eps=config.get("rms_norm_eps", 1e-5), bias=bool(config.get("mamba_proj_bias", False)),
+                      conv_bias=bool(config.get("mamba_conv_bias", True))),
+        gated_norm=gated_norm, in_multiplier=float(config.get("ssm_in_multiplier", 1.0)),
+        proj_multipliers=None if all(m == 1.0 for m in ssm_multipliers) else tuple(map(float, ssm_multipliers)))
+    if bool(config.get("projectors_bias", False)) != bool(config.get("mamba_proj_bias", False)):
+        raise UnsupportedConfigError("falcon_h1: projectors_bias (the mixer's out_proj bias) must equal "
+                                     "mamba_proj_bias (its in_proj bias) in vkformers-ssm; use such a checkpoint")
+    gate, down = config.get("mlp_multipliers") or (1.0, 1.0)
+    multipliers = ParallelMultipliers(
+        attention_in=float(config.get("attention_in_multiplier", 1.0)),
+        attention_out=float(config.get("attention_out_multiplier", 1.0)),
+        ssm_out=float(config.get("ssm_out_multiplier", 1.0)), mlp_gate=float(gate), mlp_down=float(down))
+    spec = _hybrid_decoder(config, [False] * config["num_hidden_layers"], mixer,
+                           mlp_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm",
+                           embed_scale=float(config.get("embedding_multiplier", 1.0)),
+                           logits_scale=float(config.get("lm_head_multiplier", 1.0)),
+                           make_layer=ParallelMambaLayer)
+    # key_multiplier scales the keys: the same scores as the softmax scale times it
+    key_scale = spec.head_dim ** -0.5 * float(config.get("key_multiplier", 1.0))
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward"), linear_attention=None,
+                   attention=replace(spec.attention, scales=(key_scale,) * spec.num_layers),
+                   extra=dict(spec.extra, multipliers=multipliers))
+
+
+NEMOTRON_H_BLOCKS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe",
+                     "M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+@architecture("nemotron_h", status="verified", model_class=HYBRID_MODEL,
+              notes="a pattern of Mamba-2, attention (no rotary) and relu2 MLP blocks, one mixer each; "
+                    "mixture-of-experts blocks refused")
+def nemotron_h(config: dict) -> DecoderSpec:
+    types = config.get("layers_block_type") or config.get("layer_types") or list(
+        config.get("hybrid_override_pattern") or "")
+    if not types:
+        raise UnsupportedConfigError("nemotron_h: the config names no layers_block_type (nor hybrid_override_pattern); "
+                                     "fix the config")
+    blocks = tuple(NEMOTRON_H_BLOCKS.get(t, t) for t in types)
+    if "moe" in blocks:
+        raise UnsupportedConfigError("nemotron_h: mixture-of-experts blocks (layers_block_type 'moe') are not "
+                                     "supported by vkformers-ssm yet; use a checkpoint without them")
+    refuse("nemotron_h", config, "mamba_hidden_act", lambda v: v == "silu", "silu")
+    refuse("nemotron_h", config, "sliding_window", lambda v: v is None, None)
+    refuse("nemotron_h", config, "residual_in_fp32", lambda v: not v, False)
+    refuse("nemotron_h", config, "num_nextn_predict_layers", lambda v: not v, 0)
+    config = dict(config, num_hidden_layers=len(blocks), rms_norm_eps=config.get("layer_norm_epsilon", 1e-5),
+                  hidden_act=config.get("mlp_hidden_act", "relu2"))
+    hidden = config["hidden_size"]
+    heads, head_dim = config.get("mamba_num_heads", 128), config.get("mamba_head_dim", 64)
+    bias = bool(config.get("use_bias", False))
+    # transformers' Nemotron-H reads no time_step_limit: its mixer's limit is (time_step_min, inf), dt_min below
+    mixer = _mamba2_mixer("nemotron_h", dict(config, time_step_limit=None), hidden, inner=heads * head_dim, heads=heads, head_dim=head_dim,
+                          groups=config.get("n_groups", 8), state=config.get("ssm_state_size", 128),
+                          kernel=config.get("conv_kernel", 4), chunk=config.get("chunk_size", 128),
+                          eps=config.get("layer_norm_epsilon", 1e-5), bias=bias,
+                          conv_bias=bool(config.get("use_conv_bias", True)))
+    mixer = replace(mixer, dt_min=float(config.get("time_step_min", 0.001)))
+    spec = _hybrid_decoder(config, [False] * len(blocks), mixer, embed="backbone.embeddings",
+                           layers="backbone.layers", final_norm="backbone.norm_f",
+                           embed_padding_idx=None, make_layer=SingleMixerBlock, linear_attention=None)
+    return replace(spec, positions=replace(spec.positions, rope=False),  # q/k/v/o without biases whatever the config
+                   attention=replace(spec.attention, q_bias=False, k_bias=False, v_bias=False, o_bias=False),
+                   mlp=replace(spec.mlp, kind="plain", bias=bool(config.get("mlp_bias", False))),
+                   extra=dict(spec.extra, block_types=blocks))
+
+
+@architecture("jamba", status="verified", model_class=HYBRID_MODEL,
+              notes="Mamba-1 (weighted dt/B/C norms) and attention layers, sparse feed_forward blocks "
+                    "(vkformers-moe's MoeSpec) every expert_layer_period layers")
+def jamba(config: dict) -> DecoderSpec:
+    refuse("jamba", config, "hidden_act", lambda v: v == "silu", "silu")
+    refuse("jamba", config, "output_router_logits", lambda v: not v, False)  # its auxiliary loss is not in ours
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    rank = config.get("mamba_dt_rank", "auto")
+    eps = config.get("rms_norm_eps", 1e-6)
+    mixer = MambaSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=layers,
+        intermediate_size=int(config.get("mamba_expand", 2) * hidden), state_size=config.get("mamba_d_state", 16),
+        conv_kernel=config.get("mamba_d_conv", 4), time_step_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+        norm_eps=eps, use_bias=bool(config.get("mamba_proj_bias", False)),
+        use_conv_bias=bool(config.get("mamba_conv_bias", True)), bcdt_norm_eps=eps, bcdt_norm_weights=True)
+    if mixer.conv_kernel < 2:
+        raise UnsupportedConfigError("jamba: mamba_d_conv must be 2 or more; fix the config")
+    attention = [i % config.get("attn_layer_period", 8) == config.get("attn_layer_offset", 4) for i in range(layers)]
+    experts = config.get("num_experts", 16)
+    sparse = tuple(experts > 1 and i % config.get("expert_layer_period", 2) == config.get("expert_layer_offset", 1)
+                   for i in range(layers))
+    spec = _hybrid_decoder(config, [not a for a in attention], mixer, mlp_in_norm="pre_ff_layernorm",
+                           final_norm="model.final_layernorm")
+    moe = MoeSpec(num_experts=experts, top_k=config.get("num_experts_per_tok", 2), expert_size=spec.intermediate_size,
+                  layers=sparse, hidden_act=spec.hidden_act, path="feed_forward", router="router") if any(sparse) \
+        else None
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward", bias=False), moe=moe,  # no biases in Jamba
+                   attention=replace(spec.attention, q_bias=False, k_bias=False, v_bias=False, o_bias=False),
+                   positions=replace(spec.positions, rope=False))
+
+
+@architecture("granitemoehybrid", status="verified", model_class=HYBRID_MODEL,
+              notes="GraniteMoeShared (vkformers-moe's variant: multipliers, sparse block, shared MLP) with Mamba-2 "
+                    "mixers on its linear_attention layers")
+def granitemoehybrid(config: dict) -> DecoderSpec:
+    refuse("granitemoehybrid", config, "hidden_act", lambda v: v == "silu", "silu")  # also the mixer's conv activation
+    refuse("granitemoehybrid", config, "position_embedding_type", lambda v: v in (None, "nope", "rope"), None)
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    types = config.get("layer_types") or config.get("layers_block_type") or ["linear_attention"] * layers
+    mamba_layers = [t in ("linear_attention", "mamba") for t in types]
+    heads, inner = config.get("mamba_n_heads", 128), int(config.get("mamba_expand", 2) * hidden)
+    head_dim = config.get("mamba_d_head", "auto")
+    mixer = _mamba2_mixer("granitemoehybrid", config, hidden, inner=inner, heads=heads,
+                          head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+                          groups=config.get("mamba_n_groups", 1), state=config.get("mamba_d_state", 256),
+                          kernel=config.get("mamba_d_conv", 4), chunk=config.get("mamba_chunk_size", 256),
+                          eps=config.get("rms_norm_eps", 1e-6), bias=bool(config.get("mamba_proj_bias", False)),
+                          conv_bias=bool(config.get("mamba_conv_bias", True)))
+    if not config.get("num_local_experts", 8):
+        raise UnsupportedConfigError("granitemoehybrid: num_local_experts=0 (the shared MLP alone) is not supported "
+                                     "by vkformers-ssm yet; use a checkpoint with experts")
+    spec = granitemoeshared(config)
+    linear = LinearAttentionSpec(layers=tuple(mamba_layers), k_heads=1, v_heads=1, k_dim=1, v_dim=1, path="mamba",
+                                 module=mixer_module(mixer))
+    return replace(spec, linear_attention=linear, extra=dict(spec.extra, mamba=mixer),
+                   positions=replace(spec.positions, rope=config.get("position_embedding_type") == "rope"))
+
+
 VARIANTS = FAMILY.variants()
 
 
-def mamba_spec(config: dict, name: str) -> MambaSpec:
+def mamba_spec(config: dict, name: str) -> MambaSpec | DecoderSpec:
     try:
         variant = VARIANTS[name]
     except KeyError:

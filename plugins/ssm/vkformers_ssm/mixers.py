@@ -1,0 +1,243 @@
+"""The Mamba mixers (``mixer`` of a Mamba block; ``mamba`` of a hybrid decoder's state-space layer).
+
+A Mamba-1 mixer (Mamba-2's: :class:`Mamba2Mixer`): in_proj -> [x | z]; x through the causal depthwise conv1d
+(F.causal_conv1d) and silu; x_proj -> dt, B, C (Falcon-Mamba: each RMS-normalised without weight); delta =
+softplus(dt_proj(dt)); the selective scan (vkformers_ssm.scan) with A = -exp(A_log) and the skip D; times silu(z);
+out_proj. Padded positions are zeroed before in_proj and after the conv, as transformers does.
+
+In a hybrid decoder (``vkformers_ssm/model.py``'s :class:`HybridForCausalLM`) a state-space layer is the decoder
+kit's linear-attention slot (``LinearAttentionSpec.module``) filled with :class:`HybridMambaMixer` or
+:class:`HybridMamba2Mixer`: the same mixer called as the kit calls a linear-attention module, ``(normed hidden states, Context, layer index)``, its
+states on the kit's KV cache (:class:`CacheStates`), restarted at position 0 as the kit's Gated DeltaNet does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.tensor import Tensor
+from vkformers.models.layers import Linear, RMSNorm
+from vkformers.models.module import Module
+
+from vkformers_ssm.scan import selective_scan
+from vkformers_ssm.ssd import chunked_scan
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    time_step_rank: int
+    norm_eps: float
+    hidden_act: str = "silu"
+    use_bias: bool = False            # in_proj, out_proj
+    use_conv_bias: bool = True
+    tie_embeddings: bool = True
+    residual_in_fp32: bool = True
+    bcdt_norm_eps: float | None = None  # Falcon-Mamba: weightless RMSNorm of dt, B and C before use
+    bcdt_norm_weights: bool = False     # Jamba: those norms have weights (dt_layernorm, b_layernorm, c_layernorm)
+    # Mamba-2: heads of head_dim channels, each with one scalar A, D and dt (dt_bias); B and C in n_groups groups
+    # of heads, from the conv like x; out = gated group RMSNorm(y * silu(z)) (eps norm_eps)
+    mamba2: bool = False
+    num_heads: int = 0
+    head_dim: int = 0
+    n_groups: int = 1
+    chunk_size: int = 256  # Mamba-2: steps per chunk of the chunked scan (prefill, training)
+    # Mamba-2 in hybrids: the gated norm's place ("after_gate": norm(y * silu(z)), Mamba-2's; "before_gate":
+    # norm(y) * silu(z); None: y * silu(z), no norm), Falcon-H1's muP scalings of the mixer's input and of the
+    # in_proj sections [z, x, B, C, dt]
+    gated_norm: str | None = "after_gate"
+    in_multiplier: float = 1.0
+    proj_multipliers: tuple[float, ...] | None = None
+    dt_min: float = 0.0  # Nemotron-H: dt clamped below where transformers runs the chunked scan (not the recurrent step)
+
+
+class MambaMixer(Module):
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, rank = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.time_step_rank
+        self.in_proj = Linear(d, 2 * inner, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (inner, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (inner,))
+        self.conv1d = conv
+        self.x_proj = Linear(inner, rank + 2 * n, bias=False)
+        self.dt_proj = Linear(rank, inner, bias=True)
+        self.param("A_log", (inner, n))
+        self.param("D", (inner,))
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+        if spec.bcdt_norm_weights:
+            self.dt_layernorm = RMSNorm(rank, eps=spec.bcdt_norm_eps)
+            self.b_layernorm = RMSNorm(n, eps=spec.bcdt_norm_eps)
+            self.c_layernorm = RMSNorm(n, eps=spec.bcdt_norm_eps)
+
+    def forward(self, h, keep, cache, index: int):
+        s = self.spec
+        inner, n, rank, past = s.intermediate_size, s.state_size, s.time_step_rank, s.conv_kernel - 1
+        batch = h.shape[0]
+        if keep is not None:
+            h = h * keep
+        xz = self.in_proj(h)
+        x, z = xz[..., :inner], xz[..., inner:]
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, inner, x.dtype)
+        x_in = x.contiguous()
+        x = F.silu(F.causal_conv1d(x_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None, history))
+        if keep is not None:
+            x = x * keep
+        projected = self.x_proj(x)
+        dt_in, B, C = projected[..., :rank], projected[..., rank:rank + n], projected[..., rank + n:]
+        if s.bcdt_norm_weights:
+            dt_in, B, C = (norm(v.contiguous()) for norm, v in
+                           ((self.dt_layernorm, dt_in), (self.b_layernorm, B), (self.c_layernorm, C)))
+        elif s.bcdt_norm_eps is not None:
+            dt_in, B, C = (F.rms_norm(v.contiguous(), None, eps=s.bcdt_norm_eps) for v in (dt_in, B, C))
+        delta = F.softplus(self.dt_proj(dt_in).float())
+        A = self.A_log.float().exp() * -1.0
+        y, last = selective_scan(x, delta, A, B, C, self.D, state)
+        if cache is not None:
+            cache.write(index, F.cat([history, x_in], 1)[:, -past:], last)
+        y = y * F.silu(z.float())
+        return self.out_proj(y.cast(h.dtype))
+
+
+class Mamba2Mixer(Module):
+    """Mamba-2's mixer: in_proj -> [z | x B C | dt]; the conv + silu over [x B C]; per head scalar A = -exp(A_log),
+    D and dt = softplus(dt + dt_bias); B and C per group of heads; the chunked scan (vkformers_ssm.ssd) over a
+    sequence, the selective-scan kernel (each head's A, D, dt given to its channels) for a one-token step; then
+    RMSNorm over each group of channels of y * silu(z), times norm.weight; out_proj."""
+
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, groups = spec.hidden_size, spec.intermediate_size, spec.state_size, spec.n_groups
+        self.conv_channels = inner + 2 * groups * n
+        self.in_proj = Linear(d, inner + self.conv_channels + spec.num_heads, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (self.conv_channels, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (self.conv_channels,))
+        self.conv1d = conv
+        self.param("dt_bias", (spec.num_heads,))
+        self.param("A_log", (spec.num_heads,))
+        self.param("D", (spec.num_heads,))
+        if spec.gated_norm is not None:
+            self.norm = RMSNorm(inner, eps=spec.norm_eps)
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+        scale = None
+        if spec.proj_multipliers is not None:  # one factor per in_proj section [z, x, B, C, dt]
+            widths = (inner, inner, groups * n, groups * n, spec.num_heads)
+            scale = np.repeat(np.asarray(spec.proj_multipliers, np.float32), widths)
+        object.__setattr__(self, "proj_scale", scale)
+
+    def _per_channel(self, x, *shape):
+        """A per-head tensor [..., heads] given to each of the head's head_dim channels: [..., heads * head_dim]
+        (then ``shape`` trailing sizes of 1 broadcast to them)."""
+        s = self.spec
+        lead = tuple(x.shape[:-1])
+        expanded = x.reshape(*lead, s.num_heads, 1, *([1] * len(shape)))
+        return expanded.expand(*lead, s.num_heads, s.head_dim, *shape).contiguous().reshape(
+            *lead, s.intermediate_size, *shape)
+
+    def forward(self, h, keep, cache, index: int):
+        s = self.spec
+        inner, n, groups, past = s.intermediate_size, s.state_size, s.n_groups, s.conv_kernel - 1
+        batch, length = h.shape[:2]
+        if keep is not None:
+            h = h * keep
+        if s.in_multiplier != 1.0:
+            h = h * s.in_multiplier
+        projected = self.in_proj(h)
+        if self.proj_scale is not None:
+            projected = projected * Tensor(self.proj_scale, dtype=projected.dtype)
+        z = projected[..., :inner]
+        xbc_in = projected[..., inner:inner + self.conv_channels].contiguous()
+        dt_in = projected[..., inner + self.conv_channels:]
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, self.conv_channels,
+                                                                        xbc_in.dtype)
+        xbc = F.silu(F.causal_conv1d(xbc_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None,
+                                     history))
+        if keep is not None:
+            xbc = xbc * keep
+        x = xbc[..., :inner].contiguous()
+        B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
+        C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
+        dt_heads = F.softplus((dt_in + self.dt_bias).float())
+        if s.dt_min > 0.0 and (length > 1 or state is None):
+            dt_heads = dt_heads.maximum(s.dt_min)
+        A_heads = self.A_log.float().exp() * -1.0
+        if length > 1:  # prefill and training: the chunked scan's matrix products
+            y, last = chunked_scan(x.reshape(batch, length, s.num_heads, s.head_dim), dt_heads, A_heads, B, C,
+                                   s.chunk_size, state)
+            y = y + x.float() * self._per_channel(self.D.float())
+        else:  # a decode step: the recurrent update
+            y, last = selective_scan(x, self._per_channel(dt_heads), self._per_channel(A_heads, n), B, C,
+                                     self._per_channel(self.D.float()), state)
+        if cache is not None:
+            cache.write(index, F.cat([history, xbc_in], 1)[:, -past:], last)
+        if s.gated_norm is None:
+            return self.out_proj((y * F.silu(z.float())).cast(h.dtype))
+        gated = y * F.silu(z.float()) if s.gated_norm == "after_gate" else y
+        normed = F.rms_norm(gated.reshape(batch, length, groups, inner // groups), None, eps=s.norm_eps)
+        out = self.norm.weight.float() * normed.reshape(batch, length, inner)
+        if s.gated_norm == "before_gate":
+            out = out * F.silu(z.float())
+        return self.out_proj(out.cast(h.dtype))
+
+
+class CacheStates:
+    """The read / write interface of :class:`~vkformers_ssm.model.SSMStateCache` over a KV cache: each layer's
+    (conv inputs, scan state) in ``cache.ssm_states``; zeros and no state at position 0."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.states = cache.__dict__.setdefault("ssm_states", {})
+
+    def read(self, index: int, batch: int, past: int, channels: int, dtype):
+        if self.cache.position == 0 or index not in self.states:
+            return Tensor(np.zeros((batch, past, channels), np.float32), dtype=dtype), None
+        return self.states[index]
+
+    def write(self, index: int, conv_inputs, state) -> None:
+        self.states[index] = (conv_inputs.detach(), state.detach())
+
+
+def _kit_inputs(h, ctx):
+    """What a mixer reads from the kit's Context: the keep mask of padded positions (or None) and its states."""
+    length = h.shape[1]
+    keep = None
+    if ctx.host_mask is not None and not ctx.host_mask[:, -length:].all():
+        keep = Tensor(ctx.host_mask[:, -length:].astype(np.float32)[:, :, None], dtype=h.dtype)
+    return keep, (CacheStates(ctx.cache) if ctx.cache is not None else None)
+
+
+class HybridMambaMixer(MambaMixer):
+    """A Mamba-1 mixer in a decoder-kit layer (Jamba): padded positions (the context's mask) are zeroed as
+    transformers' apply_mask_to_padding_states does, the states live on the context's cache."""
+
+    def forward(self, h, ctx, index: int):
+        return super().forward(h, *_kit_inputs(h, ctx), index)
+
+
+class HybridMamba2Mixer(Mamba2Mixer):
+    """A Mamba-2 mixer in a decoder-kit layer, as :class:`HybridMambaMixer`."""
+
+    def forward(self, h, ctx, index: int):
+        return super().forward(h, *_kit_inputs(h, ctx), index)
+
+
+def mixer_module(mamba):
+    """The kit's ``LinearAttentionSpec.module`` for a mixer of the given MambaSpec (Mamba-1 or Mamba-2)."""
+    return partial(_build_mixer, mamba)
+
+
+def _build_mixer(mamba, decoder_spec):
+    return (HybridMamba2Mixer if mamba.mamba2 else HybridMambaMixer)(mamba)
