@@ -21,7 +21,8 @@
 // raw 16-byte words, so k and the offsets must be whole numbers of vectors (the launcher checks).
 // QUANT_W (the q_* variants): W0, W1, W2 are quantized weights of one block format (quant_block.glsl, FORMAT),
 // read from their packed bytes (w_offset0..2 in bytes, rows of k / block whole blocks): lanes stride over units
-// of 32 weights (quant_unit) instead of vectors, and x, g follow each unit's four runs of 8 elements.
+// of 32 weights (quant_unit) instead of vectors, and x, g follow each unit's four runs of 8 elements; each run
+// takes its scale and offset once (scale * dot(x, codes) + offset * sum(x)), not once per weight.
 //! variant f32 -DELEM_F32
 //! variant f16 -DELEM_F16
 //! variant bf16 -DELEM_BF16
@@ -241,11 +242,11 @@ void pair_product(uint p) {
     const uint row_b = weight_byte_offset(second) + col1 * row_bytes;
     for (uint t = begin + lane; t < end; t += step) {
         const uint block = t / per_block, u = t % per_block;
-        vec4 wa[8], wb[8];
+        vec4 qa[8], qb[8], scale_a, scale_b, offset_a, offset_b;
         quant_source = pr.which;
-        quant_unit(row_a + block * block_bytes, u, wa);
+        quant_unit(row_a + block * block_bytes, u, qa, scale_a, offset_a);
         quant_source = second;
-        quant_unit(row_b + block * block_bytes, u, wb);
+        quant_unit(row_b + block * block_bytes, u, qb, scale_b, offset_b);
         [[unroll]] for (uint o = 0u; o < 4u; ++o) {
             const uint e = block * quant_block_size() + quant_octet_start(u, o);
             vec4 g_lo, g_hi;
@@ -257,8 +258,9 @@ void pair_product(uint p) {
                     squares[r] += dot(lo, lo) + dot(hi, hi);
                     if (NORM_WEIGHT != 0) { lo *= g_lo; hi *= g_hi; }
                 }
-                acc0[r] += dot(lo, wa[2u * o]) + dot(hi, wa[2u * o + 1u]);
-                acc1[r] += dot(lo, wb[2u * o]) + dot(hi, wb[2u * o + 1u]);
+                const float x_sum = dot(lo + hi, vec4(1.0));  // the offsets' share, for both columns
+                acc0[r] += scale_a[o] * (dot(lo, qa[2u * o]) + dot(hi, qa[2u * o + 1u])) + offset_a[o] * x_sum;
+                acc1[r] += scale_b[o] * (dot(lo, qb[2u * o]) + dot(hi, qb[2u * o + 1u])) + offset_b[o] * x_sum;
             }
         }
     }

@@ -32,7 +32,8 @@
 // bounds-check, add bias and beta * C, and convert.
 //
 // QUANT_B (the *_quant variants): B is a quantized weight W (quant_block.glsl, FORMAT), read from its packed
-// bytes and dequantized 8 values at a time into the staged tile (never expanded to memory): TRANS_B = 1 for
+// bytes and dequantized 8 values at a time into the staged tile (never expanded to memory; the next tile's
+// packed words are read before the current one is multiplied, and dequantized after it): TRANS_B = 1 for
 // x @ W^T (W [n, k]), 0 for dY @ W (W [k, n]); off_b is W's offset in bytes and stride_b its row's bytes (one
 // product, no batch). W's rows are whole blocks, so a staged run of 8 is wholly inside or past them.
 //
@@ -160,18 +161,34 @@ uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
 // Two floats as the halves (float16 or bfloat16 bits, rounded to nearest even) of one word.
 uint pack_b2(float lo, float hi) {
 #if defined(QUANT_B_BF16)
-    return uint(f32_to_bf16(lo)) | (uint(f32_to_bf16(hi)) << 16);
+    // f32_to_bf16 of both (nearest even, a NaN quiet) on 32-bit words, without 16-bit values in between
+    uvec2 u = floatBitsToUint(vec2(lo, hi));
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u = mix(u, uvec2(0x7FC00000u), isnan(vec2(lo, hi)));
+    return (u.x >> 16) | (u.y & 0xFFFF0000u);
 #else
     return packHalf2x16(vec2(lo, hi));
 #endif
 }
-// W[outer, inner .. inner + 7] dequantized (zeros past W's rows or the K entries read).
-uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
+// Chunk q of B's tile at (col0, k0): where it lies in W (quant_block_of: its block's byte and the element in it;
+// .y OUTSIDE_W past W's rows or the K entries read, zeros) and its packed words, read while the current tile is
+// multiplied and dequantized only when staged (decode_chunk_b): the loads' latency hides behind the multiply, as
+// the dense path's prefetched vectors do.
+#define OUTSIDE_W 0xFFFFFFFFu
+QuantRun fetch_chunk_b(uint q, uint col0, uint k0, out uvec2 place) {
     uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
-    if (outer >= (TRANS_B != 0 ? N_ : k_limit) || inner >= (TRANS_B != 0 ? k_limit : N_)) return uvec4(0);
+    place = quant_block_of(off_b, stride_b, outer, inner);
+    if (outer >= (TRANS_B != 0 ? N_ : k_limit) || inner >= (TRANS_B != 0 ? k_limit : N_)) {
+        place.y = OUTSIDE_W;
+        return QuantRun(uvec4(0u), uvec4(0u));
+    }
+    return quant_fetch8(place.x, place.y);
+}
+uvec4 decode_chunk_b(QuantRun run, uvec2 place) {
+    if (place.y == OUTSIDE_W) return uvec4(0u);
     vec4 lo, hi;
-    quant_row8(off_b, stride_b, outer, inner, lo, hi);
+    quant_decode8(run, place.x, place.y, lo, hi);
     return uvec4(pack_b2(lo.x, lo.y), pack_b2(lo.z, lo.w), pack_b2(hi.x, hi.y), pack_b2(hi.z, hi.w));
 }
 #else
@@ -229,21 +246,37 @@ void main() {
         [[unroll]] for (uint j = 0; j < FRAG_N; ++j)
             acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-    uvec4 next_a[MAX_CHUNKS], next_b[MAX_CHUNKS];
+    uvec4 next_a[MAX_CHUNKS];
+#if defined(QUANT_B)
+    QuantRun next_b[MAX_CHUNKS];
+    uvec2 next_b_place[MAX_CHUNKS];
+#define FETCH_B(FAST, K0) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) \
+            next_b[l] = fetch_chunk_b(tid + l * threads, col0, K0, next_b_place[l]);
+#define STAGE_B(K0) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) \
+            tile_b[staged_index_b(tid + l * threads)] = decode_chunk_b(next_b[l], next_b_place[l]);
+#else
+    uvec4 next_b[MAX_CHUNKS];
+#define FETCH_B(FAST, K0) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(FAST, tid + l * threads, base_b, col0, K0);
+#define STAGE_B(K0) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];
+#endif
     // Both branches are uniform over the workgroup; the unchecked one is the hot loop.
 #define FETCH_TILES(K0)                                                                               \
     if (vector_tiles && (K0) + BK <= k_limit) {                                                             \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(true, tid + l * threads, base_b, col0, K0); \
+        FETCH_B(true, K0)                                                                             \
     } else {                                                                                          \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(false, tid + l * threads, base_a, row0, K0); \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(false, tid + l * threads, base_b, col0, K0); \
+        FETCH_B(false, K0)                                                                            \
     }
 
     if (k_begin < k_end) { FETCH_TILES(k_begin) }
     for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) tile_a[staged_index_a(tid + l * threads)] = next_a[l];
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];
+        STAGE_B(k0)
         barrier();
         if (k0 + BK < k_end) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
 

@@ -84,19 +84,21 @@ void matvec(uint col0, uint first, uint stride) {
     for (uint t = first; t < units; t += stride) {
         const uint block = t / per_block, u = t % per_block;
         const uint elem = block * quant_block_size();
-        vec4 w[COLS * 8u];
+        vec4 q[COLS * 8u], scale[COLS], offset[COLS];
         [[unroll]] for (uint j = 0u; j < COLS; ++j) {
-            vec4 unit[8];
+            vec4 codes[8];
             // a column past n repeats the last one, computed and never written (no branch around the loads)
-            quant_unit(off_w + min(col0 + j, n - 1u) * row_bytes + block * block_bytes, u, unit);
-            [[unroll]] for (uint i = 0u; i < 8u; ++i) w[8u * j + i] = unit[i];
+            quant_unit(off_w + min(col0 + j, n - 1u) * row_bytes + block * block_bytes, u, codes, scale[j], offset[j]);
+            [[unroll]] for (uint i = 0u; i < 8u; ++i) q[8u * j + i] = codes[i];
         }
         [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
             [[unroll]] for (uint o = 0u; o < 4u; ++o) {
                 vec4 lo, hi;
                 load_a8(off_a + r * k + elem + quant_octet_start(u, o), lo, hi);
+                const float a_sum = dot(lo + hi, vec4(1.0));
                 [[unroll]] for (uint j = 0u; j < COLS; ++j)
-                    acc[j * ROWS + r] += dot(w[8u * j + 2u * o], lo) + dot(w[8u * j + 2u * o + 1u], hi);
+                    acc[j * ROWS + r] += scale[j][o] * (dot(q[8u * j + 2u * o], lo) + dot(q[8u * j + 2u * o + 1u], hi))
+                                         + offset[j][o] * a_sum;
             }
         }
     }

@@ -61,17 +61,32 @@ uvec2 k_scale_min(uint at, uint j) {
     return uvec2((hi & 15u) | ((q_byte(at + j - 4u) >> 6) << 4), (hi >> 4) | ((q_byte(at + j) >> 6) << 4));
 }
 
+// The same from the block's first 16 bytes (d, dmin and the 12 bytes) already read, times d and dmin: both
+// layouts computed and one selected, so that lanes on different sub-blocks do not diverge.
+vec2 k_scale_min_of(uvec4 head, uint sub) {
+    uint shift = 8u * (sub & 3u);
+    uint s_low = (head.y >> shift) & 0xFFu, m_low = (head.z >> shift) & 0xFFu, hi = (head.w >> shift) & 0xFFu;
+    bool upper = sub >= 4u;
+    uint sc = upper ? (hi & 15u) | ((s_low >> 6) << 4) : s_low & 63u;
+    uint mn = upper ? (hi >> 4) | ((m_low >> 6) << 4) : m_low & 63u;
+    vec2 dm = unpackHalf2x16(head.x);
+    return dm * (uintBitsToFloat(uvec2(sc, mn) | 0x4B000000u) - 8388608.0);  // as q_bytes
+}
+
 // Four bytes from byte `at` on, the first in the low 8 bits (at is even: at most two words; the second is read only
 // when the bytes reach into it, so a read never passes the buffer's end).
 uint q_word4(uint at) {
     uint shift = (at & 3u) * 8u, first = QUANT_WORD(at >> 2);
     return shift == 0u ? first : (first >> shift) | (QUANT_WORD((at >> 2) + 1u) << (32u - shift));
 }
-vec4 q_bytes(uint v) { return vec4(uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu); }
-vec4 q_int8s(uint v) {
-    int s = int(v);
-    return vec4(bitfieldExtract(s, 0, 8), bitfieldExtract(s, 8, 8), bitfieldExtract(s, 16, 8),
-                bitfieldExtract(s, 24, 8));
+// The four bytes of v as floats without an integer-to-float conversion, a low-rate instruction on many GPUs that
+// would bound every dequantizing loop: the float with bits 0x4B000000 | b is 2^23 + b, so less 2^23 it is b exactly.
+vec4 q_bytes(uint v) {
+    return uintBitsToFloat((uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu) | 0x4B000000u) - 8388608.0;
+}
+vec4 q_int8s(uint v) {  // signed bytes: b ^ 0x80 is b + 128 as an unsigned byte
+    uint u = v ^ 0x80808080u;
+    return uintBitsToFloat((uvec4(u, u >> 8, u >> 16, u >> 24) & 0xFFu) | 0x4B000000u) - 8388736.0;
 }
 
 // Elements j .. j+3 (j a multiple of 4) of the block starting at byte `block`. Four consecutive elements
@@ -155,54 +170,46 @@ uint quant_octet_start(uint u, uint o) {
     return 32u * u + 8u * o;
 }
 
-// The 32 weights of unit u of the block at byte `block`: w[2o], w[2o + 1] are octet o's.
-void quant_unit(uint block, uint u, out vec4 w[8]) {
+// The 32 weights of unit u of the block at byte `block`, as codes and a scale and offset per octet: octet o's
+// weights are scale[o] * q[2o] + offset[o] and scale[o] * q[2o + 1] + offset[o]. A product takes
+// scale * dot(q, x) + offset * sum(x) per octet, so the scales cost nothing per weight and sum(x) serves every
+// column of W.
+void quant_unit(uint block, uint u, out vec4 q[8], out vec4 scale, out vec4 offset) {
     if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
-        uvec4 q = q_16bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u));
-        float d = q_half(block), m = FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u);
+        uvec4 v = q_16bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u));
+        float d = q_half(block);
+        scale = vec4(d);
+        offset = vec4(FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u));
         for (uint o = 0u; o < 4u; ++o) {
             uint shift = 4u * (o >> 1);
-            w[2u * o] = d * q_bytes((q[2u * (o & 1u)] >> shift) & 0x0F0F0F0Fu) + m;
-            w[2u * o + 1u] = d * q_bytes((q[2u * (o & 1u) + 1u] >> shift) & 0x0F0F0F0Fu) + m;
+            q[2u * o] = q_bytes((v[2u * (o & 1u)] >> shift) & 0x0F0F0F0Fu);
+            q[2u * o + 1u] = q_bytes((v[2u * (o & 1u) + 1u] >> shift) & 0x0F0F0F0Fu);
         }
     } else if (FORMAT == QUANT_Q8_0) {
         uvec4 lo = q_16bytes(block + 2u), hi = q_16bytes(block + 18u);
-        float d = q_half(block);
-        w[0] = d * q_int8s(lo.x); w[1] = d * q_int8s(lo.y); w[2] = d * q_int8s(lo.z); w[3] = d * q_int8s(lo.w);
-        w[4] = d * q_int8s(hi.x); w[5] = d * q_int8s(hi.y); w[6] = d * q_int8s(hi.z); w[7] = d * q_int8s(hi.w);
+        scale = vec4(q_half(block));
+        offset = vec4(0.0);
+        q[0] = q_int8s(lo.x); q[1] = q_int8s(lo.y); q[2] = q_int8s(lo.z); q[3] = q_int8s(lo.w);
+        q[4] = q_int8s(hi.x); q[5] = q_int8s(hi.y); q[6] = q_int8s(hi.z); q[7] = q_int8s(hi.w);
     } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
         uint j = u >> 1, h = u & 1u;
         // Blocks of 144 and 176 bytes: every field below starts on 16 bytes when the block does.
-        uvec4 q = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
-        uvec4 qh = FORMAT == QUANT_Q5_K ? q_16bytes_aligned(block + 16u + 16u * h) : uvec4(0u);
-        // d and dmin, then the scales and mins of sub-blocks 2j and 2j + 1 from the 12 bytes at block + 4
-        // (ggml's get_scale_min_k4).
+        uvec4 v = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
+        uvec4 vh = FORMAT == QUANT_Q5_K ? q_16bytes_aligned(block + 16u + 16u * h) : uvec4(0u);
+        // d and dmin, then the scales and mins of sub-blocks 2j and 2j + 1 (k_scale_min_of)
         uvec4 head = q_16bytes_aligned(block);
-        uint s0 = head.y, s1 = head.z, s2 = head.w;
-        vec2 scale, minimum;
         for (uint e = 0u; e < 2u; ++e) {
-            uint sub = 2u * j + e, sc, mn;
-            if (sub < 4u) {
-                sc = (s0 >> (8u * sub)) & 63u;
-                mn = (s1 >> (8u * sub)) & 63u;
-            } else {
-                uint hi = (s2 >> (8u * (sub - 4u))) & 0xFFu;
-                sc = (hi & 15u) | (((s0 >> (8u * (sub - 4u))) >> 6 & 3u) << 4);
-                mn = (hi >> 4) | (((s1 >> (8u * (sub - 4u))) >> 6 & 3u) << 4);
-            }
-            scale[e] = float(sc);
-            minimum[e] = float(mn);
+            vec2 sm = k_scale_min_of(head, 2u * j + e);
+            scale[2u * e] = sm.x; scale[2u * e + 1u] = sm.x;
+            offset[2u * e] = -sm.y; offset[2u * e + 1u] = -sm.y;
         }
-        vec2 dm = unpackHalf2x16(head.x);
-        scale *= dm.x;
-        minimum *= dm.y;
         for (uint o = 0u; o < 4u; ++o) {
             uint e = o >> 1, shift = 4u * e;
-            uvec2 v = (uvec2(q[2u * (o & 1u)], q[2u * (o & 1u) + 1u]) >> shift) & 0x0F0F0F0Fu;
+            uvec2 c = (uvec2(v[2u * (o & 1u)], v[2u * (o & 1u) + 1u]) >> shift) & 0x0F0F0F0Fu;
             if (FORMAT == QUANT_Q5_K)
-                v |= ((uvec2(qh[2u * (o & 1u)], qh[2u * (o & 1u) + 1u]) >> (2u * j + e)) & 0x01010101u) << 4;
-            w[2u * o] = scale[e] * q_bytes(v.x) - minimum[e];
-            w[2u * o + 1u] = scale[e] * q_bytes(v.y) - minimum[e];
+                c |= ((uvec2(vh[2u * (o & 1u)], vh[2u * (o & 1u) + 1u]) >> (2u * j + e)) & 0x01010101u) << 4;
+            q[2u * o] = q_bytes(c.x);
+            q[2u * o + 1u] = q_bytes(c.y);
         }
     } else if (FORMAT == QUANT_Q6_K) {
         uint h = u >> 2, l = 8u * (u & 3u);
@@ -212,57 +219,129 @@ void quant_unit(uint block, uint u, out vec4 w[8]) {
         float d = q_half(block + 208u);
         for (uint o = 0u; o < 4u; ++o) {
             uvec2 low = (((o & 1u) == 0u ? ql_a : ql_b) >> (o < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
-            uvec2 v = low | (((qh >> (2u * o)) & 0x03030303u) << 4);
+            uvec2 c = low | (((qh >> (2u * o)) & 0x03030303u) << 4);
             uint at = (u & 3u) / 2u + 2u * o;  // scale byte within the 8
-            float scale = d * float(bitfieldExtract(int(scales[at >> 2]), int(8u * (at & 3u)), 8));
-            w[2u * o] = scale * (q_bytes(v.x) - 32.0);
-            w[2u * o + 1u] = scale * (q_bytes(v.y) - 32.0);
+            scale[o] = d * float(bitfieldExtract(int(scales[at >> 2]), int(8u * (at & 3u)), 8));
+            offset[o] = -32.0 * scale[o];
+            q[2u * o] = q_bytes(c.x);
+            q[2u * o + 1u] = q_bytes(c.y);
         }
-    } else {  // NF4: 16 bytes of unit u, element 2i in the high nibble of byte i
-        uvec4 q = q_16bytes(block + 4u + 16u * u);
-        float absmax = q_float(block);
-        w[0] = absmax * nf4_levels(q.x); w[1] = absmax * nf4_levels(q.x >> 16);
-        w[2] = absmax * nf4_levels(q.y); w[3] = absmax * nf4_levels(q.y >> 16);
-        w[4] = absmax * nf4_levels(q.z); w[5] = absmax * nf4_levels(q.z >> 16);
-        w[6] = absmax * nf4_levels(q.w); w[7] = absmax * nf4_levels(q.w >> 16);
+    } else {  // NF4: 16 bytes of unit u, element 2i in the high nibble of byte i; the codes are the levels
+        uvec4 v = q_16bytes(block + 4u + 16u * u);
+        scale = vec4(q_float(block));
+        offset = vec4(0.0);
+        q[0] = nf4_levels(v.x); q[1] = nf4_levels(v.x >> 16);
+        q[2] = nf4_levels(v.y); q[3] = nf4_levels(v.y >> 16);
+        q[4] = nf4_levels(v.z); q[5] = nf4_levels(v.z >> 16);
+        q[6] = nf4_levels(v.w); q[7] = nf4_levels(v.w >> 16);
     }
 }
 
-// Elements j .. j+7 (j a multiple of 8) of the block starting at byte `block`, as dequant4 but each field read once:
-// eight consecutive elements share one scale and sit in eight consecutive bytes (four for NF4).
-void dequant8(uint block, uint j, out vec4 lo, out vec4 hi) {
+// Elements j .. j+7 (j a multiple of 8) of the block starting at byte `block`, in two steps so that a tiled
+// product can issue the loads of its next tile before multiplying the current one and decode them after, with
+// the loads' latency hidden behind the multiply: quant_fetch8 only reads (every address from block and j, no
+// arithmetic on what it reads, so nothing waits for the loads), quant_decode8 makes the weights. Eight
+// consecutive elements share one scale and sit in eight consecutive bytes (four for NF4). What a run holds:
+//   Q4_0, Q8_0 (blocks on 2 bytes): codes.xyz the words over the 8 code bytes, head.x the word with d.
+//   Q4_1: codes.xy the 8 code bytes, head.x d and m.   NF4: codes.x the 4 code bytes, head.x absmax.
+//   Q4_K, Q5_K: codes.xy the 8 bytes of nibbles, Q5_K codes.zw its 8 bytes of fifth bits; head the block's
+//               first 16 bytes (d, dmin, the 12 bytes of scales and mins).
+//   Q6_K (blocks on 2 bytes): codes.xyz the words over the 8 low-nibble bytes, codes.w and head.xy those over the
+//               8 high-bit bytes, head.z the word with the scale byte, head.w the word with d.
+struct QuantRun { uvec4 codes; uvec4 head; };
+
+// The words over 8 bytes from byte `at` (even) on: the third only when the bytes reach into it.
+uvec3 q_8byte_words(uint at) {
+    uint i = at >> 2;
+    return uvec3(QUANT_WORD(i), QUANT_WORD(i + 1u), (at & 3u) != 0u ? QUANT_WORD(i + 2u) : 0u);
+}
+uvec2 q_8bytes_of(uvec3 words, uint at) {  // the 8 bytes from `at` out of q_8byte_words(at)
+    uint s = (at & 3u) * 8u;
+    return uvec2(q_funnel(words.x, words.y, s), q_funnel(words.y, words.z, s));
+}
+
+QuantRun quant_fetch8(uint block, uint j) {
+    QuantRun run;
+    run.codes = uvec4(0u);
+    run.head = uvec4(0u);
+    if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q8_0) {
+        run.codes.xyz = q_8byte_words(block + 2u + (FORMAT == QUANT_Q4_0 ? j & 15u : j));
+        run.head.x = QUANT_WORD(block >> 2);
+    } else if (FORMAT == QUANT_Q4_1) {
+        uint i = (block + 4u + (j & 15u)) >> 2;
+        run.codes.xy = uvec2(QUANT_WORD(i), QUANT_WORD(i + 1u));
+        run.head.x = QUANT_WORD(block >> 2);
+    } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        uint sub = j / 32u, l = j % 32u;
+        uint i = (block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * (sub / 2u) + l) >> 2;
+        run.codes.xy = uvec2(QUANT_WORD(i), QUANT_WORD(i + 1u));
+        if (FORMAT == QUANT_Q5_K) {
+            uint ih = (block + 16u + l) >> 2;
+            run.codes.zw = uvec2(QUANT_WORD(ih), QUANT_WORD(ih + 1u));
+        }
+        uint ib = block >> 2;
+        run.head = uvec4(QUANT_WORD(ib), QUANT_WORD(ib + 1u), QUANT_WORD(ib + 2u), QUANT_WORD(ib + 3u));
+    } else if (FORMAT == QUANT_Q6_K) {
+        uint half_ = j / 128u, quarter = (j % 128u) / 32u, l = j % 32u;
+        run.codes.xyz = q_8byte_words(block + 64u * half_ + 32u * (quarter & 1u) + l);
+        uvec3 high = q_8byte_words(block + 128u + 32u * half_ + l);
+        run.codes.w = high.x;
+        run.head.xy = high.yz;
+        run.head.z = QUANT_WORD((block + 192u + 8u * half_ + l / 16u + 2u * quarter) >> 2);
+        run.head.w = QUANT_WORD((block + 208u) >> 2);
+    } else {  // NF4: word-aligned (blocks of 36 bytes, the codes from byte 4)
+        run.codes.x = QUANT_WORD((block + 4u + j / 2u) >> 2);
+        run.head.x = QUANT_WORD(block >> 2);
+    }
+    return run;
+}
+
+float q_half_of(uint word, uint at) { return unpackHalf2x16((at & 2u) != 0u ? word >> 16 : word).x; }
+
+void quant_decode8(QuantRun run, uint block, uint j, out vec4 lo, out vec4 hi) {
     if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q4_1) {
-        uvec2 q = (q_8bytes(block + (FORMAT == QUANT_Q4_0 ? 2u : 4u) + (j & 15u)) >> (j < 16u ? 0u : 4u)) & 0x0F0F0F0Fu;
-        float d = q_half(block), m = FORMAT == QUANT_Q4_0 ? -8.0 * d : q_half(block + 2u);
+        uvec2 q = FORMAT == QUANT_Q4_0 ? q_8bytes_of(run.codes.xyz, block + 2u + (j & 15u)) : run.codes.xy;
+        q = (q >> (j < 16u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        float d = q_half_of(run.head.x, block);
+        float m = FORMAT == QUANT_Q4_0 ? -8.0 * d : unpackHalf2x16(run.head.x).y;
         lo = d * q_bytes(q.x) + m;
         hi = d * q_bytes(q.y) + m;
     } else if (FORMAT == QUANT_Q8_0) {
-        uvec2 q = q_8bytes(block + 2u + j);
-        float d = q_half(block);
+        uvec2 q = q_8bytes_of(run.codes.xyz, block + 2u + j);
+        float d = q_half_of(run.head.x, block);
         lo = d * q_int8s(q.x);
         hi = d * q_int8s(q.y);
     } else if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
-        uint sub = j / 32u, l = j % 32u;
-        uvec2 v = (q_8bytes(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * (sub / 2u) + l) >> ((sub & 1u) * 4u))
-                  & 0x0F0F0F0Fu;
-        if (FORMAT == QUANT_Q5_K) v |= ((q_8bytes(block + 16u + l) >> sub) & 0x01010101u) << 4;
-        uvec2 sm = k_scale_min(block + 4u, sub);
-        float scale = q_half(block) * float(sm.x), minimum = q_half(block + 2u) * float(sm.y);
-        lo = scale * q_bytes(v.x) - minimum;
-        hi = scale * q_bytes(v.y) - minimum;
+        uint sub = j / 32u;
+        uvec2 v = (run.codes.xy >> ((sub & 1u) * 4u)) & 0x0F0F0F0Fu;
+        if (FORMAT == QUANT_Q5_K) v |= ((run.codes.zw >> sub) & 0x01010101u) << 4;
+        vec2 sm = k_scale_min_of(run.head, sub);
+        lo = sm.x * q_bytes(v.x) - sm.y;
+        hi = sm.x * q_bytes(v.y) - sm.y;
     } else if (FORMAT == QUANT_Q6_K) {
         uint half_ = j / 128u, quarter = (j % 128u) / 32u, l = j % 32u;
-        uvec2 low = (q_8bytes(block + 64u * half_ + 32u * (quarter & 1u) + l) >> (quarter < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
-        uvec2 high = (q_8bytes(block + 128u + 32u * half_ + l) >> (2u * quarter)) & 0x03030303u;
-        float scale = q_half(block + 208u) * float(q_int8(block + 192u + 8u * half_ + l / 16u + 2u * quarter));
+        uvec2 low = (q_8bytes_of(run.codes.xyz, block + 64u * half_ + 32u * (quarter & 1u) + l)
+                     >> (quarter < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        uvec2 high = (q_8bytes_of(uvec3(run.codes.w, run.head.xy), block + 128u + 32u * half_ + l) >> (2u * quarter))
+                     & 0x03030303u;
+        uint at = block + 192u + 8u * half_ + l / 16u + 2u * quarter;
+        float scale = q_half_of(run.head.w, block + 208u)
+                      * float(bitfieldExtract(int(run.head.z), int((at & 3u) * 8u), 8));
         lo = scale * (q_bytes(low.x | (high.x << 4)) - 32.0);
         hi = scale * (q_bytes(low.y | (high.y << 4)) - 32.0);
-    } else {  // NF4: four bytes, word-aligned (blocks of 36 bytes, the codes from byte 4)
-        uint v = QUANT_WORD((block + 4u + j / 2u) >> 2);
-        float absmax = q_float(block);
-        lo = absmax * nf4_levels(v);
-        hi = absmax * nf4_levels(v >> 16);
+    } else {  // NF4
+        float absmax = uintBitsToFloat(run.head.x);
+        lo = absmax * nf4_levels(run.codes.x);
+        hi = absmax * nf4_levels(run.codes.x >> 16);
     }
+}
+
+void dequant8(uint block, uint j, out vec4 lo, out vec4 hi) { quant_decode8(quant_fetch8(block, j), block, j, lo, hi); }
+
+// The byte address of the block holding W[row, col] and col's place in it (rows `row_bytes` long from byte `base`).
+uvec2 quant_block_of(uint base, uint row_bytes, uint row, uint col) {
+    uint size = quant_block_size();
+    return uvec2(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size);
 }
 
 // W[row, col .. col+7] (col a multiple of 8) of a packed matrix whose rows are `row_bytes` long from byte `base`.
