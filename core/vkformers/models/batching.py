@@ -176,6 +176,23 @@ class BatchScheduler:
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
+        self._refuse_row_state()
+
+    def _refuse_row_state(self) -> None:
+        """Continuous batching moves a request's keys and values between cache rows; a model whose layers keep
+        other state on the cache (recurrent state-space or linear-attention state, indexer keys), or whose cache
+        is no key/value cache, would answer wrongly. One token through a one-row cache tells."""
+        name = getattr(self.model, "architecture_name", type(self.model).__name__)
+        hint = "; use `vkformers generate` or model.generate() for it"
+        if not all(hasattr(self.model, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
+            raise InputError(f"{name}: its generation cache is not a key/value cache, which continuous batching "
+                             f"needs{hint}")
+        probe = self._new_cache(1, 1)
+        self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
+        state = probe.layer_state()
+        if state:
+            raise InputError(f"{name}: its layers keep {', '.join(state)} on the cache besides keys and values, "
+                             f"which continuous batching cannot move between rows yet{hint}")
 
     # -- the caller's side
 

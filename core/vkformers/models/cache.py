@@ -38,6 +38,10 @@ class CacheFullError(VkformersError, ValueError):
     """More tokens than the cache was created for."""
 
 
+class RowStateError(VkformersError, ValueError):
+    """A cache holding layer state besides keys and values asked to move rows."""
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype="float32", device: Device | None = None):
@@ -58,6 +62,12 @@ class KVCache:
         self.position = 0
         self._step = None  # the current forward's device inputs, shared by its layers
         self.step_hosts = (None, None)  # host arrays of the last forward's bounds and mask leaves
+        self._own_fields = frozenset(self.__dict__) | {"_own_fields"}
+
+    def layer_state(self) -> list[str]:
+        """Names of what a model's layers keep on this cache besides keys and values (a linear-attention or
+        state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
+        return sorted(name for name in self.__dict__ if name not in self._own_fields)
 
     def reset(self) -> None:
         """Forget the stored tokens (the buffers stay allocated and are overwritten)."""
@@ -86,6 +96,10 @@ class KVCache:
         running batch so; a batch moves to a larger cache so. The rows' earlier columns are masked out. The copy
         runs with the next realization."""
         count, end = source.position, self.position
+        state = source.layer_state() or self.layer_state()
+        if state:
+            raise RowStateError(f"KVCache.place_row: the model keeps {', '.join(state)} on its cache besides keys "
+                                "and values, which rows cannot be moved with")
         if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
                 and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
                                                     source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
