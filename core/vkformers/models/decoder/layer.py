@@ -429,7 +429,7 @@ class DecoderLayer(Module):
         o_proj + residual, norm + gate/up + activation, down + residual (with QK-norm: the q, k, v products, then
         the norms + rotary + cache write). None (nothing built) when the layer or its operands don't fit."""
         plan = self._fused_decode_plan()  # checked per call: LoRA may have wrapped a projection since
-        if plan is None:
+        if plan is None or getattr(ctx.cache, "paged", False):  # the fused cache write addresses a contiguous cache
             return None
         s, cache, batch = self.spec, ctx.cache, x.shape[0]
         attn_norm, mlp_norm = fused_norm(plan["attn_norm"]), fused_norm(plan["mlp_norm"])
