@@ -87,6 +87,7 @@ class PagedKVCache(KVCache):
         self.max_len = self.table_stride * self.page_size
         self.tables = np.full((self.batch, self.table_stride), SCRATCH, np.uint32)
         self.held = np.zeros((self.batch, self.table_stride), bool)  # entries that own a pool block
+        self.dead = np.zeros(self.batch, bool)  # rows whose tokens are gone: they take no blocks (writes to scratch)
         self.mask = np.ones((self.batch, self.max_len), np.uint8)
         self.position = 0
         self.lookahead = LOOKAHEAD
@@ -108,23 +109,59 @@ class PagedKVCache(KVCache):
     def reset(self) -> None:
         """Forget the stored tokens and give the blocks back to the pool."""
         self.release_rows(range(self.batch))
+        self.dead[:] = False
         super().reset()
 
     def release_rows(self, rows) -> None:
-        """Give the blocks of ``rows`` back to the pool (their tokens are gone; their columns must be masked)."""
+        """Give the blocks of ``rows`` back to the pool: their requests left, their outputs are no longer read.
+        They take no blocks until place_row fills them again."""
         for row in rows:
             self.pool.release(self.tables[row][self.held[row]])
             self.tables[row] = SCRATCH
             self.held[row] = False
+            self.dead[row] = True
         self._step = None
 
     def place_row(self, source, source_row: int, row: int, rows: int = 1) -> None:
-        raise NotImplementedError("PagedKVCache: rows join by taking blocks, not by copying (not yet supported)")
+        """KVCache.place_row: ``source``'s stored tokens (a KVCache or a PagedKVCache) into rows ``row``.., ending
+        at this cache's position, through blocks taken for them (their padding columns scratch)."""
+        count, end = source.position, self.position
+        if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
+                and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
+                                                    source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
+                                                                      self.dtype):
+            raise ValueError(f"PagedKVCache.place_row: {count} tokens of rows {source_row}..{source_row + rows - 1} "
+                             f"do not fit rows {row}.. of a cache at position {end}")
+        picked = slice(source_row, source_row + rows)
+        self.release_rows(range(row, row + rows))
+        self.dead[row:row + rows] = False
+        self.mask[row:row + rows, :end - count] = 0
+        self.mask[row:row + rows, end - count:end] = source.mask[picked, :count]
+        self._reserve(end, range(row, row + rows))
+        step = tensor(np.concatenate([np.array([end - count, end], np.uint32), self.tables.reshape(-1)]),
+                      dtype=dt.uint32, device=self.device)
+        for layer in range(self.num_layers):
+            if getattr(source, "paged", False):
+                keys = source._gather(source.keys[layer], count)[picked]
+                values = source._gather(source.values[layer], count)[picked]
+            else:
+                keys = source.keys[layer][picked, :, :count]
+                values = source.values[layer][picked, :, :count]
+            write_kv_paged(self.pool.keys[layer], self.pool.values[layer], keys, values, step,
+                           page_size=self.page_size, table_stride=self.table_stride, first_row=row)
+        self._step = None
 
-    def _reserve(self, end: int) -> None:
-        """Blocks for every row's columns up to ``end`` and LOOKAHEAD more; blocks wholly masked stay scratch."""
+    def reserve(self, end: int) -> None:
+        """Take the blocks the live rows need to hold ``end`` tokens (KVBlocksExhausted when the pool runs out;
+        the blocks taken so far stay with their rows)."""
+        self._reserve(end)
+
+    def _reserve(self, end: int, rows=None) -> None:
+        """Blocks for the live rows' columns up to ``end`` and LOOKAHEAD more; blocks wholly masked stay scratch."""
         ahead = -(-min(end + self.lookahead, self.max_len) // self.page_size)
-        for row in range(self.batch):
+        for row in range(self.batch) if rows is None else rows:
+            if self.dead[row]:
+                continue
             for block in range(ahead):
                 if self.held[row, block]:
                     continue
@@ -173,6 +210,10 @@ class PagedKVCache(KVCache):
         end = self.position + new  # chunked prefill: every row's stored blocks gathered, then the new keys' too
         return F.scaled_dot_product_attention(q, self._gather(self.pool.keys[layer], end),
                                               self._gather(self.pool.values[layer], end), causal=True, **flags)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a row of ``tokens`` tokens takes (with LOOKAHEAD), at most."""
+        return -(-min(tokens + self.lookahead, self.max_len) // self.page_size)
 
     def _gather(self, pool: Tensor, end: int) -> Tensor:
         """[batch, kv_heads, end, head_dim]: each row's first ``end`` tokens, read through its block table."""
