@@ -550,6 +550,7 @@ def test_serve_arguments():
                                       "--max-model-len", "512", "--api-key", "k", "--host", "0.0.0.0"])
     assert (args.model, args.port, args.max_batch, args.max_model_len, args.api_key, args.host) == (
         "m.gguf", 9000, 8, 512, "k", "0.0.0.0")
+    assert build_parser().parse_args(["serve", "--kv-cache-tokens", "4096"]).kv_cache_tokens == 4096
     defaults = build_parser().parse_args(["serve"])
     assert (defaults.host, defaults.port, defaults.max_batch, defaults.model) == ("127.0.0.1", 8000, 64, None)
     with pytest.raises(SystemExit):

@@ -94,3 +94,40 @@ def test_blocks_follow_the_tokens_and_a_request_leaving_gives_them_back(tiny):
     with pytest.raises(KVBlocksExhausted, match="KV blocks"):
         scheduler_on(path, tokenizer, kv_blocks=8, page_size=4).submit(
             Request(encode(tokenizer, PROMPTS[0]), SamplingParams(max_tokens=40), lambda update: None, []))
+
+
+def test_the_server_on_a_paged_cache(tiny):
+    """A completion through the HTTP routes on a paged scheduler is generate's; one that could never fit the pool
+    gets a 503 error object and the server goes on; /metrics counts the blocks."""
+    import json
+    import threading
+
+    import uvicorn
+    from test_serve import free_port, request
+
+    from vkformers.cli import serve as cli_serve
+    path, tokenizer, reference = tiny
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, max_model_len=96, kv_blocks=12, page_size=4).start()
+    web = uvicorn.Server(uvicorn.Config(cli_serve.build_app(scheduler, tokenizer, "tiny"), host="127.0.0.1",
+                                        port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    server = {"port": web.config.port}
+    try:
+        wait_for(lambda: web.started, 30)
+        status, text = request(server, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 80})
+        assert status == 503 and json.loads(text)["error"]["code"] == "kv_cache_full"
+        assert "KV blocks" in json.loads(text)["error"]["message"]
+        status, text = request(server, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,
+                                                                   "temperature": 0, "ignore_eos": True})
+        ids = encode(tokenizer, PROMPTS[0])
+        assert status == 200 and json.loads(text)["choices"][0]["text"] == tokenizer.decode(
+            reference_tokens(reference, ids, 6), skip_special_tokens=True)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+        status, text = request(server, "GET", "/metrics")
+        assert 'vkformers_kv_cache_blocks{model="tiny"} 11' in text
+        assert 'vkformers_kv_cache_blocks_used{model="tiny"} 0' in text
+    finally:
+        web.should_exit = True
+        thread.join(30)
+        scheduler.close()

@@ -32,6 +32,7 @@ from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoTokenizer
+from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import load_adapter, merge_lora
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
 
@@ -58,6 +59,10 @@ def add_parser(subparsers):
                         help="most requests decoded together; more wait (default 64)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="most tokens of a request, prompt and output (default: the model's positions)")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                        help="a paged KV cache of this many tokens (blocks of 16) shared by all requests: memory follows "
+                             "the tokens held; requests wait, or the newest is preempted, when it is full (default: a "
+                             "contiguous cache per batch)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
@@ -99,8 +104,9 @@ def run(args) -> int:
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
         if args.adapter is not None:
             merge_lora(load_adapter(model, args.adapter))
+        blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
         scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                                   eos=eos_ids(model, tokenizer)).start()
+                                   eos=eos_ids(model, tokenizer), kv_blocks=blocks).start()
         app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
@@ -346,6 +352,9 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
              m.occupancy_sum / m.steps if m.steps else 0.0),
             ("kv_cache_tokens", "gauge", "KV cache entries held by the running batch (rows x length)",
              m.cache_tokens),
+            ("kv_cache_blocks", "gauge", "blocks of the paged KV cache (0: contiguous caches)", m.kv_blocks),
+            ("kv_cache_blocks_used", "gauge", "blocks of the paged KV cache held by requests", m.kv_blocks_used),
+            ("preemptions_total", "counter", "requests sent back to wait for KV blocks (recomputed)", m.preemptions),
             ("time_to_first_token_seconds_sum", "counter", "summed time to first token", m.ttft_sum),
             ("time_to_first_token_seconds_count", "counter", "requests with a first token", m.ttft_count)]
     lines = []
@@ -464,6 +473,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 scheduler.submit(job)
         except InputError as exc:
             return error(ApiError(400, str(exc)))
+        except KVBlocksExhausted as exc:  # the request alone exceeds the paged cache
+            return error(ApiError(503, str(exc), kind="server_error", code="kv_cache_full"))
         except ApiError as exc:
             return error(exc)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
