@@ -7,9 +7,10 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with
 ``"stream": true``), GET /health, GET /metrics (Prometheus text). The requests run through a BatchScheduler
-(models/batching.py), over a paged KV cache with ``--kv-cache-tokens`` (models/paged_cache.py). An embedding model (a sentence-transformers folder, or an encoder such as BERT) is served on
-POST /v1/embeddings instead, through SentenceTransformer (models/sentence.py) on one worker thread. Needs the
-``serve`` extra (Starlette and uvicorn): ``pip install 'vkformers[serve]'``.
+(models/batching.py), over a paged KV cache with ``--kv-cache-tokens`` (models/paged_cache.py). An embedding
+model (a sentence-transformers folder, or an encoder such as BERT) is served on POST /v1/embeddings instead,
+through SentenceTransformer (models/sentence.py) on one worker thread. Needs the ``serve`` extra (Starlette and
+uvicorn): ``pip install 'vkformers[serve]'``.
 """
 from __future__ import annotations
 
