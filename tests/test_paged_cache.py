@@ -128,3 +128,15 @@ def test_blocks_follow_the_tokens_and_run_out_cleanly():
     assert pool.free_blocks == 7
     step, _ = cache.step_arrays(2)
     assert step[:2].tolist() == [0, 2] and len(step) == 2 + 2 * 8
+
+
+def test_the_scratch_block_is_never_written():
+    pool = vkf.parameter(np.zeros((3, 1, 2, 4), np.float32), "float32", requires_grad=False)
+    values = vkf.parameter(np.zeros((3, 1, 2, 4), np.float32), "float32", requires_grad=False)
+    step = vkf.tensor(np.array([0, 4, 0, 2], np.uint32), dtype=dt.uint32)  # logical block 0 -> scratch, 1 -> 2
+    new = vkf.tensor(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4) + 1)
+    with no_grad():
+        write_kv_paged(pool, values, new, new, step, page_size=2, table_stride=2)
+        stored = pool.numpy()
+    assert not stored[0].any() and not stored[1].any()
+    np.testing.assert_array_equal(stored[2, 0], new.numpy()[0, 0, 2:])

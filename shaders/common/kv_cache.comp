@@ -8,7 +8,8 @@
 // Elements are copied as raw bits: b32 serves float32, b16 serves float16 and bfloat16.
 // PAGE_SIZE > 0: the cache is a pool of blocks [blocks, inner_heads, PAGE_SIZE, inner] (outer = batch *
 // heads), and row r of sequence b lands in block start_buffer[table_offset + b * table_stride + r / PAGE_SIZE];
-// `capacity` is then the sequence's logical capacity (table_stride * PAGE_SIZE).
+// `capacity` is then the sequence's logical capacity (table_stride * PAGE_SIZE). Block 0 is scratch: never
+// written, so that a masked read of it (weight 0) never meets an infinity.
 //! variant b32 -DELEM_T=uint
 //! variant b16 -DELEM_T=uint16_t
 #version 450
@@ -48,6 +49,7 @@ void main() {
     if (PAGE_SIZE > 0u) {
         uint sequence = outer / heads, head = outer % heads;
         uint block = start_buffer[table_offset + sequence * table_stride + target_row / PAGE_SIZE];
+        if (block == 0u) return;  // the scratch block (padding, rows that left) stays zero: masked reads of it are 0
         dst = ((block * heads + head) * PAGE_SIZE + target_row % PAGE_SIZE) * inner + col;
     }
     if (gl_WorkGroupID.z == 0u) {

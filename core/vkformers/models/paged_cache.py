@@ -4,8 +4,8 @@ A :class:`BlockPool` owns, per layer, two persistent pools ``[blocks, kv_heads, 
 ``PagedKVCache`` of ``batch`` rows gives each row a block table (its logical block j -> a pool block) and takes
 blocks from the pool only as its rows store tokens (and LOOKAHEAD tokens more: a chain of replayed decode steps,
 models/decode_capture.py, advances on the GPU without the host, and must not write past its table). Blocks of a row that hold only masked columns (a left-padded row's padding) point
-to the pool's scratch block 0 instead, which no table owns: writes to it are dropped in effect, reads of it are
-masked. When the pool runs out, ``KVBlocksExhausted`` says so (a server answers 503 or waits).
+to the pool's scratch block 0 instead, which no table owns: the write kernel skips it (it stays zero, so that
+a masked read of it, weighted 0, never meets an infinity). When the pool runs out, ``KVBlocksExhausted`` says so (a server answers 503 or waits).
 
 The cache has KVCache's interface (``attend``, ``advance``, ``step_arrays``, ...), so models and ``generate``'s
 recorded decode steps run on it unchanged: one uint32 step tensor ``[start, end, tables]`` replaces KVCache's
