@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import vkformers as vkf
+from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
 from vkformers.engine.ops.cache import decode_attention, decode_attention_paged, write_kv, write_kv_paged
 from vkformers.models.cache import KVCache
@@ -61,29 +62,37 @@ def test_paged_write_and_decode_attention_equal_the_contiguous_ones(dtype, heads
     np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0)
 
 
-def llama():
+def llama(name="llama"):
     pytest.importorskip("vkformers_llama")
-    return vkf.AutoModelForCausalLM.from_pretrained(FIXTURES / "llama", dtype="float32", requires_grad=False)
+    return vkf.AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32", requires_grad=False)
 
 
 PADDED = np.array([[0, 0, 0, 5, 9, 14, 2, 33, 7, 1], [4, 8, 15, 16, 23, 42, 11, 3, 46, 12]])
 PADDED_MASK = (np.arange(10) >= np.array([[3], [0]])).astype(np.int64)
 
 
-def test_generate_on_a_paged_cache_gives_the_same_tokens():
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_generate_on_a_paged_cache_gives_the_same_tokens(name, monkeypatch):
     """Greedy generate of a left-padded batch on the contiguous cache and on a paged one (blocks of 2 tokens, so
-    that the 10-token prompts and 24 new tokens span many): identical tokens; the padded row's wholly masked block
-    is scratch, and the cache holds blocks for its tokens only (and one ahead)."""
-    model = llama()
+    that the 10-token prompts and 24 new tokens span many): identical tokens, the fused decode layer writing
+    through the block tables (decode_matvec.comp's qkv mode; qwen3's QK-norm: decode_head_norm_rope.comp); the
+    padded row's wholly masked block is scratch, and the cache holds blocks for its tokens only (and LOOKAHEAD)."""
+    model = llama(name)
     want = model.generate(PADDED, attention_mask=PADDED_MASK, max_new_tokens=24)
     pool = BlockPool(model.num_layers, model.num_kv_heads, model.head_dim, blocks=64, page_size=2)
     paged = PagedKVCache(pool, batch=2, max_len=64)
+    writes = []
+    for fused in ("fused_qkv_rope_write", "fused_head_norm_rope_write"):
+        original = getattr(F, fused)
+        monkeypatch.setattr(F, fused, lambda *a, _original=original, **k: (writes.append(k.get("page_size")),
+                                                                           _original(*a, **k))[1])
     object.__setattr__(model, "_generation_cache", lambda batch, length: (paged.reset(), paged)[1])
     try:
         got = model.generate(PADDED, attention_mask=PADDED_MASK, max_new_tokens=24)
     finally:
         object.__delattr__(model, "_generation_cache")
     np.testing.assert_array_equal(got, want)
+    assert writes and set(writes) == {2}
     stored = paged.position  # 10 + 23 tokens (the last token is not fed back)
     assert stored == 33 and paged.tables[0, 0] == 0 and paged.tables[1, 0] != 0  # row 0: 3 columns of padding
     assert paged.blocks_held == 2 * -(-(stored + LOOKAHEAD) // 2) - 1 == pool.used_blocks
