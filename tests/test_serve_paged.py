@@ -99,8 +99,11 @@ def test_blocks_follow_the_tokens_and_a_request_leaving_gives_them_back(tiny):
 def test_the_server_on_a_paged_cache(tiny):
     """A completion through the HTTP routes on a paged scheduler is generate's; one that could never fit the pool
     gets a 503 error object and the server goes on; /metrics counts the blocks."""
+    import http.client
     import json
+    import socket
     import threading
+    import time
 
     import uvicorn
     from test_serve import free_port, request
@@ -127,6 +130,20 @@ def test_the_server_on_a_paged_cache(tiny):
         status, text = request(server, "GET", "/metrics")
         assert 'vkformers_kv_cache_blocks{model="tiny"} 11' in text
         assert 'vkformers_kv_cache_blocks_used{model="tiny"} 0' in text
+        # a client leaving mid-stream: its request leaves the batch and its blocks go back to the pool
+        choose = scheduler._choose
+        scheduler._choose = lambda *args: time.sleep(0.02) or choose(*args)  # slow enough to leave mid-stream
+        connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "a", "max_tokens": 18, "temperature": 0, "ignore_eos": True, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event: the request is decoding
+        wait_for(lambda: scheduler.metrics.kv_blocks_used > 0)
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        wait_for(lambda: scheduler.metrics.cancelled == 1 and scheduler.metrics.kv_blocks_used == 0, 60)
     finally:
         web.should_exit = True
         thread.join(30)
