@@ -29,16 +29,19 @@ from common import write_results
 from vkformers.cli import generate as cli_generate
 from vkformers.cli import serve as cli_serve
 from vkformers.models.batching import BatchScheduler
+from vkformers.models.paged_cache import PAGE_SIZE
 from vkformers.models.loading import AutoTokenizer
 from vkformers.runtime.vulkan import buffer_memory
 
 
-def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None):
+def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None,
+                 kv_cache_tokens: int | None = None):
     uvicorn = cli_serve.web_modules()
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     model = cli_generate.load_model(model_name, dtype)
+    blocks = None if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE) + 1
     scheduler = BatchScheduler(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
-                               eos=cli_serve.eos_ids(model, tokenizer)).start()
+                               eos=cli_serve.eos_ids(model, tokenizer), kv_blocks=blocks).start()
     app = cli_serve.build_app(scheduler, tokenizer, "bench")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output-range", default="64,256")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="a paged KV cache of this many tokens (vkformers serve --kv-cache-tokens)")
     parser.add_argument("--quick", action="store_true", help="prompts of 16-64 and outputs of 8-32 tokens")
     parser.add_argument("--soak", type=int, default=0, help="also send this many short requests")
     parser.add_argument("--soak-threads", type=int, default=16)
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
     if args.quick:
         prompt_range, output_range = (16, 64), (8, 32)
     port, scheduler, server, thread, vocab = start_server(args.model or cli_generate.default_model(), args.dtype,
-                                                          args.max_batch, args.max_model_len)
+                                                          args.max_batch, args.max_model_len, args.kv_cache_tokens)
     results = []
     run_load(port, vocab, 1, 1, prompt_range, (4, 4), seed=0)  # warm-up: kernels, first plans
     for clients in (int(c) for c in args.concurrency.split(",")):

@@ -311,6 +311,43 @@ def test_seeded_sampling_repeats(server):
     assert runs[0] == runs[1]
 
 
+def test_n_choices_each_sample_on_their_own_rows(server, tiny):
+    """n=3: greedy choices are identical (generate's output); seeded choices i sample with seed + i, each equal to
+    generate with that seed, choice 0 to the request with n=1; streamed choices carry their index; usage counts the
+    prompt once and every choice's tokens."""
+    tokenizer, reference, client = server["tokenizer"], tiny[2], server["client"]
+    ids = encode(tokenizer, PROMPTS[3])
+    eos = expected_eos(server, tiny)
+    greedy = client.completions.create(model=SERVED, prompt=PROMPTS[3], max_tokens=6, temperature=0, n=3)
+    tokens = reference_tokens(reference, ids, 6, eos)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {tokenizer.decode(tokens, skip_special_tokens=True)}
+    assert greedy.usage.prompt_tokens == len(ids) and greedy.usage.completion_tokens == 3 * len(tokens)
+    sampling = dict(temperature=0.9, top_p=0.95, seed=5)
+    sampled = client.completions.create(model=SERVED, prompt=PROMPTS[3], max_tokens=8, n=3, **sampling)
+    expected = [tokenizer.decode(reference_tokens(reference, ids, 8, eos, do_sample=True, temperature=0.9, top_p=0.95,
+                                                  seed=5 + i), skip_special_tokens=True) for i in range(3)]
+    assert [c.text for c in sampled.choices] == expected and len(set(expected)) > 1
+    assert client.completions.create(model=SERVED, prompt=PROMPTS[3], max_tokens=8,
+                                     **sampling).choices[0].text == expected[0]
+    messages = [{"role": "user", "content": "hello"}]
+    chunks = list(client.chat.completions.create(model=SERVED, messages=messages, max_tokens=5, n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **sampling))
+    whole = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=5, n=2, **sampling)
+    for index in range(2):
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == index)
+        assert streamed == whole.choices[index].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    for n in (0, 129):
+        status, text = request(server, "POST", "/v1/completions", {"prompt": "hi", "n": n})
+        assert status == 400 and json.loads(text)["error"]["param"] == "n"
+
+
+def test_an_lm_server_answers_400_on_embeddings(server):
+    status, text = request(server, "POST", "/v1/embeddings", {"model": SERVED, "input": "hi"})
+    assert status == 400 and "/v1/completions" in json.loads(text)["error"]["message"]
+
+
 def test_stop_string_across_tokens(server):
     """A stop string made of the end of one token and the start of the next cuts the text there."""
     client, tokenizer = server["client"], server["tokenizer"]
@@ -357,8 +394,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert status == 400 and error["param"] == "max_tokens"
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": [5, 10 ** 6]}))
     assert status == 400 and "vocab" in error["message"]
-    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "n": 2}))
-    assert status == 400 and error["param"] == "n"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "best_of": 2}))
+    assert status == 400 and error["param"] == "best_of"
     status, error = error_of(request(server, "POST", "/v1/chat/completions",
                                      {"model": SERVED, "messages": [{"role": "user", "content": "hi " * 200}]}))
     assert status == 400 and "maximum context length of 96" in error["message"]
@@ -515,6 +552,7 @@ def test_serve_arguments():
                                       "--max-model-len", "512", "--api-key", "k", "--host", "0.0.0.0"])
     assert (args.model, args.port, args.max_batch, args.max_model_len, args.api_key, args.host) == (
         "m.gguf", 9000, 8, 512, "k", "0.0.0.0")
+    assert build_parser().parse_args(["serve", "--kv-cache-tokens", "4096"]).kv_cache_tokens == 4096
     defaults = build_parser().parse_args(["serve"])
     assert (defaults.host, defaults.port, defaults.max_batch, defaults.model) == ("127.0.0.1", 8000, 64, None)
     with pytest.raises(SystemExit):

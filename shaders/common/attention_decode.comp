@@ -9,6 +9,9 @@
 // running max and sum to the float32 `lse` binding and attention_decode_combine.comp merges them.
 // The bindings, push constants and specialization constants are attention_fwd.comp's, except that K
 // and V are read as raw 16-byte words (head_dim and the K/V offsets whole vectors: the launcher checks).
+// PAGE_SIZE > 0: a paged cache. K and V are pools of blocks [blocks, kv_heads, PAGE_SIZE, head_dim] and each
+// sequence's block table (kv_stride entries: its logical block j -> a pool block) follows kv_len in the
+// kv_len buffer; key positions (and the mask, mask_stride per row) stay logical.
 //! variant f32 -DT_F32
 //! variant f16 -DT_F16
 //! variant bf16 -DT_BF16
@@ -38,7 +41,7 @@ layout(binding = 7) writeonly buffer Lse { float lse[]; };
 layout(push_constant) uniform Push {
     uint q_off, k_off, v_off, o_off, lse_off, mask_off, slopes_off, kv_len_off;
     uint heads, kv_heads, q_len, kv_len;
-    uint kv_stride;    // rows per (batch, kv head): the cache capacity
+    uint kv_stride;    // rows per (batch, kv head): the cache capacity; paged: block table entries per sequence
     uint mask_stride;
     int q_offset;      // negative: the query sits at kv_len - 1
     uint window;
@@ -50,6 +53,7 @@ layout(push_constant) uniform Push {
 layout(constant_id = 8) const bool KV_LEN_FROM_BUFFER = false;
 layout(local_size_x_id = 9) in;  // = BLOCK_COLS
 layout(constant_id = 10) const uint SPLITS = 1;
+layout(constant_id = 11) const uint PAGE_SIZE = 0;
 
 const uint HEADS = BLOCK_ROWS;                  // query heads of this workgroup
 const uint KEYS = BLOCK_COLS;                   // keys per tile = threads
@@ -85,14 +89,20 @@ void store_head(uint row, uint split, uint owned, float running_max, float runni
     if (owned == 0u) lse[lse_off + row] = running_sum > 0.0 ? running_max + log(running_sum) : NEG_INF;
 }
 
+// The row of key `key` of (batch, kv_head) in K and V, in rows of HEAD_DIM elements.
+uint key_row(uint batch, uint kv_head, uint key) {
+    if (PAGE_SIZE == 0u) return (batch * kv_heads + kv_head) * kv_stride + key;
+    uint block = kv_len_words[kv_len_off + 1u + batch * kv_stride + key / PAGE_SIZE];
+    return (block * kv_heads + kv_head) * PAGE_SIZE + key % PAGE_SIZE;
+}
+
 void main() {
     const uint split = gl_WorkGroupID.x, head0 = gl_WorkGroupID.y * HEADS, batch = gl_WorkGroupID.z;
     const uint t = gl_LocalInvocationID.x, sg = gl_SubgroupID;
     const uint kv_count = KV_LEN_FROM_BUFFER ? kv_len_words[kv_len_off] : kv_len;
     const int qpos = q_offset < 0 ? int(kv_count) - 1 : q_offset;
     const uint kv_head = head0 / (heads / kv_heads);
-    const uint row_words = (batch * kv_heads + kv_head) * kv_stride * VECTORS;  // this KV head's rows, in vectors
-    const uint k_base = k_off / PER_VECTOR + row_words, v_base = v_off / PER_VECTOR + row_words;
+    const uint k_base = k_off / PER_VECTOR, v_base = v_off / PER_VECTOR;
 
     // q rows of the group are contiguous: element i of the group is q[row0 * HEAD_DIM + i]
     const uint q_first = q_off + (batch * heads + head0) * HEAD_DIM;
@@ -127,9 +137,10 @@ void main() {
         // memory, not arithmetic): this thread's K row, and its first V_BATCH rows of V for the p @ V pass.
         uvec4 k_row[VECTORS], v_rows[V_BATCH];
         [[unroll]] for (uint vi = 0; vi < VECTORS; ++vi)
-            k_row[vi] = k_words[k_base + min(key, key_end - 1u) * VECTORS + vi];
+            k_row[vi] = k_words[k_base + key_row(batch, kv_head, min(key, key_end - 1u)) * VECTORS + vi];
         [[unroll]] for (uint i = 0; i < V_BATCH; ++i)
-            v_rows[i] = v_words[v_base + (key0 + min(first_row + i * KEY_STEP, count - 1u)) * VECTORS + owned];
+            v_rows[i] = v_words[v_base + key_row(batch, kv_head, key0 + min(first_row + i * KEY_STEP, count - 1u)) * VECTORS
+                                + owned];
         float s[HEADS];
         [[unroll]] for (uint g = 0; g < HEADS; ++g) s[g] = 0.0;
         [[unroll]] for (uint vi = 0; vi < VECTORS; ++vi) {
@@ -168,7 +179,8 @@ void main() {
             for (uint c0 = first_row; c0 < count; c0 += KEY_STEP * V_BATCH) {
                 if (c0 != first_row)  // the next batch of rows, all loads before any use
                     [[unroll]] for (uint i = 0; i < V_BATCH; ++i)
-                        v_rows[i] = v_words[v_base + (key0 + min(c0 + i * KEY_STEP, count - 1u)) * VECTORS + owned];
+                        v_rows[i] = v_words[v_base + key_row(batch, kv_head, key0 + min(c0 + i * KEY_STEP, count - 1u))
+                                            * VECTORS + owned];
                 [[unroll]] for (uint i = 0; i < V_BATCH; ++i) {
                     uint c = c0 + i * KEY_STEP;
                     if (c >= count) break;

@@ -15,6 +15,9 @@ layout(local_size_x = 128) in;
 
 layout(constant_id = 0) const uint INTERLEAVED = 0;
 layout(constant_id = 1) const uint NORM_OFFSET = 0;
+// A paged cache: pools of blocks [blocks, kv_heads, PAGE_SIZE, head_dim], row r's slot through its block table
+// (capacity / PAGE_SIZE entries at cache_start[start_offset + 2 + r * ...]); block 0 (scratch) is never written.
+layout(constant_id = 2) const uint PAGE_SIZE = 0;
 
 layout(binding = 0) readonly buffer QIn { ELEM_T q_in[]; };      // [rows, heads * head_dim]
 layout(binding = 1) readonly buffer KIn { ELEM_T k_in[]; };      // [rows, kv_heads * head_dim]
@@ -67,6 +70,12 @@ void main() {
         return;
     }
     uint slot = ((row * kv_heads + head) * capacity + cache_start[start_offset]) * head_dim;
+    if (PAGE_SIZE > 0u) {
+        uint position = cache_start[start_offset];
+        uint block = cache_start[start_offset + 2u + row * (capacity / PAGE_SIZE) + position / PAGE_SIZE];
+        if (block == 0u) return;
+        slot = ((block * kv_heads + head) * PAGE_SIZE + position % PAGE_SIZE) * head_dim;
+    }
     uint v_base = v_offset + (row * kv_heads + head) * head_dim;
     k_cache[slot + dims.x] = store_elem(y.x);
     k_cache[slot + dims.y] = store_elem(y.y);

@@ -17,6 +17,9 @@
 //               position * inv_freq[i]; q goes to out0 ([rows, heads, 1, head_dim]), k and v are
 //               written into the KV caches out1 / out2 ([rows, kv_heads, capacity, head_dim]) at the
 //               slot cache_start[0], read on the GPU so that one recorded step serves every position.
+//               PAGE_SIZE > 0: the caches are pools of blocks [blocks, kv_heads, PAGE_SIZE, head_dim] and row r's
+//               slot goes through its block table (capacity / PAGE_SIZE entries at cache_start[2 + r * ...]:
+//               the paged cache's step tensor [start, end, tables]); block 0 (scratch) is never written.
 // Lanes stride over k in 16-byte vectors (4 float32 or 8 16-bit values): x, g and W are bound as
 // raw 16-byte words, so k and the offsets must be whole numbers of vectors (the launcher checks).
 // QUANT_W (the q_* variants): W0, W1, W2 are quantized weights of one block format (quant_block.glsl, FORMAT),
@@ -59,6 +62,7 @@ layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;  // more on a CPU: f
 // SPLIT_K: the workgroup's subgroups share each pair, subgroup s taking the s-th slice of k, and add up their
 // sums in shared memory: more loads in flight for a narrow product (few pairs) with a long k.
 layout(constant_id = 12) const uint SPLIT_K = 0;
+layout(constant_id = 13) const uint PAGE_SIZE = 0;  // MODE_QKV into a paged cache (see above)
 
 shared float split_sums[SPLIT_K != 0 ? 3 * ROWS * 32 : 1];  // [subgroup][row][acc0, acc1, squares]
 
@@ -100,8 +104,8 @@ layout(push_constant) uniform Push {
 #include "vector16.glsl"
 
 #if defined(QUANT_W)
-layout(constant_id = 13) const uint FORMAT = 0;  // quant_block.glsl QUANT_*
-layout(constant_id = 14) const uint W_VEC = 0;   // every weight's byte offset is a multiple of 16
+layout(constant_id = 14) const uint FORMAT = 0;  // quant_block.glsl QUANT_*
+layout(constant_id = 15) const uint W_VEC = 0;   // every weight's byte offset is a multiple of 16
 layout(binding = 2) readonly buffer W0Words { uint w0_words[]; };
 layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
 layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
@@ -203,6 +207,12 @@ void store(uint row, Pair pr, float y0, float y1) {
         return;
     }
     uint slot = ((row * kv_heads + pr.head) * capacity + cache_start[start_offset]) * head_dim;
+    if (PAGE_SIZE > 0u) {
+        uint position = cache_start[start_offset];
+        uint block = cache_start[start_offset + 2u + row * (capacity / PAGE_SIZE) + position / PAGE_SIZE];
+        if (block == 0u) return;
+        slot = ((block * kv_heads + pr.head) * PAGE_SIZE + position % PAGE_SIZE) * head_dim;
+    }
     if (pr.which == 1) {
         out1[slot + pr.dim0] = store_elem(y0);
         out1[slot + pr.dim1] = store_elem(y1);

@@ -7,16 +7,22 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with
 ``"stream": true``), GET /health, GET /metrics (Prometheus text). The requests run through a BatchScheduler
-(models/batching.py). Needs the ``serve`` extra (Starlette and uvicorn): ``pip install 'vkformers[serve]'``.
+(models/batching.py), over a paged KV cache with ``--kv-cache-tokens`` (models/paged_cache.py). An embedding
+model (a sentence-transformers folder, or an encoder such as BERT) is served on POST /v1/embeddings instead,
+through SentenceTransformer (models/sentence.py) on one worker thread. Needs the ``serve`` extra (Starlette and
+uvicorn): ``pip install 'vkformers[serve]'``.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +33,24 @@ from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoTokenizer
+from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import load_adapter, merge_lora
+from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_CHOICES = 128               # OpenAI's bound on n
+MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("serve", help="serve a causal LM over an OpenAI-compatible HTTP API",
+    parser = subparsers.add_parser("serve", help="serve a causal LM or an embedding model over an OpenAI-compatible "
+                                                 "HTTP API",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
                         help=f"checkpoint folder, hub repo id or .gguf file (default: {cli_generate.DEFAULT_MODEL_FILE} "
-                             f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package)")
+                             f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package); a sentence-transformers "
+                             "folder or an encoder is served on /v1/embeddings")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: a .gguf file's stem, else --model as given; "
                              "SmolLM2-135M-Instruct for the bundled model)")
@@ -48,6 +60,10 @@ def add_parser(subparsers):
                         help="most requests decoded together; more wait (default 64)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="most tokens of a request, prompt and output (default: the model's positions)")
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                        help="a paged KV cache of this many tokens (blocks of 16) shared by all requests: memory follows "
+                             "the tokens held; requests wait, or the newest is preempted, when it is full (default: a "
+                             "contiguous cache per batch)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
@@ -77,19 +93,28 @@ def run(args) -> int:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
     model_name = args.model or cli_generate.default_model()
     served = args.served_model_name or served_name(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_name)
-    model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
-    if args.adapter is not None:
-        merge_lora(load_adapter(model, args.adapter))
-    scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                               eos=eos_ids(model, tokenizer)).start()
-    app = build_app(scheduler, tokenizer, served, api_key=args.api_key)
+    if args.model is not None and is_embedding_checkpoint(model_name):
+        if args.quantization is not None or args.adapter is not None:
+            raise VkformersError("--quantization and --adapter apply to causal LMs; an embedding model is served "
+                                 "as it is")
+        embedder = Embedder(SentenceTransformer(model_name, dtype=args.dtype), batch_size=args.max_batch)
+        app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
+            embedder.close
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_name)
+        model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
+        if args.adapter is not None:
+            merge_lora(load_adapter(model, args.adapter))
+        blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
+        scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                                   eos=eos_ids(model, tokenizer), kv_blocks=blocks).start()
+        app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
-        scheduler.close()
+        close()
     return 0
 
 
@@ -137,8 +162,8 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
 
 def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     """The generation settings of a completions (``chat`` False) or chat completions request."""
-    if _number(body, "n", 1, int) != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "best_of is not supported", param="best_of")
     if not chat and body.get("echo"):
         raise ApiError(400, "echo is not supported", param="echo")
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -162,6 +187,12 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     return SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, float, 0, 2),
                           top_p=_number(body, "top_p", 1.0, float, 0, 1), seed=seed,
                           stop=tuple(s for s in stop if s), logprobs=logprobs)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The settings of each of a request's ``n`` choices: choice i samples with seed + i (choice 0 as the request
+    alone would), so that a seeded request repeats; without a seed each choice draws its own."""
+    return [replace(params, seed=None if params.seed is None else params.seed + index) for index in range(n)]
 
 
 def completion_prompt(body: dict, tokenizer) -> list[int]:
@@ -196,6 +227,80 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         conversation.append({"role": message["role"], "content": content or ""})
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
     return [int(t) for t in np.asarray(ids)[0]]
+
+
+def embedding_inputs(body: dict) -> list:
+    """An embeddings request's inputs: a string, a list of strings, a list of token ids or a list of such lists
+    (the model's input ids, special tokens included). Returns a list of strings and token id lists."""
+    value = body.get("input")
+
+    def ids(item):
+        return isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+    if isinstance(value, str) or ids(value):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) or ids(v) for v in value):
+        raise ApiError(400, "'input' must be a string, a list of strings, a list of token ids or a list of such "
+                            "lists (none empty)", param="input")
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise ApiError(400, f"'input' holds {len(value)} items; send at most {MAX_EMBEDDING_INPUTS} a request",
+                       param="input")
+    return value
+
+
+def embedding_format(body: dict, width: int) -> tuple[str, int | None]:
+    """encoding_format ("float" or "base64") and dimensions (None: all ``width``) of an embeddings request."""
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise ApiError(400, f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", param="encoding_format")
+    dimensions = body.get("dimensions")
+    if dimensions is not None:
+        dimensions = _number(body, "dimensions", None, int, 1, width)
+    return encoding, dimensions
+
+
+@dataclass
+class EmbeddingMetrics:
+    requests: int = 0
+    inputs: int = 0
+    prompt_tokens: int = 0
+    errors: int = 0
+
+
+class Embedder:
+    """A SentenceTransformer run on one worker thread (the engine is not shared across threads), requests in turn."""
+
+    def __init__(self, model: SentenceTransformer, batch_size: int = 32):
+        self.model, self.batch_size = model, batch_size
+        self.width = int(model.encode("a").shape[-1])
+        self.metrics = EmbeddingMetrics()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="vkformers-embed")
+
+    def embed(self, inputs: list) -> tuple[np.ndarray, int]:
+        """The embeddings [len(inputs), D] of texts (truncated to max_seq_length, as encode does) and token id
+        lists, and the tokens read."""
+        texts = [item for item in inputs if isinstance(item, str)]
+        tokenized = iter(self.model.token_ids(texts) if texts else [])
+        ids = [next(tokenized) if isinstance(item, str) else item for item in inputs]
+        return self.model.encode_token_ids(ids, batch_size=self.batch_size), sum(len(i) for i in ids)
+
+    async def __call__(self, inputs: list) -> tuple[np.ndarray, int]:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self.embed, inputs)
+
+    def close(self) -> None:
+        self._worker.shutdown()
+
+
+def embedding_data(embeddings: np.ndarray, encoding: str, dimensions: int | None, normalize: bool) -> list[dict]:
+    """/v1/embeddings' data: each embedding cut to ``dimensions`` (scaled to unit length again when the model
+    normalizes, as OpenAI's shortened embeddings are), as floats or base64 of little-endian float32."""
+    if dimensions is not None and dimensions < embeddings.shape[-1]:
+        embeddings = embeddings[:, :dimensions]
+        if normalize:
+            embeddings = embeddings / np.maximum(np.linalg.norm(embeddings, axis=-1, keepdims=True), 1e-12)
+    embeddings = np.ascontiguousarray(embeddings, "<f4")
+    return [{"object": "embedding", "index": index,
+             "embedding": base64.b64encode(row.tobytes()).decode() if encoding == "base64" else row.tolist()}
+            for index, row in enumerate(embeddings)]
 
 
 # ---------------------------------------------------------------- responses
@@ -248,6 +353,9 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
              m.occupancy_sum / m.steps if m.steps else 0.0),
             ("kv_cache_tokens", "gauge", "KV cache entries held by the running batch (rows x length)",
              m.cache_tokens),
+            ("kv_cache_blocks", "gauge", "blocks of the paged KV cache (0: contiguous caches)", m.kv_blocks),
+            ("kv_cache_blocks_used", "gauge", "blocks of the paged KV cache held by requests", m.kv_blocks_used),
+            ("preemptions_total", "counter", "requests sent back to wait for KV blocks (recomputed)", m.preemptions),
             ("time_to_first_token_seconds_sum", "counter", "summed time to first token", m.ttft_sum),
             ("time_to_first_token_seconds_count", "counter", "requests with a first token", m.ttft_count)]
     lines = []
@@ -257,8 +365,24 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str | None = None):
-    """The Starlette application serving ``scheduler``'s model under the name ``served``."""
+def embedding_prometheus(embedder: Embedder, served: str) -> str:
+    m = embedder.metrics
+    label = f'{{model="{served}"}}'
+    rows = [("requests_total", "counter", "embeddings requests answered", m.requests),
+            ("embedding_inputs_total", "counter", "inputs embedded", m.inputs),
+            ("prompt_tokens_total", "counter", "tokens embedded", m.prompt_tokens),
+            ("request_errors_total", "counter", "embeddings requests that failed", m.errors)]
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP vkformers_{name} {help_text}", f"# TYPE vkformers_{name} {kind}",
+                  f"vkformers_{name}{label} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
+              embedder: Embedder | None = None):
+    """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
+    name ``served``; the routes of the other kind answer 400."""
     web_modules()
     # the optional [serve] extra, imported once the command runs (web_modules said how to install it)
     from starlette.applications import Starlette
@@ -295,12 +419,13 @@ def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str
         return body
 
     async def health(request):
-        if scheduler.error is not None:
+        if scheduler is not None and scheduler.error is not None:
             return JSONResponse({"status": "error", "error": str(scheduler.error)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(request):
-        return PlainTextResponse(prometheus(scheduler, served), media_type="text/plain; version=0.0.4")
+        text = prometheus(scheduler, served) if scheduler is not None else embedding_prometheus(embedder, served)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(request):
         try:
@@ -316,89 +441,136 @@ def build_app(scheduler: BatchScheduler, tokenizer, served: str, *, api_key: str
     async def chat_completions(request):
         return await complete(request, chat=True)
 
+    def wrong_kind(route: str) -> ApiError:
+        kind = "an embedding model: it answers POST /v1/embeddings" if scheduler is None else \
+            "a causal LM: it answers POST /v1/completions and /v1/chat/completions"
+        return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
+
     async def complete(request, chat: bool):
         try:
             authorize(request)
             body = await read_body(request)
+            if scheduler is None:
+                raise wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
             prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
             params = sampling_params(body, chat=chat, prompt_tokens=len(prompt),
                                      max_model_len=scheduler.max_model_len)
+            n = _number(body, "n", 1, int, 1, MAX_CHOICES)
             stream = bool(body.get("stream"))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             loop = asyncio.get_running_loop()
             updates: asyncio.Queue = asyncio.Queue()
 
-            def deliver(update):  # on the scheduler's thread
-                try:
-                    loop.call_soon_threadsafe(updates.put_nowait, update)
-                except RuntimeError:  # the event loop closed (server shutting down)
-                    pass
+            def deliver(index):
+                def on_update(update):  # on the scheduler's thread
+                    try:
+                        loop.call_soon_threadsafe(updates.put_nowait, (index, update))
+                    except RuntimeError:  # the event loop closed (server shutting down)
+                        pass
+                return on_update
             eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
-            job = scheduler.submit(Request(prompt, params, deliver, eos))
+            choices = [Request(prompt, p, deliver(i), eos) for i, p in enumerate(choice_params(params, n))]
+            for job in choices:
+                scheduler.submit(job)
         except InputError as exc:
             return error(ApiError(400, str(exc)))
+        except KVBlocksExhausted as exc:  # the request alone exceeds the paged cache
+            return error(ApiError(503, str(exc), kind="server_error", code="kv_cache_full"))
         except ApiError as exc:
             return error(exc)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": served}
         if stream:
-            return StreamingResponse(stream_events(job, updates, head, chat, include_usage),
+            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, entries, finish, count = "", [], None, 0
+        texts, entries, finish, counts = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n
         try:
-            while finish is None:
-                update = await updates.get()
-                text += update.text
-                entries += update.logprobs
-                finish, count = update.finish_reason, update.completion_tokens
+            while any(f is None for f in finish):
+                index, update = await updates.get()
+                texts[index] += update.text
+                entries[index] += update.logprobs
+                finish[index], counts[index] = update.finish_reason, update.completion_tokens
+                if update.finish_reason == "error":
+                    break
         finally:
-            job.cancel()  # a client gone before the end: the request leaves the batch
-        if finish == "error":
+            for job in choices:
+                job.cancel()  # a client gone before the end: the requests leave the batch
+        if "error" in finish:
             return error(failed())
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(tokenizer, entries) if params.logprobs is not None else None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish,
-                      "logprobs": completion_logprobs(tokenizer, entries, 0, text)
-                      if params.logprobs is not None else None}
-        return JSONResponse({**head, "choices": [choice], "usage": usage(len(prompt), count)})
+        results = []
+        for index in range(n):
+            if chat:
+                results.append({"index": index, "message": {"role": "assistant", "content": texts[index]},
+                                "logprobs": chat_logprobs(tokenizer, entries[index])
+                                if params.logprobs is not None else None, "finish_reason": finish[index]})
+            else:
+                results.append({"index": index, "text": texts[index], "finish_reason": finish[index],
+                                "logprobs": completion_logprobs(tokenizer, entries[index], 0, texts[index])
+                                if params.logprobs is not None else None})
+        return JSONResponse({**head, "choices": results, "usage": usage(len(prompt), sum(counts))})
 
-    async def stream_events(job, updates, head, chat: bool, include_usage: bool):
+    async def stream_events(choices, updates, head, chat: bool, include_usage: bool):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
-        sent = 0
+        sent, counts, running = [0] * len(choices), [0] * len(choices), len(choices)
+        logprobs_wanted = choices[0].params.logprobs is not None
         try:
             if chat:
-                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            while True:
-                update = await updates.get()
+                for index in range(len(choices)):
+                    yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+            while running:
+                index, update = await updates.get()
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
                 if update.text or update.logprobs or update.finish_reason:
                     logprobs = None
-                    if job.params.logprobs is not None:
+                    if logprobs_wanted:
                         logprobs = chat_logprobs(tokenizer, update.logprobs) if chat else \
-                            completion_logprobs(tokenizer, update.logprobs, sent, update.text)
+                            completion_logprobs(tokenizer, update.logprobs, sent[index], update.text)
                     delta = {"content": update.text} if update.text or not update.finish_reason else {}
-                    choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": update.text}
+                    choice = {"index": index, "delta": delta} if chat else {"index": index, "text": update.text}
                     yield event({**choice, "logprobs": logprobs, "finish_reason": update.finish_reason})
-                    sent += len(update.text)
+                    sent[index] += len(update.text)
                 if update.finish_reason:
-                    if include_usage:
-                        yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(len(job.prompt), update.completion_tokens)})}\n\n"  # noqa: E501
-                    break
+                    counts[index] = update.completion_tokens
+                    running -= 1
+            else:
+                if include_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(len(choices[0].prompt), sum(counts))})}\n\n"  # noqa: E501
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()  # the client went away mid-stream: its row leaves the batch at the next step
+            for job in choices:
+                job.cancel()  # the client went away mid-stream: its rows leave the batch at the next step
+
+    async def embeddings(request):
+        try:
+            authorize(request)
+            body = await read_body(request)
+            if embedder is None:
+                raise wrong_kind("/v1/embeddings")
+            inputs = embedding_inputs(body)
+            encoding, dimensions = embedding_format(body, embedder.width)
+            try:
+                vectors, tokens = await embedder(inputs)
+            except VkformersError as exc:  # a token id out of the vocabulary, an input too long
+                embedder.metrics.errors += 1
+                raise ApiError(400, str(exc), param="input") from None
+        except ApiError as exc:
+            return error(exc)
+        embedder.metrics.requests += 1
+        embedder.metrics.inputs += len(inputs)
+        embedder.metrics.prompt_tokens += tokens
+        return JSONResponse({"object": "list", "data": embedding_data(vectors, encoding, dimensions,
+                                                                      embedder.model.normalize),
+                             "model": served, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/embeddings", embeddings, methods=["POST"])]
     return Starlette(routes=routes)

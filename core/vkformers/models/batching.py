@@ -16,6 +16,13 @@ Each request chooses
 its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
 top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
 
+Paged (``kv_blocks``): the caches take their keys and values from one BlockPool of that many blocks
+(models/paged_cache.py), so memory follows the tokens held: a row takes blocks as its tokens come, a padding-only
+block takes none, and a request that leaves gives its row's blocks back at once. Joining requests wait while the
+blocks their prompts need are in use; when a decode step finds none left, the newest request is preempted (its row
+given back, the request queued first again, its prompt and tokens so far prefilled anew when it rejoins). A
+request that could never fit the pool is refused at submit (KVBlocksExhausted).
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
@@ -34,6 +41,7 @@ from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
+from vkformers.models.paged_cache import PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 # Columns a batch's cache gets beyond its tokens so far (or fewer: what its requests may still generate); when
@@ -134,6 +142,9 @@ class Metrics:
     ttft_count: int = 0
     occupancy_sum: float = 0.0    # live / batch rows, summed over decode steps
     peak_live_rows: int = 0       # most requests one decode step served
+    kv_blocks: int = 0            # paged: the pool's blocks (scratch block excluded)
+    kv_blocks_used: int = 0       # paged: blocks held by requests
+    preemptions: int = 0          # paged: requests sent back to wait for blocks (recomputed when they rejoin)
 
 
 @dataclass
@@ -151,10 +162,12 @@ class BatchScheduler:
     """Runs requests on ``model`` (a GenerationMixin causal LM), ``tokenizer`` decoding their text.
 
     ``max_batch``: most requests decoded together (more wait); ``max_model_len``: most tokens (prompt and
-    generated) of one request. ``start()`` starts the thread; ``submit()`` queues a request; ``close()`` stops.
+    generated) of one request; ``kv_blocks``: a paged KV cache of that many blocks of ``page_size`` tokens (None:
+    contiguous caches). ``start()`` starts the thread; ``submit()`` queues a request; ``close()`` stops.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=()):
+    def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=(),
+                 kv_blocks: int | None = None, page_size: int = PAGE_SIZE):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
@@ -164,6 +177,11 @@ class BatchScheduler:
         self.eos = sorted({int(e) for e in eos})
         self.pad = self.eos[0] if self.eos else 0
         self.metrics = Metrics()
+        self.kv_blocks, self.page_size = (None if kv_blocks is None else int(kv_blocks)), int(page_size)
+        if self.kv_blocks is not None and self.kv_blocks < 2:
+            raise InputError(f"kv_blocks must be >= 2, got {kv_blocks}")
+        self._pool: BlockPool | None = None
+        self.metrics.kv_blocks = max((self.kv_blocks or 1) - 1, 0)
         self._waiting: list[Request] = []
         self._rows: list[Request | None] = []  # the running batch, one entry per cache row (None: a filler row)
         self._cond = threading.Condition()
@@ -216,6 +234,12 @@ class BatchScheduler:
             raise InputError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed the "
                              f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
                              "max_tokens")
+        if self.kv_blocks is not None:  # alone in the pool, twice its prompt while it joins (prefilled, then placed)
+            tokens = self._width(prompt_tokens) + max_tokens + 8
+            needed = -(-tokens // self.page_size) + -(-self._width(prompt_tokens) // self.page_size) + 2
+            if needed > self.kv_blocks - 1:
+                raise KVBlocksExhausted(f"the request needs {needed} KV blocks of {self.page_size} tokens and the "
+                                        f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
 
     def submit(self, request: Request) -> Request:
         request.params.check()
@@ -258,10 +282,14 @@ class BatchScheduler:
         "error" update) and drops the batch and its recorded steps; the next requests start a new one."""
         try:
             if self._joining:
-                if self._state is not None and self._fits(self._joining):
+                if self._state is not None and self._fits(self._joining) and self._blocks_free(self._joining, True):
                     self._start_prefill(self._joining)
                 else:
-                    self._rebuild(self._joining)
+                    admitted = self._fitting(self._joining)
+                    self._requeue(self._joining[len(admitted):])  # paged: the others wait for blocks
+                    self._joining = admitted
+                    if admitted:
+                        self._rebuild(admitted)
             decoding = self._state is not None and any(r is not None and not r.finished for r in self._rows)
             if self._prefilling is not None:
                 self._prefill_chunk()
@@ -269,6 +297,17 @@ class BatchScheduler:
                     self._step()
             elif not self._joining and decoding:  # (none may be: the waiting requests were all cancelled)
                 self._step()
+        except KVBlocksExhausted:  # paged, not foreseen: every request waits again, recomputed when it rejoins
+            with self._cond:
+                requests = [r for r in self._live() + self._joining
+                            + (self._prefilling.requests if self._prefilling else []) if not r.finished]
+            self.metrics.preemptions += len(requests)
+            self._requeue(sorted(requests, key=lambda r: r.arrived))
+            self._prefilling = None
+            self._release_rows()
+            for cache in [c for c, _, _ in self._caches.values()] + list(self._joining_caches.values()):
+                cache.reset()
+            self._count_blocks()
         except Exception as exc:
             self.last_error = exc
             self.metrics.errors += 1
@@ -278,6 +317,7 @@ class BatchScheduler:
             self._release_rows()
             self._caches.clear()
             self._joining_caches.clear()
+            self._pool = None  # (its blocks may be held by the dropped caches)
         finally:
             self._joining = []
 
@@ -299,9 +339,59 @@ class BatchScheduler:
         return live
 
     def _release_rows(self) -> None:
-        """Nothing runs: let the batch go (its cache stays allocated for the next)."""
+        """Nothing runs: let the batch go (its cache stays allocated for the next; a paged one gives its blocks
+        back)."""
+        if self._state is not None and self._state[0].paged:
+            self._state[0].reset()
         self._rows, self._state = [], None
         self.metrics.batch_rows = self.metrics.live_rows = self.metrics.cache_tokens = 0
+        self._count_blocks()
+
+    def _count_blocks(self) -> None:
+        if self._pool is not None:
+            self.metrics.kv_blocks_used = self._pool.used_blocks
+
+    def _free_rows(self) -> None:
+        """Paged: the rows of requests that left give their blocks back."""
+        if self._state is not None and self._state[0].paged:
+            cache = self._state[0]
+            gone = [row for row, r in enumerate(self._rows) if (r is None or r.finished) and not cache.dead[row]]
+            if gone:
+                cache.release_rows(gone)
+        self._count_blocks()
+
+    def _blocks_free(self, joining: list[Request], place: bool) -> bool:
+        """Paged: whether the pool has the blocks the joining requests need, prefilled apart and placed
+        (``place``), or in a rebuild of the whole batch (which gives the running batch's blocks back first)."""
+        if self.kv_blocks is None:
+            return True
+        pool = self._block_pool()
+        cache = self._state[0] if self._state is not None else None
+
+        def blocks(tokens):
+            return -(-(self._width(tokens) + 8) // self.page_size) + 1
+        if place:
+            return 2 * sum(blocks(len(r.prompt) + len(r.generated)) for r in joining) + len(self._rows) \
+                <= pool.free_blocks
+        with self._cond:
+            live = self._live()
+        held = cache.blocks_held if cache is not None else 0
+        return sum(blocks(len(r.prompt) + len(r.generated)) for r in live + joining) <= pool.free_blocks + held
+
+    def _fitting(self, joining: list[Request]) -> list[Request]:
+        """The first joining requests whose blocks a rebuild has (all but with a paged cache); at least one when
+        nothing runs (submit's check says one fits the pool alone)."""
+        count = len(joining)
+        while count and not self._blocks_free(joining[:count], False):
+            count -= 1
+        if count == 0 and joining and not self._live():
+            count = 1
+        return joining[:count]
+
+    def _requeue(self, requests: list[Request]) -> None:
+        with self._cond:
+            self._waiting[:0] = [r for r in requests if not r.finished]
+            self.metrics.waiting = len(self._waiting)
 
     def _admit(self) -> list[Request]:
         """Waiting requests that join the batch now, as many as max_batch allows (called under the lock); none
@@ -331,8 +421,17 @@ class BatchScheduler:
     def _column_limit(self) -> int:
         return -(-COLUMN_LIMIT * self.max_model_len // COLUMN_ROUNDING) * COLUMN_ROUNDING
 
+    def _block_pool(self) -> BlockPool:
+        if self._pool is None:
+            model = self.model
+            self._pool = BlockPool(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_blocks,
+                                   self.page_size, getattr(model, "dtype", None) or "float32", self._device())
+        return self._pool
+
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
+        if self.kv_blocks is not None:  # memory follows the tokens: the columns cost nothing until used
+            return PagedKVCache(self._block_pool(), rows, self._column_limit())
         return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, self._columns(length),
                        getattr(model, "dtype", None) or "float32", self._device())
 
@@ -393,6 +492,8 @@ class BatchScheduler:
         ids, mask = self._left_padded([r.prompt + r.generated for r in live], rows)
         length = ids.shape[1]
         remaining = max(r.params.max_tokens - len(r.generated) for r in live)
+        if self._state is not None and self._state[0].paged:
+            self._state[0].reset()  # everything is prefilled again: its blocks first
         cache, capture = self._cache(rows, length + min(remaining, CACHE_GROWTH))
         positions = self.model.generation_positions(mask, ids, length)
         logits = self.model.prefill(ids, mask, positions, cache)
@@ -402,18 +503,21 @@ class BatchScheduler:
         self.metrics.batch_rows, self.metrics.live_rows = rows, len(live)
         self.metrics.cache_tokens = rows * cache.max_len
         self._choose(logits, list(enumerate(live)))
+        self._free_rows()
 
     def _fits(self, joining: list[Request]) -> bool:
         """Whether the joining requests can take free rows of the running batch: as many free rows, and columns
         to spare for their prompts and first outputs (a prompt longer than the batch's columns so far shifts the
         batch right, _move)."""
-        start = max(self._state[0].position, self._width(max(len(r.prompt) for r in joining)))
+        start = max(self._state[0].position, self._width(max(len(r.prompt) + len(r.generated) for r in joining)))
         free = sum(1 for r in self._rows if r is None or r.finished)
+        if self.kv_blocks is not None and start > self._state[0].position:
+            return False  # paged: moving the batch right would copy it, twice its blocks; a rebuild instead
         return len(joining) <= free and all(
-            start + min(r.params.max_tokens, CACHE_GROWTH) <= self._column_limit() for r in joining)
+            start + min(r.params.max_tokens - len(r.generated), CACHE_GROWTH) <= self._column_limit() for r in joining)
 
     def _start_prefill(self, joining: list[Request]) -> None:
-        ids, mask = self._left_padded([r.prompt for r in joining], self._bucket(len(joining)))
+        ids, mask = self._left_padded([r.prompt + r.generated for r in joining], self._bucket(len(joining)))
         positions = self.model.generation_positions(mask, ids, ids.shape[1])
         self._prefilling = _Prefill(joining, ids, mask, positions, self._prefill_cache(ids.shape[0], ids.shape[1]))
 
@@ -434,7 +538,10 @@ class BatchScheduler:
         its current column (left padding before them): the live rows lose no work."""
         width = ids.shape[1]
         free = sum(1 for r in self._rows if r is None or r.finished)
-        if max(width, self._state[0].position) >= self._column_limit() or free < len(joining):
+        if max(width, self._state[0].position) >= self._column_limit() or free < len(joining) \
+                or (source.paged and width > self._state[0].position):
+            if source.paged:
+                source.reset()  # its blocks back first: the rebuild prefills the prompts again
             self._rebuild(joining)  # the batch ran on (or was packed) while they prefilled: no room left
             return
         if width > self._state[0].position:
@@ -449,9 +556,12 @@ class BatchScheduler:
             mask[row] = cache.mask[row, :end]
             self._rows[row] = request
         lazy.realize([])  # the copies, before the next step's graph
+        if source.paged:
+            source.reset()  # its blocks back to the pool
         self.metrics.placements += 1
         self.metrics.live_rows = sum(1 for r in self._rows if r is not None and not r.finished)
         self._choose(logits, list(enumerate(joining)))
+        self._free_rows()
 
     def _step(self) -> None:
         """One decode step of every row: each row's last token in, the next token chosen."""
@@ -460,6 +570,8 @@ class BatchScheduler:
                 self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
                 return
             self._move(0, 2 * self._state[0].max_len)  # double the cache
+        if self._state[0].paged and not self._reserve_step():
+            return
         cache, capture, tokens, mask, length = self._state
         last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
         tokens = np.concatenate([tokens, last[:, None]], axis=1)
@@ -475,6 +587,27 @@ class BatchScheduler:
         self.metrics.peak_live_rows = max(self.metrics.peak_live_rows, live)
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
+        self._free_rows()
+
+    def _reserve_step(self) -> bool:
+        """Paged: the blocks of the next decode step, preempting the newest requests while there are none (each
+        queued first again; recomputed when it rejoins). False when no request is left to step."""
+        cache = self._state[0]
+        self._free_rows()
+        while True:
+            try:
+                cache.reserve(cache.position + 1)
+                return True
+            except KVBlocksExhausted:
+                live = [(r.arrived, row) for row, r in enumerate(self._rows) if r is not None and not r.finished]
+                if len(live) <= 1:
+                    raise  # one request alone outgrew the pool (submit's check leaves room: not expected)
+                row = max(live)[1]
+                request, self._rows[row] = self._rows[row], None
+                cache.release_rows([row])
+                self._requeue([request])
+                self.metrics.preemptions += 1
+                self.metrics.live_rows = len(live) - 1
 
     def _move(self, shift: int, columns: int) -> None:
         """Copy the running batch into a new cache of at least ``columns`` columns, every row's tokens ``shift``
@@ -487,6 +620,8 @@ class BatchScheduler:
         cache.advance(old.position + shift)
         cache.place_row(old, 0, 0, rows=rows)
         lazy.realize([])
+        if old.paged:
+            old.reset()  # its blocks back to the pool
         if shift:
             tokens = np.concatenate([np.full((rows, shift), self.pad, tokens.dtype), tokens], axis=1)
             mask = np.concatenate([np.zeros((rows, shift), mask.dtype), mask], axis=1)

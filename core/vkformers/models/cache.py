@@ -43,6 +43,8 @@ class RowStateError(VkformersError, ValueError):
 
 
 class KVCache:
+    paged = False  # PagedKVCache (models/paged_cache.py): keys and values in blocks, not [batch, kv_heads, max_len, dim]
+
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype="float32", device: Device | None = None):
         for name, value in (("num_layers", num_layers), ("batch", batch), ("kv_heads", kv_heads),

@@ -135,6 +135,8 @@ class DecodeCapture:
         with the first step already covers the new tokens."""
         if self.tokens != 1:
             raise ValueError("only decode steps of one token chain")
+        if steps > getattr(self.cache, "lookahead", steps):  # a paged cache holds blocks only that far ahead
+            return None
         if not self._write_step(step_ids, step_positions):
             return None
         plan = self.previous[0]

@@ -19,7 +19,9 @@ from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
 from vkformers.models.heads import mean_pool, take_tokens
-from vkformers.models.loading import AutoModel, AutoTokenizer, read_json, resolve_checkpoint
+from vkformers.models.gguf import is_gguf_file
+from vkformers.models.loading import AutoModel, AutoTokenizer, load_config, read_json, resolve_checkpoint
+from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.safetensors_io import read_safetensors
 
 PAD_MULTIPLE = 16
@@ -148,8 +150,30 @@ class SentenceTransformer:
         return self.tokenizer(texts, padding=True, truncation="longest_first", max_length=self.max_seq_length,
                               pad_to_multiple_of=multiple, return_tensors="np")
 
-    def _embed_batch(self, texts: list[str]) -> np.ndarray:
+    def token_ids(self, texts: list[str]) -> list[list[int]]:
+        """Each text's input ids as the model reads them (special tokens added, truncated to max_seq_length)."""
         features = self.tokenize(texts)
+        return [[int(t) for t in ids[mask > 0]] for ids, mask in zip(features["input_ids"], features["attention_mask"])]
+
+    def _padded_ids(self, ids: list[list[int]]) -> dict:
+        """Token id lists right-padded into a batch, rounded up as tokenize() pads texts."""
+        longest = max(len(i) for i in ids)
+        if self.max_seq_length % PAD_MULTIPLE == 0:
+            longest = min(-(-longest // PAD_MULTIPLE) * PAD_MULTIPLE, self.max_seq_length)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = np.full((len(ids), longest), pad, np.int64)
+        mask = np.zeros((len(ids), longest), np.int64)
+        for row, tokens in enumerate(ids):
+            input_ids[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
+        return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)}
+
+    def _embed_batch(self, texts: list[str]) -> np.ndarray:
+        return self._embed_features(self.tokenize(texts))
+
+    def _embed_ids(self, ids: list[list[int]]) -> np.ndarray:
+        return self._embed_features(self._padded_ids(ids))
+
+    def _embed_features(self, features: dict) -> np.ndarray:
         mask = features["attention_mask"]
         inputs = {"input_ids": features["input_ids"], "attention_mask": mask}
         if "token_type_ids" in features and "token_type_ids" in inspect.signature(self.model.forward).parameters:
@@ -168,21 +192,48 @@ class SentenceTransformer:
         texts = [sentences] if single else list(sentences)
         if not all(isinstance(t, str) for t in texts):
             raise SentenceTransformerError("encode() takes a text or a list of texts")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise SentenceTransformerError(f"batch_size={batch_size!r}: pass a positive integer")
-        order = np.argsort([-len(t) for t in texts], kind="stable")  # longest first, as sentence-transformers
-        chunks = []
-        starts = range(0, len(texts), batch_size)
-        for start in _progress(starts, show_progress_bar and len(starts) > 1):
-            chunks.append(self._embed_batch([texts[i] for i in order[start:start + batch_size]]))
-        out = np.zeros((len(texts), chunks[0].shape[-1] if chunks else 0), np.float32)
-        if chunks:
-            out[order] = np.concatenate(chunks)
+        out = self._batched(texts, self._embed_batch, batch_size, show_progress_bar)
         if normalize_embeddings:
             out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out[0] if single else out
 
+    def encode_token_ids(self, ids: list[list[int]], batch_size: int = 32) -> np.ndarray:
+        """Embeddings [len(ids), D] float32 of token id lists as the model reads them (special tokens included, as
+        token_ids() gives them), each of at most max_seq_length tokens."""
+        if not ids or not all(isinstance(i, list) and i and all(isinstance(t, int) for t in i) for i in ids):
+            raise SentenceTransformerError("encode_token_ids() takes non-empty lists of token ids")
+        longest = max(len(i) for i in ids)
+        if longest > self.max_seq_length:
+            raise SentenceTransformerError(f"an input of {longest} tokens exceeds max_seq_length "
+                                           f"{self.max_seq_length}; shorten it")
+        return self._batched(ids, self._embed_ids, batch_size, False)
+
+    def _batched(self, items: list, embed, batch_size: int, show_progress_bar) -> np.ndarray:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise SentenceTransformerError(f"batch_size={batch_size!r}: pass a positive integer")
+        order = np.argsort([-len(t) for t in items], kind="stable")  # longest first, as sentence-transformers
+        chunks = []
+        starts = range(0, len(items), batch_size)
+        for start in _progress(starts, show_progress_bar and len(starts) > 1):
+            chunks.append(embed([items[i] for i in order[start:start + batch_size]]))
+        out = np.zeros((len(items), chunks[0].shape[-1] if chunks else 0), np.float32)
+        if chunks:
+            out[order] = np.concatenate(chunks)
+        return out
+
     __call__ = encode
+
+
+def is_embedding_checkpoint(name_or_path) -> bool:
+    """Whether a checkpoint is an embedding model: a sentence-transformers folder (modules.json), or an encoder (an
+    architecture with no causal LM). A GGUF file is taken as a causal LM."""
+    if is_gguf_file(name_or_path):
+        return False
+    folder = resolve_checkpoint(name_or_path)
+    if (folder / "modules.json").is_file():
+        return True
+    architecture = registry().resolve(load_config(folder))
+    return plugin_manager().hook.vkformers_model_class(architecture=architecture, task="causal-lm") is None
 
 
 def _progress(items, show: bool):
@@ -192,4 +243,4 @@ def _progress(items, show: bool):
     return tqdm(items, desc="Batches", file=sys.stderr)
 
 
-__all__ = ["Dense", "Pooling", "SentenceTransformer", "SentenceTransformerError"]
+__all__ = ["Dense", "Pooling", "SentenceTransformer", "SentenceTransformerError", "is_embedding_checkpoint"]

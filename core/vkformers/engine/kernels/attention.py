@@ -253,7 +253,8 @@ def _check_float32(x: Operand, count: int, what: str) -> None:
 
 
 def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | CoopmatTiles | DecodeTiles, *, batch, heads, kv_heads,
-                    q_len, kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1):
+                    q_len, kv_len, kv_stride, head_dim, scale, kv_len_buffer: Operand | None, splits: int = 1,
+                    page_size: int = 0, mask_stride: int | None = None):
     device = seq.device
     variant = _variant(q, k, v, out)
     final_lse = lse
@@ -263,7 +264,8 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
     buffers = [q.buffer, k.buffer, v.buffer, *flags.bindings(device), kv_len_source.buffer, out.buffer, lse.buffer]
     push = [q.offset, k.offset, v.offset, out.offset, lse.offset,
             flags.mask.offset if flags.mask else 0, flags.slopes.offset if flags.slopes else 0, kv_len_source.offset,
-            heads, kv_heads, q_len, kv_len or 0, kv_stride, kv_stride, flags.q_offset, flags.window,
+            heads, kv_heads, q_len, kv_len or 0, kv_stride, kv_stride if mask_stride is None else mask_stride,
+            flags.q_offset, flags.window,
             float(scale), float(flags.softcap)]
     if isinstance(tiles, CoopmatTiles):  # prefill only: kv_len pushed, one split (attention_forward checks)
         subgroup = int(device.limits["subgroup_size"])
@@ -275,7 +277,7 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
             tiles.threads, splits]
     if isinstance(tiles, DecodeTiles):  # attention_decode.comp: x the slice, y the group of query heads
         seq.dispatch(device.kernel("attention_decode", variant), buffers, (splits, heads // tiles.rows, batch),
-                     push=push, spec=spec)
+                     push=push, spec=spec + [int(page_size)])
     else:
         seq.dispatch(device.kernel("attention_fwd", variant), buffers,
                      (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push, spec=spec)
@@ -324,9 +326,14 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
                      key_padding_mask: Operand | None = None, window: int = 0, softcap: float = 0.0,
                      alibi_slopes: Operand | None = None, lse: Operand | None = None,
                      splits: int | None = None, tiles: Tiles | None = None,
-                     heads_per_workgroup: int | None = None, keys_per_tile: int | None = None) -> None:
+                     heads_per_workgroup: int | None = None, keys_per_tile: int | None = None,
+                     page_size: int = 0) -> None:
     """One new query per sequence (q, out: [batch, heads, 1, head_dim]) against the first
     ``kv_len`` entries of a cache of capacity ``max_len`` ([batch, kv_heads, max_len, head_dim]).
+
+    Paged (``page_size`` > 0): k_cache and v_cache are pools of blocks [blocks, kv_heads, page_size, head_dim], and
+    each sequence's block table (max_len / page_size uint32 entries: logical block -> pool block) follows kv_len
+    in ``kv_len_buffer`` (required); the mask and positions stay logical. Only the vectorised kernel runs paged.
 
     With ``kv_len_buffer`` (a uint32 element, e.g. of a host-visible buffer uploaded in the
     sequence), the kernel reads kv_len there at every replay, so one recorded decode step
@@ -362,9 +369,15 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=1, kv_len=kv_len, mask_len=max_len,
                          head_dim=head_dim, causal=True, key_padding_mask=key_padding_mask, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, q_offset=None)
-    for x, rows, what in ((q, heads, "q"), (out, heads, "out"),
-                          (k_cache, kv_heads * max_len, "k_cache"), (v_cache, kv_heads * max_len, "v_cache")):
-        require_elements(x, batch * rows * head_dim, f"attention_decode {what}")
+    cache_rows = page_size if page_size else batch * max_len  # paged: at least one block
+    if page_size and (kv_len_buffer is None or max_len % page_size):
+        raise ValueError(f"attention_decode: a paged cache needs kv_len_buffer and max_len ({max_len}) a multiple of "
+                         f"page_size ({page_size})")
+    if page_size:
+        require_elements(kv_len_buffer, 1 + batch * (max_len // page_size), "attention_decode block tables")
+    for x, count, what in ((q, batch * heads, "q"), (out, batch * heads, "out"),
+                           (k_cache, kv_heads * cache_rows, "k_cache"), (v_cache, kv_heads * cache_rows, "v_cache")):
+        require_elements(x, count * head_dim, f"attention_decode {what}")
     if lse is None:
         lse = Operand(seq.device.buffer(batch * heads, "float32", name="attention_decode lse"))
     lse = operand(lse)
@@ -389,9 +402,14 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
         if splits is None:
             target = DECODE_TARGET_WORKGROUPS["cpu" if seq.device.is_cpu else "gpu"]
             splits = max(1, min(64, max_len // (4 * keys_per_tile), target // workgroups))
+        if page_size:
+            args.update(kv_stride=max_len // page_size, mask_stride=max_len)
         _record_forward(seq, q, k_cache, v_cache, out, lse, flags, DecodeTiles(group_heads, keys_per_tile), **args,
-                        splits=int(splits))
+                        splits=int(splits), page_size=int(page_size))
         return
+    if page_size:
+        raise ValueError(f"attention_decode: a paged cache needs head_dim ({head_dim}) and the K/V offsets in whole "
+                         "16-byte vectors")
     splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
     tiles = tiles or pick_tiles(seq.device, head_dim, DECODE_TILES, forward_shared_bytes)
     _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, **args, splits=splits)

@@ -66,12 +66,14 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
                   residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
                   cache_start=None, inv_freq=None, head_dim: int = 0, rot_dim: int = 0, kv_heads: int = 0,
                   capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False,
-                  launch: tuple[int, int, int, int] | None = None, quant_format=None) -> None:
+                  launch: tuple[int, int, int, int] | None = None, quant_format=None, page_size: int = 0) -> None:
     """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
     or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
     prologue on (``norm_weight`` None: no weight). ``launch``: (subgroups per workgroup, vectors in flight, pairs per
     subgroup, split k) instead of :func:`launch_shape` (bench/decode.py sweeps them). ``quant_format``
-    (engine.quantized.QuantFormat): the weights are packed uint8 operands of that format."""
+    (engine.quantized.QuantFormat): the weights are packed uint8 operands of that format. ``page_size`` > 0 (qkv):
+    out1 / out2 are pools of blocks [blocks, kv_heads, page_size, head_dim] and cache_start the paged cache's step
+    [start, end, block tables of capacity / page_size entries per row]."""
     x, out0 = operand(x), operand(out0)
     weights = [operand(w) for w in weights]
     expected = {"plain": 1, "gated": 2, "qkv": 3}[mode]
@@ -96,8 +98,14 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
         if head_dim % 2 or rot_dim % 2 or rot_dim > head_dim or any(n % head_dim for n in ns):
             raise ValueError(f"decode_matvec: head_dim {head_dim} / rot_dim {rot_dim} do not fit widths {ns}")
         out1, out2 = operand(out1), operand(out2)
+        if page_size and (capacity % page_size or cache_start is None):
+            raise ValueError(f"decode_matvec: a paged cache needs capacity ({capacity}) a multiple of page_size "
+                             f"({page_size}) and its step tensor as cache_start")
         for cache, what in ((out1, "k cache"), (out2, "v cache")):
-            require_elements(cache, rows * kv_heads * capacity * head_dim, f"decode_matvec {what}")
+            require_elements(cache, (page_size if page_size else rows * capacity) * kv_heads * head_dim,
+                             f"decode_matvec {what}")
+        if page_size:
+            require_elements(operand(cache_start), 2 + rows * capacity // page_size, "decode_matvec block tables")
         require_elements(out0, rows * ns[0], "decode_matvec q")
     else:
         require_elements(out0, rows * ns[0], "decode_matvec out")
@@ -130,7 +138,7 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     per_group = per_subgroup if split_k else subgroups * per_subgroup
     spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
             int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
-            per_subgroup, int(split_k)]
+            per_subgroup, int(split_k), int(page_size)]
     variant = element_variant(x, "decode_matvec")
     if quant_format is not None:
         variant = "q_" + variant
@@ -142,10 +150,11 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
 def decode_head_norm_rope(seq, q_in, k_in, v_in, q_weight, k_weight, q_out, k_cache, v_cache, cache_start, *,
                           rows: int, heads: int, kv_heads: int, head_dim: int, capacity: int, eps: float,
                           positions=None, inv_freq=None, rot_dim: int = 0, attention_scaling: float = 1.0,
-                          interleaved: bool = False, norm_offset: bool = False) -> None:
+                          interleaved: bool = False, norm_offset: bool = False, page_size: int = 0) -> None:
     """QK-norm models' decode tail (shaders/common/decode_head_norm_rope.comp): RMS norm of each q and k head
     (weights [head_dim]), the rotary embedding, q into q_out [rows, heads, 1, head_dim], k and v into the caches
-    [rows, kv_heads, capacity, head_dim] at slot ``cache_start[0]``. q_in, k_in, v_in: [rows, heads * head_dim]."""
+    [rows, kv_heads, capacity, head_dim] at slot ``cache_start[0]``. q_in, k_in, v_in: [rows, heads * head_dim].
+    ``page_size`` > 0: paged caches, as decode_matvec's."""
     q_in, k_in, v_in, q_weight, k_weight, q_out, k_cache, v_cache, cache_start = map(
         operand, (q_in, k_in, v_in, q_weight, k_weight, q_out, k_cache, v_cache, cache_start))
     if head_dim % 2 or head_dim > 256 or rot_dim % 2 or rot_dim > head_dim:
@@ -153,8 +162,8 @@ def decode_head_norm_rope(seq, q_in, k_in, v_in, q_weight, k_weight, q_out, k_ca
     for x, count, what in ((q_in, rows * heads * head_dim, "q"), (k_in, rows * kv_heads * head_dim, "k"),
                            (v_in, rows * kv_heads * head_dim, "v"), (q_weight, head_dim, "q norm weight"),
                            (k_weight, head_dim, "k norm weight"), (q_out, rows * heads * head_dim, "q out"),
-                           (k_cache, rows * kv_heads * capacity * head_dim, "k cache"),
-                           (v_cache, rows * kv_heads * capacity * head_dim, "v cache")):
+                           (k_cache, (page_size or rows * capacity) * kv_heads * head_dim, "k cache"),
+                           (v_cache, (page_size or rows * capacity) * kv_heads * head_dim, "v cache")):
         require_elements(x, count, f"decode_head_norm_rope {what}")
     positions = operand(positions) if positions is not None else cache_start
     inv_freq = operand(inv_freq) if inv_freq is not None else cache_start  # unread without rotary dims
@@ -165,7 +174,7 @@ def decode_head_norm_rope(seq, q_in, k_in, v_in, q_weight, k_weight, q_out, k_ca
             cache_start.offset]
     device = seq.device
     seq.dispatch(device.kernel("decode_head_norm_rope", element_variant(q_in, "decode_head_norm_rope")), buffers,
-                 (rows * (heads + kv_heads), 1, 1), push, [int(interleaved), int(norm_offset)])
+                 (rows * (heads + kv_heads), 1, 1), push, [int(interleaved), int(norm_offset), int(page_size)])
 
 
 def next_token(seq, logits, ids, bounds, history, *, rows: int, vocab: int, row_stride: int, step: int,

@@ -59,7 +59,7 @@ class DecodeMatvec(KernelOp):
                          residual_scale=self.residual_scale, activation=self.activation, head_dim=self.head_dim,
                          rot_dim=self.rot_dim, kv_heads=self.kv_heads, capacity=self.capacity,
                          attention_scaling=self.attention_scaling, interleaved=self.interleaved, quant_format=quant,
-                         **extra)
+                         page_size=self.attrs.get("page_size", 0), **extra)
 
 
 def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
@@ -133,11 +133,13 @@ def fused_gated(x, gate_weight, up_weight, *, activation: str = "silu", norm: Fu
 
 def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, head_dim: int, positions=None,
                          inv_freq=None, attention_scaling: float = 1.0, interleaved: bool = False,
-                         norm: FusedNorm | None = None, biases=None):
+                         norm: FusedNorm | None = None, biases=None, page_size: int = 0, capacity: int = 0):
     """q, k, v projections of x [batch, 1, hidden] with the rotary embedding (angles ``positions`` [batch, 1]
     int32 times ``inv_freq`` float32 [rot_dim / 2]; None: no rotation, a NoPE layer), k and v written into the
     caches [batch, kv_heads, capacity, head_dim] (persistent tensors) at slot ``cache_start[0]`` (uint32, read
-    on the GPU). Returns q [batch, heads, 1, head_dim]; the caches' tensors are updated in place."""
+    on the GPU). Returns q [batch, heads, 1, head_dim]; the caches' tensors are updated in place. ``page_size`` >
+    0: the caches are a paged cache's pools [blocks, kv_heads, page_size, head_dim], ``cache_start`` its step tensor
+    [start, end, tables] and ``capacity`` its rows' logical length (engine/ops/cache.py)."""
     length = x.shape[1]
     if length != 1:
         raise ValueError(f"fused_qkv_rope_write: one new token per sequence, got {length}")
@@ -145,27 +147,33 @@ def fused_qkv_rope_write(x, wq, wk, wv, *, k_cache, v_cache, cache_start, head_d
         if not cache.lazy.base.persistent or cache.dtype is not x.dtype:
             raise ValueError(f"fused_qkv_rope_write: the {what} cache must be a persistent {x.dtype.name} tensor")
     inputs, attrs = _inputs_and_attrs(x, [wq, wk, wv], norm, biases, None)
-    attrs.update(mode="qkv", **_rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache))
+    attrs.update(mode="qkv", **_rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache, page_size,
+                                             capacity))
+    if page_size:
+        attrs["page_size"] = int(page_size)  # (absent otherwise: the recorded plans of contiguous caches keep their key)
     return _rotate_and_write(DecodeMatvec(**attrs), inputs, wq.shape[0] // head_dim, k_cache, v_cache, cache_start,
-                             positions, inv_freq)
+                             positions, inv_freq, x.shape[0])
 
 
-def _rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache) -> dict:
+def _rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache, page_size=0, capacity=0) -> dict:
     """The rotary and cache attributes shared by the two kernels that end a decode step's q/k/v."""
+    if page_size and (k_cache.shape[2] != page_size or capacity % page_size):
+        raise ValueError(f"paged cache write: pools {k_cache.shape} and capacity {capacity} do not fit page_size "
+                         f"{page_size}")
     return dict(head_dim=head_dim, rot_dim=0 if inv_freq is None else 2 * inv_freq.shape[0],
-                kv_heads=k_cache.shape[1], capacity=k_cache.shape[2], attention_scaling=float(attention_scaling),
-                interleaved=bool(interleaved))
+                kv_heads=k_cache.shape[1], capacity=capacity if page_size else k_cache.shape[2],
+                attention_scaling=float(attention_scaling), interleaved=bool(interleaved))
 
 
-def _rotate_and_write(op, inputs, heads: int, k_cache, v_cache, cache_start, positions, inv_freq):
+def _rotate_and_write(op, inputs, heads: int, k_cache, v_cache, cache_start, positions, inv_freq, batch: int):
     """Add ``op``, which rotates q and k and writes k and v into the caches at ``cache_start[0]``: its inputs end
     with the cache start [, positions, inv_freq] and the caches, its outputs are q [B, H, 1, D] and the caches
     (in place). Returns q; the caches' tensors now hold the write."""
-    inputs = inputs + [cache_start.reshape(1).lazy]
+    inputs = inputs + [(cache_start if cache_start.numel() > 1 else cache_start.reshape(1)).lazy]
     if inv_freq is not None:
         inputs += [positions.cast(dt.int32).lazy, inv_freq.float().lazy]
     inputs += [k_cache.lazy, v_cache.lazy]
-    batch, head_dim, dtype = k_cache.shape[0], k_cache.shape[3], k_cache.dtype
+    head_dim, dtype = k_cache.shape[3], k_cache.dtype
     q, k_out, v_out = node(op, inputs, [((batch, heads, 1, head_dim), dtype), (k_cache.shape, dtype),
                                         (v_cache.shape, dtype)], into=[None, k_cache.lazy, v_cache.lazy])
     k_cache._set_lazy(k_out)
@@ -194,12 +202,13 @@ class DecodeHeadNormRope(KernelOp):
                                  heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                                  capacity=self.capacity, eps=self.eps, positions=positions, inv_freq=inv_freq,
                                  rot_dim=self.rot_dim, attention_scaling=self.attention_scaling,
-                                 interleaved=self.interleaved, norm_offset=self.norm_offset)
+                                 interleaved=self.interleaved, norm_offset=self.norm_offset,
+                                 page_size=self.page_size)
 
 
 def fused_head_norm_rope_write(q, k, v, *, q_norm: FusedNorm, k_norm: FusedNorm, k_cache, v_cache, cache_start,
                                head_dim: int, positions=None, inv_freq=None, attention_scaling: float = 1.0,
-                               interleaved: bool = False):
+                               interleaved: bool = False, page_size: int = 0, capacity: int = 0):
     """QK-norm (one weight [head_dim] per q / k, as Qwen3), the rotary embedding and the KV-cache write of a decode
     step in one dispatch. q [B, 1, H * D], k and v [B, 1, KVH * D] (e.g. fused_linear's products); returns q
     [B, H, 1, D]; the caches' tensors are updated in place at slot ``cache_start[0]``."""
@@ -208,5 +217,7 @@ def fused_head_norm_rope_write(q, k, v, *, q_norm: FusedNorm, k_norm: FusedNorm,
     inputs = [t.cast(k_cache.dtype).contiguous().lazy for t in (q, k, v, q_norm.weight, k_norm.weight)]
     heads = q.shape[-1] // head_dim
     op = DecodeHeadNormRope(rows=q.shape[0], heads=heads, eps=float(q_norm.eps), norm_offset=bool(q_norm.unit_offset),
-                            **_rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache))
-    return _rotate_and_write(op, inputs, heads, k_cache, v_cache, cache_start, positions, inv_freq)
+                            page_size=int(page_size),
+                            **_rotary_attrs(head_dim, inv_freq, attention_scaling, interleaved, k_cache, page_size,
+                                            capacity))
+    return _rotate_and_write(op, inputs, heads, k_cache, v_cache, cache_start, positions, inv_freq, q.shape[0])

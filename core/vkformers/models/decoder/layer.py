@@ -455,6 +455,8 @@ class DecoderLayer(Module):
         rotary = dict(k_cache=cache.keys[self.index], v_cache=cache.values[self.index], cache_start=bounds[0:1],
                       positions=ctx.rope_positions, inv_freq=inv_freq, head_dim=s.head_dim, attention_scaling=scaling,
                       interleaved=s.positions.rope_interleaved)
+        if getattr(cache, "paged", False):  # the write goes through the block tables of the step tensor
+            rotary.update(cache_start=bounds, page_size=cache.page_size, capacity=cache.max_len)
         if plan["qk_norm"] is None:
             q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=biases("qkv"), **rotary)
         else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache

@@ -1,0 +1,236 @@
+"""``PagedKVCache``: a KV cache whose memory follows the tokens held, in fixed-size blocks of a shared pool.
+
+A :class:`BlockPool` owns, per layer, two persistent pools ``[blocks, kv_heads, page_size, head_dim]``. A
+``PagedKVCache`` of ``batch`` rows gives each row a block table (its logical block j -> a pool block) and takes
+blocks from the pool only as its rows store tokens (and LOOKAHEAD tokens more: a chain of replayed decode steps,
+models/decode_capture.py, advances on the GPU without the host, and must not write past its table). Blocks of a row that hold only masked columns (a left-padded row's padding) point
+to the pool's scratch block 0 instead, which no table owns: the write kernel skips it (it stays zero, so that
+a masked read of it, weighted 0, never meets an infinity). When the pool runs out, ``KVBlocksExhausted`` says so (a server answers 503 or waits).
+
+The cache has KVCache's interface (``attend``, ``advance``, ``step_arrays``, ...), so models and ``generate``'s
+recorded decode steps run on it unchanged: one uint32 step tensor ``[start, end, tables]`` replaces KVCache's
+bounds, and the decode attention reads keys and values through the tables (attention_decode.comp, PAGE_SIZE).
+A chunked prefill gathers the stored blocks of each row (the embedding kernel) before attending.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.ops.cache import decode_attention_paged, write_kv_paged
+from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.errors import VkformersError
+from vkformers.models.cache import CacheFullError, KVCache
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import Device, get_device
+
+PAGE_SIZE = 16  # tokens per block
+LOOKAHEAD = 8   # tokens reserved past the stored ones: generate's longest chain of decode steps (8 on a GPU)
+SCRATCH = 0     # the pool block that masked blocks and unused table entries point to
+
+
+class KVBlocksExhausted(VkformersError, RuntimeError):
+    """The KV block pool has no free block left."""
+
+
+class BlockPool:
+    """``blocks`` KV blocks of ``page_size`` tokens per layer (block 0: scratch, never handed out)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, blocks: int, page_size: int = PAGE_SIZE,
+                 dtype="float32", device: Device | None = None):
+        if int(blocks) < 2 or int(page_size) < 1:
+            raise ValueError(f"BlockPool: blocks must be >= 2 and page_size >= 1, got {blocks}, {page_size}")
+        self.num_layers, self.kv_heads, self.head_dim = int(num_layers), int(kv_heads), int(head_dim)
+        self.blocks, self.page_size = int(blocks), int(page_size)
+        self.dtype = dt.as_dtype(dtype)
+        self.device = device or get_device()
+        zeros = np.zeros((self.blocks, self.kv_heads, self.page_size, self.head_dim), np.float32)
+        self.keys = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"k_pool.{i}")
+                     for i in range(self.num_layers)]
+        self.values = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"v_pool.{i}")
+                       for i in range(self.num_layers)]
+        self._free = list(range(self.blocks - 1, SCRATCH, -1))  # popped from the end: 1, 2, ...
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.blocks - 1 - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise KVBlocksExhausted(f"the KV cache's {self.blocks - 1} blocks of {self.page_size} tokens are all in "
+                                    "use; wait for requests to finish or give the cache more blocks")
+        return self._free.pop()
+
+    def release(self, blocks) -> None:
+        self._free.extend(int(b) for b in blocks if b != SCRATCH)
+
+
+class PagedKVCache(KVCache):
+    """``batch`` rows of up to ``max_len`` tokens (rounded up to whole blocks) over ``pool``."""
+
+    paged = True
+
+    def __init__(self, pool: BlockPool, batch: int, max_len: int):
+        if int(batch) < 1 or int(max_len) < 1:
+            raise ValueError(f"PagedKVCache: batch and max_len must be >= 1, got {batch}, {max_len}")
+        self.pool = pool
+        self.num_layers, self.batch, self.kv_heads = pool.num_layers, int(batch), pool.kv_heads
+        self.head_dim, self.dtype, self.device = pool.head_dim, pool.dtype, pool.device
+        self.page_size = pool.page_size
+        self.table_stride = -(-int(max_len) // self.page_size)
+        self.max_len = self.table_stride * self.page_size
+        self.tables = np.full((self.batch, self.table_stride), SCRATCH, np.uint32)
+        self.held = np.zeros((self.batch, self.table_stride), bool)  # entries that own a pool block
+        self.dead = np.zeros(self.batch, bool)  # rows whose tokens are gone: they take no blocks (writes to scratch)
+        self.mask = np.ones((self.batch, self.max_len), np.uint8)
+        self.position = 0
+        self.lookahead = LOOKAHEAD
+        self._step = None
+        self.step_hosts = (None, None)
+
+    @property
+    def keys(self):
+        return self.pool.keys
+
+    @property
+    def values(self):
+        return self.pool.values
+
+    @property
+    def blocks_held(self) -> int:
+        return int(self.held.sum())
+
+    def reset(self) -> None:
+        """Forget the stored tokens and give the blocks back to the pool."""
+        self.release_rows(range(self.batch))
+        self.dead[:] = False
+        super().reset()
+
+    def release_rows(self, rows) -> None:
+        """Give the blocks of ``rows`` back to the pool: their requests left, their outputs are no longer read.
+        They take no blocks until place_row fills them again."""
+        for row in rows:
+            self.pool.release(self.tables[row][self.held[row]])
+            self.tables[row] = SCRATCH
+            self.held[row] = False
+            self.dead[row] = True
+        self._step = None
+
+    def place_row(self, source, source_row: int, row: int, rows: int = 1) -> None:
+        """KVCache.place_row: ``source``'s stored tokens (a KVCache or a PagedKVCache) into rows ``row``.., ending
+        at this cache's position, through blocks taken for them (their padding columns scratch)."""
+        count, end = source.position, self.position
+        if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
+                and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
+                                                    source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
+                                                                      self.dtype):
+            raise ValueError(f"PagedKVCache.place_row: {count} tokens of rows {source_row}..{source_row + rows - 1} "
+                             f"do not fit rows {row}.. of a cache at position {end}")
+        picked = slice(source_row, source_row + rows)
+        self.release_rows(range(row, row + rows))
+        self.dead[row:row + rows] = False
+        self.mask[row:row + rows, :end - count] = 0
+        self.mask[row:row + rows, end - count:end] = source.mask[picked, :count]
+        self._reserve(end, range(row, row + rows))
+        step = tensor(np.concatenate([np.array([end - count, end], np.uint32), self.tables.reshape(-1)]),
+                      dtype=dt.uint32, device=self.device)
+        for layer in range(self.num_layers):
+            if getattr(source, "paged", False):
+                keys = source._gather(source.keys[layer], count)[picked]
+                values = source._gather(source.values[layer], count)[picked]
+            else:
+                keys = source.keys[layer][picked, :, :count]
+                values = source.values[layer][picked, :, :count]
+            write_kv_paged(self.pool.keys[layer], self.pool.values[layer], keys, values, step,
+                           page_size=self.page_size, table_stride=self.table_stride, first_row=row)
+        self._step = None
+
+    def reserve(self, end: int) -> None:
+        """Take the blocks the live rows need to hold ``end`` tokens (KVBlocksExhausted when the pool runs out;
+        the blocks taken so far stay with their rows)."""
+        self._reserve(end)
+
+    def _reserve(self, end: int, rows=None) -> None:
+        """Blocks for the live rows' columns up to ``end`` and LOOKAHEAD more; blocks wholly masked stay scratch."""
+        ahead = -(-min(end + self.lookahead, self.max_len) // self.page_size)
+        for row in range(self.batch) if rows is None else rows:
+            if self.dead[row]:
+                continue
+            for block in range(ahead):
+                if self.held[row, block]:
+                    continue
+                first, last = block * self.page_size, (block + 1) * self.page_size
+                if last <= end and not self.mask[row, first:last].any():
+                    continue  # padding only: scratch
+                self.tables[row, block] = self.pool.allocate()
+                self.held[row, block] = True
+
+    def step_arrays(self, new: int, key_padding_mask=None):
+        """KVCache.step_arrays with the step tensor ``[start, end, tables]`` in place of the bounds; takes the
+        blocks the step writes."""
+        start, end = self.position, self.position + new
+        if end > self.max_len:
+            raise CacheFullError(f"PagedKVCache: {start} stored + {new} new tokens exceed max_len {self.max_len}")
+        self._store_mask(start, end, key_padding_mask)
+        self._reserve(end)
+        mask = None
+        if not self.mask[:, :end].all():
+            mask = (self.mask if new == 1 else self.mask[:, :end]).astype(bool)
+        step = np.concatenate([np.array([start, end], np.uint32), self.tables.reshape(-1)])
+        return step, mask
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, window: int = 0,
+               softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None,
+               return_lse: bool = False):
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"PagedKVCache: layer {layer} out of range 0..{self.num_layers - 1}")
+        batch, heads, new, head_dim = q.shape
+        expected = (self.batch, self.kv_heads, new, self.head_dim)
+        if k.shape != expected or v.shape != expected or batch != self.batch or head_dim != self.head_dim:
+            raise ValueError(f"PagedKVCache.attend: q {q.shape}, k {k.shape}, v {v.shape} do not fit the cache "
+                             f"(k and v must be {expected})")
+        step, mask = self.step_inputs(new, key_padding_mask)
+        write_kv_paged(self.pool.keys[layer], self.pool.values[layer], k, v, step, page_size=self.page_size,
+                       table_stride=self.table_stride)
+        if new == 1:
+            return self.attend_stored(layer, q, scale=scale, window=window, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask,
+                                      return_lse=return_lse)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        flags = dict(scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask,
+                     return_lse=return_lse)
+        if self.position == 0:
+            return F.scaled_dot_product_attention(q, k.cast(self.dtype), v.cast(self.dtype), causal=True, **flags)
+        end = self.position + new  # chunked prefill: every row's stored blocks gathered, then the new keys' too
+        return F.scaled_dot_product_attention(q, self._gather(self.pool.keys[layer], end),
+                                              self._gather(self.pool.values[layer], end), causal=True, **flags)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a row of ``tokens`` tokens takes (with LOOKAHEAD), at most."""
+        return -(-min(tokens + self.lookahead, self.max_len) // self.page_size)
+
+    def _gather(self, pool: Tensor, end: int) -> Tensor:
+        """[batch, kv_heads, end, head_dim]: each row's first ``end`` tokens, read through its block table."""
+        blocks = -(-end // self.page_size)
+        ids = tensor(self.tables[:, :blocks].astype(np.int32), dtype=dt.int32, device=self.device)
+        rows = F.embedding(ids, pool.reshape(self.pool.blocks, -1))  # [batch, blocks, kv_heads * page * dim]
+        rows = rows.reshape(self.batch, blocks, self.kv_heads, self.page_size, self.head_dim).permute(0, 2, 1, 3, 4)
+        return rows.contiguous().reshape(self.batch, self.kv_heads, blocks * self.page_size, self.head_dim)[:, :, :end]
+
+    def attend_stored(self, layer: int, q: Tensor, *, scale: float | None = None, window: int = 0,
+                      softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None,
+                      return_lse: bool = False):
+        step, mask = self.step_inputs(1, key_padding_mask)
+        return decode_attention_paged(q, self.pool.keys[layer], self.pool.values[layer], step,
+                                      page_size=self.page_size, table_stride=self.table_stride, scale=scale,
+                                      window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      key_padding_mask=mask, return_lse=return_lse)
+
+
+__all__ = ["BlockPool", "KVBlocksExhausted", "PAGE_SIZE", "PagedKVCache"]

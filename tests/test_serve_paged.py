@@ -1,0 +1,150 @@
+"""The continuous-batching scheduler over a paged KV cache (models/paged_cache.py): staggered greedy and seeded
+requests equal ``model.generate`` alone; a pool too small for every request at once makes requests wait and
+preempts the newest (recomputed when it rejoins) without changing any output; blocks follow the tokens held and
+all come back when requests finish or leave; a request that could never fit is refused."""
+from __future__ import annotations
+
+import pytest
+from test_serve import PROMPTS, encode, reference_tokens, run_staggered, wait_for
+
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
+from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.paged_cache import KVBlocksExhausted
+
+LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """test_serve.py's tiny random llama GGUF: (path, tokenizer, reference model)."""
+    from test_gguf import gguf, random_llama, train_bpe, write_tiny_gguf
+    if gguf is None:
+        pytest.fail("the gguf package is needed to write the tiny model", pytrace=False)
+    backend = train_bpe()
+    path = write_tiny_gguf(tmp_path_factory.mktemp("paged") / "tiny.gguf", random_llama(backend.get_vocab_size()),
+                           backend)
+    return path, load_gguf_tokenizer(path), load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+
+
+def scheduler_on(path, tokenizer, **options):
+    return BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer, **options)
+
+
+@pytest.mark.parametrize("kv_blocks, page_size", [(256, 16), (40, 4)])
+def test_paged_batches_match_generate_alone(tiny, kv_blocks, page_size):
+    """256 blocks: room for all; 40 blocks of 4 tokens: requests wait for blocks and the newest are preempted."""
+    path, tokenizer, reference = tiny
+    greedy = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, LENGTHS)]
+    sampled = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=i))
+               for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in greedy] + \
+        [reference_tokens(reference, ids, p.max_tokens, do_sample=True, temperature=0.8, top_p=0.9, seed=p.seed)
+         for ids, p in sampled]
+    scheduler = scheduler_on(path, tokenizer, max_batch=8, kv_blocks=kv_blocks, page_size=page_size).start()
+    try:
+        requests = run_staggered(scheduler, greedy) + run_staggered(scheduler, sampled)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    assert all(r.finish_reason == "length" for r in requests)
+    metrics = scheduler.metrics
+    assert metrics.peak_live_rows >= 3 and metrics.placements >= 1
+
+
+def test_requests_outgrowing_the_pool_are_preempted_and_recomputed(tiny):
+    """Two requests of 40 tokens start together in a pool of 20 blocks of 4 tokens: when it runs out, the newer
+    leaves its row (blocks given back), waits, and is prefilled again with its tokens so far once the other is
+    done; both outputs are generate's."""
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=40, temperature=0)) for p in PROMPTS[:2]]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, kv_blocks=21, page_size=4)
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in jobs]
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.last_error is None and scheduler.metrics.preemptions >= 1
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+
+
+def test_blocks_follow_the_tokens_and_a_request_leaving_gives_them_back(tiny):
+    path, tokenizer, reference = tiny
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, kv_blocks=64, page_size=4)
+    long = scheduler.submit(Request(encode(tokenizer, PROMPTS[7]), SamplingParams(max_tokens=60, temperature=0),
+                                    lambda update: None, []))
+    short = scheduler.submit(Request(encode(tokenizer, "x"), SamplingParams(max_tokens=3, temperature=0),
+                                     lambda update: None, []))
+    scheduler.start()
+    try:
+        wait_for(lambda: short.finished and scheduler.metrics.steps >= 6)
+        held = scheduler.metrics.kv_blocks_used
+        tokens = len(long.prompt) + len(long.generated)
+        assert 0 < held <= -(-(tokens + 8 + 4) // 4) + 2  # one row's tokens (and the lookahead), not the batch's
+        long.cancel()
+        wait_for(lambda: long.finished and scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert long.finish_reason == "cancelled"
+    with pytest.raises(KVBlocksExhausted, match="KV blocks"):
+        scheduler_on(path, tokenizer, kv_blocks=8, page_size=4).submit(
+            Request(encode(tokenizer, PROMPTS[0]), SamplingParams(max_tokens=40), lambda update: None, []))
+
+
+def test_the_server_on_a_paged_cache(tiny):
+    """A completion through the HTTP routes on a paged scheduler is generate's; one that could never fit the pool
+    gets a 503 error object and the server goes on; /metrics counts the blocks."""
+    import http.client
+    import json
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from test_serve import free_port, request
+
+    from vkformers.cli import serve as cli_serve
+    path, tokenizer, reference = tiny
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, max_model_len=96, kv_blocks=12, page_size=4).start()
+    web = uvicorn.Server(uvicorn.Config(cli_serve.build_app(scheduler, tokenizer, "tiny"), host="127.0.0.1",
+                                        port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    server = {"port": web.config.port}
+    try:
+        wait_for(lambda: web.started, 30)
+        status, text = request(server, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 80})
+        assert status == 503 and json.loads(text)["error"]["code"] == "kv_cache_full"
+        assert "KV blocks" in json.loads(text)["error"]["message"]
+        status, text = request(server, "POST", "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6,
+                                                                   "temperature": 0, "ignore_eos": True})
+        ids = encode(tokenizer, PROMPTS[0])
+        assert status == 200 and json.loads(text)["choices"][0]["text"] == tokenizer.decode(
+            reference_tokens(reference, ids, 6), skip_special_tokens=True)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+        status, text = request(server, "GET", "/metrics")
+        assert 'vkformers_kv_cache_blocks{model="tiny"} 11' in text
+        assert 'vkformers_kv_cache_blocks_used{model="tiny"} 0' in text
+        # a client leaving mid-stream: its request leaves the batch and its blocks go back to the pool
+        choose = scheduler._choose
+        scheduler._choose = lambda *args: time.sleep(0.02) or choose(*args)  # slow enough to leave mid-stream
+        connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "a", "max_tokens": 18, "temperature": 0, "ignore_eos": True, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event: the request is decoding
+        wait_for(lambda: scheduler.metrics.kv_blocks_used > 0)
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        wait_for(lambda: scheduler.metrics.cancelled == 1 and scheduler.metrics.kv_blocks_used == 0, 60)
+    finally:
+        web.should_exit = True
+        thread.join(30)
+        scheduler.close()
