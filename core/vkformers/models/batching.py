@@ -205,7 +205,8 @@ class BatchScheduler:
         if not all(hasattr(self.model, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
             raise InputError(f"{name}: its generation cache is not a key/value cache, which continuous batching "
                              f"needs{hint}")
-        probe = self._new_cache(1, 1)
+        probe = KVCache(self.model.num_layers, 1, self.model.num_kv_heads, self.model.head_dim, 1,
+                        getattr(self.model, "dtype", None) or "float32", self._device())
         self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
         state = probe.layer_state()
         if state:

@@ -71,6 +71,13 @@ class KVCache:
         state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
         return sorted(name for name in self.__dict__ if name not in self._own_fields)
 
+    def refuse_layer_state(self, source: "KVCache") -> None:
+        """Rows move only keys and values (:meth:`place_row`): refuse caches holding other layer state."""
+        state = source.layer_state() or self.layer_state()
+        if state:
+            raise RowStateError(f"KVCache.place_row: the model keeps {', '.join(state)} on its cache besides keys "
+                                "and values, which rows cannot be moved with")
+
     def reset(self) -> None:
         """Forget the stored tokens (the buffers stay allocated and are overwritten)."""
         self.position = 0
@@ -97,11 +104,8 @@ class KVCache:
         rows after it): keys, values and mask, ending at this cache's position. A sequence prefilled apart joins a
         running batch so; a batch moves to a larger cache so. The rows' earlier columns are masked out. The copy
         runs with the next realization."""
+        self.refuse_layer_state(source)
         count, end = source.position, self.position
-        state = source.layer_state() or self.layer_state()
-        if state:
-            raise RowStateError(f"KVCache.place_row: the model keeps {', '.join(state)} on its cache besides keys "
-                                "and values, which rows cannot be moved with")
         if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
                 and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
                                                     source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,

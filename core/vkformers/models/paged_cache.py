@@ -93,6 +93,7 @@ class PagedKVCache(KVCache):
         self.lookahead = LOOKAHEAD
         self._step = None
         self.step_hosts = (None, None)
+        self._own_fields = frozenset(self.__dict__) | {"_own_fields"}
 
     @property
     def keys(self):
@@ -125,6 +126,7 @@ class PagedKVCache(KVCache):
     def place_row(self, source, source_row: int, row: int, rows: int = 1) -> None:
         """KVCache.place_row: ``source``'s stored tokens (a KVCache or a PagedKVCache) into rows ``row``.., ending
         at this cache's position, through blocks taken for them (their padding columns scratch)."""
+        self.refuse_layer_state(source)
         count, end = source.position, self.position
         if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
                 and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
