@@ -36,7 +36,7 @@ def test_head_matches_transformers(name):
     folder, meta, ref = load_case(name)
     model = AUTO[meta["task"]].from_pretrained(folder)
     ids, mask = ref["input_ids"], ref["attention_mask"]
-    variants = sorted({key.split(".")[0] for key in ref if key.endswith(".loss")})
+    variants = sorted({key.split(".")[0] for key in ref if key.endswith(".loss")} - {"bf16"})  # bf16: below
     for variant in variants:
         if meta["task"] == "sequence":
             model.config["problem_type"] = {"single": None, "multi": "multi_label_classification",
@@ -82,7 +82,7 @@ def base_outputs_match(model, ref):
 
 
 @pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence",
-                                  "bart-sequence"])
+                                  "bart-sequence", "mixtral-sequence"])
 def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
     folder, meta, ref = load_case(name)
     base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)
@@ -131,14 +131,19 @@ def test_architecture_without_a_head_is_refused():
 def test_encoder_decoder_base_model(name):
     """AutoModel of an encoder-decoder (T5Model, BartModel, MarianModel) from the seq2seq parity fixture's
     checkpoint (a ForConditionalGeneration one, LM head left out): the decoder's and the encoder's last hidden
-    states on a padded batch."""
+    states and every hidden state of both stacks (output_hidden_states=True) on a padded batch."""
     ref = load_file(str(FIXTURES / "seq2seq-base" / f"{name}.safetensors"))
     model = vkformers.AutoModel.from_pretrained(FIXTURES.parent / "seq2seq" / name)
     assert not any("lm_head" in n for n, _ in model.named_parameters())
     out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
-                decoder_input_ids=ref["decoder_input_ids"])
+                decoder_input_ids=ref["decoder_input_ids"], output_hidden_states=True)
     close(out.encoder_last_hidden_state.numpy(), ref["encoder_last_hidden_state"], "encoder_last_hidden_state")
     close(out.last_hidden_state.numpy(), ref["last_hidden_state"], "last_hidden_state")
+    for stack in ("encoder", "decoder"):  # output_hidden_states: the embeddings, then each layer's output
+        hidden = getattr(out, f"{stack}_hidden_states")
+        assert len(hidden) == len([k for k in ref if k.startswith(f"{stack}_hidden_states.")])
+        for i, state in enumerate(hidden):
+            close(state.numpy(), ref[f"{stack}_hidden_states.{i}"], f"{stack}_hidden_states[{i}]")
 
 
 def test_head_of_another_size(capfd):
@@ -149,3 +154,52 @@ def test_head_of_another_size(capfd):
                                                                        ignore_mismatched_sizes=True)
     assert "freshly initialised: classifier.weight, classifier.bias" in capfd.readouterr().err
     assert model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits.shape == (3, 5)
+
+
+@pytest.mark.parametrize("name,prefix,usual", [("llama-qa", "transformer", "model"),
+                                               ("t5-sequence", "transformer", "")])
+def test_head_under_another_prefix(name, prefix, usual, tmp_path, capfd):
+    """transformers keeps LlamaForQuestionAnswering's base under transformer. (LlamaModel's task models say
+    model.) and T5ForSequenceClassification's T5Model under transformer.: the head model's names are those, and it
+    also reads a checkpoint of the usual layout (a causal LM's model.*, a T5 model's bare names) with a new head."""
+    folder, meta, ref = load_case(name)
+    model = AUTO[meta["task"]].from_pretrained(folder)
+    names = [n for n, _ in model.named_parameters()]
+    head = {n for n in names if not n.startswith(prefix + ".")}
+    assert model.base_model_prefix == prefix and head and all(n.split(".")[0] in ("qa_outputs", "classification_head")
+                                                              for n in head)
+    weights = load_file(str(folder / "model.safetensors"))
+    usual_names = {(usual + "." if usual else "") + k[len(prefix) + 1:]: v for k, v in weights.items()
+                   if k.startswith(prefix + ".")}
+    save_file(usual_names, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    fresh = AUTO[meta["task"]].from_pretrained(tmp_path)
+    assert "freshly initialised" in capfd.readouterr().err
+    state = fresh.state_dict()
+    for key, value in weights.items():
+        if key.startswith(prefix + "."):
+            close(state[key], value, f"{key} read from the usual layout")
+
+
+# bfloat16 keeps 8 significant bits (a step of 2**-8 relative): vkformers and torch round at different points
+# (vkformers accumulates matmuls in float32), so logits, loss and the head's gradients agree to about one step
+# at |x| <= 1, where the float32 run differs from either by as much
+BF16_ATOL, BF16_RTOL = 4e-3, 2 ** -7
+
+
+def test_head_in_bfloat16():
+    folder, _, ref = load_case("bert-sequence")
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(folder, dtype="bfloat16").train()
+    assert all(p.dtype == vkformers.bfloat16 for p in model.parameters())
+    out = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"], labels=ref["single.labels"])
+    np.testing.assert_allclose(np.asarray(out.logits.numpy(), np.float32), ref["bf16.logits"], atol=BF16_ATOL,
+                               rtol=BF16_RTOL, err_msg="bf16 logits")
+    np.testing.assert_allclose(np.asarray(out.loss.numpy(), np.float32).reshape(1), ref["bf16.loss"],
+                               atol=BF16_ATOL, rtol=BF16_RTOL, err_msg="bf16 loss")
+    out.loss.backward()
+    params = dict(model.named_parameters())
+    grads = {key[len("bf16.grad."):]: value for key, value in ref.items() if key.startswith("bf16.grad.")}
+    assert sorted(grads) == ["classifier.bias", "classifier.weight"]
+    for name, expected in grads.items():
+        np.testing.assert_allclose(np.asarray(params[name].grad.numpy(), np.float32), expected, atol=BF16_ATOL,
+                                   rtol=BF16_RTOL, err_msg=f"bf16 grad {name}")

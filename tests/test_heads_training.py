@@ -159,3 +159,34 @@ def test_replayed_decoder_classifier_steps_match_built_ones(monkeypatch):
     replayed = losses(True)
     monkeypatch.undo()
     np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)
+
+
+def qa_batch(rng):
+    """A question-answering batch as the Trainer reads it: ids, [start, end] labels, mask, token types."""
+    ids, mask = padded_ids(rng, 0)
+    ids[mask == 0] = 0
+    types = (np.arange(LENGTH)[None] >= 2).astype(np.int64) * mask
+    start = rng.integers(2, 3 + (mask.sum(1) - 3) // 2)
+    return ids, np.stack([start, start + 1], 1), mask, types
+
+
+def test_replayed_question_answering_steps_match_built_ones(monkeypatch):
+    """A BERT QA head: start/end labels in one array and the token type ids of text pairs, each derived or read
+    anew when the step replays."""
+    config = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16,
+              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+    def losses(replay):
+        model = vkformers.AutoModelForQuestionAnswering.from_config(config)
+        init_weights(model, seed=0, std=0.1)
+        trainer = Trainer(model, TrainingConfig(steps=6, batch_size=BATCH, seq_len=LENGTH, lr=3e-3,
+                                                schedule="constant"), Batches(qa_batch, 1))
+        if not replay:
+            monkeypatch.setattr(type(trainer._capture), "_observe", lambda *args: None)
+        history = [record["loss"] for record in trainer.train()]
+        assert trainer._capture.ready is replay
+        return history
+    replayed = losses(True)
+    monkeypatch.undo()
+    np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)

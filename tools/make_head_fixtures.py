@@ -4,9 +4,10 @@ Each case is a 1-layer (encoders) or 2-layer (decoders), hidden-16 model of one 
 classification, question answering), built from a config alone and re-initialised from a fixed seed, and a [3, 7]
 batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, attention mask 0). reference.safetensors
 holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
-parameter's for "single", the head's for "multi" and "regression" (sequence heads; the same weights, through
+parameter's for "single" (under the names model.safetensors stores: Mixtral's fused experts split back), the head's for "multi" and "regression" (sequence heads; the same weights, through
 problem_type), and the base
-model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"). seq2seq-base/<name>
+model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"); BF16_CASES also
+hold the "single" variant run in bfloat16 ("bf16.logits", "bf16.loss", the head's "bf16.grad.<name>"). seq2seq-base/<name>
 holds transformers' base encoder-decoder (T5Model, BartModel, MarianModel) outputs on the seq2seq parity fixtures'
 weights. tests/test_heads_parity.py loads them with vkformers' AutoModel* classes and compares. Needs transformers and torch (CPU):
 
@@ -16,6 +17,7 @@ weights. tests/test_heads_parity.py loads them with vkformers' AutoModel* classe
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
+from transformers.core_model_loading import revert_weight_conversion
 from transformers import (AutoConfig, AutoModel, AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
 
@@ -34,12 +37,25 @@ VOCAB, NUM_LABELS = 40, 3
 ENCODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                classifier_dropout=0.0)
+SMALL_ENCODER = dict(ENCODER, intermediate_size=16, max_position_embeddings=12)
 ROBERTA_TOKENS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
 DISTILBERT = dict(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=16,
                   dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, qa_dropout=0.0)
 DECODER = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                intermediate_size=32, max_position_embeddings=32, pad_token_id=0, tie_word_embeddings=False,
                classifier_dropout=0.0)
+BART = dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, classifier_dropout=0.0, pad_token_id=1, bos_token_id=0,
+            eos_token_id=2, decoder_start_token_id=2)
+T5 = dict(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+          relative_attention_num_buckets=4, relative_attention_max_distance=16, dropout_rate=0.0,
+          classifier_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+# the appended cases: smaller still (the fixtures stay small)
+SMALL_BART = dict(BART, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=12)
+SMALL_DECODER = dict(DECODER, num_hidden_layers=1, intermediate_size=16)
+
+BF16_CASES = ("bert-sequence",)  # also run in bfloat16 (tests/test_heads_parity.py states the tolerance)
 
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
@@ -60,11 +76,23 @@ CASES = {
     "llama-token": ("llama", DECODER, "token"),
     "qwen2-sequence": ("qwen2", DECODER, "sequence"),
     "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
-    "bart-sequence": ("bart", dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
-                                   encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                                   decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
-                                   activation_dropout=0.0, classifier_dropout=0.0, pad_token_id=1, bos_token_id=0,
-                                   eos_token_id=2, decoder_start_token_id=2), "sequence"),
+    "bart-sequence": ("bart", BART, "sequence"),
+    # appended cases: heads under another prefix, seq2seq question answering, a mixture-of-experts base
+    "t5-sequence": ("t5", T5, "sequence"),
+    "t5-qa": ("t5", T5, "qa"),
+    "llama-qa": ("llama", SMALL_DECODER, "qa"),
+    # declared heads of the BERT and BART families, one task each (their heads are the ones above; mbart-qa
+    # stands for BART question answering too: the same head on the same stacks, with pre-norm layers)
+    "ernie-token": ("ernie", SMALL_ENCODER, "token"),
+    "megatron-bert-qa": ("megatron-bert", SMALL_ENCODER, "qa"),
+    "xlm-roberta-qa": ("xlm-roberta", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "qa"),
+    "camembert-token": ("camembert", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "token"),
+    "data2vec-text-qa": ("data2vec-text", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "qa"),
+    "roberta-choice": ("roberta", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "choice"),
+    "distilbert-choice": ("distilbert", dict(DISTILBERT, hidden_dim=16), "choice"),
+    "mbart-qa": ("mbart", SMALL_BART, "qa"),
+    "mixtral-sequence": ("mixtral", dict(SMALL_DECODER, num_local_experts=3,
+                                         num_experts_per_tok=2), "sequence"),
 }
 
 
@@ -103,7 +131,7 @@ def build(name: str) -> None:
             param.copy_(torch.randn_like(param) * 0.2)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     ids, mask = inputs(pad_id, rng)
-    if model_type == "bart":  # its sequence head reads each row's last eos token: every row ends with one
+    if config.is_encoder_decoder:  # the sequence head reads each row's last eos token: every row ends with one
         last = np.where(mask.any(1), LENGTH - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
         ids[np.arange(BATCH), last] = config.eos_token_id
     if task == "choice":  # [2 questions, 3 choices, length]
@@ -124,20 +152,37 @@ def build(name: str) -> None:
             tensors[f"{variant}.end_logits"] = out.end_logits.detach().numpy()
         else:
             tensors[f"{variant}.logits"] = out.logits.detach().numpy()
-        for pname, param in model.named_parameters():  # the other label variants: the head's gradients only
-            if param.grad is not None and (variant == "single" or not pname.startswith(model.base_model_prefix)):
-                tensors[f"{variant}.grad.{pname}"] = param.grad.numpy()
-    base = getattr(model, model.base_model_prefix)
-    with torch.no_grad():
-        out = base(input_ids=torch.tensor(ids.reshape(-1, LENGTH)), attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
-                   output_hidden_states=not config.is_encoder_decoder)
-    tensors["base.last_hidden_state"] = out.last_hidden_state.numpy()
-    if getattr(out, "pooler_output", None) is not None:
-        tensors["base.pooler_output"] = out.pooler_output.numpy()
-    if config.is_encoder_decoder:
-        tensors["base.encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
-    for i, hidden in enumerate(getattr(out, "hidden_states", None) or ()):
-        tensors[f"base.hidden_states.{i}"] = hidden.numpy()
+        grads = {pname: param.grad for pname, param in model.named_parameters()  # other variants: the head's only
+                 if param.grad is not None and (variant == "single" or not pname.startswith(model.base_model_prefix))}
+        for pname, grad in revert_weight_conversion(model, grads).items():  # under model.safetensors' names
+            tensors[f"{variant}.grad.{pname}"] = grad.detach().contiguous().numpy()
+    if name in BF16_CASES:  # the same weights in bfloat16: logits, loss and the head's gradients
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        labels = {k.split(".", 1)[1]: torch.tensor(v) for k, v in tensors.items() if k.startswith("single.")
+                  and k.split(".", 1)[1] in ("labels", "start_positions", "end_positions")}
+        half.config.problem_type = None
+        half.zero_grad(set_to_none=True)
+        out = half(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), **labels)
+        out.loss.backward()
+        tensors["bf16.logits"] = out.logits.detach().float().numpy()
+        tensors["bf16.loss"] = out.loss.detach().float().numpy().reshape(1)
+        for pname, param in half.named_parameters():
+            if not pname.startswith(half.base_model_prefix):
+                tensors[f"bf16.grad.{pname}"] = param.grad.float().numpy()
+    base = getattr(model, model.base_model_prefix, None)  # T5ForQuestionAnswering holds no base model
+    if base is not None:
+        flat = torch.tensor(ids.reshape(-1, LENGTH))
+        extra = {"decoder_input_ids": model._shift_right(flat)} if model_type == "t5" else {}
+        with torch.no_grad():
+            out = base(input_ids=flat, attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
+                       output_hidden_states=not config.is_encoder_decoder, **extra)
+        tensors["base.last_hidden_state"] = out.last_hidden_state.numpy()
+        if getattr(out, "pooler_output", None) is not None:
+            tensors["base.pooler_output"] = out.pooler_output.numpy()
+        if config.is_encoder_decoder:
+            tensors["base.encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
+        for i, hidden in enumerate(getattr(out, "hidden_states", None) or ()):
+            tensors[f"base.hidden_states.{i}"] = hidden.numpy()
     folder = OUT / name
     shutil.rmtree(folder, ignore_errors=True)
     model.config.problem_type = None
@@ -165,9 +210,12 @@ def build_seq2seq_base(name: str) -> None:
     tensors = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids}
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                    decoder_input_ids=torch.tensor(decoder_ids))
+                    decoder_input_ids=torch.tensor(decoder_ids), output_hidden_states=True)
     tensors["last_hidden_state"] = out.last_hidden_state.numpy()
     tensors["encoder_last_hidden_state"] = out.encoder_last_hidden_state.numpy()
+    for stack in ("encoder", "decoder"):
+        for i, hidden in enumerate(getattr(out, f"{stack}_hidden_states")):
+            tensors[f"{stack}_hidden_states.{i}"] = hidden.numpy()
     folder = OUT / "seq2seq-base"
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: torch.tensor(np.ascontiguousarray(v)) for k, v in sorted(tensors.items())},

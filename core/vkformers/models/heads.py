@@ -54,6 +54,8 @@ class Seq2SeqModelOutput:
     last_hidden_state: object = None          # the decoder's
     encoder_last_hidden_state: object = None
     hidden_states: tuple | None = None
+    decoder_hidden_states: tuple | None = None  # output_hidden_states=True: each stack's embeddings, layer outputs
+    encoder_hidden_states: tuple | None = None
 
 
 @dataclass
@@ -107,6 +109,10 @@ class TaskHeads:
     token_bias: bool = True
     question_answering: str | None = "qa_outputs"
     multiple_choice: SequenceHead | None = None  # one score per choice (its out projection has one output)
+    # (task, prefix): the head models whose base sits under another prefix than the base model's own, as
+    # transformers' T5ForSequenceClassification ("transformer.shared...") and LlamaForQuestionAnswering
+    # ("transformer.layers..." where LlamaModel's task models say "model.layers...")
+    base_prefixes: tuple = ()
 
 
 # BERT's: classifier on the pooler (for sequences and for each choice), token classifier, qa_outputs
@@ -198,14 +204,20 @@ def token_classification_loss(logits, labels, num_labels: int):
     return F.cross_entropy(logits.float().reshape(-1, num_labels), _target(labels, np.int32), ignore_index=IGNORE_INDEX)
 
 
-def question_answering_loss(start_logits, end_logits, start_positions, end_positions):
+def question_answering_loss(start_logits, end_logits, start_positions=None, end_positions=None, labels=None):
     """The mean of the start and end cross-entropies; positions are clamped to [0, T] and T is ignored (an answer
-    outside the window), as transformers does."""
+    outside the window), as transformers does. ``labels`` [B, 2]: both positions in one array (the Trainer's
+    batches)."""
     length = start_logits.shape[1]
+    sources = ((start_positions, None), (end_positions, None)) if labels is None else ((labels, 0), (labels, 1))
     losses = []
-    for logits, positions in ((start_logits, start_positions), (end_logits, end_positions)):
-        target = np.clip(_host(positions).reshape(-1).astype(np.int64), 0, length).astype(np.int32)
-        losses.append(F.cross_entropy(logits.float(), Tensor(target), ignore_index=length))
+    for logits, (positions, column) in zip((start_logits, end_logits), sources):
+        def derive(array, column=column):  # a captured training step derives it anew from the next batch
+            array = np.asarray(array)
+            array = array[..., column] if column is not None else array
+            return np.ascontiguousarray(np.clip(array.reshape(-1).astype(np.int64), 0, length), dtype=np.int32)
+        target = Tensor(lazy.derived_input(derive(_host(positions)), positions, derive))
+        losses.append(F.cross_entropy(logits.float(), target, ignore_index=length))
     return (losses[0] + losses[1]) * 0.5
 
 
@@ -303,9 +315,17 @@ class TaskModel(Module):
         base = base_class(self.config, architecture, add_pooling_layer=self.uses_pooler(head))
         object.__setattr__(self, "base", base)
         self.base_model_prefix = base.base_model_prefix
-        for child, module in base._modules.items():  # the base's modules keep their own names
-            self.add(child, module)
-        self._slots.update(base._slots)
+        own, prefix = base.base_model_prefix, dict(heads.base_prefixes).get(self.task)
+        # checkpoint names of the base's parameters -> the base's own ("transformer.x" -> "model.x" or "x")
+        self._base_rename = None if prefix is None else (prefix + ".", own + "." if own else "")
+        if prefix is not None and not own:  # the whole base under the prefix
+            self.add(prefix, base)
+        else:  # the base's modules keep their own names (the prefixed one renamed)
+            for child, module in base._modules.items():
+                self.add(prefix if prefix is not None and child == own else child, module)
+            self._slots.update(base._slots)
+        if prefix is not None:
+            self.base_model_prefix = prefix
         object.__setattr__(self, "head_modules", {})
         self.heads = heads
         self.build_head(head, self.config["num_labels"], self.hidden_size(base))
@@ -387,8 +407,11 @@ class TaskModel(Module):
 
     def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
         head_names = {f"{path}.{slot}" for path, module in self.head_modules.items() for slot in module._slots}
-        self.base.load_state_dict({k: v for k, v in arrays.items() if k not in head_names}, dtype=dtype,
-                                  strict=strict, requires_grad=requires_grad, ignore=ignore)
+        base_arrays = {k: v for k, v in arrays.items() if k not in head_names}
+        if self._base_rename is not None:
+            ours, theirs = self._base_rename
+            base_arrays = {theirs + k[len(ours):] if k.startswith(ours) else k: v for k, v in base_arrays.items()}
+        self.base.load_state_dict(base_arrays, dtype=dtype, strict=strict, requires_grad=requires_grad, ignore=ignore)
         holder = Module()
         for path, module in self.head_modules.items():
             place(holder, path, module)
@@ -476,12 +499,15 @@ class ModelForQuestionAnswering(TaskModel):
         object.__setattr__(self, "out", self.add_head_linear(head, hidden, 2, True))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
-                end_positions=None, output_hidden_states=False):
+                end_positions=None, output_hidden_states=False, labels=None):
+        """``labels`` [B, 2]: start and end positions in one array, as the Trainer's batches hold them."""
         out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
         logits = self.out(out.last_hidden_state)
         start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
         loss = None
-        if start_positions is not None and end_positions is not None:
+        if labels is not None:
+            loss = question_answering_loss(start_logits, end_logits, labels=labels)
+        elif start_positions is not None and end_positions is not None:
             loss = question_answering_loss(start_logits, end_logits, start_positions, end_positions)
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                             hidden_states=out.hidden_states)

@@ -232,7 +232,12 @@ class AutoModelClass:
         if cls.task == "causal-lm" or prefix is None:
             return weights, True
         if prefix and not any(name.startswith(prefix + ".") for name in weights):
-            weights = {f"{prefix}.{name}": array for name, array in weights.items()}  # saved from a base model
+            ours, own = getattr(model, "_base_rename", None) or (prefix + ".", "")
+            if own and any(name.startswith(own) for name in weights):  # the base's usual prefix ("model.")
+                weights = {ours + name[len(own):] if name.startswith(own) else name: array
+                           for name, array in weights.items()}
+            else:  # saved from a base model
+                weights = {f"{prefix}.{name}": array for name, array in weights.items()}
         if isinstance(model, TaskModel):  # a new head: initialised fresh
             weights = model.complete_head(weights, source, ignore_mismatched_sizes)
         elif hasattr(model, "complete_head"):  # a pooler the checkpoint lacks

@@ -5,11 +5,17 @@ The folder's ``modules.json`` lists the pipeline: a ``Transformer`` (the base mo
 CLS token, mean, max, mean / sqrt(length), last token; several modes are concatenated in sentence-transformers'
 order), optional ``Dense`` layers and ``Normalize``. ``encode`` sorts the texts by length, as sentence-transformers
 does, so that each batch is padded little, and returns numpy in the input order.
+
+Prompts, as sentence-transformers applies them: ``encode(texts, prompt_name="query")`` puts the text of
+``prompts["query"]`` from ``config_sentence_transformers.json`` (or ``prompt="..."`` given) before each text, and
+``default_prompt_name`` there names one used when the call gives none. A Pooling module with ``include_prompt``
+false leaves the prompt's tokens (all but a trailing special token) out of the pooling.
 """
 from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +51,7 @@ class Pooling:
         if others or not self.modes:
             raise SentenceTransformerError(f"{where}: pooling {', '.join(others) or 'none'} is not supported; "
                                            f"vkformers pools with {', '.join(POOLING_MODES)}")
+        self.include_prompt = bool(config.get("include_prompt", True))
 
     def __call__(self, hidden, mask: np.ndarray):
         parts = []
@@ -109,6 +116,13 @@ class SentenceTransformer:
             {"type": "sentence_transformers.models.Pooling", "path": None}]
         self.folder, self.pipeline, self.normalize = folder, [], False
         self.model = self.tokenizer = self.pooling = None
+        settings = folder / "config_sentence_transformers.json"
+        settings = read_json(settings) if settings.is_file() else {}
+        self.prompts = dict(settings.get("prompts") or {})
+        self.default_prompt_name = settings.get("default_prompt_name")
+        if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
+            raise SentenceTransformerError(f"{folder}: default_prompt_name {self.default_prompt_name!r} is not one "
+                                           f"of the prompts ({', '.join(self.prompts) or 'none'})")
         for entry in modules:
             kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
             path = folder / entry["path"] if entry.get("path") else folder
@@ -150,6 +164,12 @@ class SentenceTransformer:
         return self.tokenizer(texts, padding=True, truncation="longest_first", max_length=self.max_seq_length,
                               pad_to_multiple_of=multiple, return_tensors="np")
 
+    def prompt_length(self, prompt: str) -> int:
+        """The prompt's tokens at the start of each text, a trailing special token (SEP, EOS) not counted."""
+        ids = self.tokenizer(prompt.lower() if self.do_lower_case else prompt, truncation="longest_first",
+                             max_length=self.max_seq_length)["input_ids"]
+        return len(ids) - 1 if ids and ids[-1] in self.tokenizer.all_special_ids else len(ids)
+
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """Each text's input ids as the model reads them (special tokens added, truncated to max_seq_length)."""
         features = self.tokenize(texts)
@@ -167,32 +187,59 @@ class SentenceTransformer:
             input_ids[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
         return {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)}
 
-    def _embed_batch(self, texts: list[str]) -> np.ndarray:
-        return self._embed_features(self.tokenize(texts))
+    def _embed_batch(self, texts: list[str], prompt_length: int = 0) -> np.ndarray:
+        return self._embed_features(self.tokenize(texts), prompt_length)
 
     def _embed_ids(self, ids: list[list[int]]) -> np.ndarray:
         return self._embed_features(self._padded_ids(ids))
 
-    def _embed_features(self, features: dict) -> np.ndarray:
+    def _embed_features(self, features: dict, prompt_length: int = 0) -> np.ndarray:
         mask = features["attention_mask"]
+        pooled_mask = mask
+        if prompt_length:  # pool without the prompt: its tokens (after any left padding) masked out
+            first = np.argmax(mask, axis=1)[:, None] if mask.any() else 0
+            pooled_mask = np.where(np.arange(mask.shape[1])[None, :] < first + prompt_length, 0, mask)
         inputs = {"input_ids": features["input_ids"], "attention_mask": mask}
         if "token_type_ids" in features and "token_type_ids" in inspect.signature(self.model.forward).parameters:
             inputs["token_type_ids"] = features["token_type_ids"]
         with no_grad():
             x = self.model(**inputs).last_hidden_state
             for module in self.pipeline:
-                x = module(x, mask) if module is self.pooling else module(x)
+                x = module(x, pooled_mask) if module is self.pooling else module(x)
             return x.float().numpy()
 
-    def encode(self, sentences, batch_size: int = 32, show_progress_bar: bool | None = None,
-               convert_to_numpy: bool = True, normalize_embeddings: bool = False) -> np.ndarray:
-        """Embeddings [len(sentences), D] float32 (one text: [D]), in the input order. ``normalize_embeddings``
-        scales each to unit length (the model's own Normalize module does so already)."""
+    def resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
+        """The prompt a call uses: ``prompt`` as given, else ``prompts[prompt_name]``, else the default prompt."""
+        if prompt is not None:
+            if prompt_name is not None:
+                warnings.warn("encode() got both prompt and prompt_name; the prompt is used", stacklevel=3)
+            return prompt
+        if prompt_name is not None:
+            if prompt_name not in self.prompts:
+                raise SentenceTransformerError(f"prompt_name={prompt_name!r}: the model's prompts are "
+                                               f"{', '.join(map(repr, self.prompts)) or 'none'} "
+                                               "(config_sentence_transformers.json); or pass prompt='...'")
+            return self.prompts[prompt_name]
+        return self.prompts.get(self.default_prompt_name) if self.default_prompt_name is not None else None
+
+    def encode(self, sentences, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
+               show_progress_bar: bool | None = None, convert_to_numpy: bool = True,
+               normalize_embeddings: bool = False) -> np.ndarray:
+        """Embeddings [len(sentences), D] float32 (one text: [D]), in the input order. ``prompt_name`` (a key of
+        the model's ``prompts``) or ``prompt`` is put before each text. ``normalize_embeddings`` scales each to
+        unit length (the model's own Normalize module does so already)."""
         single = isinstance(sentences, str)
         texts = [sentences] if single else list(sentences)
         if not all(isinstance(t, str) for t in texts):
             raise SentenceTransformerError("encode() takes a text or a list of texts")
-        out = self._batched(texts, self._embed_batch, batch_size, show_progress_bar)
+        prompt = self.resolve_prompt(prompt, prompt_name)
+        prompt_length = 0
+        if prompt:
+            texts = [prompt + text for text in texts]
+            if not self.pooling.include_prompt:
+                prompt_length = self.prompt_length(prompt)
+        out = self._batched(texts, lambda batch: self._embed_batch(batch, prompt_length), batch_size,
+                            show_progress_bar)
         if normalize_embeddings:
             out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out[0] if single else out

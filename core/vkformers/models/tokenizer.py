@@ -65,13 +65,39 @@ class TokenizerError(VkformersError, ValueError):
 
 
 class BatchEncoding(dict):
-    """``{"input_ids": ..., "attention_mask": ...}`` that also reads as attributes, like transformers'."""
+    """``{"input_ids": ..., "attention_mask": ...}`` that also reads as attributes, like transformers'.
+
+    A tokenizer call's result also keeps each row's ``tokenizers.Encoding`` (``encodings``), for the per-token
+    maps transformers' fast tokenizers give: ``word_ids(i)``, ``sequence_ids(i)``, ``tokens(i)`` (row ``i``,
+    padding and overflow rows included; None for special and pad tokens)."""
+
+    def __init__(self, data=None, encodings=None):
+        super().__init__(data or {})
+        self.encodings = encodings
 
     def __getattr__(self, name):
         try:
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+    def _encoding(self, batch_index: int, what: str):
+        if self.encodings is None:
+            raise TokenizerError(f"{what}() needs the encodings of a tokenizer call; this BatchEncoding has none")
+        if not -len(self.encodings) <= batch_index < len(self.encodings):
+            raise TokenizerError(f"{what}({batch_index}): the batch has {len(self.encodings)} row(s)")
+        return self.encodings[batch_index]
+
+    def word_ids(self, batch_index: int = 0) -> list:
+        """Each token's word index in its text (None for special and pad tokens), as transformers gives it."""
+        return self._encoding(batch_index, "word_ids").word_ids
+
+    def sequence_ids(self, batch_index: int = 0) -> list:
+        """Each token's sequence: 0 the text, 1 the pair's second text, None special and pad tokens."""
+        return self._encoding(batch_index, "sequence_ids").sequence_ids
+
+    def tokens(self, batch_index: int = 0) -> list[str]:
+        return self._encoding(batch_index, "tokens").tokens
 
 
 def _token_content(value):
@@ -261,14 +287,14 @@ class PreTrainedTokenizer:
             for row in [encoding, *encoding.overflowing] if return_overflowing_tokens else [encoding]:
                 rows.append(row)
                 sample_of_row.append(index)
-        out = BatchEncoding({name: [column(row) for row in rows] for name, column in columns.items()})
+        out = BatchEncoding({name: [column(row) for row in rows] for name, column in columns.items()}, rows)
         if return_overflowing_tokens:
             out["overflow_to_sample_mapping"] = sample_of_row
         if return_tensors == "np":
-            return BatchEncoding({name: _as_array(name, values) for name, values in out.items()})
+            return BatchEncoding({name: _as_array(name, values) for name, values in out.items()}, rows)
         if not batched and not return_overflowing_tokens:  # one text: drop the batch level, as transformers does
             out = BatchEncoding({name: values[0] if values and isinstance(values[0], list) else values
-                                 for name, values in out.items()})
+                                 for name, values in out.items()}, rows)
         return out
 
     def _padding_truncation_strategies(self, padding, truncation, max_length, pad_to_multiple_of, verbose):

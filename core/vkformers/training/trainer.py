@@ -176,9 +176,10 @@ def _int32_pair(ids, labels, *mask):
 
 
 def _forward(model, batch):
-    """``model(input_ids, labels=..., attention_mask=...)`` for a batch of (input_ids, labels[, attention_mask])."""
-    input_ids, labels, *mask = batch
-    return model(input_ids, labels=labels, **({"attention_mask": mask[0]} if mask else {}))
+    """``model(input_ids, labels=..., attention_mask=..., token_type_ids=...)`` for a batch of (input_ids, labels[,
+    attention_mask[, token_type_ids]])."""
+    input_ids, labels, *rest = batch
+    return model(input_ids, labels=labels, **dict(zip(("attention_mask", "token_type_ids"), rest)))
 
 
 class Trainer:
@@ -186,7 +187,8 @@ class Trainer:
 
     ``train_batches``: a :class:`~vkformers.training.data.Batches` (or anything iterable with
     ``state_dict``/``load_state_dict``) yielding (input_ids, labels) numpy arrays, or (input_ids, labels,
-    attention_mask) for padded batches (a task head's labels: one per sequence, float for regression).
+    attention_mask) for padded batches (a task head's labels: one per sequence, float for regression), with
+    token_type_ids fourth for text pairs (question answering on a BERT-style model).
     ``eval_batches``: a list of such tuples for the held-out loss.
     ``out_dir``: where checkpoints/, metrics.jsonl, loss_curve.png and final/ go (None: nothing written).
     """
@@ -271,7 +273,7 @@ class Trainer:
         self.model.train()
         if self.scaler is None:
             batches = [_int32_pair(*mb) for mb in micro_batches]
-            inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels", "mask"), mb)}
+            inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels", "mask", "types"), mb)}
 
             def build():  # one submission: the update rides along with reading the statistics
                 stats_vector, factor = self._build_step(batches, None)

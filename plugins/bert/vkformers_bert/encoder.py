@@ -326,7 +326,9 @@ class EncoderForMaskedLM(Module):
         if s.token_dropout:
             x = x * Tensor(self._token_dropout_scale(ids, mask), dtype=x.dtype)
         if self.token_type is not None:
-            types = np.zeros(ids.shape, np.int32) if token_type_ids is None else token_type_ids.astype(np.int32)
+            # the caller's int32 array itself where it is one: a captured training step reads the next batch's
+            types = np.zeros(ids.shape, np.int32) if token_type_ids is None else \
+                np.ascontiguousarray(token_type_ids, np.int32)
             x = x + F.embedding(Tensor(types), self.token_type.weight)
         if self.position is not None:
             # positions counted from padding (RoBERTa): pads read row pad_token_id, a padding_idx in transformers
@@ -368,7 +370,8 @@ class EncoderForMaskedLM(Module):
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
         mask = _as_int_array(attention_mask)
-        x = self.embed(ids, mask, _as_int_array(token_type_ids), source=input_ids)
+        types = token_type_ids.numpy() if isinstance(token_type_ids, Tensor) else token_type_ids
+        x = self.embed(ids, mask, None if types is None else np.asarray(types), source=input_ids)
         rotary = None
         if self.inv_freq is not None or self.layer_rope is not None:
             positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())

@@ -445,6 +445,7 @@ class Stack(Module):
         for name, module in refs.items():
             object.__setattr__(self, name, module)
         self.position_table = None
+        self.recorded = None  # a list while the base model collects hidden states (output_hidden_states=True)
         if spec.positions == "sinusoidal":
             self.position_table = Tensor(sinusoidal_table(spec.max_positions, spec.d_model))
         elif spec.positions == "fairseq_from_zero":
@@ -503,10 +504,15 @@ class Stack(Module):
         if self.embed_global is not None:
             x = self.prepend_global(x)
         for layer in self.layers:
+            if self.recorded is not None:  # transformers' hidden_states: each layer's input, then the output
+                self.recorded.append(x)
             x = layer(x, ctx)
         if self.embed_global is not None:
             x = x[:, self.spec.global_tokens:]
-        return self.final_norm(x) if self.final_norm is not None else x
+        x = self.final_norm(x) if self.final_norm is not None else x
+        if self.recorded is not None:
+            self.recorded.append(x)
+        return x
 
     def prepend_global(self, x):
         """[global tokens; x] along the sequence."""

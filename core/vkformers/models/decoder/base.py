@@ -1,0 +1,60 @@
+"""A decoder without its LM head (transformers' LlamaModel, MixtralModel, ...): what ``vkformers.AutoModel`` and
+the task heads of ``vkformers.models.heads`` run. A plugin makes its base class from its causal LM class::
+
+    class DecoderModel(DecoderBaseMixin, DenseDecoderForCausalLM):
+        declared_heads = {...}      # optional: architecture -> TaskHeads, else DECODER_HEADS
+
+Parameters keep the base-model prefix (``model.layers...``), as in transformers' task models.
+"""
+from __future__ import annotations
+
+from vkformers.errors import VkformersError
+from vkformers.models.heads import DECODER_HEADS, BaseModelOutput, TaskHeads, base_model_prefix
+
+
+class UnsupportedBaseModel(VkformersError, ValueError):
+    """A decoder whose checkpoint layout does not separate the base model from its LM head."""
+
+
+class DecoderBaseMixin:
+    """Before a :class:`~vkformers.models.decoder.DecoderForCausalLM` subclass in the bases: drops the LM head,
+    ``forward`` returns :class:`~vkformers.models.heads.BaseModelOutput` (``last_hidden_state`` after the final
+    norm, ``hidden_states`` with ``output_hidden_states=True``)."""
+
+    declared_heads: dict = {}  # architecture name -> TaskHeads where they differ from DECODER_HEADS
+
+    def __init__(self, config: dict, architecture, add_pooling_layer: bool = False):
+        super().__init__(config, architecture)
+        prefix = base_model_prefix(self.spec.embed)
+        if not prefix or base_model_prefix(self.spec.lm_head) == prefix:
+            raise UnsupportedBaseModel(f"{self.architecture_name}: its checkpoint has no base-model prefix to "
+                                       "separate the decoder from its LM head; use AutoModelForCausalLM")
+        self.base_model_prefix = prefix
+        # the last hidden state's width: OPT's project_out maps the hidden size back to the embedding width
+        self.output_size = self.spec.embed_dim if self.spec.project_out else self.spec.hidden_size
+        for child in [name for name in self._modules if name != prefix]:  # the LM head (and its transform)
+            del self._modules[child]
+        self._recorded = None
+
+    @classmethod
+    def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
+        return cls.declared_heads.get(getattr(architecture, "name", architecture), DECODER_HEADS)
+
+    def run_layers(self, x, ctx):
+        if self._recorded is None:
+            return super().run_layers(x, ctx)
+        self._recorded.append(x)
+        for layer in self.layers:
+            x = self.call_layer(layer, x, ctx)
+            self._recorded.append(x)
+        return x
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
+        self._recorded = [] if output_hidden_states else None
+        try:
+            x = self.final_hidden_states(self.residual_stream(input_ids, attention_mask, position_ids))
+        finally:
+            recorded, self._recorded = self._recorded, None
+        if recorded is not None:
+            recorded[-1] = x  # transformers' last hidden state is the normed one
+        return BaseModelOutput(last_hidden_state=x, hidden_states=tuple(recorded) if recorded is not None else None)
