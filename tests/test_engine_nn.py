@@ -82,6 +82,31 @@ def test_embedding_looked_up_only_at_padding_idx_gets_zero_gradient_and_weight_d
     np.testing.assert_allclose(embedding.weight.numpy(), table * np.float32(1 - 0.1 * 0.5), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("bfloat16", 2e-2)])
+def test_take_along_last_matches_torch_gather_and_sums_repeated_picks(dtype, tol):
+    """torch.gather(x, -1, index.expand(...)) with one [R, J] index for every leading slice (DeBERTa's relative
+    positions): odd sizes, clamped indices that pick one element several times (their gradients add up), and an
+    index outside [0, C), which reads zero and passes nothing back."""
+    x = RNG.standard_normal((2, 3, 5, 7)).astype(np.float32)
+    index = np.clip(np.arange(5)[:, None] - np.arange(6)[None, :] + 3, 0, 6).astype(np.int32)  # [5, 6]
+    index[4, 5] = 9
+    t = vkf.tensor(x, requires_grad=True)
+    xin = t if dtype == "float32" else t.cast(dtype)
+    out = F.take_along_last(xin, vkf.tensor(index))
+    assert out.shape == (2, 3, 5, 6)
+    picked = np.take_along_axis(x, np.clip(index, 0, 6)[None, None].repeat(2, 0).repeat(3, 1), -1)
+    expected = np.where(index < 7, picked, 0.0)
+    np.testing.assert_allclose(out.float().numpy(), expected, rtol=tol, atol=tol)
+    w = RNG.standard_normal(out.shape).astype(np.float32)
+    (out.float() * vkf.tensor(w)).sum().backward()
+    grad = np.zeros_like(x, dtype=np.float64)
+    for r in range(5):
+        for j in range(6):
+            if index[r, j] < 7:
+                grad[:, :, r, index[r, j]] += w[:, :, r, j]
+    np.testing.assert_allclose(t.grad.numpy(), grad, rtol=tol, atol=tol * 4)
+
+
 def test_gather_rows_and_its_gradient_through_the_inverse():
     """Rows picked per slice (each row at most once per slice, -1: a zero row), as a mixture-of-experts block
     lists each expert's tokens; the gradient, a gather through ``inverse``, equals the scatter-add of numpy."""

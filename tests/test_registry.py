@@ -36,7 +36,10 @@ BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bam
                     "nemotron_h": "ssm", "jamba": "ssm", "granitemoehybrid": "ssm",
                     "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
                     "sarvam_moe": "moe", "sarvam_mla": "moe", "apertus1p5_text": "llama",
-                    "diffllama": "llama", "jetmoe": "moe"}
+                    "diffllama": "llama", "jetmoe": "moe",
+                    "deberta-v2": "bert", "deberta": "bert", "mpnet": "bert", "gte": "bert", "ibert": "bert",
+                    "squeezebert": "bert", "xmod": "bert", "fnet": "bert", "longformer": "bert", "mobilebert": "bert",
+                    "luke": "bert", "convbert": "bert"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 # the reference list's architectures per family, plus those beyond it
 EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)

@@ -39,6 +39,7 @@ FIRST_TOKEN = 5                   # inputs use ids FIRST_TOKEN..VOCAB-1: clear o
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 B = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
          intermediate_size=INTER, max_position_embeddings=MAX_POS, initializer_range=0.2, **NO_DROPOUT)
+SMALL = dict(B, hidden_size=8, num_attention_heads=2, intermediate_size=8, max_position_embeddings=16)  # size budget
 ROBERTA_TOK = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
 
 
@@ -153,6 +154,78 @@ SPECS = [
           "lm_head.decoder whose bias is lm_head.bias. Its own loss shifts labels (causal LM), so the reference loss "
           "is the masked-LM one computed here from its logits: cross-entropy over labels != -100, no shift."],
          model_class="BertGenerationDecoder", loss_by_hand=True),
+    Spec("deberta-v2", "deberta-v2", dict(SMALL, relative_attention=True, position_buckets=4, max_relative_positions=-1,
+                                          pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                          position_biased_input=False, type_vocab_size=0, pad_token_id=0),
+         ["DeBERTa-v3 layout: no absolute positions; disentangled attention q k^T + c2p + p2c over a LayerNorm'd "
+          "table of relative-position embeddings (encoder.rel_embeddings, 2 x 4 rows) projected by the layer's own "
+          "query/key projections (share_att_key); log buckets beyond +-2 (position_buckets 4, max_relative_positions "
+          "= max_position_embeddings 16), clamped to the table; scale 1 / sqrt(4 * 3) (hidden 8, 2 heads); embeddings zeroed at padding "
+          "after their LayerNorm; legacy head cls.predictions (BERT's). transformers masks padded query rows too; "
+          "their logits are not compared."]),
+    Spec("deberta-v2_unshared", "deberta-v2", dict(SMALL, num_hidden_layers=1, relative_attention=True,
+                                                   max_relative_positions=3, pos_att_type=["c2p", "p2c"],
+                                                   share_att_key=False, position_biased_input=True,
+                                                   type_vocab_size=2, pad_token_id=0),
+         ["DeBERTa-v2 layout, one layer: absolute positions and token types added to the embeddings; own "
+          "pos_key_proj / pos_query_proj; no buckets, span max_relative_positions 3 (distances past it clamp to "
+          "the table's ends); the table not normed."]),
+    Spec("deberta", "deberta", dict(SMALL, num_hidden_layers=1, relative_attention=True, max_relative_positions=-1,
+                                    pos_att_type=["c2p", "p2c"], position_biased_input=False, type_vocab_size=0,
+                                    pad_token_id=0),
+         ["DeBERTa (v1, deberta-base layout), one layer: bias-free in_proj holding [q_h; k_h; v_h] head by head, q_bias and "
+          "v_bias; c2p through pos_proj (no bias), p2c through pos_q_proj; table of 2 x 16 rows "
+          "(max_relative_positions = max_position_embeddings) of which the middle 2 x min(8, 16) are read; no "
+          "absolute positions; legacy head cls.predictions."]),
+    Spec("mpnet", "mpnet", dict(SMALL, num_hidden_layers=1, **ROBERTA_TOK),
+         ["RoBERTa's embeddings (positions from padding 1, no token types) and lm_head; attention.attn.q/k/v/o, "
+          "attention.LayerNorm; a per-head bias of T5-style bidirectional buckets (32, max distance 128) of key - "
+          "query from encoder.relative_attention_bias (one layer here; every layer adds the same bias)."]),
+    Spec("gte", "gte", dict(SMALL, num_hidden_layers=1, pad_token_id=1),
+         ["one layer, post-LN; rotate_half rotary (rope theta 160000), no position table; one token type; fused "
+          "biased attention.qkv_proj; bias-free mlp.up_gate_proj = [up; gate], down(gelu(gate) * up) with a biased "
+          "down_proj; head lm_head.dense -> gelu -> lm_head.norm -> tied decoder with its own bias."]),
+    Spec("ibert", "ibert", dict(SMALL, num_hidden_layers=1, max_position_embeddings=12, quant_mode=False,
+                                **ROBERTA_TOK),
+         ["one layer, quant_mode off: RoBERTa under the ibert prefix; the file also holds the quantizers' buffers "
+          "(act_scaling_factor, x_min/x_max, weight_integer, ...), which the float forward never reads."]),
+    Spec("squeezebert", "squeezebert", dict(SMALL, num_hidden_layers=1, embedding_size=8, q_groups=2, k_groups=4,
+                                            v_groups=1, post_attention_groups=2, intermediate_groups=4,
+                                            output_groups=2),
+         ["one layer, BERT's post-LN block under transformer.encoder.layers whose projections are Conv1d of kernel 1 "
+          "with channel groups (q 2, k 4, v 1, post_attention 2, intermediate 4, output 2; weights [out, in / "
+          "groups, 1]); the pooler is unused by the MLM loss."]),
+    Spec("xmod", "xmod", dict(SMALL, num_hidden_layers=1, languages=["en_XX", "de_DE"], default_language="de_DE",
+                              **ROBERTA_TOK),
+         ["one layer, XLM-R with language adapters: after the MLP's residual, LayerNorm, then the de_DE adapter "
+          "(dense1 8 -> 4, gelu, dense2) plus the normed state, then the same LayerNorm again; the en_XX adapter runs "
+          "on no rows: a zero gradient (so AdamW's weight decay still steps it)."]),
+    Spec("fnet", "fnet", {k: v for k, v in dict(SMALL, num_hidden_layers=1).items()
+                          if k not in ("num_attention_heads", "attention_probs_dropout_prob")},
+         ["one layer: attention replaced by Re(FFT2) over positions and hidden (torch.fft.fftn), "
+          "fourier.output.LayerNorm; embeddings (4 token types) LayerNorm'd then projected; gelu_new; pad 3. FNet "
+          "reads no attention mask: the padded row's pad tokens mix into its real positions (the reference is what "
+          "transformers computes so). Pooler unused."]),
+    Spec("longformer", "longformer", dict(SMALL, attention_window=[4, 6], sep_token_id=2, **ROBERTA_TOK),
+         ["two layers, RoBERTa's layout with sliding-window attention: keys within 2 (layer 0) and 3 (layer 1) "
+          "positions on both sides; transformers pads the batch to a multiple of the window internally; no global "
+          "attention, so the *_global projections get no gradient."]),
+    Spec("mobilebert", "mobilebert", dict(SMALL, num_hidden_layers=1, embedding_size=4, intra_bottleneck_size=4,
+                                          num_feedforward_networks=2),
+         ["one layer: trigram embeddings of width 4 mapped to 8 (embedding_transformation), positions, token types, "
+          "NoNorm; the block at width 4: input bottleneck, shared q/k bottleneck, v from the block input, attention "
+          "output + NoNorm, one extra FFN, the last FFN, output bottleneck back to 8 (residual: the block input); "
+          "relu; head transform with a LayerNorm, logits h @ [word_embeddings^T; cls.predictions.dense.weight] + "
+          "cls.predictions.bias."]),
+    Spec("luke", "luke", dict(SMALL, num_hidden_layers=1, entity_vocab_size=6, entity_emb_size=4, **ROBERTA_TOK),
+         ["one layer, word tokens only: RoBERTa's layout under luke with an untied lm_head.decoder (own bias); the "
+          "entity embeddings, entity-aware queries (w2e/e2w/e2e), entity prediction head and pooler do not run "
+          "without entity inputs (no gradient)."]),
+    Spec("convbert", "convbert", dict(SMALL, num_hidden_layers=1, embedding_size=4, conv_kernel_size=3),
+         ["one layer: embeddings of width 4 projected to 8; head_ratio 2 leaves one attention head of size 4 beside "
+          "one dynamic-convolution head (kernel 3: separable convolution of the input times the query -> softmax "
+          "weights over 3 neighbours of conv_out_layer, zeros past the ends, padding not masked); generator head "
+          "8 -> 4 tied."]),
 ]
 
 
@@ -232,7 +305,8 @@ def build(spec: Spec, out_root: Path):
     if tmp.exists():
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
-    file_keys = set(load_file(str(tmp / "model.safetensors")))
+    # buffers the file also holds (I-BERT's quantizer state) are no parameters: no gradient, no AdamW step
+    file_keys = set(load_file(str(tmp / "model.safetensors"))) - {n for n, _ in model.named_buffers()}
     params = dict(model.named_parameters())
 
     ids, mask, labels, types = make_inputs(model.config, spec.mask_token_id)

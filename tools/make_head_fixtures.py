@@ -20,15 +20,20 @@ import argparse
 import copy
 import json
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers.core_model_loading import revert_weight_conversion
 from transformers import (AutoConfig, AutoModel, AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
                           AutoModelForTokenClassification)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_encoder_fixtures import in_file_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "heads"
@@ -56,6 +61,12 @@ SMALL_BART = dict(BART, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_emb
 SMALL_DECODER = dict(DECODER, num_hidden_layers=1, intermediate_size=16)
 
 BF16_CASES = ("bert-sequence",)  # also run in bfloat16 (tests/test_heads_parity.py states the tolerance)
+# the later cases at hidden 8 (repository size)
+NARROW = dict(ENCODER, hidden_size=8, intermediate_size=8)
+# DeBERTa-v3's layout: relative attention with buckets through the shared q/k projections, no absolute positions
+DEBERTA_V3 = dict(NARROW, relative_attention=True, position_buckets=4, max_relative_positions=-1,
+                  pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+                  type_vocab_size=0, pooler_dropout=0.0)
 
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
@@ -72,6 +83,12 @@ CASES = {
     "distilbert-qa": ("distilbert", DISTILBERT, "qa"),
     "electra-sequence": ("electra", dict(ENCODER, embedding_size=8), "sequence"),
     "electra-token": ("electra", dict(ENCODER, embedding_size=8), "token"),
+    "deberta-v2-sequence": ("deberta-v2", DEBERTA_V3, "sequence"),
+    "deberta-sequence": ("deberta", dict(NARROW, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                                         position_biased_input=False, type_vocab_size=0, pooler_dropout=0.0),
+                         "sequence"),
+    "mpnet-sequence": ("mpnet", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
+    "gte-sequence": ("gte", dict(NARROW, pad_token_id=1), "sequence"),
     "llama-sequence": ("llama", DECODER, "sequence"),
     "llama-token": ("llama", DECODER, "token"),
     "qwen2-sequence": ("qwen2", DECODER, "sequence"),
@@ -137,6 +154,10 @@ def build(name: str) -> None:
     if task == "choice":  # [2 questions, 3 choices, length]
         ids, mask = np.stack([ids, ids[::-1]]), np.stack([mask, mask[::-1]])
     tensors = {"input_ids": ids, "attention_mask": mask}
+    with tempfile.TemporaryDirectory() as saved:  # the checkpoint's names, where transformers renames in memory (GTE)
+        model.save_pretrained(saved)
+        file_keys = set(load_file(str(Path(saved) / "model.safetensors")))
+    renamed = file_keys != {n for n, _ in model.named_parameters()}
     for variant, labels in label_variants(task, rng, mask).items():
         model.config.problem_type = {"single": None, "multi": "multi_label_classification",
                                      "regression": "regression"}[variant] if task == "sequence" else None
@@ -152,10 +173,15 @@ def build(name: str) -> None:
             tensors[f"{variant}.end_logits"] = out.end_logits.detach().numpy()
         else:
             tensors[f"{variant}.logits"] = out.logits.detach().numpy()
-        grads = {pname: param.grad for pname, param in model.named_parameters()  # other variants: the head's only
-                 if param.grad is not None and (variant == "single" or not pname.startswith(model.base_model_prefix))}
-        for pname, grad in revert_weight_conversion(model, grads).items():  # under model.safetensors' names
-            tensors[f"{variant}.grad.{pname}"] = grad.detach().contiguous().numpy()
+        grads = {pname: param.grad for pname, param in model.named_parameters() if param.grad is not None}
+        if renamed:  # gradients under the names of the checkpoint vkformers loads
+            grads = in_file_layout(model, {n: grads.get(n, torch.zeros_like(p)) for n, p in model.named_parameters()},
+                                   file_keys)
+        else:
+            grads = revert_weight_conversion(model, grads)  # under model.safetensors' names
+        for pname, grad in grads.items():  # the other label variants: the head's gradients only
+            if variant == "single" or not pname.startswith(model.base_model_prefix):
+                tensors[f"{variant}.grad.{pname}"] = grad.detach().contiguous().numpy()
     if name in BF16_CASES:  # the same weights in bfloat16: logits, loss and the head's gradients
         half = copy.deepcopy(model).to(torch.bfloat16)
         labels = {k.split(".", 1)[1]: torch.tensor(v) for k, v in tensors.items() if k.startswith("single.")

@@ -32,6 +32,7 @@ from vkformers.engine.ops.nn import (
     rope,
     scaled_dot_product_attention,
     set_dropout_rng_state,
+    take_along_last,
 )
 from vkformers.engine.tensor import UNSET, gradient_use  # noqa: F401 (models count gradients with it)
 
@@ -145,4 +146,4 @@ __all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",
            "relu", "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid",
-           "silu", "softmax", "softplus", "stack", "tanh", "where"]
+           "silu", "softmax", "softplus", "stack", "take_along_last", "tanh", "where"]

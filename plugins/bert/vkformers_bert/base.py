@@ -12,6 +12,7 @@ from vkformers.models.layers import Linear
 from vkformers.models.module import place
 
 from vkformers_bert.encoder import EncoderForMaskedLM, UnsupportedBaseModel
+from vkformers_bert.variants import UnsupportedConfigError
 
 # transformers' classification heads that read the first token: dense, activation, out_proj (RoBERTa, ELECTRA)
 ROBERTA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="tanh"),
@@ -19,6 +20,21 @@ ROBERTA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense
 ELECTRA_HEADS = TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense", dense_act="gelu"))
 DISTILBERT_HEADS = TaskHeads(SequenceHead("first", out="classifier", dense="pre_classifier", dense_act="relu"),
                              multiple_choice=SequenceHead("first", dense="pre_classifier", dense_act="relu"))
+
+
+def deberta_heads(config: dict) -> TaskHeads:
+    """DeBERTa's ContextPooler (pooler.dense on the first token, then pooler_hidden_act) before the classifier of
+    sequences and of choices; token and question-answering heads as BERT's."""
+    size = config.get("pooler_hidden_size", config["hidden_size"])
+    if size != config["hidden_size"]:
+        raise UnsupportedConfigError(f"{config.get('model_type')}: config option pooler_hidden_size={size!r} is not "
+                                     "supported by vkformers' heads yet (it must equal hidden_size)")
+    pooled = SequenceHead("first", dense="pooler.dense", dense_act=config.get("pooler_hidden_act", "gelu"))
+    return TaskHeads(pooled, multiple_choice=pooled)
+
+
+# architectures whose head layout depends on their config: architecture -> TaskHeads from the config
+CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {
@@ -31,6 +47,8 @@ DECLARED = {
     "data2vec-text": (ROBERTA_HEADS, "pooler.dense"),
     "electra": (ELECTRA_HEADS, None),
     "distilbert": (DISTILBERT_HEADS, None),
+    "mpnet": (ROBERTA_HEADS, "pooler.dense"),
+    "gte": (ENCODER_HEADS, "pooler.dense"),
 }
 
 
@@ -66,7 +84,10 @@ class EncoderModel(EncoderForMaskedLM):
 
     @classmethod
     def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
-        return DECLARED.get(_name(architecture), (None, None))[0]
+        name = _name(architecture)
+        if name in CONFIGURED:
+            return CONFIGURED[name](config)
+        return DECLARED.get(name, (None, None))[0]
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_hidden_states=False):
         recorded = [] if output_hidden_states else None

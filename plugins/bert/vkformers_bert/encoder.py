@@ -89,6 +89,98 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+class PointwiseConv1d(Module):
+    """A Conv1d of kernel 1 with ``groups`` channel groups on channels-last inputs (SqueezeBERT's projections):
+    group g maps input channels g * in/groups.. to output channels g * out/groups... Weight [out, in / groups, 1]
+    as stored; one batched product over the groups."""
+
+    def __init__(self, in_channels: int, out_channels: int, groups: int, bias: bool = True):
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"{groups} groups do not divide {in_channels} -> {out_channels} channels")
+        self.in_channels, self.out_channels, self.groups, self.has_bias = in_channels, out_channels, groups, bias
+        self.param("weight", (out_channels, in_channels // groups, 1))
+        if bias:
+            self.param("bias", (out_channels,))
+
+    def forward(self, x):
+        g, inner, outer = self.groups, self.in_channels // self.groups, self.out_channels // self.groups
+        bias = self.bias if self.has_bias else None
+        if g == 1:
+            return F.linear(x, self.weight.reshape(self.out_channels, self.in_channels), bias)
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, g, inner).permute(1, 0, 2).contiguous()            # [groups, rows, in / groups]
+        weight = self.weight.reshape(g, outer, inner).transpose(-2, -1)         # [groups, in / groups, out / groups]
+        y = (rows @ weight).permute(1, 0, 2).reshape(*lead, self.out_channels)
+        return y + bias if bias is not None else y
+
+
+class NoNorm(Module):
+    """MobileBERT's normalization_type "no_norm": x * weight + bias (no statistics)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.param("weight", (size,))
+        self.param("bias", (size,))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+class MobileBertBlock(Module):
+    """MobileBERT's block at ``bottleneck_size`` inside a hidden-wide stream: an input bottleneck (dense + NoNorm)
+    for the residual, q and k from a shared bottleneck (or the input one, or the block input), v from the block
+    input (or the bottleneck), attention + output dense + NoNorm, extra feed-forward networks each with its
+    residual and NoNorm, the last one, then the output bottleneck back to hidden with the block input as residual."""
+
+    def __init__(self, spec: EncoderSpec, index: int = 0):
+        super().__init__()
+        s, d, b, inter = spec, spec.hidden_size, spec.bottleneck_size, spec.intermediate_size
+        self.spec, self.index = s, index
+        value_width = b if s.bottleneck_attention else d
+        layout = [("in", "bottleneck.input.dense", Linear(d, b)), ("in_norm", "bottleneck.input.LayerNorm", NoNorm(b)),
+                  ("q", "attention.self.query", Linear(b if (s.bottleneck_attention or s.shared_qk_bottleneck) else d, b)),
+                  ("k", "attention.self.key", Linear(b if (s.bottleneck_attention or s.shared_qk_bottleneck) else d, b)),
+                  ("v", "attention.self.value", Linear(value_width, b)),
+                  ("o", "attention.output.dense", Linear(b, b)), ("o_norm", "attention.output.LayerNorm", NoNorm(b)),
+                  ("up", "intermediate.dense", Linear(b, inter)), ("down", "output.dense", Linear(inter, b)),
+                  ("down_norm", "output.LayerNorm", NoNorm(b)),
+                  ("out", "output.bottleneck.dense", Linear(b, d)), ("out_norm", "output.bottleneck.LayerNorm", NoNorm(d))]
+        if s.shared_qk_bottleneck and not s.bottleneck_attention:
+            layout += [("qk", "bottleneck.attention.dense", Linear(d, b)),
+                       ("qk_norm", "bottleneck.attention.LayerNorm", NoNorm(b))]
+        for i in range(s.extra_ffns):
+            layout += [(f"ffn{i}_up", f"ffn.{i}.intermediate.dense", Linear(b, inter)),
+                       (f"ffn{i}_down", f"ffn.{i}.output.dense", Linear(inter, b)),
+                       (f"ffn{i}_norm", f"ffn.{i}.output.LayerNorm", NoNorm(b))]
+        object.__setattr__(self, "parts", {role: _place(self, path, module) for role, path, module in layout})
+        self.act = F.activation(s.hidden_act)
+
+    def forward(self, x, ctx: "Context"):
+        s, p = self.spec, self.parts
+        batch, length, _ = x.shape
+        heads, head_dim = s.num_heads, s.bottleneck_size // s.num_heads
+        residual = p["in_norm"](p["in"](x))
+        if s.bottleneck_attention:
+            qk_in, v_in = residual, residual
+        elif s.shared_qk_bottleneck:
+            qk_in, v_in = p["qk_norm"](p["qk"](x)), x
+        else:
+            qk_in, v_in = x, x
+
+        def split(t):
+            return t.reshape(batch, length, heads, head_dim).permute(0, 2, 1, 3)
+
+        out = F.scaled_dot_product_attention(split(p["q"](qk_in)), split(p["k"](qk_in)), split(p["v"](v_in)),
+                                             causal=False, key_padding_mask=ctx.key_padding_mask)
+        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.bottleneck_size)
+        h = p["o_norm"](p["o"](out) + residual)
+        for i in range(s.extra_ffns):
+            h = p[f"ffn{i}_norm"](p[f"ffn{i}_down"](self.act(p[f"ffn{i}_up"](h))) + h)
+        h = p["down_norm"](p["down"](self.act(p["up"](h))) + h)
+        return p["out_norm"](p["out"](h) + x)
+
+
 class EncoderBlock(Module):
     """Self-attention and MLP, each with a residual and a norm (after it, or before the sublayer).
 
@@ -107,32 +199,119 @@ class EncoderBlock(Module):
         def norm():
             return RMSNorm(d, eps=s.norm_eps) if s.norm == "rms" else LayerNorm(d, eps=s.norm_eps, bias=s.norm_bias)
 
+        pointwise = dict(s.pointwise_groups)
+
+        def projection(role, inp, out, bias):  # a Linear, or a grouped pointwise convolution where declared
+            return PointwiseConv1d(inp, out, pointwise[role], bias) if role in pointwise else Linear(inp, out, bias)
+
+        qkv_width = s.conv_width or d  # ConvBERT: q / k / v of the attention half only
         parts = {role: _place(host, path.format(i=index) if root is not None else path, module)
                  for role, path, module in (
-            ("qkv", s.qkv_proj, Linear(d, d + 2 * kv, attn_bias)),
-            ("q", None if fused else s.q_proj, Linear(d, d, attn_bias)),
-            ("k", None if fused else s.k_proj, Linear(d, kv, attn_bias)),
-            ("v", None if fused else s.v_proj, Linear(d, kv, attn_bias)), ("o", s.o_proj, Linear(d, d, attn_bias)),
+            ("qkv", s.qkv_proj, Linear(d, d + 2 * kv, attn_bias if s.qkv_bias is None else s.qkv_bias)),
+            ("q", None if fused else s.q_proj, projection("q", d, qkv_width if s.conv_width else d, attn_bias)),
+            ("k", None if fused else s.k_proj, projection("k", d, qkv_width if s.conv_width else kv, attn_bias)),
+            ("v", None if fused else s.v_proj, projection("v", d, qkv_width if s.conv_width else kv, attn_bias)),
+            ("o", s.o_proj, projection("o", d, d, attn_bias)),
             ("q_norm", s.qk_norm[0] if s.qk_norm else None, LayerNorm(d, eps=s.qk_norm_eps, bias=False)),
             ("k_norm", s.qk_norm[1] if s.qk_norm else None, LayerNorm(kv, eps=s.qk_norm_eps, bias=False)),
             ("attn_norm", attn_norm, norm()),
             ("gate", s.gate_proj, Linear(d, inter, mlp_bias)),
-            ("up", s.up_proj, Linear(d, 2 * inter if s.fused_up_gate else inter, mlp_bias)),
-            ("down", s.down_proj, Linear(inter, d, mlp_bias)), ("mlp_norm", s.mlp_norm, norm()))
+            ("up", s.up_proj, projection("up", d, 2 * inter if s.fused_up_gate else inter,
+                                         mlp_bias if s.up_bias is None else s.up_bias)),
+            ("down", s.down_proj, projection("down", inter, d, mlp_bias)), ("mlp_norm", s.mlp_norm, norm()),
+            ("pos_key", s.pos_key_proj if s.relative_attention and not s.share_att_key and "c2p" in s.score_terms
+             else None, Linear(d, d, s.pos_key_bias)),
+            ("pos_query", s.pos_query_proj if s.relative_attention and not s.share_att_key and "p2c" in s.score_terms
+             else None, Linear(d, d)),
+            ("conv_kernel", "attention.self.conv_kernel_layer" if s.conv_kernel else None,
+             Linear(s.conv_width, s.num_heads * s.conv_kernel)),
+            ("conv_out", "attention.self.conv_out_layer" if s.conv_kernel else None, Linear(d, s.conv_width)),
+            ("adapter_up", f"{s.lang_adapter}.dense1" if s.lang_adapter else None, Linear(d, s.adapter_size)),
+            ("adapter_down", f"{s.lang_adapter}.dense2" if s.lang_adapter else None, Linear(s.adapter_size, d)))
             if path}
         object.__setattr__(self, "parts", parts)  # plain references: _place registered them under HF paths
+        idle = [_place(host, f"{path}.{name}", Linear(*sizes)) for path in s.idle_adapters
+                for name, sizes in (("dense1", (d, s.adapter_size)), ("dense2", (s.adapter_size, d)))]
+        object.__setattr__(self, "idle_adapters", idle)
+        if s.conv_kernel:  # the separable convolution's lone parameters, in the checkpoint's shapes
+            conv = "attention.self.key_conv_attn_layer"
+            for name, shape in (("depthwise.weight", (d, 1, s.conv_kernel)), ("pointwise.weight", (s.conv_width, d, 1)),
+                                ("bias", (s.conv_width, 1))):
+                _declare(self, f"{conv}.{name}", shape)
+        if s.qv_bias:
+            if root is not None:
+                raise ValueError("qv_bias needs the parts under the block")
+            for path in s.qv_bias:
+                _declare(self, path, (d,))
         self.act = F.activation(s.hidden_act)
         self.window = s.layer_windows[index] if s.layer_windows else 0
 
+    def conv_attention(self, x, ctx: "Context"):
+        """ConvBERT: [attention heads; dynamic-convolution heads] -> attention.output.dense. A convolution head's
+        output at t is sum_j w[t, j] * conv_out[t + j - (K - 1) / 2] (zeros past the ends, padding included as in
+        transformers), w = softmax over j of conv_kernel_layer(separable_conv(x) * query)."""
+        s, p = self.spec, self.parts
+        batch, length, d = x.shape
+        heads, k, width = s.num_heads, s.conv_kernel, s.conv_width
+        size = width // heads
+        conv = "attention.self.key_conv_attn_layer"
+        q = p["q"](x)
+
+        def zeros(*shape):
+            return Tensor(np.zeros(shape, np.float32)).cast(x.dtype)
+
+        def split(t):
+            return t.reshape(batch, length, heads, size).permute(0, 2, 1, 3)
+
+        # depthwise convolution with k // 2 zeros each side: the causal one on x with k - 1 - k // 2 zeros appended
+        tail = k - 1 - k // 2
+        padded = F.cat([x, zeros(batch, tail, d)], 1) if tail else x
+        depthwise = F.causal_conv1d(padded, _get(self, f"{conv}.depthwise.weight"))[:, tail:tail + length]
+        key_conv = F.linear(depthwise, _get(self, f"{conv}.pointwise.weight").reshape(width, d),
+                            _get(self, f"{conv}.bias").reshape(width))
+        weights = p["conv_kernel"](key_conv * q).reshape(batch, length, heads, k).softmax(-1)
+        values = p["conv_out"](x).reshape(batch, length, heads, size)
+        half = (k - 1) // 2
+        values = F.cat([zeros(batch, half, heads, size), values, zeros(batch, k - 1 - half, heads, size)], 1)
+        mixed = None
+        for j in range(k):
+            term = values[:, j:j + length] * weights[..., j:j + 1]
+            mixed = term if mixed is None else mixed + term
+        attended = F.scaled_dot_product_attention(split(q), split(p["k"](x)), split(p["v"](x)), causal=False,
+                                                  key_padding_mask=ctx.key_padding_mask).permute(0, 2, 1, 3)
+        out = F.cat([attended, mixed], 2).reshape(batch, length, 2 * width)
+        return p["o"](out)
+
+    def fourier(self, x):
+        """FNet: Re(F_T x F_H) = C_T x C_H - S_T x S_H, F_n the DFT matrix of n points (C, S its cosines and
+        sines), as the products of two real matrices on each side."""
+        def dft(n):
+            angle = (2 * np.pi / n) * (np.outer(np.arange(n), np.arange(n)) % n)
+            return (Tensor(np.cos(angle).astype(np.float32)).cast(x.dtype),
+                    Tensor(np.sin(angle).astype(np.float32)).cast(x.dtype))
+        (cos_t, sin_t), (cos_h, sin_h) = dft(x.shape[1]), dft(x.shape[2])
+        return (cos_t @ x) @ cos_h - (sin_t @ x) @ sin_h
+
     def attention(self, x, ctx: "Context"):
         s, p = self.spec, self.parts
+        if s.mixing == "fourier":
+            return self.fourier(x)
+        if s.conv_kernel:
+            return self.conv_attention(x, ctx)
         batch, length, _ = x.shape
         kv = s.kv_heads * s.head_dim
 
         def heads(t, n):
             return t.reshape(batch, length, n, s.head_dim).permute(0, 2, 1, 3)
 
-        if "qkv" in p:  # one fused projection, split into views (the parameter keeps the checkpoint's layout)
+        if s.qkv_per_head:  # DeBERTa's in_proj: [q_h; k_h; v_h] for each head h in turn, then q_bias and v_bias
+            hd = s.head_dim
+            qkv = p["qkv"](x).reshape(batch, length, s.num_heads, 3 * hd)
+            q, k, v = (qkv[..., i * hd:(i + 1) * hd].contiguous().reshape(batch, length, s.hidden_size)
+                       for i in range(3))
+            if s.qv_bias:
+                q, v = q + _get(self, s.qv_bias[0]), v + _get(self, s.qv_bias[1])
+        elif "qkv" in p:  # one fused projection, split into views (the parameter keeps the checkpoint's layout)
             qkv = p["qkv"](x)
             q, k, v = qkv[..., :s.hidden_size], qkv[..., s.hidden_size:s.hidden_size + kv], qkv[..., s.hidden_size + kv:]
         else:
@@ -148,18 +327,53 @@ class EncoderBlock(Module):
             k = F.rope(k.contiguous(), positions, inv_freq, **rotate)
             if s.rotary_value:
                 v = F.rope(v.contiguous(), positions, inv_freq, **rotate)
-        if self.window:  # bidirectional window |i - j| <= window: composed from ops with an additive mask
+        if s.score_terms or s.relative_attention:
+            out = self.disentangled(q, k, v, ctx)
+        elif ctx.position_bias is not None:  # MPNet: scores + the layers' shared relative-position bias
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / float(np.sqrt(s.head_dim))) + ctx.position_bias
+            if ctx.key_bias is not None:
+                scores = scores + ctx.key_bias
+            out = scores.softmax(-1) @ v
+        elif self.window:  # bidirectional window |i - j| <= window: composed from ops with an additive mask
             scores = (q @ k.transpose(-2, -1)) * (1.0 / float(np.sqrt(s.head_dim)))
             out = (scores + ctx.window_bias(self.window, batch, length)).softmax(-1) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
         return p["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size))
 
+    def disentangled(self, q, k, v, ctx: "Context"):
+        """DeBERTa: softmax(scale * (q k^T + c2p + p2c) + mask) v, scale = 1 / sqrt(head_dim * (1 + terms)).
+        c2p[i, j] = q_i . pos_key[c2p_index[i, j]], p2c[i, j] = k_j . pos_query[p2c_index[j, i]], the keys and
+        queries of the relative-position table (its own projections, or q / k's when share_att_key)."""
+        s, p = self.spec, self.parts
+        batch, _, length, _ = q.shape
+        scale = 1.0 / float(np.sqrt(s.head_dim * (1 + len(s.score_terms))))
+        scores = q @ k.transpose(-2, -1)
+        if s.relative_attention:
+            table, c2p_index, p2c_index = ctx.relative
+            rows = table.shape[0]
+
+            def positions(proj):
+                return proj(table).reshape(1, rows, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
+
+            if "c2p" in s.score_terms:
+                pos_key = positions(p["k"] if s.share_att_key else p["pos_key"])
+                scores = scores + F.take_along_last(q @ pos_key.transpose(-2, -1), c2p_index)
+            if "p2c" in s.score_terms:
+                pos_query = positions(p["q"] if s.share_att_key else p["pos_query"])
+                scores = scores + F.take_along_last(k @ pos_query.transpose(-2, -1), p2c_index).transpose(-2, -1)
+        scores = scores * scale
+        if ctx.pair_mask is not None:  # transformers' mask[i] * mask[j]: a padded query row attends to every key
+            # evenly, as its masked_fill of every score gives (float32: -1e30 overflows a 16-bit type)
+            scores = F.where(ctx.pair_mask, scores.float(), -1e30)
+        return scores.softmax(-1).cast(v.dtype) @ v
+
     def mlp(self, x):
         p, s = self.parts, self.spec
-        if s.fused_up_gate:  # ModernBERT's Wi: [input; gate], act(input) * gate
+        if s.fused_up_gate:  # ModernBERT's Wi: [input; gate], act(input) * gate; GTE's [up; gate], up * act(gate)
             both = p["up"](x)
-            hidden = self.act(both[..., :s.intermediate_size]) * both[..., s.intermediate_size:]
+            first, second = both[..., :s.intermediate_size], both[..., s.intermediate_size:]
+            hidden = self.act(second) * first if s.fused_act_half else self.act(first) * second
         else:
             hidden = self.act(p["gate"](x)) * p["up"](x) if "gate" in p else self.act(p["up"](x))
         return p["down"](hidden)
@@ -173,7 +387,13 @@ class EncoderBlock(Module):
             m = self.mlp(p["mlp_norm"](x))
             return x + (m * (1.0 / scale) if scale != 1.0 else m)
         x = p["attn_norm"](x + self.attention(x, ctx))
-        return p["mlp_norm"](x + self.mlp(x))
+        h = x + self.mlp(x)
+        if "adapter_up" in p:  # X-MOD: the language adapter between two applications of the MLP's norm
+            normed = p["mlp_norm"](h)
+            h = p["adapter_down"](self.act(p["adapter_up"](normed))) + (normed if self.spec.adapter_ln_before else h)
+            if self.idle_adapters:  # read at run time: loading replaces the parameter tensors
+                h = F.gradient_use(h, used=[t for module in self.idle_adapters for t in module.parameters()])
+        return p["mlp_norm"](h)
 
 
 @dataclass
@@ -181,6 +401,10 @@ class Context:
     key_padding_mask: object  # bool Tensor [B, T] or None (no padding)
     rotary: list | None       # per layer: (inv_freq Tensor, positions int32 Tensor [B, T], attention scaling), if rotary
     mask: np.ndarray | None = None  # the int attention mask [B, T] (window attention builds its bias from it)
+    relative: tuple | None = None   # DeBERTa: (position table Tensor [2 span, hidden], c2p index, p2c index)
+    pair_mask: object = None        # DeBERTa: bool Tensor [B, 1, T, T], query and key both real
+    position_bias: object = None    # MPNet: Tensor [1, H, T, T] added to every layer's scores
+    key_bias: object = None         # MPNet: float32 Tensor [B, 1, 1, T], -1e30 at padded keys
 
     def window_bias(self, window: int, batch: int, length: int) -> Tensor:
         """0 where query i may see key j (|i - j| <= window and j not padding), -1e30 elsewhere: [B, 1, T, T]."""
@@ -191,9 +415,55 @@ class Context:
         return Tensor(np.where(allowed, np.float32(0), np.float32(-1e30)).astype(np.float32))
 
 
+def relative_span(spec: EncoderSpec) -> int:
+    """How many relative positions each side of zero DeBERTa's table holds."""
+    return spec.position_buckets if spec.position_buckets > 0 else spec.max_relative_positions
+
+
+def relative_positions(length: int, buckets: int, max_position: int) -> np.ndarray:
+    """query - key [T, T], beyond buckets / 2 mapped to log-spaced buckets (DeBERTa-v2's make_log_bucket_position,
+    in float32 as transformers computes it)."""
+    ids = np.arange(length, dtype=np.int64)
+    rel = ids[:, None] - ids[None, :]
+    if buckets <= 0 or max_position <= 0:
+        return rel
+    mid = buckets // 2
+    abs_pos = np.where((rel < mid) & (rel > -mid), mid - 1, np.abs(rel))
+    ratio = np.log((abs_pos / mid).astype(np.float32)) / np.log(np.float32((max_position - 1) / mid))
+    log_pos = np.ceil(ratio * np.float32(mid - 1)) + np.float32(mid)
+    return np.where(abs_pos <= mid, rel, log_pos * np.sign(rel)).astype(np.int64)
+
+
+def relative_position_buckets(length: int, buckets: int, max_distance: int) -> np.ndarray:
+    """int32 [T, T]: the bucket of key j - query i, T5's bidirectional buckets (half for each sign, exact below a
+    quarter of the buckets, log-spaced up to max_distance), as MPNet computes them."""
+    ids = np.arange(length, dtype=np.int64)
+    n = -(ids[None, :] - ids[:, None])
+    half = buckets // 2
+    out = (n < 0).astype(np.int64) * half
+    n = np.abs(n)
+    exact = half // 2
+    far = np.maximum(n, exact).astype(np.float32)  # the log branch only counts where n >= exact
+    large = exact + (np.log(far / exact) / np.float32(np.log(max_distance / exact)) * (half - exact)).astype(np.int64)
+    out += np.where(n < exact, n, np.minimum(large, half - 1))
+    return out.astype(np.int32)
+
+
 def _as_bool(mask) -> np.ndarray:
     """A mask as the bytes a bool tensor holds (the array then becomes the graph input as it is)."""
     return (np.asarray(mask) != 0).astype(np.uint8)
+
+
+def _pair_mask(mask) -> np.ndarray:
+    """[B, 1, T, T] bytes of a bool tensor: query i and key j both real (DeBERTa's attention mask)."""
+    real = np.asarray(mask.numpy() if isinstance(mask, Tensor) else mask) != 0
+    return (real[:, None, :, None] & real[:, None, None, :]).astype(np.uint8)
+
+
+def _key_bias(mask) -> np.ndarray:
+    """float32 [B, 1, 1, T]: 0 at real keys, -1e30 at padding (an additive attention mask)."""
+    real = np.asarray(mask.numpy() if isinstance(mask, Tensor) else mask) != 0
+    return np.where(real, np.float32(0), np.float32(-1e30)).astype(np.float32)[:, None, None, :]
 
 
 def _as_int32(ids) -> np.ndarray:
@@ -221,13 +491,17 @@ class EncoderForMaskedLM(Module):
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
         e, d = spec.embed_dim, spec.hidden_size
         emb = spec.embeddings
+        words = spec.word_size or e
         refs = dict(
-            word=_place(self, _join(emb, spec.word), Embedding(spec.vocab_size, e)),
+            word=_place(self, _join(emb, spec.word), Embedding(spec.vocab_size, words)),
+            embed_transform=(_place(self, spec.embed_transform, Linear(words * (3 if spec.trigram_input else 1), d))
+                             if spec.embed_transform else None),
             position=(_place(self, _join(emb, spec.position), Embedding(spec.max_position_embeddings, e))
                       if spec.position else None),
             token_type=(_place(self, _join(emb, spec.token_type), Embedding(spec.type_vocab_size, e))
                         if spec.token_type and spec.type_vocab_size else None),
-            embed_norm=(_place(self, spec.embed_norm, LayerNorm(e, eps=spec.norm_eps, bias=spec.norm_bias))
+            embed_norm=(_place(self, spec.embed_norm, NoNorm(e) if spec.block == "mobilebert"
+                               else LayerNorm(e, eps=spec.norm_eps, bias=spec.norm_bias))
                         if spec.embed_norm else None),
             embed_project=_place(self, spec.embed_project, Linear(e, d)) if spec.embed_project else None,
             # RoCBERT: word ++ shape ++ pronunciation embeddings, mapped back to the embedding width
@@ -238,31 +512,40 @@ class EncoderForMaskedLM(Module):
         if spec.scattered_layers:  # XLM: parts live in per-layer lists under the model, no block module
             refs["layers"] = [EncoderBlock(spec, root=self, index=i) for i in range(spec.num_layers)]
         else:  # ALBERT: several layer indices share one block path; _place returns the block already there
-            refs["layers"] = [_place(self, spec.layer_path(i), EncoderBlock(spec, index=i))
-                              for i in range(spec.num_layers)]
+            block = MobileBertBlock if spec.block == "mobilebert" else EncoderBlock
+            refs["layers"] = [_place(self, spec.layer_path(i), block(spec, index=i)) for i in range(spec.num_layers)]
         final_norm = (RMSNorm(d, eps=spec.norm_eps) if spec.norm == "rms"
                       else LayerNorm(d, eps=spec.norm_eps, bias=spec.norm_bias and spec.final_norm_bias))
         refs["final_norm"] = _place(self, spec.final_norm, final_norm) if spec.final_norm else None
+        refs["rel_table"] = (_place(self, spec.rel_embeddings, Embedding(2 * relative_span(spec), d))
+                             if spec.rel_embeddings else None)
+        refs["rel_bias"] = (_place(self, spec.relative_bias, Embedding(spec.relative_bias_buckets, spec.num_heads))
+                            if spec.relative_bias else None)
+        refs["rel_norm"] = _place(self, spec.rel_norm, LayerNorm(d, eps=spec.norm_eps)) if spec.rel_norm else None
         h = (spec.head_size or e) if spec.head_dense else d
         refs["head_dense"] = _place(self, spec.head_dense, Linear(d, h, spec.head_dense_bias)) if spec.head_dense else None
         refs["head_norm"] = (_place(self, spec.head_norm, LayerNorm(h, eps=spec.head_norm_eps or spec.norm_eps,
                                                                     bias=spec.head_norm_bias))
                              if spec.head_norm else None)
-        refs["decoder"] = _place(self, spec.decoder, Linear(h, spec.vocab_size,
+        decoded = words if spec.split_decoder else h  # MobileBERT: the word width; the rest through split_decoder
+        refs["decoder"] = _place(self, spec.decoder, Linear(decoded, spec.vocab_size,
                                                             bias=spec.decoder_bias is None and spec.decoder_linear_bias))
         for key, module in refs.items():
             object.__setattr__(self, key, module)
         if spec.decoder_bias:
             _declare(self, spec.decoder_bias, (spec.vocab_size,))
+        if spec.split_decoder:
+            _declare(self, f"{spec.split_decoder}.weight", (h - words, spec.vocab_size))
         if spec.tie_embeddings:
-            if h != e:
-                raise ValueError(f"{name}: a tied decoder needs the head width {h} to equal the embedding width {e}")
+            if decoded != words:
+                raise ValueError(f"{name}: a tied decoder needs the head width {decoded} to equal the embedding width "
+                                 f"{words}")
             self.tie(f"{spec.decoder}.weight", f"{_join(emb, spec.word)}.weight")
         for path in spec.frozen:
             _declare(self, path, (spec.max_position_embeddings, spec.head_dim))
         for path, shape in spec.unused:
             _declare(self, path, shape)
-        self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+        self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS + spec.ignored_suffixes
         self.inv_freq, self.rope_scaling = None, 1.0
         self.layer_rope = None  # per layer (inv_freq, scaling) when layer types rotate differently (ModernBERT)
         if spec.positions == "rotary" and spec.layer_rope_types:
@@ -323,6 +606,13 @@ class EncoderForMaskedLM(Module):
                         padding_idx=s.pad_token_id if s.word_padding_idx else None)
         if self.concat_map is not None:
             x = self._concat_embeddings(x, ids.shape)
+        if s.trigram_input:  # MobileBERT: [the next token's; this; the previous token's], zeros past the ends
+            zero = Tensor(np.zeros((ids.shape[0], 1, x.shape[-1]), np.float32)).cast(x.dtype)
+            after = F.cat([x[:, 1:], zero], 1) if ids.shape[1] > 1 else zero
+            before = F.cat([zero, x[:, :-1]], 1) if ids.shape[1] > 1 else zero
+            x = F.cat([after, x, before], -1)
+        if self.embed_transform is not None:
+            x = self.embed_transform(x)
         if s.token_dropout:
             x = x * Tensor(self._token_dropout_scale(ids, mask), dtype=x.dtype)
         if self.token_type is not None:
@@ -358,7 +648,12 @@ class EncoderForMaskedLM(Module):
             h = F.activation(self.spec.head_act)(self.head_dense(h))
         if self.head_norm is not None:
             h = self.head_norm(h)
-        logits = self.decoder(h)
+        if self.spec.split_decoder:  # MobileBERT: h @ [word_embeddings^T; dense.weight]
+            words = self.word.weight.shape[-1]
+            logits = self.decoder(h[..., :words].contiguous()) + \
+                h[..., words:].contiguous() @ _get(self, f"{self.spec.split_decoder}.weight")
+        else:
+            logits = self.decoder(h)
         if self.spec.decoder_bias:
             logits = logits + _get(self, self.spec.decoder_bias)
         loss = self.loss(logits, labels) if labels is not None else None
@@ -369,9 +664,8 @@ class EncoderForMaskedLM(Module):
         head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed)."""
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
-        mask = _as_int_array(attention_mask)
-        types = token_type_ids.numpy() if isinstance(token_type_ids, Tensor) else token_type_ids
-        x = self.embed(ids, mask, None if types is None else np.asarray(types), source=input_ids)
+        mask = _as_int_array(attention_mask) if self.spec.reads_mask else None
+        x = self.embed(ids, mask, _as_int_array(token_type_ids), source=input_ids)
         rotary = None
         if self.inv_freq is not None or self.layer_rope is not None:
             positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
@@ -383,7 +677,16 @@ class EncoderForMaskedLM(Module):
         padding = None
         if mask is not None and not mask.all():  # a captured training step derives it anew from the next mask
             padding = Tensor(lazy.derived_input(_as_bool(mask), attention_mask, _as_bool), dtype=dt.bool_)
-        ctx = Context(padding, rotary, mask)
+        ctx = Context(padding, rotary, mask, self._relative(length) if self.rel_table is not None else None)
+        if self.rel_bias is not None:
+            buckets = relative_position_buckets(length, self.spec.relative_bias_buckets,
+                                                self.spec.relative_bias_max_distance)
+            bias = F.embedding(Tensor(buckets), self.rel_bias.weight)   # [T, T, heads]
+            ctx.position_bias = bias.permute(2, 0, 1).reshape(1, self.spec.num_heads, length, length)
+            if padding is not None:
+                ctx.key_bias = Tensor(lazy.derived_input(_key_bias(mask), attention_mask, _key_bias))
+        if padding is not None and (self.spec.score_terms or self.spec.relative_attention):
+            ctx.pair_mask = Tensor(lazy.derived_input(_pair_mask(mask), attention_mask, _pair_mask), dtype=dt.bool_)
         keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)
                 if self.spec.zero_padded_hidden and mask is not None else None)
         if keep is not None:
@@ -401,6 +704,20 @@ class EncoderForMaskedLM(Module):
             if hidden_states is not None:
                 hidden_states[-1] = x
         return x
+
+    def _relative(self, length: int):
+        """DeBERTa's table of relative-position embeddings (normed when the config says so) and the int32 indices
+        [T, T] that pick its rows for c2p (query - key) and p2c (key - query), clamped to the table."""
+        table = self.rel_table.weight
+        if self.rel_norm is not None:
+            table = self.rel_norm(table)
+        span = relative_span(self.spec)
+        if self.spec.span_from_length and length < span:  # DeBERTa (v1): the 2 min(T, max) middle rows
+            table, span = table[span - length:span + length].contiguous(), length
+        rel = relative_positions(length, self.spec.position_buckets, self.spec.max_relative_positions)
+        c2p = np.clip(rel + span, 0, 2 * span - 1).astype(np.int32)
+        p2c = np.clip(-rel + span, 0, 2 * span - 1).astype(np.int32)
+        return table, Tensor(c2p), Tensor(p2c)
 
     @staticmethod
     def loss(logits, labels):

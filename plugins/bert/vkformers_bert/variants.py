@@ -63,6 +63,8 @@ class EncoderSpec:
     mlp_norm: str = "output.LayerNorm"
     gate_proj: str | None = None             # gated MLP: down(act(gate(x)) * up(x)) (NomicBERT's SwiGLU)
     fused_up_gate: bool = False              # up_proj holds [input; gate]: down(act(input) * gate) (ModernBERT's Wi)
+    fused_act_half: int = 0                  # the half of the fused up_proj that goes through act (GTE: 1, [up; gate])
+    up_bias: bool | None = None              # up_proj's bias (None: mlp_bias)
     num_kv_heads: int | None = None          # grouped-query attention (EuroBERT)
     qk_norm: tuple[str, str] | None = None   # LayerNorms (no bias) over the whole q / k projections (ESMC)
     qk_norm_eps: float = 1e-5
@@ -96,6 +98,48 @@ class EncoderSpec:
     rope_from_config: bool = False           # inv_freq and scaling from the config's rope_parameters (NomicBERT)
     frozen: tuple[str, ...] = ()             # full paths of checkpoint tables that are not trained (RoFormer's sinusoids)
     unused: tuple[tuple[str, tuple[int, ...]], ...] = ()  # parameters the MLM forward never reads (ESM contact head)
+    ignored_suffixes: tuple[str, ...] = ()   # checkpoint buffers the float forward never reads (I-BERT's quantizers)
+    lang_adapter: str | None = None          # X-MOD: the path (under a layer) of the language adapter that runs
+    adapter_size: int = 0                    # its bottleneck width
+    adapter_ln_before: bool = True           # the adapter's residual is the normed state (else the state before)
+    idle_adapters: tuple[str, ...] = ()      # the other languages' adapters: loaded, not run, zero gradient (as torch)
+    mixing: str = "attention"                # "fourier": the real part of a 2-D DFT over positions and hidden (FNet)
+    reads_mask: bool = True                  # False: the attention mask is ignored, padding mixes in (FNet)
+    conv_kernel: int = 0                     # ConvBERT: > 0 mixes half the heads by span-based dynamic convolution
+    conv_width: int = 0                      # ConvBERT: the q / k / v width (attention heads x their size)
+    block: str = "bert"                      # "mobilebert": MobileBERT's bottlenecked block (MobileBertBlock)
+    bottleneck_size: int = 0                 # MobileBERT: the width inside the block (intra_bottleneck_size)
+    bottleneck_attention: bool = False       # q, k and v from the input bottleneck
+    shared_qk_bottleneck: bool = True        # q and k from their own bottleneck, v from the block input
+    extra_ffns: int = 0                      # feed-forward networks before the last one
+    trigram_input: bool = False              # MobileBERT: [next; this; previous] word embeddings, then embed_transform
+    word_size: int | None = None             # the word table's width when it differs from the embeddings'
+    embed_transform: str | None = None       # full path: word width (x3 for trigrams) -> hidden, before positions
+    split_decoder: str | None = None         # full path of the head's extra [hidden - word width, vocab] weight
+    pointwise_groups: tuple[tuple[str, int], ...] = ()  # (role, groups): that projection is a grouped Conv1d of
+    #                                          kernel 1, weight [out, in / groups, 1] (SqueezeBERT; roles q k v o up down)
+
+    # -- DeBERTa's disentangled attention: q k^T plus content->position (c2p) and position->content (p2c) terms
+    #    read from a table of relative-position embeddings, all scaled by 1 / sqrt(head_dim * (1 + len(terms)))
+    score_terms: tuple[str, ...] = ()        # pos_att_type among "c2p", "p2c": each widens the scale's divisor
+    relative_attention: bool = False         # add the terms (without it pos_att_type still sets the scale)
+    rel_embeddings: str | None = None        # full path of the table [2 * span, hidden]
+    rel_norm: str | None = None              # full path of its LayerNorm (norm_rel_ebd "layer_norm")
+    position_buckets: int = -1               # > 0: log buckets beyond buckets / 2, span = buckets
+    max_relative_positions: int = 512        # span without buckets
+    share_att_key: bool = False              # positions go through the q / k projections, not their own
+    pos_key_proj: str = "attention.self.pos_key_proj"
+    pos_query_proj: str = "attention.self.pos_query_proj"
+    pos_key_bias: bool = True
+    span_from_length: bool = False           # DeBERTa (v1): span min(T, max_relative_positions), the table's middle rows
+    qkv_per_head: bool = False               # the fused projection holds [q_h; k_h; v_h] head by head (DeBERTa's in_proj)
+    qkv_bias: bool | None = None             # the fused projection's bias (None: attn_bias)
+    qv_bias: tuple[str, str] | None = None   # separate q and v biases added after the projection (DeBERTa's q_bias, v_bias)
+
+    # -- MPNet: a bias per head from a table of bucketed relative positions (T5's buckets), shared by every layer
+    relative_bias: str | None = None         # full path of the table [buckets, heads]
+    relative_bias_buckets: int = 32
+    relative_bias_max_distance: int = 128
 
     # -- ESM's embedding tweaks
     token_dropout: bool = False              # zero the mask token's embedding, rescale by the observed mask ratio
@@ -496,6 +540,261 @@ def bert_generation(config: dict) -> EncoderSpec:
     spec = bert(dict(config, type_vocab_size=0), "bert")
     return replace(spec, token_type=None, head_dense=None, head_norm=None, decoder="lm_head.decoder",
                    decoder_bias="lm_head.bias")
+
+
+def _pos_att_type(config: dict) -> tuple[str, ...]:
+    terms = config.get("pos_att_type") or ()
+    if isinstance(terms, str):  # older configs: "p2c|c2p"
+        terms = [t.strip() for t in terms.lower().split("|") if t.strip()]
+    return tuple(t for t in ("c2p", "p2c") if t in terms)
+
+
+@architecture("deberta-v2", norm="layer", status="verified",
+              notes="DeBERTa-v2/v3: disentangled relative attention (c2p, p2c), log position buckets")
+def deberta_v2(config: dict) -> EncoderSpec:
+    """BERT's post-LN blocks under the deberta prefix whose attention adds the c2p / p2c terms of a shared table of
+    relative-position embeddings (encoder.rel_embeddings, LayerNorm'd by encoder.LayerNorm when norm_rel_ebd says
+    so), the embeddings zeroed at padding after their LayerNorm, and the legacy BERT head (cls.predictions)."""
+    arch = config.get("model_type", "deberta-v2")
+    refuse(arch, config, "conv_kernel_size", lambda v: not v, 0)  # v2-xlarge's convolution after layer 0
+    refuse(arch, config, "legacy", lambda v: v, True)             # the non-legacy lm_predictions head
+    refuse(arch, config, "embedding_size", lambda v: v in (None, config["hidden_size"]))
+    refuse(arch, config, "attention_head_size",
+           lambda v: v in (None, config["hidden_size"] // config["num_attention_heads"]))
+    refuse(arch, config, "z_steps", lambda v: not v, 0)
+    unknown = [t for t in (config.get("pos_att_type") if isinstance(config.get("pos_att_type"), list) else [])
+               if t not in ("c2p", "p2c")]
+    if unknown:
+        raise UnsupportedConfigError(f"{arch}: config option pos_att_type={unknown!r} is not supported by "
+                                     "vkformers' encoder yet (only c2p and p2c)")
+    relative = bool(config.get("relative_attention", False))
+    norms = [x.strip() for x in str(config.get("norm_rel_ebd", "none")).lower().split("|")]
+    spec = bert(dict(config, type_vocab_size=config.get("type_vocab_size", 0),
+                     layer_norm_eps=config.get("layer_norm_eps", 1e-7)), "deberta")
+    max_relative = config.get("max_relative_positions", -1)
+    if max_relative is None or max_relative < 1:
+        max_relative = spec.max_position_embeddings
+    return replace(
+        spec, token_type="token_type_embeddings" if spec.type_vocab_size else None,
+        position="position_embeddings" if config.get("position_biased_input", True) else None,
+        zero_padded_embeddings=True, q_proj="attention.self.query_proj", k_proj="attention.self.key_proj",
+        v_proj="attention.self.value_proj", score_terms=_pos_att_type(config), relative_attention=relative,
+        rel_embeddings="deberta.encoder.rel_embeddings" if relative else None,
+        rel_norm="deberta.encoder.LayerNorm" if relative and "layer_norm" in norms else None,
+        position_buckets=int(config.get("position_buckets", -1) or -1), max_relative_positions=int(max_relative),
+        share_att_key=bool(config.get("share_att_key", False)))
+
+
+@architecture("deberta", norm="layer", status="verified",
+              notes="DeBERTa (v1): disentangled relative attention (c2p, p2c), fused per-head in_proj")
+def deberta(config: dict) -> EncoderSpec:
+    """DeBERTa-v2's layout with v1's attention: one bias-free in_proj holding [q; k; v] head by head plus separate
+    q_bias / v_bias, pos_proj (no bias) / pos_q_proj for the positions, no position buckets and a span of
+    min(T, max_relative_positions) rows each side of the table's middle."""
+    refuse("deberta", config, "talking_head", lambda v: not v, False)
+    spec = deberta_v2(dict(config, position_buckets=-1, share_att_key=False, norm_rel_ebd="none", conv_kernel_size=0,
+                           attention_head_size=None))
+    return replace(spec, qkv_proj="attention.self.in_proj", qkv_per_head=True, qkv_bias=False,
+                   qv_bias=("attention.self.q_bias", "attention.self.v_bias"), pos_key_proj="attention.self.pos_proj",
+                   pos_key_bias=False, pos_query_proj="attention.self.pos_q_proj", span_from_length=True)
+
+
+@architecture("mpnet", norm="layer", status="verified",
+              notes="BERT-family; T5-style relative position bias shared by the layers")
+def mpnet(config: dict) -> EncoderSpec:
+    """RoBERTa's embeddings (positions from padding 1, no token types) and head, attention.attn.q/k/v/o and
+    attention.LayerNorm, plus a per-head bias of bucketed relative positions (encoder.relative_attention_bias) added
+    to every layer's scores. transformers buckets with 32 whatever relative_attention_num_buckets says, so another
+    count is refused."""
+    refuse("mpnet", config, "relative_attention_num_buckets", lambda v: v == 32, 32)
+    spec = roberta(dict(config, type_vocab_size=0, pad_token_id=1), "mpnet")
+    return replace(spec, token_type=None, type_vocab_size=0, q_proj="attention.attn.q", k_proj="attention.attn.k",
+                   v_proj="attention.attn.v", o_proj="attention.attn.o", attn_norm="attention.LayerNorm",
+                   relative_bias="mpnet.encoder.relative_attention_bias", relative_bias_buckets=32)
+
+
+@architecture("gte", norm="layer", status="verified",
+              notes="BERT-family; rotary, fused qkv, GeGLU MLP")
+def gte(config: dict) -> EncoderSpec:
+    """Post-LN like BERT under the gte prefix, but no position table: rotate_half rotary from rope_parameters; a
+    fused biased attention.qkv_proj and o_proj, attn_ln / mlp_ln, an MLP whose bias-free mlp.up_gate_proj holds
+    [up; gate] (down(act(gate) * up), down_proj biased), token types only when type_vocab_size > 0, and a head
+    lm_head.dense -> gelu -> lm_head.norm -> tied decoder with its own bias. Names as transformers writes them."""
+    spec = bert(dict(config, type_vocab_size=config.get("type_vocab_size", 1), pad_token_id=config.get("pad_token_id", 1)),
+                "gte")
+    return replace(spec, position=None, positions="rotary", rope_from_config=True,
+                   token_type="token_type_embeddings" if spec.type_vocab_size else None,
+                   qkv_proj="attention.qkv_proj", o_proj="attention.o_proj", attn_norm="attn_ln",
+                   up_proj="mlp.up_gate_proj", fused_up_gate=True, fused_act_half=1, up_bias=False,
+                   down_proj="mlp.down_proj", mlp_norm="mlp_ln", head_dense="lm_head.dense", head_norm="lm_head.norm",
+                   head_act="gelu", decoder="lm_head.decoder", decoder_bias=None)
+
+
+@architecture("squeezebert", norm="layer", status="verified",
+              notes="BERT-family; grouped pointwise convolutions for the projections")
+def squeezebert(config: dict) -> EncoderSpec:
+    """BERT's post-LN block under the transformer prefix whose six projections are Conv1d of kernel 1 with channel
+    groups (q_groups, k_groups, v_groups, post_attention_groups, intermediate_groups, output_groups): block-diagonal
+    products. The pooler is unused by the masked-LM loss."""
+    refuse("squeezebert", config, "embedding_size", lambda v: v in (None, config["hidden_size"]))
+    spec = bert(config, "transformer")
+    d = spec.hidden_size
+    groups = tuple((role, int(config.get(key, default))) for role, key, default in (
+        ("q", "q_groups", 4), ("k", "k_groups", 4), ("v", "v_groups", 4), ("o", "post_attention_groups", 1),
+        ("up", "intermediate_groups", 4), ("down", "output_groups", 4)))
+    return replace(spec, layers="transformer.encoder.layers", q_proj="attention.query", k_proj="attention.key",
+                   v_proj="attention.value", o_proj="post_attention.conv1d", attn_norm="post_attention.layernorm",
+                   up_proj="intermediate.conv1d", down_proj="output.conv1d", mlp_norm="output.layernorm",
+                   pointwise_groups=groups, unused=(("transformer.pooler.dense.weight", (d, d)),
+                                                    ("transformer.pooler.dense.bias", (d,))))
+
+
+@architecture("xmod", norm="layer", status="verified",
+              notes="BERT-family; the default language's adapter")
+def xmod(config: dict) -> EncoderSpec:
+    """XLM-R whose layers end with a language adapter: h = down(...) + residual, LN(h), then
+    dense2(act(dense1(LN(h)))) plus LN(h) (ln_before_adapter; else plus h), and LN again. vkformers runs the
+    adapter of config.default_language for every row (transformers' lang_ids default); the other languages'
+    adapters are loaded and get a zero gradient (transformers runs them on no rows)."""
+    arch = "xmod"
+    refuse(arch, config, "pre_norm", lambda v: not v, False)
+    refuse(arch, config, "adapter_layer_norm", lambda v: not v, False)
+    refuse(arch, config, "adapter_reuse_layer_norm", lambda v: v, True)
+    languages = [str(x) for x in (config.get("languages") or ["en_XX"])]
+    default = config.get("default_language")
+    if default is None or str(default) not in languages:
+        raise UnsupportedConfigError(f"xmod: config option default_language={default!r} must name one of "
+                                     f"{languages}; set it in config.json (vkformers runs that language's adapter)")
+    spec = roberta(config, "roberta")
+    return replace(spec, lang_adapter=f"output.adapter_modules.{default}",
+                   adapter_size=int(spec.hidden_size // config.get("adapter_reduction_factor", 2)),
+                   adapter_ln_before=bool(config.get("ln_before_adapter", True)),
+                   idle_adapters=tuple(f"output.adapter_modules.{lang}" for lang in languages if lang != str(default)))
+
+
+@architecture("fnet", norm="layer", status="verified",
+              notes="BERT-family; Fourier token mixing instead of attention, no attention mask")
+def fnet(config: dict) -> EncoderSpec:
+    """BERT's post-LN block whose attention is Re(FFT2(x)) over positions and hidden (no weights; its norm
+    fourier.output.LayerNorm), embeddings LayerNorm'd then projected (embeddings.projection), gelu_new, and no
+    attention mask at all: padding mixes into every position, as in transformers. The pooler is unused by the
+    masked-LM loss. use_tpu_fourier_optimizations (a DFT of tpu_short_seq_length) is refused."""
+    refuse("fnet", config, "use_tpu_fourier_optimizations", lambda v: not v, False)
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "gelu_new"), type_vocab_size=config.get(
+        "type_vocab_size", 4), pad_token_id=config.get("pad_token_id", 3), num_attention_heads=1), "fnet")
+    d = spec.hidden_size
+    return replace(spec, mixing="fourier", reads_mask=False, q_proj=None, k_proj=None, v_proj=None, o_proj=None,
+                   attn_norm="fourier.output.LayerNorm", embed_project="fnet.embeddings.projection",
+                   unused=(("fnet.pooler.dense.weight", (d, d)), ("fnet.pooler.dense.bias", (d,))))
+
+
+@architecture("longformer", norm="layer", status="verified",
+              notes="BERT-family; local sliding-window attention (global attention, mask value 2, not taken)")
+def longformer(config: dict) -> EncoderSpec:
+    """RoBERTa under the longformer prefix whose layer i attends to keys within attention_window[i] / 2 on both
+    sides. Global attention (attention_mask 2) is not taken (masks hold 0 and 1), so the query/key/value_global
+    projections never run and get no gradient."""
+    layers = config["num_hidden_layers"]
+    windows = config.get("attention_window", 512)
+    windows = [windows] * layers if isinstance(windows, int) else list(windows)
+    if len(windows) != layers or any(w <= 0 or w % 2 for w in windows):
+        raise UnsupportedConfigError(f"longformer: config option attention_window={config.get('attention_window')!r} "
+                                     f"must be one positive even number or one per layer ({layers})")
+    spec = roberta(config, "longformer")
+    d = spec.hidden_size
+    idle = tuple((f"longformer.encoder.layer.{i}.attention.self.{name}_global.{part}", shape)
+                 for i in range(layers) for name in ("query", "key", "value")
+                 for part, shape in (("weight", (d, d)), ("bias", (d,))))
+    return replace(spec, layer_windows=tuple(w // 2 for w in windows), unused=idle)
+
+
+@architecture("mobilebert", norm="layer", status="verified",
+              notes="bottlenecked blocks, NoNorm, trigram embeddings")
+def mobilebert(config: dict) -> EncoderSpec:
+    """MobileBERT: trigram word embeddings of embedding_size mapped to hidden (embedding_transformation), then
+    positions, token types and NoNorm (x * weight + bias); each block works at intra_bottleneck_size between an
+    input bottleneck (and a shared one for q and k) and an output bottleneck back to hidden, with extra
+    feed-forward networks; the head's transform is BERT's (with a LayerNorm), its decoder the word embeddings for
+    the first embedding_size features and cls.predictions.dense for the rest."""
+    arch = "mobilebert"
+    refuse(arch, config, "normalization_type", lambda v: v == "no_norm", "no_norm")
+    refuse(arch, config, "use_bottleneck", lambda v: v, True)
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "relu")), "mobilebert")
+    size = int(config.get("intra_bottleneck_size", 128))
+    return replace(spec, block="mobilebert", bottleneck_size=size,
+                   bottleneck_attention=bool(config.get("use_bottleneck_attention", False)),
+                   shared_qk_bottleneck=bool(config.get("key_query_shared_bottleneck", True)),
+                   extra_ffns=int(config.get("num_feedforward_networks", 4)) - 1,
+                   trigram_input=bool(config.get("trigram_input", True)), word_size=int(config.get("embedding_size", 128)),
+                   embed_transform="mobilebert.embeddings.embedding_transformation",
+                   split_decoder="cls.predictions.dense", head_act=config.get("hidden_act", "relu"))
+
+
+@architecture("luke", norm="layer", status="verified",
+              notes="BERT-family; word tokens only (no entity inputs)")
+def luke(config: dict) -> EncoderSpec:
+    """LUKE on word tokens alone: RoBERTa's embeddings and blocks under the luke prefix with an untied
+    lm_head.decoder (own bias). Entity inputs are not taken, so the entity embeddings, the entity-aware queries
+    (w2e, e2w, e2e), the entity prediction head and the pooler never run and get no gradient."""
+    spec = roberta(dict(config, tie_word_embeddings=config.get("tie_word_embeddings", True)), "luke")
+    d, layers = spec.hidden_size, spec.num_layers
+    entity_size, entities = int(config.get("entity_emb_size", 256)), int(config.get("entity_vocab_size", 500000))
+    e = "luke.entity_embeddings"
+    idle = [(f"{e}.entity_embeddings.weight", (entities, entity_size)),
+            (f"{e}.position_embeddings.weight", (spec.max_position_embeddings, d)),
+            (f"{e}.token_type_embeddings.weight", (spec.type_vocab_size, d)),
+            (f"{e}.LayerNorm.weight", (d,)), (f"{e}.LayerNorm.bias", (d,)),
+            ("luke.pooler.dense.weight", (d, d)), ("luke.pooler.dense.bias", (d,)),
+            ("entity_predictions.transform.dense.weight", (entity_size, d)),
+            ("entity_predictions.transform.dense.bias", (entity_size,)),
+            ("entity_predictions.transform.LayerNorm.weight", (entity_size,)),
+            ("entity_predictions.transform.LayerNorm.bias", (entity_size,)), ("entity_predictions.bias", (entities,))]
+    if entity_size != d:
+        idle.append((f"{e}.entity_embedding_dense.weight", (d, entity_size)))
+    if config.get("use_entity_aware_attention", True):
+        idle += [(f"luke.encoder.layer.{i}.attention.self.{q}_query.{part}", shape) for i in range(layers)
+                 for q in ("w2e", "e2w", "e2e") for part, shape in (("weight", (d, d)), ("bias", (d,)))]
+    return replace(spec, decoder="lm_head.decoder", decoder_bias=None, tie_embeddings=False, unused=tuple(idle))
+
+
+@architecture("convbert", norm="layer", status="verified",
+              notes="BERT-family; span-based dynamic convolution beside self-attention")
+def convbert(config: dict) -> EncoderSpec:
+    """ConvBERT: ELECTRA's embeddings and generator head under the convbert prefix; attention on
+    num_attention_heads / head_ratio heads of half width, concatenated with as many heads of span-based dynamic
+    convolution (a separable convolution of the input times the query picks, per position and head, softmax weights
+    over conv_kernel_size neighbours of conv_out_layer's output), then attention.output."""
+    arch = "convbert"
+    refuse(arch, config, "num_groups", lambda v: v == 1, 1)  # grouped feed-forward layers
+    kernel = int(config.get("conv_kernel_size", 9))
+    if kernel % 2 == 0:
+        raise UnsupportedConfigError(f"convbert: config option conv_kernel_size={kernel} is not supported by "
+                                     "vkformers' encoder yet (an odd size keeps the length)")
+    spec = bert(config, "convbert")
+    heads = max(spec.num_heads // int(config.get("head_ratio", 2)), 1)
+    width = heads * ((spec.hidden_size // heads) // 2)
+    if 2 * width != spec.hidden_size:
+        raise UnsupportedConfigError(f"convbert: hidden_size {spec.hidden_size} does not split into {heads} "
+                                     "attention and convolution heads of equal size")
+    size = config.get("embedding_size", 768)
+    return replace(spec, num_heads=heads, conv_kernel=kernel, conv_width=width, embedding_size=size,
+                   embed_project="convbert.embeddings_project" if size != spec.hidden_size else None,
+                   head_dense="generator_predictions.dense", head_norm="generator_predictions.LayerNorm",
+                   head_act="gelu", decoder="generator_lm_head", decoder_bias=None)
+
+
+# I-BERT's quantizer state, written beside every weight even when quant_mode is off
+IBERT_QUANT_BUFFERS = (".act_scaling_factor", ".x_min", ".x_max", "LayerNorm.shift", ".weight_integer",
+                       ".weight_scaling_factor", ".bias_integer", ".fc_scaling_factor")
+
+
+@architecture("ibert", norm="layer", status="verified",
+              notes="BERT-family; quant_mode off (float), as RoBERTa")
+def ibert(config: dict) -> EncoderSpec:
+    """RoBERTa under the ibert prefix when quant_mode is off (its integer kernels are then plain float ops); the
+    quantizers' buffers in the checkpoint are skipped. quant_mode=True (integer-only inference) is refused."""
+    refuse("ibert", config, "quant_mode", lambda v: not v, False)
+    return replace(roberta(config, "ibert"), ignored_suffixes=IBERT_QUANT_BUFFERS)
 
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as

@@ -20,6 +20,7 @@ from vkformers.engine.kernels import dropout as KD
 from vkformers.engine.kernels import embedding as KE
 from vkformers.engine.kernels import norm as KN
 from vkformers.engine.kernels import rope as KR
+from vkformers.engine.kernels import take_along as KT
 from vkformers.runtime import dtypes as dt
 
 
@@ -103,6 +104,50 @@ class GatherRowsFn(Function):
 
 def gather_rows(src, index, inverse):
     return GatherRowsFn.apply(src, index, inverse)
+
+
+class TakeAlongKernel(KernelOp):
+    name = "take_along"
+
+    def emit(self, seq, outs, ins):
+        (out,), (x, index) = outs, ins
+        rows, picks = index.shape
+        KT.take_along(seq, x.operand, index.operand, out.operand, planes=x.numel // (rows * x.shape[-1]),
+                      rows=rows, cols=x.shape[-1], picks=picks)
+
+
+class TakeAlongBackwardKernel(KernelOp):
+    name = "take_along_backward"
+
+    def emit(self, seq, outs, ins):
+        (d_x,), (d_out, index) = outs, ins
+        rows, picks = index.shape
+        KT.take_along_backward(seq, d_out.operand, index.operand, d_x.operand,
+                               planes=d_x.numel // (rows * d_x.shape[-1]), rows=rows, cols=d_x.shape[-1],
+                               picks=picks)
+
+
+class TakeAlongFn(Function):
+    def forward(self, x, index):
+        self.saved, self.x_shape = (index,), x.shape
+        return node(TakeAlongKernel(), [x, index], [(x.shape[:-1] + index.shape[-1:], x.dtype)])[0]
+
+    def backward(self, g):
+        (index,) = self.saved
+        d_x = node(TakeAlongBackwardKernel(), [g.contiguous().lazy, index], [(self.x_shape, g.dtype)])[0]
+        return wrap(d_x), None
+
+
+def take_along_last(x, index):
+    """out[..., r, j] = x[..., r, index[r, j]] for x [..., R, C] and one int32 ``index`` [R, J] shared by every
+    leading slice: torch.gather(x, -1, index.expand(...)). Several picks of one element sum their gradients;
+    an index outside [0, C) reads zero (clamp it first for torch's behaviour)."""
+    if index.dtype is not dt.int32:
+        raise TypeError(f"take_along_last: index must be int32, not {index.dtype.name}")
+    if len(index.shape) != 2 or len(x.shape) < 2 or x.shape[-2] != index.shape[0]:
+        raise ValueError(f"take_along_last: x must be [..., R, C] and index [R, J]; got x {x.shape}, "
+                         f"index {index.shape}")
+    return TakeAlongFn.apply(x.contiguous(), index)
 
 
 # ---------------------------------------------------------------- norms
