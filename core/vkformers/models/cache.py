@@ -71,12 +71,20 @@ class KVCache:
         state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
         return sorted(name for name in self.__dict__ if name not in self._own_fields)
 
-    def refuse_layer_state(self, source: "KVCache") -> None:
-        """Rows move only keys and values (:meth:`place_row`): refuse caches holding other layer state."""
+    def check_place(self, source: "KVCache", source_row: int, row: int, rows: int) -> None:
+        """What :meth:`place_row` refuses: rows or tokens that do not fit, another cache layout, and caches holding
+        layer state besides keys and values (rows move only keys and values)."""
         state = source.layer_state() or self.layer_state()
         if state:
-            raise RowStateError(f"KVCache.place_row: the model keeps {', '.join(state)} on its cache besides keys "
-                                "and values, which rows cannot be moved with")
+            raise RowStateError(f"{type(self).__name__}.place_row: the model keeps {', '.join(state)} on its cache "
+                                "besides keys and values, which rows cannot be moved with")
+        count, end = source.position, self.position
+        if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
+                and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
+                                                    source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
+                                                                      self.dtype):
+            raise ValueError(f"{type(self).__name__}.place_row: {count} tokens of rows {source_row}.."
+                             f"{source_row + rows - 1} do not fit rows {row}.. of a cache at position {end}")
 
     def reset(self) -> None:
         """Forget the stored tokens (the buffers stay allocated and are overwritten)."""
@@ -104,14 +112,8 @@ class KVCache:
         rows after it): keys, values and mask, ending at this cache's position. A sequence prefilled apart joins a
         running batch so; a batch moves to a larger cache so. The rows' earlier columns are masked out. The copy
         runs with the next realization."""
-        self.refuse_layer_state(source)
+        self.check_place(source, source_row, row, rows)
         count, end = source.position, self.position
-        if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
-                and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
-                                                    source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
-                                                                      self.dtype):
-            raise ValueError(f"KVCache.place_row: {count} tokens of rows {source_row}..{source_row + rows - 1} do "
-                             f"not fit rows {row}.. of a cache at position {end}")
         start = tensor(np.array([end - count], np.uint32), dtype=dt.uint32, device=self.device)
         picked = slice(source_row, source_row + rows)
         for layer in range(self.num_layers):

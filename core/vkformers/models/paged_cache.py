@@ -126,14 +126,8 @@ class PagedKVCache(KVCache):
     def place_row(self, source, source_row: int, row: int, rows: int = 1) -> None:
         """KVCache.place_row: ``source``'s stored tokens (a KVCache or a PagedKVCache) into rows ``row``.., ending
         at this cache's position, through blocks taken for them (their padding columns scratch)."""
-        self.refuse_layer_state(source)
+        self.check_place(source, source_row, row, rows)
         count, end = source.position, self.position
-        if not (0 <= row and row + rows <= self.batch and 0 <= source_row and source_row + rows <= source.batch
-                and rows >= 1 and count <= end) or (source.num_layers, source.kv_heads, source.head_dim,
-                                                    source.dtype) != (self.num_layers, self.kv_heads, self.head_dim,
-                                                                      self.dtype):
-            raise ValueError(f"PagedKVCache.place_row: {count} tokens of rows {source_row}..{source_row + rows - 1} "
-                             f"do not fit rows {row}.. of a cache at position {end}")
         picked = slice(source_row, source_row + rows)
         self.release_rows(range(row, row + rows))
         self.dead[row:row + rows] = False
