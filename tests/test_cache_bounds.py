@@ -119,9 +119,14 @@ def test_memory_stays_flat_over_a_thousand_random_shapes(model, small_bounds, mo
     assert not grown, f"Python objects left behind by 900 calls (type: how many more): {grown}"
     assert lazy.stats["recorded"] - recorded0 > 250, "the shapes should often miss the cache"
     assert lazy.stats["evicted"] - evicted0 > 250
+    # flat within 10% from the level after the plan cache was emptied and filled again (emptying it frees the
+    # buffers its plans held, so the level may drop there, never climb above the first one)
     mib = [round(r / 2**20, 1) for r in rss]
-    assert max(rss) <= 1.10 * rss0 and min(rss) >= 0.90 * rss0, f"RSS from {rss0 / 2**20:.1f} MiB: {mib}"
-    assert max(live) <= 1.10 * live0 and min(live) >= 0.90 * live0, f"buffer bytes from {live0}: {live}"
+    assert max(rss) <= 1.10 * rss0, f"RSS from {rss0 / 2**20:.1f} MiB: {mib}"
+    assert max(live) <= 1.10 * live0, f"buffer bytes from {live0}: {live}"
+    level_rss, level_live = rss[1], live[1]
+    assert all(0.90 * level_rss <= r <= 1.10 * level_rss for r in rss[1:]), f"RSS: {mib}"
+    assert all(0.90 * level_live <= b <= 1.10 * level_live for b in live[1:]), f"buffer bytes: {live}"
 
 
 def test_plan_cache_keeps_within_its_byte_bound(model, small_bounds, monkeypatch):
