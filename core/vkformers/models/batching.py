@@ -29,7 +29,6 @@ back until the next token says.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -193,7 +192,6 @@ class BatchScheduler:
         self._joining: list[Request] = []
         self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
-        self._calls: list[tuple] = []  # (fn, future): other device work run on this thread between turns
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
         self._refuse_row_state()
@@ -260,48 +258,24 @@ class BatchScheduler:
             self._cond.notify_all()
         return request
 
-    def call(self, fn) -> concurrent.futures.Future:
-        """Run ``fn()`` on the scheduler's thread between two turns (the engine is not shared across threads:
-        other device work, e.g. embeddings, goes through here); its result or exception comes in the future."""
-        future = concurrent.futures.Future()
-        with self._cond:
-            if self.error is not None or self._closing:
-                raise RuntimeError(f"the scheduler stopped: {self.error or 'closed'}")
-            self._calls.append((fn, future))
-            self._cond.notify_all()
-        return future
-
     # -- the scheduler's thread
 
     def _loop(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while (not self._closing and not self._waiting and not self._live() and self._prefilling is None
-                           and not self._calls):
+                    while not self._closing and not self._waiting and not self._live() and self._prefilling is None:
                         self._release_rows()
                         self._cond.wait()
                     if self._closing:
-                        for _, future in self._calls:
-                            future.cancel()
                         return
-                    calls, self._calls = self._calls, []
                     self._joining = self._admit()
-                for fn, future in calls:
-                    if future.set_running_or_notify_cancel():
-                        try:
-                            future.set_result(fn())
-                        except Exception as exc:  # the caller's failure, not the batch's
-                            future.set_exception(exc)
                 self._turn()
         except BaseException as exc:  # the thread ends: no request may wait for it
             self.error = exc
             with self._cond:
                 self._fail(self._waiting + self._joining + self._rows)
                 self._waiting.clear()
-                for _, future in self._calls:
-                    future.cancel()
-                self._calls.clear()
             raise
 
     def _turn(self) -> None:
