@@ -665,7 +665,9 @@ class EncoderForMaskedLM(Module):
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
         mask = _as_int_array(attention_mask) if self.spec.reads_mask else None
-        x = self.embed(ids, mask, _as_int_array(token_type_ids), source=input_ids)
+        types = token_type_ids.numpy() if isinstance(token_type_ids, Tensor) else token_type_ids
+        # the caller's array itself (not a copy): a captured training step finds the batch's segment ids by it
+        x = self.embed(ids, mask, None if types is None else np.asarray(types), source=input_ids)
         rotary = None
         if self.inv_freq is not None or self.layer_rope is not None:
             positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
