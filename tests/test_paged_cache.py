@@ -13,6 +13,7 @@ import vkformers as vkf
 from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
 from vkformers.engine.ops.cache import decode_attention, decode_attention_paged, write_kv, write_kv_paged
+from vkformers.models import generation
 from vkformers.models.cache import KVCache
 from vkformers.models.paged_cache import LOOKAHEAD, BlockPool, KVBlocksExhausted, PagedKVCache
 from vkformers.runtime import dtypes as dt
@@ -71,14 +72,17 @@ PADDED = np.array([[0, 0, 0, 5, 9, 14, 2, 33, 7, 1], [4, 8, 15, 16, 23, 42, 11, 
 PADDED_MASK = (np.arange(10) >= np.array([[3], [0]])).astype(np.int64)
 
 
+@pytest.mark.parametrize("bucket", [0, 64])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_generate_on_a_paged_cache_gives_the_same_tokens(name, monkeypatch):
+def test_generate_on_a_paged_cache_gives_the_same_tokens(name, bucket, monkeypatch):
     """Greedy generate of a left-padded batch on the contiguous cache and on a paged one (blocks of 2 tokens, so
     that the 10-token prompts and 24 new tokens span many): identical tokens, the fused decode layer writing
     through the block tables (decode_matvec.comp's qkv mode; qwen3's QK-norm: decode_head_norm_rope.comp); the
     padded row's wholly masked block is scratch, and the cache holds blocks for its tokens only (and LOOKAHEAD)."""
     model = llama(name)
     want = model.generate(PADDED, attention_mask=PADDED_MASK, max_new_tokens=24)
+    # a GPU pads the prompt to a prefill bucket of 64 and rewinds: the padding's blocks go back to the pool
+    monkeypatch.setitem(generation.PREFILL_BUCKET, "cpu", bucket)
     pool = BlockPool(model.num_layers, model.num_kv_heads, model.head_dim, blocks=64, page_size=2)
     paged = PagedKVCache(pool, batch=2, max_len=64)
     writes = []

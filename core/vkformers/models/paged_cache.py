@@ -123,6 +123,18 @@ class PagedKVCache(KVCache):
             self.dead[row] = True
         self._step = None
 
+    def rewind(self, count: int) -> None:
+        """KVCache.rewind, giving back the blocks past the kept tokens and LOOKAHEAD (a prompt padded to a prefill
+        bucket took blocks for its padding)."""
+        super().rewind(count)
+        keep = -(-min(self.position + self.lookahead, self.max_len) // self.page_size)
+        for row in range(self.batch):
+            past = np.nonzero(self.held[row, keep:])[0] + keep
+            if past.size:
+                self.pool.release(self.tables[row, past])
+                self.tables[row, past] = SCRATCH
+                self.held[row, past] = False
+
     def place_row(self, source, source_row: int, row: int, rows: int = 1) -> None:
         """KVCache.place_row: ``source``'s stored tokens (a KVCache or a PagedKVCache) into rows ``row``.., ending
         at this cache's position, through blocks taken for them (their padding columns scratch)."""
