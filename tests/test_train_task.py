@@ -223,3 +223,13 @@ def test_train_question_answering(tmp_path, capsys):
     reader = vkformers.AutoModelForQuestionAnswering.from_pretrained(out / "final")
     assert [n for n, _ in reader.named_parameters() if not n.startswith("bert.")] == ["qa_outputs.weight",
                                                                                    "qa_outputs.bias"]
+
+
+def test_a_missing_column_is_named(tmp_path, capsys):
+    train_file, _ = write_data(tmp_path)
+    code = main(["train", "--task", "sequence-classification", "--model", str(model_folder(tmp_path)), "--data",
+                 str(train_file), "--text-column", "sentence", "--label-column", "stars", "--out",
+                 str(tmp_path / "out"), "--no-progress"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no column 'stars'" in err and "--label-column" in err and "Traceback" not in err

@@ -358,6 +358,11 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
             ("preemptions_total", "counter", "requests sent back to wait for KV blocks (recomputed)", m.preemptions),
             ("time_to_first_token_seconds_sum", "counter", "summed time to first token", m.ttft_sum),
             ("time_to_first_token_seconds_count", "counter", "requests with a first token", m.ttft_count)]
+    return prometheus_text(rows, label)
+
+
+def prometheus_text(rows, label: str) -> str:
+    """Prometheus' text format of (name, kind, help, value) rows under one label set."""
     lines = []
     for name, kind, help_text, value in rows:
         lines += [f"# HELP vkformers_{name} {help_text}", f"# TYPE vkformers_{name} {kind}",
@@ -372,11 +377,7 @@ def embedding_prometheus(embedder: Embedder, served: str) -> str:
             ("embedding_inputs_total", "counter", "inputs embedded", m.inputs),
             ("prompt_tokens_total", "counter", "tokens embedded", m.prompt_tokens),
             ("request_errors_total", "counter", "embeddings requests that failed", m.errors)]
-    lines = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP vkformers_{name} {help_text}", f"# TYPE vkformers_{name} {kind}",
-                  f"vkformers_{name}{label} {value}"]
-    return "\n".join(lines) + "\n"
+    return prometheus_text(rows, label)
 
 
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,

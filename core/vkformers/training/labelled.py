@@ -107,6 +107,12 @@ def _label_table(values: list, where: list[str]):
     return np.asarray([index[str(v)] for v in values], np.int64), {str(i): n for i, n in enumerate(names)}
 
 
+def _require_columns(row: dict, at: str, columns, options: str = "--text-column / --label-column") -> None:
+    for column in columns:
+        if column not in row:
+            raise DataError(f"{at}: no column {column!r} (columns: {', '.join(map(str, row))}); pass {options}")
+
+
 def load_labelled(paths: Sequence, tokenizer, seq_len: int, *, text_column: str = "text",
                   label_column: str = "label", label_names: dict | None = None) -> LabelledDataset:
     """Every row's text tokenized (truncated to ``seq_len``, padded to the longest row) with its label.
@@ -114,10 +120,7 @@ def load_labelled(paths: Sequence, tokenizer, seq_len: int, *, text_column: str 
     texts, values, where = [], [], []
     for path in data_files(paths):
         for row, at in read_rows(path):
-            for column in (text_column, label_column):
-                if column not in row:
-                    raise DataError(f"{at}: no column {column!r} (columns: {', '.join(map(str, row))}); pass "
-                                    "--text-column / --label-column")
+            _require_columns(row, at, (text_column, label_column))
             if not isinstance(row[text_column], str):
                 raise DataError(f"{at}: column {text_column!r} is not a text")
             texts.append(row[text_column])
@@ -162,10 +165,7 @@ def load_token_labelled(paths: Sequence, tokenizer, seq_len: int, *, text_column
     words, tags, where = [], [], []
     for path in data_files(paths):
         for row, at in read_rows(path):
-            for column in (text_column, label_column):
-                if column not in row:
-                    raise DataError(f"{at}: no column {column!r} (columns: {', '.join(map(str, row))}); pass "
-                                    "--text-column / --label-column")
+            _require_columns(row, at, (text_column, label_column))
             row_words, row_tags = _words(row[text_column], at, text_column), _words(row[label_column], at,
                                                                                   label_column)
             if len(row_words) != len(row_tags):
@@ -268,10 +268,8 @@ def load_question_answering(paths: Sequence, tokenizer, seq_len: int, *, questio
             raise DataError(f"{path}: question answering reads SQuAD-format JSONL or Parquet (answers is a "
                             "structure), not CSV")
         for row, at in read_rows(path):
-            for column in (question_column, context_column, answers_column):
-                if column not in row:
-                    raise DataError(f"{at}: no column {column!r} (columns: {', '.join(map(str, row))}); pass "
-                                    "--question-column / --text-column / --label-column")
+            _require_columns(row, at, (question_column, context_column, answers_column),
+                             "--question-column / --text-column / --label-column")
             texts, starts = _answers(row[answers_column], at)
             for text, start in zip(texts, starts):
                 if not isinstance(start, int) or row[context_column][start:start + len(text)] != text:
