@@ -126,6 +126,18 @@ def _hybrid_decoder(config: dict, mamba_layers, mixer: MambaSpec, **changes) -> 
     return replace(spec, **changes)
 
 
+
+def _mamba_fields_mixer(arch: str, config: dict, hidden: int, *, default_eps: float):
+    """The Mamba-2 mixer of a hybrid whose config names its fields mamba_* (Bamba, GraniteMoeHybrid)."""
+    heads, inner = config.get("mamba_n_heads", 128), int(config.get("mamba_expand", 2) * hidden)
+    head_dim = config.get("mamba_d_head", "auto")
+    return _mamba2_mixer(arch, config, hidden, inner=inner, heads=heads,
+                         head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+                         groups=config.get("mamba_n_groups", 1), state=config.get("mamba_d_state", 256),
+                         kernel=config.get("mamba_d_conv", 4), chunk=config.get("mamba_chunk_size", 256),
+                         eps=config.get("rms_norm_eps", default_eps), bias=bool(config.get("mamba_proj_bias", False)),
+                         conv_bias=bool(config.get("mamba_conv_bias", True)))
+
 @architecture("bamba", status="verified", model_class=HYBRID_MODEL,
               notes="Mamba-2 and attention layers (attn_layer_indices) on the decoder kit; per-layer conv and scan "
                     "states on the KV cache")
@@ -133,14 +145,7 @@ def bamba(config: dict) -> DecoderSpec:
     refuse("bamba", config, "hidden_act", lambda v: v == "silu", "silu")  # also the mixer's conv activation
     refuse("bamba", config, "z_loss_coefficient", lambda v: not v, 0.0)
     hidden = config["hidden_size"]
-    heads, inner = config.get("mamba_n_heads", 128), int(config.get("mamba_expand", 2) * hidden)
-    head_dim = config.get("mamba_d_head", "auto")
-    mixer = _mamba2_mixer("bamba", config, hidden, inner=inner, heads=heads,
-                          head_dim=inner // heads if head_dim == "auto" else int(head_dim),
-                          groups=config.get("mamba_n_groups", 1), state=config.get("mamba_d_state", 256),
-                          kernel=config.get("mamba_d_conv", 4), chunk=config.get("mamba_chunk_size", 256),
-                          eps=config.get("rms_norm_eps", 1e-5), bias=bool(config.get("mamba_proj_bias", False)),
-                          conv_bias=bool(config.get("mamba_conv_bias", True)))
+    mixer = _mamba_fields_mixer("bamba", config, hidden, default_eps=1e-5)
     attention_layers = set(config.get("attn_layer_indices") or ())
     # BambaConfig fixes rotary to half of each head whatever the config file says
     rope_config = dict(config, partial_rotary_factor=0.5)
@@ -274,14 +279,7 @@ def granitemoehybrid(config: dict) -> DecoderSpec:
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     types = config.get("layer_types") or config.get("layers_block_type") or ["linear_attention"] * layers
     mamba_layers = [t in ("linear_attention", "mamba") for t in types]
-    heads, inner = config.get("mamba_n_heads", 128), int(config.get("mamba_expand", 2) * hidden)
-    head_dim = config.get("mamba_d_head", "auto")
-    mixer = _mamba2_mixer("granitemoehybrid", config, hidden, inner=inner, heads=heads,
-                          head_dim=inner // heads if head_dim == "auto" else int(head_dim),
-                          groups=config.get("mamba_n_groups", 1), state=config.get("mamba_d_state", 256),
-                          kernel=config.get("mamba_d_conv", 4), chunk=config.get("mamba_chunk_size", 256),
-                          eps=config.get("rms_norm_eps", 1e-6), bias=bool(config.get("mamba_proj_bias", False)),
-                          conv_bias=bool(config.get("mamba_conv_bias", True)))
+    mixer = _mamba_fields_mixer("granitemoehybrid", config, hidden, default_eps=1e-6)
     if not config.get("num_local_experts", 8):
         raise UnsupportedConfigError("granitemoehybrid: num_local_experts=0 (the shared MLP alone) is not supported "
                                      "by vkformers-ssm yet; use a checkpoint with experts")
