@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from vkformers.models.safetensors_io import read_safetensors
+
+# (step kind, the kind whose parameters it starts from; None: the fixture's model.safetensors)
+ADAMW_STEPS = (("adamw", None), ("adamw2", "adamw"))
 
 
 def fixture_folders(root: Path) -> list[str]:
@@ -32,3 +38,22 @@ class CachedCase:
         if name not in cls._cache:
             cls._cache[name] = cls(name)
         return cls._cache[name]
+
+
+def read_reference(path: Path) -> dict[str, np.ndarray]:
+    """A reference file's tensors (bfloat16 as float32), with the AdamW parameters ``adamw.<p>`` and ``adamw2.<p>``
+    rebuilt in float32 from the steps stored in their place (tests/fixtures/README.md,
+    tools/compact_adamw_fixtures.py's ``expand``): base + float32(adamw_delta.<p>) * adamw_delta_scale.<p>."""
+    path = Path(path)
+    ref = {k: e.as_float() for k, e in read_safetensors(path).items()}
+    if not any(k.startswith(tuple(f"{kind}_delta." for kind, _ in ADAMW_STEPS)) for k in ref):
+        return ref
+    model = {k: e.as_float() for k, e in read_safetensors(path.parent / "model.safetensors").items()}
+    for kind, base_kind in ADAMW_STEPS:
+        base = model if base_kind is None else {k[len(base_kind) + 1:]: v for k, v in ref.items()
+                                                 if k.startswith(base_kind + ".")}
+        for key in [k for k in ref if k.startswith(kind + "_delta.")]:
+            name = key[len(kind) + len("_delta."):]
+            scale = ref.pop(f"{kind}_delta_scale.{name}")
+            ref[f"{kind}.{name}"] = base[name].astype(np.float32) + ref.pop(key).astype(np.float32) * np.float32(scale)
+    return ref

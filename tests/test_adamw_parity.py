@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import vkformers as vkf
+from fixture_cases import read_reference
 from test_decoder_parity import FIXTURES, fixture_names, _unsupported_reason
 from vkformers.models.loading import AutoModelForCausalLM
-from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
 RUNNABLE = [n for n in fixture_names() if _unsupported_reason(FIXTURES / n) is None]
@@ -17,7 +17,7 @@ RUNNABLE = [n for n in fixture_names() if _unsupported_reason(FIXTURES / n) is N
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_one_adamw_step_matches_torch(name):
     folder = FIXTURES / name
-    reference = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    reference = read_reference(folder / "reference.safetensors")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     params = dict(model.named_parameters())
     meta = json.loads((folder / "meta.json").read_text())

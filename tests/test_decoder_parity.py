@@ -28,9 +28,8 @@ import numpy as np
 import pytest
 
 from vkformers.models.loading import AutoModelForCausalLM
-from vkformers.models.safetensors_io import read_safetensors
 
-from fixture_cases import CachedCase, fixture_folders
+from fixture_cases import CachedCase, fixture_folders, read_reference
 
 FIXTURES = Path(os.environ.get("VKFORMERS_FIXTURES", Path(__file__).parent / "fixtures"))  # override: other fixtures
 IGNORE = -100
@@ -72,7 +71,7 @@ class Case(CachedCase):
         self.folder = FIXTURES / name
         self.meta = json.loads((self.folder / "meta.json").read_text()) if (self.folder / "meta.json").is_file() \
             else {}
-        self.ref = {k: e.as_float() for k, e in read_safetensors(self.folder / "reference.safetensors").items()}
+        self.ref = read_reference(self.folder / "reference.safetensors")
         ids = self.ref["input_ids"].astype(np.int32)
         self.mask = self.ref["attention_mask"].astype(np.int32)
         labels = self.ref["labels"].astype(np.int32)

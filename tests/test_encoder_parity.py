@@ -27,7 +27,7 @@ from vkformers.models.loading import AutoModelForMaskedLM, load_config
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
-from fixture_cases import CachedCase, fixture_folders
+from fixture_cases import CachedCase, fixture_folders, read_reference
 
 FIXTURES = Path(os.environ.get("VKFORMERS_ENCODER_FIXTURES", Path(__file__).parent / "fixtures" / "encoders"))
 LOGITS_ATOL = 1e-4
@@ -57,7 +57,7 @@ def unsupported_reason(folder: Path) -> str | None:
 
 
 def _reference(folder: Path) -> dict[str, np.ndarray]:
-    return {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    return read_reference(folder / "reference.safetensors")
 
 
 def _inputs(ref):

@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 
+from fixture_cases import read_reference
 from test_decoder_parity import FIXTURES
 from vkformers.engine.tensor import parameter, tensor
 from vkformers.models.loading import AutoModelForCausalLM
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(not (ADAPTER / ADAPTER_WEIGHTS).is_file(), reaso
 @pytest.fixture(scope="module")
 def case():
     meta = json.loads((ADAPTER / "meta.json").read_text())
-    reference = {k: e.as_float() for k, e in read_safetensors(ADAPTER / "lora_reference.safetensors").items()}
+    reference = read_reference(ADAPTER / "lora_reference.safetensors")
     model = AutoModelForCausalLM.from_pretrained(FIXTURES / meta["base_fixture"], dtype="float32")
     load_adapter(model, ADAPTER, trainable=True)
     ids, mask, labels = (reference[k].astype(np.int32) for k in ("input_ids", "attention_mask", "labels"))

@@ -25,10 +25,9 @@ import vkformers as vkf
 from vkformers.engine.lazy import realize
 from vkformers.engine.tensor import parameter
 from vkformers.models.loading import AutoModelForSeq2SeqLM
-from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
-from fixture_cases import CachedCase, fixture_folders
+from fixture_cases import CachedCase, fixture_folders, read_reference
 
 FIXTURES = Path(os.environ.get("VKFORMERS_SEQ2SEQ_FIXTURES", Path(__file__).parent / "fixtures" / "seq2seq"))
 LOGITS_ATOL = 1e-4
@@ -51,7 +50,7 @@ class Case(CachedCase):
     def __init__(self, name: str):
         self.folder = FIXTURES / name
         self.meta = json.loads((self.folder / "meta.json").read_text())
-        self.ref = {k: e.as_float() for k, e in read_safetensors(self.folder / "reference.safetensors").items()}
+        self.ref = read_reference(self.folder / "reference.safetensors")
         self.model = AutoModelForSeq2SeqLM.from_pretrained(self.folder, dtype="float32")
         out = self.model(self.ref["input_ids"].astype(np.int64), attention_mask=self.ref["attention_mask"],
                          labels=self.ref["labels"].astype(np.int64))
@@ -215,7 +214,7 @@ def test_bfloat16_forward_runs_close_to_float32():
     """Loaded as bfloat16 (fixed float32 sinusoidal tables are cast to the model dtype): logits stay within
     bfloat16 rounding of transformers' float32 ones and the greedy tokens are the same."""
     folder = FIXTURES / "marian"
-    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    ref = read_reference(folder / "reference.safetensors")
     model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype="bfloat16", requires_grad=False)
     out = model(ref["input_ids"].astype(np.int64), attention_mask=ref["attention_mask"],
                 labels=ref["labels"].astype(np.int64))

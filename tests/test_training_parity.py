@@ -30,9 +30,9 @@ import json
 import numpy as np
 import pytest
 
+from fixture_cases import read_reference
 from test_decoder_parity import FIXTURES, fixture_names
 from vkformers.models.loading import AutoModelForCausalLM
-from vkformers.models.safetensors_io import read_safetensors
 from vkformers.optim import AdamW
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -60,7 +60,7 @@ def train_two_steps(name, order=None):
     AdamW gets the parameters in model.named_parameters() order (as the Trainer passes them) unless
     ``order`` (a function of the list of names) says otherwise."""
     folder = FIXTURES / name
-    reference = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    reference = read_reference(folder / "reference.safetensors")
     meta = json.loads((folder / "meta.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     params = dict(model.named_parameters())

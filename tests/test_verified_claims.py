@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import test_decoder_parity as parity
+from fixture_cases import read_reference
 from vkformers.models.loading import load_config
 from vkformers.models.plugins import registry
 from vkformers.models.safetensors_io import read_safetensors
@@ -55,7 +56,7 @@ def test_claim_has_a_parity_fixture(architecture):
         assert any(_gradients_compared(f) for f in runnable), (
             f"{architecture.name} is marked verified but test_gradients skips its fixtures {runnable}")
         for f in runnable:
-            reference = read_safetensors(parity.FIXTURES / f / "reference.safetensors")
+            reference = read_reference(parity.FIXTURES / f / "reference.safetensors")
             assert "greedy_tokens" in reference and any(k.startswith("adamw.") for k in reference), (
                 f"{architecture.name} is marked verified but fixture {f} lacks greedy tokens or the AdamW step")
 

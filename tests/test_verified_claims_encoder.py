@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 import test_encoder_parity as parity
+from fixture_cases import read_reference
 from vkformers.models.loading import load_config
 from vkformers.models.plugins import registry
-from vkformers.models.safetensors_io import read_safetensors
 
 CLAIMS = ("verified", "forward-verified")
 
@@ -37,7 +37,7 @@ def test_claim_has_a_parity_fixture(architecture):
     assert runnable, f"{architecture.name} is marked {architecture.status} but its fixtures {fixtures} are skipped"
     if architecture.status == "verified":
         for f in runnable:
-            reference = read_safetensors(parity.FIXTURES / f / "reference.safetensors")
+            reference = read_reference(parity.FIXTURES / f / "reference.safetensors")
             grads = {k[len("grad."):] for k in reference if k.startswith("grad.")}
             steps = {k[len("adamw."):] for k in reference if k.startswith("adamw.")}
             assert grads and grads == steps, (

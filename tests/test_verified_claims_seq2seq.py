@@ -13,9 +13,9 @@ import json
 import pytest
 
 import test_seq2seq_parity as parity
+from fixture_cases import read_reference
 from vkformers.models.loading import load_config
 from vkformers.models.plugins import registry
-from vkformers.models.safetensors_io import read_safetensors
 
 CLAIMS = ("verified", "forward-verified")
 
@@ -44,7 +44,7 @@ def test_claim_has_a_parity_fixture(architecture):
     for name in fixtures:
         folder = parity.FIXTURES / name
         meta = json.loads((folder / "meta.json").read_text())
-        keys = set(read_safetensors(folder / "reference.safetensors"))
+        keys = set(read_reference(folder / "reference.safetensors"))
         trainable = [n for n in meta["parameters"] if n not in meta["params_frozen"]]
         assert trainable and all(f"grad.{n}" in keys and f"adamw.{n}" in keys for n in trainable), (
             f"{architecture.name} is marked verified but fixture {name} lacks gradients or the AdamW step")

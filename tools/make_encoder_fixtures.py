@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForMaskedLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_fixtures import (ADAMW, build_each, parse_fixture_args, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, SEQ, VEC_STD, VOCAB,  # noqa: E402
-                           check_overrides, publish, reinit_)
+                           check_overrides, publish, reinit_, save_reference)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "encoders"
@@ -342,7 +342,7 @@ def build(spec: Spec, out_root: Path):
     for k, v in ref.items():
         if not torch.isfinite(v.float()).all():
             raise RuntimeError(f"non-finite values in {k}")
-    save_file(ref, str(tmp / "reference.safetensors"))
+    save_reference(ref, tmp)
 
     meta = {
         "fixture": spec.name,

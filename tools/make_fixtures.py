@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from compact_adamw_fixtures import compact_file
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -1112,6 +1113,13 @@ def _with_saved_names(model, ref: dict) -> dict:
     return out
 
 
+def save_reference(ref: dict, folder: Path) -> None:
+    """Write ``folder``/reference.safetensors, its adamw./adamw2. parameters stored as int16 steps from the
+    folder's model.safetensors (tools/compact_adamw_fixtures.py: the form tests/fixture_cases.py reads)."""
+    save_file(ref, str(folder / "reference.safetensors"))
+    compact_file(folder / "reference.safetensors")
+
+
 def publish(tmp: Path, out: Path, meta: dict) -> dict:
     """Write meta.json into the fixture's temporary folder, then move it into place in one rename (a failed
     build never leaves a half-written fixture)."""
@@ -1239,7 +1247,7 @@ def build(spec: Spec, out_root: Path):
     if spec.saved_names:
         ref = _with_saved_names(model, ref)
         no_grad = sorted(_saved_layout(model, {n: params[n].detach() for n in no_grad})) if no_grad else []
-    save_file(ref, str(tmp / "reference.safetensors"))
+    save_reference(ref, tmp)
 
     saved = set(load_file(str(tmp / "model.safetensors")).keys())
     tied = model.get_output_embeddings() is not None and model.get_input_embeddings() is not None and \

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from make_fixtures import (ADAMW, build_each, parse_fixture_args, BOS, EOS, HEADS, HIDDEN, INIT_STD, INTER, LAYERS, PAD, VEC_STD, VOCAB,  # noqa: E402
-                           check_overrides, publish, reinit_)
+                           check_overrides, publish, reinit_, save_reference)
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForSeq2SeqLM, GenerationConfig  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
@@ -242,7 +242,7 @@ def build(spec: Spec, out_root: Path):
     for k, v in ref.items():
         if not torch.isfinite(v.float()).all():
             raise RuntimeError(f"non-finite values in {k}")
-    save_file(ref, str(tmp / "reference.safetensors"))
+    save_reference(ref, tmp)
 
     saved = set(load_file(str(tmp / "model.safetensors")).keys())
     meta = {
