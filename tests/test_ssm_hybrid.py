@@ -1,7 +1,7 @@
 """vkformers-ssm's hybrids (Mamba mixers on the decoder kit) beyond the parity fixtures: gradient checkpointing,
 a second generate from fresh states, the 16-bit path, and the config options they refuse by name. Their parity
 with transformers is tests/test_decoder_parity.py, test_generation.py, test_adamw_parity.py and
-test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba and granitemoehybrid."""
+test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid and lfm2."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,7 @@ from vkformers.models.safetensors_io import read_safetensors
 from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid"]
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2"]
 
 
 def _config(name: str) -> dict:
@@ -37,7 +37,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
         np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "jamba"])
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2"])
 def test_a_second_generate_starts_from_fresh_states(name):
     """The mixers' states live on the KV cache and restart at its position 0: two calls give transformers' tokens."""
     reference = read_safetensors(FIXTURES / name / "reference.safetensors")

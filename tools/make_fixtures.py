@@ -912,6 +912,16 @@ SPECS = [
           "softmax) plus the shared_mlp; Granite's multipliers (embedding 2, logits_scaling 1.5, residual 0.5, "
           "attention 0.3). Reference: transformers' torch path in float32 (chunked SSD scan)."],
          saved_names=True, reference_path=MAMBA2_PATH),
+    Spec("lfm2", "lfm2", dict(HYBRID, intermediate_size=12, block_multiple_of=4, block_ffn_dim_multiplier=1.5,
+                              layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True),
+         ["LFM2 (hidden 16): layer 0 a gated short-conv block (in_proj -> B, C, x; C * depthwise conv(B * x), kernel 3, "
+          "no activation; conv_bias on: in_proj, conv and out_proj biases), layer 1 GQA attention (4q/2kv of 4 dims) "
+          "with per-head q_layernorm / k_layernorm and out_proj; each layer operator_norm, ffn_norm and a SwiGLU "
+          "feed_forward (w1, w3, w2) of width 12 (block_auto_adjust_ff_dim: 2/3 of 12, times 1.5, rounded up to a "
+          "multiple of 4); embedding_norm as the final norm; tied lm_head. Reference: transformers' torch path in "
+          "float32 (causal_conv1d's torch fallback)."],
+         reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
+                        "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
 ]
 
 

@@ -239,6 +239,7 @@ KNOWN_FAMILIES = {
     "falcon_mamba": "ssm",
     "granitemoehybrid": "ssm",
     "jamba": "ssm",
+    "lfm2": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
     "nemotron_h": "ssm",

@@ -9,6 +9,7 @@ from typing import Callable
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
 
+from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
                                            first_of, padding_idx)
 
@@ -288,6 +289,44 @@ def granitemoehybrid(config: dict) -> DecoderSpec:
                                  module=mixer_module(mixer))
     return replace(spec, linear_attention=linear, extra=dict(spec.extra, mamba=mixer),
                    positions=replace(spec.positions, rope=config.get("position_embedding_type") == "rope"))
+
+
+def _lfm2_mlp_width(config: dict) -> int:
+    """LFM2's feed-forward width: with block_auto_adjust_ff_dim, 2/3 of intermediate_size times
+    block_ffn_dim_multiplier, rounded up to block_multiple_of (transformers' Lfm2MLP)."""
+    width = config.get("block_ff_dim") or config["intermediate_size"]
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = config.get("block_multiple_of", 256)
+            width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    return width
+
+
+@architecture("lfm2", status="verified", model_class=HYBRID_MODEL,
+              notes="gated short-convolution blocks (core's decoder-kit ShortConv: C * conv(B * x), no activation) "
+                    "and QK-normed GQA attention layers (layer_types); conv states on the KV cache")
+def lfm2(config: dict) -> DecoderSpec:
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        attention_layers = config.get("full_attn_idxs")
+        attention_layers = set(range(layers) if attention_layers is None else attention_layers)
+        types = ["full_attention" if i in attention_layers else "conv" for i in range(layers)]
+    rope = {} if config.get("rope_parameters") or config.get("rope_theta") else {"rope_theta": 1e6}
+    config = dict(config, **rope, intermediate_size=_lfm2_mlp_width(config), rms_norm_eps=config.get("norm_eps", 1e-5),
+                  tie_word_embeddings=config.get("tie_embedding", config.get("tie_word_embeddings", True)))
+    spec = _hybrid_decoder(config, [False] * layers, None, attn_in_norm="operator_norm", mlp_in_norm="ffn_norm",
+                           final_norm="model.embedding_norm", extra={})
+    conv = LinearAttentionSpec(layers=tuple(t == "conv" for t in types), k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+                               conv_kernel=int(config.get("conv_L_cache", 3)), path="conv",
+                               module=ShortConv.module(int(config.get("conv_L_cache", 3)),
+                                                       bool(config.get("conv_bias", False))))
+    return replace(spec, linear_attention=conv,
+                   attention=replace(spec.attention, o_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm",
+                                     q_bias=False, k_bias=False, v_bias=False, o_bias=False),
+                   mlp=replace(spec.mlp, path="feed_forward", gate_proj="w1", up_proj="w3", down_proj="w2", bias=False))
 
 
 VARIANTS = FAMILY.variants()
