@@ -1,7 +1,7 @@
 """vkformers-ssm's hybrids (Mamba mixers on the decoder kit) beyond the parity fixtures: gradient checkpointing,
 a second generate from fresh states, the 16-bit path, and the config options they refuse by name. Their parity
 with transformers is tests/test_decoder_parity.py, test_generation.py, test_adamw_parity.py and
-test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid and lfm2."""
+test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2 and zamba."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,12 @@ from vkformers.models.safetensors_io import read_safetensors
 from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2"]
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba"]
+
+
+# The shared blocks of Zamba read the token embeddings inside checkpointed layers: the embedding's gradient sums the
+# same terms in another order under checkpointing, equal to float32 rounding, not bit for bit
+REORDERED_SUMS = {"zamba": {"model.embed_tokens.weight"}}
 
 
 def _config(name: str) -> dict:
@@ -34,10 +39,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
         grads.append({n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for name_ in grads[0]:
-        np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
+        if name_ in REORDERED_SUMS.get(name, ()):
+            np.testing.assert_allclose(grads[1][name_], grads[0][name_], rtol=1e-5, atol=1e-7, err_msg=name_)
+        else:
+            np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2"])
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba"])
 def test_a_second_generate_starts_from_fresh_states(name):
     """The mixers' states live on the KV cache and restart at its position 0: two calls give transformers' tokens."""
     reference = read_safetensors(FIXTURES / name / "reference.safetensors")

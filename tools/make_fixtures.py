@@ -922,6 +922,18 @@ SPECS = [
           "float32 (causal_conv1d's torch fallback)."],
          reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
                         "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
+    Spec("zamba", "zamba", dict(HYBRID, num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                                num_attention_heads=2, num_key_value_heads=1, attention_head_dim=4, n_mamba_heads=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=1,
+                                mamba_dt_rank=2, hidden_act="gelu", use_mamba_kernels=False),
+         ["Zamba (hidden 16): layer 0 a Mamba layer, layers 1 and 2 hybrid: the shared transformer block (one set of "
+          "weights, tied across the hybrid layers: saved once under layers.1.shared_transf) reads RMSNorm([stream | "
+          "token embeddings]) (width 32): GQA attention (2q/1kv of 4 dims, no rotary, scale (head_dim / 2)^-1/2), "
+          "pre_ff_layernorm, a GeGLU feed_forward, no residual; its own linear, added to the Mamba layer's input. "
+          "Mamba mixers with 2 heads of 8 channels (in_proj interleaving x and z per channel, per-head x_proj and "
+          "dt_proj, state 4, dt rank 2). Reference: transformers' torch path in float32 (mamba_selective_scan's "
+          "fallback, its associative scan; the recurrent update for generation)."],
+         reference_path="transformers' torch path in float32: mamba_selective_scan's fallback (associative scan), the "
+                        "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels"),
 ]
 
 

@@ -243,6 +243,7 @@ KNOWN_FAMILIES = {
     "mamba": "ssm",
     "mamba2": "ssm",
     "nemotron_h": "ssm",
+    "zamba": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

@@ -16,7 +16,7 @@ from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAtt
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.variants import granitemoeshared
 
-from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SingleMixerBlock
+from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SharedBlockLayer, SharedBlocks, SingleMixerBlock
 from vkformers_ssm.mixers import MambaSpec, mixer_module
 
 FAMILY = Family("ssm", kind="causal-decoder", norm="rms")
@@ -289,6 +289,60 @@ def granitemoehybrid(config: dict) -> DecoderSpec:
                                  module=mixer_module(mixer))
     return replace(spec, linear_attention=linear, extra=dict(spec.extra, mamba=mixer),
                    positions=replace(spec.positions, rope=config.get("position_embedding_type") == "rope"))
+
+
+def _zamba_block_types(arch: str, config: dict) -> tuple[str, ...]:
+    """Zamba's and Zamba2's layers, "hybrid" (a shared transformer block before the Mamba layer) or "mamba"."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layers_block_type") or config.get("layer_types")
+    if not types:
+        period, offset = config.get("attn_layer_period", 6), config.get("attn_layer_offset", 4)
+        types = ["mamba", "mamba", "hybrid"] + ["hybrid" if i % period == offset else "mamba"
+                                                for i in range(layers - 3)]
+    types = tuple("hybrid" if t == "hybrid" else "mamba" for t in types)
+    if len(types) != layers:
+        raise UnsupportedConfigError(f"{arch}: layers_block_type names {len(types)} layers for num_hidden_layers "
+                                     f"{layers}; fix the config")
+    return types
+
+
+def _shared_block_decoder(arch: str, config: dict, mixer: MambaSpec, shared: SharedBlocks) -> DecoderSpec:
+    """Zamba's decoder: every layer a Mamba layer, the hybrid ones first running a shared transformer block over
+    [stream | token embeddings] (vkformers_ssm.layers.SharedBlockLayer), whose attention has no rotary and the
+    scale (head_dim / 2)^-1/2."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("attention_head_dim") or 2 * hidden // heads
+    spec = _hybrid_decoder(dict(config, head_dim=head_dim), [False] * config["num_hidden_layers"], mixer,
+                           mlp_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm",
+                           make_layer=SharedBlockLayer, linear_attention=None,
+                           shared_modules=shared.owners("model.layers"),
+                           tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+    return replace(spec, positions=replace(spec.positions, rope=False), mlp=replace(spec.mlp, path="feed_forward"),
+                   attention=replace(spec.attention, q_bias=False, k_bias=False, v_bias=False, o_bias=False,
+                                     in_width=int(config.get("attention_hidden_size") or 2 * hidden),
+                                     scales=((head_dim / 2) ** -0.5,) * spec.num_layers),
+                   extra=dict(spec.extra, shared_blocks=shared))
+
+
+@architecture("zamba", status="verified", model_class=HYBRID_MODEL,
+              notes="multi-head Mamba-1 layers; hybrid layers first run one shared transformer block (core's "
+                    "SharedTransformerBlock, tied across them) over [stream | token embeddings]")
+def zamba(config: dict) -> DecoderSpec:
+    refuse("zamba", config, "hidden_mamba_act", lambda v: v == "silu", "silu")
+    hidden = config["hidden_size"]
+    rank = config.get("mamba_dt_rank", "auto")
+    heads = config.get("n_mamba_heads", 2)
+    mixer = MambaSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=config["num_hidden_layers"],
+        intermediate_size=int(config.get("mamba_expand", 2) * hidden), state_size=config.get("mamba_d_state", 16),
+        conv_kernel=config.get("mamba_d_conv", 4), time_step_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+        norm_eps=config.get("rms_norm_eps", 1e-5), use_bias=bool(config.get("mamba_proj_bias", False)),
+        use_conv_bias=bool(config.get("mamba_conv_bias", True)), mamba1_heads=heads)
+    if mixer.intermediate_size % heads or mixer.conv_kernel < 2:
+        raise UnsupportedConfigError(f"zamba: n_mamba_heads ({heads}) must divide mamba_expand x hidden_size "
+                                     f"({mixer.intermediate_size}) and mamba_d_conv be 2 or more; fix the config")
+    config = dict(config, hidden_act=config.get("hidden_act", "gelu"), rms_norm_eps=config.get("rms_norm_eps", 1e-5))
+    return _shared_block_decoder("zamba", config, mixer, SharedBlocks(_zamba_block_types("zamba", config)))
 
 
 def _lfm2_mlp_width(config: dict) -> int:
