@@ -1,7 +1,7 @@
 """vkformers-ssm's hybrids (Mamba mixers on the decoder kit) beyond the parity fixtures: gradient checkpointing,
 a second generate from fresh states, the 16-bit path, and the config options they refuse by name. Their parity
 with transformers is tests/test_decoder_parity.py, test_generation.py, test_adamw_parity.py and
-test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2 and zamba."""
+test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, zamba and zamba2."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,12 +14,12 @@ from vkformers.models.safetensors_io import read_safetensors
 from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba"]
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2"]
 
 
-# The shared blocks of Zamba read the token embeddings inside checkpointed layers: the embedding's gradient sums the
+# The shared blocks of Zamba and Zamba2 read the token embeddings inside checkpointed layers: the embedding's gradient sums the
 # same terms in another order under checkpointing, equal to float32 rounding, not bit for bit
-REORDERED_SUMS = {"zamba": {"model.embed_tokens.weight"}}
+REORDERED_SUMS = {"zamba": {"model.embed_tokens.weight"}, "zamba2": {"model.embed_tokens.weight"}}
 
 
 def _config(name: str) -> dict:
@@ -45,7 +45,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
             np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba"])
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba", "zamba2"])
 def test_a_second_generate_starts_from_fresh_states(name):
     """The mixers' states live on the KV cache and restart at its position 0: two calls give transformers' tokens."""
     reference = read_safetensors(FIXTURES / name / "reference.safetensors")

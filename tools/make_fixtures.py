@@ -934,6 +934,20 @@ SPECS = [
           "fallback, its associative scan; the recurrent update for generation)."],
          reference_path="transformers' torch path in float32: mamba_selective_scan's fallback (associative scan), the "
                         "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels"),
+    Spec("zamba2", "zamba2", dict(HYBRID, hidden_size=12, num_attention_heads=2, num_key_value_heads=2,
+                                  layers_block_type=["hybrid", "hybrid"], n_mamba_heads=2, mamba_expand=1,
+                                  mamba_ngroups=1, mamba_d_state=4, mamba_d_conv=4, chunk_size=4, num_mem_blocks=1,
+                                  use_shared_attention_adapter=True, adapter_rank=2, use_mem_rope=True,
+                                  use_mamba_kernels=False),
+         ["Zamba2 (hidden 12: its attention is 2 x hidden wide whatever the heads): two hybrid layers running one shared transformer block (saved once, under "
+          "layers.0.shared_transformer) over RMSNorm([stream | token embeddings]): attention of 2 heads of 12 "
+          "(2 x hidden / heads) with rotary (use_mem_rope), scale (head_dim / 2)^-1/2, each use adding its own "
+          "rank-2 adapters to q, k, v (linear_{q,k,v}_adapter_list.<use>) and to the fused gate_up_proj "
+          "(gate_up_proj_adapter_list.<use>) of the GeGLU feed_forward; no residual inside the block; its output "
+          "through the layer's linear into the input of the Mamba-2 layer (2 heads of 6 channels, state 4, one "
+          "group, chunk_size 4, gated group norm, dt clamped at time_step_min in the chunked scan). Reference: "
+          "transformers' torch path in float32 (chunked SSD scan)."],
+         reference_path=MAMBA2_PATH),
 ]
 
 

@@ -244,6 +244,7 @@ KNOWN_FAMILIES = {
     "mamba2": "ssm",
     "nemotron_h": "ssm",
     "zamba": "ssm",
+    "zamba2": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

@@ -312,12 +312,14 @@ def _shared_block_decoder(arch: str, config: dict, mixer: MambaSpec, shared: Sha
     scale (head_dim / 2)^-1/2."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("attention_head_dim") or 2 * hidden // heads
-    spec = _hybrid_decoder(dict(config, head_dim=head_dim), [False] * config["num_hidden_layers"], mixer,
+    config = dict(config, head_dim=head_dim)  # also the rotary's (Zamba2's use_mem_rope)
+    spec = _hybrid_decoder(config, [False] * config["num_hidden_layers"], mixer,
                            mlp_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm",
                            make_layer=SharedBlockLayer, linear_attention=None,
                            shared_modules=shared.owners("model.layers"),
                            tie_embeddings=bool(config.get("tie_word_embeddings", True)))
-    return replace(spec, positions=replace(spec.positions, rope=False), mlp=replace(spec.mlp, path="feed_forward"),
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward"),
+                   positions=replace(spec.positions, rope=False, rope_configs=((config, None),) * spec.num_layers),
                    attention=replace(spec.attention, q_bias=False, k_bias=False, v_bias=False, o_bias=False,
                                      in_width=int(config.get("attention_hidden_size") or 2 * hidden),
                                      scales=((head_dim / 2) ** -0.5,) * spec.num_layers),
@@ -343,6 +345,35 @@ def zamba(config: dict) -> DecoderSpec:
                                      f"({mixer.intermediate_size}) and mamba_d_conv be 2 or more; fix the config")
     config = dict(config, hidden_act=config.get("hidden_act", "gelu"), rms_norm_eps=config.get("rms_norm_eps", 1e-5))
     return _shared_block_decoder("zamba", config, mixer, SharedBlocks(_zamba_block_types("zamba", config)))
+
+
+@architecture("zamba2", status="verified", model_class=HYBRID_MODEL,
+              notes="Zamba with Mamba-2 mixers; num_mem_blocks shared blocks in turn, per-use low-rank adapters on "
+                    "q/k/v and the fused gate_up, optional rotary (use_mem_rope)")
+def zamba2(config: dict) -> DecoderSpec:
+    refuse("zamba2", config, "use_long_context", lambda v: not v, False)
+    hidden, heads = config["hidden_size"], config.get("n_mamba_heads", 8)
+    inner = int(config.get("mamba_expand", 2) * hidden)
+    bias = bool(config.get("add_bias_linear", False))
+    # transformers' Zamba2 reads no time_step_limit: its mixer's limit is (time_step_min, inf), dt_min below
+    mixer = _mamba2_mixer("zamba2", dict(config, time_step_limit=None), hidden, inner=inner, heads=heads,
+                          head_dim=inner // heads, groups=config.get("mamba_ngroups", 1),
+                          state=config.get("mamba_d_state", 64), kernel=config.get("mamba_d_conv", 4),
+                          chunk=config.get("chunk_size", 256), eps=1e-5, bias=bias, conv_bias=True)
+    mixer = replace(mixer, dt_min=float(config.get("time_step_min", 0.001)))
+    attention_heads = config.get("num_attention_heads", 32)
+    config = dict(config, hidden_act=config.get("hidden_act", "gelu"), rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+                  intermediate_size=config.get("intermediate_size") or 4 * hidden,
+                  attention_head_dim=2 * hidden // attention_heads, attention_hidden_size=2 * hidden)
+    shared = SharedBlocks(_zamba_block_types("zamba2", config), path="shared_transformer",
+                          num_blocks=int(config.get("num_mem_blocks", 1)), adapter_rank=int(config.get("adapter_rank", 128)),
+                          attention_adapters=bool(config.get("use_shared_attention_adapter", False)), mlp_adapters=True)
+    spec = _shared_block_decoder("zamba2", config, mixer, shared)
+    if shared.attention_adapters and spec.num_kv_heads != spec.num_heads:
+        raise UnsupportedConfigError("zamba2: attention adapters need num_key_value_heads equal to "
+                                     "num_attention_heads (their outputs are 2 x hidden_size wide); fix the config")
+    return replace(spec, positions=replace(spec.positions, rope=bool(config.get("use_mem_rope", False))),
+                   mlp=replace(spec.mlp, gate_up_proj="gate_up_proj", bias=bias))
 
 
 def _lfm2_mlp_width(config: dict) -> int:

@@ -36,11 +36,12 @@ class LowRank(Module):
 
     def __init__(self, width_in: int, rank: int, width_out: int):
         super().__init__()
-        place(self, "0", Linear(width_in, rank, bias=False))
-        place(self, "1", Linear(rank, width_out, bias=False))
+        object.__setattr__(self, "steps", (self.add("0", Linear(width_in, rank, bias=False)),
+                                           self.add("1", Linear(rank, width_out, bias=False))))
 
     def forward(self, x):
-        return getattr(self, "1")(getattr(self, "0")(x))
+        down, up = self.steps
+        return up(down(x))
 
 
 class _Adapted(Module):
