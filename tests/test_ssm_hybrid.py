@@ -11,7 +11,8 @@ import pytest
 
 from vkformers.models.loading import AutoModelForCausalLM, load_config
 from vkformers.models.safetensors_io import read_safetensors
-from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h
+from vkformers.training.trainer import init_weights
+from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2"]
@@ -56,10 +57,11 @@ def test_a_second_generate_starts_from_fresh_states(name):
         np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=want.shape[1] - prompt.shape[1]), want)
 
 
-def test_bfloat16_follows_float32():
+@pytest.mark.parametrize("name", ["bamba", "lfm2", "zamba", "zamba2"])
+def test_bfloat16_follows_float32(name):
     ids = np.random.default_rng(4).integers(3, 48, (2, 9)).astype(np.int32)
-    full = AutoModelForCausalLM.from_pretrained(FIXTURES / "bamba", dtype="float32")(ids).logits.numpy()
-    half = AutoModelForCausalLM.from_pretrained(FIXTURES / "bamba", dtype="bfloat16")(ids).logits.float().numpy()
+    full = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32")(ids).logits.numpy()
+    half = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="bfloat16")(ids).logits.float().numpy()
     assert np.abs(half - full).max() <= 0.05 * np.abs(full).max()
     assert (half.argmax(-1) == full.argmax(-1)).mean() >= 0.9
 
@@ -71,6 +73,10 @@ def test_refused_options_name_themselves():
         falcon_h1({**_config("falcon_h1"), "projectors_bias": True})
     with pytest.raises(UnsupportedConfigError, match="mixture-of-experts"):
         nemotron_h({**_config("nemotron_h"), "layers_block_type": ["linear_attention", "moe"]})
+    with pytest.raises(UnsupportedConfigError, match="use_long_context"):
+        zamba2({**_config("zamba2"), "use_long_context": True})
+    with pytest.raises(UnsupportedConfigError, match="num_key_value_heads"):
+        zamba2({**_config("zamba2"), "num_key_value_heads": 1})
     with pytest.raises(UnsupportedConfigError, match="num_local_experts"):
         granitemoehybrid({**_config("granitemoehybrid"), "num_local_experts": 0})
 
@@ -79,3 +85,22 @@ def test_nemotron_h_reads_the_legacy_pattern():
     config = {k: v for k, v in _config("nemotron_h").items() if k != "layers_block_type"}
     spec = nemotron_h({**config, "hybrid_override_pattern": "M*-"})
     assert spec.extra["block_types"] == ("mamba", "attention", "mlp")
+
+
+def test_zamba2_blocks_alternate_and_keep_each_use_adapters():
+    """num_mem_blocks 2 over four hybrid layers: layers 0 and 1 own the two blocks, 2 and 3 run them again (tied);
+    each block's adapter lists hold the entries of its own uses (transformers' Zamba2 layout)."""
+    config = {**_config("zamba2"), "num_hidden_layers": 4, "layers_block_type": ["hybrid"] * 4, "num_mem_blocks": 2}
+    model = AutoModelForCausalLM.from_config(config)
+    names = {name for name, _ in model.named_slots()}
+    owned = {name for name, slot in model.named_slots() if slot.tied_to is None}
+    block = "model.layers.{}.shared_transformer.self_attn.linear_q_adapter_list.{}.0.weight"
+    assert {block.format(0, 0), block.format(0, 2), block.format(1, 1), block.format(1, 3)} <= owned
+    assert block.format(0, 1) not in names and block.format(1, 2) not in names
+    assert not any(".2.shared_transformer." in n or ".3.shared_transformer." in n for n in owned)
+    init_weights(model, std=0.2)
+    slots = dict(model.named_slots())
+    assert slots[block.format(2, 2)].tensor is slots[block.format(0, 2)].tensor  # tied to layer 0's
+    assert slots[block.format(3, 3)].tensor is slots[block.format(1, 3)].tensor
+    ids = np.random.default_rng(2).integers(3, 48, (1, 6)).astype(np.int32)
+    assert np.isfinite(model(ids).logits.numpy()).all()
