@@ -1,7 +1,7 @@
 """vkformers-ssm's hybrids (Mamba mixers on the decoder kit) beyond the parity fixtures: gradient checkpointing,
 a second generate from fresh states, the 16-bit path, and the config options they refuse by name. Their parity
 with transformers is tests/test_decoder_parity.py, test_generation.py, test_adamw_parity.py and
-test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, zamba and zamba2."""
+test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, zamba, zamba2 and recurrent_gemma."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +15,7 @@ from vkformers.training.trainer import init_weights
 from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2"]
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2", "recurrent_gemma"]
 
 
 # The shared blocks of Zamba and Zamba2 read the token embeddings inside checkpointed layers: the embedding's gradient sums the
@@ -46,7 +46,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
             np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba", "zamba2"])
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba", "zamba2", "recurrent_gemma"])
 def test_a_second_generate_starts_from_fresh_states(name):
     """The mixers' states live on the KV cache and restart at its position 0: two calls give transformers' tokens."""
     reference = read_safetensors(FIXTURES / name / "reference.safetensors")
@@ -57,7 +57,7 @@ def test_a_second_generate_starts_from_fresh_states(name):
         np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=want.shape[1] - prompt.shape[1]), want)
 
 
-@pytest.mark.parametrize("name", ["bamba", "lfm2", "zamba", "zamba2"])
+@pytest.mark.parametrize("name", ["bamba", "lfm2", "zamba", "zamba2", "recurrent_gemma"])
 def test_bfloat16_follows_float32(name):
     ids = np.random.default_rng(4).integers(3, 48, (2, 9)).astype(np.int32)
     full = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32")(ids).logits.numpy()
@@ -104,3 +104,14 @@ def test_zamba2_blocks_alternate_and_keep_each_use_adapters():
     assert slots[block.format(3, 3)].tensor is slots[block.format(1, 3)].tensor
     ids = np.random.default_rng(2).integers(3, 48, (1, 6)).astype(np.int32)
     assert np.isfinite(model(ids).logits.numpy()).all()
+
+
+def test_zamba_mamba_layers_keep_transformers_names():
+    """A Zamba layer without the shared block holds its norm and mixer directly under the layer (transformers'
+    ZambaMambaDecoderLayer); the fixture's layers are all hybrid (transformers fails with a single one)."""
+    config = {**_config("zamba"), "num_hidden_layers": 3, "layers_block_type": ["mamba", "hybrid", "hybrid"]}
+    names = {name for name, _ in AutoModelForCausalLM.from_config(config).named_slots()}
+    assert {"model.layers.0.input_layernorm.weight", "model.layers.0.mamba.x_proj_weight",
+            "model.layers.0.mamba.in_proj.weight", "model.layers.1.mamba_decoder.mamba.D",
+            "model.layers.1.shared_transf.self_attn.q_proj.weight", "model.layers.2.linear.weight"} <= names
+    assert not any(n.startswith("model.layers.0.") and ("shared" in n or "mamba_decoder" in n) for n in names)

@@ -243,6 +243,7 @@ KNOWN_FAMILIES = {
     "mamba": "ssm",
     "mamba2": "ssm",
     "nemotron_h": "ssm",
+    "recurrent_gemma": "ssm",
     "zamba": "ssm",
     "zamba2": "ssm",
     # vkformers-t5

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import replace
 from typing import Callable
 
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
 
+from vkformers.models.decoder.rglru import RecurrentBlock
 from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
                                            first_of, padding_idx)
@@ -412,6 +415,47 @@ def lfm2(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, o_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm",
                                      q_bias=False, k_bias=False, v_bias=False, o_bias=False),
                    mlp=replace(spec.mlp, path="feed_forward", gate_proj="w1", up_proj="w3", down_proj="w2", bias=False))
+
+
+def _bfloat16(value: float) -> float:
+    """``value`` rounded to bfloat16 (to nearest even), as a float."""
+    bits = int(np.float32(value).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(np.uint32(bits).view(np.float32))
+
+
+@architecture("recurrent_gemma", status="verified", model_class=HYBRID_MODEL,
+              notes="Griffin's recurrent blocks (core's decoder-kit RecurrentBlock: conv + RG-LRU, token-by-token "
+                    "recurrence) and sliding-window attention layers (block_types), Gemma norms, soft-capped logits")
+def recurrent_gemma(config: dict) -> DecoderSpec:
+    refuse("recurrent_gemma", config, "rope_parameters",
+           lambda v: not isinstance(v, dict) or v.get("rope_type", "default") == "default", None)
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    blocks = (list(config.get("block_types") or ("recurrent", "recurrent", "attention")) * layers)[:layers]
+    width = config.get("lru_width") or hidden
+    if width % heads:
+        raise UnsupportedConfigError(f"recurrent_gemma: num_attention_heads ({heads}) must divide lru_width "
+                                     f"({width}); fix the config")
+    rope = {} if isinstance(config.get("rope_parameters"), dict) else {"partial_rotary_factor": 0.5}
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    config = dict(config, **rope, head_dim=hidden // heads, intermediate_size=config["intermediate_size"] // 2,
+                  hidden_act=activation, mlp_bias=True, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+                  tie_word_embeddings=config.get("tie_word_embeddings", True))
+    spec = _hybrid_decoder(config, [False] * layers, None, attn_in_norm="temporal_pre_norm",
+                           mlp_in_norm="channel_pre_norm", final_norm="model.final_norm", extra={},
+                           embed_scale=_bfloat16(hidden ** 0.5), embed_scale_in_dtype=True,
+                           final_softcap=float(config.get("logits_soft_cap", 30.0)))
+    window = int(config.get("attention_window_size", 2048))
+    bias = bool(config.get("attention_bias", False))
+    recurrent = LinearAttentionSpec(
+        layers=tuple(b == "recurrent" for b in blocks), k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+        conv_kernel=int(config.get("conv1d_width", 4)), path="temporal_block",
+        module=RecurrentBlock.module(width, heads, int(config.get("conv1d_width", 4)), activation))
+    return replace(spec, linear_attention=recurrent, norms=replace(spec.norms, unit_offset=True),
+                   positions=replace(spec.positions, rope_configs=((config, None),) * layers),
+                   attention=replace(spec.attention, path="temporal_block", q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=True, windows=(window,) * layers),
+                   mlp=replace(spec.mlp, path="mlp_block"))
 
 
 VARIANTS = FAMILY.variants()

@@ -8,7 +8,9 @@
   ``decoder_spec`` to the reader of its variants.
 - :mod:`~vkformers.models.decoder.norms` (:func:`make_norm`),
   :mod:`~vkformers.models.decoder.gated_deltanet` (linear attention layers) and
-  :mod:`~vkformers.models.decoder.short_conv` (gated short convolutions, a recurrent mixer for the same slot).
+  :mod:`~vkformers.models.decoder.short_conv` (gated short convolutions, a recurrent mixer for the same slot),
+  :mod:`~vkformers.models.decoder.rglru` (Griffin's recurrent block, another) and
+  :mod:`~vkformers.models.decoder.shared_block` (one transformer block several layers run: Zamba's).
 
 docs/guide.md ("The decoder kit") walks through what a plugin composes.
 """
