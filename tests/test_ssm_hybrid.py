@@ -12,7 +12,8 @@ import pytest
 from vkformers.models.loading import AutoModelForCausalLM, load_config
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.training.trainer import init_weights
-from vkformers_ssm.variants import UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h, zamba2
+from vkformers_ssm.variants import (UnsupportedConfigError, bamba, falcon_h1, granitemoehybrid, nemotron_h,
+                                   recurrent_gemma, zamba, zamba2)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2", "recurrent_gemma"]
@@ -73,6 +74,10 @@ def test_refused_options_name_themselves():
         falcon_h1({**_config("falcon_h1"), "projectors_bias": True})
     with pytest.raises(UnsupportedConfigError, match="mixture-of-experts"):
         nemotron_h({**_config("nemotron_h"), "layers_block_type": ["linear_attention", "moe"]})
+    with pytest.raises(UnsupportedConfigError, match="rope_parameters"):
+        recurrent_gemma({**_config("recurrent_gemma"), "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(UnsupportedConfigError, match="hidden_mamba_act"):
+        zamba({**_config("zamba"), "hidden_mamba_act": "gelu"})
     with pytest.raises(UnsupportedConfigError, match="use_long_context"):
         zamba2({**_config("zamba2"), "use_long_context": True})
     with pytest.raises(UnsupportedConfigError, match="num_key_value_heads"):
