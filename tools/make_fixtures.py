@@ -913,6 +913,57 @@ SPECS = [
           "softmax) plus the shared_mlp; Granite's multipliers (embedding 2, logits_scaling 1.5, residual 0.5, "
           "attention 0.3). Reference: transformers' torch path in float32 (chunked SSD scan)."],
          saved_names=True, reference_path=MAMBA2_PATH),
+    Spec("lfm2", "lfm2", dict(HYBRID, hidden_size=12, num_attention_heads=2, num_key_value_heads=1,
+                              intermediate_size=12, block_multiple_of=4, block_ffn_dim_multiplier=1.0,
+                              layer_types=["conv", "full_attention"], conv_L_cache=3, conv_bias=True),
+         ["LFM2 (hidden 12, to keep the fixture small): layer 0 a gated short-conv block (in_proj -> B, C, x; "
+          "C * depthwise conv(B * x), kernel 3, no activation; conv_bias on: in_proj, conv and out_proj biases), layer 1 GQA attention (2q/1kv of 6 dims) "
+          "with per-head q_layernorm / k_layernorm and out_proj; each layer operator_norm, ffn_norm and a SwiGLU "
+          "feed_forward (w1, w3, w2) of width 8 (block_auto_adjust_ff_dim: 2/3 of 12, times 1.0, rounded up to a "
+          "multiple of 4); embedding_norm as the final norm; tied lm_head. Reference: transformers' torch path in "
+          "float32 (causal_conv1d's torch fallback)."],
+         reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
+                        "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
+    Spec("zamba", "zamba", dict(HYBRID, hidden_size=12, layers_block_type=["hybrid", "hybrid"],
+                                num_attention_heads=2, num_key_value_heads=1, attention_head_dim=4, n_mamba_heads=2,
+                                mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=2, hidden_act="gelu",
+                                use_mamba_kernels=False),
+         ["Zamba (hidden 12, to keep the fixture small): two hybrid layers (transformers ties the shared block of "
+          "one hybrid layer to nothing and fails), each running the shared transformer block (one set of weights, "
+          "tied: saved once under layers.0.shared_transf) over RMSNorm([stream | token embeddings]) (width 24): GQA "
+          "attention (2q/1kv of 4 dims, no rotary, scale (head_dim / 2)^-1/2), pre_ff_layernorm, a GeGLU "
+          "feed_forward, no residual; the layer's linear, added to its Mamba layer's input. "
+          "Mamba mixers with 2 heads of 6 channels (in_proj interleaving x and z per channel, per-head x_proj and "
+          "dt_proj, state 4, dt rank 2). Reference: transformers' torch path in float32 (mamba_selective_scan's "
+          "fallback, its associative scan; the recurrent update for generation)."],
+         reference_path="transformers' torch path in float32: mamba_selective_scan's fallback (associative scan), the "
+                        "recurrent update for generation; not the mamba_ssm / causal_conv1d kernels"),
+    Spec("zamba2", "zamba2", dict(HYBRID, hidden_size=12, num_attention_heads=2, num_key_value_heads=2,
+                                  layers_block_type=["hybrid", "hybrid"], n_mamba_heads=2, mamba_expand=1,
+                                  mamba_ngroups=1, mamba_d_state=4, mamba_d_conv=4, chunk_size=4, num_mem_blocks=1,
+                                  use_shared_attention_adapter=True, adapter_rank=2, use_mem_rope=True,
+                                  use_mamba_kernels=False),
+         ["Zamba2 (hidden 12: its attention is 2 x hidden wide whatever the heads): two hybrid layers running one shared transformer block (saved once, under "
+          "layers.0.shared_transformer) over RMSNorm([stream | token embeddings]): attention of 2 heads of 12 "
+          "(2 x hidden / heads) with rotary (use_mem_rope), scale (head_dim / 2)^-1/2, each use adding its own "
+          "rank-2 adapters to q, k, v (linear_{q,k,v}_adapter_list.<use>) and to the fused gate_up_proj "
+          "(gate_up_proj_adapter_list.<use>) of the GeGLU feed_forward; no residual inside the block; its output "
+          "through the layer's linear into the input of the Mamba-2 layer (2 heads of 6 channels, state 4, one "
+          "group, chunk_size 4, gated group norm, dt clamped at time_step_min in the chunked scan). Reference: "
+          "transformers' torch path in float32 (chunked SSD scan)."],
+         reference_path=MAMBA2_PATH),
+    Spec("recurrent_gemma", "recurrent_gemma",
+         dict({k: v for k, v in L.items() if k not in ("max_position_embeddings", "initializer_range")}, hidden_size=16, intermediate_size=8, lru_width=8, num_attention_heads=2, num_key_value_heads=1,
+              block_types=["recurrent", "attention"], attention_window_size=SW, logits_soft_cap=3.0),
+         ["RecurrentGemma (hidden 16): layer 0 Griffin's recurrent block (linear_y -> gelu_tanh; linear_x -> "
+          "depthwise conv of width 4 with bias -> RG-LRU of width 8 in 2 head blocks: sigmoid input and recurrent "
+          "gates, a = exp(-8 r softplus(recurrent_param)), h = a h + sqrt(1 - a^2) (i x), reset at position 0; "
+          "linear_out(h * y)), layer 1 sliding-window attention (window 4, 2q/1kv of 8 dims, rotary on half of "
+          "each head, o_proj bias); Gemma norms (1 + w), embeddings times sqrt(hidden) rounded to bfloat16, MLP "
+          "of width intermediate_size / 2 with biases, logits soft-capped at 3; tied lm_head. Reference: "
+          "transformers' torch path in float32 (its token-by-token scan)."],
+         reference_path="transformers' torch path in float32: the RG-LRU's sequential scan and conv1d; no special "
+                        "kernels"),
 ]
 
 

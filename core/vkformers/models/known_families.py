@@ -239,9 +239,13 @@ KNOWN_FAMILIES = {
     "falcon_mamba": "ssm",
     "granitemoehybrid": "ssm",
     "jamba": "ssm",
+    "lfm2": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
     "nemotron_h": "ssm",
+    "recurrent_gemma": "ssm",
+    "zamba": "ssm",
+    "zamba2": "ssm",
     # vkformers-t5
     "bart": "t5",
     "bigbird_pegasus": "t5",

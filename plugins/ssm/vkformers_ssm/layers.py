@@ -6,10 +6,11 @@ from dataclasses import dataclass, replace
 
 from vkformers.engine import functional as F
 from vkformers.models.decoder import DecoderLayer, make_norm
+from vkformers.models.decoder.shared_block import SharedAdapters, SharedTransformerBlock
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module, place
 
-from vkformers_ssm.mixers import HybridMamba2Mixer
+from vkformers_ssm.mixers import HybridMamba2Mixer, mixer_class
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,78 @@ class SingleMixerBlock(Module):
         else:
             out = self.mixer(h)
         return x + out
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Where Zamba's and Zamba2's hybrid layers run a shared transformer block: ``block_types`` per layer
+    ("mamba" or "hybrid"), the block's path inside a hybrid layer, which block each hybrid layer runs (its
+    ordinal among the hybrid layers modulo ``num_blocks``) and the per-use adapters' rank (0: none)."""
+
+    block_types: tuple[str, ...]
+    path: str = "shared_transf"
+    num_blocks: int = 1
+    adapter_rank: int = 0
+    attention_adapters: bool = False
+    mlp_adapters: bool = False
+
+    def hybrid_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.block_types) if t == "hybrid"]
+
+    def owners(self, layers_path: str) -> tuple:
+        """DecoderSpec.shared_modules: each hybrid layer's block tied to the first layer running the same block."""
+        hybrid = self.hybrid_layers()
+        pairs = []
+        for use, layer in enumerate(hybrid):
+            owner = hybrid[use % self.num_blocks]
+            if owner != layer:
+                pairs.append((f"{layers_path}.{layer}.{self.path}", f"{layers_path}.{owner}.{self.path}"))
+        return tuple(pairs)
+
+    def adapters(self, use: int) -> SharedAdapters | None:
+        if not self.adapter_rank or not (self.attention_adapters or self.mlp_adapters):
+            return None
+        count = len(self.hybrid_layers())
+        return SharedAdapters(rank=self.adapter_rank,
+                              uses=tuple(u for u in range(count) if u % self.num_blocks == use % self.num_blocks),
+                              attention=self.attention_adapters, mlp=self.mlp_adapters)
+
+
+class _MambaDecoder(Module):
+    """A Mamba layer of Zamba: x + mamba(input_layernorm(x + extra)), ``extra`` the shared block's output (or 0)."""
+
+    def __init__(self, spec, index: int):
+        super().__init__()
+        self.index = index
+        self.input_layernorm = make_norm(spec, spec.hidden_size)
+        self.mamba = mixer_class(spec.extra["mamba"])(spec.extra["mamba"])
+
+    def forward(self, x, ctx, extra=None):
+        return x + self.mamba(self.input_layernorm(x if extra is None else x + extra), ctx, self.index)
+
+
+class SharedBlockLayer(Module):
+    """Zamba's and Zamba2's layers (``spec.extra["shared_blocks"]``, a :class:`SharedBlocks`): a Mamba layer, or a
+    hybrid one whose shared transformer block (core's :class:`SharedTransformerBlock`) reads the stream and the
+    token embeddings, its ``linear`` projects the output, added to the input of the layer's Mamba decoder
+    (``mamba_decoder``)."""
+
+    def __init__(self, spec, index: int, alibi=None):
+        super().__init__()
+        shared = spec.extra["shared_blocks"]
+        self.hybrid = shared.block_types[index] == "hybrid"
+        if not self.hybrid:
+            decoder = _MambaDecoder(spec, index)  # its norm and mixer saved directly under the layer
+            object.__setattr__(self, "decoder", decoder)
+            self.input_layernorm, self.mamba = decoder.input_layernorm, decoder.mamba
+            return
+        use = shared.hybrid_layers().index(index)
+        object.__setattr__(self, "block", place(self, shared.path,
+                                                SharedTransformerBlock(spec, index, use, shared.adapters(use))))
+        self.linear = Linear(spec.hidden_size, spec.hidden_size, bias=False)
+        self.mamba_decoder = _MambaDecoder(spec, index)
+
+    def forward(self, x, ctx):
+        if not self.hybrid:
+            return self.decoder(x, ctx)
+        return self.mamba_decoder(x, ctx, self.linear(self.block(x, ctx)))

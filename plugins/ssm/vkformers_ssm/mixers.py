@@ -57,6 +57,9 @@ class MambaSpec:
     in_multiplier: float = 1.0
     proj_multipliers: tuple[float, ...] | None = None
     dt_min: float = 0.0  # Nemotron-H: dt clamped below where transformers runs the chunked scan (not the recurrent step)
+    # Zamba: a Mamba-1 mixer in ``mamba1_heads`` heads of channels, each with its own x_proj and dt_proj (B and C
+    # per head: the scan's groups), in_proj interleaving x and z per channel
+    mamba1_heads: int = 0
 
 
 class MambaMixer(Module):
@@ -193,6 +196,63 @@ class Mamba2Mixer(Module):
         return self.out_proj(out.cast(h.dtype))
 
 
+class ZambaMambaMixer(Module):
+    """Zamba's multi-head Mamba-1 mixer: in_proj rows alternate x and z per channel; x through the conv and silu,
+    then split in heads of intermediate_size / heads channels, each with x_proj_weight[h] -> (dt, B, C) and
+    delta = softplus(dt_proj_weight[h] dt + dt_proj_bias[h]); the selective scan with one group of channels per
+    head (A_log, D stored [heads, head channels, ...]), times silu(z); out_proj."""
+
+    def __init__(self, spec: MambaSpec):
+        super().__init__()
+        self.spec = spec
+        d, inner, n, rank, heads = (spec.hidden_size, spec.intermediate_size, spec.state_size, spec.time_step_rank,
+                                    spec.mamba1_heads)
+        head = inner // heads
+        self.in_proj = Linear(d, 2 * inner, bias=spec.use_bias)
+        conv = Module()
+        conv.param("weight", (inner, 1, spec.conv_kernel))
+        if spec.use_conv_bias:
+            conv.param("bias", (inner,))
+        self.conv1d = conv
+        self.param("x_proj_weight", (heads, rank + 2 * n, head))
+        self.param("dt_proj_weight", (heads, head, rank))
+        self.param("dt_proj_bias", (heads, head))
+        self.param("A_log", (heads, head, n))
+        self.param("D", (heads, head))
+        self.out_proj = Linear(inner, d, bias=spec.use_bias)
+
+    def forward(self, h, ctx, index: int):
+        keep, cache = _kit_inputs(h, ctx)
+        s = self.spec
+        inner, n, rank, heads, past = (s.intermediate_size, s.state_size, s.time_step_rank, s.mamba1_heads,
+                                       s.conv_kernel - 1)
+        head = inner // heads
+        batch, length = h.shape[:2]
+        if keep is not None:
+            h = h * keep
+        xz = self.in_proj(h).reshape(batch, length, inner, 2)
+        x_in, z = xz[..., 0].contiguous(), xz[..., 1].contiguous()
+        history, state = (None, None) if cache is None else cache.read(index, batch, past, inner, x_in.dtype)
+        x = F.silu(F.causal_conv1d(x_in, self.conv1d.weight, self.conv1d.bias if s.use_conv_bias else None,
+                                   history))
+        if keep is not None:
+            x = x * keep
+        deltas, Bs, Cs = [], [], []
+        for k in range(heads):
+            projected = F.linear(x[..., k * head:(k + 1) * head].contiguous(), self.x_proj_weight[k])
+            dt_in = projected[..., :rank].contiguous()
+            Bs.append(projected[..., rank:rank + n].contiguous())
+            Cs.append(projected[..., rank + n:].contiguous())
+            deltas.append(F.linear(dt_in, self.dt_proj_weight[k], self.dt_proj_bias[k]))
+        delta = F.softplus(F.cat(deltas, -1).float())
+        A = (self.A_log.float().exp() * -1.0).reshape(inner, n)
+        y, last = selective_scan(x, delta, A, F.stack(Bs, 2), F.stack(Cs, 2), self.D.reshape(inner), state)
+        if cache is not None:
+            cache.write(index, F.cat([history, x_in], 1)[:, -past:], last)
+        y = y * F.silu(z.float())
+        return self.out_proj(y.cast(h.dtype))
+
+
 class CacheStates:
     """The read / write interface of :class:`~vkformers_ssm.model.SSMStateCache` over a KV cache: each layer's
     (conv inputs, scan state) in ``cache.ssm_states``; zeros and no state at position 0."""
@@ -240,4 +300,9 @@ def mixer_module(mamba):
 
 
 def _build_mixer(mamba, decoder_spec):
-    return (HybridMamba2Mixer if mamba.mamba2 else HybridMambaMixer)(mamba)
+    return mixer_class(mamba)(mamba)
+
+
+def mixer_class(mamba):
+    """The hybrid-layer mixer class for a MambaSpec: Mamba-2's, Zamba's multi-head Mamba-1, or Mamba-1's."""
+    return HybridMamba2Mixer if mamba.mamba2 else ZambaMambaMixer if mamba.mamba1_heads else HybridMambaMixer

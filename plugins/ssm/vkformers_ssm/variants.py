@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import replace
 from typing import Callable
 
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
 
+from vkformers.models.decoder.rglru import RecurrentBlock
+from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
                                            first_of, padding_idx)
 
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.variants import granitemoeshared
 
-from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SingleMixerBlock
+from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SharedBlockLayer, SharedBlocks, SingleMixerBlock
 from vkformers_ssm.mixers import MambaSpec, mixer_module
 
 FAMILY = Family("ssm", kind="causal-decoder", norm="rms")
@@ -288,6 +292,170 @@ def granitemoehybrid(config: dict) -> DecoderSpec:
                                  module=mixer_module(mixer))
     return replace(spec, linear_attention=linear, extra=dict(spec.extra, mamba=mixer),
                    positions=replace(spec.positions, rope=config.get("position_embedding_type") == "rope"))
+
+
+def _zamba_block_types(arch: str, config: dict) -> tuple[str, ...]:
+    """Zamba's and Zamba2's layers, "hybrid" (a shared transformer block before the Mamba layer) or "mamba"."""
+    layers = config["num_hidden_layers"]
+    types = config.get("layers_block_type") or config.get("layer_types")
+    if not types:
+        period, offset = config.get("attn_layer_period", 6), config.get("attn_layer_offset", 4)
+        types = ["mamba", "mamba", "hybrid"] + ["hybrid" if i % period == offset else "mamba"
+                                                for i in range(layers - 3)]
+    types = tuple("hybrid" if t == "hybrid" else "mamba" for t in types)
+    if len(types) != layers:
+        raise UnsupportedConfigError(f"{arch}: layers_block_type names {len(types)} layers for num_hidden_layers "
+                                     f"{layers}; fix the config")
+    return types
+
+
+def _shared_block_decoder(arch: str, config: dict, mixer: MambaSpec, shared: SharedBlocks) -> DecoderSpec:
+    """Zamba's decoder: every layer a Mamba layer, the hybrid ones first running a shared transformer block over
+    [stream | token embeddings] (vkformers_ssm.layers.SharedBlockLayer), whose attention has no rotary and the
+    scale (head_dim / 2)^-1/2."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("attention_head_dim") or 2 * hidden // heads
+    config = dict(config, head_dim=head_dim)  # also the rotary's (Zamba2's use_mem_rope)
+    spec = _hybrid_decoder(config, [False] * config["num_hidden_layers"], mixer,
+                           mlp_in_norm="pre_ff_layernorm", final_norm="model.final_layernorm",
+                           make_layer=SharedBlockLayer, linear_attention=None,
+                           shared_modules=shared.owners("model.layers"),
+                           tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+    return replace(spec, mlp=replace(spec.mlp, path="feed_forward"),
+                   positions=replace(spec.positions, rope=False, rope_configs=((config, None),) * spec.num_layers),
+                   attention=replace(spec.attention, q_bias=False, k_bias=False, v_bias=False, o_bias=False,
+                                     in_width=int(config.get("attention_hidden_size") or 2 * hidden),
+                                     scales=((head_dim / 2) ** -0.5,) * spec.num_layers),
+                   extra=dict(spec.extra, shared_blocks=shared))
+
+
+@architecture("zamba", status="verified", model_class=HYBRID_MODEL,
+              notes="multi-head Mamba-1 layers; hybrid layers first run one shared transformer block (core's "
+                    "SharedTransformerBlock, tied across them) over [stream | token embeddings]")
+def zamba(config: dict) -> DecoderSpec:
+    refuse("zamba", config, "hidden_mamba_act", lambda v: v == "silu", "silu")
+    hidden = config["hidden_size"]
+    rank = config.get("mamba_dt_rank", "auto")
+    heads = config.get("n_mamba_heads", 2)
+    mixer = MambaSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=config["num_hidden_layers"],
+        intermediate_size=int(config.get("mamba_expand", 2) * hidden), state_size=config.get("mamba_d_state", 16),
+        conv_kernel=config.get("mamba_d_conv", 4), time_step_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+        norm_eps=config.get("rms_norm_eps", 1e-5), use_bias=bool(config.get("mamba_proj_bias", False)),
+        use_conv_bias=bool(config.get("mamba_conv_bias", True)), mamba1_heads=heads)
+    if mixer.intermediate_size % heads or mixer.conv_kernel < 2:
+        raise UnsupportedConfigError(f"zamba: n_mamba_heads ({heads}) must divide mamba_expand x hidden_size "
+                                     f"({mixer.intermediate_size}) and mamba_d_conv be 2 or more; fix the config")
+    config = dict(config, hidden_act=config.get("hidden_act", "gelu"), rms_norm_eps=config.get("rms_norm_eps", 1e-5))
+    return _shared_block_decoder("zamba", config, mixer, SharedBlocks(_zamba_block_types("zamba", config)))
+
+
+@architecture("zamba2", status="verified", model_class=HYBRID_MODEL,
+              notes="Zamba with Mamba-2 mixers; num_mem_blocks shared blocks in turn, per-use low-rank adapters on "
+                    "q/k/v and the fused gate_up, optional rotary (use_mem_rope)")
+def zamba2(config: dict) -> DecoderSpec:
+    refuse("zamba2", config, "use_long_context", lambda v: not v, False)
+    hidden, heads = config["hidden_size"], config.get("n_mamba_heads", 8)
+    inner = int(config.get("mamba_expand", 2) * hidden)
+    bias = bool(config.get("add_bias_linear", False))
+    # transformers' Zamba2 reads no time_step_limit: its mixer's limit is (time_step_min, inf), dt_min below
+    mixer = _mamba2_mixer("zamba2", dict(config, time_step_limit=None), hidden, inner=inner, heads=heads,
+                          head_dim=inner // heads, groups=config.get("mamba_ngroups", 1),
+                          state=config.get("mamba_d_state", 64), kernel=config.get("mamba_d_conv", 4),
+                          chunk=config.get("chunk_size", 256), eps=1e-5, bias=bias, conv_bias=True)
+    mixer = replace(mixer, dt_min=float(config.get("time_step_min", 0.001)))
+    attention_heads = config.get("num_attention_heads", 32)
+    config = dict(config, hidden_act=config.get("hidden_act", "gelu"), rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+                  intermediate_size=config.get("intermediate_size") or 4 * hidden,
+                  attention_head_dim=2 * hidden // attention_heads, attention_hidden_size=2 * hidden)
+    shared = SharedBlocks(_zamba_block_types("zamba2", config), path="shared_transformer",
+                          num_blocks=int(config.get("num_mem_blocks", 1)), adapter_rank=int(config.get("adapter_rank", 128)),
+                          attention_adapters=bool(config.get("use_shared_attention_adapter", False)), mlp_adapters=True)
+    spec = _shared_block_decoder("zamba2", config, mixer, shared)
+    if shared.attention_adapters and spec.num_kv_heads != spec.num_heads:
+        raise UnsupportedConfigError("zamba2: attention adapters need num_key_value_heads equal to "
+                                     "num_attention_heads (their outputs are 2 x hidden_size wide); fix the config")
+    return replace(spec, positions=replace(spec.positions, rope=bool(config.get("use_mem_rope", False))),
+                   mlp=replace(spec.mlp, gate_up_proj="gate_up_proj", bias=bias))
+
+
+def _lfm2_mlp_width(config: dict) -> int:
+    """LFM2's feed-forward width: with block_auto_adjust_ff_dim, 2/3 of intermediate_size times
+    block_ffn_dim_multiplier, rounded up to block_multiple_of (transformers' Lfm2MLP)."""
+    width = config.get("block_ff_dim") or config["intermediate_size"]
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = config.get("block_multiple_of", 256)
+            width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    return width
+
+
+@architecture("lfm2", status="verified", model_class=HYBRID_MODEL,
+              notes="gated short-convolution blocks (core's decoder-kit ShortConv: C * conv(B * x), no activation) "
+                    "and QK-normed GQA attention layers (layer_types); conv states on the KV cache")
+def lfm2(config: dict) -> DecoderSpec:
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        attention_layers = config.get("full_attn_idxs")
+        attention_layers = set(range(layers) if attention_layers is None else attention_layers)
+        types = ["full_attention" if i in attention_layers else "conv" for i in range(layers)]
+    rope = {} if config.get("rope_parameters") or config.get("rope_theta") else {"rope_theta": 1e6}
+    config = dict(config, **rope, intermediate_size=_lfm2_mlp_width(config), rms_norm_eps=config.get("norm_eps", 1e-5),
+                  tie_word_embeddings=config.get("tie_embedding", config.get("tie_word_embeddings", True)))
+    spec = _hybrid_decoder(config, [False] * layers, None, attn_in_norm="operator_norm", mlp_in_norm="ffn_norm",
+                           final_norm="model.embedding_norm", extra={})
+    conv = LinearAttentionSpec(layers=tuple(t == "conv" for t in types), k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+                               conv_kernel=int(config.get("conv_L_cache", 3)), path="conv",
+                               module=ShortConv.module(int(config.get("conv_L_cache", 3)),
+                                                       bool(config.get("conv_bias", False))))
+    return replace(spec, linear_attention=conv,
+                   attention=replace(spec.attention, o_proj="out_proj", q_norm="q_layernorm", k_norm="k_layernorm",
+                                     q_bias=False, k_bias=False, v_bias=False, o_bias=False),
+                   mlp=replace(spec.mlp, path="feed_forward", gate_proj="w1", up_proj="w3", down_proj="w2", bias=False))
+
+
+def _bfloat16(value: float) -> float:
+    """``value`` rounded to bfloat16 (to nearest even), as a float."""
+    bits = int(np.float32(value).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(np.uint32(bits).view(np.float32))
+
+
+@architecture("recurrent_gemma", status="verified", model_class=HYBRID_MODEL,
+              notes="Griffin's recurrent blocks (core's decoder-kit RecurrentBlock: conv + RG-LRU, token-by-token "
+                    "recurrence) and sliding-window attention layers (block_types), Gemma norms, soft-capped logits")
+def recurrent_gemma(config: dict) -> DecoderSpec:
+    refuse("recurrent_gemma", config, "rope_parameters",
+           lambda v: not isinstance(v, dict) or v.get("rope_type", "default") == "default", None)
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    blocks = (list(config.get("block_types") or ("recurrent", "recurrent", "attention")) * layers)[:layers]
+    width = config.get("lru_width") or hidden
+    if width % heads:
+        raise UnsupportedConfigError(f"recurrent_gemma: num_attention_heads ({heads}) must divide lru_width "
+                                     f"({width}); fix the config")
+    rope = {} if isinstance(config.get("rope_parameters"), dict) else {"partial_rotary_factor": 0.5}
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    config = dict(config, **rope, head_dim=hidden // heads, intermediate_size=config["intermediate_size"] // 2,
+                  hidden_act=activation, mlp_bias=True, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+                  tie_word_embeddings=config.get("tie_word_embeddings", True))
+    spec = _hybrid_decoder(config, [False] * layers, None, attn_in_norm="temporal_pre_norm",
+                           mlp_in_norm="channel_pre_norm", final_norm="model.final_norm", extra={},
+                           embed_scale=_bfloat16(hidden ** 0.5), embed_scale_in_dtype=True,
+                           final_softcap=float(config.get("logits_soft_cap", 30.0)))
+    window = int(config.get("attention_window_size", 2048))
+    bias = bool(config.get("attention_bias", False))
+    recurrent = LinearAttentionSpec(
+        layers=tuple(b == "recurrent" for b in blocks), k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+        conv_kernel=int(config.get("conv1d_width", 4)), path="temporal_block",
+        module=RecurrentBlock.module(width, heads, int(config.get("conv1d_width", 4)), activation))
+    return replace(spec, linear_attention=recurrent, norms=replace(spec.norms, unit_offset=True),
+                   positions=replace(spec.positions, rope_configs=((config, None),) * layers),
+                   attention=replace(spec.attention, path="temporal_block", q_bias=bias, k_bias=bias, v_bias=bias,
+                                     o_bias=True, windows=(window,) * layers),
+                   mlp=replace(spec.mlp, path="mlp_block"))
 
 
 VARIANTS = FAMILY.variants()

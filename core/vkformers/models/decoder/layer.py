@@ -65,13 +65,15 @@ class Context:
     """What every layer of one forward pass shares: positions, masks, rotary tables, the cache."""
 
     def __init__(self, positions, key_padding_mask, rope_tables, cache, rope_positions=None, query_scale=None,
-                 host_mask=None, host_positions=None):
+                 host_mask=None, host_positions=None, embeddings=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
         self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
         self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
         self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (host-built masks)
         self.host_positions = host_positions  # positions as numpy [B, T] (host-built masks), or None
+        self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
+        #                                       read them beside the stream), or None
 
 
 class DecoderLayer(Module):
@@ -96,9 +98,10 @@ class DecoderLayer(Module):
         def add(role, relative_path, module):
             self.parts[role] = place(self, relative_path, module)
 
+        attn_in = a.in_width or d  # the attention's input width (Zamba's shared block: [stream | embeddings])
         for role in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
             if getattr(s, role) and not (role == "attn_in_norm" and index in s.attn_in_norm_skipped):
-                add(role, getattr(s, role), make_norm(s, d))
+                add(role, getattr(s, role), make_norm(s, attn_in if role == "attn_in_norm" else d))
         self.linear = linear is not None and bool(linear.layers[index])
         own_attention = a.module is not None and not self.linear
         if self.linear:  # Gated DeltaNet instead of the attention projections
@@ -113,9 +116,9 @@ class DecoderLayer(Module):
                 make_projection(s, d, q_out + 2 * kv_out, bias=a.q_bias))
         else:
             q_width = 2 * q_out if a.q_gate else q_out  # Qwen3.5: [query | gate] per head
-            add("q", join_path(a.path, a.q_proj), make_projection(s, d, q_width, bias=a.q_bias))
-            add("k", join_path(a.path, a.k_proj), make_projection(s, d, kv_out, bias=a.k_bias))
-            add("v", join_path(a.path, a.v_proj), make_projection(s, d, kv_out, bias=a.v_bias))
+            add("q", join_path(a.path, a.q_proj), make_projection(s, attn_in, q_width, bias=a.q_bias))
+            add("k", join_path(a.path, a.k_proj), make_projection(s, attn_in, kv_out, bias=a.k_bias))
+            add("v", join_path(a.path, a.v_proj), make_projection(s, attn_in, kv_out, bias=a.v_bias))
         if not self.linear and not own_attention:
             add("o", join_path(a.path, a.o_proj), make_projection(s, q_out, d, bias=a.o_bias))
         if a.q_norm and (self.linear or own_attention):

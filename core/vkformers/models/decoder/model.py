@@ -142,6 +142,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
                                                           for layer in self.layers)
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
+        if spec.shared_modules:
+            names = [name for name, _ in self.named_slots()]
+            for path, owner in spec.shared_modules:
+                for name in names:
+                    if name.startswith(f"{path}."):
+                        self.tie(name, f"{owner}.{name[len(path) + 1:]}")
         self.rope_configs = spec.positions.rope_configs or ((config, None),) * spec.num_layers
         self.position_table = None
         if spec.positions.sinusoidal:  # fixed, not a parameter
@@ -322,7 +328,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.positions.rope else None
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.positions.rope_negated else None,
-                      query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions)
+                      query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions,
+                      embeddings=x)
         return self.run_layers(x, ctx)
 
     def run_layers(self, x, ctx: Context):

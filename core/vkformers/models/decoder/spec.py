@@ -94,6 +94,8 @@ class AttentionSpec:
     scales: tuple[float, ...] = ()           # per layer softmax scale; empty: 1 / sqrt(head_dim)
     windows: tuple[int, ...] = ()            # per layer sliding window (0: full attention); empty: none
     heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
+    in_width: int | None = None              # q/k/v input width (and attn_in_norm's) when not hidden_size (Zamba's
+    #                                          shared block reads [stream | token embeddings])
     module: Callable | None = None           # (spec) -> a plugin's attention module at ``path`` instead of the q/k/v/o
     #                                          projections, called (h, ctx, layer index) -> [B, T, hidden] (JetMoE's
     #                                          mixture of attention heads); it attends through ctx as the layer would
@@ -238,6 +240,9 @@ class DecoderSpec:
     # -- plugin hooks
     make_layer: Callable | None = None       # (spec, index, alibi) -> layer, instead of DecoderLayer: a plugin's
     #                                          composed layer (vkformers-moe's Llama 4 attention, LongCat's sublayers)
+    shared_modules: tuple = ()               # (path, owner path) pairs, full names: every parameter under path is its
+    #                                          owner's (one block that several layers run: Zamba's shared
+    #                                          transformer), so the checkpoint holds it once and its gradient sums
     checkpoint_layers: tuple[int, ...] = ()  # each layer's index in the checkpoint when the file has others this
     #                                          forward skips (Mllama's cross-attention layers), whose weights are
     #                                          not loaded; empty: 0 .. num_layers - 1
