@@ -31,6 +31,12 @@ batch's column; positions count only the tokens, so the gap changes nothing for 
 the column its rows all have cached. Models whose attention depends on column distances (sliding windows, ALiBi)
 would see the gap: they run without prefix caching.
 
+Recurrent state (state-space and linear-attention layers, ROW_STATES of models/cache.py): each row of the cache
+holds its own conv and scan state beside its keys and values; a left-padded row's padding leaves it at zeros (the
+layers zero padded positions), and placing a prompt prefilled apart moves its rows' state with its keys and values.
+A model with no attention at all (``attention_free``) runs on a cache of no key/value layers holding only that
+state. Layer state laid out by column (an indexer's keys) cannot move between rows: such models are refused.
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
@@ -222,22 +228,29 @@ class BatchScheduler:
         self._refuse_row_state()
         # the salt: what else than the tokens makes the keys and values (the weights, an adapter merged into them)
         self._salt = f"{type(model).__name__}|{cache_salt}".encode()
-        self.prefix_caching = bool(prefix_caching) and self.kv_blocks is not None and not self._column_bound
+        self.prefix_caching = (bool(prefix_caching) and self.kv_blocks is not None and not self._column_bound
+                               and not self._recurrent)
 
     def _refuse_row_state(self) -> None:
-        """Continuous batching moves a request's keys and values between cache rows; a model whose layers keep
-        other state on the cache (recurrent state-space or linear-attention state, indexer keys), or whose cache
-        is no key/value cache, would answer wrongly. One token through a one-row cache tells."""
+        """Continuous batching moves a request's keys, values and recurrent state between cache rows; a model whose
+        layers keep other state on the cache (indexer keys), or whose cache is no key/value cache, would answer
+        wrongly. One token through a one-row cache tells."""
         name = getattr(self.model, "architecture_name", type(self.model).__name__)
         hint = "; use `vkformers generate` or model.generate() for it"
-        if not all(hasattr(self.model, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
+        if getattr(self.model, "attention_free", False):
+            self._geometry = (0, 1, 1)  # no keys or values: the cache carries the rows' recurrent state only
+        elif all(hasattr(self.model, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
+            self._geometry = (self.model.num_layers, self.model.num_kv_heads, self.model.head_dim)
+        else:
             raise InputError(f"{name}: its generation cache is not a key/value cache, which continuous batching "
                              f"needs{hint}")
-        probe = _ProbeCache(self.model.num_layers, 1, self.model.num_kv_heads, self.model.head_dim, 1,
-                            getattr(self.model, "dtype", None) or "float32", self._device())
+        layers, kv_heads, head_dim = self._geometry
+        probe = _ProbeCache(layers, 1, kv_heads, head_dim, 1, getattr(self.model, "dtype", None) or "float32",
+                            self._device())
         self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
         self._column_bound = probe.column_bound
-        state = probe.layer_state()
+        self._recurrent = bool(probe.layer_state())  # its prompts' state is not in blocks: no prefix caching
+        state = probe.fixed_state()
         if state:
             raise InputError(f"{name}: its layers keep {', '.join(state)} on the cache besides keys and values, "
                              f"which continuous batching cannot move between rows yet{hint}")
@@ -456,15 +469,16 @@ class BatchScheduler:
     def _block_pool(self) -> BlockPool:
         if self._pool is None:
             model = self.model
-            self._pool = BlockPool(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_blocks,
-                                   self.page_size, getattr(model, "dtype", None) or "float32", self._device())
+            self._pool = BlockPool(*self._geometry, self.kv_blocks, self.page_size,
+                                   getattr(model, "dtype", None) or "float32", self._device())
         return self._pool
 
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
         if self.kv_blocks is not None:  # memory follows the tokens: the columns cost nothing until used
             return PagedKVCache(self._block_pool(), rows, self._column_limit())
-        return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, self._columns(length),
+        layers, kv_heads, head_dim = self._geometry
+        return KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
                        getattr(model, "dtype", None) or "float32", self._device())
 
     def _cache(self, rows: int, length: int):

@@ -229,6 +229,7 @@ class PagedKVCache(KVCache):
                 values = source.values[layer][picked, :, :count]
             write_kv_paged(self.pool.keys[layer], self.pool.values[layer], keys, values, step,
                            page_size=self.page_size, table_stride=self.table_stride, first_row=row)
+        self.place_states(source, source_row, row, rows)
         self._step = None
 
     def share(self, row: int, blocks) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
+from vkformers.models.cache import register_row_state
 from vkformers.models.layers import Linear, RMSNorm
 from vkformers.models.module import Module
 
@@ -191,6 +192,9 @@ class Mamba2Mixer(Module):
         if s.gated_norm == "before_gate":
             out = out * F.silu(z.float())
         return self.out_proj(out.cast(h.dtype))
+
+
+register_row_state("ssm_states")  # per row: a server's batch moves it with its row's keys and values
 
 
 class CacheStates:
