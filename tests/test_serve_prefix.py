@@ -4,6 +4,8 @@ starts with the full blocks of an earlier prompt (a shared system prompt) prefil
 blocks are evicted; every block comes back (none held, reference counts zero) at the end."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_serve import encode, reference_tokens, run_staggered, wait_for
@@ -190,3 +192,14 @@ def test_the_server_reports_prefix_cache_hits(tiny):
         web.should_exit = True
         thread.join(30)
         scheduler.close()
+
+
+@pytest.mark.parametrize("name, caching", [("llama", True), ("opt", True), ("gemma2", False), ("mistral", False),
+                                           ("bloom", False)])
+def test_models_whose_attention_depends_on_columns_run_without_prefix_caching(name, caching):
+    """Sliding windows (Gemma-2, Mistral) and ALiBi (BLOOM) measure distances in cache columns, which the masked gap
+    of a prefix-cached row would lengthen; OPT counts positions over the mask, so the gap is harmless to it."""
+    folder = Path(__file__).parent / "fixtures" / name
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    assert BatchScheduler(model, None, kv_blocks=16).prefix_caching is caching
+    assert not BatchScheduler(model, None).prefix_caching  # contiguous caches: no blocks to share

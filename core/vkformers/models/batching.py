@@ -28,8 +28,8 @@ in the pool under a hash of their tokens so far (BlockPool.register); a prompt w
 takes them into its row and prefills only the rest. A batch's rows are then laid out as the prompt's full blocks
 from column 0 (where shared blocks must sit, aligned), a masked gap, and the rest of its tokens ending at the
 batch's column; positions count only the tokens, so the gap changes nothing for the model. A batch prefills from
-the column its rows all have cached. Models whose attention depends on column distances (sliding windows, ALiBi)
-would see the gap: they run without prefix caching.
+the column its rows all have cached. Models whose attention or positions depend on columns (sliding windows, ALiBi,
+positions by index) would see the gap: they run without prefix caching.
 
 Recurrent state (state-space and linear-attention layers, ROW_STATES of models/cache.py): each row of the cache
 holds its own conv and scan state beside its keys and values; a left-padded row's padding leaves it at zeros (the
@@ -248,7 +248,10 @@ class BatchScheduler:
         probe = _ProbeCache(layers, 1, kv_heads, head_dim, 1, getattr(self.model, "dtype", None) or "float32",
                             self._device())
         self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
-        self._column_bound = probe.column_bound
+        # the gap of a prefix-cached layout must change nothing: positions counted over the tokens alone
+        gapped = np.array([[1, 1, 0, 1]], np.int64)
+        positions = self.model.generation_positions(gapped, np.full((1, 4), self.pad, np.int64), 4)
+        self._column_bound = probe.column_bound or positions[0, [0, 1, 3]].tolist() != [0, 1, 2]
         self._recurrent = bool(probe.layer_state())  # its prompts' state is not in blocks: no prefix caching
         state = probe.fixed_state()
         if state:
