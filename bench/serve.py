@@ -8,9 +8,16 @@ token p50/p99 and inter-token latency p50/p99 (from the arrival times of the str
 tokens counts as that many tokens, spread evenly). --soak N sends N short requests from --soak-threads threads
 and prints the process's RSS and the device buffer bytes before and after.
 
-    python bench/serve.py [--model M] [--concurrency 1,8,32,64] [--requests 4] [--quick] [--soak 1000] [--json OUT]
+    python bench/serve.py [--model M | --random-shape llama3-8b] [--concurrency 1,8,32,64] [--requests 4] [--quick]
+                          [--kv-cache-tokens N] [--no-prefix-caching] [--soak 1000] [--no-torch] [--json OUT]
 
---quick: short prompts and outputs, for lavapipe. No PyTorch reference here yet.
+--quick: short prompts and outputs, for lavapipe. --random-shape NAME: no download; a Llama of that shape
+(llama3-8b: hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256; tinyllama; --layers to cut it down) with
+random bfloat16 weights drawn cheaply as bench/quant.py does (a few rows tiled), and a made-up tokenizer of the
+vocabulary's size (the clients send token ids). When torch sees a CUDA GPU (and not --no-torch), the same run ends
+with the reference: PyTorch + transformers ``generate`` with a static cache, the same shape (random weights drawn on
+the GPU), serving the requests of the --torch-clients load 8 at a time (left-padded, each batch generating its
+longest output); its output tok/s counts only the tokens the requests asked for.
 """
 from __future__ import annotations
 
@@ -24,24 +31,49 @@ import time
 
 import numpy as np
 
-from common import write_results
+from common import cuda_torch, write_results
+from llama import TINYLLAMA
+from quant import LLAMA3_8B, tiled_weights
+from tokenizers import Tokenizer, models
 
 from vkformers.cli import generate as cli_generate
 from vkformers.cli import serve as cli_serve
 from vkformers.models.batching import BatchScheduler
 from vkformers.models.paged_cache import PAGE_SIZE
-from vkformers.models.loading import AutoTokenizer
+from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
+from vkformers.models.tokenizer import PreTrainedTokenizer
 from vkformers.runtime.vulkan import buffer_memory
 
 
+SHAPES = {"llama3-8b": LLAMA3_8B, "tinyllama": TINYLLAMA}
+
+
+def random_shape(name: str, layers: int | None):
+    """(model, tokenizer, config): a Llama of the named shape with random bfloat16 weights, and a word-level
+    tokenizer of one made-up word per id (its eos: none, the clients ask for every token)."""
+    config = dict(SHAPES[name])
+    if layers:
+        config["num_hidden_layers"] = layers
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tiled_weights(model, None), dtype="bfloat16", requires_grad=False)
+    model.eval()
+    vocab = {f"w{i}": i for i in range(config["vocab_size"])}
+    tokenizer = PreTrainedTokenizer(Tokenizer(models.WordLevel(vocab, unk_token="w0")), {})
+    return model, tokenizer, config
+
+
 def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None,
-                 kv_cache_tokens: int | None = None):
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = True, loaded=None):
     uvicorn = cli_serve.web_modules()
-    tokenizer = AutoTokenizer.from_pretrained(model_name)
-    model = cli_generate.load_model(model_name, dtype)
+    if loaded is None:
+        tokenizer = AutoTokenizer.from_pretrained(model_name)
+        model = cli_generate.load_model(model_name, dtype)
+    else:
+        model, tokenizer = loaded
     blocks = None if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE) + 1
     scheduler = BatchScheduler(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
-                               eos=cli_serve.eos_ids(model, tokenizer), kv_blocks=blocks).start()
+                               eos=cli_serve.eos_ids(model, tokenizer), kv_blocks=blocks,
+                               prefix_caching=prefix_caching).start()
     app = cli_serve.build_app(scheduler, tokenizer, "bench")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -85,10 +117,18 @@ def stream_completion(port: int, prompt: list[int], max_tokens: int) -> tuple[fl
     return float(times[0] - start), list(np.diff(times)), tokens
 
 
-def run_load(port: int, vocab: int, clients: int, requests: int, prompt_range, output_range, seed: int) -> dict:
+def draw_jobs(vocab: int, clients: int, requests: int, prompt_range, output_range, seed: int, shared: int = 0):
+    """Per client, its (prompt ids, max_tokens) requests; every prompt starts with the same ``shared`` tokens (a
+    system prompt), the rest drawn to a length in ``prompt_range``."""
+    system = np.random.default_rng(12345).integers(100, vocab - 100, shared).tolist()
     rng = np.random.default_rng(seed)
-    jobs = [[(rng.integers(100, vocab - 100, rng.integers(*prompt_range, endpoint=True)).tolist(),
+    return [[(system + rng.integers(100, vocab - 100, rng.integers(*prompt_range, endpoint=True)).tolist(),
               int(rng.integers(*output_range, endpoint=True))) for _ in range(requests)] for _ in range(clients)]
+
+
+def run_load(port: int, vocab: int, clients: int, requests: int, prompt_range, output_range, seed: int,
+             shared: int = 0) -> dict:
+    jobs = draw_jobs(vocab, clients, requests, prompt_range, output_range, seed, shared)
     ttfts, gaps, totals, errors = [], [], [0], []
     lock = threading.Lock()
 
@@ -113,9 +153,58 @@ def run_load(port: int, vocab: int, clients: int, requests: int, prompt_range, o
     elapsed = time.perf_counter() - start
     pct = lambda values, q: float(np.percentile(values, q)) * 1e3 if values else float("nan")
     return {"clients": clients, "requests": clients * requests, "failed": len(errors),
-            "output_tokens_per_s": totals[0] / elapsed, "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p99": pct(ttfts, 99),
+            "output_tokens_per_s": totals[0] / elapsed, "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p95": pct(ttfts, 95),
+            "ttft_ms_p99": pct(ttfts, 99),
             "itl_ms_p50": pct(gaps, 50), "itl_ms_p99": pct(gaps, 99), "seconds": elapsed,
             "first_error": errors[0] if errors else None}
+
+
+def torch_reference(torch, config, jobs, batch: int = 8) -> dict:
+    """PyTorch + transformers generate (static cache, greedy, bfloat16) of the same shape serving ``jobs``
+    ``batch`` at a time: the requests' output tokens over the wall time, and the raw rate (every row's tokens).
+    Every batch is left-padded to the longest prompt of all and reuses one static cache, so that the decode step
+    transformers compiles on a GPU keeps its shapes (compiled during the warm-up, not timed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # drawn in bfloat16 on the GPU: no float32 copy, no host draw
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    requests = [job for work in jobs for job in work]
+    groups = [requests[i:i + batch] for i in range(0, len(requests), batch)]
+    width = max(len(p) for p, _ in requests)
+    cache = StaticCache(config=model.config, max_cache_len=width + max(n for _, n in requests))
+
+    def run(group, new=None):
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, (prompt, _) in enumerate(group):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        for row in range(len(group), batch):  # a short last group: filler rows, as a static batch runs them
+            ids[row, -1], mask[row, -1] = 100, 1
+        new = new or max(n for _, n in group)
+        cache.reset()
+        model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, past_key_values=cache, pad_token_id=0)
+        return new
+
+    with torch.no_grad():
+        run(groups[0], 8)  # warm-up: kernels, the compiled decode step
+        run(groups[0], 8)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        raw = sum(batch * run(group) for group in groups)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    model.to("meta")  # its weights' GPU memory back (the cache goes with this call)
+    asked = sum(n for _, n in requests)
+    return {"reference": f"torch {torch.__version__} transformers generate, static cache, batch {batch}",
+            "requests": len(requests), "output_tokens_per_s": asked / elapsed, "raw_tokens_per_s": raw / elapsed,
+            "seconds": elapsed}
 
 
 def rss_bytes() -> int:
@@ -126,6 +215,15 @@ def rss_bytes() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
+                        help="no download: a Llama of this shape with random bfloat16 weights (instead of --model)")
+    parser.add_argument("--layers", type=int, default=None, help="with --random-shape: fewer layers")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="every prompt starts with the same this many tokens (a system prompt)")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    parser.add_argument("--torch-clients", type=int, default=32,
+                        help="the reference serves the requests of this load (its seed), 8 at a time")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests", type=int, default=4, help="requests per client")
@@ -144,15 +242,29 @@ def main(argv=None) -> int:
     prompt_range, output_range = parse_range(args.prompt_range), parse_range(args.output_range)
     if args.quick:
         prompt_range, output_range = (16, 64), (8, 32)
+    loaded, config = None, None
+    if args.random_shape:
+        model, tokenizer, config = random_shape(args.random_shape, args.layers)
+        loaded = (model, tokenizer)
+        max_model_len = args.max_model_len or args.shared_prefix + max(prompt_range) + max(output_range) + 64
+    else:
+        max_model_len = args.max_model_len
     port, scheduler, server, thread, vocab = start_server(args.model or cli_generate.default_model(), args.dtype,
-                                                          args.max_batch, args.max_model_len, args.kv_cache_tokens)
+                                                          args.max_batch, max_model_len, args.kv_cache_tokens,
+                                                          args.prefix_caching, loaded)
+    device = scheduler.model.parameters()[0].device
+    print(f"device: {device.name}; model: {args.random_shape or args.model or 'SmolLM2-135M-Instruct'}; prompts "
+          f"{prompt_range} outputs {output_range} tokens; max-model-len {scheduler.max_model_len}; KV cache: "
+          f"{'paged, %d tokens' % args.kv_cache_tokens if args.kv_cache_tokens else 'contiguous'}", flush=True)
     results = []
-    run_load(port, vocab, 1, 1, prompt_range, (4, 4), seed=0)  # warm-up: kernels, first plans
+    run_load(port, vocab, 1, 1, prompt_range, (4, 4), seed=0, shared=args.shared_prefix)  # warm-up: kernels, plans
     for clients in (int(c) for c in args.concurrency.split(",")):
-        result = run_load(port, vocab, clients, args.requests, prompt_range, output_range, seed=clients)
+        result = run_load(port, vocab, clients, args.requests, prompt_range, output_range, seed=clients,
+                          shared=args.shared_prefix)
         results.append(result)
         print(f"{clients:3d} clients: {result['output_tokens_per_s']:8.1f} output tok/s, TTFT p50 "
-              f"{result['ttft_ms_p50']:7.1f} ms p99 {result['ttft_ms_p99']:7.1f} ms, ITL p50 {result['itl_ms_p50']:6.1f}"
+              f"{result['ttft_ms_p50']:7.1f} ms p95 {result['ttft_ms_p95']:7.1f} ms p99 {result['ttft_ms_p99']:7.1f} "
+              f"ms, ITL p50 {result['itl_ms_p50']:6.1f}"
               f" ms p99 {result['itl_ms_p99']:6.1f} ms, {result['failed']} failed of {result['requests']}", flush=True)
     if args.soak:
         per_thread = -(-args.soak // args.soak_threads)
@@ -168,6 +280,25 @@ def main(argv=None) -> int:
     server.should_exit = True
     thread.join()
     scheduler.close()
+    metrics = scheduler.metrics
+    print(f"scheduler: {metrics.steps} decode steps, peak {metrics.peak_live_rows} rows, {metrics.rebuilds} rebuilds, "
+          f"{metrics.placements} placements, {metrics.preemptions} preemptions; prefix cache "
+          f"{metrics.prefix_hit_tokens} of {metrics.prefix_queried_tokens} prompt tokens")
+    torch = None if args.no_torch or config is None else cuda_torch()
+    if torch is not None:
+        del scheduler, server, loaded  # (the Vulkan buffers stay with the process; torch allocates beside them)
+        jobs = draw_jobs(vocab, args.torch_clients, args.requests, prompt_range, output_range, args.torch_clients,
+                         args.shared_prefix)
+        reference = torch_reference(torch, config, jobs)
+        results.append({"torch": reference})
+        mine = next((r for r in results if r.get("clients") == args.torch_clients), None)
+        ratio = "" if mine is None else (f" (vkformers at {args.torch_clients} clients: "
+                                         f"{mine['output_tokens_per_s'] / reference['output_tokens_per_s']:.2f}x)")
+        print(f"{reference['reference']}: {reference['output_tokens_per_s']:8.1f} output tok/s over the "
+              f"{reference['requests']} requests of the {args.torch_clients}-client load, "
+              f"{reference['raw_tokens_per_s']:.1f} tok/s counting every row's tokens{ratio}", flush=True)
+    elif config is not None and not args.no_torch:
+        print("no PyTorch reference: torch sees no CUDA GPU here")
     write_results(args.json, results)
     return 0
 

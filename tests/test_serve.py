@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ import pytest
 import vkformers as vkf
 from vkformers.cli import main
 from vkformers.cli import serve as cli_serve
-from vkformers.errors import InputError
 from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
@@ -557,12 +555,4 @@ def test_serve_arguments():
     assert (defaults.host, defaults.port, defaults.max_batch, defaults.model) == ("127.0.0.1", 8000, 64, None)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-batch", "0"])
-
-
-@pytest.mark.parametrize("name, says", [("qwen3_next", "linear_states"), ("mamba", "not a key/value cache")])
-def test_models_with_state_besides_keys_and_values_are_refused(name, says):
-    # continuous batching moves only keys and values between rows: a recurrent layer's state would be lost
-    folder = Path(__file__).parent / "fixtures" / name
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
-    with pytest.raises(InputError, match=says):
-        BatchScheduler(model, None)
+    assert defaults.prefix_caching and not build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching

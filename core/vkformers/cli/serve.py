@@ -64,6 +64,10 @@ def add_parser(subparsers):
                         help="a paged KV cache of this many tokens (blocks of 16) shared by all requests: memory follows "
                              "the tokens held; requests wait, or the newest is preempted, when it is full (default: a "
                              "contiguous cache per batch)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="with --kv-cache-tokens: compute every prompt in full (default: a prompt starting with "
+                             "the full blocks of an earlier one, a shared system prompt, takes their keys and values "
+                             "from the cache and prefills only the rest)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
@@ -107,7 +111,9 @@ def run(args) -> int:
             merge_lora(load_adapter(model, args.adapter))
         blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
         scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                                   eos=eos_ids(model, tokenizer), kv_blocks=blocks).start()
+                                   eos=eos_ids(model, tokenizer), kv_blocks=blocks,
+                                   prefix_caching=args.prefix_caching,
+                                   cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{args.adapter}").start()
         app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
@@ -356,6 +362,16 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
             ("kv_cache_blocks", "gauge", "blocks of the paged KV cache (0: contiguous caches)", m.kv_blocks),
             ("kv_cache_blocks_used", "gauge", "blocks of the paged KV cache held by requests", m.kv_blocks_used),
             ("preemptions_total", "counter", "requests sent back to wait for KV blocks (recomputed)", m.preemptions),
+            ("prefill_tokens_total", "counter", "prompt tokens computed by prefills (prefix cache hits excluded)",
+             m.prefill_tokens),
+            ("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
+             m.prefix_queried_tokens),
+            ("prefix_cache_hits_total", "counter", "prompt tokens whose keys and values came from the prefix cache",
+             m.prefix_hit_tokens),
+            ("kv_cache_blocks_cached", "gauge", "blocks of the paged KV cache kept for prefix caching",
+             m.kv_blocks_cached),
+            ("kv_cache_blocks_evicted_total", "counter", "cached blocks taken back for new tokens",
+             m.kv_blocks_evicted),
             ("time_to_first_token_seconds_sum", "counter", "summed time to first token", m.ttft_sum),
             ("time_to_first_token_seconds_count", "counter", "requests with a first token", m.ttft_count)]
     return prometheus_text(rows, label)

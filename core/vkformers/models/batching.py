@@ -23,6 +23,20 @@ blocks their prompts need are in use; when a decode step finds none left, the ne
 given back, the request queued first again, its prompt and tokens so far prefilled anew when it rejoins). A
 request that could never fit the pool is refused at submit (KVBlocksExhausted).
 
+Prefix caching (paged, on unless ``prefix_caching=False``): the full blocks of every prefilled prompt are registered
+in the pool under a hash of their tokens so far (BlockPool.register); a prompt whose leading blocks are registered
+takes them into its row and prefills only the rest. A batch's rows are then laid out as the prompt's full blocks
+from column 0 (where shared blocks must sit, aligned), a masked gap, and the rest of its tokens ending at the
+batch's column; positions count only the tokens, so the gap changes nothing for the model. A batch prefills from
+the column its rows all have cached. Models whose attention or positions depend on columns (sliding windows, ALiBi,
+positions by index) would see the gap: they run without prefix caching.
+
+Recurrent state (state-space and linear-attention layers, ROW_STATES of models/cache.py): each row of the cache
+holds its own conv and scan state beside its keys and values; a left-padded row's padding leaves it at zeros (the
+layers zero padded positions), and placing a prompt prefilled apart moves its rows' state with its keys and values.
+A model with no attention at all (``attention_free``) runs on a cache of no key/value layers holding only that
+state. Layer state laid out by column (an indexer's keys) cannot move between rows: such models are refused.
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
@@ -41,7 +55,7 @@ from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
-from vkformers.models.paged_cache import PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache
+from vkformers.models.paged_cache import PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache, prefix_keys
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 # Columns a batch's cache gets beyond its tokens so far (or fewer: what its requests may still generate); when
@@ -145,14 +159,30 @@ class Metrics:
     kv_blocks: int = 0            # paged: the pool's blocks (scratch block excluded)
     kv_blocks_used: int = 0       # paged: blocks held by requests
     preemptions: int = 0          # paged: requests sent back to wait for blocks (recomputed when they rejoin)
+    prefill_tokens: int = 0       # tokens of prompts (and tokens so far) computed by prefills
+    prefix_queried_tokens: int = 0  # tokens of prompts looked up in the prefix cache
+    prefix_hit_tokens: int = 0    # of those, tokens whose keys and values came from the prefix cache
+    kv_blocks_cached: int = 0     # paged: blocks registered for prefix caching (held or reusable)
+    kv_blocks_evicted: int = 0    # paged: registered blocks no request held, taken back for new tokens
+
+
+@dataclass
+class _Layout:
+    """Token histories laid out as one batch: ``ids`` and ``mask`` [rows, width]; the first ``start`` columns of
+    every request's row come from the prefix cache; ``keys``: each request's prompt block keys, of which the first
+    ``aligned`` blocks sit aligned from column 0 (registered once prefilled)."""
+    ids: np.ndarray
+    mask: np.ndarray
+    start: int = 0
+    keys: tuple = ()
+    aligned: tuple = ()
 
 
 @dataclass
 class _Prefill:
-    """Joining prompts being prefilled into ``cache``, ``done`` of their (left-padded) tokens so far."""
+    """Joining prompts being prefilled into ``cache``, ``done`` of their (laid out) tokens so far."""
     requests: list[Request]
-    ids: np.ndarray
-    mask: np.ndarray
+    layout: _Layout
     positions: np.ndarray
     cache: KVCache
     done: int = 0
@@ -167,7 +197,8 @@ class BatchScheduler:
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=(),
-                 kv_blocks: int | None = None, page_size: int = PAGE_SIZE):
+                 kv_blocks: int | None = None, page_size: int = PAGE_SIZE, prefix_caching: bool = True,
+                 cache_salt: str = ""):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
@@ -195,20 +226,34 @@ class BatchScheduler:
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
         self._refuse_row_state()
+        # the salt: what else than the tokens makes the keys and values (the weights, an adapter merged into them)
+        self._salt = f"{type(model).__name__}|{cache_salt}".encode()
+        self.prefix_caching = (bool(prefix_caching) and self.kv_blocks is not None and not self._column_bound
+                               and not self._recurrent)
 
     def _refuse_row_state(self) -> None:
-        """Continuous batching moves a request's keys and values between cache rows; a model whose layers keep
-        other state on the cache (recurrent state-space or linear-attention state, indexer keys), or whose cache
-        is no key/value cache, would answer wrongly. One token through a one-row cache tells."""
+        """Continuous batching moves a request's keys, values and recurrent state between cache rows; a model whose
+        layers keep other state on the cache (indexer keys), or whose cache is no key/value cache, would answer
+        wrongly. One token through a one-row cache tells."""
         name = getattr(self.model, "architecture_name", type(self.model).__name__)
         hint = "; use `vkformers generate` or model.generate() for it"
-        if not all(hasattr(self.model, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
+        if getattr(self.model, "attention_free", False):
+            self._geometry = (0, 1, 1)  # no keys or values: the cache carries the rows' recurrent state only
+        elif all(hasattr(self.model, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
+            self._geometry = (self.model.num_layers, self.model.num_kv_heads, self.model.head_dim)
+        else:
             raise InputError(f"{name}: its generation cache is not a key/value cache, which continuous batching "
                              f"needs{hint}")
-        probe = KVCache(self.model.num_layers, 1, self.model.num_kv_heads, self.model.head_dim, 1,
-                        getattr(self.model, "dtype", None) or "float32", self._device())
+        layers, kv_heads, head_dim = self._geometry
+        probe = _ProbeCache(layers, 1, kv_heads, head_dim, 1, getattr(self.model, "dtype", None) or "float32",
+                            self._device())
         self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
-        state = probe.layer_state()
+        # the gap of a prefix-cached layout must change nothing: positions counted over the tokens alone
+        gapped = np.array([[1, 1, 0, 1]], np.int64)
+        positions = self.model.generation_positions(gapped, np.full((1, 4), self.pad, np.int64), 4)
+        self._column_bound = probe.column_bound or positions[0, [0, 1, 3]].tolist() != [0, 1, 2]
+        self._recurrent = bool(probe.layer_state())  # its prompts' state is not in blocks: no prefix caching
+        state = probe.fixed_state()
         if state:
             raise InputError(f"{name}: its layers keep {', '.join(state)} on the cache besides keys and values, "
                              f"which continuous batching cannot move between rows yet{hint}")
@@ -351,6 +396,8 @@ class BatchScheduler:
     def _count_blocks(self) -> None:
         if self._pool is not None:
             self.metrics.kv_blocks_used = self._pool.used_blocks
+            self.metrics.kv_blocks_cached = self._pool.cached_blocks
+            self.metrics.kv_blocks_evicted = self._pool.evictions
 
     def _free_rows(self) -> None:
         """Paged: the rows of requests that left give their blocks back."""
@@ -425,15 +472,16 @@ class BatchScheduler:
     def _block_pool(self) -> BlockPool:
         if self._pool is None:
             model = self.model
-            self._pool = BlockPool(model.num_layers, model.num_kv_heads, model.head_dim, self.kv_blocks,
-                                   self.page_size, getattr(model, "dtype", None) or "float32", self._device())
+            self._pool = BlockPool(*self._geometry, self.kv_blocks, self.page_size,
+                                   getattr(model, "dtype", None) or "float32", self._device())
         return self._pool
 
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
         if self.kv_blocks is not None:  # memory follows the tokens: the columns cost nothing until used
             return PagedKVCache(self._block_pool(), rows, self._column_limit())
-        return KVCache(model.num_layers, rows, model.num_kv_heads, model.head_dim, self._columns(length),
+        layers, kv_heads, head_dim = self._geometry
+        return KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
                        getattr(model, "dtype", None) or "float32", self._device())
 
     def _cache(self, rows: int, length: int):
@@ -490,14 +538,18 @@ class BatchScheduler:
         with self._cond:
             live = self._live() + joining
         rows = self._bucket(len(live))
-        ids, mask = self._left_padded([r.prompt + r.generated for r in live], rows)
+        if self._state is not None and self._state[0].paged:
+            self._state[0].reset()  # everything is prefilled again: its blocks first (its cached ones stay)
+        layout = self._layout(live, rows)
+        ids, mask = layout.ids, layout.mask
         length = ids.shape[1]
         remaining = max(r.params.max_tokens - len(r.generated) for r in live)
-        if self._state is not None and self._state[0].paged:
-            self._state[0].reset()  # everything is prefilled again: its blocks first
         cache, capture = self._cache(rows, length + min(remaining, CACHE_GROWTH))
+        self._take_prefix(cache, layout, len(live))
         positions = self.model.generation_positions(mask, ids, length)
-        logits = self.model.prefill(ids, mask, positions, cache)
+        start = layout.start
+        logits = self.model.prefill(ids[:, start:], mask, positions[:, start:], cache)
+        self._register_prefix(cache, layout, len(live))
         self._state = (cache, capture, ids, mask, length)
         self._rows = live + [None] * (rows - len(live))
         self.metrics.rebuilds += 1
@@ -518,21 +570,79 @@ class BatchScheduler:
             start + min(r.params.max_tokens - len(r.generated), CACHE_GROWTH) <= self._column_limit() for r in joining)
 
     def _start_prefill(self, joining: list[Request]) -> None:
-        ids, mask = self._left_padded([r.prompt + r.generated for r in joining], self._bucket(len(joining)))
+        layout = self._layout(joining, self._bucket(len(joining)))
+        ids, mask = layout.ids, layout.mask
         positions = self.model.generation_positions(mask, ids, ids.shape[1])
-        self._prefilling = _Prefill(joining, ids, mask, positions, self._prefill_cache(ids.shape[0], ids.shape[1]))
+        cache = self._prefill_cache(ids.shape[0], ids.shape[1])
+        self._take_prefix(cache, layout, len(joining))
+        self._prefilling = _Prefill(joining, layout, positions, cache, layout.start)
 
     def _prefill_chunk(self) -> None:
         """The next PREFILL_CHUNK tokens of the joining prompts; after the last, they join (_place)."""
         job = self._prefilling
-        start, width = job.done, job.ids.shape[1]
+        ids, mask = job.layout.ids, job.layout.mask
+        start, width = job.done, ids.shape[1]
         end = min(start + max(PREFILL_CHUNK, 1), width)
-        logits = self.model.prefill(job.ids[:, start:end], job.mask[:, :end], job.positions[:, start:end], job.cache)
+        logits = self.model.prefill(ids[:, start:end], mask[:, :end], job.positions[:, start:end], job.cache)
         job.done = end
         self.metrics.prefill_chunks += 1
         if end == width:
             self._prefilling = None
-            self._place(job.requests, job.ids, job.cache, logits)
+            self._register_prefix(job.cache, job.layout, len(job.requests))
+            self._place(job.requests, ids, job.cache, logits)
+
+    def _layout(self, requests: list[Request], rows: int) -> _Layout:
+        """The requests' tokens so far (prompt and generated) as ``rows`` rows (filler rows: one pad token).
+        Without prefix caching, left-padded. With it: each prompt's full blocks from column 0, a masked gap, the
+        rest ending at the last column; ``start``: the columns every request finds in the prefix cache (a whole
+        number of blocks, and at least one token left to prefill)."""
+        histories = [r.prompt + r.generated for r in requests]
+        queried = sum(len(h) for h in histories)
+        if not self.prefix_caching:
+            self.metrics.prefill_tokens += queried
+            ids, mask = self._left_padded(histories, rows)
+            return _Layout(ids, mask)
+        size, pool = self.page_size, self._block_pool()
+        keys = [prefix_keys(r.prompt, size, self._salt) for r in requests]
+        aligned = [min(len(k), (len(h) - 1) // size) for k, h in zip(keys, histories)]
+        hits = min(pool.cached_prefix(k[:a]) for k, a in zip(keys, aligned))
+        width = self._width(max(len(h) for h in histories))
+        ids = np.full((rows, width), self.pad, np.int64)
+        mask = np.zeros((rows, width), np.int64)
+        for row, (history, blocks) in enumerate(zip(histories, aligned)):
+            cut = blocks * size
+            rest = history[cut:]
+            ids[row, :cut], ids[row, width - len(rest):] = history[:cut], rest
+            mask[row, :cut] = 1
+            mask[row, width - len(rest):] = 1
+        mask[len(requests):, -1] = 1
+        hit_tokens = hits * size * len(requests)
+        self.metrics.prefix_queried_tokens += queried
+        self.metrics.prefix_hit_tokens += hit_tokens
+        self.metrics.prefill_tokens += queried - hit_tokens
+        return _Layout(ids, mask, hits * size, tuple(keys), tuple(aligned))
+
+    def _take_prefix(self, cache: KVCache, layout: _Layout, live: int) -> None:
+        """Put the cached blocks of the layout's first ``start`` columns into the requests' rows of the reset
+        ``cache``; filler rows take no blocks."""
+        if not self.prefix_caching:
+            return
+        cache.release_rows(range(live, cache.batch))
+        blocks = layout.start // self.page_size
+        if not blocks:
+            return
+        for row, keys in enumerate(layout.keys):
+            cache.share(row, self._pool.lookup(keys[:blocks]))
+        cache.advance(layout.start)
+
+    def _register_prefix(self, cache: KVCache, layout: _Layout, live: int) -> None:
+        """Offer the prefilled rows' full prompt blocks to later prompts."""
+        if not self.prefix_caching:
+            return
+        for row, (keys, blocks) in enumerate(zip(layout.keys, layout.aligned)):
+            for block in range(layout.start // self.page_size, blocks):
+                self._pool.register(keys[block], cache.tables[row, block])
+        self._count_blocks()
 
     def _place(self, joining: list[Request], ids: np.ndarray, source: KVCache, logits: np.ndarray) -> None:
         """Move the prefilled prompts' keys and values (``source``) into free rows of the running batch, ending at
@@ -689,6 +799,18 @@ class BatchScheduler:
         request.sent = len(request.text)
         logprobs, request.pending_logprobs = request.pending_logprobs, []
         request.on_update(Update(delta, logprobs, reason, len(request.generated)))
+
+
+class _ProbeCache(KVCache):
+    """A KVCache that notes whether any layer's attention depends on column distances (a sliding window, ALiBi)."""
+
+    def __init__(self, *args, **kwargs):
+        self.column_bound = False  # before KVCache's fields are counted as its own
+        super().__init__(*args, **kwargs)
+
+    def attend(self, layer, q, k, v, **options):
+        self.column_bound |= bool(options.get("window")) or options.get("alibi_slopes") is not None
+        return super().attend(layer, q, k, v, **options)
 
 
 def _logprob(scores: np.ndarray, token: int, top: int) -> TokenLogprob:

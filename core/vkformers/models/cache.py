@@ -42,6 +42,18 @@ class RowStateError(VkformersError, ValueError):
     """A cache holding layer state besides keys and values asked to move rows."""
 
 
+# Layer state that lives per row and holds everything a row's tokens left behind (a recurrent state-space or
+# linear-attention state: conv inputs and scan state): a dict {layer: tensors [batch, ...] or tuples of them} on the
+# cache, which place_row moves row by row beside the keys and values. Other layer state (an indexer's keys, laid
+# out by column) cannot move so.
+ROW_STATES = {"linear_states"}
+
+
+def register_row_state(name: str) -> None:
+    """Declare the cache attribute ``name`` a per-row recurrent state (see ROW_STATES)."""
+    ROW_STATES.add(name)
+
+
 class KVCache:
     paged = False  # PagedKVCache (models/paged_cache.py): keys and values in blocks, not [batch, kv_heads, max_len, dim]
 
@@ -49,7 +61,7 @@ class KVCache:
                  dtype="float32", device: Device | None = None):
         for name, value in (("num_layers", num_layers), ("batch", batch), ("kv_heads", kv_heads),
                             ("head_dim", head_dim), ("max_len", max_len)):
-            if int(value) < 1:
+            if int(value) < (0 if name == "num_layers" else 1):  # no layers: a model of recurrent state only
                 raise ValueError(f"KVCache: {name} must be >= 1, got {value}")
         self.num_layers, self.batch, self.kv_heads = int(num_layers), int(batch), int(kv_heads)
         self.head_dim, self.max_len = int(head_dim), int(max_len)
@@ -71,10 +83,14 @@ class KVCache:
         state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
         return sorted(name for name in self.__dict__ if name not in self._own_fields)
 
+    def fixed_state(self) -> list[str]:
+        """The layer state :meth:`place_row` cannot move (not a per-row recurrent state, ROW_STATES)."""
+        return [name for name in self.layer_state() if name not in ROW_STATES]
+
     def check_place(self, source: "KVCache", source_row: int, row: int, rows: int) -> None:
         """What :meth:`place_row` refuses: rows or tokens that do not fit, another cache layout, and caches holding
-        layer state besides keys and values (rows move only keys and values)."""
-        state = source.layer_state() or self.layer_state()
+        layer state that is not a per-row recurrent state (rows move keys, values and those)."""
+        state = source.fixed_state() or self.fixed_state()
         if state:
             raise RowStateError(f"{type(self).__name__}.place_row: the model keeps {', '.join(state)} on its cache "
                                 "besides keys and values, which rows cannot be moved with")
@@ -121,7 +137,29 @@ class KVCache:
                      source.values[layer][picked, :, :count], start, first_row=row)
         self.mask[row:row + rows, :end - count] = 0
         self.mask[row:row + rows, end - count:end] = source.mask[picked, :count]
+        self.place_states(source, source_row, row, rows)
         self._step = None
+
+    def place_states(self, source: "KVCache", source_row: int, row: int, rows: int) -> None:
+        """place_row's move of the per-row recurrent states (ROW_STATES) of ``source``'s rows into ``row``..: a
+        state holds all its row's tokens, wherever they sit in the columns."""
+        for name in source.layer_state():
+            held = self.__dict__.setdefault(name, {})
+            for layer, value in source.__dict__[name].items():
+                held[layer] = self._place_state(held.get(layer), value, source_row, row, rows)
+
+    def _place_state(self, held, value, source_row: int, row: int, rows: int):
+        if isinstance(value, (tuple, list)):
+            held = held if isinstance(held, (tuple, list)) and len(held) == len(value) else [None] * len(value)
+            return type(value)(self._place_state(h, v, source_row, row, rows) for h, v in zip(held, value))
+        if value is None:
+            return held
+        shape = (self.batch, *value.shape[1:])
+        if held is None or tuple(held.shape) != shape or held.dtype != value.dtype:
+            held = tensor(np.zeros(shape, np.float32), dtype=value.dtype, device=self.device)
+        parts = [held[:row], value[source_row:source_row + rows], held[row + rows:]]
+        parts = [part for part in parts if part.shape[0]]
+        return F.cat(parts, 0) if len(parts) > 1 else parts[0]
 
     # -- one forward's inputs
 

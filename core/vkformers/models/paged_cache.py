@@ -11,10 +11,18 @@ The cache has KVCache's interface (``attend``, ``advance``, ``step_arrays``, ...
 recorded decode steps run on it unchanged: one uint32 step tensor ``[start, end, tables]`` replaces KVCache's
 bounds, and the decode attention reads keys and values through the tables (attention_decode.comp, PAGE_SIZE).
 A chunked prefill gathers the stored blocks of each row (the embedding kernel) before attending.
+
+Prefix caching: a block full of prompt tokens can be registered under a key that hashes every token up to its end
+(and what else changes its keys and values: the weights, an adapter). A later prompt starting with the same tokens
+takes those blocks into its table (:meth:`BlockPool.lookup`) instead of computing them. Blocks are counted by
+reference; a registered block no row holds stays in the pool, reusable, until an allocation needs it (least
+recently used first). Rows only ever append, past their shared blocks, so no row writes into a shared block.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 
 import numpy as np
 
@@ -52,23 +60,87 @@ class BlockPool:
         self.values = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"v_pool.{i}")
                        for i in range(self.num_layers)]
         self._free = list(range(self.blocks - 1, SCRATCH, -1))  # popped from the end: 1, 2, ...
+        self.refs = np.zeros(self.blocks, np.int64)  # rows holding each block
+        self._cached: dict[bytes, int] = {}   # prefix key -> block
+        self._key_of: dict[int, bytes] = {}   # block -> its prefix key
+        self._idle: OrderedDict[int, None] = OrderedDict()  # registered blocks no row holds, least recent first
+        self.evictions = 0  # registered blocks taken back for new tokens
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: never used, or registered and held by no row (evicted when taken)."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used_blocks(self) -> int:
-        return self.blocks - 1 - len(self._free)
+        return self.blocks - 1 - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._cached)
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            block = self._free.pop()
+        elif self._idle:
+            block, _ = self._idle.popitem(last=False)
+            del self._cached[self._key_of.pop(block)]
+            self.evictions += 1
+        else:
             raise KVBlocksExhausted(f"the KV cache's {self.blocks - 1} blocks of {self.page_size} tokens are all in "
                                     "use; wait for requests to finish or give the cache more blocks")
-        return self._free.pop()
+        self.refs[block] = 1
+        return block
 
     def release(self, blocks) -> None:
-        self._free.extend(int(b) for b in blocks if b != SCRATCH)
+        for block in (int(b) for b in blocks):
+            if block == SCRATCH:
+                continue
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                continue
+            if block in self._key_of:
+                self._idle[block] = None
+            else:
+                self._free.append(block)
+
+    def cached_prefix(self, keys) -> int:
+        """How many of the leading ``keys`` are registered (nothing taken)."""
+        count = 0
+        while count < len(keys) and keys[count] in self._cached:
+            count += 1
+        return count
+
+    def lookup(self, keys) -> list[int]:
+        """The blocks registered under the leading ``keys`` (a prompt's block keys, in order), up to the first
+        missing one, each now held once more by the caller."""
+        found = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            self._idle.pop(block, None)
+            self.refs[block] += 1
+            found.append(block)
+        return found
+
+    def register(self, key: bytes, block: int) -> None:
+        """Offer ``block`` (full of the tokens ``key`` hashes) to later prompts; a key already held keeps its
+        block (this one stays private to its row)."""
+        block = int(block)
+        if key not in self._cached and block not in self._key_of and block != SCRATCH:
+            self._cached[key] = block
+            self._key_of[block] = key
+
+
+def prefix_keys(tokens, page_size: int, salt: bytes = b"") -> list[bytes]:
+    """The key of every full block of ``tokens``: a hash of ``salt`` and all the tokens up to the block's end."""
+    tokens = np.asarray(tokens, np.int64)
+    keys, key = [], hashlib.blake2b(salt, digest_size=16).digest()
+    for end in range(page_size, len(tokens) + 1, page_size):
+        key = hashlib.blake2b(key + tokens[end - page_size:end].tobytes(), digest_size=16).digest()
+        keys.append(key)
+    return keys
 
 
 class PagedKVCache(KVCache):
@@ -157,6 +229,18 @@ class PagedKVCache(KVCache):
                 values = source.values[layer][picked, :, :count]
             write_kv_paged(self.pool.keys[layer], self.pool.values[layer], keys, values, step,
                            page_size=self.page_size, table_stride=self.table_stride, first_row=row)
+        self.place_states(source, source_row, row, rows)
+        self._step = None
+
+    def share(self, row: int, blocks) -> None:
+        """Row ``row``'s first table entries become ``blocks`` (already held for it, BlockPool.lookup): its leading
+        tokens, computed for an earlier prompt. The row only appends after them."""
+        blocks = np.asarray(blocks, np.uint32)
+        if self.held[row, :len(blocks)].any():
+            raise ValueError(f"PagedKVCache.share: row {row} already holds blocks")
+        self.tables[row, :len(blocks)] = blocks
+        self.held[row, :len(blocks)] = True
+        self.dead[row] = False
         self._step = None
 
     def reserve(self, end: int) -> None:
@@ -241,4 +325,4 @@ class PagedKVCache(KVCache):
                                       key_padding_mask=mask, return_lse=return_lse)
 
 
-__all__ = ["BlockPool", "KVBlocksExhausted", "PAGE_SIZE", "PagedKVCache"]
+__all__ = ["BlockPool", "KVBlocksExhausted", "PAGE_SIZE", "PagedKVCache", "prefix_keys"]

@@ -19,6 +19,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
+from vkformers.models.cache import register_row_state
 from vkformers.models.layers import Linear, RMSNorm
 from vkformers.models.module import Module
 
@@ -251,6 +252,9 @@ class ZambaMambaMixer(Module):
             cache.write(index, F.cat([history, x_in], 1)[:, -past:], last)
         y = y * F.silu(z.float())
         return self.out_proj(y.cast(h.dtype))
+
+
+register_row_state("ssm_states")  # per row: a server's batch moves it with its row's keys and values
 
 
 class CacheStates:

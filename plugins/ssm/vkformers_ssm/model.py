@@ -18,6 +18,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor, parameter
+from vkformers.models.cache import KVCache
 from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
@@ -27,7 +28,7 @@ from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
-from vkformers_ssm.mixers import Mamba2Mixer, MambaMixer
+from vkformers_ssm.mixers import CacheStates, Mamba2Mixer, MambaMixer
 from vkformers_ssm.variants import MambaSpec, mamba_spec
 
 IGNORE_INDEX = -100
@@ -107,6 +108,8 @@ class MambaForCausalLM(Module, GenerationMixin):
 
     supports_gradient_checkpointing = True
     max_position_embeddings = 1 << 30  # no position table: generate may capture decode steps at any length
+    # no keys or values: given a KVCache (a server's batch, models/batching.py), its states ride on it per row
+    attention_free = True
 
     def __init__(self, config: dict, architecture):
         super().__init__()
@@ -164,8 +167,9 @@ class MambaForCausalLM(Module, GenerationMixin):
         x = self.backbone.embeddings(ids)
         if keep is not None:
             keep = keep.cast(x.dtype)
+        states = CacheStates(cache) if isinstance(cache, KVCache) else cache
         for index, layer in enumerate(self.backbone.layers):
-            x = self.call_layer(layer, x, keep, cache, index)
+            x = self.call_layer(layer, x, keep, states, index)
         norm_f = self.backbone.norm_f
         if x.dtype is norm_f.weight.dtype:
             x = norm_f(x)
