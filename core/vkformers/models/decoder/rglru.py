@@ -23,6 +23,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
+from vkformers.models.cache import register_row_state
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 
@@ -102,3 +103,6 @@ class RecurrentBlock(Module):
             past = self.kernel - 1
             states[index] = ((F.cat([history, x_in], 1)[:, -past:] if past else history).detach(), state.detach())
         return self.linear_out(out.cast(h.dtype) * y)
+
+
+register_row_state("rglru_states")  # per row: a server's batch moves it with its row's keys and values

@@ -15,6 +15,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
+from vkformers.models.cache import register_row_state
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
 
@@ -60,3 +61,6 @@ class ShortConv(Module):
         if states is not None and self.kernel > 1:
             states[index] = F.cat([history, gated], 1)[:, -(self.kernel - 1):].detach()
         return self.out_proj(c * out)
+
+
+register_row_state("short_conv_states")  # per row: a server's batch moves it with its row's keys and values
