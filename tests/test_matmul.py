@@ -312,6 +312,64 @@ def test_coopmat_tiles_fill_the_gpu():
     assert KM.split_k(gpu, short, 16, 2048, 128, 1) == 1  # two K steps: nothing to split
 
 
+LAYOUTS = ((False, False), (False, True), (True, False), (True, True))
+
+
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(KM.COOPMAT_VARIANTS))
+def test_coopmat_variants(device, in_dtype, name):
+    """Each variant of the cooperative-matrix kernel for large products (KM.COOPMAT_VARIANTS: one or two staged
+    copies, short rows staged down the lanes, B's fragments loaded ahead): whole tiles over an odd number of K
+    steps (unchecked loads; both staged copies, the last step in the second), edges with a partial K step, a K of
+    less than one step, 16-bit C (whole tiles and edges), in every layout whose tiles fit the device; bias,
+    alpha, beta and batches with offsets."""
+    cfg = KM.COOPMAT_VARIANTS[name]
+    if not coopmat_supported(device, in_dtype):
+        with pytest.raises(ValueError, match="cooperative matrix"):
+            run_case(device, 16, 64, 256, in_dtype=in_dtype, algorithm="coopmat", coopmat=cfg)
+        return
+    limit = device.limits["max_compute_shared_memory_size"]
+    other = "bfloat16" if in_dtype == "float16" else "float16"
+    for trans_a, trans_b in LAYOUTS:
+        if cfg.shared_bytes(trans_a, trans_b) > limit:
+            continue
+        layout = dict(in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm="coopmat", coopmat=cfg)
+        run_case(device, 2 * cfg.bm, 2 * cfg.bn, 5 * cfg.bk, alpha=0.5, **layout)
+        run_case(device, cfg.bm + 37, cfg.bn + 19, 7 * cfg.bk + 5, **layout)
+        run_case(device, 2 * cfg.bm, cfg.bn, 4 * cfg.bk, out_dtype=in_dtype, **layout)
+        run_case(device, cfg.bm + 8, 2 * cfg.bn + 24, 3 * cfg.bk + 8, out_dtype=other, **layout)
+        run_case(device, 45, 71, 9, **layout)
+    if cfg.shared_bytes(False, True) <= limit:
+        run_case(device, 77, 150, 2 * cfg.bk + 40, in_dtype=in_dtype, out_dtype=in_dtype, batch=2, pad=(8, 16, 3),
+                 offsets=(8, 16, 5, 2), bias=True, alpha=0.5, beta=1.0, trans_b=True, algorithm="coopmat",
+                 coopmat=cfg)
+        run_case(device, 2 * cfg.bm, cfg.bn, 3 * cfg.bk, in_dtype=in_dtype, batch=2, pad=(8, 16, 8),
+                 offsets=(8, 16, 8, 0), trans_b=True, algorithm="coopmat", coopmat=cfg)
+
+
+def test_coopmat_variants_fit_and_choice_by_layout():
+    """Pure arithmetic: every variant runs with 32-wide subgroups and fits 48 KiB of shared memory in every
+    layout; the production table names variants; the launcher's tile for a large product in each layout is the
+    table's where it fits, and a device with less shared memory falls back to tiles that fit it."""
+    for cfg in KM.COOPMAT_VARIANTS.values():
+        cfg.check(32)
+        assert all(cfg.shared_bytes(ta, tb) <= 48 * 1024 for ta, tb in LAYOUTS), cfg.name
+    class Gpu:
+        is_cpu = False
+        limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
+    gpu = Gpu()
+    for (trans_a, trans_b), (large, default) in KM.COOPMAT_BY_LAYOUT.items():
+        assert KM.coopmat_config(gpu, 8192, 8192, 1, trans_a, trans_b) == KM.COOPMAT_VARIANTS[large]
+        cfg = KM.coopmat_config(gpu, 512, 14336, 1, trans_a, trans_b)
+        assert KM._groups(cfg, 512, 14336) >= KM.FILL_WORKGROUPS
+    for shared in (40 * 1024, 32 * 1024, 16 * 1024):
+        gpu.limits["max_compute_shared_memory_size"] = shared
+        for trans_a, trans_b in LAYOUTS:
+            for m in (8192, 512):
+                cfg = KM.coopmat_config(gpu, m, 8192, 1, trans_a, trans_b)
+                assert cfg.shared_bytes(trans_a, trans_b) <= shared or cfg == KM.COOPMAT_SMALL_SHARED
+
+
 def test_tiled_tiles_by_size():
     """The tiled kernel's tile on a GPU with 48 KiB of shared memory (pure arithmetic): 128 x 128 tiles of 512
     invocations for a C of at least 512 of them (batches count), 128 x 64 below, 64 x 64 for a small C, and
