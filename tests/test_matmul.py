@@ -10,6 +10,11 @@ float16/bfloat16 on a GPU that has it), and the tiled kernel explicitly as well.
 The small-m kernel (m <= 8, decoding) has its own tests at the end, with the same
 tolerances: it also accumulates in float32 and rounds C once.
 """
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -17,6 +22,7 @@ from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import matmul as KM
 from vkformers.engine.kernels.matmul import SMALL_M_MAX, SmallMConfig, coopmat_supported, matmul, select_algorithm
 from vkformers.runtime import dtypes as dt
+from vkformers.runtime.kernels import _compiler_env, find_spirv, glslang_command
 
 DTYPES = ("float32", "float16", "bfloat16")
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
@@ -368,6 +374,44 @@ def test_coopmat_variants_fit_and_choice_by_layout():
             for m in (8192, 512):
                 cfg = KM.coopmat_config(gpu, m, 8192, 1, trans_a, trans_b)
                 assert cfg.shared_bytes(trans_a, trans_b) <= shared or cfg == KM.COOPMAT_SMALL_SHARED
+
+
+def frozen_shared_bytes(spirv_path, spec: list[int]) -> int:
+    """Bytes of the shared array of a kernel once its specialization constants (by id) are frozen to ``spec``
+    (spirv-opt; the frozen module must also pass spirv-val)."""
+    tools = Path(glslang_command()[0]).parent
+    if not (tools / "spirv-opt").exists():
+        pytest.skip("spirv-opt is not installed beside glslangValidator")
+    env = _compiler_env([str(tools / "spirv-opt")])
+    with tempfile.TemporaryDirectory() as folder:
+        frozen = str(Path(folder) / "frozen.spv")
+        values = " ".join(f"{i}:{v}" for i, v in enumerate(spec))
+        subprocess.run([str(tools / "spirv-opt"), str(spirv_path), "-o", frozen,
+                        f"--set-spec-const-default-value={values}", "--freeze-spec-const",
+                        "--fold-spec-const-op-composite", "--eliminate-dead-const"], check=True, env=env)
+        subprocess.run([str(tools / "spirv-val"), "--target-env", "vulkan1.3", frozen], check=True, env=env)
+        text = subprocess.run([str(tools / "spirv-dis"), frozen], check=True, env=env, capture_output=True,
+                              text=True).stdout
+    def defined(name):
+        return re.search(rf"^\s*{re.escape(name)} = (.*)$", text, re.M).group(1).split()
+    pointer = next(line.split()[3] for line in text.splitlines() if "OpVariable" in line and "Workgroup" in line)
+    array = defined(pointer)[-1]
+    _, element, length = defined(array)
+    assert element == "%v4uint"
+    return 16 * int(defined(length)[-1])
+
+
+def test_coopmat_shared_memory_matches_the_kernel():
+    """No cooperative-matrix device needed: each variant's specialization constants frozen into the kernel's
+    SPIR-V give a valid module whose shared memory is CoopmatConfig.shared_bytes in every layout (the launcher's
+    check against the device's limit and the tile choice rely on that figure)."""
+    spirv = find_spirv("matmul_coopmat", "f16_f32")
+    for cfg in KM.COOPMAT_VARIANTS.values():
+        for trans_a, trans_b in LAYOUTS:
+            spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), 0, 1, 1,
+                    cfg.sg_rows * cfg.sg_cols * 32, cfg.frag_m, cfg.frag_n, 0, 0, 0, 1, 0, cfg.group_rows, 0,
+                    *cfg.spec_options()]
+            assert frozen_shared_bytes(spirv, spec) == cfg.shared_bytes(trans_a, trans_b), (cfg.name, trans_a, trans_b)
 
 
 def test_tiled_tiles_by_size():
