@@ -15,6 +15,9 @@
 // barrier, prefetch the next tile, multiply, barrier. STAGES = 2: two staged copies;
 // per K step: stage the next tile (prefetched during the previous multiply) into the
 // copy nobody reads, prefetch the one after, multiply the current copy, one barrier.
+// PREFETCH = 2: two sets of prefetch registers, so a tile's loads are issued two K
+// steps before it is staged and overlap two multiplies instead of one (global latency
+// on the H200 is about one K step of 32 of a 128 x 256 tile's products).
 // LANES_DOWN: a staged row of fewer than 8 uvec4s (K steps of 16 or 32 along a
 // k-contiguous tile) is filled by consecutive lanes going down 8 rows of one column
 // instead of along the row; with the padded pitch every 8 lanes then store to 8
@@ -97,6 +100,7 @@ layout(constant_id = 17) const uint FORMAT = 0;  // quant_block.glsl QUANT_* (th
 layout(constant_id = 18) const uint STAGES = 1;  // staged copies of each tile: 1 or 2 (see above)
 layout(constant_id = 19) const uint LANES_DOWN = 0;  // staging order of short rows (see above)
 layout(constant_id = 20) const uint B_AHEAD = 0;  // all fragments of B of a K step loaded before multiplying
+layout(constant_id = 21) const uint PREFETCH = 1;  // K steps between a tile's loads and its staging: 1 or 2
 #include "matmul_io.glsl"
 #if defined(QUANT_B)
 layout(binding = 1) readonly buffer Packed { uint packed_words[]; };  // B's bytes as words
@@ -316,37 +320,49 @@ void main() {
         [[unroll]] for (uint j = 0; j < FRAG_N; ++j)
             acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-    uvec4 next_a[MAX_CHUNKS];
+    // Prefetched tiles in registers: one set, or two (PREFETCH = 2) for tiles two K steps ahead.
+    uvec4 next_a[MAX_CHUNKS], next_a1[MAX_CHUNKS];
 #if defined(QUANT_B)
-    QuantRun next_b[MAX_CHUNKS];
-    uvec2 next_b_place[MAX_CHUNKS];
-#define FETCH_B(FAST, K0) \
+    QuantRun next_b[MAX_CHUNKS], next_b1[MAX_CHUNKS];
+    uvec2 next_b_place[MAX_CHUNKS], next_b1_place[MAX_CHUNKS];
+#define FETCH_B(FAST, K0, NB, NBP) \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) \
-            next_b[l] = fetch_chunk_b(tid + l * threads, col0, K0, next_b_place[l]);
-#define STAGE_B(STAGE) \
+            NB[l] = fetch_chunk_b(tid + l * threads, col0, K0, NBP[l]);
+#define STAGE_B(STAGE, NB, NBP) \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) \
-            staged[staged_index_b(STAGE, tid + l * threads)] = decode_chunk_b(next_b[l], next_b_place[l]);
+            staged[staged_index_b(STAGE, tid + l * threads)] = decode_chunk_b(NB[l], NBP[l]);
 #else
-    uvec4 next_b[MAX_CHUNKS];
-#define FETCH_B(FAST, K0) \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(FAST, tid + l * threads, base_b, col0, K0);
-#define STAGE_B(STAGE) \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) staged[staged_index_b(STAGE, tid + l * threads)] = next_b[l];
+    uvec4 next_b[MAX_CHUNKS], next_b1[MAX_CHUNKS];
+#define next_b_place next_b
+#define next_b1_place next_b1
+#define FETCH_B(FAST, K0, NB, NBP) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) NB[l] = chunk_b(FAST, tid + l * threads, base_b, col0, K0);
+#define STAGE_B(STAGE, NB, NBP) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) staged[staged_index_b(STAGE, tid + l * threads)] = NB[l];
 #endif
-    // Both branches are uniform over the workgroup; the unchecked one is the hot loop.
-#define FETCH_TILES(K0)                                                                               \
+    // Both branches are uniform over the workgroup; the unchecked one is the hot loop. SET 0: next_a, next_b,
+    // next_b_place; SET 1: next_a1, ...
+#define FETCH_TILES_TO(K0, NA, NB, NBP)                                                               \
     if (vector_tiles && (K0) + BK <= k_limit) {                                                             \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
-        FETCH_B(true, K0)                                                                             \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) NA[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
+        FETCH_B(true, K0, NB, NBP)                                                                    \
     } else {                                                                                          \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(false, tid + l * threads, base_a, row0, K0); \
-        FETCH_B(false, K0)                                                                            \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) NA[l] = chunk_a(false, tid + l * threads, base_a, row0, K0); \
+        FETCH_B(false, K0, NB, NBP)                                                                   \
     }
-#define STAGE_TILES(STAGE)                                                                            \
-    [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) staged[staged_index_a(STAGE, tid + l * threads)] = next_a[l]; \
-    STAGE_B(STAGE)
+#define STAGE_TILES_FROM(STAGE, NA, NB, NBP)                                                          \
+    [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) staged[staged_index_a(STAGE, tid + l * threads)] = NA[l]; \
+    STAGE_B(STAGE, NB, NBP)
+#define FETCH_TILES(K0) FETCH_TILES_TO(K0, next_a, next_b, next_b_place)
+#define STAGE_TILES(STAGE) STAGE_TILES_FROM(STAGE, next_a, next_b, next_b_place)
+    // Into / from the set of the second K step of a pair (the first's unless PREFETCH = 2); the other branch
+    // goes with the specialization.
+#define FETCH_TILES_ODD(K0) \
+    if (PREFETCH == 2) { FETCH_TILES_TO(K0, next_a1, next_b1, next_b1_place) } else { FETCH_TILES(K0) }
+#define STAGE_TILES_ODD(STAGE) \
+    if (PREFETCH == 2) { STAGE_TILES_FROM(STAGE, next_a1, next_b1, next_b1_place) } else { STAGE_TILES(STAGE) }
 
-    if (STAGES == 1) {
+    if (STAGES == 1 && PREFETCH == 1) {
         if (k_begin < k_end) { FETCH_TILES(k_begin) }
         for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
             STAGE_TILES(0)
@@ -355,24 +371,53 @@ void main() {
             MULTIPLY_STAGED(0)
             barrier();
         }
+    } else if (STAGES == 1) {
+        // K steps in pairs, the first's tiles in set 0, the second's in set 1; each set is refilled with the
+        // step two ahead while this step is multiplied.
+        if (k_begin < k_end) { FETCH_TILES(k_begin) }
+        if (k_begin + BK < k_end) { FETCH_TILES_ODD(k_begin + BK) }
+        for (uint k0 = k_begin; k0 < k_end; k0 += 2 * BK) {
+            STAGE_TILES(0)
+            barrier();
+            if (k0 + 2 * BK < k_end) { FETCH_TILES(k0 + 2 * BK) }
+            MULTIPLY_STAGED(0)
+            barrier();
+            if (k0 + BK < k_end) {
+                STAGE_TILES_ODD(0)
+                barrier();
+                if (k0 + 3 * BK < k_end) { FETCH_TILES_ODD(k0 + 3 * BK) }
+                MULTIPLY_STAGED(0)
+                barrier();
+            }
+        }
     } else {
-        // Copy s % 2 holds K step s. Staging step s + 1 into the other copy is safe once every subgroup has
-        // passed the barrier that ended step s - 1 (the last reads of that copy).
+        // Copy s % 2 holds K step s (steps in pairs: copy 0, then copy 1). Staging step s + 1 into the other
+        // copy is safe once every subgroup has passed the barrier that ended step s - 1 (the last reads of that
+        // copy). Step s + 1's tiles were fetched PREFETCH steps before it is staged (into set 0, or with
+        // PREFETCH = 2 into the set of its parity), so their loads overlap PREFETCH multiplies.
         if (k_begin < k_end) {
             FETCH_TILES(k_begin)
             STAGE_TILES(0)
-            if (k_begin + BK < k_end) { FETCH_TILES(k_begin + BK) }
+            if (k_begin + BK < k_end) { FETCH_TILES_ODD(k_begin + BK) }
+            if (PREFETCH == 2 && k_begin + 2 * BK < k_end) { FETCH_TILES(k_begin + 2 * BK) }
             barrier();
         }
-        uint stage = 0;
-        for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+        const uint ahead = (1 + PREFETCH) * BK;  // the step fetched once a set is staged
+        for (uint k0 = k_begin; k0 < k_end; k0 += 2 * BK) {
             if (k0 + BK < k_end) {
-                STAGE_TILES(stage ^ 1)
-                if (k0 + 2 * BK < k_end) { FETCH_TILES(k0 + 2 * BK) }  // in flight while we multiply
+                STAGE_TILES_ODD(1)
+                if (k0 + ahead < k_end) { FETCH_TILES_ODD(k0 + ahead) }  // in flight while we multiply
             }
-            MULTIPLY_STAGED(stage)
+            MULTIPLY_STAGED(0)
             barrier();
-            stage ^= 1;
+            if (k0 + BK < k_end) {
+                if (k0 + 2 * BK < k_end) {
+                    STAGE_TILES(0)
+                    if (k0 + BK + ahead < k_end) { FETCH_TILES(k0 + BK + ahead) }
+                }
+                MULTIPLY_STAGED(1)
+                barrier();
+            }
         }
     }
 

@@ -67,6 +67,7 @@ class CoopmatConfig:
     stages: int = 1      # staged copies of each tile: 2 = one barrier per K step (matmul_coopmat.comp STAGES)
     lanes_down: bool = False  # short staged rows filled down the rows (no bank conflicts: LANES_DOWN)
     b_ahead: bool = False  # all fragments of B of a K step loaded before the products (B_AHEAD)
+    prefetch: int = 1    # K steps between a tile's loads and its staging: 2 = two sets of registers (PREFETCH)
 
     @property
     def bm(self) -> int:
@@ -79,7 +80,8 @@ class CoopmatConfig:
     @property
     def name(self) -> str:
         """Tile, K step, subgroups and options, e.g. ``128x256k16 2x4 s2 down g16``."""
-        flags = [f"s{self.stages}" if self.stages != 1 else "", "down" if self.lanes_down else "",
+        flags = [f"s{self.stages}" if self.stages != 1 else "", f"p{self.prefetch}" if self.prefetch != 1 else "",
+                 "down" if self.lanes_down else "",
                  "ahead" if self.b_ahead else "", f"g{self.group_rows}" if self.group_rows > 1 else "",
                  "spec" if self.spec_shape else ""]
         return " ".join([f"{self.bm}x{self.bn}k{self.bk} {self.sg_rows}x{self.sg_cols}", *filter(None, flags)])
@@ -99,12 +101,12 @@ class CoopmatConfig:
         number of 8-half chunks of each tile, at most MAX_CHUNKS (16) of them."""
         threads = self.sg_rows * self.sg_cols * subgroup
         for chunks in (self.bm * self.bk // 8, self.bn * self.bk // 8):
-            if self.bk % 16 or chunks % threads or chunks // threads > 16 or self.stages not in (1, 2):
+            if self.bk % 16 or chunks % threads or chunks // threads > 16 or {self.stages, self.prefetch} - {1, 2}:
                 raise ValueError(f"matmul: {self} cannot run with subgroups of {subgroup}")
 
     def spec_options(self) -> list[int]:
-        """matmul_coopmat.comp's specialization constants 18 to 20."""
-        return [self.stages, int(self.lanes_down), int(self.b_ahead)]
+        """matmul_coopmat.comp's specialization constants 18 to 21."""
+        return [self.stages, int(self.lanes_down), int(self.b_ahead), self.prefetch]
 
 
 COOPMAT_DEFAULT = CoopmatConfig()
@@ -117,26 +119,32 @@ COOPMAT_DEFAULT = CoopmatConfig()
 COOPMAT_LARGE = CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16)
 LARGE_TILE_MIN_WORKGROUPS = 512
 # Variants of the kernel for large products, timed side by side by ``bench/matmul.py --sweep`` (the names are the
-# configurations' ``name``). Why each: see matmul_coopmat.comp (STAGES, LANES_DOWN, B_AHEAD).
-# - the two tiles above (single staged copy, two barriers per K step);
-# - lanes_down: a K step of 32 staged along rows of 4 uvec4s made every 8 lanes store twice to one bank;
-# - stages=2 (one barrier per K step): 48 KiB hold two copies of a 128 x 256 tile only for K steps of 16, of
-#   128 x 128 for K steps of 32; with 8 subgroups (4 x 2 accumulators each) or 4 (64 x 64 each, fewer
-#   invocations per workgroup, more workgroups per compute unit);
-# - b_ahead: every fragment of a K step loaded before its products (more loads in flight, more registers).
+# configurations' ``name``). Why each (see matmul_coopmat.comp: STAGES, PREFETCH, LANES_DOWN, B_AHEAD):
+# - the two tiles above (one staged copy, two barriers per K step, loads one K step ahead);
+# - down: a K step of 32 staged along rows of 4 uvec4s made every 8 lanes store twice to one bank;
+# - p2: loads two K steps ahead (two sets of registers): one step of 32 is about the H200's global latency;
+# - s2 (one barrier per K step): 48 KiB hold two copies of a 128 x 256 tile only for K steps of 16, of
+#   128 x 128 for K steps of 32; with 8 subgroups (4 x 2 accumulators each, fewer registers: room for p2) or
+#   4 (64 x 64 each, fewer invocations per workgroup, more workgroups per compute unit);
+# - 256 x 128: A^T @ B stages A as rows of 256 (fewer, longer rows of its m-contiguous loads);
+# - ahead: every fragment of B of a K step loaded before its products (more loads in flight, more registers).
 COOPMAT_VARIANTS = {cfg.name: cfg for cfg in (
     COOPMAT_DEFAULT,
     COOPMAT_LARGE,
+    CoopmatConfig(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2, group_rows=16, prefetch=2),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
+    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True, prefetch=2),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True, b_ahead=True),
     CoopmatConfig(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
+    CoopmatConfig(sg_rows=2, sg_cols=4, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True,
+                  prefetch=2),
     CoopmatConfig(sg_rows=4, sg_cols=2, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2, group_rows=16, stages=2, lanes_down=True),
+    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2, group_rows=16, stages=2, lanes_down=True,
+                  prefetch=2),
     CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
-    CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True,
-                  b_ahead=True),
 )}
 # The production choice per layout (trans_a, trans_b): (the tile of a C of at least LARGE_TILE_MIN_WORKGROUPS
 # of its tiles, the tile of a C of at least FILL_WORKGROUPS). Change a line to change what that layout runs.
