@@ -206,7 +206,7 @@ SWEEP_PRODUCTS = {
     "A^T @ B": ((4096, 4096, 4096), (8192, 8192, 8192), (14336, 4096, 512), (14336, 4096, 4096)),
 }
 SWEEP_PRODUCTS_QUICK = {layout: ((128, 256, 64), (256, 128, 96)) for layout in LAYOUTS}
-SWEEP_WARM_UP_SECONDS = 0.3  # per product and variant: the GPU is already at its clocks during the sweep
+SWEEP_WARM_UP_SECONDS = 0.2  # per product and variant: the GPU is already at its clocks during the sweep
 
 
 def cheap_random(device, shape, dtype, rng):
@@ -234,17 +234,21 @@ def time_reference_product(m, n, k, dtype, repeats, trans_a, trans_b):
     x = torch.randn(*((k, m) if trans_a else (m, k)), device="cuda", dtype=getattr(torch, dtype))
     y = torch.randn(*((n, k) if trans_b else (k, n)), device="cuda", dtype=getattr(torch, dtype))
     op_x, op_y = (x.T if trans_a else x), (y.T if trans_b else y)
-    seconds = cuda_median(lambda: torch.matmul(op_x, op_y), repeats)
+    seconds = cuda_median(lambda: torch.matmul(op_x, op_y), repeats, warm_up_seconds=0.5)
     del x, y
     return seconds, f"torch {torch.cuda.get_device_name()}"
 
 
-def coopmat_sweep(device, layouts, quick: bool) -> list[dict]:
-    """Every variant in COOPMAT_VARIANTS on every product of SWEEP_PRODUCTS in ``layouts``, float16 and bfloat16,
-    beside PyTorch; then the best variant per product and per layout (geometric mean of the ratios)."""
+def coopmat_sweep(device, layouts, quick: bool, which: str = "all", names=None) -> list[dict]:
+    """Every variant in COOPMAT_VARIANTS (or those ``names``) on the products of SWEEP_PRODUCTS in ``layouts``
+    (``which``: "all", "square" or "model" products), float16 and bfloat16, beside PyTorch; then the best variant
+    per product and per layout (geometric mean of the ratios)."""
     rows, errors = [], {}
+    started = time.perf_counter()
     limit = device.limits["max_compute_shared_memory_size"]
-    products = SWEEP_PRODUCTS_QUICK if quick else SWEEP_PRODUCTS
+    products = {layout: [p for p in shapes if which == "all" or (which == "square") == (len(set(p)) == 1)]
+                for layout, shapes in (SWEEP_PRODUCTS_QUICK if quick else SWEEP_PRODUCTS).items()}
+    variants = {name: cfg for name, cfg in COOPMAT_VARIANTS.items() if not names or name in names}
     repeats = 3 if quick else 5
     rng = np.random.default_rng(0)
     for dtype in ("float16", "bfloat16"):
@@ -264,7 +268,7 @@ def coopmat_sweep(device, layouts, quick: bool) -> list[dict]:
                 if ref is not None:
                     print(f"sweep {shape:17s} {dtype:8s} {layout:8s} {ref_name}: {flops / ref / 1e12:8.2f} TFLOP/s",
                           flush=True)
-                for name, cfg in COOPMAT_VARIANTS.items():
+                for name, cfg in variants.items():
                     if cfg.shared_bytes(trans_a, trans_b) > limit:
                         continue
                     options = dict(algorithm="coopmat", coopmat=cfg)
@@ -295,14 +299,15 @@ def coopmat_sweep(device, layouts, quick: bool) -> list[dict]:
               f"{best[key]:.3f}" + (f" (production {now['config']} {now[key]:.3f})" if now else ""), flush=True)
     for layout in dict.fromkeys(r["layout"] for r in rows):
         means = {}
-        for name in COOPMAT_VARIANTS:
+        for name in variants:
             runs = [r[key] for r in rows if r["layout"] == layout and r["config"] == name]
             if runs and len(runs) == max(len([r for r in rows if r["layout"] == layout and r["config"] == other])
-                                         for other in COOPMAT_VARIANTS):
+                                         for other in variants):
                 means[name] = float(np.exp(np.mean(np.log(runs))))
         ranked = sorted(means.items(), key=lambda item: -item[1])
         print(f"best {layout:8s} over its products (geometric mean {key}): "
               + ", ".join(f"{name} {mean:.3f}" for name, mean in ranked[:4]), flush=True)
+    print(f"sweep: {time.perf_counter() - started:.0f} s", flush=True)
     return rows
 
 
@@ -348,6 +353,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
     parser.add_argument("--variants-only", action="store_true",
                         help="with --sweep: only the cooperative-matrix variants (no decode, default or float32 runs)")
+    parser.add_argument("--products", choices=("all", "square", "model"), default="all",
+                        help="the sweep's products: square sizes, a 7-8B model's Linear layers, or both")
+    parser.add_argument("--variants", metavar="NAME", nargs="+",
+                        help="the sweep's cooperative-matrix variants (names as printed; default: all)")
     parser.add_argument("--layouts", action="store_true",
                         help="also time A @ B^T (a Linear layer) and A^T @ B (its weight gradient)")
     parser.add_argument("--decode-only", action="store_true", help="only the decode (small-m) cases")
@@ -396,7 +405,7 @@ def main() -> None:
 
     if args.sweep:
         layouts = list(LAYOUTS) if args.layouts else ["A @ B"]
-        results["coopmat_sweep"] = coopmat_sweep(device, layouts, args.quick)
+        results["coopmat_sweep"] = coopmat_sweep(device, layouts, args.quick, args.products, args.variants)
         results["sweep"] = []
         # Sweeps on an H200 also tried 128 x 64 tiles with K steps of 8 and 32, 64 x 128,
         # 128 x 128 of 4 x 8 per invocation, 64 x 64 and 128 x 128 of 8 x 8: all slower.
