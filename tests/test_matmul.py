@@ -341,11 +341,10 @@ def test_coopmat_variants(device, in_dtype, name):
             continue
         layout = dict(in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm="coopmat", coopmat=cfg)
         run_case(device, 2 * cfg.bm, 2 * cfg.bn, 5 * cfg.bk, alpha=0.5, **layout)
-        run_case(device, cfg.bm + 37, cfg.bn + 19, 7 * cfg.bk + 5, **layout)
-        run_case(device, 2 * cfg.bm, cfg.bn, 4 * cfg.bk, out_dtype=in_dtype, **layout)
-        run_case(device, cfg.bm + 8, 2 * cfg.bn + 24, 3 * cfg.bk + 8, out_dtype=other, **layout)
-        run_case(device, 45, 71, 9, **layout)
+        run_case(device, cfg.bm + 37, cfg.bn + 19, 7 * cfg.bk + 5, out_dtype=other, **layout)
+        run_case(device, 2 * cfg.bm, cfg.bn + 24, 4 * cfg.bk + 8, out_dtype=in_dtype, **layout)
     if cfg.shared_bytes(False, True) <= limit:
+        run_case(device, 45, 71, 9, in_dtype=in_dtype, trans_b=True, algorithm="coopmat", coopmat=cfg)
         run_case(device, 77, 150, 2 * cfg.bk + 40, in_dtype=in_dtype, out_dtype=in_dtype, batch=2, pad=(8, 16, 3),
                  offsets=(8, 16, 5, 2), bias=True, alpha=0.5, beta=1.0, trans_b=True, algorithm="coopmat",
                  coopmat=cfg)
