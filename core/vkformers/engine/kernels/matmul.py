@@ -124,10 +124,10 @@ LARGE_TILE_MIN_WORKGROUPS = 512
 # - down: a K step of 32 staged along rows of 4 uvec4s made every 8 lanes store twice to one bank;
 # - p2: loads two K steps ahead (two sets of registers): one step of 32 is about the H200's global latency;
 # - s2 (one barrier per K step): 48 KiB hold two copies of a 128 x 256 tile only for K steps of 16, of
-#   128 x 128 for K steps of 32; with 8 subgroups (4 x 2 accumulators each, fewer registers: room for p2) or
+#   128 x 128 for K steps of 32; with 8 subgroups (4 x 2 accumulators each, fewer registers: room for p2; 181.9
+#   TFLOP/s with one copy, docs/benchmarks.md) or
 #   4 (64 x 64 each, fewer invocations per workgroup, more workgroups per compute unit: 128 x 128 in 2 x 2
 #   subgroups was the fastest tile of the first sweep, bfloat16 4096^3 277 TFLOP/s against 258 for 128 x 256);
-# - 256 x 128: A^T @ B stages A as rows of 256 (fewer, longer rows of its m-contiguous loads);
 # - ahead: every fragment of B of a K step loaded before its products (more loads in flight, more registers).
 COOPMAT_VARIANTS = {cfg.name: cfg for cfg in (
     COOPMAT_DEFAULT,
@@ -136,19 +136,15 @@ COOPMAT_VARIANTS = {cfg.name: cfg for cfg in (
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True, prefetch=2),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True, b_ahead=True),
-    CoopmatConfig(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True,
                   prefetch=2),
-    CoopmatConfig(sg_rows=4, sg_cols=2, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2, group_rows=16, stages=2, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2, group_rows=16, stages=2, lanes_down=True,
                   prefetch=2),
     CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
     CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True,
                   prefetch=2),
-    CoopmatConfig(sg_rows=2, sg_cols=2, bk=64, frag_m=4, frag_n=4, group_rows=16),
 )}
 # The production choice per layout (trans_a, trans_b): (the tile of a C of at least LARGE_TILE_MIN_WORKGROUPS
 # of its tiles, the tile of a C of at least FILL_WORKGROUPS). Change a line to change what that layout runs.
