@@ -300,14 +300,16 @@ def test_coopmat_k_steps_of_48(device, in_dtype):
 
 def test_coopmat_tiles_fill_the_gpu():
     """Tile and split choice on a GPU with 32-wide subgroups (pure arithmetic, no device needed): a C of many
-    tiles takes the 128 x 256 tile unsplit; fewer tiles take smaller ones, then slices of K."""
+    tiles takes COOPMAT_BY_LAYOUT's large tile unsplit; fewer tiles take smaller ones, then slices of K."""
     class Gpu:
         is_cpu = False
         limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
     gpu = Gpu()
-    big = KM.coopmat_config(gpu, 4096, 4096)
-    assert (big.bm, big.bn) == (128, 256) and KM.split_k(gpu, big, 4096, 4096, 4096, 1) == 1
-    assert KM.coopmat_config(gpu, 2048, 4096) == KM.COOPMAT_DEFAULT  # 256 tiles of 128 x 256: too few for it
+    large, default = (KM.COOPMAT_VARIANTS[name] for name in KM.COOPMAT_BY_LAYOUT[False, False])
+    big = KM.coopmat_config(gpu, 8192, 8192)
+    assert big == large and KM.split_k(gpu, big, 8192, 8192, 8192, 1) == 1
+    if KM._groups(large, 2048, 4096) < KM.LARGE_TILE_MIN_WORKGROUPS <= KM._groups(large, 8192, 8192):
+        assert KM.coopmat_config(gpu, 2048, 4096) == default  # too few tiles for the large one
     mid = KM.coopmat_config(gpu, 512, 2048)  # 64 tiles of 128 x 128: too few
     assert mid.bm * mid.bn < 128 * 128 and KM._groups(mid, 512, 2048) >= KM.FILL_WORKGROUPS
     short = KM.coopmat_config(gpu, 16, 2048)
