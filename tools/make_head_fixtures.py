@@ -5,7 +5,8 @@ classification, question answering), built from a config alone and re-initialise
 batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, attention mask 0). reference.safetensors
 holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
 parameter's for "single" (under the names model.safetensors stores: Mixtral's fused experts split back), the head's for "multi" and "regression" (sequence heads; the same weights, through
-problem_type), and the base
+problem_type), "clean": a [3, 7] batch without padding given without an attention mask (logits, loss, the head's
+gradients), and the base
 model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"); BF16_CASES also
 hold the "single" variant run in bfloat16 ("bf16.logits", "bf16.loss", the head's "bf16.grad.<name>"). seq2seq-base/<name>
 holds transformers' base encoder-decoder (T5Model, BartModel, MarianModel) outputs on the seq2seq parity fixtures'
@@ -68,6 +69,9 @@ DEBERTA_V3 = dict(NARROW, relative_attention=True, position_buckets=4, max_relat
                   pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
                   type_vocab_size=0, pooler_dropout=0.0)
 
+NARROW_T5 = dict(T5, d_model=8, d_kv=4, d_ff=8)
+NARROW_DECODER = dict(SMALL_DECODER, hidden_size=8, intermediate_size=8)
+
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
 
@@ -110,6 +114,24 @@ CASES = {
     "mbart-qa": ("mbart", SMALL_BART, "qa"),
     "mixtral-sequence": ("mixtral", dict(SMALL_DECODER, num_local_experts=3,
                                          num_experts_per_tok=2), "sequence"),
+    # appended at hidden 8: the T5s' token head on the encoder alone, mT5 and UMT5, question answering of more
+    # decoders (Qwen2, a mixture of experts), the GPT-2 generation's token head (classifier), and the remaining
+    # heads of the encoders the verification names
+    "t5-token": ("t5", NARROW_T5, "token"),
+    "mt5-token": ("mt5", dict(NARROW_T5, feed_forward_proj="gated-gelu", tie_word_embeddings=False), "token"),
+    "umt5-qa": ("umt5", dict(NARROW_T5, feed_forward_proj="gated-gelu"), "qa"),
+    "umt5-sequence": ("umt5", dict(NARROW_T5, feed_forward_proj="gated-gelu"), "sequence"),
+    "qwen2-qa": ("qwen2", NARROW_DECODER, "qa"),
+    "qwen2-token": ("qwen2", NARROW_DECODER, "token"),
+    "gemma-token": ("gemma", dict(NARROW_DECODER, head_dim=4), "token"),
+    "qwen2-moe-qa": ("qwen2_moe", dict(NARROW_DECODER, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
+                                       shared_expert_intermediate_size=8), "qa"),
+    "gpt2-token": ("gpt2", dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, classifier_dropout=0.0), "token"),
+    "distilbert-token": ("distilbert", dict(DISTILBERT, dim=8, hidden_dim=8), "token"),
+    "electra-qa": ("electra", dict(NARROW, embedding_size=4), "qa"),
+    "deberta-v2-token": ("deberta-v2", DEBERTA_V3, "token"),
+    "deberta-v2-qa": ("deberta-v2", DEBERTA_V3, "qa"),
 }
 
 
@@ -134,6 +156,41 @@ def label_variants(task: str, rng: np.random.Generator, mask: np.ndarray) -> dic
         labels[0, 3] = -100
         return {"single": dict(labels=labels)}
     return {"single": dict(start_positions=np.array([1, 3, 99]), end_positions=np.array([4, 3, 6]))}
+
+
+def head_parameter(model, pname: str) -> bool:
+    """Whether ``pname`` belongs to the task head, not to the base model (T5ForQuestionAnswering holds its stacks
+    bare)."""
+    return not pname.startswith(model.base_model_prefix + ".") and pname.split(".")[0] not in (
+        "shared", "encoder", "decoder")
+
+
+def clean_run(model, config, task: str, rng: np.random.Generator) -> dict:
+    """The "clean" variant: a batch without padding, given without an attention mask: inputs, logits, loss and
+    the head's gradients (the padded batch's "single" variant holds every gradient)."""
+    ids = rng.integers(5, VOCAB, (BATCH, LENGTH)).astype(np.int64)
+    mask = np.ones_like(ids)
+    if config.is_encoder_decoder:
+        ids[:, -1] = config.eos_token_id
+    if task == "choice":
+        ids, mask = ids[None], mask[None]
+    labels = label_variants(task, rng, mask)["single"]
+    if task == "token":
+        labels["labels"][0, 3] = -100
+    if task == "choice":
+        labels = dict(labels=np.array([1]))
+    model.config.problem_type = None
+    model.zero_grad()
+    out = model(input_ids=torch.tensor(ids), **{k: torch.tensor(v) for k, v in labels.items()})
+    out.loss.backward()
+    tensors = {"clean.input_ids": ids, "clean.loss": out.loss.detach().numpy().reshape(1)}
+    tensors.update({f"clean.{k}": v for k, v in labels.items()})
+    for field in ("start_logits", "end_logits") if task == "qa" else ("logits",):
+        tensors[f"clean.{field}"] = getattr(out, field).detach().numpy()
+    for pname, param in model.named_parameters():
+        if param.grad is not None and head_parameter(model, pname):
+            tensors[f"clean.grad.{pname}"] = param.grad.detach().contiguous().numpy()
+    return tensors
 
 
 def build(name: str) -> None:
@@ -180,8 +237,9 @@ def build(name: str) -> None:
         else:
             grads = revert_weight_conversion(model, grads)  # under model.safetensors' names
         for pname, grad in grads.items():  # the other label variants: the head's gradients only
-            if variant == "single" or not pname.startswith(model.base_model_prefix):
+            if variant == "single" or head_parameter(model, pname):
                 tensors[f"{variant}.grad.{pname}"] = grad.detach().contiguous().numpy()
+    tensors.update(clean_run(model, config, task, rng))
     if name in BF16_CASES:  # the same weights in bfloat16: logits, loss and the head's gradients
         half = copy.deepcopy(model).to(torch.bfloat16)
         labels = {k.split(".", 1)[1]: torch.tensor(v) for k, v in tensors.items() if k.startswith("single.")
@@ -198,7 +256,8 @@ def build(name: str) -> None:
     base = getattr(model, model.base_model_prefix, None)  # T5ForQuestionAnswering holds no base model
     if base is not None:
         flat = torch.tensor(ids.reshape(-1, LENGTH))
-        extra = {"decoder_input_ids": model._shift_right(flat)} if model_type == "t5" else {}
+        extra = {"decoder_input_ids": model._shift_right(flat)} if model_type in ("t5", "mt5", "umt5") \
+            and config.is_encoder_decoder else {}
         with torch.no_grad():
             out = base(input_ids=flat, attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
                        output_hidden_states=not config.is_encoder_decoder, **extra)
