@@ -180,16 +180,19 @@ def test_head_of_another_size(capfd):
 
 
 @pytest.mark.parametrize("name,prefix,usual", [("llama-qa", "transformer", "model"),
-                                               ("t5-sequence", "transformer", "")])
+                                               ("qwen2-qa", "transformer", "model"),
+                                               ("t5-sequence", "transformer", ""),
+                                               ("t5-token", "transformer", "")])
 def test_head_under_another_prefix(name, prefix, usual, tmp_path, capfd):
     """transformers keeps LlamaForQuestionAnswering's base under transformer. (LlamaModel's task models say
-    model.) and T5ForSequenceClassification's T5Model under transformer.: the head model's names are those, and it
-    also reads a checkpoint of the usual layout (a causal LM's model.*, a T5 model's bare names) with a new head."""
+    model.), T5ForSequenceClassification's T5Model and T5ForTokenClassification's T5EncoderModel under
+    transformer.: the head model's names are those, and it also reads a checkpoint of the usual layout (a causal
+    LM's model.*, a T5 model's bare names) with a new head."""
     folder, meta, ref = load_case(name)
     model = AUTO[meta["task"]].from_pretrained(folder)
     names = [n for n, _ in model.named_parameters()]
     head = {n for n in names if not n.startswith(prefix + ".")}
-    assert model.base_model_prefix == prefix and head and all(n.split(".")[0] in ("qa_outputs", "classification_head")
+    assert model.base_model_prefix == prefix and head and all(n.split(".")[0] in ("qa_outputs", "classification_head", "classifier")
                                                               for n in head)
     weights = load_file(str(folder / "model.safetensors"))
     usual_names = {(usual + "." if usual else "") + k[len(prefix) + 1:]: v for k, v in weights.items()

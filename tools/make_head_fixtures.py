@@ -126,12 +126,13 @@ CASES = {
     "gemma-token": ("gemma", dict(NARROW_DECODER, head_dim=4), "token"),
     "qwen2-moe-qa": ("qwen2_moe", dict(NARROW_DECODER, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
                                        shared_expert_intermediate_size=8), "qa"),
-    "gpt2-token": ("gpt2", dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
+    "gpt2-token": ("gpt2", dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_inner=8, n_positions=8, resid_pdrop=0.0,
                                 embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, classifier_dropout=0.0), "token"),
-    "distilbert-token": ("distilbert", dict(DISTILBERT, dim=8, hidden_dim=8), "token"),
+    "distilbert-token": ("distilbert", dict(DISTILBERT, dim=8, hidden_dim=8, max_position_embeddings=8), "token"),
     "electra-qa": ("electra", dict(NARROW, embedding_size=4), "qa"),
     "deberta-v2-token": ("deberta-v2", DEBERTA_V3, "token"),
     "deberta-v2-qa": ("deberta-v2", DEBERTA_V3, "qa"),
+    "deberta-v2-choice": ("deberta-v2", DEBERTA_V3, "choice"),
 }
 
 
