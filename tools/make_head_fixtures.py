@@ -58,7 +58,6 @@ T5 = dict(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=16, num_layers=1, num_decod
           relative_attention_num_buckets=4, relative_attention_max_distance=16, dropout_rate=0.0,
           classifier_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 # the appended cases: smaller still (the fixtures stay small)
-SMALL_BART = dict(BART, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=12)
 SMALL_DECODER = dict(DECODER, num_hidden_layers=1, intermediate_size=16)
 
 BF16_CASES = ("bert-sequence",)  # also run in bfloat16 (tests/test_heads_parity.py states the tolerance)
@@ -70,6 +69,7 @@ DEBERTA_V3 = dict(NARROW, relative_attention=True, position_buckets=4, max_relat
                   type_vocab_size=0, pooler_dropout=0.0)
 
 NARROW_T5 = dict(T5, d_model=8, d_kv=4, d_ff=8)
+NARROW_BART = dict(BART, d_model=8, encoder_ffn_dim=8, decoder_ffn_dim=8, max_position_embeddings=8)
 NARROW_DECODER = dict(SMALL_DECODER, hidden_size=8, intermediate_size=8)
 
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
@@ -97,7 +97,7 @@ CASES = {
     "llama-token": ("llama", DECODER, "token"),
     "qwen2-sequence": ("qwen2", DECODER, "sequence"),
     "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
-    "bart-sequence": ("bart", BART, "sequence"),
+    "bart-sequence": ("bart", NARROW_BART, "sequence"),
     # appended cases: heads under another prefix, seq2seq question answering, a mixture-of-experts base
     "t5-sequence": ("t5", T5, "sequence"),
     "t5-qa": ("t5", T5, "qa"),
@@ -111,7 +111,7 @@ CASES = {
     "data2vec-text-qa": ("data2vec-text", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "qa"),
     "roberta-choice": ("roberta", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "choice"),
     "distilbert-choice": ("distilbert", dict(DISTILBERT, hidden_dim=16), "choice"),
-    "mbart-qa": ("mbart", SMALL_BART, "qa"),
+    "mbart-qa": ("mbart", NARROW_BART, "qa"),
     "mixtral-sequence": ("mixtral", dict(SMALL_DECODER, num_local_experts=3,
                                          num_experts_per_tok=2), "sequence"),
     # appended at hidden 8: the T5s' token head on the encoder alone, mT5 and UMT5, question answering of more
@@ -133,6 +133,9 @@ CASES = {
     "deberta-v2-token": ("deberta-v2", DEBERTA_V3, "token"),
     "deberta-v2-qa": ("deberta-v2", DEBERTA_V3, "qa"),
     "deberta-v2-choice": ("deberta-v2", DEBERTA_V3, "choice"),
+    "plbart-sequence": ("plbart", NARROW_BART, "sequence"),
+    "mvp-qa": ("mvp", NARROW_BART, "qa"),
+    "albert-sequence": ("albert", dict(NARROW, embedding_size=4, classifier_dropout_prob=0.0), "sequence"),
 }
 
 

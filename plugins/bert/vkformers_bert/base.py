@@ -49,6 +49,7 @@ DECLARED = {
     "distilbert": (DISTILBERT_HEADS, None),
     "mpnet": (ROBERTA_HEADS, "pooler.dense"),
     "gte": (ENCODER_HEADS, "pooler.dense"),
+    "albert": (ENCODER_HEADS, "pooler"),  # its pooler is a bare Linear (albert.pooler.weight)
 }
 
 

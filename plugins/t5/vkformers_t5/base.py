@@ -9,6 +9,8 @@ classifier on the states of the encoder alone (:class:`Seq2SeqEncoderModel`, tra
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vkformers.errors import VkformersError
 from vkformers.models.heads import BaseModelOutput, Seq2SeqModelOutput, SequenceHead, TaskHeads, base_model_prefix
 
@@ -88,4 +90,5 @@ T5_HEADS = TaskHeads(_EOS_HEAD, token="classifier", question_answering="qa_outpu
                      base_prefixes=(("sequence-classification", "transformer"), ("token-classification", "transformer")),
                      base_classes=(("token-classification", Seq2SeqEncoderModel),))
 # architecture -> its task heads (transformers' XForSequenceClassification / XForQuestionAnswering / ...)
-DECLARED = {"bart": BART_HEADS, "mbart": BART_HEADS, "t5": T5_HEADS, "mt5": T5_HEADS, "umt5": T5_HEADS}
+DECLARED = {"bart": BART_HEADS, "mbart": BART_HEADS, "mvp": BART_HEADS, "plbart": replace(BART_HEADS, question_answering=None),
+            "t5": T5_HEADS, "mt5": T5_HEADS, "umt5": T5_HEADS}
