@@ -94,9 +94,9 @@ CASES = {
     "mpnet-sequence": ("mpnet", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
     "gte-sequence": ("gte", dict(NARROW, pad_token_id=1), "sequence"),
     "llama-sequence": ("llama", DECODER, "sequence"),
-    "llama-token": ("llama", DECODER, "token"),
-    "qwen2-sequence": ("qwen2", DECODER, "sequence"),
-    "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
+    "llama-token": ("llama", NARROW_DECODER, "token"),
+    "qwen2-sequence": ("qwen2", NARROW_DECODER, "sequence"),
+    "gemma-sequence": ("gemma", dict(NARROW_DECODER, head_dim=4), "sequence"),
     "bart-sequence": ("bart", NARROW_BART, "sequence"),
     # appended cases: heads under another prefix, seq2seq question answering, a mixture-of-experts base
     "t5-sequence": ("t5", T5, "sequence"),
@@ -136,6 +136,13 @@ CASES = {
     "plbart-sequence": ("plbart", NARROW_BART, "sequence"),
     "mvp-qa": ("mvp", NARROW_BART, "qa"),
     "albert-sequence": ("albert", dict(NARROW, embedding_size=4, classifier_dropout_prob=0.0), "sequence"),
+    "squeezebert-sequence": ("squeezebert", dict(NARROW, embedding_size=8, q_groups=2, k_groups=2, v_groups=2,
+                                                 post_attention_groups=2, intermediate_groups=2, output_groups=2),
+                             "sequence"),
+    "rembert-token": ("rembert", dict(NARROW, input_embedding_size=4, output_embedding_size=4), "token"),
+    "roberta-prelayernorm-sequence": ("roberta-prelayernorm", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
+    "xlm-roberta-xl-token": ("xlm-roberta-xl", dict(NARROW, **ROBERTA_TOKENS), "token"),
+    "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
 }
 
 

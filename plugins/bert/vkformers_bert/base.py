@@ -33,8 +33,15 @@ def deberta_heads(config: dict) -> TaskHeads:
     return TaskHeads(pooled, multiple_choice=pooled)
 
 
+def first_token_heads(config: dict) -> TaskHeads:
+    """ConvBERT's classification head: dense and the config's hidden_act on the first token, then out_proj; token
+    and question-answering heads as BERT's (its multiple-choice head, a sequence summary, is not declared)."""
+    return TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense",
+                                  dense_act=config.get("hidden_act", "gelu")))
+
+
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
-CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads}
+CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {
@@ -50,6 +57,10 @@ DECLARED = {
     "mpnet": (ROBERTA_HEADS, "pooler.dense"),
     "gte": (ENCODER_HEADS, "pooler.dense"),
     "albert": (ENCODER_HEADS, "pooler"),  # its pooler is a bare Linear (albert.pooler.weight)
+    "squeezebert": (ENCODER_HEADS, "pooler.dense"),
+    "rembert": (ENCODER_HEADS, "pooler.dense"),
+    "roberta-prelayernorm": (ROBERTA_HEADS, "pooler.dense"),
+    "xlm-roberta-xl": (ROBERTA_HEADS, "pooler.dense"),
 }
 
 
