@@ -80,6 +80,8 @@ def test_head_matches_transformers(name):
         largest = max(np.abs(value).max() for key, value in ref.items() if key.startswith("single.grad."))
         for pname, expected in grads.items():
             grad = params[pname].grad
+            if grad is None and not expected.any():  # a module the head does not run (ESM's contact head)
+                continue
             assert grad is not None, f"{variant}: no gradient for {pname}"
             close(grad.numpy(), expected, f"{variant} grad {pname}", atol=GRAD_ATOL)
             error, bound = np.abs(grad.numpy() - expected).max(), GRAD_RTOL * max(np.abs(expected).max(),
@@ -144,8 +146,8 @@ def test_decoder_batch_without_pad_token_is_refused():
 
 
 def test_architecture_without_a_head_is_refused():
-    config = {"model_type": "esm", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 1}
+    config = {"model_type": "fnet", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
+              "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 1}
     with pytest.raises(TaskHeadError, match="no sequence-classification head"):
         vkformers.AutoModelForSequenceClassification.from_config(config)
 

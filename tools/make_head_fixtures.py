@@ -99,7 +99,7 @@ CASES = {
     "gemma-sequence": ("gemma", dict(NARROW_DECODER, head_dim=4), "sequence"),
     "bart-sequence": ("bart", NARROW_BART, "sequence"),
     # appended cases: heads under another prefix, seq2seq question answering, a mixture-of-experts base
-    "t5-sequence": ("t5", T5, "sequence"),
+    "t5-sequence": ("t5", NARROW_T5, "sequence"),
     "t5-qa": ("t5", T5, "qa"),
     "llama-qa": ("llama", SMALL_DECODER, "qa"),
     # declared heads of the BERT and BART families, one task each (their heads are the ones above; mbart-qa
@@ -142,6 +142,10 @@ CASES = {
     "rembert-token": ("rembert", dict(NARROW, input_embedding_size=4, output_embedding_size=4), "token"),
     "roberta-prelayernorm-sequence": ("roberta-prelayernorm", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
     "xlm-roberta-xl-token": ("xlm-roberta-xl", dict(NARROW, **ROBERTA_TOKENS), "token"),
+    "esm-token": ("esm", dict(NARROW, pad_token_id=1, mask_token_id=3, position_embedding_type="rotary",
+                              token_dropout=False, emb_layer_norm_before=False), "token"),
+    "mobilebert-sequence": ("mobilebert", dict(NARROW, embedding_size=8, true_hidden_size=8, intra_bottleneck_size=8,
+                                               num_feedforward_networks=1), "sequence"),
     "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
 }
 

@@ -61,6 +61,9 @@ DECLARED = {
     "rembert": (ENCODER_HEADS, "pooler.dense"),
     "roberta-prelayernorm": (ROBERTA_HEADS, "pooler.dense"),
     "xlm-roberta-xl": (ROBERTA_HEADS, "pooler.dense"),
+    # ESM: RoBERTa's sequence head and a token head, no question answering or multiple choice in transformers
+    "esm": (TaskHeads(ROBERTA_HEADS.sequence, question_answering=None), None),
+    "mobilebert": (ENCODER_HEADS, "pooler.dense"),
 }
 
 
