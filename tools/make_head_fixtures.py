@@ -146,6 +146,7 @@ CASES = {
                               token_dropout=False, emb_layer_norm_before=False), "token"),
     "mobilebert-sequence": ("mobilebert", dict(NARROW, embedding_size=8, true_hidden_size=8, intra_bottleneck_size=8,
                                                num_feedforward_networks=1), "sequence"),
+    "roformer-qa": ("roformer", dict(NARROW, embedding_size=8), "qa"),
     "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
 }
 
@@ -217,7 +218,8 @@ def build(name: str) -> None:
     model = AUTO[task].from_config(config).float().eval()
     with torch.no_grad():  # larger weights than the default init, so that every gradient is clearly non-zero
         for param in model.parameters():
-            param.copy_(torch.randn_like(param) * 0.2)
+            if param.requires_grad:  # frozen tables keep their values (RoFormer's sinusoids)
+                param.copy_(torch.randn_like(param) * 0.2)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     ids, mask = inputs(pad_id, rng)
     if config.is_encoder_decoder:  # the sequence head reads each row's last eos token: every row ends with one

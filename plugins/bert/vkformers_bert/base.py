@@ -34,14 +34,16 @@ def deberta_heads(config: dict) -> TaskHeads:
 
 
 def first_token_heads(config: dict) -> TaskHeads:
-    """ConvBERT's classification head: dense and the config's hidden_act on the first token, then out_proj; token
-    and question-answering heads as BERT's (its multiple-choice head, a sequence summary, is not declared)."""
+    """ConvBERT's and RoFormer's classification head: dense and the config's hidden_act on the first token, then
+    out_proj; token and question-answering heads as BERT's (their multiple-choice heads, a sequence summary, are
+    not declared)."""
     return TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense",
                                   dense_act=config.get("hidden_act", "gelu")))
 
 
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
-CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads}
+CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads,
+              "roformer": first_token_heads}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {
