@@ -93,14 +93,14 @@ CASES = {
                          "sequence"),
     "mpnet-sequence": ("mpnet", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
     "gte-sequence": ("gte", dict(NARROW, pad_token_id=1), "sequence"),
-    "llama-sequence": ("llama", DECODER, "sequence"),
+    "llama-sequence": ("llama", NARROW_DECODER, "sequence"),
     "llama-token": ("llama", NARROW_DECODER, "token"),
     "qwen2-sequence": ("qwen2", NARROW_DECODER, "sequence"),
     "gemma-sequence": ("gemma", dict(NARROW_DECODER, head_dim=4), "sequence"),
     "bart-sequence": ("bart", NARROW_BART, "sequence"),
     # appended cases: heads under another prefix, seq2seq question answering, a mixture-of-experts base
     "t5-sequence": ("t5", NARROW_T5, "sequence"),
-    "t5-qa": ("t5", T5, "qa"),
+    "t5-qa": ("t5", NARROW_T5, "qa"),
     "llama-qa": ("llama", SMALL_DECODER, "qa"),
     # declared heads of the BERT and BART families, one task each (their heads are the ones above; mbart-qa
     # stands for BART question answering too: the same head on the same stacks, with pre-norm layers)
@@ -147,6 +147,10 @@ CASES = {
     "mobilebert-sequence": ("mobilebert", dict(NARROW, embedding_size=8, true_hidden_size=8, intra_bottleneck_size=8,
                                                num_feedforward_networks=1), "sequence"),
     "roformer-qa": ("roformer", dict(NARROW, embedding_size=8), "qa"),
+    "fnet-sequence": ("fnet", dict(NARROW, pad_token_id=3), "sequence"),
+    "roc_bert-token": ("roc_bert", dict(NARROW, pronunciation_embed_dim=4, shape_embed_dim=4, pronunciation_vocab_size=8,
+                                        shape_vocab_size=8), "token"),
+    "big_bird-sequence": ("big_bird", dict(NARROW, attention_type="original_full"), "sequence"),
     "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
 }
 

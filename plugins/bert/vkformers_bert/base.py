@@ -34,16 +34,17 @@ def deberta_heads(config: dict) -> TaskHeads:
 
 
 def first_token_heads(config: dict) -> TaskHeads:
-    """ConvBERT's and RoFormer's classification head: dense and the config's hidden_act on the first token, then
-    out_proj; token and question-answering heads as BERT's (their multiple-choice heads, a sequence summary, are
-    not declared)."""
+    """ConvBERT's, RoFormer's and BigBird's classification head: dense and the config's hidden_act on the first
+    token, then out_proj; token and question-answering heads as BERT's (not declared: their multiple-choice heads,
+    and BigBird's question-answering head, which are built otherwise)."""
     return TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense",
-                                  dense_act=config.get("hidden_act", "gelu")))
+                                  dense_act=config.get("hidden_act", "gelu")),
+                     question_answering=None if config.get("model_type") == "big_bird" else "qa_outputs")
 
 
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
 CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads,
-              "roformer": first_token_heads}
+              "roformer": first_token_heads, "big_bird": first_token_heads}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {
@@ -66,6 +67,8 @@ DECLARED = {
     # ESM: RoBERTa's sequence head and a token head, no question answering or multiple choice in transformers
     "esm": (TaskHeads(ROBERTA_HEADS.sequence, question_answering=None), None),
     "mobilebert": (ENCODER_HEADS, "pooler.dense"),
+    "fnet": (ENCODER_HEADS, "pooler.dense"),
+    "roc_bert": (ENCODER_HEADS, "pooler.dense"),
 }
 
 
