@@ -5,7 +5,8 @@ classification, question answering), built from a config alone and re-initialise
 batch: row 0 full, row 1 right-padded by 2, row 2 left-padded by 2 (pad ids, attention mask 0). reference.safetensors
 holds the inputs, and for each label variant the logits, the loss and the gradients ("grad.<name>"): every
 parameter's for "single" (under the names model.safetensors stores: Mixtral's fused experts split back), the head's for "multi" and "regression" (sequence heads; the same weights, through
-problem_type), and the base
+problem_type), "clean": a [3, 7] batch without padding given without an attention mask (logits, loss, the head's
+gradients), and the base
 model's outputs ("base.last_hidden_state", "base.pooler_output", "base.hidden_states.<i>"); BF16_CASES also
 hold the "single" variant run in bfloat16 ("bf16.logits", "bf16.loss", the head's "bf16.grad.<name>"). seq2seq-base/<name>
 holds transformers' base encoder-decoder (T5Model, BartModel, MarianModel) outputs on the seq2seq parity fixtures'
@@ -57,7 +58,6 @@ T5 = dict(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=16, num_layers=1, num_decod
           relative_attention_num_buckets=4, relative_attention_max_distance=16, dropout_rate=0.0,
           classifier_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 # the appended cases: smaller still (the fixtures stay small)
-SMALL_BART = dict(BART, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=12)
 SMALL_DECODER = dict(DECODER, num_hidden_layers=1, intermediate_size=16)
 
 BF16_CASES = ("bert-sequence",)  # also run in bfloat16 (tests/test_heads_parity.py states the tolerance)
@@ -67,6 +67,10 @@ NARROW = dict(ENCODER, hidden_size=8, intermediate_size=8)
 DEBERTA_V3 = dict(NARROW, relative_attention=True, position_buckets=4, max_relative_positions=-1,
                   pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
                   type_vocab_size=0, pooler_dropout=0.0)
+
+NARROW_T5 = dict(T5, d_model=8, d_kv=4, d_ff=8)
+NARROW_BART = dict(BART, d_model=8, encoder_ffn_dim=8, decoder_ffn_dim=8, max_position_embeddings=8)
+NARROW_DECODER = dict(SMALL_DECODER, hidden_size=8, intermediate_size=8)
 
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
@@ -89,14 +93,14 @@ CASES = {
                          "sequence"),
     "mpnet-sequence": ("mpnet", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
     "gte-sequence": ("gte", dict(NARROW, pad_token_id=1), "sequence"),
-    "llama-sequence": ("llama", DECODER, "sequence"),
-    "llama-token": ("llama", DECODER, "token"),
-    "qwen2-sequence": ("qwen2", DECODER, "sequence"),
-    "gemma-sequence": ("gemma", dict(DECODER, head_dim=8), "sequence"),
-    "bart-sequence": ("bart", BART, "sequence"),
+    "llama-sequence": ("llama", NARROW_DECODER, "sequence"),
+    "llama-token": ("llama", NARROW_DECODER, "token"),
+    "qwen2-sequence": ("qwen2", NARROW_DECODER, "sequence"),
+    "gemma-sequence": ("gemma", dict(NARROW_DECODER, head_dim=4), "sequence"),
+    "bart-sequence": ("bart", NARROW_BART, "sequence"),
     # appended cases: heads under another prefix, seq2seq question answering, a mixture-of-experts base
-    "t5-sequence": ("t5", T5, "sequence"),
-    "t5-qa": ("t5", T5, "qa"),
+    "t5-sequence": ("t5", NARROW_T5, "sequence"),
+    "t5-qa": ("t5", NARROW_T5, "qa"),
     "llama-qa": ("llama", SMALL_DECODER, "qa"),
     # declared heads of the BERT and BART families, one task each (their heads are the ones above; mbart-qa
     # stands for BART question answering too: the same head on the same stacks, with pre-norm layers)
@@ -107,9 +111,47 @@ CASES = {
     "data2vec-text-qa": ("data2vec-text", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "qa"),
     "roberta-choice": ("roberta", dict(SMALL_ENCODER, **ROBERTA_TOKENS), "choice"),
     "distilbert-choice": ("distilbert", dict(DISTILBERT, hidden_dim=16), "choice"),
-    "mbart-qa": ("mbart", SMALL_BART, "qa"),
+    "mbart-qa": ("mbart", NARROW_BART, "qa"),
     "mixtral-sequence": ("mixtral", dict(SMALL_DECODER, num_local_experts=3,
                                          num_experts_per_tok=2), "sequence"),
+    # appended at hidden 8: the T5s' token head on the encoder alone, mT5 and UMT5, question answering of more
+    # decoders (Qwen2, a mixture of experts), the GPT-2 generation's token head (classifier), and the remaining
+    # heads of the encoders the verification names
+    "t5-token": ("t5", NARROW_T5, "token"),
+    "mt5-token": ("mt5", dict(NARROW_T5, feed_forward_proj="gated-gelu", tie_word_embeddings=False), "token"),
+    "umt5-qa": ("umt5", dict(NARROW_T5, feed_forward_proj="gated-gelu"), "qa"),
+    "umt5-sequence": ("umt5", dict(NARROW_T5, feed_forward_proj="gated-gelu"), "sequence"),
+    "qwen2-qa": ("qwen2", NARROW_DECODER, "qa"),
+    "qwen2-token": ("qwen2", NARROW_DECODER, "token"),
+    "gemma-token": ("gemma", dict(NARROW_DECODER, head_dim=4), "token"),
+    "qwen2-moe-qa": ("qwen2_moe", dict(NARROW_DECODER, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
+                                       shared_expert_intermediate_size=8), "qa"),
+    "gpt2-token": ("gpt2", dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_inner=8, n_positions=8, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, classifier_dropout=0.0), "token"),
+    "distilbert-token": ("distilbert", dict(DISTILBERT, dim=8, hidden_dim=8, max_position_embeddings=8), "token"),
+    "electra-qa": ("electra", dict(NARROW, embedding_size=4), "qa"),
+    "deberta-v2-token": ("deberta-v2", DEBERTA_V3, "token"),
+    "deberta-v2-qa": ("deberta-v2", DEBERTA_V3, "qa"),
+    "deberta-v2-choice": ("deberta-v2", DEBERTA_V3, "choice"),
+    "plbart-sequence": ("plbart", NARROW_BART, "sequence"),
+    "mvp-qa": ("mvp", NARROW_BART, "qa"),
+    "albert-sequence": ("albert", dict(NARROW, embedding_size=4, classifier_dropout_prob=0.0), "sequence"),
+    "squeezebert-sequence": ("squeezebert", dict(NARROW, embedding_size=8, q_groups=2, k_groups=2, v_groups=2,
+                                                 post_attention_groups=2, intermediate_groups=2, output_groups=2),
+                             "sequence"),
+    "rembert-token": ("rembert", dict(NARROW, input_embedding_size=4, output_embedding_size=4), "token"),
+    "roberta-prelayernorm-sequence": ("roberta-prelayernorm", dict(NARROW, **ROBERTA_TOKENS), "sequence"),
+    "xlm-roberta-xl-token": ("xlm-roberta-xl", dict(NARROW, **ROBERTA_TOKENS), "token"),
+    "esm-token": ("esm", dict(NARROW, pad_token_id=1, mask_token_id=3, position_embedding_type="rotary",
+                              token_dropout=False, emb_layer_norm_before=False), "token"),
+    "mobilebert-sequence": ("mobilebert", dict(NARROW, embedding_size=8, true_hidden_size=8, intra_bottleneck_size=8,
+                                               num_feedforward_networks=1), "sequence"),
+    "roformer-qa": ("roformer", dict(NARROW, embedding_size=8), "qa"),
+    "fnet-sequence": ("fnet", dict(NARROW, pad_token_id=3), "sequence"),
+    "roc_bert-token": ("roc_bert", dict(NARROW, pronunciation_embed_dim=4, shape_embed_dim=4, pronunciation_vocab_size=8,
+                                        shape_vocab_size=8), "token"),
+    "big_bird-sequence": ("big_bird", dict(NARROW, attention_type="original_full"), "sequence"),
+    "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
 }
 
 
@@ -136,6 +178,41 @@ def label_variants(task: str, rng: np.random.Generator, mask: np.ndarray) -> dic
     return {"single": dict(start_positions=np.array([1, 3, 99]), end_positions=np.array([4, 3, 6]))}
 
 
+def head_parameter(model, pname: str) -> bool:
+    """Whether ``pname`` belongs to the task head, not to the base model (T5ForQuestionAnswering holds its stacks
+    bare)."""
+    return not pname.startswith(model.base_model_prefix + ".") and pname.split(".")[0] not in (
+        "shared", "encoder", "decoder")
+
+
+def clean_run(model, config, task: str, rng: np.random.Generator) -> dict:
+    """The "clean" variant: a batch without padding, given without an attention mask: inputs, logits, loss and
+    the head's gradients (the padded batch's "single" variant holds every gradient)."""
+    ids = rng.integers(5, VOCAB, (BATCH, LENGTH)).astype(np.int64)
+    mask = np.ones_like(ids)
+    if config.is_encoder_decoder:
+        ids[:, -1] = config.eos_token_id
+    if task == "choice":
+        ids, mask = ids[None], mask[None]
+    labels = label_variants(task, rng, mask)["single"]
+    if task == "token":
+        labels["labels"][0, 3] = -100
+    if task == "choice":
+        labels = dict(labels=np.array([1]))
+    model.config.problem_type = None
+    model.zero_grad()
+    out = model(input_ids=torch.tensor(ids), **{k: torch.tensor(v) for k, v in labels.items()})
+    out.loss.backward()
+    tensors = {"clean.input_ids": ids, "clean.loss": out.loss.detach().numpy().reshape(1)}
+    tensors.update({f"clean.{k}": v for k, v in labels.items()})
+    for field in ("start_logits", "end_logits") if task == "qa" else ("logits",):
+        tensors[f"clean.{field}"] = getattr(out, field).detach().numpy()
+    for pname, param in model.named_parameters():
+        if param.grad is not None and head_parameter(model, pname):
+            tensors[f"clean.grad.{pname}"] = param.grad.detach().contiguous().numpy()
+    return tensors
+
+
 def build(name: str) -> None:
     model_type, overrides, task = CASES[name]
     torch.manual_seed(0)
@@ -145,7 +222,8 @@ def build(name: str) -> None:
     model = AUTO[task].from_config(config).float().eval()
     with torch.no_grad():  # larger weights than the default init, so that every gradient is clearly non-zero
         for param in model.parameters():
-            param.copy_(torch.randn_like(param) * 0.2)
+            if param.requires_grad:  # frozen tables keep their values (RoFormer's sinusoids)
+                param.copy_(torch.randn_like(param) * 0.2)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     ids, mask = inputs(pad_id, rng)
     if config.is_encoder_decoder:  # the sequence head reads each row's last eos token: every row ends with one
@@ -180,8 +258,9 @@ def build(name: str) -> None:
         else:
             grads = revert_weight_conversion(model, grads)  # under model.safetensors' names
         for pname, grad in grads.items():  # the other label variants: the head's gradients only
-            if variant == "single" or not pname.startswith(model.base_model_prefix):
+            if variant == "single" or head_parameter(model, pname):
                 tensors[f"{variant}.grad.{pname}"] = grad.detach().contiguous().numpy()
+    tensors.update(clean_run(model, config, task, rng))
     if name in BF16_CASES:  # the same weights in bfloat16: logits, loss and the head's gradients
         half = copy.deepcopy(model).to(torch.bfloat16)
         labels = {k.split(".", 1)[1]: torch.tensor(v) for k, v in tensors.items() if k.startswith("single.")
@@ -198,7 +277,8 @@ def build(name: str) -> None:
     base = getattr(model, model.base_model_prefix, None)  # T5ForQuestionAnswering holds no base model
     if base is not None:
         flat = torch.tensor(ids.reshape(-1, LENGTH))
-        extra = {"decoder_input_ids": model._shift_right(flat)} if model_type == "t5" else {}
+        extra = {"decoder_input_ids": model._shift_right(flat)} if model_type in ("t5", "mt5", "umt5") \
+            and config.is_encoder_decoder else {}
         with torch.no_grad():
             out = base(input_ids=flat, attention_mask=torch.tensor(mask.reshape(-1, LENGTH)),
                        output_hidden_states=not config.is_encoder_decoder, **extra)

@@ -113,6 +113,9 @@ class TaskHeads:
     # transformers' T5ForSequenceClassification ("transformer.shared...") and LlamaForQuestionAnswering
     # ("transformer.layers..." where LlamaModel's task models say "model.layers...")
     base_prefixes: tuple = ()
+    # (task, base class): the head models whose base is another class than the family's base model, as
+    # transformers' T5ForTokenClassification runs T5EncoderModel (the encoder alone)
+    base_classes: tuple = ()
 
 
 # BERT's: classifier on the pooler (for sequences and for each choice), token classifier, qa_outputs
@@ -312,6 +315,7 @@ class TaskModel(Module):
             raise TaskHeadError(f"architecture {name!r} has no {self.task} head in vkformers yet; use "
                                 f"AutoModel for its hidden states and put your own head on them")
         self.config = head_config(config)
+        base_class = dict(heads.base_classes).get(self.task, base_class)
         base = base_class(self.config, architecture, add_pooling_layer=self.uses_pooler(head))
         object.__setattr__(self, "base", base)
         self.base_model_prefix = base.base_model_prefix

@@ -33,8 +33,18 @@ def deberta_heads(config: dict) -> TaskHeads:
     return TaskHeads(pooled, multiple_choice=pooled)
 
 
+def first_token_heads(config: dict) -> TaskHeads:
+    """ConvBERT's, RoFormer's and BigBird's classification head: dense and the config's hidden_act on the first
+    token, then out_proj; token and question-answering heads as BERT's (not declared: their multiple-choice heads,
+    and BigBird's question-answering head, which are built otherwise)."""
+    return TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense",
+                                  dense_act=config.get("hidden_act", "gelu")),
+                     question_answering=None if config.get("model_type") == "big_bird" else "qa_outputs")
+
+
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
-CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads}
+CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads,
+              "roformer": first_token_heads, "big_bird": first_token_heads}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {
@@ -49,6 +59,16 @@ DECLARED = {
     "distilbert": (DISTILBERT_HEADS, None),
     "mpnet": (ROBERTA_HEADS, "pooler.dense"),
     "gte": (ENCODER_HEADS, "pooler.dense"),
+    "albert": (ENCODER_HEADS, "pooler"),  # its pooler is a bare Linear (albert.pooler.weight)
+    "squeezebert": (ENCODER_HEADS, "pooler.dense"),
+    "rembert": (ENCODER_HEADS, "pooler.dense"),
+    "roberta-prelayernorm": (ROBERTA_HEADS, "pooler.dense"),
+    "xlm-roberta-xl": (ROBERTA_HEADS, "pooler.dense"),
+    # ESM: RoBERTa's sequence head and a token head, no question answering or multiple choice in transformers
+    "esm": (TaskHeads(ROBERTA_HEADS.sequence, question_answering=None), None),
+    "mobilebert": (ENCODER_HEADS, "pooler.dense"),
+    "fnet": (ENCODER_HEADS, "pooler.dense"),
+    "roc_bert": (ENCODER_HEADS, "pooler.dense"),
 }
 
 

@@ -11,21 +11,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vkformers.models.decoder.base import DecoderBaseMixin
-from vkformers.models.heads import DECODER_HEADS
+from vkformers.models.heads import DECODER_HEADS, SequenceHead
 
 from vkformers_llama.model import DenseDecoderForCausalLM
 
 _QA = replace(DECODER_HEADS, question_answering="qa_outputs")
 _QA_UNDER_TRANSFORMER = replace(_QA, base_prefixes=(("question-answering", "transformer"),))
-# transformers' <X>ForQuestionAnswering of the family and where each keeps its base
-QUESTION_ANSWERING = {
-    **dict.fromkeys(("arcee", "exaone4", "llama", "ministral", "nemotron", "qwen2", "qwen3", "seed_oss", "smollm3"),
-                    _QA_UNDER_TRANSFORMER),
-    **dict.fromkeys(("gptj", "ministral3", "mistral"), _QA),
+# the GPT-2 generation of transformers' heads: the token head is classifier (with a bias), not score
+_CLASSIFIER_TOKENS = replace(DECODER_HEADS, token="classifier")
+# transformers' <X>ForQuestionAnswering (and token heads) of the family and where each keeps its base
+DECLARED = {
+    **dict.fromkeys(("arcee", "diffllama", "exaone4", "llama", "ministral", "nemotron", "qwen2", "qwen3", "seed_oss",
+                     "smollm3"), _QA_UNDER_TRANSFORMER),
+    **dict.fromkeys(("gptj", "ministral3", "mistral", "opt"), _QA),
+    **dict.fromkeys(("bloom", "falcon", "gpt2", "gpt_neo", "gpt_neox", "mpt"),
+                    replace(_CLASSIFIER_TOKENS, question_answering="qa_outputs")),
+    **dict.fromkeys(("biogpt", "gpt_bigcode"), _CLASSIFIER_TOKENS),
+    # CTRL scores sequences with classifier (no bias) on the last non-pad token
+    "ctrl": replace(DECODER_HEADS, sequence=SequenceHead("last", out="classifier", out_bias=False)),
 }
 
 
 class DecoderModel(DecoderBaseMixin, DenseDecoderForCausalLM):
     """A decoder of the family without the LM head."""
 
-    declared_heads = QUESTION_ANSWERING
+    declared_heads = DECLARED
