@@ -11,10 +11,22 @@ Random weights are drawn for a few rows and tiled over each matrix (packed once,
 host neither draws nor quantizes billions of values: the timings do not depend on the values.
 
     python bench/quant.py [--formats q4_k,q8_0] [--layers 32] [--new-tokens 64] [--json OUT]
+
+--sweep: instead, the fused decode products alone (decode_matvec's q_* variants) at batch 1 on the 8B shapes
+(4096 -> 6144 q/k/v with rotary and cache write, 4096 -> 4096 o_proj, 4096 -> 2 x 14336 gate/up, 14336 -> 4096
+down), --layers distinct copies so that no weight stays in cache, timed with GPU timestamps for every launch shape
+(subgroups of 32 lanes per workgroup, units of 32 weights in flight per lane, pairs of columns computed together,
+split k) and each format of --formats (q4_k,q6_k,q8_0 by default), beside the bfloat16 products in their default
+shape. It prints each shape's GB/s and share of --bandwidth-gbs per product and over the layer, marks the shape
+engine/kernels/decode.py's QUANT_LAUNCH picks now, and names the fastest: the default is the one line of
+QUANT_LAUNCH for that format.
+
+    python bench/quant.py --sweep [--formats q4_k,q6_k,q8_0] [--layers 8] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import numpy as np
@@ -23,6 +35,7 @@ from common import warm_up, write_results
 from llama import timed
 
 import vkformers as vkf
+from vkformers.engine.kernels import decode as KD
 from vkformers.engine.quantized import QuantizedArray, quant_format, quantize
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.quantize import quantizable_weights
@@ -98,17 +111,138 @@ def bench_format(config, fmt: str | None, prompt, new_tokens, bandwidth_gbs: flo
     return out
 
 
+# The 8B decode products: (name, mode, k, widths).
+SWEEP_PRODUCTS = (("qkv + norm + rotary", "qkv", 4096, (4096, 1024, 1024)), ("o_proj + residual", "plain", 4096, (4096,)),
+                  ("gate/up + norm + act", "gated", 4096, (14336, 14336)), ("down + residual", "plain", 14336, (4096,)))
+SWEEP_HEAD_DIM, SWEEP_KV_HEADS, SWEEP_CAPACITY = 128, 8, 64
+
+
+def sweep_shapes():
+    """Every launch shape the sweep times, in 32-lane subgroups: (subgroups, in flight, pairs together, split k)."""
+    return [s for s in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4), (0, 1)) if not (s[3] and s[0] == 1)]
+
+
+def in_subgroups(device, shape):
+    """A shape counted in 32-lane subgroups as decode_matvec's launch (this device's subgroups)."""
+    return (max(1, shape[0] * 32 // device.limits["subgroup_size"]),) + tuple(shape[1:])
+
+
+def record_products(device, fmt: str | None, layers: int, launch):
+    """The four decode products of ``layers`` layers (distinct weights each) as one timestamped sequence."""
+    dtype = "bfloat16"
+    buf = lambda n, name, d=dtype: device.buffer(n, d, name=name)  # noqa: E731 (contents do not matter for timing)
+    f = quant_format(fmt) if fmt else None
+    weight = lambda n, k: buf(n * f.row_bytes(k), "w", "uint8") if f else buf(n * k, "w")  # noqa: E731
+    (_, _, hidden, qkv), (_, _, _, o), (_, _, _, gate_up), (_, _, ffn, down) = SWEEP_PRODUCTS
+    x, h, q, act = buf(hidden, "x"), buf(hidden, "h"), buf(qkv[0], "q"), buf(ffn, "act")
+    caches = [buf(SWEEP_KV_HEADS * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
+    positions, start = device.upload(np.zeros(1, np.int32)), device.upload(np.zeros(1, np.uint32))
+    inv_freq = device.upload(np.ones(SWEEP_HEAD_DIM // 2, np.float32))
+    norm = buf(ffn, "norm")
+    seq = device.sequence(timestamps=True)
+    keep = []  # the weights live as long as the sequence
+    common = dict(rows=1, launch=launch, quant_format=f)
+    for _ in range(layers):
+        ws = [[weight(n, k) for n in widths] for _, _, k, widths in SWEEP_PRODUCTS]
+        keep += ws
+        KD.decode_matvec(seq, x, ws[0], q, k=hidden, widths=qkv, mode="qkv", norm_weight=norm,
+                         norm=True, out1=caches[0], out2=caches[1], positions=positions, cache_start=start,
+                         inv_freq=inv_freq, head_dim=SWEEP_HEAD_DIM, rot_dim=SWEEP_HEAD_DIM, kv_heads=SWEEP_KV_HEADS,
+                         capacity=SWEEP_CAPACITY, **common)
+        KD.decode_matvec(seq, q, ws[1], h, k=qkv[0], widths=o, residual=x, **common)
+        KD.decode_matvec(seq, h, ws[2], act, k=hidden, widths=gate_up, mode="gated", norm_weight=norm, norm=True,
+                         **common)
+        KD.decode_matvec(seq, act, ws[3], x, k=ffn, widths=down, residual=h, **common)
+    return seq, keep
+
+
+def product_bytes(fmt: str | None) -> list[int]:
+    size = (lambda n, k: n * quant_format(fmt).row_bytes(k)) if fmt else (lambda n, k: n * k * 2)
+    return [sum(size(n, k) for n in widths) for _, _, k, widths in SWEEP_PRODUCTS]
+
+
+def time_products(seq, repeats: int) -> list[float]:
+    """Median GPU seconds of each product kind (median over the layers, then over the replays)."""
+    seq.replay()
+    runs = []
+    for _ in range(repeats):
+        seq.replay()
+        runs.append([t for label, t in seq.timings()[1:] if label != "barrier"])
+    per_op = np.median(np.array(runs), axis=0).reshape(-1, len(SWEEP_PRODUCTS))
+    return [float(t) for t in np.median(per_op, axis=0)]
+
+
+def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
+    device = vulkan.get_device()
+    names = [p[0] for p in SWEEP_PRODUCTS]
+    print(f"device: {device.name}; decode products of the Llama-3-8B shape at batch 1, {layers} layers of distinct "
+          f"weights; GB/s of weights and % of {bandwidth_gbs:.0f} GB/s per product: {', '.join(names)}; then the layer")
+    results = {"device": device.name, "bandwidth_gbs": bandwidth_gbs, "layers": layers, "formats": {}}
+
+    def run(fmt, shape, launch):
+        seq, keep = record_products(device, fmt, layers, launch)
+        times = time_products(seq, repeats)
+        del seq, keep
+        sizes = product_bytes(fmt)
+        gbps = [n / t * 1e-9 for n, t in zip(sizes, times)]
+        layer_gbps = sum(sizes) / sum(times) * 1e-9
+        return {"shape": shape, "us": [t * 1e6 for t in times], "gbps": gbps, "layer_gbps": layer_gbps,
+                "layer_of_bound": layer_gbps / bandwidth_gbs}
+
+    def line(tag, r, mark=""):
+        cells = "  ".join(f"{g:5.0f} {100 * g / bandwidth_gbs:3.0f}%" for g in r["gbps"])
+        print(f"  {tag:18s} {cells}  | layer {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
+              f"  {sum(r['us']):7.1f} us{mark}", flush=True)
+
+    base = run(None, None, None)
+    results["bfloat16"] = base
+    print("bfloat16 (its default shape)")
+    line("default", base)
+    for fmt in formats:
+        default = KD.QUANT_LAUNCH.get(fmt, KD.QUANT_LAUNCH_DEFAULT)
+        print(f"{fmt} (subgroups, in flight, pairs together, split k); default QUANT_LAUNCH[{fmt!r}] = {default}")
+        runs = []
+        for shape in sweep_shapes():
+            try:
+                r = run(fmt, shape, in_subgroups(device, shape))
+            except Exception as e:  # a shape the device refuses (too many registers, workgroup too large)
+                print(f"  {str(shape):18s} failed: {str(e).splitlines()[0][:100]}")
+                continue
+            r["default"] = shape == default
+            runs.append(r)
+            line(str(shape), r, "  <- default" if r["default"] else "")
+        best = max(runs, key=lambda r: r["layer_gbps"])
+        chosen = next((r for r in runs if r["default"]), None)
+        per_product = [max(runs, key=lambda r, i=i: r["gbps"][i])["shape"] for i in range(len(SWEEP_PRODUCTS))]
+        print(f"  fastest over the layer: {best['shape']} ({best['layer_gbps']:.0f} GB/s, "
+              f"{100 * best['layer_of_bound']:.0f}% of the bound, {sum(base['us']) / sum(best['us']):.2f}x bfloat16's "
+              f"speed); default {'%.0f GB/s' % chosen['layer_gbps'] if chosen else 'not timed'}; fastest per product: "
+              f"{dict(zip(names, per_product))}")
+        print(f"  to make it the default: QUANT_LAUNCH[{fmt!r}] = {best['shape']} in "
+              f"core/vkformers/engine/kernels/decode.py", flush=True)
+        results["formats"][fmt] = {"runs": runs, "best": best["shape"], "default": default}
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="q4_k,q8_0", help="block formats to compare with bfloat16")
-    parser.add_argument("--layers", type=int, default=LLAMA3_8B["num_hidden_layers"])
+    parser.add_argument("--formats", help="block formats to compare with bfloat16 (q4_k,q8_0; --sweep: q4_k,q6_k,q8_0)")
+    parser.add_argument("--layers", type=int, help="layers (32; --sweep: 8)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="the device's memory bandwidth for the decode bound (H200: 4800)")
     parser.add_argument("--quick", action="store_true", help="a small shape (hidden 512, 2 layers) for a CPU device")
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--sweep", action="store_true", help="time the fused decode products' launch shapes instead")
+    parser.add_argument("--repeats", type=int, default=10, help="--sweep: replays per shape")
     args = parser.parse_args(argv)
+    if args.sweep:
+        formats = [f for f in (args.formats or "q4_k,q6_k,q8_0").split(",") if f]
+        write_results(args.json, sweep(formats, args.layers or 8, args.repeats, args.bandwidth_gbs))
+        return 0
+    args.formats = args.formats or "q4_k,q8_0"
+    args.layers = args.layers or LLAMA3_8B["num_hidden_layers"]
     config = dict(LLAMA3_8B, num_hidden_layers=args.layers)
     if args.quick:
         config.update(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
