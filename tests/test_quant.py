@@ -581,3 +581,51 @@ def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
     close(caches[0][:, :, start:start + 1], rotate((h @ wk.T).reshape(2, kv_heads, 1, head_dim)), TOLERANCE)
     close(caches[1][:, :, start:start + 1], (h @ wv.T).reshape(2, kv_heads, 1, head_dim), TOLERANCE)
     assert not caches[0][:, :, :start].any() and not caches[1][:, :, start + 1:].any()
+
+
+def test_fused_decode_mixed_block_formats(device, monkeypatch):
+    """A Q4_K_M-style model (q, k, o, gate, up in Q4_K; v and down in Q6_K, as llama.cpp's Q4_K_M keeps attn_v and
+    ffn_down) decodes through the fused kernels with each weight in its own format, none falling back to the composed
+    ops, and gives the logits of its dequantized float32 self at every step (relative to max |logit|)."""
+    from vkformers.engine.ops.decode import DecodeMatvec
+    from vkformers.models.cache import KVCache
+    from vkformers.models.loading import AutoModelForCausalLM
+    monkeypatch.setattr(fused_ops, "enabled", True)
+    config = dict(model_type="llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+    rng = np.random.default_rng(31)
+    packed, dequantized = {}, {}
+    model = AutoModelForCausalLM.from_config(config)
+    for name, slot in model.named_slots():
+        shape = tuple(slot.shape)
+        if name.endswith("proj.weight"):
+            fmt = "q6_k" if ("v_proj" in name or "down_proj" in name) else "q4_k"
+            if fmt == "q4_k":
+                blocks = quantize(0.05 * rng.standard_normal(shape).astype(np.float32), fmt)
+            else:  # no Q6_K quantizer: random codes, d small enough for weights of order 0.05
+                blocks = random_blocks(fmt, shape[0], shape[1], seed=int(rng.integers(1 << 30))).reshape(
+                    shape[0], -1, 210)
+                blocks[..., 208:210] = np.full(blocks.shape[:2], 3e-5, np.float16)[..., None].view(np.uint8)
+                blocks = blocks.reshape(shape[0], -1)
+            packed[name] = QuantizedArray(blocks, fmt, shape)
+            dequantized[name] = reference_weights(blocks, fmt, *shape).astype(np.float32)
+        else:
+            value = (1.0 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.5 * rng.standard_normal(shape))
+            packed[name] = dequantized[name] = value.astype(np.float32)
+    model.load_state_dict(packed, requires_grad=False)
+    reference = AutoModelForCausalLM.from_config(config)
+    reference.load_state_dict(dequantized, requires_grad=False)
+    seen = []
+    emit = DecodeMatvec.emit
+    monkeypatch.setattr(DecodeMatvec, "emit", lambda self, *a: (seen.append(self.attrs.get("quant")), emit(self, *a)))
+    ids = np.array([[3, 17, 42, 9, 25, 60, 1, 33, 8, 51]])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    caches = [KVCache(2, 1, 2, head_dim, max_len=16) for _ in range(2)]
+    with vkf.no_grad():
+        for step in range(5, ids.shape[1]):
+            span = slice(0, step) if step == 5 else slice(step - 1, step)
+            got = model(ids[:, span], cache=caches[0]).logits.numpy()[:, -1]
+            want = reference(ids[:, span], cache=caches[1]).logits.numpy()[:, -1]
+            assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-4, step
+    assert {"q4_k,q4_k,q6_k", "q4_k", "q4_k,q4_k", "q6_k"} <= set(seen)
