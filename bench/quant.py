@@ -22,12 +22,26 @@ engine/kernels/decode.py's QUANT_LAUNCH picks now, and names the fastest: the de
 QUANT_LAUNCH for that format.
 
     python bench/quant.py --sweep [--formats q4_k,q6_k,q8_0] [--layers 8] [--json OUT]
+
+--qlora: instead, LoRA training steps (r 16, alpha 32, on all seven projections; AdamW, bf16 compute, gradient
+checkpointing) at --batch x --seq (4 x 512) on the 8B shape (--layers of them): the NF4 base (QLoRA) against the
+bfloat16 base in the same run, and PyTorch + PEFT LoRA on a bfloat16 base with gradient checkpointing when PyTorch
+sees a CUDA device (and peft is installed). Tokens/s, and peak device memory from the runtime's buffer accounting
+(torch.cuda.max_memory_allocated for PyTorch), both from before the model is built. --qlora-70b: one QLoRA step of
+the 70B shape (hidden 8192, 80 layers, 64/8 heads, ffn 28672) at 1 x 1024 instead (--layers for a short run): the
+time of its second step (the first records it) and the peak memory of both (goal: under 48 GiB on one H200). The host holds the packed weights while loading (~40 GB
+for the 70B shape).
+
+    python bench/quant.py --qlora [--layers 32] [--batch 4] [--seq 512] [--steps 5] [--json OUT]
+    python bench/quant.py --qlora-70b [--layers 80] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import sys
+import time
 
 import numpy as np
 
@@ -40,11 +54,16 @@ from vkformers.engine.quantized import QuantizedArray, quant_format, quantize
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.quantize import quantizable_weights
 from vkformers.runtime import vulkan
+from vkformers.training import LoraConfig, Trainer, TrainingConfig, apply_lora
 
 # Llama-3-8B's shape.
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
+LLAMA_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8)
+QLORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"])
 SAMPLE_ROWS = 64  # rows drawn per matrix, then tiled
 REPEATS = 5
 
@@ -224,6 +243,111 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
     return results
 
 
+def bench_lora_step(config, fmt: str | None, batch: int, seq: int, steps: int) -> dict:
+    """LoRA steps (QLORA, bf16, gradient checkpointing) on a base in ``fmt`` (None: bfloat16): tokens/s, peak GiB."""
+    gc.collect()
+    start_bytes = vulkan.buffer_memory()["live_bytes"]
+    vulkan.reset_peak_buffer_memory()
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tiled_weights(model, fmt), dtype="bfloat16", requires_grad=False)
+    apply_lora(model, LoraConfig(**QLORA))
+    weights_gib = (vulkan.buffer_memory()["live_bytes"] - start_bytes) / 2**30
+    trainer = Trainer(model, TrainingConfig(steps=steps + 2, batch_size=batch, seq_len=seq, lr=1e-4,
+                                            schedule="constant", precision="bf16", gradient_checkpointing=True),
+                      train_batches=None)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (batch, seq)).astype(np.int32)
+    batches = [(ids, ids.copy())]
+    first = time.perf_counter()
+    losses = [trainer.train_step(batches).loss]  # records the step
+    first = time.perf_counter() - first
+    if steps:
+        losses.append(trainer.train_step(batches).loss)  # the first replay
+    start = time.perf_counter()
+    for _ in range(max(1, steps)):  # steps 0: the first replay alone
+        losses.append(trainer.train_step(batches).loss)
+    seconds = (time.perf_counter() - start) / max(1, steps)
+    out = {"tok_s": ids.size / seconds, "step_s": seconds, "first_step_s": first, "weights_gib": weights_gib,
+           "peak_gib": (vulkan.buffer_memory()["peak_bytes"] - start_bytes) / 2**30, "losses": losses}
+    del trainer, model
+    gc.collect()
+    return out
+
+
+def bench_peft_step(config, batch: int, seq: int, steps: int) -> dict | str:
+    """PyTorch + PEFT LoRA (QLORA) on a bfloat16 base with gradient checkpointing, on CUDA; or why it was skipped."""
+    try:
+        import torch
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        return f"skipped ({exc.name} not installed)"
+    if not torch.cuda.is_available():
+        return "skipped (no CUDA device)"
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start_bytes = torch.cuda.memory_allocated()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}))
+    model = model.to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, PeftLoraConfig(**QLORA, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, config["vocab_size"], (batch, seq))).cuda()
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step(), step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    seconds = (time.perf_counter() - start) / max(1, steps)
+    out = {"tok_s": ids.numel() / seconds, "step_s": seconds,
+           "peak_gib": (torch.cuda.max_memory_allocated() - start_bytes) / 2**30}
+    model = optimizer = params = step = None  # noqa: F841 (freed before the cache is emptied)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def qlora(config, batch: int, seq: int, steps: int) -> dict:
+    print(f"device: {vulkan.get_device().name}; LoRA r{QLORA['r']} on 7 projections, batch {batch} x {seq}, "
+          f"gradient checkpointing; Llama shape hidden {config['hidden_size']}, {config['num_hidden_layers']} layers",
+          flush=True)
+    results = {"device": vulkan.get_device().name, "config": config, "batch": batch, "seq": seq, "lora": QLORA}
+    for name, fmt in (("bfloat16 LoRA", None), ("NF4 QLoRA", "nf4")):
+        r = results[name] = bench_lora_step(config, fmt, batch, seq, steps)
+        print(f"{name:14s} {r['tok_s']:9.1f} tok/s  peak {r['peak_gib']:7.2f} GiB (weights {r['weights_gib']:.2f}) "
+              f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+    ref = results["PyTorch + PEFT bf16"] = bench_peft_step(config, batch, seq, steps)
+    if isinstance(ref, str):
+        print(f"PyTorch + PEFT bf16 {ref}")
+    else:
+        print(f"PyTorch + PEFT bf16 {ref['tok_s']:9.1f} tok/s  peak {ref['peak_gib']:7.2f} GiB (max_memory_allocated)")
+    q, b = results["NF4 QLoRA"], results["bfloat16 LoRA"]
+    print(f"QLoRA: {q['tok_s'] / b['tok_s']:.2f}x the bfloat16 LoRA step"
+          + ("" if isinstance(ref, str) else f", {q['tok_s'] / ref['tok_s']:.2f}x PyTorch + PEFT")
+          + f"; peak {q['peak_gib']:.2f} GiB (goal at the 8B shape, 32 layers: <= 10 GiB)", flush=True)
+    return results
+
+
+def qlora_70b(layers: int) -> dict:
+    config = dict(LLAMA_70B, num_hidden_layers=layers)
+    print(f"device: {vulkan.get_device().name}; one QLoRA step (NF4, LoRA r{QLORA['r']} on 7 projections, "
+          f"gradient checkpointing) of the 70B shape, {layers} layers, batch 1 x 1024", flush=True)
+    r = bench_lora_step(config, "nf4", 1, 1024, 0)
+    print(f"NF4 QLoRA 70B step {r['step_s']:.2f} s (the first, recording it: {r['first_step_s']:.2f} s)  "
+          f"peak {r['peak_gib']:.2f} GiB "
+          f"(weights {r['weights_gib']:.2f}; goal: under 48 GiB)  loss {r['losses'][0]:.3f}", flush=True)
+    return {"device": vulkan.get_device().name, "config": config, "batch": 1, "seq": 1024, "lora": QLORA, **r}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", help="block formats to compare with bfloat16 (q4_k,q8_0; --sweep: q4_k,q6_k,q8_0)")
@@ -236,7 +360,23 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--sweep", action="store_true", help="time the fused decode products' launch shapes instead")
     parser.add_argument("--repeats", type=int, default=10, help="--sweep: replays per shape")
+    parser.add_argument("--qlora", action="store_true", help="time QLoRA steps against bfloat16 LoRA instead")
+    parser.add_argument("--qlora-70b", action="store_true", help="one QLoRA step of the 70B shape instead")
+    parser.add_argument("--batch", type=int, default=4, help="--qlora: sequences per step")
+    parser.add_argument("--seq", type=int, default=512, help="--qlora: tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="--qlora: timed steps (after 2 untimed)")
     args = parser.parse_args(argv)
+    if args.qlora or args.qlora_70b:
+        if args.qlora_70b:
+            results = qlora_70b(args.layers or LLAMA_70B["num_hidden_layers"])
+        else:
+            config = dict(LLAMA3_8B, num_hidden_layers=args.layers or LLAMA3_8B["num_hidden_layers"])
+            if args.quick:
+                config.update(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
+                              vocab_size=4096)
+            results = qlora(config, args.batch, args.seq, args.steps)
+        write_results(args.json, results)
+        return 0
     if args.sweep:
         formats = [f for f in (args.formats or "q4_k,q6_k,q8_0").split(",") if f]
         write_results(args.json, sweep(formats, args.layers or 8, args.repeats, args.bandwidth_gbs))
