@@ -146,12 +146,18 @@ def in_subgroups(device, shape):
     return (max(1, shape[0] * 32 // device.limits["subgroup_size"]),) + tuple(shape[1:])
 
 
-def record_products(device, fmt: str | None, layers: int, launch):
-    """The four decode products of ``layers`` layers (distinct weights each) as one timestamped sequence."""
+def sweep_weights(device, fmt: str | None, layers: int) -> list:
+    """Each layer's weights of the four products (packed in ``fmt``, or bfloat16); their contents do not matter."""
+    f = quant_format(fmt) if fmt else None
+    weight = lambda n, k: (device.buffer(n * f.row_bytes(k), "uint8", name="w") if f  # noqa: E731
+                           else device.buffer(n * k, "bfloat16", name="w"))
+    return [[[weight(n, k) for n in widths] for _, _, k, widths in SWEEP_PRODUCTS] for _ in range(layers)]
+
+
+def record_products(device, fmt: str | None, weights: list, launch):
+    """The four decode products of every layer of ``weights`` (sweep_weights) as one timestamped sequence."""
     dtype = "bfloat16"
     buf = lambda n, name, d=dtype: device.buffer(n, d, name=name)  # noqa: E731 (contents do not matter for timing)
-    f = quant_format(fmt) if fmt else None
-    weight = lambda n, k: buf(n * f.row_bytes(k), "w", "uint8") if f else buf(n * k, "w")  # noqa: E731
     (_, _, hidden, qkv), (_, _, _, o), (_, _, _, gate_up), (_, _, ffn, down) = SWEEP_PRODUCTS
     x, h, q, act = buf(hidden, "x"), buf(hidden, "h"), buf(qkv[0], "q"), buf(ffn, "act")
     caches = [buf(SWEEP_KV_HEADS * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
@@ -159,11 +165,8 @@ def record_products(device, fmt: str | None, layers: int, launch):
     inv_freq = device.upload(np.ones(SWEEP_HEAD_DIM // 2, np.float32))
     norm = buf(ffn, "norm")
     seq = device.sequence(timestamps=True)
-    keep = []  # the weights live as long as the sequence
-    common = dict(rows=1, launch=launch, quant_format=f)
-    for _ in range(layers):
-        ws = [[weight(n, k) for n in widths] for _, _, k, widths in SWEEP_PRODUCTS]
-        keep += ws
+    common = dict(rows=1, launch=launch, quant_format=quant_format(fmt) if fmt else None)
+    for ws in weights:
         KD.decode_matvec(seq, x, ws[0], q, k=hidden, widths=qkv, mode="qkv", norm_weight=norm,
                          norm=True, out1=caches[0], out2=caches[1], positions=positions, cache_start=start,
                          inv_freq=inv_freq, head_dim=SWEEP_HEAD_DIM, rot_dim=SWEEP_HEAD_DIM, kv_heads=SWEEP_KV_HEADS,
@@ -172,7 +175,7 @@ def record_products(device, fmt: str | None, layers: int, launch):
         KD.decode_matvec(seq, h, ws[2], act, k=hidden, widths=gate_up, mode="gated", norm_weight=norm, norm=True,
                          **common)
         KD.decode_matvec(seq, act, ws[3], x, k=ffn, widths=down, residual=h, **common)
-    return seq, keep
+    return seq
 
 
 def product_bytes(fmt: str | None) -> list[int]:
@@ -198,10 +201,10 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
           f"weights; GB/s of weights and % of {bandwidth_gbs:.0f} GB/s per product: {', '.join(names)}; then the layer")
     results = {"device": device.name, "bandwidth_gbs": bandwidth_gbs, "layers": layers, "formats": {}}
 
-    def run(fmt, shape, launch):
-        seq, keep = record_products(device, fmt, layers, launch)
+    def run(fmt, shape, launch, weights):
+        seq = record_products(device, fmt, weights, launch)
         times = time_products(seq, repeats)
-        del seq, keep
+        del seq
         sizes = product_bytes(fmt)
         gbps = [n / t * 1e-9 for n, t in zip(sizes, times)]
         layer_gbps = sum(sizes) / sum(times) * 1e-9
@@ -213,17 +216,17 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
         print(f"  {tag:18s} {cells}  | layer {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
               f"  {sum(r['us']):7.1f} us{mark}", flush=True)
 
-    base = run(None, None, None)
+    base = run(None, None, None, sweep_weights(device, None, layers))
     results["bfloat16"] = base
     print("bfloat16 (its default shape)")
     line("default", base)
     for fmt in formats:
         default = KD.QUANT_LAUNCH.get(fmt, KD.QUANT_LAUNCH_DEFAULT)
         print(f"{fmt} (subgroups, in flight, pairs together, split k); default QUANT_LAUNCH[{fmt!r}] = {default}")
-        runs = []
+        runs, weights = [], sweep_weights(device, fmt, layers)
         for shape in sweep_shapes():
             try:
-                r = run(fmt, shape, in_subgroups(device, shape))
+                r = run(fmt, shape, in_subgroups(device, shape), weights)
             except Exception as e:  # a shape the device refuses (too many registers, workgroup too large)
                 print(f"  {str(shape):18s} failed: {str(e).splitlines()[0][:100]}")
                 continue
@@ -240,6 +243,7 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
         print(f"  to make it the default: QUANT_LAUNCH[{fmt!r}] = {best['shape']} in "
               f"core/vkformers/engine/kernels/decode.py", flush=True)
         results["formats"][fmt] = {"runs": runs, "best": best["shape"], "default": default}
+        del weights
     return results
 
 
