@@ -5,7 +5,9 @@ For each weight format (bfloat16, then each block format given), with the same s
   every weight a token reads, over --bandwidth-gbs);
 - a 512-token prefill at batch 1 (tokens/s);
 - the device memory the model's buffers take (the runtime's buffer accounting).
-Embeddings, norms and the LM head stay bfloat16 in every format, as from_pretrained(quantization=...) leaves them.
+Embeddings, norms and the LM head stay bfloat16 in every format, as from_pretrained(quantization=...) leaves them,
+but in q4_k_m: llama.cpp's Q4_K_M layout, Q4_K with attn_v, ffn_down and the LM head in Q6_K (as a downloaded
+Q4_K_M GGUF holds them).
 
 Random weights are drawn for a few rows and tiled over each matrix (packed once, then repeated block rows), so the
 host neither draws nor quantizes billions of values: the timings do not depend on the values.
@@ -68,6 +70,25 @@ SAMPLE_ROWS = 64  # rows drawn per matrix, then tiled
 REPEATS = 5
 
 
+def packed_format(name: str, fmt: str | None, packed_names) -> str | None:
+    """The block format weight ``name`` is packed in (None: bfloat16); ``fmt`` q4_k_m: llama.cpp's Q4_K_M layout."""
+    if fmt == "q4_k_m":
+        if name == "lm_head.weight" or name.endswith(("v_proj.weight", "down_proj.weight")):
+            return "q6_k"
+        return "q4_k" if name in packed_names else None
+    return fmt if name in packed_names else None
+
+
+def sample_blocks(sample: np.ndarray, fmt: str, rng) -> np.ndarray:
+    """``sample`` rows packed in ``fmt``; Q6_K (no quantizer here): random codes and scales, with d giving weights
+    of about the sample's spread."""
+    if fmt != "q6_k":
+        return quantize(sample, quant_format(fmt))
+    raw = rng.integers(0, 256, (sample.shape[0], sample.shape[1] // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.full(raw.shape[:2], 1.7e-5, np.float16)[..., None].view(np.uint8)
+    return raw.reshape(sample.shape[0], -1)
+
+
 def tiled_weights(model, fmt: str | None, seed=0) -> dict:
     """Every slot's weights from SAMPLE_ROWS random rows repeated; Linear weights packed in ``fmt`` (None: float)."""
     rng = np.random.default_rng(seed)
@@ -83,9 +104,10 @@ def tiled_weights(model, fmt: str | None, seed=0) -> dict:
         rows = min(SAMPLE_ROWS, shape[0])
         sample = rng.standard_normal((rows, *shape[1:]), dtype=np.float32) * 0.02
         repeat = -(-shape[0] // rows)
-        if name in packed_names:
-            block_rows = quantize(sample, quant_format(fmt))
-            weights[name] = QuantizedArray(np.tile(block_rows, (repeat, 1))[:shape[0]], fmt, shape)
+        packed = packed_format(name, fmt, packed_names)
+        if packed:
+            block_rows = sample_blocks(sample, packed, rng)
+            weights[name] = QuantizedArray(np.tile(block_rows, (repeat, 1))[:shape[0]], packed, shape)
         else:
             weights[name] = np.tile(sample, (repeat,) + (1,) * (len(shape) - 1))[:shape[0]]
     return weights
@@ -100,10 +122,11 @@ def weight_bytes_per_token(model, fmt: str | None) -> int:
         if slot.tied_to is not None:
             continue
         shape = tuple(slot.shape)
+        packed = packed_format(name, fmt, packed_names)
         if "embed_tokens" in name:
             total += shape[-1] * 2
-        elif name in packed_names:
-            total += shape[0] * quant_format(fmt).row_bytes(shape[1])
+        elif packed:
+            total += shape[0] * quant_format(packed).row_bytes(shape[1])
         else:
             total += int(np.prod(shape)) * 2
     return total
@@ -354,7 +377,8 @@ def qlora_70b(layers: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", help="block formats to compare with bfloat16 (q4_k,q8_0; --sweep: q4_k,q6_k,q8_0)")
+    parser.add_argument("--formats", help="block formats to compare with bfloat16 (q4_k,q8_0; also q4_k_m: "
+                        "llama.cpp's Q4_K_M layout; --sweep: q4_k,q6_k,q8_0)")
     parser.add_argument("--layers", type=int, help="layers (32; --sweep: 8)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
