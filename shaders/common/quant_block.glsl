@@ -227,13 +227,15 @@ void quant_unit(uint block, uint u, out vec4 q[8], out vec4 scale, out vec4 offs
         uvec2 ql_a = q_8bytes(block + 64u * h + l), ql_b = q_8bytes(block + 64u * h + 32u + l);
         uvec2 qh = q_8bytes(block + 128u + 32u * h + l);
         uvec2 scales = q_8bytes(block + 192u + 8u * h);
-        float d = q_half(block + 208u);
+        // octet o's scale is byte (u & 3) / 2 + 2o of the 8: bytes 0 and 2 of each word shifted by that, gathered into
+        // one word and turned into floats at once (q_int8s: no integer-to-float conversions)
+        uvec2 sw = scales >> (8u * ((u & 3u) / 2u));
+        scale = q_half(block + 208u) * q_int8s((sw.x & 0xFFu) | ((sw.x >> 8) & 0xFF00u) | ((sw.y & 0xFFu) << 16)
+                                                | ((sw.y << 8) & 0xFF000000u));
+        offset = -32.0 * scale;
         for (uint o = 0u; o < 4u; ++o) {
             uvec2 low = (((o & 1u) == 0u ? ql_a : ql_b) >> (o < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
             uvec2 c = low | (((qh >> (2u * o)) & 0x03030303u) << 4);
-            uint at = (u & 3u) / 2u + 2u * o;  // scale byte within the 8
-            scale[o] = d * float(bitfieldExtract(int(scales[at >> 2]), int(8u * (at & 3u)), 8));
-            offset[o] = -32.0 * scale[o];
             q[2u * o] = q_bytes(c.x);
             q[2u * o + 1u] = q_bytes(c.y);
         }
