@@ -31,8 +31,7 @@ bfloat16 base in the same run, and PyTorch + PEFT LoRA on a bfloat16 base with g
 sees a CUDA device (and peft is installed). Tokens/s, and peak device memory from the runtime's buffer accounting
 (torch.cuda.max_memory_allocated for PyTorch), both from before the model is built. --qlora-70b: one QLoRA step of
 the 70B shape (hidden 8192, 80 layers, 64/8 heads, ffn 28672) at 1 x 1024 instead (--layers for a short run): the
-time of its second step (the first records it) and the peak memory of both (goal: under 48 GiB on one H200). The host holds the packed weights while loading (~40 GB
-for the 70B shape).
+time of its second step (the first records it) and the peak memory of both (goal: under 48 GiB on one H200).
 
     python bench/quant.py --qlora [--layers 32] [--batch 4] [--seq 512] [--steps 5] [--json OUT]
     python bench/quant.py --qlora-70b [--layers 80] [--json OUT]
@@ -90,10 +89,12 @@ def sample_blocks(sample: np.ndarray, fmt: str, rng) -> np.ndarray:
 
 
 def tiled_weights(model, fmt: str | None, seed=0) -> dict:
-    """Every slot's weights from SAMPLE_ROWS random rows repeated; Linear weights packed in ``fmt`` (None: float)."""
+    """Every slot's weights from SAMPLE_ROWS random rows repeated; Linear weights packed in ``fmt`` (None: float).
+    Slots of one shape and format share one host array (every layer the same values), so that the host holds one
+    layer's worth (a 70B shape's packed layers would take ~40 GB)."""
     rng = np.random.default_rng(seed)
     packed_names = set(quantizable_weights(model)) if fmt else set()
-    weights = {}
+    weights, made = {}, {}
     for name, slot in model.named_slots():
         if slot.tied_to is not None:
             continue
@@ -101,15 +102,19 @@ def tiled_weights(model, fmt: str | None, seed=0) -> dict:
         if name.endswith("norm.weight") or "layernorm" in name:
             weights[name] = np.ones(shape, np.float32)
             continue
+        packed = packed_format(name, fmt, packed_names)
+        if (shape, packed) in made:
+            weights[name] = made[shape, packed]
+            continue
         rows = min(SAMPLE_ROWS, shape[0])
         sample = rng.standard_normal((rows, *shape[1:]), dtype=np.float32) * 0.02
         repeat = -(-shape[0] // rows)
-        packed = packed_format(name, fmt, packed_names)
         if packed:
             block_rows = sample_blocks(sample, packed, rng)
             weights[name] = QuantizedArray(np.tile(block_rows, (repeat, 1))[:shape[0]], packed, shape)
         else:
             weights[name] = np.tile(sample, (repeat,) + (1,) * (len(shape) - 1))[:shape[0]]
+        made[shape, packed] = weights[name]
     return weights
 
 
