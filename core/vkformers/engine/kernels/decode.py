@@ -61,8 +61,9 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
 
 # Packed weights at batch 1 on a GPU, by the first weight's block format: (subgroups per workgroup, units of 32
 # weights in flight per lane, pairs of columns computed together by a subgroup (sharing each read of x), split k).
-# Pick from ``bench/quant.py --sweep`` on the target GPU; a format not listed takes QUANT_LAUNCH_DEFAULT.
-QUANT_LAUNCH = {"q4_k": (4, 2, 2, 0), "q5_k": (4, 2, 2, 0), "q6_k": (4, 2, 2, 0), "q8_0": (4, 2, 1, 0)}
+# Pick from ``bench/quant.py --sweep`` on the target GPU (these are not measured yet); a format not listed takes
+# QUANT_LAUNCH_DEFAULT.
+QUANT_LAUNCH = {"q4_k": (4, 2, 2, 0), "q5_k": (4, 2, 2, 0), "q6_k": (4, 2, 2, 0), "q8_0": (4, 2, 2, 0)}
 QUANT_LAUNCH_DEFAULT = (4, 2, 2, 0)
 
 
