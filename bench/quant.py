@@ -270,6 +270,12 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
               f"{dict(zip(names, per_product))}")
         print(f"  to make it the default: QUANT_LAUNCH[{fmt!r}] = {best['shape']} in "
               f"core/vkformers/engine/kernels/decode.py", flush=True)
+        for i, (name, _, k, _) in enumerate(SWEEP_PRODUCTS):  # a product another shape serves much better
+            own = max(runs, key=lambda r, i=i: r["gbps"][i])
+            if own["gbps"][i] > 1.1 * best["gbps"][i] and all(p[2] != k for j, p in enumerate(SWEEP_PRODUCTS) if j != i):
+                print(f"  {name} (k {k}) runs {own['gbps'][i] / best['gbps'][i]:.2f}x faster in {own['shape']}: "
+                      f"QUANT_LAUNCH[({fmt!r}, {k})] = {own['shape']} gives products of that k their own shape",
+                      flush=True)
         results["formats"][fmt] = {"runs": runs, "best": best["shape"], "default": default}
         del weights
     return results

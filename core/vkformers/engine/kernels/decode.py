@@ -62,26 +62,27 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
 # Packed weights at batch 1 on a GPU, by the first weight's block format: (subgroups per workgroup, units of 32
 # weights in flight per lane, pairs of columns computed together by a subgroup (sharing each read of x), split k).
 # Pick from ``bench/quant.py --sweep`` on the target GPU (these are not measured yet); a format not listed takes
-# QUANT_LAUNCH_DEFAULT.
+# QUANT_LAUNCH_DEFAULT. A key (format, k) gives products of that inner size their own shape (a long-k, narrow
+# product such as down_proj may want k split among subgroups).
 QUANT_LAUNCH = {"q4_k": (4, 2, 2, 0), "q5_k": (4, 2, 2, 0), "q6_k": (4, 2, 2, 0), "q8_0": (4, 2, 2, 0)}
 QUANT_LAUNCH_DEFAULT = (4, 2, 2, 0)
 
 
-def launch_shape(device, rows: int = 1, quant: str | None = None) -> tuple[int, int, int, int]:
+def launch_shape(device, rows: int = 1, quant: str | None = None, k: int = 0) -> tuple[int, int, int, int]:
     """(subgroups per workgroup, vectors of W per lane in flight, pairs of columns per subgroup, split k: the
     workgroup's subgroups share each pair, each taking a slice of k). A GPU, one row: 4 subgroups sharing one pair,
     2 vectors in flight per lane (on the H200 a TinyLlama token's decode products took 0.41 ms per 8 layers against
     0.49 with one pair per subgroup and 4 in flight, ``bench/decode.py --sweep``: the narrow o_proj and down_proj
     gain most); more rows: one pair per subgroup, 4 in flight (batch 8 decoded 1,336 tok/s so, 1,104 split). A CPU
     (lavapipe): one subgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups). The tests also run
-    the GPU shapes on lavapipe. ``quant``: the block format of packed weights; at one row a GPU takes
-    QUANT_LAUNCH's shape (its subgroups counted in 32 lanes), where the pairs of a subgroup share their reads of x
+    the GPU shapes on lavapipe. ``quant``: the block format of packed weights (``k``: the product's inner size); at
+    one row a GPU takes QUANT_LAUNCH's shape (its subgroups counted in 32 lanes), where the pairs of a subgroup share their reads of x
     and "in flight" counts units of 32 weights."""
     if device.is_cpu:
         return 1, 1, 4, 0
     subgroups = max(1, 128 // device.limits["subgroup_size"])
     if quant is not None and rows == 1:
-        shape = QUANT_LAUNCH.get(quant, QUANT_LAUNCH_DEFAULT)
+        shape = QUANT_LAUNCH.get((quant, k)) or QUANT_LAUNCH.get(quant, QUANT_LAUNCH_DEFAULT)
         return (max(1, shape[0] * 32 // device.limits["subgroup_size"]),) + tuple(shape[1:])
     return (subgroups, 2, 1, 1) if rows == 1 else (subgroups, 4, 1, 0)
 
@@ -157,7 +158,7 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     device = seq.device
     subgroup = device.limits["subgroup_size"]
     subgroups, unroll, per_subgroup, split_k = launch or launch_shape(device, rows,
-                                                                      formats[0].name if formats else None)
+                                                                      formats[0].name if formats else None, k)
     if split_k and subgroups > 32:
         raise ValueError(f"decode_matvec: split k takes at most 32 subgroups per workgroup, got {subgroups}")
     threads = subgroups * subgroup
