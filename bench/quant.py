@@ -335,7 +335,7 @@ def bench_peft_step(config, batch: int, seq: int, steps: int) -> dict | str:
     ids = torch.from_numpy(np.random.default_rng(1).integers(0, config["vocab_size"], (batch, seq))).cuda()
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
