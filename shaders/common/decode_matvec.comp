@@ -61,7 +61,8 @@ layout(constant_id = 7) const uint HAS_RESIDUAL = 0;
 layout(constant_id = 8) const uint ACT = ACT_SILU;
 layout(constant_id = 9) const uint INTERLEAVED = 0;
 layout(constant_id = 10) const uint UNROLL = 4;  // vectors of each W row a lane has in flight
-layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;  // more on a CPU: fewer, longer workgroups (QUANT_W: together)
+// more on a CPU: fewer, longer workgroups (QUANT_W: computed together)
+layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;
 // SPLIT_K: the workgroup's subgroups share each pair, subgroup s taking the s-th slice of k, and add up their
 // sums in shared memory: more loads in flight for a narrow product (few pairs) with a long k.
 layout(constant_id = 12) const uint SPLIT_K = 0;
@@ -337,7 +338,8 @@ void quant_pairs_product(uint first, uint pairs) {
                             }
                             c_sum = dot(c_lo + c_hi, vec4(1.0));
                         }
-                        acc[c * ROWS + r] += scale[c][o] * (dot(c_lo, q[8u * c + 2u * o]) + dot(c_hi, q[8u * c + 2u * o + 1u]))
+                        acc[c * ROWS + r] += scale[c][o] * (dot(c_lo, q[8u * c + 2u * o])
+                                                            + dot(c_hi, q[8u * c + 2u * o + 1u]))
                                              + offset[c][o] * c_sum;
                     }
                 }
@@ -369,7 +371,10 @@ void quant_pairs_product(uint first, uint pairs) {
     [[unroll]] for (uint i = 0u; i < PAIRS_PER_SUBGROUP; ++i) {
         if (first + i >= pairs) break;  // uniform
         float s0[ROWS], s1[ROWS];
-        [[unroll]] for (uint r = 0u; r < ROWS; ++r) { s0[r] = sums[2u * i * ROWS + r]; s1[r] = sums[(2u * i + 1u) * ROWS + r]; }
+        [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+            s0[r] = sums[2u * i * ROWS + r];
+            s1[r] = sums[(2u * i + 1u) * ROWS + r];
+        }
         finish_pair(prs[i], second_of(prs[i]), col1_of(prs[i]), s0, s1, sumsq);
     }
 }

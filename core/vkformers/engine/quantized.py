@@ -238,7 +238,8 @@ def _k_head(d16, dmin16, sc, mn) -> np.ndarray:
 
 
 def _k_nibbles(q: np.ndarray) -> np.ndarray:
-    """The low 4 bits of codes [blocks, 8, 32]: chunk c of 64 holds sub-block 2c in the low nibbles, 2c+1 in the high."""
+    """The low 4 bits of codes [blocks, 8, 32]: chunk c of 64 holds sub-block 2c in the low nibbles, 2c+1 in the
+    high."""
     pairs = (q & 15).reshape(-1, 4, 2, 32)
     return (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(-1, 128)
 

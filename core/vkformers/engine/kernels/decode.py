@@ -76,8 +76,8 @@ def launch_shape(device, rows: int = 1, quant: str | None = None, k: int = 0) ->
     gain most); more rows: one pair per subgroup, 4 in flight (batch 8 decoded 1,336 tok/s so, 1,104 split). A CPU
     (lavapipe): one subgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups). The tests also run
     the GPU shapes on lavapipe. ``quant``: the block format of packed weights (``k``: the product's inner size); at
-    one row a GPU takes QUANT_LAUNCH's shape (its subgroups counted in 32 lanes), where the pairs of a subgroup share their reads of x
-    and "in flight" counts units of 32 weights."""
+    one row a GPU takes QUANT_LAUNCH's shape (its subgroups counted in 32 lanes), where the pairs of a subgroup share
+    their reads of x and "in flight" counts units of 32 weights."""
     if device.is_cpu:
         return 1, 1, 4, 0
     subgroups = max(1, 128 // device.limits["subgroup_size"])
