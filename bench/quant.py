@@ -5,17 +5,44 @@ For each weight format (bfloat16, then each block format given), with the same s
   every weight a token reads, over --bandwidth-gbs);
 - a 512-token prefill at batch 1 (tokens/s);
 - the device memory the model's buffers take (the runtime's buffer accounting).
-Embeddings, norms and the LM head stay bfloat16 in every format, as from_pretrained(quantization=...) leaves them.
+Embeddings, norms and the LM head stay bfloat16 in every format, as from_pretrained(quantization=...) leaves them,
+but in q4_k_m: llama.cpp's Q4_K_M layout, Q4_K with attn_v, ffn_down and the LM head in Q6_K (as a downloaded
+Q4_K_M GGUF holds them).
 
 Random weights are drawn for a few rows and tiled over each matrix (packed once, then repeated block rows), so the
 host neither draws nor quantizes billions of values: the timings do not depend on the values.
 
     python bench/quant.py [--formats q4_k,q8_0] [--layers 32] [--new-tokens 64] [--json OUT]
+
+--sweep: instead, the fused decode products alone (decode_matvec's q_* variants) at batch 1 on the 8B shapes
+(4096 -> 6144 q/k/v with rotary and cache write, 4096 -> 4096 o_proj, 4096 -> 2 x 14336 gate/up, 14336 -> 4096
+down), --layers distinct copies so that no weight stays in cache, timed with GPU timestamps for every launch shape
+(subgroups of 32 lanes per workgroup, units of 32 weights in flight per lane, pairs of columns computed together,
+split k) and each format of --formats (q4_k,q6_k,q8_0 by default), beside the bfloat16 products in their default
+shape. It prints each shape's GB/s and share of --bandwidth-gbs per product and over the layer, marks the shape
+engine/kernels/decode.py's QUANT_LAUNCH picks now, and names the fastest: the default is the one line of
+QUANT_LAUNCH for that format.
+
+    python bench/quant.py --sweep [--formats q4_k,q6_k,q8_0] [--layers 8] [--json OUT]
+
+--qlora: instead, LoRA training steps (r 16, alpha 32, on all seven projections; AdamW, bf16 compute, gradient
+checkpointing) at --batch x --seq (4 x 512) on the 8B shape (--layers of them): the NF4 base (QLoRA) against the
+bfloat16 base in the same run, and PyTorch + PEFT LoRA on a bfloat16 base with gradient checkpointing when PyTorch
+sees a CUDA device (and peft is installed). Tokens/s, and peak device memory from the runtime's buffer accounting
+(torch.cuda.max_memory_allocated for PyTorch), both from before the model is built. --qlora-70b: one QLoRA step of
+the 70B shape (hidden 8192, 80 layers, 64/8 heads, ffn 28672) at 1 x 1024 instead (--layers for a short run): the
+time of its second step (the first records it) and the peak memory of both (goal: under 48 GiB on one H200).
+
+    python bench/quant.py --qlora [--layers 32] [--batch 4] [--seq 512] [--steps 5] [--json OUT]
+    python bench/quant.py --qlora-70b [--layers 80] [--json OUT]
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import sys
+import time
 
 import numpy as np
 
@@ -23,24 +50,51 @@ from common import warm_up, write_results
 from llama import timed
 
 import vkformers as vkf
+from vkformers.engine.kernels import decode as KD
 from vkformers.engine.quantized import QuantizedArray, quant_format, quantize
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.quantize import quantizable_weights
 from vkformers.runtime import vulkan
+from vkformers.training import LoraConfig, Trainer, TrainingConfig, apply_lora
 
 # Llama-3-8B's shape.
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                  rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
+LLAMA_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8)
+QLORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"])
 SAMPLE_ROWS = 64  # rows drawn per matrix, then tiled
 REPEATS = 5
 
 
+def packed_format(name: str, fmt: str | None, packed_names) -> str | None:
+    """The block format weight ``name`` is packed in (None: bfloat16); ``fmt`` q4_k_m: llama.cpp's Q4_K_M layout."""
+    if fmt == "q4_k_m":
+        if name == "lm_head.weight" or name.endswith(("v_proj.weight", "down_proj.weight")):
+            return "q6_k"
+        return "q4_k" if name in packed_names else None
+    return fmt if name in packed_names else None
+
+
+def sample_blocks(sample: np.ndarray, fmt: str, rng) -> np.ndarray:
+    """``sample`` rows packed in ``fmt``; Q6_K (no quantizer here): random codes and scales, with d giving weights
+    of about the sample's spread."""
+    if fmt != "q6_k":
+        return quantize(sample, quant_format(fmt))
+    raw = rng.integers(0, 256, (sample.shape[0], sample.shape[1] // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = np.full(raw.shape[:2], 1.7e-5, np.float16)[..., None].view(np.uint8)
+    return raw.reshape(sample.shape[0], -1)
+
+
 def tiled_weights(model, fmt: str | None, seed=0) -> dict:
-    """Every slot's weights from SAMPLE_ROWS random rows repeated; Linear weights packed in ``fmt`` (None: float)."""
+    """Every slot's weights from SAMPLE_ROWS random rows repeated; Linear weights packed in ``fmt`` (None: float).
+    Slots of one shape and format share one host array (every layer the same values), so that the host holds one
+    layer's worth (a 70B shape's packed layers would take ~40 GB)."""
     rng = np.random.default_rng(seed)
     packed_names = set(quantizable_weights(model)) if fmt else set()
-    weights = {}
+    weights, made = {}, {}
     for name, slot in model.named_slots():
         if slot.tied_to is not None:
             continue
@@ -48,14 +102,19 @@ def tiled_weights(model, fmt: str | None, seed=0) -> dict:
         if name.endswith("norm.weight") or "layernorm" in name:
             weights[name] = np.ones(shape, np.float32)
             continue
+        packed = packed_format(name, fmt, packed_names)
+        if (shape, packed) in made:
+            weights[name] = made[shape, packed]
+            continue
         rows = min(SAMPLE_ROWS, shape[0])
         sample = rng.standard_normal((rows, *shape[1:]), dtype=np.float32) * 0.02
         repeat = -(-shape[0] // rows)
-        if name in packed_names:
-            block_rows = quantize(sample, quant_format(fmt))
-            weights[name] = QuantizedArray(np.tile(block_rows, (repeat, 1))[:shape[0]], fmt, shape)
+        if packed:
+            block_rows = sample_blocks(sample, packed, rng)
+            weights[name] = QuantizedArray(np.tile(block_rows, (repeat, 1))[:shape[0]], packed, shape)
         else:
             weights[name] = np.tile(sample, (repeat,) + (1,) * (len(shape) - 1))[:shape[0]]
+        made[shape, packed] = weights[name]
     return weights
 
 
@@ -68,10 +127,11 @@ def weight_bytes_per_token(model, fmt: str | None) -> int:
         if slot.tied_to is not None:
             continue
         shape = tuple(slot.shape)
+        packed = packed_format(name, fmt, packed_names)
         if "embed_tokens" in name:
             total += shape[-1] * 2
-        elif name in packed_names:
-            total += shape[0] * quant_format(fmt).row_bytes(shape[1])
+        elif packed:
+            total += shape[0] * quant_format(packed).row_bytes(shape[1])
         else:
             total += int(np.prod(shape)) * 2
     return total
@@ -98,17 +158,273 @@ def bench_format(config, fmt: str | None, prompt, new_tokens, bandwidth_gbs: flo
     return out
 
 
+# The 8B decode products: (name, mode, k, widths).
+SWEEP_PRODUCTS = (("qkv + norm + rotary", "qkv", 4096, (4096, 1024, 1024)),
+                  ("o_proj + residual", "plain", 4096, (4096,)),
+                  ("gate/up + norm + act", "gated", 4096, (14336, 14336)),
+                  ("down + residual", "plain", 14336, (4096,)))
+SWEEP_HEAD_DIM, SWEEP_KV_HEADS, SWEEP_CAPACITY = 128, 8, 64
+
+
+def sweep_shapes():
+    """Every launch shape the sweep times, in 32-lane subgroups: (subgroups, in flight, pairs together, split k)."""
+    return [s for s in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4), (0, 1)) if not (s[3] and s[0] == 1)]
+
+
+def in_subgroups(device, shape):
+    """A shape counted in 32-lane subgroups as decode_matvec's launch (this device's subgroups)."""
+    return (max(1, shape[0] * 32 // device.limits["subgroup_size"]),) + tuple(shape[1:])
+
+
+def sweep_weights(device, fmt: str | None, layers: int) -> list:
+    """Each layer's weights of the four products (packed in ``fmt``, or bfloat16); their contents do not matter."""
+    f = quant_format(fmt) if fmt else None
+    weight = lambda n, k: (device.buffer(n * f.row_bytes(k), "uint8", name="w") if f  # noqa: E731
+                           else device.buffer(n * k, "bfloat16", name="w"))
+    return [[[weight(n, k) for n in widths] for _, _, k, widths in SWEEP_PRODUCTS] for _ in range(layers)]
+
+
+def record_products(device, fmt: str | None, weights: list, launch):
+    """The four decode products of every layer of ``weights`` (sweep_weights) as one timestamped sequence."""
+    dtype = "bfloat16"
+    buf = lambda n, name, d=dtype: device.buffer(n, d, name=name)  # noqa: E731 (contents do not matter for timing)
+    (_, _, hidden, qkv), (_, _, _, o), (_, _, _, gate_up), (_, _, ffn, down) = SWEEP_PRODUCTS
+    x, h, q, act = buf(hidden, "x"), buf(hidden, "h"), buf(qkv[0], "q"), buf(ffn, "act")
+    caches = [buf(SWEEP_KV_HEADS * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
+    positions, start = device.upload(np.zeros(1, np.int32)), device.upload(np.zeros(1, np.uint32))
+    inv_freq = device.upload(np.ones(SWEEP_HEAD_DIM // 2, np.float32))
+    norm = buf(ffn, "norm")
+    seq = device.sequence(timestamps=True)
+    common = dict(rows=1, launch=launch, quant_format=quant_format(fmt) if fmt else None)
+    for ws in weights:
+        KD.decode_matvec(seq, x, ws[0], q, k=hidden, widths=qkv, mode="qkv", norm_weight=norm,
+                         norm=True, out1=caches[0], out2=caches[1], positions=positions, cache_start=start,
+                         inv_freq=inv_freq, head_dim=SWEEP_HEAD_DIM, rot_dim=SWEEP_HEAD_DIM, kv_heads=SWEEP_KV_HEADS,
+                         capacity=SWEEP_CAPACITY, **common)
+        KD.decode_matvec(seq, q, ws[1], h, k=qkv[0], widths=o, residual=x, **common)
+        KD.decode_matvec(seq, h, ws[2], act, k=hidden, widths=gate_up, mode="gated", norm_weight=norm, norm=True,
+                         **common)
+        KD.decode_matvec(seq, act, ws[3], x, k=ffn, widths=down, residual=h, **common)
+    return seq
+
+
+def product_bytes(fmt: str | None) -> list[int]:
+    size = (lambda n, k: n * quant_format(fmt).row_bytes(k)) if fmt else (lambda n, k: n * k * 2)
+    return [sum(size(n, k) for n in widths) for _, _, k, widths in SWEEP_PRODUCTS]
+
+
+def time_products(seq, repeats: int) -> list[float]:
+    """Median GPU seconds of each product kind (median over the layers, then over the replays)."""
+    seq.replay()
+    runs = []
+    for _ in range(repeats):
+        seq.replay()
+        runs.append([t for label, t in seq.timings()[1:] if label != "barrier"])
+    per_op = np.median(np.array(runs), axis=0).reshape(-1, len(SWEEP_PRODUCTS))
+    return [float(t) for t in np.median(per_op, axis=0)]
+
+
+def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
+    device = vulkan.get_device()
+    names = [p[0] for p in SWEEP_PRODUCTS]
+    print(f"device: {device.name}; decode products of the Llama-3-8B shape at batch 1, {layers} layers of distinct "
+          f"weights; GB/s of weights and % of {bandwidth_gbs:.0f} GB/s per product: {', '.join(names)}; then the layer")
+    results = {"device": device.name, "bandwidth_gbs": bandwidth_gbs, "layers": layers, "formats": {}}
+
+    def run(fmt, shape, launch, weights):
+        seq = record_products(device, fmt, weights, launch)
+        times = time_products(seq, repeats)
+        del seq
+        sizes = product_bytes(fmt)
+        gbps = [n / t * 1e-9 for n, t in zip(sizes, times)]
+        layer_gbps = sum(sizes) / sum(times) * 1e-9
+        return {"shape": shape, "us": [t * 1e6 for t in times], "gbps": gbps, "layer_gbps": layer_gbps,
+                "layer_of_bound": layer_gbps / bandwidth_gbs}
+
+    def line(tag, r, mark=""):
+        cells = "  ".join(f"{g:5.0f} {100 * g / bandwidth_gbs:3.0f}%" for g in r["gbps"])
+        print(f"  {tag:18s} {cells}  | layer {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
+              f"  {sum(r['us']):7.1f} us{mark}", flush=True)
+
+    base = run(None, None, None, sweep_weights(device, None, layers))
+    results["bfloat16"] = base
+    print("bfloat16 (its default shape)")
+    line("default", base)
+    for fmt in formats:
+        default = KD.QUANT_LAUNCH.get(fmt, KD.QUANT_LAUNCH_DEFAULT)
+        print(f"{fmt} (subgroups, in flight, pairs together, split k); default QUANT_LAUNCH[{fmt!r}] = {default}")
+        runs, weights = [], sweep_weights(device, fmt, layers)
+        for shape in sweep_shapes():
+            try:
+                r = run(fmt, shape, in_subgroups(device, shape), weights)
+            except Exception as e:  # a shape the device refuses (too many registers, workgroup too large)
+                print(f"  {str(shape):18s} failed: {str(e).splitlines()[0][:100]}")
+                continue
+            r["default"] = shape == default
+            runs.append(r)
+            line(str(shape), r, "  <- default" if r["default"] else "")
+        best = max(runs, key=lambda r: r["layer_gbps"])
+        chosen = next((r for r in runs if r["default"]), None)
+        per_product = [max(runs, key=lambda r, i=i: r["gbps"][i])["shape"] for i in range(len(SWEEP_PRODUCTS))]
+        print(f"  fastest over the layer: {best['shape']} ({best['layer_gbps']:.0f} GB/s, "
+              f"{100 * best['layer_of_bound']:.0f}% of the bound, {sum(base['us']) / sum(best['us']):.2f}x bfloat16's "
+              f"speed); default {'%.0f GB/s' % chosen['layer_gbps'] if chosen else 'not timed'}; fastest per product: "
+              f"{dict(zip(names, per_product))}")
+        print(f"  to make it the default: QUANT_LAUNCH[{fmt!r}] = {best['shape']} in "
+              f"core/vkformers/engine/kernels/decode.py", flush=True)
+        for i, (name, _, k, _) in enumerate(SWEEP_PRODUCTS):  # a product another shape serves much better
+            own = max(runs, key=lambda r, i=i: r["gbps"][i])
+            alone = all(p[2] != k for j, p in enumerate(SWEEP_PRODUCTS) if j != i)
+            if alone and own["gbps"][i] > 1.1 * best["gbps"][i]:
+                print(f"  {name} (k {k}) runs {own['gbps'][i] / best['gbps'][i]:.2f}x faster in {own['shape']}: "
+                      f"QUANT_LAUNCH[({fmt!r}, {k})] = {own['shape']} gives products of that k their own shape",
+                      flush=True)
+        results["formats"][fmt] = {"runs": runs, "best": best["shape"], "default": default}
+        del weights
+    return results
+
+
+def bench_lora_step(config, fmt: str | None, batch: int, seq: int, steps: int) -> dict:
+    """LoRA steps (QLORA, bf16, gradient checkpointing) on a base in ``fmt`` (None: bfloat16): tokens/s, peak GiB."""
+    gc.collect()
+    start_bytes = vulkan.buffer_memory()["live_bytes"]
+    vulkan.reset_peak_buffer_memory()
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tiled_weights(model, fmt), dtype="bfloat16", requires_grad=False)
+    apply_lora(model, LoraConfig(**QLORA))
+    weights_gib = (vulkan.buffer_memory()["live_bytes"] - start_bytes) / 2**30
+    trainer = Trainer(model, TrainingConfig(steps=steps + 2, batch_size=batch, seq_len=seq, lr=1e-4,
+                                            schedule="constant", precision="bf16", gradient_checkpointing=True),
+                      train_batches=None)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (batch, seq)).astype(np.int32)
+    batches = [(ids, ids.copy())]
+    first = time.perf_counter()
+    losses = [trainer.train_step(batches).loss]  # records the step
+    first = time.perf_counter() - first
+    if steps:
+        losses.append(trainer.train_step(batches).loss)  # the first replay
+    start = time.perf_counter()
+    for _ in range(max(1, steps)):  # steps 0: the first replay alone
+        losses.append(trainer.train_step(batches).loss)
+    seconds = (time.perf_counter() - start) / max(1, steps)
+    out = {"tok_s": ids.size / seconds, "step_s": seconds, "first_step_s": first, "weights_gib": weights_gib,
+           "peak_gib": (vulkan.buffer_memory()["peak_bytes"] - start_bytes) / 2**30, "losses": losses}
+    del trainer, model
+    gc.collect()
+    return out
+
+
+def bench_peft_step(config, batch: int, seq: int, steps: int) -> dict | str:
+    """PyTorch + PEFT LoRA (QLORA) on a bfloat16 base with gradient checkpointing, on CUDA; or why it was skipped."""
+    try:
+        import torch
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        return f"skipped ({exc.name} not installed)"
+    if not torch.cuda.is_available():
+        return "skipped (no CUDA device)"
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start_bytes = torch.cuda.memory_allocated()
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}))
+    model = model.to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, PeftLoraConfig(**QLORA, lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, config["vocab_size"], (batch, seq))).cuda()
+
+    def step():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step(), step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    seconds = (time.perf_counter() - start) / max(1, steps)
+    out = {"tok_s": ids.numel() / seconds, "step_s": seconds,
+           "peak_gib": (torch.cuda.max_memory_allocated() - start_bytes) / 2**30}
+    model = optimizer = params = step = None  # noqa: F841 (freed before the cache is emptied)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def qlora(config, batch: int, seq: int, steps: int) -> dict:
+    print(f"device: {vulkan.get_device().name}; LoRA r{QLORA['r']} on 7 projections, batch {batch} x {seq}, "
+          f"gradient checkpointing; Llama shape hidden {config['hidden_size']}, {config['num_hidden_layers']} layers",
+          flush=True)
+    results = {"device": vulkan.get_device().name, "config": config, "batch": batch, "seq": seq, "lora": QLORA}
+    for name, fmt in (("bfloat16 LoRA", None), ("NF4 QLoRA", "nf4")):
+        r = results[name] = bench_lora_step(config, fmt, batch, seq, steps)
+        print(f"{name:14s} {r['tok_s']:9.1f} tok/s  peak {r['peak_gib']:7.2f} GiB (weights {r['weights_gib']:.2f}) "
+              f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+    ref = results["PyTorch + PEFT bf16"] = bench_peft_step(config, batch, seq, steps)
+    if isinstance(ref, str):
+        print(f"PyTorch + PEFT bf16 {ref}")
+    else:
+        print(f"PyTorch + PEFT bf16 {ref['tok_s']:9.1f} tok/s  peak {ref['peak_gib']:7.2f} GiB (max_memory_allocated)")
+    q, b = results["NF4 QLoRA"], results["bfloat16 LoRA"]
+    print(f"QLoRA: {q['tok_s'] / b['tok_s']:.2f}x the bfloat16 LoRA step"
+          + ("" if isinstance(ref, str) else f", {q['tok_s'] / ref['tok_s']:.2f}x PyTorch + PEFT")
+          + f"; peak {q['peak_gib']:.2f} GiB (goal at the 8B shape, 32 layers: <= 10 GiB)", flush=True)
+    return results
+
+
+def qlora_70b(layers: int) -> dict:
+    config = dict(LLAMA_70B, num_hidden_layers=layers)
+    print(f"device: {vulkan.get_device().name}; one QLoRA step (NF4, LoRA r{QLORA['r']} on 7 projections, "
+          f"gradient checkpointing) of the 70B shape, {layers} layers, batch 1 x 1024", flush=True)
+    r = bench_lora_step(config, "nf4", 1, 1024, 0)
+    print(f"NF4 QLoRA 70B step {r['step_s']:.2f} s (the first, recording it: {r['first_step_s']:.2f} s)  "
+          f"peak {r['peak_gib']:.2f} GiB "
+          f"(weights {r['weights_gib']:.2f}; goal: under 48 GiB)  loss {r['losses'][0]:.3f}", flush=True)
+    return {"device": vulkan.get_device().name, "config": config, "batch": 1, "seq": 1024, "lora": QLORA, **r}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default="q4_k,q8_0", help="block formats to compare with bfloat16")
-    parser.add_argument("--layers", type=int, default=LLAMA3_8B["num_hidden_layers"])
+    parser.add_argument("--formats", help="block formats to compare with bfloat16 (q4_k,q8_0; also q4_k_m: "
+                        "llama.cpp's Q4_K_M layout; --sweep: q4_k,q6_k,q8_0)")
+    parser.add_argument("--layers", type=int, help="layers (32; --sweep: 8)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="the device's memory bandwidth for the decode bound (H200: 4800)")
     parser.add_argument("--quick", action="store_true", help="a small shape (hidden 512, 2 layers) for a CPU device")
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--sweep", action="store_true", help="time the fused decode products' launch shapes instead")
+    parser.add_argument("--repeats", type=int, default=10, help="--sweep: replays per shape")
+    parser.add_argument("--qlora", action="store_true", help="time QLoRA steps against bfloat16 LoRA instead")
+    parser.add_argument("--qlora-70b", action="store_true", help="one QLoRA step of the 70B shape instead")
+    parser.add_argument("--batch", type=int, default=4, help="--qlora: sequences per step")
+    parser.add_argument("--seq", type=int, default=512, help="--qlora: tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="--qlora: timed steps (after 2 untimed)")
     args = parser.parse_args(argv)
+    if args.qlora or args.qlora_70b:
+        if args.qlora_70b:
+            results = qlora_70b(args.layers or LLAMA_70B["num_hidden_layers"])
+        else:
+            config = dict(LLAMA3_8B, num_hidden_layers=args.layers or LLAMA3_8B["num_hidden_layers"])
+            if args.quick:
+                config.update(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
+                              vocab_size=4096)
+            results = qlora(config, args.batch, args.seq, args.steps)
+        write_results(args.json, results)
+        return 0
+    if args.sweep:
+        formats = [f for f in (args.formats or "q4_k,q6_k,q8_0").split(",") if f]
+        write_results(args.json, sweep(formats, args.layers or 8, args.repeats, args.bandwidth_gbs))
+        return 0
+    args.formats = args.formats or "q4_k,q8_0"
+    args.layers = args.layers or LLAMA3_8B["num_hidden_layers"]
     config = dict(LLAMA3_8B, num_hidden_layers=args.layers)
     if args.quick:
         config.update(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,

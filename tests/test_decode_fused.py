@@ -40,15 +40,16 @@ def check(got, want, dtype):
 
 
 GPU_SHAPES = {"GPU shape": (4, 2, 1, 1), "GPU shape, a pair per subgroup": (4, 4, 1, 0),
-              "GPU shape, k split, 2 pairs": (4, 2, 2, 1)}
+              "GPU shape, k split, 2 pairs": (4, 2, 2, 1), "GPU shape, 4 pairs, 3 in flight": (2, 3, 4, 0)}
 
 
 @pytest.fixture(params=["this device", *GPU_SHAPES])
 def launch(request, monkeypatch):
-    """The launch shape of this device, and a GPU's (several subgroups per workgroup, 2 or 4 loads in flight per lane,
-    k split among them or one pair each), so that lavapipe runs the code paths a GPU takes."""
+    """The launch shape of this device, and a GPU's (several subgroups per workgroup, 2 to 4 loads in flight per lane,
+    k split among them or one pair each, or (packed weights) 2 or 4 pairs together), so that lavapipe runs the code
+    paths a GPU takes."""
     if request.param in GPU_SHAPES:
-        monkeypatch.setattr(KD, "launch_shape", lambda device, rows=1: GPU_SHAPES[request.param])
+        monkeypatch.setattr(KD, "launch_shape", lambda device, rows=1, quant=None, k=0: GPU_SHAPES[request.param])
         lazy.clear_plan_cache()  # plans recorded with the other shape
     yield request.param
     lazy.clear_plan_cache()

@@ -241,13 +241,37 @@ def test_quantizers_round_trip():
     """Host quantizers (loading a float checkpoint): NF4 to the nearest level of absmax-scaled values, Q4_K a
     valid block gguf decodes, within each format's rounding."""
     w = np.random.default_rng(11).standard_normal((8, 512)).astype(np.float32)
-    for fmt, tolerance in (("nf4", 0.15), ("q4_k", 0.15), ("q4_0", 0.15), ("q8_0", 0.01)):
+    for fmt, tolerance in (("nf4", 0.15), ("q4_k", 0.15), ("q5_k", 0.06), ("q4_0", 0.15), ("q8_0", 0.01)):
         back = reference_weights(quantize(w, fmt), fmt, 8, 512)
         assert relative_error(back, w) < tolerance, fmt
     nf4 = reference_weights(quantize(w, "nf4"), "nf4", 8, 512).reshape(-1, 64)
     absmax = np.abs(w.reshape(-1, 64)).max(axis=1, keepdims=True)
     expected = np.array(NF4_CODE)[np.abs(w.reshape(-1, 64, 1) / absmax[..., None] - np.array(NF4_CODE)).argmin(-1)]
     np.testing.assert_allclose(nf4, expected * absmax, rtol=1e-6)
+
+
+
+@pytest.mark.parametrize("fmt, nmax", [("q4_k", 15), ("q5_k", 31)])
+def test_k_quantizer_search_beats_min_max(fmt, nmax):
+    """Q4_K / Q5_K from float weights: the scale and min search has a lower squared error than the plain min/max
+    fit on normal weights and on heavy-tailed ones with rows of different scales (as trained matrices are), and
+    gguf.quants.dequantize of its bytes is exactly the d * sc * q - dmin * m it fitted."""
+    from vkformers.engine import quantized as Q
+    rng = np.random.default_rng(41)
+    normal = 0.02 * rng.standard_normal((64, 1024))
+    heavy = 0.02 * rng.standard_t(3, (128, 1024)) * np.exp(0.5 * rng.standard_normal((128, 1))) \
+        * (1 + 4 * (rng.random(1024) < 0.01))  # a few outlier columns
+    quantizer = Q.q4_k_quantize if fmt == "q4_k" else Q.q5_k_quantize
+    for w in (normal.astype(np.float32), heavy.astype(np.float32)):
+        errors = {}
+        for search in (False, True):
+            packed = quantizer(w, search=search)
+            back = reference_weights(packed, fmt, *w.shape)
+            errors[search] = np.square(back - w).sum()
+            d16, dmin16, sc, mn, q = Q._k_quantize(w, nmax, search)
+            fitted = ((d16.astype(np.float32) * sc)[..., None] * q - (dmin16.astype(np.float32) * mn)[..., None])
+            np.testing.assert_array_equal(Q.dequantize(packed, fmt, w.shape), fitted.reshape(w.shape))
+        assert errors[True] < 0.96 * errors[False], errors
 
 
 def test_bitsandbytes_double_quantized_absmax():
@@ -306,8 +330,10 @@ def test_from_pretrained_quantization(tmp_path, fmt):
     assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-5
 
 
-def test_from_pretrained_q4_k(tmp_path):
-    """Q4_K (blocks of 256) on a llama 256 wide: every projection packed, logits those of the dequantized model."""
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_from_pretrained_k_formats(tmp_path, fmt):
+    """Q4_K and Q5_K (blocks of 256) on a llama 256 wide: every projection packed, logits those of the dequantized
+    model."""
     from vkformers.models.loading import AutoModelForCausalLM
     config = dict(LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=1)
     rng = np.random.default_rng(19)
@@ -321,8 +347,9 @@ def test_from_pretrained_q4_k(tmp_path):
     weights = {n: (1.0 + 0.1 * rng.standard_normal(s) if n.endswith("norm.weight") else 0.1 * rng.standard_normal(s))
                .astype(np.float32) for n, s in shapes.items()}
     model = AutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path / "hf", config, weights),
-                                                 quantization="q4_k", requires_grad=False)
+                                                 quantization=fmt, requires_grad=False)
     params = dict(model.named_parameters())
+    assert {t.format.name for t in params.values() if isinstance(t, QuantizedTensor)} == {fmt}
     assert {n for n, t in params.items() if isinstance(t, QuantizedTensor)} == {n for n in weights if "proj" in n}
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
         assert relative_error(params[name].numpy(), weights[name]) < 0.15  # Q4_K's rounding of the original
@@ -581,3 +608,51 @@ def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
     close(caches[0][:, :, start:start + 1], rotate((h @ wk.T).reshape(2, kv_heads, 1, head_dim)), TOLERANCE)
     close(caches[1][:, :, start:start + 1], (h @ wv.T).reshape(2, kv_heads, 1, head_dim), TOLERANCE)
     assert not caches[0][:, :, :start].any() and not caches[1][:, :, start + 1:].any()
+
+
+def test_fused_decode_mixed_block_formats(device, monkeypatch):
+    """A Q4_K_M-style model (q, k, o, gate, up in Q4_K; v and down in Q6_K, as llama.cpp's Q4_K_M keeps attn_v and
+    ffn_down) decodes through the fused kernels with each weight in its own format, none falling back to the composed
+    ops, and gives the logits of its dequantized float32 self at every step (relative to max |logit|)."""
+    from vkformers.engine.ops.decode import DecodeMatvec
+    from vkformers.models.cache import KVCache
+    from vkformers.models.loading import AutoModelForCausalLM
+    monkeypatch.setattr(fused_ops, "enabled", True)
+    config = dict(model_type="llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+    rng = np.random.default_rng(31)
+    packed, dequantized = {}, {}
+    model = AutoModelForCausalLM.from_config(config)
+    for name, slot in model.named_slots():
+        shape = tuple(slot.shape)
+        if name.endswith("proj.weight"):
+            fmt = "q6_k" if ("v_proj" in name or "down_proj" in name) else "q4_k"
+            if fmt == "q4_k":
+                blocks = quantize(0.05 * rng.standard_normal(shape).astype(np.float32), fmt)
+            else:  # no Q6_K quantizer: random codes, d small enough for weights of order 0.05
+                blocks = random_blocks(fmt, shape[0], shape[1], seed=int(rng.integers(1 << 30))).reshape(
+                    shape[0], -1, 210)
+                blocks[..., 208:210] = np.full(blocks.shape[:2], 3e-5, np.float16)[..., None].view(np.uint8)
+                blocks = blocks.reshape(shape[0], -1)
+            packed[name] = QuantizedArray(blocks, fmt, shape)
+            dequantized[name] = reference_weights(blocks, fmt, *shape).astype(np.float32)
+        else:
+            value = (1.0 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.5 * rng.standard_normal(shape))
+            packed[name] = dequantized[name] = value.astype(np.float32)
+    model.load_state_dict(packed, requires_grad=False)
+    reference = AutoModelForCausalLM.from_config(config)
+    reference.load_state_dict(dequantized, requires_grad=False)
+    seen = []
+    emit = DecodeMatvec.emit
+    monkeypatch.setattr(DecodeMatvec, "emit", lambda self, *a: (seen.append(self.attrs.get("quant")), emit(self, *a)))
+    ids = np.array([[3, 17, 42, 9, 25, 60, 1, 33, 8, 51]])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    caches = [KVCache(2, 1, 2, head_dim, max_len=16) for _ in range(2)]
+    with vkf.no_grad():
+        for step in range(5, ids.shape[1]):
+            span = slice(0, step) if step == 5 else slice(step - 1, step)
+            got = model(ids[:, span], cache=caches[0]).logits.numpy()[:, -1]
+            want = reference(ids[:, span], cache=caches[1]).logits.numpy()[:, -1]
+            assert relative_error(got.astype(np.float64), want.astype(np.float64)) < 1e-4, step
+    assert {"q4_k,q4_k,q6_k", "q4_k", "q4_k,q4_k", "q6_k"} <= set(seen)

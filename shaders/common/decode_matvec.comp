@@ -22,10 +22,13 @@
 //               the paged cache's step tensor [start, end, tables]); block 0 (scratch) is never written.
 // Lanes stride over k in 16-byte vectors (4 float32 or 8 16-bit values): x, g and W are bound as
 // raw 16-byte words, so k and the offsets must be whole numbers of vectors (the launcher checks).
-// QUANT_W (the q_* variants): W0, W1, W2 are quantized weights of one block format (quant_block.glsl, FORMAT),
-// read from their packed bytes (w_offset0..2 in bytes, rows of k / block whole blocks): lanes stride over units
-// of 32 weights (quant_unit) instead of vectors, and x, g follow each unit's four runs of 8 elements; each run
-// takes its scale and offset once (scale * dot(x, codes) + offset * sum(x)), not once per weight.
+// QUANT_W (the q_* variants): W0, W1, W2 are quantized weights, each in its own block format (quant_block.glsl;
+// FORMAT0..2: a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), read from their packed bytes (w_offset0..2
+// in bytes, rows of k / block whole blocks): lanes stride over units of 32 weights (quant_unit) instead of vectors,
+// and x, g follow each unit's four runs of 8 elements; each run takes its scale and offset once
+// (scale * dot(x, codes) + offset * sum(x)), not once per weight. A subgroup computes PAIRS_PER_SUBGROUP pairs
+// together, so that each octet of x (and of g, and its squares for the norm) is read and decoded once for all
+// their columns (columns of another format than the first read their own); each lane has UNROLL units in flight.
 //! variant f32 -DELEM_F32
 //! variant f16 -DELEM_F16
 //! variant bf16 -DELEM_BF16
@@ -58,13 +61,15 @@ layout(constant_id = 7) const uint HAS_RESIDUAL = 0;
 layout(constant_id = 8) const uint ACT = ACT_SILU;
 layout(constant_id = 9) const uint INTERLEAVED = 0;
 layout(constant_id = 10) const uint UNROLL = 4;  // vectors of each W row a lane has in flight
-layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;  // more on a CPU: fewer, longer workgroups
+// more on a CPU: fewer, longer workgroups (QUANT_W: computed together)
+layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;
 // SPLIT_K: the workgroup's subgroups share each pair, subgroup s taking the s-th slice of k, and add up their
 // sums in shared memory: more loads in flight for a narrow product (few pairs) with a long k.
 layout(constant_id = 12) const uint SPLIT_K = 0;
 layout(constant_id = 13) const uint PAGE_SIZE = 0;  // MODE_QKV into a paged cache (see above)
 
-shared float split_sums[SPLIT_K != 0 ? 3 * ROWS * 32 : 1];  // [subgroup][row][acc0, acc1, squares]
+// [subgroup][row][acc0, acc1, squares] (QUANT_W: [subgroup][row][2 * PAIRS_PER_SUBGROUP columns, squares])
+shared float split_sums[SPLIT_K != 0 ? (2 * PAIRS_PER_SUBGROUP + 1) * ROWS * 32 : 1];
 
 layout(binding = 0) readonly buffer X { uvec4 x_words[]; };
 layout(binding = 1) readonly buffer NormW { uvec4 g_words[]; };
@@ -104,12 +109,17 @@ layout(push_constant) uniform Push {
 #include "vector16.glsl"
 
 #if defined(QUANT_W)
-layout(constant_id = 14) const uint FORMAT = 0;  // quant_block.glsl QUANT_*
-layout(constant_id = 15) const uint W_VEC = 0;   // every weight's byte offset is a multiple of 16
+layout(constant_id = 14) const uint FORMAT0 = 0;  // quant_block.glsl QUANT_* of W0
+layout(constant_id = 15) const uint W_VEC = 0;    // every weight's byte offset is a multiple of 16
+layout(constant_id = 16) const uint FORMAT1 = 0;  // of W1
+layout(constant_id = 17) const uint FORMAT2 = 0;  // of W2
 layout(binding = 2) readonly buffer W0Words { uint w0_words[]; };
 layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
 layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
 uint quant_source;  // the weight quant_unit reads (uniform over a subgroup)
+uint format_of(uint which) { return which == 0u ? FORMAT0 : (which == 1u ? FORMAT1 : FORMAT2); }
+// quant_block.glsl's functions take the format of the weight being read: a constant when all three agree.
+#define FORMAT format_of(quant_source)
 uint quant_word(uint i) { return quant_source == 0u ? w0_words[i] : (quant_source == 1u ? w1_words[i] : w2_words[i]); }
 uvec4 quant_vec(uint i) { return quant_source == 0u ? w0[i] : (quant_source == 1u ? w1[i] : w2[i]); }
 #define QUANT_WORD(i) quant_word(i)
@@ -222,11 +232,158 @@ void store(uint row, Pair pr, float y0, float y1) {
     }
 }
 
+// The end of pair pr for every row: the norm's 1/rms, bias, rotation and the store (one lane per row).
+void finish_pair(Pair pr, uint second, uint col1, float sums0[ROWS], float sums1[ROWS], float sumsq[ROWS]) {
+    const uint lane = gl_SubgroupInvocationID, step = gl_SubgroupSize;
+    [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+        if (lane != r % step) continue;  // one lane stores each row
+        float y0 = sums0[r], y1 = sums1[r];
+        if (HAS_NORM != 0) {
+            float rstd = inversesqrt(sumsq[r] / float(k) + eps);
+            y0 *= rstd;
+            y1 *= rstd;
+        }
+        if (HAS_BIAS != 0) {
+            y0 += bias_of(pr.which, pr.col0);
+            y1 += bias_of(second, col1);
+        }
+        if (pr.freq >= 0) {
+            float angle = float(positions[positions_offset + r]) * inv_freq[inv_freq_offset + pr.freq];
+            vec2 y = rotate_pair(vec2(y0, y1), angle, attention_scaling);
+            y0 = y.x;
+            y1 = y.y;
+        }
+        store(r, pr, y0, y1);
+    }
+}
+
+// The matrix of pair pr's second column, and that column (plain: an odd n0 repeats the last row).
+uint second_of(Pair pr) { return MODE == MODE_GATED ? 1 : pr.which; }
+uint col1_of(Pair pr) { return min(pr.col1, (MODE == MODE_PLAIN ? n0 : pr.col1 + 1) - 1); }
+
+#if defined(QUANT_W)
+#define QUANT_COLS (2u * PAIRS_PER_SUBGROUP)
+uint quant_row_bytes(uint which) {
+    quant_source = which;
+    return k / quant_block_size() * quant_block_bytes();
+}
+
+// Pairs first .. first + PAIRS_PER_SUBGROUP - 1 (past the last: the last again, never stored) for every row of x:
+// one subgroup, or with SPLIT_K the whole workgroup.
+void quant_pairs_product(uint first, uint pairs) {
+    Pair prs[PAIRS_PER_SUBGROUP];
+    uint source[QUANT_COLS], row_at[QUANT_COLS];
+    [[unroll]] for (uint i = 0u; i < PAIRS_PER_SUBGROUP; ++i) {
+        prs[i] = pair_of(min(first + i, pairs - 1u));
+        uint second = second_of(prs[i]);
+        source[2u * i] = prs[i].which;
+        source[2u * i + 1u] = second;
+        row_at[2u * i] = weight_byte_offset(prs[i].which) + prs[i].col0 * quant_row_bytes(prs[i].which);
+        row_at[2u * i + 1u] = weight_byte_offset(second) + col1_of(prs[i]) * quant_row_bytes(second);
+    }
+    const uint units = k / 32u, lane = gl_SubgroupInvocationID, step = gl_SubgroupSize;
+    uint begin = 0u, end = units;
+    if (SPLIT_K != 0) {
+        uint slice = (units + gl_NumSubgroups - 1) / gl_NumSubgroups;
+        begin = min(units, gl_SubgroupID * slice);
+        end = min(units, begin + slice);
+    }
+    float acc[QUANT_COLS * ROWS], squares[ROWS];
+    [[unroll]] for (uint i = 0u; i < QUANT_COLS * ROWS; ++i) acc[i] = 0.0;
+    [[unroll]] for (uint r = 0u; r < ROWS; ++r) squares[r] = 0.0;
+    const uint lead = format_of(source[0]);
+    for (uint base = begin + lane; base < end; base += step * UNROLL) {
+        [[unroll]] for (uint i = 0u; i < UNROLL; ++i) {
+            // a unit past the end repeats the last one with weight 0: no branch around the loads, so the compiler
+            // may issue every unit's loads before the arithmetic
+            const uint t = min(base + i * step, end - 1u);
+            const float valid = base + i * step < end ? 1.0 : 0.0;
+            vec4 q[QUANT_COLS * 8u], scale[QUANT_COLS], offset[QUANT_COLS];
+            uint unit_of[QUANT_COLS], block_of[QUANT_COLS];
+            [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
+                quant_source = source[c];
+                const uint per_block = quant_block_size() / 32u;
+                block_of[c] = t / per_block;
+                unit_of[c] = t % per_block;
+                vec4 codes[8];
+                quant_unit(row_at[c] + block_of[c] * quant_block_bytes(), unit_of[c], codes, scale[c], offset[c]);
+                scale[c] *= valid;
+                offset[c] *= valid;
+                [[unroll]] for (uint j = 0u; j < 8u; ++j) q[8u * c + j] = codes[j];
+            }
+            [[unroll]] for (uint o = 0u; o < 4u; ++o) {
+                quant_source = source[0];
+                const uint e = block_of[0] * quant_block_size() + quant_octet_start(unit_of[0], o);
+                vec4 g_lo, g_hi;
+                if (HAS_NORM != 0 && NORM_WEIGHT != 0) g_octet(e, g_lo, g_hi);
+                [[unroll]] for (uint r = 0; r < ROWS; ++r) {
+                    vec4 lo, hi;
+                    x_octet(r, e, lo, hi);
+                    if (HAS_NORM != 0) {
+                        squares[r] += valid * (dot(lo, lo) + dot(hi, hi));
+                        if (NORM_WEIGHT != 0) { lo *= g_lo; hi *= g_hi; }
+                    }
+                    const float x_sum = dot(lo + hi, vec4(1.0));  // the offsets' share, for every column
+                    [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
+                        vec4 c_lo = lo, c_hi = hi;
+                        float c_sum = x_sum;
+                        if (format_of(source[c]) != lead) {  // uniform: its own octet of x
+                            quant_source = source[c];
+                            const uint ec = block_of[c] * quant_block_size() + quant_octet_start(unit_of[c], o);
+                            x_octet(r, ec, c_lo, c_hi);
+                            if (HAS_NORM != 0 && NORM_WEIGHT != 0) {
+                                vec4 gc_lo, gc_hi;
+                                g_octet(ec, gc_lo, gc_hi);
+                                c_lo *= gc_lo; c_hi *= gc_hi;
+                            }
+                            c_sum = dot(c_lo + c_hi, vec4(1.0));
+                        }
+                        acc[c * ROWS + r] += scale[c][o] * (dot(c_lo, q[8u * c + 2u * o])
+                                                            + dot(c_hi, q[8u * c + 2u * o + 1u]))
+                                             + offset[c][o] * c_sum;
+                    }
+                }
+            }
+        }
+    }
+    const uint values = QUANT_COLS + 1u;  // per row: the columns' sums, then the squares
+    float sums[QUANT_COLS * ROWS], sumsq[ROWS];
+    [[unroll]] for (uint i = 0u; i < QUANT_COLS * ROWS; ++i) sums[i] = subgroupAdd(acc[i]);
+    [[unroll]] for (uint r = 0u; r < ROWS; ++r) sumsq[r] = HAS_NORM != 0 ? subgroupAdd(squares[r]) : 0.0;
+    if (SPLIT_K != 0) {  // every subgroup adds up every subgroup's slice; subgroup 0 stores
+        if (subgroupElect()) [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+            const uint at = (gl_SubgroupID * ROWS + r) * values;
+            [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) split_sums[at + c] = sums[c * ROWS + r];
+            split_sums[at + QUANT_COLS] = sumsq[r];
+        }
+        barrier();
+        [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+            [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) sums[c * ROWS + r] = 0.0;
+            sumsq[r] = 0.0;
+            for (uint s = 0u; s < gl_NumSubgroups; ++s) {
+                const uint at = (s * ROWS + r) * values;
+                [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) sums[c * ROWS + r] += split_sums[at + c];
+                sumsq[r] += split_sums[at + QUANT_COLS];
+            }
+        }
+        if (gl_SubgroupID != 0) return;
+    }
+    [[unroll]] for (uint i = 0u; i < PAIRS_PER_SUBGROUP; ++i) {
+        if (first + i >= pairs) break;  // uniform
+        float s0[ROWS], s1[ROWS];
+        [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+            s0[r] = sums[2u * i * ROWS + r];
+            s1[r] = sums[(2u * i + 1u) * ROWS + r];
+        }
+        finish_pair(prs[i], second_of(prs[i]), col1_of(prs[i]), s0, s1, sumsq);
+    }
+}
+#else
+
 // Pair p for every row of x: one subgroup, or with SPLIT_K the whole workgroup.
 void pair_product(uint p) {
     Pair pr = pair_of(p);
-    uint second = MODE == MODE_GATED ? 1 : pr.which;  // the matrix of the second column
-    uint col1 = min(pr.col1, (MODE == MODE_PLAIN ? n0 : pr.col1 + 1) - 1);  // plain: odd n0 repeats a row
+    uint second = second_of(pr), col1 = col1_of(pr);
     uint vectors = k / PER_VECTOR, lane = gl_SubgroupInvocationID, step = gl_SubgroupSize;
     uint begin = 0, end = vectors;
     if (SPLIT_K != 0) {
@@ -237,44 +394,6 @@ void pair_product(uint p) {
 
     float acc0[ROWS], acc1[ROWS], squares[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; ++r) { acc0[r] = 0.0; acc1[r] = 0.0; squares[r] = 0.0; }
-#if defined(QUANT_W)
-    const uint per_block = quant_block_size() / 32u, block_bytes = quant_block_bytes();
-    const uint row_bytes = k / quant_block_size() * block_bytes;
-    const uint units = k / 32u;
-    begin = 0u;
-    end = units;
-    if (SPLIT_K != 0) {
-        uint slice = (units + gl_NumSubgroups - 1) / gl_NumSubgroups;
-        begin = min(units, gl_SubgroupID * slice);
-        end = min(units, begin + slice);
-    }
-    const uint row_a = weight_byte_offset(pr.which) + pr.col0 * row_bytes;
-    const uint row_b = weight_byte_offset(second) + col1 * row_bytes;
-    for (uint t = begin + lane; t < end; t += step) {
-        const uint block = t / per_block, u = t % per_block;
-        vec4 qa[8], qb[8], scale_a, scale_b, offset_a, offset_b;
-        quant_source = pr.which;
-        quant_unit(row_a + block * block_bytes, u, qa, scale_a, offset_a);
-        quant_source = second;
-        quant_unit(row_b + block * block_bytes, u, qb, scale_b, offset_b);
-        [[unroll]] for (uint o = 0u; o < 4u; ++o) {
-            const uint e = block * quant_block_size() + quant_octet_start(u, o);
-            vec4 g_lo, g_hi;
-            if (HAS_NORM != 0 && NORM_WEIGHT != 0) g_octet(e, g_lo, g_hi);
-            [[unroll]] for (uint r = 0; r < ROWS; ++r) {
-                vec4 lo, hi;
-                x_octet(r, e, lo, hi);
-                if (HAS_NORM != 0) {
-                    squares[r] += dot(lo, lo) + dot(hi, hi);
-                    if (NORM_WEIGHT != 0) { lo *= g_lo; hi *= g_hi; }
-                }
-                const float x_sum = dot(lo + hi, vec4(1.0));  // the offsets' share, for both columns
-                acc0[r] += scale_a[o] * (dot(lo, qa[2u * o]) + dot(hi, qa[2u * o + 1u])) + offset_a[o] * x_sum;
-                acc1[r] += scale_b[o] * (dot(lo, qb[2u * o]) + dot(hi, qb[2u * o + 1u])) + offset_b[o] * x_sum;
-            }
-        }
-    }
-#else
     for (uint base = begin + lane; base < end; base += step * UNROLL) {
         uvec4 a[UNROLL], b[UNROLL];
         [[unroll]] for (uint u = 0; u < UNROLL; ++u) {  // every load issued before any is used
@@ -302,7 +421,6 @@ void pair_product(uint p) {
             }
         }
     }
-#endif
     float sums0[ROWS], sums1[ROWS], sumsq[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; ++r) {  // in uniform control flow: every lane takes part
         sums0[r] = subgroupAdd(acc0[r]);
@@ -325,34 +443,21 @@ void pair_product(uint p) {
         barrier();  // read before the next pair overwrites them
         if (gl_SubgroupID != 0) return;
     }
-    if (HAS_NORM != 0) [[unroll]] for (uint r = 0; r < ROWS; ++r) {
-        float rstd = inversesqrt(sumsq[r] / float(k) + eps);
-        sums0[r] *= rstd;
-        sums1[r] *= rstd;
-    }
-    [[unroll]] for (uint r = 0; r < ROWS; ++r) {
-        if (lane != r % step) continue;  // one lane stores each row
-        float y0 = sums0[r], y1 = sums1[r];
-        if (HAS_BIAS != 0) {
-            y0 += bias_of(pr.which, pr.col0);
-            y1 += bias_of(second, col1);
-        }
-        if (pr.freq >= 0) {
-            float angle = float(positions[positions_offset + r]) * inv_freq[inv_freq_offset + pr.freq];
-            vec2 y = rotate_pair(vec2(y0, y1), angle, attention_scaling);
-            y0 = y.x;
-            y1 = y.y;
-        }
-        store(r, pr, y0, y1);
-    }
+    finish_pair(pr, second, col1, sums0, sums1, sumsq);
 }
+#endif
 
 void main() {
     uint pairs = MODE == MODE_PLAIN ? (n0 + 1) / 2 : (MODE == MODE_GATED ? n0 : (n0 + n1 + n2) / 2);
     uint first = (SPLIT_K != 0 ? gl_WorkGroupID.x : gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID)
                * PAIRS_PER_SUBGROUP;
+#if defined(QUANT_W)
+    if (first >= pairs) return;  // uniform: a whole subgroup (SPLIT_K: workgroup) leaves together
+    quant_pairs_product(first, pairs);
+#else
     for (uint i = 0; i < PAIRS_PER_SUBGROUP; ++i) {
         if (first + i >= pairs) return;  // uniform: a whole subgroup (SPLIT_K: workgroup) leaves together
         pair_product(first + i);
     }
+#endif
 }

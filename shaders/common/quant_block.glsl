@@ -73,6 +73,20 @@ vec2 k_scale_min_of(uvec4 head, uint sub) {
     return dm * (uintBitsToFloat(uvec2(sc, mn) | 0x4B000000u) - 8388608.0);  // as q_bytes
 }
 
+// The scales (.xy) and mins (.zw) of sub-blocks 2j and 2j + 1 together, times d and dmin, from the block's first 16
+// bytes: both 6-bit fields of a pair sit in neighbouring bytes, so one pass over 16-bit halves decodes the two.
+vec4 k_scale_min_pair(uvec4 head, uint j) {
+    uint shift = 16u * (j & 1u);
+    uint y = head.y >> shift, z = head.z >> shift, w = head.w >> shift;
+    bool upper = j >= 2u;
+    uint sc = upper ? (w & 0x0F0Fu) | ((y >> 2) & 0x3030u) : y & 0x3F3Fu;
+    uint mn = upper ? ((w >> 4) & 0x0F0Fu) | ((z >> 2) & 0x3030u) : z & 0x3F3Fu;
+    vec4 q = uintBitsToFloat(uvec4(sc & 0xFFu, (sc >> 8) & 0xFFu, mn & 0xFFu, (mn >> 8) & 0xFFu) | 0x4B000000u)
+             - 8388608.0;  // as q_bytes
+    vec2 dm = unpackHalf2x16(head.x);
+    return q * dm.xxyy;
+}
+
 // Four bytes from byte `at` on, the first in the low 8 bits (at is even: at most two words; the second is read only
 // when the bytes reach into it, so a read never passes the buffer's end).
 uint q_word4(uint at) {
@@ -196,13 +210,10 @@ void quant_unit(uint block, uint u, out vec4 q[8], out vec4 scale, out vec4 offs
         // Blocks of 144 and 176 bytes: every field below starts on 16 bytes when the block does.
         uvec4 v = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 32u * j + 16u * h);
         uvec4 vh = FORMAT == QUANT_Q5_K ? q_16bytes_aligned(block + 16u + 16u * h) : uvec4(0u);
-        // d and dmin, then the scales and mins of sub-blocks 2j and 2j + 1 (k_scale_min_of)
-        uvec4 head = q_16bytes_aligned(block);
-        for (uint e = 0u; e < 2u; ++e) {
-            vec2 sm = k_scale_min_of(head, 2u * j + e);
-            scale[2u * e] = sm.x; scale[2u * e + 1u] = sm.x;
-            offset[2u * e] = -sm.y; offset[2u * e + 1u] = -sm.y;
-        }
+        // d and dmin, then the scales and mins of sub-blocks 2j and 2j + 1 (k_scale_min_pair)
+        vec4 sm = k_scale_min_pair(q_16bytes_aligned(block), j);
+        scale = sm.xxyy;
+        offset = -sm.zzww;
         for (uint o = 0u; o < 4u; ++o) {
             uint e = o >> 1, shift = 4u * e;
             uvec2 c = (uvec2(v[2u * (o & 1u)], v[2u * (o & 1u) + 1u]) >> shift) & 0x0F0F0F0Fu;
@@ -216,13 +227,15 @@ void quant_unit(uint block, uint u, out vec4 q[8], out vec4 scale, out vec4 offs
         uvec2 ql_a = q_8bytes(block + 64u * h + l), ql_b = q_8bytes(block + 64u * h + 32u + l);
         uvec2 qh = q_8bytes(block + 128u + 32u * h + l);
         uvec2 scales = q_8bytes(block + 192u + 8u * h);
-        float d = q_half(block + 208u);
+        // octet o's scale is byte (u & 3) / 2 + 2o of the 8: bytes 0 and 2 of each word shifted by that, gathered into
+        // one word and turned into floats at once (q_int8s: no integer-to-float conversions)
+        uvec2 sw = scales >> (8u * ((u & 3u) / 2u));
+        scale = q_half(block + 208u) * q_int8s((sw.x & 0xFFu) | ((sw.x >> 8) & 0xFF00u) | ((sw.y & 0xFFu) << 16)
+                                                | ((sw.y << 8) & 0xFF000000u));
+        offset = -32.0 * scale;
         for (uint o = 0u; o < 4u; ++o) {
             uvec2 low = (((o & 1u) == 0u ? ql_a : ql_b) >> (o < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
             uvec2 c = low | (((qh >> (2u * o)) & 0x03030303u) << 4);
-            uint at = (u & 3u) / 2u + 2u * o;  // scale byte within the 8
-            scale[o] = d * float(bitfieldExtract(int(scales[at >> 2]), int(8u * (at & 3u)), 8));
-            offset[o] = -32.0 * scale[o];
             q[2u * o] = q_bytes(c.x);
             q[2u * o + 1u] = q_bytes(c.y);
         }

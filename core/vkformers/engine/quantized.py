@@ -43,7 +43,7 @@ FORMATS = {f.name: f for f in (
     QuantFormat("nf4", 6, 64, 36))}
 GGUF_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")  # named in gguf's GGMLQuantizationType upper-cased
 # What ``from_pretrained(..., quantization=...)`` quantizes a float checkpoint to.
-QUANTIZE_FORMATS = ("nf4", "q4_0", "q4_1", "q8_0", "q4_k")
+QUANTIZE_FORMATS = ("nf4", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k")
 
 # QLoRA's 4-bit NormalFloat levels (bitsandbytes' NF4 code book).
 NF4_LEVELS = np.array([
@@ -147,39 +147,122 @@ def quantize(array: np.ndarray, fmt) -> np.ndarray:
         return nf4_quantize(values)
     if fmt.name == "q4_k":
         return q4_k_quantize(values)
+    if fmt.name == "q5_k":
+        return q5_k_quantize(values)
     if fmt.name not in ("q4_0", "q4_1", "q8_0"):
         raise QuantizationError(f"quantizing to {fmt.name} is not supported; choose one of "
                                 f"{', '.join(QUANTIZE_FORMATS)}")
     return np.asarray(_gguf_quants().quantize(values, _gguf_type(fmt)), dtype=np.uint8)
 
 
-def q4_k_quantize(values: np.ndarray) -> np.ndarray:
-    """float [rows, cols] -> Q4_K blocks: per sub-block of 32 a scale and a min (x ~ sc * q - m, q in 0..15),
-    both quantized to 6 bits against the block's d and dmin (a plain min/max fit, not llama.cpp's search)."""
-    rows, cols = values.shape
-    sub = values.reshape(-1, 8, 32)
-    low = np.minimum(sub.min(axis=2), 0.0)           # the min is stored as a positive offset: x = sc*q - m
-    high = sub.max(axis=2)
-    scale = (high - low) / 15.0
-    mins = -low
-    d = scale.max(axis=1, keepdims=True) / 63.0
-    dmin = mins.max(axis=1, keepdims=True) / 63.0
-    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+# The scale search of the K formats: each sub-block tries the codes of iscale = (nmax + delta) / (max - min) for these
+# deltas (besides the plain min/max fit), refits scale and min to each candidate's codes by least squares and keeps
+# the least squared error.
+K_SEARCH_DELTAS = np.float32([-0.6, -0.3, 0.0, 0.3, 0.6, 0.9])
+_K_CHUNK = 8192  # sub-blocks fitted at once: the arrays stay in cache
+
+
+def _k_fit(sub: np.ndarray, nmax: int, search: bool) -> tuple[np.ndarray, np.ndarray]:
+    """sub [n, 32] float32 -> (scale, min) per sub-block, x ~ scale * q - min with q in 0..nmax and min >= 0: the
+    plain min/max fit, or (``search``) the least squared error over the candidate codes of K_SEARCH_DELTAS, each
+    with scale and min refitted to its codes by least squares (the idea of llama.cpp's make_qkx2_quants). Every
+    error comes from the sums of q, q^2, q*x, x and x^2, with no pass over the elements of its own."""
+    low = np.minimum(sub.min(axis=1), 0.0)  # the min is stored as a non-negative offset
+    span = sub.max(axis=1) - low
+    scale = span / nmax
+    if not search:
+        return scale, -low
+    n = np.float32(sub.shape[1])
+    sum_x, sum_xx = sub.sum(axis=1), np.einsum("ij,ij->i", sub, sub)
+    live = span > 0
+    inv_span = np.divide(1.0, span, out=np.zeros_like(span), where=live)[:, None]
+    centred = sub - low[:, None]
+    q = np.empty_like(sub)
+
+    def codes_and_sums(iscale_num):
+        np.multiply(centred, inv_span * np.float32(iscale_num), out=q)
+        np.rint(q, out=q)
+        if iscale_num > nmax:  # centred * iscale reaches past nmax only then
+            np.minimum(q, nmax, out=q)
+        return q.sum(axis=1), np.einsum("ij,ij->i", q, q), np.einsum("ij,ij->i", q, sub)
+
+    def error(s, o, sum_q, sum_qq, sum_qx):  # sum of (s q + o - x)^2
+        return (s * s * sum_qq + 2 * s * o * sum_q + n * o * o - 2 * s * sum_qx - 2 * o * sum_x + sum_xx)
+
+    offset = low.copy()
+    best = error(scale, offset, *codes_and_sums(nmax))
+    for delta in K_SEARCH_DELTAS:
+        sum_q, sum_qq, sum_qx = codes_and_sums(nmax + delta)
+        det = n * sum_qq - sum_q * sum_q
+        ok = live & (det > 0)
+        safe_det = np.where(ok, det, 1.0)
+        s_fit = (n * sum_qx - sum_x * sum_q) / safe_det
+        o_fit = (sum_qq * sum_x - sum_q * sum_qx) / safe_det
+        positive = o_fit > 0  # the offset must stay <= 0: refit the scale alone through zero
+        s_fit = np.where(positive, sum_qx / np.where(sum_qq > 0, sum_qq, 1.0), s_fit)
+        o_fit = np.where(positive, 0.0, o_fit)
+        ok &= s_fit > 0
+        err = error(s_fit, o_fit, sum_q, sum_qq, sum_qx)
+        better = ok & (err < best)
+        best = np.where(better, err, best)
+        scale = np.where(better, s_fit, scale)
+        offset = np.where(better, o_fit, offset)
+    return scale.astype(np.float32), (-offset).astype(np.float32)
+
+
+def _k_quantize(values: np.ndarray, nmax: int, search: bool):
+    """float [rows, cols] -> (d, dmin as float16 [blocks, 1], 6-bit sc and mn [blocks, 8], codes [blocks, 8, 32])."""
+    sub = values.reshape(-1, 32)
+    scale, mins = np.empty(len(sub), np.float32), np.empty(len(sub), np.float32)
+    for at in range(0, len(sub), _K_CHUNK):
+        scale[at:at + _K_CHUNK], mins[at:at + _K_CHUNK] = _k_fit(sub[at:at + _K_CHUNK], nmax, search)
+    scale, mins, sub = scale.reshape(-1, 8), mins.reshape(-1, 8), sub.reshape(-1, 8, 32)
+    d16 = (scale.max(axis=1, keepdims=True) / 63.0).astype(np.float16)
+    dmin16 = (mins.max(axis=1, keepdims=True) / 63.0).astype(np.float16)
     d32, dmin32 = d16.astype(np.float32), dmin16.astype(np.float32)
     sc = np.clip(np.rint(np.divide(scale, d32, out=np.zeros_like(scale), where=d32 > 0)), 0, 63).astype(np.uint8)
     mn = np.clip(np.rint(np.divide(mins, dmin32, out=np.zeros_like(mins), where=dmin32 > 0)), 0, 63).astype(np.uint8)
     eff_scale = (d32 * sc)[..., None]
     eff_min = (dmin32 * mn)[..., None]
-    q = np.clip(np.rint(np.divide(sub + eff_min, eff_scale, out=np.zeros_like(sub), where=eff_scale > 0)), 0, 15)
-    q = q.astype(np.uint8)
-    scales = np.zeros((sub.shape[0], 12), np.uint8)  # ggml's get_scale_min_k4 packing
+    q = np.clip(np.rint(np.divide(sub + eff_min, eff_scale, out=np.zeros_like(sub), where=eff_scale > 0)), 0, nmax)
+    return d16, dmin16, sc, mn, q.astype(np.uint8)
+
+
+def _k_head(d16, dmin16, sc, mn) -> np.ndarray:
+    """d, dmin and the 12 bytes of 6-bit scales and mins (ggml's get_scale_min_k4 packing): [blocks, 16]."""
+    scales = np.zeros((sc.shape[0], 12), np.uint8)
     scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
     scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
-    pairs = q.reshape(-1, 4, 2, 32)  # chunk of 64: sub-block 2c in the low nibbles, 2c+1 in the high
-    nibbles = (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(-1, 128)
-    head = np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2)], axis=1)
-    return np.concatenate([head, scales, nibbles], axis=1).reshape(rows, cols // 256 * 144)
+    return np.concatenate([d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), scales], axis=1)
+
+
+def _k_nibbles(q: np.ndarray) -> np.ndarray:
+    """The low 4 bits of codes [blocks, 8, 32]: chunk c of 64 holds sub-block 2c in the low nibbles, 2c+1 in the
+    high."""
+    pairs = (q & 15).reshape(-1, 4, 2, 32)
+    return (pairs[:, :, 0, :] | (pairs[:, :, 1, :] << 4)).reshape(-1, 128)
+
+
+def q4_k_quantize(values: np.ndarray, search: bool = True) -> np.ndarray:
+    """float [rows, cols] -> Q4_K blocks: per sub-block of 32 a scale and a min (x ~ sc * q - m, q in 0..15), both
+    quantized to 6 bits against the block's d and dmin. ``search``: each sub-block's scale and min from the search of
+    :func:`_k_fit` (least squared error); False: the plain min/max fit."""
+    rows, cols = values.shape
+    d16, dmin16, sc, mn, q = _k_quantize(np.asarray(values, np.float32), 15, search)
+    return np.concatenate([_k_head(d16, dmin16, sc, mn), _k_nibbles(q)], axis=1).reshape(rows, cols // 256 * 144)
+
+
+def q5_k_quantize(values: np.ndarray, search: bool = True) -> np.ndarray:
+    """float [rows, cols] -> Q5_K blocks: as Q4_K with q in 0..31, the fifth bits in 32 bytes after the scales
+    (element l of sub-block j: bit j of byte l)."""
+    rows, cols = values.shape
+    d16, dmin16, sc, mn, q = _k_quantize(np.asarray(values, np.float32), 31, search)
+    high = (q >> 4).astype(np.uint8)  # [blocks, 8, 32]
+    qh = np.zeros((q.shape[0], 32), np.uint8)
+    for j in range(8):
+        qh |= high[:, j, :] << j
+    return np.concatenate([_k_head(d16, dmin16, sc, mn), qh, _k_nibbles(q)], axis=1).reshape(rows, cols // 256 * 176)
 
 
 # ---------------------------------------------------------------- the device tensor
@@ -260,4 +343,4 @@ def is_quantized(x) -> bool:
 
 __all__ = ["FORMATS", "GGUF_FORMATS", "NF4_LEVELS", "QUANTIZE_FORMATS", "QuantFormat", "QuantizationError",
            "QuantizedArray", "QuantizedTensor", "dequantize", "is_quantized", "nf4_dequantize",
-           "nf4_from_bitsandbytes", "nf4_quantize", "q4_k_quantize", "quant_format", "quantize"]
+           "nf4_from_bitsandbytes", "nf4_quantize", "q4_k_quantize", "q5_k_quantize", "quant_format", "quantize"]

@@ -18,8 +18,9 @@ rounding). The rows of x, the norm weight and the weights are read as 16-byte ve
 offset must be whole vectors, and so must the weights' and norm weight's offsets (row slices of one fused
 weight are fine; :func:`supported` says).
 
-Quantized weights (``quant_format``: all weights packed in that one block format, uint8 operands whose offsets
-are whole 4-byte words) take the kernel's q_* variants, which dequantize 32-weight units as they read them.
+Quantized weights (``quant_format``: the weights' block format, or one per weight as a Q4_K_M file mixes Q4_K and
+Q6_K; uint8 operands whose offsets are whole 4-byte words) take the kernel's q_* variants, which dequantize 32-weight
+units as they read them.
 """
 from __future__ import annotations
 
@@ -35,29 +36,54 @@ def elements_per_vector(dtype) -> int:
     return 4 if dtype.name == "float32" else 8
 
 
+def weight_formats(quant_format, count: int) -> list | None:
+    """One block format per weight (None: dense weights) from ``quant_format``: one format or a sequence of them."""
+    if quant_format is None:
+        return None
+    formats = list(quant_format) if isinstance(quant_format, (list, tuple)) else [quant_format] * count
+    if len(formats) != count:
+        raise ValueError(f"decode_matvec: {len(formats)} block formats for {count} weights")
+    return formats
+
+
 def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | None = None, quant_format=None) -> bool:
     """Whether the fused kernel can take these operands (else the caller composes the ordinary ops)."""
     per_vector = elements_per_vector(x.dtype)
-    dense = [] if quant_format is not None else list(weights)
+    formats = weight_formats(quant_format, len(weights))
+    dense = [] if formats is not None else list(weights)
     whole = dense + ([norm_weight] if norm_weight is not None else [])
-    packed = quant_format is None or (k % quant_format.block == 0
-                                      and all(w.dtype.name == "uint8" and w.offset % 4 == 0 for w in weights))
+    packed = formats is None or (all(k % f.block == 0 for f in formats)
+                                 and all(w.dtype.name == "uint8" and w.offset % 4 == 0 for w in weights))
     return (1 <= rows <= MAX_ROWS and x.dtype.name in ("float32", "float16", "bfloat16") and packed
             and k % per_vector == 0 and x.offset % per_vector == 0
             and all(w.offset % per_vector == 0 and w.dtype is x.dtype for w in whole))
 
 
-def launch_shape(device, rows: int = 1) -> tuple[int, int, int, int]:
+# Packed weights at batch 1 on a GPU, by the first weight's block format: (subgroups per workgroup, units of 32
+# weights in flight per lane, pairs of columns computed together by a subgroup (sharing each read of x), split k).
+# Pick from ``bench/quant.py --sweep`` on the target GPU (these are not measured yet); a format not listed takes
+# QUANT_LAUNCH_DEFAULT. A key (format, k) gives products of that inner size their own shape (a long-k, narrow
+# product such as down_proj may want k split among subgroups).
+QUANT_LAUNCH = {"q4_k": (4, 2, 2, 0), "q5_k": (4, 2, 2, 0), "q6_k": (4, 2, 2, 0), "q8_0": (4, 2, 2, 0)}
+QUANT_LAUNCH_DEFAULT = (4, 2, 2, 0)
+
+
+def launch_shape(device, rows: int = 1, quant: str | None = None, k: int = 0) -> tuple[int, int, int, int]:
     """(subgroups per workgroup, vectors of W per lane in flight, pairs of columns per subgroup, split k: the
     workgroup's subgroups share each pair, each taking a slice of k). A GPU, one row: 4 subgroups sharing one pair,
     2 vectors in flight per lane (on the H200 a TinyLlama token's decode products took 0.41 ms per 8 layers against
     0.49 with one pair per subgroup and 4 in flight, ``bench/decode.py --sweep``: the narrow o_proj and down_proj
     gain most); more rows: one pair per subgroup, 4 in flight (batch 8 decoded 1,336 tok/s so, 1,104 split). A CPU
     (lavapipe): one subgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups). The tests also run
-    the GPU shapes on lavapipe."""
+    the GPU shapes on lavapipe. ``quant``: the block format of packed weights (``k``: the product's inner size); at
+    one row a GPU takes QUANT_LAUNCH's shape (its subgroups counted in 32 lanes), where the pairs of a subgroup share
+    their reads of x and "in flight" counts units of 32 weights."""
     if device.is_cpu:
         return 1, 1, 4, 0
     subgroups = max(1, 128 // device.limits["subgroup_size"])
+    if quant is not None and rows == 1:
+        shape = QUANT_LAUNCH.get((quant, k)) or QUANT_LAUNCH.get(quant, QUANT_LAUNCH_DEFAULT)
+        return (max(1, shape[0] * 32 // device.limits["subgroup_size"]),) + tuple(shape[1:])
     return (subgroups, 2, 1, 1) if rows == 1 else (subgroups, 4, 1, 0)
 
 
@@ -70,8 +96,9 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
     or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
     prologue on (``norm_weight`` None: no weight). ``launch``: (subgroups per workgroup, vectors in flight, pairs per
-    subgroup, split k) instead of :func:`launch_shape` (bench/decode.py sweeps them). ``quant_format``
-    (engine.quantized.QuantFormat): the weights are packed uint8 operands of that format. ``page_size`` > 0 (qkv):
+    subgroup, split k) instead of :func:`launch_shape` (bench/decode.py and bench/quant.py sweep them).
+    ``quant_format`` (engine.quantized.QuantFormat, or one per weight): the weights are packed uint8 operands of
+    that format. ``page_size`` > 0 (qkv):
     out1 / out2 are pools of blocks [blocks, kv_heads, page_size, head_dim] and cache_start the paged cache's step
     [start, end, block tables of capacity / page_size entries per row]."""
     x, out0 = operand(x), operand(out0)
@@ -84,9 +111,9 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
         raise ValueError(f"decode_matvec: unsupported operands (rows {rows}, k {k}, dtype {x.dtype.name}, "
                          f"offsets must be whole 16-byte vectors)")
     ns = [int(n) for n in widths]
-    row_size = quant_format.row_bytes(k) if quant_format is not None else k
-    for w, n in zip(weights, ns):
-        require_elements(w, n * row_size, "decode_matvec weight")
+    formats = weight_formats(quant_format, len(weights))
+    for i, (w, n) in enumerate(zip(weights, ns)):
+        require_elements(w, n * (formats[i].row_bytes(k) if formats else k), "decode_matvec weight")
     if mode == "gated" and ns[0] != ns[1]:
         raise ValueError(f"decode_matvec: gate ({ns[0]}) and up ({ns[1]}) widths differ")
     require_elements(x, rows * k, "decode_matvec x")
@@ -126,11 +153,12 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     push = [k, *padded_n, float(eps), float(residual_scale), head_dim, rot_dim, kv_heads, capacity,
             float(attention_scaling), *(b.offset for b in padded_b), (residual or filler_in).offset, out0.offset,
             positions.offset, cache_start.offset, inv_freq.offset, x.offset // elements_per_vector(x.dtype),
-            *(w.offset if quant_format is not None else w.offset // elements_per_vector(x.dtype) for w in padded_w),
+            *(w.offset if formats is not None else w.offset // elements_per_vector(x.dtype) for w in padded_w),
             (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
-    subgroups, unroll, per_subgroup, split_k = launch or launch_shape(device, rows)
+    subgroups, unroll, per_subgroup, split_k = launch or launch_shape(device, rows,
+                                                                      formats[0].name if formats else None, k)
     if split_k and subgroups > 32:
         raise ValueError(f"decode_matvec: split k takes at most 32 subgroups per workgroup, got {subgroups}")
     threads = subgroups * subgroup
@@ -140,9 +168,11 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
             int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
             per_subgroup, int(split_k), int(page_size)]
     variant = element_variant(x, "decode_matvec")
-    if quant_format is not None:
+    if formats is not None:
         variant = "q_" + variant
-        spec += [quant_format.shader_id, int(all(w.offset % 16 == 0 for w in padded_w))]
+        padded_f = formats + [formats[0]] * (3 - len(formats))
+        spec += [padded_f[0].shader_id, int(all(w.offset % 16 == 0 for w in padded_w)), padded_f[1].shader_id,
+                 padded_f[2].shader_id]
     seq.dispatch(device.kernel("decode_matvec", variant), buffers,
                  (-(-pairs // per_group), 1, 1), push, spec)
 

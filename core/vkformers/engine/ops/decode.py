@@ -52,7 +52,7 @@ class DecodeMatvec(KernelOp):
             start, positions, inv_freq = _cache_start_and_rotary(ins, self.rot_dim)
             extra = dict(out1=outs[1].operand, out2=outs[2].operand, positions=positions, cache_start=start,
                          inv_freq=inv_freq)
-        quant = quant_format(self.attrs["quant"]) if self.attrs.get("quant") else None
+        quant = [quant_format(name) for name in self.attrs["quant"].split(",")] if self.attrs.get("quant") else None
         KD.decode_matvec(seq, x.operand, weights, outs[0].operand, rows=self.rows, k=self.k, widths=self.widths,
                          mode=self.mode, norm_weight=norm_weight, norm=self.norm, eps=self.eps,
                          norm_offset=self.norm_offset, biases=biases, residual=residual,
@@ -77,9 +77,8 @@ def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) ->
         return False
     k, per_vector = weights[0].shape[-1], KD.elements_per_vector(dtype)
     quantized = [w for w in weights if isinstance(w, QuantizedTensor)]
-    if quantized:  # all packed in one block format, each a whole QuantizedTensor on a 4-byte word
-        if len(quantized) != len(weights) or len({w.format.name for w in quantized}) != 1 \
-                or k % quantized[0].format.block \
+    if quantized:  # all packed (each in its own block format), each a whole QuantizedTensor on a 4-byte word
+        if len(quantized) != len(weights) or any(k % w.format.block for w in quantized) \
                 or any(w.lazy.view.offset % 4 or not w.lazy.view.is_contiguous for w in quantized):
             return False
     dense = [] if quantized else list(weights)
@@ -109,7 +108,7 @@ def _inputs_and_attrs(x, weights, norm, biases, residual):
                  has_bias=biases is not None, has_residual=residual is not None, residual_scale=1.0,
                  activation="silu", head_dim=0, rot_dim=0, kv_heads=0, capacity=0, attention_scaling=1.0,
                  interleaved=False,
-                 quant=weights[0].format.name if isinstance(weights[0], QuantizedTensor) else None)
+                 quant=",".join(w.format.name for w in weights) if isinstance(weights[0], QuantizedTensor) else None)
     return inputs, attrs
 
 

@@ -410,7 +410,7 @@ class DecoderLayer(Module):
                 or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
-                # quantized weights fuse whole (F.fusable: one block format), never as row slices of a fused one
+                # quantized weights fuse whole (F.fusable: each packed tensor whole, in its own block format)
                 or any(type(p[n]) is not Linear or (p[n].quantized and n == "qkv") for n in (*attn, "o"))
                 or len({p[n].has_bias for n in attn}) != 1):
             return None
