@@ -25,6 +25,7 @@ from vkformers.runtime.vulkan import get_device
 
 torch = cuda_torch()
 HAVE_CUDA = torch is not None
+FEATURES = ("softcap", "window", "alibi", "all")  # decode rows of models with these options
 
 
 def gpu_seconds(seq, repeats: int) -> float:
@@ -128,19 +129,27 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
                  general: bool = False, heads_per_workgroup: int | None = None,
-                 keys_per_tile: int | None = None) -> dict:
+                 keys_per_tile: int | None = None, features: str = "") -> dict:
+    """``general``: the fallback forward kernel with one query row (for K/V rows that are not whole 16-byte
+    vectors). ``features``: "softcap", "window", "alibi" or "all": the options of a Gemma 2, Mistral or BLOOM
+    model, run by the same decode kernel as the plain path."""
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
     out = device.buffer(q.shape, dtype, name="out")
+    on = lambda name: features in (name, "all")
+    options = dict(softcap=50.0 if on("softcap") else 0.0, window=kv_len // 2 if on("window") else 0,
+                   alibi_slopes=device.upload((2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32))
+                   if on("alibi") else None)
     seq = device.sequence(timestamps=True)
     attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
                      kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5,
                      tiles=DECODE_TILES[0] if general else None, heads_per_workgroup=heads_per_workgroup,
-                     keys_per_tile=keys_per_tile)
+                     keys_per_tile=keys_per_tile, **options)
     seconds = gpu_seconds(seq, repeats)
     cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
     result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "general": general,
+              "features": features,
               "heads_per_workgroup": heads_per_workgroup, "keys_per_tile": keys_per_tile,
               "decode_us": seconds * 1e6, "decode_cache_gbps": cache_bytes / seconds * 1e-9}
     if HAVE_CUDA:
@@ -195,19 +204,22 @@ def main(argv=None) -> int:
         if not args.decode_only:
             print_prefill(bench_prefill(device, dtype, seq_len, heads, args.head_dim, repeats), dtype, seq_len, heads,
                           args.head_dim, results)
-        # a long cache, then a short one (a decode step of a short chat), each by attention_decode.comp and by
-        # the general forward kernel with one query row (the fallback, general=True); --decode-sweep also times
-        # attention_decode.comp with each number of query heads per workgroup
+        # a long cache, then a short one (a decode step of a short chat), each by attention_decode.comp (plain, and
+        # with soft-capping, a sliding window of half the cache, ALiBi, or all three) and by the forward kernel with
+        # one query row (the fallback, general=True); --decode-sweep also times attention_decode.comp with each
+        # number of query heads per workgroup
         kv_heads = args.kv_heads or max(1, heads // 4)
         group = heads // kv_heads
         sweep = ([(h, keys) for keys in (64, 128) for h in range(1, 9) if group % h == 0] if args.decode_sweep
                  else [(None, None)])
         for kv_len in (256 if args.quick else 4096, 80):
-            for general, (per_group, keys) in [(False, h) for h in sweep] + [(True, (None, None))]:
+            runs = [(False, h, "") for h in sweep] + [(False, (None, None), f) for f in FEATURES] \
+                + [(True, (None, None), "")]
+            for general, (per_group, keys), features in runs:
                 d = bench_decode(device, dtype, kv_len, heads, kv_heads, args.head_dim, repeats, general, per_group,
-                                 keys)
+                                 keys, features)
                 results["decode"].append(d)
-                what = (", general" if general else
+                what = (", fallback forward kernel" if general else f", {features}" if features else
                         f", {per_group} heads per workgroup, {keys}-key tiles" if per_group else "")
                 print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{what}): "
                       f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"

@@ -401,3 +401,29 @@ def test_decode_replays_with_kv_len_from_a_buffer(device, splits, heads, softcap
         step = replace(case, q_len=length, kv_len=length)
         want = reference(step, q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length], None)[0]
         np.testing.assert_allclose(out.read(), want[:, :, -1:], atol=1e-5, rtol=1e-5, err_msg=f"kv_len {length}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("softcap, window, alibi, mask", [(s, w, a, m) for s in (0.0, 3.0) for w in (0, 50)
+                                                          for a in (False, True) for m in (False, True)])
+def test_decode_kernel_every_feature_combination(device, dtype, softcap, window, alibi, mask):
+    """Soft-capping, a sliding window, ALiBi and a padding mask are options of the decode kernel (specialization and
+    push constants), alone and together: a cache of 200 keys in tiles of 64, split in two, 8 heads on 2 KV heads
+    (two per workgroup)."""
+    case = Case(heads=8, kv_heads=2, q_len=200, kv_len=200, window=window, softcap=softcap, alibi=alibi, mask=mask)
+    rounded_inputs, mask_host, slopes = make_inputs(case, dtype)
+    (q, q_host), (k, k_host), (v, v_host), _ = rounded_inputs
+    out = device.buffer((case.batch, case.heads, 1, case.head_dim), dtype)
+    lse = device.buffer((case.batch, case.heads), "float32")
+    seq = device.sequence()
+    attention_decode(seq, device.upload(np.ascontiguousarray(q_host[:, :, -1:]), dtype=dtype),
+                     device.upload(k_host, dtype=dtype), device.upload(v_host, dtype=dtype), out, batch=case.batch,
+                     heads=case.heads, kv_heads=case.kv_heads, kv_len=200, max_len=200, head_dim=case.head_dim,
+                     scale=case.the_scale, window=window, softcap=softcap, lse=lse, splits=2, keys_per_tile=64,
+                     heads_per_workgroup=2, key_padding_mask=None if mask_host is None else device.upload(mask_host),
+                     alibi_slopes=None if slopes is None else device.upload(slopes.astype(np.float32)))
+    seq.replay()
+    expected, expected_lse = reference(case, q, k, v, mask_host, slopes)
+    tol = FORWARD_TOL[dtype]
+    np.testing.assert_allclose(as_float(out.read(), dtype), expected[:, :, -1:], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=tol, rtol=tol)
