@@ -19,7 +19,8 @@ import numpy as np
 from common import cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    DECODE_TILES, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles)
+    COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, attention_backward, attention_decode,
+    attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -127,6 +128,61 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
     return result
 
 
+def forward_variants(device, dtype: str, head_dim: int) -> list:
+    """The cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel at its
+    automatic tiles, then the one-pass kernel at each tile shape that fits (the first is the automatic choice)."""
+    variants = [coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)]
+    limit = int(device.limits["max_compute_shared_memory_size"])
+    subgroup = int(device.limits["subgroup_size"])
+    if variants[0] is not None:
+        variants += [t for t in COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit]
+    return [t for t in variants if t is not None]
+
+
+def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                        repeats: int) -> list[dict]:
+    """Causal forward of each cooperative-matrix variant (and the scalar kernel where none runs), beside SDPA."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, heads, seq_len, head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, kv_heads, seq_len, head_dim), dtype=np.float32) for _ in range(2))
+    bufs = [to_device(device, x, dtype) for x in (q, k, v)]
+    out = device.buffer(q.shape, dtype, name="out")
+    lse = device.buffer(q.shape[:3], "float32", name="lse")
+    sizes = dict(batch=1, heads=heads, kv_heads=kv_heads, q_len=seq_len, kv_len=seq_len, head_dim=head_dim,
+                 scale=head_dim ** -0.5, causal=True)
+    torch_ms, ref = None, None
+    if HAVE_CUDA:
+        tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        tq, tk, tv = (torch.from_numpy(x).cuda().to(tdtype) for x in (q, k, v))
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                                          enable_gqa=heads != kv_heads)
+        with torch.no_grad():
+            torch_ms = cuda_median(sdpa, repeats) * 1e3
+            group = heads // kv_heads
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                tq.float(), tk.float().repeat_interleave(group, 1), tv.float().repeat_interleave(group, 1),
+                is_causal=True).cpu().numpy()
+    flops = 4 * heads * seq_len * seq_len * head_dim / 2
+    rows = []
+    for tiles in forward_variants(device, dtype, head_dim) or [None]:
+        seq = device.sequence(timestamps=True)
+        attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles, algorithm="scalar" if tiles is None else "auto")
+        seconds = gpu_seconds(seq, repeats)
+        name = ("scalar" if tiles is None else
+                f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}")
+        r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+             "variant": name, "forward_ms": seconds * 1e3, "forward_tflops": flops / seconds * 1e-12}
+        if torch_ms is not None:
+            r.update(torch_forward_ms=torch_ms, forward_ratio=torch_ms / r["forward_ms"],
+                     max_abs_diff_vs_torch_fp32=float(np.abs(as_float32(out.read(), dtype) - ref).max()))
+        rows.append(r)
+        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:18s}: "
+              f"{r['forward_ms']:.3f} ms ({r['forward_tflops']:.1f} TFLOP/s"
+              + (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
+                 f"{r['max_abs_diff_vs_torch_fp32']:.1e})" if torch_ms is not None else ")"))
+    return rows
+
+
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
                  general: bool = False, heads_per_workgroup: int | None = None,
                  keys_per_tile: int | None = None, features: str = "") -> dict:
@@ -193,13 +249,26 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=0, help="decode: KV heads (default heads / 4)")
     parser.add_argument("--dtypes", default="float16,float32,bfloat16")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
+    parser.add_argument("--forward-sweep", action="store_true",
+                        help="only the causal forward of each cooperative-matrix variant and tile shape, bf16, at "
+                             "seq 2048 and 8192 (or --seq), head dims 64 and 128, MHA and GQA (4 query heads per KV "
+                             "head), beside SDPA")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="decode: also time each number of query heads per workgroup and tile size")
     args = parser.parse_args(argv)
     device = get_device()
     seq_len, heads, repeats = (256, 4, 3) if args.quick else (args.seq, args.heads, 10)
     print(f"device: {device.name}; reference: {'torch CUDA sdpa' if HAVE_CUDA else 'numpy CPU'}")
-    results = {"device": device.name, "prefill": [], "decode": []}
+    results = {"device": device.name, "prefill": [], "decode": [], "forward_sweep": []}
+    if args.forward_sweep:
+        seqs = [256] if args.quick else ([args.seq] if args.seq != 2048 else [2048, 8192])
+        for seq_len in seqs:
+            for head_dim in (64, 128):
+                for kv_heads in (heads, heads // 4):
+                    results["forward_sweep"] += bench_forward_sweep(device, "bfloat16", seq_len, heads,
+                                                                    max(1, kv_heads), head_dim, repeats)
+        write_results(args.json, results)
+        return 0
     for dtype in args.dtypes.split(","):
         if not args.decode_only:
             print_prefill(bench_prefill(device, dtype, seq_len, heads, args.head_dim, repeats), dtype, seq_len, heads,

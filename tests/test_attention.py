@@ -16,7 +16,8 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    COOPMAT_BACKWARD_TILES, DECODE_TILES, CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward,
+    COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, CoopmatBackwardTiles,
+    CoopmatTiles, Tiles, attention_backward,
     attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
@@ -228,6 +229,46 @@ HALF_FORWARD_CASES = {
 @pytest.mark.parametrize("name", list(HALF_FORWARD_CASES))
 def test_half_type_forward(device, dtype, name):
     run_case(device, HALF_FORWARD_CASES[name], dtype, backward=False)
+
+
+# Every head dim a model uses, causal or not, GQA, odd lengths, padding masks: each cooperative-matrix forward variant.
+VARIANT_CASES = {**HALF_FORWARD_CASES, **{
+    f"head_dim_{d}_{'causal' if causal else 'not_causal'}": Case(heads=4, kv_heads=2, q_len=67, kv_len=67, head_dim=d,
+                                                                 causal=causal, mask=True)
+    for d in (64, 80, 96, 128, 256) for causal in (True, False)}}
+FORWARD_VARIANTS = {"two_pass": COOPMAT_TWO_PASS_TILES, "one_pass": COOPMAT_FORWARD_TILES}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_coopmat_forward_variants(device, dtype, variant, name):
+    """Each cooperative-matrix forward (the two-pass kernel and the one-pass online softmax) at the tiles the device
+    would pick for it; refused by name where the device has no cooperative matrix for the dtype."""
+    case = VARIANT_CASES[name]
+    tiles = coopmat_forward_tiles(device, dtype, case.head_dim, 0, 0, 0, candidates=FORWARD_VARIANTS[variant])
+    if tiles is None:
+        with pytest.raises(ValueError, match="cooperative-matrix forward"):
+            run_case(device, case, dtype, backward=False, tiles=FORWARD_VARIANTS[variant][-1])
+        return
+    assert tiles.one_pass == (variant == "one_pass")
+    run_case(device, case, dtype, backward=False, tiles=tiles)
+
+
+@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_TWO_PASS_TILES)
+@pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
+def test_coopmat_forward_every_tile_shape(device, tiles, name):
+    """Each tile shape of both forward variants (the automatic choice takes only the first that fits), operands at
+    an 8-element offset; a shape the device cannot run is refused by name."""
+    case = VARIANT_CASES[name]
+    subgroup = int(device.limits["subgroup_size"])
+    runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8) is not None \
+        and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
+    if not runs:
+        with pytest.raises(ValueError, match="cooperative-matrix forward"):
+            run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
+        return
+    run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
 
 
 # Half-type backward cases: the forward's with head_dim <= 128 (the cooperative-matrix backward's limit): GQA sums

@@ -15,6 +15,13 @@
 // multiplies the final probabilities (rounded to the storage type) by V. That is 1.5x the
 // tensor-core work of one pass, and none of it leaves the tensor cores.
 //
+// ONE_PASS (FlashAttention-2's order): one pass with an online softmax. Each tile's scores
+// still go through shared memory, but the output accumulators are rescaled in place: the
+// row of each accumulator element is found once by loading a matrix of row indices into
+// an accumulator of the same shape (element i of a lane holds the same (row, column) in
+// every such matrix), so each element reads its row's factor from shared memory. K and V
+// tiles are staged together, once; causal workgroups start with the last (longest) blocks.
+//
 // bfloat16: as matmul_coopmat.comp, the source only declares 16-bit floats as the element
 // type of its matrices (probabilities and outputs are written as 16-bit patterns), and the
 // build step rewrites that type for the bf16 variant.
@@ -74,16 +81,19 @@ const uint S_WORDS = 16 * BLOCK_COLS / 4;          // one subgroup's float score
 const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit probabilities
 const uint SG_WORDS = S_WORDS + 16 * P_PITCH;
 const uint Q_WORDS = BLOCK_ROWS * PITCH;
-shared uvec4 k_tile[BLOCK_COLS * PITCH];
-shared uvec4 v_tile[BLOCK_COLS * PITCH];
-// q is staged here once, then each subgroup's scores and probabilities live here.
-shared uvec4 scratch[Q_WORDS > SUBGROUPS * SG_WORDS ? Q_WORDS : SUBGROUPS * SG_WORDS];
+layout(constant_id = 10) const bool ONE_PASS = false;
+// One shared array: the K tile, the V tile, then each subgroup's scores and probabilities; q is staged
+// from its start once, before any of them is used.
+const uint K_AT = 0, V_AT = BLOCK_COLS * PITCH, S_AT = 2 * BLOCK_COLS * PITCH;
+const uint SMEM_WORDS = Q_WORDS > S_AT + SUBGROUPS * SG_WORDS ? Q_WORDS : S_AT + SUBGROUPS * SG_WORDS;
+shared uvec4 scratch[SMEM_WORDS];
+shared float row_factor[BLOCK_ROWS];  // ONE_PASS: each row's rescale of this tile, at the end 1 / sum
 
-// Rows [row0, row0 + BLOCK_COLS) of a [rows, HEAD_DIM] matrix at uvec4 `base` into `tile`; zeros past `rows`.
-#define STAGE_ROWS(tile, src, base, row0, rows)                                                    \
+// Rows [row0, row0 + BLOCK_COLS) of a [rows, HEAD_DIM] matrix at uvec4 `base` into scratch at `at`; zeros past `rows`.
+#define STAGE_ROWS(at, src, base, row0, rows)                                                    \
     for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) { \
         uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);                                        \
-        tile[r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
+        scratch[(at) + r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
     }
 
 float row_max(float x) {
@@ -96,7 +106,9 @@ float row_sum(float x) {
 }
 
 void main() {
-    const uint q0 = gl_WorkGroupID.x * BLOCK_ROWS, head = gl_WorkGroupID.y, batch = gl_WorkGroupID.z;
+    // ONE_PASS and causal: the longest rows first, so that the short ones fill the tail of the dispatch.
+    const uint block = ONE_PASS && CAUSAL ? gl_NumWorkGroups.x - 1u - gl_WorkGroupID.x : gl_WorkGroupID.x;
+    const uint q0 = block * BLOCK_ROWS, head = gl_WorkGroupID.y, batch = gl_WorkGroupID.z;
     const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
     const uint kv_count = kv_len;
     const int q_base = q_offset < 0 ? int(kv_count) - int(q_len) : q_offset;
@@ -108,7 +120,7 @@ void main() {
     const uint qi = q0 + sg * 16 + my_row;
     const int qpos = q_base + int(qi);
     const bool row_valid = qi < q_len;
-    const uint s_base = sg * SG_WORDS, p_base = s_base + S_WORDS;
+    const uint s_base = S_AT + sg * SG_WORDS, p_base = s_base + S_WORDS;
 
     // Stage q (rows past q_len are zeros) and keep this subgroup's fragments.
     for (uint i = gl_LocalInvocationID.x; i < BLOCK_ROWS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) {
@@ -119,7 +131,17 @@ void main() {
     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> qf[D_FRAGS];
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
         coopMatLoad(qf[d], scratch, sg * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
-    barrier();  // scratch becomes score space
+    barrier();  // scratch becomes tile and score space
+    // ONE_PASS: the row of each element of an accumulator, as the accumulator of a matrix of row indices.
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> row_of =
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    if (ONE_PASS) {
+        for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) scratch[s_base + e / 4][e % 4] = floatBitsToUint(float(e / 16u));
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        coopMatLoad(row_of, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+        subgroupBarrier();
+    }
 
     // Keys any row of the workgroup can see, and those of this subgroup's rows.
     const int first_pos = q_base + int(q0), last_pos = q_base + int(min(q0 + BLOCK_ROWS, q_len)) - 1;
@@ -133,11 +155,11 @@ void main() {
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
         acc[d] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-    for (uint pass = 0; pass < 2; ++pass) {
+    for (uint pass = ONE_PASS ? 1 : 0; pass < 2; ++pass) {
         for (uint key0 = key_begin; key0 < key_end; key0 += BLOCK_COLS) {
             barrier();  // the previous tiles are no longer read
-            STAGE_ROWS(k_tile, k, k_off / 8, kv_row_base + key0, kv_row_base + kv_count)
-            if (pass == 1) { STAGE_ROWS(v_tile, v, v_off / 8, kv_row_base + key0, kv_row_base + kv_count) }
+            STAGE_ROWS(K_AT, k, k_off / 8, kv_row_base + key0, kv_row_base + kv_count)
+            if (pass == 1) { STAGE_ROWS(V_AT, v, v_off / 8, kv_row_base + key0, kv_row_base + kv_count) }
             barrier();
             // Uniform per subgroup: a tile wholly after its last row (causal) or before its window.
             if ((CAUSAL && int(key0) > sg_last) || (window > 0u && int(key0 + BLOCK_COLS) <= sg_first - int(window) + 1))
@@ -149,7 +171,7 @@ void main() {
                     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
                 [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;
-                    coopMatLoad(kf, k_tile, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                    coopMatLoad(kf, scratch, K_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
                     s = coopMatMulAdd(qf[d], kf, s);
                 }
                 coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
@@ -182,29 +204,65 @@ void main() {
                 m = new_m;
                 continue;
             }
-            // Probabilities (final: divided by the row's sum) as 16-bit patterns, then acc += p v.
-            const float shift = m == NEG_INF ? 0.0 : m, inv = l > 0.0 ? 1.0 / l : 0.0;
-            [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
-                uvec4 packed;
-                [[unroll]] for (uint t = 0; t < 4; ++t)
-                    packed[t] = to_bits(exp(sc[j + 2 * t] - shift) * inv) | (to_bits(exp(sc[j + 2 * t + 1] - shift) * inv) << 16);
-                scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
+            if (ONE_PASS) {  // online softmax: unnormalised probabilities, the accumulators rescaled below
+                float new_m = max(m, row_max(tile_max));
+                float shift = new_m == NEG_INF ? 0.0 : new_m;  // all masked so far: exp(-inf) = 0, not NaN
+                float part = 0.0;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; ++j) {
+                    sc[j] = exp(sc[j] - shift);
+                    part += sc[j];
+                }
+                float rescale = exp(m - shift);
+                l = l * rescale + row_sum(part);
+                m = new_m;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
+                    uvec4 packed;
+                    [[unroll]] for (uint t = 0; t < 4; ++t)
+                        packed[t] = to_bits(sc[j + 2 * t]) | (to_bits(sc[j + 2 * t + 1]) << 16);
+                    scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
+                }
+                if (lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = rescale;
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
+                    float f = row_factor[sg * 16 + uint(row_of[i])];
+                    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
+                }
+            } else {  // probabilities (final: divided by the row's sum) as 16-bit patterns
+                const float shift = m == NEG_INF ? 0.0 : m, inv = l > 0.0 ? 1.0 / l : 0.0;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
+                    uvec4 packed;
+                    [[unroll]] for (uint t = 0; t < 4; ++t)
+                        packed[t] = to_bits(exp(sc[j + 2 * t] - shift) * inv) | (to_bits(exp(sc[j + 2 * t + 1] - shift) * inv) << 16);
+                    scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
             }
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
+            // acc += p v
             [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
                 coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;
                 coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
                 [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;
-                    coopMatLoad(vf, v_tile, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                    coopMatLoad(vf, scratch, V_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
                     acc[d] = coopMatMulAdd(pf, vf, acc[d]);
                 }
             }
         }
     }
 
-    // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass.
+    if (ONE_PASS) {  // divide by the row sums
+        subgroupBarrier();
+        if (lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = l > 0.0 ? 1.0 / l : 0.0;
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
+            float f = row_factor[sg * 16 + uint(row_of[i])];
+            [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
+        }
+    }
+    // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass (or the only one).
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
         subgroupBarrier();
         coopMatStore(acc[d], scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);

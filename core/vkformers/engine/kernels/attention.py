@@ -100,22 +100,32 @@ def pick_tiles(device, head_dim: int, candidates: list[Tiles], shared_bytes) -> 
 
 @dataclass(frozen=True)
 class CoopmatTiles:
-    """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``."""
+    """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``.
+    ``one_pass``: one pass over the keys with an online softmax (FlashAttention-2's order); else the first
+    kernel's two passes (row maxima and sums, then the final probabilities times V)."""
 
     rows: int
     cols: int
+    one_pass: bool = True
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
         scores = (self.rows // 16) * (16 * self.cols * 4 + 16 * 16 * (self.cols // 8 + 1))
-        return 2 * self.cols * pitch + max(self.rows * pitch, scores)
+        # q is staged once where the K and V tiles and the scores go later; one float per row of rescale factors.
+        return max(self.rows * pitch, 2 * self.cols * pitch + scores) + 4 * self.rows
 
 
-COOPMAT_FORWARD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16), CoopmatTiles(32, 16),
-                         CoopmatTiles(16, 16)]
+# Preferred first; the first that fits the device's shared memory wins (H200, 48 KiB: 64 x 32 for every head dim
+# up to 256). bench/attention.py --forward-sweep times each.
+COOPMAT_FORWARD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), CoopmatTiles(64, 64), CoopmatTiles(32, 32),
+                         CoopmatTiles(64, 16), CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
+# The two-pass kernel, kept selectable (tiles=CoopmatTiles(..., one_pass=False)).
+COOPMAT_TWO_PASS_TILES = [CoopmatTiles(64, 32, False), CoopmatTiles(32, 32, False), CoopmatTiles(64, 16, False),
+                          CoopmatTiles(32, 16, False), CoopmatTiles(16, 16, False)]
 
 
-def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatTiles | None:
+def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
+                          candidates: list[CoopmatTiles] | None = None) -> CoopmatTiles | None:
     """Tiles for the cooperative-matrix forward kernel, or None where it cannot run: a float16/bfloat16
     cooperative matrix on the device, head_dim a multiple of 16 (at most 256), q/k/v offsets on
     8-element boundaries, and tiles that fit the device's shared memory."""
@@ -125,7 +135,7 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> C
     if head_dim % 16 or head_dim > 256 or any(o % 8 for o in offsets):
         return None
     limit = int(device.limits["max_compute_shared_memory_size"])
-    return next((t for t in COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit), None)
+    return next((t for t in candidates or COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit), None)
 
 
 @dataclass(frozen=True)
@@ -269,7 +279,8 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
             float(scale), float(flags.softcap)]
     if isinstance(tiles, CoopmatTiles):  # prefill only: kv_len pushed, one split (attention_forward checks)
         subgroup = int(device.limits["subgroup_size"])
-        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup]
+        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup,
+                int(tiles.one_pass)]
         seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                      push=push, spec=spec)
         return
