@@ -19,7 +19,7 @@ import numpy as np
 from common import cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, attention_backward, attention_decode,
+    COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, attention_backward, attention_decode,
     attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
@@ -130,12 +130,14 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 def forward_variants(device, dtype: str, head_dim: int) -> list:
     """The cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel at its
-    automatic tiles, then the one-pass kernel at each tile shape that fits (the first is the automatic choice)."""
+    automatic tiles, then the one-pass kernel at each tile shape that fits (the first is the automatic choice), staged
+    and direct."""
     variants = [coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)]
     limit = int(device.limits["max_compute_shared_memory_size"])
     subgroup = int(device.limits["subgroup_size"])
     if variants[0] is not None:
-        variants += [t for t in COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit]
+        variants += [t for t in COOPMAT_FORWARD_TILES + COOPMAT_DIRECT_TILES
+                     if t.shared_bytes(head_dim, subgroup) <= limit]
     return [t for t in variants if t is not None]
 
 
@@ -169,7 +171,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
         attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles, algorithm="scalar" if tiles is None else "auto")
         seconds = gpu_seconds(seq, repeats)
         name = ("scalar" if tiles is None else
-                f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}")
+                f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}{' direct' if tiles.direct else ''}")
         r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
              "variant": name, "forward_ms": seconds * 1e3, "forward_tflops": flops / seconds * 1e-12}
         if torch_ms is not None:

@@ -16,7 +16,7 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, CoopmatBackwardTiles,
+    COOPMAT_BACKWARD_TILES, COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, CoopmatBackwardTiles,
     CoopmatTiles, Tiles, attention_backward,
     attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
@@ -236,7 +236,8 @@ VARIANT_CASES = {**HALF_FORWARD_CASES, **{
     f"head_dim_{d}_{'causal' if causal else 'not_causal'}": Case(heads=4, kv_heads=2, q_len=67, kv_len=67, head_dim=d,
                                                                  causal=causal, mask=True)
     for d in (64, 80, 96, 128, 256) for causal in (True, False)}}
-FORWARD_VARIANTS = {"two_pass": COOPMAT_TWO_PASS_TILES, "one_pass": COOPMAT_FORWARD_TILES}
+FORWARD_VARIANTS = {"two_pass": COOPMAT_TWO_PASS_TILES, "one_pass": COOPMAT_FORWARD_TILES,
+                    "one_pass_direct": COOPMAT_DIRECT_TILES}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -251,11 +252,11 @@ def test_coopmat_forward_variants(device, dtype, variant, name):
         with pytest.raises(ValueError, match="cooperative-matrix forward"):
             run_case(device, case, dtype, backward=False, tiles=FORWARD_VARIANTS[variant][-1])
         return
-    assert tiles.one_pass == (variant == "one_pass")
+    assert tiles.one_pass == variant.startswith("one_pass") and tiles.direct == variant.endswith("direct")
     run_case(device, case, dtype, backward=False, tiles=tiles)
 
 
-@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_TWO_PASS_TILES)
+@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_DIRECT_TILES + COOPMAT_TWO_PASS_TILES)
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
 def test_coopmat_forward_every_tile_shape(device, tiles, name):
     """Each tile shape of both forward variants (the automatic choice takes only the first that fits), operands at

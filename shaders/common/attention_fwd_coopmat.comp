@@ -21,6 +21,10 @@
 // an accumulator of the same shape (element i of a lane holds the same (row, column) in
 // every such matrix), so each element reads its row's factor from shared memory. K and V
 // tiles are staged together, once; causal workgroups start with the last (longest) blocks.
+// DIRECT (with ONE_PASS): whole tiles of K and V are not staged; each subgroup loads its
+// fragments straight from the buffers (the subgroups of a workgroup share them through the
+// cache), so those tiles need no workgroup barrier. A tile that runs past kv_len is staged
+// (zeros past the end: a row of V read past it could hold NaN, and 0 x NaN is NaN).
 //
 // bfloat16: as matmul_coopmat.comp, the source only declares 16-bit floats as the element
 // type of its matrices (probabilities and outputs are written as 16-bit patterns), and the
@@ -82,6 +86,7 @@ const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit p
 const uint SG_WORDS = S_WORDS + 16 * P_PITCH;
 const uint Q_WORDS = BLOCK_ROWS * PITCH;
 layout(constant_id = 10) const bool ONE_PASS = false;
+layout(constant_id = 11) const bool DIRECT = false;
 // One shared array: the K tile, the V tile, then each subgroup's scores and probabilities; q is staged
 // from its start once, before any of them is used.
 const uint K_AT = 0, V_AT = BLOCK_COLS * PITCH, S_AT = 2 * BLOCK_COLS * PITCH;
@@ -90,6 +95,30 @@ shared uvec4 scratch[SMEM_WORDS];
 shared float row_factor[BLOCK_ROWS];  // ONE_PASS: each row's rescale of this tile, at the end 1 / sum
 
 // Rows [row0, row0 + BLOCK_COLS) of a [rows, HEAD_DIM] matrix at uvec4 `base` into scratch at `at`; zeros past `rows`.
+// scores = q k^T into this subgroup's score space: k's rows are the columns of B, i.e. B is K read column-major.
+#define SCORES(src, at, pitch)                                                                          \
+    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {                                                     \
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s =                           \
+            coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);                     \
+        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {                                                 \
+            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;                             \
+            coopMatLoad(kf, src, (at) + c * 16 * (pitch) + d * 2, pitch, gl_CooperativeMatrixLayoutColumnMajor); \
+            s = coopMatMulAdd(qf[d], kf, s);                                                            \
+        }                                                                                               \
+        coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);   \
+    }
+// acc += p v, p from this subgroup's probabilities.
+#define PV(src, at, pitch)                                                                              \
+    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {                                                     \
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;                                 \
+        coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);          \
+        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {                                                 \
+            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;                             \
+            coopMatLoad(vf, src, (at) + c * 16 * (pitch) + d * 2, pitch, gl_CooperativeMatrixLayoutRowMajor); \
+            acc[d] = coopMatMulAdd(pf, vf, acc[d]);                                                     \
+        }                                                                                               \
+    }
+
 #define STAGE_ROWS(at, src, base, row0, rows)                                                    \
     for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) { \
         uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);                                        \
@@ -157,25 +186,21 @@ void main() {
 
     for (uint pass = ONE_PASS ? 1 : 0; pass < 2; ++pass) {
         for (uint key0 = key_begin; key0 < key_end; key0 += BLOCK_COLS) {
-            barrier();  // the previous tiles are no longer read
-            STAGE_ROWS(K_AT, k, k_off / 8, kv_row_base + key0, kv_row_base + kv_count)
-            if (pass == 1) { STAGE_ROWS(V_AT, v, v_off / 8, kv_row_base + key0, kv_row_base + kv_count) }
-            barrier();
+            // Uniform in the workgroup: K and V fragments straight from the buffers.
+            const bool direct = ONE_PASS && DIRECT && key0 + BLOCK_COLS <= kv_count;
+            const uint k_at = k_off / 8 + (kv_row_base + key0) * (HEAD_DIM / 8);
+            const uint v_at = v_off / 8 + (kv_row_base + key0) * (HEAD_DIM / 8);
+            if (!direct) {
+                barrier();  // the previous tiles are no longer read
+                STAGE_ROWS(K_AT, k, k_off / 8, kv_row_base + key0, kv_row_base + kv_count)
+                if (pass == 1) { STAGE_ROWS(V_AT, v, v_off / 8, kv_row_base + key0, kv_row_base + kv_count) }
+                barrier();
+            }
             // Uniform per subgroup: a tile wholly after its last row (causal) or before its window.
             if ((CAUSAL && int(key0) > sg_last) || (window > 0u && int(key0 + BLOCK_COLS) <= sg_first - int(window) + 1))
                 continue;
 
-            // scores = q k^T: k's rows are the columns of B, i.e. B is k_tile read column-major.
-            [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
-                coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s =
-                    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
-                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;
-                    coopMatLoad(kf, scratch, K_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
-                    s = coopMatMulAdd(qf[d], kf, s);
-                }
-                coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
-            }
+            if (direct) { SCORES(k, k_at, HEAD_DIM / 8) } else { SCORES(scratch, K_AT, PITCH) }
             subgroupMemoryBarrierShared();
             subgroupBarrier();
 
@@ -239,16 +264,7 @@ void main() {
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
             }
-            // acc += p v
-            [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
-                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;
-                coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
-                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;
-                    coopMatLoad(vf, scratch, V_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
-                    acc[d] = coopMatMulAdd(pf, vf, acc[d]);
-                }
-            }
+            if (direct) { PV(v, v_at, HEAD_DIM / 8) } else { PV(scratch, V_AT, PITCH) }
         }
     }
 

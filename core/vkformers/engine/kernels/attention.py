@@ -102,11 +102,13 @@ def pick_tiles(device, head_dim: int, candidates: list[Tiles], shared_bytes) -> 
 class CoopmatTiles:
     """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``.
     ``one_pass``: one pass over the keys with an online softmax (FlashAttention-2's order); else the first
-    kernel's two passes (row maxima and sums, then the final probabilities times V)."""
+    kernel's two passes (row maxima and sums, then the final probabilities times V). ``direct`` (one pass only):
+    whole K and V tiles are read by each subgroup straight from memory instead of staged in shared memory."""
 
     rows: int
     cols: int
     one_pass: bool = True
+    direct: bool = False
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
@@ -119,6 +121,8 @@ class CoopmatTiles:
 # up to 256). bench/attention.py --forward-sweep times each.
 COOPMAT_FORWARD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), CoopmatTiles(64, 64), CoopmatTiles(32, 32),
                          CoopmatTiles(64, 16), CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
+# The one-pass kernel with K and V fragments read from memory, not staged (sweep candidates).
+COOPMAT_DIRECT_TILES = [CoopmatTiles(t.rows, t.cols, True, True) for t in COOPMAT_FORWARD_TILES]
 # The two-pass kernel, kept selectable (tiles=CoopmatTiles(..., one_pass=False)).
 COOPMAT_TWO_PASS_TILES = [CoopmatTiles(64, 32, False), CoopmatTiles(32, 32, False), CoopmatTiles(64, 16, False),
                           CoopmatTiles(32, 16, False), CoopmatTiles(16, 16, False)]
@@ -280,7 +284,7 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
     if isinstance(tiles, CoopmatTiles):  # prefill only: kv_len pushed, one split (attention_forward checks)
         subgroup = int(device.limits["subgroup_size"])
         spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup,
-                int(tiles.one_pass)]
+                int(tiles.one_pass), int(tiles.one_pass and tiles.direct)]
         seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                      push=push, spec=spec)
         return
