@@ -310,7 +310,8 @@ def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_head
 
     ``algorithm``: "auto" (the cooperative-matrix kernel where :func:`coopmat_forward_tiles` allows,
     else the scalar one), "scalar" or "coopmat". The cooperative-matrix kernel rounds the softmax
-    probabilities to the storage type before multiplying by v, as flash attention does."""
+    probabilities to the storage type before multiplying by v, as flash attention does. ``tiles``: a
+    :class:`CoopmatTiles` picks its variant (one pass or two, staged or direct K/V) and tile shape."""
     q, k, v, out, lse = map(operand, (q, k, v, out, lse))
     flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
                          head_dim=head_dim, causal=causal, key_padding_mask=key_padding_mask, window=window,
