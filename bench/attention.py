@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from common import cuda_median, cuda_torch, warm_up, write_results
+from common import WARM_UP_SECONDS, cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, attention_backward, attention_decode,
+    COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_TILES, DECODE_TILES, attention_backward, attention_decode,
     attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
@@ -29,9 +29,9 @@ HAVE_CUDA = torch is not None
 FEATURES = ("softcap", "window", "alibi", "all")  # decode rows of models with these options
 
 
-def gpu_seconds(seq, repeats: int) -> float:
+def gpu_seconds(seq, repeats: int, warm_up_seconds: float = WARM_UP_SECONDS) -> float:
     """Median GPU time of one replay (every recorded operation after the leading barrier), after warm-up."""
-    warm_up(seq.replay)
+    warm_up(seq.replay, warm_up_seconds)
     times = []
     for _ in range(repeats):
         seq.replay()
@@ -131,13 +131,13 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 def forward_variants(device, dtype: str, head_dim: int) -> list:
     """The cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel at its
     automatic tiles, then the one-pass kernel at each tile shape that fits (the first is the automatic choice), staged
-    and direct."""
+    and direct, with one block of 16 rows per subgroup or two."""
     variants = [coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)]
     limit = int(device.limits["max_compute_shared_memory_size"])
     subgroup = int(device.limits["subgroup_size"])
     if variants[0] is not None:
-        variants += [t for t in COOPMAT_FORWARD_TILES + COOPMAT_DIRECT_TILES
-                     if t.shared_bytes(head_dim, subgroup) <= limit]
+        variants += [t for t in COOPMAT_FORWARD_TILES[:4] + COOPMAT_DIRECT_TILES[:4] + COOPMAT_WIDE_TILES
+                     if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit]
     return [t for t in variants if t is not None]
 
 
@@ -169,9 +169,10 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
     for tiles in forward_variants(device, dtype, head_dim) or [None]:
         seq = device.sequence(timestamps=True)
         attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles, algorithm="scalar" if tiles is None else "auto")
-        seconds = gpu_seconds(seq, repeats)
+        seconds = gpu_seconds(seq, repeats, warm_up_seconds=0.3)
         name = ("scalar" if tiles is None else
-                f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}{' direct' if tiles.direct else ''}")
+                f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}{' direct' if tiles.direct else ''}"
+                f"{' 2 blocks' if tiles.row_blocks == 2 else ''}")
         r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
              "variant": name, "forward_ms": seconds * 1e3, "forward_tflops": flops / seconds * 1e-12}
         if torch_ms is not None:

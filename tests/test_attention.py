@@ -16,7 +16,8 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    COOPMAT_BACKWARD_TILES, COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, CoopmatBackwardTiles,
+    COOPMAT_BACKWARD_TILES, COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_TILES,
+    DECODE_TILES, CoopmatBackwardTiles,
     CoopmatTiles, Tiles, attention_backward,
     attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
@@ -237,7 +238,8 @@ VARIANT_CASES = {**HALF_FORWARD_CASES, **{
                                                                  causal=causal, mask=True)
     for d in (64, 80, 96, 128, 256) for causal in (True, False)}}
 FORWARD_VARIANTS = {"two_pass": COOPMAT_TWO_PASS_TILES, "one_pass": COOPMAT_FORWARD_TILES,
-                    "one_pass_direct": COOPMAT_DIRECT_TILES}
+                    "one_pass_direct": COOPMAT_DIRECT_TILES, "one_pass_two_blocks": COOPMAT_WIDE_TILES[:4],
+                    "one_pass_direct_two_blocks": COOPMAT_WIDE_TILES[4:]}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -252,18 +254,20 @@ def test_coopmat_forward_variants(device, dtype, variant, name):
         with pytest.raises(ValueError, match="cooperative-matrix forward"):
             run_case(device, case, dtype, backward=False, tiles=FORWARD_VARIANTS[variant][-1])
         return
-    assert tiles.one_pass == variant.startswith("one_pass") and tiles.direct == variant.endswith("direct")
+    assert tiles.one_pass == variant.startswith("one_pass") and tiles.direct == ("direct" in variant)
+    assert tiles.row_blocks == (2 if variant.endswith("two_blocks") else 1)
     run_case(device, case, dtype, backward=False, tiles=tiles)
 
 
-@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_DIRECT_TILES + COOPMAT_TWO_PASS_TILES)
+@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_DIRECT_TILES + COOPMAT_WIDE_TILES
+                         + COOPMAT_TWO_PASS_TILES)
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
 def test_coopmat_forward_every_tile_shape(device, tiles, name):
     """Each tile shape of both forward variants (the automatic choice takes only the first that fits), operands at
     an 8-element offset; a shape the device cannot run is refused by name."""
     case = VARIANT_CASES[name]
     subgroup = int(device.limits["subgroup_size"])
-    runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8) is not None \
+    runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8) is not None and tiles.fits(subgroup) \
         and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
     if not runs:
         with pytest.raises(ValueError, match="cooperative-matrix forward"):

@@ -2,9 +2,10 @@
 // operation, bindings and push constants as attention_fwd.comp, for float16 or bfloat16
 // q, k, v, out, with float32 scores, softmax and accumulators.
 //
-// A workgroup owns BLOCK_ROWS query rows, 16 per subgroup; its subgroups share key and
+// A workgroup owns BLOCK_ROWS query rows, 16 x ROW_BLOCKS per subgroup; its subgroups share key and
 // value tiles of BLOCK_COLS rows staged in shared memory as raw 16-bit words. Each
-// subgroup keeps its 16 x HEAD_DIM slice of q as A fragments in registers.
+// subgroup keeps its slice of q as A fragments in registers. ROW_BLOCKS 2 uses each K and V fragment
+// (B) it loads for two blocks of 16 rows: half the loads of B per product, for twice the registers.
 //
 // KHR cooperative matrices do not say which lane holds which element, so the softmax
 // cannot run on the accumulators: each 16 x BLOCK_COLS score tile goes to shared memory,
@@ -76,17 +77,20 @@ uint to_bits(float x) { return packHalf2x16(vec2(x, 0.0)) & 0xFFFFu; }
 uint to_bits(float x) { return uint(f32_to_bf16(x)); }
 #endif
 
-const uint SUBGROUPS = BLOCK_ROWS / 16;
-const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
-const uint PITCH = HEAD_DIM / 8 + 1;              // uvec4s per staged q/k/v row (8 halves of padding)
-const uint LANES_PER_ROW = SUBGROUP_SIZE / 16;
-const uint SCORES_PER_LANE = BLOCK_COLS / LANES_PER_ROW;  // a multiple of 8: whole uvec4s of probabilities
-const uint S_WORDS = 16 * BLOCK_COLS / 4;          // one subgroup's float scores, in uvec4s
-const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit probabilities
-const uint SG_WORDS = S_WORDS + 16 * P_PITCH;
-const uint Q_WORDS = BLOCK_ROWS * PITCH;
 layout(constant_id = 10) const bool ONE_PASS = false;
 layout(constant_id = 11) const bool DIRECT = false;
+layout(constant_id = 12) const uint ROW_BLOCKS = 1;  // blocks of 16 query rows per subgroup: 1, or 2 (subgroups >= 32)
+
+const uint SG_ROWS = 16 * ROW_BLOCKS;
+const uint SUBGROUPS = BLOCK_ROWS / SG_ROWS;
+const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
+const uint PITCH = HEAD_DIM / 8 + 1;              // uvec4s per staged q/k/v row (8 halves of padding)
+const uint LANES_PER_ROW = SUBGROUP_SIZE / SG_ROWS;
+const uint SCORES_PER_LANE = BLOCK_COLS / LANES_PER_ROW;  // a multiple of 8: whole uvec4s of probabilities
+const uint S_WORDS = SG_ROWS * BLOCK_COLS / 4;     // one subgroup's float scores, in uvec4s
+const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit probabilities
+const uint SG_WORDS = S_WORDS + SG_ROWS * P_PITCH;
+const uint Q_WORDS = BLOCK_ROWS * PITCH;
 // One shared array: the K tile, the V tile, then each subgroup's scores and probabilities; q is staged
 // from its start once, before any of them is used.
 const uint K_AT = 0, V_AT = BLOCK_COLS * PITCH, S_AT = 2 * BLOCK_COLS * PITCH;
@@ -98,24 +102,28 @@ shared float row_factor[BLOCK_ROWS];  // ONE_PASS: each row's rescale of this ti
 // scores = q k^T into this subgroup's score space: k's rows are the columns of B, i.e. B is K read column-major.
 #define SCORES(src, at, pitch)                                                                          \
     [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {                                                     \
-        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s =                           \
-            coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);                     \
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s[ROW_BLOCKS];                \
+        [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)                                                \
+            s[r] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);              \
         [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {                                                 \
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;                             \
             coopMatLoad(kf, src, (at) + c * 16 * (pitch) + d * 2, pitch, gl_CooperativeMatrixLayoutColumnMajor); \
-            s = coopMatMulAdd(qf[d], kf, s);                                                            \
+            [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r) s[r] = coopMatMulAdd(qf[r * D_FRAGS + d], kf, s[r]); \
         }                                                                                               \
-        coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);   \
+        [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)                                                \
+            coopMatStore(s[r], scratch, s_base + r * 4 * BLOCK_COLS + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor); \
     }
 // acc += p v, p from this subgroup's probabilities.
 #define PV(src, at, pitch)                                                                              \
     [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {                                                     \
-        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;                                 \
-        coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);          \
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf[ROW_BLOCKS];                     \
+        [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)                                                \
+            coopMatLoad(pf[r], scratch, p_base + r * 16 * P_PITCH + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor); \
         [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {                                                 \
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;                             \
             coopMatLoad(vf, src, (at) + c * 16 * (pitch) + d * 2, pitch, gl_CooperativeMatrixLayoutRowMajor); \
-            acc[d] = coopMatMulAdd(pf, vf, acc[d]);                                                     \
+            [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)                                            \
+                acc[r * D_FRAGS + d] = coopMatMulAdd(pf[r], vf, acc[r * D_FRAGS + d]);                  \
         }                                                                                               \
     }
 
@@ -144,9 +152,9 @@ void main() {
     const uint kv_head = head / (heads / kv_heads);
     const uint q_row_base = (batch * heads + head) * q_len;
     const uint kv_row_base = (batch * kv_heads + kv_head) * kv_stride;
-    // This lane's row of the subgroup's 16 and its columns of each score tile.
+    // This lane's row of the subgroup's SG_ROWS and its columns of each score tile.
     const uint my_row = lane / LANES_PER_ROW, my_col0 = (lane % LANES_PER_ROW) * SCORES_PER_LANE;
-    const uint qi = q0 + sg * 16 + my_row;
+    const uint qi = q0 + sg * SG_ROWS + my_row;
     const int qpos = q_base + int(qi);
     const bool row_valid = qi < q_len;
     const uint s_base = S_AT + sg * SG_WORDS, p_base = s_base + S_WORDS;
@@ -157,9 +165,11 @@ void main() {
         scratch[r * PITCH + c] = q0 + r < q_len ? q[q_off / 8 + (q_row_base + q0 + r) * (HEAD_DIM / 8) + c] : uvec4(0);
     }
     barrier();
-    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> qf[D_FRAGS];
-    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
-        coopMatLoad(qf[d], scratch, sg * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> qf[ROW_BLOCKS * D_FRAGS];
+    [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)
+        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
+            coopMatLoad(qf[r * D_FRAGS + d], scratch, (sg * SG_ROWS + r * 16) * PITCH + d * 2, PITCH,
+                        gl_CooperativeMatrixLayoutRowMajor);
     barrier();  // scratch becomes tile and score space
     // ONE_PASS: the row of each element of an accumulator, as the accumulator of a matrix of row indices.
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> row_of =
@@ -177,11 +187,11 @@ void main() {
     const uint key_end = CAUSAL ? uint(clamp(last_pos + 1, 0, int(kv_count))) : kv_count;
     uint key_begin = window > 0u ? uint(clamp(first_pos - int(window) + 1, 0, int(key_end))) : 0u;
     key_begin -= key_begin % BLOCK_COLS;
-    const int sg_first = q_base + int(q0 + sg * 16), sg_last = sg_first + 15;
+    const int sg_first = q_base + int(q0 + sg * SG_ROWS), sg_last = sg_first + int(SG_ROWS) - 1;
 
     float m = NEG_INF, l = 0.0;
-    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[D_FRAGS];
-    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[ROW_BLOCKS * D_FRAGS];
+    [[unroll]] for (uint d = 0; d < ROW_BLOCKS * D_FRAGS; ++d)
         acc[d] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
     for (uint pass = ONE_PASS ? 1 : 0; pass < 2; ++pass) {
@@ -246,13 +256,14 @@ void main() {
                         packed[t] = to_bits(sc[j + 2 * t]) | (to_bits(sc[j + 2 * t + 1]) << 16);
                     scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
                 }
-                if (lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = rescale;
+                if (lane % LANES_PER_ROW == 0u) row_factor[sg * SG_ROWS + my_row] = rescale;
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
-                [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
-                    float f = row_factor[sg * 16 + uint(row_of[i])];
-                    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
-                }
+                [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)
+                    [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
+                        float f = row_factor[sg * SG_ROWS + r * 16 + uint(row_of[i])];
+                        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[r * D_FRAGS + d][i] *= f;
+                    }
             } else {  // probabilities (final: divided by the row's sum) as 16-bit patterns
                 const float shift = m == NEG_INF ? 0.0 : m, inv = l > 0.0 ? 1.0 / l : 0.0;
                 [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
@@ -270,29 +281,29 @@ void main() {
 
     if (ONE_PASS) {  // divide by the row sums
         subgroupBarrier();
-        if (lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = l > 0.0 ? 1.0 / l : 0.0;
+        if (lane % LANES_PER_ROW == 0u) row_factor[sg * SG_ROWS + my_row] = l > 0.0 ? 1.0 / l : 0.0;
         subgroupMemoryBarrierShared();
         subgroupBarrier();
-        [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
-            float f = row_factor[sg * 16 + uint(row_of[i])];
-            [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
-        }
+        [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)
+            [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
+                float f = row_factor[sg * SG_ROWS + r * 16 + uint(row_of[i])];
+                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[r * D_FRAGS + d][i] *= f;
+            }
     }
     // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass (or the only one).
-    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
-        subgroupBarrier();
-        coopMatStore(acc[d], scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
-        subgroupMemoryBarrierShared();
-        subgroupBarrier();
-        if (row_valid) {
-            uint cols = 16 / LANES_PER_ROW, c0 = (lane % LANES_PER_ROW) * cols;
-            for (uint j = 0; j < cols; ++j) {
-                uint e = my_row * 16 + c0 + j;
-                o[o_off + (q_row_base + qi) * HEAD_DIM + d * 16 + c0 + j] =
-                    uint16_t(to_bits(uintBitsToFloat(scratch[s_base + e / 4][e % 4])));
+    [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)
+        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+            subgroupBarrier();
+            coopMatStore(acc[r * D_FRAGS + d], scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) {  // element (e / 16, e % 16) of the block
+                uint row = q0 + sg * SG_ROWS + r * 16 + e / 16;
+                if (row < q_len)
+                    o[o_off + (q_row_base + row) * HEAD_DIM + d * 16 + e % 16] =
+                        uint16_t(to_bits(uintBitsToFloat(scratch[s_base + e / 4][e % 4])));
             }
         }
-    }
     if (row_valid && lane % LANES_PER_ROW == 0u)
         lse[lse_off + q_row_base + qi] = l > 0.0 ? m + log(l) : NEG_INF;
 }

@@ -103,12 +103,24 @@ class CoopmatTiles:
     """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``.
     ``one_pass``: one pass over the keys with an online softmax (FlashAttention-2's order); else the first
     kernel's two passes (row maxima and sums, then the final probabilities times V). ``direct`` (one pass only):
-    whole K and V tiles are read by each subgroup straight from memory instead of staged in shared memory."""
+    whole K and V tiles are read by each subgroup straight from memory instead of staged in shared memory.
+    ``row_blocks`` (one pass only): blocks of 16 query rows per subgroup, 1 or 2 (each K/V fragment loaded serves
+    both: half the loads, twice the registers)."""
 
     rows: int
     cols: int
     one_pass: bool = True
     direct: bool = False
+    row_blocks: int = 1
+
+    def fits(self, subgroup: int) -> bool:
+        """Whole subgroups of 16 x row_blocks rows; each row's lanes take whole uvec4s of probabilities."""
+        sg_rows = 16 * self.row_blocks
+        return self.rows % sg_rows == 0 and subgroup % sg_rows == 0 and (self.cols // (subgroup // sg_rows)) % 8 == 0 \
+            and (self.one_pass or self.row_blocks == 1)
+
+    def threads(self, subgroup: int) -> int:
+        return self.rows // (16 * self.row_blocks) * subgroup
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
@@ -123,6 +135,9 @@ COOPMAT_FORWARD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), CoopmatTil
                          CoopmatTiles(64, 16), CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
 # The one-pass kernel with K and V fragments read from memory, not staged (sweep candidates).
 COOPMAT_DIRECT_TILES = [CoopmatTiles(t.rows, t.cols, True, True) for t in COOPMAT_FORWARD_TILES]
+# Two blocks of 16 rows per subgroup, staged or direct (sweep candidates).
+COOPMAT_WIDE_TILES = [CoopmatTiles(rows, cols, True, direct, 2) for direct in (False, True)
+                      for rows, cols in ((64, 32), (128, 32), (64, 64), (32, 32))]
 # The two-pass kernel, kept selectable (tiles=CoopmatTiles(..., one_pass=False)).
 COOPMAT_TWO_PASS_TILES = [CoopmatTiles(64, 32, False), CoopmatTiles(32, 32, False), CoopmatTiles(64, 16, False),
                           CoopmatTiles(32, 16, False), CoopmatTiles(16, 16, False)]
@@ -139,7 +154,8 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
     if head_dim % 16 or head_dim > 256 or any(o % 8 for o in offsets):
         return None
     limit = int(device.limits["max_compute_shared_memory_size"])
-    return next((t for t in candidates or COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit), None)
+    return next((t for t in candidates or COOPMAT_FORWARD_TILES
+                 if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
 
 
 @dataclass(frozen=True)
@@ -189,7 +205,7 @@ def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
     if tiles.rows % 16 or tiles.cols % 16 or tiles.shared_bytes(head_dim, subgroup) > limit \
-            or (backward and not tiles.fits(subgroup)):
+            or not tiles.fits(subgroup):
         raise ValueError(f"attention: {tiles} cannot run the cooperative-matrix {kind} for head_dim {head_dim} "
                          f"with subgroups of {subgroup} in {limit} bytes of shared memory")
 
@@ -283,8 +299,8 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
             float(scale), float(flags.softcap)]
     if isinstance(tiles, CoopmatTiles):  # prefill only: kv_len pushed, one split (attention_forward checks)
         subgroup = int(device.limits["subgroup_size"])
-        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup,
-                int(tiles.one_pass), int(tiles.one_pass and tiles.direct)]
+        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.threads(subgroup),
+                int(tiles.one_pass), int(tiles.one_pass and tiles.direct), tiles.row_blocks]
         seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                      push=push, spec=spec)
         return
