@@ -7,7 +7,7 @@ CUDA GPU (timed with CUDA events; its outputs also check ours at full size), els
 (float32, CPU) at the same shape, which is only a sanity reference.
 
     python bench/attention.py [--quick] [--json OUT] [--seq 2048] [--heads 32] [--head-dim 128]
-                              [--decode-only] [--decode-sweep] [--kv-heads N]
+                              [--decode-only] [--decode-sweep] [--kv-heads N] [--forward-sweep]
 """
 from __future__ import annotations
 
