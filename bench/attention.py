@@ -167,12 +167,18 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
     flops = 4 * heads * seq_len * seq_len * head_dim / 2
     rows = []
     for tiles in forward_variants(device, dtype, head_dim) or [None]:
-        seq = device.sequence(timestamps=True)
-        attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles, algorithm="scalar" if tiles is None else "auto")
-        seconds = gpu_seconds(seq, repeats, warm_up_seconds=0.3)
         name = ("scalar" if tiles is None else
                 f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}{' direct' if tiles.direct else ''}"
                 f"{' 2 blocks' if tiles.row_blocks == 2 else ''}")
+        try:  # a variant the driver refuses (e.g. out of registers) is reported, and the sweep goes on
+            seq = device.sequence(timestamps=True)
+            attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles,
+                              algorithm="scalar" if tiles is None else "auto")
+            seconds = gpu_seconds(seq, repeats, warm_up_seconds=0.3)
+        except Exception as error:  # noqa: BLE001
+            print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name}: failed: "
+                  f"{type(error).__name__}: {error}")
+            continue
         r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
              "variant": name, "forward_ms": seconds * 1e3, "forward_tflops": flops / seconds * 1e-12}
         if torch_ms is not None:
