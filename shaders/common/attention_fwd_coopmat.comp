@@ -87,7 +87,11 @@ const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
 const uint PITCH = HEAD_DIM / 8 + 1;              // uvec4s per staged q/k/v row (8 halves of padding)
 const uint LANES_PER_ROW = SUBGROUP_SIZE / SG_ROWS;
 const uint SCORES_PER_LANE = BLOCK_COLS / LANES_PER_ROW;  // a multiple of 8: whole uvec4s of probabilities
-const uint S_WORDS = SG_ROWS * BLOCK_COLS / 4;     // one subgroup's float scores, in uvec4s
+// Rows of scores and of the output block padded by one uvec4: the 16 rows a store or load touches start in
+// different banks (unpadded rows of 32 floats all start in bank 0).
+const uint S_PITCH = BLOCK_COLS / 4 + 1;           // uvec4s per row of float scores
+const uint O_PITCH = 5;                            // uvec4s per row of a 16 x 16 float output block
+const uint S_WORDS = SG_ROWS * S_PITCH;            // one subgroup's float scores, in uvec4s
 const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit probabilities
 const uint SG_WORDS = S_WORDS + SG_ROWS * P_PITCH;
 const uint Q_WORDS = BLOCK_ROWS * PITCH;
@@ -111,7 +115,7 @@ shared float row_factor[BLOCK_ROWS];  // ONE_PASS: each row's rescale of this ti
             [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r) s[r] = coopMatMulAdd(qf[r * D_FRAGS + d], kf, s[r]); \
         }                                                                                               \
         [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)                                                \
-            coopMatStore(s[r], scratch, s_base + r * 4 * BLOCK_COLS + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor); \
+            coopMatStore(s[r], scratch, s_base + r * 16 * S_PITCH + c * 4, S_PITCH, gl_CooperativeMatrixLayoutRowMajor); \
     }
 // acc += p v, p from this subgroup's probabilities.
 #define PV(src, at, pitch)                                                                              \
@@ -221,7 +225,7 @@ void main() {
             float sc[SCORES_PER_LANE];
             float tile_max = NEG_INF;
             [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 4) {
-                vec4 raw = uintBitsToFloat(scratch[s_base + (my_row * BLOCK_COLS + my_col0 + j) / 4]);
+                vec4 raw = uintBitsToFloat(scratch[s_base + my_row * S_PITCH + (my_col0 + j) / 4]);
                 [[unroll]] for (uint t = 0; t < 4; ++t) {
                     uint kpos = key0 + my_col0 + j + t;
                     float slope;
@@ -294,14 +298,14 @@ void main() {
     [[unroll]] for (uint r = 0; r < ROW_BLOCKS; ++r)
         [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
             subgroupBarrier();
-            coopMatStore(acc[r * D_FRAGS + d], scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatStore(acc[r * D_FRAGS + d], scratch, s_base, O_PITCH, gl_CooperativeMatrixLayoutRowMajor);
             subgroupMemoryBarrierShared();
             subgroupBarrier();
             for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) {  // element (e / 16, e % 16) of the block
                 uint row = q0 + sg * SG_ROWS + r * 16 + e / 16;
                 if (row < q_len)
                     o[o_off + (q_row_base + row) * HEAD_DIM + d * 16 + e % 16] =
-                        uint16_t(to_bits(uintBitsToFloat(scratch[s_base + e / 4][e % 4])));
+                        uint16_t(to_bits(uintBitsToFloat(scratch[s_base + (e / 16) * O_PITCH + e % 16 / 4][e % 4])));
             }
         }
     if (row_valid && lane % LANES_PER_ROW == 0u)

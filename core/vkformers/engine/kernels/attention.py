@@ -124,7 +124,7 @@ class CoopmatTiles:
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
-        scores = (self.rows // 16) * (16 * self.cols * 4 + 16 * 16 * (self.cols // 8 + 1))
+        scores = (self.rows // 16) * (16 * (self.cols * 4 + 16) + 16 * 16 * (self.cols // 8 + 1))  # padded rows
         # q is staged once where the K and V tiles and the scores go later; one float per row of rescale factors.
         return max(self.rows * pitch, 2 * self.cols * pitch + scores) + 4 * self.rows
 
