@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from common import WARM_UP_SECONDS, cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_TILES, DECODE_TILES, attention_backward, attention_decode,
+    ABLATIONS, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, attention_backward, attention_decode,
     attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
@@ -129,16 +130,25 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 
 def forward_variants(device, dtype: str, head_dim: int) -> list:
-    """The cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel at its
-    automatic tiles, then the one-pass kernel at each tile shape that fits (the first is the automatic choice), staged
-    and direct, with one block of 16 rows per subgroup or two."""
-    variants = [coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)]
+    """(name, tiles) of the cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel
+    at its automatic tiles; the one-pass kernel at its automatic tiles ("default"), at the other leading shapes, with
+    each tuning option; then the ablations, each the default one-pass kernel less one part of its work."""
+    two_pass = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)
+    default = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0)
+    if two_pass is None or default is None:
+        return []
     limit = int(device.limits["max_compute_shared_memory_size"])
     subgroup = int(device.limits["subgroup_size"])
-    if variants[0] is not None:
-        variants += [t for t in COOPMAT_FORWARD_TILES[:4] + COOPMAT_DIRECT_TILES[:4] + COOPMAT_WIDE_TILES
-                     if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit]
-    return [t for t in variants if t is not None]
+    shape = lambda t: f"{t.rows}x{t.cols}"
+    variants = [(f"two-pass {shape(two_pass)}", two_pass), (f"one-pass {shape(default)} (default)", default)]
+    variants += [(f"one-pass {shape(t)}", t) for t in COOPMAT_FORWARD_TILES[:2]
+                 if t != default and t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit]
+    for options in (dict(prefetch=True), dict(lazy_rescale=True), dict(prefetch=True, lazy_rescale=True)):
+        variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options),
+                         replace(default, **options)))
+    variants += [(f"ablation {shape(default)}: {what}", replace(default, ablation=value))
+                 for what, value in ABLATIONS.items()]
+    return variants
 
 
 def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -166,10 +176,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
                 is_causal=True).cpu().numpy()
     flops = 4 * heads * seq_len * seq_len * head_dim / 2
     rows = []
-    for tiles in forward_variants(device, dtype, head_dim) or [None]:
-        name = ("scalar" if tiles is None else
-                f"{'one' if tiles.one_pass else 'two'}-pass {tiles.rows}x{tiles.cols}{' direct' if tiles.direct else ''}"
-                f"{' 2 blocks' if tiles.row_blocks == 2 else ''}")
+    for name, tiles in forward_variants(device, dtype, head_dim) or [("scalar", None)]:
         try:  # a variant the driver refuses (e.g. out of registers) is reported, and the sweep goes on
             seq = device.sequence(timestamps=True)
             attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles,
@@ -185,7 +192,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
             r.update(torch_forward_ms=torch_ms, forward_ratio=torch_ms / r["forward_ms"],
                      max_abs_diff_vs_torch_fp32=float(np.abs(as_float32(out.read(), dtype) - ref).max()))
         rows.append(r)
-        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:18s}: "
+        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:42s}: "
               f"{r['forward_ms']:.3f} ms ({r['forward_tflops']:.1f} TFLOP/s"
               + (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
                  f"{r['max_abs_diff_vs_torch_fp32']:.1e})" if torch_ms is not None else ")"))
@@ -259,9 +266,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="float16,float32,bfloat16")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
     parser.add_argument("--forward-sweep", action="store_true",
-                        help="only the causal forward of each cooperative-matrix variant and tile shape, bf16, at "
-                             "seq 2048 and 8192 (or --seq), head dims 64 and 128, MHA and GQA (4 query heads per KV "
-                             "head), beside SDPA")
+                        help="only the causal forward of each cooperative-matrix variant, tile shape and tuning "
+                             "option, and the ablations (the default kernel less one part of its work: wrong results, "
+                             "for where the time goes), bf16, at seq 2048 and 8192 (or --seq), head dims 64 and 128, "
+                             "MHA and GQA (4 query heads per KV head), beside SDPA")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="decode: also time each number of query heads per workgroup and tile size")
     args = parser.parse_args(argv)

@@ -16,10 +16,9 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    COOPMAT_BACKWARD_TILES, COOPMAT_DIRECT_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_TILES,
-    DECODE_TILES, CoopmatBackwardTiles,
-    CoopmatTiles, Tiles, attention_backward,
-    attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
+    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, CoopmatBackwardTiles,
+    CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles,
+    coopmat_forward_candidates, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -237,34 +236,43 @@ VARIANT_CASES = {**HALF_FORWARD_CASES, **{
     f"head_dim_{d}_{'causal' if causal else 'not_causal'}": Case(heads=4, kv_heads=2, q_len=67, kv_len=67, head_dim=d,
                                                                  causal=causal, mask=True)
     for d in (64, 80, 96, 128, 256) for causal in (True, False)}}
-FORWARD_VARIANTS = {"two_pass": COOPMAT_TWO_PASS_TILES, "one_pass": COOPMAT_FORWARD_TILES,
-                    "one_pass_direct": COOPMAT_DIRECT_TILES, "one_pass_two_blocks": COOPMAT_WIDE_TILES[:4],
-                    "one_pass_direct_two_blocks": COOPMAT_WIDE_TILES[4:]}
+# Each production variant of the cooperative-matrix forward: the options a CoopmatTiles may carry.
+FORWARD_VARIANTS = {"two_pass": dict(one_pass=False), "two_pass_prefetch": dict(one_pass=False, prefetch=True),
+                    "one_pass": {}, "one_pass_prefetch": dict(prefetch=True), "one_pass_lazy_rescale": dict(lazy_rescale=True),
+                    "one_pass_prefetch_lazy_rescale": dict(prefetch=True, lazy_rescale=True)}
+
+
+def variant_candidates(variant: str, head_dim: int) -> list[CoopmatTiles]:
+    options = FORWARD_VARIANTS[variant]
+    shapes = COOPMAT_TWO_PASS_TILES if options.get("one_pass", True) is False else coopmat_forward_candidates(head_dim)
+    return [replace(t, **options) for t in shapes]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
 @pytest.mark.parametrize("name", list(VARIANT_CASES))
 def test_coopmat_forward_variants(device, dtype, variant, name):
-    """Each cooperative-matrix forward (the two-pass kernel and the one-pass online softmax) at the tiles the device
-    would pick for it; refused by name where the device has no cooperative matrix for the dtype."""
+    """Each cooperative-matrix forward (the two-pass kernel and the one-pass online softmax, each tuning option) at the
+    tiles the device would pick for it; refused by name where the device has no cooperative matrix for the dtype."""
     case = VARIANT_CASES[name]
-    tiles = coopmat_forward_tiles(device, dtype, case.head_dim, 0, 0, 0, candidates=FORWARD_VARIANTS[variant])
+    candidates = variant_candidates(variant, case.head_dim)
+    tiles = coopmat_forward_tiles(device, dtype, case.head_dim, 0, 0, 0, candidates=candidates)
     if tiles is None:
         with pytest.raises(ValueError, match="cooperative-matrix forward"):
-            run_case(device, case, dtype, backward=False, tiles=FORWARD_VARIANTS[variant][-1])
+            run_case(device, case, dtype, backward=False, tiles=candidates[-1])
         return
-    assert tiles.one_pass == variant.startswith("one_pass") and tiles.direct == ("direct" in variant)
-    assert tiles.row_blocks == (2 if variant.endswith("two_blocks") else 1)
+    assert tiles.one_pass == variant.startswith("one_pass") and tiles.prefetch == ("prefetch" in variant)
+    assert tiles.lazy_rescale == ("lazy_rescale" in variant) and tiles.ablation == 0
     run_case(device, case, dtype, backward=False, tiles=tiles)
 
 
-@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_DIRECT_TILES + COOPMAT_WIDE_TILES
-                         + COOPMAT_TWO_PASS_TILES)
+@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_TWO_PASS_TILES
+                         + [replace(t, prefetch=True, lazy_rescale=True) for t in COOPMAT_FORWARD_TILES]
+                         + [replace(t, prefetch=True) for t in COOPMAT_TWO_PASS_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
 def test_coopmat_forward_every_tile_shape(device, tiles, name):
-    """Each tile shape of both forward variants (the automatic choice takes only the first that fits), operands at
-    an 8-element offset; a shape the device cannot run is refused by name."""
+    """Each tile shape of both forward variants, with and without the tuning options (the automatic choice takes only
+    the first that fits), operands at an 8-element offset; a shape the device cannot run is refused by name."""
     case = VARIANT_CASES[name]
     subgroup = int(device.limits["subgroup_size"])
     runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8) is not None and tiles.fits(subgroup) \
@@ -274,6 +282,20 @@ def test_coopmat_forward_every_tile_shape(device, tiles, name):
             run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
         return
     run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
+
+
+def test_coopmat_forward_default_tiles():
+    """One pass; 64 x 32 up to head dim 64, 128 x 32 above where it fits 48 KiB of shared memory (up to 128), else
+    64 x 32; ablations only for the one-pass kernel, and only the listed ones."""
+    fitting = lambda head_dim: next(t for t in coopmat_forward_candidates(head_dim)
+                                    if t.fits(32) and t.shared_bytes(head_dim, 32) <= 48 * 1024)
+    assert [fitting(d) for d in (32, 64, 80, 128, 256)] == [CoopmatTiles(64, 32)] * 2 + [CoopmatTiles(128, 32)] * 2 \
+        + [CoopmatTiles(64, 32)]
+    assert all(t.one_pass and t.tuning == 0 and t.ablation == 0 for t in coopmat_forward_candidates(128))
+    assert all(CoopmatTiles(64, 32, ablation=a).fits(32) for a in ABLATIONS.values())
+    assert not CoopmatTiles(64, 32, one_pass=False, ablation=1).fits(32)
+    assert not CoopmatTiles(64, 32, one_pass=False, lazy_rescale=True).fits(32)
+    assert not CoopmatTiles(64, 32, ablation=max(ABLATIONS.values()) + 1).fits(32)
 
 
 # Half-type backward cases: the forward's with head_dim <= 128 (the cooperative-matrix backward's limit): GQA sums
