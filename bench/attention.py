@@ -20,8 +20,8 @@ import numpy as np
 from common import WARM_UP_SECONDS, cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    ABLATIONS, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, attention_backward, attention_decode,
-    attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
+    ABLATIONS, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_KEY_TILES, DECODE_TILES, attention_backward,
+    attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -146,6 +146,9 @@ def forward_variants(device, dtype: str, head_dim: int) -> list:
     for options in (dict(prefetch=True), dict(lazy_rescale=True), dict(prefetch=True, lazy_rescale=True)):
         variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options),
                          replace(default, **options)))
+    wide = replace(COOPMAT_WIDE_KEY_TILES, prefetch=True, lazy_rescale=True)
+    if wide.fits(subgroup) and wide.shared_bytes(head_dim, subgroup) <= limit:
+        variants.append((f"one-pass {shape(wide)} prefetch lazy-rescale", wide))
     variants += [(f"ablation {shape(default)}: {what}", replace(default, ablation=value))
                  for what, value in ABLATIONS.items()]
     return variants

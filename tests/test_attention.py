@@ -16,9 +16,9 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES, CoopmatBackwardTiles,
-    CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles,
-    coopmat_forward_candidates, coopmat_forward_tiles)
+    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES,
+    CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward,
+    coopmat_backward_tiles, coopmat_forward_candidates, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -238,7 +238,8 @@ VARIANT_CASES = {**HALF_FORWARD_CASES, **{
     for d in (64, 80, 96, 128, 256) for causal in (True, False)}}
 # Each production variant of the cooperative-matrix forward: the options a CoopmatTiles may carry.
 FORWARD_VARIANTS = {"two_pass": dict(one_pass=False), "two_pass_prefetch": dict(one_pass=False, prefetch=True),
-                    "one_pass": {}, "one_pass_prefetch": dict(prefetch=True), "one_pass_lazy_rescale": dict(lazy_rescale=True),
+                    "one_pass": {}, "one_pass_prefetch": dict(prefetch=True),
+                    "one_pass_lazy_rescale": dict(lazy_rescale=True),
                     "one_pass_prefetch_lazy_rescale": dict(prefetch=True, lazy_rescale=True)}
 
 

@@ -124,7 +124,8 @@ class CoopmatTiles:
     def fits(self, subgroup: int) -> bool:
         """Whole subgroups of 16 rows; each row's lanes take whole uvec4s of probabilities."""
         return self.rows % 16 == 0 and subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0 \
-            and (self.one_pass or not (self.lazy_rescale or self.ablation)) and self.ablation in (0, *ABLATIONS.values())
+            and (self.one_pass or not (self.lazy_rescale or self.ablation)) \
+            and self.ablation in (0, *ABLATIONS.values())
 
     def threads(self, subgroup: int) -> int:
         return self.rows // 16 * subgroup
@@ -150,8 +151,10 @@ COOPMAT_SMALL_HEAD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), Coopmat
 COOPMAT_LARGE_HEAD_TILES = [CoopmatTiles(128, 32), CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16),
                             CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
 COOPMAT_SMALL_HEAD_MAX = 64
-# Every one-pass shape (tests and the sweep run each).
-COOPMAT_FORWARD_TILES = COOPMAT_LARGE_HEAD_TILES
+# Every one-pass shape (tests run each); 64 x 64 (fits 48 KiB up to head dim 64) only for the forward sweep, with
+# PREFETCH: half the workgroup barriers per key of 64 x 32.
+COOPMAT_WIDE_KEY_TILES = CoopmatTiles(64, 64)
+COOPMAT_FORWARD_TILES = COOPMAT_LARGE_HEAD_TILES + [COOPMAT_WIDE_KEY_TILES]
 # The two-pass kernel, kept selectable (tiles=CoopmatTiles(..., one_pass=False)).
 COOPMAT_TWO_PASS_TILES = [CoopmatTiles(64, 32, False), CoopmatTiles(32, 32, False), CoopmatTiles(64, 16, False),
                           CoopmatTiles(32, 16, False), CoopmatTiles(16, 16, False)]
