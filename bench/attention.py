@@ -265,14 +265,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kv-heads", type=int, default=0, help="decode: KV heads (default heads / 4)")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="decode: KV heads (default heads / 4); --forward-sweep: only these KV heads (default both "
+                             "heads and heads / 4)")
     parser.add_argument("--dtypes", default="float16,float32,bfloat16")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
     parser.add_argument("--forward-sweep", action="store_true",
                         help="only the causal forward of each cooperative-matrix variant, tile shape and tuning "
                              "option, and the ablations (the default kernel less one part of its work: wrong results, "
                              "for where the time goes), bf16, at seq 2048 and 8192 (or --seq), head dims 64 and 128, "
-                             "MHA and GQA (4 query heads per KV head), beside SDPA")
+                             "MHA and GQA (4 query heads per KV head; or --kv-heads), beside SDPA")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="decode: also time each number of query heads per workgroup and tile size")
     args = parser.parse_args(argv)
@@ -284,7 +286,7 @@ def main(argv=None) -> int:
         seqs = [256] if args.quick else ([args.seq] if args.seq != 2048 else [2048, 8192])
         for seq_len in seqs:
             for head_dim in (64, 128):
-                for kv_heads in (heads, heads // 4):
+                for kv_heads in ([args.kv_heads] if args.kv_heads else [heads, heads // 4]):
                     results["forward_sweep"] += bench_forward_sweep(device, "bfloat16", seq_len, heads,
                                                                     max(1, kv_heads), head_dim, repeats)
         write_results(args.json, results)
