@@ -143,7 +143,8 @@ def forward_variants(device, dtype: str, head_dim: int) -> list:
     variants = [(f"two-pass {shape(two_pass)}", two_pass), (f"one-pass {shape(default)} (default)", default)]
     variants += [(f"one-pass {shape(t)}", t) for t in COOPMAT_FORWARD_TILES[:2]
                  if t != default and t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit]
-    for options in (dict(prefetch=True), dict(lazy_rescale=True), dict(prefetch=True, lazy_rescale=True)):
+    for options in (dict(prefetch=True), dict(batched_staging=True), dict(lazy_rescale=True),
+                    dict(prefetch=True, lazy_rescale=True)):
         variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options),
                          replace(default, **options)))
     wide = replace(COOPMAT_WIDE_KEY_TILES, prefetch=True, lazy_rescale=True)

@@ -239,6 +239,7 @@ VARIANT_CASES = {**HALF_FORWARD_CASES, **{
 # Each production variant of the cooperative-matrix forward: the options a CoopmatTiles may carry.
 FORWARD_VARIANTS = {"two_pass": dict(one_pass=False), "two_pass_prefetch": dict(one_pass=False, prefetch=True),
                     "one_pass": {}, "one_pass_prefetch": dict(prefetch=True),
+                    "one_pass_batched_staging": dict(batched_staging=True),
                     "one_pass_lazy_rescale": dict(lazy_rescale=True),
                     "one_pass_prefetch_lazy_rescale": dict(prefetch=True, lazy_rescale=True)}
 
@@ -264,11 +265,13 @@ def test_coopmat_forward_variants(device, dtype, variant, name):
         return
     assert tiles.one_pass == variant.startswith("one_pass") and tiles.prefetch == ("prefetch" in variant)
     assert tiles.lazy_rescale == ("lazy_rescale" in variant) and tiles.ablation == 0
+    assert tiles.batched_staging == ("batched_staging" in variant)
     run_case(device, case, dtype, backward=False, tiles=tiles)
 
 
 @pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_TWO_PASS_TILES
                          + [replace(t, prefetch=True, lazy_rescale=True) for t in COOPMAT_FORWARD_TILES]
+                         + [replace(t, batched_staging=True) for t in COOPMAT_FORWARD_TILES]
                          + [replace(t, prefetch=True) for t in COOPMAT_TWO_PASS_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
 def test_coopmat_forward_every_tile_shape(device, tiles, name):
@@ -296,6 +299,7 @@ def test_coopmat_forward_default_tiles():
     assert all(CoopmatTiles(64, 32, ablation=a).fits(32) for a in ABLATIONS.values())
     assert not CoopmatTiles(64, 32, one_pass=False, ablation=1).fits(32)
     assert not CoopmatTiles(64, 32, one_pass=False, lazy_rescale=True).fits(32)
+    assert not CoopmatTiles(64, 32, prefetch=True, batched_staging=True).fits(32)
     assert not CoopmatTiles(64, 32, ablation=max(ABLATIONS.values()) + 1).fits(32)
 
 

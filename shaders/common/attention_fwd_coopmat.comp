@@ -26,6 +26,9 @@
 // PREFETCH: each thread loads its part of the next K/V tile into registers, all loads at once,
 // before the current tile is multiplied (as matmul_coopmat.comp), so the tile's memory latency
 // hides behind the products instead of stalling the workgroup between its two barriers.
+// BATCHED_STAGING: the same loads into registers, all issued before any is stored, but for the
+// current tile (no overlap with the products, fewer registers): tells a serialised staging loop
+// (one memory round trip per row chunk) from latency that only overlap hides.
 // LAZY_RESCALE (one pass): the accumulators are rescaled only in tiles where a row maximum of
 // the subgroup moved (for random scores about min(1, 16 / t) of the t-th tiles; fewer where an
 // early key dominates).
@@ -84,10 +87,11 @@ uint to_bits(float x) { return uint(f32_to_bf16(x)); }
 #endif
 
 layout(constant_id = 10) const bool ONE_PASS = false;
-layout(constant_id = 11) const uint TUNING = 0;    // bits: PREFETCH, LAZY_RESCALE
+layout(constant_id = 11) const uint TUNING = 0;    // bits: PREFETCH, LAZY_RESCALE, BATCHED_STAGING
 layout(constant_id = 12) const uint ABLATION = 0;  // ABLATE_*: the forward sweep only
-const uint PREFETCH = 1, LAZY_RESCALE = 2;
+const uint PREFETCH = 1, LAZY_RESCALE = 2, BATCHED_STAGING = 4;
 const bool PREFETCHING = (TUNING & PREFETCH) != 0u, LAZY = ONE_PASS && (TUNING & LAZY_RESCALE) != 0u;
+const bool BATCHED = (TUNING & (PREFETCH | BATCHED_STAGING)) == BATCHED_STAGING;  // PREFETCH wins
 // Each leaves out one part of the one-pass kernel's work per key tile:
 const uint ABLATE_SOFTMAX = 1;        // P = S rounded (no score rule, maximum, exp or rescale); S still via shared memory
 const uint ABLATE_MAX_RESCALE = 2;    // P = exp(score): no row maximum, no rescale of the accumulators
@@ -119,7 +123,7 @@ const uint K_AT = 0, V_AT = BLOCK_COLS * PITCH, S_AT = 2 * BLOCK_COLS * PITCH;
 const uint SMEM_WORDS = Q_WORDS > S_AT + SUBGROUPS * SG_WORDS ? Q_WORDS : S_AT + SUBGROUPS * SG_WORDS;
 shared uvec4 scratch[SMEM_WORDS];
 shared float row_factor[BLOCK_ROWS];  // ONE_PASS: each row's rescale of this tile, at the end 1 / sum
-// PREFETCH: a K or V tile is TILE_CHUNKS uvec4s, CHUNKS_PER_THREAD of them per thread.
+// PREFETCH, BATCHED_STAGING: a K or V tile is TILE_CHUNKS uvec4s, CHUNKS_PER_THREAD of them per thread.
 const uint TILE_CHUNKS = BLOCK_COLS * (HEAD_DIM / 8);
 const uint CHUNKS_PER_THREAD = (TILE_CHUNKS + WG_THREADS - 1) / WG_THREADS;
 
@@ -153,7 +157,7 @@ const uint CHUNKS_PER_THREAD = (TILE_CHUNKS + WG_THREADS - 1) / WG_THREADS;
         uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);                                        \
         scratch[(at) + r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
     }
-// PREFETCH: the same rows into this thread's registers `regs`, every load issued before any is used ...
+// PREFETCH, BATCHED_STAGING: the same rows into this thread's registers `regs`, every load issued before any is used ...
 #define FETCH_ROWS(regs, src, base, row0, rows)                                                  \
     [[unroll]] for (uint l = 0; l < CHUNKS_PER_THREAD; ++l) {                                    \
         uint i = gl_LocalInvocationID.x + l * WG_THREADS, r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8); \
@@ -239,6 +243,11 @@ void main() {
         for (uint key0 = key_begin; key0 < key_end; key0 += BLOCK_COLS) {
             if (TILE_BARRIERS) barrier();  // the previous tiles are no longer read
             if (PREFETCHING && !FIXED_TILE) {
+                PUT_ROWS(K_AT, next_k)
+                if (pass == 1) { PUT_ROWS(V_AT, next_v) }
+            } else if (BATCHED && !FIXED_TILE) {
+                FETCH_ROWS(next_k, k, k_off / 8, kv_row_base + key0, kv_rows_end)
+                if (pass == 1) { FETCH_ROWS(next_v, v, v_off / 8, kv_row_base + key0, kv_rows_end) }
                 PUT_ROWS(K_AT, next_k)
                 if (pass == 1) { PUT_ROWS(V_AT, next_v) }
             } else if (!FIXED_TILE) {

@@ -110,7 +110,8 @@ class CoopmatTiles:
     """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``.
     ``one_pass``: one pass over the keys with an online softmax (FlashAttention-2's order); else the first
     kernel's two passes (row maxima and sums, then the final probabilities times V). ``prefetch``: the next K/V
-    tile is loaded into registers while the current one is used. ``lazy_rescale`` (one pass): the accumulators are
+    tile is loaded into registers while the current one is used. ``batched_staging`` (not with prefetch): the
+    current tile's loads all issued before any is stored to shared memory. ``lazy_rescale`` (one pass): the accumulators are
     rescaled only when a row maximum of the subgroup moved. ``ablation`` (a value of ABLATIONS; benchmarks only,
     wrong results): a part of the one-pass kernel's work left out."""
 
@@ -120,11 +121,13 @@ class CoopmatTiles:
     prefetch: bool = False
     lazy_rescale: bool = False
     ablation: int = 0
+    batched_staging: bool = False
 
     def fits(self, subgroup: int) -> bool:
         """Whole subgroups of 16 rows; each row's lanes take whole uvec4s of probabilities."""
         return self.rows % 16 == 0 and subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0 \
             and (self.one_pass or not (self.lazy_rescale or self.ablation)) \
+            and not (self.prefetch and self.batched_staging) \
             and self.ablation in (0, *ABLATIONS.values())
 
     def threads(self, subgroup: int) -> int:
@@ -133,7 +136,7 @@ class CoopmatTiles:
     @property
     def tuning(self) -> int:
         """attention_fwd_coopmat's TUNING bits."""
-        return int(self.prefetch) | 2 * int(self.lazy_rescale)
+        return int(self.prefetch) | 2 * int(self.lazy_rescale) | 4 * int(self.batched_staging)
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
