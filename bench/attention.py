@@ -196,7 +196,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
             r.update(torch_forward_ms=torch_ms, forward_ratio=torch_ms / r["forward_ms"],
                      max_abs_diff_vs_torch_fp32=float(np.abs(as_float32(out.read(), dtype) - ref).max()))
         rows.append(r)
-        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:42s}: "
+        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:48s}: "
               f"{r['forward_ms']:.3f} ms ({r['forward_tflops']:.1f} TFLOP/s"
               + (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
                  f"{r['max_abs_diff_vs_torch_fp32']:.1e})" if torch_ms is not None else ")"))
