@@ -7,29 +7,32 @@ CUDA GPU (timed with CUDA events; its outputs also check ours at full size), els
 (float32, CPU) at the same shape, which is only a sanity reference.
 
     python bench/attention.py [--quick] [--json OUT] [--seq 2048] [--heads 32] [--head-dim 128]
-                              [--decode-only] [--decode-sweep] [--kv-heads N]
+                              [--decode-only] [--decode-sweep] [--kv-heads N] [--forward-sweep]
 """
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import numpy as np
 
-from common import cuda_median, cuda_torch, warm_up, write_results
+from common import WARM_UP_SECONDS, cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    DECODE_TILES, attention_backward, attention_decode, attention_forward, coopmat_backward_tiles)
+    ABLATIONS, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_KEY_TILES, DECODE_TILES, attention_backward,
+    attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
 torch = cuda_torch()
 HAVE_CUDA = torch is not None
+FEATURES = ("softcap", "window", "alibi", "all")  # decode rows of models with these options
 
 
-def gpu_seconds(seq, repeats: int) -> float:
+def gpu_seconds(seq, repeats: int, warm_up_seconds: float = WARM_UP_SECONDS) -> float:
     """Median GPU time of one replay (every recorded operation after the leading barrier), after warm-up."""
-    warm_up(seq.replay)
+    warm_up(seq.replay, warm_up_seconds)
     times = []
     for _ in range(repeats):
         seq.replay()
@@ -126,21 +129,103 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
     return result
 
 
+def forward_variants(device, dtype: str, head_dim: int) -> list:
+    """(name, tiles) of the cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel
+    at its automatic tiles; the one-pass kernel at its automatic tiles ("default"), at the other leading shapes, with
+    each tuning option; then the ablations, each the default one-pass kernel less one part of its work."""
+    two_pass = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)
+    default = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0)
+    if two_pass is None or default is None:
+        return []
+    limit = int(device.limits["max_compute_shared_memory_size"])
+    subgroup = int(device.limits["subgroup_size"])
+    shape = lambda t: f"{t.rows}x{t.cols}"
+    variants = [(f"two-pass {shape(two_pass)}", two_pass), (f"one-pass {shape(default)} (default)", default)]
+    variants += [(f"one-pass {shape(t)}", t) for t in COOPMAT_FORWARD_TILES[:2]
+                 if t != default and t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit]
+    for options in (dict(prefetch=True), dict(batched_staging=True), dict(lazy_rescale=True),
+                    dict(prefetch=True, lazy_rescale=True)):
+        variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options),
+                         replace(default, **options)))
+    wide = replace(COOPMAT_WIDE_KEY_TILES, prefetch=True, lazy_rescale=True)
+    if wide.fits(subgroup) and wide.shared_bytes(head_dim, subgroup) <= limit:
+        variants.append((f"one-pass {shape(wide)} prefetch lazy-rescale", wide))
+    variants += [(f"ablation {shape(default)}: {what}", replace(default, ablation=value))
+                 for what, value in ABLATIONS.items()]
+    return variants
+
+
+def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                        repeats: int) -> list[dict]:
+    """Causal forward of each cooperative-matrix variant (and the scalar kernel where none runs), beside SDPA."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, heads, seq_len, head_dim), dtype=np.float32)
+    k, v = (rng.standard_normal((1, kv_heads, seq_len, head_dim), dtype=np.float32) for _ in range(2))
+    bufs = [to_device(device, x, dtype) for x in (q, k, v)]
+    out = device.buffer(q.shape, dtype, name="out")
+    lse = device.buffer(q.shape[:3], "float32", name="lse")
+    sizes = dict(batch=1, heads=heads, kv_heads=kv_heads, q_len=seq_len, kv_len=seq_len, head_dim=head_dim,
+                 scale=head_dim ** -0.5, causal=True)
+    torch_ms, ref = None, None
+    if HAVE_CUDA:
+        tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        tq, tk, tv = (torch.from_numpy(x).cuda().to(tdtype) for x in (q, k, v))
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                                          enable_gqa=heads != kv_heads)
+        with torch.no_grad():
+            torch_ms = cuda_median(sdpa, repeats) * 1e3
+            group = heads // kv_heads
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                tq.float(), tk.float().repeat_interleave(group, 1), tv.float().repeat_interleave(group, 1),
+                is_causal=True).cpu().numpy()
+    flops = 4 * heads * seq_len * seq_len * head_dim / 2
+    rows = []
+    for name, tiles in forward_variants(device, dtype, head_dim) or [("scalar", None)]:
+        try:  # a variant the driver refuses (e.g. out of registers) is reported, and the sweep goes on
+            seq = device.sequence(timestamps=True)
+            attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles,
+                              algorithm="scalar" if tiles is None else "auto")
+            seconds = gpu_seconds(seq, repeats, warm_up_seconds=0.3)
+        except Exception as error:  # noqa: BLE001
+            print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name}: failed: "
+                  f"{type(error).__name__}: {error}")
+            continue
+        r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+             "variant": name, "forward_ms": seconds * 1e3, "forward_tflops": flops / seconds * 1e-12}
+        if torch_ms is not None:
+            r.update(torch_forward_ms=torch_ms, forward_ratio=torch_ms / r["forward_ms"],
+                     max_abs_diff_vs_torch_fp32=float(np.abs(as_float32(out.read(), dtype) - ref).max()))
+        rows.append(r)
+        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:48s}: "
+              f"{r['forward_ms']:.3f} ms ({r['forward_tflops']:.1f} TFLOP/s"
+              + (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
+                 f"{r['max_abs_diff_vs_torch_fp32']:.1e})" if torch_ms is not None else ")"))
+    return rows
+
+
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
                  general: bool = False, heads_per_workgroup: int | None = None,
-                 keys_per_tile: int | None = None) -> dict:
+                 keys_per_tile: int | None = None, features: str = "") -> dict:
+    """``general``: the fallback forward kernel with one query row (for K/V rows that are not whole 16-byte
+    vectors). ``features``: "softcap", "window", "alibi" or "all": the options of a Gemma 2, Mistral or BLOOM
+    model, run by the same decode kernel as the plain path."""
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, heads, 1, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, kv_len, head_dim), dtype=np.float32) for _ in range(2))
     out = device.buffer(q.shape, dtype, name="out")
+    on = lambda name: features in (name, "all")
+    options = dict(softcap=50.0 if on("softcap") else 0.0, window=kv_len // 2 if on("window") else 0,
+                   alibi_slopes=device.upload((2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32))
+                   if on("alibi") else None)
     seq = device.sequence(timestamps=True)
     attention_decode(seq, *(to_device(device, x, dtype) for x in (q, k, v)), out, batch=1, heads=heads,
                      kv_heads=kv_heads, kv_len=kv_len, max_len=kv_len, head_dim=head_dim, scale=head_dim ** -0.5,
                      tiles=DECODE_TILES[0] if general else None, heads_per_workgroup=heads_per_workgroup,
-                     keys_per_tile=keys_per_tile)
+                     keys_per_tile=keys_per_tile, **options)
     seconds = gpu_seconds(seq, repeats)
     cache_bytes = 2 * kv_heads * kv_len * head_dim * dt.as_dtype(dtype).itemsize
     result = {"dtype": dtype, "kv_len": kv_len, "heads": heads, "kv_heads": kv_heads, "general": general,
+              "features": features,
               "heads_per_workgroup": heads_per_workgroup, "keys_per_tile": keys_per_tile,
               "decode_us": seconds * 1e6, "decode_cache_gbps": cache_bytes / seconds * 1e-9}
     if HAVE_CUDA:
@@ -181,33 +266,52 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--kv-heads", type=int, default=0, help="decode: KV heads (default heads / 4)")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="decode: KV heads (default heads / 4); --forward-sweep: only these KV heads (default both "
+                             "heads and heads / 4)")
     parser.add_argument("--dtypes", default="float16,float32,bfloat16")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
+    parser.add_argument("--forward-sweep", action="store_true",
+                        help="only the causal forward of each cooperative-matrix variant, tile shape and tuning "
+                             "option, and the ablations (the default kernel less one part of its work: wrong results, "
+                             "for where the time goes), bf16, at seq 2048 and 8192 (or --seq), head dims 64 and 128, "
+                             "MHA and GQA (4 query heads per KV head; or --kv-heads), beside SDPA")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="decode: also time each number of query heads per workgroup and tile size")
     args = parser.parse_args(argv)
     device = get_device()
     seq_len, heads, repeats = (256, 4, 3) if args.quick else (args.seq, args.heads, 10)
     print(f"device: {device.name}; reference: {'torch CUDA sdpa' if HAVE_CUDA else 'numpy CPU'}")
-    results = {"device": device.name, "prefill": [], "decode": []}
+    results = {"device": device.name, "prefill": [], "decode": [], "forward_sweep": []}
+    if args.forward_sweep:
+        seqs = [256] if args.quick else ([args.seq] if args.seq != 2048 else [2048, 8192])
+        for seq_len in seqs:
+            for head_dim in (64, 128):
+                for kv_heads in ([args.kv_heads] if args.kv_heads else [heads, heads // 4]):
+                    results["forward_sweep"] += bench_forward_sweep(device, "bfloat16", seq_len, heads,
+                                                                    max(1, kv_heads), head_dim, repeats)
+        write_results(args.json, results)
+        return 0
     for dtype in args.dtypes.split(","):
         if not args.decode_only:
             print_prefill(bench_prefill(device, dtype, seq_len, heads, args.head_dim, repeats), dtype, seq_len, heads,
                           args.head_dim, results)
-        # a long cache, then a short one (a decode step of a short chat), each by attention_decode.comp and by
-        # the general forward kernel with one query row (the fallback, general=True); --decode-sweep also times
-        # attention_decode.comp with each number of query heads per workgroup
+        # a long cache, then a short one (a decode step of a short chat), each by attention_decode.comp (plain, and
+        # with soft-capping, a sliding window of half the cache, ALiBi, or all three) and by the forward kernel with
+        # one query row (the fallback, general=True); --decode-sweep also times attention_decode.comp with each
+        # number of query heads per workgroup
         kv_heads = args.kv_heads or max(1, heads // 4)
         group = heads // kv_heads
         sweep = ([(h, keys) for keys in (64, 128) for h in range(1, 9) if group % h == 0] if args.decode_sweep
                  else [(None, None)])
         for kv_len in (256 if args.quick else 4096, 80):
-            for general, (per_group, keys) in [(False, h) for h in sweep] + [(True, (None, None))]:
+            runs = [(False, h, "") for h in sweep] + [(False, (None, None), f) for f in FEATURES] \
+                + [(True, (None, None), "")]
+            for general, (per_group, keys), features in runs:
                 d = bench_decode(device, dtype, kv_len, heads, kv_heads, args.head_dim, repeats, general, per_group,
-                                 keys)
+                                 keys, features)
                 results["decode"].append(d)
-                what = (", general" if general else
+                what = (", fallback forward kernel" if general else f", {features}" if features else
                         f", {per_group} heads per workgroup, {keys}-key tiles" if per_group else "")
                 print(f"          decode kv_len {d['kv_len']} (kv_heads {d['kv_heads']}{what}): "
                       f"{d['decode_us']:.1f} us, {d['decode_cache_gbps']:.0f} GB/s of cache"

@@ -16,8 +16,9 @@ import pytest
 
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.attention import (
-    COOPMAT_BACKWARD_TILES, DECODE_TILES, CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward,
-    attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
+    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES,
+    CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward,
+    coopmat_backward_tiles, coopmat_forward_candidates, coopmat_forward_tiles)
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -230,6 +231,78 @@ def test_half_type_forward(device, dtype, name):
     run_case(device, HALF_FORWARD_CASES[name], dtype, backward=False)
 
 
+# Every head dim a model uses, causal or not, GQA, odd lengths, padding masks: each cooperative-matrix forward variant.
+VARIANT_CASES = {**HALF_FORWARD_CASES, **{
+    f"head_dim_{d}_{'causal' if causal else 'not_causal'}": Case(heads=4, kv_heads=2, q_len=67, kv_len=67, head_dim=d,
+                                                                 causal=causal, mask=True)
+    for d in (64, 80, 96, 128, 256) for causal in (True, False)}}
+# Each production variant of the cooperative-matrix forward: the options a CoopmatTiles may carry.
+FORWARD_VARIANTS = {"two_pass": dict(one_pass=False), "two_pass_prefetch": dict(one_pass=False, prefetch=True),
+                    "one_pass": {}, "one_pass_prefetch": dict(prefetch=True),
+                    "one_pass_batched_staging": dict(batched_staging=True),
+                    "one_pass_lazy_rescale": dict(lazy_rescale=True),
+                    "one_pass_prefetch_lazy_rescale": dict(prefetch=True, lazy_rescale=True)}
+
+
+def variant_candidates(variant: str, head_dim: int) -> list[CoopmatTiles]:
+    options = FORWARD_VARIANTS[variant]
+    shapes = COOPMAT_TWO_PASS_TILES if options.get("one_pass", True) is False else coopmat_forward_candidates(head_dim)
+    return [replace(t, **options) for t in shapes]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", list(FORWARD_VARIANTS))
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_coopmat_forward_variants(device, dtype, variant, name):
+    """Each cooperative-matrix forward (the two-pass kernel and the one-pass online softmax, each tuning option) at the
+    tiles the device would pick for it; refused by name where the device has no cooperative matrix for the dtype."""
+    case = VARIANT_CASES[name]
+    candidates = variant_candidates(variant, case.head_dim)
+    tiles = coopmat_forward_tiles(device, dtype, case.head_dim, 0, 0, 0, candidates=candidates)
+    if tiles is None:
+        with pytest.raises(ValueError, match="cooperative-matrix forward"):
+            run_case(device, case, dtype, backward=False, tiles=candidates[-1])
+        return
+    assert tiles.one_pass == variant.startswith("one_pass") and tiles.prefetch == ("prefetch" in variant)
+    assert tiles.lazy_rescale == ("lazy_rescale" in variant) and tiles.ablation == 0
+    assert tiles.batched_staging == ("batched_staging" in variant)
+    run_case(device, case, dtype, backward=False, tiles=tiles)
+
+
+@pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_TWO_PASS_TILES
+                         + [replace(t, prefetch=True, lazy_rescale=True) for t in COOPMAT_FORWARD_TILES]
+                         + [replace(t, batched_staging=True) for t in COOPMAT_FORWARD_TILES]
+                         + [replace(t, prefetch=True) for t in COOPMAT_TWO_PASS_TILES])
+@pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
+def test_coopmat_forward_every_tile_shape(device, tiles, name):
+    """Each tile shape of both forward variants, with and without the tuning options (the automatic choice takes only
+    the first that fits), operands at an 8-element offset; a shape the device cannot run is refused by name."""
+    case = VARIANT_CASES[name]
+    subgroup = int(device.limits["subgroup_size"])
+    runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8) is not None and tiles.fits(subgroup) \
+        and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
+    if not runs:
+        with pytest.raises(ValueError, match="cooperative-matrix forward"):
+            run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
+        return
+    run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
+
+
+def test_coopmat_forward_default_tiles():
+    """One pass; 64 x 32 up to head dim 64, 128 x 32 above where it fits 48 KiB of shared memory (up to 128), else
+    64 x 32; ablations only for the one-pass kernel, and only the listed ones."""
+    fitting = lambda head_dim: next(t for t in coopmat_forward_candidates(head_dim)
+                                    if t.fits(32) and t.shared_bytes(head_dim, 32) <= 48 * 1024)
+    assert [fitting(d) for d in (32, 64, 80, 128, 256)] == [CoopmatTiles(64, 32)] * 2 + [CoopmatTiles(128, 32)] * 2 \
+        + [CoopmatTiles(64, 32)]
+    assert all(t.one_pass and t.tuning == 0 and t.ablation == 0 for t in coopmat_forward_candidates(128))
+    assert all(CoopmatTiles(64, 32, ablation=a).fits(32) for a in ABLATIONS.values())
+    assert not CoopmatTiles(64, 32, one_pass=False, ablation=1).fits(32)
+    assert not CoopmatTiles(64, 32, one_pass=False, lazy_rescale=True).fits(32)
+    assert not CoopmatTiles(64, 32, prefetch=True, batched_staging=True).fits(32)
+    assert not CoopmatTiles(64, 32, ablation=max(ABLATIONS.values()) + 1).fits(32)
+
+
 # Half-type backward cases: the forward's with head_dim <= 128 (the cooperative-matrix backward's limit): GQA sums
 # over several heads, partial and skipped tiles, fully masked rows, and every score flag.
 HALF_BACKWARD_CASES = {name: case for name, case in HALF_FORWARD_CASES.items() if case.head_dim <= 128}
@@ -401,3 +474,29 @@ def test_decode_replays_with_kv_len_from_a_buffer(device, splits, heads, softcap
         step = replace(case, q_len=length, kv_len=length)
         want = reference(step, q[:, :, :length], k[:, :, :length], v[:, :, :length], mask[:, :length], None)[0]
         np.testing.assert_allclose(out.read(), want[:, :, -1:], atol=1e-5, rtol=1e-5, err_msg=f"kv_len {length}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("softcap, window, alibi, mask", [(s, w, a, m) for s in (0.0, 3.0) for w in (0, 50)
+                                                          for a in (False, True) for m in (False, True)])
+def test_decode_kernel_every_feature_combination(device, dtype, softcap, window, alibi, mask):
+    """Soft-capping, a sliding window, ALiBi and a padding mask are options of the decode kernel (specialization and
+    push constants), alone and together: a cache of 200 keys in tiles of 64, split in two, 8 heads on 2 KV heads
+    (two per workgroup)."""
+    case = Case(heads=8, kv_heads=2, q_len=200, kv_len=200, window=window, softcap=softcap, alibi=alibi, mask=mask)
+    rounded_inputs, mask_host, slopes = make_inputs(case, dtype)
+    (q, q_host), (k, k_host), (v, v_host), _ = rounded_inputs
+    out = device.buffer((case.batch, case.heads, 1, case.head_dim), dtype)
+    lse = device.buffer((case.batch, case.heads), "float32")
+    seq = device.sequence()
+    attention_decode(seq, device.upload(np.ascontiguousarray(q_host[:, :, -1:]), dtype=dtype),
+                     device.upload(k_host, dtype=dtype), device.upload(v_host, dtype=dtype), out, batch=case.batch,
+                     heads=case.heads, kv_heads=case.kv_heads, kv_len=200, max_len=200, head_dim=case.head_dim,
+                     scale=case.the_scale, window=window, softcap=softcap, lse=lse, splits=2, keys_per_tile=64,
+                     heads_per_workgroup=2, key_padding_mask=None if mask_host is None else device.upload(mask_host),
+                     alibi_slopes=None if slopes is None else device.upload(slopes.astype(np.float32)))
+    seq.replay()
+    expected, expected_lse = reference(case, q, k, v, mask_host, slopes)
+    tol = FORWARD_TOL[dtype]
+    np.testing.assert_allclose(as_float(out.read(), dtype), expected[:, :, -1:], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse.read(), expected_lse[:, :, -1], atol=tol, rtol=tol)

@@ -4,7 +4,7 @@
 //
 // A workgroup owns BLOCK_ROWS query rows, 16 per subgroup; its subgroups share key and
 // value tiles of BLOCK_COLS rows staged in shared memory as raw 16-bit words. Each
-// subgroup keeps its 16 x HEAD_DIM slice of q as A fragments in registers.
+// subgroup keeps its slice of q as A fragments in registers.
 //
 // KHR cooperative matrices do not say which lane holds which element, so the softmax
 // cannot run on the accumulators: each 16 x BLOCK_COLS score tile goes to shared memory,
@@ -14,6 +14,26 @@
 // two passes over the keys: the first finds each row's maximum and sum, the second
 // multiplies the final probabilities (rounded to the storage type) by V. That is 1.5x the
 // tensor-core work of one pass, and none of it leaves the tensor cores.
+//
+// ONE_PASS (FlashAttention-2's order; the default): one pass with an online softmax. Each tile's
+// scores still go through shared memory, but the output accumulators are rescaled in place: the
+// row of each accumulator element is found once by loading a matrix of row indices into
+// an accumulator of the same shape (element i of a lane holds the same (row, column) in
+// every such matrix), so each element reads its row's factor from shared memory. K and V
+// tiles are staged together, once; causal workgroups start with the last (longest) blocks.
+//
+// TUNING bits (variants the forward sweep times; production picks them in CoopmatTiles):
+// PREFETCH: each thread loads its part of the next K/V tile into registers, all loads at once,
+// before the current tile is multiplied (as matmul_coopmat.comp), so the tile's memory latency
+// hides behind the products instead of stalling the workgroup between its two barriers.
+// BATCHED_STAGING: the same loads into registers, all issued before any is stored, but for the
+// current tile (no overlap with the products, fewer registers): tells a serialised staging loop
+// (one memory round trip per row chunk) from latency that only overlap hides.
+// LAZY_RESCALE (one pass): the accumulators are rescaled only in tiles where a row maximum of
+// the subgroup moved (for random scores about min(1, 16 / t) of the t-th tiles; fewer where an
+// early key dominates).
+// ABLATION (the forward sweep only; wrong results): leave out a part of the work to see what
+// it costs, see ABLATE_* below.
 //
 // bfloat16: as matmul_coopmat.comp, the source only declares 16-bit floats as the element
 // type of its matrices (probabilities and outputs are written as 16-bit patterns), and the
@@ -28,6 +48,7 @@
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_KHR_shader_subgroup_vote : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 
@@ -65,25 +86,88 @@ uint to_bits(float x) { return packHalf2x16(vec2(x, 0.0)) & 0xFFFFu; }
 uint to_bits(float x) { return uint(f32_to_bf16(x)); }
 #endif
 
+layout(constant_id = 10) const bool ONE_PASS = false;
+layout(constant_id = 11) const uint TUNING = 0;    // bits: PREFETCH, LAZY_RESCALE, BATCHED_STAGING
+layout(constant_id = 12) const uint ABLATION = 0;  // ABLATE_*: the forward sweep only
+const uint PREFETCH = 1, LAZY_RESCALE = 2, BATCHED_STAGING = 4;
+const bool PREFETCHING = (TUNING & PREFETCH) != 0u, LAZY = ONE_PASS && (TUNING & LAZY_RESCALE) != 0u;
+const bool BATCHED = (TUNING & (PREFETCH | BATCHED_STAGING)) == BATCHED_STAGING;  // PREFETCH wins
+// Each leaves out one part of the one-pass kernel's work per key tile:
+const uint ABLATE_SOFTMAX = 1;        // P = S rounded (no score rule, maximum, exp or rescale); S still via shared memory
+const uint ABLATE_MAX_RESCALE = 2;    // P = exp(score): no row maximum, no rescale of the accumulators
+const uint ABLATE_S_ROUND_TRIP = 3;   // only the two products: S stays in accumulators, P is a fragment of q
+const uint ABLATE_STAGING = 4;        // K/V tiles neither loaded nor staged, no workgroup barrier (a fixed tile)
+const uint ABLATE_KV_LOADS = 5;       // K/V tiles neither loaded nor staged, the two workgroup barriers kept
+const uint ABLATE_ALL_BUT_PRODUCTS = 6;  // 3 and 4: the products on a fixed tile
+const bool PRODUCTS_ONLY = ABLATION == ABLATE_S_ROUND_TRIP || ABLATION == ABLATE_ALL_BUT_PRODUCTS;
+const bool FIXED_TILE = ABLATION == ABLATE_STAGING || ABLATION == ABLATE_KV_LOADS || ABLATION == ABLATE_ALL_BUT_PRODUCTS;
+const bool TILE_BARRIERS = ABLATION != ABLATE_STAGING && ABLATION != ABLATE_ALL_BUT_PRODUCTS;
+
 const uint SUBGROUPS = BLOCK_ROWS / 16;
+const uint WG_THREADS = SUBGROUPS * SUBGROUP_SIZE;
 const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
 const uint PITCH = HEAD_DIM / 8 + 1;              // uvec4s per staged q/k/v row (8 halves of padding)
 const uint LANES_PER_ROW = SUBGROUP_SIZE / 16;
 const uint SCORES_PER_LANE = BLOCK_COLS / LANES_PER_ROW;  // a multiple of 8: whole uvec4s of probabilities
-const uint S_WORDS = 16 * BLOCK_COLS / 4;          // one subgroup's float scores, in uvec4s
+// Rows of scores and of the output block padded by one uvec4: the 16 rows a store or load touches start in
+// different banks (unpadded rows of 32 floats all start in bank 0).
+const uint S_PITCH = BLOCK_COLS / 4 + 1;           // uvec4s per row of float scores
+const uint O_PITCH = 5;                            // uvec4s per row of a 16 x 16 float output block
+const uint S_WORDS = 16 * S_PITCH;                 // one subgroup's float scores, in uvec4s
 const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit probabilities
 const uint SG_WORDS = S_WORDS + 16 * P_PITCH;
 const uint Q_WORDS = BLOCK_ROWS * PITCH;
-shared uvec4 k_tile[BLOCK_COLS * PITCH];
-shared uvec4 v_tile[BLOCK_COLS * PITCH];
-// q is staged here once, then each subgroup's scores and probabilities live here.
-shared uvec4 scratch[Q_WORDS > SUBGROUPS * SG_WORDS ? Q_WORDS : SUBGROUPS * SG_WORDS];
+// One shared array: the K tile, the V tile, then each subgroup's scores and probabilities; q is staged
+// from its start once, before any of them is used.
+const uint K_AT = 0, V_AT = BLOCK_COLS * PITCH, S_AT = 2 * BLOCK_COLS * PITCH;
+const uint SMEM_WORDS = Q_WORDS > S_AT + SUBGROUPS * SG_WORDS ? Q_WORDS : S_AT + SUBGROUPS * SG_WORDS;
+shared uvec4 scratch[SMEM_WORDS];
+shared float row_factor[BLOCK_ROWS];  // ONE_PASS: each row's rescale of this tile, at the end 1 / sum
+// PREFETCH, BATCHED_STAGING: a K or V tile is TILE_CHUNKS uvec4s, CHUNKS_PER_THREAD of them per thread.
+const uint TILE_CHUNKS = BLOCK_COLS * (HEAD_DIM / 8);
+const uint CHUNKS_PER_THREAD = (TILE_CHUNKS + WG_THREADS - 1) / WG_THREADS;
 
-// Rows [row0, row0 + BLOCK_COLS) of a [rows, HEAD_DIM] matrix at uvec4 `base` into `tile`; zeros past `rows`.
-#define STAGE_ROWS(tile, src, base, row0, rows)                                                    \
-    for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) { \
+// scores = q k^T into this subgroup's score space: k's rows are the columns of B, i.e. B is K read column-major.
+#define SCORES()                                                                                        \
+    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {                                                     \
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s =                           \
+            coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);                     \
+        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {                                                 \
+            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;                             \
+            coopMatLoad(kf, scratch, K_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor); \
+            s = coopMatMulAdd(qf[d], kf, s);                                                            \
+        }                                                                                               \
+        coopMatStore(s, scratch, s_base + c * 4, S_PITCH, gl_CooperativeMatrixLayoutRowMajor);          \
+    }
+// acc += p v, p from this subgroup's probabilities.
+#define PV()                                                                                            \
+    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {                                                     \
+        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;                                 \
+        coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);          \
+        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {                                                 \
+            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;                             \
+            coopMatLoad(vf, scratch, V_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor); \
+            acc[d] = coopMatMulAdd(pf, vf, acc[d]);                                                     \
+        }                                                                                               \
+    }
+
+// Rows [row0, row0 + BLOCK_COLS) of a [rows, HEAD_DIM] matrix at uvec4 `base` into scratch at `at`; zeros past `rows`.
+#define STAGE_ROWS(at, src, base, row0, rows)                                                    \
+    for (uint i = gl_LocalInvocationID.x; i < TILE_CHUNKS; i += WG_THREADS) {                   \
         uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);                                        \
-        tile[r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
+        scratch[(at) + r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
+    }
+// PREFETCH, BATCHED_STAGING: the same rows into this thread's registers `regs`, every load issued before any is used ...
+#define FETCH_ROWS(regs, src, base, row0, rows)                                                  \
+    [[unroll]] for (uint l = 0; l < CHUNKS_PER_THREAD; ++l) {                                    \
+        uint i = gl_LocalInvocationID.x + l * WG_THREADS, r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8); \
+        regs[l] = i < TILE_CHUNKS && (row0) + r < (rows) ? src[(base) + ((row0) + r) * (HEAD_DIM / 8) + c] : uvec4(0); \
+    }
+// ... and from them into scratch at `at`.
+#define PUT_ROWS(at, regs)                                                                       \
+    [[unroll]] for (uint l = 0; l < CHUNKS_PER_THREAD; ++l) {                                    \
+        uint i = gl_LocalInvocationID.x + l * WG_THREADS;                                        \
+        if (i < TILE_CHUNKS) scratch[(at) + i / (HEAD_DIM / 8) * PITCH + i % (HEAD_DIM / 8)] = regs[l]; \
     }
 
 float row_max(float x) {
@@ -96,22 +180,25 @@ float row_sum(float x) {
 }
 
 void main() {
-    const uint q0 = gl_WorkGroupID.x * BLOCK_ROWS, head = gl_WorkGroupID.y, batch = gl_WorkGroupID.z;
+    // ONE_PASS and causal: the longest rows first, so that the short ones fill the tail of the dispatch.
+    const uint block = ONE_PASS && CAUSAL ? gl_NumWorkGroups.x - 1u - gl_WorkGroupID.x : gl_WorkGroupID.x;
+    const uint q0 = block * BLOCK_ROWS, head = gl_WorkGroupID.y, batch = gl_WorkGroupID.z;
     const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
     const uint kv_count = kv_len;
     const int q_base = q_offset < 0 ? int(kv_count) - int(q_len) : q_offset;
     const uint kv_head = head / (heads / kv_heads);
     const uint q_row_base = (batch * heads + head) * q_len;
     const uint kv_row_base = (batch * kv_heads + kv_head) * kv_stride;
+    const uint kv_rows_end = kv_row_base + kv_count;
     // This lane's row of the subgroup's 16 and its columns of each score tile.
     const uint my_row = lane / LANES_PER_ROW, my_col0 = (lane % LANES_PER_ROW) * SCORES_PER_LANE;
     const uint qi = q0 + sg * 16 + my_row;
     const int qpos = q_base + int(qi);
     const bool row_valid = qi < q_len;
-    const uint s_base = sg * SG_WORDS, p_base = s_base + S_WORDS;
+    const uint s_base = S_AT + sg * SG_WORDS, p_base = s_base + S_WORDS;
 
     // Stage q (rows past q_len are zeros) and keep this subgroup's fragments.
-    for (uint i = gl_LocalInvocationID.x; i < BLOCK_ROWS * (HEAD_DIM / 8); i += gl_WorkGroupSize.x) {
+    for (uint i = gl_LocalInvocationID.x; i < BLOCK_ROWS * (HEAD_DIM / 8); i += WG_THREADS) {
         uint r = i / (HEAD_DIM / 8), c = i % (HEAD_DIM / 8);
         scratch[r * PITCH + c] = q0 + r < q_len ? q[q_off / 8 + (q_row_base + q0 + r) * (HEAD_DIM / 8) + c] : uvec4(0);
     }
@@ -119,7 +206,17 @@ void main() {
     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> qf[D_FRAGS];
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
         coopMatLoad(qf[d], scratch, sg * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
-    barrier();  // scratch becomes score space
+    barrier();  // scratch becomes tile and score space
+    // ONE_PASS: the row of each element of an accumulator, as the accumulator of a matrix of row indices.
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> row_of =
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    if (ONE_PASS) {
+        for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) scratch[s_base + e / 4][e % 4] = floatBitsToUint(float(e / 16u));
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        coopMatLoad(row_of, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+        subgroupBarrier();
+    }
 
     // Keys any row of the workgroup can see, and those of this subgroup's rows.
     const int first_pos = q_base + int(q0), last_pos = q_base + int(min(q0 + BLOCK_ROWS, q_len)) - 1;
@@ -132,30 +229,73 @@ void main() {
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[D_FRAGS];
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d)
         acc[d] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    // ABLATE_S_ROUND_TRIP: the scores, summed over the tiles so that their products are not optimised away.
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> kept[C_FRAGS];
+    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c)
+        kept[c] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    uvec4 next_k[CHUNKS_PER_THREAD], next_v[CHUNKS_PER_THREAD];
 
-    for (uint pass = 0; pass < 2; ++pass) {
+    for (uint pass = ONE_PASS ? 1 : 0; pass < 2; ++pass) {
+        if (PREFETCHING && !FIXED_TILE && key_begin < key_end) {
+            FETCH_ROWS(next_k, k, k_off / 8, kv_row_base + key_begin, kv_rows_end)
+            if (pass == 1) { FETCH_ROWS(next_v, v, v_off / 8, kv_row_base + key_begin, kv_rows_end) }
+        }
         for (uint key0 = key_begin; key0 < key_end; key0 += BLOCK_COLS) {
-            barrier();  // the previous tiles are no longer read
-            STAGE_ROWS(k_tile, k, k_off / 8, kv_row_base + key0, kv_row_base + kv_count)
-            if (pass == 1) { STAGE_ROWS(v_tile, v, v_off / 8, kv_row_base + key0, kv_row_base + kv_count) }
-            barrier();
+            if (TILE_BARRIERS) barrier();  // the previous tiles are no longer read
+            if (PREFETCHING && !FIXED_TILE) {
+                PUT_ROWS(K_AT, next_k)
+                if (pass == 1) { PUT_ROWS(V_AT, next_v) }
+            } else if (BATCHED && !FIXED_TILE) {
+                FETCH_ROWS(next_k, k, k_off / 8, kv_row_base + key0, kv_rows_end)
+                if (pass == 1) { FETCH_ROWS(next_v, v, v_off / 8, kv_row_base + key0, kv_rows_end) }
+                PUT_ROWS(K_AT, next_k)
+                if (pass == 1) { PUT_ROWS(V_AT, next_v) }
+            } else if (!FIXED_TILE) {
+                STAGE_ROWS(K_AT, k, k_off / 8, kv_row_base + key0, kv_rows_end)
+                if (pass == 1) { STAGE_ROWS(V_AT, v, v_off / 8, kv_row_base + key0, kv_rows_end) }
+            }
+            if (TILE_BARRIERS) barrier();
+            if (PREFETCHING && !FIXED_TILE && key0 + BLOCK_COLS < key_end) {  // in flight while this tile is used
+                FETCH_ROWS(next_k, k, k_off / 8, kv_row_base + key0 + BLOCK_COLS, kv_rows_end)
+                if (pass == 1) { FETCH_ROWS(next_v, v, v_off / 8, kv_row_base + key0 + BLOCK_COLS, kv_rows_end) }
+            }
             // Uniform per subgroup: a tile wholly after its last row (causal) or before its window.
             if ((CAUSAL && int(key0) > sg_last) || (window > 0u && int(key0 + BLOCK_COLS) <= sg_first - int(window) + 1))
                 continue;
 
-            // scores = q k^T: k's rows are the columns of B, i.e. B is k_tile read column-major.
-            [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
-                coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> s =
-                    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
-                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;
-                    coopMatLoad(kf, k_tile, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
-                    s = coopMatMulAdd(qf[d], kf, s);
-                }
-                coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
+            if (PRODUCTS_ONLY) {  // ablation: S never leaves the accumulators, P is a fragment of q
+                [[unroll]] for (uint c = 0; c < C_FRAGS; ++c)
+                    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kf;
+                        coopMatLoad(kf, scratch, K_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                        kept[c] = coopMatMulAdd(qf[d], kf, kept[c]);
+                    }
+                [[unroll]] for (uint c = 0; c < C_FRAGS; ++c)
+                    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;
+                        coopMatLoad(vf, scratch, V_AT + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                        acc[d] = coopMatMulAdd(qf[c % D_FRAGS], vf, acc[d]);
+                    }
+                continue;
             }
+
+            SCORES()
             subgroupMemoryBarrierShared();
             subgroupBarrier();
+
+            if (ABLATION == ABLATE_SOFTMAX) {  // ablation: the raw scores rounded are the probabilities
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
+                    vec4 a = uintBitsToFloat(scratch[s_base + my_row * S_PITCH + (my_col0 + j) / 4]);
+                    vec4 b = uintBitsToFloat(scratch[s_base + my_row * S_PITCH + (my_col0 + j) / 4 + 1]);
+                    scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] =
+                        uvec4(to_bits(a.x) | (to_bits(a.y) << 16), to_bits(a.z) | (to_bits(a.w) << 16),
+                              to_bits(b.x) | (to_bits(b.y) << 16), to_bits(b.z) | (to_bits(b.w) << 16));
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                PV()
+                continue;
+            }
 
             // This lane's scores, with the score rule; invisible keys are -inf.
             const bool checks = !row_valid || HAS_MASK || key0 + BLOCK_COLS > kv_count
@@ -164,7 +304,7 @@ void main() {
             float sc[SCORES_PER_LANE];
             float tile_max = NEG_INF;
             [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 4) {
-                vec4 raw = uintBitsToFloat(scratch[s_base + (my_row * BLOCK_COLS + my_col0 + j) / 4]);
+                vec4 raw = uintBitsToFloat(scratch[s_base + my_row * S_PITCH + (my_col0 + j) / 4]);
                 [[unroll]] for (uint t = 0; t < 4; ++t) {
                     uint kpos = key0 + my_col0 + j + t;
                     float slope;
@@ -182,41 +322,74 @@ void main() {
                 m = new_m;
                 continue;
             }
-            // Probabilities (final: divided by the row's sum) as 16-bit patterns, then acc += p v.
-            const float shift = m == NEG_INF ? 0.0 : m, inv = l > 0.0 ? 1.0 / l : 0.0;
-            [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
-                uvec4 packed;
-                [[unroll]] for (uint t = 0; t < 4; ++t)
-                    packed[t] = to_bits(exp(sc[j + 2 * t] - shift) * inv) | (to_bits(exp(sc[j + 2 * t + 1] - shift) * inv) << 16);
-                scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
-            }
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-            [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
-                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf;
-                coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
-                [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vf;
-                    coopMatLoad(vf, v_tile, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
-                    acc[d] = coopMatMulAdd(pf, vf, acc[d]);
+            if (ONE_PASS) {  // online softmax: unnormalised probabilities, the accumulators rescaled below
+                const bool rescaled = ABLATION != ABLATE_MAX_RESCALE;
+                float new_m = rescaled ? max(m, row_max(tile_max)) : 0.0;
+                float shift = new_m == NEG_INF ? 0.0 : new_m;  // all masked so far: exp(-inf) = 0, not NaN
+                float part = 0.0;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; ++j) {
+                    sc[j] = exp(sc[j] - shift);
+                    part += sc[j];
                 }
+                float rescale = rescaled ? exp(m - shift) : 1.0;
+                l = l * rescale + row_sum(part);
+                m = new_m;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
+                    uvec4 packed;
+                    [[unroll]] for (uint t = 0; t < 4; ++t)
+                        packed[t] = to_bits(sc[j + 2 * t]) | (to_bits(sc[j + 2 * t + 1]) << 16);
+                    scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
+                }
+                // Uniform per subgroup: LAZY skips the rescale while no row maximum of the subgroup moved.
+                const bool rescale_now = rescaled && !(LAZY && subgroupAll(rescale == 1.0));
+                if (rescale_now && lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = rescale;
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                if (rescale_now) {
+                    [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
+                        float f = row_factor[sg * 16 + uint(row_of[i])];
+                        [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
+                    }
+                }
+            } else {  // probabilities (final: divided by the row's sum) as 16-bit patterns
+                const float shift = m == NEG_INF ? 0.0 : m, inv = l > 0.0 ? 1.0 / l : 0.0;
+                [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
+                    uvec4 packed;
+                    [[unroll]] for (uint t = 0; t < 4; ++t)
+                        packed[t] = to_bits(exp(sc[j + 2 * t] - shift) * inv) | (to_bits(exp(sc[j + 2 * t + 1] - shift) * inv) << 16);
+                    scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
             }
+            PV()
         }
     }
 
-    // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass.
-    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+    if (PRODUCTS_ONLY) {  // ablation: keep the score products alive
+        [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) acc[c % D_FRAGS] = acc[c % D_FRAGS] + kept[c];
+    }
+    if (ONE_PASS) {  // divide by the row sums
         subgroupBarrier();
-        coopMatStore(acc[d], scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+        if (lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = l > 0.0 ? 1.0 / l : 0.0;
         subgroupMemoryBarrierShared();
         subgroupBarrier();
-        if (row_valid) {
-            uint cols = 16 / LANES_PER_ROW, c0 = (lane % LANES_PER_ROW) * cols;
-            for (uint j = 0; j < cols; ++j) {
-                uint e = my_row * 16 + c0 + j;
-                o[o_off + (q_row_base + qi) * HEAD_DIM + d * 16 + c0 + j] =
-                    uint16_t(to_bits(uintBitsToFloat(scratch[s_base + e / 4][e % 4])));
-            }
+        [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
+            float f = row_factor[sg * 16 + uint(row_of[i])];
+            [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
+        }
+    }
+    // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass (or the only one).
+    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+        subgroupBarrier();
+        coopMatStore(acc[d], scratch, s_base, O_PITCH, gl_CooperativeMatrixLayoutRowMajor);
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) {  // element (e / 16, e % 16) of the block
+            uint row = q0 + sg * 16 + e / 16;
+            if (row < q_len)
+                o[o_off + (q_row_base + row) * HEAD_DIM + d * 16 + e % 16] =
+                    uint16_t(to_bits(uintBitsToFloat(scratch[s_base + (e / 16) * O_PITCH + e % 16 / 4][e % 4])));
         }
     }
     if (row_valid && lane % LANES_PER_ROW == 0u)

@@ -98,24 +98,78 @@ def pick_tiles(device, head_dim: int, candidates: list[Tiles], shared_bytes) -> 
     raise ValueError(f"attention: no tile size fits head_dim {head_dim} in {limit} bytes of shared memory")
 
 
+# Parts of the one-pass kernel's work per key tile that a CoopmatTiles(ablation=...) leaves out (attention_fwd_coopmat's
+# ABLATE_* constants). Only bench/attention.py --forward-sweep uses them, to see where the time goes: the results
+# are wrong.
+ABLATIONS = {"no softmax": 1, "no max/rescale": 2, "products only": 3, "no K/V staging": 4,
+             "no K/V loads, barriers kept": 5, "products only, no K/V staging": 6}
+
+
 @dataclass(frozen=True)
 class CoopmatTiles:
-    """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``."""
+    """attention_fwd_coopmat: ``rows`` query rows per workgroup (16 per subgroup), key tiles of ``cols``.
+    ``one_pass``: one pass over the keys with an online softmax (FlashAttention-2's order); else the first
+    kernel's two passes (row maxima and sums, then the final probabilities times V). ``prefetch``: the next K/V
+    tile is loaded into registers while the current one is used. ``batched_staging`` (not with prefetch): the
+    current tile's loads all issued before any is stored to shared memory. ``lazy_rescale`` (one pass): the accumulators are
+    rescaled only when a row maximum of the subgroup moved. ``ablation`` (a value of ABLATIONS; benchmarks only,
+    wrong results): a part of the one-pass kernel's work left out."""
 
     rows: int
     cols: int
+    one_pass: bool = True
+    prefetch: bool = False
+    lazy_rescale: bool = False
+    ablation: int = 0
+    batched_staging: bool = False
+
+    def fits(self, subgroup: int) -> bool:
+        """Whole subgroups of 16 rows; each row's lanes take whole uvec4s of probabilities."""
+        return self.rows % 16 == 0 and subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0 \
+            and (self.one_pass or not (self.lazy_rescale or self.ablation)) \
+            and not (self.prefetch and self.batched_staging) \
+            and self.ablation in (0, *ABLATIONS.values())
+
+    def threads(self, subgroup: int) -> int:
+        return self.rows // 16 * subgroup
+
+    @property
+    def tuning(self) -> int:
+        """attention_fwd_coopmat's TUNING bits."""
+        return int(self.prefetch) | 2 * int(self.lazy_rescale) | 4 * int(self.batched_staging)
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
-        scores = (self.rows // 16) * (16 * self.cols * 4 + 16 * 16 * (self.cols // 8 + 1))
-        return 2 * self.cols * pitch + max(self.rows * pitch, scores)
+        scores = (self.rows // 16) * (16 * (self.cols * 4 + 16) + 16 * 16 * (self.cols // 8 + 1))  # padded rows
+        # q is staged once where the K and V tiles and the scores go later; one float per row of rescale factors.
+        return max(self.rows * pitch, 2 * self.cols * pitch + scores) + 4 * self.rows
 
 
-COOPMAT_FORWARD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16), CoopmatTiles(32, 16),
-                         CoopmatTiles(16, 16)]
+# Preferred first; the first that fits the device's shared memory wins. One pass (it rounds once, the two-pass kernel
+# twice: bf16 max error 7.8e-3 against 1.2e-2 on the H200), 64 x 32 up to head dim 64 and 128 x 32 above: on the
+# H200, 64 x 32 is 10-17% faster than 128 x 32 at head dim 64, and 3-13% slower at 128 (bench/attention.py
+# --forward-sweep, seq 2048 and 8192; with 48 KiB, 128 x 32 fits head dims up to 128, 64 x 32 up to 256).
+COOPMAT_SMALL_HEAD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16),
+                            CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
+COOPMAT_LARGE_HEAD_TILES = [CoopmatTiles(128, 32), CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16),
+                            CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
+COOPMAT_SMALL_HEAD_MAX = 64
+# Every one-pass shape (tests run each); 64 x 64 (fits 48 KiB up to head dim 64) only for the forward sweep, with
+# PREFETCH: half the workgroup barriers per key of 64 x 32.
+COOPMAT_WIDE_KEY_TILES = CoopmatTiles(64, 64)
+COOPMAT_FORWARD_TILES = COOPMAT_LARGE_HEAD_TILES + [COOPMAT_WIDE_KEY_TILES]
+# The two-pass kernel, kept selectable (tiles=CoopmatTiles(..., one_pass=False)).
+COOPMAT_TWO_PASS_TILES = [CoopmatTiles(64, 32, False), CoopmatTiles(32, 32, False), CoopmatTiles(64, 16, False),
+                          CoopmatTiles(32, 16, False), CoopmatTiles(16, 16, False)]
 
 
-def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatTiles | None:
+def coopmat_forward_candidates(head_dim: int) -> list[CoopmatTiles]:
+    """The one-pass tile shapes for ``head_dim``, preferred first."""
+    return COOPMAT_SMALL_HEAD_TILES if head_dim <= COOPMAT_SMALL_HEAD_MAX else COOPMAT_LARGE_HEAD_TILES
+
+
+def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
+                          candidates: list[CoopmatTiles] | None = None) -> CoopmatTiles | None:
     """Tiles for the cooperative-matrix forward kernel, or None where it cannot run: a float16/bfloat16
     cooperative matrix on the device, head_dim a multiple of 16 (at most 256), q/k/v offsets on
     8-element boundaries, and tiles that fit the device's shared memory."""
@@ -125,7 +179,8 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> C
     if head_dim % 16 or head_dim > 256 or any(o % 8 for o in offsets):
         return None
     limit = int(device.limits["max_compute_shared_memory_size"])
-    return next((t for t in COOPMAT_FORWARD_TILES if t.shared_bytes(head_dim, subgroup) <= limit), None)
+    return next((t for t in candidates or coopmat_forward_candidates(head_dim)
+                 if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
 
 
 @dataclass(frozen=True)
@@ -175,7 +230,7 @@ def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
     if tiles.rows % 16 or tiles.cols % 16 or tiles.shared_bytes(head_dim, subgroup) > limit \
-            or (backward and not tiles.fits(subgroup)):
+            or not tiles.fits(subgroup):
         raise ValueError(f"attention: {tiles} cannot run the cooperative-matrix {kind} for head_dim {head_dim} "
                          f"with subgroups of {subgroup} in {limit} bytes of shared memory")
 
@@ -269,7 +324,8 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
             float(scale), float(flags.softcap)]
     if isinstance(tiles, CoopmatTiles):  # prefill only: kv_len pushed, one split (attention_forward checks)
         subgroup = int(device.limits["subgroup_size"])
-        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.rows // 16 * subgroup]
+        spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.threads(subgroup),
+                int(tiles.one_pass), tiles.tuning, tiles.ablation]
         seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                      push=push, spec=spec)
         return
@@ -295,7 +351,8 @@ def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_head
 
     ``algorithm``: "auto" (the cooperative-matrix kernel where :func:`coopmat_forward_tiles` allows,
     else the scalar one), "scalar" or "coopmat". The cooperative-matrix kernel rounds the softmax
-    probabilities to the storage type before multiplying by v, as flash attention does."""
+    probabilities to the storage type before multiplying by v, as flash attention does. ``tiles``: a
+    :class:`CoopmatTiles` picks its variant (one pass or two, prefetch, lazy rescale) and tile shape."""
     q, k, v, out, lse = map(operand, (q, k, v, out, lse))
     flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, mask_len=kv_len,
                          head_dim=head_dim, causal=causal, key_padding_mask=key_padding_mask, window=window,
