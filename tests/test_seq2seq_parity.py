@@ -206,6 +206,10 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(t5gemma, encoder=dict(t5gemma["encoder"], hidden_size=64)), "t5_gemma_module")
     with pytest.raises(UnsupportedConfigError, match="stack config alone"):
         seq2seq_spec(t5gemma["decoder"], "t5_gemma_module")
+    longt5 = json.loads((FIXTURES / "longt5_tglobal" / "config.json").read_text())
+    assert seq2seq_spec(longt5, "longt5").transient_global_block == 4
+    with pytest.raises(UnsupportedConfigError, match="encoder_attention_type='global'"):
+        seq2seq_spec(dict(longt5, encoder_attention_type="global"), "longt5")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

@@ -52,6 +52,9 @@ T = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTER, num
          num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
          relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=PAD, **TOK)
 
+# Smaller T5-style sizes for the newer fixtures (the size budget): d_model 16, 2 heads, 2 encoder / 1 decoder layers
+T_SMALL = dict(T, d_model=16, d_kv=8, num_heads=2, d_ff=16, num_decoder_layers=1)
+
 # T5Gemma stack (T5GemmaModuleConfig) names: GQA 4 query / 2 key-value heads, windows and soft-capping that show
 G = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
          num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS, max_position_embeddings=128,
@@ -140,6 +143,17 @@ SPECS = [
           "table is what counts); scale_embedding; relu. decoder_input_ids = prepare_decoder_input_ids_from_labels(labels) (last non-pad "
           "label wrapped first), so the shifted -100s are pad decoder tokens the decoder self-attention ignores."],
          labels_shifted_here=True),
+    Spec("longt5", "longt5", dict(T_SMALL, encoder_attention_type="local", local_radius=2, num_layers=1),
+         ["LongT5 with local encoder attention: local_radius 2 (blocks of 3 tokens seeing their neighbour blocks, "
+          "masked to |i - j| <= 2) with layer 0's relative bias (8 buckets, max_distance 16); decoder as T5's; "
+          "relu; tied lm_head with the d_model**-0.5 rescale; d_model 16, 2 heads, 1 encoder / 1 decoder layer."]),
+    Spec("longt5_tglobal", "longt5", dict(T_SMALL, encoder_attention_type="transient-global", local_radius=2,
+                                          global_block_size=4, feed_forward_proj="gated-gelu"),
+         ["LongT5 with transient-global encoder attention: local_radius 2 and global_block_size 4, so the 8 input "
+          "tokens make 2 aggregate tokens (row 1, 6 tokens: its last 2 are orphans that join block 0, and global "
+          "block 1 is masked); layer 0's relative and global relative bias tables shared by both encoder layers, "
+          "each layer its own global_input_layer_norm; gated-gelu; d_model 16, 2 heads, 2 encoder / 1 decoder "
+          "layers."]),
 ]
 
 

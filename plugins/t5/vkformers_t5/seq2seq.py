@@ -37,7 +37,7 @@ from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
 from vkformers_t5.variants import (Seq2SeqSpec, fairseq_table, relative_buckets, seq2seq_spec,
-                                   sinusoidal_table)
+                                   sinusoidal_table, transient_global_blocks)
 
 IGNORE_INDEX = -100
 MASKED = -1e9  # additive score of a hidden key in the composed attention (exp underflows to exactly 0)
@@ -74,6 +74,10 @@ LAYOUTS["t5gemma"] = dict(LAYOUTS["bart"], shared=None, positions=None, embed_no
                           self_post_norm="post_self_attn_layernorm", cross_post_norm="post_cross_attn_layernorm",
                           ffn_post_norm="post_feedforward_layernorm", o="o_proj", up=None, gate="gate_proj",
                           gated_up="up_proj", down="down_proj", lm_head="lm_head.out_proj")
+
+# LongT5: T5's names; the encoder's self-attention module is named after its kind
+LAYOUTS["longt5"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.LocalSelfAttention")
+LAYOUTS["longt5_tglobal"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.TransientGlobalSelfAttention")
 
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
@@ -123,7 +127,8 @@ class Attention(Module):
     """q/k/v/o projections; self-attention (optionally with T5's relative bias table) or cross-attention.
     ``kv_heads`` < ``heads``: grouped-query attention (k and v have kv_heads heads)."""
 
-    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None):
+    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None,
+                 transient_global: bool = False):
         super().__init__()
         kv_heads = kv_heads or heads
         inner = heads * spec.head_dim
@@ -136,6 +141,12 @@ class Attention(Module):
         self.scale = spec.head_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
         table = self.add("relative_attention_bias", Embedding(spec.relative_buckets, heads)) if bias_table else None
         object.__setattr__(self, "table", table)
+        # LongT5's transient-global attention: the aggregate tokens' norm, and (with the bias) their own bias table
+        global_table = self.add("global_relative_attention_bias", Embedding(spec.relative_buckets, heads)) \
+            if transient_global and bias_table else None
+        global_norm = self.add("global_input_layer_norm", make_norm(spec)) if transient_global else None
+        object.__setattr__(self, "global_table", global_table)
+        object.__setattr__(self, "global_norm", global_norm)
 
     def split(self, role: str, x):
         batch, length, _ = x.shape
@@ -249,8 +260,11 @@ class Block(Module):
         self.window = windows[index] if windows else 0
         has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
         self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
+        self_path = names["self_attn"] if decoder else names.get("encoder_self_attn_path", names["self_attn"])
+        self.transient_global = bool(spec.transient_global_block) and not decoder
         refs = dict(
-            self_attn=place(self, names["self_attn"], Attention(spec, self_names, heads, has_table, kv_heads)),
+            self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
+                                                       self.transient_global)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
             cross_attn=(place(self, names["cross_attn"], Attention(spec, names, heads, False, kv_heads))
                         if decoder else None),
@@ -300,6 +314,12 @@ class Block(Module):
         if ctx.rope is not None:
             q, k = ctx.rotate(q), ctx.rotate(k)
         bias = ctx.bias(self)
+        if self.transient_global and ctx.global_members is not None:  # the blocks' aggregate tokens as more keys
+            members = ctx.global_members  # [1, G, T] without padding: the same blocks in every row
+            if members.shape[0] != h.shape[0]:
+                members = members.expand(h.shape[0], *members.shape[1:]).contiguous()
+            aggregates = attn.global_norm(members @ h)                   # [B, G, D]
+            k, v = F.cat([k, attn.split("k", aggregates)], 2), F.cat([v, attn.split("v", aggregates)], 2)
         cache = ctx.cache
         if cache is None:
             out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask,
@@ -357,6 +377,15 @@ class StackContext:
                 self._additive = np.where(key_padding[:, None, None, :] != 0, 0.0, MASKED).astype(np.float32)
         self._shared_bias = None
         self._window_bias = {}
+        self._local_bias = {}
+        self.global_members = None  # LongT5 transient-global: [B, G, T] one-hot of each token's global block
+        if stack.spec.transient_global_block and not stack.decoder:
+            self._global_mask = np.ones((1, length), np.int64) if key_padding is None else key_padding.astype(np.int64)
+            self._global_blocks = transient_global_blocks(self._global_mask, stack.spec.transient_global_block)
+            blocks, held = self._global_blocks
+            if held.shape[1]:
+                members = blocks[:, None, :] == np.arange(held.shape[1])[None, :, None]
+                self.global_members = tensor(members.astype(np.float32))
         self._key_padding = key_padding
         self.rope = None  # rotary self-attention: (inv_freq, attention scaling); positions past, past + 1, ...
         if stack.spec.rope:
@@ -388,7 +417,31 @@ class StackContext:
             return self._position_bias(block.self_attn.table)
         if self._shared_bias is None:  # layer 0's table, shared by every layer of the stack
             self._shared_bias = self._position_bias(self.stack.layers[0].self_attn.table)
-        return self._shared_bias
+        if self.stack.decoder or not block.window:
+            return self._shared_bias
+        if block.window not in self._local_bias:  # LongT5's encoder: local keys only (and its aggregate tokens)
+            bias = self._shared_bias + self.encoder_window_bias(block.window)
+            if self.global_members is not None:
+                batch, heads = self.global_members.shape[0], bias.shape[1]
+                bias = F.cat([bias.expand(batch, heads, self.length, self.length).contiguous(),
+                              self._side_bias(self.stack.layers[0].self_attn.global_table)], -1)
+            self._local_bias[block.window] = bias
+        return self._local_bias[block.window]
+
+    def _side_bias(self, table: Embedding):
+        """LongT5: [B, H, T, G], the bias of each token's query for each aggregate token: the bucket of (global
+        block - the token's block) from ``table``, and MASKED where a real token meets an empty global block."""
+        spec = self.stack.spec
+        blocks, held = self._global_blocks
+        count = held.shape[1]
+        buckets = np.stack([relative_buckets(row, count, bidirectional=True, num_buckets=spec.relative_buckets,
+                                             max_distance=spec.relative_max_distance) for row in blocks])
+        batch, length = blocks.shape
+        values = F.embedding(tensor(buckets.reshape(batch * length, count)), table.weight)  # [B*T, G, H]
+        bias = values.reshape(batch, length, count, -1).permute(0, 3, 1, 2)               # [B, H, T, G]
+        real = self._global_mask != 0
+        allowed = real[:, :, None] == held[:, None, :]  # transformers: the token's mask equals the block's use
+        return bias + tensor(np.where(allowed, 0.0, MASKED).astype(np.float32)[:, None], dtype=bias.dtype)
 
     def encoder_window_bias(self, window: int):
         """[B or 1, 1, T, T]: 0 where |i - j| <= window and key j is not padding, else MASKED."""

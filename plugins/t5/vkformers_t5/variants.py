@@ -66,6 +66,9 @@ class Seq2SeqSpec:
     final_softcap: float = 0.0            # the same on the logits
     encoder_windows: tuple[int, ...] = ()  # per layer: self-attention sliding window (0: full); empty: none.
     decoder_windows: tuple[int, ...] = ()  # encoder: |i - j| <= w (bidirectional); decoder: i - w < j <= i
+    # LongT5's transient-global encoder: each layer also attends to one aggregate token per block of this many
+    # input tokens (their normed sum), with a relative bias of (block - token's block) from layer 0's table
+    transient_global_block: int = 0
     # PEGASUS-X's encoder: global_tokens learned tokens (embed_global) precede the input in every layer, with their
     # own pre-attention norm; block-local attention runs only when one local block covers the input, where it is
     # full attention over [global tokens; input] (longer inputs are refused)
@@ -210,6 +213,24 @@ def _sparse_layers(layers: int, sparse: int) -> tuple[bool, ...]:
     """Switch Transformers' choice: every (layers // sparse)-th layer, from layer 1 (all when the step is 1)."""
     step = layers // sparse if sparse > 0 else layers
     return tuple((i % step == 1 or step == 1) if step > 0 else False for i in range(layers))
+
+
+@architecture("longt5", norm="rms", status="verified",
+              notes="T5-family; encoder local (|i - j| <= local_radius) or transient-global attention")
+def _longt5(config, arch):
+    """T5 whose encoder attends only to keys within local_radius of the query (its blocks of local_radius + 1
+    tokens see their neighbour blocks, masked to that distance), with layer 0's relative bias; transient-global
+    ("encoder_attention_type") adds, in each layer, one key per global_block_size tokens: the layer's
+    global_input_layer_norm of their sum (orphan tokens of an incomplete last block join the block before),
+    biased by the bucket of (global block - the query's block) from layer 0's global_relative_attention_bias."""
+    kind = config.get("encoder_attention_type", "local")
+    if kind not in ("local", "transient-global"):
+        raise UnsupportedConfigError(f"{arch}: encoder_attention_type={kind!r} is not 'local' or 'transient-global'")
+    spec = t5_spec(config, arch)
+    tglobal = kind == "transient-global"
+    return replace(spec, layout="longt5_tglobal" if tglobal else "longt5",
+                   encoder_windows=(config.get("local_radius", 127),) * spec.encoder_layers,
+                   transient_global_block=config.get("global_block_size", 16) if tglobal else 0)
 
 
 @architecture("switch_transformers", norm="rms", moe=True, status="verified",
@@ -390,6 +411,24 @@ def fairseq_table(rows: int, dim: int, padding_idx: int | None) -> np.ndarray:
     if padding_idx is not None:
         table[padding_idx] = 0
     return table.astype(np.float32)
+
+
+def transient_global_blocks(mask: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """LongT5's fixed global blocks of an int attention mask [B, T]: each token's block (int64 [B, T]; -1 for
+    padding; an incomplete last block's tokens join the block before) and whether each of the T // block global
+    tokens holds any token (bool [B, G]), as transformers' _make_global_fixed_block_ids computes them."""
+    batch, length = mask.shape
+    step = np.full((batch, length), 1.0 / block, np.float32)
+    start = np.cumsum(step, axis=1, dtype=np.float32) - step
+    ids = np.floor(np.where(mask != 0, 1.0, -1000.0).astype(np.float32) + start - 1.0).astype(np.int64)
+    ids = np.maximum(ids, -1)
+    ids = ids * mask + (mask - 1)
+    ends = (np.arange(length) % block) == block - 1
+    full = (ends[None, :] & (ids >= 0)).sum(-1, keepdims=True) - 1
+    ids = np.where(ids < full, ids, full)
+    count = length // block
+    held = np.arange(count)[None, :] <= ids.max(-1, keepdims=True)
+    return ids, held
 
 
 def relative_buckets(query_positions: np.ndarray, key_length: int, *, bidirectional: bool, num_buckets: int,
