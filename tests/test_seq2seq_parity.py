@@ -52,8 +52,10 @@ class Case(CachedCase):
         self.meta = json.loads((self.folder / "meta.json").read_text())
         self.ref = read_reference(self.folder / "reference.safetensors")
         self.model = AutoModelForSeq2SeqLM.from_pretrained(self.folder, dtype="float32")
+        extra = {"global_attention_mask": self.ref["global_attention_mask"]} \
+            if "global_attention_mask" in self.ref else {}  # LED: tokens with global attention
         out = self.model(self.ref["input_ids"].astype(np.int64), attention_mask=self.ref["attention_mask"],
-                         labels=self.ref["labels"].astype(np.int64))
+                         labels=self.ref["labels"].astype(np.int64), **extra)
         out.loss.backward()
         self.params = dict(self.model.named_parameters())
         realize([out.logits.lazy, out.loss.lazy] + [p.grad.lazy for p in self.params.values() if p.grad is not None])
@@ -212,6 +214,24 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(longt5, encoder_attention_type="global"), "longt5")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
+
+
+def test_led_global_projections_run_only_with_global_tokens():
+    """LED without a global_attention_mask is sliding-window attention alone: query/key/value_global get no
+    gradient (as in transformers, which then never runs them); another architecture refuses the mask by name."""
+    case = Case.get("led")
+    model = AutoModelForSeq2SeqLM.from_pretrained(case.folder, dtype="float32")
+    out = model(case.ref["input_ids"].astype(np.int64), attention_mask=case.ref["attention_mask"],
+                labels=case.ref["labels"].astype(np.int64))
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    global_names = [n for n in grads if "_global." in n]
+    assert global_names and all(grads[n] is None for n in global_names)
+    assert all(grads[n] is not None for n in grads if n not in global_names)
+    bart = AutoModelForSeq2SeqLM.from_pretrained(FIXTURES / "bart", dtype="float32", requires_grad=False)
+    with pytest.raises(vkf.VkformersError, match="global_attention_mask"):
+        bart(case.ref["input_ids"].astype(np.int64), labels=case.ref["labels"].astype(np.int64),
+             global_attention_mask=np.zeros((2, 8), np.int64))
 
 
 def test_bfloat16_forward_runs_close_to_float32():

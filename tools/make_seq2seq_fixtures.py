@@ -52,8 +52,12 @@ T = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTER, num
          num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
          relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=PAD, **TOK)
 
-# Smaller T5-style sizes for the newer fixtures (the size budget): d_model 16, 2 heads, 2 encoder / 1 decoder layers
-T_SMALL = dict(T, d_model=16, d_kv=8, num_heads=2, d_ff=16, num_decoder_layers=1)
+# Smaller T5-style sizes for the newer fixtures (the size budget): d_model 8, 2 heads, 2 encoder / 1 decoder layers
+T_SMALL = dict(T, d_model=8, d_kv=4, num_heads=2, d_ff=12, num_decoder_layers=1)
+
+# Smaller BART-style sizes (the size budget): d_model 8, 2 heads, feed-forward 12, 1 encoder / 1 decoder layer
+B_SMALL = dict(B, d_model=8, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=12,
+               decoder_ffn_dim=12, encoder_layers=1, decoder_layers=1)
 
 # T5Gemma stack (T5GemmaModuleConfig) names: GQA 4 query / 2 key-value heads, windows and soft-capping that show
 G = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
@@ -73,6 +77,8 @@ class Spec:
     untied_lm_head: bool = False  # write a distinct lm_head.weight into the checkpoint and reload: transformers
     #                               5.24 ties T5's lm_head unless the checkpoint holds a different one (T5 v1.1)
     forward_kwargs: dict = field(default_factory=dict)  # extra arguments of the reference forward (use_cache)
+    global_tokens: tuple = ()  # (row, position) pairs with global attention: the reference forward takes a
+    #                            global_attention_mask (saved in reference.safetensors); greedy decoding does not
 
 
 SPECS = [
@@ -143,16 +149,25 @@ SPECS = [
           "table is what counts); scale_embedding; relu. decoder_input_ids = prepare_decoder_input_ids_from_labels(labels) (last non-pad "
           "label wrapped first), so the shifted -100s are pad decoder tokens the decoder self-attention ignores."],
          labels_shifted_here=True),
+    Spec("led", "led", dict({k: v for k, v in B_SMALL.items() if k != "max_position_embeddings"}, attention_window=4,
+                            max_encoder_position_embeddings=16, max_decoder_position_embeddings=POSITIONS,
+                            decoder_start_token_id=EOS),
+         ["LED: BART's post-LN layers under led., learned positions from 0 (encoder table 16 rows, decoder 24), "
+          "layernorm_embedding, final_logits_bias; the encoder's Longformer self-attention with attention_window 4 "
+          "(keys within 2 of the query); the reference forward takes a global_attention_mask (row 0 token 0, row 1 "
+          "token 4: they attend to every key through query/key/value_global, every query attends to them); greedy "
+          "decoding runs without one (local attention only). d_model 8, 2 heads, 1 encoder / 1 decoder layer."],
+         global_tokens=((0, 0), (1, 4))),
     Spec("longt5", "longt5", dict(T_SMALL, encoder_attention_type="local", local_radius=2, num_layers=1),
          ["LongT5 with local encoder attention: local_radius 2 (blocks of 3 tokens seeing their neighbour blocks, "
           "masked to |i - j| <= 2) with layer 0's relative bias (8 buckets, max_distance 16); decoder as T5's; "
-          "relu; tied lm_head with the d_model**-0.5 rescale; d_model 16, 2 heads, 1 encoder / 1 decoder layer."]),
+          "relu; tied lm_head with the d_model**-0.5 rescale; d_model 8, 2 heads, 1 encoder / 1 decoder layer."]),
     Spec("longt5_tglobal", "longt5", dict(T_SMALL, encoder_attention_type="transient-global", local_radius=2,
                                           global_block_size=4, feed_forward_proj="gated-gelu"),
          ["LongT5 with transient-global encoder attention: local_radius 2 and global_block_size 4, so the 8 input "
           "tokens make 2 aggregate tokens (row 1, 6 tokens: its last 2 are orphans that join block 0, and global "
           "block 1 is masked); layer 0's relative and global relative bias tables shared by both encoder layers, "
-          "each layer its own global_input_layer_norm; gated-gelu; d_model 16, 2 heads, 2 encoder / 1 decoder "
+          "each layer its own global_input_layer_norm; gated-gelu; d_model 8, 2 heads, 2 encoder / 1 decoder "
           "layers."]),
 ]
 
@@ -216,11 +231,16 @@ def build(spec: Spec, out_root: Path):
     extra = {}
     if spec.labels_shifted_here:
         extra["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels.clone())
+    if spec.global_tokens:
+        extra["global_attention_mask"] = torch.zeros_like(ids)
+        for row, position in spec.global_tokens:
+            extra["global_attention_mask"][row, position] = 1
     fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **extra, **spec.forward_kwargs)
     logits = fwd.logits.detach().float()
     fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),
            "labels": labels.to(torch.int32), "logits": logits.contiguous(),
+           **({"global_attention_mask": extra["global_attention_mask"].to(torch.int32)} if spec.global_tokens else {}),
            "loss": fwd.loss.detach().float().reshape(())}
     no_grad = []
     for n, p in params.items():

@@ -249,6 +249,7 @@ KNOWN_FAMILIES = {
     "blenderbot-small": "t5",
     "encoder-decoder": "t5",
     "fsmt": "t5",
+    "led": "t5",
     "longt5": "t5",
     "m2m_100": "t5",
     "marian": "t5",

@@ -79,6 +79,14 @@ LAYOUTS["t5gemma"] = dict(LAYOUTS["bart"], shared=None, positions=None, embed_no
 LAYOUTS["longt5"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.LocalSelfAttention")
 LAYOUTS["longt5_tglobal"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.TransientGlobalSelfAttention")
 
+# LED: BART's names under the led prefix; the encoder's self-attention is Longformer's
+LAYOUTS["led"] = dict(LAYOUTS["bart"], shared="led.shared", encoder="led.encoder", decoder="led.decoder",
+                      encoder_self_attn=dict(q="longformer_self_attn.query", k="longformer_self_attn.key",
+                                             v="longformer_self_attn.value", o="output"),
+                      encoder_global_attn=dict(q="longformer_self_attn.query_global",
+                                               k="longformer_self_attn.key_global",
+                                               v="longformer_self_attn.value_global"))
+
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
 # cross-attention that transformers ignores too.
@@ -128,7 +136,7 @@ class Attention(Module):
     ``kv_heads`` < ``heads``: grouped-query attention (k and v have kv_heads heads)."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None,
-                 transient_global: bool = False):
+                 transient_global: bool = False, longformer_global: bool = False):
         super().__init__()
         kv_heads = kv_heads or heads
         inner = heads * spec.head_dim
@@ -146,6 +154,10 @@ class Attention(Module):
             if transient_global and bias_table else None
         global_norm = self.add("global_input_layer_norm", make_norm(spec)) if transient_global else None
         object.__setattr__(self, "global_table", global_table)
+        # LED: the global tokens' own query/key/value projections (Longformer's *_global)
+        object.__setattr__(self, "global_proj", {
+            role: place(self, names["encoder_global_attn"][role], Linear(spec.d_model, inner, bias=bias))
+            for role in ("q", "k", "v")} if longformer_global else None)
         object.__setattr__(self, "global_norm", global_norm)
 
     def split(self, role: str, x):
@@ -264,7 +276,8 @@ class Block(Module):
         self.transient_global = bool(spec.transient_global_block) and not decoder
         refs = dict(
             self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
-                                                       self.transient_global)),
+                                                       self.transient_global,
+                                                       spec.encoder_global_attention and not decoder)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
             cross_attn=(place(self, names["cross_attn"], Attention(spec, names, heads, False, kv_heads))
                         if decoder else None),
@@ -324,6 +337,8 @@ class Block(Module):
         if cache is None:
             out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask,
                               window=self.window)
+            if attn.global_proj is not None and ctx.global_rows_mask is not None:
+                out = self._longformer_global_rows(attn, h, out, ctx)
         elif bias is None:  # fused kernel over the cached keys (prefill or one-token decode)
             out = cache.self_attn.attend(self.index, q, k, v, scale=attn.scale, window=self.window,
                                          softcap=attn.softcap)
@@ -333,6 +348,17 @@ class Block(Module):
             write_kv(keys, values, k, v, ctx.cache_start)
             out = attn.attend(q, keys, values, causal=True, bias=bias)
         return attn.merge(out)
+
+    def _longformer_global_rows(self, attn, h, out, ctx: "StackContext"):
+        """LED: the global tokens' rows of ``out`` replaced by their attention over every (non-pad) key through
+        query/key/value_global."""
+        batch, length, _ = h.shape
+        def split(role):
+            return attn.global_proj[role](h).reshape(batch, length, attn.heads, attn.head_dim).permute(0, 2, 1, 3)
+        scores = (split("q") @ split("k").transpose(-1, -2)) * attn.scale
+        everywhere = (scores + ctx.global_key_bias).softmax(-1) @ split("v")
+        rows = ctx.global_rows_mask                                    # [B, 1, T, 1]: 1 on global tokens
+        return out * (1.0 - rows) + everywhere * rows
 
     def cross_attention(self, h, ctx: "StackContext"):
         attn = self.cross_attn
@@ -357,8 +383,15 @@ class StackContext:
     """What the layers of one stack share in one forward pass: masks, relative position bias, cache."""
 
     def __init__(self, stack: "Stack", length: int, key_padding: np.ndarray | None, past: int = 0, cache=None,
-                 encoder_states=None, encoder_mask: np.ndarray | None = None):
+                 encoder_states=None, encoder_mask: np.ndarray | None = None, global_mask: np.ndarray | None = None):
         self.stack, self.length, self.past, self.cache = stack, length, past, cache
+        # LED: the tokens with global attention (bool [B, T]), None when there are none
+        self._global = global_mask.astype(bool) if global_mask is not None and global_mask.any() else None
+        self.global_rows_mask = self.global_key_bias = None
+        if self._global is not None:
+            self.global_rows_mask = tensor(self._global[:, None, :, None].astype(np.float32))
+            real = np.ones_like(self._global) if key_padding is None else key_padding != 0
+            self.global_key_bias = tensor(np.where(real, 0.0, MASKED).astype(np.float32)[:, None, None, :])
         self.encoder_states = encoder_states
         self.key_padding_mask = None if key_padding is None else tensor(key_padding.astype(bool))
         self.encoder_padding_mask = None
@@ -450,6 +483,8 @@ class StackContext:
             allowed = np.abs(index[:, None] - index[None, :]) <= window
             if self._key_padding is not None:
                 allowed = allowed[None, None] & (self._key_padding[:, None, None, :] != 0)
+            if self._global is not None:  # LED: every query also sees the global tokens, wherever they are
+                allowed = allowed | self._global[:, None, None, :]
             self._window_bias[window] = tensor(np.where(allowed, 0.0, MASKED).astype(np.float32))
         return self._window_bias[window]
 
@@ -485,7 +520,7 @@ class Stack(Module):
         refs = dict(embed_positions=None, embed_norm=None, final_norm=None)
         if spec.positions == "learned":
             refs["embed_positions"] = place(self, names["positions"],
-                                            Embedding(spec.max_positions + spec.position_offset, spec.d_model))
+                                            Embedding(self.learned_rows() + spec.position_offset, spec.d_model))
         elif spec.positions == "fairseq" and spec.fairseq_table_trained:
             refs["embed_positions"] = place(self, names["positions"], Embedding(self.fairseq_rows(), spec.d_model))
         if spec.embed_norm:
@@ -510,12 +545,16 @@ class Stack(Module):
         """Tokens per sequence the position table has rows for; None for relative positions (T5), no table."""
         spec = self.spec
         if spec.positions == "learned":  # row = position + offset
-            return spec.max_positions
+            return self.learned_rows()
         if spec.positions == "fairseq":  # row = pad + 1 + position
             return self.fairseq_rows() - 1 - spec.pad_token_id
         if spec.positions in ("sinusoidal", "fairseq_from_zero"):
             return spec.max_positions - spec.position_offset
         return None
+
+    def learned_rows(self) -> int:
+        spec = self.spec
+        return spec.encoder_max_positions if spec.encoder_max_positions and not self.decoder else spec.max_positions
 
     def fairseq_rows(self) -> int:
         spec = self.spec
@@ -663,9 +702,11 @@ class Seq2SeqForConditionalGeneration(Module):
 
     # -- pieces
 
-    def encode(self, input_ids, attention_mask=None):
-        """The encoder's last hidden state [B, S, d_model]."""
+    def encode(self, input_ids, attention_mask=None, global_attention_mask=None):
+        """The encoder's last hidden state [B, S, d_model]. ``global_attention_mask`` (LED): 1 on the tokens with
+        global attention."""
         ids = _ids(input_ids)
+        global_mask = self._global_mask(ids, global_attention_mask)
         mask = None if attention_mask is None else _ids(attention_mask)
         if mask is None and self.spec.encoder_pads_masked:
             mask = (ids != self.spec.pad_token_id).astype(np.int64)
@@ -681,7 +722,19 @@ class Seq2SeqForConditionalGeneration(Module):
             if padding is not None:
                 padding = np.concatenate([np.ones((ids.shape[0], spec.global_tokens), np.int64), padding], axis=1)
             length += spec.global_tokens
-        return self.encoder(ids, StackContext(self.encoder, length, padding))
+        return self.encoder(ids, StackContext(self.encoder, length, padding, global_mask=global_mask))
+
+    def _global_mask(self, ids: np.ndarray, global_attention_mask) -> np.ndarray | None:
+        if global_attention_mask is None:
+            return None
+        if not self.spec.encoder_global_attention:
+            raise VkformersError(f"{self.architecture_name}: global_attention_mask is only taken by an encoder with "
+                                 "Longformer attention (LED); leave it out")
+        mask = _ids(global_attention_mask)
+        if mask.shape != ids.shape:
+            raise VkformersError(f"global_attention_mask has shape {list(mask.shape)}; give one like input_ids "
+                                 f"{list(ids.shape)}")
+        return mask
 
     def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None):
         """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""
@@ -738,7 +791,7 @@ class Seq2SeqForConditionalGeneration(Module):
     # -- forward
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
-                decoder_attention_mask=None, encoder_outputs=None):
+                decoder_attention_mask=None, encoder_outputs=None, global_attention_mask=None):
         ids = _ids(input_ids)
         mask = None if attention_mask is None else _ids(attention_mask)
         if decoder_attention_mask is not None and not _ids(decoder_attention_mask).all():
@@ -746,7 +799,8 @@ class Seq2SeqForConditionalGeneration(Module):
                                  "to every decoder token)")
         label_array = None if labels is None else _ids(labels)
         decoder_ids = self.decoder_inputs(ids, decoder_input_ids, label_array)
-        encoder_states = encoder_outputs if encoder_outputs is not None else self.encode(ids, mask)
+        encoder_states = encoder_outputs if encoder_outputs is not None else \
+            self.encode(ids, mask, global_attention_mask)
         logits = self.decode(decoder_ids, encoder_states, mask)
         loss = None
         if label_array is not None:
@@ -764,7 +818,7 @@ class Seq2SeqForConditionalGeneration(Module):
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
                  attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
-                 output_logits: bool = False):
+                 output_logits: bool = False, global_attention_mask=None):
         """Decoder tokens [batch, 1 + new] (int64), starting with decoder_start_token_id, as transformers returns.
 
         The encoder runs once; each step feeds one token through the decoder with a self-attention KV
@@ -800,7 +854,7 @@ class Seq2SeqForConditionalGeneration(Module):
         tokens = np.full((batch, 1), int(start), np.int64)
         step_logits = []
         with no_grad():
-            encoder_states = self.encode(ids, mask).realize()
+            encoder_states = self.encode(ids, mask, global_attention_mask).realize()
             device = self.decoder.embed_tokens.weight.device
             cache = Seq2SeqCache(spec, batch, 1 + max(int(max_new_tokens), 1), self.dtype, device, encoder_states,
                                  mask)

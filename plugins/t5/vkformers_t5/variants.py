@@ -69,6 +69,9 @@ class Seq2SeqSpec:
     # LongT5's transient-global encoder: each layer also attends to one aggregate token per block of this many
     # input tokens (their normed sum), with a relative bias of (block - token's block) from layer 0's table
     transient_global_block: int = 0
+    # LED's encoder (Longformer): tokens of a global_attention_mask attend to every key through their own
+    # query/key/value_global projections, and every query attends to them besides its window
+    encoder_global_attention: bool = False
     # PEGASUS-X's encoder: global_tokens learned tokens (embed_global) precede the input in every layer, with their
     # own pre-attention norm; block-local attention runs only when one local block covers the input, where it is
     # full attention over [global tokens; input] (longer inputs are refused)
@@ -96,6 +99,7 @@ class Seq2SeqSpec:
     #                                       counted only for real tokens)
     position_offset: int = 0              # learned table row = position + offset (BART: 2)
     max_positions: int = 1024
+    encoder_max_positions: int | None = None  # LED: the encoder's learned table has its own size (None: max_positions)
 
     # -- embeddings and head
     embed_scale: float = 1.0              # sqrt(d_model) with scale_embedding
@@ -325,6 +329,26 @@ def _t5gemma(config, arch):
         tie_lm_head=config.get("tie_word_embeddings", True) is not False,
         pad_token_id=_get(decoder, "pad_token_id", default=0), decoder_start_token_id=decoder.get("bos_token_id"),
         eos_token_id=config.get("eos_token_id"), decoder_pad_keys_masked=True, encoder_pads_masked=True)
+
+
+@architecture("led", norm="layer", status="verified",
+              notes="BART-layout; encoder Longformer attention: sliding window and global_attention_mask tokens")
+def _led(config, arch):
+    """BART (post-LN, layernorm_embedding, final_logits_bias) under the led prefix with learned positions from 0
+    (separate encoder and decoder table sizes) whose encoder self-attention is Longformer's: layer i's queries see
+    the keys within attention_window[i] / 2, and the tokens a global_attention_mask marks attend to every key
+    through query/key/value_global while every query attends to them (transformers pads the input to a multiple of
+    the window with masked pad tokens, which changes nothing it returns)."""
+    layers = config["encoder_layers"]
+    windows = config.get("attention_window", 512)
+    windows = [windows] * layers if isinstance(windows, int) else list(windows)
+    if len(windows) != layers or any(w <= 0 or w % 2 for w in windows):
+        raise UnsupportedConfigError(f"{arch}: config option attention_window={config.get('attention_window')!r} "
+                                     f"must be one positive even number or one per encoder layer ({layers})")
+    return bart_spec(dict(config, max_position_embeddings=config.get("max_decoder_position_embeddings", 1024)), arch,
+                     layout="led", position_offset=0, encoder_windows=tuple(w // 2 for w in windows),
+                     encoder_global_attention=True,
+                     encoder_max_positions=config.get("max_encoder_position_embeddings", 16384))
 
 
 @architecture("mvp", norm="layer", status="verified",
