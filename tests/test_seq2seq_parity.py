@@ -212,6 +212,14 @@ def test_labels_shift_and_errors():
     assert seq2seq_spec(longt5, "longt5").transient_global_block == 4
     with pytest.raises(UnsupportedConfigError, match="encoder_attention_type='global'"):
         seq2seq_spec(dict(longt5, encoder_attention_type="global"), "longt5")
+    nllb = json.loads((FIXTURES / "nllb-moe" / "config.json").read_text())
+    assert seq2seq_spec(nllb, "nllb-moe").encoder_sparse == (False, True)
+    for option, value in (("second_expert_policy", "sampling"), ("output_router_logits", True),
+                          ("batch_prioritized_routing", True)):
+        with pytest.raises(UnsupportedConfigError, match=option):
+            seq2seq_spec(dict(nllb, **{option: value}), "nllb-moe")
+    # batch-prioritised routing only reorders the capacity drops: without drops it is the same model
+    seq2seq_spec(dict(nllb, batch_prioritized_routing=True, moe_eval_capacity_token_fraction=1.0), "nllb-moe")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

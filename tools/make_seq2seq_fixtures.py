@@ -66,6 +66,39 @@ G = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidd
          dropout_rate=0.0, **TOK)
 
 
+def nllb_moe_top2_experts(model) -> None:
+    """transformers 5.24's NllbMoeExperts.forward one-hot encodes the router's top-1 *mask* instead of the chosen
+    experts' indices, so it runs expert_1 on each token's first choice and expert_0 on its second, whatever the
+    router chose. Replaced here by the mixture the router's combining weights describe (fairseq's): each expert on the
+    tokens whose weight for it is nonzero, output times that weight (times 1 - moe_token_dropout in eval mode),
+    summed. The router, capacity and everything else stay transformers'."""
+    from transformers.models.nllb_moe.modeling_nllb_moe import NllbMoeExperts
+
+    def forward(self, hidden_states, router_mask, router_probs):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            rows = torch.nonzero(router_probs[:, e] != 0).flatten()
+            if rows.numel() == 0:
+                continue
+            y = self[f"expert_{e}"](hidden_states[rows]) * router_probs[rows, e, None]
+            if self.moe_token_dropout > 0:
+                y = self.token_dropout(y) if self.training else y * (1 - self.moe_token_dropout)
+            out.index_add_(0, rows, y.to(hidden_states.dtype))
+        return out
+
+    for module in model.modules():
+        if isinstance(module, NllbMoeExperts):
+            module.forward = forward.__get__(module)
+
+
+REFERENCE_FIXES = {"nllb_moe_top2_experts": nllb_moe_top2_experts}
+
+
+def apply_reference_fix(model, spec) -> None:
+    if spec.reference_fix:
+        REFERENCE_FIXES[spec.reference_fix](model)
+
+
 @dataclass
 class Spec:
     name: str                    # fixture folder
@@ -77,6 +110,7 @@ class Spec:
     untied_lm_head: bool = False  # write a distinct lm_head.weight into the checkpoint and reload: transformers
     #                               5.24 ties T5's lm_head unless the checkpoint holds a different one (T5 v1.1)
     forward_kwargs: dict = field(default_factory=dict)  # extra arguments of the reference forward (use_cache)
+    reference_fix: str = ""  # a key of REFERENCE_FIXES: a transformers bug corrected in the reference model
     global_tokens: tuple = ()  # (row, position) pairs with global attention: the reference forward takes a
     #                            global_attention_mask (saved in reference.safetensors); greedy decoding does not
 
@@ -158,6 +192,17 @@ SPECS = [
           "token 4: they attend to every key through query/key/value_global, every query attends to them); greedy "
           "decoding runs without one (local attention only). d_model 8, 2 heads, 1 encoder / 1 decoder layer."],
          global_tokens=((0, 0), (1, 4))),
+    Spec("nllb-moe", "nllb-moe", dict(B_SMALL, encoder_layers=2, num_experts=3, encoder_sparse_step=2,
+                                      decoder_sparse_step=1, moe_eval_capacity_token_fraction=0.5,
+                                      moe_token_dropout=0.2, scale_embedding=True, decoder_start_token_id=EOS),
+         ["NLLB-MoE: M2M-100's pre-LN layers (cross_attention, ff_layer_norm names), fairseq sinusoidal positions, "
+          "scaled embeddings; encoder layer 1 and decoder layer 0 are top-2 mixtures of 3 fc1/fc2 experts with "
+          "biases (router.classifier, float32 softmax); moe_eval_capacity_token_fraction 0.5, so an expert keeps 8 "
+          "of the encoder's 16 tokens (6 of the decoder's 12) and some choices are dropped; the encoder's pad tokens "
+          "are not routed; experts' output times 1 - moe_token_dropout (0.8, eval mode). Reference: transformers "
+          "5.24 with NllbMoeExperts.forward corrected (nllb_moe_top2_experts: 5.24 runs expert_1 and expert_0 "
+          "whatever the router chose). d_model 8, 2 heads, 2 encoder / 1 decoder layers."],
+         reference_fix="nllb_moe_top2_experts"),
     Spec("longt5", "longt5", dict(T_SMALL, encoder_attention_type="local", local_radius=2, num_layers=1),
          ["LongT5 with local encoder attention: local_radius 2 (blocks of 3 tokens seeing their neighbour blocks, "
           "masked to |i - j| <= 2) with layer 0's relative bias (8 buckets, max_distance 16); decoder as T5's; "
@@ -205,6 +250,7 @@ def build(spec: Spec, out_root: Path):
     model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model = model.float().eval()
     issues = check_overrides(model.config, spec.overrides)
+    apply_reference_fix(model, spec)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     reinit_(model)
     with torch.no_grad():
@@ -223,6 +269,7 @@ def build(spec: Spec, out_root: Path):
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForSeq2SeqLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32)
         model = model.float().eval()
+        apply_reference_fix(model, spec)
         if model.lm_head.weight is model.get_input_embeddings().weight:
             raise RuntimeError("lm_head is still tied after writing a distinct one")
 
@@ -288,6 +335,7 @@ def build(spec: Spec, out_root: Path):
         "config_overrides": spec.overrides,
         "config_override_issues": issues,
         "attn_implementation": "eager",
+        "reference_fix": spec.reference_fix or None,
         "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), 1-D params "
                 f"+= N(0,{VEC_STD}), generator seed 1234, named_parameters() order; frozen parameters (fixed "
                 f"sinusoidal tables) restored; final_logits_bias = N(0,{FINAL_LOGITS_BIAS_STD}) (seed 99)"

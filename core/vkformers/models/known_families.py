@@ -256,6 +256,7 @@ KNOWN_FAMILIES = {
     "mbart": "t5",
     "mt5": "t5",
     "mvp": "t5",
+    "nllb-moe": "t5",
     "pegasus": "t5",
     "pegasus_x": "t5",
     "plbart": "t5",

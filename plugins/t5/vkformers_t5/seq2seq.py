@@ -16,6 +16,7 @@ sliding-window layers (a bidirectional window, which the kernel does not take) a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +87,11 @@ LAYOUTS["led"] = dict(LAYOUTS["bart"], shared="led.shared", encoder="led.encoder
                       encoder_global_attn=dict(q="longformer_self_attn.query_global",
                                                k="longformer_self_attn.key_global",
                                                v="longformer_self_attn.value_global"))
+
+# NLLB-MoE: BART's names with M2M-100's layers renamed; a sparse layer's ffn holds router.classifier and
+# experts.expert_<e>.fc1/fc2
+LAYOUTS["nllb_moe"] = dict(LAYOUTS["bart"], cross_attn="cross_attention", cross_norm="cross_attention_layer_norm",
+                           ffn="ffn", ffn_norm="ff_layer_norm")
 
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
@@ -257,6 +263,72 @@ class SwitchMoE(Module):
                                                for e, (up, down) in enumerate(self.experts)])
 
 
+class Top2MoE(Module):
+    """NLLB-MoE's sparse feed-forward (router.classifier, experts.expert_<e>.fc1/fc2 with biases), composed from
+    engine ops like SwitchMoE. Over the call's tokens flattened in order: router probabilities softmax(classifier(x))
+    in float32; each token's first and second most probable experts (pad tokens of the encoder take none unless
+    route_padding); an expert keeps at most ceil(fraction * tokens) of them, first choices before second ones
+    (a running count, only where the capacity can be reached); the two weights are the chosen probabilities
+    normalised to sum 1 (before the drops, or after: a dropped choice then gives its share to the other); the
+    output is the weighted sum of the chosen experts' outputs times output_scale. Gradients reach the router
+    through the chosen probabilities; an expert no token was kept for gets no gradient."""
+
+    def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
+        super().__init__()
+        self.spec = spec
+        object.__setattr__(self, "router", place(self, "router.classifier",
+                                                 Linear(spec.d_model, spec.num_experts, bias=spec.router_bias)))
+        object.__setattr__(self, "experts", [
+            (place(self, f"experts.expert_{e}.{names['up']}", Linear(spec.d_model, ffn, bias=True)),
+             place(self, f"experts.expert_{e}.{names['down']}", Linear(ffn, spec.d_model, bias=True)))
+            for e in range(spec.num_experts)])
+        self.act = F.activation(spec.activation)
+
+    def forward(self, h, token_mask: np.ndarray | None = None):
+        spec = self.spec
+        batch, length, width = h.shape
+        tokens = batch * length
+        x = h.reshape(tokens, width)
+        probs = self.router(x.float()).softmax(-1)                        # [N, E]
+        chosen = probs.detach()
+        first = F.where(topk_mask(chosen, 1), 1.0, 0.0)                    # ties go to the lower index (argmax's)
+        second = F.where(topk_mask(chosen, 2), 1.0, 0.0) - first
+        if token_mask is not None and not spec.moe_route_padding:
+            routed = tensor(token_mask.reshape(tokens, 1).astype(np.float32))
+            first, second = first * routed, second * routed
+        if spec.moe_normalize_before_dropping:
+            weight1, weight2 = self._normalized(probs, first, second)
+        capacity = math.ceil(spec.moe_capacity_fraction * tokens) if spec.moe_capacity_fraction > 0 else \
+            spec.expert_capacity
+        if capacity < tokens:  # an expert's slots: its first choices in token order, then its second ones
+            lower = tensor(np.tril(np.ones((tokens, tokens), np.float32)))
+            count1 = lower @ first
+            count2 = lower @ second + first.sum(0, keepdim=True)
+            first = first * F.where(count1 <= float(capacity), 1.0, 0.0)
+            second = second * F.where(count2 <= float(capacity), 1.0, 0.0)
+        if not spec.moe_normalize_before_dropping:
+            weight1, weight2 = self._normalized(probs, first, second)
+        weight = (weight1 * first + weight2 * second).cast(h.dtype)       # [N, E]
+        live = F.live_rows_where_used(weight)                             # per expert: every row or none
+        out = None
+        for e, (up, down) in enumerate(self.experts):
+            y = down(self.act(up(x, live[e:e + 1])), live[e:e + 1]) * weight[:, e:e + 1]
+            out = y if out is None else out + y
+        if spec.moe_output_scale != 1.0:
+            out = out * spec.moe_output_scale
+        out = F.gradient_use(out, present_if=[(live[e:e + 1], up.parameters() + down.parameters())
+                                              for e, (up, down) in enumerate(self.experts)])
+        return out.reshape(batch, length, width)
+
+    @staticmethod
+    def _normalized(probs, first, second):
+        """[N, 1] each: the chosen probabilities over their sum (a token with no choice left: 0 and 0)."""
+        p1, p2 = (probs * first).sum(-1, keepdim=True), (probs * second).sum(-1, keepdim=True)
+        none = 1.0 - (first + second).sum(-1, keepdim=True).clamp(0.0, 1.0)
+        denominator = p1 + p2 + none
+        return p1 / denominator, p2 / denominator
+
+
 # ---------------------------------------------------------------- one layer
 
 class Block(Module):
@@ -289,7 +361,8 @@ class Block(Module):
             refs[name] = place(self, names[name], make_norm(spec)) if wanted else None
         sub = names["ffn"].format(ffn=2 if decoder else 1)
         sparse = spec.decoder_sparse if decoder else spec.encoder_sparse
-        refs["moe"] = place(self, sub, SwitchMoE(spec, names, ffn)) if sparse and sparse[index] else None
+        sparse_block = Top2MoE if spec.moe_top2 else SwitchMoE
+        refs["moe"] = place(self, sub, sparse_block(spec, names, ffn)) if sparse and sparse[index] else None
         if refs["moe"] is not None:
             refs["gate"] = refs["up"] = refs["down"] = None
         elif spec.gated_ffn:
@@ -314,7 +387,9 @@ class Block(Module):
             return x + f(norm(x))
         return norm(x + f(x))
 
-    def feed_forward(self, h):
+    def feed_forward(self, h, ctx: "StackContext"):
+        if isinstance(self.moe, Top2MoE):  # NLLB-MoE: the encoder's pad tokens are not routed
+            return self.moe(h, None if self.decoder else ctx._key_padding)
         if self.moe is not None:
             return self.moe(h)
         if self.gate is not None:
@@ -374,7 +449,7 @@ class Block(Module):
         x = self._residual(x, norm, lambda h: self.self_attention(h, ctx), self.self_post_norm)
         if self.decoder:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx), self.cross_post_norm)
-        return self._residual(x, self.ffn_norm, self.feed_forward, self.ffn_post_norm)
+        return self._residual(x, self.ffn_norm, lambda h: self.feed_forward(h, ctx), self.ffn_post_norm)
 
 
 # ---------------------------------------------------------------- a stack's per-forward state

@@ -84,6 +84,13 @@ class Seq2SeqSpec:
     num_experts: int = 0
     expert_capacity: int = 0              # tokens per expert and sequence (per forward call); later ones are dropped
     router_bias: bool = False
+    # NLLB-MoE's sparse layers instead (see seq2seq.Top2MoE): top-2 routing over all the call's tokens, an expert
+    # keeping at most ceil(fraction * tokens) of them (first choices before second ones, in token order)
+    moe_top2: bool = False
+    moe_capacity_fraction: float = 1.0
+    moe_normalize_before_dropping: bool = False  # the two weights normalised before the capacity drops, not after
+    moe_route_padding: bool = False       # router_ignore_padding_tokens: the encoder's pad tokens are routed too
+    moe_output_scale: float = 1.0         # 1 - moe_token_dropout: transformers' experts' output in eval mode
 
     # -- positions
     relative_buckets: int = 0             # T5 relative position bias (0: none)
@@ -386,11 +393,41 @@ architecture("pegasus", norm="layer", status="verified",
              notes="BART-layout; sinusoidal positions",
              variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
                                             position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False))
-architecture("m2m_100", norm="layer", status="verified",
-             notes="BART-layout; sinusoidal positions",
-             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq",
-                                            position_offset=2, embed_norm=False, final_logits_bias=False,
-                                            decoder_inputs_from_input_ids=False))
+
+
+@architecture("m2m_100", norm="layer", status="verified",
+              notes="BART-layout; sinusoidal positions")
+def _m2m_100(config, arch, **delta):
+    return bart_spec(config, arch, pre_norm=True, final_norm=True, positions="fairseq", position_offset=2,
+                     embed_norm=False, final_logits_bias=False, decoder_inputs_from_input_ids=False, **delta)
+
+
+@architecture("nllb-moe", norm="layer", moe=True, status="verified",
+              notes=("M2M-100 with top-2 mixture-of-experts layers; reference: transformers 5.24 with its experts' "
+                     "dispatch corrected (it runs expert_1 and expert_0 whatever the router chose)"))
+def _nllb_moe(config, arch):
+    """M2M-100 (pre-LN, fairseq sinusoidal positions, scaled embeddings) whose every encoder_sparse_step-th /
+    decoder_sparse_step-th layer's feed-forward (``ffn``) is a top-2 mixture of num_experts fc1/fc2 experts with
+    biases, under ``cross_attention`` / ``ff_layer_norm`` names. Eval-mode semantics, as every dropout here: an
+    expert keeps ceil(moe_eval_capacity_token_fraction * tokens) tokens of a call (expert_capacity when the fraction
+    is 0), and its output is scaled by 1 - moe_token_dropout. The loss is the cross-entropy only."""
+    refuse(arch, config, "router_dtype", lambda v: v == "float32", "float32")
+    refuse(arch, config, "second_expert_policy", lambda v: v == "all", "all")  # sampling/random: stochastic
+    refuse(arch, config, "output_router_logits", lambda v: not v, False)  # would add the auxiliary loss
+    fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
+    # batch-prioritised routing orders the tokens by router probability before the capacity drops; with a
+    # fraction of 1 or more nothing is dropped and the order does not matter
+    refuse(arch, config, "batch_prioritized_routing", lambda v: not v or fraction >= 1.0, False)
+    def sparse(layers, step):
+        return tuple((i + 1) % step == 0 if step > 0 else False for i in range(layers))
+    return _m2m_100(config, arch, layout="nllb_moe", moe_top2=True,
+                    encoder_sparse=sparse(config["encoder_layers"], config.get("encoder_sparse_step", 4)),
+                    decoder_sparse=sparse(config["decoder_layers"], config.get("decoder_sparse_step", 4)),
+                    num_experts=config.get("num_experts", 128), expert_capacity=config.get("expert_capacity", 64),
+                    router_bias=bool(config.get("router_bias", False)), moe_capacity_fraction=fraction,
+                    moe_normalize_before_dropping=bool(config.get("normalize_router_prob_before_dropping", False)),
+                    moe_route_padding=bool(config.get("router_ignore_padding_tokens", False)),
+                    moe_output_scale=1.0 - float(config.get("moe_token_dropout", 0.2)))
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
 # whatever architecture that names.
