@@ -201,6 +201,12 @@ def _repeat_heads(t, heads: int):
 
 # ---------------------------------------------------------------- Switch Transformers' sparse feed-forward
 
+def router_logits(router: Linear, x):
+    """A router's logits in float32 whatever the model's dtype: transformers casts the classifier to its
+    router_dtype (float32) and the input with it."""
+    return F.linear(x.float(), router.weight.float(), router.bias.float() if router.has_bias else None)
+
+
 PACK_MIN_TOKENS = 64  # from this many tokens a call packs each expert's tokens (SwitchMoE); fewer stay in place
 
 
@@ -231,7 +237,7 @@ class SwitchMoE(Module):
         self.act = F.activation(spec.activation)
 
     def forward(self, h):
-        probs = self.router(h.float()).softmax(-1)                       # [B, T, E]
+        probs = router_logits(self.router, h).softmax(-1)                # [B, T, E]
         chosen = probs.detach()
         onehot = F.where(topk_mask(chosen, 1), 1.0, 0.0)                 # argmax's: a tie goes to the lower index
         length = h.shape[1]
@@ -289,7 +295,7 @@ class Top2MoE(Module):
         batch, length, width = h.shape
         tokens = batch * length
         x = h.reshape(tokens, width)
-        probs = self.router(x.float()).softmax(-1)                        # [N, E]
+        probs = router_logits(self.router, x).softmax(-1)                 # [N, E]
         chosen = probs.detach()
         first = F.where(topk_mask(chosen, 1), 1.0, 0.0)                    # ties go to the lower index (argmax's)
         second = F.where(topk_mask(chosen, 2), 1.0, 0.0) - first
