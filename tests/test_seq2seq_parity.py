@@ -273,6 +273,23 @@ def test_switch_packed_experts_match_transformers(monkeypatch):
     check_gradient_presence("switch_transformers", case)
 
 
+def test_nllb_moe_packed_experts_match_transformers(monkeypatch):
+    """NLLB-MoE with every call's tokens packed expert by expert (PACK_MIN_TOKENS lowered to 1; the experts'
+    biases picked per packed row): logits and every gradient against transformers, as test_logits and
+    test_gradients check the unpacked run."""
+    pytest.importorskip("vkformers_t5")
+    import vkformers_t5.seq2seq as seq2seq
+    monkeypatch.setattr(seq2seq, "PACK_MIN_TOKENS", 1)
+    packings = []
+    pack = seq2seq.PackedRoutes.of
+    monkeypatch.setattr(seq2seq.PackedRoutes, "of", lambda weights, k: packings.append(k) or pack(weights, k))
+    case = Case("nllb-moe")  # a run of its own, not the cached one
+    assert packings == [2, 2], "the packed path did not run in both sparse layers"
+    check_logits("nllb-moe", case)
+    check_gradients("nllb-moe", case)
+    check_gradient_presence("nllb-moe", case)
+
+
 def test_switch_adamw_skips_the_experts_no_token_was_kept_for():
     """A training step as the trainer builds it (backward deferred, the update in the same graph): the experts
     transformers gives no gradient keep their weights exactly (no weight decay), the others move."""

@@ -315,16 +315,48 @@ class Top2MoE(Module):
         if not spec.moe_normalize_before_dropping:
             weight1, weight2 = self._normalized(probs, first, second)
         weight = (weight1 * first + weight2 * second).cast(h.dtype)       # [N, E]
+        if tokens >= PACK_MIN_TOKENS:
+            out = self._packed(x, weight)
+            return self._output(out).reshape(batch, length, width)
         live = F.live_rows_where_used(weight)                             # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):
             y = down(self.act(up(x, live[e:e + 1])), live[e:e + 1]) * weight[:, e:e + 1]
             out = y if out is None else out + y
-        if spec.moe_output_scale != 1.0:
-            out = out * spec.moe_output_scale
-        out = F.gradient_use(out, present_if=[(live[e:e + 1], up.parameters() + down.parameters())
-                                              for e, (up, down) in enumerate(self.experts)])
-        return out.reshape(batch, length, width)
+        return self._output(out, live).reshape(batch, length, width)
+
+    def _packed(self, x, weight):
+        """The experts on their own tokens only: the rows packed expert by expert (PackedRoutes, F.grouped_matmul),
+        each row's expert biases picked by a one-hot of its expert (its routing weight's column, packed alike)."""
+        experts = len(self.experts)
+        routes = PackedRoutes.of(weight, 2)
+        # 1 + expert: rows past the packed ones gather 0. Products leave those rows unwritten, so they are selected
+        # away (forward and backward) before anything that sums over rows, as a bias's gradient does
+        number = np.arange(1, experts + 1, dtype=np.float32)
+        index = routes.gather_weights(tensor(np.broadcast_to(number, (x.shape[0], experts)).copy()))  # [R, 1]
+        packed = index > 0.5
+        onehot = F.where((index - tensor(number[None])).abs() < 0.5, 1.0, 0.0).cast(x.dtype)
+
+        def biases(linears):
+            return F.cat([linear.bias.reshape(1, -1) for linear in linears], 0)          # [E, out]
+
+        def run(rows, spans):
+            ups, downs = ([expert[i] for expert in self.experts] for i in (0, 1))
+            hidden = F.grouped_matmul(rows, [up.weight.transpose(0, 1) for up in ups], spans) + onehot @ biases(ups)
+            hidden = self.act(F.where(packed, hidden, 0.0))
+            out = F.grouped_matmul(hidden, [down.weight.transpose(0, 1) for down in downs], spans) + \
+                onehot @ biases(downs)
+            return F.where(packed, out, 0.0)
+        self._rows_per_expert = routes.spans[:, 1]
+        return routes.weighted_sum(x, weight, run)
+
+    def _output(self, out, rows_per_expert=None):
+        """out times output_scale, each expert's parameters given a gradient only where it ran on some token."""
+        rows = self._rows_per_expert if rows_per_expert is None else rows_per_expert
+        if self.spec.moe_output_scale != 1.0:
+            out = out * self.spec.moe_output_scale
+        return F.gradient_use(out, present_if=[(rows[e:e + 1], up.parameters() + down.parameters())
+                                               for e, (up, down) in enumerate(self.experts)])
 
     @staticmethod
     def _normalized(probs, first, second):
