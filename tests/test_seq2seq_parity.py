@@ -220,6 +220,12 @@ def test_labels_shift_and_errors():
             seq2seq_spec(dict(nllb, **{option: value}), "nllb-moe")
     # batch-prioritised routing only reorders the capacity drops: without drops it is the same model
     seq2seq_spec(dict(nllb, batch_prioritized_routing=True, moe_eval_capacity_token_fraction=1.0), "nllb-moe")
+    prophetnet = json.loads((FIXTURES / "prophetnet" / "config.json").read_text())
+    assert seq2seq_spec(prophetnet, "prophetnet").ngram == 2
+    with pytest.raises(UnsupportedConfigError, match="head counts differ"):
+        seq2seq_spec(dict(prophetnet, num_decoder_attention_heads=4), "prophetnet")
+    with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):
+        seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

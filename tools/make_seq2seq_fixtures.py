@@ -53,10 +53,11 @@ T = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTER, num
          relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=PAD, **TOK)
 
 # Smaller T5-style sizes for the newer fixtures (the size budget): d_model 8, 2 heads, 2 encoder / 1 decoder layers
-T_SMALL = dict(T, d_model=8, d_kv=4, num_heads=2, d_ff=12, num_decoder_layers=1)
+SMALL_VOCAB = 24  # the newer fixtures' vocabulary (inputs and labels 3..23)
+T_SMALL = dict(T, vocab_size=SMALL_VOCAB, d_model=8, d_kv=4, num_heads=2, d_ff=12, num_decoder_layers=1)
 
 # Smaller BART-style sizes (the size budget): d_model 8, 2 heads, feed-forward 12, 1 encoder / 1 decoder layer
-B_SMALL = dict(B, d_model=8, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=12,
+B_SMALL = dict(B, vocab_size=SMALL_VOCAB, d_model=8, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=12,
                decoder_ffn_dim=12, encoder_layers=1, decoder_layers=1)
 
 # T5Gemma stack (T5GemmaModuleConfig) names: GQA 4 query / 2 key-value heads, windows and soft-capping that show
@@ -203,6 +204,18 @@ SPECS = [
           "5.24 with NllbMoeExperts.forward corrected (nllb_moe_top2_experts: 5.24 runs expert_1 and expert_0 "
           "whatever the router chose). d_model 8, 2 heads, 2 encoder / 1 decoder layers."],
          reference_fix="nllb_moe_top2_experts"),
+    Spec("prophetnet", "prophetnet", dict(vocab_size=SMALL_VOCAB, hidden_size=8, encoder_ffn_dim=12, decoder_ffn_dim=12,
+                                          num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=2,
+                                          num_decoder_attention_heads=2, ngram=2, num_buckets=8,
+                                          relative_max_distance=16, max_position_embeddings=16, eps=0.1,
+                                          dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                          init_std=0.2, decoder_start_token_id=PAD, **TOK),
+         ["ProphetNet: post-LN encoder and decoder with learned positions from pad + 1 and embeddings_layer_norm; "
+          "the decoder runs the main stream and 2 predicting streams (ngram_embeddings plus the next position's "
+          "embedding) through n-gram self-attention, whose relative bias (8 buckets, max distance 16) is a projection "
+          "of each query's hidden state (relative_pos_embeddings) picked by bucket; the logits are predicting stream "
+          "0's, the loss is over both streams with label smoothing eps 0.1; tied word_embeddings. d_model 8, 2 "
+          "heads, 1 encoder / 1 decoder layer; vocabulary 24, position table 16 rows."]),
     Spec("longt5", "longt5", dict(T_SMALL, encoder_attention_type="local", local_radius=2, num_layers=1),
          ["LongT5 with local encoder attention: local_radius 2 (blocks of 3 tokens seeing their neighbour blocks, "
           "masked to |i - j| <= 2) with layer 0's relative bias (8 buckets, max_distance 16); decoder as T5's; "
@@ -217,13 +230,13 @@ SPECS = [
 ]
 
 
-def make_inputs():
+def make_inputs(vocab: int = VOCAB):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, VOCAB, (2, SEQ), generator=g, dtype=torch.int64)
+    ids = torch.randint(3, vocab, (2, SEQ), generator=g, dtype=torch.int64)
     mask = torch.ones(2, SEQ, dtype=torch.int64)
     ids[1, SEQ - RIGHT_PAD:] = PAD
     mask[1, SEQ - RIGHT_PAD:] = 0
-    labels = torch.randint(3, VOCAB, (2, TARGET), generator=g, dtype=torch.int64)
+    labels = torch.randint(3, vocab, (2, TARGET), generator=g, dtype=torch.int64)
     labels[0, 3] = -100                      # an ignored label in the middle: its shifted decoder input is pad
     labels[1, TARGET - 2:] = -100            # a shorter target (ignored tail)
     return ids, mask, labels
@@ -273,7 +286,7 @@ def build(spec: Spec, out_root: Path):
         if model.lm_head.weight is model.get_input_embeddings().weight:
             raise RuntimeError("lm_head is still tied after writing a distinct one")
 
-    ids, mask, labels = make_inputs()
+    ids, mask, labels = make_inputs(spec.overrides.get("vocab_size", VOCAB))
     params = dict(model.named_parameters())
     extra = {}
     if spec.labels_shifted_here:

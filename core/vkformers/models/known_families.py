@@ -260,6 +260,7 @@ KNOWN_FAMILIES = {
     "pegasus": "t5",
     "pegasus_x": "t5",
     "plbart": "t5",
+    "prophetnet": "t5",
     "switch_transformers": "t5",
     "t5": "t5",
     "t5_gemma_module": "t5",

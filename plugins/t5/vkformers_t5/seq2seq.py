@@ -93,6 +93,14 @@ LAYOUTS["led"] = dict(LAYOUTS["bart"], shared="led.shared", encoder="led.encoder
 LAYOUTS["nllb_moe"] = dict(LAYOUTS["bart"], cross_attn="cross_attention", cross_norm="cross_attention_layer_norm",
                            ffn="ffn", ffn_norm="ff_layer_norm")
 
+# ProphetNet: one word_embeddings table, post-LN layers with a feed_forward module, no final norms
+LAYOUTS["prophetnet"] = dict(LAYOUTS["bart"], shared="prophetnet.word_embeddings", encoder="prophetnet.encoder",
+                             decoder="prophetnet.decoder", embed_tokens="word_embeddings",
+                             positions="position_embeddings", embed_norm="embeddings_layer_norm", final_norm=None,
+                             cross_attn="cross_attn", cross_norm="cross_attn_layer_norm", ffn="feed_forward",
+                             ffn_norm="feed_forward_layer_norm", q="query_proj", k="key_proj", v="value_proj",
+                             o="out_proj", up="intermediate", down="output")
+
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
 # cross-attention that transformers ignores too.
@@ -142,7 +150,7 @@ class Attention(Module):
     ``kv_heads`` < ``heads``: grouped-query attention (k and v have kv_heads heads)."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None,
-                 transient_global: bool = False, longformer_global: bool = False):
+                 transient_global: bool = False, longformer_global: bool = False, ngram: bool = False):
         super().__init__()
         kv_heads = kv_heads or heads
         inner = heads * spec.head_dim
@@ -160,6 +168,9 @@ class Attention(Module):
             if transient_global and bias_table else None
         global_norm = self.add("global_input_layer_norm", make_norm(spec)) if transient_global else None
         object.__setattr__(self, "global_table", global_table)
+        # ProphetNet's n-gram self-attention: each query's relative bias for every bucket and head
+        object.__setattr__(self, "relative_proj", place(self, "relative_pos_embeddings", Linear(
+            spec.d_model, spec.ngram_buckets * heads, bias=True)) if ngram else None)
         # LED: the global tokens' own query/key/value projections (Longformer's *_global)
         object.__setattr__(self, "global_proj", {
             role: place(self, names["encoder_global_attn"][role], Linear(spec.d_model, inner, bias=bias))
@@ -387,7 +398,8 @@ class Block(Module):
         refs = dict(
             self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
                                                        self.transient_global,
-                                                       spec.encoder_global_attention and not decoder)),
+                                                       spec.encoder_global_attention and not decoder,
+                                                       bool(spec.ngram) and decoder)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
             cross_attn=(place(self, names["cross_attn"], Attention(spec, names, heads, False, kv_heads))
                         if decoder else None),
@@ -436,6 +448,8 @@ class Block(Module):
 
     def self_attention(self, h, ctx: "StackContext"):
         attn = self.self_attn
+        if attn.relative_proj is not None:
+            return self._ngram_self_attention(h, ctx)
         q, k, v = attn.split("q", h), attn.split("k", h), attn.split("v", h)
         if ctx.rope is not None:
             q, k = ctx.rotate(q), ctx.rotate(k)
@@ -461,6 +475,41 @@ class Block(Module):
             write_kv(keys, values, k, v, ctx.cache_start)
             out = attn.attend(q, keys, values, causal=True, bias=bias)
         return attn.merge(out)
+
+    def _ngram_self_attention(self, h, ctx: "StackContext"):
+        """ProphetNet: h holds the main stream's T rows, then each predicting stream's. The main stream attends
+        causally to itself; stream k to the main stream's keys (ctx.ngram_masks) and to its own key at its
+        position; each with a relative bias projected from the query's hidden state (ctx.ngram_relative)."""
+        attn = self.self_attn
+        batch, length, heads = h.shape[0], ctx.length, attn.heads
+        streams = h.shape[1] // length - 1
+        q, k, v = attn.split("q", h) * attn.scale, attn.split("k", h), attn.split("v", h)
+        relative = attn.relative_proj(h)                                   # [B, (1 + n) T, K * H]
+        buckets = relative.shape[-1] // heads
+        main_keys, main_values = k[:, :, :length], v[:, :, :length]
+        if ctx.cache is not None:  # one token: store its main key, then read every stored one (later rows masked)
+            keys, values = ctx.cache.self_attn.keys[self.index], ctx.cache.self_attn.values[self.index]
+            write_kv(keys, values, main_keys, main_values, ctx.cache_start)
+            main_keys, main_values = keys, values
+        # main stream: relative [B, T, K, H] -> [B, H, T, K], picked by bucket
+        main_relative = relative[:, :length].reshape(batch, length, buckets, heads).permute(0, 3, 1, 2)
+        scores = q[:, :, :length] @ main_keys.transpose(-1, -2) + ctx.ngram_relative(main_relative, 0) + \
+            ctx.ngram_masks[0]
+        outs = [scores.softmax(-1) @ main_values]
+        if streams:
+            # predicting streams: transformers lays their relative projection out as [B, T, n, H, K] and reads it
+            # as [B, n, H, T, K] (a reshape, not a transpose: for T > 1 a row takes another position's values)
+            stream_relative = relative[:, length:].reshape(batch, streams, length, buckets, heads)
+            stream_relative = stream_relative.permute(0, 2, 1, 4, 3).contiguous().reshape(
+                batch, streams, heads, length, buckets)
+            for stream in range(streams):
+                rows = slice(length * (1 + stream), length * (2 + stream))
+                keys = F.cat([main_keys, k[:, :, rows]], 2)
+                values = F.cat([main_values, v[:, :, rows]], 2)
+                scores = q[:, :, rows] @ keys.transpose(-1, -2) + \
+                    ctx.ngram_relative(stream_relative[:, stream], 1) + ctx.ngram_masks[1 + stream]
+                outs.append(scores.softmax(-1) @ values)
+        return attn.merge(F.cat(outs, 2))
 
     def _longformer_global_rows(self, attn, h, out, ctx: "StackContext"):
         """LED: the global tokens' rows of ``out`` replaced by their attention over every (non-pad) key through
@@ -538,10 +587,53 @@ class StackContext:
             inv_freq, scaling = rope_parameters(stack.spec.rope[1 if stack.decoder else 0], past + length)
             self.rope = (tensor(inv_freq), scaling)
         self._positions = None
+        self.ngram_masks = None
+        if stack.spec.ngram and stack.decoder:
+            self._ngram_setup()
         self.global_rows = None  # PEGASUS-X encoder: 1 on the global token rows, 0 on the input's
         if stack.spec.global_tokens and not stack.decoder:
             rows = (np.arange(length) < stack.spec.global_tokens).astype(np.float32)
             self.global_rows = tensor(rows[None, :, None])
+
+    def _ngram_setup(self):
+        """ProphetNet: each stream's additive mask and relative buckets (one-hot [T, K, S]) over its keys; the
+        predicting streams' keys are the main stream's (or the cache's) then their own T. With a cache (one token)
+        only stream 0 runs, over every stored main key up to its position, as transformers' cached step does."""
+        spec, length, past = self.stack.spec, self.length, self.past
+        main_keys = self.key_length
+        query = past + np.arange(length)
+        keys = np.arange(main_keys)
+
+        def onehot(buckets):
+            return tensor((buckets[:, None, :] == np.arange(spec.ngram_buckets)[None, :, None]).astype(np.float32))
+
+        def buckets(query_positions, key_length):
+            return relative_buckets(query_positions, key_length, bidirectional=False, num_buckets=spec.ngram_buckets,
+                                    max_distance=spec.ngram_max_distance)
+        causal = np.where(keys[None, :] > query[:, None], MASKED, 0.0)
+        masks, own = [causal], np.where(np.eye(length, dtype=bool), 0.0, MASKED)
+        streams = 1 if self.cache is not None else spec.ngram
+        for stream in range(streams):
+            if self.cache is not None:  # transformers' cached step: every stored main key
+                hidden = causal
+            else:  # stream k sees the main keys j <= i - k (and key 0 always)
+                hidden = np.where((keys[None, :] - query[:, None] >= 1 - stream) & (keys[None, :] != 0), MASKED, 0.0)
+            masks.append(np.concatenate([hidden, own], axis=1))
+        self.ngram_masks = [tensor(m.astype(np.float32)) for m in masks]
+        # main: key - query; predicting streams: (key - 1) - query over the main keys, key - query over their own
+        self._ngram_onehot = [onehot(buckets(query, main_keys)),
+                              onehot(np.concatenate([buckets(query + 1, main_keys), buckets(query, length)[:, -length:]
+                                                     if self.cache is None else np.zeros((length, length), np.int32)],
+                                                    axis=1))]
+        self.streams = streams
+
+    def ngram_relative(self, relative, kind: int):
+        """[B, H, T, K] per-query relative values -> [B, H, T, S]: each key's bucket's (kind 0: main, 1: stream)."""
+        batch, heads, length, buckets = relative.shape
+        onehot = self._ngram_onehot[kind]                                    # [T, K, S]
+        rows = relative.permute(2, 0, 1, 3).reshape(length, batch * heads, buckets)
+        picked = rows @ onehot                                               # [T, B * H, S]
+        return picked.reshape(length, batch, heads, -1).permute(1, 2, 0, 3)
 
     def rotate(self, x):
         """Rotary embedding of q or k [B, H, T, D] at positions past, past + 1, ... (every row alike)."""
@@ -629,8 +721,11 @@ class Stack(Module):
         self.spec, self.decoder = spec, decoder
         count = spec.decoder_layers if decoder else spec.encoder_layers
         vocab = spec.source_vocab_size if spec.source_vocab_size and not decoder else spec.vocab_size
-        self.embed_tokens = Embedding(vocab, spec.d_model)
-        refs = dict(embed_positions=None, embed_norm=None, final_norm=None)
+        refs = dict(embed_tokens=place(self, names.get("embed_tokens", "embed_tokens"), Embedding(vocab, spec.d_model)),
+                    embed_positions=None, embed_norm=None, final_norm=None)
+        # ProphetNet's decoder: one embedding per predicting stream
+        refs["ngram_embeddings"] = place(self, "ngram_embeddings", Embedding(spec.ngram, spec.d_model)) \
+            if spec.ngram and decoder else None
         if spec.positions == "learned":
             refs["embed_positions"] = place(self, names["positions"],
                                             Embedding(self.learned_rows() + spec.position_offset, spec.d_model))
@@ -708,6 +803,8 @@ class Stack(Module):
         x = self.embed(ids, ctx.past)
         if self.embed_global is not None:
             x = self.prepend_global(x)
+        if self.ngram_embeddings is not None:  # ProphetNet: the main stream's rows, then each predicting stream's
+            x = F.cat([x] + self.predicting_streams(ids, ctx), 1)
         for layer in self.layers:
             if self.recorded is not None:  # transformers' hidden_states: each layer's input, then the output
                 self.recorded.append(x)
@@ -718,6 +815,19 @@ class Stack(Module):
         if self.recorded is not None:
             self.recorded.append(x)
         return x
+
+    def predicting_streams(self, ids: np.ndarray, ctx: StackContext) -> list:
+        """ProphetNet: stream k's inputs, ngram_embeddings[k - 1] plus the next position's embedding (normed)."""
+        batch, length = ids.shape
+        table = self.embed_positions.weight
+        rows = F.embedding(tensor(self.positions(ids, ctx.past) + 1), table,
+                           padding_idx=self.spec.pad_token_id)                       # [B, T, D]
+        weight = self.ngram_embeddings.weight
+        streams = []
+        for stream in range(ctx.streams):
+            row = (stream - 1) % weight.shape[0]  # transformers indexes ngram_embeddings[k - 1]
+            streams.append(self.embed_norm(rows + weight[row:row + 1].reshape(1, 1, -1)))
+        return streams
 
     def prepend_global(self, x):
         """[global tokens; x] along the sequence."""
@@ -776,11 +886,12 @@ class Seq2SeqForConditionalGeneration(Module):
         for key, module in refs.items():
             object.__setattr__(self, key, module)
         # the table the head ties to: the shared one, or (FSMT: no shared table) the decoder's
+        embed = names.get("embed_tokens", "embed_tokens")
         self.head_tie_target = f"{names['shared']}.weight" if names["shared"] else \
-            f"{names['decoder']}.embed_tokens.weight"
+            f"{names['decoder']}.{embed}.weight"
         if names["shared"]:
             for stack in ("encoder", "decoder"):
-                self.tie(f"{names[stack]}.embed_tokens.weight", self.head_tie_target)
+                self.tie(f"{names[stack]}.{embed}.weight", self.head_tie_target)
         self.tie(f"{names['lm_head']}.weight", self.head_tie_target)
         self.logits_bias = None
 
@@ -849,9 +960,16 @@ class Seq2SeqForConditionalGeneration(Module):
                                  f"{list(ids.shape)}")
         return mask
 
-    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None):
-        """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""
-        x = self.decoder_hidden_states(decoder_ids, encoder_states, encoder_mask, cache)
+    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None,
+               all_streams: bool = False):
+        """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating).
+        ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]."""
+        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
+        if self.spec.ngram:
+            length = _ids(decoder_ids).shape[1]
+            x = x[:, length:].contiguous() if all_streams else x[:, length:2 * length]
+            if all_streams:
+                x = x.reshape(x.shape[0], -1, length, x.shape[-1])
         if self.spec.output_scale != 1.0:
             x = x * self.spec.output_scale
         logits = self.lm_head(x)
@@ -862,8 +980,17 @@ class Seq2SeqForConditionalGeneration(Module):
         return logits
 
     def decoder_hidden_states(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
-        """The decoder's last hidden state [B, T, d_model] (after its final norm), what the LM head reads."""
+        """The decoder's last hidden state [B, T, d_model] (after its final norm), what the LM head reads
+        (ProphetNet: the main stream's, as its base model returns)."""
+        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
+        length = _ids(decoder_ids).shape[1]
+        return x[:, :length] if self.spec.ngram else x
+
+    def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
+        """The decoder's output rows (ProphetNet: the main stream's T rows, then each predicting stream's)."""
         ids = _ids(decoder_ids)
+        if self.spec.ngram and cache is not None and ids.shape[1] != 1:
+            raise VkformersError(f"{self.architecture_name}: a cached decoder step takes one token per row")
         past = cache.position if cache is not None else 0
         padding = None
         if self.spec.decoder_pad_keys_masked and cache is None and (ids == self.spec.pad_token_id).any():
@@ -914,11 +1041,32 @@ class Seq2SeqForConditionalGeneration(Module):
         decoder_ids = self.decoder_inputs(ids, decoder_input_ids, label_array)
         encoder_states = encoder_outputs if encoder_outputs is not None else \
             self.encode(ids, mask, global_attention_mask)
+        if self.spec.ngram and label_array is not None:
+            streams = self.decode(decoder_ids, encoder_states, mask, all_streams=True)   # [B, n, T, V]
+            return Seq2SeqLMOutput(logits=streams[:, 0], loss=self._ngram_loss(streams, label_array),
+                                   encoder_last_hidden_state=encoder_states)
         logits = self.decode(decoder_ids, encoder_states, mask)
         loss = None
         if label_array is not None:
             loss = F.cross_entropy(logits.float(), tensor(label_array.astype(np.int32)), ignore_index=IGNORE_INDEX)
         return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_states)
+
+    def _ngram_loss(self, streams, labels: np.ndarray):
+        """ProphetNet: the mean cross-entropy over every stream's labels (the same ones; streams past the first
+        ignored with disable_ngram_loss), mixed with eps label smoothing: (1 - eps) nll + eps / V * the mean over
+        the counted rows of -sum(log p)."""
+        batch, count, length, vocab = streams.shape
+        targets = np.full((count, batch, length), IGNORE_INDEX, np.int64)
+        targets[:count if self.spec.ngram_loss else 1] = labels
+        logits = streams.float().permute(1, 0, 2, 3).reshape(count * batch, length, vocab)
+        targets = targets.reshape(count * batch, length)
+        loss = F.cross_entropy(logits, tensor(targets.astype(np.int32)), ignore_index=IGNORE_INDEX)
+        eps = self.spec.label_smoothing
+        if eps > 0.0:
+            counted = (targets != IGNORE_INDEX).astype(np.float32)
+            smooth = -(F.log_softmax(logits, -1).sum(-1) * tensor(counted)).sum() * (1.0 / counted.sum())
+            loss = loss * (1.0 - eps) + smooth * (eps / vocab)
+        return loss
 
     # -- generation
 

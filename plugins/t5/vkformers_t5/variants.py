@@ -91,6 +91,13 @@ class Seq2SeqSpec:
     moe_normalize_before_dropping: bool = False  # the two weights normalised before the capacity drops, not after
     moe_route_padding: bool = False       # router_ignore_padding_tokens: the encoder's pad tokens are routed too
     moe_output_scale: float = 1.0         # 1 - moe_token_dropout: transformers' experts' output in eval mode
+    # ProphetNet's decoder: ngram predicting streams beside the main one (seq2seq.Block._ngram_self_attention), with
+    # a relative bias projected from each query's hidden state (ngram_buckets buckets up to ngram_max_distance)
+    ngram: int = 0
+    ngram_buckets: int = 32
+    ngram_max_distance: int = 128
+    ngram_loss: bool = True               # the loss covers every stream (disable_ngram_loss: stream 0 only)
+    label_smoothing: float = 0.0          # ProphetNet's eps
 
     # -- positions
     relative_buckets: int = 0             # T5 relative position bias (0: none)
@@ -356,6 +363,37 @@ def _led(config, arch):
                      layout="led", position_offset=0, encoder_windows=tuple(w // 2 for w in windows),
                      encoder_global_attention=True,
                      encoder_max_positions=config.get("max_encoder_position_embeddings", 16384))
+
+
+@architecture("prophetnet", norm="layer", status="verified",
+              notes="BART-layout post-LN; n-gram predicting streams in the decoder (logits from stream 0)")
+def _prophetnet(config, arch):
+    """ProphetNet: post-LN layers (feed_forward.intermediate/output), learned positions from pad + 1 (a table of
+    max_position_embeddings rows), embeddings_layer_norm, one word_embeddings table tied everywhere. Its decoder runs
+    the main stream and ngram predicting streams (ngram_embeddings[k - 1] plus the next position's embedding) through
+    n-gram self-attention: the main stream causally over itself, stream k over the main stream's keys up to its
+    position (k = 0) or before it, and its own key; a relative bias per query from relative_pos_embeddings. The logits
+    are stream 0's; the loss is the mean cross-entropy over every stream's (the same labels), with eps label
+    smoothing."""
+    d, heads = config["hidden_size"], config["num_encoder_attention_heads"]
+    if config.get("num_decoder_attention_heads", heads) != heads:
+        raise UnsupportedConfigError(f"{arch}: encoder and decoder head counts differ")
+    if not config.get("add_cross_attention", True):
+        raise UnsupportedConfigError(f"{arch}: add_cross_attention=False (a decoder without the encoder) is not an "
+                                     "encoder-decoder")
+    pad = _get(config, "pad_token_id", default=0)
+    return Seq2SeqSpec(
+        vocab_size=config["vocab_size"], d_model=d, encoder_layers=config["num_encoder_layers"],
+        decoder_layers=config["num_decoder_layers"], encoder_heads=heads, decoder_heads=heads, head_dim=d // heads,
+        encoder_ffn=config["encoder_ffn_dim"], decoder_ffn=config["decoder_ffn_dim"], layout="prophetnet",
+        activation=config.get("activation_function", "gelu"), embed_norm=True, pad_embedding_frozen=True,
+        positions="learned", position_offset=pad + 1,
+        max_positions=config.get("max_position_embeddings", 512) - pad - 1,
+        tie_lm_head=config.get("tie_word_embeddings", True) is not False, pad_token_id=pad,
+        decoder_start_token_id=config.get("decoder_start_token_id", 0), eos_token_id=config.get("eos_token_id"),
+        ngram=config.get("ngram", 2), ngram_buckets=config.get("num_buckets", 32),
+        ngram_max_distance=config.get("relative_max_distance", 128),
+        ngram_loss=not config.get("disable_ngram_loss", False), label_smoothing=float(config.get("eps", 0.0)))
 
 
 @architecture("mvp", norm="layer", status="verified",
