@@ -375,25 +375,23 @@ def _prophetnet(config, arch):
     position (k = 0) or before it, and its own key; a relative bias per query from relative_pos_embeddings. The logits
     are stream 0's; the loss is the mean cross-entropy over every stream's (the same labels), with eps label
     smoothing."""
-    d, heads = config["hidden_size"], config["num_encoder_attention_heads"]
+    heads = config["num_encoder_attention_heads"]
     if config.get("num_decoder_attention_heads", heads) != heads:
         raise UnsupportedConfigError(f"{arch}: encoder and decoder head counts differ")
     if not config.get("add_cross_attention", True):
         raise UnsupportedConfigError(f"{arch}: add_cross_attention=False (a decoder without the encoder) is not an "
                                      "encoder-decoder")
     pad = _get(config, "pad_token_id", default=0)
-    return Seq2SeqSpec(
-        vocab_size=config["vocab_size"], d_model=d, encoder_layers=config["num_encoder_layers"],
-        decoder_layers=config["num_decoder_layers"], encoder_heads=heads, decoder_heads=heads, head_dim=d // heads,
-        encoder_ffn=config["encoder_ffn_dim"], decoder_ffn=config["decoder_ffn_dim"], layout="prophetnet",
-        activation=config.get("activation_function", "gelu"), embed_norm=True, pad_embedding_frozen=True,
-        positions="learned", position_offset=pad + 1,
-        max_positions=config.get("max_position_embeddings", 512) - pad - 1,
-        tie_lm_head=config.get("tie_word_embeddings", True) is not False, pad_token_id=pad,
-        decoder_start_token_id=config.get("decoder_start_token_id", 0), eos_token_id=config.get("eos_token_id"),
-        ngram=config.get("ngram", 2), ngram_buckets=config.get("num_buckets", 32),
-        ngram_max_distance=config.get("relative_max_distance", 128),
-        ngram_loss=not config.get("disable_ngram_loss", False), label_smoothing=float(config.get("eps", 0.0)))
+    rows = config.get("max_position_embeddings", 512)
+    as_bart = dict(config, d_model=config["hidden_size"], encoder_layers=config["num_encoder_layers"],
+                   decoder_layers=config["num_decoder_layers"], encoder_attention_heads=heads,
+                   decoder_attention_heads=heads, pad_token_id=pad)
+    return bart_spec(as_bart, arch, layout="prophetnet", position_offset=pad + 1, max_positions=rows - pad - 1,
+                     final_logits_bias=False, decoder_inputs_from_input_ids=False,
+                     ngram=config.get("ngram", 2), ngram_buckets=config.get("num_buckets", 32),
+                     ngram_max_distance=config.get("relative_max_distance", 128),
+                     ngram_loss=not config.get("disable_ngram_loss", False),
+                     label_smoothing=float(config.get("eps", 0.0)))
 
 
 @architecture("mvp", norm="layer", status="verified",
