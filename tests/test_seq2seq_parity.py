@@ -224,6 +224,8 @@ def test_labels_shift_and_errors():
     assert seq2seq_spec(prophetnet, "prophetnet").ngram == 2
     with pytest.raises(UnsupportedConfigError, match="head counts differ"):
         seq2seq_spec(dict(prophetnet, num_decoder_attention_heads=4), "prophetnet")
+    with pytest.raises(UnsupportedConfigError, match="ngram=0"):
+        seq2seq_spec(dict(prophetnet, ngram=0), "prophetnet")
     with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):
         seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
@@ -232,7 +234,8 @@ def test_labels_shift_and_errors():
 
 def test_led_global_projections_run_only_with_global_tokens():
     """LED without a global_attention_mask is sliding-window attention alone: query/key/value_global get no
-    gradient (as in transformers, which then never runs them); another architecture refuses the mask by name."""
+    gradient (as in transformers, which then never runs them); a pad token marked global is not; another
+    architecture refuses the mask by name."""
     case = Case.get("led")
     model = AutoModelForSeq2SeqLM.from_pretrained(case.folder, dtype="float32")
     out = model(case.ref["input_ids"].astype(np.int64), attention_mask=case.ref["attention_mask"],
@@ -242,6 +245,12 @@ def test_led_global_projections_run_only_with_global_tokens():
     global_names = [n for n in grads if "_global." in n]
     assert global_names and all(grads[n] is None for n in global_names)
     assert all(grads[n] is not None for n in grads if n not in global_names)
+    marked = case.ref["global_attention_mask"].astype(np.int64)
+    marked[1, -1] = 1  # a pad token: transformers merges the masks, so it takes no global attention
+    with vkf.no_grad():
+        logits = model(case.ref["input_ids"].astype(np.int64), attention_mask=case.ref["attention_mask"],
+                       labels=case.ref["labels"].astype(np.int64), global_attention_mask=marked).logits.numpy()
+    assert np.abs(logits - case.ref["logits"]).max() <= LOGITS_ATOL
     bart = AutoModelForSeq2SeqLM.from_pretrained(FIXTURES / "bart", dtype="float32", requires_grad=False)
     with pytest.raises(vkf.VkformersError, match="global_attention_mask"):
         bart(case.ref["input_ids"].astype(np.int64), labels=case.ref["labels"].astype(np.int64),

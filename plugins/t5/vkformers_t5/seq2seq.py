@@ -547,7 +547,9 @@ class StackContext:
     def __init__(self, stack: "Stack", length: int, key_padding: np.ndarray | None, past: int = 0, cache=None,
                  encoder_states=None, encoder_mask: np.ndarray | None = None, global_mask: np.ndarray | None = None):
         self.stack, self.length, self.past, self.cache = stack, length, past, cache
-        # LED: the tokens with global attention (bool [B, T]), None when there are none
+        # LED: the tokens with global attention (bool [B, T]; a pad token never has it), None when there are none
+        if global_mask is not None and key_padding is not None:
+            global_mask = global_mask * (key_padding != 0)
         self._global = global_mask.astype(bool) if global_mask is not None and global_mask.any() else None
         self.global_rows_mask = self.global_key_bias = None
         if self._global is not None:

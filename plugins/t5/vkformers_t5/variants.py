@@ -381,6 +381,7 @@ def _prophetnet(config, arch):
     if not config.get("add_cross_attention", True):
         raise UnsupportedConfigError(f"{arch}: add_cross_attention=False (a decoder without the encoder) is not an "
                                      "encoder-decoder")
+    refuse(arch, config, "ngram", lambda v: v >= 1, 2)  # the logits are predicting stream 0's
     pad = _get(config, "pad_token_id", default=0)
     rows = config.get("max_position_embeddings", 512)
     as_bart = dict(config, d_model=config["hidden_size"], encoder_layers=config["num_encoder_layers"],
