@@ -391,6 +391,7 @@ class Block(Module):
         ffn = spec.decoder_ffn if decoder else spec.encoder_ffn
         windows = spec.decoder_windows if decoder else spec.encoder_windows
         self.window = windows[index] if windows else 0
+        self.local_relative = bool(self.window and spec.relative_buckets and not decoder)
         has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
         self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
         self_path = names["self_attn"] if decoder else names.get("encoder_self_attn_path", names["self_attn"])
@@ -453,13 +454,9 @@ class Block(Module):
         q, k, v = attn.split("q", h), attn.split("k", h), attn.split("v", h)
         if ctx.rope is not None:
             q, k = ctx.rotate(q), ctx.rotate(k)
+        if self.local_relative:
+            return attn.merge(self._local_attention(attn, h, q, k, v, ctx))
         bias = ctx.bias(self)
-        if self.transient_global and ctx.global_members is not None:  # the blocks' aggregate tokens as more keys
-            members = ctx.global_members  # [1, G, T] without padding: the same blocks in every row
-            if members.shape[0] != h.shape[0]:
-                members = members.expand(h.shape[0], *members.shape[1:]).contiguous()
-            aggregates = attn.global_norm(members @ h)                   # [B, G, D]
-            k, v = F.cat([k, attn.split("k", aggregates)], 2), F.cat([v, attn.split("v", aggregates)], 2)
         cache = ctx.cache
         if cache is None:
             out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask,
@@ -475,6 +472,22 @@ class Block(Module):
             write_kv(keys, values, k, v, ctx.cache_start)
             out = attn.attend(q, keys, values, causal=True, bias=bias)
         return attn.merge(out)
+
+    def _local_attention(self, attn, h, q, k, v, ctx: "StackContext"):
+        """LongT5's encoder: the keys within the layer's window, in blocks (F.banded_attention), with layer 0's
+        relative bias; transient-global adds the blocks' aggregate tokens (their normed sum) as keys every query
+        sees, with their own bias."""
+        extra_keys = extra_values = extra_bias = None
+        if self.transient_global and ctx.global_members is not None:
+            members = ctx.global_members  # [1, G, T] without padding: the same blocks in every row
+            if members.shape[0] != h.shape[0]:
+                members = members.expand(h.shape[0], *members.shape[1:]).contiguous()
+            aggregates = attn.global_norm(members @ h)                   # [B, G, D]
+            extra_keys, extra_values = attn.split("k", aggregates), attn.split("v", aggregates)
+            extra_bias = ctx.side_bias()
+        return F.banded_attention(q, k, v, self.window, scale=attn.scale, band_bias=ctx.band_bias(self.window),
+                                  key_mask=None if ctx._key_padding is None else ctx._key_padding != 0,
+                                  extra_keys=extra_keys, extra_values=extra_values, extra_bias=extra_bias)
 
     def _ngram_self_attention(self, h, ctx: "StackContext"):
         """ProphetNet: h holds the main stream's T rows, then each predicting stream's. The main stream attends
@@ -574,7 +587,8 @@ class StackContext:
                 self._additive = np.where(key_padding[:, None, None, :] != 0, 0.0, MASKED).astype(np.float32)
         self._shared_bias = None
         self._window_bias = {}
-        self._local_bias = {}
+        self._band_bias = {}
+        self._side = None
         self.global_members = None  # LongT5 transient-global: [B, G, T] one-hot of each token's global block
         if stack.spec.transient_global_block and not stack.decoder:
             self._global_mask = np.ones((1, length), np.int64) if key_padding is None else key_padding.astype(np.int64)
@@ -657,16 +671,24 @@ class StackContext:
             return self._position_bias(block.self_attn.table)
         if self._shared_bias is None:  # layer 0's table, shared by every layer of the stack
             self._shared_bias = self._position_bias(self.stack.layers[0].self_attn.table)
-        if self.stack.decoder or not block.window:
-            return self._shared_bias
-        if block.window not in self._local_bias:  # LongT5's encoder: local keys only (and its aggregate tokens)
-            bias = self._shared_bias + self.encoder_window_bias(block.window)
-            if self.global_members is not None:
-                batch, heads = self.global_members.shape[0], bias.shape[1]
-                bias = F.cat([bias.expand(batch, heads, self.length, self.length).contiguous(),
-                              self._side_bias(self.stack.layers[0].self_attn.global_table)], -1)
-            self._local_bias[block.window] = bias
-        return self._local_bias[block.window]
+        return self._shared_bias
+
+    def band_bias(self, window: int):
+        """LongT5's local attention: layer 0's relative bias in F.banded_attention's layout [1, H, L, 3L] (by the
+        query's place in its block of L = window + 1 and the key's place in the three blocks)."""
+        if window not in self._band_bias:
+            spec, block = self.stack.spec, window + 1
+            buckets = relative_buckets(np.arange(block) + block, 3 * block, bidirectional=True,
+                                       num_buckets=spec.relative_buckets, max_distance=spec.relative_max_distance)
+            values = F.embedding(tensor(buckets), self.stack.layers[0].self_attn.table.weight)  # [L, 3L, H]
+            self._band_bias[window] = values.permute(2, 0, 1).reshape(1, -1, block, 3 * block)
+        return self._band_bias[window]
+
+    def side_bias(self):
+        """LongT5 transient-global: the aggregate tokens' bias, from layer 0's table (shared by the layers)."""
+        if self._side is None:
+            self._side = self._side_bias(self.stack.layers[0].self_attn.global_table)
+        return self._side
 
     def _side_bias(self, table: Embedding):
         """LongT5: [B, H, T, G], the bias of each token's query for each aggregate token: the bucket of (global
