@@ -392,6 +392,7 @@ class Block(Module):
         windows = spec.decoder_windows if decoder else spec.encoder_windows
         self.window = windows[index] if windows else 0
         self.local_relative = bool(self.window and spec.relative_buckets and not decoder)
+        self.longformer = bool(self.window and spec.encoder_global_attention and not decoder)  # LED's encoder
         has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
         self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
         self_path = names["self_attn"] if decoder else names.get("encoder_self_attn_path", names["self_attn"])
@@ -456,13 +457,13 @@ class Block(Module):
             q, k = ctx.rotate(q), ctx.rotate(k)
         if self.local_relative:
             return attn.merge(self._local_attention(attn, h, q, k, v, ctx))
+        if self.longformer:
+            return attn.merge(self._longformer_attention(attn, h, q, k, v, ctx))
         bias = ctx.bias(self)
         cache = ctx.cache
         if cache is None:
             out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask,
                               window=self.window)
-            if attn.global_proj is not None and ctx.global_rows_mask is not None:
-                out = self._longformer_global_rows(attn, h, out, ctx)
         elif bias is None:  # fused kernel over the cached keys (prefill or one-token decode)
             out = cache.self_attn.attend(self.index, q, k, v, scale=attn.scale, window=self.window,
                                          softcap=attn.softcap)
@@ -524,16 +525,27 @@ class Block(Module):
                 outs.append(scores.softmax(-1) @ values)
         return attn.merge(F.cat(outs, 2))
 
-    def _longformer_global_rows(self, attn, h, out, ctx: "StackContext"):
-        """LED: the global tokens' rows of ``out`` replaced by their attention over every (non-pad) key through
-        query/key/value_global."""
+    def _longformer_attention(self, attn, h, q, k, v, ctx: "StackContext"):
+        """LED's encoder (Longformer): each query sees the keys within the window (F.banded_attention) other than
+        global tokens and padding, and every global token's key; a global token's row is instead its attention over
+        every non-pad key through query/key/value_global. Memory linear in the length (times the global tokens)."""
+        real = None if ctx._key_padding is None else ctx._key_padding != 0
+        if ctx._global is None:
+            return F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=real)
+        local = ~ctx._global if real is None else real & ~ctx._global
+        select = ctx.global_select                                        # [B, 1, G, T]: each slot's token
+        out = F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=local,
+                                 extra_keys=select @ k, extra_values=select @ v, extra_bias=ctx.global_slot_bias)
         batch, length, _ = h.shape
-        def split(role):
-            return attn.global_proj[role](h).reshape(batch, length, attn.heads, attn.head_dim).permute(0, 2, 1, 3)
-        scores = (split("q") @ split("k").transpose(-1, -2)) * attn.scale
-        everywhere = (scores + ctx.global_key_bias).softmax(-1) @ split("v")
-        rows = ctx.global_rows_mask                                    # [B, 1, T, 1]: 1 on global tokens
-        return out * (1.0 - rows) + everywhere * rows
+        slots = select.shape[2]
+
+        def split(role, x):
+            return attn.global_proj[role](x).reshape(batch, x.shape[1], attn.heads, attn.head_dim).permute(0, 2, 1, 3)
+        rows = select.reshape(batch, slots, length) @ h                  # [B, G, D]: the global tokens
+        scores = (split("q", rows) @ split("k", h).transpose(-1, -2)) * attn.scale + ctx.global_key_bias
+        everywhere = scores.softmax(-1) @ split("v", h)                   # [B, H, G, D]
+        placed = select.transpose(-1, -2) @ everywhere                   # [B, H, T, D]: zero off the global rows
+        return out * (1.0 - ctx.global_rows_mask) + placed
 
     def cross_attention(self, h, ctx: "StackContext"):
         attn = self.cross_attn
@@ -569,6 +581,14 @@ class StackContext:
             self.global_rows_mask = tensor(self._global[:, None, :, None].astype(np.float32))
             real = np.ones_like(self._global) if key_padding is None else key_padding != 0
             self.global_key_bias = tensor(np.where(real, 0.0, MASKED).astype(np.float32)[:, None, None, :])
+            # the global tokens in slots (row b's first count[b] slots, in order) and the empty slots' mask
+            count = self._global.sum(1)
+            select = np.zeros((len(count), 1, int(count.max()), self._global.shape[1]), np.float32)
+            for row, positions in enumerate(np.nonzero(self._global[r])[0] for r in range(len(count))):
+                select[row, 0, np.arange(len(positions)), positions] = 1.0
+            self.global_select = tensor(select)
+            slots = np.arange(select.shape[2])[None, :] < count[:, None]
+            self.global_slot_bias = tensor(np.where(slots, 0.0, MASKED).astype(np.float32)[:, None, None, :])
         self.encoder_states = encoder_states
         self.key_padding_mask = None if key_padding is None else tensor(key_padding.astype(bool))
         self.encoder_padding_mask = None
@@ -712,8 +732,6 @@ class StackContext:
             allowed = np.abs(index[:, None] - index[None, :]) <= window
             if self._key_padding is not None:
                 allowed = allowed[None, None] & (self._key_padding[:, None, None, :] != 0)
-            if self._global is not None:  # LED: every query also sees the global tokens, wherever they are
-                allowed = allowed | self._global[:, None, None, :]
             self._window_bias[window] = tensor(np.where(allowed, 0.0, MASKED).astype(np.float32))
         return self._window_bias[window]
 
