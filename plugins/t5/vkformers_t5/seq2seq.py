@@ -327,8 +327,8 @@ class Top2MoE(Module):
             weight1, weight2 = self._normalized(probs, first, second)
         weight = (weight1 * first + weight2 * second).cast(h.dtype)       # [N, E]
         if tokens >= PACK_MIN_TOKENS:
-            out = self._packed(x, weight)
-            return self._output(out).reshape(batch, length, width)
+            out, rows_per_expert = self._packed(x, weight)
+            return self._output(out, rows_per_expert).reshape(batch, length, width)
         live = F.live_rows_where_used(weight)                             # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):
@@ -338,7 +338,8 @@ class Top2MoE(Module):
 
     def _packed(self, x, weight):
         """The experts on their own tokens only: the rows packed expert by expert (PackedRoutes, F.grouped_matmul),
-        each row's expert biases picked by a one-hot of its expert (its routing weight's column, packed alike)."""
+        each row's expert biases picked by a one-hot of its expert (its routing weight's column, packed alike).
+        Also returns each expert's row count."""
         experts = len(self.experts)
         routes = PackedRoutes.of(weight, 2)
         # 1 + expert: rows past the packed ones gather 0. Products leave those rows unwritten, so they are selected
@@ -358,12 +359,11 @@ class Top2MoE(Module):
             out = F.grouped_matmul(hidden, [down.weight.transpose(0, 1) for down in downs], spans) + \
                 onehot @ biases(downs)
             return F.where(packed, out, 0.0)
-        self._rows_per_expert = routes.spans[:, 1]
-        return routes.weighted_sum(x, weight, run)
+        return routes.weighted_sum(x, weight, run), routes.spans[:, 1]
 
-    def _output(self, out, rows_per_expert=None):
-        """out times output_scale, each expert's parameters given a gradient only where it ran on some token."""
-        rows = self._rows_per_expert if rows_per_expert is None else rows_per_expert
+    def _output(self, out, rows):
+        """out times output_scale, each expert's parameters given a gradient only where it ran on some token
+        (``rows``: float32 [E], the rows each expert ran on)."""
         if self.spec.moe_output_scale != 1.0:
             out = out * self.spec.moe_output_scale
         return F.gradient_use(out, present_if=[(rows[e:e + 1], up.parameters() + down.parameters())
@@ -441,7 +441,7 @@ class Block(Module):
 
     def feed_forward(self, h, ctx: "StackContext"):
         if isinstance(self.moe, Top2MoE):  # NLLB-MoE: the encoder's pad tokens are not routed
-            return self.moe(h, None if self.decoder else ctx._key_padding)
+            return self.moe(h, None if self.decoder else ctx.key_padding_array)
         if self.moe is not None:
             return self.moe(h)
         if self.gate is not None:
@@ -487,7 +487,7 @@ class Block(Module):
             extra_keys, extra_values = attn.split("k", aggregates), attn.split("v", aggregates)
             extra_bias = ctx.side_bias()
         return F.banded_attention(q, k, v, self.window, scale=attn.scale, band_bias=ctx.band_bias(self.window),
-                                  key_mask=None if ctx._key_padding is None else ctx._key_padding != 0,
+                                  key_mask=None if ctx.key_padding_array is None else ctx.key_padding_array != 0,
                                   extra_keys=extra_keys, extra_values=extra_values, extra_bias=extra_bias)
 
     def _ngram_self_attention(self, h, ctx: "StackContext"):
@@ -529,10 +529,10 @@ class Block(Module):
         """LED's encoder (Longformer): each query sees the keys within the window (F.banded_attention) other than
         global tokens and padding, and every global token's key; a global token's row is instead its attention over
         every non-pad key through query/key/value_global. Memory linear in the length (times the global tokens)."""
-        real = None if ctx._key_padding is None else ctx._key_padding != 0
-        if ctx._global is None:
+        real = None if ctx.key_padding_array is None else ctx.key_padding_array != 0
+        if ctx.longformer_global is None:
             return F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=real)
-        local = ~ctx._global if real is None else real & ~ctx._global
+        local = ~ctx.longformer_global if real is None else real & ~ctx.longformer_global
         select = ctx.global_select                                        # [B, 1, G, T]: each slot's token
         out = F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=local,
                                  extra_keys=select @ k, extra_values=select @ v, extra_bias=ctx.global_slot_bias)
@@ -575,16 +575,17 @@ class StackContext:
         # LED: the tokens with global attention (bool [B, T]; a pad token never has it), None when there are none
         if global_mask is not None and key_padding is not None:
             global_mask = global_mask * (key_padding != 0)
-        self._global = global_mask.astype(bool) if global_mask is not None and global_mask.any() else None
+        self.longformer_global = global_mask.astype(bool) if global_mask is not None and global_mask.any() else None
         self.global_rows_mask = self.global_key_bias = None
-        if self._global is not None:
-            self.global_rows_mask = tensor(self._global[:, None, :, None].astype(np.float32))
-            real = np.ones_like(self._global) if key_padding is None else key_padding != 0
+        if self.longformer_global is not None:
+            self.global_rows_mask = tensor(self.longformer_global[:, None, :, None].astype(np.float32))
+            real = np.ones_like(self.longformer_global) if key_padding is None else key_padding != 0
             self.global_key_bias = tensor(np.where(real, 0.0, MASKED).astype(np.float32)[:, None, None, :])
             # the global tokens in slots (row b's first count[b] slots, in order) and the empty slots' mask
-            count = self._global.sum(1)
-            select = np.zeros((len(count), 1, int(count.max()), self._global.shape[1]), np.float32)
-            for row, positions in enumerate(np.nonzero(self._global[r])[0] for r in range(len(count))):
+            count = self.longformer_global.sum(1)
+            select = np.zeros((len(count), 1, int(count.max()), self.longformer_global.shape[1]), np.float32)
+            for row in range(len(count)):
+                positions = np.nonzero(self.longformer_global[row])[0]
                 select[row, 0, np.arange(len(positions)), positions] = 1.0
             self.global_select = tensor(select)
             slots = np.arange(select.shape[2])[None, :] < count[:, None]
@@ -617,7 +618,7 @@ class StackContext:
             if held.shape[1]:
                 members = blocks[:, None, :] == np.arange(held.shape[1])[None, :, None]
                 self.global_members = tensor(members.astype(np.float32))
-        self._key_padding = key_padding
+        self.key_padding_array = key_padding
         self.rope = None  # rotary self-attention: (inv_freq, attention scaling); positions past, past + 1, ...
         if stack.spec.rope:
             inv_freq, scaling = rope_parameters(stack.spec.rope[1 if stack.decoder else 0], past + length)
@@ -730,8 +731,8 @@ class StackContext:
         if window not in self._window_bias:
             index = np.arange(self.length)
             allowed = np.abs(index[:, None] - index[None, :]) <= window
-            if self._key_padding is not None:
-                allowed = allowed[None, None] & (self._key_padding[:, None, None, :] != 0)
+            if self.key_padding_array is not None:
+                allowed = allowed[None, None] & (self.key_padding_array[:, None, None, :] != 0)
             self._window_bias[window] = tensor(np.where(allowed, 0.0, MASKED).astype(np.float32))
         return self._window_bias[window]
 
