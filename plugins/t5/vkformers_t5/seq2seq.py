@@ -483,7 +483,7 @@ class Block(Module):
             members = ctx.global_members  # [1, G, T] without padding: the same blocks in every row
             if members.shape[0] != h.shape[0]:
                 members = members.expand(h.shape[0], *members.shape[1:]).contiguous()
-            aggregates = attn.global_norm(members @ h)                   # [B, G, D]
+            aggregates = attn.global_norm(members.cast(h.dtype) @ h)     # [B, G, D]
             extra_keys, extra_values = attn.split("k", aggregates), attn.split("v", aggregates)
             extra_bias = ctx.side_bias()
         return F.banded_attention(q, k, v, self.window, scale=attn.scale, band_bias=ctx.band_bias(self.window),
@@ -508,7 +508,7 @@ class Block(Module):
         # main stream: relative [B, T, K, H] -> [B, H, T, K], picked by bucket
         main_relative = relative[:, :length].reshape(batch, length, buckets, heads).permute(0, 3, 1, 2)
         scores = q[:, :, :length] @ main_keys.transpose(-1, -2) + ctx.ngram_relative(main_relative, 0) + \
-            ctx.ngram_masks[0]
+            ctx.ngram_masks[0].cast(h.dtype)
         outs = [scores.softmax(-1) @ main_values]
         if streams:
             # predicting streams: transformers lays their relative projection out as [B, T, n, H, K] and reads it
@@ -521,7 +521,7 @@ class Block(Module):
                 keys = F.cat([main_keys, k[:, :, rows]], 2)
                 values = F.cat([main_values, v[:, :, rows]], 2)
                 scores = q[:, :, rows] @ keys.transpose(-1, -2) + \
-                    ctx.ngram_relative(stream_relative[:, stream], 1) + ctx.ngram_masks[1 + stream]
+                    ctx.ngram_relative(stream_relative[:, stream], 1) + ctx.ngram_masks[1 + stream].cast(h.dtype)
                 outs.append(scores.softmax(-1) @ values)
         return attn.merge(F.cat(outs, 2))
 
@@ -533,19 +533,21 @@ class Block(Module):
         if ctx.longformer_global is None:
             return F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=real)
         local = ~ctx.longformer_global if real is None else real & ~ctx.longformer_global
-        select = ctx.global_select                                        # [B, 1, G, T]: each slot's token
+        select = ctx.global_select.cast(h.dtype)                          # [B, 1, G, T]: each slot's token
         out = F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=local,
-                                 extra_keys=select @ k, extra_values=select @ v, extra_bias=ctx.global_slot_bias)
+                                 extra_keys=select @ k, extra_values=select @ v,
+                                 extra_bias=ctx.global_slot_bias.cast(h.dtype))
         batch, length, _ = h.shape
         slots = select.shape[2]
 
         def split(role, x):
             return attn.global_proj[role](x).reshape(batch, x.shape[1], attn.heads, attn.head_dim).permute(0, 2, 1, 3)
         rows = select.reshape(batch, slots, length) @ h                  # [B, G, D]: the global tokens
-        scores = (split("q", rows) @ split("k", h).transpose(-1, -2)) * attn.scale + ctx.global_key_bias
+        scores = (split("q", rows) @ split("k", h).transpose(-1, -2)) * attn.scale + \
+            ctx.global_key_bias.cast(h.dtype)
         everywhere = scores.softmax(-1) @ split("v", h)                   # [B, H, G, D]
         placed = select.transpose(-1, -2) @ everywhere                   # [B, H, T, D]: zero off the global rows
-        return out * (1.0 - ctx.global_rows_mask) + placed
+        return out * (1.0 - ctx.global_rows_mask.cast(h.dtype)) + placed
 
     def cross_attention(self, h, ctx: "StackContext"):
         attn = self.cross_attn
@@ -667,7 +669,7 @@ class StackContext:
     def ngram_relative(self, relative, kind: int):
         """[B, H, T, K] per-query relative values -> [B, H, T, S]: each key's bucket's (kind 0: main, 1: stream)."""
         batch, heads, length, buckets = relative.shape
-        onehot = self._ngram_onehot[kind]                                    # [T, K, S]
+        onehot = self._ngram_onehot[kind].cast(relative.dtype)               # [T, K, S]
         rows = relative.permute(2, 0, 1, 3).reshape(length, batch * heads, buckets)
         picked = rows @ onehot                                               # [T, B * H, S]
         return picked.reshape(length, batch, heads, -1).permute(1, 2, 0, 3)
