@@ -797,8 +797,8 @@ class Stack(Module):
     def max_length(self) -> int | None:
         """Tokens per sequence the position table has rows for; None for relative positions (T5), no table."""
         spec = self.spec
-        if spec.positions == "learned":  # row = position + offset
-            return self.learned_rows()
+        if spec.positions == "learned":  # row = position + offset (ProphetNet's predicting streams read the next)
+            return self.learned_rows() - (1 if self.ngram_embeddings is not None else 0)
         if spec.positions == "fairseq":  # row = pad + 1 + position
             return self.fairseq_rows() - 1 - spec.pad_token_id
         if spec.positions in ("sinusoidal", "fairseq_from_zero"):
