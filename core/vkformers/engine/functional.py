@@ -144,6 +144,26 @@ def log_softmax(x, dim=UNSET, *, axis=UNSET):
     return x.log_softmax(axis, dim=dim)
 
 
+def cumsum_rows(x):
+    """Inclusive running sums down the rows of x [N, C]: two small triangular products (within blocks of about
+    sqrt(N) rows, then over the blocks' totals), memory O(N sqrt(N)) rather than an [N, N] matrix's."""
+    rows, columns = x.shape
+    block = math.isqrt(max(rows - 1, 0)) + 1
+    blocks = -(-rows // block)
+    padded = blocks * block
+    if padded != rows:
+        x = cat([x, zeros((padded - rows, columns), dtype=x.dtype, device=x.device)], 0)
+    x = x.reshape(blocks, block, columns)
+    lower = tensor(np.broadcast_to(np.tril(np.ones((block, block), np.float32)), (blocks, block, block)).copy(),
+                   dtype=x.dtype)
+    within = lower @ x                                                       # [blocks, block, C]
+    if blocks > 1:
+        earlier = tensor(np.tril(np.ones((blocks, blocks), np.float32), -1), dtype=x.dtype)
+        within = within + (earlier @ x.sum(1)).unsqueeze(1)                  # the blocks before each block
+    out = within.reshape(padded, columns)
+    return out[:rows] if padded != rows else out
+
+
 BAND_MASKED = -1e9  # additive score of a key outside the band (exp underflows to exactly 0)
 
 
@@ -205,7 +225,7 @@ def banded_attention(q, k, v, radius: int, *, scale: float, band_bias=None, key_
     return out[:, :, :length] if padded != length else out
 
 
-__all__ = ["FusedNorm", "activation", "banded_attention", "cat", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+__all__ = ["FusedNorm", "activation", "banded_attention", "cat", "cumsum_rows", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",

@@ -318,9 +318,8 @@ class Top2MoE(Module):
         capacity = math.ceil(spec.moe_capacity_fraction * tokens) if spec.moe_capacity_fraction > 0 else \
             spec.expert_capacity
         if capacity < tokens:  # an expert's slots: its first choices in token order, then its second ones
-            lower = tensor(np.tril(np.ones((tokens, tokens), np.float32)))
-            count1 = lower @ first
-            count2 = lower @ second + first.sum(0, keepdim=True)
+            count1 = F.cumsum_rows(first)
+            count2 = F.cumsum_rows(second) + first.sum(0, keepdim=True)
             first = first * F.where(count1 <= float(capacity), 1.0, 0.0)
             second = second * F.where(count2 <= float(capacity), 1.0, 0.0)
         if not spec.moe_normalize_before_dropping:

@@ -1,6 +1,7 @@
-"""F.banded_attention (keys within a radius, in blocks of radius + 1: memory linear in the length) against the
-same attention over the whole T x T score matrix, forward and gradients, with padding, a band bias, extra keys
-and lengths that are and are not a multiple of the block."""
+"""Compositions of engine ops in vkformers.engine.functional against their plain forms, forward and gradients:
+F.banded_attention (keys within a radius, in blocks of radius + 1: memory linear in the length) against the same
+attention over the whole T x T score matrix, with padding, a band bias, extra keys and lengths that are and are not
+a multiple of the block; F.cumsum_rows against numpy's cumsum."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,3 +68,15 @@ def test_banded_attention_matches_the_dense_band(length, radius, extra):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for name in want_grads:
         np.testing.assert_allclose(got_grads[name], want_grads[name], atol=1e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 30])
+def test_cumsum_rows_matches_numpy(rows):
+    x = np.random.default_rng(rows).standard_normal((rows, 3)).astype(np.float32)
+    t = vkf.tensor(x, requires_grad=True)
+    out = F.cumsum_rows(t)
+    np.testing.assert_allclose(out.numpy(), np.cumsum(x, axis=0), atol=1e-5, rtol=1e-5)
+    weights = np.linspace(-1, 1, x.size, dtype=np.float32).reshape(x.shape)
+    (out * vkf.tensor(weights)).sum().backward()
+    # d/dx_i of sum_j w_j cumsum_j = sum over j >= i of w_j
+    np.testing.assert_allclose(t.grad.numpy(), np.cumsum(weights[::-1], axis=0)[::-1], atol=1e-5, rtol=1e-5)
