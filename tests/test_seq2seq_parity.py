@@ -52,8 +52,10 @@ class Case(CachedCase):
         self.meta = json.loads((self.folder / "meta.json").read_text())
         self.ref = read_reference(self.folder / "reference.safetensors")
         self.model = AutoModelForSeq2SeqLM.from_pretrained(self.folder, dtype="float32")
+        extra = {"global_attention_mask": self.ref["global_attention_mask"]} \
+            if "global_attention_mask" in self.ref else {}  # LED: tokens with global attention
         out = self.model(self.ref["input_ids"].astype(np.int64), attention_mask=self.ref["attention_mask"],
-                         labels=self.ref["labels"].astype(np.int64))
+                         labels=self.ref["labels"].astype(np.int64), **extra)
         out.loss.backward()
         self.params = dict(self.model.named_parameters())
         realize([out.logits.lazy, out.loss.lazy] + [p.grad.lazy for p in self.params.values() if p.grad is not None])
@@ -206,18 +208,65 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(t5gemma, encoder=dict(t5gemma["encoder"], hidden_size=64)), "t5_gemma_module")
     with pytest.raises(UnsupportedConfigError, match="stack config alone"):
         seq2seq_spec(t5gemma["decoder"], "t5_gemma_module")
+    longt5 = json.loads((FIXTURES / "longt5_tglobal" / "config.json").read_text())
+    assert seq2seq_spec(longt5, "longt5").transient_global_block == 4
+    with pytest.raises(UnsupportedConfigError, match="encoder_attention_type='global'"):
+        seq2seq_spec(dict(longt5, encoder_attention_type="global"), "longt5")
+    nllb = json.loads((FIXTURES / "nllb-moe" / "config.json").read_text())
+    assert seq2seq_spec(nllb, "nllb-moe").encoder_sparse == (False, True)
+    for option, value in (("second_expert_policy", "sampling"), ("output_router_logits", True),
+                          ("batch_prioritized_routing", True)):
+        with pytest.raises(UnsupportedConfigError, match=option):
+            seq2seq_spec(dict(nllb, **{option: value}), "nllb-moe")
+    # batch-prioritised routing only reorders the capacity drops: without drops it is the same model
+    seq2seq_spec(dict(nllb, batch_prioritized_routing=True, moe_eval_capacity_token_fraction=1.0), "nllb-moe")
+    prophetnet = json.loads((FIXTURES / "prophetnet" / "config.json").read_text())
+    assert seq2seq_spec(prophetnet, "prophetnet").ngram == 2
+    with pytest.raises(UnsupportedConfigError, match="head counts differ"):
+        seq2seq_spec(dict(prophetnet, num_decoder_attention_heads=4), "prophetnet")
+    with pytest.raises(UnsupportedConfigError, match="ngram=0"):
+        seq2seq_spec(dict(prophetnet, ngram=0), "prophetnet")
+    with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):
+        seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet")
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 
 
-def test_bfloat16_forward_runs_close_to_float32():
-    """Loaded as bfloat16 (fixed float32 sinusoidal tables are cast to the model dtype): logits stay within
-    bfloat16 rounding of transformers' float32 ones and the greedy tokens are the same."""
-    folder = FIXTURES / "marian"
+def test_led_global_projections_run_only_with_global_tokens():
+    """LED without a global_attention_mask is sliding-window attention alone: query/key/value_global get no
+    gradient (as in transformers, which then never runs them); a pad token marked global is not; another
+    architecture refuses the mask by name."""
+    case = Case.get("led")
+    model = AutoModelForSeq2SeqLM.from_pretrained(case.folder, dtype="float32")
+    out = model(case.ref["input_ids"].astype(np.int64), attention_mask=case.ref["attention_mask"],
+                labels=case.ref["labels"].astype(np.int64))
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    global_names = [n for n in grads if "_global." in n]
+    assert global_names and all(grads[n] is None for n in global_names)
+    assert all(grads[n] is not None for n in grads if n not in global_names)
+    marked = case.ref["global_attention_mask"].astype(np.int64)
+    marked[1, -1] = 1  # a pad token: transformers merges the masks, so it takes no global attention
+    with vkf.no_grad():
+        logits = model(case.ref["input_ids"].astype(np.int64), attention_mask=case.ref["attention_mask"],
+                       labels=case.ref["labels"].astype(np.int64), global_attention_mask=marked).logits.numpy()
+    assert np.abs(logits - case.ref["logits"]).max() <= LOGITS_ATOL
+    bart = AutoModelForSeq2SeqLM.from_pretrained(FIXTURES / "bart", dtype="float32", requires_grad=False)
+    with pytest.raises(vkf.VkformersError, match="global_attention_mask"):
+        bart(case.ref["input_ids"].astype(np.int64), labels=case.ref["labels"].astype(np.int64),
+             global_attention_mask=np.zeros((2, 8), np.int64))
+
+
+@pytest.mark.parametrize("name", ["marian", "switch_transformers", "nllb-moe", "longt5_tglobal", "led", "prophetnet"])
+def test_bfloat16_forward_runs_close_to_float32(name):
+    """Loaded as bfloat16 (fixed float32 sinusoidal tables are cast to the model dtype; a mixture's router runs in
+    float32, as transformers casts it): logits stay within bfloat16 rounding of transformers' float32 ones."""
+    folder = FIXTURES / name
     ref = read_reference(folder / "reference.safetensors")
     model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype="bfloat16", requires_grad=False)
+    extra = {"global_attention_mask": ref["global_attention_mask"]} if "global_attention_mask" in ref else {}
     out = model(ref["input_ids"].astype(np.int64), attention_mask=ref["attention_mask"],
-                labels=ref["labels"].astype(np.int64))
+                labels=ref["labels"].astype(np.int64), **extra)
     assert out.logits.dtype.name == "bfloat16"
     assert np.abs(out.logits.numpy() - ref["logits"]).max() < 0.25
     assert abs(out.loss.item() - float(ref["loss"])) < 0.02
@@ -238,6 +287,23 @@ def test_switch_packed_experts_match_transformers(monkeypatch):
     check_logits("switch_transformers", case)
     check_gradients("switch_transformers", case)
     check_gradient_presence("switch_transformers", case)
+
+
+def test_nllb_moe_packed_experts_match_transformers(monkeypatch):
+    """NLLB-MoE with every call's tokens packed expert by expert (PACK_MIN_TOKENS lowered to 1; the experts'
+    biases picked per packed row): logits and every gradient against transformers, as test_logits and
+    test_gradients check the unpacked run."""
+    pytest.importorskip("vkformers_t5")
+    import vkformers_t5.seq2seq as seq2seq
+    monkeypatch.setattr(seq2seq, "PACK_MIN_TOKENS", 1)
+    packings = []
+    pack = seq2seq.PackedRoutes.of
+    monkeypatch.setattr(seq2seq.PackedRoutes, "of", lambda weights, k: packings.append(k) or pack(weights, k))
+    case = Case("nllb-moe")  # a run of its own, not the cached one
+    assert packings == [2, 2], "the packed path did not run in both sparse layers"
+    check_logits("nllb-moe", case)
+    check_gradients("nllb-moe", case)
+    check_gradient_presence("nllb-moe", case)
 
 
 def test_switch_adamw_skips_the_experts_no_token_was_kept_for():

@@ -187,6 +187,7 @@ def build_seq2seq(spec, out_root: Path) -> dict:
     folder = out_root / spec.name
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(folder, attn_implementation="eager",
                                                                dtype=torch.float32).float().eval()
+    ms.apply_reference_fix(model, spec)
     ref = load_file(str(folder / "reference.safetensors"))
     ids, mask = ref["input_ids"].long(), ref["attention_mask"].long()
     gen_cfg = ms.clean_generation_config(model.config)

@@ -52,11 +52,52 @@ T = dict(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTER, num
          num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
          relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=PAD, **TOK)
 
+# Smaller T5-style sizes for the newer fixtures (the size budget): d_model 8, 2 heads, 2 encoder / 1 decoder layers
+SMALL_VOCAB = 24  # the newer fixtures' vocabulary (inputs and labels 3..23)
+T_SMALL = dict(T, vocab_size=SMALL_VOCAB, d_model=8, d_kv=4, num_heads=2, d_ff=12, num_decoder_layers=1)
+
+# Smaller BART-style sizes (the size budget): d_model 8, 2 heads, feed-forward 12, 1 encoder / 1 decoder layer
+B_SMALL = dict(B, vocab_size=SMALL_VOCAB, d_model=8, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=12,
+               decoder_ffn_dim=12, encoder_layers=1, decoder_layers=1)
+
 # T5Gemma stack (T5GemmaModuleConfig) names: GQA 4 query / 2 key-value heads, windows and soft-capping that show
 G = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
          num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS, max_position_embeddings=128,
          sliding_window=4, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
          dropout_rate=0.0, **TOK)
+
+
+def nllb_moe_top2_experts(model) -> None:
+    """transformers 5.24's NllbMoeExperts.forward one-hot encodes the router's top-1 *mask* instead of the chosen
+    experts' indices, so it runs expert_1 on each token's first choice and expert_0 on its second, whatever the
+    router chose. Replaced here by the mixture the router's combining weights describe (fairseq's): each expert on the
+    tokens whose weight for it is nonzero, output times that weight (times 1 - moe_token_dropout in eval mode),
+    summed. The router, capacity and everything else stay transformers'."""
+    from transformers.models.nllb_moe.modeling_nllb_moe import NllbMoeExperts
+
+    def forward(self, hidden_states, router_mask, router_probs):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            rows = torch.nonzero(router_probs[:, e] != 0).flatten()
+            if rows.numel() == 0:
+                continue
+            y = self[f"expert_{e}"](hidden_states[rows]) * router_probs[rows, e, None]
+            if self.moe_token_dropout > 0:
+                y = self.token_dropout(y) if self.training else y * (1 - self.moe_token_dropout)
+            out.index_add_(0, rows, y.to(hidden_states.dtype))
+        return out
+
+    for module in model.modules():
+        if isinstance(module, NllbMoeExperts):
+            module.forward = forward.__get__(module)
+
+
+REFERENCE_FIXES = {"nllb_moe_top2_experts": nllb_moe_top2_experts}
+
+
+def apply_reference_fix(model, spec) -> None:
+    if spec.reference_fix:
+        REFERENCE_FIXES[spec.reference_fix](model)
 
 
 @dataclass
@@ -70,6 +111,9 @@ class Spec:
     untied_lm_head: bool = False  # write a distinct lm_head.weight into the checkpoint and reload: transformers
     #                               5.24 ties T5's lm_head unless the checkpoint holds a different one (T5 v1.1)
     forward_kwargs: dict = field(default_factory=dict)  # extra arguments of the reference forward (use_cache)
+    reference_fix: str = ""  # a key of REFERENCE_FIXES: a transformers bug corrected in the reference model
+    global_tokens: tuple = ()  # (row, position) pairs with global attention: the reference forward takes a
+    #                            global_attention_mask (saved in reference.safetensors); greedy decoding does not
 
 
 SPECS = [
@@ -140,16 +184,59 @@ SPECS = [
           "table is what counts); scale_embedding; relu. decoder_input_ids = prepare_decoder_input_ids_from_labels(labels) (last non-pad "
           "label wrapped first), so the shifted -100s are pad decoder tokens the decoder self-attention ignores."],
          labels_shifted_here=True),
+    Spec("led", "led", dict({k: v for k, v in B_SMALL.items() if k != "max_position_embeddings"}, attention_window=4,
+                            max_encoder_position_embeddings=16, max_decoder_position_embeddings=POSITIONS,
+                            decoder_start_token_id=EOS),
+         ["LED: BART's post-LN layers under led., learned positions from 0 (encoder table 16 rows, decoder 24), "
+          "layernorm_embedding, final_logits_bias; the encoder's Longformer self-attention with attention_window 4 "
+          "(keys within 2 of the query); the reference forward takes a global_attention_mask (row 0 token 0, row 1 "
+          "token 4: they attend to every key through query/key/value_global, every query attends to them); greedy "
+          "decoding runs without one (local attention only). d_model 8, 2 heads, 1 encoder / 1 decoder layer."],
+         global_tokens=((0, 0), (1, 4))),
+    Spec("nllb-moe", "nllb-moe", dict(B_SMALL, encoder_layers=2, num_experts=3, encoder_sparse_step=2,
+                                      decoder_sparse_step=1, moe_eval_capacity_token_fraction=0.5,
+                                      moe_token_dropout=0.2, scale_embedding=True, decoder_start_token_id=EOS),
+         ["NLLB-MoE: M2M-100's pre-LN layers (cross_attention, ff_layer_norm names), fairseq sinusoidal positions, "
+          "scaled embeddings; encoder layer 1 and decoder layer 0 are top-2 mixtures of 3 fc1/fc2 experts with "
+          "biases (router.classifier, float32 softmax); moe_eval_capacity_token_fraction 0.5, so an expert keeps 8 "
+          "of the encoder's 16 tokens (6 of the decoder's 12) and some choices are dropped; the encoder's pad tokens "
+          "are not routed; experts' output times 1 - moe_token_dropout (0.8, eval mode). Reference: transformers "
+          "5.24 with NllbMoeExperts.forward corrected (nllb_moe_top2_experts: 5.24 runs expert_1 and expert_0 "
+          "whatever the router chose). d_model 8, 2 heads, 2 encoder / 1 decoder layers."],
+         reference_fix="nllb_moe_top2_experts"),
+    Spec("prophetnet", "prophetnet", dict(vocab_size=SMALL_VOCAB, hidden_size=8, encoder_ffn_dim=12, decoder_ffn_dim=12,
+                                          num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=2,
+                                          num_decoder_attention_heads=2, ngram=2, num_buckets=8,
+                                          relative_max_distance=16, max_position_embeddings=16, eps=0.1,
+                                          dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                          init_std=0.2, decoder_start_token_id=PAD, **TOK),
+         ["ProphetNet: post-LN encoder and decoder with learned positions from pad + 1 and embeddings_layer_norm; "
+          "the decoder runs the main stream and 2 predicting streams (ngram_embeddings plus the next position's "
+          "embedding) through n-gram self-attention, whose relative bias (8 buckets, max distance 16) is a projection "
+          "of each query's hidden state (relative_pos_embeddings) picked by bucket; the logits are predicting stream "
+          "0's, the loss is over both streams with label smoothing eps 0.1; tied word_embeddings. d_model 8, 2 "
+          "heads, 1 encoder / 1 decoder layer; vocabulary 24, position table 16 rows."]),
+    Spec("longt5", "longt5", dict(T_SMALL, encoder_attention_type="local", local_radius=2, num_layers=1),
+         ["LongT5 with local encoder attention: local_radius 2 (blocks of 3 tokens seeing their neighbour blocks, "
+          "masked to |i - j| <= 2) with layer 0's relative bias (8 buckets, max_distance 16); decoder as T5's; "
+          "relu; tied lm_head with the d_model**-0.5 rescale; d_model 8, 2 heads, 1 encoder / 1 decoder layer."]),
+    Spec("longt5_tglobal", "longt5", dict(T_SMALL, encoder_attention_type="transient-global", local_radius=2,
+                                          global_block_size=4, feed_forward_proj="gated-gelu"),
+         ["LongT5 with transient-global encoder attention: local_radius 2 and global_block_size 4, so the 8 input "
+          "tokens make 2 aggregate tokens (row 1, 6 tokens: its last 2 are orphans that join block 0, and global "
+          "block 1 is masked); layer 0's relative and global relative bias tables shared by both encoder layers, "
+          "each layer its own global_input_layer_norm; gated-gelu; d_model 8, 2 heads, 2 encoder / 1 decoder "
+          "layers."]),
 ]
 
 
-def make_inputs():
+def make_inputs(vocab: int = VOCAB):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, VOCAB, (2, SEQ), generator=g, dtype=torch.int64)
+    ids = torch.randint(3, vocab, (2, SEQ), generator=g, dtype=torch.int64)
     mask = torch.ones(2, SEQ, dtype=torch.int64)
     ids[1, SEQ - RIGHT_PAD:] = PAD
     mask[1, SEQ - RIGHT_PAD:] = 0
-    labels = torch.randint(3, VOCAB, (2, TARGET), generator=g, dtype=torch.int64)
+    labels = torch.randint(3, vocab, (2, TARGET), generator=g, dtype=torch.int64)
     labels[0, 3] = -100                      # an ignored label in the middle: its shifted decoder input is pad
     labels[1, TARGET - 2:] = -100            # a shorter target (ignored tail)
     return ids, mask, labels
@@ -176,6 +263,7 @@ def build(spec: Spec, out_root: Path):
     model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model = model.float().eval()
     issues = check_overrides(model.config, spec.overrides)
+    apply_reference_fix(model, spec)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     reinit_(model)
     with torch.no_grad():
@@ -194,19 +282,25 @@ def build(spec: Spec, out_root: Path):
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForSeq2SeqLM.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32)
         model = model.float().eval()
+        apply_reference_fix(model, spec)
         if model.lm_head.weight is model.get_input_embeddings().weight:
             raise RuntimeError("lm_head is still tied after writing a distinct one")
 
-    ids, mask, labels = make_inputs()
+    ids, mask, labels = make_inputs(spec.overrides.get("vocab_size", VOCAB))
     params = dict(model.named_parameters())
     extra = {}
     if spec.labels_shifted_here:
         extra["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels.clone())
+    if spec.global_tokens:
+        extra["global_attention_mask"] = torch.zeros_like(ids)
+        for row, position in spec.global_tokens:
+            extra["global_attention_mask"][row, position] = 1
     fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **extra, **spec.forward_kwargs)
     logits = fwd.logits.detach().float()
     fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32),
            "labels": labels.to(torch.int32), "logits": logits.contiguous(),
+           **({"global_attention_mask": extra["global_attention_mask"].to(torch.int32)} if spec.global_tokens else {}),
            "loss": fwd.loss.detach().float().reshape(())}
     no_grad = []
     for n, p in params.items():
@@ -254,6 +348,7 @@ def build(spec: Spec, out_root: Path):
         "config_overrides": spec.overrides,
         "config_override_issues": issues,
         "attn_implementation": "eager",
+        "reference_fix": spec.reference_fix or None,
         "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), 1-D params "
                 f"+= N(0,{VEC_STD}), generator seed 1234, named_parameters() order; frozen parameters (fixed "
                 f"sinusoidal tables) restored; final_logits_bias = N(0,{FINAL_LOGITS_BIAS_STD}) (seed 99)"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from vkformers.engine.ops.decode import (  # fused decode-step products (inference)
     FusedNorm,
     fusable,
@@ -35,6 +37,7 @@ from vkformers.engine.ops.nn import (
     take_along_last,
 )
 from vkformers.engine.tensor import UNSET, gradient_use  # noqa: F401 (models count gradients with it)
+from vkformers.engine.tensor import tensor, zeros
 
 
 def linear(x, weight, bias=None, live_rows=None):
@@ -141,7 +144,88 @@ def log_softmax(x, dim=UNSET, *, axis=UNSET):
     return x.log_softmax(axis, dim=dim)
 
 
-__all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+def cumsum_rows(x):
+    """Inclusive running sums down the rows of x [N, C]: two small triangular products (within blocks of about
+    sqrt(N) rows, then over the blocks' totals), memory O(N sqrt(N)) rather than an [N, N] matrix's."""
+    rows, columns = x.shape
+    block = math.isqrt(max(rows - 1, 0)) + 1
+    blocks = -(-rows // block)
+    padded = blocks * block
+    if padded != rows:
+        x = cat([x, zeros((padded - rows, columns), dtype=x.dtype, device=x.device)], 0)
+    x = x.reshape(blocks, block, columns)
+    lower = tensor(np.broadcast_to(np.tril(np.ones((block, block), np.float32)), (blocks, block, block)).copy(),
+                   dtype=x.dtype)
+    within = lower @ x                                                       # [blocks, block, C]
+    if blocks > 1:
+        earlier = tensor(np.tril(np.ones((blocks, blocks), np.float32), -1), dtype=x.dtype)
+        within = within + (earlier @ x.sum(1)).unsqueeze(1)                  # the blocks before each block
+    out = within.reshape(padded, columns)
+    return out[:rows] if padded != rows else out
+
+
+BAND_MASKED = -1e9  # additive score of a key outside the band (exp underflows to exactly 0)
+
+
+def banded_attention(q, k, v, radius: int, *, scale: float, band_bias=None, key_mask=None, extra_keys=None,
+                     extra_values=None, extra_bias=None):
+    """softmax(scale * q k^T + bias) v where query i sees the keys j with |i - j| <= radius (and, if given, the
+    extra keys every query sees), in memory linear in the length: the queries go in blocks of L = radius + 1, each
+    over its own and its two neighbours' blocks of keys (as LongT5's local attention computes it).
+
+    q, k, v [B, H, T, D]. ``band_bias`` [1 or B, H, L, 3L]: an additive term by (query's place in its block, key's
+    place in the three blocks), the same for every block (a bias of the offset j - i). ``key_mask`` bool numpy
+    [B, T]: the keys that may be seen (False: padding). ``extra_keys``/``extra_values`` [B, H, G, D] with
+    ``extra_bias`` [1 or B, H, T, G] (masks included). A query that sees no key (a padding row) gets a meaningless
+    average."""
+    batch, heads, length, dim = q.shape
+    block = radius + 1
+    blocks = -(-length // block)
+    padded = blocks * block
+
+    def padded_rows(x, before: int, after: int):
+        parts = [x]
+        if before:
+            parts.insert(0, zeros((x.shape[0], x.shape[1], before, x.shape[3]), dtype=x.dtype, device=x.device))
+        if after:
+            parts.append(zeros((x.shape[0], x.shape[1], after, x.shape[3]), dtype=x.dtype, device=x.device))
+        return cat(parts, 2) if len(parts) > 1 else x
+
+    def three_blocks(x):  # [B, H, T, D] -> [B, H * nb, 3L, D]: each block's neighbours' keys and its own
+        x = padded_rows(x, block, padded - length + block).reshape(batch, heads, blocks + 2, block, dim)
+        x = cat([x[:, :, i:i + blocks] for i in range(3)], 3)
+        return x.reshape(batch, heads * blocks, 3 * block, dim)
+
+    queries = padded_rows(q, 0, padded - length).reshape(batch, heads * blocks, block, dim)
+    keys, values = three_blocks(k), three_blocks(v)
+    scores = (queries @ keys.transpose(-1, -2)) * scale                     # [B, H * nb, L, 3L]
+    query = np.arange(blocks)[:, None, None] * block + np.arange(block)[None, :, None]
+    key = (np.arange(blocks)[:, None, None] - 1) * block + np.arange(3 * block)[None, None, :]
+    allowed = (np.abs(key - query) <= radius) & (key >= 0) & (key < length)  # [nb, L, 3L]
+    allowed = np.broadcast_to(allowed, (1 if key_mask is None else batch,) + allowed.shape)
+    if key_mask is not None:
+        seen = np.concatenate([np.zeros((batch, block), bool), np.asarray(key_mask, bool),
+                               np.zeros((batch, padded - length + block), bool)], axis=1)
+        allowed = allowed & seen[:, np.clip(key + block, 0, None)]
+    mask = tensor(np.where(allowed, 0.0, BAND_MASKED).astype(np.float32)[:, None])  # [B or 1, 1, nb, L, 3L]
+    scores = scores.reshape(batch, heads, blocks, block, 3 * block) + mask.cast(scores.dtype)
+    if band_bias is not None:
+        scores = scores + band_bias.unsqueeze(2)
+    if extra_keys is not None:
+        count = extra_keys.shape[2]
+        side = (queries.reshape(batch, heads, padded, dim) @ extra_keys.transpose(-1, -2)) * scale  # [B, H, Tp, G]
+        if extra_bias is not None:
+            bias = extra_bias.expand(batch, heads, length, count).contiguous()
+            side = side + padded_rows(bias, 0, padded - length)
+        scores = cat([scores, side.reshape(batch, heads, blocks, block, count)], 4)
+        values = cat([values, extra_values.unsqueeze(2).expand(batch, heads, blocks, count, dim).contiguous()
+                      .reshape(batch, heads * blocks, count, dim)], 2)
+    probs = scores.softmax(-1).reshape(batch, heads * blocks, block, -1)
+    out = (probs @ values).reshape(batch, heads, padded, dim)
+    return out[:, :, :length] if padded != length else out
+
+
+__all__ = ["FusedNorm", "activation", "banded_attention", "cat", "cumsum_rows", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",

@@ -43,7 +43,8 @@ class Seq2SeqModel(Seq2SeqForConditionalGeneration):
     def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
         return DECLARED.get(getattr(architecture, "name", architecture))
 
-    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, output_hidden_states=False):
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, output_hidden_states=False,
+                global_attention_mask=None):
         ids = _ids(input_ids)
         mask = None if attention_mask is None else _ids(attention_mask)
         if output_hidden_states and self.spec.global_tokens:
@@ -53,7 +54,7 @@ class Seq2SeqModel(Seq2SeqForConditionalGeneration):
         for stack in stacks:
             stack.recorded = [] if output_hidden_states else None
         try:
-            encoder_states = self.encode(ids, mask)
+            encoder_states = self.encode(ids, mask, global_attention_mask)
             if decoder_input_ids is None:  # the input shifted right, as transformers' task heads (T5's too) take it
                 decoder_input_ids = self.shift_right(ids)
             x = self.decoder_hidden_states(self.decoder_inputs(ids, decoder_input_ids), encoder_states, mask)

@@ -16,6 +16,7 @@ sliding-window layers (a bidirectional window, which the kernel does not take) a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
 from vkformers_t5.variants import (Seq2SeqSpec, fairseq_table, relative_buckets, seq2seq_spec,
-                                   sinusoidal_table)
+                                   sinusoidal_table, transient_global_blocks)
 
 IGNORE_INDEX = -100
 MASKED = -1e9  # additive score of a hidden key in the composed attention (exp underflows to exactly 0)
@@ -74,6 +75,31 @@ LAYOUTS["t5gemma"] = dict(LAYOUTS["bart"], shared=None, positions=None, embed_no
                           self_post_norm="post_self_attn_layernorm", cross_post_norm="post_cross_attn_layernorm",
                           ffn_post_norm="post_feedforward_layernorm", o="o_proj", up=None, gate="gate_proj",
                           gated_up="up_proj", down="down_proj", lm_head="lm_head.out_proj")
+
+# LongT5: T5's names; the encoder's self-attention module is named after its kind
+LAYOUTS["longt5"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.LocalSelfAttention")
+LAYOUTS["longt5_tglobal"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.TransientGlobalSelfAttention")
+
+# LED: BART's names under the led prefix; the encoder's self-attention is Longformer's
+LAYOUTS["led"] = dict(LAYOUTS["bart"], shared="led.shared", encoder="led.encoder", decoder="led.decoder",
+                      encoder_self_attn=dict(q="longformer_self_attn.query", k="longformer_self_attn.key",
+                                             v="longformer_self_attn.value", o="output"),
+                      encoder_global_attn=dict(q="longformer_self_attn.query_global",
+                                               k="longformer_self_attn.key_global",
+                                               v="longformer_self_attn.value_global"))
+
+# NLLB-MoE: BART's names with M2M-100's layers renamed; a sparse layer's ffn holds router.classifier and
+# experts.expert_<e>.fc1/fc2
+LAYOUTS["nllb_moe"] = dict(LAYOUTS["bart"], cross_attn="cross_attention", cross_norm="cross_attention_layer_norm",
+                           ffn="ffn", ffn_norm="ff_layer_norm")
+
+# ProphetNet: one word_embeddings table, post-LN layers with a feed_forward module, no final norms
+LAYOUTS["prophetnet"] = dict(LAYOUTS["bart"], shared="prophetnet.word_embeddings", encoder="prophetnet.encoder",
+                             decoder="prophetnet.decoder", embed_tokens="word_embeddings",
+                             positions="position_embeddings", embed_norm="embeddings_layer_norm", final_norm=None,
+                             cross_attn="cross_attn", cross_norm="cross_attn_layer_norm", ffn="feed_forward",
+                             ffn_norm="feed_forward_layer_norm", q="query_proj", k="key_proj", v="value_proj",
+                             o="out_proj", up="intermediate", down="output")
 
 # Checkpoint tensors that are not parameters: BART's final_logits_bias (a buffer, read by load_state_dict),
 # fixed sinusoidal tables (recomputed from the config), and a bias table old T5 checkpoints carry in
@@ -123,7 +149,8 @@ class Attention(Module):
     """q/k/v/o projections; self-attention (optionally with T5's relative bias table) or cross-attention.
     ``kv_heads`` < ``heads``: grouped-query attention (k and v have kv_heads heads)."""
 
-    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None):
+    def __init__(self, spec: Seq2SeqSpec, names: dict, heads: int, bias_table: bool, kv_heads: int | None = None,
+                 transient_global: bool = False, longformer_global: bool = False, ngram: bool = False):
         super().__init__()
         kv_heads = kv_heads or heads
         inner = heads * spec.head_dim
@@ -136,6 +163,19 @@ class Attention(Module):
         self.scale = spec.head_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
         table = self.add("relative_attention_bias", Embedding(spec.relative_buckets, heads)) if bias_table else None
         object.__setattr__(self, "table", table)
+        # LongT5's transient-global attention: the aggregate tokens' norm, and (with the bias) their own bias table
+        global_table = self.add("global_relative_attention_bias", Embedding(spec.relative_buckets, heads)) \
+            if transient_global and bias_table else None
+        global_norm = self.add("global_input_layer_norm", make_norm(spec)) if transient_global else None
+        object.__setattr__(self, "global_table", global_table)
+        # ProphetNet's n-gram self-attention: each query's relative bias for every bucket and head
+        object.__setattr__(self, "relative_proj", place(self, "relative_pos_embeddings", Linear(
+            spec.d_model, spec.ngram_buckets * heads, bias=True)) if ngram else None)
+        # LED: the global tokens' own query/key/value projections (Longformer's *_global)
+        object.__setattr__(self, "global_proj", {
+            role: place(self, names["encoder_global_attn"][role], Linear(spec.d_model, inner, bias=bias))
+            for role in ("q", "k", "v")} if longformer_global else None)
+        object.__setattr__(self, "global_norm", global_norm)
 
     def split(self, role: str, x):
         batch, length, _ = x.shape
@@ -172,6 +212,12 @@ def _repeat_heads(t, heads: int):
 
 # ---------------------------------------------------------------- Switch Transformers' sparse feed-forward
 
+def router_logits(router: Linear, x):
+    """A router's logits in float32 whatever the model's dtype: transformers casts the classifier to its
+    router_dtype (float32) and the input with it."""
+    return F.linear(x.float(), router.weight.float(), router.bias.float() if router.has_bias else None)
+
+
 PACK_MIN_TOKENS = 64  # from this many tokens a call packs each expert's tokens (SwitchMoE); fewer stay in place
 
 
@@ -202,7 +248,7 @@ class SwitchMoE(Module):
         self.act = F.activation(spec.activation)
 
     def forward(self, h):
-        probs = self.router(h.float()).softmax(-1)                       # [B, T, E]
+        probs = router_logits(self.router, h).softmax(-1)                # [B, T, E]
         chosen = probs.detach()
         onehot = F.where(topk_mask(chosen, 1), 1.0, 0.0)                 # argmax's: a tie goes to the lower index
         length = h.shape[1]
@@ -234,6 +280,103 @@ class SwitchMoE(Module):
                                                for e, (up, down) in enumerate(self.experts)])
 
 
+class Top2MoE(Module):
+    """NLLB-MoE's sparse feed-forward (router.classifier, experts.expert_<e>.fc1/fc2 with biases), composed from
+    engine ops like SwitchMoE. Over the call's tokens flattened in order: router probabilities softmax(classifier(x))
+    in float32; each token's first and second most probable experts (pad tokens of the encoder take none unless
+    route_padding); an expert keeps at most ceil(fraction * tokens) of them, first choices before second ones
+    (a running count, only where the capacity can be reached); the two weights are the chosen probabilities
+    normalised to sum 1 (before the drops, or after: a dropped choice then gives its share to the other); the
+    output is the weighted sum of the chosen experts' outputs times output_scale. Gradients reach the router
+    through the chosen probabilities; an expert no token was kept for gets no gradient."""
+
+    def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
+        super().__init__()
+        self.spec = spec
+        object.__setattr__(self, "router", place(self, "router.classifier",
+                                                 Linear(spec.d_model, spec.num_experts, bias=spec.router_bias)))
+        object.__setattr__(self, "experts", [
+            (place(self, f"experts.expert_{e}.{names['up']}", Linear(spec.d_model, ffn, bias=True)),
+             place(self, f"experts.expert_{e}.{names['down']}", Linear(ffn, spec.d_model, bias=True)))
+            for e in range(spec.num_experts)])
+        self.act = F.activation(spec.activation)
+
+    def forward(self, h, token_mask: np.ndarray | None = None):
+        spec = self.spec
+        batch, length, width = h.shape
+        tokens = batch * length
+        x = h.reshape(tokens, width)
+        probs = router_logits(self.router, x).softmax(-1)                 # [N, E]
+        chosen = probs.detach()
+        first = F.where(topk_mask(chosen, 1), 1.0, 0.0)                    # ties go to the lower index (argmax's)
+        second = F.where(topk_mask(chosen, 2), 1.0, 0.0) - first
+        if token_mask is not None and not spec.moe_route_padding:
+            routed = tensor(token_mask.reshape(tokens, 1).astype(np.float32))
+            first, second = first * routed, second * routed
+        if spec.moe_normalize_before_dropping:
+            weight1, weight2 = self._normalized(probs, first, second)
+        capacity = math.ceil(spec.moe_capacity_fraction * tokens) if spec.moe_capacity_fraction > 0 else \
+            spec.expert_capacity
+        if capacity < tokens:  # an expert's slots: its first choices in token order, then its second ones
+            count1 = F.cumsum_rows(first)
+            count2 = F.cumsum_rows(second) + first.sum(0, keepdim=True)
+            first = first * F.where(count1 <= float(capacity), 1.0, 0.0)
+            second = second * F.where(count2 <= float(capacity), 1.0, 0.0)
+        if not spec.moe_normalize_before_dropping:
+            weight1, weight2 = self._normalized(probs, first, second)
+        weight = (weight1 * first + weight2 * second).cast(h.dtype)       # [N, E]
+        if tokens >= PACK_MIN_TOKENS:
+            out, rows_per_expert = self._packed(x, weight)
+            return self._output(out, rows_per_expert).reshape(batch, length, width)
+        live = F.live_rows_where_used(weight)                             # per expert: every row or none
+        out = None
+        for e, (up, down) in enumerate(self.experts):
+            y = down(self.act(up(x, live[e:e + 1])), live[e:e + 1]) * weight[:, e:e + 1]
+            out = y if out is None else out + y
+        return self._output(out, live).reshape(batch, length, width)
+
+    def _packed(self, x, weight):
+        """The experts on their own tokens only: the rows packed expert by expert (PackedRoutes, F.grouped_matmul),
+        each row's expert biases picked by a one-hot of its expert (its routing weight's column, packed alike).
+        Also returns each expert's row count."""
+        experts = len(self.experts)
+        routes = PackedRoutes.of(weight, 2)
+        # 1 + expert: rows past the packed ones gather 0. Products leave those rows unwritten, so they are selected
+        # away (forward and backward) before anything that sums over rows, as a bias's gradient does
+        number = np.arange(1, experts + 1, dtype=np.float32)
+        index = routes.gather_weights(tensor(np.broadcast_to(number, (x.shape[0], experts)).copy()))  # [R, 1]
+        packed = index > 0.5
+        onehot = F.where((index - tensor(number[None])).abs() < 0.5, 1.0, 0.0).cast(x.dtype)
+
+        def biases(linears):
+            return F.cat([linear.bias.reshape(1, -1) for linear in linears], 0)          # [E, out]
+
+        def run(rows, spans):
+            ups, downs = ([expert[i] for expert in self.experts] for i in (0, 1))
+            hidden = F.grouped_matmul(rows, [up.weight.transpose(0, 1) for up in ups], spans) + onehot @ biases(ups)
+            hidden = self.act(F.where(packed, hidden, 0.0))
+            out = F.grouped_matmul(hidden, [down.weight.transpose(0, 1) for down in downs], spans) + \
+                onehot @ biases(downs)
+            return F.where(packed, out, 0.0)
+        return routes.weighted_sum(x, weight, run), routes.spans[:, 1]
+
+    def _output(self, out, rows):
+        """out times output_scale, each expert's parameters given a gradient only where it ran on some token
+        (``rows``: float32 [E], the rows each expert ran on)."""
+        if self.spec.moe_output_scale != 1.0:
+            out = out * self.spec.moe_output_scale
+        return F.gradient_use(out, present_if=[(rows[e:e + 1], up.parameters() + down.parameters())
+                                               for e, (up, down) in enumerate(self.experts)])
+
+    @staticmethod
+    def _normalized(probs, first, second):
+        """[N, 1] each: the chosen probabilities over their sum (a token with no choice left: 0 and 0)."""
+        p1, p2 = (probs * first).sum(-1, keepdim=True), (probs * second).sum(-1, keepdim=True)
+        none = 1.0 - (first + second).sum(-1, keepdim=True).clamp(0.0, 1.0)
+        denominator = p1 + p2 + none
+        return p1 / denominator, p2 / denominator
+
+
 # ---------------------------------------------------------------- one layer
 
 class Block(Module):
@@ -247,10 +390,17 @@ class Block(Module):
         ffn = spec.decoder_ffn if decoder else spec.encoder_ffn
         windows = spec.decoder_windows if decoder else spec.encoder_windows
         self.window = windows[index] if windows else 0
+        self.local_relative = bool(self.window and spec.relative_buckets and not decoder)
+        self.longformer = bool(self.window and spec.encoder_global_attention and not decoder)  # LED's encoder
         has_table = bool(spec.relative_buckets) and (spec.relative_bias_every_layer or index == 0)
         self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
+        self_path = names["self_attn"] if decoder else names.get("encoder_self_attn_path", names["self_attn"])
+        self.transient_global = bool(spec.transient_global_block) and not decoder
         refs = dict(
-            self_attn=place(self, names["self_attn"], Attention(spec, self_names, heads, has_table, kv_heads)),
+            self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
+                                                       self.transient_global,
+                                                       spec.encoder_global_attention and not decoder,
+                                                       bool(spec.ngram) and decoder)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
             cross_attn=(place(self, names["cross_attn"], Attention(spec, names, heads, False, kv_heads))
                         if decoder else None),
@@ -262,7 +412,8 @@ class Block(Module):
             refs[name] = place(self, names[name], make_norm(spec)) if wanted else None
         sub = names["ffn"].format(ffn=2 if decoder else 1)
         sparse = spec.decoder_sparse if decoder else spec.encoder_sparse
-        refs["moe"] = place(self, sub, SwitchMoE(spec, names, ffn)) if sparse and sparse[index] else None
+        sparse_block = Top2MoE if spec.moe_top2 else SwitchMoE
+        refs["moe"] = place(self, sub, sparse_block(spec, names, ffn)) if sparse and sparse[index] else None
         if refs["moe"] is not None:
             refs["gate"] = refs["up"] = refs["down"] = None
         elif spec.gated_ffn:
@@ -287,7 +438,9 @@ class Block(Module):
             return x + f(norm(x))
         return norm(x + f(x))
 
-    def feed_forward(self, h):
+    def feed_forward(self, h, ctx: "StackContext"):
+        if isinstance(self.moe, Top2MoE):  # NLLB-MoE: the encoder's pad tokens are not routed
+            return self.moe(h, None if self.decoder else ctx.key_padding_array)
         if self.moe is not None:
             return self.moe(h)
         if self.gate is not None:
@@ -296,9 +449,15 @@ class Block(Module):
 
     def self_attention(self, h, ctx: "StackContext"):
         attn = self.self_attn
+        if attn.relative_proj is not None:
+            return self._ngram_self_attention(h, ctx)
         q, k, v = attn.split("q", h), attn.split("k", h), attn.split("v", h)
         if ctx.rope is not None:
             q, k = ctx.rotate(q), ctx.rotate(k)
+        if self.local_relative:
+            return attn.merge(self._local_attention(attn, h, q, k, v, ctx))
+        if self.longformer:
+            return attn.merge(self._longformer_attention(attn, h, q, k, v, ctx))
         bias = ctx.bias(self)
         cache = ctx.cache
         if cache is None:
@@ -314,6 +473,81 @@ class Block(Module):
             out = attn.attend(q, keys, values, causal=True, bias=bias)
         return attn.merge(out)
 
+    def _local_attention(self, attn, h, q, k, v, ctx: "StackContext"):
+        """LongT5's encoder: the keys within the layer's window, in blocks (F.banded_attention), with layer 0's
+        relative bias; transient-global adds the blocks' aggregate tokens (their normed sum) as keys every query
+        sees, with their own bias."""
+        extra_keys = extra_values = extra_bias = None
+        if self.transient_global and ctx.global_members is not None:
+            members = ctx.global_members  # [1, G, T] without padding: the same blocks in every row
+            if members.shape[0] != h.shape[0]:
+                members = members.expand(h.shape[0], *members.shape[1:]).contiguous()
+            aggregates = attn.global_norm(members.cast(h.dtype) @ h)     # [B, G, D]
+            extra_keys, extra_values = attn.split("k", aggregates), attn.split("v", aggregates)
+            extra_bias = ctx.side_bias()
+        return F.banded_attention(q, k, v, self.window, scale=attn.scale, band_bias=ctx.band_bias(self.window),
+                                  key_mask=None if ctx.key_padding_array is None else ctx.key_padding_array != 0,
+                                  extra_keys=extra_keys, extra_values=extra_values, extra_bias=extra_bias)
+
+    def _ngram_self_attention(self, h, ctx: "StackContext"):
+        """ProphetNet: h holds the main stream's T rows, then each predicting stream's. The main stream attends
+        causally to itself; stream k to the main stream's keys (ctx.ngram_masks) and to its own key at its
+        position; each with a relative bias projected from the query's hidden state (ctx.ngram_relative)."""
+        attn = self.self_attn
+        batch, length, heads = h.shape[0], ctx.length, attn.heads
+        streams = h.shape[1] // length - 1
+        q, k, v = attn.split("q", h) * attn.scale, attn.split("k", h), attn.split("v", h)
+        relative = attn.relative_proj(h)                                   # [B, (1 + n) T, K * H]
+        buckets = relative.shape[-1] // heads
+        main_keys, main_values = k[:, :, :length], v[:, :, :length]
+        if ctx.cache is not None:  # one token: store its main key, then read every stored one (later rows masked)
+            keys, values = ctx.cache.self_attn.keys[self.index], ctx.cache.self_attn.values[self.index]
+            write_kv(keys, values, main_keys, main_values, ctx.cache_start)
+            main_keys, main_values = keys, values
+        # main stream: relative [B, T, K, H] -> [B, H, T, K], picked by bucket
+        main_relative = relative[:, :length].reshape(batch, length, buckets, heads).permute(0, 3, 1, 2)
+        scores = q[:, :, :length] @ main_keys.transpose(-1, -2) + ctx.ngram_relative(main_relative, 0) + \
+            ctx.ngram_masks[0].cast(h.dtype)
+        outs = [scores.softmax(-1) @ main_values]
+        if streams:
+            # predicting streams: transformers lays their relative projection out as [B, T, n, H, K] and reads it
+            # as [B, n, H, T, K] (a reshape, not a transpose: for T > 1 a row takes another position's values)
+            stream_relative = relative[:, length:].reshape(batch, streams, length, buckets, heads)
+            stream_relative = stream_relative.permute(0, 2, 1, 4, 3).contiguous().reshape(
+                batch, streams, heads, length, buckets)
+            for stream in range(streams):
+                rows = slice(length * (1 + stream), length * (2 + stream))
+                keys = F.cat([main_keys, k[:, :, rows]], 2)
+                values = F.cat([main_values, v[:, :, rows]], 2)
+                scores = q[:, :, rows] @ keys.transpose(-1, -2) + \
+                    ctx.ngram_relative(stream_relative[:, stream], 1) + ctx.ngram_masks[1 + stream].cast(h.dtype)
+                outs.append(scores.softmax(-1) @ values)
+        return attn.merge(F.cat(outs, 2))
+
+    def _longformer_attention(self, attn, h, q, k, v, ctx: "StackContext"):
+        """LED's encoder (Longformer): each query sees the keys within the window (F.banded_attention) other than
+        global tokens and padding, and every global token's key; a global token's row is instead its attention over
+        every non-pad key through query/key/value_global. Memory linear in the length (times the global tokens)."""
+        real = None if ctx.key_padding_array is None else ctx.key_padding_array != 0
+        if ctx.longformer_global is None:
+            return F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=real)
+        local = ~ctx.longformer_global if real is None else real & ~ctx.longformer_global
+        select = ctx.global_select.cast(h.dtype)                          # [B, 1, G, T]: each slot's token
+        out = F.banded_attention(q, k, v, self.window, scale=attn.scale, key_mask=local,
+                                 extra_keys=select @ k, extra_values=select @ v,
+                                 extra_bias=ctx.global_slot_bias.cast(h.dtype))
+        batch, length, _ = h.shape
+        slots = select.shape[2]
+
+        def split(role, x):
+            return attn.global_proj[role](x).reshape(batch, x.shape[1], attn.heads, attn.head_dim).permute(0, 2, 1, 3)
+        rows = select.reshape(batch, slots, length) @ h                  # [B, G, D]: the global tokens
+        scores = (split("q", rows) @ split("k", h).transpose(-1, -2)) * attn.scale + \
+            ctx.global_key_bias.cast(h.dtype)
+        everywhere = scores.softmax(-1) @ split("v", h)                   # [B, H, G, D]
+        placed = select.transpose(-1, -2) @ everywhere                   # [B, H, T, D]: zero off the global rows
+        return out * (1.0 - ctx.global_rows_mask.cast(h.dtype)) + placed
+
     def cross_attention(self, h, ctx: "StackContext"):
         attn = self.cross_attn
         k, v = ctx.cross_keys_values(self.index, attn)
@@ -328,7 +562,7 @@ class Block(Module):
         x = self._residual(x, norm, lambda h: self.self_attention(h, ctx), self.self_post_norm)
         if self.decoder:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx), self.cross_post_norm)
-        return self._residual(x, self.ffn_norm, self.feed_forward, self.ffn_post_norm)
+        return self._residual(x, self.ffn_norm, lambda h: self.feed_forward(h, ctx), self.ffn_post_norm)
 
 
 # ---------------------------------------------------------------- a stack's per-forward state
@@ -337,8 +571,26 @@ class StackContext:
     """What the layers of one stack share in one forward pass: masks, relative position bias, cache."""
 
     def __init__(self, stack: "Stack", length: int, key_padding: np.ndarray | None, past: int = 0, cache=None,
-                 encoder_states=None, encoder_mask: np.ndarray | None = None):
+                 encoder_states=None, encoder_mask: np.ndarray | None = None, global_mask: np.ndarray | None = None):
         self.stack, self.length, self.past, self.cache = stack, length, past, cache
+        # LED: the tokens with global attention (bool [B, T]; a pad token never has it), None when there are none
+        if global_mask is not None and key_padding is not None:
+            global_mask = global_mask * (key_padding != 0)
+        self.longformer_global = global_mask.astype(bool) if global_mask is not None and global_mask.any() else None
+        self.global_rows_mask = self.global_key_bias = None
+        if self.longformer_global is not None:
+            self.global_rows_mask = tensor(self.longformer_global[:, None, :, None].astype(np.float32))
+            real = np.ones_like(self.longformer_global) if key_padding is None else key_padding != 0
+            self.global_key_bias = tensor(np.where(real, 0.0, MASKED).astype(np.float32)[:, None, None, :])
+            # the global tokens in slots (row b's first count[b] slots, in order) and the empty slots' mask
+            count = self.longformer_global.sum(1)
+            select = np.zeros((len(count), 1, int(count.max()), self.longformer_global.shape[1]), np.float32)
+            for row in range(len(count)):
+                positions = np.nonzero(self.longformer_global[row])[0]
+                select[row, 0, np.arange(len(positions)), positions] = 1.0
+            self.global_select = tensor(select)
+            slots = np.arange(select.shape[2])[None, :] < count[:, None]
+            self.global_slot_bias = tensor(np.where(slots, 0.0, MASKED).astype(np.float32)[:, None, None, :])
         self.encoder_states = encoder_states
         self.key_padding_mask = None if key_padding is None else tensor(key_padding.astype(bool))
         self.encoder_padding_mask = None
@@ -357,16 +609,69 @@ class StackContext:
                 self._additive = np.where(key_padding[:, None, None, :] != 0, 0.0, MASKED).astype(np.float32)
         self._shared_bias = None
         self._window_bias = {}
-        self._key_padding = key_padding
+        self._band_bias = {}
+        self._side = None
+        self.global_members = None  # LongT5 transient-global: [B, G, T] one-hot of each token's global block
+        if stack.spec.transient_global_block and not stack.decoder:
+            self._global_mask = np.ones((1, length), np.int64) if key_padding is None else key_padding.astype(np.int64)
+            self._global_blocks = transient_global_blocks(self._global_mask, stack.spec.transient_global_block)
+            blocks, held = self._global_blocks
+            if held.shape[1]:
+                members = blocks[:, None, :] == np.arange(held.shape[1])[None, :, None]
+                self.global_members = tensor(members.astype(np.float32))
+        self.key_padding_array = key_padding
         self.rope = None  # rotary self-attention: (inv_freq, attention scaling); positions past, past + 1, ...
         if stack.spec.rope:
             inv_freq, scaling = rope_parameters(stack.spec.rope[1 if stack.decoder else 0], past + length)
             self.rope = (tensor(inv_freq), scaling)
         self._positions = None
+        self.ngram_masks = None
+        if stack.spec.ngram and stack.decoder:
+            self._ngram_setup()
         self.global_rows = None  # PEGASUS-X encoder: 1 on the global token rows, 0 on the input's
         if stack.spec.global_tokens and not stack.decoder:
             rows = (np.arange(length) < stack.spec.global_tokens).astype(np.float32)
             self.global_rows = tensor(rows[None, :, None])
+
+    def _ngram_setup(self):
+        """ProphetNet: each stream's additive mask and relative buckets (one-hot [T, K, S]) over its keys; the
+        predicting streams' keys are the main stream's (or the cache's) then their own T. With a cache (one token)
+        only stream 0 runs, over every stored main key up to its position, as transformers' cached step does."""
+        spec, length, past = self.stack.spec, self.length, self.past
+        main_keys = self.key_length
+        query = past + np.arange(length)
+        keys = np.arange(main_keys)
+
+        def onehot(buckets):
+            return tensor((buckets[:, None, :] == np.arange(spec.ngram_buckets)[None, :, None]).astype(np.float32))
+
+        def buckets(query_positions, key_length):
+            return relative_buckets(query_positions, key_length, bidirectional=False, num_buckets=spec.ngram_buckets,
+                                    max_distance=spec.ngram_max_distance)
+        causal = np.where(keys[None, :] > query[:, None], MASKED, 0.0)
+        masks, own = [causal], np.where(np.eye(length, dtype=bool), 0.0, MASKED)
+        streams = 1 if self.cache is not None else spec.ngram
+        for stream in range(streams):
+            if self.cache is not None:  # transformers' cached step: every stored main key
+                hidden = causal
+            else:  # stream k sees the main keys j <= i - k (and key 0 always)
+                hidden = np.where((keys[None, :] - query[:, None] >= 1 - stream) & (keys[None, :] != 0), MASKED, 0.0)
+            masks.append(np.concatenate([hidden, own], axis=1))
+        self.ngram_masks = [tensor(m.astype(np.float32)) for m in masks]
+        # main: key - query; predicting streams: (key - 1) - query over the main keys, key - query over their own
+        self._ngram_onehot = [onehot(buckets(query, main_keys)),
+                              onehot(np.concatenate([buckets(query + 1, main_keys), buckets(query, length)[:, -length:]
+                                                     if self.cache is None else np.zeros((length, length), np.int32)],
+                                                    axis=1))]
+        self.streams = streams
+
+    def ngram_relative(self, relative, kind: int):
+        """[B, H, T, K] per-query relative values -> [B, H, T, S]: each key's bucket's (kind 0: main, 1: stream)."""
+        batch, heads, length, buckets = relative.shape
+        onehot = self._ngram_onehot[kind].cast(relative.dtype)               # [T, K, S]
+        rows = relative.permute(2, 0, 1, 3).reshape(length, batch * heads, buckets)
+        picked = rows @ onehot                                               # [T, B * H, S]
+        return picked.reshape(length, batch, heads, -1).permute(1, 2, 0, 3)
 
     def rotate(self, x):
         """Rotary embedding of q or k [B, H, T, D] at positions past, past + 1, ... (every row alike)."""
@@ -390,13 +695,45 @@ class StackContext:
             self._shared_bias = self._position_bias(self.stack.layers[0].self_attn.table)
         return self._shared_bias
 
+    def band_bias(self, window: int):
+        """LongT5's local attention: layer 0's relative bias in F.banded_attention's layout [1, H, L, 3L] (by the
+        query's place in its block of L = window + 1 and the key's place in the three blocks)."""
+        if window not in self._band_bias:
+            spec, block = self.stack.spec, window + 1
+            buckets = relative_buckets(np.arange(block) + block, 3 * block, bidirectional=True,
+                                       num_buckets=spec.relative_buckets, max_distance=spec.relative_max_distance)
+            values = F.embedding(tensor(buckets), self.stack.layers[0].self_attn.table.weight)  # [L, 3L, H]
+            self._band_bias[window] = values.permute(2, 0, 1).reshape(1, -1, block, 3 * block)
+        return self._band_bias[window]
+
+    def side_bias(self):
+        """LongT5 transient-global: the aggregate tokens' bias, from layer 0's table (shared by the layers)."""
+        if self._side is None:
+            self._side = self._side_bias(self.stack.layers[0].self_attn.global_table)
+        return self._side
+
+    def _side_bias(self, table: Embedding):
+        """LongT5: [B, H, T, G], the bias of each token's query for each aggregate token: the bucket of (global
+        block - the token's block) from ``table``, and MASKED where a real token meets an empty global block."""
+        spec = self.stack.spec
+        blocks, held = self._global_blocks
+        count = held.shape[1]
+        buckets = np.stack([relative_buckets(row, count, bidirectional=True, num_buckets=spec.relative_buckets,
+                                             max_distance=spec.relative_max_distance) for row in blocks])
+        batch, length = blocks.shape
+        values = F.embedding(tensor(buckets.reshape(batch * length, count)), table.weight)  # [B*T, G, H]
+        bias = values.reshape(batch, length, count, -1).permute(0, 3, 1, 2)               # [B, H, T, G]
+        real = self._global_mask != 0
+        allowed = real[:, :, None] == held[:, None, :]  # transformers: the token's mask equals the block's use
+        return bias + tensor(np.where(allowed, 0.0, MASKED).astype(np.float32)[:, None], dtype=bias.dtype)
+
     def encoder_window_bias(self, window: int):
         """[B or 1, 1, T, T]: 0 where |i - j| <= window and key j is not padding, else MASKED."""
         if window not in self._window_bias:
             index = np.arange(self.length)
             allowed = np.abs(index[:, None] - index[None, :]) <= window
-            if self._key_padding is not None:
-                allowed = allowed[None, None] & (self._key_padding[:, None, None, :] != 0)
+            if self.key_padding_array is not None:
+                allowed = allowed[None, None] & (self.key_padding_array[:, None, None, :] != 0)
             self._window_bias[window] = tensor(np.where(allowed, 0.0, MASKED).astype(np.float32))
         return self._window_bias[window]
 
@@ -428,11 +765,14 @@ class Stack(Module):
         self.spec, self.decoder = spec, decoder
         count = spec.decoder_layers if decoder else spec.encoder_layers
         vocab = spec.source_vocab_size if spec.source_vocab_size and not decoder else spec.vocab_size
-        self.embed_tokens = Embedding(vocab, spec.d_model)
-        refs = dict(embed_positions=None, embed_norm=None, final_norm=None)
+        refs = dict(embed_tokens=place(self, names.get("embed_tokens", "embed_tokens"), Embedding(vocab, spec.d_model)),
+                    embed_positions=None, embed_norm=None, final_norm=None)
+        # ProphetNet's decoder: one embedding per predicting stream
+        refs["ngram_embeddings"] = place(self, "ngram_embeddings", Embedding(spec.ngram, spec.d_model)) \
+            if spec.ngram and decoder else None
         if spec.positions == "learned":
             refs["embed_positions"] = place(self, names["positions"],
-                                            Embedding(spec.max_positions + spec.position_offset, spec.d_model))
+                                            Embedding(self.learned_rows() + spec.position_offset, spec.d_model))
         elif spec.positions == "fairseq" and spec.fairseq_table_trained:
             refs["embed_positions"] = place(self, names["positions"], Embedding(self.fairseq_rows(), spec.d_model))
         if spec.embed_norm:
@@ -456,13 +796,17 @@ class Stack(Module):
     def max_length(self) -> int | None:
         """Tokens per sequence the position table has rows for; None for relative positions (T5), no table."""
         spec = self.spec
-        if spec.positions == "learned":  # row = position + offset
-            return spec.max_positions
+        if spec.positions == "learned":  # row = position + offset (ProphetNet's predicting streams read the next)
+            return self.learned_rows() - (1 if self.ngram_embeddings is not None else 0)
         if spec.positions == "fairseq":  # row = pad + 1 + position
             return self.fairseq_rows() - 1 - spec.pad_token_id
         if spec.positions in ("sinusoidal", "fairseq_from_zero"):
             return spec.max_positions - spec.position_offset
         return None
+
+    def learned_rows(self) -> int:
+        spec = self.spec
+        return spec.encoder_max_positions if spec.encoder_max_positions and not self.decoder else spec.max_positions
 
     def fairseq_rows(self) -> int:
         spec = self.spec
@@ -503,6 +847,8 @@ class Stack(Module):
         x = self.embed(ids, ctx.past)
         if self.embed_global is not None:
             x = self.prepend_global(x)
+        if self.ngram_embeddings is not None:  # ProphetNet: the main stream's rows, then each predicting stream's
+            x = F.cat([x] + self.predicting_streams(ids, ctx), 1)
         for layer in self.layers:
             if self.recorded is not None:  # transformers' hidden_states: each layer's input, then the output
                 self.recorded.append(x)
@@ -513,6 +859,19 @@ class Stack(Module):
         if self.recorded is not None:
             self.recorded.append(x)
         return x
+
+    def predicting_streams(self, ids: np.ndarray, ctx: StackContext) -> list:
+        """ProphetNet: stream k's inputs, ngram_embeddings[k - 1] plus the next position's embedding (normed)."""
+        batch, length = ids.shape
+        table = self.embed_positions.weight
+        rows = F.embedding(tensor(self.positions(ids, ctx.past) + 1), table,
+                           padding_idx=self.spec.pad_token_id)                       # [B, T, D]
+        weight = self.ngram_embeddings.weight
+        streams = []
+        for stream in range(ctx.streams):
+            row = (stream - 1) % weight.shape[0]  # transformers indexes ngram_embeddings[k - 1]
+            streams.append(self.embed_norm(rows + weight[row:row + 1].reshape(1, 1, -1)))
+        return streams
 
     def prepend_global(self, x):
         """[global tokens; x] along the sequence."""
@@ -571,11 +930,12 @@ class Seq2SeqForConditionalGeneration(Module):
         for key, module in refs.items():
             object.__setattr__(self, key, module)
         # the table the head ties to: the shared one, or (FSMT: no shared table) the decoder's
+        embed = names.get("embed_tokens", "embed_tokens")
         self.head_tie_target = f"{names['shared']}.weight" if names["shared"] else \
-            f"{names['decoder']}.embed_tokens.weight"
+            f"{names['decoder']}.{embed}.weight"
         if names["shared"]:
             for stack in ("encoder", "decoder"):
-                self.tie(f"{names[stack]}.embed_tokens.weight", self.head_tie_target)
+                self.tie(f"{names[stack]}.{embed}.weight", self.head_tie_target)
         self.tie(f"{names['lm_head']}.weight", self.head_tie_target)
         self.logits_bias = None
 
@@ -610,9 +970,11 @@ class Seq2SeqForConditionalGeneration(Module):
 
     # -- pieces
 
-    def encode(self, input_ids, attention_mask=None):
-        """The encoder's last hidden state [B, S, d_model]."""
+    def encode(self, input_ids, attention_mask=None, global_attention_mask=None):
+        """The encoder's last hidden state [B, S, d_model]. ``global_attention_mask`` (LED): 1 on the tokens with
+        global attention."""
         ids = _ids(input_ids)
+        global_mask = self._global_mask(ids, global_attention_mask)
         mask = None if attention_mask is None else _ids(attention_mask)
         if mask is None and self.spec.encoder_pads_masked:
             mask = (ids != self.spec.pad_token_id).astype(np.int64)
@@ -628,11 +990,30 @@ class Seq2SeqForConditionalGeneration(Module):
             if padding is not None:
                 padding = np.concatenate([np.ones((ids.shape[0], spec.global_tokens), np.int64), padding], axis=1)
             length += spec.global_tokens
-        return self.encoder(ids, StackContext(self.encoder, length, padding))
+        return self.encoder(ids, StackContext(self.encoder, length, padding, global_mask=global_mask))
 
-    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None):
-        """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating)."""
-        x = self.decoder_hidden_states(decoder_ids, encoder_states, encoder_mask, cache)
+    def _global_mask(self, ids: np.ndarray, global_attention_mask) -> np.ndarray | None:
+        if global_attention_mask is None:
+            return None
+        if not self.spec.encoder_global_attention:
+            raise VkformersError(f"{self.architecture_name}: global_attention_mask is only taken by an encoder with "
+                                 "Longformer attention (LED); leave it out")
+        mask = _ids(global_attention_mask)
+        if mask.shape != ids.shape:
+            raise VkformersError(f"global_attention_mask has shape {list(mask.shape)}; give one like input_ids "
+                                 f"{list(ids.shape)}")
+        return mask
+
+    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None,
+               all_streams: bool = False):
+        """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating).
+        ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]."""
+        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
+        if self.spec.ngram:
+            length = _ids(decoder_ids).shape[1]
+            x = x[:, length:].contiguous() if all_streams else x[:, length:2 * length]
+            if all_streams:
+                x = x.reshape(x.shape[0], -1, length, x.shape[-1])
         if self.spec.output_scale != 1.0:
             x = x * self.spec.output_scale
         logits = self.lm_head(x)
@@ -643,8 +1024,17 @@ class Seq2SeqForConditionalGeneration(Module):
         return logits
 
     def decoder_hidden_states(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
-        """The decoder's last hidden state [B, T, d_model] (after its final norm), what the LM head reads."""
+        """The decoder's last hidden state [B, T, d_model] (after its final norm), what the LM head reads
+        (ProphetNet: the main stream's, as its base model returns)."""
+        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
+        length = _ids(decoder_ids).shape[1]
+        return x[:, :length] if self.spec.ngram else x
+
+    def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
+        """The decoder's output rows (ProphetNet: the main stream's T rows, then each predicting stream's)."""
         ids = _ids(decoder_ids)
+        if self.spec.ngram and cache is not None and ids.shape[1] != 1:
+            raise VkformersError(f"{self.architecture_name}: a cached decoder step takes one token per row")
         past = cache.position if cache is not None else 0
         padding = None
         if self.spec.decoder_pad_keys_masked and cache is None and (ids == self.spec.pad_token_id).any():
@@ -685,7 +1075,7 @@ class Seq2SeqForConditionalGeneration(Module):
     # -- forward
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
-                decoder_attention_mask=None, encoder_outputs=None):
+                decoder_attention_mask=None, encoder_outputs=None, global_attention_mask=None):
         ids = _ids(input_ids)
         mask = None if attention_mask is None else _ids(attention_mask)
         if decoder_attention_mask is not None and not _ids(decoder_attention_mask).all():
@@ -693,12 +1083,34 @@ class Seq2SeqForConditionalGeneration(Module):
                                  "to every decoder token)")
         label_array = None if labels is None else _ids(labels)
         decoder_ids = self.decoder_inputs(ids, decoder_input_ids, label_array)
-        encoder_states = encoder_outputs if encoder_outputs is not None else self.encode(ids, mask)
+        encoder_states = encoder_outputs if encoder_outputs is not None else \
+            self.encode(ids, mask, global_attention_mask)
+        if self.spec.ngram and label_array is not None:
+            streams = self.decode(decoder_ids, encoder_states, mask, all_streams=True)   # [B, n, T, V]
+            return Seq2SeqLMOutput(logits=streams[:, 0], loss=self._ngram_loss(streams, label_array),
+                                   encoder_last_hidden_state=encoder_states)
         logits = self.decode(decoder_ids, encoder_states, mask)
         loss = None
         if label_array is not None:
             loss = F.cross_entropy(logits.float(), tensor(label_array.astype(np.int32)), ignore_index=IGNORE_INDEX)
         return Seq2SeqLMOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_states)
+
+    def _ngram_loss(self, streams, labels: np.ndarray):
+        """ProphetNet: the mean cross-entropy over every stream's labels (the same ones; streams past the first
+        ignored with disable_ngram_loss), mixed with eps label smoothing: (1 - eps) nll + eps / V * the mean over
+        the counted rows of -sum(log p)."""
+        batch, count, length, vocab = streams.shape
+        targets = np.full((count, batch, length), IGNORE_INDEX, np.int64)
+        targets[:count if self.spec.ngram_loss else 1] = labels
+        logits = streams.float().permute(1, 0, 2, 3).reshape(count * batch, length, vocab)
+        targets = targets.reshape(count * batch, length)
+        loss = F.cross_entropy(logits, tensor(targets.astype(np.int32)), ignore_index=IGNORE_INDEX)
+        eps = self.spec.label_smoothing
+        if eps > 0.0:
+            counted = (targets != IGNORE_INDEX).astype(np.float32)
+            smooth = -(F.log_softmax(logits, -1).sum(-1) * tensor(counted)).sum() * (1.0 / counted.sum())
+            loss = loss * (1.0 - eps) + smooth * (eps / vocab)
+        return loss
 
     # -- generation
 
@@ -711,7 +1123,7 @@ class Seq2SeqForConditionalGeneration(Module):
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
                  attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
-                 output_logits: bool = False):
+                 output_logits: bool = False, global_attention_mask=None):
         """Decoder tokens [batch, 1 + new] (int64), starting with decoder_start_token_id, as transformers returns.
 
         The encoder runs once; each step feeds one token through the decoder with a self-attention KV
@@ -747,7 +1159,7 @@ class Seq2SeqForConditionalGeneration(Module):
         tokens = np.full((batch, 1), int(start), np.int64)
         step_logits = []
         with no_grad():
-            encoder_states = self.encode(ids, mask).realize()
+            encoder_states = self.encode(ids, mask, global_attention_mask).realize()
             device = self.decoder.embed_tokens.weight.device
             cache = Seq2SeqCache(spec, batch, 1 + max(int(max_new_tokens), 1), self.dtype, device, encoder_states,
                                  mask)

@@ -66,6 +66,12 @@ class Seq2SeqSpec:
     final_softcap: float = 0.0            # the same on the logits
     encoder_windows: tuple[int, ...] = ()  # per layer: self-attention sliding window (0: full); empty: none.
     decoder_windows: tuple[int, ...] = ()  # encoder: |i - j| <= w (bidirectional); decoder: i - w < j <= i
+    # LongT5's transient-global encoder: each layer also attends to one aggregate token per block of this many
+    # input tokens (their normed sum), with a relative bias of (block - token's block) from layer 0's table
+    transient_global_block: int = 0
+    # LED's encoder (Longformer): tokens of a global_attention_mask attend to every key through their own
+    # query/key/value_global projections, and every query attends to them besides its window
+    encoder_global_attention: bool = False
     # PEGASUS-X's encoder: global_tokens learned tokens (embed_global) precede the input in every layer, with their
     # own pre-attention norm; block-local attention runs only when one local block covers the input, where it is
     # full attention over [global tokens; input] (longer inputs are refused)
@@ -78,6 +84,20 @@ class Seq2SeqSpec:
     num_experts: int = 0
     expert_capacity: int = 0              # tokens per expert and sequence (per forward call); later ones are dropped
     router_bias: bool = False
+    # NLLB-MoE's sparse layers instead (see seq2seq.Top2MoE): top-2 routing over all the call's tokens, an expert
+    # keeping at most ceil(fraction * tokens) of them (first choices before second ones, in token order)
+    moe_top2: bool = False
+    moe_capacity_fraction: float = 1.0
+    moe_normalize_before_dropping: bool = False  # the two weights normalised before the capacity drops, not after
+    moe_route_padding: bool = False       # router_ignore_padding_tokens: the encoder's pad tokens are routed too
+    moe_output_scale: float = 1.0         # 1 - moe_token_dropout: transformers' experts' output in eval mode
+    # ProphetNet's decoder: ngram predicting streams beside the main one (seq2seq.Block._ngram_self_attention), with
+    # a relative bias projected from each query's hidden state (ngram_buckets buckets up to ngram_max_distance)
+    ngram: int = 0
+    ngram_buckets: int = 32
+    ngram_max_distance: int = 128
+    ngram_loss: bool = True               # the loss covers every stream (disable_ngram_loss: stream 0 only)
+    label_smoothing: float = 0.0          # ProphetNet's eps
 
     # -- positions
     relative_buckets: int = 0             # T5 relative position bias (0: none)
@@ -93,6 +113,7 @@ class Seq2SeqSpec:
     #                                       counted only for real tokens)
     position_offset: int = 0              # learned table row = position + offset (BART: 2)
     max_positions: int = 1024
+    encoder_max_positions: int | None = None  # LED: the encoder's learned table has its own size (None: max_positions)
 
     # -- embeddings and head
     embed_scale: float = 1.0              # sqrt(d_model) with scale_embedding
@@ -212,6 +233,24 @@ def _sparse_layers(layers: int, sparse: int) -> tuple[bool, ...]:
     return tuple((i % step == 1 or step == 1) if step > 0 else False for i in range(layers))
 
 
+@architecture("longt5", norm="rms", status="verified",
+              notes="T5-family; encoder local (|i - j| <= local_radius) or transient-global attention")
+def _longt5(config, arch):
+    """T5 whose encoder attends only to keys within local_radius of the query (its blocks of local_radius + 1
+    tokens see their neighbour blocks, masked to that distance), with layer 0's relative bias; transient-global
+    ("encoder_attention_type") adds, in each layer, one key per global_block_size tokens: the layer's
+    global_input_layer_norm of their sum (orphan tokens of an incomplete last block join the block before),
+    biased by the bucket of (global block - the query's block) from layer 0's global_relative_attention_bias."""
+    kind = config.get("encoder_attention_type", "local")
+    if kind not in ("local", "transient-global"):
+        raise UnsupportedConfigError(f"{arch}: encoder_attention_type={kind!r} is not 'local' or 'transient-global'")
+    spec = t5_spec(config, arch)
+    tglobal = kind == "transient-global"
+    return replace(spec, layout="longt5_tglobal" if tglobal else "longt5",
+                   encoder_windows=(config.get("local_radius", 127),) * spec.encoder_layers,
+                   transient_global_block=config.get("global_block_size", 16) if tglobal else 0)
+
+
 @architecture("switch_transformers", norm="rms", moe=True, status="verified",
               notes="T5-family; relative position bias; upstream claims HF forward-logit fixtures")
 def _switch(config, arch):
@@ -306,6 +345,56 @@ def _t5gemma(config, arch):
         eos_token_id=config.get("eos_token_id"), decoder_pad_keys_masked=True, encoder_pads_masked=True)
 
 
+@architecture("led", norm="layer", status="verified",
+              notes="BART-layout; encoder Longformer attention: sliding window and global_attention_mask tokens")
+def _led(config, arch):
+    """BART (post-LN, layernorm_embedding, final_logits_bias) under the led prefix with learned positions from 0
+    (separate encoder and decoder table sizes) whose encoder self-attention is Longformer's: layer i's queries see
+    the keys within attention_window[i] / 2, and the tokens a global_attention_mask marks attend to every key
+    through query/key/value_global while every query attends to them (transformers pads the input to a multiple of
+    the window with masked pad tokens, which changes nothing it returns)."""
+    layers = config["encoder_layers"]
+    windows = config.get("attention_window", 512)
+    windows = [windows] * layers if isinstance(windows, int) else list(windows)
+    if len(windows) != layers or any(w <= 0 or w % 2 for w in windows):
+        raise UnsupportedConfigError(f"{arch}: config option attention_window={config.get('attention_window')!r} "
+                                     f"must be one positive even number or one per encoder layer ({layers})")
+    return bart_spec(dict(config, max_position_embeddings=config.get("max_decoder_position_embeddings", 1024)), arch,
+                     layout="led", position_offset=0, encoder_windows=tuple(w // 2 for w in windows),
+                     encoder_global_attention=True,
+                     encoder_max_positions=config.get("max_encoder_position_embeddings", 16384))
+
+
+@architecture("prophetnet", norm="layer", status="verified",
+              notes="BART-layout post-LN; n-gram predicting streams in the decoder (logits from stream 0)")
+def _prophetnet(config, arch):
+    """ProphetNet: post-LN layers (feed_forward.intermediate/output), learned positions from pad + 1 (a table of
+    max_position_embeddings rows), embeddings_layer_norm, one word_embeddings table tied everywhere. Its decoder runs
+    the main stream and ngram predicting streams (ngram_embeddings[k - 1] plus the next position's embedding) through
+    n-gram self-attention: the main stream causally over itself, stream k over the main stream's keys up to its
+    position (k = 0) or before it, and its own key; a relative bias per query from relative_pos_embeddings. The logits
+    are stream 0's; the loss is the mean cross-entropy over every stream's (the same labels), with eps label
+    smoothing."""
+    heads = config["num_encoder_attention_heads"]
+    if config.get("num_decoder_attention_heads", heads) != heads:
+        raise UnsupportedConfigError(f"{arch}: encoder and decoder head counts differ")
+    if not config.get("add_cross_attention", True):
+        raise UnsupportedConfigError(f"{arch}: add_cross_attention=False (a decoder without the encoder) is not an "
+                                     "encoder-decoder")
+    refuse(arch, config, "ngram", lambda v: v >= 1, 2)  # the logits are predicting stream 0's
+    pad = _get(config, "pad_token_id", default=0)
+    rows = config.get("max_position_embeddings", 512)
+    as_bart = dict(config, d_model=config["hidden_size"], encoder_layers=config["num_encoder_layers"],
+                   decoder_layers=config["num_decoder_layers"], encoder_attention_heads=heads,
+                   decoder_attention_heads=heads, pad_token_id=pad)
+    return bart_spec(as_bart, arch, layout="prophetnet", position_offset=pad + 1, max_positions=rows - pad - 1,
+                     final_logits_bias=False, decoder_inputs_from_input_ids=False,
+                     ngram=config.get("ngram", 2), ngram_buckets=config.get("num_buckets", 32),
+                     ngram_max_distance=config.get("relative_max_distance", 128),
+                     ngram_loss=not config.get("disable_ngram_loss", False),
+                     label_smoothing=float(config.get("eps", 0.0)))
+
+
 @architecture("mvp", norm="layer", status="verified",
               notes="BART-layout")
 def _mvp(config, arch):
@@ -341,11 +430,41 @@ architecture("pegasus", norm="layer", status="verified",
              notes="BART-layout; sinusoidal positions",
              variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="sinusoidal",
                                             position_offset=0, embed_norm=False, decoder_inputs_from_input_ids=False))
-architecture("m2m_100", norm="layer", status="verified",
-             notes="BART-layout; sinusoidal positions",
-             variant=lambda c, a: bart_spec(c, a, pre_norm=True, final_norm=True, positions="fairseq",
-                                            position_offset=2, embed_norm=False, final_logits_bias=False,
-                                            decoder_inputs_from_input_ids=False))
+
+
+@architecture("m2m_100", norm="layer", status="verified",
+              notes="BART-layout; sinusoidal positions")
+def _m2m_100(config, arch, **delta):
+    return bart_spec(config, arch, pre_norm=True, final_norm=True, positions="fairseq", position_offset=2,
+                     embed_norm=False, final_logits_bias=False, decoder_inputs_from_input_ids=False, **delta)
+
+
+@architecture("nllb-moe", norm="layer", moe=True, status="verified",
+              notes=("M2M-100 with top-2 mixture-of-experts layers; reference: transformers 5.24 with its experts' "
+                     "dispatch corrected (it runs expert_1 and expert_0 whatever the router chose)"))
+def _nllb_moe(config, arch):
+    """M2M-100 (pre-LN, fairseq sinusoidal positions, scaled embeddings) whose every encoder_sparse_step-th /
+    decoder_sparse_step-th layer's feed-forward (``ffn``) is a top-2 mixture of num_experts fc1/fc2 experts with
+    biases, under ``cross_attention`` / ``ff_layer_norm`` names. Eval-mode semantics, as every dropout here: an
+    expert keeps ceil(moe_eval_capacity_token_fraction * tokens) tokens of a call (expert_capacity when the fraction
+    is 0), and its output is scaled by 1 - moe_token_dropout. The loss is the cross-entropy only."""
+    refuse(arch, config, "router_dtype", lambda v: v == "float32", "float32")
+    refuse(arch, config, "second_expert_policy", lambda v: v == "all", "all")  # sampling/random: stochastic
+    refuse(arch, config, "output_router_logits", lambda v: not v, False)  # would add the auxiliary loss
+    fraction = float(config.get("moe_eval_capacity_token_fraction", 1.0))
+    # batch-prioritised routing orders the tokens by router probability before the capacity drops; with a
+    # fraction of 1 or more nothing is dropped and the order does not matter
+    refuse(arch, config, "batch_prioritized_routing", lambda v: not v or fraction >= 1.0, False)
+    def sparse(layers, step):
+        return tuple((i + 1) % step == 0 if step > 0 else False for i in range(layers))
+    return _m2m_100(config, arch, layout="nllb_moe", moe_top2=True,
+                    encoder_sparse=sparse(config["encoder_layers"], config.get("encoder_sparse_step", 4)),
+                    decoder_sparse=sparse(config["decoder_layers"], config.get("decoder_sparse_step", 4)),
+                    num_experts=config.get("num_experts", 128), expert_capacity=config.get("expert_capacity", 64),
+                    router_bias=bool(config.get("router_bias", False)), moe_capacity_fraction=fraction,
+                    moe_normalize_before_dropping=bool(config.get("normalize_router_prob_before_dropping", False)),
+                    moe_route_padding=bool(config.get("router_ignore_padding_tokens", False)),
+                    moe_output_scale=1.0 - float(config.get("moe_token_dropout", 0.2)))
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
 # whatever architecture that names.
@@ -390,6 +509,24 @@ def fairseq_table(rows: int, dim: int, padding_idx: int | None) -> np.ndarray:
     if padding_idx is not None:
         table[padding_idx] = 0
     return table.astype(np.float32)
+
+
+def transient_global_blocks(mask: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """LongT5's fixed global blocks of an int attention mask [B, T]: each token's block (int64 [B, T]; -1 for
+    padding; an incomplete last block's tokens join the block before) and whether each of the T // block global
+    tokens holds any token (bool [B, G]), as transformers' _make_global_fixed_block_ids computes them."""
+    batch, length = mask.shape
+    step = np.full((batch, length), 1.0 / block, np.float32)
+    start = np.cumsum(step, axis=1, dtype=np.float32) - step
+    ids = np.floor(np.where(mask != 0, 1.0, -1000.0).astype(np.float32) + start - 1.0).astype(np.int64)
+    ids = np.maximum(ids, -1)
+    ids = ids * mask + (mask - 1)
+    ends = (np.arange(length) % block) == block - 1
+    full = (ends[None, :] & (ids >= 0)).sum(-1, keepdims=True) - 1
+    ids = np.where(ids < full, ids, full)
+    count = length // block
+    held = np.arange(count)[None, :] <= ids.max(-1, keepdims=True)
+    return ids, held
 
 
 def relative_buckets(query_positions: np.ndarray, key_length: int, *, bidirectional: bool, num_buckets: int,
