@@ -7,13 +7,11 @@ warm-up replays: see common.WARM_UP_SECONDS).
 The reference is PyTorch on CUDA (float32 with TF32 off, float16, bfloat16) when
 torch sees a GPU, else numpy float32 on the CPU; ratios are vkformers / reference.
 
-    python bench/matmul.py [--quick] [--json OUT] [--sweep [--variants-only]] [--layouts] [--decode-only] [--prefill]
+    python bench/matmul.py [--quick] [--json OUT] [--sweep] [--layouts] [--decode-only] [--prefill]
 
---sweep also times alternative tile configurations: float32 tiles at each size, and every variant of the
-cooperative-matrix kernel (matmul.COOPMAT_VARIANTS, float16 and bfloat16) on the products of SWEEP_PRODUCTS,
-each beside the same PyTorch product, then names the best variant per layout (with --layouts in all three
-layouts, else A @ B only); --variants-only runs only that part. --layouts the transposed layouts A @ B^T (a Linear
-layer's forward) and A^T @ B (its weight gradient) beside the same PyTorch product.
+--sweep also times alternative tile configurations at each size (with --layouts, for A @ B^T too); --layouts
+the transposed layouts A @ B^T (a Linear layer's forward) and A^T @ B (its weight gradient) beside the same
+PyTorch product.
 The decode cases (y = x @ W^T, m = 1 and 8 rows of x, W [n, k] of 2048 x 2048 and
 5632 x 2048, trans_b) report GB/s of weight bytes read: the small-m kernel (what
 "auto" picks) and the large-m kernel for comparison, against the same-shape PyTorch
@@ -35,7 +33,7 @@ import numpy as np
 from common import cuda_median, cuda_torch, replay_timings, write_results
 
 from vkformers.engine.kernels.matmul import (
-    COOPMAT_DEFAULT, COOPMAT_VARIANTS, TiledConfig, coopmat_config, matmul, select_algorithm, split_k)
+    COOPMAT_DEFAULT, CoopmatConfig, TiledConfig, coopmat_config, matmul, select_algorithm, split_k)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -195,124 +193,19 @@ def prefill_runs(device, dtype: str = "bfloat16", quick: bool = False) -> list[d
     return rows
 
 
-LAYOUTS = {"A @ B": (False, False), "A @ B^T": (False, True), "A^T @ B": (True, False)}
-# Products (m, n, k) the cooperative-matrix sweep times per layout: the square sizes, and the Linear layers of a
-# 7-8B model (hidden 4096, MLP 14336): x @ W^T for 512 and 4096 rows of x (up/gate; down with k = 14336), and
-# the weight gradient dY^T @ X of up/gate (A^T @ B: m = W's 14336 rows, K = the rows of the batch).
-SWEEP_PRODUCTS = {
-    "A @ B": ((4096, 4096, 4096), (8192, 8192, 8192), (512, 14336, 4096), (4096, 14336, 4096)),
-    "A @ B^T": ((4096, 4096, 4096), (8192, 8192, 8192), (512, 14336, 4096), (4096, 14336, 4096),
-                (4096, 4096, 14336)),
-    "A^T @ B": ((4096, 4096, 4096), (8192, 8192, 8192), (14336, 4096, 512), (14336, 4096, 4096)),
-}
-SWEEP_PRODUCTS_QUICK = {layout: ((128, 256, 64), (256, 128, 96)) for layout in LAYOUTS}
-SWEEP_WARM_UP_SECONDS = 0.2  # per product and variant: the GPU is already at its clocks during the sweep
-
-
-def cheap_random(device, shape, dtype, rng):
-    """A buffer of ``shape`` filled with a repeated block of normal values (drawing ~10^8 values would take
-    longer than timing the product)."""
-    block = rng.standard_normal(1 << 20, dtype=np.float32)
-    x = np.resize(block, int(np.prod(shape))).reshape(shape)
-    return device.upload(dt.to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype), dtype=dtype)
-
-
-def time_product(device, a, b, c, m, n, k, trans_a, trans_b, repeats, **options) -> float:
-    """Median seconds of one C = op(A) @ op(B) from GPU timestamps, after a short warm-up."""
-    seq = device.sequence(timestamps=True)
-    for _ in range(repeats):
-        matmul(seq, a, b, c, m=m, n=n, k=k, trans_a=trans_a, trans_b=trans_b, **options)
-    timings = replay_timings(seq, SWEEP_WARM_UP_SECONDS)
-    return float(np.median([t for label, t in timings if label.startswith("matmul")]))
-
-
-def time_reference_product(m, n, k, dtype, repeats, trans_a, trans_b):
-    """(seconds, name) of PyTorch's op(x) @ op(y) on CUDA for C [m, n] (None without a CUDA GPU)."""
-    torch = cuda_torch()
-    if torch is None:
-        return None, "no CUDA reference"
-    x = torch.randn(*((k, m) if trans_a else (m, k)), device="cuda", dtype=getattr(torch, dtype))
-    y = torch.randn(*((n, k) if trans_b else (k, n)), device="cuda", dtype=getattr(torch, dtype))
-    op_x, op_y = (x.T if trans_a else x), (y.T if trans_b else y)
-    seconds = cuda_median(lambda: torch.matmul(op_x, op_y), repeats, warm_up_seconds=0.5)
-    del x, y
-    return seconds, f"torch {torch.cuda.get_device_name()}"
-
-
-def coopmat_sweep(device, layouts, quick: bool, which: str = "all", names=None) -> list[dict]:
-    """Every variant in COOPMAT_VARIANTS (or those ``names``) on the products of SWEEP_PRODUCTS in ``layouts``
-    (``which``: "all", "square" or "model" products), float16 and bfloat16, beside PyTorch; then the best variant
-    per product and per layout (geometric mean of the ratios)."""
-    rows, errors = [], {}
-    started = time.perf_counter()
-    limit = device.limits["max_compute_shared_memory_size"]
-    products = {layout: [p for p in shapes if which == "all" or (which == "square") == (len(set(p)) == 1)]
-                for layout, shapes in (SWEEP_PRODUCTS_QUICK if quick else SWEEP_PRODUCTS).items()}
-    variants = {name: cfg for name, cfg in COOPMAT_VARIANTS.items() if not names or name in names}
-    repeats = 3 if quick else 5
-    rng = np.random.default_rng(0)
-    for dtype in ("float16", "bfloat16"):
-        if select_algorithm(device, dtype) != "coopmat":
-            print(f"sweep: {device.name} has no {dtype} cooperative matrix")
-            continue
-        for layout in layouts:
-            trans_a, trans_b = LAYOUTS[layout]
-            for m, n, k in products[layout]:
-                ref, ref_name = time_reference_product(m, n, k, dtype, 10, trans_a, trans_b)
-                a = cheap_random(device, (k, m) if trans_a else (m, k), dtype, rng)
-                b = cheap_random(device, (n, k) if trans_b else (k, n), dtype, rng)
-                c = device.buffer((m, n), dtype)
-                chosen = coopmat_config(device, m, n, 1, trans_a, trans_b).name
-                shape = f"{m}x{n}x{k}"
-                flops = 2 * m * n * k
-                if ref is not None:
-                    print(f"sweep {shape:17s} {dtype:8s} {layout:8s} {ref_name}: {flops / ref / 1e12:8.2f} TFLOP/s",
-                          flush=True)
-                for name, cfg in variants.items():
-                    if cfg.shared_bytes(trans_a, trans_b) > limit:
-                        continue
-                    options = dict(algorithm="coopmat", coopmat=cfg)
-                    try:
-                        if (dtype, name) not in errors:
-                            errors[dtype, name] = check_against_numpy(device, dtype, **options)
-                        seconds = time_product(device, a, b, c, m, n, k, trans_a, trans_b, repeats, **options)
-                    except Exception as exc:  # a configuration the device refuses
-                        print(f"sweep {shape} {dtype} {layout} {name}: {exc}")
-                        continue
-                    row = {"m": m, "n": n, "k": k, "dtype": dtype, "layout": layout, "config": name,
-                           "production": name == chosen, "tflops": flops / seconds / 1e12,
-                           "reference_tflops": flops / ref / 1e12 if ref else None,
-                           "ratio": ref / seconds if ref else None, "max_error": errors[dtype, name]}
-                    rows.append(row)
-                    ratio = f"ratio {row['ratio']:.3f}" if ref else ""
-                    print(f"sweep {shape:17s} {dtype:8s} {layout:8s} {name:28s}{'*' if row['production'] else ' '} "
-                          f"{row['tflops']:8.2f} TFLOP/s  {ratio}  max error vs numpy {row['max_error']:.1e}",
-                          flush=True)
-                del a, b, c
-    wrong = sorted({r["config"] for r in rows if r["max_error"] > 1e-4})
-    if wrong:
-        print(f"sweep: WRONG RESULTS (max error vs numpy above 1e-4), left out below: {', '.join(wrong)}")
-    rows_all, rows = rows, [r for r in rows if r["config"] not in wrong]
-    print("sweep: * marks the tile coopmat_config picks now; best per product (ratio to PyTorch):")
-    key = "ratio" if any(r["ratio"] for r in rows) else "tflops"
-    for product in dict.fromkeys((r["layout"], r["dtype"], r["m"], r["n"], r["k"]) for r in rows):
-        runs = [r for r in rows if (r["layout"], r["dtype"], r["m"], r["n"], r["k"]) == product]
-        best = max(runs, key=lambda r: r[key])
-        now = next((r for r in runs if r["production"]), None)
-        print(f"best {product[0]:8s} {product[1]:8s} {product[2]}x{product[3]}x{product[4]}: {best['config']} "
-              f"{best[key]:.3f}" + (f" (production {now['config']} {now[key]:.3f})" if now else ""), flush=True)
-    for layout in dict.fromkeys(r["layout"] for r in rows):
-        means = {}
-        for name in variants:
-            runs = [r[key] for r in rows if r["layout"] == layout and r["config"] == name]
-            if runs and len(runs) == max(len([r for r in rows if r["layout"] == layout and r["config"] == other])
-                                         for other in variants):
-                means[name] = float(np.exp(np.mean(np.log(runs))))
-        ranked = sorted(means.items(), key=lambda item: -item[1])
-        print(f"best {layout:8s} over its products (geometric mean {key}): "
-              + ", ".join(f"{name} {mean:.3f}" for name, mean in ranked[:4]), flush=True)
-    print(f"sweep: {time.perf_counter() - started:.0f} s", flush=True)
-    return rows_all
+# Cooperative-matrix configurations the sweep tries (subgroups, bk, fragments per subgroup, bands of tile rows).
+# m, n and k as specialization constants (spec_shape) were also swept on an H200: no gain.
+COOPMAT_SWEEP = [CoopmatConfig(**kw) for kw in (
+    dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2), dict(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2,
+                                                             group_rows=16),
+    dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4,
+                                                             group_rows=16),
+    dict(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=32),
+    dict(sg_rows=2, sg_cols=4, bk=48, frag_m=4, frag_n=4, group_rows=16),
+    dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4), dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4,
+                                                             group_rows=16),
+    dict(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=32),
+    dict(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16))]
 
 
 def check_against_numpy(device, dtype, **options) -> float:
@@ -322,7 +215,7 @@ def check_against_numpy(device, dtype, **options) -> float:
     worst = 0.0
     cfg, limit = options.get("coopmat"), device.limits["max_compute_shared_memory_size"]
     for (m, n, k), trans_a, trans_b in (((1000, 1030, 520), False, False), ((777, 515, 300), True, True),
-                                        ((1024, 1024, 1024), False, True), ((520, 1000, 1030), True, False)):
+                                        ((1024, 1024, 1024), False, True)):
         if cfg is not None and cfg.shared_bytes(trans_a, trans_b) > limit:
             continue  # a tile too large for this layout's staging
         a = rng.standard_normal((k, m) if trans_a else (m, k), dtype=np.float32)
@@ -355,12 +248,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (lavapipe)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
-    parser.add_argument("--variants-only", action="store_true",
-                        help="with --sweep: only the cooperative-matrix variants (no decode, default or float32 runs)")
-    parser.add_argument("--products", choices=("all", "square", "model"), default="all",
-                        help="the sweep's products: square sizes, a 7-8B model's Linear layers, or both")
-    parser.add_argument("--variants", metavar="NAME", nargs="+",
-                        help="the sweep's cooperative-matrix variants (names as printed; default: all)")
     parser.add_argument("--layouts", action="store_true",
                         help="also time A @ B^T (a Linear layer) and A^T @ B (its weight gradient)")
     parser.add_argument("--decode-only", action="store_true", help="only the decode (small-m) cases")
@@ -376,10 +263,7 @@ def main() -> None:
     repeats = 3 if args.quick else 10
     print(f"device: {device.name}")
     results = {"device": device.name, "runs": []}
-    if args.sweep and args.variants_only:
-        sizes = ()  # nothing but the sweep's products
-    else:
-        results["decode"] = decode_runs(device, args.quick)
+    results["decode"] = decode_runs(device, args.quick)
     for size in sizes:
         for dtype in DTYPES:
             kernel = select_algorithm(device, dtype)
@@ -408,20 +292,38 @@ def main() -> None:
                           f"{row['reference_tflops']:8.2f} TFLOP/s   ratio {row['ratio']:.3f}", flush=True)
 
     if args.sweep:
-        layouts = list(LAYOUTS) if args.layouts else ["A @ B"]
-        results["coopmat_sweep"] = coopmat_sweep(device, layouts, args.quick, args.products, args.variants)
         results["sweep"] = []
         # Sweeps on an H200 also tried 128 x 64 tiles with K steps of 8 and 32, 64 x 128,
         # 128 x 128 of 4 x 8 per invocation, 64 x 64 and 128 x 128 of 8 x 8: all slower.
-        candidates = [] if args.variants_only else [cfg for cfg in (
+        candidates = [("float32", dict(algorithm="tiled", tiled=cfg)) for cfg in (
             TiledConfig(128, 64, 16, 8, 4), TiledConfig(128, 64, 16, 8, 4, 8), TiledConfig(128, 64, 16, 8, 4, 16),
             TiledConfig(128, 128, 16, 8, 4), TiledConfig(128, 128, 16, 8, 4, 8))
             if cfg.shared_bytes() <= device.limits["max_compute_shared_memory_size"]]
-        for size, cfg in ((size, cfg) for size in sizes for cfg in candidates):
-            seconds = time_vkformers(device, size, "float32", repeats, algorithm="tiled", tiled=cfg)
-            results["sweep"].append({"size": size, "dtype": "float32", "layout": "A @ B", "config": repr(cfg),
-                                     "tflops": tflops(size, seconds)})
-            print(f"sweep {size}^3 float32  A @ B    {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s", flush=True)
+        # A @ B, and with --layouts also A @ B^T (a Linear layer's forward: B staged as rows of K).
+        layouts = [(False, "A @ B")] + ([(True, "A @ B^T")] if args.layouts else [])
+        limit = device.limits["max_compute_shared_memory_size"]
+        for dtype in ("float16", "bfloat16"):
+            if select_algorithm(device, dtype) == "coopmat":
+                candidates += [(dtype, dict(algorithm="coopmat", coopmat=cfg)) for cfg in COOPMAT_SWEEP]
+        errors = {}  # each coopmat configuration checked against numpy once
+        for size, (trans_b, layout), (dtype, options) in (
+                (size, lay, c) for size in sizes for lay in layouts for c in candidates):
+            cfg = options.get("tiled") or options.get("coopmat")
+            if "coopmat" in options and cfg.shared_bytes(False, trans_b) > limit:
+                continue  # its staged tiles do not fit in this layout
+            try:
+                if "coopmat" in options and (dtype, cfg) not in errors:
+                    errors[dtype, cfg] = check_against_numpy(device, dtype, **options)
+                seconds = time_vkformers(device, size, dtype, repeats, trans_b=trans_b, **options)
+            except Exception as exc:  # a configuration the device refuses
+                print(f"sweep {dtype} {options}: {exc}")
+                continue
+            error = errors.get((dtype, cfg))
+            results["sweep"].append({"size": size, "dtype": dtype, "layout": layout, "config": repr(cfg),
+                                     "tflops": tflops(size, seconds), "max_error": error})
+            checked = "" if error is None else f"   max error vs numpy {error:.2e}"
+            print(f"sweep {size}^3 {dtype:8s} {layout:8s} {cfg!r}: {tflops(size, seconds):8.2f} TFLOP/s{checked}",
+                  flush=True)
 
     write_results(args.json, results)
 

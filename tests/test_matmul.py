@@ -10,11 +10,6 @@ float16/bfloat16 on a GPU that has it), and the tiled kernel explicitly as well.
 The small-m kernel (m <= 8, decoding) has its own tests at the end, with the same
 tolerances: it also accumulates in float32 and rounds C once.
 """
-import re
-import subprocess
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -22,7 +17,6 @@ from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import matmul as KM
 from vkformers.engine.kernels.matmul import SMALL_M_MAX, SmallMConfig, coopmat_supported, matmul, select_algorithm
 from vkformers.runtime import dtypes as dt
-from vkformers.runtime.kernels import _compiler_env, find_spirv, glslang_command
 
 DTYPES = ("float32", "float16", "bfloat16")
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
@@ -300,16 +294,14 @@ def test_coopmat_k_steps_of_48(device, in_dtype):
 
 def test_coopmat_tiles_fill_the_gpu():
     """Tile and split choice on a GPU with 32-wide subgroups (pure arithmetic, no device needed): a C of many
-    tiles takes COOPMAT_BY_LAYOUT's large tile unsplit; fewer tiles take smaller ones, then slices of K."""
+    tiles takes the 128 x 256 tile unsplit; fewer tiles take smaller ones, then slices of K."""
     class Gpu:
         is_cpu = False
         limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
     gpu = Gpu()
-    large, default = (KM.COOPMAT_VARIANTS[name] for name in KM.COOPMAT_BY_LAYOUT[False, False])
-    big = KM.coopmat_config(gpu, 8192, 8192)
-    assert big == large and KM.split_k(gpu, big, 8192, 8192, 8192, 1) == 1
-    if KM._groups(large, 2048, 4096) < KM.LARGE_TILE_MIN_WORKGROUPS <= KM._groups(large, 8192, 8192):
-        assert KM.coopmat_config(gpu, 2048, 4096) == default  # too few tiles for the large one
+    big = KM.coopmat_config(gpu, 4096, 4096)
+    assert (big.bm, big.bn) == (128, 256) and KM.split_k(gpu, big, 4096, 4096, 4096, 1) == 1
+    assert KM.coopmat_config(gpu, 2048, 4096) == KM.COOPMAT_DEFAULT  # 256 tiles of 128 x 256: too few for it
     mid = KM.coopmat_config(gpu, 512, 2048)  # 64 tiles of 128 x 128: too few
     assert mid.bm * mid.bn < 128 * 128 and KM._groups(mid, 512, 2048) >= KM.FILL_WORKGROUPS
     short = KM.coopmat_config(gpu, 16, 2048)
@@ -318,101 +310,6 @@ def test_coopmat_tiles_fill_the_gpu():
     assert splits * KM._groups(short, 16, 2048) >= KM.FILL_WORKGROUPS
     assert -(-2048 // short.bk) // splits >= KM.MIN_SPLIT_STEPS
     assert KM.split_k(gpu, short, 16, 2048, 128, 1) == 1  # two K steps: nothing to split
-
-
-LAYOUTS = ((False, False), (False, True), (True, False), (True, True))
-
-
-@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name", list(KM.COOPMAT_VARIANTS))
-def test_coopmat_variants(device, in_dtype, name):
-    """Each variant of the cooperative-matrix kernel for large products (KM.COOPMAT_VARIANTS: one or two staged
-    copies, short rows staged down the lanes, B's fragments loaded ahead): whole tiles over an odd number of K
-    steps (unchecked loads; both staged copies, the last step in the second), edges with a partial K step, a K of
-    less than one step, 16-bit C (whole tiles and edges), in every layout whose tiles fit the device; bias,
-    alpha, beta and batches with offsets."""
-    cfg = KM.COOPMAT_VARIANTS[name]
-    if not coopmat_supported(device, in_dtype):
-        with pytest.raises(ValueError, match="cooperative matrix"):
-            run_case(device, 16, 64, 256, in_dtype=in_dtype, algorithm="coopmat", coopmat=cfg)
-        return
-    limit = device.limits["max_compute_shared_memory_size"]
-    other = "bfloat16" if in_dtype == "float16" else "float16"
-    for trans_a, trans_b in LAYOUTS:
-        if cfg.shared_bytes(trans_a, trans_b) > limit:
-            continue
-        layout = dict(in_dtype=in_dtype, trans_a=trans_a, trans_b=trans_b, algorithm="coopmat", coopmat=cfg)
-        run_case(device, 2 * cfg.bm, 2 * cfg.bn, 5 * cfg.bk, alpha=0.5, **layout)
-        run_case(device, cfg.bm + 37, cfg.bn + 19, 7 * cfg.bk + 5, out_dtype=other, **layout)
-        run_case(device, 2 * cfg.bm, cfg.bn + 24, 4 * cfg.bk + 8, out_dtype=in_dtype, **layout)
-    if cfg.shared_bytes(False, True) <= limit:
-        run_case(device, 45, 71, 9, in_dtype=in_dtype, trans_b=True, algorithm="coopmat", coopmat=cfg)
-        run_case(device, 77, 150, 2 * cfg.bk + 40, in_dtype=in_dtype, out_dtype=in_dtype, batch=2, pad=(8, 16, 3),
-                 offsets=(8, 16, 5, 2), bias=True, alpha=0.5, beta=1.0, trans_b=True, algorithm="coopmat",
-                 coopmat=cfg)
-        run_case(device, 2 * cfg.bm, cfg.bn, 3 * cfg.bk, in_dtype=in_dtype, batch=2, pad=(8, 16, 8),
-                 offsets=(8, 16, 8, 0), trans_b=True, algorithm="coopmat", coopmat=cfg)
-
-
-def test_coopmat_variants_fit_and_choice_by_layout():
-    """Pure arithmetic: every variant runs with 32-wide subgroups and fits 48 KiB of shared memory in every
-    layout; the production table names variants; the launcher's tile for a large product in each layout is the
-    table's where it fits, and a device with less shared memory falls back to tiles that fit it."""
-    for cfg in KM.COOPMAT_VARIANTS.values():
-        cfg.check(32)
-        assert all(cfg.shared_bytes(ta, tb) <= 48 * 1024 for ta, tb in LAYOUTS), cfg.name
-    class Gpu:
-        is_cpu = False
-        limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
-    gpu = Gpu()
-    for (trans_a, trans_b), (large, default) in KM.COOPMAT_BY_LAYOUT.items():
-        assert KM.coopmat_config(gpu, 8192, 8192, 1, trans_a, trans_b) == KM.COOPMAT_VARIANTS[large]
-        cfg = KM.coopmat_config(gpu, 512, 14336, 1, trans_a, trans_b)
-        assert KM._groups(cfg, 512, 14336) >= KM.FILL_WORKGROUPS
-    for shared in (40 * 1024, 32 * 1024, 16 * 1024):
-        gpu.limits["max_compute_shared_memory_size"] = shared
-        for trans_a, trans_b in LAYOUTS:
-            for m in (8192, 512):
-                cfg = KM.coopmat_config(gpu, m, 8192, 1, trans_a, trans_b)
-                assert cfg.shared_bytes(trans_a, trans_b) <= shared or cfg == KM.COOPMAT_SMALL_SHARED
-
-
-def frozen_shared_bytes(spirv_path, spec: list[int]) -> int:
-    """Bytes of the shared array of a kernel once its specialization constants (by id) are frozen to ``spec``
-    (spirv-opt; the frozen module must also pass spirv-val)."""
-    tools = Path(glslang_command()[0]).parent
-    if not (tools / "spirv-opt").exists():
-        pytest.skip("spirv-opt is not installed beside glslangValidator")
-    env = _compiler_env([str(tools / "spirv-opt")])
-    with tempfile.TemporaryDirectory() as folder:
-        frozen = str(Path(folder) / "frozen.spv")
-        values = " ".join(f"{i}:{v}" for i, v in enumerate(spec))
-        subprocess.run([str(tools / "spirv-opt"), str(spirv_path), "-o", frozen,
-                        f"--set-spec-const-default-value={values}", "--freeze-spec-const",
-                        "--fold-spec-const-op-composite", "--eliminate-dead-const"], check=True, env=env)
-        subprocess.run([str(tools / "spirv-val"), "--target-env", "vulkan1.3", frozen], check=True, env=env)
-        text = subprocess.run([str(tools / "spirv-dis"), frozen], check=True, env=env, capture_output=True,
-                              text=True).stdout
-    def defined(name):
-        return re.search(rf"^\s*{re.escape(name)} = (.*)$", text, re.M).group(1).split()
-    pointer = next(line.split()[3] for line in text.splitlines() if "OpVariable" in line and "Workgroup" in line)
-    array = defined(pointer)[-1]
-    _, element, length = defined(array)
-    assert element == "%v4uint"
-    return 16 * int(defined(length)[-1])
-
-
-def test_coopmat_shared_memory_matches_the_kernel():
-    """No cooperative-matrix device needed: each variant's specialization constants frozen into the kernel's
-    SPIR-V give a valid module whose shared memory is CoopmatConfig.shared_bytes in every layout (the launcher's
-    check against the device's limit and the tile choice rely on that figure)."""
-    spirv = find_spirv("matmul_coopmat", "f16_f32")
-    for cfg in KM.COOPMAT_VARIANTS.values():
-        for trans_a, trans_b in LAYOUTS:
-            spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), 0, 1, 1,
-                    cfg.sg_rows * cfg.sg_cols * 32, cfg.frag_m, cfg.frag_n, 0, 0, 0, 1, 0, cfg.group_rows, 0,
-                    *cfg.spec_options()]
-            assert frozen_shared_bytes(spirv, spec) == cfg.shared_bytes(trans_a, trans_b), (cfg.name, trans_a, trans_b)
 
 
 def test_tiled_tiles_by_size():

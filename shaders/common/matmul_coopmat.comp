@@ -8,21 +8,7 @@
 // padded by 8 halves so the 16-byte row reads of a 16x16 load hit distinct banks),
 // and coopMatLoad reads them row- or column-major accordingly. The next K tile is
 // loaded into registers while the current one is multiplied. Per 16-wide K step a
-// subgroup loads its FRAG_M fragments of A once and one fragment of B at a time
-// (B_AHEAD: all FRAG_N fragments of B first, then the FRAG_M x FRAG_N products).
-//
-// STAGES = 1: one staged copy of each tile; per K step: stage the prefetched registers,
-// barrier, prefetch the next tile, multiply, barrier. STAGES = 2: two staged copies;
-// per K step: stage the next tile (prefetched during the previous multiply) into the
-// copy nobody reads, prefetch the one after, multiply the current copy, one barrier.
-// PREFETCH = 2: two sets of prefetch registers, so a tile's loads are issued two K
-// steps before it is staged and overlap two multiplies instead of one (global latency
-// on the H200 is about one K step of 32 of a 128 x 256 tile's products).
-// LANES_DOWN: a staged row of fewer than 8 uvec4s (K steps of 16 or 32 along a
-// k-contiguous tile) is filled by consecutive lanes going down 8 rows of one column
-// instead of along the row; with the padded pitch every 8 lanes then store to 8
-// distinct banks (along the row, lanes 0 and 7 of a K step of 32 share one), and a
-// subgroup's loads still cover the same whole rows of global memory.
+// subgroup loads its FRAG_M fragments of A once and one fragment of B at a time.
 //
 // Speed on NVIDIA depends on every loop that touches an array of cooperative
 // matrices or of prefetched registers being unrolled: the driver does not unroll
@@ -43,8 +29,7 @@
 // likewise after converting the accumulators, bfloat16 ones through shared memory 8
 // values per store (a bfloat16 accumulator is not one of the device's shapes);
 // otherwise it goes through shared memory one value at a time so it can
-// bounds-check, add bias and beta * C, and convert. The epilogue's shared memory is
-// the staged tiles' (after the last barrier of the K loop): one array holds both.
+// bounds-check, add bias and beta * C, and convert.
 //
 // QUANT_B (the *_quant variants): B is a quantized weight W (quant_block.glsl, FORMAT), read from its packed
 // bytes and dequantized 8 values at a time into the staged tile (never expanded to memory; the next tile's
@@ -96,13 +81,9 @@ layout(constant_id = 13) const uint SPEC_K = 0;
 layout(constant_id = 14) const uint SPLITS = 1;
 layout(constant_id = 15) const uint GATE_MODE = 0;  // matmul_io.glsl: GATE_NONE, _ROWS, _DEPTH, _SPAN_ROWS, _SPAN_DEPTH
 layout(constant_id = 16) const uint GROUP_ROWS = 0;  // matmul_io.glsl tile_of_workgroup: bands of tile rows
-layout(constant_id = 17) const uint FORMAT = 0;  // quant_block.glsl QUANT_* (the *_quant variants only)
-layout(constant_id = 18) const uint STAGES = 1;  // staged copies of each tile: 1 or 2 (see above)
-layout(constant_id = 19) const uint LANES_DOWN = 0;  // staging order of short rows (see above)
-layout(constant_id = 20) const uint B_AHEAD = 0;  // all fragments of B of a K step loaded before multiplying
-layout(constant_id = 21) const uint PREFETCH = 1;  // K steps between a tile's loads and its staging: 1 or 2
 #include "matmul_io.glsl"
 #if defined(QUANT_B)
+layout(constant_id = 17) const uint FORMAT = 0;  // quant_block.glsl QUANT_*
 layout(binding = 1) readonly buffer Packed { uint packed_words[]; };  // B's bytes as words
 #include "quant_block.glsl"
 #endif
@@ -139,13 +120,9 @@ const uint INNER_A = TRANS_A != 0 ? BM : BK, OUTER_A = TRANS_A != 0 ? BK : BM;
 const uint INNER_B = TRANS_B != 0 ? BK : BN, OUTER_B = TRANS_B != 0 ? BN : BK;
 const uint PITCH_A = INNER_A / 8 + 1, PITCH_B = INNER_B / 8 + 1;
 const uint CHUNKS_A = OUTER_A * INNER_A / 8, CHUNKS_B = OUTER_B * INNER_B / 8;  // uvec4s per tile
-const uint TILE_A = OUTER_A * PITCH_A, TILE_B = OUTER_B * PITCH_B;  // uvec4s per staged copy
-// staged: STAGES copies of A's tile, then STAGES of B's; after the K loop the epilogue's 16x16 float32
-// accumulator per subgroup (256 floats = 64 uvec4s each) at its start (engine/kernels/matmul.py
-// CoopmatConfig.shared_bytes mirrors this size).
-const uint STAGED_TILES = STAGES * (TILE_A + TILE_B), STAGED_C = SG_ROWS * SG_COLS * 64;
-shared uvec4 staged[STAGED_TILES > STAGED_C ? STAGED_TILES : STAGED_C];
-float stage_c(uint i) { return uintBitsToFloat(staged[i >> 2][i & 3]); }
+shared uvec4 tile_a[OUTER_A * PITCH_A];
+shared uvec4 tile_b[OUTER_B * PITCH_B];
+shared float stage_c[SG_ROWS * SG_COLS * 256];  // epilogue: one 16x16 accumulator per subgroup
 
 // Half number e of a matrix stored as uvec4s, for loads that are not whole aligned vectors.
 uint half_bits(bool from_a, uint e) {
@@ -170,20 +147,10 @@ uvec4 load_chunk_checked(bool from_a, bool aligned, uint base, uint outer, uint 
     return v;
 }
 
-// Row and uvec4 of chunk q of a staged tile of rows of `per_row` uvec4s: q / per_row and q % per_row, or
-// (LANES_DOWN, rows of 2 or 4 uvec4s) within each run of 32 chunks, rows first.
-uvec2 chunk_place(uint q, uint per_row) {
-    if (LANES_DOWN != 0 && per_row < 8 && 32 % per_row == 0) {
-        const uint rows = 32 / per_row, l = q % 32;
-        return uvec2(q / 32 * rows + l % rows, l / rows);
-    }
-    return uvec2(q / per_row, q % per_row);
-}
-
-// Chunk q of a staged tile (chunk_place), which starts at (outer0, inner0) of the matrix.
+// Chunk q of a staged tile: (row q / (INNER / 8), uvec4 q % (INNER / 8)) of the
+// tile, which starts at (outer0, inner0) of the matrix.
 uvec4 chunk_a(bool fast, uint q, uint base, uint row0, uint k0) {
-    const uvec2 at = chunk_place(q, INNER_A / 8);
-    uint o = at.x, i = 8 * at.y;
+    uint o = q / (INNER_A / 8), i = 8 * (q % (INNER_A / 8));
     uint outer = (TRANS_A != 0 ? k0 : row0) + o, inner = (TRANS_A != 0 ? row0 : k0) + i;
     uint inner_n = TRANS_A != 0 ? M_ : K_;
     if (fast) return a_data[(base + outer * inner_n + inner) >> 3];
@@ -209,8 +176,7 @@ uint pack_b2(float lo, float hi) {
 // the dense path's prefetched vectors do.
 #define OUTSIDE_W 0xFFFFFFFFu
 QuantRun fetch_chunk_b(uint q, uint col0, uint k0, out uvec2 place) {
-    const uvec2 at = chunk_place(q, INNER_B / 8);
-    uint o = at.x, i = 8 * at.y;
+    uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
     place = quant_block_of(off_b, stride_b, outer, inner);
     if (outer >= (TRANS_B != 0 ? N_ : k_limit) || inner >= (TRANS_B != 0 ? k_limit : N_)) {
@@ -227,8 +193,7 @@ uvec4 decode_chunk_b(QuantRun run, uvec2 place) {
 }
 #else
 uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
-    const uvec2 at = chunk_place(q, INNER_B / 8);
-    uint o = at.x, i = 8 * at.y;
+    uint o = q / (INNER_B / 8), i = 8 * (q % (INNER_B / 8));
     uint outer = (TRANS_B != 0 ? col0 : k0) + o, inner = (TRANS_B != 0 ? k0 : col0) + i;
     uint inner_n = TRANS_B != 0 ? K_ : N_;
     if (fast) return b_data[(base + outer * inner_n + inner) >> 3];
@@ -237,47 +202,8 @@ uvec4 chunk_b(bool fast, uint q, uint base, uint col0, uint k0) {
 }
 #endif
 
-// Where chunk q of copy `stage` of A's (B's) tile is staged.
-uint staged_index_a(uint stage, uint q) {
-    const uvec2 at = chunk_place(q, INNER_A / 8);
-    return stage * TILE_A + at.x * PITCH_A + at.y;
-}
-uint staged_index_b(uint stage, uint q) {
-    const uvec2 at = chunk_place(q, INNER_B / 8);
-    return STAGES * TILE_A + stage * TILE_B + at.x * PITCH_B + at.y;
-}
-
-// The products of one staged K step (copy STAGE) added to this subgroup's accumulators (a macro, not a function:
-// the accumulators stay the unrolled local array of main). Offsets and strides in uvec4s (8 halves).
-#define MULTIPLY_STAGED(STAGE) {                                                                             \
-    const uint at_a = (STAGE) * TILE_A, at_b = STAGES * TILE_A + (STAGE) * TILE_B;                          \
-    [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {                                                       \
-        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[FRAG_M];                             \
-        [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {                                                      \
-            uint r = sg_row * 16 * FRAG_M + 16 * i;                                                         \
-            if (TRANS_A != 0) coopMatLoad(fa[i], staged, at_a + kk * PITCH_A + r / 8, PITCH_A, gl_CooperativeMatrixLayoutColumnMajor); \
-            else coopMatLoad(fa[i], staged, at_a + r * PITCH_A + kk / 8, PITCH_A, gl_CooperativeMatrixLayoutRowMajor); \
-        }                                                                                                   \
-        if (B_AHEAD != 0) {                                                                                 \
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fbs[FRAG_N];                        \
-            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {                                                  \
-                uint c = sg_col * 16 * FRAG_N + 16 * j;                                                     \
-                if (TRANS_B != 0) coopMatLoad(fbs[j], staged, at_b + c * PITCH_B + kk / 8, PITCH_B, gl_CooperativeMatrixLayoutColumnMajor); \
-                else coopMatLoad(fbs[j], staged, at_b + kk * PITCH_B + c / 8, PITCH_B, gl_CooperativeMatrixLayoutRowMajor); \
-            }                                                                                               \
-            [[unroll]] for (uint j = 0; j < FRAG_N; ++j)                                                    \
-                [[unroll]] for (uint i = 0; i < FRAG_M; ++i) acc[i][j] = coopMatMulAdd(fa[i], fbs[j], acc[i][j]); \
-        } else {                                                                                            \
-            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {                                                  \
-                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb;                             \
-                uint c = sg_col * 16 * FRAG_N + 16 * j;                                                     \
-                if (TRANS_B != 0) coopMatLoad(fb, staged, at_b + c * PITCH_B + kk / 8, PITCH_B, gl_CooperativeMatrixLayoutColumnMajor); \
-                else coopMatLoad(fb, staged, at_b + kk * PITCH_B + c / 8, PITCH_B, gl_CooperativeMatrixLayoutRowMajor); \
-                [[unroll]] for (uint i = 0; i < FRAG_M; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb, acc[i][j]); \
-            }                                                                                               \
-        }                                                                                                   \
-    }                                                                                                       \
-}
+uint staged_index_a(uint q) { return q / (INNER_A / 8) * PITCH_A + q % (INNER_A / 8); }
+uint staged_index_b(uint q) { return q / (INNER_B / 8) * PITCH_B + q % (INNER_B / 8); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -320,105 +246,57 @@ void main() {
         [[unroll]] for (uint j = 0; j < FRAG_N; ++j)
             acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-    // Prefetched tiles in registers: one set, or two (PREFETCH = 2) for tiles two K steps ahead.
-    uvec4 next_a[MAX_CHUNKS], next_a1[MAX_CHUNKS];
+    uvec4 next_a[MAX_CHUNKS];
 #if defined(QUANT_B)
-    QuantRun next_b[MAX_CHUNKS], next_b1[MAX_CHUNKS];
-    uvec2 next_b_place[MAX_CHUNKS], next_b1_place[MAX_CHUNKS];
-#define FETCH_B(FAST, K0, NB, NBP) \
+    QuantRun next_b[MAX_CHUNKS];
+    uvec2 next_b_place[MAX_CHUNKS];
+#define FETCH_B(FAST, K0) \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) \
-            NB[l] = fetch_chunk_b(tid + l * threads, col0, K0, NBP[l]);
-#define STAGE_B(STAGE, NB, NBP) \
+            next_b[l] = fetch_chunk_b(tid + l * threads, col0, K0, next_b_place[l]);
+#define STAGE_B(K0) \
         [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) \
-            staged[staged_index_b(STAGE, tid + l * threads)] = decode_chunk_b(NB[l], NBP[l]);
+            tile_b[staged_index_b(tid + l * threads)] = decode_chunk_b(next_b[l], next_b_place[l]);
 #else
-    uvec4 next_b[MAX_CHUNKS], next_b1[MAX_CHUNKS];
-#define next_b_place next_b
-#define next_b1_place next_b1
-#define FETCH_B(FAST, K0, NB, NBP) \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) NB[l] = chunk_b(FAST, tid + l * threads, base_b, col0, K0);
-#define STAGE_B(STAGE, NB, NBP) \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) staged[staged_index_b(STAGE, tid + l * threads)] = NB[l];
+    uvec4 next_b[MAX_CHUNKS];
+#define FETCH_B(FAST, K0) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) next_b[l] = chunk_b(FAST, tid + l * threads, base_b, col0, K0);
+#define STAGE_B(K0) \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_B; ++l) tile_b[staged_index_b(tid + l * threads)] = next_b[l];
 #endif
-    // Both branches are uniform over the workgroup; the unchecked one is the hot loop. SET 0: next_a, next_b,
-    // next_b_place; SET 1: next_a1, ...
-#define FETCH_TILES_TO(K0, NA, NB, NBP)                                                               \
+    // Both branches are uniform over the workgroup; the unchecked one is the hot loop.
+#define FETCH_TILES(K0)                                                                               \
     if (vector_tiles && (K0) + BK <= k_limit) {                                                             \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) NA[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
-        FETCH_B(true, K0, NB, NBP)                                                                    \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(true, tid + l * threads, base_a, row0, K0); \
+        FETCH_B(true, K0)                                                                             \
     } else {                                                                                          \
-        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) NA[l] = chunk_a(false, tid + l * threads, base_a, row0, K0); \
-        FETCH_B(false, K0, NB, NBP)                                                                   \
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) next_a[l] = chunk_a(false, tid + l * threads, base_a, row0, K0); \
+        FETCH_B(false, K0)                                                                            \
     }
-#define STAGE_TILES_FROM(STAGE, NA, NB, NBP)                                                          \
-    [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) staged[staged_index_a(STAGE, tid + l * threads)] = NA[l]; \
-    STAGE_B(STAGE, NB, NBP)
-#define FETCH_TILES(K0) FETCH_TILES_TO(K0, next_a, next_b, next_b_place)
-#define STAGE_TILES(STAGE) STAGE_TILES_FROM(STAGE, next_a, next_b, next_b_place)
-    // Into / from the set of the second K step of a pair (the first's unless PREFETCH = 2); the other branch
-    // goes with the specialization.
-#define FETCH_TILES_ODD(K0) \
-    if (PREFETCH == 2) { FETCH_TILES_TO(K0, next_a1, next_b1, next_b1_place) } else { FETCH_TILES(K0) }
-#define STAGE_TILES_ODD(STAGE) \
-    if (PREFETCH == 2) { STAGE_TILES_FROM(STAGE, next_a1, next_b1, next_b1_place) } else { STAGE_TILES(STAGE) }
 
-    if (STAGES == 1 && PREFETCH == 1) {
-        if (k_begin < k_end) { FETCH_TILES(k_begin) }
-        for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
-            STAGE_TILES(0)
-            barrier();
-            if (k0 + BK < k_end) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
-            MULTIPLY_STAGED(0)
-            barrier();
-        }
-    } else if (STAGES == 1) {
-        // K steps in pairs, the first's tiles in set 0, the second's in set 1; each set is refilled with the
-        // step two ahead while this step is multiplied.
-        if (k_begin < k_end) { FETCH_TILES(k_begin) }
-        if (k_begin + BK < k_end) { FETCH_TILES_ODD(k_begin + BK) }
-        for (uint k0 = k_begin; k0 < k_end; k0 += 2 * BK) {
-            STAGE_TILES(0)
-            barrier();
-            if (k0 + 2 * BK < k_end) { FETCH_TILES(k0 + 2 * BK) }
-            MULTIPLY_STAGED(0)
-            barrier();
-            if (k0 + BK < k_end) {
-                STAGE_TILES_ODD(0)
-                barrier();
-                if (k0 + 3 * BK < k_end) { FETCH_TILES_ODD(k0 + 3 * BK) }
-                MULTIPLY_STAGED(0)
-                barrier();
+    if (k_begin < k_end) { FETCH_TILES(k_begin) }
+    for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
+        [[unroll]] for (uint l = 0; l * threads < CHUNKS_A; ++l) tile_a[staged_index_a(tid + l * threads)] = next_a[l];
+        STAGE_B(k0)
+        barrier();
+        if (k0 + BK < k_end) { FETCH_TILES(k0 + BK) }  // in flight while we multiply
+
+        [[unroll]] for (uint kk = 0; kk < BK; kk += 16) {
+            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> fa[FRAG_M];
+            // Offsets and strides in uvec4s (8 halves).
+            [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
+                uint r = sg_row * 16 * FRAG_M + 16 * i;
+                if (TRANS_A != 0) coopMatLoad(fa[i], tile_a, kk * PITCH_A + r / 8, PITCH_A, gl_CooperativeMatrixLayoutColumnMajor);
+                else coopMatLoad(fa[i], tile_a, r * PITCH_A + kk / 8, PITCH_A, gl_CooperativeMatrixLayoutRowMajor);
+            }
+            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> fb;
+                uint c = sg_col * 16 * FRAG_N + 16 * j;
+                if (TRANS_B != 0) coopMatLoad(fb, tile_b, c * PITCH_B + kk / 8, PITCH_B, gl_CooperativeMatrixLayoutColumnMajor);
+                else coopMatLoad(fb, tile_b, kk * PITCH_B + c / 8, PITCH_B, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint i = 0; i < FRAG_M; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb, acc[i][j]);
             }
         }
-    } else {
-        // Copy s % 2 holds K step s (steps in pairs: copy 0, then copy 1). Staging step s + 1 into the other
-        // copy is safe once every subgroup has passed the barrier that ended step s - 1 (the last reads of that
-        // copy). Step s + 1's tiles were fetched PREFETCH steps before it is staged (into set 0, or with
-        // PREFETCH = 2 into the set of its parity), so their loads overlap PREFETCH multiplies.
-        if (k_begin < k_end) {
-            FETCH_TILES(k_begin)
-            STAGE_TILES(0)
-            if (k_begin + BK < k_end) { FETCH_TILES_ODD(k_begin + BK) }
-            if (PREFETCH == 2 && k_begin + 2 * BK < k_end) { FETCH_TILES(k_begin + 2 * BK) }
-            barrier();
-        }
-        const uint ahead = (1 + PREFETCH) * BK;  // the step fetched once a set is staged
-        for (uint k0 = k_begin; k0 < k_end; k0 += 2 * BK) {
-            if (k0 + BK < k_end) {
-                STAGE_TILES_ODD(1)
-                if (k0 + ahead < k_end) { FETCH_TILES_ODD(k0 + ahead) }  // in flight while we multiply
-            }
-            MULTIPLY_STAGED(0)
-            barrier();
-            if (k0 + BK < k_end) {
-                if (k0 + 2 * BK < k_end) {
-                    STAGE_TILES(0)
-                    if (k0 + BK + ahead < k_end) { FETCH_TILES(k0 + BK + ahead) }
-                }
-                MULTIPLY_STAGED(1)
-                barrier();
-            }
-        }
+        barrier();
     }
 
     const uint base_c = off_c + gl_WorkGroupID.z * stride_c + shift_c;
@@ -440,7 +318,7 @@ void main() {
         const uint lanes = gl_SubgroupSize, lane = gl_SubgroupInvocationID;
         [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
             [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
-                coopMatStore(acc[i][j], staged, sg * 64, 4, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(acc[i][j], stage_c, sg * 256, 16, gl_CooperativeMatrixLayoutRowMajor);
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
                 uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
@@ -448,7 +326,7 @@ void main() {
                     uint s = sg * 256 + 8 * v;
                     uvec4 bits;
                     [[unroll]] for (uint w = 0; w < 4; ++w)
-                        bits[w] = pack_out2(alpha * stage_c(s + 2 * w), alpha * stage_c(s + 2 * w + 1));
+                        bits[w] = pack_out2(alpha * stage_c[s + 2 * w], alpha * stage_c[s + 2 * w + 1]);
                     c_vec[(base_c + (r0 + v / 2) * N_ + c0 + 8 * (v % 2)) >> 3] = bits;
                 }
                 subgroupBarrier();
@@ -462,13 +340,13 @@ void main() {
     const uint lanes = gl_SubgroupSize, lane = gl_SubgroupInvocationID;
     [[unroll]] for (uint i = 0; i < FRAG_M; ++i) {
         [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {
-            coopMatStore(acc[i][j], staged, sg * 64, 4, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatStore(acc[i][j], stage_c, sg * 256, 16, gl_CooperativeMatrixLayoutRowMajor);
             subgroupMemoryBarrierShared();
             subgroupBarrier();
             uint r0 = row0 + sg_row * 16 * FRAG_M + 16 * i, c0 = col0 + sg_col * 16 * FRAG_N + 16 * j;
             for (uint e = lane; e < 256; e += lanes) {
                 uint r = r0 + e / 16, c = c0 + e % 16;
-                if (r < m_rows && c < N_) store_c(base_c + r * N_ + c, c, stage_c(sg * 256 + e));
+                if (r < m_rows && c < N_) store_c(base_c + r * N_ + c, c, stage_c[sg * 256 + e]);
             }
             subgroupBarrier();
         }

@@ -64,10 +64,6 @@ class CoopmatConfig:
     frag_n: int = 2    # and along N
     spec_shape: bool = False  # m, n, k as specialization constants (one pipeline per shape)
     group_rows: int = 0  # > 1: workgroups visit C in bands of this many tile rows (matmul_io.glsl)
-    stages: int = 1      # staged copies of each tile: 2 = one barrier per K step (matmul_coopmat.comp STAGES)
-    lanes_down: bool = False  # short staged rows filled down the rows (no bank conflicts: LANES_DOWN)
-    b_ahead: bool = False  # all fragments of B of a K step loaded before the products (B_AHEAD)
-    prefetch: int = 1    # K steps between a tile's loads and its staging: 2 = two sets of registers (PREFETCH)
 
     @property
     def bm(self) -> int:
@@ -77,36 +73,22 @@ class CoopmatConfig:
     def bn(self) -> int:
         return 16 * self.frag_n * self.sg_cols
 
-    @property
-    def name(self) -> str:
-        """Tile, K step, subgroups and options, e.g. ``128x256k16 2x4 s2 down g16``."""
-        flags = [f"s{self.stages}" if self.stages != 1 else "", f"p{self.prefetch}" if self.prefetch != 1 else "",
-                 "down" if self.lanes_down else "",
-                 "ahead" if self.b_ahead else "", f"g{self.group_rows}" if self.group_rows > 1 else "",
-                 "spec" if self.spec_shape else ""]
-        return " ".join([f"{self.bm}x{self.bn}k{self.bk} {self.sg_rows}x{self.sg_cols}", *filter(None, flags)])
-
     def shared_bytes(self, trans_a: bool | None = None, trans_b: bool | None = None) -> int:
-        # ``stages`` copies of the two tiles staged in their global layout, rows padded by 8 halves (a layout not
-        # given: the larger); the epilogue's 16x16 float32 slice per subgroup reuses that memory.
+        # Two tiles staged in their global layout, rows padded by 8 halves (a layout not given: the larger),
+        # plus a 16x16 float32 epilogue slice per subgroup.
         def tile(rows_cols: int, k_contiguous: bool | None) -> int:
             layouts = {True: rows_cols * (self.bk // 8 + 1), False: self.bk * (rows_cols // 8 + 1)}
             return 16 * (max(layouts.values()) if k_contiguous is None else layouts[k_contiguous])
         k_contiguous_a = None if trans_a is None else not trans_a
-        tiles = self.stages * (tile(self.bm, k_contiguous_a) + tile(self.bn, trans_b))
-        return max(tiles, 1024 * self.sg_rows * self.sg_cols)
+        return tile(self.bm, k_contiguous_a) + tile(self.bn, trans_b) + 1024 * self.sg_rows * self.sg_cols
 
     def check(self, subgroup: int) -> None:
         """Refuse a configuration the kernel cannot run: each invocation moves a whole
         number of 8-half chunks of each tile, at most MAX_CHUNKS (16) of them."""
         threads = self.sg_rows * self.sg_cols * subgroup
         for chunks in (self.bm * self.bk // 8, self.bn * self.bk // 8):
-            if self.bk % 16 or chunks % threads or chunks // threads > 16 or {self.stages, self.prefetch} - {1, 2}:
+            if self.bk % 16 or chunks % threads or chunks // threads > 16:
                 raise ValueError(f"matmul: {self} cannot run with subgroups of {subgroup}")
-
-    def spec_options(self) -> list[int]:
-        """matmul_coopmat.comp's specialization constants 18 to 21."""
-        return [self.stages, int(self.lanes_down), int(self.b_ahead), self.prefetch]
 
 
 COOPMAT_DEFAULT = CoopmatConfig()
@@ -118,43 +100,7 @@ COOPMAT_DEFAULT = CoopmatConfig()
 # make one band: within 1%).
 COOPMAT_LARGE = CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16)
 LARGE_TILE_MIN_WORKGROUPS = 512
-# Variants of the kernel for large products, timed side by side by ``bench/matmul.py --sweep`` (the names are the
-# configurations' ``name``). Why each (see matmul_coopmat.comp: STAGES, PREFETCH, LANES_DOWN, B_AHEAD):
-# - the two tiles above (one staged copy, two barriers per K step, loads one K step ahead);
-# - down: a K step of 32 staged along rows of 4 uvec4s made every 8 lanes store twice to one bank;
-# - p2: loads two K steps ahead (two sets of registers): one step of 32 is about the H200's global latency;
-# - s2 (one barrier per K step): 48 KiB hold two copies of a 128 x 256 tile only for K steps of 16, of
-#   128 x 128 for K steps of 32; with 8 subgroups (4 x 2 accumulators each, fewer registers: room for p2; 181.9
-#   TFLOP/s with one copy, docs/benchmarks.md) or
-#   4 (64 x 64 each, fewer invocations per workgroup, more workgroups per compute unit: 128 x 128 in 2 x 2
-#   subgroups was the fastest tile of the first sweep, bfloat16 4096^3 277 TFLOP/s against 258 for 128 x 256);
-# - ahead: every fragment of B of a K step loaded before its products (more loads in flight, more registers).
-COOPMAT_VARIANTS = {cfg.name: cfg for cfg in (
-    COOPMAT_DEFAULT,
-    COOPMAT_LARGE,
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=64, frag_m=4, frag_n=2, group_rows=16, prefetch=2),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True, prefetch=2),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True, b_ahead=True),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=16, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True,
-                  prefetch=2),
-    CoopmatConfig(sg_rows=2, sg_cols=4, bk=32, frag_m=4, frag_n=2, group_rows=16, stages=2, lanes_down=True,
-                  prefetch=2),
-    CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, lanes_down=True),
-    CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True),
-    CoopmatConfig(sg_rows=2, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16, stages=2, lanes_down=True,
-                  prefetch=2),
-)}
-# The production choice per layout (trans_a, trans_b): (the tile of a C of at least LARGE_TILE_MIN_WORKGROUPS
-# of its tiles, the tile of a C of at least FILL_WORKGROUPS). Change a line to change what that layout runs.
-COOPMAT_BY_LAYOUT = {
-    (False, False): ("128x256k32 2x4 g16", "128x128k64 2x4"),
-    (False, True): ("128x256k32 2x4 g16", "128x128k64 2x4"),  # x @ W^T: a Linear layer's forward
-    (True, False): ("128x256k32 2x4 g16", "128x128k64 2x4"),  # dY^T @ X: its weight gradient
-    (True, True): ("128x256k32 2x4 g16", "128x128k64 2x4"),
-}
-COOPMAT_SMALL_SHARED = CoopmatConfig(bk=32)  # devices with less than 36 KiB of shared memory
+COOPMAT_SMALL_SHARED = CoopmatConfig(bk=32)  # devices with less than 45 KiB of shared memory
 # Smaller tiles for a C of few tiles (prefill of a short prompt, narrow projections): 64 x 128, 64 x 64,
 # and for m <= 32 tiles of 32 or 16 rows, so that the rows past m are not multiplied.
 COOPMAT_SMALLER = (CoopmatConfig(sg_rows=2, sg_cols=4, frag_m=2, frag_n=2),
@@ -168,13 +114,10 @@ MIN_SPLIT_STEPS = 4  # K steps per slice at least: each slice's loads overlap it
 MAX_SPLIT_BYTES = 64 << 20  # float32 partial sums
 
 
-def coopmat_config(device, m: int | None = None, n: int | None = None, batch: int = 1,
-                   trans_a: bool | None = False, trans_b: bool | None = False) -> CoopmatConfig:
+def coopmat_config(device, m: int | None = None, n: int | None = None, batch: int = 1) -> CoopmatConfig:
     """The default tile, or (given m and n) the largest tile whose grid still fills the GPU
     (``bench/matmul.py --prefill`` on the H200, x @ W^T with W 2048 x 2048: m = 512 took 32.5 us in 64 x 128
-    tiles against 44.7 in 128 x 128; m = 16 13.1 us in 16 x 128 tiles with K in 8 slices, against 63.5).
-    The tiles of many-tile products come from COOPMAT_BY_LAYOUT, each kept only where the device's shared
-    memory holds it in this layout (trans_a / trans_b None: in every layout)."""
+    tiles against 44.7 in 128 x 128; m = 16 13.1 us in 16 x 128 tiles with K in 8 slices, against 63.5)."""
     shared = device.limits["max_compute_shared_memory_size"]
     if COOPMAT_DEFAULT.shared_bytes() > shared:
         return COOPMAT_SMALL_SHARED
@@ -182,12 +125,10 @@ def coopmat_config(device, m: int | None = None, n: int | None = None, batch: in
         return COOPMAT_DEFAULT
     subgroup = device.limits["subgroup_size"]
     rows = next((cfg for limit, cfg in COOPMAT_ROWS.items() if m <= limit), None)
-    large, default = (COOPMAT_VARIANTS[name] for name in COOPMAT_BY_LAYOUT[bool(trans_a), bool(trans_b)])
-    candidates = [rows] if rows else [large, default, COOPMAT_DEFAULT, *COOPMAT_SMALLER]
-    usable = [cfg for cfg in candidates if _runs(cfg, subgroup, shared, trans_a, trans_b)] or [COOPMAT_DEFAULT]
-    for index, cfg in enumerate(usable):
-        is_large = index == 0 and cfg is large
-        if _groups(cfg, m, n) * batch >= (LARGE_TILE_MIN_WORKGROUPS if is_large else FILL_WORKGROUPS):
+    candidates = [rows] if rows else [COOPMAT_LARGE, COOPMAT_DEFAULT, *COOPMAT_SMALLER]
+    usable = [cfg for cfg in candidates if _runs(cfg, subgroup, shared)] or [COOPMAT_DEFAULT]
+    for cfg in usable:
+        if _groups(cfg, m, n) * batch >= (LARGE_TILE_MIN_WORKGROUPS if cfg == COOPMAT_LARGE else FILL_WORKGROUPS):
             return cfg
     return usable[-1]
 
@@ -206,13 +147,12 @@ def _groups(cfg: CoopmatConfig | TiledConfig, m: int, n: int) -> int:
     return -(-m // cfg.bm) * -(-n // cfg.bn)
 
 
-def _runs(cfg: CoopmatConfig, subgroup: int, shared: int, trans_a: bool | None = None,
-          trans_b: bool | None = None) -> bool:
+def _runs(cfg: CoopmatConfig, subgroup: int, shared: int) -> bool:
     try:
         cfg.check(subgroup)
     except ValueError:
         return False
-    return cfg.shared_bytes(trans_a, trans_b) <= shared
+    return cfg.shared_bytes() <= shared
 
 
 def subgroup_size_is_fixed(device) -> bool:
@@ -416,13 +356,9 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         return
 
     if algorithm == "coopmat":
-        cfg = coopmat or coopmat_config(device, m, n, batch, trans_a, trans_b)
+        cfg = coopmat or coopmat_config(device, m, n, batch)
         subgroup = device.limits["subgroup_size"]
         cfg.check(subgroup)
-        limit = device.limits["max_compute_shared_memory_size"]
-        if cfg.shared_bytes(trans_a, trans_b) > limit:
-            raise ValueError(f"matmul: tile {cfg.name} needs {cfg.shared_bytes(trans_a, trans_b)} bytes of shared "
-                             f"memory in this layout; {device.name} has {limit}")
         splits = splits or (1 if coopmat or span else split_k(device, cfg, m, n, k, batch))
         # 8 halves are staged at a time; whole-vector loads need the contiguous
         # dimension, the offset and the batch stride to be multiples of 8.
@@ -432,8 +368,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         split = splits > 1  # the bias goes to the second pass then, not into the partial sums
         spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, int(trans_a), int(trans_b), int(bias is not None and not split),
                 aligned_a, aligned_b, cfg.sg_rows * cfg.sg_cols * subgroup, cfg.frag_m, cfg.frag_n,
-                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits, gate_spec, cfg.group_rows, 0,
-                *cfg.spec_options()]
+                *([m, n, k] if cfg.spec_shape else [0, 0, 0]), splits, gate_spec, cfg.group_rows]
         groups = (-(-n // cfg.bn), -(-m // cfg.bm), batch * splits)
         if not split:
             seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec, write_group=write_group)

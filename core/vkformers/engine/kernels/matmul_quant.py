@@ -135,13 +135,13 @@ def _coopmat(seq, a: Operand, w: Operand, c: Operand, fmt, *, m: int, n: int, k:
     """matmul_coopmat.comp's quant variant: the cooperative-matrix tile product with W dequantized as its tile is
     staged (off_b: W's byte offset, stride_b: its row bytes; one product, so no batch stride is needed)."""
     device = seq.device
-    cfg = coopmat_config(device, m, n, trans_b=trans_w)
+    cfg = coopmat_config(device, m, n)
     subgroup = device.limits["subgroup_size"]
     cfg.check(subgroup)
     aligned_a = int(k % 8 == 0 and a.offset % 8 == 0)
     push = [m, n, k, a.offset, w.offset, c.offset, 0, 0, row_bytes, 0, 1.0, 0.0, 0]
     spec = [cfg.sg_rows, cfg.sg_cols, cfg.bk, 0, int(trans_w), 0, aligned_a, 1, cfg.sg_rows * cfg.sg_cols * subgroup,
-            cfg.frag_m, cfg.frag_n, 0, 0, 0, 1, 0, cfg.group_rows, fmt.shader_id, *cfg.spec_options()]
+            cfg.frag_m, cfg.frag_n, 0, 0, 0, 1, 0, cfg.group_rows, fmt.shader_id]
     variant = "f16_f16_quant" if a.dtype.name == "float16" else "bf16_bf16_quant"
     seq.dispatch(device.kernel("matmul_coopmat", variant), [a.buffer, w.buffer, c.buffer, c.buffer, c.buffer],
                  (-(-n // cfg.bn), -(-m // cfg.bm), 1), push, spec)

@@ -156,7 +156,7 @@ class SpanProducts(KernelOp):
         # Cooperative-matrix tiles sized for a span of average length (the product's m counts every packed row).
         rows_per_span = max(1, -(-self.m // experts)) if self.mode == "span_rows" else self.m
         common = dict(m=self.m, n=self.n, k=self.k, gate_mode=self.mode,
-                      coopmat=KM.coopmat_config(seq.device, rows_per_span, self.n, experts, None, None))
+                      coopmat=KM.coopmat_config(seq.device, rows_per_span, self.n, experts))
         if self.mode == "span_rows":
             (c,) = outs
             if stacked:
