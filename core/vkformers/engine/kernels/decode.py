@@ -61,11 +61,12 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
 
 # Packed weights at batch 1 on a GPU, by the first weight's block format: (subgroups per workgroup, units of 32
 # weights in flight per lane, pairs of columns computed together by a subgroup (sharing each read of x), split k).
-# Pick from ``bench/quant.py --sweep`` on the target GPU (these are not measured yet); a format not listed takes
-# QUANT_LAUNCH_DEFAULT. A key (format, k) gives products of that inner size their own shape (a long-k, narrow
-# product such as down_proj may want k split among subgroups).
-QUANT_LAUNCH = {"q4_k": (4, 2, 2, 0), "q5_k": (4, 2, 2, 0), "q6_k": (4, 2, 2, 0), "q8_0": (4, 2, 2, 0)}
-QUANT_LAUNCH_DEFAULT = (4, 2, 2, 0)
+# From ``bench/quant.py --sweep`` on the H200 (docs/benchmarks.md): one subgroup per workgroup and one unit in flight
+# won for Q4_K and Q6_K, with several subgroups or more units in flight several times slower; Q5_K and Q8_0 were not
+# swept and take the shape that won for both. A format not listed takes QUANT_LAUNCH_DEFAULT. A key (format, k) gives
+# products of that inner size their own shape (a long-k, narrow product such as down_proj may want k split).
+QUANT_LAUNCH = {"q4_k": (1, 1, 2, 0), "q5_k": (1, 1, 1, 0), "q6_k": (1, 1, 1, 0), "q8_0": (1, 1, 1, 0)}
+QUANT_LAUNCH_DEFAULT = (1, 1, 1, 0)
 
 
 def launch_shape(device, rows: int = 1, quant: str | None = None, k: int = 0) -> tuple[int, int, int, int]:
