@@ -180,3 +180,28 @@ def test_a_pool_sized_from_device_memory(tiny, monkeypatch):
         pool_of(int((reserve + held + 5.5 * per_block) / 0.9))
     with pytest.raises(InputError, match="gpu_memory_utilization must be in"):
         pool_of(size, share=1.5)
+
+
+@pytest.mark.parametrize("name", ["mistral", "bloom"])
+def test_models_whose_attention_depends_on_columns_page_by_default(name):
+    """A sliding window of 4 (Mistral's fixture) and ALiBi (BLOOM's) on the pool vkformers serve sizes by default:
+    paged (without prefix caching), staggered requests each get generate's tokens alone."""
+    from test_serve_recurrent import LENGTHS as lengths
+    from test_serve_recurrent import PROMPTS as prompts
+    from test_serve_recurrent import alone, char_tokenizer, load
+    tokenizer = char_tokenizer()
+    reference = load(name)
+    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
+            for p, n in zip(prompts, lengths)]
+    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64,
+                               gpu_memory_utilization=0.9).start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.kv_blocks > 1 and not scheduler.prefix_caching
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == expected
+    assert scheduler.metrics.placements >= 1 and scheduler.metrics.peak_live_rows >= 3

@@ -72,10 +72,12 @@ CACHE_GROWTH = 256
 PREFILL_CHUNK = 512
 COLUMN_LIMIT = 2
 COLUMN_ROUNDING = CACHE_ROUNDING
-# A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes) beside
-# the weights for the forward's activations and recorded plans: an estimate, --kv-cache-tokens sets the pool exactly.
+# A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes, and the
+# float32 logits of a PREFILL_CHUNK-token prefill of every row, up to ACTIVATION_RESERVE_MAX of the heap) beside the
+# weights for the forward's activations and recorded plans: an estimate, --kv-cache-tokens sets the pool exactly.
 ACTIVATION_RESERVE = 0.05
 ACTIVATION_RESERVE_MIN = 256 << 20
+ACTIVATION_RESERVE_MAX = 0.25
 
 
 @dataclass
@@ -309,7 +311,9 @@ class BatchScheduler:
         allowed = fraction * heap["size"] - buffer_memory()["live_bytes"]
         if heap["budget"]:  # the driver's budget for this process: other processes' memory counted
             allowed = min(allowed, heap["budget"] - heap["usage"])
-        allowed -= max(ACTIVATION_RESERVE * heap["size"], ACTIVATION_RESERVE_MIN)
+        logits = self.max_batch * PREFILL_CHUNK * self._probe_logits.shape[-1] * 4  # a prefill's [rows, T, vocab]
+        allowed -= max(ACTIVATION_RESERVE * heap["size"], ACTIVATION_RESERVE_MIN,
+                       min(logits, ACTIVATION_RESERVE_MAX * heap["size"]))
         dtype = self._dtype()
         per_block = block_bytes(layers, kv_heads, head_dim, self.page_size, dtype)
         per_layer_block = kv_heads * self.page_size * head_dim * dtype.itemsize
