@@ -1,11 +1,13 @@
 """Continuous batching of models with recurrent state (models/batching.py, ROW_STATES of models/cache.py): a pure
 Mamba, hybrids of attention and Mamba layers (Zamba's shared blocks too), a hybrid with Gated DeltaNet layers, LFM2's
-short convolutions and RecurrentGemma's recurrent blocks each keep a conv (and scan) state per row. Requests joining at different steps (prefilled apart and placed into free rows, or rebuilt with the batch)
+short convolutions and RecurrentGemma's recurrent blocks each keep a conv (and scan) state per row, in buffers
+overwritten in place so that the batch's decode steps are replayed. Requests joining at different steps (prefilled apart and placed into free rows, or rebuilt with the batch)
 and concurrent requests through the openai client against a real server give the tokens ``model.generate`` gives
 each alone."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,7 +61,10 @@ def test_staggered_requests_match_generate_alone(name, kv_blocks):
             for p, n in zip(PROMPTS, LENGTHS)]
     expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
     scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks,
-                               page_size=4).start()
+                               page_size=4)
+    choose = scheduler._choose  # replayed steps are quick: slowed, so that the later requests find a running batch
+    scheduler._choose = lambda *args: time.sleep(0.01) or choose(*args)
+    scheduler.start()
     try:
         requests = run_staggered(scheduler, jobs)
     finally:
@@ -68,6 +73,9 @@ def test_staggered_requests_match_generate_alone(name, kv_blocks):
     assert [r.generated for r in requests] == expected
     assert scheduler.metrics.placements >= 1 and scheduler.metrics.peak_live_rows >= 3
     assert not scheduler.prefix_caching  # a state is not in the blocks: nothing to share
+    # the states sit in buffers overwritten in place: decode steps replay their recorded plan, the rows' states
+    # moved in and out of those buffers as requests join
+    assert scheduler.metrics.replayed_steps >= scheduler.metrics.steps // 3
 
 
 @pytest.mark.parametrize("name", ["mamba", "bamba"])

@@ -420,6 +420,8 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
             ("prompt_tokens_total", "counter", "prompt tokens received", m.prompt_tokens),
             ("generation_tokens_total", "counter", "tokens generated", m.generation_tokens),
             ("decode_steps_total", "counter", "batched decode steps", m.steps),
+            ("decode_steps_replayed_total", "counter", "batched decode steps replayed from their recorded plan",
+             m.replayed_steps),
             ("batch_rebuilds_total", "counter", "prefills of the running batch (requests joining)", m.rebuilds),
             ("requests_running", "gauge", "requests in the running batch", m.live_rows),
             ("requests_waiting", "gauge", "requests waiting for a place in the batch", m.waiting),

@@ -34,6 +34,8 @@ positions by index) would see the gap: they run without prefix caching.
 Recurrent state (state-space and linear-attention layers, ROW_STATES of models/cache.py): each row of the cache
 holds its own conv and scan state beside its keys and values; a left-padded row's padding leaves it at zeros (the
 layers zero padded positions), and placing a prompt prefilled apart moves its rows' state with its keys and values.
+The scheduler's caches keep those states in persistent buffers overwritten in place (KVCache.keep_states_in_place),
+so that every decode step reads and writes the same buffers and is replayed like an attention model's.
 A model with no attention at all (``attention_free``) runs on a cache of no key/value layers holding only that
 state. Layer state laid out by column (an indexer's keys) cannot move between rows: such models are refused.
 
@@ -169,6 +171,7 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    replayed_steps: int = 0       # decode steps replayed from their recorded plan (no Python forward)
     rebuilds: int = 0             # prefills of the whole batch (requests joining when no free rows fit them)
     placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
     growths: int = 0              # doublings of the running batch's cache
@@ -591,10 +594,14 @@ class BatchScheduler:
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
         if self.kv_blocks is not None:  # memory follows the tokens: the columns cost nothing until used
-            return PagedKVCache(self._block_pool(), rows, self._column_limit())
-        layers, kv_heads, head_dim = self._geometry
-        return KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
-                       getattr(model, "dtype", None) or "float32", self._device())
+            cache = PagedKVCache(self._block_pool(), rows, self._column_limit())
+        else:
+            layers, kv_heads, head_dim = self._geometry
+            cache = KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
+                            getattr(model, "dtype", None) or "float32", self._device())
+        if self._recurrent:
+            cache.keep_states_in_place()  # the decode step reads and writes the same buffers: it can be replayed
+        return cache
 
     def _cache(self, rows: int, length: int):
         """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on
@@ -801,7 +808,9 @@ class BatchScheduler:
         mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
         step_ids = last[:, None].astype(np.int32)
         step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
-        replay = bool(getattr(self.model, "capture_decode", True))
+        replay = bool(getattr(self.model, "capture_decode", True)) or (
+            self._recurrent and bool(getattr(self.model, "capture_decode_with_row_states", False)))
+        self.metrics.replayed_steps += bool(replay and capture.ready)  # (unless the mask changed kind: rare)
         logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=replay)
         self._state = (cache, capture, tokens, mask, length)
         live = sum(1 for r in self._rows if r is not None and not r.finished)
