@@ -646,3 +646,8 @@ def test_serve_arguments():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-batch", "0"])
     assert defaults.prefix_caching and not build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching
+    assert defaults.gpu_memory_utilization == 0.9 and defaults.kv_cache_tokens is None  # paged, sized from memory
+    assert build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+    for wrong in ("0", "1.5", "most"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--gpu-memory-utilization", wrong])

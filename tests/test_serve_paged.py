@@ -160,6 +160,8 @@ def test_a_pool_sized_from_device_memory(tiny, monkeypatch):
     path, tokenizer, _ = tiny
     model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
     device = model.parameters()[0].device
+    heap = device.memory()  # the driver's figures (lavapipe: a heap of host memory, no budget)
+    assert heap["size"] > 0 and (heap["budget"] == 0 or 0 < heap["usage"] <= heap["budget"])
     per_block = block_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 16, "float32")
     reserve, held = batching.ACTIVATION_RESERVE_MIN, 3 * per_block
     monkeypatch.setattr(batching, "buffer_memory", lambda: {"live_bytes": held, "peak_bytes": held})
