@@ -1,9 +1,9 @@
 """Continuous batching of models with recurrent state (models/batching.py, ROW_STATES of models/cache.py): a pure
 Mamba, hybrids of attention and Mamba layers (Zamba's shared blocks too), a hybrid with Gated DeltaNet layers, LFM2's
 short convolutions and RecurrentGemma's recurrent blocks each keep a conv (and scan) state per row, in buffers
-overwritten in place so that the batch's decode steps are replayed. Requests joining at different steps (prefilled apart and placed into free rows, or rebuilt with the batch)
-and concurrent requests through the openai client against a real server give the tokens ``model.generate`` gives
-each alone."""
+overwritten in place so that the batch's decode steps are replayed. Requests joining at different steps (prefilled
+apart and placed into free rows, or rebuilt with the batch) and concurrent requests through the openai client against
+a real server give the tokens ``model.generate`` gives each alone."""
 from __future__ import annotations
 
 import threading

@@ -86,9 +86,10 @@ ACTIVATION_RESERVE_MAX = 0.25
 class SamplingParams:
     """One request's generation settings. ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most
     likely alternatives to report with each token's log-probability (0: only the chosen token's).
-    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's): subtracted from the logit of every token generated so
-    far, once and once per time generated; ``logit_bias``: (token, bias) pairs added to those tokens' logits. All three
-    apply before temperature, top-p and the greedy choice; log-probabilities are the model's, before them."""
+    OpenAI's penalties, over the tokens generated so far: ``presence_penalty`` is subtracted once from the logit of
+    each of them, ``frequency_penalty`` once per time it was generated; ``logit_bias``: (token, bias) pairs added to
+    those tokens' logits. All three apply before temperature, top-p and the greedy choice; log-probabilities are the
+    model's, before them."""
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -263,8 +264,8 @@ class BatchScheduler:
         paging = self.kv_blocks is not None or gpu_memory_utilization is not None
         refusal = self._paged_refusal() if paging else None
         if refusal is not None and self.kv_blocks is not None:  # asked for explicitly: say it cannot
-            raise InputError(f"a paged KV cache cannot run {self._name()}: {refusal}; leave kv_blocks unset "
-                             "(--kv-cache-tokens) for contiguous caches")
+            raise InputError(f"a paged KV cache cannot run {self._name()}: {refusal}; drop --kv-cache-tokens "
+                             "(kv_blocks) for contiguous caches")
         if refusal is None and getattr(model, "attention_free", False):
             refusal = "the model has no attention layers, no keys or values to page"
         if refusal is not None and gpu_memory_utilization is not None and self.kv_blocks is None:
