@@ -5,7 +5,11 @@ A 22-layer Llama of hidden 64 keeps the GPU's share small, so the figures are th
 step (graph building, scheduling, the plan lookup, the readback), as a model family whose decode steps are not
 captured (hybrid, DSA) pays it every token, and every model pays it for a prompt's first forward.
 
+--checkpoint DIR measures a checkpoint's decode step built in Python instead (a recurrent or hybrid model, whose
+steps on a server's batch are never replayed: tests/fixtures/bamba, say), per step and per layer.
+
     python bench/host.py [--layers 22] [--new-tokens 32] [--json OUT]
+    python bench/host.py --checkpoint tests/fixtures/bamba [--batch 4]
 """
 from __future__ import annotations
 
@@ -70,8 +74,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint folder: its step built in Python only")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
+    if args.checkpoint:
+        model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype="float32", requires_grad=False)
+        layers = int(model.config.get("num_hidden_layers") or 1)
+        vocab = int(model.config["vocab_size"])
+        ids = np.random.default_rng(0).integers(3, vocab, (args.batch, 8)).astype(np.int32)
+        wall, host = per_token(model, ids, args.new_tokens, captured=False)
+        print(f"{args.checkpoint} ({layers} layers, batch {args.batch}) on {vkf.get_device().name}: decode step "
+              f"built in Python {wall:.1f} ms (host {host:.1f} ms, {host / layers:.2f} ms a layer)", flush=True)
+        write_results(args.json, {"device": vkf.get_device().name, "checkpoint": args.checkpoint, "layers": layers,
+                                  "batch": args.batch, "built_ms": wall, "built_host_ms": host})
+        return 0
     config = dict(TINY, num_hidden_layers=args.layers)
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(random_weights(model), dtype="float32", requires_grad=False)

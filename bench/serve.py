@@ -9,7 +9,8 @@ tokens counts as that many tokens, spread evenly). --soak N sends N short reques
 and prints the process's RSS and the device buffer bytes before and after.
 
     python bench/serve.py [--model M | --random-shape llama3-8b] [--concurrency 1,8,32,64] [--requests 4] [--quick]
-                          [--kv-cache-tokens N] [--no-prefix-caching] [--soak 1000] [--no-torch] [--json OUT]
+                          [--kv-cache-tokens N | --gpu-memory-utilization F] [--no-prefix-caching] [--soak 1000]
+                          [--no-torch] [--json OUT]
 
 --quick: short prompts and outputs, for lavapipe. --random-shape NAME: no download; a Llama of that shape
 (llama3-8b: hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256; tinyllama; --layers to cut it down) with
@@ -63,7 +64,8 @@ def random_shape(name: str, layers: int | None):
 
 
 def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None,
-                 kv_cache_tokens: int | None = None, prefix_caching: bool = True, loaded=None):
+                 kv_cache_tokens: int | None = None, prefix_caching: bool = True, loaded=None,
+                 gpu_memory_utilization: float | None = None):
     uvicorn = cli_serve.web_modules()
     if loaded is None:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
@@ -73,6 +75,7 @@ def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | No
     blocks = None if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE) + 1
     scheduler = BatchScheduler(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
                                eos=cli_serve.eos_ids(model, tokenizer), kv_blocks=blocks,
+                               gpu_memory_utilization=None if blocks else gpu_memory_utilization,
                                prefix_caching=prefix_caching).start()
     app = cli_serve.build_app(scheduler, tokenizer, "bench")
     with socket.socket() as probe:
@@ -233,6 +236,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-tokens", type=int, default=None,
                         help="a paged KV cache of this many tokens (vkformers serve --kv-cache-tokens)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="without --kv-cache-tokens, the paged KV cache's share of device memory as vkformers "
+                             "serve sizes it (default 0.5, not serve's 0.9: the PyTorch reference runs on the same "
+                             "GPU afterwards, beside the buffers)")
     parser.add_argument("--quick", action="store_true", help="prompts of 16-64 and outputs of 8-32 tokens")
     parser.add_argument("--soak", type=int, default=0, help="also send this many short requests")
     parser.add_argument("--soak-threads", type=int, default=16)
@@ -251,11 +258,12 @@ def main(argv=None) -> int:
         max_model_len = args.max_model_len
     port, scheduler, server, thread, vocab = start_server(args.model or cli_generate.default_model(), args.dtype,
                                                           args.max_batch, max_model_len, args.kv_cache_tokens,
-                                                          args.prefix_caching, loaded)
+                                                          args.prefix_caching, loaded,
+                                                          args.gpu_memory_utilization)
     device = scheduler.model.parameters()[0].device
     print(f"device: {device.name}; model: {args.random_shape or args.model or 'SmolLM2-135M-Instruct'}; prompts "
           f"{prompt_range} outputs {output_range} tokens; max-model-len {scheduler.max_model_len}; KV cache: "
-          f"{'paged, %d tokens' % args.kv_cache_tokens if args.kv_cache_tokens else 'contiguous'}", flush=True)
+          f"{scheduler.kv_cache_summary()}", flush=True)
     results = []
     run_load(port, vocab, 1, 1, prompt_range, (4, 4), seed=0, shared=args.shared_prefix)  # warm-up: kernels, plans
     for clients in (int(c) for c in args.concurrency.split(",")):

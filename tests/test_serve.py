@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -410,6 +411,70 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def penalized_greedy(reference, ids, count, presence=0.0, frequency=0.0, bias=()):
+    """Greedy tokens of ``reference`` after OpenAI's penalties over the tokens generated so far and a logit bias,
+    each step a whole forward on the host side's ids (no cache), the choice made in numpy."""
+    tokens = list(ids)
+    out = []
+    for _ in range(count):
+        logits = reference(np.asarray([tokens], np.int64)).logits.numpy()[0, -1].astype(np.float32)
+        for token in set(out):
+            logits[token] -= frequency * out.count(token) + presence
+        for token, value in bias:
+            logits[token] += value
+        out.append(int(logits.argmax()))
+        tokens.append(out[-1])
+    return out
+
+
+def test_vllm_and_openai_options_a_client_sends(server, tiny):
+    """max_completion_tokens (chat), vLLM's stop_token_ids (the output ends before the token, finish "stop"),
+    presence and frequency penalties and logit_bias (the choice numpy makes from the penalized logits), and
+    GET /v1/models/{id}."""
+    tokenizer, reference, client = server["tokenizer"], tiny[2], server["client"]
+    messages = [{"role": "user", "content": "hello"}]
+    capped = client.chat.completions.create(model=SERVED, messages=messages, max_completion_tokens=3, temperature=0)
+    same = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=3, temperature=0)
+    assert capped.usage.completion_tokens <= 3 and capped.choices[0].message.content == same.choices[0].message.content
+    ids = encode(tokenizer, PROMPTS[2])
+    plain = reference_tokens(reference, ids, 8).tolist()
+    cut = next(i for i in range(2, 8) if plain[i] not in plain[:i])
+    stopped = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [plain[cut]], "ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == cut + 1
+    assert stopped.choices[0].text == tokenizer.decode(plain[:cut], skip_special_tokens=True)
+    penalties = dict(presence_penalty=-2.0, frequency_penalty=-0.5)  # (negative: repeats, which greedy here avoids)
+    expected = penalized_greedy(reference, ids, 8, presence=-2.0, frequency=-0.5)
+    assert expected != plain  # (else the penalties went untested)
+    penalized = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=0,
+                                          extra_body={"ignore_eos": True}, **penalties)
+    assert penalized.choices[0].logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected]
+    assert penalized.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    biased = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=4, temperature=0,
+                                       logit_bias={str(plain[0] + 1): 100}, extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == tokenizer.decode([plain[0] + 1] * 4, skip_special_tokens=True)
+    assert client.models.retrieve(SERVED).id == SERVED
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_options_this_server_cannot_honour_are_refused(server):
+    """Structured output and tool calls would be ignored and the answer wrong: a 400 naming the parameter."""
+    chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+                        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                        ({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"stop_token_ids": "2"}, "stop_token_ids")):
+        status, error = error_of(request(server, "POST", "/v1/chat/completions", {**chat, **body}))
+        assert status == 400 and error["param"] == param, (body, error)
+    status, error = error_of(request(server, "POST", "/v1/completions",
+                                     {"model": SERVED, "prompt": "hi", "logit_bias": {str(10 ** 6): 1}}))
+    assert status == 400 and "vocabulary" in error["message"]
+    assert request(server, "POST", "/v1/chat/completions", {**chat, "response_format": {"type": "text"},
+                                                            "tools": [], "tool_choice": "none"})[0] == 200
+
+
 def test_many_clients_at_once_get_each_their_own_output(server, tiny):
     """16 client threads, 8 requests each (streamed or not, greedy), against a batch of at most 4 rows: every
     response is the one generate gives its prompt alone, and the server ends with nothing running."""
@@ -482,6 +547,24 @@ def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
+def test_a_client_leaving_before_a_whole_response_frees_its_row(server, monkeypatch):
+    """Not streamed: the server notices the client gone while it waits for the output, and the request leaves."""
+    scheduler = server["scheduler"]
+    choose = scheduler._choose
+    monkeypatch.setattr(scheduler, "_choose", lambda *args: time.sleep(0.02) or choose(*args))  # slow enough
+    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
+    body = {"model": SERVED, "prompt": "a", "max_tokens": 95, "temperature": 0, "ignore_eos": True}
+    cancelled, tokens = scheduler.metrics.cancelled, scheduler.metrics.generation_tokens
+    connection.request("POST", "/v1/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    wait_for(lambda: scheduler.metrics.live_rows == 1)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.cache_tokens == 0, 60)
+    assert scheduler.metrics.cancelled == cancelled + 1
+    assert scheduler.metrics.generation_tokens - tokens < 90
+
+
 # ---------------------------------------------------------------- the command
 
 def free_port():
@@ -510,6 +593,10 @@ def test_the_command_serves_until_stopped(tiny, web, tmp_path):
     try:
         line = process.stderr.readline()
         assert line == f"vkformers serve: tiny on http://127.0.0.1:{port}/v1 (ready when /health answers)\n"
+        # the default KV cache: paged, sized from the device's memory, prefix caching on
+        pool = process.stderr.readline()
+        assert re.fullmatch(r"vkformers serve: paged KV cache: [\d,]+ tokens \([\d,]+ blocks of 16\), [\d.]+ [MG]iB; "
+                            r"prefix caching on\n", pool), pool
 
         def healthy():
             assert process.poll() is None, process.stderr.read()
@@ -521,6 +608,9 @@ def test_the_command_serves_until_stopped(tiny, web, tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         text = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0].text
+        metrics = request({"port": port}, "GET", "/metrics", key=None)[1]
+        blocks = int(re.search(r'vkformers_kv_cache_blocks\{model="tiny"\} (\d+)', metrics).group(1))
+        assert f"{blocks:,} blocks of 16" in pool
     finally:
         process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, then the command returns
         status = process.wait(60)
@@ -556,3 +646,8 @@ def test_serve_arguments():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-batch", "0"])
     assert defaults.prefix_caching and not build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching
+    assert defaults.gpu_memory_utilization == 0.9 and defaults.kv_cache_tokens is None  # paged, sized from memory
+    assert build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+    for wrong in ("0", "1.5", "most"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--gpu-memory-utilization", wrong])

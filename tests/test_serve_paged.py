@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_serve import PROMPTS, encode, reference_tokens, run_staggered, wait_for
 
+from vkformers.errors import InputError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
@@ -148,3 +149,61 @@ def test_the_server_on_a_paged_cache(tiny):
         web.should_exit = True
         thread.join(30)
         scheduler.close()
+
+
+def test_a_pool_sized_from_device_memory(tiny, monkeypatch):
+    """gpu_memory_utilization (vkformers serve's default): as many blocks as fit in that share of the device's
+    heap less this process's buffers (the weights) and the activations' reserve, within the driver's budget where it
+    reports one; a share too small for one request of max_model_len is an InputError saying what to change."""
+    from vkformers.models import batching
+    from vkformers.models.paged_cache import block_bytes
+    path, tokenizer, _ = tiny
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    device = model.parameters()[0].device
+    heap = device.memory()  # the driver's figures (lavapipe: a heap of host memory, no budget)
+    assert heap["size"] > 0 and (heap["budget"] == 0 or 0 < heap["usage"] <= heap["budget"])
+    per_block = block_bytes(model.num_layers, model.num_kv_heads, model.head_dim, 16, "float32")
+    reserve, held = batching.ACTIVATION_RESERVE_MIN, 3 * per_block
+    monkeypatch.setattr(batching, "buffer_memory", lambda: {"live_bytes": held, "peak_bytes": held})
+
+    def pool_of(size, budget=0, usage=0, share=0.9):
+        monkeypatch.setattr(type(device), "memory", lambda self: {"size": size, "budget": budget, "usage": usage})
+        return BatchScheduler(model, tokenizer, max_batch=4, max_model_len=64, gpu_memory_utilization=share)
+
+    size = int((reserve + held + 40.5 * per_block) / 0.9)
+    scheduler = pool_of(size)
+    assert scheduler.kv_blocks == 40 + 1 and scheduler.prefix_caching  # (+ the scratch block)
+    assert scheduler.kv_cache_summary().startswith("paged KV cache: 640 tokens (40 blocks of 16), ")
+    # the driver's budget for this process, less what it holds, bounds it too
+    assert pool_of(size, budget=reserve + 30.5 * per_block + 1000, usage=1000).kv_blocks == 30 + 1
+    # never more blocks than a full batch could hold
+    assert pool_of(64 << 30).kv_blocks == 2 * 4 * -(-scheduler._column_limit() // 16) + 1
+    with pytest.raises(InputError, match="needs 12; raise the memory share, lower max_model_len"):
+        pool_of(int((reserve + held + 5.5 * per_block) / 0.9))
+    with pytest.raises(InputError, match="gpu_memory_utilization must be in"):
+        pool_of(size, share=1.5)
+
+
+@pytest.mark.parametrize("name", ["mistral", "bloom"])
+def test_models_whose_attention_depends_on_columns_page_by_default(name):
+    """A sliding window of 4 (Mistral's fixture) and ALiBi (BLOOM's) on the pool vkformers serve sizes by default:
+    paged (without prefix caching), staggered requests each get generate's tokens alone."""
+    from test_serve_recurrent import LENGTHS as lengths
+    from test_serve_recurrent import PROMPTS as prompts
+    from test_serve_recurrent import alone, char_tokenizer, load
+    tokenizer = char_tokenizer()
+    reference = load(name)
+    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
+            for p, n in zip(prompts, lengths)]
+    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64,
+                               gpu_memory_utilization=0.9).start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.kv_blocks > 1 and not scheduler.prefix_caching
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == expected
+    assert scheduler.metrics.placements >= 1 and scheduler.metrics.peak_live_rows >= 3

@@ -1,11 +1,13 @@
 """Continuous batching of models with recurrent state (models/batching.py, ROW_STATES of models/cache.py): a pure
 Mamba, hybrids of attention and Mamba layers (Zamba's shared blocks too), a hybrid with Gated DeltaNet layers, LFM2's
-short convolutions and RecurrentGemma's recurrent blocks each keep a conv (and scan) state per row. Requests joining at different steps (prefilled apart and placed into free rows, or rebuilt with the batch)
-and concurrent requests through the openai client against a real server give the tokens ``model.generate`` gives
-each alone."""
+short convolutions and RecurrentGemma's recurrent blocks each keep a conv (and scan) state per row, in buffers
+overwritten in place so that the batch's decode steps are replayed. Requests joining at different steps (prefilled
+apart and placed into free rows, or rebuilt with the batch) and concurrent requests through the openai client against
+a real server give the tokens ``model.generate`` gives each alone."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,15 +51,20 @@ def alone(model, ids, max_tokens):
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("kv_blocks", [None, 64])
 def test_staggered_requests_match_generate_alone(name, kv_blocks):
-    if kv_blocks and name == "lfm2":
-        pytest.skip("the lfm2 fixture's head_dim of 6 is not whole 16-byte rows, which a paged cache needs")
     tokenizer = char_tokenizer()
+    if kv_blocks and name == "lfm2":  # its head_dim of 6 is not whole 16-byte rows, which a paged cache needs
+        with pytest.raises(InputError, match="a paged KV cache cannot run .*head_dim of 6 in float32"):
+            BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks, page_size=4)
+        return
     reference = load(name)
     jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
             for p, n in zip(PROMPTS, LENGTHS)]
     expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
     scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks,
-                               page_size=4).start()
+                               page_size=4)
+    choose = scheduler._choose  # replayed steps are quick: slowed, so that the later requests find a running batch
+    scheduler._choose = lambda *args: time.sleep(0.01) or choose(*args)
+    scheduler.start()
     try:
         requests = run_staggered(scheduler, jobs)
     finally:
@@ -66,6 +73,9 @@ def test_staggered_requests_match_generate_alone(name, kv_blocks):
     assert [r.generated for r in requests] == expected
     assert scheduler.metrics.placements >= 1 and scheduler.metrics.peak_live_rows >= 3
     assert not scheduler.prefix_caching  # a state is not in the blocks: nothing to share
+    # the states sit in buffers overwritten in place: decode steps replay their recorded plan, the rows' states
+    # moved in and out of those buffers as requests join
+    assert scheduler.metrics.replayed_steps >= scheduler.metrics.steps // 3
 
 
 @pytest.mark.parametrize("name", ["mamba", "bamba"])
@@ -103,3 +113,19 @@ def test_concurrent_clients_of_a_recurrent_model(name):
 def test_layer_state_laid_out_by_column_is_still_refused():
     with pytest.raises(InputError, match="index_keys"):
         BatchScheduler(load("axk2"), None)
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("lfm2", "head_dim of 6 in float32 is not a whole number of 16-byte vectors"),
+    ("mamba", "the model has no attention layers, no keys or values to page"),
+    ("bamba", None)])
+def test_where_a_paged_cache_cannot_run_serve_falls_back_to_contiguous_caches(name, reason):
+    """A pool sized from memory (vkformers serve's default) where the paged decode attention cannot read the rows
+    (LFM2's fixture: head_dim 6), or where there is nothing to page (pure Mamba): contiguous caches, and the line the
+    command prints says why."""
+    scheduler = BatchScheduler(load(name), char_tokenizer(), max_batch=4, max_model_len=64, gpu_memory_utilization=0.9)
+    if reason is None:
+        assert scheduler.kv_blocks > 1 and scheduler.kv_cache_summary().startswith("paged KV cache: ")
+    else:
+        assert scheduler.kv_blocks is None and scheduler.kv_cache_summary() == "contiguous KV caches: " + (
+            f"its {reason}, which the paged decode attention reads" if name == "lfm2" else reason)

@@ -5,15 +5,16 @@
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events with
-``"stream": true``), GET /health, GET /metrics (Prometheus text). The requests run through a BatchScheduler
-(models/batching.py), over a paged KV cache with ``--kv-cache-tokens`` (models/paged_cache.py). An embedding
-model (a sentence-transformers folder, or an encoder such as BERT) is served on POST /v1/embeddings instead,
-through SentenceTransformer (models/sentence.py) on one worker thread. Needs the ``serve`` extra (Starlette and
-uvicorn): ``pip install 'vkformers[serve]'``.
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streamed as
+server-sent events with ``"stream": true``), GET /health, GET /metrics (Prometheus text). The requests run through a
+BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.py) sized from
+``--gpu-memory-utilization`` or ``--kv-cache-tokens``. An embedding model (a sentence-transformers folder, or an
+encoder such as BERT) is served on POST /v1/embeddings instead, through SentenceTransformer (models/sentence.py) on
+one worker thread. Needs the ``serve`` extra (Starlette and uvicorn): ``pip install 'vkformers[serve]'``.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import json
@@ -41,6 +42,8 @@ INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkform
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_CHOICES = 128               # OpenAI's bound on n
 MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
+DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
+DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
 
 
 def add_parser(subparsers):
@@ -60,14 +63,17 @@ def add_parser(subparsers):
                         help="most requests decoded together; more wait (default 64)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="most tokens of a request, prompt and output (default: the model's positions)")
+    parser.add_argument("--gpu-memory-utilization", type=memory_share, default=DEFAULT_MEMORY_SHARE,
+                        help="share of the device's memory this server may take, weights included: the paged KV "
+                             "cache (blocks of 16 tokens shared by all requests) gets what is left of it after the "
+                             "weights and a reserve for activations (default 0.9, as vLLM's)")
     parser.add_argument("--kv-cache-tokens", type=positive_int, default=None,
-                        help="a paged KV cache of this many tokens (blocks of 16) shared by all requests: memory follows "
-                             "the tokens held; requests wait, or the newest is preempted, when it is full (default: a "
-                             "contiguous cache per batch)")
+                        help="size the paged KV cache in tokens instead of from --gpu-memory-utilization; requests "
+                             "wait, or the newest is preempted, when it is full")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                        help="with --kv-cache-tokens: compute every prompt in full (default: a prompt starting with "
-                             "the full blocks of an earlier one, a shared system prompt, takes their keys and values "
-                             "from the cache and prefills only the rest)")
+                        help="compute every prompt in full (default: a prompt starting with the full blocks of an "
+                             "earlier one, a shared system prompt, takes their keys and values from the paged cache "
+                             "and prefills only the rest)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
@@ -79,6 +85,16 @@ def add_parser(subparsers):
     parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
     parser.set_defaults(func=run)
     return parser
+
+
+def memory_share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
 
 
 def web_modules():
@@ -97,6 +113,7 @@ def run(args) -> int:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
     model_name = args.model or cli_generate.default_model()
     served = args.served_model_name or served_name(args.model)
+    scheduler = None
     if args.model is not None and is_embedding_checkpoint(model_name):
         if args.quantization is not None or args.adapter is not None:
             raise VkformersError("--quantization and --adapter apply to causal LMs; an embedding model is served "
@@ -112,11 +129,14 @@ def run(args) -> int:
         blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
         scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
                                    eos=eos_ids(model, tokenizer), kv_blocks=blocks,
+                                   gpu_memory_utilization=None if blocks else args.gpu_memory_utilization,
                                    prefix_caching=args.prefix_caching,
                                    cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{args.adapter}").start()
         app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
+    if scheduler is not None:
+        print(f"vkformers serve: {scheduler.kv_cache_summary()}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
@@ -190,9 +210,58 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    refuse_unsupported(body, chat)
     return SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, float, 0, 2),
                           top_p=_number(body, "top_p", 1.0, float, 0, 1), seed=seed,
-                          stop=tuple(s for s in stop if s), logprobs=logprobs)
+                          stop=tuple(s for s in stop if s), logprobs=logprobs,
+                          presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
+                          frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
+                          logit_bias=logit_bias(body))
+
+
+def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token ids to biases", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}",
+                           param="logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
+def stop_token_ids(body: dict) -> list[int]:
+    """vLLM's stop_token_ids: token ids that end the output as the end-of-sequence token does (not in the text)."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+    return value
+
+
+def refuse_unsupported(body: dict, chat: bool) -> None:
+    """A 400 for what this server would otherwise ignore and answer wrongly: structured output, tool calls."""
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        if kind != "text":
+            raise ApiError(400, f"'response_format' of type {kind!r} is not supported: this server does not "
+                                "constrain the output to JSON; leave response_format out (or 'text') and ask for "
+                                "JSON in the prompt", param="response_format")
+    if chat and body.get("tools") and body.get("tool_choice") != "none":
+        raise ApiError(400, "tool calls are not supported; leave 'tools' out (or set tool_choice 'none')",
+                       param="tools")
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -351,6 +420,8 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
             ("prompt_tokens_total", "counter", "prompt tokens received", m.prompt_tokens),
             ("generation_tokens_total", "counter", "tokens generated", m.generation_tokens),
             ("decode_steps_total", "counter", "batched decode steps", m.steps),
+            ("decode_steps_replayed_total", "counter", "batched decode steps replayed from their recorded plan",
+             m.replayed_steps),
             ("batch_rebuilds_total", "counter", "prefills of the running batch (requests joining)", m.rebuilds),
             ("requests_running", "gauge", "requests in the running batch", m.live_rows),
             ("requests_waiting", "gauge", "requests waiting for a place in the batch", m.waiting),
@@ -408,6 +479,12 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
 
     created = int(time.time())
 
+    def model_card() -> dict:
+        card = {"id": served, "object": "model", "created": created, "owned_by": "vkformers"}
+        if scheduler is not None:
+            card["max_model_len"] = scheduler.max_model_len  # as vLLM's
+        return card
+
     def error(exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -449,8 +526,17 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             authorize(request)
         except ApiError as exc:
             return error(exc)
-        return JSONResponse({"object": "list", "data": [{"id": served, "object": "model", "created": created,
-                                                         "owned_by": "vkformers"}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model_info(request):
+        try:
+            authorize(request)
+            if request.path_params["model"] != served:
+                raise ApiError(404, f"the model '{request.path_params['model']}' does not exist; this server serves "
+                                    f"'{served}'", param="model", code="model_not_found")
+        except ApiError as exc:
+            return error(exc)
+        return JSONResponse(model_card())
 
     async def completions(request):
         return await complete(request, chat=False)
@@ -486,6 +572,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                         pass
                 return on_update
             eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
+            eos = eos + stop_token_ids(body)
             choices = [Request(prompt, p, deliver(i), eos) for i, p in enumerate(choice_params(params, n))]
             for job in choices:
                 scheduler.submit(job)
@@ -503,8 +590,18 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         texts, entries, finish, counts = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n
         try:
+            check_at = loop.time() + DISCONNECT_POLL_S
             while any(f is None for f in finish):
-                index, update = await updates.get()
+                try:
+                    index, update = await asyncio.wait_for(updates.get(), max(check_at - loop.time(), 0.001))
+                except asyncio.TimeoutError:
+                    update = None
+                if loop.time() >= check_at:  # (tokens may come faster than the poll: checked by the clock)
+                    if await request.is_disconnected():  # no one to answer: the requests leave the batch (below)
+                        return error(ApiError(499, "the client closed the request", code="client_closed_request"))
+                    check_at = loop.time() + DISCONNECT_POLL_S
+                if update is None:
+                    continue
                 texts[index] += update.text
                 entries[index] += update.logprobs
                 finish[index], counts[index] = update.finish_reason, update.completion_tokens
@@ -587,6 +684,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                              "model": served, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+              Route("/v1/models/{model:path}", model_info),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/embeddings", embeddings, methods=["POST"])]

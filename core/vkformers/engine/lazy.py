@@ -195,6 +195,13 @@ def persistent_buffer(host: np.ndarray, dtype: dt.DType, device: Device, name: s
     return LazyBuffer(host.shape, dtype, device, buffer=buf, persistent=True)
 
 
+def persistent_zeros(shape, dtype: dt.DType, device: Device, name: str) -> LazyBuffer:
+    """persistent_buffer of zeros, filled on the device (no host copy: a KV block pool may take most of it)."""
+    buf = Buffer(device, shape, dtype, name=name)
+    device.run(lambda seq: seq.fill(buf))
+    return LazyBuffer(tuple(shape), dtype, device, buffer=buf, persistent=True)
+
+
 def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, into=None):
     """Add a node to the graph; returns its output lazy buffers.
 

@@ -13,7 +13,8 @@ import weakref
 import numpy as np
 
 from vkformers.engine import function as fn
-from vkformers.engine.lazy import LazyBuffer, backward_deferred, building_graph, persistent_buffer, realize
+from vkformers.engine.lazy import (LazyBuffer, backward_deferred, building_graph, persistent_buffer, persistent_zeros,
+                                   realize)
 from vkformers.engine.ops import elementwise as E
 from vkformers.engine.ops import reduce as R
 from vkformers.engine.ops.matmul import matmul as batched_matmul
@@ -497,6 +498,12 @@ def parameter(data, dtype=None, requires_grad: bool = True, device: Device | Non
     dtype = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
     return Tensor._from_lazy(persistent_buffer(_to_host(array, dtype), dtype, device, name),
                              requires_grad=requires_grad)
+
+
+def zero_parameter(shape, dtype="float32", device: Device | None = None, name="parameter") -> Tensor:
+    """A parameter of zeros (no gradient), zeroed on the device: no host array of its size."""
+    return Tensor._from_lazy(persistent_zeros(tuple(int(n) for n in shape), dt.as_dtype(dtype), device or get_device(),
+                                              name), requires_grad=False)
 
 
 def full(shape, value, dtype="float32", device: Device | None = None) -> Tensor:

@@ -34,6 +34,8 @@ positions by index) would see the gap: they run without prefix caching.
 Recurrent state (state-space and linear-attention layers, ROW_STATES of models/cache.py): each row of the cache
 holds its own conv and scan state beside its keys and values; a left-padded row's padding leaves it at zeros (the
 layers zero padded positions), and placing a prompt prefilled apart moves its rows' state with its keys and values.
+The scheduler's caches keep those states in persistent buffers overwritten in place (KVCache.keep_states_in_place),
+so that every decode step reads and writes the same buffers and is replayed like an attention model's.
 A model with no attention at all (``attention_free``) runs on a cache of no key/value layers holding only that
 state. Layer state laid out by column (an indexer's keys) cannot move between rows: such models are refused.
 
@@ -50,12 +52,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import lazy
-from vkformers.errors import InputError
+from vkformers.engine.kernels.attention import paged_decode_fits
+from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
-from vkformers.models.paged_cache import PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache, prefix_keys
+from vkformers.models.paged_cache import (PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache, block_bytes,
+                                          prefix_keys)
+from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import buffer_memory, get_device
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 # Columns a batch's cache gets beyond its tokens so far (or fewer: what its requests may still generate); when
@@ -68,18 +74,31 @@ CACHE_GROWTH = 256
 PREFILL_CHUNK = 512
 COLUMN_LIMIT = 2
 COLUMN_ROUNDING = CACHE_ROUNDING
+# A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes, and the
+# float32 logits of a PREFILL_CHUNK-token prefill of every row, up to ACTIVATION_RESERVE_MAX of the heap) beside the
+# weights for the forward's activations and recorded plans: an estimate, --kv-cache-tokens sets the pool exactly.
+ACTIVATION_RESERVE = 0.05
+ACTIVATION_RESERVE_MIN = 256 << 20
+ACTIVATION_RESERVE_MAX = 0.25
 
 
 @dataclass
 class SamplingParams:
     """One request's generation settings. ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most
-    likely alternatives to report with each token's log-probability (0: only the chosen token's)."""
+    likely alternatives to report with each token's log-probability (0: only the chosen token's).
+    OpenAI's penalties, over the tokens generated so far: ``presence_penalty`` is subtracted once from the logit of
+    each of them, ``frequency_penalty`` once per time it was generated; ``logit_bias``: (token, bias) pairs added to
+    those tokens' logits. All three apply before temperature, top-p and the greedy choice; log-probabilities are the
+    model's, before them."""
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -90,6 +109,15 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InputError(f"logprobs must be in 0..20, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise InputError("logit_bias values must be in [-100, 100]")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass
@@ -117,6 +145,7 @@ class Request:
         self.eos = set(eos)
         self.rng = np.random.default_rng(params.seed)
         self.generated: list[int] = []
+        self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
         self.text = ""       # the decoded text so far, cut at a stop string
         self.sent = 0        # characters of text already sent
         self.pending_logprobs: list[TokenLogprob] = []
@@ -143,6 +172,7 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    replayed_steps: int = 0       # decode steps replayed from their recorded plan (no Python forward)
     rebuilds: int = 0             # prefills of the whole batch (requests joining when no free rows fit them)
     placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
     growths: int = 0              # doublings of the running batch's cache
@@ -193,12 +223,15 @@ class BatchScheduler:
 
     ``max_batch``: most requests decoded together (more wait); ``max_model_len``: most tokens (prompt and
     generated) of one request; ``kv_blocks``: a paged KV cache of that many blocks of ``page_size`` tokens (None:
-    contiguous caches). ``start()`` starts the thread; ``submit()`` queues a request; ``close()`` stops.
+    contiguous caches, unless ``gpu_memory_utilization``). ``gpu_memory_utilization`` (with ``kv_blocks`` None): a
+    paged cache of as many blocks as fit in that share of the device's memory heap, less the buffers this process
+    holds (the weights) and a reserve for activations; where a paged cache cannot run the model, contiguous caches,
+    and ``kv_cache_note`` says why. ``start()`` starts the thread; ``submit()`` queues a request; ``close()`` stops.
     """
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=(),
                  kv_blocks: int | None = None, page_size: int = PAGE_SIZE, prefix_caching: bool = True,
-                 cache_salt: str = ""):
+                 cache_salt: str = "", gpu_memory_utilization: float | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
@@ -211,8 +244,9 @@ class BatchScheduler:
         self.kv_blocks, self.page_size = (None if kv_blocks is None else int(kv_blocks)), int(page_size)
         if self.kv_blocks is not None and self.kv_blocks < 2:
             raise InputError(f"kv_blocks must be >= 2, got {kv_blocks}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise InputError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self._pool: BlockPool | None = None
-        self.metrics.kv_blocks = max((self.kv_blocks or 1) - 1, 0)
         self._waiting: list[Request] = []
         self._rows: list[Request | None] = []  # the running batch, one entry per cache row (None: a filler row)
         self._cond = threading.Condition()
@@ -226,16 +260,94 @@ class BatchScheduler:
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
         self._refuse_row_state()
+        self.kv_cache_note: str | None = None  # why contiguous caches run where a paged one was asked for
+        paging = self.kv_blocks is not None or gpu_memory_utilization is not None
+        refusal = self._paged_refusal() if paging else None
+        if refusal is not None and self.kv_blocks is not None:  # asked for explicitly: say it cannot
+            raise InputError(f"a paged KV cache cannot run {self._name()}: {refusal}; drop --kv-cache-tokens "
+                             "(kv_blocks) for contiguous caches")
+        if refusal is None and getattr(model, "attention_free", False):
+            refusal = "the model has no attention layers, no keys or values to page"
+        if refusal is not None and gpu_memory_utilization is not None and self.kv_blocks is None:
+            self.kv_cache_note = f"contiguous KV caches: {refusal}"
+        elif self.kv_blocks is None and gpu_memory_utilization is not None:
+            self.kv_blocks = self._blocks_for_memory(float(gpu_memory_utilization))
+        self.metrics.kv_blocks = max((self.kv_blocks or 1) - 1, 0)
         # the salt: what else than the tokens makes the keys and values (the weights, an adapter merged into them)
         self._salt = f"{type(model).__name__}|{cache_salt}".encode()
         self.prefix_caching = (bool(prefix_caching) and self.kv_blocks is not None and not self._column_bound
                                and not self._recurrent)
 
+    def _name(self) -> str:
+        return getattr(self.model, "architecture_name", type(self.model).__name__)
+
+    def _dtype(self) -> dt.DType:
+        return dt.as_dtype(getattr(self.model, "dtype", None) or "float32")
+
+    def _paged_refusal(self) -> str | None:
+        """Why a paged KV cache cannot run this model (None: it can). One token through a one-row paged cache must
+        give the contiguous probe's logits."""
+        layers, kv_heads, head_dim = self._geometry
+        if getattr(self.model, "attention_free", False):
+            return None  # a pool of no layers: it runs, and saves nothing
+        device = self._device() or get_device()
+        dtype = self._dtype()
+        if not paged_decode_fits(device, head_dim, dtype.name):
+            return (f"its head_dim of {head_dim} in {dtype.name} is not a whole number of 16-byte vectors, which "
+                    "the paged decode attention reads")
+        pool = BlockPool(layers, kv_heads, head_dim, 2, self.page_size, dtype, device)
+        try:
+            logits = self.model(np.full((1, 1), self.pad, np.int32),
+                                cache=PagedKVCache(pool, 1, self.page_size)).logits.numpy()
+        except (ValueError, TypeError, VkformersError) as exc:
+            return f"its attention does not run on one ({str(exc).splitlines()[0]})"
+        expected = self._probe_logits
+        if not np.allclose(logits, expected, rtol=1e-2, atol=1e-2 * float(np.abs(expected).max() or 1)):
+            return "its attention does not read one (the probe's logits differ)"
+        return None
+
+    def _blocks_for_memory(self, fraction: float) -> int:
+        """Blocks (the scratch one included) of a pool filling ``fraction`` of the device's memory heap, less the
+        buffers held now (the weights) and the activations' reserve; at most what the scheduler could ever hold."""
+        layers, kv_heads, head_dim = self._geometry
+        device = self._device() or get_device()
+        heap = device.memory()
+        allowed = fraction * heap["size"] - buffer_memory()["live_bytes"]
+        if heap["budget"]:  # the driver's budget for this process: other processes' memory counted
+            allowed = min(allowed, heap["budget"] - heap["usage"])
+        logits = self.max_batch * PREFILL_CHUNK * self._probe_logits.shape[-1] * 4  # a prefill's [rows, T, vocab]
+        allowed -= max(ACTIVATION_RESERVE * heap["size"], ACTIVATION_RESERVE_MIN,
+                       min(logits, ACTIVATION_RESERVE_MAX * heap["size"]))
+        dtype = self._dtype()
+        per_block = block_bytes(layers, kv_heads, head_dim, self.page_size, dtype)
+        per_layer_block = kv_heads * self.page_size * head_dim * dtype.itemsize
+        # every row of a full batch at the column limit, and joining prompts prefilled apart as many again
+        most = 2 * self.max_batch * -(-self._column_limit() // self.page_size)
+        blocks = min(int(max(allowed, 0) // per_block), most, device.max_buffer_bytes // per_layer_block - 1)
+        needed = 2 * -(-self.max_model_len // self.page_size) + 4  # one request of max_model_len, as check() counts
+        if blocks < needed:
+            raise InputError(f"the KV cache gets {blocks} blocks of {self.page_size} tokens in "
+                             f"{max(allowed, 0) / 2**30:.2f} GiB of device memory, and a request of max_model_len "
+                             f"{self.max_model_len} needs {needed}; raise the memory share, lower max_model_len, or "
+                             "size the cache in tokens")
+        return blocks + 1
+
+    def kv_cache_summary(self) -> str:
+        """One line on the KV cache: paged (its tokens, blocks and bytes) or contiguous (and why)."""
+        if self.kv_blocks is None:
+            return self.kv_cache_note or "contiguous KV caches (rows x columns per batch)"
+        layers, kv_heads, head_dim = self._geometry
+        usable = self.kv_blocks - 1
+        size = block_bytes(layers, kv_heads, head_dim, self.page_size, self._dtype()) * self.kv_blocks
+        size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+        return (f"paged KV cache: {usable * self.page_size:,} tokens ({usable:,} blocks of {self.page_size}), "
+                f"{size}; prefix caching {'on' if self.prefix_caching else 'off'}")
+
     def _refuse_row_state(self) -> None:
         """Continuous batching moves a request's keys, values and recurrent state between cache rows; a model whose
         layers keep other state on the cache (indexer keys), or whose cache is no key/value cache, would answer
         wrongly. One token through a one-row cache tells."""
-        name = getattr(self.model, "architecture_name", type(self.model).__name__)
+        name = self._name()
         hint = "; use `vkformers generate` or model.generate() for it"
         if getattr(self.model, "attention_free", False):
             self._geometry = (0, 1, 1)  # no keys or values: the cache carries the rows' recurrent state only
@@ -247,7 +359,7 @@ class BatchScheduler:
         layers, kv_heads, head_dim = self._geometry
         probe = _ProbeCache(layers, 1, kv_heads, head_dim, 1, getattr(self.model, "dtype", None) or "float32",
                             self._device())
-        self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
+        self._probe_logits = self.model(np.full((1, 1), self.pad, np.int32), cache=probe).logits.numpy()
         # the gap of a prefix-cached layout must change nothing: positions counted over the tokens alone
         gapped = np.array([[1, 1, 0, 1]], np.int64)
         positions = self.model.generation_positions(gapped, np.full((1, 4), self.pad, np.int64), 4)
@@ -289,6 +401,10 @@ class BatchScheduler:
 
     def submit(self, request: Request) -> Request:
         request.params.check()
+        vocab = self._probe_logits.shape[-1]
+        wrong = [t for t, _ in request.params.logit_bias if not 0 <= t < vocab]
+        if wrong:
+            raise InputError(f"logit_bias names token {wrong[0]}, outside the model's vocabulary of {vocab}")
         self.check(len(request.prompt), request.params.max_tokens)
         limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
         if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
@@ -479,10 +595,14 @@ class BatchScheduler:
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
         if self.kv_blocks is not None:  # memory follows the tokens: the columns cost nothing until used
-            return PagedKVCache(self._block_pool(), rows, self._column_limit())
-        layers, kv_heads, head_dim = self._geometry
-        return KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
-                       getattr(model, "dtype", None) or "float32", self._device())
+            cache = PagedKVCache(self._block_pool(), rows, self._column_limit())
+        else:
+            layers, kv_heads, head_dim = self._geometry
+            cache = KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
+                            getattr(model, "dtype", None) or "float32", self._device())
+        if self._recurrent:
+            cache.keep_states_in_place()  # the decode step reads and writes the same buffers: it can be replayed
+        return cache
 
     def _cache(self, rows: int, length: int):
         """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on
@@ -689,7 +809,9 @@ class BatchScheduler:
         mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
         step_ids = last[:, None].astype(np.int32)
         step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
-        replay = bool(getattr(self.model, "capture_decode", True))
+        replay = bool(getattr(self.model, "capture_decode", True)) or (
+            self._recurrent and bool(getattr(self.model, "capture_decode_with_row_states", False)))
+        self.metrics.replayed_steps += bool(replay and capture.ready)  # (unless the mask changed kind: rare)
         logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=replay)
         self._state = (cache, capture, tokens, mask, length)
         live = sum(1 for r in self._rows if r is not None and not r.finished)
@@ -750,11 +872,13 @@ class BatchScheduler:
                 continue
             scores = logits[row:row + 1]
             params = request.params
+            chosen_from = _adjusted(scores, request) if params.adjusts_logits else scores
             if params.temperature == 0:
-                token = int(scores.argmax(axis=-1)[0])
+                token = int(chosen_from.argmax(axis=-1)[0])
             else:
-                token = int(_sample(scores, request.rng, params.temperature, 0, params.top_p)[0])
+                token = int(_sample(chosen_from, request.rng, params.temperature, 0, params.top_p)[0])
             request.generated.append(token)
+            request.counts[token] = request.counts.get(token, 0) + 1
             if request.first_token_at is None:
                 request.first_token_at = now
                 self.metrics.ttft_sum += now - request.arrived
@@ -767,14 +891,16 @@ class BatchScheduler:
     def _advance_text(self, request: Request, token: int) -> None:
         params = request.params
         finish = None
-        text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
+        stopped = token in request.eos  # an end token (or a stop token id) is not part of the text
+        text = self.tokenizer.decode(request.generated[:-1] if stopped else request.generated,
+                                     skip_special_tokens=True)
         if params.stop:
             # a stop string in the text not yet sent (the sent text held back enough to contain none)
             found = [i for i in (text.find(s, request.sent) for s in params.stop if s) if i >= 0]
             if found:
                 text, finish = text[:min(found)], FINISH_STOP
         request.text = text
-        if finish is None and token in request.eos:
+        if finish is None and stopped:
             finish = FINISH_STOP
         if finish is None and len(request.generated) >= params.max_tokens:
             finish = FINISH_LENGTH
@@ -811,6 +937,18 @@ class _ProbeCache(KVCache):
     def attend(self, layer, q, k, v, **options):
         self.column_bound |= bool(options.get("window")) or options.get("alibi_slopes") is not None
         return super().attend(layer, q, k, v, **options)
+
+
+def _adjusted(scores: np.ndarray, request: Request) -> np.ndarray:
+    """A row's logits [1, vocab] after the request's presence and frequency penalties and logit bias."""
+    params, scores = request.params, scores.astype(np.float32, copy=True)
+    if request.counts and (params.presence_penalty or params.frequency_penalty):
+        tokens = np.fromiter(request.counts, np.int64, len(request.counts))
+        counts = np.fromiter(request.counts.values(), np.float32, len(request.counts))
+        scores[0, tokens] -= params.frequency_penalty * counts + params.presence_penalty
+    for token, bias in params.logit_bias:
+        scores[0, token] += bias
+    return scores
 
 
 def _logprob(scores: np.ndarray, token: int, top: int) -> TokenLogprob:

@@ -28,7 +28,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.ops.cache import decode_attention, write_kv
-from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.engine.tensor import Tensor, parameter, tensor, zero_parameter
 from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Device, get_device
@@ -52,6 +52,33 @@ ROW_STATES = {"linear_states"}
 def register_row_state(name: str) -> None:
     """Declare the cache attribute ``name`` a per-row recurrent state (see ROW_STATES)."""
     ROW_STATES.add(name)
+
+
+class InPlaceRowStates(dict):
+    """A ROW_STATES mapping {layer: state} whose tensors live in persistent buffers, one per layer and part,
+    overwritten in place by every write (``assign``): each decode step then reads and writes the same buffers, so
+    that a batch's decode step can be recorded and replayed (models/decode_capture.py) as the keys and values' is.
+    A layer restarting (popping its entry at position 0) hides the entry; its buffers take the next write."""
+
+    def __init__(self, device: Device):
+        super().__init__()
+        self.device = device
+        self._buffers: dict = {}
+
+    def __setitem__(self, layer, value) -> None:
+        stored = self._store(self._buffers.get(layer), value)
+        self._buffers[layer] = stored
+        super().__setitem__(layer, stored)
+
+    def _store(self, held, value):
+        if isinstance(value, (tuple, list)):
+            held = held if isinstance(held, (tuple, list)) and len(held) == len(value) else [None] * len(value)
+            return type(value)(self._store(h, v) for h, v in zip(held, value))
+        if value is None:
+            return None
+        if held is None or tuple(held.shape) != tuple(value.shape) or held.dtype != value.dtype:
+            held = zero_parameter(value.shape, value.dtype, self.device, "row_state")
+        return held.assign(value)
 
 
 class KVCache:
@@ -81,7 +108,15 @@ class KVCache:
     def layer_state(self) -> list[str]:
         """Names of what a model's layers keep on this cache besides keys and values (a linear-attention or
         state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
-        return sorted(name for name in self.__dict__ if name not in self._own_fields)
+        return sorted(name for name, value in self.__dict__.items() if name not in self._own_fields
+                      and not (isinstance(value, InPlaceRowStates) and not value))
+
+    def keep_states_in_place(self) -> None:
+        """Keep the per-row recurrent states (ROW_STATES) the layers write in persistent buffers overwritten in
+        place (InPlaceRowStates), so that decode steps on this cache build the same graph, reading and writing the
+        same buffers: a server's batch then replays them."""
+        for name in ROW_STATES:
+            self.__dict__.setdefault(name, InPlaceRowStates(self.device))
 
     def fixed_state(self) -> list[str]:
         """The layer state :meth:`place_row` cannot move (not a per-row recurrent state, ROW_STATES)."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.ops.cache import decode_attention_paged, write_kv_paged
-from vkformers.engine.tensor import Tensor, parameter, tensor
+from vkformers.engine.tensor import Tensor, tensor, zero_parameter
 from vkformers.errors import VkformersError
 from vkformers.models.cache import CacheFullError, KVCache
 from vkformers.runtime import dtypes as dt
@@ -54,11 +54,9 @@ class BlockPool:
         self.blocks, self.page_size = int(blocks), int(page_size)
         self.dtype = dt.as_dtype(dtype)
         self.device = device or get_device()
-        zeros = np.zeros((self.blocks, self.kv_heads, self.page_size, self.head_dim), np.float32)
-        self.keys = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"k_pool.{i}")
-                     for i in range(self.num_layers)]
-        self.values = [parameter(zeros, self.dtype, requires_grad=False, device=self.device, name=f"v_pool.{i}")
-                       for i in range(self.num_layers)]
+        shape = (self.blocks, self.kv_heads, self.page_size, self.head_dim)
+        self.keys = [zero_parameter(shape, self.dtype, self.device, f"k_pool.{i}") for i in range(self.num_layers)]
+        self.values = [zero_parameter(shape, self.dtype, self.device, f"v_pool.{i}") for i in range(self.num_layers)]
         self._free = list(range(self.blocks - 1, SCRATCH, -1))  # popped from the end: 1, 2, ...
         self.refs = np.zeros(self.blocks, np.int64)  # rows holding each block
         self._cached: dict[bytes, int] = {}   # prefix key -> block
@@ -131,6 +129,11 @@ class BlockPool:
         if key not in self._cached and block not in self._key_of and block != SCRATCH:
             self._cached[key] = block
             self._key_of[block] = key
+
+
+def block_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int, dtype) -> int:
+    """Device bytes of one block in every layer, keys and values."""
+    return 2 * num_layers * kv_heads * page_size * head_dim * dt.as_dtype(dtype).itemsize
 
 
 def prefix_keys(tokens, page_size: int, salt: bytes = b"") -> list[bytes]:
@@ -325,4 +328,4 @@ class PagedKVCache(KVCache):
                                       key_padding_mask=mask, return_lse=return_lse)
 
 
-__all__ = ["BlockPool", "KVBlocksExhausted", "PAGE_SIZE", "PagedKVCache", "prefix_keys"]
+__all__ = ["BlockPool", "KVBlocksExhausted", "PAGE_SIZE", "PagedKVCache", "block_bytes", "prefix_keys"]

@@ -174,6 +174,14 @@ class Device:
     def max_buffer_bytes(self) -> int:
         return min(int(self.limits["max_storage_buffer_range"]), KP_BYTES_LIMIT - 4)
 
+    def memory(self) -> dict:
+        """The largest device-local memory heap, queried now: ``size``, and ``budget`` and ``usage`` (what this
+        process may allocate in all, and holds; 0 where the driver lacks VK_EXT_memory_budget) in bytes."""
+        heaps = self._manager.describe()["memory_heaps"]
+        local = [h for h in heaps if h["device_local"]] or heaps
+        heap = max(local, key=lambda h: h["size"])
+        return {"size": int(heap["size"]), "budget": int(heap["budget"]), "usage": int(heap["usage"])}
+
     @property
     def cooperative_matrix_shapes(self) -> list[dict]:
         return self.info["cooperative_matrix"] if self.features.get("cooperativeMatrix") else []

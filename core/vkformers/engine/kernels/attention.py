@@ -443,11 +443,11 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
         raise ValueError(f"attention_decode: splits must be >= 1, got {splits}")
     args = dict(batch=batch, heads=heads, kv_heads=kv_heads, q_len=1, kv_len=kv_len, kv_stride=max_len,
                 head_dim=head_dim, scale=scale, kv_len_buffer=kv_len_buffer)
-    per_vector = 4 if q.dtype.name == "float32" else 8
+    per_vector = _per_vector(q.dtype.name)
     keys_per_tile = keys_per_tile or DECODE_KEYS["cpu" if seq.device.is_cpu else "gpu"]
     if keys_per_tile not in (32, 64, 128, 256):
         raise ValueError(f"attention_decode: keys_per_tile must be 32, 64, 128 or 256, got {keys_per_tile}")
-    if tiles is None and head_dim % per_vector == 0 and head_dim // per_vector <= keys_per_tile \
+    if tiles is None and _vector_rows(head_dim, per_vector, keys_per_tile) \
             and k_cache.offset % per_vector == 0 and v_cache.offset % per_vector == 0:
         group = heads // kv_heads
         group_heads = heads_per_workgroup or (2 if group % 2 == 0 and max_len >= 1024 and not seq.device.is_cpu
@@ -470,6 +470,21 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
     tiles = tiles or pick_tiles(seq.device, head_dim, DECODE_TILES, forward_shared_bytes)
     _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, **args, splits=splits)
+
+
+def _per_vector(dtype_name: str) -> int:
+    return 4 if dtype_name == "float32" else 8  # elements of a 16-byte vector
+
+
+def _vector_rows(head_dim: int, per_vector: int, keys_per_tile: int) -> bool:
+    return head_dim % per_vector == 0 and head_dim // per_vector <= keys_per_tile
+
+
+def paged_decode_fits(device, head_dim: int, dtype_name: str) -> bool:
+    """Whether attention_decode can read a paged cache of ``head_dim`` rows in ``dtype_name`` on ``device`` (with
+    its default tiles): only the vectorised kernel pages, and it needs rows of whole 16-byte vectors."""
+    per_vector = _per_vector(dtype_name)
+    return _vector_rows(int(head_dim), per_vector, DECODE_KEYS["cpu" if device.is_cpu else "gpu"])
 
 
 def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: int, heads: int, kv_heads: int,

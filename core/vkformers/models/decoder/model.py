@@ -140,6 +140,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
         # a plugin's composed layer may attend outside the cache's captured decode attention (its capture_decode)
         self.capture_decode = self.capture_decode and all(getattr(layer, "capture_decode", True)
                                                           for layer in self.layers)
+        # what would be captured were the linear layers' states in persistent buffers overwritten in place (a
+        # server's batch keeps them so: KVCache.keep_states_in_place)
+        self.capture_decode_with_row_states = spec.positions.query_scale is None and all(
+            getattr(layer, "capture_decode", True) for layer in self.layers)
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
         if spec.shared_modules:
