@@ -88,6 +88,9 @@ class Spec:
     #                                  a run builds only the specs of its own line (see tests/fixtures/README.md)
     reference_path: str | None = None  # where transformers has special kernels for the model (state-space scans):
     #                                    the code path that computed the reference, recorded in meta.json and the index
+    generate_rows_apart: str | None = None  # why transformers' generate on a batch is wrong for the model: the padded
+    #                                         references then generate each row of the padded batch alone (its pads and
+    #                                         mask included) and stack them (tools/make_padded_references.py)
 
 
 MAMBA1_PATH = ("transformers' torch path in float32: the sequential scan (mamba_selective_scan's fallback), the "
@@ -963,7 +966,21 @@ SPECS = [
           "of width intermediate_size / 2 with biases, logits soft-capped at 3; tied lm_head. Reference: "
           "transformers' torch path in float32 (its token-by-token scan)."],
          reference_path="transformers' torch path in float32: the RG-LRU's sequential scan and conv1d; no special "
-                        "kernels"),
+                        "kernels"),    Spec("rwkv", "rwkv", dict(vocab_size=VOCAB, hidden_size=16, attention_hidden_size=16, intermediate_size=32,
+                              num_hidden_layers=LAYERS, context_length=MAX_POS, use_cache=False, bos_token_id=BOS,
+                              eos_token_id=EOS),
+         ["RWKV-4 (hidden 16, channel mix of width 32): layer 0's pre_ln on the embeddings; each block ln1 -> time "
+          "mix (token shift with time_mix_{key,value,receptance}; key, value, sigmoid(receptance); the WKV "
+          "recurrence over -exp(time_decay) and time_first with the running-maximum scaling; output) and ln2 -> "
+          "channel mix (token shift; sigmoid(receptance) * value(relu(key)^2)); ln_out; untied head. No attention "
+          "mask is read: the padded row's pads run as tokens. use_cache off: its state's in-place updates break "
+          "autograd, so the training forward runs without it (generate still caches). Reference: transformers' torch path in float32 "
+          "(rwkv_linear_attention_cpu, token by token; no CUDA kernel on the CPU)."],
+         reference_path="transformers' torch path in float32: rwkv_linear_attention_cpu (the token-by-token WKV "
+                        "recurrence); not the fused CUDA kernel",
+         generate_rows_apart="transformers' RWKV generate on a batch of 2 gives each row other tokens than that row "
+                             "alone from the second new token on, unpadded too (its recurrent state is not carried "
+                             "per row)"),
 ]
 
 

@@ -15,7 +15,9 @@ seeds and re-initialisation, checked against the fixture's logits) and records, 
 
 ``index.json`` gets, per fixture entry, ``padding_idx`` (the padding_idx of the token embedding, null when
 transformers builds it without one) and ``padded_generate_pad_invariant``: whether transformers' padded generate
-gives each row what it gives that row alone, unpadded (the logits within 1e-4 and the same tokens).
+gives each row what it gives that row alone, unpadded (the logits within 1e-4 and the same tokens); and, for a spec
+with ``generate_rows_apart`` (transformers' batched generate wrong for the model: RWKV), that reason as
+``padded_generate_rows_apart``: its ``generate_*`` are each row of the padded batch generated alone, pads included.
 
 Run it after tools/make_fixtures.py (a rebuilt fixture folder loses its padded.safetensors):
 
@@ -75,8 +77,10 @@ def rebuild(spec: mf.Spec, folder: Path):
     return model, ids, mask
 
 
-def padded_generate(model, ids, mask):
-    """Cached greedy generate on the padded batch (eos off), the raw logits of each step, and pad invariance."""
+def padded_generate(model, ids, mask, rows_apart: bool = False):
+    """Cached greedy generate on the padded batch (eos off), the raw logits of each step, and pad invariance.
+    ``rows_apart``: each row of the padded batch generated alone (pads and mask included), where transformers'
+    batched generate is wrong for the model (Spec.generate_rows_apart)."""
     gen_cfg = transformers.GenerationConfig(
         max_new_tokens=mf.NEW_TOKENS, min_new_tokens=mf.NEW_TOKENS, do_sample=False, use_cache=True,
         eos_token_id=None, pad_token_id=mf.PAD, bos_token_id=mf.BOS, num_beams=1, temperature=None, top_p=None,
@@ -88,7 +92,11 @@ def padded_generate(model, ids, mask):
                                  output_logits=True, return_dict_in_generate=True)
             return out.sequences, torch.stack([step.float() for step in out.logits])  # [steps, batch, vocab]
         with torch.no_grad():
-            tokens, logits = run(ids, mask)
+            if rows_apart:
+                per_row = [run(ids[row:row + 1], mask[row:row + 1]) for row in range(ids.shape[0])]
+                tokens, logits = torch.cat([t for t, _ in per_row]), torch.cat([lg for _, lg in per_row], 1)
+            else:
+                tokens, logits = run(ids, mask)
             invariant = True
             for row in range(ids.shape[0]):
                 start = int((mask[row] == 0).sum())
@@ -120,7 +128,7 @@ def build(spec: mf.Spec, out_root: Path) -> dict:
     if not (folder / "reference.safetensors").is_file():
         raise FileNotFoundError(f"{folder} has no fixture; run tools/make_fixtures.py first")
     model, ids, mask = rebuild(spec, folder)
-    tokens, logits, invariant = padded_generate(model, ids, mask)
+    tokens, logits, invariant = padded_generate(model, ids, mask, rows_apart=bool(spec.generate_rows_apart))
     grad_ids, grad_labels, loss, pad_row = pad_gradient(model, spec, ids, mask)
     out = {
         "generate_tokens": tokens.to(torch.int32).contiguous(),
@@ -137,7 +145,10 @@ def build(spec: mf.Spec, out_root: Path) -> dict:
     save_file(out, str(folder / FILE), metadata={"transformers_version": transformers.__version__,
                                                   "torch_version": torch.__version__})
     embedding = model.get_input_embeddings()
-    return {"padding_idx": embedding.padding_idx, "padded_generate_pad_invariant": invariant}
+    entry = {"padding_idx": embedding.padding_idx, "padded_generate_pad_invariant": invariant}
+    if spec.generate_rows_apart:
+        entry["padded_generate_rows_apart"] = spec.generate_rows_apart
+    return entry
 
 
 def build_encoder(spec, out_root: Path) -> dict:

@@ -479,10 +479,13 @@ class BatchScheduler:
     def _new_cache(self, rows: int, length: int) -> KVCache:
         model = self.model
         if self.kv_blocks is not None:  # memory follows the tokens: the columns cost nothing until used
-            return PagedKVCache(self._block_pool(), rows, self._column_limit())
-        layers, kv_heads, head_dim = self._geometry
-        return KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
-                       getattr(model, "dtype", None) or "float32", self._device())
+            cache = PagedKVCache(self._block_pool(), rows, self._column_limit())
+        else:
+            layers, kv_heads, head_dim = self._geometry
+            cache = KVCache(layers, rows, kv_heads, head_dim, self._columns(length),
+                            getattr(model, "dtype", None) or "float32", self._device())
+        cache.padding_is_layout = True  # rows are left-padded to share columns: the padding is no request's text
+        return cache
 
     def _cache(self, rows: int, length: int):
         """A reset cache of ``rows`` rows holding at least ``length`` tokens, with the decode capture recorded on

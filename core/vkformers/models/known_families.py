@@ -244,6 +244,7 @@ KNOWN_FAMILIES = {
     "mamba2": "ssm",
     "nemotron_h": "ssm",
     "recurrent_gemma": "ssm",
+    "rwkv": "ssm",
     "zamba": "ssm",
     "zamba2": "ssm",
     # vkformers-t5

@@ -14,13 +14,14 @@ from vkformers.models.family import Family
 from vkformers.models.decoder.rglru import RecurrentBlock
 from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
-                                           first_of, padding_idx)
+                                           PositionSpec, first_of, padding_idx)
 
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.variants import granitemoeshared
 
 from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SharedBlockLayer, SharedBlocks, SingleMixerBlock
 from vkformers_ssm.mixers import MambaSpec, mixer_module
+from vkformers_ssm.rwkv import RwkvChannelMixes, RwkvLayer, RwkvTimeMix
 
 FAMILY = Family("ssm", kind="causal-decoder", norm="rms")
 architecture = FAMILY.architecture
@@ -456,6 +457,29 @@ def recurrent_gemma(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, path="temporal_block", q_bias=bias, k_bias=bias, v_bias=bias,
                                      o_bias=True, windows=(window,) * layers),
                    mlp=replace(spec.mlp, path="mlp_block"))
+
+
+@architecture("rwkv", status="verified", model_class=HYBRID_MODEL,
+              notes="RWKV-4: time mix (the WKV recurrence over time_decay / time_first, token by token) in the "
+                    "linear-attention slot, channel mix in the MLP slot, token shift states on the cache; like "
+                    "transformers, reads no attention mask; rescale_every (an eval-time float16 guard) not applied")
+def rwkv(config: dict) -> DecoderSpec:
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    width = config.get("attention_hidden_size") or hidden
+    # a decoder-kit spec whose every layer is the recurrent slot; no layer attends, so the attention sizes only
+    # shape the (unused) key/value cache: one head of 4 dims, the smallest whole 16-byte row a paged cache takes
+    spec = DecoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=1, num_kv_heads=1,
+        head_dim=4, intermediate_size=config.get("intermediate_size") or 4 * hidden,
+        max_position_embeddings=config.get("context_length", 1024), embed="rwkv.embeddings", layers="rwkv.blocks",
+        final_norm="rwkv.ln_out", lm_head="head", attn_in_norm="ln1", mlp_in_norm="ln2",
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norms=NormSpec(kind="layer", eps=config.get("layer_norm_epsilon", 1e-5), bias=True),
+        positions=PositionSpec(rope=False),
+        linear_attention=LinearAttentionSpec(layers=(True,) * layers, k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+                                             path="attention", module=RwkvTimeMix.module(width)),
+        make_layer=RwkvLayer)
+    return replace(spec, moe=RwkvChannelMixes(spec.intermediate_size))
 
 
 VARIANTS = FAMILY.variants()
