@@ -981,6 +981,22 @@ SPECS = [
          generate_rows_apart="transformers' RWKV generate on a batch of 2 gives each row other tokens than that row "
                              "alone from the second new token on, unpadded too (its recurrent state is not carried "
                              "per row)"),
+    Spec("xlstm", "xlstm", dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_heads=4,
+                                qk_dim_factor=4.0, v_dim_factor=4.0, ffn_proj_factor=1.0, ffn_round_up_to_multiple_of=16,
+                                output_logit_soft_cap=3.0, use_cache=False, **TOK),
+         ["xLSTM (hidden 16, one block to keep the fixture small: its widths are 64): norm_mlstm -> mLSTM layer (q, k of 64 = hidden x qk_dim_factor 4, "
+          "v and the output gate of 64, in 4 heads; input and forget gate pre-activations soft-capped at 15; the "
+          "matrix-memory recurrence with the max stabiliser, denominator max(|q.n|, exp(-m)) + 1e-6; per-head "
+          "layer norm; sigmoid output gate; out_proj) and norm_ffn -> SwiGLU ffn (proj_up_gate, proj_up of 16, "
+          "proj_down); out_norm; logits soft-capped at 3; untied lm_head. The qk and v widths are multiples of 64 so "
+          "that transformers' generation cache (sized from the config's rounded widths) fits its layers. The "
+          "input gate biases (-10 at init: a write of e^-10) are set to N(0, 0.5) so the memory is not "
+          "negligible. use_cache off for the training forward. No attention mask is read: the padded row's pads "
+          "run as tokens. Reference: transformers' native path in float32 (mlstm_recurrent_sequence_native: the "
+          "8-token batch is shorter than chunk_size 64; step_native for generation)."],
+         prepare=lambda model: _xlstm_input_gates(model),
+         reference_path="transformers' native path in float32: mlstm_recurrent_sequence_native (shorter than "
+                        "chunk_size), mlstm_recurrent_step_native for generation; not the xlstm package's kernels"),
 ]
 
 
@@ -1074,6 +1090,15 @@ SKIPPED = {
     "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
     "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
+
+
+def _xlstm_input_gates(model):
+    """xLSTM's input-gate biases at N(0, 0.5) instead of -10 (+ noise), so that the memory's writes show."""
+    g = torch.Generator().manual_seed(4321)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("igate_preact.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 def reinit_(model):

@@ -245,6 +245,7 @@ KNOWN_FAMILIES = {
     "nemotron_h": "ssm",
     "recurrent_gemma": "ssm",
     "rwkv": "ssm",
+    "xlstm": "ssm",
     "zamba": "ssm",
     "zamba2": "ssm",
     # vkformers-t5

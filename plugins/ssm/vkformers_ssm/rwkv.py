@@ -34,7 +34,7 @@ from vkformers.models.module import Module, place
 _NO_EXPONENT = -1e38  # the running maximum before any token (transformers' initial max_state)
 
 
-def _row_states(ctx, name: str, index: int):
+def row_states(ctx, name: str, index: int):
     """This layer's entry of the cache's per-row state ``name`` (restarted at position 0), and the dict, or
     (None, None) without a cache."""
     if ctx.cache is None:
@@ -45,7 +45,7 @@ def _row_states(ctx, name: str, index: int):
     return states.get(index), states
 
 
-def _layout_padding(ctx, length: int):
+def layout_padding(ctx, length: int):
     """The current tokens' mask [B, T] (float32 numpy) where the cache says padding is layout and some is here,
     else None (padding runs as tokens)."""
     if ctx.cache is None or not ctx.cache.padding_is_layout or ctx.host_mask is None:
@@ -93,9 +93,9 @@ class RwkvTimeMix(Module):
 
     def forward(self, h, ctx, index: int):
         batch, length, _ = h.shape
-        state, states = _row_states(ctx, "rwkv_states", index)
+        state, states = row_states(ctx, "rwkv_states", index)
         previous, num, den, top = state if state is not None else (None, None, None, None)
-        padding = _layout_padding(ctx, length)
+        padding = layout_padding(ctx, length)
         shifted = _shifted(h, previous, padding)
         key = self.key(_mixed(h, shifted, self.time_mix_key)).float()
         value = self.value(_mixed(h, shifted, self.time_mix_value)).float()
@@ -147,8 +147,8 @@ class RwkvChannelMix(Module):
 
     def forward(self, h, ctx, index: int):
         length = h.shape[1]
-        previous, states = _row_states(ctx, "rwkv_channel_states", index)
-        shifted = _shifted(h, previous, _layout_padding(ctx, length))
+        previous, states = row_states(ctx, "rwkv_channel_states", index)
+        shifted = _shifted(h, previous, layout_padding(ctx, length))
         hidden = F.relu(self.key(_mixed(h, shifted, self.time_mix_key))).square()
         out = F.sigmoid(self.receptance(_mixed(h, shifted, self.time_mix_receptance))) * self.value(hidden)
         if states is not None:

@@ -22,6 +22,7 @@ from vkformers_moe.variants import granitemoeshared
 from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SharedBlockLayer, SharedBlocks, SingleMixerBlock
 from vkformers_ssm.mixers import MambaSpec, mixer_module
 from vkformers_ssm.rwkv import RwkvChannelMixes, RwkvLayer, RwkvTimeMix
+from vkformers_ssm.xlstm import MLstmLayer
 
 FAMILY = Family("ssm", kind="causal-decoder", norm="rms")
 architecture = FAMILY.architecture
@@ -480,6 +481,42 @@ def rwkv(config: dict) -> DecoderSpec:
                                              path="attention", module=RwkvTimeMix.module(width)),
         make_layer=RwkvLayer)
     return replace(spec, moe=RwkvChannelMixes(spec.intermediate_size))
+
+
+def _round_up(value: float, multiple: int) -> int:
+    return int(-(-value // multiple) * multiple)
+
+
+@architecture("xlstm", status="verified", model_class=HYBRID_MODEL,
+              notes="mLSTM blocks (matrix memory with exponential input and sigmoid forget gates, transformers' "
+                    "native recurrent form, token by token) in the linear-attention slot, SwiGLU feed-forward; "
+                    "like transformers, reads no attention mask")
+def xlstm(config: dict) -> DecoderSpec:
+    refuse("xlstm", config, "weight_mode", lambda v: v == "single", "single")
+    refuse("xlstm", config, "use_bias", lambda v: not v, False)
+    hidden = first_of(config, "hidden_size", "embedding_dim")
+    layers = first_of(config, "num_hidden_layers", "num_blocks")
+    heads = config.get("num_heads", 8)
+    qk_dim, v_dim = int(hidden * config.get("qk_dim_factor", 0.5)), int(hidden * config.get("v_dim_factor", 1.0))
+    if qk_dim % heads or v_dim % heads:
+        raise UnsupportedConfigError(f"xlstm: num_heads ({heads}) must divide the query/key width ({qk_dim}) and the "
+                                     f"value width ({v_dim}); fix the config")
+    eps = config.get("norm_eps", 1e-6)
+    # no layer attends: the attention sizes only shape the (unused) key/value cache, as RWKV's
+    spec = DecoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=1, num_kv_heads=1,
+        head_dim=4, intermediate_size=_round_up(hidden * config.get("ffn_proj_factor", 2.667),
+                                                config.get("ffn_round_up_to_multiple_of", 64)),
+        embed="backbone.embeddings", layers="backbone.blocks", final_norm="backbone.out_norm",
+        attn_in_norm="norm_mlstm", mlp_in_norm="norm_ffn", norms=NormSpec(eps=eps),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), positions=PositionSpec(rope=False),
+        final_softcap=float(config.get("output_logit_soft_cap") or 0.0),
+        mlp=MLPSpec(path="ffn", gate_proj="proj_up_gate", up_proj="proj_up", down_proj="proj_down"),
+        linear_attention=LinearAttentionSpec(
+            layers=(True,) * layers, k_heads=1, v_heads=1, k_dim=1, v_dim=1, path="mlstm_layer",
+            module=MLstmLayer.module(heads=heads, qk_dim=qk_dim, v_dim=v_dim, gate_cap=config.get("gate_soft_cap", 15.0),
+                                     eps=config.get("eps", 1e-6), norm_eps=eps)))
+    return spec
 
 
 VARIANTS = FAMILY.variants()
