@@ -88,6 +88,9 @@ class Spec:
     #                                  a run builds only the specs of its own line (see tests/fixtures/README.md)
     reference_path: str | None = None  # where transformers has special kernels for the model (state-space scans):
     #                                    the code path that computed the reference, recorded in meta.json and the index
+    padded_generate_uncached: str | None = None  # why transformers' cached decode is wrong on a padded batch for the
+    #                                              model: the padded references then generate with use_cache=False
+    #                                              (each step a full forward with the mask)
     generate_rows_apart: str | None = None  # why transformers' generate on a batch is wrong for the model: the padded
     #                                         references then generate each row of the padded batch alone (its pads and
     #                                         mask included) and stack them (tools/make_padded_references.py)
@@ -966,10 +969,10 @@ SPECS = [
           "of width intermediate_size / 2 with biases, logits soft-capped at 3; tied lm_head. Reference: "
           "transformers' torch path in float32 (its token-by-token scan)."],
          reference_path="transformers' torch path in float32: the RG-LRU's sequential scan and conv1d; no special "
-                        "kernels"),    Spec("rwkv", "rwkv", dict(vocab_size=VOCAB, hidden_size=16, attention_hidden_size=16, intermediate_size=32,
+                        "kernels"),    Spec("rwkv", "rwkv", dict(vocab_size=VOCAB, hidden_size=16, attention_hidden_size=16, intermediate_size=16,
                               num_hidden_layers=LAYERS, context_length=MAX_POS, use_cache=False, bos_token_id=BOS,
                               eos_token_id=EOS),
-         ["RWKV-4 (hidden 16, channel mix of width 32): layer 0's pre_ln on the embeddings; each block ln1 -> time "
+         ["RWKV-4 (hidden 16, channel mix of width 16): layer 0's pre_ln on the embeddings; each block ln1 -> time "
           "mix (token shift with time_mix_{key,value,receptance}; key, value, sigmoid(receptance); the WKV "
           "recurrence over -exp(time_decay) and time_first with the running-maximum scaling; output) and ln2 -> "
           "channel mix (token shift; sigmoid(receptance) * value(relu(key)^2)); ln_out; untied head. No attention "
@@ -996,7 +999,24 @@ SPECS = [
           "8-token batch is shorter than chunk_size 64; step_native for generation)."],
          prepare=lambda model: _xlstm_input_gates(model),
          reference_path="transformers' native path in float32: mlstm_recurrent_sequence_native (shorter than "
-                        "chunk_size), mlstm_recurrent_step_native for generation; not the xlstm package's kernels"),
+                        "chunk_size), mlstm_recurrent_step_native for generation; not the xlstm package's kernels"),    Spec("minimax", "minimax", dict(HYBRID, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                    layer_types=["linear_attention", "full_attention"], block_size=4,
+                                    num_local_experts=4, num_experts_per_tok=2, linear_attn_alpha_factor=1.2,
+                                    linear_attn_beta_factor=0.8, full_attn_alpha_factor=0.9,
+                                    full_attn_beta_factor=1.1, mlp_alpha_factor=1.1, mlp_beta_factor=0.7),
+         ["MiniMax (hidden 16): layer 0 lightning attention (qkv_proj -> silu, per head [q | k | v] of 8, zeroed at "
+          "padded positions; out_t = sum_s exp(-slope_h (t - s)) (q_t . k_s) v_s in blocks of 4, so the 8-token "
+          "batch spans two; RMSNorm (eps 1e-6), sigmoid(output_gate) gate, out_proj), layer 1 GQA attention "
+          "(2q/1kv of 8 dims, rotary); every layer a Mixtral sparse block (router over 4 experts, softmax top-2 "
+          "renormalised; saved names block_sparse_moe.experts.<e>.w1/w3/w2); residuals from the normed stream, "
+          "h * alpha + f(h) * beta, with the factors away from 1 (linear 1.2 / 0.8, full 0.9 / 1.1, MLP 1.1 / 0.7). "
+          "Reference: transformers' torch path in float32 (its blocked lightning attention, the recurrent step for "
+          "generation)."],
+         saved_names=True,
+         padded_generate_uncached="transformers' cached decode step on a left-padded row differs from its own full "
+                                  "forward (by 0.5 in the logits of the fixture's row 1; unpadded rows agree to 1e-6)",
+         reference_path="transformers' torch path in float32: the blocked lightning attention (block_size 4) and its "
+                        "token-by-token update for generation; no special kernels"),
 ]
 
 
@@ -1082,7 +1102,6 @@ SKIPPED = {
     "gemma4_unified_text": "waits for gemma4_text",
     "gemma4_unified_assistant": "waits for gemma4_text",
     "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
-    "minimax": "lightning attention layers (linear attention with a per-head decay): needs a new engine op",
     "doge": "dynamic mask attention (a mask learned from the values) and CDMoE (product-key experts)",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",

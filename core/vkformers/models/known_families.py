@@ -242,6 +242,7 @@ KNOWN_FAMILIES = {
     "lfm2": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
+    "minimax": "ssm",
     "nemotron_h": "ssm",
     "recurrent_gemma": "ssm",
     "rwkv": "ssm",

@@ -11,15 +11,17 @@ from typing import Callable
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
 
+from vkformers.models.decoder.lightning import LightningAttention
 from vkformers.models.decoder.rglru import RecurrentBlock
 from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
                                            PositionSpec, first_of, padding_idx)
 
 from vkformers_moe.block import MoeSpec
-from vkformers_moe.variants import granitemoeshared
+from vkformers_moe.variants import granitemoeshared, mixtral
 
-from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SharedBlockLayer, SharedBlocks, SingleMixerBlock
+from vkformers_ssm.layers import (ParallelMambaLayer, ParallelMultipliers, ScaledResidualLayer, ScaledResiduals,
+                                  SharedBlockLayer, SharedBlocks, SingleMixerBlock)
 from vkformers_ssm.mixers import MambaSpec, mixer_module
 from vkformers_ssm.rwkv import RwkvChannelMixes, RwkvLayer, RwkvTimeMix
 from vkformers_ssm.xlstm import MLstmLayer
@@ -517,6 +519,29 @@ def xlstm(config: dict) -> DecoderSpec:
             module=MLstmLayer.module(heads=heads, qk_dim=qk_dim, v_dim=v_dim, gate_cap=config.get("gate_soft_cap", 15.0),
                                      eps=config.get("eps", 1e-6), norm_eps=eps)))
     return spec
+
+
+@architecture("minimax", status="verified", model_class=HYBRID_MODEL,
+              notes="Mixtral (vkformers-moe's variant: GQA, sparse SwiGLU experts) whose linear_attention layers run "
+                    "lightning attention (core's decoder-kit LightningAttention: linear attention with a per-head "
+                    "decay, in blocks); residuals from the normed stream with per-type alpha / beta factors")
+def minimax(config: dict) -> DecoderSpec:
+    spec = mixtral(config)
+    layers = spec.num_layers
+    types = config.get("layer_types") or ["full_attention"] * layers
+    if len(types) != layers or not set(types) <= {"full_attention", "linear_attention"}:
+        raise UnsupportedConfigError(f"minimax: layer_types must name full_attention or linear_attention for each "
+                                     f"of the {layers} layers, got {types!r}; fix the config")
+    lightning = LinearAttentionSpec(
+        layers=tuple(t == "linear_attention" for t in types), k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+        path="self_attn", module=LightningAttention.module(spec.num_heads, spec.head_dim,
+                                                           int(config.get("block_size", 256)), spec.hidden_act))
+
+    def factors(kind: str) -> tuple[float, float]:
+        return float(config.get(f"{kind}_alpha_factor", 1)), float(config.get(f"{kind}_beta_factor", 1))
+    residuals = ScaledResiduals(linear=factors("linear_attn"), full=factors("full_attn"), mlp=factors("mlp"))
+    return replace(spec, linear_attention=lightning, make_layer=ScaledResidualLayer,
+                   extra=dict(spec.extra, residuals=residuals))
 
 
 VARIANTS = FAMILY.variants()
