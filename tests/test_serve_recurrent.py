@@ -1,9 +1,10 @@
 """Continuous batching of models with recurrent state (models/batching.py, ROW_STATES of models/cache.py): a pure
 Mamba, hybrids of attention and Mamba layers (Zamba's shared blocks too), a hybrid with Gated DeltaNet layers, LFM2's
-short convolutions and RecurrentGemma's recurrent blocks each keep a conv (and scan) state per row, in buffers
-overwritten in place so that the batch's decode steps are replayed. Requests joining at different steps (prefilled
-apart and placed into free rows, or rebuilt with the batch) and concurrent requests through the openai client against
-a real server give the tokens ``model.generate`` gives each alone."""
+short convolutions, RecurrentGemma's recurrent blocks, RWKV's token shift and WKV state, xLSTM's matrix memory and
+MiniMax's lightning-attention state each keep a state per row (the replayable ones in buffers overwritten in place, so
+that the batch's decode steps are replayed). Requests joining at different steps (prefilled apart and placed into free
+rows, or rebuilt with the batch) and concurrent requests through the openai client against a real server give the
+tokens ``model.generate`` gives each alone."""
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,8 @@ CHARACTERS = "abcdefghijklmnopqrstuvwxyz .,?0123456789!-:;'"
 PROMPTS = ["the state of each row", "a", "mamba on vulkan, batched", "hello there", "gpu", "one two three four five",
            "x y", "continuous batching keeps a state per row"]
 LENGTHS = [5, 8, 3, 7, 6, 4, 9, 5]
-MODELS = ["mamba", "mamba2", "bamba", "jamba", "qwen3_next", "lfm2", "zamba", "zamba2", "recurrent_gemma"]
+MODELS = ["mamba", "mamba2", "bamba", "jamba", "qwen3_next", "lfm2", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm",
+          "minimax"]
 
 
 def char_tokenizer():

@@ -16,7 +16,8 @@ from vkformers_ssm.variants import (UnsupportedConfigError, bamba, falcon_h1, gr
                                    recurrent_gemma, zamba, zamba2)
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2", "recurrent_gemma"]
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2", "recurrent_gemma",
+           "rwkv", "xlstm", "minimax"]
 
 
 # The shared blocks of Zamba and Zamba2 read the token embeddings inside checkpointed layers: the embedding's gradient sums the
@@ -47,7 +48,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
             np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba", "zamba2", "recurrent_gemma"])
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm",
+                                  "minimax"])
 def test_a_second_generate_starts_from_fresh_states(name):
     """The mixers' states live on the KV cache and restart at its position 0: two calls give transformers' tokens."""
     reference = read_safetensors(FIXTURES / name / "reference.safetensors")
@@ -58,7 +60,7 @@ def test_a_second_generate_starts_from_fresh_states(name):
         np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=want.shape[1] - prompt.shape[1]), want)
 
 
-@pytest.mark.parametrize("name", ["bamba", "lfm2", "zamba", "zamba2", "recurrent_gemma"])
+@pytest.mark.parametrize("name", ["bamba", "lfm2", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm", "minimax"])
 def test_bfloat16_follows_float32(name):
     ids = np.random.default_rng(4).integers(3, 48, (2, 9)).astype(np.int32)
     full = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32")(ids).logits.numpy()

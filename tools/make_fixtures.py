@@ -88,6 +88,12 @@ class Spec:
     #                                  a run builds only the specs of its own line (see tests/fixtures/README.md)
     reference_path: str | None = None  # where transformers has special kernels for the model (state-space scans):
     #                                    the code path that computed the reference, recorded in meta.json and the index
+    padded_generate_uncached: str | None = None  # why transformers' cached decode is wrong on a padded batch for the
+    #                                              model: the padded references then generate with use_cache=False
+    #                                              (each step a full forward with the mask)
+    generate_rows_apart: str | None = None  # why transformers' generate on a batch is wrong for the model: the padded
+    #                                         references then generate each row of the padded batch alone (its pads and
+    #                                         mask included) and stack them (tools/make_padded_references.py)
 
 
 MAMBA1_PATH = ("transformers' torch path in float32: the sequential scan (mamba_selective_scan's fallback), the "
@@ -963,7 +969,54 @@ SPECS = [
           "of width intermediate_size / 2 with biases, logits soft-capped at 3; tied lm_head. Reference: "
           "transformers' torch path in float32 (its token-by-token scan)."],
          reference_path="transformers' torch path in float32: the RG-LRU's sequential scan and conv1d; no special "
-                        "kernels"),
+                        "kernels"),    Spec("rwkv", "rwkv", dict(vocab_size=VOCAB, hidden_size=16, attention_hidden_size=16, intermediate_size=16,
+                              num_hidden_layers=LAYERS, context_length=MAX_POS, use_cache=False, bos_token_id=BOS,
+                              eos_token_id=EOS),
+         ["RWKV-4 (hidden 16, channel mix of width 16): layer 0's pre_ln on the embeddings; each block ln1 -> time "
+          "mix (token shift with time_mix_{key,value,receptance}; key, value, sigmoid(receptance); the WKV "
+          "recurrence over -exp(time_decay) and time_first with the running-maximum scaling; output) and ln2 -> "
+          "channel mix (token shift; sigmoid(receptance) * value(relu(key)^2)); ln_out; untied head. No attention "
+          "mask is read: the padded row's pads run as tokens. use_cache off: its state's in-place updates break "
+          "autograd, so the training forward runs without it (generate still caches). Reference: transformers' torch path in float32 "
+          "(rwkv_linear_attention_cpu, token by token; no CUDA kernel on the CPU)."],
+         reference_path="transformers' torch path in float32: rwkv_linear_attention_cpu (the token-by-token WKV "
+                        "recurrence); not the fused CUDA kernel",
+         generate_rows_apart="transformers' RWKV generate on a batch of 2 gives each row other tokens than that row "
+                             "alone from the second new token on, unpadded too (its recurrent state is not carried "
+                             "per row)"),
+    Spec("xlstm", "xlstm", dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_heads=4,
+                                qk_dim_factor=4.0, v_dim_factor=4.0, ffn_proj_factor=1.0, ffn_round_up_to_multiple_of=16,
+                                output_logit_soft_cap=3.0, use_cache=False, **TOK),
+         ["xLSTM (hidden 16, one block to keep the fixture small: its widths are 64): norm_mlstm -> mLSTM layer (q, k of 64 = hidden x qk_dim_factor 4, "
+          "v and the output gate of 64, in 4 heads; input and forget gate pre-activations soft-capped at 15; the "
+          "matrix-memory recurrence with the max stabiliser, denominator max(|q.n|, exp(-m)) + 1e-6; per-head "
+          "layer norm; sigmoid output gate; out_proj) and norm_ffn -> SwiGLU ffn (proj_up_gate, proj_up of 16, "
+          "proj_down); out_norm; logits soft-capped at 3; untied lm_head. The qk and v widths are multiples of 64 so "
+          "that transformers' generation cache (sized from the config's rounded widths) fits its layers. The "
+          "input gate biases (-10 at init: a write of e^-10) are set to N(0, 0.5) so the memory is not "
+          "negligible. use_cache off for the training forward. No attention mask is read: the padded row's pads "
+          "run as tokens. Reference: transformers' native path in float32 (mlstm_recurrent_sequence_native: the "
+          "8-token batch is shorter than chunk_size 64; step_native for generation)."],
+         prepare=lambda model: _xlstm_input_gates(model),
+         reference_path="transformers' native path in float32: mlstm_recurrent_sequence_native (shorter than "
+                        "chunk_size), mlstm_recurrent_step_native for generation; not the xlstm package's kernels"),    Spec("minimax", "minimax", dict(HYBRID, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                    layer_types=["linear_attention", "full_attention"], block_size=4,
+                                    num_local_experts=4, num_experts_per_tok=2, linear_attn_alpha_factor=1.2,
+                                    linear_attn_beta_factor=0.8, full_attn_alpha_factor=0.9,
+                                    full_attn_beta_factor=1.1, mlp_alpha_factor=1.1, mlp_beta_factor=0.7),
+         ["MiniMax (hidden 16): layer 0 lightning attention (qkv_proj -> silu, per head [q | k | v] of 8, zeroed at "
+          "padded positions; out_t = sum_s exp(-slope_h (t - s)) (q_t . k_s) v_s in blocks of 4, so the 8-token "
+          "batch spans two; RMSNorm (eps 1e-6), sigmoid(output_gate) gate, out_proj), layer 1 GQA attention "
+          "(2q/1kv of 8 dims, rotary); every layer a Mixtral sparse block (router over 4 experts, softmax top-2 "
+          "renormalised; saved names block_sparse_moe.experts.<e>.w1/w3/w2); residuals from the normed stream, "
+          "h * alpha + f(h) * beta, with the factors away from 1 (linear 1.2 / 0.8, full 0.9 / 1.1, MLP 1.1 / 0.7). "
+          "Reference: transformers' torch path in float32 (its blocked lightning attention, the recurrent step for "
+          "generation)."],
+         saved_names=True,
+         padded_generate_uncached="transformers' cached decode step on a left-padded row differs from its own full "
+                                  "forward (by 0.5 in the logits of the fixture's row 1; unpadded rows agree to 1e-6)",
+         reference_path="transformers' torch path in float32: the blocked lightning attention (block_size 4) and its "
+                        "token-by-token update for generation; no special kernels"),
 ]
 
 
@@ -1049,7 +1102,6 @@ SKIPPED = {
     "gemma4_unified_text": "waits for gemma4_text",
     "gemma4_unified_assistant": "waits for gemma4_text",
     "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
-    "minimax": "lightning attention layers (linear attention with a per-head decay): needs a new engine op",
     "doge": "dynamic mask attention (a mask learned from the values) and CDMoE (product-key experts)",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
@@ -1057,6 +1109,15 @@ SKIPPED = {
     "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
     "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
+
+
+def _xlstm_input_gates(model):
+    """xLSTM's input-gate biases at N(0, 0.5) instead of -10 (+ noise), so that the memory's writes show."""
+    g = torch.Generator().manual_seed(4321)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("igate_preact.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 def reinit_(model):

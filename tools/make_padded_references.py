@@ -15,7 +15,11 @@ seeds and re-initialisation, checked against the fixture's logits) and records, 
 
 ``index.json`` gets, per fixture entry, ``padding_idx`` (the padding_idx of the token embedding, null when
 transformers builds it without one) and ``padded_generate_pad_invariant``: whether transformers' padded generate
-gives each row what it gives that row alone, unpadded (the logits within 1e-4 and the same tokens).
+gives each row what it gives that row alone, unpadded (the logits within 1e-4 and the same tokens); and, for a spec
+with ``generate_rows_apart`` (transformers' batched generate wrong for the model: RWKV), that reason as
+``padded_generate_rows_apart``: its ``generate_*`` are each row of the padded batch generated alone, pads included;
+for one with ``padded_generate_uncached`` (transformers' cached decode wrong on padded rows: MiniMax), that reason:
+its ``generate_*`` come from generate with use_cache=False, each step a full forward with the mask.
 
 Run it after tools/make_fixtures.py (a rebuilt fixture folder loses its padded.safetensors):
 
@@ -75,10 +79,13 @@ def rebuild(spec: mf.Spec, folder: Path):
     return model, ids, mask
 
 
-def padded_generate(model, ids, mask):
-    """Cached greedy generate on the padded batch (eos off), the raw logits of each step, and pad invariance."""
+def padded_generate(model, ids, mask, rows_apart: bool = False, uncached: bool = False):
+    """Cached greedy generate on the padded batch (eos off), the raw logits of each step, and pad invariance.
+    ``rows_apart``: each row of the padded batch generated alone (pads and mask included), where transformers'
+    batched generate is wrong for the model (Spec.generate_rows_apart); ``uncached``: use_cache=False, where its
+    cached decode is wrong on padded rows (Spec.padded_generate_uncached)."""
     gen_cfg = transformers.GenerationConfig(
-        max_new_tokens=mf.NEW_TOKENS, min_new_tokens=mf.NEW_TOKENS, do_sample=False, use_cache=True,
+        max_new_tokens=mf.NEW_TOKENS, min_new_tokens=mf.NEW_TOKENS, do_sample=False, use_cache=not uncached,
         eos_token_id=None, pad_token_id=mf.PAD, bos_token_id=mf.BOS, num_beams=1, temperature=None, top_p=None,
         top_k=None)
     saved_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
@@ -88,7 +95,11 @@ def padded_generate(model, ids, mask):
                                  output_logits=True, return_dict_in_generate=True)
             return out.sequences, torch.stack([step.float() for step in out.logits])  # [steps, batch, vocab]
         with torch.no_grad():
-            tokens, logits = run(ids, mask)
+            if rows_apart:
+                per_row = [run(ids[row:row + 1], mask[row:row + 1]) for row in range(ids.shape[0])]
+                tokens, logits = torch.cat([t for t, _ in per_row]), torch.cat([lg for _, lg in per_row], 1)
+            else:
+                tokens, logits = run(ids, mask)
             invariant = True
             for row in range(ids.shape[0]):
                 start = int((mask[row] == 0).sum())
@@ -120,7 +131,8 @@ def build(spec: mf.Spec, out_root: Path) -> dict:
     if not (folder / "reference.safetensors").is_file():
         raise FileNotFoundError(f"{folder} has no fixture; run tools/make_fixtures.py first")
     model, ids, mask = rebuild(spec, folder)
-    tokens, logits, invariant = padded_generate(model, ids, mask)
+    tokens, logits, invariant = padded_generate(model, ids, mask, rows_apart=bool(spec.generate_rows_apart),
+                                                uncached=bool(spec.padded_generate_uncached))
     grad_ids, grad_labels, loss, pad_row = pad_gradient(model, spec, ids, mask)
     out = {
         "generate_tokens": tokens.to(torch.int32).contiguous(),
@@ -137,7 +149,12 @@ def build(spec: mf.Spec, out_root: Path) -> dict:
     save_file(out, str(folder / FILE), metadata={"transformers_version": transformers.__version__,
                                                   "torch_version": torch.__version__})
     embedding = model.get_input_embeddings()
-    return {"padding_idx": embedding.padding_idx, "padded_generate_pad_invariant": invariant}
+    entry = {"padding_idx": embedding.padding_idx, "padded_generate_pad_invariant": invariant}
+    if spec.generate_rows_apart:
+        entry["padded_generate_rows_apart"] = spec.generate_rows_apart
+    if spec.padded_generate_uncached:
+        entry["padded_generate_uncached"] = spec.padded_generate_uncached
+    return entry
 
 
 def build_encoder(spec, out_root: Path) -> dict:

@@ -602,6 +602,7 @@ class BatchScheduler:
                             getattr(model, "dtype", None) or "float32", self._device())
         if self._recurrent:
             cache.keep_states_in_place()  # the decode step reads and writes the same buffers: it can be replayed
+        cache.padding_is_layout = True  # rows are left-padded to share columns: the padding is no request's text
         return cache
 
     def _cache(self, rows: int, length: int):

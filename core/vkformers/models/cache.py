@@ -83,6 +83,9 @@ class InPlaceRowStates(dict):
 
 class KVCache:
     paged = False  # PagedKVCache (models/paged_cache.py): keys and values in blocks, not [batch, kv_heads, max_len, dim]
+    # True where the caller's padding only lays rows out in columns (a server's batch, models/batching.py): a model
+    # whose layers otherwise run padding as tokens, as transformers' RWKV does, leaves it out of their state then
+    padding_is_layout = False
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype="float32", device: Device | None = None):
@@ -108,7 +111,8 @@ class KVCache:
     def layer_state(self) -> list[str]:
         """Names of what a model's layers keep on this cache besides keys and values (a linear-attention or
         state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
-        return sorted(name for name, value in self.__dict__.items() if name not in self._own_fields
+        return sorted(name for name, value in self.__dict__.items()
+                      if name not in self._own_fields and name != "padding_is_layout"
                       and not (isinstance(value, InPlaceRowStates) and not value))
 
     def keep_states_in_place(self) -> None:

@@ -242,8 +242,11 @@ KNOWN_FAMILIES = {
     "lfm2": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
+    "minimax": "ssm",
     "nemotron_h": "ssm",
     "recurrent_gemma": "ssm",
+    "rwkv": "ssm",
+    "xlstm": "ssm",
     "zamba": "ssm",
     "zamba2": "ssm",
     # vkformers-t5

@@ -182,3 +182,34 @@ class SharedBlockLayer(Module):
         if not self.hybrid:
             return self.decoder(x, ctx)
         return self.mamba_decoder(x, ctx, self.linear(self.block(x, ctx)))
+
+
+@dataclass(frozen=True)
+class ScaledResiduals:
+    """MiniMax's residual wiring: each sublayer adds to its *normed* input, h * alpha + f(h) * beta, with one
+    (alpha, beta) for the attention of linear layers, one for that of softmax layers, one for the MLP."""
+
+    linear: tuple[float, float] = (1.0, 1.0)
+    full: tuple[float, float] = (1.0, 1.0)
+    mlp: tuple[float, float] = (1.0, 1.0)
+
+
+class ScaledResidualLayer(DecoderLayer):
+    """h = norm(x); x = h * alpha + attn(h) * beta; h = norm'(x); x = h * alpha' + mlp(h) * beta' (MiniMax); the
+    spec's ``extra["residuals"]`` is its :class:`ScaledResiduals`."""
+
+    def __init__(self, spec, index: int, alibi=None):
+        super().__init__(spec, index, alibi)
+        residuals = spec.extra["residuals"]
+        self.attention_factors = residuals.linear if self.linear else residuals.full
+        self.mlp_factors = residuals.mlp
+
+    def _sequential_residual(self, x, ctx):
+        h = self._norm("attn_in_norm", x)
+        (alpha, beta), (mlp_alpha, mlp_beta) = self.attention_factors, self.mlp_factors
+        x = h * alpha + self.attention(h, ctx) * beta
+        h = self._norm("mlp_in_norm", x)
+        return h * mlp_alpha + self.mlp(h) * mlp_beta
+
+    def _fused_decode_plan(self):
+        return None  # the fused decode kernels compose the kit's plain block, not this one

@@ -11,16 +11,20 @@ from typing import Callable
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
 
+from vkformers.models.decoder.lightning import LightningAttention
 from vkformers.models.decoder.rglru import RecurrentBlock
 from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
-                                           first_of, padding_idx)
+                                           PositionSpec, first_of, padding_idx)
 
 from vkformers_moe.block import MoeSpec
-from vkformers_moe.variants import granitemoeshared
+from vkformers_moe.variants import granitemoeshared, mixtral
 
-from vkformers_ssm.layers import ParallelMambaLayer, ParallelMultipliers, SharedBlockLayer, SharedBlocks, SingleMixerBlock
+from vkformers_ssm.layers import (ParallelMambaLayer, ParallelMultipliers, ScaledResidualLayer, ScaledResiduals,
+                                  SharedBlockLayer, SharedBlocks, SingleMixerBlock)
 from vkformers_ssm.mixers import MambaSpec, mixer_module
+from vkformers_ssm.rwkv import RwkvChannelMixes, RwkvLayer, RwkvTimeMix
+from vkformers_ssm.xlstm import MLstmLayer
 
 FAMILY = Family("ssm", kind="causal-decoder", norm="rms")
 architecture = FAMILY.architecture
@@ -456,6 +460,88 @@ def recurrent_gemma(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, path="temporal_block", q_bias=bias, k_bias=bias, v_bias=bias,
                                      o_bias=True, windows=(window,) * layers),
                    mlp=replace(spec.mlp, path="mlp_block"))
+
+
+@architecture("rwkv", status="verified", model_class=HYBRID_MODEL,
+              notes="RWKV-4: time mix (the WKV recurrence over time_decay / time_first, token by token) in the "
+                    "linear-attention slot, channel mix in the MLP slot, token shift states on the cache; like "
+                    "transformers, reads no attention mask; rescale_every (an eval-time float16 guard) not applied")
+def rwkv(config: dict) -> DecoderSpec:
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    width = config.get("attention_hidden_size") or hidden
+    # a decoder-kit spec whose every layer is the recurrent slot; no layer attends, so the attention sizes only
+    # shape the (unused) key/value cache: one head of 4 dims, the smallest whole 16-byte row a paged cache takes
+    spec = DecoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=1, num_kv_heads=1,
+        head_dim=4, intermediate_size=config.get("intermediate_size") or 4 * hidden,
+        max_position_embeddings=config.get("context_length", 1024), embed="rwkv.embeddings", layers="rwkv.blocks",
+        final_norm="rwkv.ln_out", lm_head="head", attn_in_norm="ln1", mlp_in_norm="ln2",
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norms=NormSpec(kind="layer", eps=config.get("layer_norm_epsilon", 1e-5), bias=True),
+        positions=PositionSpec(rope=False),
+        linear_attention=LinearAttentionSpec(layers=(True,) * layers, k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+                                             path="attention", module=RwkvTimeMix.module(width)),
+        make_layer=RwkvLayer)
+    return replace(spec, moe=RwkvChannelMixes(spec.intermediate_size))
+
+
+def _round_up(value: float, multiple: int) -> int:
+    return int(-(-value // multiple) * multiple)
+
+
+@architecture("xlstm", status="verified", model_class=HYBRID_MODEL,
+              notes="mLSTM blocks (matrix memory with exponential input and sigmoid forget gates, transformers' "
+                    "native recurrent form, token by token) in the linear-attention slot, SwiGLU feed-forward; "
+                    "like transformers, reads no attention mask")
+def xlstm(config: dict) -> DecoderSpec:
+    refuse("xlstm", config, "weight_mode", lambda v: v == "single", "single")
+    refuse("xlstm", config, "use_bias", lambda v: not v, False)
+    hidden = first_of(config, "hidden_size", "embedding_dim")
+    layers = first_of(config, "num_hidden_layers", "num_blocks")
+    heads = config.get("num_heads", 8)
+    qk_dim, v_dim = int(hidden * config.get("qk_dim_factor", 0.5)), int(hidden * config.get("v_dim_factor", 1.0))
+    if qk_dim % heads or v_dim % heads:
+        raise UnsupportedConfigError(f"xlstm: num_heads ({heads}) must divide the query/key width ({qk_dim}) and the "
+                                     f"value width ({v_dim}); fix the config")
+    eps = config.get("norm_eps", 1e-6)
+    # no layer attends: the attention sizes only shape the (unused) key/value cache, as RWKV's
+    spec = DecoderSpec(
+        vocab_size=config["vocab_size"], hidden_size=hidden, num_layers=layers, num_heads=1, num_kv_heads=1,
+        head_dim=4, intermediate_size=_round_up(hidden * config.get("ffn_proj_factor", 2.667),
+                                                config.get("ffn_round_up_to_multiple_of", 64)),
+        embed="backbone.embeddings", layers="backbone.blocks", final_norm="backbone.out_norm",
+        attn_in_norm="norm_mlstm", mlp_in_norm="norm_ffn", norms=NormSpec(eps=eps),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)), positions=PositionSpec(rope=False),
+        final_softcap=float(config.get("output_logit_soft_cap") or 0.0),
+        mlp=MLPSpec(path="ffn", gate_proj="proj_up_gate", up_proj="proj_up", down_proj="proj_down"),
+        linear_attention=LinearAttentionSpec(
+            layers=(True,) * layers, k_heads=1, v_heads=1, k_dim=1, v_dim=1, path="mlstm_layer",
+            module=MLstmLayer.module(heads=heads, qk_dim=qk_dim, v_dim=v_dim, gate_cap=config.get("gate_soft_cap", 15.0),
+                                     eps=config.get("eps", 1e-6), norm_eps=eps)))
+    return spec
+
+
+@architecture("minimax", status="verified", model_class=HYBRID_MODEL,
+              notes="Mixtral (vkformers-moe's variant: GQA, sparse SwiGLU experts) whose linear_attention layers run "
+                    "lightning attention (core's decoder-kit LightningAttention: linear attention with a per-head "
+                    "decay, in blocks); residuals from the normed stream with per-type alpha / beta factors")
+def minimax(config: dict) -> DecoderSpec:
+    spec = mixtral(config)
+    layers = spec.num_layers
+    types = config.get("layer_types") or ["full_attention"] * layers
+    if len(types) != layers or not set(types) <= {"full_attention", "linear_attention"}:
+        raise UnsupportedConfigError(f"minimax: layer_types must name full_attention or linear_attention for each "
+                                     f"of the {layers} layers, got {types!r}; fix the config")
+    lightning = LinearAttentionSpec(
+        layers=tuple(t == "linear_attention" for t in types), k_heads=1, v_heads=1, k_dim=1, v_dim=1,
+        path="self_attn", module=LightningAttention.module(spec.num_heads, spec.head_dim,
+                                                           int(config.get("block_size", 256)), spec.hidden_act))
+
+    def factors(kind: str) -> tuple[float, float]:
+        return float(config.get(f"{kind}_alpha_factor", 1)), float(config.get(f"{kind}_beta_factor", 1))
+    residuals = ScaledResiduals(linear=factors("linear_attn"), full=factors("full_attn"), mlp=factors("mlp"))
+    return replace(spec, linear_attention=lightning, make_layer=ScaledResidualLayer,
+                   extra=dict(spec.extra, residuals=residuals))
 
 
 VARIANTS = FAMILY.variants()

@@ -33,7 +33,10 @@ IGNORE_INDEX = -100
 # Buffers some checkpoints carry that are not parameters (causal-mask and rotary caches).
 IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                            "rotary_emb.inv_freq", ".act_fn.beta", ".act_fn.eps",  # these two: xIELU (Apertus)
-                           ".e_score_correction_bias", ".expert_bias")  # MoE routing biases (load_buffers)
+                           ".e_score_correction_bias", ".expert_bias",  # MoE routing biases (load_buffers)
+                           # lightning attention's decays (MiniMax), fixed by the config: recomputed (decoder/lightning.py)
+                           ".self_attn.slope_rate", ".self_attn.query_decay", ".self_attn.key_decay",
+                           ".self_attn.diagonal_decay")
 
 
 def _embed_norms(spec: DecoderSpec) -> NormSpec:
