@@ -924,6 +924,18 @@ SPECS = [
           "float32 (causal_conv1d's torch fallback)."],
          reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
                         "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
+    Spec("lfm2_moe", "lfm2_moe", dict(HYBRID, hidden_size=12, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=8, moe_intermediate_size=4, num_experts=4,
+                                      num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
+                                      layer_types=["conv", "full_attention"], conv_L_cache=3),
+         ["LFM2-MoE (hidden 12): layer 0 a gated short-conv block (kernel 3) with a dense SwiGLU feed_forward of "
+          "width 8 (intermediate_size as is), layer 1 QK-normed GQA attention (2q/1kv of 6 dims) with the sparse "
+          "feed_forward: sigmoid router over 4 experts of width 4, expert_bias (perturbed) for choosing only, top-2 "
+          "renormalised (+1e-6) and scaled by 1.5; saved names experts.<e>.w1 / w3 / w2; tied lm_head. Reference: "
+          "transformers' torch path in float32 (causal_conv1d's torch fallback)."],
+         saved_names=True, noisy_buffers=("expert_bias",),
+         reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
+                        "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
     Spec("zamba", "zamba", dict(HYBRID, hidden_size=12, layers_block_type=["hybrid", "hybrid"],
                                 num_attention_heads=2, num_key_value_heads=1, attention_head_dim=4, n_mamba_heads=2,
                                 mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=2, hidden_act="gelu",

@@ -240,6 +240,7 @@ KNOWN_FAMILIES = {
     "granitemoehybrid": "ssm",
     "jamba": "ssm",
     "lfm2": "ssm",
+    "lfm2_moe": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
     "nemotron_h": "ssm",
