@@ -1040,6 +1040,11 @@ SPECS += [
          ["DiffLlama: differential attention, 4 query heads of 4 over 2 KV heads (value halves: KV head 0 and 1); "
           "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
           "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
+    Spec("doge", "doge", dict({k: v for k, v in TINY.items() if k != "head_dim"}, keep_window_size=MAX_POS),
+         ["Doge (hidden 16, 2 heads of 8 over 1 KV head): per-head q_norm / k_norm before rotary; dynamic mask "
+          "attention, a score bias per key exp(A * softplus(dt_proj(values))) (A perturbed from its zeros), "
+          "keep_window_size at the position table so no top-k masking; residuals scaled by input_residual and "
+          "post_attention_residual (perturbed from ones); dense SwiGLU MLP (is_moe off); untied."]),
     Spec("jetmoe", "jetmoe", dict(
         {k: v for k, v in TINY.items() if k not in ("head_dim", "num_attention_heads")}, num_hidden_layers=1,
         num_key_value_heads=2, kv_channels=4, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2),
@@ -1062,7 +1067,6 @@ SKIPPED = {
     "gemma4_unified_assistant": "waits for gemma4_text",
     "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
     "minimax": "lightning attention layers (linear attention with a per-head decay): needs a new engine op",
-    "doge": "dynamic mask attention (a mask learned from the values) and CDMoE (product-key experts)",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
     "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",

@@ -66,6 +66,7 @@ KNOWN_FAMILIES = {
     "deepseek_vl": "llama",
     "deepseek_vl_hybrid": "llama",
     "diffllama": "llama",
+    "doge": "llama",
     "emu3": "llama",
     "emu3_text_model": "llama",
     "ernie4_5": "llama",

@@ -23,6 +23,7 @@ from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAtt
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 from vkformers_llama.diffllama import DiffAttention
+from vkformers_llama.doge import DynamicMaskAttention
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
@@ -768,6 +769,22 @@ def diffllama(config: dict) -> DecoderSpec:
     refuse("diffllama", config, "num_key_value_heads", lambda v: v is not None and v % 2 == 0)
     spec = llama(config)
     return replace(spec, make_layer=DiffAttention(eps=spec.norms.eps))
+
+
+@architecture("doge", norm="rms", llama_layout=True, status="verified",
+              notes="dynamic mask attention (a key bias from the values) and per-channel residual scales (doge.py)")
+def doge(config: dict) -> DecoderSpec:
+    """Qwen3-like attention (per-head q/k RMSNorm before rotary) whose scores get a bias per key and KV head,
+    exp(A * softplus(dt_proj(values))) (vkformers_llama.doge), and residuals scaled by learned input_residual /
+    post_attention_residual. CDMoE (is_moe), sliding windows and keep_window_size below the position table are
+    refused."""
+    refuse("doge", config, "is_moe", lambda v: not v, False)
+    refuse("doge", config, "sliding_window", lambda v: v is None)
+    positions = config.get("max_position_embeddings", 2048)
+    refuse("doge", config, "keep_window_size", lambda v: int(v) >= positions, 2048)
+    spec = qwen3(dict(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))))
+    return replace(spec, make_layer=DynamicMaskAttention(keep_window_size=int(config.get("keep_window_size", 2048)),
+                                                         dt_bias=bool(config.get("attention_bias", False))))
 
 
 @architecture("exaone", norm="rms", llama_layout=True, status="verified")
