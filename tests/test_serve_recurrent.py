@@ -25,7 +25,7 @@ CHARACTERS = "abcdefghijklmnopqrstuvwxyz .,?0123456789!-:;'"
 PROMPTS = ["the state of each row", "a", "mamba on vulkan, batched", "hello there", "gpu", "one two three four five",
            "x y", "continuous batching keeps a state per row"]
 LENGTHS = [5, 8, 3, 7, 6, 4, 9, 5]
-MODELS = ["mamba", "mamba2", "bamba", "jamba", "qwen3_next", "lfm2", "zamba", "zamba2", "recurrent_gemma", "lfm2_moe"]
+MODELS = ["mamba", "mamba2", "bamba", "jamba", "qwen3_next", "lfm2", "zamba", "zamba2", "recurrent_gemma", "lfm2_moe", "kimi_linear"]
 
 
 def char_tokenizer():

@@ -1045,6 +1045,23 @@ SPECS += [
           "attention, a score bias per key exp(A * softplus(dt_proj(values))) (A perturbed from its zeros), "
           "keep_window_size at the position table so no top-k masking; residuals scaled by input_residual and "
           "post_attention_residual (perturbed from ones); dense SwiGLU MLP (is_moe off); untied."]),
+    Spec("kimi_linear", "kimi_linear", dict(
+        {k: v for k, v in TINY.items() if k != "head_dim"}, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
+        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5),
+         ["Kimi Linear (hidden 16): layer 0 Kimi Delta Attention (2 heads of 8; q/k/v_proj, causal depthwise convs of "
+          "4 with silu, l2-normed q/k, beta = sigmoid(b_proj), per-key-channel decay -exp(A_log) * softplus(f_b(f_a(x)) "
+          "+ dt_bias), output RMS-normed and gated by sigmoid(g_b(g_a(x)))) with a dense SwiGLU MLP; layer 1 MLA "
+          "without rotary (no q LoRA, kv_lora_rank 8, nope 8 + an unrotated shared part of 4, v 8) with the sparse "
+          "block_sparse_moe: sigmoid router over 4 experts in 2 groups (1 eligible), e_score_correction_bias "
+          "perturbed, top-2 renormalised, scaled by 2.5, one shared expert; saved names (q/k/v_conv1d, f_a/f_b_proj, "
+          "dt_bias, A_log beside the projections; experts.<e>.w1 / w3 / w2). Reference: transformers' torch path in "
+          "float32 (chunk_kimi_delta_attention's fallback, chunk 64)."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",),
+         reference_path="transformers' torch path in float32: chunk_kimi_delta_attention and F.conv1d for prefill, "
+                        "recurrent_kimi_delta_attention and the conv-state update for generation; not the fla kernels"),
     Spec("jetmoe", "jetmoe", dict(
         {k: v for k, v in TINY.items() if k not in ("head_dim", "num_attention_heads")}, num_hidden_layers=1,
         num_key_value_heads=2, kv_channels=4, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2),

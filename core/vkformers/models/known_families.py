@@ -206,6 +206,7 @@ KNOWN_FAMILIES = {
     "jetmoe": "moe",
     "kimi_k2": "moe",
     "kimi_k25": "moe",
+    "kimi_linear": "moe",
     "laguna": "moe",
     "llama4": "moe",
     "llama4_text": "moe",
