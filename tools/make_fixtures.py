@@ -1040,28 +1040,41 @@ SPECS += [
          ["DiffLlama: differential attention, 4 query heads of 4 over 2 KV heads (value halves: KV head 0 and 1); "
           "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
           "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
-    Spec("doge", "doge", dict({k: v for k, v in TINY.items() if k != "head_dim"}, keep_window_size=MAX_POS),
+    Spec("doge", "doge", dict({k: v for k, v in TINY.items() if k != "head_dim"}, keep_window_size=MAX_POS,
+                              intermediate_size=8, tie_word_embeddings=True),
          ["Doge (hidden 16, 2 heads of 8 over 1 KV head): per-head q_norm / k_norm before rotary; dynamic mask "
           "attention, a score bias per key exp(A * softplus(dt_proj(values))) (A perturbed from its zeros), "
           "keep_window_size at the position table so no top-k masking; residuals scaled by input_residual and "
-          "post_attention_residual (perturbed from ones); dense SwiGLU MLP (is_moe off); untied."]),
+          "post_attention_residual (perturbed from ones); dense SwiGLU MLP of width 8 (is_moe off); tied."]),
     Spec("kimi_linear", "kimi_linear", dict(
         {k: v for k, v in TINY.items() if k != "head_dim"}, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"], linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
-        num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=1, n_group=2,
-        topk_group=1, routed_scaling_factor=2.5),
-         ["Kimi Linear (hidden 16): layer 0 Kimi Delta Attention (2 heads of 8; q/k/v_proj, causal depthwise convs of "
+        mlp_layer_types=["dense", "sparse"], linear_num_heads=2, linear_head_dim=4, linear_conv_kernel_dim=4,
+        num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, intermediate_size=8, moe_intermediate_size=4,
+        tie_word_embeddings=True),
+         ["Kimi Linear (hidden 16): layer 0 Kimi Delta Attention (2 heads of 4; q/k/v_proj, causal depthwise convs of "
           "4 with silu, l2-normed q/k, beta = sigmoid(b_proj), per-key-channel decay -exp(A_log) * softplus(f_b(f_a(x)) "
-          "+ dt_bias), output RMS-normed and gated by sigmoid(g_b(g_a(x)))) with a dense SwiGLU MLP; layer 1 MLA "
+          "+ dt_bias), output RMS-normed and gated by sigmoid(g_b(g_a(x)))) with a dense SwiGLU MLP of width 8; layer 1 MLA "
           "without rotary (no q LoRA, kv_lora_rank 8, nope 8 + an unrotated shared part of 4, v 8) with the sparse "
-          "block_sparse_moe: sigmoid router over 4 experts in 2 groups (1 eligible), e_score_correction_bias "
-          "perturbed, top-2 renormalised, scaled by 2.5, one shared expert; saved names (q/k/v_conv1d, f_a/f_b_proj, "
+          "block_sparse_moe: sigmoid router over 4 experts of width 4 in 2 groups (1 eligible), e_score_correction_bias "
+          "perturbed, top-2 renormalised, scaled by 2.5, one shared expert; tie_word_embeddings true, which "
+          "KimiLinearForCausalLM ignores (its lm_head stays its own); saved names (q/k/v_conv1d, f_a/f_b_proj, "
           "dt_bias, A_log beside the projections; experts.<e>.w1 / w3 / w2). Reference: transformers' torch path in "
           "float32 (chunk_kimi_delta_attention's fallback, chunk 64)."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",),
          reference_path="transformers' torch path in float32: chunk_kimi_delta_attention and F.conv1d for prefill, "
                         "recurrent_kimi_delta_attention and the conv-state update for generation; not the fla kernels"),
+    Spec("gemma3n_text", "gemma3n_text", dict(
+        TINY, num_hidden_layers=2, intermediate_size=[8, 4], vocab_size_per_layer_input=VOCAB - 8,
+        hidden_size_per_layer_input=4, laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=1,
+        layer_types=["sliding_attention", "sliding_attention"], sliding_window=SW,
+        activation_sparsity_pattern=[0.6, 0.0], final_logit_softcapping=3.0),
+         ["Gemma 3n's text model (hidden 16, 2 layers with a sliding window of 4): AltUp over 2 streams "
+          "(predict / correct coefficients, correct_output_scale), LAuReL of rank 4, per-layer inputs of width 4 "
+          "(embed_tokens_per_layer of 40 rows: ids 40..47 read row 0), layer 1 reusing layer 0's keys and values "
+          "(num_kv_shared_layers 1, no k/v projections of its own), MLP widths 8 / 4, layer 0's gate "
+          "sparsified at 0.6, q/k norms, weightless v norm, scale 1, logits soft-capped at 3; tied."]),
     Spec("jetmoe", "jetmoe", dict(
         {k: v for k, v in TINY.items() if k not in ("head_dim", "num_attention_heads")}, num_hidden_layers=1,
         num_key_value_heads=2, kv_channels=4, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2),
@@ -1082,7 +1095,6 @@ SKIPPED = {
     "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
     "gemma4_unified_text": "waits for gemma4_text",
     "gemma4_unified_assistant": "waits for gemma4_text",
-    "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
     "minimax": "lightning attention layers (linear attention with a per-head decay): needs a new engine op",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",

@@ -81,6 +81,7 @@ KNOWN_FAMILIES = {
     "gemma2": "llama",
     "gemma3": "llama",
     "gemma3_text": "llama",
+    "gemma3n_text": "llama",
     "glm": "llama",
     "glm4": "llama",
     "glm4v": "llama",

@@ -904,7 +904,9 @@ def kimi_linear(config: dict) -> DecoderSpec:
         module=lambda s: KimiDeltaAttention(s, lower_bound=None, a_log_shape=(1, 1, linear_heads, 1)))
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in mlp_types), path="block_sparse_moe",
                   expert_names=("w1", "w3", "w2"), shared_names=("gate_proj", "up_proj", "down_proj"))
+    # KimiLinearForCausalLM ties nothing (its _tied_weights_keys is empty), whatever tie_word_embeddings says
     return replace(spec, positions=replace(spec.positions, rope=False), linear_attention=linear_attention, moe=moe,
+                   tie_embeddings=False,
                    mla=replace(spec.mla, norm_eps=1e-6), mlp=replace(spec.mlp, path="block_sparse_moe"),
                    make_layer=kimi_linear_layer)
 
