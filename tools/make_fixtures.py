@@ -1041,11 +1041,14 @@ SPECS += [
           "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
           "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
     Spec("doge", "doge", dict({k: v for k, v in TINY.items() if k != "head_dim"}, keep_window_size=MAX_POS,
-                              intermediate_size=8, tie_word_embeddings=True),
-         ["Doge (hidden 16, 2 heads of 8 over 1 KV head): per-head q_norm / k_norm before rotary; dynamic mask "
+                              intermediate_size=8, tie_word_embeddings=True, num_hidden_layers=1, is_moe=True,
+                              num_experts=16, num_experts_per_tok=4),
+         ["Doge (hidden 16, one layer, 2 heads of 8 over 1 KV head): per-head q_norm / k_norm before rotary; dynamic mask "
           "attention, a score bias per key exp(A * softplus(dt_proj(values))) (A perturbed from its zeros), "
           "keep_window_size at the position table so no top-k masking; residuals scaled by input_residual and "
-          "post_attention_residual (perturbed from ones); dense SwiGLU MLP of width 8 (is_moe off); tied."]),
+          "post_attention_residual (perturbed from ones); CDMoE: a SwiGLU MLP of width 8 plus 16 single-neuron experts "
+          "(down_embed / up_embed) scored by product keys (router_gate's 2 x 4 logits, read through transformers' "
+          "[2, tokens, 4] view), top-4 softmax-weighted; tied."]),
     Spec("kimi_linear", "kimi_linear", dict(
         {k: v for k, v in TINY.items() if k != "head_dim"}, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None,
         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, layer_types=["linear_attention", "full_attention"],

@@ -826,19 +826,26 @@ def diffllama(config: dict) -> DecoderSpec:
 
 
 @architecture("doge", norm="rms", llama_layout=True, status="verified",
-              notes="dynamic mask attention (a key bias from the values) and per-channel residual scales (doge.py)")
+              notes="dynamic mask attention (a key bias from the values), per-channel residual scales, CDMoE's "
+                    "single-neuron experts beside the MLP (doge.py)")
 def doge(config: dict) -> DecoderSpec:
     """Qwen3-like attention (per-head q/k RMSNorm before rotary) whose scores get a bias per key and KV head,
-    exp(A * softplus(dt_proj(values))) (vkformers_llama.doge), and residuals scaled by learned input_residual /
-    post_attention_residual. CDMoE (is_moe), sliding windows and keep_window_size below the position table are
-    refused."""
-    refuse("doge", config, "is_moe", lambda v: not v, False)
+    exp(A * softplus(dt_proj(values))) (vkformers_llama.doge), residuals scaled by learned input_residual /
+    post_attention_residual, and with is_moe CDMoE's product-key experts added to the MLP. Sliding windows,
+    keep_window_size below the position table and the router's auxiliary loss are refused."""
+    refuse("doge", config, "output_router_logits", lambda v: not v, False)
     refuse("doge", config, "sliding_window", lambda v: v is None)
     positions = config.get("max_position_embeddings", 2048)
     refuse("doge", config, "keep_window_size", lambda v: int(v) >= positions, 2048)
     spec = qwen3(dict(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))))
-    return replace(spec, make_layer=DynamicMaskAttention(keep_window_size=int(config.get("keep_window_size", 2048)),
-                                                         dt_bias=bool(config.get("attention_bias", False))))
+    experts = int(config.get("num_experts", 16384)) if config.get("is_moe", False) else 0
+    top_k = int(config.get("num_experts_per_tok", 64))
+    if experts and not 0 < top_k <= math.isqrt(experts) ** 2:
+        raise UnsupportedConfigError(f"doge: num_experts_per_tok {top_k} must be in 1..{math.isqrt(experts) ** 2} "
+                                     "(the product keys' experts); fix the config")
+    return replace(spec, make_layer=DynamicMaskAttention(
+        keep_window_size=int(config.get("keep_window_size", 2048)), dt_bias=bool(config.get("attention_bias", False)),
+        num_experts=experts, top_k=top_k, norm_topk=bool(config.get("norm_topk_prob", False))))
 
 
 @architecture("exaone", norm="rms", llama_layout=True, status="verified")
