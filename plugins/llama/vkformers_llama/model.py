@@ -69,7 +69,9 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
         magnitude = (x * x).mean(-1, keepdim=True).sqrt()
         streams = F.stack([x] + [self._rescaled(p(x), magnitude) for p in self.altup_projections], dim=0)
         for layer in self.layers:
-            streams = self.call_layer(layer, streams, ctx)
+            # a layer whose keys and values later layers read is not recomputed under gradient checkpointing: their
+            # recomputations read its keys and values from the first forward, which must keep its graph
+            streams = layer(streams, ctx) if layer.stores_kv else self.call_layer(layer, streams, ctx)
         first = streams[0]
         magnitude = (first * first).mean(-1, keepdim=True).sqrt()
         unembedded = [self._rescaled(p(streams[i + 1]), magnitude) for i, p in enumerate(self.altup_unembed_projections)]
