@@ -579,3 +579,27 @@ def test_identity_expert_weights_get_gradients_as_transformers_gives_them(checkp
     unused = [n for n in chosen if ".experts.4." in n or ".experts.5." in n]
     assert unused and all(not chosen[n].numpy().any() for n in unused)
     assert all(g is None for g in expert_grads(identity_only=True).values())
+
+
+def test_kimi_linear_reads_released_dense_mlp_names(tmp_path):
+    """Released Kimi Linear checkpoints keep dense MLPs under ``mlp.*``; transformers saves them (and the fixture
+    holds them) under ``block_sparse_moe.*``: both load into the same model, with the fixture's logits."""
+    import json
+    import shutil
+
+    from vkformers.models.safetensors_io import read_safetensors
+    from safetensors.numpy import load_file, save_file
+    folder = Path(__file__).parent / "fixtures" / "kimi_linear"
+    ref = {k: e.as_float() for k, e in read_safetensors(folder / "reference.safetensors").items()}
+    ids, mask = ref["input_ids"].astype(np.int64), ref["attention_mask"].astype(np.int64)
+    weights = load_file(str(folder / "model.safetensors"))
+    dense = "model.layers.0.block_sparse_moe."
+    assert f"{dense}gate_proj.weight" in weights
+    save_file({k.replace(dense, "model.layers.0.mlp."): v for k, v in weights.items()},
+              str(tmp_path / "model.safetensors"))
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["mlp_layer_types"][0] == "dense"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="float32", requires_grad=False)
+    logits = model(ids, attention_mask=mask).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(logits[real], ref["logits"][real], atol=1e-4)

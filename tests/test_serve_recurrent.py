@@ -29,7 +29,7 @@ PROMPTS = ["the state of each row", "a", "mamba on vulkan, batched", "hello ther
            "x y", "continuous batching keeps a state per row"]
 LENGTHS = [5, 8, 3, 7, 6, 4, 9, 5]
 MODELS = ["mamba", "mamba2", "bamba", "jamba", "qwen3_next", "lfm2", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm",
-          "minimax"]
+          "minimax", "lfm2_moe", "kimi_linear"]
 
 
 def char_tokenizer():
@@ -54,7 +54,7 @@ def alone(model, ids, max_tokens):
 @pytest.mark.parametrize("kv_blocks", [None, 64])
 def test_staggered_requests_match_generate_alone(name, kv_blocks):
     tokenizer = char_tokenizer()
-    if kv_blocks and name == "lfm2":  # its head_dim of 6 is not whole 16-byte rows, which a paged cache needs
+    if kv_blocks and name in ("lfm2", "lfm2_moe"):  # head_dim 6 is not whole 16-byte rows, which a paged cache needs
         with pytest.raises(InputError, match="a paged KV cache cannot run .*head_dim of 6 in float32"):
             BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks, page_size=4)
         return

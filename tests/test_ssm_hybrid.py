@@ -1,7 +1,8 @@
 """vkformers-ssm's hybrids (Mamba mixers on the decoder kit) beyond the parity fixtures: gradient checkpointing,
 a second generate from fresh states, the 16-bit path, and the config options they refuse by name. Their parity
 with transformers is tests/test_decoder_parity.py, test_generation.py, test_adamw_parity.py and
-test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, zamba, zamba2 and recurrent_gemma."""
+test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, lfm2_moe, zamba, zamba2 and
+recurrent_gemma."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,8 @@ from vkformers_ssm.variants import (UnsupportedConfigError, bamba, falcon_h1, gr
                                    recurrent_gemma, zamba, zamba2)
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "zamba", "zamba2", "recurrent_gemma",
-           "rwkv", "xlstm", "minimax"]
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "lfm2_moe", "zamba", "zamba2",
+           "recurrent_gemma", "rwkv", "xlstm", "minimax"]
 
 
 # The shared blocks of Zamba and Zamba2 read the token embeddings inside checkpointed layers: the embedding's gradient sums the

@@ -930,6 +930,18 @@ SPECS = [
           "float32 (causal_conv1d's torch fallback)."],
          reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
                         "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
+    Spec("lfm2_moe", "lfm2_moe", dict(HYBRID, hidden_size=12, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=8, moe_intermediate_size=4, num_experts=4,
+                                      num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
+                                      layer_types=["conv", "full_attention"], conv_L_cache=3),
+         ["LFM2-MoE (hidden 12): layer 0 a gated short-conv block (kernel 3) with a dense SwiGLU feed_forward of "
+          "width 8 (intermediate_size as is), layer 1 QK-normed GQA attention (2q/1kv of 6 dims) with the sparse "
+          "feed_forward: sigmoid router over 4 experts of width 4, expert_bias (perturbed) for choosing only, top-2 "
+          "renormalised (+1e-6) and scaled by 1.5; saved names experts.<e>.w1 / w3 / w2; tied lm_head. Reference: "
+          "transformers' torch path in float32 (causal_conv1d's torch fallback)."],
+         saved_names=True, noisy_buffers=("expert_bias",),
+         reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
+                        "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
     Spec("zamba", "zamba", dict(HYBRID, hidden_size=12, layers_block_type=["hybrid", "hybrid"],
                                 num_attention_heads=2, num_key_value_heads=1, attention_head_dim=4, n_mamba_heads=2,
                                 mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=2, hidden_act="gelu",
@@ -1081,6 +1093,44 @@ SPECS += [
          ["DiffLlama: differential attention, 4 query heads of 4 over 2 KV heads (value halves: KV head 0 and 1); "
           "heads h and h + 2 paired, lambda from lambda_q1/k1/q2/k2 (random) and lambda_init 0.2 (layer 0), "
           "0.355 (layer 1); weightless RMS norm over each pair's 8 values."]),
+    Spec("doge", "doge", dict({k: v for k, v in TINY.items() if k != "head_dim"}, keep_window_size=MAX_POS,
+                              intermediate_size=8, tie_word_embeddings=True, num_hidden_layers=1, is_moe=True,
+                              num_experts=16, num_experts_per_tok=4),
+         ["Doge (hidden 16, one layer, 2 heads of 8 over 1 KV head): per-head q_norm / k_norm before rotary; dynamic mask "
+          "attention, a score bias per key exp(A * softplus(dt_proj(values))) (A perturbed from its zeros), "
+          "keep_window_size at the position table so no top-k masking; residuals scaled by input_residual and "
+          "post_attention_residual (perturbed from ones); CDMoE: a SwiGLU MLP of width 8 plus 16 single-neuron experts "
+          "(down_embed / up_embed) scored by product keys (router_gate's 2 x 4 logits, read through transformers' "
+          "[2, tokens, 4] view), top-4 softmax-weighted; tied."]),
+    Spec("kimi_linear", "kimi_linear", dict(
+        {k: v for k, v in TINY.items() if k != "head_dim"}, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"], linear_num_heads=2, linear_head_dim=4, linear_conv_kernel_dim=4,
+        num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, intermediate_size=8, moe_intermediate_size=4,
+        tie_word_embeddings=True),
+         ["Kimi Linear (hidden 16): layer 0 Kimi Delta Attention (2 heads of 4; q/k/v_proj, causal depthwise convs of "
+          "4 with silu, l2-normed q/k, beta = sigmoid(b_proj), per-key-channel decay -exp(A_log) * softplus(f_b(f_a(x)) "
+          "+ dt_bias), output RMS-normed and gated by sigmoid(g_b(g_a(x)))) with a dense SwiGLU MLP of width 8; layer 1 MLA "
+          "without rotary (no q LoRA, kv_lora_rank 8, nope 8 + an unrotated shared part of 4, v 8) with the sparse "
+          "block_sparse_moe: sigmoid router over 4 experts of width 4 in 2 groups (1 eligible), e_score_correction_bias "
+          "perturbed, top-2 renormalised, scaled by 2.5, one shared expert; tie_word_embeddings true, which "
+          "KimiLinearForCausalLM ignores (its lm_head stays its own); saved names (q/k/v_conv1d, f_a/f_b_proj, "
+          "dt_bias, A_log beside the projections; experts.<e>.w1 / w3 / w2). Reference: transformers' torch path in "
+          "float32 (chunk_kimi_delta_attention's fallback, chunk 64)."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",),
+         reference_path="transformers' torch path in float32: chunk_kimi_delta_attention and F.conv1d for prefill, "
+                        "recurrent_kimi_delta_attention and the conv-state update for generation; not the fla kernels"),
+    Spec("gemma3n_text", "gemma3n_text", dict(
+        TINY, num_hidden_layers=2, intermediate_size=[8, 4], vocab_size_per_layer_input=VOCAB - 8,
+        hidden_size_per_layer_input=4, laurel_rank=4, altup_num_inputs=2, num_kv_shared_layers=1,
+        layer_types=["sliding_attention", "sliding_attention"], sliding_window=SW,
+        activation_sparsity_pattern=[0.6, 0.0], final_logit_softcapping=3.0),
+         ["Gemma 3n's text model (hidden 16, 2 layers with a sliding window of 4): AltUp over 2 streams "
+          "(predict / correct coefficients, correct_output_scale), LAuReL of rank 4, per-layer inputs of width 4 "
+          "(embed_tokens_per_layer of 40 rows: ids 40..47 read row 0), layer 1 reusing layer 0's keys and values "
+          "(num_kv_shared_layers 1, no k/v projections of its own), MLP widths 8 / 4, layer 0's gate "
+          "sparsified at 0.6, q/k norms, weightless v norm, scale 1, logits soft-capped at 3; tied."]),
     Spec("jetmoe", "jetmoe", dict(
         {k: v for k, v in TINY.items() if k not in ("head_dim", "num_attention_heads")}, num_hidden_layers=1,
         num_key_value_heads=2, kv_channels=4, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2),
@@ -1101,8 +1151,6 @@ SKIPPED = {
     "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
     "gemma4_unified_text": "waits for gemma4_text",
     "gemma4_unified_assistant": "waits for gemma4_text",
-    "gemma3n_text": "AltUp streams, LAuReL blocks, per-layer inputs, KV sharing, gaussian top-k activation sparsity",
-    "doge": "dynamic mask attention (a mask learned from the values) and CDMoE (product-key experts)",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
     "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",

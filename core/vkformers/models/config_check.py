@@ -35,6 +35,8 @@ NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "
 STRINGS = ("model_type", "hidden_act", "activation_function", "hidden_activation", "feed_forward_proj",
            "encoder_attention_type", "second_expert_policy", "router_dtype")
 BOOLEANS = ("tie_word_embeddings", "scale_embedding")
+# sizes that may also be one per layer (Gemma 3n's intermediate_size)
+PER_LAYER_SIZES = {"intermediate_size"}
 
 
 def check_config_object(config, where: str = "config") -> None:
@@ -52,8 +54,9 @@ def check_config_fields(config, where: str = "config") -> None:
     for name in SIZES:
         if name in config and not (config[name] is None and name in NULLABLE):
             value = config[name]
-            if not _is_int(value) or value < 0:
-                raise _wrong(where, name, value, "an integer")
+            per_layer = name in PER_LAYER_SIZES and isinstance(value, list)
+            if not all(_is_int(v) and v >= 0 for v in (value if per_layer else [value])):
+                raise _wrong(where, name, value, "an integer" + (" or a list of them" if name in PER_LAYER_SIZES else ""))
     for name in NUMBERS:
         if name in config and config[name] is not None and not _is_number(config[name]):
             raise _wrong(where, name, config[name], "a number")

@@ -23,6 +23,8 @@ from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAtt
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 from vkformers_llama.diffllama import DiffAttention
+from vkformers_llama.doge import DynamicMaskAttention
+from vkformers_llama.gemma3n import Gemma3nLayers
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
@@ -181,6 +183,59 @@ def gemma3_text(config: dict) -> DecoderSpec:
                    attention=replace(spec.attention, q_norm="q_norm", k_norm="k_norm",
                                      windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
                    positions=replace(spec.positions, rope_configs=ropes))
+
+
+def _gemma3n_kv_sources(types: list[str], shared: int) -> tuple[int | None, ...]:
+    """Per layer, the layer whose keys and values it reuses (transformers' kv_sharing_modes): each of the last
+    ``shared`` layers reads the last earlier layer of its type."""
+    first = len(types) - shared
+    if shared <= 0:
+        return (None,) * len(types)
+    if set(types[:first]) != set(types):
+        raise UnsupportedConfigError("gemma3n_text: every layer type of the num_kv_shared_layers last layers needs an "
+                                     "earlier layer of that type; fix the config")
+    last = {t: max(i for i in range(first) if types[i] == t) for t in set(types)}
+    return tuple(None if i < first else last[types[i]] for i in range(len(types)))
+
+
+@architecture("gemma3n_text", norm="rms", llama_layout=True, status="verified",
+              model_class="vkformers_llama.model:Gemma3nForCausalLM",
+              notes="AltUp streams, LAuReL, per-layer inputs, KV sharing across layers, gaussian top-k activation "
+                    "sparsity (gemma3n.py)")
+def gemma3n_text(config: dict) -> DecoderSpec:
+    """Gemma 3's attention layers (sliding / full by layer_types, q/k norms, sandwich norms, soft-capped logits) with
+    plain-weight RMS norms, a weightless value norm and scale 1, in Gemma 3n's layer (vkformers_llama.gemma3n):
+    AltUp over altup_num_inputs streams, a LAuReL branch, per-layer inputs, KV sharing in the last
+    num_kv_shared_layers layers, per-layer MLP widths and activation sparsity. altup_coef_clip (a clamp of the
+    AltUp coefficient weights in training mode, at 120 by default) is not applied."""
+    n = config.get("num_hidden_layers", 35)
+    sizes = config.get("intermediate_size", 16384)
+    sizes = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes] * n
+    types = config.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+                                          for i in range(n)]
+    sparsity = config.get("activation_sparsity_pattern")
+    if sparsity is None:
+        sparsity = [0.95] * (10 if n > 10 else 0) + [0.0] * (n - (10 if n > 10 else 0))
+    sparsity = list(sparsity) if isinstance(sparsity, (list, tuple)) else [sparsity] * n
+    if len(sizes) != n or len(sparsity) != n or len(types) != n:
+        raise UnsupportedConfigError("gemma3n_text: intermediate_size, activation_sparsity_pattern and layer_types "
+                                     "need one entry per layer; fix the config")
+    rope = {} if isinstance(config.get("rope_parameters"), dict) else {
+        "rope_theta": config.get("rope_theta", 1e6), "rope_local_base_freq": config.get("rope_local_base_freq", 1e4)}
+    config = dict(config, **rope, intermediate_size=sizes[0], layer_types=types,
+                  head_dim=config.get("head_dim", 256), sliding_window=config.get("sliding_window", 512),
+                  final_logit_softcapping=config.get("final_logit_softcapping", 30.0))
+    spec = gemma3_text(config)
+    layers = Gemma3nLayers(
+        altup_inputs=int(config.get("altup_num_inputs", 4)), altup_active=int(config.get("altup_active_idx", 0)),
+        altup_correct_scale=bool(config.get("altup_correct_scale", True)),
+        laurel_rank=int(config.get("laurel_rank", 64)),
+        per_layer_width=int(config.get("hidden_size_per_layer_input", 256)),
+        intermediate_sizes=tuple(int(w) for w in sizes), sparsity=tuple(float(p) for p in sparsity),
+        layer_types=tuple(types), kv_sources=_gemma3n_kv_sources(types, int(config.get("num_kv_shared_layers", 15))))
+    return replace(spec, norms=replace(spec.norms, unit_offset=False), make_layer=layers,
+                   attention=replace(spec.attention, scales=(1.0,) * spec.num_layers),
+                   extra=dict(spec.extra, per_layer_vocab=int(config.get("vocab_size_per_layer_input", 262144))))
 
 
 @architecture("phi3", norm="rms", status="verified",
@@ -768,6 +823,29 @@ def diffllama(config: dict) -> DecoderSpec:
     refuse("diffllama", config, "num_key_value_heads", lambda v: v is not None and v % 2 == 0)
     spec = llama(config)
     return replace(spec, make_layer=DiffAttention(eps=spec.norms.eps))
+
+
+@architecture("doge", norm="rms", llama_layout=True, status="verified",
+              notes="dynamic mask attention (a key bias from the values), per-channel residual scales, CDMoE's "
+                    "single-neuron experts beside the MLP (doge.py)")
+def doge(config: dict) -> DecoderSpec:
+    """Qwen3-like attention (per-head q/k RMSNorm before rotary) whose scores get a bias per key and KV head,
+    exp(A * softplus(dt_proj(values))) (vkformers_llama.doge), residuals scaled by learned input_residual /
+    post_attention_residual, and with is_moe CDMoE's product-key experts added to the MLP. Sliding windows,
+    keep_window_size below the position table and the router's auxiliary loss are refused."""
+    refuse("doge", config, "output_router_logits", lambda v: not v, False)
+    refuse("doge", config, "sliding_window", lambda v: v is None)
+    positions = config.get("max_position_embeddings", 2048)
+    refuse("doge", config, "keep_window_size", lambda v: int(v) >= positions, 2048)
+    spec = qwen3(dict(config, tie_word_embeddings=bool(config.get("tie_word_embeddings", False))))
+    experts = int(config.get("num_experts", 16384)) if config.get("is_moe", False) else 0
+    top_k = int(config.get("num_experts_per_tok", 64))
+    if experts and not 0 < top_k <= math.isqrt(experts) ** 2:
+        raise UnsupportedConfigError(f"doge: num_experts_per_tok {top_k} must be in 1..{math.isqrt(experts) ** 2} "
+                                     "(the product keys' experts); fix the config")
+    return replace(spec, make_layer=DynamicMaskAttention(
+        keep_window_size=int(config.get("keep_window_size", 2048)), dt_bias=bool(config.get("attention_bias", False)),
+        num_experts=experts, top_k=top_k, norm_topk=bool(config.get("norm_topk_prob", False))))
 
 
 @architecture("exaone", norm="rms", llama_layout=True, status="verified")

@@ -39,9 +39,10 @@ from vkformers_moe.deepseek_v4 import DeepseekV4Layer, DeepseekV4Moe
 
 class KimiDeltaAttention(GatedDeltaNet):
     """Gated DeltaNet with a per-key-channel decay from a low-rank forget gate and a low-rank sigmoid output gate
-    (self_attn.f_a_proj / f_b_proj / dt_bias / A_log, g_a_proj / g_b_proj, b_proj, o_norm, o_proj)."""
+    (self_attn.f_a_proj / f_b_proj / dt_bias / A_log, g_a_proj / g_b_proj, b_proj, o_norm, o_proj). ``a_log_shape``:
+    A_log as the checkpoint stores it, one value per head (Kimi Linear: [1, 1, heads, 1])."""
 
-    def __init__(self, spec, lower_bound: float | None = -5.0):
+    def __init__(self, spec, lower_bound: float | None = -5.0, a_log_shape: tuple[int, ...] | None = None):
         Module.__init__(self)  # GatedDeltaNet's own projections (z, a) differ: declared here
         s, d = spec, spec.hidden_size
         heads, dim = s.linear_attention.v_heads, s.linear_attention.v_dim
@@ -56,7 +57,7 @@ class KimiDeltaAttention(GatedDeltaNet):
             setattr(self, f"{name}_conv1d", conv)
         self.f_a_proj, self.f_b_proj = Linear(d, dim, bias=False), Linear(dim, width, bias=False)
         self.param("dt_bias", (width,))
-        self.param("A_log", (heads,))
+        self.param("A_log", a_log_shape or (heads,))
         self.b_proj = Linear(d, heads, bias=False)
         self.g_a_proj, self.g_b_proj = Linear(d, dim, bias=False), Linear(dim, width, bias=False)
         self.o_norm = make_norm(NormSpec("rms", eps=s.linear_attention.norm_eps or s.norms.eps), dim)

@@ -22,6 +22,7 @@ from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.deepseek_v4 import DeepseekV4Layers
 from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention
+from vkformers_moe.kimi_linear import kimi_linear_layer
 from vkformers_moe.jetmoe import JetMoeAttention
 from vkformers_moe.llama4 import Llama4Attention
 from vkformers_moe.mimo import MimoAttention
@@ -860,6 +861,54 @@ def glm5_next_text(config: dict) -> DecoderSpec:
         sinkhorn_iters=config.get("hc_sinkhorn_iters", 20), hc_eps=float(config.get("hc_eps", 1e-6)))
     moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in mlp_types))
     return replace(spec, moe=moe, make_layer=layers)
+
+
+@architecture("kimi_linear", norm="rms", llama_layout=True, status="verified",
+              notes="Kimi Delta Attention (glm5_next.py's, decay -exp(A_log) softplus) and MLA without rotary; "
+                    "DeepSeek-V3's router in block_sparse_moe")
+def kimi_linear(config: dict) -> DecoderSpec:
+    """Kimi Linear: layer_types "linear_attention" Kimi Delta Attention (linear_attn_config or linear_* sizes; the
+    decay without a lower bound, A_log stored [1, 1, heads, 1]) and "full_attention" MLA whose shared key part is
+    not rotated; mlp_layer_types "sparse" layers a DeepSeek-V3 router over SwiGLU experts (w1, w3, w2) with shared
+    experts, under block_sparse_moe, where transformers also saves the dense MLPs (kimi_linear.py)."""
+    arch = "kimi_linear"
+    # the config's own spellings (KimiLinearConfig.attribute_map), which transformers saves
+    for ours, saved in (("max_position_embeddings", "model_max_length"), ("norm_topk_prob", "moe_renormalize"),
+                        ("n_group", "num_expert_group"), ("num_experts_per_tok", "num_experts_per_token"),
+                        ("n_shared_experts", "num_shared_experts")):
+        if saved in config and ours not in config:
+            config = dict(config, **{ours: config[saved]})
+    _refuse_training_extras(arch, config)
+    heads = config.get("num_attention_heads", 32)
+    # the MLA's kv_b_proj gives every query head its own key and value
+    refuse(arch, config, "num_key_value_heads", lambda v: v in (None, heads), heads)
+    n = config.get("num_hidden_layers", 27)
+    lin = config.get("linear_attn_config") or {}
+    types = config.get("layer_types")
+    if types is None and "full_attn_layers" in lin and "kda_layers" in lin:  # 1-based in the released configs
+        full = {i - 1 for i in lin["full_attn_layers"]}
+        types = ["full_attention" if i in full else "linear_attention" for i in range(n)]
+    types = types or ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    mlp_types = config.get("mlp_layer_types") or ["dense" if i < config.get("first_k_dense_replace", 1) else "sparse"
+                                                  for i in range(n)]
+    linear_heads = lin.get("num_heads", config.get("linear_num_heads", 32))
+    dim = lin.get("head_dim", config.get("linear_head_dim", 128))
+    config = dict(config, head_dim=None, rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+                  v_head_dim=config.get("v_head_dim") or 128, qk_nope_head_dim=config.get("qk_nope_head_dim", 128),
+                  qk_rope_head_dim=config.get("qk_rope_head_dim", 64), kv_lora_rank=config.get("kv_lora_rank", 512))
+    spec = with_mla(llama(config), config)
+    linear_attention = LinearAttentionSpec(
+        layers=tuple(t == "linear_attention" for t in types), path="self_attn", k_heads=linear_heads,
+        v_heads=linear_heads, k_dim=dim, v_dim=dim, split_projections=True,
+        conv_kernel=lin.get("short_conv_kernel_size", config.get("linear_conv_kernel_dim", 4)),
+        module=lambda s: KimiDeltaAttention(s, lower_bound=None, a_log_shape=(1, 1, linear_heads, 1)))
+    moe = replace(deepseek_moe(config, spec), layers=tuple(t == "sparse" for t in mlp_types), path="block_sparse_moe",
+                  expert_names=("w1", "w3", "w2"), shared_names=("gate_proj", "up_proj", "down_proj"))
+    # KimiLinearForCausalLM ties nothing (its _tied_weights_keys is empty), whatever tie_word_embeddings says
+    return replace(spec, positions=replace(spec.positions, rope=False), linear_attention=linear_attention, moe=moe,
+                   tie_embeddings=False,
+                   mla=replace(spec.mla, norm_eps=1e-6), mlp=replace(spec.mlp, path="block_sparse_moe"),
+                   make_layer=kimi_linear_layer)
 
 
 @architecture("axk1", norm="rms", llama_layout=True, status="verified",

@@ -421,6 +421,21 @@ def lfm2(config: dict) -> DecoderSpec:
                    mlp=replace(spec.mlp, path="feed_forward", gate_proj="w1", up_proj="w3", down_proj="w2", bias=False))
 
 
+@architecture("lfm2_moe", status="verified", model_class=HYBRID_MODEL,
+              notes="LFM2 whose feed-forward past num_dense_layers is a sparse block: sigmoid router, expert_bias "
+                    "for choosing only, top-k renormalised and scaled, SwiGLU experts (w1, w3, w2)")
+def lfm2_moe(config: dict) -> DecoderSpec:
+    spec = lfm2(dict(config, block_auto_adjust_ff_dim=False))
+    dense = int(config.get("num_dense_layers", 2))
+    moe = MoeSpec(num_experts=int(config.get("num_experts", 32)), top_k=int(config.get("num_experts_per_tok", 4)),
+                  expert_size=int(config.get("moe_intermediate_size", 1792)),
+                  layers=tuple(i >= dense for i in range(spec.num_layers)), hidden_act="silu", path="feed_forward",
+                  scoring="sigmoid", selection_bias="expert_bias" if config.get("use_expert_bias", True) else None,
+                  norm_topk=bool(config.get("norm_topk_prob", True)), norm_eps=1e-6,
+                  routed_scale=float(config.get("routed_scaling_factor", 1.0)), expert_names=("w1", "w3", "w2"))
+    return replace(spec, moe=moe)
+
+
 def _bfloat16(value: float) -> float:
     """``value`` rounded to bfloat16 (to nearest even), as a float."""
     bits = int(np.float32(value).view(np.uint32))

@@ -255,7 +255,7 @@ class DecoderLayer(Module):
             latent = latent * m.kv_scale
         kv = p["kv_b"](latent).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        if rdim:
+        if rdim and self.rotates:
             inv_freq, scaling = ctx.rope_tables[self.index]
             q_rot = F.rope(q[..., nope:].contiguous(), ctx.rope_positions, inv_freq,
                            interleaved=s.positions.rope_interleaved, attention_scaling=scaling)
@@ -263,6 +263,8 @@ class DecoderLayer(Module):
                            interleaved=s.positions.rope_interleaved, attention_scaling=scaling)
             q = F.cat([q[..., :nope], q_rot], -1)
             k = F.cat([k_nope, k_rot.expand(batch, heads, length, rdim)], -1)
+        elif rdim:  # Kimi Linear: the shared key part without rotary
+            k = F.cat([k_nope, k_rot.reshape(batch, 1, length, rdim).expand(batch, heads, length, rdim)], -1)
         else:  # NoPE MLA (GLM-5.3-Flash): no rotary key part
             k = k_nope.contiguous()
         # the attention kernel has one head size: pad the narrower side with zeros (zero query/key dims add nothing

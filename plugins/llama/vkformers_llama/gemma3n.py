@@ -1,0 +1,180 @@
+"""Gemma 3n's text decoder layer on the shared decoder kit.
+
+transformers 5 (Gemma3nTextDecoderLayer), on ``altup_num_inputs`` residual streams [N, B, T, D]:
+
+- AltUp predict: modalities = tanh(modality_router(router_norm(x_active) / D)); stream j becomes
+  x_j + sum_i x_i c_{j N + i} with c = prediction_coefs(modalities).
+- The active prediction a runs the block: h = input_layernorm(a); LAuReL h + post_laurel_norm(right(left(h)));
+  attention (q/k RMS-normed per head, values by a weightless RMS norm, scale 1) with its post-norm;
+  y = ((a + attn) + laurel) / sqrt(2); y += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(y))), the
+  MLP's gate sparsified on the layers of ``activation_sparsity_pattern`` (relu(gate - mean - std * icdf(p))).
+- AltUp correct: stream j += (y - prediction_active) * (1 + correction_coefs(modalities(y)))_j.
+- Per-layer input: streams 1.. += post_per_layer_input_norm(per_layer_projection(act(per_layer_input_gate(
+  corrected_active * correct_output_scale)) * per_layer_input)).
+
+KV sharing: the last ``num_kv_shared_layers`` layers have no key / value projections; each attends over the keys
+and values of the last earlier layer of its type (sliding or full), which that layer leaves on the context (and, in
+a decode step, in its cache slot).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from statistics import NormalDist
+
+from vkformers.engine import functional as F
+from vkformers.models.decoder import DecoderLayer, make_norm
+from vkformers.models.decoder.spec import NormSpec
+from vkformers.models.layers import Linear
+from vkformers.models.module import add_param, get_param, place
+
+
+@dataclass(frozen=True)
+class Gemma3nLayers:
+    """The model's options; called with (spec, index, alibi) it builds layer ``index`` (DecoderSpec.make_layer)."""
+
+    altup_inputs: int
+    altup_active: int
+    altup_correct_scale: bool
+    laurel_rank: int
+    per_layer_width: int
+    intermediate_sizes: tuple[int, ...]
+    sparsity: tuple[float, ...]
+    layer_types: tuple[str, ...]
+    kv_sources: tuple[int | None, ...]  # per layer: the layer whose keys and values it reuses, or None
+
+    def __call__(self, spec, index: int, alibi=None) -> "Gemma3nLayer":
+        return Gemma3nLayer(self, spec, index, alibi)
+
+
+class Gemma3nLayer(DecoderLayer):
+    """One Gemma 3n block over the AltUp streams."""
+
+    def __init__(self, options: Gemma3nLayers, spec, index: int, alibi=None):
+        super().__init__(replace(spec, intermediate_size=options.intermediate_sizes[index]), index, alibi)
+        s, d, n = self.spec, self.spec.hidden_size, options.altup_inputs
+        self.options, self.layer_type = options, options.layer_types[index]
+        self.kv_source = options.kv_sources[index]
+        self.stores_kv = index in options.kv_sources
+        if self.kv_source is not None:  # no key / value projections of its own
+            attention = self._modules[s.attention.path]
+            for role, name in (("k", s.attention.k_proj), ("v", s.attention.v_proj), ("k_norm", s.attention.k_norm)):
+                del attention._modules[name]
+                del self.parts[role]
+        rms = NormSpec("rms", eps=s.norms.eps)
+
+        def add(path, module):
+            object.__setattr__(self, path.replace(".", "_"), place(self, path, module))
+
+        add("altup.correction_coefs", Linear(n, n, bias=False))
+        add("altup.prediction_coefs", Linear(n, n * n, bias=False))
+        add("altup.modality_router", Linear(d, n, bias=False))
+        add("altup.router_norm", make_norm(rms, d))
+        add_param(self, "altup.correct_output_scale", (d,))
+        add("laurel.linear_left", Linear(d, options.laurel_rank, bias=False))
+        add("laurel.linear_right", Linear(options.laurel_rank, d, bias=False))
+        add("laurel.post_laurel_norm", make_norm(rms, d))
+        add("per_layer_input_gate", Linear(d, options.per_layer_width, bias=False))
+        add("per_layer_projection", Linear(options.per_layer_width, d, bias=False))
+        add("post_per_layer_input_norm", make_norm(rms, d))
+        sparsity = options.sparsity[index]
+        self.sparsity_cutoff = NormalDist().inv_cdf(sparsity) if sparsity > 0.0 else None
+
+    capture_decode = False  # reads per-layer inputs built on the host from the ids
+
+    # -- AltUp
+
+    def _modalities(self, x):
+        routed = self.altup_modality_router(self.altup_router_norm(x) * (1.0 / self.spec.hidden_size))
+        return routed.float().tanh().cast(x.dtype)
+
+    def _predict(self, streams):
+        n = self.options.altup_inputs
+        coefs = self.altup_prediction_coefs(self._modalities(streams[self.options.altup_active]))
+        out = []
+        for j in range(n):
+            mixed = streams[j]
+            for i in range(n):
+                mixed = mixed + streams[i] * coefs[..., j * n + i:j * n + i + 1]
+            out.append(mixed)
+        return out
+
+    def _correct(self, predictions, activated):
+        coefs = self.altup_correction_coefs(self._modalities(activated)) + 1.0
+        innovation = activated - predictions[self.options.altup_active]
+        return [p + innovation * coefs[..., j:j + 1] for j, p in enumerate(predictions)]
+
+    # -- attention with shared keys and values
+
+    def _attention_heads(self, h, ctx):
+        s, p = self.spec, self.parts
+        batch, length, _ = h.shape
+        inv_freq, scaling = ctx.rope_tables[self.index]
+
+        def rotated(x, heads, norm):
+            x = norm(x.reshape(batch, length, heads, s.head_dim)).permute(0, 2, 1, 3)
+            return F.rope(x, ctx.rope_positions, inv_freq, attention_scaling=scaling)
+
+        q = rotated(p["q"](h), s.num_heads, p["q_norm"])
+        options = dict(scale=self.scale, window=self.window, softcap=0.0, alibi_slopes=None,
+                       key_padding_mask=ctx.key_padding_mask)
+        if self.kv_source is not None:
+            out = self._attend_shared(q, ctx, options)
+        else:
+            k = rotated(p["k"](h), s.num_kv_heads, p["k_norm"])
+            v = F.rms_norm(p["v"](h).reshape(batch, length, s.num_kv_heads, s.head_dim), None,
+                           eps=s.norms.eps).permute(0, 2, 1, 3)
+            out = self.attend_heads(q, k, v, ctx, **options)
+            if self.stores_kv:
+                ctx.shared_kv[self.index] = self._attended_kv(k, v, ctx)
+        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.num_heads * s.head_dim)
+        return p["o"](out)
+
+    def _attended_kv(self, k, v, ctx):
+        """The keys and values this layer's prefill attended over: the new ones, or with a cache already holding
+        some, the cache's (a decode step's sharing layers read the cache slot itself)."""
+        cache = ctx.cache
+        if cache is None or cache.position == 0:
+            return k, v
+        end = cache.position + k.shape[2]
+        return cache.keys[self.index][:, :, :end], cache.values[self.index][:, :, :end]
+
+    def _attend_shared(self, q, ctx, options):
+        cache, new = ctx.cache, q.shape[2]
+        if cache is not None and new == 1:
+            return cache.attend_stored(self.kv_source, q, **options)
+        k, v = ctx.shared_kv[self.kv_source]
+        if cache is not None:
+            options = dict(options, key_padding_mask=cache.step_inputs(new)[1])
+            k, v = k.cast(q.dtype), v.cast(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, causal=True, **options)
+
+    # -- MLP with the gate's activation sparsity
+
+    def _sparse_gated_mlp(self, h):
+        p = self.parts
+        gate = p["gate"](h)
+        if self.sparsity_cutoff is not None:
+            mean = gate.mean(-1, keepdim=True)
+            std = ((gate - mean) * (gate - mean)).mean(-1, keepdim=True).sqrt()
+            gate = (gate - (mean + std * self.sparsity_cutoff)).relu()
+        return p["down"](self.act(gate) * p["up"](h))
+
+    # -- the block
+
+    def forward(self, streams, ctx):
+        o = self.options
+        predictions = self._predict([streams[i] for i in range(o.altup_inputs)])
+        active = predictions[o.altup_active]
+        normed = self._norm("attn_in_norm", active)
+        laurel = normed + self.laurel_post_laurel_norm(self.laurel_linear_right(self.laurel_linear_left(normed)))
+        attn = self._norm("attn_out_norm", self._attention_heads(normed, ctx))
+        y = (active + attn + laurel) * (1.0 / math.sqrt(2.0))
+        y = y + self._norm("mlp_out_norm", self._sparse_gated_mlp(self._norm("mlp_in_norm", y)))
+        corrected = self._correct(predictions, y)
+        first = corrected[o.altup_active]
+        if o.altup_correct_scale:
+            first = first * get_param(self, "altup.correct_output_scale")
+        first = self.act(self.per_layer_input_gate(first)) * ctx.per_layer_inputs[self.index]
+        first = self.post_per_layer_input_norm(self.per_layer_projection(first))
+        return F.stack([corrected[0]] + [c + first for c in corrected[1:]], dim=0)

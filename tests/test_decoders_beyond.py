@@ -1,0 +1,55 @@
+"""Doge, Kimi Linear and Gemma 3n beyond their parity fixtures (tests/test_decoder_parity.py and the others on
+tests/fixtures/doge, kimi_linear, gemma3n_text): gradient checkpointing, and the config options they refuse by name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkformers.models.decoder import UnsupportedConfigError
+from vkformers.models.loading import AutoModelForCausalLM, load_config
+
+pytest.importorskip("vkformers_moe")
+
+from vkformers_llama.variants import doge, gemma3n_text  # noqa: E402
+from vkformers_moe.variants import kimi_linear  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# Gemma 3n's layers read the per-layer inputs and the shared keys and values inside checkpointed layers: their
+# gradients sum the same terms in another order, equal to float32 rounding
+REORDERED = {"gemma3n_text"}
+
+
+@pytest.mark.parametrize("name", ["doge", "kimi_linear", "gemma3n_text"])
+def test_gradient_checkpointing_gives_the_same_gradients(name):
+    ids = np.random.default_rng(1).integers(3, 48, (2, 10)).astype(np.int32)
+    grads = []
+    for checkpointing in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for param in grads[0]:
+        if name in REORDERED:
+            np.testing.assert_allclose(grads[1][param], grads[0][param], rtol=1e-5, atol=1e-6, err_msg=param)
+        else:
+            np.testing.assert_array_equal(grads[1][param], grads[0][param], err_msg=param)
+
+
+@pytest.mark.parametrize("variant, name, change", [
+    (doge, "doge", dict(sliding_window=4)),
+    (doge, "doge", dict(keep_window_size=64)),
+    (doge, "doge", dict(output_router_logits=True)),
+    (doge, "doge", dict(num_experts_per_tok=17)),
+    (kimi_linear, "kimi_linear", dict(num_key_value_heads=1)),
+    (gemma3n_text, "gemma3n_text", dict(num_kv_shared_layers=2)),
+    (gemma3n_text, "gemma3n_text", dict(activation_sparsity_pattern=[0.5])),
+])
+def test_unsupported_options_are_refused_by_name(variant, name, change):
+    config = dict(load_config(FIXTURES / name), **change)
+    with pytest.raises(UnsupportedConfigError):
+        variant(config)
