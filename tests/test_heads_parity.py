@@ -111,7 +111,9 @@ def base_outputs_match(model, ref):
 
 @pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence",
                                   "bart-sequence", "mixtral-sequence", "deberta-v2-sequence", "deberta-sequence",
-                                  "mpnet-sequence", "gte-sequence", "albert-sequence", "plbart-sequence"])
+                                  "mpnet-sequence", "gte-sequence", "albert-sequence", "plbart-sequence",
+                                  "xlm-sequence", "ibert-sequence", "luke-sequence", "modernbert-sequence",
+                                  "eurobert-sequence"])
 def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
     folder, meta, ref = load_case(name)
     base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)
@@ -150,8 +152,8 @@ def test_decoder_batch_without_pad_token_is_refused():
 
 
 def test_architecture_without_a_head_is_refused():
-    config = {"model_type": "luke", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
-              "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 1}
+    config = {"model_type": "bert-generation", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 0}
     with pytest.raises(TaskHeadError, match="no sequence-classification head"):
         vkformers.AutoModelForSequenceClassification.from_config(config)
 

@@ -72,6 +72,14 @@ NARROW_T5 = dict(T5, d_model=8, d_kv=4, d_ff=8)
 NARROW_BART = dict(BART, d_model=8, encoder_ffn_dim=8, decoder_ffn_dim=8, max_position_embeddings=8)
 NARROW_DECODER = dict(SMALL_DECODER, hidden_size=8, intermediate_size=8)
 
+XLM = dict(vocab_size=VOCAB, emb_dim=8, n_layers=1, n_heads=2, max_position_embeddings=16, dropout=0.0,
+           attention_dropout=0.0, summary_first_dropout=0.0, pad_token_id=2, n_langs=1)
+MODERNBERT = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                  max_position_embeddings=16, pad_token_id=0, local_attention=4, global_attn_every_n_layers=1,
+                  attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, classifier_dropout=0.0)
+GPT2 = dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_inner=8, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, pad_token_id=0, classifier_dropout=0.0)
+
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
 
@@ -152,6 +160,32 @@ CASES = {
                                         shape_vocab_size=8), "token"),
     "big_bird-sequence": ("big_bird", dict(NARROW, attention_type="original_full"), "sequence"),
     "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
+    # appended at hidden 8: the sequence-summary choice heads (ELECTRA: first token, projection, gelu; RoFormer and
+    # ConvBERT: the last position), XLM's sequence head (FlauBERT's is the same), I-BERT (quantizer buffers in the
+    # checkpoint), LUKE on words, Longformer (global attention on the first token, a window of 2 each side), ModernBERT (mean pooling; the prediction head before the QA classifier), EuroBERT (late
+    # pooling), and fixtures of the decoders' token and QA heads
+    "electra-choice": ("electra", dict(NARROW, embedding_size=4), "choice"),
+    "roformer-choice": ("roformer", dict(NARROW, embedding_size=8), "choice"),
+    "xlm-sequence": ("xlm", XLM, "sequence"),
+    "ibert-sequence": ("ibert", dict(NARROW, **ROBERTA_TOKENS, quant_mode=False), "sequence"),
+    "luke-sequence": ("luke", dict(NARROW, **ROBERTA_TOKENS, entity_vocab_size=6, entity_emb_size=4), "sequence"),
+    "modernbert-sequence": ("modernbert", dict(MODERNBERT, classifier_pooling="mean"), "sequence"),
+    "modernbert-qa": ("modernbert", MODERNBERT, "qa"),
+    "eurobert-sequence": ("eurobert", dict(NARROW_DECODER, mlp_bias=False), "sequence"),
+    "longformer-sequence": ("longformer", dict(NARROW, **ROBERTA_TOKENS, attention_window=4), "sequence"),
+    "albert-token": ("albert", dict(NARROW, embedding_size=4, classifier_dropout_prob=0.0), "token"),
+    "gpt2-qa": ("gpt2", GPT2, "qa"),
+    "mixtral-qa": ("mixtral", dict(NARROW_DECODER, num_local_experts=3, num_experts_per_tok=2), "qa"),
+    "opt-qa": ("opt", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, ffn_dim=8,
+                           word_embed_proj_dim=8, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+                           pad_token_id=1, enable_bias=True), "qa"),
+    "falcon-token": ("falcon", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                    new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                                    alibi=False, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0),
+                     "token"),
+    "gpt-neox-qa": ("gpt_neox", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=8, max_position_embeddings=16, rotary_pct=0.5,
+                                     hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0), "qa"),
 }
 
 
@@ -255,6 +289,8 @@ def build(name: str) -> None:
         if renamed:  # gradients under the names of the checkpoint vkformers loads
             grads = in_file_layout(model, {n: grads.get(n, torch.zeros_like(p)) for n, p in model.named_parameters()},
                                    file_keys)
+            buffers = {n for n, _ in model.named_buffers()}  # I-BERT's quantizer state: saved, never trained
+            grads = {n: g for n, g in grads.items() if n not in buffers}
         else:
             grads = revert_weight_conversion(model, grads)  # under model.safetensors' names
         for pname, grad in grads.items():  # the other label variants: the head's gradients only
