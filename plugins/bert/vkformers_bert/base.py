@@ -10,8 +10,8 @@ from dataclasses import replace
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.models.heads import (ENCODER_HEADS, BaseModelOutput, SequenceHead, TaskHeads, Transform,
-                                   base_model_prefix, complete_weights)
+from vkformers.models.heads import (ENCODER_HEADS, BaseModelOutput, SequenceHead, TaskHeadError, TaskHeads,
+                                   Transform, base_model_prefix, complete_weights)
 from vkformers.models.layers import Linear
 from vkformers.models.module import place
 
@@ -228,9 +228,42 @@ class GlobalFirstTokenModel(EncoderModel):
         return super().forward(input_ids, attention_mask, token_type_ids, output_hidden_states, global_attention_mask)
 
 
-# Longformer: RoBERTa's sequence head over global attention on the first token, and its token classifier (local
-# attention unless a global_attention_mask is given); not declared: its question-answering and choice heads, which
-# put global attention on the question's tokens
-LONGFORMER_HEADS = TaskHeads(ROBERTA_HEADS.sequence, question_answering=None,
-                             base_classes=(("sequence-classification", GlobalFirstTokenModel),))
+class GlobalQuestionModel(EncoderModel):
+    """Longformer's base under its question-answering head: global attention on the question's tokens (those before
+    the first of each row's three separators) unless the caller's global_attention_mask says otherwise, as
+    LongformerForQuestionAnswering; under its choice head (``before_separator`` False) on the tokens after the
+    second separator, as LongformerForMultipleChoice."""
+
+    before_separator = True
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_hidden_states=False,
+                global_attention_mask=None):
+        if global_attention_mask is None:
+            global_attention_mask = question_tokens(
+                input_ids.numpy() if hasattr(input_ids, "numpy") else np.asarray(input_ids),
+                self.config.get("sep_token_id", 2), self.before_separator)
+        return super().forward(input_ids, attention_mask, token_type_ids, output_hidden_states, global_attention_mask)
+
+
+class GlobalChoiceModel(GlobalQuestionModel):
+    before_separator = False
+
+
+def question_tokens(ids: np.ndarray, sep: int, before: bool) -> np.ndarray:
+    """1 at the positions before each row's first separator (``before``), else after its second one."""
+    counts = (ids == sep).sum(-1)
+    if (counts != 3).any():
+        raise TaskHeadError(f"Longformer's heads find the question by its separators: every row must hold exactly "
+                            f"three (sep_token_id {sep}; a row holds {int(counts[counts != 3][0])}); pass "
+                            "global_attention_mask yourself otherwise")
+    first = np.argmax(ids == sep, axis=-1)[:, None]
+    positions = np.arange(ids.shape[-1])[None]
+    return (positions < first if before else positions > first + 1).astype(np.int64)
+
+
+# Longformer: RoBERTa's heads over global attention on the first token (sequences), on the question's tokens
+# (answers, choices), and none for the token classifier unless a global_attention_mask is given
+LONGFORMER_HEADS = replace(ROBERTA_HEADS, base_classes=(("sequence-classification", GlobalFirstTokenModel),
+                                                         ("question-answering", GlobalQuestionModel),
+                                                         ("multiple-choice", GlobalChoiceModel)))
 DECLARED["longformer"] = (LONGFORMER_HEADS, "pooler.dense")
