@@ -87,7 +87,8 @@ class SequenceHead:
     """How a sequence-classification head reads the base model's output, under transformers' names.
 
     ``pooling``: "pooler" (the base's pooler_output: BERT), "first" (the first token's hidden state: RoBERTa,
-    ELECTRA, DistilBERT), "final" (the hidden state at the last position, padding or not: the sequence summary
+    ELECTRA, DistilBERT), "first_attended" (the first token the attention mask keeps: ModernBERT's choice head),
+    "final" (the hidden state at the last position, padding or not: the sequence summary
     transformers' RoFormer and ConvBERT choice heads take), "mean" (the mean over the attended tokens: ModernBERT),
     "late" (dense, activation and ``out`` on every token, then the mean of the logits over the attended tokens:
     EuroBERT's default),
@@ -262,6 +263,12 @@ def last_non_pad_index(input_ids: np.ndarray, pad_token_id: int | None) -> np.nd
         return np.full(batch, length - 1, np.int64)
     real = (input_ids != pad_token_id).astype(np.int64)
     return (np.arange(length) * real).argmax(-1)
+
+
+def first_attended_index(attention_mask) -> np.ndarray:
+    """Per row, the index of the first attended token (left or right padding alike), as ModernBERT's choice head
+    finds its CLS token."""
+    return np.asarray(attention_mask).argmax(-1)
 
 
 def last_eos_index(input_ids: np.ndarray, eos_token_id) -> np.ndarray:
@@ -522,6 +529,12 @@ class ModelForSequenceClassification(TaskModel):
             pooled = out.pooler_output
         elif self.head.pooling == "first":
             pooled = h[:, 0]
+        elif self.head.pooling == "first_attended":
+            if attention_mask is None:
+                pooled = h[:, 0]
+            else:
+                pooled = take_tokens(h, first_attended_index(_host(attention_mask)), attention_mask,
+                                     first_attended_index)
         elif self.head.pooling == "final":
             pooled = h[:, h.shape[1] - 1]
         elif self.head.pooling == "mean":

@@ -102,8 +102,8 @@ def first_token_heads(config: dict) -> TaskHeads:
 
 def modernbert_heads(config: dict) -> TaskHeads:
     """ModernBERT's prediction head (head.dense, classifier_activation, head.norm) on the first token or the mean
-    (classifier_pooling) before the classifier, and on every token before the token and question-answering
-    classifiers."""
+    (classifier_pooling) before the classifier (its choice head takes the first attended token, not the first), and
+    on every token before the token and question-answering classifiers."""
     pooling = config.get("classifier_pooling", "cls")
     if pooling not in ("cls", "mean"):
         raise UnsupportedConfigError(f"modernbert: config option classifier_pooling={pooling!r} is not supported")
@@ -111,7 +111,8 @@ def modernbert_heads(config: dict) -> TaskHeads:
                 dense_bias=bool(config.get("classifier_bias", False)), norm_eps=config.get("norm_eps", 1e-5),
                 norm_bias=bool(config.get("norm_bias", False)))
     sequence = SequenceHead("first" if pooling == "cls" else "mean", **head)
-    return TaskHeads(sequence, question_answering="classifier", multiple_choice=sequence,
+    choice = replace(sequence, pooling="first_attended") if pooling == "cls" else sequence  # as transformers
+    return TaskHeads(sequence, question_answering="classifier", multiple_choice=choice,
                      token_transform=Transform("head.dense", head["dense_act"], "head.norm", head["dense_bias"],
                                                head["norm_eps"], head["norm_bias"]))
 
