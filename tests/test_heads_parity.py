@@ -236,3 +236,24 @@ def test_head_in_bfloat16():
     for name, expected in grads.items():
         np.testing.assert_allclose(np.asarray(params[name].grad.numpy(), np.float32), expected, atol=BF16_ATOL,
                                    rtol=BF16_RTOL, err_msg=f"bf16 grad {name}")
+
+
+def test_longformer_global_attention_from_the_caller_and_the_separators():
+    """Longformer's heads take the caller's global_attention_mask as transformers does (an explicit mask equal to the
+    default gives the same logits; another one changes them), and the question-answering head refuses rows without
+    exactly three separators, naming global_attention_mask."""
+    folder, _, ref = load_case("longformer-sequence")
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    first = np.zeros_like(ids)
+    first[:, 0] = 1
+    default = model(ids, attention_mask=mask).logits.numpy()
+    close(default, ref["single.logits"], "logits")
+    close(model.base.forward(ids, mask, global_attention_mask=first).last_hidden_state[:, 0].numpy(),
+          model.base.forward(ids, mask).last_hidden_state[:, 0].numpy(), "explicit first-token global mask")
+    local = vkformers.AutoModel.from_pretrained(folder)(ids, attention_mask=mask).last_hidden_state.numpy()
+    assert np.abs(local[0, 0] - model.base.forward(ids, mask).last_hidden_state.numpy()[0, 0]).max() > 1e-3
+    qa_folder, _, _ = load_case("longformer-qa")
+    qa = vkformers.AutoModelForQuestionAnswering.from_pretrained(qa_folder)
+    with pytest.raises(TaskHeadError, match="global_attention_mask"):
+        qa(ref["input_ids"], attention_mask=ref["attention_mask"])
