@@ -487,9 +487,11 @@ class TaskModel(Module):
                                requires_grad=requires_grad)
 
     def run_base(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                 output_hidden_states=False) -> BaseModelOutput:
+                 output_hidden_states=False, global_attention_mask=None) -> BaseModelOutput:
+        """The base's forward with the inputs it takes; one it does not take (Longformer's global_attention_mask
+        elsewhere) is refused."""
         given = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                     output_hidden_states=output_hidden_states)
+                     output_hidden_states=output_hidden_states, global_attention_mask=global_attention_mask)
         unknown = [k for k, v in given.items() if v is not None and v is not False and k not in self._base_arguments]
         if unknown:
             raise TaskHeadError(f"{self.architecture_name} takes no {unknown[0]}; leave it out")
@@ -518,8 +520,9 @@ class ModelForSequenceClassification(TaskModel):
                                                              head.out_bias))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False):
-        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+                output_hidden_states=False, global_attention_mask=None):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                            global_attention_mask)
         h = out.last_hidden_state
         if self.head.pooling == "late":
             logits = mean_pool(self.out(F.activation(self.head.dense_act)(self.dense(h))), attention_mask)
@@ -572,8 +575,9 @@ class ModelForTokenClassification(TaskModel):
         object.__setattr__(self, "out", self.add_head_linear(head, hidden, num_labels, self.heads.token_bias))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False):
-        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+                output_hidden_states=False, global_attention_mask=None):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                            global_attention_mask)
         h = out.last_hidden_state
         logits = self.out(self.transform(h) if self.transform is not None else h)
         loss = token_classification_loss(logits, labels, self.num_labels) if labels is not None else None
@@ -593,9 +597,10 @@ class ModelForQuestionAnswering(TaskModel):
         object.__setattr__(self, "out", self.add_head_linear(head, hidden, 2, True))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
-                end_positions=None, output_hidden_states=False, labels=None):
+                end_positions=None, output_hidden_states=False, labels=None, global_attention_mask=None):
         """``labels`` [B, 2]: start and end positions in one array, as the Trainer's batches hold them."""
-        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                            global_attention_mask)
         h = out.last_hidden_state
         logits = self.out(self.transform(h) if self.transform is not None else h)
         start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
@@ -628,7 +633,7 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
         super().build_head(head, 1, hidden)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                 output_hidden_states=False):
+                 output_hidden_states=False, global_attention_mask=None):
         ids = _host(input_ids)
         if ids.ndim != 3:
             raise TaskHeadError(f"input_ids has shape {ids.shape}; a multiple-choice model takes [batch, choices, "
@@ -638,11 +643,13 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
             return None if value is None else _host(value).reshape(-1, ids.shape[-1])
         self._choices = ids.shape[1]
         return super().__call__(flat(ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                                labels=labels, output_hidden_states=output_hidden_states)
+                                labels=labels, output_hidden_states=output_hidden_states,
+                                global_attention_mask=flat(global_attention_mask))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False):
-        out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, None, output_hidden_states)
+                output_hidden_states=False, global_attention_mask=None):
+        out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, None, output_hidden_states,
+                              global_attention_mask)
         logits = out.logits.reshape(-1, self._choices)
         loss = None
         if labels is not None:
