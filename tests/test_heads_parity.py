@@ -111,7 +111,8 @@ def base_outputs_match(model, ref):
 
 @pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence",
                                   "bart-sequence", "mixtral-sequence", "deberta-v2-sequence", "deberta-sequence",
-                                  "mpnet-sequence", "gte-sequence", "albert-sequence", "plbart-sequence"])
+                                  "mpnet-sequence", "gte-sequence", "albert-sequence", "plbart-sequence",
+                                  "xlm-sequence", "modernbert-sequence"])
 def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
     folder, meta, ref = load_case(name)
     base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)
@@ -150,8 +151,8 @@ def test_decoder_batch_without_pad_token_is_refused():
 
 
 def test_architecture_without_a_head_is_refused():
-    config = {"model_type": "luke", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
-              "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 1}
+    config = {"model_type": "bert-generation", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 0}
     with pytest.raises(TaskHeadError, match="no sequence-classification head"):
         vkformers.AutoModelForSequenceClassification.from_config(config)
 
@@ -235,3 +236,26 @@ def test_head_in_bfloat16():
     for name, expected in grads.items():
         np.testing.assert_allclose(np.asarray(params[name].grad.numpy(), np.float32), expected, atol=BF16_ATOL,
                                    rtol=BF16_RTOL, err_msg=f"bf16 grad {name}")
+
+
+def test_longformer_global_attention_from_the_caller_and_the_separators():
+    """Longformer's heads take the caller's global_attention_mask as transformers does (an explicit mask equal to the
+    default gives the same logits; another one changes them), and the question-answering head refuses rows without
+    exactly three separators, naming global_attention_mask."""
+    folder, _, ref = load_case("longformer-sequence")
+    model = vkformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    first = np.zeros_like(ids)
+    first[:, 0] = 1
+    default = model(ids, attention_mask=mask).logits.numpy()
+    close(default, ref["single.logits"], "logits")
+    close(model(ids, attention_mask=mask, global_attention_mask=first).logits.numpy(), default,
+          "explicit first-token global mask")
+    assert np.abs(model(ids, attention_mask=mask, global_attention_mask=np.zeros_like(ids)).logits.numpy()
+                  - default).max() > 1e-4  # no global token: another result
+    local = vkformers.AutoModel.from_pretrained(folder)(ids, attention_mask=mask).last_hidden_state.numpy()
+    assert np.abs(local[0, 0] - model.base.forward(ids, mask).last_hidden_state.numpy()[0, 0]).max() > 1e-3
+    qa_folder, _, _ = load_case("longformer-qa")
+    qa = vkformers.AutoModelForQuestionAnswering.from_pretrained(qa_folder)
+    with pytest.raises(TaskHeadError, match="global_attention_mask"):
+        qa(ref["input_ids"], attention_mask=ref["attention_mask"])

@@ -1,6 +1,7 @@
-"""vkformers train --task sequence-classification: labelled CSV / JSONL rows (string labels), a tiny BERT from
-scratch with the all-MiniLM-L6-v2 tokenizer, full and LoRA fine-tuning; held-out accuracy and macro F1 printed and
-in metrics.jsonl; final/ loads back as a classifier with the label names."""
+"""vkformers train --task sequence-classification: labelled CSV / JSONL rows (string labels: the bundled toy
+sentiment dataset, examples/data), a tiny BERT from scratch with the all-MiniLM-L6-v2 tokenizer, full and LoRA
+fine-tuning; held-out accuracy and macro F1 printed and in metrics.jsonl; final/ loads back as a classifier with the label names."""
+import csv
 import importlib.util
 import json
 import shutil
@@ -13,7 +14,6 @@ import vkformers
 from vkformers.cli import main
 from vkformers.training.labelled import classification_metrics
 
-WORDS = {"pos": ["good", "great", "happy", "love", "nice"], "neg": ["bad", "awful", "sad", "hate", "poor"]}
 FILLER = ["the", "a", "movie", "day", "was", "it", "very", "and", "so"]
 
 
@@ -33,31 +33,29 @@ def model_folder(tmp_path) -> Path:
     return folder
 
 
-def rows(count, seed):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        label = "pos" if rng.random() < 0.5 else "neg"
-        words = list(rng.choice(FILLER, rng.integers(2, 6))) + [rng.choice(WORDS[label])]
-        rng.shuffle(words)
-        out.append({"sentence": " ".join(words), "sentiment": label})
-    return out
-
-
 def test_metrics():
     metrics = classification_metrics(np.array([0, 1, 1, 2]), np.array([0, 1, 2, 2]), 3)
     assert metrics["accuracy"] == 0.75
     assert metrics["f1_macro"] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
 
 
+# the bundled toy dataset (tools/make_toy_sentiment.py): 320 train and 96 held-out short reviews, pos / neg
+TOY = Path(__file__).resolve().parent.parent / "examples" / "data"
+
+
 def write_data(tmp_path, flip=False):
+    """The bundled train split as CSV and its held-out split as JSONL (both readers run); ``flip``: labels swapped."""
+    def table(name):
+        with (TOY / name).open(newline="") as f:
+            return list(csv.DictReader(f))
+
     def label(r):
-        return {"pos": "neg", "neg": "pos"}[r["sentiment"]] if flip else r["sentiment"]
+        return {"pos": "neg", "neg": "pos"}[r["label"]] if flip else r["label"]
     train = tmp_path / f"train{flip:d}.csv"
-    train.write_text("sentence,sentiment\n" + "".join(f"{r['sentence']},{label(r)}\n" for r in rows(96, 0)))
+    train.write_text("sentence,sentiment\n" + "".join(f"{r['text']},{label(r)}\n" for r in table("sentiment_train.csv")))
     held_out = tmp_path / f"eval{flip:d}.jsonl"
-    held_out.write_text("".join(json.dumps({"sentence": r["sentence"], "sentiment": label(r)}) + "\n"
-                                for r in rows(32, 1)))
+    held_out.write_text("".join(json.dumps({"sentence": r["text"], "sentiment": label(r)}) + "\n"
+                                for r in table("sentiment_test.csv")))
     return train, held_out
 
 
@@ -79,7 +77,7 @@ def test_train_sequence_classifier_full_then_lora(tmp_path, capsys):
     model = vkformers.AutoModelForSequenceClassification.from_pretrained(final)
     assert model.config["id2label"] == {"0": "neg", "1": "pos"}
     tok = vkformers.AutoTokenizer.from_pretrained(final)
-    batch = tok(["a good day", "so sad and awful"], padding=True, return_tensors="np")
+    batch = tok(["the food was great", "overall the service was awful"], padding=True, return_tensors="np")
     predicted = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.numpy().argmax(-1)
     assert [model.config["id2label"][str(i)] for i in predicted] == ["pos", "neg"]
     # LoRA on the trained classifier, taught the opposite labels: the adapters and the head (kept trainable and

@@ -72,6 +72,14 @@ NARROW_T5 = dict(T5, d_model=8, d_kv=4, d_ff=8)
 NARROW_BART = dict(BART, d_model=8, encoder_ffn_dim=8, decoder_ffn_dim=8, max_position_embeddings=8)
 NARROW_DECODER = dict(SMALL_DECODER, hidden_size=8, intermediate_size=8)
 
+XLM = dict(vocab_size=VOCAB, emb_dim=8, n_layers=1, n_heads=2, max_position_embeddings=16, dropout=0.0,
+           attention_dropout=0.0, summary_first_dropout=0.0, pad_token_id=2, n_langs=1)
+MODERNBERT = dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+                  max_position_embeddings=16, pad_token_id=0, local_attention=4, global_attn_every_n_layers=1,
+                  attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0, classifier_dropout=0.0)
+GPT2 = dict(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_inner=8, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, pad_token_id=0, classifier_dropout=0.0)
+
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
 
@@ -152,7 +160,49 @@ CASES = {
                                         shape_vocab_size=8), "token"),
     "big_bird-sequence": ("big_bird", dict(NARROW, attention_type="original_full"), "sequence"),
     "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
+    # appended at hidden 8: the sequence-summary choice heads (ELECTRA: first token, projection, gelu; RoFormer and
+    # ConvBERT: the last position), XLM's sequence head (FlauBERT's is the same), I-BERT (quantizer buffers in the
+    # checkpoint), LUKE on words, Longformer (a window of 2 each side; global attention on the first token for
+    # sequences, on the question's tokens, found by the separators, for answers and choices), ModernBERT (mean
+    # pooling; the prediction head before the QA classifier), EuroBERT (late pooling), and fixtures of the decoders'
+    # token and QA heads
+    "electra-choice": ("electra", dict(NARROW, embedding_size=4), "choice"),
+    "roformer-choice": ("roformer", dict(NARROW, embedding_size=8), "choice"),
+    "xlm-sequence": ("xlm", XLM, "sequence"),
+    "ibert-sequence": ("ibert", dict(NARROW, **ROBERTA_TOKENS, quant_mode=False), "sequence"),
+    "luke-sequence": ("luke", dict(NARROW, **ROBERTA_TOKENS, entity_vocab_size=6, entity_emb_size=4), "sequence"),
+    "modernbert-sequence": ("modernbert", dict(MODERNBERT, classifier_pooling="mean"), "sequence"),
+    "modernbert-qa": ("modernbert", MODERNBERT, "qa"),
+    "eurobert-sequence": ("eurobert", dict(NARROW_DECODER, mlp_bias=False), "sequence"),
+    "longformer-sequence": ("longformer", dict(NARROW, **ROBERTA_TOKENS, attention_window=4), "sequence"),
+    "longformer-qa": ("longformer", dict(NARROW, **ROBERTA_TOKENS, attention_window=4), "qa"),
+    "longformer-choice": ("longformer", dict(NARROW, **ROBERTA_TOKENS, attention_window=4), "choice"),
+    "albert-token": ("albert", dict(NARROW, embedding_size=4, classifier_dropout_prob=0.0), "token"),
+    "gpt2-qa": ("gpt2", GPT2, "qa"),
+    "mixtral-qa": ("mixtral", dict(NARROW_DECODER, num_local_experts=3, num_experts_per_tok=2), "qa"),
+    "opt-qa": ("opt", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, ffn_dim=8,
+                           word_embed_proj_dim=8, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+                           pad_token_id=1, enable_bias=True), "qa"),
+    "falcon-token": ("falcon", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                    new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+                                    alibi=False, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0),
+                     "token"),
+    "gpt-neox-qa": ("gpt_neox", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=8, max_position_embeddings=16, rotary_pct=0.5,
+                                     hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0), "qa"),
 }
+
+
+# cases whose inputs hold question / context separators
+SEPARATED = ("longformer-qa", "longformer-choice")
+# appended cases whose base-model outputs no test reads: not written (repository size)
+WITHOUT_BASE = ("electra-choice", "roformer-choice", "longformer-sequence", "longformer-qa", "longformer-choice",
+                "modernbert-qa", "albert-token", "gpt2-qa", "mixtral-qa", "opt-qa", "falcon-token", "gpt-neox-qa",
+                "ibert-sequence", "luke-sequence", "eurobert-sequence")
+
+
+def name_of(model) -> str:
+    return getattr(model, "fixture_case", "")
 
 
 def inputs(pad_id: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -185,11 +235,21 @@ def head_parameter(model, pname: str) -> bool:
         "shared", "encoder", "decoder")
 
 
+def place_separators(ids: np.ndarray, mask: np.ndarray, sep: int) -> None:
+    """Three separators in each row's real tokens (the 2nd, 3rd and last): question, separators, context, as
+    Longformer's question-answering and choice heads find the question by them."""
+    for row in range(ids.shape[0]):
+        real = np.flatnonzero(mask[row])
+        ids[row, real[[1, 2, -1]]] = sep
+
+
 def clean_run(model, config, task: str, rng: np.random.Generator) -> dict:
     """The "clean" variant: a batch without padding, given without an attention mask: inputs, logits, loss and
     the head's gradients (the padded batch's "single" variant holds every gradient)."""
     ids = rng.integers(5, VOCAB, (BATCH, LENGTH)).astype(np.int64)
     mask = np.ones_like(ids)
+    if name_of(model) in SEPARATED:
+        place_separators(ids, mask, config.sep_token_id)
     if config.is_encoder_decoder:
         ids[:, -1] = config.eos_token_id
     if task == "choice":
@@ -226,6 +286,9 @@ def build(name: str) -> None:
                 param.copy_(torch.randn_like(param) * 0.2)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     ids, mask = inputs(pad_id, rng)
+    if name in SEPARATED:
+        place_separators(ids, mask, config.sep_token_id)
+    model.fixture_case = name
     if config.is_encoder_decoder:  # the sequence head reads each row's last eos token: every row ends with one
         last = np.where(mask.any(1), LENGTH - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
         ids[np.arange(BATCH), last] = config.eos_token_id
@@ -255,6 +318,8 @@ def build(name: str) -> None:
         if renamed:  # gradients under the names of the checkpoint vkformers loads
             grads = in_file_layout(model, {n: grads.get(n, torch.zeros_like(p)) for n, p in model.named_parameters()},
                                    file_keys)
+            buffers = {n for n, _ in model.named_buffers()}  # I-BERT's quantizer state: saved, never trained
+            grads = {n: g for n, g in grads.items() if n not in buffers}
         else:
             grads = revert_weight_conversion(model, grads)  # under model.safetensors' names
         for pname, grad in grads.items():  # the other label variants: the head's gradients only
@@ -274,7 +339,8 @@ def build(name: str) -> None:
         for pname, param in half.named_parameters():
             if not pname.startswith(half.base_model_prefix):
                 tensors[f"bf16.grad.{pname}"] = param.grad.float().numpy()
-    base = getattr(model, model.base_model_prefix, None)  # T5ForQuestionAnswering holds no base model
+    # T5ForQuestionAnswering holds no base model; WITHOUT_BASE: no test reads their base outputs
+    base = getattr(model, model.base_model_prefix, None) if name not in WITHOUT_BASE else None
     if base is not None:
         flat = torch.tensor(ids.reshape(-1, LENGTH))
         extra = {"decoder_input_ids": model._shift_right(flat)} if model_type in ("t5", "mt5", "umt5") \

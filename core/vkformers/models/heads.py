@@ -30,7 +30,7 @@ from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import IGNORE_INDEX, InputLimits
-from vkformers.models.layers import Linear
+from vkformers.models.layers import LayerNorm, Linear
 from vkformers.models.module import Module, place
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -87,16 +87,41 @@ class SequenceHead:
     """How a sequence-classification head reads the base model's output, under transformers' names.
 
     ``pooling``: "pooler" (the base's pooler_output: BERT), "first" (the first token's hidden state: RoBERTa,
-    ELECTRA, DistilBERT), "last" (the last token that is not the pad id, as transformers' decoders take it) or
-    "eos" (the last end-of-sequence token of each row, as BART's; every row must hold as many).
-    ``dense``: an optional hidden -> hidden projection and its activation before the output projection ``out``.
+    ELECTRA, DistilBERT), "first_attended" (the first token the attention mask keeps: ModernBERT's choice head),
+    "final" (the hidden state at the last position, padding or not: the sequence summary
+    transformers' RoFormer and ConvBERT choice heads take), "mean" (the mean over the attended tokens: ModernBERT),
+    "late" (dense, activation and ``out`` on every token, then the mean of the logits over the attended tokens:
+    EuroBERT's default),
+    "last" (the last token that is not the pad id, as transformers' decoders take it) or "eos" (the last
+    end-of-sequence token of each row, as BART's; every row must hold as many).
+    ``dense``: an optional hidden -> hidden projection (hidden -> num_labels with ``dense_to_labels``: XLM's
+    summary projected to the labels, then scored by ``out``), its activation (None: none) and an optional
+    LayerNorm ``dense_norm`` after it, before the output projection ``out``.
     """
 
     pooling: str
     out: str = "classifier"
     out_bias: bool = True
     dense: str | None = None
-    dense_act: str = "tanh"
+    dense_act: str | None = "tanh"
+    dense_to_labels: bool = False
+    dense_norm: str | None = None
+    dense_bias: bool = True
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A projection run on every token before the token-classification and question-answering projections
+    (ModernBERT's head: dense, activation, LayerNorm)."""
+
+    dense: str
+    act: str = "gelu"
+    norm: str | None = None
+    bias: bool = True
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,6 +141,7 @@ class TaskHeads:
     # (task, base class): the head models whose base is another class than the family's base model, as
     # transformers' T5ForTokenClassification runs T5EncoderModel (the encoder alone)
     base_classes: tuple = ()
+    token_transform: Transform | None = None  # run before the token and question-answering projections
 
 
 # BERT's: classifier on the pooler (for sequences and for each choice), token classifier, qa_outputs
@@ -239,6 +265,12 @@ def last_non_pad_index(input_ids: np.ndarray, pad_token_id: int | None) -> np.nd
     return (np.arange(length) * real).argmax(-1)
 
 
+def first_attended_index(attention_mask) -> np.ndarray:
+    """Per row, the index of the first attended token (left or right padding alike), as ModernBERT's choice head
+    finds its CLS token."""
+    return np.asarray(attention_mask).argmax(-1)
+
+
 def last_eos_index(input_ids: np.ndarray, eos_token_id) -> np.ndarray:
     """Per row, the index of the last end-of-sequence token (BART's sequence head reads its hidden state)."""
     eos = np.isin(input_ids, np.atleast_1d(np.asarray(eos_token_id if eos_token_id is not None else [])))
@@ -269,20 +301,28 @@ def take_tokens(hidden, index: np.ndarray, source=None, pick=None):
     return F.gather_rows(hidden.reshape(batch * length, width), Tensor(flat), Tensor(inverse))
 
 
-def mean_pool(hidden, attention_mask: np.ndarray | None):
-    """Mean of the hidden states of the attended tokens (sentence-transformers' mean pooling): [B, D]."""
+def _mean_weights(mask) -> np.ndarray:
+    mask = np.asarray(mask).astype(np.float32)
+    return (mask / np.maximum(mask.sum(1, keepdims=True), 1e-9))[:, None, :].astype(np.float32)
+
+
+def mean_pool(hidden, attention_mask=None):
+    """Mean of the hidden states of the attended tokens (sentence-transformers' mean pooling), in float32: [B, D].
+    A captured training step (engine.lazy.StepCapture) derives the weights anew from its next batch's mask."""
     batch, length, _ = hidden.shape
-    mask = np.ones((batch, length), np.float32) if attention_mask is None else attention_mask.astype(np.float32)
-    weights = mask / np.maximum(mask.sum(1, keepdims=True), 1e-9)
-    return (Tensor(weights[:, None, :].astype(np.float32)) @ hidden.float()).reshape(batch, -1)
+    if attention_mask is None:
+        weights = _mean_weights(np.ones((batch, length), np.float32))
+    else:
+        weights = lazy.derived_input(_mean_weights(_host(attention_mask)), attention_mask, _mean_weights)
+    return (Tensor(weights) @ hidden.float()).reshape(batch, -1)
 
 
 # ---------------------------------------------------------------- head models
 
 def complete_weights(model, modules: dict, arrays: dict, source: str = "", seed: int = 0) -> dict:
-    """``arrays`` with the weights of ``modules`` (path -> Linear: a new task head, a pooler the checkpoint lacks)
-    that it does not hold initialised as transformers' _init_weights does (normal(0, initializer_range), zero
-    biases), said in one line on stderr."""
+    """``arrays`` with the weights of ``modules`` (path -> Linear or LayerNorm: a new task head, a pooler the
+    checkpoint lacks) that it does not hold initialised as transformers' _init_weights does (normal(0,
+    initializer_range), zero biases, LayerNorms at one), said in one line on stderr."""
     missing = [f"{path}.{slot}" for path, module in modules.items() for slot in module._slots
                if f"{path}.{slot}" not in arrays]
     if not missing:
@@ -291,6 +331,12 @@ def complete_weights(model, modules: dict, arrays: dict, source: str = "", seed:
     std = float(model.config.get("initializer_range", 0.02))
     fresh = {}
     for path, module in modules.items():
+        if isinstance(module, LayerNorm):  # ones and zeros
+            width = module._slots["weight"].shape[0]
+            fresh[f"{path}.weight"] = np.ones(width, np.float32)
+            if module.has_bias:
+                fresh[f"{path}.bias"] = np.zeros(width, np.float32)
+            continue
         fresh[f"{path}.weight"] = rng.normal(0.0, std, (module.out_features, module.in_features)).astype(np.float32)
         if module.has_bias:
             fresh[f"{path}.bias"] = np.zeros(module.out_features, np.float32)
@@ -366,6 +412,24 @@ class TaskModel(Module):
         self.head_modules[path] = module
         return module
 
+    def add_head_norm(self, path: str, width: int, eps: float, bias: bool) -> LayerNorm:
+        module = place(self, path, LayerNorm(width, eps=eps, bias=bias))
+        self.head_modules[path] = module
+        return module
+
+    def build_transform(self, hidden: int):
+        """The declared per-token transform (dense, activation, norm) as a function of the hidden states, or None."""
+        t = self.heads.token_transform
+        if t is None:
+            return None
+        dense = self.add_head_linear(t.dense, hidden, hidden, t.bias)
+        norm = self.add_head_norm(t.norm, hidden, t.norm_eps, t.norm_bias) if t.norm else None
+
+        def transform(h):
+            h = F.activation(t.act)(dense(h))
+            return norm(h) if norm is not None else h
+        return transform
+
     @property
     def dtype(self):
         return self.base.dtype
@@ -423,9 +487,11 @@ class TaskModel(Module):
                                requires_grad=requires_grad)
 
     def run_base(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
-                 output_hidden_states=False) -> BaseModelOutput:
+                 output_hidden_states=False, global_attention_mask=None) -> BaseModelOutput:
+        """The base's forward with the inputs it takes; one it does not take (Longformer's global_attention_mask
+        elsewhere) is refused."""
         given = dict(attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                     output_hidden_states=output_hidden_states)
+                     output_hidden_states=output_hidden_states, global_attention_mask=global_attention_mask)
         unknown = [k for k, v in given.items() if v is not None and v is not False and k not in self._base_arguments]
         if unknown:
             raise TaskHeadError(f"{self.architecture_name} takes no {unknown[0]}; leave it out")
@@ -445,18 +511,38 @@ class ModelForSequenceClassification(TaskModel):
 
     def build_head(self, head: SequenceHead, num_labels, hidden):
         self.head = head
-        object.__setattr__(self, "dense", self.add_head_linear(head.dense, hidden, hidden, True) if head.dense
-                           else None)
-        object.__setattr__(self, "out", self.add_head_linear(head.out, hidden, num_labels, head.out_bias))
+        width = self.config["num_labels"] if head.dense_to_labels else hidden
+        object.__setattr__(self, "dense", self.add_head_linear(head.dense, hidden, width, head.dense_bias)
+                           if head.dense else None)
+        object.__setattr__(self, "dense_norm", self.add_head_norm(head.dense_norm, width, head.norm_eps,
+                                                                  head.norm_bias) if head.dense_norm else None)
+        object.__setattr__(self, "out", self.add_head_linear(head.out, width if head.dense else hidden, num_labels,
+                                                             head.out_bias))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False):
-        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
+                output_hidden_states=False, global_attention_mask=None):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                            global_attention_mask)
         h = out.last_hidden_state
+        if self.head.pooling == "late":
+            logits = mean_pool(self.out(F.activation(self.head.dense_act)(self.dense(h))), attention_mask)
+            loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+            return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
         if self.head.pooling == "pooler":
             pooled = out.pooler_output
         elif self.head.pooling == "first":
             pooled = h[:, 0]
+        elif self.head.pooling == "first_attended":
+            if attention_mask is None:
+                pooled = h[:, 0]
+            else:
+                pooled = take_tokens(h, first_attended_index(_host(attention_mask)), attention_mask,
+                                     first_attended_index)
+        elif self.head.pooling == "final":
+            pooled = h[:, h.shape[1] - 1]
+        elif self.head.pooling == "mean":
+            pooled = mean_pool(h, attention_mask)
+            pooled = pooled if pooled.dtype == h.dtype else pooled.cast(h.dtype)
         elif self.head.pooling == "eos":
             eos = self.base.config.get("eos_token_id")
             pooled = take_tokens(h, last_eos_index(_host(input_ids), eos), input_ids,
@@ -466,7 +552,11 @@ class ModelForSequenceClassification(TaskModel):
             pooled = take_tokens(h, last_non_pad_index(_host(input_ids), pad), input_ids,
                                  lambda ids: last_non_pad_index(np.asarray(ids), pad))
         if self.dense is not None:
-            pooled = F.activation(self.head.dense_act)(self.dense(pooled))
+            pooled = self.dense(pooled)
+            if self.head.dense_act:
+                pooled = F.activation(self.head.dense_act)(pooled)
+        if self.dense_norm is not None:
+            pooled = self.dense_norm(pooled)
         logits = self.out(pooled)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
@@ -481,12 +571,15 @@ class ModelForTokenClassification(TaskModel):
         return heads.token if heads is not None else None
 
     def build_head(self, head: str, num_labels, hidden):
+        object.__setattr__(self, "transform", self.build_transform(hidden))
         object.__setattr__(self, "out", self.add_head_linear(head, hidden, num_labels, self.heads.token_bias))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False):
-        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        logits = self.out(out.last_hidden_state)
+                output_hidden_states=False, global_attention_mask=None):
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                            global_attention_mask)
+        h = out.last_hidden_state
+        logits = self.out(self.transform(h) if self.transform is not None else h)
         loss = token_classification_loss(logits, labels, self.num_labels) if labels is not None else None
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
@@ -500,13 +593,16 @@ class ModelForQuestionAnswering(TaskModel):
         return heads.question_answering if heads is not None else None
 
     def build_head(self, head: str, num_labels, hidden):
+        object.__setattr__(self, "transform", self.build_transform(hidden))
         object.__setattr__(self, "out", self.add_head_linear(head, hidden, 2, True))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
-                end_positions=None, output_hidden_states=False, labels=None):
+                end_positions=None, output_hidden_states=False, labels=None, global_attention_mask=None):
         """``labels`` [B, 2]: start and end positions in one array, as the Trainer's batches hold them."""
-        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states)
-        logits = self.out(out.last_hidden_state)
+        out = self.run_base(input_ids, attention_mask, token_type_ids, position_ids, output_hidden_states,
+                            global_attention_mask)
+        h = out.last_hidden_state
+        logits = self.out(self.transform(h) if self.transform is not None else h)
         start_logits, end_logits = logits[..., 0].contiguous(), logits[..., 1].contiguous()
         loss = None
         if labels is not None:
@@ -537,7 +633,7 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
         super().build_head(head, 1, hidden)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                 output_hidden_states=False):
+                 output_hidden_states=False, global_attention_mask=None):
         ids = _host(input_ids)
         if ids.ndim != 3:
             raise TaskHeadError(f"input_ids has shape {ids.shape}; a multiple-choice model takes [batch, choices, "
@@ -547,11 +643,13 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
             return None if value is None else _host(value).reshape(-1, ids.shape[-1])
         self._choices = ids.shape[1]
         return super().__call__(flat(ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                                labels=labels, output_hidden_states=output_hidden_states)
+                                labels=labels, output_hidden_states=output_hidden_states,
+                                global_attention_mask=flat(global_attention_mask))
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                output_hidden_states=False):
-        out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, None, output_hidden_states)
+                output_hidden_states=False, global_attention_mask=None):
+        out = super().forward(input_ids, attention_mask, token_type_ids, position_ids, None, output_hidden_states,
+                              global_attention_mask)
         logits = out.logits.reshape(-1, self._choices)
         loss = None
         if labels is not None:
@@ -563,7 +661,7 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
 HEAD_MODELS = {cls.task: cls for cls in (ModelForSequenceClassification, ModelForTokenClassification,
                                           ModelForQuestionAnswering, ModelForMultipleChoice)}
 
-__all__ = ["BaseModelOutput", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForMultipleChoice",
+__all__ = ["BaseModelOutput", "Transform", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForMultipleChoice",
            "ModelForQuestionAnswering", "MultipleChoiceModelOutput",
            "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput", "Seq2SeqModelOutput",
            "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",

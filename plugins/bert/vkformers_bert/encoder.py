@@ -227,7 +227,9 @@ class EncoderBlock(Module):
              Linear(s.conv_width, s.num_heads * s.conv_kernel)),
             ("conv_out", "attention.self.conv_out_layer" if s.conv_kernel else None, Linear(d, s.conv_width)),
             ("adapter_up", f"{s.lang_adapter}.dense1" if s.lang_adapter else None, Linear(d, s.adapter_size)),
-            ("adapter_down", f"{s.lang_adapter}.dense2" if s.lang_adapter else None, Linear(s.adapter_size, d)))
+            ("adapter_down", f"{s.lang_adapter}.dense2" if s.lang_adapter else None, Linear(s.adapter_size, d)),
+            *((role, path, Linear(d, d)) for role, path in zip(("q_global", "k_global", "v_global"),
+                                                               s.global_projections or (None, None, None))))
             if path}
         object.__setattr__(self, "parts", parts)  # plain references: _place registered them under HF paths
         idle = [_place(host, f"{path}.{name}", Linear(*sizes)) for path in s.idle_adapters
@@ -337,9 +339,28 @@ class EncoderBlock(Module):
         elif self.window:  # bidirectional window |i - j| <= window: composed from ops with an additive mask
             scores = (q @ k.transpose(-2, -1)) * (1.0 / float(np.sqrt(s.head_dim)))
             out = (scores + ctx.window_bias(self.window, batch, length)).softmax(-1) @ v
+            if s.global_projections:
+                out = self.global_attention(x, out, ctx, heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
         return p["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size))
+
+    def global_attention(self, x, local, ctx: "Context", heads):
+        """Longformer: the rows of global tokens replaced by their attention to every real key through the global
+        projections, padded rows zeroed (transformers zeroes their probabilities); ``local`` [B, H, T, head_dim]."""
+        s, p = self.spec, self.parts
+        batch, length = ctx.mask_shape
+        real = np.ones((batch, length), bool) if ctx.mask is None else ctx.mask.astype(bool)
+        glob = ctx.global_tokens if ctx.global_tokens is not None else np.zeros((batch, length), bool)
+        local_rows = Tensor((real & ~glob).astype(np.float32)[:, None, :, None]).cast(local.dtype)
+        if not glob.any():
+            return local * local_rows
+        q, k, v = heads(p["q_global"](x), s.num_heads), heads(p["k_global"](x), s.num_heads), \
+            heads(p["v_global"](x), s.num_heads)
+        keys = Tensor(np.where(real, np.float32(0), np.float32(-1e30))[:, None, None, :].astype(np.float32))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / float(np.sqrt(s.head_dim))) + keys
+        rows = Tensor(glob.astype(np.float32)[:, None, :, None]).cast(local.dtype)
+        return local * local_rows + (scores.softmax(-1) @ v) * rows
 
     def disentangled(self, q, k, v, ctx: "Context"):
         """DeBERTa: softmax(scale * (q k^T + c2p + p2c) + mask) v, scale = 1 / sqrt(head_dim * (1 + terms)).
@@ -405,13 +426,18 @@ class Context:
     pair_mask: object = None        # DeBERTa: bool Tensor [B, 1, T, T], query and key both real
     position_bias: object = None    # MPNet: Tensor [1, H, T, T] added to every layer's scores
     key_bias: object = None         # MPNet: float32 Tensor [B, 1, 1, T], -1e30 at padded keys
+    global_tokens: np.ndarray | None = None  # Longformer: bool [B, T], the real tokens with global attention
+    mask_shape: tuple = (0, 0)      # (batch, length)
 
     def window_bias(self, window: int, batch: int, length: int) -> Tensor:
-        """0 where query i may see key j (|i - j| <= window and j not padding), -1e30 elsewhere: [B, 1, T, T]."""
+        """0 where query i may see key j (|i - j| <= window, or j a global token; j not padding), -1e30 elsewhere:
+        [B, 1, T, T]."""
         pos = np.arange(length)
-        allowed = np.abs(pos[:, None] - pos[None, :]) <= window
+        allowed = (np.abs(pos[:, None] - pos[None, :]) <= window)[None, None]
+        if self.global_tokens is not None:
+            allowed = allowed | self.global_tokens[:, None, None, :]
         keys = np.ones((batch, length), bool) if self.mask is None else self.mask.astype(bool)
-        allowed = allowed[None, None] & keys[:, None, None, :]
+        allowed = allowed & keys[:, None, None, :]
         return Tensor(np.where(allowed, np.float32(0), np.float32(-1e30)).astype(np.float32))
 
 
@@ -659,12 +685,24 @@ class EncoderForMaskedLM(Module):
         loss = self.loss(logits, labels) if labels is not None else None
         return MaskedLMOutput(logits=logits, loss=loss)
 
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None):
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None,
+               global_attention_mask=None):
         """The encoder's last hidden states [B, T, hidden] (after the final norm of pre-LN encoders), before any
-        head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed)."""
+        head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed).
+        ``global_attention_mask`` (Longformer): 1 at the tokens with global attention; an attention mask of 2 says
+        the same, as in transformers."""
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
         mask = _as_int_array(attention_mask) if self.spec.reads_mask else None
+        global_tokens = None
+        if self.spec.global_projections:
+            marks = np.ones((batch, length), np.int64) if mask is None else mask.astype(np.int64)
+            if global_attention_mask is not None:
+                marks = marks * (_as_int_array(global_attention_mask).astype(np.int64) + 1)
+            global_tokens = marks > 1 if (marks > 1).any() else None
+            mask = None if mask is None else (mask > 0).astype(mask.dtype)
+        elif global_attention_mask is not None:
+            raise UnsupportedBaseModel(f"{self.architecture_name} takes no global_attention_mask; leave it out")
         types = token_type_ids.numpy() if isinstance(token_type_ids, Tensor) else token_type_ids
         # the caller's array itself (not a copy): a captured training step finds the batch's segment ids by it
         x = self.embed(ids, mask, None if types is None else np.asarray(types), source=input_ids)
@@ -679,7 +717,8 @@ class EncoderForMaskedLM(Module):
         padding = None
         if mask is not None and not mask.all():  # a captured training step derives it anew from the next mask
             padding = Tensor(lazy.derived_input(_as_bool(mask), attention_mask, _as_bool), dtype=dt.bool_)
-        ctx = Context(padding, rotary, mask, self._relative(length) if self.rel_table is not None else None)
+        ctx = Context(padding, rotary, mask, self._relative(length) if self.rel_table is not None else None,
+                      global_tokens=global_tokens, mask_shape=(batch, length))
         if self.rel_bias is not None:
             buckets = relative_position_buckets(length, self.spec.relative_bias_buckets,
                                                 self.spec.relative_bias_max_distance)

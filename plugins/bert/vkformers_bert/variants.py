@@ -71,6 +71,7 @@ class EncoderSpec:
     residual_scale: float = 1.0              # x + f(norm(x)) / residual_scale (ESMC: sqrt(layers / 36))
     first_attn_norm_identity: bool = False   # layer 0 has no attention norm (ModernBERT: the embeddings end normed)
     layer_windows: tuple[int, ...] = ()      # per layer: 0 full attention, w > 0 keys with |i - j| <= w (ModernBERT)
+    global_projections: tuple[str, str, str] | None = None  # Longformer: q, k, v of the global tokens' attention
     scattered_layers: bool = False           # part paths are full paths with {i} (XLM's per-layer lists)
     attn_bias: bool = True                   # q/k/v/o biases
     mlp_bias: bool = True
@@ -689,11 +690,12 @@ def fnet(config: dict) -> EncoderSpec:
 
 
 @architecture("longformer", norm="layer", status="verified",
-              notes="BERT-family; local sliding-window attention (global attention, mask value 2, not taken)")
+              notes="BERT-family; sliding-window attention and global tokens")
 def longformer(config: dict) -> EncoderSpec:
     """RoBERTa under the longformer prefix whose layer i attends to keys within attention_window[i] / 2 on both
-    sides. Global attention (attention_mask 2) is not taken (masks hold 0 and 1), so the query/key/value_global
-    projections never run and get no gradient."""
+    sides and to every global token (global_attention_mask 1, or attention_mask 2, as transformers); a global token
+    attends to every token through the query/key/value_global projections, which run only when a batch holds global
+    tokens; padded query rows attend to nothing (their attention output is zero)."""
     layers = config["num_hidden_layers"]
     windows = config.get("attention_window", 512)
     windows = [windows] * layers if isinstance(windows, int) else list(windows)
@@ -701,11 +703,8 @@ def longformer(config: dict) -> EncoderSpec:
         raise UnsupportedConfigError(f"longformer: config option attention_window={config.get('attention_window')!r} "
                                      f"must be one positive even number or one per layer ({layers})")
     spec = roberta(config, "longformer")
-    d = spec.hidden_size
-    idle = tuple((f"longformer.encoder.layer.{i}.attention.self.{name}_global.{part}", shape)
-                 for i in range(layers) for name in ("query", "key", "value")
-                 for part, shape in (("weight", (d, d)), ("bias", (d,))))
-    return replace(spec, layer_windows=tuple(w // 2 for w in windows), unused=idle)
+    return replace(spec, layer_windows=tuple(w // 2 for w in windows),
+                   global_projections=tuple(f"attention.self.{name}_global" for name in ("query", "key", "value")))
 
 
 @architecture("mobilebert", norm="layer", status="verified",
