@@ -12,8 +12,9 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
     fused_linear,
     fused_qkv_rope_write,
 )
-from vkformers.engine.ops.conv import causal_conv1d
+from vkformers.engine.ops.conv import causal_conv1d, depthwise_conv1d
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
+from vkformers.engine.ops.linalg import iterative_pinv
 from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
 from vkformers.engine.ops.matmul import matmul as _batched_matmul
@@ -141,9 +142,9 @@ def log_softmax(x, dim=UNSET, *, axis=UNSET):
     return x.log_softmax(axis, dim=dim)
 
 
-__all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+__all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
-           "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
+           "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "iterative_pinv", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",
            "relu", "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid",
            "silu", "softmax", "softplus", "stack", "take_along_last", "tanh", "where"]
