@@ -52,6 +52,17 @@ class Spec:
     mask_token_id: int | None = None  # put this id into the inputs at a few labelled positions (ESM token dropout)
     model_class: str | None = None    # a transformers class to use instead of AutoModelForMaskedLM's choice
     loss_by_hand: bool = False        # the class's own loss is not the masked-LM one: cross-entropy on the logits
+    key_mask_4d: bool = False         # give the model the additive key mask [B, 1, 1, T] (see model_mask)
+
+
+def model_mask(spec, mask):
+    """The attention mask given to the model: the 0/1 mask itself, or for ``key_mask_4d`` the additive key mask
+    [B, 1, 1, T] (0 / float32 min) that transformers' get_extended_attention_mask builds and passes through as it is.
+    The Nyströmformer needs it: the [B, 1, T, T] mask transformers 5 makes from a 0/1 mask cannot be added to its
+    landmark scores [B, H, landmarks, T]."""
+    if not getattr(spec, "key_mask_4d", False):
+        return mask
+    return (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
 
 
 SPECS = [
@@ -226,6 +237,13 @@ SPECS = [
           "one dynamic-convolution head (kernel 3: separable convolution of the input times the query -> softmax "
           "weights over 3 neighbours of conv_out_layer, zeros past the ends, padding not masked); generator head "
           "8 -> 4 tied."]),
+    Spec("nystromformer", "nystromformer", dict(SMALL, segment_means_seq_len=SEQ, num_landmarks=4, conv_kernel_size=3),
+         ["two layers, 4 landmarks (means of segments of 2) over the 8 positions: softmax(q kl^T) pinv(softmax(ql "
+          "kl^T)) softmax(ql k^T + mask) v, pinv 6 Newton-Schulz steps from A^T / (largest column sum over the "
+          "batch), plus a depthwise convolution (kernel 3 per head) of the values, padding not masked; positions "
+          "from row 2 of an 18-row table; gelu_new. The model is given the additive key mask [2, 1, 1, 8] "
+          "(key_mask_4d): transformers 5's own [2, 1, 8, 8] mask does not broadcast onto the landmark scores."],
+         key_mask_4d=True),
 ]
 
 
@@ -313,11 +331,11 @@ def build(spec: Spec, out_root: Path):
     has_types = any(n.endswith("token_type_embeddings.weight") for n in params)
     kwargs = dict(token_type_ids=types) if has_types else {}
     if spec.loss_by_hand:
-        out_fwd = model(input_ids=ids, attention_mask=mask, **kwargs)
+        out_fwd = model(input_ids=ids, attention_mask=model_mask(spec, mask), **kwargs)
         out_fwd.loss = torch.nn.functional.cross_entropy(out_fwd.logits.reshape(-1, out_fwd.logits.shape[-1]),
                                                          labels.reshape(-1), ignore_index=-100)
     else:
-        out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+        out_fwd = model(input_ids=ids, attention_mask=model_mask(spec, mask), labels=labels, **kwargs)
     logits = out_fwd.logits.detach().float()
     out_fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32), "labels": labels.to(torch.int32),
@@ -333,7 +351,7 @@ def build(spec: Spec, out_root: Path):
 
     with torch.no_grad():  # the saved folder reproduces the logits when transformers reloads it
         reloaded = auto.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
-        reload_diff = (reloaded(input_ids=ids, attention_mask=mask, **kwargs).logits - logits)[mask.bool()].abs().max()
+        reload_diff = (reloaded(input_ids=ids, attention_mask=model_mask(spec, mask), **kwargs).logits - logits)[mask.bool()].abs().max()
 
     opt = torch.optim.AdamW(list(params.values()), foreach=False, **ADAMW)
     opt.step()

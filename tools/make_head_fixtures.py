@@ -152,6 +152,11 @@ CASES = {
                                         shape_vocab_size=8), "token"),
     "big_bird-sequence": ("big_bird", dict(NARROW, attention_type="original_full"), "sequence"),
     "convbert-sequence": ("convbert", dict(NARROW, embedding_size=8, head_ratio=1, conv_kernel_size=3), "sequence"),
+    # every position a landmark (exact softmax attention, which transformers masks from a 0/1 mask), value conv 3
+    "nystromformer-sequence": ("nystromformer", dict(NARROW, segment_means_seq_len=LENGTH, num_landmarks=LENGTH,
+                                                     conv_kernel_size=3), "sequence"),
+    "nystromformer-choice": ("nystromformer", dict(NARROW, segment_means_seq_len=LENGTH, num_landmarks=LENGTH,
+                                                   conv_kernel_size=3), "choice"),
 }
 
 

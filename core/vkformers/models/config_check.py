@@ -22,10 +22,12 @@ SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
          "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "type_vocab_size", "embedding_size",
          "moe_intermediate_size", "num_experts", "num_local_experts", "num_experts_per_tok",
-         "relative_attention_num_buckets", "relative_attention_max_distance")
+         "relative_attention_num_buckets", "relative_attention_max_distance", "num_landmarks",
+         "segment_means_seq_len", "conv_kernel_size")
 # may be null ("use the default"): a null hidden_size is an error, a null head_dim is hidden_size / heads
 NULLABLE = {"num_key_value_heads", "head_dim", "n_inner", "intermediate_size", "moe_intermediate_size",
-            "num_experts", "num_local_experts", "num_experts_per_tok", "embedding_size", "type_vocab_size"}
+            "num_experts", "num_local_experts", "num_experts_per_tok", "embedding_size", "type_vocab_size",
+            "conv_kernel_size"}
 NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta",
            "partial_rotary_factor")
 STRINGS = ("model_type", "hidden_act", "activation_function", "hidden_activation", "feed_forward_proj")

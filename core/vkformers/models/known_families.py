@@ -34,6 +34,7 @@ KNOWN_FAMILIES = {
     "modernvbert": "bert",
     "mpnet": "bert",
     "nomic_bert": "bert",
+    "nystromformer": "bert",
     "rembert": "bert",
     "roberta": "bert",
     "roberta-prelayernorm": "bert",

@@ -103,7 +103,8 @@ class EncoderSpec:
     adapter_size: int = 0                    # its bottleneck width
     adapter_ln_before: bool = True           # the adapter's residual is the normed state (else the state before)
     idle_adapters: tuple[str, ...] = ()      # the other languages' adapters: loaded, not run, zero gradient (as torch)
-    mixing: str = "attention"                # "fourier": the real part of a 2-D DFT over positions and hidden (FNet)
+    mixing: str = "attention"                # "fourier": the real part of a 2-D DFT over positions and hidden (FNet);
+    #                                          "nystrom": the Nyström approximation of softmax attention (below)
     reads_mask: bool = True                  # False: the attention mask is ignored, padding mixes in (FNet)
     conv_kernel: int = 0                     # ConvBERT: > 0 mixes half the heads by span-based dynamic convolution
     conv_width: int = 0                      # ConvBERT: the q / k / v width (attention heads x their size)
@@ -135,6 +136,14 @@ class EncoderSpec:
     qkv_per_head: bool = False               # the fused projection holds [q_h; k_h; v_h] head by head (DeBERTa's in_proj)
     qkv_bias: bool | None = None             # the fused projection's bias (None: attn_bias)
     qv_bias: tuple[str, str] | None = None   # separate q and v biases added after the projection (DeBERTa's q_bias, v_bias)
+
+    # -- Nyströmformer: softmax attention approximated through landmarks (segment means of q and k), the inverse of
+    #    the landmarks' own attention by iteration; a depthwise convolution over positions of the values added
+    landmarks: int = 0                       # num_landmarks; == landmark_length: exact softmax attention
+    landmark_length: int = 0                 # segment_means_seq_len: the one sequence length landmarks are taken at
+    value_conv: str | None = None            # path (under a layer) of the value convolution, weight [heads, 1, k, 1]
+    value_conv_kernel: int = 0
+    position_offset: int = 0                 # positions count from this row of the table (Nyströmformer: 2)
 
     # -- MPNet: a bias per head from a table of bucketed relative positions (T5's buckets), shared by every layer
     relative_bias: str | None = None         # full path of the table [buckets, heads]
@@ -611,6 +620,33 @@ def mpnet(config: dict) -> EncoderSpec:
     return replace(spec, token_type=None, type_vocab_size=0, q_proj="attention.attn.q", k_proj="attention.attn.k",
                    v_proj="attention.attn.v", o_proj="attention.attn.o", attn_norm="attention.LayerNorm",
                    relative_bias="mpnet.encoder.relative_attention_bias", relative_bias_buckets=32)
+
+
+@architecture("nystromformer", norm="layer", status="verified",
+              notes="BERT-family; Nyström attention through landmarks with an iterative pseudo-inverse")
+def nystromformer(config: dict) -> EncoderSpec:
+    """BERT's post-LN layout under the nystromformer prefix (gelu_new, LayerNorm eps 1e-5, pad 1) whose position
+    table has max_position_embeddings + 2 rows read from row 2 on, and whose attention, when num_landmarks is not
+    segment_means_seq_len, is softmax(q kl^T) pinv(softmax(ql kl^T)) softmax(ql k^T + mask) v: ql, kl the means of
+    num_landmarks equal segments of q and k (q, k scaled by head_dim^-1/4; the mask only on the last factor), pinv
+    six Newton-Schulz steps from A^T / (the largest column sum over the batch). conv_kernel_size adds a depthwise
+    convolution over positions of the values (one kernel per head, padding not masked)."""
+    arch = "nystromformer"
+    refuse(arch, config, "inv_coeff_init_option", lambda v: not v, False)  # transformers cannot read its option
+    kernel = config.get("conv_kernel_size", 65)
+    if kernel is not None and int(kernel) % 2 == 0:
+        raise UnsupportedConfigError(f"{arch}: config option conv_kernel_size={kernel} is not supported (an even "
+                                     "kernel lengthens the sequence by one: transformers cannot add it either)")
+    length, landmarks = int(config.get("segment_means_seq_len", 64)), int(config.get("num_landmarks", 64))
+    if landmarks <= 0 or length % landmarks:
+        raise UnsupportedConfigError(f"{arch}: config option num_landmarks={landmarks} must divide "
+                                     f"segment_means_seq_len={length}")
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "gelu_new"),
+                     layer_norm_eps=config.get("layer_norm_eps", 1e-5), pad_token_id=config.get("pad_token_id", 1),
+                     max_position_embeddings=config.get("max_position_embeddings", 510) + 2), arch)
+    return replace(spec, mixing="nystrom", landmarks=landmarks, landmark_length=length, position_offset=2,
+                   value_conv="attention.self.conv" if kernel is not None else None,
+                   value_conv_kernel=int(kernel or 0))
 
 
 @architecture("gte", norm="layer", status="verified",
