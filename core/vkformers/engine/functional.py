@@ -15,6 +15,7 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
 from vkformers.engine.ops.conv import causal_conv1d, depthwise_conv1d
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
 from vkformers.engine.ops.linalg import iterative_pinv
+from vkformers.engine.ops.lsh import lsh_expectation_attention
 from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
 from vkformers.engine.ops.matmul import matmul as _batched_matmul
@@ -142,9 +143,16 @@ def log_softmax(x, dim=UNSET, *, axis=UNSET):
     return x.log_softmax(axis, dim=dim)
 
 
+def normalize(x, p: float = 2.0, dim: int = -1, eps: float = 1e-12):
+    """x / max(||x||_2, eps) along ``dim``, as torch.nn.functional.normalize (only p = 2)."""
+    if p != 2.0:
+        raise ValueError(f"normalize: only the Euclidean norm (p=2) is implemented, got p={p}")
+    return x / (x * x).sum(dim, keepdim=True).sqrt().clamp(min=eps)
+
+
 __all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "iterative_pinv", "layer_norm", "linear",
-           "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",
+           "live_rows_where_used", "log_softmax", "lsh_expectation_attention", "manual_seed", "normalize", "quantized_embedding", "quantized_linear", "quick_gelu",
            "relu", "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid",
            "silu", "softmax", "softplus", "stack", "take_along_last", "tanh", "where"]

@@ -285,6 +285,7 @@ class Tensor:
     def exp(self): return E.unary(self, "exp")
     def log(self): return E.unary(self, "log")
     def sqrt(self): return E.unary(self, "sqrt")
+    def acos(self): return E.unary(self, "acos")
     def rsqrt(self): return E.unary(self, "rsqrt")
     def abs(self): return E.unary(self, "abs")
     def tanh(self): return E.unary(self, "tanh")
