@@ -244,6 +244,12 @@ SPECS = [
           "from row 2 of an 18-row table; gelu_new. The model is given the additive key mask [2, 1, 1, 8] "
           "(key_mask_4d): transformers 5's own [2, 1, 8, 8] mask does not broadcast onto the landmark scores."],
          key_mask_4d=True),
+    Spec("yoso", "yoso", dict(SMALL, conv_window=3, **ROBERTA_TOK),
+         ["two layers, expectation mode (use_expectation, transformers' CPU path; LSH sampling needs its CUDA "
+          "kernels): normalize((1 - acos(q^ k^T) / pi) ** 9 v) with unit q^, k^, gradients through YOSO's surrogate "
+          "(dq = ((dY v^T) * E) k * 9 / 2, ...); no attention mask there (transformers' int(1 + mask / 10000) is 1 "
+          "everywhere: the padded row's pad tokens are attended); plus a depthwise convolution (kernel 3 per head) of "
+          "the values times the mask; positions from row 2 of an 18-row table; one token type."]),
 ]
 
 

@@ -157,6 +157,7 @@ CASES = {
                                                      conv_kernel_size=3), "sequence"),
     "nystromformer-choice": ("nystromformer", dict(NARROW, segment_means_seq_len=LENGTH, num_landmarks=LENGTH,
                                                    conv_kernel_size=3), "choice"),
+    "yoso-sequence": ("yoso", dict(NARROW, conv_window=3, **ROBERTA_TOKENS), "sequence"),
 }
 
 

@@ -45,6 +45,7 @@ KNOWN_FAMILIES = {
     "xlm-roberta": "bert",
     "xlm-roberta-xl": "bert",
     "xmod": "bert",
+    "yoso": "bert",
     # vkformers-llama
     "apertus": "llama",
     "apertus1p5_text": "llama",

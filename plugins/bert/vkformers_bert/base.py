@@ -42,9 +42,9 @@ def first_token_heads(config: dict) -> TaskHeads:
                      question_answering=None if config.get("model_type") == "big_bird" else "qa_outputs")
 
 
-def nystromformer_heads(config: dict) -> TaskHeads:
-    """The first token through dense, hidden_act and out_proj for sequences; for choices through pre_classifier,
-    ReLU and classifier; token and question-answering heads as BERT's. No pooler."""
+def first_token_heads_relu_choices(config: dict) -> TaskHeads:
+    """Nyströmformer's and YOSO's: the first token through dense, hidden_act and out_proj for sequences; for choices
+    through pre_classifier, ReLU and classifier; token and question-answering heads as BERT's. No pooler."""
     return TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense",
                                   dense_act=config.get("hidden_act", "gelu_new")),
                      multiple_choice=SequenceHead("first", dense="pre_classifier", dense_act="relu"))
@@ -52,7 +52,8 @@ def nystromformer_heads(config: dict) -> TaskHeads:
 
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
 CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads,
-              "roformer": first_token_heads, "big_bird": first_token_heads, "nystromformer": nystromformer_heads}
+              "roformer": first_token_heads, "big_bird": first_token_heads, "nystromformer": first_token_heads_relu_choices,
+              "yoso": first_token_heads_relu_choices}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {

@@ -359,6 +359,8 @@ class EncoderBlock(Module):
                 v = F.rope(v.contiguous(), positions, inv_freq, **rotate)
         if s.mixing == "nystrom":
             out = self.nystrom(q, k, v, ctx)
+        elif s.mixing == "lsh":  # YOSO: no mask (transformers' is 1 everywhere), unit rows in and out
+            out = F.normalize(F.lsh_expectation_attention(F.normalize(q), F.normalize(k), v, s.hash_bits))
         elif s.score_terms or s.relative_attention:
             out = self.disentangled(q, k, v, ctx)
         elif ctx.position_bias is not None:  # MPNet: scores + the layers' shared relative-position bias
@@ -373,7 +375,10 @@ class EncoderBlock(Module):
             out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
         out = out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
         if s.value_conv:
-            out = out + self.value_convolution(v.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size))
+            values = v.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
+            if s.value_conv_masked and ctx.value_keep is not None:
+                values = values * ctx.value_keep
+            out = out + self.value_convolution(values)
         return p["o"](out)
 
     def disentangled(self, q, k, v, ctx: "Context"):
@@ -440,6 +445,7 @@ class Context:
     pair_mask: object = None        # DeBERTa: bool Tensor [B, 1, T, T], query and key both real
     position_bias: object = None    # MPNet: Tensor [1, H, T, T] added to every layer's scores
     key_bias: object = None         # MPNet: float32 Tensor [B, 1, 1, T], -1e30 at padded keys
+    value_keep: object = None       # YOSO: Tensor [B, T, 1], the attention mask the convolved values are scaled by
 
     def window_bias(self, window: int, batch: int, length: int) -> Tensor:
         """0 where query i may see key j (|i - j| <= window and j not padding), -1e30 elsewhere: [B, 1, T, T]."""
@@ -493,6 +499,11 @@ def _pair_mask(mask) -> np.ndarray:
     """[B, 1, T, T] bytes of a bool tensor: query i and key j both real (DeBERTa's attention mask)."""
     real = np.asarray(mask.numpy() if isinstance(mask, Tensor) else mask) != 0
     return (real[:, None, :, None] & real[:, None, None, :]).astype(np.uint8)
+
+
+def _keep_column(mask) -> np.ndarray:
+    """float32 [B, T, 1]: 1 at real tokens, 0 at padding."""
+    return _as_bool(mask).astype(np.float32)[..., None]
 
 
 def _key_bias(mask) -> np.ndarray:
@@ -726,6 +737,8 @@ class EncoderForMaskedLM(Module):
                 ctx.key_bias = Tensor(lazy.derived_input(_key_bias(mask), attention_mask, _key_bias))
         elif padding is not None and self.spec.mixing == "nystrom":
             ctx.key_bias = Tensor(lazy.derived_input(_key_bias(mask), attention_mask, _key_bias))
+        if padding is not None and self.spec.value_conv_masked:
+            ctx.value_keep = Tensor(lazy.derived_input(_keep_column(mask), attention_mask, _keep_column), dtype=x.dtype)
         if padding is not None and (self.spec.score_terms or self.spec.relative_attention):
             ctx.pair_mask = Tensor(lazy.derived_input(_pair_mask(mask), attention_mask, _pair_mask), dtype=dt.bool_)
         keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)

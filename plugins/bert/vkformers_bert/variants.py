@@ -104,7 +104,8 @@ class EncoderSpec:
     adapter_ln_before: bool = True           # the adapter's residual is the normed state (else the state before)
     idle_adapters: tuple[str, ...] = ()      # the other languages' adapters: loaded, not run, zero gradient (as torch)
     mixing: str = "attention"                # "fourier": the real part of a 2-D DFT over positions and hidden (FNet);
-    #                                          "nystrom": the Nyström approximation of softmax attention (below)
+    #                                          "nystrom": the Nyström approximation of softmax attention (below);
+    #                                          "lsh": YOSO's expected LSH collisions of unit q and k (below)
     reads_mask: bool = True                  # False: the attention mask is ignored, padding mixes in (FNet)
     conv_kernel: int = 0                     # ConvBERT: > 0 mixes half the heads by span-based dynamic convolution
     conv_width: int = 0                      # ConvBERT: the q / k / v width (attention heads x their size)
@@ -143,7 +144,9 @@ class EncoderSpec:
     landmark_length: int = 0                 # segment_means_seq_len: the one sequence length landmarks are taken at
     value_conv: str | None = None            # path (under a layer) of the value convolution, weight [heads, 1, k, 1]
     value_conv_kernel: int = 0
+    value_conv_masked: bool = False          # the convolution reads the values times the attention mask (YOSO)
     position_offset: int = 0                 # positions count from this row of the table (Nyströmformer: 2)
+    hash_bits: int = 0                       # YOSO: hash_code_len, the power of the collision probability
 
     # -- MPNet: a bias per head from a table of bucketed relative positions (T5's buckets), shared by every layer
     relative_bias: str | None = None         # full path of the table [buckets, heads]
@@ -647,6 +650,28 @@ def nystromformer(config: dict) -> EncoderSpec:
     return replace(spec, mixing="nystrom", landmarks=landmarks, landmark_length=length, position_offset=2,
                    value_conv="attention.self.conv" if kernel is not None else None,
                    value_conv_kernel=int(kernel or 0))
+
+
+@architecture("yoso", norm="layer", status="verified",
+              notes="BERT-family; YOSO's expectation attention (use_expectation), not its CUDA-only LSH sampling")
+def yoso(config: dict) -> EncoderSpec:
+    """BERT's post-LN layout under the yoso prefix (one token type, pad 1, positions from row 2 of a table of
+    max_position_embeddings + 2 rows) whose attention is normalize(E v), E = (1 - acos(q^ k^T) / pi) ** hash_code_len
+    with q^, k^ the unit queries and keys: the expected collisions of hash_code_len random hyperplanes, trained with
+    YOSO's surrogate gradient. transformers ignores the attention mask there (its int(1 + mask / 10000) is 1 at
+    every position), so padding is attended as in transformers; conv_window adds a depthwise convolution over
+    positions of the masked values. use_expectation=False samples hashes in transformers' CUDA kernels: refused."""
+    arch = "yoso"
+    refuse(arch, config, "use_expectation", lambda v: v, True)
+    window = config.get("conv_window")
+    if window is not None and int(window) % 2 == 0:
+        raise UnsupportedConfigError(f"{arch}: config option conv_window={window} is not supported (an even kernel "
+                                     "lengthens the sequence by one: transformers cannot add it either)")
+    spec = bert(dict(config, type_vocab_size=config.get("type_vocab_size", 1), pad_token_id=config.get("pad_token_id", 1),
+                     max_position_embeddings=config.get("max_position_embeddings", 4096) + 2), arch)
+    return replace(spec, mixing="lsh", hash_bits=int(config.get("hash_code_len", 9)), position_offset=2,
+                   value_conv="attention.self.conv" if window is not None else None,
+                   value_conv_kernel=int(window or 0), value_conv_masked=True)
 
 
 @architecture("gte", norm="layer", status="verified",
