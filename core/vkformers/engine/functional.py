@@ -16,6 +16,7 @@ from vkformers.engine.ops.conv import causal_conv1d, depthwise_conv1d
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
 from vkformers.engine.ops.linalg import iterative_pinv
 from vkformers.engine.ops.lsh import lsh_expectation_attention
+from vkformers.engine.ops.pool import avg_pool1d
 from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
 from vkformers.engine.ops.matmul import matmul as _batched_matmul
@@ -150,7 +151,7 @@ def normalize(x, p: float = 2.0, dim: int = -1, eps: float = 1e-12):
     return x / (x * x).sum(dim, keepdim=True).sqrt().clamp(min=eps)
 
 
-__all__ = ["FusedNorm", "activation", "cat", "causal_conv1d", "cross_entropy", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
+__all__ = ["FusedNorm", "activation", "avg_pool1d", "cat", "causal_conv1d", "cross_entropy", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "iterative_pinv", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "lsh_expectation_attention", "manual_seed", "normalize", "quantized_embedding", "quantized_linear", "quick_gelu",
