@@ -196,7 +196,8 @@ def test_unimplemented_encoder_architecture_is_named():
     ("big_bird", "attention_type", "block_sparse"), ("flaubert", "pre_norm", True), ("xlm", "causal", True),
     ("roc_bert", "concat_input", False), ("modernbert", "sparse_prediction", True),
     ("nystromformer", "inv_coeff_init_option", True), ("nystromformer", "conv_kernel_size", 4),
-    ("nystromformer", "num_landmarks", 3), ("yoso", "use_expectation", False), ("yoso", "conv_window", 4)])
+    ("nystromformer", "num_landmarks", 3), ("yoso", "use_expectation", False), ("yoso", "conv_window", 4),
+    ("funnel", "attention_type", "factorized"), ("funnel", "pooling_type", "max"), ("funnel", "pool_q_only", False)])
 def test_unimplemented_variant_options_are_named(fixture, option, value):
     from vkformers_bert.variants import UnsupportedConfigError
     if fixture not in fixture_names():

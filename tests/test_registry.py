@@ -40,7 +40,7 @@ BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bam
                     "deberta-v2": "bert", "deberta": "bert", "mpnet": "bert", "gte": "bert", "ibert": "bert",
                     "squeezebert": "bert", "xmod": "bert", "fnet": "bert", "longformer": "bert", "mobilebert": "bert",
                     "luke": "bert", "convbert": "bert", "lfm2": "ssm", "zamba": "ssm", "zamba2": "ssm", "recurrent_gemma": "ssm",
-                    "nystromformer": "bert", "yoso": "bert"}
+                    "nystromformer": "bert", "yoso": "bert", "funnel": "bert"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 # the reference list's architectures per family, plus those beyond it
 EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)

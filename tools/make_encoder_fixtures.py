@@ -250,6 +250,15 @@ SPECS = [
           "(dq = ((dY v^T) * E) k * 9 / 2, ...); no attention mask there (transformers' int(1 + mask / 10000) is 1 "
           "everywhere: the padded row's pad tokens are attended); plus a depthwise convolution (kernel 3 per head) of "
           "the values times the mask; positions from row 2 of an 18-row table; one token type."]),
+    Spec("funnel", "funnel", dict(vocab_size=VOCAB, d_model=8, n_head=2, d_head=4, d_inner=8, block_sizes=[1, 1],
+                                  block_repeats=[1, 2], num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0),
+         ["two blocks of one layer (the second's run twice: block_repeats 2), d_model 8, 2 heads of 4: the second "
+          "block's first run attends from the 4 pooled positions ([CLS], then means of pairs) to all 8, its second "
+          "within the 4; relative-shift attention through the sinusoid table of distances, token-type terms, "
+          "[CLS] row and column without them, padded keys at -1e6; decoder: the 4 positions repeated to 8 plus the "
+          "first block's output, one layer; lm_head tied to the word embeddings (own bias); gelu_new; no pad id (the "
+          "batch pads with id 0, an ordinary token to the word embedding)."]),
 ]
 
 

@@ -155,7 +155,7 @@ def build_encoder(spec, out_root: Path) -> dict:
                 - ref["logits"])[mask.bool()].abs().max()
     if diff > 1e-5:
         raise RuntimeError(f"the reloaded model does not reproduce the fixture's logits (max diff {diff:.3g})")
-    pad = model.config.pad_token_id
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0  # make_inputs' padding id
     ids = ids.clone()
     ids[0, PAD_AS_TOKEN_AT] = pad
     logits = model(input_ids=ids, attention_mask=make_encoder_fixtures.model_mask(spec, mask), **kwargs).logits

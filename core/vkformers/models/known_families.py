@@ -23,6 +23,7 @@ KNOWN_FAMILIES = {
     "eurobert": "bert",
     "flaubert": "bert",
     "fnet": "bert",
+    "funnel": "bert",
     "gte": "bert",
     "ibert": "bert",
     "jina_embeddings_v3": "bert",

@@ -190,6 +190,26 @@ class EncoderSpec:
         return self.layer_paths[index] if self.layer_paths else f"{self.layers}.{index}"
 
 
+@dataclass
+class FunnelSpec:
+    """The Funnel Transformer's sizes and options (vkformers_bert/funnel.py). Paths are transformers' own."""
+
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    head_dim: int
+    d_inner: int
+    block_sizes: tuple[int, ...]
+    block_repeats: tuple[int, ...]
+    num_decoder_layers: int
+    hidden_act: str = "gelu_new"
+    norm_eps: float = 1e-9
+    separate_cls: bool = True                # [CLS] kept apart from the pooling
+    truncate_seq: bool = True                # the last position dropped before pairing (with separate_cls)
+    tie_embeddings: bool = True
+    pad_token_id: int | None = None          # the word embedding's padding_idx: lookups of it pass no gradient
+
+
 # ---------------------------------------------------------------- config readers
 
 def refuse(arch: str, config: dict, option: str, supported: Callable[[object], bool], default=None) -> None:
@@ -674,6 +694,34 @@ def yoso(config: dict) -> EncoderSpec:
                    value_conv_kernel=int(window or 0), value_conv_masked=True)
 
 
+@architecture("funnel", norm="layer", status="verified", model_class="vkformers_bert.funnel:FunnelForMaskedLM",
+              notes="Funnel Transformer: mean pooling between blocks, upsampling decoder, relative attention; "
+                    "masked LM only (no base model or task heads yet)")
+def funnel(config: dict) -> FunnelSpec:
+    """Funnel Transformer (relative_shift attention, mean pooling of the queries only). attention_type "factorized",
+    pooling_type "max" and pool_q_only=False are refused."""
+    arch = "funnel"
+    refuse(arch, config, "attention_type", lambda v: v == "relative_shift", "relative_shift")
+    refuse(arch, config, "pooling_type", lambda v: v == "mean", "mean")
+    refuse(arch, config, "pool_q_only", lambda v: v, True)
+    d_model = int(config.get("d_model", 768))
+    if d_model % 2:
+        raise UnsupportedConfigError(f"{arch}: config option d_model={d_model} must be even (its sinusoid table holds "
+                                     "sines and cosines of d_model / 2 frequencies)")
+    sizes = tuple(int(b) for b in config.get("block_sizes", (4, 4, 4)))
+    repeats = tuple(int(r) for r in (config.get("block_repeats") or [1] * len(sizes)))
+    if len(repeats) != len(sizes) or not sizes:
+        raise UnsupportedConfigError(f"{arch}: config options block_sizes={list(sizes)} and block_repeats="
+                                     f"{list(repeats)} must have one entry per block")
+    return FunnelSpec(
+        vocab_size=int(config["vocab_size"]), d_model=d_model, num_heads=int(config.get("n_head", 12)),
+        head_dim=int(config.get("d_head", 64)), d_inner=int(config.get("d_inner", 3072)), block_sizes=sizes,
+        block_repeats=repeats, num_decoder_layers=int(config.get("num_decoder_layers", 2)),
+        hidden_act=config.get("hidden_act", "gelu_new"), norm_eps=float(config.get("layer_norm_eps", 1e-9)),
+        separate_cls=bool(config.get("separate_cls", True)), truncate_seq=bool(config.get("truncate_seq", True)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)), pad_token_id=config.get("pad_token_id"))
+
+
 @architecture("gte", norm="layer", status="verified",
               notes="BERT-family; rotary, fused qkv, GeGLU MLP")
 def gte(config: dict) -> EncoderSpec:
@@ -865,10 +913,10 @@ FAMILY.wrappers({
 })
 
 # Canonical architecture name -> its variant, from the declarations above.
-VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = FAMILY.variants()
+VARIANTS: dict[str, Callable[[dict], EncoderSpec | FunnelSpec]] = FAMILY.variants()
 
 
-def encoder_spec(config: dict, architecture_name: str) -> EncoderSpec:
+def encoder_spec(config: dict, architecture_name: str) -> EncoderSpec | FunnelSpec:
     """The spec of a config (already resolved to ``architecture_name``, its canonical name)."""
     try:
         variant = VARIANTS[architecture_name]
