@@ -244,3 +244,14 @@ def test_nystromformer_landmarks_need_their_sequence_length():
         for layer in case.model.layers:
             layer.spec = spec
     assert np.abs(logits - case.ref["logits"])[case.mask].max() > 100 * LOGITS_ATOL
+
+
+def test_funnel_runs_other_lengths_and_refuses_too_short_ones():
+    """The fixture is [2, 8]; a length of 7 pools into an odd number of pairs. Too short a sequence for the
+    pooling (transformers fails on it too) is refused by name."""
+    from vkformers.errors import InputError
+    case = Case.get("funnel")
+    logits = case.model(case.ref["input_ids"][:, :7].astype(np.int32)).logits.numpy()
+    assert logits.shape == (2, 7, case.ref["logits"].shape[-1]) and np.isfinite(logits).all()
+    with pytest.raises(InputError, match="too short"):
+        case.model(case.ref["input_ids"][:, :2].astype(np.int32))

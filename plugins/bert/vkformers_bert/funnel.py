@@ -18,6 +18,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
+from vkformers.errors import InputError
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear
 from vkformers.models.module import Module, place
@@ -246,6 +247,10 @@ class FunnelForMaskedLM(Module):
         s = self.spec
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
+        shortest = 3 if s.separate_cls else 2
+        if len(s.block_sizes) > 1 and length < shortest:  # no pooling, yet the later blocks' tables expect one
+            raise InputError(f"funnel: input_ids of {length} tokens are too short for {len(s.block_sizes)} blocks of "
+                             f"pooling; give at least {shortest} (transformers cannot run them either)")
         mask = np.ones((batch, length), np.int64) if attention_mask is None else _as_int_array(attention_mask)
         types = np.zeros((batch, length), np.int64) if token_type_ids is None else _as_int_array(token_type_ids)
         x = self.embed_norm(F.embedding(Tensor(ids.astype(np.int32)), self.word.weight, padding_idx=s.pad_token_id))
