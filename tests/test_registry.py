@@ -312,6 +312,19 @@ def test_a_malformed_declaration_is_refused_naming_what_is_wrong(declare, error,
         declare(Family("toyfam", kind="causal-decoder"))
 
 
+def test_a_class_per_task_serves_those_tasks_only():
+    """model_class={task: class}: the declared class of each task (a mapping's task the architecture's kind lacks,
+    such as "base", included); any other task has no class, not the plugin's shared one."""
+    family = Family("toyfam", kind="encoder")
+    family.architecture("a", norm="layer", model_class={"masked-lm": Registry, "base": Architecture}, variant=len)
+    plugin = FamilyPlugin(family, Path(__file__).parent, model_classes={"masked-lm": Family, "base": Family,
+                                                                          "sequence-classification": Family})
+    architecture = registry_of(plugin).resolve({"model_type": "a"})
+    assert plugin.vkformers_model_class(architecture=architecture, task="masked-lm") is Registry
+    assert plugin.vkformers_model_class(architecture=architecture, task="base") is Architecture
+    assert plugin.vkformers_model_class(architecture=architecture, task="sequence-classification") is None
+
+
 def test_kernel_dirs_is_a_flat_list():
     assert isinstance(plugins.kernel_dirs(), list)
 

@@ -158,6 +158,10 @@ CASES = {
     "nystromformer-choice": ("nystromformer", dict(NARROW, segment_means_seq_len=LENGTH, num_landmarks=LENGTH,
                                                    conv_kernel_size=3), "choice"),
     "yoso-sequence": ("yoso", dict(NARROW, conv_window=3, **ROBERTA_TOKENS), "sequence"),
+    # FunnelBaseModel (the encoder alone, its last block pooled) under the classifier; pad 0
+    "funnel-sequence": ("funnel", dict(vocab_size=VOCAB, d_model=8, n_head=2, d_head=4, d_inner=8, block_sizes=[1, 1],
+                                       num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+                                       activation_dropout=0.0, pad_token_id=0), "sequence"),
 }
 
 

@@ -19,9 +19,11 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError
+from vkformers.models.heads import BaseModelOutput, SequenceHead, TaskHeads
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear
 from vkformers.models.module import Module, place
+from vkformers.runtime import dtypes as dt
 
 from vkformers_bert.encoder import IGNORE_INDEX, MaskedLMOutput, _as_int_array
 from vkformers_bert.variants import FunnelSpec, encoder_spec
@@ -163,24 +165,26 @@ class FunnelLayer(Module):
 
 class FunnelForMaskedLM(Module):
     """transformers' FunnelForMaskedLM: ``model(input_ids, attention_mask=None, token_type_ids=None, labels=None)``
-    returns ``.logits`` [B, T, vocab] and, with labels, the masked-LM ``.loss``."""
+    returns ``.logits`` [B, T, vocab] and, with labels, the masked-LM ``.loss``. ``decoder`` / ``head`` False build
+    the bases below (FunnelBaseModel has no decoder; neither base has the LM head)."""
 
-    def __init__(self, config: dict, architecture):
+    def __init__(self, config: dict, architecture, *, decoder: bool = True, head: bool = True):
         super().__init__()
         name = getattr(architecture, "name", architecture)
         spec = encoder_spec(config, name)
         self.config, self.architecture_name, self.spec = config, name, spec
+        self.dtype = dt.float32  # from_pretrained sets the loaded dtype
         words = place(self, "funnel.embeddings.word_embeddings", Embedding(spec.vocab_size, spec.d_model))
         embed_norm = place(self, "funnel.embeddings.layer_norm", LayerNorm(spec.d_model, eps=spec.norm_eps))
         blocks = [[place(self, f"funnel.encoder.blocks.{b}.{i}", FunnelLayer(spec, b)) for i in range(size)]
                   for b, size in enumerate(spec.block_sizes)]
-        decoder = [place(self, f"funnel.decoder.layers.{i}", FunnelLayer(spec, 0))
-                   for i in range(spec.num_decoder_layers)]
-        head = place(self, "lm_head", Linear(spec.d_model, spec.vocab_size))
+        layers = [place(self, f"funnel.decoder.layers.{i}", FunnelLayer(spec, 0))
+                  for i in range(spec.num_decoder_layers)] if decoder else None
+        lm_head = place(self, "lm_head", Linear(spec.d_model, spec.vocab_size)) if head else None
         for key, value in (("word", words), ("embed_norm", embed_norm), ("blocks", blocks),
-                           ("decoder_layers", decoder), ("head", head)):
+                           ("decoder_layers", layers), ("head", lm_head)):
             object.__setattr__(self, key, value)  # plain references: place() registered them under HF paths
-        if spec.tie_embeddings:
+        if head and spec.tie_embeddings:
             self.tie("lm_head.weight", "funnel.embeddings.word_embeddings.weight")
         self.ignored_checkpoint_keys = ()
 
@@ -242,8 +246,9 @@ class FunnelForMaskedLM(Module):
 
     # -- forward
 
-    def encode(self, input_ids, attention_mask=None, token_type_ids=None):
-        """The decoder's last hidden states [B, T, d_model]."""
+    def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None):
+        """The decoder's last hidden states [B, T, d_model] (without a decoder: the last block's, pooled);
+        ``hidden_states``, a list, receives the embeddings' output and every layer's, as transformers'."""
         s = self.spec
         ids = _as_int_array(input_ids)
         batch, length = ids.shape
@@ -272,9 +277,17 @@ class FunnelForMaskedLM(Module):
                                         stride_pool(att.cls_mask, 1, s), pool_positions(att.key_mask.shape[1], s,
                                                                                         att.key_mask))
                     states.append(hidden)
+        if self.decoder_layers is None:
+            if hidden_states is not None:
+                hidden_states.extend(states)
+            return hidden
         hidden = self._upsample(hidden, length) + states[s.block_sizes[0]]
+        states.append(hidden)
         for layer in self.decoder_layers:
             hidden = layer(hidden, hidden, full)
+            states.append(hidden)
+        if hidden_states is not None:
+            hidden_states.extend(states)
         return hidden
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
@@ -284,3 +297,40 @@ class FunnelForMaskedLM(Module):
             labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
             loss = F.cross_entropy(logits.float(), Tensor(labels.astype(np.int32)), ignore_index=IGNORE_INDEX)
         return MaskedLMOutput(logits=logits, loss=loss)
+
+
+# transformers' FunnelClassificationHead: linear_hidden, tanh, linear_out on the first token (sequences and choices)
+FUNNEL_CLASSIFIER = SequenceHead("first", out="classifier.linear_out", dense="classifier.linear_hidden",
+                                 dense_act="tanh")
+
+
+class FunnelModel(FunnelForMaskedLM):
+    """transformers' FunnelModel (the token-classification and question-answering base): ``last_hidden_state`` the
+    decoder's [B, T, d_model], no pooler; ``hidden_states`` the embeddings', every encoder layer's, the upsampled
+    sum and every decoder layer's."""
+
+    base_model_prefix = "funnel"
+
+    def __init__(self, config: dict, architecture, add_pooling_layer: bool = True, *, decoder: bool = True):
+        super().__init__(config, architecture, decoder=decoder, head=False)
+        self.output_size = self.spec.d_model
+
+    @classmethod
+    def task_heads(cls, config: dict, architecture) -> TaskHeads:
+        return TaskHeads(FUNNEL_CLASSIFIER, multiple_choice=FUNNEL_CLASSIFIER,
+                         base_classes=(("sequence-classification", FunnelBaseModel),
+                                       ("multiple-choice", FunnelBaseModel)))
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_hidden_states=False):
+        recorded = [] if output_hidden_states else None
+        x = self.encode(input_ids, attention_mask, token_type_ids, hidden_states=recorded)
+        return BaseModelOutput(last_hidden_state=x, pooler_output=None,
+                               hidden_states=tuple(recorded) if recorded is not None else None)
+
+
+class FunnelBaseModel(FunnelModel):
+    """transformers' FunnelBaseModel (the sequence-classification and multiple-choice base): the encoder alone, its
+    last hidden state as long as the last block's pooled sequence."""
+
+    def __init__(self, config: dict, architecture, add_pooling_layer: bool = True):
+        super().__init__(config, architecture, add_pooling_layer, decoder=False)

@@ -694,9 +694,10 @@ def yoso(config: dict) -> EncoderSpec:
                    value_conv_kernel=int(window or 0), value_conv_masked=True)
 
 
-@architecture("funnel", norm="layer", status="verified", model_class="vkformers_bert.funnel:FunnelForMaskedLM",
-              notes="Funnel Transformer: mean pooling between blocks, upsampling decoder, relative attention; "
-                    "masked LM only (no base model or task heads yet)")
+@architecture("funnel", norm="layer", status="verified",
+              model_class={"masked-lm": "vkformers_bert.funnel:FunnelForMaskedLM",
+                           "base": "vkformers_bert.funnel:FunnelModel"},
+              notes="Funnel Transformer: mean pooling between blocks, upsampling decoder, relative attention")
 def funnel(config: dict) -> FunnelSpec:
     """Funnel Transformer (relative_shift attention, mean pooling of the queries only). attention_type "factorized",
     pooling_type "max" and pool_q_only=False are refused."""
