@@ -92,7 +92,7 @@ UNARY = {
     "silu": lambda v: v * sigmoid(v), "relu2": lambda v: np.maximum(v, 0) ** 2,
     "quick_gelu": lambda v: v * sigmoid(1.702 * v), "sin": np.sin, "cos": np.cos,
     "reciprocal": lambda v: 1 / v, "square": np.square, "erf": ERF,
-    "softplus": lambda v: np.where(v > 20, v, np.logaddexp(0, v)), "acos": np.arccos,
+    "softplus": lambda v: np.where(v > 20, v, np.logaddexp(0, v)),
 }
 SCALAR_ARGS = {"add_scalar": (1.25,), "mul_scalar": (-0.75,), "pow_scalar": (2.5,), "clamp": (-0.5, 0.75),
                "rsub_scalar": (2.5,)}
@@ -159,8 +159,6 @@ def unary_input(op: str, rng, n: int = 3001) -> np.ndarray:
         return rng.choice([-1, 1], n) * np.exp(rng.uniform(-8, 8, n))
     if op == "exp":
         return np.concatenate([rng.uniform(-80, 80, n), [0.0, -0.0, 88.0, -100.0]])
-    if op == "acos":  # both branches, the ends and 1 - 2^-24 (acos ~ 2^-11.5)
-        return np.concatenate([rng.uniform(-1, 1, n), [0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 1 - 2**-24, -1 + 2**-24]])
     if op in ("sin", "cos"):
         return np.concatenate([rng.uniform(-10, 10, n), rng.uniform(-2e4, 2e4, 200), [0.0, np.pi / 2]])
     # activations: dense around 0 and the tails out to +-10

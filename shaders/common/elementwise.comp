@@ -139,7 +139,6 @@ float apply(float x, float y, float s0, float s1) {
     case OP_SQUARE: return x * x;
     case OP_ERF: return erf_accurate(x);
     case OP_SOFTPLUS: return x > 20.0 ? x : max(x, 0.0) + log1p_accurate(exp_accurate(-abs(x)));
-    case OP_ACOS: return acos_accurate(x);
 
     case OP_ADD_SCALAR: return x + s0;
     case OP_MUL_SCALAR: return x * s0;

@@ -1,4 +1,4 @@
-// Accurate fp32 math for vkformers kernels: exp, log, tanh, erf/erfc, sin/cos, acos.
+// Accurate fp32 math for vkformers kernels: exp, log, tanh, erf/erfc, sin/cos.
 //
 // GLSL's built-ins only promise a few ULP near 0 (exp: 3 + 2|x| ULP, sin/cos: an
 // absolute 2^-11) and differ between drivers; these give ~1-3 ULP everywhere so
@@ -169,26 +169,6 @@ float sin_quadrant(float x, uint quadrant) {
 
 float sin_accurate(float x) { return sin_quadrant(x, 0u); }
 float cos_accurate(float x) { return sin_quadrant(x, 1u); }
-
-// asin on |x| <= 0.5: x + x z P(z), z = x^2 (Cephes' asinf coefficients, about 1 ULP).
-float asin_small(float x) {
-    float z = x * x;
-    float p = 4.2163199048e-2;
-    p = p * z + 2.4181311049e-2;
-    p = p * z + 4.5470025998e-2;
-    p = p * z + 7.4953002686e-2;
-    p = p * z + 1.6666752422e-1;
-    return x + x * z * p;
-}
-
-// acos: pi/2 - asin(x) near 0; past |x| = 1/2, 2 asin(sqrt((1 - |x|) / 2)) (1 - |x| exact there), reflected
-// for x < 0. pi and pi/2 in two parts keep the subtractions accurate. NaN outside [-1, 1], as torch.
-float acos_accurate(float x) {
-    if (!(abs(x) <= 1.0)) return QUIET_NAN;
-    if (abs(x) <= 0.5) return (1.57079637 - asin_small(x)) + -4.37113883e-08;
-    float s = 2.0 * asin_small(sqrt(0.5 * (1.0 - abs(x))));
-    return x > 0.0 ? s : (3.14159274 - s) + -8.74227766e-08;
-}
 
 // Activations shared by the elementwise and fused decode kernels.
 float gelu(float x) { return 0.5 * x * erfc_accurate(-x * SQRT1_2); }

@@ -25,13 +25,12 @@
 #define OP_SQUARE 17
 #define OP_ERF 18
 #define OP_SOFTPLUS 19
-#define OP_ACOS 20
 // unary with scalars s0, s1 (push constants)
-#define OP_ADD_SCALAR 25
-#define OP_MUL_SCALAR 26
-#define OP_POW_SCALAR 27
-#define OP_CLAMP 28
-#define OP_RSUB_SCALAR 29
+#define OP_ADD_SCALAR 20
+#define OP_MUL_SCALAR 21
+#define OP_POW_SCALAR 22
+#define OP_CLAMP 23
+#define OP_RSUB_SCALAR 24
 // binary: out = f(a, b)
 #define OP_ADD 30
 #define OP_SUB 31
@@ -60,7 +59,7 @@
 // out = mask ? a : b
 #define OP_WHERE 60
 
-#define OP_FIRST_SCALAR 25
+#define OP_FIRST_SCALAR 20
 #define OP_FIRST_BINARY 30
 
 #endif

@@ -21,6 +21,7 @@ from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
 from vkformers.engine.ops.matmul import matmul as _batched_matmul
 from vkformers.engine.ops.quant import quantized_embedding, quantized_linear
+from vkformers.engine.ops.trig import acos
 from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.ops.nn import (
     cross_entropy,
@@ -151,7 +152,7 @@ def normalize(x, p: float = 2.0, dim: int = -1, eps: float = 1e-12):
     return x / (x * x).sum(dim, keepdim=True).sqrt().clamp(min=eps)
 
 
-__all__ = ["FusedNorm", "activation", "avg_pool1d", "cat", "causal_conv1d", "cross_entropy", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
+__all__ = ["FusedNorm", "acos", "activation", "avg_pool1d", "cat", "causal_conv1d", "cross_entropy", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "iterative_pinv", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "lsh_expectation_attention", "manual_seed", "normalize", "quantized_embedding", "quantized_linear", "quick_gelu",

@@ -64,12 +64,11 @@ OPS: dict[str, ElementwiseOp] = _ops(
     ElementwiseOp("square", 17, "unary", int32=True),
     ElementwiseOp("erf", 18, "unary"),
     ElementwiseOp("softplus", 19, "unary"),        # log(1 + e^x), x itself past 20 (torch's threshold)
-    ElementwiseOp("acos", 20, "unary"),            # NaN outside [-1, 1]
-    ElementwiseOp("add_scalar", 25, "unary", scalars=1, int32=True),   # x + s
-    ElementwiseOp("mul_scalar", 26, "unary", scalars=1, int32=True),   # x * s
-    ElementwiseOp("pow_scalar", 27, "unary", scalars=1),               # x ** s
-    ElementwiseOp("clamp", 28, "unary", scalars=2, int32=True),        # min(max(x, lo), hi); NaN stays
-    ElementwiseOp("rsub_scalar", 29, "unary", scalars=1, int32=True),  # s - x
+    ElementwiseOp("add_scalar", 20, "unary", scalars=1, int32=True),   # x + s
+    ElementwiseOp("mul_scalar", 21, "unary", scalars=1, int32=True),   # x * s
+    ElementwiseOp("pow_scalar", 22, "unary", scalars=1),               # x ** s
+    ElementwiseOp("clamp", 23, "unary", scalars=2, int32=True),        # min(max(x, lo), hi); NaN stays
+    ElementwiseOp("rsub_scalar", 24, "unary", scalars=1, int32=True),  # s - x
     ElementwiseOp("add", 30, "binary", int32=True),
     ElementwiseOp("sub", 31, "binary", int32=True),
     ElementwiseOp("mul", 32, "binary", int32=True),

@@ -126,7 +126,6 @@ UNARY_GRADIENTS = {
     "abs": lambda x, y, g: where(x < 0.0, -g, g),
     "sin": lambda x, y, g: g * x.cos(),
     "cos": lambda x, y, g: -(g * x.sin()),
-    "acos": lambda x, y, g: -(g * (x * x * -1.0 + 1.0).rsqrt()),
     "tanh": lambda x, y, g: _backward_kernel("tanh_backward", y, g),
     "sigmoid": lambda x, y, g: _backward_kernel("sigmoid_backward", y, g),
     "relu": lambda x, y, g: _backward_kernel("relu_backward", x, g),
