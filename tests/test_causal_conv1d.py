@@ -1,5 +1,6 @@
 """F.causal_conv1d (shaders/common/causal_conv1d.comp) against numpy: forward in float32, float16 and bfloat16,
-with and without bias and history; gradients of x, weight and bias against float64 central differences."""
+with and without bias and history; gradients of x, weight and bias against float64 central differences. Also the
+sequence ops composed on it or on views: F.depthwise_conv1d (zeros on both sides) and F.avg_pool1d."""
 from __future__ import annotations
 
 import numpy as np
@@ -78,3 +79,55 @@ def test_history_gets_no_gradient_and_shapes_are_checked():
         F.causal_conv1d(x, Tensor(np.ones((2, 4), np.float32)), history=Tensor(np.ones((1, 2, 2), np.float32)))
     with pytest.raises(ValueError, match="does not fit"):
         F.causal_conv1d(x, Tensor(np.ones((3, 4), np.float32)))
+
+
+def reference_padded(x, weight, padding):
+    """torch's depthwise Conv1d (no bias) with ``padding`` zeros on both sides, channels last."""
+    batch, length, channels = x.shape
+    kernel = weight.shape[-1]
+    full = np.concatenate([np.zeros((batch, padding, channels)), x, np.zeros((batch, padding, channels))], axis=1)
+    rows = length + 2 * padding - kernel + 1
+    return sum(full[:, j:j + rows] * weight.reshape(channels, kernel)[:, j] for j in range(kernel))
+
+
+@pytest.mark.parametrize("length,kernel,padding", [(6, 3, 1), (1, 3, 1), (7, 5, 2), (5, 4, 1), (5, 4, 3), (4, 3, 0)])
+def test_depthwise_conv1d_matches_numpy_and_differences(length, kernel, padding):
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((2, length, 3)), rng.standard_normal((3, 1, kernel))
+    xs, ws = (Tensor(v.astype(np.float32), requires_grad=True) for v in (x, w))
+    out = F.depthwise_conv1d(xs, ws, padding)
+    expected = reference_padded(x, w, padding)
+    np.testing.assert_allclose(out.numpy(), expected, atol=2e-5)
+    g = rng.standard_normal(expected.shape)
+    (out * Tensor(g.astype(np.float32))).sum().backward()
+    np.testing.assert_allclose(xs.grad.numpy(), _central_differences(
+        lambda v: (reference_padded(v, w, padding) * g).sum(), x), atol=2e-5)
+    np.testing.assert_allclose(ws.grad.numpy(), _central_differences(
+        lambda v: (reference_padded(x, v, padding) * g).sum(), w), atol=2e-5)
+
+
+def test_depthwise_conv1d_refuses_padding_past_the_kernel():
+    x = Tensor(np.ones((1, 4, 2), np.float32))
+    with pytest.raises(ValueError, match="padding 3 must lie"):
+        F.depthwise_conv1d(x, Tensor(np.ones((2, 3), np.float32)), 3)
+    with pytest.raises(ValueError, match="leaves no output"):
+        F.depthwise_conv1d(Tensor(np.ones((1, 1, 2), np.float32)), Tensor(np.ones((2, 4), np.float32)), 1)
+
+
+@pytest.mark.parametrize("length,stride", [(8, 2), (7, 2), (1, 2), (9, 4), (5, 1)])
+def test_avg_pool1d_matches_numpy_and_differences(length, stride):
+    """F.avg_pool1d (engine/ops/pool.py): torch's avg_pool with ceil_mode, the last window partial."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, length, 3))
+
+    def reference(v):
+        return np.stack([v[:, s:s + stride].mean(1) for s in range(0, length, stride)], 1)
+
+    xs = Tensor(x.astype(np.float32), requires_grad=True)
+    out = F.avg_pool1d(xs, stride)
+    np.testing.assert_allclose(out.numpy(), reference(x), atol=1e-6)
+    g = rng.standard_normal(reference(x).shape)
+    (out * Tensor(g.astype(np.float32))).sum().backward()
+    np.testing.assert_allclose(xs.grad.numpy(), _central_differences(lambda v: (reference(v) * g).sum(), x), atol=2e-5)
+    with pytest.raises(ValueError, match="stride must be"):
+        F.avg_pool1d(xs, 0)

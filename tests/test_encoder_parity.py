@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -193,7 +194,10 @@ def test_unimplemented_encoder_architecture_is_named():
 
 @pytest.mark.parametrize("fixture, option, value", [
     ("big_bird", "attention_type", "block_sparse"), ("flaubert", "pre_norm", True), ("xlm", "causal", True),
-    ("roc_bert", "concat_input", False), ("modernbert", "sparse_prediction", True)])
+    ("roc_bert", "concat_input", False), ("modernbert", "sparse_prediction", True),
+    ("nystromformer", "inv_coeff_init_option", True), ("nystromformer", "conv_kernel_size", 4),
+    ("nystromformer", "num_landmarks", 3), ("yoso", "use_expectation", False), ("yoso", "conv_window", 4),
+    ("funnel", "attention_type", "factorized"), ("funnel", "pooling_type", "max"), ("funnel", "pool_q_only", False)])
 def test_unimplemented_variant_options_are_named(fixture, option, value):
     from vkformers_bert.variants import UnsupportedConfigError
     if fixture not in fixture_names():
@@ -221,3 +225,33 @@ def test_too_long_input_is_refused():
     model = Case.get("bert").model
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(np.full((1, 41), 7, np.int32))
+
+
+def test_nystromformer_landmarks_need_their_sequence_length():
+    """The landmarks are means of num_landmarks segments of exactly segment_means_seq_len positions (8 here):
+    another length is refused by name (transformers would reshape across the batch), and exact attention (every
+    position a landmark) moves the logits far beyond the tolerance, so the approximation is what the fixture checks."""
+    from vkformers.errors import InputError
+    case = Case.get("nystromformer")
+    with pytest.raises(InputError, match="segment_means_seq_len=8"):
+        case.model(case.ref["input_ids"][:, :6].astype(np.int32))
+    spec = case.model.spec
+    for layer in case.model.layers:
+        layer.spec = replace(spec, landmarks=spec.landmark_length)
+    try:
+        logits = case.model(**_inputs(case.ref)).logits.numpy()
+    finally:
+        for layer in case.model.layers:
+            layer.spec = spec
+    assert np.abs(logits - case.ref["logits"])[case.mask].max() > 100 * LOGITS_ATOL
+
+
+def test_funnel_runs_other_lengths_and_refuses_too_short_ones():
+    """The fixture is [2, 8]; a length of 7 pools into an odd number of pairs. Too short a sequence for the
+    pooling (transformers fails on it too) is refused by name."""
+    from vkformers.errors import InputError
+    case = Case.get("funnel")
+    logits = case.model(case.ref["input_ids"][:, :7].astype(np.int32)).logits.numpy()
+    assert logits.shape == (2, 7, case.ref["logits"].shape[-1]) and np.isfinite(logits).all()
+    with pytest.raises(InputError, match="too short"):
+        case.model(case.ref["input_ids"][:, :2].astype(np.int32))

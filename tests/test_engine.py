@@ -71,6 +71,7 @@ def gelu(x):
     ("sqrt", lambda a: a.sqrt(), np.sqrt, [(9,)], True),
     ("rsqrt", lambda a: a.rsqrt(), lambda a: 1 / np.sqrt(a), [(9,)], True),
     ("tanh", lambda a: a.tanh(), np.tanh, [(9,)], False),
+    ("acos", lambda a: (a.tanh() * 0.9).acos(), lambda a: np.arccos(np.tanh(a) * 0.9), [(9,)], False),
     ("sigmoid", lambda a: a.sigmoid(), lambda a: 1 / (1 + np.exp(-a)), [(9,)], False),
     ("silu", lambda a: a.silu(), lambda a: a / (1 + np.exp(-a)), [(9,)], False),
     ("gelu", lambda a: a.gelu(), gelu, [(9,)], False),

@@ -42,7 +42,8 @@ BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bam
                     "luke": "bert", "convbert": "bert", "lfm2": "ssm", "zamba": "ssm", "zamba2": "ssm",
                     "recurrent_gemma": "ssm", "longt5": "t5", "led": "t5", "nllb-moe": "t5", "prophetnet": "t5",
                     "rwkv": "ssm", "xlstm": "ssm", "minimax": "ssm",
-                    "lfm2_moe": "ssm", "doge": "llama", "kimi_linear": "moe", "gemma3n_text": "llama"}
+                    "lfm2_moe": "ssm", "doge": "llama", "kimi_linear": "moe", "gemma3n_text": "llama",
+                    "nystromformer": "bert", "yoso": "bert", "funnel": "bert"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 # the reference list's architectures per family, plus those beyond it
 EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)
@@ -312,6 +313,19 @@ def test_moe_architectures_with_their_own_class_get_it_from_their_declaration(re
 def test_a_malformed_declaration_is_refused_naming_what_is_wrong(declare, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         declare(Family("toyfam", kind="causal-decoder"))
+
+
+def test_a_class_per_task_serves_those_tasks_only():
+    """model_class={task: class}: the declared class of each task (a mapping's task the architecture's kind lacks,
+    such as "base", included); any other task has no class, not the plugin's shared one."""
+    family = Family("toyfam", kind="encoder")
+    family.architecture("a", norm="layer", model_class={"masked-lm": Registry, "base": Architecture}, variant=len)
+    plugin = FamilyPlugin(family, Path(__file__).parent, model_classes={"masked-lm": Family, "base": Family,
+                                                                          "sequence-classification": Family})
+    architecture = registry_of(plugin).resolve({"model_type": "a"})
+    assert plugin.vkformers_model_class(architecture=architecture, task="masked-lm") is Registry
+    assert plugin.vkformers_model_class(architecture=architecture, task="base") is Architecture
+    assert plugin.vkformers_model_class(architecture=architecture, task="sequence-classification") is None
 
 
 def test_kernel_dirs_is_a_flat_list():

@@ -52,6 +52,17 @@ class Spec:
     mask_token_id: int | None = None  # put this id into the inputs at a few labelled positions (ESM token dropout)
     model_class: str | None = None    # a transformers class to use instead of AutoModelForMaskedLM's choice
     loss_by_hand: bool = False        # the class's own loss is not the masked-LM one: cross-entropy on the logits
+    key_mask_4d: bool = False         # give the model the additive key mask [B, 1, 1, T] (see model_mask)
+
+
+def model_mask(spec, mask):
+    """The attention mask given to the model: the 0/1 mask itself, or for ``key_mask_4d`` the additive key mask
+    [B, 1, 1, T] (0 / float32 min) that transformers' get_extended_attention_mask builds and passes through as it is.
+    The Nyströmformer needs it: the [B, 1, T, T] mask transformers 5 makes from a 0/1 mask cannot be added to its
+    landmark scores [B, H, landmarks, T]."""
+    if not getattr(spec, "key_mask_4d", False):
+        return mask
+    return (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
 
 
 SPECS = [
@@ -226,6 +237,28 @@ SPECS = [
           "one dynamic-convolution head (kernel 3: separable convolution of the input times the query -> softmax "
           "weights over 3 neighbours of conv_out_layer, zeros past the ends, padding not masked); generator head "
           "8 -> 4 tied."]),
+    Spec("nystromformer", "nystromformer", dict(SMALL, segment_means_seq_len=SEQ, num_landmarks=4, conv_kernel_size=3),
+         ["two layers, 4 landmarks (means of segments of 2) over the 8 positions: softmax(q kl^T) pinv(softmax(ql "
+          "kl^T)) softmax(ql k^T + mask) v, pinv 6 Newton-Schulz steps from A^T / (largest column sum over the "
+          "batch), plus a depthwise convolution (kernel 3 per head) of the values, padding not masked; positions "
+          "from row 2 of an 18-row table; gelu_new. The model is given the additive key mask [2, 1, 1, 8] "
+          "(key_mask_4d): transformers 5's own [2, 1, 8, 8] mask does not broadcast onto the landmark scores."],
+         key_mask_4d=True),
+    Spec("yoso", "yoso", dict(SMALL, conv_window=3, **ROBERTA_TOK),
+         ["two layers, expectation mode (use_expectation, transformers' CPU path; LSH sampling needs its CUDA "
+          "kernels): normalize((1 - acos(q^ k^T) / pi) ** 9 v) with unit q^, k^, gradients through YOSO's surrogate "
+          "(dq = ((dY v^T) * E) k * 9 / 2, ...); no attention mask there (transformers' int(1 + mask / 10000) is 1 "
+          "everywhere: the padded row's pad tokens are attended); plus a depthwise convolution (kernel 3 per head) of "
+          "the values times the mask; positions from row 2 of an 18-row table; one token type."]),
+    Spec("funnel", "funnel", dict(vocab_size=VOCAB, d_model=8, n_head=2, d_head=4, d_inner=8, block_sizes=[1, 1],
+                                  block_repeats=[1, 2], num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+                                  activation_dropout=0.0),
+         ["two blocks of one layer (the second's run twice: block_repeats 2), d_model 8, 2 heads of 4: the second "
+          "block's first run attends from the 4 pooled positions ([CLS], then means of pairs) to all 8, its second "
+          "within the 4; relative-shift attention through the sinusoid table of distances, token-type terms, "
+          "[CLS] row and column without them, padded keys at -1e6; decoder: the 4 positions repeated to 8 plus the "
+          "first block's output, one layer; lm_head tied to the word embeddings (own bias); gelu_new; no pad id (the "
+          "batch pads with id 0, an ordinary token to the word embedding)."]),
 ]
 
 
@@ -313,11 +346,11 @@ def build(spec: Spec, out_root: Path):
     has_types = any(n.endswith("token_type_embeddings.weight") for n in params)
     kwargs = dict(token_type_ids=types) if has_types else {}
     if spec.loss_by_hand:
-        out_fwd = model(input_ids=ids, attention_mask=mask, **kwargs)
+        out_fwd = model(input_ids=ids, attention_mask=model_mask(spec, mask), **kwargs)
         out_fwd.loss = torch.nn.functional.cross_entropy(out_fwd.logits.reshape(-1, out_fwd.logits.shape[-1]),
                                                          labels.reshape(-1), ignore_index=-100)
     else:
-        out_fwd = model(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+        out_fwd = model(input_ids=ids, attention_mask=model_mask(spec, mask), labels=labels, **kwargs)
     logits = out_fwd.logits.detach().float()
     out_fwd.loss.backward()
     ref = {"input_ids": ids.to(torch.int32), "attention_mask": mask.to(torch.int32), "labels": labels.to(torch.int32),
@@ -333,7 +366,7 @@ def build(spec: Spec, out_root: Path):
 
     with torch.no_grad():  # the saved folder reproduces the logits when transformers reloads it
         reloaded = auto.from_pretrained(tmp, attn_implementation="eager", dtype=torch.float32).eval()
-        reload_diff = (reloaded(input_ids=ids, attention_mask=mask, **kwargs).logits - logits)[mask.bool()].abs().max()
+        reload_diff = (reloaded(input_ids=ids, attention_mask=model_mask(spec, mask), **kwargs).logits - logits)[mask.bool()].abs().max()
 
     opt = torch.optim.AdamW(list(params.values()), foreach=False, **ADAMW)
     opt.step()

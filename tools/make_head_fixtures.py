@@ -190,6 +190,16 @@ CASES = {
     "gpt-neox-qa": ("gpt_neox", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=8, max_position_embeddings=16, rotary_pct=0.5,
                                      hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0), "qa"),
+    # every position a landmark (exact softmax attention, which transformers masks from a 0/1 mask), value conv 3
+    "nystromformer-sequence": ("nystromformer", dict(NARROW, segment_means_seq_len=LENGTH, num_landmarks=LENGTH,
+                                                     conv_kernel_size=3), "sequence"),
+    "nystromformer-choice": ("nystromformer", dict(NARROW, segment_means_seq_len=LENGTH, num_landmarks=LENGTH,
+                                                   conv_kernel_size=3), "choice"),
+    "yoso-sequence": ("yoso", dict(NARROW, conv_window=3, **ROBERTA_TOKENS), "sequence"),
+    # FunnelBaseModel (the encoder alone, its last block pooled) under the classifier; pad 0
+    "funnel-sequence": ("funnel", dict(vocab_size=VOCAB, d_model=8, n_head=2, d_head=4, d_inner=8, block_sizes=[1, 1],
+                                       num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
+                                       activation_dropout=0.0, pad_token_id=0), "sequence"),
 }
 
 

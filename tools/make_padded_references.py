@@ -160,6 +160,7 @@ def build(spec: mf.Spec, out_root: Path) -> dict:
 def build_encoder(spec, out_root: Path) -> dict:
     """An encoder fixture (tests/fixtures/encoders): its batch with the pad id also a real token of row 0, the
     masked-LM loss and the word embedding's pad-row gradient (the batch keeps the fixture's labels and types)."""
+    import make_encoder_fixtures  # the encoder fixtures' module, as main imports it for --encoders
     folder = out_root / spec.name
     cls = getattr(transformers, spec.model_class) if spec.model_class else transformers.AutoModelForMaskedLM
     model = cls.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).float().eval()
@@ -167,13 +168,14 @@ def build_encoder(spec, out_root: Path) -> dict:
     ids, mask, labels = ref["input_ids"].long(), ref["attention_mask"].long(), ref["labels"].long()
     kwargs = {"token_type_ids": ref["token_type_ids"].long()} if "token_type_ids" in ref else {}
     with torch.no_grad():
-        diff = (model(input_ids=ids, attention_mask=mask, **kwargs).logits - ref["logits"])[mask.bool()].abs().max()
+        diff = (model(input_ids=ids, attention_mask=make_encoder_fixtures.model_mask(spec, mask), **kwargs).logits
+                - ref["logits"])[mask.bool()].abs().max()
     if diff > 1e-5:
         raise RuntimeError(f"the reloaded model does not reproduce the fixture's logits (max diff {diff:.3g})")
-    pad = model.config.pad_token_id
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0  # make_inputs' padding id
     ids = ids.clone()
     ids[0, PAD_AS_TOKEN_AT] = pad
-    logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits
+    logits = model(input_ids=ids, attention_mask=make_encoder_fixtures.model_mask(spec, mask), **kwargs).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                              ignore_index=-100)  # what every one of them computes inside
     loss.backward()

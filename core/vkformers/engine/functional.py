@@ -14,12 +14,16 @@ from vkformers.engine.ops.decode import (  # fused decode-step products (inferen
     fused_linear,
     fused_qkv_rope_write,
 )
-from vkformers.engine.ops.conv import causal_conv1d
+from vkformers.engine.ops.conv import causal_conv1d, depthwise_conv1d
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
+from vkformers.engine.ops.linalg import iterative_pinv
+from vkformers.engine.ops.lsh import lsh_expectation_attention
+from vkformers.engine.ops.pool import avg_pool1d
 from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
 from vkformers.engine.ops.matmul import matmul as _batched_matmul
 from vkformers.engine.ops.quant import quantized_embedding, quantized_linear
+from vkformers.engine.ops.trig import acos
 from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.ops.nn import (
     cross_entropy,
@@ -225,9 +229,16 @@ def banded_attention(q, k, v, radius: int, *, scale: float, band_bias=None, key_
     return out[:, :, :length] if padded != length else out
 
 
-__all__ = ["FusedNorm", "activation", "banded_attention", "cat", "cumsum_rows", "causal_conv1d", "cross_entropy", "dropout", "dropout_rng_state", "embedding", "fusable",
+def normalize(x, p: float = 2.0, dim: int = -1, eps: float = 1e-12):
+    """x / max(||x||_2, eps) along ``dim``, as torch.nn.functional.normalize (only p = 2)."""
+    if p != 2.0:
+        raise ValueError(f"normalize: only the Euclidean norm (p=2) is implemented, got p={p}")
+    return x / (x * x).sum(dim, keepdim=True).sqrt().clamp(min=eps)
+
+
+__all__ = ["FusedNorm", "acos", "activation", "avg_pool1d", "banded_attention", "cat", "causal_conv1d", "cross_entropy", "cumsum_rows", "depthwise_conv1d", "dropout", "dropout_rng_state", "embedding", "fusable",
            "fusable_weights", "fused_gated", "fused_head_norm_rope_write", "fused_linear", "fused_qkv_rope_write",
-           "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "layer_norm", "linear",
-           "live_rows_where_used", "log_softmax", "manual_seed", "quantized_embedding", "quantized_linear", "quick_gelu",
+           "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "iterative_pinv", "layer_norm", "linear",
+           "live_rows_where_used", "log_softmax", "lsh_expectation_attention", "manual_seed", "normalize", "quantized_embedding", "quantized_linear", "quick_gelu",
            "relu", "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid",
            "silu", "softmax", "softplus", "stack", "take_along_last", "tanh", "where"]

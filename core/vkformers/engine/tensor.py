@@ -19,6 +19,7 @@ from vkformers.engine.ops import elementwise as E
 from vkformers.engine.ops import reduce as R
 from vkformers.engine.ops.matmul import matmul as batched_matmul
 from vkformers.engine.ops.movement import Expand, Permute, Reshape, getitem
+from vkformers.engine.ops.trig import acos as composed_acos
 from vkformers.errors import ArgumentError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Device, get_device
@@ -286,6 +287,7 @@ class Tensor:
     def exp(self): return E.unary(self, "exp")
     def log(self): return E.unary(self, "log")
     def sqrt(self): return E.unary(self, "sqrt")
+    def acos(self): return composed_acos(self)
     def rsqrt(self): return E.unary(self, "rsqrt")
     def abs(self): return E.unary(self, "abs")
     def tanh(self): return E.unary(self, "tanh")

@@ -48,7 +48,7 @@ class Declaration:
     architecture: Architecture
     variant: Callable
     aliases: tuple[str, ...]
-    model_class: ModelClass | None
+    model_class: ModelClass | Mapping[str, ModelClass] | None
 
 
 class Family:
@@ -69,14 +69,16 @@ class Family:
     def architecture(self, name: str, *, kind: str | None = None, norm: str | None = None,
                      moe: bool | None = None, llama_layout: bool | None = None, notes: str = "",
                      aliases: Iterable[str] = (), status: str = "registered",
-                     model_class: ModelClass | None = None, variant: Callable | None = None):
+                     model_class: ModelClass | Mapping[str, ModelClass] | None = None,
+                     variant: Callable | None = None):
         """Declare the canonical architecture ``name`` (its Hugging Face ``model_type``).
 
         Used as a decorator on its variant function (several may stack on one function), or called with
         ``variant=`` for a variant that is not a named function. ``aliases``: other spellings that run as
         it. ``status``: how far the plugin's tests prove it, one of ``STATUSES``; a claim ("verified",
         "forward-verified") needs a fixture the parity tests run. ``model_class``: the class that runs it
-        when not the plugin's shared one (a class, or "package.module:ClassName").
+        when not the plugin's shared one (a class, or "package.module:ClassName"), or a mapping of tasks ("masked-lm",
+        "base", ...) to such classes when it has its own class for each.
         """
         traits = dict(self._defaults)
         traits.update({key: value for key, value in dict(kind=kind, norm=norm, moe=moe,
@@ -164,11 +166,14 @@ class Family:
         """Canonical name -> its variant function."""
         return {name: declaration.variant for name, declaration in self._declarations.items()}
 
-    def model_class(self, name: str) -> type | None:
-        """The class declared for architecture ``name``, or None when it runs on the plugin's shared one."""
+    def model_class(self, name: str) -> type | Mapping[str, ModelClass] | None:
+        """The class declared for architecture ``name`` (or its mapping of tasks to classes), or None when it runs
+        on the plugin's shared one."""
         declaration = self._declarations.get(name)
         if declaration is None or declaration.model_class is None:
             return None
+        if isinstance(declaration.model_class, Mapping):
+            return dict(declaration.model_class)
         return load_object(declaration.model_class)
 
 
@@ -208,6 +213,8 @@ class FamilyPlugin:
         if architecture.family != self.family:
             return None
         declared = self.declarations.model_class(architecture.name)
+        if isinstance(declared, dict):  # its own class per task; a task it does not name has none
+            return load_object(declared[task]) if task in declared else None
         if declared is not None:  # its own class serves its own tasks; the shared one would run another model
             return declared if task in architecture.tasks else None
         shared = self.model_classes.get(task)

@@ -23,6 +23,7 @@ KNOWN_FAMILIES = {
     "eurobert": "bert",
     "flaubert": "bert",
     "fnet": "bert",
+    "funnel": "bert",
     "gte": "bert",
     "ibert": "bert",
     "jina_embeddings_v3": "bert",
@@ -34,6 +35,7 @@ KNOWN_FAMILIES = {
     "modernvbert": "bert",
     "mpnet": "bert",
     "nomic_bert": "bert",
+    "nystromformer": "bert",
     "rembert": "bert",
     "roberta": "bert",
     "roberta-prelayernorm": "bert",
@@ -44,6 +46,7 @@ KNOWN_FAMILIES = {
     "xlm-roberta": "bert",
     "xlm-roberta-xl": "bert",
     "xmod": "bert",
+    "yoso": "bert",
     # vkformers-llama
     "apertus": "llama",
     "apertus1p5_text": "llama",

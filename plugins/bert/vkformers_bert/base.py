@@ -128,10 +128,20 @@ def eurobert_heads(config: dict) -> TaskHeads:
     return TaskHeads(SequenceHead(kinds[pooling], dense="dense", dense_act="gelu"), question_answering=None)
 
 
+def first_token_heads_relu_choices(config: dict) -> TaskHeads:
+    """Nyströmformer's and YOSO's: the first token through dense, hidden_act and out_proj for sequences; for choices
+    through pre_classifier, ReLU and classifier; token and question-answering heads as BERT's. No pooler."""
+    return TaskHeads(SequenceHead("first", out="classifier.out_proj", dense="classifier.dense",
+                                  dense_act=config.get("hidden_act", "gelu_new")),
+                     multiple_choice=SequenceHead("first", dense="pre_classifier", dense_act="relu"))
+
+
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
 CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads,
               "roformer": first_token_heads, "big_bird": first_token_heads, "electra": electra_heads,
-              "xlm": xlm_heads, "flaubert": xlm_heads, "modernbert": modernbert_heads, "eurobert": eurobert_heads}
+              "xlm": xlm_heads, "flaubert": xlm_heads, "modernbert": modernbert_heads, "eurobert": eurobert_heads,
+              "nystromformer": first_token_heads_relu_choices,
+              "yoso": first_token_heads_relu_choices}
 
 # architecture -> (its task heads, its pooler's path under the base-model prefix, or None: it has none)
 DECLARED = {

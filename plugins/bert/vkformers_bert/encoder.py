@@ -22,7 +22,7 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
-from vkformers.errors import VkformersError
+from vkformers.errors import InputError, VkformersError
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module
@@ -240,6 +240,8 @@ class EncoderBlock(Module):
             for name, shape in (("depthwise.weight", (d, 1, s.conv_kernel)), ("pointwise.weight", (s.conv_width, d, 1)),
                                 ("bias", (s.conv_width, 1))):
                 _declare(self, f"{conv}.{name}", shape)
+        if s.value_conv:
+            _declare(self, f"{s.value_conv}.weight", (s.num_heads, 1, s.value_conv_kernel, 1))
         if s.qv_bias:
             if root is not None:
                 raise ValueError("qv_bias needs the parts under the block")
@@ -265,10 +267,7 @@ class EncoderBlock(Module):
         def split(t):
             return t.reshape(batch, length, heads, size).permute(0, 2, 1, 3)
 
-        # depthwise convolution with k // 2 zeros each side: the causal one on x with k - 1 - k // 2 zeros appended
-        tail = k - 1 - k // 2
-        padded = F.cat([x, zeros(batch, tail, d)], 1) if tail else x
-        depthwise = F.causal_conv1d(padded, _get(self, f"{conv}.depthwise.weight"))[:, tail:tail + length]
+        depthwise = F.depthwise_conv1d(x, _get(self, f"{conv}.depthwise.weight"), k // 2)
         key_conv = F.linear(depthwise, _get(self, f"{conv}.pointwise.weight").reshape(width, d),
                             _get(self, f"{conv}.bias").reshape(width))
         weights = p["conv_kernel"](key_conv * q).reshape(batch, length, heads, k).softmax(-1)
@@ -293,6 +292,37 @@ class EncoderBlock(Module):
                     Tensor(np.sin(angle).astype(np.float32)).cast(x.dtype))
         (cos_t, sin_t), (cos_h, sin_h) = dft(x.shape[1]), dft(x.shape[2])
         return (cos_t @ x) @ cos_h - (sin_t @ x) @ sin_h
+
+    def nystrom(self, q, k, v, ctx: "Context"):
+        """Nyströmformer: softmax(q kl^T) pinv(softmax(ql kl^T)) softmax(ql k^T + key mask) v with the landmarks
+        ql, kl the means of ``landmarks`` equal segments of q and k [B, H, T, D]; exact softmax attention when every
+        position is a landmark."""
+        s = self.spec
+        batch, heads, length, size = q.shape
+        if s.landmarks == s.landmark_length:
+            return F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
+        if length != s.landmark_length:
+            raise InputError(f"nystromformer: this model takes its {s.landmarks} landmarks from sequences of exactly "
+                             f"segment_means_seq_len={s.landmark_length} tokens; pad input_ids to that length (got "
+                             f"{length})")
+        scale = float(size) ** -0.25
+        q, k = q * scale, k * scale
+        segments = (batch, heads, s.landmarks, length // s.landmarks, size)
+        q_marks, k_marks = q.reshape(*segments).mean(-2), k.reshape(*segments).mean(-2)
+        kernel_1 = (q @ k_marks.transpose(-2, -1)).softmax(-1)
+        kernel_2 = (q_marks @ k_marks.transpose(-2, -1)).softmax(-1)
+        scores = q_marks @ k.transpose(-2, -1)
+        if ctx.key_bias is not None:
+            scores = scores + ctx.key_bias
+        return (kernel_1 @ F.iterative_pinv(kernel_2, 6, "global")) @ (scores.softmax(-1) @ v)
+
+    def value_convolution(self, v):
+        """The depthwise convolution over positions of the values [B, T, heads * size], one kernel per head."""
+        s = self.spec
+        kernel = s.value_conv_kernel
+        weight = _get(self, f"{s.value_conv}.weight").reshape(s.num_heads, 1, kernel)
+        weight = weight.expand(s.num_heads, s.head_dim, kernel).reshape(s.hidden_size, kernel)
+        return F.depthwise_conv1d(v, weight, kernel // 2)
 
     def attention(self, x, ctx: "Context"):
         s, p = self.spec, self.parts
@@ -329,7 +359,11 @@ class EncoderBlock(Module):
             k = F.rope(k.contiguous(), positions, inv_freq, **rotate)
             if s.rotary_value:
                 v = F.rope(v.contiguous(), positions, inv_freq, **rotate)
-        if s.score_terms or s.relative_attention:
+        if s.mixing == "nystrom":
+            out = self.nystrom(q, k, v, ctx)
+        elif s.mixing == "lsh":  # YOSO: no mask (transformers' is 1 everywhere), unit rows in and out
+            out = F.normalize(F.lsh_expectation_attention(F.normalize(q), F.normalize(k), v, s.hash_bits))
+        elif s.score_terms or s.relative_attention:
             out = self.disentangled(q, k, v, ctx)
         elif ctx.position_bias is not None:  # MPNet: scores + the layers' shared relative-position bias
             scores = (q @ k.transpose(-2, -1)) * (1.0 / float(np.sqrt(s.head_dim))) + ctx.position_bias
@@ -343,7 +377,13 @@ class EncoderBlock(Module):
                 out = self.global_attention(x, out, ctx, heads)
         else:
             out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
-        return p["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size))
+        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
+        if s.value_conv:
+            values = v.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
+            if s.value_conv_masked and ctx.value_keep is not None:
+                values = values * ctx.value_keep
+            out = out + self.value_convolution(values)
+        return p["o"](out)
 
     def global_attention(self, x, local, ctx: "Context", heads):
         """Longformer: the rows of global tokens replaced by their attention to every real key through the global
@@ -428,6 +468,7 @@ class Context:
     key_bias: object = None         # MPNet: float32 Tensor [B, 1, 1, T], -1e30 at padded keys
     global_tokens: np.ndarray | None = None  # Longformer: bool [B, T], the real tokens with global attention
     mask_shape: tuple = (0, 0)      # (batch, length)
+    value_keep: object = None       # YOSO: Tensor [B, T, 1], the attention mask the convolved values are scaled by
 
     def window_bias(self, window: int, batch: int, length: int) -> Tensor:
         """0 where query i may see key j (|i - j| <= window, or j a global token; j not padding), -1e30 elsewhere:
@@ -484,6 +525,11 @@ def _pair_mask(mask) -> np.ndarray:
     """[B, 1, T, T] bytes of a bool tensor: query i and key j both real (DeBERTa's attention mask)."""
     real = np.asarray(mask.numpy() if isinstance(mask, Tensor) else mask) != 0
     return (real[:, None, :, None] & real[:, None, None, :]).astype(np.uint8)
+
+
+def _keep_column(mask) -> np.ndarray:
+    """float32 [B, T, 1]: 1 at real tokens, 0 at padding."""
+    return _as_bool(mask).astype(np.float32)[..., None]
 
 
 def _key_bias(mask) -> np.ndarray:
@@ -600,7 +646,8 @@ class EncoderForMaskedLM(Module):
         if s.positions_from_padding:  # fairseq: real tokens count from pad + 1, padding tokens sit at pad
             real = (ids != s.pad_token_id).astype(np.int64)
             return (np.cumsum(real, axis=1) * real + s.pad_token_id).astype(np.int32)
-        return np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy()
+        return np.broadcast_to(np.arange(s.position_offset, s.position_offset + length, dtype=np.int32),
+                               (batch, length)).copy()
 
     def _token_dropout_scale(self, ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
         """ESM: the mask token's embedding is zeroed and the rest scaled by (1 - 0.15 * 0.8) / (1 - observed ratio)."""
@@ -663,7 +710,8 @@ class EncoderForMaskedLM(Module):
         s = self.spec
         max_length = None
         if self.position is not None:  # fairseq positions (RoBERTa) start past the padding id: pad + 1
-            max_length = s.max_position_embeddings - (s.pad_token_id + 1 if s.positions_from_padding else 0)
+            max_length = s.max_position_embeddings - (s.pad_token_id + 1 if s.positions_from_padding
+                                                      else s.position_offset)
         return InputLimits(vocab_size=s.vocab_size, max_length=max_length,
                            type_vocab_size=s.type_vocab_size if self.token_type is not None else None)
 
@@ -726,6 +774,10 @@ class EncoderForMaskedLM(Module):
             ctx.position_bias = bias.permute(2, 0, 1).reshape(1, self.spec.num_heads, length, length)
             if padding is not None:
                 ctx.key_bias = Tensor(lazy.derived_input(_key_bias(mask), attention_mask, _key_bias))
+        elif padding is not None and self.spec.mixing == "nystrom":
+            ctx.key_bias = Tensor(lazy.derived_input(_key_bias(mask), attention_mask, _key_bias))
+        if padding is not None and self.spec.value_conv_masked:
+            ctx.value_keep = Tensor(lazy.derived_input(_keep_column(mask), attention_mask, _keep_column), dtype=x.dtype)
         if padding is not None and (self.spec.score_terms or self.spec.relative_attention):
             ctx.pair_mask = Tensor(lazy.derived_input(_pair_mask(mask), attention_mask, _pair_mask), dtype=dt.bool_)
         keep = (Tensor(mask.astype(np.float32)[..., None], dtype=x.dtype)

@@ -104,7 +104,9 @@ class EncoderSpec:
     adapter_size: int = 0                    # its bottleneck width
     adapter_ln_before: bool = True           # the adapter's residual is the normed state (else the state before)
     idle_adapters: tuple[str, ...] = ()      # the other languages' adapters: loaded, not run, zero gradient (as torch)
-    mixing: str = "attention"                # "fourier": the real part of a 2-D DFT over positions and hidden (FNet)
+    mixing: str = "attention"                # "fourier": the real part of a 2-D DFT over positions and hidden (FNet);
+    #                                          "nystrom": the Nyström approximation of softmax attention (below);
+    #                                          "lsh": YOSO's expected LSH collisions of unit q and k (below)
     reads_mask: bool = True                  # False: the attention mask is ignored, padding mixes in (FNet)
     conv_kernel: int = 0                     # ConvBERT: > 0 mixes half the heads by span-based dynamic convolution
     conv_width: int = 0                      # ConvBERT: the q / k / v width (attention heads x their size)
@@ -136,6 +138,16 @@ class EncoderSpec:
     qkv_per_head: bool = False               # the fused projection holds [q_h; k_h; v_h] head by head (DeBERTa's in_proj)
     qkv_bias: bool | None = None             # the fused projection's bias (None: attn_bias)
     qv_bias: tuple[str, str] | None = None   # separate q and v biases added after the projection (DeBERTa's q_bias, v_bias)
+
+    # -- Nyströmformer: softmax attention approximated through landmarks (segment means of q and k), the inverse of
+    #    the landmarks' own attention by iteration; a depthwise convolution over positions of the values added
+    landmarks: int = 0                       # num_landmarks; == landmark_length: exact softmax attention
+    landmark_length: int = 0                 # segment_means_seq_len: the one sequence length landmarks are taken at
+    value_conv: str | None = None            # path (under a layer) of the value convolution, weight [heads, 1, k, 1]
+    value_conv_kernel: int = 0
+    value_conv_masked: bool = False          # the convolution reads the values times the attention mask (YOSO)
+    position_offset: int = 0                 # positions count from this row of the table (Nyströmformer: 2)
+    hash_bits: int = 0                       # YOSO: hash_code_len, the power of the collision probability
 
     # -- MPNet: a bias per head from a table of bucketed relative positions (T5's buckets), shared by every layer
     relative_bias: str | None = None         # full path of the table [buckets, heads]
@@ -177,6 +189,26 @@ class EncoderSpec:
 
     def layer_path(self, index: int) -> str:
         return self.layer_paths[index] if self.layer_paths else f"{self.layers}.{index}"
+
+
+@dataclass
+class FunnelSpec:
+    """The Funnel Transformer's sizes and options (vkformers_bert/funnel.py). Paths are transformers' own."""
+
+    vocab_size: int
+    d_model: int
+    num_heads: int
+    head_dim: int
+    d_inner: int
+    block_sizes: tuple[int, ...]
+    block_repeats: tuple[int, ...]
+    num_decoder_layers: int
+    hidden_act: str = "gelu_new"
+    norm_eps: float = 1e-9
+    separate_cls: bool = True                # [CLS] kept apart from the pooling
+    truncate_seq: bool = True                # the last position dropped before pairing (with separate_cls)
+    tie_embeddings: bool = True
+    pad_token_id: int | None = None          # the word embedding's padding_idx: lookups of it pass no gradient
 
 
 # ---------------------------------------------------------------- config readers
@@ -614,6 +646,84 @@ def mpnet(config: dict) -> EncoderSpec:
                    relative_bias="mpnet.encoder.relative_attention_bias", relative_bias_buckets=32)
 
 
+@architecture("nystromformer", norm="layer", status="verified",
+              notes="BERT-family; Nyström attention through landmarks with an iterative pseudo-inverse")
+def nystromformer(config: dict) -> EncoderSpec:
+    """BERT's post-LN layout under the nystromformer prefix (gelu_new, LayerNorm eps 1e-5, pad 1) whose position
+    table has max_position_embeddings + 2 rows read from row 2 on, and whose attention, when num_landmarks is not
+    segment_means_seq_len, is softmax(q kl^T) pinv(softmax(ql kl^T)) softmax(ql k^T + mask) v: ql, kl the means of
+    num_landmarks equal segments of q and k (q, k scaled by head_dim^-1/4; the mask only on the last factor), pinv
+    six Newton-Schulz steps from A^T / (the largest column sum over the batch). conv_kernel_size adds a depthwise
+    convolution over positions of the values (one kernel per head, padding not masked)."""
+    arch = "nystromformer"
+    refuse(arch, config, "inv_coeff_init_option", lambda v: not v, False)  # transformers cannot read its option
+    kernel = config.get("conv_kernel_size", 65)
+    if kernel is not None and int(kernel) % 2 == 0:
+        raise UnsupportedConfigError(f"{arch}: config option conv_kernel_size={kernel} is not supported (an even "
+                                     "kernel lengthens the sequence by one: transformers cannot add it either)")
+    length, landmarks = int(config.get("segment_means_seq_len", 64)), int(config.get("num_landmarks", 64))
+    if landmarks <= 0 or length % landmarks:
+        raise UnsupportedConfigError(f"{arch}: config option num_landmarks={landmarks} must divide "
+                                     f"segment_means_seq_len={length}")
+    spec = bert(dict(config, hidden_act=config.get("hidden_act", "gelu_new"),
+                     layer_norm_eps=config.get("layer_norm_eps", 1e-5), pad_token_id=config.get("pad_token_id", 1),
+                     max_position_embeddings=config.get("max_position_embeddings", 510) + 2), arch)
+    return replace(spec, mixing="nystrom", landmarks=landmarks, landmark_length=length, position_offset=2,
+                   value_conv="attention.self.conv" if kernel is not None else None,
+                   value_conv_kernel=int(kernel or 0))
+
+
+@architecture("yoso", norm="layer", status="verified",
+              notes="BERT-family; YOSO's expectation attention (use_expectation), not its CUDA-only LSH sampling")
+def yoso(config: dict) -> EncoderSpec:
+    """BERT's post-LN layout under the yoso prefix (one token type, pad 1, positions from row 2 of a table of
+    max_position_embeddings + 2 rows) whose attention is normalize(E v), E = (1 - acos(q^ k^T) / pi) ** hash_code_len
+    with q^, k^ the unit queries and keys: the expected collisions of hash_code_len random hyperplanes, trained with
+    YOSO's surrogate gradient. transformers ignores the attention mask there (its int(1 + mask / 10000) is 1 at
+    every position), so padding is attended as in transformers; conv_window adds a depthwise convolution over
+    positions of the masked values. use_expectation=False samples hashes in transformers' CUDA kernels: refused."""
+    arch = "yoso"
+    refuse(arch, config, "use_expectation", lambda v: v, True)
+    window = config.get("conv_window")
+    if window is not None and int(window) % 2 == 0:
+        raise UnsupportedConfigError(f"{arch}: config option conv_window={window} is not supported (an even kernel "
+                                     "lengthens the sequence by one: transformers cannot add it either)")
+    spec = bert(dict(config, type_vocab_size=config.get("type_vocab_size", 1), pad_token_id=config.get("pad_token_id", 1),
+                     max_position_embeddings=config.get("max_position_embeddings", 4096) + 2), arch)
+    return replace(spec, mixing="lsh", hash_bits=int(config.get("hash_code_len", 9)), position_offset=2,
+                   value_conv="attention.self.conv" if window is not None else None,
+                   value_conv_kernel=int(window or 0), value_conv_masked=True)
+
+
+@architecture("funnel", norm="layer", status="verified",
+              model_class={"masked-lm": "vkformers_bert.funnel:FunnelForMaskedLM",
+                           "base": "vkformers_bert.funnel:FunnelModel"},
+              notes="Funnel Transformer: mean pooling between blocks, upsampling decoder, relative attention")
+def funnel(config: dict) -> FunnelSpec:
+    """Funnel Transformer (relative_shift attention, mean pooling of the queries only). attention_type "factorized",
+    pooling_type "max" and pool_q_only=False are refused."""
+    arch = "funnel"
+    refuse(arch, config, "attention_type", lambda v: v == "relative_shift", "relative_shift")
+    refuse(arch, config, "pooling_type", lambda v: v == "mean", "mean")
+    refuse(arch, config, "pool_q_only", lambda v: v, True)
+    d_model = int(config.get("d_model", 768))
+    if d_model % 2:
+        raise UnsupportedConfigError(f"{arch}: config option d_model={d_model} must be even (its sinusoid table holds "
+                                     "sines and cosines of d_model / 2 frequencies)")
+    sizes = tuple(int(b) for b in config.get("block_sizes", (4, 4, 4)))
+    repeats = tuple(int(r) for r in (config.get("block_repeats") or [1] * len(sizes)))
+    if len(repeats) != len(sizes) or not sizes:
+        raise UnsupportedConfigError(f"{arch}: config options block_sizes={list(sizes)} and block_repeats="
+                                     f"{list(repeats)} must have one entry per block")
+    return FunnelSpec(
+        vocab_size=int(config["vocab_size"]), d_model=d_model, num_heads=int(config.get("n_head", 12)),
+        head_dim=int(config.get("d_head", 64)), d_inner=int(config.get("d_inner", 3072)), block_sizes=sizes,
+        block_repeats=repeats, num_decoder_layers=int(config.get("num_decoder_layers", 2)),
+        hidden_act=config.get("hidden_act", "gelu_new"), norm_eps=float(config.get("layer_norm_eps", 1e-9)),
+        separate_cls=bool(config.get("separate_cls", True)), truncate_seq=bool(config.get("truncate_seq", True)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)), pad_token_id=config.get("pad_token_id"))
+
+
 @architecture("gte", norm="layer", status="verified",
               notes="BERT-family; rotary, fused qkv, GeGLU MLP")
 def gte(config: dict) -> EncoderSpec:
@@ -803,10 +913,10 @@ FAMILY.wrappers({
 })
 
 # Canonical architecture name -> its variant, from the declarations above.
-VARIANTS: dict[str, Callable[[dict], EncoderSpec]] = FAMILY.variants()
+VARIANTS: dict[str, Callable[[dict], EncoderSpec | FunnelSpec]] = FAMILY.variants()
 
 
-def encoder_spec(config: dict, architecture_name: str) -> EncoderSpec:
+def encoder_spec(config: dict, architecture_name: str) -> EncoderSpec | FunnelSpec:
     """The spec of a config (already resolved to ``architecture_name``, its canonical name)."""
     try:
         variant = VARIANTS[architecture_name]

@@ -1,7 +1,11 @@
-"""Causal depthwise conv1d over time (the short convolution of state-space and linear-attention layers)."""
+"""Depthwise conv1d over time: causal (the short convolution of state-space and linear-attention layers), and
+zero-padded on both sides (the value convolutions of bidirectional encoders), on one kernel."""
 from __future__ import annotations
 
-from vkformers.engine.function import Function, KernelOp, node, reshape_lazy, wrap
+import numpy as np
+
+from vkformers.engine.function import Function, KernelOp, constant, node, reshape_lazy, wrap
+from vkformers.engine.ops.elementwise import cat
 from vkformers.engine.kernels import conv as KC
 from vkformers.runtime import dtypes as dt
 
@@ -66,3 +70,23 @@ def causal_conv1d(x, weight, bias=None, history=None):
     if kernel == 1:
         history = None
     return CausalConv1dFn.apply(x, weight, bias, history)
+
+
+def depthwise_conv1d(x, weight, padding: int):
+    """y[b, t, c] = sum_j weight[c, j] * x[b, t - padding + j, c], zeros outside x: torch's depthwise Conv1d
+    (groups = channels, no bias) with ``padding`` zeros on each side, channels last: x [batch, length, channels],
+    weight [channels, kernel] or [channels, 1, kernel]; the result has length + 2 padding - kernel + 1 rows. It is
+    the causal convolution of x followed by ``padding`` zeros, read from row kernel - 1 - padding on."""
+    if len(x.shape) != 3:
+        raise ValueError(f"depthwise_conv1d: x must be [batch, length, channels], got {x.shape}")
+    batch, length, channels = x.shape
+    kernel = weight.shape[-1]
+    if not 0 <= padding <= kernel - 1:
+        raise ValueError(f"depthwise_conv1d: padding {padding} must lie in [0, kernel - 1 = {kernel - 1}]")
+    rows = length + 2 * padding - kernel + 1
+    if rows < 1:
+        raise ValueError(f"depthwise_conv1d: a kernel of {kernel} with padding {padding} leaves no output of "
+                         f"{length} positions")
+    padded = cat([x, constant(np.zeros((batch, padding, channels), np.float32)).cast(x.dtype)], 1) if padding else x
+    start = kernel - 1 - padding
+    return causal_conv1d(padded, weight)[:, start:start + rows]
