@@ -1,5 +1,5 @@
-"""Doge, Kimi Linear and Gemma 3n beyond their parity fixtures (tests/test_decoder_parity.py and the others on
-tests/fixtures/doge, kimi_linear, gemma3n_text): gradient checkpointing, and the config options they refuse by name."""
+"""Doge, Kimi Linear, Gemma 3n and Gemma 4 beyond their parity fixtures (tests/test_decoder_parity.py and the others
+on tests/fixtures/doge, kimi_linear, gemma3n_text, gemma4_text): gradient checkpointing, and the config options they refuse by name."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,15 +13,15 @@ from vkformers.models.loading import AutoModelForCausalLM, load_config
 pytest.importorskip("vkformers_moe")
 
 from vkformers_llama.variants import doge, gemma3n_text  # noqa: E402
-from vkformers_moe.variants import kimi_linear  # noqa: E402
+from vkformers_moe.variants import gemma4_text, kimi_linear  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# Gemma 3n's layers read the per-layer inputs and the shared keys and values inside checkpointed layers: their
+# Gemma 3n's and Gemma 4's layers read the per-layer inputs and the shared keys and values inside checkpointed layers: their
 # gradients sum the same terms in another order, equal to float32 rounding
-REORDERED = {"gemma3n_text"}
+REORDERED = {"gemma3n_text", "gemma4_text"}
 
 
-@pytest.mark.parametrize("name", ["doge", "kimi_linear", "gemma3n_text"])
+@pytest.mark.parametrize("name", ["doge", "kimi_linear", "gemma3n_text", "gemma4_text"])
 def test_gradient_checkpointing_gives_the_same_gradients(name):
     ids = np.random.default_rng(1).integers(3, 48, (2, 10)).astype(np.int32)
     grads = []
@@ -48,6 +48,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
     (kimi_linear, "kimi_linear", dict(num_key_value_heads=1)),
     (gemma3n_text, "gemma3n_text", dict(num_kv_shared_layers=2)),
     (gemma3n_text, "gemma3n_text", dict(activation_sparsity_pattern=[0.5])),
+    (gemma4_text, "gemma4_text", dict(use_bidirectional_attention="all")),
+    (gemma4_text, "gemma4_text", dict(per_layer_config={"1": {"sliding_window": 2}})),
+    (gemma4_text, "gemma4_text", dict(per_layer_config={"1": {"num_key_value_heads": 3}})),
+    (gemma4_text, "gemma4_text", dict(num_kv_shared_layers=2)),
 ])
 def test_unsupported_options_are_refused_by_name(variant, name, change):
     config = dict(load_config(FIXTURES / name), **change)

@@ -190,6 +190,7 @@ KNOWN_FAMILIES = {
     "ernie4_5_moe": "moe",
     "exaone_moe": "moe",
     "flex_olmo": "moe",
+    "gemma4_text": "moe",
     "glm46v": "moe",
     "glm4_moe": "moe",
     "glm4_moe_lite": "moe",
