@@ -13,7 +13,7 @@ from vkformers.models.loading import AutoModelForCausalLM, load_config
 pytest.importorskip("vkformers_moe")
 
 from vkformers_llama.variants import doge, gemma3n_text  # noqa: E402
-from vkformers_moe.variants import gemma4_text, kimi_linear  # noqa: E402
+from vkformers_moe.variants import gemma4_text, gemma4_unified_text, kimi_linear  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Gemma 3n's and Gemma 4's layers read the per-layer inputs and the shared keys and values inside checkpointed layers: their
@@ -52,6 +52,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
     (gemma4_text, "gemma4_text", dict(per_layer_config={"1": {"sliding_window": 2}})),
     (gemma4_text, "gemma4_text", dict(per_layer_config={"1": {"num_key_value_heads": 3}})),
     (gemma4_text, "gemma4_text", dict(num_kv_shared_layers=2)),
+    (gemma4_unified_text, "gemma4_unified_text", dict(enable_moe_block=True)),
+    (gemma4_unified_text, "gemma4_unified_text", dict(use_bidirectional_attention="all")),
 ])
 def test_unsupported_options_are_refused_by_name(variant, name, change):
     config = dict(load_config(FIXTURES / name), **change)

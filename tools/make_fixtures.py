@@ -1153,6 +1153,15 @@ SPECS += [
           "scale and per-expert scale, fused gate_up_proj / down_proj); q/k norms, weightless v norm, scale 1, "
           "layer_scalar buffers perturbed, logits soft-capped at 3; tied."],
          noisy_buffers=("layer_scalar",)),
+    Spec("gemma4_unified_text", "gemma4_unified_text", dict(
+        TINY, num_hidden_layers=3, intermediate_size=8, num_key_value_heads=2, global_head_dim=16,
+        layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=SW,
+        num_kv_shared_layers=1),
+         ["Gemma 4's unified text model (hidden 16, 3 layers: sliding window 4, full, full): head_dim 8 on the sliding "
+          "layer, 16 on the full ones (global_head_dim), 2 KV heads with their own v_proj (no attention_k_eq_v); "
+          "layer 2 reuses layer 1's keys and values; no per-layer inputs or MoE block; q/k norms, weightless v norm, "
+          "scale 1, layer_scalar buffers perturbed; tied."],
+         noisy_buffers=("layer_scalar",)),
 ]
 
 
@@ -1162,7 +1171,6 @@ SKIPPED = {
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
     "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
-    "gemma4_unified_text": "waits for gemma4_text",
     "gemma4_unified_assistant": "waits for gemma4_text",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",

@@ -191,6 +191,7 @@ KNOWN_FAMILIES = {
     "exaone_moe": "moe",
     "flex_olmo": "moe",
     "gemma4_text": "moe",
+    "gemma4_unified_text": "moe",
     "glm46v": "moe",
     "glm4_moe": "moe",
     "glm4_moe_lite": "moe",

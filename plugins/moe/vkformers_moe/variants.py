@@ -1155,7 +1155,7 @@ def _gemma4_layer_sizes(config: dict, types: list[str], k_eq_v: bool) -> tuple[t
     for i, layer in enumerate(overrides):
         unknown = set(layer) - {"head_dim", "num_key_value_heads"}
         if unknown:
-            raise UnsupportedConfigError(f"gemma4_text: per_layer_config of layer {i} sets {sorted(unknown)}, which "
+            raise UnsupportedConfigError(f"{config.get('model_type', 'gemma4_text')}: per_layer_config of layer {i} sets {sorted(unknown)}, which "
                                          "vkformers' decoder does not vary per layer")
     return (tuple(int(o.get("head_dim", head_dim)) for o in overrides),
             tuple(int(o.get("num_key_value_heads", kv_heads)) for o in overrides))
@@ -1171,8 +1171,10 @@ def gemma4_text(config: dict) -> DecoderSpec:
     head sizes (per_layer_config), values from the key projection on full layers (attention_k_eq_v), proportional
     rotary there, KV sharing in the last num_kv_shared_layers layers (Gemma 3n's), per-layer inputs, a MoE block
     beside the MLP (enable_moe_block) and each layer's layer_scalar."""
-    refuse("gemma4_text", config, "use_bidirectional_attention", lambda v: v in (None, "vision"))  # text is causal
-    _refuse_training_extras("gemma4_text", config)
+    arch = config.get("model_type", "gemma4_text")
+    # "vision" makes only image tokens attend both ways: text alone is causal
+    refuse(arch, config, "use_bidirectional_attention", lambda v: v in (None, "vision"))
+    _refuse_training_extras(arch, config)
     n = config.get("num_hidden_layers", 30)
     types = list(config.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
                                                for i in range(n)])
@@ -1188,7 +1190,7 @@ def gemma4_text(config: dict) -> DecoderSpec:
                   hidden_size_per_layer_input=config.get("hidden_size_per_layer_input", 256))
     spec = gemma3_text(config)
     if max(kv_heads) % min(kv_heads) or spec.num_heads % max(kv_heads) or any(max(kv_heads) % h for h in kv_heads):
-        raise UnsupportedConfigError(f"gemma4_text: KV heads per layer {sorted(set(kv_heads))} must divide each "
+        raise UnsupportedConfigError(f"{arch}: KV heads per layer {sorted(set(kv_heads))} must divide each "
                                      f"other and num_attention_heads {spec.num_heads}")
     sized = {}  # one rotary config per (layer type, head size): layers sharing one share their tables
     ropes = tuple((sized.setdefault((t, d), dict(config, head_dim=d)), t) for t, d in zip(types, head_dims))
@@ -1201,13 +1203,23 @@ def gemma4_text(config: dict) -> DecoderSpec:
     width = config.get("hidden_size_per_layer_input") or 0
     layers = Gemma4Layers(
         layer_types=tuple(types), head_dims=head_dims, kv_heads=kv_heads, k_eq_v=k_eq_v,
-        kv_sources=shared_kv_sources("gemma4_text", types, int(config.get("num_kv_shared_layers", 0))),
+        kv_sources=shared_kv_sources(arch, types, int(config.get("num_kv_shared_layers", 0))),
         per_layer_width=int(width), double_wide_mlp=bool(config.get("use_double_wide_mlp", False)), experts=experts)
     return replace(spec, norms=replace(spec.norms, unit_offset=False), make_layer=layers,
                    attention=replace(spec.attention, scales=(1.0,) * spec.num_layers),
                    positions=replace(spec.positions, rope_configs=ropes),
                    extra=dict(spec.extra, per_layer_vocab=int(config.get("vocab_size_per_layer_input", 262144))))
 
+
+
+@architecture("gemma4_unified_text", norm="rms", llama_layout=True, status="verified",
+              model_class="vkformers_moe.model:Gemma4ForCausalLM",
+              notes="Gemma 4's layers without per-layer inputs or the MoE block")
+def gemma4_unified_text(config: dict) -> DecoderSpec:
+    """gemma4_text without per-layer inputs or the MoE block, its config's own defaults (a window of 1024)."""
+    refuse("gemma4_unified_text", config, "enable_moe_block", lambda v: not v)
+    refuse("gemma4_unified_text", config, "hidden_size_per_layer_input", lambda v: not v)
+    return gemma4_text(dict(config, hidden_size_per_layer_input=0, sliding_window=config.get("sliding_window", 1024)))
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
 # whatever architecture that names.
