@@ -1170,8 +1170,11 @@ SKIPPED = {
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
-    "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
-    "gemma4_unified_assistant": "waits for gemma4_text",
+    "gemma4_assistant": "Gemma 4's drafter for assisted generation: its forward takes the target model's "
+                        "inputs_embeds and shared_kv_states, not token ids (transformers raises without them), so it "
+                        "has no causal-LM run of its own; needs assisted decoding with gemma4_text",
+    "gemma4_unified_assistant": "gemma4_unified's drafter, as gemma4_assistant: runs only on the target model's "
+                                "inputs_embeds and shared_kv_states; needs assisted decoding with gemma4_unified_text",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
     "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",
