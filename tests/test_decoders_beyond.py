@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
@@ -59,3 +60,19 @@ def test_unsupported_options_are_refused_by_name(variant, name, change):
     config = dict(load_config(FIXTURES / name), **change)
     with pytest.raises(UnsupportedConfigError):
         variant(config)
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4_unified_text"])
+def test_gemma4_saves_its_layer_scalars(name, tmp_path):
+    """layer_scalar is a checkpoint buffer, not a parameter: save_pretrained writes it back, so a reload (ours or
+    transformers') computes the same logits."""
+    ids = np.random.default_rng(2).integers(3, 48, (1, 6)).astype(np.int32)
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32")
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    original = load_file(str(FIXTURES / name / "model.safetensors"))
+    assert set(saved) == set(original)
+    for i in range(3):
+        np.testing.assert_array_equal(saved[f"model.layers.{i}.layer_scalar"], original[f"model.layers.{i}.layer_scalar"])
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="float32")
+    np.testing.assert_array_equal(again(ids).logits.numpy(), model(ids).logits.numpy())

@@ -109,6 +109,9 @@ class Gemma4Layer(SharedKVLayer):
         if name in arrays:
             self.layer_scalar = float(np.asarray(arrays[name], np.float32).reshape(-1)[0])
 
+    def saved_buffers(self, prefix: str) -> dict:
+        return {f"{prefix}.layer_scalar": np.asarray([self.layer_scalar], np.float32)}
+
     def _attention_heads(self, h, ctx):
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
