@@ -1,5 +1,6 @@
 """Doge, Kimi Linear, Gemma 3n and Gemma 4 beyond their parity fixtures (tests/test_decoder_parity.py and the others
-on tests/fixtures/doge, kimi_linear, gemma3n_text, gemma4_text): gradient checkpointing, and the config options they refuse by name."""
+on tests/fixtures/doge, kimi_linear, gemma3n_text, gemma4_text): gradient checkpointing, the config options they
+refuse by name, and Gemma 4's saved buffers and continuous batching."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from test_serve_recurrent import LENGTHS, PROMPTS, alone, char_tokenizer, load, run_staggered
+
+from vkformers.models.batching import BatchScheduler, SamplingParams
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
 
@@ -76,3 +80,23 @@ def test_gemma4_saves_its_layer_scalars(name, tmp_path):
         np.testing.assert_array_equal(saved[f"model.layers.{i}.layer_scalar"], original[f"model.layers.{i}.layer_scalar"])
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="float32")
     np.testing.assert_array_equal(again(ids).logits.numpy(), model(ids).logits.numpy())
+
+
+@pytest.mark.parametrize("kv_blocks", [None, 64])
+def test_gemma4_serves_staggered_requests_as_generate_alone(kv_blocks):
+    """Continuous batching of Gemma 4 (rows placed into a running batch, per-layer head sizes padded into one cache,
+    the sharing layers reading their source's slot) gives each request the tokens generate gives it alone."""
+    tokenizer = char_tokenizer()
+    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
+            for p, n in zip(PROMPTS, LENGTHS)]
+    reference = load("gemma4_text")
+    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load("gemma4_text"), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks,
+                               page_size=4)
+    scheduler.start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == expected
