@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 
 from test_serve_recurrent import LENGTHS, PROMPTS, alone, char_tokenizer, load, run_staggered
 
+from vkformers.engine import lazy
 from vkformers.models.batching import BatchScheduler, SamplingParams
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
@@ -100,3 +101,17 @@ def test_gemma4_serves_staggered_requests_as_generate_alone(kv_blocks):
         scheduler.close()
     assert scheduler.error is None and scheduler.last_error is None
     assert [r.generated for r in requests] == expected
+
+
+
+@pytest.mark.parametrize("name", ["gemma3n_text", "gemma4_text"])
+def test_a_replayed_step_looks_up_the_per_layer_inputs_of_its_own_ids(name):
+    """The per-layer embeddings read the token ids on the host: declared derived from them, a step replayed after
+    two steps on one batch (lazy.StepCapture, as the trainer replays) computes the next batch's loss."""
+    rng = np.random.default_rng(3)
+    first, second = (rng.integers(3, 48, (2, 8)).astype(np.int32) for _ in range(2))
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32", requires_grad=False)
+    step = lazy.StepCapture()
+    losses = [step.run(lambda: [model(ids, labels=ids).loss], {"ids": ids})[0] for ids in (first, first, second)]
+    assert step.ready
+    np.testing.assert_allclose(losses[2], model(second, labels=second).loss.numpy(), rtol=1e-6)

@@ -145,8 +145,8 @@ class Gemma4ForCausalLM(MoeDecoderForCausalLM):
         return per_layer_shapes(self.layers)[1]
 
     def forward(self, input_ids, *args, **kwargs):
-        ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
-        self._input_ids = ids.astype(np.int64)  # the per-layer embeddings read the token ids
+        # the per-layer embeddings read the token ids: the caller's array itself (a captured step replaces it)
+        self._input_ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
         return super().forward(input_ids, *args, **kwargs)
 
     def run_layers(self, x, ctx):
