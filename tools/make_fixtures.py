@@ -1138,6 +1138,30 @@ SPECS += [
           "logits; each expert 2 query heads of 4 over the shared kv_proj's 2 KV heads; output_linear per expert and "
           "a bias) and a sparse MLP (4 experts of width 4, top-2, fused input_linear [gate | up] / output_linear, "
           "bias); tied."]),
+    Spec("gemma4_text", "gemma4_text", dict(
+        TINY, num_hidden_layers=3, intermediate_size=8, num_key_value_heads=2, global_head_dim=16,
+        num_global_key_value_heads=1, attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention",
+                                                                         "full_attention"],
+        sliding_window=SW, num_kv_shared_layers=1, hidden_size_per_layer_input=4, vocab_size_per_layer_input=VOCAB,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=4, use_double_wide_mlp=True,
+        final_logit_softcapping=3.0),
+         ["Gemma 4's text model (hidden 16, 3 layers: sliding window 4, full, full): head_dim 8 on the sliding layer "
+          "(2 KV heads), 16 on the full ones (global_head_dim, 1 KV head: num_global_key_value_heads) whose values are "
+          "their keys' projection (attention_k_eq_v), proportional rotary on a quarter of the full layers' dims; "
+          "layer 2 reuses layer 1's keys and values (num_kv_shared_layers 1) and has the double-wide MLP (16); "
+          "per-layer inputs of width 4; a MoE block beside every MLP (4 experts of width 4, top-2, router with its "
+          "scale and per-expert scale, fused gate_up_proj / down_proj); q/k norms, weightless v norm, scale 1, "
+          "layer_scalar buffers perturbed, logits soft-capped at 3; tied."],
+         noisy_buffers=("layer_scalar",)),
+    Spec("gemma4_unified_text", "gemma4_unified_text", dict(
+        TINY, num_hidden_layers=3, intermediate_size=8, num_key_value_heads=2, global_head_dim=16,
+        layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=SW,
+        num_kv_shared_layers=1),
+         ["Gemma 4's unified text model (hidden 16, 3 layers: sliding window 4, full, full): head_dim 8 on the sliding "
+          "layer, 16 on the full ones (global_head_dim), 2 KV heads with their own v_proj (no attention_k_eq_v); "
+          "layer 2 reuses layer 1's keys and values; no per-layer inputs or MoE block; q/k norms, weightless v norm, "
+          "scale 1, layer_scalar buffers perturbed; tied."],
+         noisy_buffers=("layer_scalar",)),
 ]
 
 
@@ -1146,11 +1170,11 @@ SKIPPED = {
     "code_llama": "tokenizer-only name; the model is llama",
     "mllama_text_model": "cross-attention layers to vision states; needs the vision model",
     "exaone4_5_text": "not in this transformers",
-    "gemma4_text": "per-layer inputs (PLE), per-layer head dims (512 on full layers), KV sharing between layers, "
-                   "attention_k_eq_v, a MoE block beside the MLP: decoder kit options not built yet",
-    "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
-    "gemma4_unified_text": "waits for gemma4_text",
-    "gemma4_unified_assistant": "waits for gemma4_text",
+    "gemma4_assistant": "Gemma 4's drafter for assisted generation: its forward takes the target model's "
+                        "inputs_embeds and shared_kv_states, not token ids (transformers raises without them), so it "
+                        "has no causal-LM run of its own; needs assisted decoding with gemma4_text",
+    "gemma4_unified_assistant": "gemma4_unified's drafter, as gemma4_assistant: runs only on the target model's "
+                                "inputs_embeds and shared_kv_states; needs assisted decoding with gemma4_unified_text",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
     "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",
@@ -1245,7 +1269,10 @@ def check_overrides(config, overrides):
         if fields and k not in fields:
             issues.append(f"{k}: not a field of {type(config).__name__}")
             continue
-        got = getattr(config, k, None)
+        try:
+            got = getattr(config, k, None)
+        except Exception:  # noqa: BLE001 (AmbiguousGlobalPerLayerAttributeError) a per-layer attribute (Gemma 4's num_key_value_heads): per_layer_config has it
+            got = config.__dict__.get(k)
         if isinstance(v, dict) and hasattr(got, "to_dict"):  # a nested config (DBRX attn_config / ffn_config)
             got = got.to_dict()
         if isinstance(v, dict) and isinstance(got, dict):

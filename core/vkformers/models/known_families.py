@@ -193,6 +193,8 @@ KNOWN_FAMILIES = {
     "ernie4_5_moe": "moe",
     "exaone_moe": "moe",
     "flex_olmo": "moe",
+    "gemma4_text": "moe",
+    "gemma4_unified_text": "moe",
     "glm46v": "moe",
     "glm4_moe": "moe",
     "glm4_moe_lite": "moe",

@@ -358,6 +358,9 @@ def save_pretrained(model: Module, folder, *, dtype=None) -> None:
             tensors[name], _ = dt.to_bfloat16(array.astype(np.float32)), bf16.add(name)
         else:
             tensors[name] = array.astype(target.host)
+    for path, module in model.named_modules():  # checkpoint buffers that are not parameters (the load_buffers side)
+        if hasattr(module, "saved_buffers"):
+            tensors.update(module.saved_buffers(path))  # float32 arrays, as transformers keeps such buffers
     write_safetensors(folder / "model.safetensors", tensors, bfloat16=bf16, metadata={"format": "pt"})
     config = dict(getattr(model, "config", {}))
     config["torch_dtype"] = target.name

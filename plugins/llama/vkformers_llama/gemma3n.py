@@ -20,13 +20,134 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 from statistics import NormalDist
 
+import numpy as np
+
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
+from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder import DecoderLayer, make_norm
-from vkformers.models.decoder.spec import NormSpec
-from vkformers.models.layers import Linear
+from vkformers.models.decoder.spec import NormSpec, UnsupportedConfigError
+from vkformers.models.layers import Embedding, Linear
 from vkformers.models.module import add_param, get_param, place
+
+
+def shared_kv_sources(arch: str, types: list[str], shared: int) -> tuple[int | None, ...]:
+    """Per layer, the layer whose keys and values it reuses (transformers' kv_sharing_modes): each of the last
+    ``shared`` layers reads the last earlier layer of its type."""
+    first = len(types) - shared
+    if shared <= 0:
+        return (None,) * len(types)
+    if set(types[:first]) != set(types):
+        raise UnsupportedConfigError(f"{arch}: every layer type of the num_kv_shared_layers last layers needs an "
+                                     "earlier layer of that type; fix the config")
+    last = {t: max(i for i in range(first) if types[i] == t) for t in set(types)}
+    return tuple(None if i < first else last[types[i]] for i in range(len(types)))
+
+
+def _widened(x, width: int):
+    """x [..., D] with zeros after its D values up to ``width`` (a cache row wider than this layer's heads)."""
+    if x.shape[-1] == width:
+        return x
+    zeros = Tensor(np.zeros((*x.shape[:-1], width - x.shape[-1]), np.float32)).cast(x.dtype)
+    return F.cat([x, zeros], -1)
+
+
+class SharedKVLayer(DecoderLayer):
+    """A decoder layer in a model whose last layers reuse earlier layers' keys and values (Gemma 3n, Gemma 4).
+
+    ``share_kv(kv_sources)`` (after DecoderLayer's init) drops the key / value projections of a layer that reuses
+    another's; a layer whose keys and values are reused leaves them on the context (``ctx.shared_kv``, a dict the
+    model sets) and, in a decode step, in its cache slot. Where this layer's heads are narrower or fewer than the
+    cache's (per-layer head dims), its keys and values enter the cache zero-padded and with each head repeated, and
+    its queries zero-padded: the scores and the kept values do not change (the softmax scale is the layer's own).
+    """
+
+    capture_decode = False  # reads per-layer inputs built on the host from the ids
+
+    def share_kv(self, kv_sources) -> None:
+        s = self.spec
+        self.kv_source = kv_sources[self.index]
+        self.stores_kv = self.index in kv_sources
+        if self.kv_source is not None:  # no key / value projections of its own
+            attention = self._modules[s.attention.path]
+            for role, name in (("k", s.attention.k_proj), ("v", s.attention.v_proj), ("k_norm", s.attention.k_norm)):
+                if role in self.parts:
+                    del attention._modules[name]
+                    del self.parts[role]
+
+    def attend_heads(self, q, k, v, ctx, **options):
+        cache = ctx.cache
+        if cache is None or (k.shape[1], k.shape[3]) == (cache.kv_heads, cache.head_dim):
+            return super().attend_heads(q, k, v, ctx, **options)
+        batch, heads, length, dim = k.shape
+        repeat = cache.kv_heads // heads
+
+        def to_cache(t):
+            t = t.reshape(batch, heads, 1, length, dim).expand(batch, heads, repeat, length, dim).contiguous()
+            return _widened(t.reshape(batch, cache.kv_heads, length, dim), cache.head_dim)
+        out = cache.attend(self.index, _widened(q, cache.head_dim), to_cache(k), to_cache(v), **options)
+        return out[..., :q.shape[-1]].contiguous()
+
+    def attended_kv(self, k, v, ctx):
+        """The keys and values this layer's prefill attended over: the new ones, or with a cache already holding
+        some, the cache's (a decode step's sharing layers read the cache slot itself)."""
+        cache = ctx.cache
+        if cache is None or cache.position == 0:
+            return k, v
+        end = cache.position + k.shape[2]
+        return cache.keys[self.index][:, :, :end], cache.values[self.index][:, :, :end]
+
+    def attend_shared(self, q, ctx, options):
+        """Attention of q [B, H, T, D] over the keys and values of layer ``kv_source``."""
+        cache, new, width = ctx.cache, q.shape[2], q.shape[-1]
+        if cache is not None and new == 1:
+            out = cache.attend_stored(self.kv_source, _widened(q, cache.head_dim), **options)
+            return out[..., :width].contiguous() if cache.head_dim != width else out
+        k, v = ctx.shared_kv[self.kv_source]
+        if cache is not None:
+            options = dict(options, key_padding_mask=cache.step_inputs(new)[1])
+            k, v = k.cast(q.dtype), v.cast(q.dtype)
+        out = F.scaled_dot_product_attention(_widened(q, k.shape[-1]), k, v, causal=True, **options)
+        return out[..., :width].contiguous() if k.shape[-1] != width else out
+
+
+def add_per_layer_inputs(model, spec, width: int, vocab: int) -> None:
+    """The per-layer input embeddings of Gemma 3n and Gemma 4, placed on ``model`` under their checkpoint names:
+    embed_tokens_per_layer [vocab, layers * width], per_layer_model_projection, per_layer_projection_norm."""
+    d, total = spec.hidden_size, spec.num_layers * width
+    refs = dict(
+        per_layer_vocab=vocab, per_layer_width=width,
+        per_layer_embed=place(model, "model.embed_tokens_per_layer",
+                              Embedding(vocab, total, padding_idx=spec.embed_padding_idx)),
+        per_layer_model_projection=place(model, "model.per_layer_model_projection", Linear(d, total, bias=False)),
+        per_layer_projection_norm=place(model, "model.per_layer_projection_norm",
+                                        make_norm(NormSpec("rms", eps=spec.norms.eps), width)))
+    for name, value in refs.items():
+        object.__setattr__(model, name, value)
+
+
+def _per_layer_ids(ids, vocab: int) -> np.ndarray:
+    ids = np.asarray(ids)
+    return np.where((ids >= 0) & (ids < vocab), ids, 0).astype(np.int32)
+
+
+def per_layer_inputs(model, ids: np.ndarray, x) -> list:
+    """Each layer's per-layer input [B, T, width] from the token ids (the caller's array) and embeddings x:
+    (RMS-normed per_layer_model_projection(x) / sqrt(D) + embed_tokens_per_layer(ids) * sqrt(width)) / sqrt(2), ids
+    past the per-layer vocabulary reading row 0 (add_per_layer_inputs placed the modules)."""
+    batch, length, d = x.shape
+    layers, width = model.spec.num_layers, model.per_layer_width
+    derive = partial(_per_layer_ids, vocab=model.per_layer_vocab)
+    # declared derived from the ids: a replayed training step (lazy.StepCapture) looks them up anew
+    table = model.per_layer_embed(Tensor(lazy.derived_input(derive(ids), ids, derive)))
+    table = table * float(np.float32(width ** 0.5))
+    projected = model.per_layer_model_projection(x) * float(np.float32(d ** -0.5))
+    projected = model.per_layer_projection_norm(projected.reshape(batch, length, layers, width))
+    inputs = (projected + table.reshape(projected.shape)) * float(np.float32(2.0 ** -0.5))
+    return [inputs[:, :, i].contiguous() for i in range(layers)]
 
 
 @dataclass(frozen=True)
@@ -47,20 +168,14 @@ class Gemma3nLayers:
         return Gemma3nLayer(self, spec, index, alibi)
 
 
-class Gemma3nLayer(DecoderLayer):
+class Gemma3nLayer(SharedKVLayer):
     """One Gemma 3n block over the AltUp streams."""
 
     def __init__(self, options: Gemma3nLayers, spec, index: int, alibi=None):
         super().__init__(replace(spec, intermediate_size=options.intermediate_sizes[index]), index, alibi)
         s, d, n = self.spec, self.spec.hidden_size, options.altup_inputs
         self.options, self.layer_type = options, options.layer_types[index]
-        self.kv_source = options.kv_sources[index]
-        self.stores_kv = index in options.kv_sources
-        if self.kv_source is not None:  # no key / value projections of its own
-            attention = self._modules[s.attention.path]
-            for role, name in (("k", s.attention.k_proj), ("v", s.attention.v_proj), ("k_norm", s.attention.k_norm)):
-                del attention._modules[name]
-                del self.parts[role]
+        self.share_kv(options.kv_sources)
         rms = NormSpec("rms", eps=s.norms.eps)
 
         def add(path, module):
@@ -79,8 +194,6 @@ class Gemma3nLayer(DecoderLayer):
         add("post_per_layer_input_norm", make_norm(rms, d))
         sparsity = options.sparsity[index]
         self.sparsity_cutoff = NormalDist().inv_cdf(sparsity) if sparsity > 0.0 else None
-
-    capture_decode = False  # reads per-layer inputs built on the host from the ids
 
     # -- AltUp
 
@@ -119,35 +232,16 @@ class Gemma3nLayer(DecoderLayer):
         options = dict(scale=self.scale, window=self.window, softcap=0.0, alibi_slopes=None,
                        key_padding_mask=ctx.key_padding_mask)
         if self.kv_source is not None:
-            out = self._attend_shared(q, ctx, options)
+            out = self.attend_shared(q, ctx, options)
         else:
             k = rotated(p["k"](h), s.num_kv_heads, p["k_norm"])
             v = F.rms_norm(p["v"](h).reshape(batch, length, s.num_kv_heads, s.head_dim), None,
                            eps=s.norms.eps).permute(0, 2, 1, 3)
             out = self.attend_heads(q, k, v, ctx, **options)
             if self.stores_kv:
-                ctx.shared_kv[self.index] = self._attended_kv(k, v, ctx)
+                ctx.shared_kv[self.index] = self.attended_kv(k, v, ctx)
         out = out.permute(0, 2, 1, 3).reshape(batch, length, s.num_heads * s.head_dim)
         return p["o"](out)
-
-    def _attended_kv(self, k, v, ctx):
-        """The keys and values this layer's prefill attended over: the new ones, or with a cache already holding
-        some, the cache's (a decode step's sharing layers read the cache slot itself)."""
-        cache = ctx.cache
-        if cache is None or cache.position == 0:
-            return k, v
-        end = cache.position + k.shape[2]
-        return cache.keys[self.index][:, :, :end], cache.values[self.index][:, :, :end]
-
-    def _attend_shared(self, q, ctx, options):
-        cache, new = ctx.cache, q.shape[2]
-        if cache is not None and new == 1:
-            return cache.attend_stored(self.kv_source, q, **options)
-        k, v = ctx.shared_kv[self.kv_source]
-        if cache is not None:
-            options = dict(options, key_padding_mask=cache.step_inputs(new)[1])
-            k, v = k.cast(q.dtype), v.cast(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, causal=True, **options)
 
     # -- MLP with the gate's activation sparsity
 

@@ -5,11 +5,11 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
-from vkformers.models.decoder import DecoderForCausalLM, make_norm
-from vkformers.models.decoder.spec import NormSpec
-from vkformers.models.layers import Embedding, Linear
+from vkformers.models.decoder import DecoderForCausalLM
+from vkformers.models.layers import Linear
 from vkformers.models.module import place
 
+from vkformers_llama.gemma3n import add_per_layer_inputs, per_layer_inputs
 from vkformers_llama.variants import decoder_spec
 
 
@@ -29,14 +29,9 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
     def __init__(self, config: dict, architecture):
         super().__init__(config, architecture)
         o, s = self.spec.make_layer, self.spec
-        d, width = s.hidden_size, s.num_layers * o.per_layer_width
-        self.per_layer_vocab = int(self.spec.extra["per_layer_vocab"])
+        d = s.hidden_size
+        add_per_layer_inputs(self, s, o.per_layer_width, int(s.extra["per_layer_vocab"]))
         refs = dict(
-            per_layer_embed=place(self, "model.embed_tokens_per_layer",
-                                  Embedding(self.per_layer_vocab, width, padding_idx=s.embed_padding_idx)),
-            per_layer_model_projection=place(self, "model.per_layer_model_projection", Linear(d, width, bias=False)),
-            per_layer_projection_norm=place(self, "model.per_layer_projection_norm",
-                                            make_norm(NormSpec("rms", eps=s.norms.eps), o.per_layer_width)),
             altup_projections=[place(self, f"model.altup_projections.{i}", Linear(d, d, bias=False))
                                for i in range(o.altup_inputs - 1)],
             altup_unembed_projections=[place(self, f"model.altup_unembed_projections.{i}", Linear(d, d, bias=False))
@@ -47,8 +42,8 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
         self._input_ids = None
 
     def forward(self, input_ids, *args, **kwargs):
-        ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
-        self._input_ids = ids.astype(np.int64)  # the per-layer embeddings read the token ids
+        # the per-layer embeddings read the token ids: the caller's array itself (a captured step replaces it)
+        self._input_ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
         return super().forward(input_ids, *args, **kwargs)
 
     @staticmethod
@@ -56,15 +51,8 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
         return x * magnitude / (x * x).mean(-1, keepdim=True).maximum(1e-5).sqrt()
 
     def run_layers(self, x, ctx):
-        o, s = self.spec.make_layer, self.spec
-        batch, length, d = x.shape
-        ids = self._input_ids
-        ids = np.where((ids >= 0) & (ids < self.per_layer_vocab), ids, 0).astype(np.int32)
-        table = self.per_layer_embed(Tensor(ids)) * float(np.float32(o.per_layer_width ** 0.5))
-        projected = self.per_layer_model_projection(x) * float(np.float32(d ** -0.5))
-        projected = self.per_layer_projection_norm(projected.reshape(batch, length, s.num_layers, o.per_layer_width))
-        inputs = (projected + table.reshape(projected.shape)) * float(np.float32(2.0 ** -0.5))
-        ctx.per_layer_inputs = [inputs[:, :, i].contiguous() for i in range(s.num_layers)]
+        o = self.spec.make_layer
+        ctx.per_layer_inputs = per_layer_inputs(self, self._input_ids, x)
         ctx.shared_kv = {}
         magnitude = (x * x).mean(-1, keepdim=True).sqrt()
         streams = F.stack([x] + [self._rescaled(p(x), magnitude) for p in self.altup_projections], dim=0)

@@ -24,7 +24,7 @@ from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 from vkformers_llama.diffllama import DiffAttention
 from vkformers_llama.doge import DynamicMaskAttention
-from vkformers_llama.gemma3n import Gemma3nLayers
+from vkformers_llama.gemma3n import Gemma3nLayers, shared_kv_sources
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
@@ -185,19 +185,6 @@ def gemma3_text(config: dict) -> DecoderSpec:
                    positions=replace(spec.positions, rope_configs=ropes))
 
 
-def _gemma3n_kv_sources(types: list[str], shared: int) -> tuple[int | None, ...]:
-    """Per layer, the layer whose keys and values it reuses (transformers' kv_sharing_modes): each of the last
-    ``shared`` layers reads the last earlier layer of its type."""
-    first = len(types) - shared
-    if shared <= 0:
-        return (None,) * len(types)
-    if set(types[:first]) != set(types):
-        raise UnsupportedConfigError("gemma3n_text: every layer type of the num_kv_shared_layers last layers needs an "
-                                     "earlier layer of that type; fix the config")
-    last = {t: max(i for i in range(first) if types[i] == t) for t in set(types)}
-    return tuple(None if i < first else last[types[i]] for i in range(len(types)))
-
-
 @architecture("gemma3n_text", norm="rms", llama_layout=True, status="verified",
               model_class="vkformers_llama.model:Gemma3nForCausalLM",
               notes="AltUp streams, LAuReL, per-layer inputs, KV sharing across layers, gaussian top-k activation "
@@ -232,7 +219,8 @@ def gemma3n_text(config: dict) -> DecoderSpec:
         laurel_rank=int(config.get("laurel_rank", 64)),
         per_layer_width=int(config.get("hidden_size_per_layer_input", 256)),
         intermediate_sizes=tuple(int(w) for w in sizes), sparsity=tuple(float(p) for p in sparsity),
-        layer_types=tuple(types), kv_sources=_gemma3n_kv_sources(types, int(config.get("num_kv_shared_layers", 15))))
+        layer_types=tuple(types),
+        kv_sources=shared_kv_sources("gemma3n_text", types, int(config.get("num_kv_shared_layers", 15))))
     return replace(spec, norms=replace(spec.norms, unit_offset=False), make_layer=layers,
                    attention=replace(spec.attention, scales=(1.0,) * spec.num_layers),
                    extra=dict(spec.extra, per_layer_vocab=int(config.get("vocab_size_per_layer_input", 262144))))

@@ -9,7 +9,10 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.module import add_param, get_param, place
 from vkformers.models.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
 
+from vkformers_llama.gemma3n import add_per_layer_inputs, per_layer_inputs
+
 from vkformers_moe.deepseek_v4 import _collapse, _hyper_weights
+from vkformers_moe.gemma4 import per_layer_shapes
 from vkformers_moe.qwen4_exp import GatedResidual
 from vkformers_moe.variants import decoder_spec
 
@@ -117,3 +120,41 @@ class Glm5NextForCausalLM(MoeDecoderForCausalLM):
         for layer in self.layers:
             streams = self.call_layer(layer, streams, ctx)
         return streams.sum(2) * (1.0 / n)
+
+
+class Gemma4ForCausalLM(MoeDecoderForCausalLM):
+    """Gemma 4's text model: its layers (vkformers_moe.gemma4) read per-layer inputs built from the token ids and
+    embeddings (Gemma 3n's), and the last ones the keys and values of earlier ones. One cache holds every layer's
+    keys and values at the largest head size and KV head count (the narrower layers' padded)."""
+
+    def __init__(self, config: dict, architecture):
+        super().__init__(config, architecture)
+        o = self.spec.make_layer
+        if o.per_layer_width:
+            add_per_layer_inputs(self, self.spec, o.per_layer_width, int(self.spec.extra["per_layer_vocab"]))
+        self.ignored_checkpoint_keys = self.ignored_checkpoint_keys + (".layer_scalar",)  # load_buffers reads it
+        self.capture_decode = False
+        self._input_ids = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return per_layer_shapes(self.layers)[0]
+
+    @property
+    def head_dim(self) -> int:
+        return per_layer_shapes(self.layers)[1]
+
+    def forward(self, input_ids, *args, **kwargs):
+        # the per-layer embeddings read the token ids: the caller's array itself (a captured step replaces it)
+        self._input_ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
+        return super().forward(input_ids, *args, **kwargs)
+
+    def run_layers(self, x, ctx):
+        if self.spec.make_layer.per_layer_width:
+            ctx.per_layer_inputs = per_layer_inputs(self, self._input_ids, x)
+        ctx.shared_kv = {}
+        for layer in self.layers:
+            # a layer whose keys and values later layers read is not recomputed under gradient checkpointing: their
+            # recomputations read its keys and values from the first forward, which must keep its graph
+            x = layer(x, ctx) if layer.stores_kv else self.call_layer(layer, x, ctx)
+        return x

@@ -15,12 +15,14 @@ from vkformers.models.decoder.spec import (DecoderSpec, LinearAttentionSpec, Uns
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
 # dense parents this plugin's architectures extend (vkformers-llama is a declared dependency)
-from vkformers_llama.variants import (cohere2, ernie4_5, granite, granite_swa, hunyuan_v1_dense, llama, mistral, olmo2,
-                                      qwen2, qwen3, qwen3_5_text)
+from vkformers_llama.gemma3n import shared_kv_sources
+from vkformers_llama.variants import (cohere2, ernie4_5, gemma3_text, granite, granite_swa, hunyuan_v1_dense, llama,
+                                      mistral, olmo2, qwen2, qwen3, qwen3_5_text)
 
 from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.deepseek_v4 import DeepseekV4Layers
+from vkformers_moe.gemma4 import Gemma4Layers
 from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention
 from vkformers_moe.kimi_linear import kimi_linear_layer
 from vkformers_moe.jetmoe import JetMoeAttention
@@ -1138,6 +1140,86 @@ def _mistral4_moe(config: dict, spec: DecoderSpec) -> MoeSpec:
     return replace(deepseek_moe(config, spec, scoring="softmax", selection_bias=False),
                    fused_experts=("gate_up_proj", "down_proj"))
 
+
+def _gemma4_layer_sizes(config: dict, types: list[str], k_eq_v: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer (head_dim, KV heads): per_layer_config's overrides (saved by transformers), else the full-attention
+    layers' global_head_dim and, with attention_k_eq_v, num_global_key_value_heads."""
+    head_dim, kv_heads = config.get("head_dim", 256), config.get("num_key_value_heads", 4)
+    per_layer = config.get("per_layer_config")
+    if per_layer is None:
+        full = {"head_dim": config.get("global_head_dim", 512)}
+        if k_eq_v and config.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = config["num_global_key_value_heads"]
+        per_layer = {str(i): full for i, t in enumerate(types) if t == "full_attention"}
+    overrides = [dict(per_layer.get(str(i)) or per_layer.get(i) or {}) for i in range(len(types))]
+    for i, layer in enumerate(overrides):
+        unknown = set(layer) - {"head_dim", "num_key_value_heads"}
+        if unknown:
+            raise UnsupportedConfigError(f"{config.get('model_type', 'gemma4_text')}: per_layer_config of layer {i} sets {sorted(unknown)}, which "
+                                         "vkformers' decoder does not vary per layer")
+    return (tuple(int(o.get("head_dim", head_dim)) for o in overrides),
+            tuple(int(o.get("num_key_value_heads", kv_heads)) for o in overrides))
+
+
+@architecture("gemma4_text", norm="rms", llama_layout=True, status="verified",
+              model_class="vkformers_moe.model:Gemma4ForCausalLM",
+              notes="per-layer inputs, per-layer head sizes, KV sharing across layers, attention_k_eq_v, a MoE block "
+                    "beside the MLP (gemma4.py)")
+def gemma4_text(config: dict) -> DecoderSpec:
+    """Gemma 3's attention layers (sliding / full by layer_types, q/k norms, sandwich norms, soft-capped logits) with
+    plain-weight RMS norms, a weightless value norm and scale 1, in Gemma 4's layer (vkformers_moe.gemma4): per-layer
+    head sizes (per_layer_config), values from the key projection on full layers (attention_k_eq_v), proportional
+    rotary there, KV sharing in the last num_kv_shared_layers layers (Gemma 3n's), per-layer inputs, a MoE block
+    beside the MLP (enable_moe_block) and each layer's layer_scalar."""
+    arch = config.get("model_type", "gemma4_text")
+    # "vision" makes only image tokens attend both ways: text alone is causal
+    refuse(arch, config, "use_bidirectional_attention", lambda v: v in (None, "vision"))
+    _refuse_training_extras(arch, config)
+    n = config.get("num_hidden_layers", 30)
+    types = list(config.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                               for i in range(n)])
+    types[-1] = "full_attention"  # as transformers forces
+    k_eq_v = bool(config.get("attention_k_eq_v", False))
+    head_dims, kv_heads = _gemma4_layer_sizes(config, types, k_eq_v)
+    rope = config.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+    config = dict(config, layer_types=types, rope_parameters=rope, head_dim=config.get("head_dim", 256),
+                  num_key_value_heads=config.get("num_key_value_heads", 4),
+                  sliding_window=config.get("sliding_window", 512),
+                  hidden_size_per_layer_input=config.get("hidden_size_per_layer_input", 256))
+    spec = gemma3_text(config)
+    if max(kv_heads) % min(kv_heads) or spec.num_heads % max(kv_heads) or any(max(kv_heads) % h for h in kv_heads):
+        raise UnsupportedConfigError(f"{arch}: KV heads per layer {sorted(set(kv_heads))} must divide each "
+                                     f"other and num_attention_heads {spec.num_heads}")
+    sized = {}  # one rotary config per (layer type, head size): layers sharing one share their tables
+    ropes = tuple((sized.setdefault((t, d), dict(config, head_dim=d)), t) for t, d in zip(types, head_dims))
+    experts = None
+    if config.get("enable_moe_block"):
+        experts = MoeSpec(num_experts=config["num_experts"], top_k=config["top_k_experts"],
+                          expert_size=config["moe_intermediate_size"], layers=(True,) * n, hidden_act=spec.hidden_act,
+                          router="router.proj", experts="experts", fused_experts=("gate_up_proj", "down_proj"),
+                          norm_topk=True)
+    width = config.get("hidden_size_per_layer_input") or 0
+    layers = Gemma4Layers(
+        layer_types=tuple(types), head_dims=head_dims, kv_heads=kv_heads, k_eq_v=k_eq_v,
+        kv_sources=shared_kv_sources(arch, types, int(config.get("num_kv_shared_layers", 0))),
+        per_layer_width=int(width), double_wide_mlp=bool(config.get("use_double_wide_mlp", False)), experts=experts)
+    return replace(spec, norms=replace(spec.norms, unit_offset=False), make_layer=layers,
+                   attention=replace(spec.attention, scales=(1.0,) * spec.num_layers),
+                   positions=replace(spec.positions, rope_configs=ropes),
+                   extra=dict(spec.extra, per_layer_vocab=int(config.get("vocab_size_per_layer_input", 262144))))
+
+
+
+@architecture("gemma4_unified_text", norm="rms", llama_layout=True, status="verified",
+              model_class="vkformers_moe.model:Gemma4ForCausalLM",
+              notes="Gemma 4's layers without per-layer inputs or the MoE block")
+def gemma4_unified_text(config: dict) -> DecoderSpec:
+    """gemma4_text without per-layer inputs or the MoE block, its config's own defaults (a window of 1024)."""
+    refuse("gemma4_unified_text", config, "enable_moe_block", lambda v: not v)
+    refuse("gemma4_unified_text", config, "hidden_size_per_layer_input", lambda v: not v)
+    return gemma4_text(dict(config, hidden_size_per_layer_input=0, sliding_window=config.get("sliding_window", 1024)))
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
 # whatever architecture that names.

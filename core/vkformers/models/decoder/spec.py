@@ -121,7 +121,8 @@ class MLPBlocks(Protocol):
     that layer ``index`` runs instead of its dense MLP, or None to keep the dense MLP there. The block is placed at
     its ``path`` inside the layer and called on the normed hidden states [B, T, hidden]; modules it keeps beside
     it in the layer go in its ``layer_modules`` ({path: Module}). Checkpoint buffers that are not parameters reach
-    it through ``load_buffers(arrays, prefix)`` when it defines one."""
+    it through ``load_buffers(arrays, prefix)`` when it defines one (any module may; ``saved_buffers(prefix)`` gives
+    them back to save_pretrained)."""
 
     def block(self, spec: DecoderSpec, index: int) -> Module | None: ...
 
