@@ -190,6 +190,16 @@ CASES = {
     "gpt-neox-qa": ("gpt_neox", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=8, max_position_embeddings=16, rotary_pct=0.5,
                                      hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0), "qa"),
+    # eager-only decoders, whose query rows that see no key (row 2's left padding) take a mean of the values that
+    # the answer softmax over every position reads: BLOOM and MPT over all keys, GPT-Neo over its causal window
+    "bloom-qa": ("bloom", dict(vocab_size=VOCAB, hidden_size=8, n_layer=2, n_head=2, hidden_dropout=0.0,
+                               attention_dropout=0.0, pad_token_id=0), "qa"),
+    "gpt-neo-qa": ("gpt_neo", dict(vocab_size=VOCAB, hidden_size=8, num_layers=2, num_heads=2, intermediate_size=8,
+                                   attention_types=[[["global", "local"], 1]], window_size=3,
+                                   max_position_embeddings=16, resid_dropout=0.0, embed_dropout=0.0,
+                                   attention_dropout=0.0, pad_token_id=0), "qa"),
+    "mpt-qa": ("mpt", dict(vocab_size=VOCAB, d_model=8, n_layers=2, n_heads=2, max_seq_len=16, expansion_ratio=1,
+                           resid_pdrop=0.0, emb_pdrop=0.0, attn_config=dict(attn_pdrop=0), pad_token_id=0), "qa"),
 }
 
 
@@ -198,7 +208,7 @@ SEPARATED = ("longformer-qa", "longformer-choice")
 # appended cases whose base-model outputs no test reads: not written (repository size)
 WITHOUT_BASE = ("electra-choice", "roformer-choice", "longformer-sequence", "longformer-qa", "longformer-choice",
                 "modernbert-qa", "albert-token", "gpt2-qa", "mixtral-qa", "opt-qa", "falcon-token", "gpt-neox-qa",
-                "ibert-sequence", "luke-sequence", "eurobert-sequence")
+                "ibert-sequence", "luke-sequence", "eurobert-sequence", "bloom-qa", "gpt-neo-qa", "mpt-qa")
 
 
 def name_of(model) -> str:

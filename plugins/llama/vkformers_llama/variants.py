@@ -453,7 +453,7 @@ def bloom(config: dict) -> DecoderSpec:
                    layers="transformer.h", final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
                                      qkv_layout="per_head", o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
-                                     o_bias=True),
+                                     o_bias=True, blind_rows="all"),  # eager only
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act="gelu_pytorch_tanh",
@@ -944,7 +944,8 @@ def gpt_neo(config: dict) -> DecoderSpec:
                    layers="transformer.h", final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="attn.attention", o_proj="out_proj", o_bias=True,
                                      scales=(1.0,) * spec.num_layers,
-                                     windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers])),
+                                     windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]),
+                                     blind_rows="causal"),  # eager only: its causal fill plus the padding mask
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
@@ -1066,7 +1067,9 @@ def mpt(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attention=replace(spec.attention, path="attn", qkv_proj="Wqkv", o_proj="out_proj", q_bias=bias,
-                                     k_bias=bias, v_bias=bias, o_bias=bias), attn_in_norm="norm_1",
+                                     k_bias=bias, v_bias=bias, o_bias=bias, blind_rows="all",
+                                     blind_rows_score_grad=False),  # eager only, masked_fill
+                   attn_in_norm="norm_1",
                    mlp_in_norm="norm_2",
                    mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias),
                    norms=replace(spec.norms, kind="layer", bias=bias, eps=config.get("layer_norm_epsilon", 1e-5)),

@@ -5,10 +5,12 @@ layers from (:func:`make_projection`, :class:`HeadwiseNorm`).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
 from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder.gated_deltanet import GatedDeltaNet
@@ -61,17 +63,52 @@ class HeadwiseNorm(Module):
         return y * self._weight()
 
 
+def _repeat_kv(x, heads: int):
+    """[B, KVH, T, D] -> [B, heads, T, D]: query head h reads kv head h // (heads // KVH)."""
+    batch, kv_heads, length, dim = x.shape
+    if kv_heads == heads:
+        return x
+    return x.reshape(batch, kv_heads, 1, length, dim).expand(
+        batch, kv_heads, heads // kv_heads, length, dim).contiguous().reshape(batch, heads, length, dim)
+
+
+def blind_row_weights(attention_mask, length: int, window: int, kind: str) -> np.ndarray:
+    """float32 [B, 1, T, T]: for each query row that sees no key under the causal mask, ``window`` and
+    ``attention_mask`` [B, T] (1: attend), the averaging weights over the keys ``kind`` names (AttentionSpec.blind_rows);
+    zero rows for every other query."""
+    mask = np.asarray(attention_mask)[:, -length:] != 0
+    batch = mask.shape[0]
+    query, key = np.arange(length)[:, None], np.arange(length)[None, :]
+    shown = key <= query
+    if window:
+        shown &= query - key < window
+    blind = ~(shown[None] & mask[:, None, :]).any(-1)  # [B, T]
+    if kind == "all":
+        weights = np.ones((batch, length, length))
+    elif kind == "causal":
+        weights = np.broadcast_to(shown, (batch, length, length)).astype(np.float64)
+    elif kind == "attended":  # a row without any unpadded key: every key
+        keys = np.where(mask.any(-1, keepdims=True), mask, True)
+        weights = np.broadcast_to(keys[:, None, :], (batch, length, length)).astype(np.float64)
+    else:
+        raise ValueError(f"attention.blind_rows: unknown kind {kind!r} (zero, all, causal or attended)")
+    weights = weights * blind[:, :, None] / weights.sum(-1, keepdims=True)
+    return weights[:, None].astype(np.float32)
+
+
 class Context:
     """What every layer of one forward pass shares: positions, masks, rotary tables, the cache."""
 
     def __init__(self, positions, key_padding_mask, rope_tables, cache, rope_positions=None, query_scale=None,
-                 host_mask=None, host_positions=None, embeddings=None):
+                 host_mask=None, host_positions=None, embeddings=None, mask_source=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
         self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
         self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
         self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (host-built masks)
         self.host_positions = host_positions  # positions as numpy [B, T] (host-built masks), or None
+        self.mask_source = mask_source        # attention_mask as given: what a captured step derives host_mask's
+        #                                       inputs from (lazy.derived_input)
         self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
         #                                       read them beside the stream), or None
 
@@ -340,6 +377,9 @@ class DecoderLayer(Module):
         if a.sinks:
             options["return_lse"] = True
         out = self.attend_heads(q, k, v, ctx, **options)
+        # only where a padding mask is (as the key mask): a captured step's plan then stays valid for every batch
+        if a.blind_rows != "zero" and ctx.cache is None and ctx.key_padding_mask is not None:
+            out = out + self._blind_rows_mean(q, k, v, ctx)
         if a.sinks:  # softmax over the scores and one sink logit per head, whose value is zero
             out, lse = out
             sinks = self._param(a.sinks).float().reshape(1, -1, 1)
@@ -358,6 +398,29 @@ class DecoderLayer(Module):
         if a.out_bias and self.index in a.out_bias_layers:
             out = out + self._param(a.out_bias)
         return out
+
+    def _blind_rows_mean(self, q, k, v, ctx: Context):
+        """What the spec's reference puts in the query rows that see no key, where the kernel leaves zeros (and no
+        gradient): the mean of the values ``attention.blind_rows`` names, as an averaging matrix W built on the host
+        from the padding mask (zero rows elsewhere) times v, so that v gets the matching gradient. Where the
+        reference's mask is added to the scores, those scores keep the gradient of the uniform softmax (the forward
+        value ignores them: they vanish beside the dtype's minimum): a term of value zero carries it."""
+        a = self.spec.attention
+        batch, heads, length, dim = q.shape
+        derive = partial(blind_row_weights, length=length, window=self.window, kind=a.blind_rows)
+        weights = Tensor(lazy.derived_input(derive(ctx.host_mask), ctx.mask_source, derive))
+        if weights.dtype is not v.dtype:
+            weights = weights.cast(v.dtype)
+        v = _repeat_kv(v, heads)
+        mean = weights @ v  # [B, 1, T, T] @ [B, H, T, D]
+        if a.blind_rows_score_grad and grad_enabled():
+            # d out_i / d s_ij = w_ij (v_j - mean_i): the uniform softmax's Jacobian, through f - detach(f)
+            scores = (q @ _repeat_kv(k, heads).transpose(-1, -2)) * self.scale  # [B, H, T, T]
+            weighted = weights * scores
+            fixed_v = v.detach()
+            f = weighted @ fixed_v - weighted.sum(-1, keepdim=True) * mean.detach()
+            mean = mean + (f - f.detach())
+        return mean
 
     def attend_heads(self, q, k, v, ctx: Context, **options):
         """Causal attention of q [B, H, T, D] over k, v [B, KVH, T, D], which enter the cache here (if any). A
