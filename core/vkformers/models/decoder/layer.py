@@ -416,6 +416,8 @@ class DecoderLayer(Module):
         if a.blind_rows_score_grad and grad_enabled():
             # d out_i / d s_ij = w_ij (v_j - mean_i): the uniform softmax's Jacobian, through f - detach(f)
             scores = (q @ _repeat_kv(k, heads).transpose(-1, -2)) * self.scale  # [B, H, T, T]
+            if a.softcap:
+                scores = (scores * (1.0 / a.softcap)).tanh() * a.softcap
             weighted = weights * scores
             fixed_v = v.detach()
             f = weighted @ fixed_v - weighted.sum(-1, keepdim=True) * mean.detach()
