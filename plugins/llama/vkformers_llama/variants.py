@@ -962,7 +962,7 @@ def openai_gpt(config: dict) -> DecoderSpec:
     return replace(spec, embed="transformer.tokens_embed",
                    position_embed="transformer.positions_embed", final_norm=None, post_norm=True,
                    # eager only: a -1e4 causal fill (scores times 0: no gradient) under the padding mask's minimum
-                   attention=replace(spec.attention, scales=(), blind_rows="attended", blind_rows_score_grad=False),
+                   attention=replace(spec.attention, scales=(), blind_rows="attended", blind_rows_score_grad=0.0),
                    intermediate_size=4 * spec.hidden_size)
 
 
@@ -998,7 +998,7 @@ def xglm(config: dict) -> DecoderSpec:
                    lm_head="lm_head", intermediate_size=config.get("ffn_dim", 4 * spec.hidden_size),
                    extra=dict(padding_row=config.get("pad_token_id")),
                    # eager only; its clamp at the dtype minimum ties there, halving the scores' gradient
-                   attention=replace(spec.attention, blind_rows="all", blind_rows_score_grad=False))
+                   attention=replace(spec.attention, blind_rows="all", blind_rows_score_grad=0.5))
 
 
 @architecture("trocr", norm="layer", status="verified",
@@ -1073,7 +1073,7 @@ def mpt(config: dict) -> DecoderSpec:
                    embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attention=replace(spec.attention, path="attn", qkv_proj="Wqkv", o_proj="out_proj", q_bias=bias,
                                      k_bias=bias, v_bias=bias, o_bias=bias, blind_rows="all",
-                                     blind_rows_score_grad=False),  # eager only, masked_fill
+                                     blind_rows_score_grad=0.0),  # eager only, masked_fill
                    attn_in_norm="norm_1",
                    mlp_in_norm="norm_2",
                    mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias),

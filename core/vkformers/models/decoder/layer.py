@@ -72,28 +72,20 @@ def _repeat_kv(x, heads: int):
         batch, kv_heads, heads // kv_heads, length, dim).contiguous().reshape(batch, heads, length, dim)
 
 
-def blind_row_weights(attention_mask, length: int, window: int, kind: str) -> np.ndarray:
-    """float32 [B, 1, T, T]: for each query row that sees no key under the causal mask, ``window`` and
-    ``attention_mask`` [B, T] (1: attend), the averaging weights over the keys ``kind`` names (AttentionSpec.blind_rows);
-    zero rows for every other query."""
+# The scores' shrink factor of the blind rows' gradient term (a power of two: q scales exactly)
+BLIND_SCORE_EPS = 2.0 ** -20
+
+
+def blind_row_indicator(attention_mask, length: int, window: int) -> np.ndarray:
+    """float32 [B, 1, T, 1]: 1 for each query that sees no key under the causal mask, ``window`` and
+    ``attention_mask`` [B, T] (1: attend), else 0."""
     mask = np.asarray(attention_mask)[:, -length:] != 0
-    batch = mask.shape[0]
     query, key = np.arange(length)[:, None], np.arange(length)[None, :]
     shown = key <= query
     if window:
         shown &= query - key < window
     blind = ~(shown[None] & mask[:, None, :]).any(-1)  # [B, T]
-    if kind == "all":
-        weights = np.ones((batch, length, length))
-    elif kind == "causal":
-        weights = np.broadcast_to(shown, (batch, length, length)).astype(np.float64)
-    elif kind == "attended":  # a row without any unpadded key: every key
-        keys = np.where(mask.any(-1, keepdims=True), mask, True)
-        weights = np.broadcast_to(keys[:, None, :], (batch, length, length)).astype(np.float64)
-    else:
-        raise ValueError(f"attention.blind_rows: unknown kind {kind!r} (zero, all, causal or attended)")
-    weights = weights * blind[:, :, None] / weights.sum(-1, keepdims=True)
-    return weights[:, None].astype(np.float32)
+    return blind[:, None, :, None].astype(np.float32)
 
 
 class Context:
@@ -401,28 +393,37 @@ class DecoderLayer(Module):
 
     def _blind_rows_mean(self, q, k, v, ctx: Context):
         """What the spec's reference puts in the query rows that see no key, where the kernel leaves zeros (and no
-        gradient): the mean of the values ``attention.blind_rows`` names, as an averaging matrix W built on the host
-        from the padding mask (zero rows elsewhere) times v, so that v gets the matching gradient. Where the
-        reference's mask is added to the scores, those scores keep the gradient of the uniform softmax (the forward
-        value ignores them: they vanish beside the dtype's minimum): a term of value zero carries it."""
+        gradient): the mean of the values ``attention.blind_rows`` names, from the kernel itself with all-zero
+        scores (uniform weights over the keys its masks leave), kept on those rows only. Where the reference adds
+        its mask to the scores, they keep the uniform softmax's gradient (the forward value ignores them beside the
+        dtype's minimum): the kernel on scores shrunk by EPS, minus itself, over EPS, is a term of value zero with
+        that gradient to q and k (to within EPS times a score)."""
         a = self.spec.attention
-        batch, heads, length, dim = q.shape
-        derive = partial(blind_row_weights, length=length, window=self.window, kind=a.blind_rows)
-        weights = Tensor(lazy.derived_input(derive(ctx.host_mask), ctx.mask_source, derive))
-        if weights.dtype is not v.dtype:
-            weights = weights.cast(v.dtype)
-        v = _repeat_kv(v, heads)
-        mean = weights @ v  # [B, 1, T, T] @ [B, H, T, D]
-        if a.blind_rows_score_grad and grad_enabled():
-            # d out_i / d s_ij = w_ij (v_j - mean_i): the uniform softmax's Jacobian, through f - detach(f)
-            scores = (q @ _repeat_kv(k, heads).transpose(-1, -2)) * self.scale  # [B, H, T, T]
-            if a.softcap:
+        length = q.shape[2]
+        derive = partial(blind_row_indicator, length=length, window=self.window)
+        blind = Tensor(lazy.derived_input(derive(ctx.host_mask), ctx.mask_source, derive))  # [B, 1, T, 1]
+        if blind.dtype is not v.dtype:
+            blind = blind.cast(v.dtype)
+        if a.blind_rows not in ("all", "causal", "attended"):
+            raise ValueError(f"attention.blind_rows: unknown kind {a.blind_rows!r} (zero, all, causal or attended)")
+        keys = dict(scale=self.scale, causal=a.blind_rows == "causal",
+                    window=self.window if a.blind_rows == "causal" else 0,
+                    key_padding_mask=ctx.key_padding_mask if a.blind_rows == "attended" else None)
+        mean = F.scaled_dot_product_attention(q.detach() * 0.0, k, v, **keys)
+        if a.blind_rows_score_grad != 0.0 and grad_enabled():
+            if a.softcap:  # the cap's slope depends on each score: the scores themselves (Gemma 2: all keys)
+                if a.blind_rows != "all":
+                    raise ValueError("attention.blind_rows: with softcap only 'all' keeps the scores' gradient")
+                scores = (q @ _repeat_kv(k, q.shape[1]).transpose(-1, -2)) * self.scale  # [B, H, T, T]
                 scores = (scores * (1.0 / a.softcap)).tanh() * a.softcap
-            weighted = weights * scores
-            fixed_v = v.detach()
-            f = weighted @ fixed_v - weighted.sum(-1, keepdim=True) * mean.detach()
+                fixed = _repeat_kv(v, q.shape[1]).detach()
+                f = (scores @ fixed - scores.sum(-1, keepdim=True) * mean.detach()) * (1.0 / length)
+            else:
+                f = F.scaled_dot_product_attention(q * BLIND_SCORE_EPS, k, v.detach(), **keys) * (1.0 / BLIND_SCORE_EPS)
+            if a.blind_rows_score_grad != 1.0:
+                f = f * a.blind_rows_score_grad
             mean = mean + (f - f.detach())
-        return mean
+        return mean * blind
 
     def attend_heads(self, q, k, v, ctx: Context, **options):
         """Causal attention of q [B, H, T, D] over k, v [B, KVH, T, D], which enter the cache here (if any). A

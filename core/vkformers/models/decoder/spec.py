@@ -102,8 +102,9 @@ class AttentionSpec:
     # padding aside (GPT-Neo: the masks stack to -inf outside them); "attended": the mean of the row's unpadded
     # values, later ones included (GPT-1: a -1e4 causal fill under the dtype-minimum padding mask).
     blind_rows: str = "zero"
-    blind_rows_score_grad: bool = True       # the mask is added there, so the scores keep a gradient (False: MPT's
-    #                                          masked_fill replaces them)
+    blind_rows_score_grad: float = 1.0       # the share of the uniform softmax's gradient its scores keep there: 1
+    #                                          (the mask is added), 0 (replaced: MPT's masked_fill), 0.5 (XGLM's
+    #                                          clamp at the minimum ties there, and torch splits a tie's gradient)
     module: Callable | None = None           # (spec) -> a plugin's attention module at ``path`` instead of the q/k/v/o
     #                                          projections, called (h, ctx, layer index) -> [B, T, hidden] (JetMoE's
     #                                          mixture of attention heads); it attends through ctx as the layer would
