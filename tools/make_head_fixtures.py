@@ -200,6 +200,11 @@ CASES = {
                                    attention_dropout=0.0, pad_token_id=0), "qa"),
     "mpt-qa": ("mpt", dict(vocab_size=VOCAB, d_model=8, n_layers=2, n_heads=2, max_seq_len=16, expansion_ratio=1,
                            resid_pdrop=0.0, emb_pdrop=0.0, attn_config=dict(attn_pdrop=0), pad_token_id=0), "qa"),
+    # Falcon-RW's ALiBi makes its sdpa mask a float one: the same mean there (one KV head)
+    "falcon-alibi-qa": ("falcon", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                       new_decoder_architecture=False, multi_query=True, parallel_attn=False,
+                                       bias=True, alibi=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                       pad_token_id=0), "qa"),
 }
 
 
@@ -208,7 +213,8 @@ SEPARATED = ("longformer-qa", "longformer-choice")
 # appended cases whose base-model outputs no test reads: not written (repository size)
 WITHOUT_BASE = ("electra-choice", "roformer-choice", "longformer-sequence", "longformer-qa", "longformer-choice",
                 "modernbert-qa", "albert-token", "gpt2-qa", "mixtral-qa", "opt-qa", "falcon-token", "gpt-neox-qa",
-                "ibert-sequence", "luke-sequence", "eurobert-sequence", "bloom-qa", "gpt-neo-qa", "mpt-qa")
+                "ibert-sequence", "luke-sequence", "eurobert-sequence", "bloom-qa", "gpt-neo-qa", "mpt-qa",
+                "falcon-alibi-qa")
 
 
 def name_of(model) -> str:

@@ -432,7 +432,9 @@ def falcon(config: dict) -> DecoderSpec:
                    final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
                                      qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
-                                     o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
+                                     o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+                                     # with ALiBi its mask is a float one (dtype minimum), in sdpa too
+                                     blind_rows="all" if config.get("alibi") else "zero"),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=bias),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation", "gelu"),

@@ -369,8 +369,9 @@ class DecoderLayer(Module):
         if a.sinks:
             options["return_lse"] = True
         out = self.attend_heads(q, k, v, ctx, **options)
-        # only where a padding mask is (as the key mask): a captured step's plan then stays valid for every batch
-        if a.blind_rows != "zero" and ctx.cache is None and ctx.key_padding_mask is not None:
+        # only where a padding mask is (as the key mask): a captured step's plan then stays valid for every batch.
+        # A layer with sinks gives zeros there, as the reference (its sink takes every weight beside the minimum).
+        if a.blind_rows != "zero" and not a.sinks and ctx.cache is None and ctx.key_padding_mask is not None:
             out = out + self._blind_rows_mean(q, k, v, ctx)
         if a.sinks:  # softmax over the scores and one sink logit per head, whose value is zero
             out, lse = out
@@ -409,6 +410,9 @@ class DecoderLayer(Module):
         keys = dict(scale=self.scale, causal=a.blind_rows == "causal",
                     window=self.window if a.blind_rows == "causal" else 0,
                     key_padding_mask=ctx.key_padding_mask if a.blind_rows == "attended" else None)
+        value_dim = v.shape[-1]
+        if value_dim < q.shape[-1]:  # the kernel has one head size: values padded with zeros (MiMo's, MLA's)
+            v = F.cat([v, Tensor(np.zeros(v.shape[:-1] + (q.shape[-1] - value_dim,), np.float32), dtype=v.dtype)], -1)
         mean = F.scaled_dot_product_attention(q.detach() * 0.0, k, v, **keys)
         if a.blind_rows_score_grad != 0.0 and grad_enabled():
             if a.softcap:  # the cap's slope depends on each score: the scores themselves (Gemma 2: all keys)
@@ -423,7 +427,7 @@ class DecoderLayer(Module):
             if a.blind_rows_score_grad != 1.0:
                 f = f * a.blind_rows_score_grad
             mean = mean + (f - f.detach())
-        return mean * blind
+        return (mean if value_dim == mean.shape[-1] else mean[..., :value_dim]) * blind
 
     def attend_heads(self, q, k, v, ctx: Context, **options):
         """Causal attention of q [B, H, T, D] over k, v [B, KVH, T, D], which enter the cache here (if any). A
