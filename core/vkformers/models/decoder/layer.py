@@ -18,6 +18,7 @@ from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import DecoderSpec, NormSpec
 from vkformers.models.layers import Conv1D, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module, add_param, get_param, join_path, place
+from vkformers.runtime import dtypes as dt
 
 
 def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
@@ -423,10 +424,13 @@ class DecoderLayer(Module):
                 fixed = _repeat_kv(v, q.shape[1]).detach()
                 f = (scores @ fixed - scores.sum(-1, keepdim=True) * mean.detach()) * (1.0 / length)
             else:
+                if v.dtype is dt.float16:  # the gradient scaled by 1 / EPS would overflow float16: float32 there
+                    q, k, v = q.float(), k.float(), v.float()
                 f = F.scaled_dot_product_attention(q * BLIND_SCORE_EPS, k, v.detach(), **keys) * (1.0 / BLIND_SCORE_EPS)
             if a.blind_rows_score_grad != 1.0:
                 f = f * a.blind_rows_score_grad
-            mean = mean + (f - f.detach())
+            zero = f - f.detach()  # in f's dtype: f itself may not fit float16
+            mean = mean + (zero if zero.dtype is mean.dtype else zero.cast(mean.dtype))
         return (mean if value_dim == mean.shape[-1] else mean[..., :value_dim]) * blind
 
     def attend_heads(self, q, k, v, ctx: Context, **options):
