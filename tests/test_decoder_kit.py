@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder import DecoderForCausalLM, DecoderSpec
 from vkformers.models.layers import Linear
@@ -76,3 +77,26 @@ def test_a_block_in_the_mlp_slot_replaces_that_layers_dense_mlp():
     np.testing.assert_allclose(model.layers[1].mlp(Tensor(x)).numpy(), 2.0 * x @ weight.T, rtol=1e-5, atol=1e-6)
     logits = model(np.array([[1, 2, 3, 4]], np.int32)).logits
     assert logits.shape == (1, 4, 32) and np.isfinite(logits.numpy()).all()
+
+
+def test_blind_rows_get_the_mean_of_the_values_and_a_captured_step_derives_them_from_each_mask():
+    """attention.blind_rows fills the query rows that see no key (left padding) and only those; a captured
+    forward replays with another batch's padding as a built one computes it."""
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(1, 32, size=(2, 6)).astype(np.int32) for _ in range(3)]
+    masks = [np.array([[1] * 6, [0, 0, 1, 1, 1, 1]], np.int32), np.array([[1] * 6, [0, 0, 1, 1, 1, 1]], np.int32),
+             np.array([[0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]], np.int32)]
+    zero = model_of(SPEC.amend("attention", windows=(2, 0))).eval()
+    model = model_of(SPEC.amend("attention", windows=(2, 0), blind_rows="all")).eval()
+    plain = zero(ids[2], attention_mask=masks[2]).logits.numpy()
+    filled = model(ids[2], attention_mask=masks[2]).logits.numpy()
+    blind = np.cumsum(masks[2], axis=1) == 0
+    np.testing.assert_array_equal(plain[~blind], filled[~blind])
+    assert np.abs(plain[blind] - filled[blind]).min() > 0  # a mean of the values, not the kernel's zeros
+
+    step, forwards, original = lazy.StepCapture(), [], model.forward
+    model.forward = lambda *a, **k: forwards.append(1) or original(*a, **k)
+    replayed = [step.run(lambda: [model(i, attention_mask=m).logits], {"ids": i, "mask": m})[0]
+                for i, m in zip(ids, masks)]
+    assert len(forwards) == 2  # the third batch replayed the plan
+    np.testing.assert_allclose(replayed[2], filled, atol=1e-6)

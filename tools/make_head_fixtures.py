@@ -200,6 +200,21 @@ CASES = {
     "funnel-sequence": ("funnel", dict(vocab_size=VOCAB, d_model=8, n_head=2, d_head=4, d_inner=8, block_sizes=[1, 1],
                                        num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
                                        activation_dropout=0.0, pad_token_id=0), "sequence"),
+    # eager-only decoders, whose query rows that see no key (row 2's left padding) take a mean of the values that
+    # the answer softmax over every position reads: BLOOM and MPT over all keys, GPT-Neo over its causal window
+    "bloom-qa": ("bloom", dict(vocab_size=VOCAB, hidden_size=8, n_layer=2, n_head=2, hidden_dropout=0.0,
+                               attention_dropout=0.0, pad_token_id=0), "qa"),
+    "gpt-neo-qa": ("gpt_neo", dict(vocab_size=VOCAB, hidden_size=8, num_layers=2, num_heads=2, intermediate_size=8,
+                                   attention_types=[[["global", "local"], 1]], window_size=3,
+                                   max_position_embeddings=16, resid_dropout=0.0, embed_dropout=0.0,
+                                   attention_dropout=0.0, pad_token_id=0), "qa"),
+    "mpt-qa": ("mpt", dict(vocab_size=VOCAB, d_model=8, n_layers=2, n_heads=2, max_seq_len=16, expansion_ratio=1,
+                           resid_pdrop=0.0, emb_pdrop=0.0, attn_config=dict(attn_pdrop=0), pad_token_id=0), "qa"),
+    # Falcon-RW's ALiBi makes its sdpa mask a float one: the same mean there (one KV head)
+    "falcon-alibi-qa": ("falcon", dict(vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                                       new_decoder_architecture=False, multi_query=True, parallel_attn=False,
+                                       bias=True, alibi=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                       pad_token_id=0), "qa"),
 }
 
 
@@ -208,7 +223,8 @@ SEPARATED = ("longformer-qa", "longformer-choice")
 # appended cases whose base-model outputs no test reads: not written (repository size)
 WITHOUT_BASE = ("electra-choice", "roformer-choice", "longformer-sequence", "longformer-qa", "longformer-choice",
                 "modernbert-qa", "albert-token", "gpt2-qa", "mixtral-qa", "opt-qa", "falcon-token", "gpt-neox-qa",
-                "ibert-sequence", "luke-sequence", "eurobert-sequence")
+                "ibert-sequence", "luke-sequence", "eurobert-sequence", "bloom-qa", "gpt-neo-qa", "mpt-qa",
+                "falcon-alibi-qa")
 
 
 def name_of(model) -> str:

@@ -158,7 +158,8 @@ def gemma2(config: dict) -> DecoderSpec:
                    mlp_out_norm="post_feedforward_layernorm",
                    attention=replace(spec.attention, scales=(scale,) * spec.num_layers,
                                      windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                                     softcap=config.get("attn_logit_softcapping") or 0.0),
+                                     softcap=config.get("attn_logit_softcapping") or 0.0,
+                                     blind_rows="all"),  # eager only
                    final_softcap=config.get("final_logit_softcapping") or 0.0)
 
 
@@ -168,7 +169,7 @@ def gemma2(config: dict) -> DecoderSpec:
                   "gemma3",  # multimodal wrapper; text_config
               ])
 def gemma3_text(config: dict) -> DecoderSpec:
-    spec = gemma2(config)
+    spec = gemma2(config).amend("attention", blind_rows="zero")  # sdpa
     pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
     types = _gemma_layer_types(config, spec.num_layers, lambda i: (i + 1) % pattern != 0)
     window = config.get("sliding_window") or 0
@@ -419,7 +420,9 @@ def falcon(config: dict) -> DecoderSpec:
                    final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
                                      qkv_layout="grouped" if new_arch else ("blocks" if kv_heads == 1 else "per_head"),
-                                     o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias),
+                                     o_proj="dense", q_bias=bias, k_bias=bias, v_bias=bias, o_bias=bias,
+                                     # with ALiBi its mask is a float one (dtype minimum), in sdpa too
+                                     blind_rows="all" if config.get("alibi") else "zero"),
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=bias),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation", "gelu"),
@@ -441,7 +444,7 @@ def bloom(config: dict) -> DecoderSpec:
                    layers="transformer.h", final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="self_attention", qkv_proj="query_key_value",
                                      qkv_layout="per_head", o_proj="dense", q_bias=True, k_bias=True, v_bias=True,
-                                     o_bias=True),
+                                     o_bias=True, blind_rows="all"),  # eager only
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h", bias=True),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act="gelu_pytorch_tanh",
@@ -898,7 +901,7 @@ def gpt_neox_japanese(config: dict) -> DecoderSpec:
                    final_norm="gpt_neox_japanese.final_layer_norm", lm_head="embed_out",
                    attention=replace(spec.attention, path="attention", qkv_proj="query_key_value",
                                      qkv_layout="per_head", o_proj="dense", out_bias="dense_bias",
-                                     out_bias_layers=(spec.num_layers - 1,)),
+                                     out_bias_layers=(spec.num_layers - 1,), blind_rows="all"),  # eager only
                    mlp=replace(spec.mlp, kind="plain", up_proj="dense_h_to_4h", down_proj="dense_4h_to_h"),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_eps", 1e-5)),
                    hidden_act=config.get("hidden_act", "gelu"),
@@ -932,7 +935,8 @@ def gpt_neo(config: dict) -> DecoderSpec:
                    layers="transformer.h", final_norm="transformer.ln_f",
                    attention=replace(spec.attention, path="attn.attention", o_proj="out_proj", o_bias=True,
                                      scales=(1.0,) * spec.num_layers,
-                                     windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers])),
+                                     windows=tuple(window if t == "local" else 0 for t in types[:spec.num_layers]),
+                                     blind_rows="causal"),  # eager only: its causal fill plus the padding mask
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
@@ -947,7 +951,9 @@ def openai_gpt(config: dict) -> DecoderSpec:
     spec = gpt2(dict(config, activation_function=act))
     return replace(spec, embed="transformer.tokens_embed",
                    position_embed="transformer.positions_embed", final_norm=None, post_norm=True,
-                   attention=replace(spec.attention, scales=()), intermediate_size=4 * spec.hidden_size)
+                   # eager only: a -1e4 causal fill (scores times 0: no gradient) under the padding mask's minimum
+                   attention=replace(spec.attention, scales=(), blind_rows="attended", blind_rows_score_grad=0.0),
+                   intermediate_size=4 * spec.hidden_size)
 
 
 @architecture("biogpt", norm="layer", status="verified")
@@ -980,7 +986,9 @@ def xglm(config: dict) -> DecoderSpec:
                    positions=replace(spec.positions, sinusoidal="fairseq"), layers="model.layers",
                    final_norm="model.layer_norm",
                    lm_head="lm_head", intermediate_size=config.get("ffn_dim", 4 * spec.hidden_size),
-                   extra=dict(padding_row=config.get("pad_token_id")))
+                   extra=dict(padding_row=config.get("pad_token_id")),
+                   # eager only; its clamp at the dtype minimum ties there, halving the scores' gradient
+                   attention=replace(spec.attention, blind_rows="all", blind_rows_score_grad=0.5))
 
 
 @architecture("trocr", norm="layer", status="verified",
@@ -1015,7 +1023,7 @@ def trocr(config: dict) -> DecoderSpec:
     return replace(spec, embed_scale=scale, embed_norm="model.decoder.layernorm_embedding"
                    if config.get("layernorm_embedding", True) else None, lm_head="output_projection",
                    tie_embeddings=config.get("tie_word_embeddings", True) is not False, shift_labels=False,
-                   unused_layer_params=cross)
+                   unused_layer_params=cross, attention=replace(spec.attention, blind_rows="all"))  # eager only
 
 
 @architecture("ctrl", norm="layer", status="verified",
@@ -1054,7 +1062,9 @@ def mpt(config: dict) -> DecoderSpec:
     return replace(spec, embed_padding_idx=None,  # built without padding_idx in transformers
                    embed="transformer.wte", layers="transformer.blocks", final_norm="transformer.norm_f",
                    attention=replace(spec.attention, path="attn", qkv_proj="Wqkv", o_proj="out_proj", q_bias=bias,
-                                     k_bias=bias, v_bias=bias, o_bias=bias), attn_in_norm="norm_1",
+                                     k_bias=bias, v_bias=bias, o_bias=bias, blind_rows="all",
+                                     blind_rows_score_grad=0.0),  # eager only, masked_fill
+                   attn_in_norm="norm_1",
                    mlp_in_norm="norm_2",
                    mlp=replace(spec.mlp, path="ffn", kind="plain", bias=bias),
                    norms=replace(spec.norms, kind="layer", bias=bias, eps=config.get("layer_norm_epsilon", 1e-5)),

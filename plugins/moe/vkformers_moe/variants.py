@@ -272,7 +272,8 @@ def mimo_v2_flash(config: dict) -> DecoderSpec:
                               v_head_dim=v_dim, value_scale=1.0 if value_scale is None else float(value_scale))
     spec = replace(spec, num_kv_heads=max(kv_heads),
                    attention=replace(spec.attention, sinks="attention_sink_bias",
-                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types)),
+                                     windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                                     blind_rows="all"),  # eager only (the sliding layers' sinks give zeros)
                    make_layer=attention,
                    positions=replace(spec.positions, rope_configs=tuple((rope_config, t) for t in types)))
     return replace(spec, moe=replace(deepseek_moe(config, spec), layers=_mlp_layer_types(config, n)))

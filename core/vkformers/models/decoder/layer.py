@@ -5,10 +5,12 @@ layers from (:func:`make_projection`, :class:`HeadwiseNorm`).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
 from vkformers.engine.function import grad_enabled
 from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder.gated_deltanet import GatedDeltaNet
@@ -16,6 +18,7 @@ from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import DecoderSpec, NormSpec
 from vkformers.models.layers import Conv1D, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module, add_param, get_param, join_path, place
+from vkformers.runtime import dtypes as dt
 
 
 def xielu(x, alpha_p, alpha_n, beta: float, eps: float):
@@ -61,17 +64,44 @@ class HeadwiseNorm(Module):
         return y * self._weight()
 
 
+def _repeat_kv(x, heads: int):
+    """[B, KVH, T, D] -> [B, heads, T, D]: query head h reads kv head h // (heads // KVH)."""
+    batch, kv_heads, length, dim = x.shape
+    if kv_heads == heads:
+        return x
+    return x.reshape(batch, kv_heads, 1, length, dim).expand(
+        batch, kv_heads, heads // kv_heads, length, dim).contiguous().reshape(batch, heads, length, dim)
+
+
+# The scores' shrink factor of the blind rows' gradient term (a power of two: q scales exactly)
+BLIND_SCORE_EPS = 2.0 ** -20
+
+
+def blind_row_indicator(attention_mask, length: int, window: int) -> np.ndarray:
+    """float32 [B, 1, T, 1]: 1 for each query that sees no key under the causal mask, ``window`` and
+    ``attention_mask`` [B, T] (1: attend), else 0."""
+    mask = np.asarray(attention_mask)[:, -length:] != 0
+    query, key = np.arange(length)[:, None], np.arange(length)[None, :]
+    shown = key <= query
+    if window:
+        shown &= query - key < window
+    blind = ~(shown[None] & mask[:, None, :]).any(-1)  # [B, T]
+    return blind[:, None, :, None].astype(np.float32)
+
+
 class Context:
     """What every layer of one forward pass shares: positions, masks, rotary tables, the cache."""
 
     def __init__(self, positions, key_padding_mask, rope_tables, cache, rope_positions=None, query_scale=None,
-                 host_mask=None, host_positions=None, embeddings=None):
+                 host_mask=None, host_positions=None, embeddings=None, mask_source=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
         self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
         self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
         self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (host-built masks)
         self.host_positions = host_positions  # positions as numpy [B, T] (host-built masks), or None
+        self.mask_source = mask_source        # attention_mask as given: what a captured step derives host_mask's
+        #                                       inputs from (lazy.derived_input)
         self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
         #                                       read them beside the stream), or None
 
@@ -340,6 +370,10 @@ class DecoderLayer(Module):
         if a.sinks:
             options["return_lse"] = True
         out = self.attend_heads(q, k, v, ctx, **options)
+        # only where a padding mask is (as the key mask): a captured step's plan then stays valid for every batch.
+        # A layer with sinks gives zeros there, as the reference (its sink takes every weight beside the minimum).
+        if a.blind_rows != "zero" and not a.sinks and ctx.cache is None and ctx.key_padding_mask is not None:
+            out = out + self._blind_rows_mean(q, k, v, ctx)
         if a.sinks:  # softmax over the scores and one sink logit per head, whose value is zero
             out, lse = out
             sinks = self._param(a.sinks).float().reshape(1, -1, 1)
@@ -358,6 +392,46 @@ class DecoderLayer(Module):
         if a.out_bias and self.index in a.out_bias_layers:
             out = out + self._param(a.out_bias)
         return out
+
+    def _blind_rows_mean(self, q, k, v, ctx: Context):
+        """What the spec's reference puts in the query rows that see no key, where the kernel leaves zeros (and no
+        gradient): the mean of the values ``attention.blind_rows`` names, from the kernel itself with all-zero
+        scores (uniform weights over the keys its masks leave), kept on those rows only. Where the reference adds
+        its mask to the scores, they keep the uniform softmax's gradient (the forward value ignores them beside the
+        dtype's minimum): the kernel on scores shrunk by EPS, minus itself, over EPS, is a term of value zero with
+        that gradient to q and k (to within EPS times a score)."""
+        a = self.spec.attention
+        length = q.shape[2]
+        derive = partial(blind_row_indicator, length=length, window=self.window)
+        blind = Tensor(lazy.derived_input(derive(ctx.host_mask), ctx.mask_source, derive))  # [B, 1, T, 1]
+        if blind.dtype is not v.dtype:
+            blind = blind.cast(v.dtype)
+        if a.blind_rows not in ("all", "causal", "attended"):
+            raise ValueError(f"attention.blind_rows: unknown kind {a.blind_rows!r} (zero, all, causal or attended)")
+        keys = dict(scale=self.scale, causal=a.blind_rows == "causal",
+                    window=self.window if a.blind_rows == "causal" else 0,
+                    key_padding_mask=ctx.key_padding_mask if a.blind_rows == "attended" else None)
+        value_dim = v.shape[-1]
+        if value_dim < q.shape[-1]:  # the kernel has one head size: values padded with zeros (MiMo's, MLA's)
+            v = F.cat([v, Tensor(np.zeros(v.shape[:-1] + (q.shape[-1] - value_dim,), np.float32), dtype=v.dtype)], -1)
+        mean = F.scaled_dot_product_attention(q.detach() * 0.0, k, v, **keys)
+        if a.blind_rows_score_grad != 0.0 and grad_enabled():
+            if a.softcap:  # the cap's slope depends on each score: the scores themselves (Gemma 2: all keys)
+                if a.blind_rows != "all":
+                    raise ValueError("attention.blind_rows: with softcap only 'all' keeps the scores' gradient")
+                scores = (q @ _repeat_kv(k, q.shape[1]).transpose(-1, -2)) * self.scale  # [B, H, T, T]
+                scores = (scores * (1.0 / a.softcap)).tanh() * a.softcap
+                fixed = _repeat_kv(v, q.shape[1]).detach()
+                f = (scores @ fixed - scores.sum(-1, keepdim=True) * mean.detach()) * (1.0 / length)
+            else:
+                if v.dtype is dt.float16:  # the gradient scaled by 1 / EPS would overflow float16: float32 there
+                    q, k, v = q.float(), k.float(), v.float()
+                f = F.scaled_dot_product_attention(q * BLIND_SCORE_EPS, k, v.detach(), **keys) * (1.0 / BLIND_SCORE_EPS)
+            if a.blind_rows_score_grad != 1.0:
+                f = f * a.blind_rows_score_grad
+            zero = f - f.detach()  # in f's dtype: f itself may not fit float16
+            mean = mean + (zero if zero.dtype is mean.dtype else zero.cast(mean.dtype))
+        return (mean if value_dim == mean.shape[-1] else mean[..., :value_dim]) * blind
 
     def attend_heads(self, q, k, v, ctx: Context, **options):
         """Causal attention of q [B, H, T, D] over k, v [B, KVH, T, D], which enter the cache here (if any). A

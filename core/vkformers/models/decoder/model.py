@@ -336,7 +336,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.positions.rope_negated else None,
                       query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions,
-                      embeddings=x)
+                      embeddings=x, mask_source=attention_mask)
         return self.run_layers(x, ctx)
 
     def run_layers(self, x, ctx: Context):

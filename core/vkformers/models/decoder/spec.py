@@ -96,6 +96,15 @@ class AttentionSpec:
     heads_per_layer: tuple[int, ...] = ()    # query heads of each layer when they differ (Laguna); empty: num_heads
     in_width: int | None = None              # q/k/v input width (and attn_in_norm's) when not hidden_size (Zamba's
     #                                          shared block reads [stream | token embeddings])
+    # A query row that sees no key (a left-padded position): what transformers' reference puts there. "zero" (sdpa,
+    # sinks; the kernel's own); "all": the mean of every value (eager with an additive dtype-minimum mask, whose
+    # softmax over equal scores is uniform); "causal": the mean of the values its causal (and window) mask shows,
+    # padding aside (GPT-Neo: the masks stack to -inf outside them); "attended": the mean of the row's unpadded
+    # values, later ones included (GPT-1: a -1e4 causal fill under the dtype-minimum padding mask).
+    blind_rows: str = "zero"
+    blind_rows_score_grad: float = 1.0       # the share of the uniform softmax's gradient its scores keep there: 1
+    #                                          (the mask is added), 0 (replaced: MPT's masked_fill), 0.5 (XGLM's
+    #                                          clamp at the minimum ties there, and torch splits a tie's gradient)
     module: Callable | None = None           # (spec) -> a plugin's attention module at ``path`` instead of the q/k/v/o
     #                                          projections, called (h, ctx, layer index) -> [B, T, hidden] (JetMoE's
     #                                          mixture of attention heads); it attends through ctx as the layer would
