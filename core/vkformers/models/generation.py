@@ -91,7 +91,8 @@ class GenerationMixin:
         tokens = ids
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
         capture_limit = self.max_position_embeddings if self.replays_decode() else 0
-        key = capture_key(self, cache)
+        # a step that is not replayed is held for no later call either (its states may not be kept in place)
+        key = capture_key(self, cache) if capture_limit else None
         decode = self._decode_capture(cache, key)
         # a recorded prefill may serve later prompts of its shape: ids, positions and the padding mask are its
         # inputs, everything else follows from the shape (Phi-3's recomputation point aside)

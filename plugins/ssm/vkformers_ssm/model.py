@@ -135,6 +135,7 @@ class HybridForCausalLM(DecoderForCausalLM):
     ``vkformers_ssm/variants.py``); their state-space layers are :class:`~vkformers_ssm.mixers.HybridMamba2Mixer`."""
 
     decoder_spec = staticmethod(mamba_spec)
+    keeps_row_states = True  # the mixers' states (ssm_states), also in layers the spec composes itself
 
     def __init__(self, config: dict, architecture):
         super().__init__(config, architecture)
