@@ -3,7 +3,7 @@ to a recorded plan on the host, against the same step replayed from a capture (n
 
 A 22-layer Llama of hidden 64 keeps the GPU's share small, so the figures are the engine's host overhead per
 step (graph building, scheduling, the plan lookup, the readback), as a model family whose decode steps are not
-captured (hybrid, DSA) pays it every token, and every model pays it for a prompt's first forward.
+captured (DSA, Gemma 3n) pays it every token, and every model pays it for a prompt's first forward.
 
 --checkpoint DIR measures a checkpoint's decode step instead (a recurrent or hybrid model, tests/fixtures/bamba say,
 whose step replays from recurrent states kept in place), built in Python and replayed, per step and per layer.
