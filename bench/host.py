@@ -3,10 +3,10 @@ to a recorded plan on the host, against the same step replayed from a capture (n
 
 A 22-layer Llama of hidden 64 keeps the GPU's share small, so the figures are the engine's host overhead per
 step (graph building, scheduling, the plan lookup, the readback), as a model family whose decode steps are not
-captured (hybrid, DSA) pays it every token, and every model pays it for a prompt's first forward.
+captured (DSA, Gemma 3n) pays it every token, and every model pays it for a prompt's first forward.
 
---checkpoint DIR measures a checkpoint's decode step built in Python instead (a recurrent or hybrid model, whose
-steps on a server's batch are never replayed: tests/fixtures/bamba, say), per step and per layer.
+--checkpoint DIR measures a checkpoint's decode step instead (a recurrent or hybrid model, tests/fixtures/bamba say,
+whose step replays from recurrent states kept in place), built in Python and replayed, per step and per layer.
 
     python bench/host.py [--layers 22] [--new-tokens 32] [--json OUT]
     python bench/host.py --checkpoint tests/fixtures/bamba [--batch 4]
@@ -54,8 +54,17 @@ class ReplayClock:
 
 
 def per_token(model, ids, new_tokens: int, captured: bool) -> tuple[float, float]:
-    """(wall, host) milliseconds per generated token, medians over REPEATS generate calls."""
-    object.__setattr__(model, "capture_decode", captured)
+    """(wall, host) milliseconds per generated token, medians over REPEATS generate calls; not ``captured``: every
+    decode step built in Python (the model's capture switches off), else as the model replays."""
+    switches = getattr(model, "_bench_switches", None)
+    if switches is None:
+        switches = {name: getattr(model, name) for name in ("capture_decode", "capture_decode_with_row_states")
+                    if hasattr(model, name)}
+        object.__setattr__(model, "_bench_switches", switches)
+    for name, value in switches.items():
+        object.__setattr__(model, name, value if captured else False)
+    if not switches:
+        object.__setattr__(model, "capture_decode", captured)
     generate = lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)  # noqa: E731
     generate()
     generate()
@@ -84,10 +93,13 @@ def main(argv=None) -> int:
         vocab = int(model.config["vocab_size"])
         ids = np.random.default_rng(0).integers(3, vocab, (args.batch, 8)).astype(np.int32)
         wall, host = per_token(model, ids, args.new_tokens, captured=False)
+        replayed_wall, replayed_host = per_token(model, ids, args.new_tokens, captured=True)
         print(f"{args.checkpoint} ({layers} layers, batch {args.batch}) on {vkf.get_device().name}: decode step "
-              f"built in Python {wall:.1f} ms (host {host:.1f} ms, {host / layers:.2f} ms a layer)", flush=True)
+              f"built in Python {wall:.1f} ms (host {host:.1f} ms, {host / layers:.2f} ms a layer), replayed "
+              f"{replayed_wall:.1f} ms (host {replayed_host:.1f} ms)", flush=True)
         write_results(args.json, {"device": vkf.get_device().name, "checkpoint": args.checkpoint, "layers": layers,
-                                  "batch": args.batch, "built_ms": wall, "built_host_ms": host})
+                                  "batch": args.batch, "built_ms": wall, "built_host_ms": host,
+                                  "replayed_ms": replayed_wall, "replayed_host_ms": replayed_host})
         return 0
     config = dict(TINY, num_hidden_layers=args.layers)
     model = AutoModelForCausalLM.from_config(config)

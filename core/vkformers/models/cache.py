@@ -118,9 +118,13 @@ class KVCache:
     def keep_states_in_place(self) -> None:
         """Keep the per-row recurrent states (ROW_STATES) the layers write in persistent buffers overwritten in
         place (InPlaceRowStates), so that decode steps on this cache build the same graph, reading and writing the
-        same buffers: a server's batch then replays them."""
+        same buffers: a server's batch and generate then replay them. States already held move into such buffers."""
         for name in ROW_STATES:
-            self.__dict__.setdefault(name, InPlaceRowStates(self.device))
+            held = self.__dict__.get(name)
+            if not isinstance(held, InPlaceRowStates):
+                states = self.__dict__[name] = InPlaceRowStates(self.device)
+                for layer, value in (held or {}).items():
+                    states[layer] = value
 
     def fixed_state(self) -> list[str]:
         """The layer state :meth:`place_row` cannot move (not a per-row recurrent state, ROW_STATES)."""

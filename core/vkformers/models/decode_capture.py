@@ -156,7 +156,8 @@ class DecodeCapture:
         as the recording left them); False, forgetting the capture, when the cache's mask changed kind."""
         plan, roles = self.previous[:2]
         bounds, mask = self.cache.step_arrays(self.tokens, key_padding_mask)
-        if (mask is not None) != ("mask" in roles):
+        # a step reading no bounds attends to nothing (a model of recurrent states only): no mask reaches it
+        if (mask is not None) != ("mask" in roles) and "bounds" in roles:
             self.forget()
             return False
         values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask, "rows": rows}

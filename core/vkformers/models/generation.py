@@ -90,8 +90,9 @@ class GenerationMixin:
         unfinished = np.ones(batch, bool)
         tokens = ids
         recompute_beyond = getattr(self, "recompute_cache_beyond", None)
-        capture_limit = self.max_position_embeddings if getattr(self, "capture_decode", True) else 0
-        key = capture_key(self, cache)
+        capture_limit = self.max_position_embeddings if self.replays_decode() else 0
+        # a step that is not replayed is held for no later call either (its states may not be kept in place)
+        key = capture_key(self, cache) if capture_limit else None
         decode = self._decode_capture(cache, key)
         # a recorded prefill may serve later prompts of its shape: ids, positions and the padding mask are its
         # inputs, everything else follows from the shape (Phi-3's recomputation point aside)
@@ -152,6 +153,12 @@ class GenerationMixin:
                 logits = self.decode_step(decode, cache, step_ids, step_positions, mask, replay=False)
         _end(streamer)
         return tokens
+
+    def replays_decode(self) -> bool:
+        """Whether generate records its decode step once and replays it: ``capture_decode`` (the step depends on
+        nothing outside its inputs and the cache), or ``capture_decode_with_row_states`` (so too once the layers'
+        recurrent states live in persistent buffers overwritten in place, as generate's cache keeps them)."""
+        return bool(getattr(self, "capture_decode", True) or getattr(self, "capture_decode_with_row_states", False))
 
     def decode_step(self, decode: "DecodeCapture", cache: KVCache, step_ids: np.ndarray, step_positions: np.ndarray,
                     mask: np.ndarray, replay: bool = True) -> np.ndarray:
@@ -261,9 +268,13 @@ class GenerationMixin:
             object.__setattr__(self, "_held_prefill", None)
             del cache
             max_len = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
-            cache = KVCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, max_len, _dtype(self),
-                            _device(self))
+            # a model without attention (attention_free): no key/value layers, the cache holds its states only
+            layers, kv_heads, head_dim = ((0, 1, 1) if getattr(self, "attention_free", False)
+                                          else (self.num_layers, self.num_kv_heads, self.head_dim))
+            cache = KVCache(layers, batch, kv_heads, head_dim, max_len, _dtype(self), _device(self))
             object.__setattr__(self, "_kv_cache", cache)
+        if self.replays_decode():
+            cache.keep_states_in_place()  # every decode step reads and writes the same buffers: it replays
         cache.reset()
         return cache
 

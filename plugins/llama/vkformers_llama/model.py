@@ -38,7 +38,7 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
                                        for i in range(o.altup_inputs - 1)])
         for name, value in refs.items():
             object.__setattr__(self, name, value)
-        self.capture_decode = False
+        self.capture_decode = False  # the per-layer inputs are looked up on the host from each step's token ids
         self._input_ids = None
 
     def forward(self, input_ids, *args, **kwargs):

@@ -53,7 +53,7 @@ class DeepseekV4ForCausalLM(MoeDecoderForCausalLM):
         add_param(self, "model.hc_head.hc_scale", (1,))
         # routing buffers, read by the sparse blocks (load_buffers), not parameters
         self.ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS + (".ffn.gate.bias", ".ffn.gate.tid2eid")
-        self.capture_decode = False
+        self.capture_decode = False  # hash routing and the compressed entries read host token ids and positions
         self._input_ids = self._host_positions = None
 
     def forward(self, input_ids, *args, **kwargs):
@@ -94,7 +94,7 @@ class Qwen4ExpForCausalLM(MoeDecoderForCausalLM):
         # hash constants: derived from the config, read by PerLayerEmbedding.load_buffers
         self.ignored_checkpoint_keys = self.ignored_checkpoint_keys + (
             ".layer_multipliers", ".ngram_heads_vocab_sizes", ".ngram_heads_offsets")
-        self.capture_decode = False
+        self.capture_decode = False  # the per-layer embeddings hash each step's token ids on the host
         self._input_ids = None
 
     def forward(self, input_ids, *args, **kwargs):

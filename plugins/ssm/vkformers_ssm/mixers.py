@@ -258,8 +258,8 @@ register_row_state("ssm_states")  # per row: a server's batch moves it with its 
 
 
 class CacheStates:
-    """The read / write interface of :class:`~vkformers_ssm.model.SSMStateCache` over a KV cache: each layer's
-    (conv inputs, scan state) in ``cache.ssm_states``; zeros and no state at position 0."""
+    """A mixer's states on a KV cache: each layer's (conv inputs, scan state) in ``cache.ssm_states``; zeros and no
+    state at position 0."""
 
     def __init__(self, cache):
         self.cache = cache

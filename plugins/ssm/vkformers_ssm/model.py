@@ -6,10 +6,10 @@ Jamba, GraniteMoeHybrid). The mixers themselves are ``vkformers_ssm/mixers.py``.
 In a 16-bit model the residual stream is float32 where the config says residual_in_fp32 (transformers' order of
 roundings: see MambaBlock.forward); the scans run in float32 from 16-bit inputs.
 
-Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a
-:class:`SSMStateCache`, overwritten in place; a decode step is the same forward over one token from those states,
-recorded once by generate and replayed (models/decode_capture.py). A hybrid keeps them on the kit's KV cache
-instead and runs each decode step through its forward.
+Generation keeps, per layer, the last kernel - 1 inputs of the conv and the scan's state on a KV cache without
+key/value layers (``attention_free``; a hybrid's on its KV cache), in persistent buffers overwritten in place
+(KVCache.keep_states_in_place); a decode step is the same forward over one token from those states, recorded once by
+generate and replayed (models/decode_capture.py), as a server's batch does.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
-from vkformers.engine.tensor import Tensor, parameter
-from vkformers.models.cache import KVCache
+from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
@@ -26,57 +25,11 @@ from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
-from vkformers.runtime.vulkan import get_device
 
 from vkformers_ssm.mixers import CacheStates, Mamba2Mixer, MambaMixer
 from vkformers_ssm.variants import MambaSpec, mamba_spec
 
 IGNORE_INDEX = -100
-
-
-class SSMStateCache:
-    """Each layer's recurrent state between forwards, in persistent device tensors overwritten in place (so that
-    every decode step builds the same graph, which generate records once and replays): the last kernel - 1 conv
-    inputs [batch, kernel - 1, conv channels] in the model's dtype, and the scan state [batch, channels, state] in
-    float32. ``position`` counts the tokens seen; a forward at position 0 starts from zeros without reading them."""
-
-    def __init__(self, batch: int, dtype, shapes, max_len: int, device=None):
-        self.batch, self.dtype, self.max_len = batch, dt.as_dtype(dtype), max_len
-        self.device = device or get_device()
-        self.conv_states, self.ssm_states = [], []
-        for index, (conv_shape, state_shape) in enumerate(shapes):
-            self.conv_states.append(parameter(np.zeros(conv_shape, np.float32), self.dtype, requires_grad=False,
-                                              device=self.device, name=f"conv_state.{index}"))
-            self.ssm_states.append(parameter(np.zeros(state_shape, np.float32), "float32", requires_grad=False,
-                                             device=self.device, name=f"ssm_state.{index}"))
-        self.position = 0
-        self.step_hosts = (None, None)  # no bounds or mask inputs: a step reads the states it overwrites
-
-    def reset(self) -> None:
-        self.position = 0
-
-    def advance(self, count: int) -> None:
-        self.position += count
-
-    def rewind(self, count: int) -> None:
-        """A state holds every token it saw: only nothing can be taken back (generate pads no prompt of a model
-        without ``prompt_padding_is_exact``)."""
-        if count:
-            raise ValueError(f"SSMStateCache: a recurrent state cannot forget its last {count} tokens")
-
-    def step_arrays(self, new: int, key_padding_mask=None):
-        """No per-step inputs besides the token ids (decode_capture.py asks)."""
-        return None, None
-
-    def read(self, index: int, batch: int, past: int, channels: int, dtype):
-        """(conv inputs before this forward, scan state or None): zeros and None at position 0."""
-        if self.position == 0:
-            return Tensor(np.zeros((batch, past, channels), np.float32), dtype=dtype), None
-        return self.conv_states[index], self.ssm_states[index]
-
-    def write(self, index: int, conv_inputs, state) -> None:
-        self.conv_states[index].assign(conv_inputs.detach())
-        self.ssm_states[index].assign(state.detach())
 
 
 class MambaBlock(Module):
@@ -108,7 +61,7 @@ class MambaForCausalLM(Module, GenerationMixin):
 
     supports_gradient_checkpointing = True
     max_position_embeddings = 1 << 30  # no position table: generate may capture decode steps at any length
-    # no keys or values: given a KVCache (a server's batch, models/batching.py), its states ride on it per row
+    # no keys or values: its states ride per row on a KVCache of no key/value layers (generate's, a server's batch)
     attention_free = True
 
     def __init__(self, config: dict, architecture):
@@ -135,24 +88,6 @@ class MambaForCausalLM(Module, GenerationMixin):
     def input_limits(self) -> InputLimits:
         return InputLimits(vocab_size=self.spec.vocab_size)
 
-    def _generation_cache(self, batch: int, length: int) -> SSMStateCache:
-        """A reset state cache for ``batch`` rows, reused across calls when it fits (a later generate then replays
-        the decode step recorded by an earlier one)."""
-        cache = getattr(self, "_state_cache", None)
-        if cache is None or cache.batch != batch or cache.dtype != dt.as_dtype(self.dtype):
-            s = self.spec
-            conv_channels = s.intermediate_size + (2 * s.n_groups * s.state_size if s.mamba2 else 0)
-            shapes = [((batch, s.conv_kernel - 1, conv_channels), (batch, s.intermediate_size, s.state_size))
-                      for _ in range(s.num_layers)]
-            params = self.parameters()
-            object.__setattr__(self, "_held_decode", None)
-            object.__setattr__(self, "_held_prefill", None)
-            cache = SSMStateCache(batch, self.dtype, shapes, self.max_position_embeddings,
-                                  params[0].device if params else None)
-            object.__setattr__(self, "_state_cache", cache)
-        cache.reset()
-        return cache
-
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
         ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
         if ids.dtype is not dt.int32:
@@ -167,7 +102,7 @@ class MambaForCausalLM(Module, GenerationMixin):
         x = self.backbone.embeddings(ids)
         if keep is not None:
             keep = keep.cast(x.dtype)
-        states = CacheStates(cache) if isinstance(cache, KVCache) else cache
+        states = CacheStates(cache) if cache is not None else None
         for index, layer in enumerate(self.backbone.layers):
             x = self.call_layer(layer, x, keep, states, index)
         norm_f = self.backbone.norm_f
@@ -200,8 +135,10 @@ class HybridForCausalLM(DecoderForCausalLM):
     ``vkformers_ssm/variants.py``); their state-space layers are :class:`~vkformers_ssm.mixers.HybridMamba2Mixer`."""
 
     decoder_spec = staticmethod(mamba_spec)
+    keeps_row_states = True  # the mixers' states (ssm_states), also in layers the spec composes itself
 
     def __init__(self, config: dict, architecture):
         super().__init__(config, architecture)
-        # the mixers' states live on the cache and change in their Python forward: no replayed decode step
+        # the mixers' states live on the cache, read and overwritten by each step: replayed only where they stay in
+        # persistent buffers (capture_decode_with_row_states, which generate's and a server's caches keep)
         self.capture_decode = False

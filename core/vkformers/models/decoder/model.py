@@ -89,6 +89,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
     supports_gradient_checkpointing = True  # run_layers goes through call_layer
+    # layers keeping per-row recurrent state (ROW_STATES of models/cache.py) though the spec has no linear_attention
+    # (a plugin's composed layers): their step replays as the linear layers' does (capture_decode_with_row_states)
+    keeps_row_states = False
 
     @staticmethod
     def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:
@@ -143,10 +146,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
         # a plugin's composed layer may attend outside the cache's captured decode attention (its capture_decode)
         self.capture_decode = self.capture_decode and all(getattr(layer, "capture_decode", True)
                                                           for layer in self.layers)
-        # what would be captured were the linear layers' states in persistent buffers overwritten in place (a
-        # server's batch keeps them so: KVCache.keep_states_in_place)
-        self.capture_decode_with_row_states = spec.positions.query_scale is None and all(
-            getattr(layer, "capture_decode", True) for layer in self.layers)
+        # a model of linear layers whose step is captured once their states stay in persistent buffers overwritten
+        # in place (generate's and a server's caches keep them so: KVCache.keep_states_in_place)
+        self.capture_decode_with_row_states = (spec.linear_attention is not None or self.keeps_row_states) and \
+            spec.positions.query_scale is None and all(getattr(layer, "capture_decode", True) for layer in self.layers)
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
         if spec.shared_modules:
