@@ -41,17 +41,23 @@ PROMPTS = ["the capital of france is", "hello", "once upon a time there was a", 
            "the quick brown fox", "x", "language models on any gpu through vulkan compute"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def write_tiny_model(folder):
+    """A tiny random llama written as a GGUF in ``folder``: (path, tokenizer, reference model)."""
     from test_gguf import gguf, random_llama, train_bpe, write_tiny_gguf
     if gguf is None:
         pytest.fail("the gguf package is needed to write the tiny model", pytrace=False)
     backend = train_bpe()
-    path = write_tiny_gguf(tmp_path_factory.mktemp("serve") / "tiny.gguf", random_llama(backend.get_vocab_size()),
-                           backend)
-    tokenizer = load_gguf_tokenizer(path)
-    reference = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
-    return path, tokenizer, reference
+    path = write_tiny_gguf(folder / "tiny.gguf", random_llama(backend.get_vocab_size()), backend)
+    return path, load_gguf_tokenizer(path), load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+
+
+def scheduler_on(path, tokenizer, **options):
+    return BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer, **options)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("serve"))
 
 
 def reference_tokens(reference, ids, max_tokens, eos=(), **sampling):

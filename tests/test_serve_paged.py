@@ -5,7 +5,7 @@ all come back when requests finish or leave; a request that could never fit is r
 from __future__ import annotations
 
 import pytest
-from test_serve import PROMPTS, encode, reference_tokens, run_staggered, wait_for
+from test_serve import scheduler_on, write_tiny_model, PROMPTS, encode, reference_tokens, run_staggered, wait_for
 
 from vkformers.errors import InputError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
@@ -18,18 +18,8 @@ LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """test_serve.py's tiny random llama GGUF: (path, tokenizer, reference model)."""
-    from test_gguf import gguf, random_llama, train_bpe, write_tiny_gguf
-    if gguf is None:
-        pytest.fail("the gguf package is needed to write the tiny model", pytrace=False)
-    backend = train_bpe()
-    path = write_tiny_gguf(tmp_path_factory.mktemp("paged") / "tiny.gguf", random_llama(backend.get_vocab_size()),
-                           backend)
-    return path, load_gguf_tokenizer(path), load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    return write_tiny_model(tmp_path_factory.mktemp("paged"))
 
-
-def scheduler_on(path, tokenizer, **options):
-    return BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer, **options)
 
 
 @pytest.mark.parametrize("kv_blocks, page_size", [(256, 16), (40, 4)])

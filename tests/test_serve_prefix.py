@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import encode, reference_tokens, run_staggered, wait_for
+from test_serve import scheduler_on, write_tiny_model, encode, reference_tokens, run_staggered, wait_for
 
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
@@ -24,18 +24,8 @@ OTHER = "another system prompt, so that the pool drops blocks of the first one: 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """test_serve.py's tiny random llama GGUF: (path, tokenizer, reference model)."""
-    from test_gguf import gguf, random_llama, train_bpe, write_tiny_gguf
-    if gguf is None:
-        pytest.fail("the gguf package is needed to write the tiny model", pytrace=False)
-    backend = train_bpe()
-    path = write_tiny_gguf(tmp_path_factory.mktemp("prefix") / "tiny.gguf", random_llama(backend.get_vocab_size()),
-                           backend)
-    return path, load_gguf_tokenizer(path), load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    return write_tiny_model(tmp_path_factory.mktemp("prefix"))
 
-
-def scheduler_on(path, tokenizer, **options):
-    return BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer, **options)
 
 
 def check_pool_empty(scheduler):
