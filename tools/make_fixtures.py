@@ -1138,6 +1138,17 @@ SPECS += [
           "logits; each expert 2 query heads of 4 over the shared kv_proj's 2 KV heads; output_linear per expert and "
           "a bias) and a sparse MLP (4 experts of width 4, top-2, fused input_linear [gate | up] / output_linear, "
           "bias); tied."]),
+    Spec("lfm3", "lfm3", dict(TINY, num_hidden_layers=3, intermediate_size=8, sliding_window=SW, conv_L_cache=3,
+                              layer_types=["conv", "sliding_attention", "full_attention"]),
+         ["LFM3 (hidden 16): layer 0 LFM2's gated short-conv block (kernel 3), layer 1 sliding attention (window 4, "
+          "default rotary, theta 1e4), layer 2 full attention (proportional rotary: theta 1e6 on half of the 8 "
+          "head dims, the rest unrotated); attention 2q/1kv with per-head q_norm / k_norm, a sigmoid per-head gate "
+          "on the layer input (saved as gate_proj, g_proj in memory), o_proj; every layer operator_norm, post_operator_norm, ffn_norm, post_ffn_norm "
+          "(sandwich norms) and a SwiGLU feed_forward (w1, w3, w2) of width 8; embedding_norm as the final norm. "
+          "Reference: transformers' torch path in float32 (causal_conv1d's torch fallback)."],
+         saved_names=True,
+         reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
+                        "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
 ]
 
 
@@ -1153,7 +1164,6 @@ SKIPPED = {
     "gemma4_unified_assistant": "waits for gemma4_text",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
-    "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",
     "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
     "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }

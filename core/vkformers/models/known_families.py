@@ -244,6 +244,7 @@ KNOWN_FAMILIES = {
     "jamba": "ssm",
     "lfm2": "ssm",
     "lfm2_moe": "ssm",
+    "lfm3": "ssm",
     "mamba": "ssm",
     "mamba2": "ssm",
     "minimax": "ssm",

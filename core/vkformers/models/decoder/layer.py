@@ -152,7 +152,7 @@ class DecoderLayer(Module):
             add("mlp_sub_norm", join_path(m.path, m.sub_norm), make_norm(s, inter))
         if a.sinks:
             add_param(self, join_path(a.path, a.sinks), (s.num_heads,))
-        if a.output_gate:
+        if a.output_gate and not self.linear and not own_attention:  # the softmax attention layers' gate
             add("output_gate", join_path(a.path, a.output_gate),
                 Linear(d, s.num_heads if a.output_gate_per_head else q_out, bias=False))
         if a.out_bias and index in a.out_bias_layers:
