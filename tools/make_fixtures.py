@@ -1149,6 +1149,15 @@ SPECS += [
          saved_names=True,
          reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
                         "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
+    Spec("cpmant", "cpmant", dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, dim_head=8, dim_ff=16,
+                                  num_hidden_layers=2, prompt_types=3, prompt_length=2, segment_types=3,
+                                  position_bias_num_buckets=8, position_bias_max_distance=16, **TOK),
+         ["CPM-Ant (hidden 16, 2 heads of 8, GeGLU of width 16, 2 layers): 2 prompt tokens (of 3 x 2 extra embedding "
+          "rows; the model reads rows vocab + 4 and vocab + 5) before the text, segment embeddings (prompt 0, text 2, "
+          "id 0 counts as padding), bidirectional attention over the valid columns with a per-head bias from one "
+          "table: 8 log buckets of key - query (max distance 16) within a segment, segment pairs across; labels not "
+          "shifted; untied lm_head. Greedy generation as transformers' cached steps (each step's query over the "
+          "stored keys)."]),
 ]
 
 
@@ -1164,7 +1173,6 @@ SKIPPED = {
     "gemma4_unified_assistant": "waits for gemma4_text",
     "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
                        "indexer on some layers: not attempted yet",
-    "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
     "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
 

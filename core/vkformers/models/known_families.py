@@ -61,6 +61,7 @@ KNOWN_FAMILIES = {
     "cohere_compass": "llama",
     "cohere_compass_text": "llama",
     "cosmos3_omni": "llama",
+    "cpmant": "llama",
     "ctrl": "llama",
     "cwm": "llama",
     "deepseek_vl": "llama",
