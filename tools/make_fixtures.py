@@ -1158,6 +1158,22 @@ SPECS += [
           "table: 8 log buckets of key - query (max distance 16) within a segment, segment pairs across; labels not "
           "shifted; untied lm_head. Greedy generation as transformers' cached steps (each step's query over the "
           "stored keys)."]),
+    Spec("dots3_note_text", "dots3_note_text", dict(
+        L, hidden_size=16, intermediate_size=16, layer_types=["sliding_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse"], num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8,
+        kv_lora_rank=8, head_dim=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, swa_num_attention_heads=1,
+        swa_num_key_value_heads=1, swa_q_lora_rank=6, swa_kv_lora_rank=6, swa_head_dim=8, swa_qk_nope_head_dim=4,
+        swa_v_head_dim=6, sliding_window=SW, index_topk=4, index_head_dim=8, index_n_heads=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=8, shared_experts_intermediate_size=4,
+        n_shared_experts=1, routed_scaling_factor=1.5),
+         ["dots3-note's text decoder (hidden 16): layer 0 sliding MLA (window 4; its own sizes: 1 head, q / kv LoRA "
+          "ranks 6, nope 4 + rope 4, v 6; rope theta 5e4) with a dense SwiGLU, layer 1 indexed MLA (2 heads, ranks 8, "
+          "nope 4 + rope 4, v 4; theta 8e7) whose GLM-5 indexer (8 heads of 8, interleaved rotary; 8 heads so that "
+          "no two keys tie at a zero score, where torch.topk picks either) keeps 4 keys per query, with "
+          "DeepSeek-V3's grouped sigmoid router (4 experts in 2 groups, top-1 group, top-2, scaled by 1.5) and a "
+          "shared expert of width 4; every layer a rope-only key RMSNorm, LoRA latents scaled by "
+          "sqrt(hidden / rank) and a per-head sigmoid gate g_proj; saved names (experts.<e>.*)."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
 ]
 
 
@@ -1171,8 +1187,6 @@ SKIPPED = {
     "gemma4_assistant": "Gemma 4's drafter; waits for gemma4_text",
     "gemma4_unified_text": "waits for gemma4_text",
     "gemma4_unified_assistant": "waits for gemma4_text",
-    "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
-                       "indexer on some layers: not attempted yet",
     "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
 
@@ -1263,7 +1277,10 @@ def check_overrides(config, overrides):
         if fields and k not in fields:
             issues.append(f"{k}: not a field of {type(config).__name__}")
             continue
-        got = getattr(config, k, None)
+        try:
+            got = getattr(config, k, None)
+        except RuntimeError:  # a per-layer size of a heterogeneous config (dots3-note): its global value
+            got = config.to_dict().get(k)
         if isinstance(v, dict) and hasattr(got, "to_dict"):  # a nested config (DBRX attn_config / ffn_config)
             got = got.to_dict()
         if isinstance(v, dict) and isinstance(got, dict):

@@ -188,6 +188,7 @@ KNOWN_FAMILIES = {
     "deepseek_v32": "moe",
     "deepseek_v4": "moe",
     "dots1": "moe",
+    "dots3_note_text": "moe",
     "ernie4_5_moe": "moe",
     "exaone_moe": "moe",
     "flex_olmo": "moe",

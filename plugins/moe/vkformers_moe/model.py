@@ -117,3 +117,16 @@ class Glm5NextForCausalLM(MoeDecoderForCausalLM):
         for layer in self.layers:
             streams = self.call_layer(layer, streams, ctx)
         return streams.sum(2) * (1.0 / n)
+
+
+class Dots3NoteForCausalLM(MoeDecoderForCausalLM):
+    """dots3-note's text decoder (vkformers_moe.dots3), whose layers' keys and values differ in shape: the KV cache
+    holds each layer's flattened into one head of the widest layer's width."""
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.make_layer.cache_width

@@ -233,6 +233,8 @@ class DecoderLayer(Module):
         add("kv_a", join_path(s.attention.path, "kv_a_proj_with_mqa"),
             Linear(d, m.kv_lora_rank + m.rope_dim, bias=s.attention.q_bias))
         add("kv_a_norm", join_path(s.attention.path, "kv_a_layernorm"), make_norm(rms, m.kv_lora_rank))
+        if m.rope_key_norm:
+            add("rope_key_norm", join_path(s.attention.path, m.rope_key_norm), make_norm(rms, m.rope_dim))
         add("kv_b", join_path(s.attention.path, "kv_b_proj"),
             Linear(m.kv_lora_rank, heads * (m.nope_dim + m.v_dim), bias=False))
 
@@ -251,6 +253,8 @@ class DecoderLayer(Module):
         latent, k_rot = (compressed[..., :m.kv_lora_rank], compressed[..., m.kv_lora_rank:]) if rdim else \
             (compressed, None)
         latent = p["kv_a_norm"](latent)
+        if "rope_key_norm" in p:
+            k_rot = p["rope_key_norm"](k_rot)
         if m.kv_scale != 1.0:
             latent = latent * m.kv_scale
         kv = p["kv_b"](latent).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)
