@@ -9,7 +9,7 @@ from test_serve import scheduler_on, write_tiny_model, PROMPTS, encode, referenc
 
 from vkformers.errors import InputError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
-from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
+from vkformers.models.gguf import load_gguf_model
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.paged_cache import KVBlocksExhausted
 

@@ -11,7 +11,6 @@ import pytest
 from test_serve import scheduler_on, write_tiny_model, encode, reference_tokens, run_staggered, wait_for
 
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
-from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.paged_cache import SCRATCH, BlockPool, prefix_keys
 

@@ -1,7 +1,7 @@
 """vkformers-ssm's hybrids (Mamba mixers on the decoder kit) beyond the parity fixtures: gradient checkpointing,
 a second generate from fresh states, the 16-bit path, and the config options they refuse by name. Their parity
 with transformers is tests/test_decoder_parity.py, test_generation.py, test_adamw_parity.py and
-test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, lfm2_moe, zamba, zamba2 and
+test_padded_parity.py on tests/fixtures/bamba, falcon_h1, nemotron_h, jamba, granitemoehybrid, lfm2, lfm2_moe, lfm3, zamba, zamba2 and
 recurrent_gemma."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vkformers_ssm.variants import (UnsupportedConfigError, bamba, falcon_h1, gr
                                    recurrent_gemma, zamba, zamba2)
 
 FIXTURES = Path(__file__).parent / "fixtures"
-HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "lfm2_moe", "zamba", "zamba2",
+HYBRIDS = ["bamba", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3", "zamba", "zamba2",
            "recurrent_gemma", "rwkv", "xlstm", "minimax"]
 
 
@@ -49,7 +49,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
             np.testing.assert_array_equal(grads[0][name_], grads[1][name_], err_msg=name_)
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm",
+@pytest.mark.parametrize("name", ["falcon_h1", "jamba", "lfm2", "lfm3", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm",
                                   "minimax"])
 def test_a_second_generate_starts_from_fresh_states(name):
     """The mixers' states live on the KV cache and restart at its position 0: two calls give transformers' tokens."""
@@ -58,7 +58,8 @@ def test_a_second_generate_starts_from_fresh_states(name):
     prompt = reference["input_ids"].as_float().astype(np.int32)[:1]
     model = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32")
     for _ in range(2):
-        np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=want.shape[1] - prompt.shape[1]), want)
+        np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=want.shape[1] - prompt.shape[1],
+                                                     eos_token_id=[]), want)  # eos off, as the reference
 
 
 @pytest.mark.parametrize("name", ["bamba", "lfm2", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm", "minimax"])

@@ -1162,6 +1162,42 @@ SPECS += [
           "layer 2 reuses layer 1's keys and values; no per-layer inputs or MoE block; q/k norms, weightless v norm, "
           "scale 1, layer_scalar buffers perturbed; tied."],
          noisy_buffers=("layer_scalar",)),
+    Spec("lfm3", "lfm3", dict(TINY, num_hidden_layers=3, intermediate_size=8, sliding_window=SW, conv_L_cache=3,
+                              layer_types=["conv", "sliding_attention", "full_attention"]),
+         ["LFM3 (hidden 16): layer 0 LFM2's gated short-conv block (kernel 3), layer 1 sliding attention (window 4, "
+          "default rotary, theta 1e4), layer 2 full attention (proportional rotary: theta 1e6 on half of the 8 "
+          "head dims, the rest unrotated); attention 2q/1kv with per-head q_norm / k_norm, a sigmoid per-head gate "
+          "on the layer input (saved as gate_proj, g_proj in memory), o_proj; every layer operator_norm, post_operator_norm, ffn_norm, post_ffn_norm "
+          "(sandwich norms) and a SwiGLU feed_forward (w1, w3, w2) of width 8; embedding_norm as the final norm. "
+          "Reference: transformers' torch path in float32 (causal_conv1d's torch fallback)."],
+         saved_names=True,
+         reference_path="transformers' torch path in float32: F.conv1d for the short convolution (causal_conv1d_fn's "
+                        "fallback), its conv-state update for generation; not the causal_conv1d kernels"),
+    Spec("cpmant", "cpmant", dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, dim_head=8, dim_ff=16,
+                                  num_hidden_layers=2, prompt_types=3, prompt_length=2, segment_types=3,
+                                  position_bias_num_buckets=8, position_bias_max_distance=16, **TOK),
+         ["CPM-Ant (hidden 16, 2 heads of 8, GeGLU of width 16, 2 layers): 2 prompt tokens (of 3 x 2 extra embedding "
+          "rows; the model reads rows vocab + 4 and vocab + 5) before the text, segment embeddings (prompt 0, text 2, "
+          "id 0 counts as padding), bidirectional attention over the valid columns with a per-head bias from one "
+          "table: 8 log buckets of key - query (max distance 16) within a segment, segment pairs across; labels not "
+          "shifted; untied lm_head. Greedy generation as transformers' cached steps (each step's query over the "
+          "stored keys)."]),
+    Spec("dots3_note_text", "dots3_note_text", dict(
+        L, hidden_size=16, intermediate_size=16, layer_types=["sliding_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse"], num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8,
+        kv_lora_rank=8, head_dim=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, swa_num_attention_heads=1,
+        swa_num_key_value_heads=1, swa_q_lora_rank=6, swa_kv_lora_rank=6, swa_head_dim=8, swa_qk_nope_head_dim=4,
+        swa_v_head_dim=6, sliding_window=SW, index_topk=4, index_head_dim=8, index_n_heads=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=8, shared_experts_intermediate_size=4,
+        n_shared_experts=1, routed_scaling_factor=1.5),
+         ["dots3-note's text decoder (hidden 16): layer 0 sliding MLA (window 4; its own sizes: 1 head, q / kv LoRA "
+          "ranks 6, nope 4 + rope 4, v 6; rope theta 5e4) with a dense SwiGLU, layer 1 indexed MLA (2 heads, ranks 8, "
+          "nope 4 + rope 4, v 4; theta 8e7) whose GLM-5 indexer (8 heads of 8, interleaved rotary; 8 heads so that "
+          "no two keys tie at a zero score, where torch.topk picks either) keeps 4 keys per query, with "
+          "DeepSeek-V3's grouped sigmoid router (4 experts in 2 groups, top-1 group, top-2, scaled by 1.5) and a "
+          "shared expert of width 4; every layer a rope-only key RMSNorm, LoRA latents scaled by "
+          "sqrt(hidden / rank) and a per-head sigmoid gate g_proj; saved names (experts.<e>.*)."],
+         saved_names=True, noisy_buffers=("e_score_correction_bias",)),
 ]
 
 
@@ -1175,10 +1211,6 @@ SKIPPED = {
                         "has no causal-LM run of its own; needs assisted decoding with gemma4_text",
     "gemma4_unified_assistant": "gemma4_unified's drafter, as gemma4_assistant: runs only on the target model's "
                                 "inputs_embeds and shared_kv_states; needs assisted decoding with gemma4_unified_text",
-    "dots3_note_text": "DeepSeek-V3.2 MLA with per-layer sizes, a rope-only key norm, an output gate and the DSA "
-                       "indexer on some layers: not attempted yet",
-    "lfm3": "LFM2's short-convolution blocks (the state-space plugin's): waits for lfm2",
-    "cpmant": "CPM-Ant: bucketed relative position and segment biases, prompt embeddings; not a decoder-kit model",
     "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
 
@@ -1271,8 +1303,8 @@ def check_overrides(config, overrides):
             continue
         try:
             got = getattr(config, k, None)
-        except Exception:  # noqa: BLE001 (AmbiguousGlobalPerLayerAttributeError) a per-layer attribute (Gemma 4's num_key_value_heads): per_layer_config has it
-            got = config.__dict__.get(k)
+        except Exception:  # noqa: BLE001 a per-layer attribute: Gemma 4's (AmbiguousGlobalPerLayerAttributeError) or dots3-note's (RuntimeError)
+            got = config.__dict__[k] if k in config.__dict__ else config.to_dict().get(k)
         if isinstance(v, dict) and hasattr(got, "to_dict"):  # a nested config (DBRX attn_config / ffn_config)
             got = got.to_dict()
         if isinstance(v, dict) and isinstance(got, dict):

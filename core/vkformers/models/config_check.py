@@ -28,7 +28,10 @@ SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "num_encoder_attention_heads", "num_decoder_attention_heads", "ngram", "num_buckets",
          "relative_max_distance",
          "num_landmarks",
-         "segment_means_seq_len", "conv_kernel_size")
+         "segment_means_seq_len", "conv_kernel_size",
+         "dim_head", "dim_ff", "prompt_length", "prompt_types", "segment_types", "position_bias_num_buckets",
+         "position_bias_max_distance", "index_topk", "index_head_dim", "index_n_heads",
+         "shared_experts_intermediate_size")
 # may be null ("use the default"): a null hidden_size is an error, a null head_dim is hidden_size / heads
 NULLABLE = {"num_key_value_heads", "head_dim", "n_inner", "intermediate_size", "moe_intermediate_size",
             "num_experts", "num_local_experts", "num_experts_per_tok", "embedding_size", "type_vocab_size",

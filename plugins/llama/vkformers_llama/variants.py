@@ -18,10 +18,11 @@ from dataclasses import replace
 from typing import Callable
 
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
-                                           UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
+                                           PositionSpec, UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
                                            sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
+from vkformers_llama.cpmant import CpmAntInputs
 from vkformers_llama.diffllama import DiffAttention
 from vkformers_llama.doge import DynamicMaskAttention
 from vkformers_llama.gemma3n import Gemma3nLayers, shared_kv_sources
@@ -1146,6 +1147,33 @@ def minicpm3(config: dict) -> DecoderSpec:
               notes="MLA (DeepSeek-style)")
 def youtu(config: dict) -> DecoderSpec:
     return replace(with_mla(llama(config), config), tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+@architecture("cpmant", norm="rms", status="verified", model_class="vkformers_llama.model:CpmAntForCausalLM",
+              notes="learned prompt tokens and segment embeddings, bidirectional attention with bucketed relative "
+                    "position and segment biases (cpmant.py); labels not shifted")
+def cpmant(config: dict) -> DecoderSpec:
+    """CPM-Ant: pre-norm blocks (RMS norms, q/k/v/o without bias, a GeGLU of exact gelu) under CPM-Ant's names, on
+    the layer of vkformers_llama.cpmant, whose model (model.CpmAntForCausalLM) adds the prompt and segments."""
+    refuse("cpmant", config, "dropout_p", lambda v: not v, 0.0)
+    heads, hidden = config.get("num_attention_heads", 32), config.get("hidden_size", 4096)
+    prompt_length, prompt_types = config.get("prompt_length", 32), config.get("prompt_types", 32)
+    inputs = CpmAntInputs(prompt_length=prompt_length, segment_types=config.get("segment_types", 32),
+                          num_buckets=config.get("position_bias_num_buckets", 512),
+                          max_distance=config.get("position_bias_max_distance", 2048))
+    return DecoderSpec(
+        vocab_size=config.get("vocab_size", 30720), hidden_size=hidden, num_layers=config.get("num_hidden_layers", 48),
+        num_heads=heads, num_kv_heads=heads, head_dim=config.get("dim_head", 128),
+        intermediate_size=config.get("dim_ff", 10240), max_position_embeddings=config.get("max_position_embeddings", 2048),
+        embed="cpmant.input_embedding", embed_extra_rows=prompt_types * prompt_length,
+        layers="cpmant.encoder.layers", final_norm="cpmant.encoder.output_layernorm",
+        attention=AttentionSpec(path="self_att.self_attention", q_proj="project_q", k_proj="project_k",
+                                v_proj="project_v", o_proj="attention_out"),
+        positions=PositionSpec(rope=False),
+        norms=NormSpec(eps=config.get("eps", 1e-6)),
+        mlp=MLPSpec(path="ffn.ffn", gate_proj="w_in.w_0", up_proj="w_in.w_1", down_proj="w_out"),
+        attn_in_norm="self_att.layernorm_before_attention", mlp_in_norm="ffn.layernorm_before_ffn",
+        hidden_act="gelu", shift_labels=False, make_layer=inputs, extra={"cpmant": inputs})
 
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as

@@ -158,3 +158,16 @@ class Gemma4ForCausalLM(MoeDecoderForCausalLM):
             # recomputations read its keys and values from the first forward, which must keep its graph
             x = layer(x, ctx) if layer.stores_kv else self.call_layer(layer, x, ctx)
         return x
+
+
+class Dots3NoteForCausalLM(MoeDecoderForCausalLM):
+    """dots3-note's text decoder (vkformers_moe.dots3), whose layers' keys and values differ in shape: the KV cache
+    holds each layer's flattened into one head of the widest layer's width."""
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.make_layer.cache_width

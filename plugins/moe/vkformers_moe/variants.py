@@ -22,6 +22,7 @@ from vkformers_llama.variants import (cohere2, ernie4_5, gemma3_text, granite, g
 from vkformers_moe.axk2 import Axk2Attention
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.deepseek_v4 import DeepseekV4Layers
+from vkformers_moe.dots3 import Dots3Attention
 from vkformers_moe.gemma4 import Gemma4Layers
 from vkformers_moe.glm5_next import Glm5NextLayers, KimiDeltaAttention
 from vkformers_moe.kimi_linear import kimi_linear_layer
@@ -947,6 +948,62 @@ def axk2(config: dict) -> DecoderSpec:
     attention = Axk2Attention(index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 16),
                               index_dim=config.get("index_head_dim", 128), gate_rank=config.get("gated_norm_rank", 16))
     return replace(spec, moe=moe, make_layer=attention)
+
+
+DOTS3_LAYER_SIZES = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "head_dim", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim")
+
+
+@architecture("dots3_note_text", norm="rms", llama_layout=True, status="verified",
+              model_class="vkformers_moe.model:Dots3NoteForCausalLM",
+              notes="DeepSeek-V3.2 MLA with per-layer sizes and rotary, a rope-only key norm, scaled LoRA latents, a "
+                    "per-head output gate; GLM-5's DSA indexer on indexed layers, sliding windows on the others "
+                    "(dots3.py)")
+def dots3_note_text(config: dict) -> DecoderSpec:
+    """dots3-note's text decoder (vkformers_moe.dots3): layer_types "indexed_attention" (DSA), "sliding_attention"
+    or "full_attention", each layer's MLA sizes from per_layer_config over the config's own; DeepSeek-V3's grouped
+    sigmoid router on mlp_layer_types' sparse layers, shared experts of shared_experts_intermediate_size each."""
+    _refuse_training_extras("dots3_note_text", config)
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["indexed_attention" if i < 2 or i % 4 == 1 else "sliding_attention"
+                                          for i in range(n)]
+    refuse("dots3_note_text", config, "layer_types",
+           lambda v: set(types) <= {"indexed_attention", "sliding_attention", "full_attention"}, types)
+    per_layer = {int(i): values for i, values in (config.get("per_layer_config") or {}).items()}
+    hidden, base = config["hidden_size"], llama(config)
+    specs, scales, q_scales, widths = [], [], [], []
+    for i, layer_type in enumerate(types):
+        sizes = dict(config, **{k: v for k, v in per_layer.get(i, {}).items() if k in DOTS3_LAYER_SIZES})
+        refuse("dots3_note_text", sizes, "q_lora_rank", lambda v: bool(v) and v > 0)  # the indexer reads the q LoRA
+        heads = sizes["num_attention_heads"]
+        layer = with_mla(replace(base, num_heads=heads, num_kv_heads=heads), sizes)
+        rope = (dict(config, head_dim=sizes.get("head_dim") or sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]),
+                layer_type)
+        layer = replace(layer, positions=replace(layer.positions, rope_configs=(rope,) * n),
+                        mla=replace(layer.mla, kv_scale=(hidden / sizes["kv_lora_rank"]) ** 0.5,
+                                    rope_key_norm="k_rope_only_layernorm"))
+        specs.append(layer)
+        scales.append((layer.mla.nope_dim + layer.mla.rope_dim) ** -0.5)
+        q_scales.append((hidden / sizes["q_lora_rank"]) ** 0.5)
+        widths.append(heads * max(layer.mla.nope_dim + layer.mla.rope_dim, layer.mla.v_dim))
+    window = config.get("sliding_window") or 0
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    mlp_types = config.get("mlp_layer_types") or ["dense" if i < 1 else "sparse" for i in range(n)]
+    moe = replace(deepseek_moe(config, base), layers=tuple(t == "sparse" for t in mlp_types),
+                  shared_size=config.get("shared_experts_intermediate_size", 1536) * (config.get("n_shared_experts") or 0))
+    attention = Dots3Attention(
+        index_topk=config.get("index_topk", 2048), index_heads=config.get("index_n_heads", 64),
+        index_dim=config.get("index_head_dim", 128), index_rope_interleaved=True,
+        shared_index=tuple(t != "indexed_attention" for t in types),  # no indexer of their own
+        indexed=tuple(t == "indexed_attention" for t in types), q_scales=tuple(q_scales), cache_width=max(widths),
+        layer_specs=tuple(replace(layer, moe=moe, attention=replace(layer.attention, scales=tuple(scales),
+                                                                    windows=windows))
+                          for layer in specs))
+    first = specs[0]
+    return replace(first, moe=moe, make_layer=attention,
+                   attention=replace(first.attention, scales=tuple(scales), windows=windows),
+                   positions=replace(first.positions, rope_configs=tuple(layer.positions.rope_configs[0]
+                                                                         for layer in specs)))
 
 
 @architecture("glm4_moe", norm="rms", llama_layout=True, status="verified",

@@ -15,7 +15,7 @@ from vkformers.models.decoder.lightning import LightningAttention
 from vkformers.models.decoder.rglru import RecurrentBlock
 from vkformers.models.decoder.short_conv import ShortConv
 from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
-                                           PositionSpec, first_of, padding_idx)
+                                           PositionSpec, first_of, padding_idx, sliding_windows)
 
 from vkformers_moe.block import MoeSpec
 from vkformers_moe.variants import granitemoeshared, mixtral
@@ -434,6 +434,35 @@ def lfm2_moe(config: dict) -> DecoderSpec:
                   norm_topk=bool(config.get("norm_topk_prob", True)), norm_eps=1e-6,
                   routed_scale=float(config.get("routed_scaling_factor", 1.0)), expert_names=("w1", "w3", "w2"))
     return replace(spec, moe=moe)
+
+
+LFM3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+             "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5}}
+
+
+@architecture("lfm3", status="verified", model_class=HYBRID_MODEL,
+              notes="LFM2's short-convolution blocks beside sliding and full Qwen3-style attention layers "
+                    "(per-head q_norm / k_norm, per-layer-type rotary: default on sliding, proportional on full), a "
+                    "sigmoid per-head output gate (gate_proj), sandwich norms on both sublayers")
+def lfm3(config: dict) -> DecoderSpec:
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or [
+        "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+        for i in range(layers)]
+    config = dict(config, layer_types=types, rope_parameters=config.get("rope_parameters") or LFM3_ROPE,
+                  block_auto_adjust_ff_dim=False, full_attn_idxs=None)
+    spec = lfm2(config)
+    rope_configs = tuple((config, "full_attention" if t == "conv" else t) for t in types)
+    sandwich = bool(config.get("use_sandwich_norm", True))
+    gated = bool(config.get("use_attention_gate", True))
+    bias = bool(config.get("attention_bias", False))
+    return replace(spec, attention=replace(spec.attention, o_proj="o_proj", q_norm="q_norm", k_norm="k_norm", q_bias=bias,
+                                     k_bias=bias, v_bias=bias, o_bias=bias,
+                                     output_gate="gate_proj" if gated else None, output_gate_sigmoid=True,
+                                     windows=sliding_windows(config, layers, every_layer=False)),
+                   positions=replace(spec.positions, rope_configs=rope_configs),
+                   attn_out_norm="post_operator_norm" if sandwich else None,
+                   mlp_out_norm="post_ffn_norm" if sandwich else None)
 
 
 def _bfloat16(value: float) -> float:

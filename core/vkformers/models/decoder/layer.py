@@ -182,7 +182,7 @@ class DecoderLayer(Module):
             add("mlp_sub_norm", join_path(m.path, m.sub_norm), make_norm(s, inter))
         if a.sinks:
             add_param(self, join_path(a.path, a.sinks), (s.num_heads,))
-        if a.output_gate:
+        if a.output_gate and not self.linear and not own_attention:  # the softmax attention layers' gate
             add("output_gate", join_path(a.path, a.output_gate),
                 Linear(d, s.num_heads if a.output_gate_per_head else q_out, bias=False))
         if a.out_bias and index in a.out_bias_layers:
@@ -263,6 +263,8 @@ class DecoderLayer(Module):
         add("kv_a", join_path(s.attention.path, "kv_a_proj_with_mqa"),
             Linear(d, m.kv_lora_rank + m.rope_dim, bias=s.attention.q_bias))
         add("kv_a_norm", join_path(s.attention.path, "kv_a_layernorm"), make_norm(rms, m.kv_lora_rank))
+        if m.rope_key_norm:
+            add("rope_key_norm", join_path(s.attention.path, m.rope_key_norm), make_norm(rms, m.rope_dim))
         add("kv_b", join_path(s.attention.path, "kv_b_proj"),
             Linear(m.kv_lora_rank, heads * (m.nope_dim + m.v_dim), bias=False))
 
@@ -281,6 +283,8 @@ class DecoderLayer(Module):
         latent, k_rot = (compressed[..., :m.kv_lora_rank], compressed[..., m.kv_lora_rank:]) if rdim else \
             (compressed, None)
         latent = p["kv_a_norm"](latent)
+        if "rope_key_norm" in p:
+            k_rot = p["rope_key_norm"](k_rot)
         if m.kv_scale != 1.0:
             latent = latent * m.kv_scale
         kv = p["kv_b"](latent).reshape(batch, length, heads, nope + vdim).permute(0, 2, 1, 3)

@@ -173,6 +173,7 @@ class MLASpec:
     q_scale: float = 1.0                     # multiplies the queries (LongCat: sqrt(hidden / q_lora_rank))
     kv_scale: float = 1.0                    # multiplies the normed kv latent (LongCat: sqrt(hidden / kv_lora_rank))
     norm_eps: float | None = None            # q_a / kv_a norms' eps when not the spec's norms.eps (LongCat: 1e-6)
+    rope_key_norm: str | None = None         # an RMSNorm on the shared rotary key part before rotary (dots3-note)
 
 
 @dataclass
