@@ -42,7 +42,8 @@ BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bam
                     "luke": "bert", "convbert": "bert", "lfm2": "ssm", "zamba": "ssm", "zamba2": "ssm",
                     "recurrent_gemma": "ssm", "longt5": "t5", "led": "t5", "nllb-moe": "t5", "prophetnet": "t5",
                     "rwkv": "ssm", "xlstm": "ssm", "minimax": "ssm",
-                    "lfm2_moe": "ssm", "doge": "llama", "kimi_linear": "moe", "gemma3n_text": "llama"}
+                    "lfm2_moe": "ssm", "doge": "llama", "kimi_linear": "moe", "gemma3n_text": "llama",
+                    "t5gemma2": "t5"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 # the reference list's architectures per family, plus those beyond it
 EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)

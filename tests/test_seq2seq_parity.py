@@ -208,6 +208,13 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(t5gemma, encoder=dict(t5gemma["encoder"], hidden_size=64)), "t5_gemma_module")
     with pytest.raises(UnsupportedConfigError, match="stack config alone"):
         seq2seq_spec(t5gemma["decoder"], "t5_gemma_module")
+    t5gemma2 = json.loads((FIXTURES / "t5gemma2" / "config.json").read_text())
+    assert built("t5gemma2").shift_right(np.array([[5, -100, 7]])).tolist() == [[1, 5, 0]]  # decoder.bos_token_id
+    assert seq2seq_spec(t5gemma2, "t5gemma2").eoi_token_id == 5
+    with pytest.raises(UnsupportedConfigError, match="encoder.text_config"):
+        seq2seq_spec(dict(t5gemma2, encoder=t5gemma2["encoder"]["text_config"]), "t5gemma2")
+    with pytest.raises(UnsupportedConfigError, match="differ in vocab_size"):
+        seq2seq_spec(dict(t5gemma2, decoder=dict(t5gemma2["decoder"], vocab_size=30)), "t5gemma2")
     longt5 = json.loads((FIXTURES / "longt5_tglobal" / "config.json").read_text())
     assert seq2seq_spec(longt5, "longt5").transient_global_block == 4
     with pytest.raises(UnsupportedConfigError, match="encoder_attention_type='global'"):

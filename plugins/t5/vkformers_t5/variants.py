@@ -135,6 +135,16 @@ class Seq2SeqSpec:
     #                                        (forward without the cache, as transformers does when training)
     encoder_pads_masked: bool = False     # T5Gemma: without an attention_mask the encoder (only) masks pad tokens
 
+    # -- T5Gemma 2
+    qk_norm: bool = False                 # per-head RMSNorms q_norm / k_norm on queries and keys before rotary (the
+    #                                       encoder's keys in cross-attention too)
+    merged_cross_attention: bool = False  # the decoder's self-attention also attends to the encoder's keys, one
+    #                                       softmax over both, through the same projections; no cross-attention block
+    rope_layer_types: tuple = ()          # (encoder, decoder) layer types: rope_parameters hold one dict per type
+    encoder_window_split: bool = False    # bidirectional window w: keys i - ((w + 1) // 2 - 1) .. i + w // 2
+    #                                       (transformers' split), else |i - j| <= w
+    eoi_token_id: int | None = None       # this token's embedding is the stack's eoi_embedding (unscaled)
+
 
 def _get(config: dict, *names, default=None):
     for name in names:
@@ -343,6 +353,34 @@ def _t5gemma(config, arch):
         tie_lm_head=config.get("tie_word_embeddings", True) is not False,
         pad_token_id=_get(decoder, "pad_token_id", default=0), decoder_start_token_id=decoder.get("bos_token_id"),
         eos_token_id=config.get("eos_token_id"), decoder_pad_keys_masked=True, encoder_pads_masked=True)
+
+
+@architecture("t5gemma2", norm="rms", status="verified",
+              notes=("text model of T5Gemma2ForConditionalGeneration (no pixel_values; the vision tower's weights are "
+                     "skipped); Gemma 3 stacks with the decoder's merged self/cross attention"))
+def _t5gemma2(config, arch):
+    """T5Gemma 2's text model as a delta of T5Gemma: Gemma 3 stacks (the encoder's under encoder.text_config) with
+    per-head q_norm/k_norm, one rotary base per layer type, no attention soft-capping (transformers' attention never
+    applies attn_logit_softcapping), sliding windows split around the query in the encoder; the decoder's merged
+    attention (its own keys and the encoder's, k_norm on both, rotary on its own only, one softmax) replaces
+    cross-attention; one embedding table (encoder, decoder and lm_head.out_proj) in which eoi_token_index reads
+    eoi_embedding. No pad masking beyond the attention_mask: the decoder attends to pad decoder tokens."""
+    encoder, decoder = config.get("encoder"), config.get("decoder")
+    if not isinstance(encoder, dict) or not isinstance(encoder.get("text_config"), dict) or \
+            not isinstance(decoder, dict):
+        raise UnsupportedConfigError(f"{arch}: the config needs encoder.text_config and decoder (a T5Gemma2Config)")
+    text = encoder["text_config"]
+    if text.get("vocab_size") != decoder.get("vocab_size"):  # one table serves both stacks
+        raise UnsupportedConfigError(f"{arch}: encoder and decoder differ in vocab_size ({text.get('vocab_size')!r} "
+                                     f"vs {decoder.get('vocab_size')!r})")
+    types = tuple(tuple(stack["layer_types"]) for stack in (text, decoder))
+    spec = _t5gemma(dict(config, encoder=text, decoder=decoder), arch)
+    eoi = config.get("eoi_token_index", encoder.get("eoi_token_index"))
+    return replace(spec, layout="t5gemma2", source_vocab_size=None, attn_softcap=0.0, qk_norm=True,
+                   merged_cross_attention=True, rope_layer_types=types, encoder_window_split=True,
+                   eoi_token_id=eoi if eoi is not None and 0 <= eoi < spec.vocab_size else None,
+                   decoder_pad_keys_masked=False, encoder_pads_masked=False,
+                   tie_lm_head=config.get("tie_word_embeddings", True) is not False)
 
 
 @architecture("led", norm="layer", status="verified",
