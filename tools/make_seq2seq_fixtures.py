@@ -261,6 +261,22 @@ SPECS.append(Spec(
     text_only=("model.encoder.vision_tower.", "model.encoder.multi_modal_projector.")))
 
 
+# transformers' EncoderDecoderModel of two tiny BERTs: the decoder causal with cross-attention (BertLMHeadModel)
+BERT_TINY = dict(model_type="bert", vocab_size=SMALL_VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                 intermediate_size=12, max_position_embeddings=24, type_vocab_size=2, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0, pad_token_id=PAD)
+SPECS.append(Spec(
+    "bert2bert", "encoder-decoder",
+    dict(encoder=dict(BERT_TINY), decoder=dict(BERT_TINY, is_decoder=True, add_cross_attention=True),
+         decoder_start_token_id=BOS, pad_token_id=PAD, vocab_size=SMALL_VOCAB),
+    ["EncoderDecoderModel (bert2bert): a BertModel encoder (with its pooler, which the loss never reaches: no "
+     "gradient) and a BertLMHeadModel decoder (is_decoder: causal self-attention; add_cross_attention: "
+     "crossattention.self.query/key/value + crossattention.output.dense/LayerNorm after it, post-LN) whose "
+     "cls.predictions.decoder ties to its own word embeddings; labels shift with decoder_start_token_id 1, -100 -> "
+     "pad; the loss is EncoderDecoderModel's cross-entropy over labels != -100. hidden 8, 2 heads, 1 layer each, "
+     "vocabulary 24, 24 positions."]))
+
+
 def make_inputs(vocab: int = VOCAB):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (2, SEQ), generator=g, dtype=torch.int64)

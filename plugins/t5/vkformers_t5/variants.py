@@ -19,7 +19,6 @@ import numpy as np
 
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
-from vkformers.models.registry import NestedConfig
 
 # The architectures of vkformers-t5, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("t5", kind="encoder-decoder")
@@ -504,11 +503,17 @@ def _nllb_moe(config, arch):
                     moe_route_padding=bool(config.get("router_ignore_padding_tokens", False)),
                     moe_output_scale=1.0 - float(config.get("moe_token_dropout", 0.2)))
 
-# Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
-# whatever architecture that names.
-FAMILY.wrappers({
-    "encoder-decoder": NestedConfig(("decoder",)),  # composite seq2seq wrapper handled by the Seq2Seq facade; encoder and decoder keep their own nested model_type
-})
+def _composed(config, arch):
+    raise UnsupportedConfigError(f"{arch}: composed from registered encoder and decoder models "
+                                 "(vkformers.models.encoder_decoder), not the shared encoder-decoder")
+
+
+# transformers' EncoderDecoderModel: core composes the encoder's base model and the decoder's cross-attending causal
+# LM, each from its own plugin
+architecture("encoder-decoder", norm="layer", status="verified",
+             notes=("any registered encoder whose plugin gives a base model + a decoder whose plugin gives a "
+                    "cross-decoder (BERT with add_cross_attention); no decoder cache in generate"),
+             model_class="vkformers.models.encoder_decoder:EncoderDecoderModel", variant=_composed)
 
 # Canonical architecture name -> its variant, from the declarations above.
 VARIANTS = FAMILY.variants()

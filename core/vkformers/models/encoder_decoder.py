@@ -1,0 +1,233 @@
+"""transformers' EncoderDecoderModel: any registered encoder and any registered decoder that attends to it.
+
+Core composes the two from the registry, never by importing a plugin: the config's ``encoder`` sub-config builds
+its architecture's ``"base"`` model (the encoder without a head, as transformers' ``AutoModel``), the ``decoder``
+sub-config the ``"cross-decoder"`` model its plugin gives (a causal LM whose layers attend to the encoder's states:
+``forward(ids, attention_mask=None, encoder_hidden_states=..., encoder_attention_mask=...)`` returning
+``.logits``). A plugin offers that task for the architectures its decoders take ``add_cross_attention`` for.
+
+Parameters keep transformers' names: ``encoder.<the base model's names without its prefix>`` and
+``decoder.<the causal LM's names>``. With labels and no decoder inputs the decoder reads the labels shifted right
+(decoder_start_token_id first, -100 -> pad), whose pad tokens the decoder then does not attend to; the loss is the mean cross-entropy over labels != -100, as
+EncoderDecoderModel computes it. ``generate`` runs the encoder once and the decoder over every token so far each
+step (no decoder cache: a decoder plugin's cache is its own).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkformers.engine import functional as F
+from vkformers.engine.function import no_grad
+from vkformers.engine.tensor import Tensor, tensor
+from vkformers.errors import VkformersError
+from vkformers.models.generation import sampling_probabilities
+from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, check_prompt_length
+from vkformers.models.module import Module
+from vkformers.models.plugins import plugin_manager, registry
+from vkformers.runtime import dtypes as dt
+
+IGNORE_INDEX = -100
+DECODER_TASK = "cross-decoder"
+
+
+class UnsupportedEncoderDecoder(VkformersError, ValueError):
+    """An encoder-decoder config whose encoder or decoder the registered plugins cannot compose."""
+
+
+@dataclass
+class EncoderDecoderOutput:
+    logits: object = None
+    loss: object = None
+    encoder_last_hidden_state: object = None
+
+
+def _ids(array) -> np.ndarray:
+    if isinstance(array, Tensor):
+        array = array.numpy()
+    array = np.asarray(array)
+    if array.ndim == 1:
+        array = array[None, :]
+    return array.astype(np.int64)
+
+
+def _sub_model(config: dict, role: str, task: str, **options) -> Module:
+    sub = config.get(role)
+    if not isinstance(sub, dict) or "model_type" not in sub:
+        raise UnsupportedEncoderDecoder(f"encoder-decoder: the config needs an {role} sub-config with a model_type")
+    architecture = registry().resolve(sub)
+    if role == "decoder" and not (sub.get("is_decoder") and sub.get("add_cross_attention")):
+        raise UnsupportedEncoderDecoder("encoder-decoder: the decoder config needs is_decoder and add_cross_attention "
+                                        "(transformers sets both when it builds the model)")
+    model_class = plugin_manager().hook.vkformers_model_class(architecture=architecture, task=task)
+    if model_class is None:
+        what = "an encoder's base model" if role == "encoder" else "a decoder with cross-attention"
+        raise UnsupportedEncoderDecoder(f"encoder-decoder: {role} {architecture.name!r} (plugin "
+                                        f"vkformers-{architecture.family}) has no {what} in vkformers yet")
+    model = model_class(sub, architecture, **options)
+    model.config = sub
+    return model
+
+
+class EncoderDecoderModel(Module):
+    """An encoder's base model and a decoder with cross-attention, as transformers' EncoderDecoderModel."""
+
+    def __init__(self, config: dict, architecture=None):
+        super().__init__()
+        self.config, self.architecture_name, self.dtype = config, "encoder-decoder", dt.float32
+        encoder = _sub_model(config, "encoder", "base", add_pooling_layer=True)
+        decoder = _sub_model(config, "decoder", DECODER_TASK)
+        encoder_width = encoder.config.get("hidden_size")
+        decoder_width = decoder.config.get("cross_attention_hidden_size") or decoder.config.get("hidden_size")
+        if encoder_width != decoder_width:  # transformers adds enc_to_dec_proj then: not implemented
+            raise UnsupportedEncoderDecoder(f"encoder-decoder: encoder hidden_size {encoder_width} differs from the "
+                                            f"decoder's {decoder_width} (enc_to_dec_proj is not implemented)")
+        prefix = getattr(encoder, "base_model_prefix", "")
+        if set(encoder._modules) != {prefix}:
+            raise UnsupportedEncoderDecoder(f"encoder-decoder: encoder {encoder.architecture_name!r}'s base model is "
+                                            "not one module under its prefix")
+        # transformers' names: the base model's modules directly under encoder., the causal LM under decoder.
+        self.add("encoder", encoder._modules[prefix])
+        self.add("decoder", decoder)
+        object.__setattr__(self, "encoder_model", encoder)   # plain references: its forward and loading
+        object.__setattr__(self, "decoder_model", decoder)
+        self.encoder_prefix = prefix
+        self.pad_token_id = config.get("pad_token_id")
+        self.decoder_start_token_id = config.get("decoder_start_token_id")
+
+    def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
+        """Each part loads its own tensors (their renames, ties and ignored keys are its own)."""
+        parts = {"encoder.": {}, "decoder.": {}}
+        unexpected = []
+        for name, array in arrays.items():
+            role = next((r for r in parts if name.startswith(r)), None)
+            if role is None:
+                unexpected.append(name)
+            else:
+                parts[role][name[len(role):]] = array
+        if unexpected and strict:
+            raise VkformersError(f"encoder-decoder: checkpoint tensors outside encoder. and decoder.: "
+                                 f"{', '.join(unexpected[:8])}")
+        encoder_arrays = {f"{self.encoder_prefix}.{name}": array for name, array in parts["encoder."].items()}
+        for model, part in ((self.encoder_model, encoder_arrays), (self.decoder_model, parts["decoder."])):
+            model.load_state_dict(part, dtype=dtype, strict=strict, requires_grad=requires_grad,
+                                  ignore=getattr(model, "ignored_checkpoint_keys", ()))
+        self.dtype = dt.as_dtype(dtype)
+
+    def input_limits(self) -> InputLimits:
+        encoder, decoder = self.encoder_model.input_limits(), self.decoder_model.input_limits()
+        return InputLimits(vocab_size=encoder.vocab_size, decoder_vocab_size=decoder.vocab_size,
+                           label_classes=decoder.vocab_size, max_length=encoder.max_length,
+                           decoder_max_length=decoder.max_length, labels_like="decoder_input_ids",
+                           one_dimensional_ok=True)
+
+    # -- pieces
+
+    def encode(self, input_ids, attention_mask=None):
+        """The encoder's last hidden state [B, S, hidden]."""
+        return self.encoder_model.encode(_ids(input_ids), None if attention_mask is None else _ids(attention_mask))
+
+    def decode(self, decoder_ids, encoder_states, encoder_mask=None, decoder_mask=None):
+        """Logits [B, T, vocab] of the decoder tokens, attending to the encoder's states (and, with ``decoder_mask``,
+        not to the decoder tokens it marks 0)."""
+        return self.decoder_model.forward(_ids(decoder_ids), attention_mask=decoder_mask,
+                                          encoder_hidden_states=encoder_states,
+                                          encoder_attention_mask=encoder_mask).logits
+
+    def shift_right(self, labels: np.ndarray) -> np.ndarray:
+        """transformers' shift_tokens_right: decoder_start_token_id first, -100 replaced by pad."""
+        if self.decoder_start_token_id is None or self.pad_token_id is None:
+            raise VkformersError("encoder-decoder: the config needs decoder_start_token_id and pad_token_id to shift "
+                                 "labels into decoder inputs")
+        shifted = np.empty_like(labels)
+        shifted[:, 1:] = labels[:, :-1]
+        shifted[:, 0] = self.decoder_start_token_id
+        return np.where(shifted == IGNORE_INDEX, self.pad_token_id, shifted)
+
+    # -- forward
+
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
+                decoder_attention_mask=None, encoder_outputs=None):
+        mask = None if attention_mask is None else _ids(attention_mask)
+        if decoder_attention_mask is not None and not _ids(decoder_attention_mask).all():
+            raise VkformersError("decoder_attention_mask with zeros is not supported (the decoder attends causally "
+                                 "to every decoder token)")
+        label_array = None if labels is None else _ids(labels)
+        decoder_mask = None
+        if decoder_input_ids is not None:
+            decoder_ids = _ids(decoder_input_ids)
+        elif label_array is not None:
+            decoder_ids = self.shift_right(label_array)
+            # transformers then hides the pad decoder tokens (the shifted -100s) from the decoder's attention
+            if decoder_attention_mask is None and (decoder_ids == self.pad_token_id).any():
+                decoder_mask = (decoder_ids != self.pad_token_id).astype(np.int64)
+        else:
+            raise VkformersError("encoder-decoder: give decoder_input_ids or labels")
+        encoder_states = encoder_outputs if encoder_outputs is not None else self.encode(input_ids, mask)
+        logits = self.decode(decoder_ids, encoder_states, mask, decoder_mask)
+        loss = None
+        if label_array is not None:
+            loss = F.cross_entropy(logits.float(), tensor(label_array.astype(np.int32)), ignore_index=IGNORE_INDEX)
+        return EncoderDecoderOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_states)
+
+    # -- generation
+
+    def _config_value(self, name):
+        for source in (getattr(self, "generation_config", None), self.config, self.decoder_model.config):
+            if isinstance(source, dict) and source.get(name) is not None:
+                return source[name]
+        return None
+
+    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
+                 attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
+                 output_logits: bool = False):
+        """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
+        Greedy unless ``do_sample``; a row that produced ``eos_token_id`` gets ``pad_token_id`` from then on;
+        without ``attention_mask`` the input's pad tokens are masked (pad differing from eos). ``output_logits``:
+        also each step's logits [new, batch, vocab]."""
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p)
+        limits = self.input_limits()
+        check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
+        check_prompt_length(limits, 1, int(max_new_tokens), decoder=True)
+        ids = _ids(input_ids)
+        batch = ids.shape[0]
+        eos = self._config_value("eos_token_id") if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        pad = self._config_value("pad_token_id") if pad_token_id is None else int(pad_token_id)
+        if attention_mask is not None:
+            mask = _ids(attention_mask)
+        elif pad is not None and pad in ids and pad not in eos:
+            mask = (ids != pad).astype(np.int64)
+        else:
+            mask = np.ones_like(ids)
+        start = decoder_start_token_id if decoder_start_token_id is not None else \
+            self._config_value("decoder_start_token_id")
+        if start is None:
+            raise VkformersError("encoder-decoder: no decoder_start_token_id (config or argument)")
+        rng = np.random.default_rng(seed)
+        tokens = np.full((batch, 1), int(start), np.int64)
+        step_logits = []
+        with no_grad():
+            encoder_states = self.encode(ids, mask).realize()
+            unfinished = np.ones(batch, bool)
+            for _ in range(int(max_new_tokens)):
+                logits = self.decode(tokens, encoder_states, mask)
+                scores = logits[:, logits.shape[1] - 1].contiguous().numpy().astype(np.float32)
+                step_logits.append(scores)
+                if do_sample:
+                    probs = sampling_probabilities(scores, temperature, top_k, top_p)
+                    chosen = np.array([rng.choice(probs.shape[-1], p=p / p.sum()) for p in probs])
+                else:
+                    chosen = scores.argmax(axis=-1)
+                chosen = np.where(unfinished, chosen, pad if pad is not None else 0).astype(np.int64)
+                tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
+                if eos:
+                    unfinished &= ~np.isin(chosen, eos)
+                if not unfinished.any():
+                    break
+        if output_logits:
+            vocab = self.input_limits().decoder_vocab_size
+            return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, vocab), np.float32)
+        return tokens
