@@ -22,8 +22,12 @@ from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor, tensor
 from vkformers.errors import VkformersError
+from vkformers.models.config_check import model_dtype
 from vkformers.models.generation import sampling_probabilities
+from vkformers.models.heads import complete_weights
 from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, check_prompt_length
+from vkformers.models.layers import LayerNorm, Linear
+from vkformers.models.loading import AutoModel, AutoModelForSeq2SeqLM, load_config, read_weights, resolve_checkpoint
 from vkformers.models.module import Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.runtime import dtypes as dt
@@ -95,6 +99,53 @@ class EncoderDecoderModel(Module):
         self.encoder_prefix = prefix
         self.pad_token_id = config.get("pad_token_id")
         self.decoder_start_token_id = config.get("decoder_start_token_id")
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, **options) -> "EncoderDecoderModel":
+        """A saved EncoderDecoderModel (its config.json has model_type encoder-decoder)."""
+        model = AutoModelForSeq2SeqLM.from_pretrained(name_or_path, **options)
+        if not isinstance(model, cls):
+            raise UnsupportedEncoderDecoder(f"{name_or_path}: not an encoder-decoder checkpoint (model_type "
+                                            f"{model.config.get('model_type')!r}); use AutoModelForSeq2SeqLM")
+        return model
+
+    @classmethod
+    def from_encoder_decoder_pretrained(cls, encoder_pretrained_model_name_or_path,
+                                        decoder_pretrained_model_name_or_path, *, dtype="float32",
+                                        requires_grad: bool = True, revision: str | None = None, cache_dir=None,
+                                        decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
+                                        seed: int = 0) -> "EncoderDecoderModel":
+        """An encoder-decoder from two pretrained checkpoints, as transformers' method of that name: the encoder's
+        base model (a checkpoint with or without its head), the decoder loaded with is_decoder and
+        add_cross_attention set, its cross-attention (which its checkpoint lacks) and any other missing weight
+        initialised as transformers does (normal(0, initializer_range), zero biases, LayerNorms at one; ``seed``),
+        said on stderr. Set ``decoder_start_token_id`` and ``pad_token_id`` (transformers leaves them to the user)
+        to train with labels."""
+        folders = [resolve_checkpoint(path, revision=revision, cache_dir=cache_dir)
+                   for path in (encoder_pretrained_model_name_or_path, decoder_pretrained_model_name_or_path)]
+        encoder_config, decoder_config = (load_config(folder) for folder in folders)
+        decoder_config = dict(decoder_config, is_decoder=True, add_cross_attention=True)
+        config = {"model_type": "encoder-decoder", "is_encoder_decoder": True, "encoder": encoder_config,
+                  "decoder": decoder_config, "decoder_start_token_id": decoder_start_token_id,
+                  "pad_token_id": pad_token_id, "tie_word_embeddings": False}
+        model = cls(config)
+        encoder_arrays, _ = AutoModel.fit_checkpoint(model.encoder_model, read_weights(folders[0]),
+                                                     f"at {encoder_pretrained_model_name_or_path}")
+        prefix = model.encoder_prefix + "."
+        arrays = {f"encoder.{name[len(prefix):]}": array for name, array in encoder_arrays.items()
+                  if name.startswith(prefix)}
+        decoder_arrays = read_weights(folders[1])
+        decoder = model.decoder_model
+        missing = {path: module for path, module in decoder.named_modules()
+                   if isinstance(module, (Linear, LayerNorm)) and any(
+                       f"{path}.{slot}" not in decoder_arrays and module._slots[slot].tied_to is None
+                       for slot in module._slots)}
+        decoder_arrays = complete_weights(decoder, missing, decoder_arrays,
+                                          f"at {decoder_pretrained_model_name_or_path}", seed=seed)
+        arrays.update({f"decoder.{name}": array for name, array in decoder_arrays.items()})
+        model.load_state_dict(arrays, dtype=model_dtype(encoder_config, dtype), strict=False,
+                              requires_grad=requires_grad)
+        return model
 
     def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
         """Each part loads its own tensors (their renames, ties and ignored keys are its own)."""
