@@ -74,6 +74,11 @@ def _sub_model(config: dict, role: str, task: str, **options) -> Module:
     return model
 
 
+def _width(config: dict):
+    """hidden_size under the names configs give it (transformers' attribute maps: GPT-2's n_embd, T5's d_model)."""
+    return next((config[key] for key in ("hidden_size", "n_embd", "d_model") if config.get(key) is not None), None)
+
+
 class EncoderDecoderModel(Module):
     """An encoder's base model and a decoder with cross-attention, as transformers' EncoderDecoderModel."""
 
@@ -82,8 +87,8 @@ class EncoderDecoderModel(Module):
         self.config, self.architecture_name, self.dtype = config, "encoder-decoder", dt.float32
         encoder = _sub_model(config, "encoder", "base", add_pooling_layer=True)
         decoder = _sub_model(config, "decoder", DECODER_TASK)
-        encoder_width = encoder.config.get("hidden_size")
-        decoder_width = decoder.config.get("cross_attention_hidden_size") or decoder.config.get("hidden_size")
+        encoder_width = _width(encoder.config)
+        decoder_width = decoder.config.get("cross_attention_hidden_size") or _width(decoder.config)
         if encoder_width != decoder_width:  # transformers adds enc_to_dec_proj then: not implemented
             raise UnsupportedEncoderDecoder(f"encoder-decoder: encoder hidden_size {encoder_width} differs from the "
                                             f"decoder's {decoder_width} (enc_to_dec_proj is not implemented)")
