@@ -652,8 +652,9 @@ class StackContext:
                 members = blocks[:, None, :] == np.arange(held.shape[1])[None, :, None]
                 self.global_members = tensor(members.astype(np.float32))
         self.key_padding_array = key_padding
-        self.rope = None  # rotary self-attention: (inv_freq, attention scaling); positions past, past + 1, ...
-        if stack.spec.rope:  # (T5Gemma 2: one per layer type)
+        # rotary self-attention, positions past, past + 1, ...: layer type (None: every layer) -> (inv_freq, scaling)
+        self.rope = None
+        if stack.spec.rope:
             config = stack.spec.rope[1 if stack.decoder else 0]
             types = stack.spec.rope_layer_types[1 if stack.decoder else 0] if stack.spec.rope_layer_types else (None,)
             self.rope = {}

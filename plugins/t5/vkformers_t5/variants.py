@@ -512,7 +512,7 @@ def _composed(config, arch):
 # LM, each from its own plugin
 architecture("encoder-decoder", norm="layer", status="verified",
              notes=("any registered encoder whose plugin gives a base model + a decoder whose plugin gives a "
-                    "cross-decoder (BERT with add_cross_attention); no decoder cache in generate"),
+                    "cross-decoder (BERT, GPT-2 with add_cross_attention); no decoder cache in generate"),
              model_class="vkformers.models.encoder_decoder:EncoderDecoderModel", variant=_composed)
 
 # Canonical architecture name -> its variant, from the declarations above.
