@@ -402,6 +402,24 @@ def test_encoder_decoder_from_two_pretrained_checkpoints(tmp_path):
     assert all(np.array_equal(params[n], weights[n]) for n in params if "crossattention" not in n)
 
 
+def test_encoder_decoder_from_pretrained_widths_differ(tmp_path):
+    """The bert2gpt2 fixture split in two folders (BERT of width 12, GPT-2 with cross-attention of width 8):
+    enc_to_dec_proj starts fresh (normal(0, 0.02), zero bias); every other weight is read."""
+    folder = FIXTURES / "bert2gpt2"
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    for role, sub in (("encoder", config["encoder"]), ("decoder", config["decoder"])):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text(json.dumps(sub))
+        save_file({k[len(role) + 1:]: v for k, v in weights.items() if k.startswith(role + ".")},
+                  str(tmp_path / role / "model.safetensors"))
+    model = vkf.EncoderDecoderModel.from_encoder_decoder_pretrained(tmp_path / "encoder", tmp_path / "decoder")
+    params = {n: p.numpy() for n, p in model.named_parameters()}
+    assert params["enc_to_dec_proj.weight"].shape == (8, 12) and not params["enc_to_dec_proj.bias"].any()
+    assert abs(params["enc_to_dec_proj.weight"].std() - 0.02) < 0.01
+    assert all(np.array_equal(params[n], weights[n]) for n in params if not n.startswith("enc_to_dec_proj"))
+
+
 def test_encoder_decoder_save_and_reload(tmp_path):
     """A saved EncoderDecoderModel folder (model_type encoder-decoder) loads back as the same model; a decoder
     without cross-attention is refused by name."""

@@ -281,13 +281,14 @@ GPT2_TINY = dict(model_type="gpt2", vocab_size=SMALL_VOCAB, n_embd=8, n_layer=1,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOK)
 SPECS.append(Spec(
     "bert2gpt2", "encoder-decoder",
-    dict(encoder=dict(BERT_TINY), decoder=dict(GPT2_TINY, is_decoder=True, add_cross_attention=True),
+    dict(encoder=dict(BERT_TINY, hidden_size=12), decoder=dict(GPT2_TINY, is_decoder=True, add_cross_attention=True),
          decoder_start_token_id=BOS, pad_token_id=PAD, vocab_size=SMALL_VOCAB),
-    ["EncoderDecoderModel (bert2gpt2): a BertModel encoder (pooler without gradient) and a GPT2LMHeadModel decoder "
+    ["EncoderDecoderModel (bert2gpt2): a BertModel encoder of hidden 12 (pooler without gradient), enc_to_dec_proj "
+     "mapping its states to the decoder's width 8, and a GPT2LMHeadModel decoder "
      "with add_cross_attention: after the self-attention, ln_cross_attn then crossattention (q_attn from the decoder, "
      "c_attn [k | v] from the encoder's states, c_proj; Conv1D weights), pre-LN; lm_head tied to wte; labels shift "
-     "with decoder_start_token_id 1 and the shifted pad tokens are hidden from the decoder. hidden 8, 2 heads, 1 "
-     "layer each, vocabulary 24, 24 positions."]))
+     "with decoder_start_token_id 1 and the shifted pad tokens are hidden from the decoder. 2 heads, 1 layer each, "
+     "vocabulary 24, 24 positions."]))
 
 
 def make_inputs(vocab: int = VOCAB):

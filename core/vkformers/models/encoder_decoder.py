@@ -87,11 +87,10 @@ class EncoderDecoderModel(Module):
         self.config, self.architecture_name, self.dtype = config, "encoder-decoder", dt.float32
         encoder = _sub_model(config, "encoder", "base", add_pooling_layer=True)
         decoder = _sub_model(config, "decoder", DECODER_TASK)
-        encoder_width = _width(encoder.config)
-        decoder_width = decoder.config.get("cross_attention_hidden_size") or _width(decoder.config)
-        if encoder_width != decoder_width:  # transformers adds enc_to_dec_proj then: not implemented
-            raise UnsupportedEncoderDecoder(f"encoder-decoder: encoder hidden_size {encoder_width} differs from the "
-                                            f"decoder's {decoder_width} (enc_to_dec_proj is not implemented)")
+        if decoder.config.get("cross_attention_hidden_size") is not None:
+            raise UnsupportedEncoderDecoder("encoder-decoder: the decoder's cross_attention_hidden_size is not "
+                                            "supported; leave it unset (enc_to_dec_proj then maps the widths)")
+        encoder_width, decoder_width = _width(encoder.config), _width(decoder.config)
         prefix = getattr(encoder, "base_model_prefix", "")
         if set(encoder._modules) != {prefix}:
             raise UnsupportedEncoderDecoder(f"encoder-decoder: encoder {encoder.architecture_name!r}'s base model is "
@@ -99,6 +98,10 @@ class EncoderDecoderModel(Module):
         # transformers' names: the base model's modules directly under encoder., the causal LM under decoder.
         self.add("encoder", encoder._modules[prefix])
         self.add("decoder", decoder)
+        # widths that differ: transformers maps the encoder's states to the decoder's width
+        projection = self.add("enc_to_dec_proj", Linear(encoder_width, decoder_width)) \
+            if encoder_width != decoder_width else None
+        object.__setattr__(self, "enc_to_dec_proj", projection)
         object.__setattr__(self, "encoder_model", encoder)   # plain references: its forward and loading
         object.__setattr__(self, "decoder_model", decoder)
         self.encoder_prefix = prefix
@@ -122,8 +125,8 @@ class EncoderDecoderModel(Module):
                                         seed: int = 0) -> "EncoderDecoderModel":
         """An encoder-decoder from two pretrained checkpoints, as transformers' method of that name: the encoder's
         base model (a checkpoint with or without its head), the decoder loaded with is_decoder and
-        add_cross_attention set, its cross-attention (which its checkpoint lacks) and any other missing weight
-        initialised as transformers does (normal(0, initializer_range), zero biases, LayerNorms at one; ``seed``),
+        add_cross_attention set, its cross-attention (which its checkpoint lacks), any other missing weight and, for
+        widths that differ, enc_to_dec_proj initialised as transformers does (normal(0, initializer_range), zero biases, LayerNorms at one; ``seed``),
         said on stderr. Set ``decoder_start_token_id`` and ``pad_token_id`` (transformers leaves them to the user)
         to train with labels."""
         folders = [resolve_checkpoint(path, revision=revision, cache_dir=cache_dir)
@@ -148,13 +151,15 @@ class EncoderDecoderModel(Module):
         decoder_arrays = complete_weights(decoder, missing, decoder_arrays,
                                           f"at {decoder_pretrained_model_name_or_path}", seed=seed)
         arrays.update({f"decoder.{name}": array for name, array in decoder_arrays.items()})
+        if model.enc_to_dec_proj is not None:  # a new projection between the two widths
+            arrays = complete_weights(model, {"enc_to_dec_proj": model.enc_to_dec_proj}, arrays, seed=seed)
         model.load_state_dict(arrays, dtype=model_dtype(encoder_config, dtype), strict=False,
                               requires_grad=requires_grad)
         return model
 
     def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
         """Each part loads its own tensors (their renames, ties and ignored keys are its own)."""
-        parts = {"encoder.": {}, "decoder.": {}}
+        parts = {"encoder.": {}, "decoder.": {}, "enc_to_dec_proj.": {}}
         unexpected = []
         for name, array in arrays.items():
             role = next((r for r in parts if name.startswith(r)), None)
@@ -162,6 +167,11 @@ class EncoderDecoderModel(Module):
                 unexpected.append(name)
             else:
                 parts[role][name[len(role):]] = array
+        projection = parts.pop("enc_to_dec_proj.")
+        if self.enc_to_dec_proj is None:
+            unexpected += [f"enc_to_dec_proj.{name}" for name in projection]
+        else:
+            self.enc_to_dec_proj.load_state_dict(projection, dtype=dtype, strict=strict, requires_grad=requires_grad)
         if unexpected and strict:
             raise VkformersError(f"encoder-decoder: checkpoint tensors outside encoder. and decoder.: "
                                  f"{', '.join(unexpected[:8])}")
@@ -183,6 +193,11 @@ class EncoderDecoderModel(Module):
     def encode(self, input_ids, attention_mask=None):
         """The encoder's last hidden state [B, S, hidden]."""
         return self.encoder_model.encode(_ids(input_ids), None if attention_mask is None else _ids(attention_mask))
+
+    def to_decoder_width(self, encoder_states):
+        """The encoder's states as the decoder's cross-attention reads them (through enc_to_dec_proj where the widths
+        differ)."""
+        return encoder_states if self.enc_to_dec_proj is None else self.enc_to_dec_proj(encoder_states)
 
     def decode(self, decoder_ids, encoder_states, encoder_mask=None, decoder_mask=None):
         """Logits [B, T, vocab] of the decoder tokens, attending to the encoder's states (and, with ``decoder_mask``,
@@ -221,7 +236,7 @@ class EncoderDecoderModel(Module):
         else:
             raise VkformersError("encoder-decoder: give decoder_input_ids or labels")
         encoder_states = encoder_outputs if encoder_outputs is not None else self.encode(input_ids, mask)
-        logits = self.decode(decoder_ids, encoder_states, mask, decoder_mask)
+        logits = self.decode(decoder_ids, self.to_decoder_width(encoder_states), mask, decoder_mask)
         loss = None
         if label_array is not None:
             loss = F.cross_entropy(logits.float(), tensor(label_array.astype(np.int32)), ignore_index=IGNORE_INDEX)
@@ -266,7 +281,7 @@ class EncoderDecoderModel(Module):
         tokens = np.full((batch, 1), int(start), np.int64)
         step_logits = []
         with no_grad():
-            encoder_states = self.encode(ids, mask).realize()
+            encoder_states = self.to_decoder_width(self.encode(ids, mask)).realize()
             unfinished = np.ones(batch, bool)
             for _ in range(int(max_new_tokens)):
                 logits = self.decode(tokens, encoder_states, mask)
