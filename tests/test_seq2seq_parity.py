@@ -21,9 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from safetensors.numpy import load_file, save_file
+
 import vkformers as vkf
 from vkformers.engine.lazy import realize
 from vkformers.engine.tensor import parameter
+from vkformers.models.encoder_decoder import UnsupportedEncoderDecoder
 from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.optim import AdamW
 
@@ -208,6 +211,13 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(t5gemma, encoder=dict(t5gemma["encoder"], hidden_size=64)), "t5_gemma_module")
     with pytest.raises(UnsupportedConfigError, match="stack config alone"):
         seq2seq_spec(t5gemma["decoder"], "t5_gemma_module")
+    t5gemma2 = json.loads((FIXTURES / "t5gemma2" / "config.json").read_text())
+    assert built("t5gemma2").shift_right(np.array([[5, -100, 7]])).tolist() == [[1, 5, 0]]  # decoder.bos_token_id
+    assert seq2seq_spec(t5gemma2, "t5gemma2").eoi_token_id == 5
+    with pytest.raises(UnsupportedConfigError, match="encoder.text_config"):
+        seq2seq_spec(dict(t5gemma2, encoder=t5gemma2["encoder"]["text_config"]), "t5gemma2")
+    with pytest.raises(UnsupportedConfigError, match="differ in vocab_size"):
+        seq2seq_spec(dict(t5gemma2, decoder=dict(t5gemma2["decoder"], vocab_size=30)), "t5gemma2")
     longt5 = json.loads((FIXTURES / "longt5_tglobal" / "config.json").read_text())
     assert seq2seq_spec(longt5, "longt5").transient_global_block == 4
     with pytest.raises(UnsupportedConfigError, match="encoder_attention_type='global'"):
@@ -350,3 +360,76 @@ def test_switch_skips_the_experts_no_token_chose():
     out.sum().backward()
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
     assert np.isfinite(x.grad.numpy()).all()
+
+
+def test_encoder_decoder_from_two_pretrained_checkpoints(tmp_path):
+    """EncoderDecoderModel.from_encoder_decoder_pretrained(encoder, decoder): the bert2bert fixture split into a BERT
+    masked-LM folder (read as its base model) and a decoder folder saved as a plain BERT (no is_decoder); with the
+    decoder's cross-attention in its checkpoint the model is the fixture's (transformers' logits and loss); without,
+    the cross-attention starts fresh (normal(0, initializer_range), zero biases, LayerNorms at one), the rest is read."""
+    folder = FIXTURES / "bert2bert"
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    encoder_dir, decoder_dir, bare_dir = tmp_path / "encoder", tmp_path / "decoder", tmp_path / "bare"
+    plain_decoder = {k: v for k, v in config["decoder"].items() if k not in ("is_decoder", "add_cross_attention")}
+    for target, sub, arrays in (
+            (encoder_dir, config["encoder"], {"bert." + k[len("encoder."):]: v for k, v in weights.items()
+                                              if k.startswith("encoder.")}),
+            (decoder_dir, plain_decoder, {k[len("decoder."):]: v for k, v in weights.items()
+                                          if k.startswith("decoder.")}),
+            (bare_dir, plain_decoder, {k[len("decoder."):]: v for k, v in weights.items()
+                                       if k.startswith("decoder.") and "crossattention" not in k})):
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps(sub))
+        save_file(arrays, str(target / "model.safetensors"))
+    ref = Case.get("bert2bert").ref
+    tokens = dict(decoder_start_token_id=config["decoder_start_token_id"], pad_token_id=config["pad_token_id"])
+    model = vkf.EncoderDecoderModel.from_encoder_decoder_pretrained(encoder_dir, decoder_dir, **tokens)
+    assert model.config["decoder"]["is_decoder"] and model.config["decoder"]["add_cross_attention"]
+    with vkf.no_grad():
+        out = model(ref["input_ids"].astype(np.int64), attention_mask=ref["attention_mask"],
+                    labels=ref["labels"].astype(np.int64))
+    assert np.abs(out.logits.numpy() - ref["logits"]).max() <= LOGITS_ATOL
+    assert abs(out.loss.item() - float(ref["loss"])) <= LOSS_RTOL * abs(float(ref["loss"]))
+    fresh = vkf.EncoderDecoderModel.from_encoder_decoder_pretrained(encoder_dir, bare_dir, **tokens)
+    params = {n: p.numpy() for n, p in fresh.named_parameters()}
+    cross = [n for n in params if "crossattention" in n]
+    assert cross and all(not np.array_equal(params[n], weights[n]) for n in cross if n.endswith("query.weight"))
+    assert all((params[n] == 1).all() for n in cross if n.endswith("LayerNorm.weight"))
+    assert all((params[n] == 0).all() for n in cross if n.endswith(".bias"))
+    std = config["decoder"].get("initializer_range", 0.02)
+    assert all(abs(params[n].std() - std) < std for n in cross if n.endswith("query.weight"))
+    assert all(np.array_equal(params[n], weights[n]) for n in params if "crossattention" not in n)
+
+
+def test_encoder_decoder_from_pretrained_widths_differ(tmp_path):
+    """The bert2gpt2 fixture split in two folders (BERT of width 12, GPT-2 with cross-attention of width 8):
+    enc_to_dec_proj starts fresh (normal(0, 0.02), zero bias); every other weight is read."""
+    folder = FIXTURES / "bert2gpt2"
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    for role, sub in (("encoder", config["encoder"]), ("decoder", config["decoder"])):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "config.json").write_text(json.dumps(sub))
+        save_file({k[len(role) + 1:]: v for k, v in weights.items() if k.startswith(role + ".")},
+                  str(tmp_path / role / "model.safetensors"))
+    model = vkf.EncoderDecoderModel.from_encoder_decoder_pretrained(tmp_path / "encoder", tmp_path / "decoder")
+    params = {n: p.numpy() for n, p in model.named_parameters()}
+    assert params["enc_to_dec_proj.weight"].shape == (8, 12) and not params["enc_to_dec_proj.bias"].any()
+    assert abs(params["enc_to_dec_proj.weight"].std() - 0.02) < 0.01
+    assert all(np.array_equal(params[n], weights[n]) for n in params if not n.startswith("enc_to_dec_proj"))
+
+
+def test_encoder_decoder_save_and_reload(tmp_path):
+    """A saved EncoderDecoderModel folder (model_type encoder-decoder) loads back as the same model; a decoder
+    without cross-attention is refused by name."""
+    model = vkf.EncoderDecoderModel.from_pretrained(FIXTURES / "bert2bert")
+    model.save_pretrained(tmp_path)
+    again = vkf.EncoderDecoderModel.from_pretrained(tmp_path)
+    ours = {n: p.numpy() for n, p in again.named_parameters()}
+    assert ours.keys() == {n for n, _ in model.named_parameters()}
+    assert all(np.array_equal(ours[n], p.numpy()) for n, p in model.named_parameters())
+    config = json.loads((FIXTURES / "bert2bert" / "config.json").read_text())
+    with pytest.raises(UnsupportedEncoderDecoder, match="add_cross_attention"):
+        AutoModelForSeq2SeqLM.from_config(dict(config, decoder=dict(config["decoder"], add_cross_attention=False)))
+

@@ -114,6 +114,8 @@ class Spec:
     reference_fix: str = ""  # a key of REFERENCE_FIXES: a transformers bug corrected in the reference model
     global_tokens: tuple = ()  # (row, position) pairs with global attention: the reference forward takes a
     #                            global_attention_mask (saved in reference.safetensors); greedy decoding does not
+    text_only: tuple = ()  # parameter prefixes of modules a text-only forward never runs (T5Gemma 2's vision
+    #                        tower): kept in the checkpoint, left out of the reference's parameters
 
 
 SPECS = [
@@ -230,6 +232,65 @@ SPECS = [
 ]
 
 
+# T5Gemma 2 text stack (T5Gemma2TextConfig / T5Gemma2DecoderConfig names): Gemma 3 layers, GQA 2 query / 1 key-value
+# heads, a sliding then a full layer with their own rotary bases, final soft-capping
+G2 = dict(vocab_size=SMALL_VOCAB, hidden_size=8, intermediate_size=12, num_hidden_layers=2, num_attention_heads=2,
+          num_key_value_heads=1, head_dim=4, max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=6,
+          final_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"],
+          rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                           "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}, **TOK)
+# the smallest SigLIP tower T5Gemma2's encoder builds (its weights are in the checkpoint; a text forward skips them)
+SIGLIP_TINY = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                   patch_size=4, num_channels=3)
+SPECS.append(Spec(
+    "t5gemma2", "t5gemma2",
+    dict(encoder=dict(text_config=dict(G2), vision_config=dict(SIGLIP_TINY), mm_tokens_per_image=1,
+                      boi_token_index=SMALL_VOCAB + 1, eoi_token_index=5, image_token_index=SMALL_VOCAB + 2),
+         decoder=dict(G2), image_token_index=SMALL_VOCAB + 2, vocab_size=SMALL_VOCAB, dropout_rate=0.0,
+         attention_dropout=0.0),
+    ["T5Gemma 2's text model (T5Gemma2ForConditionalGeneration without pixel_values): Gemma 3 stacks with (1 + w) "
+     "RMSNorms before and after each sublayer, per-head q_norm/k_norm, rotary self-attention with one base per layer "
+     "type (sliding 1e4, full 1e6), GQA 2 query / 1 key-value heads, query_pre_attn_scalar 6, sliding window 4 "
+     "(encoder layer 0 bidirectional: keys i - 1 .. i + 2, transformers' split of the window; decoder layer 0: "
+     "i - 4 < j <= i); the decoder's merged attention (one softmax over its own keys and the encoder's, the same "
+     "q/k/v/o projections, k_norm on the encoder keys, no rotary there); one embedding table shared by encoder, "
+     "decoder and lm_head.out_proj, scaled by sqrt(hidden), the eoi token (id 5 here) reading eoi_embedding "
+     "unscaled; final soft-capping 2.0; no pad masking beyond the attention_mask. The vision tower and projector "
+     "(tiny SigLIP) are in the checkpoint but not in the reference's parameters: a text forward never runs them. "
+     "d_model 8, 2 encoder / 2 decoder layers, vocabulary 24."],
+    text_only=("model.encoder.vision_tower.", "model.encoder.multi_modal_projector.")))
+
+
+# transformers' EncoderDecoderModel of two tiny BERTs: the decoder causal with cross-attention (BertLMHeadModel)
+BERT_TINY = dict(model_type="bert", vocab_size=SMALL_VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                 intermediate_size=12, max_position_embeddings=24, type_vocab_size=2, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0, pad_token_id=PAD)
+SPECS.append(Spec(
+    "bert2bert", "encoder-decoder",
+    dict(encoder=dict(BERT_TINY), decoder=dict(BERT_TINY, is_decoder=True, add_cross_attention=True),
+         decoder_start_token_id=BOS, pad_token_id=PAD, vocab_size=SMALL_VOCAB),
+    ["EncoderDecoderModel (bert2bert): a BertModel encoder (with its pooler, which the loss never reaches: no "
+     "gradient) and a BertLMHeadModel decoder (is_decoder: causal self-attention; add_cross_attention: "
+     "crossattention.self.query/key/value + crossattention.output.dense/LayerNorm after it, post-LN) whose "
+     "cls.predictions.decoder ties to its own word embeddings; labels shift with decoder_start_token_id 1, -100 -> "
+     "pad; the loss is EncoderDecoderModel's cross-entropy over labels != -100. hidden 8, 2 heads, 1 layer each, "
+     "vocabulary 24, 24 positions."]))
+
+
+GPT2_TINY = dict(model_type="gpt2", vocab_size=SMALL_VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=24,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOK)
+SPECS.append(Spec(
+    "bert2gpt2", "encoder-decoder",
+    dict(encoder=dict(BERT_TINY, hidden_size=12), decoder=dict(GPT2_TINY, is_decoder=True, add_cross_attention=True),
+         decoder_start_token_id=BOS, pad_token_id=PAD, vocab_size=SMALL_VOCAB),
+    ["EncoderDecoderModel (bert2gpt2): a BertModel encoder of hidden 12 (pooler without gradient), enc_to_dec_proj "
+     "mapping its states to the decoder's width 8, and a GPT2LMHeadModel decoder "
+     "with add_cross_attention: after the self-attention, ln_cross_attn then crossattention (q_attn from the decoder, "
+     "c_attn [k | v] from the encoder's states, c_proj; Conv1D weights), pre-LN; lm_head tied to wte; labels shift "
+     "with decoder_start_token_id 1 and the shifted pad tokens are hidden from the decoder. 2 heads, 1 layer each, "
+     "vocabulary 24, 24 positions."]))
+
+
 def make_inputs(vocab: int = VOCAB):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (2, SEQ), generator=g, dtype=torch.int64)
@@ -287,7 +348,7 @@ def build(spec: Spec, out_root: Path):
             raise RuntimeError("lm_head is still tied after writing a distinct one")
 
     ids, mask, labels = make_inputs(spec.overrides.get("vocab_size", VOCAB))
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not n.startswith(spec.text_only or ("\0",))}
     extra = {}
     if spec.labels_shifted_here:
         extra["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels.clone())
@@ -349,6 +410,7 @@ def build(spec: Spec, out_root: Path):
         "config_override_issues": issues,
         "attn_implementation": "eager",
         "reference_fix": spec.reference_fix or None,
+        "text_only_left_out": list(spec.text_only),
         "init": f"after construction (torch.manual_seed(0)): params with ndim>=2 = N(0,{INIT_STD}), 1-D params "
                 f"+= N(0,{VEC_STD}), generator seed 1234, named_parameters() order; frozen parameters (fixed "
                 f"sinusoidal tables) restored; final_logits_bias = N(0,{FINAL_LOGITS_BIAS_STD}) (seed 99)"

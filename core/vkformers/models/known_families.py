@@ -284,5 +284,6 @@ KNOWN_FAMILIES = {
     "t5": "t5",
     "t5_gemma_module": "t5",
     "t5gemma": "t5",
+    "t5gemma2": "t5",
     "umt5": "t5",
 }

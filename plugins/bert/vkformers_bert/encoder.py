@@ -249,6 +249,24 @@ class EncoderBlock(Module):
                 _declare(self, path, (d,))
         self.act = F.activation(s.hidden_act)
         self.window = s.layer_windows[index] if s.layer_windows else 0
+        cross = {}
+        if s.cross_attention:  # BertLMHeadModel as a decoder: BERT's attention over the encoder's states
+            for role, name in (("q", "self.query"), ("k", "self.key"), ("v", "self.value"), ("o", "output.dense")):
+                cross[role] = _place(self, f"{s.cross_attention}.{name}", Linear(d, d, attn_bias))
+            cross["norm"] = _place(self, f"{s.cross_attention}.output.LayerNorm", norm())
+        object.__setattr__(self, "cross", cross)
+
+    def cross_attend(self, x, ctx: "Context"):
+        """Post-LN cross-attention: norm(x + o(attention(q(x), k(states), v(states)))), the encoder's padding hidden."""
+        s, c = self.spec, self.cross
+        states = ctx.encoder_states
+        batch, length, _ = x.shape
+
+        def heads(t):
+            return t.reshape(batch, t.shape[1], s.num_heads, s.head_dim).permute(0, 2, 1, 3)
+        out = F.scaled_dot_product_attention(heads(c["q"](x)), heads(c["k"](states)), heads(c["v"](states)),
+                                             causal=False, key_padding_mask=ctx.encoder_padding_mask)
+        return c["norm"](x + c["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)))
 
     def conv_attention(self, x, ctx: "Context"):
         """ConvBERT: [attention heads; dynamic-convolution heads] -> attention.output.dense. A convolution head's
@@ -376,7 +394,7 @@ class EncoderBlock(Module):
             if s.global_projections:
                 out = self.global_attention(x, out, ctx, heads)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, causal=False, key_padding_mask=ctx.key_padding_mask)
+            out = F.scaled_dot_product_attention(q, k, v, causal=s.causal, key_padding_mask=ctx.key_padding_mask)
         out = out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
         if s.value_conv:
             values = v.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
@@ -448,6 +466,8 @@ class EncoderBlock(Module):
             m = self.mlp(p["mlp_norm"](x))
             return x + (m * (1.0 / scale) if scale != 1.0 else m)
         x = p["attn_norm"](x + self.attention(x, ctx))
+        if self.cross:
+            x = self.cross_attend(x, ctx)
         h = x + self.mlp(x)
         if "adapter_up" in p:  # X-MOD: the language adapter between two applications of the MLP's norm
             normed = p["mlp_norm"](h)
@@ -469,6 +489,8 @@ class Context:
     global_tokens: np.ndarray | None = None  # Longformer: bool [B, T], the real tokens with global attention
     mask_shape: tuple = (0, 0)      # (batch, length)
     value_keep: object = None       # YOSO: Tensor [B, T, 1], the attention mask the convolved values are scaled by
+    encoder_states: object = None   # a decoder with cross-attention: the encoder's last hidden states [B, S, D]
+    encoder_padding_mask: object = None  # and its bool Tensor [B, S] padding mask, or None
 
     def window_bias(self, window: int, batch: int, length: int) -> Tensor:
         """0 where query i may see key j (|i - j| <= window, or j a global token; j not padding), -1e30 elsewhere:
@@ -715,8 +737,10 @@ class EncoderForMaskedLM(Module):
         return InputLimits(vocab_size=s.vocab_size, max_length=max_length,
                            type_vocab_size=s.type_vocab_size if self.token_type is not None else None)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
-        x = self.encode(input_ids, attention_mask, token_type_ids)
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None, encoder_hidden_states=None,
+                encoder_attention_mask=None):
+        x = self.encode(input_ids, attention_mask, token_type_ids, encoder_hidden_states=encoder_hidden_states,
+                        encoder_attention_mask=encoder_attention_mask)
         h = x
         if self.head_dense is not None:
             h = F.activation(self.spec.head_act)(self.head_dense(h))
@@ -734,7 +758,7 @@ class EncoderForMaskedLM(Module):
         return MaskedLMOutput(logits=logits, loss=loss)
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None,
-               global_attention_mask=None):
+               global_attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None):
         """The encoder's last hidden states [B, T, hidden] (after the final norm of pre-LN encoders), before any
         head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed).
         ``global_attention_mask`` (Longformer): 1 at the tokens with global attention; an attention mask of 2 says
@@ -767,6 +791,17 @@ class EncoderForMaskedLM(Module):
             padding = Tensor(lazy.derived_input(_as_bool(mask), attention_mask, _as_bool), dtype=dt.bool_)
         ctx = Context(padding, rotary, mask, self._relative(length) if self.rel_table is not None else None,
                       global_tokens=global_tokens, mask_shape=(batch, length))
+        if self.spec.cross_attention:
+            if encoder_hidden_states is None:
+                raise UnsupportedBaseModel(f"{self.architecture_name}: a decoder with cross-attention needs "
+                                           "encoder_hidden_states")
+            ctx.encoder_states = encoder_hidden_states
+            source = None if encoder_attention_mask is None else _as_int_array(encoder_attention_mask)
+            if source is not None and not source.all():
+                ctx.encoder_padding_mask = Tensor(_as_bool(source), dtype=dt.bool_)
+        elif encoder_hidden_states is not None:
+            raise UnsupportedBaseModel(f"{self.architecture_name} has no cross-attention (add_cross_attention): "
+                                       "leave encoder_hidden_states out")
         if self.rel_bias is not None:
             buckets = relative_position_buckets(length, self.spec.relative_bias_buckets,
                                                 self.spec.relative_bias_max_distance)

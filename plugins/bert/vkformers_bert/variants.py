@@ -108,6 +108,9 @@ class EncoderSpec:
     #                                          "nystrom": the Nyström approximation of softmax attention (below);
     #                                          "lsh": YOSO's expected LSH collisions of unit q and k (below)
     reads_mask: bool = True                  # False: the attention mask is ignored, padding mixes in (FNet)
+    causal: bool = False                     # is_decoder: causal self-attention (BertLMHeadModel)
+    cross_attention: str | None = None       # add_cross_attention: the path (under a layer) of a post-LN attention
+    #                                          over the encoder's states after the self-attention
     conv_kernel: int = 0                     # ConvBERT: > 0 mixes half the heads by span-based dynamic convolution
     conv_width: int = 0                      # ConvBERT: the q / k / v width (attention heads x their size)
     block: str = "bert"                      # "mobilebert": MobileBERT's bottlenecked block (MobileBertBlock)
@@ -221,9 +224,10 @@ def refuse(arch: str, config: dict, option: str, supported: Callable[[object], b
                                      f"encoder yet")
 
 
-def _common_refusals(arch: str, config: dict) -> None:
-    refuse(arch, config, "is_decoder", lambda v: not v, False)
-    refuse(arch, config, "add_cross_attention", lambda v: not v, False)
+def _common_refusals(arch: str, config: dict, decoder_ok: bool = False) -> None:
+    if not decoder_ok:
+        refuse(arch, config, "is_decoder", lambda v: not v, False)
+    refuse(arch, config, "add_cross_attention", lambda v: not v or (decoder_ok and config.get("is_decoder")), False)
     # transformers 5 dropped relative position embeddings from BERT-likes; a checkpoint trained with them
     # would compute something else, so it is refused rather than run with absolute positions
     refuse(arch, config, "position_embedding_type", lambda v: v in (None, "absolute"))
@@ -233,8 +237,12 @@ def _common_refusals(arch: str, config: dict) -> None:
               notes="BERT-family; upstream claims HF forward-logit fixtures")
 def bert(config: dict, prefix: str = "bert") -> EncoderSpec:
     arch = config.get("model_type", "bert")
-    _common_refusals(arch, config)
+    # BERT alone runs as a decoder (causal, with cross-attention: an encoder-decoder's decoder)
+    _common_refusals(arch, config, decoder_ok=arch == "bert" and prefix == "bert")
     return EncoderSpec(
+        causal=bool(config.get("is_decoder", False)) and arch == "bert" and prefix == "bert",
+        cross_attention="crossattention" if config.get("add_cross_attention") and arch == "bert" and prefix == "bert"
+        else None,
         vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
         num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
         intermediate_size=config["intermediate_size"],

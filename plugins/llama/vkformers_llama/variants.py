@@ -17,8 +17,8 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from vkformers.models.decoder.spec import (AttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec, NormSpec,
-                                           PositionSpec, UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
+from vkformers.models.decoder.spec import (AttentionSpec, CrossAttentionSpec, DecoderSpec, LinearAttentionSpec, MLPSpec,
+                                           NormSpec, PositionSpec, UnsupportedConfigError, first_of, layer_types, padding_idx, refuse,
                                            sliding_windows, with_mla)
 from vkformers.models.family import Family
 from vkformers.models.registry import NESTED_TEXT_CONFIG, NestedConfig
@@ -317,7 +317,6 @@ def starcoder2(config: dict) -> DecoderSpec:
               notes="native KV-cache generation; upstream claims HF forward-logit fixtures")
 @architecture("gpt-sw3", norm="layer", status="verified")  # GPT2Config / GPT2LMHeadModel under another model_type
 def gpt2(config: dict) -> DecoderSpec:
-    refuse("gpt2", config, "add_cross_attention", lambda v: not v)
     refuse("gpt2", config, "scale_attn_weights", lambda v: v in (None, True))
     spec = DecoderSpec(**_sizes(config))
     scales = tuple(spec.head_dim ** -0.5 / ((i + 1) if config.get("scale_attn_by_inverse_layer_idx") else 1)
@@ -331,6 +330,9 @@ def gpt2(config: dict) -> DecoderSpec:
                    attn_in_norm="ln_1", mlp_in_norm="ln_2",
                    mlp=replace(spec.mlp, kind="plain", up_proj="c_fc", down_proj="c_proj", bias=True),
                    conv1d=True,
+                   # add_cross_attention: crossattention (q_attn, c_attn [k | v], c_proj) after ln_cross_attn, run
+                   # when encoder_hidden_states are given (an encoder-decoder's decoder)
+                   cross_attention=CrossAttentionSpec() if config.get("add_cross_attention") else None,
                    norms=replace(spec.norms, kind="layer", bias=True, eps=config.get("layer_norm_epsilon", 1e-5)),
                    hidden_act=config.get("activation_function", "gelu_new"))
 

@@ -17,6 +17,7 @@ sliding-window layers (a bidirectional window, which the kernel does not take) a
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ from vkformers.models.generation import sampling_probabilities
 from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, check_prompt_length
 from vkformers.models.layers import (Embedding, LayerNorm, Linear, ModuleList, RMSNorm, grouped_linear,
                                      linears_can_be_grouped)
-from vkformers.models.module import Module
+from vkformers.models.module import Module, add_param, get_param
 from vkformers.runtime import dtypes as dt
 
 from vkformers_t5.variants import (Seq2SeqSpec, fairseq_table, relative_buckets, seq2seq_spec,
@@ -75,6 +76,12 @@ LAYOUTS["t5gemma"] = dict(LAYOUTS["bart"], shared=None, positions=None, embed_no
                           self_post_norm="post_self_attn_layernorm", cross_post_norm="post_cross_attn_layernorm",
                           ffn_post_norm="post_feedforward_layernorm", o="o_proj", up=None, gate="gate_proj",
                           gated_up="up_proj", down="down_proj", lm_head="lm_head.out_proj")
+# T5Gemma 2: the encoder's text stack under encoder.text_model (checkpoints store it under encoder, which
+# transformers renames as it loads), one table for both stacks and the head, the vision tower's weights skipped
+LAYOUTS["t5gemma2"] = dict(LAYOUTS["t5gemma"], encoder="model.encoder.text_model", tie_to_encoder_embeddings=True,
+                           checkpoint_renames=((r"^model\.encoder\.(embed_tokens|layers|norm)\.",
+                                                r"model.encoder.text_model.\1."),),
+                           ignored_prefixes=("model.encoder.vision_tower.", "model.encoder.multi_modal_projector."))
 
 # LongT5: T5's names; the encoder's self-attention module is named after its kind
 LAYOUTS["longt5"] = dict(LAYOUTS["t5"], encoder_self_attn_path="layer.0.LocalSelfAttention")
@@ -176,11 +183,18 @@ class Attention(Module):
             role: place(self, names["encoder_global_attn"][role], Linear(spec.d_model, inner, bias=bias))
             for role in ("q", "k", "v")} if longformer_global else None)
         object.__setattr__(self, "global_norm", global_norm)
+        # T5Gemma 2: per-head norms of queries and keys
+        object.__setattr__(self, "head_norms", {
+            role: self.add(f"{role}_norm", RMSNorm(spec.head_dim, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset))
+            for role in ("q", "k")} if spec.qk_norm else {})
 
     def split(self, role: str, x):
         batch, length, _ = x.shape
         heads = self.heads if role == "q" else self.kv_heads
-        return self.proj[role](x).reshape(batch, length, heads, self.head_dim).permute(0, 2, 1, 3)
+        out = self.proj[role](x).reshape(batch, length, heads, self.head_dim)
+        if role in self.head_norms:
+            out = self.head_norms[role](out)
+        return out.permute(0, 2, 1, 3)
 
     def attend(self, q, k, v, *, causal: bool, bias=None, key_padding_mask=None, window: int = 0):
         """[B, H, Tq, D]. With ``bias`` (relative positions and masks already added in) the attention is
@@ -396,6 +410,9 @@ class Block(Module):
         self_names = names if decoder else {**names, **names.get("encoder_self_attn", {})}
         self_path = names["self_attn"] if decoder else names.get("encoder_self_attn_path", names["self_attn"])
         self.transient_global = bool(spec.transient_global_block) and not decoder
+        self.merged = decoder and spec.merged_cross_attention  # T5Gemma 2: no cross-attention block
+        self.rope_type = spec.rope_layer_types[1 if decoder else 0][index] if spec.rope_layer_types else None
+        cross = decoder and not self.merged
         refs = dict(
             self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
                                                        self.transient_global,
@@ -403,12 +420,12 @@ class Block(Module):
                                                        bool(spec.ngram) and decoder)),
             self_norm=place(self, names["self_norm"], make_norm(spec)),
             cross_attn=(place(self, names["cross_attn"], Attention(spec, names, heads, False, kv_heads))
-                        if decoder else None),
-            cross_norm=place(self, names["cross_norm"], make_norm(spec)) if decoder else None,
+                        if cross else None),
+            cross_norm=place(self, names["cross_norm"], make_norm(spec)) if cross else None,
         )
         post = {"self": "self_post_norm", "cross": "cross_post_norm", "ffn": "ffn_post_norm"}
         for part, name in post.items():  # Gemma 2's sandwich: a norm on each sublayer's output too
-            wanted = spec.sublayer_post_norm and (decoder or part != "cross")
+            wanted = spec.sublayer_post_norm and (cross or part != "cross")
             refs[name] = place(self, names[name], make_norm(spec)) if wanted else None
         sub = names["ffn"].format(ffn=2 if decoder else 1)
         sparse = spec.decoder_sparse if decoder else spec.encoder_sparse
@@ -453,7 +470,9 @@ class Block(Module):
             return self._ngram_self_attention(h, ctx)
         q, k, v = attn.split("q", h), attn.split("k", h), attn.split("v", h)
         if ctx.rope is not None:
-            q, k = ctx.rotate(q), ctx.rotate(k)
+            q, k = ctx.rotate(q, self.rope_type), ctx.rotate(k, self.rope_type)
+        if self.merged:
+            return attn.merge(self._merged_attention(attn, q, k, v, ctx))
         if self.local_relative:
             return attn.merge(self._local_attention(attn, h, q, k, v, ctx))
         if self.longformer:
@@ -472,6 +491,18 @@ class Block(Module):
             write_kv(keys, values, k, v, ctx.cache_start)
             out = attn.attend(q, keys, values, causal=True, bias=bias)
         return attn.merge(out)
+
+    def _merged_attention(self, attn, q, k, v, ctx: "StackContext"):
+        """T5Gemma 2's decoder: one softmax over its own keys (causal, within the layer's window; the cache's rows
+        once stored there) and the encoder's (k_norm without rotary, computed once when generating), composed so that
+        the mask of both parts is one additive term."""
+        cross_k, cross_v = ctx.cross_keys_values(self.index, attn)
+        if ctx.cache is not None:
+            keys, values = ctx.cache.self_attn.keys[self.index], ctx.cache.self_attn.values[self.index]
+            write_kv(keys, values, k, v, ctx.cache_start)
+            k, v = keys, values
+        return attn.attend(q, F.cat([k, cross_k.cast(k.dtype)], 2), F.cat([v, cross_v.cast(v.dtype)], 2),
+                           causal=False, bias=ctx.merged_bias(self.window))
 
     def _local_attention(self, attn, h, q, k, v, ctx: "StackContext"):
         """LongT5's encoder: the keys within the layer's window, in blocks (F.banded_attention), with layer 0's
@@ -560,7 +591,7 @@ class Block(Module):
             rows = ctx.global_rows
             norm = lambda h: self.global_norm(h) * rows + self.self_norm(h) * (1.0 - rows)  # noqa: E731
         x = self._residual(x, norm, lambda h: self.self_attention(h, ctx), self.self_post_norm)
-        if self.decoder:
+        if self.cross_attn is not None:
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx), self.cross_post_norm)
         return self._residual(x, self.ffn_norm, lambda h: self.feed_forward(h, ctx), self.ffn_post_norm)
 
@@ -591,7 +622,8 @@ class StackContext:
             self.global_select = tensor(select)
             slots = np.arange(select.shape[2])[None, :] < count[:, None]
             self.global_slot_bias = tensor(np.where(slots, 0.0, MASKED).astype(np.float32)[:, None, None, :])
-        self.encoder_states = encoder_states
+        self.encoder_states, self.encoder_mask = encoder_states, encoder_mask
+        self._merged_bias = {}
         self.key_padding_mask = None if key_padding is None else tensor(key_padding.astype(bool))
         self.encoder_padding_mask = None
         if encoder_mask is not None and not encoder_mask.all():
@@ -620,10 +652,15 @@ class StackContext:
                 members = blocks[:, None, :] == np.arange(held.shape[1])[None, :, None]
                 self.global_members = tensor(members.astype(np.float32))
         self.key_padding_array = key_padding
-        self.rope = None  # rotary self-attention: (inv_freq, attention scaling); positions past, past + 1, ...
+        # rotary self-attention, positions past, past + 1, ...: layer type (None: every layer) -> (inv_freq, scaling)
+        self.rope = None
         if stack.spec.rope:
-            inv_freq, scaling = rope_parameters(stack.spec.rope[1 if stack.decoder else 0], past + length)
-            self.rope = (tensor(inv_freq), scaling)
+            config = stack.spec.rope[1 if stack.decoder else 0]
+            types = stack.spec.rope_layer_types[1 if stack.decoder else 0] if stack.spec.rope_layer_types else (None,)
+            self.rope = {}
+            for kind in sorted(set(types), key=str):
+                inv_freq, scaling = rope_parameters(config, past + length, layer_type=kind)
+                self.rope[kind] = (tensor(inv_freq), scaling)
         self._positions = None
         self.ngram_masks = None
         if stack.spec.ngram and stack.decoder:
@@ -673,12 +710,13 @@ class StackContext:
         picked = rows @ onehot                                               # [T, B * H, S]
         return picked.reshape(length, batch, heads, -1).permute(1, 2, 0, 3)
 
-    def rotate(self, x):
-        """Rotary embedding of q or k [B, H, T, D] at positions past, past + 1, ... (every row alike)."""
+    def rotate(self, x, layer_type: str | None = None):
+        """Rotary embedding of q or k [B, H, T, D] at positions past, past + 1, ... (every row alike), with the
+        rotary parameters of ``layer_type`` where they differ by layer type."""
         if self._positions is None:
             rows = np.broadcast_to(self.past + np.arange(self.length, dtype=np.int32), (x.shape[0], self.length))
             self._positions = tensor(np.ascontiguousarray(rows))
-        inv_freq, scaling = self.rope
+        inv_freq, scaling = self.rope[layer_type]
         return F.rope(x, self._positions, inv_freq, attention_scaling=scaling)
 
     def bias(self, block: Block):
@@ -727,11 +765,35 @@ class StackContext:
         allowed = real[:, :, None] == held[:, None, :]  # transformers: the token's mask equals the block's use
         return bias + tensor(np.where(allowed, 0.0, MASKED).astype(np.float32)[:, None], dtype=bias.dtype)
 
+    def merged_bias(self, window: int):
+        """T5Gemma 2's merged attention, [B or 1, 1, T, K + S]: over the decoder's K keys, 0 where key j <= query i
+        (absolute positions) and, with a window, j > i - window; over the encoder's S keys, 0 where not padding."""
+        if window not in self._merged_bias:
+            query = self.past + np.arange(self.length)
+            keys = np.arange(self.key_length)
+            allowed = keys[None, :] <= query[:, None]
+            if window:
+                allowed &= keys[None, :] > query[:, None] - window
+            own = np.where(allowed, 0.0, MASKED).astype(np.float32)[None, None]          # [1, 1, T, K]
+            mask = self.encoder_mask
+            sources = self.encoder_states.shape[1]
+            encoder = np.zeros((1, 1, self.length, sources), np.float32) if mask is None else \
+                np.broadcast_to(np.where(mask != 0, 0.0, MASKED).astype(np.float32)[:, None, None, :],
+                                (mask.shape[0], 1, self.length, sources))
+            own = np.broadcast_to(own, (encoder.shape[0], 1, self.length, self.key_length))
+            self._merged_bias[window] = tensor(np.ascontiguousarray(np.concatenate([own, encoder], axis=-1)))
+        return self._merged_bias[window]
+
     def encoder_window_bias(self, window: int):
-        """[B or 1, 1, T, T]: 0 where |i - j| <= window and key j is not padding, else MASKED."""
+        """[B or 1, 1, T, T]: 0 where |i - j| <= window (T5Gemma 2: key j from i - ((window + 1) // 2 - 1) to
+        i + window // 2) and key j is not padding, else MASKED."""
         if window not in self._window_bias:
             index = np.arange(self.length)
-            allowed = np.abs(index[:, None] - index[None, :]) <= window
+            offset = index[None, :] - index[:, None]  # key - query
+            if self.stack.spec.encoder_window_split:
+                allowed = (offset > -((window + 1) // 2)) & (offset <= window // 2)
+            else:
+                allowed = np.abs(offset) <= window
             if self.key_padding_array is not None:
                 allowed = allowed[None, None] & (self.key_padding_array[:, None, None, :] != 0)
             self._window_bias[window] = tensor(np.where(allowed, 0.0, MASKED).astype(np.float32))
@@ -782,8 +844,11 @@ class Stack(Module):
             refs["final_norm"] = place(self, names["final_norm"], make_norm(spec))
         refs["embed_global"] = place(self, "embed_global", Embedding(spec.global_tokens, spec.d_model)) \
             if spec.global_tokens and not decoder else None
+        if spec.eoi_token_id is not None:  # T5Gemma 2: the eoi token's own embedding
+            add_param(self, f"{names.get('embed_tokens', 'embed_tokens')}.eoi_embedding", (spec.d_model,))
         for name, module in refs.items():
             object.__setattr__(self, name, module)
+        self.names_embed = names.get("embed_tokens", "embed_tokens")
         self.position_table = None
         self.recorded = None  # a list while the base model collects hidden states (output_hidden_states=True)
         if spec.positions == "sinusoidal":
@@ -830,6 +895,10 @@ class Stack(Module):
                         padding_idx=spec.pad_token_id if spec.pad_embedding_frozen else None)
         if spec.embed_scale != 1.0:
             x = x * spec.embed_scale
+        if spec.eoi_token_id is not None and (ids == spec.eoi_token_id).any():  # replaced, unscaled
+            eoi = tensor((ids == spec.eoi_token_id).astype(np.float32)[..., None], dtype=x.dtype)
+            row = get_param(self, f"{self.names_embed}.eoi_embedding").reshape(1, 1, -1).cast(x.dtype)
+            x = x * (1.0 - eoi) + eoi * row
         norm_first = self.decoder and spec.decoder_embed_norm_first
         if norm_first:
             x = self.embed_norm(x)
@@ -898,8 +967,8 @@ class Seq2SeqCache:
         """Every decoder layer's cross-attention keys and values, computed once (one submit) before decoding,
         so that every decode step builds the same graph and replays one recorded plan."""
         states = self.encoder_states
-        self.cross = [tuple(layer.cross_attn.split(role, states).contiguous() for role in ("k", "v"))
-                      for layer in decoder.layers]
+        self.cross = [tuple((layer.self_attn if layer.merged else layer.cross_attn).split(role, states).contiguous()
+                            for role in ("k", "v")) for layer in decoder.layers]
         realize([t.lazy for kv in self.cross for t in kv])
 
     @property
@@ -933,6 +1002,11 @@ class Seq2SeqForConditionalGeneration(Module):
         embed = names.get("embed_tokens", "embed_tokens")
         self.head_tie_target = f"{names['shared']}.weight" if names["shared"] else \
             f"{names['decoder']}.{embed}.weight"
+        if names.get("tie_to_encoder_embeddings"):  # T5Gemma 2: the encoder's table serves the decoder and the head
+            self.head_tie_target = f"{names['encoder']}.{embed}.weight"
+            self.tie(f"{names['decoder']}.{embed}.weight", self.head_tie_target)
+            if spec.eoi_token_id is not None:
+                self.tie(f"{names['decoder']}.{embed}.eoi_embedding", f"{names['encoder']}.{embed}.eoi_embedding")
         if names["shared"]:
             for stack in ("encoder", "decoder"):
                 self.tie(f"{names[stack]}.{embed}.weight", self.head_tie_target)
@@ -948,6 +1022,16 @@ class Seq2SeqForConditionalGeneration(Module):
                 name = f"{self.names['encoder' if stack is self.encoder else 'decoder']}.{self.names['positions']}.weight"
                 if name not in arrays:
                     arrays[name] = fairseq_table(stack.fairseq_rows(), self.spec.d_model, self.spec.pad_token_id)
+        renames, skipped = self.names.get("checkpoint_renames", ()), self.names.get("ignored_prefixes", ())
+        if renames or skipped:  # T5Gemma 2: the text stack's stored names; the vision tower, which text never runs
+            renamed = {}
+            for name, array in arrays.items():
+                if name.startswith(skipped):
+                    continue
+                for pattern, replacement in renames:
+                    name = re.sub(pattern, replacement, name)
+                renamed[name] = array
+            arrays = renamed
         shared, head_name = self.head_tie_target, f"{self.names['lm_head']}.weight"
         head = dict(self.named_slots()).get(head_name)  # None in the base model, which has no LM head
         distinct = head_name in arrays and shared in arrays and not np.array_equal(

@@ -19,7 +19,6 @@ import numpy as np
 
 from vkformers.errors import VkformersError
 from vkformers.models.family import Family
-from vkformers.models.registry import NestedConfig
 
 # The architectures of vkformers-t5, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("t5", kind="encoder-decoder")
@@ -134,6 +133,16 @@ class Seq2SeqSpec:
     decoder_pad_keys_masked: bool = False  # FSMT (fairseq): decoder self-attention ignores pad decoder tokens
     #                                        (forward without the cache, as transformers does when training)
     encoder_pads_masked: bool = False     # T5Gemma: without an attention_mask the encoder (only) masks pad tokens
+
+    # -- T5Gemma 2
+    qk_norm: bool = False                 # per-head RMSNorms q_norm / k_norm on queries and keys before rotary (the
+    #                                       encoder's keys in cross-attention too)
+    merged_cross_attention: bool = False  # the decoder's self-attention also attends to the encoder's keys, one
+    #                                       softmax over both, through the same projections; no cross-attention block
+    rope_layer_types: tuple = ()          # (encoder, decoder) layer types: rope_parameters hold one dict per type
+    encoder_window_split: bool = False    # bidirectional window w: keys i - ((w + 1) // 2 - 1) .. i + w // 2
+    #                                       (transformers' split), else |i - j| <= w
+    eoi_token_id: int | None = None       # this token's embedding is the stack's eoi_embedding (unscaled)
 
 
 def _get(config: dict, *names, default=None):
@@ -345,6 +354,34 @@ def _t5gemma(config, arch):
         eos_token_id=config.get("eos_token_id"), decoder_pad_keys_masked=True, encoder_pads_masked=True)
 
 
+@architecture("t5gemma2", norm="rms", status="verified",
+              notes=("text model of T5Gemma2ForConditionalGeneration (no pixel_values; the vision tower's weights are "
+                     "skipped); Gemma 3 stacks with the decoder's merged self/cross attention"))
+def _t5gemma2(config, arch):
+    """T5Gemma 2's text model as a delta of T5Gemma: Gemma 3 stacks (the encoder's under encoder.text_config) with
+    per-head q_norm/k_norm, one rotary base per layer type, no attention soft-capping (transformers' attention never
+    applies attn_logit_softcapping), sliding windows split around the query in the encoder; the decoder's merged
+    attention (its own keys and the encoder's, k_norm on both, rotary on its own only, one softmax) replaces
+    cross-attention; one embedding table (encoder, decoder and lm_head.out_proj) in which eoi_token_index reads
+    eoi_embedding. No pad masking beyond the attention_mask: the decoder attends to pad decoder tokens."""
+    encoder, decoder = config.get("encoder"), config.get("decoder")
+    if not isinstance(encoder, dict) or not isinstance(encoder.get("text_config"), dict) or \
+            not isinstance(decoder, dict):
+        raise UnsupportedConfigError(f"{arch}: the config needs encoder.text_config and decoder (a T5Gemma2Config)")
+    text = encoder["text_config"]
+    if text.get("vocab_size") != decoder.get("vocab_size"):  # one table serves both stacks
+        raise UnsupportedConfigError(f"{arch}: encoder and decoder differ in vocab_size ({text.get('vocab_size')!r} "
+                                     f"vs {decoder.get('vocab_size')!r})")
+    types = tuple(tuple(stack["layer_types"]) for stack in (text, decoder))
+    spec = _t5gemma(dict(config, encoder=text, decoder=decoder), arch)
+    eoi = config.get("eoi_token_index", encoder.get("eoi_token_index"))
+    return replace(spec, layout="t5gemma2", source_vocab_size=None, attn_softcap=0.0, qk_norm=True,
+                   merged_cross_attention=True, rope_layer_types=types, encoder_window_split=True,
+                   eoi_token_id=eoi if eoi is not None and 0 <= eoi < spec.vocab_size else None,
+                   decoder_pad_keys_masked=False, encoder_pads_masked=False,
+                   tie_lm_head=config.get("tie_word_embeddings", True) is not False)
+
+
 @architecture("led", norm="layer", status="verified",
               notes="BART-layout; encoder Longformer attention: sliding window and global_attention_mask tokens")
 def _led(config, arch):
@@ -466,11 +503,17 @@ def _nllb_moe(config, arch):
                     moe_route_padding=bool(config.get("router_ignore_padding_tokens", False)),
                     moe_output_scale=1.0 - float(config.get("moe_token_dropout", 0.2)))
 
-# Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
-# whatever architecture that names.
-FAMILY.wrappers({
-    "encoder-decoder": NestedConfig(("decoder",)),  # composite seq2seq wrapper handled by the Seq2Seq facade; encoder and decoder keep their own nested model_type
-})
+def _composed(config, arch):
+    raise UnsupportedConfigError(f"{arch}: composed from registered encoder and decoder models "
+                                 "(vkformers.models.encoder_decoder), not the shared encoder-decoder")
+
+
+# transformers' EncoderDecoderModel: core composes the encoder's base model and the decoder's cross-attending causal
+# LM, each from its own plugin
+architecture("encoder-decoder", norm="layer", status="verified",
+             notes=("any registered encoder whose plugin gives a base model + a decoder whose plugin gives a "
+                    "cross-decoder (BERT, GPT-2 with add_cross_attention); no decoder cache in generate"),
+             model_class="vkformers.models.encoder_decoder:EncoderDecoderModel", variant=_composed)
 
 # Canonical architecture name -> its variant, from the declarations above.
 VARIANTS = FAMILY.variants()

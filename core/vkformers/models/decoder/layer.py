@@ -96,6 +96,8 @@ class Context:
                  host_mask=None, host_positions=None, embeddings=None, mask_source=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
+        self.encoder_states = None            # cross-attention: the encoder's last hidden states [B, S, D]
+        self.encoder_padding_mask = None      # and their bool [B, S] padding mask, or None
         self.rope_positions = positions if rope_positions is None else rope_positions  # negated for NanoChat
         self.query_scale = query_scale        # [B, 1, T, 1] Llama-4 position scaling of the queries, or None
         self.host_mask = host_mask            # attention_mask as numpy [B, T] or None (host-built masks)
@@ -132,6 +134,12 @@ class DecoderLayer(Module):
         for role in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
             if getattr(s, role) and not (role == "attn_in_norm" and index in s.attn_in_norm_skipped):
                 add(role, getattr(s, role), make_norm(s, attn_in if role == "attn_in_norm" else d))
+        if s.cross_attention is not None:  # GPT-2 as an encoder-decoder's decoder
+            c = s.cross_attention
+            add("cross_norm", c.norm, make_norm(s, d))
+            add("cross_q", f"{c.path}.{c.q_proj}", make_projection(s, d, q_out, c.bias))
+            add("cross_kv", f"{c.path}.{c.kv_proj}", make_projection(s, d, 2 * q_out, c.bias))
+            add("cross_o", f"{c.path}.{c.o_proj}", make_projection(s, q_out, d, c.bias))
         self.linear = linear is not None and bool(linear.layers[index])
         own_attention = a.module is not None and not self.linear
         if self.linear:  # Gated DeltaNet instead of the attention projections
@@ -480,7 +488,7 @@ class DecoderLayer(Module):
         attn = ("qkv",) if "qkv" in p else ("q", "k", "v")
         mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
         disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "linear",
-                        "own_attention"}
+                        "own_attention", "cross_q"}
         qk_norm = (p["q_norm"], p["k_norm"]) if "q_norm" in p else None  # Qwen3: one RMS weight over each head
         if qk_norm and (s.attention.qk_norm_scope != "head" or s.attention.qk_norm_after_rope or s.head_dim > 256
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
@@ -568,8 +576,27 @@ class DecoderLayer(Module):
         s = self.spec
         attn = self._norm("attn_out_norm", self.attention(self._norm("attn_in_norm", x), ctx))
         x = x + _scaled(attn, s.residual_scale)
+        if "cross_q" in self.parts and ctx.encoder_states is not None:  # as transformers, only given the states
+            x = x + self.cross_attention(self.parts["cross_norm"](x), ctx)
         mlp = self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x)))
         return x + _scaled(mlp, s.residual_scale)
+
+    def cross_attention(self, h, ctx: Context):
+        """Attention of h's queries over the encoder's states (their padding hidden), the self-attention's scale."""
+        s, p = self.spec, self.parts
+        batch, length, _ = h.shape
+        width = s.num_heads * s.head_dim
+        states = ctx.encoder_states
+        sources = states.shape[1]
+
+        def heads(t, rows):
+            return t.contiguous().reshape(batch, rows, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
+        kv = p["cross_kv"](states)
+        scale = s.attention.scales[self.index] if s.attention.scales else s.head_dim ** -0.5
+        out = F.scaled_dot_product_attention(heads(p["cross_q"](h), length), heads(kv[..., :width], sources),
+                                             heads(kv[..., width:], sources), causal=False, scale=scale,
+                                             key_padding_mask=ctx.encoder_padding_mask)
+        return p["cross_o"](out.permute(0, 2, 1, 3).reshape(batch, length, width))
 
     def _parallel_residual(self, x, ctx: Context):
         """Attention and MLP both read the block input: x + attn(norm(x)) + mlp(norm'(x)) (norm' = norm without

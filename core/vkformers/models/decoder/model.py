@@ -18,6 +18,7 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
+from vkformers.errors import VkformersError
 from vkformers.models.decoder.layer import Context, DecoderLayer, fused_norm
 from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import DecoderSpec, NormSpec, alibi_slopes, mpt_alibi_slopes, sinusoidal_table
@@ -270,10 +271,15 @@ class DecoderForCausalLM(Module, GenerationMixin):
         scale = 1.0 + beta * np.log1p(np.floor(positions.astype(np.float32) / np.float32(length)))
         return Tensor(scale.astype(np.float32)[:, None, :, None])
 
-    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None,
+                encoder_hidden_states=None, encoder_attention_mask=None):
         s = self.spec
         length = np.shape(input_ids)[-1] if not isinstance(input_ids, Tensor) else input_ids.shape[-1]
-        x = self.residual_stream(input_ids, attention_mask, position_ids, cache)
+        if encoder_hidden_states is not None and (s.cross_attention is None or cache is not None):
+            raise VkformersError(f"{self.architecture_name}: encoder_hidden_states need a decoder with "
+                                 "cross-attention (add_cross_attention), run without a cache")
+        encoder = None if encoder_hidden_states is None else (encoder_hidden_states, encoder_attention_mask)
+        x = self.residual_stream(input_ids, attention_mask, position_ids, cache, encoder=encoder)
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
         if logits is None:
             x = self.final_hidden_states(x)
@@ -298,8 +304,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
             x = self.project_out(x)
         return x
 
-    def residual_stream(self, input_ids, attention_mask=None, position_ids=None, cache=None):
-        """Embeddings and every layer: the residual stream [B, T, hidden] before the final norm."""
+    def residual_stream(self, input_ids, attention_mask=None, position_ids=None, cache=None, encoder=None):
+        """Embeddings and every layer: the residual stream [B, T, hidden] before the final norm. ``encoder``: (the
+        encoder's states, their attention mask or None) for the layers' cross-attention."""
         s = self.spec
         ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
         if ids.dtype is not dt.int32:
@@ -340,6 +347,11 @@ class DecoderForCausalLM(Module, GenerationMixin):
                       rope_positions=-position_tensor if s.positions.rope_negated else None,
                       query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions,
                       embeddings=x, mask_source=attention_mask)
+        if encoder is not None:
+            ctx.encoder_states = encoder[0]
+            source = None if encoder[1] is None else _as_numpy(encoder[1])
+            if source is not None and not source.all():
+                ctx.encoder_padding_mask = Tensor(_mask_bytes(source), dtype=dt.bool_)
         return self.run_layers(x, ctx)
 
     def run_layers(self, x, ctx: Context):

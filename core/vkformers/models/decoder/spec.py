@@ -177,6 +177,20 @@ class MLASpec:
 
 
 @dataclass
+class CrossAttentionSpec:
+    """Attention over an encoder's states after the self-attention, pre-norm (GPT-2's add_cross_attention: the
+    decoder of an encoder-decoder). Queries from ``q_proj``, keys and values from one ``kv_proj`` [k | v] of the
+    encoder's states, the self-attention's heads and scales."""
+
+    path: str = "crossattention"
+    norm: str = "ln_cross_attn"              # the layer's norm before it
+    q_proj: str = "q_attn"
+    kv_proj: str = "c_attn"
+    o_proj: str = "c_proj"
+    bias: bool = True
+
+
+@dataclass
 class DecoderSpec:
     """The shared decoder's configuration: sizes, checkpoint names, numerics, and one sub-spec per part of the
     block. Names are Hugging Face parameter paths."""
@@ -229,6 +243,7 @@ class DecoderSpec:
     hidden_act: str = "silu"                 # also "xielu" (Apertus: learned alpha_p / alpha_n under mlp.act_fn)
     lm_head_bias: bool = False
     conv1d: bool = False                     # GPT-2 Conv1D weights, stored [in, out]
+    cross_attention: CrossAttentionSpec | None = None  # attention over encoder_hidden_states after the self-attention
     post_norm: bool = False                  # x = norm(x + f(x)) with attn_in_norm / mlp_in_norm (OPT-350m)
     parallel_residual: bool = False          # x + attn(norm(x)) + mlp(norm'(x)); norm' = attn_in_norm when mlp_in_norm is None
     final_softcap: float = 0.0
