@@ -155,7 +155,8 @@ DECLARED = {
     "electra": (ELECTRA_HEADS, None),
     "distilbert": (DISTILBERT_HEADS, None),
     "mpnet": (ROBERTA_HEADS, "pooler.dense"),
-    "gte": (ENCODER_HEADS, "pooler.dense"),
+    # transformers has GTE's sequence and token heads, no question-answering or choice head
+    "gte": (replace(ENCODER_HEADS, question_answering=None, multiple_choice=None), "pooler.dense"),
     "albert": (ENCODER_HEADS, "pooler"),  # its pooler is a bare Linear (albert.pooler.weight)
     "squeezebert": (ENCODER_HEADS, "pooler.dense"),
     "rembert": (ENCODER_HEADS, "pooler.dense"),

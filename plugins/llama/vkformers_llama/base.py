@@ -23,7 +23,9 @@ _CLASSIFIER_TOKENS = replace(DECODER_HEADS, token="classifier")
 DECLARED = {
     **dict.fromkeys(("arcee", "diffllama", "exaone4", "llama", "ministral", "nemotron", "qwen2", "qwen3", "seed_oss",
                      "smollm3"), _QA_UNDER_TRANSFORMER),
-    **dict.fromkeys(("gptj", "ministral3", "mistral", "opt"), _QA),
+    **dict.fromkeys(("ministral3", "mistral"), _QA),
+    # transformers has sequence and question-answering heads for these, no token-classification one
+    **dict.fromkeys(("gptj", "opt"), replace(_QA, token=None)),
     **dict.fromkeys(("bloom", "falcon", "gpt2", "gpt_neo", "gpt_neox", "mpt"),
                     replace(_CLASSIFIER_TOKENS, question_answering="qa_outputs")),
     **dict.fromkeys(("biogpt", "gpt_bigcode"), _CLASSIFIER_TOKENS),
