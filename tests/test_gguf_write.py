@@ -154,3 +154,54 @@ def test_smollm2_gguf_round_trip(tmp_path):
     np.testing.assert_array_equal(reloaded(ids).logits.numpy(), model(ids).logits.numpy())
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+
+
+@pytest.mark.parametrize("fixture,architecture", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_other_families_save_and_reload(tmp_path, fixture, architecture):
+    """The tiny fixtures of the other written families, quantized to Q8_0 at load and saved with a given
+    tokenizer: the file's architecture and names are llama.cpp's, the file alone reads back as the same
+    model_type (Mistral's sliding window kept), and the folder gives the same logits."""
+    from pathlib import Path
+
+    from vkformers.errors import VkformersError
+    from vkformers.models import gguf as vkgguf
+    from vkformers.models.tokenizer import PreTrainedTokenizer
+    folder = Path(__file__).parent / "fixtures" / fixture
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization="q8_0", requires_grad=False)
+    with pytest.raises(VkformersError, match="more than the model's vocab_size 48"):
+        model.save_pretrained(tmp_path / "big", tokenizer=PreTrainedTokenizer(train_bpe()))
+    tokenizer = PreTrainedTokenizer(small_byte_level_tokenizer(40), {"bos_token": "<s>", "eos_token": "</s>"})
+    model.save_pretrained(tmp_path, tokenizer=tokenizer)
+    reader = gguf.GGUFReader(str(tmp_path / "model.gguf"))
+    assert reader.fields["general.architecture"].contents() == architecture
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 48 and tokens[40:] == [f"[PAD{i}]" for i in range(40, 48)]  # one per embedding row
+    assert {t.tensor_type.name for t in reader.tensors if t.name.endswith("attn_v.weight")} == {"Q8_0"}
+    config, _, _ = vkgguf.load_gguf(tmp_path / "model.gguf", tokenizer=False)
+    assert config["model_type"] == model.config["model_type"]
+    if fixture == "mistral":
+        assert config["sliding_window"] == model.config["sliding_window"]
+    ids = np.array([[5, 17, 42, 7, 9, 3]])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, requires_grad=False)
+    np.testing.assert_array_equal(reloaded(ids).logits.numpy(), model(ids).logits.numpy())
+
+
+def test_missing_gguf_package_names_the_extra(tiny_llama, tmp_path, monkeypatch):
+    import sys
+
+    from vkformers.errors import VkformersError
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization="q8_0", requires_grad=False)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf then raises ImportError
+    with pytest.raises(VkformersError, match=r"needs the gguf package: pip install 'vkformers\[gguf\]'"):
+        model.save_pretrained(tmp_path / "out")
+
+
+def small_byte_level_tokenizer(size: int):
+    """A byte-level BPE of ``size`` tokens (two specials, then single bytes), for the fixtures' small vocabularies."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[:size - 2]
+    backend = Tokenizer(models.BPE({t: i + 2 for i, t in enumerate(alphabet)} | {"<s>": 0, "</s>": 1}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return backend

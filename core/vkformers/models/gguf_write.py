@@ -128,8 +128,10 @@ def _pre_name(pre_tokenizer: dict | None) -> str:
                          "vkformers knows; save the model dequantized as safetensors instead")
 
 
-def tokenizer_gguf_fields(tokenizer: PreTrainedTokenizer) -> list:
-    """A byte-level BPE tokenizer as llama.cpp's "gpt2" vocabulary: (key, value, type, sub type) fields."""
+def tokenizer_gguf_fields(tokenizer: PreTrainedTokenizer, vocab_size: int | None = None) -> list:
+    """A byte-level BPE tokenizer as llama.cpp's "gpt2" vocabulary: (key, value, type, sub type) fields; the
+    token list padded with unused ``[PAD<i>]`` tokens to the model's ``vocab_size``, as llama.cpp's converter
+    does (llama.cpp wants one token per embedding row)."""
     from gguf import GGUFValueType  # the optional [gguf] extra (see _gguf)
     data = json.loads(tokenizer.backend.to_str())
     model = data.get("model") or {}
@@ -138,7 +140,11 @@ def tokenizer_gguf_fields(tokenizer: PreTrainedTokenizer) -> list:
                              "kind vkformers writes into GGUF; pass the model's GGUF-sourced tokenizer or save it "
                              "dequantized as safetensors")
     vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    tokens = [f"[PAD{i}]" for i in range(max(vocab.values()) + 1)]
+    size = max(vocab.values()) + 1
+    if vocab_size is not None and size > vocab_size:
+        raise VkformersError(f"the tokenizer has {size} tokens, more than the model's vocab_size {vocab_size}; "
+                             "pass the model's own tokenizer")
+    tokens = [f"[PAD{i}]" for i in range(max(size, vocab_size or 0))]
     types = [TOKEN_UNUSED] * len(tokens)
     for token, index in vocab.items():
         tokens[index], types[index] = token, TOKEN_NORMAL
@@ -168,8 +174,9 @@ def tokenizer_gguf_fields(tokenizer: PreTrainedTokenizer) -> list:
 
 def _tokenizer_source(model: Module, tokenizer: PreTrainedTokenizer | None):
     """(GGUF fields, PreTrainedTokenizer) of the tokenizer to save: the one given, else the model's source's."""
+    vocab_size = getattr(model, "config", {}).get("vocab_size")
     if tokenizer is not None:
-        return tokenizer_gguf_fields(tokenizer), tokenizer
+        return tokenizer_gguf_fields(tokenizer, vocab_size), tokenizer
     source = Path(str(getattr(model, "name_or_path", "") or ""))
     if is_gguf_file(source) and source.is_file():
         fields, values = _copied_tokenizer_fields(source)
@@ -177,7 +184,7 @@ def _tokenizer_source(model: Module, tokenizer: PreTrainedTokenizer | None):
         return fields, tokenizer_from_metadata(meta, name_or_path=str(source))
     if source.is_dir() and (source / "tokenizer.json").is_file():
         tokenizer = load_tokenizer_folder(source)
-        return tokenizer_gguf_fields(tokenizer), tokenizer
+        return tokenizer_gguf_fields(tokenizer, vocab_size), tokenizer
     raise VkformersError("save_pretrained of a quantized model writes a GGUF file, which carries the tokenizer: "
                          f"none was found beside the model's source {str(source)!r}; pass tokenizer=")
 
@@ -198,19 +205,23 @@ def save_gguf(model: Module, folder, *, tokenizer: PreTrainedTokenizer | None = 
     path = folder / GGUF_FILE
     partial = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(str(partial), entry.name)
-    writer.add_name(folder.name or entry.model_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, value in metadata.items():
-        writer.add_key_value(f"{entry.name}.{key}", value, _value_type(value))
-    for key, value, kind, sub_kind in token_fields:
-        writer.add_key_value(key, value, kind, sub_type=sub_kind)
-    for name, array, raw_type in tensors:
-        writer.add_tensor(name, array, raw_dtype=raw_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    partial.replace(path)
+    try:
+        writer.add_name(folder.name or entry.model_type)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, value in metadata.items():
+            writer.add_key_value(f"{entry.name}.{key}", value, _value_type(value))
+        for key, value, kind, sub_kind in token_fields:
+            if not (isinstance(value, list) and not value):  # GGUF has no empty arrays (a vocabulary without merges)
+                writer.add_key_value(key, value, kind, sub_type=sub_kind)
+        for name, array, raw_type in tensors:
+            writer.add_tensor(name, array, raw_dtype=raw_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
     tokenizer.save_pretrained(folder)
     config["torch_dtype"] = getattr(model, "dtype", dt.float32).name
     write_json_atomic(folder / "config.json", config)
