@@ -205,3 +205,27 @@ def small_byte_level_tokenizer(size: int):
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     return backend
+
+
+def test_float_tensors_keep_their_dtype(tiny_llama, tmp_path):
+    """A bfloat16 model's float tensors (norms, embedding, head) are written BF16, bit for bit."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization="q8_0", dtype="bfloat16",
+                                                 requires_grad=False)
+    model.save_pretrained(tmp_path)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "model.gguf")).tensors}
+    assert types["output_norm.weight"] == types["token_embd.weight"] == "BF16"
+    assert types["blk.0.ffn_down.weight"] == "Q8_0"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto", requires_grad=False)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    norm = "model.layers.0.input_layernorm.weight"
+    assert np.array_equal(dict(reloaded.named_parameters())[norm].numpy(), dict(model.named_parameters())[norm].numpy())
+    np.testing.assert_array_equal(reloaded(IDS).logits.numpy(), model(IDS).logits.numpy())
+
+
+def test_an_architecture_without_a_writer_is_refused(tmp_path):
+    from pathlib import Path
+    model = AutoModelForCausalLM.from_pretrained(Path(__file__).parent / "fixtures" / "gemma", quantization="q8_0",
+                                                 requires_grad=False)
+    with pytest.raises(QuantizationError, match=r"quantized 'gemma' model: no GGUF writer .*written: llama, "
+                                                r"mistral, qwen2, qwen3\); load it with dequantize=True"):
+        model.save_pretrained(tmp_path)

@@ -224,6 +224,8 @@ def save_gguf(model: Module, folder, *, tokenizer: PreTrainedTokenizer | None = 
         partial.unlink(missing_ok=True)
     tokenizer.save_pretrained(folder)
     config["torch_dtype"] = getattr(model, "dtype", dt.float32).name
+    if "dtype" in config:  # transformers 5's spelling, read first by dtype="auto"
+        config["dtype"] = config["torch_dtype"]
     write_json_atomic(folder / "config.json", config)
     return path
 
