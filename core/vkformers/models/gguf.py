@@ -67,11 +67,11 @@ def is_gguf_file(name_or_path) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
 
 
-def _gguf():
+def _gguf(hint: str = INSTALL_HINT):
     try:
-        import gguf  # the optional [gguf] extra: imported only when a GGUF file is read
+        import gguf  # the optional [gguf] extra: imported only when a GGUF file is read or written
     except ImportError:
-        raise VkformersError(INSTALL_HINT) from None
+        raise VkformersError(hint) from None
     return gguf
 
 
@@ -117,6 +117,7 @@ class TensorTransform:
 
     function: Callable[[np.ndarray, dict], np.ndarray]
     reorders_rows: bool = False
+    inverse: Callable[[np.ndarray, dict], np.ndarray] | None = None  # HF's array -> the file's (for writing)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ class GGUFArchitecture:
     (``ffn_gate_exps``) into one HF tensor per expert. ``tensors`` maps the global stems. ``transforms`` (by
     GGUF stem) undo the converter's changes. ``skipped``: stems with no HF twin (derived or duplicated data).
     ``applies(metadata)``: whether this entry reads the file, for a GGUF name shared by several (llama with
-    experts is Mixtral); None: always (tried after those with a test).
+    experts is Mixtral); None: always (tried after those with a test). ``metadata(config)``: the inverse of
+    ``config``, the keys (after ``<arch>.``) llama.cpp needs to run the model; None: not written as GGUF.
     """
 
     name: str
@@ -142,6 +144,18 @@ class GGUFArchitecture:
     transforms: Mapping[str, TensorTransform] = field(default_factory=dict)
     skipped: tuple[str, ...] = DERIVED_TENSORS
     applies: Callable[["GGUFMetadata"], bool] | None = None
+    metadata: Callable[[dict], dict] | None = None
+
+    def gguf_name(self, hf_name: str) -> tuple[str, str] | None:
+        """The inverse of :meth:`hf_name`: ``model.layers.3.self_attn.q_proj.weight`` -> (``blk.3.attn_q.weight``,
+        ``attn_q``); None for a name the tables do not hold (experts included)."""
+        stem, _, suffix = hf_name.rpartition(".")
+        layer = re.fullmatch(re.escape(self.layer_prefix) + r"\.(\d+)\.(.+)", stem)
+        if layer:
+            found = [g for g, hf in self.layer_tensors.items() if hf == layer.group(2)]
+            return (f"blk.{layer.group(1)}.{found[0]}.{suffix}", found[0]) if found else None
+        found = [g for g, hf in self.tensors.items() if hf == stem and g not in self.skipped]
+        return (f"{found[0]}.{suffix}", found[0]) if found else None
 
     def hf_name(self, gguf_name: str) -> tuple[str, str] | None:
         """``blk.3.attn_q.weight`` -> (``model.layers.3.self_attn.q_proj.weight``, ``attn_q``); None for a
@@ -225,6 +239,37 @@ class GGUFMetadata:
         return rope
 
 
+def common_metadata(config: dict) -> dict:
+    """The inverse of :meth:`GGUFMetadata.common_config`: the metadata keys (after ``<arch>.``) of a llama-like
+    decoder's config, as llama.cpp's converter writes them."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 4 / 5 spellings
+    values = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config.get("max_position_embeddings", 2048),
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": config.get("num_key_value_heads") or heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-5)),
+        "rope.freq_base": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        "rope.dimension_count": head_dim,
+        "vocab_size": config["vocab_size"],
+    }
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("linear", "yarn"):
+        values.update({"rope.scaling.type": kind, "rope.scaling.factor": float(rope["factor"])})
+        if rope.get("original_max_position_embeddings"):
+            values["rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    elif kind != "default":
+        raise CheckpointError(f"rope_scaling of type {kind!r} is not written as GGUF metadata by vkformers; save "
+                              "the model dequantized as safetensors instead")
+    return values
+
+
 def gguf_architectures() -> list[GGUFArchitecture]:
     """Every GGUF mapping the installed plugins declare (hook ``vkformers_gguf_architectures``)."""
     return [entry for entries in plugin_manager().hook.vkformers_gguf_architectures() for entry in entries]
@@ -293,8 +338,17 @@ def _unpermute_keys(weight: np.ndarray, config: dict) -> np.ndarray:
 
 # llama.cpp permutes attn_q/attn_k of the architectures it runs with GGML's adjacent-pair RoPE while HF
 # rotates half-split pairs (llama, Mistral and Mixtral written as llama); these undo it, packed blocks too.
-LLAMA_ROTARY_TRANSFORMS = {"attn_q": TensorTransform(_unpermute_queries, reorders_rows=True),
-                           "attn_k": TensorTransform(_unpermute_keys, reorders_rows=True)}
+def _permute_queries(weight: np.ndarray, config: dict) -> np.ndarray:
+    return permute_rotary_rows(weight, config["num_attention_heads"])
+
+
+def _permute_keys(weight: np.ndarray, config: dict) -> np.ndarray:
+    return permute_rotary_rows(weight, config["num_key_value_heads"])
+
+
+LLAMA_ROTARY_TRANSFORMS = {
+    "attn_q": TensorTransform(_unpermute_queries, reorders_rows=True, inverse=_permute_queries),
+    "attn_k": TensorTransform(_unpermute_keys, reorders_rows=True, inverse=_permute_keys)}
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
@@ -525,7 +579,8 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     return model.eval()
 
 
-__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "TensorTransform", "config_from_metadata",
+__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "TensorTransform",
+           "common_metadata", "config_from_metadata",
            "dequantize_tensor", "gguf_architecture", "gguf_architectures", "hf_tensor_name", "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
            "permute_rotary_rows",
            "read_metadata", "tokenizer_from_metadata", "unpermute_rotary_rows"]

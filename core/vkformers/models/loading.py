@@ -19,13 +19,14 @@ import numpy as np
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
-from vkformers.models.gguf import is_gguf_file, load_gguf_model, load_gguf_tokenizer
+from vkformers.models.gguf import is_gguf_file, load_gguf, load_gguf_model, load_gguf_tokenizer
+from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 from vkformers.models.lora import load_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
-                                       refuse_quantized)
+                                       quantized_weight_names)
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
 from vkformers.runtime import dtypes as dt
@@ -208,7 +209,7 @@ class AutoModelClass:
                                     requires_grad=requires_grad, dequantize=dequantize)
         else:
             model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
-                                     head_options)
+                                     head_options, dequantize)
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
             load_adapter(model, adapter)
         return model.eval()
@@ -246,12 +247,23 @@ class AutoModelClass:
 
     @classmethod
     def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
-                     head_options=None) -> Module:
+                     head_options=None, dequantize: bool = False) -> Module:
         folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
         config = load_config(folder)
         head_options = dict(head_options or {})
         ignore_mismatched = bool(head_options.pop("ignore_mismatched_sizes", False))
         model = cls.from_config(config, **head_options)
+        if (folder / GGUF_FILE).is_file() and not list(folder.glob("*.safetensors")):
+            # a quantized model's save_pretrained: config.json for the model, its weights packed in model.gguf
+            if quantization is not None:
+                raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; "
+                                        f"{folder / GGUF_FILE} keeps its own block formats (dequantize=True expands them)")
+            _, weights, _ = load_gguf(folder / GGUF_FILE, tokenizer=False, dequantize=dequantize)
+            weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
+            model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
+                                  strict=strict, ignore=getattr(model, "ignored_checkpoint_keys", ()))
+            model.name_or_path = str(name_or_path)
+            return model
         plain = registry().backbone_config(config) is config  # else a multimodal wrapper
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
         weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer))  # each packed as it is read
@@ -344,10 +356,16 @@ class AutoModelForMultipleChoice(AutoModelClass):
     task = "multiple-choice"
 
 
-def save_pretrained(model: Module, folder, *, dtype=None) -> None:
-    """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads."""
-    refuse_quantized(model, "save_pretrained", "it writes float safetensors, which would expand them silently; "
-                     "load the model with dequantize=True (GGUF) or without quantization= to save it")
+def save_pretrained(model: Module, folder, *, dtype=None, tokenizer: PreTrainedTokenizer | None = None) -> None:
+    """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads. A model with
+    quantized weights is written as ``folder/model.gguf`` instead (models/gguf_write.py: its blocks as they are,
+    with the tokenizer, ``tokenizer`` or its source's, inside and beside it); NF4 is refused."""
+    if quantized_weight_names(model):
+        if dtype is not None:
+            raise QuantizationError("save_pretrained(dtype=...) of a quantized model: its packed blocks are written "
+                                    "as they are; drop dtype=")
+        save_gguf(model, folder, tokenizer=tokenizer)
+        return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = dt.as_dtype(dtype) if dtype else getattr(model, "dtype", dt.float32)

@@ -461,6 +461,21 @@ class PreTrainedTokenizer:
                    return_tensors=return_tensors)
         return out if return_dict else out["input_ids"]
 
+    def save_pretrained(self, folder) -> None:
+        """tokenizer.json and tokenizer_config.json (special tokens, BOS/EOS flags, chat template), as
+        :func:`load_tokenizer_folder` and transformers read them."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {k: v for k, v in self.config.items() if v is not None}
+        for name in SPECIAL_TOKEN_NAMES:
+            if getattr(self, name, None) is not None:
+                config[name] = getattr(self, name)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                                      encoding="utf-8")
+
     def __repr__(self):
         return (f"PreTrainedTokenizer({self.name_or_path!r}, vocab={len(self)}, bos={self.bos_token!r}, "
                 f"eos={self.eos_token!r}, pad={self.pad_token!r}, padding_side={self.padding_side!r})")

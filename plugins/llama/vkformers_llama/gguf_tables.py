@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkformers.models.gguf import (DECODER_TENSORS, DERIVED_TENSORS, LLAMA_ROTARY_TRANSFORMS, GGUFArchitecture, GGUFMetadata,
-                                   TensorTransform)
+                                   TensorTransform, common_metadata)
 from vkformers.models.module import CheckpointError
 
 from vkformers_llama.variants import FAMILY
@@ -91,6 +91,11 @@ def _llama_config(metadata: GGUFMetadata) -> dict:
 
 def _mistral_config(metadata: GGUFMetadata) -> dict:
     return _with_window(metadata, _llama_config(metadata))
+
+
+def _mistral_metadata(config: dict) -> dict:
+    window = config.get("sliding_window")
+    return {**common_metadata(config), **({"attention.sliding_window": window} if window else {})}
 
 
 def _has_sliding_window(metadata: GGUFMetadata) -> bool:
@@ -217,11 +222,12 @@ FAMILY.gguf(
     # Mistral is written as llama; a sliding window (Mistral 7B v0.1) makes it mistral. Llama with experts
     # (Mixtral) is vkformers-moe's.
     GGUFArchitecture("llama", "mistral", "MistralForCausalLM", _mistral_config, LLAMA_LAYERS,
-                     transforms=LLAMA_ROTARY_TRANSFORMS, applies=_has_sliding_window),
+                     transforms=LLAMA_ROTARY_TRANSFORMS, applies=_has_sliding_window, metadata=_mistral_metadata),
     GGUFArchitecture("llama", "llama", "LlamaForCausalLM", _llama_config, LLAMA_LAYERS,
-                     transforms=LLAMA_ROTARY_TRANSFORMS),
-    GGUFArchitecture("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2_config, LLAMA_LAYERS),
-    GGUFArchitecture("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3_config, {**LLAMA_LAYERS, **QK_NORM_LAYERS}),
+                     transforms=LLAMA_ROTARY_TRANSFORMS, metadata=common_metadata),
+    GGUFArchitecture("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2_config, LLAMA_LAYERS, metadata=common_metadata),
+    GGUFArchitecture("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3_config, {**LLAMA_LAYERS, **QK_NORM_LAYERS},
+                     metadata=common_metadata),
     GGUFArchitecture("gemma", "gemma", "GemmaForCausalLM", _gemma_config, LLAMA_LAYERS,
                      transforms={stem: GEMMA_NORM for stem in ("attn_norm", "ffn_norm", "output_norm")}),
     GGUFArchitecture("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2_config, GEMMA2_LAYERS,
