@@ -45,7 +45,7 @@ BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bam
                     "lfm2_moe": "ssm", "doge": "llama", "kimi_linear": "moe", "gemma3n_text": "llama",
                     "nystromformer": "bert", "yoso": "bert", "funnel": "bert",
                     "gemma4_text": "moe", "gemma4_unified_text": "moe",
-                    "lfm3": "ssm", "cpmant": "llama", "dots3_note_text": "moe"}
+                    "lfm3": "ssm", "cpmant": "llama", "dots3_note_text": "moe", "xlnet": "llama"}
 CANONICAL = 143 + len(BEYOND_REFERENCE)
 # the reference list's architectures per family, plus those beyond it
 EXPECTED_PER_FAMILY = {family: count + sum(1 for f in BEYOND_REFERENCE.values() if f == family)
