@@ -69,7 +69,18 @@ def test_bad_inputs_are_refused():
     ids = np.array([[5, 6, 7]], np.int32)
     with pytest.raises(InputError, match="perm_mask"):
         model(ids, perm_mask=np.zeros((1, 2, 2), np.float32))
-    with pytest.raises(InputError, match="greedy"):
-        model.generate(ids, max_new_tokens=2, do_sample=True)
+    with pytest.raises(InputError, match="temperature"):
+        model.generate(ids, max_new_tokens=2, do_sample=True, temperature=0)
     with pytest.raises(InputError, match="labels"):
         model(ids, labels=np.array([[5, 6]], np.int32))
+
+
+def test_sampling_is_seeded_and_streamed():
+    model = _model()
+    prompt = read_safetensors(FIXTURES / "reference.safetensors")["input_ids"].as_float()[:1].astype(np.int64)
+    streamed = []
+    runs = [model.generate(prompt, max_new_tokens=5, do_sample=True, top_k=8, seed=3, eos_token_id=[],
+                           streamer=streamed.append) for _ in range(2)]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert runs[0].shape == (1, prompt.shape[1] + 5)
+    np.testing.assert_array_equal(np.concatenate(streamed[:5]), runs[0][0, prompt.shape[1]:])

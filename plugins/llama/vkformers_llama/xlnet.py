@@ -23,7 +23,8 @@ from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError
 from vkformers.models.decoder import UnsupportedConfigError
-from vkformers.models.inputs import InputLimits, check_generation_settings
+from vkformers.models.generation import end_stream, pick_next_tokens, stream_tokens
+from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs
 from vkformers.models.layers import Embedding, LayerNorm, Linear
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, add_param, get_param, place
@@ -311,27 +312,30 @@ class XLNetLMHeadModel(Module):
                                    ignore_index=IGNORE_INDEX)
         return XLNetLMOutput(logits=logits, loss=loss, mems=tuple(new_mems) if use_mems else None)
 
-    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, eos_token_id=None,
-                 attention_mask=None, pad_token_id: int | None = None, **settings):
-        """Greedy continuation as transformers' generate runs XLNetLMHeadModel (attention_mask is not used, as
-        there): prompt + up to ``max_new_tokens`` tokens, numpy int64 [batch, T + new]."""
-        if do_sample or any(v not in (None, 1.0, 0) for v in settings.values() if not callable(v)):
-            raise InputError("xlnet: generate is greedy only; drop do_sample, temperature, top_k, top_p, "
-                             "repetition_penalty")
-        check_generation_settings(max_new_tokens, False, 1.0, 0, 1.0, 1.0)
+    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                 eos_token_id=None, attention_mask=None, streamer=None, pad_token_id: int | None = None):
+        """Prompt + up to ``max_new_tokens`` tokens per row, numpy int64 [batch, T + new], as transformers' generate
+        runs XLNetLMHeadModel (the settings as GenerationMixin.generate's). ``attention_mask`` is accepted and not
+        used, as there: a padded row attends its pads."""
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         tokens = _host(input_ids, np.int64)
         tokens = tokens[None] if tokens.ndim == 1 else tokens
         if tokens.ndim != 2 or tokens.shape[1] == 0:
             raise InputError(f"generate: input_ids must be [batch, length] with length >= 1, got {tokens.shape}")
+        check_model_inputs(self.input_limits(), {"input_ids": tokens, "attention_mask": _host(attention_mask)})
         eos = self.config.get("eos_token_id") if eos_token_id is None else eos_token_id
-        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
         pad = self.config.get("pad_token_id") if pad_token_id is None else pad_token_id
         pad = int(pad if pad is not None else (eos[0] if eos else 0))
+        rng = np.random.default_rng(seed)
+        if hasattr(streamer, "put"):
+            streamer.put(tokens)
         batch = tokens.shape[0]
         unfinished = np.ones(batch, bool)
         mems = None
         with no_grad():
-            for step in range(int(max_new_tokens)):
+            for _ in range(int(max_new_tokens)):
                 context = tokens if mems is None else tokens[:, -RECOMPUTED:]
                 ids = np.concatenate([context, np.full((batch, 1), DUMMY_TOKEN, np.int64)], 1)
                 length = ids.shape[1]
@@ -341,12 +345,16 @@ class XLNetLMHeadModel(Module):
                 mapping[:, 0, -1] = 1.0
                 kept = None if mems is None else [m[:, :-RECOMPUTED] for m in mems]
                 out = self(ids, perm_mask=perm, target_mapping=mapping, mems=kept, use_mems=True)
-                chosen = out.logits.float().numpy()[:, -1].argmax(-1)
+                logits = out.logits.float().numpy()[:, -1]
                 mems = list(out.mems)
+                chosen = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
+                                          repetition_penalty)
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], 1)
+                stream_tokens(streamer, chosen)
                 if eos:
                     unfinished &= ~np.isin(chosen, eos)
                 if not unfinished.any():
                     break
+        end_stream(streamer)
         return tokens
