@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vkformers.errors import InputError
+from vkformers.errors import InputError, VkformersError
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
 from vkformers.models.safetensors_io import read_safetensors
+from vkformers.training.trainer import Trainer, TrainingConfig
 from vkformers_llama.variants import xlnet
 
 FIXTURES = Path(__file__).parent / "fixtures" / "xlnet"
@@ -84,3 +85,8 @@ def test_sampling_is_seeded_and_streamed():
     np.testing.assert_array_equal(runs[0], runs[1])
     assert runs[0].shape == (1, prompt.shape[1] + 5)
     np.testing.assert_array_equal(np.concatenate(streamed[:5]), runs[0][0, prompt.shape[1]:])
+
+
+def test_the_trainer_refuses_its_unshifted_loss():
+    with pytest.raises(VkformersError, match="labels"):
+        Trainer(_model(), TrainingConfig(), [])

@@ -48,6 +48,7 @@ class XLNetSpec:
     norm_eps: float
     dropout: float
     mem_len: int | None
+    shift_labels: bool = False  # the loss reads labels[t] for logits[t] (the Trainer refuses such models)
 
 
 def xlnet_spec(config: dict) -> XLNetSpec:
