@@ -74,6 +74,8 @@ def test_bad_inputs_are_refused():
         model.generate(ids, max_new_tokens=2, do_sample=True, temperature=0)
     with pytest.raises(InputError, match="labels"):
         model(ids, labels=np.array([[5, 6]], np.int32))
+    with pytest.raises(InputError, match="mems"):
+        model(ids, mems=[np.zeros((2, 3, 16), np.float32)] * 2)
 
 
 def test_sampling_is_seeded_and_streamed():

@@ -272,8 +272,11 @@ class XLNetLMHeadModel(Module):
                                       or (shape[1] is not None and value.shape[1] != shape[1])):
                 raise InputError(f"xlnet: {name} must be {list(shape)} (None: any) for input_ids {list(ids.shape)}, "
                                  f"got {list(value.shape)}")
-        if mems is not None and len(mems) != s.num_layers:
-            raise InputError(f"xlnet: mems must hold one tensor per layer ({s.num_layers}), got {len(mems)}")
+        if mems is not None:
+            mems = [m if isinstance(m, Tensor) else Tensor(np.asarray(m, np.float32)) for m in mems]
+            if len(mems) != s.num_layers or any(tuple(m.shape) != (batch, mems[0].shape[1], s.d_model) for m in mems):
+                raise InputError(f"xlnet: mems must hold one [batch, memory, d_model] tensor per layer "
+                                 f"({s.num_layers}) for {batch} rows, as an earlier call's .mems")
         mlen = 0 if mems is None else mems[0].shape[1]
         klen = mlen + qlen
         mask_g, mask_h = attention_masks(batch, qlen, mlen, mask, perm)
