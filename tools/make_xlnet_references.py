@@ -13,7 +13,7 @@ generate; this adds, on the same checkpoint, what that batch leaves unused (test
 
 Run it after tools/make_fixtures.py --only xlnet (which rebuilds the folder without this file):
 
-    /tmp/tfvenv/bin/python tools/make_xlnet_references.py
+    python tools/make_xlnet_references.py      # with transformers 5.24 and torch
 """
 from __future__ import annotations
 
