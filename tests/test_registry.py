@@ -46,7 +46,7 @@ BEYOND_REFERENCE = {"mamba": "ssm", "falcon_mamba": "ssm", "mamba2": "ssm", "bam
                     "nystromformer": "bert", "yoso": "bert", "funnel": "bert",
                     "gemma4_text": "moe", "gemma4_unified_text": "moe",
                     "lfm3": "ssm", "cpmant": "llama", "dots3_note_text": "moe",
-                    "t5gemma2": "t5"}
+                    "t5gemma2": "t5", "xlnet": "llama"}
 # Spellings of the reference list that it runs through a wrapper and that are now canonical architectures (the
 # generic encoder-decoder: core composes its encoder and decoder); they stay one spelling each.
 PROMOTED = {"encoder-decoder": "t5"}

@@ -1198,6 +1198,18 @@ SPECS += [
           "shared expert of width 4; every layer a rope-only key RMSNorm, LoRA latents scaled by "
           "sqrt(hidden / rank) and a per-head sigmoid gate g_proj; saved names (experts.<e>.*)."],
          saved_names=True, noisy_buffers=("e_score_correction_bias",)),
+    Spec("xlnet", "xlnet", dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_inner=16, ff_activation="gelu",
+                                mem_len=12, dropout=0.0, **TOK),
+         ["XLNet (d_model 16, 2 heads of 8, 2 layers, FFN 16 gelu): post-LN layers whose attention adds content "
+          "(q + r_w_bias) k, relative positions (q + r_r_bias) through the sinusoid table of distances klen .. "
+          "-qlen + 1 (Transformer-XL's relative shift) and no segment term without token types; the plain forward "
+          "is the content stream, bidirectional, padded keys hidden from real queries (a padded query sees "
+          "itself); labels not shifted; lm_loss tied to word_embedding with its own bias. Greedy generation as "
+          "transformers' XLNetLMHeadModel: each step appends a dummy token 0 hidden by perm_mask from every "
+          "query, predicts it through the query stream (mask_emb, target_mapping on the last position) and keeps "
+          "every layer's inputs as mems (the last 12, mem_len), of which the last 2 are dropped and recomputed; "
+          "attention_mask is not used by generate."],
+         model_class="XLNetLMHeadModel", loss_shifts_labels=False),
 ]
 
 
@@ -1211,7 +1223,6 @@ SKIPPED = {
                         "has no causal-LM run of its own; needs assisted decoding with gemma4_text",
     "gemma4_unified_assistant": "gemma4_unified's drafter, as gemma4_assistant: runs only on the target model's "
                                 "inputs_embeds and shared_kv_states; needs assisted decoding with gemma4_unified_text",
-    "xlnet": "two-stream permutation language model with relative attention and memory; not a causal decoder",
 }
 
 

@@ -31,16 +31,16 @@ SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"
          "segment_means_seq_len", "conv_kernel_size",
          "dim_head", "dim_ff", "prompt_length", "prompt_types", "segment_types", "position_bias_num_buckets",
          "position_bias_max_distance", "index_topk", "index_head_dim", "index_n_heads",
-         "shared_experts_intermediate_size")
+         "shared_experts_intermediate_size", "d_head", "d_inner", "mem_len")
 # may be null ("use the default"): a null hidden_size is an error, a null head_dim is hidden_size / heads
 NULLABLE = {"num_key_value_heads", "head_dim", "n_inner", "intermediate_size", "moe_intermediate_size",
             "num_experts", "num_local_experts", "num_experts_per_tok", "embedding_size", "type_vocab_size",
-            "conv_kernel_size"}
+            "conv_kernel_size", "mem_len"}
 NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta",
            "partial_rotary_factor", "moe_eval_capacity_token_fraction", "moe_token_dropout", "eps")
 STRINGS = ("model_type", "hidden_act", "activation_function", "hidden_activation", "feed_forward_proj",
-           "encoder_attention_type", "second_expert_policy", "router_dtype")
-BOOLEANS = ("tie_word_embeddings", "scale_embedding")
+           "encoder_attention_type", "second_expert_policy", "router_dtype", "ff_activation", "attn_type")
+BOOLEANS = ("tie_word_embeddings", "scale_embedding", "bi_data", "same_length")
 # sizes that may also be one per layer (Gemma 3n's intermediate_size)
 PER_LAYER_SIZES = {"intermediate_size"}
 

@@ -82,7 +82,7 @@ class GenerationMixin:
         if hasattr(streamer, "put"):
             streamer.put(ids)
         if max_new_tokens == 0:
-            _end(streamer)
+            end_stream(streamer)
             return ids
 
         cache = self._generation_cache(batch, length + max_new_tokens)
@@ -109,14 +109,11 @@ class GenerationMixin:
                 if stepped:
                     next_tokens = chosen.pop(0)
                 else:
-                    scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
-                    if do_sample:
-                        next_tokens = _sample(scores, rng, temperature, top_k, top_p)
-                    else:
-                        next_tokens = scores.argmax(axis=-1)
+                    next_tokens = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
+                                                   repetition_penalty)
                 next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
-                _stream(streamer, next_tokens)
+                stream_tokens(streamer, next_tokens)
                 if eos:
                     unfinished &= ~np.isin(next_tokens, eos)
                 if not unfinished.any() or step == max_new_tokens - 1:
@@ -151,7 +148,7 @@ class GenerationMixin:
                     if logits is not None:
                         continue
                 logits = self.decode_step(decode, cache, step_ids, step_positions, mask, replay=False)
-        _end(streamer)
+        end_stream(streamer)
         return tokens
 
     def replays_decode(self) -> bool:
@@ -420,7 +417,20 @@ def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p) -> np.n
     return np.minimum(picked, last_possible)
 
 
-def _stream(streamer, tokens: np.ndarray) -> None:
+def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rng: np.random.Generator,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     repetition_penalty: float = 1.0) -> np.ndarray:
+    """generate's choice of each row's next token from its step ``logits`` [batch, vocab] after ``tokens`` so far:
+    the repetition penalty, then argmax, or a draw from ``rng`` when ``do_sample`` (for models with their own
+    generation loop)."""
+    scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
+    if do_sample:
+        return _sample(scores, rng, temperature, top_k, top_p)
+    return scores.argmax(axis=-1)
+
+
+def stream_tokens(streamer, tokens: np.ndarray) -> None:
+    """Hand ``tokens`` to a streamer: a callable, or an object with transformers' ``put`` (None: nothing)."""
     if streamer is None:
         return
     if hasattr(streamer, "put"):
@@ -429,6 +439,6 @@ def _stream(streamer, tokens: np.ndarray) -> None:
         streamer(tokens)
 
 
-def _end(streamer) -> None:
+def end_stream(streamer) -> None:
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()

@@ -177,6 +177,7 @@ KNOWN_FAMILIES = {
     "vipllava": "llama",
     "voxtral": "llama",
     "xglm": "llama",
+    "xlnet": "llama",
     "youtu": "llama",
     # vkformers-moe
     "afmoe": "moe",

@@ -26,6 +26,7 @@ from vkformers_llama.cpmant import CpmAntInputs
 from vkformers_llama.diffllama import DiffAttention
 from vkformers_llama.doge import DynamicMaskAttention
 from vkformers_llama.gemma3n import Gemma3nLayers, shared_kv_sources
+from vkformers_llama.xlnet import XLNetSpec, xlnet_spec
 
 # The architectures of vkformers-llama, each declared once on its variant function (vkformers.models.family).
 FAMILY = Family("llama", kind="causal-decoder")
@@ -1177,6 +1178,14 @@ def cpmant(config: dict) -> DecoderSpec:
         attn_in_norm="self_att.layernorm_before_attention", mlp_in_norm="ffn.layernorm_before_ffn",
         hidden_act="gelu", shift_labels=False, make_layer=inputs, extra={"cpmant": inputs})
 
+
+
+@architecture("xlnet", norm="layer", status="verified", model_class="vkformers_llama.xlnet:XLNetLMHeadModel",
+              notes="two-stream relative attention with segment terms, perm_mask / target_mapping and mems; generate "
+                    "as transformers' (dummy token, query stream, mems) (xlnet.py); labels not shifted")
+def xlnet(config: dict) -> XLNetSpec:
+    """XLNet: its own post-LN model (vkformers_llama.xlnet), not the decoder kit; the refused options by name."""
+    return xlnet_spec(config)
 
 # Spellings whose backbone is the model_type of a nested config (multimodal wrappers): they run as
 # whatever architecture that names.
