@@ -78,6 +78,35 @@ class SharedKVLayer(DecoderLayer):
                     del attention._modules[name]
                     del self.parts[role]
 
+    def shared_kv_attention(self, h, ctx):
+        """The attention output for h [B, T, D]: q/k RMS-normed per head and rotated, values by a weightless RMS
+        norm, over this layer's own keys and values or (``kv_source``) another layer's. A layer without a value
+        projection (Gemma 4's attention_k_eq_v) takes the values from the key projection."""
+        s, p = self.spec, self.parts
+        batch, length, _ = h.shape
+        inv_freq, scaling = ctx.rope_tables[self.index]
+
+        def rotated(x, heads, norm):
+            x = norm(x.reshape(batch, length, heads, s.head_dim)).permute(0, 2, 1, 3)
+            return F.rope(x, ctx.rope_positions, inv_freq, attention_scaling=scaling)
+
+        q = rotated(p["q"](h), s.num_heads, p["q_norm"])
+        options = dict(scale=self.scale, window=self.window, softcap=0.0, alibi_slopes=None,
+                       key_padding_mask=ctx.key_padding_mask)
+        if self.kv_source is not None:
+            out = self.attend_shared(q, ctx, options)
+        else:
+            keys = p["k"](h)
+            k = rotated(keys, s.num_kv_heads, p["k_norm"])
+            values = p["v"](h) if "v" in p else keys
+            v = F.rms_norm(values.reshape(batch, length, s.num_kv_heads, s.head_dim), None,
+                           eps=s.norms.eps).permute(0, 2, 1, 3)
+            out = self.attend_heads(q, k, v, ctx, **options)
+            if self.stores_kv:
+                ctx.shared_kv[self.index] = self.attended_kv(k, v, ctx)
+        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.num_heads * s.head_dim)
+        return p["o"](out)
+
     def attend_heads(self, q, k, v, ctx, **options):
         cache = ctx.cache
         if cache is None or (k.shape[1], k.shape[3]) == (cache.kv_heads, cache.head_dim):
@@ -217,32 +246,6 @@ class Gemma3nLayer(SharedKVLayer):
         innovation = activated - predictions[self.options.altup_active]
         return [p + innovation * coefs[..., j:j + 1] for j, p in enumerate(predictions)]
 
-    # -- attention with shared keys and values
-
-    def _attention_heads(self, h, ctx):
-        s, p = self.spec, self.parts
-        batch, length, _ = h.shape
-        inv_freq, scaling = ctx.rope_tables[self.index]
-
-        def rotated(x, heads, norm):
-            x = norm(x.reshape(batch, length, heads, s.head_dim)).permute(0, 2, 1, 3)
-            return F.rope(x, ctx.rope_positions, inv_freq, attention_scaling=scaling)
-
-        q = rotated(p["q"](h), s.num_heads, p["q_norm"])
-        options = dict(scale=self.scale, window=self.window, softcap=0.0, alibi_slopes=None,
-                       key_padding_mask=ctx.key_padding_mask)
-        if self.kv_source is not None:
-            out = self.attend_shared(q, ctx, options)
-        else:
-            k = rotated(p["k"](h), s.num_kv_heads, p["k_norm"])
-            v = F.rms_norm(p["v"](h).reshape(batch, length, s.num_kv_heads, s.head_dim), None,
-                           eps=s.norms.eps).permute(0, 2, 1, 3)
-            out = self.attend_heads(q, k, v, ctx, **options)
-            if self.stores_kv:
-                ctx.shared_kv[self.index] = self.attended_kv(k, v, ctx)
-        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.num_heads * s.head_dim)
-        return p["o"](out)
-
     # -- MLP with the gate's activation sparsity
 
     def _sparse_gated_mlp(self, h):
@@ -262,7 +265,7 @@ class Gemma3nLayer(SharedKVLayer):
         active = predictions[o.altup_active]
         normed = self._norm("attn_in_norm", active)
         laurel = normed + self.laurel_post_laurel_norm(self.laurel_linear_right(self.laurel_linear_left(normed)))
-        attn = self._norm("attn_out_norm", self._attention_heads(normed, ctx))
+        attn = self._norm("attn_out_norm", self.shared_kv_attention(normed, ctx))
         y = (active + attn + laurel) * (1.0 / math.sqrt(2.0))
         y = y + self._norm("mlp_out_norm", self._sparse_gated_mlp(self._norm("mlp_in_norm", y)))
         corrected = self._correct(predictions, y)

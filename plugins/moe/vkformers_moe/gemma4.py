@@ -112,32 +112,6 @@ class Gemma4Layer(SharedKVLayer):
     def saved_buffers(self, prefix: str) -> dict:
         return {f"{prefix}.layer_scalar": np.asarray([self.layer_scalar], np.float32)}
 
-    def _attention_heads(self, h, ctx):
-        s, p = self.spec, self.parts
-        batch, length, _ = h.shape
-        inv_freq, scaling = ctx.rope_tables[self.index]
-
-        def rotated(x, heads, norm):
-            x = norm(x.reshape(batch, length, heads, s.head_dim)).permute(0, 2, 1, 3)
-            return F.rope(x, ctx.rope_positions, inv_freq, attention_scaling=scaling)
-
-        q = rotated(p["q"](h), s.num_heads, p["q_norm"])
-        options = dict(scale=self.scale, window=self.window, softcap=0.0, alibi_slopes=None,
-                       key_padding_mask=ctx.key_padding_mask)
-        if self.kv_source is not None:
-            out = self.attend_shared(q, ctx, options)
-        else:
-            keys = p["k"](h)
-            k = rotated(keys, s.num_kv_heads, p["k_norm"])
-            values = p["v"](h) if "v" in p else keys
-            v = F.rms_norm(values.reshape(batch, length, s.num_kv_heads, s.head_dim), None,
-                           eps=s.norms.eps).permute(0, 2, 1, 3)
-            out = self.attend_heads(q, k, v, ctx, **options)
-            if self.stores_kv:
-                ctx.shared_kv[self.index] = self.attended_kv(k, v, ctx)
-        out = out.permute(0, 2, 1, 3).reshape(batch, length, s.num_heads * s.head_dim)
-        return p["o"](out)
-
     def _feed_forward(self, x):
         mlp = self._gated_mlp(self._norm("mlp_in_norm", x))
         block = self.experts_block
@@ -149,7 +123,7 @@ class Gemma4Layer(SharedKVLayer):
         return self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(routed)
 
     def forward(self, x, ctx):
-        x = x + self._norm("attn_out_norm", self._attention_heads(self._norm("attn_in_norm", x), ctx))
+        x = x + self._norm("attn_out_norm", self.shared_kv_attention(self._norm("attn_in_norm", x), ctx))
         x = x + self._norm("mlp_out_norm", self._feed_forward(x))
         if self.options.per_layer_width:
             gated = self.act(self.per_layer_input_gate(x)) * ctx.per_layer_inputs[self.index]
