@@ -20,12 +20,13 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
-from vkformers.engine.tensor import Tensor, tensor
+from vkformers.engine.tensor import tensor
 from vkformers.errors import VkformersError
 from vkformers.models.config_check import model_dtype
 from vkformers.models.generation import sampling_probabilities
 from vkformers.models.heads import complete_weights
-from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, check_prompt_length
+from vkformers.models.inputs import (InputLimits, check_generation_settings, check_model_inputs, check_prompt_length,
+                                     id_array)
 from vkformers.models.layers import LayerNorm, Linear
 from vkformers.models.loading import AutoModel, AutoModelForSeq2SeqLM, load_config, read_weights, resolve_checkpoint
 from vkformers.models.module import Module
@@ -45,15 +46,6 @@ class EncoderDecoderOutput:
     logits: object = None
     loss: object = None
     encoder_last_hidden_state: object = None
-
-
-def _ids(array) -> np.ndarray:
-    if isinstance(array, Tensor):
-        array = array.numpy()
-    array = np.asarray(array)
-    if array.ndim == 1:
-        array = array[None, :]
-    return array.astype(np.int64)
 
 
 def _sub_model(config: dict, role: str, task: str, **options) -> Module:
@@ -192,7 +184,7 @@ class EncoderDecoderModel(Module):
 
     def encode(self, input_ids, attention_mask=None):
         """The encoder's last hidden state [B, S, hidden]."""
-        return self.encoder_model.encode(_ids(input_ids), None if attention_mask is None else _ids(attention_mask))
+        return self.encoder_model.encode(id_array(input_ids), None if attention_mask is None else id_array(attention_mask))
 
     def to_decoder_width(self, encoder_states):
         """The encoder's states as the decoder's cross-attention reads them (through enc_to_dec_proj where the widths
@@ -202,7 +194,7 @@ class EncoderDecoderModel(Module):
     def decode(self, decoder_ids, encoder_states, encoder_mask=None, decoder_mask=None):
         """Logits [B, T, vocab] of the decoder tokens, attending to the encoder's states (and, with ``decoder_mask``,
         not to the decoder tokens it marks 0)."""
-        return self.decoder_model.forward(_ids(decoder_ids), attention_mask=decoder_mask,
+        return self.decoder_model.forward(id_array(decoder_ids), attention_mask=decoder_mask,
                                           encoder_hidden_states=encoder_states,
                                           encoder_attention_mask=encoder_mask).logits
 
@@ -220,14 +212,14 @@ class EncoderDecoderModel(Module):
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
                 decoder_attention_mask=None, encoder_outputs=None):
-        mask = None if attention_mask is None else _ids(attention_mask)
-        if decoder_attention_mask is not None and not _ids(decoder_attention_mask).all():
+        mask = None if attention_mask is None else id_array(attention_mask)
+        if decoder_attention_mask is not None and not id_array(decoder_attention_mask).all():
             raise VkformersError("decoder_attention_mask with zeros is not supported (the decoder attends causally "
                                  "to every decoder token)")
-        label_array = None if labels is None else _ids(labels)
+        label_array = None if labels is None else id_array(labels)
         decoder_mask = None
         if decoder_input_ids is not None:
-            decoder_ids = _ids(decoder_input_ids)
+            decoder_ids = id_array(decoder_input_ids)
         elif label_array is not None:
             decoder_ids = self.shift_right(label_array)
             # transformers then hides the pad decoder tokens (the shifted -100s) from the decoder's attention
@@ -262,13 +254,13 @@ class EncoderDecoderModel(Module):
         limits = self.input_limits()
         check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
         check_prompt_length(limits, 1, int(max_new_tokens), decoder=True)
-        ids = _ids(input_ids)
+        ids = id_array(input_ids)
         batch = ids.shape[0]
         eos = self._config_value("eos_token_id") if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
         pad = self._config_value("pad_token_id") if pad_token_id is None else int(pad_token_id)
         if attention_mask is not None:
-            mask = _ids(attention_mask)
+            mask = id_array(attention_mask)
         elif pad is not None and pad in ids and pad not in eos:
             mask = (ids != pad).astype(np.int64)
         else:

@@ -40,6 +40,16 @@ class InputLimits:
     one_dimensional_ok: bool = False      # a 1-D input_ids is one sequence (the encoder-decoders take it)
 
 
+def id_array(array) -> np.ndarray:
+    """Token ids (or a mask) as an int64 array [batch, length]: a Tensor or array-like, one row where 1-D."""
+    if isinstance(array, Tensor):
+        array = array.numpy()
+    array = np.asarray(array)
+    if array.ndim == 1:
+        array = array[None, :]
+    return array.astype(np.int64)
+
+
 def check_model_inputs(limits: InputLimits, arguments: dict) -> None:
     """Raise :class:`InputError` for the first argument in ``arguments`` (forward's names: input_ids,
     attention_mask, labels, position_ids, token_type_ids, decoder_input_ids, decoder_attention_mask, cache) that

@@ -13,8 +13,9 @@ from dataclasses import replace
 
 from vkformers.errors import VkformersError
 from vkformers.models.heads import BaseModelOutput, Seq2SeqModelOutput, SequenceHead, TaskHeads, base_model_prefix
+from vkformers.models.inputs import id_array
 
-from vkformers_t5.seq2seq import Seq2SeqForConditionalGeneration, _ids
+from vkformers_t5.seq2seq import Seq2SeqForConditionalGeneration
 
 
 _EOS_HEAD = SequenceHead("eos", out="classification_head.out_proj", dense="classification_head.dense",
@@ -45,8 +46,8 @@ class Seq2SeqModel(Seq2SeqForConditionalGeneration):
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, output_hidden_states=False,
                 global_attention_mask=None):
-        ids = _ids(input_ids)
-        mask = None if attention_mask is None else _ids(attention_mask)
+        ids = id_array(input_ids)
+        mask = None if attention_mask is None else id_array(attention_mask)
         if output_hidden_states and self.spec.global_tokens:
             raise VkformersError(f"{self.architecture_name}: output_hidden_states is not implemented with global "
                                  "tokens; last_hidden_state and encoder_last_hidden_state are returned without it")

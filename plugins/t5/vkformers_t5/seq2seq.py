@@ -32,7 +32,8 @@ from vkformers.engine.tensor import Tensor, tensor
 from vkformers.errors import VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.generation import sampling_probabilities
-from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, check_prompt_length
+from vkformers.models.inputs import (InputLimits, check_generation_settings, check_model_inputs, check_prompt_length,
+                                     id_array)
 from vkformers.models.layers import (Embedding, LayerNorm, Linear, ModuleList, RMSNorm, grouped_linear,
                                      linears_can_be_grouped)
 from vkformers.models.module import Module, add_param, get_param
@@ -139,15 +140,6 @@ def make_norm(spec: Seq2SeqSpec) -> Module:
     if spec.norm == "rms":
         return RMSNorm(spec.d_model, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
     return LayerNorm(spec.d_model, eps=spec.norm_eps)
-
-
-def _ids(array) -> np.ndarray:
-    if isinstance(array, Tensor):
-        array = array.numpy()
-    array = np.asarray(array)
-    if array.ndim == 1:
-        array = array[None, :]
-    return array.astype(np.int64)
 
 
 # ---------------------------------------------------------------- attention
@@ -1057,9 +1049,9 @@ class Seq2SeqForConditionalGeneration(Module):
     def encode(self, input_ids, attention_mask=None, global_attention_mask=None):
         """The encoder's last hidden state [B, S, d_model]. ``global_attention_mask`` (LED): 1 on the tokens with
         global attention."""
-        ids = _ids(input_ids)
+        ids = id_array(input_ids)
         global_mask = self._global_mask(ids, global_attention_mask)
-        mask = None if attention_mask is None else _ids(attention_mask)
+        mask = None if attention_mask is None else id_array(attention_mask)
         if mask is None and self.spec.encoder_pads_masked:
             mask = (ids != self.spec.pad_token_id).astype(np.int64)
         padding = mask if mask is not None and not mask.all() else None
@@ -1082,7 +1074,7 @@ class Seq2SeqForConditionalGeneration(Module):
         if not self.spec.encoder_global_attention:
             raise VkformersError(f"{self.architecture_name}: global_attention_mask is only taken by an encoder with "
                                  "Longformer attention (LED); leave it out")
-        mask = _ids(global_attention_mask)
+        mask = id_array(global_attention_mask)
         if mask.shape != ids.shape:
             raise VkformersError(f"global_attention_mask has shape {list(mask.shape)}; give one like input_ids "
                                  f"{list(ids.shape)}")
@@ -1094,7 +1086,7 @@ class Seq2SeqForConditionalGeneration(Module):
         ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]."""
         x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
         if self.spec.ngram:
-            length = _ids(decoder_ids).shape[1]
+            length = id_array(decoder_ids).shape[1]
             x = x[:, length:].contiguous() if all_streams else x[:, length:2 * length]
             if all_streams:
                 x = x.reshape(x.shape[0], -1, length, x.shape[-1])
@@ -1111,12 +1103,12 @@ class Seq2SeqForConditionalGeneration(Module):
         """The decoder's last hidden state [B, T, d_model] (after its final norm), what the LM head reads
         (ProphetNet: the main stream's, as its base model returns)."""
         x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
-        length = _ids(decoder_ids).shape[1]
+        length = id_array(decoder_ids).shape[1]
         return x[:, :length] if self.spec.ngram else x
 
     def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
         """The decoder's output rows (ProphetNet: the main stream's T rows, then each predicting stream's)."""
-        ids = _ids(decoder_ids)
+        ids = id_array(decoder_ids)
         if self.spec.ngram and cache is not None and ids.shape[1] != 1:
             raise VkformersError(f"{self.architecture_name}: a cached decoder step takes one token per row")
         past = cache.position if cache is not None else 0
@@ -1149,7 +1141,7 @@ class Seq2SeqForConditionalGeneration(Module):
     def decoder_inputs(self, ids: np.ndarray, decoder_input_ids=None, labels: np.ndarray | None = None) -> np.ndarray:
         """decoder_input_ids as given, else the labels shifted right, else (BART) the input shifted right."""
         if decoder_input_ids is not None:
-            return _ids(decoder_input_ids)
+            return id_array(decoder_input_ids)
         if labels is not None:
             return self.shift_right(labels)
         if self.spec.decoder_inputs_from_input_ids:  # BART: denoising input = the input shifted right
@@ -1160,12 +1152,12 @@ class Seq2SeqForConditionalGeneration(Module):
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, labels=None,
                 decoder_attention_mask=None, encoder_outputs=None, global_attention_mask=None):
-        ids = _ids(input_ids)
-        mask = None if attention_mask is None else _ids(attention_mask)
-        if decoder_attention_mask is not None and not _ids(decoder_attention_mask).all():
+        ids = id_array(input_ids)
+        mask = None if attention_mask is None else id_array(attention_mask)
+        if decoder_attention_mask is not None and not id_array(decoder_attention_mask).all():
             raise VkformersError("decoder_attention_mask with zeros is not supported (the decoder attends causally "
                                  "to every decoder token)")
-        label_array = None if labels is None else _ids(labels)
+        label_array = None if labels is None else id_array(labels)
         decoder_ids = self.decoder_inputs(ids, decoder_input_ids, label_array)
         encoder_states = encoder_outputs if encoder_outputs is not None else \
             self.encode(ids, mask, global_attention_mask)
@@ -1222,13 +1214,13 @@ class Seq2SeqForConditionalGeneration(Module):
         check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
         check_prompt_length(limits, 1, int(max_new_tokens), decoder=True)
         spec = self.spec
-        ids = _ids(input_ids)
+        ids = id_array(input_ids)
         batch = ids.shape[0]
         eos = self._config_value("eos_token_id") if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
         pad = spec.pad_token_id if pad_token_id is None else int(pad_token_id)
         if attention_mask is not None:
-            mask = _ids(attention_mask)
+            mask = id_array(attention_mask)
         elif pad in ids and pad not in eos:
             mask = (ids != pad).astype(np.int64)
         else:
