@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from checkpoint_checks import assert_checkpointing_keeps_gradients
+
 from vkformers.engine import lazy
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
@@ -36,17 +38,7 @@ def test_a_captured_step_follows_each_batch_padding():
 def test_gradient_checkpointing_gives_the_same_gradients():
     ids = np.random.default_rng(1).integers(3, 48, (2, 10)).astype(np.int32)
     ids[0, :2] = 0
-    grads = []
-    for checkpointing in (False, True):
-        model = _model()
-        if checkpointing:
-            model.gradient_checkpointing_enable()
-        model.train()
-        model(ids, labels=ids).loss.backward()
-        grads.append({n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        np.testing.assert_array_equal(grads[1][name], grads[0][name], err_msg=name)
+    assert_checkpointing_keeps_gradients(_model, ids)
 
 
 def test_dropout_is_refused_by_name():

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from checkpoint_checks import assert_checkpointing_keeps_gradients
+
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
 
@@ -34,17 +36,7 @@ def test_a_padded_row_generates_as_alone():
 
 def test_gradient_checkpointing_gives_the_same_gradients():
     ids = np.random.default_rng(1).integers(3, 48, (2, 10)).astype(np.int32)
-    grads = []
-    for checkpointing in (False, True):
-        model = _model()
-        if checkpointing:
-            model.gradient_checkpointing_enable()
-        model.train()
-        model(ids, labels=ids).loss.backward()
-        grads.append({n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        np.testing.assert_array_equal(grads[1][name], grads[0][name], err_msg=name)
+    assert_checkpointing_keeps_gradients(_model, ids)
 
 
 @pytest.mark.parametrize("change, option", [
