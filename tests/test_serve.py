@@ -89,6 +89,19 @@ def run_staggered(scheduler, jobs):
     return requests
 
 
+def run_together(scheduler, jobs):
+    """Submit (prompt ids, SamplingParams) jobs before the scheduler starts, so that they begin in one batch; wait
+    until all finish and every KV block is back, then close the scheduler. Returns the finished requests."""
+    requests = [scheduler.submit(Request(ids, params, lambda update: None, [])) for ids, params in jobs]
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    return requests
+
+
 def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     path, tokenizer, reference = tiny
     lengths = [5, 9, 3, 12, 7, 4, 10, 6]

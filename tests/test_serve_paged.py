@@ -5,7 +5,8 @@ all come back when requests finish or leave; a request that could never fit is r
 from __future__ import annotations
 
 import pytest
-from test_serve import scheduler_on, write_tiny_model, PROMPTS, encode, reference_tokens, run_staggered, wait_for
+from test_serve import (scheduler_on, write_tiny_model, PROMPTS, encode, reference_tokens, run_staggered, run_together,
+                        wait_for)
 
 from vkformers.errors import InputError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
@@ -53,13 +54,7 @@ def test_requests_outgrowing_the_pool_are_preempted_and_recomputed(tiny):
     jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=40, temperature=0)) for p in PROMPTS[:2]]
     expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
     scheduler = scheduler_on(path, tokenizer, max_batch=4, kv_blocks=21, page_size=4)
-    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in jobs]
-    scheduler.start()
-    try:
-        wait_for(lambda: all(r.finished for r in requests))
-        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
-    finally:
-        scheduler.close()
+    requests = run_together(scheduler, jobs)
     assert scheduler.last_error is None and scheduler.metrics.preemptions >= 1
     assert [r.generated for r in requests] == [e.tolist() for e in expected]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import scheduler_on, write_tiny_model, encode, reference_tokens, run_staggered, wait_for
+from test_serve import scheduler_on, write_tiny_model, encode, reference_tokens, run_staggered, run_together, wait_for
 
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoModelForCausalLM
@@ -116,13 +116,7 @@ def test_preempted_requests_sharing_a_prefix_are_generate_s(tiny):
     expected = [reference_tokens(reference, ids, p.max_tokens).tolist() for ids, p in jobs]
     for caching in (True, False):
         scheduler = scheduler_on(path, tokenizer, max_batch=4, kv_blocks=36, page_size=4, prefix_caching=caching)
-        requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in jobs]
-        scheduler.start()
-        try:
-            wait_for(lambda: all(r.finished for r in requests))
-            wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
-        finally:
-            scheduler.close()
+        requests = run_together(scheduler, jobs)
         assert scheduler.last_error is None and scheduler.metrics.preemptions >= 1
         assert (scheduler.metrics.prefix_hit_tokens > 0) == caching
         assert [r.generated for r in requests] == expected
