@@ -6,6 +6,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
+from vkformers.errors import InputError
 from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.decoder.layer import Context
 from vkformers.models.layers import Embedding, Linear
@@ -90,7 +91,9 @@ class CpmAntForCausalLM(DenseDecoderForCausalLM):
     def generation_positions(self, mask, tokens, prompt_length):
         return np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).copy()  # not read: CPM-Ant counts columns
 
-    def residual_stream(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+    def residual_stream(self, input_ids, attention_mask=None, position_ids=None, cache=None, encoder=None):
+        if encoder is not None:
+            raise InputError("CPM-Ant has no cross-attention: call it without encoder states")
         o, s = self.inputs, self.spec
         source = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
         batch, length = source.shape
