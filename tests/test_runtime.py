@@ -246,7 +246,8 @@ def malloc_in_use() -> int | None:
 def test_dropped_bindings_leave_nothing_behind_in_kp(device):
     """kp's Algorithm never freed its push and specialization constants, so every kernel binding dropped (a new
     plan makes one per dispatch, and drops them with its buffers) leaked them: 330 KiB for the 10,000 here, ~3 KiB
-    per forward call of a new shape. Our patch 4 frees them: malloc stays where it was (within 4 KiB here)."""
+    per forward call of a new shape. Our patch 4 frees them: malloc stays where it was (within 4 KiB here, in
+    at least one of three rounds)."""
     if getattr(kp, "vkformers_patch", 0) < 4:
         pytest.skip("this kp predates patch 4 (algorithms leaked their constants): rerun scripts/setup.sh")
     if malloc_in_use() is None:
@@ -260,7 +261,9 @@ def test_dropped_bindings_leave_nothing_behind_in_kp(device):
             device.sequence().dispatch(axpby, [a, b], (1,), [64, 2, 1]).replay()
 
     bindings(2000)
-    before = malloc_in_use()
-    bindings(10000)
-    grown = malloc_in_use() - before
-    assert grown < 128 << 10, f"malloc grew by {grown / 1024:.0f} KiB over 10,000 bindings"
+    grown = []
+    for _ in range(3):  # a leak grows every round; the rest of a long test run's process may move one round
+        before = malloc_in_use()
+        bindings(10000)
+        grown.append(malloc_in_use() - before)
+    assert min(grown) < 128 << 10, f"malloc grew by {[g // 1024 for g in grown]} KiB over rounds of 10,000 bindings"
