@@ -256,7 +256,7 @@ def main(argv=None) -> int:
         max_model_len = args.max_model_len or args.shared_prefix + max(prompt_range) + max(output_range) + 64
     else:
         max_model_len = args.max_model_len
-    port, scheduler, server, thread, vocab = start_server(args.model or cli_generate.default_model(), args.dtype,
+    port, scheduler, server, thread, vocab = start_server(args.model or args.random_shape or cli_generate.default_model(), args.dtype,
                                                           args.max_batch, max_model_len, args.kv_cache_tokens,
                                                           args.prefix_caching, loaded,
                                                           args.gpu_memory_utilization)

@@ -320,6 +320,25 @@ def test_a_realized_graph_leaves_no_cyclic_garbage():
     assert gc.collect() == 0
 
 
+def test_a_graph_deeper_than_the_recursion_limit_realizes():
+    """Scheduling walks the graph with its own stacks: an 80-layer training step is thousands of nodes deep."""
+    import sys
+    x = vkf.tensor(np.ones(4, np.float32), requires_grad=True)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(300)
+    try:
+        y = x
+        for _ in range(2000):
+            y = y * 1.0 + 1.0
+        loss = y.sum()
+        loss.backward()
+        values, grad = y.numpy(), x.grad.numpy()
+    finally:
+        sys.setrecursionlimit(limit)
+    np.testing.assert_array_equal(values, np.full(4, 2001.0, np.float32))
+    np.testing.assert_array_equal(grad, np.ones(4, np.float32))
+
+
 def test_reductions_take_pytorch_and_numpy_axis_spellings():
     from vkformers.engine import functional as F
     from vkformers.errors import ArgumentError

@@ -348,50 +348,68 @@ def _trim_plans(keep: Plan | None = None) -> None:
 
 
 def _schedule(targets: list[LazyBuffer]) -> list[Node]:
-    """Unrealized nodes the targets need, dependencies first (assignments after their old value's readers)."""
+    """Unrealized nodes the targets need, dependencies first (assignments after their old value's readers).
+
+    Both walks keep their own stacks: a deep graph (an 80-layer model's training step) would pass Python's
+    recursion limit."""
     nodes: list[Node] = []
     seen: set[int] = set()
     readers: dict[int, list[Node]] = {}
 
-    def collect(lb: LazyBuffer):
-        node = lb.base.node
-        if node is None or id(node) in seen:
-            return
-        seen.add(id(node))
+    def edges(node: Node):
         for x in node.waits_for:
-            collect(x)
+            yield x
         for x in node.inputs:
             readers.setdefault(id(x.base), []).append(node)
-            collect(x)
-        nodes.append(node)
+            yield x
 
-    for t in targets:
-        collect(t)
+    for t in targets:  # depth first, each node after everything it waits for or reads
+        root = t.base.node
+        if root is None or id(root) in seen:
+            continue
+        seen.add(id(root))
+        stack = [(root, edges(root))]
+        while stack:
+            node, pending = stack[-1]
+            for x in pending:
+                child = x.base.node
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append((child, edges(child)))
+                    break
+            else:
+                stack.pop()
+                nodes.append(node)
     for node in nodes:  # an assignment overwrites storage: every reader of each old value goes first
         node.after = [r for out in node.outputs if out.replaces is not None
                       for r in readers.get(id(out.replaces.base), []) if r is not node]
 
-    order, placed, visiting = [], set(), set()
-
-    def place(node: Node):
-        if id(node) in placed:
-            return
-        if id(node) in visiting:
-            raise RuntimeError("cycle in the tensor graph (an assignment reads its own result?)")
-        visiting.add(id(node))
+    def needs(node: Node):
         for x in (*node.waits_for, *node.inputs):
             if x.base.node is not None and id(x.base.node) in seen:
-                place(x.base.node)
-        for other in node.after:
-            place(other)
-        placed.add(id(node))
-        order.append(node)
+                yield x.base.node
+        yield from node.after
 
-    for node in nodes:
-        place(node)
-    # the recursive closures refer to themselves: unbind them, or the cycle would keep every node they saw (the
-    # whole graph) alive until the garbage collector ran (~7 ms per 22-layer decode step)
-    collect = place = None  # noqa: F841
+    order, placed, visiting = [], set(), set()
+    for root in nodes:
+        if id(root) in placed:
+            continue
+        visiting.add(id(root))
+        stack = [(root, needs(root))]
+        while stack:
+            node, pending = stack[-1]
+            for other in pending:
+                if id(other) in placed:
+                    continue
+                if id(other) in visiting:
+                    raise RuntimeError("cycle in the tensor graph (an assignment reads its own result?)")
+                visiting.add(id(other))
+                stack.append((other, needs(other)))
+                break
+            else:
+                stack.pop()
+                placed.add(id(node))
+                order.append(node)
     return order
 
 
