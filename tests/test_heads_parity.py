@@ -150,32 +150,6 @@ def test_decoder_batch_without_pad_token_is_refused():
         model(input_ids=ref["input_ids"])
 
 
-def test_architecture_without_a_head_is_refused():
-    config = {"model_type": "bert-generation", "vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16, "pad_token_id": 0}
-    with pytest.raises(TaskHeadError, match="no sequence-classification head"):
-        vkformers.AutoModelForSequenceClassification.from_config(config)
-
-
-@pytest.mark.parametrize("model_type", ["opt", "gptj"])
-def test_decoder_without_a_token_head_in_transformers_is_refused(model_type):
-    """OPT and GPT-J have sequence and question-answering heads in transformers, no token-classification one."""
-    config = json.loads((FIXTURES / "opt-qa" / "config.json").read_text())
-    config.update(model_type=model_type, n_embd=8, n_layer=1, n_head=2, rotary_dim=4, n_positions=16)
-    with pytest.raises(TaskHeadError, match="no token-classification head"):
-        vkformers.AutoModelForTokenClassification.from_config(config)
-    assert vkformers.AutoModelForQuestionAnswering.from_config(config).heads.token is None
-
-
-def test_gte_declares_only_transformers_heads():
-    """GTE has sequence and token heads in transformers, no question-answering or multiple-choice head."""
-    config = json.loads((FIXTURES / "gte-sequence" / "config.json").read_text())
-    for auto in (vkformers.AutoModelForQuestionAnswering, vkformers.AutoModelForMultipleChoice):
-        with pytest.raises(TaskHeadError, match="has no"):
-            auto.from_config(config)
-    assert vkformers.AutoModelForTokenClassification.from_config(config).heads.token == "classifier"
-
-
 @pytest.mark.parametrize("name", ["t5", "bart", "marian"])
 def test_encoder_decoder_base_model(name):
     """AutoModel of an encoder-decoder (T5Model, BartModel, MarianModel) from the seq2seq parity fixture's

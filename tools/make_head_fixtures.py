@@ -238,6 +238,15 @@ CASES = {
     "flaubert-qa": ("flaubert", FLAUBERT, "qa"),
     "flaubert-choice": ("flaubert", FLAUBERT, "choice"),
     "xmod-sequence": ("xmod", XMOD, "sequence"),
+    # appended at hidden 8, one layer: heads declared from transformers' table of them (tools/write_head_table.py)
+    "modernbert-decoder-sequence": ("modernbert-decoder", dict(
+        vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, layer_types=["full_attention"], local_attention=4, pad_token_id=0,
+        classifier_bias=True, tie_word_embeddings=False), "sequence"),
+    "nomic_bert-sequence": ("nomic_bert", dict(NARROW, head_dim=4, pad_token_id=0), "sequence"),
+    "esmc-token": ("esmc", dict(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=2, head_dim=4, max_position_embeddings=16,
+                                pad_token_id=1, mask_token_id=4, classifier_dropout=0.0), "token"),
 }
 
 # verified against transformers like the cases above, but not stored (repository size): written only when named

@@ -6,8 +6,10 @@ model without the language-modelling head, whose parameters keep the checkpoint'
 prefix (``bert.embeddings...``, ``model.layers...``), and whose forward returns :class:`BaseModelOutput`. Its
 class declares
 
-- ``task_heads(config, architecture) -> TaskHeads | None`` (a classmethod): where transformers puts each head
-  of that architecture and how the sequence head pools (None: no head declared for it);
+- ``task_heads(config, spelling) -> TaskHeads | None`` (a classmethod): for a ``model_type`` spelling that runs
+  on this base (the architecture's own name, an alias or a multimodal wrapper), the heads transformers has for that
+  spelling, where it puts each and how the sequence head pools (None: no task head). Only heads transformers has
+  are declared (tests/test_heads_table.py compares them with its table, tools/write_head_table.py);
 - ``__init__(config, architecture, add_pooling_layer=True)``: whether to build the pooler (transformers'
   RoBERTa classifier drops it, BERT's reads it);
 - ``base_model_prefix``: the first path component of its parameters ("" when they have none).
@@ -146,8 +148,15 @@ class TaskHeads:
 
 # BERT's: classifier on the pooler (for sequences and for each choice), token classifier, qa_outputs
 ENCODER_HEADS = TaskHeads(SequenceHead("pooler"), multiple_choice=SequenceHead("pooler"))
-DECODER_HEADS = TaskHeads(SequenceHead("last", out="score", out_bias=False), token="score",
-                          question_answering=None)  # transformers' GenericFor* heads of a decoder
+# transformers' GenericForSequenceClassification of a decoder: score (no bias) on the last non-pad token
+DECODER_SEQUENCE = SequenceHead("last", out="score", out_bias=False)
+# with GenericForTokenClassification (score, with a bias); a decoder plugin declares these per spelling
+DECODER_HEADS = TaskHeads(DECODER_SEQUENCE, token="score", question_answering=None)
+
+
+def offered_tasks(heads: TaskHeads | None) -> tuple[str, ...]:
+    """The tasks ("sequence-classification", ...) a declaration offers a head for, in HEAD_MODELS order."""
+    return tuple(task for task, model in HEAD_MODELS.items() if heads is not None and model.head_of(heads) is not None)
 
 
 def base_model_prefix(path: str) -> str:
@@ -352,14 +361,19 @@ class TaskModel(Module):
     task = ""
     supports_gradient_checkpointing = True
 
-    def __init__(self, config: dict, architecture, base_class):
+    def __init__(self, config: dict, architecture, base_class, spelling: str | None = None):
+        """``spelling``: the config's model_type as registered (an alias or a wrapper: its own heads), by default
+        the architecture's name."""
         super().__init__()
         name = getattr(architecture, "name", architecture)
-        heads = base_class.task_heads(config, architecture)
+        spelling = spelling or name
+        heads = base_class.task_heads(config, spelling)
         head = self.head_of(heads)
         if head is None:
-            raise TaskHeadError(f"architecture {name!r} has no {self.task} head in vkformers yet; use "
-                                f"AutoModel for its hidden states and put your own head on them")
+            what = repr(spelling) if spelling == name else f"{spelling!r} (run as {name!r})"
+            raise TaskHeadError(f"architecture {what} has no {self.task} head in vkformers (its task heads: "
+                                f"{', '.join(offered_tasks(heads)) or 'none'}); use AutoModel for its hidden "
+                                "states and put your own head on them")
         self.config = head_config(config)
         base_class = dict(heads.base_classes).get(self.task, base_class)
         base = base_class(self.config, architecture, add_pooling_layer=self.uses_pooler(head))
@@ -384,7 +398,8 @@ class TaskModel(Module):
         self.supports_gradient_checkpointing = base.supports_gradient_checkpointing
 
     # -- declared by each head model
-    def head_of(self, heads: TaskHeads):
+    @staticmethod
+    def head_of(heads: TaskHeads):
         raise NotImplementedError
 
     def uses_pooler(self, head) -> bool:
@@ -503,7 +518,8 @@ class ModelForSequenceClassification(TaskModel):
 
     task = "sequence-classification"
 
-    def head_of(self, heads):
+    @staticmethod
+    def head_of(heads):
         return heads.sequence if heads is not None else None
 
     def uses_pooler(self, head) -> bool:
@@ -567,7 +583,8 @@ class ModelForTokenClassification(TaskModel):
 
     task = "token-classification"
 
-    def head_of(self, heads):
+    @staticmethod
+    def head_of(heads):
         return heads.token if heads is not None else None
 
     def build_head(self, head: str, num_labels, hidden):
@@ -589,7 +606,8 @@ class ModelForQuestionAnswering(TaskModel):
 
     task = "question-answering"
 
-    def head_of(self, heads):
+    @staticmethod
+    def head_of(heads):
         return heads.question_answering if heads is not None else None
 
     def build_head(self, head: str, num_labels, hidden):
@@ -626,7 +644,8 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
 
     task = "multiple-choice"
 
-    def head_of(self, heads):
+    @staticmethod
+    def head_of(heads):
         return heads.multiple_choice if heads is not None else None
 
     def build_head(self, head: SequenceHead, num_labels, hidden):
@@ -661,10 +680,10 @@ class ModelForMultipleChoice(ModelForSequenceClassification):
 HEAD_MODELS = {cls.task: cls for cls in (ModelForSequenceClassification, ModelForTokenClassification,
                                           ModelForQuestionAnswering, ModelForMultipleChoice)}
 
-__all__ = ["BaseModelOutput", "Transform", "DECODER_HEADS", "ENCODER_HEADS", "HEAD_MODELS", "ModelForMultipleChoice",
-           "ModelForQuestionAnswering", "MultipleChoiceModelOutput",
-           "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput", "Seq2SeqModelOutput",
-           "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
-           "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_eos_index", "last_non_pad_index", "mean_pool",
-           "problem_type_of", "question_answering_loss", "sequence_classification_loss", "take_tokens",
-           "token_classification_loss"]
+__all__ = ["BaseModelOutput", "Transform", "DECODER_HEADS", "DECODER_SEQUENCE", "ENCODER_HEADS", "HEAD_MODELS",
+           "ModelForMultipleChoice", "ModelForQuestionAnswering", "MultipleChoiceModelOutput",
+           "ModelForSequenceClassification", "ModelForTokenClassification", "QuestionAnsweringModelOutput",
+           "Seq2SeqModelOutput", "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
+           "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_eos_index",
+           "last_non_pad_index", "mean_pool", "offered_tasks", "problem_type_of", "question_answering_loss",
+           "sequence_classification_loss", "take_tokens", "token_classification_loss"]

@@ -298,6 +298,7 @@ class AutoModelClass:
         ``id2label``, ``label2id`` and ``problem_type`` over the config's."""
         check_config_object(config)
         architecture = registry().resolve(config)
+        spelling = registry().spelling(config["model_type"])  # an alias or a wrapper offers its own task heads
         backbone = registry().backbone_config(config)
         check_config_fields(backbone, "config" if backbone is config else "config (its nested text model)")
         config = backbone
@@ -310,8 +311,7 @@ class AutoModelClass:
                 f"architecture {architecture.name!r} (plugin vkformers-{architecture.family}, status "
                 f"{architecture.status}) has no {what} implementation yet")
         if head_model is not None:
-            model = head_model(head_config(config, **head_options), architecture, model_class)
-            return model
+            return head_model(head_config(config, **head_options), architecture, model_class, spelling)
         model = model_class(config, architecture)
         model.config = config
         return model

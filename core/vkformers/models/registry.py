@@ -202,6 +202,10 @@ class Registry:
         """Aliases whose backbone is named by a nested config."""
         return [a for a in self.aliases() if a.is_wrapper]
 
+    def spelling(self, model_type: str) -> str:
+        """The registered spelling ``model_type`` names: itself, or the one it matches ignoring case and -/_."""
+        return self._find_spelling(model_type)
+
     def resolve(self, model_type_or_config: str | Mapping[str, Any]) -> Architecture:
         """The architecture a ``model_type`` string or a ``config.json`` dict runs as.
 

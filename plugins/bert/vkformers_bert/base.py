@@ -137,7 +137,9 @@ def first_token_heads_relu_choices(config: dict) -> TaskHeads:
 
 
 # architectures whose head layout depends on their config: architecture -> TaskHeads from the config
-CONFIGURED = {"deberta-v2": deberta_heads, "deberta": deberta_heads, "convbert": first_token_heads,
+CONFIGURED = {"deberta-v2": deberta_heads, "convbert": first_token_heads,
+              # transformers has DebertaV2ForMultipleChoice, no DebertaForMultipleChoice
+              "deberta": lambda config: replace(deberta_heads(config), multiple_choice=None),
               "roformer": first_token_heads, "big_bird": first_token_heads, "electra": electra_heads,
               "xlm": xlm_heads, "flaubert": xlm_heads, "modernbert": modernbert_heads, "eurobert": eurobert_heads,
               "nystromformer": first_token_heads_relu_choices,
@@ -170,11 +172,11 @@ DECLARED = {
     "ibert": (ROBERTA_HEADS, "pooler.dense"),
     "xmod": (ROBERTA_HEADS, "pooler.dense"),
     "luke": (ENCODER_HEADS, "pooler.dense"),  # words only: the heads read the word tokens' states and pooler
+    # sequence (BERT's, on the pooler transformers' NomicBertModel leaves out) and token heads, nothing else
+    "nomic_bert": (TaskHeads(SequenceHead("pooler"), question_answering=None), "pooler.dense"),
+    # RoBERTa's sequence head and transformers' generic token head (score), nothing else
+    "esmc": (TaskHeads(ROBERTA_HEADS.sequence, token="score", question_answering=None), None),
 }
-
-
-def _name(architecture) -> str:
-    return getattr(architecture, "name", architecture)
 
 
 class EncoderModel(EncoderForMaskedLM):
@@ -211,11 +213,10 @@ class EncoderModel(EncoderForMaskedLM):
                                 source)
 
     @classmethod
-    def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
-        name = _name(architecture)
-        if name in CONFIGURED:
-            return CONFIGURED[name](config)
-        return DECLARED.get(name, (None, None))[0]
+    def task_heads(cls, config: dict, spelling: str) -> TaskHeads | None:
+        if spelling in CONFIGURED:
+            return CONFIGURED[spelling](config)
+        return DECLARED.get(spelling, (None, None))[0]
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_hidden_states=False,
                 global_attention_mask=None):

@@ -316,7 +316,9 @@ class FunnelModel(FunnelForMaskedLM):
         self.output_size = self.spec.d_model
 
     @classmethod
-    def task_heads(cls, config: dict, architecture) -> TaskHeads:
+    def task_heads(cls, config: dict, spelling: str) -> TaskHeads | None:
+        if spelling != "funnel":
+            return None
         return TaskHeads(FUNNEL_CLASSIFIER, multiple_choice=FUNNEL_CLASSIFIER,
                          base_classes=(("sequence-classification", FunnelBaseModel),
                                        ("multiple-choice", FunnelBaseModel)))

@@ -41,8 +41,8 @@ class Seq2SeqModel(Seq2SeqForConditionalGeneration):
         self.base_model_prefix = base_model_prefix(self.names["encoder"])
 
     @classmethod
-    def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
-        return DECLARED.get(getattr(architecture, "name", architecture))
+    def task_heads(cls, config: dict, spelling: str) -> TaskHeads | None:
+        return DECLARED.get(spelling)
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, output_hidden_states=False,
                 global_attention_mask=None):
@@ -91,6 +91,6 @@ class Seq2SeqEncoderModel(Seq2SeqModel):
 T5_HEADS = TaskHeads(_EOS_HEAD, token="classifier", question_answering="qa_outputs",
                      base_prefixes=(("sequence-classification", "transformer"), ("token-classification", "transformer")),
                      base_classes=(("token-classification", Seq2SeqEncoderModel),))
-# architecture -> its task heads (transformers' XForSequenceClassification / XForQuestionAnswering / ...)
+# spelling -> its task heads (transformers' XForSequenceClassification / XForQuestionAnswering / ...)
 DECLARED = {"bart": BART_HEADS, "mbart": BART_HEADS, "mvp": BART_HEADS, "plbart": replace(BART_HEADS, question_answering=None),
             "t5": T5_HEADS, "mt5": T5_HEADS, "umt5": T5_HEADS}

@@ -2,14 +2,14 @@
 the task heads of ``vkformers.models.heads`` run. A plugin makes its base class from its causal LM class::
 
     class DecoderModel(DecoderBaseMixin, DenseDecoderForCausalLM):
-        declared_heads = {...}      # optional: architecture -> TaskHeads, else DECODER_HEADS
+        declared_heads = {...}      # model_type spelling -> its TaskHeads (those transformers has)
 
 Parameters keep the base-model prefix (``model.layers...``), as in transformers' task models.
 """
 from __future__ import annotations
 
 from vkformers.errors import VkformersError
-from vkformers.models.heads import DECODER_HEADS, BaseModelOutput, TaskHeads, base_model_prefix
+from vkformers.models.heads import BaseModelOutput, TaskHeads, base_model_prefix
 
 
 class UnsupportedBaseModel(VkformersError, ValueError):
@@ -21,7 +21,9 @@ class DecoderBaseMixin:
     ``forward`` returns :class:`~vkformers.models.heads.BaseModelOutput` (``last_hidden_state`` after the final
     norm, ``hidden_states`` with ``output_hidden_states=True``)."""
 
-    declared_heads: dict = {}  # architecture name -> TaskHeads where they differ from DECODER_HEADS
+    # model_type spelling -> TaskHeads (or a function of the config giving them): the heads transformers has for
+    # that spelling; a spelling not listed has none
+    declared_heads: dict = {}
 
     def __init__(self, config: dict, architecture, add_pooling_layer: bool = False):
         super().__init__(config, architecture)
@@ -37,8 +39,9 @@ class DecoderBaseMixin:
         self._recorded = None
 
     @classmethod
-    def task_heads(cls, config: dict, architecture) -> TaskHeads | None:
-        return cls.declared_heads.get(getattr(architecture, "name", architecture), DECODER_HEADS)
+    def task_heads(cls, config: dict, spelling: str) -> TaskHeads | None:
+        heads = cls.declared_heads.get(spelling)
+        return heads(config) if callable(heads) else heads
 
     def run_layers(self, x, ctx):
         if self._recorded is None:
