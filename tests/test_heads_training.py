@@ -10,6 +10,11 @@ from vkformers.training.trainer import Trainer, TrainingConfig, init_weights
 
 VOCAB, LENGTH, BATCH = 24, 8, 16
 KEY = 7  # sequence task: does the text hold this token?
+BERT = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 64, "max_position_embeddings": 16, "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0}
+LLAMA = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16, "pad_token_id": 0}
 
 
 class Batches:
@@ -68,17 +73,12 @@ def train_and_score(model, make, steps, lr):
 
 
 def test_bert_sequence_classifier_learns():
-    config = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16,
-              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    model = vkformers.AutoModelForSequenceClassification.from_config(config)
+    model = vkformers.AutoModelForSequenceClassification.from_config(dict(BERT, num_hidden_layers=2))
     assert train_and_score(model, sequence_batch, steps=60, lr=3e-3) >= 0.8
 
 
 def test_llama_token_classifier_learns():
-    config = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16, "pad_token_id": 0}
-    model = vkformers.AutoModelForTokenClassification.from_config(dict(config, num_labels=3))
+    model = vkformers.AutoModelForTokenClassification.from_config(dict(LLAMA, num_labels=3))
     assert train_and_score(model, token_batch, steps=40, lr=3e-3) >= 0.8
 
 
@@ -118,47 +118,34 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert all(np.array_equal(plain[name], recomputed[name]) for name in plain)
 
 
-def test_replayed_classifier_steps_match_built_ones(monkeypatch):
-    """From the third step the Trainer replays the recorded step with the next batch's ids, mask and labels
-    written in (declared derived inputs): the losses equal those of steps built anew every time."""
-    config = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16,
-              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-
+def replayed_and_built_losses(monkeypatch, auto, config, make):
+    """Six Trainer steps' losses of a fresh head model of ``config``: with the recorded step replayed from the third
+    step on (the next batch's ids, mask and labels written in: declared derived inputs), and built anew every step."""
     def losses(replay):
-        model = vkformers.AutoModelForSequenceClassification.from_config(config)
+        model = auto.from_config(config)
         init_weights(model, seed=0, std=0.1)
         trainer = Trainer(model, TrainingConfig(steps=6, batch_size=BATCH, seq_len=LENGTH, lr=3e-3,
-                                                schedule="constant"), Batches(sequence_batch, 1))
-        if not replay:
-            monkeypatch.setattr(trainer._capture, "ready", False, raising=False)
+                                                schedule="constant"), Batches(make, 1))
+        if not replay:  # nothing is recorded, so every step is built
             monkeypatch.setattr(type(trainer._capture), "_observe", lambda *args: None)
         history = [record["loss"] for record in trainer.train()]
         assert trainer._capture.ready is replay
         return history
-    replayed = losses(True)
-    monkeypatch.undo()
-    np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)
+    return losses(True), losses(False)
+
+
+def test_replayed_classifier_steps_match_built_ones(monkeypatch):
+    """A BERT sequence classifier: the replayed steps' losses equal those of steps built anew every time."""
+    replayed, built = replayed_and_built_losses(monkeypatch, vkformers.AutoModelForSequenceClassification, BERT,
+                                                sequence_batch)
+    np.testing.assert_allclose(replayed, built, rtol=1e-6)
 
 
 def test_replayed_decoder_classifier_steps_match_built_ones(monkeypatch):
     """The same for a Llama sequence classifier: its padding mask and last-token indices are derived anew."""
-    config = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16, "pad_token_id": 0}
-
-    def losses(replay):
-        model = vkformers.AutoModelForSequenceClassification.from_config(config)
-        init_weights(model, seed=0, std=0.1)
-        trainer = Trainer(model, TrainingConfig(steps=6, batch_size=BATCH, seq_len=LENGTH, lr=3e-3,
-                                                schedule="constant"), Batches(sequence_batch, 1))
-        if not replay:
-            monkeypatch.setattr(type(trainer._capture), "_observe", lambda *args: None)
-        history = [record["loss"] for record in trainer.train()]
-        assert trainer._capture.ready is replay
-        return history
-    replayed = losses(True)
-    monkeypatch.undo()
-    np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)
+    replayed, built = replayed_and_built_losses(monkeypatch, vkformers.AutoModelForSequenceClassification, LLAMA,
+                                                sequence_batch)
+    np.testing.assert_allclose(replayed, built, rtol=1e-6)
 
 
 def qa_batch(rng):
@@ -173,20 +160,5 @@ def qa_batch(rng):
 def test_replayed_question_answering_steps_match_built_ones(monkeypatch):
     """A BERT QA head: start/end labels in one array and the token type ids of text pairs, each derived or read
     anew when the step replays."""
-    config = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16,
-              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-
-    def losses(replay):
-        model = vkformers.AutoModelForQuestionAnswering.from_config(config)
-        init_weights(model, seed=0, std=0.1)
-        trainer = Trainer(model, TrainingConfig(steps=6, batch_size=BATCH, seq_len=LENGTH, lr=3e-3,
-                                                schedule="constant"), Batches(qa_batch, 1))
-        if not replay:
-            monkeypatch.setattr(type(trainer._capture), "_observe", lambda *args: None)
-        history = [record["loss"] for record in trainer.train()]
-        assert trainer._capture.ready is replay
-        return history
-    replayed = losses(True)
-    monkeypatch.undo()
-    np.testing.assert_allclose(replayed, losses(False), rtol=1e-6)
+    replayed, built = replayed_and_built_losses(monkeypatch, vkformers.AutoModelForQuestionAnswering, BERT, qa_batch)
+    np.testing.assert_allclose(replayed, built, rtol=1e-6)
