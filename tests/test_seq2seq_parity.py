@@ -237,8 +237,9 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(prophetnet, num_decoder_attention_heads=4), "prophetnet")
     with pytest.raises(UnsupportedConfigError, match="ngram=0"):
         seq2seq_spec(dict(prophetnet, ngram=0), "prophetnet")
-    with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):
-        seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet")
+    assert not seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet").cross_attention
+    with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):  # a decoder alone: AutoModelForCausalLM
+        AutoModelForSeq2SeqLM.from_config(dict(prophetnet, add_cross_attention=False))
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 

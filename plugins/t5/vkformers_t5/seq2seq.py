@@ -36,7 +36,7 @@ from vkformers.models.module import Module, add_param, get_param
 from vkformers.models.seq2seq_generation import Seq2SeqGenerationMixin
 from vkformers.runtime import dtypes as dt
 
-from vkformers_t5.variants import (Seq2SeqSpec, fairseq_table, relative_buckets, seq2seq_spec,
+from vkformers_t5.variants import (Seq2SeqSpec, UnsupportedConfigError, fairseq_table, relative_buckets, seq2seq_spec,
                                    sinusoidal_table, transient_global_blocks)
 
 IGNORE_INDEX = -100
@@ -401,7 +401,7 @@ class Block(Module):
         self.transient_global = bool(spec.transient_global_block) and not decoder
         self.merged = decoder and spec.merged_cross_attention  # T5Gemma 2: no cross-attention block
         self.rope_type = spec.rope_layer_types[1 if decoder else 0][index] if spec.rope_layer_types else None
-        cross = decoder and not self.merged
+        cross = decoder and not self.merged and spec.cross_attention
         refs = dict(
             self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
                                                        self.transient_global,
@@ -520,10 +520,12 @@ class Block(Module):
         relative = attn.relative_proj(h)                                   # [B, (1 + n) T, K * H]
         buckets = relative.shape[-1] // heads
         main_keys, main_values = k[:, :, :length], v[:, :, :length]
-        if ctx.cache is not None:  # one token: store its main key, then read every stored one (later rows masked)
+        if ctx.cache is not None:  # store the main keys; a step (one token) then reads every stored one (later rows
+            # masked), a prompt its own
             keys, values = ctx.cache.keys[self.index], ctx.cache.values[self.index]
             write_kv(keys, values, main_keys, main_values, ctx.cache_start)
-            main_keys, main_values = keys, values
+            if not ctx.ngram_prefill:
+                main_keys, main_values = keys, values
         # main stream: relative [B, T, K, H] -> [B, H, T, K], picked by bucket
         main_relative = relative[:, :length].reshape(batch, length, buckets, heads).permute(0, 3, 1, 2)
         scores = q[:, :, :length] @ main_keys.transpose(-1, -2) + ctx.ngram_relative(main_relative, 0) + \
@@ -580,7 +582,7 @@ class Block(Module):
             rows = ctx.global_rows
             norm = lambda h: self.global_norm(h) * rows + self.self_norm(h) * (1.0 - rows)  # noqa: E731
         x = self._residual(x, norm, lambda h: self.self_attention(h, ctx), self.self_post_norm)
-        if self.cross_attn is not None:
+        if self.cross_attn is not None and ctx.encoder_states is not None:  # as transformers, only given them
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx), self.cross_post_norm)
         return self._residual(x, self.ffn_norm, lambda h: self.feed_forward(h, ctx), self.ffn_post_norm)
 
@@ -618,8 +620,12 @@ class StackContext:
         if encoder_mask is not None and not encoder_mask.all():
             self.encoder_padding_mask = tensor(encoder_mask.astype(bool))
         self.cache_start = tensor(np.array([past], np.uint32)) if cache is not None else None
+        # ProphetNet's prompt into an empty cache (ProphetNetForCausalLM's generate): every stream over the prompt, as
+        # without a cache (its padding masked), the main stream's keys stored; a later cached step runs stream 0 alone
+        self.ngram_prefill = bool(stack.spec.ngram and stack.decoder and cache is not None and past == 0
+                                  and length > 1)
         # keys the self-attention sees: the new tokens after the stored ones, or the whole cache
-        self.key_length = cache.max_len if cache is not None else past + length
+        self.key_length = cache.max_len if cache is not None and not self.ngram_prefill else past + length
         self._additive = None
         if stack.spec.relative_buckets:
             if stack.decoder:  # causal: key j hidden from query i when j > i (absolute positions)
@@ -661,9 +667,11 @@ class StackContext:
 
     def _ngram_setup(self):
         """ProphetNet: each stream's additive mask and relative buckets (one-hot [T, K, S]) over its keys; the
-        predicting streams' keys are the main stream's (or the cache's) then their own T. With a cache (one token)
-        only stream 0 runs, over every stored main key up to its position, as transformers' cached step does."""
+        predicting streams' keys are the main stream's (or the cache's) then their own T; padding (key_padding) masks
+        the main stream's keys in every stream. A cached step (one token) runs stream 0 only, over every stored main
+        key up to its position and whatever the padding, as transformers' cached step does."""
         spec, length, past = self.stack.spec, self.length, self.past
+        stepping = self.cache is not None and not self.ngram_prefill
         main_keys = self.key_length
         query = past + np.arange(length)
         keys = np.arange(main_keys)
@@ -676,18 +684,22 @@ class StackContext:
                                     max_distance=spec.ngram_max_distance)
         causal = np.where(keys[None, :] > query[:, None], MASKED, 0.0)
         masks, own = [causal], np.where(np.eye(length, dtype=bool), 0.0, MASKED)
-        streams = 1 if self.cache is not None else spec.ngram
+        streams = 1 if stepping else spec.ngram
         for stream in range(streams):
-            if self.cache is not None:  # transformers' cached step: every stored main key
+            if stepping:  # transformers' cached step: every stored main key
                 hidden = causal
             else:  # stream k sees the main keys j <= i - k (and key 0 always)
                 hidden = np.where((keys[None, :] - query[:, None] >= 1 - stream) & (keys[None, :] != 0), MASKED, 0.0)
             masks.append(np.concatenate([hidden, own], axis=1))
+        if self.key_padding_array is not None and not stepping:  # [B, 1, T, keys]: padded main keys hidden too
+            padded = np.where(self.key_padding_array != 0, 0.0, MASKED)[:, None, None, :]
+            masks = [m[None, None] + np.concatenate([padded, np.zeros((*padded.shape[:3], m.shape[-1] - main_keys))], -1)
+                     for m in masks]
         self.ngram_masks = [tensor(m.astype(np.float32)) for m in masks]
         # main: key - query; predicting streams: (key - 1) - query over the main keys, key - query over their own
         self._ngram_onehot = [onehot(buckets(query, main_keys)),
                               onehot(np.concatenate([buckets(query + 1, main_keys), buckets(query, length)[:, -length:]
-                                                     if self.cache is None else np.zeros((length, length), np.int32)],
+                                                     if not stepping else np.zeros((length, length), np.int32)],
                                                     axis=1))]
         self.streams = streams
 
@@ -803,8 +815,9 @@ class StackContext:
     def cross_keys_values(self, index: int, attn: Attention):
         """Cross-attention keys and values of one decoder layer: from the encoder output, or from the cache
         (computed there once per generation)."""
-        if self.cache is not None:
-            return self.cache.cross[index]
+        cross = getattr(self.cache, "cross", None)
+        if cross:
+            return cross[index]
         return attn.split("k", self.encoder_states), attn.split("v", self.encoder_states)
 
 
@@ -946,11 +959,15 @@ class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
     """An encoder-decoder of any architecture in :data:`vkformers_t5.variants.VARIANTS`."""
 
     ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+    needs_encoder = True  # False: a decoder alone (ProphetNetForCausalLM), which may lack cross-attention
 
     def __init__(self, config: dict, architecture):
         super().__init__()
         name = getattr(architecture, "name", architecture)
         spec = seq2seq_spec(config, name)
+        if self.needs_encoder and not spec.cross_attention:
+            raise UnsupportedConfigError(f"{name}: add_cross_attention=False (a decoder without the encoder) is not an "
+                                         "encoder-decoder; AutoModelForCausalLM loads it (ProphetNetForCausalLM)")
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32
         names = self.names = LAYOUTS[spec.layout]
@@ -1053,10 +1070,11 @@ class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
         return mask
 
     def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: EncoderDecoderCache | None = None,
-               all_streams: bool = False):
+               all_streams: bool = False, decoder_mask: np.ndarray | None = None):
         """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating).
-        ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]."""
-        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
+        ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]; ``decoder_mask``
+        (ProphetNet): 0 on the decoder tokens no stream attends to."""
+        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache, decoder_mask)
         if self.spec.ngram:
             length = id_array(decoder_ids).shape[1]
             x = x[:, length:].contiguous() if all_streams else x[:, length:2 * length]
@@ -1078,15 +1096,20 @@ class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
         length = id_array(decoder_ids).shape[1]
         return x[:, :length] if self.spec.ngram else x
 
-    def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
+    def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None, decoder_mask=None):
         """The decoder's output rows (ProphetNet: the main stream's T rows, then each predicting stream's)."""
         ids = id_array(decoder_ids)
-        if self.spec.ngram and cache is not None and ids.shape[1] != 1:
-            raise VkformersError(f"{self.architecture_name}: a cached decoder step takes one token per row")
         past = cache.position if cache is not None else 0
+        if self.spec.ngram and past and ids.shape[1] != 1:
+            raise VkformersError(f"{self.architecture_name}: a cached decoder step after the first takes one token "
+                                 "per row")
         padding = None
         if self.spec.decoder_pad_keys_masked and cache is None and (ids == self.spec.pad_token_id).any():
             padding = (ids != self.spec.pad_token_id).astype(np.int64)
+        if decoder_mask is not None and not decoder_mask.all():
+            if not self.spec.ngram:
+                raise VkformersError(f"{self.architecture_name}: a decoder mask with zeros is not supported")
+            padding = decoder_mask.astype(np.int64)
         ctx = StackContext(self.decoder, ids.shape[1], padding, past=past, cache=cache,
                            encoder_states=encoder_states, encoder_mask=encoder_mask)
         x = self.decoder(ids, ctx)
