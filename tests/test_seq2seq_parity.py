@@ -461,3 +461,18 @@ def test_encoder_decoder_generate_steps_one_token_over_the_cache(name, monkeypat
     assert tokens.shape == (1, 5)
     assert steps == [((1, 1), position) for position in range(4)]
     assert fills == [len(decoder.layers)]
+
+
+def test_generate_passes_encoder_inputs_to_the_models_that_take_them():
+    """generate hands LED's global_attention_mask to its encoder (the step logits change with it); a model whose
+    encoder takes no such input refuses it by name."""
+    case = Case.get("led")
+    prompt, marked = case.ref["input_ids"][:1].astype(np.int64), case.ref["global_attention_mask"][:1].astype(np.int64)
+    assert marked.any()
+    _, plain = case.model.generate(prompt, max_new_tokens=2, eos_token_id=[], output_logits=True)
+    _, global_ = case.model.generate(prompt, max_new_tokens=2, eos_token_id=[], output_logits=True,
+                                     global_attention_mask=marked)
+    assert np.abs(plain - global_).max() > 1e-3
+    for name in ("bart", "bert2bert"):
+        with pytest.raises(vkf.VkformersError, match="global_attention_mask.*leave it out"):
+            Case.get(name).model.generate(prompt, max_new_tokens=2, global_attention_mask=marked)
