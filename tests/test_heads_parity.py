@@ -112,7 +112,7 @@ def base_outputs_match(model, ref):
 @pytest.mark.parametrize("name", ["bert-sequence", "llama-sequence", "roberta-sequence", "gemma-sequence",
                                   "bart-sequence", "mixtral-sequence", "deberta-v2-sequence", "deberta-sequence",
                                   "mpnet-sequence", "gte-sequence", "albert-sequence", "plbart-sequence",
-                                  "xlm-sequence", "modernbert-sequence"])
+                                  "xlm-sequence", "modernbert-sequence", "xlnet-sequence"])
 def test_auto_model_reads_prefixed_and_bare_checkpoints(name, tmp_path):
     folder, meta, ref = load_case(name)
     base_outputs_match(vkformers.AutoModel.from_pretrained(folder), ref)

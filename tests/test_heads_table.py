@@ -30,7 +30,7 @@ MISSING = {
                                            "states, by is_encoder_decoder) are not declared"),
     "t5gemma2": dict.fromkeys((SEQ, TOKEN), "T5Gemma 2's score.out_proj heads are not declared"),
     **{name: dict.fromkeys(tasks, NO_BASE) for name, tasks in {
-        "jamba": (SEQ,), "minimax": (SEQ, TOKEN, QA), "xlnet": (SEQ, TOKEN, QA, CHOICE), "zamba": (SEQ,),
+        "jamba": (SEQ,), "minimax": (SEQ, TOKEN, QA), "zamba": (SEQ,),
         "zamba2": (SEQ,)}.items()},
     **{name: dict.fromkeys(tasks, WRAPPER) for name, tasks in {
         "gemma3": (SEQ,), "qwen3_5": (SEQ, TOKEN), "modernvbert": (SEQ, TOKEN), "qwen3_asr": (TOKEN,)}.items()},

@@ -38,8 +38,9 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-3
 ADAMW_ATOL = 1e-5
 # The cache paths differ by attention kind, not by variant: t5 runs the composed attention with the relative
-# bias over its cache, bart the fused decode kernel (m2m_100: positions counted over non-pad tokens).
-CACHE_CHECKED = ("t5", "bart", "m2m_100")
+# bias over its cache, bart the fused decode kernel (m2m_100: positions counted over non-pad tokens); the
+# EncoderDecoderModels each decoder's own (BERT's post-LN layers, GPT-2's cross-attention in the decoder kit).
+CACHE_CHECKED = ("t5", "bart", "m2m_100", "bert2bert", "bert2gpt2")
 
 
 def fixture_names() -> list[str]:
@@ -236,8 +237,9 @@ def test_labels_shift_and_errors():
         seq2seq_spec(dict(prophetnet, num_decoder_attention_heads=4), "prophetnet")
     with pytest.raises(UnsupportedConfigError, match="ngram=0"):
         seq2seq_spec(dict(prophetnet, ngram=0), "prophetnet")
-    with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):
-        seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet")
+    assert not seq2seq_spec(dict(prophetnet, add_cross_attention=False), "prophetnet").cross_attention
+    with pytest.raises(UnsupportedConfigError, match="add_cross_attention"):  # a decoder alone: AutoModelForCausalLM
+        AutoModelForSeq2SeqLM.from_config(dict(prophetnet, add_cross_attention=False))
     with pytest.raises(UnsupportedConfigError, match="feed_forward_proj"):
         seq2seq_spec(dict(json.loads((FIXTURES / "t5" / "config.json").read_text()), feed_forward_proj="a-b-c"), "t5")
 
@@ -433,3 +435,44 @@ def test_encoder_decoder_save_and_reload(tmp_path):
     with pytest.raises(UnsupportedEncoderDecoder, match="add_cross_attention"):
         AutoModelForSeq2SeqLM.from_config(dict(config, decoder=dict(config["decoder"], add_cross_attention=False)))
 
+
+
+@pytest.mark.parametrize("name", ["bert2bert", "bert2gpt2"])
+def test_encoder_decoder_generate_steps_one_token_over_the_cache(name, monkeypatch):
+    """EncoderDecoderModel.generate feeds the decoder one token per step, after the ones its cache holds, and
+    computes each layer's cross-attention keys and values once (test_greedy_tokens_with_cache compares the tokens
+    and logits with transformers' and with the forward without a cache)."""
+    model = Case.get(name).model
+    decoder = model.decoder_model
+    steps, fills = [], []
+    forward, fill = decoder.forward, type(decoder).encoder_decoder_cache
+
+    def recording_forward(ids, **kwargs):
+        steps.append((np.asarray(ids).shape, kwargs["cache"].position))
+        return forward(ids, **kwargs)
+
+    def recording_fill(self, *args):
+        cache = fill(self, *args)
+        fills.append(len(cache.cross))
+        return cache
+    monkeypatch.setattr(decoder, "forward", recording_forward)
+    monkeypatch.setattr(type(decoder), "encoder_decoder_cache", recording_fill)
+    tokens = model.generate(Case.get(name).ref["input_ids"][:1].astype(np.int64), max_new_tokens=4, eos_token_id=[])
+    assert tokens.shape == (1, 5)
+    assert steps == [((1, 1), position) for position in range(4)]
+    assert fills == [len(decoder.layers)]
+
+
+def test_generate_passes_encoder_inputs_to_the_models_that_take_them():
+    """generate hands LED's global_attention_mask to its encoder (the step logits change with it); a model whose
+    encoder takes no such input refuses it by name."""
+    case = Case.get("led")
+    prompt, marked = case.ref["input_ids"][:1].astype(np.int64), case.ref["global_attention_mask"][:1].astype(np.int64)
+    assert marked.any()
+    _, plain = case.model.generate(prompt, max_new_tokens=2, eos_token_id=[], output_logits=True)
+    _, global_ = case.model.generate(prompt, max_new_tokens=2, eos_token_id=[], output_logits=True,
+                                     global_attention_mask=marked)
+    assert np.abs(plain - global_).max() > 1e-3
+    for name in ("bart", "bert2bert"):
+        with pytest.raises(vkf.VkformersError, match="global_attention_mask.*leave it out"):
+            Case.get(name).model.generate(prompt, max_new_tokens=2, global_attention_mask=marked)

@@ -91,6 +91,8 @@ FLAUBERT = dict(XLM, pre_norm=False, layerdrop=0.0)
 XMOD = dict(NARROW, languages=["en_XX", "de_DE"], default_language="de_DE", **ROBERTA_TOKENS)
 LUKE = dict(NARROW, **ROBERTA_TOKENS, entity_vocab_size=6, entity_emb_size=4)
 IBERT = dict(NARROW, **ROBERTA_TOKENS, quant_mode=False)
+XLNET = dict(vocab_size=VOCAB, d_model=8, n_layer=1, n_head=2, d_inner=8, dropout=0.0, summary_last_dropout=0.0,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 AUTO = {"sequence": AutoModelForSequenceClassification, "token": AutoModelForTokenClassification,
         "qa": AutoModelForQuestionAnswering, "choice": AutoModelForMultipleChoice}
@@ -247,6 +249,11 @@ CASES = {
     "esmc-token": ("esmc", dict(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                 num_attention_heads=2, num_key_value_heads=2, head_dim=4, max_position_embeddings=16,
                                 pad_token_id=1, mask_token_id=4, classifier_dropout=0.0), "token"),
+    # XLNet's heads (the summary of the last position, padding or not)
+    "xlnet-sequence": ("xlnet", XLNET, "sequence"),
+    "xlnet-token": ("xlnet", XLNET, "token"),
+    "xlnet-qa": ("xlnet", XLNET, "qa"),
+    "xlnet-choice": ("xlnet", XLNET, "choice"),
 }
 
 # verified against transformers like the cases above, but not stored (repository size): written only when named
@@ -287,7 +294,8 @@ CLEAN_WITH_MASK = ("modernbert-mean-choice",)
 WITHOUT_BASE = ("electra-choice", "roformer-choice", "longformer-sequence", "longformer-qa", "longformer-choice",
                 "modernbert-qa", "albert-token", "gpt2-qa", "mixtral-qa", "opt-qa", "falcon-token", "gpt-neox-qa",
                 "ibert-sequence", "luke-sequence", "eurobert-sequence", "bloom-qa", "gpt-neo-qa", "mpt-qa",
-                "falcon-alibi-qa") + tuple(list(CASES_AND_SPARE)[list(CASES_AND_SPARE).index("gpt2-sequence"):])
+                "falcon-alibi-qa") + tuple(n for n in list(CASES_AND_SPARE)[list(CASES_AND_SPARE).index("gpt2-sequence"):]
+                                           if n != "xlnet-sequence")
 
 
 def name_of(model) -> str:

@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine.lazy import realize
 from vkformers.engine.ops.cache import decode_attention, write_kv
 from vkformers.engine.tensor import Tensor, parameter, tensor, zero_parameter
 from vkformers.errors import VkformersError
@@ -285,6 +286,24 @@ class KVCache:
         return decode_attention(q, self.keys[layer], self.values[layer], bounds[1:2], scale=scale, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask,
                                 return_lse=return_lse)
+
+
+class EncoderDecoderCache(KVCache):
+    """An encoder-decoder's decoder cache: the self-attention keys and values (this KVCache), and ``cross``, each
+    decoder layer's cross-attention keys and values over the encoder's states, computed once per generation
+    (:meth:`fill_cross`), so that every decode step builds the same graph and replays one recorded plan."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype="float32",
+                 device: Device | None = None, encoder_states=None, encoder_mask: np.ndarray | None = None):
+        self.encoder_states, self.encoder_mask = encoder_states, encoder_mask
+        self.cross: list = []
+        super().__init__(num_layers, batch, kv_heads, head_dim, max_len, dtype, device)
+
+    def fill_cross(self, keys_values) -> None:
+        """Store each layer's (keys, values) of the encoder's states ([batch, heads, sources, head_dim] each), all
+        computed in one submission."""
+        self.cross = [tuple(t.contiguous() for t in pair) for pair in keys_values]
+        realize([t.lazy for pair in self.cross for t in pair])
 
 
 def _host_array(mask) -> np.ndarray:

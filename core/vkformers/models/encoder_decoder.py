@@ -9,8 +9,10 @@ sub-config the ``"cross-decoder"`` model its plugin gives (a causal LM whose lay
 Parameters keep transformers' names: ``encoder.<the base model's names without its prefix>`` and
 ``decoder.<the causal LM's names>``. With labels and no decoder inputs the decoder reads the labels shifted right
 (decoder_start_token_id first, -100 -> pad), whose pad tokens the decoder then does not attend to; the loss is the mean cross-entropy over labels != -100, as
-EncoderDecoderModel computes it. ``generate`` runs the encoder once and the decoder over every token so far each
-step (no decoder cache: a decoder plugin's cache is its own).
+EncoderDecoderModel computes it. ``generate`` (Seq2SeqGenerationMixin) runs the encoder once and the decoder one
+token per step over the cache the decoder gives: ``encoder_decoder_cache(batch, max_len, encoder_states,
+encoder_mask)``, an EncoderDecoderCache holding its self-attention keys and values and, computed once, each layer's
+cross-attention keys and values, which its ``forward(..., cache=...)`` then reads and advances.
 """
 from __future__ import annotations
 
@@ -19,18 +21,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import tensor
 from vkformers.errors import VkformersError
 from vkformers.models.config_check import model_dtype
-from vkformers.models.generation import sampling_probabilities
 from vkformers.models.heads import complete_weights
-from vkformers.models.inputs import (InputLimits, check_generation_settings, check_model_inputs, check_prompt_length,
-                                     id_array)
+from vkformers.models.inputs import InputLimits, id_array
 from vkformers.models.layers import LayerNorm, Linear
 from vkformers.models.loading import AutoModel, AutoModelForSeq2SeqLM, load_config, read_weights, resolve_checkpoint
 from vkformers.models.module import Module
 from vkformers.models.plugins import plugin_manager, registry
+from vkformers.models.seq2seq_generation import Seq2SeqGenerationMixin
 from vkformers.runtime import dtypes as dt
 
 IGNORE_INDEX = -100
@@ -71,7 +71,7 @@ def _width(config: dict):
     return next((config[key] for key in ("hidden_size", "n_embd", "d_model") if config.get(key) is not None), None)
 
 
-class EncoderDecoderModel(Module):
+class EncoderDecoderModel(Seq2SeqGenerationMixin, Module):
     """An encoder's base model and a decoder with cross-attention, as transformers' EncoderDecoderModel."""
 
     def __init__(self, config: dict, architecture=None):
@@ -234,63 +234,21 @@ class EncoderDecoderModel(Module):
             loss = F.cross_entropy(logits.float(), tensor(label_array.astype(np.int32)), ignore_index=IGNORE_INDEX)
         return EncoderDecoderOutput(logits=logits, loss=loss, encoder_last_hidden_state=encoder_states)
 
-    # -- generation
+    # -- generation (Seq2SeqGenerationMixin's loop)
 
-    def _config_value(self, name):
-        for source in (getattr(self, "generation_config", None), self.config, self.decoder_model.config):
-            if isinstance(source, dict) and source.get(name) is not None:
-                return source[name]
-        return None
+    def generation_configs(self) -> tuple:
+        return (*super().generation_configs(), self.decoder_model.config)
 
-    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
-                 attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
-                 output_logits: bool = False):
-        """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
-        Greedy unless ``do_sample``; a row that produced ``eos_token_id`` gets ``pad_token_id`` from then on;
-        without ``attention_mask`` the input's pad tokens are masked (pad differing from eos). ``output_logits``:
-        also each step's logits [new, batch, vocab]."""
-        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p)
-        limits = self.input_limits()
-        check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
-        check_prompt_length(limits, 1, int(max_new_tokens), decoder=True)
-        ids = id_array(input_ids)
-        batch = ids.shape[0]
-        eos = self._config_value("eos_token_id") if eos_token_id is None else eos_token_id
-        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-        pad = self._config_value("pad_token_id") if pad_token_id is None else int(pad_token_id)
-        if attention_mask is not None:
-            mask = id_array(attention_mask)
-        elif pad is not None and pad in ids and pad not in eos:
-            mask = (ids != pad).astype(np.int64)
-        else:
-            mask = np.ones_like(ids)
-        start = decoder_start_token_id if decoder_start_token_id is not None else \
-            self._config_value("decoder_start_token_id")
-        if start is None:
-            raise VkformersError("encoder-decoder: no decoder_start_token_id (config or argument)")
-        rng = np.random.default_rng(seed)
-        tokens = np.full((batch, 1), int(start), np.int64)
-        step_logits = []
-        with no_grad():
-            encoder_states = self.to_decoder_width(self.encode(ids, mask)).realize()
-            unfinished = np.ones(batch, bool)
-            for _ in range(int(max_new_tokens)):
-                logits = self.decode(tokens, encoder_states, mask)
-                scores = logits[:, logits.shape[1] - 1].contiguous().numpy().astype(np.float32)
-                step_logits.append(scores)
-                if do_sample:
-                    probs = sampling_probabilities(scores, temperature, top_k, top_p)
-                    chosen = np.array([rng.choice(probs.shape[-1], p=p / p.sum()) for p in probs])
-                else:
-                    chosen = scores.argmax(axis=-1)
-                chosen = np.where(unfinished, chosen, pad if pad is not None else 0).astype(np.int64)
-                tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
-                if eos:
-                    unfinished &= ~np.isin(chosen, eos)
-                if not unfinished.any():
-                    break
-        if output_logits:
-            vocab = self.input_limits().decoder_vocab_size
-            return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, vocab), np.float32)
-        return tokens
+    def generation_encoder_states(self, ids: np.ndarray, mask: np.ndarray):
+        return self.to_decoder_width(self.encode(ids, mask)).realize()
+
+    def generation_cache(self, batch: int, max_len: int, encoder_states, mask: np.ndarray):
+        decoder = self.decoder_model
+        if not hasattr(decoder, "encoder_decoder_cache"):
+            raise UnsupportedEncoderDecoder(f"encoder-decoder: decoder {decoder.architecture_name!r} keeps no "
+                                            "generation cache (encoder_decoder_cache) in vkformers yet")
+        return decoder.encoder_decoder_cache(batch, max_len, encoder_states, mask)
+
+    def generation_step(self, ids: np.ndarray, encoder_states, mask: np.ndarray, cache):
+        return self.decoder_model.forward(ids, encoder_hidden_states=encoder_states, encoder_attention_mask=mask,
+                                          cache=cache).logits

@@ -159,6 +159,35 @@ def offered_tasks(heads: TaskHeads | None) -> tuple[str, ...]:
     return tuple(task for task, model in HEAD_MODELS.items() if heads is not None and model.head_of(heads) is not None)
 
 
+# transformers' SequenceSummary defaults where a config has no summary_* fields (getattr's defaults there)
+SUMMARY_DEFAULTS = dict(summary_type="last", summary_use_proj=False, summary_activation=None,
+                        summary_proj_to_labels=False)
+SUMMARY_POOLING = {"first": "first", "last": "final"}
+
+
+def sequence_summary(config: dict, out: str = "classifier", defaults: dict = SUMMARY_DEFAULTS) -> SequenceHead:
+    """transformers' SequenceSummary (``sequence_summary.summary``: the first or the last position, an optional
+    projection, an optional activation) before ``out``; with summary_proj_to_labels the projection gives the labels
+    and ``out`` is itself (``out="sequence_summary.summary"``) or follows it (XLM's logits_proj)."""
+    def get(key):
+        return config.get(key, defaults[key])
+    kind = get("summary_type")
+    if kind not in SUMMARY_POOLING:
+        raise TaskHeadError(f"{config.get('model_type')}: config option summary_type={kind!r} is not supported by "
+                            "vkformers' heads yet (first or last)")
+    act = get("summary_activation") or None
+    if not get("summary_use_proj"):
+        return SequenceHead(SUMMARY_POOLING[kind], out=out)
+    to_labels = bool(get("summary_proj_to_labels"))
+    if out == "sequence_summary.summary":  # the projection is the output
+        if act:
+            raise TaskHeadError(f"{config.get('model_type')}: config option summary_activation={act!r} after the "
+                                "label projection is not supported by vkformers' heads yet")
+        return SequenceHead(SUMMARY_POOLING[kind], out=out)
+    return SequenceHead(SUMMARY_POOLING[kind], out=out, dense="sequence_summary.summary", dense_act=act,
+                        dense_to_labels=to_labels)
+
+
 def base_model_prefix(path: str) -> str:
     """The first component of a dotted parameter path ("bert" of "bert.embeddings"), "" for a top-level one."""
     return path.split(".", 1)[0] if "." in path else ""
@@ -686,4 +715,4 @@ __all__ = ["BaseModelOutput", "Transform", "DECODER_HEADS", "DECODER_SEQUENCE", 
            "Seq2SeqModelOutput", "SequenceClassifierOutput", "SequenceHead", "TaskHeadError", "TaskHeads", "TaskModel",
            "TokenClassifierOutput", "base_model_prefix", "complete_weights", "head_config", "last_eos_index",
            "last_non_pad_index", "mean_pool", "offered_tasks", "problem_type_of", "question_answering_loss",
-           "sequence_classification_loss", "take_tokens", "token_classification_loss"]
+           "sequence_classification_loss", "sequence_summary", "take_tokens", "token_classification_loss"]

@@ -11,7 +11,7 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.models.heads import (ENCODER_HEADS, BaseModelOutput, SequenceHead, TaskHeadError, TaskHeads,
-                                   Transform, base_model_prefix, complete_weights)
+                                   Transform, base_model_prefix, complete_weights, sequence_summary)
 from vkformers.models.layers import Linear
 from vkformers.models.module import place
 
@@ -35,35 +35,6 @@ def deberta_heads(config: dict) -> TaskHeads:
                                      "supported by vkformers' heads yet (it must equal hidden_size)")
     pooled = SequenceHead("first", dense="pooler.dense", dense_act=config.get("pooler_hidden_act", "gelu"))
     return TaskHeads(pooled, multiple_choice=pooled)
-
-
-# transformers' SequenceSummary defaults where a config has no summary_* fields (getattr's defaults there)
-SUMMARY_DEFAULTS = dict(summary_type="last", summary_use_proj=False, summary_activation=None,
-                        summary_proj_to_labels=False)
-SUMMARY_POOLING = {"first": "first", "last": "final"}
-
-
-def sequence_summary(config: dict, out: str = "classifier", defaults: dict = SUMMARY_DEFAULTS) -> SequenceHead:
-    """transformers' SequenceSummary (``sequence_summary.summary``: the first or the last position, an optional
-    projection, an optional activation) before ``out``; with summary_proj_to_labels the projection gives the labels
-    and ``out`` is itself (``out="sequence_summary.summary"``) or follows it (XLM's logits_proj)."""
-    def get(key):
-        return config.get(key, defaults[key])
-    kind = get("summary_type")
-    if kind not in SUMMARY_POOLING:
-        raise UnsupportedConfigError(f"{config.get('model_type')}: config option summary_type={kind!r} is not "
-                                     "supported by vkformers' heads yet (first or last)")
-    act = get("summary_activation") or None
-    if not get("summary_use_proj"):
-        return SequenceHead(SUMMARY_POOLING[kind], out=out)
-    to_labels = bool(get("summary_proj_to_labels"))
-    if out == "sequence_summary.summary":  # the projection is the output
-        if act:
-            raise UnsupportedConfigError(f"{config.get('model_type')}: config option summary_activation={act!r} "
-                                         "after the label projection is not supported by vkformers' heads yet")
-        return SequenceHead(SUMMARY_POOLING[kind], out=out)
-    return SequenceHead(SUMMARY_POOLING[kind], out=out, dense="sequence_summary.summary", dense_act=act,
-                        dense_to_labels=to_labels)
 
 
 ELECTRA_SUMMARY = dict(summary_type="first", summary_use_proj=True, summary_activation="gelu",

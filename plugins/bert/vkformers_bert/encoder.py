@@ -23,6 +23,7 @@ from vkformers.engine import lazy
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError, VkformersError
+from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from vkformers.models.module import Module
@@ -256,16 +257,22 @@ class EncoderBlock(Module):
             cross["norm"] = _place(self, f"{s.cross_attention}.output.LayerNorm", norm())
         object.__setattr__(self, "cross", cross)
 
-    def cross_attend(self, x, ctx: "Context"):
-        """Post-LN cross-attention: norm(x + o(attention(q(x), k(states), v(states)))), the encoder's padding hidden."""
-        s, c = self.spec, self.cross
-        states = ctx.encoder_states
-        batch, length, _ = x.shape
+    def cross_keys_values(self, states):
+        """The cross-attention's keys and values [B, heads, S, head_dim] of the encoder's states."""
+        return tuple(self._heads(self.cross[role](states)) for role in ("k", "v"))
 
-        def heads(t):
-            return t.reshape(batch, t.shape[1], s.num_heads, s.head_dim).permute(0, 2, 1, 3)
-        out = F.scaled_dot_product_attention(heads(c["q"](x)), heads(c["k"](states)), heads(c["v"](states)),
-                                             causal=False, key_padding_mask=ctx.encoder_padding_mask)
+    def _heads(self, t):
+        return t.reshape(t.shape[0], t.shape[1], self.spec.num_heads, self.spec.head_dim).permute(0, 2, 1, 3)
+
+    def cross_attend(self, x, ctx: "Context"):
+        """Post-LN cross-attention: norm(x + o(attention(q(x), k(states), v(states)))), the encoder's padding hidden;
+        the keys and values from the cache where it holds them (EncoderDecoderCache)."""
+        s, c = self.spec, self.cross
+        batch, length, _ = x.shape
+        cross = getattr(ctx.cache, "cross", None)
+        k, v = cross[self.index] if cross else self.cross_keys_values(ctx.encoder_states)
+        out = F.scaled_dot_product_attention(self._heads(c["q"](x)), k, v, causal=False,
+                                             key_padding_mask=ctx.encoder_padding_mask)
         return c["norm"](x + c["o"](out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)))
 
     def conv_attention(self, x, ctx: "Context"):
@@ -393,6 +400,8 @@ class EncoderBlock(Module):
             out = (scores + ctx.window_bias(self.window, batch, length)).softmax(-1) @ v
             if s.global_projections:
                 out = self.global_attention(x, out, ctx, heads)
+        elif ctx.cache is not None:  # a decoder's generation step: its keys and values kept on the cache
+            out = ctx.cache.attend(self.index, q, k, v, key_padding_mask=ctx.mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, causal=s.causal, key_padding_mask=ctx.key_padding_mask)
         out = out.permute(0, 2, 1, 3).reshape(batch, length, s.hidden_size)
@@ -491,6 +500,7 @@ class Context:
     value_keep: object = None       # YOSO: Tensor [B, T, 1], the attention mask the convolved values are scaled by
     encoder_states: object = None   # a decoder with cross-attention: the encoder's last hidden states [B, S, D]
     encoder_padding_mask: object = None  # and its bool Tensor [B, S] padding mask, or None
+    cache: object = None            # a decoder's generation: the EncoderDecoderCache its layers attend over
 
     def window_bias(self, window: int, batch: int, length: int) -> Tensor:
         """0 where query i may see key j (|i - j| <= window, or j a global token; j not padding), -1e30 elsewhere:
@@ -692,9 +702,11 @@ class EncoderForMaskedLM(Module):
             start += width
         return out
 
-    def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None, source=None):
+    def embed(self, ids: np.ndarray, mask: np.ndarray | None, token_type_ids: np.ndarray | None, source=None,
+              past: int = 0):
         """``source``: the input_ids as the caller gave them; a captured training step (engine.lazy.StepCapture)
-        derives the ids and positions anew from the next batch's."""
+        derives the ids and positions anew from the next batch's. ``past``: the tokens a decoder's cache holds
+        before these."""
         s = self.spec
         source = ids if source is None else source
         x = F.embedding(Tensor(lazy.derived_input(ids.astype(np.int32), source, _as_int32)), self.word.weight,
@@ -717,7 +729,8 @@ class EncoderForMaskedLM(Module):
             x = x + F.embedding(Tensor(types), self.token_type.weight)
         if self.position is not None:
             # positions counted from padding (RoBERTa): pads read row pad_token_id, a padding_idx in transformers
-            positions = lazy.derived_input(self._positions(ids), source, lambda a: self._positions(_as_int_array(a)))
+            positions = lazy.derived_input(self._positions(ids), source, lambda a: self._positions(_as_int_array(a))) \
+                if not past else self._positions(ids) + np.int32(past)
             x = x + F.embedding(Tensor(positions), self.position.weight,
                                 padding_idx=s.pad_token_id if s.positions_from_padding else None)
         if self.embed_norm is not None:
@@ -738,9 +751,11 @@ class EncoderForMaskedLM(Module):
                            type_vocab_size=s.type_vocab_size if self.token_type is not None else None)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None, encoder_hidden_states=None,
-                encoder_attention_mask=None):
+                encoder_attention_mask=None, cache=None):
+        """``cache`` (a decoder with cross-attention, BertLMHeadModel): the EncoderDecoderCache of
+        :meth:`encoder_decoder_cache`, whose tokens precede these and which this call advances."""
         x = self.encode(input_ids, attention_mask, token_type_ids, encoder_hidden_states=encoder_hidden_states,
-                        encoder_attention_mask=encoder_attention_mask)
+                        encoder_attention_mask=encoder_attention_mask, cache=cache)
         h = x
         if self.head_dense is not None:
             h = F.activation(self.spec.head_act)(self.head_dense(h))
@@ -758,7 +773,7 @@ class EncoderForMaskedLM(Module):
         return MaskedLMOutput(logits=logits, loss=loss)
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None, hidden_states: list | None = None,
-               global_attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None):
+               global_attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None, cache=None):
         """The encoder's last hidden states [B, T, hidden] (after the final norm of pre-LN encoders), before any
         head; ``hidden_states``, a list, receives the embeddings' output and each layer's (the last one normed).
         ``global_attention_mask`` (Longformer): 1 at the tokens with global attention; an attention mask of 2 says
@@ -777,7 +792,11 @@ class EncoderForMaskedLM(Module):
             raise UnsupportedBaseModel(f"{self.architecture_name} takes no global_attention_mask; leave it out")
         types = token_type_ids.numpy() if isinstance(token_type_ids, Tensor) else token_type_ids
         # the caller's array itself (not a copy): a captured training step finds the batch's segment ids by it
-        x = self.embed(ids, mask, None if types is None else np.asarray(types), source=input_ids)
+        if cache is not None and not self.spec.cross_attention:
+            raise UnsupportedBaseModel(f"{self.architecture_name}: a cache serves a decoder with cross-attention "
+                                       "(is_decoder, add_cross_attention); leave it out")
+        past = cache.position if cache is not None else 0
+        x = self.embed(ids, mask, None if types is None else np.asarray(types), source=input_ids, past=past)
         rotary = None
         if self.inv_freq is not None or self.layer_rope is not None:
             positions = Tensor(np.broadcast_to(np.arange(length, dtype=np.int32), (batch, length)).copy())
@@ -790,7 +809,7 @@ class EncoderForMaskedLM(Module):
         if mask is not None and not mask.all():  # a captured training step derives it anew from the next mask
             padding = Tensor(lazy.derived_input(_as_bool(mask), attention_mask, _as_bool), dtype=dt.bool_)
         ctx = Context(padding, rotary, mask, self._relative(length) if self.rel_table is not None else None,
-                      global_tokens=global_tokens, mask_shape=(batch, length))
+                      global_tokens=global_tokens, mask_shape=(batch, length), cache=cache)
         if self.spec.cross_attention:
             if encoder_hidden_states is None:
                 raise UnsupportedBaseModel(f"{self.architecture_name}: a decoder with cross-attention needs "
@@ -831,7 +850,21 @@ class EncoderForMaskedLM(Module):
             x = self.final_norm(x)
             if hidden_states is not None:
                 hidden_states[-1] = x
+        if cache is not None:
+            cache.advance(length)
         return x
+
+    def encoder_decoder_cache(self, batch: int, max_len: int, encoder_states, encoder_mask=None) -> EncoderDecoderCache:
+        """A cache for decoding over ``encoder_states`` (an encoder-decoder's generate): the self-attention's keys
+        and values, and every layer's cross-attention keys and values, computed here once."""
+        s = self.spec
+        if not s.cross_attention:
+            raise UnsupportedBaseModel(f"{self.architecture_name}: an encoder without cross-attention "
+                                       "(add_cross_attention) attends to no other encoder")
+        cache = EncoderDecoderCache(len(self.layers), batch, s.kv_heads, s.head_dim, max_len, self.dtype,
+                                    self.word.weight.device, encoder_states, encoder_mask)
+        cache.fill_cross([layer.cross_keys_values(encoder_states) for layer in self.layers])
+        return cache
 
     def _relative(self, length: int):
         """DeBERTa's table of relative-position embeddings (normed when the config says so) and the int32 indices

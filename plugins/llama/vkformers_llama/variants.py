@@ -1180,9 +1180,12 @@ def cpmant(config: dict) -> DecoderSpec:
 
 
 
-@architecture("xlnet", norm="layer", status="verified", model_class="vkformers_llama.xlnet:XLNetLMHeadModel",
+@architecture("xlnet", norm="layer", status="verified",
+              model_class={"causal-lm": "vkformers_llama.xlnet:XLNetLMHeadModel",
+                           "base": "vkformers_llama.xlnet:XLNetModel"},
               notes="two-stream relative attention with segment terms, perm_mask / target_mapping and mems; generate "
-                    "as transformers' (dummy token, query stream, mems) (xlnet.py); labels not shifted")
+                    "as transformers' (dummy token, query stream, mems) (xlnet.py); labels not shifted; base model "
+                    "and its sequence, token, choice and simple QA heads")
 def xlnet(config: dict) -> XLNetSpec:
     """XLNet: its own post-LN model (vkformers_llama.xlnet), not the decoder kit; the refused options by name."""
     return xlnet_spec(config)

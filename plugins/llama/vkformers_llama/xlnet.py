@@ -25,6 +25,7 @@ from vkformers.errors import InputError
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.generation import end_stream, pick_next_tokens, stream_tokens
 from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs
+from vkformers.models.heads import BaseModelOutput, TaskHeads, sequence_summary
 from vkformers.models.layers import Embedding, LayerNorm, Linear
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, add_param, get_param, place
@@ -229,13 +230,29 @@ class XLNetLMOutput(CausalLMOutput):
     mems: tuple | None = None
 
 
-class XLNetLMHeadModel(Module):
-    """transformers' XLNetLMHeadModel: ``model(input_ids, attention_mask=None, labels=None, perm_mask=None,
-    target_mapping=None, token_type_ids=None, mems=None, use_mems=False)`` returns ``.logits`` ([B, T, vocab], or
-    [B, predictions, vocab] with target_mapping), the cross-entropy ``.loss`` of labels (not shifted) and, with
-    use_mems, ``.mems`` (per layer [B, memory, d_model])."""
+@dataclass
+class XLNetModelOutput(BaseModelOutput):
+    mems: tuple | None = None
 
-    capture_decode = False  # each step's masks and position table are built on the host
+
+# transformers' XLNetConfig defaults of its sequence summary (the last position, a projection, tanh)
+XLNET_SUMMARY = dict(summary_type="last", summary_use_proj=True, summary_activation="tanh",
+                     summary_proj_to_labels=False)
+
+
+def xlnet_heads(config: dict) -> TaskHeads:
+    """XLNet's: the sequence summary (sequence_summary.summary, by default on the last position, padding or not)
+    then logits_proj, for sequences and for each choice; a token classifier; the simple question-answering head
+    (qa_outputs: XLNetForQuestionAnsweringSimple, not the beam-search head of XLNetForQuestionAnswering)."""
+    if config.get("summary_use_proj", True) and config.get("summary_proj_to_labels", False):
+        raise UnsupportedConfigError("xlnet: config option summary_proj_to_labels=True is not supported (transformers' "
+                                     "logits_proj then reads a summary of num_labels values, not d_model)")
+    summary = sequence_summary(config, "logits_proj", XLNET_SUMMARY)
+    return TaskHeads(summary, multiple_choice=summary)
+
+
+class XLNetTransformer(Module):
+    """The embeddings and layers under ``transformer.``, what the LM head model and the base model share."""
 
     def __init__(self, config: dict, architecture):
         super().__init__()
@@ -245,21 +262,19 @@ class XLNetLMHeadModel(Module):
         embed = place(self, "transformer.word_embedding", Embedding(spec.vocab_size, spec.d_model))
         add_param(self, "transformer.mask_emb", (1, 1, spec.d_model))
         layers = [place(self, f"transformer.layer.{i}", XLNetLayer(spec)) for i in range(spec.num_layers)]
-        head = place(self, "lm_loss", Linear(spec.d_model, spec.vocab_size))
-        for key, value in (("embed", embed), ("layer_list", layers), ("head", head)):
+        for key, value in (("embed", embed), ("layer_list", layers)):
             object.__setattr__(self, key, value)  # plain references: place() registered them under HF paths
-        if config.get("tie_word_embeddings", True):
-            self.tie("lm_loss.weight", "transformer.word_embedding.weight")
         self.ignored_checkpoint_keys = ()
 
     def input_limits(self) -> InputLimits:
         # relative positions: no position table; labels follow target_mapping, checked in forward
         return InputLimits(vocab_size=self.spec.vocab_size, labels_like=None)
 
-    def forward(self, input_ids, attention_mask=None, labels=None, perm_mask=None, target_mapping=None,
-                token_type_ids=None, mems=None, use_mems: bool = False, position_ids=None, cache=None):
-        if cache is not None:
-            raise InputError("xlnet: no key/value cache; generation keeps mems (use_mems=True, then mems=...)")
+    def transformer(self, input_ids, attention_mask=None, perm_mask=None, target_mapping=None, token_type_ids=None,
+                    mems=None, use_mems: bool = False, hidden_states: list | None = None):
+        """transformers' XLNetModel: the output stream [B, T, d_model] (the query stream's [B, predictions,
+        d_model] with target_mapping), and with use_mems each layer's input to keep (the last mem_len).
+        ``hidden_states``, a list, receives each layer's input and the last layer's output (the content stream's)."""
         s = self.spec
         ids = _host(input_ids, np.int64)
         if ids.ndim != 2:
@@ -299,12 +314,66 @@ class XLNetLMHeadModel(Module):
                 kept = h if mems is None else F.cat([mems[i].cast(h.dtype), h], 1)
                 cut = kept.shape[1] - s.mem_len if s.mem_len and kept.shape[1] > s.mem_len else 0
                 new_mems.append(kept[:, cut:].detach())
+            if hidden_states is not None:
+                hidden_states.append(h)
             h, g = layer(h, g, None if mems is None else mems[i], st)
-        out = F.dropout(h if g is None else g, s.dropout, self.training)
+        if hidden_states is not None:
+            hidden_states.append(h)
+        return F.dropout(h if g is None else g, s.dropout, self.training), (tuple(new_mems) if use_mems else None)
+
+
+class XLNetModel(XLNetTransformer):
+    """transformers' XLNetModel (``vkformers.AutoModel``) and the base of its task heads: ``model(input_ids,
+    attention_mask=None, token_type_ids=None, output_hidden_states=False, perm_mask=None, target_mapping=None,
+    mems=None, use_mems=False)`` returns ``.last_hidden_state`` ([B, T, d_model], the query stream's with
+    target_mapping), ``.hidden_states`` (the embeddings, then each layer's content stream) and, with use_mems,
+    ``.mems``."""
+
+    base_model_prefix = "transformer"
+
+    def __init__(self, config: dict, architecture, add_pooling_layer: bool = True):
+        super().__init__(config, architecture)
+
+    @classmethod
+    def task_heads(cls, config: dict, spelling: str) -> TaskHeads | None:
+        return xlnet_heads(config) if spelling == "xlnet" else None  # a wrapper asks every base class
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, output_hidden_states: bool = False,
+                perm_mask=None, target_mapping=None, mems=None, use_mems: bool = False):
+        recorded = [] if output_hidden_states else None
+        out, new_mems = self.transformer(input_ids, attention_mask, perm_mask, target_mapping, token_type_ids, mems,
+                                         use_mems, recorded)
+        return XLNetModelOutput(last_hidden_state=out, hidden_states=None if recorded is None else tuple(recorded),
+                                mems=new_mems)
+
+
+class XLNetLMHeadModel(XLNetTransformer):
+    """transformers' XLNetLMHeadModel: ``model(input_ids, attention_mask=None, labels=None, perm_mask=None,
+    target_mapping=None, token_type_ids=None, mems=None, use_mems=False)`` returns ``.logits`` ([B, T, vocab], or
+    [B, predictions, vocab] with target_mapping), the cross-entropy ``.loss`` of labels (not shifted) and, with
+    use_mems, ``.mems`` (per layer [B, memory, d_model])."""
+
+    capture_decode = False  # each step's masks and position table are built on the host
+
+    def __init__(self, config: dict, architecture):
+        super().__init__(config, architecture)
+        object.__setattr__(self, "head", place(self, "lm_loss", Linear(self.spec.d_model, self.spec.vocab_size)))
+        if config.get("tie_word_embeddings", True):
+            self.tie("lm_loss.weight", "transformer.word_embedding.weight")
+
+    def forward(self, input_ids, attention_mask=None, labels=None, perm_mask=None, target_mapping=None,
+                token_type_ids=None, mems=None, use_mems: bool = False, position_ids=None, cache=None):
+        if cache is not None:
+            raise InputError("xlnet: no key/value cache; generation keeps mems (use_mems=True, then mems=...)")
+        s = self.spec
+        out, new_mems = self.transformer(input_ids, attention_mask, perm_mask, target_mapping, token_type_ids, mems,
+                                         use_mems)
         logits = self.head(out)
         loss = None
         if labels is not None:
             target = _host(labels, np.int64)
+            batch, qlen = _host(input_ids).shape
+            mapping = _host(target_mapping)
             want = (batch, qlen if mapping is None else mapping.shape[1])
             if target.shape != want:
                 raise InputError(f"xlnet: labels must be {list(want)} (one per "
@@ -314,7 +383,7 @@ class XLNetLMHeadModel(Module):
             target = target.astype(np.int32)
             loss = F.cross_entropy(logits.float().reshape(-1, s.vocab_size), Tensor(target.reshape(-1)),
                                    ignore_index=IGNORE_INDEX)
-        return XLNetLMOutput(logits=logits, loss=loss, mems=tuple(new_mems) if use_mems else None)
+        return XLNetLMOutput(logits=logits, loss=loss, mems=new_mems)
 
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,

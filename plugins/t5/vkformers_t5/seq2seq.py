@@ -4,8 +4,8 @@
 transformers' *ForConditionalGeneration: with labels and no decoder inputs the decoder reads the
 labels shifted right (decoder_start_token_id first, -100 replaced by pad; mBART/PLBart wrap the
 last non-pad label to the front instead), and the loss is the mean cross-entropy over labels !=
--100 (no shift). ``generate`` decodes greedily (or samples) with a decoder self-attention KV cache;
-the encoder runs once and each layer's cross-attention keys/values are computed once.
+-100 (no shift). ``generate`` (core's Seq2SeqGenerationMixin) decodes greedily (or samples) with a decoder
+self-attention KV cache; the encoder runs once and each layer's cross-attention keys/values are computed once.
 
 Attention: the fused kernel (``F.scaled_dot_product_attention``) wherever it fits: BART-style
 self-attention and every cross-attention. T5's relative position bias is an additive term the kernel
@@ -23,23 +23,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.engine.function import no_grad
-from vkformers.engine.lazy import realize
 from vkformers.engine.ops.cache import write_kv
 from vkformers.engine.ops.routing import PackedRoutes, topk_mask
 from vkformers.engine.rope_scaling import rope_parameters
 from vkformers.engine.tensor import Tensor, tensor
 from vkformers.errors import VkformersError
-from vkformers.models.cache import KVCache
-from vkformers.models.generation import sampling_probabilities
-from vkformers.models.inputs import (InputLimits, check_generation_settings, check_model_inputs, check_prompt_length,
-                                     id_array)
+from vkformers.models.cache import EncoderDecoderCache
+from vkformers.models.inputs import InputLimits, id_array
 from vkformers.models.layers import (Embedding, LayerNorm, Linear, ModuleList, RMSNorm, grouped_linear,
                                      linears_can_be_grouped)
 from vkformers.models.module import Module, add_param, get_param
+from vkformers.models.seq2seq_generation import Seq2SeqGenerationMixin
 from vkformers.runtime import dtypes as dt
 
-from vkformers_t5.variants import (Seq2SeqSpec, fairseq_table, relative_buckets, seq2seq_spec,
+from vkformers_t5.variants import (Seq2SeqSpec, UnsupportedConfigError, fairseq_table, relative_buckets, seq2seq_spec,
                                    sinusoidal_table, transient_global_blocks)
 
 IGNORE_INDEX = -100
@@ -227,7 +224,28 @@ def router_logits(router: Linear, x):
 PACK_MIN_TOKENS = 64  # from this many tokens a call packs each expert's tokens (SwitchMoE); fewer stay in place
 
 
-class SwitchMoE(Module):
+class Experts(Module):
+    """A sparse feed-forward's router (mlp.router.classifier) and experts (experts.expert_<e> with up and down
+    projections), what Switch Transformers' and NLLB-MoE's share."""
+
+    def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int, bias: bool):
+        super().__init__()
+        object.__setattr__(self, "router", place(self, "router.classifier",
+                                                 Linear(spec.d_model, spec.num_experts, bias=spec.router_bias)))
+        object.__setattr__(self, "experts", [
+            (place(self, f"experts.expert_{e}.{names['up']}", Linear(spec.d_model, ffn, bias=bias)),
+             place(self, f"experts.expert_{e}.{names['down']}", Linear(ffn, spec.d_model, bias=bias)))
+            for e in range(spec.num_experts)])
+        self.act = F.activation(spec.activation)
+
+    def gradients_where_used(self, out, rows_per_expert):
+        """out, with an expert's parameters given a gradient only where it ran on some token (float32 [E] counts):
+        transformers runs one module per expert, and only those a token was routed to."""
+        return F.gradient_use(out, present_if=[(rows_per_expert[e:e + 1], up.parameters() + down.parameters())
+                                               for e, (up, down) in enumerate(self.experts)])
+
+
+class SwitchMoE(Experts):
     """Top-1 mixture of relu experts (mlp.router.classifier, mlp.experts.expert_<e>.wi/wo), composed from
     engine ops so that autograd gives the backward and cached decode steps replay.
 
@@ -243,15 +261,8 @@ class SwitchMoE(Module):
     An expert no token was kept for gets no gradient (None), as transformers' loop over the experts hit."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
-        super().__init__()
+        super().__init__(spec, names, ffn, bias=False)
         self.capacity = spec.expert_capacity
-        object.__setattr__(self, "router", place(self, "router.classifier",
-                                                 Linear(spec.d_model, spec.num_experts, bias=spec.router_bias)))
-        object.__setattr__(self, "experts", [
-            (place(self, f"experts.expert_{e}.{names['up']}", Linear(spec.d_model, ffn, bias=False)),
-             place(self, f"experts.expert_{e}.{names['down']}", Linear(ffn, spec.d_model, bias=False)))
-            for e in range(spec.num_experts)])
-        self.act = F.activation(spec.activation)
 
     def forward(self, h):
         probs = router_logits(self.router, h).softmax(-1)                # [B, T, E]
@@ -271,22 +282,16 @@ class SwitchMoE(Module):
             out = routes.weighted_sum(
                 h.reshape(tokens, -1), weights,
                 lambda rows, spans: grouped_linear(self.act(grouped_linear(rows, ups, spans)), downs, spans))
-            return self._count_gradients(out, routes.spans[:, 1]).reshape(h.shape)
+            return self.gradients_where_used(out, routes.spans[:, 1]).reshape(h.shape)
         live = F.live_rows_where_used(weight)                            # per expert: every row or none
         out = None
         for e, (up, down) in enumerate(self.experts):
             y = down(self.act(up(h, live[e:e + 1])), live[e:e + 1]) * weight[:, :, e:e + 1]
             out = y if out is None else out + y
-        return self._count_gradients(out, live)
-
-    def _count_gradients(self, out, rows_per_expert):
-        """out, with an expert's parameters given a gradient only where some token was kept for it (float32 [E]
-        counts): transformers runs one module per expert, and only those a token was routed to."""
-        return F.gradient_use(out, present_if=[(rows_per_expert[e:e + 1], up.parameters() + down.parameters())
-                                               for e, (up, down) in enumerate(self.experts)])
+        return self.gradients_where_used(out, live)
 
 
-class Top2MoE(Module):
+class Top2MoE(Experts):
     """NLLB-MoE's sparse feed-forward (router.classifier, experts.expert_<e>.fc1/fc2 with biases), composed from
     engine ops like SwitchMoE. Over the call's tokens flattened in order: router probabilities softmax(classifier(x))
     in float32; each token's first and second most probable experts (pad tokens of the encoder take none unless
@@ -297,15 +302,8 @@ class Top2MoE(Module):
     through the chosen probabilities; an expert no token was kept for gets no gradient."""
 
     def __init__(self, spec: Seq2SeqSpec, names: dict, ffn: int):
-        super().__init__()
+        super().__init__(spec, names, ffn, bias=True)
         self.spec = spec
-        object.__setattr__(self, "router", place(self, "router.classifier",
-                                                 Linear(spec.d_model, spec.num_experts, bias=spec.router_bias)))
-        object.__setattr__(self, "experts", [
-            (place(self, f"experts.expert_{e}.{names['up']}", Linear(spec.d_model, ffn, bias=True)),
-             place(self, f"experts.expert_{e}.{names['down']}", Linear(ffn, spec.d_model, bias=True)))
-            for e in range(spec.num_experts)])
-        self.act = F.activation(spec.activation)
 
     def forward(self, h, token_mask: np.ndarray | None = None):
         spec = self.spec
@@ -371,8 +369,7 @@ class Top2MoE(Module):
         (``rows``: float32 [E], the rows each expert ran on)."""
         if self.spec.moe_output_scale != 1.0:
             out = out * self.spec.moe_output_scale
-        return F.gradient_use(out, present_if=[(rows[e:e + 1], up.parameters() + down.parameters())
-                                               for e, (up, down) in enumerate(self.experts)])
+        return self.gradients_where_used(out, rows)
 
     @staticmethod
     def _normalized(probs, first, second):
@@ -404,7 +401,7 @@ class Block(Module):
         self.transient_global = bool(spec.transient_global_block) and not decoder
         self.merged = decoder and spec.merged_cross_attention  # T5Gemma 2: no cross-attention block
         self.rope_type = spec.rope_layer_types[1 if decoder else 0][index] if spec.rope_layer_types else None
-        cross = decoder and not self.merged
+        cross = decoder and not self.merged and spec.cross_attention
         refs = dict(
             self_attn=place(self, self_path, Attention(spec, self_names, heads, has_table, kv_heads,
                                                        self.transient_global,
@@ -475,11 +472,11 @@ class Block(Module):
             out = attn.attend(q, k, v, causal=self.decoder, bias=bias, key_padding_mask=ctx.key_padding_mask,
                               window=self.window)
         elif bias is None:  # fused kernel over the cached keys (prefill or one-token decode)
-            out = cache.self_attn.attend(self.index, q, k, v, scale=attn.scale, window=self.window,
+            out = cache.attend(self.index, q, k, v, scale=attn.scale, window=self.window,
                                          softcap=attn.softcap)
         else:  # store the new keys, then the composed attention over the whole cache: the causal part of the
             # bias hides the rows not written yet, and every decode step has the same shapes (its plan replays)
-            keys, values = cache.self_attn.keys[self.index], cache.self_attn.values[self.index]
+            keys, values = cache.keys[self.index], cache.values[self.index]
             write_kv(keys, values, k, v, ctx.cache_start)
             out = attn.attend(q, keys, values, causal=True, bias=bias)
         return attn.merge(out)
@@ -490,7 +487,7 @@ class Block(Module):
         the mask of both parts is one additive term."""
         cross_k, cross_v = ctx.cross_keys_values(self.index, attn)
         if ctx.cache is not None:
-            keys, values = ctx.cache.self_attn.keys[self.index], ctx.cache.self_attn.values[self.index]
+            keys, values = ctx.cache.keys[self.index], ctx.cache.values[self.index]
             write_kv(keys, values, k, v, ctx.cache_start)
             k, v = keys, values
         return attn.attend(q, F.cat([k, cross_k.cast(k.dtype)], 2), F.cat([v, cross_v.cast(v.dtype)], 2),
@@ -523,10 +520,12 @@ class Block(Module):
         relative = attn.relative_proj(h)                                   # [B, (1 + n) T, K * H]
         buckets = relative.shape[-1] // heads
         main_keys, main_values = k[:, :, :length], v[:, :, :length]
-        if ctx.cache is not None:  # one token: store its main key, then read every stored one (later rows masked)
-            keys, values = ctx.cache.self_attn.keys[self.index], ctx.cache.self_attn.values[self.index]
+        if ctx.cache is not None:  # store the main keys; a step (one token) then reads every stored one (later rows
+            # masked), a prompt its own
+            keys, values = ctx.cache.keys[self.index], ctx.cache.values[self.index]
             write_kv(keys, values, main_keys, main_values, ctx.cache_start)
-            main_keys, main_values = keys, values
+            if not ctx.ngram_prefill:
+                main_keys, main_values = keys, values
         # main stream: relative [B, T, K, H] -> [B, H, T, K], picked by bucket
         main_relative = relative[:, :length].reshape(batch, length, buckets, heads).permute(0, 3, 1, 2)
         scores = q[:, :, :length] @ main_keys.transpose(-1, -2) + ctx.ngram_relative(main_relative, 0) + \
@@ -583,7 +582,7 @@ class Block(Module):
             rows = ctx.global_rows
             norm = lambda h: self.global_norm(h) * rows + self.self_norm(h) * (1.0 - rows)  # noqa: E731
         x = self._residual(x, norm, lambda h: self.self_attention(h, ctx), self.self_post_norm)
-        if self.cross_attn is not None:
+        if self.cross_attn is not None and ctx.encoder_states is not None:  # as transformers, only given them
             x = self._residual(x, self.cross_norm, lambda h: self.cross_attention(h, ctx), self.cross_post_norm)
         return self._residual(x, self.ffn_norm, lambda h: self.feed_forward(h, ctx), self.ffn_post_norm)
 
@@ -621,8 +620,12 @@ class StackContext:
         if encoder_mask is not None and not encoder_mask.all():
             self.encoder_padding_mask = tensor(encoder_mask.astype(bool))
         self.cache_start = tensor(np.array([past], np.uint32)) if cache is not None else None
+        # ProphetNet's prompt into an empty cache (ProphetNetForCausalLM's generate): every stream over the prompt, as
+        # without a cache (its padding masked), the main stream's keys stored; a later cached step runs stream 0 alone
+        self.ngram_prefill = bool(stack.spec.ngram and stack.decoder and cache is not None and past == 0
+                                  and length > 1)
         # keys the self-attention sees: the new tokens after the stored ones, or the whole cache
-        self.key_length = cache.self_attn.max_len if cache is not None else past + length
+        self.key_length = cache.max_len if cache is not None and not self.ngram_prefill else past + length
         self._additive = None
         if stack.spec.relative_buckets:
             if stack.decoder:  # causal: key j hidden from query i when j > i (absolute positions)
@@ -664,9 +667,11 @@ class StackContext:
 
     def _ngram_setup(self):
         """ProphetNet: each stream's additive mask and relative buckets (one-hot [T, K, S]) over its keys; the
-        predicting streams' keys are the main stream's (or the cache's) then their own T. With a cache (one token)
-        only stream 0 runs, over every stored main key up to its position, as transformers' cached step does."""
+        predicting streams' keys are the main stream's (or the cache's) then their own T; padding (key_padding) masks
+        the main stream's keys in every stream. A cached step (one token) runs stream 0 only, over every stored main
+        key up to its position and whatever the padding, as transformers' cached step does."""
         spec, length, past = self.stack.spec, self.length, self.past
+        stepping = self.cache is not None and not self.ngram_prefill
         main_keys = self.key_length
         query = past + np.arange(length)
         keys = np.arange(main_keys)
@@ -679,18 +684,22 @@ class StackContext:
                                     max_distance=spec.ngram_max_distance)
         causal = np.where(keys[None, :] > query[:, None], MASKED, 0.0)
         masks, own = [causal], np.where(np.eye(length, dtype=bool), 0.0, MASKED)
-        streams = 1 if self.cache is not None else spec.ngram
+        streams = 1 if stepping else spec.ngram
         for stream in range(streams):
-            if self.cache is not None:  # transformers' cached step: every stored main key
+            if stepping:  # transformers' cached step: every stored main key
                 hidden = causal
             else:  # stream k sees the main keys j <= i - k (and key 0 always)
                 hidden = np.where((keys[None, :] - query[:, None] >= 1 - stream) & (keys[None, :] != 0), MASKED, 0.0)
             masks.append(np.concatenate([hidden, own], axis=1))
+        if self.key_padding_array is not None and not stepping:  # [B, 1, T, keys]: padded main keys hidden too
+            padded = np.where(self.key_padding_array != 0, 0.0, MASKED)[:, None, None, :]
+            masks = [m[None, None] + np.concatenate([padded, np.zeros((*padded.shape[:3], m.shape[-1] - main_keys))], -1)
+                     for m in masks]
         self.ngram_masks = [tensor(m.astype(np.float32)) for m in masks]
         # main: key - query; predicting streams: (key - 1) - query over the main keys, key - query over their own
         self._ngram_onehot = [onehot(buckets(query, main_keys)),
                               onehot(np.concatenate([buckets(query + 1, main_keys), buckets(query, length)[:, -length:]
-                                                     if self.cache is None else np.zeros((length, length), np.int32)],
+                                                     if not stepping else np.zeros((length, length), np.int32)],
                                                     axis=1))]
         self.streams = streams
 
@@ -806,8 +815,9 @@ class StackContext:
     def cross_keys_values(self, index: int, attn: Attention):
         """Cross-attention keys and values of one decoder layer: from the encoder output, or from the cache
         (computed there once per generation)."""
-        if self.cache is not None:
-            return self.cache.cross[index]
+        cross = getattr(self.cache, "cross", None)
+        if cross:
+            return cross[index]
         return attn.split("k", self.encoder_states), attn.split("v", self.encoder_states)
 
 
@@ -943,42 +953,21 @@ class Stack(Module):
         return F.cat([glob, x], 1)
 
 
-# ---------------------------------------------------------------- generation cache
-
-class Seq2SeqCache:
-    """Decoder self-attention keys/values (a core KVCache) and each layer's cross-attention keys/values."""
-
-    def __init__(self, spec: Seq2SeqSpec, batch: int, max_len: int, dtype, device, encoder_states,
-                 encoder_mask: np.ndarray):
-        self.self_attn = KVCache(spec.decoder_layers, batch, spec.decoder_kv_heads or spec.decoder_heads,
-                                 spec.head_dim, max_len, dtype, device)
-        self.encoder_states, self.encoder_mask = encoder_states, encoder_mask
-        self.cross = []
-
-    def fill_cross(self, decoder: "Stack") -> None:
-        """Every decoder layer's cross-attention keys and values, computed once (one submit) before decoding,
-        so that every decode step builds the same graph and replays one recorded plan."""
-        states = self.encoder_states
-        self.cross = [tuple((layer.self_attn if layer.merged else layer.cross_attn).split(role, states).contiguous()
-                            for role in ("k", "v")) for layer in decoder.layers]
-        realize([t.lazy for kv in self.cross for t in kv])
-
-    @property
-    def position(self) -> int:
-        return self.self_attn.position
-
-
 # ---------------------------------------------------------------- the model
 
-class Seq2SeqForConditionalGeneration(Module):
+class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
     """An encoder-decoder of any architecture in :data:`vkformers_t5.variants.VARIANTS`."""
 
     ignored_checkpoint_keys = IGNORED_CHECKPOINT_KEYS
+    needs_encoder = True  # False: a decoder alone (ProphetNetForCausalLM), which may lack cross-attention
 
     def __init__(self, config: dict, architecture):
         super().__init__()
         name = getattr(architecture, "name", architecture)
         spec = seq2seq_spec(config, name)
+        if self.needs_encoder and not spec.cross_attention:
+            raise UnsupportedConfigError(f"{name}: add_cross_attention=False (a decoder without the encoder) is not an "
+                                         "encoder-decoder; AutoModelForCausalLM loads it (ProphetNetForCausalLM)")
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32
         names = self.names = LAYOUTS[spec.layout]
@@ -1080,11 +1069,12 @@ class Seq2SeqForConditionalGeneration(Module):
                                  f"{list(ids.shape)}")
         return mask
 
-    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: Seq2SeqCache | None = None,
-               all_streams: bool = False):
+    def decode(self, decoder_ids, encoder_states, encoder_mask=None, cache: EncoderDecoderCache | None = None,
+               all_streams: bool = False, decoder_mask: np.ndarray | None = None):
         """Logits [B, T, vocab] for decoder tokens given the encoder output (and cache, when generating).
-        ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]."""
-        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache)
+        ProphetNet: predicting stream 0's; ``all_streams``: every stream's, [B, ngram, T, vocab]; ``decoder_mask``
+        (ProphetNet): 0 on the decoder tokens no stream attends to."""
+        x = self._decoder_rows(decoder_ids, encoder_states, encoder_mask, cache, decoder_mask)
         if self.spec.ngram:
             length = id_array(decoder_ids).shape[1]
             x = x[:, length:].contiguous() if all_streams else x[:, length:2 * length]
@@ -1106,20 +1096,25 @@ class Seq2SeqForConditionalGeneration(Module):
         length = id_array(decoder_ids).shape[1]
         return x[:, :length] if self.spec.ngram else x
 
-    def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None):
+    def _decoder_rows(self, decoder_ids, encoder_states, encoder_mask=None, cache=None, decoder_mask=None):
         """The decoder's output rows (ProphetNet: the main stream's T rows, then each predicting stream's)."""
         ids = id_array(decoder_ids)
-        if self.spec.ngram and cache is not None and ids.shape[1] != 1:
-            raise VkformersError(f"{self.architecture_name}: a cached decoder step takes one token per row")
         past = cache.position if cache is not None else 0
+        if self.spec.ngram and past and ids.shape[1] != 1:
+            raise VkformersError(f"{self.architecture_name}: a cached decoder step after the first takes one token "
+                                 "per row")
         padding = None
         if self.spec.decoder_pad_keys_masked and cache is None and (ids == self.spec.pad_token_id).any():
             padding = (ids != self.spec.pad_token_id).astype(np.int64)
+        if decoder_mask is not None and not decoder_mask.all():
+            if not self.spec.ngram:
+                raise VkformersError(f"{self.architecture_name}: a decoder mask with zeros is not supported")
+            padding = decoder_mask.astype(np.int64)
         ctx = StackContext(self.decoder, ids.shape[1], padding, past=past, cache=cache,
                            encoder_states=encoder_states, encoder_mask=encoder_mask)
         x = self.decoder(ids, ctx)
         if cache is not None:
-            cache.self_attn.advance(ids.shape[1])
+            cache.advance(ids.shape[1])
         return x
 
     def shift_right(self, labels: np.ndarray) -> np.ndarray:
@@ -1188,76 +1183,25 @@ class Seq2SeqForConditionalGeneration(Module):
             loss = loss * (1.0 - eps) + smooth * (eps / vocab)
         return loss
 
-    # -- generation
+    # -- generation (Seq2SeqGenerationMixin's loop)
 
-    def _config_value(self, name):
-        for source in (getattr(self, "generation_config", None), self.config):
-            if isinstance(source, dict) and source.get(name) is not None:
-                return source[name]
-        return None
+    generation_encoder_inputs = ("global_attention_mask",)
 
-    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
-                 attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
-                 output_logits: bool = False, global_attention_mask=None):
-        """Decoder tokens [batch, 1 + new] (int64), starting with decoder_start_token_id, as transformers returns.
+    def default_pad_token_id(self) -> int:
+        return self.spec.pad_token_id
 
-        The encoder runs once; each step feeds one token through the decoder with a self-attention KV
-        cache and cross-attention keys/values computed once. Greedy unless ``do_sample`` (temperature,
-        top-k, top-p; ``numpy.random.default_rng(seed)``). ``eos_token_id`` (default: the config's): a
-        row that produced it is finished and gets ``pad_token_id`` from then on; generation stops when
-        every row is finished. Without ``attention_mask``, pad tokens of the input are masked (when pad
-        differs from eos), as transformers infers it. ``output_logits``: also return each step's logits
-        [new, batch, vocab]."""
-        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p)
-        limits = self.input_limits()
-        check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
-        check_prompt_length(limits, 1, int(max_new_tokens), decoder=True)
+    def generation_encoder_states(self, ids: np.ndarray, mask: np.ndarray, global_attention_mask=None):
+        return self.encode(ids, mask, global_attention_mask).realize()
+
+    def generation_cache(self, batch: int, max_len: int, encoder_states, mask: np.ndarray) -> EncoderDecoderCache:
         spec = self.spec
-        ids = id_array(input_ids)
-        batch = ids.shape[0]
-        eos = self._config_value("eos_token_id") if eos_token_id is None else eos_token_id
-        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-        pad = spec.pad_token_id if pad_token_id is None else int(pad_token_id)
-        if attention_mask is not None:
-            mask = id_array(attention_mask)
-        elif pad in ids and pad not in eos:
-            mask = (ids != pad).astype(np.int64)
-        else:
-            mask = np.ones_like(ids)
-        start = decoder_start_token_id if decoder_start_token_id is not None else \
-            self._config_value("decoder_start_token_id")
-        if start is None:
-            start = self._config_value("bos_token_id")
-        if start is None:
-            raise VkformersError(f"{self.architecture_name}: no decoder_start_token_id (config or argument)")
-        rng = np.random.default_rng(seed)
-        tokens = np.full((batch, 1), int(start), np.int64)
-        step_logits = []
-        with no_grad():
-            encoder_states = self.encode(ids, mask, global_attention_mask).realize()
-            device = self.decoder.embed_tokens.weight.device
-            cache = Seq2SeqCache(spec, batch, 1 + max(int(max_new_tokens), 1), self.dtype, device, encoder_states,
-                                 mask)
-            cache.fill_cross(self.decoder)
-            unfinished = np.ones(batch, bool)
-            next_input = tokens
-            for step in range(int(max_new_tokens)):
-                logits = self.decode(next_input, encoder_states, mask, cache=cache)
-                scores = logits[:, logits.shape[1] - 1].contiguous().numpy().astype(np.float32)
-                step_logits.append(scores)
-                if do_sample:
-                    probs = sampling_probabilities(scores, temperature, top_k, top_p)
-                    chosen = np.array([rng.choice(probs.shape[-1], p=p / p.sum()) for p in probs])
-                else:
-                    chosen = scores.argmax(axis=-1)
-                chosen = np.where(unfinished, chosen, pad).astype(np.int64)
-                tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
-                if eos:
-                    unfinished &= ~np.isin(chosen, eos)
-                if not unfinished.any():
-                    break
-                next_input = chosen[:, None]
-        if output_logits:
-            return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, spec.vocab_size), np.float32)
-        return tokens
+        cache = EncoderDecoderCache(spec.decoder_layers, batch, spec.decoder_kv_heads or spec.decoder_heads,
+                                    spec.head_dim, max_len, self.dtype, self.decoder.embed_tokens.weight.device,
+                                    encoder_states, mask)
+        # T5Gemma 2's merged attention reads the encoder's keys through its self-attention projections
+        cache.fill_cross([tuple((layer.self_attn if layer.merged else layer.cross_attn).split(role, encoder_states)
+                                for role in ("k", "v")) for layer in self.decoder.layers])
+        return cache
+
+    def generation_step(self, ids: np.ndarray, encoder_states, mask: np.ndarray, cache: EncoderDecoderCache):
+        return self.decode(ids, encoder_states, mask, cache=cache)

@@ -97,6 +97,8 @@ class Seq2SeqSpec:
     ngram_max_distance: int = 128
     ngram_loss: bool = True               # the loss covers every stream (disable_ngram_loss: stream 0 only)
     label_smoothing: float = 0.0          # ProphetNet's eps
+    cross_attention: bool = True          # the decoder attends to the encoder (False: ProphetNetForCausalLM's
+    #                                       add_cross_attention=False, a decoder alone)
 
     # -- positions
     relative_buckets: int = 0             # T5 relative position bias (0: none)
@@ -403,7 +405,11 @@ def _led(config, arch):
 
 
 @architecture("prophetnet", norm="layer", status="verified",
-              notes="BART-layout post-LN; n-gram predicting streams in the decoder (logits from stream 0)")
+              model_class={"seq2seq-lm": "vkformers_t5.seq2seq:Seq2SeqForConditionalGeneration",
+                           "base": "vkformers_t5.base:Seq2SeqModel",
+                           "causal-lm": "vkformers_t5.prophetnet:ProphetNetForCausalLM"},
+              notes="BART-layout post-LN; n-gram predicting streams in the decoder (logits from stream 0); the "
+                    "decoder alone as ProphetNetForCausalLM")
 def _prophetnet(config, arch):
     """ProphetNet: post-LN layers (feed_forward.intermediate/output), learned positions from pad + 1 (a table of
     max_position_embeddings rows), embeddings_layer_norm, one word_embeddings table tied everywhere. Its decoder runs
@@ -415,9 +421,6 @@ def _prophetnet(config, arch):
     heads = config["num_encoder_attention_heads"]
     if config.get("num_decoder_attention_heads", heads) != heads:
         raise UnsupportedConfigError(f"{arch}: encoder and decoder head counts differ")
-    if not config.get("add_cross_attention", True):
-        raise UnsupportedConfigError(f"{arch}: add_cross_attention=False (a decoder without the encoder) is not an "
-                                     "encoder-decoder")
     refuse(arch, config, "ngram", lambda v: v >= 1, 2)  # the logits are predicting stream 0's
     pad = _get(config, "pad_token_id", default=0)
     rows = config.get("max_position_embeddings", 512)
@@ -429,7 +432,8 @@ def _prophetnet(config, arch):
                      ngram=config.get("ngram", 2), ngram_buckets=config.get("num_buckets", 32),
                      ngram_max_distance=config.get("relative_max_distance", 128),
                      ngram_loss=not config.get("disable_ngram_loss", False),
-                     label_smoothing=float(config.get("eps", 0.0)))
+                     label_smoothing=float(config.get("eps", 0.0)),
+                     cross_attention=bool(config.get("add_cross_attention", True)))
 
 
 @architecture("mvp", norm="layer", status="verified",
@@ -512,7 +516,8 @@ def _composed(config, arch):
 # LM, each from its own plugin
 architecture("encoder-decoder", norm="layer", status="verified",
              notes=("any registered encoder whose plugin gives a base model + a decoder whose plugin gives a "
-                    "cross-decoder (BERT, GPT-2 with add_cross_attention); no decoder cache in generate"),
+                    "cross-decoder (BERT, GPT-2 with add_cross_attention); generate decodes one token per step "
+                    "over the decoder's cache"),
              model_class="vkformers.models.encoder_decoder:EncoderDecoderModel", variant=_composed)
 
 # Canonical architecture name -> its variant, from the declarations above.

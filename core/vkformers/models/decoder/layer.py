@@ -581,20 +581,26 @@ class DecoderLayer(Module):
         mlp = self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x)))
         return x + _scaled(mlp, s.residual_scale)
 
+    def cross_keys_values(self, states):
+        """The cross-attention's keys and values [B, heads, S, head_dim] of the encoder's states."""
+        s = self.spec
+        batch, sources, _ = states.shape
+        width = s.num_heads * s.head_dim
+        kv = self.parts["cross_kv"](states)
+        return tuple(t.contiguous().reshape(batch, sources, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
+                     for t in (kv[..., :width], kv[..., width:]))
+
     def cross_attention(self, h, ctx: Context):
-        """Attention of h's queries over the encoder's states (their padding hidden), the self-attention's scale."""
+        """Attention of h's queries over the encoder's states (their padding hidden), the self-attention's scale;
+        their keys and values from the cache where it holds them (EncoderDecoderCache)."""
         s, p = self.spec, self.parts
         batch, length, _ = h.shape
         width = s.num_heads * s.head_dim
-        states = ctx.encoder_states
-        sources = states.shape[1]
-
-        def heads(t, rows):
-            return t.contiguous().reshape(batch, rows, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
-        kv = p["cross_kv"](states)
+        cross = getattr(ctx.cache, "cross", None)
+        k, v = cross[self.index] if cross else self.cross_keys_values(ctx.encoder_states)
+        q = p["cross_q"](h).contiguous().reshape(batch, length, s.num_heads, s.head_dim).permute(0, 2, 1, 3)
         scale = s.attention.scales[self.index] if s.attention.scales else s.head_dim ** -0.5
-        out = F.scaled_dot_product_attention(heads(p["cross_q"](h), length), heads(kv[..., :width], sources),
-                                             heads(kv[..., width:], sources), causal=False, scale=scale,
+        out = F.scaled_dot_product_attention(q, k, v, causal=False, scale=scale,
                                              key_padding_mask=ctx.encoder_padding_mask)
         return p["cross_o"](out.permute(0, 2, 1, 3).reshape(batch, length, width))
 

@@ -22,6 +22,7 @@ from vkformers.errors import VkformersError
 from vkformers.models.decoder.layer import Context, DecoderLayer, fused_norm
 from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import DecoderSpec, NormSpec, alibi_slopes, mpt_alibi_slopes, sinusoidal_table
+from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.generation import GenerationMixin
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
@@ -275,9 +276,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
                 encoder_hidden_states=None, encoder_attention_mask=None):
         s = self.spec
         length = np.shape(input_ids)[-1] if not isinstance(input_ids, Tensor) else input_ids.shape[-1]
-        if encoder_hidden_states is not None and (s.cross_attention is None or cache is not None):
+        if encoder_hidden_states is not None and s.cross_attention is None:
             raise VkformersError(f"{self.architecture_name}: encoder_hidden_states need a decoder with "
-                                 "cross-attention (add_cross_attention), run without a cache")
+                                 "cross-attention (add_cross_attention)")
         encoder = None if encoder_hidden_states is None else (encoder_hidden_states, encoder_attention_mask)
         x = self.residual_stream(input_ids, attention_mask, position_ids, cache, encoder=encoder)
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
@@ -294,6 +295,17 @@ class DecoderForCausalLM(Module, GenerationMixin):
             cache.advance(length)
         loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def encoder_decoder_cache(self, batch: int, max_len: int, encoder_states, encoder_mask=None) -> EncoderDecoderCache:
+        """A cache for decoding over ``encoder_states`` (an encoder-decoder's generate): the self-attention's keys
+        and values, and every layer's cross-attention keys and values, computed here once."""
+        if self.spec.cross_attention is None:
+            raise VkformersError(f"{self.architecture_name}: a decoder without cross-attention (add_cross_attention) "
+                                 "attends to no encoder")
+        cache = EncoderDecoderCache(self.num_layers, batch, self.num_kv_heads, self.head_dim, max_len, self.dtype,
+                                    self.embed.weight.device, encoder_states, encoder_mask)
+        cache.fill_cross([layer.cross_keys_values(encoder_states) for layer in self.layers])
+        return cache
 
     def final_hidden_states(self, x):
         """The residual stream after the last layer -> the hidden states the LM head reads (transformers' base

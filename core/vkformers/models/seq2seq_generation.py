@@ -1,0 +1,111 @@
+"""``Seq2SeqGenerationMixin.generate``: decoding for encoder-decoders, as transformers' ``generate`` runs them.
+
+The encoder runs once; the decoder then takes one token per step over an :class:`EncoderDecoderCache` (its
+self-attention keys and values, and each layer's cross-attention keys and values, computed once from the encoder's
+states). The next token is chosen on the host as the decoder-only loop chooses it (``pick_next_tokens``).
+
+A model class inheriting the mixin provides
+
+- ``input_limits()`` (``decoder_max_length``, ``decoder_vocab_size``);
+- ``generation_encoder_states(ids, mask, **encoder_inputs)``: the encoder's states as the decoder reads them;
+- ``generation_cache(batch, max_len, encoder_states, mask)``: a fresh cache, its cross-attention part filled;
+- ``generation_step(ids, encoder_states, mask, cache)``: the logits [batch, T, vocab] of decoder tokens ``ids``
+  (int64 [batch, T]) after those the cache holds, advancing it;
+
+and optionally ``generation_encoder_inputs`` (the names of the encoder's own inputs generate passes on: LED's
+global_attention_mask), ``generation_configs()`` (the dicts settings are read from, first found wins) and
+``default_pad_token_id()``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkformers.engine.function import no_grad
+from vkformers.errors import InputError, VkformersError
+from vkformers.models.decode_capture import to_scores
+from vkformers.models.generation import pick_next_tokens
+from vkformers.models.inputs import check_generation_settings, check_model_inputs, check_prompt_length, id_array
+
+
+class Seq2SeqGenerationMixin:
+    generation_encoder_inputs: tuple = ()
+
+    def generation_configs(self) -> tuple:
+        """Where generate reads its defaults (eos, pad, decoder start): the generation config, then the config."""
+        return getattr(self, "generation_config", None), getattr(self, "config", None)
+
+    def generation_setting(self, name: str):
+        for source in self.generation_configs():
+            if isinstance(source, dict) and source.get(name) is not None:
+                return source[name]
+        return None
+
+    def default_pad_token_id(self) -> int | None:
+        return self.generation_setting("pad_token_id")
+
+    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
+                 eos_token_id=None, attention_mask=None, decoder_start_token_id: int | None = None,
+                 pad_token_id: int | None = None, output_logits: bool = False, **encoder_inputs):
+        """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
+
+        Greedy unless ``do_sample`` (temperature, top-k, top-p; ``numpy.random.default_rng(seed)``); the
+        repetition penalty counts the decoder's tokens. ``eos_token_id`` (default: the config's): a row that
+        produced it is finished and gets ``pad_token_id`` from then on (default: the config's, else the first eos);
+        generation stops when every row is finished. Without ``attention_mask`` the input's pad tokens are masked
+        (pad differing from eos), as transformers infers it. The decoder starts from ``decoder_start_token_id``
+        (default: the config's, else its bos_token_id). ``output_logits``: also each step's logits [new, batch,
+        vocab]. Other keyword arguments go to the encoder, where the model takes them (LED's
+        global_attention_mask)."""
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
+        unknown = sorted(set(encoder_inputs) - set(self.generation_encoder_inputs))
+        if unknown:
+            raise InputError(f"generate: {getattr(self, 'architecture_name', type(self).__name__)} takes no "
+                             f"{unknown[0]}; leave it out")
+        limits = self.input_limits()
+        check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
+        max_new_tokens = int(max_new_tokens)
+        check_prompt_length(limits, 1, max_new_tokens, decoder=True)
+        ids = id_array(input_ids)
+        batch = ids.shape[0]
+        eos = self.generation_setting("eos_token_id") if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
+        pad = self.default_pad_token_id() if pad_token_id is None else pad_token_id
+        pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+        if attention_mask is not None:
+            mask = id_array(attention_mask)
+        elif pad in ids and pad not in eos:
+            mask = (ids != pad).astype(np.int64)
+        else:
+            mask = np.ones_like(ids)
+        start = decoder_start_token_id
+        for name in ("decoder_start_token_id", "bos_token_id"):
+            start = self.generation_setting(name) if start is None else start
+        if start is None:
+            raise VkformersError(f"{getattr(self, 'architecture_name', 'generate')}: no decoder_start_token_id "
+                                 "(config or argument)")
+        rng = np.random.default_rng(seed)
+        tokens = np.full((batch, 1), int(start), np.int64)
+        step_logits = []
+        with no_grad():
+            states = self.generation_encoder_states(ids, mask, **encoder_inputs)
+            cache = self.generation_cache(batch, 1 + max(max_new_tokens, 1), states, mask)
+            unfinished = np.ones(batch, bool)
+            next_input = tokens
+            for _ in range(max_new_tokens):
+                logits = self.generation_step(next_input, states, mask, cache)
+                scores = to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy())
+                step_logits.append(scores)
+                chosen = pick_next_tokens(scores, tokens, do_sample, rng, temperature, top_k, top_p,
+                                          repetition_penalty)
+                chosen = np.where(unfinished, chosen, pad).astype(np.int64)
+                tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
+                if eos:
+                    unfinished &= ~np.isin(chosen, eos)
+                if not unfinished.any():
+                    break
+                next_input = chosen[:, None]
+        if output_logits:
+            vocab = limits.decoder_vocab_size or limits.vocab_size
+            return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, vocab), np.float32)
+        return tokens
