@@ -10,7 +10,7 @@ import pytest
 
 from vkformers.engine.tensor import Tensor
 from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, selective_scan
-from vkformers_ssm.ssd import chunked_scan
+from vkformers_ssm.ssd import ChunkedScanShapeError, chunked_scan
 
 
 def reference(u, delta, A, B, C, D, h0=None):
@@ -155,3 +155,43 @@ def test_chunked_scan_gradients_match_finite_differences():
         want = _central_differences(loss, values[k])
         np.testing.assert_allclose(tensor.grad.numpy(), want, atol=1e-4 * max(np.abs(want).max(), 1e-3),
                                    err_msg=name)
+
+
+def _sequential(x, dt, A, B, C, h0=None):
+    """The selective-scan kernel on the same tensors, each head's dt and A given to its channels (D = 0)."""
+    batch, length, heads, head_dim = x.shape
+    channels, state = heads * head_dim, B.shape[-1]
+    delta = dt.reshape(batch, length, heads, 1).expand(batch, length, heads, head_dim).reshape(batch, length,
+                                                                                                 channels)
+    A_channels = A.reshape(heads, 1, 1).expand(heads, head_dim, state).reshape(channels, state)
+    return selective_scan(x.reshape(batch, length, channels), delta, A_channels, B, C,
+                          Tensor(np.zeros(channels, np.float32)), h0)
+
+
+@pytest.mark.parametrize("length,chunk", [(13, 4), (13, 5), (13, 13), (13, 32), (70, 16), (70, 64), (1, 8)])
+def test_chunked_scan_equals_the_sequential_scan_forward_and_backward(length, chunk):
+    """Chunked (matrix products) against sequential (selective_scan.comp) on the same tensors: outputs, last state
+    and the gradients of x, dt, A, B and C, for lengths that are and are not a multiple of the chunk."""
+    rng = np.random.default_rng(7)
+    batch, heads, head_dim, groups, state = 2, 6, 4, 3, 8
+    values = _mamba2_inputs(rng, batch, length, heads, head_dim, groups, state)
+    h0 = Tensor(rng.standard_normal((batch, heads * head_dim, state)).astype(np.float32))
+    g = Tensor(rng.standard_normal((batch, length, heads * head_dim)).astype(np.float32))
+    results = []
+    for scan in (lambda *v: chunked_scan(*v, chunk, initial_state=h0), lambda *v: _sequential(*v, h0)):
+        tensors = _tensors(values, requires_grad=True)
+        y, last = scan(*tensors)
+        (y * g).sum().backward()
+        results.append([y.numpy(), last.numpy()] + [t.grad.numpy() for t in tensors])
+    names = ["y", "last state", "x", "dt", "A", "B", "C"]
+    for name, got, want in zip(names, *results):
+        np.testing.assert_allclose(got, want, atol=2e-5 * max(np.abs(want).max(), 1.0), rtol=1e-4, err_msg=name)
+
+
+def test_chunked_scan_refuses_mismatched_shapes():
+    values = _tensors(_mamba2_inputs(np.random.default_rng(8), 1, 5, 4, 2, 3, 2))
+    with pytest.raises(ChunkedScanShapeError, match="groups"):
+        chunked_scan(*values, 4)
+    values = _tensors(_mamba2_inputs(np.random.default_rng(8), 1, 5, 4, 2, 2, 2))
+    with pytest.raises(ChunkedScanShapeError, match="dt must be"):
+        chunked_scan(values[0], values[1][:, :4], *values[2:], 4)
