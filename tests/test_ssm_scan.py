@@ -10,7 +10,7 @@ import pytest
 
 from vkformers.engine.tensor import Tensor
 from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, selective_scan
-from vkformers_ssm.ssd import ChunkedScanShapeError, chunked_scan
+from vkformers_ssm.ssd import ChunkedScanShapeError, chunked_scan, segment_decay
 
 
 def reference(u, delta, A, B, C, D, h0=None):
@@ -195,3 +195,24 @@ def test_chunked_scan_refuses_mismatched_shapes():
     values = _tensors(_mamba2_inputs(np.random.default_rng(8), 1, 5, 4, 2, 2, 2))
     with pytest.raises(ChunkedScanShapeError, match="dt must be"):
         chunked_scan(values[0], values[1][:, :4], *values[2:], 4)
+
+
+def test_segment_decay_matches_numpy_and_its_gradient_finite_differences():
+    """exp(cs_l - cs_s) on and below the diagonal, exact zeros above it even where the difference would overflow,
+    and the gradient of cs (row sums less column sums of g * out) against central differences."""
+    rng = np.random.default_rng(9)
+    cs = np.cumsum(-np.abs(rng.standard_normal((2, 3, 7))), -1)
+    cs[0, 0] *= 100.0  # above the diagonal exp(cs_l - cs_s) would be inf
+    g = rng.standard_normal((2, 3, 7, 7))
+
+    def reference(v):
+        lower = np.tril(np.ones((7, 7), bool))
+        return np.where(lower, np.exp(np.where(lower, v[..., :, None] - v[..., None, :], 0.0)), 0.0)
+
+    t = Tensor(cs.astype(np.float32), requires_grad=True)
+    out = segment_decay(t)
+    np.testing.assert_allclose(out.numpy(), reference(cs), rtol=1e-5, atol=1e-7)
+    assert (out.numpy()[..., np.triu_indices(7, 1)[0], np.triu_indices(7, 1)[1]] == 0).all()
+    (out * Tensor(g.astype(np.float32))).sum().backward()
+    want = _central_differences(lambda v: (reference(v) * g).sum(), cs)
+    np.testing.assert_allclose(t.grad.numpy(), want, atol=1e-4 * np.abs(want).max())

@@ -13,7 +13,8 @@ sum_s exp(cs_last - cs_s) (dt x)_s B_s^T to exp(cs_last) S_start. The states ent
 with the chunks' decays, exp(the sum of the totals of the chunks between), summed exactly as transformers does.
 
 B and C stay per group of heads (C B^T, and the products with the states, are one per group); only the decay
-differs per head. In training the scan keeps only its inputs for the backward and recomputes its inside there
+differs per head. The decay matrices come from one small kernel (``segment_decay``, shaders/segment_decay.comp)
+rather than a difference, a mask and an exp over [chunk, chunk] per head and chunk. In training the scan keeps only its inputs for the backward and recomputes its inside there
 (``vkformers.engine.checkpoint``): the [chunk, chunk] matrices of every layer (~1.6 GiB a layer for 4 x 2048 tokens
 at 64 heads and chunks of 256) would otherwise stay alive until the backward reaches the layer.
 """
@@ -23,9 +24,12 @@ import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.checkpoint import checkpoint
-from vkformers.engine.function import grad_enabled
+from vkformers.engine.function import Function, KernelOp, grad_enabled, node, wrap
+from vkformers.engine.kernels.transformer_args import checked, fits_uint32, positive
+from vkformers.engine.kernels import grid
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
+from vkformers.runtime import dtypes as dt
 
 
 class ChunkedScanShapeError(VkformersError, ValueError):
@@ -38,6 +42,44 @@ def _padded(v, extra: int):
         return v
     tail = F.zeros((1,) * v.ndim).expand(v.shape[0], extra, *v.shape[2:])
     return F.cat([v, tail], 1)
+
+
+class SegmentDecayKernel(KernelOp):
+    """out [rows, n, n] from cs [rows, n] (plugins/ssm/shaders/segment_decay.comp)."""
+
+    name = "segment_decay"
+
+    def emit(self, seq, outs, ins):
+        (out,), (cs,) = outs, ins
+        rows, n = self.rows, self.n
+        cs = checked(cs.operand, "float32", rows * n, "segment_decay cs")
+        out = checked(out.operand, "float32", rows * n * n, "segment_decay out")
+        seq.dispatch(seq.device.kernel("segment_decay", "forward"), [cs.buffer, out.buffer],
+                     grid(rows * n * n, 256, seq.device.limits["max_compute_work_group_count_x"]),
+                     push=[rows, n, cs.offset, out.offset])
+
+
+class SegmentDecayFn(Function):
+    def forward(self, cs):
+        *lead, n = cs.shape
+        rows = int(np.prod(lead, dtype=np.int64))
+        positive(rows=rows, n=n)
+        fits_uint32("segment_decay", rows * n * n)
+        out = node(SegmentDecayKernel(rows=rows, n=n), [cs], [((*lead, n, n), dt.float32)])[0]
+        self.saved = (out,)
+        return out
+
+    def backward(self, g):
+        # d out[l, s] / d cs[l] = out[l, s], / d cs[s] = -out[l, s]: row sums less column sums of g * out
+        weighted = g * wrap(self.saved[0])
+        return weighted.sum(-1) - weighted.sum(-2)
+
+
+def segment_decay(cs):
+    """exp(cs[..., l] - cs[..., s]) for s <= l, 0 above the diagonal: [..., n, n] (float32) from running sums of
+    log-decays cs [..., n], the decay from step s to step l of a recurrence within a chunk. One kernel; the
+    masked entries are zeros, not exp of a difference that may overflow."""
+    return SegmentDecayFn.apply(cs.float())
 
 
 def _check(x, dt, A, B, C, chunk: int, initial_state) -> None:
@@ -89,9 +131,7 @@ def _scan(x, dt, A, B, C, chunk: int, initial_state):
     Bs, Cs = (v.reshape(b, c, q, g, n).permute(0, 3, 1, 2, 4).contiguous() for v in (B, C))  # [b, g, c, q, n]
 
     # Within chunks: ((C B^T) * decay) (dt x), C B^T once per group.
-    causal = np.tril(np.ones((q, q), bool))
-    decay = F.where(causal, cs.unsqueeze(-1) - cs.unsqueeze(-2), float("-inf")).exp()  # [b, g, r, c, q, q]
-    scores = (Cs @ Bs.transpose(-1, -2)).unsqueeze(2) * decay
+    scores = (Cs @ Bs.transpose(-1, -2)).unsqueeze(2) * segment_decay(cs)           # [b, g, r, c, q, q]
     y_within = scores @ xs                                                           # [b, g, r, c, q, p]
 
     # Each chunk's own state (from a zero start), per group: (decayed dt x)^T B -> [b, g, c, r * p, n].
