@@ -14,7 +14,8 @@ cycled, D 1, dt_bias -4), the same in both frameworks.
   its 48 layers do not fit a 141 GB GPU; when its step runs out of memory it is timed again with transformers'
   gradient checkpointing, and the output says so).
 - Generation: greedy, a `--prompt`-token prompt and `--new` new tokens at batch 1 and 8, both frameworks with their
-  recurrent caches (vkformers: the decode step recorded once, then replayed and chained on the GPU).
+  recurrent caches (vkformers: the decode step recorded once, then replayed and chained on the GPU); `--new 0`
+  leaves it out.
 Without CUDA (or with --no-torch) only vkformers runs. Each phase prints its seconds as it ends.
 
     python bench/ssm.py [--dtype float32|bfloat16] [--layers 48] [--hidden 2048] [--batch 4] [--seq 2048]
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=2, help="timed training steps, after two untimed ones")
     parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64, help="new tokens per generate (0: no generation)")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="both frameworks recompute each layer in the backward (transformers' torch path "
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
     for _ in range(2):
         ids = rng.integers(3, config["vocab_size"], (args.batch, args.seq)).astype(np.int32)
         batches.append((ids, ids.copy()))
-    prompts = {b: rng.integers(3, config["vocab_size"], (b, args.prompt)).astype(np.int32) for b in (1, 8)}
+    prompts = {b: rng.integers(3, config["vocab_size"], (b, args.prompt)).astype(np.int32)
+               for b in ((1, 8) if args.new > 0 else ())}
     weights = random_weights(AutoModelForCausalLM.from_config(config), args.dtype)
     phase("weights", since)
     results = {"config": config, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
@@ -264,8 +266,8 @@ def main(argv=None) -> int:
         if name in results:
             r = results[name]
             train = f"{r['train_tok_s']:.0f} tok/s" + (f" ({r['train_note']})" if "train_note" in r else "")
-            print(f"  {name}: forward {r['forward_tok_s']:.0f} tok/s; train {train}; generate b1 "
-                  f"{r['generate_b1_tok_s']:.1f}, b8 {r['generate_b8_tok_s']:.1f} tok/s"
+            generate = "".join(f"; generate b{b} {r[f'generate_b{b}_tok_s']:.1f} tok/s" for b in prompts)
+            print(f"  {name}: forward {r['forward_tok_s']:.0f} tok/s; train {train}{generate}"
                   + (f" ({r['scan']})" if "scan" in r else ""))
     if torch is None:
         print("no CUDA reference (PyTorch with a CUDA GPU not found, or --no-torch)")
