@@ -14,9 +14,10 @@ with the chunks' decays, exp(the sum of the totals of the chunks between), summe
 
 B and C stay per group of heads (C B^T, and the products with the states, are one per group); only the decay
 differs per head. The decay matrices come from one small kernel (``segment_decay``, shaders/segment_decay.comp)
-rather than a difference, a mask and an exp over [chunk, chunk] per head and chunk. In training the scan keeps only its inputs for the backward and recomputes its inside there
-(``vkformers.engine.checkpoint``): the [chunk, chunk] matrices of every layer (~1.6 GiB a layer for 4 x 2048 tokens
-at 64 heads and chunks of 256) would otherwise stay alive until the backward reaches the layer.
+rather than a difference, a mask and an exp over [chunk, chunk] per head and chunk. In training the scan keeps
+only its inputs for the backward and recomputes its inside there (``vkformers.engine.checkpoint``): every layer's
+[chunk, chunk] matrices (0.5 GiB each for 4 x 2048 tokens at 64 heads and chunks of 256) would otherwise stay
+alive until the backward reaches the layer.
 """
 from __future__ import annotations
 
