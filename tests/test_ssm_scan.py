@@ -2,7 +2,8 @@
 and the last state, a scan split in two (the second half from the first's state, as a recurrent cache runs) against
 the whole, and the gradients of u, delta, A, B, C and D against central differences, over shapes that cross the
 kernel's tiles: more channels than a workgroup's, more steps than a checkpoint chunk, a single step, B and C in
-groups of channels (Mamba-2), Mamba-2's state of 128."""
+groups of channels (Mamba-2), Mamba-2's state of 128. Then Mamba-2's chunked scan (vkformers_ssm.ssd) against the
+numpy recurrence, finite differences and the sequential kernel, and its segment_decay kernel."""
 from __future__ import annotations
 
 import numpy as np
