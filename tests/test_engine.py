@@ -264,6 +264,23 @@ def test_scalar_operands_of_every_binary_op():
     np.testing.assert_allclose((t - 2.0).numpy(), x - 2.0)
 
 
+def test_binary_ops_keep_only_what_their_wanted_gradients_read():
+    """A sum keeps none of its operands for the backward, a product with a constant only the constant (an
+    activation kept alive for nothing is memory a deep model's training runs out of); gradients unchanged."""
+    x = RNG.standard_normal((3, 4)).astype(np.float32)
+    c = RNG.standard_normal((3, 4)).astype(np.float32)
+    a, b, const = vkf.tensor(x, requires_grad=True), vkf.tensor(c, requires_grad=True), vkf.tensor(c)
+
+    def kept(t):  # (a, b, result): which are kept
+        return [v is not None for v in t._ctx.saved]
+    assert kept(a + b) == [False, False, False] and kept(a - b) == [False, False, False]
+    assert kept(a * const) == [False, True, False] and kept(a * b) == [True, True, False]
+    assert kept(a / const) == [False, True, False] and kept(const / a) == [False, True, True]
+    ((a * const + a / const - (const / a)) * b).sum().backward()
+    np.testing.assert_allclose(a.grad.numpy(), (c + 1 / c + c / x ** 2) * c, rtol=1e-5)
+    np.testing.assert_allclose(b.grad.numpy(), x * c + x / c - c / x, rtol=1e-5)
+
+
 def test_garbage_collector_pauses_while_building_and_resumes_after_realizing():
     import gc
     from vkformers.engine import lazy

@@ -2,7 +2,8 @@
 and the last state, a scan split in two (the second half from the first's state, as a recurrent cache runs) against
 the whole, and the gradients of u, delta, A, B, C and D against central differences, over shapes that cross the
 kernel's tiles: more channels than a workgroup's, more steps than a checkpoint chunk, a single step, B and C in
-groups of channels (Mamba-2), Mamba-2's state of 128."""
+groups of channels (Mamba-2), Mamba-2's state of 128. Then Mamba-2's chunked scan (vkformers_ssm.ssd) against the
+numpy recurrence, finite differences and the sequential kernel, and its segment_decay kernel."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from vkformers.engine.tensor import Tensor
 from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, selective_scan
-from vkformers_ssm.ssd import chunked_scan
+from vkformers_ssm.ssd import ChunkedScanShapeError, chunked_scan, segment_decay
 
 
 def reference(u, delta, A, B, C, D, h0=None):
@@ -155,3 +156,64 @@ def test_chunked_scan_gradients_match_finite_differences():
         want = _central_differences(loss, values[k])
         np.testing.assert_allclose(tensor.grad.numpy(), want, atol=1e-4 * max(np.abs(want).max(), 1e-3),
                                    err_msg=name)
+
+
+def _sequential(x, dt, A, B, C, h0=None):
+    """The selective-scan kernel on the same tensors, each head's dt and A given to its channels (D = 0)."""
+    batch, length, heads, head_dim = x.shape
+    channels, state = heads * head_dim, B.shape[-1]
+    delta = dt.reshape(batch, length, heads, 1).expand(batch, length, heads, head_dim).reshape(batch, length,
+                                                                                                 channels)
+    A_channels = A.reshape(heads, 1, 1).expand(heads, head_dim, state).reshape(channels, state)
+    return selective_scan(x.reshape(batch, length, channels), delta, A_channels, B, C,
+                          Tensor(np.zeros(channels, np.float32)), h0)
+
+
+@pytest.mark.parametrize("length,chunk", [(13, 4), (13, 5), (13, 13), (13, 32), (70, 16), (70, 64), (1, 8)])
+def test_chunked_scan_equals_the_sequential_scan_forward_and_backward(length, chunk):
+    """Chunked (matrix products) against sequential (selective_scan.comp) on the same tensors: outputs, last state
+    and the gradients of x, dt, A, B and C, for lengths that are and are not a multiple of the chunk."""
+    rng = np.random.default_rng(7)
+    batch, heads, head_dim, groups, state = 2, 6, 4, 3, 8
+    values = _mamba2_inputs(rng, batch, length, heads, head_dim, groups, state)
+    h0 = Tensor(rng.standard_normal((batch, heads * head_dim, state)).astype(np.float32))
+    g = Tensor(rng.standard_normal((batch, length, heads * head_dim)).astype(np.float32))
+    results = []
+    for scan in (lambda *v: chunked_scan(*v, chunk, initial_state=h0), lambda *v: _sequential(*v, h0)):
+        tensors = _tensors(values, requires_grad=True)
+        y, last = scan(*tensors)
+        (y * g).sum().backward()
+        results.append([y.numpy(), last.numpy()] + [t.grad.numpy() for t in tensors])
+    names = ["y", "last state", "x", "dt", "A", "B", "C"]
+    for name, got, want in zip(names, *results):
+        np.testing.assert_allclose(got, want, atol=2e-5 * max(np.abs(want).max(), 1.0), rtol=1e-4, err_msg=name)
+
+
+def test_chunked_scan_refuses_mismatched_shapes():
+    values = _tensors(_mamba2_inputs(np.random.default_rng(8), 1, 5, 4, 2, 3, 2))
+    with pytest.raises(ChunkedScanShapeError, match="groups"):
+        chunked_scan(*values, 4)
+    values = _tensors(_mamba2_inputs(np.random.default_rng(8), 1, 5, 4, 2, 2, 2))
+    with pytest.raises(ChunkedScanShapeError, match="dt must be"):
+        chunked_scan(values[0], values[1][:, :4], *values[2:], 4)
+
+
+def test_segment_decay_matches_numpy_and_its_gradient_finite_differences():
+    """exp(cs_l - cs_s) on and below the diagonal, exact zeros above it even where the difference would overflow,
+    and the gradient of cs (row sums less column sums of g * out) against central differences."""
+    rng = np.random.default_rng(9)
+    cs = np.cumsum(-np.abs(rng.standard_normal((2, 3, 7))), -1)
+    cs[0, 0] *= 100.0  # above the diagonal exp(cs_l - cs_s) would be inf
+    g = rng.standard_normal((2, 3, 7, 7))
+
+    def reference(v):
+        lower = np.tril(np.ones((7, 7), bool))
+        return np.where(lower, np.exp(np.where(lower, v[..., :, None] - v[..., None, :], 0.0)), 0.0)
+
+    t = Tensor(cs.astype(np.float32), requires_grad=True)
+    out = segment_decay(t)
+    np.testing.assert_allclose(out.numpy(), reference(cs), rtol=1e-5, atol=1e-7)
+    assert (out.numpy()[..., np.triu_indices(7, 1)[0], np.triu_indices(7, 1)[1]] == 0).all()
+    (out * Tensor(g.astype(np.float32))).sum().backward()
+    want = _central_differences(lambda v: (reference(v) * g).sum(), cs)
+    np.testing.assert_allclose(t.grad.numpy(), want, atol=1e-4 * np.abs(want).max())

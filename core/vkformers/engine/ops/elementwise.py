@@ -151,25 +151,32 @@ class BinaryFn(Function):
         if a.dtype is not dtype or b.dtype is not dtype:
             raise TypeError(f"{op}: operands are {a.dtype.name} and {b.dtype.name}; cast one first")
         y = node(Binary(op=op), [_expand(a, shape), _expand(b, shape)], [(shape, dtype)])[0]
-        self.saved = (a, b, y)
+        self.shapes = (a.shape, b.shape)
+        # only what the wanted gradients read stays alive for the backward (a sum keeps nothing)
+        reads = set().union(*(BINARY_READS[op][i] for i in (0, 1) if self.needs_grad[i]))
+        self.saved = tuple(v if name in reads else None for v, name in ((a, "a"), (b, "b"), (y, "y")))
         return y
 
     def backward(self, g):
-        a, b, y = (wrap(v) for v in self.saved)
-        ga, gb = BINARY_GRADIENTS[self.op](a, b, y, g)
-        return (sum_to_shape(ga, a.shape) if ga is not None and self.needs_grad[0] else None,
-                sum_to_shape(gb, b.shape) if gb is not None and self.needs_grad[1] else None)
+        a, b, y = (None if v is None else wrap(v) for v in self.saved)
+        grads = []
+        for i, (rule, shape) in enumerate(zip(BINARY_GRADIENTS[self.op], self.shapes)):
+            grads.append(sum_to_shape(rule(a, b, y, g), shape) if self.needs_grad[i] else None)
+        return tuple(grads)
 
 
+# Per op: the gradient of a and of b from (a, b, y, g), and which of a, b, y each reads.
 BINARY_GRADIENTS = {
-    "add": lambda a, b, y, g: (g, g),
-    "sub": lambda a, b, y, g: (g, -g),
-    "mul": lambda a, b, y, g: (g * b, g * a),
-    "div": lambda a, b, y, g: (g / b, -(g * y) / b),
-    "pow": lambda a, b, y, g: (g * b * a.pow(b - 1.0), g * y * a.log()),
-    "maximum": lambda a, b, y, g: (where(a >= b, g, 0.0), where(a >= b, 0.0, g)),
-    "minimum": lambda a, b, y, g: (where(a <= b, g, 0.0), where(a <= b, 0.0, g)),
+    "add": (lambda a, b, y, g: g, lambda a, b, y, g: g),
+    "sub": (lambda a, b, y, g: g, lambda a, b, y, g: -g),
+    "mul": (lambda a, b, y, g: g * b, lambda a, b, y, g: g * a),
+    "div": (lambda a, b, y, g: g / b, lambda a, b, y, g: -(g * y) / b),
+    "pow": (lambda a, b, y, g: g * b * a.pow(b - 1.0), lambda a, b, y, g: g * y * a.log()),
+    "maximum": (lambda a, b, y, g: where(a >= b, g, 0.0), lambda a, b, y, g: where(a >= b, 0.0, g)),
+    "minimum": (lambda a, b, y, g: where(a <= b, g, 0.0), lambda a, b, y, g: where(a <= b, 0.0, g)),
 }
+BINARY_READS = {"add": ("", ""), "sub": ("", ""), "mul": ("b", "a"), "div": ("b", "by"), "pow": ("ab", "ay"),
+                "maximum": ("ab", "ab"), "minimum": ("ab", "ab")}
 
 COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 
