@@ -298,7 +298,6 @@ def test_coopmat_forward_every_tile_shape(device, tiles, name):
     """Each tile shape of both forward variants, with and without the tuning options (the automatic choice takes only
     the first that fits), operands at an 8-element offset; a shape the device cannot run is refused by name."""
     case = VARIANT_CASES[name]
-    subgroup = int(device.limits["subgroup_size"])
     runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8, candidates=[tiles]) is not None
     if not runs:
         with pytest.raises(ValueError, match="cooperative-matrix forward"):
@@ -320,6 +319,18 @@ def test_coopmat_forward_default_tiles():
     assert not CoopmatTiles(64, 32, one_pass=False, lazy_rescale=True).fits(32)
     assert not CoopmatTiles(64, 32, prefetch=True, batched_staging=True).fits(32)
     assert not CoopmatTiles(64, 32, ablation=max(ABLATIONS.values()) + 1).fits(32)
+
+
+def test_coopmat_backward_option_combinations():
+    """The backward takes only the register softmax and P in registers (with it); P in registers leaves only the
+    output blocks in each subgroup's shared memory."""
+    assert CoopmatBackwardTiles(64, 32, reg_softmax=True, p_in_regs=True).fits(32)
+    assert CoopmatBackwardTiles(64, 32, reg_softmax=True).fits(8) and not CoopmatBackwardTiles(64, 32).fits(8)
+    for options in (dict(p_in_regs=True), dict(prefetch=True), dict(double_buffer=True), dict(lazy_rescale=True)):
+        assert not CoopmatBackwardTiles(64, 32, **options).fits(32)
+    reg = CoopmatBackwardTiles(64, 32, reg_softmax=True, p_in_regs=True)
+    assert reg.shared_bytes(128, 32) < CoopmatBackwardTiles(64, 32).shared_bytes(128, 32)
+    assert reg.tuning == 8 | 16
 
 
 def test_coopmat_forward_option_combinations():
@@ -418,28 +429,37 @@ def test_half_type_backward(device, dtype, name):
     run_case(device, HALF_BACKWARD_CASES[name], dtype)
 
 
+# The cooperative-matrix backward's variants: P and dS through shared memory, or on the accumulators' elements
+# (where the device's measured layout allows it), then through shared memory or straight into A operands.
+BACKWARD_VARIANTS = {"shared_softmax": {}, "reg_softmax": dict(reg_softmax=True),
+                     "reg_softmax_p_in_regs": dict(reg_softmax=True, p_in_regs=True)}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
 @pytest.mark.parametrize("name", list(HALF_BACKWARD_CASES))
-def test_coopmat_backward(device, dtype, name):
-    """The cooperative-matrix backward, asked for by name (auto does not pick it yet); refused by name where
-    the device has no cooperative matrix for the dtype."""
+def test_coopmat_backward(device, dtype, variant, name):
+    """Each variant of the cooperative-matrix backward, asked for by name, at the tiles the device would pick for
+    it; refused by name where the device has no cooperative matrix for the dtype or no layout for the variant."""
     case = HALF_BACKWARD_CASES[name]
-    if coopmat_backward_tiles(device, dtype, case.head_dim, 0, 0, 0, 0) is None:
+    candidates = [replace(t, **BACKWARD_VARIANTS[variant]) for t in COOPMAT_BACKWARD_TILES]
+    tiles = coopmat_backward_tiles(device, dtype, case.head_dim, 0, 0, 0, 0, candidates=candidates)
+    if tiles is None:
         with pytest.raises(ValueError, match="cooperative-matrix backward"):
-            run_case(device, case, dtype, backward_algorithm="coopmat")
+            run_case(device, case, dtype, backward_algorithm="coopmat", backward_tiles=candidates[-1])
         return
-    run_case(device, case, dtype, backward_algorithm="coopmat")
+    assert (tiles.reg_softmax, tiles.p_in_regs) == ("reg_softmax" in variant, "p_in_regs" in variant)
+    run_case(device, case, dtype, backward_algorithm="coopmat", backward_tiles=tiles)
 
 
-@pytest.mark.parametrize("tiles", COOPMAT_BACKWARD_TILES)
+@pytest.mark.parametrize("tiles", COOPMAT_BACKWARD_TILES + [replace(t, reg_softmax=True, p_in_regs=True)
+                                                          for t in COOPMAT_BACKWARD_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset"])
 def test_coopmat_backward_every_tile_shape(device, tiles, name):
     """Each tile shape of the cooperative-matrix backward (the automatic choice takes only the first that fits),
     with the operands at an 8-element offset; a shape the device cannot run is refused by name."""
     case = HALF_BACKWARD_CASES[name]
-    subgroup = int(device.limits["subgroup_size"])
-    runs = coopmat_backward_tiles(device, "float16", case.head_dim, 8, 8, 8, 0) is not None and tiles.fits(subgroup) \
-        and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
+    runs = coopmat_backward_tiles(device, "float16", case.head_dim, 8, 8, 8, 0, candidates=[tiles]) is not None
     if not runs:
         with pytest.raises(ValueError, match="cooperative-matrix backward"):
             run_case(device, case, "float16", offset=8, backward_algorithm="coopmat", backward_tiles=tiles)

@@ -225,33 +225,49 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
 
 @dataclass(frozen=True)
 class CoopmatBackwardTiles(CoopmatTiles):
-    """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``."""
+    """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``.
+    ``reg_softmax``: P and dS computed on the accumulators' elements (where the device's measured layout allows it);
+    ``p_in_regs`` (with it): P and dS become A operands without shared memory. No other option applies."""
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
         per_subgroup = 2 * 16 * self.cols * 4 + 2 * 16 * 16 * (self.cols // 8 + 1)  # q.k, dO.v; P, dS
+        if self.reg_softmax and self.p_in_regs:
+            per_subgroup = 16 * 16 * 4  # the output blocks only
         return 2 * self.cols * pitch + (self.rows // 16) * per_subgroup + 2 * 4 * self.cols
 
     def fits(self, subgroup: int) -> bool:
-        # The owned rows are staged where the two streamed tiles go; each lane takes whole uvec4s of P and dS.
-        return subgroup % 16 == 0 and self.rows <= 2 * self.cols and (self.cols // (subgroup // 16)) % 8 == 0
+        # The owned rows are staged where the two streamed tiles go; each lane takes whole uvec4s of P and dS (the
+        # register softmax: any subgroup of 8 lanes or more).
+        if self.rows % 16 or self.cols % 16 or self.rows > 2 * self.cols or subgroup < 8 or subgroup & (subgroup - 1):
+            return False
+        if self.prefetch or self.lazy_rescale or self.batched_staging or self.double_buffer or self.ablation \
+                or not self.one_pass or (self.p_in_regs and not self.reg_softmax):
+            return False
+        return self.reg_softmax or (subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0)
 
 
 COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32, 32), CoopmatBackwardTiles(32, 16),
                           CoopmatBackwardTiles(16, 16)]
+# Options the automatic choice puts on the tiles above where the device can run them (as COOPMAT_FORWARD_OPTIONS);
+# bench/attention.py --backward-sweep times them.
+COOPMAT_BACKWARD_OPTIONS: dict = {}
 # Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
 COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
 
 
-def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatBackwardTiles | None:
+def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int,
+                           candidates: list[CoopmatBackwardTiles] | None = None) -> CoopmatBackwardTiles | None:
     """Tiles for the cooperative-matrix backward kernel, or None where it cannot run: as
     :func:`coopmat_forward_tiles`, with head_dim at most COOPMAT_BACKWARD_MAX_HEAD_DIM."""
-    if head_dim > COOPMAT_BACKWARD_MAX_HEAD_DIM or coopmat_forward_tiles(device, dtype, head_dim, *offsets) is None:
+    if head_dim > COOPMAT_BACKWARD_MAX_HEAD_DIM or not _coopmat_forward_possible(device, dtype, head_dim, offsets):
         return None
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
-    return next((t for t in COOPMAT_BACKWARD_TILES
-                 if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
+    if candidates is None:
+        candidates = [replace(t, **COOPMAT_BACKWARD_OPTIONS) for t in COOPMAT_BACKWARD_TILES] + COOPMAT_BACKWARD_TILES
+    return next((t for t in candidates if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit
+                 and t.runs_on(device, dtype)), None)
 
 
 def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim: int, offsets, algorithm: str,
@@ -263,8 +279,8 @@ def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim
         raise ValueError(f"attention: cooperative-matrix tiles {tiles} given with algorithm='scalar'")
     if backward and not isinstance(tiles, CoopmatBackwardTiles):
         raise TypeError(f"attention: the cooperative-matrix backward takes CoopmatBackwardTiles, not {tiles}")
-    possible = coopmat_backward_tiles(device, dtype, head_dim, *offsets) is not None if backward \
-        else _coopmat_forward_possible(device, dtype, head_dim, offsets)
+    possible = _coopmat_forward_possible(device, dtype, head_dim, offsets) \
+        and (not backward or head_dim <= COOPMAT_BACKWARD_MAX_HEAD_DIM)
     if not possible:
         raise ValueError(f"attention: the cooperative-matrix {kind} cannot run {dtype} head_dim {head_dim} with "
                          f"offsets {tuple(offsets)} on {device.name}")
@@ -590,8 +606,9 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     def spec(compute_dq: bool):
         if coopmat:
             subgroup = int(device.limits["subgroup_size"])
+            layout = coopmat_layout(device, q.dtype.name).spec() if tiles.reg_softmax else []
             return [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), int(compute_dq), tiles.rows // 16 * subgroup,
-                    subgroup]
+                    subgroup, tiles.tuning, *layout]
         return [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(compute_dq), tiles.threads]
 
     seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),

@@ -95,7 +95,10 @@ def coopmat_layout(device, dtype: str) -> CoopmatLayout | None:
     where the device has none or their layout does not have the form the kernels use. Measured once per device."""
     key = (id(device), dtype)
     if key not in _layouts:
-        _layouts[key] = _measure(device, dtype) if coopmat_supported(device, dtype) else None
+        try:
+            _layouts[key] = _measure(device, dtype) if coopmat_supported(device, dtype) else None
+        except RuntimeError:  # a driver that cannot build or run the probe: no layout, the shared-memory paths run
+            _layouts[key] = None
     return _layouts[key]
 
 
