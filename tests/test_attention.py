@@ -291,7 +291,8 @@ REG_OPTIONS = [dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True, do
                          + [replace(t, prefetch=True, lazy_rescale=True) for t in COOPMAT_FORWARD_TILES]
                          + [replace(t, batched_staging=True) for t in COOPMAT_FORWARD_TILES]
                          + [replace(t, double_buffer=True) for t in COOPMAT_FORWARD_TILES]
-                         + [replace(t, **o) for o in REG_OPTIONS for t in COOPMAT_FORWARD_TILES + [CoopmatTiles(128, 64)]]
+                         + [replace(t, **o) for o in REG_OPTIONS
+                            for t in COOPMAT_FORWARD_TILES + [CoopmatTiles(128, 64)]]
                          + [replace(t, prefetch=True) for t in COOPMAT_TWO_PASS_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
 def test_coopmat_forward_every_tile_shape(device, tiles, name):
@@ -373,7 +374,8 @@ def test_coopmat_forward_options_where_the_layout_allows(monkeypatch, layout):
     tiles = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0)
     assert (tiles.reg_softmax, tiles.p_in_regs) == ((True, True) if layout == "a_matches" else (False, False))
     assert (tiles.rows, tiles.cols) == (128, 32)
-    reg_only = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0, candidates=[CoopmatTiles(64, 32, reg_softmax=True)])
+    reg_only = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0,
+                                     candidates=[CoopmatTiles(64, 32, reg_softmax=True)])
     assert (reg_only is None) == (layout == "none")
     # Subgroups of 8: only the register softmax runs.
     assert (coopmat_forward_tiles(fake_coopmat_device(8), "float16", 128, 0, 0, 0) is None) == (layout != "a_matches")
