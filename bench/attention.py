@@ -163,8 +163,9 @@ def forward_variants(device, dtype: str, head_dim: int) -> list:
     wide = replace(COOPMAT_WIDE_KEY_TILES, prefetch=True, lazy_rescale=True)
     if runs(wide):
         variants.append((f"one-pass {shape(wide)} prefetch lazy-rescale", wide))
-    # The register softmax frees the score space: other shapes fit (128 x 64 up to head dim 128).
-    for rows, cols in ((64, 32), (128, 32), (64, 64), (128, 64)):
+    # The register softmax frees the score space: other shapes fit (128 x 64 up to head dim 128; 64 x 16 double
+    # buffered at head dim 256).
+    for rows, cols in ((64, 32), (128, 32), (64, 64), (128, 64), (64, 16)):
         for options in (dict(reg_softmax=True, p_in_regs=True),
                         dict(reg_softmax=True, p_in_regs=True, double_buffer=True)):
             tiles = CoopmatTiles(rows, cols, **options)

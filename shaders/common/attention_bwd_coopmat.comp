@@ -165,11 +165,11 @@ void main() {
         for (uint i = lane; i < 64u; i += SUBGROUP_SIZE)
             scratch[s_base + i] = floatBitsToUint(vec4(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3));
         subgroupMemoryBarrierShared();
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> index_matrix;
         coopMatLoad(index_matrix, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
         COOPMAT_LAYOUT_DECODE(index_matrix, slot_row, col_word)
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         [[unroll]] for (uint r = 0; r < ROW_SLOTS; ++r) {
             const uint row = sg_row0 + slot_row[r];
             const float x = COMPUTE_DQ && row < q_len ? lse[lse_off + own_base + row] : NEG_INF;
@@ -269,7 +269,7 @@ void main() {
                         coopMatStore(dp[c], scratch, dp_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
                     }
                     subgroupMemoryBarrierShared();
-                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
                     for (uint e = lane; e < 16u * (BLOCK_COLS / 8); e += SUBGROUP_SIZE) {  // 8 of row e / (BLOCK_COLS / 8)
                         const uint row = e / (BLOCK_COLS / 8), col = e % (BLOCK_COLS / 8) * 8;
                         [[unroll]] for (uint h = 0; h < 2; ++h) {
@@ -282,7 +282,7 @@ void main() {
                         }
                     }
                     subgroupMemoryBarrierShared();
-                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
                     [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
                         coopMatLoad(pf[c], scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
                         coopMatLoad(dsf[c], scratch, ds_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
@@ -300,7 +300,7 @@ void main() {
                         }
                     }
                 }
-                if (!P_REGS) subgroupMemoryBarrierShared();  // scratch is rewritten by the next tile
+                if (!P_REGS) subgroupBarrier();  // scratch is rewritten by the next tile
                 continue;
             }
 
@@ -321,7 +321,7 @@ void main() {
                 coopMatStore(dp, scratch, dp_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
             }
             subgroupMemoryBarrierShared();
-            subgroupMemoryBarrierShared();
+            subgroupBarrier();
 
             // This lane's P and dS as 16-bit patterns, 8 columns (one uvec4) at a time.
             [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
@@ -352,7 +352,7 @@ void main() {
                 scratch[ds_base + my_row * P_PITCH + (my_col0 + j) / 8] = ds_bits;
             }
             subgroupMemoryBarrierShared();
-            subgroupMemoryBarrierShared();
+            subgroupBarrier();
 
             // acc1 += dS B1 (dK: dS^T Q, dQ: dS K); dK/dV pass also acc2 += P^T dO. B read row-major.
             [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
@@ -370,16 +370,16 @@ void main() {
                     }
                 }
             }
-            subgroupMemoryBarrierShared();  // scratch is rewritten by the next tile
+            subgroupBarrier();  // scratch is rewritten by the next tile
         }
     }
 
     // Gradients, 16 x 16 at a time through this subgroup's score space: grad1 = scale * acc1, grad2 = acc2.
 #define WRITE_GRAD(acc, grad, grad_off, factor)                                                      \
-    subgroupMemoryBarrierShared();                                                                             \
+    subgroupBarrier();                                                                             \
     coopMatStore(acc, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);                     \
     subgroupMemoryBarrierShared();                                                                 \
-    subgroupMemoryBarrierShared();                                                                             \
+    subgroupBarrier();                                                                             \
     for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) {  /* element (e / 16, e % 16) of the block */ \
         if (sg_row0 + e / 16 < own_count)                                                          \
             grad[grad_off + (own_base + sg_row0 + e / 16) * HEAD_DIM + d * 16 + e % 16] =          \

@@ -258,9 +258,9 @@ void main() {
     if (ONE_PASS && !REG) {
         for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) scratch[s_base + e / 4][e % 4] = floatBitsToUint(float(e / 16u));
         subgroupMemoryBarrierShared();
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         coopMatLoad(row_of, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
     }
 
     // Keys any row of the workgroup can see, and those of this subgroup's rows.
@@ -392,11 +392,11 @@ void main() {
                     }
                 }
                 if (!P_REGS) {  // P through this subgroup's shared memory: float32, then 16-bit, then A operands
-                    subgroupMemoryBarrierShared();  // the previous tile's P is no longer read
+                    subgroupBarrier();  // the previous tile's P is no longer read
                     [[unroll]] for (uint c = 0; c < C_FRAGS; ++c)
                         coopMatStore(sc[c], scratch, s_base + c * 4, S_PITCH, gl_CooperativeMatrixLayoutRowMajor);
                     subgroupMemoryBarrierShared();
-                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
                     for (uint e = lane; e < 16u * (BLOCK_COLS / 8); e += SUBGROUP_SIZE) {  // 8 of row e / (BLOCK_COLS / 8)
                         const uint row = e / (BLOCK_COLS / 8), col = e % (BLOCK_COLS / 8) * 8;
                         const vec4 a = uintBitsToFloat(scratch[s_base + row * S_PITCH + col / 4]);
@@ -406,7 +406,7 @@ void main() {
                                   to_bits(b.x) | (to_bits(b.y) << 16), to_bits(b.z) | (to_bits(b.w) << 16));
                     }
                     subgroupMemoryBarrierShared();
-                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
                     [[unroll]] for (uint c = 0; c < C_FRAGS; ++c)
                         coopMatLoad(pf[c], scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
                 }
@@ -438,7 +438,7 @@ void main() {
 
             SCORES()
             subgroupMemoryBarrierShared();
-            subgroupMemoryBarrierShared();
+            subgroupBarrier();
             if (ABLATION == ABLATE_SOFTMAX) {  // ablation: the raw scores rounded are the probabilities
                 [[unroll]] for (uint j = 0; j < SCORES_PER_LANE; j += 8) {
                     vec4 a = uintBitsToFloat(scratch[s_base + my_row * S_PITCH + (my_col0 + j) / 4]);
@@ -448,7 +448,7 @@ void main() {
                               to_bits(b.x) | (to_bits(b.y) << 16), to_bits(b.z) | (to_bits(b.w) << 16));
                 }
                 subgroupMemoryBarrierShared();
-                subgroupMemoryBarrierShared();
+                subgroupBarrier();
                 PV()
                 continue;
             }
@@ -500,7 +500,7 @@ void main() {
                 const bool rescale_now = rescaled && !(LAZY && subgroupAll(rescale == 1.0));
                 if (rescale_now && lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = rescale;
                 subgroupMemoryBarrierShared();
-                subgroupMemoryBarrierShared();
+                subgroupBarrier();
                 if (rescale_now) {
                     [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
                         float f = row_factor[sg * 16 + uint(row_of[i])];
@@ -516,7 +516,7 @@ void main() {
                     scratch[p_base + my_row * P_PITCH + (my_col0 + j) / 8] = packed;
                 }
                 subgroupMemoryBarrierShared();
-                subgroupMemoryBarrierShared();
+                subgroupBarrier();
             }
             PV()
           } while (false);
@@ -551,10 +551,10 @@ void main() {
         if (!DOUBLE) barrier();  // every subgroup is done with the tiles: the output goes through their space
         out_base = sg * 16 * O_PITCH;
     } else if (ONE_PASS) {  // divide by the row sums
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         if (lane % LANES_PER_ROW == 0u) row_factor[sg * 16 + my_row] = l > 0.0 ? 1.0 / l : 0.0;
         subgroupMemoryBarrierShared();
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         [[unroll]] for (int i = 0; i < row_of.length(); ++i) {
             float f = row_factor[sg * 16 + uint(row_of[i])];
             [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) acc[d][i] *= f;
@@ -562,10 +562,10 @@ void main() {
     }
     // Out, 16 x 16 at a time through this subgroup's score space; lse from the first pass (or the only one).
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         coopMatStore(acc[d], scratch, out_base, O_PITCH, gl_CooperativeMatrixLayoutRowMajor);
         subgroupMemoryBarrierShared();
-        subgroupMemoryBarrierShared();
+        subgroupBarrier();
         for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) {  // element (e / 16, e % 16) of the block
             uint row = q0 + sg * 16 + e / 16;
             if (row < q_len)
