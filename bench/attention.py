@@ -323,7 +323,7 @@ def bench_backward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads:
     for name, tiles, seq, diffs in recorded:
         bwd_ms = float(np.median(times[name])) * 1e3
         r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-             "variant": name, "tuning": tiles.tuning, "backward_ms": bwd_ms,
+             "variant": name, "tuning": getattr(tiles, "tuning", None), "backward_ms": bwd_ms,
              "backward_ms_rounds": [t * 1e3 for t in times[name]], "backward_tflops": flops / bwd_ms * 1e-9,
              "forward_ms": fwd_ms, "fwd_bwd_ms": fwd_ms + bwd_ms}
         line = (f"{where}, {name:36s}: {bwd_ms:.3f} ms (rounds {'/'.join(f'{t:.3f}' for t in r['backward_ms_rounds'])};"
