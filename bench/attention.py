@@ -7,7 +7,11 @@ CUDA GPU (timed with CUDA events; its outputs also check ours at full size), els
 (float32, CPU) at the same shape, which is only a sanity reference.
 
     python bench/attention.py [--quick] [--json OUT] [--seq 2048] [--heads 32] [--head-dim 128]
-                              [--decode-only] [--decode-sweep] [--kv-heads N] [--forward-sweep]
+                              [--decode-only] [--decode-sweep] [--kv-heads N] [--forward-sweep [--rounds 2]]
+
+--forward-sweep times every variant once per round, the rounds one after the other in the same run, and says per
+variant whether the rounds agree on its gain over the default (the same side of it by more than 2% each time), so
+that one run decides what would otherwise take two.
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ import numpy as np
 from common import WARM_UP_SECONDS, cuda_median, cuda_torch, warm_up, write_results
 
 from vkformers.engine.kernels.attention import (
-    ABLATIONS, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_KEY_TILES, DECODE_TILES, attention_backward,
-    attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
+    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_KEY_TILES,
+    DECODE_TILES, CoopmatTiles,
+    attention_backward, attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
+from vkformers.engine.kernels.coopmat_layout import coopmat_layout
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -132,32 +138,49 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 def forward_variants(device, dtype: str, head_dim: int) -> list:
     """(name, tiles) of the cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel
     at its automatic tiles; the one-pass kernel at its automatic tiles ("default"), at the other leading shapes, with
-    each tuning option; then the ablations, each the default one-pass kernel less one part of its work."""
+    each tuning option; the register softmax (where the device's measured layout allows it) with each option and
+    shape; then the ablations, each the default one-pass kernel less one part of its work."""
     two_pass = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)
     default = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0)
     if two_pass is None or default is None:
         return []
     limit = int(device.limits["max_compute_shared_memory_size"])
     subgroup = int(device.limits["subgroup_size"])
+    runs = lambda t: t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit and t.runs_on(device, dtype)
     shape = lambda t: f"{t.rows}x{t.cols}"
     variants = [(f"two-pass {shape(two_pass)}", two_pass), (f"one-pass {shape(default)} (default)", default)]
-    variants += [(f"one-pass {shape(t)}", t) for t in COOPMAT_FORWARD_TILES[:2]
-                 if t != default and t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit]
+    variants += [(f"one-pass {shape(t)}", t) for t in COOPMAT_FORWARD_TILES[:2] if t != default and runs(t)]
     for options in (dict(prefetch=True), dict(batched_staging=True), dict(lazy_rescale=True),
-                    dict(prefetch=True, lazy_rescale=True)):
-        variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options),
-                         replace(default, **options)))
+                    dict(prefetch=True, lazy_rescale=True), dict(double_buffer=True),
+                    dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True),
+                    dict(reg_softmax=True, p_in_regs=True, lazy_rescale=True),
+                    dict(reg_softmax=True, p_in_regs=True, prefetch=True),
+                    dict(reg_softmax=True, p_in_regs=True, double_buffer=True),
+                    dict(reg_softmax=True, double_buffer=True)):
+        tiles = replace(default, **options)
+        if runs(tiles):
+            variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options), tiles))
     wide = replace(COOPMAT_WIDE_KEY_TILES, prefetch=True, lazy_rescale=True)
-    if wide.fits(subgroup) and wide.shared_bytes(head_dim, subgroup) <= limit:
+    if runs(wide):
         variants.append((f"one-pass {shape(wide)} prefetch lazy-rescale", wide))
+    # The register softmax frees the score space: other shapes fit (128 x 64 up to head dim 128; 64 x 16 double
+    # buffered at head dim 256).
+    for rows, cols in ((64, 32), (128, 32), (64, 64), (128, 64), (64, 16)):
+        for options in (dict(reg_softmax=True, p_in_regs=True),
+                        dict(reg_softmax=True, p_in_regs=True, double_buffer=True)):
+            tiles = CoopmatTiles(rows, cols, **options)
+            name = f"one-pass {rows}x{cols} " + " ".join(k.replace("_", "-") for k in options)
+            if (rows, cols) != (default.rows, default.cols) and runs(tiles):
+                variants.append((name, tiles))
     variants += [(f"ablation {shape(default)}: {what}", replace(default, ablation=value))
                  for what, value in ABLATIONS.items()]
     return variants
 
 
 def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-                        repeats: int) -> list[dict]:
-    """Causal forward of each cooperative-matrix variant (and the scalar kernel where none runs), beside SDPA."""
+                        repeats: int, rounds: int = 2) -> list[dict]:
+    """Causal forward of each cooperative-matrix variant (and the scalar kernel where none runs), beside SDPA, timed
+    once per round (all variants, then all again), so that the rounds of one run can agree or not."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, heads, seq_len, head_dim), dtype=np.float32)
     k, v = (rng.standard_normal((1, kv_heads, seq_len, head_dim), dtype=np.float32) for _ in range(2))
@@ -179,28 +202,155 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
                 tq.float(), tk.float().repeat_interleave(group, 1), tv.float().repeat_interleave(group, 1),
                 is_causal=True).cpu().numpy()
     flops = 4 * heads * seq_len * seq_len * head_dim / 2
-    rows = []
+    where = f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward"
+    # Record each variant once (a variant the driver refuses, e.g. out of registers, is reported and left out) and
+    # check its output against SDPA once.
+    recorded = []
     for name, tiles in forward_variants(device, dtype, head_dim) or [("scalar", None)]:
-        try:  # a variant the driver refuses (e.g. out of registers) is reported, and the sweep goes on
+        try:
             seq = device.sequence(timestamps=True)
             attention_forward(seq, *bufs, out, lse, **sizes, tiles=tiles,
                               algorithm="scalar" if tiles is None else "auto")
-            seconds = gpu_seconds(seq, repeats, warm_up_seconds=0.3)
+            seq.replay()
         except Exception as error:  # noqa: BLE001
-            print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name}: failed: "
-                  f"{type(error).__name__}: {error}")
+            print(f"{where}, {name}: failed: {type(error).__name__}: {error}")
             continue
+        diff = None if ref is None else float(np.abs(as_float32(out.read(), dtype) - ref).max())
+        recorded.append((name, tiles, seq, diff))
+    times = {name: [] for name, *_ in recorded}
+    for round_index in range(rounds):
+        for name, tiles, seq, diff in recorded:
+            times[name].append(gpu_seconds(seq, repeats, warm_up_seconds=0.3))
+    default_name = next((name for name, *_ in recorded if name.endswith("(default)")), None)
+    rows = []
+    for name, tiles, seq, diff in recorded:
+        seconds = float(np.median(times[name]))
         r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-             "variant": name, "forward_ms": seconds * 1e3, "forward_tflops": flops / seconds * 1e-12}
+             "variant": name, "tuning": None if tiles is None else tiles.tuning, "forward_ms": seconds * 1e3,
+             "forward_ms_rounds": [t * 1e3 for t in times[name]], "forward_tflops": flops / seconds * 1e-12}
+        if default_name and name != default_name and not name.startswith("ablation"):
+            gains = [d / t for d, t in zip(times[default_name], times[name])]  # > 1: faster than the default
+            r["gain_vs_default_rounds"] = gains
+            r["rounds_agree"] = ("faster" if min(gains) > 1.02 else "slower" if max(gains) < 0.98 else "no")
         if torch_ms is not None:
             r.update(torch_forward_ms=torch_ms, forward_ratio=torch_ms / r["forward_ms"],
-                     max_abs_diff_vs_torch_fp32=float(np.abs(as_float32(out.read(), dtype) - ref).max()))
+                     max_abs_diff_vs_torch_fp32=diff)
         rows.append(r)
-        print(f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward, {name:48s}: "
-              f"{r['forward_ms']:.3f} ms ({r['forward_tflops']:.1f} TFLOP/s"
-              + (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
-                 f"{r['max_abs_diff_vs_torch_fp32']:.1e})" if torch_ms is not None else ")"))
+        rounds_text = "/".join(f"{t:.3f}" for t in r["forward_ms_rounds"])
+        line = f"{where}, {name:56s}: {r['forward_ms']:.3f} ms (rounds {rounds_text}; {r['forward_tflops']:.1f} TFLOP/s"
+        if "gain_vs_default_rounds" in r:
+            line += ", vs default " + "/".join(f"{g:.3f}x" for g in r["gain_vs_default_rounds"])
+            line += f" agree: {r['rounds_agree']}"
+        if torch_ms is not None:
+            line += (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
+                     f"{r['max_abs_diff_vs_torch_fp32']:.1e}")
+        print(line + ")")
     return rows
+
+
+def backward_variants(device, dtype: str, head_dim: int) -> list:
+    """(name, tiles) of the cooperative-matrix backward kernels the device can run at ``head_dim``: the automatic
+    tiles ("default"), each option on them and on the other shapes."""
+    default = coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0)
+    if default is None:
+        return []
+    variants = [(f"{default.rows}x{default.cols} (default)", default)]
+    for t in COOPMAT_BACKWARD_TILES[:2]:
+        for options in ({}, dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True)):
+            tiles = replace(t, **options)
+            name = f"{t.rows}x{t.cols} " + " ".join(k.replace("_", "-") for k in options)
+            if tiles != default and coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0, candidates=[tiles]):
+                variants.append((name.strip(), tiles))
+    return variants
+
+
+def bench_backward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                         repeats: int, rounds: int = 2) -> list[dict]:
+    """Causal backward of each cooperative-matrix backward variant after the automatic forward, beside SDPA's
+    forward + backward, timed once per round as the forward sweep."""
+    rng = np.random.default_rng(0)
+    q, d_out = (rng.standard_normal((1, heads, seq_len, head_dim), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, kv_heads, seq_len, head_dim), dtype=np.float32) for _ in range(2))
+    bufs = [to_device(device, x, dtype) for x in (q, k, v, d_out)]
+    out = device.buffer(q.shape, dtype, name="out")
+    lse = device.buffer(q.shape[:3], "float32", name="lse")
+    grads = [device.buffer(x.shape, dtype, name=n) for x, n in ((q, "d_q"), (k, "d_k"), (v, "d_v"))]
+    sizes = dict(batch=1, heads=heads, kv_heads=kv_heads, q_len=seq_len, kv_len=seq_len, head_dim=head_dim,
+                 scale=head_dim ** -0.5, causal=True)
+    forward = device.sequence(timestamps=True)
+    attention_forward(forward, *bufs[:3], out, lse, **sizes)
+    forward.replay()
+    where = f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal backward"
+    torch_ms, refs = None, None
+    if HAVE_CUDA:
+        tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        leaves = [torch.from_numpy(x).cuda().to(tdtype).requires_grad_() for x in (q, k, v)]
+        tdo = torch.from_numpy(d_out).cuda().to(tdtype)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def fwd_bwd():
+            for x in leaves:
+                x.grad = None
+            sdpa(*leaves, is_causal=True, enable_gqa=heads != kv_heads).backward(tdo)
+
+        torch_ms = cuda_median(fwd_bwd, repeats) * 1e3
+        group = heads // kv_heads
+        ref = [x.detach().float().requires_grad_() for x in leaves]
+        sdpa(ref[0], ref[1].repeat_interleave(group, 1), ref[2].repeat_interleave(group, 1),
+             is_causal=True).backward(tdo.float())
+        refs = [x.grad.cpu().numpy() for x in ref]
+    recorded = []
+    for name, tiles in backward_variants(device, dtype, head_dim):
+        try:
+            seq = device.sequence(timestamps=True)
+            attention_backward(seq, *bufs[:3], out, bufs[3], lse, *grads, **sizes, tiles=tiles, algorithm="coopmat")
+            seq.replay()
+        except Exception as error:  # noqa: BLE001
+            print(f"{where}, {name}: failed: {type(error).__name__}: {error}")
+            continue
+        diffs = None if refs is None else [float(np.abs(as_float32(g.read(), dtype) - r).max())
+                                           for g, r in zip(grads, refs)]
+        recorded.append((name, tiles, seq, diffs))
+    fwd_times, times = [], {name: [] for name, *_ in recorded}
+    for _ in range(rounds):
+        fwd_times.append(gpu_seconds(forward, repeats, warm_up_seconds=0.3))
+        for name, tiles, seq, diffs in recorded:
+            times[name].append(gpu_seconds(seq, repeats, warm_up_seconds=0.3))
+    fwd_ms = float(np.median(fwd_times)) * 1e3
+    flops = 2.5 * 4 * heads * seq_len * seq_len * head_dim / 2  # causal; backward = 2.5 forwards
+    default_name = recorded[0][0] if recorded else None
+    rows = []
+    for name, tiles, seq, diffs in recorded:
+        bwd_ms = float(np.median(times[name])) * 1e3
+        r = {"dtype": dtype, "seq": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+             "variant": name, "tuning": getattr(tiles, "tuning", None), "backward_ms": bwd_ms,
+             "backward_ms_rounds": [t * 1e3 for t in times[name]], "backward_tflops": flops / bwd_ms * 1e-9,
+             "forward_ms": fwd_ms, "fwd_bwd_ms": fwd_ms + bwd_ms}
+        line = (f"{where}, {name:36s}: {bwd_ms:.3f} ms (rounds {'/'.join(f'{t:.3f}' for t in r['backward_ms_rounds'])};"
+                f" {r['backward_tflops']:.1f} TFLOP/s; with the forward {r['fwd_bwd_ms']:.3f} ms")
+        if name != default_name:
+            gains = [d / t for d, t in zip(times[default_name], times[name])]
+            r.update(gain_vs_default_rounds=gains,
+                     rounds_agree="faster" if min(gains) > 1.02 else "slower" if max(gains) < 0.98 else "no")
+            line += ", vs default " + "/".join(f"{g:.3f}x" for g in gains) + f" agree: {r['rounds_agree']}"
+        if torch_ms is not None:
+            r.update(torch_fwd_bwd_ms=torch_ms, fwd_bwd_ratio=torch_ms / r["fwd_bwd_ms"],
+                     max_abs_diff_dq_dk_dv_vs_torch_fp32=diffs)
+            line += (f", sdpa fwd+bwd {torch_ms:.3f} ms, ratio {r['fwd_bwd_ratio']:.3f}, max diff d_q/d_k/d_v "
+                     + "/".join(f"{x:.1e}" for x in diffs))
+        rows.append(r)
+        print(line + ")")
+    return rows
+
+
+def print_layouts(device) -> None:
+    """The measured accumulator layout (the register softmax runs only where it has the form it needs)."""
+    for dtype in ("float16", "bfloat16"):
+        layout = coopmat_layout(device, dtype)
+        print(f"cooperative-matrix layout {dtype}: "
+              + ("none usable (no register softmax)" if layout is None else
+                 f"{layout.row_slots} rows per lane, lanes sharing a row: mask {layout.row_lane_mask}, slots "
+                 f"{layout.slots}, A operands as accumulators: {layout.a_matches_accumulator}"))
 
 
 def bench_decode(device, dtype: str, kv_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int,
@@ -273,23 +423,36 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill (forward, backward) rows")
     parser.add_argument("--forward-sweep", action="store_true",
                         help="only the causal forward of each cooperative-matrix variant, tile shape and tuning "
-                             "option, and the ablations (the default kernel less one part of its work: wrong results, "
-                             "for where the time goes), bf16, at seq 2048 and 8192 (or --seq), head dims 64 and 128, "
-                             "MHA and GQA (4 query heads per KV head; or --kv-heads), beside SDPA")
+                             "option, and the ablations (the default kernel less one part of its work: wrong "
+                             "results, for where the time goes), bf16 (or --dtypes), at seq 2048 and 8192 (or --seq), "
+                             "head dims 64 and 128 (or --head-dims), MHA and GQA (4 query heads per KV head; or "
+                             "--kv-heads), beside SDPA")
+    parser.add_argument("--backward-sweep", action="store_true",
+                        help="only the causal backward of each cooperative-matrix backward variant (after the "
+                             "automatic forward), bf16 (or --dtypes), at seq 2048 and 8192 (or --seq), head dims 64 "
+                             "and 128 (or --head-dims), MHA and GQA (or --kv-heads), beside SDPA's forward + backward")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="--forward-sweep: time every variant this many times, all variants per round")
+    parser.add_argument("--head-dims", default="64,128", help="--forward-sweep: head dims")
     parser.add_argument("--decode-sweep", action="store_true",
                         help="decode: also time each number of query heads per workgroup and tile size")
     args = parser.parse_args(argv)
     device = get_device()
     seq_len, heads, repeats = (256, 4, 3) if args.quick else (args.seq, args.heads, 10)
     print(f"device: {device.name}; reference: {'torch CUDA sdpa' if HAVE_CUDA else 'numpy CPU'}")
-    results = {"device": device.name, "prefill": [], "decode": [], "forward_sweep": []}
-    if args.forward_sweep:
+    results = {"device": device.name, "prefill": [], "decode": [], "forward_sweep": [], "backward_sweep": []}
+    if args.forward_sweep or args.backward_sweep:
+        print_layouts(device)
         seqs = [256] if args.quick else ([args.seq] if args.seq != 2048 else [2048, 8192])
-        for seq_len in seqs:
-            for head_dim in (64, 128):
-                for kv_heads in ([args.kv_heads] if args.kv_heads else [heads, heads // 4]):
-                    results["forward_sweep"] += bench_forward_sweep(device, "bfloat16", seq_len, heads,
-                                                                    max(1, kv_heads), head_dim, repeats)
+        dtypes = [d for d in args.dtypes.split(",") if d != "float32"] if args.dtypes != parser.get_default("dtypes") \
+            else ["bfloat16"]
+        for dtype in dtypes:
+            for seq_len in seqs:
+                for head_dim in (int(d) for d in args.head_dims.split(",")):
+                    for kv_heads in ([args.kv_heads] if args.kv_heads else [heads, heads // 4]):
+                        sweep = bench_backward_sweep if args.backward_sweep else bench_forward_sweep
+                        results["backward_sweep" if args.backward_sweep else "forward_sweep"] += sweep(
+                            device, dtype, seq_len, heads, max(1, kv_heads), head_dim, repeats, args.rounds)
         write_results(args.json, results)
         return 0
     for dtype in args.dtypes.split(","):

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 from vkformers.engine.kernels import Operand
+from vkformers.engine.kernels import attention as attention_kernels
 from vkformers.engine.kernels.attention import (
     ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES,
     CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward,
     coopmat_backward_tiles, coopmat_forward_candidates, coopmat_forward_tiles)
+from vkformers.engine.kernels.coopmat_layout import CoopmatLayout, analyse, coopmat_layout
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.runtime import dtypes as dt
 
@@ -241,7 +243,18 @@ FORWARD_VARIANTS = {"two_pass": dict(one_pass=False), "two_pass_prefetch": dict(
                     "one_pass": {}, "one_pass_prefetch": dict(prefetch=True),
                     "one_pass_batched_staging": dict(batched_staging=True),
                     "one_pass_lazy_rescale": dict(lazy_rescale=True),
-                    "one_pass_prefetch_lazy_rescale": dict(prefetch=True, lazy_rescale=True)}
+                    "one_pass_prefetch_lazy_rescale": dict(prefetch=True, lazy_rescale=True),
+                    "one_pass_double_buffer": dict(double_buffer=True),
+                    # The register softmax (where the device's measured layout allows it), P through shared memory
+                    # or straight into A operands, with each staging option.
+                    "one_pass_reg_softmax": dict(reg_softmax=True),
+                    "one_pass_reg_softmax_p_in_regs": dict(reg_softmax=True, p_in_regs=True),
+                    "one_pass_reg_softmax_p_in_regs_lazy_rescale": dict(reg_softmax=True, p_in_regs=True,
+                                                                        lazy_rescale=True),
+                    "one_pass_reg_softmax_p_in_regs_prefetch": dict(reg_softmax=True, p_in_regs=True, prefetch=True),
+                    "one_pass_reg_softmax_double_buffer": dict(reg_softmax=True, double_buffer=True),
+                    "one_pass_reg_softmax_p_in_regs_double_buffer": dict(reg_softmax=True, p_in_regs=True,
+                                                                         double_buffer=True)}
 
 
 def variant_candidates(variant: str, head_dim: int) -> list[CoopmatTiles]:
@@ -266,21 +279,27 @@ def test_coopmat_forward_variants(device, dtype, variant, name):
     assert tiles.one_pass == variant.startswith("one_pass") and tiles.prefetch == ("prefetch" in variant)
     assert tiles.lazy_rescale == ("lazy_rescale" in variant) and tiles.ablation == 0
     assert tiles.batched_staging == ("batched_staging" in variant)
+    assert (tiles.reg_softmax, tiles.p_in_regs) == ("reg_softmax" in variant, "p_in_regs" in variant)
+    assert tiles.double_buffer == ("double_buffer" in variant)
     run_case(device, case, dtype, backward=False, tiles=tiles)
+
+
+REG_OPTIONS = [dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True, double_buffer=True)]
 
 
 @pytest.mark.parametrize("tiles", COOPMAT_FORWARD_TILES + COOPMAT_TWO_PASS_TILES
                          + [replace(t, prefetch=True, lazy_rescale=True) for t in COOPMAT_FORWARD_TILES]
                          + [replace(t, batched_staging=True) for t in COOPMAT_FORWARD_TILES]
+                         + [replace(t, double_buffer=True) for t in COOPMAT_FORWARD_TILES]
+                         + [replace(t, **o) for o in REG_OPTIONS
+                            for t in COOPMAT_FORWARD_TILES + [CoopmatTiles(128, 64)]]
                          + [replace(t, prefetch=True) for t in COOPMAT_TWO_PASS_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset", "head_dim_96_causal"])
 def test_coopmat_forward_every_tile_shape(device, tiles, name):
     """Each tile shape of both forward variants, with and without the tuning options (the automatic choice takes only
     the first that fits), operands at an 8-element offset; a shape the device cannot run is refused by name."""
     case = VARIANT_CASES[name]
-    subgroup = int(device.limits["subgroup_size"])
-    runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8) is not None and tiles.fits(subgroup) \
-        and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
+    runs = coopmat_forward_tiles(device, "bfloat16", case.head_dim, 8, 8, 8, candidates=[tiles]) is not None
     if not runs:
         with pytest.raises(ValueError, match="cooperative-matrix forward"):
             run_case(device, case, "bfloat16", backward=False, offset=8, tiles=tiles)
@@ -303,6 +322,104 @@ def test_coopmat_forward_default_tiles():
     assert not CoopmatTiles(64, 32, ablation=max(ABLATIONS.values()) + 1).fits(32)
 
 
+def test_coopmat_backward_option_combinations():
+    """The backward takes only the register softmax and P in registers (with it); P in registers leaves only the
+    output blocks in each subgroup's shared memory."""
+    assert CoopmatBackwardTiles(64, 32, reg_softmax=True, p_in_regs=True).fits(32)
+    assert CoopmatBackwardTiles(64, 32, reg_softmax=True).fits(8) and not CoopmatBackwardTiles(64, 32).fits(8)
+    for options in (dict(p_in_regs=True), dict(prefetch=True), dict(double_buffer=True), dict(lazy_rescale=True)):
+        assert not CoopmatBackwardTiles(64, 32, **options).fits(32)
+    reg = CoopmatBackwardTiles(64, 32, reg_softmax=True, p_in_regs=True)
+    assert reg.shared_bytes(128, 32) < CoopmatBackwardTiles(64, 32).shared_bytes(128, 32)
+    assert reg.tuning == 8 | 16
+
+
+def test_coopmat_forward_option_combinations():
+    """The register softmax and double buffering only with one pass, without ablations, double buffering without the
+    other staging options, P in registers only with the register softmax; the register softmax alone runs with
+    subgroups of 8 (its lanes need not split rows)."""
+    assert CoopmatTiles(64, 32, reg_softmax=True, p_in_regs=True, double_buffer=True, lazy_rescale=True).fits(32)
+    assert CoopmatTiles(64, 32, reg_softmax=True).fits(8) and not CoopmatTiles(64, 32).fits(8)
+    assert not CoopmatTiles(64, 32, one_pass=False, reg_softmax=True).fits(32)
+    assert not CoopmatTiles(64, 32, one_pass=False, double_buffer=True).fits(32)
+    assert not CoopmatTiles(64, 32, reg_softmax=True, ablation=1).fits(32)
+    assert not CoopmatTiles(64, 32, p_in_regs=True).fits(32)
+    assert not CoopmatTiles(64, 32, double_buffer=True, prefetch=True).fits(32)
+    assert not CoopmatTiles(64, 32, double_buffer=True, batched_staging=True).fits(32)
+    assert CoopmatTiles(64, 32, reg_softmax=True, p_in_regs=True, double_buffer=True).tuning == 8 | 16 | 32
+    # Shared memory: no score space with P in registers, two tile buffers with double buffering.
+    plain, reg = CoopmatTiles(128, 64), CoopmatTiles(128, 64, reg_softmax=True, p_in_regs=True)
+    assert reg.shared_bytes(128, 32) <= 48 * 1024 < plain.shared_bytes(128, 32)
+    assert replace(reg, double_buffer=True).shared_bytes(128, 32) > 48 * 1024
+    assert CoopmatTiles(64, 32, reg_softmax=True, p_in_regs=True, double_buffer=True).shared_bytes(128, 32) <= 48 * 1024
+
+
+def fake_coopmat_device(subgroup=32):
+    from types import SimpleNamespace
+    shape = dict(m=16, n=16, k=16, a_type="float16", b_type="float16", c_type="float32", result_type="float32",
+                 scope="subgroup")
+    return SimpleNamespace(features={"shaderFloat16": True}, cooperative_matrix_shapes=[shape], name="fake",
+                           limits={"subgroup_size": subgroup, "max_compute_shared_memory_size": 48 * 1024})
+
+
+@pytest.mark.parametrize("layout", ["none", "a_differs", "a_matches"])
+def test_coopmat_forward_options_where_the_layout_allows(monkeypatch, layout):
+    """COOPMAT_FORWARD_OPTIONS go on the automatic tiles only where the device's measured layout allows them: the
+    register softmax needs a layout, P in registers one whose A operands match the accumulators; else plain tiles."""
+    measured = {"none": None, "a_differs": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), False),
+                "a_matches": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), True)}[layout]
+    monkeypatch.setattr(attention_kernels, "coopmat_layout", lambda device, dtype: measured)
+    monkeypatch.setattr(attention_kernels, "COOPMAT_FORWARD_OPTIONS", dict(reg_softmax=True, p_in_regs=True))
+    device = fake_coopmat_device()
+    tiles = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0)
+    assert (tiles.reg_softmax, tiles.p_in_regs) == ((True, True) if layout == "a_matches" else (False, False))
+    assert (tiles.rows, tiles.cols) == (128, 32)
+    reg_only = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0,
+                                     candidates=[CoopmatTiles(64, 32, reg_softmax=True)])
+    assert (reg_only is None) == (layout == "none")
+    # Subgroups of 8: only the register softmax runs.
+    assert (coopmat_forward_tiles(fake_coopmat_device(8), "float16", 128, 0, 0, 0) is None) == (layout != "a_matches")
+
+
+def mma_layout(lane, i):
+    """(row, column) of accumulator element i of ``lane`` as in m16n8k16 tensor-core fragments, two n8 halves."""
+    return lane // 4 + 8 * ((i // 2) % 2), 2 * (lane % 4) + i % 2 + 8 * (i // 4)
+
+
+def test_coopmat_layout_analysis():
+    """The layouts the register softmax can use: tensor-core fragments (two rows per lane, quads share them), a lane
+    per column (all rows per lane, as lavapipe), a column per lane of one half of the rows (RDNA-like); refused:
+    element orders that differ between lanes, a lane holding an element twice."""
+    mma = [[mma_layout(lane, i) for i in range(8)] for lane in range(32)]
+    got = analyse(mma, mma)
+    assert got == CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), True)
+    assert got.slot_words == [0b0001_0001_0000_0000_0001_0001_0000_0000, 0, 0, 0]
+    assert got.spec() == [2, 3, got.slot_words[0], 0, 0, 0]
+    transposed_a = [[(c, r) for r, c in lane] for lane in mma]
+    assert analyse(transposed_a, mma).a_matches_accumulator is False
+    columns = [[(i % 8 + 8 * (i // 16), lane + 8 * ((i // 8) % 2)) for i in range(32)] for lane in range(8)]
+    got = analyse(columns, columns)
+    assert (got.row_slots, got.row_lane_mask, got.a_matches_accumulator) == (16, 7, True)
+    assert got.slots[:10] == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
+    halves = [[(2 * i + lane // 16, lane % 16) for i in range(8)] for lane in range(32)]
+    assert (analyse(halves, halves).row_slots, analyse(halves, halves).row_lane_mask) == (8, 15)
+    shuffled = [lane[::-1] if n == 5 else lane for n, lane in enumerate(mma)]
+    assert analyse(shuffled, shuffled) is None
+    doubled = [lane[:-1] + lane[:1] if n == 0 else lane for n, lane in enumerate(mma)]
+    assert analyse(doubled, doubled) is None
+
+
+def test_coopmat_layout_measured(device):
+    """Where the device has cooperative matrices, its measured layout (if usable) covers each lane's share."""
+    for dtype in ("float16", "bfloat16"):
+        layout = coopmat_layout(device, dtype)
+        if not coopmat_supported(device, dtype):
+            assert layout is None
+        elif layout is not None:
+            assert layout.elements * int(device.limits["subgroup_size"]) == 256
+            assert 1 <= layout.row_slots <= 16 and len(layout.slots) == layout.elements
+
+
 # Half-type backward cases: the forward's with head_dim <= 128 (the cooperative-matrix backward's limit): GQA sums
 # over several heads, partial and skipped tiles, fully masked rows, and every score flag.
 HALF_BACKWARD_CASES = {name: case for name, case in HALF_FORWARD_CASES.items() if case.head_dim <= 128}
@@ -314,28 +431,37 @@ def test_half_type_backward(device, dtype, name):
     run_case(device, HALF_BACKWARD_CASES[name], dtype)
 
 
+# The cooperative-matrix backward's variants: P and dS through shared memory, or on the accumulators' elements
+# (where the device's measured layout allows it), then through shared memory or straight into A operands.
+BACKWARD_VARIANTS = {"shared_softmax": {}, "reg_softmax": dict(reg_softmax=True),
+                     "reg_softmax_p_in_regs": dict(reg_softmax=True, p_in_regs=True)}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
 @pytest.mark.parametrize("name", list(HALF_BACKWARD_CASES))
-def test_coopmat_backward(device, dtype, name):
-    """The cooperative-matrix backward, asked for by name (auto does not pick it yet); refused by name where
-    the device has no cooperative matrix for the dtype."""
+def test_coopmat_backward(device, dtype, variant, name):
+    """Each variant of the cooperative-matrix backward, asked for by name, at the tiles the device would pick for
+    it; refused by name where the device has no cooperative matrix for the dtype or no layout for the variant."""
     case = HALF_BACKWARD_CASES[name]
-    if coopmat_backward_tiles(device, dtype, case.head_dim, 0, 0, 0, 0) is None:
+    candidates = [replace(t, **BACKWARD_VARIANTS[variant]) for t in COOPMAT_BACKWARD_TILES]
+    tiles = coopmat_backward_tiles(device, dtype, case.head_dim, 0, 0, 0, 0, candidates=candidates)
+    if tiles is None:
         with pytest.raises(ValueError, match="cooperative-matrix backward"):
-            run_case(device, case, dtype, backward_algorithm="coopmat")
+            run_case(device, case, dtype, backward_algorithm="coopmat", backward_tiles=candidates[-1])
         return
-    run_case(device, case, dtype, backward_algorithm="coopmat")
+    assert (tiles.reg_softmax, tiles.p_in_regs) == ("reg_softmax" in variant, "p_in_regs" in variant)
+    run_case(device, case, dtype, backward_algorithm="coopmat", backward_tiles=tiles)
 
 
-@pytest.mark.parametrize("tiles", COOPMAT_BACKWARD_TILES)
+@pytest.mark.parametrize("tiles", COOPMAT_BACKWARD_TILES + [replace(t, reg_softmax=True, p_in_regs=True)
+                                                          for t in COOPMAT_BACKWARD_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset"])
 def test_coopmat_backward_every_tile_shape(device, tiles, name):
     """Each tile shape of the cooperative-matrix backward (the automatic choice takes only the first that fits),
     with the operands at an 8-element offset; a shape the device cannot run is refused by name."""
     case = HALF_BACKWARD_CASES[name]
-    subgroup = int(device.limits["subgroup_size"])
-    runs = coopmat_backward_tiles(device, "float16", case.head_dim, 8, 8, 8, 0) is not None and tiles.fits(subgroup) \
-        and tiles.shared_bytes(case.head_dim, subgroup) <= device.limits["max_compute_shared_memory_size"]
+    runs = coopmat_backward_tiles(device, "float16", case.head_dim, 8, 8, 8, 0, candidates=[tiles]) is not None
     if not runs:
         with pytest.raises(ValueError, match="cooperative-matrix backward"):
             run_case(device, case, "float16", offset=8, backward_algorithm="coopmat", backward_tiles=tiles)

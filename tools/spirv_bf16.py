@@ -42,12 +42,15 @@ def run_tool(name: str, args: list[str], stdin: str | None = None) -> str:
 
 
 # Instructions that only move 16-bit values around (or multiply cooperative
-# matrices); any other use of a 16-bit float (arithmetic, conversions, constants)
-# would change meaning under bfloat16, so the rewrite refuses it.
+# matrices, or count their elements), and conversions to or from the 16-bit type (OpFConvert rounds to the
+# type it names, so under bfloat16 it rounds to bfloat16, as meant); any other use
+# of a 16-bit float (arithmetic, constants) would change meaning under bfloat16,
+# so the rewrite refuses it.
 MOVES = {"OpTypeFloat", "OpTypeVector", "OpTypeArray", "OpTypeRuntimeArray", "OpTypePointer", "OpTypeStruct",
          "OpTypeCooperativeMatrixKHR", "OpVariable", "OpLoad", "OpStore", "OpAccessChain",
          "OpInBoundsAccessChain", "OpBitcast", "OpCompositeConstruct", "OpCompositeExtract", "OpVectorShuffle",
-         "OpCooperativeMatrixLoadKHR", "OpCooperativeMatrixStoreKHR", "OpCooperativeMatrixMulAddKHR", "OpPhi"}
+         "OpCooperativeMatrixLoadKHR", "OpCooperativeMatrixStoreKHR", "OpCooperativeMatrixMulAddKHR", "OpPhi",
+         "OpFConvert", "OpCooperativeMatrixLengthKHR"}
 INSTRUCTION = re.compile(r"^\s*(?:(%\w+) = )?(Op\w+)(.*)$")
 
 

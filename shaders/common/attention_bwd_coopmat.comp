@@ -12,8 +12,13 @@
 // dS = P * (dO.v - delta) * (softcap's tanh derivative). P and dS go back to shared memory in
 // the storage type (as flash attention rounds them) and are multiplied by the streamed tiles.
 //
+// REG_SOFTMAX (TUNING; where the device's accumulator layout allows it, as attention_fwd_coopmat.comp): q.k
+// and dO.v stay in their accumulators; each lane computes P and dS for its elements (their rows and columns
+// known from a matrix of indices loaded once). P_IN_REGS: P and dS become A operands element by element, else they
+// go through this subgroup's shared memory once (stored from the accumulators, rounded to 16 bits, loaded as A).
+//
 // bfloat16: as attention_fwd_coopmat.comp, 16-bit floats appear only as the element type of
-// the matrices; the build step rewrites that type for the bf16 variant.
+// the matrices (and conversions to it); the build step rewrites that type for the bf16 variant.
 //! target vulkan1.3
 //! variant f16 -DT_F16
 //! variant bf16 -DT_BF16
@@ -23,6 +28,7 @@
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
 
@@ -54,6 +60,19 @@ layout(push_constant) uniform Push {
 layout(constant_id = 8) const bool COMPUTE_DQ = false;
 layout(local_size_x_id = 9) in;
 layout(constant_id = 10) const uint SUBGROUP_SIZE = 32;
+layout(constant_id = 11) const uint TUNING = 0;  // bits: REG_SOFTMAX, P_IN_REGS (as the forward's)
+// The accumulators' layout (REG_SOFTMAX; coopmat_layout.glsl).
+layout(constant_id = 12) const uint ROW_SLOTS = 1;
+layout(constant_id = 13) const uint ROW_LANE_MASK = 0;
+layout(constant_id = 14) const uint SLOT_WORD0 = 0;
+layout(constant_id = 15) const uint SLOT_WORD1 = 0;
+layout(constant_id = 16) const uint SLOT_WORD2 = 0;
+layout(constant_id = 17) const uint SLOT_WORD3 = 0;
+#include "coopmat_layout.glsl"
+const uint REG_SOFTMAX = 8, P_IN_REGS = 16;
+const bool REG = (TUNING & REG_SOFTMAX) != 0u;
+const bool P_REGS = REG ? (TUNING & P_IN_REGS) != 0u : false;
+#define POS_INF uintBitsToFloat(0x7F800000u)
 
 #if defined(T_F16)
 uint to_bits(float x) { return packHalf2x16(vec2(x, 0.0)) & 0xFFFFu; }
@@ -64,11 +83,13 @@ uint to_bits(float x) { return uint(f32_to_bf16(x)); }
 const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
 const uint ROW_WORDS = HEAD_DIM / 8;               // uvec4s of data per row of q/k/v/dO
 const uint PITCH = ROW_WORDS + 1;                  // per staged row (8 halves of padding)
-const uint LANES_PER_ROW = SUBGROUP_SIZE / 16;
+const uint LANES_PER_ROW = SUBGROUP_SIZE >= 16 ? SUBGROUP_SIZE / 16 : 1;  // REG runs with fewer
 const uint SCORES_PER_LANE = BLOCK_COLS / LANES_PER_ROW;  // a multiple of 8
 const uint S_WORDS = 16 * BLOCK_COLS / 4;          // one subgroup's 16 x BLOCK_COLS floats, in uvec4s
 const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit P or dS
-const uint SG_WORDS = 2 * S_WORDS + 2 * 16 * P_PITCH;
+// (REG with P_IN_REGS: only the output blocks, 16 x 16 floats; the index matrix before the loop.)
+const uint P_REGS_BIT = (TUNING / REG_SOFTMAX) & (TUNING / P_IN_REGS) & 1u;
+const uint SG_WORDS = P_REGS_BIT * 64 + (1 - P_REGS_BIT) * (2 * S_WORDS + 2 * 16 * P_PITCH);
 // Streamed tile 1 at 0, tile 2 at STREAM2; before the loop the owned rows are staged here in turn.
 const uint STREAM2 = BLOCK_COLS * PITCH;
 shared uvec4 tiles[2 * BLOCK_COLS * PITCH];
@@ -136,6 +157,27 @@ void main() {
     }
     stream_begin -= stream_begin % BLOCK_COLS;
 
+    // REG: the row (of the subgroup's 16) of each of this lane's slots, the column of each of its elements, from the
+    // matrix of element indices; the dQ pass also each slot's lse (+inf where the query sees no key: P = 0) and delta.
+    uint slot_row[ROW_SLOTS], col_word[COL_WORDS];
+    float slot_lse[ROW_SLOTS], slot_delta[ROW_SLOTS];
+    if (REG) {
+        for (uint i = lane; i < 64u; i += SUBGROUP_SIZE)
+            scratch[s_base + i] = floatBitsToUint(vec4(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3));
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> index_matrix;
+        coopMatLoad(index_matrix, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);
+        COOPMAT_LAYOUT_DECODE(index_matrix, slot_row, col_word)
+        subgroupBarrier();
+        [[unroll]] for (uint r = 0; r < ROW_SLOTS; ++r) {
+            const uint row = sg_row0 + slot_row[r];
+            const float x = COMPUTE_DQ && row < q_len ? lse[lse_off + own_base + row] : NEG_INF;
+            slot_lse[r] = x == NEG_INF ? POS_INF : x;
+            slot_delta[r] = COMPUTE_DQ && row < q_len ? delta[own_base + row] : 0.0;
+        }
+    }
+
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc1[D_FRAGS];
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc2[D_FRAGS];
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
@@ -156,7 +198,8 @@ void main() {
                 STAGE(STREAM2, d_o, d_o_off / 8 + q_rows * ROW_WORDS, col0, BLOCK_COLS, q_len)
                 for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS; i += gl_WorkGroupSize.x) {
                     bool valid = col0 + i < q_len;
-                    stream_lse[i] = valid ? lse[lse_off + q_rows + col0 + i] : NEG_INF;
+                    const float x = valid ? lse[lse_off + q_rows + col0 + i] : NEG_INF;
+                    stream_lse[i] = REG && x == NEG_INF ? POS_INF : x;  // REG: P = exp(score - inf) = 0
                     stream_delta[i] = valid ? delta[q_rows + col0 + i] : 0.0;
                 }
             }
@@ -170,6 +213,95 @@ void main() {
                 const int first = q_base + int(col0), last = first + int(BLOCK_COLS) - 1;  // streamed query positions
                 if ((CAUSAL && last < int(sg_row0)) || (window > 0u && first - int(sg_row0 + 15) >= int(window)))
                     continue;
+            }
+
+            if (REG) {  // P and dS on the accumulators' elements
+                coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> sc[C_FRAGS];
+                coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> dp[C_FRAGS];
+                [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                    sc[c] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+                    dp[c] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+                    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
+                        coopMatLoad(b, tiles, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                        sc[c] = coopMatMulAdd(own1[d], b, sc[c]);
+                        coopMatLoad(b, tiles, STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                        dp[c] = coopMatMulAdd(own2[d], b, dp[c]);
+                    }
+                }
+                // Every (query, key) pair of the tile visible (no per-element checks)?
+                const int own_first = int(sg_row0), col_first = int(col0);
+                const bool checks = HAS_MASK || (COMPUTE_DQ
+                    ? sg_row0 + 16 > q_len || col0 + BLOCK_COLS > kv_len
+                      || (CAUSAL && col_first + int(BLOCK_COLS) - 1 > q_base + own_first)
+                      || (window > 0u && col_first <= q_base + own_first + 15 - int(window))
+                    : sg_row0 + 16 > kv_len || col0 + BLOCK_COLS > q_len
+                      || (CAUSAL && q_base + col_first < own_first + 15)
+                      || (window > 0u && q_base + col_first + int(BLOCK_COLS) - 1 - own_first >= int(window)));
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pf[C_FRAGS];
+                coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> dsf[C_FRAGS];
+                [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                    [[unroll]] for (uint i = 0; i < ACC_ELEMS; ++i) {
+                        const uint r = slot_of(i), col = c * 16 + COOPMAT_COL(col_word, i);
+                        const uint qi = COMPUTE_DQ ? sg_row0 + slot_row[r] : col0 + col;
+                        const uint kpos = COMPUTE_DQ ? col0 + col : sg_row0 + slot_row[r];
+                        const float row_lse = COMPUTE_DQ ? slot_lse[r] : stream_lse[col];
+                        const float row_delta = COMPUTE_DQ ? slot_delta[r] : stream_delta[col];
+                        const int qpos = q_base + int(qi);
+                        float p = 0.0, ds = 0.0;
+                        if (!checks || (qi < q_len && kpos < kv_len && key_visible(qpos, kpos, batch))) {
+                            float cap_slope;
+                            p = exp(attention_score(sc[c][i], qpos, kpos, head, cap_slope) - row_lse);
+                            ds = p * (dp[c][i] - row_delta) * cap_slope;
+                        }
+                        if (P_REGS) {
+                            pf[c][i] = float16_t(p);
+                            dsf[c][i] = float16_t(ds);
+                        } else {
+                            sc[c][i] = p;
+                            dp[c][i] = ds;
+                        }
+                    }
+                }
+                if (!P_REGS) {  // through this subgroup's shared memory: float32, then 16-bit, then A operands
+                    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                        coopMatStore(sc[c], scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
+                        coopMatStore(dp[c], scratch, dp_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
+                    }
+                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
+                    for (uint e = lane; e < 16u * (BLOCK_COLS / 8); e += SUBGROUP_SIZE) {  // 8 of row e / (BLOCK_COLS / 8)
+                        const uint row = e / (BLOCK_COLS / 8), col = e % (BLOCK_COLS / 8) * 8;
+                        [[unroll]] for (uint h = 0; h < 2; ++h) {
+                            const uint from = h == 0u ? s_base : dp_base, to = h == 0u ? p_base : ds_base;
+                            const vec4 a = uintBitsToFloat(scratch[from + (row * BLOCK_COLS + col) / 4]);
+                            const vec4 b = uintBitsToFloat(scratch[from + (row * BLOCK_COLS + col) / 4 + 1]);
+                            scratch[to + row * P_PITCH + col / 8] =
+                                uvec4(to_bits(a.x) | (to_bits(a.y) << 16), to_bits(a.z) | (to_bits(a.w) << 16),
+                                      to_bits(b.x) | (to_bits(b.y) << 16), to_bits(b.z) | (to_bits(b.w) << 16));
+                        }
+                    }
+                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
+                    [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                        coopMatLoad(pf[c], scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                        coopMatLoad(dsf[c], scratch, ds_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                    }
+                }
+                // acc1 += dS B1 (dK: dS^T Q, dQ: dS K); dK/dV pass also acc2 += P^T dO. B read row-major.
+                [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
+                    [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
+                        coopMatLoad(b, tiles, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                        acc1[d] = coopMatMulAdd(dsf[c], b, acc1[d]);
+                        if (!COMPUTE_DQ) {
+                            coopMatLoad(b, tiles, STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                            acc2[d] = coopMatMulAdd(pf[c], b, acc2[d]);
+                        }
+                    }
+                }
+                if (!P_REGS) subgroupBarrier();  // scratch is rewritten by the next tile
+                continue;
             }
 
             // A1 B1^T and A2 B2^T: the streamed rows are the columns of B (B read column-major).
@@ -243,19 +375,15 @@ void main() {
     }
 
     // Gradients, 16 x 16 at a time through this subgroup's score space: grad1 = scale * acc1, grad2 = acc2.
-    const uint out_row = (own_base + own) * HEAD_DIM;
-    const uint cols = 16 / LANES_PER_ROW, c0 = (lane % LANES_PER_ROW) * cols;
 #define WRITE_GRAD(acc, grad, grad_off, factor)                                                      \
     subgroupBarrier();                                                                             \
     coopMatStore(acc, scratch, s_base, 4, gl_CooperativeMatrixLayoutRowMajor);                     \
     subgroupMemoryBarrierShared();                                                                 \
     subgroupBarrier();                                                                             \
-    if (own < own_count) {                                                                         \
-        for (uint j = 0; j < cols; ++j) {                                                          \
-            const uint e = my_row * 16 + c0 + j;                                                   \
-            grad[grad_off + out_row + d * 16 + c0 + j] =                                           \
+    for (uint e = lane; e < 256u; e += SUBGROUP_SIZE) {  /* element (e / 16, e % 16) of the block */ \
+        if (sg_row0 + e / 16 < own_count)                                                          \
+            grad[grad_off + (own_base + sg_row0 + e / 16) * HEAD_DIM + d * 16 + e % 16] =          \
                 uint16_t(to_bits((factor) * uintBitsToFloat(scratch[s_base + e / 4][e % 4])));     \
-        }                                                                                          \
     }
     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
         WRITE_GRAD(acc1[d], grad1, grad1_off, scale)

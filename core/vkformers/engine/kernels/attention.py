@@ -27,9 +27,10 @@ Nothing of size q_len x kv_len is ever stored: scores are recomputed in the back
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vkformers.engine.kernels import Operand, grid, operand, require_elements
+from vkformers.engine.kernels.coopmat_layout import coopmat_layout
 from vkformers.engine.kernels.matmul import coopmat_supported
 
 FLOAT_VARIANTS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -112,8 +113,13 @@ class CoopmatTiles:
     kernel's two passes (row maxima and sums, then the final probabilities times V). ``prefetch``: the next K/V
     tile is loaded into registers while the current one is used. ``batched_staging`` (not with prefetch): the
     current tile's loads all issued before any is stored to shared memory. ``lazy_rescale`` (one pass): the accumulators are
-    rescaled only when a row maximum of the subgroup moved. ``ablation`` (a value of ABLATIONS; benchmarks only,
-    wrong results): a part of the one-pass kernel's work left out."""
+    rescaled only when a row maximum of the subgroup moved. ``reg_softmax`` (one pass): scores, softmax and rescale
+    in registers, on the device's measured accumulator layout (:mod:`coopmat_layout`; only where it has the form the
+    kernel uses). ``p_in_regs`` (with reg_softmax, where the A operand's layout is the accumulator's): the
+    probabilities become A operands without shared memory. ``double_buffer`` (one pass, not with prefetch or
+    batched_staging): two K/V tile buffers, the next tile stored into the other one while this one is used, one
+    workgroup barrier per tile. ``ablation`` (a value of ABLATIONS; benchmarks only, wrong results): a part of the
+    one-pass kernel's work left out."""
 
     rows: int
     cols: int
@@ -122,12 +128,21 @@ class CoopmatTiles:
     lazy_rescale: bool = False
     ablation: int = 0
     batched_staging: bool = False
+    reg_softmax: bool = False
+    p_in_regs: bool = False
+    double_buffer: bool = False
 
     def fits(self, subgroup: int) -> bool:
-        """Whole subgroups of 16 rows; each row's lanes take whole uvec4s of probabilities."""
-        return self.rows % 16 == 0 and subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0 \
-            and (self.one_pass or not (self.lazy_rescale or self.ablation)) \
+        """Whole subgroups of 16 rows; the shared-memory softmax: each row's lanes take whole uvec4s of
+        probabilities (subgroups of 16 lanes or more); the options only in the combinations the kernel has."""
+        if self.rows % 16 or self.cols % 16 or subgroup < 8 or subgroup & (subgroup - 1):
+            return False
+        if not self.reg_softmax and (subgroup % 16 or (self.cols // (subgroup // 16)) % 8):
+            return False
+        return (self.one_pass or not (self.lazy_rescale or self.ablation or self.reg_softmax or self.double_buffer)) \
             and not (self.prefetch and self.batched_staging) \
+            and not (self.double_buffer and (self.prefetch or self.batched_staging)) \
+            and not (self.reg_softmax and self.ablation) and (self.reg_softmax or not self.p_in_regs) \
             and self.ablation in (0, *ABLATIONS.values())
 
     def threads(self, subgroup: int) -> int:
@@ -136,13 +151,27 @@ class CoopmatTiles:
     @property
     def tuning(self) -> int:
         """attention_fwd_coopmat's TUNING bits."""
-        return int(self.prefetch) | 2 * int(self.lazy_rescale) | 4 * int(self.batched_staging)
+        return int(self.prefetch) | 2 * int(self.lazy_rescale) | 4 * int(self.batched_staging) \
+            | 8 * int(self.reg_softmax) | 16 * int(self.p_in_regs) | 32 * int(self.double_buffer)
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
         scores = (self.rows // 16) * (16 * (self.cols * 4 + 16) + 16 * 16 * (self.cols // 8 + 1))  # padded rows
-        # q is staged once where the K and V tiles and the scores go later; one float per row of rescale factors.
-        return max(self.rows * pitch, 2 * self.cols * pitch + scores) + 4 * self.rows
+        if self.reg_softmax and self.p_in_regs:
+            scores = 0
+        tiles = (2 if self.double_buffer else 1) * 2 * self.cols * pitch
+        # q is staged once where the K and V tiles and the scores go later (reg_softmax: with a 16 x 16 float matrix
+        # after it); the output blocks go through the same space; one float per row of rescale factors.
+        stage = self.rows * pitch + (16 * 16 * 4 if self.reg_softmax else 0)
+        out = (self.rows // 16) * 16 * 5 * 16
+        return max(stage, tiles + scores, out) + 4 * self.rows
+
+    def runs_on(self, device, dtype: str) -> bool:
+        """Whether the device's accumulator layout allows the options (reg_softmax, p_in_regs)."""
+        if not self.reg_softmax:
+            return True
+        layout = coopmat_layout(device, dtype)
+        return layout is not None and (layout.a_matches_accumulator or not self.p_in_regs)
 
 
 # Preferred first; the first that fits the device's shared memory wins. One pass (it rounds once, the two-pass kernel
@@ -154,6 +183,10 @@ COOPMAT_SMALL_HEAD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), Coopmat
 COOPMAT_LARGE_HEAD_TILES = [CoopmatTiles(128, 32), CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16),
                             CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
 COOPMAT_SMALL_HEAD_MAX = 64
+# Options the automatic choice puts on the tiles above where the device can run them (the register softmax needs a
+# measured accumulator layout of the form :mod:`coopmat_layout` checks), each list then followed by its plain tiles.
+# bench/attention.py --forward-sweep times each option on the default shapes: set this from what it finds.
+COOPMAT_FORWARD_OPTIONS: dict = {}
 # Every one-pass shape (tests run each); 64 x 64 (fits 48 KiB up to head dim 64) only for the forward sweep, with
 # PREFETCH: half the workgroup barriers per key of 64 x 32.
 COOPMAT_WIDE_KEY_TILES = CoopmatTiles(64, 64)
@@ -168,50 +201,73 @@ def coopmat_forward_candidates(head_dim: int) -> list[CoopmatTiles]:
     return COOPMAT_SMALL_HEAD_TILES if head_dim <= COOPMAT_SMALL_HEAD_MAX else COOPMAT_LARGE_HEAD_TILES
 
 
+def _coopmat_forward_possible(device, dtype: str, head_dim: int, offsets) -> bool:
+    subgroup = int(device.limits["subgroup_size"])
+    return dtype in ("float16", "bfloat16") and coopmat_supported(device, dtype) and subgroup in (8, 16, 32, 64) \
+        and not head_dim % 16 and head_dim <= 256 and not any(o % 8 for o in offsets)
+
+
 def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
                           candidates: list[CoopmatTiles] | None = None) -> CoopmatTiles | None:
     """Tiles for the cooperative-matrix forward kernel, or None where it cannot run: a float16/bfloat16
     cooperative matrix on the device, head_dim a multiple of 16 (at most 256), q/k/v offsets on
     8-element boundaries, and tiles that fit the device's shared memory."""
+    if not _coopmat_forward_possible(device, dtype, head_dim, offsets):
+        return None
     subgroup = int(device.limits["subgroup_size"])
-    if dtype not in ("float16", "bfloat16") or not coopmat_supported(device, dtype) or subgroup not in (16, 32, 64):
-        return None
-    if head_dim % 16 or head_dim > 256 or any(o % 8 for o in offsets):
-        return None
     limit = int(device.limits["max_compute_shared_memory_size"])
-    return next((t for t in candidates or coopmat_forward_candidates(head_dim)
-                 if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
+    if candidates is None:
+        candidates = coopmat_forward_candidates(head_dim)
+        candidates = [replace(t, **COOPMAT_FORWARD_OPTIONS) for t in candidates] + candidates
+    return next((t for t in candidates if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit
+                 and t.runs_on(device, dtype)), None)
 
 
 @dataclass(frozen=True)
 class CoopmatBackwardTiles(CoopmatTiles):
-    """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``."""
+    """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``.
+    ``reg_softmax``: P and dS computed on the accumulators' elements (where the device's measured layout allows it);
+    ``p_in_regs`` (with it): P and dS become A operands without shared memory. No other option applies."""
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
         per_subgroup = 2 * 16 * self.cols * 4 + 2 * 16 * 16 * (self.cols // 8 + 1)  # q.k, dO.v; P, dS
+        if self.reg_softmax and self.p_in_regs:
+            per_subgroup = 16 * 16 * 4  # the output blocks only
         return 2 * self.cols * pitch + (self.rows // 16) * per_subgroup + 2 * 4 * self.cols
 
     def fits(self, subgroup: int) -> bool:
-        # The owned rows are staged where the two streamed tiles go; each lane takes whole uvec4s of P and dS.
-        return self.rows <= 2 * self.cols and (self.cols // (subgroup // 16)) % 8 == 0
+        # The owned rows are staged where the two streamed tiles go; each lane takes whole uvec4s of P and dS (the
+        # register softmax: any subgroup of 8 lanes or more).
+        if self.rows % 16 or self.cols % 16 or self.rows > 2 * self.cols or subgroup < 8 or subgroup & (subgroup - 1):
+            return False
+        if self.prefetch or self.lazy_rescale or self.batched_staging or self.double_buffer or self.ablation \
+                or not self.one_pass or (self.p_in_regs and not self.reg_softmax):
+            return False
+        return self.reg_softmax or (subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0)
 
 
 COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32, 32), CoopmatBackwardTiles(32, 16),
                           CoopmatBackwardTiles(16, 16)]
+# Options the automatic choice puts on the tiles above where the device can run them (as COOPMAT_FORWARD_OPTIONS);
+# bench/attention.py --backward-sweep times them.
+COOPMAT_BACKWARD_OPTIONS: dict = {}
 # Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
 COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
 
 
-def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int) -> CoopmatBackwardTiles | None:
+def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int,
+                           candidates: list[CoopmatBackwardTiles] | None = None) -> CoopmatBackwardTiles | None:
     """Tiles for the cooperative-matrix backward kernel, or None where it cannot run: as
     :func:`coopmat_forward_tiles`, with head_dim at most COOPMAT_BACKWARD_MAX_HEAD_DIM."""
-    if head_dim > COOPMAT_BACKWARD_MAX_HEAD_DIM or coopmat_forward_tiles(device, dtype, head_dim, *offsets) is None:
+    if head_dim > COOPMAT_BACKWARD_MAX_HEAD_DIM or not _coopmat_forward_possible(device, dtype, head_dim, offsets):
         return None
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
-    return next((t for t in COOPMAT_BACKWARD_TILES
-                 if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit), None)
+    if candidates is None:
+        candidates = [replace(t, **COOPMAT_BACKWARD_OPTIONS) for t in COOPMAT_BACKWARD_TILES] + COOPMAT_BACKWARD_TILES
+    return next((t for t in candidates if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit
+                 and t.runs_on(device, dtype)), None)
 
 
 def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim: int, offsets, algorithm: str,
@@ -223,14 +279,15 @@ def _check_given_coopmat_tiles(device, tiles: CoopmatTiles, dtype: str, head_dim
         raise ValueError(f"attention: cooperative-matrix tiles {tiles} given with algorithm='scalar'")
     if backward and not isinstance(tiles, CoopmatBackwardTiles):
         raise TypeError(f"attention: the cooperative-matrix backward takes CoopmatBackwardTiles, not {tiles}")
-    possible = coopmat_backward_tiles if backward else coopmat_forward_tiles
-    if possible(device, dtype, head_dim, *offsets) is None:
+    possible = _coopmat_forward_possible(device, dtype, head_dim, offsets) \
+        and (not backward or head_dim <= COOPMAT_BACKWARD_MAX_HEAD_DIM)
+    if not possible:
         raise ValueError(f"attention: the cooperative-matrix {kind} cannot run {dtype} head_dim {head_dim} with "
                          f"offsets {tuple(offsets)} on {device.name}")
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
     if tiles.rows % 16 or tiles.cols % 16 or tiles.shared_bytes(head_dim, subgroup) > limit \
-            or not tiles.fits(subgroup):
+            or not tiles.fits(subgroup) or not tiles.runs_on(device, dtype):
         raise ValueError(f"attention: {tiles} cannot run the cooperative-matrix {kind} for head_dim {head_dim} "
                          f"with subgroups of {subgroup} in {limit} bytes of shared memory")
 
@@ -326,6 +383,8 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
         subgroup = int(device.limits["subgroup_size"])
         spec = [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), subgroup, tiles.threads(subgroup),
                 int(tiles.one_pass), tiles.tuning, tiles.ablation]
+        if tiles.reg_softmax:
+            spec += coopmat_layout(device, q.dtype.name).spec()
         seq.dispatch(device.kernel("attention_fwd_coopmat", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                      push=push, spec=spec)
         return
@@ -547,8 +606,9 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     def spec(compute_dq: bool):
         if coopmat:
             subgroup = int(device.limits["subgroup_size"])
+            layout = coopmat_layout(device, q.dtype.name).spec() if tiles.reg_softmax else []
             return [head_dim, tiles.rows, tiles.cols, 1, *flags.spec(), int(compute_dq), tiles.rows // 16 * subgroup,
-                    subgroup]
+                    subgroup, tiles.tuning, *layout]
         return [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(compute_dq), tiles.threads]
 
     seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
