@@ -11,12 +11,13 @@ backward recomputes the states from checkpoints kept every ``CHUNK`` steps, so i
 
 A long scan runs as several dispatches, each over a run of chunks: llvmpipe (lavapipe) ends every loop of a shader
 invocation, without a word, once the invocation's loops have run 65535 iterations in all, and each step costs about
-``state`` of them. ``_chunks_per_dispatch`` keeps an invocation's iterations within ``LOOP_ITERATIONS``, counting
-every loop of the shader as run, none unrolled.
+``state`` of them. ``_chunks_per_dispatch`` keeps an invocation's iterations within core's ``LOOP_ITERATIONS``,
+counting every loop of the shader as run, none unrolled.
 """
 from __future__ import annotations
 
 from vkformers.engine.function import Function, KernelOp, node, wrap
+from vkformers.engine.kernels import LOOP_ITERATIONS
 from vkformers.engine.kernels.transformer_args import checked, positive
 from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
@@ -24,8 +25,7 @@ from vkformers.runtime import dtypes as dt
 MAX_STATE = 256  # the backward's shared sums (16 subgroups x 2 x state floats) stay within 32 KiB
 CHUNK = 64       # time steps between two checkpoints of the state
 GROUP = 64       # channels per workgroup (the shader's local size)
-LOOP_ITERATIONS = 60000  # per invocation and dispatch, under llvmpipe's 65535 (module docstring)
-MAX_SUBGROUPS = 16       # the shader's bound on the subgroups of a workgroup
+MAX_SUBGROUPS = 16  # the shader's bound on the subgroups of a workgroup
 
 
 class StateSizeError(VkformersError, ValueError):
