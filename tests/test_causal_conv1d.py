@@ -1,6 +1,7 @@
 """F.causal_conv1d (shaders/common/causal_conv1d.comp) against numpy: forward in float32, float16 and bfloat16,
-with and without bias and history; gradients of x, weight and bias against float64 central differences. Also the
-sequence ops composed on it or on views: F.depthwise_conv1d (zeros on both sides) and F.avg_pool1d."""
+with and without bias and history; gradients of x, weight and bias against float64 central differences, and the
+weight's over a long sequence against numpy. Also the sequence ops composed on it or on views: F.depthwise_conv1d
+(zeros on both sides) and F.avg_pool1d."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,6 +69,21 @@ def test_gradients_match_finite_differences(with_history):
     }
     for name, tensor in (("x", xs), ("weight", ws), ("bias", bs)):
         np.testing.assert_allclose(tensor.grad.numpy(), expected[name], atol=2e-5, err_msg=name)
+
+
+def test_weight_gradient_of_a_long_sequence_matches_numpy():
+    """Past about 65535 / kernel steps one invocation summing a row's steps stopped short on lavapipe (llvmpipe ends
+    an invocation's loops after 65535 iterations in all): each now sums a block of steps."""
+    rng = np.random.default_rng(5)
+    batch, length, channels, kernel = 2, 17000, 2, 4
+    x, w, _, h = _inputs(rng, batch, length, channels, kernel)
+    g = rng.standard_normal(x.shape)
+    ws = Tensor(w.astype(np.float32), requires_grad=True)
+    out = F.causal_conv1d(Tensor(x.astype(np.float32)), ws, history=Tensor(h.astype(np.float32)))
+    (out * Tensor(g.astype(np.float32))).sum().backward()
+    full = np.concatenate([h, x], axis=1)
+    want = np.stack([(g * full[:, j:j + length]).sum((0, 1)) for j in range(kernel)], 1)[:, None]
+    np.testing.assert_allclose(ws.grad.numpy(), want, atol=1e-5 * np.abs(want).max())
 
 
 def test_history_gets_no_gradient_and_shapes_are_checked():

@@ -2,15 +2,16 @@
 and the last state, a scan split in two (the second half from the first's state, as a recurrent cache runs) against
 the whole, and the gradients of u, delta, A, B, C and D against central differences, over shapes that cross the
 kernel's tiles: more channels than a workgroup's, more steps than a checkpoint chunk, a single step, B and C in
-groups of channels (Mamba-2), Mamba-2's state of 128. Then Mamba-2's chunked scan (vkformers_ssm.ssd) against the
-numpy recurrence, finite differences and the sequential kernel, and its segment_decay kernel."""
+groups of channels (Mamba-2), Mamba-2's state of 128; long scans, split in several dispatches, against numpy and
+its backward. Then Mamba-2's chunked scan (vkformers_ssm.ssd) against the numpy recurrence, finite differences and
+the sequential kernel, and its segment_decay kernel."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from vkformers.engine.tensor import Tensor
-from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, selective_scan
+from vkformers_ssm.scan import CHUNK, GROUP, MAX_STATE, StateSizeError, _dispatches, selective_scan
 from vkformers_ssm.ssd import ChunkedScanShapeError, chunked_scan, segment_decay
 
 
@@ -104,6 +105,66 @@ def test_gradients_match_finite_differences(batch, length, channels, state, grou
         want = _central_differences(loss, values[k])
         scale = max(np.abs(want).max(), 1e-3)
         np.testing.assert_allclose(tensor.grad.numpy(), want, atol=1e-4 * scale, err_msg=name)
+
+
+def reference_gradients(u, delta, A, B, C, D, g):
+    """The gradients of sum(g * y) for u, delta, A, B, C and D by the recurrence run backwards, in float64."""
+    batch, length, channels = u.shape
+    grouped = B.ndim == 4
+    Bc, Cc = ((np.repeat(v, channels // v.shape[2], axis=2) if grouped else np.repeat(v[:, :, None], channels, 2))
+              for v in (B, C))
+    hs = [np.zeros((batch, channels, A.shape[1]))]
+    for t in range(length):
+        hs.append(np.exp(delta[:, t, :, None] * A) * hs[-1] + delta[:, t, :, None] * Bc[:, t] * u[:, t, :, None])
+    du, ddelta, dA, dB, dC = (np.zeros_like(v) for v in (u, delta, A, Bc, Cc))
+    gh = np.zeros_like(hs[0])  # dL/dh_t
+    for t in reversed(range(length)):
+        dt, a = delta[:, t, :, None], np.exp(delta[:, t, :, None] * A)
+        gh = gh + g[:, t, :, None] * Cc[:, t]
+        dC[:, t] = g[:, t, :, None] * hs[t + 1]
+        du[:, t] = D * g[:, t] + (gh * dt * Bc[:, t]).sum(-1)
+        dB[:, t] = gh * dt * u[:, t, :, None]
+        ddelta[:, t] = (gh * (Bc[:, t] * u[:, t, :, None] + A * a * hs[t])).sum(-1)
+        dA += (gh * dt * a * hs[t]).sum(0)
+        gh = gh * a
+    if grouped:
+        dB, dC = (v.reshape(*B.shape[:3], -1, B.shape[3]).sum(3) for v in (dB, dC))
+    else:
+        dB, dC = dB.sum(2), dC.sum(2)
+    return du, ddelta, dA, dB, dC, (g * u).sum((0, 1))
+
+
+# Lengths past where the forward (state 128: step 491, 64: 961, 256: 248) and the backward (128: about 150 steps from
+# the end, 64: about 300) went wrong on lavapipe when one dispatch ran the whole scan; each now takes several.
+@pytest.mark.parametrize("batch,length,channels,state,groups", [
+    (1, 500, 2, 128, None), (2, 1000, 1, 64, None), (1, 300, 2, 256, None), (1, 500, 4, 128, 2)])
+def test_long_scans_match_numpy(batch, length, channels, state, groups):
+    assert len(_dispatches(length, state, backward=False)) > 1
+    rng = np.random.default_rng(10)
+    values = _inputs(rng, batch, length, channels, state, groups)
+    h0 = rng.standard_normal((batch, channels, state))
+    y, last = selective_scan(*_tensors(values), initial_state=Tensor(h0.astype(np.float32)))
+    want_y, want_last = reference(*values, h0)
+    np.testing.assert_allclose(y.numpy(), want_y, atol=2e-4 * np.abs(want_y).max(), rtol=1e-4)
+    np.testing.assert_allclose(last.numpy(), want_last, atol=2e-4 * np.abs(want_last).max(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch,length,channels,state,groups", [
+    (1, 200, 2, 128, None), (2, 400, 1, 64, None), (1, 150, 1, 256, None), (1, 200, 4, 128, 2),
+    (2, 200, GROUP + 6, 128, None)])
+def test_long_scan_gradients_match_the_numpy_backward(batch, length, channels, state, groups):
+    assert len(_dispatches(length, state, backward=True)) > 1
+    rng = np.random.default_rng(11)
+    values = _inputs(rng, batch, length, channels, state, groups)
+    g = rng.standard_normal((batch, length, channels))
+    tensors = _tensors(values, requires_grad=True)
+    y, _ = selective_scan(*tensors)
+    (y * Tensor(g.astype(np.float32))).sum().backward()
+    want_y = reference(*values)[0]
+    np.testing.assert_allclose(y.numpy(), want_y, atol=2e-4 * np.abs(want_y).max(), rtol=1e-4)
+    for name, tensor, want in zip(["u", "delta", "A", "B", "C", "D"], tensors, reference_gradients(*values, g)):
+        np.testing.assert_allclose(tensor.grad.numpy(), want, atol=2e-4 * np.abs(want).max(), rtol=1e-3,
+                                   err_msg=name)
 
 
 def test_a_state_above_the_kernels_is_refused():

@@ -7,8 +7,9 @@
 // Stages (one variant per stage and element type):
 //   FORWARD      one invocation per output element.
 //   BACKWARD_DX  one invocation per element of dx: dx[b, s, c] = sum_j weight[c, j] dy[b, s + kernel - 1 - j, c].
-//   BACKWARD_DW  one invocation per (b, c): dw_partial[b, c, j] = sum_t dy[b, t, c] full[b, t + j, c]
-//                (the launcher's caller sums over b).
+//   BACKWARD_DW  one invocation per (b, block of `span` steps, c): dw_partial[b, block, c, j] = the sum over the
+//                block's t of dy[b, t, c] full[b, t + j, c] (the launcher's caller sums over b and block). Blocks
+//                keep an invocation's loops within llvmpipe's bound on iterations (kernels/__init__.py).
 //! variant f32 -DFORWARD -DELEM_F32
 //! variant f16 -DFORWARD -DELEM_F16
 //! variant bf16 -DFORWARD -DELEM_BF16
@@ -79,17 +80,18 @@ void main() {
 #endif
 
 #ifdef BACKWARD_DW
-// push offsets: dy at w_offset, the float32 partials [batch, channels, kernel] at y_offset
+// push offsets: dy at w_offset, the float32 partials [batch, blocks, channels, kernel] at y_offset; b_offset: span
 layout(binding = 2) readonly buffer DY { ELEM_T dy[]; };
 layout(binding = 3) writeonly buffer DW { float dw[]; };
 
 void main() {
-    uint index = global_index();
-    if (index >= batch * channels) return;
-    uint c = index % channels, b = index / channels;
+    uint index = global_index(), span = b_offset, blocks = (length + span - 1) / span;
+    if (index >= batch * blocks * channels) return;
+    uint c = index % channels, block = (index / channels) % blocks, b = index / (channels * blocks);
+    uint start = block * span, end = min(start + span, length);
     for (uint j = 0; j < kernel_size; ++j) {
         float acc = 0.0;
-        for (uint t = 0; t < length; ++t)
+        for (uint t = start; t < end; ++t)
             acc += load_elem(dy[w_offset + (b * length + t) * channels + c]) * full_at(b, t + j, c);
         dw[y_offset + index * kernel_size + j] = acc;
     }

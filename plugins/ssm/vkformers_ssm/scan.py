@@ -8,10 +8,16 @@ of a head that head's delta and A). ``selective_scan`` returns y and the last
 state (a recurrent cache's next state); the same kernel with one time step is the generation update. The
 backward recomputes the states from checkpoints kept every ``CHUNK`` steps, so it stores
 [batch, length / CHUNK, channels, state] floats rather than every step's state.
+
+A long scan runs as several dispatches, each over a run of chunks: llvmpipe (lavapipe) ends every loop of a shader
+invocation, without a word, once the invocation's loops have run 65535 iterations in all, and each step costs about
+``state`` of them. ``_chunks_per_dispatch`` keeps an invocation's iterations within core's ``LOOP_ITERATIONS``,
+counting every loop of the shader as run, none unrolled.
 """
 from __future__ import annotations
 
 from vkformers.engine.function import Function, KernelOp, node, wrap
+from vkformers.engine.kernels import LOOP_ITERATIONS
 from vkformers.engine.kernels.transformer_args import checked, positive
 from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
@@ -19,6 +25,7 @@ from vkformers.runtime import dtypes as dt
 MAX_STATE = 256  # the backward's shared sums (16 subgroups x 2 x state floats) stay within 32 KiB
 CHUNK = 64       # time steps between two checkpoints of the state
 GROUP = 64       # channels per workgroup (the shader's local size)
+MAX_SUBGROUPS = 16  # the shader's bound on the subgroups of a workgroup
 
 
 class StateSizeError(VkformersError, ValueError):
@@ -28,6 +35,32 @@ class StateSizeError(VkformersError, ValueError):
 def _blocks(channels, groups):
     """Workgroups per group of channels."""
     return -(-(channels // groups) // GROUP)
+
+
+def _loop_iterations(state: int, chunks: int, backward: bool) -> int:
+    """An upper bound on the loop iterations (each loop's trips and its final test) of one invocation of the
+    shader over ``chunks`` chunks of CHUNK steps: the loops over the state, over the steps and over the chunks."""
+    per_state = state + 1
+    if not backward:  # the first state, and per step the update, per chunk a checkpoint, at the end the state
+        return 2 * per_state + chunks * (CHUNK * (per_state + 1) + per_state) + 2
+    sums = -(-2 * state // GROUP)  # the per-step sums: its loop, and in each trip one over the subgroups
+    per_step = 2 * per_state + (sums + 1) + sums * (MAX_SUBGROUPS + 1) + 2  # recompute, gradient, sums, two steps
+    return 3 * per_state + chunks * (per_state + CHUNK * per_step + 3) + 1
+
+
+def _chunks_per_dispatch(state: int, backward: bool) -> int:
+    """The most chunks one dispatch covers within LOOP_ITERATIONS (at least one; MAX_STATE's fits)."""
+    fit = 1
+    while _loop_iterations(state, fit + 1, backward) <= LOOP_ITERATIONS:
+        fit += 1
+    return fit
+
+
+def _dispatches(length: int, state: int, backward: bool):
+    """(first chunk, end chunk) of each dispatch, in time order."""
+    chunks = -(-length // CHUNK)
+    step = _chunks_per_dispatch(state, backward)
+    return [(k, min(k + step, chunks)) for k in range(0, chunks, step)]
 
 
 def _launch_forward(seq, u, delta, A, B, C, D, h0, y, h_last, checkpoints, *, batch, length, channels, state,
@@ -45,10 +78,11 @@ def _launch_forward(seq, u, delta, A, B, C, D, h0, y, h_last, checkpoints, *, ba
     checkpoints = checked(checkpoints, "float32", batch * chunks * channels * state, "selective_scan checkpoints")
     h0 = None if h0 is None else checked(h0, "float32", batch * channels * state, "selective_scan h0")
     ops = [u, delta, A, B, C, D, h0 or u, y, h_last, checkpoints]
-    seq.dispatch(seq.device.kernel("selective_scan", "forward"), [o.buffer for o in ops],
-                 (groups * _blocks(channels, groups), batch, 1),
-                 push=[batch, length, channels, chunks, groups, *(o.offset for o in ops)],
-                 spec=[state, CHUNK, int(h0 is not None)])
+    for first, end in _dispatches(length, state, backward=False):
+        seq.dispatch(seq.device.kernel("selective_scan", "forward"), [o.buffer for o in ops],
+                     (groups * _blocks(channels, groups), batch, 1),
+                     push=[batch, length, channels, chunks, groups, first, end, *(o.offset for o in ops)],
+                     spec=[state, CHUNK, int(h0 is not None)])
 
 
 def _launch_backward(seq, u, delta, A, B, C, D, checkpoints, dy, du, ddelta, dA, dD, dB, dC, workspace, *, batch,
@@ -57,11 +91,12 @@ def _launch_backward(seq, u, delta, A, B, C, D, checkpoints, dy, du, ddelta, dA,
     ins = [u, delta, A, B, C, D, checkpoints, dy]
     outs = [du, ddelta, dA, dD, dB, dC]
     ops = [checked(o, "float32", 1, "selective_scan_backward") for o in ins + outs]
-    workspace = checked(workspace, "float32", batch * channels * CHUNK * state, "selective_scan workspace")
-    seq.dispatch(seq.device.kernel("selective_scan", "backward"), [o.buffer for o in ops] + [workspace.buffer],
-                 (groups * _blocks(channels, groups), batch, 1),
-                 push=[batch, length, channels, chunks, groups, *(o.offset for o in ops)],
-                 spec=[state, CHUNK, 0])
+    workspace = checked(workspace, "float32", batch * channels * (CHUNK + 1) * state, "selective_scan workspace")
+    for first, end in reversed(_dispatches(length, state, backward=True)):
+        seq.dispatch(seq.device.kernel("selective_scan", "backward"), [o.buffer for o in ops] + [workspace.buffer],
+                     (groups * _blocks(channels, groups), batch, 1),
+                     push=[batch, length, channels, chunks, groups, first, end, *(o.offset for o in ops)],
+                     spec=[state, CHUNK, 0])
 
 
 def _sizes(u, A, B):
@@ -107,7 +142,7 @@ class SelectiveScanFn(Function):
         outs = node(SelectiveScanBackwardKernel(), [u, delta, A, B, C, D, checkpoints, gy.lazy], [
             (u.shape, dt.float32), (u.shape, dt.float32), ((batch, channels, state), dt.float32),
             ((batch, channels), dt.float32), ((batch, length, partials, state), dt.float32),
-            ((batch, length, partials, state), dt.float32), ((batch, channels, CHUNK, state), dt.float32)])
+            ((batch, length, partials, state), dt.float32), ((batch, channels, CHUNK + 1, state), dt.float32)])
         du, ddelta, dA, dD, dB, dC, _ = (wrap(o) for o in outs)
         dB, dC = (v.reshape(batch, length, groups, partials // groups, state).sum(3) for v in (dB, dC))
         return du, ddelta, dA.sum(0), dB, dC, dD.sum(0), None

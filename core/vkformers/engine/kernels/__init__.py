@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 from vkformers.runtime.vulkan import Buffer
 
+# Loop iterations one invocation may run in one dispatch, all its loops together: llvmpipe (lavapipe) ends every loop
+# of an invocation, without a word, once they have run 65535. Launchers whose invocations walk a sequence step by
+# step split it (across invocations or dispatches) to stay within this.
+LOOP_ITERATIONS = 60000
+
 
 @dataclass(frozen=True)
 class Operand:

@@ -3,13 +3,25 @@
 x [batch, length, channels], weight [channels, kernel], optional bias [channels] and history
 [batch, kernel - 1, channels] (the inputs before x, from a recurrent cache; zeros when absent), all of one
 dtype (float32, float16, bfloat16); math in float32. The backward gives dx and float32 weight-gradient partials
-[batch, channels, kernel] (one per batch row: the caller sums them).
+[batch * dw_blocks(length, kernel), channels, kernel] (one per batch row and block of steps: the caller sums them).
 """
 from __future__ import annotations
 
+from vkformers.engine.kernels import LOOP_ITERATIONS
 from vkformers.engine.kernels.transformer_args import checked, element_groups, element_variant, fits_uint32, positive
 
 ACTIVATIONS = ("float32", "float16", "bfloat16")
+
+
+def _dw_span(kernel: int) -> int:
+    """Steps one weight-gradient invocation sums: its loop over the kernel's taps, each over the steps, stays within
+    LOOP_ITERATIONS (a loop of n trips costs n + 1)."""
+    return max(1, (LOOP_ITERATIONS - 1) // kernel - 2)
+
+
+def dw_blocks(length: int, kernel: int) -> int:
+    """Blocks of steps per batch row in the weight-gradient partials."""
+    return -(-length // _dw_span(kernel))
 
 
 def _sizes(batch, length, channels, kernel):
@@ -36,7 +48,8 @@ def causal_conv1d(seq, x, weight, bias, history, out, *, batch, length, channels
 
 
 def causal_conv1d_backward(seq, d_out, x, weight, history, dx, dw_partial, *, batch, length, channels, kernel):
-    """dx (when given) and dw_partial (float32 [batch, channels, kernel], when given) from d_out."""
+    """dx (when given) and dw_partial (float32 [batch * dw_blocks(length, kernel), channels, kernel], when given)
+    from d_out."""
     _sizes(batch, length, channels, kernel)
     x = checked(x, ACTIVATIONS, batch * length * channels, "causal_conv1d_backward x")
     dtype = x.dtype.name
@@ -52,10 +65,11 @@ def causal_conv1d_backward(seq, d_out, x, weight, history, dx, dw_partial, *, ba
                      push=[batch, length, channels, kernel, d_out.offset, 0, weight.offset, 0, dx.offset],
                      spec=[0, 0])
     if dw_partial is not None:
-        dw_partial = checked(dw_partial, "float32", batch * channels * kernel, "causal_conv1d_backward dw")
+        rows = batch * dw_blocks(length, kernel)
+        dw_partial = checked(dw_partial, "float32", rows * channels * kernel, "causal_conv1d_backward dw")
         seq.dispatch(seq.device.kernel("causal_conv1d", "backward_dw_" + variant),
                      [x.buffer, (history or x).buffer, d_out.buffer, dw_partial.buffer],
-                     element_groups(seq, batch * channels),
-                     push=[batch, length, channels, kernel, x.offset, (history or x).offset, d_out.offset, 0,
-                           dw_partial.offset],
+                     element_groups(seq, rows * channels),
+                     push=[batch, length, channels, kernel, x.offset, (history or x).offset, d_out.offset,
+                           _dw_span(kernel), dw_partial.offset],
                      spec=[int(history is not None), 0])

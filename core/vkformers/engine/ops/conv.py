@@ -47,8 +47,9 @@ class CausalConv1dFn(Function):
     def backward(self, g):
         x, weight, history = self.saved
         ins = [g.lazy, x, weight] + ([history] if history is not None else [])
+        rows = x.shape[0] * KC.dw_blocks(x.shape[1], weight.shape[-1])  # a partial per batch row and block of steps
         dx, dw = node(CausalConv1dBackwardKernel(), ins,
-                      [(x.shape, x.dtype), ((x.shape[0],) + tuple(weight.shape), dt.float32)])
+                      [(x.shape, x.dtype), ((rows,) + tuple(weight.shape), dt.float32)])
         dw = wrap(dw).sum(0).reshape(*self.weight_shape).cast(self.parents[1].dtype)
         bias = self.parents[2]
         db = g.float().sum((0, 1)).cast(bias.dtype) if bias is not None and self.needs_grad[2] else None
