@@ -552,13 +552,14 @@ def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
 
 
 # decode_matvec's launch shapes for packed weights (in subgroups of 32 lanes): this device's own and every shape
-# bench/quant.py --sweep times (QUANT_SWEEP_SHAPES: what QUANT_LAUNCH may pick); on a CPU device (lavapipe) these
+# bench/quant.py --sweep times (QUANT_SWEEP_SHAPES: what QUANT_LAUNCH may pick); on a CPU device (lavapipe) only these
 # few, which take each path of the kernel (k split over a workgroup or not, several units in flight with a last step
-# part empty, several pairs, several subgroups each with its own pairs), compiling them all there taking long.
-CPU_QUANT_SHAPES = ((4, 2, 2, 1), (2, 1, 4, 1), (1, 2, 4, 0), (4, 1, 1, 0))
+# part empty, two units side by side sharing their scales, several pairs, several subgroups each with its own pairs),
+# compiling them all there taking long.
+CPU_QUANT_SHAPES = ((4, 2, 2, 1), (2, 1, 4, 1), (2, 1, 2, 1, 2), (1, 2, 1, 0, 2), (4, 1, 1, 0))
 
 
-@pytest.fixture(params=["this device", *KD.QUANT_SWEEP_SHAPES], ids=str)
+@pytest.fixture(params=["this device", *dict.fromkeys(KD.QUANT_SWEEP_SHAPES + CPU_QUANT_SHAPES)], ids=str)
 def quant_launch(request, device, monkeypatch):
     if request.param != "this device":
         if device.is_cpu and request.param not in CPU_QUANT_SHAPES:
@@ -647,7 +648,7 @@ def test_quant_launch_table(monkeypatch):
     assert KD.quant_launch("q4_k", "plain_long") == (8, 2, 2, 1)
     assert KD.quant_launch("q4_k", "gated") == (2, 1, 1, 1)
     assert KD.quant_launch("q6_k", "gated") == KD.QUANT_LAUNCH_DEFAULT
-    assert all(len(s) == 4 and s[0] * 32 <= 1024 for s in KD.QUANT_SWEEP_SHAPES)
+    assert all(len(s) in (4, 5) and s[0] * 32 <= 1024 for s in KD.QUANT_SWEEP_SHAPES)
     assert set(KD.QUANT_SWEEP_SHORT) <= set(KD.QUANT_SWEEP_SHAPES)
 
 

@@ -118,6 +118,9 @@ layout(constant_id = 14) const uint FORMAT0 = 0;  // quant_block.glsl QUANT_* of
 layout(constant_id = 15) const uint W_VEC = 0;    // every weight's byte offset is a multiple of 16
 layout(constant_id = 16) const uint FORMAT1 = 0;  // of W1
 layout(constant_id = 17) const uint FORMAT2 = 0;  // of W2
+// Units side by side in a lane (1 or 2, dividing k / 32): units 2m and 2m + 1 of a block share the decoding of their
+// scales (and its load), and a lane's loads cover 32 bytes of codes.
+layout(constant_id = 18) const uint ADJACENT = 1;
 layout(binding = 2) readonly buffer W0Words { uint w0_words[]; };
 layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
 layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
@@ -285,12 +288,12 @@ float sum8(vec4 lo, vec4 hi) { return ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x +
 
 // Unit u of the block at byte `block` of weight `which`, whose format quant_source names: in MODE_QKV a uniform choice
 // around the unit's loads (a constant elsewhere), not one around each load.
-QuantRaw quant_fetch_of(uint which, uint block, uint u) {
-    if (MODE != MODE_QKV) return quant_fetch_unit(block, u);
+QuantRaw quant_fetch_of(uint which, uint block, uint u, bool with_scales) {
+    if (MODE != MODE_QKV) return quant_fetch_unit(block, u, with_scales);
     QuantRaw r;
-    if (which == 0u) { quant_source = 0u; r = quant_fetch_unit(block, u); }
-    else if (which == 1u) { quant_source = 1u; r = quant_fetch_unit(block, u); }
-    else { quant_source = 2u; r = quant_fetch_unit(block, u); }
+    if (which == 0u) { quant_source = 0u; r = quant_fetch_unit(block, u, with_scales); }
+    else if (which == 1u) { quant_source = 1u; r = quant_fetch_unit(block, u, with_scales); }
+    else { quant_source = 2u; r = quant_fetch_unit(block, u, with_scales); }
     quant_source = which;
     return r;
 }
@@ -319,25 +322,31 @@ void quant_pairs_product(uint first, uint pairs) {
     float acc[QUANT_COLS * ROWS], squares[ROWS];
     [[unroll]] for (uint i = 0u; i < QUANT_COLS * ROWS; ++i) acc[i] = 0.0;
     [[unroll]] for (uint r = 0u; r < ROWS; ++r) squares[r] = 0.0;
-    for (uint base = 0u; base < units; base += lanes * UNROLL) {  // the same steps for every lane
-        QuantRaw raw[UNROLL * QUANT_COLS];
+    const uint items = units / ADJACENT;
+    for (uint base = 0u; base < items; base += lanes * UNROLL) {  // the same steps for every lane
+        QuantRaw raw[UNROLL * ADJACENT * QUANT_COLS];
         [[unroll]] for (uint i = 0u; i < UNROLL; ++i) {
-            if (base + i * lanes >= units) break;  // uniform
-            // a lane past the end reads the last unit again, and counts it 0 times
-            const uint t = min(base + i * lanes + me, units - 1u);
-            [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
-                quant_source = source[c];
-                const uint per_block = quant_block_size() / 32u;
-                raw[i * QUANT_COLS + c] = quant_fetch_of(source[c], row_at[c] + t / per_block * quant_block_bytes(),
-                                                         t % per_block);
+            if (base + i * lanes >= items) break;  // uniform
+            // a lane past the end reads the last units again, and counts them 0 times
+            const uint item = min(base + i * lanes + me, items - 1u);
+            [[unroll]] for (uint v = 0u; v < ADJACENT; ++v) {
+                const uint t = item * ADJACENT + v;
+                [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
+                    quant_source = source[c];
+                    const uint per_block = quant_block_size() / 32u;
+                    raw[(i * ADJACENT + v) * QUANT_COLS + c] = quant_fetch_of(
+                        source[c], row_at[c] + t / per_block * quant_block_bytes(), t % per_block,
+                        v == 0u || per_block == 1u || !quant_pair_shares_scales());
+                }
             }
         }
-        [[unroll]] for (uint i = 0u; i < UNROLL; ++i) {
-            if (base + i * lanes >= units) break;
-            const float valid = base + i * lanes + me < units ? 1.0 : 0.0;
-            const uint t = min(base + i * lanes + me, units - 1u);
+        vec4 scale[QUANT_COLS], offset[QUANT_COLS];  // unit 2m's, kept for unit 2m + 1 when they share them
+        [[unroll]] for (uint n = 0u; n < UNROLL * ADJACENT; ++n) {
+            const uint i = n / ADJACENT, v = n % ADJACENT;
+            if (base + i * lanes >= items) break;
+            const float valid = base + i * lanes + me < items ? 1.0 : 0.0;
+            const uint t = min(base + i * lanes + me, items - 1u) * ADJACENT + v;
             uint block_at[QUANT_COLS], unit_of[QUANT_COLS];
-            vec4 scale[QUANT_COLS], offset[QUANT_COLS];
             // per column, row and run of octets sharing a scale: the codes' dot products with x, and (for columns of
             // another format than the lead) the sums of their own x
             float part[QUANT_COLS * ROWS * 4u], own_sum[QUANT_COLS * ROWS * 4u], x_sum[ROWS * 4u], unit_sq[ROWS];
@@ -346,7 +355,8 @@ void quant_pairs_product(uint first, uint pairs) {
                 const uint per_block = quant_block_size() / 32u;
                 unit_of[c] = t % per_block;
                 block_at[c] = row_at[c] + t / per_block * quant_block_bytes();
-                quant_raw_scales(raw[i * QUANT_COLS + c], block_at[c], unit_of[c], scale[c], offset[c]);
+                if (v == 0u || per_block == 1u || !quant_pair_shares_scales())  // else unit 2m's serve
+                    quant_raw_scales(raw[n * QUANT_COLS + c], block_at[c], unit_of[c], scale[c], offset[c]);
             }
             [[unroll]] for (uint j = 0u; j < QUANT_COLS * ROWS * 4u; ++j) { part[j] = 0.0; own_sum[j] = 0.0; }
             [[unroll]] for (uint j = 0u; j < ROWS * 4u; ++j) x_sum[j] = 0.0;
@@ -368,7 +378,7 @@ void quant_pairs_product(uint first, uint pairs) {
                 [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
                     quant_source = source[c];
                     vec4 q_lo, q_hi;
-                    quant_raw_octet(raw[i * QUANT_COLS + c], block_at[c], unit_of[c], o, q_lo, q_hi);
+                    quant_raw_octet(raw[n * QUANT_COLS + c], block_at[c], unit_of[c], o, q_lo, q_hi);
                     const uint at = c * ROWS * 4u + o * quant_runs() / 4u;
                     if (FORMAT == lead) {  // uniform; a constant unless the weights' formats differ
                         [[unroll]] for (uint r = 0u; r < ROWS; ++r)

@@ -385,12 +385,18 @@ uint quant_runs() {
 
 uvec4 q_words4(uint i) { return uvec4(QUANT_WORD(i), QUANT_WORD(i + 1u), QUANT_WORD(i + 2u), QUANT_WORD(i + 3u)); }
 
-QuantRaw quant_fetch_unit(uint block, uint u) {
+// Whether units 2m and 2m + 1 of a block share their scales (quant_raw_scales): the K formats' d, dmin and the scales
+// of sub-blocks 2j and 2j + 1, Q6_K's d and scale bytes, NF4's absmax.
+bool quant_pair_shares_scales() { return FORMAT >= QUANT_Q4_K; }
+
+// with_scales false: the words of codes alone (unit 2m + 1 of a block whose unit 2m's scales serve it, when
+// quant_pair_shares_scales).
+QuantRaw quant_fetch_unit(uint block, uint u, bool with_scales) {
     QuantRaw r;
     r.a = uvec4(0u); r.b = uvec4(0u); r.c = uvec4(0u); r.d = uvec4(0u);
     if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
         r.a = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 16u * u);  // 32 j + 16 h
-        r.b = q_16bytes_aligned(block);
+        if (with_scales) r.b = q_16bytes_aligned(block);
         if (FORMAT == QUANT_Q5_K) r.c = q_16bytes_aligned(block + 16u + 16u * (u & 1u));
     } else if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q8_0) {
         uint i = block >> 2;  // the words over bytes block .. block + 17 (33): one more when block is on a word
@@ -401,15 +407,17 @@ QuantRaw quant_fetch_unit(uint block, uint u) {
             r.c.x = QUANT_WORD(i + 8u);
         }
     } else if (FORMAT == QUANT_Q4_1 || FORMAT == QUANT_NF4) {
-        r.a.x = QUANT_WORD(block >> 2);
+        if (with_scales || FORMAT == QUANT_Q4_1) r.a.x = QUANT_WORD(block >> 2);
         r.b = q_words4((block + 4u + (FORMAT == QUANT_NF4 ? 16u * u : 0u)) >> 2);
     } else {  // Q6_K
         uint h = u >> 2, l = 8u * (u & 3u);
         r.a.xyz = q_8byte_words(block + 64u * h + l);
         r.b.xyz = q_8byte_words(block + 64u * h + 32u + l);
         r.c.xyz = q_8byte_words(block + 128u + 32u * h + l);
-        r.d.xyz = q_8byte_words(block + 192u + 8u * h);
-        r.a.w = QUANT_WORD((block + 208u) >> 2);
+        if (with_scales) {
+            r.d.xyz = q_8byte_words(block + 192u + 8u * h);
+            r.a.w = QUANT_WORD((block + 208u) >> 2);
+        }
     }
     return r;
 }
