@@ -23,10 +23,10 @@ engine/kernels/decode.py's QUANT_LAUNCH picks now ("the table"), then every laun
 split k) for the first format and of QUANT_SWEEP_SHORT for the others (--full: all of them for every format). It
 prints each shape's GB/s and share of --bandwidth-gbs per product and over the layer with its speed against
 bfloat16's layer, then per format the fastest shape over the layer and per product, and the QUANT_LAUNCH lines that
-make them the defaults (a whole QUANT_LAUNCH at the end). No shape is started after --budget seconds (240): the
-run stays under 5 minutes on the H200.
+make them the defaults (a whole QUANT_LAUNCH at the end). No shape is started after --budget seconds (200; the first
+format may take 55% of them, each other an equal share of the rest): the run stays under 5 minutes on the H200.
 
-    python bench/quant.py --sweep [--formats q4_k,q6_k] [--layers 8] [--full] [--budget 240] [--json OUT]
+    python bench/quant.py --sweep [--formats q4_k,q6_k] [--layers 8] [--full] [--budget 200] [--json OUT]
 
 --qlora: instead, LoRA training steps (r 16, alpha 32, on all seven projections; AdamW, bf16 compute, gradient
 checkpointing) at --batch x --seq (4 x 512) on the 8B shape (--layers of them): the NF4 base (QLoRA) against the
@@ -270,7 +270,7 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
     def line(tag, r, mark=""):
         cells = "  ".join(f"{g:5.0f} {100 * g / bandwidth_gbs:3.0f}%" for g in r["gbps"])
         speed = f"  {sum(base['us']) / sum(r['us']):4.2f}x bf16" if base is not r else ""
-        print(f"  {tag:14s} {cells}  | {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
+        print(f"  {tag:16s} {cells}  | {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
               f"  {sum(r['us']):7.1f} us{speed}{mark}", flush=True)
 
     base = None
@@ -280,27 +280,32 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
     line("default", base)
     table = {}
     for index, fmt in enumerate(formats):
-        if time.perf_counter() - started > budget:
-            print(f"{fmt}: not swept (the {budget:.0f} s budget is spent)", flush=True)
+        # the first format may take 55% of the budget, each other an equal share of the rest (and what is left over)
+        share = 1.0 if len(formats) == 1 else 0.55 + 0.45 * index / (len(formats) - 1)
+        deadline = started + budget * share
+        if time.perf_counter() > deadline:
+            print(f"{fmt}: not swept (its share of the {budget:.0f} s budget is spent)", flush=True)
             continue
         current = [KD.quant_launch(fmt, kind) for kind in kinds]
-        print(f"{fmt}: (subgroups of 32 lanes, units in flight, pairs together, split k); the table now: "
+        print(f"{fmt}: (subgroups of 32 lanes, units in flight, pairs together, split k[, units side by side]); "
+              f"the table now: "
               f"{dict(zip(kinds, current))}", flush=True)
         weights = sweep_weights(device, fmt, layers)
         now = run(fmt, "table", None, weights)
         line("the table", now)
         runs = []
         for shape in (KD.QUANT_SWEEP_SHAPES if index == 0 or full else KD.QUANT_SWEEP_SHORT):
-            if time.perf_counter() - started > budget:
-                print(f"  the {budget:.0f} s budget is spent: {fmt}'s other shapes not timed", flush=True)
+            if time.perf_counter() > deadline:
+                print(f"  {fmt}'s share of the {budget:.0f} s budget is spent: its other shapes not timed", flush=True)
                 break
             try:
                 r = run(fmt, shape, in_subgroups(device, shape), weights)
             except Exception as e:  # a shape the device refuses (too many registers, workgroup too large)
-                print(f"  {str(shape):14s} failed: {str(e).splitlines()[0][:100]}")
+                print(f"  {str(shape):16s} failed: {str(e).splitlines()[0][:100]}")
                 continue
             runs.append(r)
-            line(str(shape), r, "".join(f"  <- {kinds[i]}" for i, c in enumerate(current) if c == shape))
+            now_for = [kinds[i] for i, c in enumerate(current) if c == shape]
+            line(str(shape), r, f"  <- the table's for {', '.join(now_for)}" if now_for else "")
         del weights
         if not runs:
             continue
@@ -449,8 +454,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--sweep", action="store_true", help="time the fused decode products' launch shapes instead")
     parser.add_argument("--repeats", type=int, default=5, help="--sweep: replays per shape")
-    parser.add_argument("--budget", type=float, default=240.0,
-                        help="--sweep: seconds after which no further shape is started")
+    parser.add_argument("--budget", type=float, default=200.0,
+                        help="--sweep: seconds after which no further shape is started (the first format may take "
+                             "55%% of them, the others share the rest)")
     parser.add_argument("--full", action="store_true",
                         help="--sweep: every shape of QUANT_SWEEP_SHAPES for every format, not only the first")
     parser.add_argument("--qlora", action="store_true", help="time QLoRA steps against bfloat16 LoRA instead")

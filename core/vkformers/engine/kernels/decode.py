@@ -69,17 +69,21 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
 QUANT_LAUNCH = {"q4_k": (4, 1, 2, 1), "q5_k": (4, 1, 2, 1), "q6_k": (4, 1, 2, 1), "q8_0": (4, 1, 2, 1),
                 "q4_0": (4, 1, 2, 1)}
 QUANT_LAUNCH_DEFAULT = (4, 1, 2, 1)
-# The launch shapes bench/quant.py --sweep times for the first format (the tests run each of them on a GPU): k split
-# over 2, 4 or 8 subgroups, or a subgroup (alone or 4 in a workgroup) per group of pairs; 1 to 4 units in flight, 1
-# or 2 side by side; 1 to 4 pairs. (k = 4096 is 128 units: 8 split subgroups, 256 lanes, leave half of them idle.)
-QUANT_SWEEP_SHAPES = tuple(
-    [(s, u, p, 1) for s in (2, 4) for u in (1, 2) for p in (1, 2, 4)] + [(8, 1, p, 1) for p in (1, 2, 4)]
-    + [(s, 1, p, 1, 2) for s in (2, 4) for p in (1, 2, 4)]
-    + [(s, u, p, 0) for s in (1, 4) for u in (1, 2, 4) for p in (1, 2, 4) if u * p <= 8]
-    + [(1, 1, p, 0, 2) for p in (1, 2, 4)] + [(1, 2, 2, 0, 2), (4, 1, 2, 0, 2), (4, 2, 2, 0, 2)])
+# The launch shapes bench/quant.py --sweep times for the first format, the likeliest first (the tests run each of them
+# on a GPU): k split over 2, 4 or 8 subgroups, or a subgroup (alone or 4 in a workgroup) per group of pairs; 1 to 4
+# units in flight, 1 or 2 side by side; 1 to 4 pairs. (k = 4096 is 128 units: 8 split subgroups, 256 lanes, leave
+# half of them idle.)
+QUANT_SWEEP_SHAPES = (
+    (4, 1, 2, 1), (2, 1, 2, 1, 2), (4, 1, 1, 1), (2, 1, 2, 1), (4, 1, 4, 1), (2, 1, 4, 1, 2), (1, 1, 2, 0, 2),
+    (4, 1, 2, 0, 2), (4, 1, 2, 0), (1, 2, 2, 0), (4, 2, 2, 0), (2, 1, 1, 1, 2), (4, 1, 2, 1, 2), (2, 2, 2, 1),
+    (4, 2, 2, 1), (2, 1, 4, 1), (8, 1, 2, 1), (8, 1, 1, 1), (1, 1, 4, 0, 2), (1, 2, 2, 0, 2), (4, 2, 2, 0, 2),
+    (1, 1, 2, 0), (1, 1, 4, 0), (4, 1, 4, 0), (1, 2, 4, 0), (4, 2, 4, 0), (1, 4, 2, 0), (4, 4, 2, 0),
+    (2, 1, 1, 1), (2, 2, 1, 1), (2, 2, 4, 1), (4, 2, 1, 1), (4, 2, 4, 1), (8, 1, 4, 1), (4, 1, 1, 1, 2),
+    (4, 1, 4, 1, 2), (1, 1, 1, 0, 2), (1, 1, 1, 0), (4, 1, 1, 0), (1, 2, 1, 0), (4, 2, 1, 0), (1, 4, 1, 0),
+    (4, 4, 1, 0))
 # The part of them swept for the formats after the first (bench/quant.py --sweep, under its time budget).
-QUANT_SWEEP_SHORT = ((1, 1, 1, 0), (1, 2, 2, 0), (4, 1, 2, 0), (4, 2, 2, 0), (2, 1, 2, 1), (4, 1, 1, 1),
-                     (4, 1, 2, 1), (4, 2, 2, 1), (4, 1, 4, 1), (8, 1, 2, 1), (2, 1, 2, 1, 2), (1, 1, 2, 0, 2))
+QUANT_SWEEP_SHORT = ((4, 1, 2, 1), (2, 1, 2, 1, 2), (4, 1, 1, 1), (2, 1, 2, 1), (4, 1, 4, 1), (1, 1, 2, 0, 2),
+                     (4, 1, 2, 0, 2), (4, 1, 2, 0), (1, 2, 2, 0), (4, 2, 2, 1), (8, 1, 2, 1), (1, 1, 1, 0))
 
 
 def product_kind(mode: str, k: int, widths) -> str:
