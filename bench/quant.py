@@ -324,8 +324,8 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
                   f"{100 * own[i]['gbps'][i] / bandwidth_gbs:.0f}% ({best['gbps'][i]:.0f} in the layer's fastest)")
         print(f"  each kind in its own fastest shape: {combined:.0f} GB/s, {100 * combined / bandwidth_gbs:.0f}% of "
               f"the bound, {sum(base['us']) / sum(combined_us):.2f}x bfloat16's layer (goal: 60%, 2x)")
-        print(f"  QUANT_LAUNCH lines (core/vkformers/engine/kernels/decode.py):\n{launch_table(fmt, best['shape'], per_kind)}",
-              flush=True)
+        print("  QUANT_LAUNCH lines (core/vkformers/engine/kernels/decode.py):\n"
+              + launch_table(fmt, best["shape"], per_kind), flush=True)
         table[fmt] = (best["shape"], per_kind)
         results["formats"][fmt] = {"table": now, "runs": runs, "best": best["shape"], "per_kind": per_kind,
                                    "combined_gbps": combined, "combined_of_bound": combined / bandwidth_gbs,
