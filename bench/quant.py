@@ -16,14 +16,17 @@ host neither draws nor quantizes billions of values: the timings do not depend o
 
 --sweep: instead, the fused decode products alone (decode_matvec's q_* variants) at batch 1 on the 8B shapes
 (4096 -> 6144 q/k/v with rotary and cache write, 4096 -> 4096 o_proj, 4096 -> 2 x 14336 gate/up, 14336 -> 4096
-down), --layers distinct copies so that no weight stays in cache, timed with GPU timestamps for every launch shape
+down), --layers distinct copies so that no weight stays in cache, timed with GPU timestamps beside the bfloat16
+products in their default shape: for each format of --formats (q4_k,q6_k,q5_k,q8_0,q4_0 by default), the shapes
+engine/kernels/decode.py's QUANT_LAUNCH picks now ("the table"), then every launch shape of QUANT_SWEEP_SHAPES
 (subgroups of 32 lanes per workgroup, units of 32 weights in flight per lane, pairs of columns computed together,
-split k) and each format of --formats (q4_k,q6_k,q8_0 by default), beside the bfloat16 products in their default
-shape. It prints each shape's GB/s and share of --bandwidth-gbs per product and over the layer, marks the shape
-engine/kernels/decode.py's QUANT_LAUNCH picks now, and names the fastest: the default is the one line of
-QUANT_LAUNCH for that format.
+split k) for the first format and of QUANT_SWEEP_SHORT for the others (--full: all of them for every format). It
+prints each shape's GB/s and share of --bandwidth-gbs per product and over the layer with its speed against
+bfloat16's layer, then per format the fastest shape over the layer and per product, and the QUANT_LAUNCH lines that
+make them the defaults (a whole QUANT_LAUNCH at the end). No shape is started after --budget seconds (200; the first
+format may take 55% of them, each other an equal share of the rest): the run stays under 5 minutes on the H200.
 
-    python bench/quant.py --sweep [--formats q4_k,q6_k,q8_0] [--layers 8] [--json OUT]
+    python bench/quant.py --sweep [--formats q4_k,q6_k] [--layers 8] [--full] [--budget 200] [--json OUT]
 
 --qlora: instead, LoRA training steps (r 16, alpha 32, on all seven projections; AdamW, bf16 compute, gradient
 checkpointing) at --batch x --seq (4 x 512) on the 8B shape (--layers of them): the NF4 base (QLoRA) against the
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import sys
 import time
 
@@ -158,17 +160,23 @@ def bench_format(config, fmt: str | None, prompt, new_tokens, bandwidth_gbs: flo
     return out
 
 
-# The 8B decode products: (name, mode, k, widths).
-SWEEP_PRODUCTS = (("qkv + norm + rotary", "qkv", 4096, (4096, 1024, 1024)),
-                  ("o_proj + residual", "plain", 4096, (4096,)),
-                  ("gate/up + norm + act", "gated", 4096, (14336, 14336)),
-                  ("down + residual", "plain", 14336, (4096,)))
-SWEEP_HEAD_DIM, SWEEP_KV_HEADS, SWEEP_CAPACITY = 128, 8, 64
+def decode_products(hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int = 128) -> tuple:
+    """A Llama layer's decode products: (name, mode, k, widths)."""
+    return (("qkv + norm + rotary", "qkv", hidden, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)),
+            ("o_proj + residual", "plain", heads * head_dim, (hidden,)),
+            ("gate/up + norm + act", "gated", hidden, (ffn, ffn)),
+            ("down + residual", "plain", ffn, (hidden,)))
 
 
-def sweep_shapes():
-    """Every launch shape the sweep times, in 32-lane subgroups: (subgroups, in flight, pairs together, split k)."""
-    return [s for s in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4), (0, 1)) if not (s[3] and s[0] == 1)]
+# The 8B decode products (--quick: a small layer, for a CPU device).
+SWEEP_PRODUCTS = decode_products(4096, 14336, 32, 8)
+SWEEP_HEAD_DIM, SWEEP_CAPACITY = 128, 64
+SWEEP_FORMATS = "q4_k,q6_k,q5_k,q8_0,q4_0"
+
+
+def sweep_kinds() -> list[str]:
+    """QUANT_LAUNCH's kind of each sweep product (decode.product_kind)."""
+    return [KD.product_kind(mode, k, widths) for _, mode, k, widths in SWEEP_PRODUCTS]
 
 
 def in_subgroups(device, shape):
@@ -185,12 +193,14 @@ def sweep_weights(device, fmt: str | None, layers: int) -> list:
 
 
 def record_products(device, fmt: str | None, weights: list, launch):
-    """The four decode products of every layer of ``weights`` (sweep_weights) as one timestamped sequence."""
+    """The four decode products of every layer of ``weights`` (sweep_weights) as one timestamped sequence;
+    ``launch`` None: each product in its own default shape (QUANT_LAUNCH's, by kind)."""
     dtype = "bfloat16"
     buf = lambda n, name, d=dtype: device.buffer(n, d, name=name)  # noqa: E731 (contents do not matter for timing)
     (_, _, hidden, qkv), (_, _, _, o), (_, _, _, gate_up), (_, _, ffn, down) = SWEEP_PRODUCTS
     x, h, q, act = buf(hidden, "x"), buf(hidden, "h"), buf(qkv[0], "q"), buf(ffn, "act")
-    caches = [buf(SWEEP_KV_HEADS * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
+    kv_heads = qkv[1] // SWEEP_HEAD_DIM
+    caches = [buf(kv_heads * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
     positions, start = device.upload(np.zeros(1, np.int32)), device.upload(np.zeros(1, np.uint32))
     inv_freq = device.upload(np.ones(SWEEP_HEAD_DIM // 2, np.float32))
     norm = buf(ffn, "norm")
@@ -199,7 +209,7 @@ def record_products(device, fmt: str | None, weights: list, launch):
     for ws in weights:
         KD.decode_matvec(seq, x, ws[0], q, k=hidden, widths=qkv, mode="qkv", norm_weight=norm,
                          norm=True, out1=caches[0], out2=caches[1], positions=positions, cache_start=start,
-                         inv_freq=inv_freq, head_dim=SWEEP_HEAD_DIM, rot_dim=SWEEP_HEAD_DIM, kv_heads=SWEEP_KV_HEADS,
+                         inv_freq=inv_freq, head_dim=SWEEP_HEAD_DIM, rot_dim=SWEEP_HEAD_DIM, kv_heads=kv_heads,
                          capacity=SWEEP_CAPACITY, **common)
         KD.decode_matvec(seq, q, ws[1], h, k=qkv[0], widths=o, residual=x, **common)
         KD.decode_matvec(seq, h, ws[2], act, k=hidden, widths=gate_up, mode="gated", norm_weight=norm, norm=True,
@@ -224,12 +234,28 @@ def time_products(seq, repeats: int) -> list[float]:
     return [float(t) for t in np.median(per_op, axis=0)]
 
 
-def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
+def launch_table(fmt: str, default, per_kind: dict) -> str:
+    """QUANT_LAUNCH's lines for ``fmt``: its default shape, then the kinds that take another."""
+    lines = [f"    {fmt!r}: {tuple(default)},"]
+    lines += [f"    ({fmt!r}, {kind!r}): {tuple(shape)}," for kind, shape in per_kind.items()]
+    return "\n".join(lines)
+
+
+def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: float, full: bool) -> dict:
+    """Time QUANT_SWEEP_SHAPES (the first format; QUANT_SWEEP_SHORT for the others unless ``full``) on the four
+    decode products, beside bfloat16's and the current table's shapes; stop starting shapes after ``budget`` seconds.
+    Prints per shape and product the GB/s of weights and the share of ``bandwidth_gbs``, then per format the fastest
+    shape over the layer, the fastest per product and the QUANT_LAUNCH lines that take them."""
     device = vulkan.get_device()
-    names = [p[0] for p in SWEEP_PRODUCTS]
-    print(f"device: {device.name}; decode products of the Llama-3-8B shape at batch 1, {layers} layers of distinct "
-          f"weights; GB/s of weights and % of {bandwidth_gbs:.0f} GB/s per product: {', '.join(names)}; then the layer")
-    results = {"device": device.name, "bandwidth_gbs": bandwidth_gbs, "layers": layers, "formats": {}}
+    started = time.perf_counter()
+    names, kinds = [p[0] for p in SWEEP_PRODUCTS], sweep_kinds()
+    print(f"device: {device.name}; decode products of a Llama layer (hidden {SWEEP_PRODUCTS[0][2]}, ffn "
+          f"{SWEEP_PRODUCTS[3][2]}) at batch 1, {layers} layers of distinct "
+          f"weights; GB/s of weights and % of {bandwidth_gbs:.0f} GB/s per product: "
+          f"{', '.join(f'{n} ({k})' for n, k in zip(names, kinds))}; then the layer: GB/s, % of the bound, time, "
+          f"speed against bfloat16's layer", flush=True)
+    results = {"device": device.name, "bandwidth_gbs": bandwidth_gbs, "layers": layers, "kinds": kinds,
+               "formats": {}}
 
     def run(fmt, shape, launch, weights):
         seq = record_products(device, fmt, weights, launch)
@@ -243,44 +269,70 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float) -> dict:
 
     def line(tag, r, mark=""):
         cells = "  ".join(f"{g:5.0f} {100 * g / bandwidth_gbs:3.0f}%" for g in r["gbps"])
-        print(f"  {tag:18s} {cells}  | layer {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
-              f"  {sum(r['us']):7.1f} us{mark}", flush=True)
+        speed = f"  {sum(base['us']) / sum(r['us']):4.2f}x bf16" if base is not r else ""
+        print(f"  {tag:16s} {cells}  | {r['layer_gbps']:5.0f} GB/s {100 * r['layer_of_bound']:3.0f}%"
+              f"  {sum(r['us']):7.1f} us{speed}{mark}", flush=True)
 
+    base = None
     base = run(None, None, None, sweep_weights(device, None, layers))
     results["bfloat16"] = base
     print("bfloat16 (its default shape)")
     line("default", base)
-    for fmt in formats:
-        default = KD.QUANT_LAUNCH.get(fmt, KD.QUANT_LAUNCH_DEFAULT)
-        print(f"{fmt} (subgroups, in flight, pairs together, split k); default QUANT_LAUNCH[{fmt!r}] = {default}")
-        runs, weights = [], sweep_weights(device, fmt, layers)
-        for shape in sweep_shapes():
+    table = {}
+    for index, fmt in enumerate(formats):
+        # the first format may take 55% of the budget, each other an equal share of the rest (and what is left over)
+        share = 1.0 if len(formats) == 1 else 0.55 + 0.45 * index / (len(formats) - 1)
+        deadline = started + budget * share
+        if time.perf_counter() > deadline:
+            print(f"{fmt}: not swept (its share of the {budget:.0f} s budget is spent)", flush=True)
+            continue
+        current = [KD.quant_launch(fmt, kind) for kind in kinds]
+        print(f"{fmt}: (subgroups of 32 lanes, units in flight, pairs together, split k[, units side by side]); "
+              f"the table now: "
+              f"{dict(zip(kinds, current))}", flush=True)
+        weights = sweep_weights(device, fmt, layers)
+        now = run(fmt, "table", None, weights)
+        line("the table", now)
+        runs = []
+        for shape in (KD.QUANT_SWEEP_SHAPES if index == 0 or full else KD.QUANT_SWEEP_SHORT):
+            if time.perf_counter() > deadline:
+                print(f"  {fmt}'s share of the {budget:.0f} s budget is spent: its other shapes not timed", flush=True)
+                break
             try:
                 r = run(fmt, shape, in_subgroups(device, shape), weights)
             except Exception as e:  # a shape the device refuses (too many registers, workgroup too large)
-                print(f"  {str(shape):18s} failed: {str(e).splitlines()[0][:100]}")
+                print(f"  {str(shape):16s} failed: {str(e).splitlines()[0][:100]}")
                 continue
-            r["default"] = shape == default
             runs.append(r)
-            line(str(shape), r, "  <- default" if r["default"] else "")
-        best = max(runs, key=lambda r: r["layer_gbps"])
-        chosen = next((r for r in runs if r["default"]), None)
-        per_product = [max(runs, key=lambda r, i=i: r["gbps"][i])["shape"] for i in range(len(SWEEP_PRODUCTS))]
-        print(f"  fastest over the layer: {best['shape']} ({best['layer_gbps']:.0f} GB/s, "
-              f"{100 * best['layer_of_bound']:.0f}% of the bound, {sum(base['us']) / sum(best['us']):.2f}x bfloat16's "
-              f"speed); default {'%.0f GB/s' % chosen['layer_gbps'] if chosen else 'not timed'}; fastest per product: "
-              f"{dict(zip(names, per_product))}")
-        print(f"  to make it the default: QUANT_LAUNCH[{fmt!r}] = {best['shape']} in "
-              f"core/vkformers/engine/kernels/decode.py", flush=True)
-        for i, (name, _, k, _) in enumerate(SWEEP_PRODUCTS):  # a product another shape serves much better
-            own = max(runs, key=lambda r, i=i: r["gbps"][i])
-            alone = all(p[2] != k for j, p in enumerate(SWEEP_PRODUCTS) if j != i)
-            if alone and own["gbps"][i] > 1.1 * best["gbps"][i]:
-                print(f"  {name} (k {k}) runs {own['gbps'][i] / best['gbps'][i]:.2f}x faster in {own['shape']}: "
-                      f"QUANT_LAUNCH[({fmt!r}, {k})] = {own['shape']} gives products of that k their own shape",
-                      flush=True)
-        results["formats"][fmt] = {"runs": runs, "best": best["shape"], "default": default}
+            now_for = [kinds[i] for i, c in enumerate(current) if c == shape]
+            line(str(shape), r, f"  <- the table's for {', '.join(now_for)}" if now_for else "")
         del weights
+        if not runs:
+            continue
+        best = min(runs, key=lambda r: sum(r["us"]))
+        own = [min(runs, key=lambda r, i=i: r["us"][i]) for i in range(len(SWEEP_PRODUCTS))]
+        per_kind = {kind: o["shape"] for kind, o, i in zip(kinds, own, range(len(kinds)))
+                    if o["shape"] != best["shape"] and o["us"][i] < 0.97 * best["us"][i]}
+        combined_us = [own[i]["us"][i] if kinds[i] in per_kind else best["us"][i] for i in range(len(kinds))]
+        sizes = product_bytes(fmt)
+        combined = sum(sizes) / sum(combined_us) * 1e-6
+        print(f"  fastest over the layer: {best['shape']}: {best['layer_gbps']:.0f} GB/s, "
+              f"{100 * best['layer_of_bound']:.0f}% of the bound, {sum(base['us']) / sum(best['us']):.2f}x bfloat16's "
+              f"layer (the table now: {now['layer_gbps']:.0f} GB/s)")
+        for i, name in enumerate(names):
+            print(f"  fastest {name} ({kinds[i]}): {own[i]['shape']} {own[i]['gbps'][i]:.0f} GB/s "
+                  f"{100 * own[i]['gbps'][i] / bandwidth_gbs:.0f}% ({best['gbps'][i]:.0f} in the layer's fastest)")
+        print(f"  each kind in its own fastest shape: {combined:.0f} GB/s, {100 * combined / bandwidth_gbs:.0f}% of "
+              f"the bound, {sum(base['us']) / sum(combined_us):.2f}x bfloat16's layer (goal: 60%, 2x)")
+        print("  QUANT_LAUNCH lines (core/vkformers/engine/kernels/decode.py):\n"
+              + launch_table(fmt, best["shape"], per_kind), flush=True)
+        table[fmt] = (best["shape"], per_kind)
+        results["formats"][fmt] = {"table": now, "runs": runs, "best": best["shape"], "per_kind": per_kind,
+                                   "combined_gbps": combined, "combined_of_bound": combined / bandwidth_gbs,
+                                   "combined_vs_bf16": sum(base["us"]) / sum(combined_us)}
+    if table:
+        print("QUANT_LAUNCH = {\n" + "\n".join(launch_table(f, d, k) for f, (d, k) in table.items()) + "\n}")
+    print(f"sweep time: {time.perf_counter() - started:.0f} s", flush=True)
     return results
 
 
@@ -392,7 +444,7 @@ def qlora_70b(layers: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", help="block formats to compare with bfloat16 (q4_k,q8_0; also q4_k_m: "
-                        "llama.cpp's Q4_K_M layout; --sweep: q4_k,q6_k,q8_0)")
+                        f"llama.cpp's Q4_K_M layout; --sweep: {SWEEP_FORMATS})")
     parser.add_argument("--layers", type=int, help="layers (32; --sweep: 8)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -401,7 +453,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small shape (hidden 512, 2 layers) for a CPU device")
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--sweep", action="store_true", help="time the fused decode products' launch shapes instead")
-    parser.add_argument("--repeats", type=int, default=10, help="--sweep: replays per shape")
+    parser.add_argument("--repeats", type=int, default=5, help="--sweep: replays per shape")
+    parser.add_argument("--budget", type=float, default=200.0,
+                        help="--sweep: seconds after which no further shape is started (the first format may take "
+                             "55%% of them, the others share the rest)")
+    parser.add_argument("--full", action="store_true",
+                        help="--sweep: every shape of QUANT_SWEEP_SHAPES for every format, not only the first")
     parser.add_argument("--qlora", action="store_true", help="time QLoRA steps against bfloat16 LoRA instead")
     parser.add_argument("--qlora-70b", action="store_true", help="one QLoRA step of the 70B shape instead")
     parser.add_argument("--batch", type=int, default=4, help="--qlora: sequences per step")
@@ -420,8 +477,12 @@ def main(argv=None) -> int:
         write_results(args.json, results)
         return 0
     if args.sweep:
-        formats = [f for f in (args.formats or "q4_k,q6_k,q8_0").split(",") if f]
-        write_results(args.json, sweep(formats, args.layers or 8, args.repeats, args.bandwidth_gbs))
+        global SWEEP_PRODUCTS
+        if args.quick:
+            SWEEP_PRODUCTS = decode_products(512, 1536, 4, 2)
+        formats = [f for f in (args.formats or SWEEP_FORMATS).split(",") if f]
+        write_results(args.json, sweep(formats, args.layers or 8, args.repeats, args.bandwidth_gbs, args.budget,
+                                       args.full))
         return 0
     args.formats = args.formats or "q4_k,q8_0"
     args.layers = args.layers or LLAMA3_8B["num_hidden_layers"]

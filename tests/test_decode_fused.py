@@ -49,7 +49,7 @@ def launch(request, monkeypatch):
     k split among them or one pair each, or (packed weights) 2 or 4 pairs together), so that lavapipe runs the code
     paths a GPU takes."""
     if request.param in GPU_SHAPES:
-        monkeypatch.setattr(KD, "launch_shape", lambda device, rows=1, quant=None, k=0: GPU_SHAPES[request.param])
+        monkeypatch.setattr(KD, "launch_shape", lambda device, rows=1, quant=None, kind="plain": GPU_SHAPES[request.param])
         lazy.clear_plan_cache()  # plans recorded with the other shape
     yield request.param
     lazy.clear_plan_cache()

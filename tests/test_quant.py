@@ -12,11 +12,13 @@ import pytest
 import gguf
 import vkformers as vkf
 from test_attention import rounded
-from test_decode_fused import launch, rms  # noqa: F401 (launch: a fixture)
+from test_decode_fused import rms
 from test_gguf import CONFIG, random_llama, train_bpe, write_tiny_gguf
 from test_kernels_transformer import rope_reference
 from vkformers.engine import functional as F
+from vkformers.engine import lazy
 from vkformers.engine.kernels import Operand
+from vkformers.engine.kernels import decode as KD
 from vkformers.engine.kernels import matmul_quant as KQ
 from vkformers.engine.kernels.matmul import coopmat_supported
 from vkformers.engine.ops import decode as fused_ops
@@ -549,22 +551,41 @@ def test_generate_cli_keeps_gguf_quantized(backend, tmp_path, capsys):
     assert "applies to safetensors checkpoints" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("launch")
+# decode_matvec's launch shapes for packed weights (in subgroups of 32 lanes): this device's own and every shape
+# bench/quant.py --sweep times (QUANT_SWEEP_SHAPES: what QUANT_LAUNCH may pick); on a CPU device (lavapipe) only these
+# few, which take each path of the kernel (k split over a workgroup or not, several units in flight with a last step
+# part empty, two units side by side sharing their scales, several pairs, several subgroups each with its own pairs),
+# compiling them all there taking long.
+CPU_QUANT_SHAPES = ((4, 2, 2, 1), (2, 1, 4, 1), (2, 1, 2, 1, 2), (1, 2, 1, 0, 2), (4, 1, 1, 0))
+
+
+@pytest.fixture(params=["this device", *dict.fromkeys(KD.QUANT_SWEEP_SHAPES + CPU_QUANT_SHAPES)], ids=str)
+def quant_launch(request, device, monkeypatch):
+    if request.param != "this device":
+        if device.is_cpu and request.param not in CPU_QUANT_SHAPES:
+            pytest.skip("a GPU's launch shape: a CPU device takes CPU_QUANT_SHAPES")
+        shape = (max(1, request.param[0] * 32 // device.limits["subgroup_size"]),) + request.param[1:]
+        monkeypatch.setattr(KD, "launch_shape", lambda device, rows=1, quant=None, kind="plain": shape)
+        lazy.clear_plan_cache()  # plans recorded with the other shape
+    yield request.param
+    lazy.clear_plan_cache()
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
+def test_fused_decode_with_quantized_weights(device, fmt, quant_launch, monkeypatch):
     """The fused decode-step products (decode_matvec's q_* variants) with packed weights: norm + bias + residual
-    on an odd width, the gated MLP, and q/k/v with the rotary embedding and the cache write, in this device's
-    launch shape and a GPU's (test_decode_fused's fixture); float32 within TOLERANCE of float64 on the exact
-    dequantized weights, bfloat16 within its rounding. Every format's units in the plain mode; the gated and
-    q/k/v modes (the same units, other epilogues) for three of them."""
+    on an odd width for 1 row (float32) and 3 (bfloat16), the gated MLP (also with up in another format than gate),
+    and q/k/v with the rotary embedding and the cache write (3 and 1 heads of 12: groups of pairs across q and k), in
+    each launch shape; float32 within TOLERANCE of float64 on the exact dequantized weights, bfloat16 within its
+    rounding. k holds 72 units of 32 weights: several steps of a subgroup's lanes, the last one part empty. On a CPU
+    device the gated and q/k/v modes (the same units, other epilogues) for three formats, the mixed gated for Q4_K."""
     monkeypatch.setattr(fused_ops, "enabled", True)
-    block = FORMATS[fmt].block
-    k = block * -(-128 // block)
+    k = 2304
     rng = np.random.default_rng(18)
 
-    def weight(n, seed):
-        packed = random_blocks(fmt, n, k, seed=seed)
-        return QuantizedTensor.upload(QuantizedArray(packed, fmt, (n, k))), reference_weights(packed, fmt, n, k)
+    def weight(n, seed, form=fmt):
+        packed = random_blocks(form, n, k, seed=seed)
+        return QuantizedTensor.upload(QuantizedArray(packed, form, (n, k))), reference_weights(packed, form, n, k)
 
     def tensor(shape, dtype="float32", scale=1.0):
         exact, host = rounded(rng.standard_normal(shape) * scale, dtype)
@@ -576,24 +597,31 @@ def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
     (wt, w), (gate_t, gate), (up_t, up) = weight(37, 19), weight(24, 20), weight(24, 21)
     g, gt = tensor((k,))
     with vkf.no_grad():
-        for dtype, tolerance in (("float32", TOLERANCE), ("bfloat16", 1.6e-2)):
-            x, xt = tensor((3, 1, k), dtype)
+        for rows, dtype, tolerance in ((1, "float32", TOLERANCE), (3, "bfloat16", 1.6e-2)):
+            x, xt = tensor((rows, 1, k), dtype)
             b, bt = tensor((37,), dtype)
-            r, rt = tensor((3, 1, 37), dtype)
+            r, rt = tensor((rows, 1, 37), dtype)
             gd, gdt = tensor((k,), dtype)
             assert fused_ops.fusable(xt, [wt], fused_ops.FusedNorm(gdt, 1e-5))
             got = fused_ops.fused_linear(xt, wt, norm=fused_ops.FusedNorm(gdt, 1e-5), bias=bt, residual=rt,
                                          residual_scale=0.5)
             close(got.float().numpy(), r + 0.5 * (rms(x, gd, 1e-5) @ w.T + b), tolerance)
-        if fmt not in ("q4_k", "q6_k", "q8_0"):  # the unit layouts are the plain product's; the modes, these
+        if device.is_cpu and fmt not in ("q4_k", "q6_k", "q8_0"):
             return
-        x, xt = tensor((2, 1, k))
-        got = fused_ops.fused_gated(xt[:2], gate_t, up_t, norm=fused_ops.FusedNorm(gt, 1e-6)).numpy()
-        h = rms(x, g, 1e-6)
-        close(got, h @ gate.T / (1 + np.exp(-(h @ gate.T))) * (h @ up.T), TOLERANCE)
+        x, xt = tensor((1, 1, k))
+        gs, gst = tensor((k,), scale=0.05)  # gate values of order 1: silu neither 0 nor the identity
+        h = rms(x, gs, 1e-6)
+        ups = [(up_t, up)]
+        if fmt == "q4_k" or not device.is_cpu:  # up in another format than gate
+            ups.append(weight(24, 25, "q6_k" if fmt != "q6_k" else "q8_0"))
+        for up_tensor, up_weight in ups:
+            got = fused_ops.fused_gated(xt, gate_t, up_tensor, norm=fused_ops.FusedNorm(gst, 1e-6)).numpy()
+            close(got, h @ gate.T / (1 + np.exp(-(h @ gate.T))) * (h @ up_weight.T), TOLERANCE)
 
-        heads, kv_heads, head_dim, capacity, start = 4, 2, 16, 5, 3
-        (wq_t, wq), (wk_t, wk), (wv_t, wv) = weight(heads * head_dim, 22), weight(32, 23), weight(32, 24)
+        heads, kv_heads, head_dim, capacity, start = 3, 1, 12, 5, 3
+        (wq_t, wq), (wk_t, wk), (wv_t, wv) = weight(heads * head_dim, 22), weight(12, 23), weight(12, 24)
+        x, xt = tensor((2, 1, k))
+        h = rms(x, g, 1e-6)
         k_cache = vkf.parameter(np.zeros((2, kv_heads, capacity, head_dim), np.float32), requires_grad=False)
         v_cache = vkf.parameter(np.zeros((2, kv_heads, capacity, head_dim), np.float32), requires_grad=False)
         positions = np.array([[4], [9]], np.int32)
@@ -609,6 +637,19 @@ def test_fused_decode_with_quantized_weights(device, fmt, monkeypatch):
     close(caches[0][:, :, start:start + 1], rotate((h @ wk.T).reshape(2, kv_heads, 1, head_dim)), TOLERANCE)
     close(caches[1][:, :, start:start + 1], (h @ wv.T).reshape(2, kv_heads, 1, head_dim), TOLERANCE)
     assert not caches[0][:, :, :start].any() and not caches[1][:, :, start + 1:].any()
+
+
+def test_quant_launch_table(monkeypatch):
+    """QUANT_LAUNCH: a (format, kind) line over the format's, the format's over the default; down_proj's shape (k at
+    least twice the width) is its own kind."""
+    assert KD.product_kind("plain", 14336, (4096,)) == "plain_long"
+    assert KD.product_kind("plain", 4096, (4096,)) == "plain" and KD.product_kind("qkv", 4096, (4096,)) == "qkv"
+    monkeypatch.setattr(KD, "QUANT_LAUNCH", {"q4_k": (2, 1, 1, 1), ("q4_k", "plain_long"): (8, 2, 2, 1)})
+    assert KD.quant_launch("q4_k", "plain_long") == (8, 2, 2, 1)
+    assert KD.quant_launch("q4_k", "gated") == (2, 1, 1, 1)
+    assert KD.quant_launch("q6_k", "gated") == KD.QUANT_LAUNCH_DEFAULT
+    assert all(len(s) in (4, 5) and s[0] * 32 <= 1024 for s in KD.QUANT_SWEEP_SHAPES)
+    assert set(KD.QUANT_SWEEP_SHORT) <= set(KD.QUANT_SWEEP_SHAPES)
 
 
 def test_fused_decode_mixed_block_formats(device, monkeypatch):

@@ -24,11 +24,15 @@
 // raw 16-byte words, so k and the offsets must be whole numbers of vectors (the launcher checks).
 // QUANT_W (the q_* variants): W0, W1, W2 are quantized weights, each in its own block format (quant_block.glsl;
 // FORMAT0..2: a Q4_K_M file keeps attn_v in Q6_K beside Q4_K q and k), read from their packed bytes (w_offset0..2
-// in bytes, rows of k / block whole blocks): lanes stride over units of 32 weights (quant_unit) instead of vectors,
-// and x, g follow each unit's four runs of 8 elements; each run takes its scale and offset once
-// (scale * dot(x, codes) + offset * sum(x)), not once per weight. A subgroup computes PAIRS_PER_SUBGROUP pairs
-// together, so that each octet of x (and of g, and its squares for the norm) is read and decoded once for all
-// their columns (columns of another format than the first read their own); each lane has UNROLL units in flight.
+// in bytes, rows of k / block whole blocks): lanes stride over units of 32 weights instead of vectors, and x, g follow
+// each unit's four octets (runs of 8 elements); each run of octets sharing a scale takes it once
+// (scale * dot(x, codes) + offset * sum(x)), not once per weight. PAIRS_PER_SUBGROUP pairs are computed together, so
+// that each octet of x (and of g, and its squares for the norm) is read and decoded once for all their columns
+// (columns of another format than the first read their own); with SPLIT_K the workgroup's subgroups share them, all
+// its lanes taking units in turn and adding up in shared memory once at the end (else each subgroup has its own).
+// A step of the lanes loads the packed words of UNROLL units of every column before it decodes any (quant_fetch_unit:
+// the loads in flight), then decodes each octet where it is multiplied, with codes turned to floats by placing
+// their bits in a float's mantissa (no conversion, no subtraction per weight).
 //! variant f32 -DELEM_F32
 //! variant f16 -DELEM_F16
 //! variant bf16 -DELEM_BF16
@@ -63,8 +67,9 @@ layout(constant_id = 9) const uint INTERLEAVED = 0;
 layout(constant_id = 10) const uint UNROLL = 4;  // vectors of each W row a lane has in flight
 // more on a CPU: fewer, longer workgroups (QUANT_W: computed together)
 layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;
-// SPLIT_K: the workgroup's subgroups share each pair, subgroup s taking the s-th slice of k, and add up their
-// sums in shared memory: more loads in flight for a narrow product (few pairs) with a long k.
+// SPLIT_K: the workgroup's subgroups share each pair, subgroup s taking the s-th slice of k (QUANT_W: the lanes of
+// all of them taking units in turn), and add up their sums in shared memory: more loads in flight for a narrow
+// product (few pairs) with a long k.
 layout(constant_id = 12) const uint SPLIT_K = 0;
 layout(constant_id = 13) const uint PAGE_SIZE = 0;  // MODE_QKV into a paged cache (see above)
 
@@ -113,6 +118,9 @@ layout(constant_id = 14) const uint FORMAT0 = 0;  // quant_block.glsl QUANT_* of
 layout(constant_id = 15) const uint W_VEC = 0;    // every weight's byte offset is a multiple of 16
 layout(constant_id = 16) const uint FORMAT1 = 0;  // of W1
 layout(constant_id = 17) const uint FORMAT2 = 0;  // of W2
+// Units side by side in a lane (1 or 2, dividing k / 32): units 2m and 2m + 1 of a block share the decoding of their
+// scales (and its load), and a lane's loads cover 32 bytes of codes.
+layout(constant_id = 18) const uint ADJACENT = 1;
 layout(binding = 2) readonly buffer W0Words { uint w0_words[]; };
 layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
 layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
@@ -268,11 +276,36 @@ uint quant_row_bytes(uint which) {
     return k / quant_block_size() * quant_block_bytes();
 }
 
-// Pairs first .. first + PAIRS_PER_SUBGROUP - 1 (past the last: the last again, never stored) for every row of x:
-// one subgroup, or with SPLIT_K the whole workgroup.
+// acc + dot(q, x) over an octet, as a chain of fused multiply-adds.
+float dot8(vec4 q_lo, vec4 q_hi, vec4 x_lo, vec4 x_hi, float acc) {
+    acc = fma(q_lo.x, x_lo.x, acc); acc = fma(q_lo.y, x_lo.y, acc);
+    acc = fma(q_lo.z, x_lo.z, acc); acc = fma(q_lo.w, x_lo.w, acc);
+    acc = fma(q_hi.x, x_hi.x, acc); acc = fma(q_hi.y, x_hi.y, acc);
+    acc = fma(q_hi.z, x_hi.z, acc); acc = fma(q_hi.w, x_hi.w, acc);
+    return acc;
+}
+float sum8(vec4 lo, vec4 hi) { return ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w)); }
+
+// Unit u of the block at byte `block` of weight `which`, whose format quant_source names: in MODE_QKV a uniform choice
+// around the unit's loads (a constant elsewhere), not one around each load.
+QuantRaw quant_fetch_of(uint which, uint block, uint u, bool with_scales) {
+    if (MODE != MODE_QKV) return quant_fetch_unit(block, u, with_scales);
+    QuantRaw r;
+    if (which == 0u) { quant_source = 0u; r = quant_fetch_unit(block, u, with_scales); }
+    else if (which == 1u) { quant_source = 1u; r = quant_fetch_unit(block, u, with_scales); }
+    else { quant_source = 2u; r = quant_fetch_unit(block, u, with_scales); }
+    quant_source = which;
+    return r;
+}
+
+// Columns 2i, 2i + 1 are pair first + i's (past the last pair: the last again, never stored): source[c] is the weight
+// column c reads and row_at[c] the byte where its row starts. The lanes that share the columns (one subgroup, or with
+// SPLIT_K the whole workgroup) take units of k in turn, all of them with the same number of steps, UNROLL units each
+// step: every unit's packed words (of every column) are loaded before any is decoded, then each octet of x is read
+// once (the lead format's: the first column's) for all columns and rows.
+Pair prs[PAIRS_PER_SUBGROUP];
+uint source[QUANT_COLS], row_at[QUANT_COLS];
 void quant_pairs_product(uint first, uint pairs) {
-    Pair prs[PAIRS_PER_SUBGROUP];
-    uint source[QUANT_COLS], row_at[QUANT_COLS];
     [[unroll]] for (uint i = 0u; i < PAIRS_PER_SUBGROUP; ++i) {
         prs[i] = pair_of(min(first + i, pairs - 1u));
         uint second = second_of(prs[i]);
@@ -281,82 +314,120 @@ void quant_pairs_product(uint first, uint pairs) {
         row_at[2u * i] = weight_byte_offset(prs[i].which) + prs[i].col0 * quant_row_bytes(prs[i].which);
         row_at[2u * i + 1u] = weight_byte_offset(second) + col1_of(prs[i]) * quant_row_bytes(second);
     }
-    const uint units = k / 32u, lane = gl_SubgroupInvocationID, step = gl_SubgroupSize;
-    uint begin = 0u, end = units;
-    if (SPLIT_K != 0) {
-        uint slice = (units + gl_NumSubgroups - 1) / gl_NumSubgroups;
-        begin = min(units, gl_SubgroupID * slice);
-        end = min(units, begin + slice);
-    }
+    const uint units = k / 32u, lane = gl_SubgroupInvocationID;
+    const uint lanes = SPLIT_K != 0 ? gl_NumSubgroups * gl_SubgroupSize : gl_SubgroupSize;
+    const uint me = SPLIT_K != 0 ? gl_SubgroupID * gl_SubgroupSize + lane : lane;
+    quant_source = source[0];
+    const uint lead = FORMAT;
     float acc[QUANT_COLS * ROWS], squares[ROWS];
     [[unroll]] for (uint i = 0u; i < QUANT_COLS * ROWS; ++i) acc[i] = 0.0;
     [[unroll]] for (uint r = 0u; r < ROWS; ++r) squares[r] = 0.0;
-    const uint lead = format_of(source[0]);
-    for (uint base = begin + lane; base < end; base += step * UNROLL) {
+    const uint items = units / ADJACENT;
+    for (uint base = 0u; base < items; base += lanes * UNROLL) {  // the same steps for every lane
+        QuantRaw raw[UNROLL * ADJACENT * QUANT_COLS];
         [[unroll]] for (uint i = 0u; i < UNROLL; ++i) {
-            // a unit past the end repeats the last one with weight 0: no branch around the loads, so the compiler
-            // may issue every unit's loads before the arithmetic
-            const uint t = min(base + i * step, end - 1u);
-            const float valid = base + i * step < end ? 1.0 : 0.0;
-            vec4 q[QUANT_COLS * 8u], scale[QUANT_COLS], offset[QUANT_COLS];
-            uint unit_of[QUANT_COLS], block_of[QUANT_COLS];
+            if (base + i * lanes >= items) break;  // uniform
+            // a lane past the end reads the last units again, and counts them 0 times
+            const uint item = min(base + i * lanes + me, items - 1u);
+            [[unroll]] for (uint v = 0u; v < ADJACENT; ++v) {
+                const uint t = item * ADJACENT + v;
+                [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
+                    quant_source = source[c];
+                    const uint per_block = quant_block_size() / 32u;
+                    raw[(i * ADJACENT + v) * QUANT_COLS + c] = quant_fetch_of(
+                        source[c], row_at[c] + t / per_block * quant_block_bytes(), t % per_block,
+                        v == 0u || per_block == 1u || !quant_pair_shares_scales());
+                }
+            }
+        }
+        vec4 scale[QUANT_COLS], offset[QUANT_COLS];  // unit 2m's, kept for unit 2m + 1 when they share them
+        [[unroll]] for (uint n = 0u; n < UNROLL * ADJACENT; ++n) {
+            const uint i = n / ADJACENT, v = n % ADJACENT;
+            if (base + i * lanes >= items) break;
+            const float valid = base + i * lanes + me < items ? 1.0 : 0.0;
+            const uint t = min(base + i * lanes + me, items - 1u) * ADJACENT + v;
+            uint block_at[QUANT_COLS], unit_of[QUANT_COLS];
+            // per column, row and run of octets sharing a scale: the codes' dot products with x, and (for columns of
+            // another format than the lead) the sums of their own x
+            float part[QUANT_COLS * ROWS * 4u], own_sum[QUANT_COLS * ROWS * 4u], x_sum[ROWS * 4u], unit_sq[ROWS];
             [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
                 quant_source = source[c];
                 const uint per_block = quant_block_size() / 32u;
-                block_of[c] = t / per_block;
                 unit_of[c] = t % per_block;
-                vec4 codes[8];
-                quant_unit(row_at[c] + block_of[c] * quant_block_bytes(), unit_of[c], codes, scale[c], offset[c]);
-                scale[c] *= valid;
-                offset[c] *= valid;
-                [[unroll]] for (uint j = 0u; j < 8u; ++j) q[8u * c + j] = codes[j];
+                block_at[c] = row_at[c] + t / per_block * quant_block_bytes();
+                if (v == 0u || per_block == 1u || !quant_pair_shares_scales())  // else unit 2m's serve
+                    quant_raw_scales(raw[n * QUANT_COLS + c], block_at[c], unit_of[c], scale[c], offset[c]);
             }
+            [[unroll]] for (uint j = 0u; j < QUANT_COLS * ROWS * 4u; ++j) { part[j] = 0.0; own_sum[j] = 0.0; }
+            [[unroll]] for (uint j = 0u; j < ROWS * 4u; ++j) x_sum[j] = 0.0;
+            [[unroll]] for (uint r = 0u; r < ROWS; ++r) unit_sq[r] = 0.0;
             [[unroll]] for (uint o = 0u; o < 4u; ++o) {
                 quant_source = source[0];
-                const uint e = block_of[0] * quant_block_size() + quant_octet_start(unit_of[0], o);
-                vec4 g_lo, g_hi;
+                const uint e = t / (quant_block_size() / 32u) * quant_block_size() + quant_octet_start(unit_of[0], o);
+                const uint run = o * quant_runs() / 4u;
+                vec4 g_lo, g_hi, x_lo[ROWS], x_hi[ROWS];
                 if (HAS_NORM != 0 && NORM_WEIGHT != 0) g_octet(e, g_lo, g_hi);
-                [[unroll]] for (uint r = 0; r < ROWS; ++r) {
-                    vec4 lo, hi;
-                    x_octet(r, e, lo, hi);
+                [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+                    x_octet(r, e, x_lo[r], x_hi[r]);
                     if (HAS_NORM != 0) {
-                        squares[r] += valid * (dot(lo, lo) + dot(hi, hi));
-                        if (NORM_WEIGHT != 0) { lo *= g_lo; hi *= g_hi; }
+                        unit_sq[r] = dot8(x_lo[r], x_hi[r], x_lo[r], x_hi[r], unit_sq[r]);
+                        if (NORM_WEIGHT != 0) { x_lo[r] *= g_lo; x_hi[r] *= g_hi; }
                     }
-                    const float x_sum = dot(lo + hi, vec4(1.0));  // the offsets' share, for every column
-                    [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
-                        vec4 c_lo = lo, c_hi = hi;
-                        float c_sum = x_sum;
-                        if (format_of(source[c]) != lead) {  // uniform: its own octet of x
-                            quant_source = source[c];
-                            const uint ec = block_of[c] * quant_block_size() + quant_octet_start(unit_of[c], o);
+                    x_sum[r * 4u + run] += sum8(x_lo[r], x_hi[r]);
+                }
+                [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
+                    quant_source = source[c];
+                    vec4 q_lo, q_hi;
+                    quant_raw_octet(raw[n * QUANT_COLS + c], block_at[c], unit_of[c], o, q_lo, q_hi);
+                    const uint at = c * ROWS * 4u + o * quant_runs() / 4u;
+                    if (FORMAT == lead) {  // uniform; a constant unless the weights' formats differ
+                        [[unroll]] for (uint r = 0u; r < ROWS; ++r)
+                            part[at + 4u * r] = dot8(q_lo, q_hi, x_lo[r], x_hi[r], part[at + 4u * r]);
+                    } else {  // the x of this column's own octet
+                        const uint ec = t / (quant_block_size() / 32u) * quant_block_size()
+                                        + quant_octet_start(unit_of[c], o);
+                        vec4 gc_lo, gc_hi;
+                        if (HAS_NORM != 0 && NORM_WEIGHT != 0) g_octet(ec, gc_lo, gc_hi);
+                        [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+                            vec4 c_lo, c_hi;
                             x_octet(r, ec, c_lo, c_hi);
-                            if (HAS_NORM != 0 && NORM_WEIGHT != 0) {
-                                vec4 gc_lo, gc_hi;
-                                g_octet(ec, gc_lo, gc_hi);
-                                c_lo *= gc_lo; c_hi *= gc_hi;
-                            }
-                            c_sum = dot(c_lo + c_hi, vec4(1.0));
+                            if (HAS_NORM != 0 && NORM_WEIGHT != 0) { c_lo *= gc_lo; c_hi *= gc_hi; }
+                            part[at + 4u * r] = dot8(q_lo, q_hi, c_lo, c_hi, part[at + 4u * r]);
+                            own_sum[at + 4u * r] += sum8(c_lo, c_hi);
                         }
-                        acc[c * ROWS + r] += scale[c][o] * (dot(c_lo, q[8u * c + 2u * o])
-                                                            + dot(c_hi, q[8u * c + 2u * o + 1u]))
-                                             + offset[c][o] * c_sum;
                     }
                 }
             }
+            [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
+                quant_source = source[c];
+                const bool own = FORMAT != lead;
+                const uint runs = quant_runs();
+                [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
+                    float sum = 0.0;
+                    [[unroll]] for (uint q = 0u; q < 4u; ++q) {
+                        if (q >= runs) break;
+                        const uint at = (c * ROWS + r) * 4u + q, o = q * 4u / runs;
+                        sum = fma(scale[c][o], part[at], sum);
+                        sum = fma(offset[c][o], own ? own_sum[at] : x_sum[r * 4u + q], sum);
+                    }
+                    acc[c * ROWS + r] = fma(valid, sum, acc[c * ROWS + r]);
+                }
+            }
+            [[unroll]] for (uint r = 0u; r < ROWS; ++r) squares[r] = fma(valid, unit_sq[r], squares[r]);
         }
     }
     const uint values = QUANT_COLS + 1u;  // per row: the columns' sums, then the squares
     float sums[QUANT_COLS * ROWS], sumsq[ROWS];
     [[unroll]] for (uint i = 0u; i < QUANT_COLS * ROWS; ++i) sums[i] = subgroupAdd(acc[i]);
     [[unroll]] for (uint r = 0u; r < ROWS; ++r) sumsq[r] = HAS_NORM != 0 ? subgroupAdd(squares[r]) : 0.0;
-    if (SPLIT_K != 0) {  // every subgroup adds up every subgroup's slice; subgroup 0 stores
+    if (SPLIT_K != 0) {  // one lane of each subgroup leaves its sums in shared memory; subgroup 0 adds them up
         if (subgroupElect()) [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
             const uint at = (gl_SubgroupID * ROWS + r) * values;
             [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) split_sums[at + c] = sums[c * ROWS + r];
             split_sums[at + QUANT_COLS] = sumsq[r];
         }
         barrier();
+        if (gl_SubgroupID != 0) return;
         [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
             [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) sums[c * ROWS + r] = 0.0;
             sumsq[r] = 0.0;
@@ -366,7 +437,6 @@ void quant_pairs_product(uint first, uint pairs) {
                 sumsq[r] += split_sums[at + QUANT_COLS];
             }
         }
-        if (gl_SubgroupID != 0) return;
     }
     [[unroll]] for (uint i = 0u; i < PAIRS_PER_SUBGROUP; ++i) {
         if (first + i >= pairs) break;  // uniform
@@ -378,6 +448,7 @@ void quant_pairs_product(uint first, uint pairs) {
         finish_pair(prs[i], second_of(prs[i]), col1_of(prs[i]), s0, s1, sumsq);
     }
 }
+
 #else
 
 // Pair p for every row of x: one subgroup, or with SPLIT_K the whole workgroup.

@@ -363,4 +363,140 @@ void quant_row8(uint base, uint row_bytes, uint row, uint col, out vec4 lo, out 
     dequant8(base + row * row_bytes + (col / size) * quant_block_bytes(), col % size, lo, hi);
 }
 
+// ---- Raw units (decode_matvec.comp): a unit's packed words read apart from their decoding, so that a lane issues
+// the loads of all its units (and columns) before it decodes any, and then decodes each octet right where it is
+// multiplied, holding only the packed words in between (4 to 13 words a unit instead of quant_unit's 32 floats).
+// The codes come out as floats without an integer conversion or a subtraction per weight: a code c of b bits, moved
+// to the top of the mantissa of 0.5 (or of 1.0 for Q8_0's 8 bits), is the float (c + B) / A exactly, with A a power
+// of two; the unit's scales absorb A and B, so octet o's weights are scale[o] * code + offset[o] as quant_unit's.
+// Which words a unit holds:
+//   Q4_K, Q5_K: a its 16 bytes of nibbles, b the block's first 16 bytes (d, dmin, scales and mins), Q5_K c its 16
+//               bytes of fifth bits.
+//   Q4_0 (blocks on 2 bytes): a, b.x the 5 words over the block; Q8_0: a, b, c.x the 9 words over it.
+//   Q4_1: a.x d and m, b the 16 bytes of nibbles.  NF4: a.x absmax, b the unit's 16 bytes of nibbles.
+//   Q6_K (blocks on 2 bytes): a.xyz, b.xyz, c.xyz and d.xyz the words over the 8 low-nibble bytes of quarters 0 and 2,
+//               of quarters 1 and 3, the 8 high-bit bytes and the 8 scale bytes; a.w the word with d.
+struct QuantRaw { uvec4 a; uvec4 b; uvec4 c; uvec4 d; };
+
+// Octets that share one scale: a unit holds quant_runs() runs of 4 / quant_runs() octets.
+uint quant_runs() {
+    return FORMAT == QUANT_Q6_K ? 4u : (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K ? 2u : 1u);
+}
+
+uvec4 q_words4(uint i) { return uvec4(QUANT_WORD(i), QUANT_WORD(i + 1u), QUANT_WORD(i + 2u), QUANT_WORD(i + 3u)); }
+
+// Whether units 2m and 2m + 1 of a block share their scales (quant_raw_scales): the K formats' d, dmin and the scales
+// of sub-blocks 2j and 2j + 1, Q6_K's d and scale bytes, NF4's absmax.
+bool quant_pair_shares_scales() { return FORMAT >= QUANT_Q4_K; }
+
+// with_scales false: the words of codes alone (unit 2m + 1 of a block whose unit 2m's scales serve it, when
+// quant_pair_shares_scales).
+QuantRaw quant_fetch_unit(uint block, uint u, bool with_scales) {
+    QuantRaw r;
+    r.a = uvec4(0u); r.b = uvec4(0u); r.c = uvec4(0u); r.d = uvec4(0u);
+    if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        r.a = q_16bytes_aligned(block + (FORMAT == QUANT_Q4_K ? 16u : 48u) + 16u * u);  // 32 j + 16 h
+        if (with_scales) r.b = q_16bytes_aligned(block);
+        if (FORMAT == QUANT_Q5_K) r.c = q_16bytes_aligned(block + 16u + 16u * (u & 1u));
+    } else if (FORMAT == QUANT_Q4_0 || FORMAT == QUANT_Q8_0) {
+        uint i = block >> 2;  // the words over bytes block .. block + 17 (33): one more when block is on a word
+        r.a = q_words4(i);
+        r.b.x = QUANT_WORD(i + 4u);
+        if (FORMAT == QUANT_Q8_0) {
+            r.b.yzw = uvec3(QUANT_WORD(i + 5u), QUANT_WORD(i + 6u), QUANT_WORD(i + 7u));
+            r.c.x = QUANT_WORD(i + 8u);
+        }
+    } else if (FORMAT == QUANT_Q4_1 || FORMAT == QUANT_NF4) {
+        if (with_scales || FORMAT == QUANT_Q4_1) r.a.x = QUANT_WORD(block >> 2);
+        r.b = q_words4((block + 4u + (FORMAT == QUANT_NF4 ? 16u * u : 0u)) >> 2);
+    } else {  // Q6_K
+        uint h = u >> 2, l = 8u * (u & 3u);
+        r.a.xyz = q_8byte_words(block + 64u * h + l);
+        r.b.xyz = q_8byte_words(block + 64u * h + 32u + l);
+        r.c.xyz = q_8byte_words(block + 128u + 32u * h + l);
+        if (with_scales) {
+            r.d.xyz = q_8byte_words(block + 192u + 8u * h);
+            r.a.w = QUANT_WORD((block + 208u) >> 2);
+        }
+    }
+    return r;
+}
+
+// The bytes of m (each under 128) as 0.5 + byte / 256: each byte moved to bits 16..23 under 0.5's exponent.
+vec4 q_mid4(uint m) { return uintBitsToFloat((uvec4(m << 16, m << 8, m, m >> 8) & 0x00FF0000u) | 0x3F000000u); }
+// The bytes of m as 1 + byte / 256: bits 15..22 under 1.0's exponent.
+vec4 q_wide4(uint m) { return uintBitsToFloat((uvec4(m << 15, m << 7, m >> 1, m >> 9) & 0x007F8000u) | 0x3F800000u); }
+// The low (high false) or high nibbles of v's bytes as 0.5 + nibble / 32 (nibble * 8 as each byte).
+vec4 q_nibbles_mid(uint v, bool high) { return q_mid4((high ? v >> 1 : v << 3) & 0x78787878u); }
+uint q_funnel16(uint lo, uint hi) { return (lo >> 16) | (hi << 16); }
+// Word i of a unit's words in order (a, then b, then c; i a constant where it is called).
+uint q_raw_word(QuantRaw r, uint i) { return i < 4u ? r.a[i] : (i < 8u ? r.b[i - 4u] : r.c[i - 8u]); }
+// Word i of a Q4_0 or Q8_0 block's codes: they start 2 bytes into the block, which starts at byte `lead` (0 or 2) of
+// the unit's first word.
+uint q_code_word(QuantRaw r, uint i, uint lead) {
+    return lead == 0u ? q_funnel16(q_raw_word(r, i), q_raw_word(r, i + 1u)) : q_raw_word(r, i + 1u);
+}
+
+// Octet o of the unit as floats (see above) and each octet's scale and offset.
+void quant_raw_octet(QuantRaw r, uint block, uint u, uint o, out vec4 lo, out vec4 hi) {
+    const uint lead = block & 3u, pair = 2u * (o & 1u);
+    if (FORMAT == QUANT_Q4_0) {  // (nibble + 16) / 32
+        lo = q_nibbles_mid(q_code_word(r, pair, lead), o >= 2u);
+        hi = q_nibbles_mid(q_code_word(r, pair + 1u, lead), o >= 2u);
+    } else if (FORMAT == QUANT_Q4_1 || FORMAT == QUANT_Q4_K) {
+        uvec4 v = FORMAT == QUANT_Q4_1 ? r.b : r.a;
+        lo = q_nibbles_mid(v[pair], o >= 2u);
+        hi = q_nibbles_mid(v[pair + 1u], o >= 2u);
+    } else if (FORMAT == QUANT_Q5_K) {  // (code + 32) / 64: 4 * code as each byte
+        uint e = o >> 1, bit = 2u * (u >> 1) + e;
+        uvec2 v = (uvec2(r.a[pair], r.a[pair + 1u]) >> (4u * e)) & 0x0F0F0F0Fu;
+        uvec2 h = (uvec2(r.c[pair], r.c[pair + 1u]) >> bit) & 0x01010101u;
+        lo = q_mid4((v.x << 2) | (h.x << 6));
+        hi = q_mid4((v.y << 2) | (h.y << 6));
+    } else if (FORMAT == QUANT_Q8_0) {  // (code + 384) / 256: code + 128 as each byte
+        lo = q_wide4(q_code_word(r, 2u * o, lead) ^ 0x80808080u);
+        hi = q_wide4(q_code_word(r, 2u * o + 1u, lead) ^ 0x80808080u);
+    } else if (FORMAT == QUANT_Q6_K) {  // (code + 64) / 128: 2 * code as each byte; octet o is quarter o
+        uint s = 8u * lead;
+        uvec3 ql = (o & 1u) == 0u ? r.a.xyz : r.b.xyz;
+        uvec2 low = (uvec2(q_funnel(ql.x, ql.y, s), q_funnel(ql.y, ql.z, s)) >> (o < 2u ? 0u : 4u)) & 0x0F0F0F0Fu;
+        uvec2 high = (uvec2(q_funnel(r.c.x, r.c.y, s), q_funnel(r.c.y, r.c.z, s)) >> (2u * o)) & 0x03030303u;
+        lo = q_mid4((low.x << 1) | (high.x << 5));
+        hi = q_mid4((low.y << 1) | (high.y << 5));
+    } else {  // NF4: the levels themselves
+        lo = nf4_levels(r.b[o]);
+        hi = nf4_levels(r.b[o] >> 16);
+    }
+}
+
+void quant_raw_scales(QuantRaw r, uint block, uint u, out vec4 scale, out vec4 offset) {
+    const uint lead = block & 3u;
+    if (FORMAT == QUANT_Q4_K || FORMAT == QUANT_Q5_K) {
+        // d * scale and dmin * min of sub-blocks 2j and 2j + 1: weights d * scale * code - dmin * min
+        const vec4 sm = k_scale_min_pair(r.b, u >> 1);
+        const float a = FORMAT == QUANT_Q4_K ? 32.0 : 64.0;
+        scale = a * sm.xxyy;
+        offset = -(0.5 * a) * sm.xxyy - sm.zzww;
+    } else if (FORMAT == QUANT_Q6_K) {  // d * scale * (code - 32)
+        uint s = 8u * lead;
+        // octet o's scale is byte (u & 3) / 2 + 2o of the 8 (quant_unit's gather)
+        uvec2 sw = uvec2(q_funnel(r.d.x, r.d.y, s), q_funnel(r.d.y, r.d.z, s)) >> (8u * ((u & 3u) / 2u));
+        vec4 ds = q_half_of(r.a.w, block + 208u) * q_int8s((sw.x & 0xFFu) | ((sw.x >> 8) & 0xFF00u)
+                                                          | ((sw.y & 0xFFu) << 16) | ((sw.y << 8) & 0xFF000000u));
+        scale = 128.0 * ds;
+        offset = -96.0 * ds;
+    } else if (FORMAT == QUANT_Q8_0 || FORMAT == QUANT_Q4_0) {  // d * code (Q4_0: d * (nibble - 8))
+        float d = q_half_of(r.a.x, lead);
+        scale = vec4(FORMAT == QUANT_Q8_0 ? 256.0 * d : 32.0 * d);
+        offset = vec4(FORMAT == QUANT_Q8_0 ? -384.0 * d : -24.0 * d);
+    } else if (FORMAT == QUANT_Q4_1) {  // d * nibble + m
+        vec2 dm = unpackHalf2x16(r.a.x);
+        scale = vec4(32.0 * dm.x);
+        offset = vec4(dm.y - 16.0 * dm.x);
+    } else {  // NF4
+        scale = vec4(uintBitsToFloat(r.a.x));
+        offset = vec4(0.0);
+    }
+}
+
 #endif

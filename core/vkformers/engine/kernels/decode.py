@@ -59,31 +59,58 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
             and all(w.offset % per_vector == 0 and w.dtype is x.dtype for w in whole))
 
 
-# Packed weights at batch 1 on a GPU, by the first weight's block format: (subgroups per workgroup, units of 32
-# weights in flight per lane, pairs of columns computed together by a subgroup (sharing each read of x), split k).
-# From ``bench/quant.py --sweep`` on the H200 (docs/benchmarks.md): one subgroup per workgroup and one unit in flight
-# won for Q4_K and Q6_K, with several subgroups or more units in flight several times slower; Q5_K and Q8_0 were not
-# swept and take the shape that won for both. A format not listed takes QUANT_LAUNCH_DEFAULT. A key (format, k) gives
-# products of that inner size their own shape (a long-k, narrow product such as down_proj may want k split).
-QUANT_LAUNCH = {"q4_k": (1, 1, 2, 0), "q5_k": (1, 1, 1, 0), "q6_k": (1, 1, 1, 0), "q8_0": (1, 1, 1, 0)}
-QUANT_LAUNCH_DEFAULT = (1, 1, 1, 0)
+# Packed weights at batch 1 on a GPU: (subgroups per workgroup, units of 32 weights in flight per lane, pairs of columns
+# computed together (sharing each read of x), split k: the workgroup's subgroups share its pairs, taking units of k in
+# turn[, units side by side in a lane: 2 shares the decoding of a block's scales between its units 2m and 2m + 1]),
+# by the first weight's block format, or by (format, kind) for one kind of product (product_kind: "qkv", "gated",
+# "plain", and "plain_long" for a plain product whose k is at least twice its width, as down_proj). The most specific
+# key wins; a format not listed takes QUANT_LAUNCH_DEFAULT. ``bench/quant.py --sweep`` times QUANT_SWEEP_SHAPES on
+# the H200 at the Llama-3-8B shape and prints the lines to put here.
+QUANT_LAUNCH = {"q4_k": (4, 1, 2, 1), "q5_k": (4, 1, 2, 1), "q6_k": (4, 1, 2, 1), "q8_0": (4, 1, 2, 1),
+                "q4_0": (4, 1, 2, 1)}
+QUANT_LAUNCH_DEFAULT = (4, 1, 2, 1)
+# The launch shapes bench/quant.py --sweep times for the first format, the likeliest first (the tests run each of them
+# on a GPU): k split over 2, 4 or 8 subgroups, or a subgroup (alone or 4 in a workgroup) per group of pairs; 1 to 4
+# units in flight, 1 or 2 side by side; 1 to 4 pairs. (k = 4096 is 128 units: 8 split subgroups, 256 lanes, leave
+# half of them idle.)
+QUANT_SWEEP_SHAPES = (
+    (4, 1, 2, 1), (2, 1, 2, 1, 2), (4, 1, 1, 1), (2, 1, 2, 1), (4, 1, 4, 1), (2, 1, 4, 1, 2), (1, 1, 2, 0, 2),
+    (4, 1, 2, 0, 2), (4, 1, 2, 0), (1, 2, 2, 0), (4, 2, 2, 0), (2, 1, 1, 1, 2), (4, 1, 2, 1, 2), (2, 2, 2, 1),
+    (4, 2, 2, 1), (2, 1, 4, 1), (8, 1, 2, 1), (8, 1, 1, 1), (1, 1, 4, 0, 2), (1, 2, 2, 0, 2), (4, 2, 2, 0, 2),
+    (1, 1, 2, 0), (1, 1, 4, 0), (4, 1, 4, 0), (1, 2, 4, 0), (4, 2, 4, 0), (1, 4, 2, 0), (4, 4, 2, 0),
+    (2, 1, 1, 1), (2, 2, 1, 1), (2, 2, 4, 1), (4, 2, 1, 1), (4, 2, 4, 1), (8, 1, 4, 1), (4, 1, 1, 1, 2),
+    (4, 1, 4, 1, 2), (1, 1, 1, 0, 2), (1, 1, 1, 0), (4, 1, 1, 0), (1, 2, 1, 0), (4, 2, 1, 0), (1, 4, 1, 0),
+    (4, 4, 1, 0))
+# The part of them swept for the formats after the first (bench/quant.py --sweep, under its time budget).
+QUANT_SWEEP_SHORT = ((4, 1, 2, 1), (2, 1, 2, 1, 2), (4, 1, 1, 1), (2, 1, 2, 1), (4, 1, 4, 1), (1, 1, 2, 0, 2),
+                     (4, 1, 2, 0, 2), (4, 1, 2, 0), (1, 2, 2, 0), (4, 2, 2, 1), (8, 1, 2, 1), (1, 1, 1, 0))
 
 
-def launch_shape(device, rows: int = 1, quant: str | None = None, k: int = 0) -> tuple[int, int, int, int]:
+def product_kind(mode: str, k: int, widths) -> str:
+    """QUANT_LAUNCH's kind of a decode product: its mode, and "plain_long" for a plain one with k >= 2 x its width."""
+    return "plain_long" if mode == "plain" and k >= 2 * int(widths[0]) else mode
+
+
+def quant_launch(quant: str, kind: str = "plain") -> tuple[int, ...]:
+    """QUANT_LAUNCH's shape for packed weights in ``quant`` at batch 1 (subgroups counted in 32 lanes)."""
+    return tuple(QUANT_LAUNCH.get((quant, kind)) or QUANT_LAUNCH.get(quant, QUANT_LAUNCH_DEFAULT))
+
+
+def launch_shape(device, rows: int = 1, quant: str | None = None, kind: str = "plain") -> tuple[int, ...]:
     """(subgroups per workgroup, vectors of W per lane in flight, pairs of columns per subgroup, split k: the
     workgroup's subgroups share each pair, each taking a slice of k). A GPU, one row: 4 subgroups sharing one pair,
     2 vectors in flight per lane (on the H200 a TinyLlama token's decode products took 0.41 ms per 8 layers against
     0.49 with one pair per subgroup and 4 in flight, ``bench/decode.py --sweep``: the narrow o_proj and down_proj
     gain most); more rows: one pair per subgroup, 4 in flight (batch 8 decoded 1,336 tok/s so, 1,104 split). A CPU
     (lavapipe): one subgroup doing 4 pairs (as the small-m matmul: fewer, longer workgroups). The tests also run
-    the GPU shapes on lavapipe. ``quant``: the block format of packed weights (``k``: the product's inner size); at
-    one row a GPU takes QUANT_LAUNCH's shape (its subgroups counted in 32 lanes), where the pairs of a subgroup share
-    their reads of x and "in flight" counts units of 32 weights."""
+    the GPU shapes on lavapipe. ``quant``: the block format of packed weights (``kind``: product_kind); at one row a
+    GPU takes quant_launch's shape (its subgroups counted in 32 lanes), where the pairs of a workgroup (split k) or
+    subgroup share their reads of x and "in flight" counts units of 32 weights."""
     if device.is_cpu:
         return 1, 1, 4, 0
     subgroups = max(1, 128 // device.limits["subgroup_size"])
     if quant is not None and rows == 1:
-        shape = QUANT_LAUNCH.get((quant, k)) or QUANT_LAUNCH.get(quant, QUANT_LAUNCH_DEFAULT)
+        shape = quant_launch(quant, kind)
         return (max(1, shape[0] * 32 // device.limits["subgroup_size"]),) + tuple(shape[1:])
     return (subgroups, 2, 1, 1) if rows == 1 else (subgroups, 4, 1, 0)
 
@@ -93,11 +120,12 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
                   residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
                   cache_start=None, inv_freq=None, head_dim: int = 0, rot_dim: int = 0, kv_heads: int = 0,
                   capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False,
-                  launch: tuple[int, int, int, int] | None = None, quant_format=None, page_size: int = 0) -> None:
+                  launch: tuple[int, ...] | None = None, quant_format=None, page_size: int = 0) -> None:
     """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
     or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
     prologue on (``norm_weight`` None: no weight). ``launch``: (subgroups per workgroup, vectors in flight, pairs per
-    subgroup, split k) instead of :func:`launch_shape` (bench/decode.py and bench/quant.py sweep them).
+    subgroup, split k[, packed weights: units side by side]) instead of :func:`launch_shape` (bench/decode.py and
+    bench/quant.py sweep them).
     ``quant_format`` (engine.quantized.QuantFormat, or one per weight): the weights are packed uint8 operands of
     that format. ``page_size`` > 0 (qkv):
     out1 / out2 are pools of blocks [blocks, kv_heads, page_size, head_dim] and cache_start the paged cache's step
@@ -158,8 +186,11 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
             (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
-    subgroups, unroll, per_subgroup, split_k = launch or launch_shape(device, rows,
-                                                                      formats[0].name if formats else None, k)
+    subgroups, unroll, per_subgroup, split_k, *adjacent = launch or launch_shape(
+        device, rows, formats[0].name if formats else None, product_kind(mode, k, ns))
+    adjacent = adjacent[0] if adjacent and formats is not None and (k // 32) % adjacent[0] == 0 else 1
+    if adjacent not in (1, 2):
+        raise ValueError(f"decode_matvec: 1 or 2 units side by side, got {adjacent}")
     if split_k and subgroups > 32:
         raise ValueError(f"decode_matvec: split k takes at most 32 subgroups per workgroup, got {subgroups}")
     threads = subgroups * subgroup
@@ -173,7 +204,7 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
         variant = "q_" + variant
         padded_f = formats + [formats[0]] * (3 - len(formats))
         spec += [padded_f[0].shader_id, int(all(w.offset % 16 == 0 for w in padded_w)), padded_f[1].shader_id,
-                 padded_f[2].shader_id]
+                 padded_f[2].shader_id, adjacent]
     seq.dispatch(device.kernel("decode_matvec", variant), buffers,
                  (-(-pairs // per_group), 1, 1), push, spec)
 
