@@ -304,9 +304,43 @@ class Buffer:
         words = max(1, -(-self.nbytes // 4))
         kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
         self._tensor = _allocate(device, np.empty(words, dtype=np.uint32), kind, name, self.nbytes)
+        self._root = None  # the Buffer owning the storage of an alias (None on that Buffer: no cycle)
         weakref.finalize(self, Device._forget_buffer, device, self.serial)
         _count_buffer_bytes(words * 4)
         weakref.finalize(self, _count_buffer_bytes, -words * 4)
+
+    @property
+    def root(self) -> "Buffer":
+        """The Buffer that owns this one's storage: itself, or what it is an alias of."""
+        return self._root or self
+
+    def alias(self, shape_or_count, dtype="float32", *, name: str | None = None) -> "Buffer":
+        """A Buffer over this one's storage from its first byte, as ``shape_or_count`` elements of ``dtype`` (at
+        most this buffer's bytes): the memory planner gives values that are never alive together one allocation.
+        Barriers see an alias and its root as one buffer; the alias keeps the storage alive."""
+        root = self.root
+        alias = Buffer._over(root, root.device, shape_or_count, dtype, root.name if name is None else name)
+        if alias.nbytes > -(-root.nbytes // 4) * 4:
+            raise ValueError(f"an alias of {alias.nbytes:,} bytes does not fit buffer {root.name!r} "
+                             f"({root.nbytes:,} bytes)")
+        return alias
+
+    @staticmethod
+    def _over(root: "Buffer | None", device: Device, shape_or_count, dtype, name: str) -> "Buffer":
+        """A Buffer over ``root``'s storage (None: a storage made later, see Sequence.scratch), with the
+        attributes of __init__ in its order (so that Python shares their layout), its own serial and bindings."""
+        buf = object.__new__(Buffer)
+        buf.device, buf.dtype = device, dt.as_dtype(dtype)
+        buf.shape = (shape_or_count,) if isinstance(shape_or_count, (int, np.integer)) else tuple(shape_or_count)
+        buf.count = int(math.prod(buf.shape))
+        buf.nbytes = buf.count * buf.dtype.itemsize
+        buf.name = name
+        buf.host_visible = False
+        buf.serial = next(_buffer_serials)
+        buf._tensor = None if root is None else root._tensor
+        buf._root = root
+        weakref.finalize(buf, Device._forget_buffer, device, buf.serial)
+        return buf
 
     def __repr__(self) -> str:
         return f"<Buffer {self.name!r} {self.shape} {self.dtype.name}>"
@@ -442,6 +476,7 @@ class Sequence:
     _seq: object = None
     _labels: list = field(default_factory=list)
     _keep: list = field(default_factory=list)
+    _scratch: list = field(default_factory=list)  # the aliases scratch() handed out, their storage made by record()
 
     def __post_init__(self):
         if self.barriers not in ("tracked", "always", "none"):
@@ -523,10 +558,31 @@ class Sequence:
     def extend(self, other: "Sequence", *, uploads: bool = True, others: bool = True) -> "Sequence":
         """Append ``other``'s operations (its uploads, the rest, or both): one command buffer can then run a
         recorded step several times (generation chains decode steps so)."""
+        other._make_scratch()
         for op in other._ops:
             if (uploads if op.label == "upload" else others):
                 self._add(op)
         return self
+
+    def scratch(self, shape_or_count, dtype="float32", *, name: str = "scratch") -> Buffer:
+        """A workspace for the operations added next (partial sums a second pass adds up): every scratch buffer of
+        a sequence lies over one allocation, made when the sequence is recorded and as large as the largest one
+        asked for. Barriers order the uses (one op's writes wait for the previous op's reads); an operation that
+        needs two workspaces at once asks for one and splits it by offsets."""
+        if self._seq is not None:
+            raise RuntimeError("this sequence was already recorded; build a new one")
+        buf = Buffer._over(None, self.device, shape_or_count, dtype, name)
+        self._scratch.append(buf)
+        return buf
+
+    def _make_scratch(self) -> None:
+        """Allocate the storage of the scratch buffers handed out (once; every one becomes an alias of it)."""
+        if not self._scratch or self._scratch[0]._tensor is not None:
+            return
+        root = Buffer(self.device, max(1, max(-(-b.nbytes // 4) for b in self._scratch)), "uint32", name="scratch")
+        for b in self._scratch:
+            b._tensor, b._root = root._tensor, root
+        self._keep.append(root)
 
     def _copy_tensor(self, src, dst, nbytes, src_offset: int = 0):
         # one-shot copies between a Buffer and a bare staging tensor
@@ -546,11 +602,11 @@ class Sequence:
         self._ops.append(op)
 
     def buffers(self) -> list[Buffer]:
-        """The buffers its operations bind, each once."""
+        """The buffers whose storage its operations bind, each once (the root of an alias)."""
         seen = {}
         for op in self._ops:
             for b in (*op.reads, *op.writes):
-                seen.setdefault(id(b), b)
+                seen.setdefault(id(b.root), b.root)
         return list(seen.values())
 
     # -- recording and replay
@@ -564,6 +620,7 @@ class Sequence:
         """Record the operations into a command buffer (done by the first replay)."""
         if self._seq is not None:
             return self
+        self._make_scratch()
         kp_ops, labels = [], []
         # since the last barrier: buffer id -> the write groups (None: no group) of the ops that wrote / used it
         written: dict[int, set] = {}
@@ -573,8 +630,8 @@ class Sequence:
         kp_ops.append(kp.OpGlobalBarrier())
         labels.append("barrier")
         for op in self._ops:
-            reads = {id(b) for b in op.reads}
-            writes = {id(b) for b in op.writes}
+            reads = {id(b.root) for b in op.reads}  # aliases of one storage are one buffer here
+            writes = {id(b.root) for b in op.writes}
             # RAW, WAR and WAW hazards since the last barrier, except among ops of one write group (whose
             # bindings may name a buffer the group writes without reading what another member wrote)
             same = {op.group} if op.group is not None else set()

@@ -371,7 +371,7 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
     variant = _variant(q, k, v, out)
     final_lse = lse
     if splits > 1:  # flash-decoding: slices write partials to a workspace, then one merge
-        lse = Operand(device.buffer(batch * heads * splits * (head_dim + 2), "float32", name="attention partials"))
+        lse = Operand(seq.scratch(batch * heads * splits * (head_dim + 2), "float32", name="attention partials"))
     kv_len_source = kv_len_buffer or Operand(_placeholder(device))
     buffers = [q.buffer, k.buffer, v.buffer, *flags.bindings(device), kv_len_source.buffer, out.buffer, lse.buffer]
     push = [q.offset, k.offset, v.offset, out.offset, lse.offset,
@@ -587,7 +587,7 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
     if d_lse is not None:
         d_lse = operand(d_lse)
         _check_float32(d_lse, q_rows, "d_lse")
-    delta = device.buffer(q_rows, "float32", name="attention delta")
+    delta = seq.scratch(q_rows, "float32", name="attention delta")
     seq.dispatch(device.kernel("attention_bwd_prep", variant), [out.buffer, d_out.buffer, delta,
                                                                 (d_lse or out).buffer],
                  grid(q_rows, 128, device.limits["max_compute_work_group_count_x"]),

@@ -374,7 +374,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
             seq.dispatch(device.kernel("matmul_coopmat", variant), buffers, groups, push, spec, write_group=write_group)
             return
         # Split K: float32 partial products per slice into a scratch buffer, then one pass adds them up.
-        partials = device.buffer(batch * splits * m * n, "float32", name="matmul split-k partials")
+        partials = seq.scratch(batch * splits * m * n, "float32", name="matmul split-k partials")
         partial_push = [m, n, k, a.offset, b.offset, 0, 0, stride_a, stride_b, m * n, 1.0, 0.0, gate_offset]
         seq.dispatch(device.kernel("matmul_coopmat", f"{SHORT[in_dtype]}_f32"),
                      [a.buffer, b.buffer, partials, partials, (gate.buffer if gate else partials)], groups,

@@ -90,7 +90,7 @@ def _backward(seq, d_out, x, weight, mean, rstd, dx, dweight, dbias, *, rows, co
         return
     chunks, rows_per_chunk = _chunking(rows)
     if workspace is None:
-        workspace = seq.device.buffer(2 * chunks * cols, "float32", name=f"{what} workspace")
+        workspace = seq.scratch(2 * chunks * cols, "float32", name=f"{what} workspace")
     workspace = checked(workspace, "float32", 2 * chunks * cols, f"{what} workspace")
     if workspace.offset != 0:
         raise ValueError(f"{what}: the workspace must start at offset 0")
