@@ -12,6 +12,12 @@
 //! variant f16_cmp -DDTYPE_F16 -DCOMPARE
 //! variant bf16_cmp -DDTYPE_BF16 -DCOMPARE
 //! variant i32_cmp -DDTYPE_I32 -DCOMPARE
+//! variant f32_inplace -DDTYPE_F32 -DINPLACE
+//! variant f16_inplace -DDTYPE_F16 -DINPLACE
+//! variant bf16_inplace -DDTYPE_BF16 -DINPLACE
+//! variant i32_inplace -DDTYPE_I32 -DINPLACE
+// The inplace variants write out over a (contiguous, from out_offset = a_offset: each invocation reads its
+// element of a before writing it), bound once; b and mask are other buffers.
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_shader_8bit_storage : require
@@ -26,12 +32,17 @@ layout(constant_id = 0) const uint OP = OP_ADD;
 layout(constant_id = 1) const uint NDIM = 1;  // dims after the launcher coalesced them, 1..MAX_DIMS
 #define MAX_DIMS 6
 
+#ifdef INPLACE
+layout(binding = 0) buffer A { STORAGE_T a[]; };
+#define out_value a
+#else
 layout(binding = 0) readonly buffer A { STORAGE_T a[]; };
+#endif
 layout(binding = 1) readonly buffer B { STORAGE_T b[]; };
 layout(binding = 2) readonly buffer Mask { uint8_t mask[]; };  // read by `where` only
 #ifdef COMPARE
 layout(binding = 3) writeonly buffer Out { uint8_t out_mask[]; };
-#else
+#elif !defined(INPLACE)
 layout(binding = 3) writeonly buffer Out { STORAGE_T out_value[]; };
 #endif
 

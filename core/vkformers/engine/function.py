@@ -27,6 +27,9 @@ class KernelOp:
 
     name = "op"
     contiguous_inputs = True  # False: emit() honours arbitrary input strides
+    # (output, input) index pairs: the memory planner may give that output the input's storage when nothing reads
+    # the input after this node; emit() must then read every element before writing it over
+    inplace: tuple[tuple[int, int], ...] = ()
 
     def __init__(self, **attrs):
         self.attrs = attrs

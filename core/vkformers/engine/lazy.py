@@ -12,8 +12,10 @@ new inputs into the plan's input buffers, one submit, read the results.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import gc
+import itertools
 import math
 import weakref
 from collections import OrderedDict
@@ -24,6 +26,7 @@ from typing import Iterable
 import numpy as np
 
 from vkformers.engine.kernels import Operand
+from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.settings import bytes_setting, count_setting
 from vkformers.runtime.vulkan import Buffer, Device, buffer_serial_mark, get_device
@@ -293,6 +296,7 @@ class Plan:
         self.nbytes = nbytes                # bytes of the buffers the plan made for itself (not parameters)
         self.key = None                     # its signature in the plan cache
         self.holders = weakref.WeakSet()    # captures replaying it: the cache keeps it while one lives
+        self.memory: dict = {"nbytes": nbytes}  # what its buffers hold (see memory_report)
 
     def hold(self, holder) -> None:
         """``holder`` (a capture) replays this plan without the cache: the cache must not evict it meanwhile."""
@@ -413,12 +417,41 @@ def _schedule(targets: list[LazyBuffer]) -> list[Node]:
     return order
 
 
-def _read_later(lb: LazyBuffer, scheduled: set[int]) -> bool:
-    """Whether a live node outside ``scheduled`` reads ``lb`` (a graph built on it, to be realized later)."""
+def _read_later(lb: LazyBuffer, scheduled: set[int], wanted: dict[int, bool]) -> bool:
+    """Whether a node outside ``scheduled`` that a later realization may run reads ``lb`` (a graph built on it)."""
     for ref in lb.consumers or ():
         node = ref()
-        if node is not None and id(node) not in scheduled:
+        if node is not None and id(node) not in scheduled and _wanted(node, scheduled, wanted):
             return True
+    return False
+
+
+def _wanted(node: Node, scheduled: set[int], wanted: dict[int, bool]) -> bool:
+    """Whether something can still ask for ``node``'s work: a live tensor (or a saved use) holds one of its outputs,
+    or of a node reading them, and so on. The others are garbage that the collector has not freed yet (a node and
+    its outputs refer to each other, and collection pauses while a graph is built): the dead end of a block
+    recomputed for its gradients (gradient checkpointing), whose inputs then need no buffer of their own.
+    ``wanted`` memoizes the answers of one realization."""
+    if id(node) in wanted:
+        return wanted[id(node)]
+    seen, stack = {id(node)}, [node]
+    while stack:
+        n = stack.pop()
+        for out in n.outputs:
+            if out.refs > 0 or out.persistent:
+                wanted[id(node)] = True
+                return True
+            for ref in out.consumers or ():
+                reader = ref()
+                if reader is None or id(reader) in scheduled or id(reader) in seen:
+                    continue
+                if wanted.get(id(reader)):
+                    wanted[id(node)] = True
+                    return True
+                seen.add(id(reader))
+                stack.append(reader)
+    for n in seen:  # nothing reachable from them is wanted
+        wanted[n] = False
     return False
 
 
@@ -464,8 +497,9 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
                 leaves.append(x.base)
     # Outputs someone can still read get their own buffers; the rest may share by liveness.
     scheduled = {id(n) for n in order}
+    wanted: dict[int, bool] = {}
     keep = {id(o) for n in order for o in n.outputs
-            if o.refs > 0 or o.persistent or _read_later(o, scheduled)}
+            if o.refs > 0 or o.persistent or _read_later(o, scheduled, wanted)}
     keep |= {id(t.base) for t in targets}
     key = _signature(order, leaves, keep)
     plan = _plans.get(key)
@@ -522,26 +556,11 @@ def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: s
         input_buffers.append(buf)
     leaf_buffer = {id(leaf): buf for leaf, buf in zip(leaves, input_buffers)}
 
-    # Last use of every node output by position in the schedule (views count as uses of their base).
-    last_use: dict[int, int] = {}
-    for i, n in enumerate(order):
-        for x in n.inputs:
-            last_use[id(x.base)] = i
-    free: dict[tuple, list[Buffer]] = {}
-    storage: dict[int, Buffer] = {}
+    memory = MemoryPlan(order, keep) if MEMORY_PLANNER == "liveness" else None
+    storage = memory.buffers(device) if memory else _exact_match_buffers(device, order, keep)
     node_buffers = []
-    for i, n in enumerate(order):
-        outs = []
-        for out in n.outputs:
-            if out.buffer is not None:   # assignment into persistent storage
-                buf = out.buffer
-            else:
-                pool = free.get((out.dtype.name, math.prod(out.shape)))
-                buf = pool.pop() if pool and id(out) not in keep else Buffer(
-                    device, out.shape, out.dtype, name=n.op.name)
-            storage[id(out)] = buf
-            outs.append(buf)
-        node_buffers.append(outs)
+    for n in order:
+        node_buffers.append([out.buffer if out.buffer is not None else storage[id(out)] for out in n.outputs])
 
         def arg(lb: LazyBuffer) -> Arg:
             base = lb.base
@@ -549,17 +568,203 @@ def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: s
             return Arg(Operand(buf, lb.view.offset), lb.view.shape, lb.view.strides, lb.dtype)
 
         n.op.emit(seq, [arg(o) for o in n.outputs], [arg(x) for x in n.inputs])
-        # Buffers whose last reader was this node go back to the pool, and so do outputs nothing reads (a
-        # forward's statistics kept for a backward that recomputes them instead).
+    seq.record()
+    output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]
+    own = [b for b in seq.buffers() if b.serial > mark]
+    nbytes = sum(_allocated(b) for b in own)
+    report = {"nbytes": nbytes, "inputs": sum(_allocated(b) for b in input_buffers)}
+    if memory is not None:
+        report.update(memory.report())
+    report["other"] = nbytes - report["inputs"] - report.get("slots", 0) - report.get("outputs", 0)
+    plan = Plan(seq, node_buffers, input_buffers, output_slots, nbytes)
+    plan.memory = report
+    return plan
+
+
+def _allocated(buf: Buffer) -> int:
+    return max(1, -(-buf.nbytes // 4)) * 4  # whole 32-bit words, as buffer_memory() counts them
+
+
+# The memory planner: "liveness" shares buffers among the values of a plan that are never alive together, whatever
+# their dtypes and sizes (MemoryPlan); "exact" only reuses a freed buffer of the same dtype and element count (the
+# planner before it, kept to compare against).
+MEMORY_PLANNER = "liveness"
+
+
+def _exact_match_buffers(device: Device, order: list[Node], keep: set[int]) -> dict[int, Buffer]:
+    last_use: dict[int, int] = {}
+    for i, n in enumerate(order):
+        for x in n.inputs:
+            last_use[id(x.base)] = i
+    free: dict[tuple, list[Buffer]] = {}
+    storage: dict[int, Buffer] = {}
+    for i, n in enumerate(order):
+        for out in n.outputs:
+            if out.buffer is None:
+                pool = free.get((out.dtype.name, math.prod(out.shape)))
+                storage[id(out)] = pool.pop() if pool and id(out) not in keep else Buffer(
+                    device, out.shape, out.dtype, name=n.op.name)
         done = [x for x in {id(x.base): x.base for x in n.inputs}.values() if last_use.get(id(x)) == i]
         done += [o for o in n.outputs if id(o) not in last_use and o.buffer is None]
         for x in done:
             if id(x) in storage and id(x) not in keep:
                 free.setdefault((x.dtype.name, math.prod(x.shape)), []).append(storage[id(x)])
-    seq.record()
-    output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]
-    nbytes = sum(max(1, -(-b.nbytes // 4)) * 4 for b in seq.buffers() if b.serial > mark)  # as buffer_memory()
-    return Plan(seq, node_buffers, input_buffers, output_slots, nbytes)
+    return storage
+
+
+class MemoryPlan:
+    """Where each intermediate value of a schedule lives: values that are never alive together share a slot (one
+    allocation; a value of another dtype or a smaller size is an alias of it), so what is allocated follows the
+    schedule's peak of live bytes rather than the sum of its distinct shapes.
+
+    A value is alive from the node that writes it to the last node that reads it (views read their base). An op
+    may let an output overwrite an input in place (``KernelOp.inplace``: pairs of output and input index) when
+    that input is read by nothing after the node, covers its whole storage and has the output's dtype and size:
+    the two are then one value. Slots are handed out largest value first, each value to the smallest slot free
+    for its whole life (greedy by size); outputs someone keeps (``keep``) get buffers of their own."""
+
+    def __init__(self, order: list[Node], keep: set[int]):
+        last_use: dict[int, int] = {}
+        for i, n in enumerate(order):
+            for x in n.inputs:
+                last_use[id(x.base)] = i
+        self.values: dict[int, LazyBuffer] = {}   # id -> value (a node output the plan places)
+        self.producer: dict[int, str] = {}
+        self.kept: list[LazyBuffer] = []
+        group: dict[int, int] = {}                # value -> its group (the value it was merged into)
+        span: dict[int, list] = {}                # group -> [start, end, bytes]
+        for i, n in enumerate(order):
+            merged = self._in_place(n, i, last_use, group, keep)
+            for j, out in enumerate(n.outputs):
+                if out.buffer is not None:
+                    continue
+                if id(out) in keep:
+                    self.kept.append(out)
+                    continue
+                self.values[id(out)], self.producer[id(out)] = out, n.op.name
+                size = _allocated_bytes(out)
+                end = last_use.get(id(out), i)
+                g = merged.get(j)
+                if g is None:
+                    group[id(out)] = id(out)
+                    span[id(out)] = [i, end, size]
+                else:
+                    group[id(out)] = g
+                    span[g][1], span[g][2] = max(span[g][1], end), max(span[g][2], size)
+        self.group, self.span = group, span
+        self.steps = len(order)
+        self.slot_of, self.slot_bytes = self._assign(span)
+
+    @staticmethod
+    def _in_place(n: Node, i: int, last_use, group, keep) -> dict[int, int]:
+        """The outputs of ``n`` that may take an input's storage: output index -> that input's group."""
+        merged: dict[int, int] = {}
+        for j, k in getattr(n.op, "inplace", ()):
+            out, x = n.outputs[j], n.inputs[k]
+            base = x.base
+            if (out.buffer is not None or id(out) in keep or id(base) not in group or last_use.get(id(base)) != i
+                    or x.dtype != out.dtype or x.view.offset or not x.view.is_contiguous
+                    or not math.prod(base.shape) == x.view.numel == math.prod(out.shape)
+                    or any(y.base is base for m, y in enumerate(n.inputs) if m != k)
+                    or group[id(base)] in merged.values()):
+                continue
+            merged[j] = group[id(base)]
+        return merged
+
+    @staticmethod
+    def _assign(span: dict[int, list]) -> tuple[dict[int, int], list[int]]:
+        slot_of: dict[int, int] = {}
+        slot_bytes: list[int] = []
+        slot_starts: list[list[int]] = []
+        slot_ends: list[list[int]] = []
+        by_size: list[int] = []  # slot indices, smallest capacity first
+        for g, (start, end, size) in sorted(span.items(), key=lambda kv: (-kv[1][2], kv[1][0])):
+            chosen = None
+            for s in by_size:  # the smallest slot big enough and free from start to end
+                if slot_bytes[s] < size:
+                    continue
+                starts, ends = slot_starts[s], slot_ends[s]
+                at = bisect.bisect_right(starts, end)
+                if at and ends[at - 1] >= start:
+                    continue
+                chosen = s
+                break
+            if chosen is None:
+                chosen = len(slot_bytes)
+                slot_bytes.append(size)
+                slot_starts.append([])
+                slot_ends.append([])
+                bisect.insort(by_size, chosen, key=lambda s: slot_bytes[s])
+            at = bisect.bisect_right(slot_starts[chosen], start)
+            slot_starts[chosen].insert(at, start)
+            slot_ends[chosen].insert(at, end)
+            slot_of[g] = chosen
+        return slot_of, slot_bytes
+
+    def buffers(self, device: Device) -> dict[int, Buffer]:
+        """A buffer per placed value and kept output: slots are allocated in the dtype and shape of their
+        largest value, the others are aliases of them (one per dtype and size)."""
+        roots: dict[int, Buffer] = {}
+        views: dict[tuple, Buffer] = {}
+        storage: dict[int, Buffer] = {}
+        for vid, value in sorted(self.values.items(), key=lambda kv: -_allocated_bytes(kv[1])):
+            slot = self.slot_of[self.group[vid]]
+            key = (slot, value.dtype.name, math.prod(value.shape))  # one buffer for a value and its in-place result
+            buf = views.get(key)
+            if buf is None:
+                root = roots.get(slot)
+                if root is None:
+                    buf = roots[slot] = Buffer(device, value.shape, value.dtype, name=self.producer[vid])
+                else:
+                    buf = root.alias(value.shape, value.dtype, name=self.producer[vid])
+                views[key] = buf
+            storage[vid] = buf
+        for out in self.kept:
+            storage[id(out)] = Buffer(device, out.shape, out.dtype, name=out.node.op.name)
+        return storage
+
+    def live_bytes(self) -> list[int]:
+        """Bytes of the placed values alive at each step of the schedule (a lower bound of what slots take)."""
+        delta = [0] * (self.steps + 1)
+        for start, end, size in self.span.values():
+            delta[start] += size
+            delta[end + 1] -= size
+        return list(itertools.accumulate(delta))[:-1]
+
+    def report(self) -> dict:
+        live = self.live_bytes() or [0]
+        peak_step = max(range(len(live)), key=live.__getitem__)
+        at_peak: dict[str, int] = {}
+        largest = []
+        for vid, value in self.values.items():
+            start, end, size = self.span[self.group[vid]]
+            if start <= peak_step <= end and self.group[vid] == vid:
+                at_peak[self.producer[vid]] = at_peak.get(self.producer[vid], 0) + size
+                largest.append((size, self.producer[vid], value.shape, value.dtype.name))
+        largest = [(name, shape, dtype, size) for size, name, shape, dtype in sorted(largest, reverse=True)[:8]]
+        return {"slots": sum(self.slot_bytes), "slot_count": len(self.slot_bytes), "values": len(self.values),
+                "in_place": sum(1 for v, g in self.group.items() if v != g), "peak_live": max(live),
+                "peak_step": peak_step, "steps": self.steps, "live_at_peak": at_peak, "largest_at_peak": largest,
+                "outputs": sum(_allocated_bytes(o) for o in self.kept)}
+
+
+def _allocated_bytes(lb: LazyBuffer) -> int:
+    return max(1, -(-math.prod(lb.shape) * lb.dtype.itemsize // 4)) * 4
+
+
+def memory_report(plan: Plan | None = None) -> dict:
+    """What a recorded plan allocated for itself (default: the plan used last), in bytes: ``nbytes`` in all;
+    ``inputs`` (host-visible input buffers), ``slots`` (intermediate values, shared by liveness), ``outputs``
+    (results tensors keep), ``other`` (scratch and workspaces); ``peak_live`` (the most bytes of intermediate
+    values alive at one step: what slots would take with no waste), ``live_at_peak`` (those bytes by the op that
+    produced them), ``largest_at_peak`` (the largest of them: op, shape, dtype, bytes), ``slot_count``,
+    ``values``, ``in_place`` (values written over an input). Under MEMORY_PLANNER "exact": nbytes, inputs and
+    other (all the rest) only."""
+    if plan is None:
+        if not _plans:
+            raise VkformersError("no plan recorded yet: run a step (realize something) first")
+        plan = next(reversed(_plans.values()))
+    return dict(plan.memory)
 
 
 # ---------------------------------------------------------------- replaying a plan without its graph

@@ -189,9 +189,28 @@ def _dispatch(seq, launcher: str, op: ElementwiseOp, variant: str, shape, views,
     (a, a_strides), (b, b_strides), (mask, mask_strides) = zip((x for x, _ in checked), strides)
     push = [*_padded(dims, 1), *_padded(a_strides), *_padded(b_strides), *_padded(mask_strides),
             a.offset, b.offset, mask.offset, out.offset, *scalar_bits]
+    buffers = [a.buffer, b.buffer, mask.buffer, out.buffer]
+    reads = (b.buffer if op.kind != "unary" else None, mask.buffer if launcher == "where" else None)
+    if out.buffer.root is a.buffer.root and not any(x is not None and x.root is a.buffer.root for x in reads):
+        # in place (the memory planner's choice): out over a, bound once; b and mask are other buffers
+        row_major = [math.prod(dims[d + 1:]) for d in range(len(dims))]
+        contiguous = all(s == c for s, c, n in zip(a_strides, row_major, dims) if n != 1)
+        if out.buffer is not a.buffer or out.offset != a.offset or not contiguous:
+            raise ValueError(f"{launcher} {op.name!r}: the output overlaps a without being a itself (contiguous)")
+        buffers = [a.buffer, *(x or _placeholder(seq.device) for x in reads)]
+        variant += "_inplace"
     kernel = seq.device.kernel("elementwise", variant)
-    seq.dispatch(kernel, [a.buffer, b.buffer, mask.buffer, out.buffer], _groups(seq, count),
-                 push=push, spec=[op.code, len(dims)])
+    seq.dispatch(kernel, buffers, _groups(seq, count), push=push, spec=[op.code, len(dims)])
+
+
+_placeholders: dict[int, object] = {}
+
+
+def _placeholder(device):
+    """A tiny buffer bound where the kernel reads nothing (b of a unary op, the mask but in where)."""
+    if id(device) not in _placeholders:
+        _placeholders[id(device)] = device.buffer(4, "uint32", name="elementwise placeholder")
+    return _placeholders[id(device)]
 
 
 def _scalar_bits(op: ElementwiseOp, dtype_name: str, scalars) -> list:

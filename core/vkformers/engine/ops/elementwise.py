@@ -19,6 +19,7 @@ from vkformers.runtime import dtypes as dt
 class Unary(KernelOp):
     name = "unary"
     contiguous_inputs = False
+    inplace = ((0, 0),)
 
     def emit(self, seq, outs, ins):
         (y,), (x,) = outs, ins
@@ -28,6 +29,7 @@ class Unary(KernelOp):
 class Binary(KernelOp):
     name = "binary"
     contiguous_inputs = False
+    inplace = ((0, 0),)
 
     def emit(self, seq, outs, ins):
         (y,), (a, b) = outs, ins
