@@ -7,7 +7,8 @@
 //   MEAN      one workgroup: mean = sum(loss) / count, count = rows not ignored (float32).
 //   BACKWARD  one invocation per logit: d_logits = (exp(logit - lse) - onehot) * d_loss / count,
 //             0 on ignored rows; d_loss and count are 1-element float32 buffers (GPU values).
-//             Nothing vocab-sized is kept from the forward pass. d_logits may alias logits.
+//             Nothing vocab-sized is kept from the forward pass. The inplace variants write d_logits
+//             over logits, one binding for both (each invocation reads its logit before writing it).
 //! variant f32 -DFORWARD -DELEM_F32
 //! variant f16 -DFORWARD -DELEM_F16
 //! variant bf16 -DFORWARD -DELEM_BF16
@@ -15,6 +16,9 @@
 //! variant backward_f32 -DBACKWARD -DELEM_F32
 //! variant backward_f16 -DBACKWARD -DELEM_F16
 //! variant backward_bf16 -DBACKWARD -DELEM_BF16
+//! variant backward_inplace_f32 -DBACKWARD -DINPLACE -DELEM_F32
+//! variant backward_inplace_f16 -DBACKWARD -DINPLACE -DELEM_F16
+//! variant backward_inplace_bf16 -DBACKWARD -DINPLACE -DELEM_BF16
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #include "transformer_common.glsl"
@@ -84,12 +88,19 @@ void main() {  // dispatched as one workgroup
 #endif
 
 #ifdef BACKWARD
+#ifdef INPLACE
+layout(binding = 0) buffer Logits { ELEM_T logits[]; };
+#define d_logits logits
+#else
 layout(binding = 0) readonly buffer Logits { ELEM_T logits[]; };
+#endif
 layout(binding = 1) readonly buffer Labels { int labels[]; };
 layout(binding = 2) readonly buffer Lse { float lse_in[]; };
 layout(binding = 3) readonly buffer DLoss { float d_loss[]; };
 layout(binding = 4) readonly buffer Count { float count_in[]; };
+#ifndef INPLACE
 layout(binding = 5) writeonly buffer DLogits { ELEM_T d_logits[]; };
+#endif
 layout(push_constant) uniform Push {
     uint rows; uint vocab; int ignore_index;
     uint logits_offset; uint labels_offset; uint lse_offset; uint d_loss_offset; uint count_offset;

@@ -9,7 +9,7 @@ Outputs of the forward, all float32: loss_rows [rows], lse [rows] (log-sum-exp, 
 the backward instead of any vocab-sized buffer), loss_mean [1] and count [1] (rows not
 ignored, a float). The backward recomputes softmax from logits and lse, reads d_loss [1]
 and count [1] from the GPU, and writes d_logits (dtype of logits), which may be the logits
-operand itself (in place).
+operand itself (in place: a variant binding the buffer once).
 """
 from __future__ import annotations
 
@@ -49,10 +49,12 @@ def cross_entropy_backward(seq, logits, labels, lse, d_loss, count, d_logits, *,
     lse = checked(lse, "float32", rows, "cross_entropy_backward lse")
     d_loss = checked(d_loss, "float32", 1, "cross_entropy_backward d_loss")
     count = checked(count, "float32", 1, "cross_entropy_backward count")
-    if operand(logits) != operand(d_logits) and overlaps(logits, rows * vocab, d_logits, rows * vocab):
+    in_place = operand(logits) == operand(d_logits)
+    if not in_place and overlaps(logits, rows * vocab, d_logits, rows * vocab):
         raise ValueError("cross_entropy_backward: d_logits partially overlaps logits")
-    kernel = seq.device.kernel("cross_entropy", "backward_" + element_variant(logits, "cross_entropy logits"))
-    seq.dispatch(kernel, [logits.buffer, labels.buffer, lse.buffer, d_loss.buffer, count.buffer, d_logits.buffer],
+    variant = ("backward_inplace_" if in_place else "backward_") + element_variant(logits, "cross_entropy logits")
+    buffers = [logits.buffer, labels.buffer, lse.buffer, d_loss.buffer, count.buffer]
+    seq.dispatch(seq.device.kernel("cross_entropy", variant), buffers + ([] if in_place else [d_logits.buffer]),
                  element_groups(seq, rows * vocab),
                  push=[rows, vocab, int(ignore_index), logits.offset, labels.offset, lse.offset, d_loss.offset,
                        count.offset, d_logits.offset])

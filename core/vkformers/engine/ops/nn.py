@@ -184,10 +184,11 @@ class RMSNormFn(Function):
     def backward(self, g):
         x, rstd, weight = self.saved
         ins = [g.lazy, x, rstd] + ([weight] if weight is not None else [])
-        outs = [(x.shape, x.dtype)] + ([(weight.shape, dt.float32)] if weight is not None else [])
+        need_dw = weight is not None and self.needs_grad[1]  # a frozen weight (LoRA's norms) gets no gradient
+        outs = [(x.shape, x.dtype)] + ([(weight.shape, dt.float32)] if need_dw else [])
         grads = node(RMSNormBackwardKernel(unit_offset=self.unit_offset), ins, outs)
         dx = wrap(grads[0])
-        dw = wrap(grads[1]).cast(weight.dtype) if weight is not None else None
+        dw = wrap(grads[1]).cast(weight.dtype) if need_dw else None
         return dx, dw
 
 
@@ -211,7 +212,7 @@ class LayerNormBackwardKernel(KernelOp):
     def emit(self, seq, outs, ins):
         (dx, *dparams), (dy, x, mean, rstd, *params) = outs, ins
         w, _ = _weight_bias(params, self.has_weight, False)
-        dw, db = _weight_bias(dparams, self.has_weight, self.has_bias)
+        dw, db = _weight_bias(dparams, self.grad_weight, self.grad_bias)
         rows, cols = _rows_cols(x.shape)
         KN.layer_norm_backward(seq, dy.operand, x.operand, w, mean.operand, rstd.operand, dx.operand, dw, db,
                                rows=rows, cols=cols)
@@ -235,14 +236,16 @@ class LayerNormFn(Function):
 
     def backward(self, g):
         x, mean, rstd, weight, bias = self.saved
-        params = [p for p in (weight, bias) if p is not None]
-        outs = [(x.shape, x.dtype)] + [(p.shape, dt.float32) for p in params]
-        grads = node(LayerNormBackwardKernel(**self.flags), [g.lazy, x, mean, rstd] + ([weight] if weight is not None else []),
-                     outs)
+        # frozen parameters (a LoRA model's norms) get no gradient
+        need_dw, need_db = weight is not None and self.needs_grad[1], bias is not None and self.needs_grad[2]
+        outs = [(x.shape, x.dtype)] + [(p.shape, dt.float32) for p, need in ((weight, need_dw), (bias, need_db))
+                                       if need]
+        kernel = LayerNormBackwardKernel(has_weight=self.flags["has_weight"], grad_weight=need_dw, grad_bias=need_db)
+        grads = node(kernel, [g.lazy, x, mean, rstd] + ([weight] if weight is not None else []), outs)
         grads = [wrap(v) for v in grads]
         dx, rest = grads[0], grads[1:]
-        dw = rest.pop(0).cast(weight.dtype) if weight is not None else None
-        db = rest.pop(0).cast(bias.dtype) if bias is not None else None
+        dw = rest.pop(0).cast(weight.dtype) if need_dw else None
+        db = rest.pop(0).cast(bias.dtype) if need_db else None
         return dx, dw, db
 
 
@@ -288,13 +291,14 @@ class CrossEntropyKernel(KernelOp):
     def emit(self, seq, outs, ins):
         (loss, count, lse), (logits, labels) = outs, ins
         rows, vocab = _rows_cols(logits.shape)
-        loss_rows = seq.device.buffer(rows, "float32", name="loss rows")
+        loss_rows = seq.scratch(rows, "float32", name="loss rows")
         KC.cross_entropy(seq, logits.operand, labels.operand, loss_rows, lse.operand, loss.operand, count.operand,
                          rows=rows, vocab=vocab, ignore_index=self.ignore_index)
 
 
 class CrossEntropyBackwardKernel(KernelOp):
     name = "cross_entropy_backward"
+    inplace = ((0, 0),)  # d_logits over logits when nothing reads them after
 
     def emit(self, seq, outs, ins):
         (d_logits,), (logits, labels, lse, d_loss, count) = outs, ins

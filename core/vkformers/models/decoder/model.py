@@ -385,8 +385,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
     @staticmethod
     def loss(logits, labels, shift: bool = True):
         """transformers' ForCausalLMLoss: token t predicts label t + 1 (label t without ``shift``); -100 is
-        ignored; mean in float32."""
+        ignored; mean in float32 (the kernel widens 16-bit logits as it reads them: no float32 copy of them, and
+        their gradient comes in their dtype, rounded as casting the float32 one would round it)."""
         labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
         if shift:
             labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
-        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits, Tensor(labels), ignore_index=IGNORE_INDEX)
