@@ -36,8 +36,14 @@ sees a CUDA device (and peft is installed). Tokens/s, and peak device memory fro
 the 70B shape (hidden 8192, 80 layers, 64/8 heads, ffn 28672) at 1 x 1024 instead (--layers for a short run): the
 time of its second step (the first records it) and the peak memory of both (goal: under 48 GiB on one H200).
 
-    python bench/quant.py --qlora [--layers 32] [--batch 4] [--seq 512] [--steps 5] [--json OUT]
-    python bench/quant.py --qlora-70b [--layers 80] [--json OUT]
+--formats bf16 or nf4 runs one base only, --no-peft leaves PyTorch out, --memory prints where each peak goes (base
+weights, adapters, optimizer state, and the step's plan by lazy.memory_report(): intermediate values, results,
+scratch, and the values alive at its peak by the op that made them), --planner exact measures the old memory
+planner, --dry-run records each step's plan without running it (memory only: any device, in seconds).
+
+    python bench/quant.py --qlora [--layers 32] [--batch 4] [--seq 512] [--steps 5] [--formats nf4] [--memory]
+                          [--no-peft] [--planner exact] [--dry-run] [--json OUT]
+    python bench/quant.py --qlora-70b [--layers 80] [--memory] [--dry-run] [--json OUT]
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ from common import warm_up, write_results
 from llama import timed
 
 import vkformers as vkf
+from vkformers.engine import lazy
 from vkformers.engine.kernels import decode as KD
 from vkformers.engine.quantized import QuantizedArray, quant_format, quantize
 from vkformers.models.loading import AutoModelForCausalLM
@@ -336,23 +343,36 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
     return results
 
 
-def bench_lora_step(config, fmt: str | None, batch: int, seq: int, steps: int) -> dict:
-    """LoRA steps (QLORA, bf16, gradient checkpointing) on a base in ``fmt`` (None: bfloat16): tokens/s, peak GiB."""
+def bench_lora_step(config, fmt: str | None, batch: int, seq: int, steps: int, dry_run: bool = False) -> dict:
+    """LoRA steps (QLORA, bf16, gradient checkpointing) on a base in ``fmt`` (None: bfloat16): tokens/s, peak GiB,
+    and where the memory goes (``memory``: GiB of the base weights, adapters, optimizer state, and the step's plan
+    as lazy.memory_report() gives it). ``dry_run``: record the step's plan without running it (memory only)."""
     gc.collect()
     start_bytes = vulkan.buffer_memory()["live_bytes"]
     vulkan.reset_peak_buffer_memory()
+
+    def held():
+        return (vulkan.buffer_memory()["live_bytes"] - start_bytes) / 2**30
+
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(tiled_weights(model, fmt), dtype="bfloat16", requires_grad=False)
+    memory = {"base_gib": held()}
     apply_lora(model, LoraConfig(**QLORA))
-    weights_gib = (vulkan.buffer_memory()["live_bytes"] - start_bytes) / 2**30
+    weights_gib = held()
+    memory["adapters_gib"] = weights_gib - memory["base_gib"]
     trainer = Trainer(model, TrainingConfig(steps=steps + 2, batch_size=batch, seq_len=seq, lr=1e-4,
                                             schedule="constant", precision="bf16", gradient_checkpointing=True),
                       train_batches=None)
+    memory["optimizer_gib"] = held() - weights_gib
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], (batch, seq)).astype(np.int32)
     batches = [(ids, ids.copy())]
+    if dry_run:
+        return {**record_step_only(trainer, batches), "weights_gib": weights_gib,
+                "peak_gib": (vulkan.buffer_memory()["peak_bytes"] - start_bytes) / 2**30, "memory": memory}
     first = time.perf_counter()
     losses = [trainer.train_step(batches).loss]  # records the step
     first = time.perf_counter() - first
+    memory["plan"] = lazy.memory_report()
     if steps:
         losses.append(trainer.train_step(batches).loss)  # the first replay
     start = time.perf_counter()
@@ -360,10 +380,46 @@ def bench_lora_step(config, fmt: str | None, batch: int, seq: int, steps: int) -
         losses.append(trainer.train_step(batches).loss)
     seconds = (time.perf_counter() - start) / max(1, steps)
     out = {"tok_s": ids.size / seconds, "step_s": seconds, "first_step_s": first, "weights_gib": weights_gib,
-           "peak_gib": (vulkan.buffer_memory()["peak_bytes"] - start_bytes) / 2**30, "losses": losses}
+           "peak_gib": (vulkan.buffer_memory()["peak_bytes"] - start_bytes) / 2**30, "losses": losses,
+           "memory": memory}
     del trainer, model
     gc.collect()
     return out
+
+
+def record_step_only(trainer, batches) -> dict:
+    """Build one training step's graph and record its plan without submitting it (lazy._run made a no-op): the
+    memory the step allocates, on any device, in the time recording takes. No loss comes out."""
+    run = lazy._run
+    lazy._run = lambda plan, seq=None: None
+    try:
+        start = time.perf_counter()
+        trainer.model.train()  # as train_step: gradient checkpointing applies in training mode
+        stats, factor = trainer._build_step([tuple(np.asarray(a, np.int32) for a in b) for b in batches], None)
+        trainer._apply_update(factor)
+        lazy.realize([stats.lazy])
+        seconds = time.perf_counter() - start
+    finally:
+        lazy._run = run
+    trainer.optimizer.zero_grad()
+    return {"record_s": seconds, "memory_plan": lazy.memory_report()}
+
+
+def print_memory(r: dict) -> None:
+    """--memory: where a step's peak goes."""
+    m, plan = r["memory"], r["memory"].get("plan") or r.get("memory_plan")
+    gib = 2.0**30
+    print(f"  peak {r['peak_gib']:.3f} GiB = base weights {m['base_gib']:.3f} + adapters {m['adapters_gib']:.3f} "
+          f"+ optimizer state {m['optimizer_gib']:.3f} + the step's plan {plan['nbytes'] / gib:.3f} (+ transient)")
+    print(f"  plan: intermediate values {plan.get('slots', 0) / gib:.3f} GiB in {plan.get('slot_count', 0)} slots "
+          f"(live at most {plan.get('peak_live', 0) / gib:.3f}), results kept {plan.get('outputs', 0) / gib:.3f}, "
+          f"inputs {plan['inputs'] / gib:.3f}, scratch and workspaces {plan['other'] / gib:.3f}; "
+          f"{plan.get('in_place', 0)} values in place of their input")
+    at_peak = sorted(plan.get("live_at_peak", {}).items(), key=lambda kv: -kv[1])
+    if at_peak:
+        print("  alive at the plan's peak (step {} of {}): ".format(plan["peak_step"], plan["steps"])
+              + ", ".join(f"{name} {v / gib:.3f}" for name, v in at_peak[:8]) + " GiB; the largest: "
+              + ", ".join(f"{name} {list(shape)} {dtype}" for name, shape, dtype, _ in plan["largest_at_peak"][:4]))
 
 
 def bench_peft_step(config, batch: int, seq: int, steps: int) -> dict | str:
@@ -409,36 +465,58 @@ def bench_peft_step(config, batch: int, seq: int, steps: int) -> dict | str:
     return out
 
 
-def qlora(config, batch: int, seq: int, steps: int) -> dict:
+LORA_BASES = {"bf16": ("bfloat16 LoRA", None), "nf4": ("NF4 QLoRA", "nf4")}
+
+
+def qlora(config, batch: int, seq: int, steps: int, bases=("bf16", "nf4"), peft: bool = True, memory: bool = False,
+          dry_run: bool = False) -> dict:
     print(f"device: {vulkan.get_device().name}; LoRA r{QLORA['r']} on 7 projections, batch {batch} x {seq}, "
-          f"gradient checkpointing; Llama shape hidden {config['hidden_size']}, {config['num_hidden_layers']} layers",
-          flush=True)
-    results = {"device": vulkan.get_device().name, "config": config, "batch": batch, "seq": seq, "lora": QLORA}
-    for name, fmt in (("bfloat16 LoRA", None), ("NF4 QLoRA", "nf4")):
-        r = results[name] = bench_lora_step(config, fmt, batch, seq, steps)
-        print(f"{name:14s} {r['tok_s']:9.1f} tok/s  peak {r['peak_gib']:7.2f} GiB (weights {r['weights_gib']:.2f}) "
-              f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
-    ref = results["PyTorch + PEFT bf16"] = bench_peft_step(config, batch, seq, steps)
+          f"gradient checkpointing; Llama shape hidden {config['hidden_size']}, {config['num_hidden_layers']} layers"
+          + ("; recording the step only (--dry-run)" if dry_run else ""), flush=True)
+    results = {"device": vulkan.get_device().name, "config": config, "batch": batch, "seq": seq, "lora": QLORA,
+               "planner": lazy.MEMORY_PLANNER}
+    for base in bases:
+        name, fmt = LORA_BASES[base]
+        r = results[name] = bench_lora_step(config, fmt, batch, seq, steps, dry_run)
+        if dry_run:
+            print(f"{name:14s} recorded in {r['record_s']:.1f} s  peak {r['peak_gib']:7.2f} GiB "
+                  f"(weights {r['weights_gib']:.2f})", flush=True)
+        else:
+            print(f"{name:14s} {r['tok_s']:9.1f} tok/s  peak {r['peak_gib']:7.2f} GiB (weights {r['weights_gib']:.2f}) "
+                  f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", flush=True)
+        if memory:
+            print_memory(r)
+    if dry_run:
+        return results
+    ref = results["PyTorch + PEFT bf16"] = bench_peft_step(config, batch, seq, steps) if peft else "skipped (--no-peft)"
     if isinstance(ref, str):
         print(f"PyTorch + PEFT bf16 {ref}")
     else:
         print(f"PyTorch + PEFT bf16 {ref['tok_s']:9.1f} tok/s  peak {ref['peak_gib']:7.2f} GiB (max_memory_allocated)")
-    q, b = results["NF4 QLoRA"], results["bfloat16 LoRA"]
-    print(f"QLoRA: {q['tok_s'] / b['tok_s']:.2f}x the bfloat16 LoRA step"
-          + ("" if isinstance(ref, str) else f", {q['tok_s'] / ref['tok_s']:.2f}x PyTorch + PEFT")
-          + f"; peak {q['peak_gib']:.2f} GiB (goal at the 8B shape, 32 layers: <= 10 GiB)", flush=True)
+    q, b = results.get("NF4 QLoRA"), results.get("bfloat16 LoRA")
+    if q is not None:
+        print("QLoRA: " + (f"{q['tok_s'] / b['tok_s']:.2f}x the bfloat16 LoRA step, " if b is not None else "")
+              + ("" if isinstance(ref, str) else f"{q['tok_s'] / ref['tok_s']:.2f}x PyTorch + PEFT, ")
+              + f"peak {q['peak_gib']:.2f} GiB (goal at the 8B shape, 32 layers: <= 10 GiB)", flush=True)
     return results
 
 
-def qlora_70b(layers: int) -> dict:
+def qlora_70b(layers: int, memory: bool = False, dry_run: bool = False) -> dict:
     config = dict(LLAMA_70B, num_hidden_layers=layers)
     print(f"device: {vulkan.get_device().name}; one QLoRA step (NF4, LoRA r{QLORA['r']} on 7 projections, "
           f"gradient checkpointing) of the 70B shape, {layers} layers, batch 1 x 1024", flush=True)
-    r = bench_lora_step(config, "nf4", 1, 1024, 0)
-    print(f"NF4 QLoRA 70B step {r['step_s']:.2f} s (the first, recording it: {r['first_step_s']:.2f} s)  "
-          f"peak {r['peak_gib']:.2f} GiB "
-          f"(weights {r['weights_gib']:.2f}; goal: under 48 GiB)  loss {r['losses'][0]:.3f}", flush=True)
-    return {"device": vulkan.get_device().name, "config": config, "batch": 1, "seq": 1024, "lora": QLORA, **r}
+    r = bench_lora_step(config, "nf4", 1, 1024, 0, dry_run)
+    if dry_run:
+        print(f"NF4 QLoRA 70B step recorded in {r['record_s']:.1f} s  peak {r['peak_gib']:.2f} GiB "
+              f"(weights {r['weights_gib']:.2f}; goal: under 48 GiB)", flush=True)
+    else:
+        print(f"NF4 QLoRA 70B step {r['step_s']:.2f} s (the first, recording it: {r['first_step_s']:.2f} s)  "
+              f"peak {r['peak_gib']:.2f} GiB "
+              f"(weights {r['weights_gib']:.2f}; goal: under 48 GiB)  loss {r['losses'][0]:.3f}", flush=True)
+    if memory:
+        print_memory(r)
+    return {"device": vulkan.get_device().name, "config": config, "batch": 1, "seq": 1024, "lora": QLORA,
+            "planner": lazy.MEMORY_PLANNER, **r}
 
 
 def main(argv=None) -> int:
@@ -464,16 +542,29 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="--qlora: sequences per step")
     parser.add_argument("--seq", type=int, default=512, help="--qlora: tokens per sequence")
     parser.add_argument("--steps", type=int, default=5, help="--qlora: timed steps (after 2 untimed)")
+    parser.add_argument("--memory", action="store_true",
+                        help="--qlora, --qlora-70b: print where each step's peak memory goes")
+    parser.add_argument("--no-peft", action="store_true", help="--qlora: leave PyTorch + PEFT out")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="--qlora, --qlora-70b: record each step's plan without running it (memory figures only)")
+    parser.add_argument("--planner", choices=("liveness", "exact"), default="liveness",
+                        help="--qlora, --qlora-70b: the lazy engine's memory planner (exact: the old reuse of freed "
+                             "buffers of one dtype and size only)")
     args = parser.parse_args(argv)
     if args.qlora or args.qlora_70b:
+        lazy.MEMORY_PLANNER = args.planner
         if args.qlora_70b:
-            results = qlora_70b(args.layers or LLAMA_70B["num_hidden_layers"])
+            results = qlora_70b(args.layers or LLAMA_70B["num_hidden_layers"], args.memory, args.dry_run)
         else:
             config = dict(LLAMA3_8B, num_hidden_layers=args.layers or LLAMA3_8B["num_hidden_layers"])
             if args.quick:
                 config.update(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
                               vocab_size=4096)
-            results = qlora(config, args.batch, args.seq, args.steps)
+            bases = [f for f in (args.formats or "bf16,nf4").split(",") if f]
+            if any(b not in LORA_BASES for b in bases):
+                parser.error(f"--qlora: --formats takes {', '.join(LORA_BASES)}")
+            results = qlora(config, args.batch, args.seq, args.steps, bases, not args.no_peft, args.memory,
+                            args.dry_run)
         write_results(args.json, results)
         return 0
     if args.sweep:
