@@ -6,7 +6,9 @@ each concurrency, runs that many client threads, each streaming its requests one
 so that every output has its drawn length). Prints per concurrency the aggregate output tokens/s, time to first
 token p50/p99 and inter-token latency p50/p99 (from the arrival times of the streamed events; a chunk of several
 tokens counts as that many tokens, spread evenly). --soak N sends N short requests from --soak-threads threads
-and prints the process's RSS and the device buffer bytes before and after.
+after a warm-up at that load and prints the process's RSS, the device buffer bytes and the small-object heap
+(pymalloc blocks) before and after, and their growth per request, each measured idle with the bounded caches let go
+(the scheduler's batch caches, the plan cache, the engine's strides cache), as tests/test_serve_soak.py does.
 
     python bench/serve.py [--model M | --random-shape llama3-8b] [--concurrency 1,8,32,64] [--requests 4] [--quick]
                           [--kv-cache-tokens N | --gpu-memory-utilization F] [--no-prefix-caching] [--soak 1000]
@@ -23,10 +25,12 @@ longest output); its output tok/s counts only the tokens the requests asked for.
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
 import resource
 import socket
+import sys
 import threading
 import time
 
@@ -39,6 +43,7 @@ from tokenizers import Tokenizer, models
 
 from vkformers.cli import generate as cli_generate
 from vkformers.cli import serve as cli_serve
+from vkformers.engine import lazy
 from vkformers.models.batching import BatchScheduler
 from vkformers.models.paged_cache import PAGE_SIZE
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
@@ -215,6 +220,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def idle_memory(scheduler) -> tuple[int, int, int]:
+    """(RSS, device buffer bytes, pymalloc blocks) with the bounded caches let go."""
+    scheduler.release_caches(120)
+    lazy.contiguous_strides.cache_clear()
+    gc.collect()
+    return rss_bytes(), buffer_memory()["live_bytes"], sys.getallocatedblocks()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
@@ -276,15 +289,18 @@ def main(argv=None) -> int:
               f" ms p99 {result['itl_ms_p99']:6.1f} ms, {result['failed']} failed of {result['requests']}", flush=True)
     if args.soak:
         per_thread = -(-args.soak // args.soak_threads)
-        run_load(port, vocab, args.soak_threads, 2, (8, 16), (4, 8), seed=1)  # warm-up at that load
-        before = rss_bytes(), buffer_memory()["live_bytes"]
+        run_load(port, vocab, args.soak_threads, per_thread, (8, 16), (4, 8), seed=1)  # warm-up at that load
+        before = idle_memory(scheduler)
         soak = run_load(port, vocab, args.soak_threads, per_thread, (8, 16), (4, 8), seed=2)
-        after = rss_bytes(), buffer_memory()["live_bytes"]
-        soak.update(rss_before=before[0], rss_after=after[0], buffers_before=before[1], buffers_after=after[1])
+        after = idle_memory(scheduler)
+        soak.update(rss_before=before[0], rss_after=after[0], buffers_before=before[1], buffers_after=after[1],
+                    blocks_before=before[2], blocks_after=after[2])
         results.append({"soak": soak})
-        print(f"soak: {soak['requests']} requests from {args.soak_threads} threads, {soak['failed']} failed; RSS "
-              f"{before[0] / 2**20:.1f} -> {after[0] / 2**20:.1f} MiB, device buffers {before[1] / 2**20:.1f} -> "
-              f"{after[1] / 2**20:.1f} MiB")
+        n = soak["requests"]
+        print(f"soak: {n} requests from {args.soak_threads} threads, {soak['failed']} failed; RSS "
+              f"{before[0] / 2**20:.1f} -> {after[0] / 2**20:.1f} MiB ({(after[0] - before[0]) / n:+.0f} B/request), "
+              f"device buffers {before[1]:,} -> {after[1]:,} bytes ({(after[1] - before[1]) / n:+.1f} B/request), "
+              f"pymalloc blocks {before[2]:,} -> {after[2]:,} ({(after[2] - before[2]) / n:+.2f}/request)")
     server.should_exit = True
     thread.join()
     scheduler.close()

@@ -252,6 +252,7 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._releases: list[threading.Event] = []  # release_caches() calls waiting for the thread to go idle
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
         self._joining: list[Request] = []
@@ -377,6 +378,24 @@ class BatchScheduler:
         self._thread.start()
         return self
 
+    def release_caches(self, timeout: float | None = None) -> bool:
+        """Once no request runs (waiting ones first finish): let go of the batch caches kept per row count, their
+        recorded decode steps and the plan cache, so that their device memory goes back; later requests record them
+        anew. A paged cache's block pool stays. Returns whether that happened within ``timeout`` seconds."""
+        if self._thread is None or not self._thread.is_alive():
+            self._drop_caches()
+            return True
+        done = threading.Event()
+        with self._cond:
+            self._releases.append(done)
+            self._cond.notify_all()
+        return done.wait(timeout)
+
+    def _drop_caches(self) -> None:
+        self._caches.clear()
+        self._joining_caches.clear()
+        lazy.clear_plan_cache()
+
     def close(self) -> None:
         with self._cond:
             self._closing = True
@@ -427,6 +446,11 @@ class BatchScheduler:
                 with self._cond:
                     while not self._closing and not self._waiting and not self._live() and self._prefilling is None:
                         self._release_rows()
+                        if self._releases:  # idle: nothing reads the caches now
+                            self._drop_caches()
+                            for done in self._releases:
+                                done.set()
+                            self._releases.clear()
                         self._cond.wait()
                     if self._closing:
                         return
