@@ -419,6 +419,18 @@ def forward_keys_per_dispatch(tiles: Tiles, head_dim: int) -> int:
     return max(1, (LOOP_ITERATIONS - fixed) // per_tile) * tiles.cols
 
 
+def backward_units_per_dispatch(tiles: Tiles, head_dim: int, head_count: int) -> int:
+    """Streamed tiles (units) one dispatch of attention_bwd.comp takes within LOOP_ITERATIONS, counted as
+    :func:`forward_keys_per_dispatch` counts; ``head_count``: the query heads a workgroup walks (each costs its
+    loop's tests)."""
+    cols, dims = tiles.cols // tiles.lanes, head_dim // tiles.lanes
+    load = -(-tiles.cols * head_dim // tiles.threads) + 1
+    per_unit = 1 + 2 * load + (-(-tiles.cols // tiles.threads) + 1) + 2 * (cols + 1) + head_dim * (cols + 2) + 1 \
+        + tiles.cols * (2 * dims + 3) + 1
+    fixed = 2 * (-(-tiles.rows * head_dim // tiles.threads) + 1) + 2 * (dims + 1) + 2 * head_count + 1
+    return max(1, (LOOP_ITERATIONS - fixed) // per_unit)
+
+
 def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
                       head_dim: int, scale: float, causal: bool = True, key_padding_mask: Operand | None = None,
                       window: int = 0, softcap: float = 0.0, alibi_slopes: Operand | None = None,
@@ -629,7 +641,19 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
                     subgroup, tiles.tuning, *layout]
         return [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(compute_dq), tiles.threads]
 
-    seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
-                 push=push(d_k, d_v), spec=spec(False))
-    seq.dispatch(kernel, [*inputs, d_q.buffer, d_q.buffer], (-(-q_len // tiles.rows), heads, batch),
-                 push=push(d_q, d_q), spec=spec(True))
+    if coopmat:
+        seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
+                     push=push(d_k, d_v), spec=spec(False))
+        seq.dispatch(kernel, [*inputs, d_q.buffer, d_q.buffer], (-(-q_len // tiles.rows), heads, batch),
+                     push=push(d_q, d_q), spec=spec(True))
+        return
+    # Units: the streamed tiles of every query head a workgroup takes (dK/dV: the group's heads, dQ: one).
+    group = heads // kv_heads
+    for grads, rows, units, head_count, compute_dq in (((d_k, d_v), kv_len, -(-q_len // tiles.cols) * group, group,
+                                                        False),
+                                                       ((d_q, d_q), q_len, -(-kv_len // tiles.cols), 1, True)):
+        step = backward_units_per_dispatch(tiles, head_dim, head_count)
+        for unit_lo in range(0, units, step):
+            seq.dispatch(kernel, [*inputs, grads[0].buffer, grads[1].buffer],
+                         (-(-rows // tiles.rows), heads if compute_dq else kv_heads, batch),
+                         push=push(*grads) + [unit_lo, unit_lo + step, int(unit_lo > 0)], spec=spec(compute_dq))
