@@ -516,6 +516,37 @@ def test_large_head_dim_forward(device):
     run_case(device, Case(batch=1, heads=1, kv_heads=1, q_len=7, kv_len=7, head_dim=256), "float32")
 
 
+def test_forward_of_more_keys_than_one_invocation_may_loop_over(device):
+    """llvmpipe (lavapipe) ends an invocation's loops after 65535 iterations in all: a query row walking 20000 keys
+    of head_dim 64 in one dispatch stopped short, leaving later keys out. The keys now go in several dispatches."""
+    case = Case(batch=1, heads=1, kv_heads=1, q_len=4, kv_len=20000, causal=False)
+    assert attention_kernels.forward_keys_per_dispatch(
+        attention_kernels.pick_tiles(device, 64, attention_kernels.FORWARD_TILES,
+                                     attention_kernels.forward_shared_bytes), 64) < case.kv_len
+    run_case(device, case, backward=False)
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(4, 6000), (6000, 4)])
+def test_backward_of_longer_rows_than_one_invocation_may_loop_over(device, q_len, kv_len):
+    """As above for the backward at head_dim 128 (tiles of 8 rows on lavapipe): dQ walking 6000 keys, dK/dV walking
+    6000 queries, stopped short in one dispatch."""
+    run_case(device, Case(batch=1, heads=1, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=128, causal=False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [
+    Case(heads=4, kv_heads=2, mask=True, window=40, softcap=3.0, alibi=True, q_len=50, kv_len=90, head_dim=80),
+    Case(mask=True, q_len=70, kv_len=70, heads=2, kv_heads=2),  # batch 0's first rows see no key in early tiles
+    Case(causal=False, mask=True, q_len=9, kv_len=75, heads=2, kv_heads=1, batch=2)], ids=["everything", "causal",
+                                                                                          "not_causal"])
+def test_split_into_dispatches_of_one_tile(device, monkeypatch, case, dtype):
+    """Each forward dispatch resumes from the previous one's out and lse (as its backward reads them); each backward
+    dispatch after the first adds to the gradients, its tiles crossing from one query head of a group to the next."""
+    monkeypatch.setattr(attention_kernels, "forward_keys_per_dispatch", lambda tiles, head_dim: tiles.cols)
+    monkeypatch.setattr(attention_kernels, "backward_units_per_dispatch", lambda tiles, head_dim, heads: 1)
+    run_case(device, case, dtype, tiles=Tiles(8, 8, 4))
+
+
 def test_causal_with_long_query_needs_offset(device):
     buf = device.buffer(64, "float32")
     with pytest.raises(ValueError, match="q_offset"):

@@ -107,6 +107,27 @@ def test_take_along_last_matches_torch_gather_and_sums_repeated_picks(dtype, tol
     np.testing.assert_allclose(t.grad.numpy(), grad, rtol=tol, atol=tol * 4)
 
 
+@pytest.mark.parametrize("cols,picks", [(70000, 3), (3, 70000)])
+def test_take_along_last_gradient_of_rows_longer_than_one_invocation_may_loop_over(cols, picks):
+    """llvmpipe (lavapipe) ends an invocation's loops after 65535 iterations in all: an invocation zeroing a row of
+    C elements (a vocabulary of 128256 when picking the target logit) and then adding its J picks stopped short past
+    that, leaving the row's end or the later picks out. The picks, now split across dispatches, still add in order:
+    equal to float32 additions in pick order, bit for bit."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 2, cols)).astype(np.float32)
+    index = rng.integers(0, cols + 1, (2, picks)).astype(np.int32)  # cols: outside, passes nothing back
+    index[:, :2] = cols - 1  # one element picked twice at the row's end
+    t = vkf.tensor(x, requires_grad=True)
+    out = F.take_along_last(t, vkf.tensor(index))
+    w = rng.standard_normal(out.shape).astype(np.float32)
+    (out * vkf.tensor(w)).sum().backward()
+    grad = np.zeros((2, 2, cols + 1), np.float32)
+    for p in range(2):
+        for r in range(2):
+            np.add.at(grad[p, r], index[r], w[p, r])  # unbuffered: float32 additions in pick order
+    np.testing.assert_array_equal(t.grad.numpy(), grad[..., :cols])
+
+
 def test_gather_rows_and_its_gradient_through_the_inverse():
     """Rows picked per slice (each row at most once per slice, -1: a zero row), as a mixture-of-experts block
     lists each expert's tokens; the gradient, a gather through ``inverse``, equals the scatter-add of numpy."""

@@ -92,6 +92,23 @@ def test_embedding_backward_scatter_adds_into_existing_gradient(device, dtype):
     np.testing.assert_allclose(d_table.read(), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_embedding_backward_of_more_tokens_than_one_invocation_may_loop_over(device):
+    """llvmpipe (lavapipe) ends an invocation's loops after 65535 iterations in all: an invocation walking every
+    token of a column stopped short past that, leaving the later tokens' gradients out. The tokens, now split
+    across dispatches, are still summed in token order: equal to float32 additions in that order, bit for bit."""
+    rng = np.random.default_rng(2)
+    vocab, dim, count = 5, 2, 70000
+    ids = rng.integers(-1, vocab, count).astype(np.int32)
+    d_out = rng.standard_normal((count, dim)).astype(np.float32)
+    d_table = device.upload(np.zeros((vocab, dim), np.float32))
+    device.run(lambda s: embedding_backward(s, device.upload(d_out), device.upload(ids), d_table, count=count,
+                                            dim=dim, padding_idx=3))
+    expected = np.zeros((vocab, dim), np.float32)
+    keep = (ids >= 0) & (ids != 3)
+    np.add.at(expected, ids[keep], d_out[keep])  # unbuffered: one float32 addition after another, in order
+    np.testing.assert_array_equal(d_table.read(), expected)
+
+
 def test_embedding_rejects_bad_arguments(device):
     table = device.buffer((10, 4), "float32")
     with pytest.raises(TypeError, match="int32"):

@@ -7,6 +7,9 @@
 //     streams key tiles: dQ += scale * dS K.
 // with P = exp(score - lse), dS = P * (dO.v - delta) * (softcap's tanh derivative).
 // Both read the pair (owned rows A1, A2) x (streamed rows B1, B2): A1.B1 = q.k, A2.B2 = dO.v.
+// A workgroup's streamed tiles, head after head, are numbered units; one dispatch takes units
+// [unit_lo, unit_hi): llvmpipe ends an invocation's loops after 65535 iterations, so the launcher splits
+// them into dispatches run in order, each after the first adding to the gradients (`accumulate`).
 //! variant f32 -DT_F32
 //! variant f16 -DT_F16
 //! variant bf16 -DT_BF16
@@ -24,8 +27,8 @@ layout(binding = 5) readonly buffer Delta { float delta[]; };
 layout(binding = 6) readonly buffer Mask { uint mask_words[]; };
 layout(binding = 7) readonly buffer Slopes { float alibi_slopes[]; };
 // dK/dV pass: dK, dV. dQ pass: dQ twice (the second binding is never written).
-layout(binding = 8) writeonly buffer Grad1 { T grad1[]; };
-layout(binding = 9) writeonly buffer Grad2 { T grad2[]; };
+layout(binding = 8) buffer Grad1 { T grad1[]; };  // read back with accumulate
+layout(binding = 9) buffer Grad2 { T grad2[]; };
 
 layout(push_constant) uniform Push {
     uint q_off, k_off, v_off, d_o_off, lse_off, mask_off, slopes_off, grad1_off, grad2_off;
@@ -33,6 +36,7 @@ layout(push_constant) uniform Push {
     int q_offset;
     uint window;
     float scale, softcap;
+    uint unit_lo, unit_hi, accumulate;
 };
 
 #include "attention_score.glsl"
@@ -92,10 +96,16 @@ void main() {
     }
     stream_begin -= stream_begin % BLOCK_COLS;
 
-    for (uint head = head_first; head < head_first + head_count; ++head) {
+    const uint head_units = ((COMPUTE_DQ ? kv_len : q_len) + BLOCK_COLS - 1u) / BLOCK_COLS;
+    for (uint h = 0u; h < head_count; ++h) {
+        const uint head = head_first + h;
         const uint q_rows = (batch * heads + head) * q_len;
         const uint kv_rows = (batch * kv_heads + kv_head) * kv_len;
-        for (uint col0 = stream_begin; col0 < stream_end; col0 += BLOCK_COLS) {
+        const uint first_unit = h * head_units;  // this head's units within [unit_lo, unit_hi)
+        const uint last_unit = first_unit + head_units;
+        const uint begin = max(stream_begin, (clamp(unit_lo, first_unit, last_unit) - first_unit) * BLOCK_COLS);
+        const uint end = min(stream_end, (clamp(unit_hi, first_unit, last_unit) - first_unit) * BLOCK_COLS);
+        for (uint col0 = begin; col0 < end; col0 += BLOCK_COLS) {
             barrier();  // the previous tile is no longer read
             if (COMPUTE_DQ) {
                 LOAD_TILE(stream1, k, k_off, kv_rows, col0, kv_len, BLOCK_COLS)
@@ -154,12 +164,16 @@ void main() {
     if (own >= own_count) return;
     if (COMPUTE_DQ) {
         const uint at = ((batch * heads + head_or_kv) * q_len + own) * HEAD_DIM;
-        for (uint t = 0; t < DIMS_PER_LANE; ++t) grad1[grad1_off + at + lane + t * LANES] = STORE(acc1[t] * scale);
+        for (uint t = 0; t < DIMS_PER_LANE; ++t) {
+            const uint i = grad1_off + at + lane + t * LANES;
+            grad1[i] = STORE(accumulate != 0u ? LOAD(grad1[i]) + acc1[t] * scale : acc1[t] * scale);
+        }
     } else {
         const uint at = ((batch * kv_heads + kv_head) * kv_len + own) * HEAD_DIM;
         for (uint t = 0; t < DIMS_PER_LANE; ++t) {
-            grad1[grad1_off + at + lane + t * LANES] = STORE(acc1[t] * scale);
-            grad2[grad2_off + at + lane + t * LANES] = STORE(acc2[t]);
+            const uint i1 = grad1_off + at + lane + t * LANES, i2 = grad2_off + at + lane + t * LANES;
+            grad1[i1] = STORE(accumulate != 0u ? LOAD(grad1[i1]) + acc1[t] * scale : acc1[t] * scale);
+            grad2[i2] = STORE(accumulate != 0u ? LOAD(grad2[i2]) + acc2[t] : acc2[t]);
         }
     }
 }

@@ -7,6 +7,9 @@
 // SPLITS > 1 splits the cache among workgroups (flash-decoding): workgroup x then takes
 // one slice of the keys and writes its unnormalised partial result, running max and sum
 // to the float32 `lse` binding; attention_decode_combine.comp merges the slices.
+// [key_lo, key_hi) bounds the keys of one dispatch: llvmpipe ends an invocation's loops after 65535 iterations,
+// so the launcher splits a long key axis into dispatches run in order; with `resume` a dispatch starts from the
+// previous one's out and lse (its running max lse and sum 1 hold out * 1 = the weighted sum so far).
 //! variant f32 -DT_F32
 //! variant f16 -DT_F16
 //! variant bf16 -DT_BF16
@@ -21,8 +24,8 @@ layout(binding = 2) readonly buffer V { T v[]; };
 layout(binding = 3) readonly buffer Mask { uint mask_words[]; };
 layout(binding = 4) readonly buffer Slopes { float alibi_slopes[]; };
 layout(binding = 5) readonly buffer KvLen { uint kv_len_words[]; };
-layout(binding = 6) writeonly buffer Out { T o[]; };
-layout(binding = 7) writeonly buffer Lse { float lse[]; };
+layout(binding = 6) buffer Out { T o[]; };  // read back with resume
+layout(binding = 7) buffer Lse { float lse[]; };  // read back with resume
 
 layout(push_constant) uniform Push {
     uint q_off, k_off, v_off, o_off, lse_off, mask_off, slopes_off, kv_len_off;
@@ -32,6 +35,7 @@ layout(push_constant) uniform Push {
     int q_offset;      // absolute position of query 0; negative: kv_len - q_len
     uint window;       // sliding window (0: none)
     float scale, softcap;
+    uint key_lo, key_hi, resume;  // this dispatch's keys (SPLITS == 1)
 };
 
 #include "attention_score.glsl"
@@ -87,9 +91,24 @@ void main() {
         key_end = min(key_end, key_begin + tiles_per_split * BLOCK_COLS);
     }
 
+    if (SPLITS == 1u) {  // key_lo is a whole number of tiles
+        key_begin = max(key_begin, key_lo);
+        key_end = min(key_end, key_hi);
+    }
+
     float running_max = NEG_INF, running_sum = 0.0;
     float acc[DIMS_PER_LANE];
     for (uint t = 0; t < DIMS_PER_LANE; ++t) acc[t] = 0.0;
+    if (resume != 0u && row_valid) {
+        float before = lse[lse_off + q_row_base + qi];
+        if (before != NEG_INF) {  // -inf: no key seen yet, nothing to resume
+            running_max = before;
+            running_sum = 1.0;
+            for (uint t = 0; t < DIMS_PER_LANE; ++t)
+                acc[t] = LOAD(o[o_off + (q_row_base + qi) * HEAD_DIM + lane + t * LANES]);
+        }
+    }
+    barrier();  // lane 0 overwrites the lse that every lane of its row read
 
     for (uint key0 = key_begin; key0 < key_end; key0 += BLOCK_COLS) {
         barrier();  // the previous tile's V and p are no longer read

@@ -5,7 +5,8 @@
 // An id outside [0, vocab) never reads or writes out of bounds: forward writes a zero
 // row, backward skips it. The backward gives each invocation one column and walks the
 // tokens in order, so rows that share an id are summed in token order: bit-reproducible
-// (exact resume depends on it) and without float atomics, which not every GPU has.
+// (exact resume depends on it) and without float atomics, which not every GPU has. The launcher
+// splits the tokens into dispatches run in order (llvmpipe's loop bound, LOOP_ITERATIONS).
 //! variant f32 -DFORWARD -DELEM_F32
 //! variant f16 -DFORWARD -DELEM_F16
 //! variant bf16 -DFORWARD -DELEM_BF16

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vkformers.engine.kernels import Operand, grid, operand, require_elements
+from vkformers.engine.kernels import LOOP_ITERATIONS, Operand, grid, operand, require_elements
 from vkformers.engine.kernels.coopmat_layout import coopmat_layout
 from vkformers.engine.kernels.matmul import coopmat_supported
 
@@ -393,12 +393,42 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
     if isinstance(tiles, DecodeTiles):  # attention_decode.comp: x the slice, y the group of query heads
         seq.dispatch(device.kernel("attention_decode", variant), buffers, (splits, heads // tiles.rows, batch),
                      push=push, spec=spec + [int(page_size)])
-    else:
+    elif splits > 1 or kv_len_buffer is not None:
         seq.dispatch(device.kernel("attention_fwd", variant), buffers,
-                     (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push, spec=spec)
+                     (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push + [0, kv_stride, 0],
+                     spec=spec)
+    else:
+        step = forward_keys_per_dispatch(tiles, head_dim)
+        for key_lo in range(0, kv_len, step):
+            seq.dispatch(device.kernel("attention_fwd", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
+                         push=push + [key_lo, key_lo + step, int(key_lo > 0)], spec=spec)
     if splits > 1:
         seq.dispatch(device.kernel("attention_decode_combine", variant), [lse.buffer, out.buffer, final_lse.buffer],
                      (1, heads, batch), push=[heads, splits, head_dim, out.offset, final_lse.offset])
+
+
+def forward_keys_per_dispatch(tiles: Tiles, head_dim: int) -> int:
+    """Keys (whole tiles) one dispatch of attention_fwd.comp takes so that an invocation's loops stay within
+    LOOP_ITERATIONS (llvmpipe ends them, without a word, after 65535): an upper bound of a tile's iterations, every
+    loop counted as if none were unrolled (a loop of n trips costs n + 1)."""
+    cols, dims, lanes = tiles.cols // tiles.lanes, head_dim // tiles.lanes, tiles.lanes
+    load = -(-tiles.cols * head_dim // tiles.threads) + 1
+    per_tile = 1 + 2 * load + 3 * (cols + 1) + head_dim * (cols + 2) + 1 + 2 * (lanes + 1) + (dims + 1) \
+        + tiles.cols * (dims + 2) + 1
+    fixed = -(-tiles.rows * head_dim // tiles.threads) + 1 + 3 * (dims + 1)  # q tile, acc, resume, output
+    return max(1, (LOOP_ITERATIONS - fixed) // per_tile) * tiles.cols
+
+
+def backward_units_per_dispatch(tiles: Tiles, head_dim: int, head_count: int) -> int:
+    """Streamed tiles (units) one dispatch of attention_bwd.comp takes within LOOP_ITERATIONS, counted as
+    :func:`forward_keys_per_dispatch` counts; ``head_count``: the query heads a workgroup walks (each costs its
+    loop's tests)."""
+    cols, dims = tiles.cols // tiles.lanes, head_dim // tiles.lanes
+    load = -(-tiles.cols * head_dim // tiles.threads) + 1
+    per_unit = 1 + 2 * load + (-(-tiles.cols // tiles.threads) + 1) + 2 * (cols + 1) + head_dim * (cols + 2) + 1 \
+        + tiles.cols * (2 * dims + 3) + 1
+    fixed = 2 * (-(-tiles.rows * head_dim // tiles.threads) + 1) + 2 * (dims + 1) + 2 * head_count + 1
+    return max(1, (LOOP_ITERATIONS - fixed) // per_unit)
 
 
 def attention_forward(seq, q, k, v, out, lse, *, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
@@ -611,7 +641,19 @@ def attention_backward(seq, q, k, v, out, d_out, lse, d_q, d_k, d_v, *, batch: i
                     subgroup, tiles.tuning, *layout]
         return [head_dim, tiles.rows, tiles.cols, tiles.lanes, *flags.spec(), int(compute_dq), tiles.threads]
 
-    seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
-                 push=push(d_k, d_v), spec=spec(False))
-    seq.dispatch(kernel, [*inputs, d_q.buffer, d_q.buffer], (-(-q_len // tiles.rows), heads, batch),
-                 push=push(d_q, d_q), spec=spec(True))
+    if coopmat:
+        seq.dispatch(kernel, [*inputs, d_k.buffer, d_v.buffer], (-(-kv_len // tiles.rows), kv_heads, batch),
+                     push=push(d_k, d_v), spec=spec(False))
+        seq.dispatch(kernel, [*inputs, d_q.buffer, d_q.buffer], (-(-q_len // tiles.rows), heads, batch),
+                     push=push(d_q, d_q), spec=spec(True))
+        return
+    # Units: the streamed tiles of every query head a workgroup takes (dK/dV: the group's heads, dQ: one).
+    group = heads // kv_heads
+    for grads, rows, units, head_count, compute_dq in (((d_k, d_v), kv_len, -(-q_len // tiles.cols) * group, group,
+                                                        False),
+                                                       ((d_q, d_q), q_len, -(-kv_len // tiles.cols), 1, True)):
+        step = backward_units_per_dispatch(tiles, head_dim, head_count)
+        for unit_lo in range(0, units, step):
+            seq.dispatch(kernel, [*inputs, grads[0].buffer, grads[1].buffer],
+                         (-(-rows // tiles.rows), heads if compute_dq else kv_heads, batch),
+                         push=push(*grads) + [unit_lo, unit_lo + step, int(unit_lo > 0)], spec=spec(compute_dq))

@@ -5,10 +5,12 @@ backward skips them (no flag is raised; validate ids on the host if that matters
 ``padding_idx`` (nn.Embedding's: lookups of that row pass it no gradient).
 The backward adds into a float32 ``d_table`` (it accumulates: zero it first with ``seq.fill``),
 one invocation per column walking the tokens in order: rows sharing an id are summed in token
-order, so gradients are bit-reproducible (exact resume) and no float atomics are needed.
+order, so gradients are bit-reproducible (exact resume) and no float atomics are needed. The tokens go in
+dispatches of at most LOOP_ITERATIONS - 1, one after another, which keeps that order.
 """
 from __future__ import annotations
 
+from vkformers.engine.kernels import LOOP_ITERATIONS
 from vkformers.engine.kernels.transformer_args import (
     checked, element_groups, element_variant, fits_uint32, operand, positive)
 
@@ -42,6 +44,8 @@ def embedding_backward(seq, d_out, ids, d_table, *, count: int, dim: int, vocab:
     ids = checked(ids, "int32", count, "embedding ids")
     d_out = checked(d_out, ("float32", "float16", "bfloat16"), count * dim, "embedding d_out")
     kernel = seq.device.kernel("embedding", "backward_" + element_variant(d_out, "embedding d_out"))
-    seq.dispatch(kernel, [ids.buffer, d_table.buffer, d_out.buffer], element_groups(seq, dim),
-                 push=[count, dim, vocab, ids.offset, d_table.offset, d_out.offset,
-                       -1 if padding_idx is None else padding_idx])
+    step = LOOP_ITERATIONS - 1  # a loop of n trips costs n + 1 iterations
+    for start in range(0, count, step):
+        seq.dispatch(kernel, [ids.buffer, d_table.buffer, d_out.buffer], element_groups(seq, dim),
+                     push=[min(step, count - start), dim, vocab, ids.offset + start, d_table.offset,
+                           d_out.offset + start * dim, -1 if padding_idx is None else padding_idx])
