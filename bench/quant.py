@@ -322,7 +322,7 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
                     if o["shape"] != best["shape"] and o["us"][i] < 0.97 * best["us"][i]}
         combined_us = [own[i]["us"][i] if kinds[i] in per_kind else best["us"][i] for i in range(len(kinds))]
         sizes = product_bytes(fmt)
-        combined = sum(sizes) / sum(combined_us) * 1e-6
+        combined = sum(sizes) / sum(combined_us) * 1e-3  # bytes per microsecond -> GB/s
         print(f"  fastest over the layer: {best['shape']}: {best['layer_gbps']:.0f} GB/s, "
               f"{100 * best['layer_of_bound']:.0f}% of the bound, {sum(base['us']) / sum(best['us']):.2f}x bfloat16's "
               f"layer (the table now: {now['layer_gbps']:.0f} GB/s)")

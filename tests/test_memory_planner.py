@@ -179,8 +179,11 @@ def test_qlora_steps_are_bit_identical_and_peak_lower_than_with_exact_reuse(plan
     # layer's recomputed activations and gradients are alive at a time (~1.4 MiB at most here). The bound: the
     # logits and twice as much again, for those and what the greedy slots waste. The exact-match reuse took 4.4 MiB.
     assert report["in_place"] >= 1 and report["peak_live"] <= 1.5 * logits, report
-    assert peak <= 3 * logits, (peak, report)
-    assert peak < 0.6 * exact_peak, (peak, exact_peak)
+    # Scratch and kernel workspaces ("other") depend on the device's kernels (split-k partials, cooperative-matrix
+    # attention), not on the planner, and are the same under both planners.
+    values = peak - report["other"]
+    assert values <= 3 * logits, (peak, report)
+    assert values < 0.6 * (exact_peak - report["other"]), (peak, exact_peak, report)
 
 
 def test_a_frozen_norm_weight_gets_no_gradient_kernel():
