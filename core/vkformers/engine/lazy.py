@@ -29,7 +29,7 @@ from vkformers.engine.kernels import Operand
 from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.settings import bytes_setting, count_setting
-from vkformers.runtime.vulkan import Buffer, Device, buffer_serial_mark, get_device
+from vkformers.runtime.vulkan import Buffer, Device, allocated_bytes, buffer_serial_mark, get_device
 
 
 # ---------------------------------------------------------------- views
@@ -571,18 +571,14 @@ def _record(device: Device, order: list[Node], leaves: list[LazyBuffer], keep: s
     seq.record()
     output_slots = [(i, j) for i, n in enumerate(order) for j, o in enumerate(n.outputs) if id(o) in keep]
     own = [b for b in seq.buffers() if b.serial > mark]
-    nbytes = sum(_allocated(b) for b in own)
-    report = {"nbytes": nbytes, "inputs": sum(_allocated(b) for b in input_buffers)}
+    nbytes = sum(allocated_bytes(b.nbytes) for b in own)
+    report = {"nbytes": nbytes, "inputs": sum(allocated_bytes(b.nbytes) for b in input_buffers)}
     if memory is not None:
         report.update(memory.report())
     report["other"] = nbytes - report["inputs"] - report.get("slots", 0) - report.get("outputs", 0)
     plan = Plan(seq, node_buffers, input_buffers, output_slots, nbytes)
     plan.memory = report
     return plan
-
-
-def _allocated(buf: Buffer) -> int:
-    return max(1, -(-buf.nbytes // 4)) * 4  # whole 32-bit words, as buffer_memory() counts them
 
 
 # The memory planner: "liveness" shares buffers among the values of a plan that are never alive together, whatever
@@ -642,7 +638,7 @@ class MemoryPlan:
                     self.kept.append(out)
                     continue
                 self.values[id(out)], self.producer[id(out)] = out, n.op.name
-                size = _allocated_bytes(out)
+                size = _value_bytes(out)
                 end = last_use.get(id(out), i)
                 g = merged.get(j)
                 if g is None:
@@ -707,7 +703,7 @@ class MemoryPlan:
         roots: dict[int, Buffer] = {}
         views: dict[tuple, Buffer] = {}
         storage: dict[int, Buffer] = {}
-        for vid, value in sorted(self.values.items(), key=lambda kv: -_allocated_bytes(kv[1])):
+        for vid, value in sorted(self.values.items(), key=lambda kv: -_value_bytes(kv[1])):
             slot = self.slot_of[self.group[vid]]
             key = (slot, value.dtype.name, math.prod(value.shape))  # one buffer for a value and its in-place result
             buf = views.get(key)
@@ -745,11 +741,11 @@ class MemoryPlan:
         return {"slots": sum(self.slot_bytes), "slot_count": len(self.slot_bytes), "values": len(self.values),
                 "in_place": sum(1 for v, g in self.group.items() if v != g), "peak_live": max(live),
                 "peak_step": peak_step, "steps": self.steps, "live_at_peak": at_peak, "largest_at_peak": largest,
-                "outputs": sum(_allocated_bytes(o) for o in self.kept)}
+                "outputs": sum(_value_bytes(o) for o in self.kept)}
 
 
-def _allocated_bytes(lb: LazyBuffer) -> int:
-    return max(1, -(-math.prod(lb.shape) * lb.dtype.itemsize // 4)) * 4
+def _value_bytes(lb: LazyBuffer) -> int:
+    return allocated_bytes(math.prod(lb.shape) * lb.dtype.itemsize)
 
 
 def memory_report(plan: Plan | None = None) -> dict:

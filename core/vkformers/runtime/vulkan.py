@@ -269,6 +269,11 @@ def buffer_serial_mark() -> int:
     return next(_buffer_serials)
 
 
+def allocated_bytes(nbytes: int) -> int:
+    """The bytes a Buffer of ``nbytes`` allocates (whole 32-bit words, at least one), as buffer_memory() counts."""
+    return max(1, -(-nbytes // 4)) * 4
+
+
 def buffer_memory() -> dict:
     """Bytes held by live Buffers now and at most since the last reset_peak_buffer_memory() (all devices)."""
     return {"live_bytes": _buffer_bytes["live"], "peak_bytes": _buffer_bytes["peak"]}
@@ -301,7 +306,7 @@ class Buffer:
                 f"buffer {name!r} needs {self.nbytes:,} bytes, more than this device can bind in one buffer "
                 f"(maxStorageBufferRange {device.max_buffer_bytes:,} bytes on {device.name}); split it"
             )
-        words = max(1, -(-self.nbytes // 4))
+        words = allocated_bytes(self.nbytes) // 4
         kind = kp.TensorTypes.device if host_visible else kp.TensorTypes.storage
         self._tensor = _allocate(device, np.empty(words, dtype=np.uint32), kind, name, self.nbytes)
         self._root = None  # the Buffer owning the storage of an alias (None on that Buffer: no cycle)
@@ -320,7 +325,7 @@ class Buffer:
         Barriers see an alias and its root as one buffer; the alias keeps the storage alive."""
         root = self.root
         alias = Buffer._over(root, root.device, shape_or_count, dtype, root.name if name is None else name)
-        if alias.nbytes > -(-root.nbytes // 4) * 4:
+        if alias.nbytes > allocated_bytes(root.nbytes):
             raise ValueError(f"an alias of {alias.nbytes:,} bytes does not fit buffer {root.name!r} "
                              f"({root.nbytes:,} bytes)")
         return alias
@@ -579,7 +584,7 @@ class Sequence:
         """Allocate the storage of the scratch buffers handed out (once; every one becomes an alias of it)."""
         if not self._scratch or self._scratch[0]._tensor is not None:
             return
-        root = Buffer(self.device, max(1, max(-(-b.nbytes // 4) for b in self._scratch)), "uint32", name="scratch")
+        root = Buffer(self.device, max(allocated_bytes(b.nbytes) // 4 for b in self._scratch), "uint32", name="scratch")
         for b in self._scratch:
             b._tensor, b._root = root._tensor, root
         self._keep.append(root)
