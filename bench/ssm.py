@@ -16,10 +16,12 @@ cycled, D 1, dt_bias -4), the same in both frameworks.
 - Generation: greedy, a `--prompt`-token prompt and `--new` new tokens at batch 1 and 8, both frameworks with their
   recurrent caches (vkformers: the decode step recorded once, then replayed and chained on the GPU); `--new 0`
   leaves it out.
-Without CUDA (or with --no-torch) only vkformers runs. Each phase prints its seconds as it ends.
+Without CUDA (or with --no-torch) only vkformers runs. Each phase prints its seconds as it ends. `--profile` also
+prints vkformers' GPU time per kernel of the forward and of a training step's forward and backward (no optimizer),
+each recorded afresh with timestamps (bench/common.py's profile_gpu).
 
     python bench/ssm.py [--dtype float32|bfloat16] [--layers 48] [--hidden 2048] [--batch 4] [--seq 2048]
-                        [--steps 2] [--gradient-checkpointing]
+                        [--steps 2] [--gradient-checkpointing] [--profile]
     python bench/ssm.py --layers 1 --hidden 64 --batch 1 --seq 16 --steps 1 --new 4 --no-torch   # lavapipe
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 
 import numpy as np
 
-from common import cuda_torch, write_results
+from common import cuda_torch, profile_gpu, write_results
 
 from vkformers import no_grad
 from vkformers.engine import lazy
@@ -87,7 +89,27 @@ def random_weights(model, dtype: str, seed=0) -> dict[str, np.ndarray]:
     return weights
 
 
-def bench_vkformers(config, weights, dtype, batches, steps, prompts, new_tokens, checkpointing=False) -> dict:
+def profile_vkformers(model, ids, dtype) -> None:
+    """GPU time per kernel of the forward (logits of the last token) and of a step's forward and backward."""
+    params = [p for _, p in model.named_parameters()]
+    tokens = f"{ids.shape[0]} x {ids.shape[1]}"
+    with no_grad():
+        profile_gpu(f"{dtype} forward {tokens}", lambda: model(ids).logits[:, -1].numpy())
+
+    def train_step():
+        for p in params:
+            p.grad = None
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.item()
+    profile_gpu(f"{dtype} forward and backward {tokens}", train_step)
+    for p in params:
+        p.grad = None
+    lazy.clear_plan_cache()
+
+
+def bench_vkformers(config, weights, dtype, batches, steps, prompts, new_tokens, checkpointing=False,
+                    profile=False) -> dict:
     since = time.perf_counter()
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=True)
@@ -120,6 +142,9 @@ def bench_vkformers(config, weights, dtype, batches, steps, prompts, new_tokens,
     del trainer
     gc.collect()
     since = phase("vkformers: training", since)
+    if profile:
+        profile_vkformers(model, ids, dtype)
+        since = phase("vkformers: profile", since)
     for batch, prompt in prompts.items():
         model.generate(prompt, max_new_tokens=2)
         start = time.perf_counter()
@@ -236,6 +261,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="both frameworks recompute each layer in the backward (transformers' torch path "
                              "keeps ~1.2 GiB a layer per 2048-token row otherwise, vkformers ~0.3 GiB)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print vkformers' GPU time per kernel of the forward and of a training step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -253,7 +280,7 @@ def main(argv=None) -> int:
     results = {"config": config, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
                "gradient_checkpointing": args.gradient_checkpointing,
                "vkformers": bench_vkformers(config, weights, args.dtype, batches, args.steps, prompts, args.new,
-                                            args.gradient_checkpointing)}
+                                            args.gradient_checkpointing, args.profile)}
     gc.collect()
     lazy.clear_plan_cache()  # the plans' buffers go back before PyTorch allocates
     torch = None if args.no_torch else cuda_torch()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vkformers.engine import functional as F
+from vkformers.engine.kernels import conv as KC
 from vkformers.engine.tensor import Tensor
 
 
@@ -71,11 +72,13 @@ def test_gradients_match_finite_differences(with_history):
         np.testing.assert_allclose(tensor.grad.numpy(), expected[name], atol=2e-5, err_msg=name)
 
 
-def test_weight_gradient_of_a_long_sequence_matches_numpy():
-    """Past about 65535 / kernel steps one invocation summing a row's steps stopped short on lavapipe (llvmpipe ends
-    an invocation's loops after 65535 iterations in all): each now sums a block of steps."""
+@pytest.mark.parametrize("length", [KC.DW_SPAN - 1, KC.DW_SPAN, 2 * KC.DW_SPAN + 3, 17000])
+def test_weight_gradient_of_a_long_sequence_matches_numpy(length):
+    """Each invocation of the weight gradient sums a block of steps (KC.DW_SPAN): one block, one exactly, several
+    with a tail, and past about 65535 / kernel steps (where one invocation summing a row's steps stopped short on
+    lavapipe: llvmpipe ends an invocation's loops after 65535 iterations in all)."""
     rng = np.random.default_rng(5)
-    batch, length, channels, kernel = 2, 17000, 2, 4
+    batch, channels, kernel = 2, 2, 4
     x, w, _, h = _inputs(rng, batch, length, channels, kernel)
     g = rng.standard_normal(x.shape)
     ws = Tensor(w.astype(np.float32), requires_grad=True)

@@ -91,6 +91,8 @@ def gelu(x):
     ("views", lambda a: a.reshape(6, 4).T[1:3] * 2.0, lambda a: a.reshape(6, 4).T[1:3] * 2, [(2, 3, 4)], False),
     ("slice and index", lambda a: a[1, :, ::2] + a[0, :, 1::2], lambda a: a[1, :, ::2] + a[0, :, 1::2],
      [(2, 3, 4)], False),
+    ("strided slices of several dims", lambda a: a[1:3, ::3, 2:7:2] * 1.5, lambda a: a[1:3, ::3, 2:7:2] * 1.5,
+     [(4, 8, 9)], False),
     ("expand", lambda a: a.expand(3, 4) * 1.0, lambda a: np.broadcast_to(a, (3, 4)) * 1.0, [(1, 4)], False),
     ("cat last dim", lambda a, b: F.cat([a, b], -1), lambda a, b: np.concatenate([a, b], -1),
      [(2, 3, 4), (2, 3, 1)], False),

@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkformers.engine.function import Function, constant, reshape_lazy
-from vkformers.engine.ops.elementwise import sum_to_shape, where
-from vkformers.engine.ops.nn import gather_flat
+from vkformers.engine.ops.elementwise import cat, sum_to_shape
 
 
 class Reshape(Function):
@@ -53,16 +52,32 @@ class Slice(Function):
 
 
 def scatter_into_zeros(g, shape, spec):
-    """A tensor of ``shape``, zero except the region ``spec`` (per-dim start, stop, step) holding ``g``."""
-    # Build it with `where` over an index mask: exact and uses only existing kernels.
-    out_shape = tuple(shape)
-    region = np.zeros(out_shape, dtype=bool)
-    region[tuple(slice(a, b, s) for a, b, s in spec)] = True
-    index = np.full(out_shape, 0, dtype=np.int32)
-    index[region] = np.arange(int(region.sum()), dtype=np.int32)
-    gathered = gather_flat(g.contiguous().reshape(-1), constant(index, device=g.device))
-    zeros = constant(np.zeros(out_shape, np.float32), dtype=g.dtype, device=g.device)
-    return where(constant(region, device=g.device), gathered, zeros)
+    """A tensor of ``shape``, zero except the region ``spec`` (per-dim start, stop, step) holding ``g``: g padded
+    with zeros along each sliced dim by one concatenation (a step > 1 first interleaves zeros after each entry).
+    The zeros are one broadcast element, so no array of ``shape`` is built on the host: a slice's gradient is one
+    pass over its input's size per sliced dim."""
+    out = g
+    for dim, ((start, stop, step), size) in enumerate(zip(spec, shape)):
+        count = out.shape[dim]
+        if (start, count, step) == (0, size, 1):
+            continue
+        if step > 1 and count > 1:  # [.., count, ..] -> [.., count, step, ..] with zeros after each entry
+            spread = out.unsqueeze(dim + 1)
+            out = cat([spread, _zeros_like(spread, dim + 1, step - 1)], dim + 1)
+            out = out.reshape(*out.shape[:dim], count * step, *out.shape[dim + 2:])
+            out = out[(slice(None),) * dim + (slice(0, (count - 1) * step + 1),)]
+        after = size - start - out.shape[dim]
+        parts = ([_zeros_like(out, dim, start)] if start else []) + [out] + (
+            [_zeros_like(out, dim, after)] if after else [])
+        out = cat(parts, dim)
+    return out
+
+
+def _zeros_like(x, dim: int, size: int):
+    """Zeros of x's shape but ``size`` along ``dim``, and x's dtype: one element, broadcast."""
+    shape = list(x.shape)
+    shape[dim] = size
+    return constant(np.zeros((1,) * x.ndim, np.float32), dtype=x.dtype, device=x.device).expand(*shape)
 
 
 def getitem(t, index):
