@@ -23,10 +23,14 @@ engine/kernels/decode.py's QUANT_LAUNCH picks now ("the table"), then every laun
 split k) for the first format and of QUANT_SWEEP_SHORT for the others (--full: all of them for every format). It
 prints each shape's GB/s and share of --bandwidth-gbs per product and over the layer with its speed against
 bfloat16's layer, then per format the fastest shape over the layer and per product, and the QUANT_LAUNCH lines that
-make them the defaults (a whole QUANT_LAUNCH at the end). No shape is started after --budget seconds (200; the first
-format may take 55% of them, each other an equal share of the rest): the run stays under 5 minutes on the H200.
+make them the defaults (a whole QUANT_LAUNCH at the end). Each shape is timed after --warm-up seconds of untimed
+replays (1.0): most of a shape's wall time is the host creating its pipelines, and a GPU idle that long lowers its
+clocks (common.WARM_UP_SECONDS); bfloat16's layer is timed again at the end, and a drift of more than 5% from the
+first is reported. No shape is started after --budget seconds (300; the first format may take 55% of them, each other
+an equal share of the rest): the run stays under 7 minutes on the H200.
 
-    python bench/quant.py --sweep [--formats q4_k,q6_k] [--layers 8] [--full] [--budget 200] [--json OUT]
+    python bench/quant.py --sweep [--formats q4_k,q6_k] [--layers 8] [--full] [--budget 300] [--warm-up 1.0]
+                          [--json OUT]
 
 --qlora: instead, LoRA training steps (r 16, alpha 32, on all seven projections; AdamW, bf16 compute, gradient
 checkpointing) at --batch x --seq (4 x 512) on the 8B shape (--layers of them): the NF4 base (QLoRA) against the
@@ -54,7 +58,7 @@ import time
 
 import numpy as np
 
-from common import warm_up, write_results
+from common import WARM_UP_SECONDS, warm_up, write_results
 from llama import timed
 
 import vkformers as vkf
@@ -230,9 +234,12 @@ def product_bytes(fmt: str | None) -> list[int]:
     return [sum(size(n, k) for n in widths) for _, _, k, widths in SWEEP_PRODUCTS]
 
 
-def time_products(seq, repeats: int) -> list[float]:
-    """Median GPU seconds of each product kind (median over the layers, then over the replays)."""
+def time_products(seq, repeats: int, warm_up_seconds: float = WARM_UP_SECONDS) -> list[float]:
+    """Median GPU seconds of each product kind (median over the layers, then over the replays), after
+    ``warm_up_seconds`` of untimed replays (at least one): the GPU at its working clocks, not the idle ones it falls
+    to while the host creates the shape's pipelines."""
     seq.replay()
+    warm_up(seq.replay, warm_up_seconds)
     runs = []
     for _ in range(repeats):
         seq.replay()
@@ -248,11 +255,13 @@ def launch_table(fmt: str, default, per_kind: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: float, full: bool) -> dict:
+def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: float, full: bool,
+          warm_up_seconds: float = WARM_UP_SECONDS) -> dict:
     """Time QUANT_SWEEP_SHAPES (the first format; QUANT_SWEEP_SHORT for the others unless ``full``) on the four
     decode products, beside bfloat16's and the current table's shapes; stop starting shapes after ``budget`` seconds.
     Prints per shape and product the GB/s of weights and the share of ``bandwidth_gbs``, then per format the fastest
-    shape over the layer, the fastest per product and the QUANT_LAUNCH lines that take them."""
+    shape over the layer, the fastest per product and the QUANT_LAUNCH lines that take them. Each shape is timed after
+    ``warm_up_seconds`` of replays; bfloat16's layer is timed again at the end (a drift says the clocks moved)."""
     device = vulkan.get_device()
     started = time.perf_counter()
     names, kinds = [p[0] for p in SWEEP_PRODUCTS], sweep_kinds()
@@ -266,7 +275,7 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
 
     def run(fmt, shape, launch, weights):
         seq = record_products(device, fmt, weights, launch)
-        times = time_products(seq, repeats)
+        times = time_products(seq, repeats, warm_up_seconds)
         del seq
         sizes = product_bytes(fmt)
         gbps = [n / t * 1e-9 for n, t in zip(sizes, times)]
@@ -337,6 +346,12 @@ def sweep(formats, layers: int, repeats: int, bandwidth_gbs: float, budget: floa
         results["formats"][fmt] = {"table": now, "runs": runs, "best": best["shape"], "per_kind": per_kind,
                                    "combined_gbps": combined, "combined_of_bound": combined / bandwidth_gbs,
                                    "combined_vs_bf16": sum(base["us"]) / sum(combined_us)}
+    again = run(None, None, None, sweep_weights(device, None, layers))
+    results["bfloat16_at_end"] = again
+    drift = again["layer_gbps"] / base["layer_gbps"] - 1.0
+    print(f"bfloat16 again at the end: {again['layer_gbps']:.0f} GB/s, {100 * drift:+.1f}% from the first"
+          + (" (more than 5%: the clocks moved during the sweep, its figures do not compare)" if abs(drift) > 0.05
+             else ""), flush=True)
     if table:
         print("QUANT_LAUNCH = {\n" + "\n".join(launch_table(f, d, k) for f, (d, k) in table.items()) + "\n}")
     print(f"sweep time: {time.perf_counter() - started:.0f} s", flush=True)
@@ -532,7 +547,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--sweep", action="store_true", help="time the fused decode products' launch shapes instead")
     parser.add_argument("--repeats", type=int, default=5, help="--sweep: replays per shape")
-    parser.add_argument("--budget", type=float, default=200.0,
+    parser.add_argument("--warm-up", type=float, default=WARM_UP_SECONDS,
+                        help="--sweep: seconds of untimed replays before each shape's timing")
+    parser.add_argument("--budget", type=float, default=300.0,
                         help="--sweep: seconds after which no further shape is started (the first format may take "
                              "55%% of them, the others share the rest)")
     parser.add_argument("--full", action="store_true",
@@ -573,7 +590,7 @@ def main(argv=None) -> int:
             SWEEP_PRODUCTS = decode_products(512, 1536, 4, 2)
         formats = [f for f in (args.formats or SWEEP_FORMATS).split(",") if f]
         write_results(args.json, sweep(formats, args.layers or 8, args.repeats, args.bandwidth_gbs, args.budget,
-                                       args.full))
+                                       args.full, args.warm_up))
         return 0
     args.formats = args.formats or "q4_k,q8_0"
     args.layers = args.layers or LLAMA3_8B["num_hidden_layers"]

@@ -639,6 +639,34 @@ def test_fused_decode_with_quantized_weights(device, fmt, quant_launch, monkeypa
     assert not caches[0][:, :, :start].any() and not caches[1][:, :, start + 1:].any()
 
 
+@pytest.mark.parametrize("fmt", ("q4_0", "q4_1", "q8_0"))
+def test_fused_decode_odd_units_and_half_word_rows(device, fmt, quant_launch, monkeypatch):
+    """Blocks of 32 weights at k = 73 units: every other row of Q4_0 (18 bytes a block) and Q8_0 (34) starts 2 bytes
+    into a word, the lanes' last step is part empty, and a launch of units side by side takes them one by one (73 is
+    odd). The plain product (norm, bias, residual) and the gated one, within TOLERANCE of float64 on the dequantized
+    weights."""
+    monkeypatch.setattr(fused_ops, "enabled", True)
+    k = 32 * 73
+    rng = np.random.default_rng(41)
+
+    def weight(n, seed):
+        packed = random_blocks(fmt, n, k, seed=seed)
+        return QuantizedTensor.upload(QuantizedArray(packed, fmt, (n, k))), reference_weights(packed, fmt, n, k)
+
+    (wt, w), (gate_t, gate), (up_t, up) = weight(21, 42), weight(10, 43), weight(10, 44)
+    # float32 values, their references in float64
+    x, g, b, r = (rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+                  for shape in ((2, 1, k), (k,), (21,), (2, 1, 21)))
+    gs = (0.05 * rng.standard_normal(k)).astype(np.float32).astype(np.float64)  # gate values of order 1
+    t = lambda a: Tensor(a.astype(np.float32))  # noqa: E731
+    with vkf.no_grad():
+        got = fused_ops.fused_linear(t(x), wt, norm=fused_ops.FusedNorm(t(g), 1e-5), bias=t(b), residual=t(r)).numpy()
+        gated = fused_ops.fused_gated(t(x), gate_t, up_t, norm=fused_ops.FusedNorm(t(gs), 1e-6)).numpy()
+    assert relative_error(got.astype(np.float64), r + rms(x, g, 1e-5) @ w.T + b) < TOLERANCE
+    h = rms(x, gs, 1e-6)
+    want = h @ gate.T / (1 + np.exp(-(h @ gate.T))) * (h @ up.T)
+    assert relative_error(gated.astype(np.float64), want) < TOLERANCE
+
 def test_quant_launch_table(monkeypatch):
     """QUANT_LAUNCH: a (format, kind) line over the format's, the format's over the default; down_proj's shape (k at
     least twice the width) is its own kind."""

@@ -126,10 +126,20 @@ layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
 layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
 uint quant_source;  // the weight quant_unit reads (uniform over a subgroup)
 uint format_of(uint which) { return which == 0u ? FORMAT0 : (which == 1u ? FORMAT1 : FORMAT2); }
-// quant_block.glsl's functions take the format of the weight being read: a constant when all three agree.
-#define FORMAT format_of(quant_source)
-uint quant_word(uint i) { return quant_source == 0u ? w0_words[i] : (quant_source == 1u ? w1_words[i] : w2_words[i]); }
-uvec4 quant_vec(uint i) { return quant_source == 0u ? w0[i] : (quant_source == 1u ? w1[i] : w2[i]); }
+// quant_block.glsl's functions take the format of the weight being read. When all three agree (every product but a
+// Q4_K_M file's q/k/v) it is the specialization constant itself, so that each format's pipeline holds its own
+// decoding alone whatever the compiler makes of quant_source; else the weight's, a uniform choice.
+const bool ONE_FORMAT = FORMAT0 == FORMAT1 && FORMAT0 == FORMAT2;
+#define FORMAT (ONE_FORMAT ? FORMAT0 : format_of(quant_source))
+// W1 and W2 only where the mode reads them (a plain product reads W0 alone).
+uint quant_word(uint i) {
+    if (MODE == MODE_PLAIN) return w0_words[i];
+    return quant_source == 0u ? w0_words[i] : (quant_source == 1u ? w1_words[i] : w2_words[i]);
+}
+uvec4 quant_vec(uint i) {
+    if (MODE == MODE_PLAIN) return w0[i];
+    return quant_source == 0u ? w0[i] : (quant_source == 1u ? w1[i] : w2[i]);
+}
 #define QUANT_WORD(i) quant_word(i)
 #define QUANT_VEC(i) quant_vec(i)
 #define QUANT_PACKED_VECTORS
@@ -305,6 +315,8 @@ QuantRaw quant_fetch_of(uint which, uint block, uint u, bool with_scales) {
 // once (the lead format's: the first column's) for all columns and rows.
 Pair prs[PAIRS_PER_SUBGROUP];
 uint source[QUANT_COLS], row_at[QUANT_COLS];
+// source[c] as a constant but in MODE_QKV (W0 for plain products, gate and up in turn for gated ones).
+uint source_of(uint c) { return MODE == MODE_PLAIN ? 0u : (MODE == MODE_GATED ? c & 1u : source[c]); }
 void quant_pairs_product(uint first, uint pairs) {
     [[unroll]] for (uint i = 0u; i < PAIRS_PER_SUBGROUP; ++i) {
         prs[i] = pair_of(min(first + i, pairs - 1u));
@@ -317,7 +329,7 @@ void quant_pairs_product(uint first, uint pairs) {
     const uint units = k / 32u, lane = gl_SubgroupInvocationID;
     const uint lanes = SPLIT_K != 0 ? gl_NumSubgroups * gl_SubgroupSize : gl_SubgroupSize;
     const uint me = SPLIT_K != 0 ? gl_SubgroupID * gl_SubgroupSize + lane : lane;
-    quant_source = source[0];
+    quant_source = source_of(0u);
     const uint lead = FORMAT;
     float acc[QUANT_COLS * ROWS], squares[ROWS];
     [[unroll]] for (uint i = 0u; i < QUANT_COLS * ROWS; ++i) acc[i] = 0.0;
@@ -332,10 +344,10 @@ void quant_pairs_product(uint first, uint pairs) {
             [[unroll]] for (uint v = 0u; v < ADJACENT; ++v) {
                 const uint t = item * ADJACENT + v;
                 [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
-                    quant_source = source[c];
+                    quant_source = source_of(c);
                     const uint per_block = quant_block_size() / 32u;
                     raw[(i * ADJACENT + v) * QUANT_COLS + c] = quant_fetch_of(
-                        source[c], row_at[c] + t / per_block * quant_block_bytes(), t % per_block,
+                        source_of(c), row_at[c] + t / per_block * quant_block_bytes(), t % per_block,
                         v == 0u || per_block == 1u || !quant_pair_shares_scales());
                 }
             }
@@ -351,7 +363,7 @@ void quant_pairs_product(uint first, uint pairs) {
             // another format than the lead) the sums of their own x
             float part[QUANT_COLS * ROWS * 4u], own_sum[QUANT_COLS * ROWS * 4u], x_sum[ROWS * 4u], unit_sq[ROWS];
             [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
-                quant_source = source[c];
+                quant_source = source_of(c);
                 const uint per_block = quant_block_size() / 32u;
                 unit_of[c] = t % per_block;
                 block_at[c] = row_at[c] + t / per_block * quant_block_bytes();
@@ -362,7 +374,7 @@ void quant_pairs_product(uint first, uint pairs) {
             [[unroll]] for (uint j = 0u; j < ROWS * 4u; ++j) x_sum[j] = 0.0;
             [[unroll]] for (uint r = 0u; r < ROWS; ++r) unit_sq[r] = 0.0;
             [[unroll]] for (uint o = 0u; o < 4u; ++o) {
-                quant_source = source[0];
+                quant_source = source_of(0u);
                 const uint e = t / (quant_block_size() / 32u) * quant_block_size() + quant_octet_start(unit_of[0], o);
                 const uint run = o * quant_runs() / 4u;
                 vec4 g_lo, g_hi, x_lo[ROWS], x_hi[ROWS];
@@ -376,7 +388,7 @@ void quant_pairs_product(uint first, uint pairs) {
                     x_sum[r * 4u + run] += sum8(x_lo[r], x_hi[r]);
                 }
                 [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
-                    quant_source = source[c];
+                    quant_source = source_of(c);
                     vec4 q_lo, q_hi;
                     quant_raw_octet(raw[n * QUANT_COLS + c], block_at[c], unit_of[c], o, q_lo, q_hi);
                     const uint at = c * ROWS * 4u + o * quant_runs() / 4u;
@@ -399,7 +411,7 @@ void quant_pairs_product(uint first, uint pairs) {
                 }
             }
             [[unroll]] for (uint c = 0u; c < QUANT_COLS; ++c) {
-                quant_source = source[c];
+                quant_source = source_of(c);
                 const bool own = FORMAT != lead;
                 const uint runs = quant_runs();
                 [[unroll]] for (uint r = 0u; r < ROWS; ++r) {
