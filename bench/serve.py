@@ -287,6 +287,8 @@ def main(argv=None) -> int:
               f"{result['ttft_ms_p50']:7.1f} ms p95 {result['ttft_ms_p95']:7.1f} ms p99 {result['ttft_ms_p99']:7.1f} "
               f"ms, ITL p50 {result['itl_ms_p50']:6.1f}"
               f" ms p99 {result['itl_ms_p99']:6.1f} ms, {result['failed']} failed of {result['requests']}", flush=True)
+        if result["failed"]:
+            print(f"     first error: {result['first_error']}", flush=True)
     if args.soak:
         per_thread = -(-args.soak // args.soak_threads)
         run_load(port, vocab, args.soak_threads, per_thread, (8, 16), (4, 8), seed=1)  # warm-up at that load

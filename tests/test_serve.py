@@ -126,6 +126,36 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     assert scheduler.error is None
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_rebuild_of_many_rows_prefills_in_chunks_of_bounded_tokens(tiny, paged, monkeypatch):
+    """Eight prompts arriving together are prefilled as one batch in chunks of at most PREFILL_TOKENS tokens (rows x
+    columns: 8 x 4 here) and only the last position's logits; their outputs are those of generate alone."""
+    monkeypatch.setattr(batching, "PREFILL_TOKENS", 32)
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=5, temperature=0)) for p in PROMPTS]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=8, **({"kv_blocks": 64} if paged else {}))
+    model, shapes = scheduler.model, []
+    prefill = model.prefill
+
+    def counted(ids, mask, positions, cache):
+        shapes.append(ids.shape)
+        logits = prefill(ids, mask, positions, cache)
+        assert logits.shape == (ids.shape[0], model.config["vocab_size"])
+        return logits
+    monkeypatch.setattr(model, "prefill", counted, raising=False)
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in jobs]
+    scheduler.start()
+    try:
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and scheduler.metrics.errors == 0
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    longest = max(len(ids) for ids, _ in jobs)
+    assert len(shapes) >= -(-longest // 4) and all(rows * columns <= 32 for rows, columns in shapes)
+
+
 @pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])
 def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket, chunk, monkeypatch):
     """Three short prompts decode in a batch of four rows; a prompt longer than the batch's columns takes the free

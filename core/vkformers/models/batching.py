@@ -5,12 +5,12 @@ finished or cancelled ones leave, then one decode step runs for every row at onc
 :class:`KVCache` as a left-padded batch, as ``generate`` runs one: every row writes its next token at the same
 column and the cache's padding mask hides the columns before each row's first token. Requests join in one of
 two ways. Into free rows (left by finished requests, or fillers): their prompts are prefilled apart, in a small
-cache (PREFILL_CHUNK tokens a turn, the running batch decoding a step between two chunks), and their keys and
-values moved into those rows so as to end at the batch's current column
+cache (PREFILL_CHUNK columns a turn, at most PREFILL_TOKENS tokens, the running batch decoding a step between two
+chunks), and their keys and values moved into those rows so as to end at the batch's current column
 (``KVCache.place_row``); the running rows lose no work (a prompt longer than the batch's columns so far first
 moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
-batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together into
-a cache of a recorded size (rows rounded up to a power of two, so that the decode step replays one of a few
+batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together (in
+chunks of at most PREFILL_TOKENS tokens) into a cache of a recorded size (rows rounded up to a power of two, so that the decode step replays one of a few
 captured plans, models/decode_capture.py). A request that left stays as a masked row until a newcomer takes it.
 Each request chooses
 its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
@@ -72,14 +72,17 @@ CACHE_GROWTH = 256
 # Tokens of joining prompts prefilled per turn, a decode step of the running batch between two such chunks, so that
 # a long prompt does not stall the other streams for its whole prefill.
 PREFILL_CHUNK = 512
+# At most this many tokens (rows x columns, padding included) in one prefill: a rebuild of many rows, or many
+# joining prompts, runs in chunks of fewer columns, so that a chunk's activations stay bounded and within what one
+# buffer may hold.
+PREFILL_TOKENS = 8192
 COLUMN_LIMIT = 2
 COLUMN_ROUNDING = CACHE_ROUNDING
-# A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes, and the
-# float32 logits of a PREFILL_CHUNK-token prefill of every row, up to ACTIVATION_RESERVE_MAX of the heap) beside the
-# weights for the forward's activations and recorded plans: an estimate, --kv-cache-tokens sets the pool exactly.
+# A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes) beside
+# the weights for the activations of a PREFILL_TOKENS-token prefill and the recorded plans: an estimate,
+# --kv-cache-tokens sets the pool exactly.
 ACTIVATION_RESERVE = 0.05
 ACTIVATION_RESERVE_MIN = 256 << 20
-ACTIVATION_RESERVE_MAX = 0.25
 
 
 @dataclass
@@ -316,9 +319,7 @@ class BatchScheduler:
         allowed = fraction * heap["size"] - buffer_memory()["live_bytes"]
         if heap["budget"]:  # the driver's budget for this process: other processes' memory counted
             allowed = min(allowed, heap["budget"] - heap["usage"])
-        logits = self.max_batch * PREFILL_CHUNK * self._probe_logits.shape[-1] * 4  # a prefill's [rows, T, vocab]
-        allowed -= max(ACTIVATION_RESERVE * heap["size"], ACTIVATION_RESERVE_MIN,
-                       min(logits, ACTIVATION_RESERVE_MAX * heap["size"]))
+        allowed -= max(ACTIVATION_RESERVE * heap["size"], ACTIVATION_RESERVE_MIN)
         dtype = self._dtype()
         per_block = block_bytes(layers, kv_heads, head_dim, self.page_size, dtype)
         per_layer_block = kv_heads * self.page_size * head_dim * dtype.itemsize
@@ -692,8 +693,13 @@ class BatchScheduler:
         cache, capture = self._cache(rows, length + min(remaining, CACHE_GROWTH))
         self._take_prefix(cache, layout, len(live))
         positions = self.model.generation_positions(mask, ids, length)
-        start = layout.start
-        logits = self.model.prefill(ids[:, start:], mask, positions[:, start:], cache)
+        start, columns = layout.start, self._chunk_columns(rows, length - layout.start)
+        while True:  # in chunks of at most PREFILL_TOKENS tokens; the last chunk's logits choose the next tokens
+            end = min(start + columns, length)
+            logits = self.model.prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
+            start = end
+            if end == length:
+                break
         self._register_prefix(cache, layout, len(live))
         self._state = (cache, capture, ids, mask, length)
         self._rows = live + [None] * (rows - len(live))
@@ -723,11 +729,11 @@ class BatchScheduler:
         self._prefilling = _Prefill(joining, layout, positions, cache, layout.start)
 
     def _prefill_chunk(self) -> None:
-        """The next PREFILL_CHUNK tokens of the joining prompts; after the last, they join (_place)."""
+        """The next chunk of the joining prompts (_chunk_columns); after the last, they join (_place)."""
         job = self._prefilling
         ids, mask = job.layout.ids, job.layout.mask
         start, width = job.done, ids.shape[1]
-        end = min(start + max(PREFILL_CHUNK, 1), width)
+        end = min(start + self._chunk_columns(ids.shape[0], width - start), width)
         logits = self.model.prefill(ids[:, start:end], mask[:, :end], job.positions[:, start:end], job.cache)
         job.done = end
         self.metrics.prefill_chunks += 1
@@ -735,6 +741,15 @@ class BatchScheduler:
             self._prefilling = None
             self._register_prefix(job.cache, job.layout, len(job.requests))
             self._place(job.requests, ids, job.cache, logits)
+
+    @staticmethod
+    def _chunk_columns(rows: int, columns: int) -> int:
+        """Columns of a prefill chunk of ``rows`` rows: at most PREFILL_CHUNK, and at most PREFILL_TOKENS tokens in
+        all (a multiple of 16 columns where that leaves any); never fewer than one."""
+        width = min(max(PREFILL_CHUNK, 1), max(PREFILL_TOKENS // rows, 1))
+        if width > 16:
+            width -= width % 16
+        return min(width, columns) if columns > 0 else width
 
     def _layout(self, requests: list[Request], rows: int) -> _Layout:
         """The requests' tokens so far (prompt and generated) as ``rows`` rows (filler rows: one pad token).

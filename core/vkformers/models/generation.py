@@ -44,6 +44,9 @@ CHAIN_STEPS: int | None = None
 
 
 class GenerationMixin:
+    # whether forward takes ``logits_to_keep`` (kept_positions): prefills then compute only the logits they read
+    accepts_logits_to_keep = False
+
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
                  eos_token_id=None, attention_mask=None, streamer=None, pad_token_id: int | None = None):
@@ -127,7 +130,9 @@ class GenerationMixin:
                     decode.forget()
                     cache.reset()
                     positions = self.generation_positions(mask, tokens, length)
-                    logits = _last_logits(self(tokens, attention_mask=mask, position_ids=positions, cache=cache))
+                    keep = {"logits_to_keep": 1} if self.accepts_logits_to_keep else {}
+                    logits = _last_logits(self(tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                                               **keep))
                     continue
                 # int32 arrays the model turns into its input tensors as they are: a captured step finds them
                 step_ids = next_tokens[:, None].astype(np.int32)
@@ -212,8 +217,9 @@ class GenerationMixin:
         ``padded`` (>= the prompt's length, or None): the prompt runs padded on the right to that length
         (repeating its last token), its last real token's logits are picked on the GPU by an input (so prompts
         of every length up to ``padded`` share one plan), and the cache forgets the padding."""
+        keep = {"logits_to_keep": 1} if self.accepts_logits_to_keep else {}
         if capture is None:
-            return _last_logits(self(ids, attention_mask=mask, position_ids=positions, cache=cache))
+            return _last_logits(self(ids, attention_mask=mask, position_ids=positions, cache=cache, **keep))
         # int32 arrays the model turns into its input tensors as they are: the capture finds them in the plan
         ids, positions = ids.astype(np.int32), positions.astype(np.int32)
         batch, length = ids.shape
@@ -229,9 +235,12 @@ class GenerationMixin:
             if logits is not None:
                 cache.rewind(extra)
                 return logits
+        if rows is not None and self.accepts_logits_to_keep:
+            keep = {"logits_to_keep": Tensor(rows)}
         with lazy.capture() as seen:
-            out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
-            last = _last_position(out) if rows is None else _positions_logits(out, rows)
+            out = self(ids, attention_mask=mask, position_ids=positions, cache=cache, **keep)
+            picked = rows is None or self.accepts_logits_to_keep
+            last = _last_position(out) if picked else _positions_logits(out, rows)
             del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
             logits = to_scores(last.numpy())
         capture.observe(seen.runs, ids, positions, last, rows)
@@ -326,6 +335,19 @@ def _pad_id(model, pad_token_id, eos: list[int]) -> int:
 
 
 # ---------------------------------------------------------------- logits processing (host, numpy)
+
+def kept_positions(x, logits_to_keep):
+    """The positions of the hidden states ``x`` [B, T, H] that a causal LM's head turns into logits, as
+    transformers' ``logits_to_keep``: 0 all, an int k the last k ([B, k, H]); or an int32 Tensor [B] of one
+    flat position b * T + t per row ([B, 1, H]: a captured prefill's last real token, rewritten per replay). A
+    prefill reads one position's logits: the head's product and its [B, T, vocab] buffer shrink T-fold."""
+    if isinstance(logits_to_keep, Tensor):
+        batch, length, hidden = x.shape
+        return F.embedding(logits_to_keep, x.reshape(batch * length, hidden)).reshape(batch, 1, hidden)
+    if not logits_to_keep or logits_to_keep >= x.shape[1]:
+        return x
+    return x[:, x.shape[1] - logits_to_keep:]
+
 
 def _last_position(out):
     """The last position's logits [batch, vocab] as a tensor, sliced on the GPU so only those are read back."""

@@ -18,8 +18,9 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
+from vkformers.errors import VkformersError
 from vkformers.models.decoder import DecoderForCausalLM
-from vkformers.models.generation import GenerationMixin
+from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
@@ -63,6 +64,7 @@ class MambaForCausalLM(Module, GenerationMixin):
     max_position_embeddings = 1 << 30  # no position table: generate may capture decode steps at any length
     # no keys or values: its states ride per row on a KVCache of no key/value layers (generate's, a server's batch)
     attention_free = True
+    accepts_logits_to_keep = True
 
     def __init__(self, config: dict, architecture):
         super().__init__()
@@ -88,7 +90,7 @@ class MambaForCausalLM(Module, GenerationMixin):
     def input_limits(self) -> InputLimits:
         return InputLimits(vocab_size=self.spec.vocab_size)
 
-    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None):
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None, logits_to_keep=0):
         ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, dtype=np.int32))
         if ids.dtype is not dt.int32:
             ids = ids.cast(dt.int32)
@@ -105,12 +107,15 @@ class MambaForCausalLM(Module, GenerationMixin):
         states = CacheStates(cache) if cache is not None else None
         for index, layer in enumerate(self.backbone.layers):
             x = self.call_layer(layer, x, keep, states, index)
+        x = kept_positions(x, logits_to_keep)
         norm_f = self.backbone.norm_f
         if x.dtype is norm_f.weight.dtype:
             x = norm_f(x)
         else:  # a float32 residual stream: normalised in float32 (the weight widened), then rounded for lm_head
             x = F.rms_norm(x, None, eps=norm_f.eps) * norm_f.weight.float()
         logits = self.lm_head(x.cast(self.lm_head.weight.dtype))
+        if labels is not None and logits.shape[1] != length:
+            raise VkformersError("labels need the logits of every position: leave logits_to_keep at 0")
         if cache is not None:
             cache.advance(length)
         loss = self.loss(logits, labels) if labels is not None else None

@@ -23,7 +23,7 @@ from vkformers.models.decoder.layer import Context, DecoderLayer, fused_norm
 from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import DecoderSpec, NormSpec, alibi_slopes, mpt_alibi_slopes, sinusoidal_table
 from vkformers.models.cache import EncoderDecoderCache
-from vkformers.models.generation import GenerationMixin
+from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
 from vkformers.models.loading import CausalLMOutput
@@ -94,6 +94,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
     # layers keeping per-row recurrent state (ROW_STATES of models/cache.py) though the spec has no linear_attention
     # (a plugin's composed layers): their step replays as the linear layers' does (capture_decode_with_row_states)
     keeps_row_states = False
+    accepts_logits_to_keep = True
 
     @staticmethod
     def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:
@@ -273,7 +274,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         return Tensor(scale.astype(np.float32)[:, None, :, None])
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None,
-                encoder_hidden_states=None, encoder_attention_mask=None):
+                encoder_hidden_states=None, encoder_attention_mask=None, logits_to_keep=0):
         s = self.spec
         length = np.shape(input_ids)[-1] if not isinstance(input_ids, Tensor) else input_ids.shape[-1]
         if encoder_hidden_states is not None and s.cross_attention is None:
@@ -283,7 +284,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         x = self.residual_stream(input_ids, attention_mask, position_ids, cache, encoder=encoder)
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
         if logits is None:
-            x = self.final_hidden_states(x)
+            x = self.final_hidden_states(kept_positions(x, logits_to_keep))
             if self.head_dense is not None:
                 x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
             logits = self.lm_head(x)
@@ -293,6 +294,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
             logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
         if cache is not None:
             cache.advance(length)
+        if labels is not None and logits.shape[1] != length:
+            raise VkformersError("labels need the logits of every position: leave logits_to_keep at 0")
         loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss)
 
