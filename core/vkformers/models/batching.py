@@ -10,11 +10,11 @@ chunks), and their keys and values moved into those rows so as to end at the bat
 (``KVCache.place_row``); the running rows lose no work (a prompt longer than the batch's columns so far first
 moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
 batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together (in
-chunks of at most PREFILL_TOKENS tokens) into a cache of a recorded size (rows rounded up to a power of two, so that the decode step replays one of a few
-captured plans, models/decode_capture.py). A request that left stays as a masked row until a newcomer takes it.
-Each request chooses
-its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or temperature and
-top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
+chunks of at most PREFILL_TOKENS tokens) into a cache of a recorded size (rows rounded up to a power of two, so
+that the decode step replays one of a few captured plans, models/decode_capture.py). A request that left stays as a
+masked row until a newcomer takes it. Each request chooses its tokens on the host from its row's logits as
+``generate`` does for a batch of one (greedy, or temperature and top-p with its own seeded generator), so its tokens
+are those ``model.generate`` gives it alone.
 
 Paged (``kv_blocks``): the caches take their keys and values from one BlockPool of that many blocks
 (models/paged_cache.py), so memory follows the tokens held: a row takes blocks as its tokens come, a padding-only
