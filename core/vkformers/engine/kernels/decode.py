@@ -66,7 +66,9 @@ def supported(x: Operand, weights, k: int, rows: int, norm_weight: Operand | Non
 # "plain", and "plain_long" for a plain product whose k is at least twice its width, as down_proj). The most specific
 # key wins; a format not listed takes QUANT_LAUNCH_DEFAULT. ``bench/quant.py --sweep`` times QUANT_SWEEP_SHAPES on
 # the H200 at the Llama-3-8B shape and prints the lines to put here.
-QUANT_LAUNCH = {"q4_k": (4, 1, 2, 1), "q5_k": (1, 1, 2, 0, 2), ("q5_k", "gated"): (4, 1, 2, 0), "q6_k": (2, 1, 2, 1),
+QUANT_LAUNCH = {"q4_k": (2, 1, 2, 1), ("q4_k", "plain"): (1, 1, 2, 0, 2), ("q4_k", "gated"): (4, 1, 4, 0),
+                ("q4_k", "plain_long"): (1, 1, 2, 0, 2),
+                "q5_k": (1, 1, 2, 0, 2), ("q5_k", "gated"): (4, 1, 2, 0), "q6_k": (2, 1, 2, 1),
                 "q8_0": (4, 1, 2, 1), "q4_0": (1, 2, 2, 0)}
 QUANT_LAUNCH_DEFAULT = (4, 1, 2, 1)
 # The launch shapes bench/quant.py --sweep times for the first format, the likeliest first (the tests run each of them
