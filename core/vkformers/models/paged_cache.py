@@ -254,17 +254,18 @@ class PagedKVCache(KVCache):
     def _reserve(self, end: int, rows=None) -> None:
         """Blocks for the live rows' columns up to ``end`` and LOOKAHEAD more; blocks wholly masked stay scratch."""
         ahead = -(-min(end + self.lookahead, self.max_len) // self.page_size)
-        for row in range(self.batch) if rows is None else rows:
-            if self.dead[row]:
-                continue
-            for block in range(ahead):
-                if self.held[row, block]:
-                    continue
-                first, last = block * self.page_size, (block + 1) * self.page_size
-                if last <= end and not self.mask[row, first:last].any():
-                    continue  # padding only: scratch
-                self.tables[row, block] = self.pool.allocate()
-                self.held[row, block] = True
+        picked = slice(None) if rows is None else np.asarray(rows, np.int64)
+        need = ~self.held[picked, :ahead]
+        need[self.dead[picked]] = False
+        full = min(end // self.page_size, ahead)  # blocks wholly before ``end``: padding only stays scratch
+        if full:
+            size = self.page_size
+            need[:, :full] &= self.mask[picked, :full * size].reshape(-1, full, size).any(axis=2)
+        order = np.arange(self.batch) if rows is None else picked
+        for index, block in zip(*np.nonzero(need)):  # row by row, in ``rows`` order: as the pool hands them out
+            row = order[index]
+            self.tables[row, block] = self.pool.allocate()
+            self.held[row, block] = True
 
     def step_arrays(self, new: int, key_padding_mask=None):
         """KVCache.step_arrays with the step tensor ``[start, end, tables]`` in place of the bounds; takes the
