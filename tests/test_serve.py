@@ -138,9 +138,9 @@ def test_a_rebuild_of_many_rows_prefills_in_chunks_of_bounded_tokens(tiny, paged
     model, shapes = scheduler.model, []
     prefill = model.prefill
 
-    def counted(ids, mask, positions, cache):
+    def counted(ids, mask, positions, cache, capture=None):
         shapes.append(ids.shape)
-        logits = prefill(ids, mask, positions, cache)
+        logits = prefill(ids, mask, positions, cache, capture)
         assert logits.shape == (ids.shape[0], model.config["vocab_size"])
         return logits
     monkeypatch.setattr(model, "prefill", counted, raising=False)
@@ -154,6 +154,29 @@ def test_a_rebuild_of_many_rows_prefills_in_chunks_of_bounded_tokens(tiny, paged
     assert [r.generated for r in requests] == [e.tolist() for e in expected]
     longest = max(len(ids) for ids, _ in jobs)
     assert len(shapes) >= -(-longest // 4) and all(rows * columns <= 32 for rows, columns in shapes)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefills_of_one_shape_replay_their_recorded_plan(tiny, paged, monkeypatch):
+    """Prompts of different lengths laid out at one width (a bucket of 16 columns, as a GPU rounds them to 64),
+    each prefilled in two chunks of 8 columns: the first two prompts record and confirm each chunk's plan, every
+    later one replays both (no Python forward); outputs stay those of generate alone."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    prompts = [tokens[-n:] for n in (9, 12, 10, 14, 11)]
+    jobs = [(ids, SamplingParams(max_tokens=4, temperature=0)) for ids in prompts]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, **({"kv_blocks": 64} if paged else {})).start()
+    try:
+        outputs = [run_staggered(scheduler, [job])[0].generated for job in jobs]  # one after another
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and outputs == [e.tolist() for e in expected]
+    metrics = scheduler.metrics
+    assert metrics.rebuilds == len(jobs) and metrics.prefills == 2 * len(jobs)
+    assert metrics.prefill_replays == 2 * (len(jobs) - 2)
 
 
 @pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])

@@ -168,6 +168,7 @@ class PagedKVCache(KVCache):
         self.lookahead = LOOKAHEAD
         self._step = None
         self.step_hosts = (None, None)
+        self.gather_host = None  # the last chunked prefill's tables input: a recorded prefill rewrites it
         self._own_fields = frozenset(self.__dict__) | {"_own_fields"}
 
     @property
@@ -311,10 +312,20 @@ class PagedKVCache(KVCache):
         """Blocks a row of ``tokens`` tokens takes (with LOOKAHEAD), at most."""
         return -(-min(tokens + self.lookahead, self.max_len) // self.page_size)
 
+    def gather_tables(self, blocks: int) -> np.ndarray:
+        """The rows' first ``blocks`` table entries as int32 [batch, blocks]: what a chunked prefill's gathers read."""
+        return self.tables[:, :blocks].astype(np.int32)
+
     def _gather(self, pool: Tensor, end: int) -> Tensor:
-        """[batch, kv_heads, end, head_dim]: each row's first ``end`` tokens, read through its block table."""
+        """[batch, kv_heads, end, head_dim]: each row's first ``end`` tokens, read through its block table (one
+        tables input per forward, shared by its layers, which a recorded prefill rewrites)."""
         blocks = -(-end // self.page_size)
-        ids = tensor(self.tables[:, :blocks].astype(np.int32), dtype=dt.int32, device=self.device)
+        shared = self._step[3] if self._step is not None else None  # within a forward (not place_row's copy)
+        ids = shared.get(("tables", blocks)) if shared is not None else None
+        if ids is None:
+            ids = tensor(self.gather_tables(blocks), dtype=dt.int32, device=self.device)
+            if shared is not None:  # the forward's layers share one input
+                shared[("tables", blocks)], self.gather_host = ids, ids.lazy.base.host
         rows = F.embedding(ids, pool.reshape(self.pool.blocks, -1))  # [batch, blocks, kv_heads * page * dim]
         rows = rows.reshape(self.batch, blocks, self.kv_heads, self.page_size, self.head_dim).permute(0, 2, 1, 3, 4)
         return rows.contiguous().reshape(self.batch, self.kv_heads, blocks * self.page_size, self.head_dim)[:, :, :end]
