@@ -179,6 +179,27 @@ def test_prefills_of_one_shape_replay_their_recorded_plan(tiny, paged, monkeypat
     assert metrics.prefill_replays == 2 * (len(jobs) - 2)
 
 
+def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monkeypatch):
+    """Prompts of four widths, each twice (its prefill plan recorded and confirmed): PREFILL_PLANS 2 keeps the two
+    used last, the others forgotten (their plans free to go); outputs stay generate's."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 8)
+    monkeypatch.setattr(batching, "PREFILL_PLANS", 2)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    prompts = [tokens[:n] for n in (5, 13, 21, 29) for _ in range(2)]
+    scheduler = scheduler_on(path, tokenizer, max_batch=2).start()
+    try:
+        outputs = [run_staggered(scheduler, [(ids, SamplingParams(max_tokens=2, temperature=0))])[0].generated
+                   for ids in prompts]
+        assert len(scheduler._prefill_captures) == 2
+        assert all(capture.ready for capture, _ in scheduler._prefill_captures.values())
+        assert sorted(key[2] for key in scheduler._prefill_captures) == [24, 32]  # the columns of the last two
+    finally:
+        scheduler.close()
+    assert outputs == [reference_tokens(reference, ids, 2).tolist() for ids in prompts]
+    assert scheduler.metrics.prefills == 8 and scheduler.metrics.prefill_replays == 0
+
+
 @pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])
 def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket, chunk, monkeypatch):
     """Three short prompts decode in a batch of four rows; a prompt longer than the batch's columns takes the free

@@ -11,10 +11,12 @@ chunks), and their keys and values moved into those rows so as to end at the bat
 moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
 batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together (in
 chunks of at most PREFILL_TOKENS tokens) into a cache of a recorded size (rows rounded up to a power of two, so
-that the decode step replays one of a few captured plans, models/decode_capture.py). A request that left stays as a
-masked row until a newcomer takes it. Each request chooses its tokens on the host from its row's logits as
-``generate`` does for a batch of one (greedy, or temperature and top-p with its own seeded generator), so its tokens
-are those ``model.generate`` gives it alone.
+that the decode step replays one of a few captured plans, models/decode_capture.py). Prefills replay too: a chunk
+of the shape (rows, columns, stored columns, cache) of two chunks before it replays their confirmed plan, as
+generate's prefills do (_prefill_capture; prompts laid out at a multiple of PREFILL_BUCKET columns on a GPU,
+so that nearby lengths share shapes). A request that left stays as a masked row until a newcomer takes it. Each
+request chooses its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or
+temperature and top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
 
 Paged (``kv_blocks``): the caches take their keys and values from one BlockPool of that many blocks
 (models/paged_cache.py), so memory follows the tokens held: a row takes blocks as its tokens come, a padding-only
@@ -802,7 +804,7 @@ class BatchScheduler:
         captures = self._prefill_captures
 
         def held_bytes():
-            return sum(c.previous[0].nbytes for c, _ in captures.values() if c.ready and c.previous is not None)
+            return sum(c.previous[0].nbytes for c, _ in captures.values() if c.previous is not None)
         while len(captures) > 1 and (len(captures) > max(PREFILL_PLANS, 1) or held_bytes() > lazy.MAX_PLAN_BYTES):
             captures.pop(next(iter(captures)))[0].forget()
 
