@@ -179,6 +179,33 @@ def test_prefills_of_one_shape_replay_their_recorded_plan(tiny, paged, monkeypat
     assert metrics.prefill_replays == 2 * (len(jobs) - 2)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_prompts_joining_a_running_batch_replay_their_prefill(tiny, paged, monkeypatch):
+    """Three long requests decode in a batch of four rows; five short ones of different lengths (one width, a bucket
+    of 16 columns) join its free row one after another, each prefilled apart and placed: from the third on, their
+    prefill replays the plan the two before confirmed. Every output is generate's."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    long = [(encode(tokenizer, p), SamplingParams(max_tokens=60, temperature=0)) for p in PROMPTS[:3]]
+    short = [(tokens[-n:], SamplingParams(max_tokens=2, temperature=0)) for n in (9, 12, 10, 14, 11)]
+    expected = [reference_tokens(reference, ids, p.max_tokens).tolist() for ids, p in long + short]
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, **({"kv_blocks": 96} if paged else {}))
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in long]
+    scheduler.start()
+    try:
+        for job in short:
+            requests += run_staggered(scheduler, [job])
+        assert not requests[0].finished  # the short ones all joined the running batch
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == expected
+    metrics = scheduler.metrics
+    assert (metrics.rebuilds, metrics.placements, metrics.prefill_chunks) == (1, 5, 5)
+    assert metrics.prefills == 6 and metrics.prefill_replays == 3
+
+
 def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monkeypatch):
     """Prompts of four widths, each twice (its prefill plan recorded and confirmed): PREFILL_PLANS 2 keeps the two
     used last, the others forgotten (their plans free to go); outputs stay generate's."""
