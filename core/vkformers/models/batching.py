@@ -769,13 +769,13 @@ class BatchScheduler:
 
     def _prefill_capture(self, ids, mask, positions, cache: KVCache) -> DecodeCapture | None:
         """The capture that prefills of this shape share, or None where none may: the model must replay its steps
-        as generate does (replays_decode, no recompute_cache_beyond). Its key holds all the forward's graph
-        depends on beyond its inputs (ids, positions, the cache's bounds, tables and mask): the cache, the rows, the
-        columns, the stored columns, whether any column is masked; the longest position where the rotary tables
-        depend on it (prompt_padding_is_exact says where they do not); and for layers of recurrent state, which
-        zero the masked columns with an input of their own, the mask itself."""
+        as the decode step does (_replays) and recompute nothing past a length (recompute_cache_beyond). Its key
+        holds all the forward's graph depends on beyond its inputs (ids, positions, the cache's bounds, tables and
+        mask): the cache, the rows, the columns, the stored columns, whether any column is masked; the longest
+        position where the rotary tables depend on it (prompt_padding_is_exact says where they do not); and for
+        layers of recurrent state, which zero the masked columns with an input of their own, the mask itself."""
         model = self.model
-        if not model.replays_decode() or getattr(model, "recompute_cache_beyond", None) is not None:
+        if not self._replays() or getattr(model, "recompute_cache_beyond", None) is not None:
             return None
         params = capture_key(model, cache)
         if params is None:
@@ -922,10 +922,8 @@ class BatchScheduler:
         mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
         step_ids = last[:, None].astype(np.int32)
         step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
-        replay = bool(getattr(self.model, "capture_decode", True)) or (
-            self._recurrent and bool(getattr(self.model, "capture_decode_with_row_states", False)))
         replays = capture.replays
-        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=replay)
+        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=self._replays())
         self.metrics.replayed_steps += capture.replays - replays
         self._state = (cache, capture, tokens, mask, length)
         live = sum(1 for r in self._rows if r is not None and not r.finished)
@@ -935,6 +933,13 @@ class BatchScheduler:
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
         self._free_rows()
+
+    def _replays(self) -> bool:
+        """Whether the model's forwards may be replayed from a recorded plan: its step depends on nothing outside
+        its inputs and the cache (capture_decode), or so too once recurrent states live in persistent buffers, as
+        the scheduler's caches keep them."""
+        return bool(getattr(self.model, "capture_decode", True)) or (
+            self._recurrent and bool(getattr(self.model, "capture_decode_with_row_states", False)))
 
     def _reserve_step(self) -> bool:
         """Paged: the blocks of the next decode step, preempting the newest requests while there are none (each
