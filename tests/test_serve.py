@@ -138,9 +138,9 @@ def test_a_rebuild_of_many_rows_prefills_in_chunks_of_bounded_tokens(tiny, paged
     model, shapes = scheduler.model, []
     prefill = model.prefill
 
-    def counted(ids, mask, positions, cache):
+    def counted(ids, mask, positions, cache, capture=None):
         shapes.append(ids.shape)
-        logits = prefill(ids, mask, positions, cache)
+        logits = prefill(ids, mask, positions, cache, capture)
         assert logits.shape == (ids.shape[0], model.config["vocab_size"])
         return logits
     monkeypatch.setattr(model, "prefill", counted, raising=False)
@@ -154,6 +154,77 @@ def test_a_rebuild_of_many_rows_prefills_in_chunks_of_bounded_tokens(tiny, paged
     assert [r.generated for r in requests] == [e.tolist() for e in expected]
     longest = max(len(ids) for ids, _ in jobs)
     assert len(shapes) >= -(-longest // 4) and all(rows * columns <= 32 for rows, columns in shapes)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefills_of_one_shape_replay_their_recorded_plan(tiny, paged, monkeypatch):
+    """Prompts of different lengths laid out at one width (a bucket of 16 columns, as a GPU rounds them to 64),
+    each prefilled in two chunks of 8 columns: the first two prompts record and confirm each chunk's plan, every
+    later one replays both (no Python forward); outputs stay those of generate alone."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    prompts = [tokens[-n:] for n in (9, 12, 10, 14, 11)]
+    jobs = [(ids, SamplingParams(max_tokens=4, temperature=0)) for ids in prompts]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, **({"kv_blocks": 64} if paged else {})).start()
+    try:
+        outputs = [run_staggered(scheduler, [job])[0].generated for job in jobs]  # one after another
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and outputs == [e.tolist() for e in expected]
+    metrics = scheduler.metrics
+    assert metrics.rebuilds == len(jobs) and metrics.prefills == 2 * len(jobs)
+    assert metrics.prefill_replays == 2 * (len(jobs) - 2)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_prompts_joining_a_running_batch_replay_their_prefill(tiny, paged, monkeypatch):
+    """Three long requests decode in a batch of four rows; five short ones of different lengths (one width, a bucket
+    of 16 columns) join its free row one after another, each prefilled apart and placed: from the third on, their
+    prefill replays the plan the two before confirmed. Every output is generate's."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    long = [(encode(tokenizer, p), SamplingParams(max_tokens=60, temperature=0)) for p in PROMPTS[:3]]
+    short = [(tokens[-n:], SamplingParams(max_tokens=2, temperature=0)) for n in (9, 12, 10, 14, 11)]
+    expected = [reference_tokens(reference, ids, p.max_tokens).tolist() for ids, p in long + short]
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, **({"kv_blocks": 96} if paged else {}))
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in long]
+    scheduler.start()
+    try:
+        for job in short:
+            requests += run_staggered(scheduler, [job])
+        assert not requests[0].finished  # the short ones all joined the running batch
+        wait_for(lambda: all(r.finished for r in requests))
+    finally:
+        scheduler.close()
+    assert [r.generated for r in requests] == expected
+    metrics = scheduler.metrics
+    assert (metrics.rebuilds, metrics.placements, metrics.prefill_chunks) == (1, 5, 5)
+    assert metrics.prefills == 6 and metrics.prefill_replays == 3
+
+
+def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monkeypatch):
+    """Prompts of four widths, each twice (its prefill plan recorded and confirmed): PREFILL_PLANS 2 keeps the two
+    used last, the others forgotten (their plans free to go); outputs stay generate's."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 8)
+    monkeypatch.setattr(batching, "PREFILL_PLANS", 2)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    prompts = [tokens[:n] for n in (5, 13, 21, 29) for _ in range(2)]
+    scheduler = scheduler_on(path, tokenizer, max_batch=2).start()
+    try:
+        outputs = [run_staggered(scheduler, [(ids, SamplingParams(max_tokens=2, temperature=0))])[0].generated
+                   for ids in prompts]
+        assert len(scheduler._prefill_captures) == 2
+        assert all(capture.ready for capture, _ in scheduler._prefill_captures.values())
+        assert sorted(key[2] for key in scheduler._prefill_captures) == [24, 32]  # the columns of the last two
+    finally:
+        scheduler.close()
+    assert outputs == [reference_tokens(reference, ids, 2).tolist() for ids in prompts]
+    assert scheduler.metrics.prefills == 8 and scheduler.metrics.prefill_replays == 0
 
 
 @pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_serve import scheduler_on, write_tiny_model, encode, reference_tokens, run_staggered, run_together, wait_for
 
+from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.paged_cache import SCRATCH, BlockPool, prefix_keys
@@ -186,3 +187,30 @@ def test_models_whose_attention_depends_on_columns_run_without_prefix_caching(na
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
     assert BatchScheduler(model, None, kv_blocks=16).prefix_caching is caching
     assert not BatchScheduler(model, None).prefix_caching  # contiguous caches: no blocks to share
+
+
+def test_prefills_after_a_cached_prefix_replay_their_recorded_plan(tiny, monkeypatch):
+    """Prompts sharing a system prompt, one after another, laid out at one width (a bucket of 16 columns): each
+    after the first prefills from the column its cached blocks end at, reading them through its block tables; from
+    the fourth prompt on, that prefill replays the plan the two before it confirmed (its tables, ids, positions and
+    mask written into it). Outputs stay generate's, and every block comes back."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    path, tokenizer, reference = tiny
+    system, rest = encode(tokenizer, SYSTEM), encode(tokenizer, " ".join(QUESTIONS))
+    width = -(-(len(system) + 2) // 16) * 16
+    lengths = list(range(2, width - len(system) + 1))[:5]
+    prompts = [system + rest[-n:] for n in lengths]
+    assert len(prompts) == 5 and len({p[len(system)] for p in prompts}) == 5  # suffixes differ from their start
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, kv_blocks=64, page_size=4).start()
+    try:
+        outputs = [run_staggered(scheduler, [(ids, SamplingParams(max_tokens=3, temperature=0))])[0].generated
+                   for ids in prompts]
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.last_error is None
+    assert outputs == [reference_tokens(reference, ids, 3).tolist() for ids in prompts]
+    metrics = scheduler.metrics
+    assert metrics.prefix_hit_tokens == 4 * (len(system) // 4 * 4)
+    assert metrics.prefills == 5 and metrics.prefill_replays == 2
+    check_pool_empty(scheduler)

@@ -312,7 +312,7 @@ class Plan:
 # buffer are freed as soon as nothing else holds them (tensors still holding its outputs keep those buffers).
 MAX_PLANS = count_setting("VKFORMERS_PLAN_CACHE_PLANS", 64)
 MAX_PLAN_BYTES = bytes_setting("VKFORMERS_PLAN_CACHE_BYTES", 2 << 30)
-_plans: OrderedDict[tuple, Plan] = OrderedDict()
+_plans: OrderedDict[_Signature, Plan] = OrderedDict()
 _plan_bytes = 0  # sum of nbytes over _plans
 stats = {"recorded": 0, "replayed": 0, "cleared": 0, "evicted": 0}
 
@@ -322,7 +322,7 @@ def plan_cache_info() -> dict:
     return {"plans": len(_plans), "bytes": _plan_bytes, "max_plans": MAX_PLANS, "max_bytes": MAX_PLAN_BYTES}
 
 
-def _cache_plan(key: tuple, plan: Plan) -> None:
+def _cache_plan(key: _Signature, plan: Plan) -> None:
     global _plan_bytes
     plan.key = key
     _plans[key] = plan
@@ -455,7 +455,23 @@ def _wanted(node: Node, scheduled: set[int], wanted: dict[int, bool]) -> bool:
     return False
 
 
-def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> tuple:
+class _Signature:
+    """A graph's signature as a plan cache key, its hash computed once: a deep model's signature holds thousands of
+    tuples, and a replayed step touches its plan in the cache every time (_touch_plan)."""
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple):
+        self.parts, self._hash = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Signature) and self._hash == other._hash
+                                 and self.parts == other.parts)
+
+
+def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> _Signature:
     index_of = {id(n): i for i, n in enumerate(order)}
     leaf_index = {id(lb): i for i, lb in enumerate(leaves)}
     parts = []
@@ -473,7 +489,7 @@ def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> t
         outs = tuple((o.shape, o.dtype.name, o.buffer.serial if o.persistent else None, id(o) in keep)
                      for o in n.outputs)
         parts.append((n.op.key(), tuple(ins), outs))
-    return tuple(parts)
+    return _Signature(tuple(parts))
 
 
 def realize(targets: Iterable[LazyBuffer]) -> None:
@@ -974,8 +990,13 @@ class ViewReadback:
         for host, view in zip(self.hosts, self.views):
             flat = host.host.reshape(-1)
             x = np.lib.stride_tricks.as_strided(flat, shape=view.shape,
-                                                strides=tuple(s * flat.itemsize for s in view.strides)).copy()
-            out.append(dt.from_bfloat16(x) if host.dtype is dt.bfloat16 else x)
+                                                strides=tuple(s * flat.itemsize for s in view.strides))
+            if host.dtype is dt.bfloat16:  # widened straight from the mapped buffer: one pass over [batch, vocab]
+                widened = x.astype(np.uint32)
+                widened <<= 16
+                out.append(widened.view(np.float32))
+            else:
+                out.append(x.copy())
         return out
 
 

@@ -11,10 +11,12 @@ chunks), and their keys and values moved into those rows so as to end at the bat
 moves the batch right, a copy of its cache). When no free rows fit them (too few, or past the column limit), the
 batch is rebuilt: the prompts and the tokens generated so far of every live request are prefilled together (in
 chunks of at most PREFILL_TOKENS tokens) into a cache of a recorded size (rows rounded up to a power of two, so
-that the decode step replays one of a few captured plans, models/decode_capture.py). A request that left stays as a
-masked row until a newcomer takes it. Each request chooses its tokens on the host from its row's logits as
-``generate`` does for a batch of one (greedy, or temperature and top-p with its own seeded generator), so its tokens
-are those ``model.generate`` gives it alone.
+that the decode step replays one of a few captured plans, models/decode_capture.py). Prefills replay too: a chunk
+of the shape (rows, columns, stored columns, cache) of two chunks before it replays their confirmed plan, as
+generate's prefills do (_prefill_capture; prompts laid out at a multiple of PREFILL_BUCKET columns on a GPU,
+so that nearby lengths share shapes). A request that left stays as a masked row until a newcomer takes it. Each
+request chooses its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or
+temperature and top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
 
 Paged (``kv_blocks``): the caches take their keys and values from one BlockPool of that many blocks
 (models/paged_cache.py), so memory follows the tokens held: a row takes blocks as its tokens come, a padding-only
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +79,9 @@ PREFILL_CHUNK = 512
 # joining prompts, runs in chunks of fewer columns, so that a chunk's activations stay bounded and within what one
 # buffer may hold.
 PREFILL_TOKENS = 8192
+# Recorded prefill plans the scheduler holds (its prefills of one shape, chunk and cache replay one plan, as
+# generate's do), least recently used dropped first; and at most lazy.MAX_PLAN_BYTES of their own buffers together.
+PREFILL_PLANS = 8
 COLUMN_LIMIT = 2
 COLUMN_ROUNDING = CACHE_ROUNDING
 # A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes) beside
@@ -181,6 +187,8 @@ class Metrics:
     growths: int = 0              # doublings of the running batch's cache
     shifts: int = 0               # moves of the running batch to the right, for a longer prompt joining it
     prefill_chunks: int = 0       # chunks of joining prompts prefilled (a decode step between two)
+    prefills: int = 0             # prefill forwards (a rebuild's chunks and joining prompts' chunks)
+    prefill_replays: int = 0      # of those, replayed from their recorded plan (no Python forward)
     batch_rows: int = 0           # rows of the running batch (live ones and masked ones)
     live_rows: int = 0
     waiting: int = 0
@@ -258,6 +266,7 @@ class BatchScheduler:
         self._releases: list[threading.Event] = []  # release_caches() calls waiting for the thread to go idle
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
+        self._prefill_captures: OrderedDict = OrderedDict()  # prefill shape -> (DecodeCapture, capture_key)
         self._joining: list[Request] = []
         self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
@@ -395,6 +404,7 @@ class BatchScheduler:
     def _drop_caches(self) -> None:
         self._caches.clear()
         self._joining_caches.clear()
+        self._forget_prefills()
         lazy.clear_plan_cache()
 
     def close(self) -> None:
@@ -504,6 +514,7 @@ class BatchScheduler:
             self._release_rows()
             self._caches.clear()
             self._joining_caches.clear()
+            self._forget_prefills()
             self._pool = None  # (its blocks may be held by the dropped caches)
         finally:
             self._joining = []
@@ -635,6 +646,8 @@ class BatchScheduler:
         it (kept per row count, so that batches of a size seen before replay their recorded step)."""
         held = self._caches.get(rows)
         if held is None or held[0].max_len < length:
+            if held is not None:
+                self._forget_prefills(held[0])
             self._caches.pop(rows, None)
             del held  # free the old buffers before allocating new ones
             held = (self._new_cache(rows, length), None, None)
@@ -650,6 +663,8 @@ class BatchScheduler:
         """A reset cache that prompts joining a running batch are prefilled into, kept per row count."""
         cache = self._joining_caches.get(rows)
         if cache is None or cache.max_len < length:
+            if cache is not None:
+                self._forget_prefills(cache)
             self._joining_caches.pop(rows, None)
             del cache
             cache = self._joining_caches[rows] = self._new_cache(rows, length)
@@ -696,7 +711,7 @@ class BatchScheduler:
         start, columns = layout.start, self._chunk_columns(rows, length - layout.start)
         while True:  # in chunks of at most PREFILL_TOKENS tokens; the last chunk's logits choose the next tokens
             end = min(start + columns, length)
-            logits = self.model.prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
+            logits = self._prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
             start = end
             if end == length:
                 break
@@ -734,13 +749,71 @@ class BatchScheduler:
         ids, mask = job.layout.ids, job.layout.mask
         start, width = job.done, ids.shape[1]
         end = min(start + self._chunk_columns(ids.shape[0], width - start), width)
-        logits = self.model.prefill(ids[:, start:end], mask[:, :end], job.positions[:, start:end], job.cache)
+        logits = self._prefill(ids[:, start:end], mask[:, :end], job.positions[:, start:end], job.cache)
         job.done = end
         self.metrics.prefill_chunks += 1
         if end == width:
             self._prefilling = None
             self._register_prefix(job.cache, job.layout, len(job.requests))
             self._place(job.requests, ids, job.cache, logits)
+
+    def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
+        """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these):
+        the last column's logits. Replays the recorded plan of earlier prefills of its shape where it can."""
+        capture = self._prefill_capture(ids, mask, positions, cache)
+        replays = capture.replays if capture is not None else 0
+        logits = self.model.prefill(ids, mask, positions, cache, capture)
+        self.metrics.prefills += 1
+        self.metrics.prefill_replays += (capture.replays if capture is not None else 0) - replays
+        return logits
+
+    def _prefill_capture(self, ids, mask, positions, cache: KVCache) -> DecodeCapture | None:
+        """The capture that prefills of this shape share, or None where none may: the model must replay its steps
+        as the decode step does (_replays) and recompute nothing past a length (recompute_cache_beyond). Its key
+        holds all the forward's graph depends on beyond its inputs (ids, positions, the cache's bounds, tables and
+        mask): the cache, the rows, the columns, the stored columns, whether any column is masked; the longest
+        position where the rotary tables depend on it (prompt_padding_is_exact says where they do not); and for
+        layers of recurrent state, which zero the masked columns with an input of their own, the mask itself."""
+        model = self.model
+        if not self._replays() or getattr(model, "recompute_cache_beyond", None) is not None:
+            return None
+        params = capture_key(model, cache)
+        if params is None:
+            return None
+        start, (rows, columns) = cache.position, ids.shape
+        end = start + columns
+        longest = int(positions.max()) + 1
+        exact = getattr(model, "prompt_padding_is_exact", None)
+        tag = None if exact is not None and longest <= end and exact(longest, end) else longest
+        masked = not mask[:, :end].all()
+        state = mask[:, :end].tobytes() if self._recurrent and masked else None
+        key = (id(cache), rows, columns, start, masked, tag, state)
+        held = self._prefill_captures.pop(key, None)
+        capture = held[0] if held is not None and held[1] == params and held[0].cache is cache else None
+        if capture is None:
+            if held is not None:
+                held[0].forget()
+            capture = DecodeCapture(cache, tokens=columns)
+        self._prefill_captures[key] = (capture, params)  # most recently used last
+        self._trim_prefills()
+        return capture
+
+    def _trim_prefills(self) -> None:
+        """Drop the least recently used prefill captures past PREFILL_PLANS, or while the plans they hold exceed
+        lazy.MAX_PLAN_BYTES (the newest stays)."""
+        captures = self._prefill_captures
+
+        def held_bytes():
+            return sum(c.previous[0].nbytes for c, _ in captures.values() if c.previous is not None)
+        while len(captures) > 1 and (len(captures) > max(PREFILL_PLANS, 1) or held_bytes() > lazy.MAX_PLAN_BYTES):
+            captures.pop(next(iter(captures)))[0].forget()
+
+    def _forget_prefills(self, cache: KVCache | None = None) -> None:
+        """Drop the prefill captures recorded on ``cache`` (None: all), letting their plans and the cache go."""
+        for key, (capture, _) in list(self._prefill_captures.items()):
+            if cache is None or capture.cache is cache:
+                del self._prefill_captures[key]
+                capture.forget()
 
     @staticmethod
     def _chunk_columns(rows: int, columns: int) -> int:
@@ -849,10 +922,9 @@ class BatchScheduler:
         mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
         step_ids = last[:, None].astype(np.int32)
         step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
-        replay = bool(getattr(self.model, "capture_decode", True)) or (
-            self._recurrent and bool(getattr(self.model, "capture_decode_with_row_states", False)))
-        self.metrics.replayed_steps += bool(replay and capture.ready)  # (unless the mask changed kind: rare)
-        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=replay)
+        replays = capture.replays
+        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=self._replays())
+        self.metrics.replayed_steps += capture.replays - replays
         self._state = (cache, capture, tokens, mask, length)
         live = sum(1 for r in self._rows if r is not None and not r.finished)
         self.metrics.steps += 1
@@ -861,6 +933,13 @@ class BatchScheduler:
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
         self._free_rows()
+
+    def _replays(self) -> bool:
+        """Whether the model's forwards may be replayed from a recorded plan: its step depends on nothing outside
+        its inputs and the cache (capture_decode), or so too once recurrent states live in persistent buffers, as
+        the scheduler's caches keep them."""
+        return bool(getattr(self.model, "capture_decode", True)) or (
+            self._recurrent and bool(getattr(self.model, "capture_decode_with_row_states", False)))
 
     def _reserve_step(self) -> bool:
         """Paged: the blocks of the next decode step, preempting the newest requests while there are none (each
@@ -889,6 +968,7 @@ class BatchScheduler:
         old, _, tokens, mask, length = self._state
         rows = old.batch
         self._caches.pop(rows, None)
+        self._forget_prefills(old)
         cache, capture = self._cache(rows, max(columns, old.position + shift))
         cache.advance(old.position + shift)
         cache.place_row(old, 0, 0, rows=rows)

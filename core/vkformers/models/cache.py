@@ -105,7 +105,7 @@ class KVCache:
                        for i in range(self.num_layers)]
         self.mask = np.ones((self.batch, self.max_len), np.uint8)  # host copy: 1 = attend
         self.position = 0
-        self._step = None  # the current forward's device inputs, shared by its layers
+        self._step = None  # the current forward's device inputs, shared by its layers (and a dict of more)
         self.step_hosts = (None, None)  # host arrays of the last forward's bounds and mask leaves
         self._own_fields = frozenset(self.__dict__) | {"_own_fields"}
 
@@ -228,7 +228,7 @@ class KVCache:
         bounds, mask = self.step_arrays(new, key_padding_mask)
         bounds = tensor(bounds, dtype=dt.uint32, device=self.device)
         mask = None if mask is None else tensor(mask, device=self.device)
-        self._step = (new, bounds, mask)
+        self._step = (new, bounds, mask, {})
         # the arrays the input leaves hold, for generation to recognise them in the recorded plan
         self.step_hosts = (bounds.lazy.base.host, None if mask is None else mask.lazy.base.host)
         return bounds, mask

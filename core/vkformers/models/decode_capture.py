@@ -20,7 +20,8 @@ from vkformers.runtime.vulkan import Buffer
 
 
 def to_scores(logits: np.ndarray) -> np.ndarray:
-    return logits.astype(np.float32)
+    """Logits as float32 (no copy when they are: readbacks hand over arrays of their own)."""
+    return logits.astype(np.float32, copy=False)
 
 
 def capture_key(model, cache: KVCache):
@@ -58,6 +59,7 @@ class DecodeCapture:
         self.ready = False
         self.readback = None   # lazy.ViewReadback of the logits
         self.chains = {}       # steps -> _Chain, recorded on first use
+        self.replays = 0       # forwards run by replay (run and run_chain calls that replayed)
 
     def forget(self) -> None:
         """An uncaptured forward ran (e.g. a recomputation): the plan's other inputs may be stale."""
@@ -98,6 +100,9 @@ class DecodeCapture:
             known[id(step_bounds)] = "bounds"
         if step_mask is not None:
             known[id(step_mask)] = "mask"
+        gathered = getattr(self.cache, "gather_host", None)  # a paged chunked prefill's block tables
+        if gathered is not None:
+            known[id(gathered)] = "tables"
         if rows is not None:
             known[id(rows)] = "rows"
         roles = tuple(known.get(id(a), "constant") for a in run.inputs)
@@ -121,6 +126,7 @@ class DecodeCapture:
         if not self._write_step(step_ids, step_positions, rows, key_padding_mask):
             return None
         lazy.replay(plan)
+        self.replays += 1
         self.cache.advance(self.tokens)
         if self.readback is None:
             self.readback = lazy.ViewReadback([(buffer, view)])
@@ -142,6 +148,7 @@ class DecodeCapture:
         plan = self.previous[0]
         chain = self.chains.get(steps) or self._record_chain(steps)
         lazy.replay(plan, chain.seq)
+        self.replays += 1
         self.cache.advance(1)
         for _ in range(steps - 1):  # the host's account of the cache: the chained tokens are stored
             self.cache.step_arrays(1)
@@ -162,7 +169,9 @@ class DecodeCapture:
             return False
         values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask, "rows": rows}
         for role, target in zip(roles, plan.input_buffers):
-            if role != "constant":
+            if role == "tables":  # the rows' first blocks, as many as the recorded gather read
+                target.host[...] = self.cache.gather_tables(target.count // self.cache.batch).reshape(target.shape)
+            elif role != "constant":
                 target.host[...] = values[role].reshape(target.shape)
         return True
 

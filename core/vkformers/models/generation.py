@@ -205,10 +205,13 @@ class GenerationMixin:
         object.__setattr__(self, "_held_decode", (key, decode) if key is not None else None)
         return decode
 
-    def prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
-        """The forward of left-padded prompts ``ids`` [batch, T] (``mask``: 1 = token) into the empty ``cache``:
-        the last position's logits, float32 [batch, vocab]."""
-        return self._prefill(ids, mask, positions, cache, None)
+    def prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache,
+                capture: DecodeCapture | None = None) -> np.ndarray:
+        """The forward of left-padded prompts ``ids`` [batch, T] (``mask``: 1 = token, over the cache's stored
+        tokens and these) into ``cache``: the last position's logits, float32 [batch, vocab]. ``capture`` (a
+        DecodeCapture of ``tokens`` T on this cache, for calls of this shape only): replays its recorded plan once
+        two calls confirmed it (the caller sees to it that nothing else in the graph changes between them)."""
+        return self._prefill(ids, mask, positions, cache, capture)
 
     def _prefill(self, ids, mask, positions, cache: KVCache, capture: "DecodeCapture | None",
                  padded: int | None = None) -> np.ndarray:

@@ -168,6 +168,7 @@ class PagedKVCache(KVCache):
         self.lookahead = LOOKAHEAD
         self._step = None
         self.step_hosts = (None, None)
+        self.gather_host = None  # the last chunked prefill's tables input: a recorded prefill rewrites it
         self._own_fields = frozenset(self.__dict__) | {"_own_fields"}
 
     @property
@@ -254,17 +255,18 @@ class PagedKVCache(KVCache):
     def _reserve(self, end: int, rows=None) -> None:
         """Blocks for the live rows' columns up to ``end`` and LOOKAHEAD more; blocks wholly masked stay scratch."""
         ahead = -(-min(end + self.lookahead, self.max_len) // self.page_size)
-        for row in range(self.batch) if rows is None else rows:
-            if self.dead[row]:
-                continue
-            for block in range(ahead):
-                if self.held[row, block]:
-                    continue
-                first, last = block * self.page_size, (block + 1) * self.page_size
-                if last <= end and not self.mask[row, first:last].any():
-                    continue  # padding only: scratch
-                self.tables[row, block] = self.pool.allocate()
-                self.held[row, block] = True
+        picked = slice(None) if rows is None else np.asarray(rows, np.int64)
+        need = ~self.held[picked, :ahead]
+        need[self.dead[picked]] = False
+        full = min(end // self.page_size, ahead)  # blocks wholly before ``end``: padding only stays scratch
+        if full:
+            size = self.page_size
+            need[:, :full] &= self.mask[picked, :full * size].reshape(-1, full, size).any(axis=2)
+        order = np.arange(self.batch) if rows is None else picked
+        for index, block in zip(*np.nonzero(need)):  # row by row, in ``rows`` order: as the pool hands them out
+            row = order[index]
+            self.tables[row, block] = self.pool.allocate()
+            self.held[row, block] = True
 
     def step_arrays(self, new: int, key_padding_mask=None):
         """KVCache.step_arrays with the step tensor ``[start, end, tables]`` in place of the bounds; takes the
@@ -310,10 +312,20 @@ class PagedKVCache(KVCache):
         """Blocks a row of ``tokens`` tokens takes (with LOOKAHEAD), at most."""
         return -(-min(tokens + self.lookahead, self.max_len) // self.page_size)
 
+    def gather_tables(self, blocks: int) -> np.ndarray:
+        """The rows' first ``blocks`` table entries as int32 [batch, blocks]: what a chunked prefill's gathers read."""
+        return self.tables[:, :blocks].astype(np.int32)
+
     def _gather(self, pool: Tensor, end: int) -> Tensor:
-        """[batch, kv_heads, end, head_dim]: each row's first ``end`` tokens, read through its block table."""
+        """[batch, kv_heads, end, head_dim]: each row's first ``end`` tokens, read through its block table (one
+        tables input per forward, shared by its layers, which a recorded prefill rewrites)."""
         blocks = -(-end // self.page_size)
-        ids = tensor(self.tables[:, :blocks].astype(np.int32), dtype=dt.int32, device=self.device)
+        shared = self._step[3] if self._step is not None else None  # within a forward (not place_row's copy)
+        ids = shared.get(("tables", blocks)) if shared is not None else None
+        if ids is None:
+            ids = tensor(self.gather_tables(blocks), dtype=dt.int32, device=self.device)
+            if shared is not None:  # the forward's layers share one input
+                shared[("tables", blocks)], self.gather_host = ids, ids.lazy.base.host
         rows = F.embedding(ids, pool.reshape(self.pool.blocks, -1))  # [batch, blocks, kv_heads * page * dim]
         rows = rows.reshape(self.batch, blocks, self.kv_heads, self.page_size, self.head_dim).permute(0, 2, 1, 3, 4)
         return rows.contiguous().reshape(self.batch, self.kv_heads, blocks * self.page_size, self.head_dim)[:, :, :end]
