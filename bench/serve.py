@@ -263,12 +263,15 @@ def main(argv=None) -> int:
     if args.quick:
         prompt_range, output_range = (16, 64), (8, 32)
     loaded, config = None, None
+    # the load's longest request and a margin: a model's own context (SmolLM2's 8,192) would size a KV cache that
+    # lavapipe's memory share cannot hold
+    needed = args.shared_prefix + max(prompt_range) + max(output_range) + 64
     if args.random_shape:
         model, tokenizer, config = random_shape(args.random_shape, args.layers)
         loaded = (model, tokenizer)
-        max_model_len = args.max_model_len or args.shared_prefix + max(prompt_range) + max(output_range) + 64
+        max_model_len = args.max_model_len or needed
     else:
-        max_model_len = args.max_model_len
+        max_model_len = args.max_model_len or (needed if args.quick else None)
     port, scheduler, server, thread, vocab = start_server(args.model or args.random_shape or cli_generate.default_model(), args.dtype,
                                                           args.max_batch, max_model_len, args.kv_cache_tokens,
                                                           args.prefix_caching, loaded,
