@@ -111,16 +111,18 @@ class CheckpointedSum(Function):
                 sink: dict = {}
                 if out.requires_grad:
                     backpropagate([(out, g)], sink, boundary=weights, conditions=conditions)
-            for w in weights:  # added up piece after piece, each sum over the one before (in place)
+            # added up piece after piece in float32 (16-bit gradients would round at every piece), each sum
+            # written over the one before
+            for w in weights:
                 d = sink.get(id(w))
                 if d is not None:
-                    sums[id(w)] = d.contiguous() if id(w) not in sums else sums[id(w)] + d
+                    sums[id(w)] = d.float().contiguous() if id(w) not in sums else sums[id(w)] + d.float()
             input_grads += [sink.get(id(t)) for t in inputs]
             # the next piece is recomputed only once this one's gradients are formed: one piece alive at a time
             waits = [t.lazy for t in (g, *input_grads[at], *sums.values())
                      if t is not None and t.lazy.base.node is not None]
         self.gradient_conditions = list(conditions.values())
-        grads = (*input_grads, *(sums.get(id(w)) for w in weights))
+        grads = (*input_grads, *(sums[id(w)].cast(w.dtype) if id(w) in sums else None for w in weights))
         return tuple(d if needs else None for d, needs in zip(grads, self.needs_grad))
 
     def release(self) -> None:

@@ -5,7 +5,7 @@ in bfloat16, and at 8 x 4,096 more than one buffer may hold. Above LOSS_CHUNK_BY
 of rows of the flattened hidden states of each chunk's summed cross-entropy (engine checkpoint_sum: a chunk's logits
 are recomputed in its backward, chunk after chunk, and the head's weight gradients added up as they go), divided by
 the count of labels not ignored: one chunk's logits exist at a time, forward and backward. The cost: the head's
-product runs once more, and its weight gradient takes a second buffer (the running sum and one chunk's). A model's
+product runs once more, and a trained head's weight gradient is summed in float32 beside one chunk's. A model's
 ``logits`` stay a lazy tensor then, not part of the step's graph: computed if read, or with an optimizer step that
 comes while a tensor still holds them (lazy.computed_before_assignments).
 """
