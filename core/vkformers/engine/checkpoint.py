@@ -3,6 +3,8 @@
 ``checkpoint(fn, *inputs)`` runs ``fn`` (a layer) as usual but lets go of everything the layer's operations saved
 for their backward; only the inputs stay. The returned tensors carry one :class:`Checkpoint` function whose
 backward runs ``fn`` again on the saved inputs, with gradients recorded, and differentiates that graph.
+``checkpoint_sum(fn, pieces)`` does so for the sum of ``fn`` over pieces, one piece at a time in the backward
+(a loss over chunks of tokens: models/lm_loss.py).
 
 Why the gradients are bit-identical to an ordinary backward:
 
@@ -26,7 +28,7 @@ activations are alive at a time.
 """
 from __future__ import annotations
 
-from vkformers.engine.function import Function, enable_grad, function_serial, grad_enabled
+from vkformers.engine.function import Function, enable_grad, function_serial, grad_enabled, no_grad
 from vkformers.engine.lazy import scheduled_after
 from vkformers.engine.ops.nn import recording_dropout_seeds, replaying_dropout_seeds
 from vkformers.engine.tensor import Tensor, backpropagate
@@ -83,6 +85,80 @@ def checkpoint(block, *inputs: Tensor):
     results = Checkpoint.apply(*inputs, *weights, block=block, input_count=len(inputs),
                                outputs=[o.lazy for o in outs], seeds=seeds)
     return results if isinstance(out, (tuple, list)) else results[0]
+
+
+class CheckpointedSum(Function):
+    """The sum of a block over pieces (:func:`checkpoint_sum`). Parents: every piece's inputs, then the tensors
+    requiring grad that the block reads besides them (its weights)."""
+
+    def forward(self, *lazies, block, arity, total, seeds):
+        self.block, self.arity, self.seeds = block, arity, seeds
+        self.input_count = arity * len(seeds)
+        self.input_flags = tuple(p.requires_grad for p in self.parents[:self.input_count])
+        self.saved = tuple(lazies[:self.input_count])  # held: the planner keeps them for the backward
+        return total
+
+    def backward(self, g):
+        weights = self.parents[self.input_count:]
+        waits = [g.lazy] if g.lazy.base.node is not None else []
+        input_grads, sums, conditions = [], {}, {}
+        for i, seeds in enumerate(self.seeds):
+            at = slice(i * self.arity, (i + 1) * self.arity)
+            with enable_grad(), scheduled_after(waits), replaying_dropout_seeds(seeds):
+                inputs = [Tensor._from_lazy(lb, requires_grad=flag)
+                          for lb, flag in zip(self.saved[at], self.input_flags[at])]
+                out = self.block(*inputs)
+                sink: dict = {}
+                if out.requires_grad:
+                    backpropagate([(out, g)], sink, boundary=weights, conditions=conditions)
+            # added up piece after piece in float32 (16-bit gradients would round at every piece), each sum
+            # written over the one before
+            for w in weights:
+                d = sink.get(id(w))
+                if d is not None:
+                    sums[id(w)] = d.float().contiguous() if id(w) not in sums else sums[id(w)] + d.float()
+            input_grads += [sink.get(id(t)) for t in inputs]
+            # the next piece is recomputed only once this one's gradients are formed: one piece alive at a time
+            waits = [t.lazy for t in (g, *input_grads[at], *sums.values())
+                     if t is not None and t.lazy.base.node is not None]
+        self.gradient_conditions = list(conditions.values())
+        grads = (*input_grads, *(sums[id(w)].cast(w.dtype) if id(w) in sums else None for w in weights))
+        return tuple(d if needs else None for d, needs in zip(grads, self.needs_grad))
+
+    def release(self) -> None:
+        super().release()
+        self.block, self.seeds = None, ()
+
+
+def checkpoint_sum(block, pieces) -> Tensor:
+    """``block(*pieces[0]) + block(*pieces[1]) + ...`` (each piece a tuple of tensors, the results of one shape),
+    each piece's internals recomputed in the backward pass instead of kept, one piece at a time: piece i + 1's
+    backward (its recomputation first) is scheduled after piece i's gradients, and the weights' gradients are
+    added up as the pieces go. Checkpointing each piece on its own (:func:`checkpoint`) would leave their order to
+    the scheduler, which may recompute every piece, or form every piece's weight gradient, before adding any up.
+    ``block`` as :func:`checkpoint`'s."""
+    pieces = [tuple(p) for p in pieces]
+    if not grad_enabled():
+        outs = [block(*p) for p in pieces]
+    else:
+        detached = [[Tensor._from_lazy(x.lazy, requires_grad=x.requires_grad) for x in p] for p in pieces]
+        start = function_serial()
+        outs, seeds = [], []
+        for inputs in detached:
+            with recording_dropout_seeds() as drawn:
+                outs.append(block(*inputs))
+            seeds.append(drawn)
+        functions, weights = _graph_between(outs, [x for p in detached for x in p], start)
+        for f in functions:
+            f.release()
+    with no_grad():
+        total = outs[0]
+        for out in outs[1:]:
+            total = total + out
+    if not grad_enabled() or (not weights and not any(x.requires_grad for p in pieces for x in p)):
+        return total
+    return CheckpointedSum.apply(*(x for p in pieces for x in p), *weights, block=block, arity=len(pieces[0]),
+                                 total=total.lazy, seeds=seeds)
 
 
 def _weight_grads_first(input_grads, weight_grads, waits) -> None:

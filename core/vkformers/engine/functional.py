@@ -18,6 +18,7 @@ from vkformers.engine.ops.conv import causal_conv1d, depthwise_conv1d
 from vkformers.engine.ops.elementwise import cat, stack, unary, where
 from vkformers.engine.ops.linalg import iterative_pinv
 from vkformers.engine.ops.lsh import lsh_expectation_attention
+from vkformers.engine.ops.movement import split
 from vkformers.engine.ops.pool import avg_pool1d
 from vkformers.engine.ops.matmul import LinearFn
 from vkformers.engine.ops.matmul import grouped_matmul as _grouped_matmul
@@ -241,4 +242,4 @@ __all__ = ["FusedNorm", "acos", "activation", "avg_pool1d", "banded_attention", 
            "gated", "gather_flat", "gather_rows", "gelu", "grouped_matmul", "iterative_pinv", "layer_norm", "linear",
            "live_rows_where_used", "log_softmax", "lsh_expectation_attention", "manual_seed", "normalize", "quantized_embedding", "quantized_linear", "quick_gelu",
            "relu", "relu2", "rms_norm", "rope", "scaled_dot_product_attention", "set_dropout_rng_state", "sigmoid",
-           "silu", "softmax", "softplus", "stack", "take_along_last", "tanh", "where"]
+           "silu", "softmax", "softplus", "split", "stack", "take_along_last", "tanh", "where"]

@@ -492,11 +492,25 @@ def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> _
     return _Signature(tuple(parts))
 
 
+_before_assignments: list = []  # weak references: see computed_before_assignments
+
+
+def computed_before_assignments(lb: LazyBuffer) -> None:
+    """Leave ``lb`` (an unrealized result nothing else needs: the logits of a loss computed in chunks) uncomputed
+    until it is read, unless a realization assigns to device storage (an optimizer step) while a tensor still
+    holds it: it is then computed in that realization, before the assignment, from the values it was built on."""
+    _before_assignments.append(weakref.ref(lb.base))
+
+
 def realize(targets: Iterable[LazyBuffer]) -> None:
     """Compute ``targets`` and every pending assignment, in one submit."""
     targets = [t for t in targets if not t.realized]
     pending = [a for a in _pending_assignments if not a.realized]
     _pending_assignments.clear()
+    if pending and _before_assignments:
+        held = [lb for lb in (r() for r in _before_assignments) if lb is not None and lb.refs > 0 and not lb.realized]
+        _before_assignments[:] = [weakref.ref(lb) for lb in held]
+        targets += held
     if not targets and not pending:
         return
     order = _schedule(targets + pending)

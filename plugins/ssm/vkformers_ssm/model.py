@@ -16,13 +16,13 @@ from __future__ import annotations
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
 from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.lm_loss import causal_lm_loss
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
@@ -30,7 +30,6 @@ from vkformers.runtime import dtypes as dt
 from vkformers_ssm.mixers import CacheStates, Mamba2Mixer, MambaMixer
 from vkformers_ssm.variants import MambaSpec, mamba_spec
 
-IGNORE_INDEX = -100
 
 
 class MambaBlock(Module):
@@ -113,26 +112,19 @@ class MambaForCausalLM(Module, GenerationMixin):
             x = norm_f(x)
         else:  # a float32 residual stream: normalised in float32 (the weight widened), then rounded for lm_head
             x = F.rms_norm(x, None, eps=norm_f.eps) * norm_f.weight.float()
-        logits = self.lm_head(x.cast(self.lm_head.weight.dtype))
+        logits = self.lm_logits(x)
         if labels is not None and logits.shape[1] != length:
             raise VkformersError("labels need the logits of every position: leave logits_to_keep at 0")
         if cache is not None:
             cache.advance(length)
-        loss = self.loss(logits, labels) if labels is not None else None
+        loss = None
+        if labels is not None:  # transformers' ForCausalLMLoss in float32, in chunks of tokens at a large vocabulary
+            loss = causal_lm_loss(x, self.lm_logits, labels, logits=logits, widen=True)
         return CausalLMOutput(logits=logits, loss=loss)
 
-    @staticmethod
-    def loss(logits, labels):
-        """transformers' ForCausalLMLoss: token t predicts label t + 1; -100 is ignored; mean in float32."""
-        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
-        labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
-        return F.cross_entropy(logits.float(), Tensor(labels), ignore_index=IGNORE_INDEX)
-
-
-def _shift_labels(labels: np.ndarray) -> np.ndarray:
-    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
-    shifted[:, :-1] = labels[:, 1:]
-    return shifted
+    def lm_logits(self, x):
+        """Final hidden states -> logits (lm_head in its dtype)."""
+        return self.lm_head(x.cast(self.lm_head.weight.dtype))
 
 
 class HybridForCausalLM(DecoderForCausalLM):

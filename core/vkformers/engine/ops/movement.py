@@ -51,6 +51,32 @@ class Slice(Function):
         return scatter_into_zeros(g, self.in_shape, self.spec)
 
 
+class Split(Function):
+    """Consecutive pieces of ``dim`` as views; the gradient is the pieces' gradients joined (zeros where a piece
+    got none), so no piece's gradient is padded to the whole input."""
+
+    def forward(self, x, sizes, dim):
+        self.in_shape, self.sizes, self.dim = x.shape, sizes, dim
+        pieces, start = [], 0
+        for size in sizes:
+            pieces.append(x.make_view(x.view.slice(dim, start, start + size)))
+            start += size
+        return tuple(pieces)
+
+    def backward(self, *grads):
+        ref = next(g for g in grads if g is not None)
+        return cat([g if g is not None else _zeros_like(ref, self.dim, size) for g, size in zip(grads, self.sizes)],
+                   self.dim)
+
+
+def split(t, size: int, dim: int = 0) -> tuple:
+    """torch.split with one size: pieces of ``size`` along ``dim`` (the last one shorter when it does not divide)."""
+    dim %= t.ndim
+    length = t.shape[dim]
+    sizes = tuple(min(size, length - start) for start in range(0, length, size))
+    return Split.apply(t, sizes=sizes, dim=dim) if len(sizes) > 1 else (t,)
+
+
 def scatter_into_zeros(g, shape, spec):
     """A tensor of ``shape``, zero except the region ``spec`` (per-dim start, stop, step) holding ``g``: g padded
     with zeros along each sliced dim by one concatenation (a step > 1 first interleaves zeros after each entry).

@@ -13,6 +13,7 @@ import numpy as np
 from vkformers.engine.function import Function, KernelOp, constant, node, wrap
 from vkformers.engine.lazy import generated_input
 from vkformers.engine.ops.quant import quantized_embedding
+from vkformers.engine.ops.reduce import Reduce
 from vkformers.engine.quantized import QuantizedTensor
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import cross_entropy as KC
@@ -21,6 +22,7 @@ from vkformers.engine.kernels import embedding as KE
 from vkformers.engine.kernels import norm as KN
 from vkformers.engine.kernels import rope as KR
 from vkformers.engine.kernels import take_along as KT
+from vkformers.errors import VkformersError
 from vkformers.runtime import dtypes as dt
 
 
@@ -289,9 +291,9 @@ class CrossEntropyKernel(KernelOp):
     name = "cross_entropy"
 
     def emit(self, seq, outs, ins):
-        (loss, count, lse), (logits, labels) = outs, ins
+        (loss, count, lse, *kept), (logits, labels) = outs, ins
         rows, vocab = _rows_cols(logits.shape)
-        loss_rows = seq.scratch(rows, "float32", name="loss rows")
+        loss_rows = kept[0].operand if kept else seq.scratch(rows, "float32", name="loss rows")
         KC.cross_entropy(seq, logits.operand, labels.operand, loss_rows, lse.operand, loss.operand, count.operand,
                          rows=rows, vocab=vocab, ignore_index=self.ignore_index)
 
@@ -308,11 +310,16 @@ class CrossEntropyBackwardKernel(KernelOp):
 
 
 class CrossEntropyFn(Function):
-    def forward(self, logits, labels, ignore_index):
+    def forward(self, logits, labels, ignore_index, reduction):
         self.ignore_index = ignore_index
         rows = math.prod(logits.shape[:-1])
-        loss, count, lse = node(CrossEntropyKernel(ignore_index=ignore_index), [logits, labels],
-                                [((), dt.float32), ((), dt.float32), ((rows,), dt.float32)])
+        outs = [((), dt.float32), ((), dt.float32), ((rows,), dt.float32)]
+        if reduction == "sum":  # the per-row losses come out (ignored rows hold 0) and are added up here
+            outs.append(((rows,), dt.float32))
+        loss, count, lse, *loss_rows = node(CrossEntropyKernel(ignore_index=ignore_index), [logits, labels], outs)
+        if reduction == "sum":
+            loss = node(Reduce(op="sum", outer=1, axis_len=rows, inner=1), loss_rows, [((), dt.float32)])[0]
+            count = constant(np.float32(1.0), device=logits.device).lazy  # the backward divides by it: d_loss as is
         self.saved = (logits, labels, lse, count)
         return loss
 
@@ -323,12 +330,17 @@ class CrossEntropyFn(Function):
         return wrap(d), None
 
 
-def cross_entropy(logits, labels, ignore_index: int = -100):
-    """Mean cross-entropy of logits [..., vocab] against int32 labels [...], skipping ignore_index."""
+def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "mean"):
+    """Cross-entropy of logits [..., vocab] against int32 labels [...], skipping ignore_index: the mean over the
+    rows not ignored (0/0 = NaN when every row is), or with ``reduction="sum"`` their sum (0 when every row is
+    ignored), as torch's. float32."""
+    if reduction not in ("mean", "sum"):
+        raise VkformersError(f"cross_entropy: reduction {reduction!r} is not offered; use 'mean' or 'sum'")
     if labels.dtype is not dt.int32:
         labels = labels.cast(dt.int32)
     vocab = logits.shape[-1]
-    return CrossEntropyFn.apply(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index)
+    return CrossEntropyFn.apply(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index,
+                                reduction=reduction)
 
 
 # ---------------------------------------------------------------- attention

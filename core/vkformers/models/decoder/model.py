@@ -26,11 +26,10 @@ from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.lm_loss import IGNORE_INDEX, causal_lm_loss, label_tensor
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, join_path, place
 from vkformers.runtime import dtypes as dt
-
-IGNORE_INDEX = -100
 
 # Buffers some checkpoints carry that are not parameters (causal-mask and rotary caches).
 IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
@@ -46,12 +45,6 @@ def _embed_norms(spec: DecoderSpec) -> NormSpec:
     if spec.embed_norm_layer_eps is None:
         return spec.norms
     return NormSpec("layer", eps=spec.embed_norm_layer_eps, weight=True, bias=True)
-
-
-def _shift_labels(labels: np.ndarray) -> np.ndarray:
-    shifted = np.full(labels.shape, IGNORE_INDEX, np.int32)
-    shifted[:, :-1] = labels[:, 1:]
-    return shifted
 
 
 def _as_numpy(value, dtype=np.int64):
@@ -285,19 +278,32 @@ class DecoderForCausalLM(Module, GenerationMixin):
         logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
         if logits is None:
             x = self.final_hidden_states(kept_positions(x, logits_to_keep))
-            if self.head_dense is not None:
-                x = self.head_norm(F.activation(s.head_transform_act)(self.head_dense(x)))
-            logits = self.lm_head(x)
-        if s.logits_scale != 1.0:
-            logits = logits * s.logits_scale
-        if s.final_softcap:
-            logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
+            logits = self.lm_logits(x)
+        else:
+            logits = self._scale_logits(logits)
         if cache is not None:
             cache.advance(length)
         if labels is not None and logits.shape[1] != length:
             raise VkformersError("labels need the logits of every position: leave logits_to_keep at 0")
-        loss = self.loss(logits, labels, shift=s.shift_labels) if labels is not None else None
+        loss = None
+        if labels is not None:  # in chunks of tokens when the logits are large (models/lm_loss.py)
+            loss = causal_lm_loss(x, self.lm_logits, labels, shift=s.shift_labels, logits=logits)
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def lm_logits(self, x):
+        """Final hidden states [..., H] -> logits: the head transform where there is one, lm_head, the logits'
+        scale and final softcapping (the loss computes it chunk by chunk)."""
+        if self.head_dense is not None:
+            x = self.head_norm(F.activation(self.spec.head_transform_act)(self.head_dense(x)))
+        return self._scale_logits(self.lm_head(x))
+
+    def _scale_logits(self, logits):
+        s = self.spec
+        if s.logits_scale != 1.0:
+            logits = logits * s.logits_scale
+        if s.final_softcap:
+            logits = (logits * (1.0 / s.final_softcap)).tanh() * s.final_softcap
+        return logits
 
     def encoder_decoder_cache(self, batch: int, max_len: int, encoder_states, encoder_mask=None) -> EncoderDecoderCache:
         """A cache for decoding over ``encoder_states`` (an encoder-decoder's generate): the self-attention's keys
@@ -390,7 +396,4 @@ class DecoderForCausalLM(Module, GenerationMixin):
         """transformers' ForCausalLMLoss: token t predicts label t + 1 (label t without ``shift``); -100 is
         ignored; mean in float32 (the kernel widens 16-bit logits as it reads them: no float32 copy of them, and
         their gradient comes in their dtype, rounded as casting the float32 one would round it)."""
-        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels, dtype=np.int32)
-        if shift:
-            labels = lazy.derived_input(_shift_labels(labels), labels, _shift_labels)  # a captured step shifts anew
-        return F.cross_entropy(logits, Tensor(labels), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits, label_tensor(labels, shift), ignore_index=IGNORE_INDEX)
