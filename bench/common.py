@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -78,3 +79,14 @@ def profile_gpu(name: str, fn, runs: int = 2) -> None:
     print(f"[profile] {name}: wall {wall * 1e3:.2f} ms, GPU {gpu * 1e3:.2f} ms per run "
           f"(host and submit overhead {max(wall - gpu, 0) * 1e3:.2f} ms)")
     print(prof.report())
+
+
+def run_clients(client, jobs: list) -> float:
+    """Seconds for one thread per job, each running ``client(job)``, all started together and joined."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start

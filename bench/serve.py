@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from common import cuda_torch, write_results
+from common import cuda_torch, run_clients, write_results
 from llama import TINYLLAMA
 from quant import LLAMA3_8B, tiled_weights
 from tokenizers import Tokenizer, models
@@ -152,13 +152,7 @@ def run_load(port: int, vocab: int, clients: int, requests: int, prompt_range, o
                 ttfts.append(ttft)
                 gaps.extend(between)
                 totals[0] += tokens
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(work,)) for work in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    elapsed = run_clients(client, jobs)
     pct = lambda values, q: float(np.percentile(values, q)) * 1e3 if values else float("nan")
     return {"clients": clients, "requests": clients * requests, "failed": len(errors),
             "output_tokens_per_s": totals[0] / elapsed, "ttft_ms_p50": pct(ttfts, 50), "ttft_ms_p95": pct(ttfts, 95),

@@ -24,6 +24,8 @@ from collections import defaultdict
 import numpy as np
 from tokenizers import Tokenizer, models
 
+from common import run_clients
+
 from vkformers.models import batching, generation
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoModelForCausalLM
@@ -114,13 +116,7 @@ def run(scheduler, vocab: int, clients: int, requests: int, prompt_range, output
                     done.set()
             scheduler.submit(Request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), on_update, []))
             done.wait()
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(work,)) for work in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - start, tokens[0]
+    return run_clients(client, jobs), tokens[0]
 
 
 def main(argv=None) -> int:
