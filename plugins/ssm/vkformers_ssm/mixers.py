@@ -104,6 +104,9 @@ class MambaMixer(Module):
                            ((self.dt_layernorm, dt_in), (self.b_layernorm, B), (self.c_layernorm, C)))
         elif s.bcdt_norm_eps is not None:
             dt_in, B, C = (F.rms_norm(v.contiguous(), None, eps=s.bcdt_norm_eps) for v in (dt_in, B, C))
+        elif projected.shape[0] * projected.shape[1] == 1:  # one token of one row: B and C cast as one stay dense
+            BC = projected[..., rank:].float()
+            B, C = BC[..., :n], BC[..., n:]
         delta = F.softplus(self.dt_proj(dt_in).float())
         A = self.A_log.float().exp() * -1.0
         y, last = selective_scan(x, delta, A, B, C, self.D, state)
