@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vkformers import no_grad
+from vkformers.engine import lazy
+from vkformers.models import generation
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.safetensors_io import read_safetensors
 from vkformers.models.lora import LoraConfig, apply_lora
@@ -103,6 +106,27 @@ def test_generate_replays_the_recorded_decode_step(name):
     assert len(forwards) == 3  # prefill and two decode steps; the rest replayed
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new), want)
     assert len(forwards) == 4  # the prefill only
+
+
+def test_mamba2_decode_step_copies_only_what_it_must(monkeypatch):
+    """A decode step is short of GPU work, so its copies are dispatches that count. In float32 each layer's only
+    strided copies are the conv history's update (the concatenation, two, and its write to the cache), the scan
+    state's write and D given to its channels: dt and A come from ops that read their heads broadcast, and x, B and
+    C are dense views of one row's xBC."""
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+    model = AutoModelForCausalLM.from_pretrained(FIXTURE.parent / "mamba2", dtype="float32")
+    prompt = np.array([[5, 9, 11, 3]], np.int32)
+
+    def copies(new):
+        lazy.clear_plan_cache()
+        model.forget_captures()
+        with no_grad(), lazy.profile() as prof:
+            model.generate(prompt, max_new_tokens=new, eos_token_id=[])
+        return sum(n for name, (_, n) in prof.kernels.items() if name.startswith("copy_strided"))
+
+    steps = 3
+    per_step = (copies(2 + steps) - copies(2)) / steps
+    assert per_step == 5 * len(model.backbone.layers)
 
 
 def test_lora_adapters_train_on_the_mixer_projections():

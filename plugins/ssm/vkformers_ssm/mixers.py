@@ -104,6 +104,9 @@ class MambaMixer(Module):
                            ((self.dt_layernorm, dt_in), (self.b_layernorm, B), (self.c_layernorm, C)))
         elif s.bcdt_norm_eps is not None:
             dt_in, B, C = (F.rms_norm(v.contiguous(), None, eps=s.bcdt_norm_eps) for v in (dt_in, B, C))
+        elif projected.shape[0] * projected.shape[1] == 1:  # one token of one row: B and C cast as one stay dense
+            BC = projected[..., rank:].float()
+            B, C = BC[..., :n], BC[..., n:]
         delta = F.softplus(self.dt_proj(dt_in).float())
         A = self.A_log.float().exp() * -1.0
         y, last = selective_scan(x, delta, A, B, C, self.D, state)
@@ -142,14 +145,38 @@ class Mamba2Mixer(Module):
             scale = np.repeat(np.asarray(spec.proj_multipliers, np.float32), widths)
         object.__setattr__(self, "proj_scale", scale)
 
-    def _per_channel(self, x, *shape):
-        """A per-head tensor [..., heads] given to each of the head's head_dim channels: [..., heads * head_dim]
-        (then ``shape`` trailing sizes of 1 broadcast to them)."""
+    def _heads_to_channels(self, x, *shape):
+        """A per-head tensor [..., heads] as a broadcast view [..., heads, head_dim, *shape]: an elementwise op
+        reading it writes the per-channel values with no copy first."""
         s = self.spec
         lead = tuple(x.shape[:-1])
         expanded = x.reshape(*lead, s.num_heads, 1, *([1] * len(shape)))
-        return expanded.expand(*lead, s.num_heads, s.head_dim, *shape).contiguous().reshape(
-            *lead, s.intermediate_size, *shape)
+        return expanded.expand(*lead, s.num_heads, s.head_dim, *shape)
+
+    def _per_channel(self, x, *shape):
+        """A per-head tensor [..., heads] given to each of the head's head_dim channels: [..., heads * head_dim]
+        (then ``shape`` trailing sizes of 1 broadcast to them)."""
+        lead = tuple(x.shape[:-1])
+        return self._heads_to_channels(x, *shape).contiguous().reshape(*lead, self.spec.intermediate_size, *shape)
+
+    def _decode_scan(self, xbc, dt_in, state):
+        """The one-token step's recurrent update, y [batch, 1, inner] and the next state. Each op that computes a
+        per-head value (dt, A, D) reads the heads broadcast to their channels, and x, B and C are views of xbc cast
+        once: a decode step is short of GPU work, so every copy saved is a dispatch saved."""
+        s = self.spec
+        inner, n, groups = s.intermediate_size, s.state_size, s.n_groups
+        batch = xbc.shape[0]
+        xbc = xbc.float()
+        x = xbc[..., :inner]
+        B = xbc[..., inner:inner + groups * n].reshape(batch, 1, groups, n)
+        C = xbc[..., inner + groups * n:].reshape(batch, 1, groups, n)
+        lead = (batch, 1, inner)
+        dt = F.softplus((self._heads_to_channels(dt_in) + self._heads_to_channels(self.dt_bias)).float())
+        if s.dt_min > 0.0 and state is None:
+            dt = dt.maximum(s.dt_min)
+        A = self._heads_to_channels(self.A_log, n).float().exp() * -1.0
+        D = self._heads_to_channels(self.D).float()
+        return selective_scan(x, dt.reshape(lead), A.reshape(inner, n), B, C, D.reshape(inner), state)
 
     def forward(self, h, keep, cache, index: int):
         s = self.spec
@@ -171,20 +198,19 @@ class Mamba2Mixer(Module):
                                      history))
         if keep is not None:
             xbc = xbc * keep
-        x = xbc[..., :inner].contiguous()
-        B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
-        C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
-        dt_heads = F.softplus((dt_in + self.dt_bias).float())
-        if s.dt_min > 0.0 and (length > 1 or state is None):
-            dt_heads = dt_heads.maximum(s.dt_min)
-        A_heads = self.A_log.float().exp() * -1.0
         if length > 1:  # prefill and training: the chunked scan's matrix products
+            x = xbc[..., :inner].contiguous()
+            B = xbc[..., inner:inner + groups * n].contiguous().reshape(batch, length, groups, n)
+            C = xbc[..., inner + groups * n:].contiguous().reshape(batch, length, groups, n)
+            dt_heads = F.softplus((dt_in + self.dt_bias).float())
+            if s.dt_min > 0.0:
+                dt_heads = dt_heads.maximum(s.dt_min)
+            A_heads = self.A_log.float().exp() * -1.0
             y, last = chunked_scan(x.reshape(batch, length, s.num_heads, s.head_dim), dt_heads, A_heads, B, C,
                                    s.chunk_size, state)
             y = y + x.float() * self._per_channel(self.D.float())
         else:  # a decode step: the recurrent update
-            y, last = selective_scan(x, self._per_channel(dt_heads), self._per_channel(A_heads, n), B, C,
-                                     self._per_channel(self.D.float()), state)
+            y, last = self._decode_scan(xbc, dt_in, state)
         if cache is not None:
             cache.write(index, F.cat([history, xbc_in], 1)[:, -past:], last)
         if s.gated_norm is None:
