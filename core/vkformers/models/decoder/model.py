@@ -26,7 +26,7 @@ from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
-from vkformers.models.lm_loss import IGNORE_INDEX, causal_lm_loss, label_tensor
+from vkformers.models.lm_loss import causal_lm_loss
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, join_path, place
 from vkformers.runtime import dtypes as dt
@@ -390,10 +390,3 @@ class DecoderForCausalLM(Module, GenerationMixin):
             return None
         prologue = fused_norm(norm)
         return F.fused_linear(x, head.weight, norm=prologue) if F.fusable(x, [head.weight], prologue) else None
-
-    @staticmethod
-    def loss(logits, labels, shift: bool = True):
-        """transformers' ForCausalLMLoss: token t predicts label t + 1 (label t without ``shift``); -100 is
-        ignored; mean in float32 (the kernel widens 16-bit logits as it reads them: no float32 copy of them, and
-        their gradient comes in their dtype, rounded as casting the float32 one would round it)."""
-        return F.cross_entropy(logits, label_tensor(labels, shift), ignore_index=IGNORE_INDEX)
