@@ -22,6 +22,10 @@ the lm_head) at m = 16 and 512 prompt tokens, each over distinct weights (no cac
 and K split) that "auto" picks, the kernel for many rows (cooperative matrix in 128 x 128 tiles, unsplit,
 or the tiled kernel), and the reference; then one prompt's products in all (22 layers and the lm_head).
 With --quick only m = 16 (lavapipe).
+--skinny (only): the products of a batched decode step of the Llama-3-8B shape (x @ W^T, m = 8 to 64 rows of x;
+q/o 4096 x 4096, k/v 1024 x 4096, gate/up 14336 x 4096, down 4096 x 14336), bfloat16, each over distinct weights:
+the weight bytes read per second by what "auto" picks and by each cooperative-matrix tile and K split of
+SKINNY_TILES, beside PyTorch's x @ W.T; then the fastest of each shape. --budget caps its seconds.
 """
 from __future__ import annotations
 
@@ -208,6 +212,91 @@ COOPMAT_SWEEP = [CoopmatConfig(**kw) for kw in (
     dict(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16))]
 
 
+SKINNY_SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096),
+                 "down_proj": (4096, 14336)}  # (n, k) of the Llama-3-8B shape (o_proj: q_proj's; up: gate's)
+SKINNY_SHAPES_QUICK = {"q_proj": (256, 128)}
+SKINNY_ROWS = (32, 64, 16, 8)  # the server's batch sizes first
+# (sg_rows, sg_cols, frag_m, frag_n): tiles of 16 to 64 rows, 64 to 256 columns
+SKINNY_TILES = ((1, 4, 1, 2), (1, 8, 1, 2), (1, 4, 1, 4), (2, 2, 1, 2), (1, 4, 2, 2), (1, 8, 2, 1), (2, 4, 1, 2),
+                (1, 4, 2, 4), (2, 4, 2, 2), (2, 2, 2, 2), (1, 4, 4, 2), (1, 8, 4, 1), (4, 2, 1, 4))
+SKINNY_BK = (64, 128, 256)
+
+
+def skinny_candidates(device, m: int, n: int, k: int):
+    """(config, splits) of SKINNY_TILES whose tile rows fit m closely, with K splits that bring the grid to one
+    to four waves of ~132 workgroups."""
+    shared, subgroup = device.limits["max_compute_shared_memory_size"], device.limits["subgroup_size"]
+    for sg_rows, sg_cols, frag_m, frag_n in SKINNY_TILES:
+        for bk in SKINNY_BK:
+            cfg = CoopmatConfig(sg_rows=sg_rows, sg_cols=sg_cols, bk=bk, frag_m=frag_m, frag_n=frag_n)
+            if not (m <= cfg.bm < 2 * max(m, 16)) or not _fits(cfg, subgroup, shared):
+                continue
+            grid = -(-m // cfg.bm) * -(-n // cfg.bn)
+            for splits in (1, 2, 4, 8, 16):
+                if splits == 1 or (grid * splits // 2 < 528 and -(-k // bk) // splits >= 2
+                                   and 4 * m * n * splits <= 64 << 20):
+                    yield cfg, splits
+
+
+def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat16") -> list[dict]:
+    """Weight GB/s of x[m, k] @ W[n, k]^T at the shapes of a batched decode step, per tile and K split."""
+    rng = np.random.default_rng(0)
+    repeats, rows, began = (2 if quick else 6), [], time.perf_counter()
+    shapes = SKINNY_SHAPES_QUICK if quick else SKINNY_SHAPES
+    weights = {name: [random_buffer(device, (n, k), dtype, rng) for _ in range(repeats)]
+               for name, (n, k) in shapes.items()}
+    coopmat = select_algorithm(device, dtype) == "coopmat"
+    warm = [2.0]  # seconds of warm-up replays: the GPU's clocks up once, then a few replays per configuration
+    for m in SKINNY_ROWS:
+        for name, (n, k) in shapes.items():
+            x = random_buffer(device, (m, k), dtype, rng)
+            ys = [device.buffer((m, n), dtype) for _ in range(repeats)]
+            ref, _, ref_name = time_decode_reference(m, n, k, dtype, 20)
+            gbs = lambda seconds: n * k * 2 / seconds / 1e9  # noqa: E731
+
+            def timed(**options) -> float:
+                seq = device.sequence(timestamps=True)
+                for w, y in zip(weights[name], ys):
+                    matmul(seq, x, w, y, m=m, n=n, k=k, trans_b=True, **options)
+                labels = replay_timings(seq, warm[0])
+                warm[0] = 0.05
+                return sum(t for label, t in labels if label.startswith("matmul")) / repeats
+            auto = timed()
+            kernel = select_algorithm(device, dtype, m, trans_b=True)
+            cfg = coopmat_config(device, m, n) if kernel == "coopmat" else None
+            auto_name = f"{cfg.bm}x{cfg.bn} bk {cfg.bk} / {split_k(device, cfg, m, n, k, 1)}" if cfg else kernel
+            best = (auto, "auto: " + auto_name)
+            for cfg, splits in skinny_candidates(device, m, n, k) if coopmat else ():
+                if time.perf_counter() - began > budget:
+                    break
+                try:
+                    seconds = timed(algorithm="coopmat", coopmat=cfg, splits=splits)
+                except Exception as exc:  # a configuration the device refuses
+                    print(f"skinny {cfg}: {exc}")
+                    continue
+                label = f"{cfg.bm}x{cfg.bn} ({cfg.sg_rows}x{cfg.sg_cols}) bk {cfg.bk} / {splits}"
+                rows.append({"product": name, "m": m, "n": n, "k": k, "config": label, "seconds": seconds,
+                             "weight_gb_per_s": gbs(seconds)})
+                if seconds < best[0]:
+                    best = (seconds, label)
+            rows.append({"product": name, "m": m, "n": n, "k": k, "auto": auto_name, "auto_seconds": auto,
+                         "auto_gb_per_s": gbs(auto), "best": best[1], "best_seconds": best[0],
+                         "best_gb_per_s": gbs(best[0]), "reference": ref_name, "reference_seconds": ref,
+                         "reference_gb_per_s": gbs(ref)})
+            print(f"skinny m={m:2d} {name:9s} {n:5d}x{k:5d}: auto {auto_name:22s} {gbs(auto):7.0f} GB/s   best "
+                  f"{best[1]:32s} {gbs(best[0]):7.0f} GB/s   {ref_name}: {gbs(ref):7.0f} GB/s "
+                  f"(best/reference {ref / best[0]:.2f})", flush=True)
+    return rows
+
+
+def _fits(cfg: CoopmatConfig, subgroup: int, shared: int) -> bool:
+    try:
+        cfg.check(subgroup)
+    except ValueError:
+        return False
+    return cfg.shared_bytes(False, True) <= shared
+
+
 def check_against_numpy(device, dtype, **options) -> float:
     """Largest error, relative to the largest |C|, of odd-shaped products (edges, a partial K
     step, both transposes) and one aligned product, against numpy in float32."""
@@ -252,9 +341,15 @@ def main() -> None:
                         help="also time A @ B^T (a Linear layer) and A^T @ B (its weight gradient)")
     parser.add_argument("--decode-only", action="store_true", help="only the decode (small-m) cases")
     parser.add_argument("--prefill", action="store_true", help="only the products of a TinyLlama prefill")
+    parser.add_argument("--skinny", action="store_true", help="only the products of an 8B batched decode step")
+    parser.add_argument("--budget", type=float, default=400.0, help="--skinny: seconds of configurations at most")
     args = parser.parse_args()
 
     device = get_device()
+    if args.skinny:
+        print(f"device: {device.name}")
+        write_results(args.json, {"device": device.name, "skinny": skinny_runs(device, args.budget, args.quick)})
+        return
     if args.prefill:
         print(f"device: {device.name}")
         write_results(args.json, {"device": device.name, "prefill": prefill_runs(device, quick=args.quick)})

@@ -9,10 +9,12 @@ tokens counts as that many tokens, spread evenly). --soak N sends N short reques
 after a warm-up at that load and prints the process's RSS, the device buffer bytes and the small-object heap
 (pymalloc blocks) before and after, and their growth per request, each measured idle with the bounded caches let go
 (the scheduler's batch caches, the plan cache, the engine's strides cache), as tests/test_serve_soak.py does.
+Each load also prints the scheduler thread's time in decode steps, prefills and sampling; --profile adds the GPU
+time per kernel (every plan recorded with timestamps).
 
     python bench/serve.py [--model M | --random-shape llama3-8b] [--concurrency 1,8,32,64] [--requests 4] [--quick]
                           [--kv-cache-tokens N | --gpu-memory-utilization F] [--no-prefix-caching] [--soak 1000]
-                          [--no-torch] [--json OUT]
+                          [--no-torch] [--profile] [--json OUT]
 
 --quick: short prompts and outputs, for lavapipe. --random-shape NAME: no download; a Llama of that shape
 (llama3-8b: hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256; tinyllama; --layers to cut it down) with
@@ -209,6 +211,22 @@ def torch_reference(torch, config, jobs, batch: int = 8) -> dict:
             "seconds": elapsed}
 
 
+def phases(metrics) -> dict:
+    """The scheduler's counters that say where a load's time went."""
+    names = ("decode_seconds", "prefill_seconds", "choose_seconds", "steps", "replayed_steps", "prefills",
+             "prefill_replays", "prefill_tokens", "rebuilds", "placements", "occupancy_sum", "generation_tokens")
+    return {name: getattr(metrics, name) for name in names}
+
+
+def print_phases(p: dict, seconds: float) -> None:
+    steps = max(p["steps"], 1)
+    print(f"     scheduler: decode {p['decode_seconds']:.2f} s ({p['steps']} steps, {p['replayed_steps']} replayed, "
+          f"{p['decode_seconds'] / steps * 1e3:.1f} ms each, {p['occupancy_sum'] / steps:.2f} occupancy), prefill "
+          f"{p['prefill_seconds']:.2f} s ({p['prefills']} forwards, {p['prefill_replays']} replayed, "
+          f"{p['prefill_tokens']} tokens, {p['rebuilds']} rebuilds, {p['placements']} placements), sampling "
+          f"{p['choose_seconds']:.2f} s; of {seconds:.2f} s", flush=True)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -250,12 +268,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="prompts of 16-64 and outputs of 8-32 tokens")
     parser.add_argument("--soak", type=int, default=0, help="also send this many short requests")
     parser.add_argument("--soak-threads", type=int, default=16)
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU time per kernel of each load, beside the scheduler's time per phase")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
     parse_range = lambda text: tuple(int(v) for v in text.split(","))
     prompt_range, output_range = parse_range(args.prompt_range), parse_range(args.output_range)
     if args.quick:
         prompt_range, output_range = (16, 64), (8, 32)
+    profiler = lazy.profile().__enter__() if args.profile else None  # every plan recorded with timestamps
     loaded, config = None, None
     # the load's longest request and a margin: a model's own context (SmolLM2's 8,192) would size a KV cache that
     # lavapipe's memory share cannot hold
@@ -277,8 +298,13 @@ def main(argv=None) -> int:
     results = []
     run_load(port, vocab, 1, 1, prompt_range, (4, 4), seed=0, shared=args.shared_prefix)  # warm-up: kernels, plans
     for clients in (int(c) for c in args.concurrency.split(",")):
+        before = phases(scheduler.metrics)
+        if profiler is not None:
+            profiler.kernels.clear()
+            profiler.replays = 0
         result = run_load(port, vocab, clients, args.requests, prompt_range, output_range, seed=clients,
                           shared=args.shared_prefix)
+        result["phases"] = {name: value - before[name] for name, value in phases(scheduler.metrics).items()}
         results.append(result)
         print(f"{clients:3d} clients: {result['output_tokens_per_s']:8.1f} output tok/s, TTFT p50 "
               f"{result['ttft_ms_p50']:7.1f} ms p95 {result['ttft_ms_p95']:7.1f} ms p99 {result['ttft_ms_p99']:7.1f} "
@@ -286,6 +312,9 @@ def main(argv=None) -> int:
               f" ms p99 {result['itl_ms_p99']:6.1f} ms, {result['failed']} failed of {result['requests']}", flush=True)
         if result["failed"]:
             print(f"     first error: {result['first_error']}", flush=True)
+        print_phases(result["phases"], result["seconds"])
+        if profiler is not None:
+            print(profiler.report(top=25), flush=True)
     if args.soak:
         per_thread = -(-args.soak // args.soak_threads)
         run_load(port, vocab, args.soak_threads, per_thread, (8, 16), (4, 8), seed=1)  # warm-up at that load

@@ -24,7 +24,10 @@ import vkformers as vkf
 from vkformers.cli import main
 from vkformers.cli import serve as cli_serve
 from vkformers.models import batching
+from vkformers.engine.function import grad_enabled
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.decode_capture import DecodeCapture
+from vkformers.models.decoder.layer import DecoderLayer
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.lora import LoraConfig, LoraLinear, apply_lora, merge_lora, save_adapter
@@ -124,6 +127,40 @@ def test_concurrent_greedy_and_seeded_requests_match_generate_alone(tiny):
     finally:
         scheduler.close()
     assert scheduler.error is None
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_steps_run_without_gradients_fused_and_choose_greedy_tokens_on_the_gpu(tiny, paged, monkeypatch):
+    """The scheduler's thread records no gradient (the mode is per thread: a model whose parameters require
+    gradients would build autograd graphs there and miss the fused decode kernels), and a batch of greedy rows reads
+    back the tokens the GPU chose instead of the logits (DecodeCapture.choose); outputs equal generate alone."""
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, (9, 6, 11))]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    modes, fused, chosen = [], [0], [0]
+    real_forward, real_fused, real_choose = DecoderLayer.forward, DecoderLayer._decode_fused, DecodeCapture.choose
+
+    def spy_forward(self, x, ctx):
+        if threading.current_thread().name == "vkformers-scheduler":
+            modes.append(grad_enabled())
+        return real_forward(self, x, ctx)
+
+    def spy_fused(self, x, ctx):
+        out = real_fused(self, x, ctx)
+        fused[0] += out is not None
+        return out
+
+    def spy_choose(self, *args):
+        out = real_choose(self, *args)
+        chosen[0] += out is not None
+        return out
+    monkeypatch.setattr(DecoderLayer, "forward", spy_forward)
+    monkeypatch.setattr(DecoderLayer, "_decode_fused", spy_fused)
+    monkeypatch.setattr(DecodeCapture, "choose", spy_choose)
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=True)
+    requests = run_together(BatchScheduler(model, tokenizer, max_batch=4, kv_blocks=64 if paged else None), jobs)
+    assert [r.generated for r in requests] == [tokens.tolist() for tokens in expected]
+    assert modes and not any(modes) and fused[0] > 0 and chosen[0] > 0
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -465,6 +502,26 @@ def test_n_choices_each_sample_on_their_own_rows(server, tiny):
 def test_an_lm_server_answers_400_on_embeddings(server):
     status, text = request(server, "POST", "/v1/embeddings", {"model": SERVED, "input": "hi"})
     assert status == 400 and "/v1/completions" in json.loads(text)["error"]["message"]
+
+
+def test_text_decoded_as_tokens_come_equals_the_whole_decode():
+    """The scheduler decodes each new token with the few before it (batching._IncrementalText): with the bundled
+    SmolLM2 tokenizer (byte-level BPE), every text so far is a prefix of the whole decode and the last one equals it,
+    for random ids (bytes that make no character in between) and for text of multi-byte characters."""
+    from vkformers.cli import generate as cli_generate
+    from vkformers.models.loading import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cli_generate.default_model())
+    rng = np.random.default_rng(0)
+    text = "Hello wörld: ünïcode, 日本語のテキスト and emoji 🎉🎉 done."
+    cases = [encode(tokenizer, text)] + [[int(t) for t in rng.integers(0, len(tokenizer), 40)] for _ in range(50)]
+    for ids in cases:
+        rendered = batching._IncrementalText()
+        texts = [rendered.extend(tokenizer, ids[:end]) for end in range(1, len(ids) + 1)]
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert all(whole.startswith(t) for t in texts)
+        if not whole.endswith("\ufffd"):
+            assert texts[-1] == whole
+    assert texts[-1] != "" and cases[0] and batching._IncrementalText().extend(tokenizer, cases[0]) == text
 
 
 def test_stop_string_across_tokens(server):

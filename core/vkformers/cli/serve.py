@@ -446,6 +446,11 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
              m.kv_blocks_cached),
             ("kv_cache_blocks_evicted_total", "counter", "cached blocks taken back for new tokens",
              m.kv_blocks_evicted),
+            ("decode_seconds_total", "counter", "scheduler time in decode steps (GPU waits included)",
+             m.decode_seconds),
+            ("prefill_seconds_total", "counter", "scheduler time in prefills (GPU waits included)", m.prefill_seconds),
+            ("sampling_seconds_total", "counter", "scheduler time choosing tokens and streaming them",
+             m.choose_seconds),
             ("time_to_first_token_seconds_sum", "counter", "summed time to first token", m.ttft_sum),
             ("time_to_first_token_seconds_count", "counter", "requests with a first token", m.ttft_count)]
     return prometheus_text(rows, label)

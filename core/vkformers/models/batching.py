@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.engine import lazy
+from vkformers.engine.function import no_grad
 from vkformers.engine.kernels.attention import paged_decode_fits
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
@@ -156,6 +157,7 @@ class Request:
         self.generated: list[int] = []
         self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
         self.text = ""       # the decoded text so far, cut at a stop string
+        self.rendered = _IncrementalText()
         self.sent = 0        # characters of text already sent
         self.pending_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -205,6 +207,10 @@ class Metrics:
     prefix_hit_tokens: int = 0    # of those, tokens whose keys and values came from the prefix cache
     kv_blocks_cached: int = 0     # paged: blocks registered for prefix caching (held or reusable)
     kv_blocks_evicted: int = 0    # paged: registered blocks no request held, taken back for new tokens
+    # the scheduler thread's wall time (GPU waits included) in its phases
+    decode_seconds: float = 0.0   # decode steps' forwards, their logits read back
+    prefill_seconds: float = 0.0  # prefill forwards (rebuild chunks and joining chunks)
+    choose_seconds: float = 0.0   # choosing tokens from the logits, detokenizing, streaming the updates
 
 
 @dataclass
@@ -452,6 +458,10 @@ class BatchScheduler:
     # -- the scheduler's thread
 
     def _loop(self) -> None:
+        with no_grad():  # the forwards of this thread record no gradient (the mode is per thread)
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             while True:
                 with self._cond:
@@ -760,9 +770,11 @@ class BatchScheduler:
     def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these):
         the last column's logits. Replays the recorded plan of earlier prefills of its shape where it can."""
+        began = time.perf_counter()
         capture = self._prefill_capture(ids, mask, positions, cache)
         replays = capture.replays if capture is not None else 0
         logits = self.model.prefill(ids, mask, positions, cache, capture)
+        self.metrics.prefill_seconds += time.perf_counter() - began
         self.metrics.prefills += 1
         self.metrics.prefill_replays += (capture.replays if capture is not None else 0) - replays
         return logits
@@ -922,8 +934,13 @@ class BatchScheduler:
         mask = np.concatenate([mask, np.ones((len(self._rows), 1), mask.dtype)], axis=1)
         step_ids = last[:, None].astype(np.int32)
         step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
-        replays = capture.replays
-        logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=self._replays())
+        replays, began = capture.replays, time.perf_counter()
+        logits = chosen = None
+        if capture.ready and self._replays() and self._greedy_only():  # the GPU chooses: no logits read back
+            chosen = capture.choose(step_ids, step_positions)
+        if chosen is None:
+            logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=self._replays())
+        self.metrics.decode_seconds += time.perf_counter() - began
         self.metrics.replayed_steps += capture.replays - replays
         self._state = (cache, capture, tokens, mask, length)
         live = sum(1 for r in self._rows if r is not None and not r.finished)
@@ -931,8 +948,13 @@ class BatchScheduler:
         self.metrics.live_rows = live
         self.metrics.peak_live_rows = max(self.metrics.peak_live_rows, live)
         self.metrics.occupancy_sum += live / len(self._rows)
-        self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None])
+        self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None], chosen)
         self._free_rows()
+
+    def _greedy_only(self) -> bool:
+        """Whether every live row takes the most likely token as it is (no sampling, penalty, bias or logprobs)."""
+        return all(r.params.temperature == 0 and not r.params.adjusts_logits and r.params.logprobs is None
+                   for r in self._rows if r is not None and not r.finished)
 
     def _replays(self) -> bool:
         """Whether the model's forwards may be replayed from a recorded plan: its step depends on nothing outside
@@ -984,16 +1006,25 @@ class BatchScheduler:
         self._state = (cache, capture, tokens, mask, length + shift)
         self.metrics.cache_tokens = rows * cache.max_len
 
-    def _choose(self, logits: np.ndarray, rows: list[tuple[int, Request]]) -> None:
-        """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one."""
+    def _choose(self, logits: np.ndarray | None, rows: list[tuple[int, Request]], chosen=None) -> None:
+        """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one
+        (``chosen``: the tokens the GPU chose instead, every live row greedy)."""
         now = time.perf_counter()
+        try:
+            self._choose_rows(logits, rows, chosen, now)
+        finally:
+            self.metrics.choose_seconds += time.perf_counter() - now
+
+    def _choose_rows(self, logits, rows: list[tuple[int, Request]], chosen, now: float) -> None:
         for row, request in rows:
             if request.finished:
                 continue
-            scores = logits[row:row + 1]
             params = request.params
+            scores = None if chosen is not None else logits[row:row + 1]
             chosen_from = _adjusted(scores, request) if params.adjusts_logits else scores
-            if params.temperature == 0:
+            if chosen is not None:
+                token = int(chosen[row])
+            elif params.temperature == 0:
                 token = int(chosen_from.argmax(axis=-1)[0])
             else:
                 token = int(_sample(chosen_from, request.rng, params.temperature, 0, params.top_p)[0])
@@ -1012,8 +1043,13 @@ class BatchScheduler:
         params = request.params
         finish = None
         stopped = token in request.eos  # an end token (or a stop token id) is not part of the text
-        text = self.tokenizer.decode(request.generated[:-1] if stopped else request.generated,
-                                     skip_special_tokens=True)
+        tokens = request.generated[:-1] if stopped else request.generated
+        if stopped or len(request.generated) >= params.max_tokens:  # the last text: decoded whole
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if not text.startswith(request.text[:request.sent]):  # (what was sent stays sent)
+                text = request.rendered.extend(self.tokenizer, tokens)
+        else:
+            text = request.rendered.extend(self.tokenizer, tokens)
         if params.stop:
             # a stop string in the text not yet sent (the sent text held back enough to contain none)
             found = [i for i in (text.find(s, request.sent) for s in params.stop if s) if i >= 0]
@@ -1045,6 +1081,29 @@ class BatchScheduler:
         request.sent = len(request.text)
         logprobs, request.pending_logprobs = request.pending_logprobs, []
         request.on_update(Update(delta, logprobs, reason, len(request.generated)))
+
+
+class _IncrementalText:
+    """A request's tokens decoded as they come: the new tokens with the few before them instead of the whole output
+    each step (which costs a decode of every token so far per token). Decoding a suffix alone may differ at its
+    start (a tokenizer drops a leading space there), so the new text is what the suffix adds to the tokens before
+    it; it grows only once the new tokens make whole characters (no U+FFFD at its end)."""
+
+    def __init__(self):
+        self.text = ""
+        self.prefix = 0  # tokens before this one are rendered into text, and the context starts here
+        self.read = 0    # tokens before this one are rendered
+
+    def extend(self, tokenizer, tokens: list[int]) -> str:
+        """The text of ``tokens`` (the tokens given before, and new ones after them)."""
+        if len(tokens) <= self.read:
+            return self.text
+        before = tokenizer.decode(tokens[self.prefix:self.read], skip_special_tokens=True)
+        after = tokenizer.decode(tokens[self.prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(tokens)
+        return self.text
 
 
 class _ProbeCache(KVCache):

@@ -157,6 +157,19 @@ class DecodeCapture:
         history = chain.history.host.reshape(steps - 1, -1).astype(np.int64)
         return logits, list(history)
 
+    def choose(self, step_ids: np.ndarray, step_positions: np.ndarray) -> np.ndarray | None:
+        """One decode step by replay whose greedy tokens the GPU chooses (decode_next_token.comp, numpy's argmax
+        rule): [batch] int64, read back instead of the logits; None as for run."""
+        if self.tokens != 1:
+            raise ValueError("only decode steps of one token choose on the GPU")
+        if not self._write_step(step_ids, step_positions):
+            return None
+        chosen = self.chains.get("choose") or self._record_chain(1, choose=True)
+        lazy.replay(self.previous[0], chosen.seq)
+        self.replays += 1
+        self.cache.advance(1)
+        return chosen.history.host.reshape(-1).astype(np.int64)
+
     def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None,
                     key_padding_mask=None) -> bool:
         """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants stay
@@ -175,24 +188,28 @@ class DecodeCapture:
                 target.host[...] = values[role].reshape(target.shape)
         return True
 
-    def _record_chain(self, steps: int) -> "_Chain":
+    def _record_chain(self, steps: int, choose: bool = False) -> "_Chain":
+        """``choose``: a single step whose tokens the GPU chooses and the host reads (its logits are not read);
+        the kernel also writes them into the step's ids (and advances its positions and bounds), inputs that the
+        next replay overwrites."""
         plan, roles, _, buffer, view = self.previous
         inputs = {role: target for role, target in zip(roles, plan.input_buffers) if role != "constant"}
         batch, vocab = view.shape
         device = plan.seq.device
-        history = Buffer(device, ((steps - 1) * batch,), "int32", host_visible=True, name="chained tokens")
+        chosen = steps - 1 + int(choose)
+        history = Buffer(device, (chosen * batch,), "int32", host_visible=True, name="chained tokens")
         # a cache without bounds (recurrent states) gets a scratch pair for the kernel to count in
         bounds = inputs.get("bounds") or Buffer(device, (2,), "uint32", name="chained bounds")
         seq = device.sequence(timestamps=plan.seq.timestamps).extend(plan.seq, others=False)
         for step in range(steps):
             seq.extend(plan.seq, uploads=False)
-            if step < steps - 1:
+            if step < chosen:
                 KD.next_token(seq, Operand(buffer, view.offset), inputs["ids"], bounds, history,
                               rows=batch, vocab=vocab, row_stride=view.strides[0], step=step,
                               positions=inputs.get("positions"))
-        logits = lazy.ViewReadback([(buffer, view)], seq)
+        logits = None if choose else lazy.ViewReadback([(buffer, view)], seq)
         seq.download(history)
-        self.chains[steps] = chain = _Chain(seq, logits, history)
+        self.chains["choose" if choose else steps] = chain = _Chain(seq, logits, history)
         return chain
 
 
