@@ -46,6 +46,7 @@ from tokenizers import Tokenizer, models
 from vkformers.cli import generate as cli_generate
 from vkformers.cli import serve as cli_serve
 from vkformers.engine import lazy
+from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler
 from vkformers.models.paged_cache import PAGE_SIZE
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
@@ -268,6 +269,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="prompts of 16-64 and outputs of 8-32 tokens")
     parser.add_argument("--soak", type=int, default=0, help="also send this many short requests")
     parser.add_argument("--soak-threads", type=int, default=16)
+    parser.add_argument("--prefill-widths", choices=("bucket", "pow2"), default=None,
+                        help="prompt widths: PREFILL_BUCKET multiples, or powers of two and whole chunks "
+                             "(batching.PREFILL_POWERS_OF_TWO; default: the scheduler's)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time per kernel of each load, beside the scheduler's time per phase")
     parser.add_argument("--json", metavar="OUT")
@@ -276,6 +280,8 @@ def main(argv=None) -> int:
     prompt_range, output_range = parse_range(args.prompt_range), parse_range(args.output_range)
     if args.quick:
         prompt_range, output_range = (16, 64), (8, 32)
+    if args.prefill_widths:
+        batching.PREFILL_POWERS_OF_TWO = args.prefill_widths == "pow2"
     profiler = lazy.profile().__enter__() if args.profile else None  # every plan recorded with timestamps
     loaded, config = None, None
     # the load's longest request and a margin: a model's own context (SmolLM2's 8,192) would size a KV cache that

@@ -83,6 +83,8 @@ PREFILL_TOKENS = 8192
 # Recorded prefill plans the scheduler holds (its prefills of one shape, chunk and cache replay one plan, as
 # generate's do), least recently used dropped first; and at most lazy.MAX_PLAN_BYTES of their own buffers together.
 PREFILL_PLANS = 8
+# Prompt widths rounded to powers of two (and whole chunks): see BatchScheduler._width.
+PREFILL_POWERS_OF_TWO = False
 COLUMN_LIMIT = 2
 COLUMN_ROUNDING = CACHE_ROUNDING
 # A pool sized from device memory leaves this share of the heap (and at least ACTIVATION_RESERVE_MIN bytes) beside
@@ -683,10 +685,18 @@ class BatchScheduler:
 
     def _width(self, longest: int) -> int:
         """The length prompts of up to ``longest`` tokens are prefilled at: on a GPU rounded up to PREFILL_BUCKET
-        (more left padding), so that prompts of similar lengths replay one recorded prefill plan."""
+        (more left padding), so that prompts of similar lengths replay one recorded prefill plan; with
+        PREFILL_POWERS_OF_TWO further up to a power of two below PREFILL_CHUNK and to whole chunks above it (fewer
+        shapes: more of them replayed, for more padding)."""
         device = self._device()
         bucket = PREFILL_BUCKET["cpu" if device is None or device.is_cpu else "gpu"]
-        return -(-longest // bucket) * bucket if bucket else longest
+        if not bucket:
+            return longest
+        width = -(-longest // bucket) * bucket
+        if PREFILL_POWERS_OF_TWO:
+            chunk = max(PREFILL_CHUNK, bucket)
+            width = 1 << (width - 1).bit_length() if width < chunk else -(-width // chunk) * chunk
+        return width
 
     def _device(self):
         params = self.model.parameters() if hasattr(self.model, "parameters") else []
