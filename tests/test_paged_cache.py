@@ -63,6 +63,40 @@ def test_paged_write_and_decode_attention_equal_the_contiguous_ones(dtype, heads
     np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_paged_decode_attention_skips_tiles_of_scratch_padding(dtype):
+    """Left padding takes no blocks: its table entries are the scratch block 0, and the decode attention skips key
+    tiles wholly in it (several tiles of the CPU's 64 keys and a GPU's 128 for row 0, one block for row 1), with
+    the same result as the contiguous kernel over the masked columns."""
+    rng = np.random.default_rng(7)
+    batch, heads, kv_heads, head_dim, page, kv_len = 3, 4, 2, 16, 16, 400
+    stride = kv_len // page
+    blocks = batch * stride + 4
+    tables = scattered_tables(batch, stride, blocks, rng)
+    mask = np.ones((batch, kv_len), bool)
+    for row, padding in ((0, 300), (1, 20)):
+        mask[row, :padding] = False
+        tables[row, :padding // page] = 0  # wholly masked blocks point to scratch
+    keys, values = rng.standard_normal((2, batch, kv_heads, kv_len, head_dim)).astype(np.float32)
+    q = rng.standard_normal((batch, heads, 1, head_dim)).astype(np.float32)
+    with no_grad():
+        caches = [vkf.parameter(np.zeros((batch, kv_heads, kv_len, head_dim), np.float32), dtype,
+                                requires_grad=False) for _ in range(2)]
+        pools = [vkf.parameter(np.zeros((blocks, kv_heads, page, head_dim), np.float32), dtype, requires_grad=False)
+                 for _ in range(2)]
+        step = vkf.tensor(np.concatenate([[0, kv_len], tables.reshape(-1)]).astype(np.uint32), dtype=dt.uint32)
+        k, v = vkf.tensor(keys).cast(dtype), vkf.tensor(values).cast(dtype)
+        write_kv(*caches, k, v, vkf.tensor(np.array([0], np.uint32), dtype=dt.uint32))
+        write_kv_paged(*pools, k, v, step, page_size=page, table_stride=stride)
+        assert not pools[0].numpy()[0].any()  # the scratch block stays zero
+        query, key_mask = vkf.tensor(q).cast(dtype), vkf.tensor(mask)
+        want = decode_attention(query, *caches, vkf.tensor(np.array([kv_len], np.uint32), dtype=dt.uint32),
+                                key_padding_mask=key_mask).float().numpy()
+        got = decode_attention_paged(query, *pools, step, page_size=page, table_stride=stride,
+                                     key_padding_mask=key_mask).float().numpy()
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0)
+
+
 def llama(name="llama"):
     pytest.importorskip("vkformers_llama")
     return vkf.AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32", requires_grad=False)

@@ -11,7 +11,8 @@
 // and V are read as raw 16-byte words (head_dim and the K/V offsets whole vectors: the launcher checks).
 // PAGE_SIZE > 0: a paged cache. K and V are pools of blocks [blocks, kv_heads, PAGE_SIZE, head_dim] and each
 // sequence's block table (kv_stride entries: its logical block j -> a pool block) follows kv_len in the
-// kv_len buffer; key positions (and the mask, mask_stride per row) stay logical.
+// kv_len buffer; key positions (and the mask, mask_stride per row) stay logical. Tiles wholly in the scratch block
+// (masked padding) are skipped.
 //! variant f32 -DT_F32
 //! variant f16 -DT_F16
 //! variant bf16 -DT_BF16
@@ -96,6 +97,14 @@ uint key_row(uint batch, uint kv_head, uint key) {
     return (block * kv_heads + kv_head) * PAGE_SIZE + key % PAGE_SIZE;
 }
 
+// Paged: whether keys key0 .. end - 1 of the sequence all sit in the scratch block 0, which holds only masked
+// columns (a left-padded row's padding): such a tile adds nothing, and is skipped whole.
+bool scratch_tile(uint batch, uint key0, uint end) {
+    for (uint j = key0 / PAGE_SIZE; j <= (end - 1u) / PAGE_SIZE; ++j)
+        if (kv_len_words[kv_len_off + 1u + batch * kv_stride + j] != 0u) return false;
+    return true;
+}
+
 void main() {
     const uint split = gl_WorkGroupID.x, head0 = gl_WorkGroupID.y * HEADS, batch = gl_WorkGroupID.z;
     const uint t = gl_LocalInvocationID.x, sg = gl_SubgroupID;
@@ -131,6 +140,8 @@ void main() {
     const bool pv_thread = t < KEY_STEP * VECTORS;
 
     for (uint key0 = key_begin; key0 < key_end; key0 += KEYS) {
+        // (uniform over the workgroup: its sequence and tile)
+        if (PAGE_SIZE > 0u && scratch_tile(batch, key0, min(key0 + KEYS, key_end))) continue;
         barrier();  // q_tile written; the previous tile's p, maxima and sums read
         const uint key = key0 + t, count = min(KEYS, key_end - key0);
         // Every load of the tile's first pass is issued before any is used (the tile costs round trips to
