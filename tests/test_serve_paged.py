@@ -9,6 +9,7 @@ from test_serve import (scheduler_on, write_tiny_model, PROMPTS, encode, referen
                         wait_for)
 
 from vkformers.errors import InputError
+from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.gguf import load_gguf_model
 from vkformers.models.loading import AutoModelForCausalLM
@@ -192,3 +193,48 @@ def test_models_whose_attention_depends_on_columns_page_by_default(name):
     assert scheduler.error is None and scheduler.last_error is None
     assert [r.generated for r in requests] == expected
     assert scheduler.metrics.placements >= 1 and scheduler.metrics.peak_live_rows >= 3
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_a_longer_prompt_joins_a_paged_batch_by_moving_its_block_tables(tiny, page_size):
+    """Three short prompts decode in a paged batch of four rows; a prompt longer than the batch's columns takes the
+    free row after every row moves right by whole blocks of its table (PagedKVCache.shift_right: no copy, no
+    prefill of the running rows again); outputs equal generate alone."""
+    path, tokenizer, reference = tiny
+    short = [(encode(tokenizer, p), SamplingParams(max_tokens=30, temperature=0)) for p in ("x", "gpu", "hello")]
+    long = (encode(tokenizer, " ".join(PROMPTS[5:])), SamplingParams(max_tokens=6, temperature=0))
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in short + [long]]
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, kv_blocks=1024 // page_size, page_size=page_size)
+    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in short]  # one batch
+    scheduler.start()
+    try:
+        wait_for(lambda: scheduler.metrics.steps >= 2)
+        assert scheduler._state[0].position < len(long[0])
+        requests.append(scheduler.submit(Request(*long, lambda update: None, [])))
+        wait_for(lambda: all(r.finished for r in requests))
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.last_error is None
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    metrics = scheduler.metrics
+    assert (metrics.rebuilds, metrics.placements, metrics.shifts, metrics.peak_live_rows) == (1, 1, 1, 4)
+
+
+def test_a_paged_batch_at_its_column_limit_gives_back_spare_columns_instead_of_a_rebuild(tiny, monkeypatch):
+    """Requests come and go while the batch's columns reach the limit (max_model_len here): every row's spare leading
+    blocks go (PagedKVCache.compact, table entries moved, not keys and values) instead of prefilling the batch
+    again; outputs equal generate alone and every block comes back."""
+    monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)
+    monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
+    path, tokenizer, reference = tiny
+    prompts = PROMPTS[:7] * 2  # of 1 to 25 tokens
+    lengths = [20, 9, 14, 12, 18, 4, 16] * 2
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(prompts, lengths)]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=2, max_model_len=48, kv_blocks=96, page_size=4)
+    requests = run_together(scheduler, jobs)  # two rows at a time, the others joining as rows come free
+    assert scheduler.last_error is None and scheduler.error is None
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    metrics = scheduler.metrics
+    assert metrics.compactions >= 1 and metrics.steps > 48, (metrics.compactions, metrics.rebuilds, metrics.steps)

@@ -58,7 +58,7 @@ from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.kernels.attention import paged_decode_fits
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.cache import KVCache
+from vkformers.models.cache import CacheFullError, KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
@@ -190,6 +190,7 @@ class Metrics:
     placements: int = 0           # prompts prefilled apart and moved into free rows of the running batch
     growths: int = 0              # doublings of the running batch's cache
     shifts: int = 0               # moves of the running batch to the right, for a longer prompt joining it
+    compactions: int = 0          # paged: columns the running batch's rows all had to spare given back (no copy)
     prefill_chunks: int = 0       # chunks of joining prompts prefilled (a decode step between two)
     prefills: int = 0             # prefill forwards (a rebuild's chunks and joining prompts' chunks)
     prefill_replays: int = 0      # of those, replayed from their recorded plan (no Python forward)
@@ -491,7 +492,10 @@ class BatchScheduler:
         "error" update) and drops the batch and its recorded steps; the next requests start a new one."""
         try:
             if self._joining:
-                if self._state is not None and self._fits(self._joining) and self._blocks_free(self._joining, True):
+                fits = self._state is not None and self._fits(self._joining)
+                if self._state is not None and not fits and self._compact_tables():  # paged: columns given back
+                    fits = self._fits(self._joining)
+                if fits and self._blocks_free(self._joining, True):
                     self._start_prefill(self._joining)
                 else:
                     admitted = self._fitting(self._joining)
@@ -748,10 +752,13 @@ class BatchScheduler:
         """Whether the joining requests can take free rows of the running batch: as many free rows, and columns
         to spare for their prompts and first outputs (a prompt longer than the batch's columns so far shifts the
         batch right, _move)."""
-        start = max(self._state[0].position, self._width(max(len(r.prompt) + len(r.generated) for r in joining)))
+        position = self._state[0].position
+        start = max(position, self._width(max(len(r.prompt) + len(r.generated) for r in joining)))
         free = sum(1 for r in self._rows if r is None or r.finished)
-        if self.kv_blocks is not None and start > self._state[0].position:
-            return False  # paged: moving the batch right would copy it, twice its blocks; a rebuild instead
+        if self.kv_blocks is not None and start > position:
+            if not self._moves_tables():
+                return False  # moving the batch right would copy it, twice its blocks: a rebuild instead
+            start = position + -(-(start - position) // self.page_size) * self.page_size  # whole blocks
         return len(joining) <= free and all(
             start + min(r.params.max_tokens - len(r.generated), CACHE_GROWTH) <= self._column_limit() for r in joining)
 
@@ -904,8 +911,11 @@ class BatchScheduler:
         its current column (left padding before them): the live rows lose no work."""
         width = ids.shape[1]
         free = sum(1 for r in self._rows if r is None or r.finished)
-        if max(width, self._state[0].position) >= self._column_limit() or free < len(joining) \
-                or (source.paged and width > self._state[0].position):
+        position = self._state[0].position
+        if max(width, position) >= self._column_limit() and self._compact_tables():
+            position = self._state[0].position
+        if max(width, position) >= self._column_limit() or free < len(joining) \
+                or (source.paged and width > position and not self._shift_tables(width)):
             if source.paged:
                 source.reset()  # its blocks back first: the rebuild prefills the prompts again
             self._rebuild(joining)  # the batch ran on (or was packed) while they prefilled: no room left
@@ -933,11 +943,19 @@ class BatchScheduler:
         """One decode step of every row: each row's last token in, the next token chosen."""
         if self._state[0].position + 1 > self._state[0].max_len:
             if self._state[0].max_len >= self._column_limit():
-                self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
+                if not self._compact_tables():
+                    self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
+                    return
+                if self._state[0].paged and not self._reserve_step():
+                    return
+                self._decode()
                 return
             self._move(0, 2 * self._state[0].max_len)  # double the cache
         if self._state[0].paged and not self._reserve_step():
             return
+        self._decode()
+
+    def _decode(self) -> None:
         cache, capture, tokens, mask, length = self._state
         last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
         tokens = np.concatenate([tokens, last[:, None]], axis=1)
@@ -960,6 +978,51 @@ class BatchScheduler:
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None], chosen)
         self._free_rows()
+
+    def _moves_tables(self) -> bool:
+        """Whether the running batch's columns may move by whole blocks of its block tables (a paged cache, and a
+        model whose attention and positions count tokens, not columns): no copy, no prefill again."""
+        return self._state is not None and self._state[0].paged and not self._column_bound
+
+    def _shift_tables(self, width: int) -> bool:
+        """Paged: make room for a prompt of ``width`` columns, longer than the batch's columns so far, by moving
+        every row right by whole blocks (PagedKVCache.shift_right; first giving back the columns every row has to
+        spare, when the move would not fit otherwise); False when it cannot (then the batch is rebuilt)."""
+        if not self._moves_tables():
+            return False
+        for attempt in range(2):
+            cache = self._state[0]
+            try:
+                moved = cache.shift_right(-(-(width - cache.position) // self.page_size))
+            except CacheFullError:
+                if attempt or not self._compact_tables():
+                    return False
+                continue
+            self._remap_columns(moved)
+            self.metrics.shifts += 1
+            return True
+        return False
+
+    def _compact_tables(self) -> bool:
+        """Paged: give back the columns every row has to spare, by whole blocks (PagedKVCache.compact), instead of
+        prefilling the whole batch again; False when none can go."""
+        moved = self._state[0].compact() if self._moves_tables() else None
+        if moved is None:
+            return False
+        self._remap_columns(moved)
+        self.metrics.compactions += 1
+        return True
+
+    def _remap_columns(self, moved: np.ndarray) -> None:
+        """The batch's host tokens and mask after its cache's columns moved (``moved``: the old column of each new
+        one per row, -1 where the new one is padding)."""
+        cache, capture, tokens, mask, length = self._state
+        rows, old = np.arange(len(tokens))[:, None], np.maximum(moved, 0)
+        shift = moved.shape[1] - tokens.shape[1]  # columns gained (or given back)
+        tokens = np.where(moved >= 0, tokens[rows, old], self.pad)
+        mask = np.where(moved >= 0, mask[rows, old], 0).astype(mask.dtype)
+        self._state = (cache, capture, tokens, mask, max(0, length + shift))
+        self.metrics.cache_tokens = len(tokens) * cache.max_len
 
     def _greedy_only(self) -> bool:
         """Whether every live row takes the most likely token as it is (no sampling, penalty, bias or logprobs)."""

@@ -268,6 +268,58 @@ class PagedKVCache(KVCache):
             self.tables[row, block] = self.pool.allocate()
             self.held[row, block] = True
 
+    def compact(self) -> np.ndarray | None:
+        """Drop the columns of wholly masked blocks (scratch entries: left padding, the gap of a prefix-cached
+        layout) by moving table entries, not keys and values: each live row's blocks close up towards its last one,
+        which stays last, and the columns every row had to spare go (a whole number of blocks). Returns the column
+        map [batch, new position]: the old column each new one holds (-1: masked padding), or None when no block
+        can go. Only for models whose attention and positions do not count columns (no sliding window, no ALiBi:
+        the positions of the tokens are in the mask, whose counts do not change)."""
+        page, live = self.page_size, np.nonzero(~self.dead)[0]
+        used = -(-self.position // page)  # logical blocks of the stored columns
+        if not len(live) or not used or not self.num_layers:  # (no key/value layer: the columns hold nothing)
+            return None
+        # the block of the last stored column stays, held or not
+        drop = min(int(min(used - self.held[row, :used].sum() for row in live)), used - 1)
+        if drop <= 0:
+            return None
+        position = self.position - drop * page
+        columns = np.full((self.batch, position), -1, np.int64)
+        tables = np.full_like(self.tables, SCRATCH)
+        held = np.zeros_like(self.held)
+        mask = np.ones_like(self.mask)
+        mask[:, :position] = 0
+        old_columns = np.arange(self.max_len).reshape(-1, page)
+        for row in live:
+            kept = np.nonzero(self.held[row, :used])[0]
+            order = np.concatenate([kept, np.arange(used, self.table_stride)])  # then the blocks ahead
+            first = used - drop - len(kept)  # scratch entries left before the row's blocks
+            tables[row, first:first + len(order)] = self.tables[row, order]
+            held[row, first:first + len(order)] = self.held[row, order]
+            moved = old_columns[order].reshape(-1)
+            mask[row, first * page:first * page + len(moved)] = self.mask[row, moved]
+            columns[row, first * page:] = moved[:position - first * page]
+        self.tables, self.held, self.mask, self.position, self._step = tables, held, mask, position, None
+        return columns
+
+    def shift_right(self, blocks: int) -> np.ndarray:
+        """Move every row's columns ``blocks`` whole blocks right (masked padding before them) by moving table
+        entries: room for a longer prompt to join, ending where the rows end. Returns the column map as compact's;
+        the blocks reserved ahead must fit (CacheFullError)."""
+        page, blocks = self.page_size, int(blocks)
+        ahead = -(-min(self.position + self.lookahead, self.max_len) // page)
+        if ahead + blocks > self.table_stride:
+            raise CacheFullError(f"PagedKVCache: {self.position} stored tokens cannot move {blocks * page} columns "
+                                 f"right within max_len {self.max_len}")
+        keep = self.table_stride - blocks
+        self.tables[:, blocks:], self.tables[:, :blocks] = self.tables[:, :keep].copy(), SCRATCH
+        self.held[:, blocks:], self.held[:, :blocks] = self.held[:, :keep].copy(), False
+        self.mask[:, blocks * page:], self.mask[:, :blocks * page] = self.mask[:, :keep * page].copy(), 0
+        self.position += blocks * page
+        self._step = None
+        columns = np.arange(self.position) - blocks * page
+        return np.broadcast_to(np.where(columns >= 0, columns, -1), (self.batch, self.position)).copy()
+
     def step_arrays(self, new: int, key_padding_mask=None):
         """KVCache.step_arrays with the step tensor ``[start, end, tables]`` in place of the bounds; takes the
         blocks the step writes."""
