@@ -16,14 +16,19 @@ of the shape (rows, columns, stored columns, cache) of two chunks before it repl
 generate's prefills do (_prefill_capture; prompts laid out at a multiple of PREFILL_BUCKET columns on a GPU,
 so that nearby lengths share shapes). A request that left stays as a masked row until a newcomer takes it. Each
 request chooses its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or
-temperature and top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone.
+temperature and top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone; a
+replayed step whose live rows are all greedy (no penalty, bias or logprobs) has the GPU choose them and reads back
+the tokens instead of the logits (DecodeCapture.choose). The thread's forwards run under no_grad.
 
 Paged (``kv_blocks``): the caches take their keys and values from one BlockPool of that many blocks
 (models/paged_cache.py), so memory follows the tokens held: a row takes blocks as its tokens come, a padding-only
 block takes none, and a request that leaves gives its row's blocks back at once. Joining requests wait while the
 blocks their prompts need are in use; when a decode step finds none left, the newest request is preempted (its row
 given back, the request queued first again, its prompt and tokens so far prefilled anew when it rejoins). A
-request that could never fit the pool is refused at submit (KVBlocksExhausted).
+request that could never fit the pool is refused at submit (KVBlocksExhausted). Columns move by whole blocks of
+the block tables instead of copies (models whose attention and positions count tokens, not columns): a prompt longer
+than the batch's columns moves every row right (PagedKVCache.shift_right), and a batch at its column limit gives
+back the leading blocks every row has to spare (PagedKVCache.compact) instead of being rebuilt.
 
 Prefix caching (paged, on unless ``prefix_caching=False``): the full blocks of every prefilled prompt are registered
 in the pool under a hash of their tokens so far (BlockPool.register); a prompt whose leading blocks are registered
