@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     parser.add_argument("--soak-threads", type=int, default=16)
     parser.add_argument("--prefill-widths", choices=("bucket", "pow2"), default=None,
                         help="prompt widths: PREFILL_BUCKET multiples, or powers of two and whole chunks "
-                             "(batching.PREFILL_POWERS_OF_TWO; default: the scheduler's)")
+                             "(batching.PREFILL_POWERS_OF_TWO; default: the scheduler's, pow2)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time per kernel of each load, beside the scheduler's time per phase")
     parser.add_argument("--json", metavar="OUT")

@@ -312,6 +312,24 @@ def test_coopmat_tiles_fill_the_gpu():
     assert KM.split_k(gpu, short, 16, 2048, 128, 1) == 1  # two K steps: nothing to split
 
 
+def test_skinny_linear_products_take_the_few_row_tiles():
+    """x @ W^T of 8 to 64 rows (a batched decode step) on a GPU with 48 KiB of shared memory (pure arithmetic):
+    the COOPMAT_SKINNY tile of the rows, K split to bring a grid of few tiles towards one wave, a grid of
+    SKINNY_UNSPLIT_WORKGROUPS tiles or more unsplit; other layouts keep the COOPMAT_ROWS tiles."""
+    class Gpu:
+        is_cpu = False
+        limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32}
+    gpu = Gpu()
+    for m, limit in ((8, 16), (16, 16), (24, 32), (32, 32), (48, 64), (64, 64)):
+        cfg = KM.coopmat_config(gpu, m, 4096, linear=True)
+        assert cfg == KM.COOPMAT_SKINNY[limit] and cfg.shared_bytes(False, True) <= 48 * 1024
+    assert KM.coopmat_config(gpu, 32, 4096) == KM.COOPMAT_ROWS[32]  # not x @ W^T: the staging of either layout
+    q, gate = KM.COOPMAT_SKINNY[32], KM.COOPMAT_SKINNY[16]
+    assert KM.split_k(gpu, q, 32, 4096, 4096, 1) == 4  # 32 tiles
+    assert KM.split_k(gpu, gate, 16, 14336, 4096, 1) == 1  # 112 tiles
+    assert KM.split_k(gpu, q, 32, 1024, 4096, 1) == 8  # 8 tiles: K steps of 128, at least 4 per slice
+
+
 def test_tiled_tiles_by_size():
     """The tiled kernel's tile on a GPU with 48 KiB of shared memory (pure arithmetic): 128 x 128 tiles of 512
     invocations for a C of at least 512 of them (batches count), 128 x 64 below, 64 x 64 for a small C, and

@@ -247,6 +247,7 @@ def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monke
     """Prompts of four widths, each twice (its prefill plan recorded and confirmed): PREFILL_PLANS 2 keeps the two
     used last, the others forgotten (their plans free to go); outputs stay generate's."""
     monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 8)
+    monkeypatch.setattr(batching, "PREFILL_POWERS_OF_TWO", False)  # four widths: whole buckets only
     monkeypatch.setattr(batching, "PREFILL_PLANS", 2)
     path, tokenizer, reference = tiny
     tokens = encode(tokenizer, " ".join(PROMPTS))
@@ -262,6 +263,20 @@ def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monke
         scheduler.close()
     assert outputs == [reference_tokens(reference, ids, 2).tolist() for ids in prompts]
     assert scheduler.metrics.prefills == 8 and scheduler.metrics.prefill_replays == 0
+
+
+def test_prompt_widths_round_to_powers_of_two_and_whole_chunks(tiny, monkeypatch):
+    """With PREFILL_POWERS_OF_TWO (the default), prompts are laid out at a power of two of at least the bucket below
+    PREFILL_CHUNK and at whole chunks above it: few prefill shapes, so that most prefills replay a recorded plan."""
+    for device in ("cpu", "gpu"):
+        monkeypatch.setitem(batching.PREFILL_BUCKET, device, 16)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 128)
+    path, tokenizer, _ = tiny
+    scheduler = scheduler_on(path, tokenizer)
+    widths = {n: scheduler._width(n) for n in (1, 16, 17, 33, 100, 128, 129, 300)}
+    assert widths == {1: 16, 16: 16, 17: 32, 33: 64, 100: 128, 128: 128, 129: 256, 300: 384}
+    monkeypatch.setattr(batching, "PREFILL_POWERS_OF_TWO", False)
+    assert [scheduler._width(n) for n in (17, 100, 300)] == [32, 112, 304]
 
 
 @pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])

@@ -196,10 +196,11 @@ def test_models_whose_attention_depends_on_columns_page_by_default(name):
 
 
 @pytest.mark.parametrize("page_size", [16, 4])
-def test_a_longer_prompt_joins_a_paged_batch_by_moving_its_block_tables(tiny, page_size):
+def test_a_longer_prompt_joins_a_paged_batch_by_moving_its_block_tables(tiny, page_size, monkeypatch):
     """Three short prompts decode in a paged batch of four rows; a prompt longer than the batch's columns takes the
     free row after every row moves right by whole blocks of its table (PagedKVCache.shift_right: no copy, no
     prefill of the running rows again); outputs equal generate alone."""
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "gpu", 0)  # prompts at their own widths on a GPU too
     path, tokenizer, reference = tiny
     short = [(encode(tokenizer, p), SamplingParams(max_tokens=30, temperature=0)) for p in ("x", "gpu", "hello")]
     long = (encode(tokenizer, " ".join(PROMPTS[5:])), SamplingParams(max_tokens=6, temperature=0))
@@ -227,6 +228,7 @@ def test_a_paged_batch_at_its_column_limit_gives_back_spare_columns_instead_of_a
     again; outputs equal generate alone and every block comes back."""
     monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)
     monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "gpu", 0)  # prompts at their own widths on a GPU too
     path, tokenizer, reference = tiny
     prompts = PROMPTS[:7] * 2  # of 1 to 25 tokens
     lengths = [20, 9, 14, 12, 18, 4, 16] * 2

@@ -107,6 +107,15 @@ COOPMAT_SMALLER = (CoopmatConfig(sg_rows=2, sg_cols=4, frag_m=2, frag_n=2),
                    CoopmatConfig(sg_rows=2, sg_cols=2, frag_m=2, frag_n=2))
 COOPMAT_ROWS = {16: CoopmatConfig(sg_rows=1, sg_cols=4, frag_m=1, frag_n=2),
                 32: CoopmatConfig(sg_rows=2, sg_cols=2, frag_m=1, frag_n=2)}
+# x @ W^T for a few rows of x (a batched decode step): K steps of 128, and 128 columns a tile up to 32 rows
+# (bench/matmul.py --skinny on the H200, the Llama-3-8B shape's products at m = 8 to 64: 1.1-2.0x the weight bytes
+# per second of COOPMAT_ROWS and the 64 x 64 tile in K steps of 64; m = 8 above the small-m kernel, 1.2-3.3x).
+COOPMAT_SKINNY = {16: CoopmatConfig(sg_rows=1, sg_cols=4, bk=128, frag_m=1, frag_n=2),
+                  32: CoopmatConfig(sg_rows=1, sg_cols=4, bk=128, frag_m=2, frag_n=2),
+                  64: CoopmatConfig(sg_rows=2, sg_cols=2, bk=128, frag_m=2, frag_n=2)}
+# A skinny grid of at least this many tiles runs unsplit (the same sweep: 112 tiles, one wave on the H200's 132
+# compute units, ran 1.2x faster unsplit than in two slices of K).
+SKINNY_UNSPLIT_WORKGROUPS = 112
 # Workgroups a GPU needs in flight (Vulkan does not say how many compute units it has; the H200 has 132):
 # fewer tiles than this take smaller tiles, then split K (matmul_split_reduce.comp adds the slices).
 FILL_WORKGROUPS = 128
@@ -114,16 +123,21 @@ MIN_SPLIT_STEPS = 4  # K steps per slice at least: each slice's loads overlap it
 MAX_SPLIT_BYTES = 64 << 20  # float32 partial sums
 
 
-def coopmat_config(device, m: int | None = None, n: int | None = None, batch: int = 1) -> CoopmatConfig:
+def coopmat_config(device, m: int | None = None, n: int | None = None, batch: int = 1,
+                   linear: bool = False) -> CoopmatConfig:
     """The default tile, or (given m and n) the largest tile whose grid still fills the GPU
     (``bench/matmul.py --prefill`` on the H200, x @ W^T with W 2048 x 2048: m = 512 took 32.5 us in 64 x 128
-    tiles against 44.7 in 128 x 128; m = 16 13.1 us in 16 x 128 tiles with K in 8 slices, against 63.5)."""
+    tiles against 44.7 in 128 x 128; m = 16 13.1 us in 16 x 128 tiles with K in 8 slices, against 63.5).
+    ``linear``: the product is x @ W^T (A as it is, B transposed), whose few-row tiles are COOPMAT_SKINNY."""
     shared = device.limits["max_compute_shared_memory_size"]
     if COOPMAT_DEFAULT.shared_bytes() > shared:
         return COOPMAT_SMALL_SHARED
     if m is None or n is None or device.is_cpu:
         return COOPMAT_DEFAULT
     subgroup = device.limits["subgroup_size"]
+    skinny = next((cfg for limit, cfg in COOPMAT_SKINNY.items() if m <= limit), None) if linear else None
+    if skinny is not None and _runs(skinny, subgroup, shared, (False, True)):
+        return skinny
     rows = next((cfg for limit, cfg in COOPMAT_ROWS.items() if m <= limit), None)
     candidates = [rows] if rows else [COOPMAT_LARGE, COOPMAT_DEFAULT, *COOPMAT_SMALLER]
     usable = [cfg for cfg in candidates if _runs(cfg, subgroup, shared)] or [COOPMAT_DEFAULT]
@@ -136,7 +150,8 @@ def coopmat_config(device, m: int | None = None, n: int | None = None, batch: in
 def split_k(device, cfg: CoopmatConfig, m: int, n: int, k: int, batch: int) -> int:
     """Slices of K for a grid of too few tiles (1: no split)."""
     grid = _groups(cfg, m, n) * batch
-    if device.is_cpu or grid >= FILL_WORKGROUPS:
+    fill = SKINNY_UNSPLIT_WORKGROUPS if cfg in COOPMAT_SKINNY.values() else FILL_WORKGROUPS
+    if device.is_cpu or grid >= fill:
         return 1
     splits = min(-(-FILL_WORKGROUPS // grid), -(-k // cfg.bk) // MIN_SPLIT_STEPS,
                  MAX_SPLIT_BYTES // (4 * m * n * batch))
@@ -147,12 +162,14 @@ def _groups(cfg: CoopmatConfig | TiledConfig, m: int, n: int) -> int:
     return -(-m // cfg.bm) * -(-n // cfg.bn)
 
 
-def _runs(cfg: CoopmatConfig, subgroup: int, shared: int) -> bool:
+def _runs(cfg: CoopmatConfig, subgroup: int, shared: int, layout: tuple = (None, None)) -> bool:
+    """Whether the device runs the tile: its staging fits shared memory (in the layout (trans_a, trans_b), or
+    in either)."""
     try:
         cfg.check(subgroup)
     except ValueError:
         return False
-    return cfg.shared_bytes() <= shared
+    return cfg.shared_bytes(*layout) <= shared
 
 
 def subgroup_size_is_fixed(device) -> bool:
@@ -195,16 +212,24 @@ SMALL_M_MAX = 8
 # took 37.2 s with the tiled kernel; B is read once per 8 rows either way, but the tiled kernel's 64-row tiles
 # mostly multiply padding there. Other layouts keep the tiled kernel (it won for A @ B at m = 32-64).
 SMALL_M_MAX_CPU_LINEAR = 32
+# A GPU with a cooperative matrix for the dtype takes the 16-row tile of COOPMAT_SKINNY for x @ W^T from 5 rows on:
+# at m = 8 it read the Llama-3-8B shape's weights 1.2-3.3x faster than the small-m kernel on the H200
+# (bench/matmul.py --skinny), whose cost grows with m where the tile's does not.
+SMALL_M_MAX_COOPMAT_LINEAR = 4
 
 
 def select_algorithm(device, in_dtype, m: int | None = None, trans_a: bool = False, trans_b: bool = False) -> str:
     """``"small_m"`` for m <= SMALL_M_MAX (when ``m`` is given; on a CPU device up to SMALL_M_MAX_CPU_LINEAR
-    for x @ W^T); else ``"coopmat"`` where the device supports it for ``in_dtype``, else ``"tiled"``."""
-    if m is not None and m <= SMALL_M_MAX:
+    for x @ W^T; with a cooperative matrix for x @ W^T up to SMALL_M_MAX_COOPMAT_LINEAR); else ``"coopmat"``
+    where the device supports it for ``in_dtype``, else ``"tiled"``."""
+    coopmat = coopmat_supported(device, in_dtype)
+    linear_limit = SMALL_M_MAX_COOPMAT_LINEAR if coopmat and trans_b and not trans_a and not device.is_cpu \
+        else SMALL_M_MAX
+    if m is not None and m <= min(SMALL_M_MAX, linear_limit):
         return "small_m"
     if m is not None and device.is_cpu and trans_b and not trans_a and m <= SMALL_M_MAX_CPU_LINEAR:
         return "small_m"
-    return "coopmat" if coopmat_supported(device, in_dtype) else "tiled"
+    return "coopmat" if coopmat else "tiled"
 
 
 @dataclass(frozen=True)
@@ -356,7 +381,7 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         return
 
     if algorithm == "coopmat":
-        cfg = coopmat or coopmat_config(device, m, n, batch)
+        cfg = coopmat or coopmat_config(device, m, n, batch, linear=trans_b and not trans_a)
         subgroup = device.limits["subgroup_size"]
         cfg.check(subgroup)
         splits = splits or (1 if coopmat or span else split_k(device, cfg, m, n, k, batch))
