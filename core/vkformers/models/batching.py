@@ -63,7 +63,7 @@ from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.kernels.attention import paged_decode_fits
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.cache import CacheFullError, KVCache
+from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
@@ -949,20 +949,13 @@ class BatchScheduler:
     def _step(self) -> None:
         """One decode step of every row: each row's last token in, the next token chosen."""
         if self._state[0].position + 1 > self._state[0].max_len:
-            if self._state[0].max_len >= self._column_limit():
-                if not self._compact_tables():
-                    self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
-                    return
-                if self._state[0].paged and not self._reserve_step():
-                    return
-                self._decode()
+            if self._state[0].max_len < self._column_limit():
+                self._move(0, 2 * self._state[0].max_len)  # double the cache
+            elif not self._compact_tables():
+                self._rebuild([])  # packs the batch; its prefill chooses this step's tokens
                 return
-            self._move(0, 2 * self._state[0].max_len)  # double the cache
         if self._state[0].paged and not self._reserve_step():
             return
-        self._decode()
-
-    def _decode(self) -> None:
         cache, capture, tokens, mask, length = self._state
         last = np.array([r.generated[-1] if r is not None else self.pad for r in self._rows], np.int64)
         tokens = np.concatenate([tokens, last[:, None]], axis=1)
@@ -997,18 +990,15 @@ class BatchScheduler:
         spare, when the move would not fit otherwise); False when it cannot (then the batch is rebuilt)."""
         if not self._moves_tables():
             return False
-        for attempt in range(2):
-            cache = self._state[0]
-            try:
-                moved = cache.shift_right(-(-(width - cache.position) // self.page_size))
-            except CacheFullError:
-                if attempt or not self._compact_tables():
-                    return False
-                continue
-            self._remap_columns(moved)
-            self.metrics.shifts += 1
-            return True
-        return False
+        blocks = lambda: -(-(width - self._state[0].position) // self.page_size)  # noqa: E731
+        moved = self._state[0].shift_right(blocks())
+        if moved is None and self._compact_tables():
+            moved = self._state[0].shift_right(blocks())
+        if moved is None:
+            return False
+        self._remap_columns(moved)
+        self.metrics.shifts += 1
+        return True
 
     def _compact_tables(self) -> bool:
         """Paged: give back the columns every row has to spare, by whole blocks (PagedKVCache.compact), instead of

@@ -302,15 +302,14 @@ class PagedKVCache(KVCache):
         self.tables, self.held, self.mask, self.position, self._step = tables, held, mask, position, None
         return columns
 
-    def shift_right(self, blocks: int) -> np.ndarray:
+    def shift_right(self, blocks: int) -> np.ndarray | None:
         """Move every row's columns ``blocks`` whole blocks right (masked padding before them) by moving table
-        entries: room for a longer prompt to join, ending where the rows end. Returns the column map as compact's;
-        the blocks reserved ahead must fit (CacheFullError)."""
+        entries: room for a longer prompt to join, ending where the rows end. Returns the column map as compact's,
+        or None when the blocks held ahead would pass max_len."""
         page, blocks = self.page_size, int(blocks)
         ahead = -(-min(self.position + self.lookahead, self.max_len) // page)
         if ahead + blocks > self.table_stride:
-            raise CacheFullError(f"PagedKVCache: {self.position} stored tokens cannot move {blocks * page} columns "
-                                 f"right within max_len {self.max_len}")
+            return None
         keep = self.table_stride - blocks
         self.tables[:, blocks:], self.tables[:, :blocks] = self.tables[:, :keep].copy(), SCRATCH
         self.held[:, blocks:], self.held[:, :blocks] = self.held[:, :keep].copy(), False
