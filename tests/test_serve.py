@@ -416,7 +416,9 @@ def test_health_models_and_metrics(server):
     status, text = request(server, "GET", "/metrics", key=None)
     assert status == 200
     for name in ("vkformers_requests_total", "vkformers_requests_cancelled_total", "vkformers_generation_tokens_total", "vkformers_requests_running",
-                 "vkformers_batch_occupancy", "vkformers_kv_cache_tokens", "vkformers_time_to_first_token_seconds_sum"):
+                 "vkformers_batch_occupancy", "vkformers_kv_cache_tokens", "vkformers_time_to_first_token_seconds_sum",
+                 "vkformers_decode_seconds_total", "vkformers_prefill_seconds_total",
+                 "vkformers_sampling_seconds_total", "vkformers_batch_compactions_total"):
         assert f"{name}{{model=\"{SERVED}\"}} " in text
 
 

@@ -436,6 +436,8 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
             ("kv_cache_blocks", "gauge", "blocks of the paged KV cache (0: contiguous caches)", m.kv_blocks),
             ("kv_cache_blocks_used", "gauge", "blocks of the paged KV cache held by requests", m.kv_blocks_used),
             ("preemptions_total", "counter", "requests sent back to wait for KV blocks (recomputed)", m.preemptions),
+            ("batch_compactions_total", "counter", "paged: columns every row had to spare given back (no copy)",
+             m.compactions),
             ("prefill_tokens_total", "counter", "prompt tokens computed by prefills (prefix cache hits excluded)",
              m.prefill_tokens),
             ("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
