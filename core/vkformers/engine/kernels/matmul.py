@@ -223,9 +223,8 @@ def select_algorithm(device, in_dtype, m: int | None = None, trans_a: bool = Fal
     for x @ W^T; with a cooperative matrix for x @ W^T up to SMALL_M_MAX_COOPMAT_LINEAR); else ``"coopmat"``
     where the device supports it for ``in_dtype``, else ``"tiled"``."""
     coopmat = coopmat_supported(device, in_dtype)
-    linear_limit = SMALL_M_MAX_COOPMAT_LINEAR if coopmat and trans_b and not trans_a and not device.is_cpu \
-        else SMALL_M_MAX
-    if m is not None and m <= min(SMALL_M_MAX, linear_limit):
+    limit = SMALL_M_MAX_COOPMAT_LINEAR if coopmat and trans_b and not trans_a and not device.is_cpu else SMALL_M_MAX
+    if m is not None and m <= limit:
         return "small_m"
     if m is not None and device.is_cpu and trans_b and not trans_a and m <= SMALL_M_MAX_CPU_LINEAR:
         return "small_m"
