@@ -187,3 +187,17 @@ def test_the_scratch_block_is_never_written():
         stored = pool.numpy()
     assert not stored[0].any() and not stored[1].any()
     np.testing.assert_array_equal(stored[2, 0], new.numpy()[0, 0, 2:])
+
+
+def test_compact_moves_the_columns_of_rows_that_hold_tokens_but_no_blocks():
+    """A model whose layers write no keys or values (RWKV on a hybrid's cache) takes no blocks: compact finds a
+    row's tokens in its mask and keeps them, as it keeps the blocks of a model that attends."""
+    pool = BlockPool(2, 1, 4, blocks=8, page_size=4)
+    cache = PagedKVCache(pool, batch=2, max_len=32)
+    cache.position = 12
+    cache.mask[0, :12] = [0] * 8 + [1] * 4  # one block of tokens after two of padding
+    cache.mask[1, :12] = [0] * 4 + [1] * 8  # two blocks of tokens after one of padding
+    columns = cache.compact()
+    assert cache.position == 8 and cache.blocks_held == 0  # the one block both rows had to spare went
+    assert columns.tolist() == [[-1] * 4 + list(range(8, 12)), list(range(4, 12))]
+    assert cache.mask[:, :8].tolist() == [[0] * 4 + [1] * 4, [1] * 8]

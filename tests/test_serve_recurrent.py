@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import free_port, run_staggered, wait_for
+from test_serve import free_port, run_staggered, run_together, wait_for
 from tokenizers import Tokenizer, decoders, models
 
 from vkformers.errors import InputError
+from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, SamplingParams
 from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.tokenizer import PreTrainedTokenizer
@@ -131,3 +132,25 @@ def test_where_a_paged_cache_cannot_run_serve_falls_back_to_contiguous_caches(na
     else:
         assert scheduler.kv_blocks is None and scheduler.kv_cache_summary() == "contiguous KV caches: " + (
             f"its {reason}, which the paged decode attention reads" if name == "lfm2" else reason)
+
+
+@pytest.mark.parametrize("name", ["rwkv", "jamba"])
+def test_a_paged_batch_of_states_at_its_column_limit_gives_back_spare_columns(name, monkeypatch):
+    """Requests come and go while the batch's columns reach the limit: the columns every row has to spare go
+    (PagedKVCache.compact), also where the model writes no keys or values (RWKV: the rows' tokens are found in the
+    mask, as no blocks are held); outputs equal generate alone."""
+    monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)
+    monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 0)
+    monkeypatch.setitem(batching.PREFILL_BUCKET, "gpu", 0)
+    tokenizer = char_tokenizer()
+    lengths = [20, 9, 14, 12, 18, 4, 16, 10]
+    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
+            for p, n in zip(PROMPTS, lengths)]
+    reference = load(name)
+    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load(name), tokenizer, max_batch=2, max_model_len=64, kv_blocks=64, page_size=4)
+    requests = run_together(scheduler, jobs)  # two rows at a time, the others joining as rows come free
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == expected
+    assert scheduler.metrics.compactions >= 1, (scheduler.metrics.compactions, scheduler.metrics.rebuilds)

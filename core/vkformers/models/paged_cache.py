@@ -279,8 +279,10 @@ class PagedKVCache(KVCache):
         used = -(-self.position // page)  # logical blocks of the stored columns
         if not len(live) or not used or not self.num_layers:  # (no key/value layer: the columns hold nothing)
             return None
-        # the block of the last stored column stays, held or not
-        drop = min(int(min(used - self.held[row, :used].sum() for row in live)), used - 1)
+        # a block holds tokens when it owns a pool block or has an unmasked column (a model whose layers write no
+        # keys or values takes no blocks); the block of the last stored column stays, occupied or not
+        occupied = self.held[:, :used] | self.mask[:, :used * page].reshape(self.batch, used, page).any(axis=2)
+        drop = min(int(min(used - occupied[row].sum() for row in live)), used - 1)
         if drop <= 0:
             return None
         position = self.position - drop * page
@@ -291,14 +293,14 @@ class PagedKVCache(KVCache):
         mask[:, :position] = 0
         old_columns = np.arange(self.max_len).reshape(-1, page)
         for row in live:
-            kept = np.nonzero(self.held[row, :used])[0]
+            kept = np.nonzero(occupied[row])[0]
             order = np.concatenate([kept, np.arange(used, self.table_stride)])  # then the blocks ahead
             first = used - drop - len(kept)  # scratch entries left before the row's blocks
             tables[row, first:first + len(order)] = self.tables[row, order]
             held[row, first:first + len(order)] = self.held[row, order]
             moved = old_columns[order].reshape(-1)
             mask[row, first * page:first * page + len(moved)] = self.mask[row, moved]
-            columns[row, first * page:] = moved[:position - first * page]
+            columns[row, first * page:] = moved[:max(position - first * page, 0)]
         self.tables, self.held, self.mask, self.position, self._step = tables, held, mask, position, None
         return columns
 
