@@ -54,6 +54,12 @@ def write_tiny_model(folder):
     return path, load_gguf_tokenizer(path), load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
 
 
+def prefill_bucket(monkeypatch, columns):
+    """Prompts laid out at multiples of ``columns`` (0: each at its own width) on any device, CPU or GPU."""
+    for device in ("cpu", "gpu"):
+        monkeypatch.setitem(batching.PREFILL_BUCKET, device, columns)
+
+
 def scheduler_on(path, tokenizer, **options):
     return BatchScheduler(load_gguf_model(AutoModelForCausalLM, path, requires_grad=False), tokenizer, **options)
 
@@ -198,7 +204,7 @@ def test_prefills_of_one_shape_replay_their_recorded_plan(tiny, paged, monkeypat
     """Prompts of different lengths laid out at one width (a bucket of 16 columns, as a GPU rounds them to 64),
     each prefilled in two chunks of 8 columns: the first two prompts record and confirm each chunk's plan, every
     later one replays both (no Python forward); outputs stay those of generate alone."""
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    prefill_bucket(monkeypatch, 16)
     monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
     path, tokenizer, reference = tiny
     tokens = encode(tokenizer, " ".join(PROMPTS))
@@ -221,7 +227,7 @@ def test_prompts_joining_a_running_batch_replay_their_prefill(tiny, paged, monke
     """Three long requests decode in a batch of four rows; five short ones of different lengths (one width, a bucket
     of 16 columns) join its free row one after another, each prefilled apart and placed: from the third on, their
     prefill replays the plan the two before confirmed. Every output is generate's."""
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    prefill_bucket(monkeypatch, 16)
     path, tokenizer, reference = tiny
     tokens = encode(tokenizer, " ".join(PROMPTS))
     long = [(encode(tokenizer, p), SamplingParams(max_tokens=60, temperature=0)) for p in PROMPTS[:3]]
@@ -246,7 +252,7 @@ def test_prompts_joining_a_running_batch_replay_their_prefill(tiny, paged, monke
 def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monkeypatch):
     """Prompts of four widths, each twice (its prefill plan recorded and confirmed): PREFILL_PLANS 2 keeps the two
     used last, the others forgotten (their plans free to go); outputs stay generate's."""
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 8)
+    prefill_bucket(monkeypatch, 8)
     monkeypatch.setattr(batching, "PREFILL_POWERS_OF_TWO", False)  # four widths: whole buckets only
     monkeypatch.setattr(batching, "PREFILL_PLANS", 2)
     path, tokenizer, reference = tiny
@@ -267,16 +273,19 @@ def test_the_scheduler_holds_at_most_prefill_plans_recorded_prefills(tiny, monke
 
 def test_prompt_widths_round_to_powers_of_two_and_whole_chunks(tiny, monkeypatch):
     """With PREFILL_POWERS_OF_TWO (the default), prompts are laid out at a power of two of at least the bucket below
-    PREFILL_CHUNK and at whole chunks above it: few prefill shapes, so that most prefills replay a recorded plan."""
-    for device in ("cpu", "gpu"):
-        monkeypatch.setitem(batching.PREFILL_BUCKET, device, 16)
-    monkeypatch.setattr(batching, "PREFILL_CHUNK", 128)
+    PREFILL_CHUNK and at whole chunks above it: few prefill shapes, so that most prefills replay a recorded plan.
+    Never so far that the batch's columns leave the longest prompt too little room for its outputs (max_model_len
+    tokens in all): with COLUMN_LIMIT 1 (columns up to max_model_len), not at all."""
+    prefill_bucket(monkeypatch, 16)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 32)
     path, tokenizer, _ = tiny
-    scheduler = scheduler_on(path, tokenizer)
-    widths = {n: scheduler._width(n) for n in (1, 16, 17, 33, 100, 128, 129, 300)}
-    assert widths == {1: 16, 16: 16, 17: 32, 33: 64, 100: 128, 128: 128, 129: 256, 300: 384}
+    scheduler = scheduler_on(path, tokenizer)  # max_model_len 128: up to 256 columns
+    widths = {n: scheduler._width(n) for n in (1, 16, 17, 32, 33, 65, 100, 128)}
+    assert widths == {1: 16, 16: 16, 17: 32, 32: 32, 33: 64, 65: 96, 100: 128, 128: 128}
     monkeypatch.setattr(batching, "PREFILL_POWERS_OF_TWO", False)
-    assert [scheduler._width(n) for n in (17, 100, 300)] == [32, 112, 304]
+    assert [scheduler._width(n) for n in (17, 33, 100)] == [32, 48, 112]
+    monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)
+    assert [scheduler._width(n) for n in (17, 33, 100)] == [17, 33, 100]
 
 
 @pytest.mark.parametrize("bucket, chunk", [(0, 512), (16, 512), (0, 8)])
@@ -285,7 +294,7 @@ def test_a_longer_prompt_joins_a_free_row_by_moving_the_batch_right(tiny, bucket
     row after the batch's tokens move right (no prefill of the running rows again). bucket 16: prompts prefilled
     at a multiple of 16 tokens, as a GPU rounds them (to 64) to share recorded prefills. chunk 8: the long prompt
     is prefilled 8 tokens a turn, the others decoding in between."""
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", bucket)
+    prefill_bucket(monkeypatch, bucket)
     monkeypatch.setattr(batching, "PREFILL_CHUNK", chunk)
     path, tokenizer, reference = tiny
     short = [(encode(tokenizer, p), SamplingParams(max_tokens=40, temperature=0)) for p in ("x", "gpu", "hello")]

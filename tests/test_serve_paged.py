@@ -5,8 +5,8 @@ all come back when requests finish or leave; a request that could never fit is r
 from __future__ import annotations
 
 import pytest
-from test_serve import (scheduler_on, write_tiny_model, PROMPTS, encode, reference_tokens, run_staggered, run_together,
-                        wait_for)
+from test_serve import (PROMPTS, encode, prefill_bucket, reference_tokens, run_staggered, run_together, scheduler_on,
+                        wait_for, write_tiny_model)
 
 from vkformers.errors import InputError
 from vkformers.models import batching
@@ -200,7 +200,7 @@ def test_a_longer_prompt_joins_a_paged_batch_by_moving_its_block_tables(tiny, pa
     """Three short prompts decode in a paged batch of four rows; a prompt longer than the batch's columns takes the
     free row after every row moves right by whole blocks of its table (PagedKVCache.shift_right: no copy, no
     prefill of the running rows again); outputs equal generate alone."""
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "gpu", 0)  # prompts at their own widths on a GPU too
+    prefill_bucket(monkeypatch, 0)  # prompts at their own widths on a GPU too
     path, tokenizer, reference = tiny
     short = [(encode(tokenizer, p), SamplingParams(max_tokens=30, temperature=0)) for p in ("x", "gpu", "hello")]
     long = (encode(tokenizer, " ".join(PROMPTS[5:])), SamplingParams(max_tokens=6, temperature=0))
@@ -228,7 +228,7 @@ def test_a_paged_batch_at_its_column_limit_gives_back_spare_columns_instead_of_a
     again; outputs equal generate alone and every block comes back."""
     monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)
     monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "gpu", 0)  # prompts at their own widths on a GPU too
+    prefill_bucket(monkeypatch, 0)  # prompts at their own widths on a GPU too
     path, tokenizer, reference = tiny
     prompts = PROMPTS[:7] * 2  # of 1 to 25 tokens
     lengths = [20, 9, 14, 12, 18, 4, 16] * 2
@@ -240,3 +240,18 @@ def test_a_paged_batch_at_its_column_limit_gives_back_spare_columns_instead_of_a
     assert [r.generated for r in requests] == [e.tolist() for e in expected]
     metrics = scheduler.metrics
     assert metrics.compactions >= 1 and metrics.steps > 48, (metrics.compactions, metrics.rebuilds, metrics.steps)
+
+
+def test_prefills_that_outgrow_the_pool_admit_fewer_requests_until_one_finishes(tiny, monkeypatch):
+    """Where the pool runs out in a prefill (no request there can be preempted), every request waits again; the
+    scheduler then admits half as many at a time until a request finishes, instead of failing the same batch over
+    and over (here the estimate of free blocks is fooled into admitting everything at once)."""
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, LENGTHS)]
+    expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=8, kv_blocks=32, page_size=4)
+    monkeypatch.setattr(scheduler, "_blocks_free", lambda joining, place: True)
+    requests = run_together(scheduler, jobs)
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == [e.tolist() for e in expected]
+    assert scheduler.metrics.preemptions >= 8 and scheduler._admit_limit is None

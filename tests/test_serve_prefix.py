@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import scheduler_on, write_tiny_model, encode, reference_tokens, run_staggered, run_together, wait_for
+from test_serve import (encode, prefill_bucket, reference_tokens, run_staggered, run_together, scheduler_on, wait_for,
+                        write_tiny_model)
 
 from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
@@ -194,7 +195,7 @@ def test_prefills_after_a_cached_prefix_replay_their_recorded_plan(tiny, monkeyp
     after the first prefills from the column its cached blocks end at, reading them through its block tables; from
     the fourth prompt on, that prefill replays the plan the two before it confirmed (its tables, ids, positions and
     mask written into it). Outputs stay generate's, and every block comes back."""
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 16)
+    prefill_bucket(monkeypatch, 16)
     monkeypatch.setattr(batching, "PREFILL_POWERS_OF_TWO", False)  # widths of whole buckets only
     path, tokenizer, reference = tiny
     system, rest = encode(tokenizer, SYSTEM), encode(tokenizer, " ".join(QUESTIONS))

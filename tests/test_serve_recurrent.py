@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import free_port, run_staggered, run_together, wait_for
+from test_serve import free_port, prefill_bucket, run_staggered, run_together, wait_for
 from tokenizers import Tokenizer, decoders, models
 
 from vkformers.errors import InputError
@@ -141,8 +141,7 @@ def test_a_paged_batch_of_states_at_its_column_limit_gives_back_spare_columns(na
     mask, as no blocks are held); outputs equal generate alone."""
     monkeypatch.setattr(batching, "COLUMN_LIMIT", 1)
     monkeypatch.setattr(batching, "COLUMN_ROUNDING", 8)
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "cpu", 0)
-    monkeypatch.setitem(batching.PREFILL_BUCKET, "gpu", 0)
+    prefill_bucket(monkeypatch, 0)
     tokenizer = char_tokenizer()
     lengths = [20, 9, 14, 12, 18, 4, 16, 10]
     jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))

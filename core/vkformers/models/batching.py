@@ -67,8 +67,8 @@ from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
-from vkformers.models.paged_cache import (PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache, block_bytes,
-                                          prefix_keys)
+from vkformers.models.paged_cache import (LOOKAHEAD, PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache,
+                                          block_bytes, prefix_keys)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import buffer_memory, get_device
 
@@ -285,6 +285,10 @@ class BatchScheduler:
         self._prefill_captures: OrderedDict = OrderedDict()  # prefill shape -> (DecodeCapture, capture_key)
         self._joining: list[Request] = []
         self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
+        # paged: after the pool ran out where no request could be preempted (a prefill), at most this many requests
+        # are admitted at once, halved at each such failure, until a request finishes and gives blocks back: the
+        # same requests do not fail together again and again (one alone always fits: check)
+        self._admit_limit: int | None = None
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
@@ -439,8 +443,9 @@ class BatchScheduler:
                              f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
                              "max_tokens")
         if self.kv_blocks is not None:  # alone in the pool, twice its prompt while it joins (prefilled, then placed)
-            tokens = self._width(prompt_tokens) + max_tokens + 8
-            needed = -(-tokens // self.page_size) + -(-self._width(prompt_tokens) // self.page_size) + 2
+            # (left padding takes no blocks: wholly masked blocks stay scratch, whatever width prompts are laid out at)
+            needed = -(-(prompt_tokens + max_tokens + LOOKAHEAD) // self.page_size) \
+                + -(-prompt_tokens // self.page_size) + 2
             if needed > self.kv_blocks - 1:
                 raise KVBlocksExhausted(f"the request needs {needed} KV blocks of {self.page_size} tokens and the "
                                         f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
@@ -522,6 +527,7 @@ class BatchScheduler:
                 requests = [r for r in self._live() + self._joining
                             + (self._prefilling.requests if self._prefilling else []) if not r.finished]
             self.metrics.preemptions += len(requests)
+            self._admit_limit = max(1, min(self._admit_limit or len(requests), len(requests)) // 2)
             self._requeue(sorted(requests, key=lambda r: r.arrived))
             self._prefilling = None
             self._release_rows()
@@ -592,14 +598,17 @@ class BatchScheduler:
         cache = self._state[0] if self._state is not None else None
 
         def blocks(tokens):
-            return -(-(self._width(tokens) + 8) // self.page_size) + 1
-        if place:
-            return 2 * sum(blocks(len(r.prompt) + len(r.generated)) for r in joining) + len(self._rows) \
-                <= pool.free_blocks
+            return -(-(tokens + LOOKAHEAD) // self.page_size) + 1
+        if place:  # (and the joining cache's filler rows: one token each)
+            fillers = self._bucket(len(joining)) - len(joining)
+            return 2 * sum(blocks(len(r.prompt) + len(r.generated)) for r in joining) + fillers * blocks(1) \
+                + len(self._rows) <= pool.free_blocks
         with self._cond:
             live = self._live()
         held = cache.blocks_held if cache is not None else 0
-        return sum(blocks(len(r.prompt) + len(r.generated)) for r in live + joining) <= pool.free_blocks + held
+        fillers = self._bucket(len(live) + len(joining)) - len(live) - len(joining)
+        return sum(blocks(len(r.prompt) + len(r.generated)) for r in live + joining) + fillers * blocks(1) \
+            <= pool.free_blocks + held
 
     def _fitting(self, joining: list[Request]) -> list[Request]:
         """The first joining requests whose blocks a rebuild has (all but with a paged cache); at least one when
@@ -623,7 +632,8 @@ class BatchScheduler:
         joining = []
         if self._prefilling is not None:
             return joining
-        while self._waiting and len(live) + len(joining) < self.max_batch:
+        limit = self.max_batch if self._admit_limit is None else self._admit_limit
+        while self._waiting and len(live) + len(joining) < limit:
             request = self._waiting.pop(0)
             if request.cancelled:
                 self._finish(request, FINISH_CANCELLED)
@@ -707,7 +717,9 @@ class BatchScheduler:
         if PREFILL_POWERS_OF_TWO:
             chunk = max(PREFILL_CHUNK, bucket)
             width = 1 << (width - 1).bit_length() if width < chunk else -(-width // chunk) * chunk
-        return width
+        # never so far that the batch's columns (COLUMN_LIMIT) leave the longest request too little room for what it
+        # may still generate (max_model_len tokens in all): it would be packed again, at worst after every token
+        return min(width, self._column_limit() - self.max_model_len + longest)
 
     def _device(self):
         params = self.model.parameters() if hasattr(self.model, "parameters") else []
@@ -1146,6 +1158,7 @@ class BatchScheduler:
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         self.metrics.finished += 1
+        self._admit_limit = None  # its blocks come back
         self.metrics.cancelled += reason == FINISH_CANCELLED
         delta = request.text[request.sent:]
         request.sent = len(request.text)
