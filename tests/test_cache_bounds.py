@@ -247,14 +247,14 @@ def test_prefill_captures_keep_the_most_recently_used_lengths(model, small_bound
         return model.generate(np.arange(3, 3 + length)[None], max_new_tokens=2, eos_token_id=[])
 
     expected = [generate(4) for _ in range(3)][0]
-    captured = model._held_prefill[1][4]
+    captured = model._held_prefill[1][4, False]  # (length, run padded)
     assert captured.ready
     for length in (5, 6, 7):
         generate(length)
         generate(length)  # captured (and its plan held) ...
         generate(4)       # ... until two other lengths came after it
     captures = model._held_prefill[1]
-    assert list(captures) == [7, 4] and captures[4] is captured
+    assert list(captures) == [(7, False), (4, False)] and captures[4, False] is captured
     live = {id(c) for c in captures.values()} | {id(model._held_decode[1])}
     assert all(id(h) in live for plan in lazy._plans.values() for h in plan.holders)
     recorded = lazy.stats["recorded"]

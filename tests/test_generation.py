@@ -476,6 +476,21 @@ def test_prompts_of_one_bucket_share_a_padded_prefill(monkeypatch):
     assert model._kv_cache.position == 3 + 5  # the padding is not in the cache
 
 
+def test_a_prompt_run_padded_and_one_run_at_its_length_keep_apart_prefills(monkeypatch):
+    """A recorded prefill run padded (its input picks each row's last token) never serves a prompt of the same
+    length run at its own length (no such input), as when the bucket changes between calls: each records its own
+    and both give the uncaptured model's tokens."""
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "CHAIN_STEPS", 1)
+    model, reference = _fixture_model("llama"), _fixture_model("llama")
+    ids = PADDED[1:, :8]
+    want = reference.generate(ids, max_new_tokens=4, eos_token_id=[])
+    for bucket in (8, 8, 0, 0, 8, 0):
+        monkeypatch.setattr(generation, "PREFILL_BUCKET", {"gpu": bucket, "cpu": bucket})
+        np.testing.assert_array_equal(model.generate(ids, max_new_tokens=4, eos_token_id=[]), want)
+    assert set(model._held_prefill[1]) == {(8, True), (8, False)}
+
+
 def test_left_padded_batches_replay_the_prefill(monkeypatch):
     """Batched prompts of different lengths (left-padded, with an attention mask) replay a recorded prefill too:
     the mask is an input the capture rewrites. Three batches of one bucket with different padding: the third

@@ -17,6 +17,7 @@ import pytest
 from test_serve import free_port, prefill_bucket, run_staggered, run_together, wait_for
 from tokenizers import Tokenizer, decoders, models
 
+from vkformers.engine.function import no_grad
 from vkformers.errors import InputError
 from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, SamplingParams
@@ -153,3 +154,26 @@ def test_a_paged_batch_of_states_at_its_column_limit_gives_back_spare_columns(na
     assert scheduler.error is None and scheduler.last_error is None
     assert [r.generated for r in requests] == expected
     assert scheduler.metrics.compactions >= 1, (scheduler.metrics.compactions, scheduler.metrics.rebuilds)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_prefills_of_left_padded_rows_equal_one_prefill(name):
+    """A rebuild prefills its left-padded rows in chunks of columns: a row whose tokens begin where a chunk
+    begins (all padding before it) carries no state from the padding across the boundary (RWKV's token shift did:
+    its state held the last padded column), so the last logits equal one prefill of every column."""
+    model = load(name)
+    scheduler = BatchScheduler(model, char_tokenizer(), max_batch=4, max_model_len=48)
+    histories = [list(range(3, 21)), [7, 9], list(range(20, 36)), [11, 12, 13, 14]]  # 18, 2, 16 and 4 tokens
+
+    def last_logits(chunk):
+        ids, mask = scheduler._left_padded(histories, 4)
+        cache, _ = scheduler._cache(4, ids.shape[1] + 8)
+        positions = model.generation_positions(mask, ids, ids.shape[1])
+        with no_grad():
+            for start in range(0, ids.shape[1], chunk):
+                end = min(start + chunk, ids.shape[1])
+                logits = model.prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
+        return logits
+
+    whole, chunked = last_logits(64), last_logits(16)
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * float(np.abs(whole).max()))

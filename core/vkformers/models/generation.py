@@ -102,7 +102,7 @@ class GenerationMixin:
         capturable = capture_limit and recompute_beyond is None
         bucket = PREFILL_BUCKET["cpu" if cache.device.is_cpu else "gpu"]
         padded = _padded_length(self, length, bucket, min(cache.max_len, capture_limit)) if capturable else None
-        prefill = self._prefill_capture(cache, padded or length, key) if capturable else None
+        prefill = self._prefill_capture(cache, padded or length, padded is not None, key) if capturable else None
         greedy = not do_sample and repetition_penalty == 1.0
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
@@ -250,10 +250,10 @@ class GenerationMixin:
         cache.rewind(extra)
         return logits
 
-    def _prefill_capture(self, cache: KVCache, length: int, key) -> "DecodeCapture | None":
-        """The prefill capture for prompts of ``length`` tokens on this cache (the PREFILL_CAPTURES lengths used
-        most recently are kept; a change of ``key``, as for the decode capture, drops them all), or None while a
-        parameter has pending updates."""
+    def _prefill_capture(self, cache: KVCache, length: int, padded: bool, key) -> "DecodeCapture | None":
+        """The prefill capture for prompts of ``length`` tokens on this cache, run ``padded`` (with the input that
+        picks each row's last token) or not (the PREFILL_CAPTURES shapes used most recently are kept; a change of
+        ``key``, as for the decode capture, drops them all), or None while a parameter has pending updates."""
         if key is None:
             return None
         held = getattr(self, "_held_prefill", None)
@@ -261,8 +261,8 @@ class GenerationMixin:
             held = (key, {})
             object.__setattr__(self, "_held_prefill", held)
         captures = held[1]
-        capture = captures.pop(length, None) or DecodeCapture(cache, tokens=length)
-        captures[length] = capture  # least recently used first
+        capture = captures.pop((length, padded), None) or DecodeCapture(cache, tokens=length)
+        captures[length, padded] = capture  # least recently used first
         while len(captures) > max(PREFILL_CAPTURES, 1):
             captures.pop(next(iter(captures)))
         return capture

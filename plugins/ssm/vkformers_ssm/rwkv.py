@@ -68,6 +68,15 @@ def _shifted(h, previous, mask=None):
     return shifted
 
 
+def _last_token(h, mask=None):
+    """The token shift's state for the next call: the last token, zeros in rows where it is padding (so that the
+    next call's first token finds none before it, as within one call)."""
+    last = h[:, h.shape[1] - 1].contiguous()
+    if mask is not None and not mask[:, -1].all():
+        last = last * Tensor(mask[:, -1:], dtype=h.dtype)
+    return last.detach()
+
+
 def _mixed(h, shifted, mix):
     return h * mix + shifted * (mix * -1.0 + 1.0)
 
@@ -127,7 +136,7 @@ class RwkvTimeMix(Module):
                 top = top_next * real + top * pad
         wkv = F.stack(outputs, 1)
         if states is not None:
-            states[index] = (h[:, length - 1].contiguous().detach(), num.detach(), den.detach(), top.detach())
+            states[index] = (_last_token(h, padding), num.detach(), den.detach(), top.detach())
         return self.output(receptance * wkv.cast(h.dtype))
 
 
@@ -148,11 +157,12 @@ class RwkvChannelMix(Module):
     def forward(self, h, ctx, index: int):
         length = h.shape[1]
         previous, states = row_states(ctx, "rwkv_channel_states", index)
-        shifted = _shifted(h, previous, layout_padding(ctx, length))
+        padding = layout_padding(ctx, length)
+        shifted = _shifted(h, previous, padding)
         hidden = F.relu(self.key(_mixed(h, shifted, self.time_mix_key))).square()
         out = F.sigmoid(self.receptance(_mixed(h, shifted, self.time_mix_receptance))) * self.value(hidden)
         if states is not None:
-            states[index] = h[:, length - 1].contiguous().detach()
+            states[index] = _last_token(h, padding)
         return out
 
 
