@@ -255,3 +255,36 @@ def test_prefills_that_outgrow_the_pool_admit_fewer_requests_until_one_finishes(
     assert scheduler.error is None and scheduler.last_error is None
     assert [r.generated for r in requests] == [e.tolist() for e in expected]
     assert scheduler.metrics.preemptions >= 8 and scheduler._admit_limit is None
+
+
+@pytest.mark.parametrize("failure", [KVBlocksExhausted, RuntimeError])
+def test_a_failure_while_prefilled_prompts_join_loses_no_request(tiny, failure, monkeypatch):
+    """The pool running out (or any failure) while prefilled prompts take their rows: those requests are in no row
+    yet, and still wait again (or get an error), none left hanging; the pool runs out once here. Prompts prefill 8
+    columns a turn: the last chunk (and the placing) comes in a later turn than the one that admitted them."""
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    path, tokenizer, reference = tiny
+    jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, LENGTHS)]
+    expected = [reference_tokens(reference, ids, p.max_tokens).tolist() for ids, p in jobs]
+    scheduler = scheduler_on(path, tokenizer, max_batch=8, kv_blocks=256, page_size=4)
+    place, failed = scheduler._place, []
+
+    def place_once(*args):
+        if not failed:
+            failed.append(True)
+            raise failure("the pool ran out while placing")
+        return place(*args)
+    monkeypatch.setattr(scheduler, "_place", place_once)
+    scheduler.start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert failed and all(r.finished for r in requests)
+    if failure is KVBlocksExhausted:
+        assert scheduler.last_error is None and [r.generated for r in requests] == expected
+    else:
+        errors = [r for r in requests if r.finish_reason == "error"]
+        assert errors and isinstance(scheduler.last_error, RuntimeError)
+        assert all(r.generated == e for r, e in zip(requests, expected) if r.finish_reason != "error")

@@ -524,8 +524,7 @@ class BatchScheduler:
                 self._step()
         except KVBlocksExhausted:  # paged, not foreseen: every request waits again, recomputed when it rejoins
             with self._cond:
-                requests = [r for r in self._live() + self._joining
-                            + (self._prefilling.requests if self._prefilling else []) if not r.finished]
+                requests = [r for r in self._held_requests() if not r.finished]
             self.metrics.preemptions += len(requests)
             self._admit_limit = max(1, min(self._admit_limit or len(requests), len(requests)) // 2)
             self._requeue(sorted(requests, key=lambda r: r.arrived))
@@ -538,7 +537,7 @@ class BatchScheduler:
             self.last_error = exc
             self.metrics.errors += 1
             with self._cond:
-                self._fail(self._joining + self._rows + (self._prefilling.requests if self._prefilling else []))
+                self._fail(self._held_requests())
             self._prefilling = None
             self._release_rows()
             self._caches.clear()
@@ -547,6 +546,12 @@ class BatchScheduler:
             self._pool = None  # (its blocks may be held by the dropped caches)
         finally:
             self._joining = []
+
+    def _held_requests(self) -> list[Request]:
+        """The requests this turn held (in rows, joining, or being prefilled), each once: a failure answers them."""
+        prefilling = self._prefilling.requests if self._prefilling is not None else []
+        held = [r for r in self._rows + self._joining + prefilling if r is not None]
+        return list({id(r): r for r in held}.values())
 
     def _fail(self, requests) -> None:
         for request in requests:
@@ -799,9 +804,9 @@ class BatchScheduler:
         job.done = end
         self.metrics.prefill_chunks += 1
         if end == width:
-            self._prefilling = None
             self._register_prefix(job.cache, job.layout, len(job.requests))
             self._place(job.requests, ids, job.cache, logits)
+            self._prefilling = None  # placed (until then a failure finds the requests here: they are in no row)
 
     def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
         """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these):
