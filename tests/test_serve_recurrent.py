@@ -177,3 +177,18 @@ def test_chunked_prefills_of_left_padded_rows_equal_one_prefill(name):
 
     whole, chunked = last_logits(64), last_logits(16)
     np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-5 * float(np.abs(whole).max()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_left_padded_row_of_a_batch_equals_the_row_alone(name):
+    """On the scheduler's caches padding only lays rows out: a left-padded row's last logits are those of its
+    tokens alone (RecurrentGemma's convolution took the padding's inputs, as transformers does with a mask)."""
+    model = load(name)
+    scheduler = BatchScheduler(model, char_tokenizer(), max_batch=2, max_model_len=48)
+    histories = [[18, 11, 30, 30, 30, 30], [7, 16, 9, 3, 18, 5, 16, 15, 15, 17, 6, 11, 17, 5, 9]]
+    ids, mask = scheduler._left_padded(histories, 2)
+    cache, _ = scheduler._cache(2, ids.shape[1] + 8)
+    with no_grad():
+        batched = model.prefill(ids, mask, model.generation_positions(mask, ids, ids.shape[1]), cache)
+        alone = np.stack([model(np.array([h], np.int64)).logits.numpy()[0, -1] for h in histories])
+    np.testing.assert_allclose(batched, alone, rtol=0, atol=1e-5 * float(np.abs(alone).max()))

@@ -141,12 +141,18 @@ def trial(seed: int, index: int, models: Models, names: list[str], timeout: floa
     bad = [f"error {scheduler.error or scheduler.last_error!r}"] if scheduler.error or scheduler.last_error else []
     for request, (ids, params, _, cancel), want in zip(requests, jobs, expected):
         if request is not None and not cancel and request.finish_reason != "cancelled" and request.generated != want:
-            bad.append(f"prompt {ids} {params}: got {request.generated}, generate alone {want}")
+            # generate on a model fresh from disk, holding no recorded plan of earlier trials
+            fresh = expected_tokens(models.load(name)[0], ids, params)
+            bad.append(f"prompt {ids} {params}: got {request.generated}, generate alone {want}"
+                       + ("" if fresh == want else f", generate alone on a fresh model {fresh}"))
     m = scheduler.metrics
     print(f"{described} {'BAD' if bad else 'ok'} steps={m.steps} rebuilds={m.rebuilds} placements={m.placements} "
           f"shifts={m.shifts} compactions={m.compactions} preemptions={m.preemptions}", flush=True)
     for line in bad:
         print("    " + line)
+    if bad:
+        print("    jobs (prompt, max_tokens, temperature, seed, arrival s, cancelled):",
+              [(ids, p.max_tokens, p.temperature, p.seed, round(at, 3), cancel) for ids, p, at, cancel in jobs])
     if scheduler.last_error is not None:
         traceback.print_exception(scheduler.last_error)
     return not bad

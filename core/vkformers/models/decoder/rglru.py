@@ -13,7 +13,8 @@ sqrt(1 - a^2) at 1000 (SqrtBoundDerivative: only where 1 - a^2 < 2.5e-7, a gate 
 the exact one. Positions are the context's, so a
 left-padded prompt in generation restarts at its first token as transformers' does (its position ids are 0 there).
 With a KV cache the block keeps the last kernel - 1 conv inputs and h per layer on the cache object
-(``cache.rglru_states[layer]``), restarted at position 0.
+(``cache.rglru_states[layer]``), restarted at position 0. On a cache whose padding only lays rows out (a server's
+batch) padded positions feed the convolution zeros.
 """
 from __future__ import annotations
 
@@ -76,6 +77,11 @@ class RecurrentBlock(Module):
         batch, length, _ = h.shape
         y = self.act(self.linear_y(h))
         x_in = self.linear_x(h).contiguous()
+        mask = ctx.host_mask
+        if ctx.cache is not None and ctx.cache.padding_is_layout and mask is not None and not mask[:, -length:].all():
+            # a server's left padding (transformers convolves padding as tokens): no input to the convolution, so
+            # that a row's first token sees none before it, as alone
+            x_in = x_in * Tensor(mask[:, -length:].astype(np.float32)[:, :, None], dtype=x_in.dtype)
         states = None
         if ctx.cache is not None:
             states = ctx.cache.__dict__.setdefault("rglru_states", {})
