@@ -303,9 +303,7 @@ class CacheStates:
 def _kit_inputs(h, ctx):
     """What a mixer reads from the kit's Context: the keep mask of padded positions (or None) and its states."""
     length = h.shape[1]
-    keep = None
-    if ctx.host_mask is not None and not ctx.host_mask[:, -length:].all():
-        keep = Tensor(ctx.host_mask[:, -length:].astype(np.float32)[:, :, None], dtype=h.dtype)
+    keep = ctx.padding_keep(length, h.dtype)
     return keep, (CacheStates(ctx.cache) if ctx.cache is not None else None)
 
 

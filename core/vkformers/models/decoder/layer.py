@@ -107,6 +107,19 @@ class Context:
         self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
         #                                       read them beside the stream), or None
 
+    def padding_keep(self, length: int, dtype) -> Tensor | None:
+        """1 at the last ``length`` columns' tokens and 0 at their padding, [B, length, 1] in ``dtype`` (a recurrent
+        mixer's inputs times it), or None where none of them is padding."""
+        mask = self.host_mask
+        if mask is None or mask[:, -length:].all():
+            return None
+        return Tensor(mask[:, -length:].astype(np.float32)[:, :, None], dtype=dtype)
+
+    @property
+    def padding_is_layout(self) -> bool:
+        """Whether padding only lays rows out in columns (a server's batch: KVCache.padding_is_layout)."""
+        return self.cache is not None and self.cache.padding_is_layout
+
 
 class DecoderLayer(Module):
     """One block: attention and MLP with the spec's norms and residual wiring.

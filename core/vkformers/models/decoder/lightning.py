@@ -92,8 +92,9 @@ class LightningAttention(Module):
         batch, length, _ = h.shape
         heads, dim = self.heads, self.head_dim
         qkv = self.act(self.qkv_proj(h))
-        if ctx.host_mask is not None and not ctx.host_mask[:, -length:].all():
-            qkv = qkv * Tensor(ctx.host_mask[:, -length:].astype(np.float32)[:, :, None], dtype=qkv.dtype)
+        keep = ctx.padding_keep(length, qkv.dtype)
+        if keep is not None:
+            qkv = qkv * keep
         qkv = qkv.float().reshape(batch, length, heads, 3, dim).permute(3, 0, 2, 1, 4)       # [3, B, H, T, D]
         states = None
         if ctx.cache is not None:

@@ -77,11 +77,11 @@ class RecurrentBlock(Module):
         batch, length, _ = h.shape
         y = self.act(self.linear_y(h))
         x_in = self.linear_x(h).contiguous()
-        mask = ctx.host_mask
-        if ctx.cache is not None and ctx.cache.padding_is_layout and mask is not None and not mask[:, -length:].all():
+        keep = ctx.padding_keep(length, x_in.dtype) if ctx.padding_is_layout else None
+        if keep is not None:
             # a server's left padding (transformers convolves padding as tokens): no input to the convolution, so
             # that a row's first token sees none before it, as alone
-            x_in = x_in * Tensor(mask[:, -length:].astype(np.float32)[:, :, None], dtype=x_in.dtype)
+            x_in = x_in * keep
         states = None
         if ctx.cache is not None:
             states = ctx.cache.__dict__.setdefault("rglru_states", {})

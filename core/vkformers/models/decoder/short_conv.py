@@ -43,14 +43,13 @@ class ShortConv(Module):
 
     def forward(self, h, ctx, index: int):
         batch, length, d = h.shape
-        keep = None
-        if ctx.host_mask is not None and not ctx.host_mask[:, -length:].all():
-            keep = Tensor(ctx.host_mask[:, -length:].astype(np.float32)[:, :, None], dtype=h.dtype)
+        keep = ctx.padding_keep(length, h.dtype)
+        if keep is not None:
             h = h * keep
         projected = self.in_proj(h)
         b, c, x = (projected[..., i * d:(i + 1) * d] for i in range(3))
         gated = (b * x).contiguous()
-        if keep is not None and ctx.cache is not None and ctx.cache.padding_is_layout:
+        if keep is not None and ctx.padding_is_layout:
             # a server's left padding: its projections' biases feed the convolution nothing either (transformers'
             # do), so that a row's first token sees no input before it, as alone
             gated = gated * keep
