@@ -234,7 +234,10 @@ def test_prompts_joining_a_running_batch_replay_their_prefill(tiny, paged, monke
     short = [(tokens[-n:], SamplingParams(max_tokens=2, temperature=0)) for n in (9, 12, 10, 14, 11)]
     expected = [reference_tokens(reference, ids, p.max_tokens).tolist() for ids, p in long + short]
     scheduler = scheduler_on(path, tokenizer, max_batch=4, **({"kv_blocks": 96} if paged else {}))
-    requests = [scheduler.submit(Request(ids, p, lambda update: None, [])) for ids, p in long]
+    # the first long one's updates (on the scheduler's thread) pace the steps as a CPU device runs them: on a GPU
+    # this tiny model's steps are shorter than wait_for's poll, and the long ones finished before the short ones joined
+    paced = [lambda update: time.sleep(0.02)] + [lambda update: None] * (len(long) - 1)
+    requests = [scheduler.submit(Request(ids, p, on_update, [])) for (ids, p), on_update in zip(long, paced)]
     scheduler.start()
     try:
         for job in short:
