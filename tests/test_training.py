@@ -195,6 +195,32 @@ def test_a_copied_input_is_never_replayed():
         np.testing.assert_array_equal(v, ((np.arange(6) + i) * 2.0).reshape(2, 3)[:, 1:])
 
 
+def test_captures_sharing_a_plan_replay_their_own_constants():
+    """Two steps of one graph that differ in a constant input (an offset made inside the step) share the engine's
+    plan: each capture replays with the constant it observed, however the other's replays and a plain realization
+    of the same graph come between (their constants left in the plan's input buffers); gone, they hold it no more."""
+    offsets = [np.full(4, 10.0, np.float32), np.full(4, -3.0, np.float32)]
+    captures = [lazy.StepCapture(), lazy.StepCapture()]
+
+    def step(which, x):
+        return captures[which].run(lambda: [vkf.tensor(x) + vkf.tensor(offsets[which].copy())], {"x": x})[0]
+
+    rng = np.random.default_rng(0)
+    for which in (0, 0, 1, 1):  # each observed twice: both ready
+        x = rng.standard_normal(4).astype(np.float32)
+        np.testing.assert_array_equal(step(which, x), x + offsets[which])
+    assert all(c.ready for c in captures) and captures[0].previous.plan is captures[1].previous.plan
+    for which in (0, 1, 1, 0, 0, 1, "plain", 0, "plain", 1):
+        x = rng.standard_normal(4).astype(np.float32)
+        if which == "plain":
+            np.testing.assert_array_equal((vkf.tensor(x) + vkf.tensor(np.ones(4, np.float32))).numpy(), x + 1)
+        else:
+            np.testing.assert_array_equal(step(which, x), x + offsets[which])
+    plan = captures[0].previous.plan
+    captures.clear()
+    assert len(plan.holders) == 0  # the plan's note of whose inputs it holds keeps no capture alive
+
+
 def test_clipping_scales_the_update_by_the_global_norm():
     """With clip c far below the gradient norm, SGD-like first Adam steps are sign-based; check the
     factor directly: the update of a clipped run equals one of an unclipped run on pre-scaled grads."""

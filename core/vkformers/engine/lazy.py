@@ -297,6 +297,9 @@ class Plan:
         self.key = None                     # its signature in the plan cache
         self.holders = weakref.WeakSet()    # captures replaying it: the cache keeps it while one lives
         self.memory: dict = {"nbytes": nbytes}  # what its buffers hold (see memory_report)
+        # a weak reference to the capture whose values its input buffers hold (None: a realization's): graphs of
+        # one signature share the plan, so another capture or realization of it may have written its own there
+        self.inputs_owner = None
 
     def hold(self, holder) -> None:
         """``holder`` (a capture) replays this plan without the cache: the cache must not evict it meanwhile."""
@@ -546,6 +549,7 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
 
     for leaf, buf in zip(leaves, plan.input_buffers):
         buf.host[...] = leaf.host.reshape(buf.shape)
+    plan.inputs_owner = None
     _run(plan)
 
     # Bind results, then cut the graph so its memory can go.
@@ -824,6 +828,20 @@ class capture:
         _recorders.remove(self)
 
 
+def restore_constants(plan: Plan, owner, constant: list, constants: list) -> None:
+    """Before ``owner`` (a capture) replays ``plan``: the values it observed in the inputs it replays as they are
+    (``constant[i]``: whether input buffer i is one; ``constants``: their arrays in order) back into their
+    buffers, where a realization or another capture of the same plan wrote its own since ``owner``'s last replay
+    (prefill chunks of one shape and different padding share a plan and differ in such inputs)."""
+    if plan.inputs_owner is not None and plan.inputs_owner() is owner:
+        return
+    values = iter(constants)
+    for is_constant, buf in zip(constant, plan.input_buffers):
+        if is_constant:
+            buf.host[...] = np.asarray(next(values)).reshape(buf.shape)
+    plan.inputs_owner = weakref.ref(owner)  # weak: the plan must not keep the capture (which holds it) alive
+
+
 def replay(plan: Plan, seq=None) -> None:
     """Run ``plan`` again on what its input buffers' host mirrors hold now (see :class:`capture`).
 
@@ -961,6 +979,7 @@ class StepCapture:
         # Generated inputs are drawn in the order the step declared them, as building it would.
         values = [how() if kind == "generated" else how[1](inputs[source])
                   for (kind, _, how), source in zip(seen.declared, seen.sources)]
+        restore_constants(seen.plan, self, [role[0] == "constant" for role in seen.roles], seen.constants)
         for role, buf in zip(seen.roles, seen.plan.input_buffers):
             if role[0] == "input":
                 buf.host[...] = np.asarray(inputs[role[1]]).reshape(buf.shape)

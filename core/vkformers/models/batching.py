@@ -830,11 +830,6 @@ class BatchScheduler:
         model = self.model
         if not self._replays() or getattr(model, "recompute_cache_beyond", None) is not None:
             return None
-        if self._recurrent and cache.position > 0:
-            # a replayed later chunk gave an all-padding row a wrong state (Mamba, Mamba-2, xLSTM: models of row
-            # states alone; test_serve_recurrent's chunked rebuilds): such chunks run their forward until that is
-            # understood
-            return None
         params = capture_key(model, cache)
         if params is None:
             return None

@@ -172,14 +172,16 @@ class DecodeCapture:
 
     def _write_step(self, step_ids: np.ndarray, step_positions: np.ndarray, rows=None,
                     key_padding_mask=None) -> bool:
-        """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants stay
-        as the recording left them); False, forgetting the capture, when the cache's mask changed kind."""
-        plan, roles = self.previous[:2]
+        """This step's ids, positions, cache bounds (and mask) into the plan's input buffers (the constants as
+        observed, where another forward of the plan wrote others); False, forgetting the capture, when the cache's
+        mask changed kind."""
+        plan, roles, constants = self.previous[:3]
         bounds, mask = self.cache.step_arrays(self.tokens, key_padding_mask)
         # a step reading no bounds attends to nothing (a model of recurrent states only): no mask reaches it
         if (mask is not None) != ("mask" in roles) and "bounds" in roles:
             self.forget()
             return False
+        lazy.restore_constants(plan, self, [role == "constant" for role in roles], constants)
         values = {"ids": step_ids, "positions": step_positions, "bounds": bounds, "mask": mask, "rows": rows}
         for role, target in zip(roles, plan.input_buffers):
             if role == "tables":  # the rows' first blocks, as many as the recorded gather read
