@@ -200,25 +200,6 @@ def test_a_rebuild_of_many_rows_prefills_in_chunks_of_bounded_tokens(tiny, paged
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_a_burst_is_prefilled_in_groups_of_similar_length(tiny, paged, monkeypatch):
-    """Eight prompts arriving at once, past PREFILL_GROUP_TOKENS together: the four shortest start the batch (its
-    rows sized for all eight), the others join it in groups of the shortest that fit, each padded to its own
-    longest prompt. Every output is generate's alone."""
-    prefill_bucket(monkeypatch, 0)  # each group at its longest prompt's width
-    monkeypatch.setattr(batching, "PREFILL_GROUP_TOKENS", 48)
-    path, tokenizer, reference = tiny
-    tokens = encode(tokenizer, " ".join(PROMPTS))
-    # sorted 3, 5, 9, 11 (4 rows x 11 = 44 tokens) | 14, 22 (2 x 22) | 27 | 30
-    jobs = [(tokens[-n:], SamplingParams(max_tokens=8, temperature=0)) for n in (30, 5, 22, 9, 14, 3, 27, 11)]
-    expected = [reference_tokens(reference, ids, p.max_tokens).tolist() for ids, p in jobs]
-    scheduler = scheduler_on(path, tokenizer, max_batch=8, **({"kv_blocks": 128} if paged else {}))
-    requests = run_together(scheduler, jobs)
-    assert scheduler.error is None and [r.generated for r in requests] == expected
-    metrics = scheduler.metrics
-    assert (metrics.rebuilds, metrics.placements, metrics.peak_live_rows) == (1, 3, 8)
-
-
-@pytest.mark.parametrize("paged", [False, True])
 def test_prefills_of_one_shape_replay_their_recorded_plan(tiny, paged, monkeypatch):
     """Prompts of different lengths laid out at one width (a bucket of 16 columns, as a GPU rounds them to 64),
     each prefilled in two chunks of 8 columns: the first two prompts record and confirm each chunk's plan, every

@@ -250,7 +250,7 @@ def test_prefills_that_outgrow_the_pool_admit_fewer_requests_until_one_finishes(
     jobs = [(encode(tokenizer, p), SamplingParams(max_tokens=n, temperature=0)) for p, n in zip(PROMPTS, LENGTHS)]
     expected = [reference_tokens(reference, ids, p.max_tokens) for ids, p in jobs]
     scheduler = scheduler_on(path, tokenizer, max_batch=8, kv_blocks=32, page_size=4)
-    monkeypatch.setattr(scheduler, "_blocks_free", lambda joining, place, rows=0: True)
+    monkeypatch.setattr(scheduler, "_blocks_free", lambda joining, place: True)
     requests = run_together(scheduler, jobs)
     assert scheduler.error is None and scheduler.last_error is None
     assert [r.generated for r in requests] == [e.tolist() for e in expected]

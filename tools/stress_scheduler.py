@@ -30,8 +30,7 @@ from vkformers.models import batching, generation  # noqa: E402
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams  # noqa: E402
 
 LIMITS = {"COLUMN_LIMIT": [1, 2], "COLUMN_ROUNDING": [8, 16], "CACHE_GROWTH": [4, 16, 256],
-          "PREFILL_CHUNK": [8, 16, 512], "PREFILL_TOKENS": [32, 64, 8192], "PREFILL_GROUP_TOKENS": [24, 96, 8192],
-          "PREFILL_PLANS": [1, 8],
+          "PREFILL_CHUNK": [8, 16, 512], "PREFILL_TOKENS": [32, 64, 8192], "PREFILL_PLANS": [1, 8],
           "PREFILL_POWERS_OF_TWO": [True, False]}
 DEFAULTS = {name: getattr(batching, name) for name in LIMITS}
 BUCKETS = dict(generation.PREFILL_BUCKET)

@@ -85,11 +85,6 @@ PREFILL_CHUNK = 512
 # joining prompts, runs in chunks of fewer columns, so that a chunk's activations stay bounded and within what one
 # buffer may hold.
 PREFILL_TOKENS = 8192
-# Requests admitted at once (a burst of clients) are prefilled in groups when together they pass this many tokens
-# (rows x columns, padding included): sorted by length, the first group as many of the shortest as fit (one at least),
-# the others waiting again at the head of the queue. A group is padded to its own longest prompt, not the burst's,
-# and the batch decodes the first groups while the later ones prefill.
-PREFILL_GROUP_TOKENS = PREFILL_TOKENS
 # Recorded prefill plans the scheduler holds (its prefills of one shape, chunk and cache replay one plan, as
 # generate's do), least recently used dropped first; and at most lazy.MAX_PLAN_BYTES of their own buffers together.
 PREFILL_PLANS = 8
@@ -509,24 +504,17 @@ class BatchScheduler:
         "error" update) and drops the batch and its recorded steps; the next requests start a new one."""
         try:
             if self._joining:
-                admitted = len(self._joining)
-                self._joining = self._first_group(self._joining)
                 fits = self._state is not None and self._fits(self._joining)
                 if self._state is not None and not fits and self._compact_tables():  # paged: columns given back
                     fits = self._fits(self._joining)
                 if fits and self._blocks_free(self._joining, True):
                     self._start_prefill(self._joining)
                 else:
-                    # rows for the whole burst, so that the groups after the first join it (where blocks allow)
-                    with self._cond:
-                        rows = self._bucket(len(self._live()) + admitted)
-                    if not self._blocks_free(self._joining, False, rows):
-                        rows = 0
-                    fitting = self._fitting(self._joining)
-                    self._requeue(self._joining[len(fitting):])  # paged: the others wait for blocks
-                    self._joining = fitting
-                    if fitting:
-                        self._rebuild(fitting, rows)
+                    admitted = self._fitting(self._joining)
+                    self._requeue(self._joining[len(admitted):])  # paged: the others wait for blocks
+                    self._joining = admitted
+                    if admitted:
+                        self._rebuild(admitted)
             decoding = self._state is not None and any(r is not None and not r.finished for r in self._rows)
             if self._prefilling is not None:
                 self._prefill_chunk()
@@ -606,10 +594,9 @@ class BatchScheduler:
                 cache.release_rows(gone)
         self._count_blocks()
 
-    def _blocks_free(self, joining: list[Request], place: bool, rows: int = 0) -> bool:
+    def _blocks_free(self, joining: list[Request], place: bool) -> bool:
         """Paged: whether the pool has the blocks the joining requests need, prefilled apart and placed
-        (``place``), or in a rebuild of the whole batch into ``rows`` rows at least (which gives the running
-        batch's blocks back first)."""
+        (``place``), or in a rebuild of the whole batch (which gives the running batch's blocks back first)."""
         if self.kv_blocks is None:
             return True
         pool = self._block_pool()
@@ -624,7 +611,7 @@ class BatchScheduler:
         with self._cond:
             live = self._live()
         held = cache.blocks_held if cache is not None else 0
-        fillers = max(self._bucket(len(live) + len(joining)), rows) - len(live) - len(joining)
+        fillers = self._bucket(len(live) + len(joining)) - len(live) - len(joining)
         return sum(blocks(len(r.prompt) + len(r.generated)) for r in live + joining) + fillers * blocks(1) \
             <= pool.free_blocks + held
 
@@ -637,20 +624,6 @@ class BatchScheduler:
         if count == 0 and joining and not self._live():
             count = 1
         return joining[:count]
-
-    def _first_group(self, joining: list[Request]) -> list[Request]:
-        """The joining requests to prefill now: all of them within PREFILL_GROUP_TOKENS, else the shortest that fit
-        (one at least), the others waiting again at the head of the queue, shortest first (PREFILL_GROUP_TOKENS)."""
-        def tokens(requests):
-            return self._bucket(len(requests)) * self._width(max(len(r.prompt) + len(r.generated) for r in requests))
-        if tokens(joining) <= PREFILL_GROUP_TOKENS:
-            return joining
-        ordered = sorted(joining, key=lambda r: len(r.prompt) + len(r.generated))
-        count = 1
-        while count < len(ordered) and tokens(ordered[:count + 1]) <= PREFILL_GROUP_TOKENS:
-            count += 1
-        self._requeue(ordered[count:])
-        return ordered[:count]
 
     def _requeue(self, requests: list[Request]) -> None:
         with self._cond:
@@ -768,13 +741,12 @@ class BatchScheduler:
             mask[row, length - len(history):] = 1
         return ids, mask
 
-    def _rebuild(self, joining: list[Request], rows: int = 0) -> None:
+    def _rebuild(self, joining: list[Request]) -> None:
         """Prefill every live request's tokens so far (prompt and generated) and the joining prompts as one
-        left-padded batch of ``rows`` rows at least; each request then takes its next token from the prefill's
-        logits."""
+        left-padded batch; each request then takes its next token from the prefill's logits."""
         with self._cond:
             live = self._live() + joining
-        rows = max(self._bucket(len(live)), rows)
+        rows = self._bucket(len(live))
         if self._state is not None and self._state[0].paged:
             self._state[0].reset()  # everything is prefilled again: its blocks first (its cached ones stay)
         layout = self._layout(live, rows)
