@@ -215,4 +215,5 @@ def test_rebuilds_in_chunks_that_replay_recorded_prefills_equal_each_row_alone(n
                 logits = scheduler._prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
             alone = np.stack([model(np.array([h], np.int64)).logits.numpy()[0, -1] for h in histories])
             np.testing.assert_allclose(logits, alone, rtol=0, atol=1e-5 * float(np.abs(alone).max()))
-    assert scheduler.metrics.prefill_replays == 2 * 4  # every chunk of the last two rebuilds
+    chunks = -(-ids.shape[1] // 10)  # the width the device lays the rows out at (a GPU rounds 38 up to 64)
+    assert scheduler.metrics.prefill_replays == 2 * chunks  # every chunk of the last two rebuilds
