@@ -149,9 +149,9 @@ class GatedDeltaNet(Module):
 
     def forward(self, h, ctx, index: int):
         batch, length, _ = h.shape
-        if ctx.host_mask is not None and not ctx.host_mask.all():  # padded positions contribute nothing
-            keep = ctx.host_mask[:, -length:].astype(np.float32)[:, :, None]
-            h = h * Tensor(keep, dtype=h.dtype)
+        keep = ctx.padding_keep(length, h.dtype)
+        if keep is not None:  # padded positions contribute nothing
+            h = h * keep
         states = None
         if ctx.cache is not None:
             states = ctx.cache.__dict__.setdefault("linear_states", {})
