@@ -48,10 +48,7 @@ def row_states(ctx, name: str, index: int):
 def layout_padding(ctx, length: int):
     """The current tokens' mask [B, T] (float32 numpy) where the cache says padding is layout and some is here,
     else None (padding runs as tokens)."""
-    if ctx.cache is None or not ctx.cache.padding_is_layout or ctx.host_mask is None:
-        return None
-    mask = np.asarray(ctx.host_mask)[:, -length:]
-    return None if mask.all() else mask.astype(np.float32)
+    return ctx.padding_mask(length) if ctx.padding_is_layout else None
 
 
 def _shifted(h, previous, mask=None):

@@ -107,13 +107,18 @@ class Context:
         self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
         #                                       read them beside the stream), or None
 
-    def padding_keep(self, length: int, dtype) -> Tensor | None:
-        """1 at the last ``length`` columns' tokens and 0 at their padding, [B, length, 1] in ``dtype`` (a recurrent
-        mixer's inputs times it), or None where none of them is padding."""
+    def padding_mask(self, length: int) -> np.ndarray | None:
+        """1 at the last ``length`` columns' tokens and 0 at their padding, float32 [B, length] on the host, or None
+        where none of them is padding."""
         mask = self.host_mask
         if mask is None or mask[:, -length:].all():
             return None
-        return Tensor(mask[:, -length:].astype(np.float32)[:, :, None], dtype=dtype)
+        return mask[:, -length:].astype(np.float32)
+
+    def padding_keep(self, length: int, dtype) -> Tensor | None:
+        """padding_mask as a tensor [B, length, 1] in ``dtype`` (a recurrent mixer's inputs times it), or None."""
+        mask = self.padding_mask(length)
+        return None if mask is None else Tensor(mask[:, :, None], dtype=dtype)
 
     @property
     def padding_is_layout(self) -> bool:
