@@ -106,6 +106,7 @@ class Context:
         #                                       inputs from (lazy.derived_input)
         self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
         #                                       read them beside the stream), or None
+        self._padding_keeps: dict = {}        # padding_keep's tensors, one per (columns, dtype) for all layers
 
     def padding_mask(self, length: int) -> np.ndarray | None:
         """1 at the last ``length`` columns' tokens and 0 at their padding, float32 [B, length] on the host, or None
@@ -116,9 +117,13 @@ class Context:
         return mask[:, -length:].astype(np.float32)
 
     def padding_keep(self, length: int, dtype) -> Tensor | None:
-        """padding_mask as a tensor [B, length, 1] in ``dtype`` (a recurrent mixer's inputs times it), or None."""
-        mask = self.padding_mask(length)
-        return None if mask is None else Tensor(mask[:, :, None], dtype=dtype)
+        """padding_mask as a tensor [B, length, 1] in ``dtype`` (a recurrent mixer's inputs times it), or None; made
+        once per forward, so that every layer reads one input rather than uploading its own copy."""
+        key = (length, str(dtype))
+        if key not in self._padding_keeps:
+            mask = self.padding_mask(length)
+            self._padding_keeps[key] = None if mask is None else Tensor(mask[:, :, None], dtype=dtype)
+        return self._padding_keeps[key]
 
     @property
     def padding_is_layout(self) -> bool:
