@@ -7,6 +7,11 @@ import time
 
 import numpy as np
 
+# Llama-3-8B's shape.
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
+
 # The H200 lowers its clocks when idle and raises them over the first second or so of load: the same 512-token
 # prefill replay took 52 ms right after loading and 14 ms three seconds later, and a 4096^3 fp16 matmul timed
 # after an idle pause (numpy checks) ran at 40 TFLOP/s against 229 warm. So every timing runs after a warm-up,

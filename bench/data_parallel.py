@@ -49,11 +49,7 @@ from vkformers.training import LoraConfig, Trainer, TrainingConfig, apply_lora, 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from llama import TINYLLAMA  # noqa: E402  (bench/llama.py: the TinyLlama config)
-from common import write_results  # noqa: E402
-
-LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
+from common import LLAMA3_8B, write_results  # noqa: E402
 SHAPES = {"tinyllama": TINYLLAMA, "llama3-8b": LLAMA3_8B}
 LR, WEIGHT_DECAY, CLIP, SEED = 1e-4, 0.01, 1.0, 0
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])

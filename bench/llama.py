@@ -1,4 +1,5 @@
-"""Llama benchmark: the 1.1B TinyLlama shape with random weights, vkformers against transformers + PyTorch CUDA.
+"""Llama benchmark: the 1.1B TinyLlama shape (--shape llama3-8b: Llama-3-8B's) with random weights, vkformers
+against transformers + PyTorch CUDA.
 
 Measures, for each dtype: prefill of 512 tokens (tokens/s, batch 1), generate with one new token after
 prompts of 8 different lengths (100-127: a serving-like mix; prompt tokens/s) and greedy decode
@@ -6,7 +7,8 @@ prompts of 8 different lengths (100-127: a serving-like mix; prompt tokens/s) an
 in both frameworks, in the same process, each after a few seconds of warm-up prefills. Without CUDA (or
 --no-torch) only vkformers runs.
 
-    python bench/llama.py [--dtypes bfloat16,float32] [--layers 22] [--new-tokens 64] [--json OUT]
+    python bench/llama.py [--shape tinyllama] [--dtypes bfloat16,float32] [--layers 22] [--new-tokens 64]
+                          [--fused-ab] [--no-torch] [--json OUT]
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 
 import numpy as np
 
-from common import profile_gpu, warm_up, write_results
+from common import LLAMA3_8B, profile_gpu, warm_up, write_results
 
 import vkformers as vkf
 from vkformers.engine import lazy
@@ -26,18 +28,23 @@ from vkformers.models.loading import AutoModelForCausalLM
 TINYLLAMA = dict(model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+SHAPES = {"tinyllama": TINYLLAMA, "llama3-8b": LLAMA3_8B}
 
 
-def random_weights(model, seed=0) -> dict[str, np.ndarray]:
+def random_weights(model, seed=0, shared: bool = False) -> dict[str, np.ndarray]:
+    """``shared``: slots of one shape share one array (every layer the same values), so that the host holds one
+    layer's worth (the 8B shape)."""
     rng = np.random.default_rng(seed)
-    weights = {}
+    weights, made = {}, {}
     for name, slot in model.named_slots():
         if slot.tied_to is not None:
             continue
         if name.endswith("norm.weight") or "layernorm" in name:
             weights[name] = np.ones(slot.shape, np.float32)
+        elif shared and tuple(slot.shape) in made:
+            weights[name] = made[tuple(slot.shape)]
         else:
-            weights[name] = (rng.standard_normal(slot.shape, dtype=np.float32) * 0.02)
+            weights[name] = made[tuple(slot.shape)] = rng.standard_normal(slot.shape, dtype=np.float32) * 0.02
     return weights
 
 
@@ -128,7 +135,8 @@ def bench_torch(config, weights, dtype, prompt, new_tokens) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--layers", type=int, default=22, help="fewer layers for a quick run")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--no-torch", action="store_true")
@@ -138,8 +146,9 @@ def main(argv=None) -> int:
                         help="also time decoding with the fused decode kernels (engine/ops/decode.py) forced on and off "
                              "(by default they run on GPUs only)")
     args = parser.parse_args(argv)
-    config = dict(TINYLLAMA, num_hidden_layers=args.layers)
-    weights = random_weights(AutoModelForCausalLM.from_config(config))
+    config = dict(SHAPES[args.shape])
+    config["num_hidden_layers"] = args.layers or config["num_hidden_layers"]
+    weights = random_weights(AutoModelForCausalLM.from_config(config), shared=args.shape != "tinyllama")
     prompt = np.random.default_rng(1).integers(0, config["vocab_size"], (8, args.prompt_len)).astype(np.int32)
     use_torch = not args.no_torch
     if use_torch:

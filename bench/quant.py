@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from common import WARM_UP_SECONDS, warm_up, write_results
+from common import LLAMA3_8B, WARM_UP_SECONDS, warm_up, write_results
 from llama import timed
 
 import vkformers as vkf
@@ -70,10 +70,6 @@ from vkformers.models.quantize import quantizable_weights
 from vkformers.runtime import vulkan
 from vkformers.training import LoraConfig, Trainer, TrainingConfig, apply_lora
 
-# Llama-3-8B's shape.
-LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, hidden_act="silu")
 LLAMA_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                  num_key_value_heads=8)
 QLORA = dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -38,9 +38,9 @@ import time
 
 import numpy as np
 
-from common import cuda_torch, run_clients, write_results
+from common import LLAMA3_8B, cuda_torch, run_clients, write_results
 from llama import TINYLLAMA
-from quant import LLAMA3_8B, tiled_weights
+from quant import tiled_weights
 from tokenizers import Tokenizer, models
 
 from vkformers.cli import generate as cli_generate

@@ -12,6 +12,8 @@ import pytest
 import vkformers as vkf
 from vkformers.engine import lazy
 from vkformers.engine.kernels import decode as KD
+from vkformers.engine.kernels import matmul as KM
+from vkformers.engine.ops import decode as fused_ops
 from vkformers.engine.ops.decode import (FusedNorm, fusable, fused_gated, fused_head_norm_rope_write, fused_linear,
                                         fused_qkv_rope_write)
 from test_attention import rounded
@@ -180,6 +182,28 @@ def test_fusable_refuses_what_the_kernel_cannot_take(device):
         assert fusable(x[:2], [w])
     trainable = vkf.tensor(np.zeros((8, 64), np.float32), requires_grad=True)
     assert not fusable(x[:2], [trainable])  # a gradient is being recorded
+
+
+def test_large_dense_weights_fuse_where_the_product_takes_the_small_m_kernel(device, monkeypatch):
+    """The default on a GPU: weights fuse up to KD.MAX_ROWS rows, but with a cooperative matrix for their dtype a
+    product whose largest weight has FUSED_DENSE_MAX_BYTES or more fuses only up to SMALL_M_MAX_COOPMAT_LINEAR rows
+    (past it x @ W^T takes the skinny tiles, and the model composes the ordinary ops); forced on, up to KD.MAX_ROWS
+    whatever the device and size."""
+    monkeypatch.setattr(fused_ops, "enabled", None)
+    monkeypatch.setattr(fused_ops, "FUSED_DENSE_MAX_BYTES", 8 * 64 * 2)  # an [8, 64] float16 weight's bytes
+    monkeypatch.setitem(device.info, "type", "discrete-gpu")  # (only the choice is asked: nothing runs)
+    x = vkf.tensor(np.zeros((KD.MAX_ROWS, 1, 64), np.float16))
+    large, small = vkf.tensor(np.zeros((8, 64), np.float16)), vkf.tensor(np.zeros((7, 64), np.float16))
+    limit = KM.SMALL_M_MAX_COOPMAT_LINEAR
+    with vkf.no_grad():
+        monkeypatch.setattr(KM, "coopmat_supported", lambda device, dtype: False)
+        assert fusable(x, [large]) and fusable(x[:limit + 1], [large])
+        monkeypatch.setattr(KM, "coopmat_supported", lambda device, dtype: True)
+        assert fusable(x[:1], [large]) and fusable(x[:limit], [large])
+        assert not fusable(x[:limit + 1], [large]) and not fusable(x, [large])
+        assert not fusable(x, [small, large]) and fusable(x, [small, small])  # the largest weight counts
+        monkeypatch.setattr(fused_ops, "enabled", True)
+        assert fusable(x, [large])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vkformers.engine.function import CopyStrided, KernelOp, contiguous, grad_enabled, node, wrap
 from vkformers.engine.kernels import decode as KD
+from vkformers.engine.kernels import matmul as KM
 from vkformers.engine.quantized import QuantizedTensor, quant_format
 from vkformers.runtime import dtypes as dt
 
@@ -23,6 +24,13 @@ from vkformers.runtime import dtypes as dt
 # True / False (VKFORMERS_FUSED_DECODE=1 / 0) force them on or off: the tests on lavapipe, a benchmark
 # comparing both, or ruling them out when chasing a wrong result.
 enabled: bool | None = {"1": True, "0": False}.get(os.environ.get("VKFORMERS_FUSED_DECODE", ""))
+# Past the rows where x @ W^T takes the small-m kernel, a GPU's cooperative-matrix tiles (COOPMAT_SKINNY) read large
+# weights faster than the fused kernel, whose arithmetic per weight grows with the rows, even with the norm and
+# epilogues as dispatches of their own; small products gain more from the dispatches fusion saves. On the H200 at 8
+# rows (bench/llama.py --fused-ab, docs/benchmarks.md) Llama-3-8B's products (the largest weight of each 32-112 MiB)
+# decoded 1.27x faster unfused, TinyLlama's (at most 22 MiB) 1.21x faster fused. A product whose largest weight has
+# this many bytes or more takes the ordinary ops there.
+FUSED_DENSE_MAX_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,15 @@ def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
 
 
 def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) -> bool:
-    """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights."""
-    if enabled is False or (enabled is None and weights[0].lazy.device.is_cpu):
+    """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights. By
+    default, past the rows where the plain product would take the small-m kernel, dense weights fuse only while
+    each is under FUSED_DENSE_MAX_BYTES (see there)."""
+    device = weights[0].lazy.device
+    if enabled is False or (enabled is None and device.is_cpu):
+        return False
+    if enabled is None and not isinstance(weights[0], QuantizedTensor) \
+            and KM.select_algorithm(device, dtype, rows, trans_b=True) != "small_m" \
+            and max(math.prod(w.shape) for w in weights) * dtype.itemsize >= FUSED_DENSE_MAX_BYTES:
         return False
     k, per_vector = weights[0].shape[-1], KD.elements_per_vector(dtype)
     quantized = [w for w in weights if isinstance(w, QuantizedTensor)]
