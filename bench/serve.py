@@ -54,7 +54,10 @@ from vkformers.models.tokenizer import PreTrainedTokenizer
 from vkformers.runtime.vulkan import buffer_memory
 
 
-SHAPES = {"llama3-8b": LLAMA3_8B, "tinyllama": TINYLLAMA}
+# "tiny": a Llama whose GPU work is negligible, so that a load measures the scheduler's and the server's host work
+SHAPES = {"llama3-8b": LLAMA3_8B, "tinyllama": TINYLLAMA,
+          "tiny": dict(TINYLLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512)}
 
 
 def random_shape(name: str, layers: int | None):

@@ -6,6 +6,7 @@ The engine is not shared across threads: every reference ``generate`` runs while
 """
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -857,3 +858,35 @@ def test_serve_arguments():
     for wrong in ("0", "1.5", "most"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--gpu-memory-utilization", wrong])
+
+
+def test_loop_mailbox_wakes_the_loop_once_for_what_other_threads_posted_meanwhile():
+    """The scheduler's thread posts every row's token of a step; the event loop wakes once for all that arrived before
+    it ran, and each queue gets its items in the order posted."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        schedule = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            wakeups.append(callback)
+            return schedule(callback, *args)
+        loop.call_soon_threadsafe = counted
+        mailbox = cli_serve.LoopMailbox(loop)
+        odd, even = asyncio.Queue(), asyncio.Queue()
+
+        def step(first):  # on another thread, while the loop is blocked (it waits for the thread below)
+            for i in range(first, first + 100):
+                mailbox.post(odd if i % 2 else even, i)
+        for first in (0, 100):
+            producer = threading.Thread(target=step, args=(first,))
+            producer.start()
+            producer.join()
+            got_odd = [await odd.get() for _ in range(50)]
+            got_even = [await even.get() for _ in range(50)]
+            assert got_odd == list(range(first + 1, first + 100, 2))
+            assert got_even == list(range(first, first + 100, 2))
+        assert len(wakeups) == 2  # one per step, not one per item
+        assert odd.empty() and even.empty()
+
+    asyncio.run(run())

@@ -20,6 +20,7 @@ import base64
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -477,6 +478,33 @@ def embedding_prometheus(embedder: Embedder, served: str) -> str:
     return prometheus_text(rows, label)
 
 
+class LoopMailbox:
+    """Hands items from other threads to asyncio queues of one event loop, waking the loop once for all the items
+    posted before it runs: the scheduler's thread posts every row's token of a step, which would otherwise wake the
+    loop (a write to its self-pipe, and a switch of threads) once per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list = []
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:
+                return  # the drain already scheduled delivers it, in order
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop closed (server shutting down)
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
               embedder: Embedder | None = None):
     """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
@@ -488,6 +516,12 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     from starlette.routing import Route
 
     created = int(time.time())
+    mailboxes: dict = {}  # the event loop's LoopMailbox (one loop serves the app)
+
+    def mailbox_of(loop) -> LoopMailbox:
+        if mailboxes.get("loop") is not loop:
+            mailboxes.update(loop=loop, mailbox=LoopMailbox(loop))
+        return mailboxes["mailbox"]
 
     def model_card() -> dict:
         card = {"id": served, "object": "model", "created": created, "owned_by": "vkformers"}
@@ -572,14 +606,12 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             stream = bool(body.get("stream"))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             loop = asyncio.get_running_loop()
+            mailbox = mailbox_of(loop)
             updates: asyncio.Queue = asyncio.Queue()
 
             def deliver(index):
                 def on_update(update):  # on the scheduler's thread
-                    try:
-                        loop.call_soon_threadsafe(updates.put_nowait, (index, update))
-                    except RuntimeError:  # the event loop closed (server shutting down)
-                        pass
+                    mailbox.post(updates, (index, update))
                 return on_update
             eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
             eos = eos + stop_token_ids(body)
