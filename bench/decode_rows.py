@@ -16,48 +16,11 @@ import sys
 
 import numpy as np
 
-from common import warm_up
-from quant import SWEEP_PRODUCTS, product_bytes
+from quant import SWEEP_PRODUCTS, product_bytes, record_products, sweep_weights, time_products
 
-from vkformers.engine.kernels import decode as KD
 from vkformers.runtime import vulkan
 
-HEAD_DIM, CAPACITY = 128, 64
 SHAPES = ("default", "4x4x1x0", "4x2x2x0", "4x4x2x0", "4x1x4x0", "8x2x2x0", "4x2x2x1", "4x1x2x0")
-
-
-def record(device, weights, rows: int, launch):
-    """The four fused products of every layer of ``weights`` at ``rows`` rows, as one timestamped sequence."""
-    (_, _, hidden, qkv), (_, _, _, o), (_, _, _, gate_up), (_, _, ffn, down) = SWEEP_PRODUCTS
-    buf = lambda n, name: device.buffer(n, "bfloat16", name=name)  # noqa: E731 (contents do not matter)
-    x, h, q, act = buf(rows * hidden, "x"), buf(rows * hidden, "h"), buf(rows * qkv[0], "q"), buf(rows * ffn, "act")
-    kv_heads = qkv[1] // HEAD_DIM
-    caches = [buf(rows * kv_heads * CAPACITY * HEAD_DIM, name) for name in ("k_cache", "v_cache")]
-    positions, start = device.upload(np.zeros(rows, np.int32)), device.upload(np.zeros(2, np.uint32))
-    inv_freq = device.upload(np.ones(HEAD_DIM // 2, np.float32))
-    norm = buf(ffn, "norm")
-    seq = device.sequence(timestamps=True)
-    common = dict(rows=rows, launch=launch)
-    for ws in weights:
-        KD.decode_matvec(seq, x, ws[0], q, k=hidden, widths=qkv, mode="qkv", norm_weight=norm, norm=True,
-                         out1=caches[0], out2=caches[1], positions=positions, cache_start=start, inv_freq=inv_freq,
-                         head_dim=HEAD_DIM, rot_dim=HEAD_DIM, kv_heads=kv_heads, capacity=CAPACITY, **common)
-        KD.decode_matvec(seq, q, ws[1], h, k=qkv[0], widths=o, residual=x, **common)
-        KD.decode_matvec(seq, h, ws[2], act, k=hidden, widths=gate_up, mode="gated", norm_weight=norm, norm=True,
-                         **common)
-        KD.decode_matvec(seq, act, ws[3], x, k=ffn, widths=down, residual=h, **common)
-    return seq
-
-
-def product_seconds(seq, layers: int, repeats: int = 5) -> np.ndarray:
-    """Median GPU seconds of each product kind (over the layers, then over the replays), after a warm-up."""
-    seq.replay()
-    warm_up(seq.replay, 0.5)
-    runs = []
-    for _ in range(repeats):
-        seq.replay()
-        runs.append([t for label, t in seq.timings()[1:] if label != "barrier"])
-    return np.median(np.median(np.array(runs), axis=0).reshape(layers, -1), axis=0)
 
 
 def line(tag: str, seconds) -> str:
@@ -92,8 +55,7 @@ def main(argv=None) -> int:
                         help="launch shapes: default, or subgroups x in flight x pairs x split k")
     args = parser.parse_args(argv)
     device = vulkan.get_device()
-    weights = [[[device.buffer(n * k, "bfloat16", name="w") for n in widths] for _, _, k, widths in SWEEP_PRODUCTS]
-               for _ in range(args.layers)]
+    weights = sweep_weights(device, None, args.layers)
     print(f"device: {device.name}; GB/s of weights per product ({', '.join(p[0] for p in SWEEP_PRODUCTS)}) and "
           f"over the layer", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
@@ -101,8 +63,8 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             launch = None if shape == "default" else tuple(int(v) for v in shape.split("x"))
             try:
-                print(line(f"fused {shape}", product_seconds(record(device, weights, rows, launch), args.layers)),
-                      flush=True)
+                seq = record_products(device, None, weights, launch, rows)
+                print(line(f"fused {shape}", time_products(seq, 5, 0.5)), flush=True)
             except Exception as exc:  # a shape the device refuses
                 print(f"  fused {shape}: failed: {str(exc).splitlines()[0][:100]}", flush=True)
     try:

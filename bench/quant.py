@@ -199,20 +199,20 @@ def sweep_weights(device, fmt: str | None, layers: int) -> list:
     return [[[weight(n, k) for n in widths] for _, _, k, widths in SWEEP_PRODUCTS] for _ in range(layers)]
 
 
-def record_products(device, fmt: str | None, weights: list, launch):
-    """The four decode products of every layer of ``weights`` (sweep_weights) as one timestamped sequence;
-    ``launch`` None: each product in its own default shape (QUANT_LAUNCH's, by kind)."""
+def record_products(device, fmt: str | None, weights: list, launch, rows: int = 1):
+    """The four decode products of every layer of ``weights`` (sweep_weights) at ``rows`` rows as one timestamped
+    sequence; ``launch`` None: each product in its own default shape (QUANT_LAUNCH's, by kind, at one row)."""
     dtype = "bfloat16"
     buf = lambda n, name, d=dtype: device.buffer(n, d, name=name)  # noqa: E731 (contents do not matter for timing)
     (_, _, hidden, qkv), (_, _, _, o), (_, _, _, gate_up), (_, _, ffn, down) = SWEEP_PRODUCTS
-    x, h, q, act = buf(hidden, "x"), buf(hidden, "h"), buf(qkv[0], "q"), buf(ffn, "act")
+    x, h, q, act = buf(rows * hidden, "x"), buf(rows * hidden, "h"), buf(rows * qkv[0], "q"), buf(rows * ffn, "act")
     kv_heads = qkv[1] // SWEEP_HEAD_DIM
-    caches = [buf(kv_heads * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
-    positions, start = device.upload(np.zeros(1, np.int32)), device.upload(np.zeros(1, np.uint32))
+    caches = [buf(rows * kv_heads * SWEEP_CAPACITY * SWEEP_HEAD_DIM, name) for name in ("k_cache", "v_cache")]
+    positions, start = device.upload(np.zeros(rows, np.int32)), device.upload(np.zeros(1, np.uint32))
     inv_freq = device.upload(np.ones(SWEEP_HEAD_DIM // 2, np.float32))
     norm = buf(ffn, "norm")
     seq = device.sequence(timestamps=True)
-    common = dict(rows=1, launch=launch, quant_format=quant_format(fmt) if fmt else None)
+    common = dict(rows=rows, launch=launch, quant_format=quant_format(fmt) if fmt else None)
     for ws in weights:
         KD.decode_matvec(seq, x, ws[0], q, k=hidden, widths=qkv, mode="qkv", norm_weight=norm,
                          norm=True, out1=caches[0], out2=caches[1], positions=positions, cache_start=start,
