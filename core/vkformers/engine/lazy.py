@@ -21,7 +21,7 @@ import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -43,9 +43,9 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@dataclass(frozen=True)
-class View:
-    """Where a tensor's elements lie in its base storage: shape, strides (elements) and offset."""
+class View(NamedTuple):
+    """Where a tensor's elements lie in its base storage: shape, strides (elements) and offset. A named tuple: graph
+    building makes thousands per forward, and plan signatures hash and compare them at C speed."""
 
     shape: tuple[int, ...]
     strides: tuple[int, ...]
@@ -53,7 +53,7 @@ class View:
 
     @staticmethod
     def dense(shape) -> "View":
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(map(int, shape))
         return View(shape, contiguous_strides(shape), 0)
 
     @property
@@ -67,7 +67,8 @@ class View:
 
     @property
     def is_contiguous(self) -> bool:
-        return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
+        dense = contiguous_strides(self.shape)
+        return self.strides == dense or all(s == c for s, c, n in zip(self.strides, dense, self.shape) if n != 1)
 
     def reshape(self, shape) -> "View | None":
         """The same elements under a new shape, or None when that needs a copy."""
@@ -103,7 +104,7 @@ class LazyBuffer:
 
     def __init__(self, shape, dtype, device: Device, *, node=None, index=0, base=None, view=None,
                  buffer: Buffer | None = None, host: np.ndarray | None = None, persistent=False):
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = shape = tuple(map(int, shape))
         self.dtype = dt.as_dtype(dtype)
         self.device = device
         self.node = node            # producer, None once realized or for leaves
@@ -111,7 +112,7 @@ class LazyBuffer:
         # owner of the storage (views point to it); None on a base itself, which a reference to itself would make
         # cyclic garbage: every graph would wait for the garbage collector (~7 ms per decode step of 22 layers)
         self._base = None if base is None or base is self else base
-        self.view = view if view is not None else View.dense(self.shape)
+        self.view = view if view is not None else View(shape, contiguous_strides(shape), 0)
         self.buffer = buffer        # device storage, on bases only
         self.host = host            # data waiting to be uploaded (input leaves)
         self.persistent = persistent  # parameters and optimizer state keep their own buffer
@@ -214,13 +215,18 @@ def create_node(op, inputs: Iterable[LazyBuffer], out_specs, device: Device, *, 
     node = Node(op, tuple(inputs))
     reader = None
     for x in node.inputs:
-        base = x.base
+        base = x._base or x
         if base.node is not None:  # an unrealized output: the only storage whose readers realize() asks about
-            reader = reader or weakref.ref(node)
+            if reader is None:
+                reader = weakref.ref(node)
             if base.consumers is None:
                 base.consumers = [reader]
             else:
                 base.consumers.append(reader)
+    if into is None:  # the common case, kept short: graph building runs this for every node
+        node.outputs = [LazyBuffer(shape, dtype, device, node=node, index=index)
+                        for index, (shape, dtype) in enumerate(out_specs)]
+        return node.outputs
     targets = into if isinstance(into, (list, tuple)) else [into] * len(out_specs)
     for index, ((shape, dtype), target) in enumerate(zip(out_specs, targets)):
         out = LazyBuffer(shape, dtype, device, node=node, index=index)
