@@ -253,6 +253,19 @@ def test_rope_half_layout():
           lambda x: np_rope(x, pos.astype(np.float64), inv_freq.astype(np.float64)), (2, 3, 4, 8))
 
 
+def test_rope_of_a_permuted_projection_needs_no_copy():
+    """q [B, T, H, D] permuted to [B, H, T, D] enters the rope kernel as it lies (no copy node), forward and
+    backward agree with numpy."""
+    pos = np.array([[0, 1, 2, 5], [3, 4, 5, 6]], np.int32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 8, 2) / 8)).astype(np.float32)
+    check(lambda x: F.rope(x.permute(0, 2, 1, 3), vkf.tensor(pos), vkf.tensor(inv_freq)),
+          lambda x: np_rope(x.transpose(0, 2, 1, 3), pos.astype(np.float64), inv_freq.astype(np.float64)),
+          (2, 4, 3, 8))
+    x = vkf.tensor(RNG.standard_normal((2, 4, 3, 8)).astype(np.float32))
+    out = F.rope(x.permute(0, 2, 1, 3), vkf.tensor(pos), vkf.tensor(inv_freq))
+    assert out.lazy.base.node.inputs[0].base is x.lazy.base
+
+
 def np_attention(q, k, v, causal=True, return_lse=False):
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, 1), np.repeat(v, group, 1)

@@ -364,6 +364,27 @@ def test_rope_in_place_and_inverse_round_trip(device, interleaved):
     np.testing.assert_allclose(back.read()[..., :rot_dim], 0.25 * x[..., :rot_dim], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_reads_x_through_its_strides(device, dtype, interleaved):
+    """x as a projection leaves it, [batch, seq, heads, head_dim] at an offset, read as [batch, heads, seq, head_dim]
+    through x_strides; the output is dense and equals the rotation of the transposed copy."""
+    rng = np.random.default_rng(17)
+    batch, heads, seq_len, head_dim, rot_dim, offset = 2, 3, 5, 12, 8, 7
+    stored = round_to(rng.standard_normal((batch, seq_len, heads, head_dim)), dtype)
+    positions = np.array([[0, 1, 2, 3, 4], [9, 10, 300, 4096, 65535]], np.int32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, rot_dim, 2) / rot_dim)).astype(np.float32)
+    flat = np.concatenate([np.zeros(offset), stored.reshape(-1)])
+    out = device.buffer((batch, heads, seq_len, head_dim), dtype)
+    device.run(lambda s: rope(s, Operand(upload(device, flat, dtype), offset), device.upload(positions),
+                              device.upload(inv_freq), out, batch=batch, heads=heads, seq_len=seq_len,
+                              head_dim=head_dim, rot_dim=rot_dim, interleaved=interleaved,
+                              x_strides=(seq_len * heads * head_dim, head_dim, heads * head_dim)))
+    x = stored.transpose(0, 2, 1, 3)
+    assert_close(read(out), round_to(rope_reference(x, positions, inv_freq, rot_dim, interleaved, 1.0), dtype), dtype)
+    np.testing.assert_array_equal(read(out)[..., rot_dim:], x[..., rot_dim:])
+
+
 def test_rope_rejects_bad_rot_dim(device):
     x = device.buffer((1, 1, 1, 8))
     with pytest.raises(ValueError, match="rot_dim"):

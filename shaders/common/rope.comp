@@ -1,5 +1,6 @@
-// Rotary position embedding on x [batch, heads, seq, head_dim] (ELEM_T), positions int32
-// [batch, seq], inv_freq float32 [rot_dim / 2]. The first rot_dim dims of each head rotate
+// Rotary position embedding on x [batch, heads, seq, head_dim] (ELEM_T; any strides over batch, heads and seq, so
+// that a projection's [batch, seq, heads, head_dim] output is read as it lies), positions int32 [batch, seq],
+// inv_freq float32 [rot_dim / 2]; out is dense. The first rot_dim dims of each head rotate
 // in pairs by angle = position * inv_freq[i]; the rest pass through (partial rotary).
 //   half layout (HF rotate_half): pair (i, i + rot_dim/2)
 //   INTERLEAVED (GPT-J):          pair (2i, 2i + 1)
@@ -28,6 +29,7 @@ layout(push_constant) uniform Push {
     uint heads; uint seq_len; uint head_dim; uint rot_dim;
     float attention_scaling;
     uint x_offset; uint positions_offset; uint inv_freq_offset; uint out_offset;
+    uint x_stride_batch; uint x_stride_head; uint x_stride_seq;  // elements
 };
 
 void main() {
@@ -38,21 +40,23 @@ void main() {
     uint v = i / per_vector;
     uint j = i - v * per_vector;
     uint base = v * head_dim;
-    if (j >= half_rot) {  // pass-through dims (out-of-place only)
-        uint d = rot_dim + (j - half_rot);
-        out_x[out_offset + base + d] = x[x_offset + base + d];
-        return;
-    }
     uint s = v % seq_len;
     uint b = v / (seq_len * heads);
+    uint h = (v / seq_len) % heads;
+    uint x_base = x_offset + b * x_stride_batch + h * x_stride_head + s * x_stride_seq;
+    if (j >= half_rot) {  // pass-through dims (out-of-place only)
+        uint d = rot_dim + (j - half_rot);
+        out_x[out_offset + base + d] = x[x_base + d];
+        return;
+    }
     // float32 product, as HF: position_ids.float() * inv_freq.
     float angle = float(positions[positions_offset + b * seq_len + s]) * inv_freq[inv_freq_offset + j];
     vec2 cs = cos_sin(angle) * attention_scaling;
     float sn = INVERSE ? -cs.y : cs.y;
     uint d1 = INTERLEAVED ? 2 * j : j;
     uint d2 = INTERLEAVED ? 2 * j + 1 : j + half_rot;
-    float x1 = load_elem(x[x_offset + base + d1]);
-    float x2 = load_elem(x[x_offset + base + d2]);
+    float x1 = load_elem(x[x_base + d1]);
+    float x2 = load_elem(x[x_base + d2]);
     out_x[out_offset + base + d1] = store_elem(x1 * cs.x - x2 * sn);
     out_x[out_offset + base + d2] = store_elem(x2 * cs.x + x1 * sn);
 }

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from vkformers.engine.function import Function, KernelOp, constant, node, wrap
+from vkformers.engine.function import Function, KernelOp, constant, contiguous, node, wrap
 from vkformers.engine.lazy import generated_input
 from vkformers.engine.ops.quant import quantized_embedding
 from vkformers.engine.ops.reduce import Reduce
@@ -258,26 +258,36 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
 # ---------------------------------------------------------------- rotary embeddings
 
 class RopeKernel(KernelOp):
+    """The kernel reads x through its strides (a projection's [B, T, H, D] output permuted to [B, H, T, D]: no copy
+    node), head dims dense; it writes a dense output."""
+
     name = "rope"
+    contiguous_inputs = False
 
     def emit(self, seq, outs, ins):
         (y,), (x, positions, inv_freq) = outs, ins
         batch, heads, seq_len, head_dim = x.shape
         KR.rope(seq, x.operand, positions.operand, inv_freq.operand, y.operand, batch=batch, heads=heads,
                 seq_len=seq_len, head_dim=head_dim, rot_dim=2 * inv_freq.numel, interleaved=self.interleaved,
-                attention_scaling=self.scaling, inverse=self.inverse)
+                attention_scaling=self.scaling, inverse=self.inverse, x_strides=x.strides[:3])
+
+
+def _rope_node(x, positions, inv_freq, flags: dict, inverse: bool):
+    if x.view.strides[-1] != 1 and x.shape[-1] != 1:
+        x = contiguous(x)
+    return node(RopeKernel(inverse=inverse, **flags), [x, contiguous(positions), contiguous(inv_freq)],
+                [(x.shape, x.dtype)])[0]
 
 
 class RopeFn(Function):
     def forward(self, x, positions, inv_freq, interleaved, scaling):
         self.saved, self.flags = (positions, inv_freq), dict(interleaved=interleaved, scaling=float(scaling))
-        return node(RopeKernel(inverse=False, **self.flags), [x, positions, inv_freq], [(x.shape, x.dtype)])[0]
+        return _rope_node(x, positions, inv_freq, self.flags, inverse=False)
 
     def backward(self, g):
         positions, inv_freq = self.saved
         # the transpose of a rotation by theta (scaled by s) is the rotation by -theta, scaled by s
-        dx = node(RopeKernel(inverse=True, **self.flags), [g.lazy, positions, inv_freq], [(g.shape, g.dtype)])[0]
-        return wrap(dx), None, None
+        return wrap(_rope_node(g.lazy, positions, inv_freq, self.flags, inverse=True)), None, None
 
 
 def rope(x, positions, inv_freq, interleaved: bool = False, attention_scaling: float = 1.0):
