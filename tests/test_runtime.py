@@ -84,6 +84,19 @@ def test_float_push_constants(device):
     np.testing.assert_array_equal(y.read(), np.float32(0.25) * x0 - np.float32(1.0))
 
 
+def test_push_words_are_the_bits_of_int32_uint32_and_float32():
+    from vkformers.runtime.vulkan import _push_words
+    values = [0, 7, -1, 2**32 - 1, True, np.int64(-2), np.uint32(5), 0.1, -2.5, np.float32(1e-3), float("inf"),
+              -3.4e38]
+    expected = [0, 7, 0xFFFFFFFF, 0xFFFFFFFF, 1, 0xFFFFFFFE, 5] + [
+        int(np.float32(v).view(np.uint32)) for v in (0.1, -2.5, 1e-3, float("inf"), -3.4e38)]
+    words = _push_words(values)
+    assert words.dtype == np.uint32 and words.tolist() == expected
+    with np.errstate(over="ignore"):  # beyond float32's range: infinity, as a float32 cast gives
+        assert _push_words([1e39, 3]).tolist() == [0x7F800000, 3]
+    assert np.isnan(_push_words([float("nan")]).view(np.float32)[0])
+
+
 def test_per_replay_scalars_from_a_host_visible_buffer(device):
     kernel = device.kernel("add_scaled_param")
     params = device.buffer(4, "uint32", host_visible=True, name="params")
