@@ -5,10 +5,14 @@ A 22-layer Llama of hidden 64 keeps the GPU's share small, so the figures are th
 step (graph building, scheduling, the plan lookup, the readback), as a model family whose decode steps are not
 captured (DSA, Gemma 3n) pays it every token, and every model pays it for a prompt's first forward.
 
+It also times a prompt's forward built in Python (--prompt-len tokens, no cache): building its graph, realizing it
+on the host once its plan is recorded (scheduling, the plan lookup, the readback), and recording a new length's plan
+on the host: what every built-per-call prefill and training step pays.
+
 --checkpoint DIR measures a checkpoint's decode step instead (a recurrent or hybrid model, tests/fixtures/bamba say,
 whose step replays from recurrent states kept in place), built in Python and replayed, per step and per layer.
 
-    python bench/host.py [--layers 22] [--new-tokens 32] [--json OUT]
+    python bench/host.py [--layers 22] [--new-tokens 32] [--prompt-len 16] [--json OUT]
     python bench/host.py --checkpoint tests/fixtures/bamba [--batch 4]
 """
 from __future__ import annotations
@@ -79,10 +83,36 @@ def per_token(model, ids, new_tokens: int, captured: bool) -> tuple[float, float
     return float(np.median(walls)), float(np.median(hosts))
 
 
+def prompt_forward(model, vocab: int, length: int, repeats: int = 9) -> tuple[float, float, float]:
+    """Milliseconds of a prompt's forward built in Python (medians): building the graph, realizing it on the host
+    when its plan is recorded already, and realizing a new length's plan on the host (recording it)."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, vocab, (1, length)).astype(np.int32)
+    model(ids).logits[:, -1].numpy()
+    builds, hosts, records = [], [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        logits = model(ids).logits[:, -1]
+        built = time.perf_counter()
+        with ReplayClock() as clock:
+            logits.numpy()
+        builds.append((built - start) * 1e3)
+        hosts.append((time.perf_counter() - built - clock.seconds) * 1e3)
+    for extra in range(1, repeats // 3 + 1):  # each length records its own plan
+        longer = rng.integers(0, vocab, (1, length + extra)).astype(np.int32)
+        logits = model(longer).logits[:, -1]
+        built = time.perf_counter()
+        with ReplayClock() as clock:
+            logits.numpy()
+        records.append((time.perf_counter() - built - clock.seconds) * 1e3)
+    return float(np.median(builds)), float(np.median(hosts)), float(np.median(records))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--checkpoint", default=None, help="a checkpoint folder: its step built in Python only")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together")
     parser.add_argument("--json", metavar="OUT")
@@ -111,9 +141,15 @@ def main(argv=None) -> int:
     print(f"{args.layers} layers on {vkf.get_device().name}: decode step built in Python {built_wall:.1f} ms "
           f"(host {built_host:.1f} ms), replayed {replayed_wall:.1f} ms (host {replayed_host:.1f} ms): "
           f"built / replayed {built_wall / replayed_wall:.2f}x", flush=True)
+    with vkf.no_grad():
+        build, realize, record = prompt_forward(model, config["vocab_size"], args.prompt_len)
+    print(f"prompt of {args.prompt_len} tokens: graph built in {build:.1f} ms, realized on the host in {realize:.1f} "
+          f"ms ({record:.1f} ms recording a new length's plan)", flush=True)
     write_results(args.json, {"device": vkf.get_device().name, "layers": args.layers,
                               "built_ms": built_wall, "built_host_ms": built_host,
-                              "replayed_ms": replayed_wall, "replayed_host_ms": replayed_host})
+                              "replayed_ms": replayed_wall, "replayed_host_ms": replayed_host,
+                              "prompt_len": args.prompt_len, "prompt_build_ms": build,
+                              "prompt_realize_host_ms": realize, "prompt_record_host_ms": record})
     return 0
 
 
