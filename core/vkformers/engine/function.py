@@ -47,7 +47,12 @@ class KernelOp:
             raise AttributeError(item) from None
 
 
+_PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))
+
+
 def _hashable(value):
+    if type(value) in _PLAIN_TYPES:  # most attributes: signatures ask for thousands a realization
+        return value
     if isinstance(value, (list, tuple)):
         return tuple(_hashable(v) for v in value)
     if isinstance(value, dt.DType):
