@@ -26,10 +26,9 @@ from vkformers.runtime import dtypes as dt
 enabled: bool | None = {"1": True, "0": False}.get(os.environ.get("VKFORMERS_FUSED_DECODE", ""))
 # Past the rows where x @ W^T takes the small-m kernel, a GPU's cooperative-matrix tiles (COOPMAT_SKINNY) read large
 # weights faster than the fused kernel, whose arithmetic per weight grows with the rows, even with the norm and
-# epilogues as dispatches of their own; small products gain more from the dispatches fusion saves. On the H200 at 8
-# rows (bench/llama.py --fused-ab, docs/benchmarks.md) Llama-3-8B's products (the largest weight of each 32-112 MiB)
-# decoded 1.26x faster unfused, TinyLlama's (at most 22 MiB) 1.21x faster fused. A product whose largest weight has
-# this many bytes or more takes the ordinary ops there.
+# epilogues as dispatches of their own; small products gain more from the dispatches fusion saves (runs L10 and L11 of
+# docs/benchmarks.md: Llama-3-8B's products, the largest weight of each 32-112 MiB, against TinyLlama's, at most
+# 22 MiB). A product whose largest weight has this many bytes or more takes the ordinary ops there.
 FUSED_DENSE_MAX_BYTES = 32 << 20
 
 
