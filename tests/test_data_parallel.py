@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +137,29 @@ def test_a_rank_that_hangs_stops_the_run_after_the_timeout(tmp_path):
     done = run(tmp_path / "hung.npz", 2, "--hang-rank", "1", ranks=2, timeout=60, env=env)
     assert done.returncode != 0 and time.monotonic() - started < 45
     assert "rank 0: no answer from the other ranks in the gradient all-reduce for 3 s" in done.stderr
+
+
+def test_an_aborting_rank_waits_until_the_launcher_has_read_its_message(monkeypatch):
+    """MPICH's launcher stops reading a rank's stderr pipe when the abort arrives: the message must be read first."""
+    read_end, write_end = os.pipe()
+    taken = []
+
+    def slow_launcher():
+        time.sleep(0.3)
+        taken.append(os.read(read_end, 1 << 16))
+
+    class Comm:
+        def Abort(self, code):
+            self.unread_at_abort = distributed._unread_bytes(write_end)
+
+    comm, reader = Comm(), threading.Thread(target=slow_launcher)
+    with os.fdopen(write_end, "w", closefd=False) as stderr:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        reader.start()
+        distributed.print_then_abort(comm, "rank 1: the reason")
+    reader.join()
+    assert comm.unread_at_abort == 0 and taken == [b"rank 1: the reason\n"]
+    os.close(read_end), os.close(write_end)
 
 
 def test_resuming_with_another_number_of_ranks_is_refused(runs, tmp_path):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
+import struct
 import subprocess
 import sys
 import time
@@ -29,6 +31,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+
+try:  # Unix: how much of a pipe is still unread
+    import fcntl
+    import termios
+except ImportError:
+    fcntl = termios = None
 
 from vkformers.engine import lazy
 from vkformers.engine.tensor import tensor
@@ -79,6 +87,28 @@ def find_mpiexec() -> str:
     return found
 
 
+def _unread_bytes(fd: int) -> int:
+    """Bytes written to the pipe ``fd`` that its reader has not taken yet; 0 when ``fd`` is not a pipe or the
+    platform cannot tell."""
+    try:
+        if termios is None or not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+
+
+def print_then_abort(comm, message: str, wait_s: float = 2.0) -> None:
+    """Print ``message`` on stderr and end every rank with MPI's Abort. The launcher reads a rank's stderr through
+    a pipe and stops reading it once the abort arrives, so the message could be lost; wait (at most ``wait_s``)
+    until the launcher has taken every byte of it first."""
+    print(message, file=sys.stderr, flush=True)
+    deadline = time.monotonic() + wait_s
+    while _unread_bytes(sys.stderr.fileno()) and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    comm.Abort(1)
+
+
 def launch(world_size: int, argv: list[str]) -> int:
     """Run ``vkformers <argv>`` as ``world_size`` processes on this machine under mpiexec; their exit status.
     MPICH's launcher ends every rank when one fails, so a crashed rank cannot leave the others waiting."""
@@ -127,10 +157,9 @@ class Communicator:
         deadline, pause = time.monotonic() + self.timeout_s, 1e-5
         while not request.Test():
             if time.monotonic() > deadline:
-                print(f"vkformers: rank {self.rank}: no answer from the other ranks in {what} for "
-                      f"{self.timeout_s:g} s (a rank hung or its host is gone): stopping the run; resume it "
-                      f"from its last checkpoint ({TIMEOUT_ENV} sets the wait)", file=sys.stderr, flush=True)
-                self.comm.Abort(1)
+                print_then_abort(self.comm, f"vkformers: rank {self.rank}: no answer from the other ranks in {what} "
+                                 f"for {self.timeout_s:g} s (a rank hung or its host is gone): stopping the run; "
+                                 f"resume it from its last checkpoint ({TIMEOUT_ENV} sets the wait)")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -153,8 +182,7 @@ class Communicator:
     def abort_on_error(self, message: str) -> None:
         """Print ``message`` and end every rank: a rank that just returned would wait in MPI's finalization while
         the others wait for it in the next collective."""
-        print(message, file=sys.stderr, flush=True)
-        self.comm.Abort(1)
+        print_then_abort(self.comm, message)
 
     def broadcast(self, value, root: int = 0):
         return self.comm.bcast(value, root=root)
