@@ -834,6 +834,25 @@ def test_serve_without_the_extra_says_how_to_install(monkeypatch, capsys):
     assert capsys.readouterr().err == f"vkformers serve: error: {cli_serve.INSTALL_HINT}\n"
 
 
+def test_a_port_in_use_or_an_unknown_host_is_said_before_the_model_loads(tmp_path, capsys):
+    """The socket is bound first: the error names the port or the host, not the (here missing) model."""
+    missing = str(tmp_path / "no-model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", missing, "--port", str(port)]) == 1
+    assert capsys.readouterr().err == (f"vkformers serve: error: port {port} on 127.0.0.1 is in use: stop what "
+                                       f"listens there, or pick another --port\n")
+    assert main(["serve", "--model", missing, "--host", "no-such-host.invalid"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vkformers serve: error: --host no-such-host.invalid: not an address this machine can "
+                          "listen on") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        from vkformers.cli import build_parser
+        build_parser().parse_args(["serve", "--port", "65536"])
+
+
 def test_served_names():
     assert cli_serve.served_name(None) == "SmolLM2-135M-Instruct"
     assert cli_serve.served_name("/models/tiny.gguf") == "tiny"

@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import errno
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.cli import generate as cli_generate
-from vkformers.cli.options import positive_int
+from vkformers.cli.options import positive_int, whole_number
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
@@ -59,7 +61,7 @@ def add_parser(subparsers):
                         help="the model's name in the API (default: a .gguf file's stem, else --model as given; "
                              "SmolLM2-135M-Instruct for the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=positive_int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--max-batch", type=positive_int, default=64,
                         help="most requests decoded together; more wait (default 64)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
@@ -108,8 +110,36 @@ def web_modules():
     return uvicorn
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use or an unknown host is said at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise VkformersError(f"--host {host}: not an address this machine can listen on ({exc.strerror}); give one "
+                             f"such as 127.0.0.1, or 0.0.0.0 for every interface") from None
+    sock = socket.socket(family, kind, proto)
+    if os.name != "nt":  # as uvicorn does: restart at once on a port left in TIME_WAIT (Windows would share the port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise VkformersError(f"port {port} on {host} is in use: stop what listens there, or pick another "
+                                 f"--port") from None
+        raise VkformersError(f"cannot listen on {host}:{port} ({exc.strerror}): pick another --host or "
+                             f"--port") from None
+    return sock
+
+
 def run(args) -> int:
     uvicorn = web_modules()
+    with listening_socket(args.host, args.port) as sock:
+        return serve(args, uvicorn, sock)
+
+
+def serve(args, uvicorn, sock: socket.socket) -> int:
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
     model_name = args.model or cli_generate.default_model()
@@ -138,10 +168,15 @@ def run(args) -> int:
           file=sys.stderr, flush=True)
     if scheduler is not None:
         print(f"vkformers serve: {scheduler.kv_cache_summary()}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C, then raised it again
+        pass
     finally:
         close()
+    if not server.started:
+        raise VkformersError(f"the server on {args.host}:{args.port} did not start; rerun with --debug to see why")
     return 0
 
 
