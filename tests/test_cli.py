@@ -141,3 +141,20 @@ def test_train_refuses_an_out_that_is_a_file(tmp_path, capsys):
     assert capsys.readouterr().err == (f"vkformers train: error: {existing} exists and is not a folder; give a "
                                        "folder for the output (it is created if missing)\n")
     assert existing.read_text() == "keep me"
+
+
+def test_train_refuses_an_out_that_cannot_be_created_before_loading(tmp_path, capsys):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    assert main(["train", "--model", "m", "--out", str(existing / "run"), "--data", "d.txt"]) == 1
+    assert capsys.readouterr().err == (f"vkformers train: error: cannot create the output folder {existing / 'run'}: "
+                                       f"{existing} is not a folder this user may write in; choose another output "
+                                       "folder\n")
+
+
+def test_a_folder_that_cannot_be_made_is_an_output_folder_error(tmp_path):
+    from vkformers.errors import OutputFolderError
+    from vkformers.models.atomic import make_folder
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputFolderError, match=r"cannot create the folder .*file/run \(Not a directory\): choose "):
+        make_folder(tmp_path / "file" / "run")

@@ -167,9 +167,10 @@ def test_config_that_is_not_a_json_object(checkpoint, content, message):
 
 
 @pytest.mark.parametrize("field, value, expected", [
-    ("hidden_size", "32", r"hidden_size is '32' \(a JSON string\), expected an integer; fix hidden_size"),
-    ("num_attention_heads", 4.0, r"num_attention_heads is 4.0 \(a JSON number\), expected an integer"),
-    ("num_hidden_layers", None, r"num_hidden_layers is None \(a JSON null\), expected an integer"),
+    ("hidden_size", "32", r"hidden_size is '32' \(a JSON string\), expected an integer >= 0; fix hidden_size"),
+    ("hidden_size", -32, r"hidden_size is -32 \(a JSON number\), expected an integer >= 0; fix hidden_size"),
+    ("num_attention_heads", 4.0, r"num_attention_heads is 4.0 \(a JSON number\), expected an integer >= 0"),
+    ("num_hidden_layers", None, r"num_hidden_layers is None \(a JSON null\), expected an integer >= 0"),
     ("rms_norm_eps", "1e-6", r"rms_norm_eps is '1e-6' \(a JSON string\), expected a number"),
     ("tie_word_embeddings", "false", r"tie_word_embeddings is 'false' \(a JSON string\), expected true or false"),
     ("model_type", 7, r"model_type is 7 \(a JSON number\), expected a string"),
@@ -183,6 +184,17 @@ def test_config_field_of_the_wrong_type_is_named(checkpoint, field, value, expec
         AutoModelForCausalLM.from_pretrained(checkpoint)
     with pytest.raises(ConfigError, match=expected):
         AutoModelForCausalLM.from_config(config)
+
+
+def test_query_heads_that_kv_heads_do_not_divide_are_named_at_load(checkpoint):
+    from vkformers.models.config_check import ConfigError
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["num_key_value_heads"] = config["num_attention_heads"] + 1
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    expected = (rf"num_attention_heads {config['num_attention_heads']} is not a multiple of num_key_value_heads "
+                rf"{config['num_key_value_heads']} \(each key/value head serves a whole group of query heads\)")
+    with pytest.raises(ConfigError, match=expected):
+        AutoModelForCausalLM.from_pretrained(checkpoint)
 
 
 def test_wrapper_config_fields_are_checked_in_the_nested_text_config(checkpoint):

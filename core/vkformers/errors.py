@@ -73,6 +73,10 @@ class UnsafePathError(VkformersError, OSError):
     file outside the output folder, so the write is refused."""
 
 
+class OutputFolderError(VkformersError, OSError):
+    """An output folder that cannot be one: an existing file of that name, or a folder that cannot be created."""
+
+
 class InvalidSettingError(VkformersError, ValueError):
     """An environment setting (VKFORMERS_*) whose value is not one the setting takes."""
 

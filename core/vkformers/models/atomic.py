@@ -11,7 +11,7 @@ import stat
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from vkformers.errors import UnsafePathError
+from vkformers.errors import OutputFolderError, UnsafePathError
 
 # O_NOFOLLOW makes open() fail (ELOOP) on a link instead of opening its target; Windows has no such flag
 # (nor, without privileges, symbolic links), so there the lstat checks below stand alone.
@@ -45,7 +45,11 @@ def refuse_symlinks_below(root, path) -> Path:
 def make_folder(path) -> Path:
     """``mkdir -p`` that refuses a symbolic link at ``path`` (a link to a folder would pass exist_ok)."""
     path = refuse_symlink(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputFolderError(f"cannot create the folder {path} ({exc.strerror}): choose another output "
+                                "folder") from None
     return path
 
 

@@ -62,7 +62,8 @@ def check_config_fields(config, where: str = "config") -> None:
             value = config[name]
             per_layer = name in PER_LAYER_SIZES and isinstance(value, list)
             if not all(_is_int(v) and v >= 0 for v in (value if per_layer else [value])):
-                raise _wrong(where, name, value, "an integer" + (" or a list of them" if name in PER_LAYER_SIZES else ""))
+                raise _wrong(where, name, value,
+                             "an integer >= 0" + (" or a list of them" if name in PER_LAYER_SIZES else ""))
     for name in NUMBERS:
         if name in config and config[name] is not None and not _is_number(config[name]):
             raise _wrong(where, name, config[name], "a number")
@@ -72,6 +73,10 @@ def check_config_fields(config, where: str = "config") -> None:
     for name in BOOLEANS:
         if name in config and config[name] is not None and not isinstance(config[name], bool):
             raise _wrong(where, name, config[name], "true or false")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if _is_int(heads) and _is_int(kv_heads) and heads > 0 and kv_heads > 0 and heads % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+                          f"(each key/value head serves a whole group of query heads); fix them in config.json")
     for name, value in config.items():
         if isinstance(value, dict) and isinstance(value.get("model_type"), str):  # a nested model's config
             check_config_fields(value, f"{where}.{name}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from vkformers.engine.ops import nn as nn_ops
 from vkformers.engine.ops.nn import dropout_rng_state, set_dropout_rng_state
 from vkformers.engine.ops.elementwise import where
 from vkformers.engine.tensor import Tensor, parameter, tensor
-from vkformers.errors import VkformersError
+from vkformers.errors import OutputFolderError, VkformersError
 from vkformers.models.atomic import make_folder, open_for_append, refuse_symlinks_below, write_bytes_atomic, \
     write_text_atomic
 from vkformers.models import lora
@@ -61,10 +62,6 @@ class TrainingConfigError(VkformersError, ValueError):
 
 class VocabularyMismatchError(VkformersError, ValueError):
     """Token ids the model's embedding has no row for: the tokenizer does not belong to the model."""
-
-
-class OutputFolderError(VkformersError, OSError):
-    """An output folder that cannot be one (an existing file of that name)."""
 
 
 @dataclass
@@ -619,4 +616,8 @@ def check_output_folder(path) -> Path:
     if path.exists() and not path.is_dir():
         raise OutputFolderError(f"{path} exists and is not a folder; give a folder for the output "
                                 "(it is created if missing)")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputFolderError(f"cannot create the output folder {path}: {existing} is not a folder this user may "
+                                "write in; choose another output folder")
     return path
