@@ -380,3 +380,16 @@ def test_reductions_take_pytorch_and_numpy_axis_spellings():
             call()
     with pytest.raises(ArgumentError, match="keepdim=True and keepdims=True both given"):
         t.mean(0, keepdim=True, keepdims=True)
+
+
+@pytest.mark.parametrize("assignment_first", [True, False])
+def test_an_assignment_runs_after_every_reader_of_the_old_value_whichever_target_comes_first(assignment_first):
+    """The schedule walks the targets in order; a reader of the old value that the walk reaches after the assignment
+    (the assignment a target before it) must still run first."""
+    p = parameter(np.array([1.0, 2.0, 3.0], np.float32))
+    doubled = p * 2.0  # reads the old value, unrealized
+    p.assign(p + 10.0)
+    targets = [p.lazy, doubled.lazy] if assignment_first else [doubled.lazy, p.lazy]
+    lazy.realize(targets)
+    np.testing.assert_array_equal(doubled.numpy(), [2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(p.numpy(), [11.0, 12.0, 13.0])

@@ -367,35 +367,39 @@ def _schedule(targets: list[LazyBuffer]) -> list[Node]:
     recursion limit."""
     nodes: list[Node] = []
     seen: set[int] = set()
-    readers: dict[int, list[Node]] = {}
-
-    def edges(node: Node):
-        for x in node.waits_for:
-            yield x
-        for x in node.inputs:
-            readers.setdefault(id(x.base), []).append(node)
-            yield x
-
     for t in targets:  # depth first, each node after everything it waits for or reads
         root = t.base.node
         if root is None or id(root) in seen:
             continue
         seen.add(id(root))
-        stack = [(root, edges(root))]
+        stack = [(root, itertools.chain(root.waits_for, root.inputs))]
         while stack:
             node, pending = stack[-1]
             for x in pending:
                 child = x.base.node
                 if child is not None and id(child) not in seen:
                     seen.add(id(child))
-                    stack.append((child, edges(child)))
+                    stack.append((child, itertools.chain(child.waits_for, child.inputs)))
                     break
             else:
                 stack.pop()
                 nodes.append(node)
-    for node in nodes:  # an assignment overwrites storage: every reader of each old value goes first
+    replaced = {id(out.replaces.base) for node in nodes for out in node.outputs if out.replaces is not None}
+    if not replaced:  # no assignment: the walk's order is the schedule
+        return nodes
+    readers: dict[int, list[Node]] = {}
+    for node in nodes:
+        for x in node.inputs:
+            if id(x.base) in replaced:
+                readers.setdefault(id(x.base), []).append(node)
+    position = {id(node): i for i, node in enumerate(nodes)}
+    in_order = True
+    for i, node in enumerate(nodes):  # an assignment overwrites storage: every reader of each old value goes first
         node.after = [r for out in node.outputs if out.replaces is not None
                       for r in readers.get(id(out.replaces.base), []) if r is not node]
+        in_order = in_order and all(position[id(r)] < i for r in node.after)
+    if in_order:  # the walk already put them first (a decode step's cache writes): its order is the schedule
+        return nodes
 
     def needs(node: Node):
         for x in (*node.waits_for, *node.inputs):
@@ -487,16 +491,17 @@ def _signature(order: list[Node], leaves: list[LazyBuffer], keep: set[int]) -> _
     for n in order:
         ins = []
         for x in n.inputs:
-            base = x.base
-            if base.node is not None and id(base.node) in index_of:
-                src = ("n", index_of[id(base.node)], base.index)
+            base = x._base or x  # x.base without the property's call: thousands of inputs a realization
+            producer = index_of.get(id(base.node)) if base.node is not None else None
+            if producer is not None:
+                src = ("n", producer, base.index)
             elif base.host is not None:
                 src = ("in", leaf_index[id(base)], base.shape, base.dtype.name)
             else:
                 src = ("buf", base.buffer.serial)
             ins.append((src, x.view, x.dtype.name))
-        outs = tuple((o.shape, o.dtype.name, o.buffer.serial if o.persistent else None, id(o) in keep)
-                     for o in n.outputs)
+        outs = tuple([(o.shape, o.dtype.name, o.buffer.serial if o.persistent else None, id(o) in keep)
+                      for o in n.outputs])
         parts.append((n.op.key(), tuple(ins), outs))
     return _Signature(tuple(parts))
 
