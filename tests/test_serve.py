@@ -529,6 +529,47 @@ def test_n_choices_each_sample_on_their_own_rows(server, tiny):
         assert status == 400 and json.loads(text)["error"]["param"] == "n"
 
 
+def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(server, tiny):
+    """prompt as a list (OpenAI's batch): choices prompt by prompt, n each (index = prompt * n + choice), each
+    greedy choice generate's output for its prompt; usage counts each prompt once; streamed alike."""
+    tokenizer, reference, client = server["tokenizer"], tiny[2], server["client"]
+    eos = expected_eos(server, tiny)
+    ids = [encode(tokenizer, PROMPTS[2]), encode(tokenizer, PROMPTS[5])]
+    texts = [tokenizer.decode(reference_tokens(reference, i, 5, eos), skip_special_tokens=True) for i in ids]
+    counts = [len(reference_tokens(reference, i, 5, eos)) for i in ids]
+    for prompt in ([PROMPTS[2], PROMPTS[5]], ids):  # strings, and token id lists
+        whole = client.completions.create(model=SERVED, prompt=prompt, max_tokens=5, temperature=0, n=2)
+        assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+        assert [c.text for c in whole.choices] == [texts[0], texts[0], texts[1], texts[1]]
+        assert whole.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+        assert whole.usage.completion_tokens == 2 * sum(counts)
+    chunks = list(client.completions.create(model=SERVED, prompt=[PROMPTS[2], PROMPTS[5]], max_tokens=5,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    for index in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == texts[index]
+    assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    status, error = error_of(request(server, "POST", "/v1/completions", {"prompt": ["hi"] * 65, "n": 2}))
+    assert status == 400 and error["param"] == "prompt" and "more than 128 choices" in error["message"]
+    for wrong in ([], [["hi"]], [1, "hi"]):
+        status, error = error_of(request(server, "POST", "/v1/completions", {"prompt": wrong}))
+        assert status == 400 and error["param"] == "prompt", wrong
+
+
+def test_chat_roles_outside_openai_s_are_refused_and_developer_is_the_system_prompt(server):
+    chat = {"model": SERVED, "max_tokens": 4, "temperature": 0}
+    for role, hint in (("wizard", "must be one of system, developer, user, assistant"), ("tool", "tool calls")):
+        messages = [{"role": role, "content": "hi"}, {"role": "user", "content": "hello"}]
+        status, error = error_of(request(server, "POST", "/v1/chat/completions", {**chat, "messages": messages}))
+        assert status == 400 and error["param"] == "messages" and hint in error["message"], error
+    answers = [server["client"].chat.completions.create(
+        messages=[{"role": role, "content": "be brief"}, {"role": "user", "content": "hello"}], **chat)
+        for role in ("system", "developer")]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+    status, error = error_of(request(server, "POST", "/v1/completions", {"prompt": "hi", "suffix": "end"}))
+    assert status == 400 and error["param"] == "suffix"
+
+
 def test_an_lm_server_answers_400_on_embeddings(server):
     status, text = request(server, "POST", "/v1/embeddings", {"model": SERVED, "input": "hi"})
     assert status == 400 and "/v1/completions" in json.loads(text)["error"]["message"]

@@ -43,7 +43,9 @@ from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoi
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-MAX_CHOICES = 128               # OpenAI's bound on n
+MAX_CHOICES = 128               # OpenAI's bound on n; here also on prompts x n of a batch of prompts
+# the roles a chat message may take, as the chat template gets them (OpenAI's "developer" is the system prompt)
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
 DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
 DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
@@ -295,6 +297,8 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
             raise ApiError(400, f"'response_format' of type {kind!r} is not supported: this server does not "
                                 "constrain the output to JSON; leave response_format out (or 'text') and ask for "
                                 "JSON in the prompt", param="response_format")
+    if not chat and body.get("suffix"):
+        raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
     if chat and body.get("tools") and body.get("tool_choice") != "none":
         raise ApiError(400, "tool calls are not supported; leave 'tools' out (or set tool_choice 'none')",
                        param="tools")
@@ -306,17 +310,22 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=None if params.seed is None else params.seed + index) for index in range(n)]
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
-    """A completions request's prompt as token ids: a string, a list of token ids, or a list holding one of those."""
+def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
+    """A completions request's prompts as token ids: a string or a list of token ids is one prompt; a list of
+    strings or of token id lists is a batch (OpenAI's), whose choices come prompt by prompt, ``n`` each."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    return [_completion_prompt(p, tokenizer) for p in (prompt if batch else [prompt])]
+
+
+def _completion_prompt(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         ids = tokenizer(prompt, return_tensors="np")["input_ids"]
         return [int(t) for t in cli_generate.start_from_bos(tokenizer, ids)[0]]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those (a batch)",
+                   param="prompt")
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
@@ -328,6 +337,11 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message must be an object with a 'role'", param="messages")
+        role = CHAT_ROLES.get(message["role"])
+        if role is None:
+            raise ApiError(400, f"a message's role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}"
+                                + (" (tool calls are not supported)" if message["role"] in ("tool", "function")
+                                   else ""), param="messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -335,7 +349,7 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
             content = "".join(str(p.get("text", "")) for p in content)
         if content is not None and not isinstance(content, str):
             raise ApiError(400, "a message's 'content' must be a string or a list of text parts", param="messages")
-        conversation.append({"role": message["role"], "content": content or ""})
+        conversation.append({"role": role, "content": content or ""})
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
     return [int(t) for t in np.asarray(ids)[0]]
 
@@ -634,10 +648,15 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             body = await read_body(request)
             if scheduler is None:
                 raise wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
-            prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer)
-            params = sampling_params(body, chat=chat, prompt_tokens=len(prompt),
-                                     max_model_len=scheduler.max_model_len)
+            prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer)
+            settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len)
+                        for p in prompts]
+            params = settings[0]
             n = _number(body, "n", 1, int, 1, MAX_CHOICES)
+            if len(prompts) * n > MAX_CHOICES:
+                raise ApiError(400, f"{len(prompts)} prompts x n={n} make more than {MAX_CHOICES} choices; send fewer "
+                                    "prompts a request", param="prompt")
+            prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             loop = asyncio.get_running_loop()
@@ -650,7 +669,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 return on_update
             eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
             eos = eos + stop_token_ids(body)
-            choices = [Request(prompt, p, deliver(i), eos) for i, p in enumerate(choice_params(params, n))]
+            jobs = [(prompt, p) for prompt, each in zip(prompts, settings) for p in choice_params(each, n)]
+            choices = [Request(prompt, p, deliver(i), eos) for i, (prompt, p) in enumerate(jobs)]
             for job in choices:
                 scheduler.submit(job)
         except InputError as exc:
@@ -663,9 +683,10 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": served}
         if stream:
-            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage),
+            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        texts, entries, finish, counts = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n
+        total = len(choices)
+        texts, entries, finish, counts = [""] * total, [[] for _ in range(total)], [None] * total, [0] * total
         try:
             check_at = loop.time() + DISCONNECT_POLL_S
             while any(f is None for f in finish):
@@ -690,7 +711,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         if "error" in finish:
             return error(failed())
         results = []
-        for index in range(n):
+        for index in range(total):
             if chat:
                 results.append({"index": index, "message": {"role": "assistant", "content": texts[index]},
                                 "logprobs": chat_logprobs(tokenizer, entries[index])
@@ -699,9 +720,9 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 results.append({"index": index, "text": texts[index], "finish_reason": finish[index],
                                 "logprobs": completion_logprobs(tokenizer, entries[index], 0, texts[index])
                                 if params.logprobs is not None else None})
-        return JSONResponse({**head, "choices": results, "usage": usage(len(prompt), sum(counts))})
+        return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(counts))})
 
-    async def stream_events(choices, updates, head, chat: bool, include_usage: bool):
+    async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int):
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def event(choice, extra=None):
@@ -732,7 +753,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     running -= 1
             else:
                 if include_usage:
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(len(choices[0].prompt), sum(counts))})}\n\n"  # noqa: E501
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, sum(counts))})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for job in choices:
