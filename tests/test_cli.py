@@ -45,6 +45,13 @@ def test_bench_times_products_and_a_model(tmp_path, capsys):
     assert "decode batch 1" in capsys.readouterr().out
 
 
+def test_bench_says_a_missing_model_before_timing_anything(tmp_path, capsys):
+    assert main(["bench", "--quick", "--model", str(tmp_path / "none")]) == 1
+    captured = capsys.readouterr()
+    assert "matmul" not in captured.out
+    assert captured.err == f"vkformers bench: error: {tmp_path / 'none'}: no such file or folder\n"
+
+
 # ---------------------------------------------------------------- errors, --debug, a closed stdout
 
 def failing(exc):

@@ -821,18 +821,36 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def test_the_command_serves_until_stopped(tiny, web, tmp_path):
-    """`vkformers serve --adapter` in its own process: it says where, /health answers, the model is named after the
-    file, answers with the adapted model's output, and Ctrl-C stops it."""
-    path, tokenizer, _ = tiny
+def saved_adapter(path, folder):
+    """A LoRA adapter of random (non-zero) B matrices on the tiny GGUF model, saved in ``folder``; returns the model
+    with it merged."""
     adapted = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
     apply_lora(adapted, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     rng = np.random.default_rng(3)
     for _, module in adapted.named_modules():
         if isinstance(module, LoraLinear):
             module.lora_B.weight = vkf.parameter(rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
-    save_adapter(adapted, tmp_path / "adapter")
-    reference = merge_lora(adapted)
+    save_adapter(adapted, folder)
+    return merge_lora(adapted)
+
+
+def test_generate_with_an_adapter_continues_as_the_merged_model(tiny, tmp_path, capsys):
+    path, tokenizer, base = tiny
+    reference = saved_adapter(path, tmp_path / "adapter")
+    assert main(["generate", "--model", str(path), "--adapter", str(tmp_path / "adapter"), "--prompt", PROMPTS[1],
+                 "--max-new-tokens", "5"]) == 0
+    text = capsys.readouterr().out
+    ids = encode(tokenizer, PROMPTS[1])
+    eos = cli_serve.eos_ids(reference, tokenizer)
+    assert text == tokenizer.decode(reference_tokens(reference, ids, 5, eos), skip_special_tokens=True) + "\n"
+    assert text != tokenizer.decode(reference_tokens(base, ids, 5, eos), skip_special_tokens=True) + "\n"
+
+
+def test_the_command_serves_until_stopped(tiny, web, tmp_path):
+    """`vkformers serve --adapter` in its own process: it says where, /health answers, the model is named after the
+    file, answers with the adapted model's output, and Ctrl-C stops it."""
+    path, tokenizer, _ = tiny
+    reference = saved_adapter(path, tmp_path / "adapter")
     port = free_port()
     command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
                "serve", "--model", str(path), "--port", str(port), "--max-batch", "2",

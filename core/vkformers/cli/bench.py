@@ -31,7 +31,8 @@ RANDOM_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidd
 def add_parser(subparsers):
     parser = subparsers.add_parser("bench", help="time matrix products and a model's prefill and decode")
     parser.add_argument("--model", help="a model folder, hub repo id or .gguf file (default: a small random Llama)")
-    parser.add_argument("--dtype", default="float32", help="the model's dtype (float32, float16, bfloat16)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="the model's dtype (default float32)")
     parser.add_argument("--size", type=int, default=1024, help="n of the n x n x n matrix products")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -113,12 +114,7 @@ def run(args) -> int:
     repeats = 3 if args.quick else 10
     print(f"device: {device.name} ({device.info['type']})")
     results = {"device": device.name, "matmul": [], "model": None}
-    for dtype in _matmul_dtypes(device):
-        r = bench_matmul(device, n, dtype, repeats)
-        results["matmul"].append(r)
-        print(f"matmul {n}^3 {dtype:9s} {r['tflops']:8.3f} TFLOP/s  (numpy float32 {r['numpy_float32_tflops']:.3f}, "
-              f"{r['ratio_to_numpy']:.2f}x; max relative error {r['max_relative_error']:.1e})")
-    if args.model:
+    if args.model:  # loaded first: a wrong --model is said before minutes of timing
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, requires_grad=False)
         name = args.model
     else:
@@ -127,6 +123,11 @@ def run(args) -> int:
         model = _random_model(config, args.dtype)
         name = (f"random Llama (hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
                 f"vocab {config['vocab_size']})")
+    for dtype in _matmul_dtypes(device):
+        r = bench_matmul(device, n, dtype, repeats)
+        results["matmul"].append(r)
+        print(f"matmul {n}^3 {dtype:9s} {r['tflops']:8.3f} TFLOP/s  (numpy float32 {r['numpy_float32_tflops']:.3f}, "
+              f"{r['ratio_to_numpy']:.2f}x; max relative error {r['max_relative_error']:.1e})")
     vocab = int(model.config.get("vocab_size", 32000))
     prompt_len, new_tokens = (16, 8) if args.quick else (args.prompt_len, args.new_tokens)
     m = bench_model(model, prompt_len, new_tokens, vocab)

