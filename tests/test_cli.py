@@ -52,6 +52,29 @@ def test_bench_says_a_missing_model_before_timing_anything(tmp_path, capsys):
     assert captured.err == f"vkformers bench: error: {tmp_path / 'none'}: no such file or folder\n"
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "merge-lora"])
+def test_an_adapter_folder_is_checked_before_the_model_loads(tmp_path, capsys, command):
+    """The model named is missing too (serve: the bundled one, whose folder serve looks at first): the error is the
+    adapter's, so it was checked first."""
+    import socket
+    extra = {"generate": ["--prompt", "hi"], "merge-lora": ["--out", str(tmp_path / "merged")]}.get(command, [])
+    if command == "serve":
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            extra = ["--port", str(probe.getsockname()[1])]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    model = (["--model", str(tmp_path / "no-model")] if command != "serve" else []) + ["--adapter", str(adapter)]
+    assert main([command, *model, *extra]) == 1
+    assert capsys.readouterr().err == (f"vkformers {command}: error: {adapter}: no adapter_config.json (not a PEFT "
+                                       "adapter folder)\n")
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                            "target_modules": ["q_proj"]}))
+    assert main([command, *model, *extra]) == 1
+    assert capsys.readouterr().err == f"vkformers {command}: error: {adapter}: no adapter_model.safetensors\n"
+    assert not (tmp_path / "merged").exists()
+
+
 # ---------------------------------------------------------------- errors, --debug, a closed stdout
 
 def failing(exc):

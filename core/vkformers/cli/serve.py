@@ -38,7 +38,7 @@ from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
-from vkformers.models.lora import load_adapter, merge_lora
+from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
@@ -155,6 +155,8 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
             embedder.close
     else:
+        if args.adapter is not None:
+            check_adapter_folder(args.adapter)
         tokenizer = AutoTokenizer.from_pretrained(model_name)
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
         if args.adapter is not None:

@@ -259,6 +259,21 @@ def read_adapter_config(folder) -> LoraConfig:
         raise LoraError(f"{file}: not a valid adapter config ({exc})") from None
 
 
+def adapter_weights_file(folder) -> Path:
+    file = Path(folder) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise LoraError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    return file
+
+
+def check_adapter_folder(folder) -> LoraConfig:
+    """The adapter's config, its weights file present: what a command checks before it spends minutes loading the
+    base model (whether the weights fit the model is checked when they load)."""
+    config = read_adapter_config(folder)
+    adapter_weights_file(folder)
+    return config
+
+
 def _peft_key_to_model(key: str) -> str:
     """base_model.model.X.lora_A[.default].weight -> X.lora_A.weight (also accepts names without the prefix)."""
     key = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
@@ -267,9 +282,7 @@ def _peft_key_to_model(key: str) -> str:
 
 def load_adapter_weights(model: Module, folder) -> None:
     """Fill the adapters and modules_to_save of a LoRA-wrapped model from an adapter folder (checked both ways)."""
-    file = Path(folder) / ADAPTER_WEIGHTS
-    if not file.is_file():
-        raise LoraError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    file = adapter_weights_file(folder)
     arrays = {_peft_key_to_model(k): e.as_float() for k, e in read_safetensors(file).items()}
     expected = adapter_parameter_names(model)
     missing = sorted(set(expected) - set(arrays))
