@@ -37,8 +37,7 @@ class KernelOp:
     def key(self) -> tuple:
         # in the order the attributes were given: one call site gives them in one order, and a key that differs
         # by order alone only misses a cached plan
-        return (type(self).__name__, tuple([(k, v if type(v) in _PLAIN_TYPES else _hashable(v))
-                                            for k, v in self.attrs.items()]))
+        return (type(self).__name__, tuple([(k, _hashable(v)) for k, v in self.attrs.items()]))
 
     def emit(self, seq, outs: list[Arg], ins: list[Arg]) -> None:
         raise NotImplementedError
