@@ -36,7 +36,7 @@ pip install wheel setuptools numpy
 
 # 3. kp 0.9.0 from its PyPI sdist with our patch, built offline against the system packages (cached wheel).
 kp_wheel=$(bash "$root/kp/build-kp.sh" "$venv/bin/python")
-if ! "$venv/bin/python" -c 'import kp, sys; sys.exit(getattr(kp, "vkformers_patch", 0) < 1)' 2>/dev/null \
+if ! "$venv/bin/python" -c 'import kp, sys; sys.exit(getattr(kp, "vkformers_patch", 0) < 5)' 2>/dev/null \
    || ! "$venv/bin/pip" show kp 2>/dev/null | grep -q "$(basename "$kp_wheel" | cut -d- -f2)"; then
   pip install --force-reinstall --no-deps "$kp_wheel"
 fi

@@ -206,9 +206,11 @@ def test_kp_data_view_has_real_strides(device):
 
 
 def test_patched_kp_enables_device_features(device):
-    assert getattr(kp, "vkformers_patch", 0) >= 2
+    assert getattr(kp, "vkformers_patch", 0) >= 5
     assert kp.__version__ == f"0.9.0+vkformers.{kp.vkformers_patch}"
     assert device.features["storageBuffer16BitAccess"] and device.features["shaderFloat16"]
+    # Vulkan 1.0 features (patch 5): the bfloat16 kernels declare 16-bit integers
+    assert device.features["shaderInt16"]
 
 
 def test_new_buffers_reuse_the_compiled_pipeline(device):

@@ -42,6 +42,10 @@ class DeviceIndexError(VkformersError, IndexError):
     """A device index (argument or VKFORMERS_DEVICE) that names no device."""
 
 
+class DeviceFeatureError(VkformersError, RuntimeError):
+    """A kernel or dtype that needs a device feature (16-bit floats, 16-bit integers, ...) the device lacks."""
+
+
 class KernelNotFoundError(VkformersError, FileNotFoundError):
     """A kernel whose compiled SPIR-V file is missing."""
 

@@ -47,9 +47,9 @@ def _median(times) -> float:
 
 
 def _matmul_dtypes(device) -> list[str]:
-    """float32, and the 16-bit inputs where the device stores 16-bit values (cooperative-matrix kernels where it
-    has them, else widened to float32 in the tiled kernel)."""
-    return ["float32"] + (["float16", "bfloat16"] if device.features.get("storageBuffer16BitAccess") else [])
+    """float32, and the 16-bit inputs the device can compute in (cooperative-matrix kernels where it has them, else
+    widened to float32 in the tiled kernel)."""
+    return [name for name in ("float32", "float16", "bfloat16") if device.supports_dtype(name)]
 
 
 def bench_matmul(device, n: int, dtype: str, repeats: int) -> dict:

@@ -33,7 +33,7 @@ def _check_kp():
     if vulkan.kp is None:
         return False, f"kp does not import: {vulkan._KP_IMPORT_ERROR}", SETUP_HINT
     if not vulkan.is_patched_kp():
-        return False, f"kp {vulkan.kp_version()} lacks the vkformers patch (no barriers or device features)", SETUP_HINT
+        return False, f"kp {vulkan.kp_version()} lacks the vkformers patch (level {vulkan.KP_PATCH})", SETUP_HINT
     return True, f"kp {vulkan.kp_version()} (patched)", None
 
 
@@ -46,16 +46,19 @@ def _check_driver():
 
 
 def _check_features(device):
-    wanted = ("shaderFloat16", "storageBuffer16BitAccess", "subgroupSizeControl")
-    missing = [f for f in wanted if not device.features.get(f)]
+    # 8-bit values in buffers: masks and quantized weights, in every dtype; one subgroup size: cooperative matrices
+    wanted = {f for d in vulkan.DTYPE_FEATURES.values() for f in d} | {"storageBuffer8BitAccess", "subgroupSizeControl"}
+    missing = sorted(f for f in wanted if not device.features.get(f))
+    dtypes = ", ".join(d for d in vulkan.DTYPE_FEATURES if device.supports_dtype(d))
     coopmat = "cooperative matrix: no (fp16/bf16 matmuls use the tiled kernel)"
     if device.cooperative_matrix_shapes:
         coopmat = "cooperative matrix: yes" if subgroup_size_is_fixed(device) else (
             f"cooperative matrix: yes, unused (subgroups of {device.limits.get('min_subgroup_size')} to "
             f"{device.limits.get('max_subgroup_size')} lanes; the kernels need one fixed size)")
     if missing:
-        return False, f"{device.name} lacks {', '.join(missing)}; {coopmat}", "update the GPU driver (Mesa 22.3+ or vendor)"
-    return True, f"{device.name}: fp16, 16-bit storage, subgroup size control; {coopmat}", None
+        return (False, f"{device.name} lacks {', '.join(missing)} (computes in {dtypes}); {coopmat}",
+                "update the GPU driver (Mesa 22.3+ or vendor)")
+    return True, f"{device.name}: computes in {dtypes}; {coopmat}", None
 
 
 def _check_kernels():

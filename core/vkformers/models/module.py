@@ -19,6 +19,7 @@ from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import InputLimits, check_model_inputs, forward_arguments
 from vkformers.runtime import dtypes as dt
+from vkformers.runtime.vulkan import get_device
 
 
 class CheckpointError(VkformersError, ValueError):
@@ -161,6 +162,7 @@ class Module:
         """Upload every slot's array (converted to its dtype). Names are checked both ways; shapes must match.
         A model (a module with a ``dtype``) then computes in ``dtype``, as from_pretrained sets it."""
         dtype = dt.as_dtype(dtype)
+        get_device().require_dtype(dtype)
         slots = dict(self.named_slots())
         missing = [n for n, s in slots.items() if n not in arrays and s.tied_to is None]
         if missing:

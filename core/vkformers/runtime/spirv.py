@@ -2,7 +2,8 @@
 
 From a compiled kernel we learn its storage-buffer bindings (and which are
 read-only, so the recorder knows what each dispatch writes), the size of its
-push-constant block, its specialization-constant ids and its local size.
+push-constant block, its specialization-constant ids, its local size and the
+capabilities it declares (what the device must support to run it).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 MAGIC = 0x07230203
 
 # Opcodes and enums from the SPIR-V specification (section 3).
+OP_CAPABILITY = 17
 OP_EXECUTION_MODE = 16
 OP_TYPE_INT = 21
 OP_TYPE_FLOAT = 22
@@ -47,6 +49,7 @@ class KernelInterface:
     push_constant_bytes: int
     spec_ids: tuple[int, ...]
     local_size: tuple[int, int, int] | None
+    capabilities: tuple[int, ...] = ()  # OpCapability operands, in declaration order
 
 
 class SpirvError(ValueError):
@@ -69,6 +72,7 @@ def reflect(code: bytes) -> KernelInterface:
     arrays: dict[int, tuple[int, int]] = {}  # id -> (element type, length constant id)
     variables: list[tuple[int, int, int]] = []  # (id, pointer type, storage class)
     local_size = None
+    capabilities: list[int] = []
 
     i = 5
     while i < len(words):
@@ -76,7 +80,9 @@ def reflect(code: bytes) -> KernelInterface:
         if count == 0:
             raise SpirvError("corrupt SPIR-V: zero-length instruction")
         ops = words[i + 1 : i + count]
-        if opcode == OP_DECORATE:
+        if opcode == OP_CAPABILITY:
+            capabilities.append(ops[0])
+        elif opcode == OP_DECORATE:
             decorations.setdefault(ops[0], {})[ops[1]] = list(ops[2:])
         elif opcode == OP_MEMBER_DECORATE:
             member_decorations.setdefault(ops[0], {}).setdefault(ops[1], {})[ops[2]] = list(ops[3:])
@@ -129,4 +135,4 @@ def reflect(code: bytes) -> KernelInterface:
     if [b.index for b in bindings] != list(range(len(bindings))):
         raise SpirvError(f"bindings must be numbered 0..n-1, found {[b.index for b in bindings]}")
     spec_ids = tuple(sorted(d[DECORATION_SPEC_ID][0] for d in decorations.values() if DECORATION_SPEC_ID in d))
-    return KernelInterface(tuple(bindings), push_bytes, spec_ids, local_size)
+    return KernelInterface(tuple(bindings), push_bytes, spec_ids, local_size, tuple(capabilities))

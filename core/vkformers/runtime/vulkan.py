@@ -29,6 +29,7 @@ import numpy as np
 from vkformers.errors import (
     LAVAPIPE_HINT,
     BufferTooLargeError,
+    DeviceFeatureError,
     DeviceIndexError,
     KernelBindingError,
     NoVulkanDeviceError,
@@ -48,6 +49,9 @@ else:
     _KP_IMPORT_ERROR = None
 
 DEVICE_ENV = "VKFORMERS_DEVICE"
+# The kp patch level (kp/vkformers.patch) this runtime needs: from 5 the Vulkan 1.0 features (shaderInt16, which the
+# bfloat16 kernels declare) are enabled and reported.
+KP_PATCH = 5
 KP_BYTES_LIMIT = 1 << 32  # kp sizes buffers with uint32
 # Kernel bindings (kp algorithms: one descriptor set over one kernel's buffers) a device keeps for reuse, least
 # recently used dropped first. A binding goes anyway when one of its buffers does; a recorded sequence keeps its
@@ -59,20 +63,57 @@ COMPONENT_TYPES = {0: "float16", 1: "float32", 2: "float64", 3: "int8", 4: "int1
                    6: "int64", 7: "uint8", 8: "uint16", 9: "uint32", 10: "uint64", 1000141000: "bfloat16"}
 SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue-family"}
 
+# What to do without a feature: 16-bit buffers and arithmetic serve the 16-bit dtypes only.
+_USE_FLOAT32 = "load the model in float32 (dtype='float32', or --dtype float32)"
+_UPDATE_DRIVER = "update the GPU driver (`vkformers doctor` shows what the device has)"
+# The device feature each SPIR-V capability a kernel declares needs (numbers from the SPIR-V specification), what
+# it is, and what a user can do without it. The patched kp enables every one of these the device supports.
+CAPABILITY_FEATURES: dict[int, tuple[str, str, str]] = {
+    9: ("shaderFloat16", "16-bit float arithmetic", "load the model in bfloat16 or float32"),
+    10: ("shaderFloat64", "64-bit floats", _UPDATE_DRIVER),
+    11: ("shaderInt64", "64-bit integers", _UPDATE_DRIVER),
+    12: ("shaderBufferInt64Atomics", "64-bit atomics", _UPDATE_DRIVER),
+    22: ("shaderInt16", "16-bit integers", _USE_FLOAT32),
+    39: ("shaderInt8", "8-bit integers", _UPDATE_DRIVER),
+    4433: ("storageBuffer16BitAccess", "16-bit values in buffers", _USE_FLOAT32),
+    4434: ("uniformAndStorageBuffer16BitAccess", "16-bit values in uniform buffers", _USE_FLOAT32),
+    4435: ("storagePushConstant16", "16-bit push constants", _USE_FLOAT32),
+    4448: ("storageBuffer8BitAccess", "8-bit values in buffers", _UPDATE_DRIVER),
+    4449: ("uniformAndStorageBuffer8BitAccess", "8-bit values in uniform buffers", _UPDATE_DRIVER),
+    4450: ("storagePushConstant8", "8-bit push constants", _UPDATE_DRIVER),
+    5116: ("shaderBFloat16Type", "bfloat16 arithmetic", _UPDATE_DRIVER),
+    5117: ("shaderBFloat16DotProduct", "bfloat16 dot products", _UPDATE_DRIVER),
+    5118: ("shaderBFloat16CooperativeMatrix", "bfloat16 cooperative matrices", _UPDATE_DRIVER),
+    5345: ("vulkanMemoryModel", "the Vulkan memory model", _UPDATE_DRIVER),
+    5346: ("vulkanMemoryModelDeviceScope", "the Vulkan memory model at device scope", _UPDATE_DRIVER),
+    6016: ("shaderIntegerDotProduct", "integer dot products", _UPDATE_DRIVER),
+    6017: ("shaderIntegerDotProduct", "integer dot products", _UPDATE_DRIVER),
+    6018: ("shaderIntegerDotProduct", "integer dot products", _UPDATE_DRIVER),
+    6019: ("shaderIntegerDotProduct", "integer dot products", _UPDATE_DRIVER),
+    6022: ("cooperativeMatrix", "cooperative matrices", _UPDATE_DRIVER),
+    6033: ("shaderBufferFloat32AtomicAdd", "float atomic add", _UPDATE_DRIVER),
+}
+# Capabilities every Vulkan compute device has (Shader), or whose support the device reports outside its features:
+# subgroup operations (VkPhysicalDeviceSubgroupProperties, which kp does not report).
+UNCHECKED_CAPABILITIES = frozenset({1, 61, 62, 63, 64, 65, 66, 67, 68})
+# The features that every kernel of a model computing in a 16-bit dtype may need (float32 needs none of these).
+DTYPE_FEATURES = {"float32": (), "bfloat16": ("storageBuffer16BitAccess", "shaderInt16"),
+                  "float16": ("storageBuffer16BitAccess", "shaderFloat16")}
+
 
 def _require_kp():
     if kp is None:
         raise NoVulkanDeviceError(f"cannot load the Vulkan runtime (kp): {_KP_IMPORT_ERROR}. {LAVAPIPE_HINT}")
-    if getattr(kp, "vkformers_patch", 0) < 1:
+    if not is_patched_kp():
         raise NoVulkanDeviceError(
-            "kp is installed without the vkformers patch (no barriers, no device features); "
+            f"kp {kp_version()} lacks the vkformers patch (level {KP_PATCH}: barriers, device features); "
             "reinstall it with `bash scripts/setup.sh` (see kp/README.md)"
         )
     return kp
 
 
 def is_patched_kp() -> bool:
-    return kp is not None and getattr(kp, "vkformers_patch", 0) >= 1
+    return kp is not None and getattr(kp, "vkformers_patch", 0) >= KP_PATCH
 
 
 def kp_version() -> str | None:
@@ -200,9 +241,34 @@ class Device:
 
     def kernel(self, name: str, variant: str | None = None) -> "Kernel":
         key = (name, variant)
-        if key not in self._kernels:
-            self._kernels[key] = Kernel(name, variant, find_spirv(name, variant))
-        return self._kernels[key]
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = Kernel(name, variant, find_spirv(name, variant))
+            self.check_capabilities(kernel)
+            self._kernels[key] = kernel
+        return kernel
+
+    def check_capabilities(self, kernel: "Kernel") -> None:
+        """Raise DeviceFeatureError if ``kernel`` declares a capability whose feature this device lacks: a driver
+        may reject such a shader, crash, or run it wrongly."""
+        for capability in kernel.interface.capabilities:
+            feature, what, remedy = CAPABILITY_FEATURES.get(capability, (None, "", ""))
+            if feature is not None and not self.features.get(feature):
+                raise DeviceFeatureError(f"{self.name} lacks {what} ({feature}), which kernel {kernel!s} needs: "
+                                         f"{remedy}")
+
+    def supports_dtype(self, dtype) -> bool:
+        """Whether the kernels of a model computing in ``dtype`` can run here (DTYPE_FEATURES)."""
+        return all(self.features.get(f) for f in DTYPE_FEATURES.get(dt.as_dtype(dtype).name, ()))
+
+    def require_dtype(self, dtype) -> None:
+        """Raise DeviceFeatureError, before any weight is uploaded, if the device cannot compute in ``dtype``."""
+        name = dt.as_dtype(dtype).name
+        missing = [f for f in DTYPE_FEATURES.get(name, ()) if not self.features.get(f)]
+        if missing:
+            others = [d for d in DTYPE_FEATURES if d != name and self.supports_dtype(d)]
+            raise DeviceFeatureError(f"{self.name} cannot compute in {name}: it lacks {', '.join(missing)}; load the "
+                                     f"model in {' or '.join(others)} (dtype=..., or --dtype)")
 
     def sequence(self, *, timestamps: bool = False, barriers: str = "tracked") -> "Sequence":
         return Sequence(self, timestamps=timestamps, barriers=barriers)
@@ -438,8 +504,11 @@ class Kernel:
     def interface(self) -> KernelInterface:
         return reflect(self.code)
 
+    def __str__(self) -> str:
+        return f"{self.name}.{self.variant}" if self.variant else self.name
+
     def __repr__(self) -> str:
-        return f"<Kernel {self.name}{'.' + self.variant if self.variant else ''}>"
+        return f"<Kernel {self}>"
 
 
 def _push_words(values) -> np.ndarray:
