@@ -87,6 +87,27 @@ def test_generate_chat_sampling_is_seeded(tiny_gguf, capsys):
                                   top_p=0.95, seed=7)
 
 
+def test_a_gguf_of_an_unknown_text_split_takes_the_models_own_tokenizer(tiny_gguf, tmp_path, capsys):
+    """Its tokenizer is refused in one line that names --tokenizer; with --tokenizer (the Hugging Face folder of
+    the same vocabulary) the text is the same as the known split's."""
+    import json
+    from test_gguf import random_llama, train_bpe, write_tiny_gguf
+    backend = train_bpe()
+    path = write_tiny_gguf(tmp_path / "tekken.gguf", random_llama(backend.get_vocab_size()), backend, pre="tekken")
+    argv = ["generate", "--model", str(path), "--prompt", "the capital of france is", "--max-new-tokens", "6"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "splits text as 'tekken'" in err and "--tokenizer" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    folder = tmp_path / "hf-tokenizer"
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "</s>", "add_bos_token": False}))
+    assert main(argv + ["--tokenizer", str(folder)]) == 0
+    assert capsys.readouterr().out == expected_text(tiny_gguf, "the capital of france is", 6)
+
+
 def test_an_empty_prompt_starts_from_bos(tiny_gguf, capsys):
     """As transformers' generate with only a BOS: the text continues [[bos_token_id]]."""
     from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer

@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from vkformers.models import gguf as vkgguf
+from vkformers.errors import VkformersError
 
 try:
     import gguf
@@ -203,6 +204,27 @@ def test_config_arrays_tokenizer_round_trip(tiny, backend):
     assert tokenizer.decode(chat, skip_special_tokens=True) == "user\nhello\nassistant\n"
     from vkformers.models.loading import AutoTokenizer
     assert AutoTokenizer.from_pretrained(path).encode("hello world") == tokenizer.encode("hello world")
+
+
+def test_an_unknown_text_split_is_refused(gguf_package, backend, tmp_path):
+    """A byte-level vocabulary whose tokenizer.ggml.pre names a split vkformers does not know (Mistral Nemo's
+    "tekken") is refused: GPT-2's split in its place gives other tokens than the model's own. Its weights load."""
+    path = write_tiny_gguf(tmp_path / "tekken.gguf", random_llama(backend.get_vocab_size()), backend, pre="tekken")
+    with pytest.raises(VkformersError, match=r"tekken.gguf: the GGUF tokenizer splits text as 'tekken'.*--tokenizer"):
+        vkgguf.load_gguf_tokenizer(path)
+    assert vkgguf.load_gguf(path, tokenizer=False)[1]
+
+
+@pytest.mark.parametrize("pre,text,pieces", [
+    ("command-r", "abc 2024", ["abc", "Ġ", "2", "0", "2", "4"]),  # each digit on its own, as StarCoder's
+    ("dbrx", "abc 2024", ["abc", "Ġ", "202", "4"]),  # Llama 3's split: digits in threes
+    ("stablelm2", "abc 2024", ["abc", "Ġ", "2", "0", "2", "4"]),  # Qwen2's split: one digit each
+    ("olmo", "abc 2024", ["abc", "Ġ2024"]),  # GPT-2's split: a space joins the number
+])
+def test_text_splits_by_name(pre, text, pieces):
+    meta = {"tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": []}
+    split = vkgguf._byte_level_model(meta)[2]
+    assert [piece for piece, _ in split.pre_tokenize_str(text)] == pieces
 
 
 @pytest.mark.parametrize("quant,tolerance", [("F16", 1e-3), ("BF16", 8e-3), ("Q8_0", 0.01), ("Q4_1", 0.1),

@@ -39,6 +39,9 @@ def add_parser(subparsers):
     parser.add_argument("--model", default=None,
                         help=f"checkpoint folder, hub repo id or .gguf file (default: {DEFAULT_MODEL_FILE} "
                              f"from the {DEFAULT_MODEL_PACKAGE} package)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or hub repo id (default: the model's own; a .gguf file's from its "
+                             "metadata)")
     parser.add_argument("--prompt", default=None, help="the text to continue (default: read from stdin)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message with the model's chat template")
@@ -143,7 +146,7 @@ def run(args) -> int:
     if args.adapter is not None:
         check_adapter_folder(args.adapter)
 
-    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))
     started = time.perf_counter()
     model = load_model(model_name, args.dtype, quantization=args.quantization, dequantize=args.dequantize)

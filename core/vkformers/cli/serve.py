@@ -59,6 +59,9 @@ def add_parser(subparsers):
                         help=f"checkpoint folder, hub repo id or .gguf file (default: {cli_generate.DEFAULT_MODEL_FILE} "
                              f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package); a sentence-transformers "
                              "folder or an encoder is served on /v1/embeddings")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or hub repo id for a causal LM (default: the model's own; a .gguf "
+                             "file's from its metadata)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: a .gguf file's stem, else --model as given; "
                              "SmolLM2-135M-Instruct for the bundled model)")
@@ -148,16 +151,16 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
     served = args.served_model_name or served_name(args.model)
     scheduler = None
     if args.model is not None and is_embedding_checkpoint(model_name):
-        if args.quantization is not None or args.adapter is not None:
-            raise VkformersError("--quantization and --adapter apply to causal LMs; an embedding model is served "
-                                 "as it is")
+        if args.quantization is not None or args.adapter is not None or args.tokenizer is not None:
+            raise VkformersError("--quantization, --adapter and --tokenizer apply to causal LMs; an embedding model "
+                                 "is served as it is")
         embedder = Embedder(SentenceTransformer(model_name, dtype=args.dtype), batch_size=args.max_batch)
         app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
             embedder.close
     else:
         if args.adapter is not None:
             check_adapter_folder(args.adapter)
-        tokenizer = AutoTokenizer.from_pretrained(model_name)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
         if args.adapter is not None:
             merge_lora(load_adapter(model, args.adapter))

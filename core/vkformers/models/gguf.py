@@ -51,15 +51,19 @@ DECODER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
-# How byte-level vocabularies split text before BPE ("tokenizer.ggml.pre"); None: GPT-2's split.
+# How byte-level vocabularies split text before BPE ("tokenizer.ggml.pre", as llama.cpp's converter names the
+# model's pre-tokenizer); None: GPT-2's split. A name not here is refused: another split gives other tokens.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 BYTE_LEVEL_SPLITS = {
     "default": None, "gpt2": None, "gpt-2": None,
-    "smollm": "digits", "starcoder": "digits", "refact": "digits",  # GPT-2's split after each digit stands alone
+    "olmo": None, "mpt": None,  # GPT-NeoX's tokenizer: GPT-2's split
+    # GPT-2's split after each digit stands alone
+    "smollm": "digits", "starcoder": "digits", "refact": "digits", "command-r": "digits",
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "stablelm2": _QWEN2_SPLIT,
 }
 
 
@@ -435,7 +439,7 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _byte_level_model(meta: dict):
+def _byte_level_model(meta: dict, name_or_path: str = ""):
     from tokenizers import Regex, decoders, models, pre_tokenizers, processors  # loaded only for a GGUF's tokenizer
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -448,7 +452,12 @@ def _byte_level_model(meta: dict):
         vocab.setdefault(token, index)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     model = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False)
-    split = BYTE_LEVEL_SPLITS.get(meta.get("tokenizer.ggml.pre", "default"))
+    name = meta.get("tokenizer.ggml.pre", "default")
+    if name not in BYTE_LEVEL_SPLITS:
+        raise VkformersError(f"{name_or_path}: the GGUF tokenizer splits text as {name!r}, which vkformers does not "
+                             "know (its tokens would differ from the model's); use the model's Hugging Face "
+                             "tokenizer (--tokenizer REPO_OR_FOLDER, or AutoTokenizer.from_pretrained(REPO))")
+    split = BYTE_LEVEL_SPLITS[name]
     if split is None:
         pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif split == "digits":
@@ -503,7 +512,7 @@ def tokenizer_from_metadata(meta: dict, *, name_or_path: str = ""):
     if "tokenizer.ggml.tokens" not in meta:
         raise CheckpointError(f"{name_or_path}: the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
     if kind == "gpt2":
-        model, normalizer, pre, decoder, post = _byte_level_model(meta)
+        model, normalizer, pre, decoder, post = _byte_level_model(meta, name_or_path)
     elif kind == "llama":
         model, normalizer, pre, decoder, post = _sentencepiece_model(meta)
     else:
