@@ -406,7 +406,8 @@ def record_step_only(trainer, batches) -> dict:
     try:
         start = time.perf_counter()
         trainer.model.train()  # as train_step: gradient checkpointing applies in training mode
-        stats, factor = trainer._build_step([tuple(np.asarray(a, np.int32) for a in b) for b in batches], None)
+        batches = [tuple(np.asarray(a, np.int32) for a in b) for b in batches]
+        stats, factor = trainer._build_step(batches, None, trainer._loss_shares(batches))
         trainer._apply_update(factor)
         lazy.realize([stats.lazy])
         seconds = time.perf_counter() - start

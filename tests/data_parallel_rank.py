@@ -1,11 +1,13 @@
 """One rank of tests/test_data_parallel.py's runs (a script, started alone or under mpiexec).
 
     python data_parallel_rank.py OUT.npz BATCH STEPS [--shard] [--comm bf16] [--precision bf16|fp16] [--resume]
-                                 [--kill-rank R | --hang-rank R]
+                                 [--kill-rank R | --hang-rank R] [--masked]
 
 Trains test_training's TinyLM for STEPS steps on the tiny byte corpus, checkpointing every 2 steps into
-OUT's folder; rank 0 writes the losses and final weights to OUT.npz. Started alone it is the single-device
-reference (batch BATCH); under mpiexec -n N each rank takes BATCH rows of every global batch of N*BATCH.
+OUT's folder; rank 0 writes the losses and final weights to OUT.npz. --masked: the first 12 labels of every
+other row are -100 (a prompt), so that ranks' rows hold different numbers of targets. Started alone it is the
+single-device reference (batch BATCH); under mpiexec -n N each rank takes BATCH rows of every global batch of
+N*BATCH.
 """
 import argparse
 import os
@@ -33,6 +35,7 @@ def main():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1, help="this rank dies in the middle of step 3")
     parser.add_argument("--hang-rank", type=int, default=-1, help="this rank stops answering in step 3")
+    parser.add_argument("--masked", action="store_true", help="mask the first 12 labels of every other row")
     parser.add_argument("--bucket-mb", type=float, default=0.01)  # small: several buckets even for TinyLM
     args = parser.parse_args()
     world = distributed.launched_world_size()
@@ -43,6 +46,9 @@ def main():
                             weight_decay=0.1, save_every=2, keep=0, precision=args.precision)
     model = tiny_model(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision])
     data = tiny_data()
+    if args.masked:
+        data.labels = data.labels.copy()
+        data.labels[::2, :12] = -100
     folder = args.out.with_suffix("")
     if comm is None:
         trainer = Trainer(model, config, Batches(data, args.batch, seed=0), out_dir=folder)

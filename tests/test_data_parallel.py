@@ -66,6 +66,16 @@ def test_two_ranks_with_batch_b_match_one_rank_with_batch_2b(runs):
     assert relative_error(weights(one), weights(two)) < 1e-6
 
 
+def test_ranks_holding_different_numbers_of_targets_match_one_rank(tmp_path):
+    """Prompts masked in every other row: the ranks' rows hold different numbers of targets, and the ranks
+    together still give one process's loss and weights (the mean over all targets, not the mean of each rank's
+    mean)."""
+    one = trained(tmp_path / "one.npz", 4, "--masked")
+    two = trained(tmp_path / "two.npz", 2, "--masked", ranks=2)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-6)
+    assert relative_error(weights(one), weights(two)) < 1e-6
+
+
 def test_zero1_sharded_optimizer_state_equals_plain_data_parallel(runs):
     root, r = runs
     for key in weights(r["two"]):

@@ -15,6 +15,7 @@ import vkformers as vkf
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.lm_loss import target_count
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.errors import UnsafePathError
@@ -74,6 +75,9 @@ class TinyLM(Module):
             # declared, so that a captured training step can shift the next batch's labels itself
             loss = F.cross_entropy(logits.float(), vkf.tensor(lazy.derived_input(shift(labels), labels, shift)))
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def loss_target_count(self, labels) -> int:  # the labels its loss reads: shifted by one
+        return target_count(labels)
 
 
 def shift(labels):
@@ -263,6 +267,40 @@ def test_gradient_accumulation_equals_the_big_batch():
     # atol: Adam divides by sqrt(v), so an element whose gradient is near zero amplifies the summation-order
     # difference of two half batches against one batch (up to ~1e-5 here, against an update of lr = 1e-2)
     np.testing.assert_allclose(small.lm_head.weight.numpy(), big.lm_head.weight.numpy(), rtol=1e-4, atol=2e-5)
+
+
+def small_llama(seed=0):
+    from vkformers.models.loading import AutoModelForCausalLM
+    config = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    rng = np.random.default_rng(seed)
+    model.load_state_dict({n: (np.ones(s.shape, np.float32) if n.endswith("norm.weight")
+                               else rng.standard_normal(s.shape).astype(np.float32) * 0.1)
+                           for n, s in model.named_slots() if s.tied_to is None})
+    return model.train()
+
+
+def test_gradient_accumulation_weights_micro_batches_by_their_targets():
+    """Prompts masked (-100) in one micro-batch and not in the other: the step's loss is the mean over every
+    target of the step and its update the one that one batch of all the rows gives, as transformers' Trainer
+    counts num_items_in_batch. The mean of the two micro-batches' means would weigh the masked batch's few
+    targets as much as the other's many."""
+    data = tiny_data()
+    ids, labels = next(Batches(data, 4, seed=2))
+    labels = labels.copy()
+    labels[:2, :12] = -100  # the first micro-batch: 3 targets a row (after the shift), the second 15
+    big, small = small_llama(), small_llama()
+    base = dict(steps=1, seq_len=16, lr=1e-2, schedule="constant", clip=0.0)
+    whole = Trainer(big, TrainingConfig(batch_size=4, **base), Batches(data, 4)).train_step([(ids, labels)])
+    split = Trainer(small, TrainingConfig(batch_size=2, grad_accum=2, **base), Batches(data, 2)).train_step(
+        [(ids[:2], labels[:2]), (ids[2:], labels[2:])])
+    assert split.loss == pytest.approx(whole.loss, rel=1e-6)
+    for name, weight in big.named_parameters():
+        np.testing.assert_allclose(dict(small.named_parameters())[name].numpy(), weight.numpy(), rtol=1e-4,
+                                   atol=2e-5, err_msg=name)
+    means = [small_llama()(ids[rows], labels=labels[rows]).loss.item() for rows in (slice(0, 2), slice(2, 4))]
+    assert abs(np.mean(means) - whole.loss) > 1e-3 * whole.loss  # what an even split would have reported
 
 
 def test_seed_fixes_data_order_and_dropout():

@@ -30,6 +30,12 @@ def shift_labels(labels: np.ndarray) -> np.ndarray:
     return shifted
 
 
+def target_count(labels, shift: bool = True) -> int:
+    """How many labels the causal LM's loss averages over: those not -100, from position 1 on when it shifts."""
+    labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+    return int(((labels[..., 1:] if shift else labels) != IGNORE_INDEX).sum())
+
+
 def label_tensor(labels, shift: bool = True) -> Tensor:
     """int32 labels as a graph input, shifted where the loss shifts them; a captured step (lazy.StepCapture) shifts
     each new batch's labels anew."""

@@ -17,7 +17,7 @@ from vkformers.engine.lazy import building_graph
 from vkformers.engine.quantized import QuantizedArray, QuantizedTensor
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
-from vkformers.models.inputs import InputLimits, check_model_inputs, forward_arguments
+from vkformers.models.inputs import IGNORE_INDEX, InputLimits, check_model_inputs, forward_arguments
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -188,6 +188,15 @@ class Module:
                 slot.tensor = slots[slot.tied_to].tensor
         if isinstance(getattr(self, "dtype", None), dt.DType):  # a model: it computes in its weights' dtype
             self.dtype = dtype
+
+    def loss_target_count(self, labels) -> int:
+        """How many targets this model's loss averages over for a batch's ``labels`` (as forward takes them):
+        integer labels not -100, every value of float ones (regression). Models that shift labels say so. The
+        trainer weights each micro-batch's mean loss by its share of the step's targets."""
+        labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
+        if not np.issubdtype(labels.dtype, np.integer):
+            return int(labels.size)
+        return int((labels != IGNORE_INDEX).sum())
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every parameter as float32 numpy arrays (float16 stays float16; quantized weights dequantized), under

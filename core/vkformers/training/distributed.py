@@ -47,7 +47,7 @@ from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import DEVICE_ENV, describe_devices
 from vkformers.training import checkpoint as ckpt
 from vkformers.training.data import Batches, DataError
-from vkformers.training.trainer import Trainer, _int32_pair
+from vkformers.training.trainer import Trainer, _int32_pair, target_shares
 
 SHARE_DEVICE_ENV = "VKFORMERS_DATA_PARALLEL_SHARE_DEVICE"  # 1: every rank of a host on one device (testing)
 TIMEOUT_ENV = "VKFORMERS_DATA_PARALLEL_TIMEOUT"  # seconds a rank waits for the others in a step's collective
@@ -162,6 +162,13 @@ class Communicator:
                                  f"resume it from its last checkpoint ({TIMEOUT_ENV} sets the wait)")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def total(self, value: int) -> int:
+        """The sum of an integer over the ranks."""
+        buffer = np.array([value], np.int64)
+        self.wait(self.comm.Iallreduce(self.MPI.IN_PLACE, [buffer, self.MPI.INT64_T], op=self.MPI.SUM),
+                  "the all-reduce of the loss targets")
+        return int(buffer[0])
 
     def finish_mean(self, handle) -> np.ndarray:
         request, buffer = handle
@@ -300,7 +307,8 @@ class DataParallelTrainer(Trainer):
         self.model.train()
         self._capture.forget()  # the step reads gradients back mid-way: no recorded replay
         scale = tensor(np.float32(self.scaler.scale)) if self.scaler is not None else None
-        total = self._forward_backward([_int32_pair(*mb) for mb in micro_batches], scale)
+        batches = [_int32_pair(*mb) for mb in micro_batches]
+        total = self._forward_backward(batches, scale, self._loss_shares(batches))
         total = self._average_gradients(total)
         stats_vector, factor = self._statistics(total, scale)
         if self.scaler is None:
@@ -318,6 +326,14 @@ class DataParallelTrainer(Trainer):
         for p in self.params:
             p.grad = None
         return self._step_result(stats, lr)
+
+    def _loss_shares(self, micro_batches) -> np.ndarray:
+        """Each micro-batch's share of the loss targets of every rank's step, times the world size (the gradients
+        are then averaged): the ranks together compute the mean over all their targets, as one process with
+        every row would."""
+        counts = np.array([self.model.loss_target_count(labels) for _, labels, *_ in micro_batches], np.float64)
+        total = self.comm.total(int(counts.sum()))
+        return target_shares(counts * self.comm.size, total)
 
     def _average_gradients(self, total):
         """Read the gradients back in buckets, average each across ranks (non-blocking, overlapping the next

@@ -172,6 +172,14 @@ def _int32_pair(ids, labels, *mask):
     return (ids, labels.copy() if labels is ids else labels) + tuple(np.ascontiguousarray(m, np.int32) for m in mask)
 
 
+def target_shares(counts: np.ndarray, total: float) -> np.ndarray:
+    """``counts / total`` as float32 (each micro-batch's share of ``total`` loss targets); equal shares where
+    there are no targets at all (the loss is then not finite, and the step says so)."""
+    if total <= 0:
+        return np.full(len(counts), 1.0 / len(counts), np.float32)
+    return (np.asarray(counts, np.float64) / total).astype(np.float32)
+
+
 def _forward(model, batch):
     """``model(input_ids, labels=..., attention_mask=..., token_type_ids=...)`` for a batch of (input_ids, labels[,
     attention_mask[, token_type_ids]])."""
@@ -271,16 +279,17 @@ class Trainer:
         if self.scaler is None:
             batches = [_int32_pair(*mb) for mb in micro_batches]
             inputs = {f"{what}{i}": a for i, mb in enumerate(batches) for what, a in zip(("ids", "labels", "mask", "types"), mb)}
+            inputs["shares"] = shares = self._loss_shares(batches)
 
             def build():  # one submission: the update rides along with reading the statistics
-                stats_vector, factor = self._build_step(batches, None)
+                stats_vector, factor = self._build_step(batches, None, shares)
                 self._apply_update(factor)
                 return [stats_vector]
             stats = self._capture.run(build, inputs)[0]
         else:  # fp16: read the overflow flag first, update only if the gradients are finite
             self._capture.forget()
             scale = tensor(np.float32(self.scaler.scale))  # an input, so plans replay
-            stats_vector, factor = self._build_step(micro_batches, scale)
+            stats_vector, factor = self._build_step(micro_batches, scale, self._loss_shares(micro_batches))
             stats = stats_vector.numpy()
             if stats[2] == 1.0:
                 self._apply_update(factor)
@@ -307,17 +316,27 @@ class Trainer:
         self.step += 1
         return result
 
-    def _build_step(self, micro_batches, scale):
+    def _build_step(self, micro_batches, scale, shares):
         """The step's graph up to the update: the statistics vector [loss, norm, finite], and the factor
         (clipping, unscaling; None for neither) the update applies to the parameters' gradients."""
-        return self._statistics(self._forward_backward(micro_batches, scale), scale)
+        return self._statistics(self._forward_backward(micro_batches, scale, shares), scale)
 
-    def _forward_backward(self, micro_batches, scale) -> Tensor:
-        """Every micro-batch's forward and backward (the gradients accumulate); returns the mean loss."""
+    def _loss_shares(self, micro_batches) -> np.ndarray:
+        """Each micro-batch's share of the step's loss targets (float32), by which its mean loss is weighted:
+        the step's loss is the mean over all its targets and its gradients those of one batch of every row,
+        however masked prompts or padding spread the targets among micro-batches (as transformers' Trainer
+        counts ``num_items_in_batch``)."""
+        counts = np.array([self.model.loss_target_count(labels) for _, labels, *_ in micro_batches], np.float64)
+        return target_shares(counts, counts.sum())
+
+    def _forward_backward(self, micro_batches, scale, shares: np.ndarray) -> Tensor:
+        """Every micro-batch's forward and backward (the gradients accumulate), each loss weighted by its
+        ``shares`` entry; returns the step's loss."""
         total = None
+        weights = tensor(shares)  # an input: a replayed step takes the next step's shares
         with lazy.deferred_backward():  # realized with the clip and the update, one submission
-            for batch in micro_batches:
-                loss = _forward(self.model, batch).loss.float() * (1.0 / len(micro_batches))
+            for index, batch in enumerate(micro_batches):
+                loss = _forward(self.model, batch).loss.float() * weights[index]
                 (loss * scale if scale is not None else loss).backward()
                 total = loss if total is None else total + loss
                 del loss

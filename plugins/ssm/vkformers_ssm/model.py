@@ -22,7 +22,7 @@ from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
-from vkformers.models.lm_loss import causal_lm_loss
+from vkformers.models.lm_loss import causal_lm_loss, target_count
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
@@ -121,6 +121,9 @@ class MambaForCausalLM(Module, GenerationMixin):
         if labels is not None:  # transformers' ForCausalLMLoss in float32, in chunks of tokens at a large vocabulary
             loss = causal_lm_loss(x, self.lm_logits, labels, logits=logits, widen=True)
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def loss_target_count(self, labels) -> int:
+        return target_count(labels)
 
     def lm_logits(self, x):
         """Final hidden states -> logits (lm_head in its dtype)."""

@@ -26,7 +26,7 @@ from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
-from vkformers.models.lm_loss import causal_lm_loss
+from vkformers.models.lm_loss import causal_lm_loss, target_count
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, join_path, place
 from vkformers.runtime import dtypes as dt
@@ -289,6 +289,9 @@ class DecoderForCausalLM(Module, GenerationMixin):
         if labels is not None:  # in chunks of tokens when the logits are large (models/lm_loss.py)
             loss = causal_lm_loss(x, self.lm_logits, labels, shift=s.shift_labels, logits=logits)
         return CausalLMOutput(logits=logits, loss=loss)
+
+    def loss_target_count(self, labels) -> int:
+        return target_count(labels, self.spec.shift_labels)
 
     def lm_logits(self, x):
         """Final hidden states [..., H] -> logits: the head transform where there is one, lm_head, the logits'
