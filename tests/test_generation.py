@@ -13,7 +13,7 @@ import pytest
 import vkformers as vkf
 from vkformers.engine import functional as F
 from vkformers.engine import lazy
-from vkformers.errors import VkformersError
+from vkformers.errors import InputError, VkformersError
 from vkformers.models.generation import (
     GenerationMixin, _apply_repetition_penalty, apply_top_k, apply_top_p, sampling_probabilities)
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
@@ -583,3 +583,58 @@ def test_chained_steps_stop_at_the_capture_limit(monkeypatch):
         want = model.generate(PROMPT, max_new_tokens=new_tokens, eos_token_id=[])
         monkeypatch.setattr(generation, "CHAIN_STEPS", 8)
         np.testing.assert_array_equal(model.generate(PROMPT, max_new_tokens=new_tokens, eos_token_id=[]), want)
+
+
+# ------------------------------------------------------------ transformers' length arguments
+
+def test_max_length_counts_the_prompt(model):
+    length = PROMPT.shape[1]
+    four = model.generate(PROMPT, max_new_tokens=4)
+    np.testing.assert_array_equal(model.generate(PROMPT, max_length=length + 4), four)
+    np.testing.assert_array_equal(model.generate(PROMPT, max_length=99, max_new_tokens=4), four)  # as transformers
+    np.testing.assert_array_equal(model.generate(PROMPT, max_new_tokens=4, use_cache=False, num_beams=1), four)
+    assert model.generate(PROMPT).shape == (1, length + 20)
+
+
+def test_min_new_tokens_holds_the_end_of_sequence_back():
+    """The end-of-sequence token is never chosen before min_new_tokens new tokens (min_length counting the
+    prompt), in the chained greedy decoding a GPU runs too: the tokens of a step-by-step recomputation whose eos
+    logit is -inf for the first five steps."""
+    pytest.importorskip("vkformers_llama")
+    model = _plugin_model(dict(PLUGIN_CONFIGS["gemma2_softcap_window"], model_type="llama"))
+    length = PROMPT.shape[1]
+    greedy = model.generate(PROMPT, max_new_tokens=8, eos_token_id=[])
+    eos = int(greedy[0, length + 1])
+    assert model.generate(PROMPT, max_new_tokens=8, eos_token_id=eos).shape[1] <= length + 2
+    ids = PROMPT.astype(np.int64)
+    for step in range(8):
+        logits = model(ids).logits.numpy()[:, -1]
+        if step < 5:
+            logits[:, eos] = -np.inf
+        ids = np.concatenate([ids, logits.argmax(-1)[:, None]], axis=1)
+        if step >= 5 and ids[0, -1] == eos:
+            break
+    got = model.generate(PROMPT, max_new_tokens=8, eos_token_id=eos, min_new_tokens=5)
+    np.testing.assert_array_equal(got, ids)
+    np.testing.assert_array_equal(model.generate(PROMPT, max_new_tokens=8, eos_token_id=eos, min_length=length + 5),
+                                  ids)
+
+
+def test_num_return_sequences_samples_each_prompt_that_often(model):
+    prompts = np.concatenate([PROMPT, PROMPT[:, ::-1]])
+    got = model.generate(prompts, max_new_tokens=6, do_sample=True, seed=3, num_return_sequences=3)
+    np.testing.assert_array_equal(got, model.generate(np.repeat(prompts, 3, axis=0), max_new_tokens=6,
+                                                      do_sample=True, seed=3))
+    assert got.shape == (6, PROMPT.shape[1] + 6) and (got[:3, :PROMPT.shape[1]] == PROMPT).all()
+    assert len({tuple(row) for row in got[:3]}) > 1  # three draws, not one copied
+
+
+def test_transformers_arguments_it_cannot_honour_are_refused(model):
+    for kwargs, message in [(dict(num_beams=4), r"beam search \(num_beams=4\) is not supported"),
+                            (dict(num_return_sequences=2), r"num_return_sequences=2 needs do_sample=True"),
+                            (dict(max_length=PROMPT.shape[1]), r"max_length=7 leaves no room"),
+                            (dict(output_scores=True), r"output_scores=True is not supported"),
+                            (dict(min_new_tokens=-1), r"min_new_tokens must be"),
+                            (dict(tempreature=0.5), r"unknown argument 'tempreature'")]:
+        with pytest.raises(InputError, match=message):
+            model.generate(PROMPT, **kwargs)

@@ -26,6 +26,7 @@ from safetensors.numpy import load_file, save_file
 import vkformers as vkf
 from vkformers.engine.lazy import realize
 from vkformers.engine.tensor import parameter
+from vkformers.errors import InputError
 from vkformers.models.encoder_decoder import UnsupportedEncoderDecoder
 from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.optim import AdamW
@@ -178,6 +179,20 @@ def test_generate_stops_at_eos_and_pads():
     prompt = np.repeat(ref["input_ids"][:1].astype(np.int64), 2, axis=0)
     tokens = model.generate(prompt, max_new_tokens=8, eos_token_id=eos)
     assert tokens.tolist() == [greedy[:first + 1].tolist()] * 2
+
+
+def test_transformers_length_arguments_count_the_decoder_tokens():
+    """max_length counts the decoder's tokens, its start token included (transformers' encoder-decoder
+    generate); num_return_sequences gives each prompt's rows one after another; an unknown argument is named."""
+    case = Case.get("bart")
+    model, prompt = case.model, case.ref["input_ids"][:1].astype(np.int64)
+    four = model.generate(prompt, max_new_tokens=4, eos_token_id=[])
+    np.testing.assert_array_equal(model.generate(prompt, max_length=5, eos_token_id=[]), four)
+    sampled = model.generate(prompt, max_new_tokens=4, eos_token_id=[], do_sample=True, seed=1, num_return_sequences=2)
+    np.testing.assert_array_equal(sampled, model.generate(np.repeat(prompt, 2, axis=0), max_new_tokens=4,
+                                                          eos_token_id=[], do_sample=True, seed=1))
+    with pytest.raises(InputError, match="takes no num_bems"):
+        model.generate(prompt, num_bems=2)
 
 
 def test_labels_shift_and_errors():

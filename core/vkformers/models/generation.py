@@ -27,7 +27,8 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
-from vkformers.models.inputs import check_generation_settings, check_model_inputs, check_prompt_length
+from vkformers.models.inputs import (check_generation_settings, check_model_inputs, check_prompt_length,
+                                     generation_lengths)
 from vkformers.runtime import dtypes as dt
 
 PREFILL_CAPTURES = 4  # prompt lengths whose recorded prefill a model keeps
@@ -47,10 +48,12 @@ class GenerationMixin:
     # whether forward takes ``logits_to_keep`` (kept_positions): prefills then compute only the logits they read
     accepts_logits_to_keep = False
 
-    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 eos_token_id=None, attention_mask=None, streamer=None, pad_token_id: int | None = None):
-        """Prompt + up to ``max_new_tokens`` new tokens per row, as a numpy int64 array [batch, T + new].
+    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                 seed: int | None = None, eos_token_id=None, attention_mask=None, streamer=None,
+                 pad_token_id: int | None = None, **options):
+        """Prompt + up to ``max_new_tokens`` new tokens per row (20 by default), as a numpy int64 array
+        [batch, T + new].
 
         input_ids: [batch, T] (or [T]); batched prompts of different lengths are left-padded, with
         ``attention_mask`` (1 = token, 0 = padding; default all ones). Positions are
@@ -60,25 +63,29 @@ class GenerationMixin:
         one is finished and gets ``pad_token_id`` from then on; generation stops when every row is
         finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
         object with transformers' ``put``/``end`` methods (put first receives the prompt).
+        transformers' ``max_length``, ``min_length``, ``min_new_tokens``, ``num_return_sequences`` (rows of a
+        prompt follow each other), ``use_cache`` and ``num_beams=1`` are taken too (inputs.generation_lengths).
         """
-        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
         if ids.ndim == 1:
             ids = ids[None]
+        lengths = generation_lengths(options, max_new_tokens, ids.shape[-1], do_sample)
+        max_new_tokens = lengths.max_new_tokens
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         mask = None if attention_mask is None else np.asarray(
             attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask)
         limits = self.input_limits()
         if limits is not None:
             check_model_inputs(limits, {"input_ids": ids, "attention_mask": mask})
-            check_prompt_length(limits, ids.shape[1], int(max_new_tokens))
+            check_prompt_length(limits, ids.shape[1], max_new_tokens)
         elif ids.ndim != 2 or ids.shape[1] == 0:
             raise InputError(f"generate: input_ids must be [batch, length] with length >= 1, got {ids.shape}")
-        max_new_tokens = int(max_new_tokens)
         ids = ids.astype(np.int64)
-        batch, length = ids.shape
         mask = np.ones_like(ids) if mask is None else mask.astype(np.int64)
         if mask.shape != ids.shape:
             raise InputError(f"generate: attention_mask {mask.shape} does not match input_ids {ids.shape}")
+        ids, mask = (np.repeat(a, lengths.num_return_sequences, axis=0) for a in (ids, mask))
+        batch, length = ids.shape
         eos = _eos_ids(self, eos_token_id)
         pad = _pad_id(self, pad_token_id, eos)
         rng = np.random.default_rng(seed)
@@ -113,7 +120,7 @@ class GenerationMixin:
                     next_tokens = chosen.pop(0)
                 else:
                     next_tokens = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
-                                                   repetition_penalty)
+                                                   repetition_penalty, eos if step < lengths.min_new_tokens else ())
                 next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
                 stream_tokens(streamer, next_tokens)
@@ -144,7 +151,7 @@ class GenerationMixin:
                                 capture_limit - tokens.shape[1] + 1)
                     if recompute_beyond is not None and cache.position <= recompute_beyond:
                         steps = min(steps, recompute_beyond - tokens.shape[1] + 1)
-                    if greedy and steps > 1:
+                    if greedy and steps > 1 and step + 1 >= lengths.min_new_tokens:  # the GPU's picks hold no eos back
                         result = decode.run_chain(step_ids, step_positions, steps)
                         if result is not None:
                             logits, chosen = result
@@ -444,10 +451,13 @@ def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p) -> np.n
 
 def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rng: np.random.Generator,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     repetition_penalty: float = 1.0) -> np.ndarray:
+                     repetition_penalty: float = 1.0, suppress=()) -> np.ndarray:
     """generate's choice of each row's next token from its step ``logits`` [batch, vocab] after ``tokens`` so far:
-    the repetition penalty, then argmax, or a draw from ``rng`` when ``do_sample`` (for models with their own
-    generation loop)."""
+    the tokens in ``suppress`` never (end-of-sequence before min_new_tokens), the repetition penalty, then argmax,
+    or a draw from ``rng`` when ``do_sample`` (for models with their own generation loop)."""
+    if len(suppress):
+        logits = logits.copy()
+        logits[:, list(suppress)] = -np.inf
     scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
     if do_sample:
         return _sample(scores, rng, temperature, top_k, top_p)

@@ -246,6 +246,64 @@ def check_number(name: str, value, *, low=None, high=None, low_open=False, integ
         raise InputError(f"generate: {name} must be {bounds}, got {value!r}{hint}")
 
 
+# transformers' generate arguments that change nothing at these values: vkformers decodes one beam, always with a
+# cache, and returns the token ids only
+NEUTRAL_OPTIONS = {"num_beams": 1, "num_beam_groups": 1, "return_dict_in_generate": False, "output_scores": False,
+                   "output_attentions": False, "output_hidden_states": False}
+
+
+# the names generation_lengths takes
+TRANSFORMERS_ARGUMENTS = frozenset({"max_length", "min_length", "min_new_tokens", "num_return_sequences",
+                                    "use_cache", *NEUTRAL_OPTIONS})
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """How many tokens generate makes per row, and how many rows per prompt."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0       # end-of-sequence tokens are held back until this many new tokens
+    num_return_sequences: int = 1
+
+
+def generation_lengths(options: dict, max_new_tokens, start_length: int, do_sample: bool) -> Lengths:
+    """generate's lengths from its own ``max_new_tokens`` (None: not given) and transformers' arguments in
+    ``options``: ``max_length`` and ``min_length`` count the whole sequence (the prompt, or an encoder-decoder's
+    decoder start, of ``start_length`` tokens, included) and give way to ``max_new_tokens`` / ``min_new_tokens``;
+    ``num_return_sequences`` samples that many rows per prompt; ``use_cache`` and NEUTRAL_OPTIONS at their values
+    pass. Anything else is refused by name. 20 new tokens when no length is given."""
+    options = dict(options)
+    max_length, min_length = options.pop("max_length", None), options.pop("min_length", None)
+    min_new_tokens, count = options.pop("min_new_tokens", None), options.pop("num_return_sequences", 1)
+    if not isinstance(options.pop("use_cache", True), bool):
+        raise InputError("generate: use_cache must be True or False (vkformers always decodes with a cache)")
+    for name, value in options.items():
+        if name == "num_beams" and value != 1:
+            raise InputError(f"generate: beam search (num_beams={value!r}) is not supported; use num_beams=1, and "
+                             "do_sample=True with num_return_sequences for several candidates")
+        if name not in NEUTRAL_OPTIONS:
+            raise InputError(f"generate: unknown argument {name!r}")
+        if value != NEUTRAL_OPTIONS[name]:
+            raise InputError(f"generate: {name}={value!r} is not supported; leave it at {NEUTRAL_OPTIONS[name]!r}")
+    if max_new_tokens is None and max_length is not None:
+        check_number("max_length", max_length, low=1, integer=True)
+        if max_length <= start_length:
+            raise InputError(f"generate: max_length={max_length} leaves no room after the {start_length} tokens "
+                             "already there (it counts the whole sequence); give max_new_tokens instead")
+        max_new_tokens = int(max_length) - start_length
+    max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
+    check_number("max_new_tokens", max_new_tokens, low=0, integer=True)
+    if min_new_tokens is None and min_length is not None:
+        check_number("min_length", min_length, low=0, integer=True)
+        min_new_tokens = max(0, int(min_length) - start_length)
+    check_number("min_new_tokens", 0 if min_new_tokens is None else min_new_tokens, low=0, integer=True)
+    check_number("num_return_sequences", count, low=1, integer=True)
+    if count > 1 and not do_sample:
+        raise InputError(f"generate: num_return_sequences={count} needs do_sample=True (greedy decoding gives one "
+                         "sequence per prompt)")
+    return Lengths(int(max_new_tokens), int(min_new_tokens or 0), int(count))
+
+
 def check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty=1.0) -> None:
     """generate's settings, refused when invalid whether or not they are used (temperature when greedy, ...)."""
     check_number("max_new_tokens", max_new_tokens, low=0, integer=True)

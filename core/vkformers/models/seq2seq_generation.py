@@ -24,7 +24,8 @@ from vkformers.engine.function import no_grad
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.decode_capture import to_scores
 from vkformers.models.generation import pick_next_tokens
-from vkformers.models.inputs import check_generation_settings, check_model_inputs, check_prompt_length, id_array
+from vkformers.models.inputs import (TRANSFORMERS_ARGUMENTS, check_generation_settings, check_model_inputs,
+                                     check_prompt_length, generation_lengths, id_array)
 
 
 class Seq2SeqGenerationMixin:
@@ -43,10 +44,11 @@ class Seq2SeqGenerationMixin:
     def default_pad_token_id(self) -> int | None:
         return self.generation_setting("pad_token_id")
 
-    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 eos_token_id=None, attention_mask=None, decoder_start_token_id: int | None = None,
-                 pad_token_id: int | None = None, output_logits: bool = False, **encoder_inputs):
+    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                 seed: int | None = None, eos_token_id=None, attention_mask=None,
+                 decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
+                 output_logits: bool = False, **encoder_inputs):
         """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
 
         Greedy unless ``do_sample`` (temperature, top-k, top-p; ``numpy.random.default_rng(seed)``); the
@@ -55,18 +57,27 @@ class Seq2SeqGenerationMixin:
         generation stops when every row is finished. Without ``attention_mask`` the input's pad tokens are masked
         (pad differing from eos), as transformers infers it. The decoder starts from ``decoder_start_token_id``
         (default: the config's, else its bos_token_id). ``output_logits``: also each step's logits [new, batch,
-        vocab]. Other keyword arguments go to the encoder, where the model takes them (LED's
-        global_attention_mask)."""
-        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
-        unknown = sorted(set(encoder_inputs) - set(self.generation_encoder_inputs))
+        vocab]. transformers' length arguments are taken as GenerationMixin.generate takes them, counting the
+        decoder's tokens (its start token included: max_length=20 gives 19 new). Other keyword arguments go to
+        the encoder, where the model takes them (LED's global_attention_mask)."""
+        options = {k: encoder_inputs.pop(k) for k in list(encoder_inputs) if k not in self.generation_encoder_inputs}
+        unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS)
         if unknown:
             raise InputError(f"generate: {getattr(self, 'architecture_name', type(self).__name__)} takes no "
                              f"{unknown[0]}; leave it out")
+        lengths = generation_lengths(options, max_new_tokens, 1, do_sample)
+        max_new_tokens = lengths.max_new_tokens
+        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         limits = self.input_limits()
         check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
-        max_new_tokens = int(max_new_tokens)
         check_prompt_length(limits, 1, max_new_tokens, decoder=True)
         ids = id_array(input_ids)
+        if attention_mask is not None:
+            attention_mask = np.repeat(id_array(attention_mask), lengths.num_return_sequences, axis=0)
+        ids = np.repeat(ids, lengths.num_return_sequences, axis=0)
+        if lengths.num_return_sequences > 1:  # LED's global_attention_mask: one row per returned sequence too
+            encoder_inputs = {k: np.repeat(v.numpy() if hasattr(v, "numpy") else np.asarray(v),
+                                           lengths.num_return_sequences, axis=0) for k, v in encoder_inputs.items()}
         batch = ids.shape[0]
         eos = self.generation_setting("eos_token_id") if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
@@ -92,12 +103,12 @@ class Seq2SeqGenerationMixin:
             cache = self.generation_cache(batch, 1 + max(max_new_tokens, 1), states, mask)
             unfinished = np.ones(batch, bool)
             next_input = tokens
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 logits = self.generation_step(next_input, states, mask, cache)
                 scores = to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy())
                 step_logits.append(scores)
                 chosen = pick_next_tokens(scores, tokens, do_sample, rng, temperature, top_k, top_p,
-                                          repetition_penalty)
+                                          repetition_penalty, eos if step < lengths.min_new_tokens else ())
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
                 if eos:
