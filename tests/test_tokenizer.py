@@ -185,3 +185,27 @@ def test_repo_id_through_the_hf_cache_offline(tmp_path, folder, monkeypatch):
     from vkformers.models.loading import HubError
     with pytest.raises(HubError, match="offline"):
         AutoTokenizer.from_pretrained("tiny-org/absent", cache_dir=tmp_path / "cache")
+
+
+def test_clean_up_tokenization_spaces_as_transformers():
+    """tokenizer_config.json's clean_up_tokenization_spaces drops the space a word-level tokenizer leaves before
+    punctuation and contractions when decoding (an argument overrides it); a BPE vocabulary keeps its text, as
+    transformers skips the clean-up there."""
+    from vkformers.models.tokenizer import PreTrainedTokenizer
+    words = ["hello", ",", "world", ".", "it", "'s", "n't", "[UNK]"]
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level.decoder = None
+    ids = word_level.encode("hello , world . it 's").ids
+    assert PreTrainedTokenizer(word_level, {}).decode(ids) == "hello , world . it 's"
+    cleaned = PreTrainedTokenizer(word_level, {"clean_up_tokenization_spaces": True})
+    assert cleaned.decode(ids) == "hello, world. it's"
+    assert cleaned.decode(ids, clean_up_tokenization_spaces=False) == "hello , world . it 's"
+    assert cleaned.batch_decode([ids, ids[:2]]) == ["hello, world. it's", "hello,"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["hello , world ."], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe_ids = bpe.encode("hello , world .").ids
+    assert PreTrainedTokenizer(bpe, {"clean_up_tokenization_spaces": True}).decode(bpe_ids) == "hello , world ."

@@ -122,6 +122,17 @@ def _as_array(name: str, values: list) -> np.ndarray:
     return np.asarray(values, dtype=np.int64) if values else np.zeros((0, 0), dtype=np.int64)
 
 
+# transformers' clean-up of decoded text: the space a word-by-word tokenizer leaves before these goes
+CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def clean_up_tokenization(text: str) -> str:
+    for spaced, joined in CLEAN_UP:
+        text = text.replace(spaced, joined)
+    return text
+
+
 class PreTrainedTokenizer:
     """A ``tokenizers.Tokenizer`` plus the settings transformers keeps in ``tokenizer_config.json``."""
 
@@ -401,17 +412,26 @@ class PreTrainedTokenizer:
             self.backend.no_padding()
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:
         """Text of token ids (a list, numpy array or Tensor); like transformers, special tokens stay unless
-        ``skip_special_tokens=True``."""
+        ``skip_special_tokens=True``, and ``clean_up_tokenization_spaces`` (default: tokenizer_config.json's, else
+        False) drops the space before punctuation and English contractions, except for a BPE vocabulary, where
+        transformers skips it (it would remove spaces the text had)."""
         if isinstance(ids, (int, np.integer)):
             ids = [int(ids)]
-        return self.backend.decode(_as_id_list(ids), skip_special_tokens=skip_special_tokens)
+        text = self.backend.decode(_as_id_list(ids), skip_special_tokens=skip_special_tokens)
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = bool(self.config.get("clean_up_tokenization_spaces", False))
+        if clean_up_tokenization_spaces and type(self.backend.model).__name__ != "BPE":
+            text = clean_up_tokenization(text)
+        return text
 
-    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
+    def batch_decode(self, sequences, skip_special_tokens: bool = False,
+                     clean_up_tokenization_spaces: bool | None = None) -> list[str]:
         if hasattr(sequences, "numpy"):
             sequences = sequences.numpy()
-        return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+        return [self.decode(s, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=clean_up_tokenization_spaces) for s in sequences]
 
     # -- chat ----------------------------------------------------------------------------------------------
     def get_chat_template(self, chat_template: str | None = None) -> str:
