@@ -9,7 +9,13 @@ does, so that each batch is padded little, and returns numpy in the input order.
 Prompts, as sentence-transformers applies them: ``encode(texts, prompt_name="query")`` puts the text of
 ``prompts["query"]`` from ``config_sentence_transformers.json`` (or ``prompt="..."`` given) before each text, and
 ``default_prompt_name`` there names one used when the call gives none. A Pooling module with ``include_prompt``
-false leaves the prompt's tokens (all but a trailing special token) out of the pooling.
+false leaves the prompt's tokens (all but a trailing special token) out of the pooling. ``encode_query`` and
+``encode_document`` take the "query" and "document" prompts where the model has them.
+
+``truncate_dim`` (Matryoshka models) keeps the first dimensions of each embedding, after the model's own modules
+(a Normalize module's unit length is not restored unless ``normalize_embeddings``). ``similarity(a, b)`` and
+``similarity_pairwise`` score embeddings with the model's ``similarity_fn_name`` (cosine unless the config says
+dot, euclidean or manhattan; the distances negated, so that higher is more similar), as sentence-transformers does.
 """
 from __future__ import annotations
 
@@ -35,6 +41,21 @@ POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens
 DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": F.tanh, "torch.nn.modules.linear.Identity": lambda x: x,
                      "torch.nn.modules.activation.ReLU": F.relu, "torch.nn.modules.activation.GELU": F.gelu,
                      "torch.nn.modules.activation.Sigmoid": F.sigmoid}
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+# sentence-transformers' similarity functions: all of a against all of b ([n, m]), and row by row ([n])
+SIMILARITY = {
+    "cosine": (lambda a, b: _unit(a) @ _unit(b).T, lambda a, b: (_unit(a) * _unit(b)).sum(-1)),
+    "dot": (lambda a, b: a @ b.T, lambda a, b: (a * b).sum(-1)),
+    "euclidean": (lambda a, b: -np.sqrt(np.maximum(((a[:, None] - b[None]) ** 2).sum(-1), 0)),
+                  lambda a, b: -np.sqrt(((a - b) ** 2).sum(-1))),
+    "manhattan": (lambda a, b: -np.abs(a[:, None] - b[None]).sum(-1), lambda a, b: -np.abs(a - b).sum(-1)),
+}
+SIMILARITY["dot_product"] = SIMILARITY["dot"]
 
 
 class SentenceTransformerError(VkformersError, ValueError):
@@ -105,7 +126,8 @@ class SentenceTransformer:
     """A sentence-transformers model: ``encode(texts)`` gives one embedding per text (numpy float32)."""
 
     def __init__(self, model_name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, truncate_dim: int | None = None,
+                 similarity_fn_name: str | None = None):
         if trust_remote_code:
             raise SentenceTransformerError("vkformers never runs code from a checkpoint (trust_remote_code=True "
                                            "refused)")
@@ -118,6 +140,11 @@ class SentenceTransformer:
         self.model = self.tokenizer = self.pooling = None
         settings = folder / "config_sentence_transformers.json"
         settings = read_json(settings) if settings.is_file() else {}
+        self.truncate_dim = _check_truncate_dim(truncate_dim)
+        self.similarity_fn_name = similarity_fn_name or settings.get("similarity_fn_name") or "cosine"
+        if self.similarity_fn_name not in SIMILARITY:
+            raise SentenceTransformerError(f"similarity_fn_name {self.similarity_fn_name!r}: use one of "
+                                           f"{', '.join(SIMILARITY)}")
         self.prompts = dict(settings.get("prompts") or {})
         self.default_prompt_name = settings.get("default_prompt_name")
         if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
@@ -153,6 +180,7 @@ class SentenceTransformer:
         self.do_lower_case = bool(settings.get("do_lower_case", False))
 
     def get_sentence_embedding_dimension(self) -> int:
+        """The length of the embeddings encode returns (truncate_dim where set)."""
         return int(self.encode(["a"]).shape[-1])
 
     def tokenize(self, texts: list[str]) -> dict:
@@ -224,10 +252,12 @@ class SentenceTransformer:
 
     def encode(self, sentences, prompt_name: str | None = None, prompt: str | None = None, batch_size: int = 32,
                show_progress_bar: bool | None = None, convert_to_numpy: bool = True,
-               normalize_embeddings: bool = False) -> np.ndarray:
+               normalize_embeddings: bool = False, truncate_dim: int | None = None) -> np.ndarray:
         """Embeddings [len(sentences), D] float32 (one text: [D]), in the input order. ``prompt_name`` (a key of
-        the model's ``prompts``) or ``prompt`` is put before each text. ``normalize_embeddings`` scales each to
-        unit length (the model's own Normalize module does so already)."""
+        the model's ``prompts``) or ``prompt`` is put before each text. ``truncate_dim`` (default: the model's)
+        keeps the first dimensions; ``normalize_embeddings`` then scales each to unit length (the model's own
+        Normalize module does so before any truncation)."""
+        truncate_dim = _check_truncate_dim(truncate_dim) or self.truncate_dim
         single = isinstance(sentences, str)
         texts = [sentences] if single else list(sentences)
         if not all(isinstance(t, str) for t in texts):
@@ -240,9 +270,36 @@ class SentenceTransformer:
                 prompt_length = self.prompt_length(prompt)
         out = self._batched(texts, lambda batch: self._embed_batch(batch, prompt_length), batch_size,
                             show_progress_bar)
+        if truncate_dim:
+            out = np.ascontiguousarray(out[:, :truncate_dim])
         if normalize_embeddings:
-            out = out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+            out = _unit(out)
         return out[0] if single else out
+
+    def encode_query(self, sentences, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
+        """encode with the model's "query" prompt where it has one (and no prompt is given)."""
+        if prompt is None and prompt_name is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
+
+    def encode_document(self, sentences, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
+        """encode with the model's "document" prompt (else "passage", else "corpus") where it has one."""
+        if prompt is None and prompt_name is None:
+            prompt_name = next((n for n in ("document", "passage", "corpus") if n in self.prompts), None)
+        return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
+
+    def similarity(self, a, b) -> np.ndarray:
+        """Every embedding of ``a`` [n, D] (or [D]) against every one of ``b``: [n, m] float32, by the model's
+        similarity function."""
+        return SIMILARITY[self.similarity_fn_name][0](_matrix(a), _matrix(b)).astype(np.float32)
+
+    def similarity_pairwise(self, a, b) -> np.ndarray:
+        """Row i of ``a`` against row i of ``b``: [n] float32."""
+        a, b = _matrix(a), _matrix(b)
+        if a.shape != b.shape:
+            raise SentenceTransformerError(f"similarity_pairwise: {a.shape} and {b.shape} embeddings; give as many "
+                                           "of one length")
+        return SIMILARITY[self.similarity_fn_name][1](a, b).astype(np.float32)
 
     def encode_token_ids(self, ids: list[list[int]], batch_size: int = 32) -> np.ndarray:
         """Embeddings [len(ids), D] float32 of token id lists as the model reads them (special tokens included, as
@@ -269,6 +326,18 @@ class SentenceTransformer:
         return out
 
     __call__ = encode
+
+
+def _check_truncate_dim(value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        raise SentenceTransformerError(f"truncate_dim={value!r}: pass a positive integer (or None for every "
+                                       "dimension)")
+    return None if value is None else int(value)
+
+
+def _matrix(x) -> np.ndarray:
+    x = np.asarray(x.numpy() if hasattr(x, "numpy") else x, np.float64)
+    return x[None] if x.ndim == 1 else x
 
 
 def is_embedding_checkpoint(name_or_path) -> bool:
