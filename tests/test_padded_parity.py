@@ -36,8 +36,8 @@ from vkformers.models.safetensors_io import read_safetensors
 PADDED = "padded.safetensors"
 ROW_RTOL, ROW_FLOOR = 1e-3, 1e-5
 
-# Known to differ from transformers, each with the open bug of the issue "Correct under every input" that covers
-# it (fixed in the architecture's plugin). On all three transformers' own padded generate is not pad-invariant.
+# Known to differ from transformers, each with the open bug that covers it (fixed in the architecture's plugin):
+# none today.
 KNOWN_PADDED_GENERATE_FAILURES: dict[str, str] = {}
 KNOWN_PAD_GRADIENT_FAILURES: dict[str, str] = {}
 
