@@ -331,7 +331,7 @@ class DataParallelTrainer(Trainer):
         """Each micro-batch's share of the loss targets of every rank's step, times the world size (the gradients
         are then averaged): the ranks together compute the mean over all their targets, as one process with
         every row would."""
-        counts = np.array([self.model.loss_target_count(labels) for _, labels, *_ in micro_batches], np.float64)
+        counts = self._target_counts(micro_batches)
         total = self.comm.total(int(counts.sum()))
         return target_shares(counts * self.comm.size, total)
 

@@ -326,8 +326,12 @@ class Trainer:
         the step's loss is the mean over all its targets and its gradients those of one batch of every row,
         however masked prompts or padding spread the targets among micro-batches (as transformers' Trainer
         counts ``num_items_in_batch``)."""
-        counts = np.array([self.model.loss_target_count(labels) for _, labels, *_ in micro_batches], np.float64)
+        counts = self._target_counts(micro_batches)
         return target_shares(counts, counts.sum())
+
+    def _target_counts(self, micro_batches) -> np.ndarray:
+        """How many targets each micro-batch's loss averages over (float64)."""
+        return np.array([self.model.loss_target_count(labels) for _, labels, *_ in micro_batches], np.float64)
 
     def _forward_backward(self, micro_batches, scale, shares: np.ndarray) -> Tensor:
         """Every micro-batch's forward and backward (the gradients accumulate), each loss weighted by its
