@@ -106,6 +106,9 @@ def test_embed_command(tmp_path, capsys):
     record = json.loads(capsys.readouterr().out.splitlines()[0])
     assert record["text"] == TEXTS[1]
     assert_embeddings(np.asarray([record["embedding"]], np.float32), np.asarray(REFERENCE["embeddings"])[1:2])
+    assert main(["embed", "--model", str(folder), "--text", TEXTS[1], "--truncate-dim", "32"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert_embeddings(np.asarray([record["embedding"]], np.float32), np.asarray(REFERENCE["embeddings"])[1:2, :32])
     assert main(["embed", "--model", str(folder), "--input", str(tmp_path / "none.txt")]) == 1
     assert "no such file" in capsys.readouterr().err
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vkformers.cli.options import positive_int
 from vkformers.errors import VkformersError
 from vkformers.models.atomic import atomic_write
 from vkformers.models.sentence import SentenceTransformer
@@ -32,6 +33,8 @@ def add_parser(subparsers):
                                             "embedding} per line); default: JSONL on stdout")
     p.add_argument("--batch-size", type=int, default=32, help="texts per batch (default 32)")
     p.add_argument("--normalize", action="store_true", help="scale each embedding to unit length")
+    p.add_argument("--truncate-dim", type=positive_int, default=None,
+                   help="keep each embedding's first N dimensions (Matryoshka models; before --normalize)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-name", help="put the model's prompt of this name (config_sentence_transformers.json "
                                               "'prompts', e.g. query) before each text")
@@ -72,7 +75,7 @@ def run(args) -> int:
         raise EmbedInputError(f"--batch-size {args.batch_size}: pass a positive number")
     model = SentenceTransformer(args.model, dtype=args.dtype)
     embeddings = model.encode(texts, prompt_name=args.prompt_name, prompt=args.prompt, batch_size=args.batch_size,
-                              normalize_embeddings=args.normalize,
+                              normalize_embeddings=args.normalize, truncate_dim=args.truncate_dim,
                               show_progress_bar=sys.stderr.isatty())
     if args.out is not None and args.out.suffix.lower() == ".npy":
         with atomic_write(args.out, "wb") as f:
