@@ -136,6 +136,36 @@ def test_offline_hub_miss_names_repo_and_cache(tmp_path, monkeypatch):
         resolve_checkpoint("someone/missing-model", cache_dir=tmp_path / "hub-cache")
 
 
+def test_transformers_loading_options(checkpoint, tmp_path, monkeypatch):
+    """What code written for transformers passes: torch_dtype for dtype, device_map="auto", an attention
+    implementation, low_cpu_mem_usage; a token and local_files_only reach the hub download. A device_map that
+    places the model elsewhere, two dtypes or an unknown attention implementation are refused by name."""
+    want = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="bfloat16")(IDS).logits.numpy()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype="bfloat16", device_map="auto",
+                                                 attn_implementation="sdpa", low_cpu_mem_usage=True)
+    assert model.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(model(IDS).logits.numpy(), want)
+
+    class TorchDtype:  # str() of torch.bfloat16
+        def __str__(self):
+            return "torch.bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=TorchDtype()).dtype.name == "bfloat16"
+    for options, message in [(dict(device_map="cuda:0"), r"device_map='cuda:0': vkformers puts the whole model"),
+                             (dict(dtype="float16", torch_dtype="bfloat16"), r"give one of them"),
+                             (dict(attn_implementation="fast"), r"attn_implementation='fast': not one of")]:
+        with pytest.raises(VkformersError, match=message):
+            AutoModelForCausalLM.from_pretrained(checkpoint, **options)
+    import huggingface_hub
+    seen = {}
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        seen.update(kwargs)
+        return str(checkpoint)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    AutoModelForCausalLM.from_pretrained("someone/gated-model", token="hf_secret", local_files_only=True)
+    assert seen["token"] == "hf_secret" and seen["local_files_only"] is True
+
+
 def test_olmo_hybrid_convs_saved_as_equal_chunks_are_resplit():
     """transformers 5.24 saves OLMo Hybrid's q/k/v_conv1d as three EQUAL chunks of their concatenation (torch.chunk)
     whatever the key and value widths; loading re-splits them at their sizes, as the released checkpoints hold them."""

@@ -47,8 +47,10 @@ class CausalLMOutput:
     loss: object = None
 
 
-def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=None) -> Path:
-    """A local folder as is; otherwise a hub repo id fetched (only the files we use) into the HF cache."""
+def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=None, token=None,
+                       local_files_only: bool = False) -> Path:
+    """A local folder as is; otherwise a hub repo id fetched (only the files we use) into the HF cache (``token``:
+    a Hugging Face access token for gated or private repos, else HF_TOKEN or the saved login)."""
     path = Path(os.path.expanduser(str(name_or_path)))
     if path.exists():
         return path
@@ -57,11 +59,12 @@ def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=N
     from huggingface_hub import constants, snapshot_download  # slow to import: only for a hub name
     offline = constants.HF_HUB_OFFLINE
     try:
-        return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir,
-                                      allow_patterns=HUB_PATTERNS, local_files_only=bool(offline)))
+        return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
+                                      allow_patterns=HUB_PATTERNS, local_files_only=bool(offline or local_files_only)))
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not get it"
         where = cache_dir or constants.HF_HUB_CACHE
-        mode = "offline (HF_HUB_OFFLINE is set) and it is not in" if offline else "could not be fetched into"
+        mode = ("offline (HF_HUB_OFFLINE is set) and it is not in" if offline else
+                "not in" if local_files_only else "could not be fetched into")
         raise HubError(f"model {name_or_path!r} {mode} the cache {where}: {type(exc).__name__}: {exc}") from None
 
 
@@ -163,16 +166,45 @@ def language_model_weights(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
     return renamed
 
 
+# transformers' attention implementations: vkformers picks its own kernels, and every one computes the same
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def transformers_loading_options(options: dict, dtype):
+    """Take transformers' from_pretrained options out of ``options``; returns the dtype. ``torch_dtype`` (its name
+    before ``dtype``, a string or a torch dtype's name) stands for ``dtype``; ``device_map`` may be None, "auto" or
+    "vulkan" (the model goes to the one Vulkan device the process uses: VKFORMERS_DEVICE); ``attn_implementation``
+    and ``low_cpu_mem_usage`` change nothing here (weights are read one tensor at a time anyway)."""
+    torch_dtype = options.pop("torch_dtype", None)
+    if torch_dtype is not None:
+        name = str(torch_dtype).removeprefix("torch.")
+        if dtype not in ("float32", name):
+            raise VkformersError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r}: give one of them")
+        dtype = name
+    device_map = options.pop("device_map", None)
+    if device_map not in (None, "auto", "vulkan"):
+        raise VkformersError(f"device_map={device_map!r}: vkformers puts the whole model on one Vulkan device "
+                             "(VKFORMERS_DEVICE selects it); leave device_map out or pass 'auto'")
+    implementation = options.pop("attn_implementation", None)
+    if implementation is not None and implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise VkformersError(f"attn_implementation={implementation!r}: not one of transformers' "
+                             f"({', '.join(ATTENTION_IMPLEMENTATIONS)}); leave it out")
+    options.pop("low_cpu_mem_usage", None)
+    return dtype
+
+
 class AutoTokenizer:
     @classmethod
     def from_pretrained(cls, name_or_path, *, revision: str | None = None, cache_dir=None,
-                        padding_side: str | None = None, **unused) -> PreTrainedTokenizer:
+                        padding_side: str | None = None, token=None, local_files_only: bool = False,
+                        **unused) -> PreTrainedTokenizer:
         """The tokenizer of a checkpoint folder, a hub repo id (through the HF cache; HF_HUB_OFFLINE honoured)
         or a ``.gguf`` file."""
         if is_gguf_file(name_or_path):
             tokenizer = load_gguf_tokenizer(name_or_path)
         else:
-            folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+            folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir, token=token,
+                                        local_files_only=local_files_only)
             tokenizer = load_tokenizer_folder(folder, name_or_path=str(name_or_path))
         if padding_side is not None:
             tokenizer.padding_side = padding_side
@@ -188,14 +220,18 @@ class AutoModelClass:
     @classmethod
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
                         trust_remote_code: bool = False, requires_grad: bool = True, adapter=None,
-                        quantization: str | None = None, dequantize: bool = False, **head_options):
+                        quantization: str | None = None, dequantize: bool = False, token=None,
+                        local_files_only: bool = False, **head_options):
         """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
         checkpoint while loading (models/quantize.py). A GGUF file keeps its block formats unless
         ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them). The task heads take
         transformers' ``num_labels``, ``id2label``, ``label2id``, ``problem_type`` and ``ignore_mismatched_sizes``
-        (a stored head of another shape is replaced by a new one)."""
+        (a stored head of another shape is replaced by a new one). transformers' loading options are taken
+        too (``transformers_loading_options``): ``torch_dtype`` for ``dtype``, and ``device_map``,
+        ``attn_implementation`` and ``low_cpu_mem_usage`` where they ask for nothing vkformers does otherwise."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
+        dtype = transformers_loading_options(head_options, dtype)
         unknown = sorted(set(head_options) - ({"num_labels", "id2label", "label2id", "problem_type",
                                                "ignore_mismatched_sizes"} if cls.task in HEAD_MODELS else set()))
         if unknown:
@@ -209,7 +245,7 @@ class AutoModelClass:
                                     requires_grad=requires_grad, dequantize=dequantize)
         else:
             model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
-                                     head_options, dequantize)
+                                     head_options, dequantize, {"token": token, "local_files_only": local_files_only})
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
             load_adapter(model, adapter)
         return model.eval()
@@ -247,8 +283,8 @@ class AutoModelClass:
 
     @classmethod
     def _from_folder(cls, name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
-                     head_options=None, dequantize: bool = False) -> Module:
-        folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
+                     head_options=None, dequantize: bool = False, hub: dict | None = None) -> Module:
+        folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir, **(hub or {}))
         config = load_config(folder)
         head_options = dict(head_options or {})
         ignore_mismatched = bool(head_options.pop("ignore_mismatched_sizes", False))
