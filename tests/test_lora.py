@@ -1,6 +1,7 @@
 """LoRA: wrapping by name/regex, frozen base, training only adapters, PEFT file format, load and merge."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,6 +101,26 @@ def test_adapter_files_are_peft_format_and_reload_to_the_same_outputs(tmp_path):
     assert not any(isinstance(m, LoraLinear) for _, m in merged.named_modules())
     assert sorted(n for n, _ in merged.named_parameters()) == sorted(n for n, _ in tiny_model().named_parameters())
     np.testing.assert_allclose(logits(merged), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_save_pretrained_of_a_lora_model_writes_the_adapter_as_peft_does(tmp_path):
+    """PeftModel.save_pretrained writes the adapter: so does save_pretrained of a model with adapters (a checkpoint
+    of base and adapter tensors under one name loads nowhere); after merge_lora it writes the whole model."""
+    from vkformers import AutoModelForCausalLM
+    fixture = Path(__file__).parent / "fixtures" / "llama"
+    model = AutoModelForCausalLM.from_pretrained(fixture)
+    apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                       "adapter_model.safetensors"]
+    again = AutoModelForCausalLM.from_pretrained(fixture, adapter=tmp_path / "adapter")
+    ids = np.array([[1, 5, 9, 2]])
+    np.testing.assert_array_equal(again(ids).logits.numpy(), model(ids).logits.numpy())
+    with pytest.raises(LoraError, match="adapter is written in float32"):
+        model.save_pretrained(tmp_path / "bf16", dtype="bfloat16")
+    merge_lora(model).save_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits.numpy(),
+                               model(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_adapters_that_do_not_fit_are_refused(tmp_path):

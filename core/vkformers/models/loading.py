@@ -22,7 +22,7 @@ from vkformers.models.config_check import check_config_fields, check_config_obje
 from vkformers.models.gguf import is_gguf_file, load_gguf, load_gguf_model, load_gguf_tokenizer
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
-from vkformers.models.lora import load_adapter
+from vkformers.models.lora import LoraError, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
@@ -395,7 +395,15 @@ class AutoModelForMultipleChoice(AutoModelClass):
 def save_pretrained(model: Module, folder, *, dtype=None, tokenizer: PreTrainedTokenizer | None = None) -> None:
     """config.json and model.safetensors (HF names, tied weights stored once) that transformers loads. A model with
     quantized weights is written as ``folder/model.gguf`` instead (models/gguf_write.py: its blocks as they are,
-    with the tokenizer, ``tokenizer`` or its source's, inside and beside it); NF4 is refused."""
+    with the tokenizer, ``tokenizer`` or its source's, inside and beside it); NF4 is refused. A model with LoRA
+    adapters writes the adapter, as PEFT's ``PeftModel.save_pretrained`` does (merge_lora first for a whole
+    checkpoint)."""
+    if getattr(model, "lora_config", None) is not None:
+        if dtype is not None:
+            raise LoraError("save_pretrained(dtype=...) of a model with LoRA adapters: the adapter is written in "
+                            "float32, as PEFT writes it; drop dtype= (or merge_lora(model) first for a whole model)")
+        save_adapter(model, folder)
+        return
     if quantized_weight_names(model):
         if dtype is not None:
             raise QuantizationError("save_pretrained(dtype=...) of a quantized model: its packed blocks are written "

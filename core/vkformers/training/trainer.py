@@ -542,12 +542,9 @@ class Trainer:
         folder = Path(folder) if folder is not None else self.out_dir / "final"
         if self.out_dir is not None and folder.is_relative_to(self.out_dir):  # out/final, not a link out of it
             refuse_symlinks_below(self.out_dir, folder)
-        if hasattr(self.model, "lora_config") and not merge:
-            lora.save_adapter(self.model, folder)
-        else:
-            if hasattr(self.model, "lora_config"):
-                lora.merge_lora(self.model)
-            save_pretrained(self.model, folder)
+        if merge and hasattr(self.model, "lora_config"):
+            lora.merge_lora(self.model)
+        save_pretrained(self.model, folder)  # a model with adapters: the adapter
         return folder
 
 
