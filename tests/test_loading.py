@@ -259,3 +259,20 @@ def test_load_config_reads_the_non_finite_floats_transformers_writes(tmp_path):
     config = load_config(tmp_path)
     assert config["time_step_limit"] == [0.0, float("inf")]
     assert config["nested"] == {"low": float("-inf"), "keep": {"__float__": "other", "x": 1}}
+
+
+def test_config_reads_as_attributes_and_parameters_count_as_transformers(checkpoint, tmp_path):
+    """model.config.vocab_size as in transformers (and the dict it is); num_parameters counts a tied weight once,
+    only_trainable the ones that train."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    stored = json.loads((checkpoint / "config.json").read_text())
+    assert model.config.vocab_size == model.config["vocab_size"] == stored["vocab_size"]
+    assert model.config.to_dict() == {**stored, **model.config.to_dict()}
+    model.config.use_cache = False
+    assert model.config["use_cache"] is False and not hasattr(model.config, "no_such_field")
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["use_cache"] is False
+    assert model.num_parameters() == sum(a.size for a in weights(checkpoint).values())
+    assert model.num_parameters(only_trainable=True) == model.num_parameters()
+    frozen = AutoModelForCausalLM.from_pretrained(checkpoint, requires_grad=False)
+    assert frozen.num_parameters(only_trainable=True) == 0

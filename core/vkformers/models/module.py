@@ -40,6 +40,35 @@ class Slot:
     tied_to: str | None = None     # another parameter's full name (tied embeddings)
 
 
+class ModelConfig(dict):
+    """A model's config.json: a dict whose keys also read and set as attributes (``model.config.vocab_size``), as
+    transformers' PretrainedConfig does; nested configs (``text_config``) likewise."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key, value in self.items():
+            if type(value) is dict:
+                self[key] = ModelConfig(value)
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"the config has no {name!r}") from None
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+    def __delattr__(self, name):
+        try:
+            del self[name]
+        except KeyError:
+            raise AttributeError(f"the config has no {name!r}") from None
+
+    def to_dict(self) -> dict:
+        return {k: v.to_dict() if isinstance(v, ModelConfig) else v for k, v in self.items()}
+
+
 class Module:
     supports_gradient_checkpointing = False  # True on models whose layer loop goes through call_layer()
     gradient_checkpointing = False  # (also for subclasses that skip Module.__init__)
@@ -56,6 +85,8 @@ class Module:
         self._slots[name] = Slot(tuple(int(s) for s in shape), dt.as_dtype(dtype) if dtype else None)
 
     def __setattr__(self, name, value):
+        if name == "config" and type(value) is dict:  # a model's config: attribute access too
+            value = ModelConfig(value)
         if isinstance(value, Module):
             self._modules[name] = value
         elif isinstance(value, Tensor) and name in self._slots:
@@ -97,6 +128,12 @@ class Module:
 
     def parameters(self) -> list[Tensor]:
         return [t for _, t in self.named_parameters()]
+
+    def num_parameters(self, only_trainable: bool = False) -> int:
+        """How many values the parameters hold (a tied parameter once; a quantized weight by its logical shape),
+        as transformers counts them; ``only_trainable``: those that require gradients."""
+        return sum(int(np.prod(t.shape)) for t in self.parameters()
+                   if not only_trainable or getattr(t, "requires_grad", False))
 
     def train(self, mode: bool = True) -> "Module":
         for _, module in self.named_modules():
