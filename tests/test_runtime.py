@@ -213,6 +213,29 @@ def test_patched_kp_enables_device_features(device):
     assert device.features["shaderInt16"]
 
 
+def loader_instance_extensions() -> set[str]:
+    """The instance extensions the Vulkan loader offers, asked through its C API (not through kp)."""
+    import ctypes
+
+    class ExtensionProperties(ctypes.Structure):
+        _fields_ = [("name", ctypes.c_char * 256), ("version", ctypes.c_uint32)]
+    loader = ctypes.CDLL("libvulkan.so.1")
+    count = ctypes.c_uint32(0)
+    loader.vkEnumerateInstanceExtensionProperties(None, ctypes.byref(count), None)
+    props = (ExtensionProperties * count.value)()
+    loader.vkEnumerateInstanceExtensionProperties(None, ctypes.byref(count), props)
+    return {p.name.decode() for p in props}
+
+
+def test_instances_ask_for_portability_devices_where_the_loader_lists_them(device):
+    """Since loader 1.3.216 MoltenVK's devices are listed only to an instance that enables
+    VK_KHR_portability_enumeration (patch 6): enabled exactly where the loader has it."""
+    assert getattr(kp, "vkformers_patch", 0) >= 6
+    offered = "VK_KHR_portability_enumeration" in loader_instance_extensions()
+    assert ("VK_KHR_portability_enumeration" in device.info["enabled_instance_extensions"]) == offered
+    assert kp.describe_devices()  # the describing instance enables it too, and still lists this device
+
+
 def test_new_buffers_reuse_the_compiled_pipeline(device):
     """kp (our patch) shares one pipeline per kernel and configuration between algorithms: a dispatch over new
     buffers, as every new plan has, allocates a descriptor set instead of compiling the shader again."""
