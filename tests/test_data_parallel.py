@@ -146,7 +146,8 @@ def test_a_rank_that_hangs_stops_the_run_after_the_timeout(tmp_path):
     env = {distributed.TIMEOUT_ENV: "3"}
     done = run(tmp_path / "hung.npz", 2, "--hang-rank", "1", ranks=2, timeout=60, env=env)
     assert done.returncode != 0 and time.monotonic() - started < 45
-    assert "rank 0: no answer from the other ranks in the gradient all-reduce for 3 s" in done.stderr
+    # the step's first collective: its loss targets, summed over the ranks before the forward
+    assert "rank 0: no answer from the other ranks in the all-reduce of the loss targets for 3 s" in done.stderr
 
 
 def test_an_aborting_rank_waits_until_the_launcher_has_read_its_message(monkeypatch):
