@@ -123,6 +123,41 @@ def test_save_pretrained_of_a_lora_model_writes_the_adapter_as_peft_does(tmp_pat
                                model(ids).logits.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_peft_names_and_all_linear(tmp_path, capsys):
+    """Code written for PEFT: get_peft_model with target_modules="all-linear" (every Linear layer but lm_head,
+    saved as the names it expands to), print_trainable_parameters' line, PeftModel.from_pretrained, and
+    merge_and_unload."""
+    from vkformers import AutoModelForCausalLM
+    from vkformers.training import PeftModel, get_peft_model
+    fixture = Path(__file__).parent / "fixtures" / "llama"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(fixture), LoraConfig(r=2, target_modules="all-linear"))
+    wrapped = sorted(n for n, m in model.named_modules() if isinstance(m, LoraLinear))
+    linears = [n for n, m in AutoModelForCausalLM.from_pretrained(fixture).named_modules()
+               if type(m).__name__ == "Linear"]
+    assert wrapped == sorted(n for n in linears if n != "lm_head") and "lm_head" in linears
+    assert model.lora_config.target_modules == sorted({n.rsplit(".", 1)[-1] for n in wrapped})
+    from vkformers.cli.train import lora_targets
+    assert lora_targets(["all-linear"]) == "all-linear"  # vkformers train --lora-targets all-linear
+    model.print_trainable_parameters()
+    trainable = sum(2 * (m.in_features + m.out_features) for _, m in model.named_modules() if isinstance(m, LoraLinear))
+    total = model.num_parameters()
+    assert capsys.readouterr().out == (f"trainable params: {trainable:,d} || all params: {total:,d} || "
+                                       f"trainable%: {100 * trainable / total:.4f}\n")
+    rng = np.random.default_rng(0)
+    for _, m in model.named_modules():
+        if isinstance(m, LoraLinear):
+            m.lora_B.weight = vkf.parameter(rng.standard_normal(m.lora_B.weight.shape).astype(np.float32) * 0.1)
+    ids = np.array([[1, 5, 9, 2]])
+    expected = model(ids).logits.numpy()
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(fixture), tmp_path)
+    np.testing.assert_allclose(loaded(ids).logits.numpy(), expected, rtol=1e-5, atol=1e-5)
+    merged = loaded.merge_and_unload()
+    assert merged is loaded and not hasattr(merged, "lora_config")
+    assert not any(isinstance(m, LoraLinear) for _, m in merged.named_modules())
+    np.testing.assert_allclose(merged(ids).logits.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_adapters_that_do_not_fit_are_refused(tmp_path):
     model = tiny_model()
     apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"]))

@@ -94,8 +94,9 @@ def add_parser(subparsers):
     lora.add_argument("--lora-alpha", type=positive_number, help="alpha (default 2 * rank)")
     lora.add_argument("--lora-dropout", type=fraction, default=0.0)
     lora.add_argument("--lora-targets", nargs="+", metavar="NAME",
-                      help="module names to adapt (default per family, e.g. q_proj v_proj); one value with "
-                           "regex characters is a regular expression on full module names")
+                      help="module names to adapt (default per family, e.g. q_proj v_proj); all-linear: every "
+                           "Linear layer but the output head, as PEFT; one value with regex characters is a regular "
+                           "expression on full module names")
     lora.add_argument("--rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
     lora.add_argument("--modules-to-save", nargs="+", metavar="NAME", help="modules trained fully and saved too")
     lora.add_argument("--merge", action="store_true", help="write final/ as the merged model, not the adapter")
@@ -148,7 +149,7 @@ def add_parser(subparsers):
 def lora_targets(values):
     if not values:
         return None
-    if len(values) == 1 and any(c in values[0] for c in "*+?[]()|\\^$"):
+    if len(values) == 1 and (values[0] == "all-linear" or any(c in values[0] for c in "*+?[]()|\\^$")):
         return values[0]
     return [t for v in values for t in v.split(",") if t]
 

@@ -46,6 +46,7 @@ DEFAULT_TARGETS = {
     "phi3": ["qkv_proj"], "chatglm": ["query_key_value"], "stablelm": ["q_proj", "v_proj"],
 }
 FALLBACK_TARGETS = ["q_proj", "v_proj"]
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every Linear layer but the output one
 
 
 class LoraError(VkformersError, ValueError):
@@ -153,6 +154,15 @@ class LoraLinear(Linear):
         a, b = self.lora_A.weight.numpy().astype(np.float32), self.lora_B.weight.numpy().astype(np.float32)
         return self.weight.numpy().astype(np.float32) + self.scaling * (b @ a)
 
+    def merge_and_unwrap(self, name: str) -> Linear:
+        """Fold the adapter into the base weight (W += scaling * B @ A, in the weight's dtype) and unwrap: what
+        Module.merge_and_unload does to each adapter layer (``name``: the layer's full name)."""
+        merged = parameter(self.merged_weight(), dtype=self.weight.dtype, requires_grad=self.weight.requires_grad,
+                           name=f"{name}.weight")
+        linear = self.unwrap()
+        linear.weight = merged
+        return linear
+
 
 # ---------------------------------------------------------------- finding and replacing modules
 
@@ -164,13 +174,17 @@ def resolve_targets(model, target_modules) -> list[str]:
     """Full names of the Linear modules a PEFT-style ``target_modules`` selects.
 
     A list matches a module whose name equals an entry or ends with "." + entry; a string is a
-    regular expression matched against the whole name (PEFT's rules).
+    regular expression matched against the whole name (PEFT's rules); "all-linear" is every Linear layer but the
+    output layer (the model's ``lm_head``), as PEFT reads it.
     """
     if target_modules is None:
         target_modules = DEFAULT_TARGETS.get(_model_type(model), FALLBACK_TARGETS)
     linears = [name for name, m in model.named_modules()
                if type(m) is Linear and name and not re.search(r"\.lora_[AB]$", name)]
-    if isinstance(target_modules, str):
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
+        output = getattr(model, "lm_head", None)
+        chosen = [name for name, m in model.named_modules() if name in set(linears) and m is not output]
+    elif isinstance(target_modules, str):
         pattern = re.compile(target_modules)
         chosen = [n for n in linears if pattern.fullmatch(n)]
     else:
@@ -189,7 +203,7 @@ def apply_lora(model: Module, config: LoraConfig, *, seed: int = 0, init: bool =
     if config.bias != "none":
         raise LoraError(f"LoRA bias={config.bias!r} is not supported (only 'none')")
     names = resolve_targets(model, config.target_modules)
-    if config.target_modules is None:
+    if config.target_modules is None or config.target_modules == ALL_LINEAR:  # saved as PEFT saves it: the names
         config.target_modules = sorted({n.rsplit(".", 1)[-1] for n in names})
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = getattr(model, "name_or_path", None)
@@ -314,13 +328,22 @@ def load_adapter(model: Module, folder, *, trainable: bool = False) -> Module:
     return model
 
 
+def get_peft_model(model: Module, config: LoraConfig) -> Module:
+    """PEFT's name for :func:`apply_lora`: the model, its targeted layers wrapped in place (save_pretrained then
+    writes the adapter, merge_and_unload folds it in)."""
+    return apply_lora(model, config)
+
+
+class PeftModel:
+    """PEFT's loader: ``PeftModel.from_pretrained(base_model, adapter_folder, is_trainable=False)`` is
+    :func:`load_adapter` (the base model, wrapped in place)."""
+
+    @staticmethod
+    def from_pretrained(model: Module, model_id, is_trainable: bool = False) -> Module:
+        return load_adapter(model, model_id, trainable=is_trainable)
+
+
 def merge_lora(model: Module) -> Module:
-    """Fold every adapter into its base weight (W += scaling * B @ A) and unwrap; returns the plain model."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLinear):
-            merged = parameter(module.merged_weight(), dtype=module.weight.dtype,
-                               requires_grad=module.weight.requires_grad, name=f"{name}.weight")
-            module.unwrap().weight = merged
-    if hasattr(model, "lora_config"):
-        del model.lora_config
-    return model
+    """Fold every adapter into its base weight (W += scaling * B @ A) and unwrap; returns the plain model
+    (``model.merge_and_unload()``, PEFT's name)."""
+    return model.merge_and_unload()

@@ -129,6 +129,21 @@ class Module:
     def parameters(self) -> list[Tensor]:
         return [t for _, t in self.named_parameters()]
 
+    def print_trainable_parameters(self) -> None:
+        """PEFT's line: trainable values, all values, and the trainable share."""
+        trainable, total = self.num_parameters(only_trainable=True), self.num_parameters()
+        print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+              f"trainable%: {100 * trainable / max(total, 1):.4f}")
+
+    def merge_and_unload(self) -> "Module":
+        """PEFT's name: fold every adapter layer into its base weight and unwrap it (models/lora.py's LoraLinear
+        does the folding: ``merge_and_unwrap``); returns the plain model."""
+        for name, module in list(self.named_modules()):
+            if hasattr(module, "merge_and_unwrap"):
+                module.merge_and_unwrap(name)
+        self.__dict__.pop("lora_config", None)
+        return self
+
     def num_parameters(self, only_trainable: bool = False) -> int:
         """How many values the parameters hold (a tied parameter once; a quantized weight by its logical shape),
         as transformers counts them; ``only_trainable``: those that require gradients."""

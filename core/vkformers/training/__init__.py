@@ -10,13 +10,15 @@
 from vkformers.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from vkformers.training.data import (Batches, ByteTokenizer, DataError, PackedDataset, fixed_batches,
                                      hf_dataset_files, load_dataset, load_tokenizer, read_records, tokenize_records)
-from vkformers.models.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter  # re-exported: a training API too
+# re-exported: a training API too; get_peft_model and PeftModel are PEFT's names for apply_lora and load_adapter
+from vkformers.models.lora import (LoraConfig, PeftModel, apply_lora, get_peft_model, load_adapter, merge_lora,
+                                   save_adapter)
 from vkformers.training.schedules import learning_rate, lr_factor
 from vkformers.training.trainer import (LossScaler, NonFiniteLossError, StepResult, Trainer, TrainingConfig,
                                         init_weights)
 
 __all__ = ["Batches", "ByteTokenizer", "DataError", "LoraConfig", "LossScaler", "NonFiniteLossError",
-           "PackedDataset", "StepResult", "Trainer", "TrainingConfig", "apply_lora", "fixed_batches",
+           "PackedDataset", "PeftModel", "get_peft_model", "StepResult", "Trainer", "TrainingConfig", "apply_lora", "fixed_batches",
            "hf_dataset_files", "init_weights", "latest_checkpoint", "learning_rate", "load_adapter",
            "load_checkpoint", "load_dataset", "load_tokenizer", "lr_factor", "merge_lora", "read_records",
            "save_adapter", "save_checkpoint", "tokenize_records"]
