@@ -149,11 +149,11 @@ def test_truncate_dim_similarity_and_query_prompts(minilm, tmp_path):
     """truncate_dim keeps the first dimensions after the Normalize module (unit length again only with
     normalize_embeddings), similarity scores with the model's similarity_fn_name as sentence-transformers defines
     them (cosine; dot; euclidean and manhattan negated), and encode_query takes the "query" prompt."""
-    short, expected = TEXTS[:4], np.asarray(REFERENCE["embeddings"], np.float64)[:4]
+    short, expected = TEXTS[:2], np.asarray(REFERENCE["embeddings"], np.float64)[:4]
     cut = minilm.encode(short, batch_size=4, truncate_dim=100)
-    assert_embeddings(cut, expected[:, :100])
+    assert_embeddings(cut, expected[:2, :100])
     assert_embeddings(minilm.encode(short, batch_size=4, truncate_dim=100, normalize_embeddings=True),
-                      expected[:, :100] / np.linalg.norm(expected[:, :100], axis=-1, keepdims=True))
+                      expected[:2, :100] / np.linalg.norm(expected[:2, :100], axis=-1, keepdims=True))
     a, b = expected[:2], expected[1:4]
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     np.testing.assert_allclose(minilm.similarity(a, b), unit(a) @ unit(b).T, atol=1e-6)
@@ -162,14 +162,16 @@ def test_truncate_dim_similarity_and_query_prompts(minilm, tmp_path):
     folder = tmp_path / "minilm"
     shutil.copytree(model_folder(), folder)
     settings = folder / "config_sentence_transformers.json"
+    settings.write_text(json.dumps({"similarity_fn_name": "dot", "prompts": {"query": REFERENCE["meta"]["prompt"]}}))
+    prompted = vkformers.SentenceTransformer(folder, truncate_dim=64)
     for name, reference in [("dot", a @ b.T), ("euclidean", -np.linalg.norm(a[:, None] - b[None], axis=-1)),
                             ("manhattan", -np.abs(a[:, None] - b[None]).sum(-1))]:
-        settings.write_text(json.dumps({"similarity_fn_name": name, "prompts": {"query": REFERENCE["meta"]["prompt"]}}))
-        np.testing.assert_allclose(vkformers.SentenceTransformer(folder).similarity(a, b), reference, atol=1e-5)
-    prompted = vkformers.SentenceTransformer(folder, truncate_dim=64)
+        assert prompted.similarity_fn_name == "dot" or name != "dot"  # the config's, then each set in turn
+        np.testing.assert_allclose(prompted.similarity(a, b), reference, atol=1e-5)
+        prompted.similarity_fn_name = {"dot": "euclidean", "euclidean": "manhattan", "manhattan": "manhattan"}[name]
     assert prompted.get_sentence_embedding_dimension() == 64
-    assert_embeddings(prompted.encode_query(short, batch_size=4), np.asarray(REFERENCE["prompted"])[:4, :64])
-    assert_embeddings(prompted.encode_document(short, batch_size=4), expected[:, :64])  # no document prompt
+    assert_embeddings(prompted.encode_query(short, batch_size=4), np.asarray(REFERENCE["prompted"])[:2, :64])
+    assert_embeddings(prompted.encode_document(short, batch_size=4), expected[:2, :64])  # no document prompt
     with pytest.raises(SentenceTransformerError, match="truncate_dim=0"):
         minilm.encode(short, truncate_dim=0)
     with pytest.raises(SentenceTransformerError, match="similarity_fn_name 'jaccard'"):
