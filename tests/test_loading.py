@@ -276,3 +276,36 @@ def test_config_reads_as_attributes_and_parameters_count_as_transformers(checkpo
     assert model.num_parameters(only_trainable=True) == model.num_parameters()
     frozen = AutoModelForCausalLM.from_pretrained(checkpoint, requires_grad=False)
     assert frozen.num_parameters(only_trainable=True) == 0
+
+
+@pytest.mark.parametrize("fixture", ["llama", "gpt2"])  # an untied and a tied LM head
+def test_resize_token_embeddings_after_adding_tokens(fixture, tmp_path):
+    """transformers' way to fine-tune with new tokens: the tokenizer adds them, the model gets rows for them. The
+    old tokens' logits stay as they were; a new token's embedding and head row start at the mean of the old ones
+    (so its logit is the mean of the old logits); the resized model trains, generates, and saves and loads back."""
+    folder = FIXTURE.parent / fixture
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    vocab = model.config.vocab_size
+    before = model(IDS).logits.numpy()
+    model.resize_token_embeddings(vocab + 3, pad_to_multiple_of=4)
+    rows = -(-(vocab + 3) // 4) * 4
+    assert model.config.vocab_size == rows and model.get_input_embeddings().weight.shape[0] == rows
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == (fixture == "gpt2")
+    after = model(IDS).logits.numpy()
+    assert after.shape[-1] == rows
+    np.testing.assert_allclose(after[..., :vocab], before, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(after[..., vocab:], np.repeat(before.mean(-1, keepdims=True), rows - vocab, -1),
+                               rtol=1e-4, atol=1e-4)
+    new_ids = np.array([[1, vocab, 5, vocab + 2]])
+    model.train()
+    out = model(new_ids, labels=new_ids)
+    out.loss.backward()
+    grad = model.get_input_embeddings().weight.grad.numpy()
+    assert grad.shape[0] == rows and np.abs(grad[vocab]).sum() > 0
+    model.eval()
+    assert model.generate(new_ids, max_new_tokens=3).shape == (1, 7)
+    model.save_pretrained(tmp_path / "resized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "resized")
+    np.testing.assert_array_equal(again(new_ids).logits.numpy(), model(new_ids).logits.numpy())
+    with pytest.raises(VkformersError, match="new_num_tokens must be a whole number >= 1"):
+        model.resize_token_embeddings(0)

@@ -209,3 +209,32 @@ def test_clean_up_tokenization_spaces_as_transformers():
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe_ids = bpe.encode("hello , world .").ids
     assert PreTrainedTokenizer(bpe, {"clean_up_tokenization_spaces": True}).decode(bpe_ids) == "hello , world ."
+
+
+def test_add_tokens_and_special_tokens_as_transformers(tmp_path):
+    """add_special_tokens names a new pad token and extra specials, add_tokens adds text tokens (a token already
+    there gets no new id); they are matched whole, take the next ids, decode, and survive save_pretrained."""
+    from vkformers.models.tokenizer import PreTrainedTokenizer
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["hello world, a tool call"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizer(backend, {"eos_token": None})
+    size = len(tok)
+    assert tok.pad_token is None
+    assert tok.add_special_tokens({"pad_token": "<pad>", "additional_special_tokens": ["<|tool|>"]}) == 2
+    assert tok.pad_token == "<pad>" and tok.pad_token_id == size and tok.additional_special_tokens == ["<|tool|>"]
+    assert tok.add_tokens(["<think>", "<think>"]) == 1
+    tok.add_tokens("<pad>")
+    assert len(tok) == size + 3 and tok.pad_token_id == size
+    ids = tok.encode("hello<|tool|>world <think>")
+    assert tok.convert_tokens_to_ids(["<|tool|>", "<think>"]) == [size + 1, size + 2]
+    assert size + 1 in ids and size + 2 in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "helloworld <think>"
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert (again.pad_token_id, again.additional_special_tokens, again.encode("hello<|tool|>world <think>")) == (
+        size, ["<|tool|>"], ids)
+    with pytest.raises(TokenizerError, match="'tool_token' is not one of"):
+        tok.add_special_tokens({"tool_token": "<t>"})

@@ -129,6 +129,23 @@ class Module:
     def parameters(self) -> list[Tensor]:
         return [t for _, t in self.named_parameters()]
 
+    def resize_rows(self, name: str, rows: int, *, mean_resizing: bool = True, std: float = 0.02) -> Tensor:
+        """Give parameter ``name`` (of this module) ``rows`` rows along its first axis: the rows it has are kept,
+        new ones start at the mean of the old ones (transformers' mean_resizing; else normal(0, std), seed 0),
+        rows past ``rows`` go. Returns the new tensor (same dtype and requires_grad)."""
+        slot, old = self._slots[name], getattr(self, name)
+        if isinstance(old, QuantizedTensor):
+            raise CheckpointError(f"{name}: a quantized weight cannot be resized; load the model dequantized")
+        values = old.numpy().astype(np.float32)
+        have = values.shape[0]
+        if rows > have:
+            fresh = (np.broadcast_to(values.mean(0), (rows - have, *values.shape[1:])) if mean_resizing else
+                     np.random.default_rng(0).normal(0.0, std, (rows - have, *values.shape[1:])))
+            values = np.concatenate([values, fresh.astype(np.float32)])
+        slot.shape = (rows, *slot.shape[1:])
+        slot.tensor = parameter(values[:rows], dtype=old.dtype, requires_grad=old.requires_grad, name=name)
+        return slot.tensor
+
     def print_trainable_parameters(self) -> None:
         """PEFT's line: trainable values, all values, and the trainable share."""
         trainable, total = self.num_parameters(only_trainable=True), self.num_parameters()

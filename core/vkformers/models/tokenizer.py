@@ -104,7 +104,7 @@ def _token_content(value):
     """A special token as tokenizer_config.json spells it: a string or a serialised AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
-    return value
+    return getattr(value, "content", value)  # a tokenizers.AddedToken: its text
 
 
 def _as_id_list(ids) -> list[int]:
@@ -223,6 +223,37 @@ class PreTrainedTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)
+
+    def add_tokens(self, new_tokens, special_tokens: bool = False) -> int:
+        """transformers' add_tokens: tokens (strings, or tokenizers.AddedToken) matched whole before the model's own
+        splitting and given the next ids; returns how many are new. The model then needs
+        ``resize_token_embeddings(len(tokenizer))``."""
+        from tokenizers import AddedToken  # loaded with the first tokenizer, not with vkformers
+        tokens = [new_tokens] if isinstance(new_tokens, (str, AddedToken)) else list(new_tokens)
+        if not all(isinstance(t, (str, AddedToken)) and str(t) for t in tokens):
+            raise TokenizerError(f"add_tokens takes non-empty strings (or AddedToken), got {new_tokens!r}")
+        tokens = [t if isinstance(t, AddedToken) else
+                  AddedToken(t, special=special_tokens, normalized=not special_tokens) for t in tokens]
+        return self.backend.add_special_tokens(tokens) if special_tokens else self.backend.add_tokens(tokens)
+
+    def add_special_tokens(self, special_tokens_dict: dict, replace_additional_special_tokens: bool = True) -> int:
+        """transformers' add_special_tokens: ``{"pad_token": "<pad>", "additional_special_tokens": [...]}``; each
+        named token becomes the tokenizer's (``pad_token``, ...), added to the vocabulary if new (the count
+        returned)."""
+        added = 0
+        for key, value in special_tokens_dict.items():
+            if key in SPECIAL_TOKEN_NAMES:
+                added += self.add_tokens([value], special_tokens=True)
+                setattr(self, key, _token_content(value))
+            elif key in ("additional_special_tokens", "extra_special_tokens"):
+                added += self.add_tokens(list(value), special_tokens=True)
+                contents = [_token_content(v) for v in value]
+                kept = [] if replace_additional_special_tokens else self.additional_special_tokens
+                self.additional_special_tokens = list(dict.fromkeys(kept + contents))
+            else:
+                raise TokenizerError(f"add_special_tokens: {key!r} is not one of {', '.join(SPECIAL_TOKEN_NAMES)}, "
+                                     "additional_special_tokens")
+        return added
 
     def convert_tokens_to_ids(self, tokens):
         if isinstance(tokens, str):
@@ -491,6 +522,8 @@ class PreTrainedTokenizer:
         for name in SPECIAL_TOKEN_NAMES:
             if getattr(self, name, None) is not None:
                 config[name] = getattr(self, name)
+        if self.additional_special_tokens:
+            config["additional_special_tokens"] = list(self.additional_special_tokens)
         if self.chat_template:
             config["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),

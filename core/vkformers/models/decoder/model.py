@@ -11,6 +11,7 @@ mask those keys on top of the causal mask; ``labels`` are shifted inside (not fo
 """
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 
@@ -292,6 +293,45 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def loss_target_count(self, labels) -> int:
         return target_count(labels, self.spec.shift_labels)
+
+    def get_input_embeddings(self) -> Embedding:
+        return self.embed
+
+    def get_output_embeddings(self) -> Linear:
+        return self.lm_head
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> Embedding:
+        """transformers' resize_token_embeddings (after tokenizer.add_tokens): the token embedding and the LM head
+        get ``new_num_tokens`` rows (rounded up to ``pad_to_multiple_of``), the new ones at the mean of the old
+        (``mean_resizing``; else normal(0, initializer_range)), a tied head with them; config.vocab_size follows.
+        Returns the input embeddings."""
+        s = self.spec
+        rows = s.vocab_size if new_num_tokens is None else new_num_tokens
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
+            raise VkformersError(f"resize_token_embeddings: new_num_tokens must be a whole number >= 1, got {rows!r}")
+        if pad_to_multiple_of:
+            rows = -(-int(rows) // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
+        rows = int(rows)
+        if s.embed_extra_rows:
+            raise VkformersError(f"{self.architecture_name}: its embedding holds rows past the vocabulary; resizing "
+                                 "it is not supported")
+        if rows == s.vocab_size:
+            return self.embed
+        std = float(self.config.get("initializer_range", 0.02))
+        weight = self.embed.resize_rows("weight", rows, mean_resizing=mean_resizing, std=std)
+        head = self.lm_head._slots["weight"]
+        if head.tied_to is not None:  # one tensor, resized with the embedding
+            head.shape, head.tensor = weight.shape, weight
+        else:
+            self.lm_head.resize_rows("weight", rows, mean_resizing=mean_resizing, std=std)
+        if "bias" in self.lm_head._slots:  # new logits' biases at the mean of the old (zero without mean_resizing)
+            self.lm_head.resize_rows("bias", rows, mean_resizing=mean_resizing, std=0.0)
+        self.lm_head.out_features = rows
+        self.spec = dataclasses.replace(s, vocab_size=rows)
+        self.config["vocab_size"] = rows
+        self.forget_captures()  # recorded steps read the old tables
+        return self.embed
 
     def lm_logits(self, x):
         """Final hidden states [..., H] -> logits: the head transform where there is one, lm_head, the logits'
