@@ -309,3 +309,27 @@ def test_resize_token_embeddings_after_adding_tokens(fixture, tmp_path):
     np.testing.assert_array_equal(again(new_ids).logits.numpy(), model(new_ids).logits.numpy())
     with pytest.raises(VkformersError, match="new_num_tokens must be a whole number >= 1"):
         model.resize_token_embeddings(0)
+
+
+def test_model_to_a_dtype_as_transformers(checkpoint):
+    """model.to(dtype), .half(), .bfloat16(), .float(): the weights as from_pretrained(dtype=...) loads them (LoRA
+    adapters stay float32); a device other than the Vulkan one is refused in one line."""
+    from vkformers.training import LoraConfig, get_peft_model
+    want = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="bfloat16")(IDS).logits.numpy()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert model.to("bfloat16") is model and model.dtype.name == "bfloat16"
+    np.testing.assert_array_equal(model(IDS).logits.numpy(), want)
+
+    class TorchHalf:  # str() of torch.float16
+        def __str__(self):
+            return "torch.float16"
+    assert model.to("vulkan", TorchHalf()).dtype.name == "float16" and model.half().dtype.name == "float16"
+    assert {t.dtype.name for t in model.parameters()} == {"float16"}
+    assert model.float().dtype.name == "float32" and {t.dtype.name for t in model.parameters()} == {"float32"}
+    with pytest.raises(VkformersError, match=r"to\('cuda'\): vkformers runs every model on the Vulkan device"):
+        model.to("cuda")
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).bfloat16()
+    dtypes = {n: t.dtype.name for n, t in model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {"float32"}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {"bfloat16"}
+    model(IDS).logits.numpy()  # runs with bfloat16 weights and float32 adapters

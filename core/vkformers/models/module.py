@@ -129,6 +129,59 @@ class Module:
     def parameters(self) -> list[Tensor]:
         return [t for _, t in self.named_parameters()]
 
+    # -- dtype (transformers' model.to(...), half(), bfloat16(), float())
+
+    def to(self, *args, dtype=None, device=None) -> "Module":
+        """transformers' ``model.to(...)``: a dtype ("bfloat16", vkformers.bfloat16, a torch dtype) converts the
+        weights as from_pretrained(dtype=...) would have loaded them (LoRA adapters stay float32); a device other
+        than the Vulkan one ("cuda", "cpu") is refused, since every model runs on the Vulkan device
+        (VKFORMERS_DEVICE selects it)."""
+        for value in (*args, device):
+            name = None if value is None else str(getattr(value, "name", value)).removeprefix("torch.")
+            if name in dt.ALL or name in dt.ALIASES:
+                dtype = name
+            elif name is not None and name.split(":")[0] not in ("vulkan", "auto"):
+                raise VkformersError(f"{type(self).__name__}.to({value!r}): vkformers runs every model on the Vulkan "
+                                     "device (VKFORMERS_DEVICE selects it); leave the device out")
+        if dtype is not None:
+            self._convert_weights(dt.as_dtype(str(getattr(dtype, "name", dtype)).removeprefix("torch.")))
+        return self
+
+    def half(self) -> "Module":
+        return self.to(dtype="float16")
+
+    def bfloat16(self) -> "Module":
+        return self.to(dtype="bfloat16")
+
+    def float(self) -> "Module":
+        return self.to(dtype="float32")
+
+    def _convert_weights(self, dtype: dt.DType) -> None:
+        if not isinstance(getattr(self, "dtype", None), dt.DType):
+            raise VkformersError(f"{type(self).__name__}: only a model converts its weights' dtype")
+        if dtype.name not in ("float32", "float16", "bfloat16"):
+            raise VkformersError(f"a model computes in float32, float16 or bfloat16, not {dtype.name}")
+        get_device().require_dtype(dtype)
+        adapters = {f"{path}.{part}." for path, module in self.named_modules() if hasattr(module, "merge_and_unwrap")
+                    for part in ("lora_A", "lora_B")}
+        slots = dict(self.named_slots())
+        if any(isinstance(slot.tensor, QuantizedTensor) for slot in slots.values()):
+            raise VkformersError("a model with quantized weights computes in the dtype it was loaded with; load it "
+                                 "again with dtype=...")
+        for name, slot in slots.items():
+            if slot.tensor is None or slot.tied_to is not None or name.startswith(tuple(adapters)):
+                continue
+            target = slot.dtype or dtype
+            if slot.tensor.dtype is not target:
+                slot.tensor = parameter(slot.tensor.numpy(), dtype=target, requires_grad=slot.tensor.requires_grad,
+                                        name=name)
+        for slot in slots.values():  # ties follow their owners
+            if slot.tied_to is not None:
+                slot.tensor = slots[slot.tied_to].tensor
+        self.dtype = dtype
+        if hasattr(self, "forget_captures"):
+            self.forget_captures()
+
     def resize_rows(self, name: str, rows: int, *, mean_resizing: bool = True, std: float = 0.02) -> Tensor:
         """Give parameter ``name`` (of this module) ``rows`` rows along its first axis: the rows it has are kept,
         new ones start at the mean of the old ones (transformers' mean_resizing; else normal(0, std), seed 0),
