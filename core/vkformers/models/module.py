@@ -69,6 +69,11 @@ class ModelConfig(dict):
         return {k: v.to_dict() if isinstance(v, ModelConfig) else v for k, v in self.items()}
 
 
+def _dtype_name(value) -> str:
+    """A dtype or device as a name: vkformers.bfloat16 -> "bfloat16", torch.float16 -> "float16", "cuda:0" as is."""
+    return str(getattr(value, "name", value)).removeprefix("torch.")
+
+
 class Module:
     supports_gradient_checkpointing = False  # True on models whose layer loop goes through call_layer()
     gradient_checkpointing = False  # (also for subclasses that skip Module.__init__)
@@ -136,15 +141,16 @@ class Module:
         weights as from_pretrained(dtype=...) would have loaded them (LoRA adapters stay float32); a device other
         than the Vulkan one ("cuda", "cpu") is refused, since every model runs on the Vulkan device
         (VKFORMERS_DEVICE selects it)."""
+        dtype = None if dtype is None else _dtype_name(dtype)
         for value in (*args, device):
-            name = None if value is None else str(getattr(value, "name", value)).removeprefix("torch.")
+            name = None if value is None else _dtype_name(value)
             if name in dt.ALL or name in dt.ALIASES:
                 dtype = name
             elif name is not None and name.split(":")[0] not in ("vulkan", "auto"):
                 raise VkformersError(f"{type(self).__name__}.to({value!r}): vkformers runs every model on the Vulkan "
                                      "device (VKFORMERS_DEVICE selects it); leave the device out")
         if dtype is not None:
-            self._convert_weights(dt.as_dtype(str(getattr(dtype, "name", dtype)).removeprefix("torch.")))
+            self._convert_weights(dt.as_dtype(dtype))
         return self
 
     def half(self) -> "Module":
