@@ -513,11 +513,7 @@ class Kernel:
 
 def _push_words(values) -> np.ndarray:
     """Push constants as raw 32-bit words: Python ints as int32/uint32 bits, floats as float32 bits. Packed in one
-    call: recording a plan converts thousands of them, most of them sizes and offsets (tried first as uint32)."""
-    try:
-        return np.frombuffer(struct.pack(f"<{len(values)}I", *values), np.uint32).copy()
-    except struct.error:  # a float or a negative int among them
-        pass
+    call: recording a plan converts thousands of them."""
     floats = [isinstance(v, (float, np.floating)) for v in values]
     items = [float(v) if f else int(v) & 0xFFFFFFFF for v, f in zip(values, floats)]
     try:
