@@ -170,6 +170,10 @@ def _model_type(model) -> str | None:
     return (getattr(model, "config", None) or {}).get("model_type")
 
 
+def _is_all_linear(target_modules) -> bool:
+    return isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR
+
+
 def resolve_targets(model, target_modules) -> list[str]:
     """Full names of the Linear modules a PEFT-style ``target_modules`` selects.
 
@@ -181,9 +185,9 @@ def resolve_targets(model, target_modules) -> list[str]:
         target_modules = DEFAULT_TARGETS.get(_model_type(model), FALLBACK_TARGETS)
     linears = [name for name, m in model.named_modules()
                if type(m) is Linear and name and not re.search(r"\.lora_[AB]$", name)]
-    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
-        output = getattr(model, "lm_head", None)
-        chosen = [name for name, m in model.named_modules() if name in set(linears) and m is not output]
+    if _is_all_linear(target_modules):
+        output, wanted = getattr(model, "lm_head", None), set(linears)
+        chosen = [name for name, m in model.named_modules() if name in wanted and m is not output]
     elif isinstance(target_modules, str):
         pattern = re.compile(target_modules)
         chosen = [n for n in linears if pattern.fullmatch(n)]
@@ -203,7 +207,7 @@ def apply_lora(model: Module, config: LoraConfig, *, seed: int = 0, init: bool =
     if config.bias != "none":
         raise LoraError(f"LoRA bias={config.bias!r} is not supported (only 'none')")
     names = resolve_targets(model, config.target_modules)
-    if config.target_modules is None or config.target_modules == ALL_LINEAR:  # saved as PEFT saves it: the names
+    if config.target_modules is None or _is_all_linear(config.target_modules):  # saved as PEFT saves it: the names
         config.target_modules = sorted({n.rsplit(".", 1)[-1] for n in names})
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = getattr(model, "name_or_path", None)
