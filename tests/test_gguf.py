@@ -82,7 +82,7 @@ def gguf_name(hf_name):
     return GGUF_NAMES[stem] + ".weight"
 
 
-def write_tiny_gguf(path, weights, backend, *, quant="F32", pre="default"):
+def write_tiny_gguf(path, weights, backend, *, quant="F32", pre="default", user_defined=()):
     """Write weights (HF names and layout) and a byte-level BPE tokenizer the way convert_hf_to_gguf does."""
     import gguf
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -100,7 +100,7 @@ def write_tiny_gguf(path, weights, backend, *, quant="F32", pre="default"):
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_types([3 if t in SPECIALS else 4 if t in user_defined else 1 for t in tokens])
     writer.add_token_merges([" ".join(m) for m in json.loads(backend.to_str())["model"]["merges"]])
     writer.add_bos_token_id(vocab["<s>"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
@@ -213,6 +213,21 @@ def test_an_unknown_text_split_is_refused(gguf_package, backend, tmp_path):
     with pytest.raises(VkformersError, match=r"tekken.gguf: the GGUF tokenizer splits text as 'tekken'.*--tokenizer"):
         vkgguf.load_gguf_tokenizer(path)
     assert vkgguf.load_gguf(path, tokenizer=False)[1]
+
+
+def test_user_defined_tokens_keep_their_ids(gguf_package, tmp_path):
+    """GPT-NeoX's (MPT's, OLMo's) added tokens for runs of spaces are user-defined tokens written as raw text: each
+    is matched whole and keeps its own id, as the Hugging Face tokenizer gives it (they were respelled into the
+    byte alphabet and lost to the merge of two spaces)."""
+    backend = train_bpe()
+    spaces = ["  ", "   "]
+    backend.add_tokens(spaces)
+    path = write_tiny_gguf(tmp_path / "neox.gguf", random_llama(backend.get_vocab_size()), backend, pre="mpt",
+                           user_defined=spaces)
+    tokenizer = vkgguf.load_gguf_tokenizer(path)
+    for text in ["hello  world", "a   b    c", "  leading", "the capital of france is paris"]:
+        assert tokenizer.encode(text) == backend.encode(text).ids, text
+    assert tokenizer.convert_tokens_to_ids(spaces) == [backend.token_to_id(t) for t in spaces]
 
 
 @pytest.mark.parametrize("pre,text,pieces", [

@@ -444,10 +444,14 @@ def _byte_level_model(meta: dict, name_or_path: str = ""):
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     tokens = meta["tokenizer.ggml.tokens"]
-    # Converters write the vocabulary in the byte alphabet already; respell the odd token written as raw text.
+    # Converters write the vocabulary in the byte alphabet already; respell the odd token written as raw text. An
+    # added token (control or user-defined: GPT-NeoX's runs of spaces) keeps its text, which tokenizer_from_metadata
+    # matches whole, so that it finds its own id.
+    types = meta.get("tokenizer.ggml.token_type") or []
     vocab = {}
     for index, token in enumerate(tokens):
-        if not set(token) <= spelled:
+        added = index < len(types) and types[index] in (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+        if not added and not set(token) <= spelled:
             token = "".join(alphabet[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, index)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
