@@ -235,6 +235,11 @@ def test_user_defined_tokens_keep_their_ids(gguf_package, tmp_path):
     ("dbrx", "abc 2024", ["abc", "Ġ", "202", "4"]),  # Llama 3's split: digits in threes
     ("stablelm2", "abc 2024", ["abc", "Ġ", "2", "0", "2", "4"]),  # Qwen2's split: one digit each
     ("olmo", "abc 2024", ["abc", "Ġ2024"]),  # GPT-2's split: a space joins the number
+    # punctuation runs apart, then GPT-2's split, then digits in runs cut in threes from the left
+    ("falcon", "Hi, you!!! 12345", ["Hi", ",", "Ġyou", "!!!", "Ġ", "123", "45"]),
+    # lines, letter runs, punctuation runs and CJK apart, then each digit
+    ("deepseek-coder", "def f(x):\n  return 42", ["def", "Ġf", "(", "x", "):", "Ċ", "Ġ", "Ġreturn",
+                                                   "Ġ", "4", "2"]),
 ])
 def test_text_splits_by_name(pre, text, pieces):
     meta = {"tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": []}

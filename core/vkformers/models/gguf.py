@@ -52,18 +52,26 @@ DECODER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 # How byte-level vocabularies split text before BPE ("tokenizer.ggml.pre", as llama.cpp's converter names the
-# model's pre-tokenizer); None: GPT-2's split. A name not here is refused: another split gives other tokens.
+# model's pre-tokenizer): the steps of the Hugging Face tokenizer's pre-tokenizer, in order. ("split", regex):
+# isolate the regex's matches; ("digits", each): digits apart (each one alone, or in runs); ("punctuation",): runs
+# of punctuation apart; ("bytes", regex): the byte alphabet, after GPT-2's split where regex is true. A name not
+# here is refused: another split gives other tokens than the model's.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_GPT2 = (("bytes", True),)
+_DIGITS_GPT2 = (("digits", True), ("bytes", True))  # GPT-2's split after each digit stands alone
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 BYTE_LEVEL_SPLITS = {
-    "default": None, "gpt2": None, "gpt-2": None,
-    "olmo": None, "mpt": None,  # GPT-NeoX's tokenizer: GPT-2's split
-    # GPT-2's split after each digit stands alone
-    "smollm": "digits", "starcoder": "digits", "refact": "digits", "command-r": "digits",
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "stablelm2": _QWEN2_SPLIT,
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2,
+    "olmo": _GPT2, "mpt": _GPT2,  # GPT-NeoX's tokenizer
+    "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2, "command-r": _DIGITS_GPT2,
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"),
+                    (("split", _LLAMA3_SPLIT), ("bytes", False))),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), (("split", _QWEN2_SPLIT), ("bytes", False))),
+    "falcon": (("punctuation",), ("bytes", True), ("digits", False), ("split", "[0-9][0-9][0-9]")),
+    "deepseek-coder": (("split", "[\r\n]"), ("split", r"\s?\p{L}+"), ("split", r"\s?\p{P}+"), ("split", _CJK),
+                       ("digits", True), ("bytes", False)),
 }
 
 
@@ -461,15 +469,11 @@ def _byte_level_model(meta: dict, name_or_path: str = ""):
         raise VkformersError(f"{name_or_path}: the GGUF tokenizer splits text as {name!r}, which vkformers does not "
                              "know (its tokens would differ from the model's); use the model's Hugging Face "
                              "tokenizer (--tokenizer REPO_OR_FOLDER, or AutoTokenizer.from_pretrained(REPO))")
-    split = BYTE_LEVEL_SPLITS[name]
-    if split is None:
-        pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif split == "digits":
-        pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    else:
-        pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    make = {"split": lambda regex: pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            "digits": lambda each: pre_tokenizers.Digits(individual_digits=each),
+            "punctuation": lambda: pre_tokenizers.Punctuation("contiguous"),
+            "bytes": lambda regex: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex)}
+    pre = pre_tokenizers.Sequence([make[kind](*args) for kind, *args in BYTE_LEVEL_SPLITS[name]])
     return model, None, pre, decoders.ByteLevel(), processors.ByteLevel(trim_offsets=False)
 
 
