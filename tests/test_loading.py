@@ -333,3 +333,10 @@ def test_model_to_a_dtype_as_transformers(checkpoint):
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {"float32"}
     assert {d for n, d in dtypes.items() if ".lora_" not in n} == {"bfloat16"}
     model(IDS).logits.numpy()  # runs with bfloat16 weights and float32 adapters
+
+
+def test_resize_token_embeddings_elsewhere_is_refused_by_name():
+    from vkformers import AutoModelForMaskedLM
+    model = AutoModelForMaskedLM.from_pretrained(FIXTURE.parent / "encoders" / "bert")
+    with pytest.raises(VkformersError, match="resize_token_embeddings is not supported for this architecture"):
+        model.resize_token_embeddings(100)

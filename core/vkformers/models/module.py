@@ -205,6 +205,11 @@ class Module:
         slot.tensor = parameter(values[:rows], dtype=old.dtype, requires_grad=old.requires_grad, name=name)
         return slot.tensor
 
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """transformers' name; the decoders of the decoder kit resize (models/decoder/model.py)."""
+        raise VkformersError(f"{getattr(self, 'architecture_name', type(self).__name__)}: resize_token_embeddings is "
+                             "not supported for this architecture; the causal decoders have it")
+
     def print_trainable_parameters(self) -> None:
         """PEFT's line: trainable values, all values, and the trainable share."""
         trainable, total = self.num_parameters(only_trainable=True), self.num_parameters()
