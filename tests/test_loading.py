@@ -309,6 +309,8 @@ def test_resize_token_embeddings_after_adding_tokens(fixture, tmp_path):
     np.testing.assert_array_equal(again(new_ids).logits.numpy(), model(new_ids).logits.numpy())
     with pytest.raises(VkformersError, match="new_num_tokens must be a whole number >= 1"):
         model.resize_token_embeddings(0)
+    with pytest.raises(VkformersError, match="pad_to_multiple_of must be a whole number >= 1"):
+        model.resize_token_embeddings(rows, pad_to_multiple_of=0)
 
 
 def test_model_to_a_dtype_as_transformers(checkpoint):

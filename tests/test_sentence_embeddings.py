@@ -174,5 +174,9 @@ def test_truncate_dim_similarity_and_query_prompts(minilm, tmp_path):
     assert_embeddings(prompted.encode_document(short, batch_size=4), expected[:2, :64])  # no document prompt
     with pytest.raises(SentenceTransformerError, match="truncate_dim=0"):
         minilm.encode(short, truncate_dim=0)
+    with pytest.raises(SentenceTransformerError, match="similarity takes embeddings"):
+        minilm.similarity("a text", b)
+    with pytest.raises(SentenceTransformerError, match="embeddings of 100 and 384 dimensions"):
+        minilm.similarity(cut, b)
     with pytest.raises(SentenceTransformerError, match="similarity_fn_name 'jaccard'"):
         vkformers.SentenceTransformer(folder, similarity_fn_name="jaccard")

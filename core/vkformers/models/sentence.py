@@ -291,7 +291,10 @@ class SentenceTransformer:
     def similarity(self, a, b) -> np.ndarray:
         """Every embedding of ``a`` [n, D] (or [D]) against every one of ``b``: [n, m] float32, by the model's
         similarity function."""
-        return SIMILARITY[self.similarity_fn_name][0](_matrix(a), _matrix(b)).astype(np.float32)
+        a, b = _matrix(a), _matrix(b)
+        if a.shape[-1] != b.shape[-1]:
+            raise SentenceTransformerError(f"similarity: embeddings of {a.shape[-1]} and {b.shape[-1]} dimensions")
+        return SIMILARITY[self.similarity_fn_name][0](a, b).astype(np.float32)
 
     def similarity_pairwise(self, a, b) -> np.ndarray:
         """Row i of ``a`` against row i of ``b``: [n] float32."""
@@ -336,7 +339,13 @@ def _check_truncate_dim(value) -> int | None:
 
 
 def _matrix(x) -> np.ndarray:
-    x = np.asarray(x.numpy() if hasattr(x, "numpy") else x, np.float64)
+    try:
+        x = np.asarray(x.numpy() if hasattr(x, "numpy") else x, np.float64)
+    except (TypeError, ValueError):
+        x = None
+    if x is None or x.ndim not in (1, 2) or x.size == 0:
+        raise SentenceTransformerError("similarity takes embeddings: a [D] or [n, D] array of numbers (what encode "
+                                       "returns)")
     return x[None] if x.ndim == 1 else x
 
 

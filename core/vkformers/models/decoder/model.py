@@ -310,7 +310,11 @@ class DecoderForCausalLM(Module, GenerationMixin):
         rows = s.vocab_size if new_num_tokens is None else new_num_tokens
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
             raise VkformersError(f"resize_token_embeddings: new_num_tokens must be a whole number >= 1, got {rows!r}")
-        if pad_to_multiple_of:
+        if pad_to_multiple_of is not None:
+            if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, (int, np.integer)) or \
+                    pad_to_multiple_of < 1:
+                raise VkformersError(f"resize_token_embeddings: pad_to_multiple_of must be a whole number >= 1, got "
+                                     f"{pad_to_multiple_of!r}")
             rows = -(-int(rows) // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
         rows = int(rows)
         if s.embed_extra_rows:
