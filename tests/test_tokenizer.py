@@ -238,3 +238,5 @@ def test_add_tokens_and_special_tokens_as_transformers(tmp_path):
         size, ["<|tool|>"], ids)
     with pytest.raises(TokenizerError, match="'tool_token' is not one of"):
         tok.add_special_tokens({"tool_token": "<t>"})
+    with pytest.raises(TokenizerError, match="add_special_tokens takes a dict"):
+        tok.add_special_tokens("<pad>")

@@ -240,6 +240,9 @@ class PreTrainedTokenizer:
         """transformers' add_special_tokens: ``{"pad_token": "<pad>", "additional_special_tokens": [...]}``; each
         named token becomes the tokenizer's (``pad_token``, ...), added to the vocabulary if new (the count
         returned)."""
+        if not isinstance(special_tokens_dict, dict):
+            raise TokenizerError(f"add_special_tokens takes a dict such as {{'pad_token': '<pad>'}}, got "
+                                 f"{special_tokens_dict!r}")
         added = 0
         for key, value in special_tokens_dict.items():
             if key in SPECIAL_TOKEN_NAMES:
