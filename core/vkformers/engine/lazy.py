@@ -256,6 +256,11 @@ def deferred_backward():
         _backward_deferrals -= 1
 
 
+def capturing() -> bool:
+    """Whether a :class:`capture` records the realizations now (a captured step must realize in one submission)."""
+    return bool(_recorders)
+
+
 def backward_deferred() -> bool:
     """Whether gradients stay lazy after backward(): inside :func:`deferred_backward` or a :class:`capture`
     (a captured step must realize in one submission)."""
@@ -347,7 +352,7 @@ def _touch_plan(plan: Plan) -> None:
 
 def _trim_plans(keep: Plan | None = None) -> None:
     """Evict least recently used plans until the cache is within its bounds, sparing ``keep`` and held plans.
-    Plans only run to completion (replay waits), so no evicted plan has a submission in flight."""
+    An evicted plan submitted without waiting stays alive in the device's list of submits in flight until it ends."""
     global _plan_bytes
     for key in list(_plans):
         if len(_plans) <= MAX_PLANS and _plan_bytes <= MAX_PLAN_BYTES:
@@ -516,8 +521,12 @@ def computed_before_assignments(lb: LazyBuffer) -> None:
     _before_assignments.append(weakref.ref(lb.base))
 
 
-def realize(targets: Iterable[LazyBuffer]) -> None:
-    """Compute ``targets`` and every pending assignment, in one submit."""
+def realize(targets: Iterable[LazyBuffer], wait: bool = True) -> None:
+    """Compute ``targets`` and every pending assignment, in one submit.
+
+    ``wait=False``: return once submitted, so that the host builds the next part of a graph while the device runs
+    this one (a long prompt's forward, realized every few layers). Later submits run after it, and results are read
+    through a submit that waits, which waits for every earlier one too (Sequence.replay)."""
     targets = [t for t in targets if not t.realized]
     pending = [a for a in _pending_assignments if not a.realized]
     _pending_assignments.clear()
@@ -558,10 +567,11 @@ def realize(targets: Iterable[LazyBuffer]) -> None:
     for recorder in _recorders:
         recorder.runs.append(Realization(plan, [leaf.host for leaf in leaves]))
 
+    plan.seq.wait()  # its input buffers may still be read by its last submit
     for leaf, buf in zip(leaves, plan.input_buffers):
         buf.host[...] = leaf.host.reshape(buf.shape)
     plan.inputs_owner = None
-    _run(plan)
+    _run(plan, wait=wait)
 
     # Bind results, then cut the graph so its memory can go.
     for leaf, buf in zip(leaves, plan.input_buffers):
@@ -844,6 +854,7 @@ def restore_constants(plan: Plan, owner, constant: list, constants: list) -> Non
     (``constant[i]``: whether input buffer i is one; ``constants``: their arrays in order) back into their
     buffers, where a realization or another capture of the same plan wrote its own since ``owner``'s last replay
     (prefill chunks of one shape and different padding share a plan and differ in such inputs)."""
+    plan.seq.wait()  # the caller writes the plan's input buffers next
     if plan.inputs_owner is not None and plan.inputs_owner() is owner:
         return
     values = iter(constants)
@@ -864,10 +875,14 @@ def replay(plan: Plan, seq=None) -> None:
     stats["replayed"] += 1
 
 
-def _run(plan: Plan, seq=None) -> None:
-    """Submit the plan's sequence (or ``seq``, built from its operations) and wait; profilers get its timings."""
+def _run(plan: Plan, seq=None, wait: bool = True) -> None:
+    """Submit the plan's sequence (or ``seq``, built from its operations) and wait (unless not ``wait``); profilers
+    get its timings (a profiled run always waits)."""
     seq = seq or plan.seq
-    seq.replay()
+    if wait or (_profilers and seq.timestamps):
+        seq.replay()
+    else:
+        seq.submit()
     plan.replays += 1
     if _profilers and seq.timestamps:
         timings = seq.timings()

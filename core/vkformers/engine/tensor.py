@@ -90,8 +90,9 @@ class Tensor:
 
     # -- data
 
-    def realize(self) -> "Tensor":
-        realize([self.lazy])
+    def realize(self, wait: bool = True) -> "Tensor":
+        """Compute the value on the device now (see lazy.realize: ``wait=False`` returns once it is submitted)."""
+        realize([self.lazy], wait=wait)
         return self
 
     def numpy(self) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from vkformers.engine.checkpoint import checkpoint
-from vkformers.engine.lazy import building_graph
+from vkformers.engine.lazy import building_graph, capturing
 from vkformers.engine.quantized import QuantizedArray, QuantizedTensor
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
@@ -72,6 +72,17 @@ class ModelConfig(dict):
 def _dtype_name(value) -> str:
     """A dtype or device as a name: vkformers.bfloat16 -> "bfloat16", torch.float16 -> "float16", "cuda:0" as is."""
     return str(getattr(value, "name", value)).removeprefix("torch.")
+
+
+# A forward built in Python that no backward needs and no capture records is submitted every few layers without
+# waiting: the host builds the next layers while the device runs the last ones, instead of the device idling until
+# the whole graph is built. Each part is a plan with its own workspace (about SUBMIT_WORKSPACE_FACTOR x tokens x
+# hidden bytes), so only streams of SUBMIT_MIN_TOKENS tokens or more are split, into parts of SUBMIT_MIN_LAYERS layers
+# or more, and into no more parts than keep the added workspace within SUBMIT_WORKSPACE_BYTES.
+SUBMIT_MIN_TOKENS = 128
+SUBMIT_MIN_LAYERS = 8
+SUBMIT_WORKSPACE_FACTOR = 16
+SUBMIT_WORKSPACE_BYTES = 256 << 20
 
 
 class Module:
@@ -260,6 +271,18 @@ class Module:
     def _set_gradient_checkpointing(self, on: bool) -> None:
         for _, module in self.named_modules():
             object.__setattr__(module, "gradient_checkpointing", on)
+
+    def layer_parts(self, x, layers: int) -> int:
+        """Into how many parts a forward through ``layers`` layers of the stream ``x`` [batch, tokens, hidden] is
+        submitted (see SUBMIT_MIN_TOKENS; the shared layer loops submit x between parts with
+        ``x.realize(wait=False)``); 1: realized once, when its result is read."""
+        if x.requires_grad or capturing() or len(x.shape) != 3:
+            return 1
+        tokens = x.shape[0] * x.shape[1]
+        if tokens < SUBMIT_MIN_TOKENS:
+            return 1
+        part_bytes = SUBMIT_WORKSPACE_FACTOR * tokens * x.shape[2] * x.dtype.itemsize
+        return max(1, min(layers // SUBMIT_MIN_LAYERS, 1 + SUBMIT_WORKSPACE_BYTES // part_bytes))
 
     def call_layer(self, layer, x, *args, **kwargs):
         """``layer(x, *args, **kwargs)``, recomputed in the backward pass when gradient checkpointing is on

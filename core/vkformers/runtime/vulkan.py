@@ -183,6 +183,7 @@ class Device:
         self._pipelines: OrderedDict[tuple, object] = OrderedDict()  # kernel bindings, least recently used first
         self._pipeline_keys: dict[int, set] = {}  # buffer serial -> keys of the bindings over that buffer
         self._staging = None  # host tensor reused by small reads and writes
+        self._in_flight: list[Sequence] = []  # submitted without waiting (Sequence.submit), not yet waited for
 
     def _staging_tensor(self, words: int | np.ndarray, name: str):
         """A host-visible tensor of at least ``words`` 32-bit words (or holding the uint32 array ``words``), and
@@ -272,6 +273,11 @@ class Device:
 
     def sequence(self, *, timestamps: bool = False, barriers: str = "tracked") -> "Sequence":
         return Sequence(self, timestamps=timestamps, barriers=barriers)
+
+    def settle(self) -> None:
+        """Wait for every sequence submitted without waiting (Sequence.submit)."""
+        while self._in_flight:
+            self._in_flight[0].wait()
 
     def run(self, build) -> "Sequence":
         """Record the operations that ``build(seq)`` adds and run them once."""
@@ -731,20 +737,34 @@ class Sequence:
         return self
 
     def replay(self) -> "Sequence":
-        """Submit the recorded command buffer and wait for it."""
+        """Submit the recorded command buffer and wait for it, and so for every earlier submit (its leading
+        barrier orders it after them): those still counted in flight are waited for too."""
+        self.wait()
         self.record()
         self._seq.eval()
+        self.device.settle()
         return self
 
     def submit(self) -> "Sequence":
-        """Submit without waiting; call :meth:`wait` before touching the results."""
+        """Submit without waiting: the host goes on (building the next part of a graph) while the device runs it.
+        Until it is waited for (:meth:`wait`, or any later :meth:`replay`, which waits for every earlier submit) the
+        device holds it, so its buffers live on; results are read only after a wait."""
+        self.wait()  # a sequence runs once at a time
         self.record()
         self._seq.eval_async()
+        self.device._in_flight.append(self)
         return self
 
     def wait(self) -> "Sequence":
-        self._seq.eval_await()
+        """Wait for this sequence's last :meth:`submit` (nothing when none is in flight)."""
+        if self.in_flight:
+            self._seq.eval_await()
+            self.device._in_flight[:] = [s for s in self.device._in_flight if s is not self]
         return self
+
+    @property
+    def in_flight(self) -> bool:
+        return any(s is self for s in self.device._in_flight)  # by identity: sequences compare as dataclasses
 
     def timings(self) -> list[tuple[str, float]]:
         """(label, seconds) per recorded operation of the last replay (needs timestamps=True)."""
