@@ -2,6 +2,8 @@
 waiting (Module.layer_parts, Tensor.realize(wait=False)), so the host builds the next layers while the device runs the
 last ones. The results must be bit-identical to one realization, with padding and a KV cache, and the runtime must
 keep every submit's buffers alive and ordered until it ends."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.models import module
 from vkformers.models.cache import KVCache
-from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.loading import AutoModelForCausalLM, AutoModelForMaskedLM
 from vkformers.runtime import vulkan
 
 CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -149,3 +151,33 @@ def test_a_later_replay_waits_for_every_submit(device):
     device.sequence().copy(z, device.upload(np.zeros(4, np.uint32))).replay()
     assert not first.in_flight and not second.in_flight
     assert (y.read() == 9).all()  # three submits of y += x, in order
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# every shared layer loop that submits in parts: the decoder kit's (dense, sliding and soft-capped, ALiBi, MLA, MoE,
+# hybrids of linear attention and of Mamba), the hyper-connection streams of vkformers_moe, Mamba's, BERT's
+FAMILIES = ["llama", "gemma2", "bloom", "deepseek_v3", "mixtral", "qwen3_next", "qwen4_exp_text", "jamba", "bamba",
+            "mamba", "encoders/bert", "encoders/deberta-v2"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_layer_loop_in_parts_is_bit_identical(name, submits, monkeypatch):
+    """Two-layer fixtures split after every layer: the stream handed from part to part is all a layer passes on."""
+    folder = FIXTURES / name
+    loader = AutoModelForMaskedLM if name.startswith("encoders/") else AutoModelForCausalLM
+    model = loader.from_pretrained(folder, dtype="float32", requires_grad=False)
+    vocab = int(model.config["vocab_size"])
+    ids = np.random.default_rng(2).integers(3, vocab, (2, 12)).astype(np.int32)
+    mask = np.ones_like(ids)
+    if loader is AutoModelForCausalLM:
+        mask[1, :3] = 0  # left padding
+    else:
+        mask[1, -3:] = 0
+    monkeypatch.setattr(module, "SUBMIT_MIN_TOKENS", 1)
+    monkeypatch.setattr(module, "SUBMIT_MIN_LAYERS", 1)
+    with vkf.no_grad():
+        split = model(ids, attention_mask=mask).logits.numpy()
+        assert submits[0] >= 1
+        whole(monkeypatch)
+        one = model(ids, attention_mask=mask).logits.numpy()
+    np.testing.assert_array_equal(split, one)

@@ -274,8 +274,8 @@ class Module:
 
     def layer_parts(self, x, layers: int) -> int:
         """Into how many parts a forward through ``layers`` layers of the stream ``x`` [batch, tokens, hidden] is
-        submitted (see SUBMIT_MIN_TOKENS; the shared layer loops submit x between parts with
-        ``x.realize(wait=False)``); 1: realized once, when its result is read."""
+        submitted (see SUBMIT_MIN_TOKENS; the shared layer loops call submit_part after each layer); 1: realized
+        once, when its result is read."""
         if x.requires_grad or capturing() or len(x.shape) != 3:
             return 1
         tokens = x.shape[0] * x.shape[1]
@@ -283,6 +283,17 @@ class Module:
             return 1
         part_bytes = SUBMIT_WORKSPACE_FACTOR * tokens * x.shape[2] * x.dtype.itemsize
         return max(1, min(layers // SUBMIT_MIN_LAYERS, 1 + SUBMIT_WORKSPACE_BYTES // part_bytes))
+
+    def layers_per_part(self, x, layers: int) -> int:
+        """How many of ``layers`` layers go in one part of a forward submitted in parts (layer_parts)."""
+        return -(-layers // self.layer_parts(x, layers))
+
+    @staticmethod
+    def submit_part(x, done: int, layers: int, per_part: int) -> None:
+        """In a layer loop, after ``done`` of ``layers`` layers: submit the stream ``x`` without waiting where a part
+        ends (per_part from layers_per_part), so that the device runs it while the host builds the next layers."""
+        if done % per_part == 0 and done < layers:
+            x.realize(wait=False)
 
     def call_layer(self, layer, x, *args, **kwargs):
         """``layer(x, *args, **kwargs)``, recomputed in the backward pass when gradient checkpointing is on

@@ -840,12 +840,15 @@ class EncoderForMaskedLM(Module):
             x = x * keep
         if hidden_states is not None:
             hidden_states.append(x)
-        for layer in self.layers:
+        count = len(self.layers)
+        per_part = self.layers_per_part(x, count)
+        for i, layer in enumerate(self.layers):
             x = self.call_layer(layer, x, ctx)
             if keep is not None:  # XLM zeroes the padded positions after every layer
                 x = x * keep
             if hidden_states is not None:
                 hidden_states.append(x)
+            self.submit_part(x, i + 1, count, per_part)
         if self.final_norm is not None:
             x = self.final_norm(x)
             if hidden_states is not None:

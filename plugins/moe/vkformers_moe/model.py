@@ -106,8 +106,11 @@ class Qwen4ExpForCausalLM(MoeDecoderForCausalLM):
         n, (b, t, d) = self.spec.make_layer.hc_count, x.shape
         ctx.input_ids = self._input_ids
         streams = x.reshape(b, t, 1, d).expand(b, t, n, d).contiguous().reshape(b, t, n * d)
-        for layer in self.layers:
+        count = len(self.layers)
+        per_part = self.layers_per_part(streams, count)
+        for i, layer in enumerate(self.layers):
             streams = self.call_layer(layer, streams, ctx)
+            self.submit_part(streams, i + 1, count, per_part)
         return self.mixer(streams)
 
 

@@ -104,8 +104,11 @@ class MambaForCausalLM(Module, GenerationMixin):
         if keep is not None:
             keep = keep.cast(x.dtype)
         states = CacheStates(cache) if cache is not None else None
+        count = len(self.backbone.layers)
+        per_part = self.layers_per_part(x, count)
         for index, layer in enumerate(self.backbone.layers):
             x = self.call_layer(layer, x, keep, states, index)
+            self.submit_part(x, index + 1, count, per_part)
         x = kept_positions(x, logits_to_keep)
         norm_f = self.backbone.norm_f
         if x.dtype is norm_f.weight.dtype:

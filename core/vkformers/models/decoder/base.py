@@ -47,9 +47,12 @@ class DecoderBaseMixin:
         if self._recorded is None:
             return super().run_layers(x, ctx)
         self._recorded.append(x)
-        for layer in self.layers:
+        count = len(self.layers)
+        per_part = self.layers_per_part(x, count)
+        for i, layer in enumerate(self.layers):
             x = self.call_layer(layer, x, ctx)
             self._recorded.append(x)
+            self.submit_part(x, i + 1, count, per_part)
         return x
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):

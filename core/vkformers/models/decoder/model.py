@@ -426,11 +426,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
         """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream
         between them: DeepSeek-V4's hyper-connections)."""
         count = len(self.layers)
-        per_part = -(-count // self.layer_parts(x, count))
+        per_part = self.layers_per_part(x, count)
         for i, layer in enumerate(self.layers):
             x = self.call_layer(layer, x, ctx)
-            if (i + 1) % per_part == 0 and i + 1 < count:
-                x.realize(wait=False)  # the device runs these layers while the host builds the next
+            self.submit_part(x, i + 1, count, per_part)
         return x
 
     def _fused_decode_head(self, x):
