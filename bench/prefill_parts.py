@@ -3,7 +3,8 @@ the residual stream every few layers (models/module.py, Module.layer_parts) gain
 
 Random weights at the Llama-3-8B shape (--shape tinyllama: TinyLlama's), batch 1, bfloat16; for each prompt length,
 calls alternate between the modes (parts of at least 8 layers, the default; parts of at least 4; one realization),
-three rounds of five calls each after two warm-up calls per mode; medians.
+three rounds of five calls each after two warm-up calls per mode; medians. It also splits one realization's time
+into building the graph, realizing it on the host and the submit's wait (the device's share).
 
     python bench/prefill_parts.py [--shape llama3-8b] [--layers 32] [--lengths 512,2048] [--json OUT]
 """
@@ -16,6 +17,7 @@ import time
 import numpy as np
 
 from common import write_results
+from host import ReplayClock
 from llama import SHAPES, random_weights
 
 import vkformers as vkf
@@ -57,6 +59,21 @@ def main(argv=None) -> int:
                         start = time.perf_counter()
                         model(ids).logits[:, -1].numpy()
                         seconds[mode].append(time.perf_counter() - start)
+            module.SUBMIT_MIN_TOKENS, module.SUBMIT_MIN_LAYERS = modes["one realization"]
+            split = []  # one realization: (building the graph, realizing it on the host, waiting for the device) ms
+            for _ in range(CALLS):
+                start = time.perf_counter()
+                logits = model(ids).logits[:, -1]
+                built = time.perf_counter()
+                with ReplayClock() as clock:
+                    logits.numpy()
+                done = time.perf_counter()
+                split.append(((built - start) * 1e3, (done - built - clock.seconds) * 1e3, clock.seconds * 1e3))
+        build, host, device = np.median(np.array(split), axis=0)
+        print(f"{args.shape} ({layers} layers) prefill {length}, one realization: building {build:.1f} ms, realizing "
+              f"on the host {host:.1f} ms, submit and wait {device:.1f} ms", flush=True)
+        results.append({"length": length, "mode": "one realization, split", "build_ms": float(build),
+                        "host_ms": float(host), "device_ms": float(device)})
         whole = float(np.median(seconds["one realization"]))
         stream = vkf.Tensor(np.zeros((1, length, config["hidden_size"]), np.float32), dtype="bfloat16")
         for mode, (tokens, min_layers) in modes.items():
