@@ -53,12 +53,14 @@ def padded_batch(length=160):
     return ids, mask
 
 
-def test_layer_parts_follow_tokens_layers_and_workspace(model):
+def test_layer_parts_follow_tokens_layers_and_workspace(model, monkeypatch):
+    monkeypatch.setattr(module, "SUBMIT_MIN_LAYERS", 4)
     x = lambda rows, tokens, dtype="float32": Tensor(np.zeros((rows, tokens, 64), np.float32), dtype=dtype)  # noqa
     assert model.layer_parts(x(1, module.SUBMIT_MIN_TOKENS - 1), 16) == 1  # too short: the device's share is small
-    assert model.layer_parts(x(1, module.SUBMIT_MIN_TOKENS), 16) == 2
-    assert model.layer_parts(x(2, 100), 32) == 4  # rows count: 200 tokens
-    assert model.layer_parts(x(1, 200), 15) == 1  # fewer than two parts of SUBMIT_MIN_LAYERS
+    assert model.layer_parts(x(1, module.SUBMIT_MIN_TOKENS), 16) == 4
+    assert model.layer_parts(x(2, 100), 32) == 8  # rows count: 200 tokens
+    assert model.layer_parts(x(1, 200), 15) == 3  # parts of at least SUBMIT_MIN_LAYERS
+    assert model.layer_parts(x(1, 200), 7) == 1
     # the added workspace is bounded: 16 x tokens x hidden x 4 bytes a part
     tokens = module.SUBMIT_WORKSPACE_BYTES // (16 * 64 * 4) // 2
     assert model.layer_parts(x(1, tokens), 64) == 3
@@ -66,14 +68,22 @@ def test_layer_parts_follow_tokens_layers_and_workspace(model):
     assert model.layer_parts(x(200, 64)[0], 32) == 1  # not a [batch, tokens, hidden] stream
 
 
+def submits_of(model, rows: int, tokens: int) -> int:
+    """Submits without waiting of one forward of rows x tokens through the 16-layer model: one less than its parts."""
+    parts = model.layer_parts(Tensor(np.zeros((rows, tokens, 64), np.float32)), CONFIG["num_hidden_layers"])
+    assert parts > 1
+    return parts - 1
+
+
 def test_forward_in_parts_is_bit_identical_with_padding(model, submits, monkeypatch):
     ids, mask = padded_batch()
+    expected = 3 * submits_of(model, *ids.shape)
     with vkf.no_grad():
         parts = [model(ids, attention_mask=mask).logits.numpy() for _ in range(3)]  # recorded, then replayed
-        assert submits[0] == 3  # one submit a call: two parts of 8 layers
+        assert submits[0] == expected
         whole(monkeypatch)
         one = model(ids, attention_mask=mask).logits.numpy()
-    assert submits[0] == 3
+    assert submits[0] == expected
     for logits in parts:
         np.testing.assert_array_equal(logits, one)
 
@@ -94,7 +104,7 @@ def test_a_prompt_in_parts_fills_the_kv_cache_as_one_forward(model, submits, mon
     ids, mask = padded_batch(140)
     with vkf.no_grad():
         split = prompt_then_step(model, ids, mask)
-        assert submits[0] == 1
+        assert submits[0] == submits_of(model, *ids.shape)  # the prompt's forward; one token's is never split
         whole(monkeypatch)
         one = prompt_then_step(model, ids, mask)
     np.testing.assert_array_equal(split[0], one[0])
@@ -136,7 +146,7 @@ def test_a_submitted_plan_evicted_from_the_cache_still_runs(model, submits, monk
         lazy.clear_plan_cache()  # recorded again, each part evicting the one before while it runs
         got = model(ids, attention_mask=mask).logits.numpy()
     np.testing.assert_array_equal(got, expected)
-    assert submits[0] == 2
+    assert submits[0] == 2 * submits_of(model, *ids.shape)
 
 
 def test_a_later_replay_waits_for_every_submit(device):

@@ -80,7 +80,7 @@ def _dtype_name(value) -> str:
 # hidden bytes), so only streams of SUBMIT_MIN_TOKENS tokens or more are split, into parts of SUBMIT_MIN_LAYERS layers
 # or more, and into no more parts than keep the added workspace within SUBMIT_WORKSPACE_BYTES.
 SUBMIT_MIN_TOKENS = 128
-SUBMIT_MIN_LAYERS = 8
+SUBMIT_MIN_LAYERS = 4
 SUBMIT_WORKSPACE_FACTOR = 16
 SUBMIT_WORKSPACE_BYTES = 256 << 20
 
