@@ -264,7 +264,7 @@ def capturing() -> bool:
 def backward_deferred() -> bool:
     """Whether gradients stay lazy after backward(): inside :func:`deferred_backward` or a :class:`capture`
     (a captured step must realize in one submission)."""
-    return _backward_deferrals > 0 or bool(_recorders)
+    return _backward_deferrals > 0 or capturing()
 
 
 @contextmanager
