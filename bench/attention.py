@@ -25,7 +25,7 @@ from common import WARM_UP_SECONDS, cuda_median, cuda_torch, warm_up, write_resu
 
 from vkformers.engine.kernels.attention import (
     ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, COOPMAT_WIDE_KEY_TILES,
-    DECODE_TILES, CoopmatTiles,
+    DECODE_TILES, CoopmatTiles, coopmat_forward_candidates,
     attention_backward, attention_decode, attention_forward, coopmat_backward_tiles, coopmat_forward_tiles)
 from vkformers.engine.kernels.coopmat_layout import coopmat_layout
 from vkformers.runtime import dtypes as dt
@@ -137,19 +137,24 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
 
 def forward_variants(device, dtype: str, head_dim: int) -> list:
     """(name, tiles) of the cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel
-    at its automatic tiles; the one-pass kernel at its automatic tiles ("default"), at the other leading shapes, with
-    each tuning option; the register softmax (where the device's measured layout allows it) with each option and
-    shape; then the ablations, each the default one-pass kernel less one part of its work."""
+    at its automatic tiles; the automatic choice ("default"); the one-pass kernel with the softmax through shared
+    memory at its leading shapes, with each tuning option; the register softmax (where the device's measured layout
+    allows it) with each option and shape; then the ablations, each the shared-memory one-pass kernel less one part of
+    its work."""
     two_pass = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=COOPMAT_TWO_PASS_TILES)
     default = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0)
-    if two_pass is None or default is None:
+    plain = coopmat_forward_tiles(device, dtype, head_dim, 0, 0, 0, candidates=coopmat_forward_candidates(head_dim))
+    if two_pass is None or default is None or plain is None:
         return []
     limit = int(device.limits["max_compute_shared_memory_size"])
     subgroup = int(device.limits["subgroup_size"])
     runs = lambda t: t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit and t.runs_on(device, dtype)
     shape = lambda t: f"{t.rows}x{t.cols}"
-    variants = [(f"two-pass {shape(two_pass)}", two_pass), (f"one-pass {shape(default)} (default)", default)]
-    variants += [(f"one-pass {shape(t)}", t) for t in COOPMAT_FORWARD_TILES[:2] if t != default and runs(t)]
+    options_of = ("prefetch", "batched_staging", "lazy_rescale", "reg_softmax", "p_in_regs", "double_buffer")
+    named = lambda t: " ".join([f"one-pass {shape(t)}"] + [k.replace("_", "-") for k in options_of if getattr(t, k)])
+    variants = [(f"two-pass {shape(two_pass)}", two_pass), (named(default) + " (default)", default)]
+    variants += [(named(t) + " shared-memory softmax", t) for t in COOPMAT_FORWARD_TILES[:2]
+                 if t != default and runs(t)]
     for options in (dict(prefetch=True), dict(batched_staging=True), dict(lazy_rescale=True),
                     dict(prefetch=True, lazy_rescale=True), dict(double_buffer=True),
                     dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True),
@@ -157,22 +162,21 @@ def forward_variants(device, dtype: str, head_dim: int) -> list:
                     dict(reg_softmax=True, p_in_regs=True, prefetch=True),
                     dict(reg_softmax=True, p_in_regs=True, double_buffer=True),
                     dict(reg_softmax=True, double_buffer=True)):
-        tiles = replace(default, **options)
-        if runs(tiles):
-            variants.append((f"one-pass {shape(default)} " + " ".join(k.replace("_", "-") for k in options), tiles))
+        tiles = replace(plain, **options)
+        if tiles != default and runs(tiles):
+            variants.append((named(tiles), tiles))
     wide = replace(COOPMAT_WIDE_KEY_TILES, prefetch=True, lazy_rescale=True)
     if runs(wide):
-        variants.append((f"one-pass {shape(wide)} prefetch lazy-rescale", wide))
+        variants.append((named(wide), wide))
     # The register softmax frees the score space: other shapes fit (128 x 64 up to head dim 128; 64 x 16 double
     # buffered at head dim 256).
     for rows, cols in ((64, 32), (128, 32), (64, 64), (128, 64), (64, 16)):
         for options in (dict(reg_softmax=True, p_in_regs=True),
                         dict(reg_softmax=True, p_in_regs=True, double_buffer=True)):
             tiles = CoopmatTiles(rows, cols, **options)
-            name = f"one-pass {rows}x{cols} " + " ".join(k.replace("_", "-") for k in options)
-            if (rows, cols) != (default.rows, default.cols) and runs(tiles):
-                variants.append((name, tiles))
-    variants += [(f"ablation {shape(default)}: {what}", replace(default, ablation=value))
+            if (rows, cols) != (plain.rows, plain.cols) and tiles != default and runs(tiles):
+                variants.append((named(tiles), tiles))
+    variants += [(f"ablation {shape(plain)}: {what}", replace(plain, ablation=value))
                  for what, value in ABLATIONS.items()]
     return variants
 
@@ -201,6 +205,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
             ref = torch.nn.functional.scaled_dot_product_attention(
                 tq.float(), tk.float().repeat_interleave(group, 1), tv.float().repeat_interleave(group, 1),
                 is_causal=True).cpu().numpy()
+            torch_diff = float(np.abs(sdpa().float().cpu().numpy() - ref).max())  # PyTorch's own error in dtype
     flops = 4 * heads * seq_len * seq_len * head_dim / 2
     where = f"{dtype:9s} seq {seq_len} heads {heads}/{kv_heads} d {head_dim} causal forward"
     # Record each variant once (a variant the driver refuses, e.g. out of registers, is reported and left out) and
@@ -234,7 +239,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
             r["rounds_agree"] = ("faster" if min(gains) > 1.02 else "slower" if max(gains) < 0.98 else "no")
         if torch_ms is not None:
             r.update(torch_forward_ms=torch_ms, forward_ratio=torch_ms / r["forward_ms"],
-                     max_abs_diff_vs_torch_fp32=diff)
+                     max_abs_diff_vs_torch_fp32=diff, torch_max_abs_diff_vs_fp32=torch_diff)
         rows.append(r)
         rounds_text = "/".join(f"{t:.3f}" for t in r["forward_ms_rounds"])
         line = f"{where}, {name:56s}: {r['forward_ms']:.3f} ms (rounds {rounds_text}; {r['forward_tflops']:.1f} TFLOP/s"
@@ -243,7 +248,7 @@ def bench_forward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads: 
             line += f" agree: {r['rounds_agree']}"
         if torch_ms is not None:
             line += (f", sdpa {torch_ms:.3f} ms, ratio {r['forward_ratio']:.3f}, max diff "
-                     f"{r['max_abs_diff_vs_torch_fp32']:.1e}")
+                     f"{r['max_abs_diff_vs_torch_fp32']:.1e} (sdpa's {torch_diff:.1e})")
         print(line + ")")
     return rows
 
@@ -254,7 +259,9 @@ def backward_variants(device, dtype: str, head_dim: int) -> list:
     default = coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0)
     if default is None:
         return []
-    variants = [(f"{default.rows}x{default.cols} (default)", default)]
+    options_of = ("reg_softmax", "p_in_regs", "double_buffer")
+    variants = [(" ".join([f"{default.rows}x{default.cols}"] + [k.replace("_", "-") for k in options_of
+                                                                 if getattr(default, k)] + ["(default)"]), default)]
     for t in COOPMAT_BACKWARD_TILES[:2]:
         for options in ({}, dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True)):
             tiles = replace(t, **options)
@@ -299,6 +306,8 @@ def bench_backward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads:
         sdpa(ref[0], ref[1].repeat_interleave(group, 1), ref[2].repeat_interleave(group, 1),
              is_causal=True).backward(tdo.float())
         refs = [x.grad.cpu().numpy() for x in ref]
+        fwd_bwd()
+        torch_diffs = [float(np.abs(x.grad.float().cpu().numpy() - r).max()) for x, r in zip(leaves, refs)]
     recorded = []
     for name, tiles in backward_variants(device, dtype, head_dim):
         try:
@@ -335,9 +344,10 @@ def bench_backward_sweep(device, dtype: str, seq_len: int, heads: int, kv_heads:
             line += ", vs default " + "/".join(f"{g:.3f}x" for g in gains) + f" agree: {r['rounds_agree']}"
         if torch_ms is not None:
             r.update(torch_fwd_bwd_ms=torch_ms, fwd_bwd_ratio=torch_ms / r["fwd_bwd_ms"],
-                     max_abs_diff_dq_dk_dv_vs_torch_fp32=diffs)
+                     max_abs_diff_dq_dk_dv_vs_torch_fp32=diffs, torch_max_abs_diff_dq_dk_dv_vs_fp32=torch_diffs)
             line += (f", sdpa fwd+bwd {torch_ms:.3f} ms, ratio {r['fwd_bwd_ratio']:.3f}, max diff d_q/d_k/d_v "
-                     + "/".join(f"{x:.1e}" for x in diffs))
+                     + "/".join(f"{x:.1e}" for x in diffs) + " (sdpa's " + "/".join(f"{x:.1e}" for x in torch_diffs)
+                     + ")")
         rows.append(r)
         print(line + ")")
     return rows

@@ -17,8 +17,8 @@ import pytest
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import attention as attention_kernels
 from vkformers.engine.kernels.attention import (
-    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES, DECODE_TILES,
-    CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward,
+    ABLATIONS, COOPMAT_BACKWARD_OPTIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES,
+    DECODE_TILES, CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward,
     coopmat_backward_tiles, coopmat_forward_candidates, coopmat_forward_tiles)
 from vkformers.engine.kernels.coopmat_layout import CoopmatLayout, analyse, coopmat_layout
 from vkformers.engine.kernels.matmul import coopmat_supported
@@ -379,6 +379,27 @@ def test_coopmat_forward_options_where_the_layout_allows(monkeypatch, layout):
     assert (reg_only is None) == (layout == "none")
     # Subgroups of 8: only the register softmax runs.
     assert (coopmat_forward_tiles(fake_coopmat_device(8), "float16", 128, 0, 0, 0) is None) == (layout != "a_matches")
+
+
+def test_coopmat_default_options():
+    """Without a measured layout the automatic forward takes the plain shapes with batched staging (then without
+    it where it would not fit); the automatic backward takes the register softmax (P and dS through shared memory)
+    where a layout was measured, else the shared-memory softmax."""
+    device = fake_coopmat_device()
+    for head_dim, shape in ((64, (64, 32)), (128, (128, 32)), (256, (64, 32))):
+        tiles = coopmat_forward_tiles(device, "float16", head_dim, 0, 0, 0)
+        assert (tiles.rows, tiles.cols) == shape and tiles.batched_staging and not tiles.reg_softmax, head_dim
+    assert COOPMAT_BACKWARD_OPTIONS == dict(reg_softmax=True)
+
+
+@pytest.mark.parametrize("layout", ["none", "a_differs", "a_matches"])
+def test_coopmat_backward_options_where_the_layout_allows(monkeypatch, layout):
+    measured = {"none": None, "a_differs": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), False),
+                "a_matches": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), True)}[layout]
+    monkeypatch.setattr(attention_kernels, "coopmat_layout", lambda device, dtype: measured)
+    tiles = coopmat_backward_tiles(fake_coopmat_device(), "float16", 128, 0, 0, 0, 0)
+    assert (tiles.rows, tiles.cols) == (64, 32) and not tiles.p_in_regs
+    assert tiles.reg_softmax == (layout != "none")
 
 
 def mma_layout(lane, i):

@@ -185,8 +185,9 @@ COOPMAT_LARGE_HEAD_TILES = [CoopmatTiles(128, 32), CoopmatTiles(64, 32), Coopmat
 COOPMAT_SMALL_HEAD_MAX = 64
 # Options the automatic choice puts on the tiles above where the device can run them (the register softmax needs a
 # measured accumulator layout of the form :mod:`coopmat_layout` checks), each list then followed by its plain tiles.
-# bench/attention.py --forward-sweep times each option on the default shapes: set this from what it finds.
-COOPMAT_FORWARD_OPTIONS: dict = {}
+# bench/attention.py --forward-sweep times each option on the default shapes: set this from what it finds (each
+# tile's loads issued before any is stored: faster at every point of run A10 in docs/benchmarks.md).
+COOPMAT_FORWARD_OPTIONS: dict = dict(batched_staging=True)
 # Every one-pass shape (tests run each); 64 x 64 (fits 48 KiB up to head dim 64) only for the forward sweep, with
 # PREFETCH: half the workgroup barriers per key of 64 x 32.
 COOPMAT_WIDE_KEY_TILES = CoopmatTiles(64, 64)
@@ -250,8 +251,9 @@ class CoopmatBackwardTiles(CoopmatTiles):
 COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32, 32), CoopmatBackwardTiles(32, 16),
                           CoopmatBackwardTiles(16, 16)]
 # Options the automatic choice puts on the tiles above where the device can run them (as COOPMAT_FORWARD_OPTIONS);
-# bench/attention.py --backward-sweep times them.
-COOPMAT_BACKWARD_OPTIONS: dict = {}
+# bench/attention.py --backward-sweep times them (P and dS on the accumulators' elements, through shared memory as
+# the plain kernel rounds them: faster at every point of run A11).
+COOPMAT_BACKWARD_OPTIONS: dict = dict(reg_softmax=True)
 # Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
 COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
 
