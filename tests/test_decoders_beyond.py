@@ -96,8 +96,8 @@ def test_gemma4_serves_staggered_requests_as_generate_alone(kv_blocks):
 
 @pytest.mark.parametrize("name", ["gemma3n_text", "gemma4_text"])
 def test_a_replayed_step_looks_up_the_per_layer_inputs_of_its_own_ids(name):
-    """The per-layer embeddings read the token ids on the host: declared derived from them, a step replayed after
-    two steps on one batch (lazy.StepCapture, as the trainer replays) computes the next batch's loss."""
+    """The per-layer embeddings read ids derived from the token ids on the device: a step replayed after two steps
+    on one batch (lazy.StepCapture, as the trainer replays) computes the next batch's loss."""
     rng = np.random.default_rng(3)
     first, second = (rng.integers(3, 48, (2, 8)).astype(np.int32) for _ in range(2))
     model = AutoModelForCausalLM.from_pretrained(FIXTURES / name, dtype="float32", requires_grad=False)
@@ -105,3 +105,4 @@ def test_a_replayed_step_looks_up_the_per_layer_inputs_of_its_own_ids(name):
     losses = [step.run(lambda: [model(ids, labels=ids).loss], {"ids": ids})[0] for ids in (first, first, second)]
     assert step.ready
     np.testing.assert_allclose(losses[2], model(second, labels=second).loss.numpy(), rtol=1e-6)
+

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import partial
 from statistics import NormalDist
 
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.engine import lazy
 from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder import DecoderLayer, make_norm
 from vkformers.models.decoder.spec import NormSpec, UnsupportedConfigError
@@ -64,8 +62,6 @@ class SharedKVLayer(DecoderLayer):
     cache's (per-layer head dims), its keys and values enter the cache zero-padded and with each head repeated, and
     its queries zero-padded: the scores and the kept values do not change (the softmax scale is the layer's own).
     """
-
-    capture_decode = False  # reads per-layer inputs built on the host from the ids
 
     def share_kv(self, kv_sources) -> None:
         s = self.spec
@@ -158,20 +154,14 @@ def add_per_layer_inputs(model, spec, width: int, vocab: int) -> None:
         object.__setattr__(model, name, value)
 
 
-def _per_layer_ids(ids, vocab: int) -> np.ndarray:
-    ids = np.asarray(ids)
-    return np.where((ids >= 0) & (ids < vocab), ids, 0).astype(np.int32)
-
-
-def per_layer_inputs(model, ids: np.ndarray, x) -> list:
-    """Each layer's per-layer input [B, T, width] from the token ids (the caller's array) and embeddings x:
-    (RMS-normed per_layer_model_projection(x) / sqrt(D) + embed_tokens_per_layer(ids) * sqrt(width)) / sqrt(2), ids
-    past the per-layer vocabulary reading row 0 (add_per_layer_inputs placed the modules)."""
+def per_layer_inputs(model, ids: Tensor, x) -> list:
+    """Each layer's per-layer input [B, T, width] from the token ids (int32 [B, T] on the device: a captured decode
+    step rewrites only them, so the per-layer ids derive from them there) and embeddings x: (RMS-normed
+    per_layer_model_projection(x) / sqrt(D) + embed_tokens_per_layer(ids) * sqrt(width)) / sqrt(2), ids past the
+    per-layer vocabulary reading row 0 (add_per_layer_inputs placed the modules)."""
     batch, length, d = x.shape
     layers, width = model.spec.num_layers, model.per_layer_width
-    derive = partial(_per_layer_ids, vocab=model.per_layer_vocab)
-    # declared derived from the ids: a replayed training step (lazy.StepCapture) looks them up anew
-    table = model.per_layer_embed(Tensor(lazy.derived_input(derive(ids), ids, derive)))
+    table = model.per_layer_embed(F.where(ids < model.per_layer_vocab, ids, 0))
     table = table * float(np.float32(width ** 0.5))
     projected = model.per_layer_model_projection(x) * float(np.float32(d ** -0.5))
     projected = model.per_layer_projection_norm(projected.reshape(batch, length, layers, width))

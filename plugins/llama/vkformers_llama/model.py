@@ -41,13 +41,6 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
                                        for i in range(o.altup_inputs - 1)])
         for name, value in refs.items():
             object.__setattr__(self, name, value)
-        self.capture_decode = False  # the per-layer inputs are looked up on the host from each step's token ids
-        self._input_ids = None
-
-    def forward(self, input_ids, *args, **kwargs):
-        # the per-layer embeddings read the token ids: the caller's array itself (a captured step replaces it)
-        self._input_ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
-        return super().forward(input_ids, *args, **kwargs)
 
     @staticmethod
     def _rescaled(x, magnitude):
@@ -55,7 +48,7 @@ class Gemma3nForCausalLM(DenseDecoderForCausalLM):
 
     def run_layers(self, x, ctx):
         o = self.spec.make_layer
-        ctx.per_layer_inputs = per_layer_inputs(self, self._input_ids, x)
+        ctx.per_layer_inputs = per_layer_inputs(self, ctx.token_ids, x)
         ctx.shared_kv = {}
         magnitude = (x * x).mean(-1, keepdim=True).sqrt()
         streams = F.stack([x] + [self._rescaled(p(x), magnitude) for p in self.altup_projections], dim=0)

@@ -136,8 +136,6 @@ class Gemma4ForCausalLM(MoeDecoderForCausalLM):
         if o.per_layer_width:
             add_per_layer_inputs(self, self.spec, o.per_layer_width, int(self.spec.extra["per_layer_vocab"]))
         self.ignored_checkpoint_keys = self.ignored_checkpoint_keys + (".layer_scalar",)  # load_buffers reads it
-        self.capture_decode = False
-        self._input_ids = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -147,14 +145,9 @@ class Gemma4ForCausalLM(MoeDecoderForCausalLM):
     def head_dim(self) -> int:
         return per_layer_shapes(self.layers)[1]
 
-    def forward(self, input_ids, *args, **kwargs):
-        # the per-layer embeddings read the token ids: the caller's array itself (a captured step replaces it)
-        self._input_ids = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)
-        return super().forward(input_ids, *args, **kwargs)
-
     def run_layers(self, x, ctx):
         if self.spec.make_layer.per_layer_width:
-            ctx.per_layer_inputs = per_layer_inputs(self, self._input_ids, x)
+            ctx.per_layer_inputs = per_layer_inputs(self, ctx.token_ids, x)
         ctx.shared_kv = {}
         for layer in self.layers:
             # a layer whose keys and values later layers read is not recomputed under gradient checkpointing: their

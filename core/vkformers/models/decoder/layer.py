@@ -93,7 +93,7 @@ class Context:
     """What every layer of one forward pass shares: positions, masks, rotary tables, the cache."""
 
     def __init__(self, positions, key_padding_mask, rope_tables, cache, rope_positions=None, query_scale=None,
-                 host_mask=None, host_positions=None, embeddings=None, mask_source=None):
+                 host_mask=None, host_positions=None, embeddings=None, mask_source=None, token_ids=None):
         self.positions, self.key_padding_mask, self.rope_tables, self.cache = (
             positions, key_padding_mask, rope_tables, cache)
         self.encoder_states = None            # cross-attention: the encoder's last hidden states [B, S, D]
@@ -106,6 +106,8 @@ class Context:
         #                                       inputs from (lazy.derived_input)
         self.embeddings = embeddings          # the token embeddings entering the first layer (Zamba's shared blocks
         #                                       read them beside the stream), or None
+        self.token_ids = token_ids            # the token ids on the device, int32 [B, T] (what a layer derives from
+        #                                       them it derives there: a captured step rewrites only the ids), or None
         self._padding_keeps: dict = {}        # padding_keep's tensors, one per (columns, dtype) for all layers
 
     def padding_mask(self, length: int) -> np.ndarray | None:

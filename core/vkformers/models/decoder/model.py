@@ -101,10 +101,10 @@ class DecoderForCausalLM(Module, GenerationMixin):
         spec = self.decoder_spec(config, name)
         self.config, self.architecture_name, self.spec = config, name, spec
         self.dtype = dt.float32  # from_pretrained sets the loaded dtype
-        # generate may replay a decode step without this forward (models/decode_capture.py), which sees
-        # inputs that change every step but not ones that only change past some position (Llama 4's scale)
-        # (nor linear layers: their recurrent state lives on the cache, updated by the Python forward)
-        self.capture_decode = spec.positions.query_scale is None and spec.linear_attention is None
+        # generate may replay a decode step without this forward (models/decode_capture.py), which rewrites the
+        # ids, positions and cache inputs (what derives from them derives on the device: Llama 4's query scale), but
+        # not linear layers' recurrent state, which lives on the cache, updated by the Python forward
+        self.capture_decode = spec.linear_attention is None
         # HF's longrope models switch to the long factors past the original context, and their
         # generate() then recomputes the cache with them (Phi-3): generation does the same.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -146,7 +146,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         # a model of linear layers whose step is captured once their states stay in persistent buffers overwritten
         # in place (generate's and a server's caches keep them so: KVCache.keep_states_in_place)
         self.capture_decode_with_row_states = (spec.linear_attention is not None or self.keeps_row_states) and \
-            spec.positions.query_scale is None and all(getattr(layer, "capture_decode", True) for layer in self.layers)
+            all(getattr(layer, "capture_decode", True) for layer in self.layers)
         if spec.tie_embeddings:
             self.tie(f"{spec.lm_head}.weight", f"{spec.embed}.weight")
         if spec.shared_modules:
@@ -259,13 +259,16 @@ class DecoderForCausalLM(Module, GenerationMixin):
                 return False
         return True
 
-    def _query_scale(self, positions):
-        """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1]."""
+    def _query_scale(self, positions: Tensor):
+        """Llama 4 / Ministral 3: 1 + beta * log(1 + floor(pos / L)) per position, as [B, 1, T, 1], derived on the
+        device from the positions input (which a captured decode step rewrites). Positions below 0 count as 0; the
+        floor of the non-negative quotient is its conversion to an integer (which truncates)."""
         if self.spec.positions.query_scale is None:
             return None
         beta, length = self.spec.positions.query_scale
-        scale = 1.0 + beta * np.log1p(np.floor(positions.astype(np.float32) / np.float32(length)))
-        return Tensor(scale.astype(np.float32)[:, None, :, None])
+        blocks = (positions.maximum(0).cast(dt.float32) / float(length)).cast(dt.int32).cast(dt.float32)
+        scale = (blocks + 1.0).log() * beta + 1.0
+        return scale.reshape(positions.shape[0], 1, positions.shape[1], 1)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None,
                 encoder_hidden_states=None, encoder_attention_mask=None, logits_to_keep=0):
@@ -413,8 +416,8 @@ class DecoderForCausalLM(Module, GenerationMixin):
         rope_tables = self._rope_tables(int(positions.max()) + 1) if s.positions.rope else None
         ctx = Context(position_tensor, key_padding_mask, rope_tables, cache,
                       rope_positions=-position_tensor if s.positions.rope_negated else None,
-                      query_scale=self._query_scale(positions), host_mask=mask, host_positions=positions,
-                      embeddings=x, mask_source=attention_mask)
+                      query_scale=self._query_scale(position_tensor), host_mask=mask, host_positions=positions,
+                      embeddings=x, mask_source=attention_mask, token_ids=ids)
         if encoder is not None:
             ctx.encoder_states = encoder[0]
             source = None if encoder[1] is None else _as_numpy(encoder[1])

@@ -1,0 +1,70 @@
+"""Which models' decode steps generate replays (models/decode_capture.py) and which it builds in Python every token.
+
+A decode step replays when everything it reads besides the weights derives, on the device, from the inputs a
+captured step rewrites (the token ids, the positions, the cache's bounds and mask). Gemma 3n's and Gemma 4's
+per-layer ids and Llama 4-style query scaling (Ministral 3, Mistral 4) derive on the device now, so their steps
+replay: transformers' greedy tokens from the third forward on, and a left-padded batch's tokens as the Python
+forward chooses them. Every other architecture with a fixture replays too, unless NOT_REPLAYED names it with why."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_recurrent_generate import _count_forwards, _load
+
+from vkformers.models.loading import AutoModelForCausalLM
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DERIVED_ON_DEVICE = ["gemma3n_text", "gemma4_text", "gemma4_unified_text", "ministral3", "mistral4_dense",
+                     "mistral4_moe"]
+# architectures whose decode step reads what only the Python forward computes each token
+NOT_REPLAYED = {
+    "axk2": "DeepSeek-V3.2's sparse attention: the key selection is read back and masked on the host",
+    "cpmant": "each step's bias and mask are built on the host",
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention (axk2)",
+    "deepseek_v4": "hash routing and the compressed entries read host token ids and positions",
+    "diffllama": "its two attention calls read the cache's stored keys outside the captured decode attention",
+    "doge": "its biases read every cached value, outside the captured decode attention",
+    "dots3_note_text": "DeepSeek-V3.2's sparse attention (axk2)",
+    "glm5_next_text": "the recurrent state and the indexer's pooled keys live on the cache object",
+    "glm5_next_text-wide-v": "the recurrent state and the indexer's pooled keys live on the cache object",
+    "glm_moe_dsa": "DeepSeek-V3.2's sparse attention (axk2)",
+    "llama4_text": "the chunk mask and the temperature are built on the host from the position",
+    "minimax_m3_vl_text": "its indexer keys grow on the cache object; the masks are built from the position",
+    "qwen4_exp_text": "its per-layer embeddings hash each step's token ids on the host",
+}
+
+
+@pytest.mark.parametrize("name", DERIVED_ON_DEVICE)
+def test_generate_replays_the_decode_step(name, monkeypatch):
+    model, ids, want = _load(name)
+    prompt, new = ids[:1], want.shape[1] - ids.shape[1]
+    calls = _count_forwards(model)
+    assert model.replays_decode()
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
+    assert len(calls) == 3  # the prefill and two decode steps (recorded, confirmed); the rest replayed
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0
+    replayed = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
+    monkeypatch.setattr(model, "capture_decode", False, raising=False)
+    np.testing.assert_array_equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[]),
+                                  replayed)
+
+
+def test_every_other_decoder_replays_its_decode_step():
+    """The decoder fixtures (those with greedy tokens) replay their decode steps, but for NOT_REPLAYED."""
+    building = set()
+    for folder in sorted(FIXTURES.iterdir()):
+        if not (folder / "reference.safetensors").is_file() or not (folder / "config.json").is_file():
+            continue
+        config = json.loads((folder / "config.json").read_text())
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001  (an encoder, a seq2seq model: not a causal LM of this loader)
+            continue
+        if hasattr(model, "replays_decode") and not model.replays_decode():
+            building.add(folder.name)
+    assert building == set(NOT_REPLAYED)
