@@ -68,3 +68,22 @@ def test_every_other_decoder_replays_its_decode_step():
         if hasattr(model, "replays_decode") and not model.replays_decode():
             building.add(folder.name)
     assert building == set(NOT_REPLAYED)
+
+
+def test_query_scaled_layers_take_the_fused_decode_kernels(tmp_path, monkeypatch):
+    """Ministral 3's layers scale their rotated queries by position (here past every 4th position, so the scale moves
+    while decoding) and still take the fused decode kernels: the same tokens as the composed layers."""
+    import shutil
+    from vkformers.engine.ops import decode as fused_decode
+    folder = tmp_path / "ministral3"
+    shutil.copytree(FIXTURES / "ministral3", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["original_max_position_embeddings"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", requires_grad=False)
+    assert all(layer._fused_decode_plan() is not None for layer in model.layers)
+    ids = np.random.default_rng(2).integers(3, int(config["vocab_size"]), (2, 6)).astype(np.int32)
+    fused = model.generate(ids, max_new_tokens=12, eos_token_id=[])  # positions 6..17: the scale moves at 8, 12, 16
+    monkeypatch.setattr(fused_decode, "enabled", False)
+    model.forget_captures()
+    np.testing.assert_array_equal(model.generate(ids, max_new_tokens=12, eos_token_id=[]), fused)

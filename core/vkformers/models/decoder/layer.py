@@ -519,7 +519,7 @@ class DecoderLayer(Module):
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
             return None
         if (s.post_norm or s.parallel_residual or s.norms.kind != "rms" or s.mla or s.attention.q_gate
-                or s.attention.clip_qkv is not None or s.attention.sinks or s.positions.query_scale is not None
+                or s.attention.clip_qkv is not None or s.attention.sinks
                 or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
@@ -579,6 +579,8 @@ class DecoderLayer(Module):
             q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b) for w, b in plan["qkv"])
             q_norm, k_norm = (fused_norm(n) for n in plan["qk_norm"])
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
+        if ctx.query_scale is not None:  # Llama 4-style scaling of the rotated queries, as _attend applies it
+            q = q * ctx.query_scale
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attention.softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
         x = F.fused_linear(out.reshape(batch, 1, -1), o, bias=o_bias, residual=x, residual_scale=s.residual_scale)
