@@ -87,3 +87,25 @@ def test_query_scaled_layers_take_the_fused_decode_kernels(tmp_path, monkeypatch
     monkeypatch.setattr(fused_decode, "enabled", False)
     model.forget_captures()
     np.testing.assert_array_equal(model.generate(ids, max_new_tokens=12, eos_token_id=[]), fused)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_post_normed_layers_take_the_fused_decode_kernels(name, monkeypatch):
+    """Gemma 2's and 3's layers normalize the attention's and the MLP's outputs before the residual: their decode
+    steps still run the fused kernels (the products fused, each output norm and addition after them), with
+    transformers' greedy tokens, and the same tokens as the composed layers from a left-padded batch."""
+    from vkformers.engine.ops import decode as fused_decode
+    from vkformers.models.decoder.layer import DecoderLayer
+    model, ids, want = _load(name)
+    fused, real = [], DecoderLayer._decode_fused
+    monkeypatch.setattr(DecoderLayer, "_decode_fused",
+                        lambda self, x, ctx: (lambda out: fused.append(out is not None) or out)(real(self, x, ctx)))
+    prompt, new = ids[:1], want.shape[1] - ids.shape[1]
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
+    assert fused and all(fused)
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
+    monkeypatch.setattr(fused_decode, "enabled", False)
+    model.forget_captures()
+    np.testing.assert_array_equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[]), tokens)

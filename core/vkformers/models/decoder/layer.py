@@ -505,15 +505,15 @@ class DecoderLayer(Module):
         """What a fused decode step reads: the attention norm and (weight, bias or None) of the q, k, v and o
         products (row slices of a fused qkv_proj [q | k | v]), and for a gated MLP the MLP norm and its gate, up
         and down products (or of a fused gate_up_proj [gate | up]; "gate_up" None: the MLP, e.g. a MoE block, is
-        composed as usual). None when this layer is not the plain pre-norm block with RMS norms and rotary (or
-        no) attention that the fused kernels (engine/ops/decode.py) compose."""
+        composed as usual). None when this layer is not the pre-norm block with RMS norms and rotary (or no)
+        attention that the fused kernels (engine/ops/decode.py) compose; norms of the attention's and the MLP's
+        outputs (Gemma 2 and 3) are applied after their fused products, before the residual."""
         if type(self).attend_heads is not DecoderLayer.attend_heads:  # a plugin's own attention (Llama 4 chunks)
             return None
         s, p = self.spec, self.parts
         attn = ("qkv",) if "qkv" in p else ("q", "k", "v")
         mlp = ("gate_up",) if "gate_up" in p else ("gate", "up")
-        disqualifying = {"attn_out_norm", "mlp_out_norm", "attn_sub_norm", "mlp_sub_norm", "output_gate", "linear",
-                        "own_attention", "cross_q"}
+        disqualifying = {"attn_sub_norm", "mlp_sub_norm", "output_gate", "linear", "own_attention", "cross_q"}
         qk_norm = (p["q_norm"], p["k_norm"]) if "q_norm" in p else None  # Qwen3: one RMS weight over each head
         if qk_norm and (s.attention.qk_norm_scope != "head" or s.attention.qk_norm_after_rope or s.head_dim > 256
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
@@ -583,13 +583,20 @@ class DecoderLayer(Module):
             q = q * ctx.query_scale
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attention.softcap,
                                   alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
-        x = F.fused_linear(out.reshape(batch, 1, -1), o, bias=o_bias, residual=x, residual_scale=s.residual_scale)
+        x = self._fused_residual(x, "attn_out_norm", out.reshape(batch, 1, -1), o, o_bias)
         if not fused_mlp:  # a MoE block or another MLP: composed as in forward()
-            return x + _scaled(self.mlp(self._norm("mlp_in_norm", x)), s.residual_scale)
+            return x + _scaled(self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x))), s.residual_scale)
         hidden = F.fused_gated(x, *weights("gate_up"), activation=_FUSED_ACTIVATIONS[s.hidden_act], norm=mlp_norm,
                                biases=biases("gate_up"))
-        down, down_bias = plan["down"]
-        return F.fused_linear(hidden, down, bias=down_bias, residual=x, residual_scale=s.residual_scale)
+        return self._fused_residual(x, "mlp_out_norm", hidden, *plan["down"])
+
+    def _fused_residual(self, x, out_norm: str, h, weight, bias):
+        """x + residual_scale * (h @ weight.T + bias): one fused product with the residual added, or, where the
+        layer normalizes that output (``out_norm`` among its parts), the product, the norm and the addition."""
+        s = self.spec
+        if out_norm not in self.parts:
+            return F.fused_linear(h, weight, bias=bias, residual=x, residual_scale=s.residual_scale)
+        return x + _scaled(self.parts[out_norm](F.fused_linear(h, weight, bias=bias)), s.residual_scale)
 
     def forward(self, x, ctx: Context):
         if ctx.cache is not None and x.shape[1] == 1 and not grad_enabled():
