@@ -411,10 +411,8 @@ class DecoderLayer(Module):
         # A layer with sinks gives zeros there, as the reference (its sink takes every weight beside the minimum).
         if a.blind_rows != "zero" and not a.sinks and ctx.cache is None and ctx.key_padding_mask is not None:
             out = out + self._blind_rows_mean(q, k, v, ctx)
-        if a.sinks:  # softmax over the scores and one sink logit per head, whose value is zero
-            out, lse = out
-            sinks = self._param(a.sinks).float().reshape(1, -1, 1)
-            out = out * (lse - sinks).sigmoid().cast(out.dtype).reshape(*lse.shape, 1)
+        if a.sinks:
+            out = self._weigh_sinks(*out)
         if s.mla and out.shape[-1] != s.mla.v_dim:
             out = out[..., :s.mla.v_dim]
         heads, dim = out.shape[1], out.shape[3]
@@ -429,6 +427,12 @@ class DecoderLayer(Module):
         if a.out_bias and self.index in a.out_bias_layers:
             out = out + self._param(a.out_bias)
         return out
+
+    def _weigh_sinks(self, out, lse):
+        """Attention output [B, H, T, D] of a softmax over the scores and one sink logit per head, whose value is
+        zero (gpt-oss): the kernel's output (over the scores alone) times sigmoid(lse - sink)."""
+        sinks = self._param(self.spec.attention.sinks).float().reshape(1, -1, 1)
+        return out * (lse - sinks).sigmoid().cast(out.dtype).reshape(*lse.shape, 1)
 
     def _blind_rows_mean(self, q, k, v, ctx: Context):
         """What the spec's reference puts in the query rows that see no key, where the kernel leaves zeros (and no
@@ -519,7 +523,7 @@ class DecoderLayer(Module):
                         or not all(isinstance(n, RMSNorm) and n.elementwise for n in qk_norm)):
             return None
         if (s.post_norm or s.parallel_residual or s.norms.kind != "rms" or s.mla or s.attention.q_gate
-                or s.attention.clip_qkv is not None or s.attention.sinks
+                or s.attention.clip_qkv is not None
                 or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
@@ -581,8 +585,12 @@ class DecoderLayer(Module):
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
         if ctx.query_scale is not None:  # Llama 4-style scaling of the rotated queries, as _attend applies it
             q = q * ctx.query_scale
+        sinks = s.attention.sinks
         out = cache.attend_stored(self.index, q, scale=self.scale, window=self.window, softcap=s.attention.softcap,
-                                  alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask)
+                                  alibi_slopes=self.alibi, key_padding_mask=ctx.key_padding_mask,
+                                  return_lse=bool(sinks))
+        if sinks:
+            out = self._weigh_sinks(*out)
         x = self._fused_residual(x, "attn_out_norm", out.reshape(batch, 1, -1), o, o_bias)
         if not fused_mlp:  # a MoE block or another MLP: composed as in forward()
             return x + _scaled(self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x))), s.residual_scale)
