@@ -89,12 +89,12 @@ def test_query_scaled_layers_take_the_fused_decode_kernels(tmp_path, monkeypatch
     np.testing.assert_array_equal(model.generate(ids, max_new_tokens=12, eos_token_id=[]), fused)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "exaone4", "gpt_oss"])
 def test_post_normed_and_sink_layers_take_the_fused_decode_kernels(name, monkeypatch):
-    """Gemma 2's and 3's layers normalize the attention's and the MLP's outputs before the residual, gpt-oss's
-    weigh the attention by a sink logit per head: their decode steps still run the fused kernels (the output norms
-    and additions after the fused products, the sinks on the decode attention's lse), with transformers' greedy
-    tokens, and the same tokens as the composed layers from a left-padded batch."""
+    """Gemma 2's and 3's layers normalize the attention's and the MLP's outputs before the residual (EXAONE 4's only
+    those, no input norms), gpt-oss's weigh the attention by a sink logit per head: their decode steps still run the
+    fused kernels (the output norms and additions after the fused products, the sinks on the decode attention's
+    lse), with transformers' greedy tokens, and the same tokens as the composed layers from a left-padded batch."""
     from vkformers.engine.ops import decode as fused_decode
     from vkformers.models.decoder.layer import DecoderLayer
     model, ids, want = _load(name)

@@ -509,9 +509,10 @@ class DecoderLayer(Module):
         """What a fused decode step reads: the attention norm and (weight, bias or None) of the q, k, v and o
         products (row slices of a fused qkv_proj [q | k | v]), and for a gated MLP the MLP norm and its gate, up
         and down products (or of a fused gate_up_proj [gate | up]; "gate_up" None: the MLP, e.g. a MoE block, is
-        composed as usual). None when this layer is not the pre-norm block with RMS norms and rotary (or no)
-        attention that the fused kernels (engine/ops/decode.py) compose; norms of the attention's and the MLP's
-        outputs (Gemma 2 and 3) are applied after their fused products, before the residual."""
+        composed as usual). None when this layer is not the block with RMS norms and rotary (or no) attention that
+        the fused kernels (engine/ops/decode.py) compose: the input norms (or none, as EXAONE 4) are the kernels'
+        prologues, norms of the attention's and the MLP's outputs (Gemma 2 and 3, EXAONE 4) follow their fused
+        products, before the residual."""
         if type(self).attend_heads is not DecoderLayer.attend_heads:  # a plugin's own attention (Llama 4 chunks)
             return None
         s, p = self.spec, self.parts
@@ -526,7 +527,7 @@ class DecoderLayer(Module):
                 or s.attention.clip_qkv is not None
                 or (s.attention.out_bias and self.index in s.attention.out_bias_layers)
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
-                or any(n not in p for n in ("attn_in_norm", "mlp_in_norm", *attn, "o"))
+                or any(n not in p for n in (*attn, "o"))
                 # quantized weights fuse whole (F.fusable: each packed tensor whole, in its own block format)
                 or any(type(p[n]) is not Linear or (p[n].quantized and n == "qkv") for n in (*attn, "o"))
                 or len({p[n].has_bias for n in attn}) != 1):
@@ -545,7 +546,7 @@ class DecoderLayer(Module):
                 return [(w, b)]
             return [(w[i:j], None if b is None else b[i:j]) for i, j in zip(starts, starts[1:])]
         q_out, kv_out, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        plan = dict(attn_norm=p["attn_in_norm"], mlp_norm=p["mlp_in_norm"], qk_norm=qk_norm, o=blocks("o")[0],
+        plan = dict(attn_norm=p.get("attn_in_norm"), mlp_norm=p.get("mlp_in_norm"), qk_norm=qk_norm, o=blocks("o")[0],
                     qkv=blocks("qkv", (q_out, kv_out, kv_out)) if "qkv" in p else [blocks(n)[0] for n in attn],
                     gate_up=None, down=None)
         if fused_mlp:
@@ -561,7 +562,7 @@ class DecoderLayer(Module):
         if plan is None:
             return None
         s, cache, batch = self.spec, ctx.cache, x.shape[0]
-        attn_norm, mlp_norm = fused_norm(plan["attn_norm"]), fused_norm(plan["mlp_norm"])
+        attn_norm, mlp_norm = (None if plan[n] is None else fused_norm(plan[n]) for n in ("attn_norm", "mlp_norm"))
         weights = lambda part: [w for w, _ in plan[part]]  # noqa: E731
         biases = lambda part: None if plan[part][0][1] is None else [b for _, b in plan[part]]  # noqa: E731
         o, o_bias = plan["o"]
