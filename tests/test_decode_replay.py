@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_recurrent_generate import _count_forwards, _load
+from test_recurrent_generate import _load, assert_generate_replays
 
 from vkformers.models.loading import AutoModelForCausalLM
 
@@ -41,11 +41,7 @@ NOT_REPLAYED = {
 @pytest.mark.parametrize("name", DERIVED_ON_DEVICE)
 def test_generate_replays_the_decode_step(name, monkeypatch):
     model, ids, want = _load(name)
-    prompt, new = ids[:1], want.shape[1] - ids.shape[1]
-    calls = _count_forwards(model)
-    assert model.replays_decode()
-    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
-    assert len(calls) == 3  # the prefill and two decode steps (recorded, confirmed); the rest replayed
+    assert_generate_replays(model, ids, want)
     mask = np.ones_like(ids)
     mask[0, :3] = 0
     replayed = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])

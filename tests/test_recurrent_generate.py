@@ -39,14 +39,22 @@ def _replay_off(model, monkeypatch) -> None:
     monkeypatch.setattr(model, "capture_decode_with_row_states", False, raising=False)
 
 
-@pytest.mark.parametrize("name", RECURRENT)
-def test_replayed_decode_gives_transformers_tokens(name, monkeypatch):
-    model, ids, want = _load(name)
+def assert_generate_replays(model, ids, want) -> list:
+    """generate gives ``want`` (transformers' greedy tokens) from the first row of ``ids`` with the decode step
+    replayed from the third forward on; returns the forward calls counted (for more generate calls)."""
     prompt, new = ids[:1], want.shape[1] - ids.shape[1]
     calls = _count_forwards(model)
     assert model.replays_decode()
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
     assert len(calls) == 3  # the prefill and two decode steps (recorded, confirmed); the rest replayed
+    return calls
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_replayed_decode_gives_transformers_tokens(name, monkeypatch):
+    model, ids, want = _load(name)
+    prompt, new = ids[:1], want.shape[1] - ids.shape[1]
+    calls = assert_generate_replays(model, ids, want)
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
     assert len(calls) == 4  # the prefill only: the decode step replays from the first token
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
