@@ -1,20 +1,28 @@
-"""Which models' decode steps generate replays (models/decode_capture.py) and which it builds in Python every token.
+"""Which models' decode steps generate and a server replay (models/decode_capture.py), which generate builds in
+Python every token, and which layers take the fused decode kernels.
 
 A decode step replays when everything it reads besides the weights derives, on the device, from the inputs a
 captured step rewrites (the token ids, the positions, the cache's bounds and mask). Gemma 3n's and Gemma 4's
-per-layer ids and Llama 4-style query scaling (Ministral 3, Mistral 4) derive on the device now, so their steps
-replay: transformers' greedy tokens from the third forward on, and a left-padded batch's tokens as the Python
-forward chooses them. Every other architecture with a fixture replays too, unless NOT_REPLAYED names it with why."""
+per-layer ids and Llama 4-style query scaling (Ministral 3, Mistral 4) derive on the device, so their steps replay:
+transformers' greedy tokens from the third forward on, a left-padded batch's tokens as the Python forward chooses
+them, and a server's staggered requests as generate gives each alone. Every other architecture with a fixture
+replays too, unless NOT_REPLAYED names it with why. Layers with output norms (Gemma 2 and 3, EXAONE 4), sinks
+(gpt-oss) or a query scale (Ministral 3) run the fused decode kernels, with the composed layers' tokens."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from test_recurrent_generate import _load, assert_generate_replays
+from test_serve_recurrent import LENGTHS, PROMPTS, alone, char_tokenizer, load, run_staggered
 
+from vkformers.engine.ops import decode as fused_decode
+from vkformers.models.batching import BatchScheduler, SamplingParams
+from vkformers.models.decoder.layer import DecoderLayer
 from vkformers.models.loading import AutoModelForCausalLM
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -69,8 +77,6 @@ def test_every_other_decoder_replays_its_decode_step():
 def test_query_scaled_layers_take_the_fused_decode_kernels(tmp_path, monkeypatch):
     """Ministral 3's layers scale their rotated queries by position (here past every 4th position, so the scale moves
     while decoding) and still take the fused decode kernels: the same tokens as the composed layers."""
-    import shutil
-    from vkformers.engine.ops import decode as fused_decode
     folder = tmp_path / "ministral3"
     shutil.copytree(FIXTURES / "ministral3", folder)
     config = json.loads((folder / "config.json").read_text())
@@ -91,8 +97,6 @@ def test_post_normed_and_sink_layers_take_the_fused_decode_kernels(name, monkeyp
     those, no input norms), gpt-oss's weigh the attention by a sink logit per head: their decode steps still run the
     fused kernels (the output norms and additions after the fused products, the sinks on the decode attention's
     lse), with transformers' greedy tokens, and the same tokens as the composed layers from a left-padded batch."""
-    from vkformers.engine.ops import decode as fused_decode
-    from vkformers.models.decoder.layer import DecoderLayer
     model, ids, want = _load(name)
     fused, real = [], DecoderLayer._decode_fused
     monkeypatch.setattr(DecoderLayer, "_decode_fused",
@@ -106,3 +110,25 @@ def test_post_normed_and_sink_layers_take_the_fused_decode_kernels(name, monkeyp
     monkeypatch.setattr(fused_decode, "enabled", False)
     model.forget_captures()
     np.testing.assert_array_equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[]), tokens)
+
+
+@pytest.mark.parametrize("kv_blocks", [None, 64])
+@pytest.mark.parametrize("name", ["gemma3n_text", "ministral3", "gpt_oss", "exaone4"])
+def test_a_server_replays_their_steps_with_generates_tokens(name, kv_blocks):
+    """Staggered requests to a server (contiguous or paged caches) get the tokens generate gives each alone, the
+    decode steps replayed (Gemma 3n's per-layer ids and Ministral 3's query scale from the device; gpt-oss's sinks
+    and EXAONE 4's output norms in the fused kernels)."""
+    tokenizer = char_tokenizer()
+    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
+            for p, n in zip(PROMPTS, LENGTHS)]
+    reference = load(name)
+    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
+    scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks, page_size=4)
+    scheduler.start()
+    try:
+        requests = run_staggered(scheduler, jobs)
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and scheduler.last_error is None
+    assert [r.generated for r in requests] == expected
+    assert scheduler.metrics.replayed_steps > scheduler.metrics.steps // 2
