@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 from test_recurrent_generate import _load, assert_generate_replays
-from test_serve_recurrent import LENGTHS, PROMPTS, alone, char_tokenizer, load, run_staggered
+from test_serve_recurrent import serve_staggered
 
 from vkformers.engine.ops import decode as fused_decode
-from vkformers.models.batching import BatchScheduler, SamplingParams
 from vkformers.models.decoder.layer import DecoderLayer
 from vkformers.models.loading import AutoModelForCausalLM
 
@@ -118,17 +117,5 @@ def test_a_server_replays_their_steps_with_generates_tokens(name, kv_blocks):
     """Staggered requests to a server (contiguous or paged caches) get the tokens generate gives each alone, the
     decode steps replayed (Gemma 3n's per-layer ids and Ministral 3's query scale from the device; gpt-oss's sinks
     and EXAONE 4's output norms in the fused kernels)."""
-    tokenizer = char_tokenizer()
-    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
-            for p, n in zip(PROMPTS, LENGTHS)]
-    reference = load(name)
-    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
-    scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks, page_size=4)
-    scheduler.start()
-    try:
-        requests = run_staggered(scheduler, jobs)
-    finally:
-        scheduler.close()
-    assert scheduler.error is None and scheduler.last_error is None
-    assert [r.generated for r in requests] == expected
+    scheduler = serve_staggered(name, kv_blocks)
     assert scheduler.metrics.replayed_steps > scheduler.metrics.steps // 2

@@ -10,10 +10,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from checkpoint_checks import assert_checkpointing_keeps_gradients
-from test_serve_recurrent import LENGTHS, PROMPTS, alone, char_tokenizer, load, run_staggered
+from test_serve_recurrent import serve_staggered
 
 from vkformers.engine import lazy
-from vkformers.models.batching import BatchScheduler, SamplingParams
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.loading import AutoModelForCausalLM, load_config
 
@@ -77,20 +76,7 @@ def test_gemma4_saves_its_layer_scalars(name, tmp_path):
 def test_gemma4_serves_staggered_requests_as_generate_alone(kv_blocks):
     """Continuous batching of Gemma 4 (rows placed into a running batch, per-layer head sizes padded into one cache,
     the sharing layers reading their source's slot) gives each request the tokens generate gives it alone."""
-    tokenizer = char_tokenizer()
-    jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
-            for p, n in zip(PROMPTS, LENGTHS)]
-    reference = load("gemma4_text")
-    expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
-    scheduler = BatchScheduler(load("gemma4_text"), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks,
-                               page_size=4)
-    scheduler.start()
-    try:
-        requests = run_staggered(scheduler, jobs)
-    finally:
-        scheduler.close()
-    assert scheduler.error is None and scheduler.last_error is None
-    assert [r.generated for r in requests] == expected
+    serve_staggered("gemma4_text", kv_blocks)
 
 
 

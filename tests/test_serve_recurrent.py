@@ -52,22 +52,21 @@ def alone(model, ids, max_tokens):
     return model.generate(ids, max_new_tokens=max_tokens, eos_token_id=[])[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("kv_blocks", [None, 64])
-def test_staggered_requests_match_generate_alone(name, kv_blocks):
+def serve_staggered(name, kv_blocks, paced: bool = False) -> BatchScheduler:
+    """Serves the staggered requests (PROMPTS, LENGTHS, greedy) on fixture ``name`` with contiguous caches
+    (``kv_blocks`` None) or a paged one, checks that each got the tokens generate gives it alone and that the
+    scheduler met no error, and returns the (closed) scheduler for its metrics. ``paced``: the token choice slowed,
+    so that the later requests find a running batch (replayed steps are quick)."""
     tokenizer = char_tokenizer()
-    if kv_blocks and name in ("lfm2", "lfm2_moe"):  # head_dim 6 is not whole 16-byte rows, which a paged cache needs
-        with pytest.raises(InputError, match="a paged KV cache cannot run .*head_dim of 6 in float32"):
-            BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks, page_size=4)
-        return
-    reference = load(name)
     jobs = [(tokenizer.encode(p, add_special_tokens=False), SamplingParams(max_tokens=n, temperature=0))
             for p, n in zip(PROMPTS, LENGTHS)]
+    reference = load(name)
     expected = [alone(reference, ids, p.max_tokens) for ids, p in jobs]
     scheduler = BatchScheduler(load(name), tokenizer, max_batch=4, max_model_len=64, kv_blocks=kv_blocks,
                                page_size=4)
-    choose = scheduler._choose  # replayed steps are quick: slowed, so that the later requests find a running batch
-    scheduler._choose = lambda *args: time.sleep(0.01) or choose(*args)
+    if paced:
+        choose = scheduler._choose
+        scheduler._choose = lambda *args: time.sleep(0.01) or choose(*args)
     scheduler.start()
     try:
         requests = run_staggered(scheduler, jobs)
@@ -75,6 +74,18 @@ def test_staggered_requests_match_generate_alone(name, kv_blocks):
         scheduler.close()
     assert scheduler.error is None and scheduler.last_error is None
     assert [r.generated for r in requests] == expected
+    return scheduler
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("kv_blocks", [None, 64])
+def test_staggered_requests_match_generate_alone(name, kv_blocks):
+    if kv_blocks and name in ("lfm2", "lfm2_moe"):  # head_dim 6 is not whole 16-byte rows, which a paged cache needs
+        with pytest.raises(InputError, match="a paged KV cache cannot run .*head_dim of 6 in float32"):
+            BatchScheduler(load(name), char_tokenizer(), max_batch=4, max_model_len=64, kv_blocks=kv_blocks,
+                           page_size=4)
+        return
+    scheduler = serve_staggered(name, kv_blocks, paced=True)
     assert scheduler.metrics.placements >= 1 and scheduler.metrics.peak_live_rows >= 3
     assert not scheduler.prefix_caching  # a state is not in the blocks: nothing to share
     # the states sit in buffers overwritten in place: decode steps replay their recorded plan, the rows' states
