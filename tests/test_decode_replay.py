@@ -119,3 +119,17 @@ def test_a_server_replays_their_steps_with_generates_tokens(name, kv_blocks):
     and EXAONE 4's output norms in the fused kernels)."""
     scheduler = serve_staggered(name, kv_blocks)
     assert scheduler.metrics.replayed_steps > scheduler.metrics.steps // 2
+
+
+@pytest.mark.parametrize("name", DERIVED_ON_DEVICE)
+def test_prompts_padded_to_a_bucket_keep_transformers_tokens(name, monkeypatch):
+    """A GPU pads prompts on the right to a multiple of PREFILL_BUCKET (forced here) where the padding changes no
+    real token's logits, which replaying decode steps makes these models claim (prompt_padding_is_exact): their
+    tokens stay transformers'."""
+    from vkformers.models import generation
+    monkeypatch.setattr(generation, "PREFILL_BUCKET", {"gpu": 32, "cpu": 32})
+    model, ids, want = _load(name)
+    assert model.prompt_padding_is_exact(ids.shape[1], 32)
+    np.testing.assert_array_equal(model.generate(ids[:1], max_new_tokens=want.shape[1] - ids.shape[1],
+                                                 eos_token_id=[]), want)
+    assert set(model._held_prefill[1]) == {(32, True)}  # the prompt ran padded to 32 columns
