@@ -135,6 +135,12 @@ def bench_prefill(device, dtype: str, seq_len: int, heads: int, head_dim: int, r
     return result
 
 
+def tuning_words(tiles) -> list[str]:
+    """The tuning options ``tiles`` carries, as the sweeps name them."""
+    return [k.replace("_", "-") for k in ("prefetch", "batched_staging", "lazy_rescale", "reg_softmax", "p_in_regs",
+                                          "double_buffer") if getattr(tiles, k)]
+
+
 def forward_variants(device, dtype: str, head_dim: int) -> list:
     """(name, tiles) of the cooperative-matrix forward kernels the device can run at ``head_dim``: the two-pass kernel
     at its automatic tiles; the automatic choice ("default"); the one-pass kernel with the softmax through shared
@@ -150,8 +156,7 @@ def forward_variants(device, dtype: str, head_dim: int) -> list:
     subgroup = int(device.limits["subgroup_size"])
     runs = lambda t: t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit and t.runs_on(device, dtype)
     shape = lambda t: f"{t.rows}x{t.cols}"
-    options_of = ("prefetch", "batched_staging", "lazy_rescale", "reg_softmax", "p_in_regs", "double_buffer")
-    named = lambda t: " ".join([f"one-pass {shape(t)}"] + [k.replace("_", "-") for k in options_of if getattr(t, k)])
+    named = lambda t: " ".join([f"one-pass {shape(t)}"] + tuning_words(t))
     variants = [(f"two-pass {shape(two_pass)}", two_pass), (named(default) + " (default)", default)]
     variants += [(named(t) + " shared-memory softmax", t) for t in COOPMAT_FORWARD_TILES[:2]
                  if t != default and runs(t)]
@@ -259,9 +264,7 @@ def backward_variants(device, dtype: str, head_dim: int) -> list:
     default = coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0)
     if default is None:
         return []
-    options_of = ("reg_softmax", "p_in_regs", "double_buffer")
-    variants = [(" ".join([f"{default.rows}x{default.cols}"] + [k.replace("_", "-") for k in options_of
-                                                                 if getattr(default, k)] + ["(default)"]), default)]
+    variants = [(" ".join([f"{default.rows}x{default.cols}", *tuning_words(default), "(default)"]), default)]
     for t in COOPMAT_BACKWARD_TILES[:2]:
         for options in ({}, dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True)):
             tiles = replace(t, **options)
