@@ -21,6 +21,7 @@ from test_recurrent_generate import _load, assert_generate_replays
 from test_serve_recurrent import serve_staggered
 
 from vkformers.engine.ops import decode as fused_decode
+from vkformers.models import generation
 from vkformers.models.decoder.layer import DecoderLayer
 from vkformers.models.loading import AutoModelForCausalLM
 
@@ -45,16 +46,20 @@ NOT_REPLAYED = {
 }
 
 
+def left_padded_tokens(model, ids) -> np.ndarray:
+    """10 greedy tokens of ``ids`` as a batch whose first row is left-padded by 3."""
+    mask = np.ones_like(ids)
+    mask[0, :3] = 0
+    return model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
+
+
 @pytest.mark.parametrize("name", DERIVED_ON_DEVICE)
 def test_generate_replays_the_decode_step(name, monkeypatch):
     model, ids, want = _load(name)
     assert_generate_replays(model, ids, want)
-    mask = np.ones_like(ids)
-    mask[0, :3] = 0
-    replayed = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
+    replayed = left_padded_tokens(model, ids)
     monkeypatch.setattr(model, "capture_decode", False, raising=False)
-    np.testing.assert_array_equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[]),
-                                  replayed)
+    np.testing.assert_array_equal(left_padded_tokens(model, ids), replayed)
 
 
 def test_every_other_decoder_replays_its_decode_step():
@@ -103,12 +108,10 @@ def test_post_normed_and_sink_layers_take_the_fused_decode_kernels(name, monkeyp
     prompt, new = ids[:1], want.shape[1] - ids.shape[1]
     np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=new, eos_token_id=[]), want)
     assert fused and all(fused)
-    mask = np.ones_like(ids)
-    mask[0, :3] = 0
-    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[])
+    tokens = left_padded_tokens(model, ids)
     monkeypatch.setattr(fused_decode, "enabled", False)
     model.forget_captures()
-    np.testing.assert_array_equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[]), tokens)
+    np.testing.assert_array_equal(left_padded_tokens(model, ids), tokens)
 
 
 @pytest.mark.parametrize("kv_blocks", [None, 64])
@@ -126,7 +129,6 @@ def test_prompts_padded_to_a_bucket_keep_transformers_tokens(name, monkeypatch):
     """A GPU pads prompts on the right to a multiple of PREFILL_BUCKET (forced here) where the padding changes no
     real token's logits, which replaying decode steps makes these models claim (prompt_padding_is_exact): their
     tokens stay transformers'."""
-    from vkformers.models import generation
     monkeypatch.setattr(generation, "PREFILL_BUCKET", {"gpu": 32, "cpu": 32})
     model, ids, want = _load(name)
     assert model.prompt_padding_is_exact(ids.shape[1], 32)
