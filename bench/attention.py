@@ -268,9 +268,8 @@ def backward_variants(device, dtype: str, head_dim: int) -> list:
     for t in COOPMAT_BACKWARD_TILES[:2]:
         for options in ({}, dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True)):
             tiles = replace(t, **options)
-            name = f"{t.rows}x{t.cols} " + " ".join(k.replace("_", "-") for k in options)
             if tiles != default and coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0, candidates=[tiles]):
-                variants.append((name.strip(), tiles))
+                variants.append((" ".join([f"{t.rows}x{t.cols}", *tuning_words(tiles)]), tiles))
     return variants
 
 
