@@ -58,6 +58,10 @@ class BufferTooLargeError(VkformersError, ValueError):
     """A buffer larger than the device can bind (maxStorageBufferRange)."""
 
 
+class RowBlocksError(VkformersError, AttributeError):
+    """An op that reads a weight whole was given one held in blocks of rows (engine/row_blocks.py)."""
+
+
 class OutOfDeviceMemoryError(VkformersError, MemoryError):
     """The device ran out of memory; the message names the buffer and its size."""
 

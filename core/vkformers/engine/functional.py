@@ -26,6 +26,7 @@ from vkformers.engine.ops.matmul import matmul as _batched_matmul
 from vkformers.engine.ops.quant import quantized_embedding, quantized_linear
 from vkformers.engine.ops.trig import acos
 from vkformers.engine.quantized import QuantizedTensor
+from vkformers.engine.row_blocks import RowBlocks
 from vkformers.engine.ops.nn import (
     cross_entropy,
     dropout,
@@ -53,6 +54,9 @@ def linear(x, weight, bias=None, live_rows=None):
     one count, no gradient): the rows of x at or past it are padding, whose results are not used; the
     kernels may skip them (a mixture-of-experts expert run on the rows of the tokens that chose it; see
     engine.ops.matmul)."""
+    if isinstance(weight, RowBlocks):  # too large for one buffer: the blocks' output features side by side
+        y = cat([linear(x, part, live_rows=live_rows) for part in weight.parts], -1)
+        return y + bias if bias is not None else y
     if isinstance(weight, QuantizedTensor):  # packed blocks, dequantized inside the product
         return quantized_linear(x, weight, bias)
     if x.ndim >= 2 and weight.ndim == 2:

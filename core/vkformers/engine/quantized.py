@@ -333,6 +333,10 @@ class QuantizedTensor:
         """The dequantized weight, float32."""
         return dequantize(self.packed.numpy(), self.format, self.shape)
 
+    def packed_numpy(self) -> np.ndarray:
+        """The packed bytes, uint8 [rows, row_bytes]."""
+        return self.packed.numpy()
+
     def __repr__(self) -> str:
         return f"QuantizedTensor({self.format.name}, shape={self.shape}, compute dtype={self.dtype.name})"
 

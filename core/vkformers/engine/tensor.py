@@ -20,6 +20,7 @@ from vkformers.engine.ops import reduce as R
 from vkformers.engine.ops.matmul import matmul as batched_matmul
 from vkformers.engine.ops.movement import Expand, Permute, Reshape, getitem
 from vkformers.engine.ops.trig import acos as composed_acos
+from vkformers.engine.row_blocks import RowBlocks, row_spans, split_rows
 from vkformers.errors import ArgumentError
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import Device, get_device
@@ -501,6 +502,20 @@ def parameter(data, dtype=None, requires_grad: bool = True, device: Device | Non
     dtype = dt.as_dtype(dtype) if dtype is not None else _default_dtype(array)
     return Tensor._from_lazy(persistent_buffer(_to_host(array, dtype), dtype, device, name),
                              requires_grad=requires_grad)
+
+
+def weight_parameter(data, dtype=None, requires_grad: bool = True, device: Device | None = None,
+                     name="parameter") -> "Tensor | RowBlocks":
+    """A model's weight: :func:`parameter`, or a RowBlocks of parameters where a float32 copy of a matrix (its
+    gradient, optimizer state) would pass one device buffer (engine/row_blocks.py)."""
+    device = device or get_device()
+    array = np.asarray(data)
+    if array.ndim == 2:
+        spans = row_spans(array.shape[0], array.shape[1] * 4, device)
+        if len(spans) > 1:
+            return RowBlocks([parameter(part, dtype, requires_grad, device, f"{name}[{a}:{b}]")
+                              for part, (a, b) in zip(split_rows(array, spans), spans)])
+    return parameter(array, dtype, requires_grad, device, name)
 
 
 def zero_parameter(shape, dtype="float32", device: Device | None = None, name="parameter") -> Tensor:

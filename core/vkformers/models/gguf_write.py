@@ -16,13 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from vkformers.engine.quantized import QuantizedTensor
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.gguf import (_LLAMA3_SPLIT, _QWEN2_SPLIT, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
                                    TOKEN_USER_DEFINED, GGUFArchitecture, _field_value, _gguf, _reader,
                                    gguf_architectures, is_gguf_file, read_metadata, tokenizer_from_metadata)
-from vkformers.models.module import CheckpointError, Module
+from vkformers.models.module import CheckpointError, Module, is_packed
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
 from vkformers.runtime import dtypes as dt
 
@@ -47,7 +46,7 @@ def writable_entry(config: dict) -> GGUFArchitecture:
 
 
 def _refuse_nf4(model: Module) -> None:
-    nf4 = [name for name, t in model.named_parameters() if isinstance(t, QuantizedTensor) and t.format.name == "nf4"]
+    nf4 = [name for name, t in model.named_parameters() if is_packed(t) and t.format.name == "nf4"]
     if nf4:
         raise QuantizationError(
             f"save_pretrained refused: {len(nf4)} weight(s) are NF4 ({nf4[0]}, ...), which GGUF has no block type "
@@ -70,10 +69,10 @@ def _file_tensors(model: Module, entry: GGUFArchitecture, config: dict):
             raise CheckpointError(f"{name}: the {entry.name!r} GGUF table cannot redo the converter's change to "
                                   f"{stem}; save the model dequantized as safetensors instead")
         redo = (lambda a: transform.inverse(a, config)) if transform is not None else (lambda a: a)
-        if isinstance(tensor, QuantizedTensor):
+        if is_packed(tensor):
             if transform is not None and not transform.reorders_rows:
                 raise CheckpointError(f"{name}: packed {tensor.format.name} blocks cannot take the {stem} change")
-            packed = np.ascontiguousarray(redo(tensor.packed.numpy().astype(np.uint8, copy=False)))
+            packed = np.ascontiguousarray(redo(tensor.packed_numpy().astype(np.uint8, copy=False)))
             yield gguf_name, packed, gguf.GGMLQuantizationType[tensor.format.name.upper()]
             continue
         array = np.ascontiguousarray(redo(tensor.numpy()))

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from vkformers.engine import functional as F
-from vkformers.engine.quantized import QuantizedTensor
-from vkformers.models.module import Module
+from vkformers.models.module import Module, is_packed
 
 
 class Linear(Module):
@@ -19,7 +18,7 @@ class Linear(Module):
     @property
     def quantized(self) -> bool:
         """Whether the weight is packed blocks (engine.quantized), which only F.linear's quantized product reads."""
-        return isinstance(self.weight, QuantizedTensor)
+        return is_packed(self.weight)
 
     def forward(self, x, live_rows=None):
         """``live_rows``: see F.linear (the rows past it are padding a mixture-of-experts expert may skip)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.engine import functional as F
-from vkformers.engine.tensor import Tensor, parameter
+from vkformers.engine.tensor import Tensor, parameter, weight_parameter
 from vkformers.errors import VkformersError
 from vkformers.models.layers import Linear
 from vkformers.models.module import Module
@@ -157,8 +157,8 @@ class LoraLinear(Linear):
     def merge_and_unwrap(self, name: str) -> Linear:
         """Fold the adapter into the base weight (W += scaling * B @ A, in the weight's dtype) and unwrap: what
         Module.merge_and_unload does to each adapter layer (``name``: the layer's full name)."""
-        merged = parameter(self.merged_weight(), dtype=self.weight.dtype, requires_grad=self.weight.requires_grad,
-                           name=f"{name}.weight")
+        merged = weight_parameter(self.merged_weight(), dtype=self.weight.dtype,
+                                  requires_grad=self.weight.requires_grad, name=f"{name}.weight")
         linear = self.unwrap()
         linear.weight = merged
         return linear
@@ -314,8 +314,8 @@ def load_adapter_weights(model: Module, folder) -> None:
             raise LoraError(f"{file}: {name} has shape {tuple(array.shape)}, the model expects {slot.shape}")
         old = slot.tensor
         dtype = old.dtype if old is not None else dt.float32
-        slot.tensor = parameter(np.asarray(array, np.float32), dtype=dtype,
-                                requires_grad=old.requires_grad if old is not None else True, name=name)
+        slot.tensor = weight_parameter(np.asarray(array, np.float32), dtype=dtype,
+                                       requires_grad=old.requires_grad if old is not None else True, name=name)
 
 
 def load_adapter(model: Module, folder, *, trainable: bool = False) -> Module:

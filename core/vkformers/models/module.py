@@ -3,7 +3,8 @@
 A model is built from its config first, with parameter *slots* (name, shape);
 ``load_state_dict`` then fills every slot from checkpoint arrays, so weights are
 uploaded once and never allocated twice. ``named_parameters()`` yields the HF
-names (``model.layers.0.self_attn.q_proj.weight``).
+names (``model.layers.0.self_attn.q_proj.weight``). A weight too large for one device buffer is a RowBlocks
+(engine/row_blocks.py) under its one name; ``parameters()`` gives its blocks, the tensors an optimizer updates.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 from vkformers.engine.checkpoint import checkpoint
 from vkformers.engine.lazy import building_graph, capturing
 from vkformers.engine.quantized import QuantizedArray, QuantizedTensor
-from vkformers.engine.tensor import Tensor, parameter
+from vkformers.engine.row_blocks import RowBlocks, device_tensors, upload_packed
+from vkformers.engine.tensor import Tensor, weight_parameter
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import IGNORE_INDEX, InputLimits, check_model_inputs, forward_arguments
 from vkformers.runtime import dtypes as dt
@@ -36,7 +38,7 @@ class Slot:
 
     shape: tuple[int, ...]
     dtype: dt.DType | None = None  # None: the model's dtype
-    tensor: Tensor | QuantizedTensor | None = None
+    tensor: Tensor | QuantizedTensor | RowBlocks | None = None
     tied_to: str | None = None     # another parameter's full name (tied embeddings)
 
 
@@ -105,7 +107,7 @@ class Module:
             value = ModelConfig(value)
         if isinstance(value, Module):
             self._modules[name] = value
-        elif isinstance(value, Tensor) and name in self._slots:
+        elif isinstance(value, (Tensor, QuantizedTensor, RowBlocks)) and name in self._slots:
             self._slots[name].tensor = value
             return
         object.__setattr__(self, name, value)
@@ -137,13 +139,15 @@ class Module:
                 yield (f"{path}.{name}" if path else name), slot
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, tensor) of every loaded parameter; a tied parameter appears once, under its owner's name."""
+        """(HF name, tensor) of every loaded parameter; a tied parameter appears once, under its owner's name; a
+        weight in row blocks as its RowBlocks."""
         for name, slot in self.named_slots():
             if slot.tensor is not None and slot.tied_to is None:
                 yield name, slot.tensor
 
     def parameters(self) -> list[Tensor]:
-        return [t for _, t in self.named_parameters()]
+        """The device tensors of the parameters (a weight in row blocks: its blocks), as an optimizer takes them."""
+        return device_tensors(t for _, t in self.named_parameters())
 
     # -- dtype (transformers' model.to(...), half(), bfloat16(), float())
 
@@ -182,7 +186,7 @@ class Module:
         adapters = {f"{path}.{part}." for path, module in self.named_modules() if hasattr(module, "merge_and_unwrap")
                     for part in ("lora_A", "lora_B")}
         slots = dict(self.named_slots())
-        if any(isinstance(slot.tensor, QuantizedTensor) for slot in slots.values()):
+        if any(is_packed(slot.tensor) for slot in slots.values()):
             raise VkformersError("a model with quantized weights computes in the dtype it was loaded with; load it "
                                  "again with dtype=...")
         for name, slot in slots.items():
@@ -190,8 +194,8 @@ class Module:
                 continue
             target = slot.dtype or dtype
             if slot.tensor.dtype is not target:
-                slot.tensor = parameter(slot.tensor.numpy(), dtype=target, requires_grad=slot.tensor.requires_grad,
-                                        name=name)
+                slot.tensor = weight_parameter(slot.tensor.numpy(), dtype=target,
+                                               requires_grad=slot.tensor.requires_grad, name=name)
         for slot in slots.values():  # ties follow their owners
             if slot.tied_to is not None:
                 slot.tensor = slots[slot.tied_to].tensor
@@ -204,7 +208,7 @@ class Module:
         new ones start at the mean of the old ones (transformers' mean_resizing; else normal(0, std), seed 0),
         rows past ``rows`` go. Returns the new tensor (same dtype and requires_grad)."""
         slot, old = self._slots[name], getattr(self, name)
-        if isinstance(old, QuantizedTensor):
+        if is_packed(old):
             raise CheckpointError(f"{name}: a quantized weight cannot be resized; load the model dequantized")
         values = old.numpy().astype(np.float32)
         have = values.shape[0]
@@ -213,7 +217,7 @@ class Module:
                      np.random.default_rng(0).normal(0.0, std, (rows - have, *values.shape[1:])))
             values = np.concatenate([values, fresh.astype(np.float32)])
         slot.shape = (rows, *slot.shape[1:])
-        slot.tensor = parameter(values[:rows], dtype=old.dtype, requires_grad=old.requires_grad, name=name)
+        slot.tensor = weight_parameter(values[:rows], dtype=old.dtype, requires_grad=old.requires_grad, name=name)
         return slot.tensor
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
@@ -346,10 +350,10 @@ class Module:
             if tuple(array.shape) != slot.shape:
                 raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(array.shape)}, model expects {slot.shape}")
             if isinstance(array, QuantizedArray):  # packed blocks stay packed; the weight is frozen
-                slot.tensor = QuantizedTensor.upload(array, dtype=slot.dtype or dtype, name=name)
+                slot.tensor = upload_packed(array, slot.dtype or dtype, name)
                 continue
-            slot.tensor = parameter(np.asarray(array), dtype=slot.dtype or dtype, requires_grad=requires_grad,
-                                    name=name)
+            slot.tensor = weight_parameter(np.asarray(array), dtype=slot.dtype or dtype, requires_grad=requires_grad,
+                                           name=name)
         for name, slot in slots.items():  # ties resolve after their owners load
             if slot.tied_to is not None and slot.tensor is None:
                 slot.tensor = slots[slot.tied_to].tensor
@@ -372,6 +376,11 @@ class Module:
 
 
 # -- dotted Hugging Face paths (shared by the family plugins, which build modules under their checkpoints' names)
+
+def is_packed(weight) -> bool:
+    """Whether a parameter is packed quantized blocks, whole or in row blocks."""
+    return isinstance(weight, QuantizedTensor) or (isinstance(weight, RowBlocks) and weight.quantized)
+
 
 def join_path(*parts: str) -> str:
     """The dotted path of ``parts``, skipping empty ones: ``join_path("mlp", "", "gate")`` is ``"mlp.gate"``."""

@@ -12,11 +12,11 @@ import warnings
 
 import numpy as np
 
-from vkformers.engine.quantized import (NF4_LEVELS, QUANTIZE_FORMATS, QuantizedArray, QuantizedTensor,
-                                       nf4_from_bitsandbytes, quant_format, quantize)
+from vkformers.engine.quantized import (NF4_LEVELS, QUANTIZE_FORMATS, QuantizedArray, nf4_from_bitsandbytes,
+                                       quant_format, quantize)
 from vkformers.errors import QuantizationError
 from vkformers.models.layers import Linear
-from vkformers.models.module import Module
+from vkformers.models.module import Module, is_packed
 
 
 def quantizable_weights(model: Module) -> list[str]:
@@ -102,7 +102,7 @@ def bitsandbytes_nf4_weights(arrays: dict) -> dict:
 
 
 def quantized_weight_names(model: Module) -> list[str]:
-    return [name for name, t in model.named_parameters() if isinstance(t, QuantizedTensor)]
+    return [name for name, t in model.named_parameters() if is_packed(t)]
 
 
 def refuse_quantized(model: Module, what: str, hint: str) -> None:

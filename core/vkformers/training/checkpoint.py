@@ -29,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from vkformers.engine.row_blocks import RowBlocks
 from vkformers.engine.tensor import Tensor, parameter
 from vkformers.errors import VkformersError
 from vkformers.models.atomic import make_folder, write_json_atomic
@@ -88,8 +89,15 @@ def model_tensors(model) -> tuple[dict[str, np.ndarray], set[str]]:
     return tensors, bf16
 
 
-def write_into(t: Tensor, array: np.ndarray) -> None:
-    """Overwrite a realized device tensor's storage in place (the Tensor object, and plans using it, stay)."""
+def write_into(t: Tensor | RowBlocks, array: np.ndarray) -> None:
+    """Overwrite a realized device tensor's storage in place (the Tensor object, and plans using it, stay); a
+    weight in row blocks, block by block."""
+    if isinstance(t, RowBlocks):
+        if tuple(array.shape) != t.shape:
+            raise CheckpointLoadError(f"shape {tuple(array.shape)} does not fit a tensor of shape {t.shape}")
+        for part, (a, b) in zip(t.parts, t.spans):
+            write_into(part, array[a:b])
+        return
     lazy = t.lazy
     if lazy.base is not lazy or not lazy.persistent or not lazy.realized or lazy.base.buffer is None:
         raise CheckpointLoadError("can only restore into realized parameters created with vkformers.parameter()")

@@ -208,7 +208,7 @@ class Trainer:
         if getattr(model, "lora_config", None) is None:
             refuse_quantized(model, "full fine-tuning", "quantized weights are frozen in their packed blocks; train "
                              "LoRA adapters on top of them (models.lora.apply_lora, or --lora-rank)")
-        self.params = [t for _, t in model.named_parameters() if t.requires_grad]
+        self.params = [t for t in model.parameters() if t.requires_grad]
         if not self.params:
             raise VkformersError("nothing to train: no parameter of the model requires grad")
         if getattr(getattr(model, "spec", None), "shift_labels", True) is False:  # TrOCRForCausalLM

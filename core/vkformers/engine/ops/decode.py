@@ -15,6 +15,7 @@ from vkformers.engine.function import CopyStrided, KernelOp, contiguous, grad_en
 from vkformers.engine.kernels import decode as KD
 from vkformers.engine.kernels import matmul as KM
 from vkformers.engine.quantized import QuantizedTensor, quant_format
+from vkformers.engine.row_blocks import RowBlocks
 from vkformers.runtime import dtypes as dt
 
 
@@ -82,6 +83,8 @@ def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) ->
     """:func:`fusable` for an input still to be computed: ``rows`` rows of ``dtype`` times these weights. By
     default, past the rows where the plain product would take the small-m kernel, dense weights fuse only while
     each is under FUSED_DENSE_MAX_BYTES (see there)."""
+    if any(isinstance(w, RowBlocks) for w in weights):  # the kernel binds each weight whole
+        return False
     device = weights[0].lazy.device
     if enabled is False or (enabled is None and device.is_cpu):
         return False

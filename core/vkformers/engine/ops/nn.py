@@ -15,6 +15,7 @@ from vkformers.engine.lazy import generated_input
 from vkformers.engine.ops.quant import quantized_embedding
 from vkformers.engine.ops.reduce import Reduce
 from vkformers.engine.quantized import QuantizedTensor
+from vkformers.engine.row_blocks import RowBlocks
 from vkformers.engine.kernels import attention as KA
 from vkformers.engine.kernels import cross_entropy as KC
 from vkformers.engine.kernels import dropout as KD
@@ -71,7 +72,17 @@ class EmbeddingFn(Function):
 def embedding(ids, table, padding_idx: int | None = None):
     """table[ids]; lookups of row ``padding_idx`` (torch.nn.Embedding's; negative counts from the end) pass it
     no gradient. The forward reads that row like any other. A table of packed blocks (frozen) is dequantized row
-    by row."""
+    by row. A table in row blocks (engine/row_blocks.py) adds up its blocks' lookups, each of the ids shifted
+    to its first row (a zero row where an id falls outside it)."""
+    if isinstance(table, RowBlocks):
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += table.shape[0]
+        out = None
+        for part, (a, b) in zip(table.parts, table.spans):
+            looked = embedding(ids - a if a else ids, part,
+                               padding_idx - a if padding_idx is not None and a <= padding_idx < b else None)
+            out = looked if out is None else out + looked
+        return out
     if isinstance(table, QuantizedTensor):
         return quantized_embedding(ids, table)
     return EmbeddingFn.apply(table, ids, padding_idx=padding_idx)
