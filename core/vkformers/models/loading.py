@@ -45,6 +45,7 @@ class HubError(VkformersError, OSError):
 class CausalLMOutput:
     logits: object = None
     loss: object = None
+    hidden_states: tuple | None = None  # output_hidden_states=True: the embeddings, then each layer's output
 
 
 def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=None, token=None,

@@ -36,31 +36,16 @@ class DecoderBaseMixin:
         self.output_size = self.spec.embed_dim if self.spec.project_out else self.spec.hidden_size
         for child in [name for name in self._modules if name != prefix]:  # the LM head (and its transform)
             del self._modules[child]
-        self._recorded = None
 
     @classmethod
     def task_heads(cls, config: dict, spelling: str) -> TaskHeads | None:
         heads = cls.declared_heads.get(spelling)
         return heads(config) if callable(heads) else heads
 
-    def run_layers(self, x, ctx):
-        if self._recorded is None:
-            return super().run_layers(x, ctx)
-        self._recorded.append(x)
-        count = len(self.layers)
-        per_part = self.layers_per_part(x, count)
-        for i, layer in enumerate(self.layers):
-            x = self.call_layer(layer, x, ctx)
-            self._recorded.append(x)
-            self.submit_part(x, i + 1, count, per_part)
-        return x
-
     def forward(self, input_ids, attention_mask=None, position_ids=None, output_hidden_states=False):
-        self._recorded = [] if output_hidden_states else None
-        try:
-            x = self.final_hidden_states(self.residual_stream(input_ids, attention_mask, position_ids))
-        finally:
-            recorded, self._recorded = self._recorded, None
+        x, recorded = self.recorded_stream(output_hidden_states,
+                                           lambda: self.residual_stream(input_ids, attention_mask, position_ids))
+        x = self.final_hidden_states(x)
         if recorded is not None:
             recorded[-1] = x  # transformers' last hidden state is the normed one
         return BaseModelOutput(last_hidden_state=x, hidden_states=tuple(recorded) if recorded is not None else None)

@@ -89,6 +89,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
     # (a plugin's composed layers): their step replays as the linear layers' does (capture_decode_with_row_states)
     keeps_row_states = False
     accepts_logits_to_keep = True
+    _recorded = None  # the hidden states run_layers appends to while recorded_stream records
 
     @staticmethod
     def decoder_spec(config: dict, architecture_name: str) -> DecoderSpec:
@@ -271,20 +272,27 @@ class DecoderForCausalLM(Module, GenerationMixin):
         return scale.reshape(positions.shape[0], 1, positions.shape[1], 1)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, cache=None,
-                encoder_hidden_states=None, encoder_attention_mask=None, logits_to_keep=0):
+                encoder_hidden_states=None, encoder_attention_mask=None, logits_to_keep=0,
+                output_hidden_states=False):
+        """transformers' forward; ``output_hidden_states``: also the embeddings and every layer's output, the last
+        one after the final norm (as transformers gives them), whatever ``logits_to_keep`` keeps."""
         s = self.spec
         length = np.shape(input_ids)[-1] if not isinstance(input_ids, Tensor) else input_ids.shape[-1]
         if encoder_hidden_states is not None and s.cross_attention is None:
             raise VkformersError(f"{self.architecture_name}: encoder_hidden_states need a decoder with "
                                  "cross-attention (add_cross_attention)")
         encoder = None if encoder_hidden_states is None else (encoder_hidden_states, encoder_attention_mask)
-        x = self.residual_stream(input_ids, attention_mask, position_ids, cache, encoder=encoder)
-        logits = self._fused_decode_head(x) if cache is not None and length == 1 else None
+        x, hidden_states = self.recorded_stream(
+            output_hidden_states, lambda: self.residual_stream(input_ids, attention_mask, position_ids, cache,
+                                                               encoder=encoder))
+        logits = self._fused_decode_head(x) if cache is not None and length == 1 and not hidden_states else None
         if logits is None:
             x = self.final_hidden_states(kept_positions(x, logits_to_keep))
             logits = self.lm_logits(x)
         else:
             logits = self._scale_logits(logits)
+        if hidden_states:  # the last one after the final norm, at every position
+            hidden_states[-1] = self.final_hidden_states(hidden_states[-1])
         if cache is not None:
             cache.advance(length)
         if labels is not None and logits.shape[1] != length:
@@ -292,7 +300,7 @@ class DecoderForCausalLM(Module, GenerationMixin):
         loss = None
         if labels is not None:  # in chunks of tokens when the logits are large (models/lm_loss.py)
             loss = causal_lm_loss(x, self.lm_logits, labels, shift=s.shift_labels, logits=logits)
-        return CausalLMOutput(logits=logits, loss=loss)
+        return CausalLMOutput(logits=logits, loss=loss, hidden_states=tuple(hidden_states) if hidden_states else None)
 
     def loss_target_count(self, labels) -> int:
         return target_count(labels, self.spec.shift_labels)
@@ -427,13 +435,31 @@ class DecoderForCausalLM(Module, GenerationMixin):
 
     def run_layers(self, x, ctx: Context):
         """The layers over the residual stream, embeddings to final norm (a plugin's model may widen the stream
-        between them: DeepSeek-V4's hyper-connections)."""
+        between them: DeepSeek-V4's hyper-connections), each layer's input kept while recorded_stream records."""
         count = len(self.layers)
         per_part = self.layers_per_part(x, count)
         for i, layer in enumerate(self.layers):
+            if self._recorded is not None:
+                self._recorded.append(x)
             x = self.call_layer(layer, x, ctx)
             self.submit_part(x, i + 1, count, per_part)
+        if self._recorded is not None:
+            self._recorded.append(x)
         return x
+
+    def recorded_stream(self, record: bool, run):
+        """(``run()``, the hidden states run_layers saw: the embeddings, then each layer's output; None unless
+        ``record``). A plugin whose model runs its layers in a loop of its own does not record them: refused."""
+        if not record:
+            return run(), None
+        if type(self).run_layers is not DecoderForCausalLM.run_layers:
+            raise VkformersError(f"{self.architecture_name}: output_hidden_states is not supported (its layers run "
+                                 "in a loop of the plugin's own); leave it off")
+        self._recorded = []
+        try:
+            return run(), self._recorded
+        finally:
+            self._recorded = None
 
     def _fused_decode_head(self, x):
         """Final RMS norm and lm_head of a decode step as one fused product, or None where they differ."""
