@@ -8,6 +8,10 @@ import pytest
 
 from vkformers.models.safetensors_io import read_safetensors
 
+# generate's settings of the GenerationConfig the fixtures' greedy references were made with (no beams, no forced
+# tokens: tools/make_seq2seq_fixtures.py's clean_generation_config), over what a fixture's own config asks for
+CLEAN_GENERATION = {"num_beams": 1, "forced_bos_token_id": None, "forced_eos_token_id": None}
+
 # (step kind, the kind whose parameters it starts from; None: the fixture's model.safetensors)
 ADAMW_STEPS = (("adamw", None), ("adamw2", "adamw"))
 

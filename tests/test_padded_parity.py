@@ -21,7 +21,7 @@ import json
 import numpy as np
 import pytest
 
-from fixture_cases import with_known_failures
+from fixture_cases import CLEAN_GENERATION, with_known_failures
 from test_decoder_parity import FIXTURES, LOGITS_ATOL, LOSS_RTOL, _unsupported_reason, fixture_names
 from test_encoder_parity import FIXTURES as ENCODER_FIXTURES
 from test_encoder_parity import _inputs as encoder_inputs
@@ -71,7 +71,8 @@ def test_padded_generate(name):
     ids, mask = (read_safetensors(FIXTURES / name / "reference.safetensors")[k].as_float().astype(np.int64)
                  for k in ("input_ids", "attention_mask"))
     prompt = ids.shape[1]
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=want.shape[1] - prompt, eos_token_id=[])
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=want.shape[1] - prompt, eos_token_id=[],
+                         **CLEAN_GENERATION)
     invariant = _index().get(name, {}).get("padded_generate_pad_invariant", True)
     note = "" if invariant is True else " (transformers' padded generate is not pad-invariant for it: index.json)"
     for row in range(ids.shape[0]):
@@ -138,7 +139,8 @@ def test_seq2seq_padded_generate(name):
     want = ref["generate_tokens"].astype(np.int64)
     tokens, logits = model.generate(fixture["input_ids"].astype(np.int64),
                                     attention_mask=fixture["attention_mask"].astype(np.int64),
-                                    max_new_tokens=want.shape[1] - 1, eos_token_id=[], output_logits=True)
+                                    max_new_tokens=want.shape[1] - 1, eos_token_id=[], output_logits=True,
+                                    **CLEAN_GENERATION)
     assert tokens.tolist() == want.tolist(), f"{name}: {tokens.tolist()} vs transformers {want.tolist()}"
     error = np.abs(logits - ref["generate_logits"]).max()
     assert error <= LOGITS_ATOL, f"{name}: step logits differ from transformers' by {error:.3g}"

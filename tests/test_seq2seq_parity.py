@@ -31,7 +31,7 @@ from vkformers.models.encoder_decoder import UnsupportedEncoderDecoder
 from vkformers.models.loading import AutoModelForSeq2SeqLM
 from vkformers.optim import AdamW
 
-from fixture_cases import CachedCase, fixture_folders, read_reference
+from fixture_cases import CLEAN_GENERATION, CachedCase, fixture_folders, read_reference
 
 FIXTURES = Path(os.environ.get("VKFORMERS_SEQ2SEQ_FIXTURES", Path(__file__).parent / "fixtures" / "seq2seq"))
 LOGITS_ATOL = 1e-4
@@ -153,7 +153,7 @@ def _generate(name):
     expected = ref["greedy_tokens"].astype(np.int64)
     prompt = ref["input_ids"][:1].astype(np.int64)
     tokens, logits = model.generate(prompt, max_new_tokens=expected.shape[1] - 1, do_sample=False, eos_token_id=[],
-                                    output_logits=True)
+                                    output_logits=True, **CLEAN_GENERATION)
     return model, ref, prompt, expected, tokens, logits[:, 0]
 
 

@@ -71,7 +71,9 @@ def tiny(tmp_path_factory):
 
 
 def reference_tokens(reference, ids, max_tokens, eos=(), **sampling):
+    """generate's tokens for one request alone; sampling without top-k (OpenAI's API has none), as the server."""
     ids = np.asarray(ids, np.int64)[None]
+    sampling.setdefault("top_k", 0)
     return reference.generate(ids, max_new_tokens=max_tokens, eos_token_id=list(eos), **sampling)[0, ids.shape[1]:]
 
 

@@ -16,9 +16,10 @@ of the shape (rows, columns, stored columns, cache) of two chunks before it repl
 generate's prefills do (_prefill_capture; prompts laid out at a multiple of PREFILL_BUCKET columns on a GPU,
 so that nearby lengths share shapes). A request that left stays as a masked row until a newcomer takes it. Each
 request chooses its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or
-temperature and top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it alone; a
-replayed step whose live rows are all greedy (no penalty, bias or logprobs) has the GPU choose them and reads back
-the tokens instead of the logits (DecodeCapture.choose). The thread's forwards run under no_grad.
+temperature and top-p with its own seeded generator, no top-k: OpenAI's API has none), so its tokens are those
+``model.generate(..., top_k=0)`` gives it alone; a replayed step whose live rows are all greedy (no penalty, bias or
+logprobs) has the GPU choose them and reads back the tokens instead of the logits (DecodeCapture.choose). The
+thread's forwards run under no_grad.
 
 Paged (``kv_blocks``): the caches take their keys and values from one BlockPool of that many blocks
 (models/paged_cache.py), so memory follows the tokens held: a row takes blocks as its tokens come, a padding-only

@@ -27,8 +27,8 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
-from vkformers.models.inputs import (check_generation_settings, check_model_inputs, check_prompt_length,
-                                     generation_lengths)
+from vkformers.models.generation_settings import LogitRules, config_value, generation_sources, resolve_call
+from vkformers.models.inputs import check_model_inputs, check_prompt_length
 from vkformers.runtime import dtypes as dt
 
 PREFILL_CAPTURES = 4  # prompt lengths whose recorded prefill a model keeps
@@ -48,10 +48,10 @@ class GenerationMixin:
     # whether forward takes ``logits_to_keep`` (kept_positions): prefills then compute only the logits they read
     accepts_logits_to_keep = False
 
-    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, eos_token_id=None, attention_mask=None, streamer=None,
-                 pad_token_id: int | None = None, **options):
+    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
+                 attention_mask=None, streamer=None, pad_token_id: int | None = None, **options):
         """Prompt + up to ``max_new_tokens`` new tokens per row (20 by default), as a numpy int64 array
         [batch, T + new].
 
@@ -64,14 +64,20 @@ class GenerationMixin:
         finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
         object with transformers' ``put``/``end`` methods (put first receives the prompt).
         transformers' ``max_length``, ``min_length``, ``min_new_tokens``, ``num_return_sequences`` (rows of a
-        prompt follow each other), ``use_cache`` and ``num_beams=1`` are taken too (inputs.generation_lengths).
+        prompt follow each other), ``use_cache`` and ``num_beams=1`` are taken too (inputs.generation_lengths),
+        and the logits processors of models/generation_settings.py (``no_repeat_ngram_size``, ``bad_words_ids``,
+        ``forced_bos_token_id``, ...). What the call leaves out comes from the model's generation config, then
+        transformers' defaults (sampling keeps the 50 likeliest tokens unless top_k says otherwise).
         """
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
         if ids.ndim == 1:
             ids = ids[None]
-        lengths = generation_lengths(options, max_new_tokens, ids.shape[-1], do_sample)
+        sources = generation_sources(self)
+        settings, lengths, given_rules = resolve_call(
+            sources, options, max_new_tokens, ids.shape[-1], do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
         max_new_tokens = lengths.max_new_tokens
-        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         mask = None if attention_mask is None else np.asarray(
             attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask)
         limits = self.input_limits()
@@ -88,6 +94,8 @@ class GenerationMixin:
         batch, length = ids.shape
         eos = _eos_ids(self, eos_token_id)
         pad = _pad_id(self, pad_token_id, eos)
+        rules = LogitRules.resolve(sources, given_rules, start_length=length, max_length=length + max_new_tokens,
+                                   eos=eos)
         rng = np.random.default_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(ids)
@@ -110,7 +118,7 @@ class GenerationMixin:
         bucket = PREFILL_BUCKET["cpu" if cache.device.is_cpu else "gpu"]
         padded = _padded_length(self, length, bucket, min(cache.max_len, capture_limit)) if capturable else None
         prefill = self._prefill_capture(cache, padded or length, padded is not None, key) if capturable else None
-        greedy = not do_sample and repetition_penalty == 1.0
+        greedy = not do_sample and repetition_penalty == 1.0 and not rules.active  # the GPU may pick the tokens
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
             logits = self._prefill(ids, mask, positions, cache, prefill, padded)
@@ -120,7 +128,8 @@ class GenerationMixin:
                     next_tokens = chosen.pop(0)
                 else:
                     next_tokens = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
-                                                   repetition_penalty, eos if step < lengths.min_new_tokens else ())
+                                                   repetition_penalty, eos if step < lengths.min_new_tokens else (),
+                                                   rules)
                 next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
                 stream_tokens(streamer, next_tokens)
@@ -321,13 +330,7 @@ def _device(model):
 
 def _config_value(model, name):
     """``name`` from the model's generation_config (dict or object), else from its config (dict or object)."""
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        if source is None:
-            continue
-        value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
-        if value is not None:
-            return value
-    return None
+    return config_value(generation_sources(model), name)
 
 
 def _eos_ids(model, eos_token_id) -> list[int]:
@@ -451,14 +454,17 @@ def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p) -> np.n
 
 def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rng: np.random.Generator,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     repetition_penalty: float = 1.0, suppress=()) -> np.ndarray:
+                     repetition_penalty: float = 1.0, suppress=(), rules: LogitRules | None = None) -> np.ndarray:
     """generate's choice of each row's next token from its step ``logits`` [batch, vocab] after ``tokens`` so far:
-    the tokens in ``suppress`` never (end-of-sequence before min_new_tokens), the repetition penalty, then argmax,
-    or a draw from ``rng`` when ``do_sample`` (for models with their own generation loop)."""
+    the tokens in ``suppress`` never (end-of-sequence before min_new_tokens), the repetition penalty, ``rules``
+    (models/generation_settings.py), then argmax, or a draw from ``rng`` when ``do_sample`` (for models with
+    their own generation loop)."""
     if len(suppress):
         logits = logits.copy()
         logits[:, list(suppress)] = -np.inf
     scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
+    if rules is not None:
+        scores = rules.apply(scores, tokens)
     if do_sample:
         return _sample(scores, rng, temperature, top_k, top_p)
     return scores.argmax(axis=-1)

@@ -78,6 +78,30 @@ def load_config(folder: Path) -> dict:
     return config
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def load_generation_config(folder: Path) -> dict | None:
+    """A checkpoint's generation_config.json (what generate decodes with by default: eos ids, sampling settings,
+    forced tokens; models/generation_settings.py), or None where it has none."""
+    file = folder / GENERATION_CONFIG
+    if not file.is_file():
+        return None
+    value = _decode_floats(read_json(file))
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: a generation config is a JSON object; fix or re-download the file")
+    return value
+
+
+def _loaded_from(model: Module, folder: Path, name_or_path) -> Module:
+    """``model`` as from_pretrained returns it: named, with the checkpoint's generation config."""
+    model.name_or_path = str(name_or_path)
+    generation = load_generation_config(folder)
+    if generation is not None:
+        model.generation_config = generation
+    return model
+
+
 _SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 
 
@@ -299,8 +323,7 @@ class AutoModelClass:
             weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   strict=strict, ignore=getattr(model, "ignored_checkpoint_keys", ()))
-            model.name_or_path = str(name_or_path)
-            return model
+            return _loaded_from(model, folder, name_or_path)
         plain = registry().backbone_config(config) is config  # else a multimodal wrapper
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
         weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer))  # each packed as it is read
@@ -325,8 +348,7 @@ class AutoModelClass:
                     f"model_type {config['model_type']!r} (a multimodal wrapper run as its "
                     f"{model.config['model_type']!r} language model): its language-model weights are not laid out "
                     f"as vkformers reads them: {exc}") from None
-        model.name_or_path = str(name_or_path)
-        return model
+        return _loaded_from(model, folder, name_or_path)
 
     @classmethod
     def from_config(cls, config: dict, **head_options) -> Module:
@@ -428,6 +450,8 @@ def save_pretrained(model: Module, folder, *, dtype=None, tokenizer: PreTrainedT
     config = dict(getattr(model, "config", {}))
     config["torch_dtype"] = target.name
     write_json_atomic(folder / "config.json", config)
+    if isinstance(getattr(model, "generation_config", None), dict):
+        write_json_atomic(folder / GENERATION_CONFIG, model.generation_config)
 
 
 Module.save_pretrained = save_pretrained

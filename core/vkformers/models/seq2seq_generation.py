@@ -24,8 +24,9 @@ from vkformers.engine.function import no_grad
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.decode_capture import to_scores
 from vkformers.models.generation import pick_next_tokens
-from vkformers.models.inputs import (TRANSFORMERS_ARGUMENTS, check_generation_settings, check_model_inputs,
-                                     check_prompt_length, generation_lengths, id_array)
+from vkformers.models.generation_settings import (RULE_ARGUMENTS, LogitRules, config_value, generation_sources,
+                                                 resolve_call)
+from vkformers.models.inputs import TRANSFORMERS_ARGUMENTS, check_model_inputs, check_prompt_length, id_array
 
 
 class Seq2SeqGenerationMixin:
@@ -36,17 +37,14 @@ class Seq2SeqGenerationMixin:
         return getattr(self, "generation_config", None), getattr(self, "config", None)
 
     def generation_setting(self, name: str):
-        for source in self.generation_configs():
-            if isinstance(source, dict) and source.get(name) is not None:
-                return source[name]
-        return None
+        return config_value(self.generation_configs(), name)
 
     def default_pad_token_id(self) -> int | None:
         return self.generation_setting("pad_token_id")
 
-    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, eos_token_id=None, attention_mask=None,
+    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None, attention_mask=None,
                  decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
                  output_logits: bool = False, **encoder_inputs):
         """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
@@ -58,16 +56,22 @@ class Seq2SeqGenerationMixin:
         (pad differing from eos), as transformers infers it. The decoder starts from ``decoder_start_token_id``
         (default: the config's, else its bos_token_id). ``output_logits``: also each step's logits [new, batch,
         vocab]. transformers' length arguments are taken as GenerationMixin.generate takes them, counting the
-        decoder's tokens (its start token included: max_length=20 gives 19 new). Other keyword arguments go to
-        the encoder, where the model takes them (LED's global_attention_mask)."""
+        decoder's tokens (its start token included: max_length=20 gives 19 new), and so are the logits processors
+        of models/generation_settings.py (``forced_bos_token_id``, ``no_repeat_ngram_size``, ...); what the call
+        leaves out comes from the generation config, then transformers' defaults, as the decoder-only generate
+        resolves them. Other keyword arguments go to the encoder, where the model takes them (LED's
+        global_attention_mask)."""
         options = {k: encoder_inputs.pop(k) for k in list(encoder_inputs) if k not in self.generation_encoder_inputs}
-        unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS)
+        unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS and k not in RULE_ARGUMENTS)
         if unknown:
             raise InputError(f"generate: {getattr(self, 'architecture_name', type(self).__name__)} takes no "
                              f"{unknown[0]}; leave it out")
-        lengths = generation_lengths(options, max_new_tokens, 1, do_sample)
+        sources = generation_sources(self)
+        settings, lengths, given_rules = resolve_call(
+            sources, options, max_new_tokens, 1, do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, repetition_penalty=repetition_penalty)
+        do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
         max_new_tokens = lengths.max_new_tokens
-        check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
         limits = self.input_limits()
         check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
         check_prompt_length(limits, 1, max_new_tokens, decoder=True)
@@ -95,6 +99,7 @@ class Seq2SeqGenerationMixin:
         if start is None:
             raise VkformersError(f"{getattr(self, 'architecture_name', 'generate')}: no decoder_start_token_id "
                                  "(config or argument)")
+        rules = LogitRules.resolve(sources, given_rules, start_length=1, max_length=1 + max_new_tokens, eos=eos)
         rng = np.random.default_rng(seed)
         tokens = np.full((batch, 1), int(start), np.int64)
         step_logits = []
@@ -108,7 +113,7 @@ class Seq2SeqGenerationMixin:
                 scores = to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy())
                 step_logits.append(scores)
                 chosen = pick_next_tokens(scores, tokens, do_sample, rng, temperature, top_k, top_p,
-                                          repetition_penalty, eos if step < lengths.min_new_tokens else ())
+                                          repetition_penalty, eos if step < lengths.min_new_tokens else (), rules)
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
                 if eos:

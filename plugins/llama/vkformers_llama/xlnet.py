@@ -24,7 +24,8 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.generation import end_stream, pick_next_tokens, stream_tokens
-from vkformers.models.inputs import InputLimits, check_generation_settings, check_model_inputs, generation_lengths
+from vkformers.models.generation_settings import LogitRules, generation_sources, resolve_call
+from vkformers.models.inputs import InputLimits, check_model_inputs
 from vkformers.models.heads import BaseModelOutput, TaskHeads, sequence_summary
 from vkformers.models.layers import Embedding, LayerNorm, Linear
 from vkformers.models.loading import CausalLMOutput
@@ -385,17 +386,20 @@ class XLNetLMHeadModel(XLNetTransformer):
                                    ignore_index=IGNORE_INDEX)
         return XLNetLMOutput(logits=logits, loss=loss, mems=new_mems)
 
-    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, eos_token_id=None, attention_mask=None, streamer=None,
-                 pad_token_id: int | None = None, **options):
+    def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
+                 attention_mask=None, streamer=None, pad_token_id: int | None = None, **options):
         """Prompt + up to ``max_new_tokens`` tokens per row, numpy int64 [batch, T + new], as transformers' generate
-        runs XLNetLMHeadModel (the settings as GenerationMixin.generate's). ``attention_mask`` is accepted and not
-        used, as there: a padded row attends its pads."""
+        runs XLNetLMHeadModel (the settings, their defaults and logits processors as GenerationMixin.generate's).
+        ``attention_mask`` is accepted and not used, as there: a padded row attends its pads."""
         tokens = _host(input_ids, np.int64)
         tokens = tokens[None] if tokens.ndim == 1 else tokens
-        lengths = generation_lengths(options, max_new_tokens, tokens.shape[-1], do_sample)
-        check_generation_settings(lengths.max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty)
+        sources = generation_sources(self)
+        settings, lengths, given_rules = resolve_call(
+            sources, options, max_new_tokens, tokens.shape[-1], do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
         if tokens.ndim != 2 or tokens.shape[1] == 0:
             raise InputError(f"generate: input_ids must be [batch, length] with length >= 1, got {tokens.shape}")
         check_model_inputs(self.input_limits(), {"input_ids": tokens, "attention_mask": _host(attention_mask)})
@@ -404,6 +408,8 @@ class XLNetLMHeadModel(XLNetTransformer):
         eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
         pad = self.config.get("pad_token_id") if pad_token_id is None else pad_token_id
         pad = int(pad if pad is not None else (eos[0] if eos else 0))
+        rules = LogitRules.resolve(sources, given_rules, start_length=tokens.shape[1],
+                                   max_length=tokens.shape[1] + lengths.max_new_tokens, eos=eos)
         rng = np.random.default_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(tokens)
@@ -424,7 +430,7 @@ class XLNetLMHeadModel(XLNetTransformer):
                 logits = out.logits.float().numpy()[:, -1]
                 mems = list(out.mems)
                 chosen = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
-                                          repetition_penalty, eos if step < lengths.min_new_tokens else ())
+                                          repetition_penalty, eos if step < lengths.min_new_tokens else (), rules)
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], 1)
                 stream_tokens(streamer, chosen)

@@ -1,0 +1,192 @@
+"""What ``generate`` decodes with, resolved as transformers' GenerationMixin resolves it, and the logits processors
+of transformers' that those settings turn on.
+
+An argument left out of ``generate`` takes the model's generation_config (generation_config.json, then the model's
+config, where older checkpoints keep such keys), then transformers' default: so Llama 3 Instruct samples at its
+temperature 0.6 and top-p 0.9, Qwen2.5 with top-k 20 and a repetition penalty, and ``do_sample=True`` alone keeps
+the 50 likeliest tokens, as transformers' ``generate`` does. Explicit arguments win.
+
+:class:`LogitRules` holds the processors that set scores to -inf (or force one token), applied on the host to each
+step's scores in transformers' order, after the repetition penalty and before temperature, top-k and top-p:
+``no_repeat_ngram_size``, ``bad_words_ids``, ``forced_bos_token_id`` (mBART-50, NLLB, M2M100 choose their target
+language with it; BART checkpoints force their bos), ``forced_eos_token_id`` (at the last step of ``max_length``),
+``suppress_tokens`` and ``begin_suppress_tokens``.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from vkformers.errors import InputError
+from vkformers.models.inputs import check_generation_settings, generation_lengths
+
+# transformers' GenerationConfig defaults for what generate's sampling arguments leave out
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+# generate's arguments that turn LogitRules on (also read from the generation config)
+RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
+                  "suppress_tokens", "begin_suppress_tokens")
+
+
+def config_value(sources, name: str):
+    """``name`` from the first of ``sources`` (dicts or objects with attributes) that sets it (not None)."""
+    for source in sources:
+        if source is None:
+            continue
+        value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def generation_sources(model) -> tuple:
+    """Where ``model``'s generation settings come from, first found wins: its generation_config, then its config
+    (a model may name others: an encoder-decoder's decoder config, ``generation_configs``)."""
+    if hasattr(model, "generation_configs"):
+        return tuple(model.generation_configs())
+    return getattr(model, "generation_config", None), getattr(model, "config", None)
+
+
+def sampling_settings(sources, **given) -> dict:
+    """do_sample, temperature, top_k, top_p and repetition_penalty: each as given, else from ``sources``, else
+    transformers' default."""
+    settings = {}
+    for name, default in SAMPLING_DEFAULTS.items():
+        value = given.get(name)
+        if value is None:
+            value = config_value(sources, name)
+        settings[name] = default if value is None else value
+    return settings
+
+
+def config_lengths(sources, max_new_tokens, options: dict, start_length: int):
+    """(max_new_tokens, options) with the generation config's max_new_tokens or max_length, min_new_tokens or
+    min_length where the call gives neither (lengths counting the whole sequence, as generation_lengths reads
+    them; a configured max_length the ``start_length`` tokens already reach is left out)."""
+    options = dict(options)
+    if max_new_tokens is None and options.get("max_length") is None:
+        max_new_tokens = config_value(sources, "max_new_tokens")
+        longest = config_value(sources, "max_length")
+        if max_new_tokens is None and longest is not None and longest > start_length:
+            options["max_length"] = longest
+    if options.get("min_new_tokens") is None and options.get("min_length") is None:
+        for name in ("min_new_tokens", "min_length"):
+            value = config_value(sources, name)
+            if value:
+                options[name] = value
+                break
+    return max_new_tokens, options
+
+
+def warn_unrun_beams(sources, options: dict, what: str = "generate") -> None:
+    """Beam search is not run: asked for by the call, generation_lengths refuses it; asked for by the generation
+    config alone, a warning (decoding greedily or by sampling instead, as the other settings say)."""
+    beams = config_value(sources, "num_beams")
+    if beams is not None and int(beams) > 1 and "num_beams" not in options:
+        warnings.warn(f"{what}: the model's generation config asks for beam search (num_beams={beams}), which "
+                      "vkformers does not run; decoding without it (pass num_beams=1 to silence this)", stacklevel=3)
+
+
+def pop_rule_arguments(options: dict) -> dict:
+    """generate's LogitRules arguments, taken out of its other keyword arguments."""
+    return {name: options.pop(name) for name in RULE_ARGUMENTS if name in options}
+
+
+def resolve_call(sources, options: dict, max_new_tokens, start_length: int, **sampling):
+    """One generate call's settings: (do_sample, temperature, top_k, top_p and repetition_penalty as a dict, its
+    Lengths, its LogitRules arguments). ``options``: generate's other keyword arguments, left without the rule
+    arguments; ``start_length``: the tokens before the first generated one."""
+    warn_unrun_beams(sources, options)
+    settings = sampling_settings(sources, **sampling)
+    rules = pop_rule_arguments(options)
+    max_new_tokens, lengths_options = config_lengths(sources, max_new_tokens, options, start_length)
+    lengths = generation_lengths(lengths_options, max_new_tokens, start_length, settings["do_sample"])
+    check_generation_settings(lengths.max_new_tokens, *(settings[name] for name in SAMPLING_DEFAULTS))
+    return settings, lengths, rules
+
+
+def _token_list(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple, np.ndarray)) else [value]
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise InputError(f"generate: {name} must be token ids (whole numbers >= 0), got {value!r}")
+    return [int(v) for v in values]
+
+
+@dataclass
+class LogitRules:
+    """transformers' logits processors that ban or force tokens (see the module's docstring). ``max_length``:
+    the whole sequence's length at which generation ends (forced_eos_token_id applies one step before);
+    ``begin_index``: the length at which begin_suppress_tokens apply (the first generated token's)."""
+
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple = ()
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: tuple = ()
+    suppress_tokens: tuple = ()
+    begin_suppress_tokens: tuple = ()
+    max_length: int = 0
+    begin_index: int = 0
+
+    @classmethod
+    def resolve(cls, sources, given: dict, *, start_length: int, max_length: int, eos: list[int]) -> "LogitRules":
+        """The rules from ``given`` (generate's arguments, pop_rule_arguments; one given as None is off, as in
+        transformers), else ``sources``. ``start_length``: the tokens before the first generated one (the prompt;
+        an encoder-decoder's decoder start)."""
+        value = {name: given[name] if name in given else config_value(sources, name) for name in RULE_ARGUMENTS}
+        ngram = value["no_repeat_ngram_size"] or 0
+        if isinstance(ngram, bool) or not isinstance(ngram, (int, np.integer)) or ngram < 0:
+            raise InputError(f"generate: no_repeat_ngram_size must be a whole number >= 0, got {ngram!r}")
+        bad = value["bad_words_ids"] or []
+        if not isinstance(bad, (list, tuple)) or not all(isinstance(s, (list, tuple)) and s for s in bad):
+            raise InputError(f"generate: bad_words_ids must be a list of token-id lists, got {bad!r}")
+        # as transformers: a banned "word" that is only the end-of-sequence token is dropped
+        bad = tuple(tuple(_token_list(s, "bad_words_ids")) for s in bad if list(s) not in [[e] for e in eos])
+        bos = value["forced_bos_token_id"]
+        forced_bos = _token_list(bos, "forced_bos_token_id")[0] if bos is not None else None
+        begin = start_length if start_length > 1 or forced_bos is None else start_length + 1
+        return cls(int(ngram), bad, forced_bos, tuple(_token_list(value["forced_eos_token_id"], "forced_eos_token_id")),
+                   tuple(_token_list(value["suppress_tokens"], "suppress_tokens")),
+                   tuple(_token_list(value["begin_suppress_tokens"], "begin_suppress_tokens")), int(max_length), begin)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.no_repeat_ngram_size or self.bad_words_ids or self.forced_bos_token_id is not None
+                    or self.forced_eos_token_id or self.suppress_tokens or self.begin_suppress_tokens)
+
+    def apply(self, scores: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Each row's ``scores`` [batch, vocab] for the token after ``tokens`` [batch, T] (a copy where changed)."""
+        if not self.active:
+            return scores
+        scores = scores.copy()
+        length = tokens.shape[1]
+        vocab = scores.shape[1]
+        n = self.no_repeat_ngram_size
+        if n and length + 1 >= n:
+            for row, seq in enumerate(tokens.tolist()):
+                prefix = tuple(seq[length - n + 1:]) if n > 1 else ()
+                banned = {seq[i + n - 1] for i in range(length - n + 1) if tuple(seq[i:i + n - 1]) == prefix}
+                scores[row, [t for t in banned if t < vocab]] = -np.inf
+        for word in self.bad_words_ids:
+            if word[-1] >= vocab:
+                continue
+            if len(word) == 1:
+                scores[:, word[0]] = -np.inf
+                continue
+            prefix = np.asarray(word[:-1])
+            if length >= len(prefix):
+                hit = (tokens[:, length - len(prefix):] == prefix).all(axis=1)
+                scores[hit, word[-1]] = -np.inf
+        if self.forced_bos_token_id is not None and length == 1:
+            scores[:] = -np.inf
+            scores[:, self.forced_bos_token_id] = 0.0
+        if self.forced_eos_token_id and length == self.max_length - 1:
+            scores[:] = -np.inf
+            scores[:, list(self.forced_eos_token_id)] = 0.0
+        if self.suppress_tokens:
+            scores[:, list(self.suppress_tokens)] = -np.inf
+        if self.begin_suppress_tokens and length == self.begin_index:
+            scores[:, list(self.begin_suppress_tokens)] = -np.inf
+        return scores

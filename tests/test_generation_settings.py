@@ -1,0 +1,85 @@
+"""generate's settings as transformers resolves them (models/generation_settings.py): the call's arguments, then the
+checkpoint's generation_config.json, then transformers' defaults, and the logits processors they turn on.
+
+tests/data/generation_settings.json (tools/make_generation_settings_reference.py) holds transformers' greedy tokens
+for fixtures run with forced bos and eos tokens, banned words (one and several tokens), suppressed tokens at every
+step and at the first, n-gram blocking, a minimum length, and generation_config.json files that set these with a
+repetition penalty and lengths; each case changes the plain greedy output (the script prints both). vkformers must
+give the same tokens. The sampling defaults, the beam-search warning, saving the generation config and bad
+arguments are checked on vkformers' own terms.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkformers.errors import InputError
+from vkformers.models.generation_settings import sampling_settings
+from vkformers.models.loading import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+ROOT = Path(__file__).parent
+REFERENCE = json.loads((ROOT / "data" / "generation_settings.json").read_text())
+
+
+def fixture_copy(tmp_path, fixture, generation_config=None):
+    folder = tmp_path / "model"
+    shutil.copytree(ROOT / "fixtures" / fixture, folder)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder
+
+
+@pytest.mark.parametrize("case", REFERENCE["cases"], ids=[c["name"] for c in REFERENCE["cases"]])
+def test_generate_gives_transformers_tokens_under_its_settings(case, tmp_path):
+    folder = fixture_copy(tmp_path, case["fixture"], case["generation_config"])
+    if case["kind"] == "seq2seq":
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder, requires_grad=False)
+        ids = np.array(REFERENCE["seq2seq_prompt"], np.int64)
+        mask = np.ones_like(ids)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
+        ids = np.array(REFERENCE["decoder_prompts"], np.int64)
+        mask = np.array(REFERENCE["decoder_mask"], np.int64)
+    tokens = model.generate(ids, attention_mask=mask, do_sample=False, **case["kwargs"])
+    assert tokens.tolist() == case["tokens"]
+
+
+def test_sampling_takes_the_generation_configs_settings_then_transformers_defaults(tmp_path):
+    assert sampling_settings((None, {}), do_sample=True) == {"do_sample": True, "temperature": 1.0, "top_k": 50,
+                                                              "top_p": 1.0, "repetition_penalty": 1.0}
+    configured = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.8, "repetition_penalty": 1.1}
+    assert sampling_settings(({**configured, "top_k": 0},), top_k=7) == {**configured, "top_k": 7}
+    model = AutoModelForCausalLM.from_pretrained(fixture_copy(tmp_path, "llama", {**configured, "eos_token_id": 2}),
+                                                 requires_grad=False)
+    prompt = np.array([[5, 17, 22, 9]], np.int64)
+    drawn = model.generate(prompt, max_new_tokens=8, seed=3)  # samples, as the generation config says
+    explicit = {k: v for k, v in configured.items()}
+    np.testing.assert_array_equal(drawn, model.generate(prompt, max_new_tokens=8, seed=3, **explicit))
+    assert not np.array_equal(drawn, model.generate(prompt, max_new_tokens=8, seed=3, do_sample=False))
+
+
+def test_a_generation_config_asking_for_beams_warns_and_is_saved_again(tmp_path):
+    config = {"decoder_start_token_id": 2, "eos_token_id": 2, "pad_token_id": 0, "num_beams": 4}
+    model = AutoModelForSeq2SeqLM.from_pretrained(fixture_copy(tmp_path, "seq2seq/bart", config), requires_grad=False)
+    prompt = np.array(REFERENCE["seq2seq_prompt"], np.int64)
+    with pytest.warns(UserWarning, match=r"beam search \(num_beams=4\)"):
+        model.generate(prompt, max_new_tokens=2)
+    with pytest.raises(InputError, match="beam search"):
+        model.generate(prompt, max_new_tokens=2, num_beams=3)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "generation_config.json").read_text()) == config
+
+
+@pytest.mark.parametrize("argument, message", [
+    ({"bad_words_ids": [11]}, "bad_words_ids must be a list of token-id lists"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size must be a whole number"),
+    ({"forced_bos_token_id": "a"}, "forced_bos_token_id must be token ids"),
+])
+def test_bad_processor_arguments_are_refused_by_name(argument, message):
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    with pytest.raises(InputError, match=message):
+        model.generate(np.array([[5, 17]], np.int64), max_new_tokens=2, **argument)

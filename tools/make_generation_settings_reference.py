@@ -1,0 +1,92 @@
+"""Write tests/data/generation_settings.json: transformers' greedy generate under generation settings and logits
+processors (forced, banned and suppressed tokens, n-gram blocking, minimum lengths, a generation_config.json).
+
+Each case runs transformers' ``generate`` on a fixture's checkpoint (tests/fixtures/<fixture>), greedy, with the
+keyword arguments given, after ``generation_config.json`` is replaced by the case's ``generation_config`` where
+there is one (the fixture's own otherwise). tests/test_generation_settings.py runs vkformers the same way and
+compares the tokens.
+
+    /tmp/tfvenv/bin/python tools/make_generation_settings_reference.py
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "data" / "generation_settings.json"
+DECODER_PROMPTS = [[0, 0, 9, 14, 9, 14, 9, 30], [5, 17, 22, 9, 14, 41, 3, 8]]  # row 0 left-padded (pad id 0)
+DECODER_MASK = [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]
+SEQ2SEQ_PROMPT = [[5, 17, 22, 9, 14, 41, 3, 8, 2]]
+PLAIN = {"forced_eos_token_id": None}  # the cases' plain greedy run, to show that each case changes it
+CASES = [
+    # name, fixture, kind, generate's keyword arguments, generation_config.json (None: the fixture's)
+    ("bart_config_forced_eos", "seq2seq/bart", "seq2seq", {"max_new_tokens": 8}, None),
+    ("bart_forced_bos", "seq2seq/bart", "seq2seq", {"max_new_tokens": 6, "forced_bos_token_id": 7}, None),
+    ("bart_no_repeat_bigrams", "seq2seq/bart", "seq2seq",
+     {"max_new_tokens": 12, "no_repeat_ngram_size": 2, "forced_eos_token_id": None}, None),
+    ("bart_bad_words", "seq2seq/bart", "seq2seq",
+     {"max_new_tokens": 10, "bad_words_ids": [[11], [46, 46], [3, 4, 5]], "forced_eos_token_id": None}, None),
+    ("bart_suppressed", "seq2seq/bart", "seq2seq",
+     {"max_new_tokens": 8, "suppress_tokens": [11, 46], "begin_suppress_tokens": [7, 9],
+      "forced_eos_token_id": None}, None),
+    ("bart_min_length", "seq2seq/bart", "seq2seq", {"max_new_tokens": 10, "min_length": 7, "eos_token_id": 46},
+     None),
+    ("marian_generation_config", "seq2seq/marian", "seq2seq", {},
+     {"decoder_start_token_id": 0, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, "max_length": 9,
+      "bad_words_ids": [[0]], "no_repeat_ngram_size": 2, "forced_eos_token_id": 2}),
+    ("llama_no_repeat_trigrams", "llama", "decoder", {"max_new_tokens": 10, "no_repeat_ngram_size": 3}, None),
+    ("llama_bad_words", "llama", "decoder", {"max_new_tokens": 8, "bad_words_ids": [[28], [19, 43], [31]]}, None),
+    ("llama_generation_config", "llama", "decoder", {},
+     {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 7, "min_new_tokens": 5,
+      "repetition_penalty": 1.3, "suppress_tokens": [4], "begin_suppress_tokens": [5, 6],
+      "forced_eos_token_id": 3}),
+]
+
+
+def run(case) -> list[list[int]]:
+    name, fixture, kind, kwargs, generation_config = case
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        shutil.copytree(ROOT / "tests" / "fixtures" / fixture, folder)
+        if generation_config is not None:
+            (folder / "generation_config.json").write_text(json.dumps(generation_config))
+        if kind == "seq2seq":
+            model = AutoModelForSeq2SeqLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+            ids = torch.tensor(SEQ2SEQ_PROMPT)
+            out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                        **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+            ids = torch.tensor(DECODER_PROMPTS)
+            out = model.eval().generate(input_ids=ids, attention_mask=torch.tensor(DECODER_MASK), do_sample=False,
+                                        **kwargs)
+    return out.tolist()
+
+
+def main():
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    import transformers
+    reference = {"transformers_version": transformers.__version__, "torch_version": torch.__version__,
+                 "decoder_prompts": DECODER_PROMPTS, "decoder_mask": DECODER_MASK, "seq2seq_prompt": SEQ2SEQ_PROMPT,
+                 "cases": []}
+    for case in CASES:
+        name, fixture, kind, kwargs, generation_config = case
+        tokens = run(case)
+        lengths = {k: v for k, v in kwargs.items() if k == "max_new_tokens"} or {"max_new_tokens": len(tokens[0])}
+        plain = run((name, fixture, kind, {**PLAIN, **lengths}, None))
+        reference["cases"].append({"name": name, "fixture": fixture, "kind": kind, "kwargs": kwargs,
+                                   "generation_config": generation_config, "tokens": tokens})
+        print(name, tokens, "plain:", plain, file=sys.stderr)
+    OUT.write_text(json.dumps(reference, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
