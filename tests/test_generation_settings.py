@@ -36,9 +36,10 @@ def fixture_copy(tmp_path, fixture, generation_config=None):
 @pytest.mark.parametrize("case", REFERENCE["cases"], ids=[c["name"] for c in REFERENCE["cases"]])
 def test_generate_gives_transformers_tokens_under_its_settings(case, tmp_path):
     folder = fixture_copy(tmp_path, case["fixture"], case["generation_config"])
-    if case["kind"] == "seq2seq":
+    if case["kind"].startswith("seq2seq"):
         model = AutoModelForSeq2SeqLM.from_pretrained(folder, requires_grad=False)
-        ids = np.array(REFERENCE["seq2seq_prompt"], np.int64)
+        ids = np.array(REFERENCE["seq2seq_prompts" if case["kind"] == "seq2seq_batch" else "seq2seq_prompt"],
+                       np.int64)
         mask = np.ones_like(ids)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
@@ -62,16 +63,28 @@ def test_sampling_takes_the_generation_configs_settings_then_transformers_defaul
     assert not np.array_equal(drawn, model.generate(prompt, max_new_tokens=8, seed=3, do_sample=False))
 
 
-def test_a_generation_config_asking_for_beams_warns_and_is_saved_again(tmp_path):
-    config = {"decoder_start_token_id": 2, "eos_token_id": 2, "pad_token_id": 0, "num_beams": 4}
-    model = AutoModelForSeq2SeqLM.from_pretrained(fixture_copy(tmp_path, "seq2seq/bart", config), requires_grad=False)
-    prompt = np.array(REFERENCE["seq2seq_prompt"], np.int64)
+def test_a_generation_config_asking_for_beams_a_decoder_does_not_run_warns_and_is_saved_again(tmp_path):
+    config = {"eos_token_id": 2, "pad_token_id": 0, "num_beams": 4}
+    model = AutoModelForCausalLM.from_pretrained(fixture_copy(tmp_path, "llama", config), requires_grad=False)
+    prompt = np.array([[5, 17, 22, 9]], np.int64)
     with pytest.warns(UserWarning, match=r"beam search \(num_beams=4\)"):
         model.generate(prompt, max_new_tokens=2)
     with pytest.raises(InputError, match="beam search"):
         model.generate(prompt, max_new_tokens=2, num_beams=3)
     model.save_pretrained(tmp_path / "saved")
     assert json.loads((tmp_path / "saved" / "generation_config.json").read_text()) == config
+
+
+@pytest.mark.parametrize("argument, message", [
+    ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences=3 is more than num_beams=2"),
+    ({"num_beams": 2, "do_sample": True}, "beam sampling"),
+    ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping must be"),
+    ({"num_beams": 0}, "num_beams must be a whole number >= 1"),
+])
+def test_bad_beam_arguments_are_refused_by_name(argument, message):
+    model = AutoModelForSeq2SeqLM.from_pretrained(ROOT / "fixtures" / "seq2seq" / "bart", requires_grad=False)
+    with pytest.raises(InputError, match=message):
+        model.generate(np.array(REFERENCE["seq2seq_prompt"], np.int64), max_new_tokens=2, **argument)
 
 
 @pytest.mark.parametrize("argument, message", [

@@ -240,3 +240,20 @@ def test_cache_errors():
         KVCache(1, 1, 1, 4, max_len=3).attend(0, x, x, x, key_padding_mask=np.ones((1, 5)))
     cache.reset()
     assert cache.position == 0 and cache.keys[0].dtype is dt.float32
+
+
+def test_reorder_rows_gives_each_row_the_one_named():
+    """Beam search's step (models/beam_search.py): row i takes what row rows[i] held, keys, values and mask."""
+    cache = KVCache(num_layers=2, batch=3, kv_heads=2, head_dim=4, max_len=5)
+    rng = np.random.default_rng(0)
+    keys = [rng.standard_normal((3, 2, 5, 4)).astype(np.float32) for _ in range(2)]
+    values = [rng.standard_normal((3, 2, 5, 4)).astype(np.float32) for _ in range(2)]
+    for held, array in zip(cache.keys + cache.values, keys + values):
+        held.assign(vkf.tensor(array))
+    cache.mask[1, :2] = 0
+    cache.reorder_rows([1, 1, 0])
+    for held, array in zip(cache.keys + cache.values, keys + values):
+        np.testing.assert_array_equal(held.numpy(), array[[1, 1, 0]])
+    assert cache.mask[:, :2].tolist() == [[0, 0], [0, 0], [1, 1]]
+    with pytest.raises(ValueError, match="rows of 0..2"):
+        cache.reorder_rows([0, 3, 1])

@@ -2,7 +2,7 @@
 processors (forced, banned and suppressed tokens, n-gram blocking, minimum lengths, a generation_config.json).
 
 Each case runs transformers' ``generate`` on a fixture's checkpoint (tests/fixtures/<fixture>), greedy, with the
-keyword arguments given, after ``generation_config.json`` is replaced by the case's ``generation_config`` where
+keyword arguments given (beam search where they ask for it), after ``generation_config.json`` is replaced by the case's ``generation_config`` where
 there is one (the fixture's own otherwise). tests/test_generation_settings.py runs vkformers the same way and
 compares the tokens.
 
@@ -24,6 +24,7 @@ OUT = ROOT / "tests" / "data" / "generation_settings.json"
 DECODER_PROMPTS = [[0, 0, 9, 14, 9, 14, 9, 30], [5, 17, 22, 9, 14, 41, 3, 8]]  # row 0 left-padded (pad id 0)
 DECODER_MASK = [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]
 SEQ2SEQ_PROMPT = [[5, 17, 22, 9, 14, 41, 3, 8, 2]]
+SEQ2SEQ_PROMPTS = [[5, 17, 22, 9, 14, 41, 3, 8, 2], [30, 12, 7, 7, 19, 25, 40, 33, 2]]
 PLAIN = {"forced_eos_token_id": None}  # the cases' plain greedy run, to show that each case changes it
 CASES = [
     # name, fixture, kind, generate's keyword arguments, generation_config.json (None: the fixture's)
@@ -41,6 +42,18 @@ CASES = [
     ("marian_generation_config", "seq2seq/marian", "seq2seq", {},
      {"decoder_start_token_id": 0, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, "max_length": 9,
       "bad_words_ids": [[0]], "no_repeat_ngram_size": 2, "forced_eos_token_id": 2}),
+    # beam search (encoder-decoders)
+    ("bart_beams", "seq2seq/bart", "seq2seq", {"max_new_tokens": 8, "num_beams": 4}, None),
+    ("bart_beams_two_prompts_eos", "seq2seq/bart", "seq2seq_batch",
+     {"max_new_tokens": 9, "num_beams": 3, "num_return_sequences": 2, "eos_token_id": 1, "length_penalty": 2.0,
+      "early_stopping": "never", "forced_eos_token_id": None}, None),
+    ("bart_beams_early_stopping", "seq2seq/bart", "seq2seq_batch",
+     {"max_new_tokens": 10, "num_beams": 2, "eos_token_id": [1, 29], "early_stopping": True,
+      "length_penalty": 0.5}, None),
+    ("marian_beams_generation_config", "seq2seq/marian", "seq2seq", {},
+     {"decoder_start_token_id": 0, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, "max_length": 10,
+      "num_beams": 3, "length_penalty": 0.6, "bad_words_ids": [[0]], "no_repeat_ngram_size": 2,
+      "repetition_penalty": 1.2, "min_new_tokens": 3}),
     ("llama_no_repeat_trigrams", "llama", "decoder", {"max_new_tokens": 10, "no_repeat_ngram_size": 3}, None),
     ("llama_bad_words", "llama", "decoder", {"max_new_tokens": 8, "bad_words_ids": [[28], [19, 43], [31]]}, None),
     ("llama_generation_config", "llama", "decoder", {},
@@ -57,9 +70,9 @@ def run(case) -> list[list[int]]:
         shutil.copytree(ROOT / "tests" / "fixtures" / fixture, folder)
         if generation_config is not None:
             (folder / "generation_config.json").write_text(json.dumps(generation_config))
-        if kind == "seq2seq":
+        if kind.startswith("seq2seq"):
             model = AutoModelForSeq2SeqLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
-            ids = torch.tensor(SEQ2SEQ_PROMPT)
+            ids = torch.tensor(SEQ2SEQ_PROMPTS if kind == "seq2seq_batch" else SEQ2SEQ_PROMPT)
             out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                         **kwargs)
         else:
@@ -76,11 +89,13 @@ def main():
     import transformers
     reference = {"transformers_version": transformers.__version__, "torch_version": torch.__version__,
                  "decoder_prompts": DECODER_PROMPTS, "decoder_mask": DECODER_MASK, "seq2seq_prompt": SEQ2SEQ_PROMPT,
+                 "seq2seq_prompts": SEQ2SEQ_PROMPTS,
                  "cases": []}
     for case in CASES:
         name, fixture, kind, kwargs, generation_config = case
         tokens = run(case)
-        lengths = {k: v for k, v in kwargs.items() if k == "max_new_tokens"} or {"max_new_tokens": len(tokens[0])}
+        lengths = ({k: v for k, v in kwargs.items() if k == "max_new_tokens"}
+                   or {"max_new_tokens": len(tokens[0]) - (1 if kind.startswith("seq2seq") else 8)})
         plain = run((name, fixture, kind, {**PLAIN, **lengths}, None))
         reference["cases"].append({"name": name, "fixture": fixture, "kind": kind, "kwargs": kwargs,
                                    "generation_config": generation_config, "tokens": tokens})

@@ -184,6 +184,24 @@ class KVCache:
         self.place_states(source, source_row, row, rows)
         self._step = None
 
+    def reorder_rows(self, rows) -> None:
+        """Make each row ``i`` hold what row ``rows[i]`` holds now (keys, values and mask): beam search following
+        its beams from one step to the next. The copies run with the next realization."""
+        state = self.layer_state()
+        if state:
+            raise RowStateError(f"{type(self).__name__}.reorder_rows: the model keeps {', '.join(state)} on its cache "
+                                "besides keys and values, which rows cannot be reordered with")
+        rows = np.asarray(rows, np.int64)
+        if rows.shape != (self.batch,) or rows.min() < 0 or rows.max() >= self.batch:
+            raise ValueError(f"{type(self).__name__}.reorder_rows: {rows.shape[0]} rows of 0..{self.batch - 1} needed")
+        if (rows == np.arange(self.batch)).all():
+            return
+        index = tensor(rows.astype(np.int32), dtype=dt.int32, device=self.device)
+        for held in (*self.keys, *self.values):
+            held.assign(F.embedding(index, held.reshape(self.batch, -1)).reshape(held.shape))
+        self.mask = self.mask[rows]
+        self._step = None
+
     def place_states(self, source: "KVCache", source_row: int, row: int, rows: int) -> None:
         """place_row's move of the per-row recurrent states (ROW_STATES) of ``source``'s rows into ``row``..: a
         state holds all its row's tokens, wherever they sit in the columns."""

@@ -73,7 +73,7 @@ class GenerationMixin:
         if ids.ndim == 1:
             ids = ids[None]
         sources = generation_sources(self)
-        settings, lengths, given_rules = resolve_call(
+        settings, lengths, given_rules, _ = resolve_call(
             sources, options, max_new_tokens, ids.shape[-1], do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
         do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
@@ -329,7 +329,7 @@ def _device(model):
 
 
 def _config_value(model, name):
-    """``name`` from the model's generation_config (dict or object), else from its config (dict or object)."""
+    """``name`` from the model's generation_config where it has one, else from its config (dicts or objects)."""
     return config_value(generation_sources(model), name)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkformers.errors import InputError
+from vkformers.models.beam_search import check_beam_settings
 from vkformers.models.inputs import check_generation_settings, generation_lengths
 
 # transformers' GenerationConfig defaults for what generate's sampling arguments leave out
@@ -41,11 +42,16 @@ def config_value(sources, name: str):
 
 
 def generation_sources(model) -> tuple:
-    """Where ``model``'s generation settings come from, first found wins: its generation_config, then its config
-    (a model may name others: an encoder-decoder's decoder config, ``generation_configs``)."""
+    """Where ``model``'s generation settings come from, first found wins: as in transformers, its generation
+    config where the checkpoint has one, else its config (a model may name more: ``generation_configs``)."""
     if hasattr(model, "generation_configs"):
         return tuple(model.generation_configs())
-    return getattr(model, "generation_config", None), getattr(model, "config", None)
+    return model_generation_sources(model)
+
+
+def model_generation_sources(model) -> tuple:
+    generation = getattr(model, "generation_config", None)
+    return (generation,) if generation is not None else (getattr(model, "config", None),)
 
 
 def sampling_settings(sources, **given) -> dict:
@@ -79,13 +85,34 @@ def config_lengths(sources, max_new_tokens, options: dict, start_length: int):
     return max_new_tokens, options
 
 
-def warn_unrun_beams(sources, options: dict, what: str = "generate") -> None:
-    """Beam search is not run: asked for by the call, generation_lengths refuses it; asked for by the generation
-    config alone, a warning (decoding greedily or by sampling instead, as the other settings say)."""
-    beams = config_value(sources, "num_beams")
-    if beams is not None and int(beams) > 1 and "num_beams" not in options:
+@dataclass(frozen=True)
+class BeamSettings:
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+
+BEAM_ARGUMENTS = ("num_beams", "length_penalty", "early_stopping")
+
+
+def beam_settings(sources, options: dict, supported: bool, what: str = "generate") -> BeamSettings:
+    """num_beams, length_penalty and early_stopping (popped from ``options``), else from ``sources``, else
+    transformers' defaults. Where beam search is not ``supported``, a call asking for it is refused and a
+    generation config asking for it gives a warning (decoding goes on without it)."""
+    given = {name: options.pop(name) for name in BEAM_ARGUMENTS if name in options}
+    value = {name: given[name] if given.get(name) is not None else config_value(sources, name)
+             for name in BEAM_ARGUMENTS}
+    beams = value["num_beams"] if value["num_beams"] is not None else 1
+    if not supported and beams != 1:
+        if "num_beams" in given:
+            raise InputError(f"generate: beam search (num_beams={beams!r}) is not supported for this model; use "
+                             "num_beams=1, and do_sample=True with num_return_sequences for several candidates")
         warnings.warn(f"{what}: the model's generation config asks for beam search (num_beams={beams}), which "
-                      "vkformers does not run; decoding without it (pass num_beams=1 to silence this)", stacklevel=3)
+                      "vkformers does not run for this model; decoding without it (pass num_beams=1 to silence "
+                      "this)", stacklevel=4)
+        return BeamSettings()
+    return BeamSettings(beams, 1.0 if value["length_penalty"] is None else value["length_penalty"],
+                        False if value["early_stopping"] is None else value["early_stopping"])
 
 
 def pop_rule_arguments(options: dict) -> dict:
@@ -93,17 +120,22 @@ def pop_rule_arguments(options: dict) -> dict:
     return {name: options.pop(name) for name in RULE_ARGUMENTS if name in options}
 
 
-def resolve_call(sources, options: dict, max_new_tokens, start_length: int, **sampling):
+def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beams: bool = False, **sampling):
     """One generate call's settings: (do_sample, temperature, top_k, top_p and repetition_penalty as a dict, its
-    Lengths, its LogitRules arguments). ``options``: generate's other keyword arguments, left without the rule
-    arguments; ``start_length``: the tokens before the first generated one."""
-    warn_unrun_beams(sources, options)
+    Lengths, its LogitRules arguments, its BeamSettings). ``options``: generate's other keyword arguments, left
+    without the rule and beam arguments; ``start_length``: the tokens before the first generated one; ``beams``:
+    whether this generate runs beam search."""
+    beam = beam_settings(sources, options, beams)
     settings = sampling_settings(sources, **sampling)
     rules = pop_rule_arguments(options)
     max_new_tokens, lengths_options = config_lengths(sources, max_new_tokens, options, start_length)
-    lengths = generation_lengths(lengths_options, max_new_tokens, start_length, settings["do_sample"])
+    lengths = generation_lengths(lengths_options, max_new_tokens, start_length,
+                                 settings["do_sample"] or beam.num_beams > 1)
     check_generation_settings(lengths.max_new_tokens, *(settings[name] for name in SAMPLING_DEFAULTS))
-    return settings, lengths, rules
+    if beam.num_beams != 1:
+        check_beam_settings(beam.num_beams, lengths.num_return_sequences, beam.length_penalty, beam.early_stopping,
+                            settings["do_sample"])
+    return settings, lengths, rules, beam
 
 
 def _token_list(value, name: str) -> list[int]:

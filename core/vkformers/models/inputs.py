@@ -278,9 +278,6 @@ def generation_lengths(options: dict, max_new_tokens, start_length: int, do_samp
     if not isinstance(options.pop("use_cache", True), bool):
         raise InputError("generate: use_cache must be True or False (vkformers always decodes with a cache)")
     for name, value in options.items():
-        if name == "num_beams" and value != 1:
-            raise InputError(f"generate: beam search (num_beams={value!r}) is not supported; use num_beams=1, and "
-                             "do_sample=True with num_return_sequences for several candidates")
         if name not in NEUTRAL_OPTIONS:
             raise InputError(f"generate: unknown argument {name!r}")
         if value != NEUTRAL_OPTIONS[name]:
@@ -299,8 +296,8 @@ def generation_lengths(options: dict, max_new_tokens, start_length: int, do_samp
     check_number("min_new_tokens", 0 if min_new_tokens is None else min_new_tokens, low=0, integer=True)
     check_number("num_return_sequences", count, low=1, integer=True)
     if count > 1 and not do_sample:
-        raise InputError(f"generate: num_return_sequences={count} needs do_sample=True (greedy decoding gives one "
-                         "sequence per prompt)")
+        raise InputError(f"generate: num_return_sequences={count} needs do_sample=True or num_beams >= "
+                         f"{count} (greedy decoding gives one sequence per prompt)")
     return Lengths(int(max_new_tokens), int(min_new_tokens or 0), int(count))
 
 

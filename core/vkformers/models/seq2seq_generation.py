@@ -23,9 +23,10 @@ import numpy as np
 from vkformers.engine.function import no_grad
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.decode_capture import to_scores
-from vkformers.models.generation import pick_next_tokens
-from vkformers.models.generation_settings import (RULE_ARGUMENTS, LogitRules, config_value, generation_sources,
-                                                 resolve_call)
+from vkformers.models.generation import _apply_repetition_penalty, pick_next_tokens
+from vkformers.models.beam_search import BeamSearch, log_softmax
+from vkformers.models.generation_settings import (BEAM_ARGUMENTS, RULE_ARGUMENTS, LogitRules, config_value,
+                                                 generation_sources, model_generation_sources, resolve_call)
 from vkformers.models.inputs import TRANSFORMERS_ARGUMENTS, check_model_inputs, check_prompt_length, id_array
 
 
@@ -33,8 +34,9 @@ class Seq2SeqGenerationMixin:
     generation_encoder_inputs: tuple = ()
 
     def generation_configs(self) -> tuple:
-        """Where generate reads its defaults (eos, pad, decoder start): the generation config, then the config."""
-        return getattr(self, "generation_config", None), getattr(self, "config", None)
+        """Where generate reads its settings (eos, pad, decoder start, ...): the generation config where the
+        checkpoint has one, else the config (models/generation_settings.py)."""
+        return model_generation_sources(self)
 
     def generation_setting(self, name: str):
         return config_value(self.generation_configs(), name)
@@ -62,26 +64,30 @@ class Seq2SeqGenerationMixin:
         resolves them. Other keyword arguments go to the encoder, where the model takes them (LED's
         global_attention_mask)."""
         options = {k: encoder_inputs.pop(k) for k in list(encoder_inputs) if k not in self.generation_encoder_inputs}
-        unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS and k not in RULE_ARGUMENTS)
+        unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS and k not in RULE_ARGUMENTS
+                         and k not in BEAM_ARGUMENTS)
         if unknown:
             raise InputError(f"generate: {getattr(self, 'architecture_name', type(self).__name__)} takes no "
                              f"{unknown[0]}; leave it out")
         sources = generation_sources(self)
-        settings, lengths, given_rules = resolve_call(
-            sources, options, max_new_tokens, 1, do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, repetition_penalty=repetition_penalty)
+        settings, lengths, given_rules, beam = resolve_call(
+            sources, options, max_new_tokens, 1, beams=True, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
         do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
         max_new_tokens = lengths.max_new_tokens
         limits = self.input_limits()
         check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
         check_prompt_length(limits, 1, max_new_tokens, decoder=True)
+        if beam.num_beams > 1 and output_logits:
+            raise InputError("generate: output_logits with beam search is not supported; leave one of them out")
         ids = id_array(input_ids)
+        copies = beam.num_beams if beam.num_beams > 1 else lengths.num_return_sequences  # rows per prompt
         if attention_mask is not None:
-            attention_mask = np.repeat(id_array(attention_mask), lengths.num_return_sequences, axis=0)
-        ids = np.repeat(ids, lengths.num_return_sequences, axis=0)
-        if lengths.num_return_sequences > 1:  # LED's global_attention_mask: one row per returned sequence too
-            encoder_inputs = {k: np.repeat(v.numpy() if hasattr(v, "numpy") else np.asarray(v),
-                                           lengths.num_return_sequences, axis=0) for k, v in encoder_inputs.items()}
+            attention_mask = np.repeat(id_array(attention_mask), copies, axis=0)
+        ids = np.repeat(ids, copies, axis=0)
+        if copies > 1:  # LED's global_attention_mask: one row per returned sequence (or beam) too
+            encoder_inputs = {k: np.repeat(v.numpy() if hasattr(v, "numpy") else np.asarray(v), copies, axis=0)
+                              for k, v in encoder_inputs.items()}
         batch = ids.shape[0]
         eos = self.generation_setting("eos_token_id") if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
@@ -106,6 +112,11 @@ class Seq2SeqGenerationMixin:
         with no_grad():
             states = self.generation_encoder_states(ids, mask, **encoder_inputs)
             cache = self.generation_cache(batch, 1 + max(max_new_tokens, 1), states, mask)
+            if beam.num_beams > 1:
+                search = BeamSearch(tokens[::beam.num_beams], beam.num_beams, 1 + max_new_tokens, eos, pad,
+                                    beam.length_penalty, beam.early_stopping, lengths.num_return_sequences)
+                return self._search_beams(search, states, mask, cache, repetition_penalty, rules,
+                                          eos, lengths.min_new_tokens)
             unfinished = np.ones(batch, bool)
             next_input = tokens
             for step in range(max_new_tokens):
@@ -125,3 +136,20 @@ class Seq2SeqGenerationMixin:
             vocab = limits.decoder_vocab_size or limits.vocab_size
             return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, vocab), np.float32)
         return tokens
+
+    def _search_beams(self, search: BeamSearch, states, mask, cache, repetition_penalty, rules, eos,
+                      min_new_tokens: int) -> np.ndarray:
+        """generate's beam search (models/beam_search.py): each step's log-probabilities processed as transformers
+        processes them (the repetition penalty, ``rules``, end tokens held back before ``min_new_tokens``), the
+        cache's rows following the beams."""
+        while not search.done:
+            tokens = search.sequences
+            logits = self.generation_step(tokens[:, -1:], states, mask, cache)
+            scores = log_softmax(to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy()))
+            if tokens.shape[1] - 1 < min_new_tokens and eos:
+                scores[:, eos] = -np.inf
+            scores = rules.apply(_apply_repetition_penalty(scores, tokens, repetition_penalty), tokens)
+            rows = search.step(scores)
+            if not search.done:
+                cache.reorder_rows(rows)
+        return search.result()

@@ -396,7 +396,7 @@ class XLNetLMHeadModel(XLNetTransformer):
         tokens = _host(input_ids, np.int64)
         tokens = tokens[None] if tokens.ndim == 1 else tokens
         sources = generation_sources(self)
-        settings, lengths, given_rules = resolve_call(
+        settings, lengths, given_rules, _ = resolve_call(
             sources, options, max_new_tokens, tokens.shape[-1], do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
         do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
