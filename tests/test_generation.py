@@ -630,7 +630,7 @@ def test_num_return_sequences_samples_each_prompt_that_often(model):
 
 
 def test_transformers_arguments_it_cannot_honour_are_refused(model):
-    for kwargs, message in [(dict(num_beams=4), r"beam search \(num_beams=4\) is not supported"),
+    for kwargs, message in [(dict(num_beams=4, do_sample=True), r"beam search with do_sample=True"),
                             (dict(num_return_sequences=2), r"num_return_sequences=2 needs do_sample=True"),
                             (dict(max_length=PROMPT.shape[1]), r"max_length=7 leaves no room"),
                             (dict(output_scores=True), r"output_scores=True is not supported"),

@@ -63,9 +63,10 @@ def test_sampling_takes_the_generation_configs_settings_then_transformers_defaul
     assert not np.array_equal(drawn, model.generate(prompt, max_new_tokens=8, seed=3, do_sample=False))
 
 
-def test_a_generation_config_asking_for_beams_a_decoder_does_not_run_warns_and_is_saved_again(tmp_path):
+def test_a_generation_config_asking_for_beams_a_model_does_not_run_warns_and_is_saved_again(tmp_path):
+    """Mamba-2 keeps recurrent state per row, which beams do not move: no beam search."""
     config = {"eos_token_id": 2, "pad_token_id": 0, "num_beams": 4}
-    model = AutoModelForCausalLM.from_pretrained(fixture_copy(tmp_path, "llama", config), requires_grad=False)
+    model = AutoModelForCausalLM.from_pretrained(fixture_copy(tmp_path, "mamba2", config), requires_grad=False)
     prompt = np.array([[5, 17, 22, 9]], np.int64)
     with pytest.warns(UserWarning, match=r"beam search \(num_beams=4\)"):
         model.generate(prompt, max_new_tokens=2)

@@ -54,6 +54,11 @@ CASES = [
      {"decoder_start_token_id": 0, "eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1, "max_length": 10,
       "num_beams": 3, "length_penalty": 0.6, "bad_words_ids": [[0]], "no_repeat_ngram_size": 2,
       "repetition_penalty": 1.2, "min_new_tokens": 3}),
+    # beam search (decoder-only, a left-padded batch)
+    ("llama_beams", "llama", "decoder", {"max_new_tokens": 7, "num_beams": 3, "num_return_sequences": 2}, None),
+    ("llama_beams_generation_config", "llama", "decoder", {},
+     {"bos_token_id": 1, "eos_token_id": [43, 45], "pad_token_id": 0, "max_new_tokens": 8, "num_beams": 4,
+      "length_penalty": 1.5, "early_stopping": "never", "no_repeat_ngram_size": 2}),
     ("llama_no_repeat_trigrams", "llama", "decoder", {"max_new_tokens": 10, "no_repeat_ngram_size": 3}, None),
     ("llama_bad_words", "llama", "decoder", {"max_new_tokens": 8, "bad_words_ids": [[28], [19, 43], [31]]}, None),
     ("llama_generation_config", "llama", "decoder", {},

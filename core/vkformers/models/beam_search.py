@@ -49,6 +49,18 @@ def check_beam_settings(num_beams, num_return_sequences: int, length_penalty, ea
         raise InputError(f"generate: early_stopping must be True, False or 'never', got {early_stopping!r}")
 
 
+def search_beams(search: "BeamSearch", logits: np.ndarray, process, advance) -> np.ndarray:
+    """Run ``search`` to its end and return its result. ``logits`` [rows, vocab]: the first step's;
+    ``process(log_probs, tokens)``: transformers' logits processors on a step's log-softmax after the rows'
+    ``tokens``; ``advance(rows, tokens)``: move the model's cache rows as ``rows`` says (BeamSearch.step) and
+    return the logits of the step after ``tokens``."""
+    while True:
+        rows = search.step(process(log_softmax(logits), search.sequences))
+        if search.done:
+            return search.result()
+        logits = advance(rows, search.sequences)
+
+
 class BeamSearch:
     """The search state of ``prompts`` [N, P] (int64; an encoder-decoder's decoder start tokens) with ``num_beams``
     beams each, up to ``max_length`` tokens in all (prompt included). Feed :meth:`step` each step's processed

@@ -186,7 +186,7 @@ class KVCache:
 
     def reorder_rows(self, rows) -> None:
         """Make each row ``i`` hold what row ``rows[i]`` holds now (keys, values and mask): beam search following
-        its beams from one step to the next. The copies run with the next realization."""
+        its beams from one step to the next. The copies run now (a replayed decode step reads the buffers)."""
         state = self.layer_state()
         if state:
             raise RowStateError(f"{type(self).__name__}.reorder_rows: the model keeps {', '.join(state)} on its cache "
@@ -199,7 +199,8 @@ class KVCache:
         index = tensor(rows.astype(np.int32), dtype=dt.int32, device=self.device)
         for held in (*self.keys, *self.values):
             held.assign(F.embedding(index, held.reshape(self.batch, -1)).reshape(held.shape))
-        self.mask = self.mask[rows]
+        realize([held.lazy for held in (*self.keys, *self.values)])
+        self.mask[:] = self.mask[rows]
         self._step = None
 
     def place_states(self, source: "KVCache", source_row: int, row: int, rows: int) -> None:

@@ -24,6 +24,7 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
+from vkformers.models.beam_search import BeamSearch, search_beams
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
@@ -73,9 +74,9 @@ class GenerationMixin:
         if ids.ndim == 1:
             ids = ids[None]
         sources = generation_sources(self)
-        settings, lengths, given_rules, _ = resolve_call(
-            sources, options, max_new_tokens, ids.shape[-1], do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        settings, lengths, given_rules, beam = resolve_call(
+            sources, options, max_new_tokens, ids.shape[-1], beams=self.runs_beam_search(), do_sample=do_sample,
+            temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
         do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
         max_new_tokens = lengths.max_new_tokens
         mask = None if attention_mask is None else np.asarray(
@@ -90,7 +91,11 @@ class GenerationMixin:
         mask = np.ones_like(ids) if mask is None else mask.astype(np.int64)
         if mask.shape != ids.shape:
             raise InputError(f"generate: attention_mask {mask.shape} does not match input_ids {ids.shape}")
-        ids, mask = (np.repeat(a, lengths.num_return_sequences, axis=0) for a in (ids, mask))
+        beams = beam.num_beams if beam.num_beams > 1 else 0
+        if beams and streamer is not None:
+            raise InputError("generate: a streamer cannot follow beam search (a beam's tokens change until it "
+                             "ends); leave the streamer or num_beams out")
+        ids, mask = (np.repeat(a, beams or lengths.num_return_sequences, axis=0) for a in (ids, mask))
         batch, length = ids.shape
         eos = _eos_ids(self, eos_token_id)
         pad = _pad_id(self, pad_token_id, eos)
@@ -122,6 +127,11 @@ class GenerationMixin:
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
             logits = self._prefill(ids, mask, positions, cache, prefill, padded)
+            if beams:
+                search = BeamSearch(ids[::beams], beams, length + max_new_tokens, eos, pad, beam.length_penalty,
+                                    beam.early_stopping, lengths.num_return_sequences)
+                return self._search_beams(search, logits, mask, cache, decode, repetition_penalty, rules, eos,
+                                          lengths.min_new_tokens)
             for step in range(max_new_tokens):
                 stepped = bool(chosen)  # a token the GPU chose: the chain also ran its step
                 if stepped:
@@ -171,6 +181,29 @@ class GenerationMixin:
                 logits = self.decode_step(decode, cache, step_ids, step_positions, mask, replay=False)
         end_stream(streamer)
         return tokens
+
+    def runs_beam_search(self) -> bool:
+        """Whether generate runs beam search for this model: its cache rows can follow the beams (keys and values
+        only, no recurrent state) and its positions need no recomputation (Phi-3's longrope)."""
+        return (not getattr(self, "keeps_row_states", False) and getattr(self, "recompute_cache_beyond", None) is None
+                and getattr(getattr(self, "spec", None), "linear_attention", None) is None
+                and not getattr(self, "attention_free", False))
+
+    def _search_beams(self, search: BeamSearch, logits, mask, cache, decode, repetition_penalty, rules, eos,
+                      min_new_tokens: int) -> np.ndarray:
+        """generate's beam search (models/beam_search.py) from the prefill's ``logits``: each decode step (replayed
+        once recorded) on the rows the beams continue, the cache's rows following them."""
+        prompt_length = search.prompt_length
+        held = {"mask": mask}
+
+        def advance(rows, tokens):
+            cache.reorder_rows(rows)
+            held["mask"] = np.concatenate([held["mask"][rows], np.ones((len(rows), 1), held["mask"].dtype)], axis=1)
+            positions = self.generation_positions(held["mask"], tokens, prompt_length)[:, -1:].astype(np.int32)
+            return self.decode_step(decode, cache, tokens[:, -1:].astype(np.int32), positions, held["mask"])
+        return search_beams(search, logits, lambda scores, tokens: processed_scores(
+            scores, tokens, repetition_penalty, eos if tokens.shape[1] - prompt_length < min_new_tokens else (), rules),
+            advance)
 
     def replays_decode(self) -> bool:
         """Whether generate records its decode step once and replays it: ``capture_decode`` (the step depends on
@@ -452,6 +485,18 @@ def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p) -> np.n
     return np.minimum(picked, last_possible)
 
 
+def processed_scores(scores: np.ndarray, tokens: np.ndarray, repetition_penalty: float = 1.0, suppress=(),
+                     rules: LogitRules | None = None) -> np.ndarray:
+    """A step's ``scores`` [batch, vocab] (logits, or a beam search's log-probabilities) after ``tokens`` so far,
+    through transformers' processors in its order: the tokens in ``suppress`` never (end-of-sequence before
+    min_new_tokens), the repetition penalty, then ``rules`` (models/generation_settings.py)."""
+    if len(suppress):
+        scores = scores.copy()
+        scores[:, list(suppress)] = -np.inf
+    scores = _apply_repetition_penalty(scores, tokens, repetition_penalty)
+    return rules.apply(scores, tokens) if rules is not None else scores
+
+
 def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rng: np.random.Generator,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      repetition_penalty: float = 1.0, suppress=(), rules: LogitRules | None = None) -> np.ndarray:
@@ -459,12 +504,7 @@ def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rn
     the tokens in ``suppress`` never (end-of-sequence before min_new_tokens), the repetition penalty, ``rules``
     (models/generation_settings.py), then argmax, or a draw from ``rng`` when ``do_sample`` (for models with
     their own generation loop)."""
-    if len(suppress):
-        logits = logits.copy()
-        logits[:, list(suppress)] = -np.inf
-    scores = _apply_repetition_penalty(logits, tokens, repetition_penalty)
-    if rules is not None:
-        scores = rules.apply(scores, tokens)
+    scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules)
     if do_sample:
         return _sample(scores, rng, temperature, top_k, top_p)
     return scores.argmax(axis=-1)

@@ -23,8 +23,8 @@ import numpy as np
 from vkformers.engine.function import no_grad
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.decode_capture import to_scores
-from vkformers.models.generation import _apply_repetition_penalty, pick_next_tokens
-from vkformers.models.beam_search import BeamSearch, log_softmax
+from vkformers.models.generation import pick_next_tokens, processed_scores
+from vkformers.models.beam_search import BeamSearch, search_beams
 from vkformers.models.generation_settings import (BEAM_ARGUMENTS, RULE_ARGUMENTS, LogitRules, config_value,
                                                  generation_sources, model_generation_sources, resolve_call)
 from vkformers.models.inputs import TRANSFORMERS_ARGUMENTS, check_model_inputs, check_prompt_length, id_array
@@ -139,17 +139,13 @@ class Seq2SeqGenerationMixin:
 
     def _search_beams(self, search: BeamSearch, states, mask, cache, repetition_penalty, rules, eos,
                       min_new_tokens: int) -> np.ndarray:
-        """generate's beam search (models/beam_search.py): each step's log-probabilities processed as transformers
-        processes them (the repetition penalty, ``rules``, end tokens held back before ``min_new_tokens``), the
-        cache's rows following the beams."""
-        while not search.done:
-            tokens = search.sequences
+        """generate's beam search (models/beam_search.py), the cache's rows following the beams."""
+        def step_scores(tokens):
             logits = self.generation_step(tokens[:, -1:], states, mask, cache)
-            scores = log_softmax(to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy()))
-            if tokens.shape[1] - 1 < min_new_tokens and eos:
-                scores[:, eos] = -np.inf
-            scores = rules.apply(_apply_repetition_penalty(scores, tokens, repetition_penalty), tokens)
-            rows = search.step(scores)
-            if not search.done:
-                cache.reorder_rows(rows)
-        return search.result()
+            return to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy())
+
+        def advance(rows, tokens):
+            cache.reorder_rows(rows)
+            return step_scores(tokens)
+        return search_beams(search, step_scores(search.sequences), lambda scores, tokens: processed_scores(
+            scores, tokens, repetition_penalty, eos if tokens.shape[1] - 1 < min_new_tokens else (), rules), advance)
