@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from vkformers.errors import InputError
-from vkformers.models.generation_settings import sampling_settings
+from vkformers.models.generation_settings import end_token_ids, sampling_settings
 from vkformers.models.loading import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 ROOT = Path(__file__).parent
@@ -97,3 +97,14 @@ def test_bad_processor_arguments_are_refused_by_name(argument, message):
     model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
     with pytest.raises(InputError, match=message):
         model.generate(np.array([[5, 17]], np.int64), max_new_tokens=2, **argument)
+
+
+def test_completions_stop_at_the_generation_configs_end_tokens_too(tmp_path):
+    """Llama 3 Instruct lists <|eot_id|> in generation_config.json only: vkformers generate and serve stop there."""
+    model = AutoModelForCausalLM.from_pretrained(fixture_copy(tmp_path, "llama", {"eos_token_id": [2, 40]}),
+                                                 requires_grad=False)
+
+    class Tokenizer:
+        eos_token_id = 7
+    assert end_token_ids(model, Tokenizer()) == [2, 7, 40]
+    assert end_token_ids(model) == [2, 40]

@@ -21,6 +21,7 @@ import numpy as np
 
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
+from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
 
@@ -154,16 +155,12 @@ def run(args) -> int:
         merge_lora(load_adapter(model, args.adapter))
     loaded = time.perf_counter()
 
-    # Stop at the tokenizer's end-of-sequence token as well as the model config's (chat models end a turn
-    # with a token the base config may not list).
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    configured = (getattr(model, "config", None) or {}).get("eos_token_id")
-    eos += [e for e in (configured if isinstance(configured, list) else [configured]) if e is not None]
+    eos = end_token_ids(model, tokenizer)
     stream = TextStream(tokenizer)
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                    temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
                    repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   eos_token_id=sorted(set(eos)) or None, streamer=stream)
+                   eos_token_id=eos or None, streamer=stream)
     stream.finish()
     report_speed(ids.shape[1], stream.times, loaded, started)
     return 0

@@ -36,6 +36,7 @@ from vkformers.cli.options import positive_int, whole_number
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
@@ -195,12 +196,8 @@ def served_name(model: str | None) -> str:
 
 
 def eos_ids(model, tokenizer) -> list[int]:
-    """The tokenizer's end-of-sequence token and the model config's (chat models end a turn with a token the base
-    config may not list), as vkformers generate stops at."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    configured = (getattr(model, "config", None) or {}).get("eos_token_id")
-    eos += [e for e in (configured if isinstance(configured, list) else [configured]) if e is not None]
-    return sorted(set(eos))
+    """Where a request's completion stops, as vkformers generate stops (models/generation_settings.py)."""
+    return end_token_ids(model, tokenizer)
 
 
 # ---------------------------------------------------------------- requests (OpenAI's schemas)

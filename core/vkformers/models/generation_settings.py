@@ -54,6 +54,17 @@ def model_generation_sources(model) -> tuple:
     return (generation,) if generation is not None else (getattr(model, "config", None),)
 
 
+def end_token_ids(model, tokenizer=None) -> list[int]:
+    """Where a chat completion stops: the tokenizer's end-of-sequence token, the generation config's and the
+    config's (chat models end a turn with a token the base config may not list: Llama 3 Instruct's <|eot_id|>
+    is in its generation config only)."""
+    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = config_value((source,), "eos_token_id")
+        ids += [int(e) for e in (value if isinstance(value, (list, tuple)) else [value]) if e is not None]
+    return sorted(set(ids))
+
+
 def sampling_settings(sources, **given) -> dict:
     """do_sample, temperature, top_k, top_p and repetition_penalty: each as given, else from ``sources``, else
     transformers' default."""
