@@ -11,7 +11,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
-        self.param("weight", (out_features, in_features))
+        self.param("weight", (out_features, in_features), row_blocks=True)  # F.linear takes row blocks
         if bias:
             self.param("bias", (out_features,))
 
@@ -75,7 +75,7 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None):
         super().__init__()
         self.padding_idx = padding_idx
-        self.param("weight", (num_embeddings, embedding_dim))
+        self.param("weight", (num_embeddings, embedding_dim), row_blocks=True)  # so does F.embedding
 
     def forward(self, ids):
         return F.embedding(ids, self.weight, padding_idx=self.padding_idx)

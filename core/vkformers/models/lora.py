@@ -314,8 +314,8 @@ def load_adapter_weights(model: Module, folder) -> None:
             raise LoraError(f"{file}: {name} has shape {tuple(array.shape)}, the model expects {slot.shape}")
         old = slot.tensor
         dtype = old.dtype if old is not None else dt.float32
-        slot.tensor = weight_parameter(np.asarray(array, np.float32), dtype=dtype,
-                                       requires_grad=old.requires_grad if old is not None else True, name=name)
+        slot.tensor = slot.upload(np.asarray(array, np.float32), dtype,
+                                  old.requires_grad if old is not None else True, name)
 
 
 def load_adapter(model: Module, folder, *, trainable: bool = False) -> Module:

@@ -17,7 +17,7 @@ from vkformers.engine.checkpoint import checkpoint
 from vkformers.engine.lazy import building_graph, capturing
 from vkformers.engine.quantized import QuantizedArray, QuantizedTensor
 from vkformers.engine.row_blocks import RowBlocks, device_tensors, upload_packed
-from vkformers.engine.tensor import Tensor, weight_parameter
+from vkformers.engine.tensor import Tensor, parameter, weight_parameter
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import IGNORE_INDEX, InputLimits, check_model_inputs, forward_arguments
 from vkformers.runtime import dtypes as dt
@@ -40,6 +40,18 @@ class Slot:
     dtype: dt.DType | None = None  # None: the model's dtype
     tensor: Tensor | QuantizedTensor | RowBlocks | None = None
     tied_to: str | None = None     # another parameter's full name (tied embeddings)
+    # its readers take a RowBlocks (a Linear's or an Embedding's weight): held in blocks of rows where one device
+    # buffer cannot hold it (engine/row_blocks.py); any other parameter that large is refused at load
+    row_blocks: bool = False
+
+    def upload(self, array, dtype, requires_grad: bool, name: str):
+        """The device tensor of ``array`` for this slot: packed blocks stay packed; a weight whose readers take
+        row blocks may become a RowBlocks."""
+        if isinstance(array, QuantizedArray):  # frozen
+            return upload_packed(array, dtype, name) if self.row_blocks else \
+                QuantizedTensor.upload(array, dtype=dtype, name=name)
+        make = weight_parameter if self.row_blocks else parameter
+        return make(np.asarray(array), dtype=dtype, requires_grad=requires_grad, name=name)
 
 
 class ModelConfig(dict):
@@ -98,9 +110,10 @@ class Module:
 
     # -- declaration
 
-    def param(self, name: str, shape, dtype=None) -> None:
-        """Declare a parameter slot; ``self.<name>`` is its Tensor once loaded."""
-        self._slots[name] = Slot(tuple(int(s) for s in shape), dt.as_dtype(dtype) if dtype else None)
+    def param(self, name: str, shape, dtype=None, row_blocks: bool = False) -> None:
+        """Declare a parameter slot; ``self.<name>`` is its Tensor once loaded (``row_blocks``: see Slot)."""
+        self._slots[name] = Slot(tuple(int(s) for s in shape), dt.as_dtype(dtype) if dtype else None,
+                                 row_blocks=row_blocks)
 
     def __setattr__(self, name, value):
         if name == "config" and type(value) is dict:  # a model's config: attribute access too
@@ -194,8 +207,7 @@ class Module:
                 continue
             target = slot.dtype or dtype
             if slot.tensor.dtype is not target:
-                slot.tensor = weight_parameter(slot.tensor.numpy(), dtype=target,
-                                               requires_grad=slot.tensor.requires_grad, name=name)
+                slot.tensor = slot.upload(slot.tensor.numpy(), target, slot.tensor.requires_grad, name)
         for slot in slots.values():  # ties follow their owners
             if slot.tied_to is not None:
                 slot.tensor = slots[slot.tied_to].tensor
@@ -217,7 +229,7 @@ class Module:
                      np.random.default_rng(0).normal(0.0, std, (rows - have, *values.shape[1:])))
             values = np.concatenate([values, fresh.astype(np.float32)])
         slot.shape = (rows, *slot.shape[1:])
-        slot.tensor = weight_parameter(values[:rows], dtype=old.dtype, requires_grad=old.requires_grad, name=name)
+        slot.tensor = slot.upload(values[:rows], old.dtype, old.requires_grad, name)
         return slot.tensor
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
@@ -349,11 +361,7 @@ class Module:
             array = arrays[name]
             if tuple(array.shape) != slot.shape:
                 raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(array.shape)}, model expects {slot.shape}")
-            if isinstance(array, QuantizedArray):  # packed blocks stay packed; the weight is frozen
-                slot.tensor = upload_packed(array, slot.dtype or dtype, name)
-                continue
-            slot.tensor = weight_parameter(np.asarray(array), dtype=slot.dtype or dtype, requires_grad=requires_grad,
-                                           name=name)
+            slot.tensor = slot.upload(array, slot.dtype or dtype, requires_grad, name)
         for name, slot in slots.items():  # ties resolve after their owners load
             if slot.tied_to is not None and slot.tensor is None:
                 slot.tensor = slots[slot.tied_to].tensor
