@@ -108,3 +108,20 @@ def test_completions_stop_at_the_generation_configs_end_tokens_too(tmp_path):
         eos_token_id = 7
     assert end_token_ids(model, Tokenizer()) == [2, 7, 40]
     assert end_token_ids(model) == [2, 40]
+
+
+def test_the_generation_config_is_transformers_object_to_read_and_set(tmp_path):
+    """Without generation_config.json it holds the config's generation keys (GenerationConfig.from_model_config);
+    its keys read and set as attributes, and what is set there is what generate decodes with."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(ROOT / "fixtures" / "seq2seq" / "bart", requires_grad=False)
+    (tmp_path / "bare").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ROOT / "fixtures" / "seq2seq" / "bart" / name, tmp_path / "bare" / name)
+    bare = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "bare", requires_grad=False)
+    assert bare.generation_config.forced_eos_token_id == 2 and bare.generation_config.decoder_start_token_id == 2
+    prompt = np.array(REFERENCE["seq2seq_prompt"], np.int64)
+    for target in (model, bare):
+        target.generation_config.forced_bos_token_id = 7
+        target.generation_config.max_new_tokens = 6
+        assert target.generate(prompt).tolist() == next(c["tokens"] for c in REFERENCE["cases"]
+                                                        if c["name"] == "bart_forced_bos")

@@ -30,6 +30,20 @@ RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id"
                   "suppress_tokens", "begin_suppress_tokens")
 
 
+# the keys of transformers' GenerationConfig that generate reads; GenerationConfig.from_model_config copies them
+# from a config that has no generation_config.json beside it
+GENERATION_KEYS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
+                   "top_k", "top_p", "repetition_penalty", "num_beams", "length_penalty", "early_stopping",
+                   "num_return_sequences", "no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id",
+                   "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "bos_token_id", "eos_token_id",
+                   "pad_token_id", "decoder_start_token_id")
+
+
+def generation_config_of(config) -> dict:
+    """What transformers' GenerationConfig.from_model_config keeps of a config: its generation keys that are set."""
+    return {key: config[key] for key in GENERATION_KEYS if isinstance(config, dict) and config.get(key) is not None}
+
+
 def config_value(sources, name: str):
     """``name`` from the first of ``sources`` (dicts or objects with attributes) that sets it (not None)."""
     for source in sources:

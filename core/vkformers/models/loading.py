@@ -20,6 +20,7 @@ from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
 from vkformers.models.gguf import is_gguf_file, load_gguf, load_gguf_model, load_gguf_tokenizer
+from vkformers.models.generation_settings import generation_config_of
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 from vkformers.models.lora import LoraError, load_adapter, save_adapter
@@ -373,6 +374,8 @@ class AutoModelClass:
             return head_model(head_config(config, **head_options), architecture, model_class, spelling)
         model = model_class(config, architecture)
         model.config = config
+        if hasattr(model, "generate"):  # as transformers: a generation config even without generation_config.json
+            model.generation_config = generation_config_of(config)
         return model
 
 
@@ -450,8 +453,8 @@ def save_pretrained(model: Module, folder, *, dtype=None, tokenizer: PreTrainedT
     config = dict(getattr(model, "config", {}))
     config["torch_dtype"] = target.name
     write_json_atomic(folder / "config.json", config)
-    if isinstance(getattr(model, "generation_config", None), dict):
-        write_json_atomic(folder / GENERATION_CONFIG, model.generation_config)
+    if isinstance(getattr(model, "generation_config", None), dict) and hasattr(model, "generate"):
+        write_json_atomic(folder / GENERATION_CONFIG, dict(model.generation_config))
 
 
 Module.save_pretrained = save_pretrained

@@ -116,7 +116,7 @@ class Module:
                                  row_blocks=row_blocks)
 
     def __setattr__(self, name, value):
-        if name == "config" and type(value) is dict:  # a model's config: attribute access too
+        if name in ("config", "generation_config") and type(value) is dict:  # attribute access too
             value = ModelConfig(value)
         if isinstance(value, Module):
             self._modules[name] = value
