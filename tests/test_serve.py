@@ -7,6 +7,7 @@ The engine is not shared across threads: every reference ``generate`` runs while
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -933,6 +935,8 @@ def test_serve_arguments():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-batch", "0"])
     assert defaults.prefix_caching and not build_parser().parse_args(["serve", "--no-prefix-caching"]).prefix_caching
+    assert defaults.sampling_defaults == "model"
+    assert build_parser().parse_args(["serve", "--sampling-defaults", "openai"]).sampling_defaults == "openai"
     assert defaults.gpu_memory_utilization == 0.9 and defaults.kv_cache_tokens is None  # paged, sized from memory
     assert build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
     for wrong in ("0", "1.5", "most"):
@@ -970,3 +974,28 @@ def test_loop_mailbox_wakes_the_loop_once_for_what_other_threads_posted_meanwhil
         assert odd.empty() and even.empty()
 
     asyncio.run(run())
+
+
+def test_a_requests_missing_sampling_settings_come_from_the_generation_config(tiny):
+    """As vLLM: temperature, top_p and top_k the request leaves out are the generation config's where it sets
+    them, OpenAI's otherwise; the request's own win; vLLM's top_k (-1: off) is taken. A seeded request samples
+    as generate with those settings."""
+    model = SimpleNamespace(generation_config={"temperature": 0.6, "top_k": 20, "do_sample": True, "top_p": None})
+    defaults = cli_serve.model_sampling_defaults(model)
+    assert defaults == {"temperature": 0.6, "top_k": 20}
+    settings = functools.partial(cli_serve.sampling_params, chat=True, prompt_tokens=4, max_model_len=64)
+    params = settings({"max_tokens": 2}, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 1.0, 20)
+    params = settings({"max_tokens": 2, "temperature": 0.9, "top_k": -1, "top_p": 0.5}, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (0.9, 0.5, 0)
+    assert (settings({"max_tokens": 2}).temperature, settings({"max_tokens": 2}).top_k) == (1.0, 0)
+    with pytest.raises(cli_serve.ApiError, match="'top_k' must be"):
+        settings({"max_tokens": 2, "top_k": -2})
+    path, tokenizer, reference = tiny
+    ids = encode(tokenizer, PROMPTS[1])
+    job = SamplingParams(max_tokens=6, temperature=1.5, top_k=3, seed=5)
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    (done,) = run_together(BatchScheduler(model, tokenizer, max_batch=2), [(ids, job)])
+    expected = reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, top_k=3, seed=5)
+    assert done.generated == expected.tolist()
+    assert expected.tolist() != reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, seed=5).tolist()

@@ -91,6 +91,10 @@ def add_parser(subparsers):
                         help="a PEFT LoRA adapter folder, merged into the weights at load")
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
+    parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),
+                        help="what a request's missing temperature, top_p and top_k are: the model's generation "
+                             "config's where it sets them, as vLLM takes them (model, the default), or OpenAI's "
+                             "1.0, 1.0 and none (openai)")
     parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
     parser.set_defaults(func=run)
     return parser
@@ -171,7 +175,9 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
                                    gpu_memory_utilization=None if blocks else args.gpu_memory_utilization,
                                    prefix_caching=args.prefix_caching,
                                    cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{args.adapter}").start()
-        app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key), scheduler.close
+        defaults = model_sampling_defaults(model) if args.sampling_defaults == "model" else {}
+        app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key,
+                               sampling_defaults=defaults), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
     if scheduler is not None:
@@ -226,8 +232,22 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     return kind(value)
 
 
-def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """The generation settings of a completions (``chat`` False) or chat completions request."""
+SAMPLING_DEFAULT_NAMES = ("temperature", "top_p", "top_k")
+
+
+def model_sampling_defaults(model) -> dict:
+    """The sampling settings of the model's generation config that stand in for what a request leaves out
+    (``temperature``, ``top_p``, ``top_k``), as vLLM takes them: Qwen's recommended temperature rather than
+    OpenAI's 1.0."""
+    generation = getattr(model, "generation_config", None) or {}
+    return {name: generation[name] for name in SAMPLING_DEFAULT_NAMES if generation.get(name) is not None}
+
+
+def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len: int,
+                    defaults: dict | None = None) -> SamplingParams:
+    """The generation settings of a completions (``chat`` False) or chat completions request; ``defaults``
+    (model_sampling_defaults) stand in for sampling settings the request leaves out, else OpenAI's."""
+    defaults = defaults or {}
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "best_of is not supported", param="best_of")
     if not chat and body.get("echo"):
@@ -251,8 +271,11 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
     refuse_unsupported(body, chat)
-    return SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, float, 0, 2),
-                          top_p=_number(body, "top_p", 1.0, float, 0, 1), seed=seed,
+    top_k = _number(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
+    temperature = _number(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                          top_p=_number(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
+                          top_k=max(top_k, 0), seed=seed,
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
                           presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
@@ -557,9 +580,9 @@ class LoopMailbox:
 
 
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
-              embedder: Embedder | None = None):
+              embedder: Embedder | None = None, sampling_defaults: dict | None = None):
     """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
-    name ``served``; the routes of the other kind answer 400."""
+    name ``served``; the routes of the other kind answer 400. ``sampling_defaults``: see sampling_params."""
     web_modules()
     # the optional [serve] extra, imported once the command runs (web_modules said how to install it)
     from starlette.applications import Starlette
@@ -651,8 +674,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             if scheduler is None:
                 raise wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
             prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer)
-            settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len)
-                        for p in prompts]
+            settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
+                                        defaults=sampling_defaults) for p in prompts]
             params = settings[0]
             n = _number(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
