@@ -92,6 +92,7 @@ def test_bad_beam_arguments_are_refused_by_name(argument, message):
     ({"bad_words_ids": [11]}, "bad_words_ids must be a list of token-id lists"),
     ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size must be a whole number"),
     ({"forced_bos_token_id": "a"}, "forced_bos_token_id must be token ids"),
+    ({"forced_eos_token_id": 10 ** 6}, "outside the vocabulary"),
 ])
 def test_bad_processor_arguments_are_refused_by_name(argument, message):
     model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)

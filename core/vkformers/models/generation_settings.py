@@ -220,6 +220,10 @@ class LogitRules:
         scores = scores.copy()
         length = tokens.shape[1]
         vocab = scores.shape[1]
+        forced = ([self.forced_bos_token_id] if self.forced_bos_token_id is not None else []) + \
+            list(self.forced_eos_token_id)
+        if any(token >= vocab for token in forced):
+            raise InputError(f"generate: a forced token ({forced}) is outside the vocabulary of {vocab} tokens")
         n = self.no_repeat_ngram_size
         if n and length + 1 >= n:
             for row, seq in enumerate(tokens.tolist()):
@@ -243,7 +247,7 @@ class LogitRules:
             scores[:] = -np.inf
             scores[:, list(self.forced_eos_token_id)] = 0.0
         if self.suppress_tokens:
-            scores[:, list(self.suppress_tokens)] = -np.inf
+            scores[:, [t for t in self.suppress_tokens if t < vocab]] = -np.inf
         if self.begin_suppress_tokens and length == self.begin_index:
-            scores[:, list(self.begin_suppress_tokens)] = -np.inf
+            scores[:, [t for t in self.begin_suppress_tokens if t < vocab]] = -np.inf
         return scores
