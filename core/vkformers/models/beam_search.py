@@ -30,8 +30,14 @@ def log_softmax(scores: np.ndarray) -> np.ndarray:
 
 
 def _top(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest of each row, largest first (the lower index first among equal values)."""
-    return np.argsort(-values, axis=-1, kind="stable")[:, :k]
+    """Indices of the ``k`` largest of each row, largest first (the lower index first among equal values): a
+    partition, then a sort of those k alone (a row of num_beams x vocabulary entries is long)."""
+    if k < values.shape[-1]:
+        part = np.argpartition(-values, k - 1, axis=-1)[:, :k]
+    else:
+        part = np.broadcast_to(np.arange(values.shape[-1]), values.shape)
+    order = np.lexsort((part, -np.take_along_axis(values, part, axis=-1)), axis=-1)
+    return np.take_along_axis(part, order, axis=-1)
 
 
 def check_beam_settings(num_beams, num_return_sequences: int, length_penalty, early_stopping, do_sample) -> None:
