@@ -78,13 +78,15 @@ def test_generate_end_to_end(tiny_gguf, capsys):
 
 def test_generate_chat_sampling_is_seeded(tiny_gguf, capsys):
     argv = ["generate", "--model", str(tiny_gguf), "--prompt", "hello", "--chat", "--max-new-tokens", "5",
-            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.95", "--seed", "7"]
+            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.95", "--min-p", "0.05", "--seed", "7"]
     assert main(argv) == 0
     first = capsys.readouterr().out
     assert main(argv) == 0
     assert capsys.readouterr().out == first
     assert first == expected_text(tiny_gguf, "hello", 5, chat=True, do_sample=True, temperature=0.8, top_k=20,
-                                  top_p=0.95, seed=7)
+                                  top_p=0.95, min_p=0.05, seed=7)
+    assert main(argv[:-2] + ["--min-p", "1.5"]) == 1
+    assert "--min-p in [0, 1]" in capsys.readouterr().err
 
 
 def test_a_gguf_of_an_unknown_text_split_takes_the_models_own_tokenizer(tiny_gguf, tmp_path, capsys):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from vkformers.errors import InputError
+from vkformers.models.generation import sampling_probabilities
 from vkformers.models.generation_settings import end_token_ids, sampling_settings
 from vkformers.models.loading import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -49,10 +50,20 @@ def test_generate_gives_transformers_tokens_under_its_settings(case, tmp_path):
     assert tokens.tolist() == case["tokens"]
 
 
+@pytest.mark.parametrize("case", REFERENCE["warpers"], ids=lambda c: f"t{c['temperature']}-k{c['top_k']}-p"
+                         f"{c['top_p']}-min{c['min_p']}")
+def test_sampling_draws_from_transformers_warped_distribution(case):
+    """temperature, top-k, top-p and min-p in transformers' order: the same probabilities within 1e-6."""
+    probs = sampling_probabilities(np.array(REFERENCE["warper_scores"], np.float32), case["temperature"],
+                                   case["top_k"], case["top_p"], case["min_p"])
+    np.testing.assert_allclose(probs, case["probabilities"], atol=1e-6, rtol=0)
+
+
 def test_sampling_takes_the_generation_configs_settings_then_transformers_defaults(tmp_path):
     assert sampling_settings((None, {}), do_sample=True) == {"do_sample": True, "temperature": 1.0, "top_k": 50,
-                                                              "top_p": 1.0, "repetition_penalty": 1.0}
-    configured = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.8, "repetition_penalty": 1.1}
+                                                              "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+    configured = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.8, "min_p": 0.1,
+                  "repetition_penalty": 1.1}
     assert sampling_settings(({**configured, "top_k": 0},), top_k=7) == {**configured, "top_k": 7}
     model = AutoModelForCausalLM.from_pretrained(fixture_copy(tmp_path, "llama", {**configured, "eos_token_id": 2}),
                                                  requires_grad=False)

@@ -980,22 +980,26 @@ def test_a_requests_missing_sampling_settings_come_from_the_generation_config(ti
     """As vLLM: temperature, top_p and top_k the request leaves out are the generation config's where it sets
     them, OpenAI's otherwise; the request's own win; vLLM's top_k (-1: off) is taken. A seeded request samples
     as generate with those settings."""
-    model = SimpleNamespace(generation_config={"temperature": 0.6, "top_k": 20, "do_sample": True, "top_p": None})
+    model = SimpleNamespace(generation_config={"temperature": 0.6, "top_k": 20, "do_sample": True, "top_p": None,
+                                               "min_p": 0.05})
     defaults = cli_serve.model_sampling_defaults(model)
-    assert defaults == {"temperature": 0.6, "top_k": 20}
+    assert defaults == {"temperature": 0.6, "top_k": 20, "min_p": 0.05}
     settings = functools.partial(cli_serve.sampling_params, chat=True, prompt_tokens=4, max_model_len=64)
     params = settings({"max_tokens": 2}, defaults=defaults)
-    assert (params.temperature, params.top_p, params.top_k) == (0.6, 1.0, 20)
-    params = settings({"max_tokens": 2, "temperature": 0.9, "top_k": -1, "top_p": 0.5}, defaults=defaults)
-    assert (params.temperature, params.top_p, params.top_k) == (0.9, 0.5, 0)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 1.0, 20, 0.05)
+    params = settings({"max_tokens": 2, "temperature": 0.9, "top_k": -1, "top_p": 0.5, "min_p": 0}, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.9, 0.5, 0, 0.0)
     assert (settings({"max_tokens": 2}).temperature, settings({"max_tokens": 2}).top_k) == (1.0, 0)
-    with pytest.raises(cli_serve.ApiError, match="'top_k' must be"):
-        settings({"max_tokens": 2, "top_k": -2})
+    for wrong, name in (({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(cli_serve.ApiError, match=f"'{name}' must be"):
+            settings({"max_tokens": 2, **wrong})
     path, tokenizer, reference = tiny
     ids = encode(tokenizer, PROMPTS[1])
-    job = SamplingParams(max_tokens=6, temperature=1.5, top_k=3, seed=5)
+    jobs = [(ids, SamplingParams(max_tokens=6, temperature=1.5, top_k=3, seed=5)),
+            (ids, SamplingParams(max_tokens=6, temperature=1.5, min_p=0.3, seed=5))]
     model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
-    (done,) = run_together(BatchScheduler(model, tokenizer, max_batch=2), [(ids, job)])
-    expected = reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, top_k=3, seed=5)
-    assert done.generated == expected.tolist()
-    assert expected.tolist() != reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, seed=5).tolist()
+    done = run_together(BatchScheduler(model, tokenizer, max_batch=2), jobs)
+    plain = reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, seed=5).tolist()
+    for request, extra in zip(done, ({"top_k": 3}, {"min_p": 0.3})):
+        expected = reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, seed=5, **extra).tolist()
+        assert request.generated == expected and expected != plain, extra

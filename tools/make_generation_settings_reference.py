@@ -1,6 +1,8 @@
 """Write tests/data/generation_settings.json: transformers' greedy generate under generation settings and logits
 processors (forced, banned and suppressed tokens, n-gram blocking, minimum lengths, a generation_config.json).
 
+Also the probabilities transformers' sampling warpers (temperature, top-k, top-p, min-p) give fixed scores.
+
 Each case runs transformers' ``generate`` on a fixture's checkpoint (tests/fixtures/<fixture>), greedy, with the
 keyword arguments given (beam search where they ask for it), after ``generation_config.json`` is replaced by the case's ``generation_config`` where
 there is one (the fixture's own otherwise). tests/test_generation_settings.py runs vkformers the same way and
@@ -88,6 +90,36 @@ def run(case) -> list[list[int]]:
     return out.tolist()
 
 
+# sampling warpers on fixed scores (a row of 12 logits, one with ties), in the order transformers' generate runs
+# them: temperature, top-k, top-p, min-p; each case's probabilities after softmax
+WARPER_SCORES = [[2.0, 1.5, 1.5, 0.3, -0.2, -1.0, 0.9, 0.9, -3.0, 1.2, 0.0, -0.5],
+                 [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2]]
+WARPER_CASES = [
+    {"temperature": 0.7, "top_k": 50, "top_p": 1.0, "min_p": 0.0},
+    {"temperature": 1.0, "top_k": 5, "top_p": 0.8, "min_p": 0.0},
+    {"temperature": 1.3, "top_k": 0, "top_p": 1.0, "min_p": 0.2},
+    {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05},
+    {"temperature": 1.0, "top_k": 0, "top_p": 0.5, "min_p": 0.5},
+]
+
+
+def warper_probabilities(case) -> list:
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    scores = torch.tensor(WARPER_SCORES, dtype=torch.float32)
+    ids = torch.zeros((len(WARPER_SCORES), 1), dtype=torch.int64)
+    warpers = [TemperatureLogitsWarper(case["temperature"])]
+    if case["top_k"]:
+        warpers.append(TopKLogitsWarper(case["top_k"]))
+    if case["top_p"] < 1.0:
+        warpers.append(TopPLogitsWarper(case["top_p"]))
+    if case["min_p"]:
+        warpers.append(MinPLogitsWarper(case["min_p"]))
+    for warper in warpers:
+        scores = warper(ids, scores)
+    return torch.softmax(scores, dim=-1).tolist()
+
+
 def main():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -105,6 +137,8 @@ def main():
         reference["cases"].append({"name": name, "fixture": fixture, "kind": kind, "kwargs": kwargs,
                                    "generation_config": generation_config, "tokens": tokens})
         print(name, tokens, "plain:", plain, file=sys.stderr)
+    reference["warper_scores"] = WARPER_SCORES
+    reference["warpers"] = [{**case, "probabilities": warper_probabilities(case)} for case in WARPER_CASES]
     OUT.write_text(json.dumps(reference, indent=1) + "\n")
 
 

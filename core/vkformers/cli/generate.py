@@ -6,7 +6,7 @@
     echo "Translate to French: cheese" | vkformers generate --chat --model ./my-checkpoint
     vkformers generate --model ./base --adapter ./run/final --prompt "Summarize: ..."   # a LoRA adapter on its base
 
-Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``). The text goes to
+Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``/``--min-p``). The text goes to
 stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text.
 """
 from __future__ import annotations
@@ -52,6 +52,8 @@ def add_parser(subparsers):
                         help="0 (default): greedy; above 0: sample with this temperature")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens less likely than this share of the likeliest one (0.0: off)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' repetition penalty")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
@@ -134,8 +136,9 @@ def run(args) -> int:
     for name in ("max_new_tokens", "top_k"):
         if getattr(args, name) < 0:
             raise VkformersError(f"--{name.replace('_', '-')} must be >= 0")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.repetition_penalty <= 0:
-        raise VkformersError("--temperature must be >= 0, --top-p in (0, 1], --repetition-penalty > 0")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.repetition_penalty <= 0:
+        raise VkformersError("--temperature must be >= 0, --top-p in (0, 1], --min-p in [0, 1], "
+                             "--repetition-penalty > 0")
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
@@ -158,7 +161,7 @@ def run(args) -> int:
     eos = end_token_ids(model, tokenizer)
     stream = TextStream(tokenizer)
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                   temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
+                   temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, seed=args.seed,
                    eos_token_id=eos or None, streamer=stream)
     stream.finish()

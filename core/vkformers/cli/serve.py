@@ -92,9 +92,9 @@ def add_parser(subparsers):
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
     parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),
-                        help="what a request's missing temperature, top_p and top_k are: the model's generation "
-                             "config's where it sets them, as vLLM takes them (model, the default), or OpenAI's "
-                             "1.0, 1.0 and none (openai)")
+                        help="what a request's missing temperature, top_p, top_k and min_p are: the model's "
+                             "generation config's where it sets them, as vLLM takes them (model, the default), or "
+                             "OpenAI's 1.0 and 1.0 and none of the others (openai)")
     parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
     parser.set_defaults(func=run)
     return parser
@@ -232,13 +232,13 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     return kind(value)
 
 
-SAMPLING_DEFAULT_NAMES = ("temperature", "top_p", "top_k")
+SAMPLING_DEFAULT_NAMES = ("temperature", "top_p", "top_k", "min_p")
 
 
 def model_sampling_defaults(model) -> dict:
     """The sampling settings of the model's generation config that stand in for what a request leaves out
-    (``temperature``, ``top_p``, ``top_k``), as vLLM takes them: Qwen's recommended temperature rather than
-    OpenAI's 1.0."""
+    (``temperature``, ``top_p``, ``top_k``, ``min_p``), as vLLM takes them: Qwen's recommended temperature rather
+    than OpenAI's 1.0."""
     generation = getattr(model, "generation_config", None) or {}
     return {name: generation[name] for name in SAMPLING_DEFAULT_NAMES if generation.get(name) is not None}
 
@@ -276,6 +276,7 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                           top_p=_number(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
                           top_k=max(top_k, 0), seed=seed,
+                          min_p=_number(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
                           presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),

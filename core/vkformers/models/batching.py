@@ -16,7 +16,7 @@ of the shape (rows, columns, stored columns, cache) of two chunks before it repl
 generate's prefills do (_prefill_capture; prompts laid out at a multiple of PREFILL_BUCKET columns on a GPU,
 so that nearby lengths share shapes). A request that left stays as a masked row until a newcomer takes it. Each
 request chooses its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or
-temperature, top-k and top-p with its own seeded generator), so its tokens are those ``model.generate`` gives it
+temperature, top-k, top-p and min-p with its own seeded generator), so its tokens are those ``model.generate`` gives it
 alone with those settings; a replayed step whose live rows are all greedy (no penalty, bias or
 logprobs) has the GPU choose them and reads back the tokens instead of the logits (DecodeCapture.choose). The
 thread's forwards run under no_grad.
@@ -114,6 +114,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: every token (OpenAI's API has no top-k; vLLM's takes one)
+    min_p: float = 0.0  # 0: every token (vLLM's and llama.cpp's field)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
@@ -130,6 +131,8 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InputError(f"logprobs must be in 0..20, got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -1118,7 +1121,8 @@ class BatchScheduler:
             elif params.temperature == 0:
                 token = int(chosen_from.argmax(axis=-1)[0])
             else:
-                token = int(_sample(chosen_from, request.rng, params.temperature, params.top_k, params.top_p)[0])
+                token = int(_sample(chosen_from, request.rng, params.temperature, params.top_k, params.top_p,
+                                    params.min_p)[0])
             request.generated.append(token)
             request.counts[token] = request.counts.get(token, 0) + 1
             if request.first_token_at is None:

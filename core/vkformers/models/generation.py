@@ -52,7 +52,8 @@ class GenerationMixin:
     def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
-                 attention_mask=None, streamer=None, pad_token_id: int | None = None, **options):
+                 attention_mask=None, streamer=None, pad_token_id: int | None = None, min_p: float | None = None,
+                 **options):
         """Prompt + up to ``max_new_tokens`` new tokens per row (20 by default), as a numpy int64 array
         [batch, T + new].
 
@@ -76,8 +77,8 @@ class GenerationMixin:
         sources = generation_sources(self)
         settings, lengths, given_rules, beam = resolve_call(
             sources, options, max_new_tokens, ids.shape[-1], beams=self.runs_beam_search(), do_sample=do_sample,
-            temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-        do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+        do_sample, temperature, top_k, top_p, min_p, repetition_penalty = settings.values()
         max_new_tokens = lengths.max_new_tokens
         mask = None if attention_mask is None else np.asarray(
             attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask)
@@ -139,7 +140,7 @@ class GenerationMixin:
                 else:
                     next_tokens = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
                                                    repetition_penalty, eos if step < lengths.min_new_tokens else (),
-                                                   rules)
+                                                   rules, min_p)
                 next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
                 stream_tokens(streamer, next_tokens)
@@ -468,15 +469,24 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=-1, keepdims=True)
 
 
+def apply_min_p(scores: np.ndarray, min_p: float) -> np.ndarray:
+    """transformers' MinPLogitsWarper: drop the tokens less likely than ``min_p`` times the likeliest one."""
+    if min_p <= 0.0:
+        return scores
+    probs = _softmax(scores)
+    return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, scores)
+
+
 def sampling_probabilities(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0,
-                           top_p: float = 1.0) -> np.ndarray:
-    """The distribution sampling draws from: temperature, then top-k, then top-p, then softmax."""
+                           top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """The distribution sampling draws from: temperature, then top-k, then top-p, then min-p, then softmax (the
+    order of transformers' warpers)."""
     scores = scores / temperature if temperature != 1.0 else scores
-    return _softmax(apply_top_p(apply_top_k(scores, top_k), top_p))
+    return _softmax(apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p))
 
 
-def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p) -> np.ndarray:
-    probs = sampling_probabilities(scores, temperature, top_k, top_p)
+def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: float = 0.0) -> np.ndarray:
+    probs = sampling_probabilities(scores, temperature, top_k, top_p, min_p)
     cumulative = np.cumsum(probs, axis=-1)
     draws = rng.random(scores.shape[0]) * cumulative[:, -1]
     picked = np.array([np.searchsorted(c, d, side="right") for c, d in zip(cumulative, draws)])
@@ -499,14 +509,15 @@ def processed_scores(scores: np.ndarray, tokens: np.ndarray, repetition_penalty:
 
 def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rng: np.random.Generator,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     repetition_penalty: float = 1.0, suppress=(), rules: LogitRules | None = None) -> np.ndarray:
+                     repetition_penalty: float = 1.0, suppress=(), rules: LogitRules | None = None,
+                     min_p: float = 0.0) -> np.ndarray:
     """generate's choice of each row's next token from its step ``logits`` [batch, vocab] after ``tokens`` so far:
     the tokens in ``suppress`` never (end-of-sequence before min_new_tokens), the repetition penalty, ``rules``
     (models/generation_settings.py), then argmax, or a draw from ``rng`` when ``do_sample`` (for models with
     their own generation loop)."""
     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules)
     if do_sample:
-        return _sample(scores, rng, temperature, top_k, top_p)
+        return _sample(scores, rng, temperature, top_k, top_p, min_p)
     return scores.argmax(axis=-1)
 
 

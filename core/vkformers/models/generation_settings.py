@@ -24,7 +24,8 @@ from vkformers.models.beam_search import check_beam_settings
 from vkformers.models.inputs import check_generation_settings, generation_lengths
 
 # transformers' GenerationConfig defaults for what generate's sampling arguments leave out
-SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
+                     "repetition_penalty": 1.0}
 # generate's arguments that turn LogitRules on (also read from the generation config)
 RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
                   "suppress_tokens", "begin_suppress_tokens")
@@ -33,7 +34,7 @@ RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id"
 # the keys of transformers' GenerationConfig that generate reads; GenerationConfig.from_model_config copies them
 # from a config that has no generation_config.json beside it
 GENERATION_KEYS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature",
-                   "top_k", "top_p", "repetition_penalty", "num_beams", "length_penalty", "early_stopping",
+                   "top_k", "top_p", "min_p", "repetition_penalty", "num_beams", "length_penalty", "early_stopping",
                    "num_return_sequences", "no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id",
                    "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "bos_token_id", "eos_token_id",
                    "pad_token_id", "decoder_start_token_id")
@@ -80,8 +81,8 @@ def end_token_ids(model, tokenizer=None) -> list[int]:
 
 
 def sampling_settings(sources, **given) -> dict:
-    """do_sample, temperature, top_k, top_p and repetition_penalty: each as given, else from ``sources``, else
-    transformers' default."""
+    """do_sample, temperature, top_k, top_p, min_p and repetition_penalty: each as given, else from ``sources``,
+    else transformers' default."""
     settings = {}
     for name, default in SAMPLING_DEFAULTS.items():
         value = given.get(name)
@@ -146,7 +147,7 @@ def pop_rule_arguments(options: dict) -> dict:
 
 
 def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beams: bool = False, **sampling):
-    """One generate call's settings: (do_sample, temperature, top_k, top_p and repetition_penalty as a dict, its
+    """One generate call's settings: (do_sample, temperature, top_k, top_p, min_p, repetition_penalty as a dict, its
     Lengths, its LogitRules arguments, its BeamSettings). ``options``: generate's other keyword arguments, left
     without the rule and beam arguments; ``start_length``: the tokens before the first generated one; ``beams``:
     whether this generate runs beam search."""
@@ -156,7 +157,9 @@ def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beam
     max_new_tokens, lengths_options = config_lengths(sources, max_new_tokens, options, start_length)
     lengths = generation_lengths(lengths_options, max_new_tokens, start_length,
                                  settings["do_sample"] or beam.num_beams > 1)
-    check_generation_settings(lengths.max_new_tokens, *(settings[name] for name in SAMPLING_DEFAULTS))
+    check_generation_settings(lengths.max_new_tokens, settings["do_sample"], settings["temperature"],
+                              settings["top_k"], settings["top_p"], settings["repetition_penalty"],
+                              min_p=settings["min_p"])
     if beam.num_beams != 1:
         check_beam_settings(beam.num_beams, lengths.num_return_sequences, beam.length_penalty, beam.early_stopping,
                             settings["do_sample"])

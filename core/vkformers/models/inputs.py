@@ -301,7 +301,8 @@ def generation_lengths(options: dict, max_new_tokens, start_length: int, do_samp
     return Lengths(int(max_new_tokens), int(min_new_tokens or 0), int(count))
 
 
-def check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty=1.0) -> None:
+def check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty=1.0,
+                              min_p: float = 0.0) -> None:
     """generate's settings, refused when invalid whether or not they are used (temperature when greedy, ...)."""
     check_number("max_new_tokens", max_new_tokens, low=0, integer=True)
     check_number("temperature", temperature, low=0, hint=" (do_sample=False decodes greedily)")
@@ -310,4 +311,5 @@ def check_generation_settings(max_new_tokens, do_sample, temperature, top_k, top
                          "decoding)")
     check_number("top_k", top_k, low=0, integer=True, hint=" (0 keeps every token)")
     check_number("top_p", top_p, low=0, high=1, low_open=True, hint=" (1 keeps every token)")
+    check_number("min_p", min_p, low=0, high=1, hint=" (0 keeps every token)")
     check_number("repetition_penalty", repetition_penalty, low=0, low_open=True, hint=" (1 applies none)")

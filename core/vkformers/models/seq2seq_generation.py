@@ -46,9 +46,9 @@ class Seq2SeqGenerationMixin:
 
     def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None, attention_mask=None,
-                 decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
-                 output_logits: bool = False, **encoder_inputs):
+                 repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
+                 attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
+                 output_logits: bool = False, min_p: float | None = None, **encoder_inputs):
         """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
 
         Greedy unless ``do_sample`` (temperature, top-k, top-p; ``numpy.random.default_rng(seed)``); the
@@ -72,8 +72,8 @@ class Seq2SeqGenerationMixin:
         sources = generation_sources(self)
         settings, lengths, given_rules, beam = resolve_call(
             sources, options, max_new_tokens, 1, beams=True, do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-        do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
+            top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+        do_sample, temperature, top_k, top_p, min_p, repetition_penalty = settings.values()
         max_new_tokens = lengths.max_new_tokens
         limits = self.input_limits()
         check_model_inputs(limits, {"input_ids": input_ids, "attention_mask": attention_mask})
@@ -124,7 +124,8 @@ class Seq2SeqGenerationMixin:
                 scores = to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy())
                 step_logits.append(scores)
                 chosen = pick_next_tokens(scores, tokens, do_sample, rng, temperature, top_k, top_p,
-                                          repetition_penalty, eos if step < lengths.min_new_tokens else (), rules)
+                                          repetition_penalty, eos if step < lengths.min_new_tokens else (), rules,
+                                          min_p)
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
                 if eos:

@@ -389,7 +389,8 @@ class XLNetLMHeadModel(XLNetTransformer):
     def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
-                 attention_mask=None, streamer=None, pad_token_id: int | None = None, **options):
+                 attention_mask=None, streamer=None, pad_token_id: int | None = None, min_p: float | None = None,
+                 **options):
         """Prompt + up to ``max_new_tokens`` tokens per row, numpy int64 [batch, T + new], as transformers' generate
         runs XLNetLMHeadModel (the settings, their defaults and logits processors as GenerationMixin.generate's).
         ``attention_mask`` is accepted and not used, as there: a padded row attends its pads."""
@@ -398,8 +399,8 @@ class XLNetLMHeadModel(XLNetTransformer):
         sources = generation_sources(self)
         settings, lengths, given_rules, _ = resolve_call(
             sources, options, max_new_tokens, tokens.shape[-1], do_sample=do_sample, temperature=temperature,
-            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-        do_sample, temperature, top_k, top_p, repetition_penalty = settings.values()
+            top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+        do_sample, temperature, top_k, top_p, min_p, repetition_penalty = settings.values()
         if tokens.ndim != 2 or tokens.shape[1] == 0:
             raise InputError(f"generate: input_ids must be [batch, length] with length >= 1, got {tokens.shape}")
         check_model_inputs(self.input_limits(), {"input_ids": tokens, "attention_mask": _host(attention_mask)})
@@ -430,7 +431,8 @@ class XLNetLMHeadModel(XLNetTransformer):
                 logits = out.logits.float().numpy()[:, -1]
                 mems = list(out.mems)
                 chosen = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
-                                          repetition_penalty, eos if step < lengths.min_new_tokens else (), rules)
+                                          repetition_penalty, eos if step < lengths.min_new_tokens else (), rules,
+                                          min_p)
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], 1)
                 stream_tokens(streamer, chosen)
