@@ -137,3 +137,36 @@ def test_the_generation_config_is_transformers_object_to_read_and_set(tmp_path):
         target.generation_config.max_new_tokens = 6
         assert target.generate(prompt).tolist() == next(c["tokens"] for c in REFERENCE["cases"]
                                                         if c["name"] == "bart_forced_bos")
+
+
+class PairTokenizer:
+    """Each token id reads as two letters, so that a stop string may end inside a token (transformers' overhang)."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=False):
+        return "".join(chr(97 + int(t) % 26) + chr(97 + int(t) // 26 % 26) for t in ids)
+
+
+def test_stop_strings_end_a_row_at_the_token_that_completes_them():
+    """A row stops at the token whose text completes a stop string (spanning tokens, or ending inside the token),
+    keeps that token and pads after it; the other row goes on; beams and a missing tokenizer are refused."""
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    ids = np.array(REFERENCE["decoder_prompts"], np.int64)
+    mask = np.array(REFERENCE["decoder_mask"], np.int64)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[])
+    text = PairTokenizer.decode(greedy[0, ids.shape[1]:])
+    for stop in (text[3:6], text[5:9]):  # the first ends inside a token (odd end), the second spans three tokens
+        end = -(-(text.find(stop) + len(stop)) // 2)  # the new token in which its first occurrence ends
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=[],
+                             stop_strings=[stop, "zzzzzz"], tokenizer=PairTokenizer(), pad_token_id=0)
+        width = ids.shape[1] + end
+        assert end < 8 and (got[0, width:] == 0).all(), (stop, end, got[0])
+        np.testing.assert_array_equal(got[0, :width], greedy[0, :width])
+        if stop not in PairTokenizer.decode(greedy[1]):
+            np.testing.assert_array_equal(got[1], greedy[1])
+    with pytest.raises(InputError, match="needs the tokenizer"):
+        model.generate(ids, max_new_tokens=2, stop_strings=["ab"])
+    seq2seq = AutoModelForSeq2SeqLM.from_pretrained(ROOT / "fixtures" / "seq2seq" / "bart", requires_grad=False)
+    with pytest.raises(InputError, match="stop_strings with beam search"):
+        seq2seq.generate(np.array(REFERENCE["seq2seq_prompt"], np.int64), max_new_tokens=2, num_beams=2,
+                         stop_strings=["ab"], tokenizer=PairTokenizer())

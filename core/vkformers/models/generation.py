@@ -66,9 +66,10 @@ class GenerationMixin:
         finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
         object with transformers' ``put``/``end`` methods (put first receives the prompt).
         transformers' ``max_length``, ``min_length``, ``min_new_tokens``, ``num_return_sequences`` (rows of a
-        prompt follow each other), ``use_cache`` and ``num_beams=1`` are taken too (inputs.generation_lengths),
-        and the logits processors of models/generation_settings.py (``no_repeat_ngram_size``, ``bad_words_ids``,
-        ``forced_bos_token_id``, ...). What the call leaves out comes from the model's generation config, then
+        prompt follow each other) and ``use_cache`` are taken too (inputs.generation_lengths), and the logits
+        processors of models/generation_settings.py (``no_repeat_ngram_size``, ``bad_words_ids``,
+        ``forced_bos_token_id``, ...), beam search (``num_beams``, models/beam_search.py) and ``stop_strings``
+        with ``tokenizer``. What the call leaves out comes from the model's generation config, then
         transformers' defaults (sampling keeps the 50 likeliest tokens unless top_k says otherwise).
         """
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
@@ -124,7 +125,7 @@ class GenerationMixin:
         bucket = PREFILL_BUCKET["cpu" if cache.device.is_cpu else "gpu"]
         padded = _padded_length(self, length, bucket, min(cache.max_len, capture_limit)) if capturable else None
         prefill = self._prefill_capture(cache, padded or length, padded is not None, key) if capturable else None
-        greedy = not do_sample and repetition_penalty == 1.0 and not rules.active  # the GPU may pick the tokens
+        greedy = not do_sample and repetition_penalty == 1.0 and not rules.picks_on_host  # the GPU may pick them
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
         with no_grad():
             logits = self._prefill(ids, mask, positions, cache, prefill, padded)
@@ -146,6 +147,7 @@ class GenerationMixin:
                 stream_tokens(streamer, next_tokens)
                 if eos:
                     unfinished &= ~np.isin(next_tokens, eos)
+                unfinished &= ~rules.finished(tokens)
                 if not unfinished.any() or step == max_new_tokens - 1:
                     break
                 mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)

@@ -27,6 +27,7 @@ from vkformers.models.inputs import check_generation_settings, generation_length
 SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
                      "repetition_penalty": 1.0}
 # generate's arguments that turn LogitRules on (also read from the generation config)
+STOP_ARGUMENTS = ("stop_strings", "tokenizer")  # transformers' stop strings, with the tokenizer to read them
 RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
                   "suppress_tokens", "begin_suppress_tokens")
 
@@ -148,12 +149,14 @@ def pop_rule_arguments(options: dict) -> dict:
 
 def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beams: bool = False, **sampling):
     """One generate call's settings: (do_sample, temperature, top_k, top_p, min_p, repetition_penalty as a dict, its
-    Lengths, its LogitRules arguments, its BeamSettings). ``options``: generate's other keyword arguments, left
-    without the rule and beam arguments; ``start_length``: the tokens before the first generated one; ``beams``:
-    whether this generate runs beam search."""
+    Lengths, its LogitRules arguments with its StopStrings or None under "stop_strings", its BeamSettings).
+    ``options``: generate's other keyword arguments, left without the rule, stop and beam arguments;
+    ``start_length``: the tokens before the first generated one; ``beams``: whether this generate runs beam
+    search."""
     beam = beam_settings(sources, options, beams)
     settings = sampling_settings(sources, **sampling)
     rules = pop_rule_arguments(options)
+    rules["stop_strings"] = pop_stop_strings(options, beam.num_beams)
     max_new_tokens, lengths_options = config_lengths(sources, max_new_tokens, options, start_length)
     lengths = generation_lengths(lengths_options, max_new_tokens, start_length,
                                  settings["do_sample"] or beam.num_beams > 1)
@@ -164,6 +167,40 @@ def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beam
         check_beam_settings(beam.num_beams, lengths.num_return_sequences, beam.length_penalty, beam.early_stopping,
                             settings["do_sample"])
     return settings, lengths, rules, beam
+
+
+class StopStrings:
+    """transformers' ``stop_strings`` (with ``tokenizer=``): a row is finished once its text holds one of the strings
+    ending in its last token, which may run past the string's end (the tokens that completed it are kept)."""
+
+    def __init__(self, strings, tokenizer):
+        strings = [strings] if isinstance(strings, str) else strings
+        if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(t, str) and t for t in strings):
+            raise InputError(f"generate: stop_strings must be a string or a list of non-empty strings, got "
+                             f"{strings!r}")
+        if tokenizer is None or not hasattr(tokenizer, "decode"):
+            raise InputError("generate: stop_strings needs the tokenizer that turns the tokens into text "
+                             "(tokenizer=...), as in transformers")
+        self.strings, self.tokenizer = list(strings), tokenizer
+        self.window = max(len(t) for t in self.strings) + 2  # tokens enough to hold any of them, and one before
+
+    def hits(self, tokens: np.ndarray) -> np.ndarray:
+        """Per row of ``tokens`` [batch, T], whether a stop string ends in its last token."""
+        found = np.zeros(tokens.shape[0], bool)
+        for row, seq in enumerate(tokens[:, -self.window:].tolist()):
+            before, after = self.tokenizer.decode(seq[:-1]), self.tokenizer.decode(seq)
+            found[row] = any(after.find(t, max(0, len(before) - len(t) + 1)) >= 0 for t in self.strings)
+        return found
+
+
+def pop_stop_strings(options: dict, beams: int = 1) -> StopStrings | None:
+    """generate's ``stop_strings`` and ``tokenizer`` arguments (taken out of ``options``) as StopStrings."""
+    strings, tokenizer = options.pop("stop_strings", None), options.pop("tokenizer", None)
+    if strings is None:
+        return None
+    if beams > 1:
+        raise InputError("generate: stop_strings with beam search is not supported; leave one of them out")
+    return StopStrings(strings, tokenizer)
 
 
 def _token_list(value, name: str) -> list[int]:
@@ -189,6 +226,7 @@ class LogitRules:
     begin_suppress_tokens: tuple = ()
     max_length: int = 0
     begin_index: int = 0
+    stop_strings: StopStrings | None = None  # not a processor: a stopping criterion (finished)
 
     @classmethod
     def resolve(cls, sources, given: dict, *, start_length: int, max_length: int, eos: list[int]) -> "LogitRules":
@@ -196,6 +234,7 @@ class LogitRules:
         transformers), else ``sources``. ``start_length``: the tokens before the first generated one (the prompt;
         an encoder-decoder's decoder start)."""
         value = {name: given[name] if name in given else config_value(sources, name) for name in RULE_ARGUMENTS}
+        stops = given.get("stop_strings")
         ngram = value["no_repeat_ngram_size"] or 0
         if isinstance(ngram, bool) or not isinstance(ngram, (int, np.integer)) or ngram < 0:
             raise InputError(f"generate: no_repeat_ngram_size must be a whole number >= 0, got {ngram!r}")
@@ -209,7 +248,19 @@ class LogitRules:
         begin = start_length if start_length > 1 or forced_bos is None else start_length + 1
         return cls(int(ngram), bad, forced_bos, tuple(_token_list(value["forced_eos_token_id"], "forced_eos_token_id")),
                    tuple(_token_list(value["suppress_tokens"], "suppress_tokens")),
-                   tuple(_token_list(value["begin_suppress_tokens"], "begin_suppress_tokens")), int(max_length), begin)
+                   tuple(_token_list(value["begin_suppress_tokens"], "begin_suppress_tokens")), int(max_length), begin,
+                   stops)
+
+    def finished(self, tokens: np.ndarray) -> np.ndarray:
+        """Per row of ``tokens`` [batch, T] (the chosen token last), whether a stop string ended it."""
+        if self.stop_strings is None:
+            return np.zeros(tokens.shape[0], bool)
+        return self.stop_strings.hits(tokens)
+
+    @property
+    def picks_on_host(self) -> bool:
+        """Whether every token must be chosen on the host (no chained GPU argmax)."""
+        return self.active or self.stop_strings is not None
 
     @property
     def active(self) -> bool:

@@ -25,8 +25,9 @@ from vkformers.errors import InputError, VkformersError
 from vkformers.models.decode_capture import to_scores
 from vkformers.models.generation import pick_next_tokens, processed_scores
 from vkformers.models.beam_search import BeamSearch, search_beams
-from vkformers.models.generation_settings import (BEAM_ARGUMENTS, RULE_ARGUMENTS, LogitRules, config_value,
-                                                 generation_sources, model_generation_sources, resolve_call)
+from vkformers.models.generation_settings import (BEAM_ARGUMENTS, RULE_ARGUMENTS, STOP_ARGUMENTS, LogitRules,
+                                                 config_value, generation_sources, model_generation_sources,
+                                                 resolve_call)
 from vkformers.models.inputs import TRANSFORMERS_ARGUMENTS, check_model_inputs, check_prompt_length, id_array
 
 
@@ -65,7 +66,7 @@ class Seq2SeqGenerationMixin:
         global_attention_mask)."""
         options = {k: encoder_inputs.pop(k) for k in list(encoder_inputs) if k not in self.generation_encoder_inputs}
         unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS and k not in RULE_ARGUMENTS
-                         and k not in BEAM_ARGUMENTS)
+                         and k not in BEAM_ARGUMENTS and k not in STOP_ARGUMENTS)
         if unknown:
             raise InputError(f"generate: {getattr(self, 'architecture_name', type(self).__name__)} takes no "
                              f"{unknown[0]}; leave it out")
@@ -130,6 +131,7 @@ class Seq2SeqGenerationMixin:
                 tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
                 if eos:
                     unfinished &= ~np.isin(chosen, eos)
+                unfinished &= ~rules.finished(tokens)
                 if not unfinished.any():
                     break
                 next_input = chosen[:, None]

@@ -438,6 +438,7 @@ class XLNetLMHeadModel(XLNetTransformer):
                 stream_tokens(streamer, chosen)
                 if eos:
                     unfinished &= ~np.isin(chosen, eos)
+                unfinished &= ~rules.finished(tokens)
                 if not unfinished.any():
                     break
         end_stream(streamer)
