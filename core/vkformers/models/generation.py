@@ -197,13 +197,13 @@ class GenerationMixin:
         """generate's beam search (models/beam_search.py) from the prefill's ``logits``: each decode step (replayed
         once recorded) on the rows the beams continue, the cache's rows following them."""
         prompt_length = search.prompt_length
-        held = {"mask": mask}
 
         def advance(rows, tokens):
+            nonlocal mask  # the attention mask follows the rows, one more column each step
             cache.reorder_rows(rows)
-            held["mask"] = np.concatenate([held["mask"][rows], np.ones((len(rows), 1), held["mask"].dtype)], axis=1)
-            positions = self.generation_positions(held["mask"], tokens, prompt_length)[:, -1:].astype(np.int32)
-            return self.decode_step(decode, cache, tokens[:, -1:].astype(np.int32), positions, held["mask"])
+            mask = np.concatenate([mask[rows], np.ones((len(rows), 1), mask.dtype)], axis=1)
+            positions = self.generation_positions(mask, tokens, prompt_length)[:, -1:].astype(np.int32)
+            return self.decode_step(decode, cache, tokens[:, -1:].astype(np.int32), positions, mask)
         return search_beams(search, logits, lambda scores, tokens: processed_scores(
             scores, tokens, repetition_penalty, eos if tokens.shape[1] - prompt_length < min_new_tokens else (), rules),
             advance)

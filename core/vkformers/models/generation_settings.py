@@ -26,8 +26,9 @@ from vkformers.models.inputs import check_generation_settings, generation_length
 # transformers' GenerationConfig defaults for what generate's sampling arguments leave out
 SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
                      "repetition_penalty": 1.0}
+# transformers' stop strings, with the tokenizer that reads them (generate's arguments only)
+STOP_ARGUMENTS = ("stop_strings", "tokenizer")
 # generate's arguments that turn LogitRules on (also read from the generation config)
-STOP_ARGUMENTS = ("stop_strings", "tokenizer")  # transformers' stop strings, with the tokenizer to read them
 RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
                   "suppress_tokens", "begin_suppress_tokens")
 
