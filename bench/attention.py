@@ -266,7 +266,8 @@ def backward_variants(device, dtype: str, head_dim: int) -> list:
         return []
     variants = [(" ".join([f"{default.rows}x{default.cols}", *tuning_words(default), "(default)"]), default)]
     for t in COOPMAT_BACKWARD_TILES[:2]:
-        for options in ({}, dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True)):
+        for options in ({}, dict(reg_softmax=True), dict(reg_softmax=True, p_in_regs=True), dict(double_buffer=True),
+                        dict(reg_softmax=True, p_in_regs=True, double_buffer=True)):
             tiles = replace(t, **options)
             if tiles != default and coopmat_backward_tiles(device, dtype, head_dim, 0, 0, 0, 0, candidates=[tiles]):
                 variants.append((" ".join([f"{t.rows}x{t.cols}", *tuning_words(tiles)]), tiles))

@@ -17,7 +17,7 @@ import pytest
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels import attention as attention_kernels
 from vkformers.engine.kernels.attention import (
-    ABLATIONS, COOPMAT_BACKWARD_OPTIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES,
+    ABLATIONS, COOPMAT_BACKWARD_TILES, COOPMAT_FORWARD_TILES, COOPMAT_TWO_PASS_TILES,
     DECODE_TILES, CoopmatBackwardTiles, CoopmatTiles, Tiles, attention_backward, attention_decode, attention_forward,
     coopmat_backward_tiles, coopmat_forward_candidates, coopmat_forward_tiles)
 from vkformers.engine.kernels.coopmat_layout import CoopmatLayout, analyse, coopmat_layout
@@ -323,15 +323,19 @@ def test_coopmat_forward_default_tiles():
 
 
 def test_coopmat_backward_option_combinations():
-    """The backward takes only the register softmax and P in registers (with it); P in registers leaves only the
-    output blocks in each subgroup's shared memory."""
+    """The backward takes only the register softmax, P in registers (with it) and double buffering; P in registers
+    leaves only the output blocks in each subgroup's shared memory, double buffering doubles the streamed tiles."""
     assert CoopmatBackwardTiles(64, 32, reg_softmax=True, p_in_regs=True).fits(32)
     assert CoopmatBackwardTiles(64, 32, reg_softmax=True).fits(8) and not CoopmatBackwardTiles(64, 32).fits(8)
-    for options in (dict(p_in_regs=True), dict(prefetch=True), dict(double_buffer=True), dict(lazy_rescale=True)):
+    assert CoopmatBackwardTiles(64, 32, double_buffer=True).fits(32)
+    for options in (dict(p_in_regs=True), dict(prefetch=True), dict(lazy_rescale=True), dict(batched_staging=True)):
         assert not CoopmatBackwardTiles(64, 32, **options).fits(32)
     reg = CoopmatBackwardTiles(64, 32, reg_softmax=True, p_in_regs=True)
     assert reg.shared_bytes(128, 32) < CoopmatBackwardTiles(64, 32).shared_bytes(128, 32)
     assert reg.tuning == 8 | 16
+    double = replace(reg, double_buffer=True)
+    assert double.tuning == 8 | 16 | 32 and double.shared_bytes(128, 32) <= 48 * 1024
+    assert double.shared_bytes(128, 32) - reg.shared_bytes(128, 32) == 2 * 32 * 16 * 17 + 2 * 4 * 32
 
 
 def test_coopmat_forward_option_combinations():
@@ -364,42 +368,36 @@ def fake_coopmat_device(subgroup=32):
 
 @pytest.mark.parametrize("layout", ["none", "a_differs", "a_matches"])
 def test_coopmat_forward_options_where_the_layout_allows(monkeypatch, layout):
-    """COOPMAT_FORWARD_OPTIONS go on the automatic tiles only where the device's measured layout allows them: the
-    register softmax needs a layout, P in registers one whose A operands match the accumulators; else plain tiles."""
+    """The automatic forward tiles take the register softmax (P straight into A operands, double-buffered 128 x 32,
+    64 x 16 at head dim 256) only where the device's measured layout allows it; else the shared-memory softmax with
+    COOPMAT_FORWARD_OPTIONS (batched staging). Subgroups of 8 run only the register softmax."""
     measured = {"none": None, "a_differs": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), False),
                 "a_matches": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), True)}[layout]
     monkeypatch.setattr(attention_kernels, "coopmat_layout", lambda device, dtype: measured)
-    monkeypatch.setattr(attention_kernels, "COOPMAT_FORWARD_OPTIONS", dict(reg_softmax=True, p_in_regs=True))
     device = fake_coopmat_device()
-    tiles = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0)
-    assert (tiles.reg_softmax, tiles.p_in_regs) == ((True, True) if layout == "a_matches" else (False, False))
-    assert (tiles.rows, tiles.cols) == (128, 32)
+    register = layout == "a_matches"
+    for head_dim, shape in ((64, (128, 32) if register else (64, 32)), (128, (128, 32)),
+                            (256, (64, 16) if register else (64, 32))):
+        tiles = coopmat_forward_tiles(device, "float16", head_dim, 0, 0, 0)
+        assert (tiles.reg_softmax, tiles.p_in_regs, tiles.double_buffer) == (register,) * 3, head_dim
+        assert tiles.batched_staging == (not register) and (tiles.rows, tiles.cols) == shape, head_dim
     reg_only = coopmat_forward_tiles(device, "float16", 128, 0, 0, 0,
                                      candidates=[CoopmatTiles(64, 32, reg_softmax=True)])
     assert (reg_only is None) == (layout == "none")
-    # Subgroups of 8: only the register softmax runs.
-    assert (coopmat_forward_tiles(fake_coopmat_device(8), "float16", 128, 0, 0, 0) is None) == (layout != "a_matches")
-
-
-def test_coopmat_default_options():
-    """Without a measured layout the automatic forward takes the plain shapes with batched staging (then without
-    it where it would not fit); the automatic backward takes the register softmax (P and dS through shared memory)
-    where a layout was measured, else the shared-memory softmax."""
-    device = fake_coopmat_device()
-    for head_dim, shape in ((64, (64, 32)), (128, (128, 32)), (256, (64, 32))):
-        tiles = coopmat_forward_tiles(device, "float16", head_dim, 0, 0, 0)
-        assert (tiles.rows, tiles.cols) == shape and tiles.batched_staging and not tiles.reg_softmax, head_dim
-    assert COOPMAT_BACKWARD_OPTIONS == dict(reg_softmax=True)
+    assert (coopmat_forward_tiles(fake_coopmat_device(8), "float16", 128, 0, 0, 0) is None) == (not register)
 
 
 @pytest.mark.parametrize("layout", ["none", "a_differs", "a_matches"])
 def test_coopmat_backward_options_where_the_layout_allows(monkeypatch, layout):
+    """The automatic backward tiles (64 x 32 where they fit) take P and dS straight into A operands where the layout
+    allows it, the register softmax through shared memory where only a layout was measured, else neither."""
     measured = {"none": None, "a_differs": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), False),
                 "a_matches": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), True)}[layout]
     monkeypatch.setattr(attention_kernels, "coopmat_layout", lambda device, dtype: measured)
     tiles = coopmat_backward_tiles(fake_coopmat_device(), "float16", 128, 0, 0, 0, 0)
-    assert (tiles.rows, tiles.cols) == (64, 32) and not tiles.p_in_regs
-    assert tiles.reg_softmax == (layout != "none")
+    assert (tiles.rows, tiles.cols) == (64, 32)
+    assert (tiles.reg_softmax, tiles.p_in_regs) == {"none": (False, False), "a_differs": (True, False),
+                                                    "a_matches": (True, True)}[layout]
 
 
 def mma_layout(lane, i):
@@ -453,9 +451,12 @@ def test_half_type_backward(device, dtype, name):
 
 
 # The cooperative-matrix backward's variants: P and dS through shared memory, or on the accumulators' elements
-# (where the device's measured layout allows it), then through shared memory or straight into A operands.
+# (where the device's measured layout allows it), then through shared memory or straight into A operands; one
+# buffer of streamed tiles or two.
 BACKWARD_VARIANTS = {"shared_softmax": {}, "reg_softmax": dict(reg_softmax=True),
-                     "reg_softmax_p_in_regs": dict(reg_softmax=True, p_in_regs=True)}
+                     "reg_softmax_p_in_regs": dict(reg_softmax=True, p_in_regs=True),
+                     "shared_softmax_double_buffer": dict(double_buffer=True),
+                     "reg_softmax_p_in_regs_double_buffer": dict(reg_softmax=True, p_in_regs=True, double_buffer=True)}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -472,11 +473,14 @@ def test_coopmat_backward(device, dtype, variant, name):
             run_case(device, case, dtype, backward_algorithm="coopmat", backward_tiles=candidates[-1])
         return
     assert (tiles.reg_softmax, tiles.p_in_regs) == ("reg_softmax" in variant, "p_in_regs" in variant)
+    assert tiles.double_buffer == ("double_buffer" in variant)
     run_case(device, case, dtype, backward_algorithm="coopmat", backward_tiles=tiles)
 
 
 @pytest.mark.parametrize("tiles", COOPMAT_BACKWARD_TILES + [replace(t, reg_softmax=True, p_in_regs=True)
-                                                          for t in COOPMAT_BACKWARD_TILES])
+                                                          for t in COOPMAT_BACKWARD_TILES]
+                         + [replace(t, reg_softmax=True, p_in_regs=True, double_buffer=True)
+                            for t in COOPMAT_BACKWARD_TILES])
 @pytest.mark.parametrize("name", ["causal_multi_block", "chunked_prefill_offset"])
 def test_coopmat_backward_every_tile_shape(device, tiles, name):
     """Each tile shape of the cooperative-matrix backward (the automatic choice takes only the first that fits),

@@ -17,6 +17,10 @@
 // known from a matrix of indices loaded once). P_IN_REGS: P and dS become A operands element by element, else they
 // go through this subgroup's shared memory once (stored from the accumulators, rounded to 16 bits, loaded as A).
 //
+// DOUBLE_BUFFER (TUNING): two buffers of streamed tiles; each thread loads its part of the next tiles into registers
+// before the current ones are used and stores them into the other buffer after, so one workgroup barrier per tile
+// instead of two, and the loads' latency hides behind the products.
+//
 // bfloat16: as attention_fwd_coopmat.comp, 16-bit floats appear only as the element type of
 // the matrices (and conversions to it); the build step rewrites that type for the bf16 variant.
 //! target vulkan1.3
@@ -60,7 +64,7 @@ layout(push_constant) uniform Push {
 layout(constant_id = 8) const bool COMPUTE_DQ = false;
 layout(local_size_x_id = 9) in;
 layout(constant_id = 10) const uint SUBGROUP_SIZE = 32;
-layout(constant_id = 11) const uint TUNING = 0;  // bits: REG_SOFTMAX, P_IN_REGS (as the forward's)
+layout(constant_id = 11) const uint TUNING = 0;  // bits: REG_SOFTMAX, P_IN_REGS, DOUBLE_BUFFER (as the forward's)
 // The accumulators' layout (REG_SOFTMAX; coopmat_layout.glsl).
 layout(constant_id = 12) const uint ROW_SLOTS = 1;
 layout(constant_id = 13) const uint ROW_LANE_MASK = 0;
@@ -69,15 +73,23 @@ layout(constant_id = 15) const uint SLOT_WORD1 = 0;
 layout(constant_id = 16) const uint SLOT_WORD2 = 0;
 layout(constant_id = 17) const uint SLOT_WORD3 = 0;
 #include "coopmat_layout.glsl"
-const uint REG_SOFTMAX = 8, P_IN_REGS = 16;
+const uint REG_SOFTMAX = 8, P_IN_REGS = 16, DOUBLE_BUFFER = 32;
 const bool REG = (TUNING & REG_SOFTMAX) != 0u;
 const bool P_REGS = REG ? (TUNING & P_IN_REGS) != 0u : false;
+const bool DOUBLE = (TUNING & DOUBLE_BUFFER) != 0u;
+// (Sizes from integer bits only: glslang misorders spec-constant selects on booleans.)
+const uint BUFFERS = 1 + ((TUNING / DOUBLE_BUFFER) & 1u);
 #define POS_INF uintBitsToFloat(0x7F800000u)
 
+// to_bits: a float as the storage type's bits (round to nearest even). operand_value: the value those bits hold, as
+// a float, so that converting it to an A operand's element is exact whatever rounding the driver's conversion uses
+// (SPIR-V leaves that to the implementation): P and dS round as they do through shared memory.
 #if defined(T_F16)
 uint to_bits(float x) { return packHalf2x16(vec2(x, 0.0)) & 0xFFFFu; }
+float operand_value(float x) { return unpackHalf2x16(to_bits(x)).x; }
 #else
 uint to_bits(float x) { return uint(f32_to_bf16(x)); }
+float operand_value(float x) { return uintBitsToFloat(to_bits(x) << 16); }
 #endif
 
 const uint D_FRAGS = HEAD_DIM / 16, C_FRAGS = BLOCK_COLS / 16;
@@ -90,18 +102,46 @@ const uint P_PITCH = BLOCK_COLS / 8 + 1;           // uvec4s per row of 16-bit P
 // (REG with P_IN_REGS: only the output blocks, 16 x 16 floats; the index matrix before the loop.)
 const uint P_REGS_BIT = (TUNING / REG_SOFTMAX) & (TUNING / P_IN_REGS) & 1u;
 const uint SG_WORDS = P_REGS_BIT * 64 + (1 - P_REGS_BIT) * (2 * S_WORDS + 2 * 16 * P_PITCH);
-// Streamed tile 1 at 0, tile 2 at STREAM2; before the loop the owned rows are staged here in turn.
-const uint STREAM2 = BLOCK_COLS * PITCH;
-shared uvec4 tiles[2 * BLOCK_COLS * PITCH];
+// Streamed tile 1 at 0, tile 2 at STREAM2 (DOUBLE: the second buffer from TILE_WORDS); before the loop the owned
+// rows are staged here in turn.
+const uint STREAM2 = BLOCK_COLS * PITCH, TILE_WORDS = 2 * BLOCK_COLS * PITCH;
+shared uvec4 tiles[BUFFERS * TILE_WORDS];
 shared uvec4 scratch[(BLOCK_ROWS / 16) * SG_WORDS];  // per subgroup: q.k, dO.v (float), P, dS (16-bit)
-shared float stream_lse[BLOCK_COLS];                 // dK/dV pass: per streamed query
-shared float stream_delta[BLOCK_COLS];
+shared float stream_lse[BUFFERS * BLOCK_COLS];       // dK/dV pass: per streamed query (DOUBLE: per buffer)
+shared float stream_delta[BUFFERS * BLOCK_COLS];
+// DOUBLE: a streamed tile is TILE_CHUNKS uvec4s, CHUNKS_PER_THREAD of them per thread; and COLS_PER_THREAD values of
+// lse and delta.
+const uint WG_THREADS = (BLOCK_ROWS / 16) * SUBGROUP_SIZE;
+const uint TILE_CHUNKS = BLOCK_COLS * ROW_WORDS, CHUNKS_PER_THREAD = (TILE_CHUNKS + WG_THREADS - 1) / WG_THREADS;
+const uint COLS_PER_THREAD = (BLOCK_COLS + WG_THREADS - 1) / WG_THREADS;
 
 // Rows [row0, row0 + count) of the [.., HEAD_DIM] rows at uvec4 `base` into tiles[at..]; zeros from row `rows` on.
 #define STAGE(at, src, base, row0, count, rows)                                                   \
     for (uint i = gl_LocalInvocationID.x; i < (count) * ROW_WORDS; i += gl_WorkGroupSize.x) {     \
         uint r = i / ROW_WORDS, c = i % ROW_WORDS;                                                \
         tiles[(at) + r * PITCH + c] = (row0) + r < (rows) ? src[(base) + ((row0) + r) * ROW_WORDS + c] : uvec4(0); \
+    }
+
+// DOUBLE: the same rows into this thread's registers `regs`, every load issued before any is used ...
+#define FETCH(regs, src, base, row0, rows)                                                        \
+    [[unroll]] for (uint l = 0; l < CHUNKS_PER_THREAD; ++l) {                                     \
+        uint i = gl_LocalInvocationID.x + l * WG_THREADS, r = i / ROW_WORDS, c = i % ROW_WORDS;   \
+        regs[l] = i < TILE_CHUNKS && (row0) + r < (rows) ? src[(base) + ((row0) + r) * ROW_WORDS + c] : uvec4(0); \
+    }
+// ... and from them into tiles[at..].
+#define PUT(at, regs)                                                                             \
+    [[unroll]] for (uint l = 0; l < CHUNKS_PER_THREAD; ++l) {                                     \
+        uint i = gl_LocalInvocationID.x + l * WG_THREADS;                                         \
+        if (i < TILE_CHUNKS) tiles[(at) + i / ROW_WORDS * PITCH + i % ROW_WORDS] = regs[l];       \
+    }
+// The dK/dV pass's lse (REG: +inf for a query that sees no key, so that P = exp(score - inf) = 0) and delta of the
+// streamed queries [col0, col0 + BLOCK_COLS) of the rows at q_rows, into buffer `at` of stream_lse and stream_delta.
+#define STAGE_LSE(at, q_rows, col0)                                                               \
+    for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS; i += WG_THREADS) {                      \
+        bool valid = (col0) + i < q_len;                                                          \
+        const float x = valid ? lse[lse_off + (q_rows) + (col0) + i] : NEG_INF;                  \
+        stream_lse[(at) + i] = REG && x == NEG_INF ? POS_INF : x;                                 \
+        stream_delta[(at) + i] = valid ? delta[(q_rows) + (col0) + i] : 0.0;                      \
     }
 
 void main() {
@@ -185,25 +225,60 @@ void main() {
         acc2[d] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
     }
 
+    const uint kv_rows = (batch * kv_heads + kv_head) * kv_len;
+    uint at = 0u, lse_at = 0u;  // the buffer of the current tiles (DOUBLE: 0 or TILE_WORDS) and of its lse, delta
+    if (DOUBLE && stream_begin < stream_end) {  // the first tiles, straight into buffer 0
+        barrier();  // the owned rows are no longer read
+        const uint q_rows = (batch * heads + head_first) * q_len;
+        if (COMPUTE_DQ) {
+            STAGE(0, k, k_off / 8 + kv_rows * ROW_WORDS, stream_begin, BLOCK_COLS, kv_len)
+            STAGE(STREAM2, v, v_off / 8 + kv_rows * ROW_WORDS, stream_begin, BLOCK_COLS, kv_len)
+        } else {
+            STAGE(0, q, q_off / 8 + q_rows * ROW_WORDS, stream_begin, BLOCK_COLS, q_len)
+            STAGE(STREAM2, d_o, d_o_off / 8 + q_rows * ROW_WORDS, stream_begin, BLOCK_COLS, q_len)
+            STAGE_LSE(0, q_rows, stream_begin)
+        }
+        barrier();
+    }
     for (uint head = head_first; head < head_first + head_count; ++head) {
         const uint q_rows = (batch * heads + head) * q_len;
-        const uint kv_rows = (batch * kv_heads + kv_head) * kv_len;
         for (uint col0 = stream_begin; col0 < stream_end; col0 += BLOCK_COLS) {
-            barrier();  // the previous tiles (or the owned rows) are no longer read
-            if (COMPUTE_DQ) {
-                STAGE(0, k, k_off / 8 + kv_rows * ROW_WORDS, col0, BLOCK_COLS, kv_len)
-                STAGE(STREAM2, v, v_off / 8 + kv_rows * ROW_WORDS, col0, BLOCK_COLS, kv_len)
-            } else {
-                STAGE(0, q, q_off / 8 + q_rows * ROW_WORDS, col0, BLOCK_COLS, q_len)
-                STAGE(STREAM2, d_o, d_o_off / 8 + q_rows * ROW_WORDS, col0, BLOCK_COLS, q_len)
-                for (uint i = gl_LocalInvocationID.x; i < BLOCK_COLS; i += gl_WorkGroupSize.x) {
-                    bool valid = col0 + i < q_len;
-                    const float x = valid ? lse[lse_off + q_rows + col0 + i] : NEG_INF;
-                    stream_lse[i] = REG && x == NEG_INF ? POS_INF : x;  // REG: P = exp(score - inf) = 0
-                    stream_delta[i] = valid ? delta[q_rows + col0 + i] : 0.0;
+            if (!DOUBLE) {
+                barrier();  // the previous tiles (or the owned rows) are no longer read
+                if (COMPUTE_DQ) {
+                    STAGE(0, k, k_off / 8 + kv_rows * ROW_WORDS, col0, BLOCK_COLS, kv_len)
+                    STAGE(STREAM2, v, v_off / 8 + kv_rows * ROW_WORDS, col0, BLOCK_COLS, kv_len)
+                } else {
+                    STAGE(0, q, q_off / 8 + q_rows * ROW_WORDS, col0, BLOCK_COLS, q_len)
+                    STAGE(STREAM2, d_o, d_o_off / 8 + q_rows * ROW_WORDS, col0, BLOCK_COLS, q_len)
+                    STAGE_LSE(0, q_rows, col0)
+                }
+                barrier();
+            }
+            // DOUBLE: the next tiles (this head's next columns, else the next head's first) into registers now.
+            const bool last_col = col0 + BLOCK_COLS >= stream_end;
+            const uint next_col = last_col ? stream_begin : col0 + BLOCK_COLS;
+            const uint next_q_rows = last_col ? q_rows + q_len : q_rows;  // (the next head's rows follow)
+            const bool more = DOUBLE && !(last_col && head + 1u == head_first + head_count);
+            uvec4 next1[CHUNKS_PER_THREAD], next2[CHUNKS_PER_THREAD];
+            float next_lse[COLS_PER_THREAD], next_delta[COLS_PER_THREAD];
+            if (more) {
+                if (COMPUTE_DQ) {
+                    FETCH(next1, k, k_off / 8 + kv_rows * ROW_WORDS, next_col, kv_len)
+                    FETCH(next2, v, v_off / 8 + kv_rows * ROW_WORDS, next_col, kv_len)
+                } else {
+                    FETCH(next1, q, q_off / 8 + next_q_rows * ROW_WORDS, next_col, q_len)
+                    FETCH(next2, d_o, d_o_off / 8 + next_q_rows * ROW_WORDS, next_col, q_len)
+                    [[unroll]] for (uint l = 0; l < COLS_PER_THREAD; ++l) {
+                        const uint i = gl_LocalInvocationID.x + l * WG_THREADS;
+                        const bool valid = i < BLOCK_COLS && next_col + i < q_len;
+                        next_lse[l] = valid ? lse[lse_off + next_q_rows + next_col + i] : NEG_INF;
+                        next_delta[l] = valid ? delta[next_q_rows + next_col + i] : 0.0;
+                    }
                 }
             }
-            barrier();
+          // (A `continue` below leaves this block, not the loop: DOUBLE still stores the next tiles.)
+          do {
             // Uniform per subgroup: a tile none of whose (query, key) pairs is visible (causal, window).
             if (COMPUTE_DQ) {
                 const int first = q_base + int(sg_row0), last = first + 15;  // owned query positions
@@ -223,9 +298,9 @@ void main() {
                     dp[c] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
                     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
                         coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
-                        coopMatLoad(b, tiles, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                        coopMatLoad(b, tiles, at + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
                         sc[c] = coopMatMulAdd(own1[d], b, sc[c]);
-                        coopMatLoad(b, tiles, STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                        coopMatLoad(b, tiles, at + STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
                         dp[c] = coopMatMulAdd(own2[d], b, dp[c]);
                     }
                 }
@@ -245,8 +320,8 @@ void main() {
                         const uint r = slot_of(i), col = c * 16 + COOPMAT_COL(col_word, i);
                         const uint qi = COMPUTE_DQ ? sg_row0 + slot_row[r] : col0 + col;
                         const uint kpos = COMPUTE_DQ ? col0 + col : sg_row0 + slot_row[r];
-                        const float row_lse = COMPUTE_DQ ? slot_lse[r] : stream_lse[col];
-                        const float row_delta = COMPUTE_DQ ? slot_delta[r] : stream_delta[col];
+                        const float row_lse = COMPUTE_DQ ? slot_lse[r] : stream_lse[lse_at + col];
+                        const float row_delta = COMPUTE_DQ ? slot_delta[r] : stream_delta[lse_at + col];
                         const int qpos = q_base + int(qi);
                         float p = 0.0, ds = 0.0;
                         if (!checks || (qi < q_len && kpos < kv_len && key_visible(qpos, kpos, batch))) {
@@ -255,8 +330,8 @@ void main() {
                             ds = p * (dp[c][i] - row_delta) * cap_slope;
                         }
                         if (P_REGS) {
-                            pf[c][i] = float16_t(p);
-                            dsf[c][i] = float16_t(ds);
+                            pf[c][i] = float16_t(operand_value(p));
+                            dsf[c][i] = float16_t(operand_value(ds));
                         } else {
                             sc[c][i] = p;
                             dp[c][i] = ds;
@@ -292,10 +367,10 @@ void main() {
                 [[unroll]] for (uint c = 0; c < C_FRAGS; ++c) {
                     [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
                         coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
-                        coopMatLoad(b, tiles, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                        coopMatLoad(b, tiles, at + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
                         acc1[d] = coopMatMulAdd(dsf[c], b, acc1[d]);
                         if (!COMPUTE_DQ) {
-                            coopMatLoad(b, tiles, STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                            coopMatLoad(b, tiles, at + STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
                             acc2[d] = coopMatMulAdd(pf[c], b, acc2[d]);
                         }
                     }
@@ -312,9 +387,9 @@ void main() {
                     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
                 [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
-                    coopMatLoad(b, tiles, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                    coopMatLoad(b, tiles, at + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
                     s = coopMatMulAdd(own1[d], b, s);
-                    coopMatLoad(b, tiles, STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
+                    coopMatLoad(b, tiles, at + STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutColumnMajor);
                     dp = coopMatMulAdd(own2[d], b, dp);
                 }
                 coopMatStore(s, scratch, s_base + c * 4, BLOCK_COLS / 4, gl_CooperativeMatrixLayoutRowMajor);
@@ -333,8 +408,8 @@ void main() {
                     [[unroll]] for (uint t = 0; t < 4; ++t) {
                         const uint col = my_col0 + j + 4 * h + t;
                         const uint qi = COMPUTE_DQ ? own : col0 + col, kpos = COMPUTE_DQ ? col0 + col : own;
-                        const float row_lse = COMPUTE_DQ ? own_lse : stream_lse[col];
-                        const float row_delta = COMPUTE_DQ ? own_delta : stream_delta[col];
+                        const float row_lse = COMPUTE_DQ ? own_lse : stream_lse[lse_at + col];
+                        const float row_delta = COMPUTE_DQ ? own_delta : stream_delta[lse_at + col];
                         const int qpos = q_base + int(qi);
                         float p = 0.0, ds = 0.0;
                         // lse = -inf marks a query that sees no key: all its gradients are 0.
@@ -362,15 +437,35 @@ void main() {
                 if (!COMPUTE_DQ) coopMatLoad(pf, scratch, p_base + c * 2, P_PITCH, gl_CooperativeMatrixLayoutRowMajor);
                 [[unroll]] for (uint d = 0; d < D_FRAGS; ++d) {
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
-                    coopMatLoad(b, tiles, c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                    coopMatLoad(b, tiles, at + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
                     acc1[d] = coopMatMulAdd(dsf, b, acc1[d]);
                     if (!COMPUTE_DQ) {
-                        coopMatLoad(b, tiles, STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
+                        coopMatLoad(b, tiles, at + STREAM2 + c * 16 * PITCH + d * 2, PITCH, gl_CooperativeMatrixLayoutRowMajor);
                         acc2[d] = coopMatMulAdd(pf, b, acc2[d]);
                     }
                 }
             }
             subgroupBarrier();  // scratch is rewritten by the next tile
+          } while (false);
+            if (DOUBLE) {  // the next tiles into the other buffer; one barrier for both buffers' hand-over
+                const uint other = TILE_WORDS - at, other_lse = BLOCK_COLS - lse_at;
+                if (more) {
+                    PUT(other, next1)
+                    PUT(other + STREAM2, next2)
+                    if (!COMPUTE_DQ) {
+                        [[unroll]] for (uint l = 0; l < COLS_PER_THREAD; ++l) {
+                            const uint i = gl_LocalInvocationID.x + l * WG_THREADS;
+                            if (i < BLOCK_COLS) {
+                                stream_lse[other_lse + i] = REG && next_lse[l] == NEG_INF ? POS_INF : next_lse[l];
+                                stream_delta[other_lse + i] = next_delta[l];
+                            }
+                        }
+                    }
+                }
+                barrier();
+                at = other;
+                lse_at = other_lse;
+            }
         }
     }
 

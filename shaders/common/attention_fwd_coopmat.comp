@@ -90,10 +90,15 @@ layout(push_constant) uniform Push {
 layout(constant_id = 8) const uint SUBGROUP_SIZE = 32;
 layout(local_size_x_id = 9) in;
 
+// to_bits: a float as the storage type's bits (round to nearest even). operand_value: the value those bits hold, as
+// a float, so that converting it to an A operand's element is exact whatever rounding the driver's conversion uses
+// (SPIR-V leaves that to the implementation): P and dS round as they do through shared memory.
 #if defined(T_F16)
 uint to_bits(float x) { return packHalf2x16(vec2(x, 0.0)) & 0xFFFFu; }
+float operand_value(float x) { return unpackHalf2x16(to_bits(x)).x; }
 #else
 uint to_bits(float x) { return uint(f32_to_bf16(x)); }
+float operand_value(float x) { return uintBitsToFloat(to_bits(x) << 16); }
 #endif
 
 layout(constant_id = 10) const bool ONE_PASS = false;
@@ -379,7 +384,7 @@ void main() {
                         const uint r = slot_of(i);
                         const float p = exp2(sc[c][i] - shift[r]);
                         part[r] += p;
-                        if (P_REGS) pf[c][i] = float16_t(p);
+                        if (P_REGS) pf[c][i] = float16_t(operand_value(p));
                         else sc[c][i] = p;
                     }
                 }

@@ -183,10 +183,15 @@ COOPMAT_SMALL_HEAD_TILES = [CoopmatTiles(64, 32), CoopmatTiles(128, 32), Coopmat
 COOPMAT_LARGE_HEAD_TILES = [CoopmatTiles(128, 32), CoopmatTiles(64, 32), CoopmatTiles(32, 32), CoopmatTiles(64, 16),
                             CoopmatTiles(32, 16), CoopmatTiles(16, 16)]
 COOPMAT_SMALL_HEAD_MAX = 64
-# Options the automatic choice puts on the tiles above where the device can run them (the register softmax needs a
-# measured accumulator layout of the form :mod:`coopmat_layout` checks), each list then followed by its plain tiles.
-# bench/attention.py --forward-sweep times each option on the default shapes: set this from what it finds (each
-# tile's loads issued before any is stored: faster at every point of run A10 in docs/benchmarks.md).
+# Preferred first where the device's measured accumulator layout lets the probabilities go straight into A operands
+# (:mod:`coopmat_layout`): the register softmax with double-buffered K/V tiles, 128 x 32, else (head dim 256) 64 x 16,
+# then single-buffered (the fastest variants of run A10 in docs/benchmarks.md).
+COOPMAT_REGISTER_TILES = [CoopmatTiles(128, 32, reg_softmax=True, p_in_regs=True, double_buffer=True),
+                          CoopmatTiles(64, 16, reg_softmax=True, p_in_regs=True, double_buffer=True),
+                          CoopmatTiles(128, 32, reg_softmax=True, p_in_regs=True),
+                          CoopmatTiles(64, 32, reg_softmax=True, p_in_regs=True)]
+# Elsewhere the shared-memory softmax, with these options on the shapes above where they fit, then without them
+# (each tile's loads issued before any is stored).
 COOPMAT_FORWARD_OPTIONS: dict = dict(batched_staging=True)
 # Every one-pass shape (tests run each); 64 x 64 (fits 48 KiB up to head dim 64) only for the forward sweep, with
 # PREFETCH: half the workgroup barriers per key of 64 x 32.
@@ -218,8 +223,8 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
     if candidates is None:
-        candidates = coopmat_forward_candidates(head_dim)
-        candidates = [replace(t, **COOPMAT_FORWARD_OPTIONS) for t in candidates] + candidates
+        shapes = coopmat_forward_candidates(head_dim)
+        candidates = COOPMAT_REGISTER_TILES + [replace(t, **COOPMAT_FORWARD_OPTIONS) for t in shapes] + shapes
     return next((t for t in candidates if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit
                  and t.runs_on(device, dtype)), None)
 
@@ -228,21 +233,23 @@ def coopmat_forward_tiles(device, dtype: str, head_dim: int, *offsets: int,
 class CoopmatBackwardTiles(CoopmatTiles):
     """attention_bwd_coopmat: ``rows`` owned rows per workgroup (16 per subgroup), streamed tiles of ``cols``.
     ``reg_softmax``: P and dS computed on the accumulators' elements (where the device's measured layout allows it);
-    ``p_in_regs`` (with it): P and dS become A operands without shared memory. No other option applies."""
+    ``p_in_regs`` (with it): P and dS become A operands without shared memory. ``double_buffer``: two buffers of
+    streamed tiles, the next ones loaded into registers while the current ones are used. No other option applies."""
 
     def shared_bytes(self, head_dim: int, subgroup: int) -> int:
         pitch = 16 * (head_dim // 8 + 1)  # bytes per staged row
         per_subgroup = 2 * 16 * self.cols * 4 + 2 * 16 * 16 * (self.cols // 8 + 1)  # q.k, dO.v; P, dS
         if self.reg_softmax and self.p_in_regs:
             per_subgroup = 16 * 16 * 4  # the output blocks only
-        return 2 * self.cols * pitch + (self.rows // 16) * per_subgroup + 2 * 4 * self.cols
+        buffers = 2 if self.double_buffer else 1
+        return buffers * (2 * self.cols * pitch + 2 * 4 * self.cols) + (self.rows // 16) * per_subgroup
 
     def fits(self, subgroup: int) -> bool:
         # The owned rows are staged where the two streamed tiles go; each lane takes whole uvec4s of P and dS (the
         # register softmax: any subgroup of 8 lanes or more).
         if self.rows % 16 or self.cols % 16 or self.rows > 2 * self.cols or subgroup < 8 or subgroup & (subgroup - 1):
             return False
-        if self.prefetch or self.lazy_rescale or self.batched_staging or self.double_buffer or self.ablation \
+        if self.prefetch or self.lazy_rescale or self.batched_staging or self.ablation \
                 or not self.one_pass or (self.p_in_regs and not self.reg_softmax):
             return False
         return self.reg_softmax or (subgroup % 16 == 0 and (self.cols // (subgroup // 16)) % 8 == 0)
@@ -250,10 +257,10 @@ class CoopmatBackwardTiles(CoopmatTiles):
 
 COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32, 32), CoopmatBackwardTiles(32, 16),
                           CoopmatBackwardTiles(16, 16)]
-# Options the automatic choice puts on the tiles above where the device can run them (as COOPMAT_FORWARD_OPTIONS);
-# bench/attention.py --backward-sweep times them (P and dS on the accumulators' elements, through shared memory as
-# the plain kernel rounds them: faster at every point of run A11).
-COOPMAT_BACKWARD_OPTIONS: dict = dict(reg_softmax=True)
+# Options the automatic choice puts on the tiles above where the device can run them, preferred first, each list then
+# followed by the plain tiles: P and dS in registers and straight into A operands, else in registers but through
+# shared memory (run A11; bench/attention.py --backward-sweep times them).
+COOPMAT_BACKWARD_OPTIONS: list[dict] = [dict(reg_softmax=True, p_in_regs=True), dict(reg_softmax=True)]
 # Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
 COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
 
@@ -267,7 +274,8 @@ def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int,
     subgroup = int(device.limits["subgroup_size"])
     limit = int(device.limits["max_compute_shared_memory_size"])
     if candidates is None:
-        candidates = [replace(t, **COOPMAT_BACKWARD_OPTIONS) for t in COOPMAT_BACKWARD_TILES] + COOPMAT_BACKWARD_TILES
+        candidates = [replace(t, **options) for options in COOPMAT_BACKWARD_OPTIONS for t in COOPMAT_BACKWARD_TILES] \
+            + COOPMAT_BACKWARD_TILES
     return next((t for t in candidates if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit
                  and t.runs_on(device, dtype)), None)
 
