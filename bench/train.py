@@ -3,7 +3,8 @@
 For each dtype (fp32, bf16) and mode (full fine-tuning; LoRA r=8 on q_proj/v_proj), times training
 steps on a batch of `--batch` x `--seq` random tokens: forward with labels, backward, AdamW (lr 1e-4,
 weight decay 0.01). vkformers runs its Trainer's step (gradient-norm clipping at 1.0 included; bf16 keeps
-float32 master weights and moments); transformers + PyTorch CUDA runs the same config and random
+float32 master weights and moments unless --no-master-weights; --optim and --gradient-checkpointing as
+`vkformers train`'s); transformers + PyTorch CUDA runs the same config and random
 weights (bench/llama.py) in the same process with torch.optim.AdamW and clip_grad_norm_ (bf16: pure
 bf16 parameters, torch.optim.AdamW updating them directly; LoRA: r=8 adapters added by forward hooks,
 float32 like PEFT's). Without CUDA (or with --no-torch) only vkformers runs, and the output says so.
@@ -13,7 +14,8 @@ held by live device buffers (vkformers.runtime.vulkan.buffer_memory), both from 
 built, so weights, gradients, optimizer state and activations all count.
 
     python bench/train.py [--dtypes float32,bfloat16] [--modes full,lora] [--layers 22] [--batch 8] [--seq 512]
-                          [--steps 5] [--json OUT]
+                          [--steps 5] [--optim adamw_8bit] [--no-master-weights] [--gradient-checkpointing]
+                          [--json OUT]
     python bench/train.py --layers 1 --batch 1 --seq 16 --hidden 64   # tiny shape for lavapipe
 """
 from __future__ import annotations
@@ -41,7 +43,8 @@ LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False) -> dict:
+def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False, **options) -> dict:
+    """``options``: TrainingConfig's optim, master_weights, gradient_checkpointing."""
     gc.collect()
     start_bytes = vulkan.buffer_memory()["live_bytes"]
     vulkan.reset_peak_buffer_memory()
@@ -51,7 +54,8 @@ def bench_vkformers(config, weights, dtype, mode, batches, steps, profile=False)
         apply_lora(model, LoraConfig(**LORA))
     trainer = Trainer(model, TrainingConfig(steps=steps + 2, batch_size=batches[0][0].shape[0],
                                             seq_len=batches[0][0].shape[1], lr=LR, schedule="constant",
-                                            weight_decay=WEIGHT_DECAY, clip=CLIP, precision=PRECISION[dtype]),
+                                            weight_decay=WEIGHT_DECAY, clip=CLIP, precision=PRECISION[dtype],
+                                            **options),
                       train_batches=None)
     losses = [trainer.train_step([batches[i % len(batches)]]).loss for i in range(2)]  # records, then replays
     built = lazy.stats["recorded"], 0
@@ -143,7 +147,14 @@ def main(argv=None) -> int:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json", metavar="OUT")
     parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel")
+    parser.add_argument("--optim", default="adamw", help="vkformers' optimizer (vkformers train --optim)")
+    parser.add_argument("--no-master-weights", action="store_true",
+                        help="bf16: vkformers updates the bfloat16 weights in place, as the PyTorch reference does")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="vkformers recomputes each layer")
     args = parser.parse_args(argv)
+    options = dict(optim=args.optim, gradient_checkpointing=args.gradient_checkpointing)
+    if args.no_master_weights:
+        options["master_weights"] = False
     config = dict(TINYLLAMA, num_hidden_layers=args.layers)
     if args.hidden:
         heads = max(1, args.hidden // 64)
@@ -163,11 +174,12 @@ def main(argv=None) -> int:
     if not use_torch:
         print(f"reference (transformers + PyTorch CUDA) skipped: {why}", flush=True)
     results = {"device": vkf.get_device().name, "config": config, "batch": args.batch, "seq": args.seq,
-               "steps": args.steps, "lora": LORA, "reference": "torch" if use_torch else f"skipped ({why})",
+               "steps": args.steps, "lora": LORA, "options": options, "reference": "torch" if use_torch else f"skipped ({why})",
                "runs": {}}
     for dtype in args.dtypes.split(","):
         for mode in args.modes.split(","):
-            run = {"vkformers": bench_vkformers(config, weights, dtype, mode, batches, args.steps, args.profile)}
+            run = {"vkformers": bench_vkformers(config, weights, dtype, mode, batches, args.steps, args.profile,
+                                                **options)}
             if use_torch:
                 run["torch"] = bench_torch(config, weights, dtype, mode, batches, args.steps)
             results["runs"][f"{dtype}/{mode}"] = run

@@ -172,3 +172,120 @@ def test_cli_train_with_8bit_states_and_gradient_checkpointing(tmp_path):
     states = read_safetensors(folder / "optimizer.safetensors")
     assert states["0.0.exp_avg"].array.dtype == np.uint8  # the embedding (257 x 32): 8-bit codes
     assert states["0.0.exp_avg_absmax"].array.shape == (-(-257 * 32 // 256),)
+    assert "0.0.master" not in states  # float32 weights: none
+
+
+def test_cli_train_bf16_without_master_weights(tmp_path, capsys):
+    import json
+    from test_lora import tiny_llama_folder
+    from vkformers.cli import main
+    from vkformers.models.safetensors_io import read_safetensors
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question. " * 40)
+    common = ["train", "--model", str(tiny_llama_folder(tmp_path / "config")), "--from-scratch", "--tokenizer",
+              "byte", "--data", str(corpus), "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--no-progress",
+              "--optim", "adamw_8bit", "--no-master-weights"]
+    assert main([*common, "--out", str(tmp_path / "fp32")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--precision bf16" in err and "Traceback" not in err
+    assert not (tmp_path / "fp32" / "checkpoints").exists()
+    assert main([*common, "--out", str(tmp_path / "run"), "--precision", "bf16"]) == 0
+    folder = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+    assert json.loads((folder / "trainer_state.json").read_text())["config"]["master_weights"] is False
+    states = read_safetensors(folder / "optimizer.safetensors")
+    assert not [k for k in states if k.endswith(".master")] and states["0.0.exp_avg"].array.dtype == np.uint8
+
+
+def bf16(x):
+    return dt.from_bfloat16(dt.to_bfloat16(np.asarray(x, F32)))
+
+
+@pytest.mark.parametrize("grad_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_bfloat16_weights_without_masters_match_the_numpy_reference(state_dtype, grad_dtype):
+    """master_weights=False: a bfloat16 parameter is updated in place, the update computed in float32 from the
+    widened weight and rounded to nearest even, as torch.optim.AdamW and bitsandbytes update bfloat16 weights. The
+    moments are bit for bit the reference's (they do not depend on the weights); the weights within one bfloat16
+    step of it (a GPU's division may round the update differently) and mostly equal."""
+    rng = np.random.default_rng(5)
+    size, block = 3072, 256
+    p0 = bf16(rng.standard_normal(size))
+    grads = [(rng.standard_normal(size) * 10.0 ** rng.uniform(-1, 0, size)).astype(F32) for _ in range(4)]
+    if grad_dtype == "bfloat16":
+        grads = [bf16(g) for g in grads]
+    p = vkf.parameter(p0, dtype="bfloat16")
+    opt = AdamW([p], **HP, state_dtype=state_dtype, min_8bit_size=0, master_weights=False)
+    for g in grads:
+        p.grad = vkf.tensor(g, dtype=grad_dtype)
+        opt.step()
+        opt.zero_grad()
+        p.numpy()
+    state = opt.state[id(p)]
+    assert state["master"] is None and p.dtype is dt.bfloat16
+    ref_p, m, v = p0, np.zeros(size, F32), np.zeros(size, F32)
+    for step, g in enumerate(grads, 1):
+        new_p, m, v = adam_float32(ref_p, g, m, v, step)
+        ref_p = bf16(new_p)
+        if state_dtype == "bfloat16":
+            m, v = bf16(m), bf16(v)
+        elif state_dtype == "int8":  # blocks of 256: quantized to the maps, scaled by each block's absmax
+            absmax_m, absmax_v = np.abs(m).reshape(-1, block).max(1), v.reshape(-1, block).max(1)
+            codes_m = np.concatenate([quantize(x, a, SIGNED) for x, a in zip(m.reshape(-1, block), absmax_m)])
+            codes_v = np.concatenate([quantize(x, a, UNSIGNED) for x, a in zip(v.reshape(-1, block), absmax_v)])
+            m, v = SIGNED[codes_m] * np.repeat(absmax_m, block), UNSIGNED[codes_v] * np.repeat(absmax_v, block)
+    if state_dtype == "int8":
+        np.testing.assert_array_equal(state["exp_avg"].numpy(), codes_m)
+        np.testing.assert_array_equal(state["exp_avg_sq"].numpy(), codes_v)
+    else:
+        np.testing.assert_array_equal(state["exp_avg"].numpy(), m)
+        np.testing.assert_array_equal(state["exp_avg_sq"].numpy(), v)
+    got = p.numpy()
+    step = np.abs(ref_p) * 2.0 ** -7  # a bfloat16 step (8 significant bits) at the weight's magnitude
+    assert np.all(np.abs(got - ref_p) <= step), np.abs(got - ref_p).max()
+    assert np.mean(got == ref_p) > 0.99
+
+
+def test_masters_can_be_turned_off_for_bfloat16_only():
+    weights = vkf.parameter(np.ones(8, F32), dtype="bfloat16")
+    opt = AdamW([weights], master_weights=False)
+    opt.init_state()
+    assert opt.state[id(weights)]["master"] is None and not opt.keeps_master(weights)
+    kept = AdamW([weights])
+    kept.init_state()
+    assert kept.state[id(weights)]["master"].dtype is dt.float32
+    with pytest.raises(OptimizerConfigError, match="float16 ones need float32 masters"):
+        AdamW([vkf.parameter(np.ones(8, F32), dtype="float16")], master_weights=False)
+
+
+def bf16_trainer(out, master_weights, steps=6, save_every=0, model_seed=0):
+    config = TrainingConfig(steps=steps, batch_size=4, seq_len=16, lr=1e-2, warmup=2, schedule="cosine",
+                            save_every=save_every, seed=3, weight_decay=0.01, optim="adamw_8bit", precision="bf16",
+                            master_weights=master_weights)
+    model = tiny_model(seed=model_seed, dtype="bfloat16", dropout=0.1)
+    return Trainer(model, config, Batches(tiny_data(), 4, seed=3), out_dir=out)
+
+
+def test_bf16_training_without_master_weights_resumes_exactly(tmp_path):
+    """--precision bf16 --no-master-weights: the loss falls, no parameter has a float32 master, and a resumed run
+    repeats the same losses and states; a run with master weights refuses that checkpoint."""
+    from vkformers.training.checkpoint import CheckpointLoadError
+    full = bf16_trainer(tmp_path / "a", False, save_every=3)
+    reference = [r["loss"] for r in full.train()]
+    assert reference[-1] < reference[0] - 0.5
+    assert all(st["master"] is None for st in full.optimizer.state.values())
+    assert all(p.dtype is dt.bfloat16 for p in full.params)
+    resumed = bf16_trainer(tmp_path / "b", False, model_seed=99)
+    resumed.resume(tmp_path / "a" / "checkpoints" / "checkpoint-3")
+    assert [r["loss"] for r in resumed.train()] == reference[3:]
+    for key, array in full.optimizer.state_dict().items():
+        np.testing.assert_array_equal(resumed.optimizer.state_dict()[key], array, err_msg=key)
+    with pytest.raises(CheckpointLoadError, match="master_weights"):
+        bf16_trainer(tmp_path / "c", True).resume(tmp_path / "a" / "checkpoints" / "checkpoint-3")
+
+
+def test_no_master_weights_needs_bf16(tmp_path):
+    from vkformers.training.trainer import TrainingConfigError
+    with pytest.raises(TrainingConfigError, match="--precision bf16"):
+        TrainingConfig(master_weights=False)
+    with pytest.raises(TrainingConfigError, match="--precision bf16"):
+        TrainingConfig(master_weights=False, precision="fp16")

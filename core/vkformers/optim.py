@@ -8,7 +8,11 @@ corrections) travel as a small input uploaded with the step, so replays of the
 step stay valid as the step count and schedule move.
 
 Parameters stored as float16/bfloat16 get a float32 master copy; the kernel
-updates the master and writes the rounded copy into the parameter.
+updates the master and writes the rounded copy into the parameter. With
+``master_weights=False`` bfloat16 parameters are updated in place instead (the update
+computed in float32, the result rounded to nearest even), as torch.optim.AdamW and
+bitsandbytes update bfloat16 weights: 4 bytes per parameter less, and an update smaller than
+half a bfloat16 step of the weight is lost.
 
 Optimizer-state memory (``state_dtype``): the moments m and v are float32 (8 bytes per parameter), bfloat16
 (4 bytes) or 8-bit blockwise states as bitsandbytes' ``AdamW8bit`` (2 bytes plus 8 per block of 256):
@@ -90,10 +94,12 @@ ZERO_CODE = int(np.flatnonzero(QUANTIZATION_MAPS[:256] == 0.0)[0])  # a fresh m:
 class AdamW:
     """torch.optim.AdamW. ``state_dtype``: how m and v are stored, "float32" (torch's), "bfloat16" or "int8"
     (8-bit blockwise, ``block_size`` 256 or 2048 elements per absmax, for tensors of at least ``min_8bit_size``
-    elements). The update itself is computed in float32 in every case."""
+    elements). ``master_weights``: float32 masters of 16-bit parameters (else bfloat16 parameters are updated in
+    place; float16 ones need masters). The update itself is computed in float32 in every case."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 *, state_dtype: str = "float32", block_size: int = 256, min_8bit_size: int = 4096):
+                 *, state_dtype: str = "float32", block_size: int = 256, min_8bit_size: int = 4096,
+                 master_weights: bool = True):
         if state_dtype not in STATE_DTYPES:
             raise OptimizerConfigError(f"AdamW state_dtype must be one of {', '.join(STATE_DTYPES)}, "
                                        f"got {state_dtype!r}")
@@ -107,6 +113,12 @@ class AdamW:
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[int, dict] = {}
         self.state_dtype, self.block_size, self.min_8bit_size = state_dtype, block_size, int(min_8bit_size)
+        self.master_weights = bool(master_weights)
+        if not self.master_weights:
+            if any(p.dtype is dt.float16 for g in self.param_groups for p in g["params"]):
+                raise OptimizerConfigError("AdamW without master weights updates bfloat16 parameters in place; "
+                                           "float16 ones need float32 masters (train in bfloat16, or keep "
+                                           "master_weights)")
         self._qmap = None  # QUANTIZATION_MAPS on the device, made with the first 8-bit state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -134,10 +146,15 @@ class AdamW:
                 if dtype is dt.uint8 and name == "exp_avg":  # the code of 0.0 in the signed map
                     zeros[...] = ZERO_CODE
                 st[name] = parameter(zeros, dtype=dtype, requires_grad=False, name=name)
-            st["master"] = (None if p.dtype is dt.float32 else
-                            parameter(p.numpy().astype(np.float32), requires_grad=False, name="master"))
+            st["master"] = (parameter(p.numpy().astype(np.float32), requires_grad=False, name="master")
+                            if self.keeps_master(p) else None)
             self.state[id(p)] = st
         return st
+
+    def keeps_master(self, p: Tensor) -> bool:
+        """Whether ``p`` is updated through a float32 master copy (16-bit parameters, unless master_weights is
+        off)."""
+        return p.dtype is not dt.float32 and self.master_weights
 
     def _quantization_maps(self, device) -> Tensor:
         if self._qmap is None:
@@ -197,7 +214,7 @@ class AdamW:
         return advance
 
     def init_state(self) -> None:
-        """Create moments (and float32 masters) now rather than inside the first step, so that the first
+        """Create moments (and float32 masters where kept) now rather than inside the first step, so that the first
         step's graph does not read weights back in the middle."""
         for group in self.param_groups:
             for p in group["params"]:
@@ -230,5 +247,5 @@ class AdamW8bit(AdamW):
                          min_8bit_size=min_8bit_size)
 
 
-# ``vkformers train --optim``: name -> AdamW keyword arguments
+# ``vkformers train --optim``: name -> AdamW keyword arguments (``--no-master-weights`` adds master_weights=False)
 OPTIMIZERS = {"adamw": {}, "adamw_bf16_states": {"state_dtype": "bfloat16"}, "adamw_8bit": {"state_dtype": "int8"}}

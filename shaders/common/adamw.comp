@@ -11,6 +11,8 @@
 // float32 copy of a 16-bit gradient) and multiplied by GRAD_SCALE and, with HAS_FACTOR,
 // by a float32 element computed on the GPU (gradient clipping and loss unscaling).
 // c_*: also write the updated parameters to a 16-bit model copy (the master is float32).
+// p_bf16: the parameters themselves are bfloat16, read widened and written back rounded to nearest even (no
+// float32 master: pure bfloat16 training, as torch.optim.AdamW or bitsandbytes on bfloat16 weights).
 // Moment storage (s_*; float32 without):
 // - s_bf16: m and v stored as bfloat16 (rounded to nearest even after the update, which reads them widened).
 // - s_q8: 8-bit blockwise states as bitsandbytes' 8-bit Adam: one workgroup per block of 256 * BLOCK_ITEMS
@@ -40,6 +42,12 @@
 //! variant g_f32_c_bf16_s_q8 -DCOPY_BF16 -DSTATE_Q8
 //! variant g_f16_c_f16_s_q8 -DGRAD_F16 -DCOPY_F16 -DSTATE_Q8
 //! variant g_bf16_c_bf16_s_q8 -DGRAD_BF16 -DCOPY_BF16 -DSTATE_Q8
+//! variant g_f32_p_bf16 -DPARAM_BF16
+//! variant g_bf16_p_bf16 -DGRAD_BF16 -DPARAM_BF16
+//! variant g_f32_p_bf16_s_bf16 -DPARAM_BF16 -DSTATE_BF16
+//! variant g_bf16_p_bf16_s_bf16 -DGRAD_BF16 -DPARAM_BF16 -DSTATE_BF16
+//! variant g_f32_p_bf16_s_q8 -DPARAM_BF16 -DSTATE_Q8
+//! variant g_bf16_p_bf16_s_q8 -DGRAD_BF16 -DPARAM_BF16 -DSTATE_Q8
 #version 450
 #extension GL_GOOGLE_include_directive : require
 #if defined(STATE_Q8)
@@ -56,7 +64,13 @@ const uint LR = 0, BETA1 = 1, BETA2 = 2, EPS = 3, WEIGHT_DECAY = 4, STEP = 5,
            PARAM_DECAY = 10, GRAD_SCALE = 11;
 
 layout(binding = 0) readonly buffer Scalars { uint scalars[]; };
+#if defined(PARAM_BF16)
+layout(binding = 1) buffer Param { uint16_t param[]; };
+#define LOAD_PARAM(i) bf16_to_f32(param[i])
+#else
 layout(binding = 1) buffer Param { float param[]; };
+#define LOAD_PARAM(i) param[i]
+#endif
 #if defined(GRAD_F16)
 layout(binding = 2) readonly buffer Grad { float16_t grad[]; };
 #define LOAD_GRAD(i) float(grad[i])
@@ -123,7 +137,11 @@ void adam(uint i, inout float p, inout float m, inout float v) {
 }
 
 void store_param(uint i, float p) {
+#if defined(PARAM_BF16)
+    param[param_offset + i] = f32_to_bf16(p);
+#else
     param[param_offset + i] = p;
+#endif
 #if defined(COPY_F16)
     model_copy[copy_offset + i] = float16_t(p);
 #elif defined(COPY_BF16)
@@ -135,7 +153,7 @@ void store_param(uint i, float p) {
 void main() {
     uint i = global_index();
     if (i >= n) return;
-    float p = param[param_offset + i];
+    float p = LOAD_PARAM(param_offset + i);
     float m = LOAD_STATE(exp_avg, exp_avg_offset + i);
     float v = LOAD_STATE(exp_avg_sq, exp_avg_sq_offset + i);
     adam(i, p, m, v);
@@ -178,7 +196,7 @@ void main() {
         ms[k] = 0.0;
         vs[k] = 0.0;
         if (i < n) {
-            float p = param[param_offset + i];
+            float p = LOAD_PARAM(param_offset + i);
             float m = signed_map[uint(exp_avg[exp_avg_offset + i])] * scale_m;
             float v = unsigned_map[uint(exp_avg_sq[exp_avg_sq_offset + i])] * scale_v;
             adam(i, p, m, v);

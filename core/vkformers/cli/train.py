@@ -123,6 +123,10 @@ def add_parser(subparsers):
     loop.add_argument("--optim", choices=OPTIMS, default="adamw",
                       help="AdamW moments in float32 (adamw), 8-bit blockwise as bitsandbytes' AdamW8bit "
                            "(adamw_8bit, a quarter of the memory) or bfloat16 (adamw_bf16_states, half)")
+    loop.add_argument("--no-master-weights", action="store_true",
+                      help="with --precision bf16: update the bfloat16 weights in place (as torch.optim.AdamW on a "
+                           "bfloat16 model), no float32 master copy: 4 bytes per parameter less; updates under half "
+                           "a bfloat16 step of a weight are lost")
     loop.add_argument("--gradient-checkpointing", action="store_true",
                       help="keep only each layer's input and recompute the layer in the backward pass: less "
                            "activation memory for one more forward per step, the same gradients")
@@ -305,7 +309,8 @@ def train(args, comm) -> int:
                             weight_decay=args.weight_decay, clip=args.clip, grad_accum=args.grad_accum,
                             eval_every=args.eval_every, eval_batches=args.eval_batches,
                             save_every=args.save_every or args.steps, keep=args.keep, precision=args.precision,
-                            seed=args.seed, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing)
+                            seed=args.seed, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing,
+                            master_weights=not args.no_master_weights)
     run_info = {"model": str(args.model), "data": [str(p) for p in paths], "tokenizer": args.tokenizer or args.model,
                 "quantization": args.quantization,
                 "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}

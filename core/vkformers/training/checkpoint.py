@@ -148,9 +148,10 @@ def load_optimizer_state(optimizer, arrays: dict[str, np.ndarray]) -> None:
             fields[name] = None if array is None else parameter(
                 np.asarray(array, np.float32 if dtype is dt.bfloat16 else dtype.host), dtype=dtype,
                 requires_grad=False, name=name)
-        if (fields["master"] is None) != (p.dtype is dt.float32):
+        if (fields["master"] is None) == optimizer.keeps_master(p):
             raise CheckpointLoadError(f"optimizer state {key}: float32 master present/absent does not fit a "
-                                      f"{p.dtype.name} parameter (resume with the same --precision)")
+                                      f"{p.dtype.name} parameter (resume with the same --precision and "
+                                      "--no-master-weights)")
         optimizer.state[id(p)] = {"step": int(np.asarray(arrays[f"{key}.step"]).reshape(-1)[0]), **fields}
 
 

@@ -8,7 +8,8 @@ all of it in one submission; from the third step on the engine replays the recor
 (``engine.lazy.stats["recorded"]`` stays put).
 
 Mixed precision (``precision="bf16"|"fp16"``): the model's weights are 16-bit, AdamW keeps float32
-master weights and moments. For fp16 a dynamic loss scale multiplies the loss before backward and
+master weights and moments (bf16 with ``master_weights=False``: none, the bfloat16 weights are updated in place,
+as torch.optim.AdamW updates a bfloat16 model). For fp16 a dynamic loss scale multiplies the loss before backward and
 divides the gradients after. Whether a step overflowed is only known once the gradients exist, and
 AdamW updates its state in place, so fp16 steps run in **two submissions**: the first computes loss,
 gradients and the overflow flag (read with the loss); only when the gradients are finite does the
@@ -88,6 +89,7 @@ class TrainingConfig:
     scale_growth_interval: int = 2000
     optim: str = "adamw"            # optim.OPTIMIZERS: adamw | adamw_bf16_states | adamw_8bit
     gradient_checkpointing: bool = False  # recompute each layer in the backward pass (less activation memory)
+    master_weights: bool = True     # bf16: float32 masters of the weights (False: updated in place, 4 bytes less each)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -110,6 +112,9 @@ class TrainingConfig:
         self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise TrainingConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not self.master_weights and self.precision != "bf16":
+            raise TrainingConfigError(f"training without master weights updates bfloat16 weights in place; precision "
+                                      f"{self.precision} needs --precision bf16 (or keep the master weights)")
         if self.optim not in OPTIMIZERS:
             raise TrainingConfigError(f"optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
 
@@ -244,7 +249,8 @@ class Trainer:
     def make_optimizer(self, groups):
         """The AdamW that updates ``groups`` (a data-parallel trainer with sharded state keeps its shard)."""
         c = self.config
-        return AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **OPTIMIZERS[c.optim])
+        return AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, master_weights=c.master_weights,
+                     **OPTIMIZERS[c.optim])
 
     # -- one step
 
@@ -452,8 +458,8 @@ class Trainer:
             raise ckpt.CheckpointLoadError(f"{folder} was trained by {ranks} data-parallel rank(s), this run has "
                                            f"{getattr(self.train_batches, 'world_size', 1)}; resume with the same "
                                            "number of ranks (its weights load into any run: load_checkpoint)")
-        for key in ("precision", "batch_size", "seq_len", "grad_accum"):
-            if saved.get(key) != getattr(self.config, key):
+        for key in ("precision", "batch_size", "seq_len", "grad_accum", "master_weights"):
+            if saved.get(key, True if key == "master_weights" else None) != getattr(self.config, key):
                 raise ckpt.CheckpointLoadError(f"{folder} was trained with {key}={saved.get(key)!r}, this run has "
                                                f"{getattr(self.config, key)!r}; resume with the same setting")
         state = ckpt.load_checkpoint(folder, model=self.model, optimizer=self.checkpoint_optimizer(), verify=False)

@@ -45,8 +45,9 @@ QUANTIZED_BLOCK_SIZES = (256, 2048)  # bitsandbytes' blockwise optimizer block s
 
 def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, model_copy=None, grad_factor=None,
                absmax=None, qmap=None, block_size: int = 256):
-    """Update param (float32 [count]), exp_avg and exp_avg_sq in place from grad ([count], float32, float16 or
-    bfloat16, read as it is stored).
+    """Update param (float32 [count], or bfloat16 without a float32 master: read widened, written back rounded to
+    nearest even), exp_avg and exp_avg_sq in place from grad ([count], float32, float16 or bfloat16, read as it
+    is stored).
 
     The moments are float32, bfloat16, or uint8 codes of 8-bit blockwise states: then ``absmax`` is a pair of
     float32 [ceil(count / block_size)] operands (each block's absolute maximum of m and of v, updated too) and
@@ -58,7 +59,7 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
     positive(count=count)
     fits_uint32("adamw_step", count)
     scalars = checked(scalars, "uint32", ADAMW_SCALAR_WORDS, "adamw scalars")
-    param = checked(param, "float32", count, "adamw param")
+    param = checked(param, ("float32", "bfloat16"), count, "adamw param")
     grad = checked(grad, tuple(GRAD_TYPES), count, "adamw grad")
     exp_avg = checked(exp_avg, tuple(STATE_TYPES), count, "adamw exp_avg")
     exp_avg_sq = checked(exp_avg_sq, exp_avg.dtype.name, count, "adamw exp_avg_sq")
@@ -74,7 +75,11 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
     if grad_factor is not None:
         grad_factor = checked(grad_factor, "float32", 1, "adamw grad_factor")
     if model_copy is not None:
+        if param.dtype.name != "float32":
+            raise ValueError("adamw_step: a model copy needs a float32 master as param")
         model_copy = checked(model_copy, ("float16", "bfloat16"), count, "adamw model_copy")
+    if param.dtype.name == "bfloat16" and grad.dtype.name not in ("float32", "bfloat16"):
+        raise TypeError(f"adamw_step: a {grad.dtype.name} gradient with bfloat16 parameters")
     states = {"param": (param, count), "exp_avg": (exp_avg, count), "exp_avg_sq": (exp_avg_sq, count),
               "grad": (grad, count), "grad_factor": (grad_factor, 1), "model_copy": (model_copy, count)}
     if quantized:
@@ -93,6 +98,8 @@ def adamw_step(seq, scalars, param, grad, exp_avg, exp_avg_sq, *, count: int, mo
             raise TypeError(f"adamw_step: a {grad.dtype.name} gradient with a {model_copy.dtype.name} model copy")
         buffers.append(model_copy.buffer)
         copy_offset = model_copy.offset
+    if param.dtype.name == "bfloat16":
+        variant += "_p_bf16"
     variant += STATE_TYPES[exp_avg.dtype.name]
     push = [count, scalars.offset, param.offset, grad.offset, exp_avg.offset, exp_avg_sq.offset,
             copy_offset, grad_factor.offset if grad_factor else 0]
