@@ -3,7 +3,8 @@ last one after the final norm.
 
 The base models' hidden states are checked against transformers in tests/test_heads_parity.py; a causal LM's must
 be those same tensors (bit-identical: the same ops on the same weights), on a left-padded batch, whatever
-``logits_to_keep`` keeps, and its logits unchanged by asking for them. A model whose plugin runs the layers in a
+``logits_to_keep`` keeps, and its logits unchanged by asking for them (the kept last row's within 1e-5, as
+test_logits_to_keep allows). A model whose plugin runs the layers in a
 loop of its own (Gemma 3n's four streams) refuses the flag instead of giving states of another meaning.
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ def test_a_causal_lm_gives_its_base_models_hidden_states(name):
     assert len(want) == causal.config["num_hidden_layers"] + 1
     assert causal(ids, attention_mask=mask).hidden_states is None
     np.testing.assert_array_equal(out.logits.numpy(), plain)
-    np.testing.assert_array_equal(kept.logits.numpy(), plain[:, -1:])
+    # the head over one row may take another product kernel on a GPU: the reduction order only (test_logits_to_keep)
+    np.testing.assert_allclose(kept.logits.numpy(), plain[:, -1:], atol=1e-5, rtol=0)
     for got in (out, kept):
         assert len(got.hidden_states) == len(want)
         for i, (state, expected) in enumerate(zip(got.hidden_states, want)):
