@@ -261,6 +261,9 @@ class _OptimizerState:
     def state_layout(self, p):
         return self.optimizer.state_layout(p)
 
+    def keeps_master(self, p) -> bool:
+        return self.optimizer.keeps_master(p)
+
     def state_dict(self) -> dict:
         return AdamW.state_dict(self)
 
