@@ -50,7 +50,7 @@ def split_rows(array, spans):
 
 
 class RowBlocks:
-    """A [rows, cols] weight held as ``parts``, blocks of its consecutive rows starting at ``starts`` (see the
+    """A [rows, cols] weight held as ``parts``, blocks of its consecutive rows ``spans`` (start, stop) (see the
     module's docstring). It reads like the tensor it stands for (shape, dtype, device, requires_grad, numpy());
     ``F.linear`` and ``F.embedding`` take it."""
 
@@ -60,12 +60,9 @@ class RowBlocks:
         if len(parts) < 2 or len({p.shape[1:] for p in parts}) != 1 or len({p.dtype for p in parts}) != 1:
             raise ValueError("RowBlocks: at least two blocks of one width and dtype")
         self.parts = list(parts)
-        self.starts = list(np.cumsum([0] + [p.shape[0] for p in parts[:-1]]).tolist())
-        self.shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        return [(start, start + p.shape[0]) for start, p in zip(self.starts, self.parts)]
+        stops = np.cumsum([p.shape[0] for p in parts]).tolist()
+        self.spans = list(zip([0] + stops[:-1], stops))
+        self.shape = (stops[-1], *parts[0].shape[1:])
 
     @property
     def dtype(self):
@@ -96,10 +93,6 @@ class RowBlocks:
     def requires_grad(self, value: bool) -> None:
         for part in self.parts:
             part.requires_grad = value
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes if self.quantized else p.numel() * p.dtype.itemsize for p in self.parts)
 
     def numpy(self) -> np.ndarray:
         """The whole weight (as each part's numpy() gives it: packed parts dequantized)."""

@@ -1,10 +1,11 @@
 """What ``generate`` decodes with, resolved as transformers' GenerationMixin resolves it, and the logits processors
 of transformers' that those settings turn on.
 
-An argument left out of ``generate`` takes the model's generation_config (generation_config.json, then the model's
-config, where older checkpoints keep such keys), then transformers' default: so Llama 3 Instruct samples at its
-temperature 0.6 and top-p 0.9, Qwen2.5 with top-k 20 and a repetition penalty, and ``do_sample=True`` alone keeps
-the 50 likeliest tokens, as transformers' ``generate`` does. Explicit arguments win.
+An argument left out of ``generate`` takes the model's generation_config (the checkpoint's generation_config.json,
+or where it has none the config's generation keys, as transformers' GenerationConfig.from_model_config), then
+transformers' default: so Llama 3 Instruct samples at its temperature 0.6 and top-p 0.9, Qwen2.5 with top-k 20 and
+a repetition penalty, and ``do_sample=True`` alone keeps the 50 likeliest tokens, as transformers' ``generate``
+does. Explicit arguments win.
 
 :class:`LogitRules` holds the processors that set scores to -inf (or force one token), applied on the host to each
 step's scores in transformers' order, after the repetition penalty and before temperature, top-k and top-p:
