@@ -387,17 +387,20 @@ def test_coopmat_forward_options_where_the_layout_allows(monkeypatch, layout):
     assert (coopmat_forward_tiles(fake_coopmat_device(8), "float16", 128, 0, 0, 0) is None) == (not register)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", ["none", "a_differs", "a_matches"])
-def test_coopmat_backward_options_where_the_layout_allows(monkeypatch, layout):
+def test_coopmat_backward_options_where_the_layout_allows(monkeypatch, layout, head_dim):
     """The automatic backward tiles (64 x 32 where they fit) take P and dS straight into A operands where the layout
-    allows it, the register softmax through shared memory where only a layout was measured, else neither."""
+    allows it, the register softmax through shared memory where only a layout was measured, else neither; the first
+    have double-buffered streamed tiles up to head_dim 64 only."""
     measured = {"none": None, "a_differs": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), False),
                 "a_matches": CoopmatLayout(8, 2, 3, (0, 0, 1, 1, 0, 0, 1, 1), True)}[layout]
     monkeypatch.setattr(attention_kernels, "coopmat_layout", lambda device, dtype: measured)
-    tiles = coopmat_backward_tiles(fake_coopmat_device(), "float16", 128, 0, 0, 0, 0)
+    tiles = coopmat_backward_tiles(fake_coopmat_device(), "float16", head_dim, 0, 0, 0, 0)
     assert (tiles.rows, tiles.cols) == (64, 32)
     assert (tiles.reg_softmax, tiles.p_in_regs) == {"none": (False, False), "a_differs": (True, False),
                                                     "a_matches": (True, True)}[layout]
+    assert tiles.double_buffer == (head_dim <= 64 and layout == "a_matches")
 
 
 def mma_layout(lane, i):

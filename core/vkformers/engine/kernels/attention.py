@@ -263,6 +263,9 @@ COOPMAT_BACKWARD_TILES = [CoopmatBackwardTiles(64, 32), CoopmatBackwardTiles(32,
 COOPMAT_BACKWARD_OPTIONS: list[dict] = [dict(reg_softmax=True, p_in_regs=True), dict(reg_softmax=True)]
 # Each subgroup keeps its owned rows (2 x head_dim / 16 fragments) and both gradients' accumulators in registers.
 COOPMAT_BACKWARD_MAX_HEAD_DIM = 128
+# Up to this head_dim the first option's tiles come double-buffered first: past it the registers holding the next
+# tiles cost more than the overlap gains (docs/benchmarks.md, run A12).
+COOPMAT_BACKWARD_DOUBLE_BUFFER_MAX_HEAD_DIM = 64
 
 
 def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int,
@@ -276,6 +279,9 @@ def coopmat_backward_tiles(device, dtype: str, head_dim: int, *offsets: int,
     if candidates is None:
         candidates = [replace(t, **options) for options in COOPMAT_BACKWARD_OPTIONS for t in COOPMAT_BACKWARD_TILES] \
             + COOPMAT_BACKWARD_TILES
+        if head_dim <= COOPMAT_BACKWARD_DOUBLE_BUFFER_MAX_HEAD_DIM:
+            candidates = [replace(t, double_buffer=True) for t in candidates[:len(COOPMAT_BACKWARD_TILES)]] \
+                + candidates
     return next((t for t in candidates if t.fits(subgroup) and t.shared_bytes(head_dim, subgroup) <= limit
                  and t.runs_on(device, dtype)), None)
 
