@@ -2,6 +2,7 @@
 
     vkformers serve                                     # the bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
     vkformers serve --model ./my-checkpoint --adapter ./my-lora --port 8080 --api-key secret
+    vkformers serve --model ./base --adapter sql=./sql-lora --adapter chat=./chat-lora  # requests pick by "model"
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
@@ -39,7 +40,7 @@ from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
-from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
+from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
@@ -87,8 +88,10 @@ def add_parser(subparsers):
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
                         help="pack a safetensors checkpoint's Linear weights in this block format while loading")
-    parser.add_argument("--adapter", default=None, type=Path,
-                        help="a PEFT LoRA adapter folder, merged into the weights at load")
+    parser.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
+                        help="a PEFT LoRA adapter folder: DIR is merged into the weights at load (one at most); "
+                             "NAME=DIR (repeatable) is served beside the base model, unmerged, to requests whose "
+                             "'model' is NAME, rows of different adapters sharing a batch (as vLLM's --lora-modules)")
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
     parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),
@@ -155,29 +158,34 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
     model_name = args.model or cli_generate.default_model()
     served = args.served_model_name or served_name(args.model)
     scheduler = None
+    merged, named = adapter_options(args.adapter)
     if args.model is not None and is_embedding_checkpoint(model_name):
-        if args.quantization is not None or args.adapter is not None or args.tokenizer is not None:
+        if args.quantization is not None or args.adapter or args.tokenizer is not None:
             raise VkformersError("--quantization, --adapter and --tokenizer apply to causal LMs; an embedding model "
                                  "is served as it is")
         embedder = Embedder(SentenceTransformer(model_name, dtype=args.dtype), batch_size=args.max_batch)
         app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
             embedder.close
     else:
-        if args.adapter is not None:
-            check_adapter_folder(args.adapter)
+        for folder in ([merged] if merged is not None else []) + list(named.values()):
+            check_adapter_folder(folder)
+        if served in named:
+            raise VkformersError(f"--adapter {served}=...: the base model is served as '{served}'; name the adapter "
+                                 "otherwise")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
-        if args.adapter is not None:
-            merge_lora(load_adapter(model, args.adapter))
+        if merged is not None:
+            merge_lora(load_adapter(model, merged))
+        selector = serve_adapters(model, named) if named else None
         blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
         scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
                                    eos=eos_ids(model, tokenizer), kv_blocks=blocks,
                                    gpu_memory_utilization=None if blocks else args.gpu_memory_utilization,
-                                   prefix_caching=args.prefix_caching,
-                                   cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{args.adapter}").start()
+                                   prefix_caching=args.prefix_caching, adapters=selector,
+                                   cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{merged}").start()
         defaults = model_sampling_defaults(model) if args.sampling_defaults == "model" else {}
-        app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key,
-                               sampling_defaults=defaults), scheduler.close
+        app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key, sampling_defaults=defaults,
+                               adapters=named), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
     if scheduler is not None:
@@ -192,6 +200,24 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
     if not server.started:
         raise VkformersError(f"the server on {args.host}:{args.port} did not start; rerun with --debug to see why")
     return 0
+
+
+def adapter_options(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
+    """--adapter's values: (the folder merged into the weights, or None; name -> folder of those served by name).
+    NAME=DIR names an adapter where NAME holds no path separator and the whole value is no existing folder."""
+    merged, named = None, {}
+    for value in values:
+        name, _, folder = value.partition("=")
+        if folder and name and "/" not in name and os.sep not in name and not Path(value).is_dir():
+            if name in named:
+                raise VkformersError(f"--adapter {name}=...: the name is given twice; give each adapter its own")
+            named[name] = Path(folder)
+        elif merged is not None:
+            raise VkformersError("one --adapter DIR at most is merged into the weights; serve more side by side as "
+                                 "--adapter NAME=DIR")
+        else:
+            merged = Path(value)
+    return merged, named
 
 
 def served_name(model: str | None) -> str:
@@ -581,9 +607,10 @@ class LoopMailbox:
 
 
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
-              embedder: Embedder | None = None, sampling_defaults: dict | None = None):
+              embedder: Embedder | None = None, sampling_defaults: dict | None = None, adapters: dict | None = None):
     """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
-    name ``served``; the routes of the other kind answer 400. ``sampling_defaults``: see sampling_params."""
+    name ``served``; the routes of the other kind answer 400. ``sampling_defaults``: see sampling_params.
+    ``adapters``: name -> folder of the scheduler's adapters (in its order), each also served under its name."""
     web_modules()
     # the optional [serve] extra, imported once the command runs (web_modules said how to install it)
     from starlette.applications import Starlette
@@ -598,11 +625,21 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             mailboxes.update(loop=loop, mailbox=LoopMailbox(loop))
         return mailboxes["mailbox"]
 
-    def model_card() -> dict:
-        card = {"id": served, "object": "model", "created": created, "owned_by": "vkformers"}
+    adapters = dict(adapters or {})
+    names = [served, *adapters]
+
+    def model_card(name: str = served) -> dict:
+        card = {"id": name, "object": "model", "created": created, "owned_by": "vkformers"}
+        if name in adapters:  # as vLLM lists its LoRA modules
+            card.update(root=str(adapters[name]), parent=served)
         if scheduler is not None:
             card["max_model_len"] = scheduler.max_model_len  # as vLLM's
         return card
+
+    def unknown_model(name) -> ApiError:
+        listed = ", ".join(f"'{n}'" for n in names)
+        return ApiError(404, f"the model '{name}' does not exist; this server serves {listed}", param="model",
+                        code="model_not_found")
 
     def error(exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -626,9 +663,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != served:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served}'",
-                           param="model", code="model_not_found")
+        if model is not None and model not in names:
+            raise unknown_model(model)
         return body
 
     async def health(request):
@@ -645,17 +681,16 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             authorize(request)
         except ApiError as exc:
             return error(exc)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in names]})
 
     async def model_info(request):
         try:
             authorize(request)
-            if request.path_params["model"] != served:
-                raise ApiError(404, f"the model '{request.path_params['model']}' does not exist; this server serves "
-                                    f"'{served}'", param="model", code="model_not_found")
+            if request.path_params["model"] not in names:
+                raise unknown_model(request.path_params["model"])
         except ApiError as exc:
             return error(exc)
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(request.path_params["model"]))
 
     async def completions(request):
         return await complete(request, chat=False)
@@ -696,7 +731,9 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
             eos = eos + stop_token_ids(body)
             jobs = [(prompt, p) for prompt, each in zip(prompts, settings) for p in choice_params(each, n)]
-            choices = [Request(prompt, p, deliver(i), eos) for i, (prompt, p) in enumerate(jobs)]
+            name = body.get("model") or served
+            adapter = names.index(name) if scheduler.adapters is not None else 0
+            choices = [Request(prompt, p, deliver(i), eos, adapter) for i, (prompt, p) in enumerate(jobs)]
             for job in choices:
                 scheduler.submit(job)
         except InputError as exc:
@@ -707,7 +744,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             return error(exc)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": served}
+                "model": name}
         if stream:
             return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -47,12 +47,19 @@ so that every decode step reads and writes the same buffers and is replayed like
 A model with no attention at all (``attention_free``) runs on a cache of no key/value layers holding only that
 state. Layer state laid out by column (an indexer's keys) cannot move between rows: such models are refused.
 
+Adapters (``adapters``, models/lora.py's serve_adapters): LoRA adapters unmerged beside the base weights, each
+request taking one by number (``Request.adapter``, 0: the base model). Before each forward the scheduler writes
+every row's choice into a persistent tensor of that batch size (AdapterSelector.row_scales), which the recorded
+plans read as they replay; a prompt's prefix blocks are registered under a salt naming its adapter, since another
+adapter's keys and values differ.
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -63,6 +70,7 @@ import numpy as np
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.kernels.attention import paged_decode_fits
+from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
@@ -166,8 +174,9 @@ class Update:
 class Request:
     """One generation request. ``on_update`` (called on the scheduler's thread) receives each :class:`Update`."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, on_update, eos: list[int]):
+    def __init__(self, prompt: list[int], params: SamplingParams, on_update, eos: list[int], adapter: int = 0):
         self.prompt, self.params, self.on_update = [int(t) for t in prompt], params, on_update
+        self.adapter = int(adapter)  # the scheduler's adapters: 0 the base model, k the k-th adapter
         self.eos = set(eos)
         self.rng = np.random.default_rng(params.seed)
         self.generated: list[int] = []
@@ -255,6 +264,7 @@ class _Prefill:
 class BatchScheduler:
     """Runs requests on ``model`` (a GenerationMixin causal LM), ``tokenizer`` decoding their text.
 
+    ``adapters``: an AdapterSelector (models/lora.py's serve_adapters) whose adapters requests pick by number.
     ``max_batch``: most requests decoded together (more wait); ``max_model_len``: most tokens (prompt and
     generated) of one request; ``kv_blocks``: a paged KV cache of that many blocks of ``page_size`` tokens (None:
     contiguous caches, unless ``gpu_memory_utilization``). ``gpu_memory_utilization`` (with ``kv_blocks`` None): a
@@ -265,8 +275,9 @@ class BatchScheduler:
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=(),
                  kv_blocks: int | None = None, page_size: int = PAGE_SIZE, prefix_caching: bool = True,
-                 cache_salt: str = "", gpu_memory_utilization: float | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 cache_salt: str = "", gpu_memory_utilization: float | None = None, adapters=None):
+        self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
+        self._adapter_scales: dict[int, tuple[Tensor, np.ndarray]] = {}  # rows -> persistent scales, their values
         self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
         self.max_model_len = int(max_model_len or limit or 2048)
@@ -315,6 +326,8 @@ class BatchScheduler:
         self.metrics.kv_blocks = max((self.kv_blocks or 1) - 1, 0)
         # the salt: what else than the tokens makes the keys and values (the weights, an adapter merged into them)
         self._salt = f"{type(model).__name__}|{cache_salt}".encode()
+        self._adapter_salts = [self._salt] + [self._salt + f"|adapter|{name}".encode()
+                                              for name in (adapters.names if adapters is not None else ())]
         self.prefix_caching = (bool(prefix_caching) and self.kv_blocks is not None and not self._column_bound
                                and not self._recurrent)
 
@@ -430,6 +443,7 @@ class BatchScheduler:
 
     def _drop_caches(self) -> None:
         self._caches.clear()
+        self._adapter_scales.clear()
         self._joining_caches.clear()
         self._forget_prefills()
         lazy.clear_plan_cache()
@@ -458,6 +472,8 @@ class BatchScheduler:
                                         f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
 
     def submit(self, request: Request) -> Request:
+        if not 0 <= request.adapter <= len(self.adapters.names if self.adapters is not None else ()):
+            raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
         request.params.check()
         vocab = self._probe_logits.shape[-1]
         wrong = [t for t, _ in request.params.logit_bias if not 0 <= t < vocab]
@@ -766,7 +782,7 @@ class BatchScheduler:
         start, columns = layout.start, self._chunk_columns(rows, length - layout.start)
         while True:  # in chunks of at most PREFILL_TOKENS tokens; the last chunk's logits choose the next tokens
             end = min(start + columns, length)
-            logits = self._prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache)
+            logits = self._prefill(ids[:, start:end], mask[:, :end], positions[:, start:end], cache, live)
             start = end
             if end == length:
                 break
@@ -807,7 +823,7 @@ class BatchScheduler:
         ids, mask = job.layout.ids, job.layout.mask
         start, width = job.done, ids.shape[1]
         end = min(start + self._chunk_columns(ids.shape[0], width - start), width)
-        logits = self._prefill(ids[:, start:end], mask[:, :end], job.positions[:, start:end], job.cache)
+        logits = self._prefill(ids[:, start:end], mask[:, :end], job.positions[:, start:end], job.cache, job.requests)
         job.done = end
         self.metrics.prefill_chunks += 1
         if end == width:
@@ -815,13 +831,16 @@ class BatchScheduler:
             self._place(job.requests, ids, job.cache, logits)
             self._prefilling = None  # placed (until then a failure finds the requests here: they are in no row)
 
-    def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache) -> np.ndarray:
-        """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these):
-        the last column's logits. Replays the recorded plan of earlier prefills of its shape where it can."""
+    def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache,
+                 requests: list[Request]) -> np.ndarray:
+        """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these) for
+        the ``requests`` of its first rows: the last column's logits. Replays the recorded plan of earlier prefills
+        of its shape where it can."""
         began = time.perf_counter()
         capture = self._prefill_capture(ids, mask, positions, cache)
         replays = capture.replays if capture is not None else 0
-        logits = self.model.prefill(ids, mask, positions, cache, capture)
+        with self._selecting(requests, ids.shape[0]):
+            logits = self.model.prefill(ids, mask, positions, cache, capture)
         self.metrics.prefill_seconds += time.perf_counter() - began
         self.metrics.prefills += 1
         self.metrics.prefill_replays += (capture.replays if capture is not None else 0) - replays
@@ -896,7 +915,7 @@ class BatchScheduler:
             ids, mask = self._left_padded(histories, rows)
             return _Layout(ids, mask)
         size, pool = self.page_size, self._block_pool()
-        keys = [prefix_keys(r.prompt, size, self._salt) for r in requests]
+        keys = [prefix_keys(r.prompt, size, self._adapter_salts[r.adapter]) for r in requests]
         aligned = [min(len(k), (len(h) - 1) // size) for k, h in zip(keys, histories)]
         hits = min(pool.cached_prefix(k[:a]) for k, a in zip(keys, aligned))
         width = self._width(max(len(h) for h in histories))
@@ -988,10 +1007,12 @@ class BatchScheduler:
         step_positions = self.model.generation_positions(mask, tokens, length)[:, -1:].astype(np.int32)
         replays, began = capture.replays, time.perf_counter()
         logits = chosen = None
-        if capture.ready and self._replays() and self._greedy_only():  # the GPU chooses: no logits read back
-            chosen = capture.choose(step_ids, step_positions)
-        if chosen is None:
-            logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask, replay=self._replays())
+        with self._selecting(self._rows, len(self._rows)):
+            if capture.ready and self._replays() and self._greedy_only():  # the GPU chooses: no logits read back
+                chosen = capture.choose(step_ids, step_positions)
+            if chosen is None:
+                logits = self.model.decode_step(capture, cache, step_ids, step_positions, mask,
+                                                replay=self._replays())
         self.metrics.decode_seconds += time.perf_counter() - began
         self.metrics.replayed_steps += capture.replays - replays
         self._state = (cache, capture, tokens, mask, length)
@@ -1002,6 +1023,24 @@ class BatchScheduler:
         self.metrics.occupancy_sum += live / len(self._rows)
         self._choose(logits, [(row, r) for row, r in enumerate(self._rows) if r is not None], chosen)
         self._free_rows()
+
+    def _selecting(self, requests: list[Request | None], rows: int):
+        """A context whose forwards run each of ``rows`` rows with its request's adapter (filler rows, and those
+        past the requests: the base model), or nothing to do without adapters. The choices go into a persistent
+        tensor per batch size, written only when they change: recorded plans of that size read it as they replay."""
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        chosen = [r.adapter if r is not None else 0 for r in requests] + [0] * (rows - len(requests))
+        scales = self.adapters.row_scales(chosen)
+        held = self._adapter_scales.get(rows)
+        if held is None:
+            device = self._device() or get_device()
+            tensor = Tensor._from_lazy(lazy.persistent_buffer(scales, dt.float32, device, "adapter scales"))
+            held = self._adapter_scales[rows] = (tensor, scales)
+        elif not np.array_equal(held[1], scales):
+            held[0].lazy.base.buffer.write(scales)
+            held = self._adapter_scales[rows] = (held[0], scales)
+        return self.adapters.selecting(held[0])
 
     def _moves_tables(self) -> bool:
         """Whether the running batch's columns may move by whole blocks of its block tables (a paged cache, and a

@@ -10,6 +10,16 @@ slots, so the base weights keep their Hugging Face names (``...q_proj.weight``) 
 adapters appear as ``...q_proj.lora_A.weight`` / ``...q_proj.lora_B.weight``. Base weights are
 frozen (``requires_grad=False``) and may stay bfloat16/float16; the adapters are float32.
 
+Serving several adapters on one base (``vkformers serve --adapter NAME=DIR``): :func:`serve_adapters` turns every
+layer any of them targets into a :class:`ServedLoraLinear`, which holds all their A matrices stacked in one
+[columns, in] weight and their B matrices side by side in one [out, columns] weight, and adds
+
+    ((x @ A_all.T) * row_scales) @ B_all.T
+
+where ``row_scales`` [batch, 1, columns] holds, in each batch row, the scaling of the adapter that row's request
+asked for on that adapter's columns and zeros elsewhere (:class:`AdapterSelector`). Rows with other adapters, or
+none, share the batch and its decode step.
+
 Files, as PEFT writes them: ``adapter_config.json`` and ``adapter_model.safetensors`` with keys
 ``base_model.model.<module path>.lora_A.weight`` (and ``base_model.model.<path>.weight`` for
 ``modules_to_save``), so ``peft.PeftModel.from_pretrained`` loads what we save and vice versa.
@@ -19,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -351,3 +362,115 @@ def merge_lora(model: Module) -> Module:
     """Fold every adapter into its base weight (W += scaling * B @ A) and unwrap; returns the plain model
     (``model.merge_and_unload()``, PEFT's name)."""
     return model.merge_and_unload()
+
+
+# ---------------------------------------------------------------- several adapters served on one base
+
+class AdapterSelector:
+    """The adapters :func:`serve_adapters` put on a model, and which of them each row of the next forward takes.
+
+    Adapter 0 is the base model; adapter ``k`` (1-based) is ``names[k - 1]``, its rank ``ranks[k - 1]`` columns of
+    every ServedLoraLinear from ``offsets[k - 1]`` on. ``scales`` (set by :meth:`selecting`): the [batch, 1, columns]
+    float32 tensor the layers multiply their low-rank products by; None outside it, where the layers compute the
+    base model alone."""
+
+    def __init__(self, names, ranks, scalings):
+        self.names, self.ranks, self.scalings = list(names), [int(r) for r in ranks], [float(s) for s in scalings]
+        self.offsets = [sum(self.ranks[:k]) for k in range(len(self.ranks))]
+        self.columns = sum(self.ranks)
+        self.scales: Tensor | None = None
+
+    def index(self, name: str) -> int:
+        """The adapter's number (1-based) from its name."""
+        return self.names.index(name) + 1
+
+    def row_scales(self, adapters) -> np.ndarray:
+        """[rows, 1, columns] float32: each row's adapter's scaling on its columns (adapter 0: none)."""
+        scales = np.zeros((len(adapters), 1, self.columns), np.float32)
+        for row, adapter in enumerate(adapters):
+            if adapter:
+                start = self.offsets[adapter - 1]
+                scales[row, 0, start:start + self.ranks[adapter - 1]] = self.scalings[adapter - 1]
+        return scales
+
+    @contextmanager
+    def selecting(self, scales: Tensor):
+        """Forwards inside read ``scales`` (a persistent tensor: a recorded plan replays with what it holds then)."""
+        held, self.scales = self.scales, scales
+        try:
+            yield
+        finally:
+            self.scales = held
+
+
+class ServedLoraLinear(Linear):
+    """A ``Linear`` with the adapters of an :class:`AdapterSelector` beside it, unmerged, each batch row taking its
+    own (see the module's docstring). Wraps in place, as LoraLinear does; the base weight keeps its slot."""
+
+    @classmethod
+    def wrap(cls, linear: Linear, selector: AdapterSelector, a: np.ndarray, b: np.ndarray,
+             name: str) -> "ServedLoraLinear":
+        linear.__class__ = cls
+        linear.selector, linear.layer_name = selector, name
+        linear.adapters_A = Linear(linear.in_features, a.shape[0], bias=False)
+        linear.adapters_B = Linear(a.shape[0], linear.out_features, bias=False)
+        linear.adapters_A.weight = parameter(a, dtype=dt.float32, requires_grad=False, name=f"{name}.adapters_A")
+        linear.adapters_B.weight = parameter(b, dtype=dt.float32, requires_grad=False, name=f"{name}.adapters_B")
+        return linear
+
+    def forward(self, x, live_rows=None):
+        y = super().forward(x, live_rows)
+        scales = self.selector.scales
+        if scales is None:
+            return y
+        if live_rows is not None or x.ndim != 3 or x.shape[0] != scales.shape[0]:
+            raise LoraError(f"{self.layer_name} reads rows that are not one batch row per request (a mixture of "
+                            "experts' tokens), so adapters cannot differ by request there; serve such an adapter "
+                            "merged into the weights (--adapter DIR), one per server")
+        low = F.linear(x.float(), self.adapters_A.weight) * scales
+        return y + F.linear(low, self.adapters_B.weight).cast(y.dtype)
+
+
+def serve_adapters(model: Module, folders: dict) -> AdapterSelector:
+    """Put the PEFT LoRA adapters of ``folders`` (name -> folder) on ``model`` side by side, unmerged, for a server
+    whose requests each pick one (or none) by name: every layer some adapter targets becomes a ServedLoraLinear.
+    Refused: a model that carries adapters already, adapters with modules_to_save (whole modules trained: rows of one
+    batch cannot differ in them) and weights that do not fit the model."""
+    if any(isinstance(m, (LoraLinear, ServedLoraLinear)) for _, m in model.named_modules()):
+        raise LoraError("the model carries LoRA layers already: merge them first (merge_lora)")
+    configs = {name: read_adapter_config(folder) for name, folder in folders.items()}
+    weights: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for name, folder in folders.items():
+        config = configs[name]
+        if config.modules_to_save:
+            raise LoraError(f"adapter {name!r} ({folder}) trains whole modules ({', '.join(config.modules_to_save)}), "
+                            "which the rows of one batch cannot differ in; serve it merged (--adapter DIR) instead")
+        if config.r < 1:
+            raise LoraError(f"adapter {name!r} ({folder}): rank {config.r}; it must be >= 1")
+        file = adapter_weights_file(folder)
+        arrays = {_peft_key_to_model(k): e.as_float() for k, e in read_safetensors(file).items()}
+        targets = resolve_targets(model, config.target_modules)
+        expected = {f"{t}.lora_{x}.weight" for t in targets for x in "AB"}
+        missing, unexpected = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
+        if missing or unexpected:
+            raise LoraError(f"{file} does not fit this model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        modules = dict(model.named_modules())
+        weights[name] = {}
+        for target in targets:
+            a, b = arrays[f"{target}.lora_A.weight"], arrays[f"{target}.lora_B.weight"]
+            layer = modules[target]
+            if a.shape != (config.r, layer.in_features) or b.shape != (layer.out_features, config.r):
+                raise LoraError(f"{file}: {target} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, the model "
+                                f"expects ({config.r}, {layer.in_features}) and ({layer.out_features}, {config.r})")
+            weights[name][target] = (np.asarray(a, np.float32), np.asarray(b, np.float32))
+    names = list(folders)
+    selector = AdapterSelector(names, [configs[n].r for n in names], [configs[n].scaling for n in names])
+    targeted = {t for held in weights.values() for t in held}
+    for layer_name, layer in [(n, m) for n, m in model.named_modules() if n in targeted]:
+        a = np.zeros((selector.columns, layer.in_features), np.float32)
+        b = np.zeros((layer.out_features, selector.columns), np.float32)
+        for name, offset, rank in zip(names, selector.offsets, selector.ranks):
+            if layer_name in weights[name]:
+                a[offset:offset + rank], b[:, offset:offset + rank] = weights[name][layer_name]
+        ServedLoraLinear.wrap(layer, selector, a, b, layer_name)
+    return selector
