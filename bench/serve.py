@@ -10,11 +10,13 @@ after a warm-up at that load and prints the process's RSS, the device buffer byt
 (pymalloc blocks) before and after, and their growth per request, each measured idle with the bounded caches let go
 (the scheduler's batch caches, the plan cache, the engine's strides cache), as tests/test_serve_soak.py does.
 Each load also prints the scheduler thread's time in decode steps, prefills and sampling; --profile adds the GPU
-time per kernel (every plan recorded with timestamps).
+time per kernel (every plan recorded with timestamps). --adapters N serves N random LoRA adapters (rank
+--adapter-rank on q/k/v/o_proj) beside the base model, unmerged (``vkformers serve --adapter NAME=DIR``): the
+requests take the base model and each adapter in turn.
 
     python bench/serve.py [--model M | --random-shape llama3-8b] [--concurrency 1,8,32,64] [--requests 4] [--quick]
                           [--kv-cache-tokens N | --gpu-memory-utilization F] [--no-prefix-caching] [--soak 1000]
-                          [--no-torch] [--profile] [--json OUT]
+                          [--adapters N [--adapter-rank R]] [--no-torch] [--profile] [--json OUT]
 
 --quick: short prompts and outputs, for lavapipe. --random-shape NAME: no download; a Llama of that shape
 (llama3-8b: hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256; tinyllama; --layers to cut it down) with
@@ -33,8 +35,10 @@ import json
 import resource
 import socket
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +54,8 @@ from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler
 from vkformers.models.paged_cache import PAGE_SIZE
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
+from vkformers.models.lora import LoraConfig, PEFT_PREFIX, resolve_targets, serve_adapters
+from vkformers.models.safetensors_io import write_safetensors
 from vkformers.models.tokenizer import PreTrainedTokenizer
 from vkformers.runtime.vulkan import buffer_memory
 
@@ -74,9 +80,34 @@ def random_shape(name: str, layers: int | None):
     return model, tokenizer, config
 
 
+ADAPTER_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def random_adapters(model, count: int, rank: int, folder: Path) -> dict:
+    """``count`` PEFT adapter folders of random A and B (rank ``rank`` on ADAPTER_TARGETS) for ``model``: name ->
+    folder."""
+    rng = np.random.default_rng(7)
+    modules = dict(model.named_modules())
+    adapters = {}
+    for index in range(count):
+        tensors = {}
+        for name in resolve_targets(model, ADAPTER_TARGETS):
+            layer = modules[name]
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = (
+                rng.standard_normal((rank, layer.in_features)) / np.sqrt(layer.in_features)).astype(np.float32)
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = (
+                0.01 * rng.standard_normal((layer.out_features, rank))).astype(np.float32)
+        adapters[f"adapter{index + 1}"] = where = folder / f"adapter{index + 1}"
+        where.mkdir(parents=True)
+        write_safetensors(where / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ADAPTER_TARGETS)
+        (where / "adapter_config.json").write_text(json.dumps(config.to_peft_dict()))
+    return adapters
+
+
 def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True, loaded=None,
-                 gpu_memory_utilization: float | None = None):
+                 gpu_memory_utilization: float | None = None, adapters: dict | None = None):
     uvicorn = cli_serve.web_modules()
     if loaded is None:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
@@ -84,11 +115,12 @@ def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | No
     else:
         model, tokenizer = loaded
     blocks = None if kv_cache_tokens is None else -(-kv_cache_tokens // PAGE_SIZE) + 1
+    selector = serve_adapters(model, adapters) if adapters else None
     scheduler = BatchScheduler(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
                                eos=cli_serve.eos_ids(model, tokenizer), kv_blocks=blocks,
                                gpu_memory_utilization=None if blocks else gpu_memory_utilization,
-                               prefix_caching=prefix_caching).start()
-    app = cli_serve.build_app(scheduler, tokenizer, "bench")
+                               prefix_caching=prefix_caching, adapters=selector).start()
+    app = cli_serve.build_app(scheduler, tokenizer, "bench", adapters=adapters)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -100,9 +132,10 @@ def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | No
     return port, scheduler, server, thread, len(tokenizer)
 
 
-def stream_completion(port: int, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+def stream_completion(port: int, prompt: list[int], max_tokens: int,
+                      model: str = "bench") -> tuple[float, list[float], int]:
     """(seconds to the first token, seconds between tokens, tokens) of one streamed request."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.perf_counter()
@@ -141,15 +174,18 @@ def draw_jobs(vocab: int, clients: int, requests: int, prompt_range, output_rang
 
 
 def run_load(port: int, vocab: int, clients: int, requests: int, prompt_range, output_range, seed: int,
-             shared: int = 0) -> dict:
+             shared: int = 0, models=("bench",)) -> dict:
+    """``models``: the names requests take in turn (the base model and served adapters)."""
     jobs = draw_jobs(vocab, clients, requests, prompt_range, output_range, seed, shared)
+    jobs = [[(prompt, max_tokens, models[(c + i) % len(models)]) for i, (prompt, max_tokens) in enumerate(work)]
+            for c, work in enumerate(jobs)]
     ttfts, gaps, totals, errors = [], [], [0], []
     lock = threading.Lock()
 
     def client(work):
-        for prompt, max_tokens in work:
+        for prompt, max_tokens, model in work:
             try:
-                ttft, between, tokens = stream_completion(port, prompt, max_tokens)
+                ttft, between, tokens = stream_completion(port, prompt, max_tokens, model)
             except Exception as exc:  # counted and reported: a failed request is a result here
                 with lock:
                     errors.append(str(exc))
@@ -277,6 +313,9 @@ def main(argv=None) -> int:
                              "(batching.PREFILL_POWERS_OF_TWO; default: the scheduler's, pow2)")
     parser.add_argument("--profile", action="store_true",
                         help="GPU time per kernel of each load, beside the scheduler's time per phase")
+    parser.add_argument("--adapters", type=int, default=0,
+                        help="serve this many random LoRA adapters beside the base model, requests taking each in turn")
+    parser.add_argument("--adapter-rank", type=int, default=16)
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
     parse_range = lambda text: tuple(int(v) for v in text.split(","))
@@ -296,10 +335,18 @@ def main(argv=None) -> int:
         max_model_len = args.max_model_len or needed
     else:
         max_model_len = args.max_model_len or (needed if args.quick else None)
+    adapters = None
+    if args.adapters:
+        if loaded is None:
+            loaded = (cli_generate.load_model(args.model or cli_generate.default_model(), args.dtype),
+                      AutoTokenizer.from_pretrained(args.model or cli_generate.default_model()))
+        adapters = random_adapters(loaded[0], args.adapters, args.adapter_rank,
+                                   Path(tempfile.mkdtemp(prefix="vkformers-bench-adapters-")))
+    models = ("bench", *(adapters or ()))
     port, scheduler, server, thread, vocab = start_server(args.model or args.random_shape or cli_generate.default_model(), args.dtype,
                                                           args.max_batch, max_model_len, args.kv_cache_tokens,
                                                           args.prefix_caching, loaded,
-                                                          args.gpu_memory_utilization)
+                                                          args.gpu_memory_utilization, adapters)
     device = scheduler.model.parameters()[0].device
     print(f"device: {device.name}; model: {args.random_shape or args.model or 'SmolLM2-135M-Instruct'}; prompts "
           f"{prompt_range} outputs {output_range} tokens; max-model-len {scheduler.max_model_len}; KV cache: "
@@ -312,7 +359,7 @@ def main(argv=None) -> int:
             profiler.kernels.clear()
             profiler.replays = 0
         result = run_load(port, vocab, clients, args.requests, prompt_range, output_range, seed=clients,
-                          shared=args.shared_prefix)
+                          shared=args.shared_prefix, models=models)
         result["phases"] = {name: value - before[name] for name, value in phases(scheduler.metrics).items()}
         results.append(result)
         print(f"{clients:3d} clients: {result['output_tokens_per_s']:8.1f} output tok/s, TTFT p50 "
