@@ -347,9 +347,9 @@ def _generate_recording(model, ids, capture: bool, monkeypatch, **kwargs):
     scores, calls = [], []
     original_penalty, original_forward = generation._apply_repetition_penalty, model.forward
 
-    def record_scores(logits, tokens, penalty):
+    def record_scores(logits, tokens, penalty, padding=None):
         scores.append(np.array(logits, copy=True))
-        return original_penalty(logits, tokens, penalty)
+        return original_penalty(logits, tokens, penalty, padding)
 
     def counted_forward(*args, **kw):
         calls.append(1)
@@ -633,7 +633,7 @@ def test_transformers_arguments_it_cannot_honour_are_refused(model):
     for kwargs, message in [(dict(num_beams=4, do_sample=True), r"beam search with do_sample=True"),
                             (dict(num_return_sequences=2), r"num_return_sequences=2 needs do_sample=True"),
                             (dict(max_length=PROMPT.shape[1]), r"max_length=7 leaves no room"),
-                            (dict(output_scores=True), r"output_scores=True is not supported"),
+                            (dict(output_attentions=True), r"output_attentions=True is not supported"),
                             (dict(min_new_tokens=-1), r"min_new_tokens must be"),
                             (dict(tempreature=0.5), r"unknown argument 'tempreature'")]:
         with pytest.raises(InputError, match=message):

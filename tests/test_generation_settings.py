@@ -5,7 +5,8 @@ tests/data/generation_settings.json (tools/make_generation_settings_reference.py
 for fixtures run with forced bos and eos tokens, banned words (one and several tokens), suppressed tokens at every
 step and at the first, n-gram blocking, a minimum length, and generation_config.json files that set these with a
 repetition penalty and lengths; each case changes the plain greedy output (the script prints both). vkformers must
-give the same tokens. The sampling defaults, the beam-search warning, saving the generation config and bad
+give the same tokens. ``return_dict_in_generate`` with ``output_scores`` and ``output_logits`` gives transformers'
+processed scores, raw logits and transition scores. The sampling defaults, the beam-search warning, saving the generation config and bad
 arguments are checked on vkformers' own terms.
 """
 from __future__ import annotations
@@ -57,6 +58,60 @@ def test_sampling_draws_from_transformers_warped_distribution(case):
     probs = sampling_probabilities(np.array(REFERENCE["warper_scores"], np.float32), case["temperature"],
                                    case["top_k"], case["top_p"], case["min_p"])
     np.testing.assert_allclose(probs, case["probabilities"], atol=1e-6, rtol=0)
+
+
+# The llama fixture's float32 logits against transformers' (eager attention on the CPU), and the scores and
+# log-probabilities derived from them
+OUTPUT_TOLERANCE = 1e-5
+
+
+def same_scores(ours, theirs):
+    """Equal where transformers' are -inf (tokens a processor or warper dropped), within OUTPUT_TOLERANCE elsewhere."""
+    theirs = np.asarray(theirs, np.float32)
+    assert ours.dtype == np.float32 and ours.shape == theirs.shape
+    dropped = np.isneginf(theirs)
+    assert (np.isneginf(ours) == dropped).all()
+    np.testing.assert_allclose(ours[~dropped], theirs[~dropped], atol=OUTPUT_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("case", REFERENCE["outputs"], ids=[c["name"] for c in REFERENCE["outputs"]])
+def test_generate_returns_transformers_scores_and_logits(case):
+    """Each step's scores after the processors (greedy: repetition penalty, n-gram blocking) or the warpers
+    (sampling: temperature, top-k, top-p, the dropped tokens at -inf), the raw logits, and compute_transition_scores'
+    log-probabilities; a sampled sequence is numpy's draw, so only its first step is compared."""
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    ids = np.array(REFERENCE["decoder_prompts"], np.int64)
+    out = model.generate(ids, attention_mask=np.array(REFERENCE["decoder_mask"], np.int64), seed=0,
+                         return_dict_in_generate=True, output_scores=True, output_logits=True,
+                         **{"do_sample": False, **case["kwargs"]})
+    assert out.keys() == ["sequences", "scores", "logits"] and out[0] is out.sequences and out["scores"] is out.scores
+    assert len(out.scores) == len(out.logits) == out.sequences.shape[1] - ids.shape[1] == len(case["scores"])
+    for ours, theirs in zip(out.scores, case["scores"]):
+        same_scores(ours, theirs)
+    for ours, theirs in zip(out.logits, case["logits"]):
+        np.testing.assert_allclose(ours, theirs, atol=OUTPUT_TOLERANCE, rtol=0)
+    if not case["kwargs"].get("do_sample"):
+        assert out.sequences.tolist() == case["sequences"]
+        np.testing.assert_allclose(model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True),
+                                   case["transition_scores"], atol=OUTPUT_TOLERANCE, rtol=0)
+    plain = model.generate(ids, attention_mask=np.array(REFERENCE["decoder_mask"], np.int64), seed=0,
+                           **{"do_sample": False, **case["kwargs"]})
+    assert plain.tolist() == out.sequences.tolist()  # returning scores changes no token
+
+
+def test_generate_output_options_alone_and_with_beams():
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    ids = np.array(REFERENCE["decoder_prompts"], np.int64)
+    tokens = model.generate(ids, max_new_tokens=4, output_scores=True)  # without return_dict: the array, as before
+    assert isinstance(tokens, np.ndarray)
+    out = model.generate(ids, max_new_tokens=4, return_dict_in_generate=True)
+    assert out.keys() == ["sequences"] and out.scores is None and out.sequences.tolist() == tokens.tolist()
+    beams = model.generate(ids, max_new_tokens=4, num_beams=2, return_dict_in_generate=True)
+    assert beams.sequences.tolist() == model.generate(ids, max_new_tokens=4, num_beams=2).tolist()
+    with pytest.raises(InputError, match="output_scores and output_logits with beam search"):
+        model.generate(ids, max_new_tokens=4, num_beams=2, return_dict_in_generate=True, output_scores=True)
+    with pytest.raises(InputError, match="output_logits must be True or False"):
+        model.generate(ids, max_new_tokens=4, output_logits="yes")
 
 
 def test_sampling_takes_the_generation_configs_settings_then_transformers_defaults(tmp_path):

@@ -1,7 +1,9 @@
 """Write tests/data/generation_settings.json: transformers' greedy generate under generation settings and logits
 processors (forced, banned and suppressed tokens, n-gram blocking, minimum lengths, a generation_config.json).
 
-Also the probabilities transformers' sampling warpers (temperature, top-k, top-p, min-p) give fixed scores.
+Also the probabilities transformers' sampling warpers (temperature, top-k, top-p, min-p) give fixed scores, and what
+``return_dict_in_generate`` returns with ``output_scores`` and ``output_logits`` (each step's processed scores and
+raw logits, and ``compute_transition_scores``) for a greedy call and for the first step of a sampling one.
 
 Each case runs transformers' ``generate`` on a fixture's checkpoint (tests/fixtures/<fixture>), greedy, with the
 keyword arguments given (beam search where they ask for it), after ``generation_config.json`` is replaced by the case's ``generation_config`` where
@@ -120,6 +122,25 @@ def warper_probabilities(case) -> list:
     return torch.softmax(scores, dim=-1).tolist()
 
 
+OUTPUT_CASES = [
+    # name, generate's keyword arguments (the llama fixture, the left-padded prompts)
+    ("greedy_processed", {"max_new_tokens": 6, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
+    ("sampling_warped", {"max_new_tokens": 1, "do_sample": True, "temperature": 0.7, "top_k": 10, "top_p": 0.9}),
+]
+
+
+def run_outputs(kwargs) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "tests" / "fixtures" / "llama", attn_implementation="eager",
+                                                 dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    out = model.generate(input_ids=torch.tensor(DECODER_PROMPTS), attention_mask=torch.tensor(DECODER_MASK),
+                         return_dict_in_generate=True, output_scores=True, output_logits=True,
+                         **({"do_sample": False} | kwargs))
+    transition = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    return {"sequences": out.sequences.tolist(), "scores": [s.tolist() for s in out.scores],
+            "logits": [s.tolist() for s in out.logits], "transition_scores": transition.tolist()}
+
+
 def main():
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -139,6 +160,7 @@ def main():
         print(name, tokens, "plain:", plain, file=sys.stderr)
     reference["warper_scores"] = WARPER_SCORES
     reference["warpers"] = [{**case, "probabilities": warper_probabilities(case)} for case in WARPER_CASES]
+    reference["outputs"] = [{"name": name, "kwargs": kwargs, **run_outputs(kwargs)} for name, kwargs in OUTPUT_CASES]
     OUT.write_text(json.dumps(reference, indent=1) + "\n")
 
 

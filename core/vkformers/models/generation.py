@@ -28,7 +28,8 @@ from vkformers.models.beam_search import BeamSearch, search_beams
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
-from vkformers.models.generation_settings import LogitRules, config_value, generation_sources, resolve_call
+from vkformers.models.generation_settings import (GenerateDecoderOnlyOutput, LogitRules, config_value,
+                                                   generation_sources, pop_output_request, resolve_call)
 from vkformers.models.inputs import check_model_inputs, check_prompt_length
 from vkformers.runtime import dtypes as dt
 
@@ -71,10 +72,14 @@ class GenerationMixin:
         ``forced_bos_token_id``, ...), beam search (``num_beams``, models/beam_search.py) and ``stop_strings``
         with ``tokenizer``. What the call leaves out comes from the model's generation config, then
         transformers' defaults (sampling keeps the 50 likeliest tokens unless top_k says otherwise).
+        ``return_dict_in_generate=True``: a GenerateDecoderOnlyOutput instead of the array, with each step's
+        scores (``output_scores``) and raw logits (``output_logits``) where asked for.
         """
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
         if ids.ndim == 1:
             ids = ids[None]
+        options = dict(options)
+        output = pop_output_request(options)
         sources = generation_sources(self)
         settings, lengths, given_rules, beam = resolve_call(
             sources, options, max_new_tokens, ids.shape[-1], beams=self.runs_beam_search(), do_sample=do_sample,
@@ -94,6 +99,9 @@ class GenerationMixin:
         if mask.shape != ids.shape:
             raise InputError(f"generate: attention_mask {mask.shape} does not match input_ids {ids.shape}")
         beams = beam.num_beams if beam.num_beams > 1 else 0
+        if beams and output.records:
+            raise InputError("generate: output_scores and output_logits with beam search are not supported; leave "
+                             "them out (return_dict_in_generate alone gives the sequences)")
         if beams and streamer is not None:
             raise InputError("generate: a streamer cannot follow beam search (a beam's tokens change until it "
                              "ends); leave the streamer or num_beams out")
@@ -108,7 +116,7 @@ class GenerationMixin:
             streamer.put(ids)
         if max_new_tokens == 0:
             end_stream(streamer)
-            return ids
+            return _generate_output(ids, output, [], [])
 
         cache = self._generation_cache(batch, length + max_new_tokens)
         positions = self.generation_positions(mask, ids, length)
@@ -125,23 +133,36 @@ class GenerationMixin:
         bucket = PREFILL_BUCKET["cpu" if cache.device.is_cpu else "gpu"]
         padded = _padded_length(self, length, bucket, min(cache.max_len, capture_limit)) if capturable else None
         prefill = self._prefill_capture(cache, padded or length, padded is not None, key) if capturable else None
-        greedy = not do_sample and repetition_penalty == 1.0 and not rules.picks_on_host  # the GPU may pick them
+        # the GPU may pick the tokens (not where each step's scores are returned)
+        greedy = not do_sample and repetition_penalty == 1.0 and not rules.picks_on_host and not output.records
         chosen = []  # tokens the GPU already chose in a chained replay (the steps for them ran)
+        step_scores, step_logits = [], []  # output_scores, output_logits
+        padding = prompt_padding(mask)  # what the repetition penalty passes over
         with no_grad():
             logits = self._prefill(ids, mask, positions, cache, prefill, padded)
             if beams:
                 search = BeamSearch(ids[::beams], beams, length + max_new_tokens, eos, pad, beam.length_penalty,
                                     beam.early_stopping, lengths.num_return_sequences)
-                return self._search_beams(search, logits, mask, cache, decode, repetition_penalty, rules, eos,
-                                          lengths.min_new_tokens)
+                return _generate_output(self._search_beams(search, logits, mask, cache, decode, repetition_penalty,
+                                                           rules, eos, lengths.min_new_tokens, padding),
+                                        output, [], [])
             for step in range(max_new_tokens):
                 stepped = bool(chosen)  # a token the GPU chose: the chain also ran its step
+                suppress = eos if step < lengths.min_new_tokens else ()
                 if stepped:
                     next_tokens = chosen.pop(0)
+                elif output.records:
+                    scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
+                    next_tokens = _sample(scores, rng, temperature, top_k, top_p, min_p) if do_sample \
+                        else scores.argmax(axis=-1)
+                    if output.scores:
+                        step_scores.append(warped_scores(scores, temperature, top_k, top_p, min_p) if do_sample
+                                           else scores)
+                    if output.logits:
+                        step_logits.append(logits)
                 else:
                     next_tokens = pick_next_tokens(logits, tokens, do_sample, rng, temperature, top_k, top_p,
-                                                   repetition_penalty, eos if step < lengths.min_new_tokens else (),
-                                                   rules, min_p)
+                                                   repetition_penalty, suppress, rules, min_p, padding)
                 next_tokens = np.where(unfinished, next_tokens, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, next_tokens[:, None]], axis=1)
                 stream_tokens(streamer, next_tokens)
@@ -183,7 +204,21 @@ class GenerationMixin:
                         continue
                 logits = self.decode_step(decode, cache, step_ids, step_positions, mask, replay=False)
         end_stream(streamer)
-        return tokens
+        return _generate_output(tokens, output, step_scores, step_logits)
+
+    def compute_transition_scores(self, sequences, scores, normalize_logits: bool = False) -> np.ndarray:
+        """transformers' ``compute_transition_scores`` without beams: each generated token's score [batch, new]
+        from generate's ``sequences`` and ``scores`` (return_dict_in_generate, output_scores); with
+        ``normalize_logits``, log-softmax of each step's scores first (log-probabilities)."""
+        sequences = np.asarray(sequences.numpy() if hasattr(sequences, "numpy") else sequences)
+        steps = np.stack([np.asarray(s, np.float32) for s in scores])  # [new, batch, vocab]
+        if normalize_logits:
+            top = steps.max(axis=-1, keepdims=True)
+            top = np.where(np.isfinite(top), top, 0.0)
+            with np.errstate(divide="ignore"):
+                steps = steps - top - np.log(np.exp(steps - top).sum(axis=-1, keepdims=True))
+        new = sequences[:, sequences.shape[1] - steps.shape[0]:]
+        return np.take_along_axis(steps.transpose(1, 0, 2), new[:, :, None], axis=-1)[..., 0]
 
     def runs_beam_search(self) -> bool:
         """Whether generate runs beam search for this model: its cache rows can follow the beams (keys and values
@@ -193,7 +228,7 @@ class GenerationMixin:
                 and not getattr(self, "attention_free", False))
 
     def _search_beams(self, search: BeamSearch, logits, mask, cache, decode, repetition_penalty, rules, eos,
-                      min_new_tokens: int) -> np.ndarray:
+                      min_new_tokens: int, padding: np.ndarray | None = None) -> np.ndarray:
         """generate's beam search (models/beam_search.py) from the prefill's ``logits``: each decode step (replayed
         once recorded) on the rows the beams continue, the cache's rows following them."""
         prompt_length = search.prompt_length
@@ -205,8 +240,8 @@ class GenerationMixin:
             positions = self.generation_positions(mask, tokens, prompt_length)[:, -1:].astype(np.int32)
             return self.decode_step(decode, cache, tokens[:, -1:].astype(np.int32), positions, mask)
         return search_beams(search, logits, lambda scores, tokens: processed_scores(
-            scores, tokens, repetition_penalty, eos if tokens.shape[1] - prompt_length < min_new_tokens else (), rules),
-            advance)
+            scores, tokens, repetition_penalty, eos if tokens.shape[1] - prompt_length < min_new_tokens else (), rules,
+            padding), advance)
 
     def replays_decode(self) -> bool:
         """Whether generate records its decode step once and replays it: ``capture_decode`` (the step depends on
@@ -430,16 +465,28 @@ def _last_logits(out) -> np.ndarray:
     return to_scores(_last_position(out).numpy())
 
 
-def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float) -> np.ndarray:
+def _apply_repetition_penalty(scores: np.ndarray, tokens: np.ndarray, penalty: float,
+                              prompt_padding: np.ndarray | None = None) -> np.ndarray:
     """transformers' RepetitionPenaltyLogitsProcessor: for every token id present in the row so far
-    (prompt included), a positive score is divided by the penalty and a negative one multiplied."""
+    (prompt included), a positive score is divided by the penalty and a negative one multiplied. A left-padded
+    row's first ``prompt_padding[row]`` tokens (its padding) count for nothing, as transformers leaves them out."""
     if penalty == 1.0:
         return scores
     scores = scores.copy()
     rows = np.arange(scores.shape[0])[:, None]
-    seen = scores[rows, tokens]
-    scores[rows, tokens] = np.where(seen < 0, seen * penalty, seen / penalty)
+    if prompt_padding is not None:  # padding positions point past the vocabulary, at a column dropped after
+        tokens = np.where(np.arange(tokens.shape[1])[None] < np.asarray(prompt_padding)[:, None], scores.shape[1],
+                          tokens)
+    seen = np.zeros((scores.shape[0], scores.shape[1] + 1), bool)
+    seen[rows, tokens] = True
+    seen = seen[:, :-1]
+    scores[seen] = np.where(scores[seen] < 0, scores[seen] * penalty, scores[seen] / penalty)
     return scores
+
+
+def prompt_padding(mask: np.ndarray | None) -> np.ndarray | None:
+    """Per row, the padding before its first token (transformers: the attention mask's first non-zero column)."""
+    return None if mask is None else (np.asarray(mask) != 0).argmax(axis=1)
 
 
 def apply_top_k(scores: np.ndarray, top_k: int) -> np.ndarray:
@@ -479,12 +526,18 @@ def apply_min_p(scores: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, scores)
 
 
+def warped_scores(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> np.ndarray:
+    """Scores through transformers' sampling warpers in its order: temperature, then top-k, then top-p, then min-p
+    (the tokens they drop at -inf)."""
+    scores = scores / temperature if temperature != 1.0 else scores
+    return apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p)
+
+
 def sampling_probabilities(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0,
                            top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
-    """The distribution sampling draws from: temperature, then top-k, then top-p, then min-p, then softmax (the
-    order of transformers' warpers)."""
-    scores = scores / temperature if temperature != 1.0 else scores
-    return _softmax(apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p))
+    """The distribution sampling draws from: the softmax of :func:`warped_scores`."""
+    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p))
 
 
 def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: float = 0.0) -> np.ndarray:
@@ -498,29 +551,38 @@ def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: 
 
 
 def processed_scores(scores: np.ndarray, tokens: np.ndarray, repetition_penalty: float = 1.0, suppress=(),
-                     rules: LogitRules | None = None) -> np.ndarray:
+                     rules: LogitRules | None = None, padding: np.ndarray | None = None) -> np.ndarray:
     """A step's ``scores`` [batch, vocab] (logits, or a beam search's log-probabilities) after ``tokens`` so far,
     through transformers' processors in its order: the tokens in ``suppress`` never (end-of-sequence before
-    min_new_tokens), the repetition penalty, then ``rules`` (models/generation_settings.py)."""
+    min_new_tokens), the repetition penalty (``padding``: per row, the left padding it passes over,
+    :func:`prompt_padding`), then ``rules`` (models/generation_settings.py)."""
     if len(suppress):
         scores = scores.copy()
         scores[:, list(suppress)] = -np.inf
-    scores = _apply_repetition_penalty(scores, tokens, repetition_penalty)
+    scores = _apply_repetition_penalty(scores, tokens, repetition_penalty, padding)
     return rules.apply(scores, tokens) if rules is not None else scores
 
 
 def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rng: np.random.Generator,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      repetition_penalty: float = 1.0, suppress=(), rules: LogitRules | None = None,
-                     min_p: float = 0.0) -> np.ndarray:
+                     min_p: float = 0.0, padding: np.ndarray | None = None) -> np.ndarray:
     """generate's choice of each row's next token from its step ``logits`` [batch, vocab] after ``tokens`` so far:
     the tokens in ``suppress`` never (end-of-sequence before min_new_tokens), the repetition penalty, ``rules``
     (models/generation_settings.py), then argmax, or a draw from ``rng`` when ``do_sample`` (for models with
     their own generation loop)."""
-    scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules)
+    scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
     if do_sample:
         return _sample(scores, rng, temperature, top_k, top_p, min_p)
     return scores.argmax(axis=-1)
+
+
+def _generate_output(tokens: np.ndarray, output, scores: list, logits: list):
+    """generate's result: the tokens, or a GenerateDecoderOnlyOutput (return_dict_in_generate)."""
+    if not output.return_dict:
+        return tokens
+    return GenerateDecoderOnlyOutput(sequences=tokens, scores=tuple(scores) if output.scores else None,
+                                     logits=tuple(logits) if output.logits else None)
 
 
 def stream_tokens(streamer, tokens: np.ndarray) -> None:

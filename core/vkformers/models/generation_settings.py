@@ -144,6 +144,55 @@ def beam_settings(sources, options: dict, supported: bool, what: str = "generate
                         False if value["early_stopping"] is None else value["early_stopping"])
 
 
+@dataclass(frozen=True)
+class OutputRequest:
+    """What generate returns besides the tokens (transformers' ``return_dict_in_generate``, ``output_scores``,
+    ``output_logits``)."""
+    return_dict: bool = False
+    scores: bool = False
+    logits: bool = False
+
+    @property
+    def records(self) -> bool:
+        return self.return_dict and (self.scores or self.logits)
+
+
+def pop_output_request(options: dict) -> OutputRequest:
+    """The output arguments of a generate call, taken out of ``options``. As in transformers, output_scores and
+    output_logits change nothing without return_dict_in_generate."""
+    names = {"return_dict_in_generate": "return_dict", "output_scores": "scores", "output_logits": "logits"}
+    values = {}
+    for name, field in names.items():
+        value = options.pop(name, False)
+        if not isinstance(value, bool):
+            raise InputError(f"generate: {name} must be True or False, got {value!r}")
+        values[field] = value
+    return OutputRequest(**values)
+
+
+@dataclass
+class GenerateDecoderOnlyOutput:
+    """generate's result with ``return_dict_in_generate=True`` (transformers' class of that name, numpy arrays):
+    ``sequences`` [batch, T + new]; ``scores`` (with ``output_scores``): per new token the [batch, vocab] float32
+    scores it was chosen from, after the logits processors (and, when sampling, temperature, top-k, top-p, min-p;
+    the tokens they drop at -inf); ``logits`` (with ``output_logits``): the model's raw logits per new token.
+    Indexed by name or, as transformers' ModelOutput, by position among the fields that are set."""
+    sequences: np.ndarray
+    scores: tuple | None = None
+    logits: tuple | None = None
+    attentions: tuple | None = None
+    hidden_states: tuple | None = None
+    past_key_values: object = None
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return getattr(self, key)
+        return tuple(v for v in vars(self).values() if v is not None)[key]
+
+    def keys(self) -> list[str]:
+        return [k for k, v in vars(self).items() if v is not None]
+
+
 def pop_rule_arguments(options: dict) -> dict:
     """generate's LogitRules arguments, taken out of its other keyword arguments."""
     return {name: options.pop(name) for name in RULE_ARGUMENTS if name in options}
