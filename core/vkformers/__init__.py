@@ -12,6 +12,7 @@ from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModel
                                        AutoTokenizer)
 from vkformers.models.encoder_decoder import EncoderDecoderModel
 from vkformers.models.sentence import SentenceTransformer
+from vkformers.models.pipelines import pipeline
 from vkformers.models.streamers import TextIteratorStreamer, TextStreamer
 from vkformers.runtime import Buffer, Device, Sequence, dtypes, get_device
 from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, uint8
@@ -25,4 +26,5 @@ __all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoMod
            "Device", "EncoderDecoderModel", "SentenceTransformer", "Sequence", "Tensor", "TextIteratorStreamer",
            "TextStreamer", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
            "float16", "float32", "full", "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",
+           "pipeline",
            "runtime", "tensor", "training", "uint8", "zeros"]

@@ -1,0 +1,69 @@
+"""``pipeline("text-generation")`` (models/pipelines.py) against transformers' pipeline on the same tiny random
+Llama and tokenizer (tests/data/pipeline, tools/make_pipeline_reference.py): strings, a padded batch, chats (a new
+assistant turn and a continued one), new text only, token ids, beams, a stop sequence and a prefix, all greedy;
+then the pipeline's own generation defaults and its refusals, on vkformers' terms."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import vkformers as vkf
+from vkformers.errors import InputError
+from vkformers.models.pipelines import TextGenerationPipeline
+
+DATA = Path(__file__).parent / "data" / "pipeline"
+REFERENCE = json.loads((DATA / "outputs.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return vkf.pipeline("text-generation", model=str(DATA), dtype="float32")
+
+
+@pytest.mark.parametrize("case", REFERENCE["cases"], ids=[c["name"] for c in REFERENCE["cases"]])
+def test_the_outputs_are_transformers(pipe, case):
+    assert pipe(case["inputs"], do_sample=False, **case["kwargs"]) == case["output"]
+
+
+def test_the_pipelines_defaults_fill_what_the_call_and_the_model_leave_out(pipe, monkeypatch):
+    """256 new tokens, sampling at temperature 0.7 and the tokenizer's pad token, as transformers' pipeline adds
+    them; a greedy call gets no temperature; the call's own settings win."""
+    seen = []
+
+    def generate(ids, **kwargs):
+        seen.append(kwargs)
+        return np.concatenate([ids, np.zeros((ids.shape[0], 1), np.int64)], axis=1)
+    monkeypatch.setattr(pipe.model, "generate", generate)
+    pipe("Hello")
+    pipe("Hello", do_sample=False)
+    pipe("Hello", max_new_tokens=3, temperature=0.2)
+    pipe("Hello", max_length=9)
+    pad = pipe.tokenizer.pad_token_id
+    drop = {"attention_mask"}
+    assert [{k: v for k, v in s.items() if k not in drop} for s in seen] == [
+        {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7},
+        {"do_sample": False, "max_new_tokens": 256},
+        {"max_new_tokens": 3, "temperature": 0.2, "do_sample": True},
+        {"max_length": 9, "do_sample": True, "temperature": 0.7}]
+    assert pipe.model.config.pad_token_id == pad  # set by the model's config: not added again
+
+
+def test_a_loaded_model_and_bad_requests(pipe):
+    loaded = TextGenerationPipeline(pipe.model, pipe.tokenizer)
+    assert loaded("Paris is the", do_sample=False, max_new_tokens=3) == \
+        pipe("Paris is the", do_sample=False, max_new_tokens=3)
+    with pytest.raises(InputError, match="the task 'fill-mask' is not offered"):
+        vkf.pipeline("fill-mask", model=str(DATA))
+    with pytest.raises(InputError, match="return_full_text excludes return_tensors"):
+        pipe("Hello", return_full_text=False, return_tensors=True)
+    with pytest.raises(InputError, match="give a string, a chat"):
+        pipe([1, 2, 3])
+    with pytest.raises(InputError, match="handle_long_generation='cut'"):
+        pipe("Hello", handle_long_generation="cut", max_new_tokens=2)
+    long = " ".join(["Paris is the capital of France."] * 20)  # past the tokenizer's model_max_length, 128
+    out = pipe(long, do_sample=False, max_new_tokens=8, handle_long_generation="hole", return_tensors=True)
+    ids = pipe.tokenizer(long)["input_ids"]
+    assert out[0]["generated_token_ids"][:120] == ids[-120:] and len(out[0]["generated_token_ids"]) == 128
