@@ -1,7 +1,9 @@
-"""``pipeline("text-generation")`` (models/pipelines.py) against transformers' pipeline on the same tiny random
-Llama and tokenizer (tests/data/pipeline, tools/make_pipeline_reference.py): strings, a padded batch, chats (a new
+"""``pipeline`` (models/pipelines.py) against transformers' pipelines. text-generation on the same tiny random Llama
+and tokenizer (tests/data/pipeline, tools/make_pipeline_reference.py): strings, a padded batch, chats (a new
 assistant turn and a continued one), new text only, token ids, beams, a stop sequence and a prefix, all greedy;
-then the pipeline's own generation defaults and its refusals, on vkformers' terms."""
+then the pipeline's own generation defaults and its refusals, on vkformers' terms. text-classification, fill-mask
+and feature-extraction on tiny random BERTs with a WordPiece tokenizer (tests/data/pipeline_encoder,
+tools/make_encoder_pipeline_reference.py)."""
 from __future__ import annotations
 
 import json
@@ -55,8 +57,8 @@ def test_a_loaded_model_and_bad_requests(pipe):
     loaded = TextGenerationPipeline(pipe.model, pipe.tokenizer)
     assert loaded("Paris is the", do_sample=False, max_new_tokens=3) == \
         pipe("Paris is the", do_sample=False, max_new_tokens=3)
-    with pytest.raises(InputError, match="the task 'fill-mask' is not offered"):
-        vkf.pipeline("fill-mask", model=str(DATA))
+    with pytest.raises(InputError, match="the task 'token-classification' is not offered"):
+        vkf.pipeline("token-classification", model=str(DATA))
     with pytest.raises(InputError, match="return_full_text excludes return_tensors"):
         pipe("Hello", return_full_text=False, return_tensors=True)
     with pytest.raises(InputError, match="give a string, a chat"):
@@ -67,3 +69,50 @@ def test_a_loaded_model_and_bad_requests(pipe):
     out = pipe(long, do_sample=False, max_new_tokens=8, handle_long_generation="hole", return_tensors=True)
     ids = pipe.tokenizer(long)["input_ids"]
     assert out[0]["generated_token_ids"][:120] == ids[-120:] and len(out[0]["generated_token_ids"]) == 128
+
+
+ENCODER = Path(__file__).parent / "data" / "pipeline_encoder"
+ENCODER_REFERENCE = json.loads((ENCODER / "outputs.json").read_text())
+# float32 scores and hidden states of the tiny BERTs against transformers' on the CPU
+ENCODER_TOLERANCE = 1e-5
+
+
+def close(ours, theirs, path="output"):
+    """Equal structure and strings, numbers within ENCODER_TOLERANCE."""
+    if isinstance(theirs, float):
+        assert isinstance(ours, float) and abs(ours - theirs) <= ENCODER_TOLERANCE, (path, ours, theirs)
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), (path, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            close(a, b, f"{path}[{i}]")
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), (path, ours, theirs)
+        for key in theirs:
+            close(ours[key], theirs[key], f"{path}.{key}")
+    else:
+        assert ours == theirs, (path, ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def encoder_pipes():
+    return {(task, folder): vkf.pipeline(task, model=str(ENCODER / folder), dtype="float32")
+            for task, folder in {(c["task"], c["folder"]) for c in ENCODER_REFERENCE["cases"]}}
+
+
+@pytest.mark.parametrize("case", ENCODER_REFERENCE["cases"],
+                         ids=[f"{c['task']}-{i}" for i, c in enumerate(ENCODER_REFERENCE["cases"])])
+def test_the_encoder_tasks_give_transformers_outputs(encoder_pipes, case):
+    """text-classification (one text, a list, every label, top 2, a pair, sigmoid, a padded batch), fill-mask (one
+    mask, two, a list, targets) and feature-extraction, as transformers' pipelines return them."""
+    out = encoder_pipes[case["task"], case["folder"]](case["inputs"], **case["kwargs"])
+    close(out, case["output"])
+
+
+def test_the_encoder_tasks_refuse_what_they_cannot_do(encoder_pipes):
+    fill = encoder_pipes["fill-mask", "masked"]
+    with pytest.raises(InputError, match=r"no mask token \(\[MASK\]\)"):
+        fill("paris is the capital of france")
+    with pytest.raises(InputError, match="function_to_apply='tanh'"):
+        encoder_pipes["text-classification", "classifier"]("a text", function_to_apply="tanh")
+    with pytest.raises(InputError, match="text-classification takes texts"):
+        encoder_pipes["text-classification", "classifier"]([["a", "b"]])

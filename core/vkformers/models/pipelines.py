@@ -1,18 +1,19 @@
-"""``pipeline("text-generation", model=...)``: transformers' text-generation pipeline on a vkformers model.
+"""``pipeline(task, model=...)``: transformers' pipelines on vkformers models, with their inputs, options and outputs:
+text-generation, text-classification (sentiment-analysis), fill-mask and feature-extraction.
 
     pipe = vkformers.pipeline("text-generation", model="HuggingFaceTB/SmolLM2-135M-Instruct")
     pipe("The capital of France is", max_new_tokens=20)      # [{"generated_text": "The capital of France is ..."}]
     pipe([{"role": "user", "content": "Hi!"}])                # the chat, its assistant turn appended
 
-As transformers' TextGenerationPipeline: a string, a chat (a list of {"role", "content"} messages, rendered with
-the tokenizer's chat template; a final assistant message is continued), or a list of them (then a list of
-results). What the call and the model's generation config leave out takes the pipeline's defaults: 256 new tokens,
-sampling at temperature 0.7 (the sampling ones only when sampling). ``batch_size`` prompts are padded on the left
+Text generation, as transformers' TextGenerationPipeline: a string, a chat (a list of {"role", "content"}
+messages, rendered with the tokenizer's chat template; a final assistant message is continued), or a list of them
+(then a list of results). What the call and the model's generation config leave out takes the pipeline's
+defaults: 256 new tokens, sampling at temperature 0.7 (the sampling ones only when sampling). ``batch_size`` prompts are padded on the left
 and generated together. ``return_full_text`` (default True: the prompt's text, or chat, with the new text),
 ``return_tensors`` (the token ids instead), ``clean_up_tokenization_spaces``, ``skip_special_tokens`` (default
 True), ``prefix``, ``stop_sequence``, ``continue_final_message``, ``add_special_tokens``, ``truncation``,
 ``max_length`` and ``handle_long_generation="hole"`` as transformers takes them; anything else goes to
-``model.generate``.
+``model.generate``. The encoder tasks run a BERT-like model: see their classes.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import numpy as np
 
 from vkformers.errors import InputError
 from vkformers.models.generation_settings import config_value, generation_sources
-from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
+from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+                                      AutoModelForSequenceClassification, AutoTokenizer)
 
-TASKS = ("text-generation",)
+TASKS = ("text-generation", "text-classification", "sentiment-analysis", "fill-mask", "feature-extraction")
 # The pipeline's own generation defaults (transformers' TextGenerationPipeline._default_generation_config)
 GENERATION_DEFAULTS = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 SAMPLING_PARAMETERS = {"temperature", "top_k", "top_p", "min_p", "typical_p"}
@@ -35,7 +37,7 @@ PIPELINE_OPTIONS = {"return_full_text", "return_tensors", "return_text", "clean_
 
 
 def pipeline(task: str, model=None, tokenizer=None, *, dtype=None, torch_dtype=None, device=None,
-             device_map=None, **kwargs) -> "TextGenerationPipeline":
+             device_map=None, **kwargs):
     """transformers' ``pipeline`` for the tasks of TASKS. ``model``: a checkpoint folder, hub repo id or .gguf
     file, or a loaded model; ``tokenizer``: the same, or None for the model's own. ``device``/``device_map`` are
     taken and ignored (the Vulkan device is VKFORMERS_DEVICE's); other keyword arguments are defaults of every call."""
@@ -44,18 +46,18 @@ def pipeline(task: str, model=None, tokenizer=None, *, dtype=None, torch_dtype=N
     if model is None:
         raise InputError("pipeline: give model= (a checkpoint folder, hub repo id or .gguf file, or a loaded model)")
     del device, device_map
+    kind, loader = PIPELINES[task]
     if isinstance(model, str):
         if tokenizer is None:
             tokenizer = model
-        model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or torch_dtype or "auto",
-                                                     requires_grad=False)
+        model = loader.from_pretrained(model, dtype=dtype or torch_dtype or "auto", requires_grad=False)
     if tokenizer is None:
         tokenizer = getattr(model, "name_or_path", None)
         if tokenizer is None:
             raise InputError("pipeline: give tokenizer= for a model loaded without a checkpoint path")
     if isinstance(tokenizer, str):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return TextGenerationPipeline(model, tokenizer, **kwargs)
+    return kind(model, tokenizer, **kwargs)
 
 
 def is_chat(value) -> bool:
@@ -205,3 +207,195 @@ class TextGenerationPipeline:
         else:
             messages.append({"role": "assistant", "content": text})
         return {"generated_text": messages}
+
+
+# ---------------------------------------------------------------- encoder tasks
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+class EncoderPipeline:
+    """What the encoder tasks share: each input tokenized (``batch_size`` of them padded together, on the right), one
+    forward per batch, each row's output handed to ``_postprocess``. ``kwargs``: defaults of every call."""
+
+    def __init__(self, model, tokenizer, **kwargs):
+        self.model, self.tokenizer, self.defaults = model, tokenizer, kwargs
+
+    def _run(self, items: list, tokenizer_kwargs: dict, batch_size, postprocess) -> list:
+        results = []
+        size = int(batch_size or 1)
+        for start in range(0, len(items), size):
+            group = items[start:start + size]
+            texts = [item["text"] if isinstance(item, dict) else item for item in group]
+            pairs = [item.get("text_pair") for item in group if isinstance(item, dict)]
+            options = dict(tokenizer_kwargs)
+            if len(group) > 1:
+                options["padding"] = True
+            if pairs and len(pairs) != len(group):
+                raise InputError("pipeline: a batch mixes texts and text pairs; give batch_size=1 or one kind")
+            encoded = self.tokenizer(texts, pairs or None, return_tensors="np", **options)
+            inputs = {k: np.asarray(v) for k, v in encoded.items()
+                      if k in ("input_ids", "attention_mask", "token_type_ids")}
+            out = self.model(**inputs)
+            for row in range(len(group)):
+                results.append(postprocess(out, row, inputs["input_ids"][row], inputs["attention_mask"][row]))
+        return results
+
+
+class TextClassificationPipeline(EncoderPipeline):
+    """transformers' text-classification: a text, a {"text", "text_pair"} dict or a list of them; ``top_k`` (default:
+    the likeliest label alone, as a dict; None: every label; an int: that many, likeliest first, as lists),
+    ``function_to_apply`` ("softmax", "sigmoid", "none"; default from the config's problem_type and labels); other
+    keyword arguments go to the tokenizer (``truncation``, ``max_length``)."""
+
+    def __call__(self, inputs, **kwargs):
+        options = {**self.defaults, **kwargs}
+        legacy = "top_k" not in options
+        top_k = options.pop("top_k", 1)
+        function = options.pop("function_to_apply", None)
+        batch_size = options.pop("batch_size", None)
+        items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        for item in items:
+            if not isinstance(item, (str, dict)) or (isinstance(item, dict) and "text" not in item):
+                raise InputError("pipeline: text-classification takes texts, or {'text': ..., 'text_pair': ...} "
+                                 "dicts for pairs")
+        function = self._function(function)
+        labels = {int(k): v for k, v in dict(self.model.config.get("id2label") or {}).items()}
+
+        def postprocess(out, row, ids, mask):
+            logits = np.asarray(out.logits.float().numpy()[row], np.float32)
+            scores = {"sigmoid": sigmoid, "softmax": softmax, "none": lambda x: x}[function](logits)
+            if top_k == 1 and legacy:
+                return {"label": labels.get(int(scores.argmax()), f"LABEL_{int(scores.argmax())}"),
+                        "score": float(scores.max())}
+            ranked = [{"label": labels.get(i, f"LABEL_{i}"), "score": float(v)} for i, v in enumerate(scores)]
+            if not legacy:
+                ranked.sort(key=lambda r: r["score"], reverse=True)
+                if top_k is not None:
+                    ranked = ranked[:top_k]
+            return ranked
+        results = self._run(items, options, batch_size, postprocess)
+        if isinstance(inputs, (list, tuple)):
+            return results
+        return [results[0]] if isinstance(inputs, str) and legacy else results[0]
+
+    def _function(self, function) -> str:
+        if function is not None:
+            function = str(function).lower()
+            if function not in ("sigmoid", "softmax", "none"):
+                raise InputError(f"pipeline: function_to_apply={function!r}; it takes 'softmax', 'sigmoid' or 'none'")
+            return function
+        config = self.model.config
+        problem, labels = config.get("problem_type"), int(config.get("num_labels") or len(config.get("id2label") or {}))
+        if problem == "regression":
+            return "none"
+        if problem == "multi_label_classification" or labels == 1:
+            return "sigmoid"
+        if problem == "single_label_classification" or labels > 1:
+            return "softmax"
+        return "none"
+
+
+class FillMaskPipeline(EncoderPipeline):
+    """transformers' fill-mask: a text (or a list) holding the tokenizer's mask token; per mask the ``top_k``
+    (default 5) likeliest tokens, each as {"score", "token", "token_str", "sequence"}; ``targets``: score only these
+    words (those outside the vocabulary by their first token). Several masks in a text give a list per mask."""
+
+    def __call__(self, inputs, **kwargs):
+        options = {**self.defaults, **kwargs}
+        top_k = options.pop("top_k", None) or 5
+        targets = options.pop("targets", None)
+        batch_size = options.pop("batch_size", None)
+        tokenizer_kwargs = options.pop("tokenizer_kwargs", None) or {}
+        if options:
+            raise InputError(f"pipeline: fill-mask does not take {', '.join(sorted(options))}")
+        mask_id = self.tokenizer.mask_token_id
+        if mask_id is None:
+            raise InputError("pipeline: the tokenizer has no mask token, which fill-mask needs")
+        target_ids = None if targets is None else self._target_ids(targets)
+        if target_ids is not None:
+            top_k = min(top_k, len(target_ids))
+        items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        pad = self.tokenizer.pad_token_id
+
+        def postprocess(out, row, ids, mask):
+            ids = ids[mask.astype(bool)] if len(ids) != int(mask.sum()) else ids
+            where = np.flatnonzero(ids == mask_id)
+            if not len(where):
+                raise InputError(f"pipeline: no mask token ({self.tokenizer.mask_token}) in the input")
+            probs = softmax(np.asarray(out.logits.float().numpy()[row][where], np.float32))
+            if target_ids is not None:
+                probs = probs[:, target_ids]
+            single = len(where) == 1
+            result = []
+            for position, p in zip(where, probs):
+                order = np.argsort(-p, kind="stable")[:top_k]
+                proposals = []
+                for index in order:
+                    token = int(target_ids[index]) if target_ids is not None else int(index)
+                    filled = ids.copy()
+                    filled[position] = token
+                    filled = filled[filled != pad] if pad is not None else filled
+                    proposals.append({"score": float(p[index]), "token": token,
+                                      "token_str": self.tokenizer.decode([token]),
+                                      "sequence": self.tokenizer.decode(filled.tolist(), skip_special_tokens=single)})
+                result.append(proposals)
+            return result[0] if single else result
+        results = self._run(items, tokenizer_kwargs, batch_size, postprocess)
+        if isinstance(inputs, (list, tuple)):
+            return results[0] if len(results) == 1 else results
+        return results[0]
+
+    def _target_ids(self, targets) -> np.ndarray:
+        """The ids of the target words, as transformers finds them (the vocabulary, else the first token)."""
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        vocab = self.tokenizer.get_vocab()
+        ids = []
+        for target in targets:
+            found = vocab.get(target)
+            if found is None:
+                pieces = self.tokenizer(target, add_special_tokens=False)["input_ids"]
+                if not len(pieces):
+                    continue
+                found = int(pieces[0])
+            ids.append(int(found))
+        if not ids:
+            raise InputError("pipeline: none of the fill-mask targets is a token of this tokenizer")
+        return np.array(list(set(ids)))
+
+
+class FeatureExtractionPipeline(EncoderPipeline):
+    """transformers' feature-extraction: the model's last hidden states of a text, as nested lists [1, T, H] (a list
+    of texts: a list of them); ``return_tensors=True``: numpy arrays instead; ``truncation`` and
+    ``tokenize_kwargs`` go to the tokenizer."""
+
+    def __call__(self, inputs, **kwargs):
+        options = {**self.defaults, **kwargs}
+        arrays = bool(options.pop("return_tensors", False))
+        tokenizer_kwargs = dict(options.pop("tokenize_kwargs", None) or {})
+        if "truncation" in options:
+            tokenizer_kwargs["truncation"] = options.pop("truncation")
+        batch_size = options.pop("batch_size", None)
+        if options:
+            raise InputError(f"pipeline: feature-extraction does not take {', '.join(sorted(options))}")
+        items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+
+        def postprocess(out, row, ids, mask):
+            states = out.last_hidden_state.float().numpy()[row]
+            states = states[:int(mask.sum())][None]
+            return states if arrays else states.tolist()
+        results = self._run(items, tokenizer_kwargs, batch_size, postprocess)
+        return results if isinstance(inputs, (list, tuple)) else results[0]
+
+
+PIPELINES = {"text-generation": (TextGenerationPipeline, AutoModelForCausalLM),
+             "text-classification": (TextClassificationPipeline, AutoModelForSequenceClassification),
+             "sentiment-analysis": (TextClassificationPipeline, AutoModelForSequenceClassification),
+             "fill-mask": (FillMaskPipeline, AutoModelForMaskedLM),
+             "feature-extraction": (FeatureExtractionPipeline, AutoModel)}

@@ -194,6 +194,18 @@ class PreTrainedTokenizer:
         return self._token_id(self.unk_token)
 
     @property
+    def sep_token_id(self):
+        return self._token_id(self.sep_token)
+
+    @property
+    def cls_token_id(self):
+        return self._token_id(self.cls_token)
+
+    @property
+    def mask_token_id(self):
+        return self._token_id(self.mask_token)
+
+    @property
     def special_tokens_map(self) -> dict:
         """The named special tokens (what chat templates see as ``bos_token``, ``eos_token``, ...)."""
         named = {name: getattr(self, name) for name in SPECIAL_TOKEN_NAMES if getattr(self, name) is not None}
