@@ -5,11 +5,11 @@ text-generation, text-classification (sentiment-analysis), fill-mask and feature
     pipe("The capital of France is", max_new_tokens=20)      # [{"generated_text": "The capital of France is ..."}]
     pipe([{"role": "user", "content": "Hi!"}])                # the chat, its assistant turn appended
 
-Text generation, as transformers' TextGenerationPipeline: a string, a chat (a list of {"role", "content"}
-messages, rendered with the tokenizer's chat template; a final assistant message is continued), or a list of them
-(then a list of results). What the call and the model's generation config leave out takes the pipeline's
-defaults: 256 new tokens, sampling at temperature 0.7 (the sampling ones only when sampling). ``batch_size`` prompts are padded on the left
-and generated together. ``return_full_text`` (default True: the prompt's text, or chat, with the new text),
+Text generation, as transformers' TextGenerationPipeline: a string, a chat (a list of {"role", "content"} messages,
+rendered with the tokenizer's chat template; a final assistant message is continued), or a list of them (then a list
+of results). What the call and the model's generation config leave out takes the pipeline's defaults: 256 new
+tokens, sampling at temperature 0.7 (the sampling ones only when sampling). ``batch_size`` prompts are padded on the
+left and generated together. ``return_full_text`` (default True: the prompt's text, or chat, with the new text),
 ``return_tensors`` (the token ids instead), ``clean_up_tokenization_spaces``, ``skip_special_tokens`` (default
 True), ``prefix``, ``stop_sequence``, ``continue_final_message``, ``add_special_tokens``, ``truncation``,
 ``max_length`` and ``handle_long_generation="hole"`` as transformers takes them; anything else goes to
