@@ -20,7 +20,7 @@ import pytest
 
 from vkformers.errors import InputError
 from vkformers.models.generation import sampling_probabilities
-from vkformers.models.generation_settings import end_token_ids, sampling_settings
+from vkformers.models.generation_settings import LogitRules, end_token_ids, sampling_settings
 from vkformers.models.loading import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 ROOT = Path(__file__).parent
@@ -52,11 +52,14 @@ def test_generate_gives_transformers_tokens_under_its_settings(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", REFERENCE["warpers"], ids=lambda c: f"t{c['temperature']}-k{c['top_k']}-p"
-                         f"{c['top_p']}-min{c['min_p']}")
+                         f"{c['top_p']}-min{c['min_p']}-typ{c.get('typical_p', 1)}-eps{c.get('epsilon_cutoff', 0)}"
+                         f"-eta{c.get('eta_cutoff', 0)}")
 def test_sampling_draws_from_transformers_warped_distribution(case):
-    """temperature, top-k, top-p and min-p in transformers' order: the same probabilities within 1e-6."""
+    """temperature, top-k, top-p, min-p, then typical, epsilon and eta cutoffs in transformers' order: the same
+    probabilities within 1e-6."""
+    rules = LogitRules(**{name: case[name] for name in ("typical_p", "epsilon_cutoff", "eta_cutoff") if name in case})
     probs = sampling_probabilities(np.array(REFERENCE["warper_scores"], np.float32), case["temperature"],
-                                   case["top_k"], case["top_p"], case["min_p"])
+                                   case["top_k"], case["top_p"], case["min_p"], rules)
     np.testing.assert_allclose(probs, case["probabilities"], atol=1e-6, rtol=0)
 
 
@@ -225,3 +228,20 @@ def test_stop_strings_end_a_row_at_the_token_that_completes_them():
     with pytest.raises(InputError, match="stop_strings with beam search"):
         seq2seq.generate(np.array(REFERENCE["seq2seq_prompt"], np.int64), max_new_tokens=2, num_beams=2,
                          stop_strings=["ab"], tokenizer=PairTokenizer())
+
+
+def test_the_cutoff_warpers_come_from_the_generation_config_too(tmp_path):
+    """typical_p, epsilon_cutoff and eta_cutoff set by generation_config.json warp as when the call gives them;
+    out-of-range values are refused by name."""
+    case = next(c for c in REFERENCE["outputs"] if c["name"] == "sampling_cutoffs")
+    cutoffs = {k: case["kwargs"][k] for k in ("typical_p", "epsilon_cutoff", "eta_cutoff")}
+    folder = fixture_copy(tmp_path, "llama", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **cutoffs})
+    model = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
+    ids = np.array(REFERENCE["decoder_prompts"], np.int64)
+    others = {k: v for k, v in case["kwargs"].items() if k not in cutoffs}
+    out = model.generate(ids, attention_mask=np.array(REFERENCE["decoder_mask"], np.int64), seed=0,
+                         return_dict_in_generate=True, output_scores=True, **others)
+    same_scores(out.scores[0], case["scores"][0])
+    for name, value in [("typical_p", 0.0), ("epsilon_cutoff", 1.0), ("eta_cutoff", -0.1)]:
+        with pytest.raises(InputError, match=name):
+            model.generate(ids, max_new_tokens=1, do_sample=True, **{name: value})

@@ -93,7 +93,7 @@ def run(case) -> list[list[int]]:
 
 
 # sampling warpers on fixed scores (a row of 12 logits, one with ties), in the order transformers' generate runs
-# them: temperature, top-k, top-p, min-p; each case's probabilities after softmax
+# them: temperature, top-k, top-p, min-p, typical, epsilon, eta; each case's probabilities after softmax
 WARPER_SCORES = [[2.0, 1.5, 1.5, 0.3, -0.2, -1.0, 0.9, 0.9, -3.0, 1.2, 0.0, -0.5],
                  [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2]]
 WARPER_CASES = [
@@ -102,12 +102,20 @@ WARPER_CASES = [
     {"temperature": 1.3, "top_k": 0, "top_p": 1.0, "min_p": 0.2},
     {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05},
     {"temperature": 1.0, "top_k": 0, "top_p": 0.5, "min_p": 0.5},
+    # the warpers after min-p: typical, epsilon and eta cutoffs
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 0.5},
+    {"temperature": 0.8, "top_k": 10, "top_p": 1.0, "min_p": 0.0, "typical_p": 0.9},
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "epsilon_cutoff": 0.05},
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "eta_cutoff": 0.02},
+    {"temperature": 0.7, "top_k": 0, "top_p": 0.95, "min_p": 0.0, "typical_p": 0.8, "epsilon_cutoff": 0.01,
+     "eta_cutoff": 0.05},
 ]
 
 
 def warper_probabilities(case) -> list:
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                                                        TypicalLogitsWarper)
     scores = torch.tensor(WARPER_SCORES, dtype=torch.float32)
     ids = torch.zeros((len(WARPER_SCORES), 1), dtype=torch.int64)
     warpers = [TemperatureLogitsWarper(case["temperature"])]
@@ -117,6 +125,12 @@ def warper_probabilities(case) -> list:
         warpers.append(TopPLogitsWarper(case["top_p"]))
     if case["min_p"]:
         warpers.append(MinPLogitsWarper(case["min_p"]))
+    if case.get("typical_p", 1.0) < 1.0:
+        warpers.append(TypicalLogitsWarper(case["typical_p"]))
+    if case.get("epsilon_cutoff"):
+        warpers.append(EpsilonLogitsWarper(case["epsilon_cutoff"]))
+    if case.get("eta_cutoff"):
+        warpers.append(EtaLogitsWarper(case["eta_cutoff"]))
     for warper in warpers:
         scores = warper(ids, scores)
     return torch.softmax(scores, dim=-1).tolist()
@@ -126,6 +140,8 @@ OUTPUT_CASES = [
     # name, generate's keyword arguments (the llama fixture, the left-padded prompts)
     ("greedy_processed", {"max_new_tokens": 6, "repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
     ("sampling_warped", {"max_new_tokens": 1, "do_sample": True, "temperature": 0.7, "top_k": 10, "top_p": 0.9}),
+    ("sampling_cutoffs", {"max_new_tokens": 1, "do_sample": True, "temperature": 0.9, "top_k": 0, "typical_p": 0.9,
+                          "epsilon_cutoff": 0.005, "eta_cutoff": 0.01}),
 ]
 
 

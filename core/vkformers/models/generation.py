@@ -153,10 +153,10 @@ class GenerationMixin:
                     next_tokens = chosen.pop(0)
                 elif output.records:
                     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
-                    next_tokens = _sample(scores, rng, temperature, top_k, top_p, min_p) if do_sample \
+                    next_tokens = _sample(scores, rng, temperature, top_k, top_p, min_p, rules) if do_sample \
                         else scores.argmax(axis=-1)
                     if output.scores:
-                        step_scores.append(warped_scores(scores, temperature, top_k, top_p, min_p) if do_sample
+                        step_scores.append(warped_scores(scores, temperature, top_k, top_p, min_p, rules) if do_sample
                                            else scores)
                     if output.logits:
                         step_logits.append(logits)
@@ -527,21 +527,23 @@ def apply_min_p(scores: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def warped_scores(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  min_p: float = 0.0) -> np.ndarray:
-    """Scores through transformers' sampling warpers in its order: temperature, then top-k, then top-p, then min-p
-    (the tokens they drop at -inf)."""
+                  min_p: float = 0.0, rules: LogitRules | None = None) -> np.ndarray:
+    """Scores through transformers' sampling warpers in its order: temperature, then top-k, then top-p, then min-p,
+    then ``rules``' typical, epsilon and eta cutoffs (the tokens they drop at -inf)."""
     scores = scores / temperature if temperature != 1.0 else scores
-    return apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p)
+    scores = apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p)
+    return rules.warp(scores) if rules is not None else scores
 
 
 def sampling_probabilities(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0,
-                           top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+                           top_p: float = 1.0, min_p: float = 0.0, rules: LogitRules | None = None) -> np.ndarray:
     """The distribution sampling draws from: the softmax of :func:`warped_scores`."""
-    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p))
+    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p, rules))
 
 
-def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: float = 0.0) -> np.ndarray:
-    probs = sampling_probabilities(scores, temperature, top_k, top_p, min_p)
+def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: float = 0.0,
+            rules: LogitRules | None = None) -> np.ndarray:
+    probs = sampling_probabilities(scores, temperature, top_k, top_p, min_p, rules)
     cumulative = np.cumsum(probs, axis=-1)
     draws = rng.random(scores.shape[0]) * cumulative[:, -1]
     picked = np.array([np.searchsorted(c, d, side="right") for c, d in zip(cumulative, draws)])
@@ -573,7 +575,7 @@ def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rn
     their own generation loop)."""
     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
     if do_sample:
-        return _sample(scores, rng, temperature, top_k, top_p, min_p)
+        return _sample(scores, rng, temperature, top_k, top_p, min_p, rules)
     return scores.argmax(axis=-1)
 
 

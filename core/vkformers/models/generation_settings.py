@@ -22,7 +22,7 @@ import numpy as np
 
 from vkformers.errors import InputError
 from vkformers.models.beam_search import check_beam_settings
-from vkformers.models.inputs import check_generation_settings, generation_lengths
+from vkformers.models.inputs import check_generation_settings, check_number, generation_lengths
 
 # transformers' GenerationConfig defaults for what generate's sampling arguments leave out
 SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0,
@@ -32,6 +32,8 @@ STOP_ARGUMENTS = ("stop_strings", "tokenizer")
 # generate's arguments that turn LogitRules on (also read from the generation config)
 RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
                   "suppress_tokens", "begin_suppress_tokens")
+# transformers' sampling warpers after min-p, carried by LogitRules (``warp``), and the values that turn them off
+WARPER_ARGUMENTS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 # the keys of transformers' GenerationConfig that generate reads; GenerationConfig.from_model_config copies them
@@ -40,7 +42,7 @@ GENERATION_KEYS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens
                    "top_k", "top_p", "min_p", "repetition_penalty", "num_beams", "length_penalty", "early_stopping",
                    "num_return_sequences", "no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id",
                    "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "bos_token_id", "eos_token_id",
-                   "pad_token_id", "decoder_start_token_id")
+                   "pad_token_id", "decoder_start_token_id", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 def generation_config_of(config) -> dict:
@@ -194,8 +196,9 @@ class GenerateDecoderOnlyOutput:
 
 
 def pop_rule_arguments(options: dict) -> dict:
-    """generate's LogitRules arguments, taken out of its other keyword arguments."""
-    return {name: options.pop(name) for name in RULE_ARGUMENTS if name in options}
+    """generate's LogitRules arguments (processors and the warpers it carries), taken out of its other keyword
+    arguments."""
+    return {name: options.pop(name) for name in (*RULE_ARGUMENTS, *WARPER_ARGUMENTS) if name in options}
 
 
 def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beams: bool = False, **sampling):
@@ -254,6 +257,37 @@ def pop_stop_strings(options: dict, beams: int = 1) -> StopStrings | None:
     return StopStrings(strings, tokenizer)
 
 
+def _probabilities(scores: np.ndarray) -> np.ndarray:
+    z = scores.astype(np.float64)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def _below(scores: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """``scores`` with the ``drop`` ones at -inf, the likeliest token of each row kept whatever ``drop`` says."""
+    drop = drop & (scores < scores.max(axis=-1, keepdims=True))
+    return np.where(drop, -np.inf, scores).astype(scores.dtype, copy=False)
+
+
+def _typical(scores: np.ndarray, mass: float) -> np.ndarray:
+    """transformers' TypicalLogitsWarper: keep the tokens whose surprisal is closest to the entropy, in that order,
+    until their probability reaches ``mass`` (the first always kept)."""
+    probs = _probabilities(scores)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_probs = np.log(probs)
+        entropy = -np.nansum(log_probs * probs, axis=-1, keepdims=True)
+    shifted = np.abs(-log_probs - entropy)
+    order = np.argsort(shifted, axis=-1, kind="stable")
+    sorted_shift = np.take_along_axis(shifted, order, axis=-1)
+    cumulative = np.cumsum(np.take_along_axis(probs, order, axis=-1), axis=-1)
+    last = np.minimum((cumulative < mass).sum(axis=-1), scores.shape[-1] - 1)
+    drop_sorted = sorted_shift > np.take_along_axis(sorted_shift, last[:, None], axis=-1)
+    drop_sorted[:, :1] = False
+    drop = np.zeros_like(drop_sorted)
+    np.put_along_axis(drop, order, drop_sorted, axis=-1)
+    return np.where(drop, -np.inf, scores).astype(scores.dtype, copy=False)
+
+
 def _token_list(value, name: str) -> list[int]:
     if value is None:
         return []
@@ -278,6 +312,10 @@ class LogitRules:
     max_length: int = 0
     begin_index: int = 0
     stop_strings: StopStrings | None = None  # not a processor: a stopping criterion (finished)
+    # sampling warpers after min-p (``warp``), in transformers' order; these values leave them off
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
 
     @classmethod
     def resolve(cls, sources, given: dict, *, start_length: int, max_length: int, eos: list[int]) -> "LogitRules":
@@ -297,10 +335,35 @@ class LogitRules:
         bos = value["forced_bos_token_id"]
         forced_bos = _token_list(bos, "forced_bos_token_id")[0] if bos is not None else None
         begin = start_length if start_length > 1 or forced_bos is None else start_length + 1
+        warpers = {}
+        for name, off in WARPER_ARGUMENTS.items():
+            chosen = given[name] if name in given else config_value(sources, name)
+            chosen = off if chosen is None else chosen
+            high = 1.0 if name == "typical_p" else None
+            check_number(name, chosen, low=0, high=high, low_open=name == "typical_p",
+                         hint=f" ({off:g} applies none)")
+            if name != "typical_p" and chosen >= 1:
+                raise InputError(f"generate: {name} must be in [0, 1), got {chosen!r} ({off:g} applies none)")
+            warpers[name] = float(chosen)
         return cls(int(ngram), bad, forced_bos, tuple(_token_list(value["forced_eos_token_id"], "forced_eos_token_id")),
                    tuple(_token_list(value["suppress_tokens"], "suppress_tokens")),
                    tuple(_token_list(value["begin_suppress_tokens"], "begin_suppress_tokens")), int(max_length), begin,
-                   stops)
+                   stops, **warpers)
+
+    def warp(self, scores: np.ndarray) -> np.ndarray:
+        """Sampling scores after min-p through transformers' typical, epsilon and eta warpers (each keeps at least
+        the likeliest token; the tokens they drop at -inf)."""
+        if self.typical_p < 1.0:
+            scores = _typical(scores, self.typical_p)
+        if 0.0 < self.epsilon_cutoff < 1.0:
+            scores = _below(scores, _probabilities(scores) < self.epsilon_cutoff)
+        if 0.0 < self.eta_cutoff < 1.0:
+            probs = _probabilities(scores)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                entropy = -np.nansum(np.where(probs > 0, probs * np.log(probs), 0.0), axis=-1, keepdims=True)
+            eta = np.minimum(self.eta_cutoff, np.sqrt(self.eta_cutoff) * np.exp(-entropy))
+            scores = _below(scores, probs < eta)
+        return scores
 
     def finished(self, tokens: np.ndarray) -> np.ndarray:
         """Per row of ``tokens`` [batch, T] (the chosen token last), whether a stop string ended it."""
