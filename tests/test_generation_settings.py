@@ -6,8 +6,8 @@ for fixtures run with forced bos and eos tokens, banned words (one and several t
 step and at the first, n-gram blocking, a minimum length, and generation_config.json files that set these with a
 repetition penalty and lengths; each case changes the plain greedy output (the script prints both). vkformers must
 give the same tokens. ``return_dict_in_generate`` with ``output_scores`` and ``output_logits`` gives transformers'
-processed scores, raw logits and transition scores. The sampling defaults, the beam-search warning, saving the generation config and bad
-arguments are checked on vkformers' own terms.
+processed scores, raw logits and transition scores. The sampling defaults, the beam-search warning, saving the
+generation config and bad arguments are checked on vkformers' own terms.
 """
 from __future__ import annotations
 
