@@ -1,6 +1,6 @@
-"""Write tests/data/pipeline_encoder/: tiny random BERT checkpoints (a sequence classifier with named labels, a
-masked LM) over one WordPiece tokenizer, and what transformers' ``text-classification``, ``fill-mask`` and
-``feature-extraction`` pipelines return for them, for tests/test_pipelines.py.
+"""Write tests/data/pipeline_encoder/: tiny random BERT checkpoints (a sequence classifier with named labels, a masked
+LM, a token tagger) over one WordPiece tokenizer, and what transformers' ``text-classification``, ``fill-mask``,
+``feature-extraction`` and ``token-classification`` pipelines return for them, for tests/test_pipelines.py.
 
     /tmp/tfvenv/bin/python tools/make_encoder_pipeline_reference.py
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import (AutoTokenizer, BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,
-                          pipeline)
+from transformers import (AutoTokenizer, BertConfig, BertForMaskedLM, BertForSequenceClassification,
+                          BertForTokenClassification, BertModel, pipeline)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "pipeline_encoder"
@@ -24,6 +24,8 @@ TEXTS = ["this movie was great", "paris is the capital of france", "the lazy dog
 PAIR = {"text": "this movie was great", "text_pair": "i hated it"}
 MASKED = ["paris is the [MASK] of france", "the quick [MASK] fox [MASK] over"]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TAGS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+ENTITY_TEXTS = ["paris is the capital of france", "once upon a time the quickest fox jumped over vulkanized shaders"]
 
 
 def tokenizer_files():
@@ -45,7 +47,9 @@ def main():
     torch.manual_seed(0)
     folders = {"classifier": BertForSequenceClassification(BertConfig(**config, num_labels=3, id2label=LABELS,
                                                                       label2id={v: k for k, v in LABELS.items()})),
-               "masked": BertForMaskedLM(BertConfig(**config)), "base": BertModel(BertConfig(**config))}
+               "masked": BertForMaskedLM(BertConfig(**config)), "base": BertModel(BertConfig(**config)),
+               "tagger": BertForTokenClassification(BertConfig(**config, num_labels=5, id2label=TAGS,
+                                                               label2id={v: k for k, v in TAGS.items()}))}
     for name, model in folders.items():
         model.save_pretrained(OUT / name)
         backend.save(str(OUT / name / "tokenizer.json"))
@@ -56,6 +60,7 @@ def main():
     classify = pipeline("text-classification", model=str(OUT / "classifier"), tokenizer=load("classifier"))
     fill = pipeline("fill-mask", model=str(OUT / "masked"), tokenizer=load("masked"))
     features = pipeline("feature-extraction", model=str(OUT / "base"), tokenizer=load("base"))
+    tagger = pipeline("token-classification", model=str(OUT / "tagger"), tokenizer=load("tagger"))
     cases = [
         ("text-classification", "classifier", TEXTS[0], {}),
         ("text-classification", "classifier", TEXTS, {}),
@@ -70,8 +75,15 @@ def main():
         ("fill-mask", "masked", MASKED[0], {"targets": ["capital", "dog", "vulkan"]}),
         ("feature-extraction", "base", TEXTS[2], {}),
         ("feature-extraction", "base", TEXTS[:2], {}),
+        ("token-classification", "tagger", ENTITY_TEXTS[0], {}),
+        ("token-classification", "tagger", ENTITY_TEXTS[1], {"ignore_labels": []}),
+        ("token-classification", "tagger", ENTITY_TEXTS, {"aggregation_strategy": "simple"}),
+        ("token-classification", "tagger", ENTITY_TEXTS[1], {"aggregation_strategy": "first"}),
+        ("token-classification", "tagger", ENTITY_TEXTS[1], {"aggregation_strategy": "average"}),
+        ("token-classification", "tagger", ENTITY_TEXTS[1], {"aggregation_strategy": "max", "ignore_labels": ["O"]}),
     ]
-    pipes = {"text-classification": classify, "fill-mask": fill, "feature-extraction": features}
+    pipes = {"text-classification": classify, "fill-mask": fill, "feature-extraction": features,
+             "token-classification": tagger}
     results = []
     for task, folder, inputs, kwargs in cases:
         out = pipes[task](inputs, **kwargs)
@@ -79,7 +91,7 @@ def main():
         print(task, str(out)[:200])
     import transformers
     (OUT / "outputs.json").write_text(json.dumps({"transformers_version": transformers.__version__,
-                                                  "cases": results}, indent=1) + "\n")
+                                                  "cases": results}, indent=1, default=float) + "\n")
 
 
 if __name__ == "__main__":

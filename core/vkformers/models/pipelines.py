@@ -1,5 +1,6 @@
 """``pipeline(task, model=...)``: transformers' pipelines on vkformers models, with their inputs, options and outputs:
-text-generation, text-classification (sentiment-analysis), fill-mask and feature-extraction.
+text-generation, text-classification (sentiment-analysis), fill-mask, feature-extraction and token-classification
+(ner).
 
     pipe = vkformers.pipeline("text-generation", model="HuggingFaceTB/SmolLM2-135M-Instruct")
     pipe("The capital of France is", max_new_tokens=20)      # [{"generated_text": "The capital of France is ..."}]
@@ -22,9 +23,11 @@ import numpy as np
 from vkformers.errors import InputError
 from vkformers.models.generation_settings import config_value, generation_sources
 from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
-                                      AutoModelForSequenceClassification, AutoTokenizer)
+                                      AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                                      AutoTokenizer)
 
-TASKS = ("text-generation", "text-classification", "sentiment-analysis", "fill-mask", "feature-extraction")
+TASKS = ("text-generation", "text-classification", "sentiment-analysis", "fill-mask", "feature-extraction",
+         "token-classification", "ner")
 # The pipeline's own generation defaults (transformers' TextGenerationPipeline._default_generation_config)
 GENERATION_DEFAULTS = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 SAMPLING_PARAMETERS = {"temperature", "top_k", "top_p", "min_p", "typical_p"}
@@ -394,8 +397,123 @@ class FeatureExtractionPipeline(EncoderPipeline):
         return results if isinstance(inputs, (list, tuple)) else results[0]
 
 
+class TokenClassificationPipeline(EncoderPipeline):
+    """transformers' token-classification (ner): a label per token of a text (or a list), as
+    {"entity", "score", "index", "word", "start", "end"}; ``aggregation_strategy`` "simple" groups adjacent tokens
+    of one entity ({"entity_group", "score", "word", "start", "end"}), "first", "average" and "max" first settle each
+    word's label from its subword tokens; ``ignore_labels`` (default ["O"]) leaves those out."""
+
+    STRATEGIES = ("none", "simple", "first", "average", "max")
+
+    def __call__(self, inputs, **kwargs):
+        options = {**self.defaults, **kwargs}
+        strategy = str(options.pop("aggregation_strategy", None) or "none").lower()
+        ignore = options.pop("ignore_labels", None)
+        ignore = ["O"] if ignore is None else list(ignore)
+        options.pop("batch_size", None)  # texts run one at a time: each has offsets of its own
+        if strategy not in self.STRATEGIES:
+            raise InputError(f"pipeline: aggregation_strategy={strategy!r}; it takes {', '.join(self.STRATEGIES)}")
+        if options:
+            raise InputError(f"pipeline: token-classification does not take {', '.join(sorted(options))} (text "
+                             "split into words and long texts in strides are not offered)")
+        items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        if not all(isinstance(item, str) for item in items):
+            raise InputError("pipeline: token-classification takes a text or a list of texts")
+        labels = {int(k): v for k, v in dict(self.model.config.get("id2label") or {}).items()}
+        results = []
+        for text in items:  # one at a time: each row's offsets are its own text's
+            limit = self.tokenizer.model_max_length
+            encoded = self.tokenizer(text, return_tensors="np", truncation=bool(limit), return_special_tokens_mask=True,
+                                     return_offsets_mapping=True)
+            inputs_ = {k: np.asarray(encoded[k]) for k in ("input_ids", "attention_mask", "token_type_ids")
+                       if k in encoded}
+            logits = np.asarray(self.model(**inputs_).logits.float().numpy()[0], np.float32)
+            scores = softmax(logits)
+            pre = self._pre_entities(text, inputs_["input_ids"][0], scores, np.asarray(encoded["offset_mapping"])[0],
+                                     np.asarray(encoded["special_tokens_mask"])[0])
+            entities = self._aggregate(pre, strategy, labels)
+            results.append([e for e in entities if e.get("entity") not in ignore and e.get("entity_group") not in
+                            ignore])
+        return results if isinstance(inputs, (list, tuple)) else results[0]
+
+    def _pre_entities(self, text, ids, scores, offsets, special) -> list[dict]:
+        prefix = getattr(self.tokenizer.backend.model, "continuing_subword_prefix", None)
+        entities = []
+        for index, token_scores in enumerate(scores):
+            if special[index]:
+                continue
+            word = self.tokenizer.convert_ids_to_tokens(int(ids[index]))
+            start, end = int(offsets[index][0]), int(offsets[index][1])
+            reference = text[start:end]
+            if prefix:
+                subword = len(word) != len(reference)
+            else:
+                subword = start > 0 and " " not in text[start - 1:start + 1]
+            if int(ids[index]) == self.tokenizer.unk_token_id:
+                word, subword = reference, False
+            entities.append({"word": word, "scores": token_scores, "start": start, "end": end, "index": index,
+                             "is_subword": subword})
+        return entities
+
+    def _aggregate(self, pre: list[dict], strategy: str, labels: dict) -> list[dict]:
+        if strategy in ("none", "simple"):
+            entities = [{"entity": labels[int(e["scores"].argmax())], "score": float(e["scores"].max()),
+                         "index": e["index"], "word": e["word"], "start": e["start"], "end": e["end"]} for e in pre]
+        else:
+            words, group = [], None
+            for entity in pre:
+                if group is None:
+                    group = [entity]
+                elif entity["is_subword"]:
+                    group.append(entity)
+                else:
+                    words.append(self._word(group, strategy, labels))
+                    group = [entity]
+            if group is not None:
+                words.append(self._word(group, strategy, labels))
+            entities = words
+        return entities if strategy == "none" else self._group(entities)
+
+    def _word(self, pieces: list[dict], strategy: str, labels: dict) -> dict:
+        """One word's label from its tokens: the first's, the most confident token's, or the average scores'."""
+        if strategy == "first":
+            scores = pieces[0]["scores"]
+        elif strategy == "max":
+            scores = max(pieces, key=lambda e: e["scores"].max())["scores"]
+        else:
+            scores = np.nanmean(np.stack([e["scores"] for e in pieces]), axis=0)
+        best = int(scores.argmax())
+        return {"entity": labels[best], "score": float(scores[best]),
+                "word": self.tokenizer.convert_tokens_to_string([e["word"] for e in pieces]),
+                "start": pieces[0]["start"], "end": pieces[-1]["end"]}
+
+    def _group(self, entities: list[dict]) -> list[dict]:
+        """Adjacent entities of one tag (a B- starts a new one) as one group, their scores averaged."""
+        def tag(name):
+            return ("B", name[2:]) if name.startswith("B-") else ("I", name[2:] if name.startswith("I-") else name)
+
+        def merged(run):
+            return {"entity_group": run[0]["entity"].split("-", 1)[-1],
+                    "score": float(np.nanmean([e["score"] for e in run])),
+                    "word": self.tokenizer.convert_tokens_to_string([e["word"] for e in run]),
+                    "start": run[0]["start"], "end": run[-1]["end"]}
+        groups, run = [], []
+        for entity in entities:
+            if run:
+                bi, name = tag(entity["entity"])
+                if not (name == tag(run[-1]["entity"])[1] and bi != "B"):
+                    groups.append(merged(run))
+                    run = []
+            run.append(entity)
+        if run:
+            groups.append(merged(run))
+        return groups
+
+
 PIPELINES = {"text-generation": (TextGenerationPipeline, AutoModelForCausalLM),
              "text-classification": (TextClassificationPipeline, AutoModelForSequenceClassification),
              "sentiment-analysis": (TextClassificationPipeline, AutoModelForSequenceClassification),
              "fill-mask": (FillMaskPipeline, AutoModelForMaskedLM),
-             "feature-extraction": (FeatureExtractionPipeline, AutoModel)}
+             "feature-extraction": (FeatureExtractionPipeline, AutoModel),
+             "token-classification": (TokenClassificationPipeline, AutoModelForTokenClassification),
+             "ner": (TokenClassificationPipeline, AutoModelForTokenClassification)}

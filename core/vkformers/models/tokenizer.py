@@ -280,6 +280,12 @@ class PreTrainedTokenizer:
             return self.backend.id_to_token(int(ids))
         return [self.backend.id_to_token(i) for i in _as_id_list(ids)]
 
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """Tokens back to text through the tokenizer's decoder (a WordPiece's "##" joined, a byte-level BPE's
+        bytes), as transformers' fast tokenizers do; without a decoder, joined by spaces."""
+        decoder = self.backend.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
+
     # -- encoding ------------------------------------------------------------------------------------------
     def encode(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
                max_length: int | None = None, stride: int = 0, padding_side: str | None = None,
