@@ -2,7 +2,7 @@
 and tokenizer (tests/data/pipeline, tools/make_pipeline_reference.py): strings, a padded batch, chats (a new
 assistant turn and a continued one), new text only, token ids, beams, a stop sequence and a prefix, all greedy; then
 the pipeline's own generation defaults and its refusals, on vkformers' terms. text-classification, fill-mask,
-feature-extraction and token-classification on tiny random BERTs with a WordPiece tokenizer
+feature-extraction, token-classification and zero-shot-classification on tiny random BERTs with a WordPiece tokenizer
 (tests/data/pipeline_encoder, tools/make_encoder_pipeline_reference.py)."""
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def test_a_loaded_model_and_bad_requests(pipe):
     loaded = TextGenerationPipeline(pipe.model, pipe.tokenizer)
     assert loaded("Paris is the", do_sample=False, max_new_tokens=3) == \
         pipe("Paris is the", do_sample=False, max_new_tokens=3)
-    with pytest.raises(InputError, match="the task 'zero-shot-classification' is not offered"):
-        vkf.pipeline("zero-shot-classification", model=str(DATA))
+    with pytest.raises(InputError, match="the task 'summarization' is not offered"):
+        vkf.pipeline("summarization", model=str(DATA))
     with pytest.raises(InputError, match="return_full_text excludes return_tensors"):
         pipe("Hello", return_full_text=False, return_tensors=True)
     with pytest.raises(InputError, match="give a string, a chat"):
@@ -104,7 +104,8 @@ def encoder_pipes():
 def test_the_encoder_tasks_give_transformers_outputs(encoder_pipes, case):
     """text-classification (one text, a list, every label, top 2, a pair, sigmoid, a padded batch), fill-mask (one
     mask, two, a list, targets), feature-extraction and token-classification (per token, every label kept, each
-    aggregation strategy over words split into subwords), as transformers' pipelines return them."""
+    aggregation strategy over words split into subwords) and zero-shot-classification (labels against one another,
+    multi_label, a template), as transformers' pipelines return them."""
     out = encoder_pipes[case["task"], case["folder"]](case["inputs"], **case["kwargs"])
     close(out, case["output"])
 

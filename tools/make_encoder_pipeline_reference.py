@@ -1,6 +1,7 @@
 """Write tests/data/pipeline_encoder/: tiny random BERT checkpoints (a sequence classifier with named labels, a masked
-LM, a token tagger) over one WordPiece tokenizer, and what transformers' ``text-classification``, ``fill-mask``,
-``feature-extraction`` and ``token-classification`` pipelines return for them, for tests/test_pipelines.py.
+LM, a token tagger, an NLI classifier) over one WordPiece tokenizer, and what transformers' ``text-classification``,
+``fill-mask``, ``feature-extraction``, ``token-classification`` and ``zero-shot-classification`` pipelines return
+for them, for tests/test_pipelines.py.
 
     /tmp/tfvenv/bin/python tools/make_encoder_pipeline_reference.py
 """
@@ -25,6 +26,7 @@ PAIR = {"text": "this movie was great", "text_pair": "i hated it"}
 MASKED = ["paris is the [MASK] of france", "the quick [MASK] fox [MASK] over"]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TAGS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
+NLI = {0: "contradiction", 1: "neutral", 2: "entailment"}
 ENTITY_TEXTS = ["paris is the capital of france", "once upon a time the quickest fox jumped over vulkanized shaders"]
 
 
@@ -49,7 +51,9 @@ def main():
                                                                       label2id={v: k for k, v in LABELS.items()})),
                "masked": BertForMaskedLM(BertConfig(**config)), "base": BertModel(BertConfig(**config)),
                "tagger": BertForTokenClassification(BertConfig(**config, num_labels=5, id2label=TAGS,
-                                                               label2id={v: k for k, v in TAGS.items()}))}
+                                                               label2id={v: k for k, v in TAGS.items()})),
+               "nli": BertForSequenceClassification(BertConfig(**config, num_labels=3, id2label=NLI,
+                                                               label2id={v: k for k, v in NLI.items()}))}
     for name, model in folders.items():
         model.save_pretrained(OUT / name)
         backend.save(str(OUT / name / "tokenizer.json"))
@@ -61,6 +65,7 @@ def main():
     fill = pipeline("fill-mask", model=str(OUT / "masked"), tokenizer=load("masked"))
     features = pipeline("feature-extraction", model=str(OUT / "base"), tokenizer=load("base"))
     tagger = pipeline("token-classification", model=str(OUT / "tagger"), tokenizer=load("tagger"))
+    zero_shot = pipeline("zero-shot-classification", model=str(OUT / "nli"), tokenizer=load("nli"))
     cases = [
         ("text-classification", "classifier", TEXTS[0], {}),
         ("text-classification", "classifier", TEXTS, {}),
@@ -81,9 +86,13 @@ def main():
         ("token-classification", "tagger", ENTITY_TEXTS[1], {"aggregation_strategy": "first"}),
         ("token-classification", "tagger", ENTITY_TEXTS[1], {"aggregation_strategy": "average"}),
         ("token-classification", "tagger", ENTITY_TEXTS[1], {"aggregation_strategy": "max", "ignore_labels": ["O"]}),
+        ("zero-shot-classification", "nli", TEXTS[0], {"candidate_labels": ["movie", "capital", "dog"]}),
+        ("zero-shot-classification", "nli", TEXTS, {"candidate_labels": "movie, capital", "multi_label": True}),
+        ("zero-shot-classification", "nli", TEXTS[1], {"candidate_labels": ["france"],
+                                                       "hypothesis_template": "the text is about {}"}),
     ]
     pipes = {"text-classification": classify, "fill-mask": fill, "feature-extraction": features,
-             "token-classification": tagger}
+             "token-classification": tagger, "zero-shot-classification": zero_shot}
     results = []
     for task, folder, inputs, kwargs in cases:
         out = pipes[task](inputs, **kwargs)

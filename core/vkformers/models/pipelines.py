@@ -1,6 +1,6 @@
 """``pipeline(task, model=...)``: transformers' pipelines on vkformers models, with their inputs, options and outputs:
-text-generation, text-classification (sentiment-analysis), fill-mask, feature-extraction and token-classification
-(ner).
+text-generation, text-classification (sentiment-analysis), fill-mask, feature-extraction, token-classification (ner)
+and zero-shot-classification.
 
     pipe = vkformers.pipeline("text-generation", model="HuggingFaceTB/SmolLM2-135M-Instruct")
     pipe("The capital of France is", max_new_tokens=20)      # [{"generated_text": "The capital of France is ..."}]
@@ -27,7 +27,7 @@ from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModel
                                       AutoTokenizer)
 
 TASKS = ("text-generation", "text-classification", "sentiment-analysis", "fill-mask", "feature-extraction",
-         "token-classification", "ner")
+         "token-classification", "ner", "zero-shot-classification")
 # The pipeline's own generation defaults (transformers' TextGenerationPipeline._default_generation_config)
 GENERATION_DEFAULTS = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 SAMPLING_PARAMETERS = {"temperature", "top_k", "top_p", "min_p", "typical_p"}
@@ -510,10 +510,60 @@ class TokenClassificationPipeline(EncoderPipeline):
         return groups
 
 
+class ZeroShotClassificationPipeline(EncoderPipeline):
+    """transformers' zero-shot-classification with an NLI classifier: each candidate label is put in
+    ``hypothesis_template`` (default "This example is {}.") as the hypothesis of the text, and the label's score is
+    its entailment logit's softmax over the labels (``multi_label``: entailment against contradiction, per label).
+    Returns {"sequence", "labels", "scores"}, likeliest first (a list of texts: a list of them)."""
+
+    def __call__(self, sequences, *args, **kwargs):
+        options = {**self.defaults, **kwargs}
+        if args:
+            if len(args) > 1 or "candidate_labels" in options:
+                raise InputError(f"pipeline: zero-shot-classification cannot read the arguments {args}")
+            options["candidate_labels"] = args[0]
+        labels = options.pop("candidate_labels", None)
+        template = options.pop("hypothesis_template", "This example is {}.")
+        multi = bool(options.pop("multi_label", False))
+        options.pop("batch_size", None)
+        if options:
+            raise InputError(f"pipeline: zero-shot-classification does not take {', '.join(sorted(options))}")
+        if isinstance(labels, str):
+            labels = [label.strip() for label in labels.split(",") if label.strip()]
+        texts = [sequences] if isinstance(sequences, str) else list(sequences)
+        if not labels or not texts:
+            raise InputError("pipeline: zero-shot-classification needs at least one text and one candidate label")
+        if template.format(labels[0]) == template:
+            raise InputError(f"pipeline: hypothesis_template {template!r} has no {{}} for the label to go in")
+        entailment = next((int(i) for name, i in dict(self.model.config.get("label2id") or {}).items()
+                           if name.lower().startswith("entail")), -1)
+        contradiction = -1 if entailment == 0 else 0
+        results = []
+        for text in texts:
+            logits = []
+            for label in labels:  # each pair alone, the text truncated before the hypothesis
+                encoded = self.tokenizer(text, template.format(label), return_tensors="np", truncation="only_first")
+                inputs = {k: np.asarray(encoded[k]) for k in ("input_ids", "attention_mask", "token_type_ids")
+                          if k in encoded}
+                logits.append(np.asarray(self.model(**inputs).logits.float().numpy()[0], np.float32))
+            logits = np.stack(logits)
+            if multi or len(labels) == 1:
+                pairs = np.exp(logits[:, [contradiction, entailment]])
+                scores = (pairs / pairs.sum(-1, keepdims=True))[:, 1]
+            else:
+                entails = np.exp(logits[:, entailment])
+                scores = entails / entails.sum()
+            order = np.argsort(scores)[::-1]
+            results.append({"sequence": text, "labels": [labels[i] for i in order],
+                            "scores": [float(scores[i]) for i in order]})
+        return results[0] if isinstance(sequences, str) else results
+
+
 PIPELINES = {"text-generation": (TextGenerationPipeline, AutoModelForCausalLM),
              "text-classification": (TextClassificationPipeline, AutoModelForSequenceClassification),
              "sentiment-analysis": (TextClassificationPipeline, AutoModelForSequenceClassification),
              "fill-mask": (FillMaskPipeline, AutoModelForMaskedLM),
              "feature-extraction": (FeatureExtractionPipeline, AutoModel),
              "token-classification": (TokenClassificationPipeline, AutoModelForTokenClassification),
-             "ner": (TokenClassificationPipeline, AutoModelForTokenClassification)}
+             "ner": (TokenClassificationPipeline, AutoModelForTokenClassification),
+             "zero-shot-classification": (ZeroShotClassificationPipeline, AutoModelForSequenceClassification)}
