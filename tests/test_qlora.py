@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from vkformers.cli import main
-from vkformers.engine.quantized import QuantizedTensor
+from vkformers.engine.quantized import QuantizationError, QuantizedTensor
 from vkformers.engine.tensor import Tensor
 from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.quantize import BitsAndBytesConfig
 from vkformers.models.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraConfig, apply_lora, load_adapter,
                                    save_adapter)
 from vkformers.models.safetensors_io import read_safetensors
@@ -219,3 +220,33 @@ def test_cli_refuses_full_fine_tuning_of_a_quantized_gguf(tmp_path, capsys, gguf
     err = capsys.readouterr().err
     assert err.startswith(f"vkformers train: error: {message}") and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def packed_formats(model):
+    return {n: t.format.name for n, t in model.named_parameters() if isinstance(t, QuantizedTensor)}
+
+
+def test_transformers_quantization_config_packs_as_quantization_does():
+    """BitsAndBytesConfig (the object or its dict) and load_in_4bit / load_in_8bit load the weights packed as
+    quantization="nf4" / "q8_0" does, computing in bnb_4bit_compute_dtype; FP4 is packed as NF4 with a warning."""
+    ids = np.array([[1, 5, 9, 2, 7]], np.int64)
+    nf4 = AutoModelForCausalLM.from_pretrained(FIXTURE, quantization="nf4", dtype="bfloat16")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="torch.bfloat16",
+                                bnb_4bit_use_double_quant=True)
+    for options in ({"quantization_config": config}, {"quantization_config": config.to_dict()}):
+        model = AutoModelForCausalLM.from_pretrained(FIXTURE, **options)
+        assert model.dtype.name == "bfloat16" and packed_formats(model) == packed_formats(nf4)
+        np.testing.assert_array_equal(model(ids).logits.float().numpy(), nf4(ids).logits.float().numpy())
+    with pytest.warns(UserWarning, match="FP4 is not offered; the weights are packed as NF4"):
+        fp4 = AutoModelForCausalLM.from_pretrained(FIXTURE, load_in_4bit=True)
+    assert set(packed_formats(fp4).values()) == {"nf4"} and fp4.dtype.name == "float32"
+    q8 = AutoModelForCausalLM.from_pretrained(FIXTURE, load_in_8bit=True)
+    assert packed_formats(q8) == {n: "q8_0" for n in packed_formats(nf4)}
+    for options, message in [({"quantization": "nf4", "load_in_4bit": True}, "give one of them"),
+                             ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+                             ({"quantization_config": {"load_in_4bit": True, "load_in_8bit": True}}, "set one of"),
+                             ({"quantization_config": BitsAndBytesConfig(load_in_8bit=True,
+                                                                         llm_int8_skip_modules=["mlp"])},
+                              r"llm_int8_skip_modules \['mlp'\]")]:
+        with pytest.raises(QuantizationError, match=message):
+            AutoModelForCausalLM.from_pretrained(FIXTURE, **options)

@@ -13,6 +13,7 @@ from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModel
 from vkformers.models.encoder_decoder import EncoderDecoderModel
 from vkformers.models.sentence import SentenceTransformer
 from vkformers.models.pipelines import pipeline
+from vkformers.models.quantize import BitsAndBytesConfig
 from vkformers.models.streamers import TextIteratorStreamer, TextStreamer
 from vkformers.runtime import Buffer, Device, Sequence, dtypes, get_device
 from vkformers.runtime.dtypes import bfloat16, bool_, float16, float32, int32, uint8
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 __all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
            "AutoModelForQuestionAnswering",
            "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
-           "AutoTokenizer", "Buffer",
+           "AutoTokenizer", "BitsAndBytesConfig", "Buffer",
            "Device", "EncoderDecoderModel", "SentenceTransformer", "Sequence", "Tensor", "TextIteratorStreamer",
            "TextStreamer", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
            "float16", "float32", "full", "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",

@@ -27,6 +27,7 @@ from vkformers.models.lora import LoraError, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
+                                       transformers_quantization,
                                        quantized_weight_names)
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
@@ -254,10 +255,13 @@ class AutoModelClass:
         transformers' ``num_labels``, ``id2label``, ``label2id``, ``problem_type`` and ``ignore_mismatched_sizes``
         (a stored head of another shape is replaced by a new one). transformers' loading options are taken
         too (``transformers_loading_options``): ``torch_dtype`` for ``dtype``, and ``device_map``,
-        ``attn_implementation`` and ``low_cpu_mem_usage`` where they ask for nothing vkformers does otherwise."""
+        ``attn_implementation`` and ``low_cpu_mem_usage`` where they ask for nothing vkformers does otherwise, and
+        ``quantization_config`` / ``load_in_4bit`` / ``load_in_8bit`` (models/quantize.py's
+        transformers_quantization)."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
         dtype = transformers_loading_options(head_options, dtype)
+        quantization, dtype = transformers_quantization(head_options, quantization, dtype)
         unknown = sorted(set(head_options) - ({"num_labels", "id2label", "label2id", "problem_type",
                                                "ignore_mismatched_sizes"} if cls.task in HEAD_MODELS else set()))
         if unknown:

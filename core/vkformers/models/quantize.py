@@ -4,11 +4,17 @@ The weights of the model's Linear layers are packed one tensor at a time (engine
 reach the device; embeddings, norms, biases and the LM head stay in the compute dtype. A weight whose inner size
 is not a whole number of blocks stays in the compute dtype too, and one warning names them. A checkpoint saved
 with bitsandbytes' NF4 loads packed as it is (:func:`bitsandbytes_nf4_weights`).
+
+transformers' spellings are read too (:func:`transformers_quantization`): ``quantization_config=
+BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")`` packs NF4 and
+computes in bfloat16; ``load_in_8bit=True`` packs Q8_0 (8-bit blocks of 32 with one scale each, in place of
+bitsandbytes' LLM.int8 rows); bitsandbytes' FP4 is not offered, and NF4 takes its place with a warning.
 """
 from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -113,5 +119,68 @@ def refuse_quantized(model: Module, what: str, hint: str) -> None:
                                 f"({names[0]}, ...); {hint}")
 
 
-__all__ = ["CheckpointQuantizer", "bitsandbytes_nf4_weights", "quantizable_weights", "quantize_checkpoint",
-           "quantized_weight_names", "refuse_quantized"]
+@dataclass
+class BitsAndBytesConfig:
+    """transformers' BitsAndBytesConfig fields, for code written against it: :func:`transformers_quantization` reads
+    it as vkformers' quantization at load (see the module's docstring)."""
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    bnb_4bit_quant_type: str = "fp4"
+    bnb_4bit_compute_dtype: object = None
+    bnb_4bit_use_double_quant: bool = False
+    bnb_4bit_quant_storage: object = None
+    llm_int8_threshold: float = 6.0
+    llm_int8_skip_modules: list | None = None
+    llm_int8_enable_fp32_cpu_offload: bool = False
+    llm_int8_has_fp16_weight: bool = False
+    quant_method: str = "bitsandbytes"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _field(config, name: str, default=None):
+    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+    return default if value is None else value
+
+
+def transformers_quantization(options: dict, quantization: str | None, dtype) -> tuple[str | None, object]:
+    """Take transformers' ``quantization_config`` (a BitsAndBytesConfig or its dict), ``load_in_4bit`` and
+    ``load_in_8bit`` out of from_pretrained's ``options``: (the quantization to pack, the dtype to compute in)."""
+    config = options.pop("quantization_config", None)
+    load_4bit, load_8bit = bool(options.pop("load_in_4bit", False)), bool(options.pop("load_in_8bit", False))
+    if config is None and not (load_4bit or load_8bit):
+        return quantization, dtype
+    if quantization is not None:
+        raise QuantizationError(f"quantization={quantization!r} and transformers' quantization_config / load_in_4bit "
+                                "/ load_in_8bit: give one of them")
+    config = {} if config is None else config
+    method = str(_field(config, "quant_method", "bitsandbytes")).lower()
+    if method != "bitsandbytes":
+        raise QuantizationError(f"quantization_config of quant_method {method!r}: vkformers quantizes at load as "
+                                f"bitsandbytes does (or quantization= one of {', '.join(QUANTIZE_FORMATS)})")
+    load_4bit = load_4bit or bool(_field(config, "load_in_4bit", False))
+    load_8bit = load_8bit or bool(_field(config, "load_in_8bit", False))
+    if load_4bit == load_8bit:
+        raise QuantizationError("quantization_config: set one of load_in_4bit and load_in_8bit")
+    skipped = [m for m in _field(config, "llm_int8_skip_modules", []) if m != "lm_head"]
+    if skipped:
+        raise QuantizationError(f"llm_int8_skip_modules {skipped}: vkformers keeps the LM head, embeddings and norms "
+                                "unpacked and packs every other Linear weight")
+    if load_8bit:
+        return "q8_0", dtype
+    kind = str(_field(config, "bnb_4bit_quant_type", "fp4")).lower()
+    if kind not in ("nf4", "fp4"):
+        raise QuantizationError(f"bnb_4bit_quant_type={kind!r}: bitsandbytes takes 'nf4' or 'fp4'")
+    if kind == "fp4":
+        warnings.warn("load_in_4bit: bitsandbytes' FP4 is not offered; the weights are packed as NF4 (QLoRA's "
+                      "4-bit NormalFloat; bnb_4bit_quant_type='nf4' asks for it)", stacklevel=3)
+    compute = _field(config, "bnb_4bit_compute_dtype")
+    if compute is not None and dtype in ("float32", None):
+        dtype = str(compute).removeprefix("torch.")
+    return "nf4", dtype
+
+
+__all__ = ["BitsAndBytesConfig", "CheckpointQuantizer", "bitsandbytes_nf4_weights", "quantizable_weights",
+           "quantize_checkpoint",
+           "quantized_weight_names", "refuse_quantized", "transformers_quantization"]
