@@ -134,3 +134,37 @@ def test_hub_dataset_split_files_come_from_the_cache(tmp_path, monkeypatch):
     assert "*train*.parquet" in calls[0][1]["allow_patterns"]
     with pytest.raises(DataError, match="no parquet/jsonl/txt files for split 'validation'"):
         D.hf_dataset_files("org/corpus", "validation")
+
+
+CHAT_TOKENIZER = __import__("pathlib").Path(__file__).parent / "data" / "pipeline"  # a BPE with a chat template
+CONVERSATION = [{"role": "system", "content": "answer in one short line"}, {"role": "user", "content": "Hello?"},
+                {"role": "assistant", "content": "Paris is the capital."}, {"role": "user", "content": "Why?"},
+                {"role": "assistant", "content": "Once upon a time."}]
+
+
+def test_conversations_train_through_the_chat_template(tmp_path):
+    """A "messages" row is the chat template's text: every token in the loss by default, with assistant_only_loss
+    only the assistant turns (their text and closing token), then EOS."""
+    from vkformers.models.loading import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(CHAT_TOKENIZER)
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"messages": CONVERSATION[:3]}) + "\n")
+    records = list(D.read_records(f))
+    assert [r.messages for r in records] == [CONVERSATION, CONVERSATION[:3]]
+    tokens, labels = D.tokenize_records(records[:1], tokenizer)
+    rendered = tokenizer.apply_chat_template(CONVERSATION, return_dict=False)
+    assert tokens.tolist() == rendered and rendered[-1] == tokenizer.eos_token_id  # the template ends in EOS
+    assert (labels == tokens).all()
+    tokens, labels = D.tokenize_records(records[:1], tokenizer, assistant_only_loss=True)
+    kept = [int(t) for t, label in zip(tokens, labels) if label != D.IGNORE_INDEX]
+    assert tokenizer.decode(kept) == "Paris is the capital.<|end|>Once upon a time.<|end|>"
+    dataset = D.load_dataset([f], tokenizer, 8, assistant_only_loss=True)
+    assert (dataset.labels != D.IGNORE_INDEX).any()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: message 0 must have a text 'role' and 'content'"):
+        list(D.read_records(bad))
+    with pytest.raises(DataError, match="no assistant message"):
+        D.tokenize_records([Record("", None, "x:1", CONVERSATION[:2])], tokenizer, assistant_only_loss=True)
+    with pytest.raises(DataError, match="needs a tokenizer with a chat template"):
+        D.tokenize_records(records[:1], ByteTokenizer())

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -587,3 +588,23 @@ def test_cli_train_resumes_past_a_damaged_checkpoint_and_notes_a_missing_plot(tm
     assert f"vkformers train: skipped {state.parent}: trainer_state.json has 40 bytes, the manifest says " in err
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in printed and "done: step 6" in printed
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_cli_trains_lora_on_conversations_with_the_assistant_turns_only(tmp_path, capsys):
+    """`vkformers train` on JSONL conversations (a "messages" column) through the model's chat template, LoRA,
+    --assistant-only-loss: it trains and the loss falls on the assistant turns."""
+    from vkformers.cli import main
+    model = Path(__file__).parent / "data" / "pipeline"  # a tiny Llama whose tokenizer has a chat template
+    turns = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Paris is the capital."}]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": turns}) for _ in range(12)) + "\n")
+    argv = ["train", "--model", str(model), "--data", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / "run"),
+            "--assistant-only-loss", "--lora-rank", "4", "--seq-len", "16", "--batch-size", "2", "--steps", "6",
+            "--lr", "0.01", "--eval-fraction", "0.1"]
+    assert main(argv) == 0
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["train", "--model", str(model), "--data", str(tmp_path / "chat.jsonl"), "--out",
+                 str(tmp_path / "cls"), "--task", "sequence-classification", "--assistant-only-loss"]) == 1
+    assert "--assistant-only-loss are for causal-lm" in capsys.readouterr().err

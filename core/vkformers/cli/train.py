@@ -89,6 +89,9 @@ def add_parser(subparsers):
                                                                   "windows of a long context (default seq-len / 4)")
     data.add_argument("--prompt-column", help="column with prompts, masked out of the loss")
     data.add_argument("--completion-column", help="column with completions (with --prompt-column)")
+    data.add_argument("--assistant-only-loss", action="store_true",
+                      help="conversations (rows with a 'messages' column, rendered with the chat template): train "
+                           "on the assistant turns only (default: every token, as TRL's SFT)")
     lora = p.add_argument_group("LoRA (PEFT-compatible adapters; without --lora-rank the whole model trains)")
     lora.add_argument("--lora-rank", type=positive_int, help="adapter rank r")
     lora.add_argument("--lora-alpha", type=positive_number, help="alpha (default 2 * rank)")
@@ -250,16 +253,16 @@ def train(args, comm) -> int:
     head_options = {}
     if args.task == "causal-lm":
         columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
-                       completion_column=args.completion_column)
+                       completion_column=args.completion_column, assistant_only_loss=args.assistant_only_loss)
         dataset = load_dataset(paths, tokenizer, args.seq_len, **columns)
         if args.eval_data:
             train, held_out = dataset, load_dataset(args.eval_data, tokenizer, args.seq_len, **columns)
         else:
             train, held_out = dataset.split(args.eval_fraction)
     else:
-        if args.prompt_column or args.completion_column:
-            raise VkformersError("--prompt-column / --completion-column are for causal-lm; a classifier reads "
-                                 "--text-column and --label-column")
+        if args.prompt_column or args.completion_column or args.assistant_only_loss:
+            raise VkformersError("--prompt-column / --completion-column / --assistant-only-loss are for causal-lm; a "
+                                 "classifier reads --text-column and --label-column")
         text_column, label_column = DEFAULT_COLUMNS[args.task]
         columns = dict(text_column=args.text_column or text_column, label_column=args.label_column or label_column)
         load = load_token_labelled if args.task == "token-classification" else load_labelled

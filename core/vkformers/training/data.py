@@ -5,10 +5,14 @@ The pipeline, in order:
 1. ``read_records(path, ...)`` yields :class:`Record`s (``text``, optionally a ``prompt``) from a
    plain-text file (one document per file), JSONL (``text_column``, or ``prompt_column`` +
    ``completion_column``) or Parquet (same columns; needs ``pyarrow``: ``pip install vkformers[parquet]``).
+   Conversations, as TRL's SFT reads them: rows with a "messages" column (a list of {"role", "content"}) and no
+   text column are chat records, rendered with the tokenizer's chat template.
    Bad data raises :class:`DataError` naming the file and line: an empty file, a missing column,
-   text that is not UTF-8, a line that is not JSON.
+   text that is not UTF-8, a line that is not JSON, a message without a role or content.
 2. ``tokenize_records`` turns records into one token stream with labels: each document is followed
-   by the tokenizer's EOS; prompt tokens get label -100 so only the completion counts in the loss.
+   by the tokenizer's EOS; prompt tokens get label -100 so only the completion counts in the loss. A
+   conversation trains on all its tokens, or with ``assistant_only_loss`` on the assistant turns only (each turn's
+   text, from the end of the template's generation prompt before it through the turn's closing tokens).
 3. ``PackedDataset`` cuts the stream into sequences of ``seq_len`` tokens (documents run on across
    sequence boundaries, as in GPT-style packing; attention is not masked between documents).
 4. ``Batches`` walks the sequences in a per-epoch permutation drawn from ``(seed, epoch)``; its
@@ -46,6 +50,10 @@ class Record:
     text: str                  # the document, or the completion when ``prompt`` is set
     prompt: str | None = None  # masked out of the loss
     where: str = ""            # "file:line" for error messages
+    messages: list | None = None  # a conversation (then ``text`` is unused)
+
+
+CHAT_COLUMN = "messages"  # the column of conversations, as TRL's SFT names it
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -123,6 +131,9 @@ def _read_text(path: Path) -> str:
 
 
 def _pick_columns(row: dict, where: str, text_column, prompt_column, completion_column) -> Record:
+    if text_column is None and prompt_column is None and CHAT_COLUMN in row and "text" not in row:
+        return Record("", None, where, _messages(row[CHAT_COLUMN], where))
+
     def get(column):
         if column not in row:
             raise DataError(f"{where}: no column {column!r} (columns: {', '.join(map(str, row)) or 'none'})")
@@ -134,6 +145,17 @@ def _pick_columns(row: dict, where: str, text_column, prompt_column, completion_
     if prompt_column is not None:
         return Record(get(completion_column), get(prompt_column), where)
     return Record(get(text_column or "text"), None, where)
+
+
+def _messages(value, where: str) -> list[dict]:
+    """A conversation's messages, each {"role": str, "content": str}, or a DataError naming the one at fault."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(f"{where}: column {CHAT_COLUMN!r} must be a list of messages, got {type(value).__name__}")
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: message {index} must have a text 'role' and 'content', got {message!r}"[:300])
+    return [dict(m) for m in value]
 
 
 def _read_jsonl(path: Path, text_column, prompt_column, completion_column) -> Iterator[Record]:
@@ -168,7 +190,10 @@ def _read_parquet(path: Path, text_column, prompt_column, completion_column) -> 
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
     columns = [c for c in (prompt_column, completion_column) if c] or [text_column or "text"]
-    missing = [c for c in columns if c not in file.schema_arrow.names]
+    names = file.schema_arrow.names
+    if text_column is None and prompt_column is None and CHAT_COLUMN in names and "text" not in names:
+        columns = [CHAT_COLUMN]
+    missing = [c for c in columns if c not in names]
     if missing:
         raise DataError(f"{path}: no column {missing[0]!r} (columns: {', '.join(file.schema_arrow.names)})")
     if file.metadata.num_rows == 0:
@@ -208,11 +233,20 @@ def hf_dataset_files(repo_id: str, split: str = "train", *, revision: str | None
 
 # ---------------------------------------------------------------- tokenizing and packing
 
-def tokenize_records(records: Iterable[Record], tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """One token stream (int32) and its labels: prompts masked with -100, EOS after every document."""
+def tokenize_records(records: Iterable[Record], tokenizer,
+                     assistant_only_loss: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """One token stream (int32) and its labels: prompts masked with -100, EOS after every document; conversations
+    through the chat template (``assistant_only_loss``: only the assistant turns in the loss)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     tokens, labels = [], []
     for record in records:
+        if record.messages is not None:
+            ids, kept = chat_tokens(record, tokenizer, assistant_only_loss)
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids, kept = ids + [eos], kept + [True]
+            tokens.append(np.asarray(ids, np.int32))
+            labels.append(np.where(kept, np.asarray(ids, np.int32), IGNORE_INDEX).astype(np.int32))
+            continue
         prompt = tokenizer.encode(record.prompt) if record.prompt else []
         body = list(tokenizer.encode(record.text)) + ([eos] if eos is not None else [])
         tokens.append(np.asarray(list(prompt) + body, np.int32))
@@ -220,6 +254,40 @@ def tokenize_records(records: Iterable[Record], tokenizer) -> tuple[np.ndarray, 
     if not tokens:
         raise DataError("no training records")
     return np.concatenate(tokens), np.concatenate(labels)
+
+
+def chat_tokens(record: Record, tokenizer, assistant_only_loss: bool) -> tuple[list[int], list[bool]]:
+    """A conversation's token ids through the chat template (its special tokens as the template writes them), and
+    which of them count in the loss: all, or with ``assistant_only_loss`` those whose text lies in an assistant
+    turn (from the end of the conversation before it, rendered with the generation prompt, to the end of the
+    conversation through it)."""
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise DataError(f"{record.where}: a conversation needs a tokenizer with a chat template (--tokenizer)")
+    messages = record.messages
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=assistant_only_loss)
+    except VkformersError as exc:
+        raise DataError(f"{record.where}: {exc}") from None
+    ids = [int(t) for t in encoded["input_ids"]]
+    if not assistant_only_loss:
+        return ids, [True] * len(ids)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True) \
+            if index else ""
+        through = tokenizer.apply_chat_template(messages[:index + 1], tokenize=False)
+        if not (text.startswith(before) and text.startswith(through)):
+            raise DataError(f"{record.where}: the chat template renders the start of this conversation otherwise "
+                            "than the whole (it rewrites earlier turns), so its assistant turns cannot be found; "
+                            "train without --assistant-only-loss")
+        spans.append((len(before), len(through)))
+    if not spans:
+        raise DataError(f"{record.where}: no assistant message, so --assistant-only-loss leaves nothing to train on")
+    kept = [any(start <= begin < end for start, end in spans) for begin, _ in encoded["offset_mapping"]]
+    return ids, kept
 
 
 class PackedDataset:
@@ -256,8 +324,9 @@ class PackedDataset:
 
 
 def load_dataset(paths: Sequence, tokenizer, seq_len: int, *, text_column=None, prompt_column=None,
-                 completion_column=None) -> PackedDataset:
-    """Read, tokenize and pack every file of ``paths`` (files or folders)."""
+                 completion_column=None, assistant_only_loss: bool = False) -> PackedDataset:
+    """Read, tokenize and pack every file of ``paths`` (files or folders); ``assistant_only_loss``: conversations
+    train on their assistant turns only."""
     files = data_files(paths)
 
     def records():
@@ -265,7 +334,7 @@ def load_dataset(paths: Sequence, tokenizer, seq_len: int, *, text_column=None, 
             yield from read_records(file, text_column=text_column, prompt_column=prompt_column,
                                     completion_column=completion_column)
 
-    tokens, labels = tokenize_records(records(), tokenizer)
+    tokens, labels = tokenize_records(records(), tokenizer, assistant_only_loss)
     dataset = PackedDataset(tokens, labels, seq_len)
     if len(dataset) == 0:
         raise DataError(f"{', '.join(map(str, files))}: {len(tokens)} tokens make no full sequence of "
