@@ -595,7 +595,8 @@ def test_cli_trains_lora_on_conversations_with_the_assistant_turns_only(tmp_path
     --assistant-only-loss: it trains and the loss falls on the assistant turns."""
     from vkformers.cli import main
     model = Path(__file__).parent / "data" / "pipeline"  # a tiny Llama whose tokenizer has a chat template
-    turns = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "Paris is the capital."}]
+    turns = [{"role": "user", "content": "Hello, how are you?"},
+             {"role": "assistant", "content": "Paris is the capital."}]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": turns}) for _ in range(12)) + "\n")
     argv = ["train", "--model", str(model), "--data", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / "run"),
             "--assistant-only-loss", "--lora-rank", "4", "--seq-len", "16", "--batch-size", "2", "--steps", "6",
