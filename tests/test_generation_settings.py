@@ -35,6 +35,28 @@ def fixture_copy(tmp_path, fixture, generation_config=None):
     return folder
 
 
+def custom_arguments(name: str) -> dict:
+    """generate's arguments for a reference case's "custom" name, as the script's functions are for torch."""
+    if name == "prefix_even_odd":
+        return {"prefix_allowed_tokens_fn": lambda batch_id, ids: list(range(0, 48, 2)) if batch_id == 0
+                else list(range(30))}
+    if name == "boost_seven_ban_five":
+        def processor(ids, scores):
+            scores[:, 7] += 2.0
+            scores[:, 5] = -np.inf
+            return scores
+        return {"logits_processor": [processor]}
+    if name == "stop_after_28":
+        return {"stopping_criteria": [lambda ids, scores: ids[:, -1] == 28]}
+    raise ValueError(name)
+
+
+def with_custom(kwargs: dict) -> dict:
+    kwargs = dict(kwargs)
+    custom = kwargs.pop("custom", None)
+    return {**kwargs, **custom_arguments(custom)} if custom is not None else kwargs
+
+
 @pytest.mark.parametrize("case", REFERENCE["cases"], ids=[c["name"] for c in REFERENCE["cases"]])
 def test_generate_gives_transformers_tokens_under_its_settings(case, tmp_path):
     folder = fixture_copy(tmp_path, case["fixture"], case["generation_config"])
@@ -47,7 +69,7 @@ def test_generate_gives_transformers_tokens_under_its_settings(case, tmp_path):
         model = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
         ids = np.array(REFERENCE["decoder_prompts"], np.int64)
         mask = np.array(REFERENCE["decoder_mask"], np.int64)
-    tokens = model.generate(ids, attention_mask=mask, do_sample=False, **case["kwargs"])
+    tokens = model.generate(ids, attention_mask=mask, do_sample=False, **with_custom(case["kwargs"]))
     assert tokens.tolist() == case["tokens"]
 
 
@@ -245,3 +267,24 @@ def test_the_cutoff_warpers_come_from_the_generation_config_too(tmp_path):
     for name, value in [("typical_p", 0.0), ("epsilon_cutoff", 1.0), ("eta_cutoff", -0.1)]:
         with pytest.raises(InputError, match=name):
             model.generate(ids, max_new_tokens=1, do_sample=True, **{name: value})
+
+
+def test_the_callers_processing_is_checked_and_runs_after_the_warpers_when_sampling():
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    ids = np.array(REFERENCE["decoder_prompts"][1:], np.int64)
+    seen = []
+
+    def processor(tokens, scores):  # after top-k: at most 3 finite scores reach it; it bans the likeliest
+        seen.append(int(np.isfinite(scores).sum()))
+        scores[np.arange(len(scores)), scores.argmax(-1)] = -np.inf
+        return scores
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
+    sampled = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=3, seed=1, logits_processor=[processor])
+    assert seen and max(seen) <= 3
+    assert sampled[0, ids.shape[1]] != greedy[0, ids.shape[1]]  # the likeliest first token is never drawn
+    with pytest.raises(InputError, match="prefix_allowed_tokens_fn must be a function"):
+        model.generate(ids, max_new_tokens=2, prefix_allowed_tokens_fn=[1, 2])
+    with pytest.raises(InputError, match="allowed no token for batch id 0"):
+        model.generate(ids, max_new_tokens=2, prefix_allowed_tokens_fn=lambda batch_id, tokens: [])
+    with pytest.raises(InputError, match="returned scores of shape"):
+        model.generate(ids, max_new_tokens=2, logits_processor=[lambda tokens, scores: scores[:, :4]])

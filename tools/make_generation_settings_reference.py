@@ -65,6 +65,13 @@ CASES = [
       "length_penalty": 1.5, "early_stopping": "never", "no_repeat_ngram_size": 2}),
     ("llama_no_repeat_trigrams", "llama", "decoder", {"max_new_tokens": 10, "no_repeat_ngram_size": 3}, None),
     ("llama_bad_words", "llama", "decoder", {"max_new_tokens": 8, "bad_words_ids": [[28], [19, 43], [31]]}, None),
+    # the caller's processing (CUSTOM: functions the test defines alike for numpy)
+    ("llama_prefix_allowed", "llama", "decoder", {"max_new_tokens": 8, "custom": "prefix_even_odd"}, None),
+    ("llama_prefix_allowed_beams", "llama", "decoder",
+     {"max_new_tokens": 6, "num_beams": 3, "custom": "prefix_even_odd"}, None),
+    ("llama_logits_processor", "llama", "decoder",
+     {"max_new_tokens": 8, "repetition_penalty": 1.2, "custom": "boost_seven_ban_five"}, None),
+    ("llama_stopping_criteria", "llama", "decoder", {"max_new_tokens": 12, "custom": "stop_after_28"}, None),
     ("llama_generation_config", "llama", "decoder", {},
      {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_new_tokens": 7, "min_new_tokens": 5,
       "repetition_penalty": 1.3, "suppress_tokens": [4], "begin_suppress_tokens": [5, 6],
@@ -72,8 +79,28 @@ CASES = [
 ]
 
 
+def custom_arguments(name: str) -> dict:
+    """generate's arguments for a CUSTOM name: the same functions tests/test_generation_settings.py writes for numpy."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    if name == "prefix_even_odd":  # prompt 0 may take even tokens only, prompt 1 tokens below 30
+        return {"prefix_allowed_tokens_fn": lambda batch_id, ids: list(range(0, 48, 2)) if batch_id == 0
+                else list(range(30))}
+    if name == "boost_seven_ban_five":
+        def processor(ids, scores):
+            scores = scores.clone()
+            scores[:, 7] += 2.0
+            scores[:, 5] = -float("inf")
+            return scores
+        return {"logits_processor": LogitsProcessorList([processor])}
+    if name == "stop_after_28":  # a row stops once it produced token 28
+        return {"stopping_criteria": StoppingCriteriaList([lambda ids, scores, **kw: ids[:, -1] == 28])}
+    raise ValueError(name)
+
+
 def run(case) -> list[list[int]]:
     name, fixture, kind, kwargs, generation_config = case
+    kwargs = dict(kwargs)
+    kwargs.update(custom_arguments(kwargs.pop("custom")) if "custom" in kwargs else {})
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         shutil.copytree(ROOT / "tests" / "fixtures" / fixture, folder)

@@ -34,6 +34,10 @@ RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id"
                   "suppress_tokens", "begin_suppress_tokens")
 # transformers' sampling warpers after min-p, carried by LogitRules (``warp``), and the values that turn them off
 WARPER_ARGUMENTS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+# the caller's own processing (generate's arguments only): prefix_allowed_tokens_fn(batch_id, ids) -> allowed ids;
+# logits_processor, callables (ids [rows, T] int64, scores [rows, vocab] float32) -> scores, run after transformers'
+# processors (and, when sampling, its warpers); stopping_criteria, callables (ids, None) -> bool per row (or one)
+CALLER_ARGUMENTS = ("prefix_allowed_tokens_fn", "logits_processor", "stopping_criteria")
 
 
 # the keys of transformers' GenerationConfig that generate reads; GenerationConfig.from_model_config copies them
@@ -198,7 +202,8 @@ class GenerateDecoderOnlyOutput:
 def pop_rule_arguments(options: dict) -> dict:
     """generate's LogitRules arguments (processors and the warpers it carries), taken out of its other keyword
     arguments."""
-    return {name: options.pop(name) for name in (*RULE_ARGUMENTS, *WARPER_ARGUMENTS) if name in options}
+    return {name: options.pop(name) for name in (*RULE_ARGUMENTS, *WARPER_ARGUMENTS, *CALLER_ARGUMENTS)
+            if name in options}
 
 
 def resolve_call(sources, options: dict, max_new_tokens, start_length: int, beams: bool = False, **sampling):
@@ -316,12 +321,21 @@ class LogitRules:
     typical_p: float = 1.0
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
+    # the caller's (CALLER_ARGUMENTS); ``sampling``: its processors then run after the warpers (``warp``);
+    # ``beams``: rows per prompt, for prefix_allowed_tokens_fn's batch ids
+    prefix_allowed_tokens_fn: object = None
+    logits_processor: tuple = ()
+    stopping_criteria: tuple = ()
+    sampling: bool = False
+    beams: int = 1
 
     @classmethod
-    def resolve(cls, sources, given: dict, *, start_length: int, max_length: int, eos: list[int]) -> "LogitRules":
+    def resolve(cls, sources, given: dict, *, start_length: int, max_length: int, eos: list[int],
+                sampling: bool = False, beams: int = 1) -> "LogitRules":
         """The rules from ``given`` (generate's arguments, pop_rule_arguments; one given as None is off, as in
         transformers), else ``sources``. ``start_length``: the tokens before the first generated one (the prompt;
-        an encoder-decoder's decoder start)."""
+        an encoder-decoder's decoder start); ``sampling``, ``beams``: how generate chooses (the caller's processors
+        run after the warpers when sampling; beams share a prompt's batch id)."""
         value = {name: given[name] if name in given else config_value(sources, name) for name in RULE_ARGUMENTS}
         stops = given.get("stop_strings")
         ngram = value["no_repeat_ngram_size"] or 0
@@ -345,14 +359,26 @@ class LogitRules:
             if name != "typical_p" and chosen >= 1:
                 raise InputError(f"generate: {name} must be in [0, 1), got {chosen!r} ({off:g} applies none)")
             warpers[name] = float(chosen)
+        caller = {name: given[name] for name in CALLER_ARGUMENTS if given.get(name) is not None}
+        prefix = caller.get("prefix_allowed_tokens_fn")
+        if prefix is not None and not callable(prefix):
+            raise InputError("generate: prefix_allowed_tokens_fn must be a function (batch_id, input_ids) -> token ids")
+        for name in ("logits_processor", "stopping_criteria"):
+            if name in caller:
+                items = caller[name]
+                items = tuple(items) if isinstance(items, (list, tuple)) else (items,)
+                if not all(callable(item) for item in items):
+                    raise InputError(f"generate: {name} must be a list of functions (input_ids, scores) -> ...")
+                caller[name] = items
         return cls(int(ngram), bad, forced_bos, tuple(_token_list(value["forced_eos_token_id"], "forced_eos_token_id")),
                    tuple(_token_list(value["suppress_tokens"], "suppress_tokens")),
                    tuple(_token_list(value["begin_suppress_tokens"], "begin_suppress_tokens")), int(max_length), begin,
-                   stops, **warpers)
+                   stops, **warpers, **caller, sampling=bool(sampling), beams=max(int(beams), 1))
 
-    def warp(self, scores: np.ndarray) -> np.ndarray:
+    def warp(self, scores: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
         """Sampling scores after min-p through transformers' typical, epsilon and eta warpers (each keeps at least
-        the likeliest token; the tokens they drop at -inf)."""
+        the likeliest token; the tokens they drop at -inf), then the caller's logits processors (given ``tokens``,
+        the rows' tokens so far)."""
         if self.typical_p < 1.0:
             scores = _typical(scores, self.typical_p)
         if 0.0 < self.epsilon_cutoff < 1.0:
@@ -363,23 +389,37 @@ class LogitRules:
                 entropy = -np.nansum(np.where(probs > 0, probs * np.log(probs), 0.0), axis=-1, keepdims=True)
             eta = np.minimum(self.eta_cutoff, np.sqrt(self.eta_cutoff) * np.exp(-entropy))
             scores = _below(scores, probs < eta)
+        if self.sampling and self.logits_processor and tokens is not None:
+            scores = self._caller_processors(scores, tokens)
+        return scores
+
+    def _caller_processors(self, scores: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        for processor in self.logits_processor:
+            out = np.asarray(processor(np.asarray(tokens, np.int64), scores.copy()), np.float32)
+            if out.shape != scores.shape:
+                raise InputError(f"generate: a logits_processor returned scores of shape {out.shape}, not "
+                                 f"{scores.shape}")
+            scores = out
         return scores
 
     def finished(self, tokens: np.ndarray) -> np.ndarray:
-        """Per row of ``tokens`` [batch, T] (the chosen token last), whether a stop string ended it."""
-        if self.stop_strings is None:
-            return np.zeros(tokens.shape[0], bool)
-        return self.stop_strings.hits(tokens)
+        """Per row of ``tokens`` [batch, T] (the chosen token last), whether a stop string or one of the caller's
+        stopping criteria (given the tokens and None for the scores) ended it."""
+        done = np.zeros(tokens.shape[0], bool) if self.stop_strings is None else self.stop_strings.hits(tokens)
+        for criterion in self.stopping_criteria:
+            done |= np.broadcast_to(np.asarray(criterion(np.asarray(tokens, np.int64), None), bool), done.shape)
+        return done
 
     @property
     def picks_on_host(self) -> bool:
         """Whether every token must be chosen on the host (no chained GPU argmax)."""
-        return self.active or self.stop_strings is not None
+        return self.active or self.stop_strings is not None or bool(self.stopping_criteria)
 
     @property
     def active(self) -> bool:
         return bool(self.no_repeat_ngram_size or self.bad_words_ids or self.forced_bos_token_id is not None
-                    or self.forced_eos_token_id or self.suppress_tokens or self.begin_suppress_tokens)
+                    or self.forced_eos_token_id or self.suppress_tokens or self.begin_suppress_tokens
+                    or self.prefix_allowed_tokens_fn is not None or self.logits_processor)
 
     def apply(self, scores: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Each row's ``scores`` [batch, vocab] for the token after ``tokens`` [batch, T] (a copy where changed)."""
@@ -408,6 +448,8 @@ class LogitRules:
             if length >= len(prefix):
                 hit = (tokens[:, length - len(prefix):] == prefix).all(axis=1)
                 scores[hit, word[-1]] = -np.inf
+        if self.prefix_allowed_tokens_fn is not None:
+            scores = self._prefix_constraint(scores, tokens)
         if self.forced_bos_token_id is not None and length == 1:
             scores[:] = -np.inf
             scores[:, self.forced_bos_token_id] = 0.0
@@ -418,4 +460,20 @@ class LogitRules:
             scores[:, [t for t in self.suppress_tokens if t < vocab]] = -np.inf
         if self.begin_suppress_tokens and length == self.begin_index:
             scores[:, [t for t in self.begin_suppress_tokens if t < vocab]] = -np.inf
+        if self.logits_processor and not self.sampling:
+            scores = self._caller_processors(scores, tokens)
         return scores
+
+    def _prefix_constraint(self, scores: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """transformers' PrefixConstrainedLogitsProcessor: each row keeps the tokens prefix_allowed_tokens_fn allows
+        (batch_id: the row's prompt); a prompt whose every row allows only tokens already at -inf gets them at 0."""
+        mask = np.full(scores.shape, -np.inf, np.float32)
+        for row in range(tokens.shape[0]):
+            allowed = list(self.prefix_allowed_tokens_fn(row // self.beams, np.asarray(tokens[row], np.int64)))
+            if not allowed:
+                raise InputError(f"generate: prefix_allowed_tokens_fn allowed no token for batch id "
+                                 f"{row // self.beams}: the constraint cannot be met")
+            mask[row, allowed] = 0.0
+        constrained = scores + mask
+        stuck = np.isneginf(constrained.max(axis=-1)).reshape(-1, self.beams).all(axis=1)
+        return np.where(np.repeat(stuck, self.beams)[:, None], mask, constrained)
