@@ -1,22 +1,24 @@
 """LoRA adapters served side by side on one base (models/lora.py's serve_adapters, ``vkformers serve --adapter
 NAME=DIR``): a batch whose rows take different adapters, or none, gives each row what the model with that adapter
 alone gives (PEFT's unmerged LoRA, models/lora.py's load_adapter), in one forward, through the scheduler (joining
-a running batch, replayed decode steps, paged and prefix-cached prompts) and through the HTTP routes."""
+a running batch, replayed decode steps, paged and prefix-cached prompts) and through the HTTP routes, on the tiny
+random Llama of tests/data/pipeline."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import threading
 
-from test_serve import SERVED, encode, free_port, openai, prefill_bucket, reference_tokens, uvicorn, wait_for, web, \
-    write_tiny_model  # noqa: F401  (web: a fixture)
+from pathlib import Path
+
+from test_serve import SERVED, encode, free_port, openai, prefill_bucket, reference_tokens, uvicorn, wait_for, \
+    web  # noqa: F401  (web: a fixture)
 
 import vkformers as vkf
 from vkformers.cli import main
 from vkformers.cli import serve as cli_serve
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
-from vkformers.models.gguf import load_gguf_model
-from vkformers.models.loading import AutoModelForCausalLM
+from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
 from vkformers.models.lora import (LoraConfig, LoraError, LoraLinear, ServedLoraLinear, apply_lora, load_adapter,
                                    save_adapter, serve_adapters)
 
@@ -29,9 +31,16 @@ PROMPTS = ["the capital of france is", "hello", "once upon a time there was a", 
 LOGITS_TOLERANCE = 1e-4
 
 
+MODEL = Path(__file__).parent / "data" / "pipeline"  # a tiny random Llama (safetensors) and its BPE tokenizer
+
+
+def load_base(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32", requires_grad=False)
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("adapters"))
+def tiny():
+    return MODEL, AutoTokenizer.from_pretrained(MODEL), load_base(MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +49,7 @@ def adapters(tiny, tmp_path_factory):
     path = tiny[0]
     folders = {}
     for seed, (name, config) in enumerate(ADAPTERS.items()):
-        model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+        model = load_base(path)
         apply_lora(model, LoraConfig(**{**config.__dict__, "extra": {}}), seed=seed)
         rng = np.random.default_rng(10 + seed)
         for _, module in model.named_modules():
@@ -54,12 +63,12 @@ def adapters(tiny, tmp_path_factory):
 
 def adapted(path, folder):
     """The tiny model with one adapter, unmerged (None: the base model)."""
-    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    model = load_base(path)
     return model if folder is None else load_adapter(model, folder)
 
 
 def served(path, adapters):
-    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    model = load_base(path)
     return model, serve_adapters(model, adapters)
 
 
@@ -150,14 +159,14 @@ def test_a_prompt_cached_for_one_adapter_is_not_reused_for_another(tiny, adapter
 
 def test_adapters_that_cannot_be_served_side_by_side_are_refused(tiny, adapters, tmp_path):
     path = tiny[0]
-    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    model = load_base(path)
     apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
     save_adapter(model, tmp_path / "whole")
     with pytest.raises(LoraError, match="trains whole modules.*--adapter DIR"):
         served(path, {"whole": tmp_path / "whole"})
     with pytest.raises(LoraError, match="carries LoRA layers already"):
         serve_adapters(adapted(path, adapters["terse"]), {"verbose": adapters["verbose"]})
-    other = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    other = load_base(path)
     apply_lora(other, LoraConfig(r=2, target_modules=["k_proj"]))
     save_adapter(other, tmp_path / "other")
     (tmp_path / "other" / "adapter_config.json").write_text(
@@ -211,7 +220,7 @@ def test_the_routes_serve_each_adapter_by_name(tiny, adapters, web):  # noqa: F8
 
 def test_an_adapter_named_as_the_base_model_is_refused(tiny, adapters, web, capsys):  # noqa: F811 (the fixture)
     path = tiny[0]
-    assert main(["serve", "--model", str(path), "--port", str(free_port()), "--adapter",
-                 f"tiny={adapters['terse']}"]) == 1
+    assert main(["serve", "--model", str(path), "--served-model-name", "tiny", "--port", str(free_port()),
+                 "--adapter", f"tiny={adapters['terse']}"]) == 1
     assert capsys.readouterr().err == ("vkformers serve: error: --adapter tiny=...: the base model is served as "
                                        "'tiny'; name the adapter otherwise\n")
