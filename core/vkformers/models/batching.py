@@ -832,9 +832,9 @@ class BatchScheduler:
             self._prefilling = None  # placed (until then a failure finds the requests here: they are in no row)
 
     def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache,
-                 requests: list[Request]) -> np.ndarray:
+                 requests: list[Request] = ()) -> np.ndarray:
         """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these) for
-        the ``requests`` of its first rows: the last column's logits. Replays the recorded plan of earlier prefills
+        the ``requests`` of its first rows (the others: the base model): the last column's logits. Replays the recorded plan of earlier prefills
         of its shape where it can."""
         began = time.perf_counter()
         capture = self._prefill_capture(ids, mask, positions, cache)
