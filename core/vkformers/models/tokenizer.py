@@ -177,33 +177,9 @@ class PreTrainedTokenizer:
     def _token_id(self, token):
         return None if token is None else self.backend.token_to_id(token)
 
-    @property
-    def bos_token_id(self):
-        return self._token_id(self.bos_token)
-
-    @property
-    def eos_token_id(self):
-        return self._token_id(self.eos_token)
-
-    @property
-    def pad_token_id(self):
-        return self._token_id(self.pad_token)
-
-    @property
-    def unk_token_id(self):
-        return self._token_id(self.unk_token)
-
-    @property
-    def sep_token_id(self):
-        return self._token_id(self.sep_token)
-
-    @property
-    def cls_token_id(self):
-        return self._token_id(self.cls_token)
-
-    @property
-    def mask_token_id(self):
-        return self._token_id(self.mask_token)
+    # bos_token_id, eos_token_id, ...: the id of each named special token (None where it has none)
+    bos_token_id, eos_token_id, unk_token_id, sep_token_id, pad_token_id, cls_token_id, mask_token_id = (
+        property(lambda self, name=name: self._token_id(getattr(self, name))) for name in SPECIAL_TOKEN_NAMES)
 
     @property
     def special_tokens_map(self) -> dict:
