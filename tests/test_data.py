@@ -168,3 +168,29 @@ def test_conversations_train_through_the_chat_template(tmp_path):
         D.tokenize_records([Record("", None, "x:1", CONVERSATION[:2])], tokenizer, assistant_only_loss=True)
     with pytest.raises(DataError, match="needs a tokenizer with a chat template"):
         D.tokenize_records(records[:1], ByteTokenizer())
+
+
+def test_without_packing_each_record_is_a_padded_sequence_with_the_loss_of_the_record_alone(tmp_path):
+    """one_per_record: each document cut at seq_len and padded after its end, the padding out of the loss; a
+    causal LM's loss over a padded row equals its loss over the record alone (its tokens never see the padding)."""
+    from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(CHAT_TOKENIZER)
+    f = tmp_path / "docs.jsonl"
+    texts = ["Paris is the capital of France.", "Hello", "Once upon a time there was a small model. " * 4]
+    f.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    dataset = D.load_dataset([f], tokenizer, 16, packing=False)
+    pairs = list(D.tokenize_each(D.read_records(f), tokenizer))
+    assert len(dataset) == 3 and dataset.input_ids.shape == (3, 16)
+    for row, (ids, labels) in enumerate(pairs):
+        n = min(len(ids), 16)
+        assert dataset.input_ids[row, :n].tolist() == ids[:16].tolist()
+        assert (dataset.input_ids[row, n:] == tokenizer.pad_token_id).all()
+        assert (dataset.labels[row, n:] == D.IGNORE_INDEX).all()
+        assert dataset.labels[row, :n].tolist() == labels[:n].tolist()
+    model = AutoModelForCausalLM.from_pretrained(CHAT_TOKENIZER, requires_grad=False)
+    ids, labels = pairs[1]  # "Hello": padded after
+    assert len(ids) < 16 and len(pairs[2][0]) > 16  # (the third is cut)
+    alone = float(model(input_ids=ids[None].astype(np.int64), labels=labels[None].astype(np.int64)).loss.numpy())
+    padded = float(model(input_ids=dataset.input_ids[1:2].astype(np.int64),
+                         labels=dataset.labels[1:2].astype(np.int64)).loss.numpy())
+    assert abs(alone - padded) <= 1e-6 * abs(alone)

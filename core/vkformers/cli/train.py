@@ -89,6 +89,9 @@ def add_parser(subparsers):
                                                                   "windows of a long context (default seq-len / 4)")
     data.add_argument("--prompt-column", help="column with prompts, masked out of the loss")
     data.add_argument("--completion-column", help="column with completions (with --prompt-column)")
+    data.add_argument("--no-packing", dest="packing", action="store_false",
+                      help="one sequence per document or conversation, cut at --seq-len and padded after its end "
+                           "(TRL's SFT default); default: documents packed end to end into sequences of --seq-len")
     data.add_argument("--assistant-only-loss", action="store_true",
                       help="conversations (rows with a 'messages' column, rendered with the chat template): train "
                            "on the assistant turns only (default: every token, as TRL's SFT)")
@@ -253,7 +256,8 @@ def train(args, comm) -> int:
     head_options = {}
     if args.task == "causal-lm":
         columns = dict(text_column=args.text_column, prompt_column=args.prompt_column,
-                       completion_column=args.completion_column, assistant_only_loss=args.assistant_only_loss)
+                       completion_column=args.completion_column, assistant_only_loss=args.assistant_only_loss,
+                       packing=args.packing)
         dataset = load_dataset(paths, tokenizer, args.seq_len, **columns)
         if args.eval_data:
             train, held_out = dataset, load_dataset(args.eval_data, tokenizer, args.seq_len, **columns)

@@ -14,7 +14,10 @@ The pipeline, in order:
    conversation trains on all its tokens, or with ``assistant_only_loss`` on the assistant turns only (each turn's
    text, from the end of the template's generation prompt before it through the turn's closing tokens).
 3. ``PackedDataset`` cuts the stream into sequences of ``seq_len`` tokens (documents run on across
-   sequence boundaries, as in GPT-style packing; attention is not masked between documents).
+   sequence boundaries, as in GPT-style packing; attention is not masked between documents). Without packing
+   (``PackedDataset.one_per_record``, ``vkformers train --no-packing``, TRL's SFT default) each document or
+   conversation is a sequence of its own, cut at ``seq_len`` and padded after its end, the padding out of the loss
+   (a causal LM's tokens never see the padding after them).
 4. ``Batches`` walks the sequences in a per-epoch permutation drawn from ``(seed, epoch)``; its
    position (epoch, cursor) is all a checkpoint needs to continue exactly where it stopped.
 
@@ -233,27 +236,30 @@ def hf_dataset_files(repo_id: str, split: str = "train", *, revision: str | None
 
 # ---------------------------------------------------------------- tokenizing and packing
 
-def tokenize_records(records: Iterable[Record], tokenizer,
-                     assistant_only_loss: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """One token stream (int32) and its labels: prompts masked with -100, EOS after every document; conversations
+def tokenize_each(records: Iterable[Record], tokenizer,
+                  assistant_only_loss: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Each record's tokens (int32) and labels: prompts masked with -100, EOS after every document; conversations
     through the chat template (``assistant_only_loss``: only the assistant turns in the loss)."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    tokens, labels = [], []
     for record in records:
         if record.messages is not None:
             ids, kept = chat_tokens(record, tokenizer, assistant_only_loss)
             if eos is not None and (not ids or ids[-1] != eos):
                 ids, kept = ids + [eos], kept + [True]
-            tokens.append(np.asarray(ids, np.int32))
-            labels.append(np.where(kept, np.asarray(ids, np.int32), IGNORE_INDEX).astype(np.int32))
+            yield np.asarray(ids, np.int32), np.where(kept, np.asarray(ids, np.int32), IGNORE_INDEX).astype(np.int32)
             continue
         prompt = tokenizer.encode(record.prompt) if record.prompt else []
         body = list(tokenizer.encode(record.text)) + ([eos] if eos is not None else [])
-        tokens.append(np.asarray(list(prompt) + body, np.int32))
-        labels.append(np.asarray([IGNORE_INDEX] * len(prompt) + body, np.int32))
-    if not tokens:
+        yield np.asarray(list(prompt) + body, np.int32), np.asarray([IGNORE_INDEX] * len(prompt) + body, np.int32)
+
+
+def tokenize_records(records: Iterable[Record], tokenizer,
+                     assistant_only_loss: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """One token stream (int32) and its labels: :func:`tokenize_each`'s, end to end."""
+    pairs = list(tokenize_each(records, tokenizer, assistant_only_loss))
+    if not pairs:
         raise DataError("no training records")
-    return np.concatenate(tokens), np.concatenate(labels)
+    return np.concatenate([ids for ids, _ in pairs]), np.concatenate([labels for _, labels in pairs])
 
 
 def chat_tokens(record: Record, tokenizer, assistant_only_loss: bool) -> tuple[list[int], list[bool]]:
@@ -303,6 +309,25 @@ class PackedDataset:
         self.input_ids, self.labels, self.seq_len = ids[useful], lab[useful], seq_len
         self.num_tokens = int(len(tokens))
 
+    @classmethod
+    def one_per_record(cls, pairs, seq_len: int, pad_id: int = 0) -> "PackedDataset":
+        """A sequence per record (``pairs``: tokens and labels of each, :func:`tokenize_each`), cut at ``seq_len``
+        and padded after its end with ``pad_id``, labelled -100 there; records with nothing to train on dropped."""
+        if seq_len < 2:
+            raise DataError(f"seq_len must be at least 2, got {seq_len}")
+        rows = [(ids[:seq_len], labels[:seq_len]) for ids, labels in pairs]
+        if not rows:
+            raise DataError("no training records")
+        ids = np.full((len(rows), seq_len), pad_id, np.int32)
+        labels = np.full((len(rows), seq_len), IGNORE_INDEX, np.int32)
+        for row, (tokens, marks) in enumerate(rows):
+            ids[row, :len(tokens)], labels[row, :len(marks)] = tokens, marks
+        out = cls.__new__(cls)
+        useful = (labels[:, 1:] != IGNORE_INDEX).any(axis=1)
+        out.input_ids, out.labels, out.seq_len = ids[useful], labels[useful], seq_len
+        out.num_tokens = int(sum(len(tokens) for tokens, _ in rows))
+        return out
+
     def __len__(self) -> int:
         return len(self.input_ids)
 
@@ -324,9 +349,9 @@ class PackedDataset:
 
 
 def load_dataset(paths: Sequence, tokenizer, seq_len: int, *, text_column=None, prompt_column=None,
-                 completion_column=None, assistant_only_loss: bool = False) -> PackedDataset:
+                 completion_column=None, assistant_only_loss: bool = False, packing: bool = True) -> PackedDataset:
     """Read, tokenize and pack every file of ``paths`` (files or folders); ``assistant_only_loss``: conversations
-    train on their assistant turns only."""
+    train on their assistant turns only; without ``packing``, a padded sequence per document or conversation."""
     files = data_files(paths)
 
     def records():
@@ -334,6 +359,13 @@ def load_dataset(paths: Sequence, tokenizer, seq_len: int, *, text_column=None, 
             yield from read_records(file, text_column=text_column, prompt_column=prompt_column,
                                     completion_column=completion_column)
 
+    if not packing:
+        pad = getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (getattr(tokenizer, "eos_token_id", None) or 0)
+        dataset = PackedDataset.one_per_record(tokenize_each(records(), tokenizer, assistant_only_loss), seq_len, pad)
+        if len(dataset) == 0:
+            raise DataError(f"{', '.join(map(str, files))}: no document has a token to train on")
+        return dataset
     tokens, labels = tokenize_records(records(), tokenizer, assistant_only_loss)
     dataset = PackedDataset(tokens, labels, seq_len)
     if len(dataset) == 0:
