@@ -592,8 +592,8 @@ def test_cli_train_resumes_past_a_damaged_checkpoint_and_notes_a_missing_plot(tm
 
 def test_cli_trains_lora_on_conversations_with_the_assistant_turns_only(tmp_path, capsys):
     """`vkformers train` on JSONL conversations (a "messages" column) through the model's chat template, LoRA,
-    --assistant-only-loss, a padded sequence per conversation (--no-packing): the loss falls on the assistant
-    turns."""
+    --assistant-only-loss, a padded sequence per conversation (--no-packing), one pass (--epochs 1): the loss falls
+    on the assistant turns."""
     from vkformers.cli import main
     model = Path(__file__).parent / "data" / "pipeline"  # a tiny Llama whose tokenizer has a chat template
     turns = [{"role": "user", "content": "Hello, how are you?"},
@@ -601,13 +601,15 @@ def test_cli_trains_lora_on_conversations_with_the_assistant_turns_only(tmp_path
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": turns}) for _ in range(12)) + "\n")
     argv = ["train", "--model", str(model), "--data", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / "run"),
             "--assistant-only-loss", "--no-packing", "--lora-rank", "4", "--seq-len", "32", "--batch-size", "2",
-            "--steps", "6",
+            "--epochs", "1",
             "--lr", "0.01", "--eval-fraction", "0.1"]
     assert main(argv) == 0
     losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert len(losses) == 6 and losses[-1] < losses[0]  # one pass: 11 conversations (one held out) 2 at a time
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
     capsys.readouterr()
     assert main(["train", "--model", str(model), "--data", str(tmp_path / "chat.jsonl"), "--out",
                  str(tmp_path / "cls"), "--task", "sequence-classification", "--assistant-only-loss"]) == 1
     assert "--assistant-only-loss are for causal-lm" in capsys.readouterr().err
+    assert main([*argv, "--steps", "3"]) == 1
+    assert "--steps and --epochs both given" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import traceback
@@ -107,7 +108,10 @@ def add_parser(subparsers):
     lora.add_argument("--modules-to-save", nargs="+", metavar="NAME", help="modules trained fully and saved too")
     lora.add_argument("--merge", action="store_true", help="write final/ as the merged model, not the adapter")
     loop = p.add_argument_group("training")
-    loop.add_argument("--steps", type=positive_int, default=1000)
+    loop.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 1000)")
+    loop.add_argument("--epochs", type=positive_number, default=None,
+                      help="train this many passes over the data instead of --steps (as transformers' "
+                           "num_train_epochs; a fraction is a part of a pass)")
     loop.add_argument("--batch-size", type=positive_int, default=8)
     loop.add_argument("--seq-len", type=whole_number(2), default=512, help="tokens per sequence (at least 2)")
     loop.add_argument("--lr", type=positive_number, default=2e-4)
@@ -248,6 +252,16 @@ def run(args) -> int:
         raise
 
 
+def training_steps(args, sequences: int, ranks: int) -> int:
+    """--steps, or the optimizer steps --epochs passes over ``sequences`` take (each step reads batch-size x
+    grad-accum sequences on every rank), at least one; 1000 when neither is given."""
+    if args.epochs is not None and args.steps is not None:
+        raise VkformersError("--steps and --epochs both given: give one of them")
+    if args.epochs is None:
+        return 1000 if args.steps is None else args.steps
+    return max(1, math.ceil(args.epochs * sequences / (args.batch_size * args.grad_accum * ranks)))
+
+
 def train(args, comm) -> int:
     leader = comm is None or comm.rank == 0
     say = print if leader else (lambda *a, **k: None)
@@ -311,6 +325,7 @@ def train(args, comm) -> int:
                                      lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
                                      use_rslora=args.rslora, modules_to_save=modules_to_save,
                                      base_model_name_or_path=str(args.model)), seed=args.seed)
+    args.steps = training_steps(args, len(train), 1 if comm is None else comm.size)
     config = TrainingConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             schedule=args.schedule, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                             weight_decay=args.weight_decay, clip=args.clip, grad_accum=args.grad_accum,
