@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -1003,3 +1004,43 @@ def test_a_requests_missing_sampling_settings_come_from_the_generation_config(ti
     for request, extra in zip(done, ({"top_k": 3}, {"min_p": 0.3})):
         expected = reference_tokens(reference, ids, 6, do_sample=True, temperature=1.5, seed=5, **extra).tolist()
         assert request.generated == expected and expected != plain, extra
+
+
+def test_tokenize_and_detokenize_routes(server, tiny):
+    """vLLM's /tokenize (a prompt as completions read it, with or without special tokens; a chat as the template
+    renders it) and /detokenize; bad token ids and a missing key are refused."""
+    tokenizer = server["tokenizer"]
+    status, text = request(server, "POST", "/tokenize", {"prompt": PROMPTS[0]})
+    body = json.loads(text)
+    expected = cli_serve._completion_prompt(PROMPTS[0], tokenizer)
+    assert status == 200 and body["tokens"] == expected and body["count"] == len(expected)
+    assert body["max_model_len"] == server["scheduler"].max_model_len
+    status, text = request(server, "POST", "/tokenize", {"prompt": PROMPTS[0], "add_special_tokens": False})
+    assert json.loads(text)["tokens"] == encode_plain(tokenizer, PROMPTS[0])
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    status, text = request(server, "POST", "/tokenize", {"messages": messages})
+    assert json.loads(text)["tokens"] == cli_serve.chat_prompt({"messages": messages}, tokenizer)
+    status, text = request(server, "POST", "/detokenize", {"tokens": expected})
+    assert status == 200 and json.loads(text)["prompt"] == tokenizer.decode(expected)
+    status, text = request(server, "POST", "/detokenize", {"tokens": [len(tokenizer)]})
+    assert status == 400 and "outside the vocabulary" in text
+    assert request(server, "POST", "/tokenize", {"prompt": "x"}, key=None)[0] == 401
+
+
+def encode_plain(tokenizer, text):
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def test_a_chat_without_a_template_is_a_400_and_chat_template_gives_one(tmp_path, capsys):
+    from vkformers.models.loading import AutoTokenizer
+    bare = AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "streamer")  # no chat template
+    with pytest.raises(cli_serve.ApiError, match="--chat-template gives one") as refused:
+        cli_serve.chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare)
+    assert refused.value.status == 400
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert cli_serve.read_chat_template(str(tmp_path / "t.jinja")) == template == cli_serve.read_chat_template(template)
+    with pytest.raises(cli_serve.VkformersError, match="no such file, and not a Jinja template"):
+        cli_serve.read_chat_template(str(tmp_path / "missing.jinja"))
+    bare.chat_template = template
+    assert cli_serve.chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare) == encode_plain(bare, "hi")

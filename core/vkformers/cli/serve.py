@@ -7,7 +7,8 @@
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streamed as
-server-sent events with ``"stream": true``), GET /health, GET /metrics (Prometheus text). The requests run through a
+server-sent events with ``"stream": true``), GET /health, GET /metrics (Prometheus text), and vLLM's POST /tokenize
+and /detokenize. The requests run through a
 BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.py) sized from
 ``--gpu-memory-utilization`` or ``--kv-cache-tokens``. An embedding model (a sentence-transformers folder, or an
 encoder such as BERT) is served on POST /v1/embeddings instead, through SentenceTransformer (models/sentence.py) on
@@ -92,6 +93,9 @@ def add_parser(subparsers):
                         help="a PEFT LoRA adapter folder: DIR is merged into the weights at load (one at most); "
                              "NAME=DIR (repeatable) is served beside the base model, unmerged, to requests whose "
                              "'model' is NAME, rows of different adapters sharing a batch (as vLLM's --lora-modules)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the Jinja chat template for /v1/chat/completions, a file or the template itself "
+                             "(default: the tokenizer's), as vLLM's option")
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
     parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),
@@ -173,6 +177,8 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
             raise VkformersError(f"--adapter {served}=...: the base model is served as '{served}'; name the adapter "
                                  "otherwise")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
+        if args.chat_template is not None:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
         if merged is not None:
             merge_lora(load_adapter(model, merged))
@@ -200,6 +206,20 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
     if not server.started:
         raise VkformersError(f"the server on {args.host}:{args.port} did not start; rerun with --debug to see why")
     return 0
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself where it names no file and holds Jinja."""
+    path = Path(os.path.expanduser(value))
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise VkformersError(f"--chat-template {value}: cannot read it ({exc})") from None
+    if "{{" not in value and "{%" not in value:
+        raise VkformersError(f"--chat-template {value}: no such file, and not a Jinja template; give a file or the "
+                             "template text")
+    return value
 
 
 def adapter_options(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
@@ -402,7 +422,11 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         if content is not None and not isinstance(content, str):
             raise ApiError(400, "a message's 'content' must be a string or a list of text parts", param="messages")
         conversation.append({"role": role, "content": content or ""})
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
+    try:
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
+    except VkformersError as exc:  # no chat template, or one that fails on these messages
+        raise ApiError(400, f"the chat template cannot render these messages: {exc} (vkformers serve --chat-template "
+                            "gives one)", param="messages") from None
     return [int(t) for t in np.asarray(ids)[0]]
 
 
@@ -822,6 +846,41 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             for job in choices:
                 job.cancel()  # the client went away mid-stream: its rows leave the batch at the next step
 
+    async def tokenize(request):
+        """vLLM's /tokenize: a completion's ``prompt`` or a chat's ``messages`` as the model reads them."""
+        try:
+            authorize(request)
+            body = await read_body(request)
+            if scheduler is None:
+                raise wrong_kind("/tokenize")
+            if "messages" in body:
+                tokens = chat_prompt(body, tokenizer)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
+                add = body.get("add_special_tokens", True)
+                tokens = _completion_prompt(prompt, tokenizer) if add else \
+                    [int(t) for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
+        except ApiError as exc:
+            return error(exc)
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": scheduler.max_model_len})
+
+    async def detokenize(request):
+        """vLLM's /detokenize: token ids back to text."""
+        try:
+            authorize(request)
+            body = await read_body(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
+            vocab = len(tokenizer)
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ApiError(400, f"a token id is outside the vocabulary of {vocab}", param="tokens")
+        except ApiError as exc:
+            return error(exc)
+        return JSONResponse({"prompt": tokenizer.decode(tokens)})
+
     async def embeddings(request):
         try:
             authorize(request)
@@ -848,5 +907,6 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
               Route("/v1/models/{model:path}", model_info),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/embeddings", embeddings, methods=["POST"])]
+              Route("/v1/embeddings", embeddings, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     return Starlette(routes=routes)
