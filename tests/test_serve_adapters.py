@@ -220,7 +220,10 @@ def test_the_routes_serve_each_adapter_by_name(tiny, adapters, web):  # noqa: F8
 
 def test_an_adapter_named_as_the_base_model_is_refused(tiny, adapters, web, capsys):  # noqa: F811 (the fixture)
     path = tiny[0]
-    assert main(["serve", "--model", str(path), "--served-model-name", "tiny", "--port", str(free_port()),
-                 "--adapter", f"tiny={adapters['terse']}"]) == 1
-    assert capsys.readouterr().err == ("vkformers serve: error: --adapter tiny=...: the base model is served as "
-                                       "'tiny'; name the adapter otherwise\n")
+    for model in (["--model", str(path)], [str(path)]):  # the model as vLLM's `vllm serve MODEL` names it too
+        assert main(["serve", *model, "--served-model-name", "tiny", "--port", str(free_port()), "--max-num-seqs", "2",
+                     "--adapter", f"tiny={adapters['terse']}"]) == 1
+        assert capsys.readouterr().err == ("vkformers serve: error: --adapter tiny=...: the base model is served as "
+                                           "'tiny'; name the adapter otherwise\n")
+    assert main(["serve", str(path), "--model", "other", "--port", str(free_port())]) == 1
+    assert "the model is given twice" in capsys.readouterr().err

@@ -58,6 +58,8 @@ def add_parser(subparsers):
     parser = subparsers.add_parser("serve", help="serve a causal LM or an embedding model over an OpenAI-compatible "
                                                  "HTTP API",
                                    description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as vLLM's `vllm serve MODEL` takes it (the same as --model)")
     parser.add_argument("--model", default=None,
                         help=f"checkpoint folder, hub repo id or .gguf file (default: {cli_generate.DEFAULT_MODEL_FILE} "
                              f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package); a sentence-transformers "
@@ -70,7 +72,7 @@ def add_parser(subparsers):
                              "SmolLM2-135M-Instruct for the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--max-batch", type=positive_int, default=64,
+    parser.add_argument("--max-batch", "--max-num-seqs", type=positive_int, default=64,
                         help="most requests decoded together; more wait (default 64)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="most tokens of a request, prompt and output (default: the model's positions)")
@@ -157,6 +159,10 @@ def run(args) -> int:
 
 
 def serve(args, uvicorn, sock: socket.socket) -> int:
+    if args.model_name is not None:
+        if args.model is not None and args.model != args.model_name:
+            raise VkformersError(f"the model is given twice ({args.model_name} and --model {args.model}): give one")
+        args.model = args.model_name
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
     model_name = args.model or cli_generate.default_model()
