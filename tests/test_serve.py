@@ -562,7 +562,7 @@ def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(server, tiny):
 
 def test_chat_roles_outside_openai_s_are_refused_and_developer_is_the_system_prompt(server):
     chat = {"model": SERVED, "max_tokens": 4, "temperature": 0}
-    for role, hint in (("wizard", "must be one of system, developer, user, assistant"), ("tool", "tool calls")):
+    for role, hint in (("wizard", "must be one of system, developer, user, assistant, tool"),):
         messages = [{"role": role, "content": "hi"}, {"role": "user", "content": "hello"}]
         status, error = error_of(request(server, "POST", "/v1/chat/completions", {**chat, "messages": messages}))
         assert status == 400 and error["param"] == "messages" and hint in error["message"], error

@@ -43,12 +43,13 @@ from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
+from vkformers.models.tool_calls import TOOL_CALL_PARSERS, ToolCallStream
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_CHOICES = 128               # OpenAI's bound on n; here also on prompts x n of a batch of prompts
 # the roles a chat message may take, as the chat template gets them (OpenAI's "developer" is the system prompt)
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
 DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
 DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
@@ -98,6 +99,12 @@ def add_parser(subparsers):
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the Jinja chat template for /v1/chat/completions, a file or the template itself "
                              "(default: the tokenizer's), as vLLM's option")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="answer chat requests with 'tools' (tool_choice 'auto'): the tools go to the chat "
+                             "template and the model's calls come back as 'tool_calls' (needs --tool-call-parser)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help="the model's format of tool calls: hermes (Hermes, Qwen 2.5 and Qwen 3: JSON between "
+                             "<tool_call> tags)")
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
     parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),
@@ -196,8 +203,10 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
                                    prefix_caching=args.prefix_caching, adapters=selector,
                                    cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{merged}").start()
         defaults = model_sampling_defaults(model) if args.sampling_defaults == "model" else {}
+        if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+            raise VkformersError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")
         app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key, sampling_defaults=defaults,
-                               adapters=named), scheduler.close
+                               adapters=named, tool_call_parser=args.tool_call_parser), scheduler.close
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
     if scheduler is not None:
@@ -296,7 +305,7 @@ def model_sampling_defaults(model) -> dict:
 
 
 def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len: int,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None, tools: bool = False) -> SamplingParams:
     """The generation settings of a completions (``chat`` False) or chat completions request; ``defaults``
     (model_sampling_defaults) stand in for sampling settings the request leaves out, else OpenAI's."""
     defaults = defaults or {}
@@ -322,7 +331,7 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
-    refuse_unsupported(body, chat)
+    refuse_unsupported(body, chat, tools)
     top_k = _number(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
     temperature = _number(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
@@ -366,8 +375,9 @@ def stop_token_ids(body: dict) -> list[int]:
     return value
 
 
-def refuse_unsupported(body: dict, chat: bool) -> None:
-    """A 400 for what this server would otherwise ignore and answer wrongly: structured output, tool calls."""
+def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
+    """A 400 for what this server would otherwise ignore and answer wrongly: structured output, tool calls that no
+    parser reads (``tools``: the server has one), a tool choice that would need constrained decoding."""
     response_format = body.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else response_format
@@ -377,9 +387,15 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
                                 "JSON in the prompt", param="response_format")
     if not chat and body.get("suffix"):
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
-    if chat and body.get("tools") and body.get("tool_choice") != "none":
-        raise ApiError(400, "tool calls are not supported; leave 'tools' out (or set tool_choice 'none')",
-                       param="tools")
+    choice = body.get("tool_choice")
+    if chat and body.get("tools") and choice != "none":
+        if not tools:
+            raise ApiError(400, "tool calls are not enabled: start vkformers serve with --enable-auto-tool-choice "
+                                "--tool-call-parser NAME, or leave 'tools' out (or set tool_choice 'none')",
+                           param="tools")
+        if choice not in (None, "auto"):
+            raise ApiError(400, f"tool_choice {choice!r} would need the output constrained to a call; this server "
+                                "takes 'auto' and 'none'", param="tool_choice")
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -407,7 +423,9 @@ def _completion_prompt(prompt, tokenizer) -> list[int]:
 
 
 def chat_prompt(body: dict, tokenizer) -> list[int]:
-    """A chat request's messages through the model's chat template, ending with the assistant's turn."""
+    """A chat request's messages through the model's chat template, ending with the assistant's turn; its ``tools``
+    go to the template too (as vLLM passes them, also with tool_choice 'none'), an assistant message's
+    ``tool_calls`` with their arguments as objects, a tool message with its ``tool_call_id``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -417,9 +435,8 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
             raise ApiError(400, "each message must be an object with a 'role'", param="messages")
         role = CHAT_ROLES.get(message["role"])
         if role is None:
-            raise ApiError(400, f"a message's role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}"
-                                + (" (tool calls are not supported)" if message["role"] in ("tool", "function")
-                                   else ""), param="messages")
+            raise ApiError(400, f"a message's role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}",
+                           param="messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -427,13 +444,37 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
             content = "".join(str(p.get("text", "")) for p in content)
         if content is not None and not isinstance(content, str):
             raise ApiError(400, "a message's 'content' must be a string or a list of text parts", param="messages")
-        conversation.append({"role": role, "content": content or ""})
+        entry = {"role": role, "content": content or ""}
+        if role == "assistant" and message.get("tool_calls"):
+            entry["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
+        if role == "tool" and message.get("tool_call_id") is not None:
+            entry["tool_call_id"] = message["tool_call_id"]
+        conversation.append(entry)
+    tools = body.get("tools") or None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ApiError(400, "'tools' must be a list of tool objects", param="tools")
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_tensors="np")["input_ids"]
+        ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
+                                            return_tensors="np")["input_ids"]
     except VkformersError as exc:  # no chat template, or one that fails on these messages
         raise ApiError(400, f"the chat template cannot render these messages: {exc} (vkformers serve --chat-template "
                             "gives one)", param="messages") from None
     return [int(t) for t in np.asarray(ids)[0]]
+
+
+def _template_tool_call(call) -> dict:
+    """An assistant message's tool call as chat templates read it: the function, its arguments an object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, "each tool call must hold a 'function' with a 'name'", param="messages")
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ApiError(400, f"the arguments of the call to {function['name']!r} are not JSON",
+                           param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def embedding_inputs(body: dict) -> list:
@@ -637,10 +678,12 @@ class LoopMailbox:
 
 
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
-              embedder: Embedder | None = None, sampling_defaults: dict | None = None, adapters: dict | None = None):
+              embedder: Embedder | None = None, sampling_defaults: dict | None = None, adapters: dict | None = None,
+              tool_call_parser: str | None = None):
     """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
     name ``served``; the routes of the other kind answer 400. ``sampling_defaults``: see sampling_params.
-    ``adapters``: name -> folder of the scheduler's adapters (in its order), each also served under its name."""
+    ``adapters``: name -> folder of the scheduler's adapters (in its order), each also served under its name.
+    ``tool_call_parser``: a TOOL_CALL_PARSERS name, for chat requests with tools (models/tool_calls.py)."""
     web_modules()
     # the optional [serve] extra, imported once the command runs (web_modules said how to install it)
     from starlette.applications import Starlette
@@ -741,7 +784,11 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 raise wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
             prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer)
             settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
-                                        defaults=sampling_defaults) for p in prompts]
+                                        defaults=sampling_defaults, tools=tool_call_parser is not None)
+                        for p in prompts]
+            calling = chat and tool_call_parser is not None and bool(body.get("tools")) \
+                and body.get("tool_choice") != "none"
+            parser = TOOL_CALL_PARSERS[tool_call_parser]() if calling else None
             params = settings[0]
             n = _number(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
@@ -776,7 +823,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": name}
         if stream:
-            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens),
+            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         total = len(choices)
         texts, entries, finish, counts = [""] * total, [[] for _ in range(total)], [None] * total, [0] * total
@@ -806,17 +853,27 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         results = []
         for index in range(total):
             if chat:
-                results.append({"index": index, "message": {"role": "assistant", "content": texts[index]},
-                                "logprobs": chat_logprobs(tokenizer, entries[index])
-                                if params.logprobs is not None else None, "finish_reason": finish[index]})
+                message, reason = {"role": "assistant", "content": texts[index]}, finish[index]
+                if parser is not None:
+                    content, calls = parser.parse(texts[index])
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [call.api() for call in calls]}
+                        reason = "tool_calls"
+                results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, entries[index])
+                                if params.logprobs is not None else None, "finish_reason": reason})
             else:
                 results.append({"index": index, "text": texts[index], "finish_reason": finish[index],
                                 "logprobs": completion_logprobs(tokenizer, entries[index], 0, texts[index])
                                 if params.logprobs is not None else None})
         return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(counts))})
 
-    async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int):
+    async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
+                            parser=None):
+        """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
+        calls sent whole in the last chunk)."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        held = [ToolCallStream(parser) for _ in choices] if parser is not None else None
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
@@ -832,15 +889,24 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
-                if update.text or update.logprobs or update.finish_reason:
+                text, reason, extra = update.text, update.finish_reason, {}
+                if held is not None:
+                    text = held[index].feed(text)
+                    if reason:
+                        rest, calls = held[index].finish()
+                        text += rest
+                        if calls:
+                            extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
+                            reason = "tool_calls"
+                if text or extra or update.logprobs or reason:
                     logprobs = None
                     if logprobs_wanted:
                         logprobs = chat_logprobs(tokenizer, update.logprobs) if chat else \
-                            completion_logprobs(tokenizer, update.logprobs, sent[index], update.text)
-                    delta = {"content": update.text} if update.text or not update.finish_reason else {}
-                    choice = {"index": index, "delta": delta} if chat else {"index": index, "text": update.text}
-                    yield event({**choice, "logprobs": logprobs, "finish_reason": update.finish_reason})
-                    sent[index] += len(update.text)
+                            completion_logprobs(tokenizer, update.logprobs, sent[index], text)
+                    delta = {"content": text} if text or not reason else {}
+                    choice = {"index": index, "delta": {**delta, **extra}} if chat else {"index": index, "text": text}
+                    yield event({**choice, "logprobs": logprobs, "finish_reason": reason})
+                    sent[index] += len(text)
                 if update.finish_reason:
                     counts[index] = update.completion_tokens
                     running -= 1

@@ -1,0 +1,144 @@
+"""Tool calls in `vkformers serve` (models/tool_calls.py, --enable-auto-tool-choice --tool-call-parser hermes): the
+request's tools and earlier calls reach the chat template; a reply holding calls in Hermes' format comes back as
+OpenAI's tool_calls through the real openai client, whole and streamed (no tag text leaking into the content);
+replies without calls, or whose calls do not parse, stay text; tool choices the server cannot honour are 400s.
+
+The replies are scripted (a scheduler that answers each request with a fixed text in pieces): what is tested is
+the parsing and the wire format, which a random model would never exercise."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from test_serve import free_port, openai, uvicorn, wait_for, web  # noqa: F401  (web: a fixture)
+
+from vkformers.cli import serve as cli_serve
+from vkformers.models.batching import Update
+from vkformers.models.loading import AutoTokenizer
+from vkformers.models.tool_calls import HermesToolCalls, ToolCall, ToolCallStream
+
+TEMPLATE = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>"
+            "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% for c in m.get('tool_calls', []) %}call {{ c['function']['name'] }} {{ c['function']['arguments'] "
+            "| tojson }}{% endfor %}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                           "parameters": CITY}}]
+CALLING = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+
+
+def test_the_hermes_parser_and_the_stream_holder():
+    parser = HermesToolCalls()
+    assert parser.parse(CALLING) == ("Let me check.", [ToolCall("get_weather", {"city": "Paris"})])
+    assert parser.parse(TWO_CALLS)[1] == [ToolCall("get_weather", {"city": "Paris"}),
+                                          ToolCall("get_weather", {"city": "Rome"})]
+    assert parser.parse("no call here") == ("no call here", [])
+    assert parser.parse("<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    assert parser.parse('<tool_call>{"name": "f", "arguments": {}}')[1] == [ToolCall("f", {})]  # cut at the end
+    stream = ToolCallStream(parser)
+    pieces = ["Let me ", "check.\n<to", "ol_call>\n{\"name\": ", "\"get_weather\", \"arguments\": {\"city\": ",
+              "\"Paris\"}}\n</tool_call>"]
+    sent = "".join(stream.feed(p) for p in pieces)
+    assert sent == "Let me check.\n" and stream.finish() == ("", [ToolCall("get_weather", {"city": "Paris"})])
+    plain = ToolCallStream(parser)
+    assert plain.feed("a <b") + plain.feed("> c <") == "a <b> c " and plain.finish() == ("<", [])
+
+
+class ScriptedScheduler:
+    """Stands in for BatchScheduler: each request gets ``reply`` in pieces of 5 characters, then its end."""
+
+    max_model_len, eos, adapters, error, last_error = 4096, [], None, None, None
+
+    def __init__(self):
+        self.reply, self.prompts = "", []
+
+    def submit(self, request):
+        self.prompts.append(request.prompt)
+        pieces = [self.reply[i:i + 5] for i in range(0, len(self.reply), 5)] or [""]
+
+        def answer():
+            for i, piece in enumerate(pieces):
+                last = i == len(pieces) - 1
+                request.on_update(Update(piece, [], "stop" if last else None, i + 1))
+        threading.Thread(target=answer, daemon=True).start()
+        return request
+
+
+@pytest.fixture(scope="module")
+def served(web):  # noqa: F811 (the fixture)
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "pipeline")
+    tokenizer.chat_template = TEMPLATE
+    scheduler = ScriptedScheduler()
+    app = cli_serve.build_app(scheduler, tokenizer, "tiny", tool_call_parser="hermes")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30)
+    yield scheduler, tokenizer, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    server.should_exit = True
+    thread.join(30)
+
+
+def ask(client, **extra):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          tools=TOOLS, **extra)
+
+
+def test_a_call_comes_back_as_tool_calls_and_the_tools_reach_the_template(served):
+    scheduler, tokenizer, client = served
+    scheduler.reply = CALLING
+    out = ask(client)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert tokenizer.decode(scheduler.prompts[-1]).startswith("<|system|>tools: get_weather<|end|><|user|>")
+    scheduler.reply = "It is sunny."
+    followup = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    out = client.chat.completions.create(model="tiny", messages=followup, tools=TOOLS)
+    assert out.choices[0].message.content == "It is sunny." and out.choices[0].message.tool_calls is None
+    assert out.choices[0].finish_reason == "stop"
+    rendered = tokenizer.decode(scheduler.prompts[-1])
+    assert 'call get_weather {"city": "Paris"}<|end|><|tool|>sunny<|end|><|assistant|>' in rendered
+
+
+def test_streamed_calls_come_whole_in_the_last_chunk_and_no_tag_leaks(served):
+    scheduler, _, client = served
+    scheduler.reply = TWO_CALLS
+    chunks = list(ask(client, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert "<tool" not in content and content.strip() == ""
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Rome"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    scheduler.reply = "<tool_call>{broken</tool_call> so text"
+    chunks = list(ask(client, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == scheduler.reply
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_tool_choices_the_server_cannot_honour_are_refused(served):
+    _, _, client = served
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            ask(client, tool_choice=choice)
+    with pytest.raises(cli_serve.ApiError, match="tool calls are not enabled") as refused:  # a server without parser
+        cli_serve.refuse_unsupported({"tools": TOOLS}, chat=True)
+    assert refused.value.status == 400
+    cli_serve.refuse_unsupported({"tools": TOOLS, "tool_choice": "none"}, chat=True)  # the tools only rendered
+
+
+def test_the_two_options_go_together(web, capsys):  # noqa: F811 (the fixture)
+    from vkformers.cli import main
+    model = str(Path(__file__).parent / "data" / "pipeline")
+    assert main(["serve", model, "--port", str(free_port()), "--enable-auto-tool-choice"]) == 1
+    assert "--enable-auto-tool-choice and --tool-call-parser go together" in capsys.readouterr().err
