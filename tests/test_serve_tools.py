@@ -17,7 +17,8 @@ from test_serve import free_port, openai, uvicorn, wait_for, web  # noqa: F401  
 from vkformers.cli import serve as cli_serve
 from vkformers.models.batching import Update
 from vkformers.models.loading import AutoTokenizer
-from vkformers.models.tool_calls import HermesToolCalls, ToolCall, ToolCallStream
+from vkformers.models.tool_calls import (HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls, ToolCall,
+                                         ToolCallStream)
 
 TEMPLATE = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>"
             "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -46,6 +47,29 @@ def test_the_hermes_parser_and_the_stream_holder():
     assert sent == "Let me check.\n" and stream.finish() == ("", [ToolCall("get_weather", {"city": "Paris"})])
     plain = ToolCallStream(parser)
     assert plain.feed("a <b") + plain.feed("> c <") == "a <b> c " and plain.finish() == ("<", [])
+
+
+def test_the_llama3_json_and_mistral_parsers():
+    llama = Llama3JsonToolCalls()
+    weather = ToolCall("get_weather", {"city": "Paris"})
+    assert llama.parse('{"name": "get_weather", "parameters": {"city": "Paris"}}') == (None, [weather])
+    assert llama.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                       '{"name": "get_weather", "parameters": {"city": "Rome"}}')[1] == [
+        weather, ToolCall("get_weather", {"city": "Rome"})]
+    assert llama.parse("It is sunny.") == ("It is sunny.", [])
+    assert llama.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
+    stream = ToolCallStream(llama)
+    assert stream.feed(" <|py") + stream.feed('thon_tag|>{"name": "get_weather", ') == ""
+    assert stream.feed('"parameters": {"city": "Paris"}}') == "" and stream.finish() == ("", [weather])
+    prose = ToolCallStream(llama)
+    assert prose.feed("It is") + prose.feed(" {sunny}") == "It is {sunny}" and prose.finish() == ("", [])
+    mistral = MistralToolCalls()
+    assert mistral.parse('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (
+        "Sure.", [weather])
+    assert mistral.parse("[TOOL_CALLS] [broken") == ("[TOOL_CALLS] [broken", [])
+    stream = ToolCallStream(mistral)
+    assert stream.feed("Sure. [TOOL") + stream.feed('_CALLS] [{"name": "get_weather", "arguments": {}}]') == "Sure. "
+    assert stream.finish() == ("", [ToolCall("get_weather", {})])
 
 
 class ScriptedScheduler:

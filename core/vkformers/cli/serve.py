@@ -104,7 +104,8 @@ def add_parser(subparsers):
                              "template and the model's calls come back as 'tool_calls' (needs --tool-call-parser)")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's format of tool calls: hermes (Hermes, Qwen 2.5 and Qwen 3: JSON between "
-                             "<tool_call> tags)")
+                             "<tool_call> tags), llama3_json (Llama 3.1-3.3: the reply a JSON call), mistral "
+                             "([TOOL_CALLS] and a JSON list)")
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
     parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),

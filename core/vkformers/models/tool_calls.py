@@ -2,12 +2,17 @@
 --tool-call-parser NAME``, vLLM's options).
 
 A chat request's ``tools`` go to the chat template, which tells the model how to call them; the model then writes
-its calls in its own format, which a parser turns into the API's ``tool_calls``. ``hermes`` is the format of Hermes,
-Qwen 2.5 and Qwen 3 templates: each call a JSON object {"name": ..., "arguments": {...}} between ``<tool_call>`` and
-``</tool_call>``, after any text. Output whose calls do not parse stays text, as vLLM leaves it.
+its calls in its own format, which a parser turns into the API's ``tool_calls``:
 
-While a reply streams, :class:`ToolCallStream` holds back the text from where a call may begin (the start tag, or
-what may be its first characters), so the calls never reach the client as text; the calls come whole at the end.
+- ``hermes`` (Hermes, Qwen 2.5 and Qwen 3 templates): each call a JSON object {"name": ..., "arguments": {...}}
+  between ``<tool_call>`` and ``</tool_call>``, after any text;
+- ``llama3_json`` (Llama 3.1 - 3.3 templates): the whole reply a JSON object {"name": ..., "parameters": {...}}, or
+  several separated by ";", optionally after ``<|python_tag|>``;
+- ``mistral`` (Mistral's templates): ``[TOOL_CALLS]`` then a JSON list of {"name": ..., "arguments": {...}}.
+
+Output whose calls do not parse stays text, as vLLM leaves it. While a reply streams, :class:`ToolCallStream` holds
+back the text from where a call may begin (``held_from``), so the calls never reach the client as text; the calls
+come whole at the end.
 """
 from __future__ import annotations
 
@@ -29,7 +34,34 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-class HermesToolCalls:
+def _call(value) -> ToolCall | None:
+    """A {"name": ..., "arguments" or "parameters": {...}} object as a call, or None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
+
+
+class TaggedToolCalls:
+    """Calls after a start marker that may follow text: the stream holds the text back from the marker, or from a
+    tail that may be its first characters."""
+
+    start = ""
+
+    def held_from(self, text: str, sent: int) -> int:
+        found = text.find(self.start, sent)
+        if found >= 0:
+            return found
+        for keep in range(min(len(self.start) - 1, len(text) - sent), 0, -1):
+            if self.start.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def first(self, text: str) -> int:
+        return text.find(self.start)
+
+
+class HermesToolCalls(TaggedToolCalls):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or more, after the reply's text."""
 
     start = "<tool_call>"
@@ -45,19 +77,72 @@ class HermesToolCalls:
         for body in re.findall(re.escape(self.start) + r"(.*?)(?:" + re.escape(self.end) + r"|$)", text[first:],
                                flags=re.S):
             try:
-                value = json.loads(body.strip())
+                call = _call(json.loads(body.strip()))
             except json.JSONDecodeError:
+                call = None
+            if call is None:
                 return text, []
-            arguments = value.get("arguments", value.get("parameters", {})) if isinstance(value, dict) else None
-            if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(arguments,
-                                                                                                      dict):
-                return text, []
-            calls.append(ToolCall(value["name"], arguments))
+            calls.append(call)
         content = text[:first].strip()
         return (content or None), calls
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls}
+class MistralToolCalls(TaggedToolCalls):
+    """``[TOOL_CALLS]`` then a JSON list of calls, after the reply's text."""
+
+    start = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        first = text.find(self.start)
+        if first < 0:
+            return text, []
+        try:
+            values = json.loads(text[first + len(self.start):].strip())
+        except json.JSONDecodeError:
+            return text, []
+        calls = [_call(v) for v in (values if isinstance(values, list) else [values])]
+        if not calls or None in calls:
+            return text, []
+        return (text[:first].strip() or None), calls
+
+
+class Llama3JsonToolCalls:
+    """The whole reply one JSON call, or several separated by ";", optionally after ``<|python_tag|>``."""
+
+    tag = "<|python_tag|>"
+
+    def held_from(self, text: str, sent: int) -> int:
+        """All of it while the reply may still be a call (blank so far, the tag or its beginning, or JSON)."""
+        if sent:  # text went out already: the reply is not a call
+            return len(text)
+        head = text.lstrip()
+        if self.tag.startswith(head):
+            return 0
+        body = head[len(self.tag):].lstrip() if head.startswith(self.tag) else head
+        return 0 if not body or body[0] == "{" else len(text)
+
+    def first(self, text: str) -> int:
+        return 0
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip()
+        body = body[len(self.tag):].strip() if body.startswith(self.tag) else body
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        try:
+            while at < len(body):
+                value, at = decoder.raw_decode(body, at)
+                calls.append(_call(value))
+                at = len(body) - len(body[at:].lstrip().lstrip(";").lstrip())
+        except json.JSONDecodeError:
+            return text, []
+        if None in calls:
+            return text, []
+        return None, calls
+
+
+TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls, "mistral": MistralToolCalls}
 
 
 class ToolCallStream:
@@ -69,14 +154,8 @@ class ToolCallStream:
 
     def feed(self, piece: str) -> str:
         self.text += piece
-        start = self.text.find(self.parser.start, self.sent)
-        if start < 0:  # hold back a tail that may be the start tag's beginning
-            start = len(self.text)
-            for keep in range(min(len(self.parser.start) - 1, len(self.text) - self.sent), 0, -1):
-                if self.parser.start.startswith(self.text[-keep:]):
-                    start = len(self.text) - keep
-                    break
-        out, self.sent = self.text[self.sent:start], max(self.sent, start)
+        start = max(self.parser.held_from(self.text, self.sent), self.sent)
+        out, self.sent = self.text[self.sent:start], start
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -84,5 +163,5 @@ class ToolCallStream:
         _, calls = self.parser.parse(self.text)
         if not calls:
             return self.text[self.sent:], []
-        first = self.text.find(self.parser.start)
+        first = self.parser.first(self.text)
         return (self.text[self.sent:first].rstrip() if first > self.sent else ""), calls
