@@ -712,10 +712,10 @@ def test_vllm_and_openai_options_a_client_sends(server, tiny):
 
 
 def test_options_this_server_cannot_honour_are_refused(server):
-    """Structured output and tool calls would be ignored and the answer wrong: a 400 naming the parameter."""
+    """Output to a schema and tool calls without a parser would be ignored and the answer wrong: a 400 naming the
+    parameter."""
     chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for body, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                         ({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
                         ({"stop_token_ids": "2"}, "stop_token_ids")):
@@ -1044,3 +1044,15 @@ def test_a_chat_without_a_template_is_a_400_and_chat_template_gives_one(tmp_path
         cli_serve.read_chat_template(str(tmp_path / "missing.jinja"))
     bare.chat_template = template
     assert cli_serve.chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare) == encode_plain(bare, "hi")
+
+
+def test_json_mode_answers_a_json_object(server):
+    """response_format json_object: the reply is a valid beginning of a JSON object (a whole one when it stops)."""
+    from vkformers.models.json_mode import JsonPrefix
+    out = server["client"].chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=12, temperature=0,
+                                                   response_format={"type": "json_object"})
+    text = out.choices[0].message.content
+    assert text.startswith("{") and JsonPrefix().feed(text) is not None, text
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)

@@ -342,7 +342,7 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
                           presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
-                          logit_bias=logit_bias(body))
+                          logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object")
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -376,16 +376,22 @@ def stop_token_ids(body: dict) -> list[int]:
     return value
 
 
+def response_kind(body: dict) -> str:
+    """The request's response_format type ("text" when it gives none)."""
+    response_format = body.get("response_format")
+    if response_format is None:
+        return "text"
+    return response_format.get("type") if isinstance(response_format, dict) else response_format
+
+
 def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
     """A 400 for what this server would otherwise ignore and answer wrongly: structured output, tool calls that no
     parser reads (``tools``: the server has one), a tool choice that would need constrained decoding."""
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        if kind != "text":
-            raise ApiError(400, f"'response_format' of type {kind!r} is not supported: this server does not "
-                                "constrain the output to JSON; leave response_format out (or 'text') and ask for "
-                                "JSON in the prompt", param="response_format")
+    kind = response_kind(body)
+    if kind not in ("text", "json_object"):
+        raise ApiError(400, f"'response_format' of type {kind!r} is not supported: this server constrains the output "
+                            "to a JSON object (json_object), not to a schema; ask for json_object and describe the "
+                            "schema in the prompt", param="response_format")
     if not chat and body.get("suffix"):
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
     choice = body.get("tool_choice")

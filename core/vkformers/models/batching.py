@@ -74,8 +74,9 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
-from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
+from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax, sampling_probabilities
 from vkformers.models.inputs import check_model_inputs
+from vkformers.models.json_mode import JsonChoice
 from vkformers.models.paged_cache import (LOOKAHEAD, PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache,
                                           block_bytes, prefix_keys)
 from vkformers.runtime import dtypes as dt
@@ -129,6 +130,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    json_mode: bool = False  # the output one JSON object (OpenAI's response_format json_object)
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -151,7 +153,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        """Whether the host must choose this request's tokens from its own scores (penalties, bias, JSON mode)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.json_mode)
 
 
 @dataclass
@@ -189,6 +192,7 @@ class Request:
         self.cancelled = False
         self.arrived = time.perf_counter()
         self.first_token_at: float | None = None
+        self.json: JsonChoice | None = None  # params.json_mode: where its JSON object is
 
     @property
     def finished(self) -> bool:
@@ -278,6 +282,7 @@ class BatchScheduler:
                  cache_salt: str = "", gpu_memory_utilization: float | None = None, adapters=None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         self._adapter_scales: dict[int, tuple[Tensor, np.ndarray]] = {}  # rows -> persistent scales, their values
+        self._token_texts: dict[int, str] = {}  # JSON mode: each token's text, decoded once
         self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
         self.max_model_len = int(max_model_len or limit or 2048)
@@ -834,8 +839,8 @@ class BatchScheduler:
     def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache,
                  requests: list[Request] = ()) -> np.ndarray:
         """One prefill forward of ``ids`` [rows, T] into ``cache`` (``mask`` over its stored tokens and these) for
-        the ``requests`` of its first rows (the others: the base model): the last column's logits. Replays the recorded plan of earlier prefills
-        of its shape where it can."""
+        the ``requests`` of its first rows (the others: the base model): the last column's logits. Replays the
+        recorded plan of earlier prefills of its shape where it can."""
         began = time.perf_counter()
         capture = self._prefill_capture(ids, mask, positions, cache)
         replays = capture.replays if capture is not None else 0
@@ -1157,6 +1162,12 @@ class BatchScheduler:
             chosen_from = _adjusted(scores, request) if params.adjusts_logits else scores
             if chosen is not None:
                 token = int(chosen[row])
+            elif params.json_mode:
+                if request.json is None:
+                    request.json = JsonChoice(self._token_text, request.eos)
+                probs = None if params.temperature == 0 else sampling_probabilities(
+                    chosen_from, params.temperature, params.top_k, params.top_p, params.min_p)[0]
+                token = request.json.choose(probs, chosen_from[0], request.rng)
             elif params.temperature == 0:
                 token = int(chosen_from.argmax(axis=-1)[0])
             else:
@@ -1172,6 +1183,15 @@ class BatchScheduler:
             if params.logprobs is not None:
                 request.pending_logprobs.append(_logprob(scores[0], token, params.logprobs))
             self._advance_text(request, token)
+            if request.json is not None and request.json.state.complete and not request.eos \
+                    and not request.finished:  # no end token to close with: the object is the whole output
+                self._finish(request, FINISH_STOP)
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _advance_text(self, request: Request, token: int) -> None:
         params = request.params
