@@ -156,11 +156,14 @@ class JsonChoice:
         if self.state.complete and self.ends:
             return max(self.ends, key=lambda e: scores[e])
         if probs is None:
-            for token in np.argsort(-scores, kind="stable"):
-                state = self._next(int(token))
-                if state is not None:
-                    self.state = state
-                    return int(token)
+            head = min(64, len(scores) - 1)  # the likeliest first: the whole vocabulary sorted only if none fits
+            top = np.argpartition(-scores, head)[:head + 1]
+            for order in (top[np.lexsort((top, -scores[top]))], np.argsort(-scores, kind="stable")):
+                for token in order:
+                    state = self._next(int(token))
+                    if state is not None:
+                        self.state = state
+                        return int(token)
         else:
             probs = np.array(probs, np.float64)
             while probs.sum() > 0:
