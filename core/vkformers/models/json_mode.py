@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from vkformers.errors import InputError
+
 WHITESPACE = " \t\n\r"
 # Whitespace between tokens at most this long in a row (indentation deep enough for pretty-printed JSON): a model
 # that prefers blanks cannot fill its output with them
@@ -174,4 +176,5 @@ class JsonChoice:
                     return token
                 probs[token] = 0.0
             return self.choose(None, scores)  # every token the warpers kept is refused: the likeliest valid one
-        raise ValueError("no token continues the JSON object")
+        raise InputError("JSON mode: no token of this tokenizer continues the JSON object; leave response_format "
+                         "out for this model")
