@@ -30,6 +30,7 @@ from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
 from vkformers.models.generation_settings import (GenerateDecoderOnlyOutput, LogitRules, config_value,
                                                    generation_sources, pop_output_request, resolve_call)
+from vkformers.models.generation_settings import softmax64 as _softmax
 from vkformers.models.inputs import check_model_inputs, check_prompt_length
 from vkformers.runtime import dtypes as dt
 
@@ -510,12 +511,6 @@ def apply_top_p(scores: np.ndarray, top_p: float) -> np.ndarray:
     remove = np.zeros_like(remove_sorted)
     np.put_along_axis(remove, order, remove_sorted, axis=-1)
     return np.where(remove, -np.inf, scores)
-
-
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    z = scores.astype(np.float64)
-    z = np.exp(z - z.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
 
 
 def apply_min_p(scores: np.ndarray, min_p: float) -> np.ndarray:

@@ -262,7 +262,8 @@ def pop_stop_strings(options: dict, beams: int = 1) -> StopStrings | None:
     return StopStrings(strings, tokenizer)
 
 
-def _probabilities(scores: np.ndarray) -> np.ndarray:
+def softmax64(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis in float64 (what sampling draws from; -inf scores get 0)."""
     z = scores.astype(np.float64)
     z = np.exp(z - z.max(axis=-1, keepdims=True))
     return z / z.sum(axis=-1, keepdims=True)
@@ -277,7 +278,7 @@ def _below(scores: np.ndarray, drop: np.ndarray) -> np.ndarray:
 def _typical(scores: np.ndarray, mass: float) -> np.ndarray:
     """transformers' TypicalLogitsWarper: keep the tokens whose surprisal is closest to the entropy, in that order,
     until their probability reaches ``mass`` (the first always kept)."""
-    probs = _probabilities(scores)
+    probs = softmax64(scores)
     with np.errstate(divide="ignore", invalid="ignore"):
         log_probs = np.log(probs)
         entropy = -np.nansum(log_probs * probs, axis=-1, keepdims=True)
@@ -382,9 +383,9 @@ class LogitRules:
         if self.typical_p < 1.0:
             scores = _typical(scores, self.typical_p)
         if 0.0 < self.epsilon_cutoff < 1.0:
-            scores = _below(scores, _probabilities(scores) < self.epsilon_cutoff)
+            scores = _below(scores, softmax64(scores) < self.epsilon_cutoff)
         if 0.0 < self.eta_cutoff < 1.0:
-            probs = _probabilities(scores)
+            probs = softmax64(scores)
             with np.errstate(divide="ignore", invalid="ignore"):
                 entropy = -np.nansum(np.where(probs > 0, probs * np.log(probs), 0.0), axis=-1, keepdims=True)
             eta = np.minimum(self.eta_cutoff, np.sqrt(self.eta_cutoff) * np.exp(-entropy))
