@@ -214,3 +214,26 @@ def test_cli_train_from_scratch_then_lora_then_merge(tmp_path, capsys):
     expected = with_adapter(ids).logits.numpy()
     np.testing.assert_allclose(merged(ids).logits.numpy(), expected, rtol=1e-4, atol=1e-4)
     assert np.abs(plain(ids).logits.numpy() - expected).max() > 1e-4  # the adapter did something
+
+
+def test_disable_adapter_gives_the_base_model_and_then_the_adapter_again():
+    """PEFT's disable_adapter(): inside it logits and generate's tokens are the base model's (its recorded decode
+    steps dropped on the way in and out), after it the adapted model's again."""
+    from vkformers.models.loading import AutoModelForCausalLM
+    folder = Path(__file__).parent / "data" / "pipeline"
+    base = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
+    apply_lora(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    rng = np.random.default_rng(1)
+    for _, layer in model.named_modules():
+        if isinstance(layer, LoraLinear):
+            layer.lora_B.weight = vkf.parameter(rng.standard_normal(layer.lora_B.weight.shape).astype(np.float32))
+    ids = np.array([[5, 17, 22, 9, 14, 41]], np.int64)
+    adapted_logits, adapted_tokens = model(ids).logits.numpy(), model.generate(ids, max_new_tokens=6)
+    base_tokens = base.generate(ids, max_new_tokens=6)
+    assert adapted_tokens.tolist() != base_tokens.tolist()
+    with model.disable_adapter():
+        np.testing.assert_allclose(model(ids).logits.numpy(), base(ids).logits.numpy(), rtol=0, atol=1e-6)
+        assert model.generate(ids, max_new_tokens=6).tolist() == base_tokens.tolist()
+    np.testing.assert_allclose(model(ids).logits.numpy(), adapted_logits, rtol=0, atol=1e-6)
+    assert model.generate(ids, max_new_tokens=6).tolist() == adapted_tokens.tolist()

@@ -44,7 +44,7 @@ def grouped_linear(rows, linears, spans):
     :func:`linears_can_be_grouped`)."""
     y = F.grouped_matmul(rows, [linear.weight.transpose(0, 1) for linear in linears], spans)
     first = linears[0]
-    if not hasattr(first, "lora_A"):
+    if not hasattr(first, "lora_A") or first.adapter_disabled:
         return y
     h = F.dropout(rows, first.dropout, training=first.training).float()
     low = F.grouped_matmul(h, [linear.lora_A.weight.transpose(0, 1) for linear in linears], spans)

@@ -151,10 +151,14 @@ class LoraLinear(Linear):
         self.lora_B.weight = parameter(np.zeros((self.out_features, self.r), np.float32), dtype=dt.float32,
                                        name="lora_B")
 
+    adapter_disabled = False  # Module.disable_adapter: the base layer alone
+
     def forward(self, x, live_rows=None):
         """``live_rows``: as Linear's (a mixture-of-experts expert's list of tokens); the adapter's products
         skip the same padding rows."""
         y = super().forward(x, live_rows)
+        if self.adapter_disabled:
+            return y
         h = F.dropout(x, self.dropout, training=self.training).float()
         update = F.linear(F.linear(h, self.lora_A.weight, live_rows=live_rows), self.lora_B.weight,
                           live_rows=live_rows) * self.scaling

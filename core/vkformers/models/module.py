@@ -8,6 +8,7 @@ names (``model.layers.0.self_attn.q_proj.weight``). A weight too large for one d
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -251,6 +252,24 @@ class Module:
                 module.merge_and_unwrap(name)
         self.__dict__.pop("lora_config", None)
         return self
+
+    @contextmanager
+    def disable_adapter(self):
+        """PEFT's context: inside it every LoRA layer computes its base layer alone (a reference model without
+        moving weights); recorded generate steps are dropped on the way in and out, since their graphs differ."""
+        layers = [m for _, m in self.named_modules() if hasattr(m, "adapter_disabled")]
+        forget = getattr(self, "forget_captures", None)
+        if forget is not None:
+            forget()
+        for layer in layers:
+            layer.adapter_disabled = True
+        try:
+            yield self
+        finally:
+            for layer in layers:
+                layer.adapter_disabled = False
+            if forget is not None:
+                forget()
 
     def num_parameters(self, only_trainable: bool = False) -> int:
         """How many values the parameters hold (a tied parameter once; a quantized weight by its logical shape),
