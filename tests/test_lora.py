@@ -218,7 +218,7 @@ def test_cli_train_from_scratch_then_lora_then_merge(tmp_path, capsys):
 
 def test_disable_adapter_gives_the_base_model_and_then_the_adapter_again():
     """PEFT's disable_adapter(): inside it logits and generate's tokens are the base model's (its recorded decode
-    steps dropped on the way in and out), after it the adapted model's again."""
+    steps dropped on the way in and out), after it the adapted model's again; unload() drops the adapters."""
     from vkformers.models.loading import AutoModelForCausalLM
     folder = Path(__file__).parent / "data" / "pipeline"
     base = AutoModelForCausalLM.from_pretrained(folder, requires_grad=False)
@@ -237,3 +237,5 @@ def test_disable_adapter_gives_the_base_model_and_then_the_adapter_again():
         assert model.generate(ids, max_new_tokens=6).tolist() == base_tokens.tolist()
     np.testing.assert_allclose(model(ids).logits.numpy(), adapted_logits, rtol=0, atol=1e-6)
     assert model.generate(ids, max_new_tokens=6).tolist() == adapted_tokens.tolist()
+    assert model.unload() is model and not any(isinstance(m, LoraLinear) for _, m in model.named_modules())
+    assert model.generate(ids, max_new_tokens=6).tolist() == base_tokens.tolist()  # PEFT's unload: the base again

@@ -253,6 +253,18 @@ class Module:
         self.__dict__.pop("lora_config", None)
         return self
 
+    def unload(self) -> "Module":
+        """PEFT's name: drop every adapter layer's adapter, unmerged (models/lora.py's LoraLinear.unwrap); returns
+        the base model."""
+        for _, module in list(self.named_modules()):
+            if hasattr(module, "merge_and_unwrap"):
+                module.unwrap()
+        self.__dict__.pop("lora_config", None)
+        forget = getattr(self, "forget_captures", None)
+        if forget is not None:
+            forget()
+        return self
+
     @contextmanager
     def disable_adapter(self):
         """PEFT's context: inside it every LoRA layer computes its base layer alone (a reference model without
