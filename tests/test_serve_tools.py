@@ -144,6 +144,10 @@ def test_streamed_calls_come_whole_in_the_last_chunk_and_no_tag_leaks(served):
     assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
         (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Rome"})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    scheduler.reply = TWO_CALLS
+    out = ask(client, parallel_tool_calls=False)  # OpenAI's option: the first call only
+    assert [t.function.name for t in out.choices[0].message.tool_calls] == ["get_weather"]
+    assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
     scheduler.reply = "<tool_call>{broken</tool_call> so text"
     chunks = list(ask(client, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == scheduler.reply

@@ -43,7 +43,7 @@ from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
-from vkformers.models.tool_calls import TOOL_CALL_PARSERS, ToolCallStream
+from vkformers.models.tool_calls import TOOL_CALL_PARSERS, FirstCallOnly, ToolCallStream
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -796,6 +796,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             calling = chat and tool_call_parser is not None and bool(body.get("tools")) \
                 and body.get("tool_choice") != "none"
             parser = TOOL_CALL_PARSERS[tool_call_parser]() if calling else None
+            if parser is not None and body.get("parallel_tool_calls") is False:
+                parser = FirstCallOnly(parser)
             params = settings[0]
             n = _number(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:

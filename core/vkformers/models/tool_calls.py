@@ -145,6 +145,20 @@ class Llama3JsonToolCalls:
 TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls, "mistral": MistralToolCalls}
 
 
+class FirstCallOnly:
+    """A parser whose replies keep their first call only (OpenAI's ``parallel_tool_calls: false``)."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+    def __getattr__(self, name):
+        return getattr(self.parser, name)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = self.parser.parse(text)
+        return content, calls[:1]
+
+
 class ToolCallStream:
     """A streamed reply's text through a parser: ``feed`` returns what may be sent now (the text before any
     possible start of a call), ``finish`` the rest as (text, calls)."""
