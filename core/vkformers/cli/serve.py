@@ -747,6 +747,15 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             raise unknown_model(model)
         return body
 
+    async def route_body(request, route: str, runner) -> dict:
+        """An authorized request's JSON body, for a route that runs on ``runner`` (the scheduler or the embedder:
+        a 400 when this server has the other kind)."""
+        authorize(request)
+        body = await read_body(request)
+        if runner is None:
+            raise wrong_kind(route)
+        return body
+
     async def health(request):
         if scheduler is not None and scheduler.error is not None:
             return JSONResponse({"status": "error", "error": str(scheduler.error)}, status_code=503)
@@ -785,10 +794,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
 
     async def complete(request, chat: bool):
         try:
-            authorize(request)
-            body = await read_body(request)
-            if scheduler is None:
-                raise wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
+            body = await route_body(request, "/v1/chat/completions" if chat else "/v1/completions", scheduler)
             prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer)
             settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
                                         defaults=sampling_defaults, tools=tool_call_parser is not None)
@@ -930,10 +936,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def tokenize(request):
         """vLLM's /tokenize: a completion's ``prompt`` or a chat's ``messages`` as the model reads them."""
         try:
-            authorize(request)
-            body = await read_body(request)
-            if scheduler is None:
-                raise wrong_kind("/tokenize")
+            body = await route_body(request, "/tokenize", scheduler)
             if "messages" in body:
                 tokens = chat_prompt(body, tokenizer)
             else:
@@ -950,8 +953,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def detokenize(request):
         """vLLM's /detokenize: token ids back to text."""
         try:
-            authorize(request)
-            body = await read_body(request)
+            body = await route_body(request, "/detokenize", tokenizer)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
@@ -964,10 +966,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
 
     async def embeddings(request):
         try:
-            authorize(request)
-            body = await read_body(request)
-            if embedder is None:
-                raise wrong_kind("/v1/embeddings")
+            body = await route_body(request, "/v1/embeddings", embedder)
             inputs = embedding_inputs(body)
             encoding, dimensions = embedding_format(body, embedder.width)
             try:
