@@ -24,7 +24,7 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
-from vkformers.models.beam_search import BeamSearch, search_beams
+from vkformers.models.beam_search import BeamSearch, log_softmax, search_beams
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
@@ -214,10 +214,7 @@ class GenerationMixin:
         sequences = np.asarray(sequences.numpy() if hasattr(sequences, "numpy") else sequences)
         steps = np.stack([np.asarray(s, np.float32) for s in scores])  # [new, batch, vocab]
         if normalize_logits:
-            top = steps.max(axis=-1, keepdims=True)
-            top = np.where(np.isfinite(top), top, 0.0)
-            with np.errstate(divide="ignore"):
-                steps = steps - top - np.log(np.exp(steps - top).sum(axis=-1, keepdims=True))
+            steps = log_softmax(steps)
         new = sequences[:, sequences.shape[1] - steps.shape[0]:]
         return np.take_along_axis(steps.transpose(1, 0, 2), new[:, :, None], axis=-1)[..., 0]
 

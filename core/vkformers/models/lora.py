@@ -384,10 +384,6 @@ class AdapterSelector:
         self.columns = sum(self.ranks)
         self.scales: Tensor | None = None
 
-    def index(self, name: str) -> int:
-        """The adapter's number (1-based) from its name."""
-        return self.names.index(name) + 1
-
     def row_scales(self, adapters) -> np.ndarray:
         """[rows, 1, columns] float32: each row's adapter's scaling on its columns (adapter 0: none)."""
         scales = np.zeros((len(adapters), 1, self.columns), np.float32)
