@@ -175,6 +175,13 @@ def test_adapters_that_cannot_be_served_side_by_side_are_refused(tiny, adapters,
         served(path, {"other": tmp_path / "other"})
 
 
+def test_a_model_serving_adapters_is_not_saved_with_them(tiny, adapters, tmp_path):
+    model, _ = served(tiny[0], adapters)
+    with pytest.raises(LoraError, match="serving adapters side by side.*before serve_adapters"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
 def test_adapter_names_on_the_command_line():
     assert cli_serve.adapter_options([]) == (None, {})
     assert cli_serve.adapter_options(["./run/final"]) == (cli_serve.Path("./run/final"), {})

@@ -23,7 +23,7 @@ from vkformers.models.gguf import is_gguf_file, load_gguf, load_gguf_model, load
 from vkformers.models.generation_settings import generation_config_of
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
-from vkformers.models.lora import LoraError, load_adapter, save_adapter
+from vkformers.models.lora import LoraError, ServedLoraLinear, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
@@ -427,7 +427,11 @@ def save_pretrained(model: Module, folder, *, dtype=None, tokenizer: PreTrainedT
     quantized weights is written as ``folder/model.gguf`` instead (models/gguf_write.py: its blocks as they are,
     with the tokenizer, ``tokenizer`` or its source's, inside and beside it); NF4 is refused. A model with LoRA
     adapters writes the adapter, as PEFT's ``PeftModel.save_pretrained`` does (merge_lora first for a whole
-    checkpoint)."""
+    checkpoint). A model serving adapters side by side (serve_adapters) is refused: its adapters are their folders'
+    and the base's file would hold them."""
+    if any(isinstance(m, ServedLoraLinear) for _, m in model.named_modules()):
+        raise LoraError("save_pretrained of a model serving adapters side by side: the adapters are their folders "
+                        "already; save the base model before serve_adapters, or load_adapter one and merge_lora it")
     if getattr(model, "lora_config", None) is not None:
         if dtype is not None:
             raise LoraError("save_pretrained(dtype=...) of a model with LoRA adapters: the adapter is written in "
