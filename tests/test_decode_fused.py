@@ -138,6 +138,46 @@ def test_fused_qkv_rotates_and_writes_the_cache(device, launch, dtype, head_dim,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_biases_one_per_row_or_none_beside_column_biases(device, launch, dtype):
+    """A bias per row of x (an update computed beside the step: served LoRA adapters) added where the column bias
+    goes, beside weights with a column bias or none, in each mode."""
+    rng = np.random.default_rng(11)
+    rows, hidden, head_dim, heads, kv_heads, capacity, start = 3, 64, 8, 4, 2, 5, 2
+    x, xt = make(rng, (rows, 1, hidden), dtype)
+    g, gt = make(rng, (hidden,), dtype)
+    h = rms(x, g, 1e-6)
+    norm = FusedNorm(gt, 1e-6)
+    w, wt = make(rng, (40, hidden), dtype, 0.2)
+    d, dt_ = make(rng, (rows, 1, 40), dtype)
+    r, rt = make(rng, (rows, 1, 40), dtype)
+    (wg, wgt), (wu, wut) = make(rng, (24, hidden), dtype, 0.2), make(rng, (24, hidden), dtype, 0.2)
+    dg, dgt = make(rng, (rows, 1, 24), dtype)
+    (wq, wqt), (wk, wkt), (wv, wvt) = (make(rng, (n * head_dim, hidden), dtype, 0.2) for n in (heads, kv_heads, kv_heads))
+    dq, dqt = make(rng, (rows, 1, heads * head_dim), dtype)
+    bv, bvt = make(rng, (kv_heads * head_dim,), dtype)
+    positions = np.array([[3], [7], [1]], np.int32)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    caches = [vkf.parameter(np.zeros((rows, kv_heads, capacity, head_dim), np.float32), dtype=dtype,
+                            requires_grad=False) for _ in range(2)]
+    with vkf.no_grad():
+        plain = fused_linear(xt, wt, norm=norm, bias=dt_, residual=rt).numpy()
+        gated = fused_gated(xt, wgt, wut, norm=norm, biases=[dgt, None]).numpy()
+        q = fused_qkv_rope_write(xt, wqt, wkt, wvt, k_cache=caches[0], v_cache=caches[1],
+                                 cache_start=vkf.tensor(np.array([start], np.uint32)), positions=vkf.tensor(positions),
+                                 head_dim=head_dim, inv_freq=vkf.tensor(inv_freq), norm=norm,
+                                 biases=[dqt, None, bvt]).numpy()
+        k_cache, v_cache = (c.numpy() for c in caches)
+    check(plain, r + h @ w.T + d, dtype)
+    gate = h @ wg.T + dg
+    check(gated, gate / (1 + np.exp(-gate)) * (h @ wu.T), dtype)
+    rotate = lambda t: rope_reference(t, positions, inv_freq, head_dim, False, 1.0)  # noqa: E731
+    by_head = lambda t, n: t.reshape(rows, n, 1, head_dim)  # noqa: E731
+    check(q, rotate(by_head(h @ wq.T + dq, heads)), dtype)
+    check(k_cache[:, :, start:start + 1], rotate(by_head(h @ wk.T, kv_heads)), dtype)
+    check(v_cache[:, :, start:start + 1], by_head(h @ wv.T + bv, kv_heads), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim, rot_dim, interleaved, offset", [(16, 16, False, False), (16, 8, True, True),
                                                                    (8, 0, False, False)])
 def test_head_norm_rope_write_normalises_each_head(device, dtype, head_dim, rot_dim, interleaved, offset):

@@ -83,6 +83,9 @@ def test_a_batch_of_rows_with_different_adapters_matches_each_alone(tiny, adapte
     assert selector.names == list(ADAPTERS) and selector.columns == 5
     targeted = {name for name, m in model.named_modules() if isinstance(m, ServedLoraLinear)}
     assert {name.rsplit(".", 1)[-1] for name in targeted} == {"q_proj", "v_proj", "o_proj", "down_proj"}
+    # a decode step keeps the fused kernels, the adapters' products added where the bias goes
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_fused_decode_plan")]
+    assert layers and all(layer._fused_decode_plan()["gate_up"] is not None for layer in layers)
     rows = [0, 1, 2, 1]  # base, terse, verbose, terse
     ids = np.array([encode(tokenizer, "the quick brown fox jumps")[:5]] * len(rows), np.int64)
     ids[1:, 0] = [5, 6, 7]  # rows unlike one another
@@ -173,6 +176,45 @@ def test_adapters_that_cannot_be_served_side_by_side_are_refused(tiny, adapters,
         (tmp_path / "other" / "adapter_config.json").read_text().replace('"k_proj"', '"q_proj"'))
     with pytest.raises(LoraError, match="does not fit this model"):
         served(path, {"other": tmp_path / "other"})
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("fixture, targets", [
+    ("qwen2", ["q_proj", "k_proj", "v_proj", "up_proj"]),  # biased q/k/v: the update adds to the bias
+    ("phi3", ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]),  # fused projections: the update split by blocks
+])
+def test_decode_steps_of_served_adapters_match_each_adapter_alone(fixture, targets, tmp_path):
+    """generate's decode steps (fused kernels, the adapters' products added where the bias goes) of a batch whose
+    rows take different adapters give each row the logits of its adapter alone (PEFT's unmerged LoRA, unfused)."""
+    path = FIXTURES / fixture
+    folders = {}
+    for seed, name in enumerate(["first", "second"]):
+        model = load_base(path)
+        apply_lora(model, LoraConfig(r=2 + seed, lora_alpha=4, target_modules=targets), seed=seed)
+        rng = np.random.default_rng(20 + seed)
+        for _, module in model.named_modules():
+            if isinstance(module, LoraLinear):
+                module.lora_B.weight = vkf.parameter(rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
+        folders[name] = tmp_path / name
+        save_adapter(model, folders[name])
+    model, selector = served(path, folders)
+    layers = [m for _, m in model.named_modules() if hasattr(m, "_fused_decode_plan")]
+    assert layers and all(layer._fused_decode_plan() is not None for layer in layers)
+    ids = np.array([[3, 9, 4, 15, 2], [7, 7, 1, 12, 30], [5, 8, 2, 2, 19]], np.int64)
+    rows = [2, 0, 1]
+    options = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                   output_logits=True)
+    with selector.selecting(vkf.Tensor(selector.row_scales(rows))):
+        served_out = model.generate(ids, **options)
+    for row, adapter in enumerate(rows):
+        alone = adapted(path, None if adapter == 0 else folders[["first", "second"][adapter - 1]])
+        expected = alone.generate(ids[row:row + 1], **options)
+        assert served_out.sequences[row].tolist() == expected.sequences[0].tolist()
+        for got, want in zip(served_out.logits, expected.logits):
+            want = np.asarray(want)[0]
+            assert np.abs(np.asarray(got)[row] - want).max() <= LOGITS_TOLERANCE * np.abs(want).max()
 
 
 def test_a_model_serving_adapters_is_not_saved_with_them(tiny, adapters, tmp_path):

@@ -60,7 +60,7 @@ layout(constant_id = 2) const uint MODE = MODE_PLAIN;
 layout(constant_id = 3) const uint HAS_NORM = 0;
 layout(constant_id = 4) const uint NORM_WEIGHT = 1;
 layout(constant_id = 5) const uint NORM_OFFSET = 0;
-layout(constant_id = 6) const uint HAS_BIAS = 0;
+layout(constant_id = 6) const uint HAS_BIAS = 0;  // bit i: W_i has a bias
 layout(constant_id = 7) const uint HAS_RESIDUAL = 0;
 layout(constant_id = 8) const uint ACT = ACT_SILU;
 layout(constant_id = 9) const uint INTERLEAVED = 0;
@@ -72,6 +72,9 @@ layout(constant_id = 11) const uint PAIRS_PER_SUBGROUP = 1;
 // product (few pairs) with a long k.
 layout(constant_id = 12) const uint SPLIT_K = 0;
 layout(constant_id = 13) const uint PAGE_SIZE = 0;  // MODE_QKV into a paged cache (see above)
+// bit i: W_i's bias is one per row ([rows, n_i]: an update computed beside the step, as served LoRA adapters'
+// low-rank products), not one per column
+layout(constant_id = 14) const uint BIAS_ROWS = 0;
 
 // [subgroup][row][acc0, acc1, squares] (QUANT_W: [subgroup][row][2 * PAIRS_PER_SUBGROUP columns, squares])
 shared float split_sums[SPLIT_K != 0 ? (2 * PAIRS_PER_SUBGROUP + 1) * ROWS * 32 : 1];
@@ -114,13 +117,13 @@ layout(push_constant) uniform Push {
 #include "vector16.glsl"
 
 #if defined(QUANT_W)
-layout(constant_id = 14) const uint FORMAT0 = 0;  // quant_block.glsl QUANT_* of W0
-layout(constant_id = 15) const uint W_VEC = 0;    // every weight's byte offset is a multiple of 16
-layout(constant_id = 16) const uint FORMAT1 = 0;  // of W1
-layout(constant_id = 17) const uint FORMAT2 = 0;  // of W2
+layout(constant_id = 15) const uint FORMAT0 = 0;  // quant_block.glsl QUANT_* of W0
+layout(constant_id = 16) const uint W_VEC = 0;    // every weight's byte offset is a multiple of 16
+layout(constant_id = 17) const uint FORMAT1 = 0;  // of W1
+layout(constant_id = 18) const uint FORMAT2 = 0;  // of W2
 // Units side by side in a lane (1 or 2, dividing k / 32): units 2m and 2m + 1 of a block share the decoding of their
 // scales (and its load), and a lane's loads cover 32 bytes of codes.
-layout(constant_id = 18) const uint ADJACENT = 1;
+layout(constant_id = 19) const uint ADJACENT = 1;
 layout(binding = 2) readonly buffer W0Words { uint w0_words[]; };
 layout(binding = 3) readonly buffer W1Words { uint w1_words[]; };
 layout(binding = 4) readonly buffer W2Words { uint w2_words[]; };
@@ -175,10 +178,12 @@ uvec4 weight_word(uint which, uint index) {
     return w2[w_offset2 + index];
 }
 
-float bias_of(uint which, uint column) {
-    if (which == 0) return load_elem(bias0[bias_offset0 + column]);
-    if (which == 1) return load_elem(bias1[bias_offset1 + column]);
-    return load_elem(bias2[bias_offset2 + column]);
+float bias_of(uint which, uint column, uint row) {
+    if (((HAS_BIAS >> which) & 1u) == 0u) return 0.0;
+    uint at = column + (((BIAS_ROWS >> which) & 1u) != 0u ? row * (which == 0 ? n0 : (which == 1 ? n1 : n2)) : 0u);
+    if (which == 0) return load_elem(bias0[bias_offset0 + at]);
+    if (which == 1) return load_elem(bias1[bias_offset1 + at]);
+    return load_elem(bias2[bias_offset2 + at]);
 }
 
 float activation(float x) {
@@ -262,8 +267,8 @@ void finish_pair(Pair pr, uint second, uint col1, float sums0[ROWS], float sums1
             y1 *= rstd;
         }
         if (HAS_BIAS != 0) {
-            y0 += bias_of(pr.which, pr.col0);
-            y1 += bias_of(second, col1);
+            y0 += bias_of(pr.which, pr.col0, r);
+            y1 += bias_of(second, col1, r);
         }
         if (pr.freq >= 0) {
             float angle = float(positions[positions_offset + r]) * inv_freq[inv_freq_offset + pr.freq];

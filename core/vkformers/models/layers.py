@@ -25,6 +25,21 @@ class Linear(Module):
         return F.linear(x, self.weight, self.bias if self.has_bias else None, live_rows=live_rows)
 
 
+class UpdatedLinear(Linear):
+    """A Linear whose output is its own product plus :meth:`row_update` of the same input, an update each row of a
+    batch may take differently (served LoRA adapters, models/lora.py). A decode step's fused kernels compute the
+    update beside them and add it where the bias goes, so that such a layer keeps them."""
+
+    def row_update(self, x):
+        """The update to ``x @ weight.T + bias`` ([..., out_features] in x's dtype), or None for none."""
+        raise NotImplementedError
+
+    def forward(self, x, live_rows=None):
+        y = super().forward(x, live_rows)
+        update = self.row_update(x) if live_rows is None else None
+        return y if update is None else y + update
+
+
 def linears_can_be_grouped(linears) -> bool:
     """Whether :func:`grouped_linear` runs these Linear layers (a mixture's experts' projections): no biases, and
     all plain or all with like LoRA adapters (same rank, scaling and dropout)."""

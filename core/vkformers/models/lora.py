@@ -38,7 +38,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor, parameter, weight_parameter
 from vkformers.errors import VkformersError
-from vkformers.models.layers import Linear
+from vkformers.models.layers import Linear, UpdatedLinear
 from vkformers.models.module import Module
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
@@ -403,7 +403,7 @@ class AdapterSelector:
             self.scales = held
 
 
-class ServedLoraLinear(Linear):
+class ServedLoraLinear(UpdatedLinear):
     """A ``Linear`` with the adapters of an :class:`AdapterSelector` beside it, unmerged, each batch row taking its
     own (see the module's docstring). Wraps in place, as LoraLinear does; the base weight keeps its slot."""
 
@@ -419,16 +419,24 @@ class ServedLoraLinear(Linear):
         return linear
 
     def forward(self, x, live_rows=None):
-        y = super().forward(x, live_rows)
+        if live_rows is not None and self.selector.scales is not None:
+            self._refuse_rows()
+        return super().forward(x, live_rows)
+
+    def row_update(self, x):
+        """Each row's adapter's low-rank product (None outside AdapterSelector.selecting)."""
         scales = self.selector.scales
         if scales is None:
-            return y
-        if live_rows is not None or x.ndim != 3 or x.shape[0] != scales.shape[0]:
-            raise LoraError(f"{self.layer_name} reads rows that are not one batch row per request (a mixture of "
-                            "experts' tokens), so adapters cannot differ by request there; serve such an adapter "
-                            "merged into the weights (--adapter DIR), one per server")
+            return None
+        if x.ndim != 3 or x.shape[0] != scales.shape[0]:
+            self._refuse_rows()
         low = F.linear(x.float(), self.adapters_A.weight) * scales
-        return y + F.linear(low, self.adapters_B.weight).cast(y.dtype)
+        return F.linear(low, self.adapters_B.weight).cast(x.dtype)
+
+    def _refuse_rows(self):
+        raise LoraError(f"{self.layer_name} reads rows that are not one batch row per request (a mixture of "
+                        "experts' tokens), so adapters cannot differ by request there; serve such an adapter "
+                        "merged into the weights (--adapter DIR), one per server")
 
 
 def serve_adapters(model: Module, folders: dict) -> AdapterSelector:

@@ -122,9 +122,11 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
                   residual_scale: float = 1.0, activation: str = "silu", out1=None, out2=None, positions=None,
                   cache_start=None, inv_freq=None, head_dim: int = 0, rot_dim: int = 0, kv_heads: int = 0,
                   capacity: int = 0, attention_scaling: float = 1.0, interleaved: bool = False,
-                  launch: tuple[int, ...] | None = None, quant_format=None, page_size: int = 0) -> None:
+                  launch: tuple[int, ...] | None = None, quant_format=None, page_size: int = 0,
+                  bias_rows=None) -> None:
     """Record one fused product (see the module docstring). ``weights``: 1 (plain), 2 (gated: gate, up)
-    or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count or None; ``norm`` turns the RMS norm
+    or 3 (qkv) operands [n_i, k] with ``widths`` the n_i; ``biases`` the same count (None where a weight has none) or
+    None, each [n_i], or [rows, n_i] where ``bias_rows`` (one flag per weight) says so; ``norm`` turns the RMS norm
     prologue on (``norm_weight`` None: no weight). ``launch``: (subgroups per workgroup, vectors in flight, pairs per
     subgroup, split k[, packed weights: units side by side]) instead of :func:`launch_shape` (bench/decode.py and
     bench/quant.py sweep them).
@@ -148,10 +150,16 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     if mode == "gated" and ns[0] != ns[1]:
         raise ValueError(f"decode_matvec: gate ({ns[0]}) and up ({ns[1]}) widths differ")
     require_elements(x, rows * k, "decode_matvec x")
-    biases = [operand(b) for b in biases] if biases is not None else None
+    bias_rows = [bool(f) for f in bias_rows] if bias_rows is not None else [False] * len(ns)
     if biases is not None:
-        for b, n in zip(biases, ns):
-            require_elements(b, n, "decode_matvec bias")
+        if len(biases) != len(ns) or len(bias_rows) != len(ns):
+            raise ValueError(f"decode_matvec: {len(ns)} weights, {len(biases)} biases, {len(bias_rows)} bias_rows")
+        biases = [operand(b) if b is not None else None for b in biases]
+        for b, n, per_row in zip(biases, ns, bias_rows):
+            if b is not None:
+                require_elements(b, rows * n if per_row else n, "decode_matvec bias")
+    bias_mask = sum(1 << i for i, b in enumerate(biases or []) if b is not None)
+    bias_rows_mask = sum(1 << i for i, (b, f) in enumerate(zip(biases or [], bias_rows)) if b is not None and f)
     if mode == "qkv":
         if head_dim % 2 or rot_dim % 2 or rot_dim > head_dim or any(n % head_dim for n in ns):
             raise ValueError(f"decode_matvec: head_dim {head_dim} / rot_dim {rot_dim} do not fit widths {ns}")
@@ -176,7 +184,8 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     cache_start = operand(cache_start) if cache_start is not None else filler_in
     inv_freq = operand(inv_freq) if inv_freq is not None else filler_in
     padded_w = weights + [weights[0]] * (3 - len(weights))
-    padded_b = (biases or []) + [filler_in] * (3 - len(biases or []))
+    padded_b = [b if b is not None else filler_in for b in biases or []]
+    padded_b += [filler_in] * (3 - len(padded_b))
     buffers = [x.buffer, (norm_weight or x).buffer, *(w.buffer for w in padded_w), *(b.buffer for b in padded_b),
                (residual or filler_in).buffer, out0.buffer, (out1 or filler_out).buffer, (out2 or filler_out).buffer,
                positions.buffer, cache_start.buffer, inv_freq.buffer]
@@ -199,8 +208,8 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
     pairs = {"plain": -(-ns[0] // 2), "gated": ns[0], "qkv": sum(ns) // 2}[mode]
     per_group = per_subgroup if split_k else subgroups * per_subgroup
     spec = [threads, rows, MODES[mode], int(norm), int(norm_weight is not None), int(norm_offset),
-            int(biases is not None), int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
-            per_subgroup, int(split_k), int(page_size)]
+            bias_mask, int(residual is not None), ACTIVATIONS[activation], int(interleaved), unroll,
+            per_subgroup, int(split_k), int(page_size), bias_rows_mask]
     variant = element_variant(x, "decode_matvec")
     if formats is not None:
         variant = "q_" + variant

@@ -53,7 +53,7 @@ class DecodeMatvec(KernelOp):
         x = ins.pop(0)
         norm_weight = ins.pop(0).operand if self.has_norm_weight else None
         weights = [ins.pop(0).operand for _ in self.widths]
-        biases = [ins.pop(0).operand for _ in self.widths] if self.has_bias else None
+        biases = [ins.pop(0).operand if kind else None for kind in self.bias_kinds] if any(self.bias_kinds) else None
         residual = ins.pop(0).operand if self.has_residual else None
         extra = {}
         if self.mode == "qkv":
@@ -67,7 +67,8 @@ class DecodeMatvec(KernelOp):
                          residual_scale=self.residual_scale, activation=self.activation, head_dim=self.head_dim,
                          rot_dim=self.rot_dim, kv_heads=self.kv_heads, capacity=self.capacity,
                          attention_scaling=self.attention_scaling, interleaved=self.interleaved, quant_format=quant,
-                         page_size=self.attrs.get("page_size", 0), **extra)
+                         page_size=self.attrs.get("page_size", 0), bias_rows=[k == "row" for k in self.bias_kinds],
+                         **extra)
 
 
 def fusable(x, weights, norm: FusedNorm | None = None) -> bool:
@@ -115,14 +116,17 @@ def _inputs_and_attrs(x, weights, norm, biases, residual):
     if norm is not None and norm.weight is not None:
         inputs.append(norm.weight.lazy)
     inputs += [w.lazy for w in weights]
-    if biases is not None:
-        inputs += [b.cast(x.dtype).lazy for b in biases]
+    bias_kinds = tuple(None if b is None else ("row" if b.ndim > 1 else "column")
+                       for b in biases or [None] * len(weights))
+    for b in biases or ():
+        if b is not None:
+            inputs.append(contiguous(b.cast(x.dtype).lazy))
     if residual is not None:
         inputs.append(residual.cast(x.dtype).lazy)
     attrs = dict(rows=rows, k=k, widths=tuple(w.shape[0] for w in weights), norm=norm is not None,
                  has_norm_weight=norm is not None and norm.weight is not None,
                  eps=float(norm.eps) if norm else 0.0, norm_offset=bool(norm and norm.unit_offset),
-                 has_bias=biases is not None, has_residual=residual is not None, residual_scale=1.0,
+                 bias_kinds=bias_kinds, has_residual=residual is not None, residual_scale=1.0,
                  activation="silu", head_dim=0, rot_dim=0, kv_heads=0, capacity=0, attention_scaling=1.0,
                  interleaved=False,
                  quant=",".join(w.format.name for w in weights) if isinstance(weights[0], QuantizedTensor) else None)
@@ -130,7 +134,9 @@ def _inputs_and_attrs(x, weights, norm, biases, residual):
 
 
 def fused_linear(x, weight, *, norm: FusedNorm | None = None, bias=None, residual=None, residual_scale: float = 1.0):
-    """``[residual + residual_scale *] (rms_norm(x) @ weight.T [+ bias])`` for x [..., k]: one dispatch."""
+    """``[residual + residual_scale *] (rms_norm(x) @ weight.T [+ bias])`` for x [..., k]: one dispatch. ``bias`` is
+    [n], or one per row of x ([..., n]: an update computed beside the step, as a served adapter's); so are the
+    ``biases`` of :func:`fused_gated` and :func:`fused_qkv_rope_write`, where an entry may be None (no bias)."""
     inputs, attrs = _inputs_and_attrs(x, [weight], norm, None if bias is None else [bias], residual)
     attrs.update(mode="plain", residual_scale=float(residual_scale))
     shape = x.shape[:-1] + (weight.shape[0],)

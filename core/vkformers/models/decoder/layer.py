@@ -16,7 +16,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.models.decoder.gated_deltanet import GatedDeltaNet
 from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import DecoderSpec, NormSpec
-from vkformers.models.layers import Conv1D, LayerNorm, Linear, RMSNorm
+from vkformers.models.layers import Conv1D, LayerNorm, Linear, RMSNorm, UpdatedLinear
 from vkformers.models.module import Module, add_param, get_param, join_path, place
 from vkformers.runtime import dtypes as dt
 
@@ -529,11 +529,11 @@ class DecoderLayer(Module):
                 or ("qkv" in p and s.attention.qkv_layout != "blocks") or disqualifying & set(p)
                 or any(n not in p for n in (*attn, "o"))
                 # quantized weights fuse whole (F.fusable: each packed tensor whole, in its own block format)
-                or any(type(p[n]) is not Linear or (p[n].quantized and n == "qkv") for n in (*attn, "o"))
+                or any(not _fuses(p[n]) or (p[n].quantized and n == "qkv") for n in (*attn, "o"))
                 or len({p[n].has_bias for n in attn}) != 1):
             return None
         fused_mlp = ("moe" not in p and s.mlp.kind == "gated" and _FUSED_ACTIVATIONS.get(s.hidden_act) is not None
-                     and all(n in p and type(p[n]) is Linear and not (p[n].quantized and n == "gate_up")
+                     and all(n in p and _fuses(p[n]) and not (p[n].quantized and n == "gate_up")
                              for n in (*mlp, "down"))
                      and len({p[n].has_bias for n in mlp}) == 1)
 
@@ -548,10 +548,11 @@ class DecoderLayer(Module):
         q_out, kv_out, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
         plan = dict(attn_norm=p.get("attn_in_norm"), mlp_norm=p.get("mlp_in_norm"), qk_norm=qk_norm, o=blocks("o")[0],
                     qkv=blocks("qkv", (q_out, kv_out, kv_out)) if "qkv" in p else [blocks(n)[0] for n in attn],
-                    gate_up=None, down=None)
+                    gate_up=None, down=None, modules=dict(qkv=[p[n] for n in attn], o=[p["o"]]))
         if fused_mlp:
             plan.update(down=blocks("down")[0], gate_up=blocks("gate_up", (inter, inter)) if "gate_up" in p
                         else [blocks(n)[0] for n in mlp])
+            plan["modules"].update(gate_up=[p[n] for n in mlp], down=[p["down"]])
         return plan
 
     def _decode_fused(self, x, ctx: Context):
@@ -564,8 +565,14 @@ class DecoderLayer(Module):
         s, cache, batch = self.spec, ctx.cache, x.shape[0]
         attn_norm, mlp_norm = (None if plan[n] is None else fused_norm(plan[n]) for n in ("attn_norm", "mlp_norm"))
         weights = lambda part: [w for w, _ in plan[part]]  # noqa: E731
-        biases = lambda part: None if plan[part][0][1] is None else [b for _, b in plan[part]]  # noqa: E731
-        o, o_bias = plan["o"]
+
+        def biases(part, source=None):
+            """The biases of a part's products, with the row updates of its UpdatedLinear layers (computed from
+            ``source()``, their input) added: the kernels add either where the bias goes."""
+            blocks = plan[part] if isinstance(plan[part], list) else [plan[part]]  # (o and down: one product)
+            blocks = _with_row_updates(blocks, plan["modules"][part], source)
+            return None if all(b is None for _, b in blocks) else [b for _, b in blocks]
+        o, _ = plan["o"]
         fused_mlp = plan["gate_up"] is not None
         if not (F.fusable(x, weights("qkv"), attn_norm) and F.fusable_weights(x.dtype, batch, [o])
                 and (not fused_mlp or (F.fusable(x, weights("gate_up"), mlp_norm)
@@ -578,10 +585,12 @@ class DecoderLayer(Module):
                       interleaved=s.positions.rope_interleaved)
         if getattr(cache, "paged", False):  # the write goes through the block tables of the step tensor
             rotary.update(cache_start=bounds, page_size=cache.page_size, capacity=cache.max_len)
+        qkv_biases = biases("qkv", lambda: self._norm("attn_in_norm", x))
         if plan["qk_norm"] is None:
-            q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=biases("qkv"), **rotary)
+            q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=qkv_biases, **rotary)
         else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache
-            q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b) for w, b in plan["qkv"])
+            q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=None if qkv_biases is None else b)
+                       for w, b in zip(weights("qkv"), qkv_biases or [None] * 3))
             q_norm, k_norm = (fused_norm(n) for n in plan["qk_norm"])
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
         if ctx.query_scale is not None:  # Llama 4-style scaling of the rotated queries, as _attend applies it
@@ -592,12 +601,15 @@ class DecoderLayer(Module):
                                   return_lse=bool(sinks))
         if sinks:
             out = self._weigh_sinks(*out)
-        x = self._fused_residual(x, "attn_out_norm", out.reshape(batch, 1, -1), o, o_bias)
+        out = out.reshape(batch, 1, -1)
+        x = self._fused_residual(x, "attn_out_norm", out, o, (biases("o", lambda: out) or [None])[0])
         if not fused_mlp:  # a MoE block or another MLP: composed as in forward()
             return x + _scaled(self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x))), s.residual_scale)
+        mlp_input = x
         hidden = F.fused_gated(x, *weights("gate_up"), activation=_FUSED_ACTIVATIONS[s.hidden_act], norm=mlp_norm,
-                               biases=biases("gate_up"))
-        return self._fused_residual(x, "mlp_out_norm", hidden, *plan["down"])
+                               biases=biases("gate_up", lambda: self._norm("mlp_in_norm", mlp_input)))
+        return self._fused_residual(x, "mlp_out_norm", hidden, plan["down"][0],
+                                    (biases("down", lambda: hidden) or [None])[0])
 
     def _fused_residual(self, x, out_norm: str, h, weight, bias):
         """x + residual_scale * (h @ weight.T + bias): one fused product with the residual added, or, where the
@@ -660,6 +672,27 @@ class DecoderLayer(Module):
         """OPT-350m (do_layer_norm_before=False): x = norm(x + attn(x)); x = norm'(x + mlp(x))."""
         x = self._norm("attn_in_norm", x + self.attention(x, ctx))
         return self._norm("mlp_in_norm", x + self.mlp(x))
+
+
+def _fuses(linear) -> bool:
+    """Whether a decode step's fused kernels compute this projection: a plain Linear, or one whose difference is a
+    row update added to its output (UpdatedLinear)."""
+    return type(linear) is Linear or isinstance(linear, UpdatedLinear)
+
+
+def _with_row_updates(blocks, modules, source):
+    """(weight, bias) blocks of a fused product with the row updates of ``modules`` (one module per block, or one
+    fused projection whose row blocks they are) added to the biases; ``source()`` gives the modules' input."""
+    if not any(isinstance(m, UpdatedLinear) for m in modules):
+        return blocks
+    h = source()
+    updates = [m.row_update(h) if isinstance(m, UpdatedLinear) else None for m in modules]
+    if len(modules) == 1 and len(blocks) > 1:  # [q | k | v] or [gate | up] of one projection: its columns in turn
+        update, updates, start = updates[0], [], 0
+        for weight, _ in blocks:
+            updates.append(None if update is None else update[..., start:start + weight.shape[0]])
+            start += weight.shape[0]
+    return [(w, b if u is None else (u if b is None else u + b)) for (w, b), u in zip(blocks, updates)]
 
 
 def fused_norm(norm: RMSNorm) -> F.FusedNorm:
