@@ -211,6 +211,21 @@ def test_chunks_replay_attend_over_the_capacity_alike(name, chunks):
     np.testing.assert_allclose(got, reference(case, q, k, v, mask, slopes)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_chunks_replay_splits_the_capacity_over_dispatches(monkeypatch):
+    """On a CPU device the keys of several queries after a cache split over dispatches (llvmpipe's loop limit),
+    each resuming from the last; the same result."""
+    from vkformers.engine.kernels import attention
+    monkeypatch.setattr(attention, "LOOP_ITERATIONS", 1000)
+    assert attention.forward_keys_per_dispatch(attention.FORWARD_TILES[0], 16) < 100  # of 200
+    case = CACHE_CASES["gqa"]
+    q, k, v = (RNG.standard_normal((case.batch, h, case.q_len, case.head_dim))
+               for h in (case.heads, case.kv_heads, case.kv_heads))
+    cache = KVCache(1, case.batch, case.kv_heads, case.head_dim, max_len=200)
+    cache.chunks_replay = True
+    got = run_cache(cache, case, (4, 5), q, k, v, None, None, "float32")
+    np.testing.assert_allclose(got, reference(case, q, k, v, None, None)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_chunks_replay_steps_replay_one_plan_and_crop_forgets_tokens():
     """Forwards of 3 tokens after stored ones build one graph at every position (a draft verified, then cropped
     to the tokens kept): after the first, each replays; crop forgets the rejected tokens, whose keys the next

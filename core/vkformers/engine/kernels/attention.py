@@ -414,9 +414,11 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
                      (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push + [0, kv_stride, 0],
                      spec=spec)
     else:
-        step = forward_keys_per_dispatch(tiles, head_dim)
-        # a length read on the GPU may reach the capacity: the dispatches cover it (those past the length see no key)
-        for key_lo in range(0, kv_len if kv_len_buffer is None else kv_stride, step):
+        # a length read on the GPU may reach the capacity: the dispatches cover it (those past the length see no
+        # key), split for llvmpipe's loop limit on a CPU device only
+        keys = kv_len if kv_len_buffer is None else kv_stride
+        step = forward_keys_per_dispatch(tiles, head_dim) if kv_len_buffer is None or device.is_cpu else keys
+        for key_lo in range(0, keys, step):
             seq.dispatch(device.kernel("attention_fwd", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                          push=push + [key_lo, key_lo + step, int(key_lo > 0)], spec=spec)
     if splits > 1:
