@@ -80,7 +80,8 @@ class GenerationMixin:
         with ``tokenizer``. What the call leaves out comes from the model's generation config, then
         transformers' defaults (sampling keeps the 50 likeliest tokens unless top_k says otherwise).
         ``return_dict_in_generate=True``: a GenerateDecoderOnlyOutput instead of the array, with each step's
-        scores (``output_scores``) and raw logits (``output_logits``) where asked for.
+        scores (``output_scores``) and raw logits (``output_logits``) where asked for. ``prompt_lookup_num_tokens``
+        or ``assistant_model`` (one row): transformers' assisted generation (models/assisted.py).
         """
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
         if ids.ndim == 1:
