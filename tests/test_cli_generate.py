@@ -151,3 +151,21 @@ def test_stream_waits_for_whole_characters():
     assert out.getvalue() == "é!"
     stream.finish()
     assert out.getvalue() == "é!\n"
+
+
+def test_assisted_generation_gives_the_same_text(capsys):
+    """--prompt-lookup and --assistant-model draft tokens that the model checks: the greedy text is the plain one,
+    and stderr tells how many draft tokens were kept."""
+    from pathlib import Path
+    data = Path(__file__).parent / "data"
+    base = ["generate", "--model", str(data / "pipeline"), "--prompt", "hello hello hello", "--max-new-tokens", "8"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    for extra in (["--prompt-lookup", "3"], ["--assistant-model", str(data / "assisted" / "assistant")]):
+        assert main(base + extra) == 0
+        out, err = capsys.readouterr()
+        assert out == plain and "draft tokens kept" in err
+    assert main(base + ["--prompt-lookup", "0"]) == 1
+    assert "--prompt-lookup must be >= 1" in capsys.readouterr().err
+    assert main(base + ["--prompt-lookup", "2", "--assistant-model", "x"]) == 1
+    assert "not both" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from vkformers.engine import lazy
 from vkformers.engine.kernels import Operand
 from vkformers.engine.kernels.kv_cache import kv_cache_write
 from vkformers.engine.ops.cache import decode_attention, write_kv
-from vkformers.models.cache import CacheFullError, KVCache
+from vkformers.models.cache import CacheFullError, CropError, KVCache
 from vkformers.runtime import dtypes as dt
 from test_attention import FORWARD_TOL, Case, as_float, reference, rounded
 
@@ -190,6 +190,67 @@ def test_attend_equals_attention_over_the_whole_sequence(name, chunks):
     want = reference(case, q, k, v, mask, slopes)[0]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert cache.position == case.q_len
+
+
+@pytest.mark.parametrize("name", CACHE_CASES)
+@pytest.mark.parametrize("chunks", [(5, 4), (3, 2, 3, 1), (2, 1, 6)])
+def test_chunks_replay_attend_over_the_capacity_alike(name, chunks):
+    """chunks_replay: several tokens after stored ones attend as a decode step (the stored count read on the GPU,
+    a mask over the capacity) and give the whole sequence's attention."""
+    case = CACHE_CASES[name]
+    q, k, v = (RNG.standard_normal((case.batch, h, case.q_len, case.head_dim))
+               for h in (case.heads, case.kv_heads, case.kv_heads))
+    mask = None
+    if case.mask:
+        mask = np.ones((case.batch, case.kv_len), np.uint8)
+        mask[0, :3] = 0
+    slopes = 2.0 ** (-8.0 * np.arange(1, case.heads + 1) / case.heads) if case.alibi else None
+    cache = KVCache(1, case.batch, case.kv_heads, case.head_dim, max_len=13)
+    cache.chunks_replay = True
+    got = run_cache(cache, case, chunks, q, k, v, mask, slopes, "float32")
+    np.testing.assert_allclose(got, reference(case, q, k, v, mask, slopes)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_replay_splits_the_capacity_over_dispatches(monkeypatch):
+    """On a CPU device the keys of several queries after a cache split over dispatches (llvmpipe's loop limit),
+    each resuming from the last; the same result."""
+    from vkformers.engine.kernels import attention
+    monkeypatch.setattr(attention, "LOOP_ITERATIONS", 1000)
+    assert attention.forward_keys_per_dispatch(attention.FORWARD_TILES[0], 16) < 100  # of 200
+    case = CACHE_CASES["gqa"]
+    q, k, v = (RNG.standard_normal((case.batch, h, case.q_len, case.head_dim))
+               for h in (case.heads, case.kv_heads, case.kv_heads))
+    cache = KVCache(1, case.batch, case.kv_heads, case.head_dim, max_len=200)
+    cache.chunks_replay = True
+    got = run_cache(cache, case, (4, 5), q, k, v, None, None, "float32")
+    np.testing.assert_allclose(got, reference(case, q, k, v, None, None)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_replay_steps_replay_one_plan_and_crop_forgets_tokens():
+    """Forwards of 3 tokens after stored ones build one graph at every position (a draft verified, then cropped
+    to the tokens kept): after the first, each replays; crop forgets the rejected tokens, whose keys the next
+    forward overwrites."""
+    case = Case(batch=1, heads=4, kv_heads=2, head_dim=8, q_len=14, kv_len=14)
+    q, k, v = (RNG.standard_normal((1, h, 20, case.head_dim)) for h in (case.heads, case.kv_heads, case.kv_heads))
+    cache = KVCache(1, 1, case.kv_heads, case.head_dim, max_len=24)
+    cache.chunks_replay = True
+    kept = []  # the sequence's positions the cache holds, in order
+    recorded, outs = [], []
+    for start, n, keep in ((0, 4, 4), (4, 3, 1), (5, 3, 3), (8, 3, 2), (10, 3, 3)):
+        # the chunk's first token follows the tokens kept; its rows of q, k, v come from positions start..
+        out = cache.attend(0, *(vkf.tensor(x[:, :, start:start + n]) for x in (q, k, v)))
+        cache.advance(n)
+        outs.append((out.numpy(), list(kept) + list(range(start, start + n))))
+        recorded.append(lazy.stats["recorded"])
+        cache.crop(len(kept) + keep)
+        kept += list(range(start, start + keep))
+    assert recorded[2:] == [recorded[2]] * 3, recorded  # the first two forwards after the prompt record
+    for got, positions in outs:
+        sub = Case(batch=1, heads=4, kv_heads=2, head_dim=8, q_len=len(positions), kv_len=len(positions))
+        want = reference(sub, *(x[:, :, positions] for x in (q, k, v)), None, None)[0]
+        np.testing.assert_allclose(got, want[:, :, -got.shape[2]:], atol=1e-5)
+    with pytest.raises(CropError, match="cannot keep 99"):
+        cache.crop(99)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -5,9 +5,12 @@
     vkformers generate --model HuggingFaceTB/SmolLM2-360M --prompt "Once upon a time" --max-new-tokens 64
     echo "Translate to French: cheese" | vkformers generate --chat --model ./my-checkpoint
     vkformers generate --model ./base --adapter ./run/final --prompt "Summarize: ..."   # a LoRA adapter on its base
+    vkformers generate --model ./big --assistant-model ./small --prompt "..."   # a smaller model drafts tokens
+    vkformers generate --prompt-lookup 10 --prompt "Fix the bug in: def f(x): ..."   # drafts copied from the text
 
 Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``/``--min-p``). The text goes to
-stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text.
+stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text. ``--assistant-model``
+and ``--prompt-lookup`` run transformers' assisted generation: the same text, drafted tokens checked several at once.
 """
 from __future__ import annotations
 
@@ -65,6 +68,12 @@ def add_parser(subparsers):
     parser.add_argument("--adapter", default=None, type=Path,
                         help="a PEFT LoRA adapter folder (vkformers train --lora-rank saves one), merged into the "
                              "weights at load")
+    parser.add_argument("--assistant-model", default=None,
+                        help="a smaller causal LM of the same tokenizer (folder, hub repo id or .gguf file) that "
+                             "drafts tokens for the model to check several at once (assisted generation)")
+    parser.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                        help="draft up to N tokens copied from where the text's last tokens appeared before "
+                             "(prompt lookup decoding: for outputs that repeat their input, as edits and summaries)")
     parser.add_argument("--device", type=int, default=None, help="Vulkan device index (default: $VKFORMERS_DEVICE or 0)")
     parser.set_defaults(func=run)
     return parser
@@ -139,6 +148,10 @@ def run(args) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1 or args.repetition_penalty <= 0:
         raise VkformersError("--temperature must be >= 0, --top-p in (0, 1], --min-p in [0, 1], "
                              "--repetition-penalty > 0")
+    if args.prompt_lookup is not None and args.prompt_lookup < 1:
+        raise VkformersError("--prompt-lookup must be >= 1 (the most tokens drafted per step)")
+    if args.prompt_lookup is not None and args.assistant_model is not None:
+        raise VkformersError("give --assistant-model or --prompt-lookup, not both")
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
@@ -156,6 +169,11 @@ def run(args) -> int:
     model = load_model(model_name, args.dtype, quantization=args.quantization, dequantize=args.dequantize)
     if args.adapter is not None:
         merge_lora(load_adapter(model, args.adapter))
+    assisted = {}
+    if args.assistant_model is not None:
+        assisted["assistant_model"] = load_model(args.assistant_model, args.dtype, dequantize=args.dequantize)
+    if args.prompt_lookup is not None:
+        assisted["prompt_lookup_num_tokens"] = args.prompt_lookup
     loaded = time.perf_counter()
 
     eos = end_token_ids(model, tokenizer)
@@ -163,9 +181,13 @@ def run(args) -> int:
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                    temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   eos_token_id=eos or None, streamer=stream)
+                   eos_token_id=eos or None, streamer=stream, **assisted)
     stream.finish()
     report_speed(ids.shape[1], stream.times, loaded, started)
+    if assisted:
+        stats = model.assisted_stats
+        print(f"vkformers generate: {stats.accepted} of {stats.drafted} draft tokens kept, {stats.rounds} checks "
+              f"for {len(stream.tokens)} tokens", file=sys.stderr)
     return 0
 
 

@@ -43,6 +43,10 @@ class RowStateError(VkformersError, ValueError):
     """A cache holding layer state besides keys and values asked to move rows."""
 
 
+class CropError(VkformersError, ValueError):
+    """A cache asked to forget tokens it cannot: more than it stores, or held in a recurrent layer state."""
+
+
 # Layer state that lives per row and holds everything a row's tokens left behind (a recurrent state-space or
 # linear-attention state: conv inputs and scan state): a dict {layer: tensors [batch, ...] or tuples of them} on the
 # cache, which place_row moves row by row beside the keys and values. Other layer state (an indexer's keys, laid
@@ -87,6 +91,10 @@ class KVCache:
     # True where the caller's padding only lays rows out in columns (a server's batch, models/batching.py): a model
     # whose layers otherwise run padding as tokens, as transformers' RWKV does, leaves it out of their state then
     padding_is_layout = False
+    # True: a forward of several tokens after stored ones (assisted generation's verification of a draft) attends as
+    # a decode step does, over the whole capacity with the stored count read on the GPU, so that its graph is the
+    # same at every position and replays; False: over the stored keys sliced to their count (prefill kernels)
+    chunks_replay = False
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype="float32", device: Device | None = None):
@@ -113,7 +121,7 @@ class KVCache:
         """Names of what a model's layers keep on this cache besides keys and values (a linear-attention or
         state-space layer's recurrent state, an indexer's keys): state that :meth:`place_row` cannot move."""
         return sorted(name for name, value in self.__dict__.items()
-                      if name not in self._own_fields and name != "padding_is_layout"
+                      if name not in self._own_fields and name not in ("padding_is_layout", "chunks_replay")
                       and not (isinstance(value, InPlaceRowStates) and not value))
 
     def keep_states_in_place(self) -> None:
@@ -166,6 +174,18 @@ class KVCache:
             raise ValueError(f"KVCache: cannot rewind {count} of {self.position} stored tokens")
         self.position -= int(count)
         self._step = None
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` stored tokens and forget the rest (transformers' ``DynamicCache.crop``): the
+        draft tokens a verification rejected. Their keys stay in the buffers until new tokens overwrite them.
+        Refused where layers keep a recurrent state on the cache, which holds every token it saw."""
+        state = self.layer_state()
+        if state:
+            raise CropError(f"{type(self).__name__}.crop: the model keeps {', '.join(state)} on its cache besides "
+                            "keys and values, which cannot forget tokens")
+        if not 0 <= length <= self.position:
+            raise CropError(f"{type(self).__name__}.crop: cannot keep {length} of {self.position} stored tokens")
+        self.rewind(self.position - int(length))
 
     def place_row(self, source: "KVCache", source_row: int, row: int, rows: int = 1) -> None:
         """Make ``row`` (and the ``rows - 1`` after it) hold ``source``'s stored tokens of ``source_row`` (and the
@@ -237,8 +257,12 @@ class KVCache:
         mask = None
         if not self.mask[:, :end].all():
             # decode: the mask spans max_len, so that every decode step has the same graph signature
-            mask = (self.mask if new == 1 else self.mask[:, :end]).astype(bool)
+            mask = (self.mask if self._attends_as_decode(new) else self.mask[:, :end]).astype(bool)
         return np.array([start, end], np.uint32), mask
+
+    def _attends_as_decode(self, new: int) -> bool:
+        """Whether a forward of ``new`` tokens attends over the whole capacity, the stored count read on the GPU."""
+        return new == 1 or (self.chunks_replay and self.position > 0)
 
     def step_inputs(self, new: int, key_padding_mask=None):
         """([start, end] as a uint32 tensor, device mask or None) for this forward, built by its first attend()."""
@@ -283,7 +307,7 @@ class KVCache:
         bounds, mask = self.step_inputs(new, key_padding_mask)
         k_cache, v_cache = self.keys[layer], self.values[layer]
         write_kv(k_cache, v_cache, k, v, bounds[0:1])
-        if new == 1:
+        if self._attends_as_decode(new):
             return self.attend_stored(layer, q, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                       key_padding_mask=key_padding_mask, return_lse=return_lse)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -297,10 +321,10 @@ class KVCache:
     def attend_stored(self, layer: int, q: Tensor, *, scale: float | None = None, window: int = 0,
                       softcap: float = 0.0, alibi_slopes: Tensor | None = None, key_padding_mask=None,
                       return_lse: bool = False):
-        """Decode attention of q ([B, H, 1, D]) over the stored keys, the new token's included (at
-        ``step_inputs(1)[0][0]``: written by attend(), or by the layer itself, as a fused projection does,
-        engine/ops/decode.py)."""
-        bounds, mask = self.step_inputs(1, key_padding_mask)
+        """Decode attention of q ([B, H, T, D]: one new token, or several with ``chunks_replay``) over the stored
+        keys, the new tokens' included (from ``step_inputs(T)[0][0]`` on: written by attend(), or by the layer
+        itself, as a fused projection does, engine/ops/decode.py)."""
+        bounds, mask = self.step_inputs(q.shape[2], key_padding_mask)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         return decode_attention(q, self.keys[layer], self.values[layer], bounds[1:2], scale=scale, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, key_padding_mask=mask,

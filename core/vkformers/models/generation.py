@@ -24,6 +24,7 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
+from vkformers.models.assisted import AssistedGenerationError, AssistedSettings, assisted_decode, pop_assisted_settings
 from vkformers.models.beam_search import BeamSearch, log_softmax, search_beams
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
@@ -41,6 +42,11 @@ PREFILL_CAPTURES = 4  # prompt lengths whose recorded prefill a model keeps
 # GPU time, and up to 63 more tokens cost little. A CPU device computes every padding token at full cost: 0, off.
 PREFILL_BUCKET = {"gpu": 64, "cpu": 0}
 CACHE_ROUNDING = 128  # cache lengths round up to this, so that similar calls reuse the cache (and its plans)
+CHUNK_CAPTURES = 8  # token counts of forwards after stored ones (assisted generation) whose recorded plan is kept
+# Whether assisted generation pads a verification forward to a power of two tokens, so that drafts of any length
+# replay a few recorded plans: on a GPU a forward's Python graph costs more than the GPU time of a few more tokens
+# (a small batch's product reads the weights once whatever its rows). A CPU device computes the padding at full cost.
+DRAFT_PADDING = {"gpu": True, "cpu": False}
 # Greedy decode steps per submission once the step is captured (the GPU chooses the tokens in between). None:
 # 8 on a GPU; 1 on a CPU device, whose own work hides the host's round trip (lavapipe measured no gain) and where
 # a streamer would otherwise get its tokens in bursts seconds apart.
@@ -74,13 +80,15 @@ class GenerationMixin:
         with ``tokenizer``. What the call leaves out comes from the model's generation config, then
         transformers' defaults (sampling keeps the 50 likeliest tokens unless top_k says otherwise).
         ``return_dict_in_generate=True``: a GenerateDecoderOnlyOutput instead of the array, with each step's
-        scores (``output_scores``) and raw logits (``output_logits``) where asked for.
+        scores (``output_scores``) and raw logits (``output_logits``) where asked for. ``prompt_lookup_num_tokens``
+        or ``assistant_model`` (one row): transformers' assisted generation (models/assisted.py).
         """
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids)
         if ids.ndim == 1:
             ids = ids[None]
         options = dict(options)
         output = pop_output_request(options)
+        assisted = pop_assisted_settings(options)
         sources = generation_sources(self)
         settings, lengths, given_rules, beam = resolve_call(
             sources, options, max_new_tokens, ids.shape[-1], beams=self.runs_beam_search(), do_sample=do_sample,
@@ -106,6 +114,8 @@ class GenerationMixin:
         if beams and streamer is not None:
             raise InputError("generate: a streamer cannot follow beam search (a beam's tokens change until it "
                              "ends); leave the streamer or num_beams out")
+        if assisted is not None:
+            self._check_assisted(assisted, ids.shape[0], beams, lengths.num_return_sequences)
         ids, mask = (np.repeat(a, beams or lengths.num_return_sequences, axis=0) for a in (ids, mask))
         batch, length = ids.shape
         eos = _eos_ids(self, eos_token_id)
@@ -119,7 +129,7 @@ class GenerationMixin:
             end_stream(streamer)
             return _generate_output(ids, output, [], [])
 
-        cache = self._generation_cache(batch, length + max_new_tokens)
+        cache = self._generation_cache(batch, length + max_new_tokens, chunks_replay=assisted is not None)
         positions = self.generation_positions(mask, ids, length)
         unfinished = np.ones(batch, bool)
         tokens = ids
@@ -147,6 +157,22 @@ class GenerationMixin:
                 return _generate_output(self._search_beams(search, logits, mask, cache, decode, repetition_penalty,
                                                            rules, eos, lengths.min_new_tokens, padding),
                                         output, [], [])
+            if assisted is not None:
+                choice = TokenChoice(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, rules, padding,
+                                     eos, lengths.min_new_tokens, length, logits.shape[-1])
+
+                def on_token(token: int, scores: np.ndarray, raw: np.ndarray) -> None:
+                    stream_tokens(streamer, np.array([token], np.int64))
+                    if output.scores:
+                        step_scores.append(scores)
+                    if output.logits:
+                        step_logits.append(raw)
+                tokens, stats = assisted_decode(self, assisted, logits, ids, mask, cache, decode, choice,
+                                                max_new_tokens, eos, rng, on_token,
+                                                DRAFT_PADDING["cpu" if cache.device.is_cpu else "gpu"])
+                object.__setattr__(self, "assisted_stats", stats)
+                end_stream(streamer)
+                return _generate_output(tokens, output, step_scores, step_logits)
             for step in range(max_new_tokens):
                 stepped = bool(chosen)  # a token the GPU chose: the chain also ran its step
                 suppress = eos if step < lengths.min_new_tokens else ()
@@ -218,6 +244,34 @@ class GenerationMixin:
         new = sequences[:, sequences.shape[1] - steps.shape[0]:]
         return np.take_along_axis(steps.transpose(1, 0, 2), new[:, :, None], axis=-1)[..., 0]
 
+    def _check_assisted(self, assisted: AssistedSettings, batch: int, beams: int, num_return_sequences: int) -> None:
+        """What assisted generation refuses, as transformers does: several rows, beam search, models whose cache
+        cannot forget rejected draft tokens, and an assistant that is no causal LM of this model's vocabulary."""
+        if beams:
+            raise AssistedGenerationError(f"generate: assisted generation cannot run beam search (num_beams={beams});"
+                                          " use num_beams=1, or leave assistant_model and prompt_lookup_num_tokens out")
+        if num_return_sequences > 1 or batch > 1:
+            raise AssistedGenerationError(
+                f"generate: assisted generation runs one sequence at a time, as in transformers (batch size "
+                f"{batch}, num_return_sequences {num_return_sequences}); call generate once per prompt and sequence")
+        for role, model in (("this model", self), ("the assistant", assisted.assistant)):
+            if model is None:
+                continue
+            if not isinstance(model, GenerationMixin) or getattr(model, "is_encoder_decoder", False):
+                raise AssistedGenerationError(f"generate: assistant_model must be a vkformers causal LM (as "
+                                              f"AutoModelForCausalLM loads), got {type(model).__name__}")
+            if not model.runs_beam_search():
+                raise AssistedGenerationError(
+                    f"generate: {role} ({type(model).__name__}) keeps state besides keys and values (a recurrent "
+                    "layer's) or recomputes its positions, so its cache cannot forget rejected draft tokens; "
+                    "generate without assistant_model and prompt_lookup_num_tokens")
+        if assisted.assistant is not None:
+            vocab, theirs = _vocab_size(self), _vocab_size(assisted.assistant)
+            if vocab is not None and theirs is not None and vocab != theirs:
+                raise AssistedGenerationError(
+                    f"generate: the assistant's vocabulary ({theirs} tokens) is not this model's ({vocab}): its draft "
+                    "tokens would mean other text; use an assistant trained with this model's tokenizer")
+
     def runs_beam_search(self) -> bool:
         """Whether generate runs beam search for this model: its cache rows can follow the beams (keys and values
         only, no recurrent state) and its positions need no recomputation (Phi-3's longrope)."""
@@ -277,6 +331,8 @@ class GenerationMixin:
         of vkformers_moe.block.set_experts_mode, say): after such a change, call this."""
         object.__setattr__(self, "_held_decode", None)
         object.__setattr__(self, "_held_prefill", None)
+        object.__setattr__(self, "_held_chunks", None)
+        object.__setattr__(self, "_held_draft", None)
 
     def _decode_capture(self, cache: KVCache, key) -> "DecodeCapture":
         """The captured decode step of the last generate when it still applies (same cache, same parameter
@@ -335,6 +391,53 @@ class GenerationMixin:
         cache.rewind(extra)
         return logits
 
+    def _forward_tokens(self, cache: KVCache, ids: np.ndarray, positions: np.ndarray, mask: np.ndarray, key,
+                        padded: int | None = None) -> tuple[np.ndarray, bool]:
+        """The forward of ``ids`` [batch, T] after the tokens ``cache`` stores (a draft verified, an assistant
+        catching up): every position's logits, float32 [batch, T, vocab], and whether a recorded plan ran it
+        instead of the Python forward. The plan is recorded per token count once two forwards confirmed it, which
+        needs the cache's ``chunks_replay`` and a ``key`` (capture_key of this model and cache; None: never
+        recorded). ``padded`` (>= T): run padded on the right to that many tokens (the last one repeated), so that
+        drafts of several lengths share one plan: causal attention leaves the real tokens' logits as they are, and
+        the cache holds the padding until the caller crops it. ``mask``: over the stored tokens and these."""
+        batch, length = ids.shape
+        extra = (padded or length) - length
+        # int32 arrays the model turns into its input tensors as they are: the capture finds them in the plan
+        ids, positions = ids.astype(np.int32), positions.astype(np.int32)
+        if extra:
+            ids = np.ascontiguousarray(np.concatenate([ids, np.repeat(ids[:, -1:], extra, axis=1)], axis=1))
+            positions = np.ascontiguousarray(np.concatenate(
+                [positions, positions[:, -1:] + np.arange(1, extra + 1, dtype=np.int32)], axis=1))
+            mask = np.concatenate([mask, np.ones((batch, extra), mask.dtype)], axis=1)
+        capture = self._chunk_capture(cache, length + extra, key) if cache.chunks_replay else None
+        if capture is not None and capture.ready:
+            logits = capture.run(ids, positions)
+            if logits is not None:
+                return logits.reshape(batch, length + extra, -1)[:, :length], True
+        with lazy.capture() as seen:
+            out = self(ids, attention_mask=mask, position_ids=positions, cache=cache)
+            every = out.logits.contiguous()
+            del out  # the logits buffer is the plan's: holding it would force a copy at the next replay
+            logits = to_scores(every.numpy())
+        if capture is not None:
+            capture.observe(seen.runs, ids, positions, every)
+        return logits[:, :length], False
+
+    def _chunk_capture(self, cache: KVCache, tokens: int, key) -> "DecodeCapture | None":
+        """The capture of forwards of ``tokens`` tokens after stored ones on this cache (CHUNK_CAPTURES kept, the
+        least recently used dropped first), or None without a ``key``."""
+        if key is None:
+            return None
+        captures = getattr(self, "_held_chunks", None)
+        if captures is None:
+            captures = {}
+            object.__setattr__(self, "_held_chunks", captures)
+        capture = captures.pop((key, tokens), None) or DecodeCapture(cache, tokens=tokens)
+        captures[key, tokens] = capture
+        while len(captures) > CHUNK_CAPTURES:
+            captures.pop(next(iter(captures)))
+        return capture
+
     def _prefill_capture(self, cache: KVCache, length: int, padded: bool, key) -> "DecodeCapture | None":
         """The prefill capture for prompts of ``length`` tokens on this cache, run ``padded`` (with the input that
         picks each row's last token) or not (the PREFILL_CAPTURES shapes used most recently are kept; a change of
@@ -352,28 +455,56 @@ class GenerationMixin:
             captures.pop(next(iter(captures)))
         return capture
 
-    def _generation_cache(self, batch: int, length: int) -> KVCache:
+    def _generation_cache(self, batch: int, length: int, chunks_replay: bool = False) -> KVCache:
         """A reset KV cache for ``batch`` rows of up to ``length`` tokens; reused across calls when it fits,
-        so that a later generate replays the decode step recorded by an earlier one."""
+        so that a later generate replays the decode step recorded by an earlier one. ``chunks_replay``: the
+        cache's setting of that name (assisted generation's verification forwards replay)."""
         cache = getattr(self, "_kv_cache", None)
         if cache is None or cache.batch != batch or cache.max_len < length or cache.dtype != _dtype(self):
             object.__setattr__(self, "_kv_cache", None)  # free the old buffers before allocating new ones
             object.__setattr__(self, "_held_decode", None)  # (its recorded step holds them too)
             object.__setattr__(self, "_held_prefill", None)
+            object.__setattr__(self, "_held_chunks", None)
             del cache
-            max_len = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
-            # a model without attention (attention_free): no key/value layers, the cache holds its states only
-            layers, kv_heads, head_dim = ((0, 1, 1) if getattr(self, "attention_free", False)
-                                          else (self.num_layers, self.num_kv_heads, self.head_dim))
-            cache = KVCache(layers, batch, kv_heads, head_dim, max_len, _dtype(self), _device(self))
+            cache = _new_cache(self, batch, length)
             object.__setattr__(self, "_kv_cache", cache)
+        return self._ready_cache(cache, chunks_replay)
+
+    def _ready_cache(self, cache: KVCache, chunks_replay: bool) -> KVCache:
         if self.replays_decode():
             cache.keep_states_in_place()  # every decode step reads and writes the same buffers: it replays
+        cache.chunks_replay = chunks_replay
         cache.reset()
         return cache
 
+    def _draft_state(self, length: int) -> tuple[KVCache, "DecodeCapture", object]:
+        """This model drafting for another (assisted generation): a reset cache of its own for one row of up to
+        ``length`` tokens (apart from the one generate decodes on, so that a model may assist itself), the decode
+        capture that replays its steps and their capture key; all kept for the next call while they fit."""
+        held = getattr(self, "_held_draft", None)
+        cache = held[0] if held is not None else None
+        if cache is None or cache.max_len < length or cache.dtype != _dtype(self):
+            object.__setattr__(self, "_held_draft", None)
+            del held, cache
+            cache = _new_cache(self, 1, length)
+            held = (cache, None, None)
+        cache = self._ready_cache(cache, chunks_replay=True)
+        key = capture_key(self, cache) if self.replays_decode() else None
+        decode = held[1] if key is not None and held[2] == key else DecodeCapture(cache)
+        object.__setattr__(self, "_held_draft", (cache, decode, key))
+        return cache, decode, key
+
 
 # ---------------------------------------------------------------- model attributes
+
+def _new_cache(model, batch: int, length: int) -> KVCache:
+    """A KV cache for ``model``: ``batch`` rows of ``length`` tokens rounded up to CACHE_ROUNDING."""
+    max_len = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
+    # a model without attention (attention_free): no key/value layers, the cache holds its states only
+    layers, kv_heads, head_dim = ((0, 1, 1) if getattr(model, "attention_free", False)
+                                  else (model.num_layers, model.num_kv_heads, model.head_dim))
+    return KVCache(layers, batch, kv_heads, head_dim, max_len, _dtype(model), _device(model))
+
 
 def _chain_steps(device) -> int:
     return CHAIN_STEPS if CHAIN_STEPS is not None else (1 if device.is_cpu else 8)
@@ -400,6 +531,11 @@ def _device(model):
 def _config_value(model, name):
     """``name`` from the model's generation_config where it has one, else from its config (dicts or objects)."""
     return config_value(generation_sources(model), name)
+
+
+def _vocab_size(model) -> int | None:
+    value = config_value((getattr(model, "config", None),), "vocab_size")
+    return None if value is None else int(value)
 
 
 def _eos_ids(model, eos_token_id) -> list[int]:
@@ -575,6 +711,49 @@ def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rn
     if do_sample:
         return _sample(scores, rng, temperature, top_k, top_p, min_p, rules, tokens)
     return scores.argmax(axis=-1)
+
+
+class TokenChoice:
+    """generate's choice of one row's next token from a position's logits, for assisted generation (models/
+    assisted.py), which chooses at several positions of a draft: transformers' processors (the end-of-sequence
+    tokens suppressed before ``min_new_tokens``), then when sampling its warpers, then argmax or a draw."""
+
+    def __init__(self, do_sample: bool, temperature: float, top_k: int, top_p: float, min_p: float,
+                 repetition_penalty: float, rules: LogitRules, padding, eos: list[int], min_new_tokens: int,
+                 prompt_length: int, vocab: int):
+        self.do_sample, self.temperature, self.top_k, self.top_p, self.min_p = (do_sample, temperature, top_k, top_p,
+                                                                                min_p)
+        self.repetition_penalty, self.rules, self.padding, self.eos = repetition_penalty, rules, padding, eos
+        self.min_new_tokens, self.prompt_length, self.vocab = min_new_tokens, prompt_length, vocab
+
+    def _processed(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        suppress = self.eos if tokens.shape[1] - self.prompt_length < self.min_new_tokens else ()
+        return processed_scores(logits, tokens, self.repetition_penalty, suppress, self.rules, self.padding)
+
+    def scores(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The scores [1, vocab] the token after ``tokens`` [1, T] is chosen from, given its ``logits`` [1, vocab]."""
+        scores = self._processed(logits, tokens)
+        return warped_scores(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.rules, tokens) \
+            if self.do_sample else scores
+
+    def probs(self, scores: np.ndarray) -> np.ndarray:
+        return _softmax(scores)
+
+    def draw(self, probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        return _draw(probs, rng)
+
+    def pick(self, scores: np.ndarray, rng: np.random.Generator) -> int:
+        return int(_draw(_softmax(scores), rng)[0] if self.do_sample else scores[0].argmax())
+
+    def allowed(self, tokens: np.ndarray, token: int) -> bool:
+        """Whether the processors leave ``token`` possible after ``tokens`` [T] (transformers' prompt lookup asks
+        them of uniform logits)."""
+        ones = np.ones((1, self.vocab), np.float32)
+        return bool(np.isfinite(self._processed(ones, tokens[None])[0, token]))
+
+    def finished(self, tokens: np.ndarray) -> bool:
+        """Whether a stop string or stopping criterion ends ``tokens`` [1, T]."""
+        return bool(self.rules.finished(tokens)[0])
 
 
 def _generate_output(tokens: np.ndarray, output, scores: list, logits: list):

@@ -409,13 +409,16 @@ def _record_forward(seq, q, k, v, out, lse, flags: _Flags, tiles: Tiles | Coopma
     if isinstance(tiles, DecodeTiles):  # attention_decode.comp: x the slice, y the group of query heads
         seq.dispatch(device.kernel("attention_decode", variant), buffers, (splits, heads // tiles.rows, batch),
                      push=push, spec=spec + [int(page_size)])
-    elif splits > 1 or kv_len_buffer is not None:
+    elif splits > 1 or (kv_len_buffer is not None and q_len == 1):
         seq.dispatch(device.kernel("attention_fwd", variant), buffers,
                      (splits if splits > 1 else -(-q_len // tiles.rows), heads, batch), push=push + [0, kv_stride, 0],
                      spec=spec)
     else:
-        step = forward_keys_per_dispatch(tiles, head_dim)
-        for key_lo in range(0, kv_len, step):
+        # a length read on the GPU may reach the capacity: the dispatches cover it (those past the length see no
+        # key), split for llvmpipe's loop limit on a CPU device only
+        keys = kv_len if kv_len_buffer is None else kv_stride
+        step = forward_keys_per_dispatch(tiles, head_dim) if kv_len_buffer is None or device.is_cpu else keys
+        for key_lo in range(0, keys, step):
             seq.dispatch(device.kernel("attention_fwd", variant), buffers, (-(-q_len // tiles.rows), heads, batch),
                          push=push + [key_lo, key_lo + step, int(key_lo > 0)], spec=spec)
     if splits > 1:
@@ -489,9 +492,14 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
                      alibi_slopes: Operand | None = None, lse: Operand | None = None,
                      splits: int | None = None, tiles: Tiles | None = None,
                      heads_per_workgroup: int | None = None, keys_per_tile: int | None = None,
-                     page_size: int = 0) -> None:
+                     page_size: int = 0, q_len: int = 1) -> None:
     """One new query per sequence (q, out: [batch, heads, 1, head_dim]) against the first
     ``kv_len`` entries of a cache of capacity ``max_len`` ([batch, kv_heads, max_len, head_dim]).
+
+    ``q_len`` > 1 (q, out: [batch, heads, q_len, head_dim]; ``lse`` [batch, heads, q_len]): the last q_len
+    tokens' queries, at positions kv_len - q_len .. kv_len - 1, each causal (a draft verified after the cache).
+    The general forward kernel runs them, in one workgroup per block of queries, kv_len read from
+    ``kv_len_buffer`` (required) as for one query, so that the step replays at every position. Not paged.
 
     Paged (``page_size`` > 0): k_cache and v_cache are pools of blocks [blocks, kv_heads, page_size, head_dim], and
     each sequence's block table (max_len / page_size uint32 entries: logical block -> pool block) follows kv_len
@@ -519,6 +527,12 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     (head_dim, offsets), or with ``tiles``, the general forward kernel runs instead, one query head per workgroup.
     """
     q, k_cache, v_cache, out = map(operand, (q, k_cache, v_cache, out))
+    if q_len > 1:
+        _record_queries_after_cache(seq, q, k_cache, v_cache, out, lse, batch=batch, heads=heads, kv_heads=kv_heads,
+                                    q_len=q_len, max_len=max_len, head_dim=head_dim, scale=scale,
+                                    kv_len_buffer=kv_len_buffer, key_padding_mask=key_padding_mask, window=window,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, page_size=page_size, tiles=tiles)
+        return
     if kv_len_buffer is None:
         if kv_len is None or not 1 <= kv_len <= max_len:
             raise ValueError(f"attention_decode: kv_len must be in 1..max_len ({max_len}), got {kv_len}")
@@ -575,6 +589,36 @@ def attention_decode(seq, q, k_cache, v_cache, out, *, batch: int, heads: int, k
     splits = max(1, min(32, max_len // 256)) if splits is None else int(splits)
     tiles = tiles or pick_tiles(seq.device, head_dim, DECODE_TILES, forward_shared_bytes)
     _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, **args, splits=splits)
+
+
+def _record_queries_after_cache(seq, q, k_cache, v_cache, out, lse, *, batch, heads, kv_heads, q_len, max_len,
+                                head_dim, scale, kv_len_buffer, key_padding_mask, window, softcap, alibi_slopes,
+                                page_size, tiles) -> None:
+    """attention_decode's ``q_len`` > 1: the scalar forward kernel over the cache's capacity, kv_len read on the
+    GPU, the keys split over dispatches as a prefill's are (llvmpipe's loop limit)."""
+    if kv_len_buffer is None or page_size:
+        raise ValueError("attention_decode: several queries need kv_len_buffer, and no paged cache")
+    kv_len_buffer = operand(kv_len_buffer)
+    if kv_len_buffer.dtype.name not in ("uint32", "int32"):
+        raise TypeError(f"attention_decode: kv_len_buffer must be uint32, not {kv_len_buffer.dtype.name}")
+    require_elements(kv_len_buffer, 1, "attention_decode kv_len_buffer")
+    flags = _check_flags(batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=None, mask_len=max_len,
+                         head_dim=head_dim, causal=True, key_padding_mask=key_padding_mask, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, q_offset=None)
+    for x, count, what in ((q, batch * heads * q_len, "q"), (out, batch * heads * q_len, "out"),
+                           (k_cache, batch * kv_heads * max_len, "k_cache"),
+                           (v_cache, batch * kv_heads * max_len, "v_cache")):
+        require_elements(x, count * head_dim, f"attention_decode {what}")
+    if lse is None:
+        lse = Operand(seq.device.buffer(batch * heads * q_len, "float32", name="attention_decode lse"))
+    lse = operand(lse)
+    _check_float32(lse, batch * heads * q_len, "lse")
+    if tiles is not None and type(tiles) is not Tiles:
+        raise ValueError(f"attention_decode: several queries run on the scalar kernel's Tiles, not {tiles!r}")
+    tiles = tiles or pick_tiles(seq.device, head_dim, FORWARD_TILES, forward_shared_bytes)
+    _record_forward(seq, q, k_cache, v_cache, out, lse, flags, tiles, batch=batch, heads=heads, kv_heads=kv_heads,
+                    q_len=q_len, kv_len=None, kv_stride=max_len, head_dim=head_dim, scale=scale,
+                    kv_len_buffer=kv_len_buffer)
 
 
 def _per_vector(dtype_name: str) -> int:

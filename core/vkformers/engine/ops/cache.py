@@ -100,7 +100,7 @@ def write_kv_paged(k_pool, v_pool, k_new, v_new, step, *, page_size: int, table_
 
 
 class DecodeAttention(KernelOp):
-    """ins: q, k_cache, v_cache, kv_len [, key padding mask] [, alibi slopes]; out: [B, H, 1, D]."""
+    """ins: q, k_cache, v_cache, kv_len [, key padding mask] [, alibi slopes]; out: [B, H, T, D] (T = q's)."""
 
     name = "attention_decode"
 
@@ -108,7 +108,7 @@ class DecodeAttention(KernelOp):
         (out, *lse), (q, k_cache, v_cache, kv_len, *extra) = outs, ins
         mask = extra.pop(0).operand if self.has_mask else None
         slopes = extra.pop(0).operand if self.has_alibi else None
-        batch, heads, _, head_dim = q.shape
+        batch, heads, q_len, head_dim = q.shape
         _, kv_heads, max_len, _ = k_cache.shape
         kv_len = kv_len.operand
         if self.page_size:  # the step tensor [start, end, tables]: kv_len is its second element
@@ -118,22 +118,21 @@ class DecodeAttention(KernelOp):
                             kv_heads=kv_heads, kv_len=None, max_len=max_len, head_dim=head_dim, scale=self.scale,
                             kv_len_buffer=kv_len, key_padding_mask=mask, window=self.window,
                             softcap=self.softcap, alibi_slopes=slopes, lse=lse[0].operand if lse else None,
-                            page_size=self.page_size)
+                            page_size=self.page_size, q_len=q_len)
 
 
 def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None, key_padding_mask=None,
                      window: int = 0, softcap: float = 0.0, alibi_slopes=None, return_lse: bool = False):
-    """Attention of one new query per row over the first ``kv_len`` entries of the caches.
+    """Attention of the new queries of each row over the first ``kv_len`` entries of the caches.
 
-    q: [batch, heads, 1, head_dim]; k_cache, v_cache: [batch, kv_heads, max_len, head_dim];
-    kv_len: a uint32 tensor of one element, read on the GPU (the query sits at position kv_len - 1
-    and its own key must already be in the cache); key_padding_mask: bool/uint8 [batch, max_len],
-    1 = attend. Returns [batch, heads, 1, head_dim] in q's dtype (and with ``return_lse`` the logsumexp of
-    each row's scores, float32 [batch, heads, 1]).
+    q: [batch, heads, T, head_dim]; k_cache, v_cache: [batch, kv_heads, max_len, head_dim];
+    kv_len: a uint32 tensor of one element, read on the GPU (query i sits at position kv_len - T + i, causal,
+    and the new keys must already be in the cache); key_padding_mask: bool/uint8 [batch, max_len],
+    1 = attend. Returns [batch, heads, T, head_dim] in q's dtype (and with ``return_lse`` the logsumexp of
+    each row's scores, float32 [batch, heads, T]). T > 1 (a draft's tokens verified after the cache): the
+    graph is the same at every position, as a decode step's, so that it replays.
     """
     batch, heads, q_len, head_dim = q.shape
-    if q_len != 1:
-        raise ValueError(f"decode_attention: one query per row, got q_len {q_len}")
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
         raise ValueError(f"decode_attention: caches {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
     if kv_len.numel() != 1 or kv_len.dtype not in (dt.uint32, dt.int32):
@@ -151,7 +150,8 @@ def decode_attention(q, k_cache, v_cache, kv_len, *, scale: float | None = None,
     op = DecodeAttention(scale=scale, window=int(window), softcap=float(softcap),
                          has_mask=key_padding_mask is not None, has_alibi=alibi_slopes is not None, page_size=0)
     outs = node(op, [q.cast(dtype).lazy, k_cache.lazy, v_cache.lazy, kv_len.reshape(1).lazy, *extra],
-                [((batch, heads, 1, head_dim), dtype)] + ([((batch, heads, 1), dt.float32)] if return_lse else []))
+                [((batch, heads, q_len, head_dim), dtype)] + ([((batch, heads, q_len), dt.float32)] if return_lse
+                                                               else []))
     return tuple(wrap(o) for o in outs) if return_lse else wrap(outs[0])
 
 
