@@ -43,6 +43,7 @@ from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
+from vkformers.models.structured_output import any_object_grammar
 from vkformers.models.tool_calls import TOOL_CALL_PARSERS, FirstCallOnly, ToolCallStream
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
@@ -342,7 +343,8 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
                           presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
-                          logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object")
+                          logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
+                          grammar=response_grammar(body))
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -382,6 +384,17 @@ def response_kind(body: dict) -> str:
     if response_format is None:
         return "text"
     return response_format.get("type") if isinstance(response_format, dict) else response_format
+
+
+def response_grammar(body: dict) -> str | None:
+    """The grammar the output keeps to (models/structured_output.py): OpenAI's response_format json_object (any
+    JSON object); None for text."""
+    if response_kind(body) != "json_object":
+        return None
+    try:
+        return any_object_grammar()
+    except VkformersError as exc:  # no grammar engine installed
+        raise ApiError(400, str(exc), param="response_format") from None
 
 
 def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
