@@ -18,8 +18,8 @@ from vkformers.errors import InputError, VkformersError
 from vkformers.models import gguf as vkgguf
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
-from vkformers.models.structured_output import (GrammarError, GrammarVocabulary, TokenConstraint,
-                                                any_object_grammar, json_schema_grammar)
+from vkformers.models.structured_output import (GrammarError, GrammarLogitsProcessor, GrammarVocabulary,
+                                                TokenConstraint, any_object_grammar, json_schema_grammar)
 
 MODEL = Path(__file__).parent / "data" / "pipeline"
 
@@ -158,3 +158,22 @@ def test_schema_outputs_validate_greedy_and_seeded_and_end_without_an_end_token(
     assert out[1][0] == out[2][0] and out[0][0] != out[1][0]
     text, reason, request = served(tiny, params[:1], ends=False)[0]
     assert reason == "stop" and text == out[0][0] and tokenizer.eos_token_id not in request.generated
+
+
+def test_generate_keeps_to_a_schema_through_a_logits_processor(tiny):
+    """GrammarLogitsProcessor for generate: greedy, sampled and beam-searched rows each valid, and reused for a
+    second call."""
+    model, tokenizer = tiny
+    ids = tokenizer(["Answer in JSON:", "the capital of France"], padding=True, padding_side="left",
+                    return_tensors="np")
+    bias = np.zeros(len(tokenizer), np.float32)
+    bias[blank_tokens(tokenizer)] = -100.0
+    processors = [lambda _, scores: scores + bias, GrammarLogitsProcessor.from_json_schema(PERSON, tokenizer)]
+    runs = [dict(), dict(do_sample=True, top_k=0, seed=2), dict(num_beams=2)]
+    for run in runs:
+        out = model.generate(ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=100,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             logits_processor=processors, **run)
+        for row in out[:, ids["input_ids"].shape[1]:]:
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            assert schema_errors(json.loads(text), PERSON) == [], (run, text)

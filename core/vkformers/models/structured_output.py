@@ -13,6 +13,8 @@ as a space and ``<0xNN>`` as that byte, so a character split over tokens is foll
 grammar accepts the output as it is. Each output keeps its own matcher (:class:`TokenConstraint`); its mask is
 applied to the row's scores on the host before the choice (greedy, or after it temperature, top-k and top-p over
 the allowed tokens only).
+
+``generate`` takes the same through its ``logits_processor`` argument: :class:`GrammarLogitsProcessor`.
 """
 from __future__ import annotations
 
@@ -187,3 +189,64 @@ class TokenConstraint:
         elif not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} does not continue the structured output: "
                                f"{one_line(self.matcher.get_error())}")
+
+
+class GrammarLogitsProcessor:
+    """A ``logits_processor`` for ``generate`` that keeps every row's new tokens to a grammar, as ``vkformers
+    serve`` keeps a request with ``response_format``::
+
+        processor = GrammarLogitsProcessor.from_json_schema(schema, tokenizer)
+        out = model.generate(ids, max_new_tokens=200, logits_processor=[processor])
+
+    Each row follows the grammar from its first generated token, its state found by its tokens so far (so beams
+    that reorder, or share a beginning, each keep theirs); a row past its end token is left as it is. A call
+    whose rows do not continue the last one's starts over (a new ``generate``). ``ends``: the end tokens (default:
+    the tokenizer's eos), allowed once the grammar accepts the output."""
+
+    def __init__(self, grammar: str, tokenizer, ends=None):
+        self.grammar, self.tokenizer = grammar, tokenizer
+        eos = tokenizer.eos_token_id if ends is None else ends
+        self.ends = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        self._states: dict[tuple, TokenConstraint] = {}  # a row's generated tokens -> its state after them
+        self._start = self._length = 0
+
+    @classmethod
+    def from_json_schema(cls, schema, tokenizer, *, strict: bool = True, ends=None) -> "GrammarLogitsProcessor":
+        """Outputs that are one JSON value valid against ``schema`` (a dict or JSON text; json_schema_grammar)."""
+        return cls(json_schema_grammar(schema, strict=strict), tokenizer, ends)
+
+    @classmethod
+    def json_object(cls, tokenizer, ends=None) -> "GrammarLogitsProcessor":
+        """Outputs that are one JSON object (OpenAI's JSON mode)."""
+        return cls(any_object_grammar(), tokenizer, ends)
+
+    def _state(self, generated: tuple) -> TokenConstraint | None:
+        """The state after ``generated``: the known one, or its parent's advanced by the last token."""
+        state = self._states.get(generated)
+        if state is None and generated and generated[:-1] in self._states:
+            state = self._states[generated[:-1]].copy()
+            if not state.ended:
+                state.advance(generated[-1])
+        return state
+
+    def __call__(self, input_ids, scores: np.ndarray) -> np.ndarray:
+        ids = np.asarray(input_ids, np.int64)
+        length = ids.shape[1]
+        states = [self._state(tuple(row[self._start:].tolist())) for row in ids] \
+            if self._states and length == self._length + 1 else [None]
+        if any(state is None for state in states):  # a new generate call: every row starts the grammar
+            root = TokenConstraint(GrammarVocabulary.of(self.tokenizer, scores.shape[-1]), self.grammar, self.ends)
+            self._start, self._states = length, {(): root}
+            states = [root] * len(ids)
+        else:
+            self._states = {tuple(row[self._start:].tolist()): state for row, state in zip(ids, states)}
+        self._length = length
+        out = np.array(scores, np.float32, copy=True)
+        for row, state in enumerate(states):
+            if not state.ended:
+                allowed = state.allowed()
+                # a row whose allowed tokens are all at -inf already (dropped by top-k or top-p before this runs)
+                # draws among them evenly, as prefix_allowed_tokens_fn's rows do
+                kept = np.where(allowed, out[row], -np.inf)
+                out[row] = kept if np.isfinite(kept).any() else np.where(allowed, 0.0, -np.inf)
+        return out
