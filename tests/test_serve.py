@@ -1048,11 +1048,14 @@ def test_a_chat_without_a_template_is_a_400_and_chat_template_gives_one(tmp_path
 
 def test_json_mode_answers_a_json_object(server):
     """response_format json_object: the reply is a valid beginning of a JSON object (a whole one when it stops)."""
-    from vkformers.models.json_mode import JsonPrefix
+    from vkformers.models.structured_output import GrammarVocabulary, TokenConstraint, any_object_grammar
     out = server["client"].chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=12, temperature=0,
                                                    response_format={"type": "json_object"})
-    text = out.choices[0].message.content
-    assert text.startswith("{") and JsonPrefix().feed(text) is not None, text
+    text, tokenizer = out.choices[0].message.content, server["tokenizer"]
+    check = TokenConstraint(GrammarVocabulary.of(tokenizer, len(tokenizer)), any_object_grammar())
+    for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        check.advance(token)  # (raises where the text stops beginning a JSON object)
+    assert text.startswith("{"), text
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)

@@ -43,6 +43,7 @@ from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
+from vkformers.models.structured_output import any_object_grammar, json_schema_grammar
 from vkformers.models.tool_calls import TOOL_CALL_PARSERS, FirstCallOnly, ToolCallStream
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
@@ -342,7 +343,8 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
                           presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
-                          logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object")
+                          logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
+                          grammar=response_grammar(body))
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -384,14 +386,36 @@ def response_kind(body: dict) -> str:
     return response_format.get("type") if isinstance(response_format, dict) else response_format
 
 
-def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
-    """A 400 for what this server would otherwise ignore and answer wrongly: structured output, tool calls that no
-    parser reads (``tools``: the server has one), a tool choice that would need constrained decoding."""
+def response_grammar(body: dict) -> str | None:
+    """The grammar the output keeps to (models/structured_output.py): OpenAI's response_format json_schema (the
+    schema's, strict or not) or json_object (any JSON object); None for text."""
     kind = response_kind(body)
-    if kind not in ("text", "json_object"):
-        raise ApiError(400, f"'response_format' of type {kind!r} is not supported: this server constrains the output "
-                            "to a JSON object (json_object), not to a schema; ask for json_object and describe the "
-                            "schema in the prompt", param="response_format")
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return any_object_grammar()
+        spec = body["response_format"].get("json_schema") if isinstance(body["response_format"], dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, "'response_format' of type json_schema needs 'json_schema': {'name': ..., 'schema': "
+                                "{a JSON schema object}, 'strict': true or false}", param="response_format")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ApiError(400, f"'response_format.json_schema.strict' must be true or false, got {strict!r}",
+                           param="response_format")
+        return json_schema_grammar(spec["schema"], strict=bool(strict))
+    except VkformersError as exc:  # a schema the grammar engine cannot compile, or no engine installed
+        raise ApiError(400, str(exc), param="response_format") from None
+
+
+def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
+    """A 400 for what this server would otherwise ignore and answer wrongly: a response format it does not know,
+    tool calls that no parser reads (``tools``: the server has one), a tool choice that would need constrained
+    decoding."""
+    kind = response_kind(body)
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, f"'response_format' of type {kind!r} is not supported: give text, json_object or "
+                            "json_schema", param="response_format")
     if not chat and body.get("suffix"):
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
     choice = body.get("tool_choice")

@@ -17,7 +17,7 @@ generate's prefills do (_prefill_capture; prompts laid out at a multiple of PREF
 so that nearby lengths share shapes). A request that left stays as a masked row until a newcomer takes it. Each
 request chooses its tokens on the host from its row's logits as ``generate`` does for a batch of one (greedy, or
 temperature, top-k, top-p and min-p with its own seeded generator), so its tokens are those ``model.generate`` gives it
-alone with those settings; a replayed step whose live rows are all greedy (no penalty, bias or
+alone with those settings; a replayed step whose live rows are all greedy (no penalty, bias, grammar or
 logprobs) has the GPU choose them and reads back the tokens instead of the logits (DecodeCapture.choose). The
 thread's forwards run under no_grad.
 
@@ -74,11 +74,11 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
-from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax, sampling_probabilities
+from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
 from vkformers.models.inputs import check_model_inputs
-from vkformers.models.json_mode import JsonChoice
 from vkformers.models.paged_cache import (LOOKAHEAD, PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache,
                                           block_bytes, prefix_keys)
+from vkformers.models.structured_output import GrammarError, GrammarVocabulary, TokenConstraint, any_object_grammar
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import buffer_memory, get_device
 
@@ -118,7 +118,10 @@ class SamplingParams:
     OpenAI's penalties, over the tokens generated so far: ``presence_penalty`` is subtracted once from the logit of
     each of them, ``frequency_penalty`` once per time it was generated; ``logit_bias``: (token, bias) pairs added to
     those tokens' logits. All three apply before temperature, top-p and the greedy choice; log-probabilities are the
-    model's, before them."""
+    model's, before them. ``grammar``: an llguidance grammar the output keeps to (models/structured_output.py:
+    json_schema_grammar for OpenAI's response_format json_schema); ``json_mode``: the output one JSON object
+    (OpenAI's json_object), the grammar any_object_grammar. Tokens the grammar refuses are masked before the
+    choice (greedy, or temperature, top-k and top-p over the allowed ones)."""
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -131,6 +134,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_mode: bool = False  # the output one JSON object (OpenAI's response_format json_object)
+    grammar: str | None = None  # an llguidance grammar the output keeps to (response_format json_schema)
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -153,8 +157,14 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the host must choose this request's tokens from its own scores (penalties, bias, JSON mode)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.json_mode)
+        """Whether the host must choose this request's tokens from its own scores (penalties, bias, a grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.json_mode
+                    or self.grammar is not None)
+
+    @property
+    def output_grammar(self) -> str | None:
+        """The grammar the output keeps to: ``grammar``, else JSON mode's, else None."""
+        return self.grammar if self.grammar is not None else any_object_grammar() if self.json_mode else None
 
 
 @dataclass
@@ -192,7 +202,7 @@ class Request:
         self.cancelled = False
         self.arrived = time.perf_counter()
         self.first_token_at: float | None = None
-        self.json: JsonChoice | None = None  # params.json_mode: where its JSON object is
+        self.constraint: TokenConstraint | None = None  # params.output_grammar: the output's grammar state
 
     @property
     def finished(self) -> bool:
@@ -282,7 +292,6 @@ class BatchScheduler:
                  cache_salt: str = "", gpu_memory_utilization: float | None = None, adapters=None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
         self._adapter_scales: dict[int, tuple[Tensor, np.ndarray]] = {}  # rows -> persistent scales, their values
-        self._token_texts: dict[int, str] = {}  # JSON mode: each token's text, decoded once
         self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
         self.max_model_len = int(max_model_len or limit or 2048)
@@ -485,6 +494,9 @@ class BatchScheduler:
         if wrong:
             raise InputError(f"logit_bias names token {wrong[0]}, outside the model's vocabulary of {vocab}")
         self.check(len(request.prompt), request.params.max_tokens)
+        grammar = request.params.output_grammar
+        if grammar is not None:  # compiled here, where a bad grammar is the caller's error, not the batch's
+            request.constraint = TokenConstraint(GrammarVocabulary.of(self.tokenizer, vocab), grammar, request.eos)
         limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
         if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
             check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
@@ -1090,7 +1102,8 @@ class BatchScheduler:
         self.metrics.cache_tokens = len(tokens) * cache.max_len
 
     def _greedy_only(self) -> bool:
-        """Whether every live row takes the most likely token as it is (no sampling, penalty, bias or logprobs)."""
+        """Whether every live row takes the most likely token as it is (no sampling, penalty, bias, grammar or
+        logprobs)."""
         return all(r.params.temperature == 0 and not r.params.adjusts_logits and r.params.logprobs is None
                    for r in self._rows if r is not None and not r.finished)
 
@@ -1160,19 +1173,22 @@ class BatchScheduler:
             params = request.params
             scores = None if chosen is not None else logits[row:row + 1]
             chosen_from = _adjusted(scores, request) if params.adjusts_logits else scores
+            if request.constraint is not None:  # (never GPU-chosen: adjusts_logits)
+                try:
+                    chosen_from = request.constraint.mask(chosen_from)
+                except GrammarError as exc:  # the engine failed on this output: it alone ends
+                    self.last_error = exc
+                    self._fail([request])
+                    continue
             if chosen is not None:
                 token = int(chosen[row])
-            elif params.json_mode:
-                if request.json is None:
-                    request.json = JsonChoice(self._token_text, request.eos)
-                probs = None if params.temperature == 0 else sampling_probabilities(
-                    chosen_from, params.temperature, params.top_k, params.top_p, params.min_p)[0]
-                token = request.json.choose(probs, chosen_from[0], request.rng)
             elif params.temperature == 0:
                 token = int(chosen_from.argmax(axis=-1)[0])
             else:
                 token = int(_sample(chosen_from, request.rng, params.temperature, params.top_k, params.top_p,
                                     params.min_p)[0])
+            if request.constraint is not None:
+                request.constraint.advance(token)
             request.generated.append(token)
             request.counts[token] = request.counts.get(token, 0) + 1
             if request.first_token_at is None:
@@ -1183,15 +1199,9 @@ class BatchScheduler:
             if params.logprobs is not None:
                 request.pending_logprobs.append(_logprob(scores[0], token, params.logprobs))
             self._advance_text(request, token)
-            if request.json is not None and request.json.state.complete and not request.eos \
-                    and not request.finished:  # no end token to close with: the object is the whole output
+            if request.constraint is not None and request.constraint.complete and not request.constraint.ends \
+                    and not request.finished:  # no end token to close with: the grammar's text is the whole output
                 self._finish(request, FINISH_STOP)
-
-    def _token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
 
     def _advance_text(self, request: Request, token: int) -> None:
         params = request.params

@@ -1,0 +1,252 @@
+"""Structured outputs: a request's tokens kept to a grammar, as OpenAI's ``response_format`` asks, through the
+llguidance grammar engine (the optional ``serve`` extra: ``pip install 'vkformers[serve]'``).
+
+``{"type": "json_schema", "json_schema": {"schema": ...}}``: the output is one JSON value valid against the schema
+(:func:`json_schema_grammar`); ``{"type": "json_object"}``: one JSON object (:func:`any_object_grammar`). The root
+starts at the first character; between JSON tokens comes at most one space, or a line break and an indentation
+(WHITESPACE_PATTERN; a schema's ``"x-guidance": {"whitespace_pattern": ...}`` sets its own).
+
+llguidance reads the tokenizer's ``tokenizer.json`` (:class:`GrammarVocabulary`) and so sees each token as the
+bytes it adds to the text: byte-level BPE tokens through the GPT-2 byte alphabet, SentencePiece pieces with U+2581
+as a space and ``<0xNN>`` as that byte, so a character split over tokens is followed byte by byte. Special tokens
+(and the unknown token) never take part in the output's text; the request's end tokens are allowed only where the
+grammar accepts the output as it is. Each output keeps its own matcher (:class:`TokenConstraint`); its mask is
+applied to the row's scores on the host before the choice (greedy, or after it temperature, top-k and top-p over
+the allowed tokens only).
+
+``generate`` takes the same through its ``logits_processor`` argument: :class:`GrammarLogitsProcessor`.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from vkformers.errors import InputError, VkformersError
+
+INSTALL_HINT = ("structured outputs (response_format json_schema or json_object) need the llguidance package: "
+                "pip install 'vkformers[serve]'")
+# Whitespace between JSON tokens: none, one space, or a line break and an indentation of at most MAX_INDENT spaces
+# or tabs (compact and pretty-printed JSON alike, as llama.cpp's JSON grammars allow): a model that prefers blanks
+# cannot fill its output with them
+MAX_INDENT = 32
+WHITESPACE_PATTERN = rf"(\x20|\r?\n[\x20\x09]{{0,{MAX_INDENT}}})"
+ANY_OBJECT_SCHEMA = {"type": "object"}
+# compiled grammars kept per vocabulary: the n choices of a request (and repeated schemas) copy one instead of
+# compiling it again
+COMPILED_GRAMMARS = 32
+
+
+def llguidance_module():
+    """The llguidance package, or a VkformersError saying how to install it."""
+    try:
+        import llguidance  # (the optional [serve] extra: vkformers runs without it, structured outputs aside)
+    except ImportError:
+        raise VkformersError(INSTALL_HINT) from None
+    return llguidance
+
+
+class GrammarError(InputError):
+    """A schema or grammar the grammar engine cannot compile, or an output it can no longer continue."""
+
+
+def one_line(message) -> str:
+    """An engine's message (a regex error spans lines) on one line."""
+    return " ".join(str(message).split())
+
+
+def json_schema_grammar(schema, *, strict: bool = True) -> str:
+    """The llguidance grammar of outputs that are one JSON value valid against ``schema`` (a dict, or its JSON
+    text). ``strict`` (OpenAI's ``json_schema.strict``): a keyword value llguidance does not implement (an unknown
+    ``format``) is an error, as OpenAI's strict mode refuses what it cannot enforce; else it is ignored and the rest
+    of the schema enforced. Raises GrammarError, with a one-line message, for a schema that cannot be compiled."""
+    llg = llguidance_module()
+    if isinstance(schema, bool) or not isinstance(schema, (dict, str)):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE_PATTERN},
+                                                         overrides={"lenient": not strict})
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"the JSON schema cannot be read: {one_line(exc)}") from None
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise GrammarError(f"the JSON schema cannot be compiled: {one_line(messages[0])}")
+    return grammar
+
+
+@functools.cache
+def any_object_grammar() -> str:
+    """The grammar of JSON mode (``response_format`` json_object): any one JSON object."""
+    return json_schema_grammar(ANY_OBJECT_SCHEMA)
+
+
+class GrammarVocabulary:
+    """A tokenizer (vkformers' PreTrainedTokenizer) as the grammar engine reads it, for scores of ``width`` tokens
+    (the model's vocabulary, which may hold more rows than the tokenizer has tokens: those are never allowed).
+    ``text_tokens``: bool [width], the tokens that may stand in the output's text (not special, not unknown).
+    Building one reads the whole vocabulary (a second for 100k+ tokens): :meth:`of` keeps one per tokenizer."""
+
+    _built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    _building = threading.Lock()
+
+    def __init__(self, tokenizer, width: int):
+        llg = llguidance_module()
+        backend = tokenizer.backend
+        size = backend.get_vocab_size(with_added_tokens=True)
+        eos = tokenizer.eos_token_id
+        try:
+            self.engine = llg.LLTokenizer(backend.to_str(), n_vocab=max(int(width), size),
+                                          eos_token=0 if eos is None else int(eos))
+        except (ValueError, RuntimeError) as exc:
+            raise GrammarError(f"the grammar engine cannot read this tokenizer ({one_line(exc)}): structured "
+                               "outputs need a tokenizer.json of a BPE, WordPiece or Unigram model") from None
+        self.width = int(width)
+        text = np.zeros(self.width, bool)
+        text[:min(size, self.width)] = True
+        specials = {int(t) for t in tokenizer.all_special_ids if t is not None}
+        specials |= {int(t) for t, added in backend.get_added_tokens_decoder().items() if added.special}
+        if tokenizer.unk_token_id is not None:
+            specials.add(int(tokenizer.unk_token_id))
+        specials |= {t for t in range(min(size, self.width)) if self.engine.is_special_token(t)}
+        text[[t for t in specials if t < self.width]] = False
+        self.text_tokens = text
+        self._grammars: OrderedDict = OrderedDict()  # grammar -> a compiled matcher, copied for each output
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, tokenizer, width: int) -> "GrammarVocabulary":
+        """The vocabulary of ``tokenizer`` for ``width`` scores, built once."""
+        with cls._building:
+            built = cls._built.setdefault(tokenizer, {})
+            if width not in built:
+                built[width] = cls(tokenizer, width)
+            return built[width]
+
+    def matcher(self, grammar: str):
+        """A fresh llguidance matcher of ``grammar`` (compiled once, then copied). Raises GrammarError."""
+        llg = llguidance_module()
+        with self._lock:
+            compiled = self._grammars.get(grammar)
+            if compiled is None:
+                # (verbose errors would carry the parser's state and the whole grammar into a message)
+                compiled = llg.LLMatcher(self.engine, grammar, log_level=0,
+                                         limits=llg.LLParserLimits(verbose_errors=False))
+                if compiled.is_error():
+                    raise GrammarError(f"the grammar cannot be compiled: {one_line(compiled.get_error())}")
+                self._grammars[grammar] = compiled
+                while len(self._grammars) > COMPILED_GRAMMARS:
+                    self._grammars.popitem(last=False)
+            self._grammars.move_to_end(grammar)
+            return compiled.deep_copy()
+
+
+class TokenConstraint:
+    """One output kept to ``grammar``: :meth:`mask` the scores of its next token, :meth:`advance` with the token
+    chosen. ``ends``: the output's end tokens, allowed once the grammar accepts the output; ``complete``: the
+    grammar takes no more text (only an end token may follow)."""
+
+    def __init__(self, vocabulary: GrammarVocabulary, grammar: str, ends=()):
+        self.vocabulary, self.ends = vocabulary, sorted({int(e) for e in ends if 0 <= int(e) < vocabulary.width})
+        self.matcher = vocabulary.matcher(grammar)
+        self.ended = False  # an end token was chosen
+
+    @property
+    def complete(self) -> bool:
+        return self.ended or self.matcher.is_stopped()
+
+    def allowed(self) -> np.ndarray:
+        """bool [width]: the tokens that keep the output one the grammar can still accept. Raises GrammarError
+        where none may follow (the grammar is complete and the output has no end token, or the engine failed)."""
+        width = self.vocabulary.width
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        allowed = bits[:width].astype(bool) & self.vocabulary.text_tokens
+        if self.ends and self.matcher.is_accepting():
+            allowed[self.ends] = True
+        if self.ended or not allowed.any():
+            error = self.matcher.get_error()
+            raise GrammarError(f"the structured output cannot go on: {one_line(error)}" if error else
+                               "the structured output is complete and no end token may close it")
+        return allowed
+
+    def mask(self, scores: np.ndarray) -> np.ndarray:
+        """``scores`` [..., width] with the tokens the grammar refuses at -inf (a copy)."""
+        return np.where(self.allowed(), scores, -np.inf).astype(scores.dtype, copy=False)
+
+    def copy(self) -> "TokenConstraint":
+        twin = object.__new__(TokenConstraint)
+        twin.vocabulary, twin.ends, twin.ended = self.vocabulary, self.ends, self.ended
+        twin.matcher = self.matcher.deep_copy()
+        return twin
+
+    def advance(self, token: int) -> None:
+        """Take the chosen ``token`` (one :meth:`mask` allowed)."""
+        token = int(token)
+        if token in self.ends and self.matcher.is_accepting():
+            self.ended = True
+        elif not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} does not continue the structured output: "
+                               f"{one_line(self.matcher.get_error())}")
+
+
+class GrammarLogitsProcessor:
+    """A ``logits_processor`` for ``generate`` that keeps every row's new tokens to a grammar, as ``vkformers
+    serve`` keeps a request with ``response_format``::
+
+        processor = GrammarLogitsProcessor.from_json_schema(schema, tokenizer)
+        out = model.generate(ids, max_new_tokens=200, logits_processor=[processor])
+
+    Each row follows the grammar from its first generated token, its state found by its tokens so far (so beams
+    that reorder, or share a beginning, each keep theirs); a row past its end token is left as it is. A call
+    whose rows do not continue the last one's starts over (a new ``generate``). ``ends``: the end tokens (default:
+    the tokenizer's eos), allowed once the grammar accepts the output."""
+
+    def __init__(self, grammar: str, tokenizer, ends=None):
+        self.grammar, self.tokenizer = grammar, tokenizer
+        eos = tokenizer.eos_token_id if ends is None else ends
+        self.ends = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
+        self._states: dict[tuple, TokenConstraint] = {}  # a row's generated tokens -> its state after them
+        self._start = self._length = 0
+
+    @classmethod
+    def from_json_schema(cls, schema, tokenizer, *, strict: bool = True, ends=None) -> "GrammarLogitsProcessor":
+        """Outputs that are one JSON value valid against ``schema`` (a dict or JSON text; json_schema_grammar)."""
+        return cls(json_schema_grammar(schema, strict=strict), tokenizer, ends)
+
+    @classmethod
+    def json_object(cls, tokenizer, ends=None) -> "GrammarLogitsProcessor":
+        """Outputs that are one JSON object (OpenAI's JSON mode)."""
+        return cls(any_object_grammar(), tokenizer, ends)
+
+    def _state(self, generated: tuple) -> TokenConstraint | None:
+        """The state after ``generated``: the known one, or its parent's advanced by the last token."""
+        state = self._states.get(generated)
+        if state is None and generated and generated[:-1] in self._states:
+            state = self._states[generated[:-1]].copy()
+            if not state.ended:
+                state.advance(generated[-1])
+        return state
+
+    def __call__(self, input_ids, scores: np.ndarray) -> np.ndarray:
+        ids = np.asarray(input_ids, np.int64)
+        length = ids.shape[1]
+        states = [self._state(tuple(row[self._start:].tolist())) for row in ids] \
+            if self._states and length == self._length + 1 else [None]
+        if any(state is None for state in states):  # a new generate call: every row starts the grammar
+            root = TokenConstraint(GrammarVocabulary.of(self.tokenizer, scores.shape[-1]), self.grammar, self.ends)
+            self._start, self._states = length, {(): root}
+            states = [root] * len(ids)
+        else:
+            self._states = {tuple(row[self._start:].tolist()): state for row, state in zip(ids, states)}
+        self._length = length
+        out = np.array(scores, np.float32, copy=True)
+        for row, state in enumerate(states):
+            if not state.ended:
+                allowed = state.allowed()
+                # a row whose allowed tokens are all at -inf already (dropped by top-k or top-p before this runs)
+                # draws among them evenly, as prefix_allowed_tokens_fn's rows do
+                kept = np.where(allowed, out[row], -np.inf)
+                out[row] = kept if np.isfinite(kept).any() else np.where(allowed, 0.0, -np.inf)
+        return out
