@@ -34,8 +34,8 @@ LOGITS_TOLERANCE = 1e-4
 MODEL = Path(__file__).parent / "data" / "pipeline"  # a tiny random Llama (safetensors) and its BPE tokenizer
 
 
-def load_base(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype="float32", requires_grad=False)
+def load_base(path, **options):
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32", requires_grad=False, **options)
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +61,14 @@ def adapters(tiny, tmp_path_factory):
     return folders
 
 
-def adapted(path, folder):
+def adapted(path, folder, **options):
     """The tiny model with one adapter, unmerged (None: the base model)."""
-    model = load_base(path)
+    model = load_base(path, **options)
     return model if folder is None else load_adapter(model, folder)
 
 
-def served(path, adapters):
-    model = load_base(path)
+def served(path, adapters, **options):
+    model = load_base(path, **options)
     return model, serve_adapters(model, adapters)
 
 
@@ -181,14 +181,16 @@ def test_adapters_that_cannot_be_served_side_by_side_are_refused(tiny, adapters,
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.parametrize("fixture, targets", [
-    ("qwen2", ["q_proj", "k_proj", "v_proj", "up_proj"]),  # biased q/k/v: the update adds to the bias
-    ("phi3", ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]),  # fused projections: the update split by blocks
+@pytest.mark.parametrize("fixture, targets, quantization", [
+    ("qwen2", ["q_proj", "k_proj", "v_proj", "up_proj"], None),  # biased q/k/v: the update adds to the bias
+    ("phi3", ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"], None),  # fused projections: split by blocks
+    ("pipeline", ["q_proj", "v_proj", "gate_proj", "down_proj"], "q4_0"),  # packed weights (QLoRA's served)
 ])
-def test_decode_steps_of_served_adapters_match_each_adapter_alone(fixture, targets, tmp_path):
+def test_decode_steps_of_served_adapters_match_each_adapter_alone(fixture, targets, quantization, tmp_path):
     """generate's decode steps (fused kernels, the adapters' products added where the bias goes) of a batch whose
     rows take different adapters give each row the logits of its adapter alone (PEFT's unmerged LoRA, unfused)."""
-    path = FIXTURES / fixture
+    path = MODEL if fixture == "pipeline" else FIXTURES / fixture
+    packed = dict(quantization=quantization) if quantization else {}
     folders = {}
     for seed, name in enumerate(["first", "second"]):
         model = load_base(path)
@@ -199,7 +201,7 @@ def test_decode_steps_of_served_adapters_match_each_adapter_alone(fixture, targe
                 module.lora_B.weight = vkf.parameter(rng.standard_normal(module.lora_B.weight.shape).astype(np.float32))
         folders[name] = tmp_path / name
         save_adapter(model, folders[name])
-    model, selector = served(path, folders)
+    model, selector = served(path, folders, **packed)
     layers = [m for _, m in model.named_modules() if hasattr(m, "_fused_decode_plan")]
     assert layers and all(layer._fused_decode_plan() is not None for layer in layers)
     ids = np.array([[3, 9, 4, 15, 2], [7, 7, 1, 12, 30], [5, 8, 2, 2, 19]], np.int64)
@@ -209,7 +211,7 @@ def test_decode_steps_of_served_adapters_match_each_adapter_alone(fixture, targe
     with selector.selecting(vkf.Tensor(selector.row_scales(rows))):
         served_out = model.generate(ids, **options)
     for row, adapter in enumerate(rows):
-        alone = adapted(path, None if adapter == 0 else folders[["first", "second"][adapter - 1]])
+        alone = adapted(path, None if adapter == 0 else folders[["first", "second"][adapter - 1]], **packed)
         expected = alone.generate(ids[row:row + 1], **options)
         assert served_out.sequences[row].tolist() == expected.sequences[0].tolist()
         for got, want in zip(served_out.logits, expected.logits):
