@@ -29,10 +29,22 @@ SHAPES = {"tinyllama": TINYLLAMA, "llama3-8b": LLAMA3_8B,
           # a check that the script runs, on a CPU device
           "small": dict(TINYLLAMA, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096)}
-REPEATS = 5  # generate calls timed per measure (the median counts)
+REPEATS = 3  # generate calls timed per measure (the median counts)
 SEGMENT, COPIES = 64, 4  # the prompt: a random segment of SEGMENT tokens, COPIES times
 STORED = 256  # tokens a timed verification forward comes after
 DRAFTS = (1, 2, 4, 8, 16, 32)
+
+
+class Progress(dict):
+    """A dict of results that prints each as it comes (a run cut by a time limit keeps what it measured)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        print(f"  ({self.name} {key}: {value})", flush=True)
 
 
 def forward_costs(model, prompt: np.ndarray) -> dict:
@@ -60,7 +72,7 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, lookup) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
     model.eval()
-    out = {}
+    out = Progress("vkformers")
     with vkf.no_grad():
         plain = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         seconds = timed(lambda: model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -88,7 +100,7 @@ def bench_torch(config, weights, dtype, prompt, new_tokens, lookup) -> dict:
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
     model = model.to("cuda", torch_dtype).eval()
     ids = torch.from_numpy(prompt.astype(np.int64)).cuda()
-    out = {}
+    out = Progress("torch")
 
     def run(**options):
         result = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,

@@ -124,7 +124,7 @@ def test_generate_on_a_paged_cache_gives_the_same_tokens(name, bucket, monkeypat
         original = getattr(F, fused)
         monkeypatch.setattr(F, fused, lambda *a, _original=original, **k: (writes.append(k.get("page_size")),
                                                                            _original(*a, **k))[1])
-    object.__setattr__(model, "_generation_cache", lambda batch, length: (paged.reset(), paged)[1])
+    object.__setattr__(model, "_generation_cache", lambda batch, length, chunks_replay=False: (paged.reset(), paged)[1])
     try:
         got = model.generate(PADDED, attention_mask=PADDED_MASK, max_new_tokens=24)
     finally:

@@ -7,6 +7,7 @@ The engine is not shared across threads: every reference ``generate`` runs while
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.client
 import json
@@ -391,23 +392,33 @@ def web():
                     pytrace=False)
 
 
+@contextlib.contextmanager
+def serving(scheduler, tokenizer):
+    """The routes of ``scheduler`` (started) on a free local port, as SERVED with API_KEY: {port, scheduler,
+    tokenizer, client (openai's)}; the server stopped and the scheduler closed after."""
+    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: web.started, 30)
+        yield {"port": port, "scheduler": scheduler, "tokenizer": tokenizer,
+               "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)}
+    finally:
+        web.should_exit = True
+        thread.join(30)
+        scheduler.close()
+
+
 @pytest.fixture(scope="module")
 def server(tiny, web):
     path, tokenizer, _ = tiny
     model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
                                eos=cli_serve.eos_ids(model, tokenizer)).start()
-    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
-    port = free_port()
-    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    wait_for(lambda: web.started, 30)
-    yield {"port": port, "scheduler": scheduler, "tokenizer": tokenizer,
-           "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)}
-    web.should_exit = True
-    thread.join(30)
-    scheduler.close()
+    with serving(scheduler, tokenizer) as served:
+        yield served
 
 
 def request(server, method, route, body=None, *, raw=None, key=API_KEY):

@@ -12,7 +12,7 @@ from typing import Literal
 
 import pytest
 from structured_checks import PERSON, blank_tokens, schema_errors
-from test_serve import API_KEY, SERVED, error_of, free_port, request, wait_for, write_tiny_model
+from test_serve import SERVED, error_of, request, serving, write_tiny_model
 
 from vkformers.cli import serve as cli_serve
 from vkformers.models.batching import BatchScheduler
@@ -34,18 +34,8 @@ def server(tmp_path_factory):
     _, tokenizer, model = write_tiny_model(tmp_path_factory.mktemp("structured"))
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=128,
                                eos=cli_serve.eos_ids(model, tokenizer)).start()
-    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
-    port = free_port()
-    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    wait_for(lambda: web.started, 30)
-    yield {"port": port, "scheduler": scheduler, "tokenizer": tokenizer,
-           "client": openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0),
-           "compact": {str(t): -100 for t in blank_tokens(tokenizer)}}
-    web.should_exit = True
-    thread.join(30)
-    scheduler.close()
+    with serving(scheduler, tokenizer) as served:
+        yield {**served, "compact": {str(t): -100 for t in blank_tokens(tokenizer)}}
 
 
 def schema_format(schema, strict=True, name="person"):
