@@ -53,6 +53,14 @@ every row's choice into a persistent tensor of that batch size (AdapterSelector.
 plans read as they replay; a prompt's prefix blocks are registered under a salt naming its adapter, since another
 adapter's keys and values differ.
 
+Warm-up (``warm_up``, before ``start``): synthetic requests run through the scheduler's own turns, as earlier
+traffic would, so that the first real requests replay their decode steps and prefills instead of building and
+recording them in Python: a batch of each given row count decoding a few steps (its decode step recorded and
+confirmed), and a prompt of each given width prefilled twice alone (a rebuild of one row) and twice joining a running
+batch (prefilled apart, then placed). The shapes are the live ones by construction (the same caches, layouts and
+capture keys); what is not replayed afterwards (the warm-up batches' own prefills) is dropped, no prefix block is
+registered, every KV block is given back and the metrics are put back as they were.
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
@@ -63,7 +71,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -109,6 +117,14 @@ COLUMN_ROUNDING = CACHE_ROUNDING
 # --kv-cache-tokens sets the pool exactly.
 ACTIVATION_RESERVE = 0.05
 ACTIVATION_RESERVE_MIN = 256 << 20
+# Tokens of each warm-up request that decodes: the prefill's, two decode steps built in Python (the second confirms
+# the recorded plan) and one replayed (the GPU's choice of greedy tokens recorded with it).
+WARMUP_DECODE_TOKENS = 4
+WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
+
+
+class WarmupError(VkformersError, ValueError):
+    """Warm-up shapes the scheduler never runs, or a warm-up that failed."""
 
 
 @dataclass
@@ -254,6 +270,37 @@ class Metrics:
 
 
 @dataclass
+class WarmupReport:
+    """What ``BatchScheduler.warm_up`` recorded: decode steps of batches of ``batch_sizes`` rows; prefills of one
+    prompt at each of ``prompt_widths`` columns (alone, and joining a running batch), ``prefill_plans`` of the
+    ``prefill_shapes`` it ran still held; in ``seconds``, leaving ``device_bytes`` more device memory held (the
+    plans, and contiguous caches); ``skipped``: what it left out, and why."""
+    batch_sizes: tuple[int, ...] = ()
+    prompt_widths: tuple[int, ...] = ()
+    prefill_plans: int = 0
+    prefill_shapes: int = 0
+    seconds: float = 0.0
+    device_bytes: int = 0
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def ran(self) -> bool:
+        """Whether the warm-up had any shape to record."""
+        return bool(self.batch_sizes or self.prompt_widths or self.skipped)
+
+    def summary(self) -> str:
+        done = []
+        if self.batch_sizes:
+            done.append(f"decode steps of {', '.join(map(str, self.batch_sizes))} rows")
+        if self.prefill_shapes:
+            done.append(f"prefills of prompts of {', '.join(map(str, self.prompt_widths))} columns, alone and "
+                        f"joining a batch ({self.prefill_plans} of {self.prefill_shapes} plans held)")
+        line = (f"warm-up: {'; '.join(done) or 'nothing recorded'} in {self.seconds:.2f} s, "
+                f"{self.device_bytes / 2**20:.1f} MiB of device memory")
+        return "; ".join([line, *self.skipped])
+
+
+@dataclass
 class _Layout:
     """Token histories laid out as one batch: ``ids`` and ``mask`` [rows, width]; the first ``start`` columns of
     every request's row come from the prefix cache; ``keys``: each request's prompt block keys, of which the first
@@ -322,6 +369,7 @@ class BatchScheduler:
         # same requests do not fail together again and again (one alone always fits: check)
         self._admit_limit: int | None = None
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
+        self._warming = False  # warm_up's requests run: their prompts' blocks are not offered to later prompts
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
         self._refuse_row_state()
@@ -509,6 +557,225 @@ class BatchScheduler:
             self.metrics.waiting = len(self._waiting)
             self._cond.notify_all()
         return request
+
+    # -- warm-up, before the thread starts
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The row counts of the batches this scheduler runs (_bucket): powers of two below max_batch, and it."""
+        sizes, rows = [], 1
+        while rows < self.max_batch:
+            sizes.append(rows)
+            rows *= 2
+        return (*sizes, self.max_batch)
+
+    def default_warmup(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (batch sizes, prompt widths) that warm_up records by default: on a GPU, every batch size, and the
+        widths prompts up to PREFILL_CHUNK tokens are laid out at (as many as PREFILL_PLANS holds, each alone and
+        joining a batch); on a CPU device none, since prompts there are laid out at their own lengths."""
+        device = self._device() or get_device()
+        if device.is_cpu:
+            return (), ()
+        sizes = self.batch_sizes() if self._replays() else ()
+        widths = ()
+        if self._prefills_replay_by_width():
+            exact = self.model.prompt_padding_is_exact
+            widths = tuple(w for w in self._layout_widths(min(PREFILL_CHUNK, self.max_model_len - 1))
+                           if w <= PREFILL_CHUNK and exact(1, w))[:PREFILL_PLANS // self._warmup_paths()]
+        return sizes, widths
+
+    def warm_up(self, batch_sizes=None, prompt_widths=None) -> WarmupReport:
+        """Record the decode steps and prefills the first requests replay, before ``start()``: decode steps of
+        batches of each of ``batch_sizes`` rows, and prefills of a prompt laid out at each of ``prompt_widths``
+        columns, alone and joining a running batch (None: default_warmup's). Synthetic requests run through the
+        scheduler's turns on this thread; afterwards no KV block is held, no prefix registered, and the metrics
+        are as they were. Returns what it recorded."""
+        if self._thread is not None:
+            raise WarmupError("warm_up() runs before start(): then the scheduler's thread alone runs the model")
+        sizes, widths = self._warmup_shapes(batch_sizes, prompt_widths)
+        if not sizes and not widths:
+            return WarmupReport()
+        began = time.perf_counter()
+        if self.kv_blocks is not None:
+            self._block_pool()  # allocated first: the memory measured below is the warm-up's own
+        held = buffer_memory()["live_bytes"]
+        saved = {f.name: getattr(self.metrics, f.name) for f in fields(self.metrics)}
+        skipped: list[str] = []
+        self._warming = True
+        try:
+            with no_grad():
+                # contiguous caches sized for a batch of prompts up to the widest (a larger one, made later, would
+                # start without the recorded steps); a paged cache's columns cost nothing until used
+                widest = max(widths, default=self._width(1))
+                for rows in sorted({*sizes, *((1, 2) if widths else ())} & set(self.batch_sizes())):
+                    self._cache(rows, widest + CACHE_GROWTH)
+                if widths and self._warmup_paths() > 1:
+                    self._prefill_cache(1, widest)
+                sizes = self._warm_decode_steps(sizes, skipped)
+                if widths and self._warmup_paths() > 1:
+                    self._warm_joining_prefills(widths, skipped)
+                self._warm_alone_prefills(widths)
+        finally:
+            self._warming, self._admit_limit = False, None
+            self._release_rows()
+            self._drop_unconfirmed_prefills()
+            for name, value in saved.items():
+                setattr(self.metrics, name, value)
+            self._count_blocks()
+        if self._pool is not None and (self._pool.used_blocks or self._pool.cached_blocks):
+            raise WarmupError(f"the warm-up left {self._pool.used_blocks} KV blocks held and "
+                              f"{self._pool.cached_blocks} registered")
+        shapes = self._warmup_paths() * sum(self._chunks(1, w) for w in widths)
+        plans = sum(1 for capture, _ in self._prefill_captures.values() if capture.ready)
+        return WarmupReport(tuple(sizes), tuple(widths), plans, shapes, time.perf_counter() - began,
+                            buffer_memory()["live_bytes"] - held, tuple(skipped))
+
+    def _warmup_shapes(self, batch_sizes, prompt_widths) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The batch sizes and prompt widths to warm up, checked: WarmupError for ones the scheduler never runs."""
+        sizes, widths = self.default_warmup()
+        if batch_sizes is not None:
+            sizes = tuple(sorted({int(n) for n in batch_sizes}))
+        if prompt_widths is not None:
+            widths = tuple(sorted({int(w) for w in prompt_widths}))
+        allowed = self.batch_sizes()
+        wrong = [n for n in sizes if n not in allowed]
+        if wrong:
+            raise WarmupError(f"warm-up batch size {wrong[0]}: the scheduler runs batches of "
+                              f"{', '.join(map(str, allowed))} rows (powers of two below max_batch, and max_batch)")
+        if sizes and not self._replays():
+            raise WarmupError(f"{self._name()}: its decode steps are not replayed, so there is none to warm up; "
+                              "give no batch sizes")
+        if widths and not self._prefills_replay_by_width():
+            raise WarmupError(f"{self._name()}: its prefills replay only for prompts of one length, or not at all, "
+                              "which a warm-up cannot foresee; give no prompt widths")
+        for width in widths:
+            if self._warmup_length(width) is None:
+                some = self._layout_widths(self.max_model_len - 1)
+                listed = ", ".join(map(str, some[:6])) + (", ..." if len(some) > 6 else "")
+                raise WarmupError(f"warm-up prompt width {width}: prompts of up to max_model_len "
+                                  f"{self.max_model_len} tokens are laid out at {listed} columns")
+        plans = self._warmup_paths() * sum(self._chunks(1, w) for w in widths)
+        if plans > PREFILL_PLANS:
+            raise WarmupError(f"warm-up prompt widths {', '.join(map(str, widths))}: {plans} prefill plans (alone "
+                              f"and joining a batch, one per chunk), more than the scheduler holds "
+                              f"(PREFILL_PLANS {PREFILL_PLANS}); give fewer")
+        return sizes, widths
+
+    def _prefills_replay_by_width(self) -> bool:
+        """Whether prompts of one width replay one prefill plan whatever their length (_prefill_capture's key
+        holds no length): then a warm-up prompt records the plan of every prompt of its width."""
+        model = self.model
+        return (self._replays() and getattr(model, "recompute_cache_beyond", None) is None and not self._recurrent
+                and getattr(model, "prompt_padding_is_exact", None) is not None)
+
+    def _warmup_paths(self) -> int:
+        """How a prompt is prefilled in the warm-up: alone (a rebuild of one row) and, where a batch can have a row
+        to spare (max_batch above 1), joining it."""
+        return 2 if self.max_batch > 1 else 1
+
+    def _chunks(self, rows: int, width: int) -> int:
+        return -(-width // self._chunk_columns(rows, width))
+
+    def _layout_widths(self, longest: int) -> list[int]:
+        """The widths prompts of 1 to ``longest`` tokens are laid out at (_width), narrowest first."""
+        widths, length = [], 1
+        while length <= longest:
+            widths.append(self._width(length))
+            length = max(widths[-1], length) + 1
+        return widths
+
+    def _warmup_length(self, width: int) -> int | None:
+        """The shortest prompt laid out at ``width`` columns that leaves room for a token (None: none is)."""
+        low, high = 1, min(width, self.max_model_len - 1)
+        if high < 1 or self._width(high) < width:
+            return None
+        while low < high:  # (_width never decreases with the length)
+            middle = (low + high) // 2
+            if self._width(middle) >= width:
+                high = middle
+            else:
+                low = middle + 1
+        return low if self._width(low) == width else None
+
+    def _warmup_request(self, length: int, max_tokens: int) -> Request:
+        """A greedy request of ``length`` pad tokens that never stops before ``max_tokens`` (no end token)."""
+        return Request([self.pad] * length, SamplingParams(max_tokens=max_tokens, temperature=0), lambda update: None,
+                       ())
+
+    def _warmup_fits(self, requests: list[Request]) -> bool:
+        """Whether the pool surely has the blocks of the warm-up's ``requests`` (each prefilled, and placed)."""
+        if self.kv_blocks is None:
+            return True
+        need = sum(2 * -(-(len(r.prompt) + r.params.max_tokens + LOOKAHEAD) // self.page_size) + 2 for r in requests)
+        return need <= self._block_pool().free_blocks
+
+    def _warm_decode_steps(self, sizes: tuple[int, ...], skipped: list[str]) -> list[int]:
+        """Batches of each of ``sizes`` rows decoding until their step replays (their prefills then dropped: a
+        batch of short prompts, not what comes); returns the sizes warmed up."""
+        warmed, short = [], []
+        for rows in sizes:
+            # rows of two lengths: masked columns, as a batch of prompts of several lengths has
+            requests = [self._warmup_request(1 + row % 2, WARMUP_DECODE_TOKENS) for row in range(rows)]
+            if 2 + WARMUP_DECODE_TOKENS > self.max_model_len or not self._warmup_fits(requests):
+                short.append(rows)
+                continue
+            self._release_rows()  # an idle server: the requests are rebuilt as one batch
+            self._drive(requests)
+            self._drop_unconfirmed_prefills()
+            warmed.append(rows)
+        if short:
+            skipped.append(f"decode steps of {', '.join(map(str, short))} rows skipped (too few KV blocks or "
+                           "max_model_len tokens)")
+        return warmed
+
+    def _warm_joining_prefills(self, widths: tuple[int, ...], skipped: list[str]) -> None:
+        """Each width's prompt prefilled twice into the joining cache of one row and placed into the free row of a
+        running batch of two (as wide as the widest prompt, so that none moves it)."""
+        widest = self._warmup_length(max(widths))
+        runs = self._warmup_request(widest, 2 + 2 * sum(self._chunks(1, w) for w in widths))
+        leaves = self._warmup_request(1, 1)  # done at its first token: its row is free
+        if widest + runs.params.max_tokens > self.max_model_len or not self._warmup_fits([runs, leaves]):
+            skipped.append("prefills joining a batch skipped (too few KV blocks or max_model_len tokens)")
+            return
+        self._release_rows()
+        self._drive([runs, leaves], until=[leaves])
+        self._drop_unconfirmed_prefills()  # the batch's own prefill
+        for width in widths:
+            for _ in range(2):  # recorded, then confirmed
+                self._drive([self._warmup_request(self._warmup_length(width), 1)])
+        runs.cancel()
+        self._drive([], until=[runs])
+
+    def _warm_alone_prefills(self, widths: tuple[int, ...]) -> None:
+        """Each width's prompt prefilled twice alone, as an idle server's first request is (a rebuild of one row)."""
+        for width in widths:
+            for _ in range(2):
+                self._release_rows()
+                self._drive([self._warmup_request(self._warmup_length(width), 1)])
+
+    def _drive(self, requests: list[Request], until: list[Request] | None = None) -> None:
+        """Submit the warm-up's ``requests`` and run the scheduler's turns on this thread until ``until`` (default:
+        those requests) finished; WarmupError where a turn failed."""
+        for request in requests:
+            self.submit(request)
+        until = requests if until is None else until
+        errors = self.metrics.errors
+        for _ in range(WARMUP_TURNS):
+            if all(r.finished for r in until):
+                return
+            with self._cond:
+                self._joining = self._admit()
+            self._turn()
+            if self.metrics.errors != errors:
+                first = str(self.last_error).splitlines()[0] if str(self.last_error) else type(self.last_error).__name__
+                raise WarmupError(f"the warm-up failed: {first}")
+        raise WarmupError(f"the warm-up's requests did not finish in {WARMUP_TURNS} turns")
+
+    def _drop_unconfirmed_prefills(self) -> None:
+        """Drop the prefill captures that replay nothing yet (a shape run once): their plans go with them."""
+        for key, (capture, _) in list(self._prefill_captures.items()):
+            if not capture.ready:
+                del self._prefill_captures[key]
+                capture.forget()
 
     # -- the scheduler's thread
 
@@ -965,8 +1232,8 @@ class BatchScheduler:
         cache.advance(layout.start)
 
     def _register_prefix(self, cache: KVCache, layout: _Layout, live: int) -> None:
-        """Offer the prefilled rows' full prompt blocks to later prompts."""
-        if not self.prefix_caching:
+        """Offer the prefilled rows' full prompt blocks to later prompts (not the warm-up's)."""
+        if not self.prefix_caching or self._warming:
             return
         for row, (keys, blocks) in enumerate(zip(layout.keys, layout.aligned)):
             for block in range(layout.start // self.page_size, blocks):

@@ -1,0 +1,168 @@
+"""``BatchScheduler.warm_up`` and ``vkformers serve``'s warm-up: synthetic requests run before the server starts, so
+that the first real requests replay their prefills and decode steps instead of building and recording them in
+Python. On lavapipe with a GPU's prompt layout (prompts laid out at powers of two from 16 columns up to a
+PREFILL_CHUNK of 32, as a GPU lays them out from 64 up to 512): after the warm-up, a request alone, a batch of two
+and a request joining it replay (counted by the metrics), their outputs are those of ``model.generate`` alone and of
+the same requests without a warm-up, and the warm-up leaves no KV block held, no prefix registered and the metrics
+as they were."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_serve import (PROMPTS, encode, prefill_bucket, reference_tokens, scheduler_on, wait_for,
+                        write_tiny_model)
+from test_serve_recurrent import alone, char_tokenizer, load
+
+from vkformers.models import batching
+from vkformers.models.batching import BatchScheduler, Metrics, Request, SamplingParams, WarmupError
+from vkformers.models.paged_cache import SCRATCH
+
+SIZES, WIDTHS = (1, 2), (16, 32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("warmup"))
+
+
+@pytest.fixture
+def gpu_layout(monkeypatch):
+    """Prompts laid out as on a GPU (a multiple of PREFILL_BUCKET, then a power of two up to PREFILL_CHUNK), smaller."""
+    prefill_bucket(monkeypatch, 16)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 32)
+
+
+def paged_options(paged):
+    # blocks of 4 tokens: the warm-up's prompts of 17 tokens fill blocks that prefix caching would register
+    return {"kv_blocks": 96, "page_size": 4} if paged else {}
+
+
+def serve_first_requests(scheduler, tokenizer):
+    """What the first requests of a server meet: one alone (a rebuild of one row), then two arriving together (a
+    rebuild of two rows) and, once the short one of them finished, a third joining their batch (prefilled apart and
+    placed into the free row). Returns the requests."""
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    first = Request(tokens[-10:], SamplingParams(max_tokens=5, temperature=0), lambda update: None, [])
+    # the long one's updates pace its steps, so that it still runs when the third joins
+    long = Request(tokens[:20], SamplingParams(max_tokens=30, temperature=0), lambda update: time.sleep(0.02), [])
+    short = Request(tokens[-6:], SamplingParams(max_tokens=1, temperature=0), lambda update: None, [])
+    joining = Request(tokens[-13:], SamplingParams(max_tokens=4, temperature=0), lambda update: None, [])
+    scheduler.start()
+    try:
+        scheduler.submit(first)
+        wait_for(lambda: first.finished)
+        with scheduler._cond:  # admitted at one turn: one batch of two rows
+            scheduler.submit(long)
+            scheduler.submit(short)
+        wait_for(lambda: short.finished)
+        scheduler.submit(joining)
+        wait_for(lambda: long.finished and joining.finished)
+        wait_for(lambda: scheduler.metrics.kv_blocks_used == 0, 30)
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and scheduler.last_error is None
+    return [first, long, short, joining]
+
+
+def check_empty(scheduler):
+    """No request's trace: no KV block held or registered, and every metric as a new scheduler's."""
+    assert scheduler.metrics == Metrics(kv_blocks=scheduler.metrics.kv_blocks)
+    pool = scheduler._pool
+    if pool is not None:
+        assert pool.used_blocks == 0 and pool.cached_blocks == 0 and not pool.refs.any()
+        assert pool.free_blocks == pool.blocks - 1 and SCRATCH not in pool._free
+    assert scheduler._state is None and not scheduler._rows and not scheduler._waiting
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_after_the_warm_up_the_first_requests_replay_and_answer_as_without_it(tiny, paged, gpu_layout):
+    path, tokenizer, reference = tiny
+    outputs, metrics = {}, {}
+    for warm in (True, False):
+        scheduler = scheduler_on(path, tokenizer, max_batch=4, max_model_len=96, **paged_options(paged))
+        if warm:
+            report = scheduler.warm_up(SIZES, WIDTHS)
+            assert (report.batch_sizes, report.prompt_widths) == (SIZES, WIDTHS) and not report.skipped
+            # each width alone and joining a batch, all four plans held; and a decode step per batch size
+            assert (report.prefill_plans, report.prefill_shapes) == (4, 4)
+            assert all(scheduler._caches[rows][1].ready for rows in SIZES)
+            assert report.summary().startswith("warm-up: decode steps of 1, 2 rows; prefills of prompts of 16, 32 "
+                                               "columns, alone and joining a batch (4 of 4 plans held) in ")
+            check_empty(scheduler)
+        requests = serve_first_requests(scheduler, tokenizer)
+        outputs[warm] = [r.generated for r in requests]
+        metrics[warm] = scheduler.metrics
+    expected = [reference_tokens(reference, r.prompt, r.params.max_tokens).tolist() for r in requests]
+    assert outputs[True] == outputs[False] == expected
+    warm = metrics[True]
+    assert (warm.rebuilds, warm.placements, warm.prefills) == (2, 1, 3)
+    # the request alone and the one joining replay their prefill (the batch of two rows was not warmed up); every
+    # decode step replays, from the first on
+    assert warm.prefill_replays == 2 and warm.replayed_steps == warm.steps > 0
+    assert warm.prefix_hit_tokens == 0  # (the warm-up's prompts registered no block)
+    cold = metrics[False]
+    assert (cold.prefills, cold.prefill_replays) == (3, 0) and cold.replayed_steps < cold.steps
+
+
+def test_the_warm_up_gives_back_every_block_and_registers_no_prefix(tiny, gpu_layout):
+    """With prefix caching on, the warm-up's prompts would register their full blocks: none is, and a later prompt
+    of the same tokens finds nothing cached; every block comes back and the metrics count no warm-up request."""
+    path, tokenizer, reference = tiny
+    scheduler = scheduler_on(path, tokenizer, max_batch=4, max_model_len=96, **paged_options(True))
+    assert scheduler.prefix_caching
+    report = scheduler.warm_up((1, 2, 4), WIDTHS)
+    assert report.batch_sizes == (1, 2, 4)
+    check_empty(scheduler)
+    same = [scheduler.pad] * 17  # the warm-up's prompt of the 32 columns
+    scheduler.start()
+    try:
+        request = scheduler.submit(Request(same, SamplingParams(max_tokens=3, temperature=0), lambda u: None, []))
+        wait_for(lambda: request.finished)
+    finally:
+        scheduler.close()
+    assert scheduler.metrics.prefix_hit_tokens == 0 and scheduler.metrics.prefill_replays == 1
+    assert request.generated == reference_tokens(reference, same, 3).tolist()
+
+
+def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default(tiny, gpu_layout):
+    path, tokenizer, _ = tiny
+    scheduler = scheduler_on(path, tokenizer, max_batch=6, max_model_len=96)
+    assert scheduler.batch_sizes() == (1, 2, 4, 6)
+    assert scheduler.default_warmup() == ((), ())  # a CPU device (lavapipe)
+    assert scheduler.warm_up() == batching.WarmupReport()
+    for sizes, widths, message in [((3,), (), "warm-up batch size 3: the scheduler runs batches of 1, 2, 4, 6 rows"),
+                                   ((), (24,), "warm-up prompt width 24: prompts of up to max_model_len 96 tokens are "
+                                               "laid out at 16, 32, 64, 96 columns"),
+                                   ((), (16, 32, 64, 96), "14 prefill plans .* more than the scheduler holds "
+                                                          r"\(PREFILL_PLANS 8\)")]:
+        with pytest.raises(WarmupError, match=message):
+            scheduler.warm_up(sizes, widths)
+    scheduler.start()
+    try:
+        with pytest.raises(WarmupError, match=r"warm_up\(\) runs before start\(\)"):
+            scheduler.warm_up((1,), ())
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("name", ["mamba", "jamba"])
+def test_a_recurrent_model_warms_up_its_decode_steps(name):
+    """Layers of recurrent state keep it in buffers overwritten in place: the warm-up's decode steps are those of the
+    first request, which replays every step; its prefills replay only per prompt (the key holds the mask), so no
+    prompt width is warmed up."""
+    tokenizer = char_tokenizer()
+    ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    scheduler = BatchScheduler(load(name), tokenizer, max_batch=2, max_model_len=64)
+    with pytest.raises(WarmupError, match="replay only for prompts of one length"):
+        scheduler.warm_up((), (16,))
+    assert scheduler.warm_up((1, 2), ()).batch_sizes == (1, 2)
+    check_empty(scheduler)
+    scheduler.start()
+    try:
+        request = scheduler.submit(Request(ids, SamplingParams(max_tokens=6, temperature=0), lambda u: None, []))
+        wait_for(lambda: request.finished)
+    finally:
+        scheduler.close()
+    assert request.generated == alone(load(name), ids, 6)
+    assert scheduler.metrics.replayed_steps == scheduler.metrics.steps == 5
