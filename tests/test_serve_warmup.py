@@ -14,9 +14,16 @@ from test_serve import (PROMPTS, encode, prefill_bucket, reference_tokens, sched
                         write_tiny_model)
 from test_serve_recurrent import alone, char_tokenizer, load
 
+from vkformers.cli import build_parser
+from vkformers.cli import serve as cli_serve
 from vkformers.models import batching
 from vkformers.models.batching import BatchScheduler, Metrics, Request, SamplingParams, WarmupError
 from vkformers.models.paged_cache import SCRATCH
+
+try:  # the [serve] extra (CI installs it)
+    import uvicorn
+except ImportError:
+    uvicorn = None
 
 SIZES, WIDTHS = (1, 2), (16, 32)
 
@@ -166,3 +173,54 @@ def test_a_recurrent_model_warms_up_its_decode_steps(name):
         scheduler.close()
     assert request.generated == alone(load(name), ids, 6)
     assert scheduler.metrics.replayed_steps == scheduler.metrics.steps == 5
+
+
+class FakeUvicorn:
+    """uvicorn's Server and Config, serving nothing: serve() returns once the scheduler started."""
+
+    class Config:
+        def __init__(self, app, **options):
+            self.app = app
+
+    class Server:
+        def __init__(self, config):
+            self.started = False
+
+        def run(self, sockets):
+            self.started = True
+
+
+@pytest.mark.parametrize("options", [["--warmup-batch-sizes", "1,2", "--warmup-prompt-widths", "16"],
+                                     ["--no-warmup", "--warmup-batch-sizes", "1,2"], []])
+def test_the_command_warms_up_before_it_says_where_it_serves(tiny, gpu_layout, monkeypatch, capsys, options):
+    """The warm-up line comes before the URL's (the server listens after it); --no-warmup skips it, and so does a
+    CPU device by default."""
+    if uvicorn is None:
+        pytest.fail("the serve tests need pip install 'vkformers[serve]'", pytrace=False)
+    path, _, _ = tiny
+    started = []
+    start = BatchScheduler.start
+    monkeypatch.setattr(BatchScheduler, "start", lambda self: started.append(self.metrics.requests) or start(self))
+    args = build_parser().parse_args(["serve", "--model", str(path), "--max-batch", "2", "--max-model-len", "64",
+                                      "--kv-cache-tokens", "512", *options])
+    assert cli_serve.serve(args, FakeUvicorn, None) == 0
+    lines = capsys.readouterr().err.splitlines()
+    url = f"vkformers serve: {path.stem} on http://127.0.0.1:8000/v1 (ready when /health answers)"
+    if options and options[0] != "--no-warmup":
+        assert lines[0].startswith("vkformers serve: warm-up: decode steps of 1, 2 rows; prefills of prompts of 16 "
+                                   "columns, alone and joining a batch (2 of 2 plans held) in ")
+        lines = lines[1:]
+    assert lines[0] == url and lines[1].startswith("vkformers serve: paged KV cache: ")
+    assert started == [0]  # started once, the warm-up's requests not counted
+
+
+def test_warm_up_arguments():
+    parse = build_parser().parse_args
+    defaults = parse(["serve"])
+    assert defaults.warmup and defaults.warmup_batch_sizes is None and defaults.warmup_prompt_widths is None
+    args = parse(["serve", "--no-warmup", "--warmup-batch-sizes", "1,2,4", "--warmup-prompt-widths", "none"])
+    assert (args.warmup, args.warmup_batch_sizes, args.warmup_prompt_widths) == (False, (1, 2, 4), ())
+    for wrong in ("0", "1,,2", "two"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--warmup-batch-sizes", wrong])
+    assert parse(["serve", "--warmup-prompt-widths", "64,512"]).warmup_prompt_widths == (64, 512)
