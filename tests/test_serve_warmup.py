@@ -8,6 +8,7 @@ as they were."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from test_serve import (PROMPTS, encode, prefill_bucket, reference_tokens, scheduler_on, wait_for,
@@ -93,6 +94,7 @@ def test_after_the_warm_up_the_first_requests_replay_and_answer_as_without_it(ti
             assert (report.batch_sizes, report.prompt_widths) == (SIZES, WIDTHS) and not report.skipped
             # each width alone and joining a batch, all four plans held; and a decode step per batch size
             assert (report.prefill_plans, report.prefill_shapes) == (4, 4)
+            assert all(capture.ready for capture, _ in scheduler._prefill_captures.values())  # the others dropped
             assert all(scheduler._caches[rows][1].ready for rows in SIZES)
             assert report.summary().startswith("warm-up: decode steps of 1, 2 rows; prefills of prompts of 16, 32 "
                                                "columns, alone and joining a batch (4 of 4 plans held) in ")
@@ -132,17 +134,23 @@ def test_the_warm_up_gives_back_every_block_and_registers_no_prefix(tiny, gpu_la
     assert request.generated == reference_tokens(reference, same, 3).tolist()
 
 
-def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default(tiny, gpu_layout):
+def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default(tiny, gpu_layout, monkeypatch):
     path, tokenizer, _ = tiny
     scheduler = scheduler_on(path, tokenizer, max_batch=6, max_model_len=96)
     assert scheduler.batch_sizes() == (1, 2, 4, 6)
     assert scheduler.default_warmup() == ((), ())  # a CPU device (lavapipe)
     assert scheduler.warm_up() == batching.WarmupReport()
+    device = scheduler._device
+    scheduler._device = lambda: SimpleNamespace(is_cpu=False)  # as a GPU: every batch size, the widths up to a chunk
+    assert scheduler.default_warmup() == ((1, 2, 4, 6), (16, 32))
+    monkeypatch.setattr(batching, "PREFILL_PLANS", 3)  # each width twice (alone, joining): one width fits
+    assert scheduler.default_warmup() == ((1, 2, 4, 6), (16,))
+    scheduler._device = device
     for sizes, widths, message in [((3,), (), "warm-up batch size 3: the scheduler runs batches of 1, 2, 4, 6 rows"),
                                    ((), (24,), "warm-up prompt width 24: prompts of up to max_model_len 96 tokens are "
                                                "laid out at 16, 32, 64, 96 columns"),
-                                   ((), (16, 32, 64, 96), "14 prefill plans .* more than the scheduler holds "
-                                                          r"\(PREFILL_PLANS 8\)")]:
+                                   ((), (16, 32, 64), "8 prefill plans .* more than the scheduler holds "
+                                                      r"\(PREFILL_PLANS 3\)")]:
         with pytest.raises(WarmupError, match=message):
             scheduler.warm_up(sizes, widths)
     scheduler.start()
@@ -151,6 +159,16 @@ def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default
             scheduler.warm_up((1,), ())
     finally:
         scheduler.close()
+
+
+def test_batches_of_one_row_warm_up_prompts_alone(tiny, gpu_layout):
+    """max_batch 1: no batch ever has a row to spare, so prompts are only prefilled alone."""
+    path, tokenizer, _ = tiny
+    scheduler = scheduler_on(path, tokenizer, max_batch=1, max_model_len=96)
+    report = scheduler.warm_up((1,), WIDTHS)
+    assert (report.joining, report.prefill_plans, report.prefill_shapes) == (False, 2, 2)
+    assert "prefills of prompts of 16, 32 columns, alone (2 of 2 plans held)" in report.summary()
+    check_empty(scheduler)
 
 
 @pytest.mark.parametrize("name", ["mamba", "jamba"])

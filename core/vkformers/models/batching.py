@@ -58,8 +58,8 @@ traffic would, so that the first real requests replay their decode steps and pre
 recording them in Python: a batch of each given row count decoding a few steps (its decode step recorded and
 confirmed), and a prompt of each given width prefilled twice alone (a rebuild of one row) and twice joining a running
 batch (prefilled apart, then placed). The shapes are the live ones by construction (the same caches, layouts and
-capture keys); what is not replayed afterwards (the warm-up batches' own prefills) is dropped, no prefix block is
-registered, every KV block is given back and the metrics are put back as they were.
+capture keys); what is not replayed afterwards (the warm-up batches' own prefills) is dropped with its plan, no
+prefix block is registered, every KV block is given back and the metrics are put back as they were.
 
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
@@ -272,11 +272,12 @@ class Metrics:
 @dataclass
 class WarmupReport:
     """What ``BatchScheduler.warm_up`` recorded: decode steps of batches of ``batch_sizes`` rows; prefills of one
-    prompt at each of ``prompt_widths`` columns (alone, and joining a running batch), ``prefill_plans`` of the
-    ``prefill_shapes`` it ran still held; in ``seconds``, leaving ``device_bytes`` more device memory held (the
-    plans, and contiguous caches); ``skipped``: what it left out, and why."""
+    prompt at each of ``prompt_widths`` columns (alone, and with ``joining`` joining a running batch),
+    ``prefill_plans`` of the ``prefill_shapes`` it ran still held; in ``seconds``, leaving ``device_bytes`` more
+    device memory held (the plans, and contiguous caches); ``skipped``: what it left out, and why."""
     batch_sizes: tuple[int, ...] = ()
     prompt_widths: tuple[int, ...] = ()
+    joining: bool = False
     prefill_plans: int = 0
     prefill_shapes: int = 0
     seconds: float = 0.0
@@ -293,8 +294,9 @@ class WarmupReport:
         if self.batch_sizes:
             done.append(f"decode steps of {', '.join(map(str, self.batch_sizes))} rows")
         if self.prefill_shapes:
-            done.append(f"prefills of prompts of {', '.join(map(str, self.prompt_widths))} columns, alone and "
-                        f"joining a batch ({self.prefill_plans} of {self.prefill_shapes} plans held)")
+            done.append(f"prefills of prompts of {', '.join(map(str, self.prompt_widths))} columns, alone"
+                        f"{' and joining a batch' if self.joining else ''} ({self.prefill_plans} of "
+                        f"{self.prefill_shapes} plans held)")
         line = (f"warm-up: {'; '.join(done) or 'nothing recorded'} in {self.seconds:.2f} s, "
                 f"{self.device_bytes / 2**20:.1f} MiB of device memory")
         return "; ".join([line, *self.skipped])
@@ -576,12 +578,15 @@ class BatchScheduler:
         if device.is_cpu:
             return (), ()
         sizes = self.batch_sizes() if self._replays() else ()
-        widths = ()
+        widths, plans = [], 0
         if self._prefills_replay_by_width():
             exact = self.model.prompt_padding_is_exact
-            widths = tuple(w for w in self._layout_widths(min(PREFILL_CHUNK, self.max_model_len - 1))
-                           if w <= PREFILL_CHUNK and exact(1, w))[:PREFILL_PLANS // self._warmup_paths()]
-        return sizes, widths
+            for width in self._layout_widths(min(PREFILL_CHUNK, self.max_model_len - 1)):
+                plans += self._warmup_paths() * self._chunks(1, width)
+                if width > PREFILL_CHUNK or not exact(1, width) or plans > PREFILL_PLANS:
+                    break
+                widths.append(width)
+        return sizes, tuple(widths)
 
     def warm_up(self, batch_sizes=None, prompt_widths=None) -> WarmupReport:
         """Record the decode steps and prefills the first requests replay, before ``start()``: decode steps of
@@ -611,8 +616,7 @@ class BatchScheduler:
                 if widths and self._warmup_paths() > 1:
                     self._prefill_cache(1, widest)
                 sizes = self._warm_decode_steps(sizes, skipped)
-                if widths and self._warmup_paths() > 1:
-                    self._warm_joining_prefills(widths, skipped)
+                joining = bool(widths) and self._warmup_paths() > 1 and self._warm_joining_prefills(widths, skipped)
                 self._warm_alone_prefills(widths)
         finally:
             self._warming, self._admit_limit = False, None
@@ -624,9 +628,9 @@ class BatchScheduler:
         if self._pool is not None and (self._pool.used_blocks or self._pool.cached_blocks):
             raise WarmupError(f"the warm-up left {self._pool.used_blocks} KV blocks held and "
                               f"{self._pool.cached_blocks} registered")
-        shapes = self._warmup_paths() * sum(self._chunks(1, w) for w in widths)
+        shapes = (1 + joining) * sum(self._chunks(1, w) for w in widths)
         plans = sum(1 for capture, _ in self._prefill_captures.values() if capture.ready)
-        return WarmupReport(tuple(sizes), tuple(widths), plans, shapes, time.perf_counter() - began,
+        return WarmupReport(tuple(sizes), tuple(widths), joining, plans, shapes, time.perf_counter() - began,
                             buffer_memory()["live_bytes"] - held, tuple(skipped))
 
     def _warmup_shapes(self, batch_sizes, prompt_widths) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -727,23 +731,28 @@ class BatchScheduler:
                            "max_model_len tokens)")
         return warmed
 
-    def _warm_joining_prefills(self, widths: tuple[int, ...], skipped: list[str]) -> None:
+    def _warm_joining_prefills(self, widths: tuple[int, ...], skipped: list[str]) -> bool:
         """Each width's prompt prefilled twice into the joining cache of one row and placed into the free row of a
-        running batch of two (as wide as the widest prompt, so that none moves it)."""
+        running batch of two (as wide as the widest prompt, so that none moves it). False where it could not."""
         widest = self._warmup_length(max(widths))
         runs = self._warmup_request(widest, 2 + 2 * sum(self._chunks(1, w) for w in widths))
         leaves = self._warmup_request(1, 1)  # done at its first token: its row is free
         if widest + runs.params.max_tokens > self.max_model_len or not self._warmup_fits([runs, leaves]):
             skipped.append("prefills joining a batch skipped (too few KV blocks or max_model_len tokens)")
-            return
+            return False
         self._release_rows()
         self._drive([runs, leaves], until=[leaves])
         self._drop_unconfirmed_prefills()  # the batch's own prefill
+        placements = self.metrics.placements
         for width in widths:
             for _ in range(2):  # recorded, then confirmed
                 self._drive([self._warmup_request(self._warmup_length(width), 1)])
         runs.cancel()
         self._drive([], until=[runs])
+        if self.metrics.placements - placements != 2 * len(widths):  # (not expected: rebuilt with the batch)
+            skipped.append("prefills joining a batch were rebuilt with it instead")
+            return False
+        return True
 
     def _warm_alone_prefills(self, widths: tuple[int, ...]) -> None:
         """Each width's prompt prefilled twice alone, as an idle server's first request is (a rebuild of one row)."""
@@ -771,11 +780,15 @@ class BatchScheduler:
         raise WarmupError(f"the warm-up's requests did not finish in {WARMUP_TURNS} turns")
 
     def _drop_unconfirmed_prefills(self) -> None:
-        """Drop the prefill captures that replay nothing yet (a shape run once): their plans go with them."""
+        """Drop the prefill captures that replay nothing yet (the warm-up batches' own prefills, run once), and
+        their plans from the plan cache: shapes of short synthetic prompts, not what comes."""
         for key, (capture, _) in list(self._prefill_captures.items()):
             if not capture.ready:
                 del self._prefill_captures[key]
+                plan = capture.previous[0] if capture.previous is not None else None
                 capture.forget()
+                if plan is not None:
+                    lazy.evict_plan(plan)
 
     # -- the scheduler's thread
 
