@@ -11,7 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from test_serve import (PROMPTS, encode, prefill_bucket, reference_tokens, scheduler_on, wait_for,
+from test_serve import (PROMPTS, encode, prefill_bucket, reference_tokens, run_staggered, scheduler_on, wait_for,
                         write_tiny_model)
 from test_serve_recurrent import alone, char_tokenizer, load
 
@@ -26,7 +26,7 @@ try:  # the [serve] extra (CI installs it)
 except ImportError:
     uvicorn = None
 
-SIZES, WIDTHS = (1, 2), (16, 32)
+SIZES, WIDTHS = (1, 2), (16, 32, 64)  # 64 columns: two chunks
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def serve_first_requests(scheduler, tokenizer):
     rebuild of two rows) and, once the short one of them finished, a third joining their batch (prefilled apart and
     placed into the free row). Returns the requests."""
     tokens = encode(tokenizer, " ".join(PROMPTS))
-    first = Request(tokens[-10:], SamplingParams(max_tokens=5, temperature=0), lambda update: None, [])
+    first = Request(tokens[-40:], SamplingParams(max_tokens=5, temperature=0), lambda update: None, [])
     # the long one's updates pace its steps, so that it still runs when the third joins
     long = Request(tokens[:20], SamplingParams(max_tokens=30, temperature=0), lambda update: time.sleep(0.02), [])
     short = Request(tokens[-6:], SamplingParams(max_tokens=1, temperature=0), lambda update: None, [])
@@ -92,12 +92,15 @@ def test_after_the_warm_up_the_first_requests_replay_and_answer_as_without_it(ti
         if warm:
             report = scheduler.warm_up(SIZES, WIDTHS)
             assert (report.batch_sizes, report.prompt_widths) == (SIZES, WIDTHS) and not report.skipped
-            # each width alone and joining a batch, all four plans held; and a decode step per batch size
-            assert (report.prefill_plans, report.prefill_shapes) == (4, 4)
+            # each chunk of each width alone and joining a batch, every plan held (left-padded, the 64-column
+            # prompt's first chunk is the 32-column prompt's shape: six); a decode step per batch size
+            plans = 8 if paged else 6
+            assert (report.prefill_plans, report.prefill_shapes) == (plans, plans)
             assert all(capture.ready for capture, _ in scheduler._prefill_captures.values())  # the others dropped
             assert all(scheduler._caches[rows][1].ready for rows in SIZES)
-            assert report.summary().startswith("warm-up: decode steps of 1, 2 rows; prefills of prompts of 16, 32 "
-                                               "columns, alone and joining a batch (4 of 4 plans held) in ")
+            assert report.summary().startswith(f"warm-up: decode steps of 1, 2 rows; prefills of prompts of 16, 32, "
+                                               f"64 columns, alone and joining a batch ({plans} of {plans} plans "
+                                               "held) in ")
             check_empty(scheduler)
         requests = serve_first_requests(scheduler, tokenizer)
         outputs[warm] = [r.generated for r in requests]
@@ -105,13 +108,13 @@ def test_after_the_warm_up_the_first_requests_replay_and_answer_as_without_it(ti
     expected = [reference_tokens(reference, r.prompt, r.params.max_tokens).tolist() for r in requests]
     assert outputs[True] == outputs[False] == expected
     warm = metrics[True]
-    assert (warm.rebuilds, warm.placements, warm.prefills) == (2, 1, 3)
-    # the request alone and the one joining replay their prefill (the batch of two rows was not warmed up); every
-    # decode step replays, from the first on
-    assert warm.prefill_replays == 2 and warm.replayed_steps == warm.steps > 0
+    assert (warm.rebuilds, warm.placements, warm.prefills) == (2, 1, 4)
+    # the request alone (its two chunks) and the one joining replay their prefill (the batch of two rows was not
+    # warmed up); every decode step replays, from the first on
+    assert warm.prefill_replays == 3 and warm.replayed_steps == warm.steps > 0
     assert warm.prefix_hit_tokens == 0  # (the warm-up's prompts registered no block)
     cold = metrics[False]
-    assert (cold.prefills, cold.prefill_replays) == (3, 0) and cold.replayed_steps < cold.steps
+    assert (cold.prefills, cold.prefill_replays) == (4, 0) and cold.replayed_steps < cold.steps
 
 
 def test_the_warm_up_gives_back_every_block_and_registers_no_prefix(tiny, gpu_layout):
@@ -121,7 +124,7 @@ def test_the_warm_up_gives_back_every_block_and_registers_no_prefix(tiny, gpu_la
     scheduler = scheduler_on(path, tokenizer, max_batch=4, max_model_len=96, **paged_options(True))
     assert scheduler.prefix_caching
     report = scheduler.warm_up((1, 2, 4), WIDTHS)
-    assert report.batch_sizes == (1, 2, 4)
+    assert report.batch_sizes == (1, 2, 4) and report.prefill_plans == 8
     check_empty(scheduler)
     same = [scheduler.pad] * 17  # the warm-up's prompt of the 32 columns
     scheduler.start()
@@ -141,16 +144,16 @@ def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default
     assert scheduler.default_warmup() == ((), ())  # a CPU device (lavapipe)
     assert scheduler.warm_up() == batching.WarmupReport()
     device = scheduler._device
-    scheduler._device = lambda: SimpleNamespace(is_cpu=False)  # as a GPU: every batch size, the widths up to a chunk
-    assert scheduler.default_warmup() == ((1, 2, 4, 6), (16, 32))
-    monkeypatch.setattr(batching, "PREFILL_PLANS", 3)  # each width twice (alone, joining): one width fits
+    scheduler._device = lambda: SimpleNamespace(is_cpu=False)  # as a GPU: every batch size, widths up to 2 chunks
+    assert scheduler.default_warmup() == ((1, 2, 4, 6), (16, 32, 64))
+    monkeypatch.setattr(batching, "WARMUP_PREFILL_PLANS", 3)  # each width twice (alone, joining): one width fits
     assert scheduler.default_warmup() == ((1, 2, 4, 6), (16,))
     scheduler._device = device
     for sizes, widths, message in [((3,), (), "warm-up batch size 3: the scheduler runs batches of 1, 2, 4, 6 rows"),
                                    ((), (24,), "warm-up prompt width 24: prompts of up to max_model_len 96 tokens are "
                                                "laid out at 16, 32, 64, 96 columns"),
-                                   ((), (16, 32, 64), "8 prefill plans .* more than the scheduler holds "
-                                                      r"\(PREFILL_PLANS 3\)")]:
+                                   ((), (16, 32, 64), "8 prefill plans .* more than a warm-up holds "
+                                                      r"\(WARMUP_PREFILL_PLANS 3\)")]:
         with pytest.raises(WarmupError, match=message):
             scheduler.warm_up(sizes, widths)
     scheduler.start()
@@ -161,13 +164,35 @@ def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default
         scheduler.close()
 
 
+def test_the_warmed_up_prefills_stay_while_other_shapes_come_and_go(tiny, monkeypatch):
+    """PREFILL_PLANS 2: the warm-up's two prefill shapes (16 columns alone and joining) are held beside the two that
+    live traffic's prompts of other widths take in turn, so a prompt of 16 columns still replays after them."""
+    prefill_bucket(monkeypatch, 16)
+    monkeypatch.setattr(batching, "PREFILL_POWERS_OF_TWO", False)  # widths of whole buckets, one chunk each
+    monkeypatch.setattr(batching, "PREFILL_PLANS", 2)
+    path, tokenizer, reference = tiny
+    tokens = encode(tokenizer, " ".join(PROMPTS))
+    prompts = [tokens[:n] for n in (20, 40, 70, 12)]  # 32, 48 and 80 columns, then 16
+    scheduler = scheduler_on(path, tokenizer, max_batch=2, max_model_len=96)
+    assert scheduler.warm_up((), (16,)).prefill_plans == 2
+    scheduler.start()
+    try:
+        outputs = [run_staggered(scheduler, [(ids, SamplingParams(max_tokens=2, temperature=0))])[0].generated
+                   for ids in prompts]
+        assert len(scheduler._prefill_captures) == 4 and len(scheduler._warmed_prefills) == 2
+    finally:
+        scheduler.close()
+    assert outputs == [reference_tokens(reference, ids, 2).tolist() for ids in prompts]
+    assert scheduler.metrics.prefills == 4 and scheduler.metrics.prefill_replays == 1
+
+
 def test_batches_of_one_row_warm_up_prompts_alone(tiny, gpu_layout):
     """max_batch 1: no batch ever has a row to spare, so prompts are only prefilled alone."""
     path, tokenizer, _ = tiny
     scheduler = scheduler_on(path, tokenizer, max_batch=1, max_model_len=96)
     report = scheduler.warm_up((1,), WIDTHS)
-    assert (report.joining, report.prefill_plans, report.prefill_shapes) == (False, 2, 2)
-    assert "prefills of prompts of 16, 32 columns, alone (2 of 2 plans held)" in report.summary()
+    assert (report.joining, report.prefill_plans, report.prefill_shapes) == (False, 3, 3)
+    assert "prefills of prompts of 16, 32, 64 columns, alone (3 of 3 plans held)" in report.summary()
     check_empty(scheduler)
 
 

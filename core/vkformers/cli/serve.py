@@ -100,8 +100,8 @@ def add_parser(subparsers):
                              "'none': none)")
     parser.add_argument("--warmup-prompt-widths", type=whole_numbers(1), default=None, metavar="N,...",
                         help="widths (columns) of prompts whose prefills the warm-up records, alone and joining a "
-                             "batch (default on a GPU: 64,128,256,512, the widths of prompts of up to 512 tokens; on "
-                             "a CPU device none; 'none': none)")
+                             "batch (default on a GPU: 64,128,256,512,1024, the widths of prompts of up to 1,024 "
+                             "tokens; on a CPU device none; 'none': none)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,

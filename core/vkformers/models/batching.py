@@ -59,7 +59,9 @@ recording them in Python: a batch of each given row count decoding a few steps (
 confirmed), and a prompt of each given width prefilled twice alone (a rebuild of one row) and twice joining a running
 batch (prefilled apart, then placed). The shapes are the live ones by construction (the same caches, layouts and
 capture keys); what is not replayed afterwards (the warm-up batches' own prefills) is dropped with its plan, no
-prefix block is registered, every KV block is given back and the metrics are put back as they were.
+prefix block is registered, every KV block is given back and the metrics are put back as they were. The prefill
+shapes it recorded are held beside the PREFILL_PLANS that live traffic's shapes take in turn, so that a burst of other
+shapes does not push them out before their requests come.
 
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
@@ -104,7 +106,8 @@ PREFILL_CHUNK = 512
 # buffer may hold.
 PREFILL_TOKENS = 8192
 # Recorded prefill plans the scheduler holds (its prefills of one shape, chunk and cache replay one plan, as
-# generate's do), least recently used dropped first; and at most lazy.MAX_PLAN_BYTES of their own buffers together.
+# generate's do), least recently used dropped first, and as many of warm_up's shapes beside them; and at most
+# lazy.MAX_PLAN_BYTES of their own buffers together.
 PREFILL_PLANS = 8
 # Prompt widths rounded to powers of two and whole chunks (BatchScheduler._width): fewer prefill shapes, more of them
 # replayed (bench/serve.py on the H200, Llama-3-8B shape, 32 clients: 38 of 56 prefills replayed against 18, 1.36x
@@ -120,6 +123,12 @@ ACTIVATION_RESERVE_MIN = 256 << 20
 # Tokens of each warm-up request that decodes: the prefill's, two decode steps built in Python (the second confirms
 # the recorded plan) and one replayed (the GPU's choice of greedy tokens recorded with it).
 WARMUP_DECODE_TOKENS = 4
+# Prompts up to this many chunks long are warmed up by default (1024 columns: half of the prompts of 64-1,024 tokens
+# bench/serve.py sends are laid out there).
+WARMUP_CHUNKS = 2
+# At most this many prefill plans (one per chunk of each width, alone and joining) a warm-up records and holds beside
+# PREFILL_PLANS: each holds its activations' buffers (a 512-token chunk of Llama-3-8B: some 40 MiB).
+WARMUP_PREFILL_PLANS = 16
 WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
 
 
@@ -273,8 +282,9 @@ class Metrics:
 class WarmupReport:
     """What ``BatchScheduler.warm_up`` recorded: decode steps of batches of ``batch_sizes`` rows; prefills of one
     prompt at each of ``prompt_widths`` columns (alone, and with ``joining`` joining a running batch),
-    ``prefill_plans`` of the ``prefill_shapes`` it ran still held; in ``seconds``, leaving ``device_bytes`` more
-    device memory held (the plans, and contiguous caches); ``skipped``: what it left out, and why."""
+    ``prefill_plans`` of the ``prefill_shapes`` (capture keys) it ran still held; in ``seconds``, leaving
+    ``device_bytes`` more device memory held (the plans, and contiguous caches); ``skipped``: what it left out, and
+    why."""
     batch_sizes: tuple[int, ...] = ()
     prompt_widths: tuple[int, ...] = ()
     joining: bool = False
@@ -364,6 +374,8 @@ class BatchScheduler:
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
         self._prefill_captures: OrderedDict = OrderedDict()  # prefill shape -> (DecodeCapture, capture_key)
+        self._warmed_prefills: set = set()  # the shapes warm_up recorded: kept beside PREFILL_PLANS of live traffic
+        self._warmup_prefills_run: set = set()  # the prefill shapes the last warm-up ran
         self._joining: list[Request] = []
         self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
         # paged: after the pool ran out where no request could be preempted (a prefill), at most this many requests
@@ -572,8 +584,8 @@ class BatchScheduler:
 
     def default_warmup(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The (batch sizes, prompt widths) that warm_up records by default: on a GPU, every batch size, and the
-        widths prompts up to PREFILL_CHUNK tokens are laid out at (as many as PREFILL_PLANS holds, each alone and
-        joining a batch); on a CPU device none, since prompts there are laid out at their own lengths."""
+        widths prompts up to WARMUP_CHUNKS chunks long are laid out at (as many as WARMUP_PREFILL_PLANS allows, each
+        alone and joining a batch); on a CPU device none, since prompts there are laid out at their own lengths."""
         device = self._device() or get_device()
         if device.is_cpu:
             return (), ()
@@ -581,9 +593,10 @@ class BatchScheduler:
         widths, plans = [], 0
         if self._prefills_replay_by_width():
             exact = self.model.prompt_padding_is_exact
-            for width in self._layout_widths(min(PREFILL_CHUNK, self.max_model_len - 1)):
+            longest = WARMUP_CHUNKS * self._chunk_columns(1, PREFILL_CHUNK)
+            for width in self._layout_widths(min(longest, self.max_model_len - 1)):
                 plans += self._warmup_paths() * self._chunks(1, width)
-                if width > PREFILL_CHUNK or not exact(1, width) or plans > PREFILL_PLANS:
+                if width > longest or not exact(1, width) or plans > WARMUP_PREFILL_PLANS:
                     break
                 widths.append(width)
         return sizes, tuple(widths)
@@ -605,6 +618,7 @@ class BatchScheduler:
         held = buffer_memory()["live_bytes"]
         saved = {f.name: getattr(self.metrics, f.name) for f in fields(self.metrics)}
         skipped: list[str] = []
+        self._warmup_prefills_run = set()
         self._warming = True
         try:
             with no_grad():
@@ -628,8 +642,8 @@ class BatchScheduler:
         if self._pool is not None and (self._pool.used_blocks or self._pool.cached_blocks):
             raise WarmupError(f"the warm-up left {self._pool.used_blocks} KV blocks held and "
                               f"{self._pool.cached_blocks} registered")
-        shapes = (1 + joining) * sum(self._chunks(1, w) for w in widths)
-        plans = sum(1 for capture, _ in self._prefill_captures.values() if capture.ready)
+        shapes = len(self._warmup_prefills_run)
+        plans = len(self._warmed_prefills & self._warmup_prefills_run)
         return WarmupReport(tuple(sizes), tuple(widths), joining, plans, shapes, time.perf_counter() - began,
                             buffer_memory()["live_bytes"] - held, tuple(skipped))
 
@@ -658,10 +672,10 @@ class BatchScheduler:
                 raise WarmupError(f"warm-up prompt width {width}: prompts of up to max_model_len "
                                   f"{self.max_model_len} tokens are laid out at {listed} columns")
         plans = self._warmup_paths() * sum(self._chunks(1, w) for w in widths)
-        if plans > PREFILL_PLANS:
+        if plans > WARMUP_PREFILL_PLANS:
             raise WarmupError(f"warm-up prompt widths {', '.join(map(str, widths))}: {plans} prefill plans (alone "
-                              f"and joining a batch, one per chunk), more than the scheduler holds "
-                              f"(PREFILL_PLANS {PREFILL_PLANS}); give fewer")
+                              f"and joining a batch, one per chunk), more than a warm-up holds "
+                              f"(WARMUP_PREFILL_PLANS {WARMUP_PREFILL_PLANS}); give fewer")
         return sizes, widths
 
     def _prefills_replay_by_width(self) -> bool:
@@ -747,6 +761,7 @@ class BatchScheduler:
         for width in widths:
             for _ in range(2):  # recorded, then confirmed
                 self._drive([self._warmup_request(self._warmup_length(width), 1)])
+            self._keep_warmed_prefills()
         runs.cancel()
         self._drive([], until=[runs])
         if self.metrics.placements - placements != 2 * len(widths):  # (not expected: rebuilt with the batch)
@@ -760,6 +775,13 @@ class BatchScheduler:
             for _ in range(2):
                 self._release_rows()
                 self._drive([self._warmup_request(self._warmup_length(width), 1)])
+            self._keep_warmed_prefills()
+
+    def _keep_warmed_prefills(self) -> None:
+        """The prefill captures confirmed so far (the warm-up's, which runs first) are held beside PREFILL_PLANS;
+        the shapes run so far noted (chunks of two widths may share one: a left-padded prompt's first chunk)."""
+        self._warmup_prefills_run |= set(self._prefill_captures)
+        self._warmed_prefills |= {key for key, (capture, _) in self._prefill_captures.items() if capture.ready}
 
     def _drive(self, requests: list[Request], until: list[Request] | None = None) -> None:
         """Submit the warm-up's ``requests`` and run the scheduler's turns on this thread until ``until`` (default:
@@ -785,6 +807,7 @@ class BatchScheduler:
         for key, (capture, _) in list(self._prefill_captures.items()):
             if not capture.ready:
                 del self._prefill_captures[key]
+                self._warmed_prefills.discard(key)
                 plan = capture.previous[0] if capture.previous is not None else None
                 capture.forget()
                 if plan is not None:
@@ -1175,20 +1198,30 @@ class BatchScheduler:
         return capture
 
     def _trim_prefills(self) -> None:
-        """Drop the least recently used prefill captures past PREFILL_PLANS, or while the plans they hold exceed
-        lazy.MAX_PLAN_BYTES (the newest stays)."""
+        """Drop the least recently used prefill captures past PREFILL_PLANS (those of warm_up's shapes kept beside
+        them: a burst of other shapes would push them all out before their requests came), or while the plans they
+        all hold exceed lazy.MAX_PLAN_BYTES (the newest stays)."""
         captures = self._prefill_captures
 
         def held_bytes():
             return sum(c.previous[0].nbytes for c, _ in captures.values() if c.previous is not None)
-        while len(captures) > 1 and (len(captures) > max(PREFILL_PLANS, 1) or held_bytes() > lazy.MAX_PLAN_BYTES):
-            captures.pop(next(iter(captures)))[0].forget()
+        while len(captures) > 1:
+            live = [key for key in captures if key not in self._warmed_prefills]
+            if len(live) > max(PREFILL_PLANS, 1):
+                oldest = live[0]
+            elif held_bytes() > lazy.MAX_PLAN_BYTES:
+                oldest = next(iter(captures))
+            else:
+                return
+            self._warmed_prefills.discard(oldest)
+            captures.pop(oldest)[0].forget()
 
     def _forget_prefills(self, cache: KVCache | None = None) -> None:
         """Drop the prefill captures recorded on ``cache`` (None: all), letting their plans and the cache go."""
         for key, (capture, _) in list(self._prefill_captures.items()):
             if cache is None or capture.cache is cache:
                 del self._prefill_captures[key]
+                self._warmed_prefills.discard(key)
                 capture.forget()
 
     @staticmethod
