@@ -10,12 +10,15 @@ after a warm-up at that load and prints the process's RSS, the device buffer byt
 (pymalloc blocks) before and after, and their growth per request, each measured idle with the bounded caches let go
 (the scheduler's batch caches, the plan cache, the engine's strides cache), as tests/test_serve_soak.py does.
 Each load also prints the scheduler thread's time in decode steps, prefills and sampling; --profile adds the GPU
-time per kernel (every plan recorded with timestamps). --adapters N serves N random LoRA adapters (rank
+time per kernel (every plan recorded with timestamps). The server warms up first as ``vkformers serve`` does
+(BatchScheduler.warm_up; --no-warmup skips it), so that the replayed prefills and steps each load prints count the
+warm-up's effect; the run's own warm-up load (1 client) still runs. --adapters N serves N random LoRA adapters (rank
 --adapter-rank on q/k/v/o_proj) beside the base model, unmerged (``vkformers serve --adapter NAME=DIR``): the
 requests take the base model and each adapter in turn.
 
     python bench/serve.py [--model M | --random-shape llama3-8b] [--concurrency 1,8,32,64] [--requests 4] [--quick]
-                          [--kv-cache-tokens N | --gpu-memory-utilization F] [--no-prefix-caching] [--soak 1000]
+                          [--kv-cache-tokens N | --gpu-memory-utilization F] [--no-prefix-caching] [--no-warmup]
+                          [--soak 1000]
                           [--adapters N [--adapter-rank R]] [--no-torch] [--profile] [--json OUT]
 
 --quick: short prompts and outputs, for lavapipe. --random-shape NAME: no download; a Llama of that shape
@@ -107,7 +110,7 @@ def random_adapters(model, count: int, rank: int, folder: Path) -> dict:
 
 def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | None,
                  kv_cache_tokens: int | None = None, prefix_caching: bool = True, loaded=None,
-                 gpu_memory_utilization: float | None = None, adapters: dict | None = None):
+                 gpu_memory_utilization: float | None = None, adapters: dict | None = None, warmup: bool = True):
     uvicorn = cli_serve.web_modules()
     if loaded is None:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
@@ -119,7 +122,12 @@ def start_server(model_name, dtype: str, max_batch: int, max_model_len: int | No
     scheduler = BatchScheduler(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len,
                                eos=cli_serve.eos_ids(model, tokenizer), kv_blocks=blocks,
                                gpu_memory_utilization=None if blocks else gpu_memory_utilization,
-                               prefix_caching=prefix_caching, adapters=selector).start()
+                               prefix_caching=prefix_caching, adapters=selector)
+    if warmup:  # as vkformers serve does before it listens
+        warmed = scheduler.warm_up()
+        if warmed.ran:
+            print(warmed.summary(), flush=True)
+    scheduler.start()
     app = cli_serve.build_app(scheduler, tokenizer, "bench", adapters=adapters)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -305,6 +313,8 @@ def main(argv=None) -> int:
                         help="without --kv-cache-tokens, the paged KV cache's share of device memory as vkformers "
                              "serve sizes it (default 0.5, not serve's 0.9: the PyTorch reference runs on the same "
                              "GPU afterwards, beside the buffers)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="start without the scheduler's warm-up (vkformers serve --no-warmup)")
     parser.add_argument("--quick", action="store_true", help="prompts of 16-64 and outputs of 8-32 tokens")
     parser.add_argument("--soak", type=int, default=0, help="also send this many short requests")
     parser.add_argument("--soak-threads", type=int, default=16)
@@ -346,7 +356,7 @@ def main(argv=None) -> int:
     port, scheduler, server, thread, vocab = start_server(args.model or args.random_shape or cli_generate.default_model(), args.dtype,
                                                           args.max_batch, max_model_len, args.kv_cache_tokens,
                                                           args.prefix_caching, loaded,
-                                                          args.gpu_memory_utilization, adapters)
+                                                          args.gpu_memory_utilization, adapters, args.warmup)
     device = scheduler.model.parameters()[0].device
     print(f"device: {device.name}; model: {args.random_shape or args.model or 'SmolLM2-135M-Instruct'}; prompts "
           f"{prompt_range} outputs {output_range} tokens; max-model-len {scheduler.max_model_len}; KV cache: "

@@ -41,6 +41,18 @@ def number(low: float, high: float | None = None, *, low_open: bool = False, hig
     return parse
 
 
+def whole_numbers(low: int):
+    """Comma-separated whole numbers >= low, as a tuple ("none": the empty tuple)."""
+    one = whole_number(low)
+
+    def parse(text: str) -> tuple[int, ...]:
+        if text.strip().lower() == "none":
+            return ()
+        return tuple(one(part.strip()) for part in text.split(","))
+    parse.__name__ = "list of whole numbers"
+    return parse
+
+
 positive_int = whole_number(1)
 non_negative_int = whole_number(0)
 positive_number = number(0.0, low_open=True)

@@ -10,7 +10,9 @@ Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/cha
 server-sent events with ``"stream": true``), GET /health, GET /metrics (Prometheus text), and vLLM's POST /tokenize
 and /detokenize. The requests run through a
 BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.py) sized from
-``--gpu-memory-utilization`` or ``--kv-cache-tokens``. An embedding model (a sentence-transformers folder, or an
+``--gpu-memory-utilization`` or ``--kv-cache-tokens``. Before the server listens, a warm-up records the decode steps
+and prefills the first requests replay (BatchScheduler.warm_up; ``--no-warmup``, ``--warmup-batch-sizes``,
+``--warmup-prompt-widths``). An embedding model (a sentence-transformers folder, or an
 encoder such as BERT) is served on POST /v1/embeddings instead, through SentenceTransformer (models/sentence.py) on
 one worker thread. Needs the ``serve`` extra (Starlette and uvicorn): ``pip install 'vkformers[serve]'``.
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.cli import generate as cli_generate
-from vkformers.cli.options import positive_int, whole_number
+from vkformers.cli.options import positive_int, whole_number, whole_numbers
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
@@ -89,6 +91,17 @@ def add_parser(subparsers):
                         help="compute every prompt in full (default: a prompt starting with the full blocks of an "
                              "earlier one, a shared system prompt, takes their keys and values from the paged cache "
                              "and prefills only the rest)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="serve at once: the first requests of each shape build and record their decode steps "
+                             "and prefills (by default they are recorded before the server listens)")
+    parser.add_argument("--warmup-batch-sizes", type=whole_numbers(1), default=None, metavar="N,...",
+                        help="batch sizes (rows) whose decode steps the warm-up records (default on a GPU: every "
+                             "batch size the scheduler runs, powers of two up to --max-batch; on a CPU device none; "
+                             "'none': none)")
+    parser.add_argument("--warmup-prompt-widths", type=whole_numbers(1), default=None, metavar="N,...",
+                        help="widths (columns) of prompts whose prefills the warm-up records, alone and joining a "
+                             "batch (default on a GPU: 64,128,256,512,1024, the widths of prompts of up to 1,024 "
+                             "tokens; on a CPU device none; 'none': none)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
@@ -203,12 +216,17 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
                                    eos=eos_ids(model, tokenizer), kv_blocks=blocks,
                                    gpu_memory_utilization=None if blocks else args.gpu_memory_utilization,
                                    prefix_caching=args.prefix_caching, adapters=selector,
-                                   cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{merged}").start()
+                                   cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{merged}")
         defaults = model_sampling_defaults(model) if args.sampling_defaults == "model" else {}
         if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
             raise VkformersError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")
         app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key, sampling_defaults=defaults,
                                adapters=named, tool_call_parser=args.tool_call_parser), scheduler.close
+        if args.warmup:  # before the server listens: /health answers once the first requests replay
+            warmed = scheduler.warm_up(args.warmup_batch_sizes, args.warmup_prompt_widths)
+            if warmed.ran:
+                print(f"vkformers serve: {warmed.summary()}", file=sys.stderr, flush=True)
+        scheduler.start()
     print(f"vkformers serve: {served} on http://{args.host}:{args.port}/v1 (ready when /health answers)",
           file=sys.stderr, flush=True)
     if scheduler is not None:

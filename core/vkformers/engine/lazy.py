@@ -365,6 +365,16 @@ def _trim_plans(keep: Plan | None = None) -> None:
         stats["evicted"] += 1
 
 
+def evict_plan(plan: Plan) -> None:
+    """Drop ``plan`` from the plan cache now unless a capture holds it: a shape not expected again (a server's
+    warm-up batch), whose buffers need not wait for the cache's bounds to push it out."""
+    global _plan_bytes
+    if plan.key is not None and _plans.get(plan.key) is plan and not len(plan.holders):
+        del _plans[plan.key]
+        _plan_bytes -= plan.nbytes
+        stats["evicted"] += 1
+
+
 def _schedule(targets: list[LazyBuffer]) -> list[Node]:
     """Unrealized nodes the targets need, dependencies first (assignments after their old value's readers).
 

@@ -53,6 +53,16 @@ every row's choice into a persistent tensor of that batch size (AdapterSelector.
 plans read as they replay; a prompt's prefix blocks are registered under a salt naming its adapter, since another
 adapter's keys and values differ.
 
+Warm-up (``warm_up``, before ``start``): synthetic requests run through the scheduler's own turns, as earlier
+traffic would, so that the first real requests replay their decode steps and prefills instead of building and
+recording them in Python: a batch of each given row count decoding a few steps (its decode step recorded and
+confirmed), and a prompt of each given width prefilled twice alone (a rebuild of one row) and twice joining a running
+batch (prefilled apart, then placed). The shapes are the live ones by construction (the same caches, layouts and
+capture keys); what is not replayed afterwards (the warm-up batches' own prefills) is dropped with its plan, no
+prefix block is registered, every KV block is given back and the metrics are put back as they were. The prefill
+shapes it recorded are held beside the PREFILL_PLANS that live traffic's shapes take in turn, so that a burst of other
+shapes does not push them out before their requests come.
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
@@ -63,7 +73,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -96,7 +106,8 @@ PREFILL_CHUNK = 512
 # buffer may hold.
 PREFILL_TOKENS = 8192
 # Recorded prefill plans the scheduler holds (its prefills of one shape, chunk and cache replay one plan, as
-# generate's do), least recently used dropped first; and at most lazy.MAX_PLAN_BYTES of their own buffers together.
+# generate's do), least recently used dropped first, and as many of warm_up's shapes beside them; and at most
+# lazy.MAX_PLAN_BYTES of their own buffers together.
 PREFILL_PLANS = 8
 # Prompt widths rounded to powers of two and whole chunks (BatchScheduler._width): fewer prefill shapes, more of them
 # replayed (bench/serve.py on the H200, Llama-3-8B shape, 32 clients: 38 of 56 prefills replayed against 18, 1.36x
@@ -109,6 +120,20 @@ COLUMN_ROUNDING = CACHE_ROUNDING
 # --kv-cache-tokens sets the pool exactly.
 ACTIVATION_RESERVE = 0.05
 ACTIVATION_RESERVE_MIN = 256 << 20
+# Tokens of each warm-up request that decodes: the prefill's, two decode steps built in Python (the second confirms
+# the recorded plan) and one replayed (the GPU's choice of greedy tokens recorded with it).
+WARMUP_DECODE_TOKENS = 4
+# Prompts up to this many chunks long are warmed up by default (1024 columns: half of the prompts of 64-1,024 tokens
+# bench/serve.py sends are laid out there).
+WARMUP_CHUNKS = 2
+# At most this many prefill plans (one per chunk of each width, alone and joining) a warm-up records and holds beside
+# PREFILL_PLANS: each holds its activations' buffers (a 512-token chunk of Llama-3-8B: some 40 MiB).
+WARMUP_PREFILL_PLANS = 16
+WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
+
+
+class WarmupError(VkformersError, ValueError):
+    """Warm-up shapes the scheduler never runs, or a warm-up that failed."""
 
 
 @dataclass
@@ -254,6 +279,40 @@ class Metrics:
 
 
 @dataclass
+class WarmupReport:
+    """What ``BatchScheduler.warm_up`` recorded: decode steps of batches of ``batch_sizes`` rows; prefills of one
+    prompt at each of ``prompt_widths`` columns (alone, and with ``joining`` joining a running batch),
+    ``prefill_plans`` of the ``prefill_shapes`` (capture keys) it ran still held; in ``seconds``, leaving
+    ``device_bytes`` more device memory held (the plans, and contiguous caches); ``skipped``: what it left out, and
+    why."""
+    batch_sizes: tuple[int, ...] = ()
+    prompt_widths: tuple[int, ...] = ()
+    joining: bool = False
+    prefill_plans: int = 0
+    prefill_shapes: int = 0
+    seconds: float = 0.0
+    device_bytes: int = 0
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def ran(self) -> bool:
+        """Whether the warm-up had any shape to record."""
+        return bool(self.batch_sizes or self.prompt_widths or self.skipped)
+
+    def summary(self) -> str:
+        done = []
+        if self.batch_sizes:
+            done.append(f"decode steps of {', '.join(map(str, self.batch_sizes))} rows")
+        if self.prefill_shapes:
+            done.append(f"prefills of prompts of {', '.join(map(str, self.prompt_widths))} columns, alone"
+                        f"{' and joining a batch' if self.joining else ''} ({self.prefill_plans} of "
+                        f"{self.prefill_shapes} plans held)")
+        line = (f"warm-up: {'; '.join(done) or 'nothing recorded'} in {self.seconds:.2f} s, "
+                f"{self.device_bytes / 2**20:.1f} MiB of device memory")
+        return "; ".join([line, *self.skipped])
+
+
+@dataclass
 class _Layout:
     """Token histories laid out as one batch: ``ids`` and ``mask`` [rows, width]; the first ``start`` columns of
     every request's row come from the prefix cache; ``keys``: each request's prompt block keys, of which the first
@@ -315,6 +374,8 @@ class BatchScheduler:
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
         self._prefill_captures: OrderedDict = OrderedDict()  # prefill shape -> (DecodeCapture, capture_key)
+        self._warmed_prefills: set = set()  # the shapes warm_up recorded: kept beside PREFILL_PLANS of live traffic
+        self._warmup_prefills_run: set = set()  # the prefill shapes the last warm-up ran
         self._joining: list[Request] = []
         self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
         # paged: after the pool ran out where no request could be preempted (a prefill), at most this many requests
@@ -322,6 +383,7 @@ class BatchScheduler:
         # same requests do not fail together again and again (one alone always fits: check)
         self._admit_limit: int | None = None
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
+        self._warming = False  # warm_up's requests run: their prompts' blocks are not offered to later prompts
         self.error: BaseException | None = None       # what ended the thread (then no request is taken)
         self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
         self._refuse_row_state()
@@ -509,6 +571,247 @@ class BatchScheduler:
             self.metrics.waiting = len(self._waiting)
             self._cond.notify_all()
         return request
+
+    # -- warm-up, before the thread starts
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The row counts of the batches this scheduler runs (_bucket): powers of two below max_batch, and it."""
+        sizes, rows = [], 1
+        while rows < self.max_batch:
+            sizes.append(rows)
+            rows *= 2
+        return (*sizes, self.max_batch)
+
+    def default_warmup(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (batch sizes, prompt widths) that warm_up records by default: on a GPU, every batch size, and the
+        widths prompts up to WARMUP_CHUNKS chunks long are laid out at (as many as WARMUP_PREFILL_PLANS allows, each
+        alone and joining a batch); on a CPU device none, since prompts there are laid out at their own lengths."""
+        device = self._device() or get_device()
+        if device.is_cpu:
+            return (), ()
+        sizes = self.batch_sizes() if self._replays() else ()
+        widths, plans = [], 0
+        if self._prefills_replay_by_width():
+            exact = self.model.prompt_padding_is_exact
+            longest = WARMUP_CHUNKS * self._chunk_columns(1, PREFILL_CHUNK)
+            for width in self._layout_widths(min(longest, self.max_model_len - 1)):
+                plans += self._warmup_paths() * self._chunks(1, width)
+                if width > longest or not exact(1, width) or plans > WARMUP_PREFILL_PLANS:
+                    break
+                widths.append(width)
+        return sizes, tuple(widths)
+
+    def warm_up(self, batch_sizes=None, prompt_widths=None) -> WarmupReport:
+        """Record the decode steps and prefills the first requests replay, before ``start()``: decode steps of
+        batches of each of ``batch_sizes`` rows, and prefills of a prompt laid out at each of ``prompt_widths``
+        columns, alone and joining a running batch (None: default_warmup's). Synthetic requests run through the
+        scheduler's turns on this thread; afterwards no KV block is held, no prefix registered, and the metrics
+        are as they were. Returns what it recorded."""
+        if self._thread is not None:
+            raise WarmupError("warm_up() runs before start(): then the scheduler's thread alone runs the model")
+        sizes, widths = self._warmup_shapes(batch_sizes, prompt_widths)
+        if not sizes and not widths:
+            return WarmupReport()
+        began = time.perf_counter()
+        if self.kv_blocks is not None:
+            self._block_pool()  # allocated first: the memory measured below is the warm-up's own
+        held = buffer_memory()["live_bytes"]
+        saved = {f.name: getattr(self.metrics, f.name) for f in fields(self.metrics)}
+        skipped: list[str] = []
+        self._warmup_prefills_run = set()
+        self._warming = True
+        try:
+            with no_grad():
+                # contiguous caches sized for a batch of prompts up to the widest (a larger one, made later, would
+                # start without the recorded steps); a paged cache's columns cost nothing until used
+                widest = max(widths, default=self._width(1))
+                for rows in sorted({*sizes, *((1, 2) if widths else ())} & set(self.batch_sizes())):
+                    self._cache(rows, widest + CACHE_GROWTH)
+                if widths and self._warmup_paths() > 1:
+                    self._prefill_cache(1, widest)
+                sizes = self._warm_decode_steps(sizes, skipped)
+                joining = bool(widths) and self._warmup_paths() > 1 and self._warm_joining_prefills(widths, skipped)
+                self._warm_alone_prefills(widths)
+        finally:
+            self._warming, self._admit_limit = False, None
+            self._release_rows()
+            self._drop_unconfirmed_prefills()
+            for name, value in saved.items():
+                setattr(self.metrics, name, value)
+            self._count_blocks()
+        if self._pool is not None and (self._pool.used_blocks or self._pool.cached_blocks):
+            raise WarmupError(f"the warm-up left {self._pool.used_blocks} KV blocks held and "
+                              f"{self._pool.cached_blocks} registered")
+        shapes = len(self._warmup_prefills_run)
+        plans = len(self._warmed_prefills & self._warmup_prefills_run)
+        return WarmupReport(tuple(sizes), tuple(widths), joining, plans, shapes, time.perf_counter() - began,
+                            buffer_memory()["live_bytes"] - held, tuple(skipped))
+
+    def _warmup_shapes(self, batch_sizes, prompt_widths) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The batch sizes and prompt widths to warm up, checked: WarmupError for ones the scheduler never runs."""
+        sizes, widths = self.default_warmup()
+        if batch_sizes is not None:
+            sizes = tuple(sorted({int(n) for n in batch_sizes}))
+        if prompt_widths is not None:
+            widths = tuple(sorted({int(w) for w in prompt_widths}))
+        allowed = self.batch_sizes()
+        wrong = [n for n in sizes if n not in allowed]
+        if wrong:
+            raise WarmupError(f"warm-up batch size {wrong[0]}: the scheduler runs batches of "
+                              f"{', '.join(map(str, allowed))} rows (powers of two below max_batch, and max_batch)")
+        if sizes and not self._replays():
+            raise WarmupError(f"{self._name()}: its decode steps are not replayed, so there is none to warm up; "
+                              "give no batch sizes")
+        if widths and not self._prefills_replay_by_width():
+            raise WarmupError(f"{self._name()}: its prefills replay only for prompts of one length, or not at all, "
+                              "which a warm-up cannot foresee; give no prompt widths")
+        for width in widths:
+            if self._warmup_length(width) is None:
+                some = self._layout_widths(self.max_model_len - 1)
+                listed = ", ".join(map(str, some[:6])) + (", ..." if len(some) > 6 else "")
+                raise WarmupError(f"warm-up prompt width {width}: prompts of up to max_model_len "
+                                  f"{self.max_model_len} tokens are laid out at {listed} columns")
+        plans = self._warmup_paths() * sum(self._chunks(1, w) for w in widths)
+        if plans > WARMUP_PREFILL_PLANS:
+            raise WarmupError(f"warm-up prompt widths {', '.join(map(str, widths))}: {plans} prefill plans (alone "
+                              f"and joining a batch, one per chunk), more than a warm-up holds "
+                              f"(WARMUP_PREFILL_PLANS {WARMUP_PREFILL_PLANS}); give fewer")
+        return sizes, widths
+
+    def _prefills_replay_by_width(self) -> bool:
+        """Whether prompts of one width replay one prefill plan whatever their length (_prefill_capture's key
+        holds no length): then a warm-up prompt records the plan of every prompt of its width."""
+        model = self.model
+        return (self._replays() and getattr(model, "recompute_cache_beyond", None) is None and not self._recurrent
+                and getattr(model, "prompt_padding_is_exact", None) is not None)
+
+    def _warmup_paths(self) -> int:
+        """How a prompt is prefilled in the warm-up: alone (a rebuild of one row) and, where a batch can have a row
+        to spare (max_batch above 1), joining it."""
+        return 2 if self.max_batch > 1 else 1
+
+    def _chunks(self, rows: int, width: int) -> int:
+        return -(-width // self._chunk_columns(rows, width))
+
+    def _layout_widths(self, longest: int) -> list[int]:
+        """The widths prompts of 1 to ``longest`` tokens are laid out at (_width), narrowest first."""
+        widths, length = [], 1
+        while length <= longest:
+            widths.append(self._width(length))
+            length = max(widths[-1], length) + 1
+        return widths
+
+    def _warmup_length(self, width: int) -> int | None:
+        """The shortest prompt laid out at ``width`` columns that leaves room for a token (None: none is)."""
+        low, high = 1, min(width, self.max_model_len - 1)
+        if high < 1 or self._width(high) < width:
+            return None
+        while low < high:  # (_width never decreases with the length)
+            middle = (low + high) // 2
+            if self._width(middle) >= width:
+                high = middle
+            else:
+                low = middle + 1
+        return low if self._width(low) == width else None
+
+    def _warmup_request(self, length: int, max_tokens: int) -> Request:
+        """A greedy request of ``length`` pad tokens that never stops before ``max_tokens`` (no end token)."""
+        return Request([self.pad] * length, SamplingParams(max_tokens=max_tokens, temperature=0), lambda update: None,
+                       ())
+
+    def _warmup_fits(self, requests: list[Request]) -> bool:
+        """Whether the pool surely has the blocks of the warm-up's ``requests`` (each prefilled, and placed)."""
+        if self.kv_blocks is None:
+            return True
+        need = sum(2 * -(-(len(r.prompt) + r.params.max_tokens + LOOKAHEAD) // self.page_size) + 2 for r in requests)
+        return need <= self._block_pool().free_blocks
+
+    def _warm_decode_steps(self, sizes: tuple[int, ...], skipped: list[str]) -> list[int]:
+        """Batches of each of ``sizes`` rows decoding until their step replays (their prefills then dropped: a
+        batch of short prompts, not what comes); returns the sizes warmed up."""
+        warmed, short = [], []
+        for rows in sizes:
+            # rows of two lengths: masked columns, as a batch of prompts of several lengths has
+            requests = [self._warmup_request(1 + row % 2, WARMUP_DECODE_TOKENS) for row in range(rows)]
+            if 2 + WARMUP_DECODE_TOKENS > self.max_model_len or not self._warmup_fits(requests):
+                short.append(rows)
+                continue
+            self._release_rows()  # an idle server: the requests are rebuilt as one batch
+            self._drive(requests)
+            self._drop_unconfirmed_prefills()
+            warmed.append(rows)
+        if short:
+            skipped.append(f"decode steps of {', '.join(map(str, short))} rows skipped (too few KV blocks or "
+                           "max_model_len tokens)")
+        return warmed
+
+    def _warm_joining_prefills(self, widths: tuple[int, ...], skipped: list[str]) -> bool:
+        """Each width's prompt prefilled twice into the joining cache of one row and placed into the free row of a
+        running batch of two (as wide as the widest prompt, so that none moves it). False where it could not."""
+        widest = self._warmup_length(max(widths))
+        runs = self._warmup_request(widest, 2 + 2 * sum(self._chunks(1, w) for w in widths))
+        leaves = self._warmup_request(1, 1)  # done at its first token: its row is free
+        if widest + runs.params.max_tokens > self.max_model_len or not self._warmup_fits([runs, leaves]):
+            skipped.append("prefills joining a batch skipped (too few KV blocks or max_model_len tokens)")
+            return False
+        self._release_rows()
+        self._drive([runs, leaves], until=[leaves])
+        self._drop_unconfirmed_prefills()  # the batch's own prefill
+        placements = self.metrics.placements
+        for width in widths:
+            for _ in range(2):  # recorded, then confirmed
+                self._drive([self._warmup_request(self._warmup_length(width), 1)])
+            self._keep_warmed_prefills()
+        runs.cancel()
+        self._drive([], until=[runs])
+        if self.metrics.placements - placements != 2 * len(widths):  # (not expected: rebuilt with the batch)
+            skipped.append("prefills joining a batch were rebuilt with it instead")
+            return False
+        return True
+
+    def _warm_alone_prefills(self, widths: tuple[int, ...]) -> None:
+        """Each width's prompt prefilled twice alone, as an idle server's first request is (a rebuild of one row)."""
+        for width in widths:
+            for _ in range(2):
+                self._release_rows()
+                self._drive([self._warmup_request(self._warmup_length(width), 1)])
+            self._keep_warmed_prefills()
+
+    def _keep_warmed_prefills(self) -> None:
+        """The prefill captures confirmed so far (the warm-up's, which runs first) are held beside PREFILL_PLANS;
+        the shapes run so far noted (chunks of two widths may share one: a left-padded prompt's first chunk)."""
+        self._warmup_prefills_run |= set(self._prefill_captures)
+        self._warmed_prefills |= {key for key, (capture, _) in self._prefill_captures.items() if capture.ready}
+
+    def _drive(self, requests: list[Request], until: list[Request] | None = None) -> None:
+        """Submit the warm-up's ``requests`` and run the scheduler's turns on this thread until ``until`` (default:
+        those requests) finished; WarmupError where a turn failed."""
+        for request in requests:
+            self.submit(request)
+        until = requests if until is None else until
+        errors = self.metrics.errors
+        for _ in range(WARMUP_TURNS):
+            if all(r.finished for r in until):
+                return
+            with self._cond:
+                self._joining = self._admit()
+            self._turn()
+            if self.metrics.errors != errors:
+                first = str(self.last_error).splitlines()[0] if str(self.last_error) else type(self.last_error).__name__
+                raise WarmupError(f"the warm-up failed: {first}")
+        raise WarmupError(f"the warm-up's requests did not finish in {WARMUP_TURNS} turns")
+
+    def _drop_unconfirmed_prefills(self) -> None:
+        """Drop the prefill captures that replay nothing yet (the warm-up batches' own prefills, run once), and
+        their plans from the plan cache: shapes of short synthetic prompts, not what comes."""
+        for key, (capture, _) in list(self._prefill_captures.items()):
+            if not capture.ready:
+                del self._prefill_captures[key]
+                self._warmed_prefills.discard(key)
+                plan = capture.previous[0] if capture.previous is not None else None
+                capture.forget()
+                if plan is not None:
+                    lazy.evict_plan(plan)
 
     # -- the scheduler's thread
 
@@ -895,20 +1198,30 @@ class BatchScheduler:
         return capture
 
     def _trim_prefills(self) -> None:
-        """Drop the least recently used prefill captures past PREFILL_PLANS, or while the plans they hold exceed
-        lazy.MAX_PLAN_BYTES (the newest stays)."""
+        """Drop the least recently used prefill captures past PREFILL_PLANS (those of warm_up's shapes kept beside
+        them: a burst of other shapes would push them all out before their requests came), or while the plans they
+        all hold exceed lazy.MAX_PLAN_BYTES (the newest stays)."""
         captures = self._prefill_captures
 
         def held_bytes():
             return sum(c.previous[0].nbytes for c, _ in captures.values() if c.previous is not None)
-        while len(captures) > 1 and (len(captures) > max(PREFILL_PLANS, 1) or held_bytes() > lazy.MAX_PLAN_BYTES):
-            captures.pop(next(iter(captures)))[0].forget()
+        while len(captures) > 1:
+            live = [key for key in captures if key not in self._warmed_prefills]
+            if len(live) > max(PREFILL_PLANS, 1):
+                oldest = live[0]
+            elif held_bytes() > lazy.MAX_PLAN_BYTES:
+                oldest = next(iter(captures))
+            else:
+                return
+            self._warmed_prefills.discard(oldest)
+            captures.pop(oldest)[0].forget()
 
     def _forget_prefills(self, cache: KVCache | None = None) -> None:
         """Drop the prefill captures recorded on ``cache`` (None: all), letting their plans and the cache go."""
         for key, (capture, _) in list(self._prefill_captures.items()):
             if cache is None or capture.cache is cache:
                 del self._prefill_captures[key]
+                self._warmed_prefills.discard(key)
                 capture.forget()
 
     @staticmethod
@@ -965,8 +1278,8 @@ class BatchScheduler:
         cache.advance(layout.start)
 
     def _register_prefix(self, cache: KVCache, layout: _Layout, live: int) -> None:
-        """Offer the prefilled rows' full prompt blocks to later prompts."""
-        if not self.prefix_caching:
+        """Offer the prefilled rows' full prompt blocks to later prompts (not the warm-up's)."""
+        if not self.prefix_caching or self._warming:
             return
         for row, (keys, blocks) in enumerate(zip(layout.keys, layout.aligned)):
             for block in range(layout.start // self.page_size, blocks):
