@@ -90,6 +90,22 @@ def test_drafts_are_used_and_verifications_replay(main_model, monkeypatch):
         assert stats.replayed == stats.forwards == 5  # one verification per round, none in Python
 
 
+def test_a_model_whose_steps_must_not_replay_runs_each_forward(small_model):
+    """A model whose decode step depends on more than its inputs (capture_decode False: a plugin's host-built
+    masks) runs every forward of assisted generation in Python, as plain generate runs its steps."""
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "data" / "pipeline", requires_grad=False)
+    object.__setattr__(model, "capture_decode", False)
+    ids = np.array([[7, 8, 9, 7, 8, 9, 7, 8, 10, 11]])
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    for kwargs in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": model, "num_assistant_tokens": 2}):
+        for _ in range(2):
+            assert model.generate(ids, max_new_tokens=12, do_sample=False, **kwargs).tolist() == plain.tolist()
+        stats = model.assisted_stats
+        assert stats.forwards > 2 and stats.replayed == 0
+        held = getattr(model, "_held_draft", None)
+        assert held is None or held[1].replays == 0  # the assistant's steps too
+
+
 def test_prompt_lookup_drafts_from_the_sequence():
     tokens = np.array([1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3])
     everything = lambda seq, token: True  # noqa: E731

@@ -272,7 +272,8 @@ class DraftModel:
         positions = self.assistant.generation_positions(mask, self.fed[None], self.prompt_mask.shape[1])
         ids, positions = new[None].astype(np.int32), positions[:, -len(new):].astype(np.int32)
         if len(new) == 1:
-            return self.assistant.decode_step(self.decode, self.cache, ids, positions, mask)
+            return self.assistant.decode_step(self.decode, self.cache, ids, positions, mask,
+                                              replay=self.assistant.replays_decode())
         padded = padded_length(len(new), self.pad, self.room - self.cache.position)
         logits, _ = self.assistant._forward_tokens(self.cache, ids, positions, mask, self.key, padded)
         if padded:
@@ -328,7 +329,7 @@ def assisted_decode(model, settings: AssistedSettings, logits: np.ndarray, promp
             ids, positions = new[None].astype(np.int32), positions.astype(np.int32)
             if len(new) == 1:
                 replays = decode.replays
-                rows.append(model.decode_step(decode, cache, ids, positions, full_mask))
+                rows.append(model.decode_step(decode, cache, ids, positions, full_mask, replay=key is not None))
                 replayed = decode.replays > replays
             else:
                 padded = padded_length(len(new), pad, limit - cache.position)
