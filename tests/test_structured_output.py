@@ -19,7 +19,8 @@ from vkformers.models import gguf as vkgguf
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
 from vkformers.models.structured_output import (GrammarError, GrammarLogitsProcessor, GrammarVocabulary,
-                                                TokenConstraint, any_object_grammar, json_schema_grammar)
+                                                TokenConstraint, any_object_grammar, cfg_grammar, choice_grammar,
+                                                closed_objects, json_schema_grammar, regex_grammar)
 
 MODEL = Path(__file__).parent / "data" / "pipeline"
 
@@ -91,6 +92,31 @@ def test_a_schema_the_engine_cannot_compile_is_a_one_line_input_error(schema, wo
     with pytest.raises(GrammarError, match=words) as caught:
         json_schema_grammar(schema)
     assert isinstance(caught.value, InputError) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("make, value, words", [(regex_grammar, "a(?=b)", "look-around"),
+                                                (regex_grammar, None, "must be a string"),
+                                                (choice_grammar, [], "non-empty list"),
+                                                (choice_grammar, "ab", "non-empty list"),
+                                                (cfg_grammar, 'root ::= "a" rest', "rest"),
+                                                (cfg_grammar, "start: a\na: b", "unknown name"),
+                                                (cfg_grammar, 3, "must be a string")])
+def test_a_regex_choice_list_or_grammar_the_engine_cannot_take_is_a_one_line_input_error(make, value, words):
+    with pytest.raises(GrammarError, match=words) as caught:
+        make(value)
+    assert isinstance(caught.value, InputError) and "\n" not in str(caught.value)
+
+
+def test_closed_objects_closes_every_object_the_schema_leaves_open():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"properties": {"b": {}}}},
+                                               "c": {"type": "object", "additionalProperties": {"type": "integer"}}},
+              "$defs": {"d": {"anyOf": [{"type": "object"}, {"type": "string"}]}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] == {"type": "integer"}  # (given: kept)
+    assert closed["$defs"]["d"]["anyOf"] == [{"type": "object", "additionalProperties": False}, {"type": "string"}]
+    assert "additionalProperties" not in schema  # (a copy)
 
 
 def test_strict_refuses_what_it_cannot_enforce_and_non_strict_ignores_it():

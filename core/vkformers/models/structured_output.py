@@ -4,7 +4,9 @@ llguidance grammar engine (the optional ``serve`` extra: ``pip install 'vkformer
 ``{"type": "json_schema", "json_schema": {"schema": ...}}``: the output is one JSON value valid against the schema
 (:func:`json_schema_grammar`); ``{"type": "json_object"}``: one JSON object (:func:`any_object_grammar`). The root
 starts at the first character; between JSON tokens comes at most one space, or a line break and an indentation
-(WHITESPACE_PATTERN; a schema's ``"x-guidance": {"whitespace_pattern": ...}`` sets its own).
+(WHITESPACE_PATTERN; a schema's ``"x-guidance": {"whitespace_pattern": ...}`` sets its own). vLLM's guided
+decoding options map onto the same engine: :func:`regex_grammar` (the output matches a regex), :func:`choice_grammar`
+(it is one of some strings), :func:`cfg_grammar` (a Lark or GBNF grammar).
 
 llguidance reads the tokenizer's ``tokenizer.json`` (:class:`GrammarVocabulary`) and so sees each token as the
 bytes it adds to the text: byte-level BPE tokens through the GPT-2 byte alphabet, SentencePiece pieces with U+2581
@@ -27,7 +29,8 @@ import numpy as np
 
 from vkformers.errors import InputError, VkformersError
 
-INSTALL_HINT = ("structured outputs (response_format json_schema or json_object) need the llguidance package: "
+INSTALL_HINT = ("structured outputs (response_format json_schema or json_object, a regex, choices or a grammar) "
+                "need the llguidance package: "
                 "pip install 'vkformers[serve]'")
 # Whitespace between JSON tokens: none, one space, or a line break and an indentation of at most MAX_INDENT spaces
 # or tabs (compact and pretty-printed JSON alike, as llama.cpp's JSON grammars allow): a model that prefers blanks
@@ -58,23 +61,76 @@ def one_line(message) -> str:
     return " ".join(str(message).split())
 
 
-def json_schema_grammar(schema, *, strict: bool = True) -> str:
+def json_schema_grammar(schema, *, strict: bool = True, whitespace_pattern: str | None = None,
+                        compact: bool = False) -> str:
     """The llguidance grammar of outputs that are one JSON value valid against ``schema`` (a dict, or its JSON
     text). ``strict`` (OpenAI's ``json_schema.strict``): a keyword value llguidance does not implement (an unknown
     ``format``) is an error, as OpenAI's strict mode refuses what it cannot enforce; else it is ignored and the rest
-    of the schema enforced. Raises GrammarError, with a one-line message, for a schema that cannot be compiled."""
+    of the schema enforced. ``whitespace_pattern``: the regex of the whitespace between JSON tokens (over the
+    schema's own); ``compact``: no whitespace at all (vLLM's disable_any_whitespace). Raises GrammarError, with a
+    one-line message, for a schema that cannot be compiled."""
     llg = llguidance_module()
     if isinstance(schema, bool) or not isinstance(schema, (dict, str)):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    overrides = {"lenient": not strict}
+    if compact:
+        overrides.update(whitespace_flexible=False, whitespace_pattern=None, item_separator=",", key_separator=":")
+    elif whitespace_pattern is not None:
+        overrides["whitespace_pattern"] = whitespace_pattern
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": WHITESPACE_PATTERN},
-                                                         overrides={"lenient": not strict})
+                                                         overrides=overrides)
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"the JSON schema cannot be read: {one_line(exc)}") from None
-    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    return checked(grammar, "the JSON schema")
+
+
+def checked(grammar: str, what: str) -> str:
+    """``grammar`` once llguidance has compiled it without a tokenizer; else GrammarError naming ``what``."""
+    failed, messages = llguidance_module().LLMatcher.validate_grammar_with_warnings(grammar)
     if failed:
-        raise GrammarError(f"the JSON schema cannot be compiled: {one_line(messages[0])}")
+        raise GrammarError(f"{what} cannot be compiled: {one_line(messages[0])}")
     return grammar
+
+
+def closed_objects(schema):
+    """``schema`` with ``"additionalProperties": false`` on each object schema that leaves it out (vLLM's
+    disable_additional_properties): the output holds only the properties the schema names."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def regex_grammar(pattern) -> str:
+    """Outputs that match ``pattern`` whole (Rust regex syntax, as llguidance reads it). Raises GrammarError."""
+    if not isinstance(pattern, str):
+        raise GrammarError(f"a regex must be a string, got {type(pattern).__name__}")
+    return checked(llguidance_module().LLMatcher.grammar_from_regex(pattern), "the regex")
+
+
+def choice_grammar(choices) -> str:
+    """Outputs that are exactly one of the strings ``choices``. Raises GrammarError."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise GrammarError("the choices must be a non-empty list of strings")
+    return checked(llguidance_module().grammar_from("choice", choices), "the choices")
+
+
+def cfg_grammar(text) -> str:
+    """Outputs of a context-free grammar: Lark syntax as llguidance reads it (a ``start:`` rule), or GBNF / EBNF
+    as llama.cpp and xgrammar read it (a ``root ::=`` rule), which llguidance translates to Lark. Raises
+    GrammarError, with the engine's reason, for one it cannot read or compile."""
+    if not isinstance(text, str):
+        raise GrammarError(f"a grammar must be a string, got {type(text).__name__}")
+    try:
+        grammar = llguidance_module().grammar_from("grammar", text)
+    except ValueError as exc:  # GBNF the translation cannot read
+        raise GrammarError(f"the grammar cannot be read (Lark or GBNF): {one_line(exc)}") from None
+    return checked(grammar, "the grammar")
 
 
 @functools.cache
