@@ -73,14 +73,16 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, lookup) -> dict:
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
     model.eval()
     out = Progress("vkformers")
+    # eos_token_id=[] (no end token) rather than min_new_tokens, which keeps every step's choice on the host
+    # (the end tokens suppressed there), so that greedy decoding runs as it does for a user: chained on the GPU
     with vkf.no_grad():
-        plain = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        seconds = timed(lambda: model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        plain = model.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[], do_sample=False)
+        seconds = timed(lambda: model.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[],
                                                do_sample=False), REPEATS)
         out["greedy_tok_s"] = new_tokens / seconds
-        assisted = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        assisted = model.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[], do_sample=False,
                                   prompt_lookup_num_tokens=lookup)
-        seconds = timed(lambda: model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        seconds = timed(lambda: model.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[],
                                                do_sample=False, prompt_lookup_num_tokens=lookup), REPEATS)
         stats = model.assisted_stats
         out["lookup_tok_s"] = new_tokens / seconds
@@ -103,7 +105,7 @@ def bench_torch(config, weights, dtype, prompt, new_tokens, lookup) -> dict:
     out = Progress("torch")
 
     def run(**options):
-        result = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        result = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=[], do_sample=False,
                                 **options)
         torch.cuda.synchronize()
         return result
