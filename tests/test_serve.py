@@ -393,10 +393,11 @@ def web():
 
 
 @contextlib.contextmanager
-def serving(scheduler, tokenizer):
-    """The routes of ``scheduler`` (started) on a free local port, as SERVED with API_KEY: {port, scheduler,
-    tokenizer, client (openai's)}; the server stopped and the scheduler closed after."""
-    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY)
+def serving(scheduler, tokenizer, **options):
+    """The routes of ``scheduler`` (started) on a free local port, as SERVED with API_KEY (and build_app's
+    ``options``): {port, scheduler, tokenizer, client (openai's)}; the server stopped and the scheduler closed
+    after."""
+    app = cli_serve.build_app(scheduler, tokenizer, SERVED, api_key=API_KEY, **options)
     port = free_port()
     web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=web.run, daemon=True)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import threading
 
 from pathlib import Path
 
-from test_serve import SERVED, encode, free_port, openai, prefill_bucket, reference_tokens, uvicorn, wait_for, \
+from test_serve import SERVED, encode, free_port, openai, prefill_bucket, reference_tokens, serving, wait_for, \
     web  # noqa: F401  (web: a fixture)
 
 import vkformers as vkf
@@ -242,14 +241,8 @@ def test_the_routes_serve_each_adapter_by_name(tiny, adapters, web):  # noqa: F8
     wants in ``model`` and gets that adapter's output; an unknown name is a 404."""
     path, tokenizer, _ = tiny
     scheduler = scheduler_with(path, tokenizer, adapters, max_batch=4).start()
-    app = cli_serve.build_app(scheduler, tokenizer, SERVED, adapters=adapters)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started, 30)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    with serving(scheduler, tokenizer, adapters=adapters) as served:
+        client = served["client"]
         cards = client.models.list().data
         assert [m.id for m in cards] == [SERVED, *ADAPTERS]
         assert [getattr(m, "parent", None) for m in cards] == [None, SERVED, SERVED]
@@ -257,10 +250,6 @@ def test_the_routes_serve_each_adapter_by_name(tiny, adapters, web):  # noqa: F8
                  for name in (SERVED, *ADAPTERS)}
         with pytest.raises(openai.NotFoundError, match="terse"):
             client.completions.create(model="nobody", prompt=PROMPTS[1], max_tokens=5)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        scheduler.close()
     ids = encode(tokenizer, PROMPTS[1])
     for name, response in texts.items():
         assert response.model == name

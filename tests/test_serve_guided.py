@@ -11,16 +11,8 @@ import re
 
 import pytest
 from structured_checks import PERSON, blank_tokens, schema_errors
-from test_serve import SERVED, error_of, request, serving, write_tiny_model
-
-from vkformers.cli import serve as cli_serve
-from vkformers.models.batching import BatchScheduler
-
-try:  # the [serve] extra and the openai client of the [test] extra (CI installs both)
-    import openai
-    import uvicorn
-except ImportError:
-    openai = uvicorn = None
+from test_serve import SERVED, error_of, request
+from test_serve_structured import grammar_server, openai
 
 MESSAGES = [{"role": "user", "content": "answer"}]
 EMAIL = r"[a-z]{1,6}@[a-z]{1,5}\.(com|org)"
@@ -42,17 +34,11 @@ GREETING = r"(hi|hello) [a-z]{1,5}!"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if uvicorn is None or openai is None:
-        pytest.fail("the serve tests need pip install 'vkformers[serve,test]' (Starlette, uvicorn, openai)",
-                    pytrace=False)
-    _, tokenizer, model = write_tiny_model(tmp_path_factory.mktemp("guided"))
-    scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=128,
-                               eos=cli_serve.eos_ids(model, tokenizer)).start()
-    blanks = blank_tokens(tokenizer)
-    with serving(scheduler, tokenizer) as served:
+    with grammar_server(tmp_path_factory.mktemp("guided")) as served:
+        tokenizer = served["tokenizer"]
         # (a space or a tab alone: where the grammar lets in whitespace, the output takes one)
-        spaced = {str(t): 100 for t in blanks if tokenizer.decode([t]) in (" ", "\t")}
-        yield {**served, "compact": {str(t): -100 for t in blanks}, "spaced": spaced}
+        spaced = {str(t): 100 for t in blank_tokens(tokenizer) if tokenizer.decode([t]) in (" ", "\t")}
+        yield {**served, "spaced": spaced}
 
 
 def chat(server, extra_body, **options):

@@ -5,6 +5,7 @@ a schema request and a plain one in one running batch each come out right. On th
 test_serve (byte-level BPE, a chat template); a bias of -100 on whitespace tokens keeps its JSON short."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -26,16 +27,24 @@ except ImportError:
 MESSAGES = [{"role": "user", "content": "json"}]  # (max_tokens left out: what the context leaves)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def grammar_server(folder):
+    """test_serve's tiny GGUF llama written into ``folder``, served (serving()); "compact": a logit_bias of -100 on
+    its whitespace tokens, which keeps the random model's JSON short."""
     if uvicorn is None or openai is None:
         pytest.fail("the serve tests need pip install 'vkformers[serve,test]' (Starlette, uvicorn, openai)",
                     pytrace=False)
-    _, tokenizer, model = write_tiny_model(tmp_path_factory.mktemp("structured"))
+    _, tokenizer, model = write_tiny_model(folder)
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=128,
                                eos=cli_serve.eos_ids(model, tokenizer)).start()
     with serving(scheduler, tokenizer) as served:
         yield {**served, "compact": {str(t): -100 for t in blank_tokens(tokenizer)}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with grammar_server(tmp_path_factory.mktemp("structured")) as served:
+        yield served
 
 
 def schema_format(schema, strict=True, name="person"):

@@ -83,6 +83,17 @@ def check_empty(scheduler):
     assert scheduler._state is None and not scheduler._rows and not scheduler._waiting
 
 
+def greedy_alone(scheduler, ids, tokens: int) -> Request:
+    """One greedy request of ``tokens`` tokens through ``scheduler`` (started here, closed after), finished."""
+    scheduler.start()
+    try:
+        request = scheduler.submit(Request(ids, SamplingParams(max_tokens=tokens, temperature=0), lambda u: None, []))
+        wait_for(lambda: request.finished)
+    finally:
+        scheduler.close()
+    return request
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_after_the_warm_up_the_first_requests_replay_and_answer_as_without_it(tiny, paged, gpu_layout):
     path, tokenizer, reference = tiny
@@ -127,12 +138,7 @@ def test_the_warm_up_gives_back_every_block_and_registers_no_prefix(tiny, gpu_la
     assert report.batch_sizes == (1, 2, 4) and report.prefill_plans == 8
     check_empty(scheduler)
     same = [scheduler.pad] * 17  # the warm-up's prompt of the 32 columns
-    scheduler.start()
-    try:
-        request = scheduler.submit(Request(same, SamplingParams(max_tokens=3, temperature=0), lambda u: None, []))
-        wait_for(lambda: request.finished)
-    finally:
-        scheduler.close()
+    request = greedy_alone(scheduler, same, 3)
     assert scheduler.metrics.prefix_hit_tokens == 0 and scheduler.metrics.prefill_replays == 1
     assert request.generated == reference_tokens(reference, same, 3).tolist()
 
@@ -208,12 +214,7 @@ def test_a_recurrent_model_warms_up_its_decode_steps(name):
         scheduler.warm_up((), (16,))
     assert scheduler.warm_up((1, 2), ()).batch_sizes == (1, 2)
     check_empty(scheduler)
-    scheduler.start()
-    try:
-        request = scheduler.submit(Request(ids, SamplingParams(max_tokens=6, temperature=0), lambda u: None, []))
-        wait_for(lambda: request.finished)
-    finally:
-        scheduler.close()
+    request = greedy_alone(scheduler, ids, 6)
     assert request.generated == alone(load(name), ids, 6)
     assert scheduler.metrics.replayed_steps == scheduler.metrics.steps == 5
 
