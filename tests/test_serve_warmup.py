@@ -150,10 +150,16 @@ def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default
     assert scheduler.default_warmup() == ((), ())  # a CPU device (lavapipe)
     assert scheduler.warm_up() == batching.WarmupReport()
     device = scheduler._device
-    scheduler._device = lambda: SimpleNamespace(is_cpu=False)  # as a GPU: every batch size, widths up to 2 chunks
+    # as a GPU: every batch size, widths up to 2 chunks
+    scheduler._device = lambda: SimpleNamespace(is_cpu=False, memory=lambda: {"size": 1 << 40})
     assert scheduler.default_warmup() == ((1, 2, 4, 6), (16, 32, 64))
+    # contiguous caches (this scheduler's) within a share of the device's memory, the smallest batches first
+    row = batching.block_bytes(*scheduler._geometry, scheduler._columns(64 + batching.CACHE_GROWTH), scheduler._dtype())
+    assert scheduler._affordable_batch_sizes((6, 1, 4, 2), (16, 32, 64), 3 * row) == (1, 2)
+    monkeypatch.setattr(batching, "WARMUP_CONTIGUOUS_SHARE", 7 * row / (1 << 40))
+    assert scheduler.default_warmup() == ((1, 2, 4), (16, 32, 64))
     monkeypatch.setattr(batching, "WARMUP_PREFILL_PLANS", 3)  # each width twice (alone, joining): one width fits
-    assert scheduler.default_warmup() == ((1, 2, 4, 6), (16,))
+    assert scheduler.default_warmup()[1] == (16,)
     scheduler._device = device
     for sizes, widths, message in [((3,), (), "warm-up batch size 3: the scheduler runs batches of 1, 2, 4, 6 rows"),
                                    ((), (24,), "warm-up prompt width 24: prompts of up to max_model_len 96 tokens are "

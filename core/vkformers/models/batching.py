@@ -129,6 +129,10 @@ WARMUP_CHUNKS = 2
 # At most this many prefill plans (one per chunk of each width, alone and joining) a warm-up records and holds beside
 # PREFILL_PLANS: each holds its activations' buffers (a 512-token chunk of Llama-3-8B: some 40 MiB).
 WARMUP_PREFILL_PLANS = 16
+# Contiguous caches (models whose rows the paged decode cannot read) are allocated whole, one per batch size, by the
+# warm-up: by default it warms the batch sizes, smallest first, whose caches together take at most this share of
+# the device's memory heap (a server of such a model on a small card would otherwise run out at start).
+WARMUP_CONTIGUOUS_SHARE = 0.05
 WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
 
 
@@ -599,7 +603,23 @@ class BatchScheduler:
                 if width > longest or not exact(1, width) or plans > WARMUP_PREFILL_PLANS:
                     break
                 widths.append(width)
+        if self.kv_blocks is None:
+            sizes = self._affordable_batch_sizes(sizes, widths, WARMUP_CONTIGUOUS_SHARE * device.memory()["size"])
         return sizes, tuple(widths)
+
+    def _affordable_batch_sizes(self, sizes, widths, budget: float) -> tuple[int, ...]:
+        """The smallest of ``sizes`` whose contiguous caches, wide enough for prompts of ``widths`` as the warm-up
+        makes them, take at most ``budget`` bytes together."""
+        layers, kv_heads, head_dim = self._geometry
+        per_row = block_bytes(layers, kv_heads, head_dim, self._columns(max(widths, default=self._width(1))
+                                                                        + CACHE_GROWTH), self._dtype())
+        kept, total = [], 0
+        for rows in sorted(sizes):
+            total += rows * per_row
+            if total > budget:
+                break
+            kept.append(rows)
+        return tuple(kept)
 
     def warm_up(self, batch_sizes=None, prompt_widths=None) -> WarmupReport:
         """Record the decode steps and prefills the first requests replay, before ``start()``: decode steps of
