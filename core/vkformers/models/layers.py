@@ -36,7 +36,7 @@ class UpdatedLinear(Linear):
 
     def forward(self, x, live_rows=None):
         y = super().forward(x, live_rows)
-        update = self.row_update(x) if live_rows is None else None
+        update = self.row_update(x)
         return y if update is None else y + update
 
 
