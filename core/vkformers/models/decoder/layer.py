@@ -589,7 +589,7 @@ class DecoderLayer(Module):
         if plan["qk_norm"] is None:
             q = F.fused_qkv_rope_write(x, *weights("qkv"), norm=attn_norm, biases=qkv_biases, **rotary)
         else:  # three independent products (no barrier between them), then the per-head norms, rotary and cache
-            q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=None if qkv_biases is None else b)
+            q, k, v = (F.fused_linear(x, w, norm=attn_norm, bias=b)
                        for w, b in zip(weights("qkv"), qkv_biases or [None] * 3))
             q_norm, k_norm = (fused_norm(n) for n in plan["qk_norm"])
             q = F.fused_head_norm_rope_write(q, k, v, q_norm=q_norm, k_norm=k_norm, **rotary)
@@ -605,9 +605,8 @@ class DecoderLayer(Module):
         x = self._fused_residual(x, "attn_out_norm", out, o, (biases("o", lambda: out) or [None])[0])
         if not fused_mlp:  # a MoE block or another MLP: composed as in forward()
             return x + _scaled(self._norm("mlp_out_norm", self.mlp(self._norm("mlp_in_norm", x))), s.residual_scale)
-        mlp_input = x
         hidden = F.fused_gated(x, *weights("gate_up"), activation=_FUSED_ACTIVATIONS[s.hidden_act], norm=mlp_norm,
-                               biases=biases("gate_up", lambda: self._norm("mlp_in_norm", mlp_input)))
+                               biases=biases("gate_up", lambda: self._norm("mlp_in_norm", x)))
         return self._fused_residual(x, "mlp_out_norm", hidden, plan["down"][0],
                                     (biases("down", lambda: hidden) or [None])[0])
 
