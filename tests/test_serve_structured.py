@@ -1,7 +1,8 @@
 """``vkformers serve``'s structured outputs through the ``openai`` client: ``response_format`` json_schema on
 /v1/chat/completions and /v1/completions, streamed and not, greedy and seeded, strict or not, a pydantic model
 through ``client.beta.chat.completions.parse``; a schema the engine cannot compile is a 400 and the server goes on;
-a schema request and a plain one in one running batch each come out right. On the tiny random GGUF llama of
+a schema request and a plain one in one running batch each come out right; a forced tool call keeps to its tool's
+schema. On the tiny random GGUF llama of
 test_serve (byte-level BPE, a chat template); a bias of -100 on whitespace tokens keeps its JSON short."""
 from __future__ import annotations
 
@@ -173,3 +174,32 @@ def test_without_llguidance_a_schema_request_is_a_400_naming_the_extra(server, m
                                      {"model": SERVED, "messages": MESSAGES, "response_format": schema_format(PERSON)}))
     assert status == 400 and "pip install 'vkformers[serve]'" in error["message"]
     assert server["client"].chat.completions.create(model=SERVED, messages=MESSAGES, max_tokens=2).choices
+
+
+def test_a_forced_tool_call_keeps_to_the_tools_schemas_without_a_parser(server):
+    """tool_choice "required" or a named function on a server without a tool-call parser (vLLM answers both so):
+    the random model's output is constrained to the call, so its arguments are valid against the tool's schema."""
+    place = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"],
+             "additionalProperties": False}
+    pet = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0,
+                                                                                      "maximum": 20}},
+           "required": ["pet", "age"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "register", "parameters": pet}},
+             {"type": "function", "function": {"name": "visit", "parameters": {
+                 "$defs": {"Place": place}, "type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}},
+                 "required": ["at"], "additionalProperties": False}}}]
+    options = dict(model=SERVED, messages=MESSAGES, tools=tools, temperature=0, logit_bias=server["compact"])
+    named = server["client"].chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "register"}}, **options)
+    (call,) = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "stop" and call.function.name == "register"
+    valid(call.function.arguments, pet)
+    names = set()
+    for seed in range(4):  # (one call each: a random model's list of calls may run past max_model_len)
+        required = server["client"].chat.completions.create(tool_choice="required", parallel_tool_calls=False,
+                                                            seed=seed, **{**options, "temperature": 1.0})
+        (call,) = required.choices[0].message.tool_calls
+        assert required.choices[0].finish_reason == "tool_calls" and call.function.name in ("register", "visit")
+        valid(call.function.arguments, tools[call.function.name == "visit"]["function"]["parameters"])
+        names.add(call.function.name)
+    assert names == {"register", "visit"}, names

@@ -1,7 +1,8 @@
 """Tool calls in `vkformers serve` (models/tool_calls.py, --enable-auto-tool-choice --tool-call-parser hermes): the
 request's tools and earlier calls reach the chat template; a reply holding calls in Hermes' format comes back as
 OpenAI's tool_calls through the real openai client, whole and streamed (no tag text leaking into the content);
-replies without calls, or whose calls do not parse, stay text; tool choices the server cannot honour are 400s.
+replies without calls, or whose calls do not parse, stay text; a forced tool choice ("required", a named function)
+reads the constrained output back as calls; tool choices the server cannot honour are 400s.
 
 The replies are scripted (a scheduler that answers each request with a fixed text in pieces): what is tested is
 the parsing and the wire format, which a random model would never exercise."""
@@ -17,8 +18,8 @@ from test_serve import free_port, openai, uvicorn, wait_for, web  # noqa: F401  
 from vkformers.cli import serve as cli_serve
 from vkformers.models.batching import Update
 from vkformers.models.loading import AutoTokenizer
-from vkformers.models.tool_calls import (HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls, ToolCall,
-                                         ToolCallStream)
+from vkformers.models.tool_calls import (HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls, NamedToolCall,
+                                         RequiredToolCalls, ToolCall, ToolCallStream, forced_call_schema)
 
 TEMPLATE = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>"
             "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -78,10 +79,11 @@ class ScriptedScheduler:
     max_model_len, eos, adapters, error, last_error = 4096, [], None, None, None
 
     def __init__(self):
-        self.reply, self.prompts = "", []
+        self.reply, self.prompts, self.params = "", [], []
 
     def submit(self, request):
         self.prompts.append(request.prompt)
+        self.params.append(request.params)
         pieces = [self.reply[i:i + 5] for i in range(0, len(self.reply), 5)] or [""]
 
         def answer():
@@ -154,15 +156,81 @@ def test_streamed_calls_come_whole_in_the_last_chunk_and_no_tag_leaks(served):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_tool_choice_constrains_the_output_to_its_arguments(served):
+    """OpenAI's and vLLM's forced function: the output is the function's arguments (constrained to its parameters'
+    schema), returned as the call, the choice ending with "stop"; streamed, the call comes whole at the end."""
+    scheduler, _, client = served
+    scheduler.reply = '{"city": "Paris"}'
+    out = ask(client, tool_choice=NAMED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert scheduler.params[-1].grammar is not None  # the output was constrained
+    chunks = list(ask(client, tool_choice=NAMED, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    scheduler.reply = '{"city": "Par'  # cut by max_tokens: no call, the text as it is
+    out = ask(client, tool_choice=NAMED)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content == '{"city": "Par'
+
+
+def test_a_required_tool_choice_gives_one_call_or_more(served):
+    scheduler, _, client = served
+    scheduler.reply = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                       '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    out = ask(client, tool_choice="required")
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert [json.loads(t.function.arguments)["city"] for t in out.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    chunks = list(ask(client, tool_choice="required", stream=True))
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, json.loads(t.function.arguments)["city"]) for t in calls] == [(0, "Paris"), (1, "Rome")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_schema_of_a_forced_call():
+    tools = TOOLS + [{"type": "function", "function": {"name": "now"}}]  # (no parameters: an empty object)
+    schema, parser = forced_call_schema(tools, NAMED)
+    assert schema == CITY and isinstance(parser, NamedToolCall)
+    schema, parser = forced_call_schema(tools, "required", parallel=False)
+    assert isinstance(parser, RequiredToolCalls) and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [option["properties"]["name"]["enum"] for option in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    # definitions that references name go to the root, where "#/$defs/..." points
+    place = {"$defs": {"Place": CITY}, "type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}}}
+    schema, _ = forced_call_schema([{"type": "function", "function": {"name": "go", "parameters": place}}],
+                                   "required")
+    assert schema["$defs"] == {"Place": CITY} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    clash = {"$defs": {"Place": {"type": "string"}}, "type": "object"}
+    with pytest.raises(ValueError, match="Place"):
+        forced_call_schema([{"type": "function", "function": {"name": "go", "parameters": place}},
+                            {"type": "function", "function": {"name": "stay", "parameters": clash}}], "required")
+    assert RequiredToolCalls().parse('[{"name": "now", "parameters": {}}]') == (None, [ToolCall("now", {})])
+    assert RequiredToolCalls().parse("[]") == ("[]", []) and NamedToolCall("now").parse("[1]") == ("[1]", [])
+
+
 def test_tool_choices_the_server_cannot_honour_are_refused(served):
     _, _, client = served
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+    for choice, match in (("any", "tool_choice 'any' is none of"),
+                          ({"type": "function", "function": {"name": "get_time"}}, "not among 'tools'"),
+                          ({"type": "function"}, "a named tool_choice is")):
+        with pytest.raises(openai.BadRequestError, match=match):
             ask(client, tool_choice=choice)
+    with pytest.raises(openai.BadRequestError, match="each constrain the output"):
+        ask(client, tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError, match="only allowed when 'tools' are given"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       tool_choice="required")
     with pytest.raises(cli_serve.ApiError, match="tool calls are not enabled") as refused:  # a server without parser
         cli_serve.refuse_unsupported({"tools": TOOLS}, chat=True)
     assert refused.value.status == 400
     cli_serve.refuse_unsupported({"tools": TOOLS, "tool_choice": "none"}, chat=True)  # the tools only rendered
+    cli_serve.refuse_unsupported({"tools": TOOLS, "tool_choice": NAMED}, chat=True)  # forced: no parser needed
 
 
 def test_the_two_options_go_together(web, capsys):  # noqa: F811 (the fixture)

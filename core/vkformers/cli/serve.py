@@ -47,7 +47,8 @@ from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
 from vkformers.models.structured_output import (ANY_OBJECT_SCHEMA, any_object_grammar, cfg_grammar, choice_grammar,
                                                  closed_objects, json_schema_grammar, regex_grammar)
-from vkformers.models.tool_calls import TOOL_CALL_PARSERS, FirstCallOnly, ToolCallStream
+from vkformers.models.tool_calls import (TOOL_CALL_PARSERS, FirstCallOnly, ForcedToolCalls, ToolCallStream,
+                                         forced_call_schema)
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -363,7 +364,7 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
                           logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
-                          grammar=response_grammar(body))
+                          grammar=output_grammar(body, chat))
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -522,14 +523,60 @@ def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
     if not chat and body.get("suffix"):
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
     choice = body.get("tool_choice")
-    if chat and body.get("tools") and choice != "none":
+    if chat and body.get("tools") and choice not in ("none", "required") and not isinstance(choice, dict):
         if not tools:
             raise ApiError(400, "tool calls are not enabled: start vkformers serve with --enable-auto-tool-choice "
-                                "--tool-call-parser NAME, or leave 'tools' out (or set tool_choice 'none')",
-                           param="tools")
+                                "--tool-call-parser NAME, or force a call (tool_choice 'required' or a named "
+                                "function), or leave 'tools' out (or set tool_choice 'none')", param="tools")
         if choice not in (None, "auto"):
-            raise ApiError(400, f"tool_choice {choice!r} would need the output constrained to a call; this server "
-                                "takes 'auto' and 'none'", param="tool_choice")
+            raise ApiError(400, f"tool_choice {choice!r} is none of 'auto', 'none', 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+
+
+def forced_tool_call(body: dict) -> tuple[dict, ForcedToolCalls] | None:
+    """A chat request's tool_choice that forces a call ("required", or {"type": "function", "function": {"name":
+    ...}}): the JSON schema its output keeps to and the parser of that output (models/tool_calls.py), as vLLM
+    answers it with or without a tool-call parser; None for any other choice."""
+    choice = body.get("tool_choice")
+    if choice != "required" and not isinstance(choice, dict):
+        return None
+    tools = body.get("tools")
+    if not tools:
+        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", param="tool_choice")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type", "function") == "function"
+                                              and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise ApiError(400, "'tools' must be a list of {'type': 'function', 'function': {'name': ..., "
+                            "'parameters': {...}}}", param="tools")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ApiError(400, "a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
+                           param="tool_choice")
+        if name not in [t["function"]["name"] for t in tools]:
+            raise ApiError(400, f"tool_choice names '{name}', which is not among 'tools'", param="tool_choice")
+    try:
+        return forced_call_schema(tools, choice, parallel=body.get("parallel_tool_calls") is not False)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="tools") from None
+
+
+def output_grammar(body: dict, chat: bool) -> str | None:
+    """The grammar a request's output keeps to: response_grammar's, or a forced tool call's (the two together are
+    a 400)."""
+    grammar = response_grammar(body)
+    forced = forced_tool_call(body) if chat else None
+    if forced is None:
+        return grammar
+    if grammar is not None:
+        raise ApiError(400, f"tool_choice {body['tool_choice']!r} and '{output_constraints(body)[0][0]}' each "
+                            "constrain the output: give one", param="tool_choice")
+    strict = all(t["function"].get("strict") is True for t in body["tools"])
+    try:
+        return json_schema_grammar(forced[0], strict=strict)
+    except VkformersError as exc:  # a schema the engine cannot compile, or no engine installed
+        raise ApiError(400, f"tools: {exc}", param="tools") from None
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -926,10 +973,11 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
                                         defaults=sampling_defaults, tools=tool_call_parser is not None)
                         for p in prompts]
+            forced = forced_tool_call(body) if chat else None
             calling = chat and tool_call_parser is not None and bool(body.get("tools")) \
                 and body.get("tool_choice") != "none"
-            parser = TOOL_CALL_PARSERS[tool_call_parser]() if calling else None
-            if parser is not None and body.get("parallel_tool_calls") is False:
+            parser = forced[1] if forced is not None else TOOL_CALL_PARSERS[tool_call_parser]() if calling else None
+            if calling and forced is None and body.get("parallel_tool_calls") is False:
                 parser = FirstCallOnly(parser)
             params = settings[0]
             n = _number(body, "n", 1, int, 1, MAX_CHOICES)
@@ -1001,7 +1049,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     if calls:
                         message = {"role": "assistant", "content": content,
                                    "tool_calls": [call.api() for call in calls]}
-                        reason = "tool_calls"
+                        reason = parser.finish_reason
                 results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, entries[index])
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
@@ -1039,7 +1087,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                         text += rest
                         if calls:
                             extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
-                            reason = "tool_calls"
+                            reason = parser.finish_reason
                 if text or extra or update.logprobs or reason:
                     logprobs = None
                     if logprobs_wanted:

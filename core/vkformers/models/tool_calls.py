@@ -13,6 +13,11 @@ its calls in its own format, which a parser turns into the API's ``tool_calls``:
 Output whose calls do not parse stays text, as vLLM leaves it. While a reply streams, :class:`ToolCallStream` holds
 back the text from where a call may begin (``held_from``), so the calls never reach the client as text; the calls
 come whole at the end.
+
+A ``tool_choice`` that forces a call needs no parser and no call format of the model's: the output is constrained
+(models/structured_output.py) to the JSON schema :func:`forced_call_schema` gives, as vLLM and OpenAI do. A named
+function's output is its arguments (:class:`NamedToolCall`); ``"required"`` makes it a JSON list of one or more
+{"name": ..., "parameters": {...}} (:class:`RequiredToolCalls`).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class TaggedToolCalls:
     tail that may be its first characters."""
 
     start = ""
+    finish_reason = "tool_calls"  # a choice's, when its calls parse
 
     def held_from(self, text: str, sent: int) -> int:
         found = text.find(self.start, sent)
@@ -110,6 +116,7 @@ class Llama3JsonToolCalls:
     """The whole reply one JSON call, or several separated by ";", optionally after ``<|python_tag|>``."""
 
     tag = "<|python_tag|>"
+    finish_reason = "tool_calls"
 
     def held_from(self, text: str, sent: int) -> int:
         """All of it while the reply may still be a call (blank so far, the tag or its beginning, or JSON)."""
@@ -143,6 +150,81 @@ class Llama3JsonToolCalls:
 
 
 TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls, "mistral": MistralToolCalls}
+
+
+class ForcedToolCalls:
+    """Output constrained to calls (tool_choice "required" or a named function): all of it held while it streams,
+    the calls parsed at its end. ``finish_reason``: the choice's finish reason when the calls parse."""
+
+    finish_reason = "tool_calls"
+
+    def held_from(self, text: str, sent: int) -> int:
+        return sent
+
+    def first(self, text: str) -> int:
+        return 0
+
+    def values(self, text: str):
+        """The JSON value the output holds (None where it does not parse: cut by max_tokens, say)."""
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return None
+
+
+class NamedToolCall(ForcedToolCalls):
+    """The output is the named function's arguments; OpenAI ends such a choice with "stop", not "tool_calls"."""
+
+    finish_reason = "stop"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        arguments = self.values(text)
+        return (None, [ToolCall(self.name, arguments)]) if isinstance(arguments, dict) else (text, [])
+
+
+class RequiredToolCalls(ForcedToolCalls):
+    """The output is a JSON list of {"name": ..., "parameters": {...}}, one call each."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        values = self.values(text)
+        calls = [_call(v) for v in values] if isinstance(values, list) else []
+        return (None, calls) if calls and None not in calls else (text, [])
+
+
+DEFINITION_KEYS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name
+
+
+def tool_parameters(tool: dict) -> dict:
+    """A function tool's parameters schema (an object of no properties where it gives none, as vLLM takes it)."""
+    parameters = tool["function"].get("parameters")
+    return parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
+
+
+def forced_call_schema(tools: list[dict], choice, parallel: bool = True) -> tuple[dict, ForcedToolCalls]:
+    """The JSON schema a forced tool choice constrains the output to, and the parser of that output: ``choice``
+    {"type": "function", "function": {"name": ...}} (the function's parameters) or "required" (a list of one call
+    or more, of any of ``tools``; of one only when not ``parallel``, OpenAI's parallel_tool_calls false). The tools
+    and the choice are checked by the caller."""
+    if choice == "required":
+        calls, shared = [], {}
+        for tool in tools:
+            parameters = dict(tool_parameters(tool))
+            for key in DEFINITION_KEYS:  # references are to the root: the definitions go there
+                for name, definition in (parameters.pop(key, None) or {}).items():
+                    if shared.setdefault(key, {}).setdefault(name, definition) != definition:
+                        raise ValueError(f"two tools define '{name}' in their {key} differently: rename one")
+            calls.append({"type": "object", "properties": {"name": {"type": "string",
+                                                                    "enum": [tool["function"]["name"]]},
+                                                           "parameters": parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}, **shared}
+        return (schema if parallel else {**schema, "maxItems": 1}), RequiredToolCalls()
+    name = choice["function"]["name"]
+    tool = next(t for t in tools if t["function"]["name"] == name)
+    return tool_parameters(tool), NamedToolCall(name)
 
 
 class FirstCallOnly:
