@@ -161,7 +161,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 def test_a_named_tool_choice_constrains_the_output_to_its_arguments(served):
     """OpenAI's and vLLM's forced function: the output is the function's arguments (constrained to its parameters'
-    schema), returned as the call, the choice ending with "stop"; streamed, the call comes whole at the end."""
+    schema), returned as the call, the choice ending with "stop"; streamed, the arguments come in pieces."""
     scheduler, _, client = served
     scheduler.reply = '{"city": "Paris"}'
     out = ask(client, tool_choice=NAMED)
@@ -170,11 +170,18 @@ def test_a_named_tool_choice_constrains_the_output_to_its_arguments(served):
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert scheduler.params[-1].grammar is not None  # the output was constrained
-    chunks = list(ask(client, tool_choice=NAMED, stream=True))
+    chunks = list(ask(client, tool_choice=NAMED, stream=True))  # the arguments stream as they come, as OpenAI's
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+    assert len(calls) == 4 and {t.index for t in calls} == {0} and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather" and all(t.function.name is None for t in calls[1:])
+    assert "".join(t.function.arguments for t in calls) == '{"city": "Paris"}'
     assert chunks[-1].choices[0].finish_reason == "stop"
+    with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                        tools=TOOLS, tool_choice=NAMED) as stream:  # the client's own accumulation
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     scheduler.reply = '{"city": "Par'  # cut by max_tokens: no call, the text as it is
     out = ask(client, tool_choice=NAMED)
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content == '{"city": "Par'

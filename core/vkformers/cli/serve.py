@@ -47,8 +47,8 @@ from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
 from vkformers.models.structured_output import (ANY_OBJECT_SCHEMA, any_object_grammar, cfg_grammar, choice_grammar,
                                                  closed_objects, json_schema_grammar, regex_grammar)
-from vkformers.models.tool_calls import (TOOL_CALL_PARSERS, FirstCallOnly, ForcedToolCalls, ToolCallStream,
-                                         forced_call_schema)
+from vkformers.models.tool_calls import (TOOL_CALL_PARSERS, FirstCallOnly, ForcedToolCalls, NamedCallStream,
+                                         NamedToolCall, ToolCallStream, forced_call_schema)
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -1061,9 +1061,10 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
                             parser=None):
         """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
-        calls sent whole in the last chunk)."""
+        calls sent whole in the last chunk); a named function's arguments stream as they come."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        held = [ToolCallStream(parser) for _ in choices] if parser is not None else None
+        named = [NamedCallStream(parser) for _ in choices] if isinstance(parser, NamedToolCall) else None
+        held = [ToolCallStream(parser) for _ in choices] if parser is not None and named is None else None
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
@@ -1080,6 +1081,9 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
                 text, reason, extra = update.text, update.finish_reason, {}
+                if named is not None:
+                    deltas, text = named[index].feed(text), ""
+                    extra = {"tool_calls": deltas} if deltas else {}
                 if held is not None:
                     text = held[index].feed(text)
                     if reason:
@@ -1093,7 +1097,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     if logprobs_wanted:
                         logprobs = chat_logprobs(tokenizer, update.logprobs) if chat else \
                             completion_logprobs(tokenizer, update.logprobs, sent[index], text)
-                    delta = {"content": text} if text or not reason else {}
+                    delta = {"content": text} if text or not (reason or extra) else {}
                     choice = {"index": index, "delta": {**delta, **extra}} if chat else {"index": index, "text": text}
                     yield event({**choice, "logprobs": logprobs, "finish_reason": reason})
                     sent[index] += len(text)

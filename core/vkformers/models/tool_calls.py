@@ -16,8 +16,8 @@ come whole at the end.
 
 A ``tool_choice`` that forces a call needs no parser and no call format of the model's: the output is constrained
 (models/structured_output.py) to the JSON schema :func:`forced_call_schema` gives, as vLLM and OpenAI do. A named
-function's output is its arguments (:class:`NamedToolCall`); ``"required"`` makes it a JSON list of one or more
-{"name": ..., "parameters": {...}} (:class:`RequiredToolCalls`).
+function's output is its arguments (:class:`NamedToolCall`; streamed as they come, :class:`NamedCallStream`);
+``"required"`` makes it a JSON list of one or more {"name": ..., "parameters": {...}} (:class:`RequiredToolCalls`).
 """
 from __future__ import annotations
 
@@ -183,6 +183,22 @@ class NamedToolCall(ForcedToolCalls):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         arguments = self.values(text)
         return (None, [ToolCall(self.name, arguments)]) if isinstance(arguments, dict) else (text, [])
+
+
+class NamedCallStream:
+    """A named function's arguments streamed as they come, as OpenAI streams a forced call: the first delta holds
+    the call's id, type and name, each later one a piece of its arguments."""
+
+    def __init__(self, parser: NamedToolCall):
+        self.parser, self.started = parser, False
+
+    def feed(self, piece: str) -> list[dict]:
+        """The ``tool_calls`` entries of the chunk that carries ``piece`` of the arguments (none for no piece)."""
+        if not self.started:
+            self.started = True
+            call = ToolCall(self.parser.name, {}).api(0)
+            return [{**call, "function": {"name": self.parser.name, "arguments": piece}}]
+        return [{"index": 0, "function": {"arguments": piece}}] if piece else []
 
 
 class RequiredToolCalls(ForcedToolCalls):
