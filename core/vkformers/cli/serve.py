@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.cli import generate as cli_generate
+from vkformers.cli.api_schema import ApiError, number_field
 from vkformers.cli.options import positive_int, whole_number, whole_numbers
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
@@ -290,30 +291,6 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 # ---------------------------------------------------------------- requests (OpenAI's schemas)
 
-class ApiError(Exception):
-    """An OpenAI-style error response: HTTP ``status`` and the error object's fields."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _number(body: dict, name: str, default, kind=float, low=None, high=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
-                       param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ApiError(400, f"'{name}' must be {span}, got {value}", param=name)
-    return kind(value)
-
-
 SAMPLING_DEFAULT_NAMES = ("temperature", "top_p", "top_k", "min_p")
 
 
@@ -338,30 +315,30 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     given = next((name for name in names if body.get(name) is not None), None)
     room = max(max_model_len - prompt_tokens, 1)  # (a prompt that leaves none is refused by the scheduler)
     default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = default if given is None else _number(body, given, None, int, low=1)
+    max_tokens = default if given is None else number_field(body, given, None, int, low=1)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
     if chat:
-        logprobs = _number(body, "top_logprobs", 0, int, 0, 20) if body.get("logprobs") else None
+        logprobs = number_field(body, "top_logprobs", 0, int, 0, 20) if body.get("logprobs") else None
         if body.get("top_logprobs") is not None and not body.get("logprobs"):
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
-        logprobs = _number(body, "logprobs", None, int, 0, 5)
+        logprobs = number_field(body, "logprobs", None, int, 0, 5)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
     refuse_unsupported(body, chat, tools)
-    top_k = _number(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
-    temperature = _number(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
+    top_k = number_field(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
+    temperature = number_field(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                          top_p=_number(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
+                          top_p=number_field(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
                           top_k=max(top_k, 0), seed=seed,
-                          min_p=_number(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
+                          min_p=number_field(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
-                          presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
-                          frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
+                          presence_penalty=number_field(body, "presence_penalty", 0.0, float, -2, 2),
+                          frequency_penalty=number_field(body, "frequency_penalty", 0.0, float, -2, 2),
                           logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
                           grammar=response_grammar(body))
 
@@ -636,7 +613,7 @@ def embedding_format(body: dict, width: int) -> tuple[str, int | None]:
         raise ApiError(400, f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", param="encoding_format")
     dimensions = body.get("dimensions")
     if dimensions is not None:
-        dimensions = _number(body, "dimensions", None, int, 1, width)
+        dimensions = number_field(body, "dimensions", None, int, 1, width)
     return encoding, dimensions
 
 
@@ -932,7 +909,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             if parser is not None and body.get("parallel_tool_calls") is False:
                 parser = FirstCallOnly(parser)
             params = settings[0]
-            n = _number(body, "n", 1, int, 1, MAX_CHOICES)
+            n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
                 raise ApiError(400, f"{len(prompts)} prompts x n={n} make more than {MAX_CHOICES} choices; send fewer "
                                     "prompts a request", param="prompt")
