@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ from vkformers.cli.api_schema import ApiError, number_field
 from vkformers.cli.options import positive_int, whole_number, whole_numbers
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams, Update
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
@@ -693,6 +693,53 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def refusal(exc: Exception) -> ApiError:
+    """The answer to a request refused before it runs: an ApiError as it is; the scheduler's InputError (a prompt
+    too long, a token outside the vocabulary) a 400; KVBlocksExhausted (the request alone exceeds the paged cache)
+    a 503."""
+    if isinstance(exc, KVBlocksExhausted):
+        return ApiError(503, str(exc), kind="server_error", code="kv_cache_full")
+    if isinstance(exc, InputError):
+        return ApiError(400, str(exc))
+    return exc
+
+
+@dataclass
+class Output:
+    """A request's whole output, gathered from its updates."""
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    tokens: int = 0
+
+    def add(self, update: Update) -> None:
+        self.text += update.text
+        self.logprobs += update.logprobs
+        self.finish_reason, self.tokens = update.finish_reason, update.completion_tokens
+
+
+async def held_updates(updates: asyncio.Queue, count: int, parser=None):
+    """The updates of a streamed call's ``count`` requests as they come, as (index, text to send, tool calls,
+    update). With ``parser``, each request's text is held back from where a call may begin (ToolCallStream), and
+    its last update gives the rest and the calls. Ends after every request's last update, or after the update of a
+    failed batch (finish_reason "error")."""
+    held = [ToolCallStream(parser) for _ in range(count)] if parser is not None else None
+    running = count
+    while running:
+        index, update = await updates.get()
+        if update.finish_reason == "error":
+            yield index, update.text, [], update
+            return
+        text, calls = update.text, []
+        if held is not None:
+            text = held[index].feed(text)
+            if update.finish_reason:
+                rest, calls = held[index].finish()
+                text += rest
+        yield index, text, calls, update
+        running -= update.finish_reason is not None
+
+
 def prometheus(scheduler: BatchScheduler, served: str) -> str:
     """GET /metrics: the scheduler's counters and gauges in Prometheus' text format."""
     m = scheduler.metrics
@@ -896,6 +943,65 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             "a causal LM: it answers POST /v1/completions and /v1/chat/completions"
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
 
+    def tool_parser(body: dict):
+        """The parser that reads tool calls from a chat request's reply, or None (the reply is text): where the
+        server has one and the request gives tools it may call."""
+        if tool_call_parser is None or not body.get("tools") or body.get("tool_choice") == "none":
+            return None
+        parser = TOOL_CALL_PARSERS[tool_call_parser]()
+        return FirstCallOnly(parser) if body.get("parallel_tool_calls") is False else parser
+
+    def submit(body: dict, jobs) -> tuple[list[Request], asyncio.Queue]:
+        """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens and
+        adapter: the requests, and the queue their updates come on as (index, Update). Where the scheduler refuses
+        one, those submitted before it leave again."""
+        mailbox = mailbox_of(asyncio.get_running_loop())
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def deliver(index):
+            def on_update(update):  # on the scheduler's thread
+                mailbox.post(updates, (index, update))
+            return on_update
+        eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
+        eos = eos + stop_token_ids(body)
+        adapter = names.index(body.get("model") or served) if scheduler.adapters is not None else 0
+        requests = []
+        try:
+            for index, (prompt, params) in enumerate(jobs):
+                requests.append(scheduler.submit(Request(prompt, params, deliver(index), eos, adapter)))
+        except BaseException:
+            for job in requests:
+                job.cancel()
+            raise
+        return requests, updates
+
+    async def outputs(request, jobs: list[Request], updates: asyncio.Queue) -> list[Output]:
+        """The whole output of each of a call's requests, once all have finished. Raises ApiError 499 when the
+        client leaves meanwhile (checked every DISCONNECT_POLL_S), 500 when their batch fails; the requests leave
+        the batch either way."""
+        loop = asyncio.get_running_loop()
+        done = [Output() for _ in jobs]
+        try:
+            check_at = loop.time() + DISCONNECT_POLL_S
+            while any(out.finish_reason is None for out in done):
+                try:
+                    index, update = await asyncio.wait_for(updates.get(), max(check_at - loop.time(), 0.001))
+                except asyncio.TimeoutError:
+                    update = None
+                if loop.time() >= check_at:  # (tokens may come faster than the poll: checked by the clock)
+                    if await request.is_disconnected():  # no one to answer: the requests leave the batch (below)
+                        raise ApiError(499, "the client closed the request", code="client_closed_request")
+                    check_at = loop.time() + DISCONNECT_POLL_S
+                if update is None:
+                    continue
+                if update.finish_reason == "error":
+                    raise failed()
+                done[index].add(update)
+        finally:
+            for job in jobs:
+                job.cancel()  # a client gone before the end: the requests leave the batch
+        return done
+
     async def complete(request, chat: bool):
         try:
             body = await route_body(request, "/v1/chat/completions" if chat else "/v1/completions", scheduler)
@@ -903,11 +1009,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
                                         defaults=sampling_defaults, tools=tool_call_parser is not None)
                         for p in prompts]
-            calling = chat and tool_call_parser is not None and bool(body.get("tools")) \
-                and body.get("tool_choice") != "none"
-            parser = TOOL_CALL_PARSERS[tool_call_parser]() if calling else None
-            if parser is not None and body.get("parallel_tool_calls") is False:
-                parser = FirstCallOnly(parser)
+            parser = tool_parser(body) if chat else None
             params = settings[0]
             n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
@@ -916,107 +1018,62 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            loop = asyncio.get_running_loop()
-            mailbox = mailbox_of(loop)
-            updates: asyncio.Queue = asyncio.Queue()
-
-            def deliver(index):
-                def on_update(update):  # on the scheduler's thread
-                    mailbox.post(updates, (index, update))
-                return on_update
-            eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
-            eos = eos + stop_token_ids(body)
-            jobs = [(prompt, p) for prompt, each in zip(prompts, settings) for p in choice_params(each, n)]
             name = body.get("model") or served
-            adapter = names.index(name) if scheduler.adapters is not None else 0
-            choices = [Request(prompt, p, deliver(i), eos, adapter) for i, (prompt, p) in enumerate(jobs)]
-            for job in choices:
-                scheduler.submit(job)
-        except InputError as exc:
-            return error(ApiError(400, str(exc)))
-        except KVBlocksExhausted as exc:  # the request alone exceeds the paged cache
-            return error(ApiError(503, str(exc), kind="server_error", code="kv_cache_full"))
-        except ApiError as exc:
-            return error(exc)
+            choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
+                                             for p in choice_params(each, n)])
+        except (ApiError, InputError, KVBlocksExhausted) as exc:
+            return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": name}
         if stream:
             return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        total = len(choices)
-        texts, entries, finish, counts = [""] * total, [[] for _ in range(total)], [None] * total, [0] * total
         try:
-            check_at = loop.time() + DISCONNECT_POLL_S
-            while any(f is None for f in finish):
-                try:
-                    index, update = await asyncio.wait_for(updates.get(), max(check_at - loop.time(), 0.001))
-                except asyncio.TimeoutError:
-                    update = None
-                if loop.time() >= check_at:  # (tokens may come faster than the poll: checked by the clock)
-                    if await request.is_disconnected():  # no one to answer: the requests leave the batch (below)
-                        return error(ApiError(499, "the client closed the request", code="client_closed_request"))
-                    check_at = loop.time() + DISCONNECT_POLL_S
-                if update is None:
-                    continue
-                texts[index] += update.text
-                entries[index] += update.logprobs
-                finish[index], counts[index] = update.finish_reason, update.completion_tokens
-                if update.finish_reason == "error":
-                    break
-        finally:
-            for job in choices:
-                job.cancel()  # a client gone before the end: the requests leave the batch
-        if "error" in finish:
-            return error(failed())
+            done = await outputs(request, choices, updates)
+        except ApiError as exc:
+            return error(exc)
         results = []
-        for index in range(total):
+        for index, out in enumerate(done):
             if chat:
-                message, reason = {"role": "assistant", "content": texts[index]}, finish[index]
+                message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
                 if parser is not None:
-                    content, calls = parser.parse(texts[index])
+                    content, calls = parser.parse(out.text)
                     if calls:
                         message = {"role": "assistant", "content": content,
                                    "tool_calls": [call.api() for call in calls]}
                         reason = "tool_calls"
-                results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, entries[index])
+                results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, out.logprobs)
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
-                results.append({"index": index, "text": texts[index], "finish_reason": finish[index],
-                                "logprobs": completion_logprobs(tokenizer, entries[index], 0, texts[index])
+                results.append({"index": index, "text": out.text, "finish_reason": out.finish_reason,
+                                "logprobs": completion_logprobs(tokenizer, out.logprobs, 0, out.text)
                                 if params.logprobs is not None else None})
-        return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(counts))})
+        return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done))})
 
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
                             parser=None):
         """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
         calls sent whole in the last chunk)."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        held = [ToolCallStream(parser) for _ in choices] if parser is not None else None
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
-        sent, counts, running = [0] * len(choices), [0] * len(choices), len(choices)
+        sent, counts = [0] * len(choices), [0] * len(choices)
         logprobs_wanted = choices[0].params.logprobs is not None
         try:
             if chat:
                 for index in range(len(choices)):
                     yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
-            while running:
-                index, update = await updates.get()
+            async for index, text, calls, update in held_updates(updates, len(choices), parser):
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
-                text, reason, extra = update.text, update.finish_reason, {}
-                if held is not None:
-                    text = held[index].feed(text)
-                    if reason:
-                        rest, calls = held[index].finish()
-                        text += rest
-                        if calls:
-                            extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
-                            reason = "tool_calls"
+                reason, extra = update.finish_reason, {}
+                if calls:
+                    extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
+                    reason = "tool_calls"
                 if text or extra or update.logprobs or reason:
                     logprobs = None
                     if logprobs_wanted:
@@ -1028,7 +1085,6 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     sent[index] += len(text)
                 if update.finish_reason:
                     counts[index] = update.completion_tokens
-                    running -= 1
             else:
                 if include_usage:
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, sum(counts))})}\n\n"
