@@ -7,8 +7,9 @@
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streamed as
-server-sent events with ``"stream": true``), GET /health, GET /metrics (Prometheus text), and vLLM's POST /tokenize
-and /detokenize. The requests run through a
+server-sent events with ``"stream": true``), POST /v1/responses (OpenAI's Responses API over the chat route's
+machinery, cli/responses.py; GET and DELETE /v1/responses/{id} for the responses it stored), GET /health, GET
+/metrics (Prometheus text), and vLLM's POST /tokenize and /detokenize. The requests run through a
 BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.py) sized from
 ``--gpu-memory-utilization`` or ``--kv-cache-tokens``. Before the server listens, a warm-up records the decode steps
 and prefills the first requests replay (BatchScheduler.warm_up; ``--no-warmup``, ``--warmup-batch-sizes``,
@@ -38,6 +39,8 @@ import numpy as np
 from vkformers.cli import generate as cli_generate
 from vkformers.cli.api_schema import ApiError, number_field
 from vkformers.cli.options import positive_int, whole_number, whole_numbers
+from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request, conversation, finished, output_items,
+                                     renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams, Update
@@ -849,6 +852,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     from starlette.routing import Route
 
     created = int(time.time())
+    stored = ResponseStore()
     mailboxes: dict = {}  # the event loop's LoopMailbox (one loop serves the app)
 
     def mailbox_of(loop) -> LoopMailbox:
@@ -940,7 +944,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
 
     def wrong_kind(route: str) -> ApiError:
         kind = "an embedding model: it answers POST /v1/embeddings" if scheduler is None else \
-            "a causal LM: it answers POST /v1/completions and /v1/chat/completions"
+            "a causal LM: it answers POST /v1/completions, /v1/chat/completions and /v1/responses"
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
 
     def tool_parser(body: dict):
@@ -1093,6 +1097,75 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             for job in choices:
                 job.cancel()  # the client went away mid-stream: its rows leave the batch at the next step
 
+    async def create_response(request):
+        """OpenAI's Responses API (cli/responses.py): the request run as the chat completions request it amounts
+        to, its output given as a response object or the response's typed events."""
+        try:
+            body = await route_body(request, "/v1/responses", scheduler)
+            store = stores(body)
+            messages = conversation(body, stored.history(body))
+            chat = chat_request(body, messages)
+            prompt = chat_prompt(chat, tokenizer)
+            params = sampling_params(chat, chat=True, prompt_tokens=len(prompt), max_model_len=scheduler.max_model_len,
+                                     defaults=sampling_defaults, tools=tool_call_parser is not None)
+            parser = tool_parser(chat)
+            jobs, updates = submit(chat, [(prompt, params)])
+        except (ApiError, InputError, KVBlocksExhausted) as exc:
+            return error(renamed(refusal(exc)))
+        head = response_head(body, params, model=body.get("model") or served, store=store)
+
+        def logprobs(entries) -> list:
+            return chat_logprobs(tokenizer, entries)["content"] if params.logprobs is not None else []
+
+        def keep(response):
+            if store:
+                stored.keep(response, messages)
+        if body.get("stream"):
+            return StreamingResponse(stream_response(jobs, updates, parser, ResponseEvents(head), len(prompt),
+                                                     logprobs, keep),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            (out,) = await outputs(request, jobs, updates)
+        except ApiError as exc:
+            return error(exc)
+        text, calls = parser.parse(out.text) if parser is not None else (out.text, [])
+        response = finished(head, output_items(text, calls, logprobs(out.logprobs), out.finish_reason),
+                            out.finish_reason, len(prompt), out.tokens)
+        keep(response)
+        return JSONResponse(response)
+
+    async def stream_response(jobs, updates, parser, events: ResponseEvents, prompt_tokens: int, logprobs, keep):
+        """A streamed response's events (ResponseEvents) as its reply comes; ``keep`` takes the whole response."""
+        try:
+            yield events.start()
+            async for _, text, calls, update in held_updates(updates, 1, parser):
+                if update.finish_reason == "error":
+                    yield events.fail(failed().message)
+                    break
+                chunk = events.add_text(text, logprobs(update.logprobs))
+                if update.finish_reason:
+                    chunk += events.finish(calls, update.finish_reason, prompt_tokens, update.completion_tokens)
+                    keep(events.response)
+                if chunk:
+                    yield chunk
+        finally:
+            for job in jobs:
+                job.cancel()  # the client went away mid-stream: its row leaves the batch at the next step
+
+    async def stored_response(request):
+        """GET (the response object) or DELETE a stored response."""
+        try:
+            authorize(request)
+            if scheduler is None:
+                raise wrong_kind("/v1/responses")
+            ident = request.path_params["response_id"]
+            if request.method == "DELETE":
+                stored.delete(ident)
+                return JSONResponse({"id": ident, "object": "response.deleted", "deleted": True})
+            return JSONResponse(stored.get(ident))
+        except ApiError as exc:
+            return error(exc)
+
     async def tokenize(request):
         """vLLM's /tokenize: a completion's ``prompt`` or a chat's ``messages`` as the model reads them."""
         try:
@@ -1147,6 +1220,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
               Route("/v1/models/{model:path}", model_info),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/responses", create_response, methods=["POST"]),
+              Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     return Starlette(routes=routes)
