@@ -34,8 +34,7 @@ TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "logit_bias", "stop", "stop_token_ids", "ignore_eos", "tool_choice", "parallel_tool_calls")
 # the chat request's fields that an error may name, as the Responses request names them
-RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-                    "logprobs": "include"}
+RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
 
 
 def new_id(prefix: str) -> str:
