@@ -7,8 +7,9 @@
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streamed as
-server-sent events with ``"stream": true``), GET /health, GET /metrics (Prometheus text), and vLLM's POST /tokenize
-and /detokenize. The requests run through a
+server-sent events with ``"stream": true``), POST /v1/responses (OpenAI's Responses API over the chat route's
+machinery, cli/responses.py; GET and DELETE /v1/responses/{id} for the responses it stored), GET /health, GET
+/metrics (Prometheus text), and vLLM's POST /tokenize and /detokenize. The requests run through a
 BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.py) sized from
 ``--gpu-memory-utilization`` or ``--kv-cache-tokens``. Before the server listens, a warm-up records the decode steps
 and prefills the first requests replay (BatchScheduler.warm_up; ``--no-warmup``, ``--warmup-batch-sizes``,
@@ -30,16 +31,19 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from vkformers.cli import generate as cli_generate
+from vkformers.cli.api_schema import ApiError, number_field
 from vkformers.cli.options import positive_int, whole_number, whole_numbers
+from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request, conversation, finished, output_items,
+                                     renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.batching import BatchScheduler, Request, SamplingParams
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams, Update
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
@@ -291,30 +295,6 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 # ---------------------------------------------------------------- requests (OpenAI's schemas)
 
-class ApiError(Exception):
-    """An OpenAI-style error response: HTTP ``status`` and the error object's fields."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def _number(body: dict, name: str, default, kind=float, low=None, high=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
-                       param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ApiError(400, f"'{name}' must be {span}, got {value}", param=name)
-    return kind(value)
-
-
 SAMPLING_DEFAULT_NAMES = ("temperature", "top_p", "top_k", "min_p")
 
 
@@ -339,30 +319,30 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     given = next((name for name in names if body.get(name) is not None), None)
     room = max(max_model_len - prompt_tokens, 1)  # (a prompt that leaves none is refused by the scheduler)
     default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = default if given is None else _number(body, given, None, int, low=1)
+    max_tokens = default if given is None else number_field(body, given, None, int, low=1)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
     if chat:
-        logprobs = _number(body, "top_logprobs", 0, int, 0, 20) if body.get("logprobs") else None
+        logprobs = number_field(body, "top_logprobs", 0, int, 0, 20) if body.get("logprobs") else None
         if body.get("top_logprobs") is not None and not body.get("logprobs"):
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
-        logprobs = _number(body, "logprobs", None, int, 0, 5)
+        logprobs = number_field(body, "logprobs", None, int, 0, 5)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
     refuse_unsupported(body, chat, tools)
-    top_k = _number(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
-    temperature = _number(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
+    top_k = number_field(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
+    temperature = number_field(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                          top_p=_number(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
+                          top_p=number_field(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
                           top_k=max(top_k, 0), seed=seed,
-                          min_p=_number(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
+                          min_p=number_field(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
-                          presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
-                          frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
+                          presence_penalty=number_field(body, "presence_penalty", 0.0, float, -2, 2),
+                          frequency_penalty=number_field(body, "frequency_penalty", 0.0, float, -2, 2),
                           logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
                           grammar=output_grammar(body, chat))
 
@@ -683,7 +663,7 @@ def embedding_format(body: dict, width: int) -> tuple[str, int | None]:
         raise ApiError(400, f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", param="encoding_format")
     dimensions = body.get("dimensions")
     if dimensions is not None:
-        dimensions = _number(body, "dimensions", None, int, 1, width)
+        dimensions = number_field(body, "dimensions", None, int, 1, width)
     return encoding, dimensions
 
 
@@ -761,6 +741,53 @@ def chat_logprobs(tokenizer, entries) -> dict:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def refusal(exc: Exception) -> ApiError:
+    """The answer to a request refused before it runs: an ApiError as it is; the scheduler's InputError (a prompt
+    too long, a token outside the vocabulary) a 400; KVBlocksExhausted (the request alone exceeds the paged cache)
+    a 503."""
+    if isinstance(exc, KVBlocksExhausted):
+        return ApiError(503, str(exc), kind="server_error", code="kv_cache_full")
+    if isinstance(exc, InputError):
+        return ApiError(400, str(exc))
+    return exc
+
+
+@dataclass
+class Output:
+    """A request's whole output, gathered from its updates."""
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    tokens: int = 0
+
+    def add(self, update: Update) -> None:
+        self.text += update.text
+        self.logprobs += update.logprobs
+        self.finish_reason, self.tokens = update.finish_reason, update.completion_tokens
+
+
+async def held_updates(updates: asyncio.Queue, count: int, parser=None):
+    """The updates of a streamed call's ``count`` requests as they come, as (index, text to send, tool calls,
+    update). With ``parser``, each request's text is held back from where a call may begin (ToolCallStream), and
+    its last update gives the rest and the calls. Ends after every request's last update, or after the update of a
+    failed batch (finish_reason "error")."""
+    held = [ToolCallStream(parser) for _ in range(count)] if parser is not None else None
+    running = count
+    while running:
+        index, update = await updates.get()
+        if update.finish_reason == "error":
+            yield index, update.text, [], update
+            return
+        text, calls = update.text, []
+        if held is not None:
+            text = held[index].feed(text)
+            if update.finish_reason:
+                rest, calls = held[index].finish()
+                text += rest
+        yield index, text, calls, update
+        running -= update.finish_reason is not None
 
 
 def prometheus(scheduler: BatchScheduler, served: str) -> str:
@@ -872,6 +899,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     from starlette.routing import Route
 
     created = int(time.time())
+    stored = ResponseStore()
     mailboxes: dict = {}  # the event loop's LoopMailbox (one loop serves the app)
 
     def mailbox_of(loop) -> LoopMailbox:
@@ -963,8 +991,70 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
 
     def wrong_kind(route: str) -> ApiError:
         kind = "an embedding model: it answers POST /v1/embeddings" if scheduler is None else \
-            "a causal LM: it answers POST /v1/completions and /v1/chat/completions"
+            "a causal LM: it answers POST /v1/completions, /v1/chat/completions and /v1/responses"
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
+
+    def tool_parser(body: dict):
+        """The parser that reads tool calls from a chat request's reply, or None (the reply is text): a forced tool
+        choice's, or where the server has one and the request gives tools it may call."""
+        forced = forced_tool_call(body)
+        if forced is not None:
+            return forced[1]
+        if tool_call_parser is None or not body.get("tools") or body.get("tool_choice") == "none":
+            return None
+        parser = TOOL_CALL_PARSERS[tool_call_parser]()
+        return FirstCallOnly(parser) if body.get("parallel_tool_calls") is False else parser
+
+    def submit(body: dict, jobs) -> tuple[list[Request], asyncio.Queue]:
+        """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens and
+        adapter: the requests, and the queue their updates come on as (index, Update). Where the scheduler refuses
+        one, those submitted before it leave again."""
+        mailbox = mailbox_of(asyncio.get_running_loop())
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def deliver(index):
+            def on_update(update):  # on the scheduler's thread
+                mailbox.post(updates, (index, update))
+            return on_update
+        eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
+        eos = eos + stop_token_ids(body)
+        adapter = names.index(body.get("model") or served) if scheduler.adapters is not None else 0
+        requests = []
+        try:
+            for index, (prompt, params) in enumerate(jobs):
+                requests.append(scheduler.submit(Request(prompt, params, deliver(index), eos, adapter)))
+        except BaseException:
+            for job in requests:
+                job.cancel()
+            raise
+        return requests, updates
+
+    async def outputs(request, jobs: list[Request], updates: asyncio.Queue) -> list[Output]:
+        """The whole output of each of a call's requests, once all have finished. Raises ApiError 499 when the
+        client leaves meanwhile (checked every DISCONNECT_POLL_S), 500 when their batch fails; the requests leave
+        the batch either way."""
+        loop = asyncio.get_running_loop()
+        done = [Output() for _ in jobs]
+        try:
+            check_at = loop.time() + DISCONNECT_POLL_S
+            while any(out.finish_reason is None for out in done):
+                try:
+                    index, update = await asyncio.wait_for(updates.get(), max(check_at - loop.time(), 0.001))
+                except asyncio.TimeoutError:
+                    update = None
+                if loop.time() >= check_at:  # (tokens may come faster than the poll: checked by the clock)
+                    if await request.is_disconnected():  # no one to answer: the requests leave the batch (below)
+                        raise ApiError(499, "the client closed the request", code="client_closed_request")
+                    check_at = loop.time() + DISCONNECT_POLL_S
+                if update is None:
+                    continue
+                if update.finish_reason == "error":
+                    raise failed()
+                done[index].add(update)
+        finally:
+            for job in jobs:
+                job.cancel()  # a client gone before the end: the requests leave the batch
+        return done
 
     async def complete(request, chat: bool):
         try:
@@ -973,90 +1063,47 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
                                         defaults=sampling_defaults, tools=tool_call_parser is not None)
                         for p in prompts]
-            forced = forced_tool_call(body) if chat else None
-            calling = chat and tool_call_parser is not None and bool(body.get("tools")) \
-                and body.get("tool_choice") != "none"
-            parser = forced[1] if forced is not None else TOOL_CALL_PARSERS[tool_call_parser]() if calling else None
-            if calling and forced is None and body.get("parallel_tool_calls") is False:
-                parser = FirstCallOnly(parser)
+            parser = tool_parser(body) if chat else None
             params = settings[0]
-            n = _number(body, "n", 1, int, 1, MAX_CHOICES)
+            n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
                 raise ApiError(400, f"{len(prompts)} prompts x n={n} make more than {MAX_CHOICES} choices; send fewer "
                                     "prompts a request", param="prompt")
             prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            loop = asyncio.get_running_loop()
-            mailbox = mailbox_of(loop)
-            updates: asyncio.Queue = asyncio.Queue()
-
-            def deliver(index):
-                def on_update(update):  # on the scheduler's thread
-                    mailbox.post(updates, (index, update))
-                return on_update
-            eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
-            eos = eos + stop_token_ids(body)
-            jobs = [(prompt, p) for prompt, each in zip(prompts, settings) for p in choice_params(each, n)]
             name = body.get("model") or served
-            adapter = names.index(name) if scheduler.adapters is not None else 0
-            choices = [Request(prompt, p, deliver(i), eos, adapter) for i, (prompt, p) in enumerate(jobs)]
-            for job in choices:
-                scheduler.submit(job)
-        except InputError as exc:
-            return error(ApiError(400, str(exc)))
-        except KVBlocksExhausted as exc:  # the request alone exceeds the paged cache
-            return error(ApiError(503, str(exc), kind="server_error", code="kv_cache_full"))
-        except ApiError as exc:
-            return error(exc)
+            choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
+                                             for p in choice_params(each, n)])
+        except (ApiError, InputError, KVBlocksExhausted) as exc:
+            return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": name}
         if stream:
             return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        total = len(choices)
-        texts, entries, finish, counts = [""] * total, [[] for _ in range(total)], [None] * total, [0] * total
         try:
-            check_at = loop.time() + DISCONNECT_POLL_S
-            while any(f is None for f in finish):
-                try:
-                    index, update = await asyncio.wait_for(updates.get(), max(check_at - loop.time(), 0.001))
-                except asyncio.TimeoutError:
-                    update = None
-                if loop.time() >= check_at:  # (tokens may come faster than the poll: checked by the clock)
-                    if await request.is_disconnected():  # no one to answer: the requests leave the batch (below)
-                        return error(ApiError(499, "the client closed the request", code="client_closed_request"))
-                    check_at = loop.time() + DISCONNECT_POLL_S
-                if update is None:
-                    continue
-                texts[index] += update.text
-                entries[index] += update.logprobs
-                finish[index], counts[index] = update.finish_reason, update.completion_tokens
-                if update.finish_reason == "error":
-                    break
-        finally:
-            for job in choices:
-                job.cancel()  # a client gone before the end: the requests leave the batch
-        if "error" in finish:
-            return error(failed())
+            done = await outputs(request, choices, updates)
+        except ApiError as exc:
+            return error(exc)
         results = []
-        for index in range(total):
+        for index, out in enumerate(done):
             if chat:
-                message, reason = {"role": "assistant", "content": texts[index]}, finish[index]
+                message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
                 if parser is not None:
-                    content, calls = parser.parse(texts[index])
+                    content, calls = parser.parse(out.text)
                     if calls:
                         message = {"role": "assistant", "content": content,
                                    "tool_calls": [call.api() for call in calls]}
                         reason = parser.finish_reason
-                results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, entries[index])
+                results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, out.logprobs)
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
-                results.append({"index": index, "text": texts[index], "finish_reason": finish[index],
-                                "logprobs": completion_logprobs(tokenizer, entries[index], 0, texts[index])
+                results.append({"index": index, "text": out.text, "finish_reason": out.finish_reason,
+                                "logprobs": completion_logprobs(tokenizer, out.logprobs, 0, out.text)
                                 if params.logprobs is not None else None})
-        return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(counts))})
+        return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done))})
 
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
                             parser=None):
@@ -1064,34 +1111,28 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         calls sent whole in the last chunk); a named function's arguments stream as they come."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         named = [NamedCallStream(parser) for _ in choices] if isinstance(parser, NamedToolCall) else None
-        held = [ToolCallStream(parser) for _ in choices] if parser is not None and named is None else None
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
-        sent, counts, running = [0] * len(choices), [0] * len(choices), len(choices)
+        sent, counts = [0] * len(choices), [0] * len(choices)
         logprobs_wanted = choices[0].params.logprobs is not None
         try:
             if chat:
                 for index in range(len(choices)):
                     yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
-            while running:
-                index, update = await updates.get()
+            async for index, text, calls, update in held_updates(updates, len(choices),
+                                                                 None if named else parser):
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
-                text, reason, extra = update.text, update.finish_reason, {}
+                reason, extra = update.finish_reason, {}
                 if named is not None:
                     deltas, text = named[index].feed(text), ""
                     extra = {"tool_calls": deltas} if deltas else {}
-                if held is not None:
-                    text = held[index].feed(text)
-                    if reason:
-                        rest, calls = held[index].finish()
-                        text += rest
-                        if calls:
-                            extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
-                            reason = parser.finish_reason
+                if calls:
+                    extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
+                    reason = parser.finish_reason
                 if text or extra or update.logprobs or reason:
                     logprobs = None
                     if logprobs_wanted:
@@ -1103,7 +1144,6 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     sent[index] += len(text)
                 if update.finish_reason:
                     counts[index] = update.completion_tokens
-                    running -= 1
             else:
                 if include_usage:
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, sum(counts))})}\n\n"
@@ -1111,6 +1151,75 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         finally:
             for job in choices:
                 job.cancel()  # the client went away mid-stream: its rows leave the batch at the next step
+
+    async def create_response(request):
+        """OpenAI's Responses API (cli/responses.py): the request run as the chat completions request it amounts
+        to, its output given as a response object or the response's typed events."""
+        try:
+            body = await route_body(request, "/v1/responses", scheduler)
+            store = stores(body)
+            messages = conversation(body, stored.history(body))
+            chat = chat_request(body, messages)
+            prompt = chat_prompt(chat, tokenizer)
+            params = sampling_params(chat, chat=True, prompt_tokens=len(prompt), max_model_len=scheduler.max_model_len,
+                                     defaults=sampling_defaults, tools=tool_call_parser is not None)
+            parser = tool_parser(chat)
+            jobs, updates = submit(chat, [(prompt, params)])
+        except (ApiError, InputError, KVBlocksExhausted) as exc:
+            return error(renamed(refusal(exc)))
+        head = response_head(body, params, model=body.get("model") or served, store=store)
+
+        def logprobs(entries) -> list:
+            return chat_logprobs(tokenizer, entries)["content"] if params.logprobs is not None else []
+
+        def keep(response):
+            if store:
+                stored.keep(response, messages)
+        if body.get("stream"):
+            return StreamingResponse(stream_response(jobs, updates, parser, ResponseEvents(head), len(prompt),
+                                                     logprobs, keep),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            (out,) = await outputs(request, jobs, updates)
+        except ApiError as exc:
+            return error(exc)
+        text, calls = parser.parse(out.text) if parser is not None else (out.text, [])
+        response = finished(head, output_items(text, calls, logprobs(out.logprobs), out.finish_reason),
+                            out.finish_reason, len(prompt), out.tokens)
+        keep(response)
+        return JSONResponse(response)
+
+    async def stream_response(jobs, updates, parser, events: ResponseEvents, prompt_tokens: int, logprobs, keep):
+        """A streamed response's events (ResponseEvents) as its reply comes; ``keep`` takes the whole response."""
+        try:
+            yield events.start()
+            async for _, text, calls, update in held_updates(updates, 1, parser):
+                if update.finish_reason == "error":
+                    yield events.fail(failed().message)
+                    break
+                chunk = events.add_text(text, logprobs(update.logprobs))
+                if update.finish_reason:
+                    chunk += events.finish(calls, update.finish_reason, prompt_tokens, update.completion_tokens)
+                    keep(events.response)
+                if chunk:
+                    yield chunk
+        finally:
+            for job in jobs:
+                job.cancel()  # the client went away mid-stream: its row leaves the batch at the next step
+
+    async def stored_response(request):
+        """GET (the response object) or DELETE a stored response."""
+        try:
+            authorize(request)
+            if scheduler is None:
+                raise wrong_kind("/v1/responses")
+            ident = request.path_params["response_id"]
+            if request.method == "DELETE":
+                stored.delete(ident)
+                return JSONResponse({"id": ident, "object": "response.deleted", "deleted": True})
+            return JSONResponse(stored.get(ident))
+        except ApiError as exc:
+            return error(exc)
 
     async def tokenize(request):
         """vLLM's /tokenize: a completion's ``prompt`` or a chat's ``messages`` as the model reads them."""
@@ -1166,6 +1275,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
               Route("/v1/models/{model:path}", model_info),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/responses", create_response, methods=["POST"]),
+              Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     return Starlette(routes=routes)

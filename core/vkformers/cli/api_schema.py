@@ -1,0 +1,29 @@
+"""OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py, cli/responses.py): the error object
+they answer, and the checks of a request's numeric fields."""
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response: HTTP ``status`` and the error object's fields."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def number_field(body: dict, name: str, default, kind=float, low=None, high=None):
+    """``body[name]`` checked as a number (``kind`` int: an integer) within [low, high]; ``default`` where it is
+    missing or null. Raises a 400 ApiError naming the field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}",
+                       param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ApiError(400, f"'{name}' must be {span}, got {value}", param=name)
+    return kind(value)
