@@ -791,17 +791,18 @@ def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
+def leave_mid_stream(server, monkeypatch, route: str, body: dict) -> bytes:
+    """Stream ``body`` (at most 95 tokens wanted) to ``route`` with the scheduler slowed, drop the connection once
+    the request decodes, and check that its row left the batch before its end; returns the stream's first line."""
     scheduler = server["scheduler"]
     choose = scheduler._choose
     monkeypatch.setattr(scheduler, "_choose", lambda *args: time.sleep(0.02) or choose(*args))  # slow enough
     connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    body = {"model": SERVED, "prompt": "a", "max_tokens": 95, "temperature": 0.5, "seed": 1, "stream": True}
-    connection.request("POST", "/v1/completions", body=json.dumps(body),
+    connection.request("POST", route, body=json.dumps({**body, "stream": True}),
                        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
     response = connection.getresponse()
     assert response.status == 200
-    response.fp.readline()  # the first event: the request is decoding
+    first = response.readline()  # the first event: the request is decoding
     wait_for(lambda: scheduler.metrics.live_rows == 1)
     cancelled, tokens = scheduler.metrics.cancelled, scheduler.metrics.generation_tokens
     connection.sock.shutdown(socket.SHUT_RDWR)
@@ -809,6 +810,12 @@ def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
     wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.cache_tokens == 0, 60)
     assert scheduler.metrics.cancelled == cancelled + 1
     assert scheduler.metrics.generation_tokens - tokens < 90
+    return first
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
+    leave_mid_stream(server, monkeypatch, "/v1/completions",
+                     {"model": SERVED, "prompt": "a", "max_tokens": 95, "temperature": 0.5, "seed": 1})
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).choices[0].text is not None
 
 

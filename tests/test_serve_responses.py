@@ -12,16 +12,13 @@ The engine is not shared across threads: every reference ``generate`` runs while
 """
 from __future__ import annotations
 
-import http.client
 import json
-import socket
-import time
 from typing import Literal
 
 import pytest
 from structured_checks import PERSON, blank_tokens, schema_errors
-from test_serve import (API_KEY, SERVED, error_of, openai, reference_tokens, request, serving, wait_for,  # noqa: F401
-                        web, write_tiny_model)
+from test_serve import (API_KEY, SERVED, error_of, leave_mid_stream, openai, reference_tokens, request,  # noqa: F401
+                        serving, wait_for, web, write_tiny_model)
 from test_serve_tools import CALLING, CITY, TWO_CALLS, served  # noqa: F401  (served, web: fixtures)
 
 from vkformers.cli import responses as cli_responses
@@ -396,21 +393,7 @@ def test_a_failed_batch_answers_500_or_a_failed_response_and_the_server_goes_on(
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(server, monkeypatch):
-    scheduler = server["scheduler"]
-    choose = scheduler._choose
-    monkeypatch.setattr(scheduler, "_choose", lambda *args: time.sleep(0.02) or choose(*args))  # slow enough
-    connection = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=60)
-    body = {"model": SERVED, "input": "a", "max_output_tokens": 100, "temperature": 0.5, "seed": 1, "stream": True,
-            "ignore_eos": True}
-    connection.request("POST", ROUTE, body=json.dumps(body),
-                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
-    response = connection.getresponse()
-    assert response.status == 200 and response.readline() == b"event: response.created\n"
-    wait_for(lambda: scheduler.metrics.live_rows == 1)
-    cancelled, tokens = scheduler.metrics.cancelled, scheduler.metrics.generation_tokens
-    connection.sock.shutdown(socket.SHUT_RDWR)
-    connection.close()
-    wait_for(lambda: scheduler.metrics.live_rows == 0 and scheduler.metrics.cache_tokens == 0, 60)
-    assert scheduler.metrics.cancelled == cancelled + 1
-    assert scheduler.metrics.generation_tokens - tokens < 90
+    first = leave_mid_stream(server, monkeypatch, ROUTE, {"model": SERVED, "input": "a", "max_output_tokens": 95,
+                                                          "temperature": 0.5, "seed": 1, "ignore_eos": True})
+    assert first == b"event: response.created\n"
     assert server["client"].responses.create(model=SERVED, input="hi", max_output_tokens=2).output_text is not None
