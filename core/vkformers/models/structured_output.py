@@ -21,6 +21,7 @@ the allowed tokens only).
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import weakref
 from collections import OrderedDict
@@ -41,6 +42,7 @@ ANY_OBJECT_SCHEMA = {"type": "object"}
 # compiled grammars kept per vocabulary: the n choices of a request (and repeated schemas) copy one instead of
 # compiling it again
 COMPILED_GRAMMARS = 32
+THINKING_GAP = 8  # blanks between a thinking's closing tag and the constrained output (Qwen3 writes two line breaks)
 
 
 def llguidance_module():
@@ -131,6 +133,33 @@ def cfg_grammar(text) -> str:
     except ValueError as exc:  # GBNF the translation cannot read
         raise GrammarError(f"the grammar cannot be read (Lark or GBNF): {one_line(exc)}") from None
     return checked(grammar, "the grammar")
+
+
+def after_thinking(grammar: str, end: str, start: str | None = None) -> str:
+    """The grammar of replies that think before an output of ``grammar`` (a thinking model's, read by a reasoning
+    parser, models/reasoning.py): any text up to the first ``end`` (the thinking's closing tag), at most
+    THINKING_GAP blanks, then the output. With ``start`` the reply may open its thinking with that tag (after a
+    few blanks), or give the output at once. The thinking itself is free but for its end: its text cannot close
+    it early, and the reply cannot stop inside it (its end tokens wait for the output)."""
+    text = grammar.lstrip()
+    if text.startswith("{"):  # llguidance's grammar list, else the text of a Lark grammar
+        spec = json.loads(text)
+    else:
+        spec = {"grammars": [{"lark_grammar": grammar}]}
+    first, *rest = spec["grammars"]
+    name = first.get("name") or "output"
+    blanks = rf"[ \t\r\n]{{0,{THINKING_GAP}}}"
+    thinking = f"thinking /{blanks}/ @{name}"
+    rules = f"start: {thinking}\n" if start is None else \
+        f"start: @{name} | opened\nopened: /{blanks}{_literal(start)}/ {thinking}\n"
+    rules += f"thinking[lazy]: /(?s:.*){_literal(end)}/\n"
+    reasoned = {**spec, "grammars": [{"name": "reasoned", "lark_grammar": rules}, {**first, "name": name}, *rest]}
+    return checked(json.dumps(reasoned), "the grammar after the thinking")
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex of itself, each character escaped (llguidance's regexes take \\x{...})."""
+    return "".join(c if c.isalnum() else f"\\x{{{ord(c):X}}}" for c in text)
 
 
 @functools.cache
