@@ -1095,6 +1095,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
 
     thinking = REASONING_PARSERS[reasoning_parser]() if reasoning_parser is not None else None
+    thinking_tokens = thinking.tag_tokens(tokenizer) if thinking is not None else (None, None)
 
     def chat_reply(body: dict) -> tuple[list[int], str | None]:
         """A chat request's prompt ids, and where its reply starts (ThinkingTags.reply_start: THINKING, OPENING or
@@ -1112,18 +1113,19 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         if start in (None, ANSWER) or grammar is None:
             return params
         try:
-            grammar = after_thinking(grammar, thinking.end, thinking.start if start == OPENING else None)
+            grammar = after_thinking(grammar, (thinking.start, thinking.end), thinking_tokens,
+                                     opened=start != OPENING)
         except VkformersError as exc:  # (one that compiled alone: not expected)
             raise ApiError(400, f"the output's grammar cannot follow the reasoning: {exc}") from None
         return replace(params, grammar=grammar)
 
-    def reasoning_shown(body: dict) -> bool:
+    def shows_reasoning(body: dict) -> bool:
         """vLLM's include_reasoning: false leaves the reasoning out of the response."""
-        shown = body.get("include_reasoning", True)
-        if not isinstance(shown, bool):
-            raise ApiError(400, f"'include_reasoning' must be true or false, got {shown!r}",
+        include = body.get("include_reasoning", True)
+        if not isinstance(include, bool):
+            raise ApiError(400, f"'include_reasoning' must be true or false, got {include!r}",
                            param="include_reasoning")
-        return shown
+        return include
 
     def splits(start: str | None, count: int) -> list[ReasoningStream] | None:
         return None if start is None else [ReasoningStream(thinking, start) for _ in range(count)]
@@ -1202,7 +1204,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                         start)
                         for p in prompts]
             parser = tool_parser(body) if chat else None
-            shown = reasoning_shown(body) if chat else True
+            show_reasoning = shows_reasoning(body) if chat else True
             params = settings[0]
             n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
@@ -1221,7 +1223,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 "model": name}
         if stream:
             return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser,
-                                                   splits(start, len(choices)), shown),
+                                                   splits(start, len(choices)), show_reasoning),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             done = await outputs(request, choices, updates, start)
@@ -1230,7 +1232,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         results = []
         for index, out in enumerate(done):
             if chat:
-                message, reason = chat_message(out, parser, shown)
+                message, reason = chat_message(out, parser, show_reasoning)
                 results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, out.logprobs)
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
@@ -1241,9 +1243,9 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         return JSONResponse({**head, "choices": results,
                              "usage": usage(prompt_tokens, sum(o.tokens for o in done), thought)})
 
-    def chat_message(out: Output, parser, shown: bool) -> tuple[dict, str]:
+    def chat_message(out: Output, parser, show_reasoning: bool) -> tuple[dict, str]:
         """A whole chat reply's message and finish reason: its reasoning apart where the server reads reasoning
-        (``shown``: in the message), the calls of its answer where ``parser`` reads tool calls."""
+        (``show_reasoning``: in the message), the calls of its answer where ``parser`` reads tool calls."""
         content, reasoning = out.answer()
         message, reason = {"role": "assistant", "content": content}, out.finish_reason
         if parser is not None and content is not None:
@@ -1252,15 +1254,16 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 message.update(content=text, tool_calls=[call.api() for call in calls])
                 reason = parser.finish_reason
         if out.reasoning is not None:  # vLLM's name, and the one of DeepSeek's API and earlier vLLMs
-            message["reasoning"] = message["reasoning_content"] = reasoning if shown else None
+            message["reasoning"] = message["reasoning_content"] = reasoning if show_reasoning else None
         return message, reason
 
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
-                            parser=None, reasoning_splits: list[ReasoningStream] | None = None, shown: bool = True):
+                            parser=None, reasoning_splits: list[ReasoningStream] | None = None,
+                            show_reasoning: bool = True):
         """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
         calls sent whole in the last chunk); a named function's arguments stream as they come.
         ``reasoning_splits``: each choice's reasoning is sent apart from its answer (in chunks of their own, its
-        ``reasoning`` and ``reasoning_content`` where ``shown``), the answer alone read for calls."""
+        ``reasoning`` and ``reasoning_content`` where ``show_reasoning``), the answer alone read for calls."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         named = [NamedCallStream(parser) for _ in choices] if isinstance(parser, NamedToolCall) else None
 
@@ -1278,7 +1281,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
-                reason, extra, thought = update.finish_reason, {}, thought if shown else ""
+                reason, extra, thought = update.finish_reason, {}, thought if show_reasoning else ""
                 if named is not None and text:  # (the call's first chunk waits for its arguments)
                     deltas, text = named[index].feed(text), ""
                     extra = {"tool_calls": deltas} if deltas else {}
