@@ -44,6 +44,12 @@ class ThinkingTags:
             return THINKING
         return OPENING
 
+    def tag_tokens(self, tokenizer) -> tuple[int | None, int | None]:
+        """Each tag's token id where ``tokenizer`` makes it one token (thinking models' vocabularies add them),
+        else None."""
+        ids = [tokenizer(tag, add_special_tokens=False)["input_ids"] for tag in (self.start, self.end)]
+        return tuple(int(tag[0]) if len(tag) == 1 else None for tag in ids)
+
 
 class DeepSeekR1Reasoning(ThinkingTags):
     """DeepSeek-R1 and its distills (and QwQ): the reply is reasoning up to ``</think>``."""
