@@ -90,6 +90,22 @@ def test_drafts_are_used_and_verifications_replay(main_model, monkeypatch):
         assert stats.replayed == stats.forwards == 5  # one verification per round, none in Python
 
 
+def test_a_graph_that_depends_on_the_position_is_not_replayed_at_another(monkeypatch):
+    """Gemma 4's layers that read an earlier layer's keys attend over the stored keys sliced to their count, so its
+    verification forward's graph differs by position. The first two rounds verify at the same position (the
+    prompt's held logits and its draft, then the first token and the next draft; padded to one length here): their
+    plans agree there, which must not make the later rounds replay that plan at other positions."""
+    monkeypatch.setitem(generation.DRAFT_PADDING, "cpu", True)
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "gemma4_text", requires_grad=False)
+    base = [34, 26, 21, 12, 14, 4]
+    ids = np.array([base + base + base[:3]])
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
+    for _ in range(2):
+        tokens = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[], prompt_lookup_num_tokens=3)
+        assert tokens.tolist() == plain.tolist()
+    assert model.assisted_stats.drafted > model.assisted_stats.accepted > 0  # drafts kept and rejected
+
+
 def test_a_model_whose_steps_must_not_replay_runs_each_forward(small_model):
     """A model whose decode step depends on more than its inputs (capture_decode False: a plugin's host-built
     masks) runs every forward of assisted generation in Python, as plain generate runs its steps."""

@@ -432,7 +432,7 @@ class GenerationMixin:
         if captures is None:
             captures = {}
             object.__setattr__(self, "_held_chunks", captures)
-        capture = captures.pop((key, tokens), None) or DecodeCapture(cache, tokens=tokens)
+        capture = captures.pop((key, tokens), None) or DecodeCapture(cache, tokens=tokens, across_positions=True)
         captures[key, tokens] = capture
         while len(captures) > CHUNK_CAPTURES:
             captures.pop(next(iter(captures)))
