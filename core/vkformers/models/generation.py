@@ -121,7 +121,7 @@ class GenerationMixin:
         eos = _eos_ids(self, eos_token_id)
         pad = _pad_id(self, pad_token_id, eos)
         rules = LogitRules.resolve(sources, given_rules, start_length=length, max_length=length + max_new_tokens,
-                                   eos=eos, sampling=do_sample, beams=beams or 1)
+                                   eos=eos, beams=beams or 1)
         rng = np.random.default_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(ids)
@@ -180,7 +180,7 @@ class GenerationMixin:
                     next_tokens = chosen.pop(0)
                 elif output.records:
                     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
-                    warped = warped_scores(scores, temperature, top_k, top_p, min_p, rules, tokens) if do_sample \
+                    warped = warped_scores(scores, temperature, top_k, top_p, min_p, rules) if do_sample \
                         else scores
                     next_tokens = _draw(_softmax(warped), rng) if do_sample else scores.argmax(axis=-1)
                     if output.scores:
@@ -655,25 +655,23 @@ def apply_min_p(scores: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def warped_scores(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  min_p: float = 0.0, rules: LogitRules | None = None, tokens: np.ndarray | None = None) -> np.ndarray:
+                  min_p: float = 0.0, rules: LogitRules | None = None) -> np.ndarray:
     """Scores through transformers' sampling warpers in its order: temperature, then top-k, then top-p, then min-p,
-    then ``rules``' typical, epsilon and eta cutoffs (the tokens they drop at -inf) and the caller's processors
-    (given ``tokens``)."""
+    then ``rules``' typical, epsilon and eta cutoffs (the tokens they drop at -inf)."""
     scores = scores / temperature if temperature != 1.0 else scores
     scores = apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p)
-    return rules.warp(scores, tokens) if rules is not None else scores
+    return rules.warp(scores) if rules is not None else scores
 
 
 def sampling_probabilities(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0,
-                           top_p: float = 1.0, min_p: float = 0.0, rules: LogitRules | None = None,
-                           tokens: np.ndarray | None = None) -> np.ndarray:
+                           top_p: float = 1.0, min_p: float = 0.0, rules: LogitRules | None = None) -> np.ndarray:
     """The distribution sampling draws from: the softmax of :func:`warped_scores`."""
-    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p, rules, tokens))
+    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p, rules))
 
 
 def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: float = 0.0,
-            rules: LogitRules | None = None, tokens: np.ndarray | None = None) -> np.ndarray:
-    return _draw(sampling_probabilities(scores, temperature, top_k, top_p, min_p, rules, tokens), rng)
+            rules: LogitRules | None = None) -> np.ndarray:
+    return _draw(sampling_probabilities(scores, temperature, top_k, top_p, min_p, rules), rng)
 
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -709,7 +707,7 @@ def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rn
     their own generation loop)."""
     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
     if do_sample:
-        return _sample(scores, rng, temperature, top_k, top_p, min_p, rules, tokens)
+        return _sample(scores, rng, temperature, top_k, top_p, min_p, rules)
     return scores.argmax(axis=-1)
 
 
@@ -733,7 +731,7 @@ class TokenChoice:
     def scores(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The scores [1, vocab] the token after ``tokens`` [1, T] is chosen from, given its ``logits`` [1, vocab]."""
         scores = self._processed(logits, tokens)
-        return warped_scores(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.rules, tokens) \
+        return warped_scores(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.rules) \
             if self.do_sample else scores
 
     def probs(self, scores: np.ndarray) -> np.ndarray:

@@ -107,7 +107,7 @@ class Seq2SeqGenerationMixin:
             raise VkformersError(f"{getattr(self, 'architecture_name', 'generate')}: no decoder_start_token_id "
                                  "(config or argument)")
         rules = LogitRules.resolve(sources, given_rules, start_length=1, max_length=1 + max_new_tokens, eos=eos,
-                                   sampling=do_sample, beams=beam.num_beams)
+                                   beams=beam.num_beams)
         rng = np.random.default_rng(seed)
         tokens = np.full((batch, 1), int(start), np.int64)
         step_logits = []

@@ -301,8 +301,8 @@ class GrammarLogitsProcessor:
         for row, state in enumerate(states):
             if not state.ended:
                 allowed = state.allowed()
-                # a row whose allowed tokens are all at -inf already (dropped by top-k or top-p before this runs)
-                # draws among them evenly, as prefix_allowed_tokens_fn's rows do
+                # a row whose allowed tokens are all at -inf already (banned by an earlier processor: n-gram
+                # blocking, bad words) draws among them evenly, as prefix_allowed_tokens_fn's rows do
                 kept = np.where(allowed, out[row], -np.inf)
                 out[row] = kept if np.isfinite(kept).any() else np.where(allowed, 0.0, -np.inf)
         return out

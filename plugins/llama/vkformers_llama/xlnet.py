@@ -410,7 +410,7 @@ class XLNetLMHeadModel(XLNetTransformer):
         pad = self.config.get("pad_token_id") if pad_token_id is None else pad_token_id
         pad = int(pad if pad is not None else (eos[0] if eos else 0))
         rules = LogitRules.resolve(sources, given_rules, start_length=tokens.shape[1],
-                                   max_length=tokens.shape[1] + lengths.max_new_tokens, eos=eos, sampling=do_sample)
+                                   max_length=tokens.shape[1] + lengths.max_new_tokens, eos=eos)
         rng = np.random.default_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(tokens)
