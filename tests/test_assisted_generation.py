@@ -236,6 +236,21 @@ def test_refusals(main_model, small_model):
         recurrent.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=2)
 
 
+def test_a_cache_that_cannot_forget_tokens_is_refused_before_a_token():
+    """Layers that keep state on the cache besides keys and values (DeepSeek-V3.2's indexer keys) cannot forget
+    rejected draft tokens: refused, as the main model or as the assistant, before any token is streamed."""
+    indexed = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "deepseek_v32", requires_grad=False)
+    llama = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    ids = np.array([[5, 6, 7, 5, 6]])
+    for model, role, kwargs in ((indexed, "this model", {"prompt_lookup_num_tokens": 2}),
+                                (llama, "the assistant", {"assistant_model": indexed})):
+        streamed = []
+        with pytest.raises(AssistedGenerationError, match=f"{role} .* keeps index_keys on its cache .* cannot forget "
+                                                          "rejected draft tokens; generate without"):
+            model.generate(ids, max_new_tokens=4, streamer=streamed.append, **kwargs)
+        assert streamed == []
+
+
 def test_crop_refuses_a_recurrent_state():
     cache = KVCache(1, 1, 1, 4, max_len=8)
     cache.linear_states = {0: None}
