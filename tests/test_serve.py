@@ -660,6 +660,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert status == 400 and "vocab" in error["message"]
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "best_of": 2}))
     assert status == 400 and error["param"] == "best_of"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "stream": True,
+                                                             "stream_options": "include_usage"}))
+    assert status == 400 and error["param"] == "stream_options"
     status, error = error_of(request(server, "POST", "/v1/chat/completions",
                                      {"model": SERVED, "messages": [{"role": "user", "content": "hi " * 200}]}))
     assert status == 400 and "maximum context length of 96" in error["message"]

@@ -378,6 +378,17 @@ def stop_token_ids(body: dict) -> list[int]:
     return value
 
 
+def stream_usage(body: dict) -> bool:
+    """Whether a streamed response ends with a chunk of usage (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}",
+                       param="stream_options")
+    return bool(options.get("include_usage"))
+
+
 def response_kind(body: dict) -> str:
     """The request's response_format type ("text" when it gives none)."""
     response_format = body.get("response_format")
@@ -1071,7 +1082,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                     "prompts a request", param="prompt")
             prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = stream_usage(body)
             name = body.get("model") or served
             choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
                                              for p in choice_params(each, n)])
