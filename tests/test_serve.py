@@ -510,8 +510,10 @@ def test_chat_completion_uses_the_chat_template(server, tiny):
 def test_seeded_sampling_repeats(server):
     client = server["client"]
     runs = [client.completions.create(model=SERVED, prompt=PROMPTS[5], max_tokens=8, temperature=0.9, top_p=0.95,
-                                      seed=11).choices[0].text for _ in range(2)]
-    assert runs[0] == runs[1]
+                                      seed=seed).choices[0].text for seed in (11, 11, -11, 2 ** 64 - 11)]
+    assert runs[0] == runs[1] and runs[2] == runs[3]  # a negative seed: its two's complement, as vLLM's
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi", "seed": 1.5}))
+    assert status == 400 and error["param"] == "seed"
 
 
 def test_n_choices_each_sample_on_their_own_rows(server, tiny):

@@ -85,6 +85,7 @@ from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
+from vkformers.models.generation_settings import sampling_rng
 from vkformers.models.inputs import check_model_inputs
 from vkformers.models.paged_cache import (LOOKAHEAD, PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache,
                                           block_bytes, prefix_keys)
@@ -220,7 +221,7 @@ class Request:
         self.prompt, self.params, self.on_update = [int(t) for t in prompt], params, on_update
         self.adapter = int(adapter)  # the scheduler's adapters: 0 the base model, k the k-th adapter
         self.eos = set(eos)
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = sampling_rng(params.seed)
         self.generated: list[int] = []
         self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
         self.text = ""       # the decoded text so far, cut at a stop string

@@ -30,7 +30,7 @@ from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
 from vkformers.models.generation_settings import (GenerateDecoderOnlyOutput, LogitRules, config_value,
-                                                   generation_sources, pop_output_request, resolve_call)
+                                                   generation_sources, pop_output_request, resolve_call, sampling_rng)
 from vkformers.models.generation_settings import softmax64 as _softmax
 from vkformers.models.inputs import check_model_inputs, check_prompt_length
 from vkformers.runtime import dtypes as dt
@@ -68,7 +68,7 @@ class GenerationMixin:
         input_ids: [batch, T] (or [T]); batched prompts of different lengths are left-padded, with
         ``attention_mask`` (1 = token, 0 = padding; default all ones). Positions are
         ``cumsum(attention_mask) - 1`` as in transformers. Greedy unless ``do_sample``; sampling draws
-        from ``numpy.random.default_rng(seed)`` (deterministic for a given seed). ``eos_token_id``
+        from ``sampling_rng(seed)`` (deterministic for a given seed). ``eos_token_id``
         (int or list; default: the model's generation_config, else its config): a row that produced
         one is finished and gets ``pad_token_id`` from then on; generation stops when every row is
         finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
@@ -122,7 +122,7 @@ class GenerationMixin:
         pad = _pad_id(self, pad_token_id, eos)
         rules = LogitRules.resolve(sources, given_rules, start_length=length, max_length=length + max_new_tokens,
                                    eos=eos, beams=beams or 1)
-        rng = np.random.default_rng(seed)
+        rng = sampling_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(ids)
         if max_new_tokens == 0:

@@ -262,6 +262,16 @@ def pop_stop_strings(options: dict, beams: int = 1) -> StopStrings | None:
     return StopStrings(strings, tokenizer)
 
 
+def sampling_rng(seed) -> np.random.Generator:
+    """numpy's generator that sampling with ``seed`` draws from (None: fresh entropy). A seed is any whole number, as
+    torch's manual_seed (so vLLM) takes it: a negative one stands for its 64-bit two's complement."""
+    if seed is None:
+        return np.random.default_rng()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InputError(f"seed must be a whole number, got {seed!r}")
+    return np.random.default_rng(int(seed) % 2 ** 64)
+
+
 def softmax64(scores: np.ndarray) -> np.ndarray:
     """Softmax over the last axis in float64 (what sampling draws from; -inf scores get 0)."""
     z = scores.astype(np.float64)

@@ -24,7 +24,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.generation import end_stream, pick_next_tokens, stream_tokens
-from vkformers.models.generation_settings import LogitRules, generation_sources, resolve_call
+from vkformers.models.generation_settings import LogitRules, generation_sources, resolve_call, sampling_rng
 from vkformers.models.inputs import InputLimits, check_model_inputs
 from vkformers.models.heads import BaseModelOutput, TaskHeads, sequence_summary
 from vkformers.models.layers import Embedding, LayerNorm, Linear
@@ -411,7 +411,7 @@ class XLNetLMHeadModel(XLNetTransformer):
         pad = int(pad if pad is not None else (eos[0] if eos else 0))
         rules = LogitRules.resolve(sources, given_rules, start_length=tokens.shape[1],
                                    max_length=tokens.shape[1] + lengths.max_new_tokens, eos=eos)
-        rng = np.random.default_rng(seed)
+        rng = sampling_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(tokens)
         batch = tokens.shape[0]
