@@ -572,6 +572,14 @@ def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(server, tiny):
     for wrong in ([], [["hi"]], [1, "hi"]):
         status, error = error_of(request(server, "POST", "/v1/completions", {"prompt": wrong}))
         assert status == 400 and error["param"] == "prompt", wrong
+    # a batch with a prompt the model cannot take is refused whole: none of its prompts runs
+    metrics = server["scheduler"].metrics
+    before = metrics.requests
+    for wrong in (ids[1] + [10 ** 6], [5] * 95):  # an id outside the vocabulary; too long for max_tokens
+        status, error = error_of(request(server, "POST", "/v1/completions",
+                                         {"prompt": [ids[0], wrong], "max_tokens": 5, "n": 2}))
+        assert status == 400, error
+    assert metrics.requests == before
 
 
 def test_chat_roles_outside_openai_s_are_refused_and_developer_is_the_system_prompt(server):

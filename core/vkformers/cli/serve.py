@@ -1019,7 +1019,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     def submit(body: dict, jobs) -> tuple[list[Request], asyncio.Queue]:
         """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens and
         adapter: the requests, and the queue their updates come on as (index, Update). Where the scheduler refuses
-        one, those submitted before it leave again."""
+        one, none is queued."""
         mailbox = mailbox_of(asyncio.get_running_loop())
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -1030,14 +1030,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
         eos = eos + stop_token_ids(body)
         adapter = names.index(body.get("model") or served) if scheduler.adapters is not None else 0
-        requests = []
-        try:
-            for index, (prompt, params) in enumerate(jobs):
-                requests.append(scheduler.submit(Request(prompt, params, deliver(index), eos, adapter)))
-        except BaseException:
-            for job in requests:
-                job.cancel()
-            raise
+        requests = scheduler.submit_all([Request(prompt, params, deliver(index), eos, adapter)
+                                         for index, (prompt, params) in enumerate(jobs)])
         return requests, updates
 
     async def outputs(request, jobs: list[Request], updates: asyncio.Queue) -> list[Output]:

@@ -553,6 +553,26 @@ class BatchScheduler:
                                         f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
 
     def submit(self, request: Request) -> Request:
+        """Queue ``request``; InputError (before it runs) for one the model cannot take."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Request]:
+        """Queue ``requests`` together (a call's choices and prompts), each checked first: one the model cannot take
+        is an InputError and none of them runs."""
+        for request in requests:
+            self._check_request(request)
+        with self._cond:
+            if self.error is not None:
+                raise RuntimeError(f"the scheduler stopped: {self.error}")
+            self._waiting.extend(requests)
+            self.metrics.requests += len(requests)
+            self.metrics.prompt_tokens += sum(len(request.prompt) for request in requests)
+            self.metrics.waiting = len(self._waiting)
+            self._cond.notify_all()
+        return requests
+
+    def _check_request(self, request: Request) -> None:
+        """What submit checks of a request (InputError), its grammar compiled."""
         if not 0 <= request.adapter <= len(self.adapters.names if self.adapters is not None else ()):
             raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
         request.params.check()
@@ -567,15 +587,6 @@ class BatchScheduler:
         limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
         if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
             check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
-        with self._cond:
-            if self.error is not None:
-                raise RuntimeError(f"the scheduler stopped: {self.error}")
-            self._waiting.append(request)
-            self.metrics.requests += 1
-            self.metrics.prompt_tokens += len(request.prompt)
-            self.metrics.waiting = len(self._waiting)
-            self._cond.notify_all()
-        return request
 
     # -- warm-up, before the thread starts
 
@@ -807,8 +818,7 @@ class BatchScheduler:
     def _drive(self, requests: list[Request], until: list[Request] | None = None) -> None:
         """Submit the warm-up's ``requests`` and run the scheduler's turns on this thread until ``until`` (default:
         those requests) finished; WarmupError where a turn failed."""
-        for request in requests:
-            self.submit(request)
+        self.submit_all(requests)
         until = requests if until is None else until
         errors = self.metrics.errors
         for _ in range(WARMUP_TURNS):
