@@ -141,6 +141,16 @@ class WarmupError(VkformersError, ValueError):
     """Warm-up shapes the scheduler never runs, or a warm-up that failed."""
 
 
+def _whole_numbers(values, what: str) -> tuple[int, ...]:
+    """warm_up's ``values`` (an iterable of whole numbers) sorted, once each; WarmupError for anything else."""
+    if not isinstance(values, (list, tuple, set, frozenset)):
+        raise WarmupError(f"warm-up {what} must be whole numbers, got {values!r}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise WarmupError(f"warm-up {what} must be whole numbers, got {value!r}")
+    return tuple(sorted({int(v) for v in values}))
+
+
 @dataclass
 class SamplingParams:
     """One request's generation settings. ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most
@@ -683,9 +693,9 @@ class BatchScheduler:
         """The batch sizes and prompt widths to warm up, checked: WarmupError for ones the scheduler never runs."""
         sizes, widths = self.default_warmup()
         if batch_sizes is not None:
-            sizes = tuple(sorted({int(n) for n in batch_sizes}))
+            sizes = _whole_numbers(batch_sizes, "batch sizes")
         if prompt_widths is not None:
-            widths = tuple(sorted({int(w) for w in prompt_widths}))
+            widths = _whole_numbers(prompt_widths, "prompt widths")
         allowed = self.batch_sizes()
         wrong = [n for n in sizes if n not in allowed]
         if wrong:
