@@ -41,8 +41,8 @@ ANY_OBJECT_SCHEMA = {"type": "object"}
 # compiled grammars kept per vocabulary: the n choices of a request (and repeated schemas) copy one instead of
 # compiling it again
 COMPILED_GRAMMARS = 32
-# GrammarLogitsProcessor's grammar states kept by the tokens that led to them, the least recently used dropped
-# first: assisted generation asks again at an earlier length after a rejected draft token, from a recent state
+# GrammarLogitsProcessor's grammar states kept by the tokens that led to them (or two per row, if more), the least
+# recently used dropped first: assisted generation asks again at an earlier length after a rejected draft token
 KEPT_STATES = 256
 
 
@@ -299,8 +299,6 @@ class GrammarLogitsProcessor:
                 if not state.ended:
                     state.advance(token)
             self._states[generated] = state
-            while len(self._states) > KEPT_STATES:
-                self._states.popitem(last=False)
         return state
 
     def __call__(self, input_ids, scores: np.ndarray) -> np.ndarray:
@@ -315,6 +313,8 @@ class GrammarLogitsProcessor:
             self._start, self._states = length, OrderedDict()
             self._prompts = {tuple(row.tolist()) for row in ids}
         states = [self._state(tuple(row[self._start:].tolist())) for row in ids]
+        while len(self._states) > max(KEPT_STATES, 2 * len(ids)):  # the rows' own states are the newest
+            self._states.popitem(last=False)
         out = np.array(scores, np.float32, copy=True)
         for row, state in enumerate(states):
             if not state.ended:
