@@ -91,6 +91,8 @@ def test_drafts_are_used_and_verifications_replay(main_model, monkeypatch):
         stats = main_model.assisted_stats
         assert stats.accepted == stats.drafted == 15 and stats.rounds == 5
         assert stats.forwards == 5 and stats.replayed == (5 if padding else 4)  # a verification per round
+    main_model.generate(ids, max_new_tokens=0, prompt_lookup_num_tokens=3)
+    assert main_model.assisted_stats.rounds == main_model.assisted_stats.drafted == 0  # this call's, not the last's
 
 
 def test_a_graph_that_depends_on_the_position_is_not_replayed_at_another(monkeypatch):

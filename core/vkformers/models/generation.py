@@ -24,7 +24,8 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
-from vkformers.models.assisted import AssistedGenerationError, AssistedSettings, assisted_decode, pop_assisted_settings
+from vkformers.models.assisted import (AssistedGenerationError, AssistedSettings, AssistedStats, assisted_decode,
+                                       pop_assisted_settings)
 from vkformers.models.beam_search import BeamSearch, log_softmax, search_beams
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
@@ -116,6 +117,7 @@ class GenerationMixin:
                              "ends); leave the streamer or num_beams out")
         if assisted is not None:
             self._check_assisted(assisted, ids.shape[0], beams, lengths.num_return_sequences)
+            object.__setattr__(self, "assisted_stats", AssistedStats())  # this call's (none where it makes no token)
         ids, mask = (np.repeat(a, beams or lengths.num_return_sequences, axis=0) for a in (ids, mask))
         batch, length = ids.shape
         eos = _eos_ids(self, eos_token_id)
