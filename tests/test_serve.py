@@ -802,6 +802,10 @@ def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
     monkeypatch.setattr(scheduler.model, "prefill", prefill)
     assert request(server, "GET", "/health", key=None)[0] == 200
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    monkeypatch.setattr(scheduler, "error", RuntimeError("thread ended"))  # a scheduler whose thread is gone
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi"}))
+    assert status == 503 and error["type"] == "server_error" and "thread ended" in error["message"]
+    assert request(server, "GET", "/health", key=None)[0] == 503
 
 
 def leave_mid_stream(server, monkeypatch, route: str, body: dict) -> bytes:

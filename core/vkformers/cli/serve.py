@@ -43,7 +43,7 @@ from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.batching import BatchScheduler, Request, SamplingParams, Update
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped, Update
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
@@ -757,9 +757,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def refusal(exc: Exception) -> ApiError:
     """The answer to a request refused before it runs: an ApiError as it is; the scheduler's InputError (a prompt
     too long, a token outside the vocabulary) a 400; KVBlocksExhausted (the request alone exceeds the paged cache)
-    a 503."""
+    and SchedulerStopped (nothing runs requests any more, as /health says) a 503."""
     if isinstance(exc, KVBlocksExhausted):
         return ApiError(503, str(exc), kind="server_error", code="kv_cache_full")
+    if isinstance(exc, SchedulerStopped):
+        return ApiError(503, str(exc), kind="server_error")
     if isinstance(exc, InputError):
         return ApiError(400, str(exc))
     return exc
@@ -1080,7 +1082,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             name = body.get("model") or served
             choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
                                              for p in choice_params(each, n)])
-        except (ApiError, InputError, KVBlocksExhausted) as exc:
+        except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -1170,7 +1172,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                      defaults=sampling_defaults, tools=tool_call_parser is not None)
             parser = tool_parser(chat)
             jobs, updates = submit(chat, [(prompt, params)])
-        except (ApiError, InputError, KVBlocksExhausted) as exc:
+        except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(renamed(refusal(exc)))
         head = response_head(body, params, model=body.get("model") or served, store=store)
 

@@ -137,6 +137,10 @@ WARMUP_CONTIGUOUS_SHARE = 0.05
 WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
 
 
+class SchedulerStopped(VkformersError, RuntimeError):
+    """A request submitted after the scheduler's thread ended (``error`` says why)."""
+
+
 class WarmupError(VkformersError, ValueError):
     """Warm-up shapes the scheduler never runs, or a warm-up that failed."""
 
@@ -573,7 +577,7 @@ class BatchScheduler:
             self._check_request(request)
         with self._cond:
             if self.error is not None:
-                raise RuntimeError(f"the scheduler stopped: {self.error}")
+                raise SchedulerStopped(f"the scheduler stopped: {self.error}")
             self._waiting.extend(requests)
             self.metrics.requests += len(requests)
             self.metrics.prompt_tokens += sum(len(request.prompt) for request in requests)
