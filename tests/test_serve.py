@@ -510,8 +510,10 @@ def test_chat_completion_uses_the_chat_template(server, tiny):
 def test_seeded_sampling_repeats(server):
     client = server["client"]
     runs = [client.completions.create(model=SERVED, prompt=PROMPTS[5], max_tokens=8, temperature=0.9, top_p=0.95,
-                                      seed=11).choices[0].text for _ in range(2)]
-    assert runs[0] == runs[1]
+                                      seed=seed).choices[0].text for seed in (11, 11, -11, 2 ** 64 - 11)]
+    assert runs[0] == runs[1] and runs[2] == runs[3]  # a negative seed: its two's complement, as vLLM's
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi", "seed": 1.5}))
+    assert status == 400 and error["param"] == "seed"
 
 
 def test_n_choices_each_sample_on_their_own_rows(server, tiny):
@@ -570,6 +572,14 @@ def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(server, tiny):
     for wrong in ([], [["hi"]], [1, "hi"]):
         status, error = error_of(request(server, "POST", "/v1/completions", {"prompt": wrong}))
         assert status == 400 and error["param"] == "prompt", wrong
+    # a batch with a prompt the model cannot take is refused whole: none of its prompts runs
+    metrics = server["scheduler"].metrics
+    before = metrics.requests
+    for wrong in (ids[1] + [10 ** 6], [5] * 95):  # an id outside the vocabulary; too long for max_tokens
+        status, error = error_of(request(server, "POST", "/v1/completions",
+                                         {"prompt": [ids[0], wrong], "max_tokens": 5, "n": 2}))
+        assert status == 400, error
+    assert metrics.requests == before
 
 
 def test_chat_roles_outside_openai_s_are_refused_and_developer_is_the_system_prompt(server):
@@ -660,6 +670,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert status == 400 and "vocab" in error["message"]
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "best_of": 2}))
     assert status == 400 and error["param"] == "best_of"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "stream": True,
+                                                             "stream_options": "include_usage"}))
+    assert status == 400 and error["param"] == "stream_options"
     status, error = error_of(request(server, "POST", "/v1/chat/completions",
                                      {"model": SERVED, "messages": [{"role": "user", "content": "hi " * 200}]}))
     assert status == 400 and "maximum context length of 96" in error["message"]
@@ -789,6 +802,10 @@ def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
     monkeypatch.setattr(scheduler.model, "prefill", prefill)
     assert request(server, "GET", "/health", key=None)[0] == 200
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    monkeypatch.setattr(scheduler, "error", RuntimeError("thread ended"))  # a scheduler whose thread is gone
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi"}))
+    assert status == 503 and error["type"] == "server_error" and "thread ended" in error["message"]
+    assert request(server, "GET", "/health", key=None)[0] == 503
 
 
 def leave_mid_stream(server, monkeypatch, route: str, body: dict) -> bytes:

@@ -43,7 +43,7 @@ from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.batching import BatchScheduler, Request, SamplingParams, Update
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped, Update
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
@@ -376,6 +376,17 @@ def stop_token_ids(body: dict) -> list[int]:
                                               for t in value):
         raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
     return value
+
+
+def stream_usage(body: dict) -> bool:
+    """Whether a streamed response ends with a chunk of usage (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}",
+                       param="stream_options")
+    return bool(options.get("include_usage"))
 
 
 def response_kind(body: dict) -> str:
@@ -746,9 +757,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def refusal(exc: Exception) -> ApiError:
     """The answer to a request refused before it runs: an ApiError as it is; the scheduler's InputError (a prompt
     too long, a token outside the vocabulary) a 400; KVBlocksExhausted (the request alone exceeds the paged cache)
-    a 503."""
+    and SchedulerStopped (nothing runs requests any more, as /health says) a 503."""
     if isinstance(exc, KVBlocksExhausted):
         return ApiError(503, str(exc), kind="server_error", code="kv_cache_full")
+    if isinstance(exc, SchedulerStopped):
+        return ApiError(503, str(exc), kind="server_error")
     if isinstance(exc, InputError):
         return ApiError(400, str(exc))
     return exc
@@ -1008,7 +1021,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     def submit(body: dict, jobs) -> tuple[list[Request], asyncio.Queue]:
         """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens and
         adapter: the requests, and the queue their updates come on as (index, Update). Where the scheduler refuses
-        one, those submitted before it leave again."""
+        one, none is queued."""
         mailbox = mailbox_of(asyncio.get_running_loop())
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -1019,14 +1032,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
         eos = eos + stop_token_ids(body)
         adapter = names.index(body.get("model") or served) if scheduler.adapters is not None else 0
-        requests = []
-        try:
-            for index, (prompt, params) in enumerate(jobs):
-                requests.append(scheduler.submit(Request(prompt, params, deliver(index), eos, adapter)))
-        except BaseException:
-            for job in requests:
-                job.cancel()
-            raise
+        requests = scheduler.submit_all([Request(prompt, params, deliver(index), eos, adapter)
+                                         for index, (prompt, params) in enumerate(jobs)])
         return requests, updates
 
     async def outputs(request, jobs: list[Request], updates: asyncio.Queue) -> list[Output]:
@@ -1071,11 +1078,11 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                     "prompts a request", param="prompt")
             prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = stream_usage(body)
             name = body.get("model") or served
             choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
                                              for p in choice_params(each, n)])
-        except (ApiError, InputError, KVBlocksExhausted) as exc:
+        except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -1165,7 +1172,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                      defaults=sampling_defaults, tools=tool_call_parser is not None)
             parser = tool_parser(chat)
             jobs, updates = submit(chat, [(prompt, params)])
-        except (ApiError, InputError, KVBlocksExhausted) as exc:
+        except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(renamed(refusal(exc)))
         head = response_head(body, params, model=body.get("model") or served, store=store)
 

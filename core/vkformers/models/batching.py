@@ -85,6 +85,7 @@ from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
 from vkformers.models.decode_capture import DecodeCapture, capture_key
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
+from vkformers.models.generation_settings import sampling_rng
 from vkformers.models.inputs import check_model_inputs
 from vkformers.models.paged_cache import (LOOKAHEAD, PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache,
                                           block_bytes, prefix_keys)
@@ -136,8 +137,22 @@ WARMUP_CONTIGUOUS_SHARE = 0.05
 WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
 
 
+class SchedulerStopped(VkformersError, RuntimeError):
+    """A request submitted after the scheduler's thread ended (``error`` says why)."""
+
+
 class WarmupError(VkformersError, ValueError):
     """Warm-up shapes the scheduler never runs, or a warm-up that failed."""
+
+
+def _whole_numbers(values, what: str) -> tuple[int, ...]:
+    """warm_up's ``values`` (an iterable of whole numbers) sorted, once each; WarmupError for anything else."""
+    if not isinstance(values, (list, tuple, set, frozenset)):
+        raise WarmupError(f"warm-up {what} must be whole numbers, got {values!r}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise WarmupError(f"warm-up {what} must be whole numbers, got {value!r}")
+    return tuple(sorted({int(v) for v in values}))
 
 
 @dataclass
@@ -220,7 +235,7 @@ class Request:
         self.prompt, self.params, self.on_update = [int(t) for t in prompt], params, on_update
         self.adapter = int(adapter)  # the scheduler's adapters: 0 the base model, k the k-th adapter
         self.eos = set(eos)
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = sampling_rng(params.seed)
         self.generated: list[int] = []
         self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
         self.text = ""       # the decoded text so far, cut at a stop string
@@ -552,6 +567,26 @@ class BatchScheduler:
                                         f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
 
     def submit(self, request: Request) -> Request:
+        """Queue ``request``; InputError (before it runs) for one the model cannot take."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Request]:
+        """Queue ``requests`` together (a call's choices and prompts), each checked first: one the model cannot take
+        is an InputError and none of them runs."""
+        for request in requests:
+            self._check_request(request)
+        with self._cond:
+            if self.error is not None:
+                raise SchedulerStopped(f"the scheduler stopped: {self.error}")
+            self._waiting.extend(requests)
+            self.metrics.requests += len(requests)
+            self.metrics.prompt_tokens += sum(len(request.prompt) for request in requests)
+            self.metrics.waiting = len(self._waiting)
+            self._cond.notify_all()
+        return requests
+
+    def _check_request(self, request: Request) -> None:
+        """What submit checks of a request (InputError), its grammar compiled."""
         if not 0 <= request.adapter <= len(self.adapters.names if self.adapters is not None else ()):
             raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
         request.params.check()
@@ -566,15 +601,6 @@ class BatchScheduler:
         limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
         if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
             check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
-        with self._cond:
-            if self.error is not None:
-                raise RuntimeError(f"the scheduler stopped: {self.error}")
-            self._waiting.append(request)
-            self.metrics.requests += 1
-            self.metrics.prompt_tokens += len(request.prompt)
-            self.metrics.waiting = len(self._waiting)
-            self._cond.notify_all()
-        return request
 
     # -- warm-up, before the thread starts
 
@@ -671,9 +697,9 @@ class BatchScheduler:
         """The batch sizes and prompt widths to warm up, checked: WarmupError for ones the scheduler never runs."""
         sizes, widths = self.default_warmup()
         if batch_sizes is not None:
-            sizes = tuple(sorted({int(n) for n in batch_sizes}))
+            sizes = _whole_numbers(batch_sizes, "batch sizes")
         if prompt_widths is not None:
-            widths = tuple(sorted({int(w) for w in prompt_widths}))
+            widths = _whole_numbers(prompt_widths, "prompt widths")
         allowed = self.batch_sizes()
         wrong = [n for n in sizes if n not in allowed]
         if wrong:
@@ -806,8 +832,7 @@ class BatchScheduler:
     def _drive(self, requests: list[Request], until: list[Request] | None = None) -> None:
         """Submit the warm-up's ``requests`` and run the scheduler's turns on this thread until ``until`` (default:
         those requests) finished; WarmupError where a turn failed."""
-        for request in requests:
-            self.submit(request)
+        self.submit_all(requests)
         until = requests if until is None else until
         errors = self.metrics.errors
         for _ in range(WARMUP_TURNS):
