@@ -736,6 +736,43 @@ def test_vllm_and_openai_options_a_client_sends(server, tiny):
         client.models.retrieve("other")
 
 
+def test_vllm_sampling_extras(server, tiny):
+    """vLLM's repetition_penalty (over the prompt and the output: generate's, as transformers applies it), min_tokens
+    (no end token nor stop string before that many tokens), allowed_token_ids and include_stop_str_in_output."""
+    tokenizer, reference, client = server["tokenizer"], tiny[2], server["client"]
+    ids = encode(tokenizer, PROMPTS[2])
+    plain = reference_tokens(reference, ids, 8).tolist()
+    expected = reference_tokens(reference, ids, 8, repetition_penalty=1.8, do_sample=False).tolist()
+    assert expected != plain  # (else the penalty went untested)
+    penalized = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert penalized.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    end = expected_eos(server, tiny)[0]
+    eager = dict(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, logit_bias={str(end): 100})
+    assert client.completions.create(**eager).usage.completion_tokens == 1  # the end token at once
+    held = client.completions.create(**eager, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5 tokens, then the end
+    allowed = sorted({plain[0] + 1, plain[1] + 2, 7})
+    chosen = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=6, temperature=1.0, seed=3,
+                                       logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert {tokenizer.convert_tokens_to_ids(t) for t in chosen.choices[0].logprobs.tokens} <= set(allowed)
+    text = tokenizer.decode(plain, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    kept = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    cut = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and text.startswith(kept.choices[0].text)
+    chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body, param in (({"repetition_penalty": 0}, None), ({"min_tokens": 3, "max_tokens": 2}, None),
+                        ({"allowed_token_ids": [10 ** 6]}, None), ({"allowed_token_ids": "1"}, "allowed_token_ids"),
+                        ({"use_beam_search": True}, "use_beam_search"), ({"bad_words": ["x"]}, "bad_words"),
+                        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output")):
+        status, error = error_of(request(server, "POST", "/v1/chat/completions", {**chat, **body}))
+        assert status == 400 and (param is None or error["param"] == param), (body, error)
+    assert request(server, "POST", "/v1/chat/completions", {**chat, "bad_words": [], "use_beam_search": False})[0] == 200
+
+
 def test_options_this_server_cannot_honour_are_refused(server):
     """Output to a schema and tool calls without a parser would be ignored and the answer wrong: a 400 naming the
     parameter."""

@@ -341,10 +341,39 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           top_k=max(top_k, 0), seed=seed,
                           min_p=number_field(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
+                          repetition_penalty=number_field(body, "repetition_penalty", 1.0, float, low=0),
+                          min_tokens=number_field(body, "min_tokens", 0, int, low=0),
+                          allowed_token_ids=token_ids(body, "allowed_token_ids"),
+                          include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
                           presence_penalty=number_field(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=number_field(body, "frequency_penalty", 0.0, float, -2, 2),
                           logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
                           grammar=output_grammar(body, chat))
+
+
+def token_ids(body: dict, name: str) -> tuple[int, ...]:
+    """A request's list of token ids (vLLM's allowed_token_ids; () when absent)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"'{name}' must be a list of token ids", param=name)
+    return tuple(value)
+
+
+def flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+# vLLM's sampling extras this server does not honour, each with the value that changes nothing: any other value is
+# a 400 rather than an answer that silently differs from vLLM's
+UNHONOURED_EXTRAS = {"use_beam_search": False, "bad_words": [], "skip_special_tokens": True,
+                     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+                     "return_tokens_as_token_ids": False, "logits_processors": [], "continue_final_message": False,
+                     "add_generation_prompt": True}
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -513,6 +542,9 @@ def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
                             "json_schema", param="response_format")
     if not chat and body.get("suffix"):
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
+    for name, default in UNHONOURED_EXTRAS.items():
+        if body.get(name) is not None and body[name] != default:
+            raise ApiError(400, f"'{name}' is not supported here: leave it out (or at {default!r})", param=name)
     choice = body.get("tool_choice")
     if chat and body.get("tools") and choice not in ("none", "required") and not isinstance(choice, dict):
         if not tools:

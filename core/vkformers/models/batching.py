@@ -161,8 +161,12 @@ class SamplingParams:
     likely alternatives to report with each token's log-probability (0: only the chosen token's).
     OpenAI's penalties, over the tokens generated so far: ``presence_penalty`` is subtracted once from the logit of
     each of them, ``frequency_penalty`` once per time it was generated; ``logit_bias``: (token, bias) pairs added to
-    those tokens' logits. All three apply before temperature, top-p and the greedy choice; log-probabilities are the
-    model's, before them. ``grammar``: an llguidance grammar the output keeps to (models/structured_output.py:
+    those tokens' logits. vLLM's: ``repetition_penalty`` divides the positive logits (multiplies the negative ones)
+    of every token of the prompt and the output so far (transformers' and vLLM's rule); ``min_tokens``: no end token
+    (nor stop string) before that many tokens; ``allowed_token_ids``: the only tokens that may be chosen;
+    ``include_stop_str_in_output``: a stop string that ends the output stays in its text. The logit bias, the allowed
+    tokens, the end tokens' mask, then the penalties (repetition first) apply before temperature, top-p and the
+    greedy choice, in vLLM's order; log-probabilities are the model's, before them. ``grammar``: an llguidance grammar the output keeps to (models/structured_output.py:
     json_schema_grammar for OpenAI's response_format json_schema); ``json_mode``: the output one JSON object
     (OpenAI's json_object), the grammar any_object_grammar. Tokens the grammar refuses are masked before the
     choice (greedy, or temperature, top-k and top-p over the allowed ones)."""
@@ -177,6 +181,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()  # () : every token
+    include_stop_str_in_output: bool = False
     json_mode: bool = False  # the output one JSON object (OpenAI's response_format json_object)
     grammar: str | None = None  # an llguidance grammar the output keeps to (response_format json_schema)
 
@@ -198,12 +206,17 @@ class SamplingParams:
                 raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise InputError("logit_bias values must be in [-100, 100]")
+        if not self.repetition_penalty > 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], got {self.min_tokens}")
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether the host must choose this request's tokens from its own scores (penalties, bias, a grammar)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.json_mode
-                    or self.grammar is not None)
+                    or self.grammar is not None or self.repetition_penalty != 1 or self.min_tokens
+                    or self.allowed_token_ids)
 
     @property
     def output_grammar(self) -> str | None:
@@ -238,6 +251,7 @@ class Request:
         self.rng = sampling_rng(params.seed)
         self.generated: list[int] = []
         self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
+        self.prompt_tokens = np.unique(np.asarray(self.prompt, np.int64))  # (the repetition penalty's)
         self.text = ""       # the decoded text so far, cut at a stop string
         self.rendered = _IncrementalText()
         self.sent = 0        # characters of text already sent
@@ -591,9 +605,11 @@ class BatchScheduler:
             raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
         request.params.check()
         vocab = self._probe_logits.shape[-1]
-        wrong = [t for t, _ in request.params.logit_bias if not 0 <= t < vocab]
-        if wrong:
-            raise InputError(f"logit_bias names token {wrong[0]}, outside the model's vocabulary of {vocab}")
+        for name, tokens in (("logit_bias", [t for t, _ in request.params.logit_bias]),
+                             ("allowed_token_ids", request.params.allowed_token_ids)):
+            wrong = [t for t in tokens if not 0 <= t < vocab]
+            if wrong:
+                raise InputError(f"{name} names token {wrong[0]}, outside the model's vocabulary of {vocab}")
         self.check(len(request.prompt), request.params.max_tokens)
         grammar = request.params.output_grammar
         if grammar is not None:  # compiled here, where a bad grammar is the caller's error, not the batch's
@@ -1572,11 +1588,12 @@ class BatchScheduler:
                 text = request.rendered.extend(self.tokenizer, tokens)
         else:
             text = request.rendered.extend(self.tokenizer, tokens)
-        if params.stop:
+        if params.stop and len(request.generated) >= params.min_tokens:
             # a stop string in the text not yet sent (the sent text held back enough to contain none)
-            found = [i for i in (text.find(s, request.sent) for s in params.stop if s) if i >= 0]
+            found = [(i, len(s)) for i, s in ((text.find(s, request.sent), s) for s in params.stop if s) if i >= 0]
             if found:
-                text, finish = text[:min(found)], FINISH_STOP
+                at, length = min(found)
+                text, finish = text[:at + length if params.include_stop_str_in_output else at], FINISH_STOP
         request.text = text
         if finish is None and stopped:
             finish = FINISH_STOP
@@ -1642,14 +1659,27 @@ class _ProbeCache(KVCache):
 
 
 def _adjusted(scores: np.ndarray, request: Request) -> np.ndarray:
-    """A row's logits [1, vocab] after the request's presence and frequency penalties and logit bias."""
+    """A row's logits [1, vocab] after the request's logit bias, allowed tokens, end tokens' mask (min_tokens) and
+    penalties, in vLLM's order (SamplingParams)."""
     params, scores = request.params, scores.astype(np.float32, copy=True)
+    for token, bias in params.logit_bias:
+        scores[0, token] += bias
+    if params.allowed_token_ids:
+        allowed = np.asarray(params.allowed_token_ids, np.int64)
+        kept = scores[0, allowed]
+        scores[0] = -np.inf
+        scores[0, allowed] = kept
+    if len(request.generated) < params.min_tokens and request.eos:
+        scores[0, [t for t in request.eos if t < scores.shape[1]]] = -np.inf
+    if params.repetition_penalty != 1:
+        seen = np.union1d(request.prompt_tokens, np.fromiter(request.counts, np.int64, len(request.counts)))
+        seen = seen[seen < scores.shape[1]]
+        values = scores[0, seen]
+        scores[0, seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if request.counts and (params.presence_penalty or params.frequency_penalty):
         tokens = np.fromiter(request.counts, np.int64, len(request.counts))
         counts = np.fromiter(request.counts.values(), np.float32, len(request.counts))
         scores[0, tokens] -= params.frequency_penalty * counts + params.presence_penalty
-    for token, bias in params.logit_bias:
-        scores[0, token] += bias
     return scores
 
 
