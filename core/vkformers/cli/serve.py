@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import errno
+import functools
 import json
 import os
 import socket
@@ -60,6 +61,8 @@ MAX_CHOICES = 128               # OpenAI's bound on n; here also on prompts x n 
 # the roles a chat message may take, as the chat template gets them (OpenAI's "developer" is the system prompt)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
+MAX_PROMPT_LOGPROBS = 20        # vLLM's default bound (max_logprobs) on prompt_logprobs
+LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no infinity), as vLLM sends it
 DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
 DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
 
@@ -313,13 +316,15 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     defaults = defaults or {}
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "best_of is not supported", param="best_of")
-    if not chat and body.get("echo"):
-        raise ApiError(400, "echo is not supported", param="echo")
+    echo = echoes(body, chat)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     given = next((name for name in names if body.get(name) is not None), None)
     room = max(max_model_len - prompt_tokens, 1)  # (a prompt that leaves none is refused by the scheduler)
     default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = default if given is None else number_field(body, given, None, int, low=1)
+    max_tokens = default if given is None else number_field(body, given, None, int, low=0)
+    if max_tokens == 0 and not echo:  # (0 is vLLM's echo of the prompt alone)
+        hint = "" if chat else " (0, no completion, goes with 'echo': true: the prompt alone)"
+        raise ApiError(400, f"'{given}' must be >= 1, got 0{hint}", param=given)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
@@ -330,6 +335,9 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
         logprobs = number_field(body, "logprobs", None, int, 0, 5)
+    # the prompt's own entries: those shown in prompt_logprobs, and an echoed prompt's in logprobs
+    prompt_logprobs = max((k for k in (shown_prompt_logprobs(body, chat), logprobs if echo else None)
+                           if k is not None), default=None)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -348,7 +356,37 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           presence_penalty=number_field(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=number_field(body, "frequency_penalty", 0.0, float, -2, 2),
                           logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
-                          grammar=output_grammar(body, chat))
+                          grammar=output_grammar(body, chat), prompt_logprobs=prompt_logprobs)
+
+
+def echoes(body: dict, chat: bool) -> bool:
+    """Whether a completions request gives its prompt back before the completion (OpenAI's echo); a 400 on chat
+    completions, which have no prompt text to echo."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return False
+    if chat:
+        raise ApiError(400, "'echo' is a /v1/completions parameter (the prompt given back before its completion); "
+                            "chat completions take none: leave it out", param="echo")
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"'echo' must be true or false, got {echo!r}", param="echo")
+    return True
+
+
+def shown_prompt_logprobs(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens each prompt token's entry of vLLM's ``prompt_logprobs`` lists (None: no such field
+    in the response): the request's prompt_logprobs, else with echo its logprobs, as vLLM takes them. Streamed,
+    vLLM has no prompt_logprobs to send and refuses them, but for 0 (it sends nothing): so does this server."""
+    shown = number_field(body, "prompt_logprobs", None, int, 0, MAX_PROMPT_LOGPROBS)
+    if shown is not None and body.get("stream"):
+        if shown:
+            raise ApiError(400, "'prompt_logprobs' are not sent when streaming ('stream': true): leave it out, or "
+                                "echo the prompt with its logprobs ('echo': true and 'logprobs' on /v1/completions)",
+                           param="prompt_logprobs")
+        return None
+    if shown is None and not chat and echoes(body, chat):
+        shown = number_field(body, "logprobs", None, int, 0, 5)
+    return shown
 
 
 def token_ids(body: dict, name: str) -> tuple[int, ...]:
@@ -611,9 +649,20 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
     """A completions request's prompts as token ids: a string or a list of token ids is one prompt; a list of
     strings or of token id lists is a batch (OpenAI's), whose choices come prompt by prompt, ``n`` each."""
+    return [_completion_prompt(p, tokenizer) for p in _given_prompts(body)]
+
+
+def echoed_prompts(body: dict, tokenizer, prompts: list[list[int]]) -> list[str]:
+    """The text echo gives back for each of ``prompts`` (completion_prompts'): a string prompt as sent, token ids
+    decoded (special tokens kept), as vLLM echoes them."""
+    return [given if isinstance(given, str) else tokenizer.decode(ids, skip_special_tokens=False)
+            for given, ids in zip(_given_prompts(body), prompts)]
+
+
+def _given_prompts(body: dict) -> list:
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    return [_completion_prompt(p, tokenizer) for p in (prompt if batch else [prompt])]
+    return prompt if batch else [prompt]
 
 
 def _completion_prompt(prompt, tokenizer) -> list[int]:
@@ -761,16 +810,55 @@ def token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, entries, offset: int, text: str) -> dict:
-    """/v1/completions' logprobs object for ``entries`` (TokenLogprob), text offsets counted from ``offset``."""
-    tokens = [token_text(tokenizer, e.token) for e in entries]
+def token_names(tokenizer):
+    """token id -> token_text, each token decoded once: an echoed prompt's entries name the same tokens many times."""
+    return functools.lru_cache(maxsize=None)(functools.partial(token_text, tokenizer))
+
+
+def sent_logprob(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOWEST_LOGPROB)
+
+
+def completion_logprobs(tokenizer, entries, offset: int, top: int) -> dict:
+    """/v1/completions' logprobs object for ``entries`` (TokenLogprob), text offsets counted from ``offset``: each
+    position's ``top`` likeliest tokens and the token itself (OpenAI's "up to logprobs + 1"). An echoed prompt's
+    first token, which no position predicts (logprob None), has null in token_logprobs and top_logprobs, as OpenAI
+    and vLLM send it."""
+    name = token_names(tokenizer)
+    tokens = [name(e.token) for e in entries]
     offsets, position = [], offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+
+    def likeliest(entry):
+        shown = {name(t): sent_logprob(lp) for t, lp in entry.top[:top]}
+        shown.setdefault(name(entry.token), sent_logprob(entry.logprob))
+        return shown
+    return {"tokens": tokens, "token_logprobs": [sent_logprob(e.logprob) for e in entries],
+            "top_logprobs": [None if e.logprob is None else likeliest(e) for e in entries], "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two completion_logprobs objects as one: ``first``'s tokens, then ``then``'s."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def vllm_prompt_logprobs(tokenizer, entries, top: int) -> list:
+    """vLLM's prompt_logprobs of a prompt's ``entries`` (TokenLogprob, the first of no logprob): null for the first
+    token, then per token the token itself and the ``top`` likeliest, each token id (a string, as JSON keys are) ->
+    {"logprob", "rank" (1: the likeliest), "decoded_token"}."""
+    name = token_names(tokenizer)
+    listed = []
+    for e in entries:
+        if e.logprob is None:
+            listed.append(None)
+            continue
+        item = {str(e.token): {"logprob": sent_logprob(e.logprob), "rank": e.rank, "decoded_token": name(e.token)}}
+        for rank, (token, logprob) in enumerate(e.top[:top], 1):
+            item.setdefault(str(token), {"logprob": sent_logprob(logprob), "rank": rank, "decoded_token": name(token)})
+        listed.append(item)
+    return listed
 
 
 def chat_logprobs(tokenizer, entries) -> dict:
@@ -806,10 +894,12 @@ class Output:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     tokens: int = 0
+    prompt_logprobs: list = field(default_factory=list)  # (SamplingParams.prompt_logprobs)
 
     def add(self, update: Update) -> None:
         self.text += update.text
         self.logprobs += update.logprobs
+        self.prompt_logprobs += update.prompt_logprobs or []
         self.finish_reason, self.tokens = update.finish_reason, update.completion_tokens
 
 
@@ -866,6 +956,8 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
              m.compactions),
             ("prefill_tokens_total", "counter", "prompt tokens computed by prefills (prefix cache hits excluded)",
              m.prefill_tokens),
+            ("prompt_logprob_tokens_total", "counter", "prompt tokens whose log-probabilities were computed (echo "
+             "with logprobs, prompt_logprobs)", m.prompt_logprob_tokens),
             ("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
              m.prefix_queried_tokens),
             ("prefix_cache_hits_total", "counter", "prompt tokens whose keys and values came from the prefix cache",
@@ -1104,6 +1196,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                         for p in prompts]
             parser = tool_parser(body) if chat else None
             params = settings[0]
+            echo, shown = echoes(body, chat), shown_prompt_logprobs(body, chat)
             n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
                 raise ApiError(400, f"{len(prompts)} prompts x n={n} make more than {MAX_CHOICES} choices; send fewer "
@@ -1111,16 +1204,20 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
             include_usage = stream_usage(body)
+            jobs = [(prompt, p) for prompt, each in zip(prompts, settings) for p in choice_params(each, n)]
+            if chat:  # one prompt_logprobs for the response (vLLM's): its first choice's
+                jobs[1:] = [(prompt, replace(p, prompt_logprobs=None)) for prompt, p in jobs[1:]]
+            echoed = [text for text in echoed_prompts(body, tokenizer, prompts) for _ in range(n)] if echo else None
             name = body.get("model") or served
-            choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
-                                             for p in choice_params(each, n)])
+            choices, updates = submit(body, jobs)
         except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": name}
         if stream:
-            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser),
+            return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser,
+                                                   echoed),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             done = await outputs(request, choices, updates)
@@ -1139,22 +1236,37 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, out.logprobs)
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
-                results.append({"index": index, "text": out.text, "finish_reason": out.finish_reason,
-                                "logprobs": completion_logprobs(tokenizer, out.logprobs, 0, out.text)
-                                if params.logprobs is not None else None})
-        return JSONResponse({**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done))})
+                text, logprobs = out.text, None
+                if params.logprobs is not None:
+                    logprobs = completion_logprobs(tokenizer, out.logprobs, len(echoed[index]) if echo else 0,
+                                                   params.logprobs)
+                if echo:  # the prompt and its entries first (the completion's text offsets counted after it)
+                    text = echoed[index] + text
+                    if logprobs is not None:
+                        logprobs = joined_logprobs(completion_logprobs(tokenizer, out.prompt_logprobs, 0,
+                                                                       params.logprobs), logprobs)
+                results.append({"index": index, "text": text, "finish_reason": out.finish_reason,
+                                "logprobs": logprobs})
+                if shown is not None:  # vLLM's: on each choice
+                    results[-1]["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, shown)
+        answer = {**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done))}
+        if chat and shown is not None:  # vLLM's: on the response
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, done[0].prompt_logprobs, shown)
+        return JSONResponse(answer)
 
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
-                            parser=None):
+                            parser=None, echoed=None):
         """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
-        calls sent whole in the last chunk); a named function's arguments stream as they come."""
+        calls sent whole in the last chunk); a named function's arguments stream as they come. ``echoed``: each
+        choice's prompt text, sent (with its entries in logprobs) in the choice's first chunk, as vLLM sends it."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         named = [NamedCallStream(parser) for _ in choices] if isinstance(parser, NamedToolCall) else None
+        unsent = list(echoed) if echoed is not None else [None] * len(choices)  # prompts still to echo
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
         sent, counts = [0] * len(choices), [0] * len(choices)
-        logprobs_wanted = choices[0].params.logprobs is not None
+        logprobs_wanted = choices[0].params.logprobs
         try:
             if chat:
                 for index in range(len(choices)):
@@ -1165,18 +1277,21 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
-                reason, extra = update.finish_reason, {}
+                reason, extra, entries = update.finish_reason, {}, update.logprobs
+                if unsent[index] is not None:  # echo: the prompt and its entries first
+                    text, entries = unsent[index] + text, (update.prompt_logprobs or []) + entries
+                    unsent[index] = None
                 if named is not None:
                     deltas, text = named[index].feed(text), ""
                     extra = {"tool_calls": deltas} if deltas else {}
                 if calls:
                     extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
                     reason = parser.finish_reason
-                if text or extra or update.logprobs or reason:
+                if text or extra or entries or reason:
                     logprobs = None
-                    if logprobs_wanted:
-                        logprobs = chat_logprobs(tokenizer, update.logprobs) if chat else \
-                            completion_logprobs(tokenizer, update.logprobs, sent[index], text)
+                    if logprobs_wanted is not None:
+                        logprobs = chat_logprobs(tokenizer, entries) if chat else \
+                            completion_logprobs(tokenizer, entries, sent[index], logprobs_wanted)
                     delta = {"content": text} if text or not (reason or extra) else {}
                     choice = {"index": index, "delta": {**delta, **extra}} if chat else {"index": index, "text": text}
                     yield event({**choice, "logprobs": logprobs, "finish_reason": reason})
