@@ -76,8 +76,11 @@ def test_greedy_with_and_without_assistance_alike(main_model, small_model):
 
 def test_drafts_are_used_and_verifications_replay(main_model, monkeypatch):
     """The model as its own assistant: every draft token kept, so far fewer rounds than tokens; the verification
-    forwards replay recorded plans once two ran, padded to a power of two or not."""
+    forwards replay recorded plans once two ran at different positions, padded to a power of two or not. Unpadded,
+    the first round's forward (the held logits' 3 draft tokens, the others 4) runs at the prompt's end in every
+    call, a position alone, so it never replays: its graph might depend on the position."""
     ids = np.array([REFERENCE["prompts"][0]])
+    main_model.forget_captures()  # (the earlier tests' plans aside)
     plain = main_model.generate(ids, max_new_tokens=20, do_sample=False)
     for padding in (False, True):
         monkeypatch.setitem(generation.DRAFT_PADDING, "cpu", padding)
@@ -87,7 +90,25 @@ def test_drafts_are_used_and_verifications_replay(main_model, monkeypatch):
             assert tokens.tolist() == plain.tolist()
         stats = main_model.assisted_stats
         assert stats.accepted == stats.drafted == 15 and stats.rounds == 5
-        assert stats.replayed == stats.forwards == 5  # one verification per round, none in Python
+        assert stats.forwards == 5 and stats.replayed == (5 if padding else 4)  # a verification per round
+    main_model.generate(ids, max_new_tokens=0, prompt_lookup_num_tokens=3)
+    assert main_model.assisted_stats.rounds == main_model.assisted_stats.drafted == 0  # this call's, not the last's
+
+
+def test_a_graph_that_depends_on_the_position_is_not_replayed_at_another(monkeypatch):
+    """Gemma 4's layers that read an earlier layer's keys attend over the stored keys sliced to their count, so its
+    verification forward's graph differs by position. The first two rounds verify at the same position (the
+    prompt's held logits and its draft, then the first token and the next draft; padded to one length here): their
+    plans agree there, which must not make the later rounds replay that plan at other positions."""
+    monkeypatch.setitem(generation.DRAFT_PADDING, "cpu", True)
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "gemma4_text", requires_grad=False)
+    base = [34, 26, 21, 12, 14, 4]
+    ids = np.array([base + base + base[:3]])
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
+    for _ in range(2):
+        tokens = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[], prompt_lookup_num_tokens=3)
+        assert tokens.tolist() == plain.tolist()
+    assert model.assisted_stats.drafted > model.assisted_stats.accepted > 0  # drafts kept and rejected
 
 
 def test_a_model_whose_steps_must_not_replay_runs_each_forward(small_model):
@@ -218,6 +239,21 @@ def test_refusals(main_model, small_model):
     recurrent = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "mamba", requires_grad=False)
     with pytest.raises(AssistedGenerationError, match="cannot forget rejected draft tokens"):
         recurrent.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=2)
+
+
+def test_a_cache_that_cannot_forget_tokens_is_refused_before_a_token():
+    """Layers that keep state on the cache besides keys and values (DeepSeek-V3.2's indexer keys) cannot forget
+    rejected draft tokens: refused, as the main model or as the assistant, before any token is streamed."""
+    indexed = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "deepseek_v32", requires_grad=False)
+    llama = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
+    ids = np.array([[5, 6, 7, 5, 6]])
+    for model, role, kwargs in ((indexed, "this model", {"prompt_lookup_num_tokens": 2}),
+                                (llama, "the assistant", {"assistant_model": indexed})):
+        streamed = []
+        with pytest.raises(AssistedGenerationError, match=f"{role} .* keeps index_keys on its cache .* cannot forget "
+                                                          "rejected draft tokens; generate without"):
+            model.generate(ids, max_new_tokens=4, streamer=streamed.append, **kwargs)
+        assert streamed == []
 
 
 def test_crop_refuses_a_recurrent_state():

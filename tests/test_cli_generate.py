@@ -165,6 +165,8 @@ def test_assisted_generation_gives_the_same_text(capsys):
         assert main(base + extra) == 0
         out, err = capsys.readouterr()
         assert out == plain and "draft tokens kept" in err
+    assert main(base[:-1] + ["0", "--prompt-lookup", "3"]) == 0  # no token: no draft either
+    assert "0 of 0 draft tokens kept, 0 checks for 0 tokens" in capsys.readouterr().err
     assert main(base + ["--prompt-lookup", "0"]) == 1
     assert "--prompt-lookup must be >= 1" in capsys.readouterr().err
     assert main(base + ["--prompt-lookup", "2", "--assistant-model", "x"]) == 1

@@ -170,6 +170,26 @@ def test_conversations_train_through_the_chat_template(tmp_path):
         D.tokenize_records(records[:1], ByteTokenizer())
 
 
+def test_a_conversation_is_the_templates_tokens_alone_with_no_eos_added():
+    """As TRL's SFT: EOS ends plain text, while a conversation is what the chat template renders (its own end-of-turn
+    tokens end it); so nothing is trained after a trailing user turn with assistant_only_loss."""
+    from vkformers.models.loading import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(CHAT_TOKENIZER)
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # ends in a newline
+    rendered = tokenizer.apply_chat_template(CONVERSATION, return_dict=False)
+    assert rendered[-1] != tokenizer.eos_token_id
+    tokens, labels = D.tokenize_records([Record("", None, "x:1", CONVERSATION)], tokenizer)
+    assert tokens.tolist() == rendered and (labels == tokens).all()
+    trailing = CONVERSATION[:4]  # ends with the user's "Why?"
+    tokens, labels = D.tokenize_records([Record("", None, "x:1", trailing)], tokenizer, assistant_only_loss=True)
+    assert tokens.tolist() == tokenizer.apply_chat_template(trailing, return_dict=False)
+    kept = [int(t) for t, label in zip(tokens, labels) if label != D.IGNORE_INDEX]
+    assert tokenizer.decode(kept) == "Paris is the capital.<|end|>\n"
+    text, _ = D.tokenize_records([Record("Hello", None, "x:2")], tokenizer)
+    assert text[-1] == tokenizer.eos_token_id  # plain text still ends in EOS
+
+
 def test_without_packing_each_record_is_a_padded_sequence_with_the_loss_of_the_record_alone(tmp_path):
     """one_per_record: each document cut at seq_len and padded after its end, the padding out of the loss; a
     causal LM's loss over a padded row equals its loss over the record alone (its tokens never see the padding)."""

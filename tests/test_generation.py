@@ -151,6 +151,13 @@ def test_sampling_is_reproducible_with_a_seed(model):
     c = model.generate(PROMPT, max_new_tokens=10, do_sample=True, temperature=1.5, seed=8)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
+    # a negative seed is its 64-bit two's complement, as torch's manual_seed (so vLLM) takes it
+    negative = model.generate(PROMPT, max_new_tokens=10, do_sample=True, temperature=1.5, seed=-7)
+    np.testing.assert_array_equal(negative, model.generate(PROMPT, max_new_tokens=10, do_sample=True,
+                                                           temperature=1.5, seed=2 ** 64 - 7))
+    for wrong in (1.5, "7", True):
+        with pytest.raises(InputError, match="seed must be a whole number"):
+            model.generate(PROMPT, max_new_tokens=2, do_sample=True, seed=wrong)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(model):

@@ -108,7 +108,7 @@ def test_generate_returns_transformers_scores_and_logits(case):
     ids = np.array(REFERENCE["decoder_prompts"], np.int64)
     out = model.generate(ids, attention_mask=np.array(REFERENCE["decoder_mask"], np.int64), seed=0,
                          return_dict_in_generate=True, output_scores=True, output_logits=True,
-                         **{"do_sample": False, **case["kwargs"]})
+                         **{"do_sample": False, **with_custom(case["kwargs"])})
     assert out.keys() == ["sequences", "scores", "logits"] and out[0] is out.sequences and out["scores"] is out.scores
     assert len(out.scores) == len(out.logits) == out.sequences.shape[1] - ids.shape[1] == len(case["scores"])
     for ours, theirs in zip(out.scores, case["scores"]):
@@ -120,7 +120,7 @@ def test_generate_returns_transformers_scores_and_logits(case):
         np.testing.assert_allclose(model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True),
                                    case["transition_scores"], atol=OUTPUT_TOLERANCE, rtol=0)
     plain = model.generate(ids, attention_mask=np.array(REFERENCE["decoder_mask"], np.int64), seed=0,
-                           **{"do_sample": False, **case["kwargs"]})
+                           **{"do_sample": False, **with_custom(case["kwargs"])})
     assert plain.tolist() == out.sequences.tolist()  # returning scores changes no token
 
 
@@ -269,18 +269,18 @@ def test_the_cutoff_warpers_come_from_the_generation_config_too(tmp_path):
             model.generate(ids, max_new_tokens=1, do_sample=True, **{name: value})
 
 
-def test_the_callers_processing_is_checked_and_runs_after_the_warpers_when_sampling():
+def test_the_callers_processing_is_checked_and_runs_before_the_warpers_when_sampling():
     model = AutoModelForCausalLM.from_pretrained(ROOT / "fixtures" / "llama", requires_grad=False)
     ids = np.array(REFERENCE["decoder_prompts"][1:], np.int64)
     seen = []
 
-    def processor(tokens, scores):  # after top-k: at most 3 finite scores reach it; it bans the likeliest
+    def processor(tokens, scores):  # before top-k, as in transformers: every score reaches it; it bans the likeliest
         seen.append(int(np.isfinite(scores).sum()))
         scores[np.arange(len(scores)), scores.argmax(-1)] = -np.inf
         return scores
     greedy = model.generate(ids, max_new_tokens=6, do_sample=False)
     sampled = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=3, seed=1, logits_processor=[processor])
-    assert seen and max(seen) <= 3
+    assert seen == [model.config.vocab_size] * 6
     assert sampled[0, ids.shape[1]] != greedy[0, ids.shape[1]]  # the likeliest first token is never drawn
     with pytest.raises(InputError, match="prefix_allowed_tokens_fn must be a function"):
         model.generate(ids, max_new_tokens=2, prefix_allowed_tokens_fn=[1, 2])

@@ -249,8 +249,13 @@ def test_chunks_replay_steps_replay_one_plan_and_crop_forgets_tokens():
         sub = Case(batch=1, heads=4, kv_heads=2, head_dim=8, q_len=len(positions), kv_len=len(positions))
         want = reference(sub, *(x[:, :, positions] for x in (q, k, v)), None, None)[0]
         np.testing.assert_allclose(got, want[:, :, -got.shape[2]:], atol=1e-5)
-    with pytest.raises(CropError, match="cannot keep 99"):
-        cache.crop(99)
+    held = cache.position  # transformers' DynamicCache.crop: a length beyond the tokens held changes nothing, a
+    cache.crop(99)         # negative one forgets that many
+    assert cache.position == held
+    cache.crop(-2)
+    assert cache.position == held - 2
+    with pytest.raises(CropError, match="cannot forget"):
+        cache.crop(-held)  # (held - 2 are left)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

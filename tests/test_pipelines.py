@@ -110,6 +110,32 @@ def test_the_encoder_tasks_give_transformers_outputs(encoder_pipes, case):
     close(out, case["output"])
 
 
+def test_the_encoder_tasks_pad_a_batch_on_the_right_whatever_the_tokenizers_side():
+    """A batch's inputs give what each gives alone (scores and hidden states within 1e-5) where the tokenizer pads on
+    the left, as a decoder's embedding tokenizer does: the encoder tasks pad on the right, where the outputs they
+    read of each row (mask positions, the first token's state, the tokens' states before the padding) stay put."""
+    texts = {"fill-mask": ["the [MASK] sat on the mat today", "a [MASK]"],
+             "feature-extraction": ["the cat sat on the mat today", "a dog"],
+             "text-classification": ["the cat sat on the mat today", "a dog"]}
+    for task, folder in (("fill-mask", "masked"), ("feature-extraction", "base"),
+                         ("text-classification", "classifier")):
+        pipe = vkf.pipeline(task, model=str(ENCODER / folder), dtype="float32")
+        alone = [pipe(text) for text in texts[task]]
+        pipe.tokenizer.padding_side = "left"
+        batch = pipe(texts[task], batch_size=2)
+        for ours, theirs in zip(batch, alone):
+            if task == "feature-extraction":
+                assert np.shape(ours) == np.shape(theirs)
+                np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+            else:
+                theirs = theirs[0] if task == "text-classification" else theirs
+                ours, theirs = (ours, theirs) if isinstance(ours, list) else ([ours], [theirs])
+                assert [r.get("token", r.get("label")) for r in ours] == \
+                    [r.get("token", r.get("label")) for r in theirs]
+                np.testing.assert_allclose([r["score"] for r in ours], [r["score"] for r in theirs], atol=1e-5)
+        assert pipe.tokenizer.padding_side == "left"  # the caller's tokenizer as it was
+
+
 def test_the_encoder_tasks_refuse_what_they_cannot_do(encoder_pipes):
     fill = encoder_pipes["fill-mask", "masked"]
     with pytest.raises(InputError, match=r"no mask token \(\[MASK\]\)"):

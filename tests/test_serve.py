@@ -510,8 +510,10 @@ def test_chat_completion_uses_the_chat_template(server, tiny):
 def test_seeded_sampling_repeats(server):
     client = server["client"]
     runs = [client.completions.create(model=SERVED, prompt=PROMPTS[5], max_tokens=8, temperature=0.9, top_p=0.95,
-                                      seed=11).choices[0].text for _ in range(2)]
-    assert runs[0] == runs[1]
+                                      seed=seed).choices[0].text for seed in (11, 11, -11, 2 ** 64 - 11)]
+    assert runs[0] == runs[1] and runs[2] == runs[3]  # a negative seed: its two's complement, as vLLM's
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi", "seed": 1.5}))
+    assert status == 400 and error["param"] == "seed"
 
 
 def test_n_choices_each_sample_on_their_own_rows(server, tiny):
@@ -570,6 +572,14 @@ def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(server, tiny):
     for wrong in ([], [["hi"]], [1, "hi"]):
         status, error = error_of(request(server, "POST", "/v1/completions", {"prompt": wrong}))
         assert status == 400 and error["param"] == "prompt", wrong
+    # a batch with a prompt the model cannot take is refused whole: none of its prompts runs
+    metrics = server["scheduler"].metrics
+    before = metrics.requests
+    for wrong in (ids[1] + [10 ** 6], [5] * 95):  # an id outside the vocabulary; too long for max_tokens
+        status, error = error_of(request(server, "POST", "/v1/completions",
+                                         {"prompt": [ids[0], wrong], "max_tokens": 5, "n": 2}))
+        assert status == 400, error
+    assert metrics.requests == before
 
 
 def test_chat_roles_outside_openai_s_are_refused_and_developer_is_the_system_prompt(server):
@@ -660,6 +670,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert status == 400 and "vocab" in error["message"]
     status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "best_of": 2}))
     assert status == 400 and error["param"] == "best_of"
+    status, error = error_of(request(server, "POST", route, {"model": SERVED, "prompt": "hi", "stream": True,
+                                                             "stream_options": "include_usage"}))
+    assert status == 400 and error["param"] == "stream_options"
     status, error = error_of(request(server, "POST", "/v1/chat/completions",
                                      {"model": SERVED, "messages": [{"role": "user", "content": "hi " * 200}]}))
     assert status == 400 and "maximum context length of 96" in error["message"]
@@ -721,6 +734,43 @@ def test_vllm_and_openai_options_a_client_sends(server, tiny):
     assert client.models.retrieve(SERVED).id == SERVED
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
+
+
+def test_vllm_sampling_extras(server, tiny):
+    """vLLM's repetition_penalty (over the prompt and the output: generate's, as transformers applies it), min_tokens
+    (no end token nor stop string before that many tokens), allowed_token_ids and include_stop_str_in_output."""
+    tokenizer, reference, client = server["tokenizer"], tiny[2], server["client"]
+    ids = encode(tokenizer, PROMPTS[2])
+    plain = reference_tokens(reference, ids, 8).tolist()
+    expected = reference_tokens(reference, ids, 8, repetition_penalty=1.8, do_sample=False).tolist()
+    assert expected != plain  # (else the penalty went untested)
+    penalized = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert penalized.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    end = expected_eos(server, tiny)[0]
+    eager = dict(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, logit_bias={str(end): 100})
+    assert client.completions.create(**eager).usage.completion_tokens == 1  # the end token at once
+    held = client.completions.create(**eager, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5 tokens, then the end
+    allowed = sorted({plain[0] + 1, plain[1] + 2, 7})
+    chosen = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=6, temperature=1.0, seed=3,
+                                       logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert {tokenizer.convert_tokens_to_ids(t) for t in chosen.choices[0].logprobs.tokens} <= set(allowed)
+    text = tokenizer.decode(plain, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    kept = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    cut = client.completions.create(model=SERVED, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and text.startswith(kept.choices[0].text)
+    chat = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for body, param in (({"repetition_penalty": 0}, None), ({"min_tokens": 3, "max_tokens": 2}, None),
+                        ({"allowed_token_ids": [10 ** 6]}, None), ({"allowed_token_ids": "1"}, "allowed_token_ids"),
+                        ({"use_beam_search": True}, "use_beam_search"), ({"bad_words": ["x"]}, "bad_words"),
+                        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output")):
+        status, error = error_of(request(server, "POST", "/v1/chat/completions", {**chat, **body}))
+        assert status == 400 and (param is None or error["param"] == param), (body, error)
+    assert request(server, "POST", "/v1/chat/completions", {**chat, "bad_words": [], "use_beam_search": False})[0] == 200
 
 
 def test_options_this_server_cannot_honour_are_refused(server):
@@ -789,6 +839,10 @@ def test_a_failed_batch_answers_500_and_the_server_goes_on(server, monkeypatch):
     monkeypatch.setattr(scheduler.model, "prefill", prefill)
     assert request(server, "GET", "/health", key=None)[0] == 200
     assert server["client"].completions.create(model=SERVED, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    monkeypatch.setattr(scheduler, "error", RuntimeError("thread ended"))  # a scheduler whose thread is gone
+    status, error = error_of(request(server, "POST", "/v1/completions", {"model": SERVED, "prompt": "hi"}))
+    assert status == 503 and error["type"] == "server_error" and "thread ended" in error["message"]
+    assert request(server, "GET", "/health", key=None)[0] == 503
 
 
 def leave_mid_stream(server, monkeypatch, route: str, body: dict) -> bytes:

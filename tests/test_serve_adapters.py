@@ -218,6 +218,21 @@ def test_decode_steps_of_served_adapters_match_each_adapter_alone(fixture, targe
             assert np.abs(np.asarray(got)[row] - want).max() <= LOGITS_TOLERANCE * np.abs(want).max()
 
 
+def test_an_adapter_on_a_mixtures_experts_is_refused_before_it_serves(tmp_path):
+    """A mixture's experts run on lists of tokens, not one row per request, so rows of one batch cannot take
+    different adapters there: refused when the adapters go on the model, not at the first request for one (which
+    would fail every request of its batch). Its attention layers take adapters side by side."""
+    path = FIXTURES / "mixtral"
+    for name, targets in (("experts", ["q_proj", "w1"]), ("attention", ["q_proj", "v_proj"])):
+        model = load_base(path)
+        apply_lora(model, LoraConfig(r=2, target_modules=targets))
+        save_adapter(model, tmp_path / name)
+    with pytest.raises(LoraError, match=r"experts\.0\.w1 reads rows that are not one batch row per request"):
+        served(path, {"experts": tmp_path / "experts"})
+    model, selector = served(path, {"attention": tmp_path / "attention"})
+    assert selector.names == ["attention"]
+
+
 def test_a_model_serving_adapters_is_not_saved_with_them(tiny, adapters, tmp_path):
     model, _ = served(tiny[0], adapters)
     with pytest.raises(LoraError, match="serving adapters side by side.*before serve_adapters"):

@@ -96,6 +96,9 @@ class ScriptedScheduler:
         threading.Thread(target=answer, daemon=True).start()
         return request
 
+    def submit_all(self, requests):
+        return [self.submit(request) for request in requests]
+
 
 @pytest.fixture(scope="module")
 def served(web):  # noqa: F811 (the fixture)

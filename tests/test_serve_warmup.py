@@ -165,7 +165,11 @@ def test_warm_up_shapes_are_checked_and_a_cpu_device_warms_up_nothing_by_default
                                    ((), (24,), "warm-up prompt width 24: prompts of up to max_model_len 96 tokens are "
                                                "laid out at 16, 32, 64, 96 columns"),
                                    ((), (16, 32, 64), "8 prefill plans .* more than a warm-up holds "
-                                                      r"\(WARMUP_PREFILL_PLANS 3\)")]:
+                                                      r"\(WARMUP_PREFILL_PLANS 3\)"),
+                                   (("2",), (), "warm-up batch sizes must be whole numbers, got '2'"),
+                                   ((2.5,), (), "warm-up batch sizes must be whole numbers, got 2.5"),
+                                   (2, (), "warm-up batch sizes must be whole numbers, got 2"),
+                                   ((), (True,), "warm-up prompt widths must be whole numbers, got True")]:
         with pytest.raises(WarmupError, match=message):
             scheduler.warm_up(sizes, widths)
     scheduler.start()

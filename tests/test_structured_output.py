@@ -203,3 +203,28 @@ def test_generate_keeps_to_a_schema_through_a_logits_processor(tiny):
         for row in out[:, ids["input_ids"].shape[1]:]:
             text = tokenizer.decode(row, skip_special_tokens=True)
             assert schema_errors(json.loads(text), PERSON) == [], (run, text)
+
+
+def test_a_logits_processor_grammar_follows_assisted_generation(tiny):
+    """Assisted generation asks the processors at every position of a draft and, after a rejected draft token,
+    again at an earlier length (and prompt lookup asks them of the draft's prefixes): each call finds the grammar's
+    state of its own tokens, so greedy outputs are the unassisted ones and sampled ones stay valid."""
+    model, tokenizer = tiny
+    ids = tokenizer(["Answer in JSON: the capital of France"], return_tensors="np")["input_ids"]
+    bias = np.zeros(len(tokenizer), np.float32)
+    bias[blank_tokens(tokenizer)] = -100.0
+
+    def run(**options):
+        processors = [lambda _, scores: scores + bias, GrammarLogitsProcessor.from_json_schema(PERSON, tokenizer)]
+        out = model.generate(ids, max_new_tokens=100, eos_token_id=tokenizer.eos_token_id,
+                             logits_processor=processors, **options)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert schema_errors(json.loads(text), PERSON) == [], (options, text)
+        return out
+    plain = run()
+    assistant = AutoModelForCausalLM.from_pretrained(MODEL.parent / "assisted" / "assistant", requires_grad=False)
+    for assisted in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=assistant, num_assistant_tokens=3)):
+        assert run(**assisted).tolist() == plain.tolist()
+        stats = model.assisted_stats
+        assert stats.drafted > stats.accepted > 0  # drafts kept and rejected
+        run(do_sample=True, seed=1, top_k=0, **assisted)

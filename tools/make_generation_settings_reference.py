@@ -169,12 +169,17 @@ OUTPUT_CASES = [
     ("sampling_warped", {"max_new_tokens": 1, "do_sample": True, "temperature": 0.7, "top_k": 10, "top_p": 0.9}),
     ("sampling_cutoffs", {"max_new_tokens": 1, "do_sample": True, "temperature": 0.9, "top_k": 0, "typical_p": 0.9,
                           "epsilon_cutoff": 0.005, "eta_cutoff": 0.01}),
+    # the caller's processor runs before the warpers: its boost is scaled by the temperature, top-k keeps its token
+    ("sampling_logits_processor", {"max_new_tokens": 1, "do_sample": True, "temperature": 0.5, "top_k": 5,
+                                   "custom": "boost_seven_ban_five"}),
 ]
 
 
 def run_outputs(kwargs) -> dict:
     model = AutoModelForCausalLM.from_pretrained(ROOT / "tests" / "fixtures" / "llama", attn_implementation="eager",
                                                  dtype=torch.float32).eval()
+    kwargs = dict(kwargs)
+    kwargs.update(custom_arguments(kwargs.pop("custom")) if "custom" in kwargs else {})
     torch.manual_seed(0)
     out = model.generate(input_ids=torch.tensor(DECODER_PROMPTS), attention_mask=torch.tensor(DECODER_MASK),
                          return_dict_in_generate=True, output_scores=True, output_logits=True,

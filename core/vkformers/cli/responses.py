@@ -36,6 +36,7 @@ TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 # fields a Responses request shares with chat completions (vLLM's sampling extras among them)
 SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "logit_bias", "stop", "stop_token_ids", "ignore_eos", "tool_choice", "parallel_tool_calls",
+                 "repetition_penalty", "min_tokens", "allowed_token_ids", "include_stop_str_in_output",
                  "chat_template_kwargs")
 # the chat request's fields that an error may name, as the Responses request names them
 RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}

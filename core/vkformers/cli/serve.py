@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import errno
+import functools
 import json
 import os
 import socket
@@ -44,7 +45,7 @@ from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.batching import BatchScheduler, Request, SamplingParams, Update
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped, Update
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
@@ -62,6 +63,8 @@ MAX_CHOICES = 128               # OpenAI's bound on n; here also on prompts x n 
 # the roles a chat message may take, as the chat template gets them (OpenAI's "developer" is the system prompt)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
+MAX_PROMPT_LOGPROBS = 20        # vLLM's default bound (max_logprobs) on prompt_logprobs
+LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no infinity), as vLLM sends it
 DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
 DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
 
@@ -341,13 +344,15 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
     defaults = defaults or {}
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "best_of is not supported", param="best_of")
-    if not chat and body.get("echo"):
-        raise ApiError(400, "echo is not supported", param="echo")
+    echo = echoes(body, chat)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     given = next((name for name in names if body.get(name) is not None), None)
     room = max(max_model_len - prompt_tokens, 1)  # (a prompt that leaves none is refused by the scheduler)
     default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = default if given is None else number_field(body, given, None, int, low=1)
+    max_tokens = default if given is None else number_field(body, given, None, int, low=0)
+    if max_tokens == 0 and not echo:  # (0 is vLLM's echo of the prompt alone)
+        hint = "" if chat else " (0, no completion, goes with 'echo': true: the prompt alone)"
+        raise ApiError(400, f"'{given}' must be >= 1, got 0{hint}", param=given)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
@@ -358,6 +363,9 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     else:
         logprobs = number_field(body, "logprobs", None, int, 0, 5)
+    # the prompt's own entries: those shown in prompt_logprobs, and an echoed prompt's in logprobs
+    prompt_logprobs = max((k for k in (shown_prompt_logprobs(body, chat), logprobs if echo else None)
+                           if k is not None), default=None)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -369,10 +377,69 @@ def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len
                           top_k=max(top_k, 0), seed=seed,
                           min_p=number_field(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
                           stop=tuple(s for s in stop if s), logprobs=logprobs,
+                          repetition_penalty=number_field(body, "repetition_penalty", 1.0, float, low=0),
+                          min_tokens=number_field(body, "min_tokens", 0, int, low=0),
+                          allowed_token_ids=token_ids(body, "allowed_token_ids"),
+                          include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
                           presence_penalty=number_field(body, "presence_penalty", 0.0, float, -2, 2),
                           frequency_penalty=number_field(body, "frequency_penalty", 0.0, float, -2, 2),
                           logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
-                          grammar=output_grammar(body, chat))
+                          grammar=output_grammar(body, chat), prompt_logprobs=prompt_logprobs)
+
+
+def echoes(body: dict, chat: bool) -> bool:
+    """Whether a completions request gives its prompt back before the completion (OpenAI's echo); a 400 on chat
+    completions, which have no prompt text to echo."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        return False
+    if chat:
+        raise ApiError(400, "'echo' is a /v1/completions parameter (the prompt given back before its completion); "
+                            "chat completions take none: leave it out", param="echo")
+    if not isinstance(echo, bool):
+        raise ApiError(400, f"'echo' must be true or false, got {echo!r}", param="echo")
+    return True
+
+
+def shown_prompt_logprobs(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens each prompt token's entry of vLLM's ``prompt_logprobs`` lists (None: no such field
+    in the response): the request's prompt_logprobs, else with echo its logprobs, as vLLM takes them. Streamed,
+    vLLM has no prompt_logprobs to send and refuses them, but for 0 (it sends nothing): so does this server."""
+    shown = number_field(body, "prompt_logprobs", None, int, 0, MAX_PROMPT_LOGPROBS)
+    if shown is not None and body.get("stream"):
+        if shown:
+            raise ApiError(400, "'prompt_logprobs' are not sent when streaming ('stream': true): leave it out, or "
+                                "echo the prompt with its logprobs ('echo': true and 'logprobs' on /v1/completions)",
+                           param="prompt_logprobs")
+        return None
+    if shown is None and not chat and echoes(body, chat):
+        shown = number_field(body, "logprobs", None, int, 0, 5)
+    return shown
+
+
+def token_ids(body: dict, name: str) -> tuple[int, ...]:
+    """A request's list of token ids (vLLM's allowed_token_ids; () when absent)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"'{name}' must be a list of token ids", param=name)
+    return tuple(value)
+
+
+def flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+# vLLM's sampling extras this server does not honour, each with the value that changes nothing: any other value is
+# a 400 rather than an answer that silently differs from vLLM's
+UNHONOURED_EXTRAS = {"use_beam_search": False, "bad_words": [], "skip_special_tokens": True,
+                     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+                     "return_tokens_as_token_ids": False, "logits_processors": [], "continue_final_message": False,
+                     "add_generation_prompt": True}
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -404,6 +471,17 @@ def stop_token_ids(body: dict) -> list[int]:
                                               for t in value):
         raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
     return value
+
+
+def stream_usage(body: dict) -> bool:
+    """Whether a streamed response ends with a chunk of usage (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}",
+                       param="stream_options")
+    return bool(options.get("include_usage"))
 
 
 def response_kind(body: dict) -> str:
@@ -530,6 +608,9 @@ def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
                             "json_schema", param="response_format")
     if not chat and body.get("suffix"):
         raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
+    for name, default in UNHONOURED_EXTRAS.items():
+        if body.get(name) is not None and body[name] != default:
+            raise ApiError(400, f"'{name}' is not supported here: leave it out (or at {default!r})", param=name)
     choice = body.get("tool_choice")
     if chat and body.get("tools") and choice not in ("none", "required") and not isinstance(choice, dict):
         if not tools:
@@ -596,9 +677,20 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
     """A completions request's prompts as token ids: a string or a list of token ids is one prompt; a list of
     strings or of token id lists is a batch (OpenAI's), whose choices come prompt by prompt, ``n`` each."""
+    return [_completion_prompt(p, tokenizer) for p in _given_prompts(body)]
+
+
+def echoed_prompts(body: dict, tokenizer, prompts: list[list[int]]) -> list[str]:
+    """The text echo gives back for each of ``prompts`` (completion_prompts'): a string prompt as sent, token ids
+    decoded (special tokens kept), as vLLM echoes them."""
+    return [given if isinstance(given, str) else tokenizer.decode(ids, skip_special_tokens=False)
+            for given, ids in zip(_given_prompts(body), prompts)]
+
+
+def _given_prompts(body: dict) -> list:
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    return [_completion_prompt(p, tokenizer) for p in (prompt if batch else [prompt])]
+    return prompt if batch else [prompt]
 
 
 def _completion_prompt(prompt, tokenizer) -> list[int]:
@@ -789,16 +881,55 @@ def token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, entries, offset: int, text: str) -> dict:
-    """/v1/completions' logprobs object for ``entries`` (TokenLogprob), text offsets counted from ``offset``."""
-    tokens = [token_text(tokenizer, e.token) for e in entries]
+def token_names(tokenizer):
+    """token id -> token_text, each token decoded once: an echoed prompt's entries name the same tokens many times."""
+    return functools.lru_cache(maxsize=None)(functools.partial(token_text, tokenizer))
+
+
+def sent_logprob(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOWEST_LOGPROB)
+
+
+def completion_logprobs(tokenizer, entries, offset: int, top: int) -> dict:
+    """/v1/completions' logprobs object for ``entries`` (TokenLogprob), text offsets counted from ``offset``: each
+    position's ``top`` likeliest tokens and the token itself (OpenAI's "up to logprobs + 1"). An echoed prompt's
+    first token, which no position predicts (logprob None), has null in token_logprobs and top_logprobs, as OpenAI
+    and vLLM send it."""
+    name = token_names(tokenizer)
+    tokens = [name(e.token) for e in entries]
     offsets, position = [], offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+
+    def likeliest(entry):
+        shown = {name(t): sent_logprob(lp) for t, lp in entry.top[:top]}
+        shown.setdefault(name(entry.token), sent_logprob(entry.logprob))
+        return shown
+    return {"tokens": tokens, "token_logprobs": [sent_logprob(e.logprob) for e in entries],
+            "top_logprobs": [None if e.logprob is None else likeliest(e) for e in entries], "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two completion_logprobs objects as one: ``first``'s tokens, then ``then``'s."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def vllm_prompt_logprobs(tokenizer, entries, top: int) -> list:
+    """vLLM's prompt_logprobs of a prompt's ``entries`` (TokenLogprob, the first of no logprob): null for the first
+    token, then per token the token itself and the ``top`` likeliest, each token id (a string, as JSON keys are) ->
+    {"logprob", "rank" (1: the likeliest), "decoded_token"}."""
+    name = token_names(tokenizer)
+    listed = []
+    for e in entries:
+        if e.logprob is None:
+            listed.append(None)
+            continue
+        item = {str(e.token): {"logprob": sent_logprob(e.logprob), "rank": e.rank, "decoded_token": name(e.token)}}
+        for rank, (token, logprob) in enumerate(e.top[:top], 1):
+            item.setdefault(str(token), {"logprob": sent_logprob(logprob), "rank": rank, "decoded_token": name(token)})
+        listed.append(item)
+    return listed
 
 
 def chat_logprobs(tokenizer, entries) -> dict:
@@ -822,9 +953,11 @@ def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | No
 def refusal(exc: Exception) -> ApiError:
     """The answer to a request refused before it runs: an ApiError as it is; the scheduler's InputError (a prompt
     too long, a token outside the vocabulary) a 400; KVBlocksExhausted (the request alone exceeds the paged cache)
-    a 503."""
+    and SchedulerStopped (nothing runs requests any more, as /health says) a 503."""
     if isinstance(exc, KVBlocksExhausted):
         return ApiError(503, str(exc), kind="server_error", code="kv_cache_full")
+    if isinstance(exc, SchedulerStopped):
+        return ApiError(503, str(exc), kind="server_error")
     if isinstance(exc, InputError):
         return ApiError(400, str(exc))
     return exc
@@ -838,11 +971,13 @@ class Output:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     tokens: int = 0
+    prompt_logprobs: list = field(default_factory=list)  # (SamplingParams.prompt_logprobs)
     reasoning: ReasoningStream | None = None
 
     def add(self, update: Update) -> None:
         self.text += update.text
         self.logprobs += update.logprobs
+        self.prompt_logprobs += update.prompt_logprobs or []
         self.finish_reason, self.tokens = update.finish_reason, update.completion_tokens
         if self.reasoning is not None:
             self.reasoning.feed(update.text, update.completion_tokens)
@@ -917,6 +1052,8 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
              m.compactions),
             ("prefill_tokens_total", "counter", "prompt tokens computed by prefills (prefix cache hits excluded)",
              m.prefill_tokens),
+            ("prompt_logprob_tokens_total", "counter", "prompt tokens whose log-probabilities were computed (echo "
+             "with logprobs, prompt_logprobs)", m.prompt_logprob_tokens),
             ("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache",
              m.prefix_queried_tokens),
             ("prefix_cache_hits_total", "counter", "prompt tokens whose keys and values came from the prefix cache",
@@ -1144,7 +1281,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     def submit(body: dict, jobs) -> tuple[list[Request], asyncio.Queue]:
         """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens and
         adapter: the requests, and the queue their updates come on as (index, Update). Where the scheduler refuses
-        one, those submitted before it leave again."""
+        one, none is queued."""
         mailbox = mailbox_of(asyncio.get_running_loop())
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -1155,14 +1292,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
         eos = eos + stop_token_ids(body)
         adapter = names.index(body.get("model") or served) if scheduler.adapters is not None else 0
-        requests = []
-        try:
-            for index, (prompt, params) in enumerate(jobs):
-                requests.append(scheduler.submit(Request(prompt, params, deliver(index), eos, adapter)))
-        except BaseException:
-            for job in requests:
-                job.cancel()
-            raise
+        requests = scheduler.submit_all([Request(prompt, params, deliver(index), eos, adapter)
+                                         for index, (prompt, params) in enumerate(jobs)])
         return requests, updates
 
     async def outputs(request, jobs: list[Request], updates: asyncio.Queue, start: str | None = None) -> list[Output]:
@@ -1206,24 +1337,28 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             parser = tool_parser(body) if chat else None
             show_reasoning = shows_reasoning(body) if chat else True
             params = settings[0]
+            echo, shown = echoes(body, chat), shown_prompt_logprobs(body, chat)
             n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
             if len(prompts) * n > MAX_CHOICES:
                 raise ApiError(400, f"{len(prompts)} prompts x n={n} make more than {MAX_CHOICES} choices; send fewer "
                                     "prompts a request", param="prompt")
             prompt_tokens = sum(len(p) for p in prompts)
             stream = bool(body.get("stream"))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = stream_usage(body)
+            jobs = [(prompt, p) for prompt, each in zip(prompts, settings) for p in choice_params(each, n)]
+            if chat:  # one prompt_logprobs for the response (vLLM's): its first choice's
+                jobs[1:] = [(prompt, replace(p, prompt_logprobs=None)) for prompt, p in jobs[1:]]
+            echoed = [text for text in echoed_prompts(body, tokenizer, prompts) for _ in range(n)] if echo else None
             name = body.get("model") or served
-            choices, updates = submit(body, [(prompt, p) for prompt, each in zip(prompts, settings)
-                                             for p in choice_params(each, n)])
-        except (ApiError, InputError, KVBlocksExhausted) as exc:
+            choices, updates = submit(body, jobs)
+        except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": name}
         if stream:
             return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser,
-                                                   splits(start, len(choices)), show_reasoning),
+                                                   echoed, splits(start, len(choices)), show_reasoning),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             done = await outputs(request, choices, updates, start)
@@ -1236,12 +1371,24 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, out.logprobs)
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
-                results.append({"index": index, "text": out.text, "finish_reason": out.finish_reason,
-                                "logprobs": completion_logprobs(tokenizer, out.logprobs, 0, out.text)
-                                if params.logprobs is not None else None})
+                text, logprobs = out.text, None
+                if params.logprobs is not None:
+                    logprobs = completion_logprobs(tokenizer, out.logprobs, len(echoed[index]) if echo else 0,
+                                                   params.logprobs)
+                if echo:  # the prompt and its entries first (the completion's text offsets counted after it)
+                    text = echoed[index] + text
+                    if logprobs is not None:
+                        logprobs = joined_logprobs(completion_logprobs(tokenizer, out.prompt_logprobs, 0,
+                                                                       params.logprobs), logprobs)
+                results.append({"index": index, "text": text, "finish_reason": out.finish_reason,
+                                "logprobs": logprobs})
+                if shown is not None:  # vLLM's: on each choice
+                    results[-1]["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, shown)
         thought = sum(o.reasoning.reasoning_tokens for o in done) if start is not None else None
-        return JSONResponse({**head, "choices": results,
-                             "usage": usage(prompt_tokens, sum(o.tokens for o in done), thought)})
+        answer = {**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done), thought)}
+        if chat and shown is not None:  # vLLM's: on the response
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, done[0].prompt_logprobs, shown)
+        return JSONResponse(answer)
 
     def chat_message(out: Output, parser, show_reasoning: bool) -> tuple[dict, str]:
         """A whole chat reply's message and finish reason: its reasoning apart where the server reads reasoning
@@ -1258,19 +1405,21 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         return message, reason
 
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
-                            parser=None, reasoning_splits: list[ReasoningStream] | None = None,
+                            parser=None, echoed=None, reasoning_splits: list[ReasoningStream] | None = None,
                             show_reasoning: bool = True):
         """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
-        calls sent whole in the last chunk); a named function's arguments stream as they come.
+        calls sent whole in the last chunk); a named function's arguments stream as they come. ``echoed``: each
+        choice's prompt text, sent (with its entries in logprobs) in the choice's first chunk, as vLLM sends it.
         ``reasoning_splits``: each choice's reasoning is sent apart from its answer (in chunks of their own, its
         ``reasoning`` and ``reasoning_content`` where ``show_reasoning``), the answer alone read for calls."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         named = [NamedCallStream(parser) for _ in choices] if isinstance(parser, NamedToolCall) else None
+        unsent = list(echoed) if echoed is not None else [None] * len(choices)  # prompts still to echo
 
         def event(choice, extra=None):
             return f"data: {json.dumps({**head, 'choices': [choice], **(extra or {})})}\n\n"
         sent, counts = [0] * len(choices), [0] * len(choices)
-        logprobs_wanted = choices[0].params.logprobs is not None
+        logprobs_wanted = choices[0].params.logprobs
         try:
             if chat:
                 for index in range(len(choices)):
@@ -1281,18 +1430,22 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
-                reason, extra, thought = update.finish_reason, {}, thought if show_reasoning else ""
+                reason, extra, entries = update.finish_reason, {}, update.logprobs
+                thought = thought if show_reasoning else ""
+                if unsent[index] is not None:  # echo: the prompt and its entries first
+                    text, entries = unsent[index] + text, (update.prompt_logprobs or []) + entries
+                    unsent[index] = None
                 if named is not None and text:  # (the call's first chunk waits for its arguments)
                     deltas, text = named[index].feed(text), ""
                     extra = {"tool_calls": deltas} if deltas else {}
                 if calls:
                     extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
                     reason = parser.finish_reason
-                if text or thought or extra or update.logprobs or reason:
+                if text or thought or extra or entries or reason:
                     logprobs = None
-                    if logprobs_wanted:
-                        logprobs = chat_logprobs(tokenizer, update.logprobs) if chat else \
-                            completion_logprobs(tokenizer, update.logprobs, sent[index], text)
+                    if logprobs_wanted is not None:
+                        logprobs = chat_logprobs(tokenizer, entries) if chat else \
+                            completion_logprobs(tokenizer, entries, sent[index], logprobs_wanted)
                     delta = {"content": text} if text or not (reason or extra or thought) else {}
                     if thought:
                         delta = {"reasoning": thought, "reasoning_content": thought, **delta}
@@ -1326,7 +1479,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                      start)
             parser = tool_parser(chat)
             jobs, updates = submit(chat, [(prompt, params)])
-        except (ApiError, InputError, KVBlocksExhausted) as exc:
+        except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(renamed(refusal(exc)))
         head = response_head(body, params, model=body.get("model") or served, store=store)
 

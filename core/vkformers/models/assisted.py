@@ -123,6 +123,17 @@ def pop_assisted_settings(options: dict) -> AssistedSettings | None:
                             schedule=schedule, confidence=float(confidence))
 
 
+def check_forgets(cache, role: str, model) -> None:
+    """Refuse, after the prompt's forward and before any token, a cache on which ``model``'s layers keep state
+    besides keys and values (an indexer's keys): ``crop`` cannot forget rejected draft tokens from it."""
+    state = cache.layer_state()
+    if state:
+        raise AssistedGenerationError(
+            f"generate: {role} ({type(model).__name__}) keeps {', '.join(state)} on its cache besides keys and "
+            "values, which cannot forget rejected draft tokens; generate without assistant_model and "
+            "prompt_lookup_num_tokens")
+
+
 def lookup_candidates(tokens: np.ndarray, count: int, ngram_size: int, eos, allowed) -> np.ndarray:
     """transformers' prompt lookup: up to ``count`` tokens that followed the first earlier match of the sequence's
     last n tokens (n from ``ngram_size`` down to 1), ``tokens`` [T] int64; cut before the first token ``allowed(seq,
@@ -260,7 +271,9 @@ class DraftModel:
             mask = self._mask(len(tokens))
             positions = self.assistant.generation_positions(mask, tokens[None], len(tokens))
             self.fed = tokens.copy()
-            return self.assistant.prefill(tokens[None], mask, positions, self.cache)
+            logits = self.assistant.prefill(tokens[None], mask, positions, self.cache)
+            check_forgets(self.cache, "the assistant", self.assistant)
+            return logits
         self.cache.crop(shared)
         self.fed = tokens[:shared]
         return self._run(tokens[shared:])
@@ -306,6 +319,7 @@ def assisted_decode(model, settings: AssistedSettings, logits: np.ndarray, promp
     ``decode`` the main model's decode capture; ``choice``: generate's token choice (scores, probs, pick, allowed,
     finished, do_sample); ``on_token(token, scores, logits)`` for each new token; ``pad``: verification forwards
     padded to a power of two tokens. Returns (the tokens [1, T + new], AssistedStats)."""
+    check_forgets(cache, "this model", model)
     length = prompt.shape[1]
     tokens = prompt[0].astype(np.int64)
     drafter = PromptLookup(settings, choice, eos) if settings.assistant is None else \

@@ -63,6 +63,17 @@ prefix block is registered, every KV block is given back and the metrics are put
 shapes it recorded are held beside the PREFILL_PLANS that live traffic's shapes take in turn, so that a burst of other
 shapes does not push them out before their requests come.
 
+Prompt log-probabilities (``SamplingParams.prompt_logprobs``: an echoed prompt's logprobs, vLLM's prompt_logprobs):
+a prefill computes the last position's logits only, and a prefix cache hit computes none of the positions it covers,
+so the requests that ask for them are scored apart first; the others run as before. Waiting requests that ask are
+laid out as one batch (as a rebuild lays out its rows, with no prefix taken from the cache) and run through the
+model in chunks of every position's logits (at most PROMPT_LOGITS of them a chunk, read back and turned into
+float64 log-probabilities on the host, HOST_LOGPROBS values at a time), a chunk a turn between decode steps of the
+running batch. Each prompt token's entry comes from the position before it; after the last chunk each request
+takes its first token from its last position's logits (as its prefill would give it), its prompt's full blocks are
+registered for prefix caching, and it waits to join the batch with its prompt and that token (a request of
+max_tokens 1, or 0, is done there).
+
 Text: a request's tokens are decoded as they come; stop strings are matched on the text (a stop string may
 span tokens), and text that could still turn into a stop string or that ends in an incomplete character is held
 back until the next token says.
@@ -73,7 +84,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -83,8 +94,9 @@ from vkformers.engine.kernels.attention import paged_decode_fits
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import KVCache
-from vkformers.models.decode_capture import DecodeCapture, capture_key
+from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
 from vkformers.models.generation import CACHE_ROUNDING, PREFILL_BUCKET, _sample, _softmax
+from vkformers.models.generation_settings import sampling_rng
 from vkformers.models.inputs import check_model_inputs
 from vkformers.models.paged_cache import (LOOKAHEAD, PAGE_SIZE, BlockPool, KVBlocksExhausted, PagedKVCache,
                                           block_bytes, prefix_keys)
@@ -134,23 +146,51 @@ WARMUP_PREFILL_PLANS = 16
 # the device's memory heap (a server of such a model on a small card would otherwise run out at start).
 WARMUP_CONTIGUOUS_SHARE = 0.05
 WARMUP_TURNS = 1000  # a warm-up batch needs a few turns; more means it made no progress
+# Prompts scored for their log-probabilities run in chunks of at most this many logits (rows x columns x vocabulary),
+# read back whole: a 128k-vocabulary model's prompt in chunks of 512 positions (256 MiB of float32), and as the
+# PREFILL_TOKENS of a prefill's activations allow.
+PROMPT_LOGITS = 1 << 26
+# The host turns at most this many logits at a time into float64 log-probabilities (32 MiB, and as much again for
+# their exponentials).
+HOST_LOGPROBS = 1 << 22
+
+
+class SchedulerStopped(VkformersError, RuntimeError):
+    """A request submitted after the scheduler's thread ended (``error`` says why)."""
 
 
 class WarmupError(VkformersError, ValueError):
     """Warm-up shapes the scheduler never runs, or a warm-up that failed."""
 
 
+def _whole_numbers(values, what: str) -> tuple[int, ...]:
+    """warm_up's ``values`` (an iterable of whole numbers) sorted, once each; WarmupError for anything else."""
+    if not isinstance(values, (list, tuple, set, frozenset)):
+        raise WarmupError(f"warm-up {what} must be whole numbers, got {values!r}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise WarmupError(f"warm-up {what} must be whole numbers, got {value!r}")
+    return tuple(sorted({int(v) for v in values}))
+
+
 @dataclass
 class SamplingParams:
-    """One request's generation settings. ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most
-    likely alternatives to report with each token's log-probability (0: only the chosen token's).
+    """One request's generation settings. ``max_tokens`` 0: no output (the prompt's log-probabilities alone).
+    ``temperature`` 0: greedy. ``logprobs``: None, or how many of the most likely alternatives to report with each
+    token's log-probability (0: only the chosen token's); ``prompt_logprobs``: so too for each prompt token after the
+    first (Update.prompt_logprobs), under the model's distribution at the position before it.
     OpenAI's penalties, over the tokens generated so far: ``presence_penalty`` is subtracted once from the logit of
     each of them, ``frequency_penalty`` once per time it was generated; ``logit_bias``: (token, bias) pairs added to
-    those tokens' logits. All three apply before temperature, top-p and the greedy choice; log-probabilities are the
-    model's, before them. ``grammar``: an llguidance grammar the output keeps to (models/structured_output.py:
-    json_schema_grammar for OpenAI's response_format json_schema); ``json_mode``: the output one JSON object
-    (OpenAI's json_object), the grammar any_object_grammar. Tokens the grammar refuses are masked before the
-    choice (greedy, or temperature, top-k and top-p over the allowed ones)."""
+    those tokens' logits. vLLM's: ``repetition_penalty`` divides the positive logits (multiplies the negative ones)
+    of every token of the prompt and the output so far (transformers' and vLLM's rule); ``min_tokens``: no end token
+    (nor stop string) before that many tokens; ``allowed_token_ids``: the only tokens that may be chosen;
+    ``include_stop_str_in_output``: a stop string that ends the output stays in its text. The logit bias, the allowed
+    tokens, the end tokens' mask, then the penalties (repetition first) apply before temperature, top-p and the
+    greedy choice, in vLLM's order; log-probabilities are the model's, before them. ``grammar``: an llguidance
+    grammar the output keeps to (models/structured_output.py: json_schema_grammar for OpenAI's response_format
+    json_schema); ``json_mode``: the output one JSON object (OpenAI's json_object), the grammar any_object_grammar.
+    Tokens the grammar refuses are masked before the choice (greedy, or temperature, top-k and top-p over the allowed
+    ones)."""
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -162,12 +202,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()  # () : every token
+    include_stop_str_in_output: bool = False
     json_mode: bool = False  # the output one JSON object (OpenAI's response_format json_object)
     grammar: str | None = None  # an llguidance grammar the output keeps to (response_format json_schema)
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
-        if self.max_tokens < 1:
-            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise InputError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not self.temperature >= 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -176,19 +221,25 @@ class SamplingParams:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InputError(f"logprobs must be in 0..20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise InputError(f"{name} must be in 0..20, got {getattr(self, name)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise InputError("logit_bias values must be in [-100, 100]")
+        if not self.repetition_penalty > 0:
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be in [0, max_tokens {self.max_tokens}], got {self.min_tokens}")
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether the host must choose this request's tokens from its own scores (penalties, bias, a grammar)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.json_mode
-                    or self.grammar is not None)
+                    or self.grammar is not None or self.repetition_penalty != 1 or self.min_tokens
+                    or self.allowed_token_ids)
 
     @property
     def output_grammar(self) -> str | None:
@@ -199,18 +250,21 @@ class SamplingParams:
 @dataclass
 class TokenLogprob:
     token: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which no position predicts
     top: list[tuple[int, float]]  # the most likely tokens at this step, most likely first
+    rank: int | None = None  # a prompt token's rank, 1 the most likely (the tokens at least as likely counted)
 
 
 @dataclass
 class Update:
     """What a request produced since its last update: text (stop strings and held-back text excluded), the tokens'
-    log-probabilities (with SamplingParams.logprobs), and the finish reason once it is done."""
+    log-probabilities (with SamplingParams.logprobs), and the finish reason once it is done. ``prompt_logprobs``
+    (SamplingParams.prompt_logprobs): one entry per prompt token, in an update of its own before any token."""
     text: str
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     completion_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Request:
@@ -220,9 +274,10 @@ class Request:
         self.prompt, self.params, self.on_update = [int(t) for t in prompt], params, on_update
         self.adapter = int(adapter)  # the scheduler's adapters: 0 the base model, k the k-th adapter
         self.eos = set(eos)
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = sampling_rng(params.seed)
         self.generated: list[int] = []
         self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
+        self.prompt_tokens = np.unique(np.asarray(self.prompt, np.int64))  # (the repetition penalty's)
         self.text = ""       # the decoded text so far, cut at a stop string
         self.rendered = _IncrementalText()
         self.sent = 0        # characters of text already sent
@@ -232,10 +287,16 @@ class Request:
         self.arrived = time.perf_counter()
         self.first_token_at: float | None = None
         self.constraint: TokenConstraint | None = None  # params.output_grammar: the output's grammar state
+        self.scored = False  # its prompt's log-probabilities were sent (params.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def needs_scoring(self) -> bool:
+        """Whether its prompt's log-probabilities are still to compute (BatchScheduler._score_chunk)."""
+        return self.params.prompt_logprobs is not None and not self.scored
 
     def cancel(self) -> None:
         """Leave at the next step boundary (a client that went away)."""
@@ -272,6 +333,7 @@ class Metrics:
     kv_blocks_used: int = 0       # paged: blocks held by requests
     preemptions: int = 0          # paged: requests sent back to wait for blocks (recomputed when they rejoin)
     prefill_tokens: int = 0       # tokens of prompts (and tokens so far) computed by prefills
+    prompt_logprob_tokens: int = 0  # prompt tokens whose log-probabilities were computed (their prefills counted too)
     prefix_queried_tokens: int = 0  # tokens of prompts looked up in the prefix cache
     prefix_hit_tokens: int = 0    # of those, tokens whose keys and values came from the prefix cache
     kv_blocks_cached: int = 0     # paged: blocks registered for prefix caching (held or reusable)
@@ -338,6 +400,13 @@ class _Prefill:
     done: int = 0
 
 
+@dataclass
+class _Scoring(_Prefill):
+    """Prompts whose log-probabilities are being computed (BatchScheduler._score_chunk): ``entries``, per request,
+    those of its prompt tokens so far."""
+    entries: list[list[TokenLogprob]] = field(default_factory=list)
+
+
 class BatchScheduler:
     """Runs requests on ``model`` (a GenerationMixin causal LM), ``tokenizer`` decoding their text.
 
@@ -382,6 +451,9 @@ class BatchScheduler:
         self._warmup_prefills_run: set = set()  # the prefill shapes the last warm-up ran
         self._joining: list[Request] = []
         self._prefilling: _Prefill | None = None  # joining prompts being prefilled, a chunk per turn
+        self._to_score: list[Request] = []  # waiting requests taken for scoring at this turn (_start_scoring)
+        self._scoring: _Scoring | None = None  # prompts being scored for their log-probabilities, a chunk per turn
+        self._scoring_caches: dict[int, KVCache] = {}  # rows -> the cache prompts are scored in
         # paged: after the pool ran out where no request could be preempted (a prefill), at most this many requests
         # are admitted at once, halved at each such failure, until a request finishes and gives blocks back: the
         # same requests do not fail together again and again (one alone always fits: check)
@@ -525,6 +597,7 @@ class BatchScheduler:
         self._caches.clear()
         self._adapter_scales.clear()
         self._joining_caches.clear()
+        self._scoring_caches.clear()
         self._forget_prefills()
         lazy.clear_plan_cache()
 
@@ -552,13 +625,35 @@ class BatchScheduler:
                                         f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
 
     def submit(self, request: Request) -> Request:
+        """Queue ``request``; InputError (before it runs) for one the model cannot take."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Request]:
+        """Queue ``requests`` together (a call's choices and prompts), each checked first: one the model cannot take
+        is an InputError and none of them runs."""
+        for request in requests:
+            self._check_request(request)
+        with self._cond:
+            if self.error is not None:
+                raise SchedulerStopped(f"the scheduler stopped: {self.error}")
+            self._waiting.extend(requests)
+            self.metrics.requests += len(requests)
+            self.metrics.prompt_tokens += sum(len(request.prompt) for request in requests)
+            self.metrics.waiting = len(self._waiting)
+            self._cond.notify_all()
+        return requests
+
+    def _check_request(self, request: Request) -> None:
+        """What submit checks of a request (InputError), its grammar compiled."""
         if not 0 <= request.adapter <= len(self.adapters.names if self.adapters is not None else ()):
             raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
         request.params.check()
         vocab = self._probe_logits.shape[-1]
-        wrong = [t for t, _ in request.params.logit_bias if not 0 <= t < vocab]
-        if wrong:
-            raise InputError(f"logit_bias names token {wrong[0]}, outside the model's vocabulary of {vocab}")
+        for name, tokens in (("logit_bias", [t for t, _ in request.params.logit_bias]),
+                             ("allowed_token_ids", request.params.allowed_token_ids)):
+            wrong = [t for t in tokens if not 0 <= t < vocab]
+            if wrong:
+                raise InputError(f"{name} names token {wrong[0]}, outside the model's vocabulary of {vocab}")
         self.check(len(request.prompt), request.params.max_tokens)
         grammar = request.params.output_grammar
         if grammar is not None:  # compiled here, where a bad grammar is the caller's error, not the batch's
@@ -566,15 +661,6 @@ class BatchScheduler:
         limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
         if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
             check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
-        with self._cond:
-            if self.error is not None:
-                raise RuntimeError(f"the scheduler stopped: {self.error}")
-            self._waiting.append(request)
-            self.metrics.requests += 1
-            self.metrics.prompt_tokens += len(request.prompt)
-            self.metrics.waiting = len(self._waiting)
-            self._cond.notify_all()
-        return request
 
     # -- warm-up, before the thread starts
 
@@ -671,9 +757,9 @@ class BatchScheduler:
         """The batch sizes and prompt widths to warm up, checked: WarmupError for ones the scheduler never runs."""
         sizes, widths = self.default_warmup()
         if batch_sizes is not None:
-            sizes = tuple(sorted({int(n) for n in batch_sizes}))
+            sizes = _whole_numbers(batch_sizes, "batch sizes")
         if prompt_widths is not None:
-            widths = tuple(sorted({int(w) for w in prompt_widths}))
+            widths = _whole_numbers(prompt_widths, "prompt widths")
         allowed = self.batch_sizes()
         wrong = [n for n in sizes if n not in allowed]
         if wrong:
@@ -806,8 +892,7 @@ class BatchScheduler:
     def _drive(self, requests: list[Request], until: list[Request] | None = None) -> None:
         """Submit the warm-up's ``requests`` and run the scheduler's turns on this thread until ``until`` (default:
         those requests) finished; WarmupError where a turn failed."""
-        for request in requests:
-            self.submit(request)
+        self.submit_all(requests)
         until = requests if until is None else until
         errors = self.metrics.errors
         for _ in range(WARMUP_TURNS):
@@ -843,7 +928,8 @@ class BatchScheduler:
         try:
             while True:
                 with self._cond:
-                    while not self._closing and not self._waiting and not self._live() and self._prefilling is None:
+                    while not self._closing and not self._waiting and not self._live() and self._prefilling is None \
+                            and self._scoring is None:
                         self._release_rows()
                         if self._releases:  # idle: nothing reads the caches now
                             self._drop_caches()
@@ -858,7 +944,7 @@ class BatchScheduler:
         except BaseException as exc:  # the thread ends: no request may wait for it
             self.error = exc
             with self._cond:
-                self._fail(self._waiting + self._joining + self._rows)
+                self._fail(self._waiting + self._held_requests())
                 self._waiting.clear()
             raise
 
@@ -878,6 +964,10 @@ class BatchScheduler:
                     self._joining = admitted
                     if admitted:
                         self._rebuild(admitted)
+            if self._to_score:
+                self._start_scoring()
+            if self._scoring is not None:
+                self._score_chunk()
             decoding = self._state is not None and any(r is not None and not r.finished for r in self._rows)
             if self._prefilling is not None:
                 self._prefill_chunk()
@@ -891,9 +981,10 @@ class BatchScheduler:
             self.metrics.preemptions += len(requests)
             self._admit_limit = max(1, min(self._admit_limit or len(requests), len(requests)) // 2)
             self._requeue(sorted(requests, key=lambda r: r.arrived))
-            self._prefilling = None
+            self._prefilling = self._scoring = None
             self._release_rows()
-            for cache in [c for c, _, _ in self._caches.values()] + list(self._joining_caches.values()):
+            for cache in [c for c, _, _ in self._caches.values()] + list(self._joining_caches.values()) \
+                    + list(self._scoring_caches.values()):
                 cache.reset()
             self._count_blocks()
         except Exception as exc:
@@ -901,19 +992,22 @@ class BatchScheduler:
             self.metrics.errors += 1
             with self._cond:
                 self._fail(self._held_requests())
-            self._prefilling = None
+            self._prefilling = self._scoring = None
             self._release_rows()
             self._caches.clear()
             self._joining_caches.clear()
+            self._scoring_caches.clear()
             self._forget_prefills()
             self._pool = None  # (its blocks may be held by the dropped caches)
         finally:
-            self._joining = []
+            self._joining, self._to_score = [], []
 
     def _held_requests(self) -> list[Request]:
-        """The requests this turn held (in rows, joining, or being prefilled), each once: a failure answers them."""
+        """The requests this turn held (in rows, joining, being prefilled or scored), each once: a failure answers
+        them."""
         prefilling = self._prefilling.requests if self._prefilling is not None else []
-        held = [r for r in self._rows + self._joining + prefilling if r is not None]
+        scoring = self._scoring.requests if self._scoring is not None else []
+        held = [r for r in self._rows + self._joining + prefilling + self._to_score + scoring if r is not None]
         return list({id(r): r for r in held}.values())
 
     def _fail(self, requests) -> None:
@@ -995,18 +1089,38 @@ class BatchScheduler:
 
     def _admit(self) -> list[Request]:
         """Waiting requests that join the batch now, as many as max_batch allows (called under the lock); none
-        while joining prompts are being prefilled."""
+        while joining prompts are being prefilled. Those whose prompts are to be scored first wait for it: while no
+        prompt is being scored, the first max_batch of them (or as many as the admission limit of a pool that ran
+        out allows) are taken for it (``_to_score``). A request of no output tokens that is not to be scored is done
+        at once."""
         live = self._live()
         joining = []
-        if self._prefilling is not None:
-            return joining
         limit = self.max_batch if self._admit_limit is None else self._admit_limit
+        if self._scoring is None and not self._to_score:
+            kept = []
+            for request in self._waiting:
+                if request.needs_scoring and request.cancelled:
+                    self._finish(request, FINISH_CANCELLED)
+                elif request.needs_scoring and len(self._to_score) < limit:
+                    self._to_score.append(request)
+                else:
+                    kept.append(request)
+            self._waiting[:] = kept
+        if self._prefilling is not None:
+            self.metrics.waiting = len(self._waiting)
+            return joining
+        kept = []
         while self._waiting and len(live) + len(joining) < limit:
             request = self._waiting.pop(0)
             if request.cancelled:
                 self._finish(request, FINISH_CANCELLED)
-                continue
-            joining.append(request)
+            elif request.needs_scoring:
+                kept.append(request)
+            elif request.params.max_tokens <= len(request.generated):
+                self._finish(request, FINISH_LENGTH)  # max_tokens 0: the prompt alone
+            else:
+                joining.append(request)
+        self._waiting[:0] = kept
         self.metrics.waiting = len(self._waiting)
         return joining
 
@@ -1060,15 +1174,17 @@ class BatchScheduler:
         cache.reset()
         return cache, capture
 
-    def _prefill_cache(self, rows: int, length: int) -> KVCache:
-        """A reset cache that prompts joining a running batch are prefilled into, kept per row count."""
-        cache = self._joining_caches.get(rows)
+    def _prefill_cache(self, rows: int, length: int, kept: dict | None = None) -> KVCache:
+        """A reset cache that prompts joining a running batch are prefilled into, kept per row count (in ``kept``:
+        those of another use, the scoring of prompts)."""
+        kept = self._joining_caches if kept is None else kept
+        cache = kept.get(rows)
         if cache is None or cache.max_len < length:
             if cache is not None:
                 self._forget_prefills(cache)
-            self._joining_caches.pop(rows, None)
+            kept.pop(rows, None)
             del cache
-            cache = self._joining_caches[rows] = self._new_cache(rows, length)
+            cache = kept[rows] = self._new_cache(rows, length)
         cache.reset()
         return cache
 
@@ -1093,10 +1209,12 @@ class BatchScheduler:
         params = self.model.parameters() if hasattr(self.model, "parameters") else []
         return params[0].device if params else None
 
-    def _left_padded(self, histories: list[list[int]], rows: int):
-        """ids and mask [rows, width] of the token lists, left-padded; filler rows hold one pad token."""
+    def _left_padded(self, histories: list[list[int]], rows: int, exact: bool = False):
+        """ids and mask [rows, width] of the token lists, left-padded; filler rows hold one pad token. The width:
+        _width's of the longest (``exact``: the longest's own)."""
         histories = histories + [[self.pad]] * (rows - len(histories))
-        length = self._width(max(len(h) for h in histories))
+        longest = max(len(h) for h in histories)
+        length = longest if exact else self._width(longest)
         ids = np.full((rows, length), self.pad, np.int64)
         mask = np.zeros((rows, length), np.int64)
         for row, history in enumerate(histories):
@@ -1170,6 +1288,93 @@ class BatchScheduler:
             self._register_prefix(job.cache, job.layout, len(job.requests))
             self._place(job.requests, ids, job.cache, logits)
             self._prefilling = None  # placed (until then a failure finds the requests here: they are in no row)
+
+    def _start_scoring(self) -> None:
+        """Lay out the requests taken for scoring (``_to_score``) as one batch in a cache of their own, no prefix
+        taken from the prefix cache (every position's logits are wanted). Paged: those whose blocks the pool has not
+        now wait again (one always goes when no block is held: submit's check says a request fits alone)."""
+        requests = self._to_score
+        count = len(requests)
+        if self.kv_blocks is not None:
+            pool = self._block_pool()
+
+            def blocks(taken):  # at most: a chunk takes every row's blocks LOOKAHEAD columns past it, padding or not
+                width = max(len(r.prompt) for r in requests[:taken])
+                return self._bucket(taken) * -(-(width + LOOKAHEAD) // self.page_size)
+            while count and blocks(count) > pool.free_blocks:
+                count -= 1
+            if count == 0 and pool.used_blocks == 0:
+                count = 1
+        self._requeue(requests[count:])
+        self._to_score = requests = requests[:count]
+        if not requests:
+            return
+        # rows rounded up as a batch's are (filler rows: one pad token), so that a few caches serve every count
+        layout = self._layout(requests, self._bucket(len(requests)), scoring=True)
+        positions = self.model.generation_positions(layout.mask, layout.ids, layout.ids.shape[1])
+        cache = self._prefill_cache(*layout.ids.shape, self._scoring_caches)
+        self._take_prefix(cache, layout, len(requests))  # (nothing taken: the filler rows' blocks given back)
+        self._scoring = _Scoring(requests, layout, positions, cache, entries=[[] for _ in requests])
+        self._to_score = []
+
+    def _score_chunk(self) -> None:
+        """The next chunk of the prompts being scored: the model's logits at every position of the chunk (at most
+        PROMPT_LOGITS; no recorded plan, which keeps the last position's only), each prompt token's entry from the
+        position before it. After the last chunk each request gets its prompt's entries (an update of their own),
+        takes its first token from its last position's logits and waits to join the batch with it (or is done:
+        max_tokens 1, or 0); its prompt's full blocks are offered to later prompts, its own join among them."""
+        job = self._scoring
+        if all(r.cancelled for r in job.requests):  # no one waits for them: the job ends here
+            for request in job.requests:
+                self._finish(request, FINISH_CANCELLED)
+            job.cache.reset()
+            self._scoring = None
+            self._count_blocks()
+            return
+        ids, mask = job.layout.ids, job.layout.mask
+        rows, width = ids.shape
+        start = job.done
+        vocab = self._probe_logits.shape[-1]
+        end = min(start + min(self._chunk_columns(rows, width - start), max(PROMPT_LOGITS // (rows * vocab), 1)),
+                  width)
+        began = time.perf_counter()
+        with self._selecting(job.requests, rows):
+            out = self.model(ids[:, start:end], attention_mask=mask[:, :end], position_ids=job.positions[:, start:end],
+                             cache=job.cache)
+            logits = to_scores(out.logits.numpy())  # [rows, columns, vocab]
+            del out
+        for row, request in enumerate(job.requests):
+            columns = np.nonzero(mask[row])[0]  # the prompt's tokens, in order
+            # the position of token i gives the entry of token i + 1
+            picked = np.nonzero((columns[:-1] >= start) & (columns[:-1] < end))[0]
+            if picked.size:
+                job.entries[row] += _prompt_logprobs(logits[row, columns[picked] - start],
+                                                     np.asarray(request.prompt)[picked + 1],
+                                                     request.params.prompt_logprobs)
+        job.done = end
+        self.metrics.prefill_seconds += time.perf_counter() - began
+        self.metrics.prefills += 1
+        if end < width:
+            return
+        self._register_prefix(job.cache, job.layout, len(job.requests))
+        job.cache.reset()  # its blocks back to the pool (those registered stay cached)
+        self._count_blocks()
+        choosing = []
+        for row, request in enumerate(job.requests):
+            request.scored = True
+            self.metrics.prompt_logprob_tokens += len(request.prompt)
+            if request.cancelled:
+                self._finish(request, FINISH_CANCELLED)
+                continue
+            first = TokenLogprob(request.prompt[0], None, [])
+            request.on_update(Update("", [], None, 0, prompt_logprobs=[first] + job.entries[row]))
+            if request.params.max_tokens == 0:
+                self._finish(request, FINISH_LENGTH)
+            else:
+                choosing.append((row, request))
+        self._choose(logits[:, -1], choosing)  # every row's prompt ends at the last column
+        self._scoring = None
+        self._requeue([request for _, request in choosing])
 
     def _prefill(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: KVCache,
                  requests: list[Request] = ()) -> np.ndarray:
@@ -1253,22 +1458,24 @@ class BatchScheduler:
             width -= width % 16
         return min(width, columns) if columns > 0 else width
 
-    def _layout(self, requests: list[Request], rows: int) -> _Layout:
+    def _layout(self, requests: list[Request], rows: int, scoring: bool = False) -> _Layout:
         """The requests' tokens so far (prompt and generated) as ``rows`` rows (filler rows: one pad token).
         Without prefix caching, left-padded. With it: each prompt's full blocks from column 0, a masked gap, the
         rest ending at the last column; ``start``: the columns every request finds in the prefix cache (a whole
-        number of blocks, and at least one token left to prefill)."""
+        number of blocks, and at least one token left to prefill). ``scoring`` (_start_scoring): nothing taken from
+        the prefix cache, and the longest request as wide as it is (no recorded plan to share)."""
         histories = [r.prompt + r.generated for r in requests]
         queried = sum(len(h) for h in histories)
         if not self.prefix_caching:
             self.metrics.prefill_tokens += queried
-            ids, mask = self._left_padded(histories, rows)
+            ids, mask = self._left_padded(histories, rows, exact=scoring)
             return _Layout(ids, mask)
         size, pool = self.page_size, self._block_pool()
         keys = [prefix_keys(r.prompt, size, self._adapter_salts[r.adapter]) for r in requests]
         aligned = [min(len(k), (len(h) - 1) // size) for k, h in zip(keys, histories)]
-        hits = min(pool.cached_prefix(k[:a]) for k, a in zip(keys, aligned))
-        width = self._width(max(len(h) for h in histories))
+        hits = 0 if scoring else min(pool.cached_prefix(k[:a]) for k, a in zip(keys, aligned))
+        longest = max(len(h) for h in histories)
+        width = longest if scoring else self._width(longest)
         ids = np.full((rows, width), self.pad, np.int64)
         mask = np.zeros((rows, width), np.int64)
         for row, (history, blocks) in enumerate(zip(histories, aligned)):
@@ -1279,8 +1486,9 @@ class BatchScheduler:
             mask[row, width - len(rest):] = 1
         mask[len(requests):, -1] = 1
         hit_tokens = hits * size * len(requests)
-        self.metrics.prefix_queried_tokens += queried
-        self.metrics.prefix_hit_tokens += hit_tokens
+        if not scoring:
+            self.metrics.prefix_queried_tokens += queried
+            self.metrics.prefix_hit_tokens += hit_tokens
         self.metrics.prefill_tokens += queried - hit_tokens
         return _Layout(ids, mask, hits * size, tuple(keys), tuple(aligned))
 
@@ -1547,11 +1755,12 @@ class BatchScheduler:
                 text = request.rendered.extend(self.tokenizer, tokens)
         else:
             text = request.rendered.extend(self.tokenizer, tokens)
-        if params.stop:
+        if params.stop and len(request.generated) >= params.min_tokens:
             # a stop string in the text not yet sent (the sent text held back enough to contain none)
-            found = [i for i in (text.find(s, request.sent) for s in params.stop if s) if i >= 0]
+            found = [(i, len(s)) for i, s in ((text.find(s, request.sent), s) for s in params.stop if s) if i >= 0]
             if found:
-                text, finish = text[:min(found)], FINISH_STOP
+                at, length = min(found)
+                text, finish = text[:at + length if params.include_stop_str_in_output else at], FINISH_STOP
         request.text = text
         if finish is None and stopped:
             finish = FINISH_STOP
@@ -1617,15 +1826,50 @@ class _ProbeCache(KVCache):
 
 
 def _adjusted(scores: np.ndarray, request: Request) -> np.ndarray:
-    """A row's logits [1, vocab] after the request's presence and frequency penalties and logit bias."""
+    """A row's logits [1, vocab] after the request's logit bias, allowed tokens, end tokens' mask (min_tokens) and
+    penalties, in vLLM's order (SamplingParams)."""
     params, scores = request.params, scores.astype(np.float32, copy=True)
+    for token, bias in params.logit_bias:
+        scores[0, token] += bias
+    if params.allowed_token_ids:
+        allowed = np.asarray(params.allowed_token_ids, np.int64)
+        kept = scores[0, allowed]
+        scores[0] = -np.inf
+        scores[0, allowed] = kept
+    if len(request.generated) < params.min_tokens and request.eos:
+        scores[0, [t for t in request.eos if t < scores.shape[1]]] = -np.inf
+    if params.repetition_penalty != 1:
+        seen = np.union1d(request.prompt_tokens, np.fromiter(request.counts, np.int64, len(request.counts)))
+        seen = seen[seen < scores.shape[1]]
+        values = scores[0, seen]
+        scores[0, seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if request.counts and (params.presence_penalty or params.frequency_penalty):
         tokens = np.fromiter(request.counts, np.int64, len(request.counts))
         counts = np.fromiter(request.counts.values(), np.float32, len(request.counts))
         scores[0, tokens] -= params.frequency_penalty * counts + params.presence_penalty
-    for token, bias in params.logit_bias:
-        scores[0, token] += bias
     return scores
+
+
+def _prompt_logprobs(logits: np.ndarray, targets: np.ndarray, top: int) -> list[TokenLogprob]:
+    """Each row of ``logits`` [n, vocab] as the log-probability (log-softmax in float64) of its ``targets`` token,
+    that token's rank, and the ``top`` most likely tokens (most likely first, ties by token id); HOST_LOGPROBS
+    values at a time."""
+    entries = []
+    top, step = min(top, logits.shape[-1]), max(HOST_LOGPROBS // logits.shape[-1], 1)
+    for first in range(0, len(logits), step):
+        scores = logits[first:first + step].astype(np.float64)
+        scores -= scores.max(axis=-1, keepdims=True)
+        scores -= np.log(np.exp(scores).sum(axis=-1, keepdims=True))
+        tokens = targets[first:first + len(scores)]
+        chosen = scores[np.arange(len(scores)), tokens]
+        ranks = (scores >= chosen[:, None]).sum(axis=-1)
+        best = np.argpartition(-scores, top - 1, axis=-1)[:, :top] if top else np.zeros((len(scores), 0), np.int64)
+        values = np.take_along_axis(scores, best, axis=-1)
+        order = np.lexsort((best, -values), axis=-1)
+        best, values = np.take_along_axis(best, order, axis=-1), np.take_along_axis(values, order, axis=-1)
+        entries += [TokenLogprob(int(token), float(logprob), list(zip(map(int, ids), map(float, lps))), int(rank))
+                    for token, logprob, ids, lps, rank in zip(tokens, chosen, best, values, ranks)]
+    return entries
 
 
 def _logprob(scores: np.ndarray, token: int, top: int) -> TokenLogprob:

@@ -176,16 +176,22 @@ class KVCache:
         self._step = None
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` stored tokens and forget the rest (transformers' ``DynamicCache.crop``): the
-        draft tokens a verification rejected. Their keys stay in the buffers until new tokens overwrite them.
-        Refused where layers keep a recurrent state on the cache, which holds every token it saw."""
+        """Keep the first ``length`` stored tokens and forget the rest, as transformers' ``DynamicCache.crop``: a
+        negative ``length`` forgets that many, one at or beyond the stored count changes nothing; the draft tokens a
+        verification rejected. Their keys stay in the buffers until new tokens overwrite them. Refused where layers
+        keep a recurrent state on the cache, which holds every token it saw."""
         state = self.layer_state()
         if state:
             raise CropError(f"{type(self).__name__}.crop: the model keeps {', '.join(state)} on its cache besides "
                             "keys and values, which cannot forget tokens")
-        if not 0 <= length <= self.position:
-            raise CropError(f"{type(self).__name__}.crop: cannot keep {length} of {self.position} stored tokens")
-        self.rewind(self.position - int(length))
+        length = int(length)
+        if length < 0:
+            length += self.position
+        if length < 0:
+            raise CropError(f"{type(self).__name__}.crop: cannot forget {self.position - length} of "
+                            f"{self.position} stored tokens")
+        if length < self.position:
+            self.rewind(self.position - length)
 
     def place_row(self, source: "KVCache", source_row: int, row: int, rows: int = 1) -> None:
         """Make ``row`` (and the ``rows - 1`` after it) hold ``source``'s stored tokens of ``source_row`` (and the

@@ -52,10 +52,15 @@ class DecodeCapture:
     overwrites in place, persistent buffers like the KV cache's, so ids alone change between steps.
     """
 
-    def __init__(self, cache: KVCache, tokens: int = 1):
+    def __init__(self, cache: KVCache, tokens: int = 1, across_positions: bool = False):
         self.cache = cache
         self.tokens = tokens   # per step: 1 for decode; a prompt's length for a captured prefill (no chains)
+        # True: the forward follows stored tokens of any count (a draft's verification), and two observations
+        # confirm its plan only at different counts: a graph that depends on the count (stored keys sliced to it)
+        # then never confirms, where two forwards at one count would replay it at every other
+        self.across_positions = across_positions
         self.previous = None   # the last observed step: (plan, roles, constants, logits buffer, view)
+        self.observed_at = None  # the cache's position after the last observed step
         self.ready = False
         self.readback = None   # lazy.ViewReadback of the logits
         self.chains = {}       # steps -> _Chain, recorded on first use
@@ -66,15 +71,18 @@ class DecodeCapture:
         if self.previous is not None:
             self.previous[0].release(self)
         self.previous, self.ready, self.readback, self.chains = None, False, None, {}
+        self.observed_at = None
 
     def observe(self, runs, step_ids: np.ndarray, step_positions: np.ndarray, last, rows=None) -> None:
         """``rows`` (int32, one per batch row, or None): the array of an input that picks which position's
         logits ``last`` holds (a prompt padded to a reusable length: its last real token)."""
         current = self._describe(runs, step_ids, step_positions, last, rows)
         previous, self.previous = self.previous, current
+        moved = self.observed_at != self.cache.position
+        self.observed_at = self.cache.position
         if previous is not None:
             previous[0].release(self)
-        if self._confirms(previous, current):
+        if self._confirms(previous, current) and (moved or not self.across_positions):
             self.ready = True
         if self.ready and current is not None:
             current[0].hold(self)  # replayed without the plan cache: the cache must keep it

@@ -24,13 +24,14 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
-from vkformers.models.assisted import AssistedGenerationError, AssistedSettings, assisted_decode, pop_assisted_settings
+from vkformers.models.assisted import (AssistedGenerationError, AssistedSettings, AssistedStats, assisted_decode,
+                                       pop_assisted_settings)
 from vkformers.models.beam_search import BeamSearch, log_softmax, search_beams
 from vkformers.models.cache import KVCache
 from vkformers.errors import InputError
 from vkformers.models.decode_capture import DecodeCapture, capture_key, to_scores
 from vkformers.models.generation_settings import (GenerateDecoderOnlyOutput, LogitRules, config_value,
-                                                   generation_sources, pop_output_request, resolve_call)
+                                                   generation_sources, pop_output_request, resolve_call, sampling_rng)
 from vkformers.models.generation_settings import softmax64 as _softmax
 from vkformers.models.inputs import check_model_inputs, check_prompt_length
 from vkformers.runtime import dtypes as dt
@@ -68,7 +69,7 @@ class GenerationMixin:
         input_ids: [batch, T] (or [T]); batched prompts of different lengths are left-padded, with
         ``attention_mask`` (1 = token, 0 = padding; default all ones). Positions are
         ``cumsum(attention_mask) - 1`` as in transformers. Greedy unless ``do_sample``; sampling draws
-        from ``numpy.random.default_rng(seed)`` (deterministic for a given seed). ``eos_token_id``
+        from ``sampling_rng(seed)`` (deterministic for a given seed). ``eos_token_id``
         (int or list; default: the model's generation_config, else its config): a row that produced
         one is finished and gets ``pad_token_id`` from then on; generation stops when every row is
         finished. ``streamer``: a callable given each step's new tokens ([batch] int64), or an
@@ -116,13 +117,14 @@ class GenerationMixin:
                              "ends); leave the streamer or num_beams out")
         if assisted is not None:
             self._check_assisted(assisted, ids.shape[0], beams, lengths.num_return_sequences)
+            object.__setattr__(self, "assisted_stats", AssistedStats())  # this call's (none where it makes no token)
         ids, mask = (np.repeat(a, beams or lengths.num_return_sequences, axis=0) for a in (ids, mask))
         batch, length = ids.shape
         eos = _eos_ids(self, eos_token_id)
         pad = _pad_id(self, pad_token_id, eos)
         rules = LogitRules.resolve(sources, given_rules, start_length=length, max_length=length + max_new_tokens,
-                                   eos=eos, sampling=do_sample, beams=beams or 1)
-        rng = np.random.default_rng(seed)
+                                   eos=eos, beams=beams or 1)
+        rng = sampling_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(ids)
         if max_new_tokens == 0:
@@ -180,7 +182,7 @@ class GenerationMixin:
                     next_tokens = chosen.pop(0)
                 elif output.records:
                     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
-                    warped = warped_scores(scores, temperature, top_k, top_p, min_p, rules, tokens) if do_sample \
+                    warped = warped_scores(scores, temperature, top_k, top_p, min_p, rules) if do_sample \
                         else scores
                     next_tokens = _draw(_softmax(warped), rng) if do_sample else scores.argmax(axis=-1)
                     if output.scores:
@@ -432,7 +434,7 @@ class GenerationMixin:
         if captures is None:
             captures = {}
             object.__setattr__(self, "_held_chunks", captures)
-        capture = captures.pop((key, tokens), None) or DecodeCapture(cache, tokens=tokens)
+        capture = captures.pop((key, tokens), None) or DecodeCapture(cache, tokens=tokens, across_positions=True)
         captures[key, tokens] = capture
         while len(captures) > CHUNK_CAPTURES:
             captures.pop(next(iter(captures)))
@@ -655,25 +657,23 @@ def apply_min_p(scores: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def warped_scores(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                  min_p: float = 0.0, rules: LogitRules | None = None, tokens: np.ndarray | None = None) -> np.ndarray:
+                  min_p: float = 0.0, rules: LogitRules | None = None) -> np.ndarray:
     """Scores through transformers' sampling warpers in its order: temperature, then top-k, then top-p, then min-p,
-    then ``rules``' typical, epsilon and eta cutoffs (the tokens they drop at -inf) and the caller's processors
-    (given ``tokens``)."""
+    then ``rules``' typical, epsilon and eta cutoffs (the tokens they drop at -inf)."""
     scores = scores / temperature if temperature != 1.0 else scores
     scores = apply_min_p(apply_top_p(apply_top_k(scores, top_k), top_p), min_p)
-    return rules.warp(scores, tokens) if rules is not None else scores
+    return rules.warp(scores) if rules is not None else scores
 
 
 def sampling_probabilities(scores: np.ndarray, temperature: float = 1.0, top_k: int = 0,
-                           top_p: float = 1.0, min_p: float = 0.0, rules: LogitRules | None = None,
-                           tokens: np.ndarray | None = None) -> np.ndarray:
+                           top_p: float = 1.0, min_p: float = 0.0, rules: LogitRules | None = None) -> np.ndarray:
     """The distribution sampling draws from: the softmax of :func:`warped_scores`."""
-    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p, rules, tokens))
+    return _softmax(warped_scores(scores, temperature, top_k, top_p, min_p, rules))
 
 
 def _sample(scores, rng: np.random.Generator, temperature, top_k, top_p, min_p: float = 0.0,
-            rules: LogitRules | None = None, tokens: np.ndarray | None = None) -> np.ndarray:
-    return _draw(sampling_probabilities(scores, temperature, top_k, top_p, min_p, rules, tokens), rng)
+            rules: LogitRules | None = None) -> np.ndarray:
+    return _draw(sampling_probabilities(scores, temperature, top_k, top_p, min_p, rules), rng)
 
 
 def _draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -709,7 +709,7 @@ def pick_next_tokens(logits: np.ndarray, tokens: np.ndarray, do_sample: bool, rn
     their own generation loop)."""
     scores = processed_scores(logits, tokens, repetition_penalty, suppress, rules, padding)
     if do_sample:
-        return _sample(scores, rng, temperature, top_k, top_p, min_p, rules, tokens)
+        return _sample(scores, rng, temperature, top_k, top_p, min_p, rules)
     return scores.argmax(axis=-1)
 
 
@@ -733,7 +733,7 @@ class TokenChoice:
     def scores(self, logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The scores [1, vocab] the token after ``tokens`` [1, T] is chosen from, given its ``logits`` [1, vocab]."""
         scores = self._processed(logits, tokens)
-        return warped_scores(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.rules, tokens) \
+        return warped_scores(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.rules) \
             if self.do_sample else scores
 
     def probs(self, scores: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ RULE_ARGUMENTS = ("no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id"
 WARPER_ARGUMENTS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 # the caller's own processing (generate's arguments only): prefix_allowed_tokens_fn(batch_id, ids) -> allowed ids;
 # logits_processor, callables (ids [rows, T] int64, scores [rows, vocab] float32) -> scores, run after transformers'
-# processors (and, when sampling, its warpers); stopping_criteria, callables (ids, None) -> bool per row (or one)
+# processors and before its sampling warpers; stopping_criteria, callables (ids, None) -> bool per row (or one)
 CALLER_ARGUMENTS = ("prefix_allowed_tokens_fn", "logits_processor", "stopping_criteria")
 
 
@@ -262,6 +262,16 @@ def pop_stop_strings(options: dict, beams: int = 1) -> StopStrings | None:
     return StopStrings(strings, tokenizer)
 
 
+def sampling_rng(seed) -> np.random.Generator:
+    """numpy's generator that sampling with ``seed`` draws from (None: fresh entropy). A seed is any whole number, as
+    torch's manual_seed (so vLLM) takes it: a negative one stands for its 64-bit two's complement."""
+    if seed is None:
+        return np.random.default_rng()
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InputError(f"seed must be a whole number, got {seed!r}")
+    return np.random.default_rng(int(seed) % 2 ** 64)
+
+
 def softmax64(scores: np.ndarray) -> np.ndarray:
     """Softmax over the last axis in float64 (what sampling draws from; -inf scores get 0)."""
     z = scores.astype(np.float64)
@@ -322,21 +332,18 @@ class LogitRules:
     typical_p: float = 1.0
     epsilon_cutoff: float = 0.0
     eta_cutoff: float = 0.0
-    # the caller's (CALLER_ARGUMENTS); ``sampling``: its processors then run after the warpers (``warp``);
-    # ``beams``: rows per prompt, for prefix_allowed_tokens_fn's batch ids
+    # the caller's (CALLER_ARGUMENTS); ``beams``: rows per prompt, for prefix_allowed_tokens_fn's batch ids
     prefix_allowed_tokens_fn: object = None
     logits_processor: tuple = ()
     stopping_criteria: tuple = ()
-    sampling: bool = False
     beams: int = 1
 
     @classmethod
     def resolve(cls, sources, given: dict, *, start_length: int, max_length: int, eos: list[int],
-                sampling: bool = False, beams: int = 1) -> "LogitRules":
+                beams: int = 1) -> "LogitRules":
         """The rules from ``given`` (generate's arguments, pop_rule_arguments; one given as None is off, as in
         transformers), else ``sources``. ``start_length``: the tokens before the first generated one (the prompt;
-        an encoder-decoder's decoder start); ``sampling``, ``beams``: how generate chooses (the caller's processors
-        run after the warpers when sampling; beams share a prompt's batch id)."""
+        an encoder-decoder's decoder start); ``beams``: rows per prompt (beams share a prompt's batch id)."""
         value = {name: given[name] if name in given else config_value(sources, name) for name in RULE_ARGUMENTS}
         stops = given.get("stop_strings")
         ngram = value["no_repeat_ngram_size"] or 0
@@ -374,12 +381,11 @@ class LogitRules:
         return cls(int(ngram), bad, forced_bos, tuple(_token_list(value["forced_eos_token_id"], "forced_eos_token_id")),
                    tuple(_token_list(value["suppress_tokens"], "suppress_tokens")),
                    tuple(_token_list(value["begin_suppress_tokens"], "begin_suppress_tokens")), int(max_length), begin,
-                   stops, **warpers, **caller, sampling=bool(sampling), beams=max(int(beams), 1))
+                   stops, **warpers, **caller, beams=max(int(beams), 1))
 
-    def warp(self, scores: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+    def warp(self, scores: np.ndarray) -> np.ndarray:
         """Sampling scores after min-p through transformers' typical, epsilon and eta warpers (each keeps at least
-        the likeliest token; the tokens they drop at -inf), then the caller's logits processors (given ``tokens``,
-        the rows' tokens so far)."""
+        the likeliest token; the tokens they drop at -inf)."""
         if self.typical_p < 1.0:
             scores = _typical(scores, self.typical_p)
         if 0.0 < self.epsilon_cutoff < 1.0:
@@ -390,8 +396,6 @@ class LogitRules:
                 entropy = -np.nansum(np.where(probs > 0, probs * np.log(probs), 0.0), axis=-1, keepdims=True)
             eta = np.minimum(self.eta_cutoff, np.sqrt(self.eta_cutoff) * np.exp(-entropy))
             scores = _below(scores, probs < eta)
-        if self.sampling and self.logits_processor and tokens is not None:
-            scores = self._caller_processors(scores, tokens)
         return scores
 
     def _caller_processors(self, scores: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -461,7 +465,7 @@ class LogitRules:
             scores[:, [t for t in self.suppress_tokens if t < vocab]] = -np.inf
         if self.begin_suppress_tokens and length == self.begin_index:
             scores[:, [t for t in self.begin_suppress_tokens if t < vocab]] = -np.inf
-        if self.logits_processor and not self.sampling:
+        if self.logits_processor:  # after transformers' own processors, before its sampling warpers
             scores = self._caller_processors(scores, tokens)
         return scores
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.engine import functional as F
+from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor, parameter, weight_parameter
 from vkformers.errors import VkformersError
 from vkformers.models.layers import Linear, UpdatedLinear
@@ -443,7 +444,8 @@ def serve_adapters(model: Module, folders: dict) -> AdapterSelector:
     """Put the PEFT LoRA adapters of ``folders`` (name -> folder) on ``model`` side by side, unmerged, for a server
     whose requests each pick one (or none) by name: every layer some adapter targets becomes a ServedLoraLinear.
     Refused: a model that carries adapters already, adapters with modules_to_save (whole modules trained: rows of one
-    batch cannot differ in them) and weights that do not fit the model."""
+    batch cannot differ in them), weights that do not fit the model, and adapters on layers that run on other rows
+    than one per request (a mixture's experts, on lists of tokens)."""
     if any(isinstance(m, (LoraLinear, ServedLoraLinear)) for _, m in model.named_modules()):
         raise LoraError("the model carries LoRA layers already: merge them first (merge_lora)")
     configs = {name: read_adapter_config(folder) for name, folder in folders.items()}
@@ -481,4 +483,9 @@ def serve_adapters(model: Module, folders: dict) -> AdapterSelector:
             if layer_name in weights[name]:
                 a[offset:offset + rank], b[:, offset:offset + rank] = weights[name][layer_name]
         ServedLoraLinear.wrap(layer, selector, a, b, layer_name)
+    # a layer run on other rows than one per request refuses them as its forward builds (ServedLoraLinear): found
+    # by a forward of a few tokens now (its graph never runs), not by a server's first request for the adapter,
+    # which would fail every request of its batch
+    with no_grad(), selector.selecting(Tensor(selector.row_scales([1]))):
+        model(np.zeros((1, 2), np.int32))
     return selector

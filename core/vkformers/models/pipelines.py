@@ -238,8 +238,8 @@ class EncoderPipeline:
             texts = [item["text"] if isinstance(item, dict) else item for item in group]
             pairs = [item.get("text_pair") for item in group if isinstance(item, dict)]
             options = dict(tokenizer_kwargs)
-            if len(group) > 1:
-                options["padding"] = True
+            if len(group) > 1:  # on the right: each row's tokens keep their positions (postprocess reads them)
+                options.update(padding=True, padding_side="right")
             if pairs and len(pairs) != len(group):
                 raise InputError("pipeline: a batch mixes texts and text pairs; give batch_size=1 or one kind")
             encoded = self.tokenizer(texts, pairs or None, return_tensors="np", **options)

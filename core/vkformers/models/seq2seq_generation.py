@@ -27,7 +27,7 @@ from vkformers.models.generation import pick_next_tokens, processed_scores
 from vkformers.models.beam_search import BeamSearch, search_beams
 from vkformers.models.generation_settings import (BEAM_ARGUMENTS, RULE_ARGUMENTS, STOP_ARGUMENTS, LogitRules,
                                                  config_value, generation_sources, model_generation_sources,
-                                                 resolve_call)
+                                                 resolve_call, sampling_rng)
 from vkformers.models.inputs import TRANSFORMERS_ARGUMENTS, check_model_inputs, check_prompt_length, id_array
 
 
@@ -52,7 +52,7 @@ class Seq2SeqGenerationMixin:
                  output_logits: bool = False, min_p: float | None = None, **encoder_inputs):
         """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
 
-        Greedy unless ``do_sample`` (temperature, top-k, top-p; ``numpy.random.default_rng(seed)``); the
+        Greedy unless ``do_sample`` (temperature, top-k, top-p; ``sampling_rng(seed)``); the
         repetition penalty counts the decoder's tokens. ``eos_token_id`` (default: the config's): a row that
         produced it is finished and gets ``pad_token_id`` from then on (default: the config's, else the first eos);
         generation stops when every row is finished. Without ``attention_mask`` the input's pad tokens are masked
@@ -107,8 +107,8 @@ class Seq2SeqGenerationMixin:
             raise VkformersError(f"{getattr(self, 'architecture_name', 'generate')}: no decoder_start_token_id "
                                  "(config or argument)")
         rules = LogitRules.resolve(sources, given_rules, start_length=1, max_length=1 + max_new_tokens, eos=eos,
-                                   sampling=do_sample, beams=beam.num_beams)
-        rng = np.random.default_rng(seed)
+                                   beams=beam.num_beams)
+        rng = sampling_rng(seed)
         tokens = np.full((batch, 1), int(start), np.int64)
         step_logits = []
         with no_grad():

@@ -42,6 +42,9 @@ ANY_OBJECT_SCHEMA = {"type": "object"}
 # compiled grammars kept per vocabulary: the n choices of a request (and repeated schemas) copy one instead of
 # compiling it again
 COMPILED_GRAMMARS = 32
+# GrammarLogitsProcessor's grammar states kept by the tokens that led to them (or two per row, if more), the least
+# recently used dropped first: assisted generation asks again at an earlier length after a rejected draft token
+KEPT_STATES = 256
 THINKING_GAP = 8  # blanks between a thinking's closing tag and the constrained output (Qwen3 writes two line breaks)
 
 
@@ -298,16 +301,19 @@ class GrammarLogitsProcessor:
         out = model.generate(ids, max_new_tokens=200, logits_processor=[processor])
 
     Each row follows the grammar from its first generated token, its state found by its tokens so far (so beams
-    that reorder, or share a beginning, each keep theirs); a row past its end token is left as it is. A call
-    whose rows do not continue the last one's starts over (a new ``generate``). ``ends``: the end tokens (default:
-    the tokenizer's eos), allowed once the grammar accepts the output."""
+    that reorder, or share a beginning, each keep theirs, and assisted generation may ask at any length of the
+    sequence); a row past its end token is left as it is. A call whose rows do not begin with the prompts the
+    grammar started after starts over (a new ``generate``). ``ends``: the end tokens (default: the tokenizer's
+    eos), allowed once the grammar accepts the output."""
 
     def __init__(self, grammar: str, tokenizer, ends=None):
         self.grammar, self.tokenizer = grammar, tokenizer
         eos = tokenizer.eos_token_id if ends is None else ends
         self.ends = [] if eos is None else [int(e) for e in np.atleast_1d(eos)]
-        self._states: dict[tuple, TokenConstraint] = {}  # a row's generated tokens -> its state after them
-        self._start = self._length = 0
+        self._root: TokenConstraint | None = None  # the state before a generated token
+        self._states: OrderedDict = OrderedDict()  # a row's generated tokens -> its state after them
+        self._prompts: set = set()  # the rows' prompts of the generate call the states follow
+        self._start = 0
 
     @classmethod
     def from_json_schema(cls, schema, tokenizer, *, strict: bool = True, ends=None) -> "GrammarLogitsProcessor":
@@ -319,33 +325,45 @@ class GrammarLogitsProcessor:
         """Outputs that are one JSON object (OpenAI's JSON mode)."""
         return cls(any_object_grammar(), tokenizer, ends)
 
-    def _state(self, generated: tuple) -> TokenConstraint | None:
-        """The state after ``generated``: the known one, or its parent's advanced by the last token."""
-        state = self._states.get(generated)
-        if state is None and generated and generated[:-1] in self._states:
-            state = self._states[generated[:-1]].copy()
-            if not state.ended:
-                state.advance(generated[-1])
+    def _state(self, generated: tuple) -> TokenConstraint:
+        """The state after ``generated``: the one of its longest prefix known, advanced by the tokens after it (a
+        row past its end token stays as it is)."""
+        known = len(generated)
+        while known and generated[:known] not in self._states:
+            known -= 1
+        if known:
+            state = self._states[generated[:known]]
+            self._states.move_to_end(generated[:known])
+        else:
+            state = self._root
+        if known < len(generated):
+            state = state.copy()
+            for token in generated[known:]:
+                if not state.ended:
+                    state.advance(token)
+            self._states[generated] = state
         return state
 
     def __call__(self, input_ids, scores: np.ndarray) -> np.ndarray:
         ids = np.asarray(input_ids, np.int64)
         length = ids.shape[1]
-        states = [self._state(tuple(row[self._start:].tolist())) for row in ids] \
-            if self._states and length == self._length + 1 else [None]
-        if any(state is None for state in states):  # a new generate call: every row starts the grammar
-            root = TokenConstraint(GrammarVocabulary.of(self.tokenizer, scores.shape[-1]), self.grammar, self.ends)
-            self._start, self._states = length, {(): root}
-            states = [root] * len(ids)
-        else:
-            self._states = {tuple(row[self._start:].tolist()): state for row, state in zip(ids, states)}
-        self._length = length
+        # the same generate call asks after its prompts (assisted generation at any length of the sequence so far)
+        continues = self._root is not None and length >= self._start and all(
+            tuple(row[:self._start].tolist()) in self._prompts for row in ids)
+        if not continues:  # a new generate call: every row starts the grammar
+            self._root = TokenConstraint(GrammarVocabulary.of(self.tokenizer, scores.shape[-1]), self.grammar,
+                                         self.ends)
+            self._start, self._states = length, OrderedDict()
+            self._prompts = {tuple(row.tolist()) for row in ids}
+        states = [self._state(tuple(row[self._start:].tolist())) for row in ids]
+        while len(self._states) > max(KEPT_STATES, 2 * len(ids)):  # the rows' own states are the newest
+            self._states.popitem(last=False)
         out = np.array(scores, np.float32, copy=True)
         for row, state in enumerate(states):
             if not state.ended:
                 allowed = state.allowed()
-                # a row whose allowed tokens are all at -inf already (dropped by top-k or top-p before this runs)
-                # draws among them evenly, as prefix_allowed_tokens_fn's rows do
+                # a row whose allowed tokens are all at -inf already (banned by an earlier processor: n-gram
+                # blocking, bad words) draws among them evenly, as prefix_allowed_tokens_fn's rows do
                 kept = np.where(allowed, out[row], -np.inf)
                 out[row] = kept if np.isfinite(kept).any() else np.where(allowed, 0.0, -np.inf)
         return out

@@ -239,13 +239,12 @@ def hf_dataset_files(repo_id: str, split: str = "train", *, revision: str | None
 def tokenize_each(records: Iterable[Record], tokenizer,
                   assistant_only_loss: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Each record's tokens (int32) and labels: prompts masked with -100, EOS after every document; conversations
-    through the chat template (``assistant_only_loss``: only the assistant turns in the loss)."""
+    through the chat template as it renders them, its own end-of-turn tokens ending each, no EOS added (as TRL's
+    SFT adds EOS to plain text only; ``assistant_only_loss``: only the assistant turns in the loss)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     for record in records:
         if record.messages is not None:
             ids, kept = chat_tokens(record, tokenizer, assistant_only_loss)
-            if eos is not None and (not ids or ids[-1] != eos):
-                ids, kept = ids + [eos], kept + [True]
             yield np.asarray(ids, np.int32), np.where(kept, np.asarray(ids, np.int32), IGNORE_INDEX).astype(np.int32)
             continue
         prompt = tokenizer.encode(record.prompt) if record.prompt else []

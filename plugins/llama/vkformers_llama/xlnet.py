@@ -24,7 +24,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import InputError
 from vkformers.models.decoder import UnsupportedConfigError
 from vkformers.models.generation import end_stream, pick_next_tokens, stream_tokens
-from vkformers.models.generation_settings import LogitRules, generation_sources, resolve_call
+from vkformers.models.generation_settings import LogitRules, generation_sources, resolve_call, sampling_rng
 from vkformers.models.inputs import InputLimits, check_model_inputs
 from vkformers.models.heads import BaseModelOutput, TaskHeads, sequence_summary
 from vkformers.models.layers import Embedding, LayerNorm, Linear
@@ -410,8 +410,8 @@ class XLNetLMHeadModel(XLNetTransformer):
         pad = self.config.get("pad_token_id") if pad_token_id is None else pad_token_id
         pad = int(pad if pad is not None else (eos[0] if eos else 0))
         rules = LogitRules.resolve(sources, given_rules, start_length=tokens.shape[1],
-                                   max_length=tokens.shape[1] + lengths.max_new_tokens, eos=eos, sampling=do_sample)
-        rng = np.random.default_rng(seed)
+                                   max_length=tokens.shape[1] + lengths.max_new_tokens, eos=eos)
+        rng = sampling_rng(seed)
         if hasattr(streamer, "put"):
             streamer.put(tokens)
         batch = tokens.shape[0]
