@@ -74,22 +74,25 @@ def test_the_llama3_json_and_mistral_parsers():
 
 
 class ScriptedScheduler:
-    """Stands in for BatchScheduler: each request gets ``reply`` in pieces of 5 characters, then its end."""
+    """Stands in for BatchScheduler: each request gets ``reply`` in pieces of ``size`` characters (a token each),
+    then its end, of reason ``finish`` ("length": a reply its token limit cut)."""
 
     max_model_len, eos, adapters, error, last_error = 4096, [], None, None, None
 
     def __init__(self):
         self.reply, self.prompts, self.params = "", [], []
+        self.size, self.finish = 5, "stop"
 
     def submit(self, request):
         self.prompts.append(request.prompt)
         self.params.append(request.params)
-        pieces = [self.reply[i:i + 5] for i in range(0, len(self.reply), 5)] or [""]
+        size, finish = self.size, self.finish
+        pieces = [self.reply[i:i + size] for i in range(0, len(self.reply), size)] or [""]
 
         def answer():
             for i, piece in enumerate(pieces):
                 last = i == len(pieces) - 1
-                request.on_update(Update(piece, [], "stop" if last else None, i + 1))
+                request.on_update(Update(piece, [], finish if last else None, i + 1))
         threading.Thread(target=answer, daemon=True).start()
         return request
 

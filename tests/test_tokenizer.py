@@ -160,6 +160,20 @@ def test_chat_template_helpers_and_files(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template="tool_use", tokenize=False) == "T"
 
 
+def test_chat_template_keyword_arguments_are_template_variables(tok):
+    """transformers passes apply_chat_template's further keyword arguments to the template (Qwen3's
+    enable_thinking): they reach it, and stand over the special tokens' names."""
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    hello = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(hello, chat_template=template, tokenize=False) == "<s>hello"
+    assert tok.apply_chat_template(hello, chat_template=template, tokenize=False,
+                                   enable_thinking=False) == "<s>hello<think></think>"
+    assert tok.apply_chat_template(hello, chat_template=template, tokenize=False, bos_token="[B]") == "[B]hello"
+    assert tok.apply_chat_template(hello, chat_template=template, enable_thinking=False, return_dict=False) == \
+        tok.encode("<s>hello<think></think>", add_special_tokens=False)
+
+
 def test_missing_tokenizer_json(tmp_path):
     folder = tmp_path / "no-tokenizer"
     folder.mkdir()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vkformers.cli.options import template_variables
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
 from vkformers.models.generation_settings import end_token_ids
@@ -50,6 +51,9 @@ def add_parser(subparsers):
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message with the model's chat template")
     parser.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    parser.add_argument("--chat-template-kwargs", type=template_variables, default=None, metavar="JSON",
+                        help="with --chat: extra variables for the chat template, a JSON object such as "
+                             "'{\"enable_thinking\": false}' (transformers' apply_chat_template keyword arguments)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 (default): greedy; above 0: sample with this temperature")
@@ -98,11 +102,12 @@ def load_model(name_or_path, dtype: str, *, quantization: str | None = None, deq
                                                 quantization=quantization, dequantize=dequantize)
 
 
-def prompt_ids(tokenizer, prompt: str, *, chat: bool, system: str | None):
+def prompt_ids(tokenizer, prompt: str, *, chat: bool, system: str | None, template_kwargs: dict | None = None):
     if not chat:
         return tokenizer(prompt, return_tensors="np")["input_ids"]
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="np")["input_ids"]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="np",
+                                         **(template_kwargs or {}))["input_ids"]
 
 
 def start_from_bos(tokenizer, ids):
@@ -152,6 +157,8 @@ def run(args) -> int:
         raise VkformersError("--prompt-lookup must be >= 1 (the most tokens drafted per step)")
     if args.prompt_lookup is not None and args.assistant_model is not None:
         raise VkformersError("give --assistant-model or --prompt-lookup, not both")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise VkformersError("--chat-template-kwargs sets variables of the chat template: add --chat")
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
@@ -164,7 +171,8 @@ def run(args) -> int:
         check_adapter_folder(args.adapter)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
-    ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system))
+    ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system,
+                                               template_kwargs=args.chat_template_kwargs))
     started = time.perf_counter()
     model = load_model(model_name, args.dtype, quantization=args.quantization, dequantize=args.dequantize)
     if args.adapter is not None:

@@ -5,6 +5,7 @@ failure minutes later. Use as ``type=`` in ``add_argument``; new options pick th
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 
@@ -59,3 +60,37 @@ positive_number = number(0.0, low_open=True)
 non_negative_number = number(0.0)
 fraction = number(0.0, 1.0, high_open=True)  # a share or a probability that must leave something: [0, 1)
 unit_interval = number(0.0, 1.0)
+
+
+# the names a chat template's own arguments take (and apply_chat_template's): extra template variables may not
+CHAT_TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "add_generation_prompt",
+                           "continue_final_message", "chat_template", "tokenize", "padding", "truncation",
+                           "max_length", "return_tensors", "return_dict")
+
+
+def template_variables_problem(value) -> str | None:
+    """What is wrong with ``value`` as extra variables for a chat template (vLLM's chat_template_kwargs, such as
+    {"enable_thinking": false}), or None where nothing is."""
+    if not isinstance(value, dict):
+        return f"must be a JSON object of template variables such as {{\"enable_thinking\": false}}, got {value!r}"
+    taken = [name for name in value if name in CHAT_TEMPLATE_ARGUMENTS]
+    if taken:
+        return (f"may not set {', '.join(map(repr, taken))}: the chat template's own arguments come from the request "
+                "itself")
+    return None
+
+
+def template_variables(text: str) -> dict:
+    """A JSON object of extra chat template variables (template_variables_problem says what it may hold)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}' ({exc})") \
+            from None
+    problem = template_variables_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+template_variables.__name__ = "JSON object"

@@ -13,6 +13,9 @@ calls, structured outputs), and that output translated back into a response obje
   ["message.output_text.logprobs"]`` (with ``top_logprobs``) asks for log-probabilities.
 - The output is a ``message`` item of ``output_text`` (none where the reply is tool calls and no text), then a
   ``function_call`` item per call; a reply cut by its token limit is ``incomplete`` (reason max_output_tokens).
+  Where the server reads a thinking model's reasoning (--reasoning-parser), a ``reasoning`` item of
+  ``reasoning_text`` comes first (and alone where the reply ended inside its thinking); earlier reasoning items in
+  ``input`` become the reasoning of the assistant turn they belong to.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 # fields a Responses request shares with chat completions (vLLM's sampling extras among them)
 SHARED_FIELDS = ("model", "temperature", "top_p", "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "logit_bias", "stop", "stop_token_ids", "ignore_eos", "tool_choice", "parallel_tool_calls",
-                 "repetition_penalty", "min_tokens", "allowed_token_ids", "include_stop_str_in_output")
+                 "repetition_penalty", "min_tokens", "allowed_token_ids", "include_stop_str_in_output",
+                 "chat_template_kwargs")
 # the chat request's fields that an error may name, as the Responses request names them
 RESPONSES_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
 
@@ -63,16 +67,25 @@ def conversation(body: dict, history: list[dict]) -> list[dict]:
 
 
 def chat_messages(items: list) -> list[dict]:
-    """Input items, or a response's output items, as chat messages: a message's text parts joined; a function call
-    one of the ``tool_calls`` of the assistant message before it (or of an assistant message of its own); a call's
-    output a ``tool`` message."""
+    """Input items, or a response's output items, as chat messages: a message's text parts joined; a reasoning
+    item's text the ``reasoning_content`` of the assistant message after it; a function call one of the
+    ``tool_calls`` of the assistant message before it (or of an assistant message of its own); a call's output a
+    ``tool`` message."""
     messages = []
     for item in items:
         if not isinstance(item, dict):
             raise ApiError(400, "each input item must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(item))
+            message = _message(item)
+            last = messages[-1] if messages else {}
+            if message["role"] == "assistant" and last.get("role") == "assistant" and last["content"] is None \
+                    and "tool_calls" not in last:  # the answer after its reasoning
+                last["content"] = message["content"]
+            else:
+                messages.append(message)
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": None, "reasoning_content": _reasoning_text(item)})
         elif kind == "function_call":
             call = _tool_call(item)
             if messages and messages[-1]["role"] == "assistant":
@@ -83,9 +96,19 @@ def chat_messages(items: list) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _text_field(item, "call_id"),
                              "content": _text(item.get("output"), "a function_call_output item's 'output'")})
         else:
-            raise ApiError(400, f"input items of type {kind!r} are not supported: give messages, function_call and "
-                                "function_call_output items", param="input")
+            raise ApiError(400, f"input items of type {kind!r} are not supported: give messages, reasoning, "
+                                "function_call and function_call_output items", param="input")
     return messages
+
+
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's text: its reasoning_text parts (a summary alone is no reasoning to give back)."""
+    content = item.get("content") or []
+    if not isinstance(content, list) or not all(isinstance(part, dict) and isinstance(part.get("text"), str)
+                                                for part in content):
+        raise ApiError(400, "a reasoning item's 'content' must be a list of {'type': 'reasoning_text', 'text': ...}",
+                       param="input")
+    return "".join(part["text"] for part in content)
 
 
 def _message(item: dict) -> dict:
@@ -259,11 +282,12 @@ def item_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def finished(head: dict, output: list[dict], finish_reason: str, input_tokens: int, output_tokens: int) -> dict:
+def finished(head: dict, output: list[dict], finish_reason: str, input_tokens: int, output_tokens: int,
+             reasoning_tokens: int = 0) -> dict:
     """The response once its output is whole: completed, or incomplete where the token limit cut it."""
     cut = finish_reason == "length"
     usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
              "total_tokens": input_tokens + output_tokens}
     return {**head, "status": item_status(finish_reason), "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": usage}
@@ -274,28 +298,43 @@ def message_item(text: str, logprobs: list, status: str, ident: str | None = Non
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
 
 
+def reasoning_item(text: str, status: str, ident: str | None = None) -> dict:
+    """A reasoning item as OpenAI's Responses give a model's raw reasoning (no summary of it here)."""
+    return {"id": ident or new_id("rs"), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
 def function_call_item(call: ToolCall) -> dict:
     api = call.api()
     return {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": api["id"],
             "name": call.name, "arguments": api["function"]["arguments"]}
 
 
-def output_items(text: str | None, calls: list[ToolCall], logprobs: list, finish_reason: str) -> list[dict]:
-    """A whole reply's output items: its text as a message (none where the reply is calls and no text), then a
-    function_call item per call."""
-    message = [] if calls and not text else [message_item(text or "", logprobs, item_status(finish_reason))]
-    return message + [function_call_item(call) for call in calls]
+def output_items(text: str | None, calls: list[ToolCall], logprobs: list, finish_reason: str,
+                 reasoning: str | None = None) -> list[dict]:
+    """A whole reply's output items: its reasoning, where it has some, as a reasoning item (incomplete where the
+    token limit cut the reply inside it); its text as a message (none where the reply is reasoning or calls and no
+    text); then a function_call item per call."""
+    answered = bool(text or calls)
+    thought = [reasoning_item(reasoning, "completed" if answered else item_status(finish_reason))] \
+        if reasoning else []
+    message = [] if (calls or reasoning) and not text else [message_item(text or "", logprobs,
+                                                                          item_status(finish_reason))]
+    return thought + message + [function_call_item(call) for call in calls]
 
 
 class ResponseEvents:
     """The server-sent events of a streamed response, in OpenAI's order, each numbered: response.created and
-    response.in_progress; the message item, opened at the reply's first text that is not blank (blank text before
-    tool calls is dropped, as a whole response drops it), its text deltas, and its closing events; a function call
-    item per call at the end, its arguments in one delta; response.completed, or response.incomplete where the
-    token limit cut the reply (response.failed where the batch failed)."""
+    response.in_progress; the reasoning item where the reply has reasoning, its reasoning_text deltas and its
+    closing events (once the answer starts); the message item, opened at the reply's first text that is not blank
+    (blank text before tool calls is dropped, as a whole response drops it), its text deltas, and its closing
+    events; a function call item per call at the end, its arguments in one delta; response.completed, or
+    response.incomplete where the token limit cut the reply (response.failed where the batch failed)."""
 
     def __init__(self, head: dict):
         self.head, self.sequence, self.output = head, 0, []
+        self.thinking: dict | None = None  # the reasoning item while it is open
+        self.reasoning, self.thought = "", False  # its text so far; whether the reply had a reasoning item
         self.message: dict | None = None  # the message item while it is open
         self.text, self.logprobs = "", []  # its text and log-probabilities sent so far
         self.unsent, self.unsent_logprobs = "", []
@@ -310,6 +349,35 @@ class ResponseEvents:
         return self.event("response.created", response=self.head) + \
             self.event("response.in_progress", response=self.head)
 
+    def add_reasoning(self, text: str) -> str:
+        """The events of a piece of the reply's reasoning (the reasoning item opened at the first)."""
+        if not text:
+            return ""
+        events = ""
+        if self.thinking is None:
+            self.thinking, self.thought = reasoning_item("", "in_progress"), True
+            index = len(self.output)
+            events = self.event("response.output_item.added", output_index=index,
+                                item={**self.thinking, "content": []}) + \
+                self.event("response.content_part.added", item_id=self.thinking["id"], output_index=index,
+                           content_index=0, part={"type": "reasoning_text", "text": ""})
+        self.reasoning += text
+        return events + self.event("response.reasoning_text.delta", item_id=self.thinking["id"],
+                                   output_index=len(self.output), content_index=0, delta=text)
+
+    def _close_reasoning(self, status: str) -> str:
+        if self.thinking is None:
+            return ""
+        item = reasoning_item(self.reasoning, status, self.thinking["id"])
+        part, index = item["content"][0], len(self.output)
+        self.output.append(item)
+        self.thinking = None
+        return self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                          text=self.reasoning) + \
+            self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                       part=part) + \
+            self.event("response.output_item.done", output_index=index, item=item)
+
     def add_text(self, text: str, logprobs: list) -> str:
         self.unsent += text
         self.unsent_logprobs += logprobs
@@ -319,9 +387,11 @@ class ResponseEvents:
         return events + self._send()
 
     def _open(self) -> str:
+        events = self._close_reasoning("completed")  # the answer starts: the reasoning is whole
         self.message = message_item("", [], "in_progress")
         index = len(self.output)
-        return self.event("response.output_item.added", output_index=index, item={**self.message, "content": []}) + \
+        return events + \
+            self.event("response.output_item.added", output_index=index, item={**self.message, "content": []}) + \
             self.event("response.content_part.added", item_id=self.message["id"], output_index=index,
                        content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
@@ -333,11 +403,13 @@ class ResponseEvents:
         return self.event("response.output_text.delta", item_id=self.message["id"], output_index=len(self.output),
                           content_index=0, delta=text, logprobs=logprobs)
 
-    def finish(self, calls: list[ToolCall], finish_reason: str, input_tokens: int, output_tokens: int) -> str:
+    def finish(self, calls: list[ToolCall], finish_reason: str, input_tokens: int, output_tokens: int,
+               reasoning_tokens: int = 0) -> str:
         """The events that end the response (which ``self.response`` then holds)."""
-        events = ""
-        if self.message is None and not calls:  # a reply of no text, or blank text only: a message all the same
-            events += self._open()
+        answered = bool(calls or self.unsent) or self.message is not None
+        events = self._close_reasoning("completed" if answered else item_status(finish_reason))
+        if self.message is None and not calls and (self.unsent or not self.thought):
+            events += self._open()  # a reply of no text, or blank text only: a message all the same
         if self.message is not None:
             if self.unsent:
                 events += self._send()
@@ -353,7 +425,7 @@ class ResponseEvents:
                                  name=item["name"], arguments=item["arguments"])
             events += self.event("response.output_item.done", output_index=index, item=item)
             self.output.append(item)
-        self.response = finished(self.head, self.output, finish_reason, input_tokens, output_tokens)
+        self.response = finished(self.head, self.output, finish_reason, input_tokens, output_tokens, reasoning_tokens)
         last = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
         return events + self.event(last, response=self.response)
 

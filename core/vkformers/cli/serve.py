@@ -39,7 +39,8 @@ import numpy as np
 
 from vkformers.cli import generate as cli_generate
 from vkformers.cli.api_schema import ApiError, number_field
-from vkformers.cli.options import positive_int, whole_number, whole_numbers
+from vkformers.cli.options import (positive_int, template_variables, template_variables_problem, whole_number,
+                                   whole_numbers)
 from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request, conversation, finished, output_items,
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
@@ -49,9 +50,10 @@ from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
+from vkformers.models.reasoning import ANSWER, OPENING, REASONING_PARSERS, ReasoningStream
 from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
-from vkformers.models.structured_output import (ANY_OBJECT_SCHEMA, any_object_grammar, cfg_grammar, choice_grammar,
-                                                 closed_objects, json_schema_grammar, regex_grammar)
+from vkformers.models.structured_output import (ANY_OBJECT_SCHEMA, after_thinking, any_object_grammar, cfg_grammar,
+                                                 choice_grammar, closed_objects, json_schema_grammar, regex_grammar)
 from vkformers.models.tool_calls import (TOOL_CALL_PARSERS, FirstCallOnly, ForcedToolCalls, NamedCallStream,
                                          NamedToolCall, ToolCallStream, forced_call_schema)
 
@@ -129,6 +131,15 @@ def add_parser(subparsers):
                         help="the model's format of tool calls: hermes (Hermes, Qwen 2.5 and Qwen 3: JSON between "
                              "<tool_call> tags), llama3_json (Llama 3.1-3.3: the reply a JSON call), mistral "
                              "([TOOL_CALLS] and a JSON list)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="give a thinking model's reasoning apart from its answer on the chat and Responses "
+                             "routes ('reasoning' and 'reasoning_content' of the message, a reasoning item): "
+                             "deepseek_r1 (DeepSeek-R1 and its distills, QwQ: the reply is reasoning up to "
+                             "</think>), qwen3 (Qwen3: reasoning between <think> and </think>, a reply that opens "
+                             "none all answer)")
+    parser.add_argument("--default-chat-template-kwargs", type=template_variables, default=None, metavar="JSON",
+                        help="variables for the chat template that requests do not set in their "
+                             "'chat_template_kwargs', a JSON object such as '{\"enable_thinking\": false}'")
     parser.add_argument("--api-key", default=os.environ.get("VKFORMERS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VKFORMERS_API_KEY)")
     parser.add_argument("--sampling-defaults", default="model", choices=("model", "openai"),
@@ -201,9 +212,10 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
     scheduler = None
     merged, named = adapter_options(args.adapter)
     if args.model is not None and is_embedding_checkpoint(model_name):
-        if args.quantization is not None or args.adapter or args.tokenizer is not None:
-            raise VkformersError("--quantization, --adapter and --tokenizer apply to causal LMs; an embedding model "
-                                 "is served as it is")
+        if args.quantization is not None or args.adapter or args.tokenizer is not None or \
+                args.reasoning_parser is not None:
+            raise VkformersError("--quantization, --adapter, --tokenizer and --reasoning-parser apply to causal LMs; "
+                                 "an embedding model is served as it is")
         embedder = Embedder(SentenceTransformer(model_name, dtype=args.dtype), batch_size=args.max_batch)
         app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
             embedder.close
@@ -216,6 +228,8 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
         if args.chat_template is not None:
             tokenizer.chat_template = read_chat_template(args.chat_template)
+        if args.reasoning_parser is not None:
+            check_reasoning_tags(tokenizer, args.reasoning_parser)
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
         if merged is not None:
             merge_lora(load_adapter(model, merged))
@@ -230,7 +244,9 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
             raise VkformersError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")
         app, close = build_app(scheduler, tokenizer, served, api_key=args.api_key, sampling_defaults=defaults,
-                               adapters=named, tool_call_parser=args.tool_call_parser), scheduler.close
+                               adapters=named, tool_call_parser=args.tool_call_parser,
+                               reasoning_parser=args.reasoning_parser,
+                               chat_template_kwargs=args.default_chat_template_kwargs), scheduler.close
         if args.warmup:  # before the server listens: /health answers once the first requests replay
             warmed = scheduler.warm_up(args.warmup_batch_sizes, args.warmup_prompt_widths)
             if warmed.ran:
@@ -264,6 +280,18 @@ def read_chat_template(value: str) -> str:
         raise VkformersError(f"--chat-template {value}: no such file, and not a Jinja template; give a file or the "
                              "template text")
     return value
+
+
+def check_reasoning_tags(tokenizer, name: str) -> None:
+    """--reasoning-parser NAME reads the thinking's tags in the output's text, which leaves out special tokens: a
+    tokenizer that makes a tag one is refused."""
+    tags = REASONING_PARSERS[name]()
+    for tag in (tags.start, tags.end):
+        ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
+        if tokenizer.decode(ids, skip_special_tokens=True) != tag:
+            raise VkformersError(f"--reasoning-parser {name}: this tokenizer makes {tag} a special token, which the "
+                                 "output's text leaves out, so the reasoning cannot be told apart; serve without "
+                                 "--reasoning-parser, or give a --tokenizer whose thinking tags are text")
 
 
 def adapter_options(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
@@ -675,10 +703,24 @@ def _completion_prompt(prompt, tokenizer) -> list[int]:
                    param="prompt")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
-    """A chat request's messages through the model's chat template, ending with the assistant's turn; its ``tools``
-    go to the template too (as vLLM passes them, also with tool_choice 'none'), an assistant message's
-    ``tool_calls`` with their arguments as objects, a tool message with its ``tool_call_id``."""
+def chat_prompt(body: dict, tokenizer, template_defaults: dict | None = None) -> list[int]:
+    """A chat request's prompt as token ids (chat_text's, tokenized as apply_chat_template tokenizes it)."""
+    return prompt_ids(tokenizer, chat_text(body, tokenizer, template_defaults))
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A rendered chat's token ids: its text already holds the template's special tokens, none is added."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="np")["input_ids"]
+    return [int(t) for t in np.asarray(ids)[0]]
+
+
+def chat_text(body: dict, tokenizer, template_defaults: dict | None = None, *, generation_prompt: bool = True) -> str:
+    """A chat request's messages through the model's chat template, ending with the assistant's turn (none without
+    ``generation_prompt``); its ``tools`` go to the template too (as vLLM passes them, also with tool_choice
+    'none'), an assistant message's ``tool_calls`` with their arguments as objects and its reasoning (as
+    ``reasoning_content``, which thinking models' templates read), a tool message with its ``tool_call_id``; its
+    ``chat_template_kwargs`` (over ``template_defaults``) as further variables of the template, as vLLM passes
+    them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -700,19 +742,48 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         entry = {"role": role, "content": content or ""}
         if role == "assistant" and message.get("tool_calls"):
             entry["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
+        if role == "assistant":  # vLLM's field and the one DeepSeek's API and vLLM's older versions named
+            reasoning = next((message[key] for key in ("reasoning", "reasoning_content") if message.get(key)), None)
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise ApiError(400, "an assistant message's 'reasoning' must be a string", param="messages")
+                entry["reasoning_content"] = reasoning
         if role == "tool" and message.get("tool_call_id") is not None:
             entry["tool_call_id"] = message["tool_call_id"]
         conversation.append(entry)
     tools = body.get("tools") or None
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise ApiError(400, "'tools' must be a list of tool objects", param="tools")
+    variables = template_kwargs(body, template_defaults)
     try:
-        ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True,
-                                            return_tensors="np")["input_ids"]
+        return tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=generation_prompt,
+                                             tokenize=False, **variables)
     except VkformersError as exc:  # no chat template, or one that fails on these messages
         raise ApiError(400, f"the chat template cannot render these messages: {exc} (vkformers serve --chat-template "
                             "gives one)", param="messages") from None
-    return [int(t) for t in np.asarray(ids)[0]]
+
+
+def template_kwargs(body: dict, defaults: dict | None = None) -> dict:
+    """The variables a chat request gives its template (vLLM's chat_template_kwargs), over the server's
+    ``defaults`` (--default-chat-template-kwargs)."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return dict(defaults or {})
+    problem = template_variables_problem(value)
+    if problem is not None:
+        raise ApiError(400, f"'chat_template_kwargs' {problem}", param="chat_template_kwargs")
+    return {**(defaults or {}), **value}
+
+
+def generation_prompt(body: dict, tokenizer, template_defaults: dict | None, text: str) -> str:
+    """The text the chat template adds for the assistant's turn to ``text`` (chat_text's): what ``text`` holds past
+    the conversation rendered without it; ``text`` whole where the template adds nothing there or renders the
+    conversation otherwise."""
+    try:
+        bare = chat_text(body, tokenizer, template_defaults, generation_prompt=False)
+    except ApiError:
+        return text
+    return (text[len(bare):] if text.startswith(bare) else "") or text
 
 
 def _template_tool_call(call) -> dict:
@@ -869,9 +940,14 @@ def chat_logprobs(tokenizer, entries) -> dict:
                         for e in entries]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    """A response's usage; ``reasoning_tokens`` (those of the completion's reasoning, where the server reads it) in
+    completion_tokens_details, as OpenAI and vLLM give them."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts
 
 
 def refusal(exc: Exception) -> ApiError:
@@ -889,39 +965,59 @@ def refusal(exc: Exception) -> ApiError:
 
 @dataclass
 class Output:
-    """A request's whole output, gathered from its updates."""
+    """A request's whole output, gathered from its updates; ``reasoning``, where the server reads reasoning, splits
+    its text as a streamed one is split."""
     text: str = ""
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     tokens: int = 0
     prompt_logprobs: list = field(default_factory=list)  # (SamplingParams.prompt_logprobs)
+    reasoning: ReasoningStream | None = None
 
     def add(self, update: Update) -> None:
         self.text += update.text
         self.logprobs += update.logprobs
         self.prompt_logprobs += update.prompt_logprobs or []
         self.finish_reason, self.tokens = update.finish_reason, update.completion_tokens
+        if self.reasoning is not None:
+            self.reasoning.feed(update.text, update.completion_tokens)
+            if update.finish_reason:
+                self.reasoning.finish()
+
+    def answer(self) -> tuple[str | None, str | None]:
+        """(the answer's text, the reasoning): the text and None where the server reads no reasoning or the reply
+        had none; else the answer None where it is empty (a reply cut inside its thinking), as vLLM gives them."""
+        split = self.reasoning
+        if split is None or not split.thought:
+            return (self.text if split is None else split.content), None
+        return split.content or None, split.reasoning
 
 
-async def held_updates(updates: asyncio.Queue, count: int, parser=None):
-    """The updates of a streamed call's ``count`` requests as they come, as (index, text to send, tool calls,
-    update). With ``parser``, each request's text is held back from where a call may begin (ToolCallStream), and
-    its last update gives the rest and the calls. Ends after every request's last update, or after the update of a
-    failed batch (finish_reason "error")."""
+async def held_updates(updates: asyncio.Queue, count: int, parser=None, splits: list[ReasoningStream] | None = None):
+    """The updates of a streamed call's ``count`` requests as they come, as (index, reasoning to send, text to send,
+    tool calls, update). With ``splits`` (one per request), each request's reasoning is told apart from its answer
+    (models/reasoning.py), the answer alone read for calls. With ``parser``, each request's text is held back from
+    where a call may begin (ToolCallStream), and its last update gives the rest and the calls. Ends after every
+    request's last update, or after the update of a failed batch (finish_reason "error")."""
     held = [ToolCallStream(parser) for _ in range(count)] if parser is not None else None
     running = count
     while running:
         index, update = await updates.get()
         if update.finish_reason == "error":
-            yield index, update.text, [], update
+            yield index, "", update.text, [], update
             return
-        text, calls = update.text, []
+        reasoning, text, calls = "", update.text, []
+        if splits is not None:
+            reasoning, text = splits[index].feed(text, update.completion_tokens)
+            if update.finish_reason:
+                more, rest = splits[index].finish()
+                reasoning, text = reasoning + more, text + rest
         if held is not None:
             text = held[index].feed(text)
             if update.finish_reason:
                 rest, calls = held[index].finish()
                 text += rest
-        yield index, text, calls, update
+        yield index, reasoning, text, calls, update
         running -= update.finish_reason is not None
 
 
@@ -1024,11 +1120,15 @@ class LoopMailbox:
 
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
               embedder: Embedder | None = None, sampling_defaults: dict | None = None, adapters: dict | None = None,
-              tool_call_parser: str | None = None):
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              chat_template_kwargs: dict | None = None):
     """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
     name ``served``; the routes of the other kind answer 400. ``sampling_defaults``: see sampling_params.
     ``adapters``: name -> folder of the scheduler's adapters (in its order), each also served under its name.
-    ``tool_call_parser``: a TOOL_CALL_PARSERS name, for chat requests with tools (models/tool_calls.py)."""
+    ``tool_call_parser``: a TOOL_CALL_PARSERS name, for chat requests with tools (models/tool_calls.py).
+    ``reasoning_parser``: a REASONING_PARSERS name, whose reasoning the chat and Responses routes give apart from
+    the answer (models/reasoning.py). ``chat_template_kwargs``: template variables of requests that do not set
+    them (--default-chat-template-kwargs)."""
     web_modules()
     # the optional [serve] extra, imported once the command runs (web_modules said how to install it)
     from starlette.applications import Starlette
@@ -1131,6 +1231,42 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             "a causal LM: it answers POST /v1/completions, /v1/chat/completions and /v1/responses"
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
 
+    thinking = REASONING_PARSERS[reasoning_parser]() if reasoning_parser is not None else None
+    thinking_tokens = thinking.tag_tokens(tokenizer) if thinking is not None else (None, None)
+
+    def chat_reply(body: dict) -> tuple[list[int], str | None]:
+        """A chat request's prompt ids, and where its reply starts (ThinkingTags.reply_start: THINKING, OPENING or
+        ANSWER) where the server reads reasoning; None where it does not."""
+        text = chat_text(body, tokenizer, chat_template_kwargs)
+        start = None if thinking is None else \
+            thinking.reply_start(generation_prompt(body, tokenizer, chat_template_kwargs, text))
+        return prompt_ids(tokenizer, text), start
+
+    def after_reasoning(params: SamplingParams, start: str | None) -> SamplingParams:
+        """``params`` whose output grammar (response_format, guided decoding, a forced tool call) keeps to the
+        answer only: a reply that may think first thinks freely up to its closing tag, as vLLM applies the grammar
+        once the reasoning ends."""
+        grammar = params.output_grammar
+        if start in (None, ANSWER) or grammar is None:
+            return params
+        try:
+            grammar = after_thinking(grammar, (thinking.start, thinking.end), thinking_tokens,
+                                     opened=start != OPENING)
+        except VkformersError as exc:  # (one that compiled alone: not expected)
+            raise ApiError(400, f"the output's grammar cannot follow the reasoning: {exc}") from None
+        return replace(params, grammar=grammar)
+
+    def shows_reasoning(body: dict) -> bool:
+        """vLLM's include_reasoning: false leaves the reasoning out of the response."""
+        include = body.get("include_reasoning", True)
+        if not isinstance(include, bool):
+            raise ApiError(400, f"'include_reasoning' must be true or false, got {include!r}",
+                           param="include_reasoning")
+        return include
+
+    def splits(start: str | None, count: int) -> list[ReasoningStream] | None:
+        return None if start is None else [ReasoningStream(thinking, start) for _ in range(count)]
+
     def tool_parser(body: dict):
         """The parser that reads tool calls from a chat request's reply, or None (the reply is text): a forced tool
         choice's, or where the server has one and the request gives tools it may call."""
@@ -1160,12 +1296,13 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                          for index, (prompt, params) in enumerate(jobs)])
         return requests, updates
 
-    async def outputs(request, jobs: list[Request], updates: asyncio.Queue) -> list[Output]:
-        """The whole output of each of a call's requests, once all have finished. Raises ApiError 499 when the
-        client leaves meanwhile (checked every DISCONNECT_POLL_S), 500 when their batch fails; the requests leave
-        the batch either way."""
+    async def outputs(request, jobs: list[Request], updates: asyncio.Queue, start: str | None = None) -> list[Output]:
+        """The whole output of each of a call's requests, once all have finished (split into reasoning and answer
+        from ``start``, chat_reply's, where the server reads reasoning). Raises ApiError 499 when the client leaves
+        meanwhile (checked every DISCONNECT_POLL_S), 500 when their batch fails; the requests leave the batch either
+        way."""
         loop = asyncio.get_running_loop()
-        done = [Output() for _ in jobs]
+        done = [Output(reasoning=split) for split in splits(start, len(jobs)) or [None] * len(jobs)]
         try:
             check_at = loop.time() + DISCONNECT_POLL_S
             while any(out.finish_reason is None for out in done):
@@ -1190,11 +1327,15 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def complete(request, chat: bool):
         try:
             body = await route_body(request, "/v1/chat/completions" if chat else "/v1/completions", scheduler)
-            prompts = [chat_prompt(body, tokenizer)] if chat else completion_prompts(body, tokenizer)
-            settings = [sampling_params(body, chat=chat, prompt_tokens=len(p), max_model_len=scheduler.max_model_len,
-                                        defaults=sampling_defaults, tools=tool_call_parser is not None)
+            prompt, start = chat_reply(body) if chat else (None, None)
+            prompts = [prompt] if chat else completion_prompts(body, tokenizer)
+            settings = [after_reasoning(sampling_params(body, chat=chat, prompt_tokens=len(p),
+                                                        max_model_len=scheduler.max_model_len,
+                                                        defaults=sampling_defaults, tools=tool_call_parser is not None),
+                                        start)
                         for p in prompts]
             parser = tool_parser(body) if chat else None
+            show_reasoning = shows_reasoning(body) if chat else True
             params = settings[0]
             echo, shown = echoes(body, chat), shown_prompt_logprobs(body, chat)
             n = number_field(body, "n", 1, int, 1, MAX_CHOICES)
@@ -1217,22 +1358,16 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 "model": name}
         if stream:
             return StreamingResponse(stream_events(choices, updates, head, chat, include_usage, prompt_tokens, parser,
-                                                   echoed),
+                                                   echoed, splits(start, len(choices)), show_reasoning),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            done = await outputs(request, choices, updates)
+            done = await outputs(request, choices, updates, start)
         except ApiError as exc:
             return error(exc)
         results = []
         for index, out in enumerate(done):
             if chat:
-                message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
-                if parser is not None:
-                    content, calls = parser.parse(out.text)
-                    if calls:
-                        message = {"role": "assistant", "content": content,
-                                   "tool_calls": [call.api() for call in calls]}
-                        reason = parser.finish_reason
+                message, reason = chat_message(out, parser, show_reasoning)
                 results.append({"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, out.logprobs)
                                 if params.logprobs is not None else None, "finish_reason": reason})
             else:
@@ -1249,16 +1384,34 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                 "logprobs": logprobs})
                 if shown is not None:  # vLLM's: on each choice
                     results[-1]["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, shown)
-        answer = {**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done))}
+        thought = sum(o.reasoning.reasoning_tokens for o in done) if start is not None else None
+        answer = {**head, "choices": results, "usage": usage(prompt_tokens, sum(o.tokens for o in done), thought)}
         if chat and shown is not None:  # vLLM's: on the response
             answer["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, done[0].prompt_logprobs, shown)
         return JSONResponse(answer)
 
+    def chat_message(out: Output, parser, show_reasoning: bool) -> tuple[dict, str]:
+        """A whole chat reply's message and finish reason: its reasoning apart where the server reads reasoning
+        (``show_reasoning``: in the message), the calls of its answer where ``parser`` reads tool calls."""
+        content, reasoning = out.answer()
+        message, reason = {"role": "assistant", "content": content}, out.finish_reason
+        if parser is not None and content is not None:
+            text, calls = parser.parse(content)
+            if calls:
+                message.update(content=text, tool_calls=[call.api() for call in calls])
+                reason = parser.finish_reason
+        if out.reasoning is not None:  # vLLM's name, and the one of DeepSeek's API and earlier vLLMs
+            message["reasoning"] = message["reasoning_content"] = reasoning if show_reasoning else None
+        return message, reason
+
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
-                            parser=None, echoed=None):
+                            parser=None, echoed=None, reasoning_splits: list[ReasoningStream] | None = None,
+                            show_reasoning: bool = True):
         """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
         calls sent whole in the last chunk); a named function's arguments stream as they come. ``echoed``: each
-        choice's prompt text, sent (with its entries in logprobs) in the choice's first chunk, as vLLM sends it."""
+        choice's prompt text, sent (with its entries in logprobs) in the choice's first chunk, as vLLM sends it.
+        ``reasoning_splits``: each choice's reasoning is sent apart from its answer (in chunks of their own, its
+        ``reasoning`` and ``reasoning_content`` where ``show_reasoning``), the answer alone read for calls."""
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         named = [NamedCallStream(parser) for _ in choices] if isinstance(parser, NamedToolCall) else None
         unsent = list(echoed) if echoed is not None else [None] * len(choices)  # prompts still to echo
@@ -1272,27 +1425,30 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 for index in range(len(choices)):
                     yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
-            async for index, text, calls, update in held_updates(updates, len(choices),
-                                                                 None if named else parser):
+            async for index, thought, text, calls, update in held_updates(updates, len(choices),
+                                                                          None if named else parser, reasoning_splits):
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
                 reason, extra, entries = update.finish_reason, {}, update.logprobs
+                thought = thought if show_reasoning else ""
                 if unsent[index] is not None:  # echo: the prompt and its entries first
                     text, entries = unsent[index] + text, (update.prompt_logprobs or []) + entries
                     unsent[index] = None
-                if named is not None:
+                if named is not None and text:  # (the call's first chunk waits for its arguments)
                     deltas, text = named[index].feed(text), ""
                     extra = {"tool_calls": deltas} if deltas else {}
                 if calls:
                     extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
                     reason = parser.finish_reason
-                if text or extra or entries or reason:
+                if text or thought or extra or entries or reason:
                     logprobs = None
                     if logprobs_wanted is not None:
                         logprobs = chat_logprobs(tokenizer, entries) if chat else \
                             completion_logprobs(tokenizer, entries, sent[index], logprobs_wanted)
-                    delta = {"content": text} if text or not (reason or extra) else {}
+                    delta = {"content": text} if text or not (reason or extra or thought) else {}
+                    if thought:
+                        delta = {"reasoning": thought, "reasoning_content": thought, **delta}
                     choice = {"index": index, "delta": {**delta, **extra}} if chat else {"index": index, "text": text}
                     yield event({**choice, "logprobs": logprobs, "finish_reason": reason})
                     sent[index] += len(text)
@@ -1300,7 +1456,9 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     counts[index] = update.completion_tokens
             else:
                 if include_usage:
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, sum(counts))})}\n\n"
+                    thinking_tokens = sum(s.reasoning_tokens for s in reasoning_splits) if reasoning_splits else None
+                    counted = usage(prompt_tokens, sum(counts), thinking_tokens)
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': counted})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for job in choices:
@@ -1314,9 +1472,11 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             store = stores(body)
             messages = conversation(body, stored.history(body))
             chat = chat_request(body, messages)
-            prompt = chat_prompt(chat, tokenizer)
-            params = sampling_params(chat, chat=True, prompt_tokens=len(prompt), max_model_len=scheduler.max_model_len,
-                                     defaults=sampling_defaults, tools=tool_call_parser is not None)
+            prompt, start = chat_reply(chat)
+            params = after_reasoning(sampling_params(chat, chat=True, prompt_tokens=len(prompt),
+                                                     max_model_len=scheduler.max_model_len,
+                                                     defaults=sampling_defaults, tools=tool_call_parser is not None),
+                                     start)
             parser = tool_parser(chat)
             jobs, updates = submit(chat, [(prompt, params)])
         except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
@@ -1331,29 +1491,34 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 stored.keep(response, messages)
         if body.get("stream"):
             return StreamingResponse(stream_response(jobs, updates, parser, ResponseEvents(head), len(prompt),
-                                                     logprobs, keep),
+                                                     logprobs, keep, splits(start, 1)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            (out,) = await outputs(request, jobs, updates)
+            (out,) = await outputs(request, jobs, updates, start)
         except ApiError as exc:
             return error(exc)
-        text, calls = parser.parse(out.text) if parser is not None else (out.text, [])
-        response = finished(head, output_items(text, calls, logprobs(out.logprobs), out.finish_reason),
-                            out.finish_reason, len(prompt), out.tokens)
+        content, reasoning = out.answer()
+        text, calls = parser.parse(content) if parser is not None and content is not None else (content, [])
+        thought = out.reasoning.reasoning_tokens if out.reasoning is not None else 0
+        response = finished(head, output_items(text, calls, logprobs(out.logprobs), out.finish_reason, reasoning),
+                            out.finish_reason, len(prompt), out.tokens, thought)
         keep(response)
         return JSONResponse(response)
 
-    async def stream_response(jobs, updates, parser, events: ResponseEvents, prompt_tokens: int, logprobs, keep):
-        """A streamed response's events (ResponseEvents) as its reply comes; ``keep`` takes the whole response."""
+    async def stream_response(jobs, updates, parser, events: ResponseEvents, prompt_tokens: int, logprobs, keep,
+                              reasoning_splits: list[ReasoningStream] | None = None):
+        """A streamed response's events (ResponseEvents) as its reply comes; ``keep`` takes the whole response.
+        ``reasoning_splits`` (one): the reply's reasoning comes as a reasoning item before its answer."""
         try:
             yield events.start()
-            async for _, text, calls, update in held_updates(updates, 1, parser):
+            async for _, thought, text, calls, update in held_updates(updates, 1, parser, reasoning_splits):
                 if update.finish_reason == "error":
                     yield events.fail(failed().message)
                     break
-                chunk = events.add_text(text, logprobs(update.logprobs))
+                chunk = events.add_reasoning(thought) + events.add_text(text, logprobs(update.logprobs))
                 if update.finish_reason:
-                    chunk += events.finish(calls, update.finish_reason, prompt_tokens, update.completion_tokens)
+                    chunk += events.finish(calls, update.finish_reason, prompt_tokens, update.completion_tokens,
+                                           reasoning_splits[0].reasoning_tokens if reasoning_splits else 0)
                     keep(events.response)
                 if chunk:
                     yield chunk
@@ -1380,7 +1545,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         try:
             body = await route_body(request, "/tokenize", scheduler)
             if "messages" in body:
-                tokens = chat_prompt(body, tokenizer)
+                tokens = chat_prompt(body, tokenizer, chat_template_kwargs)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):

@@ -21,6 +21,7 @@ the allowed tokens only).
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import weakref
 from collections import OrderedDict
@@ -44,6 +45,7 @@ COMPILED_GRAMMARS = 32
 # GrammarLogitsProcessor's grammar states kept by the tokens that led to them (or two per row, if more), the least
 # recently used dropped first: assisted generation asks again at an earlier length after a rejected draft token
 KEPT_STATES = 256
+THINKING_GAP = 8  # blanks between a thinking's closing tag and the constrained output (Qwen3 writes two line breaks)
 
 
 def llguidance_module():
@@ -136,6 +138,43 @@ def cfg_grammar(text) -> str:
     return checked(grammar, "the grammar")
 
 
+def after_thinking(grammar: str, tags: tuple[str, str], tokens: tuple[int | None, int | None] = (None, None), *,
+                   opened: bool = True) -> str:
+    """The grammar of replies that think before an output of ``grammar`` (a thinking model's, read by a reasoning
+    parser, models/reasoning.py): free text up to the first closing tag, at most THINKING_GAP blanks, then the
+    output. ``tags``: the thinking's opening and closing tags; ``tokens``: each one's token id where the vocabulary
+    has it as one token (an added token, which the engine sees apart from the text: the tag is then that token, or
+    its text written out). ``opened``: the reply starts inside the thinking (where it may still write the opening
+    tag, after a few blanks); else it may open it so, or give the output at once. The thinking is free but for its
+    end: its text cannot close it early, and the reply cannot stop inside it (its end tokens wait for the output)."""
+    text = grammar.lstrip()
+    if text.startswith("{"):  # llguidance's grammar list, else the text of a Lark grammar
+        spec = json.loads(text)
+    else:
+        spec = {"grammars": [{"lark_grammar": grammar}]}
+    first, *rest = spec["grammars"]
+    name = first.get("name") or "output"
+    (start, end), (start_token, end_token) = tags, tokens
+    blanks = rf"[ \t\r\n]{{0,{THINKING_GAP}}}"
+    token_opening = None if start_token is None else f"/{blanks}/ <[{start_token}]>"
+    after = f"thinking /{blanks}/ @{name}"  # (the text tag's opening is thinking's text where it is open already)
+    if opened:
+        rules = f"start: {after}\n" if token_opening is None else f"start: ({token_opening})? {after}\n"
+    else:
+        rules = f"start: @{name} | opening {after}\nopening: /{blanks}{_literal(start)}/" + \
+            ("" if token_opening is None else f" | {token_opening}") + "\n"
+    rules += f"closed[lazy]: /(?s:.*){_literal(end)}/\n"
+    rules += "thinking: closed\n" if end_token is None else \
+        f"thinking: closed | THOUGHT <[{end_token}]>\nTHOUGHT: /(?s:.*)/\n"
+    reasoned = {**spec, "grammars": [{"name": "reasoned", "lark_grammar": rules}, {**first, "name": name}, *rest]}
+    return checked(json.dumps(reasoned), "the grammar after the thinking")
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex of itself, each character escaped (llguidance's regexes take \\x{...})."""
+    return "".join(c if c.isalnum() else f"\\x{{{ord(c):X}}}" for c in text)
+
+
 @functools.cache
 def any_object_grammar() -> str:
     """The grammar of JSON mode (``response_format`` json_object): any one JSON object."""
@@ -145,7 +184,8 @@ def any_object_grammar() -> str:
 class GrammarVocabulary:
     """A tokenizer (vkformers' PreTrainedTokenizer) as the grammar engine reads it, for scores of ``width`` tokens
     (the model's vocabulary, which may hold more rows than the tokenizer has tokens: those are never allowed).
-    ``text_tokens``: bool [width], the tokens that may stand in the output's text (not special, not unknown).
+    ``text_tokens``: bool [width], the tokens that may stand in the output's text (not special, not unknown; added
+    tokens that are not special are text, as decoding keeps them).
     Building one reads the whole vocabulary (a second for 100k+ tokens): :meth:`of` keeps one per tokenizer."""
 
     _built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -169,7 +209,10 @@ class GrammarVocabulary:
         specials |= {int(t) for t, added in backend.get_added_tokens_decoder().items() if added.special}
         if tokenizer.unk_token_id is not None:
             specials.add(int(tokenizer.unk_token_id))
-        specials |= {t for t in range(min(size, self.width)) if self.engine.is_special_token(t)}
+        # tokens the engine sees apart from the text, but those added as text (a thinking model's <think>), which it
+        # allows where a grammar names them
+        added = {int(t) for t, token in backend.get_added_tokens_decoder().items() if not token.special}
+        specials |= {t for t in range(min(size, self.width)) if self.engine.is_special_token(t) and t not in added}
         text[[t for t in specials if t < self.width]] = False
         self.text_tokens = text
         self._grammars: OrderedDict = OrderedDict()  # grammar -> a compiled matcher, copied for each output

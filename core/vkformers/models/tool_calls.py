@@ -187,13 +187,17 @@ class NamedToolCall(ForcedToolCalls):
 
 class NamedCallStream:
     """A named function's arguments streamed as they come, as OpenAI streams a forced call: the first delta holds
-    the call's id, type and name, each later one a piece of its arguments."""
+    the call's id, type and name, each later one a piece of its arguments (blanks before them dropped: after a
+    thinking model's reasoning the constrained output may start with a line break)."""
 
     def __init__(self, parser: NamedToolCall):
-        self.parser, self.started = parser, False
+        self.parser, self.started, self.leading = parser, False, True
 
     def feed(self, piece: str) -> list[dict]:
         """The ``tool_calls`` entries of the chunk that carries ``piece`` of the arguments (none for no piece)."""
+        if self.leading:
+            piece = piece.lstrip()
+            self.leading = not piece
         if not self.started:
             self.started = True
             call = ToolCall(self.parser.name, {}).api(0)
