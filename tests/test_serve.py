@@ -597,9 +597,12 @@ def test_chat_roles_outside_openai_s_are_refused_and_developer_is_the_system_pro
     assert status == 400 and error["param"] == "suffix"
 
 
-def test_an_lm_server_answers_400_on_embeddings(server):
-    status, text = request(server, "POST", "/v1/embeddings", {"model": SERVED, "input": "hi"})
-    assert status == 400 and "/v1/completions" in json.loads(text)["error"]["message"]
+def test_an_lm_server_answers_400_on_embeddings_rerank_and_score(server):
+    for route, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["d"]}),
+                        ("/rerank", {"query": "q", "documents": ["d"]}), ("/score", {"text_1": "a", "text_2": "b"})):
+        status, text = request(server, "POST", route, {"model": SERVED, **body})
+        assert status == 400 and f"{route} is not served" in json.loads(text)["error"]["message"]
+        assert "/v1/completions" in json.loads(text)["error"]["message"]
 
 
 def test_text_decoded_as_tokens_come_equals_the_whole_decode():

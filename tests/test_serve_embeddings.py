@@ -95,7 +95,7 @@ def test_bad_requests_and_the_other_routes(server):
         assert status == 400 and error_of(text)["param"] == param, (body, text)
     status, text = request(server, "POST", "/v1/embeddings", {"model": "other", "input": "a"})
     assert status == 404 and error_of(text)["code"] == "model_not_found"
-    for route, body in (("/v1/completions", {"prompt": "hi"}),
+    for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["d"]}),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         status, text = request(server, "POST", route, body)
         assert status == 400 and "/v1/embeddings" in error_of(text)["message"], text

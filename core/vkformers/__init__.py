@@ -10,6 +10,7 @@ from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModel
                                        AutoModelForMultipleChoice, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                                        AutoModelForSequenceClassification, AutoModelForTokenClassification,
                                        AutoTokenizer)
+from vkformers.models.cross_encoder import CrossEncoder
 from vkformers.models.encoder_decoder import EncoderDecoderModel
 from vkformers.models.sentence import SentenceTransformer
 from vkformers.models.pipelines import pipeline
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
            "AutoModelForQuestionAnswering",
            "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
-           "AutoTokenizer", "BitsAndBytesConfig", "Buffer",
+           "AutoTokenizer", "BitsAndBytesConfig", "Buffer", "CrossEncoder",
            "Device", "EncoderDecoderModel", "SentenceTransformer", "Sequence", "Tensor", "TextIteratorStreamer",
            "TextStreamer", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
            "float16", "float32", "full", "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",

@@ -1,5 +1,5 @@
-"""OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py, cli/responses.py): the error object
-they answer, and the checks of a request's numeric fields."""
+"""OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py, cli/responses.py, cli/rerank.py): the
+error object they answer, the checks of a request's numeric fields, and the Prometheus text of /metrics."""
 from __future__ import annotations
 
 
@@ -27,3 +27,12 @@ def number_field(body: dict, name: str, default, kind=float, low=None, high=None
         span = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ApiError(400, f"'{name}' must be {span}, got {value}", param=name)
     return kind(value)
+
+
+def prometheus_text(rows, label: str) -> str:
+    """Prometheus' text format of (name, kind, help, value) rows under one label set."""
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP vkformers_{name} {help_text}", f"# TYPE vkformers_{name} {kind}",
+                  f"vkformers_{name}{label} {value}"]
+    return "\n".join(lines) + "\n"

@@ -15,7 +15,9 @@ BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.p
 and prefills the first requests replay (BatchScheduler.warm_up; ``--no-warmup``, ``--warmup-batch-sizes``,
 ``--warmup-prompt-widths``). An embedding model (a sentence-transformers folder, or an
 encoder such as BERT) is served on POST /v1/embeddings instead, through SentenceTransformer (models/sentence.py) on
-one worker thread. Needs the ``serve`` extra (Starlette and uvicorn): ``pip install 'vkformers[serve]'``.
+one worker thread; a reranker (a cross-encoder of one label) on POST /rerank and /score (cli/rerank.py), through
+CrossEncoder (models/cross_encoder.py). Needs the ``serve`` extra (Starlette and uvicorn): ``pip install
+'vkformers[serve]'``.
 """
 from __future__ import annotations
 
@@ -38,9 +40,10 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.cli import generate as cli_generate
-from vkformers.cli.api_schema import ApiError, number_field
+from vkformers.cli.api_schema import ApiError, number_field, prometheus_text
 from vkformers.cli.options import (positive_int, template_variables, template_variables_problem, whole_number,
                                    whole_numbers)
+from vkformers.cli.rerank import RERANK_ROUTES, SCORE_ROUTES, Reranker, rerank_prometheus
 from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request, conversation, finished, output_items,
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
@@ -51,7 +54,7 @@ from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.reasoning import ANSWER, OPENING, REASONING_PARSERS, ReasoningStream
-from vkformers.models.sentence import SentenceTransformer, is_embedding_checkpoint
+from vkformers.models.sentence import SentenceTransformer, is_cross_encoder_checkpoint, is_embedding_checkpoint
 from vkformers.models.structured_output import (ANY_OBJECT_SCHEMA, after_thinking, any_object_grammar, cfg_grammar,
                                                  choice_grammar, closed_objects, json_schema_grammar, regex_grammar)
 from vkformers.models.tool_calls import (TOOL_CALL_PARSERS, FirstCallOnly, ForcedToolCalls, NamedCallStream,
@@ -70,15 +73,16 @@ DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for i
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("serve", help="serve a causal LM or an embedding model over an OpenAI-compatible "
-                                                 "HTTP API",
+    parser = subparsers.add_parser("serve", help="serve a causal LM, an embedding model or a reranker over an "
+                                                 "OpenAI-compatible HTTP API",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
                         help="the model, as vLLM's `vllm serve MODEL` takes it (the same as --model)")
     parser.add_argument("--model", default=None,
                         help=f"checkpoint folder, hub repo id or .gguf file (default: {cli_generate.DEFAULT_MODEL_FILE} "
                              f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package); a sentence-transformers "
-                             "folder or an encoder is served on /v1/embeddings")
+                             "folder or an encoder is served on /v1/embeddings, a cross-encoder of one label (a "
+                             "reranker) on /v1/rerank and /v1/score")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder or hub repo id for a causal LM (default: the model's own; a .gguf "
                              "file's from its metadata)")
@@ -211,11 +215,17 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
     served = args.served_model_name or served_name(args.model)
     scheduler = None
     merged, named = adapter_options(args.adapter)
-    if args.model is not None and is_embedding_checkpoint(model_name):
-        if args.quantization is not None or args.adapter or args.tokenizer is not None or \
-                args.reasoning_parser is not None:
-            raise VkformersError("--quantization, --adapter, --tokenizer and --reasoning-parser apply to causal LMs; "
-                                 "an embedding model is served as it is")
+    reranks = args.model is not None and is_cross_encoder_checkpoint(model_name)
+    embeds = args.model is not None and is_embedding_checkpoint(model_name)
+    if (reranks or embeds) and (args.quantization is not None or args.adapter or args.tokenizer is not None
+                                or args.reasoning_parser is not None):
+        raise VkformersError("--quantization, --adapter, --tokenizer and --reasoning-parser apply to causal LMs; an "
+                             "embedding model or a reranker is served as it is")
+    if reranks:
+        reranker = Reranker.load(model_name, args.dtype, batch_size=args.max_batch)
+        app, close = build_app(None, reranker.model.tokenizer, served, api_key=args.api_key, reranker=reranker), \
+            reranker.close
+    elif embeds:
         embedder = Embedder(SentenceTransformer(model_name, dtype=args.dtype), batch_size=args.max_batch)
         app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
             embedder.close
@@ -1072,15 +1082,6 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
     return prometheus_text(rows, label)
 
 
-def prometheus_text(rows, label: str) -> str:
-    """Prometheus' text format of (name, kind, help, value) rows under one label set."""
-    lines = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP vkformers_{name} {help_text}", f"# TYPE vkformers_{name} {kind}",
-                  f"vkformers_{name}{label} {value}"]
-    return "\n".join(lines) + "\n"
-
-
 def embedding_prometheus(embedder: Embedder, served: str) -> str:
     m = embedder.metrics
     label = f'{{model="{served}"}}'
@@ -1121,9 +1122,10 @@ class LoopMailbox:
 def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_key: str | None = None,
               embedder: Embedder | None = None, sampling_defaults: dict | None = None, adapters: dict | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              chat_template_kwargs: dict | None = None):
-    """The Starlette application serving ``scheduler``'s causal LM, or ``embedder``'s embedding model, under the
-    name ``served``; the routes of the other kind answer 400. ``sampling_defaults``: see sampling_params.
+              chat_template_kwargs: dict | None = None, reranker: Reranker | None = None):
+    """The Starlette application serving ``scheduler``'s causal LM, ``embedder``'s embedding model or
+    ``reranker``'s cross-encoder under the name ``served``; the routes of the other kinds answer 400.
+    ``sampling_defaults``: see sampling_params.
     ``adapters``: name -> folder of the scheduler's adapters (in its order), each also served under its name.
     ``tool_call_parser``: a TOOL_CALL_PARSERS name, for chat requests with tools (models/tool_calls.py).
     ``reasoning_parser``: a REASONING_PARSERS name, whose reasoning the chat and Responses routes give apart from
@@ -1151,8 +1153,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         card = {"id": name, "object": "model", "created": created, "owned_by": "vkformers"}
         if name in adapters:  # as vLLM lists its LoRA modules
             card.update(root=str(adapters[name]), parent=served)
-        if scheduler is not None:
-            card["max_model_len"] = scheduler.max_model_len  # as vLLM's
+        if scheduler is not None or reranker is not None:  # as vLLM's
+            card["max_model_len"] = scheduler.max_model_len if scheduler is not None else reranker.model.max_length
         return card
 
     def unknown_model(name) -> ApiError:
@@ -1201,7 +1203,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         return JSONResponse({"status": "ok"})
 
     async def metrics(request):
-        text = prometheus(scheduler, served) if scheduler is not None else embedding_prometheus(embedder, served)
+        text = prometheus(scheduler, served) if scheduler is not None else \
+            embedding_prometheus(embedder, served) if embedder is not None else rerank_prometheus(reranker, served)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(request):
@@ -1227,8 +1230,9 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         return await complete(request, chat=True)
 
     def wrong_kind(route: str) -> ApiError:
-        kind = "an embedding model: it answers POST /v1/embeddings" if scheduler is None else \
-            "a causal LM: it answers POST /v1/completions, /v1/chat/completions and /v1/responses"
+        kind = "a causal LM: it answers POST /v1/completions, /v1/chat/completions and /v1/responses" \
+            if scheduler is not None else "an embedding model: it answers POST /v1/embeddings" \
+            if embedder is not None else "a reranker: it answers POST /v1/rerank and /v1/score"
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
 
     thinking = REASONING_PARSERS[reasoning_parser]() if reasoning_parser is not None else None
@@ -1590,6 +1594,17 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                                                                       embedder.model.normalize),
                              "model": served, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    def reranking(route: str, answer):
+        """A route of the reranker: ``answer`` (Reranker.rerank or Reranker.score_texts, cli/rerank.py) of the
+        request's body."""
+        async def handle(request):
+            try:
+                body = await route_body(request, route, reranker)
+                return JSONResponse(await answer(reranker, body, served))
+            except ApiError as exc:
+                return error(exc)
+        return handle
+
     routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/models/{model:path}", model_info),
               Route("/v1/completions", completions, methods=["POST"]),
@@ -1598,4 +1613,6 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
               Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/v1/embeddings", embeddings, methods=["POST"]),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+    routes += [Route(path, reranking(path, Reranker.rerank), methods=["POST"]) for path in RERANK_ROUTES]
+    routes += [Route(path, reranking(path, Reranker.score_texts), methods=["POST"]) for path in SCORE_ROUTES]
     return Starlette(routes=routes)

@@ -30,7 +30,7 @@ from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
 from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
-from vkformers.models.heads import mean_pool, take_tokens
+from vkformers.models.heads import head_config, mean_pool, take_tokens
 from vkformers.models.gguf import is_gguf_file
 from vkformers.models.loading import AutoModel, AutoTokenizer, load_config, read_json, resolve_checkpoint
 from vkformers.models.plugins import plugin_manager, registry
@@ -316,19 +316,30 @@ class SentenceTransformer:
         return self._batched(ids, self._embed_ids, batch_size, False)
 
     def _batched(self, items: list, embed, batch_size: int, show_progress_bar) -> np.ndarray:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise SentenceTransformerError(f"batch_size={batch_size!r}: pass a positive integer")
-        order = np.argsort([-len(t) for t in items], kind="stable")  # longest first, as sentence-transformers
-        chunks = []
-        starts = range(0, len(items), batch_size)
-        for start in _progress(starts, show_progress_bar and len(starts) > 1):
-            chunks.append(embed([items[i] for i in order[start:start + batch_size]]))
-        out = np.zeros((len(items), chunks[0].shape[-1] if chunks else 0), np.float32)
-        if chunks:
-            out[order] = np.concatenate(chunks)
-        return out
+        check_batch_size(batch_size, SentenceTransformerError)
+        return length_sorted_batches(items, embed, batch_size, show_progress_bar)
 
     __call__ = encode
+
+
+def check_batch_size(batch_size, error: type[VkformersError]) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise error(f"batch_size={batch_size!r}: pass a positive integer")
+
+
+def length_sorted_batches(items: list, run, batch_size: int, show_progress_bar, length=len) -> np.ndarray:
+    """``run(batch)`` ([len(batch), D] float32) over ``items`` in batches of ``batch_size``, longest first by
+    ``length`` (as sentence-transformers sorts them, so that each batch is padded little): [len(items), D] in the
+    input order."""
+    order = np.argsort([-length(item) for item in items], kind="stable")
+    chunks = []
+    starts = range(0, len(items), batch_size)
+    for start in _progress(starts, show_progress_bar and len(starts) > 1):
+        chunks.append(run([items[i] for i in order[start:start + batch_size]]))
+    out = np.zeros((len(items), chunks[0].shape[-1] if chunks else 0), np.float32)
+    if chunks:
+        out[order] = np.concatenate(chunks)
+    return out
 
 
 def _check_truncate_dim(value) -> int | None:
@@ -349,10 +360,31 @@ def _matrix(x) -> np.ndarray:
     return x[None] if x.ndim == 1 else x
 
 
+def is_cross_encoder_checkpoint(name_or_path) -> bool:
+    """Whether a checkpoint is a cross-encoder (models/cross_encoder.py): one sentence-transformers' CrossEncoder
+    saved (config_sentence_transformers.json's model_type, or the activation its earlier versions wrote into
+    config.json), or a sequence classifier of one label that no modules.json makes a SentenceTransformer (a
+    reranker such as BAAI/bge-reranker-base). A GGUF file is taken as a causal LM."""
+    if is_gguf_file(name_or_path):
+        return False
+    folder = resolve_checkpoint(name_or_path)
+    settings = folder / "config_sentence_transformers.json"
+    if settings.is_file() and read_json(settings).get("model_type") == "CrossEncoder":
+        return True
+    if (folder / "modules.json").is_file() or not (folder / "config.json").is_file():
+        return False
+    config = load_config(folder)
+    if "activation_fn" in (config.get("sentence_transformers") or {}) or \
+            config.get("sbert_ce_default_activation_function"):
+        return True
+    architectures = config.get("architectures") or [""]
+    return str(architectures[0]).endswith("ForSequenceClassification") and head_config(config)["num_labels"] == 1
+
+
 def is_embedding_checkpoint(name_or_path) -> bool:
     """Whether a checkpoint is an embedding model: a sentence-transformers folder (modules.json), or an encoder (an
-    architecture with no causal LM). A GGUF file is taken as a causal LM."""
-    if is_gguf_file(name_or_path):
+    architecture with no causal LM) that is no cross-encoder. A GGUF file is taken as a causal LM."""
+    if is_gguf_file(name_or_path) or is_cross_encoder_checkpoint(name_or_path):
         return False
     folder = resolve_checkpoint(name_or_path)
     if (folder / "modules.json").is_file():
@@ -368,4 +400,5 @@ def _progress(items, show: bool):
     return tqdm(items, desc="Batches", file=sys.stderr)
 
 
-__all__ = ["Dense", "Pooling", "SentenceTransformer", "SentenceTransformerError", "is_embedding_checkpoint"]
+__all__ = ["Dense", "Pooling", "SentenceTransformer", "SentenceTransformerError", "check_batch_size",
+           "is_cross_encoder_checkpoint", "is_embedding_checkpoint", "length_sorted_batches"]
