@@ -773,7 +773,8 @@ def test_vllm_sampling_extras(server, tiny):
                         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output")):
         status, error = error_of(request(server, "POST", "/v1/chat/completions", {**chat, **body}))
         assert status == 400 and (param is None or error["param"] == param), (body, error)
-    assert request(server, "POST", "/v1/chat/completions", {**chat, "bad_words": [], "use_beam_search": False})[0] == 200
+    neutral = {**chat, "bad_words": [], "use_beam_search": False}  # (what changes nothing is taken)
+    assert request(server, "POST", "/v1/chat/completions", neutral)[0] == 200
 
 
 def test_options_this_server_cannot_honour_are_refused(server):
