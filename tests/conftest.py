@@ -1,6 +1,7 @@
 """Tests need a Vulkan device (lavapipe on CPU is enough). Without one the run stops loudly."""
 import pytest
 
+from vkformers.engine.kernels import subgroups_are_full
 from vkformers.engine.ops import decode as fused_decode
 from vkformers.errors import VkformersError
 from vkformers.models import generation
@@ -25,3 +26,12 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def device():
     return get_device()
+
+
+@pytest.fixture
+def fused_decode_kernel(device):
+    """Skips a test of the fused decode kernel where it is refused: a device whose subgroups may hold fewer lanes than
+    it reports (lavapipe at LP_NATIVE_VECTOR_WIDTH 1024 or 2048; tests/test_subgroup_widths.py checks the refusal)."""
+    if not subgroups_are_full(device):
+        pytest.skip(f"{device.name} runs subgroups narrower than {device.limits['subgroup_size']} lanes: "
+                    "the fused decode kernel is not used there")

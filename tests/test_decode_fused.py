@@ -46,7 +46,7 @@ GPU_SHAPES = {"GPU shape": (4, 2, 1, 1), "GPU shape, a pair per subgroup": (4, 4
 
 
 @pytest.fixture(params=["this device", *GPU_SHAPES])
-def launch(request, monkeypatch):
+def launch(request, monkeypatch, fused_decode_kernel):
     """The launch shape of this device, and a GPU's (several subgroups per workgroup, 2 to 4 loads in flight per lane,
     k split among them or one pair each, or (packed weights) 2 or 4 pairs together), so that lavapipe runs the code
     paths a GPU takes."""
@@ -210,7 +210,7 @@ def test_head_norm_rope_write_normalises_each_head(device, dtype, head_dim, rot_
     check(caches[1], want_v, dtype)
 
 
-def test_fusable_refuses_what_the_kernel_cannot_take(device):
+def test_fusable_refuses_what_the_kernel_cannot_take(device, fused_decode_kernel):
     x = vkf.tensor(np.zeros((9, 1, 64), np.float32))
     w = vkf.tensor(np.zeros((8, 64), np.float32))
     with vkf.no_grad():
@@ -224,7 +224,8 @@ def test_fusable_refuses_what_the_kernel_cannot_take(device):
     assert not fusable(x[:2], [trainable])  # a gradient is being recorded
 
 
-def test_large_dense_weights_fuse_where_the_product_takes_the_small_m_kernel(device, monkeypatch):
+def test_large_dense_weights_fuse_where_the_product_takes_the_small_m_kernel(device, monkeypatch,
+                                                                              fused_decode_kernel):
     """The default on a GPU: weights fuse up to KD.MAX_ROWS rows, but with a cooperative matrix for their dtype a
     product whose largest weight has FUSED_DENSE_MAX_BYTES or more fuses only up to SMALL_M_MAX_COOPMAT_LINEAR rows
     (past it x @ W^T takes the skinny tiles, and the model composes the ordinary ops); forced on, up to KD.MAX_ROWS

@@ -13,7 +13,7 @@ tolerances: it also accumulates in float32 and rounds C once.
 import numpy as np
 import pytest
 
-from vkformers.engine.kernels import Operand
+from vkformers.engine.kernels import Operand, subgroup_lanes
 from vkformers.engine.kernels import matmul as KM
 from vkformers.engine.kernels.matmul import SMALL_M_MAX, SmallMConfig, coopmat_supported, matmul, select_algorithm
 from vkformers.runtime import dtypes as dt
@@ -437,7 +437,12 @@ def test_small_m_more_rows_than_a_block(device, trans_b):
 ])
 def test_small_m_configurations(device, config):
     """Workgroup shapes other than the device's default, including the unrolled main
-    loop with k long enough to run it (k = 517 float32: 130 vectors)."""
+    loop with k long enough to run it (k = 517 float32: 130 vectors). A device that runs
+    subgroups narrower than it reports refuses those of more threads than it surely runs."""
+    if config.threads > subgroup_lanes(device) < device.limits["subgroup_size"]:
+        with pytest.raises(ValueError, match="lanes whole"):
+            run_case(device, 1, 47, 517, trans_b=True, algorithm="small_m", small_m=config)
+        return
     for m in (1, 5):
         run_case(device, m, 47, 517, in_dtype="float32", trans_b=True, bias=True, beta=1.0,
                  algorithm="small_m", small_m=config)

@@ -12,6 +12,7 @@ import pytest
 import vkformers as vkf
 from vkformers.engine import functional as F
 from vkformers.engine.function import no_grad
+from vkformers.engine.kernels import subgroups_are_full
 from vkformers.engine.ops.cache import decode_attention, decode_attention_paged, write_kv, write_kv_paged
 from vkformers.models import generation
 from vkformers.models.cache import KVCache
@@ -108,7 +109,7 @@ PADDED_MASK = (np.arange(10) >= np.array([[3], [0]])).astype(np.int64)
 
 @pytest.mark.parametrize("bucket", [0, 64])
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_generate_on_a_paged_cache_gives_the_same_tokens(name, bucket, monkeypatch):
+def test_generate_on_a_paged_cache_gives_the_same_tokens(device, name, bucket, monkeypatch):
     """Greedy generate of a left-padded batch on the contiguous cache and on a paged one (blocks of 2 tokens, so
     that the 10-token prompts and 24 new tokens span many): identical tokens, the fused decode layer writing
     through the block tables (decode_matvec.comp's qkv mode; qwen3's QK-norm: decode_head_norm_rope.comp); the
@@ -130,7 +131,8 @@ def test_generate_on_a_paged_cache_gives_the_same_tokens(name, bucket, monkeypat
     finally:
         object.__delattr__(model, "_generation_cache")
     np.testing.assert_array_equal(got, want)
-    assert writes and set(writes) == {2}
+    # (the ordinary ops compose the step where the fused kernel is not used: subgroups narrower than reported)
+    assert set(writes) == ({2} if subgroups_are_full(device) else set())
     stored = paged.position  # 10 + 23 tokens (the last token is not fed back)
     assert stored == 33 and paged.tables[0, 0] == 0 and paged.tables[1, 0] != 0  # row 0: 3 columns of padding
     assert paged.blocks_held == 2 * -(-(stored + LOOKAHEAD) // 2) - 1 == pool.used_blocks

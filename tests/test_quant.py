@@ -560,7 +560,7 @@ CPU_QUANT_SHAPES = ((4, 2, 2, 1), (2, 1, 4, 1), (2, 1, 2, 1, 2), (1, 2, 1, 0, 2)
 
 
 @pytest.fixture(params=["this device", *dict.fromkeys(KD.QUANT_SWEEP_SHAPES + CPU_QUANT_SHAPES)], ids=str)
-def quant_launch(request, device, monkeypatch):
+def quant_launch(request, device, monkeypatch, fused_decode_kernel):
     if request.param != "this device":
         if device.is_cpu and request.param not in CPU_QUANT_SHAPES:
             pytest.skip("a GPU's launch shape: a CPU device takes CPU_QUANT_SHAPES")
@@ -680,7 +680,7 @@ def test_quant_launch_table(monkeypatch):
     assert set(KD.QUANT_SWEEP_SHORT) <= set(KD.QUANT_SWEEP_SHAPES)
 
 
-def test_fused_decode_mixed_block_formats(device, monkeypatch):
+def test_fused_decode_mixed_block_formats(device, monkeypatch, fused_decode_kernel):
     """A Q4_K_M-style model (q, k, o, gate, up in Q4_K; v and down in Q6_K, as llama.cpp's Q4_K_M keeps attn_v and
     ffn_down) decodes through the fused kernels with each weight in its own format, none falling back to the composed
     ops, and gives the logits of its dequantized float32 self at every step (relative to max |logit|)."""

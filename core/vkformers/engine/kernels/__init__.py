@@ -16,6 +16,32 @@ from vkformers.runtime.vulkan import Buffer
 # step split it (across invocations or dispatches) to stay within this.
 LOOP_ITERATIONS = 60000
 
+# llvmpipe (lavapipe) puts at most 16 invocations in a subgroup of a compute shader (its widest vector is 512 bits)
+# while it reports LP_NATIVE_VECTOR_WIDTH / 32 lanes: 32 or 64 for 1024 or 2048 bits.
+LLVMPIPE_MAX_LANES = 16
+INTEL_VENDOR_ID = 0x8086
+
+
+def subgroup_lanes(device) -> int:
+    """The invocations every subgroup of a kernel surely holds (in a workgroup of whole subgroups): the device's
+    ``subgroup_size``, or fewer where the driver reports one size, which gl_SubgroupSize reads, and runs narrower
+    subgroups under it. Vulkan allows that unless a pipeline requires full subgroups (kp's pipelines do not):
+    gl_NumSubgroups and gl_SubgroupID then count the narrower subgroups, and a kernel whose lanes stride by
+    gl_SubgroupSize skips the work of the lanes that are not there. llvmpipe runs at most LLVMPIPE_MAX_LANES;
+    Intel's Mesa driver keeps gl_SubgroupSize at 32 for kernels older than SPIR-V 1.6 while it compiles each for
+    8, 16 or 32 lanes (``min_subgroup_size`` up)."""
+    size = int(device.limits["subgroup_size"])
+    if getattr(device, "info", {}).get("driver_name") == "llvmpipe":
+        return min(size, LLVMPIPE_MAX_LANES)
+    if device.limits.get("vendor_id") == INTEL_VENDOR_ID:
+        return min(size, int(device.limits.get("min_subgroup_size") or size))
+    return size
+
+
+def subgroups_are_full(device) -> bool:
+    """Whether each subgroup of a kernel holds gl_SubgroupSize invocations (see :func:`subgroup_lanes`)."""
+    return subgroup_lanes(device) == int(device.limits["subgroup_size"])
+
 
 @dataclass(frozen=True)
 class Operand:

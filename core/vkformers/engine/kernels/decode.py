@@ -24,7 +24,7 @@ units as they read them.
 """
 from __future__ import annotations
 
-from vkformers.engine.kernels import Operand, operand, require_elements
+from vkformers.engine.kernels import Operand, operand, require_elements, subgroups_are_full
 from vkformers.engine.kernels.transformer_args import element_variant
 
 MAX_ROWS = 8
@@ -197,6 +197,9 @@ def decode_matvec(seq, x, weights, out0, *, rows: int, k: int, widths, mode: str
             (norm_weight or x).offset // elements_per_vector(x.dtype)]
     device = seq.device
     subgroup = device.limits["subgroup_size"]
+    if not subgroups_are_full(device):  # the lanes stride over k by gl_SubgroupSize: missing ones skip their part
+        raise ValueError(f"decode_matvec: {device.name} runs subgroups narrower than the {subgroup} lanes the "
+                         f"kernel counts on; compose the ordinary ops instead (engine.ops.decode.fusable says)")
     subgroups, unroll, per_subgroup, split_k, *adjacent = launch or launch_shape(
         device, rows, formats[0].name if formats else None, product_kind(mode, k, ns))
     adjacent = adjacent[0] if adjacent and formats is not None and (k // 32) % adjacent[0] == 0 else 1

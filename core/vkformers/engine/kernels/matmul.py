@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vkformers.engine.kernels import Operand, operand, require_elements
+from vkformers.engine.kernels import Operand, operand, require_elements, subgroup_lanes
 from vkformers.runtime import dtypes as dt
 
 SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -246,11 +246,17 @@ class SmallMConfig:
     rows_per_subgroup: int = 1
     unroll: int = 2
 
-    def check(self, trans_b: bool) -> None:
+    def check(self, trans_b: bool, subgroup: int, lanes: int) -> None:
+        """``lanes``: what each subgroup surely holds of the device's ``subgroup`` (kernels.subgroup_lanes). Fewer:
+        trans_b's lanes stride over k by gl_SubgroupSize, so the workgroup must be one subgroup whose every
+        invocation is there (at most ``lanes`` threads), its lanes then counted from the workgroup's size."""
         if not (1 <= self.rows_per_subgroup <= 4 and 1 <= self.unroll <= 4
                 and self.rows_per_wg % self.rows_per_subgroup == 0
                 and (trans_b or self.threads % self.rows_per_wg == 0)):
             raise ValueError(f"matmul: small-m configuration {self} is not valid")
+        if trans_b and lanes < subgroup and self.threads > lanes:
+            raise ValueError(f"matmul: small-m configuration {self} needs subgroups of {subgroup} lanes whole; "
+                             f"this device runs them {lanes} wide: at most {lanes} threads")
 
 
 def small_m_config(device, m: int, n: int, trans_b: bool) -> SmallMConfig:
@@ -260,14 +266,19 @@ def small_m_config(device, m: int, n: int, trans_b: bool) -> SmallMConfig:
     workgroup halved (down to 64 threads) while there would be fewer than ~256
     workgroups, so that small n still spreads over every compute unit. lavapipe: one
     subgroup (8 lanes) per workgroup, 4 columns at a time, 8 per workgroup (the best
-    of the shapes measured: fewer, longer workgroups suit a CPU).
+    of the shapes measured: fewer, longer workgroups suit a CPU). A device whose subgroups may hold fewer
+    invocations than gl_SubgroupSize (kernels.subgroup_lanes) gets workgroups of one subgroup of the lanes it
+    surely runs, as SmallMConfig.check requires.
     Not trans_b: 16 (32 for wide C) consecutive columns per workgroup, the 256 threads
     splitting k."""
-    subgroup = device.limits["subgroup_size"]
+    subgroup, lanes = device.limits["subgroup_size"], subgroup_lanes(device)
     if not trans_b:
         return SmallMConfig(threads=256, rows_per_wg=32 if n >= 8192 else 16)
     if device.is_cpu:
-        return SmallMConfig(threads=subgroup, rows_per_wg=8, rows_per_subgroup=4, unroll=1)
+        return SmallMConfig(threads=lanes, rows_per_wg=8, rows_per_subgroup=4, unroll=1)
+    if lanes < subgroup:
+        per_subgroup = 2 if m >= 4 else 1
+        return SmallMConfig(threads=lanes, rows_per_wg=per_subgroup, rows_per_subgroup=per_subgroup)
     per_subgroup = 2 if m >= 4 else 1
     threads = 256
     while threads > max(subgroup, 64) and n * subgroup // (threads * per_subgroup) < 256:
@@ -421,7 +432,7 @@ def _dispatch_small_m(seq, variant, buffers, push, *, m, n, k, batch, trans_a, t
                       offset_a, offset_b, stride_a, stride_b, cfg: SmallMConfig | None, gate_mode: int) -> None:
     device = seq.device
     cfg = cfg or small_m_config(device, m, n, trans_b)
-    cfg.check(trans_b)
+    cfg.check(trans_b, device.limits["subgroup_size"], subgroup_lanes(device))
     block_m = min(m, 8)
     # Whole 16-byte loads need every row of the k-contiguous operand to start on a
     # vector: k, the offset and the batch stride multiples of the vector's elements.

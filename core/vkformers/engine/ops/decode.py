@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from vkformers.engine.function import CopyStrided, KernelOp, contiguous, grad_enabled, node, wrap
 from vkformers.engine.kernels import decode as KD
 from vkformers.engine.kernels import matmul as KM
+from vkformers.engine.kernels import subgroups_are_full
 from vkformers.engine.quantized import QuantizedTensor, quant_format
 from vkformers.engine.row_blocks import RowBlocks
 from vkformers.runtime import dtypes as dt
@@ -23,7 +24,8 @@ from vkformers.runtime import dtypes as dt
 # GPU waits on; on a CPU device (lavapipe) decoding ran slower fused (bench/llama.py --layers 4 --fused-ab:
 # 1.2 against 1.5 tokens/s, docs/benchmarks.md).
 # True / False (VKFORMERS_FUSED_DECODE=1 / 0) force them on or off: the tests on lavapipe, a benchmark
-# comparing both, or ruling them out when chasing a wrong result.
+# comparing both, or ruling them out when chasing a wrong result. Never on a device whose subgroups may hold fewer
+# invocations than gl_SubgroupSize (kernels.subgroup_lanes): the kernel's lanes would skip the missing lanes' part.
 enabled: bool | None = {"1": True, "0": False}.get(os.environ.get("VKFORMERS_FUSED_DECODE", ""))
 # Past the rows where x @ W^T takes the small-m kernel, a GPU's cooperative-matrix tiles (COOPMAT_SKINNY) read large
 # weights faster than the fused kernel, whose arithmetic per weight grows with the rows, even with the norm and
@@ -87,7 +89,7 @@ def fusable_weights(dtype, rows: int, weights, norm: FusedNorm | None = None) ->
     if any(isinstance(w, RowBlocks) for w in weights):  # the kernel binds each weight whole
         return False
     device = weights[0].lazy.device
-    if enabled is False or (enabled is None and device.is_cpu):
+    if enabled is False or (enabled is None and device.is_cpu) or not subgroups_are_full(device):
         return False
     if enabled is None and not isinstance(weights[0], QuantizedTensor) \
             and KM.select_algorithm(device, dtype, rows, trans_b=True) != "small_m" \
