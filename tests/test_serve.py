@@ -897,6 +897,32 @@ def test_a_client_leaving_before_a_whole_response_frees_its_row(server, monkeypa
 
 # ---------------------------------------------------------------- the command
 
+@contextlib.contextmanager
+def serve_command(*args, startup_lines: int = 1):
+    """``vkformers serve ARGS --port P`` in a process of its own, yielded as (P, the first ``startup_lines`` lines it
+    wrote to stderr) once /health answers; then stopped with Ctrl-C (uvicorn shuts down), which must end it with
+    status 0."""
+    port = free_port()
+    command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
+               "serve", *map(str, args), "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        lines = [process.stderr.readline() for _ in range(startup_lines)]
+
+        def healthy():
+            assert process.poll() is None, "".join(lines) + process.stderr.read()
+            try:
+                return request({"port": port}, "GET", "/health", key=None)[0] == 200
+            except OSError:
+                return False
+        wait_for(healthy, 120)
+        yield port, lines
+    finally:
+        process.send_signal(signal.SIGINT)
+        status = process.wait(60)
+    assert status == 0
+
+
 def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -933,36 +959,18 @@ def test_the_command_serves_until_stopped(tiny, web, tmp_path):
     file, answers with the adapted model's output, and Ctrl-C stops it."""
     path, tokenizer, _ = tiny
     reference = saved_adapter(path, tmp_path / "adapter")
-    port = free_port()
-    command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
-               "serve", "--model", str(path), "--port", str(port), "--max-batch", "2",
-               "--adapter", str(tmp_path / "adapter")]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        line = process.stderr.readline()
+    with serve_command("--model", path, "--max-batch", 2, "--adapter", tmp_path / "adapter", startup_lines=2) \
+            as (port, (line, pool)):
         assert line == f"vkformers serve: tiny on http://127.0.0.1:{port}/v1 (ready when /health answers)\n"
         # the default KV cache: paged, sized from the device's memory, prefix caching on
-        pool = process.stderr.readline()
         assert re.fullmatch(r"vkformers serve: paged KV cache: [\d,]+ tokens \([\d,]+ blocks of 16\), [\d.]+ [MG]iB; "
                             r"prefix caching on\n", pool), pool
-
-        def healthy():
-            assert process.poll() is None, process.stderr.read()
-            try:
-                return request({"port": port}, "GET", "/health", key=None)[0] == 200
-            except OSError:
-                return False
-        wait_for(healthy, 120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         text = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0].text
         metrics = request({"port": port}, "GET", "/metrics", key=None)[1]
         blocks = int(re.search(r'vkformers_kv_cache_blocks\{model="tiny"\} (\d+)', metrics).group(1))
         assert f"{blocks:,} blocks of 16" in pool
-    finally:
-        process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, then the command returns
-        status = process.wait(60)
-    assert status == 0
     ids = encode(tokenizer, PROMPTS[1])
     eos = cli_serve.eos_ids(reference, tokenizer)
     assert text == tokenizer.decode(reference_tokens(reference, ids, 5, eos), skip_special_tokens=True)

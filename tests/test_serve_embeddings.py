@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 from test_sentence_embeddings import ATOL, REFERENCE, TEXTS, assert_embeddings, model_folder
-from test_serve import free_port, request, wait_for
+from test_serve import free_port, request, serve_command, wait_for
 
 import vkformers
 from vkformers.cli import serve as cli_serve
@@ -125,30 +125,10 @@ def test_which_checkpoints_are_embedding_models(tmp_path):
 
 def test_the_command_serves_an_embedding_model(tmp_path):
     """`vkformers serve --model <sentence-transformers folder>`: /v1/embeddings answers with encode's embedding."""
-    import os
-    import signal
-    import subprocess
-    import sys
     if uvicorn is None or openai is None:
         pytest.fail("the serve tests need pip install 'vkformers[serve,test]'", pytrace=False)
-    port = free_port()
-    command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
-               "serve", "--model", str(model_folder()), "--served-model-name", SERVED, "--port", str(port)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        assert process.stderr.readline().startswith(f"vkformers serve: {SERVED} on http://127.0.0.1:{port}/v1")
-
-        def healthy():
-            assert process.poll() is None, process.stderr.read()
-            try:
-                return request({"port": port}, "GET", "/health", key=None)[0] == 200
-            except OSError:
-                return False
-        wait_for(healthy, 120)
+    with serve_command("--model", model_folder(), "--served-model-name", SERVED) as (port, (line,)):
+        assert line.startswith(f"vkformers serve: {SERVED} on http://127.0.0.1:{port}/v1")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         response = client.embeddings.create(model=SERVED, input=TEXTS[1])
-    finally:
-        process.send_signal(signal.SIGINT)
-        status = process.wait(60)
-    assert status == 0
     assert_embeddings(np.asarray([response.data[0].embedding], np.float32), EXPECTED[1:2])

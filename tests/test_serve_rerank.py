@@ -7,16 +7,12 @@ documents; usage exact; the errors of bad requests and of the other kinds' route
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
 from test_cross_encoder import ATOL, FIXTURES, LOGITS_ATOL, PAIRS, REFERENCE
-from test_serve import API_KEY, free_port, request, wait_for
+from test_serve import API_KEY, free_port, request, serve_command, wait_for
 
 import vkformers
 from vkformers.cli import main
@@ -150,25 +146,10 @@ def test_the_command_serves_a_reranker_and_refuses_a_classifier(tmp_path, capsys
         pytest.fail("the serve tests need pip install 'vkformers[serve,test]'", pytrace=False)
     assert main(["serve", "--model", str(FIXTURES / "xlm-roberta-nli"), "--port", str(free_port())]) == 1
     assert "cross-encoder of 3 labels; vkformers serve serves rerankers" in capsys.readouterr().err
-    port = free_port()
-    command = [sys.executable, "-c", "import sys; from vkformers.cli import main; sys.exit(main(sys.argv[1:]))",
-               "serve", "--model", str(FIXTURES / "bert-reranker"), "--served-model-name", SERVED, "--port", str(port)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        assert process.stderr.readline().startswith(f"vkformers serve: {SERVED} on http://127.0.0.1:{port}/v1")
-
-        def healthy():
-            assert process.poll() is None, process.stderr.read()
-            try:
-                return request({"port": port}, "GET", "/health", key=None)[0] == 200
-            except OSError:
-                return False
-        wait_for(healthy, 120)
+    with serve_command("--model", FIXTURES / "bert-reranker", "--served-model-name", SERVED) as (port, (line,)):
+        assert line.startswith(f"vkformers serve: {SERVED} on http://127.0.0.1:{port}/v1")
         status, answer = post({"port": port}, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS[:3]}, key=None)
-    finally:
-        process.send_signal(signal.SIGINT)
-        code = process.wait(60)
-    assert code == 0 and status == 200
+    assert status == 200
     expected = model.predict([[QUERY, d] for d in DOCUMENTS[:3]])
     results = sorted(answer["results"], key=lambda r: r["index"])
     assert [r["index"] for r in results] == [0, 1, 2]
