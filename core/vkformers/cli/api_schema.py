@@ -1,5 +1,6 @@
 """OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py, cli/responses.py, cli/rerank.py): the
-error object they answer, the checks of a request's numeric fields, and the Prometheus text of /metrics."""
+error object they answer, the checks of a request's numeric and true-or-false fields, and the Prometheus text
+of /metrics."""
 from __future__ import annotations
 
 
@@ -36,3 +37,14 @@ def prometheus_text(rows, label: str) -> str:
         lines += [f"# HELP vkformers_{name} {help_text}", f"# TYPE vkformers_{name} {kind}",
                   f"vkformers_{name}{label} {value}"]
     return "\n".join(lines) + "\n"
+
+
+def flag_field(body: dict, name: str, default: bool) -> bool:
+    """``body[name]`` checked as true or false; ``default`` where it is missing or null. Raises a 400 ApiError
+    naming the field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", param=name)
+    return value

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vkformers.cli.api_schema import ApiError, number_field, prometheus_text
+from vkformers.cli.api_schema import ApiError, flag_field, number_field, prometheus_text
 from vkformers.errors import VkformersError
 from vkformers.models.cross_encoder import IDENTITY, CrossEncoder
 
@@ -93,22 +93,13 @@ class Reranker:
 
 # ---------------------------------------------------------------- requests
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", param=name)
-    return value
-
-
 def _common(body: dict) -> bool:
     """use_activation (vLLM's; true by default), after refusing the truncation settings."""
     for name in TRUNCATION_FIELDS:
         if body.get(name) not in (None, -1):
             raise ApiError(400, f"'{name}' is not supported: pairs are truncated to the model's max_length; leave "
                                 "it out", param=name)
-    return _flag(body, "use_activation", True)
+    return flag_field(body, "use_activation", True)
 
 
 def _bounded(count: int, param: str) -> None:
@@ -134,7 +125,7 @@ def rerank_request(body: dict) -> tuple[str, list[str], int | None, bool, bool]:
         texts.append(text)
     _bounded(len(texts), "documents")
     top_n = number_field(body, "top_n", 0, int, low=0)
-    return query, texts, top_n or None, _flag(body, "return_documents", True), _common(body)
+    return query, texts, top_n or None, flag_field(body, "return_documents", True), _common(body)
 
 
 def score_request(body: dict) -> tuple[list[list[str]], bool]:

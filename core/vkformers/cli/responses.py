@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import OrderedDict
 
-from vkformers.cli.api_schema import ApiError, number_field
+from vkformers.cli.api_schema import ApiError, flag_field, number_field
 from vkformers.models.tool_calls import ToolCall
 
 RESPONSES_KEPT = 1024  # responses a server keeps for previous_response_id and GET /v1/responses/{id}
@@ -50,10 +50,7 @@ def new_id(prefix: str) -> str:
 
 def stores(body: dict) -> bool:
     """Whether the response is kept for previous_response_id (``store``, true by default as OpenAI's)."""
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise ApiError(400, f"'store' must be true or false, got {store!r}", param="store")
-    return store is not False
+    return flag_field(body, "store", True)
 
 
 def conversation(body: dict, history: list[dict]) -> list[dict]:
