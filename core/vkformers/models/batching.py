@@ -81,6 +81,7 @@ back until the next token says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -277,7 +278,6 @@ class Request:
         self.rng = sampling_rng(params.seed)
         self.generated: list[int] = []
         self.counts: dict[int, int] = {}  # times each token was generated (for the penalties)
-        self.prompt_tokens = np.unique(np.asarray(self.prompt, np.int64))  # (the repetition penalty's)
         self.text = ""       # the decoded text so far, cut at a stop string
         self.rendered = _IncrementalText()
         self.sent = 0        # characters of text already sent
@@ -288,6 +288,11 @@ class Request:
         self.first_token_at: float | None = None
         self.constraint: TokenConstraint | None = None  # params.output_grammar: the output's grammar state
         self.scored = False  # its prompt's log-probabilities were sent (params.prompt_logprobs)
+
+    @functools.cached_property
+    def prompt_tokens(self) -> np.ndarray:
+        """The prompt's distinct token ids (the repetition penalty's), found the first time a step asks."""
+        return np.unique(np.asarray(self.prompt, np.int64))
 
     @property
     def finished(self) -> bool:
