@@ -28,6 +28,9 @@ import pytest
 import vkformers as vkf
 from vkformers.cli import main
 from vkformers.cli import serve as cli_serve
+from vkformers.cli.api_schema import ApiError
+from vkformers.cli.completion_request import model_sampling_defaults, sampling_params
+from vkformers.cli.request_prompts import chat_prompt, completion_prompt
 from vkformers.models import batching
 from vkformers.engine.function import grad_enabled
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams
@@ -1068,16 +1071,16 @@ def test_a_requests_missing_sampling_settings_come_from_the_generation_config(ti
     as generate with those settings."""
     model = SimpleNamespace(generation_config={"temperature": 0.6, "top_k": 20, "do_sample": True, "top_p": None,
                                                "min_p": 0.05})
-    defaults = cli_serve.model_sampling_defaults(model)
+    defaults = model_sampling_defaults(model)
     assert defaults == {"temperature": 0.6, "top_k": 20, "min_p": 0.05}
-    settings = functools.partial(cli_serve.sampling_params, chat=True, prompt_tokens=4, max_model_len=64)
+    settings = functools.partial(sampling_params, chat=True, prompt_tokens=4, max_model_len=64)
     params = settings({"max_tokens": 2}, defaults=defaults)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.6, 1.0, 20, 0.05)
     params = settings({"max_tokens": 2, "temperature": 0.9, "top_k": -1, "top_p": 0.5, "min_p": 0}, defaults=defaults)
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.9, 0.5, 0, 0.0)
     assert (settings({"max_tokens": 2}).temperature, settings({"max_tokens": 2}).top_k) == (1.0, 0)
     for wrong, name in (({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p")):
-        with pytest.raises(cli_serve.ApiError, match=f"'{name}' must be"):
+        with pytest.raises(ApiError, match=f"'{name}' must be"):
             settings({"max_tokens": 2, **wrong})
     path, tokenizer, reference = tiny
     ids = encode(tokenizer, PROMPTS[1])
@@ -1097,14 +1100,14 @@ def test_tokenize_and_detokenize_routes(server, tiny):
     tokenizer = server["tokenizer"]
     status, text = request(server, "POST", "/tokenize", {"prompt": PROMPTS[0]})
     body = json.loads(text)
-    expected = cli_serve._completion_prompt(PROMPTS[0], tokenizer)
+    expected = completion_prompt(PROMPTS[0], tokenizer)
     assert status == 200 and body["tokens"] == expected and body["count"] == len(expected)
     assert body["max_model_len"] == server["scheduler"].max_model_len
     status, text = request(server, "POST", "/tokenize", {"prompt": PROMPTS[0], "add_special_tokens": False})
     assert json.loads(text)["tokens"] == encode_plain(tokenizer, PROMPTS[0])
     messages = [{"role": "user", "content": PROMPTS[1]}]
     status, text = request(server, "POST", "/tokenize", {"messages": messages})
-    assert json.loads(text)["tokens"] == cli_serve.chat_prompt({"messages": messages}, tokenizer)
+    assert json.loads(text)["tokens"] == chat_prompt({"messages": messages}, tokenizer)
     status, text = request(server, "POST", "/detokenize", {"tokens": expected})
     assert status == 200 and json.loads(text)["prompt"] == tokenizer.decode(expected)
     status, text = request(server, "POST", "/detokenize", {"tokens": [len(tokenizer)]})
@@ -1119,8 +1122,8 @@ def encode_plain(tokenizer, text):
 def test_a_chat_without_a_template_is_a_400_and_chat_template_gives_one(tmp_path, capsys):
     from vkformers.models.loading import AutoTokenizer
     bare = AutoTokenizer.from_pretrained(Path(__file__).parent / "data" / "streamer")  # no chat template
-    with pytest.raises(cli_serve.ApiError, match="--chat-template gives one") as refused:
-        cli_serve.chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare)
+    with pytest.raises(ApiError, match="--chat-template gives one") as refused:
+        chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare)
     assert refused.value.status == 400
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (tmp_path / "t.jinja").write_text(template)
@@ -1128,7 +1131,7 @@ def test_a_chat_without_a_template_is_a_400_and_chat_template_gives_one(tmp_path
     with pytest.raises(cli_serve.VkformersError, match="no such file, and not a Jinja template"):
         cli_serve.read_chat_template(str(tmp_path / "missing.jinja"))
     bare.chat_template = template
-    assert cli_serve.chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare) == encode_plain(bare, "hi")
+    assert chat_prompt({"messages": [{"role": "user", "content": "hi"}]}, bare) == encode_plain(bare, "hi")
 
 
 def test_json_mode_answers_a_json_object(server):

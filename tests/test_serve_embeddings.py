@@ -16,6 +16,7 @@ from test_serve import free_port, request, serve_command, wait_for
 
 import vkformers
 from vkformers.cli import serve as cli_serve
+from vkformers.cli.embeddings_route import Embedder
 from vkformers.models.sentence import is_embedding_checkpoint
 
 try:  # the [serve] extra and the openai client of the [test] extra
@@ -38,7 +39,7 @@ def minilm():
 def server(minilm):
     if uvicorn is None or openai is None:
         pytest.fail("the serve tests need pip install 'vkformers[serve,test]'", pytrace=False)
-    embedder = cli_serve.Embedder(minilm, batch_size=4)
+    embedder = Embedder(minilm, batch_size=4)
     app = cli_serve.build_app(None, minilm.tokenizer, SERVED, embedder=embedder)
     port = free_port()
     web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

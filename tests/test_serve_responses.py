@@ -23,6 +23,7 @@ from test_serve_tools import CALLING, CITY, TWO_CALLS, served  # noqa: F401  (se
 
 from vkformers.cli import responses as cli_responses
 from vkformers.cli import serve as cli_serve
+from vkformers.cli.api_schema import ApiError
 from vkformers.models.batching import BatchScheduler
 from vkformers.models.gguf import load_gguf_model
 from vkformers.models.loading import AutoModelForCausalLM
@@ -209,7 +210,7 @@ def test_the_store_keeps_the_last_responses():
                                                             {"role": "assistant", "content": "a"}]
     store.keep({"id": "c", "output": []}, [])  # "b" goes: "a" was continued since
     assert store.history({}) == [] and store.get("a")["id"] == "a" and store.get("c")["id"] == "c"
-    with pytest.raises(cli_serve.ApiError, match="keeps the last 2") as missing:
+    with pytest.raises(ApiError, match="keeps the last 2") as missing:
         store.history({"previous_response_id": "b"})
     assert missing.value.status == 400 and missing.value.code == "previous_response_not_found"
 

@@ -16,6 +16,8 @@ import pytest
 from test_serve import free_port, openai, uvicorn, wait_for, web  # noqa: F401  (web: a fixture)
 
 from vkformers.cli import serve as cli_serve
+from vkformers.cli.api_schema import ApiError
+from vkformers.cli.completion_request import refuse_unsupported
 from vkformers.models.batching import Update
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.tool_calls import (HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls, NamedToolCall,
@@ -239,11 +241,11 @@ def test_tool_choices_the_server_cannot_honour_are_refused(served):
     with pytest.raises(openai.BadRequestError, match="only allowed when 'tools' are given"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                        tool_choice="required")
-    with pytest.raises(cli_serve.ApiError, match="tool calls are not enabled") as refused:  # a server without parser
-        cli_serve.refuse_unsupported({"tools": TOOLS}, chat=True)
+    with pytest.raises(ApiError, match="tool calls are not enabled") as refused:  # a server without parser
+        refuse_unsupported({"tools": TOOLS}, chat=True)
     assert refused.value.status == 400
-    cli_serve.refuse_unsupported({"tools": TOOLS, "tool_choice": "none"}, chat=True)  # the tools only rendered
-    cli_serve.refuse_unsupported({"tools": TOOLS, "tool_choice": NAMED}, chat=True)  # forced: no parser needed
+    refuse_unsupported({"tools": TOOLS, "tool_choice": "none"}, chat=True)  # the tools only rendered
+    refuse_unsupported({"tools": TOOLS, "tool_choice": NAMED}, chat=True)  # forced: no parser needed
 
 
 def test_the_two_options_go_together(web, capsys):  # noqa: F811 (the fixture)

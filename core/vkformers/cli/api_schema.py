@@ -1,6 +1,6 @@
-"""OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py, cli/responses.py, cli/rerank.py): the
-error object they answer, the checks of a request's numeric and true-or-false fields, and the Prometheus text
-of /metrics."""
+"""OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py and the modules beside it that read
+requests and shape answers, cli/responses.py, cli/rerank.py): the error object they answer, the checks of a
+request's numeric and true-or-false fields, and the Prometheus text of /metrics."""
 from __future__ import annotations
 
 

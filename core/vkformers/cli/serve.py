@@ -18,14 +18,17 @@ encoder such as BERT) is served on POST /v1/embeddings instead, through Sentence
 one worker thread; a reranker (a cross-encoder of one label) on POST /rerank and /score (cli/rerank.py), through
 CrossEncoder (models/cross_encoder.py). Needs the ``serve`` extra (Starlette and uvicorn): ``pip install
 'vkformers[serve]'``.
+
+This module holds the command (its options, loading the model, the listening socket) and the application with its
+routes. A request's body is read in cli/completion_request.py (sampling settings), cli/output_constraints.py
+(grammars, forced tool calls) and cli/request_prompts.py (prompts, chat templates); its output shaped in
+cli/completion_output.py; embeddings in cli/embeddings_route.py; errors and field checks in cli/api_schema.py.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import errno
-import functools
 import json
 import os
 import socket
@@ -33,41 +36,38 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-
-import numpy as np
 
 from vkformers.cli import generate as cli_generate
 from vkformers.cli.api_schema import ApiError, number_field, prometheus_text
-from vkformers.cli.options import (positive_int, template_variables, template_variables_problem, whole_number,
-                                   whole_numbers)
+from vkformers.cli.completion_output import (Output, chat_logprobs, completion_logprobs, held_updates, joined_logprobs,
+                                             refusal, usage, vllm_prompt_logprobs)
+from vkformers.cli.completion_request import (choice_params, echoes, model_sampling_defaults, sampling_params,
+                                              shown_prompt_logprobs, stop_token_ids, stream_usage)
+from vkformers.cli.embeddings_route import (Embedder, embedding_data, embedding_format, embedding_inputs,
+                                            embedding_prometheus)
+from vkformers.cli.options import positive_int, template_variables, whole_number, whole_numbers
+from vkformers.cli.output_constraints import forced_tool_call
+from vkformers.cli.request_prompts import (chat_prompt, chat_text, completion_prompt, completion_prompts,
+                                           echoed_prompts, generation_prompt, prompt_ids)
 from vkformers.cli.rerank import RERANK_ROUTES, SCORE_ROUTES, Reranker, rerank_prometheus
 from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request, conversation, finished, output_items,
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
-from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped, Update
+from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
 from vkformers.models.reasoning import ANSWER, OPENING, REASONING_PARSERS, ReasoningStream
 from vkformers.models.sentence import SentenceTransformer, is_cross_encoder_checkpoint, is_embedding_checkpoint
-from vkformers.models.structured_output import (ANY_OBJECT_SCHEMA, after_thinking, any_object_grammar, cfg_grammar,
-                                                 choice_grammar, closed_objects, json_schema_grammar, regex_grammar)
-from vkformers.models.tool_calls import (TOOL_CALL_PARSERS, FirstCallOnly, ForcedToolCalls, NamedCallStream,
-                                         NamedToolCall, ToolCallStream, forced_call_schema)
+from vkformers.models.structured_output import after_thinking
+from vkformers.models.tool_calls import TOOL_CALL_PARSERS, FirstCallOnly, NamedCallStream, NamedToolCall
 
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_CHOICES = 128               # OpenAI's bound on n; here also on prompts x n of a batch of prompts
-# the roles a chat message may take, as the chat template gets them (OpenAI's "developer" is the system prompt)
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-MAX_EMBEDDING_INPUTS = 2048     # OpenAI's bound on the inputs of one embeddings request
-MAX_PROMPT_LOGPROBS = 20        # vLLM's default bound (max_logprobs) on prompt_logprobs
-LOWEST_LOGPROB = -9999.0        # what a log-probability of -inf is sent as (JSON has no infinity), as vLLM sends it
 DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
 DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
 
@@ -334,703 +334,6 @@ def eos_ids(model, tokenizer) -> list[int]:
     return end_token_ids(model, tokenizer)
 
 
-# ---------------------------------------------------------------- requests (OpenAI's schemas)
-
-SAMPLING_DEFAULT_NAMES = ("temperature", "top_p", "top_k", "min_p")
-
-
-def model_sampling_defaults(model) -> dict:
-    """The sampling settings of the model's generation config that stand in for what a request leaves out
-    (``temperature``, ``top_p``, ``top_k``, ``min_p``), as vLLM takes them: Qwen's recommended temperature rather
-    than OpenAI's 1.0."""
-    generation = getattr(model, "generation_config", None) or {}
-    return {name: generation[name] for name in SAMPLING_DEFAULT_NAMES if generation.get(name) is not None}
-
-
-def sampling_params(body: dict, *, chat: bool, prompt_tokens: int, max_model_len: int,
-                    defaults: dict | None = None, tools: bool = False) -> SamplingParams:
-    """The generation settings of a completions (``chat`` False) or chat completions request; ``defaults``
-    (model_sampling_defaults) stand in for sampling settings the request leaves out, else OpenAI's."""
-    defaults = defaults or {}
-    if body.get("best_of") not in (None, 1):
-        raise ApiError(400, "best_of is not supported", param="best_of")
-    echo = echoes(body, chat)
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    given = next((name for name in names if body.get(name) is not None), None)
-    room = max(max_model_len - prompt_tokens, 1)  # (a prompt that leaves none is refused by the scheduler)
-    default = room if chat else min(DEFAULT_COMPLETION_TOKENS, room)
-    max_tokens = default if given is None else number_field(body, given, None, int, low=0)
-    if max_tokens == 0 and not echo:  # (0 is vLLM's echo of the prompt alone)
-        hint = "" if chat else " (0, no completion, goes with 'echo': true: the prompt alone)"
-        raise ApiError(400, f"'{given}' must be >= 1, got 0{hint}", param=given)
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
-    if chat:
-        logprobs = number_field(body, "top_logprobs", 0, int, 0, 20) if body.get("logprobs") else None
-        if body.get("top_logprobs") is not None and not body.get("logprobs"):
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    else:
-        logprobs = number_field(body, "logprobs", None, int, 0, 5)
-    # the prompt's own entries: those shown in prompt_logprobs, and an echoed prompt's in logprobs
-    prompt_logprobs = max((k for k in (shown_prompt_logprobs(body, chat), logprobs if echo else None)
-                           if k is not None), default=None)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
-    refuse_unsupported(body, chat, tools)
-    top_k = number_field(body, "top_k", int(defaults.get("top_k", 0)), int, -1)  # vLLM's extra field; -1, 0: off
-    temperature = number_field(body, "temperature", float(defaults.get("temperature", 1.0)), float, 0, 2)
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                          top_p=number_field(body, "top_p", float(defaults.get("top_p", 1.0)), float, 0, 1),
-                          top_k=max(top_k, 0), seed=seed,
-                          min_p=number_field(body, "min_p", float(defaults.get("min_p", 0.0)), float, 0, 1),
-                          stop=tuple(s for s in stop if s), logprobs=logprobs,
-                          repetition_penalty=number_field(body, "repetition_penalty", 1.0, float, low=0),
-                          min_tokens=number_field(body, "min_tokens", 0, int, low=0),
-                          allowed_token_ids=token_ids(body, "allowed_token_ids"),
-                          include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
-                          presence_penalty=number_field(body, "presence_penalty", 0.0, float, -2, 2),
-                          frequency_penalty=number_field(body, "frequency_penalty", 0.0, float, -2, 2),
-                          logit_bias=logit_bias(body), json_mode=response_kind(body) == "json_object",
-                          grammar=output_grammar(body, chat), prompt_logprobs=prompt_logprobs)
-
-
-def echoes(body: dict, chat: bool) -> bool:
-    """Whether a completions request gives its prompt back before the completion (OpenAI's echo); a 400 on chat
-    completions, which have no prompt text to echo."""
-    echo = body.get("echo")
-    if echo is None or echo is False:
-        return False
-    if chat:
-        raise ApiError(400, "'echo' is a /v1/completions parameter (the prompt given back before its completion); "
-                            "chat completions take none: leave it out", param="echo")
-    if not isinstance(echo, bool):
-        raise ApiError(400, f"'echo' must be true or false, got {echo!r}", param="echo")
-    return True
-
-
-def shown_prompt_logprobs(body: dict, chat: bool) -> int | None:
-    """How many likeliest tokens each prompt token's entry of vLLM's ``prompt_logprobs`` lists (None: no such field
-    in the response): the request's prompt_logprobs, else with echo its logprobs, as vLLM takes them. Streamed,
-    vLLM has no prompt_logprobs to send and refuses them, but for 0 (it sends nothing): so does this server."""
-    shown = number_field(body, "prompt_logprobs", None, int, 0, MAX_PROMPT_LOGPROBS)
-    if shown is not None and body.get("stream"):
-        if shown:
-            raise ApiError(400, "'prompt_logprobs' are not sent when streaming ('stream': true): leave it out, or "
-                                "echo the prompt with its logprobs ('echo': true and 'logprobs' on /v1/completions)",
-                           param="prompt_logprobs")
-        return None
-    if shown is None and not chat and echoes(body, chat):
-        shown = number_field(body, "logprobs", None, int, 0, 5)
-    return shown
-
-
-def token_ids(body: dict, name: str) -> tuple[int, ...]:
-    """A request's list of token ids (vLLM's allowed_token_ids; () when absent)."""
-    value = body.get(name)
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ApiError(400, f"'{name}' must be a list of token ids", param=name)
-    return tuple(value)
-
-
-def flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be true or false, got {value!r}", param=name)
-    return value
-
-
-# vLLM's sampling extras this server does not honour, each with the value that changes nothing: any other value is
-# a 400 rather than an answer that silently differs from vLLM's
-UNHONOURED_EXTRAS = {"use_beam_search": False, "bad_words": [], "skip_special_tokens": True,
-                     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
-                     "return_tokens_as_token_ids": False, "logits_processors": [], "continue_final_message": False,
-                     "add_generation_prompt": True}
-
-
-def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in [-100, 100]."""
-    value = body.get("logit_bias")
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise ApiError(400, "'logit_bias' must be an object of token ids to biases", param="logit_bias")
-    pairs = []
-    for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise ApiError(400, f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}",
-                           param="logit_bias")
-        pairs.append((token, float(bias)))
-    return tuple(pairs)
-
-
-def stop_token_ids(body: dict) -> list[int]:
-    """vLLM's stop_token_ids: token ids that end the output as the end-of-sequence token does (not in the text)."""
-    value = body.get("stop_token_ids")
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                              for t in value):
-        raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-    return value
-
-
-def stream_usage(body: dict) -> bool:
-    """Whether a streamed response ends with a chunk of usage (``stream_options.include_usage``)."""
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object such as {\"include_usage\": true}",
-                       param="stream_options")
-    return bool(options.get("include_usage"))
-
-
-def response_kind(body: dict) -> str:
-    """The request's response_format type ("text" when it gives none)."""
-    response_format = body.get("response_format")
-    if response_format is None:
-        return "text"
-    return response_format.get("type") if isinstance(response_format, dict) else response_format
-
-
-# vLLM's guided decoding request fields (before its 0.12) and the constraint each names; its newer
-# "structured_outputs" object takes the constraints by these names, and the settings below
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-STRUCTURED_SETTINGS = ("whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
-                       "disable_fallback")
-
-
-def structured_outputs(body: dict) -> dict:
-    """vLLM's ``structured_outputs`` object ({} when the request gives none), its keys checked."""
-    value = body.get("structured_outputs")
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ApiError(400, "'structured_outputs' must be an object such as {\"regex\": ...}",
-                       param="structured_outputs")
-    unknown = [key for key in value if key not in STRUCTURED_CONSTRAINTS + STRUCTURED_SETTINGS]
-    if unknown:
-        raise ApiError(400, f"'structured_outputs' does not take {', '.join(map(repr, unknown))}: it takes "
-                            f"{', '.join(STRUCTURED_CONSTRAINTS + STRUCTURED_SETTINGS)}", param="structured_outputs")
-    return value
-
-
-def output_constraints(body: dict) -> list[tuple[str, str, object]]:
-    """The constraints the request puts on its output, each (the parameter that gives it, its kind, its value):
-    OpenAI's response_format (kind json_schema or json_object), vLLM's guided_* fields and structured_outputs."""
-    found = []
-    kind = response_kind(body)
-    if kind != "text":
-        found.append(("response_format", kind, body["response_format"]))
-    found += [(name, kind, body[name]) for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None]
-    if body.get("structural_tag") is not None:
-        found.append(("structural_tag", "structural_tag", body["structural_tag"]))
-    structured = structured_outputs(body)
-    found += [(f"structured_outputs.{key}", key, structured[key]) for key in STRUCTURED_CONSTRAINTS
-              if structured.get(key) is not None and not (key == "json_object" and structured[key] is False)]
-    return found
-
-
-def json_settings(body: dict) -> dict:
-    """vLLM's settings of JSON outputs (guided_whitespace_pattern, structured_outputs' whitespace_pattern,
-    disable_any_whitespace and disable_additional_properties) as keyword arguments of json_schema_grammar, with
-    ``closed`` for the last. disable_fallback and guided_decoding_backend are taken and do nothing: the one
-    engine here has no fallback."""
-    structured = structured_outputs(body)
-    pattern = structured.get("whitespace_pattern")
-    pattern = body.get("guided_whitespace_pattern") if pattern is None else pattern
-    if pattern is not None and not isinstance(pattern, str):
-        raise ApiError(400, f"the whitespace pattern must be a regex string, got {pattern!r}",
-                       param="guided_whitespace_pattern")
-    for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
-        if not isinstance(structured.get(name) or False, bool):  # (null: false, as vLLM's defaults send it)
-            raise ApiError(400, f"'structured_outputs.{name}' must be true or false", param="structured_outputs")
-    backend = body.get("guided_decoding_backend")
-    if backend is not None and not isinstance(backend, str):
-        raise ApiError(400, "'guided_decoding_backend' must be a string (it is ignored: llguidance serves every "
-                            "constraint here)", param="guided_decoding_backend")
-    return {"whitespace_pattern": pattern, "compact": bool(structured.get("disable_any_whitespace")),
-            "closed": bool(structured.get("disable_additional_properties"))}
-
-
-def response_grammar(body: dict) -> str | None:
-    """The grammar the output keeps to (models/structured_output.py), None for free text: OpenAI's response_format
-    json_schema (the schema's, strict or not) or json_object (any JSON object), or vLLM's guided decoding: a JSON
-    schema, a regex, a list of choices or a Lark or GBNF grammar, as guided_json, guided_regex, guided_choice and
-    guided_grammar or the same keys of structured_outputs. More than one constraint is a 400 naming them."""
-    constraints = output_constraints(body)
-    settings = json_settings(body)
-    if len(constraints) > 1:
-        named = " and ".join(f"'{param}'" for param, _, _ in constraints)
-        raise ApiError(400, f"{named} each constrain the output: give one", param=constraints[1][0])
-    if not constraints:
-        return None
-    param, kind, value = constraints[0]
-    closed = settings.pop("closed")
-    try:
-        if kind == "structural_tag":
-            raise ApiError(400, f"'{param}' is not supported (no tags within free text): constrain the whole output "
-                                "with json, regex, choice or grammar", param=param)
-        if kind == "json_object":
-            return any_object_grammar() if settings == {"whitespace_pattern": None, "compact": False} else \
-                json_schema_grammar(ANY_OBJECT_SCHEMA, **settings)
-        if kind == "json_schema":
-            spec = value.get("json_schema") if isinstance(value, dict) else None
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise ApiError(400, "'response_format' of type json_schema needs 'json_schema': {'name': ..., "
-                                    "'schema': {a JSON schema object}, 'strict': true or false}", param=param)
-            strict = spec.get("strict")
-            if strict is not None and not isinstance(strict, bool):
-                raise ApiError(400, f"'response_format.json_schema.strict' must be true or false, got {strict!r}",
-                               param=param)
-            schema = closed_objects(spec["schema"]) if closed else spec["schema"]
-            return json_schema_grammar(schema, strict=bool(strict), **settings)
-        if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as exc:
-                    raise ApiError(400, f"'{param}' is neither a JSON schema object nor its JSON text ({exc})",
-                                   param=param) from None
-            return json_schema_grammar(closed_objects(value) if closed else value, **settings)
-        return {"regex": regex_grammar, "choice": choice_grammar, "grammar": cfg_grammar}[kind](value)
-    except VkformersError as exc:  # one the grammar engine cannot compile, or no engine installed
-        raise ApiError(400, str(exc) if param == "response_format" else f"{param}: {exc}", param=param) from None
-
-
-def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
-    """A 400 for what this server would otherwise ignore and answer wrongly: a response format it does not know,
-    tool calls that no parser reads (``tools``: the server has one), a tool choice that would need constrained
-    decoding."""
-    kind = response_kind(body)
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ApiError(400, f"'response_format' of type {kind!r} is not supported: give text, json_object or "
-                            "json_schema", param="response_format")
-    if not chat and body.get("suffix"):
-        raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
-    for name, default in UNHONOURED_EXTRAS.items():
-        if body.get(name) is not None and body[name] != default:
-            raise ApiError(400, f"'{name}' is not supported here: leave it out (or at {default!r})", param=name)
-    choice = body.get("tool_choice")
-    if chat and body.get("tools") and choice not in ("none", "required") and not isinstance(choice, dict):
-        if not tools:
-            raise ApiError(400, "tool calls are not enabled: start vkformers serve with --enable-auto-tool-choice "
-                                "--tool-call-parser NAME, or force a call (tool_choice 'required' or a named "
-                                "function), or leave 'tools' out (or set tool_choice 'none')", param="tools")
-        if choice not in (None, "auto"):
-            raise ApiError(400, f"tool_choice {choice!r} is none of 'auto', 'none', 'required' or "
-                                "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
-
-
-def forced_tool_call(body: dict) -> tuple[dict, ForcedToolCalls] | None:
-    """A chat request's tool_choice that forces a call ("required", or {"type": "function", "function": {"name":
-    ...}}): the JSON schema its output keeps to and the parser of that output (models/tool_calls.py), as vLLM
-    answers it with or without a tool-call parser; None for any other choice."""
-    choice = body.get("tool_choice")
-    if choice != "required" and not isinstance(choice, dict):
-        return None
-    tools = body.get("tools")
-    if not tools:
-        raise ApiError(400, "'tool_choice' is only allowed when 'tools' are given", param="tool_choice")
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type", "function") == "function"
-                                              and isinstance(t.get("function"), dict)
-                                              and isinstance(t["function"].get("name"), str) for t in tools):
-        raise ApiError(400, "'tools' must be a list of {'type': 'function', 'function': {'name': ..., "
-                            "'parameters': {...}}}", param="tools")
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise ApiError(400, "a named tool_choice is {'type': 'function', 'function': {'name': ...}}",
-                           param="tool_choice")
-        if name not in [t["function"]["name"] for t in tools]:
-            raise ApiError(400, f"tool_choice names '{name}', which is not among 'tools'", param="tool_choice")
-    try:
-        return forced_call_schema(tools, choice, parallel=body.get("parallel_tool_calls") is not False)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="tools") from None
-
-
-def output_grammar(body: dict, chat: bool) -> str | None:
-    """The grammar a request's output keeps to: response_grammar's, or a forced tool call's (the two together are
-    a 400)."""
-    grammar = response_grammar(body)
-    forced = forced_tool_call(body) if chat else None
-    if forced is None:
-        return grammar
-    if grammar is not None:
-        raise ApiError(400, f"tool_choice {body['tool_choice']!r} and '{output_constraints(body)[0][0]}' each "
-                            "constrain the output: give one", param="tool_choice")
-    strict = all(t["function"].get("strict") is True for t in body["tools"])
-    try:
-        return json_schema_grammar(forced[0], strict=strict)
-    except VkformersError as exc:  # a schema the engine cannot compile, or no engine installed
-        raise ApiError(400, f"tools: {exc}", param="tools") from None
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The settings of each of a request's ``n`` choices: choice i samples with seed + i (choice 0 as the request
-    alone would), so that a seeded request repeats; without a seed each choice draws its own."""
-    return [replace(params, seed=None if params.seed is None else params.seed + index) for index in range(n)]
-
-
-def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
-    """A completions request's prompts as token ids: a string or a list of token ids is one prompt; a list of
-    strings or of token id lists is a batch (OpenAI's), whose choices come prompt by prompt, ``n`` each."""
-    return [_completion_prompt(p, tokenizer) for p in _given_prompts(body)]
-
-
-def echoed_prompts(body: dict, tokenizer, prompts: list[list[int]]) -> list[str]:
-    """The text echo gives back for each of ``prompts`` (completion_prompts'): a string prompt as sent, token ids
-    decoded (special tokens kept), as vLLM echoes them."""
-    return [given if isinstance(given, str) else tokenizer.decode(ids, skip_special_tokens=False)
-            for given, ids in zip(_given_prompts(body), prompts)]
-
-
-def _given_prompts(body: dict) -> list:
-    prompt = body.get("prompt")
-    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-    return prompt if batch else [prompt]
-
-
-def _completion_prompt(prompt, tokenizer) -> list[int]:
-    if isinstance(prompt, str):
-        ids = tokenizer(prompt, return_tensors="np")["input_ids"]
-        return [int(t) for t in cli_generate.start_from_bos(tokenizer, ids)[0]]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those (a batch)",
-                   param="prompt")
-
-
-def chat_prompt(body: dict, tokenizer, template_defaults: dict | None = None) -> list[int]:
-    """A chat request's prompt as token ids (chat_text's, tokenized as apply_chat_template tokenizes it)."""
-    return prompt_ids(tokenizer, chat_text(body, tokenizer, template_defaults))
-
-
-def prompt_ids(tokenizer, text: str) -> list[int]:
-    """A rendered chat's token ids: its text already holds the template's special tokens, none is added."""
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="np")["input_ids"]
-    return [int(t) for t in np.asarray(ids)[0]]
-
-
-def chat_text(body: dict, tokenizer, template_defaults: dict | None = None, *, generation_prompt: bool = True) -> str:
-    """A chat request's messages through the model's chat template, ending with the assistant's turn (none without
-    ``generation_prompt``); its ``tools`` go to the template too (as vLLM passes them, also with tool_choice
-    'none'), an assistant message's ``tool_calls`` with their arguments as objects and its reasoning (as
-    ``reasoning_content``, which thinking models' templates read), a tool message with its ``tool_call_id``; its
-    ``chat_template_kwargs`` (over ``template_defaults``) as further variables of the template, as vLLM passes
-    them."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    conversation = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, "each message must be an object with a 'role'", param="messages")
-        role = CHAT_ROLES.get(message["role"])
-        if role is None:
-            raise ApiError(400, f"a message's role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r}",
-                           param="messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ApiError(400, "only text content parts are supported", param="messages")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if content is not None and not isinstance(content, str):
-            raise ApiError(400, "a message's 'content' must be a string or a list of text parts", param="messages")
-        entry = {"role": role, "content": content or ""}
-        if role == "assistant" and message.get("tool_calls"):
-            entry["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
-        if role == "assistant":  # vLLM's field and the one DeepSeek's API and vLLM's older versions named
-            reasoning = next((message[key] for key in ("reasoning", "reasoning_content") if message.get(key)), None)
-            if reasoning is not None:
-                if not isinstance(reasoning, str):
-                    raise ApiError(400, "an assistant message's 'reasoning' must be a string", param="messages")
-                entry["reasoning_content"] = reasoning
-        if role == "tool" and message.get("tool_call_id") is not None:
-            entry["tool_call_id"] = message["tool_call_id"]
-        conversation.append(entry)
-    tools = body.get("tools") or None
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise ApiError(400, "'tools' must be a list of tool objects", param="tools")
-    variables = template_kwargs(body, template_defaults)
-    try:
-        return tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=generation_prompt,
-                                             tokenize=False, **variables)
-    except VkformersError as exc:  # no chat template, or one that fails on these messages
-        raise ApiError(400, f"the chat template cannot render these messages: {exc} (vkformers serve --chat-template "
-                            "gives one)", param="messages") from None
-
-
-def template_kwargs(body: dict, defaults: dict | None = None) -> dict:
-    """The variables a chat request gives its template (vLLM's chat_template_kwargs), over the server's
-    ``defaults`` (--default-chat-template-kwargs)."""
-    value = body.get("chat_template_kwargs")
-    if value is None:
-        return dict(defaults or {})
-    problem = template_variables_problem(value)
-    if problem is not None:
-        raise ApiError(400, f"'chat_template_kwargs' {problem}", param="chat_template_kwargs")
-    return {**(defaults or {}), **value}
-
-
-def generation_prompt(body: dict, tokenizer, template_defaults: dict | None, text: str) -> str:
-    """The text the chat template adds for the assistant's turn to ``text`` (chat_text's): what ``text`` holds past
-    the conversation rendered without it; ``text`` whole where the template adds nothing there or renders the
-    conversation otherwise."""
-    try:
-        bare = chat_text(body, tokenizer, template_defaults, generation_prompt=False)
-    except ApiError:
-        return text
-    return (text[len(bare):] if text.startswith(bare) else "") or text
-
-
-def _template_tool_call(call) -> dict:
-    """An assistant message's tool call as chat templates read it: the function, its arguments an object."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ApiError(400, "each tool call must hold a 'function' with a 'name'", param="messages")
-    arguments = function.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise ApiError(400, f"the arguments of the call to {function['name']!r} are not JSON",
-                           param="messages") from None
-    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
-
-
-def embedding_inputs(body: dict) -> list:
-    """An embeddings request's inputs: a string, a list of strings, a list of token ids or a list of such lists
-    (the model's input ids, special tokens included). Returns a list of strings and token id lists."""
-    value = body.get("input")
-
-    def ids(item):
-        return isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
-    if isinstance(value, str) or ids(value):
-        value = [value]
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) or ids(v) for v in value):
-        raise ApiError(400, "'input' must be a string, a list of strings, a list of token ids or a list of such "
-                            "lists (none empty)", param="input")
-    if len(value) > MAX_EMBEDDING_INPUTS:
-        raise ApiError(400, f"'input' holds {len(value)} items; send at most {MAX_EMBEDDING_INPUTS} a request",
-                       param="input")
-    return value
-
-
-def embedding_format(body: dict, width: int) -> tuple[str, int | None]:
-    """encoding_format ("float" or "base64") and dimensions (None: all ``width``) of an embeddings request."""
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
-        raise ApiError(400, f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", param="encoding_format")
-    dimensions = body.get("dimensions")
-    if dimensions is not None:
-        dimensions = number_field(body, "dimensions", None, int, 1, width)
-    return encoding, dimensions
-
-
-@dataclass
-class EmbeddingMetrics:
-    requests: int = 0
-    inputs: int = 0
-    prompt_tokens: int = 0
-    errors: int = 0
-
-
-class Embedder:
-    """A SentenceTransformer run on one worker thread (the engine is not shared across threads), requests in turn."""
-
-    def __init__(self, model: SentenceTransformer, batch_size: int = 32):
-        self.model, self.batch_size = model, batch_size
-        self.width = int(model.encode("a").shape[-1])
-        self.metrics = EmbeddingMetrics()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="vkformers-embed")
-
-    def embed(self, inputs: list) -> tuple[np.ndarray, int]:
-        """The embeddings [len(inputs), D] of texts (truncated to max_seq_length, as encode does) and token id
-        lists, and the tokens read."""
-        texts = [item for item in inputs if isinstance(item, str)]
-        tokenized = iter(self.model.token_ids(texts) if texts else [])
-        ids = [next(tokenized) if isinstance(item, str) else item for item in inputs]
-        return self.model.encode_token_ids(ids, batch_size=self.batch_size), sum(len(i) for i in ids)
-
-    async def __call__(self, inputs: list) -> tuple[np.ndarray, int]:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self.embed, inputs)
-
-    def close(self) -> None:
-        self._worker.shutdown()
-
-
-def embedding_data(embeddings: np.ndarray, encoding: str, dimensions: int | None, normalize: bool) -> list[dict]:
-    """/v1/embeddings' data: each embedding cut to ``dimensions`` (scaled to unit length again when the model
-    normalizes, as OpenAI's shortened embeddings are), as floats or base64 of little-endian float32."""
-    if dimensions is not None and dimensions < embeddings.shape[-1]:
-        embeddings = embeddings[:, :dimensions]
-        if normalize:
-            embeddings = embeddings / np.maximum(np.linalg.norm(embeddings, axis=-1, keepdims=True), 1e-12)
-    embeddings = np.ascontiguousarray(embeddings, "<f4")
-    return [{"object": "embedding", "index": index,
-             "embedding": base64.b64encode(row.tobytes()).decode() if encoding == "base64" else row.tolist()}
-            for index, row in enumerate(embeddings)]
-
-
-# ---------------------------------------------------------------- responses
-
-def token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token], skip_special_tokens=False)
-
-
-def token_names(tokenizer):
-    """token id -> token_text, each token decoded once: an echoed prompt's entries name the same tokens many times."""
-    return functools.lru_cache(maxsize=None)(functools.partial(token_text, tokenizer))
-
-
-def sent_logprob(logprob: float | None) -> float | None:
-    return None if logprob is None else max(logprob, LOWEST_LOGPROB)
-
-
-def completion_logprobs(tokenizer, entries, offset: int, top: int) -> dict:
-    """/v1/completions' logprobs object for ``entries`` (TokenLogprob), text offsets counted from ``offset``: each
-    position's ``top`` likeliest tokens and the token itself (OpenAI's "up to logprobs + 1"). An echoed prompt's
-    first token, which no position predicts (logprob None), has null in token_logprobs and top_logprobs, as OpenAI
-    and vLLM send it."""
-    name = token_names(tokenizer)
-    tokens = [name(e.token) for e in entries]
-    offsets, position = [], offset
-    for token in tokens:
-        offsets.append(position)
-        position += len(token)
-
-    def likeliest(entry):
-        shown = {name(t): sent_logprob(lp) for t, lp in entry.top[:top]}
-        shown.setdefault(name(entry.token), sent_logprob(entry.logprob))
-        return shown
-    return {"tokens": tokens, "token_logprobs": [sent_logprob(e.logprob) for e in entries],
-            "top_logprobs": [None if e.logprob is None else likeliest(e) for e in entries], "text_offset": offsets}
-
-
-def joined_logprobs(first: dict, then: dict) -> dict:
-    """Two completion_logprobs objects as one: ``first``'s tokens, then ``then``'s."""
-    return {key: first[key] + then[key] for key in first}
-
-
-def vllm_prompt_logprobs(tokenizer, entries, top: int) -> list:
-    """vLLM's prompt_logprobs of a prompt's ``entries`` (TokenLogprob, the first of no logprob): null for the first
-    token, then per token the token itself and the ``top`` likeliest, each token id (a string, as JSON keys are) ->
-    {"logprob", "rank" (1: the likeliest), "decoded_token"}."""
-    name = token_names(tokenizer)
-    listed = []
-    for e in entries:
-        if e.logprob is None:
-            listed.append(None)
-            continue
-        item = {str(e.token): {"logprob": sent_logprob(e.logprob), "rank": e.rank, "decoded_token": name(e.token)}}
-        for rank, (token, logprob) in enumerate(e.top[:top], 1):
-            item.setdefault(str(token), {"logprob": sent_logprob(logprob), "rank": rank, "decoded_token": name(token)})
-        listed.append(item)
-    return listed
-
-
-def chat_logprobs(tokenizer, entries) -> dict:
-    def item(token, logprob):
-        text = token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
-
-
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
-    """A response's usage; ``reasoning_tokens`` (those of the completion's reasoning, where the server reads it) in
-    completion_tokens_details, as OpenAI and vLLM give them."""
-    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-              "total_tokens": prompt_tokens + completion_tokens}
-    if reasoning_tokens is not None:
-        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return counts
-
-
-def refusal(exc: Exception) -> ApiError:
-    """The answer to a request refused before it runs: an ApiError as it is; the scheduler's InputError (a prompt
-    too long, a token outside the vocabulary) a 400; KVBlocksExhausted (the request alone exceeds the paged cache)
-    and SchedulerStopped (nothing runs requests any more, as /health says) a 503."""
-    if isinstance(exc, KVBlocksExhausted):
-        return ApiError(503, str(exc), kind="server_error", code="kv_cache_full")
-    if isinstance(exc, SchedulerStopped):
-        return ApiError(503, str(exc), kind="server_error")
-    if isinstance(exc, InputError):
-        return ApiError(400, str(exc))
-    return exc
-
-
-@dataclass
-class Output:
-    """A request's whole output, gathered from its updates; ``reasoning``, where the server reads reasoning, splits
-    its text as a streamed one is split."""
-    text: str = ""
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    tokens: int = 0
-    prompt_logprobs: list = field(default_factory=list)  # (SamplingParams.prompt_logprobs)
-    reasoning: ReasoningStream | None = None
-
-    def add(self, update: Update) -> None:
-        self.text += update.text
-        self.logprobs += update.logprobs
-        self.prompt_logprobs += update.prompt_logprobs or []
-        self.finish_reason, self.tokens = update.finish_reason, update.completion_tokens
-        if self.reasoning is not None:
-            self.reasoning.feed(update.text, update.completion_tokens)
-            if update.finish_reason:
-                self.reasoning.finish()
-
-    def answer(self) -> tuple[str | None, str | None]:
-        """(the answer's text, the reasoning): the text and None where the server reads no reasoning or the reply
-        had none; else the answer None where it is empty (a reply cut inside its thinking), as vLLM gives them."""
-        split = self.reasoning
-        if split is None or not split.thought:
-            return (self.text if split is None else split.content), None
-        return split.content or None, split.reasoning
-
-
-async def held_updates(updates: asyncio.Queue, count: int, parser=None, splits: list[ReasoningStream] | None = None):
-    """The updates of a streamed call's ``count`` requests as they come, as (index, reasoning to send, text to send,
-    tool calls, update). With ``splits`` (one per request), each request's reasoning is told apart from its answer
-    (models/reasoning.py), the answer alone read for calls. With ``parser``, each request's text is held back from
-    where a call may begin (ToolCallStream), and its last update gives the rest and the calls. Ends after every
-    request's last update, or after the update of a failed batch (finish_reason "error")."""
-    held = [ToolCallStream(parser) for _ in range(count)] if parser is not None else None
-    running = count
-    while running:
-        index, update = await updates.get()
-        if update.finish_reason == "error":
-            yield index, "", update.text, [], update
-            return
-        reasoning, text, calls = "", update.text, []
-        if splits is not None:
-            reasoning, text = splits[index].feed(text, update.completion_tokens)
-            if update.finish_reason:
-                more, rest = splits[index].finish()
-                reasoning, text = reasoning + more, text + rest
-        if held is not None:
-            text = held[index].feed(text)
-            if update.finish_reason:
-                rest, calls = held[index].finish()
-                text += rest
-        yield index, reasoning, text, calls, update
-        running -= update.finish_reason is not None
-
-
 def prometheus(scheduler: BatchScheduler, served: str) -> str:
     """GET /metrics: the scheduler's counters and gauges in Prometheus' text format."""
     m = scheduler.metrics
@@ -1082,16 +385,6 @@ def prometheus(scheduler: BatchScheduler, served: str) -> str:
     return prometheus_text(rows, label)
 
 
-def embedding_prometheus(embedder: Embedder, served: str) -> str:
-    m = embedder.metrics
-    label = f'{{model="{served}"}}'
-    rows = [("requests_total", "counter", "embeddings requests answered", m.requests),
-            ("embedding_inputs_total", "counter", "inputs embedded", m.inputs),
-            ("prompt_tokens_total", "counter", "tokens embedded", m.prompt_tokens),
-            ("request_errors_total", "counter", "embeddings requests that failed", m.errors)]
-    return prometheus_text(rows, label)
-
-
 class LoopMailbox:
     """Hands items from other threads to asyncio queues of one event loop, waking the loop once for all the items
     posted before it runs: the scheduler's thread posts every row's token of a step, which would otherwise wake the
@@ -1125,7 +418,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
               chat_template_kwargs: dict | None = None, reranker: Reranker | None = None):
     """The Starlette application serving ``scheduler``'s causal LM, ``embedder``'s embedding model or
     ``reranker``'s cross-encoder under the name ``served``; the routes of the other kinds answer 400.
-    ``sampling_defaults``: see sampling_params.
+    ``sampling_defaults``: see completion_request.sampling_params.
     ``adapters``: name -> folder of the scheduler's adapters (in its order), each also served under its name.
     ``tool_call_parser``: a TOOL_CALL_PARSERS name, for chat requests with tools (models/tool_calls.py).
     ``reasoning_parser``: a REASONING_PARSERS name, whose reasoning the chat and Responses routes give apart from
@@ -1555,7 +848,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 if not isinstance(prompt, str):
                     raise ApiError(400, "'prompt' must be a string (or give 'messages')", param="prompt")
                 add = body.get("add_special_tokens", True)
-                tokens = _completion_prompt(prompt, tokenizer) if add else \
+                tokens = completion_prompt(prompt, tokenizer) if add else \
                     [int(t) for t in tokenizer(prompt, add_special_tokens=False)["input_ids"]]
         except ApiError as exc:
             return error(exc)
