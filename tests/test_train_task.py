@@ -231,3 +231,16 @@ def test_a_missing_column_is_named(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert "no column 'stars'" in err and "--label-column" in err and "Traceback" not in err
+
+
+def test_a_regression_label_that_is_not_a_number_is_named(tmp_path):
+    """NaN marks a filler row's missing target (training/data.py's Batches), so a data row may not hold one."""
+    from vkformers.training.data import DataError
+    from vkformers.training.labelled import load_labelled
+    data = tmp_path / "scores.csv"
+    data.write_text("text,score\nthe food was great,4.5\nawful,nan\n")
+    tokenizer = vkformers.AutoTokenizer.from_pretrained(model_folder(tmp_path))
+    with pytest.raises(DataError, match=r"scores.csv:3: label nan is not a finite number; give the row a value"):
+        load_labelled([data], tokenizer, 16, label_column="score")
+    data.write_text("text,score\nthe food was great,4.5\nawful,1.25\n")
+    assert load_labelled([data], tokenizer, 16, label_column="score").labels.tolist() == [4.5, 1.25]

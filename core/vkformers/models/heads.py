@@ -232,6 +232,24 @@ def _target(labels, dtype) -> Tensor:
     return Tensor(lazy.derived_input(derive(_host(labels)), labels, derive))
 
 
+def _float_target(labels) -> tuple[Tensor, Tensor]:
+    """Float labels flattened as two graph inputs: the values, a missing one (NaN) as 0, and 1 where a value is
+    present, 0 where it is missing (the filler rows of an epoch's last batch, training/data.py's Batches)."""
+    def values(array):
+        return np.nan_to_num(np.asarray(array, np.float32).reshape(-1), nan=0.0)
+
+    def present(array):
+        return (~np.isnan(np.asarray(array, np.float32).reshape(-1))).astype(np.float32)
+    host = _host(labels)
+    return (Tensor(lazy.derived_input(values(host), labels, values)),
+            Tensor(lazy.derived_input(present(host), labels, present)))
+
+
+def _present_mean(values: Tensor, present: Tensor) -> Tensor:
+    """The mean of ``values`` where ``present`` is 1 (0 when none is: no NaN for the gradients to carry)."""
+    return (values * present).sum() / present.sum().clamp(min=1.0)
+
+
 def problem_type_of(config: dict, labels: np.ndarray) -> str:
     """transformers' rule when the config names none: one label is regression, integer labels single-label
     classification, anything else multi-label."""
@@ -244,15 +262,16 @@ def problem_type_of(config: dict, labels: np.ndarray) -> str:
 
 def sequence_classification_loss(logits, labels, config: dict):
     """transformers' loss for a sequence head: MSE (regression; one label squeezed), cross-entropy (single label,
-    -100 ignored) or binary cross-entropy with logits (multi-label), each a mean in float32."""
+    -100 ignored) or binary cross-entropy with logits (multi-label), each a mean in float32. A NaN float label (a
+    filler row's) is left out of the MSE and BCE means, as -100 is out of the cross-entropy."""
     host = _host(labels)
     kind = problem_type_of(config, host)
     num_labels = config["num_labels"]
     logits = logits.float()
     if kind == "regression":
-        target = _target(labels, np.float32)
+        target, present = _float_target(labels)
         diff = logits.reshape(-1) - target  # transformers squeezes one label; several compare elementwise
-        return (diff * diff).mean()
+        return _present_mean(diff * diff, present)
     if kind == "single_label_classification":
         bad = host[(host != IGNORE_INDEX) & ((host < 0) | (host >= num_labels))]
         if host.dtype.kind not in "iu" or bad.size:
@@ -263,7 +282,8 @@ def sequence_classification_loss(logits, labels, config: dict):
         raise TaskHeadError(f"multi-label labels have shape {host.shape}; they must be [batch, num_labels] = "
                             f"{tuple(logits.shape)} (0/1 per label)")
     logits = logits.reshape(-1)
-    return (F.softplus(logits) - logits * _target(labels, np.float32)).mean()  # BCE with logits: log(1 + e^x) - x y
+    target, present = _float_target(labels)
+    return _present_mean(F.softplus(logits) - logits * target, present)  # BCE with logits: log(1 + e^x) - x y
 
 
 def token_classification_loss(logits, labels, num_labels: int):
@@ -274,14 +294,15 @@ def token_classification_loss(logits, labels, num_labels: int):
 def question_answering_loss(start_logits, end_logits, start_positions=None, end_positions=None, labels=None):
     """The mean of the start and end cross-entropies; positions are clamped to [0, T] and T is ignored (an answer
     outside the window), as transformers does. ``labels`` [B, 2]: both positions in one array (the Trainer's
-    batches)."""
+    batches), where -100 too is ignored (a filler row of an epoch's last batch, training/data.py's Batches)."""
     length = start_logits.shape[1]
     sources = ((start_positions, None), (end_positions, None)) if labels is None else ((labels, 0), (labels, 1))
     losses = []
     for logits, (positions, column) in zip((start_logits, end_logits), sources):
         def derive(array, column=column):  # a captured training step derives it anew from the next batch
             array = np.asarray(array)
-            array = array[..., column] if column is not None else array
+            if column is not None:
+                array = np.where(array[..., column] == IGNORE_INDEX, length, array[..., column])
             return np.ascontiguousarray(np.clip(array.reshape(-1).astype(np.int64), 0, length), dtype=np.int32)
         target = Tensor(lazy.derived_input(derive(_host(positions)), positions, derive))
         losses.append(F.cross_entropy(logits.float(), target, ignore_index=length))

@@ -401,11 +401,11 @@ class Module:
 
     def loss_target_count(self, labels) -> int:
         """How many targets this model's loss averages over for a batch's ``labels`` (as forward takes them):
-        integer labels not -100, every value of float ones (regression). Models that shift labels say so. The
+        integer labels not -100, float ones (regression, multi-label) not NaN. Models that shift labels say so. The
         trainer weights each micro-batch's mean loss by its share of the step's targets."""
         labels = labels.numpy() if isinstance(labels, Tensor) else np.asarray(labels)
         if not np.issubdtype(labels.dtype, np.integer):
-            return int(labels.size)
+            return int((~np.isnan(labels)).sum())
         return int((labels != IGNORE_INDEX).sum())
 
     def state_dict(self) -> dict[str, np.ndarray]:

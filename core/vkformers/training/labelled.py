@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,10 @@ def _label_table(values: list, where: list[str]):
             raise DataError(f"{where[values.index(min(values))]}: label {min(values)} is negative")
         return np.asarray(values, np.int64), {str(i): f"LABEL_{i}" for i in range(count)}
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        if bad is not None:  # (NaN marks a row without a target: an epoch's filler rows)
+            raise DataError(f"{where[bad]}: label {values[bad]!r} is not a finite number; give the row a value or "
+                            "leave it out")
         return np.asarray(values, np.float32), {}
     names = sorted({str(v) for v in values})
     if len(names) < 2:
