@@ -1,11 +1,13 @@
 """One rank of tests/test_data_parallel.py's runs (a script, started alone or under mpiexec).
 
     python data_parallel_rank.py OUT.npz BATCH STEPS [--shard] [--comm bf16] [--precision bf16|fp16] [--resume]
-                                 [--kill-rank R | --hang-rank R] [--masked]
+                                 [--kill-rank R | --hang-rank R] [--masked] [--tail] [--grad-accum K]
 
 Trains test_training's TinyLM for STEPS steps on the tiny byte corpus, checkpointing every 2 steps into
 OUT's folder; rank 0 writes the losses and final weights to OUT.npz. --masked: the first 12 labels of every
-other row are -100 (a prompt), so that ranks' rows hold different numbers of targets. Started alone it is the
+other row are -100 (a prompt), so that ranks' rows hold different numbers of targets. --tail: the first 9
+sequences only, so that the step ending the epoch holds filler rows (a rank's micro-batches may be all filler); the
+rank's epoch position is written too. --grad-accum K: K micro-batches a step. Started alone it is the
 single-device reference (batch BATCH); under mpiexec -n N each rank takes BATCH rows of every global batch of
 N*BATCH.
 """
@@ -37,15 +39,20 @@ def main():
     parser.add_argument("--hang-rank", type=int, default=-1, help="this rank stops answering in step 3")
     parser.add_argument("--masked", action="store_true", help="mask the first 12 labels of every other row")
     parser.add_argument("--bucket-mb", type=float, default=0.01)  # small: several buckets even for TinyLM
+    parser.add_argument("--tail", action="store_true", help="train on the first 9 sequences only")
+    parser.add_argument("--grad-accum", type=int, default=1)
     args = parser.parse_args()
     world = distributed.launched_world_size()
     comm = distributed.Communicator() if world > 1 else None
     if comm is not None:
         distributed.select_device(comm)
     config = TrainingConfig(steps=args.steps, batch_size=args.batch, seq_len=16, lr=1e-2, warmup=1, clip=1.0,
-                            weight_decay=0.1, save_every=2, keep=0, precision=args.precision)
+                            weight_decay=0.1, save_every=2, keep=0, precision=args.precision,
+                            grad_accum=args.grad_accum)
     model = tiny_model(dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision])
     data = tiny_data()
+    if args.tail:
+        data = data.subset(slice(0, 9))
     if args.masked:
         data.labels = data.labels.copy()
         data.labels[::2, :12] = -100
@@ -78,7 +85,8 @@ def main():
     if comm is None or comm.rank == 0:
         weights = {f"w.{name}": t.numpy() for name, t in model.named_parameters()}
         np.savez(args.out, losses=np.array([h["loss"] for h in history]),
-                 norms=np.array([h["grad_norm"] for h in history]), step=trainer.step, **weights)
+                 norms=np.array([h["grad_norm"] for h in history]), step=trainer.step,
+                 position=[trainer.train_batches.epoch, trainer.train_batches.cursor], **weights)
 
 
 if __name__ == "__main__":

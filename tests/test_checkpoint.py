@@ -41,6 +41,25 @@ def test_resume_continues_with_identical_losses(tmp_path, precision):
     assert after == reference[3:]
 
 
+def test_resume_from_the_step_that_ends_an_epoch_is_exact(tmp_path):
+    """10 sequences, 2 micro-batches of 4 a step: an epoch is 2 steps, its second holding 2 sequences and 6 filler
+    rows. The checkpoints saved after such a step are at the start of the next epoch, and resuming from them
+    continues with the uninterrupted run's losses."""
+    def trainer(out, model_seed=0):
+        config = TrainingConfig(steps=5, batch_size=4, grad_accum=2, seq_len=16, lr=1e-2, warmup=1, save_every=2,
+                                keep=0, seed=3)
+        return Trainer(tiny_model(seed=model_seed, dropout=0.1), config,
+                       Batches(tiny_data().subset(slice(0, 10)), 4, seed=3), out_dir=out)
+    reference = [r["loss"] for r in trainer(tmp_path / "a").train()]
+    for step in (2, 4):
+        folder = tmp_path / "a" / "checkpoints" / f"checkpoint-{step}"
+        state = json.loads((folder / "trainer_state.json").read_text())
+        assert (state["epoch"], state["data_position"]["cursor"]) == (step // 2, 0)
+        resumed = trainer(tmp_path / f"resumed-{step}", model_seed=99)
+        resumed.resume(folder)
+        assert [r["loss"] for r in resumed.train()] == reference[step:]
+
+
 def test_keeps_the_last_k_and_writes_the_state(tmp_path):
     trainer = make_trainer(tmp_path, steps=5, save_every=1, keep=2)
     trainer.train()

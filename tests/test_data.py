@@ -72,27 +72,83 @@ def test_missing_paths_and_too_little_data(tmp_path):
     write(tmp_path / "short.txt", "abc")
     with pytest.raises(DataError, match="no full sequence of 64"):
         load_dataset([tmp_path / "short.txt"], TOK, 64)
-    with pytest.raises(DataError, match="fewer than one batch of 4"):
-        Batches(load_dataset([tmp_path / "short.txt"], TOK, 2), 4)
+    two = load_dataset([tmp_path / "short.txt"], TOK, 2)  # "abc" and EOS: fewer sequences than one batch
+    ids, labels = next(Batches(two, 4, shuffle=False))  # both, then filler rows without targets
+    np.testing.assert_array_equal(ids, two.input_ids[[0, 1, 0, 1]])
+    np.testing.assert_array_equal(labels, np.concatenate([two.labels, np.full((2, 2), -100)]))
+    with pytest.raises(DataError, match="no sequence to train on"):
+        Batches(two.subset(slice(0, 0)), 4)
 
 
 def test_batches_follow_the_seed_and_resume_exactly():
     ds = PackedDataset(np.arange(100, dtype=np.int32), np.arange(100, dtype=np.int32), 5)  # 20 sequences
     a = Batches(ds, 3, seed=1)
-    first = [next(a)[0][:, 0].tolist() for _ in range(9)]  # runs into the second epoch (6 batches each)
+    first = [next(a)[0][:, 0].tolist() for _ in range(10)]  # runs into the second epoch (7 batches each)
     again = Batches(ds, 3, seed=1)
-    assert [next(again)[0][:, 0].tolist() for _ in range(9)] == first
+    assert [next(again)[0][:, 0].tolist() for _ in range(10)] == first
     assert [next(Batches(ds, 3, seed=2))[0][:, 0].tolist()] != first[:1]
-    seen = sorted(x for batch in first[:6] for x in batch)  # one epoch: no sequence twice
-    assert len(set(seen)) == 18
     half = Batches(ds, 3, seed=1)
-    for _ in range(7):
+    for _ in range(8):
         next(half)
     state = half.state_dict()
     assert state["epoch"] == 1
     resumed = Batches(ds, 3, seed=99)
     resumed.load_state_dict(json.loads(json.dumps(state)))
-    assert [next(resumed)[0][:, 0].tolist() for _ in range(2)] == first[7:9]
+    assert [next(resumed)[0][:, 0].tolist() for _ in range(2)] == first[8:10]
+
+
+def targets_per_sequence(batches, count, n):
+    """How often each of ``n`` sequences (told apart by their first token, ``5 * index``) carries its labels in
+    ``count`` batches; every other row's labels must be all -100."""
+    seen = np.zeros(n, int)
+    for ids, labels, *_ in batches[:count]:
+        for row_ids, row_labels in zip(ids, labels):
+            if (row_labels == -100).all():
+                continue
+            np.testing.assert_array_equal(row_labels, row_ids)  # a real row keeps its own labels
+            seen[row_ids[0] // 5] += 1
+    return seen
+
+
+@pytest.mark.parametrize("batch_size, micro_batches, steps", [(3, 1, 7), (4, 1, 5), (3, 2, 4), (4, 3, 2), (8, 4, 1)])
+def test_an_epoch_visits_every_sequence_once_and_ends_on_a_whole_step(batch_size, micro_batches, steps):
+    """20 sequences: each epoch takes every one once, as transformers' Trainer does (no batch dropped), in
+    ceil(20 / (batch size x micro-batches)) steps; the last batches are filled up with rows that carry only -100."""
+    ds = PackedDataset(np.arange(100, dtype=np.int32), np.arange(100, dtype=np.int32), 5)
+    batches = Batches(ds, batch_size, seed=4)
+    assert batches.steps_per_epoch(micro_batches) == steps
+    for epoch in range(2):
+        taken = [batches.next_step(micro_batches) for _ in range(steps)]
+        assert batches.state_dict()["epoch"] == epoch + 1 and batches.state_dict()["cursor"] == 0
+        flat = [b for step in taken for b in step]
+        assert all(ids.shape == (batch_size, 5) and labels.shape == (batch_size, 5) for ids, labels in flat)
+        assert targets_per_sequence(flat, len(flat), 20).tolist() == [1] * 20
+        real_rows = [int((labels != -100).any(1).sum()) for _, labels in flat]
+        assert real_rows == sorted(real_rows, reverse=True) and sum(real_rows) == 20  # filler only at the end
+        order = [int(ids[0, 0]) // 5 for ids, labels in flat[:1]]
+        assert order == [int(np.random.default_rng([4, epoch]).permutation(20)[0])]
+
+
+def test_resuming_at_an_epochs_tail_is_exact():
+    """A position saved after the step that ends an epoch (its filler included) resumes to the same batches."""
+    ds = PackedDataset(np.arange(100, dtype=np.int32), np.arange(100, dtype=np.int32), 5)  # 20 sequences
+    reference = Batches(ds, 3, seed=7)
+    steps = [reference.next_step(2) for _ in range(8)]  # 4 steps an epoch, the 4th with 2 real rows and 4 filler
+    for saved_after in (3, 4, 5):
+        run = Batches(ds, 3, seed=7)
+        for _ in range(saved_after):
+            run.next_step(2)
+        state = json.loads(json.dumps(run.state_dict()))
+        assert (state["epoch"], state["cursor"]) == ((0, 18) if saved_after == 3 else (1, 6 * (saved_after - 4)))
+        resumed = Batches(ds, 3, seed=0)
+        resumed.load_state_dict(state)
+        for expected in steps[saved_after:]:
+            for (ids, labels), (want_ids, want_labels) in zip(resumed.next_step(2), expected):
+                np.testing.assert_array_equal(ids, want_ids)
+                np.testing.assert_array_equal(labels, want_labels)
+    legacy = Batches(ds, 3, seed=7)  # a position at the end of an epoch not yet turned over
+    legacy.load_state_dict({"epoch": 0, "cursor": 24, "seed": 7, "batch_size": 3, "num_sequences": 20})
+    np.testing.assert_array_equal(legacy.next_step(2)[0][0], steps[4][0][0])
     with pytest.raises(DataError, match="same data"):
         Batches(ds.subset(slice(0, 10)), 3).load_state_dict(state)
 

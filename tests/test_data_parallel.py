@@ -76,6 +76,21 @@ def test_ranks_holding_different_numbers_of_targets_match_one_rank(tmp_path):
     assert relative_error(weights(one), weights(two)) < 1e-6
 
 
+@pytest.mark.parametrize("grad_accum", ["1", "2"])
+def test_an_epochs_tail_of_filler_on_one_rank_matches_one_rank(tmp_path, grad_accum):
+    """9 sequences, 2 ranks of batch 2: the step that ends the epoch holds one sequence and filler rows, all of
+    rank 1's rows filler (with 2 micro-batches a step, rank 0's second too); the ranks still give one process's
+    losses, gradient norms and weights, and each epoch is ceil(9 / (4 x micro-batches)) steps."""
+    one = trained(tmp_path / "one.npz", 4, "--tail", "--grad-accum", grad_accum)
+    two = trained(tmp_path / "two.npz", 2, "--tail", "--grad-accum", grad_accum, ranks=2)
+    assert np.isfinite(two["losses"]).all()
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-6)
+    np.testing.assert_allclose(two["norms"], one["norms"], rtol=1e-6)
+    assert relative_error(weights(one), weights(two)) < 1e-6
+    # 3 steps: one epoch of 3 steps, or one of 2 steps and the first step of the next
+    assert two["position"].tolist() == one["position"].tolist() == ([1, 0] if grad_accum == "1" else [1, 8])
+
+
 def test_zero1_sharded_optimizer_state_equals_plain_data_parallel(runs):
     root, r = runs
     for key in weights(r["two"]):
@@ -182,12 +197,15 @@ def test_resuming_with_another_number_of_ranks_is_refused(runs, tmp_path):
 
 
 def test_ranks_take_disjoint_rows_of_the_single_process_batches():
-    data = tiny_data()
+    data = tiny_data().subset(slice(0, 29))
     whole = distributed.Batches(data, 6, seed=3)
     parts = [distributed.ShardedBatches(data, 2, rank, 3, seed=3) for rank in range(3)]
-    for _ in range(5):  # across an epoch boundary too
-        ids, labels = next(whole)
-        np.testing.assert_array_equal(np.concatenate([next(p)[0] for p in parts]), ids)
+    assert whole.steps_per_epoch(2) == parts[0].steps_per_epoch(2) == 3  # 29 sequences, 12 a step
+    for _ in range(7):  # across two epochs' ends, where rank 2's rows of the last step are filler
+        for (ids, labels), *rank_batches in zip(whole.next_step(2), *[p.next_step(2) for p in parts]):
+            np.testing.assert_array_equal(np.concatenate([b[0] for b in rank_batches]), ids)
+            np.testing.assert_array_equal(np.concatenate([b[1] for b in rank_batches]), labels)
+        assert all(p.state_dict()["epoch"] == whole.epoch and p.cursor == whole.cursor for p in parts)
     assert distributed.partition([10, 40, 30, 20], 2) == [0, 0, 1, 1]
 
 

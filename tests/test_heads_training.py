@@ -3,9 +3,11 @@ classifier learn toy tasks from padded batches (attention masks passed) well abo
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import vkformers
 from vkformers.models.lora import LoraConfig, apply_lora, save_adapter, trainable_parameters
+from vkformers.training.labelled import LabelledBatches, LabelledDataset, QuestionAnsweringDataset
 from vkformers.training.trainer import Trainer, TrainingConfig, init_weights
 
 VOCAB, LENGTH, BATCH = 24, 8, 16
@@ -161,4 +163,115 @@ def test_replayed_question_answering_steps_match_built_ones(monkeypatch):
     """A BERT QA head: start/end labels in one array and the token type ids of text pairs, each derived or read
     anew when the step replays."""
     replayed, built = replayed_and_built_losses(monkeypatch, vkformers.AutoModelForQuestionAnswering, BERT, qa_batch)
+    np.testing.assert_allclose(replayed, built, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- the filler rows of an epoch's last batch
+
+def labelled_rows(task, count=5):
+    """``count`` padded rows of a task as LabelledBatches reads them, with the model that trains on them."""
+    rng = np.random.default_rng(3)
+    ids, mask = padded_ids(rng, 0)
+    ids, mask = ids[:count], mask[:count]
+    ids[mask == 0] = 0
+    auto = vkformers.AutoModelForSequenceClassification
+    if task == "single":
+        labels, config = rng.integers(0, 3, count), dict(BERT, num_labels=3)
+    elif task == "regression":
+        labels, config = rng.standard_normal(count).astype(np.float32), dict(BERT, num_labels=1)
+    elif task == "multi-label":
+        labels = rng.integers(0, 2, (count, 3)).astype(np.float32)
+        config = dict(BERT, num_labels=3, problem_type="multi_label_classification")
+    elif task == "token":
+        labels, config = np.where(mask == 1, ids % 3, -100), dict(LLAMA, num_labels=3)
+        auto = vkformers.AutoModelForTokenClassification
+    else:
+        _, labels, mask, types = qa_batch(rng)
+        labels, mask, types = labels[:count], mask[:count], types[:count]
+        auto, config = vkformers.AutoModelForQuestionAnswering, BERT
+        dataset = QuestionAnsweringDataset(ids, mask, labels, {}, LENGTH, np.arange(count), [None] * count,
+                                           token_type_ids=types)
+    if task != "qa":
+        dataset = LabelledDataset(ids, mask, labels, {}, LENGTH)
+    model = auto.from_config(config)
+    init_weights(model, seed=0, std=0.1)
+    return dataset, model.train()
+
+
+def dataset_parts(dataset):
+    """(input_ids, labels, attention_mask[, token_type_ids]) of every row, as LabelledBatches puts them."""
+    types = getattr(dataset, "token_type_ids", None)
+    return (dataset.input_ids, dataset.labels, dataset.attention_mask) + (() if types is None else (types,))
+
+
+def batch_loss_and_gradients(model, batch):
+    ids, labels, mask, *types = batch
+    for param in model.parameters():
+        param.grad = None
+    loss = model(ids, labels=labels, attention_mask=mask, **dict(zip(["token_type_ids"], types))).loss
+    loss.backward()
+    return loss.item(), {name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None}
+
+
+TASKS = ["single", "regression", "multi-label", "token", "qa"]
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_filler_rows_leave_each_heads_loss_and_gradients_of_the_real_rows(task):
+    """5 rows, batch 4: the epoch's second batch is row 4 and 3 filler rows (copies of rows 0-2, their attention
+    masks and token types kept) whose labels mean "no target" to the head's loss (-100, NaN for float labels,
+    -100 for an answer's positions); its loss and gradients are those of row 4 alone."""
+    dataset, model = labelled_rows(task)
+    batches = LabelledBatches(dataset, 4, shuffle=False)
+    next(batches)
+    tail = next(batches)
+    assert batches.state_dict()["epoch"] == 1 and batches.state_dict()["cursor"] == 0
+    parts = dataset_parts(dataset)
+    assert len(tail) == len(parts) == (4 if task == "qa" else 3)
+    for index, (got, rows) in enumerate(zip(tail, parts)):
+        if index != 1:  # all but the labels: copies of rows 0-2
+            np.testing.assert_array_equal(got, rows[[4, 0, 1, 2]])
+    filler = tail[1][1:]
+    assert (np.isnan(filler) if filler.dtype.kind == "f" else filler == -100).all()
+    assert model.loss_target_count(tail[1]) == model.loss_target_count(dataset.labels[4:]) > 0
+    loss, grads = batch_loss_and_gradients(model, tail)
+    alone, alone_grads = batch_loss_and_gradients(model, [part[4:] for part in parts])
+    assert loss == pytest.approx(alone, rel=1e-6)
+    assert sorted(grads) == sorted(alone_grads)
+    # the floor: 1e-6 of the largest gradient, for those that are zero but for rounding (the attention key's bias)
+    floor = 1e-6 * max(np.abs(grad).max() for grad in alone_grads.values())
+    for name, grad in alone_grads.items():
+        np.testing.assert_allclose(grads[name], grad, rtol=1e-6, atol=floor, err_msg=name)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_an_epochs_last_step_with_a_micro_batch_of_filler_alone(task):
+    """Batch 2, 2 micro-batches a step: the step that ends the epoch holds row 4 beside a filler row, then a
+    micro-batch of filler alone (no targets: it weighs nothing); its loss and gradient norm are those of row 4."""
+    dataset, model = labelled_rows(task)
+    batches = LabelledBatches(dataset, 2, shuffle=False)
+    batches.load_state_dict({**batches.state_dict(), "cursor": 4})
+    config = dict(steps=1, seq_len=LENGTH, lr=1e-3, schedule="constant", clip=0.0)
+    [record] = Trainer(model, TrainingConfig(batch_size=2, grad_accum=2, **config), batches).train()
+    _, reference = labelled_rows(task)
+    row = tuple(part[4:] for part in dataset_parts(dataset))
+    expected = Trainer(reference, TrainingConfig(batch_size=1, **config), LabelledBatches(dataset, 1)).train_step([row])
+    assert record["loss"] == pytest.approx(expected.loss, rel=1e-6)
+    assert record["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-6)
+
+
+def test_replayed_steps_with_filler_match_built_ones(monkeypatch):
+    """A regression head over three epochs of 5 rows in batches of 2: every third step holds a filler row (NaN
+    label), and the replayed steps' losses equal those of steps built anew every time."""
+    def losses(replay):
+        dataset, model = labelled_rows("regression")
+        trainer = Trainer(model, TrainingConfig(steps=9, batch_size=2, seq_len=LENGTH, lr=3e-3, schedule="constant"),
+                          LabelledBatches(dataset, 2, seed=1))
+        if not replay:  # nothing is recorded, so every step is built
+            monkeypatch.setattr(type(trainer._capture), "_observe", lambda *args: None)
+        history = [record["loss"] for record in trainer.train()]
+        assert trainer._capture.ready is replay and trainer.train_batches.state_dict()["epoch"] == 3
+        return history
+    replayed, built = losses(True), losses(False)
+    assert all(np.isfinite(replayed))
     np.testing.assert_allclose(replayed, built, rtol=1e-6)

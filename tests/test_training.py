@@ -304,6 +304,61 @@ def test_gradient_accumulation_weights_micro_batches_by_their_targets():
     assert abs(np.mean(means) - whole.loss) > 1e-3 * whole.loss  # what an even split would have reported
 
 
+def loss_and_gradients(model, ids, labels):
+    for param in model.parameters():
+        param.grad = None
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    return loss.item(), {name: param.grad.numpy() for name, param in model.named_parameters()}
+
+
+def at_the_epochs_tail(data, batch_size):
+    """Batches of ``data`` in order (no shuffle), placed at the last whole batch of the first epoch."""
+    batches = Batches(data, batch_size, shuffle=False)
+    batches.load_state_dict({**batches.state_dict(), "cursor": len(data) // batch_size * batch_size})
+    return batches
+
+
+def test_filler_rows_leave_the_loss_and_gradients_of_the_real_rows():
+    """The epoch's last batch of 4 (111 sequences: 3 left, a filler row whose labels are all -100 after them) gives
+    the loss and every gradient of those 3 sequences alone in a batch of 3, as transformers' Trainer takes the short
+    last batch (dataloader_drop_last=False)."""
+    data = tiny_data()
+    assert len(data) % 4 == 3
+    ids, labels = next(at_the_epochs_tail(data, 4))
+    assert ids.shape == (4, 16) and (labels[3] == -100).all()
+    np.testing.assert_array_equal(ids[3], data.input_ids[0])  # a copy of a sequence: attention over real tokens
+    model = small_llama()
+    loss, grads = loss_and_gradients(model, ids, labels)
+    alone, alone_grads = loss_and_gradients(model, data.input_ids[-3:], data.labels[-3:])
+    assert loss == pytest.approx(alone, rel=1e-6)
+    floor = 1e-6 * max(np.abs(grad).max() for grad in alone_grads.values())  # for gradients zero but for rounding
+    for name, grad in alone_grads.items():
+        np.testing.assert_allclose(grads[name], grad, rtol=1e-6, atol=floor, err_msg=name)
+
+
+def test_an_epochs_last_step_weighs_only_its_sequences():
+    """Batch 2, 3 micro-batches a step: the step that ends the epoch (111 sequences, 3 left) holds a whole
+    micro-batch, one with a filler row and one all filler (loss 0/0: it must weigh nothing, not make the step NaN);
+    its loss, gradient norm and update are those of one step on the 3 sequences, and the next step starts the
+    next epoch."""
+    data = tiny_data()
+    batches = at_the_epochs_tail(data, 2)
+    batches.load_state_dict({**batches.state_dict(), "cursor": 108})
+    base = dict(steps=1, seq_len=16, lr=1e-2, schedule="constant", clip=0.0)
+    split, whole = small_llama(), small_llama()
+    trainer = Trainer(split, TrainingConfig(batch_size=2, grad_accum=3, **base), batches)
+    [record] = trainer.train()
+    assert batches.state_dict()["epoch"] == 1 and batches.state_dict()["cursor"] == 0
+    reference = Trainer(whole, TrainingConfig(batch_size=3, **base), Batches(data, 3)).train_step(
+        [(data.input_ids[-3:], data.labels[-3:])])
+    assert record["loss"] == pytest.approx(reference.loss, rel=1e-6)
+    assert record["grad_norm"] == pytest.approx(reference.grad_norm, rel=1e-6)
+    for name, weight in whole.named_parameters():
+        np.testing.assert_allclose(dict(split.named_parameters())[name].numpy(), weight.numpy(), rtol=1e-4,
+                                   atol=2e-5, err_msg=name)
+
+
 def test_seed_fixes_data_order_and_dropout():
     def run(seed):
         config = TrainingConfig(steps=3, batch_size=4, seq_len=16, lr=1e-2, seed=seed)
@@ -588,6 +643,23 @@ def test_cli_train_resumes_past_a_damaged_checkpoint_and_notes_a_missing_plot(tm
     assert f"vkformers train: skipped {state.parent}: trainer_state.json has 40 bytes, the manifest says " in err
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in printed and "done: step 6" in printed
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_cli_epochs_are_whole_passes_over_the_data(tmp_path, capsys, llama_config):
+    """--epochs N: N passes over the 105 training sequences (107 less 2 held out), every one of them, the last
+    batch of each filled up; an epoch is ceil(105 / (batch size x grad-accum)) steps, as transformers' Trainer
+    counts them, and ends on a step, so the run ends at the start of epoch N."""
+    from vkformers.cli import main
+    folder, common = llama_config
+    common = [arg if arg != "2" else "4" for arg in common]  # --batch-size 4
+    for name, flags, steps, epochs in (("one", ["--epochs", "1"], 27, 1),
+                                       ("two", ["--epochs", "2", "--grad-accum", "2"], 28, 2)):
+        out = tmp_path / name
+        assert main(["train", "--model", str(folder), "--from-scratch", "--out", str(out), *common, *flags]) == 0
+        assert "on 105 sequences of 16 tokens (2 held out)" in capsys.readouterr().out
+        assert len((out / "metrics.jsonl").read_text().splitlines()) == steps
+        state = json.loads((out / "checkpoints" / f"checkpoint-{steps}" / "trainer_state.json").read_text())
+        assert (state["data_position"]["epoch"], state["data_position"]["cursor"]) == (epochs, 0)
 
 
 def test_cli_trains_lora_on_conversations_with_the_assistant_turns_only(tmp_path, capsys):

@@ -110,8 +110,8 @@ def add_parser(subparsers):
     loop = p.add_argument_group("training")
     loop.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default 1000)")
     loop.add_argument("--epochs", type=positive_number, default=None,
-                      help="train this many passes over the data instead of --steps (as transformers' "
-                           "num_train_epochs; a fraction is a part of a pass)")
+                      help="train this many passes over the data instead of --steps, every sequence once a "
+                           "pass (as transformers' num_train_epochs; a fraction is a part of a pass)")
     loop.add_argument("--batch-size", type=positive_int, default=8)
     loop.add_argument("--seq-len", type=whole_number(2), default=512, help="tokens per sequence (at least 2)")
     loop.add_argument("--lr", type=positive_number, default=2e-4)
@@ -252,14 +252,15 @@ def run(args) -> int:
         raise
 
 
-def training_steps(args, sequences: int, ranks: int) -> int:
-    """--steps, or the optimizer steps --epochs passes over ``sequences`` take (each step reads batch-size x
-    grad-accum sequences on every rank), at least one; 1000 when neither is given."""
+def training_steps(args, steps_per_epoch: int) -> int:
+    """--steps, or the optimizer steps --epochs passes take (``steps_per_epoch``: one pass, each step reading
+    batch-size x grad-accum sequences on every rank, the last one filled up), at least one; 1000 when neither is
+    given. As transformers' Trainer: ceil(epochs x steps per epoch)."""
     if args.epochs is not None and args.steps is not None:
         raise VkformersError("--steps and --epochs both given: give one of them")
     if args.epochs is None:
         return 1000 if args.steps is None else args.steps
-    return max(1, math.ceil(args.epochs * sequences / (args.batch_size * args.grad_accum * ranks)))
+    return max(1, math.ceil(args.epochs * steps_per_epoch))
 
 
 def train(args, comm) -> int:
@@ -325,7 +326,13 @@ def train(args, comm) -> int:
                                      lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
                                      use_rslora=args.rslora, modules_to_save=modules_to_save,
                                      base_model_name_or_path=str(args.model)), seed=args.seed)
-    args.steps = training_steps(args, len(train), 1 if comm is None else comm.size)
+    if comm is not None:
+        batches = distributed.ShardedBatches(train, args.batch_size, comm.rank, comm.size, seed=args.seed)
+    elif args.task == "causal-lm":
+        batches = Batches(train, args.batch_size, seed=args.seed)
+    else:
+        batches = LabelledBatches(train, args.batch_size, seed=args.seed)
+    args.steps = training_steps(args, batches.steps_per_epoch(args.grad_accum))
     config = TrainingConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             schedule=args.schedule, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                             weight_decay=args.weight_decay, clip=args.clip, grad_accum=args.grad_accum,
@@ -337,10 +344,8 @@ def train(args, comm) -> int:
                 "quantization": args.quantization,
                 "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}
     if args.task == "causal-lm":
-        batches = Batches(train, args.batch_size, seed=args.seed)
         eval_batches = fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None
     else:
-        batches = LabelledBatches(train, args.batch_size, seed=args.seed)
         eval_batches = labelled_batches(held_out, args.batch_size, args.eval_batches) if held_out else None
     common = dict(eval_batches=eval_batches, out_dir=args.out, progress=leader and not args.no_progress,
                   run_info=run_info)
@@ -348,7 +353,6 @@ def train(args, comm) -> int:
         trainer = Trainer(model, config, batches, **common)
     else:
         run_info["data_parallel"] = comm.size
-        batches = distributed.ShardedBatches(train, args.batch_size, comm.rank, comm.size, seed=args.seed)
         trainer = distributed.DataParallelTrainer(model, config, batches, comm=comm, comm_dtype=args.grad_comm,
                                                   shard_optimizer=args.shard_optimizer, bucket_mb=args.bucket_mb,
                                                   **common)

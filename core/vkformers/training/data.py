@@ -18,8 +18,11 @@ The pipeline, in order:
    (``PackedDataset.one_per_record``, ``vkformers train --no-packing``, TRL's SFT default) each document or
    conversation is a sequence of its own, cut at ``seq_len`` and padded after its end, the padding out of the loss
    (a causal LM's tokens never see the padding after them).
-4. ``Batches`` walks the sequences in a per-epoch permutation drawn from ``(seed, epoch)``; its
-   position (epoch, cursor) is all a checkpoint needs to continue exactly where it stopped.
+4. ``Batches`` walks the sequences in a per-epoch permutation drawn from ``(seed, epoch)``, every one once an
+   epoch as transformers' Trainer does: the last batch, short there, is filled up here with filler rows whose labels
+   are all -100 (no loss, no gradient), so every step keeps one shape; with gradient accumulation an epoch ends on
+   an optimizer step, its last step's micro-batches after the last sequence all filler. Its position (epoch,
+   cursor) is all a checkpoint needs to continue exactly where it stopped.
 
 Tokenizers: anything with ``encode(text) -> list[int]`` and ``eos_token_id``.
 """
@@ -378,14 +381,19 @@ def load_dataset(paths: Sequence, tokenizer, seq_len: int, *, text_column=None, 
 class Batches:
     """Batches of ``batch_size`` sequences in a seeded per-epoch order; resumable from ``state_dict()``.
 
-    Epoch ``e`` visits the sequences in ``default_rng([seed, e]).permutation(n)`` and drops the last
-    incomplete batch, so the order depends only on (seed, epoch, cursor).
+    Epoch ``e`` visits every sequence once, in ``default_rng([seed, e]).permutation(n)``, ``batch_size`` at a time,
+    as transformers' Trainer does (``dataloader_drop_last=False``). Every batch keeps one shape, so that a recorded
+    step replays: the epoch's last batch, short in transformers, is filled up to ``batch_size`` with filler rows,
+    copies of sequences from the start of the epoch's order whose labels are all "no target" (-100; NaN for float
+    labels), which carry no loss and no gradient. :meth:`next_step` takes the micro-batches of one optimizer step
+    and ends each epoch on a step: the micro-batches after the last sequence are all filler, so an epoch is
+    ``steps_per_epoch(micro_batches) = ceil(n / (batch_size * micro_batches))`` steps. The order depends only on
+    (seed, epoch, cursor).
     """
 
     def __init__(self, dataset: PackedDataset, batch_size: int, seed: int = 0, shuffle: bool = True):
-        if len(dataset) < batch_size:
-            raise DataError(f"the data makes {len(dataset)} sequences of {dataset.seq_len} tokens, fewer than "
-                            f"one batch of {batch_size}; lower --batch-size or --seq-len, or add data")
+        if len(dataset) == 0:
+            raise DataError("the data makes no sequence to train on; add data or lower --seq-len")
         self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
         self.epoch, self.cursor = 0, 0
         self._order = self._permutation(0)
@@ -394,16 +402,38 @@ class Batches:
         n = len(self.dataset)
         return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
 
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.cursor = epoch, 0
+        self._order = self._permutation(epoch)
+
+    def steps_per_epoch(self, micro_batches: int = 1) -> int:
+        """Optimizer steps of ``micro_batches`` batches each that one pass over the data takes (the last one
+        filled up)."""
+        return -(-len(self.dataset) // (self.batch_size * micro_batches))
+
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.cursor + self.batch_size > len(self.dataset):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
-        rows = self._order[self.cursor:self.cursor + self.batch_size]
-        self.cursor += self.batch_size
-        return self.dataset.input_ids[rows], self.dataset.labels[rows]
+    def __next__(self):
+        return self.next_step(1)[0]
+
+    def next_step(self, micro_batches: int) -> list:
+        """The ``micro_batches`` batches of one optimizer step; the step that takes an epoch's last sequence ends
+        the epoch, its batches past that sequence all filler."""
+        if self.cursor >= len(self.dataset):  # a position saved at the end of an epoch
+            self._start_epoch(self.epoch + 1)
+        batches = []
+        for _ in range(micro_batches):
+            positions = np.arange(self.cursor, self.cursor + self.batch_size)
+            self.cursor += self.batch_size
+            batches.append(self._batch(self._order[positions % len(self._order)], positions < len(self._order)))
+        if self.cursor >= len(self.dataset):
+            self._start_epoch(self.epoch + 1)
+        return batches
+
+    def _batch(self, rows: np.ndarray, real: np.ndarray) -> tuple:
+        """The batch of the dataset's ``rows``, those not ``real`` (filler) without targets."""
+        return self.dataset.input_ids[rows], without_targets(self.dataset.labels[rows], real)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "batch_size": self.batch_size,
@@ -413,8 +443,19 @@ class Batches:
         if state.get("num_sequences", len(self.dataset)) != len(self.dataset):
             raise DataError(f"the checkpoint was trained on {state['num_sequences']} sequences, this data makes "
                             f"{len(self.dataset)}: resume with the same data, tokenizer and --seq-len")
-        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
-        self._order = self._permutation(self.epoch)
+        self.seed = state["seed"]
+        self._start_epoch(state["epoch"])
+        self.cursor = state["cursor"]
+
+
+def without_targets(labels: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """``labels`` with the rows not ``real`` set to "no target": -100 for integer labels (tokens, classes, tags,
+    answer positions), NaN for float ones (regression, multi-label), which the losses leave out."""
+    if real.all():
+        return labels
+    labels = labels.copy()
+    labels[~real] = IGNORE_INDEX if np.issubdtype(labels.dtype, np.integer) else np.nan
+    return labels
 
 
 def fixed_batches(dataset: PackedDataset, batch_size: int, max_batches: int | None = None):

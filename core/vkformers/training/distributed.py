@@ -219,16 +219,17 @@ class ShardedBatches(Batches):
     """This rank's rows of the batches a single process would draw with ``batch_size * world_size``.
 
     The order depends only on (seed, epoch, cursor), as in :class:`Batches`; the position saved in a
-    checkpoint is the global one, and resuming needs the same world size."""
+    checkpoint is the global one, and resuming needs the same world size. The filler rows of an epoch's last
+    batches (:class:`Batches`) are those of the single process's batch: the ranks after the last sequence take
+    filler alone, which weighs nothing in the step (``DataParallelTrainer`` counts every rank's targets)."""
 
     def __init__(self, dataset, batch_size: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True):
         super().__init__(dataset, batch_size * world_size, seed=seed, shuffle=shuffle)
         self.rank_batch_size, self.rank, self.world_size = batch_size, rank, world_size
 
-    def __next__(self):
-        input_ids, labels = super().__next__()
-        rows = slice(self.rank * self.rank_batch_size, (self.rank + 1) * self.rank_batch_size)
-        return input_ids[rows], labels[rows]
+    def _batch(self, rows, real):
+        mine = slice(self.rank * self.rank_batch_size, (self.rank + 1) * self.rank_batch_size)
+        return super()._batch(rows[mine], real[mine])
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "world_size": self.world_size}

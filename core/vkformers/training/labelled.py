@@ -393,11 +393,12 @@ def _number(value):
 
 class LabelledBatches(Batches):
     """Batches of (input_ids, labels, attention_mask[, token_type_ids]), in the seeded per-epoch order of
-    :class:`Batches` (token type ids where the dataset has them: text pairs of a BERT-style tokenizer)."""
+    :class:`Batches` (token type ids where the dataset has them: text pairs of a BERT-style tokenizer). A filler row
+    keeps the attention mask and token type ids of the row it copies; its labels are -100 (class ids, tags, answer
+    positions) or NaN (a regression's values), which the heads' losses leave out."""
 
-    def __next__(self):
-        ids, labels = super().__next__()
-        rows = self._order[self.cursor - self.batch_size:self.cursor]
+    def _batch(self, rows, real):
+        ids, labels = super()._batch(rows, real)
         types = getattr(self.dataset, "token_type_ids", None)
         return (ids, labels, self.dataset.attention_mask[rows]) + (() if types is None else (types[rows],))
 

@@ -198,7 +198,9 @@ class Trainer:
     ``train_batches``: a :class:`~vkformers.training.data.Batches` (or anything iterable with
     ``state_dict``/``load_state_dict``) yielding (input_ids, labels) numpy arrays, or (input_ids, labels,
     attention_mask) for padded batches (a task head's labels: one per sequence, float for regression), with
-    token_type_ids fourth for text pairs (question answering on a BERT-style model).
+    token_type_ids fourth for text pairs (question answering on a BERT-style model). Where it has
+    ``next_step(micro_batches)`` each step takes its ``grad_accum`` micro-batches from it (Batches ends each epoch
+    on a step); a micro-batch without targets takes no part in the step.
     ``eval_batches``: a list of such tuples for the held-out loss.
     ``out_dir``: where checkpoints/, metrics.jsonl, loss_curve.png and final/ go (None: nothing written).
     """
@@ -260,7 +262,9 @@ class Trainer:
                                 total=c.steps, min_ratio=c.min_lr_ratio)
 
     def _next_micro_batches(self):
-        batches = [next(self.train_batches) for _ in range(self.config.grad_accum)]
+        step = getattr(self.train_batches, "next_step", None)  # Batches: each epoch ends on a whole step
+        batches = step(self.config.grad_accum) if step is not None else \
+            [next(self.train_batches) for _ in range(self.config.grad_accum)]
         for input_ids, *_ in batches:  # cheap on the host; an id past the embedding would train on garbage
             check_token_ids(input_ids, self.vocab_size, "the training data")
         return batches
@@ -346,7 +350,9 @@ class Trainer:
         weights = tensor(shares)  # an input: a replayed step takes the next step's shares
         with lazy.deferred_backward():  # realized with the clip and the update, one submission
             for index, batch in enumerate(micro_batches):
-                loss = _forward(self.model, batch).loss.float() * weights[index]
+                weight = weights[index]
+                # a micro-batch without targets (filler at an epoch's end) has the mean loss 0/0: it weighs nothing
+                loss = where(weight > 0, _forward(self.model, batch).loss.float() * weight, 0.0)
                 (loss * scale if scale is not None else loss).backward()
                 total = loss if total is None else total + loss
                 del loss
