@@ -26,6 +26,7 @@ from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 from vkformers.models.lora import LoraError, ServedLoraLinear, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
+from vkformers.models.prequantized import PrequantizedFormat, checkpoint_quantization
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
                                        transformers_quantization,
                                        quantized_weight_names)
@@ -155,14 +156,17 @@ def weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors")
 
 
-def read_weights(folder: Path, convert=None) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint as numpy (bfloat16 widened to float32 exactly); ``convert(name, array)``
-    (a CheckpointQuantizer) transforms each as it is read."""
-    arrays = {}
+def read_weights(folder: Path, convert=None, prequantized: PrequantizedFormat | None = None,
+                 keep_packed: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint as numpy (bfloat16 and float8 widened to float32 exactly); a pre-quantized
+    checkpoint's weights (``prequantized``, models/prequantized.py) dequantized or kept packed one at a time;
+    ``convert(name, array)`` (a CheckpointQuantizer) transforms each as it is read."""
+    entries = {}
     for file in weight_files(folder):
-        for name, entry in read_safetensors(file).items():
-            arrays[name] = entry.as_float() if convert is None else convert(name, entry.as_float())
-    return arrays
+        entries.update(read_safetensors(file))  # memory-mapped: nothing is read yet
+    tensors = ((name, entry.as_float()) for name, entry in entries.items()) if prequantized is None else \
+        prequantized.tensors(entries, keep_packed=keep_packed)
+    return {name: array if convert is None else convert(name, array) for name, array in tensors}
 
 
 # Where multimodal wrappers keep their language model's weights, as transformers 5.24 saves them (the original
@@ -331,7 +335,10 @@ class AutoModelClass:
             return _loaded_from(model, folder, name_or_path)
         plain = registry().backbone_config(config) is config  # else a multimodal wrapper
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
-        weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer))  # each packed as it is read
+        prequantized = checkpoint_quantization(config)  # FP8, GPTQ, AWQ: dequantized or kept packed as read
+        keep_packed = quantization is None or str(quantization).lower() == "q4_1"
+        weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer, prequantized=prequantized,
+                                                        keep_packed=keep_packed))
         if quantizer is not None:
             quantizer.warn_kept()
         if plain:

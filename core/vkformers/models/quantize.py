@@ -54,8 +54,8 @@ class CheckpointQuantizer:
         self.kept: list[str] = []
 
     def __call__(self, name: str, array):
-        if name not in self.names or getattr(array, "ndim", 0) != 2:
-            return array
+        if name not in self.names or getattr(array, "ndim", 0) != 2 or isinstance(array, QuantizedArray):
+            return array  # a weight the checkpoint stores packed stays as it is
         if array.shape[1] % self.format.block:
             self.kept.append(f"{name} {tuple(array.shape)}")
             return array

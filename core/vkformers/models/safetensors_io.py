@@ -18,20 +18,24 @@ from vkformers.models.module import CheckpointError
 from vkformers.runtime import dtypes as dt
 
 NUMPY_OF = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64, "I64": np.int64,
-            "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+            "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+            "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}  # float8 kept as its bytes
+FLOAT8_DECODERS = {"F8_E4M3": dt.from_float8_e4m3fn, "F8_E5M2": dt.from_float8_e5m2}
 CODE_OF = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int32): "I32",
            np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL", np.dtype(np.int8): "I8"}
 MAX_HEADER = 100 << 20
 
 
 class TensorEntry:
-    """One tensor of a file: its raw array (bfloat16 as uint16) and its stored dtype code."""
+    """One tensor of a file: its raw array (bfloat16 as uint16, float8 as uint8) and its stored dtype code."""
 
     def __init__(self, array: np.ndarray, code: str):
         self.array, self.code = array, code
 
     def as_float(self) -> np.ndarray:
-        """float32 for bfloat16 (exact), the stored dtype otherwise."""
+        """float32 for bfloat16 and float8 (exact), the stored dtype otherwise."""
+        if self.code in FLOAT8_DECODERS:
+            return FLOAT8_DECODERS[self.code](self.array)
         return dt.from_bfloat16(self.array) if self.code == "BF16" else self.array
 
 

@@ -62,3 +62,25 @@ def to_bfloat16(x: np.ndarray) -> np.ndarray:
 def from_bfloat16(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32, exactly."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _float8_e4m3fn_table() -> np.ndarray:
+    """The 256 values of float8 e4m3fn (OCP FP8: bias 7, no infinities, S.1111.111 is NaN), float32."""
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 15, (codes & 7).astype(np.float64)
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7.0))
+    return np.where((codes & 0x7F) == 0x7F, np.nan, sign * magnitude).astype(np.float32)
+
+
+FLOAT8_E4M3FN = _float8_e4m3fn_table()
+
+
+def from_float8_e4m3fn(codes: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn bytes (uint8) -> float32, exactly (NaN kept)."""
+    return FLOAT8_E4M3FN[np.asarray(codes, dtype=np.uint8)]
+
+
+def from_float8_e5m2(codes: np.ndarray) -> np.ndarray:
+    """float8 e5m2 bytes (uint8) -> float32, exactly: e5m2 is the high byte of a float16."""
+    return (np.asarray(codes, dtype=np.uint8).astype(np.uint16) << 8).view(np.float16).astype(np.float32)
