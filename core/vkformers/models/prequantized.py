@@ -6,6 +6,13 @@
   one tensor at a time, as transformers does where the GPU lacks FP8. compressed-tensors' "float-quantized" format
   (``X.weight_scale`` per tensor, per output channel or per block) the same way. Only dynamic activation scales
   load: static ones would quantize the activations too.
+- GPTQ (``quant_method: "gptq"``, checkpoint_format "gptq") and AWQ (``"awq"``, version "gemm"), 4 bits: their
+  codes q, zeros z and float16 scales s give ``w = (q - z) * s`` per group of inputs (GPTQ's classic format stores
+  z - 1, AWQ's nibbles run in the order 0, 2, 4, 6, 1, 3, 5, 7). Where each run of 32 inputs lies in one group (group
+  sizes 32, 64, 128, ..., no desc_act reordering) the weight stays packed as Q4_1 blocks: d = s and m = -z * s
+  rounded to float16, so a dequantized element differs from (q - z) * s by at most half a float16 ulp of z * s (at
+  most 1/128 of s); otherwise it is dequantized to float32 (then the compute dtype, or packed as ``quantization=``
+  asks).
 
 Each format reads the tensors of the checkpoint (memory-mapped) and gives ``(name, array)`` one weight at a time.
 """
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkformers.engine.quantized import QuantizedArray
 from vkformers.errors import QuantizationError
 
 ORIGINAL_HINT = 'load the original (unquantized) checkpoint instead, with quantization="q4_k" (or "q8_0") to pack it'
@@ -27,7 +35,7 @@ def _field(config: dict, *names, default=None):
 
 class PrequantizedFormat:
     """A quantization_config vkformers reads: :meth:`tensors` turns the checkpoint's stored tensors into the model's
-    weights. ``keep_packed``: weights that a block format holds exactly stay packed (no other quantization= asked)."""
+    weights. ``keep_packed``: 4-bit weights stay packed as Q4_1 where exact (no other quantization= asked)."""
 
     method = ""
 
@@ -121,7 +129,149 @@ def _compressed_tensors(config: dict) -> Float8Format:
     return Float8Format("compressed-tensors", "_scale", next(iter(blocks)) if blocks else None)
 
 
-READERS = {"fp8": _fp8, "compressed-tensors": _compressed_tensors}
+# ---------------------------------------------------------------- GPTQ and AWQ, 4 bits
+
+AWQ_NIBBLE_COLUMNS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # the column each of a word's 8 nibbles holds (low first)
+Q4_1_BLOCK = 32
+
+
+def unpack_nibbles(words: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words -> their 8 nibbles (low first) laid along ``axis`` (0: [n, m] -> [8n, m]; 1: [n, m] -> [n, 8m])."""
+    words = np.asarray(words).astype(np.int64) & 0xFFFFFFFF
+    shifts = np.arange(0, 32, 4)
+    if axis == 0:
+        return ((words[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, words.shape[1]).astype(np.uint8)
+    return ((words[:, :, None] >> shifts[None, None, :]) & 15).reshape(words.shape[0], -1).astype(np.uint8)
+
+
+def awq_columns(nibbles: np.ndarray) -> np.ndarray:
+    """AWQ's [n, 8m] nibbles (each word's in AWQ order) -> [n, 8m] in column order."""
+    n, width = nibbles.shape
+    order = np.empty(8, np.int64)
+    order[AWQ_NIBBLE_COLUMNS] = np.arange(8)  # column c sits in nibble order[c]
+    return nibbles.reshape(n, width // 8, 8)[:, :, order].reshape(n, width)
+
+
+def dequantize_int4(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """codes [in, out], zeros and scales [n_groups, out], groups [in] -> the weight [out, in], float32:
+    (q - z) * s, exact (a small integer times a float16)."""
+    values = (codes.astype(np.float32) - zeros[groups].astype(np.float32)) * scales[groups].astype(np.float32)
+    return np.ascontiguousarray(values.T)
+
+
+def q4_1_blocks(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """The same weight as Q4_1 rows [out, in / 32 * 20] (each run of 32 inputs in one group): d = s, m = -z * s
+    in float16, then the 16 bytes of codes (element j in the low nibble of byte j, j + 16 in the high)."""
+    n_in, n_out = codes.shape
+    block_groups = groups[::Q4_1_BLOCK]                                   # [in / 32]
+    d = scales[block_groups].astype(np.float16).T                         # [out, in / 32]
+    m = (-zeros[block_groups].astype(np.float32) * scales[block_groups].astype(np.float32)).astype(np.float16).T
+    q = codes.T.reshape(n_out, n_in // Q4_1_BLOCK, Q4_1_BLOCK)
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    head = np.stack([d, m], axis=-1).view(np.uint8).reshape(n_out, -1, 4)
+    return np.concatenate([head, nibbles], axis=-1).reshape(n_out, -1)
+
+
+class Int4Format(PrequantizedFormat):
+    """GPTQ's or AWQ's 4-bit linear weights: ``X.qweight``, ``X.qzeros``, ``X.scales`` (and GPTQ's ``X.g_idx``)
+    become ``X.weight``."""
+
+    SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+    def __init__(self, method: str, group_size: int):
+        self.method, self.group_size = method, int(group_size)
+
+    def tensors(self, entries: dict, keep_packed: bool = True):
+        for name, entry in entries.items():
+            if name.endswith(self.SUFFIXES[1:]) and name.rsplit(".", 1)[0] + ".qweight" in entries:
+                continue
+            if not name.endswith(".qweight"):
+                yield name, entry.as_float()
+                continue
+            stem = name[:-len(".qweight")]
+            parts = {suffix: entries.get(stem + suffix) for suffix in self.SUFFIXES}
+            absent = [stem + s for s in (".qzeros", ".scales") if parts[s] is None]
+            if absent:
+                raise QuantizationError(f"{self.method} checkpoint: {name} has no {absent[0]}; re-download it")
+            codes, zeros, scales = self.unpack(stem, parts)
+            g_idx = parts[".g_idx"]
+            groups = self.groups(stem, codes.shape[0], scales.shape[0],
+                                 None if g_idx is None else np.asarray(g_idx.array, dtype=np.int64))
+            if keep_packed and codes.shape[0] % Q4_1_BLOCK == 0 and \
+                    (groups.reshape(-1, Q4_1_BLOCK) == groups[::Q4_1_BLOCK, None]).all():
+                yield stem + ".weight", QuantizedArray(q4_1_blocks(codes, zeros, scales, groups), "q4_1",
+                                                       (codes.shape[1], codes.shape[0]))
+            else:
+                yield stem + ".weight", dequantize_int4(codes, zeros, scales, groups)
+
+    def groups(self, stem: str, n_in: int, n_groups: int, g_idx) -> np.ndarray:
+        if g_idx is None:
+            size = n_in if self.group_size <= 0 else self.group_size
+            g_idx = np.arange(n_in) // size
+        if g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= n_groups:
+            raise QuantizationError(f"{self.method} checkpoint: {stem}'s groups (g_idx) do not fit its {n_in} "
+                                    f"inputs and {n_groups} scale rows; re-download it")
+        return g_idx
+
+    def unpack(self, stem: str, parts: dict):
+        """(codes [in, out] uint8, zeros [n_groups, out] int, scales [n_groups, out] float16)."""
+        raise NotImplementedError
+
+
+class GPTQFormat(Int4Format):
+    """qweight int32 [in / 8, out] (input 8r + k in nibble k of row r), qzeros int32 [n_groups, out / 8] holding
+    z - 1 (output 8c + k in nibble k), scales [n_groups, out], g_idx [in] (each input's group)."""
+
+    def unpack(self, stem, parts):
+        codes = unpack_nibbles(parts[".qweight"].array, axis=0)
+        zeros = unpack_nibbles(parts[".qzeros"].array, axis=1).astype(np.int16) + 1
+        scales = np.asarray(parts[".scales"].as_float(), dtype=np.float16)
+        if zeros.shape != scales.shape or scales.shape[1] != codes.shape[1]:
+            raise QuantizationError(f"gptq checkpoint: {stem}'s qweight, qzeros and scales shapes disagree; "
+                                    "re-download it")
+        return codes, zeros, scales
+
+
+class AWQFormat(Int4Format):
+    """AWQ's GEMM layout: qweight int32 [in, out / 8] and qzeros int32 [n_groups, out / 8], each word's nibbles
+    in AWQ's column order; scales [n_groups, out]; the zeros as stored."""
+
+    def unpack(self, stem, parts):
+        codes = awq_columns(unpack_nibbles(parts[".qweight"].array, axis=1))
+        zeros = awq_columns(unpack_nibbles(parts[".qzeros"].array, axis=1)).astype(np.int16)
+        scales = np.asarray(parts[".scales"].as_float(), dtype=np.float16)
+        if zeros.shape != scales.shape or scales.shape[1] != codes.shape[1]:
+            raise QuantizationError(f"awq checkpoint: {stem}'s qweight, qzeros and scales shapes disagree; "
+                                    "re-download it")
+        return codes, zeros, scales
+
+
+def _gptq(config: dict) -> GPTQFormat:
+    bits = int(_field(config, "bits", default=4))
+    checkpoint_format = str(_field(config, "checkpoint_format", default="gptq")).lower()
+    if config.get("is_marlin_format") or checkpoint_format != "gptq":
+        checkpoint_format = "marlin" if config.get("is_marlin_format") else checkpoint_format
+        raise QuantizationError(f"quant_method 'gptq' with checkpoint_format {checkpoint_format!r}: vkformers reads "
+                                f"GPTQ's classic 'gptq' layout; {ORIGINAL_HINT}")
+    if bits != 4:
+        raise QuantizationError(f"quant_method 'gptq' of {bits} bits: vkformers reads 4-bit GPTQ; {ORIGINAL_HINT}")
+    return GPTQFormat("gptq", int(_field(config, "group_size", default=128)))
+
+
+def _awq(config: dict) -> AWQFormat:
+    bits = int(_field(config, "bits", "w_bit", default=4))
+    version = str(_field(config, "version", default="gemm")).lower()
+    if version != "gemm":
+        raise QuantizationError(f"quant_method 'awq' of version {version!r}: vkformers reads AWQ's 'gemm' layout; "
+                                f"{ORIGINAL_HINT}")
+    zero_point = bool(_field(config, "zero_point", default=True))
+    if bits != 4 or not zero_point:
+        raise QuantizationError(f"quant_method 'awq' of {bits} bits{'' if zero_point else ' without zero points'}: "
+                                f"vkformers reads 4-bit AWQ with zero points; {ORIGINAL_HINT}")
+    return AWQFormat("awq", int(_field(config, "group_size", "q_group_size", default=128)))
+
+
+READERS = {"fp8": _fp8, "compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq}
 
 
 def checkpoint_quantization(config: dict) -> PrequantizedFormat | None:
@@ -141,4 +291,5 @@ def checkpoint_quantization(config: dict) -> PrequantizedFormat | None:
     return READERS[method](settings)
 
 
-__all__ = ["Float8Format", "PrequantizedFormat", "checkpoint_quantization"]
+__all__ = ["AWQFormat", "Float8Format", "GPTQFormat", "PrequantizedFormat", "awq_columns", "checkpoint_quantization",
+           "dequantize_int4", "q4_1_blocks", "unpack_nibbles"]
