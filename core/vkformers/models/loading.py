@@ -255,7 +255,8 @@ class AutoModelClass:
                         local_files_only: bool = False, **head_options):
         """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
         checkpoint while loading (models/quantize.py). A checkpoint published pre-quantized (FP8, GPTQ, AWQ:
-        models/prequantized.py) loads as it is. A GGUF file keeps its block formats unless ``dequantize=True``. Quantized weights are frozen (LoRA trains on top of them). The task heads take
+        models/prequantized.py) loads as it is. A GGUF file keeps its block formats unless ``dequantize=True``.
+        Quantized weights are frozen (LoRA trains on top of them). The task heads take
         transformers' ``num_labels``, ``id2label``, ``label2id``, ``problem_type`` and ``ignore_mismatched_sizes``
         (a stored head of another shape is replaced by a new one). transformers' loading options are taken
         too (``transformers_loading_options``): ``torch_dtype`` for ``dtype``, and ``device_map``,
