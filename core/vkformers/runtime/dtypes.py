@@ -53,15 +53,37 @@ def as_dtype(value) -> DType:
 
 
 def to_bfloat16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN."""
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN (as 0x7FC0). In place on
+    one temporary: a model's weights go through here while loading, one (large) tensor at a time."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += 0x7FFF
+    rounded += bits
+    rounded >>= 16
+    out = rounded.astype(np.uint16)
+    del rounded
+    out[np.isnan(x)] = 0x7FC0
+    return out
 
 
 def from_bfloat16(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32, exactly."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    wide = np.asarray(bits, dtype=np.uint16).astype(np.uint32)
+    wide <<= 16
+    return wide.view(np.float32)
+
+
+def canonical_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits as ``to_bfloat16(from_bfloat16(bits))`` gives them, without the float32 copy: the same bits
+    (``bits`` itself where it holds no NaN), every NaN as 0x7FC0."""
+    bits = np.asarray(bits, dtype=np.uint16)
+    nan = (bits & 0x7FFF) > 0x7F80
+    if not nan.any():
+        return bits
+    out = bits.copy()
+    out[nan] = 0x7FC0
+    return out
 
 
 def _float8_e4m3fn_table() -> np.ndarray:
