@@ -27,6 +27,7 @@ from vkformers.models.config_check import model_dtype
 from vkformers.models.heads import complete_weights
 from vkformers.models.inputs import InputLimits, id_array
 from vkformers.models.layers import LayerNorm, Linear
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.loading import AutoModel, AutoModelForSeq2SeqLM, load_config, read_weights, resolve_checkpoint
 from vkformers.models.module import Module
 from vkformers.models.plugins import plugin_manager, registry
@@ -132,8 +133,8 @@ class EncoderDecoderModel(Seq2SeqGenerationMixin, Module):
         encoder_arrays, _ = AutoModel.fit_checkpoint(model.encoder_model, read_weights(folders[0]),
                                                      f"at {encoder_pretrained_model_name_or_path}")
         prefix = model.encoder_prefix + "."
-        arrays = {f"encoder.{name[len(prefix):]}": array for name, array in encoder_arrays.items()
-                  if name.startswith(prefix)}
+        arrays = encoder_arrays.renamed(lambda name: f"encoder.{name[len(prefix):]}" if name.startswith(prefix)
+                                        else None)
         decoder_arrays = read_weights(folders[1])
         decoder = model.decoder_model
         missing = {path: module for path, module in decoder.named_modules()
@@ -142,7 +143,7 @@ class EncoderDecoderModel(Seq2SeqGenerationMixin, Module):
                        for slot in module._slots)}
         decoder_arrays = complete_weights(decoder, missing, decoder_arrays,
                                           f"at {decoder_pretrained_model_name_or_path}", seed=seed)
-        arrays.update({f"decoder.{name}": array for name, array in decoder_arrays.items()})
+        arrays = arrays.updated(decoder_arrays.renamed(lambda name: f"decoder.{name}"))
         if model.enc_to_dec_proj is not None:  # a new projection between the two widths
             arrays = complete_weights(model, {"enc_to_dec_proj": model.enc_to_dec_proj}, arrays, seed=seed)
         model.load_state_dict(arrays, dtype=model_dtype(encoder_config, dtype), strict=False,
@@ -151,14 +152,10 @@ class EncoderDecoderModel(Seq2SeqGenerationMixin, Module):
 
     def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
         """Each part loads its own tensors (their renames, ties and ignored keys are its own)."""
-        parts = {"encoder.": {}, "decoder.": {}, "enc_to_dec_proj.": {}}
-        unexpected = []
-        for name, array in arrays.items():
-            role = next((r for r in parts if name.startswith(r)), None)
-            if role is None:
-                unexpected.append(name)
-            else:
-                parts[role][name[len(role):]] = array
+        arrays = LazyWeights.of(arrays)
+        parts = {role: arrays.renamed(lambda name, role=role: name[len(role):] if name.startswith(role) else None)
+                 for role in ("encoder.", "decoder.", "enc_to_dec_proj.")}
+        unexpected = [name for name in arrays if not name.startswith(tuple(parts))]
         projection = parts.pop("enc_to_dec_proj.")
         if self.enc_to_dec_proj is None:
             unexpected += [f"enc_to_dec_proj.{name}" for name in projection]
@@ -167,7 +164,7 @@ class EncoderDecoderModel(Seq2SeqGenerationMixin, Module):
         if unexpected and strict:
             raise VkformersError(f"encoder-decoder: checkpoint tensors outside encoder. and decoder.: "
                                  f"{', '.join(unexpected[:8])}")
-        encoder_arrays = {f"{self.encoder_prefix}.{name}": array for name, array in parts["encoder."].items()}
+        encoder_arrays = parts["encoder."].renamed(lambda name: f"{self.encoder_prefix}.{name}")
         for model, part in ((self.encoder_model, encoder_arrays), (self.decoder_model, parts["decoder."])):
             model.load_state_dict(part, dtype=dtype, strict=strict, requires_grad=requires_grad,
                                   ignore=getattr(model, "ignored_checkpoint_keys", ()))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -34,6 +35,7 @@ import numpy as np
 from vkformers.engine.quantized import GGUF_FORMATS, QuantizationError, QuantizedArray
 from vkformers.errors import UnknownArchitectureError, VkformersError
 from vkformers.models.config_check import model_dtype
+from vkformers.models.lazy_weights import LazyWeights, Weight
 from vkformers.models.module import CheckpointError
 from vkformers.models.plugins import plugin_manager
 from vkformers.models.tokenizer import PreTrainedTokenizer
@@ -375,14 +377,19 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(shape)  # a copy: the reader's arrays map the file
 
 
-def packed_tensor(tensor) -> QuantizedArray:
-    """A quantized reader tensor as its packed blocks (no expansion), for a block type the kernels read; a 3-D
-    (expert) tensor comes as one QuantizedArray of all its experts' rows, split by :func:`read_tensors`."""
-    fmt = tensor.tensor_type.name.lower()
-    if fmt not in GGUF_FORMATS or len(tensor.shape) not in (2, 3):
+def check_packable(tensor) -> None:
+    """QuantizationError where :func:`packed_tensor` cannot keep ``tensor``'s blocks."""
+    if tensor.tensor_type.name.lower() not in GGUF_FORMATS or len(tensor.shape) not in (2, 3):
         raise QuantizationError(
             f"GGUF tensor {tensor.name}: block type {tensor.tensor_type.name} is not supported quantized "
             f"(supported: {', '.join(f.upper() for f in GGUF_FORMATS)}); load with dequantize=True to expand it")
+
+
+def packed_tensor(tensor) -> QuantizedArray:
+    """A quantized reader tensor as its packed blocks (no expansion), for a block type the kernels read; a 3-D
+    (expert) tensor comes as one QuantizedArray of all its experts' rows, split by :func:`read_tensors`."""
+    check_packable(tensor)
+    fmt = tensor.tensor_type.name.lower()
     dims = [int(d) for d in reversed(tensor.shape)]
     rows, cols = int(np.prod(dims[:-1])), dims[-1]
     return QuantizedArray(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1), fmt, (rows, cols))
@@ -391,9 +398,16 @@ def packed_tensor(tensor) -> QuantizedArray:
 def read_tensors(reader, config: dict, *, keep_quantized: bool = False, entry: GGUFArchitecture | None = None
                  ) -> dict[str, np.ndarray]:
     """HF name -> float32 array; with ``keep_quantized``, block-quantized tensors as QuantizedArray (packed)."""
+    return dict(tensor_weights(reader, config, keep_quantized=keep_quantized, entry=entry))
+
+
+def tensor_weights(reader, config: dict, *, keep_quantized: bool = False, entry: GGUFArchitecture | None = None
+                   ) -> LazyWeights:
+    """:func:`read_tensors`, each tensor read (expanded or packed, transformed, an expert's rows taken) only when
+    it is looked up (models/lazy_weights.py)."""
     if entry is None:
         entry = gguf_architecture(GGUFMetadata(read_metadata(reader), _tensor_shapes(reader)))
-    arrays, unknown = {}, []
+    weights, unknown = {}, []
     for tensor in reader.tensors:
         found = entry.hf_name(tensor.name)
         if found is None or entry.is_skipped(tensor.name):
@@ -405,28 +419,60 @@ def read_tensors(reader, config: dict, *, keep_quantized: bool = False, entry: G
         keep = (keep_quantized and tensor.tensor_type.name not in FLOAT_TYPES
                 and (transform is None or transform.reorders_rows))
         if keep:
-            array = packed_tensor(tensor)
-            if transform is not None:
-                array.packed = transform.function(array.packed, config)
-        else:
-            array = dequantize_tensor(tensor)
-            if transform is not None:
-                array = np.ascontiguousarray(transform.function(array, config), dtype=np.float32)
+            check_packable(tensor)  # before anything is read
+        dims = tuple(int(d) for d in reversed(tensor.shape))
         if "{expert}" not in name:
-            arrays[name] = array
+            shape = (int(np.prod(dims[:-1])), dims[-1]) if keep else dims if transform is None or \
+                transform.reorders_rows else None
+            weights[name] = Weight(shape, partial(_read_tensor, tensor, config, transform, keep))
             continue
-        experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 1
-        if not keep:
-            arrays.update({name.format(expert=e): np.ascontiguousarray(array[e]) for e in range(experts)})
-            continue
-        rows, cols = array.shape[0] // experts, array.shape[1]
+        experts = dims[0] if len(dims) == 3 else 1
+        shape = dims[1:] if len(dims) == 3 and transform is None else None
         for e in range(experts):
-            arrays[name.format(expert=e)] = QuantizedArray(
-                np.ascontiguousarray(array.packed[e * rows:(e + 1) * rows]), array.format, (rows, cols))
+            weights[name.format(expert=e)] = Weight(shape, partial(_read_expert, tensor, e, experts, config,
+                                                                   transform, keep))
     if unknown:
         raise CheckpointError(f"GGUF tensors with no Hugging Face name in the {entry.name!r} mapping: "
                               f"{', '.join(unknown[:8])}" + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else ""))
-    return arrays
+    return LazyWeights(weights)
+
+
+def _read_tensor(tensor, config: dict, transform: TensorTransform | None, keep: bool):
+    """One tensor of the file as its HF weight: packed blocks (rows reordered) or float32."""
+    if keep:
+        array = packed_tensor(tensor)
+        if transform is not None:
+            array.packed = transform.function(array.packed, config)
+        return array
+    array = dequantize_tensor(tensor)
+    if transform is not None:
+        array = np.ascontiguousarray(transform.function(array, config), dtype=np.float32)
+    return array
+
+
+def _read_expert(tensor, expert: int, experts: int, config: dict, transform: TensorTransform | None, keep: bool):
+    """Expert ``expert``'s rows of a 3-D expert tensor; only its own rows are read where no transform needs the
+    whole tensor."""
+    if len(tensor.shape) == 3 and transform is None:
+        if keep:
+            return packed_tensor(_Rows(tensor, expert))
+        return dequantize_tensor(_Rows(tensor, expert))
+    array = _read_tensor(tensor, config, transform, keep)
+    if not keep:
+        return np.ascontiguousarray(array[expert])
+    rows, cols = array.shape[0] // experts, array.shape[1]
+    return QuantizedArray(np.ascontiguousarray(array.packed[expert * rows:(expert + 1) * rows]), array.format,
+                          (rows, cols))
+
+
+class _Rows:
+    """The rows of one expert of a 3-D reader tensor, as a 2-D reader tensor (what dequantize_tensor and
+    packed_tensor read)."""
+
+    def __init__(self, tensor, expert: int):
+        self.name, self.tensor_type = tensor.name, tensor.tensor_type
+        self.shape = tensor.shape[:2]   # GGUF order, innermost first
+        self.data = tensor.data[expert]
 
 
 def _tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
@@ -563,17 +609,30 @@ def tokenizer_from_metadata(meta: dict, *, name_or_path: str = ""):
 def load_gguf(path, *, tokenizer: bool = True, dequantize: bool = True):
     """``(config, arrays, tokenizer)`` of a GGUF file: a config.json dict, float32 numpy arrays under HF
     names (q/k rows restored to HF's rotary order), and a PreTrainedTokenizer (None with tokenizer=False).
-    ``dequantize=False``: block-quantized tensors come as QuantizedArray, packed as in the file."""
+    ``dequantize=False``: block-quantized tensors come as QuantizedArray, packed as in the file. Every tensor is
+    read here; :func:`gguf_weights` reads each when it is used."""
+    config, weights, tok = _load_gguf(path, tokenizer=tokenizer, dequantize=dequantize)
+    return config, dict(weights), tok
+
+
+def _load_gguf(path, *, tokenizer: bool, dequantize: bool):
     reader = _reader(path)
     meta = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     metadata = GGUFMetadata(meta, _tensor_shapes(reader))
     entry = gguf_architecture(metadata)
     config = config_from_metadata(meta, metadata.tensor_shapes, lambda name: dequantize_tensor(by_name[name]))
-    arrays = read_tensors(reader, config, keep_quantized=not dequantize, entry=entry)
+    arrays = tensor_weights(reader, config, keep_quantized=not dequantize, entry=entry)
     if config.get("vocab_size") is None and "token_embd.weight" in metadata.tensor_shapes:
         config["vocab_size"] = metadata.tensor_shapes["token_embd.weight"][0]
     return config, arrays, tokenizer_from_metadata(meta, name_or_path=str(path)) if tokenizer else None
+
+
+def gguf_weights(path, *, dequantize: bool = True) -> tuple[dict, LazyWeights]:
+    """``(config, weights)`` of a GGUF file as :func:`load_gguf` gives them, each tensor read only when it is
+    looked up: a model loads one tensor at a time."""
+    config, weights, _ = _load_gguf(path, tokenizer=False, dequantize=dequantize)
+    return config, weights
 
 
 def load_gguf_tokenizer(path):
@@ -586,7 +645,7 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     with its weights (``dtype="auto"``: float32). As llama.cpp, block-quantized tensors stay in their block
     format on the device (frozen; ``dtype`` is then the activations'); ``dequantize=True`` expands every one
     to ``dtype`` (with "auto", float32: the exact value of every dequantised weight)."""
-    config, arrays, _ = load_gguf(path, tokenizer=False, dequantize=dequantize)
+    config, arrays = gguf_weights(path, dequantize=dequantize)
     model = auto_class.from_config(config)
     target = model_dtype(config, dtype)
     arrays, strict = auto_class.fit_checkpoint(model, arrays, f"at {path}")
@@ -598,6 +657,7 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
 
 __all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "TensorTransform",
            "common_metadata", "config_from_metadata",
-           "dequantize_tensor", "gguf_architecture", "gguf_architectures", "hf_tensor_name", "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
+           "dequantize_tensor", "gguf_architecture", "gguf_architectures", "gguf_weights", "hf_tensor_name",
+           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
            "permute_rotary_rows",
-           "read_metadata", "tokenizer_from_metadata", "unpermute_rotary_rows"]
+           "read_metadata", "tensor_weights", "tokenizer_from_metadata", "unpermute_rotary_rows"]

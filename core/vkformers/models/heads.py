@@ -33,6 +33,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import IGNORE_INDEX, InputLimits
 from vkformers.models.layers import LayerNorm, Linear
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.module import Module, place
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -378,10 +379,11 @@ def mean_pool(hidden, attention_mask=None):
 
 # ---------------------------------------------------------------- head models
 
-def complete_weights(model, modules: dict, arrays: dict, source: str = "", seed: int = 0) -> dict:
+def complete_weights(model, modules: dict, arrays, source: str = "", seed: int = 0) -> LazyWeights:
     """``arrays`` with the weights of ``modules`` (path -> Linear or LayerNorm: a new task head, a pooler the
     checkpoint lacks) that it does not hold initialised as transformers' _init_weights does (normal(0,
     initializer_range), zero biases, LayerNorms at one), said in one line on stderr."""
+    arrays = LazyWeights.of(arrays)
     missing = [f"{path}.{slot}" for path, module in modules.items() for slot in module._slots
                if f"{path}.{slot}" not in arrays]
     if not missing:
@@ -402,7 +404,7 @@ def complete_weights(model, modules: dict, arrays: dict, source: str = "", seed:
     print(f"vkformers: {type(model).__name__} ({model.architecture_name}): weights not in the checkpoint"
           f"{' ' + source if source else ''}, freshly initialised: {', '.join(missing)}; train them before using "
           "the model's predictions", file=sys.stderr)
-    return {**arrays, **{name: fresh[name] for name in missing}}
+    return arrays.updated({name: fresh[name] for name in missing})
 
 
 class TaskModel(Module):
@@ -527,29 +529,29 @@ class TaskModel(Module):
         """``arrays`` with the head's missing weights freshly initialised, said in one line on stderr; head weights
         of another shape (a head trained for other labels) are refused, or replaced with
         ``ignore_mismatched_sizes`` (transformers' option)."""
+        arrays = LazyWeights.of(arrays)
         shapes = {f"{path}.{slot}": module._slots[slot].shape for path, module in self.head_modules.items()
                   for slot in module._slots}
-        mismatched = [name for name, shape in shapes.items() if name in arrays and tuple(arrays[name].shape) != shape]
+        mismatched = [name for name, shape in shapes.items() if name in arrays and arrays.shape(name) != shape]
         if mismatched and not ignore_mismatched_sizes:
             name = mismatched[0]
-            raise TaskHeadError(f"the checkpoint's {name} has shape {tuple(arrays[name].shape)}, this head "
+            raise TaskHeadError(f"the checkpoint's {name} has shape {arrays.shape(name)}, this head "
                                 f"{shapes[name]} ({self.num_labels} labels); pass ignore_mismatched_sizes=True to "
                                 "start a new head")
-        arrays = {name: array for name, array in arrays.items() if name not in mismatched}
-        return complete_weights(self, self.head_modules, arrays, source)
+        return complete_weights(self, self.head_modules, arrays.without(mismatched), source)
 
     def load_state_dict(self, arrays, dtype="float32", strict: bool = True, requires_grad: bool = True, ignore=()):
+        arrays = LazyWeights.of(arrays)
         head_names = {f"{path}.{slot}" for path, module in self.head_modules.items() for slot in module._slots}
-        base_arrays = {k: v for k, v in arrays.items() if k not in head_names}
+        base_arrays = arrays.without(head_names)
         if self._base_rename is not None:
             ours, theirs = self._base_rename
-            base_arrays = {theirs + k[len(ours):] if k.startswith(ours) else k: v for k, v in base_arrays.items()}
+            base_arrays = base_arrays.renamed(lambda k: theirs + k[len(ours):] if k.startswith(ours) else k)
         self.base.load_state_dict(base_arrays, dtype=dtype, strict=strict, requires_grad=requires_grad, ignore=ignore)
         holder = Module()
         for path, module in self.head_modules.items():
             place(holder, path, module)
-        holder.load_state_dict({k: v for k, v in arrays.items() if k in head_names}, dtype=dtype,
-                               requires_grad=requires_grad)
+        holder.load_state_dict(arrays.filtered(lambda k: k in head_names), dtype=dtype, requires_grad=requires_grad)
 
     def run_base(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
                  output_hidden_states=False, global_attention_mask=None) -> BaseModelOutput:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +20,17 @@ import numpy as np
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
-from vkformers.models.gguf import is_gguf_file, load_gguf, load_gguf_model, load_gguf_tokenizer
+from vkformers.models.gguf import gguf_weights, is_gguf_file, load_gguf_model, load_gguf_tokenizer
 from vkformers.models.generation_settings import generation_config_of
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.lora import LoraError, ServedLoraLinear, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.prequantized import PrequantizedFormat, checkpoint_quantization
-from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantize_checkpoint,
-                                       transformers_quantization,
-                                       quantized_weight_names)
+from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantized_weight_names,
+                                       transformers_quantization)
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
 from vkformers.runtime import dtypes as dt
@@ -157,16 +158,17 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_weights(folder: Path, convert=None, prequantized: PrequantizedFormat | None = None,
-                 keep_packed: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint as numpy (bfloat16 and float8 widened to float32 exactly); a pre-quantized
-    checkpoint's weights (``prequantized``, models/prequantized.py) dequantized or kept packed one at a time;
-    ``convert(name, array)`` (a CheckpointQuantizer) transforms each as it is read."""
+                 keep_packed: bool = True) -> LazyWeights:
+    """Every tensor of the checkpoint, read when it is looked up (memory-mapped; bfloat16 and float8 widened to
+    float32 exactly): nothing is read here. A pre-quantized checkpoint's weights (``prequantized``,
+    models/prequantized.py) are dequantized or kept packed as each is read; ``convert`` (a CheckpointQuantizer)
+    packs each as it is read."""
     entries = {}
     for file in weight_files(folder):
         entries.update(read_safetensors(file))  # memory-mapped: nothing is read yet
-    tensors = ((name, entry.as_float()) for name, entry in entries.items()) if prequantized is None else \
-        prequantized.tensors(entries, keep_packed=keep_packed)
-    return {name: array if convert is None else convert(name, array) for name, array in tensors}
+    weights = LazyWeights({name: entry.weight() for name, entry in entries.items()} if prequantized is None else
+                          prequantized.weights(entries, keep_packed=keep_packed))
+    return weights if convert is None else convert.converted(weights)
 
 
 # Where multimodal wrappers keep their language model's weights, as transformers 5.24 saves them (the original
@@ -180,21 +182,23 @@ WRAPPER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.
                     ("language_model.lm_head.", "lm_head."), ("text_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
 
 
-def language_model_weights(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def language_model_weights(arrays) -> LazyWeights:
     """A wrapper checkpoint's language-model weights under the text model's names; the vision or audio tower and
     projector are left out (vkformers runs the text model). Wrappers that save the language model under its own
     names (model.*, lm_head.*) beside top-level towers (visual.*, audio_tower.*, mlp_AR.*: Qwen2-VL, Qwen2.5-VL,
-    the Qwen3-Omni thinker, PaddleOCR-VL) keep those names."""
+    the Qwen3-Omni thinker, PaddleOCR-VL) keep those names. Only names change: nothing is read."""
+    arrays = LazyWeights.of(arrays)
     nested = tuple(prefix for prefix, _ in WRAPPER_PREFIXES if prefix != "lm_head.")
     if not any(name.startswith(nested) for name in arrays):
-        return {name: array for name, array in arrays.items() if name.startswith(("model.", "lm_head."))}
-    renamed = {}
-    for name, array in arrays.items():
-        for prefix, replacement in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                renamed[replacement + name[len(prefix):]] = array
-                break
-    return renamed
+        return arrays.filtered(lambda name: name.startswith(("model.", "lm_head.")))
+    return arrays.renamed(_language_model_name)
+
+
+def _language_model_name(name: str) -> str | None:
+    for prefix, replacement in WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None
 
 
 # transformers' attention implementations: vkformers picks its own kernels, and every one computes the same
@@ -294,22 +298,22 @@ class AutoModelClass:
             lambda klass, config: cls.from_config(config, **head_options))})
 
     @classmethod
-    def fit_checkpoint(cls, model: Module, weights: dict, source: str = "",
-                       ignore_mismatched_sizes: bool = False) -> tuple[dict, bool]:
+    def fit_checkpoint(cls, model: Module, weights, source: str = "",
+                       ignore_mismatched_sizes: bool = False) -> tuple[LazyWeights, bool]:
         """The checkpoint's tensors under the model's names, and whether every tensor must be used. A base model or
         head model reads a checkpoint saved with or without the base-model prefix (``bert.``, ``model.``), as
         transformers does, and leaves out the tensors of another task's head; a head the checkpoint lacks is
-        freshly initialised (``complete_head``)."""
+        freshly initialised (``complete_head``). Only names change: nothing is read."""
+        weights = LazyWeights.of(weights)
         prefix = getattr(model, "base_model_prefix", None)
         if cls.task == "causal-lm" or prefix is None:
             return weights, True
         if prefix and not any(name.startswith(prefix + ".") for name in weights):
             ours, own = getattr(model, "_base_rename", None) or (prefix + ".", "")
             if own and any(name.startswith(own) for name in weights):  # the base's usual prefix ("model.")
-                weights = {ours + name[len(own):] if name.startswith(own) else name: array
-                           for name, array in weights.items()}
+                weights = weights.renamed(lambda name: ours + name[len(own):] if name.startswith(own) else name)
             else:  # saved from a base model
-                weights = {f"{prefix}.{name}": array for name, array in weights.items()}
+                weights = weights.renamed(lambda name: f"{prefix}.{name}")
         if isinstance(model, TaskModel):  # a new head: initialised fresh
             weights = model.complete_head(weights, source, ignore_mismatched_sizes)
         elif hasattr(model, "complete_head"):  # a pooler the checkpoint lacks
@@ -329,7 +333,7 @@ class AutoModelClass:
             if quantization is not None:
                 raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; "
                                         f"{folder / GGUF_FILE} keeps its own block formats (dequantize=True expands them)")
-            _, weights, _ = load_gguf(folder / GGUF_FILE, tokenizer=False, dequantize=dequantize)
+            _, weights = gguf_weights(folder / GGUF_FILE, dequantize=dequantize)
             weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             model.load_state_dict(weights, dtype=model_dtype(config, dtype), requires_grad=requires_grad,
                                   strict=strict, ignore=getattr(model, "ignored_checkpoint_keys", ()))
@@ -338,6 +342,7 @@ class AutoModelClass:
         quantizer = CheckpointQuantizer(model, quantization) if quantization is not None and plain else None
         prequantized = checkpoint_quantization(config)  # FP8, GPTQ, AWQ: dequantized or kept packed as read
         keep_packed = quantization is None or str(quantization).lower() == "q4_1"
+        # nothing is read until load_state_dict uploads each tensor in turn
         weights = bitsandbytes_nf4_weights(read_weights(folder, convert=quantizer, prequantized=prequantized,
                                                         keep_packed=keep_packed))
         if quantizer is not None:
@@ -348,10 +353,12 @@ class AutoModelClass:
                                   strict=strict, ignore=getattr(model, "ignored_checkpoint_keys", ()))
         else:  # a multimodal wrapper: its language model runs
             for pattern, replacement in registry().checkpoint_renames(config):
-                weights = {re.sub(pattern, replacement, name): array for name, array in weights.items()}
+                weights = weights.renamed(partial(re.sub, pattern, replacement))
             weights = language_model_weights(weights)
             if quantization is not None:
-                weights = quantize_checkpoint(model, weights, quantization)
+                quantizer = CheckpointQuantizer(model, quantization)
+                weights = quantizer.converted(weights)
+                quantizer.warn_kept()
             weights, strict = cls.fit_checkpoint(model, weights, f"at {name_or_path}", ignore_mismatched)
             try:
                 model.load_state_dict(weights, dtype=model_dtype(config, dtype), strict=strict,

@@ -21,6 +21,7 @@ from vkformers.engine.row_blocks import RowBlocks, device_tensors, upload_packed
 from vkformers.engine.tensor import Tensor, parameter, weight_parameter
 from vkformers.errors import VkformersError
 from vkformers.models.inputs import IGNORE_INDEX, InputLimits, check_model_inputs, forward_arguments
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -373,10 +374,13 @@ class Module:
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], dtype="float32", strict: bool = True,
                         requires_grad: bool = True, ignore=()) -> None:
-        """Upload every slot's array (converted to its dtype). Names are checked both ways; shapes must match.
-        A model (a module with a ``dtype``) then computes in ``dtype``, as from_pretrained sets it."""
+        """Upload every slot's array (converted to its dtype). Names are checked both ways and shapes must match
+        before anything is uploaded. ``arrays`` may be a LazyWeights (what from_pretrained passes): each tensor is
+        then read, uploaded and dropped in turn, so host memory holds about one tensor at a time. A model (a module
+        with a ``dtype``) then computes in ``dtype``, as from_pretrained sets it."""
         dtype = dt.as_dtype(dtype)
         get_device().require_dtype(dtype)
+        arrays = LazyWeights.of(arrays)
         slots = dict(self.named_slots())
         missing = [n for n, s in slots.items() if n not in arrays and s.tied_to is None]
         if missing:
@@ -386,13 +390,15 @@ class Module:
         if strict and unexpected:
             raise CheckpointError(f"the checkpoint has {len(unexpected)} tensor(s) this model does not use: "
                                   f"{', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
-        for name, slot in slots.items():
-            if slot.tied_to is not None:  # shares its owner's tensor, even if the file has a copy
-                continue
-            array = arrays[name]
-            if tuple(array.shape) != slot.shape:
-                raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(array.shape)}, model expects {slot.shape}")
-            slot.tensor = slot.upload(array, slot.dtype or dtype, requires_grad, name)
+        loaded = [(name, slot) for name, slot in slots.items() if slot.tied_to is None]  # a tie shares its owner's
+        for name, slot in loaded:  # the shapes known unread, before any upload
+            _check_shape(name, arrays.known_shape(name), slot)
+        for name, slot in loaded:
+            target = slot.dtype or dtype
+            array = arrays.read_for(name, target)
+            _check_shape(name, array.shape, slot)
+            slot.tensor = slot.upload(array, target, requires_grad, name)
+            del array  # its host copy goes before the next tensor is read
         for name, slot in slots.items():  # ties resolve after their owners load
             if slot.tied_to is not None and slot.tensor is None:
                 slot.tensor = slots[slot.tied_to].tensor
@@ -412,6 +418,11 @@ class Module:
         """Every parameter as float32 numpy arrays (float16 stays float16; quantized weights dequantized), under
         HF names."""
         return {name: t.numpy() for name, t in self.named_parameters()}
+
+
+def _check_shape(name: str, shape, slot: Slot) -> None:
+    if shape is not None and tuple(shape) != slot.shape:
+        raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(shape)}, model expects {slot.shape}")
 
 
 # -- dotted Hugging Face paths (shared by the family plugins, which build modules under their checkpoints' names)

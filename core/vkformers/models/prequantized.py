@@ -14,14 +14,18 @@
   most 1/128 of s); otherwise it is dequantized to float32 (then the compute dtype, or packed as ``quantization=``
   asks).
 
-Each format reads the tensors of the checkpoint (memory-mapped) and gives ``(name, array)`` one weight at a time.
+Each format turns the tensors of the checkpoint (memory-mapped) into the model's weights, each read, dequantized or
+packed only when it is uploaded (models/lazy_weights.py); what can be checked without the values is checked first.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from functools import partial
+
 from vkformers.engine.quantized import QuantizedArray
 from vkformers.errors import QuantizationError
+from vkformers.models.lazy_weights import Weight
 
 ORIGINAL_HINT = 'load the original (unquantized) checkpoint instead, with quantization="q4_k" (or "q8_0") to pack it'
 
@@ -34,12 +38,13 @@ def _field(config: dict, *names, default=None):
 
 
 class PrequantizedFormat:
-    """A quantization_config vkformers reads: :meth:`tensors` turns the checkpoint's stored tensors into the model's
-    weights. ``keep_packed``: 4-bit weights stay packed as Q4_1 where exact (no other quantization= asked)."""
+    """A quantization_config vkformers reads: :meth:`weights` turns the checkpoint's stored tensors (name ->
+    TensorEntry) into the model's weights (name -> Weight, read when uploaded). ``keep_packed``: 4-bit weights stay
+    packed as Q4_1 where exact (no other quantization= asked)."""
 
     method = ""
 
-    def tensors(self, entries: dict, keep_packed: bool = True):
+    def weights(self, entries: dict, keep_packed: bool = True) -> dict[str, Weight]:
         raise NotImplementedError
 
 
@@ -53,38 +58,53 @@ class Float8Format(PrequantizedFormat):
         self.method, self.scale_suffix = method, scale_suffix
         self.block = None if block is None else tuple(int(b) for b in block)
 
-    def tensors(self, entries: dict, keep_packed: bool = True):
+    def weights(self, entries: dict, keep_packed: bool = True) -> dict[str, Weight]:
         scales = {name for name in entries if name.endswith(".weight" + self.scale_suffix)}
+        out = {}
         for name, entry in entries.items():
             if name in scales:
                 continue
-            scale_name = name + self.scale_suffix
-            if entry.code not in ("F8_E4M3", "F8_E5M2") or scale_name not in entries:
-                yield name, entry.as_float()
+            scale = entries.get(name + self.scale_suffix)
+            if entry.code not in ("F8_E4M3", "F8_E5M2") or scale is None:
+                out[name] = entry.weight()
                 continue
-            yield name, self.dequantize(name, entry.as_float(), np.asarray(entries[scale_name].as_float(),
-                                                                           dtype=np.float32))
+            self.check_scale(name, entry.array.shape, scale.array.shape)
+            out[name] = Weight(entry.array.shape, partial(self._read, name, entry, scale))
+        return out
+
+    def _read(self, name: str, entry, scale) -> np.ndarray:
+        return self.dequantize(name, entry.as_float(), np.asarray(scale.as_float(), dtype=np.float32))
+
+    def check_scale(self, name: str, shape, scale_shape) -> None:
+        """QuantizationError where a weight of ``shape`` cannot take scales of ``scale_shape`` (one for all, per
+        output row ([rows, 1]) or per block (ceil(rows / block rows), ceil(cols / block cols)))."""
+        shape, scale_shape = tuple(shape), tuple(scale_shape)
+        if len(shape) < 2:
+            raise QuantizationError(f"{name}: a float8 weight of shape {shape} is not a matrix")
+        rows, cols = shape[-2:]
+        if int(np.prod(scale_shape)) == 1:
+            return
+        if self.block is not None:
+            grid = (-(-rows // self.block[0]), -(-cols // self.block[1]))
+            if scale_shape[-2:] != grid or scale_shape[:-2] != shape[:-2]:
+                raise QuantizationError(f"{name}: {name}{self.scale_suffix} has shape {list(scale_shape)}, but a "
+                                        f"{list(shape)} weight in blocks of {list(self.block)} has "
+                                        f"{list(shape[:-2]) + list(grid)}; re-download the checkpoint")
+            return
+        if scale_shape[-2:] != (rows, 1) or scale_shape[:-2] != shape[:-2]:
+            raise QuantizationError(f"{name}: {name}{self.scale_suffix} of shape {list(scale_shape)} is neither one "
+                                    f"scale nor one per output row of the {list(shape)} weight")
 
     def dequantize(self, name: str, values: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        """``values`` (float32, decoded from float8) times its scale: one for all, per output row ([rows, 1]) or
-        per block (ceil(rows / block rows), ceil(cols / block cols))."""
-        if values.ndim < 2:
-            raise QuantizationError(f"{name}: a float8 weight of shape {values.shape} is not a matrix")
+        """``values`` (float32, decoded from float8) times its scale (:meth:`check_scale`)."""
+        self.check_scale(name, values.shape, scale.shape)
         rows, cols = values.shape[-2:]
         if scale.size == 1:
             return values * scale.reshape(())
         if self.block is not None:
-            grid = (-(-rows // self.block[0]), -(-cols // self.block[1]))
-            if scale.shape[-2:] != grid or scale.shape[:-2] != values.shape[:-2]:
-                raise QuantizationError(f"{name}: {name}{self.scale_suffix} has shape {list(scale.shape)}, but a "
-                                        f"{list(values.shape)} weight in blocks of {list(self.block)} has "
-                                        f"{list(values.shape[:-2]) + list(grid)}; re-download the checkpoint")
             expanded = np.repeat(np.repeat(scale, self.block[0], axis=-2), self.block[1], axis=-1)
             return values * expanded[..., :rows, :cols]
-        if scale.shape[-2:] == (rows, 1) and scale.shape[:-2] == values.shape[:-2]:
-            return values * scale
-        raise QuantizationError(f"{name}: {name}{self.scale_suffix} of shape {list(scale.shape)} is neither one "
-                                f"scale nor one per output row of the {list(values.shape)} weight")
+        return values * scale
 
 
 def _dynamic_activations(activation_scheme) -> None:
@@ -181,28 +201,38 @@ class Int4Format(PrequantizedFormat):
     def __init__(self, method: str, group_size: int):
         self.method, self.group_size = method, int(group_size)
 
-    def tensors(self, entries: dict, keep_packed: bool = True):
+    def weights(self, entries: dict, keep_packed: bool = True) -> dict[str, Weight]:
+        out = {}
         for name, entry in entries.items():
             if name.endswith(self.SUFFIXES[1:]) and name.rsplit(".", 1)[0] + ".qweight" in entries:
                 continue
             if not name.endswith(".qweight"):
-                yield name, entry.as_float()
+                out[name] = entry.weight()
                 continue
             stem = name[:-len(".qweight")]
             parts = {suffix: entries.get(stem + suffix) for suffix in self.SUFFIXES}
             absent = [stem + s for s in (".qzeros", ".scales") if parts[s] is None]
             if absent:
                 raise QuantizationError(f"{self.method} checkpoint: {name} has no {absent[0]}; re-download it")
-            codes, zeros, scales = self.unpack(stem, parts)
-            g_idx = parts[".g_idx"]
-            groups = self.groups(stem, codes.shape[0], scales.shape[0],
-                                 None if g_idx is None else np.asarray(g_idx.array, dtype=np.int64))
-            if keep_packed and codes.shape[0] % Q4_1_BLOCK == 0 and \
-                    (groups.reshape(-1, Q4_1_BLOCK) == groups[::Q4_1_BLOCK, None]).all():
-                yield stem + ".weight", QuantizedArray(q4_1_blocks(codes, zeros, scales, groups), "q4_1",
-                                                       (codes.shape[1], codes.shape[0]))
-            else:
-                yield stem + ".weight", dequantize_int4(codes, zeros, scales, groups)
+            n_in, n_out = self.check_shapes(stem, parts)
+            groups = self.stored_groups(stem, parts, n_in)
+            packed = keep_packed and n_in % Q4_1_BLOCK == 0 and \
+                bool((groups.reshape(-1, Q4_1_BLOCK) == groups[::Q4_1_BLOCK, None]).all())
+            out[stem + ".weight"] = Weight((n_out, n_in), partial(self._read, stem, parts, packed))
+        return out
+
+    def _read(self, stem: str, parts: dict, packed: bool):
+        codes, zeros, scales = self.unpack(stem, parts)
+        groups = self.stored_groups(stem, parts, codes.shape[0])
+        if packed:
+            return QuantizedArray(q4_1_blocks(codes, zeros, scales, groups), "q4_1", (codes.shape[1], codes.shape[0]))
+        return dequantize_int4(codes, zeros, scales, groups)
+
+    def stored_groups(self, stem: str, parts: dict, n_in: int) -> np.ndarray:
+        """Each input's group: the checkpoint's g_idx, or runs of group_size."""
+        g_idx = parts[".g_idx"]
+        return self.groups(stem, n_in, parts[".scales"].array.shape[0],
+                           None if g_idx is None else np.asarray(g_idx.array, dtype=np.int64))
 
     def groups(self, stem: str, n_in: int, n_groups: int, g_idx) -> np.ndarray:
         if g_idx is None:
@@ -217,18 +247,33 @@ class Int4Format(PrequantizedFormat):
         """(codes [in, out] uint8, zeros [n_groups, out] int, scales [n_groups, out] float16)."""
         raise NotImplementedError
 
+    def unpacked_shapes(self, parts: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shapes :meth:`unpack` gives the codes and the zeros, from the stored ones."""
+        raise NotImplementedError
+
+    def check_shapes(self, stem: str, parts: dict) -> tuple[int, int]:
+        """(inputs, outputs) of the weight; QuantizationError where qweight, qzeros and scales disagree."""
+        codes, zeros = self.unpacked_shapes(parts)
+        scales = tuple(parts[".scales"].array.shape)
+        if zeros != scales or scales[1] != codes[1]:
+            raise QuantizationError(f"{self.method} checkpoint: {stem}'s qweight, qzeros and scales shapes disagree; "
+                                    "re-download it")
+        return codes
+
 
 class GPTQFormat(Int4Format):
     """qweight int32 [in / 8, out] (input 8r + k in nibble k of row r), qzeros int32 [n_groups, out / 8] holding
     z - 1 (output 8c + k in nibble k), scales [n_groups, out], g_idx [in] (each input's group)."""
 
+    def unpacked_shapes(self, parts):
+        (words, n_out), (groups, zero_words) = parts[".qweight"].array.shape, parts[".qzeros"].array.shape
+        return (8 * words, n_out), (groups, 8 * zero_words)
+
     def unpack(self, stem, parts):
+        self.check_shapes(stem, parts)
         codes = unpack_nibbles(parts[".qweight"].array, axis=0)
         zeros = unpack_nibbles(parts[".qzeros"].array, axis=1).astype(np.int16) + 1
         scales = np.asarray(parts[".scales"].as_float(), dtype=np.float16)
-        if zeros.shape != scales.shape or scales.shape[1] != codes.shape[1]:
-            raise QuantizationError(f"gptq checkpoint: {stem}'s qweight, qzeros and scales shapes disagree; "
-                                    "re-download it")
         return codes, zeros, scales
 
 
@@ -236,13 +281,15 @@ class AWQFormat(Int4Format):
     """AWQ's GEMM layout: qweight int32 [in, out / 8] and qzeros int32 [n_groups, out / 8], each word's nibbles
     in AWQ's column order; scales [n_groups, out]; the zeros as stored."""
 
+    def unpacked_shapes(self, parts):
+        (n_in, words), (groups, zero_words) = parts[".qweight"].array.shape, parts[".qzeros"].array.shape
+        return (n_in, 8 * words), (groups, 8 * zero_words)
+
     def unpack(self, stem, parts):
+        self.check_shapes(stem, parts)
         codes = awq_columns(unpack_nibbles(parts[".qweight"].array, axis=1))
         zeros = awq_columns(unpack_nibbles(parts[".qzeros"].array, axis=1)).astype(np.int16)
         scales = np.asarray(parts[".scales"].as_float(), dtype=np.float16)
-        if zeros.shape != scales.shape or scales.shape[1] != codes.shape[1]:
-            raise QuantizationError(f"awq checkpoint: {stem}'s qweight, qzeros and scales shapes disagree; "
-                                    "re-download it")
         return codes, zeros, scales
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from vkformers.engine.quantized import (NF4_LEVELS, QUANTIZE_FORMATS, QuantizedA
                                        quant_format, quantize)
 from vkformers.errors import QuantizationError
 from vkformers.models.layers import Linear
+from vkformers.models.lazy_weights import LazyWeights, Weight
 from vkformers.models.module import Module, is_packed
 
 
@@ -43,7 +45,7 @@ class CheckpointQuantizer:
     """Packs the model's Linear weights (:func:`quantizable_weights`) in ``quantization`` as the checkpoint is
     read, one tensor at a time: ``quantizer(name, array)`` returns the array to load (a QuantizedArray for those
     weights). Weights whose inner size is not a whole number of blocks pass through; :meth:`warn_kept` names
-    them in one warning."""
+    them in one warning. :meth:`converted` packs a LazyWeights' tensors as each is read."""
 
     def __init__(self, model: Module, quantization: str):
         if str(quantization).lower() not in QUANTIZE_FORMATS:
@@ -59,6 +61,28 @@ class CheckpointQuantizer:
         if array.shape[1] % self.format.block:
             self.kept.append(f"{name} {tuple(array.shape)}")
             return array
+        return self._pack(name, array)
+
+    def converted(self, weights: LazyWeights) -> LazyWeights:
+        """``weights`` with the Linear weights packed when read; those whose shape says they stay unpacked are
+        named (:meth:`warn_kept`) now, before any is read."""
+        out = {}
+        for name in weights:
+            weight, shape = weights.weight(name), weights.known_shape(name)
+            if name in self.names and shape is None:  # the shape only the values tell
+                weight = weight.converted(partial(self, name))
+            elif name in self.names and len(shape) == 2:
+                if shape[1] % self.format.block:
+                    self.kept.append(f"{name} {shape}")
+                else:
+                    weight = weight.converted(partial(self._pack, name))
+            out[name] = weight
+        return LazyWeights(out)
+
+    def _pack(self, name: str, array):
+        """``array`` packed (where it is not already)."""
+        if getattr(array, "ndim", 0) != 2 or isinstance(array, QuantizedArray):
+            return array  # a weight the checkpoint stores packed stays as it is
         return QuantizedArray(quantize(np.asarray(array, dtype=np.float32), self.format), self.format.name,
                               tuple(int(s) for s in array.shape))
 
@@ -82,29 +106,39 @@ BNB_STATE = ".quant_state.bitsandbytes__nf4"  # bitsandbytes' packed QuantState 
 BNB_PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 
 
-def bitsandbytes_nf4_weights(arrays: dict) -> dict:
+def bitsandbytes_nf4_weights(weights: LazyWeights) -> LazyWeights:
     """A checkpoint saved with bitsandbytes' 4-bit NF4 (transformers' load_in_4bit): each ``X.weight`` (packed
     nibbles) with its ``X.weight.absmax`` (float, or uint8 codes when double-quantized, with ``nested_absmax``,
-    ``nested_quant_map`` and the state's ``nested_offset``) and quant state becomes one NF4 QuantizedArray."""
-    states = [name for name in arrays if name.endswith(BNB_STATE)]
+    ``nested_quant_map`` and the state's ``nested_offset``) and quant state becomes one NF4 QuantizedArray, packed
+    when it is read. The quant states and code books (a few bytes each) are checked now."""
+    states = [name for name in weights if name.endswith(BNB_STATE)]
+    if not states:
+        return weights
+    dropped, packed = set(states), {}
     for state_name in states:
         name = state_name[:-len(BNB_STATE)]
-        state = json.loads(np.asarray(arrays.pop(state_name), dtype=np.uint8).tobytes().decode())
-        parts = {suffix: arrays.pop(name + suffix, None) for suffix in BNB_PARTS}
+        state = json.loads(np.asarray(weights[state_name], dtype=np.uint8).tobytes().decode())
+        parts = {suffix: weights.weight(name + suffix) if name + suffix in weights else None for suffix in BNB_PARTS}
+        dropped.update(name + suffix for suffix in BNB_PARTS)
         if state.get("quant_type") != "nf4":
             raise QuantizationError(f"{name}: bitsandbytes {state.get('quant_type')!r} weights are not supported "
                                     "(only nf4)")
-        if parts[".quant_map"] is not None and not np.allclose(parts[".quant_map"], NF4_LEVELS, atol=1e-6):
+        if parts[".quant_map"] is not None and not np.allclose(parts[".quant_map"].read(), NF4_LEVELS, atol=1e-6):
             raise QuantizationError(f"{name}: its NF4 code book is not bitsandbytes' standard one")
         shape = tuple(int(s) for s in state["shape"])
         if len(shape) != 2:
             raise QuantizationError(f"{name}: a bitsandbytes NF4 weight of shape {shape} is not a matrix")
-        packed = nf4_from_bitsandbytes(arrays[name], parts[".absmax"], shape, blocksize=int(state["blocksize"]),
-                                       nested_absmax=parts[".nested_absmax"], nested_code=parts[".nested_quant_map"],
-                                       offset=float(state.get("nested_offset", 0.0)),
-                                       nested_blocksize=int(state.get("nested_blocksize", 256)))
-        arrays[name] = QuantizedArray(packed, "nf4", shape)
-    return arrays
+        packed[name] = Weight(shape, partial(_bitsandbytes_nf4, weights.weight(name), parts, state, shape))
+    return weights.without(dropped - set(packed)).updated(packed)
+
+
+def _bitsandbytes_nf4(weight: Weight, parts: dict, state: dict, shape) -> QuantizedArray:
+    read = {suffix: None if part is None else part.read() for suffix, part in parts.items()}
+    packed = nf4_from_bitsandbytes(weight.read(), read[".absmax"], shape, blocksize=int(state["blocksize"]),
+                                   nested_absmax=read[".nested_absmax"], nested_code=read[".nested_quant_map"],
+                                   offset=float(state.get("nested_offset", 0.0)),
+                                   nested_blocksize=int(state.get("nested_blocksize", 256)))
+    return QuantizedArray(packed, "nf4", shape)
 
 
 def quantized_weight_names(model: Module) -> list[str]:

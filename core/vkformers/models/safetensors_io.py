@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.models.atomic import atomic_write
+from vkformers.models.lazy_weights import Weight
 from vkformers.models.module import CheckpointError
 from vkformers.runtime import dtypes as dt
 
@@ -37,6 +38,15 @@ class TensorEntry:
         if self.code in FLOAT8_DECODERS:
             return FLOAT8_DECODERS[self.code](self.array)
         return dt.from_bfloat16(self.array) if self.code == "BF16" else self.array
+
+    def as_bfloat16(self) -> np.ndarray:
+        """A bfloat16 tensor's bits as ``dt.to_bfloat16(self.as_float())`` gives them (every NaN as 0x7FC0)."""
+        return dt.canonical_bfloat16(self.array)
+
+    def weight(self) -> Weight:
+        """This tensor as :meth:`as_float` reads it, not read yet (models/lazy_weights.py); a bfloat16 one also
+        as its bits (:meth:`as_bfloat16`), for a bfloat16 model."""
+        return Weight(self.array.shape, self.as_float, self.as_bfloat16 if self.code == "BF16" else None)
 
 
 def read_header(path: Path) -> tuple[dict, int]:

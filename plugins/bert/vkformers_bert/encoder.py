@@ -26,6 +26,7 @@ from vkformers.errors import InputError, VkformersError
 from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, LayerNorm, Linear, RMSNorm
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.module import Module
 from vkformers.runtime import dtypes as dt
 
@@ -663,7 +664,7 @@ class EncoderForMaskedLM(Module):
 
     def load_state_dict(self, arrays, *args, **kwargs):
         # TF-era names that transformers still reads (and writes for ESM): LayerNorm.gamma / .beta
-        arrays = {_modern_name(name): array for name, array in arrays.items()}
+        arrays = LazyWeights.of(arrays).renamed(_modern_name)
         super().load_state_dict(arrays, *args, **kwargs)
         # tables the checkpoint holds but training never changes: no gradient, so no optimizer update either
         for name, slot in self.named_slots():

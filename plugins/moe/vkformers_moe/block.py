@@ -35,6 +35,7 @@ from vkformers.engine.tensor import Tensor
 from vkformers.engine.ops.routing import (  # noqa: F401 (topk_mask re-exported)
     _HIDDEN, PACK_MAX_EXPERTS, ExpertRoutes, PackedRoutes, topk_mask)
 from vkformers.models.layers import Linear, grouped_linear, linears_can_be_grouped
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.module import Module, add_param, get_param, join_path, place
 from vkformers.models.decoder import make_norm
 
@@ -239,19 +240,19 @@ class SparseMoeBlock(Module):
         e, i, h = self.moe.num_experts, self.moe.expert_size, self.hidden
         return ((e, h, 2 * i), (e, i, h)) if self.moe.fused_transposed else ((e, 2 * i, h), (e, h, i))
 
-    def convert_checkpoint(self, arrays, path: str):
+    def convert_checkpoint(self, arrays: LazyWeights, path: str) -> LazyWeights:
         """fused_either_layout: fused expert weights stored transposed against the parameters (and not square in
-        their last two dims) are transposed. Returns ``arrays``, or a copy with those replaced."""
+        their last two dims) are transposed (when read). Returns ``arrays``, or a copy with those replaced."""
         moe = self.moe
         if not (moe.fused_experts and moe.fused_either_layout):
             return arrays
-        converted = dict(arrays)
+        transposed = {}
         for name, want in zip(moe.fused_experts, self._fused_shapes()):
             key = join_path(path, moe.experts, name)
-            have = np.shape(arrays.get(key, ()))
+            have = arrays.shape(key) if key in arrays else ()
             if len(have) == 3 and have != want and have == (want[0], want[2], want[1]):
-                converted[key] = np.ascontiguousarray(np.swapaxes(np.asarray(arrays[key]), 1, 2))
-        return converted
+                transposed[key] = arrays.weight(key).converted(_swap_last_axes, shape=want)
+        return arrays.updated(transposed)
 
     def load_buffers(self, arrays, prefix: str) -> None:
         """The selection bias, when the checkpoint stores it as a buffer (not a parameter)."""
@@ -483,3 +484,8 @@ def set_experts_mode(model: Module, mode: str) -> int:
     if hasattr(model, "forget_captures"):
         model.forget_captures()
     return len(blocks)
+
+
+def _swap_last_axes(array) -> np.ndarray:
+    """[E, a, b] -> [E, b, a], contiguous (a fused expert weight stored transposed)."""
+    return np.ascontiguousarray(np.swapaxes(np.asarray(array), 1, 2))

@@ -7,6 +7,7 @@ transformers' saved names and reads the released ones into them.
 from __future__ import annotations
 
 from vkformers.models.decoder import DecoderLayer
+from vkformers.models.lazy_weights import LazyWeights
 
 
 def kimi_linear_layer(spec, index: int, alibi=None) -> "KimiLinearLayer":
@@ -15,10 +16,9 @@ def kimi_linear_layer(spec, index: int, alibi=None) -> "KimiLinearLayer":
 
 
 class KimiLinearLayer(DecoderLayer):
-    def convert_checkpoint(self, arrays, path: str):
+    def convert_checkpoint(self, arrays: LazyWeights, path: str) -> LazyWeights:
         """Released dense MLPs (``<layer>.mlp.*``) under the saved names (``<layer>.<mlp path>.*``)."""
         released, saved = f"{path}.mlp.", f"{path}.{self.spec.mlp.path}."
         if released == saved or not any(name.startswith(released) for name in arrays):
             return arrays
-        return {saved + name[len(released):] if name.startswith(released) else name: array
-                for name, array in arrays.items()}
+        return arrays.renamed(lambda name: saved + name[len(released):] if name.startswith(released) else name)

@@ -25,6 +25,7 @@ import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
+from vkformers.models.lazy_weights import LazyWeights, concatenated, stacked
 from vkformers.models.module import join_path, place
 from vkformers.models.decoder import DecoderLayer, make_norm
 
@@ -79,23 +80,23 @@ class MinimaxM3Layer(DecoderLayer):
                                        ("index_k_norm", "k_norm", make_norm(s, o.index_dim))):
                 self.parts[role] = place(self, join_path(path, name), module)
 
-    def convert_checkpoint(self, arrays, path: str):
+    def convert_checkpoint(self, arrays: LazyWeights, path: str) -> LazyWeights:
         """A file in MiniMax's release layout (RELEASE_RENAMES; gate_proj + up_proj, experts.<e>.w1 / w3 / w2) gets
         this layer's names (fused gate_up_proj [gate | up], experts.gate_up_proj [E, 2I, H] and down_proj [E, H, I]).
-        Returns ``arrays``, or a copy with this layer's tensors renamed."""
+        Returns ``arrays``, or a copy with this layer's tensors renamed (fused and stacked when read)."""
         prefix = f"{path}."
-        mine = {n[len(prefix):]: a for n, a in arrays.items() if n.startswith(prefix)}
+        mine = [n[len(prefix):] for n in arrays if n.startswith(prefix)]
         if not any(n.startswith(old) for n in mine for old, _ in RELEASE_RENAMES) and \
                 not any(n.endswith((".gate_proj.weight", ".w1.weight")) for n in mine):
             return arrays
         renamed = {}
-        for name, array in mine.items():
+        for name in mine:
             old, new = next(((o, r) for o, r in RELEASE_RENAMES if name.startswith(o)), ("", ""))
-            renamed[new + name[len(old):]] = array
+            renamed[new + name[len(old):]] = arrays.weight(prefix + name)
         for gate in [n for n in renamed if n.endswith(".gate_proj.weight")]:  # dense MLP, shared experts
             up = gate[:-len("gate_proj.weight")] + "up_proj.weight"
             if up in renamed:
-                fused = np.concatenate([renamed.pop(gate), renamed.pop(up)], axis=0)
+                fused = concatenated([renamed.pop(gate), renamed.pop(up)], axis=0)
                 renamed[gate[:-len("gate_proj.weight")] + "gate_up_proj.weight"] = fused
         moe = self.spec.moe
         experts = join_path(self.spec.mlp.path, moe.experts) if moe and moe.fused_experts else None
@@ -103,11 +104,9 @@ class MinimaxM3Layer(DecoderLayer):
         if count:
             w = {k: [renamed.pop(f"{experts}.{e}.{k}.weight") for e in range(count)] for k in ("w1", "w3", "w2")}
             gate_up, down = moe.fused_experts
-            renamed[f"{experts}.{gate_up}"] = np.stack([np.concatenate(p, axis=0) for p in zip(w["w1"], w["w3"])])
-            renamed[f"{experts}.{down}"] = np.stack(w["w2"])
-        converted = {n: a for n, a in arrays.items() if not n.startswith(prefix)}
-        converted.update((prefix + n, a) for n, a in renamed.items())
-        return converted
+            renamed[f"{experts}.{gate_up}"] = stacked([concatenated(p, axis=0) for p in zip(w["w1"], w["w3"])])
+            renamed[f"{experts}.{down}"] = stacked(w["w2"])
+        return arrays.filtered(lambda n: not n.startswith(prefix)).updated({prefix + n: w for n, w in renamed.items()})
 
     def mlp(self, h):
         if "gate_up" not in self.parts:  # the sparse block (its experts clip likewise: MoeSpec.swiglu_clip)

@@ -1,11 +1,12 @@
 """The mixture-of-experts causal LM: the llama plugin's shared decoder, configured by this plugin's variants."""
 from __future__ import annotations
 
-from collections import ChainMap
+from functools import partial
 
 import numpy as np
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
+from vkformers.models.lazy_weights import LazyWeights, Weight
 from vkformers.models.module import add_param, get_param, place
 from vkformers.models.decoder import IGNORED_CHECKPOINT_KEYS, DecoderForCausalLM
 
@@ -37,9 +38,11 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     def load_state_dict(self, arrays, *args, **kwargs):
         # weights a block declares but never runs (LongCat's identity experts): zeros when the checkpoint lacks them
-        zeros = {f"{path}.{name}": np.zeros((module.moe.expert_size, module.hidden), np.float32)
+        arrays = LazyWeights.of(arrays)
+        zeros = {f"{path}.{name}": (module.moe.expert_size, module.hidden)
                  for path, module in self.named_modules() for name in getattr(module, "unused_weights", ())}
-        super().load_state_dict(ChainMap(arrays, {n: z for n, z in zeros.items() if n not in arrays}), *args, **kwargs)
+        super().load_state_dict(arrays.updated({n: Weight(shape, partial(np.zeros, shape, np.float32))
+                                                for n, shape in zeros.items() if n not in arrays}), *args, **kwargs)
 
 
 class DeepseekV4ForCausalLM(MoeDecoderForCausalLM):

@@ -22,6 +22,7 @@ from vkformers.models.decoder import DecoderForCausalLM
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.lm_loss import causal_lm_loss, target_count
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module
@@ -79,7 +80,7 @@ class MambaForCausalLM(Module, GenerationMixin):
 
     def load_state_dict(self, arrays, *args, **kwargs):
         # early checkpoints name the table backbone.embedding (transformers renames it on load too)
-        arrays = {name.replace("backbone.embedding.", "backbone.embeddings."): a for name, a in arrays.items()}
+        arrays = LazyWeights.of(arrays).renamed(lambda n: n.replace("backbone.embedding.", "backbone.embeddings."))
         super().load_state_dict(arrays, *args, **kwargs)
 
     @property

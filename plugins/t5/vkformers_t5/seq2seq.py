@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.inputs import InputLimits, id_array
 from vkformers.models.layers import (Embedding, LayerNorm, Linear, ModuleList, RMSNorm, grouped_linear,
                                      linears_can_be_grouped)
+from vkformers.models.lazy_weights import LazyWeights, Weight
 from vkformers.models.module import Module, add_param, get_param
 from vkformers.models.seq2seq_generation import Seq2SeqGenerationMixin
 from vkformers.runtime import dtypes as dt
@@ -997,26 +999,21 @@ class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
     def load_state_dict(self, arrays, *args, **kwargs):
         """Ties lm_head to the shared embedding unless the checkpoint holds a different one (transformers 5
         does the same), and reads final_logits_bias, a buffer rather than a parameter."""
+        arrays = LazyWeights.of(arrays)
         if self.spec.fairseq_table_trained:  # FSMT checkpoints may leave out the (sinusoidal) position tables
-            arrays = dict(arrays)
             for stack in (self.encoder, self.decoder):
                 name = f"{self.names['encoder' if stack is self.encoder else 'decoder']}.{self.names['positions']}.weight"
                 if name not in arrays:
-                    arrays[name] = fairseq_table(stack.fairseq_rows(), self.spec.d_model, self.spec.pad_token_id)
+                    rows, d = stack.fairseq_rows(), self.spec.d_model
+                    arrays = arrays.updated({name: Weight((rows, d), partial(fairseq_table, rows, d,
+                                                                             self.spec.pad_token_id))})
         renames, skipped = self.names.get("checkpoint_renames", ()), self.names.get("ignored_prefixes", ())
         if renames or skipped:  # T5Gemma 2: the text stack's stored names; the vision tower, which text never runs
-            renamed = {}
-            for name, array in arrays.items():
-                if name.startswith(skipped):
-                    continue
-                for pattern, replacement in renames:
-                    name = re.sub(pattern, replacement, name)
-                renamed[name] = array
-            arrays = renamed
+            arrays = arrays.renamed(partial(_stored_name, renames, skipped))
         shared, head_name = self.head_tie_target, f"{self.names['lm_head']}.weight"
         head = dict(self.named_slots()).get(head_name)  # None in the base model, which has no LM head
         distinct = head_name in arrays and shared in arrays and not np.array_equal(
-            np.asarray(arrays[head_name]), np.asarray(arrays[shared]))
+            np.asarray(arrays[head_name]), np.asarray(arrays[shared]))  # both read, compared, dropped
         if head is not None:
             head.tied_to = shared if self.spec.tie_lm_head and not distinct else None
         super().load_state_dict(arrays, *args, **kwargs)
@@ -1205,3 +1202,12 @@ class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
 
     def generation_step(self, ids: np.ndarray, encoder_states, mask: np.ndarray, cache: EncoderDecoderCache):
         return self.decode(ids, encoder_states, mask, cache=cache)
+
+
+def _stored_name(renames, skipped, name: str) -> str | None:
+    """A checkpoint tensor's name after ``renames`` (regex, replacement); None for one under ``skipped``."""
+    if name.startswith(skipped):
+        return None
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name

@@ -18,12 +18,14 @@ inputs of each conv and S (``cache.linear_states[layer]``), restarted when the c
 """
 from __future__ import annotations
 
+from functools import partial
 
 import numpy as np
 
 from vkformers.engine import functional as F
 from vkformers.engine.tensor import Tensor
 from vkformers.models.layers import Linear
+from vkformers.models.lazy_weights import LazyWeights, concatenated
 from vkformers.models.decoder.norms import make_norm
 from vkformers.models.decoder.spec import NormSpec
 from vkformers.models.module import Module
@@ -80,23 +82,23 @@ class GatedDeltaNet(Module):
             return [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         return [self.conv1d.weight]
 
-    def convert_checkpoint(self, arrays, path: str):
+    def convert_checkpoint(self, arrays: LazyWeights, path: str) -> LazyWeights:
         """transformers 5.24 saves OLMo Hybrid's q/k/v_conv1d as three EQUAL chunks of the concatenated conv
         (torch.chunk), not at their sizes (key, key, value widths) as the released checkpoints hold them: re-split
-        such a file. Returns ``arrays``, or a copy with those three replaced."""
+        such a file. Returns ``arrays``, or a copy with those three replaced (split when read)."""
         names = [f"{path}.{n}_conv1d.weight" for n in "qkv"] if self.split else []
         if not names or not all(n in arrays for n in names):
             return arrays
         widths = list(self.conv_widths)
-        if [np.shape(arrays[n])[0] for n in names] == widths:
+        shapes = [arrays.shape(n) for n in names]
+        if [shape[0] for shape in shapes] == widths:
             return arrays
-        full = np.concatenate([np.asarray(arrays[n]) for n in names], axis=0)
-        if full.shape[0] != sum(widths):
+        if sum(shape[0] for shape in shapes) != sum(widths):
             return arrays  # some other layout: load_state_dict names the mismatch
-        arrays = dict(arrays)
-        for name, part in zip(names, np.split(full, np.cumsum(widths)[:-1], axis=0)):
-            arrays[name] = part
-        return arrays
+        full = concatenated([arrays.weight(n) for n in names], axis=0)
+        bounds = np.cumsum([0] + widths)
+        return arrays.updated({name: full.converted(partial(_rows, int(a), int(b)), shape=(b - a, *shapes[0][1:]))
+                               for name, a, b in zip(names, bounds[:-1], bounds[1:])})
 
     def _project(self, h):
         """The inputs of each conv ([q | k | v], or q, k, v apart), z, b and a."""
@@ -198,3 +200,7 @@ class GatedDeltaNet(Module):
         z = z.reshape(batch, length, heads, vd)
         gated = self.gated_norm(out.permute(0, 2, 1, 3)) * self._output_gate(z)
         return self.output(gated.reshape(batch, length, heads * vd))
+
+
+def _rows(start: int, stop: int, array):
+    return array[start:stop]

@@ -27,6 +27,7 @@ from vkformers.models.cache import EncoderDecoderCache
 from vkformers.models.generation import GenerationMixin, kept_positions
 from vkformers.models.inputs import InputLimits
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
+from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.lm_loss import causal_lm_loss, target_count
 from vkformers.models.loading import CausalLMOutput
 from vkformers.models.module import Module, join_path, place
@@ -164,10 +165,12 @@ class DecoderForCausalLM(Module, GenerationMixin):
                                                           spec.extra.get("padding_row")))
 
     def load_state_dict(self, arrays, *args, **kwargs):
+        """Module.load_state_dict after the family's conversions (convert_checkpoint: on a LazyWeights, they change
+        names and wrap readers, reading nothing), then the checkpoint buffers that are not parameters."""
+        arrays = LazyWeights.of(arrays)
         if self.spec.checkpoint_layers:  # the layers this forward skips (Mllama's cross-attention ones): not loaded
-            kept = {f"{self.spec.layers}.{i}." for i in self.spec.checkpoint_layers}
-            arrays = {name: array for name, array in arrays.items()
-                      if not name.startswith(f"{self.spec.layers}.") or name.startswith(tuple(kept))}
+            kept = tuple(f"{self.spec.layers}.{i}." for i in self.spec.checkpoint_layers)
+            arrays = arrays.filtered(lambda name: not name.startswith(f"{self.spec.layers}.") or name.startswith(kept))
         for path, module in self.named_modules():  # files laid out otherwise than the parameters (OLMo Hybrid's convs)
             if hasattr(module, "convert_checkpoint"):
                 arrays = module.convert_checkpoint(arrays, path)
