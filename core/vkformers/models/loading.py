@@ -3,7 +3,9 @@
 ``AutoModelForCausalLM.from_pretrained(path_or_repo, dtype=...)`` reads
 ``config.json``, resolves ``model_type`` through the registry (aliases and
 wrappers included), asks the family plugin for its model class, and uploads the
-safetensors weights (single file or sharded) in the requested dtype.
+safetensors weights (single file or sharded) in the requested dtype, one tensor at a
+time: each is read from the memory-mapped file, converted, uploaded and dropped
+(models/lazy_weights.py), so host memory holds about one tensor, not the model.
 Pickled ``.bin`` checkpoints are refused and remote code is never executed.
 """
 from __future__ import annotations
