@@ -22,6 +22,7 @@ from vkformers.models.batching import Update
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.tool_calls import (HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls, NamedToolCall,
                                          RequiredToolCalls, ToolCall, ToolCallStream, forced_call_schema)
+from vkformers.models.tool_calls import FirstCallOnly
 
 TEMPLATE = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>"
             "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -46,10 +47,11 @@ def test_the_hermes_parser_and_the_stream_holder():
     stream = ToolCallStream(parser)
     pieces = ["Let me ", "check.\n<to", "ol_call>\n{\"name\": ", "\"get_weather\", \"arguments\": {\"city\": ",
               "\"Paris\"}}\n</tool_call>"]
-    sent = "".join(stream.feed(p) for p in pieces)
-    assert sent == "Let me check.\n" and stream.finish() == ("", [ToolCall("get_weather", {"city": "Paris"})])
+    sent = "".join(stream.feed(p)[0] for p in pieces)
+    assert sent == "Let me check.\n"
+    assert stream.finish() == ("", [ToolCall("get_weather", {"city": "Paris"})], True)
     plain = ToolCallStream(parser)
-    assert plain.feed("a <b") + plain.feed("> c <") == "a <b> c " and plain.finish() == ("<", [])
+    assert plain.feed("a <b")[0] + plain.feed("> c <")[0] == "a <b> c " and plain.finish() == ("<", [], False)
 
 
 def test_the_llama3_json_and_mistral_parsers():
@@ -62,17 +64,78 @@ def test_the_llama3_json_and_mistral_parsers():
     assert llama.parse("It is sunny.") == ("It is sunny.", [])
     assert llama.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
     stream = ToolCallStream(llama)
-    assert stream.feed(" <|py") + stream.feed('thon_tag|>{"name": "get_weather", ') == ""
-    assert stream.feed('"parameters": {"city": "Paris"}}') == "" and stream.finish() == ("", [weather])
+    assert stream.feed(" <|py")[0] + stream.feed('thon_tag|>{"name": "get_weather", ')[0] == ""
+    assert stream.feed('"parameters": {"city": "Paris"}}')[0] == "" and stream.finish() == ("", [weather], True)
     prose = ToolCallStream(llama)
-    assert prose.feed("It is") + prose.feed(" {sunny}") == "It is {sunny}" and prose.finish() == ("", [])
+    assert prose.feed("It is")[0] + prose.feed(" {sunny}")[0] == "It is {sunny}" and prose.finish() == ("", [], False)
     mistral = MistralToolCalls()
     assert mistral.parse('Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]') == (
         "Sure.", [weather])
     assert mistral.parse("[TOOL_CALLS] [broken") == ("[TOOL_CALLS] [broken", [])
     stream = ToolCallStream(mistral)
-    assert stream.feed("Sure. [TOOL") + stream.feed('_CALLS] [{"name": "get_weather", "arguments": {}}]') == "Sure. "
-    assert stream.finish() == ("", [ToolCall("get_weather", {})])
+    assert stream.feed("Sure. [TOOL")[0] + stream.feed('_CALLS] [{"name": "get_weather", "arguments": {}}]')[0] == \
+        "Sure. "
+    assert stream.finish() == ("", [ToolCall("get_weather", {})], True)
+
+
+def streamed(parser, reply: str, size: int) -> tuple[str, list[list[dict]], bool]:
+    """``reply`` through an incremental ToolCallStream in pieces of ``size``: (the text sent, each feed's deltas
+    and the finish's, whether it ended in calls)."""
+    stream, text, deltas = ToolCallStream(parser, incremental=True), "", []
+    for at in range(0, len(reply), size):
+        out, more = stream.feed(reply[at:at + size])
+        text, deltas = text + out, deltas + [more]
+    rest, last, called = stream.finish()
+    return text + rest, deltas + [last], called
+
+
+def joined(deltas: list[list[dict]]) -> list[tuple[str, str, str]]:
+    """The calls the deltas make, as a client joins them: (id, name, arguments) per index."""
+    calls = {}
+    for delta in (d for chunk in deltas for d in chunk):
+        if "id" in delta:
+            assert delta["index"] not in calls and delta["type"] == "function"
+            calls[delta["index"]] = [delta["id"], delta["function"]["name"], ""]
+        assert set(delta["function"]) <= {"name", "arguments"}
+        calls[delta["index"]][2] += delta["function"]["arguments"]
+    return [tuple(calls[i]) for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("parser, reply", [
+    (HermesToolCalls(), 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",\n"days":[1,2.50],'
+                        '"note":"a \\"b\\"\\u00e9\\ud83d\\ude00"}}\n</tool_call>\n'
+                        '<tool_call>{"arguments": {}, "name": "now"}</tool_call>'),
+    (Llama3JsonToolCalls(), '<|python_tag|>{"name": "get_weather", "parameters": {"city":"Paris", "n": -1e3}} ; '
+                            '{"name": "now", "parameters": {}}'),
+    (MistralToolCalls(), 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par\u00eds"}}, '
+                         '{"name": "now"}]')])
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_calls_stream_as_they_come_and_join_to_the_whole_replys(parser, reply, size):
+    text, deltas, called = streamed(parser, reply, size)
+    content, calls = parser.parse(reply)
+    assert called and text.strip() == (content or "")
+    made = joined(deltas)
+    assert [(name, arguments) for _, name, arguments in made] == [
+        (call.name, json.dumps(call.arguments, ensure_ascii=False)) for call in calls]
+    assert all(call_id.startswith("call_") for call_id, _, _ in made) and len({i for i, _, _ in made}) == 2
+    first = [d for chunk in deltas for d in chunk if d["index"] == 0]
+    assert len(first) > 2  # the arguments in pieces, as they came
+    assert not any(deltas[-1])  # all went out as it came
+    _, deltas, _ = streamed(FirstCallOnly(parser), reply, size)
+    assert [name for _, name, _ in joined(deltas)] == ["get_weather"]
+
+
+def test_text_that_is_no_call_stays_text_when_streamed():
+    for parser, reply in ((HermesToolCalls(), "Hi <tool_call>{not json"), (HermesToolCalls(), "<tool_call> no"),
+                          (HermesToolCalls(), '<tool_call>{"name": 5, "arguments": {}}</tool_call>'),
+                          (Llama3JsonToolCalls(), '{"not": "a call"}'), (MistralToolCalls(), "[TOOL_CALLS] [broken")):
+        for size in (1, 4):
+            assert streamed(parser, reply, size) == (reply, [[]] * (len(range(0, len(reply), size)) + 1), False)
+    # a call that went out stays out: what follows the last whole one comes as text
+    reply = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {"a'
+    text, deltas, called = streamed(HermesToolCalls(), reply, 4)
+    assert called and [(n, a) for _, n, a in joined(deltas)] == [("f", "{}"), ("g", '{"a')]
+    assert text == reply[reply.index("</tool_call>"):]
 
 
 class ScriptedScheduler:
@@ -144,24 +207,44 @@ def test_a_call_comes_back_as_tool_calls_and_the_tools_reach_the_template(served
     assert 'call get_weather {"city": "Paris"}<|end|><|tool|>sunny<|end|><|assistant|>' in rendered
 
 
-def test_streamed_calls_come_whole_in_the_last_chunk_and_no_tag_leaks(served):
+def test_streamed_calls_come_as_they_are_written_and_no_tag_leaks(served):
+    """vLLM's streaming: text before a call as content, then each call's id and name, then its arguments in
+    pieces; joined (as the openai client joins them), the non-streamed reply's calls."""
     scheduler, _, client = served
-    scheduler.reply = TWO_CALLS
+    scheduler.reply = "Let me check.\n" + TWO_CALLS
+    whole = ask(client).choices[0].message
     chunks = list(ask(client, stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert "<tool" not in content and content.strip() == ""
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-        (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Rome"})]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "<tool" not in content and content == "Let me check.\n"
+    first_call = next(i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:first_call]) == "Let me check.\n"
+    assert [t.index for t in calls if t.id] == [0, 1] and all(t.function.name is None for t in calls if not t.id)
+    assert sum(t.index == 0 for t in calls) > 2  # the arguments in pieces
+    assert [(t.function.name, "".join(p.function.arguments for p in calls if p.index == t.index)) for t in calls
+            if t.id] == [(w.function.name, w.function.arguments) for w in whole.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == [None] * (len(chunks) - 1) + ["tool_calls"]
+    with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                        tools=TOOLS) as stream:  # the client's own accumulation
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "Let me check.\n"
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        (w.function.name, w.function.arguments) for w in whole.tool_calls]
+    ids = [t.id for t in final.message.tool_calls]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    chunks = list(ask(client, stream=True, parallel_tool_calls=False))  # OpenAI's option: the first call only
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert {t.index for t in calls} == {0} and "".join(t.function.arguments for t in calls) == '{"city": "Paris"}'
     scheduler.reply = TWO_CALLS
-    out = ask(client, parallel_tool_calls=False)  # OpenAI's option: the first call only
+    out = ask(client, parallel_tool_calls=False)
     assert [t.function.name for t in out.choices[0].message.tool_calls] == ["get_weather"]
     assert json.loads(out.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
-    scheduler.reply = "<tool_call>{broken</tool_call> so text"
-    chunks = list(ask(client, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == scheduler.reply
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    for reply in ("<tool_call>{broken</tool_call> so text", "Hi <tool_call>{not json"):  # text, as when whole
+        scheduler.reply = reply
+        chunks = list(ask(client, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "stop" and ask(client).choices[0].message.content == reply
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}

@@ -134,29 +134,31 @@ class Output:
         return split.content or None, split.reasoning
 
 
-async def held_updates(updates: asyncio.Queue, count: int, parser=None, splits: list[ReasoningStream] | None = None):
+async def held_updates(updates: asyncio.Queue, count: int, parser=None, splits: list[ReasoningStream] | None = None,
+                       incremental: bool = False):
     """The updates of a streamed call's ``count`` requests as they come, as (index, reasoning to send, text to send,
-    tool calls, update). With ``splits`` (one per request), each request's reasoning is told apart from its answer
-    (models/reasoning.py), the answer alone read for calls. With ``parser``, each request's text is held back from
-    where a call may begin (ToolCallStream), and its last update gives the rest and the calls. Ends after every
+    tool calls, update, whether the reply ended in calls). With ``splits`` (one per request), each request's
+    reasoning is told apart from its answer (models/reasoning.py), the answer alone read for calls. With ``parser``,
+    each request's text is held back from where a call may begin (ToolCallStream); its calls come whole (ToolCall)
+    with its last update, or with ``incremental`` as ``tool_calls`` deltas while they come. Ends after every
     request's last update, or after the update of a failed batch (finish_reason "error")."""
-    held = [ToolCallStream(parser) for _ in range(count)] if parser is not None else None
+    held = [ToolCallStream(parser, incremental) for _ in range(count)] if parser is not None else None
     running = count
     while running:
         index, update = await updates.get()
         if update.finish_reason == "error":
-            yield index, "", update.text, [], update
+            yield index, "", update.text, [], update, False
             return
-        reasoning, text, calls = "", update.text, []
+        reasoning, text, calls, called = "", update.text, [], False
         if splits is not None:
             reasoning, text = splits[index].feed(text, update.completion_tokens)
             if update.finish_reason:
                 more, rest = splits[index].finish()
                 reasoning, text = reasoning + more, text + rest
         if held is not None:
-            text = held[index].feed(text)
+            text, calls = held[index].feed(text)
             if update.finish_reason:
-                rest, calls = held[index].finish()
-                text += rest
-        yield index, reasoning, text, calls, update
+                rest, last, called = held[index].finish()
+                text, calls = text + rest, calls + last
+        yield index, reasoning, text, calls, update, called
         running -= update.finish_reason is not None

@@ -704,8 +704,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def stream_events(choices, updates, head, chat: bool, include_usage: bool, prompt_tokens: int,
                             parser=None, echoed=None, reasoning_splits: list[ReasoningStream] | None = None,
                             show_reasoning: bool = True):
-        """``parser``: tool calls are read from each choice's text (held back from where a call may start, the
-        calls sent whole in the last chunk); a named function's arguments stream as they come. ``echoed``: each
+        """``parser``: tool calls are read from each choice's text (held back from where a call may start), each
+        call streamed as it comes (its name, then its arguments in pieces), as vLLM streams them. ``echoed``: each
         choice's prompt text, sent (with its entries in logprobs) in the choice's first chunk, as vLLM sends it.
         ``reasoning_splits``: each choice's reasoning is sent apart from its answer (in chunks of their own, its
         ``reasoning`` and ``reasoning_content`` where ``show_reasoning``), the answer alone read for calls."""
@@ -722,8 +722,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 for index in range(len(choices)):
                     yield event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
-            async for index, thought, text, calls, update in held_updates(updates, len(choices),
-                                                                          None if named else parser, reasoning_splits):
+            async for index, thought, text, calls, update, called in held_updates(
+                    updates, len(choices), None if named else parser, reasoning_splits, incremental=True):
                 if update.finish_reason == "error":
                     yield f"data: {json.dumps(failed().body())}\n\n"
                     break
@@ -736,7 +736,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     deltas, text = named[index].feed(text), ""
                     extra = {"tool_calls": deltas} if deltas else {}
                 if calls:
-                    extra = {"tool_calls": [call.api(i) for i, call in enumerate(calls)]}
+                    extra = {"tool_calls": calls}
+                if called:
                     reason = parser.finish_reason
                 if text or thought or extra or entries or reason:
                     logprobs = None
@@ -808,7 +809,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         ``reasoning_splits`` (one): the reply's reasoning comes as a reasoning item before its answer."""
         try:
             yield events.start()
-            async for _, thought, text, calls, update in held_updates(updates, 1, parser, reasoning_splits):
+            async for _, thought, text, calls, update, _ in held_updates(updates, 1, parser, reasoning_splits):
                 if update.finish_reason == "error":
                     yield events.fail(failed().message)
                     break
