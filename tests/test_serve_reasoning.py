@@ -259,7 +259,8 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning(r1):
     chunks, reasoning, content = streamed(client, tools=TOOLS)
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
     assert reasoning == THOUGHT and content.strip() == "Let me check." and "<tool" not in content
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+    assert [t.function.name for t in calls if t.id] == ["get_weather"] and len(calls) > 2  # streamed in pieces
+    assert "".join(t.function.arguments for t in calls) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
