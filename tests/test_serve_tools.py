@@ -108,7 +108,9 @@ def joined(deltas: list[list[dict]]) -> list[tuple[str, str, str]]:
     (Llama3JsonToolCalls(), '<|python_tag|>{"name": "get_weather", "parameters": {"city":"Paris", "n": -1e3}} ; '
                             '{"name": "now", "parameters": {}}'),
     (MistralToolCalls(), 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par\u00eds"}}, '
-                         '{"name": "now"}]')])
+                         '{"name": "now"}]'),
+    (RequiredToolCalls(), '\n[{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}},'
+                          '{"name": "now", "parameters": {}}]')])
 @pytest.mark.parametrize("size", [1, 3, 7])
 def test_calls_stream_as_they_come_and_join_to_the_whole_replys(parser, reply, size):
     text, deltas, called = streamed(parser, reply, size)
@@ -279,16 +281,33 @@ def test_a_named_tool_choice_constrains_the_output_to_its_arguments(served):
 
 
 def test_a_required_tool_choice_gives_one_call_or_more(served):
+    """Streamed, the calls come as the auto ones do: each one's id and name, then its arguments in pieces, joined
+    (as the openai client joins them) the non-streamed reply's."""
     scheduler, _, client = served
     scheduler.reply = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
                        '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
     out = ask(client, tool_choice="required")
     assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
-    assert [json.loads(t.function.arguments)["city"] for t in out.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    whole = out.choices[0].message.tool_calls
+    assert [json.loads(t.function.arguments)["city"] for t in whole] == ["Paris", "Rome"]
     chunks = list(ask(client, tool_choice="required", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.index, json.loads(t.function.arguments)["city"]) for t in calls] == [(0, "Paris"), (1, "Rome")]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(t.index, t.function.name) for t in calls if t.id] == [(0, "get_weather"), (1, "get_weather")]
+    assert all(t.function.name is None for t in calls if not t.id)
+    assert sum(t.index == 0 for t in calls) > 2 and sum(t.index == 1 for t in calls) > 2  # the arguments in pieces
+    assert ["".join(t.function.arguments for t in calls if t.index == i) for i in (0, 1)] == [
+        w.function.arguments for w in whole]
+    first_of_rome = next(i for i, c in enumerate(chunks) if c.choices and any(
+        t.index == 1 for t in c.choices[0].delta.tool_calls or []))
+    assert first_of_rome < len(chunks) - 1  # not all in the last chunk
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == [None] * (len(chunks) - 1) + ["tool_calls"]
+    with client.chat.completions.stream(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                        tools=TOOLS, tool_choice="required") as stream:  # the client's accumulation
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == [
+        (w.function.name, w.function.arguments) for w in whole]
 
 
 def test_the_schema_of_a_forced_call():

@@ -18,7 +18,8 @@ come (:class:`JsonStream` writes them as ``json.dumps`` does, so the pieces join
 A ``tool_choice`` that forces a call needs no parser and no call format of the model's: the output is constrained
 (models/structured_output.py) to the JSON schema :func:`forced_call_schema` gives, as vLLM and OpenAI do. A named
 function's output is its arguments (:class:`NamedToolCall`; streamed as they come, :class:`NamedCallStream`);
-``"required"`` makes it a JSON list of one or more {"name": ..., "parameters": {...}} (:class:`RequiredToolCalls`).
+``"required"`` makes it a JSON list of one or more {"name": ..., "parameters": {...}} (:class:`RequiredToolCalls`;
+streamed each as it comes, as a parser's calls are).
 """
 from __future__ import annotations
 
@@ -207,8 +208,9 @@ TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCal
 
 
 class ForcedToolCalls:
-    """Output constrained to calls (tool_choice "required" or a named function): all of it held while it streams,
-    the calls parsed at its end. ``finish_reason``: the choice's finish reason when the calls parse."""
+    """Output constrained to calls (tool_choice "required" or a named function): none of it streams as text; the
+    calls are read as they come (``call_at``) or at its end. ``finish_reason``: the choice's finish reason when the
+    calls parse."""
 
     finish_reason = "tool_calls"
 
@@ -218,8 +220,8 @@ class ForcedToolCalls:
     def first(self, text: str) -> int:
         return 0
 
-    def call_at(self, text: str, at: int, index: int) -> int:
-        return -1  # (the calls come whole at the end)
+    def call_at(self, text: str, at: int, index: int) -> int | None:
+        return -1  # (a named function's arguments stream through NamedCallStream)
 
     def values(self, text: str):
         """The JSON value the output holds (None where it does not parse: cut by max_tokens, say)."""
@@ -273,7 +275,11 @@ class NamedCallStream:
 
 
 class RequiredToolCalls(ForcedToolCalls):
-    """The output is a JSON list of {"name": ..., "parameters": {...}}, one call each."""
+    """The output is a JSON list of {"name": ..., "parameters": {...}}, one call each, which streams as an auto
+    call does: each as it comes (ToolCallStream)."""
+
+    def call_at(self, text: str, at: int, index: int) -> int | None:
+        return _listed_call_at(text, at, index)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         values = self.values(text)
