@@ -240,33 +240,71 @@ def test_a_function_call_round_trip_through_the_chat_template(served):  # noqa: 
     assert tokenizer.decode(scheduler.prompts[-1]) == rendered
 
 
+def call_events(events) -> list[list]:
+    """A stream's events of each function call item: added, its argument deltas, done (checked in that shape,
+    each naming its item), in the order the items came."""
+    items, open_ = [], None
+    for event in events:
+        if event.type == "response.output_item.added" and event.item.type == "function_call":
+            open_ = [event]
+            items.append(open_)
+        elif open_ is not None and event.type.startswith("response.function_call_arguments."):
+            assert event.item_id == open_[0].item.id and event.output_index == open_[0].output_index
+            open_.append(event)
+        elif open_ is not None and event.type == "response.output_item.done":
+            assert event.item.id == open_[0].item.id and event.output_index == open_[0].output_index
+            open_.append(event)
+            open_ = None
+        else:
+            assert open_ is None, f"{event.type} while a call item is open"
+    for added, *deltas, done, closed in items:
+        assert added.item.arguments == "" and added.item.status == "in_progress"
+        assert [e.type for e in deltas] == ["response.function_call_arguments.delta"] * len(deltas)
+        assert done.type == "response.function_call_arguments.done" and closed.item.status == "completed"
+        assert "".join(e.delta for e in deltas) == done.arguments == closed.item.arguments
+        assert (closed.item.call_id, closed.item.name) == (added.item.call_id, added.item.name) == (
+            added.item.call_id, done.name)
+    return items
+
+
 def test_streamed_calls_come_as_function_call_items_and_no_tag_leaks(served):  # noqa: F811 (the fixture)
+    """As OpenAI streams a function call: its item added (name and call id, no arguments), its arguments in
+    deltas as they come, their done event, the item done; the client's accumulation the non-streamed output."""
     scheduler, _, client = served
     scheduler.reply = CALLING
+    whole = client.responses.create(model="tiny", input="Weather?", tools=TOOLS)
     events = list(client.responses.create(model="tiny", input="Weather?", tools=TOOLS, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    (call,) = call_events(events)
     assert [e.type for e in events] == ["response.created", "response.in_progress", *TEXT_EVENTS,
-                                        *["response.output_text.delta"] * len(deltas), *TEXT_END, *CALL_EVENTS,
-                                        "response.completed"]
+                                        *["response.output_text.delta"] * len(deltas), *TEXT_END,
+                                        *[e.type for e in call], "response.completed"]
     assert "".join(deltas).strip() == "Let me check." and "<tool" not in "".join(deltas)
-    added, done = events[-5].item, events[-2].item
-    assert (added.type, added.arguments, added.status, events[-5].output_index) == ("function_call", "",
-                                                                                    "in_progress", 1)
-    assert (done.call_id, done.name, done.status) == (added.call_id, "get_weather", "completed")
-    assert json.loads(done.arguments) == {"city": "Paris"} == json.loads(events[-4].delta)
-    assert events[-1].response.output[1] == done
+    assert len(call) > 4 and call[0].output_index == 1  # the arguments in more than one delta
+    done = call[-1].item
+    assert (done.name, done.arguments) == (whole.output[1].name, whole.output[1].arguments)
+    assert done.call_id.startswith("call_") and done.id.startswith("fc_") and events[-1].response.output[1] == done
     scheduler.reply = "\n " + TWO_CALLS  # blank text before the calls: no message item, as a whole response
+    whole = client.responses.create(model="tiny", input="Weather?", tools=TOOLS)
     with client.responses.stream(model="tiny", input="Weather?", tools=TOOLS) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         response = stream.get_final_response()
-    assert kinds == ["response.created", "response.in_progress", *CALL_EVENTS, *CALL_EVENTS, "response.completed"]
-    assert [(item.name, json.loads(item.arguments)) for item in response.output] == [
-        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
-    assert response.output_text == ""
+    calls = call_events(events)
+    assert [e.type for e in events] == ["response.created", "response.in_progress",
+                                        *[e.type for c in calls for e in c], "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [c[0].output_index for c in calls] == [0, 1] and all(len(c) > 4 for c in calls)
+    assert [(item.type, item.name, item.arguments, item.status) for item in response.output] == [
+        (item.type, item.name, item.arguments, item.status) for item in whole.output]
+    assert [json.loads(item.arguments) for item in response.output] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert response.output_text == "" and len({item.call_id for item in response.output}) == 2
     scheduler.reply = TWO_CALLS
     one = client.responses.create(model="tiny", input="Weather?", tools=TOOLS, parallel_tool_calls=False)
     assert [json.loads(item.arguments) for item in one.output] == [{"city": "Paris"}]
     assert one.parallel_tool_calls is False
+    with client.responses.stream(model="tiny", input="Weather?", tools=TOOLS, parallel_tool_calls=False) as stream:
+        assert [item.arguments for item in stream.get_final_response().output] == [one.output[0].arguments]
 
 
 def test_a_forced_tool_choice_gives_function_call_items(served):  # noqa: F811 (the fixture)
@@ -280,9 +318,19 @@ def test_a_forced_tool_choice_gives_function_call_items(served):  # noqa: F811 (
     assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {
         "city": "Paris"}
     assert named.status == "completed" and scheduler.params[-1].grammar is not None
+    with client.responses.stream(model="tiny", input="hi", tools=TOOLS,  # streamed: its arguments as they come
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        (streamed,) = call_events(list(stream))
+        final = stream.get_final_response()
+    assert len(streamed) > 4 and [(c.name, c.arguments) for c in final.output] == [(call.name, call.arguments)]
     scheduler.reply = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
     required = client.responses.create(model="tiny", input="hi", tools=TOOLS, tool_choice="required")
     assert [(c.type, json.loads(c.arguments)) for c in required.output] == [("function_call", {"city": "Rome"})]
+    with client.responses.stream(model="tiny", input="hi", tools=TOOLS, tool_choice="required") as stream:
+        (streamed,) = call_events(list(stream))
+        final = stream.get_final_response()
+    assert len(streamed) > 4 and [(c.type, c.name, c.arguments) for c in final.output] == [
+        (c.type, c.name, c.arguments) for c in required.output]
 
 
 def test_tools_and_tool_choices_the_server_cannot_honour_are_refused(served):  # noqa: F811 (the fixture)

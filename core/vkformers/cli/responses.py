@@ -325,8 +325,10 @@ class ResponseEvents:
     response.in_progress; the reasoning item where the reply has reasoning, its reasoning_text deltas and its
     closing events (once the answer starts); the message item, opened at the reply's first text that is not blank
     (blank text before tool calls is dropped, as a whole response drops it), its text deltas, and its closing
-    events; a function call item per call at the end, its arguments in one delta; response.completed, or
-    response.incomplete where the token limit cut the reply (response.failed where the batch failed)."""
+    events; a function call item per call as it comes (the ``tool_calls`` deltas of ToolCallStream's incremental
+    mode): opened with its name and call id, its arguments in deltas as they come, closed once the next item opens
+    or the reply ends; response.completed, or response.incomplete where the token limit cut the reply
+    (response.failed where the batch failed). One item is open at a time: each is numbered as it opens."""
 
     def __init__(self, head: dict):
         self.head, self.sequence, self.output = head, 0, []
@@ -335,6 +337,8 @@ class ResponseEvents:
         self.message: dict | None = None  # the message item while it is open
         self.text, self.logprobs = "", []  # its text and log-probabilities sent so far
         self.unsent, self.unsent_logprobs = "", []
+        self.call: dict | None = None  # the function call item while it is open
+        self.called = False  # whether the reply had a function call item
         self.response: dict | None = None  # the whole response, once finished
 
     def event(self, kind: str, **fields) -> str:
@@ -383,8 +387,40 @@ class ResponseEvents:
         events = self._open() if self.message is None else ""
         return events + self._send()
 
+    def add_calls(self, deltas: list[dict]) -> str:
+        """The events of ``tool_calls`` deltas (models/tool_calls.py CallDeltas): one with an id opens its call's
+        item (closing the item open before it), each carries the next piece of the open call's arguments."""
+        events = ""
+        for delta in deltas:
+            if "id" in delta:
+                events += self._close_reasoning("completed") + self._close_call()
+                if self.message is not None:
+                    events += self._close("completed")
+                self.unsent, self.unsent_logprobs = "", []  # (blank text before the call: dropped)
+                self.call, self.called = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
+                                          "call_id": delta["id"], "name": delta["function"]["name"],
+                                          "arguments": ""}, True
+                events += self.event("response.output_item.added", output_index=len(self.output), item=self.call)
+            piece = delta["function"]["arguments"]  # (of the open call: a call is whole before the next opens)
+            if piece:
+                self.call = {**self.call, "arguments": self.call["arguments"] + piece}
+                events += self.event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                     output_index=len(self.output), delta=piece)
+        return events
+
+    def _close_call(self) -> str:
+        if self.call is None:
+            return ""
+        item, index = {**self.call, "status": "completed"}, len(self.output)
+        self.output.append(item)
+        self.call = None
+        return self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                          name=item["name"], arguments=item["arguments"]) + \
+            self.event("response.output_item.done", output_index=index, item=item)
+
     def _open(self) -> str:
-        events = self._close_reasoning("completed")  # the answer starts: the reasoning is whole
+        # the answer starts: the reasoning is whole (and text after calls follows the last)
+        events = self._close_reasoning("completed") + self._close_call()
         self.message = message_item("", [], "in_progress")
         index = len(self.output)
         return events + \
@@ -400,28 +436,19 @@ class ResponseEvents:
         return self.event("response.output_text.delta", item_id=self.message["id"], output_index=len(self.output),
                           content_index=0, delta=text, logprobs=logprobs)
 
-    def finish(self, calls: list[ToolCall], finish_reason: str, input_tokens: int, output_tokens: int,
-               reasoning_tokens: int = 0) -> str:
-        """The events that end the response (which ``self.response`` then holds)."""
-        answered = bool(calls or self.unsent) or self.message is not None
+    def finish(self, finish_reason: str, input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> str:
+        """The events that end the response (which ``self.response`` then holds); a call item still open closes
+        whole, as a whole response gives it, the response's status telling where the token limit cut it."""
+        answered = bool(self.called or self.unsent) or self.message is not None
         events = self._close_reasoning("completed" if answered else item_status(finish_reason))
-        if self.message is None and not calls and (self.unsent or not self.thought):
+        if self.message is None and not self.called and (self.unsent or not self.thought):
             events += self._open()  # a reply of no text, or blank text only: a message all the same
         if self.message is not None:
             if self.unsent:
                 events += self._send()
             self.logprobs += self.unsent_logprobs  # (of tokens whose text was held back, a stop string's)
             events += self._close(item_status(finish_reason))
-        for call in calls:
-            item, index = function_call_item(call), len(self.output)
-            events += self.event("response.output_item.added", output_index=index,
-                                 item={**item, "arguments": "", "status": "in_progress"})
-            events += self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                 delta=item["arguments"])
-            events += self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                 name=item["name"], arguments=item["arguments"])
-            events += self.event("response.output_item.done", output_index=index, item=item)
-            self.output.append(item)
+        events += self._close_call()
         self.response = finished(self.head, self.output, finish_reason, input_tokens, output_tokens, reasoning_tokens)
         last = "response.completed" if self.response["status"] == "completed" else "response.incomplete"
         return events + self.event(last, response=self.response)

@@ -806,16 +806,22 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def stream_response(jobs, updates, parser, events: ResponseEvents, prompt_tokens: int, logprobs, keep,
                               reasoning_splits: list[ReasoningStream] | None = None):
         """A streamed response's events (ResponseEvents) as its reply comes; ``keep`` takes the whole response.
-        ``reasoning_splits`` (one): the reply's reasoning comes as a reasoning item before its answer."""
+        ``reasoning_splits`` (one): the reply's reasoning comes as a reasoning item before its answer. Each call
+        streams as it comes (a named function's arguments too), as on the chat route."""
+        named = NamedCallStream(parser) if isinstance(parser, NamedToolCall) else None
         try:
             yield events.start()
-            async for _, thought, text, calls, update, _ in held_updates(updates, 1, parser, reasoning_splits):
+            async for _, thought, text, calls, update, _ in held_updates(
+                    updates, 1, None if named else parser, reasoning_splits, incremental=True):
                 if update.finish_reason == "error":
                     yield events.fail(failed().message)
                     break
-                chunk = events.add_reasoning(thought) + events.add_text(text, logprobs(update.logprobs))
+                if named is not None:
+                    calls, text = named.feed(text) if text else [], ""
+                chunk = events.add_reasoning(thought) + events.add_text(text, logprobs(update.logprobs)) + \
+                    events.add_calls(calls)
                 if update.finish_reason:
-                    chunk += events.finish(calls, update.finish_reason, prompt_tokens, update.completion_tokens,
+                    chunk += events.finish(update.finish_reason, prompt_tokens, update.completion_tokens,
                                            reasoning_splits[0].reasoning_tokens if reasoning_splits else 0)
                     keep(events.response)
                 if chunk:
