@@ -305,6 +305,16 @@ def test_streamed_calls_come_as_function_call_items_and_no_tag_leaks(served):  #
     assert one.parallel_tool_calls is False
     with client.responses.stream(model="tiny", input="Weather?", tools=TOOLS, parallel_tool_calls=False) as stream:
         assert [item.arguments for item in stream.get_final_response().output] == [one.output[0].arguments]
+    scheduler.reply, scheduler.finish = TWO_CALLS[:-18], "length"  # cut in the second call: the text after the first
+    try:
+        events = list(client.responses.create(model="tiny", input="Weather?", tools=TOOLS, stream=True))
+    finally:
+        scheduler.finish = "stop"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [c[-1].item.arguments for c in call_events(events)] == ['{"city": "Paris"}', '{"city": "R']
+    final = events[-1].response
+    assert final.status == "incomplete" and [item.type for item in final.output] == ["function_call"] * 2 + ["message"]
+    assert final.output_text == TWO_CALLS[TWO_CALLS.index("</tool_call>"):-18]
 
 
 def test_a_forced_tool_choice_gives_function_call_items(served):  # noqa: F811 (the fixture)

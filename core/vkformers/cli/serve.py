@@ -818,8 +818,11 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                     break
                 if named is not None:
                     calls, text = named.feed(text) if text else [], ""
-                chunk = events.add_reasoning(thought) + events.add_text(text, logprobs(update.logprobs)) + \
-                    events.add_calls(calls)
+                if events.called:  # text once a call went out: what follows the last whole call (ToolCallStream)
+                    chunk = events.add_calls(calls) + events.add_text(text, logprobs(update.logprobs))
+                else:
+                    chunk = events.add_reasoning(thought) + events.add_text(text, logprobs(update.logprobs)) + \
+                        events.add_calls(calls)
                 if update.finish_reason:
                     chunk += events.finish(update.finish_reason, prompt_tokens, update.completion_tokens,
                                            reasoning_splits[0].reasoning_tokens if reasoning_splits else 0)
