@@ -415,13 +415,20 @@ def serving(scheduler, tokenizer, **options):
         scheduler.close()
 
 
-@pytest.fixture(scope="module")
-def server(tiny, web):
+@contextlib.contextmanager
+def serving_tiny(tiny):
+    """The tiny GGUF llama of write_tiny_model on a scheduler of 4 rows and 96 positions, served."""
     path, tokenizer, _ = tiny
     model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
                                eos=cli_serve.eos_ids(model, tokenizer)).start()
     with serving(scheduler, tokenizer) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(tiny, web):
+    with serving_tiny(tiny) as served:
         yield served
 
 

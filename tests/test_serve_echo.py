@@ -16,8 +16,8 @@ import re
 
 import numpy as np
 import pytest
-from test_serve import (PROMPTS, SERVED, encode, error_of, openai, reference_tokens, request, scheduler_on,
-                        serving, wait_for, write_tiny_model)
+from test_serve import (PROMPTS, SERVED, encode, error_of, openai, reference_tokens, request, scheduler_on,  # noqa: F401
+                        serving, serving_tiny, wait_for, web, write_tiny_model)  # (web: a fixture)
 from test_serve_recurrent import PROMPTS as RECURRENT_PROMPTS
 from test_serve_recurrent import alone, char_tokenizer, load
 
@@ -40,15 +40,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
-    if openai is None:
-        pytest.fail("the serve tests need pip install 'vkformers[serve,test]' (Starlette, uvicorn, openai)",
-                    pytrace=False)
-    path, tokenizer, _ = tiny
-    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
-    scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
-                               eos=cli_serve.eos_ids(model, tokenizer)).start()
-    with serving(scheduler, tokenizer) as served:
+def server(tiny, web):  # noqa: F811 (the fixture)
+    with serving_tiny(tiny) as served:
         yield served
 
 
