@@ -6,7 +6,9 @@ wrappers included), asks the family plugin for its model class, and uploads the
 safetensors weights (single file or sharded) in the requested dtype, one tensor at a
 time: each is read from the memory-mapped file, converted, uploaded and dropped
 (models/lazy_weights.py), so host memory holds about one tensor, not the model.
-Pickled ``.bin`` checkpoints are refused and remote code is never executed.
+Without safetensors, PyTorch's pickled weights (``pytorch_model.bin``, sharded or
+not, or one ``.pt``/``.pth``) are read by an unpickler that only rebuilds tensors
+(models/torch_pickle.py): nothing in the file is run. Remote code is never executed.
 """
 from __future__ import annotations
 
@@ -35,12 +37,17 @@ from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_wei
                                        transformers_quantization)
 from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
+from vkformers.models.torch_pickle import read_torch_checkpoint
 from vkformers.runtime import dtypes as dt
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 # sentence-transformers' layout (vkformers.SentenceTransformer)
                 "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*/config.json"]
+# fetched only where a repo has no safetensors weights (read by models/torch_pickle.py); */ for a sentence-transformers
+# Dense module's folder
+HUB_PICKLE_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json",
+                       "*/pytorch_model.bin"]
 
 
 class HubError(VkformersError, OSError):
@@ -65,9 +72,13 @@ def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=N
         raise CheckpointError(f"{name_or_path}: no such file or folder")
     from huggingface_hub import constants, snapshot_download  # slow to import: only for a hub name
     offline = constants.HF_HUB_OFFLINE
+    fetch = partial(snapshot_download, str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
+                    local_files_only=bool(offline or local_files_only))
     try:
-        return Path(snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
-                                      allow_patterns=HUB_PATTERNS, local_files_only=bool(offline or local_files_only)))
+        folder = Path(fetch(allow_patterns=HUB_PATTERNS))
+        if not any(folder.glob("*.safetensors")):  # an older repo with only PyTorch's pickled weights
+            folder = Path(fetch(allow_patterns=HUB_PICKLE_PATTERNS))
+        return folder
     except Exception as exc:  # huggingface_hub raises many types; all mean "could not get it"
         where = cache_dir or constants.HF_HUB_CACHE
         mode = ("offline (HF_HUB_OFFLINE is set) and it is not in" if offline else
@@ -130,33 +141,56 @@ def read_json(file: Path):
         raise CheckpointError(f"{file}: not valid JSON ({exc}); fix or re-download the file") from None
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
 def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        listing = read_json(index)
-        weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
-            raise CheckpointError(f"{index}: no \"weight_map\" object (tensor name -> shard file); fix or "
-                                  "re-download the file")
-        shards = sorted(set(weight_map.values()))
-        root = folder.resolve()
-        outside = [s for s in shards if not (folder / s).resolve().is_relative_to(root)]
-        if outside:
-            raise CheckpointError(f"{index}: shard {outside[0]!r} lies outside the model folder {folder}; "
-                                  "vkformers reads shards only from inside it")
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
-            raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
-        return [folder / s for s in shards]
+    """The checkpoint's weight files, as transformers picks them: safetensors (sharded, model.safetensors, any
+    .safetensors), else pickled PyTorch weights (sharded, pytorch_model.bin, the one .bin/.pt/.pth)."""
+    if (folder / "model.safetensors.index.json").is_file():
+        return _index_shards(folder / "model.safetensors.index.json")
     if (folder / "model.safetensors").is_file():  # the one file transformers reads; others may sit beside it
         return [folder / "model.safetensors"]
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return files
-    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")) or list(folder.glob("*.pth")):
-        raise CheckpointError(f"{folder}: only pickled PyTorch weights (.bin/.pt); vkformers never unpickles "
-                              "(it can run arbitrary code). Convert them to safetensors first.")
-    raise CheckpointError(f"{folder}: no model.safetensors")
+    if (folder / "pytorch_model.bin.index.json").is_file():
+        return _index_shards(folder / "pytorch_model.bin.index.json")
+    if (folder / "pytorch_model.bin").is_file():
+        return [folder / "pytorch_model.bin"]
+    pickled = sorted(f for suffix in PICKLE_SUFFIXES for f in folder.glob("*" + suffix))
+    if len(pickled) > 1:
+        raise CheckpointError(f"{folder}: several PyTorch weight files ({', '.join(f.name for f in pickled)}) "
+                              "and no pytorch_model.bin; name the model's pytorch_model.bin or move the others")
+    if pickled:
+        return pickled
+    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin")
+
+
+def _index_shards(index: Path) -> list[Path]:
+    """The shards a ``*.index.json`` lists, each checked to lie inside its folder and to be there."""
+    folder = index.parent
+    listing = read_json(index)
+    weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise CheckpointError(f"{index}: no \"weight_map\" object (tensor name -> shard file); fix or "
+                              "re-download the file")
+    shards = sorted(set(weight_map.values()))
+    root = folder.resolve()
+    outside = [s for s in shards if not (folder / s).resolve().is_relative_to(root)]
+    if outside:
+        raise CheckpointError(f"{index}: shard {outside[0]!r} lies outside the model folder {folder}; "
+                              "vkformers reads shards only from inside it")
+    missing = [s for s in shards if not (folder / s).is_file()]
+    if missing:
+        raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
+    return [folder / s for s in shards]
+
+
+def read_weight_file(file: Path) -> dict:
+    """One weight file's tensors (name -> TensorEntry), memory-mapped: safetensors, or a torch.save'd state dict
+    read by an unpickler that only rebuilds tensors (models/torch_pickle.py)."""
+    return read_torch_checkpoint(file) if file.suffix in PICKLE_SUFFIXES else read_safetensors(file)
 
 
 def read_weights(folder: Path, convert=None, prequantized: PrequantizedFormat | None = None,
@@ -167,7 +201,7 @@ def read_weights(folder: Path, convert=None, prequantized: PrequantizedFormat | 
     packs each as it is read."""
     entries = {}
     for file in weight_files(folder):
-        entries.update(read_safetensors(file))  # memory-mapped: nothing is read yet
+        entries.update(read_weight_file(file))  # memory-mapped: nothing is read yet
     weights = LazyWeights({name: entry.weight() for name, entry in entries.items()} if prequantized is None else
                           prequantized.weights(entries, keep_packed=keep_packed))
     return weights if convert is None else convert.converted(weights)

@@ -32,9 +32,9 @@ from vkformers.engine.tensor import Tensor
 from vkformers.errors import VkformersError
 from vkformers.models.heads import head_config, mean_pool, take_tokens
 from vkformers.models.gguf import is_gguf_file
-from vkformers.models.loading import AutoModel, AutoTokenizer, load_config, read_json, resolve_checkpoint
+from vkformers.models.loading import (AutoModel, AutoTokenizer, load_config, read_json, read_weights,
+                                     resolve_checkpoint)
 from vkformers.models.plugins import plugin_manager, registry
-from vkformers.models.safetensors_io import read_safetensors
 
 PAD_MULTIPLE = 16
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "lasttoken")  # concat order
@@ -95,7 +95,8 @@ class Pooling:
 
 
 class Dense:
-    """sentence-transformers' Dense module: activation(x @ W.T + b), weights in its folder's model.safetensors."""
+    """sentence-transformers' Dense module: activation(x @ W.T + b), weights in its folder's model.safetensors
+    (or pytorch_model.bin)."""
 
     def __init__(self, folder: Path):
         config = read_json(folder / "config.json")
@@ -103,11 +104,7 @@ class Dense:
         if act not in DENSE_ACTIVATIONS:
             raise SentenceTransformerError(f"{folder}: Dense activation {act} is not supported; known: "
                                            f"{', '.join(sorted(DENSE_ACTIVATIONS))}")
-        file = folder / "model.safetensors"
-        if not file.is_file():
-            raise SentenceTransformerError(f"{folder}: no model.safetensors (vkformers never unpickles "
-                                           "pytorch_model.bin); convert it to safetensors")
-        weights = {name: entry.as_float() for name, entry in read_safetensors(file).items()}
+        weights = read_weights(folder)  # model.safetensors or pytorch_model.bin
         self.activation = DENSE_ACTIVATIONS[act]
         self.weight = Tensor(np.ascontiguousarray(weights["linear.weight"], np.float32))
         self.bias = Tensor(weights["linear.bias"].astype(np.float32)) if "linear.bias" in weights else None
