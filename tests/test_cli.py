@@ -71,7 +71,8 @@ def test_an_adapter_folder_is_checked_before_the_model_loads(tmp_path, capsys, c
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
                                                             "target_modules": ["q_proj"]}))
     assert main([command, *model, *extra]) == 1
-    assert capsys.readouterr().err == f"vkformers {command}: error: {adapter}: no adapter_model.safetensors\n"
+    assert capsys.readouterr().err == (f"vkformers {command}: error: {adapter}: no adapter_model.safetensors "
+                                       "(nor adapter_model.bin)\n")
     assert not (tmp_path / "merged").exists()
 
 

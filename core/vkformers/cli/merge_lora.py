@@ -14,7 +14,7 @@ def add_parser(subparsers):
                                           "the base's. The result loads in transformers without peft.")
     p.add_argument("--model", required=True, help="base model folder or hub repo id")
     p.add_argument("--adapter", required=True, type=Path, help="folder with adapter_config.json and "
-                                                               "adapter_model.safetensors")
+                                                               "adapter_model.safetensors (or .bin)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--dtype", default="auto", help="dtype of the saved weights (default: the base model's)")
     p.set_defaults(func=run)

@@ -22,7 +22,9 @@ none, share the batch and its decode step.
 
 Files, as PEFT writes them: ``adapter_config.json`` and ``adapter_model.safetensors`` with keys
 ``base_model.model.<module path>.lora_A.weight`` (and ``base_model.model.<path>.weight`` for
-``modules_to_save``), so ``peft.PeftModel.from_pretrained`` loads what we save and vice versa.
+``modules_to_save``), so ``peft.PeftModel.from_pretrained`` loads what we save and vice versa. A folder without
+``adapter_model.safetensors`` may hold ``adapter_model.bin`` instead (``torch.save``'d, the default of PEFT < 0.4),
+read as PEFT does when there is no safetensors file, by models/torch_pickle.py; we always write safetensors.
 """
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ from vkformers.errors import VkformersError
 from vkformers.models.layers import Linear, UpdatedLinear
 from vkformers.models.module import Module
 from vkformers.models.atomic import write_json_atomic
-from vkformers.models.safetensors_io import read_safetensors, write_safetensors
+from vkformers.models.safetensors_io import TensorEntry, read_safetensors, write_safetensors
+from vkformers.models.torch_pickle import read_torch_checkpoint
 from vkformers.runtime import dtypes as dt
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PICKLED_ADAPTER_WEIGHTS = "adapter_model.bin"  # PEFT < 0.4's torch.save; read where there is no safetensors
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 
@@ -294,10 +298,17 @@ def read_adapter_config(folder) -> LoraConfig:
 
 
 def adapter_weights_file(folder) -> Path:
-    file = Path(folder) / ADAPTER_WEIGHTS
-    if not file.is_file():
-        raise LoraError(f"{folder}: no {ADAPTER_WEIGHTS}")
-    return file
+    """The adapter's weights: adapter_model.safetensors, else adapter_model.bin (safetensors first, as PEFT)."""
+    for name in (ADAPTER_WEIGHTS, PICKLED_ADAPTER_WEIGHTS):
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    raise LoraError(f"{folder}: no {ADAPTER_WEIGHTS} (nor {PICKLED_ADAPTER_WEIGHTS})")
+
+
+def read_adapter_weights(file: Path) -> dict[str, TensorEntry]:
+    """An adapter weights file's tensors under the model's names (lora_A.weight, ...), memory-mapped."""
+    entries = read_torch_checkpoint(file) if file.name == PICKLED_ADAPTER_WEIGHTS else read_safetensors(file)
+    return {_peft_key_to_model(k): e for k, e in entries.items()}
 
 
 def check_adapter_folder(folder) -> LoraConfig:
@@ -317,7 +328,7 @@ def _peft_key_to_model(key: str) -> str:
 def load_adapter_weights(model: Module, folder) -> None:
     """Fill the adapters and modules_to_save of a LoRA-wrapped model from an adapter folder (checked both ways)."""
     file = adapter_weights_file(folder)
-    arrays = {_peft_key_to_model(k): e.as_float() for k, e in read_safetensors(file).items()}
+    arrays = {k: e.as_float() for k, e in read_adapter_weights(file).items()}
     expected = adapter_parameter_names(model)
     missing = sorted(set(expected) - set(arrays))
     unexpected = sorted(set(arrays) - set(expected))
@@ -458,7 +469,7 @@ def serve_adapters(model: Module, folders: dict) -> AdapterSelector:
         if config.r < 1:
             raise LoraError(f"adapter {name!r} ({folder}): rank {config.r}; it must be >= 1")
         file = adapter_weights_file(folder)
-        arrays = {_peft_key_to_model(k): e.as_float() for k, e in read_safetensors(file).items()}
+        arrays = {k: e.as_float() for k, e in read_adapter_weights(file).items()}
         targets = resolve_targets(model, config.target_modules)
         expected = {f"{t}.lora_{x}.weight" for t in targets for x in "AB"}
         missing, unexpected = sorted(expected - set(arrays)), sorted(set(arrays) - expected)
