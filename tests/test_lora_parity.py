@@ -5,20 +5,26 @@ the logits) for the llama fixture's model, and PEFT's outputs with it on the lla
 vkformers loads the base model plus that adapter and must give PEFT's logits (1e-4 absolute), loss
 (1e-5 relative), LoRA gradients (1e-3 relative to each tensor's largest element) and LoRA parameters
 after one AdamW step (lr 1e-2, betas (0.9, 0.999), eps 1e-8, weight decay 0.01; 1e-5 absolute); and
-save_adapter must write what PEFT wrote: the same tensor names, shapes and bytes, and the same config.
+save_adapter must write what PEFT wrote: the same tensor names, shapes and bytes, and the same config. The same
+adapter torch.save'd as adapter_model.bin (PEFT < 0.4) loads, merges and serves bit for bit as the safetensors one.
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from fixture_cases import read_reference
 from test_decoder_parity import FIXTURES
+from vkformers.cli import main
 from vkformers.engine.tensor import parameter, tensor
 from vkformers.models.loading import AutoModelForCausalLM
-from vkformers.models.safetensors_io import read_safetensors
+from vkformers.models.module import CheckpointError
+from vkformers.models.safetensors_io import read_safetensors, write_safetensors
 from vkformers.optim import AdamW
-from vkformers.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, save_adapter, trainable_parameters
+from vkformers.models.lora import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PICKLED_ADAPTER_WEIGHTS, LoraError, PeftModel,
+                                   check_adapter_folder, load_adapter, save_adapter, serve_adapters,
+                                   trainable_parameters)
 
 ADAPTER = FIXTURES / "llama_lora"
 pytestmark = pytest.mark.skipif(not (ADAPTER / ADAPTER_WEIGHTS).is_file(), reason="no llama_lora fixture")
@@ -108,3 +114,70 @@ def test_a_new_adapter_config_agrees_with_peft(tmp_path):
                  if v != peft_config[k] and k != "base_model_name_or_path"}
     assert not differing, f"(ours, PEFT's): {differing}"
     assert sorted(read_safetensors(tmp_path / ADAPTER_WEIGHTS)) == sorted(read_safetensors(ADAPTER / ADAPTER_WEIGHTS))
+
+
+# ---------------------------------------------------------------- PEFT < 0.4's adapter_model.bin
+
+PICKLED_ADAPTER = FIXTURES / "torch_pickle" / "llama_lora"  # this adapter torch.save'd (make_torch_pickle_fixtures)
+IDS = np.array([[1, 5, 9, 2, 7, 30, 4]], np.int32)
+
+
+def base_llama():
+    return AutoModelForCausalLM.from_pretrained(FIXTURES / "llama", dtype="float32", requires_grad=False)
+
+
+def test_a_pickled_adapter_gives_the_logits_of_its_safetensors_bit_for_bit():
+    assert sorted(p.name for p in PICKLED_ADAPTER.iterdir()) == [ADAPTER_CONFIG, PICKLED_ADAPTER_WEIGHTS]
+    expected = load_adapter(base_llama(), ADAPTER)(IDS).logits.numpy()
+    assert np.abs(expected - base_llama()(IDS).logits.numpy()).max() > 0.1  # the adapter changes the logits
+    np.testing.assert_array_equal(load_adapter(base_llama(), PICKLED_ADAPTER)(IDS).logits.numpy(), expected)
+    np.testing.assert_array_equal(PeftModel.from_pretrained(base_llama(), PICKLED_ADAPTER)(IDS).logits.numpy(),
+                                  expected)
+    from_pretrained = AutoModelForCausalLM.from_pretrained(FIXTURES / "llama", dtype="float32", adapter=PICKLED_ADAPTER)
+    np.testing.assert_array_equal(from_pretrained(IDS).logits.numpy(), expected)
+
+
+def test_merge_lora_of_a_pickled_adapter_saves_what_its_safetensors_gives(tmp_path, capsys):
+    """``vkformers merge-lora`` (what ``serve --adapter DIR`` and ``generate --adapter`` do at load: checked, loaded,
+    merged): the merged weights are bit for bit those merged from the safetensors adapter."""
+    merged = {}
+    for name, folder in (("safetensors", ADAPTER), ("bin", PICKLED_ADAPTER)):
+        assert main(["merge-lora", "--model", str(FIXTURES / "llama"), "--adapter", str(folder),
+                     "--out", str(tmp_path / name), "--dtype", "float32"]) == 0
+        merged[name] = {k: e.as_float() for k, e in read_safetensors(tmp_path / name / "model.safetensors").items()}
+    assert sorted(merged["bin"]) == sorted(merged["safetensors"])
+    for key, array in merged["safetensors"].items():
+        np.testing.assert_array_equal(merged["bin"][key], array, err_msg=key)
+    base = {k: e.as_float() for k, e in read_safetensors(FIXTURES / "llama" / "model.safetensors").items()}
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert np.abs(merged["bin"][q_proj] - base[q_proj]).max() > 1e-3  # the adapter was merged in
+
+
+def test_a_pickled_adapter_served_by_name_rows_as_its_safetensors():
+    """``serve --adapter NAME=DIR`` (serve_adapters): a row taking the .bin adapter gets the logits of a row taking
+    the same adapter from safetensors, bit for bit, and check_adapter_folder accepts the folder."""
+    assert check_adapter_folder(PICKLED_ADAPTER).r == 4
+    model = base_llama()
+    selector = serve_adapters(model, {"safetensors": ADAPTER, "bin": PICKLED_ADAPTER})
+    with selector.selecting(tensor(selector.row_scales([1, 2]))):
+        logits = model(np.concatenate([IDS, IDS])).logits.numpy()
+    np.testing.assert_array_equal(logits[1], logits[0])
+    np.testing.assert_array_equal(logits[0], load_adapter(base_llama(), ADAPTER)(IDS).logits.numpy()[0])
+
+
+def test_safetensors_is_read_before_a_pickled_adapter_and_neither_is_refused(tmp_path):
+    """As PEFT: with both files the safetensors one is read (here zeroed B matrices, the base model's logits)."""
+    both = tmp_path / "both"
+    shutil.copytree(PICKLED_ADAPTER, both)
+    entries = read_safetensors(ADAPTER / ADAPTER_WEIGHTS)
+    write_safetensors(both / ADAPTER_WEIGHTS, {k: e.as_float() * (0 if ".lora_B." in k else 1)
+                                               for k, e in entries.items()})
+    np.testing.assert_array_equal(load_adapter(base_llama(), both)(IDS).logits.numpy(),
+                                  base_llama()(IDS).logits.numpy())
+    (both / ADAPTER_WEIGHTS).unlink()
+    (both / PICKLED_ADAPTER_WEIGHTS).unlink()
+    with pytest.raises(LoraError, match=r"no adapter_model\.safetensors \(nor adapter_model\.bin\)$"):
+        load_adapter(base_llama(), both)
+    (both / PICKLED_ADAPTER_WEIGHTS).write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="adapter_model.bin: not a zip checkpoint"):
+        load_adapter(base_llama(), both)

@@ -14,6 +14,9 @@ safetensors and sentence-transformers (no network); the files are made from the 
                           Transformer module saves it (no "bert." prefix, no classifier)
     dense/                a sentence-transformers Dense(32 -> 8) saved with safe_serialization=False;
     dense.safetensors     the same module saved with safetensors
+    llama_lora/           the llama_lora fixture's PEFT adapter as PEFT < 0.4 saved it: adapter_config.json and
+                          adapter_model.bin (torch.save of get_peft_model_state_dict, the keys of
+                          adapter_model.safetensors)
 
 Each checkpoint is loaded back with torch.load(weights_only=True) / transformers and checked against its source.
 Deterministic: re-running with the same torch gives byte-identical files.
@@ -27,8 +30,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from sentence_transformers.sentence_transformer.modules import Dense
+from peft import PeftModel, get_peft_model_state_dict
 from transformers import AutoConfig, BertModel, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,11 +125,28 @@ def dense():
     shutil.rmtree(OUT / "dense_safetensors")
 
 
+def llama_lora():
+    """PEFT < 0.4's save_pretrained: torch.save(get_peft_model_state_dict(model), "adapter_model.bin")."""
+    source = FIXTURES / "llama_lora"
+    model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(FIXTURES / "llama"), source).eval()
+    state = get_peft_model_state_dict(model)
+    safe = load_file(source / "adapter_model.safetensors")
+    assert sorted(state) == sorted(safe) and all(torch.equal(state[k], safe[k]) for k in safe)
+    folder = OUT / "llama_lora"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "adapter_config.json", folder)
+    torch.save(state, folder / "adapter_model.bin")
+    # PEFT still reads a folder with adapter_model.bin only, to the same logits
+    again = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(FIXTURES / "llama"), folder).eval()
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
 def main():
     torch.set_num_threads(1)
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir(parents=True)
-    for make in (llama_tied, llama_sharded_bf16, tensors, bert, dense):
+    for make in (llama_tied, llama_sharded_bf16, tensors, bert, dense, llama_lora):
         make()
     files = sorted(p for p in OUT.rglob("*") if p.is_file())
     for path in files:
