@@ -13,7 +13,6 @@ not, or one ``.pt``/``.pth``) are read by an unpickler that only rebuilds tensor
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +27,8 @@ from vkformers.models.gguf import gguf_weights, is_gguf_file, load_gguf_model, l
 from vkformers.models.generation_settings import generation_config_of
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
+# re-exported: loaders of other checkpoints (sentence-transformers, encoder-decoder) take them from here
+from vkformers.models.hub import HUB_PATTERNS, HUB_PICKLE_PATTERNS, HubError, resolve_checkpoint  # noqa: F401
 from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.lora import LoraError, ServedLoraLinear, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
@@ -40,50 +41,11 @@ from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folde
 from vkformers.models.torch_pickle import read_torch_checkpoint
 from vkformers.runtime import dtypes as dt
 
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                # sentence-transformers' layout (vkformers.SentenceTransformer)
-                "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*/config.json"]
-# fetched only where a repo has no safetensors weights (read by models/torch_pickle.py); */ for a sentence-transformers
-# Dense module's folder
-HUB_PICKLE_PATTERNS = ["pytorch_model.bin", "pytorch_model-*.bin", "pytorch_model.bin.index.json",
-                       "*/pytorch_model.bin"]
-
-
-class HubError(VkformersError, OSError):
-    """A repo id that could not be fetched (offline without a cached copy, unknown repo, network down)."""
-
-
 @dataclass
 class CausalLMOutput:
     logits: object = None
     loss: object = None
     hidden_states: tuple | None = None  # output_hidden_states=True: the embeddings, then each layer's output
-
-
-def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=None, token=None,
-                       local_files_only: bool = False) -> Path:
-    """A local folder as is; otherwise a hub repo id fetched (only the files we use) into the HF cache (``token``:
-    a Hugging Face access token for gated or private repos, else HF_TOKEN or the saved login)."""
-    path = Path(os.path.expanduser(str(name_or_path)))
-    if path.exists():
-        return path
-    if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
-        raise CheckpointError(f"{name_or_path}: no such file or folder")
-    from huggingface_hub import constants, snapshot_download  # slow to import: only for a hub name
-    offline = constants.HF_HUB_OFFLINE
-    fetch = partial(snapshot_download, str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
-                    local_files_only=bool(offline or local_files_only))
-    try:
-        folder = Path(fetch(allow_patterns=HUB_PATTERNS))
-        if not any(folder.glob("*.safetensors")):  # an older repo with only PyTorch's pickled weights
-            folder = Path(fetch(allow_patterns=HUB_PICKLE_PATTERNS))
-        return folder
-    except Exception as exc:  # huggingface_hub raises many types; all mean "could not get it"
-        where = cache_dir or constants.HF_HUB_CACHE
-        mode = ("offline (HF_HUB_OFFLINE is set) and it is not in" if offline else
-                "not in" if local_files_only else "could not be fetched into")
-        raise HubError(f"model {name_or_path!r} {mode} the cache {where}: {type(exc).__name__}: {exc}") from None
 
 
 def load_config(folder: Path) -> dict:
