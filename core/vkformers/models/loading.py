@@ -30,7 +30,7 @@ from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 # re-exported: loaders of other checkpoints (sentence-transformers, encoder-decoder) take them from here
 from vkformers.models.hub import HUB_PATTERNS, HUB_PICKLE_PATTERNS, HubError, resolve_checkpoint  # noqa: F401
 from vkformers.models.lazy_weights import LazyWeights
-from vkformers.models.lora import LoraError, ServedLoraLinear, load_adapter, save_adapter
+from vkformers.models.lora import ADAPTER_HUB_OPTIONS, LoraError, ServedLoraLinear, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
 from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.prequantized import PrequantizedFormat, checkpoint_quantization
@@ -254,7 +254,7 @@ class AutoModelClass:
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
                         trust_remote_code: bool = False, requires_grad: bool = True, adapter=None,
                         quantization: str | None = None, dequantize: bool = False, token=None,
-                        local_files_only: bool = False, **head_options):
+                        local_files_only: bool = False, adapter_kwargs: dict | None = None, **head_options):
         """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
         checkpoint while loading (models/quantize.py). A checkpoint published pre-quantized (FP8, GPTQ, AWQ:
         models/prequantized.py) loads as it is. A GGUF file keeps its block formats unless ``dequantize=True``.
@@ -264,7 +264,9 @@ class AutoModelClass:
         too (``transformers_loading_options``): ``torch_dtype`` for ``dtype``, and ``device_map``,
         ``attn_implementation`` and ``low_cpu_mem_usage`` where they ask for nothing vkformers does otherwise, and
         ``quantization_config`` / ``load_in_4bit`` / ``load_in_8bit`` (models/quantize.py's
-        transformers_quantization)."""
+        transformers_quantization). ``adapter``: a PEFT LoRA adapter folder or hub repo id put on the model, fetched
+        with this call's ``token``, ``cache_dir`` and ``local_files_only``; ``adapter_kwargs`` (transformers' name)
+        gives its own ``revision``, ``subfolder`` or any of those."""
         if trust_remote_code:
             raise VkformersError("vkformers never runs code from a checkpoint (trust_remote_code=True refused)")
         dtype = transformers_loading_options(head_options, dtype)
@@ -273,6 +275,12 @@ class AutoModelClass:
                                                "ignore_mismatched_sizes"} if cls.task in HEAD_MODELS else set()))
         if unknown:
             raise VkformersError(f"{cls.__name__}.from_pretrained() takes no {unknown[0]}=")
+        adapter_hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only,
+                       **(adapter_kwargs or {})}
+        unknown = sorted(set(adapter_hub) - set(ADAPTER_HUB_OPTIONS))
+        if unknown:
+            raise VkformersError(f"adapter_kwargs={{{unknown[0]!r}: ...}}: the adapter's hub options are "
+                                 f"{', '.join(ADAPTER_HUB_OPTIONS)}")
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
             if quantization is not None:
                 raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; a GGUF "
@@ -284,7 +292,7 @@ class AutoModelClass:
             model = cls._from_folder(name_or_path, dtype, revision, cache_dir, requires_grad, quantization,
                                      head_options, dequantize, {"token": token, "local_files_only": local_files_only})
         if adapter is not None:  # a PEFT LoRA adapter: applied on top, base weights frozen
-            load_adapter(model, adapter)
+            load_adapter(model, adapter, **adapter_hub)
         return model.eval()
 
     @classmethod

@@ -25,6 +25,9 @@ Files, as PEFT writes them: ``adapter_config.json`` and ``adapter_model.safetens
 ``modules_to_save``), so ``peft.PeftModel.from_pretrained`` loads what we save and vice versa. A folder without
 ``adapter_model.safetensors`` may hold ``adapter_model.bin`` instead (``torch.save``'d, the default of PEFT < 0.4),
 read as PEFT does when there is no safetensors file, by models/torch_pickle.py; we always write safetensors.
+
+Wherever an adapter folder is taken, a hub repo id is too (``PeftModel.from_pretrained(model, "org/some-lora")``):
+:func:`resolve_adapter` fetches only its adapter files into the HF cache, as models/hub.py fetches checkpoints.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from vkformers.errors import VkformersError
 from vkformers.models.layers import Linear, UpdatedLinear
 from vkformers.models.module import Module
 from vkformers.models.atomic import write_json_atomic
+from vkformers.models.hub import fetch_repo, is_path_name, local_path
 from vkformers.models.safetensors_io import TensorEntry, read_safetensors, write_safetensors
 from vkformers.models.torch_pickle import read_torch_checkpoint
 from vkformers.runtime import dtypes as dt
@@ -52,6 +56,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PICKLED_ADAPTER_WEIGHTS = "adapter_model.bin"  # PEFT < 0.4's torch.save; read where there is no safetensors
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
+ADAPTER_HUB_OPTIONS = ("subfolder", "revision", "token", "cache_dir", "local_files_only")  # resolve_adapter's
 
 # PEFT's defaults per model_type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the families
 # we run; anything else falls back to q_proj/v_proj.
@@ -287,8 +292,31 @@ def save_adapter(model: Module, folder) -> None:
     write_json_atomic(folder / ADAPTER_CONFIG, model.lora_config.to_peft_dict())
 
 
+def resolve_adapter(name_or_path, *, subfolder: str | None = None, revision: str | None = None, token=None,
+                    cache_dir=None, local_files_only: bool = False) -> Path:
+    """The local folder of an adapter: a folder as is (``subfolder`` inside it), else a hub repo id whose
+    adapter_config.json and adapter_model.safetensors are fetched into the HF cache, adapter_model.bin only where it
+    has no safetensors (PEFT's ``subfolder``, ``revision``, ``token``, ``cache_dir``, ``local_files_only``). A path
+    that does not exist and is no repo id comes back absolute (resolved again, it stays a path: Path drops a leading
+    "./"), for the reader to say what is missing."""
+    path = local_path(name_or_path)
+    inside = subfolder.strip("/") + "/" if subfolder else ""
+    if path.exists():
+        return path / inside
+    if is_path_name(name_or_path):
+        return path.absolute() / inside
+    snapshot = fetch_repo(str(name_or_path), [inside + ADAPTER_CONFIG, inside + ADAPTER_WEIGHTS],
+                          fallback_patterns=[inside + PICKLED_ADAPTER_WEIGHTS],
+                          needs_fallback=lambda folder: not (folder / inside / ADAPTER_WEIGHTS).is_file(),
+                          what="adapter", revision=revision, cache_dir=cache_dir, token=token,
+                          local_files_only=local_files_only)
+    return snapshot / inside
+
+
 def read_adapter_config(folder) -> LoraConfig:
-    file = Path(folder) / ADAPTER_CONFIG
+    """``folder``: an adapter folder or hub repo id (:func:`resolve_adapter`)."""
+    folder = resolve_adapter(folder)
+    file = folder / ADAPTER_CONFIG
     if not file.is_file():
         raise LoraError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
     try:
@@ -299,6 +327,7 @@ def read_adapter_config(folder) -> LoraConfig:
 
 def adapter_weights_file(folder) -> Path:
     """The adapter's weights: adapter_model.safetensors, else adapter_model.bin (safetensors first, as PEFT)."""
+    folder = resolve_adapter(folder)
     for name in (ADAPTER_WEIGHTS, PICKLED_ADAPTER_WEIGHTS):
         if (Path(folder) / name).is_file():
             return Path(folder) / name
@@ -314,6 +343,7 @@ def read_adapter_weights(file: Path) -> dict[str, TensorEntry]:
 def check_adapter_folder(folder) -> LoraConfig:
     """The adapter's config, its weights file present: what a command checks before it spends minutes loading the
     base model (whether the weights fit the model is checked when they load)."""
+    folder = resolve_adapter(folder)
     config = read_adapter_config(folder)
     adapter_weights_file(folder)
     return config
@@ -326,7 +356,8 @@ def _peft_key_to_model(key: str) -> str:
 
 
 def load_adapter_weights(model: Module, folder) -> None:
-    """Fill the adapters and modules_to_save of a LoRA-wrapped model from an adapter folder (checked both ways)."""
+    """Fill the adapters and modules_to_save of a LoRA-wrapped model from an adapter folder or hub repo id (checked
+    both ways)."""
     file = adapter_weights_file(folder)
     arrays = {k: e.as_float() for k, e in read_adapter_weights(file).items()}
     expected = adapter_parameter_names(model)
@@ -345,11 +376,13 @@ def load_adapter_weights(model: Module, folder) -> None:
                                   old.requires_grad if old is not None else True, name)
 
 
-def load_adapter(model: Module, folder, *, trainable: bool = False) -> Module:
-    """Wrap ``model`` as the adapter folder says and load its weights (for inference unless ``trainable``).
+def load_adapter(model: Module, folder, *, trainable: bool = False, **hub) -> Module:
+    """Wrap ``model`` as the adapter folder (or hub repo id) says and load its weights (for inference unless
+    ``trainable``); ``hub``: :func:`resolve_adapter`'s options (``subfolder``, ``revision``, ``token``, ...).
 
     This is what ``from_pretrained(..., adapter=PATH)`` calls after loading the base model.
     """
+    folder = resolve_adapter(folder, **hub)
     config = read_adapter_config(folder)
     apply_lora(model, config, init=False)
     load_adapter_weights(model, folder)
@@ -366,12 +399,15 @@ def get_peft_model(model: Module, config: LoraConfig) -> Module:
 
 
 class PeftModel:
-    """PEFT's loader: ``PeftModel.from_pretrained(base_model, adapter_folder, is_trainable=False)`` is
-    :func:`load_adapter` (the base model, wrapped in place)."""
+    """PEFT's loader: ``PeftModel.from_pretrained(base_model, adapter_folder_or_repo_id, is_trainable=False)`` is
+    :func:`load_adapter` (the base model, wrapped in place), with PEFT's hub options."""
 
     @staticmethod
-    def from_pretrained(model: Module, model_id, is_trainable: bool = False) -> Module:
-        return load_adapter(model, model_id, trainable=is_trainable)
+    def from_pretrained(model: Module, model_id, is_trainable: bool = False, *, subfolder: str | None = None,
+                        revision: str | None = None, token=None, cache_dir=None,
+                        local_files_only: bool = False) -> Module:
+        return load_adapter(model, model_id, trainable=is_trainable, subfolder=subfolder, revision=revision,
+                            token=token, cache_dir=cache_dir, local_files_only=local_files_only)
 
 
 def merge_lora(model: Module) -> Module:
@@ -452,14 +488,15 @@ class ServedLoraLinear(UpdatedLinear):
 
 
 def serve_adapters(model: Module, folders: dict) -> AdapterSelector:
-    """Put the PEFT LoRA adapters of ``folders`` (name -> folder) on ``model`` side by side, unmerged, for a server
-    whose requests each pick one (or none) by name: every layer some adapter targets becomes a ServedLoraLinear.
-    Refused: a model that carries adapters already, adapters with modules_to_save (whole modules trained: rows of one
-    batch cannot differ in them), weights that do not fit the model, and adapters on layers that run on other rows
-    than one per request (a mixture's experts, on lists of tokens)."""
+    """Put the PEFT LoRA adapters of ``folders`` (name -> folder or hub repo id) on ``model`` side by side, unmerged,
+    for a server whose requests each pick one (or none) by name: every layer some adapter targets becomes a
+    ServedLoraLinear. Refused: a model that carries adapters already, adapters with modules_to_save (whole modules
+    trained: rows of one batch cannot differ in them), weights that do not fit the model, and adapters on layers that
+    run on other rows than one per request (a mixture's experts, on lists of tokens)."""
     if any(isinstance(m, (LoraLinear, ServedLoraLinear)) for _, m in model.named_modules()):
         raise LoraError("the model carries LoRA layers already: merge them first (merge_lora)")
-    configs = {name: read_adapter_config(folder) for name, folder in folders.items()}
+    local = {name: resolve_adapter(folder) for name, folder in folders.items()}
+    configs = {name: read_adapter_config(folder) for name, folder in local.items()}
     weights: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     for name, folder in folders.items():
         config = configs[name]
@@ -468,7 +505,7 @@ def serve_adapters(model: Module, folders: dict) -> AdapterSelector:
                             "which the rows of one batch cannot differ in; serve it merged (--adapter DIR) instead")
         if config.r < 1:
             raise LoraError(f"adapter {name!r} ({folder}): rank {config.r}; it must be >= 1")
-        file = adapter_weights_file(folder)
+        file = adapter_weights_file(local[name])
         arrays = {k: e.as_float() for k, e in read_adapter_weights(file).items()}
         targets = resolve_targets(model, config.target_modules)
         expected = {f"{t}.lora_{x}.weight" for t in targets for x in "AB"}
