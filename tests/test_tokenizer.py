@@ -180,8 +180,8 @@ def test_missing_tokenizer_json(tmp_path):
     (folder / "config.json").write_text("{}")
     with pytest.raises(TokenizerError, match=r"no-tokenizer: no tokenizer\.json"):
         AutoTokenizer.from_pretrained(folder)
-    (folder / "tokenizer.model").write_bytes(b"\0")
-    with pytest.raises(TokenizerError, match=r"tokenizer\.model: a slow tokenizer"):
+    (folder / "tokenizer.model").write_bytes(b"\0")  # a slow tokenizer's file, but no class to rebuild it with
+    with pytest.raises(TokenizerError, match=r"no tokenizer\.json, only tokenizer\.model, and no tokenizer_class"):
         AutoTokenizer.from_pretrained(folder)
 
 

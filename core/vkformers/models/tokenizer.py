@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.slow_tokenizers import SlowTokenizerError, load_slow_tokenizer
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -634,25 +635,36 @@ def tokenizer_config(folder: Path) -> dict:
 
 
 def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> PreTrainedTokenizer:
+    """The tokenizer of a checkpoint folder: its tokenizer.json, else its slow tokenizer's files (vocab.txt,
+    vocab.json + merges.txt, a SentencePiece .model) rebuilt as transformers does (models/slow_tokenizers.py)."""
     from tokenizers import Tokenizer  # loaded with the first tokenizer, not with vkformers
     folder = Path(folder)
     file = folder / "tokenizer.json"
-    if not file.is_file():
-        present = [name for name in ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-                   if (folder / name).is_file()]
-        hint = (f" (it has {', '.join(present)}: a slow tokenizer; write tokenizer.json with transformers' "
-                "tokenizer.save_pretrained)") if present else ""
-        raise TokenizerError(f"{folder}: no tokenizer.json; vkformers reads the tokenizers-library file "
-                             f"tokenizer.json (with tokenizer_config.json for special tokens){hint}")
-    try:
-        backend = Tokenizer.from_file(str(file))
-    except Exception as exc:  # the Rust side raises a bare Exception on malformed files
-        raise TokenizerError(f"{file}: not a tokenizers file ({exc})") from None
     config = tokenizer_config(folder)
-    if "tokenizer_class" not in config and (folder / "config.json").is_file():
+    model_config = {}
+    if (folder / "config.json").is_file() and not (file.is_file() and "tokenizer_class" in config):
+        model_config = _read_json(folder / "config.json")
+    slow = None
+    if file.is_file():
+        try:
+            backend = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust side raises a bare Exception on malformed files
+            raise TokenizerError(f"{file}: not a tokenizers file ({exc})") from None
+    else:
+        try:
+            slow = load_slow_tokenizer(folder, config, model_config)
+        except SlowTokenizerError as exc:
+            raise TokenizerError(str(exc)) from None
+        backend = slow.backend
+        config = {**slow.defaults, **config}  # the tokenizer class's special tokens where the config names none
+    if "tokenizer_class" not in config and model_config:
         # which inputs the model takes (token_type_ids or not) then follows its model_type, as in transformers
-        config.setdefault("model_type", _read_json(folder / "config.json").get("model_type"))
-    return PreTrainedTokenizer(backend, config, name_or_path=name_or_path or str(folder))
+        config.setdefault("model_type", model_config.get("model_type"))
+    tokenizer = PreTrainedTokenizer(backend, config, name_or_path=name_or_path or str(folder))
+    if slow is not None and slow.post_processor is not None:
+        # the classes that set their template after transformers applies add_bos_token/add_eos_token keep it
+        backend.post_processor = slow.post_processor(tokenizer)
+    return tokenizer
 
 
 __all__ = ["BatchEncoding", "PreTrainedTokenizer", "TokenizerError", "compile_chat_template",
