@@ -190,3 +190,39 @@ def test_real_bert_vocabulary_matches_its_tokenizer_json(tmp_path):
         assert slow.decode(got["input_ids"]) == fast.decode(expected["input_ids"])
         assert slow.decode(got["input_ids"], skip_special_tokens=True) == \
             fast.decode(expected["input_ids"], skip_special_tokens=True)
+
+
+def test_a_hub_repo_with_only_slow_files_is_fetched_with_them(tmp_path, monkeypatch):
+    """resolve_checkpoint's hub patterns take the slow files, so a repo without tokenizer.json still loads."""
+    from fnmatch import fnmatch
+    variant = fixture_variant("roberta")
+    repo = variant_folder(tmp_path, "bytelevel", variant)
+    (repo / "model.safetensors").write_bytes(b"")
+    (repo / "optimizer.pt").write_bytes(b"never fetched")
+    snapshot = tmp_path / "snapshot"
+
+    def snapshot_download(repo_id, *, allow_patterns, **options):
+        snapshot.mkdir(exist_ok=True)
+        for file in repo.iterdir():
+            if any(fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, snapshot)
+        return str(snapshot)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    tok = AutoTokenizer.from_pretrained("someone/tiny-roberta")
+    assert sorted(p.name for p in snapshot.iterdir()) == ["merges.txt", "model.safetensors", "tokenizer_config.json",
+                                                         "vocab.json"]
+    row = variant["rows"][1]
+    assert tok(row["text"])["input_ids"] == row["encoding"]["input_ids"]
+
+
+def test_training_output_keeps_the_slow_files(tmp_path):
+    """vkformers train copies the tokenizer's files beside the final model: the slow ones too."""
+    from vkformers.cli.train import copy_tokenizer_files
+    source = variant_folder(tmp_path, "llama", fixture_variant("llama_legacy"))
+    final = tmp_path / "final"
+    final.mkdir()
+    copy_tokenizer_files(source, final)
+    assert sorted(p.name for p in final.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
+    row = fixture_variant("llama_legacy")["rows"][3]
+    assert AutoTokenizer.from_pretrained(final)(row["text"])["input_ids"] == row["encoding"]["input_ids"]

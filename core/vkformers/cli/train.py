@@ -41,6 +41,7 @@ from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForQuestion
                                       AutoModelForSequenceClassification, AutoModelForTokenClassification, load_config,
                                       resolve_checkpoint)
 from vkformers.models.quantize import quantized_weight_names, refuse_quantized
+from vkformers.models.slow_tokenizers import SLOW_TOKENIZER_FILES
 from vkformers.training import distributed
 from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, apply_lora, fixed_batches,
                                 hf_dataset_files, init_weights, load_dataset, load_tokenizer)
@@ -50,7 +51,7 @@ from vkformers.training.labelled import (LabelledBatches, evaluate_classifier, e
 from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   "generation_config.json", *SLOW_TOKENIZER_FILES)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TASKS = ("causal-lm", "sequence-classification", "token-classification", "question-answering")
 # the data columns each labelled task reads by default (--text-column, --label-column)

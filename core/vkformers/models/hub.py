@@ -13,9 +13,12 @@ from typing import Callable
 
 from vkformers.errors import VkformersError
 from vkformers.models.module import CheckpointError
+from vkformers.models.slow_tokenizers import SLOW_TOKENIZER_FILES
 
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                # a slow tokenizer's files, read where a repo has no tokenizer.json (models/slow_tokenizers.py)
+                *SLOW_TOKENIZER_FILES,
                 # sentence-transformers' layout (vkformers.SentenceTransformer)
                 "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "*/config.json"]
 # fetched only where a repo has no safetensors weights (read by models/torch_pickle.py); */ for a sentence-transformers
