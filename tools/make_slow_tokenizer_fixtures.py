@@ -4,7 +4,7 @@ tests/test_slow_tokenizers.py to compare vkformers' reading of the same files wi
 
 The vocabularies are trained here on a small built-in corpus, so the folder stays small (no network):
 
-* ``wordpiece/vocab.txt``: a WordPiece vocabulary (the ``tokenizers`` library's trainer);
+* ``wordpiece/vocab.txt``: a WordPiece vocabulary of the corpus's characters, a few suffixes and its words;
 * ``bytelevel/vocab.json`` + ``merges.txt``: a byte-level BPE (GPT-2's alphabet);
 * ``llama/tokenizer.model``: a SentencePiece BPE with byte fallback, as Llama 2 ships;
 * ``t5/spiece.model``, ``albert/spiece.model``, ``xlmr/sentencepiece.bpe.model``: SentencePiece unigram models with
@@ -19,7 +19,8 @@ file's ``inputs`` (truncated, without special tokens, a padded batch, a chat tem
     /tmp/tfvenv/bin/pip install sentencepiece protobuf   # to train the .model files and let transformers read them
     /tmp/tfvenv/bin/python tools/make_slow_tokenizer_fixtures.py   # -> tests/fixtures/slow_tokenizers/
 
-Made with transformers 5.24.0, tokenizers 0.23.3 and sentencepiece 0.2.x (recorded in each expected.json).
+Made with transformers 5.24.0, tokenizers 0.23.3 and sentencepiece 0.2.3 (recorded in each expected.json); a
+rerun with the same versions writes the same bytes.
 """
 from __future__ import annotations
 

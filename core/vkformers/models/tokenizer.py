@@ -2,8 +2,10 @@
 
 ``AutoTokenizer.from_pretrained(path_or_repo)`` (models/loading.py) reads ``tokenizer.json`` (the "fast"
 tokenizer file every recent checkpoint ships) and ``tokenizer_config.json`` (special tokens, ``add_bos_token``,
-padding side, chat template), or the tokenizer a ``.gguf`` file describes. The object it returns behaves like a transformers
-fast tokenizer for the parts inference and training need::
+padding side, chat template), or the tokenizer a ``.gguf`` file describes. A checkpoint without tokenizer.json has its
+slow tokenizer's files (``vocab.txt``; ``vocab.json`` + ``merges.txt``; a SentencePiece ``.model``) rebuilt into the
+``tokenizers`` tokenizer transformers builds from them (models/slow_tokenizers.py). The object it returns behaves
+like a transformers fast tokenizer for the parts inference and training need::
 
     tok = AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")
     batch = tok(["hi", "a longer prompt"], padding=True, padding_side="left", return_tensors="np")
@@ -16,8 +18,7 @@ applied, only their sides and pad token kept as defaults. BERT-style tokenizers 
 
 Chat templates are Jinja, rendered like transformers renders them (sandboxed, ``trim_blocks``/``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that does not escape HTML), so a template written for
-transformers produces the same text here. Slow (sentencepiece ``tokenizer.model`` only) tokenizers are not read:
-such a checkpoint needs its ``tokenizer.json`` (``transformers`` writes one with ``save_pretrained``).
+transformers produces the same text here.
 """
 from __future__ import annotations
 
