@@ -200,6 +200,16 @@ VARIANTS = [
                                       "pad_token": "<pad>", "added_tokens_decoder": {
                                           "400": {**ADDED, "content": "<pad>", "special": True}}},
      None, {}),
+    # as Llama 2 checkpoints saved by transformers 4 spell it
+    ("llama", "llama_2_config", {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": None, "legacy": None,
+                                 "add_bos_token": True, "add_eos_token": False, "pad_token": None,
+                                 "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+                                 "padding_side": "right", "use_default_system_prompt": False,
+                                 "sp_model_kwargs": {}, "added_tokens_decoder": {
+                                     "0": {**ADDED, "content": "<unk>", "special": True},
+                                     "1": {**ADDED, "content": "<s>", "special": True},
+                                     "2": {**ADDED, "content": "</s>", "special": True}}},
+     {"model_type": "llama"}, {}),
     ("t5", "t5", {"tokenizer_class": "T5Tokenizer"}, None, {}),
     ("t5", "t5_few_extra_ids", {"tokenizer_class": "T5Tokenizer", "extra_ids": 3}, None, {}),
     ("albert", "albert", {"tokenizer_class": "AlbertTokenizer", "do_lower_case": True, "keep_accents": False}, None,
@@ -208,6 +218,13 @@ VARIANTS = [
      {}),
     ("xlmr", "xlm_roberta", {"tokenizer_class": "XLMRobertaTokenizer"}, None, {}),
     ("xlmr", "xlm_roberta_by_model_type", {}, {"model_type": "xlm-roberta"}, {}),
+    # settings written as null: what each class makes of None
+    ("albert", "albert_nulls", {"tokenizer_class": "AlbertTokenizer", "do_lower_case": None, "keep_accents": None,
+                                "add_prefix_space": None}, None, {}),
+    ("xlmr", "xlm_roberta_null_prefix_space", {"tokenizer_class": "XLMRobertaTokenizer", "add_prefix_space": None},
+     None, {}),
+    ("llama", "generic_null_legacy", {"tokenizer_class": "TokenizersBackend", "legacy": None}, {"model_type": "llama"},
+     {}),
     # transformers' generic TokenizersBackend: a llama model_type without tokenizer_class, a Mistral whose
     # tokenizer_class says LlamaTokenizer (overridden), a unigram model under the generic class
     ("llama", "generic_llama_model_type", None, {"model_type": "llama"}, {}),

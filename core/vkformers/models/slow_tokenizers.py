@@ -229,6 +229,7 @@ class SlowTokenizer:
 
 
 def _setting(config: dict, name: str, default):
+    """A setting the class reads as "None: its default" (others take ``config.get(name, default)`` as given)."""
     value = config.get(name)
     return default if value is None else value
 
@@ -258,7 +259,11 @@ def _bert(folder: Path, config: dict, *, lowercase: bool | None = None) -> SlowT
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     defaults = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
                 "mask_token": "[MASK]"}
-    vocab = models.WordPiece.read_file(str(_file(folder, "vocab.txt")))
+    vocab_file = _file(folder, "vocab.txt")
+    try:
+        vocab = models.WordPiece.read_file(str(vocab_file))
+    except Exception as exc:  # the Rust side raises a bare Exception on malformed files
+        raise SlowTokenizerError(f"{vocab_file}: not a WordPiece vocabulary ({exc})") from None
     unk = _text(_setting(config, "unk_token", defaults["unk_token"]))
     backend = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     backend.normalizer = normalizers.BertNormalizer(
@@ -370,14 +375,14 @@ def _albert(folder: Path, config: dict) -> SlowTokenizer:
     spm = read_sentencepiece_model(_file(folder, "spiece.model", *SENTENCEPIECE_FILES))
     backend = _unigram_model(spm, folder, "AlbertTokenizer", [(p, s) for p, s, _ in spm.pieces], unk_id=1)
     steps = [normalizers.Replace("``", '"'), normalizers.Replace("''", '"')]
-    if not _setting(config, "keep_accents", False):
+    if not config.get("keep_accents", False):
         steps += [normalizers.NFKD(), normalizers.StripAccents()]
-    if _setting(config, "do_lower_case", True):
+    if config.get("do_lower_case", True):
         steps.append(normalizers.Lowercase())
     if spm.precompiled_charsmap:
         steps.append(normalizers.Precompiled(spm.precompiled_charsmap))
     backend.normalizer = normalizers.Sequence(steps)
-    scheme = "always" if _setting(config, "add_prefix_space", True) else "never"
+    scheme = "always" if config.get("add_prefix_space", True) else "never"
     backend.pre_tokenizer = _metaspace_pre_tokenizer(scheme)
     backend.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme=scheme)
     defaults = {"bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "<unk>", "sep_token": "[SEP]",
@@ -403,7 +408,7 @@ def _xlm_roberta(folder: Path, config: dict) -> SlowTokenizer:
     backend = _unigram_model(spm, folder, "XLMRobertaTokenizer", vocab, unk_id=3)
     if spm.precompiled_charsmap:
         backend.normalizer = normalizers.Precompiled(spm.precompiled_charsmap)
-    scheme = "always" if _setting(config, "add_prefix_space", True) else "never"
+    scheme = "always" if config.get("add_prefix_space", True) else "never"
     backend.pre_tokenizer = _metaspace_pre_tokenizer(scheme)
     backend.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme=scheme)
     bos, eos = named["bos_token"], named["eos_token"]
@@ -427,7 +432,7 @@ def _sentencepiece(folder: Path, config: dict) -> SlowTokenizer:
     if spm.model_type not in (UNIGRAM, BPE):
         raise SlowTokenizerError(f"{folder / 'tokenizer.model'}: a SentencePiece model of type {spm.model_type} "
                                  f"(word or char), which transformers does not convert; {WRITE_TOKENIZER_JSON}")
-    legacy = bool(_setting(config, "legacy", True))
+    legacy = bool(config.get("legacy", True))
     if spm.model_type == BPE:
         vocab = {piece: index for index, (piece, _, _) in enumerate(spm.pieces)}
         decoder = config.get("added_tokens_decoder")
