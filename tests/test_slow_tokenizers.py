@@ -226,3 +226,15 @@ def test_training_output_keeps_the_slow_files(tmp_path):
     assert sorted(p.name for p in final.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
     row = fixture_variant("llama_legacy")["rows"][3]
     assert AutoTokenizer.from_pretrained(final)(row["text"])["input_ids"] == row["encoding"]["input_ids"]
+
+
+def test_added_tokens_decoder_even_empty_replaces_added_tokens_json(tmp_path):
+    """As in transformers, tokenizer_config.json's added_tokens_decoder (here empty) leaves added_tokens.json unread."""
+    variant = fixture_variant("bert_added_tokens_json")
+    folder = variant_folder(tmp_path, "wordpiece", variant)
+    assert len(AutoTokenizer.from_pretrained(folder)) == variant["len"] == 302
+    (folder / "special_tokens_map.json").unlink()  # its additional special token <ent> would be added again
+    assert len(AutoTokenizer.from_pretrained(folder)) == 302
+    (folder / "tokenizer_config.json").write_text(json.dumps({**variant["tokenizer_config"],
+                                                              "added_tokens_decoder": {}}))
+    assert len(AutoTokenizer.from_pretrained(folder)) == 300

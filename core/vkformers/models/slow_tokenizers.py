@@ -530,7 +530,7 @@ def _tokens_to_add(folder: Path, config: dict, slow: SlowTokenizer) -> list:
     named = {_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES} - {None}
     extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
     extra = list(extra.values()) if isinstance(extra, dict) else list(extra)
-    if isinstance(decoder, dict) and decoder:
+    if isinstance(decoder, dict):  # even empty, it stands for added_tokens.json
         for index in sorted(decoder, key=int):
             add(_added_token(decoder[index], normalized=raw))
     elif (folder / "added_tokens.json").is_file():
