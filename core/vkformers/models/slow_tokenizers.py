@@ -586,7 +586,8 @@ def load_slow_tokenizer(folder: Path, config: dict, model_config: dict) -> SlowT
             if name is None else f"tokenizer class {name}"
         raise SlowTokenizerError(
             f"{folder}: no tokenizer.json, only {', '.join(present)}, and {known}; vkformers rebuilds the slow "
-            f"tokenizers of {', '.join(sorted(set(TOKENIZER_CLASSES)))}; {WRITE_TOKENIZER_JSON}")
+            f"tokenizers of BertTokenizer, GPT2Tokenizer, RobertaTokenizer (and their aliases), LlamaTokenizer, "
+            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer and TokenizersBackend; {WRITE_TOKENIZER_JSON}")
     slow = BUILDERS[kind](folder, config)
     full = {**slow.defaults, **config}
     slow.backend.add_tokens(_tokens_to_add(folder, full, slow))
