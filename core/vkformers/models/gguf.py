@@ -21,6 +21,12 @@ the K-quants, ...) to float32. What llama.cpp changed on the way in is undone th
   Tokenizer, with the control tokens as special tokens, BOS/EOS/PAD and the chat template.
 
 A file whose architecture no installed plugin maps raises UnknownArchitectureError listing the mapped ones.
+
+A model split by llama.cpp's ``gguf-split`` (``NAME-00001-of-00003.gguf``, ...: the first part holds the metadata,
+every part its own tensors) is read whole from any of its parts (:func:`gguf_parts`). ``resolve_gguf_file`` finds a
+GGUF file in a folder or a hub repo (transformers' ``from_pretrained(repo, gguf_file=NAME)``), fetching that file
+alone with its other parts; ``gguf_file_of_tag`` picks a repo's file by its quantization tag (llama.cpp's
+``-hf org/repo:Q4_K_M``).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import numpy as np
 from vkformers.engine.quantized import GGUF_FORMATS, QuantizationError, QuantizedArray
 from vkformers.errors import UnknownArchitectureError, VkformersError
 from vkformers.models.config_check import model_dtype
+from vkformers.models.hub import HubError, fetch_repo, is_path_name, local_path
 from vkformers.models.lazy_weights import LazyWeights, Weight
 from vkformers.models.module import CheckpointError
 from vkformers.models.plugins import plugin_manager
@@ -49,6 +56,11 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 DERIVED_TENSORS = ("rope_freqs",)
 # The global tensors most architectures share (GGUF stem -> HF stem).
 DECODER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp's gguf-split: every part holds these keys (the first also all other metadata) and is named
+# NAME-%05d-of-%05d.gguf (its number from 1, then the count).
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
+SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.gguf)", re.IGNORECASE)
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -99,6 +111,184 @@ def _reader(path):
         raise
     except Exception as exc:  # the reader raises ValueError/struct.error/... on foreign or truncated files
         raise CheckpointError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+# -- split files (llama.cpp's gguf-split) -----------------------------------------------------------------------
+def split_part_names(name: str) -> list[str]:
+    """The names of every part of the split GGUF whose part ``name`` names, in order (``m-00002-of-00003.gguf`` ->
+    ``m-00001-of-00003.gguf``, ``m-00002-...``, ``m-00003-...``; a folder before it kept); ``[name]`` for a name
+    that is no part's."""
+    found = SPLIT_NAME.fullmatch(str(name))
+    if found is None or not 1 <= int(found["no"]) <= int(found["count"]):
+        return [str(name)]
+    count = int(found["count"])
+    return [f"{found['prefix']}-{i:05d}-of-{count:05d}{found['suffix']}" for i in range(1, count + 1)]
+
+
+def _split_keys(reader, path: Path) -> tuple[int, int, int] | None:
+    """(split.no, split.count, split.tensors.count) of a part of a split GGUF; None for a whole file."""
+    fields = reader.fields
+    if SPLIT_COUNT not in fields or _field_value(fields[SPLIT_COUNT]) <= 1:
+        return None
+    if SPLIT_NO not in fields or SPLIT_TENSORS_COUNT not in fields:
+        raise CheckpointError(f"{path}: a part of a split GGUF without {SPLIT_NO} or {SPLIT_TENSORS_COUNT}; "
+                              "download the file again")
+    return (int(_field_value(fields[SPLIT_NO])), int(_field_value(fields[SPLIT_COUNT])),
+            int(_field_value(fields[SPLIT_TENSORS_COUNT])))
+
+
+def _part_paths(path: Path, no: int, count: int) -> list[Path]:
+    """The paths of every part of the split GGUF ``path`` is part ``no`` (from 0) of, by gguf-split's names."""
+    found = SPLIT_NAME.fullmatch(path.name)
+    if found is None or (int(found["no"]), int(found["count"])) != (no + 1, count):
+        raise CheckpointError(f"{path}: part {no + 1} of a GGUF split into {count} files, but not named as "
+                              f"gguf-split names it (NAME-{no + 1:05d}-of-{count:05d}.gguf), so its other parts "
+                              "cannot be found; give it back that name")
+    return [path.parent / name for name in split_part_names(path.name)]
+
+
+class SplitReader:
+    """The parts of a split GGUF read as one file: the first part's metadata (``fields``), every part's tensors
+    (``tensors``, each memory-mapped from its own file), and the part files (``paths``)."""
+
+    def __init__(self, readers: list, paths: list[Path]):
+        self.fields = readers[0].fields
+        self.tensors = [tensor for reader in readers for tensor in reader.tensors]
+        self.paths = paths
+
+
+def _open(path):
+    """The reader of the GGUF model at ``path``: a whole file's, or a :class:`SplitReader` over every part of a split
+    one (``path`` any part), each part checked to be there, numbered as its name says and the tensors all there."""
+    path = Path(path).expanduser()
+    reader = _reader(path)
+    split = _split_keys(reader, path)
+    if split is None:
+        return reader
+    no, count, _ = split
+    paths = _part_paths(path, no, count)
+    missing = [part.name for part in paths if not part.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: a GGUF split into {count} files, and {', '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} missing from {path.parent}; download every part "
+                              "into the same folder")
+    readers = []
+    for index, part in enumerate(paths):
+        part_reader = reader if index == no else _reader(part)
+        keys = _split_keys(part_reader, part)
+        if keys is None or keys[:2] != (index, count):
+            said = "no split keys" if keys is None else f"{SPLIT_NO}={keys[0]}, {SPLIT_COUNT}={keys[1]}"
+            raise CheckpointError(f"{part}: not part {index + 1} of {count} of this split GGUF ({said}); download "
+                                  "the parts of one file again")
+        readers.append(part_reader)
+    total = _split_keys(readers[0], paths[0])[2]
+    found = sum(len(r.tensors) for r in readers)
+    if found != total:
+        raise CheckpointError(f"{paths[0]}: {SPLIT_TENSORS_COUNT} says {total} tensors, the {count} parts hold "
+                              f"{found}; a part is from another file or damaged: download the parts again")
+    whole = SplitReader(readers, paths)
+    names = [tensor.name for tensor in whole.tensors]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise CheckpointError(f"{paths[0]}: tensor {twice[0]} is in several parts of the split GGUF; download the "
+                              "parts again")
+    return whole
+
+
+def _metadata_reader(path):
+    """The reader of the file holding a GGUF model's metadata: ``path``, or the first part of the split GGUF it is a
+    part of (the other parts need not be there)."""
+    path = Path(path).expanduser()
+    reader = _reader(path)
+    split = _split_keys(reader, path)
+    if split is None or split[0] == 0:
+        return reader
+    return _reader(_part_paths(path, split[0], split[1])[0])
+
+
+def gguf_parts(path) -> list[Path]:
+    """The files of the GGUF model at ``path``: ``[path]``, or every part of the split GGUF it is any part of, in
+    order (CheckpointError naming the parts missing, or a part that belongs elsewhere)."""
+    reader = _open(path)
+    return list(reader.paths) if isinstance(reader, SplitReader) else [Path(path).expanduser()]
+
+
+# -- from a folder or a hub repo ------------------------------------------------------------------------------
+def _check_gguf_file_name(gguf_file) -> str:
+    name = str(gguf_file).replace("\\", "/")
+    if not is_gguf_file(name) or name.startswith("/") or ".." in name.split("/"):
+        raise VkformersError(f"gguf_file={gguf_file!r}: name a .gguf file inside the folder or hub repo (such as "
+                             "'model.Q4_K_M.gguf' or 'sub/model-00001-of-00002.gguf')")
+    return name
+
+
+def resolve_gguf_file(name_or_path, gguf_file: str, *, all_parts: bool = True, revision: str | None = None,
+                      cache_dir=None, token=None, local_files_only: bool = False) -> Path:
+    """transformers' ``from_pretrained(folder_or_repo, gguf_file=NAME)``: the path of file NAME inside a local folder,
+    or of a hub repo fetched into the HF cache alone (models/hub.py's options), with the other parts of a split GGUF
+    (``all_parts=False``: only the first part, which holds the metadata; its path is returned)."""
+    name = _check_gguf_file_name(gguf_file)
+    names = split_part_names(name) if all_parts else split_part_names(name)[:1]
+    path = local_path(name_or_path)
+    if path.is_dir():
+        file = path / (name if all_parts else names[0])
+        if not file.is_file():
+            raise CheckpointError(f"{path}: no {file.relative_to(path)} in this folder")
+        return file
+    if path.exists() or is_gguf_file(name_or_path):
+        raise VkformersError(f"{name_or_path} with gguf_file={gguf_file!r}: gguf_file names a file inside a folder or "
+                             "hub repo; pass a .gguf file alone, without gguf_file")
+    if is_path_name(name_or_path):
+        raise CheckpointError(f"{name_or_path}: no such folder")
+    folder = fetch_repo(str(name_or_path), [_literal_pattern(n) for n in names], what="GGUF repo",
+                        revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise HubError(f"hub repo {name_or_path!r}{f' (revision {revision})' if revision else ''} has no "
+                       f"{', '.join(missing)}; check the file name in the repo's file list")
+    return folder / (name if all_parts else names[0])
+
+
+def _literal_pattern(name: str) -> str:
+    """``name`` as an fnmatch pattern matching itself alone (the hub's allow_patterns)."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def parse_repo_tag(name) -> tuple[str, str] | None:
+    """(repo id, tag) of llama.cpp's ``-hf`` spelling ``org/repo:TAG``; None for any other name (a local path
+    first: a file or folder of that name is taken as it is)."""
+    text = str(name)
+    found = re.fullmatch(r"([\w.-]+/[\w.-]+):([\w.-]+)", text)
+    if found is None or local_path(text).exists():
+        return None
+    return found[1], found[2]
+
+
+def gguf_file_of_tag(repo_id: str, tag: str, *, revision: str | None = None, token=None) -> str:
+    """The GGUF file of hub repo ``repo_id`` that llama.cpp's ``-hf repo_id:TAG`` runs: the one whose name holds
+    ``tag`` in any case (of a split GGUF, its first part; a vision projector ``mmproj`` file is never the model).
+    Where several hold it, the one where it stands alone (``Q2_K`` picks ``m.Q2_K.gguf`` over ``m.Q2_K_L.gguf``); a
+    tag none or several hold is a VkformersError listing the repo's GGUF files."""
+    from huggingface_hub import constants, list_repo_files  # slow to import: only for a hub name
+    try:
+        files = list_repo_files(repo_id, revision=revision, token=token)
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not list it"
+        mode = "offline (HF_HUB_OFFLINE is set): " if constants.HF_HUB_OFFLINE else ""
+        raise HubError(f"{repo_id}:{tag}: {mode}the repo's files could not be listed to pick the file of tag {tag!r} "
+                       f"({type(exc).__name__}: {exc}); name the file instead (gguf_file= or --gguf-file)") from None
+    models = sorted(f for f in files if is_gguf_file(f) and "mmproj" not in f.rsplit("/", 1)[-1].lower()
+                    and split_part_names(f)[0] == f)
+    held = [f for f in models if tag.lower() in f.rsplit("/", 1)[-1].lower()]
+    alone = [f for f in held if re.search(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])",
+                                          f.rsplit("/", 1)[-1], re.IGNORECASE)]
+    if len(held) == 1 or len(alone) == 1:
+        return held[0] if len(held) == 1 else alone[0]
+    listing = ", ".join(models) or "none"
+    if not held:
+        raise VkformersError(f"{repo_id}:{tag}: no GGUF file of the repo has {tag!r} in its name (its GGUF files: "
+                             f"{listing}); give one of their quantization tags")
+    raise VkformersError(f"{repo_id}:{tag}: several GGUF files of the repo have {tag!r} in their names "
+                         f"({', '.join(held)}); give a longer tag, or the file as --gguf-file NAME")
 
 
 # -- metadata -------------------------------------------------------------------------------------------------
@@ -616,7 +806,7 @@ def load_gguf(path, *, tokenizer: bool = True, dequantize: bool = True):
 
 
 def _load_gguf(path, *, tokenizer: bool, dequantize: bool):
-    reader = _reader(path)
+    reader = _open(path)
     meta = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
     metadata = GGUFMetadata(meta, _tensor_shapes(reader))
@@ -636,8 +826,8 @@ def gguf_weights(path, *, dequantize: bool = True) -> tuple[dict, LazyWeights]:
 
 
 def load_gguf_tokenizer(path):
-    """Only the tokenizer of a GGUF file (no tensor is expanded)."""
-    return tokenizer_from_metadata(read_metadata(_reader(path)), name_or_path=str(path))
+    """Only the tokenizer of a GGUF file (no tensor is expanded; of a split GGUF, the first part alone is read)."""
+    return tokenizer_from_metadata(read_metadata(_metadata_reader(path)), name_or_path=str(path))
 
 
 def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = True, dequantize: bool = False):
@@ -655,9 +845,9 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     return model.eval()
 
 
-__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "TensorTransform",
-           "common_metadata", "config_from_metadata",
-           "dequantize_tensor", "gguf_architecture", "gguf_architectures", "gguf_weights", "hf_tensor_name",
-           "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer", "packed_tensor",
-           "permute_rotary_rows",
-           "read_metadata", "tensor_weights", "tokenizer_from_metadata", "unpermute_rotary_rows"]
+__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "SPLIT_COUNT", "SPLIT_NO",
+           "SPLIT_TENSORS_COUNT", "SplitReader", "TensorTransform", "common_metadata", "config_from_metadata",
+           "dequantize_tensor", "gguf_architecture", "gguf_architectures", "gguf_file_of_tag", "gguf_parts",
+           "gguf_weights", "hf_tensor_name", "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer",
+           "packed_tensor", "parse_repo_tag", "permute_rotary_rows", "read_metadata", "resolve_gguf_file",
+           "split_part_names", "tensor_weights", "tokenizer_from_metadata", "unpermute_rotary_rows"]

@@ -19,7 +19,7 @@ import numpy as np
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.gguf import (_LLAMA3_SPLIT, _QWEN2_SPLIT, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED,
-                                   TOKEN_USER_DEFINED, GGUFArchitecture, _field_value, _gguf, _reader,
+                                   TOKEN_USER_DEFINED, GGUFArchitecture, _field_value, _gguf, _metadata_reader,
                                    gguf_architectures, is_gguf_file, read_metadata, tokenizer_from_metadata)
 from vkformers.models.module import CheckpointError, Module, is_packed
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
@@ -104,7 +104,7 @@ def _value_type(value):
 def _copied_tokenizer_fields(path) -> tuple[list, dict]:
     """The ``tokenizer.*`` fields of a GGUF file as (key, value, type, sub type), and their values."""
     fields, values = [], {}
-    reader = _reader(path)
+    reader = _metadata_reader(path)  # of a split GGUF, its first part
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             value = _field_value(field)
@@ -179,7 +179,7 @@ def _tokenizer_source(model: Module, tokenizer: PreTrainedTokenizer | None):
     source = Path(str(getattr(model, "name_or_path", "") or ""))
     if is_gguf_file(source) and source.is_file():
         fields, values = _copied_tokenizer_fields(source)
-        meta = {**read_metadata(_reader(source)), **values}
+        meta = {**read_metadata(_metadata_reader(source)), **values}
         return fields, tokenizer_from_metadata(meta, name_or_path=str(source))
     if source.is_dir() and (source / "tokenizer.json").is_file():
         tokenizer = load_tokenizer_folder(source)

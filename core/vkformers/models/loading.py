@@ -23,7 +23,8 @@ import numpy as np
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.config_check import check_config_fields, check_config_object, model_dtype
-from vkformers.models.gguf import gguf_weights, is_gguf_file, load_gguf_model, load_gguf_tokenizer
+from vkformers.models.gguf import (gguf_weights, is_gguf_file, load_gguf_model, load_gguf_tokenizer,
+                                   resolve_gguf_file)
 from vkformers.models.generation_settings import generation_config_of
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
@@ -230,9 +231,13 @@ class AutoTokenizer:
     @classmethod
     def from_pretrained(cls, name_or_path, *, revision: str | None = None, cache_dir=None,
                         padding_side: str | None = None, token=None, local_files_only: bool = False,
-                        **unused) -> PreTrainedTokenizer:
+                        gguf_file: str | None = None, **unused) -> PreTrainedTokenizer:
         """The tokenizer of a checkpoint folder, a hub repo id (through the HF cache; HF_HUB_OFFLINE honoured)
-        or a ``.gguf`` file."""
+        or a ``.gguf`` file; ``gguf_file``: a .gguf file of the folder or repo (fetched alone; of a split GGUF, only
+        the first part, which holds the tokenizer)."""
+        if gguf_file is not None:
+            name_or_path = resolve_gguf_file(name_or_path, gguf_file, all_parts=False, revision=revision,
+                                             cache_dir=cache_dir, token=token, local_files_only=local_files_only)
         if is_gguf_file(name_or_path):
             tokenizer = load_gguf_tokenizer(name_or_path)
         else:
@@ -254,10 +259,13 @@ class AutoModelClass:
     def from_pretrained(cls, name_or_path, *, dtype="float32", revision: str | None = None, cache_dir=None,
                         trust_remote_code: bool = False, requires_grad: bool = True, adapter=None,
                         quantization: str | None = None, dequantize: bool = False, token=None,
-                        local_files_only: bool = False, adapter_kwargs: dict | None = None, **head_options):
+                        local_files_only: bool = False, adapter_kwargs: dict | None = None,
+                        gguf_file: str | None = None, **head_options):
         """``quantization`` ("nf4", "q4_0", "q4_1", "q8_0", "q4_k"): pack the Linear weights of a safetensors
         checkpoint while loading (models/quantize.py). A checkpoint published pre-quantized (FP8, GPTQ, AWQ:
-        models/prequantized.py) loads as it is. A GGUF file keeps its block formats unless ``dequantize=True``.
+        models/prequantized.py) loads as it is. A GGUF file keeps its block formats unless ``dequantize=True``;
+        ``gguf_file`` (transformers' name) picks one in a folder or hub repo, fetched alone with the other parts
+        of a split GGUF (``revision``, ``token``, ``cache_dir``, ``local_files_only`` apply).
         Quantized weights are frozen (LoRA trains on top of them). The task heads take
         transformers' ``num_labels``, ``id2label``, ``label2id``, ``problem_type`` and ``ignore_mismatched_sizes``
         (a stored head of another shape is replaced by a new one). transformers' loading options are taken
@@ -281,6 +289,9 @@ class AutoModelClass:
         if unknown:
             raise VkformersError(f"adapter_kwargs={{{unknown[0]!r}: ...}}: the adapter's hub options are "
                                  f"{', '.join(ADAPTER_HUB_OPTIONS)}")
+        if gguf_file is not None:
+            name_or_path = resolve_gguf_file(name_or_path, gguf_file, revision=revision, cache_dir=cache_dir,
+                                             token=token, local_files_only=local_files_only)
         if is_gguf_file(name_or_path):  # llama.cpp file: config, weights and tokenizer in one
             if quantization is not None:
                 raise QuantizationError(f"quantization={quantization!r} applies to safetensors checkpoints; a GGUF "
