@@ -1,5 +1,5 @@
 """GGUF models as users fetch them: split into parts by llama.cpp's gguf-split, and one file of a hub repo
-(transformers' ``from_pretrained(repo, gguf_file=NAME)``; llama.cpp's ``-hf org/repo:QUANT`` tags).
+(transformers' ``from_pretrained(repo, gguf_file=NAME)``; the CLI's ``--model org/repo:QUANT`` and ``--gguf-file``).
 
 The split parts are written here, into tmp_path, from the llama Q8_0 fixture (tests/data/gguf: Q8_0, F16 and F32
 tensors) by the gguf package's GGUFWriter, which splits as gguf-split does: ``split.no``, ``split.count`` and
@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from test_lora_hub import FakeHub
+from vkformers.cli import main
+from vkformers.cli.serve import served_name
 from vkformers.engine.quantized import QuantizedArray
 from vkformers.errors import VkformersError
 from vkformers.models import gguf as vkgguf
@@ -264,3 +266,40 @@ def test_parse_repo_tag(tmp_path, monkeypatch):
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "x:Q4").mkdir()  # a local folder of that name is taken as it is
     assert vkgguf.parse_repo_tag("org/x:Q4") is None
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+def generated(capsys, argv) -> str:
+    assert main(argv) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+def test_cli_model_by_tag_and_gguf_file(hub, tiny_gguf, capsys):
+    prompt = ["--prompt", "the capital of france is", "--max-new-tokens", "5"]
+    want = generated(capsys, ["generate", "--model", str(tiny_gguf)] + prompt)
+    assert len(want.strip()) > 0
+    assert generated(capsys, ["generate", "--model", "org/Tiny-GGUF:q8_0"] + prompt) == want
+    assert hub.listed == [("org/Tiny-GGUF", None, None)] and hub.fetched("org/Tiny-GGUF") == ["tiny.Q8_0.gguf"]
+    assert generated(capsys, ["generate", "--model", "org/Tiny-GGUF", "--gguf-file", "tiny.Q8_0.gguf"] + prompt) == want
+    assert generated(capsys, ["generate", "--model", str(tiny_gguf), "--assistant-model", "org/Tiny-GGUF:Q8_0"]
+                     + prompt) == want  # the same model drafting: the same text
+
+
+def test_cli_model_by_tag_errors(hub, capsys):
+    assert main(["generate", "--model", "org/Model-GGUF:Q4_K", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vkformers generate: error: org/Model-GGUF:Q4_K: several GGUF files")
+    assert "Model.Q4_K_M.gguf, Model.Q4_K_S.gguf" in err and len(err.splitlines()) == 1
+    assert main(["generate", "--model", "org/Model-GGUF:Q8_0", "--gguf-file", "Model.Q8_0.gguf", "--prompt", "hi"]) == 1
+    assert "picks its GGUF file by the tag 'Q8_0' and --gguf-file names one too" in capsys.readouterr().err
+    assert main(["bench", "--gguf-file", "Model.Q8_0.gguf"]) == 1
+    assert "--gguf-file names a file of --model's folder or hub repo: give --model too" in capsys.readouterr().err
+    assert hub.calls == []
+
+
+def test_served_name_of_a_gguf_model():
+    assert served_name("org/Model-GGUF:Q4_K_M") == "org/Model-GGUF:Q4_K_M"
+    assert served_name("/models/Model-Q8_0-00001-of-00003.gguf") == "Model-Q8_0"
+    assert served_name("org/Split-GGUF", "Q8_0/Model-Q8_0-00002-of-00003.gguf") == "Model-Q8_0"
+    assert served_name("org/Model-GGUF", "Model.Q4_K_M.gguf") == "Model.Q4_K_M"
+    assert served_name("./my-model/") == "./my-model" and served_name("/m/tiny.gguf") == "tiny"

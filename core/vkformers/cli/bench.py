@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from vkformers.cli.model_option import MODEL_SPELLINGS, add_gguf_file_option, resolve_model
 from vkformers.engine.function import no_grad
 from vkformers.engine.kernels import matmul as KM
 from vkformers.models.loading import AutoModelForCausalLM
@@ -30,7 +31,8 @@ RANDOM_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidd
 
 def add_parser(subparsers):
     parser = subparsers.add_parser("bench", help="time matrix products and a model's prefill and decode")
-    parser.add_argument("--model", help="a model folder, hub repo id or .gguf file (default: a small random Llama)")
+    parser.add_argument("--model", help=f"{MODEL_SPELLINGS} (default: a small random Llama)")
+    add_gguf_file_option(parser)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="the model's dtype (default float32)")
     parser.add_argument("--size", type=int, default=1024, help="n of the n x n x n matrix products")
@@ -109,13 +111,14 @@ def bench_model(model, prompt_len: int, new_tokens: int, vocab: int) -> dict:
 
 
 def run(args) -> int:
+    model_name = resolve_model(args.model, args.gguf_file)  # a hub repo's GGUF file fetched: its local path
     device = get_device()
     n = 256 if args.quick else args.size
     repeats = 3 if args.quick else 10
     print(f"device: {device.name} ({device.info['type']})")
     results = {"device": device.name, "matmul": [], "model": None}
-    if args.model:  # loaded first: a wrong --model is said before minutes of timing
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype, requires_grad=False)
+    if model_name:  # loaded first: a wrong --model is said before minutes of timing
+        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=args.dtype, requires_grad=False)
         name = args.model
     else:
         config = dict(RANDOM_LLAMA, num_hidden_layers=2, hidden_size=256, intermediate_size=704) if args.quick \

