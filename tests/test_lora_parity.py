@@ -155,14 +155,17 @@ def test_merge_lora_of_a_pickled_adapter_saves_what_its_safetensors_gives(tmp_pa
 
 def test_a_pickled_adapter_served_by_name_rows_as_its_safetensors():
     """``serve --adapter NAME=DIR`` (serve_adapters): a row taking the .bin adapter gets the logits of a row taking
-    the same adapter from safetensors, bit for bit, and check_adapter_folder accepts the folder."""
+    the same adapter from safetensors, bit for bit (and those of the adapter loaded into the model, within 1e-6 of
+    max |logit|), and check_adapter_folder accepts the folder."""
     assert check_adapter_folder(PICKLED_ADAPTER).r == 4
     model = base_llama()
     selector = serve_adapters(model, {"safetensors": ADAPTER, "bin": PICKLED_ADAPTER})
     with selector.selecting(tensor(selector.row_scales([1, 2]))):
         logits = model(np.concatenate([IDS, IDS])).logits.numpy()
     np.testing.assert_array_equal(logits[1], logits[0])
-    np.testing.assert_array_equal(logits[0], load_adapter(base_llama(), ADAPTER)(IDS).logits.numpy()[0])
+    # the adapter merged into one row's forward: a GPU's products of 1 and 2 rows may round apart in the last bit
+    expected = load_adapter(base_llama(), ADAPTER)(IDS).logits.numpy()[0]
+    assert np.abs(logits[0] - expected).max() <= 1e-6 * np.abs(expected).max()
 
 
 def test_safetensors_is_read_before_a_pickled_adapter_and_neither_is_refused(tmp_path):
