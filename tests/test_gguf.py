@@ -40,11 +40,12 @@ def llama_cpp_permute(weight, num_heads):
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def train_bpe():
+def train_bpe(extra_specials=(), corpus=CORPUS):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+    specials = SPECIALS + list(extra_specials)
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return backend
 
@@ -82,8 +83,10 @@ def gguf_name(hf_name):
     return GGUF_NAMES[stem] + ".weight"
 
 
-def write_tiny_gguf(path, weights, backend, *, quant="F32", pre="default", user_defined=()):
-    """Write weights (HF names and layout) and a byte-level BPE tokenizer the way convert_hf_to_gguf does."""
+def write_tiny_gguf(path, weights, backend, *, quant="F32", pre="default", user_defined=(), control=(),
+                    metadata=None):
+    """Write weights (HF names and layout) and a byte-level BPE tokenizer the way convert_hf_to_gguf does; the
+    tokens in ``control`` are control tokens besides SPECIALS, ``metadata`` further integer keys."""
     import gguf
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(CONFIG["num_hidden_layers"])
@@ -100,13 +103,15 @@ def write_tiny_gguf(path, weights, backend, *, quant="F32", pre="default", user_
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 4 if t in user_defined else 1 for t in tokens])
+    writer.add_token_types([3 if t in SPECIALS or t in control else 4 if t in user_defined else 1 for t in tokens])
     writer.add_token_merges([" ".join(m) for m in json.loads(backend.to_str())["model"]["merges"]])
     writer.add_bos_token_id(vocab["<s>"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
     writer.add_pad_token_id(vocab["</s>"])
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (metadata or {}).items():
+        writer.add_int32(key, value)
     qtype = gguf.GGMLQuantizationType[quant]
     for name, array in weights.items():
         if "q_proj" in name:

@@ -12,6 +12,7 @@ from vkformers.models.loading import (AutoModel, AutoModelForCausalLM, AutoModel
                                        AutoTokenizer)
 from vkformers.models.cross_encoder import CrossEncoder
 from vkformers.models.encoder_decoder import EncoderDecoderModel
+from vkformers.models.fill_in_middle import fill_in_middle_prompt, fill_in_middle_tokens
 from vkformers.models.sentence import SentenceTransformer
 from vkformers.models.pipelines import pipeline
 from vkformers.models.quantize import BitsAndBytesConfig
@@ -27,6 +28,7 @@ __all__ = ["AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoMod
            "AutoTokenizer", "BitsAndBytesConfig", "Buffer", "CrossEncoder",
            "Device", "EncoderDecoderModel", "SentenceTransformer", "Sequence", "Tensor", "TextIteratorStreamer",
            "TextStreamer", "VkformersError", "bfloat16", "bool_", "dtypes", "engine", "errors",
-           "float16", "float32", "full", "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",
+           "fill_in_middle_prompt", "fill_in_middle_tokens", "float16", "float32", "full",
+           "get_device", "int32", "models", "no_grad", "ones", "optim", "parameter",
            "pipeline",
            "runtime", "tensor", "training", "uint8", "zeros"]

@@ -62,6 +62,12 @@ DECODER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT = "split.no", "split.count", "split.tensors.count"
 SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.gguf)", re.IGNORECASE)
 
+# the fill-in-the-middle tokens' keys (llama.cpp's, then the older names it still reads), by the role
+# PreTrainedTokenizer.fim_token_ids gives them (models/fill_in_middle.py)
+GGUF_FIM_KEYS = {"prefix": ("fim_pre_token_id", "prefix_token_id"), "suffix": ("fim_suf_token_id", "suffix_token_id"),
+                 "middle": ("fim_mid_token_id", "middle_token_id"), "pad": ("fim_pad_token_id",),
+                 "repo": ("fim_rep_token_id",), "separator": ("fim_sep_token_id",)}
+
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -792,7 +798,12 @@ def tokenizer_from_metadata(meta: dict, *, name_or_path: str = ""):
             config["chat_template"].insert(0, {"name": "default", "template": meta["tokenizer.chat_template"]})
     elif "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    return PreTrainedTokenizer(backend, config, name_or_path=name_or_path)
+    tokenizer = PreTrainedTokenizer(backend, config, name_or_path=name_or_path)
+    for role, keys in GGUF_FIM_KEYS.items():
+        index = next((meta[f"tokenizer.ggml.{key}"] for key in keys if f"tokenizer.ggml.{key}" in meta), None)
+        if index is not None and 0 <= index < len(tokens):  # (llama.cpp writes -1 for none)
+            tokenizer.fim_token_ids[role] = int(index)
+    return tokenizer
 
 
 # -- entry points ---------------------------------------------------------------------------------------------
@@ -845,8 +856,9 @@ def load_gguf_model(auto_class, path, *, dtype="float32", requires_grad: bool = 
     return model.eval()
 
 
-__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS", "SPLIT_COUNT", "SPLIT_NO",
-           "SPLIT_TENSORS_COUNT", "SplitReader", "TensorTransform", "common_metadata", "config_from_metadata",
+__all__ = ["DECODER_TENSORS", "GGUFArchitecture", "GGUF_FIM_KEYS", "GGUFMetadata", "LLAMA_ROTARY_TRANSFORMS",
+           "SPLIT_COUNT", "SPLIT_NO", "SPLIT_TENSORS_COUNT", "SplitReader", "TensorTransform", "common_metadata",
+           "config_from_metadata",
            "dequantize_tensor", "gguf_architecture", "gguf_architectures", "gguf_file_of_tag", "gguf_parts",
            "gguf_weights", "hf_tensor_name", "is_gguf_file", "load_gguf", "load_gguf_model", "load_gguf_tokenizer",
            "packed_tensor", "parse_repo_tag", "permute_rotary_rows", "read_metadata", "resolve_gguf_file",

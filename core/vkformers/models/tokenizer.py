@@ -161,6 +161,9 @@ class PreTrainedTokenizer:
         extra = self.config.get("additional_special_tokens") or self.config.get("extra_special_tokens") or []
         self.additional_special_tokens = [_token_content(t) for t in (extra.values() if isinstance(extra, dict)
                                                                       else extra)]
+        # the fill-in-the-middle token ids a GGUF file names (role -> id; models/fill_in_middle.py); a vocabulary's
+        # own spelling of them is found there
+        self.fim_token_ids: dict[str, int] = {}
         if "add_bos_token" in self.config or "add_eos_token" in self.config:
             self._set_bos_eos_post_processor(bool(self.config.get("add_bos_token")),
                                              bool(self.config.get("add_eos_token")))
