@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import pytest
 from test_gguf import random_llama, train_bpe, write_tiny_gguf
+from test_serve import (SERVED, error_of, openai, reference_tokens, request, serving, serving_tiny,  # noqa: F401
+                        web, write_tiny_model)  # (web: a fixture)
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 import vkformers as vkf
+from vkformers.cli import serve as cli_serve
+from vkformers.models.batching import BatchScheduler
 from vkformers.models.fill_in_middle import FillInMiddleError, fill_in_middle_prompt, fill_in_middle_tokens
-from vkformers.models.gguf import load_gguf_tokenizer
+from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
+from vkformers.models.loading import AutoModelForCausalLM
 from vkformers.models.tokenizer import PreTrainedTokenizer
 
 PREFIX, SUFFIX = "def f(", "\n    return x"
@@ -150,6 +155,93 @@ def test_a_gguf_names_its_fim_tokens_by_id_whatever_their_spelling(tmp_path):
     # none named, none spelled
     _, plain = tiny_gguf(tmp_path / "plain.gguf", spelled)
     assert plain.fim_token_ids == {} and fill_in_middle_tokens(plain) is None
+
+
+# ---------------------------------------------------------------- served
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory):
+    """A tiny random GGUF llama whose vocabulary has Qwen's FIM tokens: (path, tokenizer, reference model)."""
+    path, tokenizer = tiny_gguf(tmp_path_factory.mktemp("fim") / "coder.gguf", QWEN)
+    return path, tokenizer, load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+
+
+@pytest.fixture(scope="module")
+def coder_server(coder, web):  # noqa: F811 (the fixture)
+    path, tokenizer, _ = coder
+    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
+    scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
+                               eos=cli_serve.eos_ids(model, tokenizer)).start()
+    with serving(scheduler, tokenizer) as served:
+        yield served
+
+
+def test_a_completion_with_a_suffix_generates_the_middle_as_generate_does(coder_server, coder):
+    _, tokenizer, reference = coder
+    client, fim = coder_server["client"], fill_in_middle_tokens(tokenizer)
+    ends = cli_serve.eos_ids(reference, tokenizer) + list(fim.end)
+    choices = []
+    for prefix, suffix in ((PREFIX, SUFFIX), ("hello wor", " tokens"), ("", "paris")):
+        ids = fill_in_middle_prompt(tokenizer, prefix, suffix)
+        assert ids[0] == tokenizer.convert_tokens_to_ids("<|fim_prefix|>") and ids[-1] == fim.middle
+        tokens = reference_tokens(reference, ids, 8, ends).tolist()
+        response = client.completions.create(model=SERVED, prompt=prefix, suffix=suffix, max_tokens=8,
+                                             temperature=0, logprobs=2)
+        choice = response.choices[0]
+        assert choice.text == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert choice.finish_reason == ("stop" if tokens[-1] in ends else "length")
+        assert len(choice.logprobs.token_logprobs) == len(tokens)
+        assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), len(tokens))
+        choices.append((prefix, suffix, choice.text, len(ids)))
+    # streamed: the same text, the usage of the built prompt
+    chunks = list(client.completions.create(model=SERVED, prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choices[0][2]
+    assert chunks[-1].usage.prompt_tokens == choices[0][3]
+    # a batch of prompts: each one's middle before the one suffix
+    batch = client.completions.create(model=SERVED, prompt=[PREFIX, "hello wor"], suffix=SUFFIX, max_tokens=8,
+                                      temperature=0)
+    again = client.completions.create(model=SERVED, prompt="hello wor", suffix=SUFFIX, max_tokens=8, temperature=0)
+    assert [c.text for c in batch.choices] == [choices[0][2], again.choices[0].text]
+
+
+def test_a_fim_end_token_ends_the_middle_and_is_not_in_the_text(coder_server, coder):
+    tokenizer, client = coder[1], coder_server["client"]
+    for token in ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|endoftext|>", "<|fim_prefix|>"):
+        bias = {str(tokenizer.convert_tokens_to_ids(token)): 100}  # the token comes first
+        response = client.completions.create(model=SERVED, prompt=PREFIX, suffix=SUFFIX, max_tokens=4,
+                                             temperature=0, logit_bias=bias)
+        assert (response.choices[0].text, response.choices[0].finish_reason) == ("", "stop"), token
+        assert response.usage.completion_tokens == 1
+    # a plain completion does not end there: the FIM tokens end a middle only
+    response = client.completions.create(model=SERVED, prompt=PREFIX, max_tokens=3, temperature=0,
+                                         logit_bias={str(tokenizer.convert_tokens_to_ids("<|fim_pad|>")): 100})
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 3
+
+
+def test_suffix_requests_the_server_refuses(coder_server, coder):
+    route, body = "/v1/completions", {"model": SERVED, "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 2}
+    status, error = error_of(request(coder_server, "POST", route, {**body, "prompt": [5, 6, 7]}))
+    assert status == 400 and error["param"] == "prompt" and "token ids" in error["message"]
+    status, error = error_of(request(coder_server, "POST", route, {**body, "echo": True}))
+    assert status == 400 and error["param"] == "echo"
+    status, error = error_of(request(coder_server, "POST", route, {**body, "suffix": 3}))
+    assert status == 400 and error["param"] == "suffix"
+    # an empty suffix is a plain completion, as without one
+    client = coder_server["client"]
+    plain = client.completions.create(model=SERVED, prompt=PREFIX, max_tokens=4, temperature=0)
+    empty = client.completions.create(model=SERVED, prompt=PREFIX, suffix="", max_tokens=4, temperature=0)
+    assert empty.choices[0].text == plain.choices[0].text
+    assert empty.usage.prompt_tokens == plain.usage.prompt_tokens == len(coder[1](PREFIX)["input_ids"])
+
+
+def test_a_model_without_fim_tokens_answers_400(tmp_path, web):  # noqa: F811 (the fixture)
+    with serving_tiny(write_tiny_model(tmp_path)) as served:
+        with pytest.raises(openai.BadRequestError, match="this model has no fill-in-the-middle tokens"):
+            served["client"].completions.create(model=SERVED, prompt=PREFIX, suffix=SUFFIX, max_tokens=4)
+        status, error = error_of(request(served, "POST", "/v1/completions", {"prompt": PREFIX, "suffix": SUFFIX}))
+        assert status == 400 and error["param"] == "suffix" and "\n" not in error["message"]
+        assert error["message"].startswith("this model has no fill-in-the-middle tokens: ")
 
 
 def test_the_python_helper_is_public():

@@ -172,14 +172,16 @@ def stream_usage(body: dict) -> bool:
 
 def refuse_unsupported(body: dict, chat: bool, tools: bool = False) -> None:
     """A 400 for what this server would otherwise ignore and answer wrongly: a response format it does not know,
-    tool calls that no parser reads (``tools``: the server has one), a tool choice that would need constrained
-    decoding."""
+    echo of a fill-in-the-middle prompt, tool calls that no parser reads (``tools``: the server has one), a tool
+    choice that would need constrained decoding."""
     kind = response_kind(body)
     if kind not in ("text", "json_object", "json_schema"):
         raise ApiError(400, f"'response_format' of type {kind!r} is not supported: give text, json_object or "
                             "json_schema", param="response_format")
-    if not chat and body.get("suffix"):
-        raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
+    if not chat and body.get("suffix") and echoes(body, chat):
+        raise ApiError(400, "'echo' with a 'suffix' is not supported: the model reads the prompt and the suffix "
+                            "around its fill-in-the-middle tokens, not the prompt as sent; leave 'echo' out",
+                       param="echo")
     for name, default in UNHONOURED_EXTRAS.items():
         if body.get(name) is not None and body[name] != default:
             raise ApiError(400, f"'{name}' is not supported here: leave it out (or at {default!r})", param=name)

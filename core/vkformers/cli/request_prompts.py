@@ -1,6 +1,6 @@
 """The prompts of completions and chat completions requests as token ids: a completion's text or token ids (one
-prompt or a batch), a chat's messages (and tools) rendered by the model's chat template with the request's
-``chat_template_kwargs``.
+prompt or a batch; with a ``suffix``, a fill-in-the-middle prompt: models/fill_in_middle.py), a chat's messages (and
+tools) rendered by the model's chat template with the request's ``chat_template_kwargs``.
 """
 from __future__ import annotations
 
@@ -12,15 +12,39 @@ from vkformers.cli import generate as cli_generate
 from vkformers.cli.api_schema import ApiError
 from vkformers.cli.options import template_variables_problem
 from vkformers.errors import VkformersError
+from vkformers.models.fill_in_middle import FillInMiddleTokens, fill_in_middle_prompt, no_fill_in_middle_tokens
 
 # the roles a chat message may take, as the chat template gets them (OpenAI's "developer" is the system prompt)
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def completion_prompts(body: dict, tokenizer) -> list[list[int]]:
+def completion_prompts(body: dict, tokenizer, fill_in_middle: FillInMiddleTokens | None = None) -> list[list[int]]:
     """A completions request's prompts as token ids: a string or a list of token ids is one prompt; a list of
-    strings or of token id lists is a batch (OpenAI's), whose choices come prompt by prompt, ``n`` each."""
-    return [completion_prompt(p, tokenizer) for p in _given_prompts(body)]
+    strings or of token id lists is a batch (OpenAI's), whose choices come prompt by prompt, ``n`` each. With a
+    ``suffix`` each prompt is a string, the code before the cursor, laid out with the suffix around the model's
+    fill-in-the-middle tokens (``fill_in_middle``: the tokenizer's, None where it has none: a 400)."""
+    suffix = completion_suffix(body)
+    if suffix is None:
+        return [completion_prompt(p, tokenizer) for p in _given_prompts(body)]
+    if fill_in_middle is None:
+        raise ApiError(400, f"{no_fill_in_middle_tokens()}; or leave 'suffix' out", param="suffix")
+    prompts = _given_prompts(body)
+    if not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "with a 'suffix', 'prompt' must be a string (the code before the cursor) or a list of "
+                            "strings: token ids cannot be laid out around the fill-in-the-middle tokens",
+                       param="prompt")
+    return [fill_in_middle_prompt(tokenizer, p, suffix, fill_in_middle) for p in prompts]
+
+
+def completion_suffix(body: dict) -> str | None:
+    """A completions request's ``suffix``, the text after the one to generate (fill-in-the-middle); None where it
+    gives none or an empty one (a plain completion)."""
+    suffix = body.get("suffix")
+    if suffix is None or suffix == "":
+        return None
+    if not isinstance(suffix, str):
+        raise ApiError(400, f"'suffix' must be a string, got {type(suffix).__name__}", param="suffix")
+    return suffix
 
 
 def echoed_prompts(body: dict, tokenizer, prompts: list[list[int]]) -> list[str]:

@@ -53,13 +53,14 @@ from vkformers.cli.model_option import MODEL_SPELLINGS, add_gguf_file_option, gg
 from vkformers.cli.options import positive_int, template_variables, whole_number, whole_numbers
 from vkformers.cli.output_constraints import forced_tool_call
 from vkformers.cli.request_prompts import (chat_prompt, chat_text, completion_prompt, completion_prompts,
-                                           echoed_prompts, generation_prompt, prompt_ids)
+                                           completion_suffix, echoed_prompts, generation_prompt, prompt_ids)
 from vkformers.cli.rerank import RERANK_ROUTES, SCORE_ROUTES, Reranker, rerank_prometheus
 from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request, conversation, finished, output_items,
                                      renamed, response_head, stores)
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped
+from vkformers.models.fill_in_middle import fill_in_middle_tokens
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.paged_cache import PAGE_SIZE, KVBlocksExhausted
@@ -541,6 +542,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         return ApiError(400, f"{route} is not served for '{served}', {kind}", code="model_not_supported")
 
     thinking = REASONING_PARSERS[reasoning_parser]() if reasoning_parser is not None else None
+    infill = fill_in_middle_tokens(tokenizer) if scheduler is not None else None  # for completions with a suffix
     thinking_tokens = thinking.tag_tokens(tokenizer) if thinking is not None else (None, None)
 
     def chat_reply(body: dict) -> tuple[list[int], str | None]:
@@ -587,10 +589,10 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         parser = TOOL_CALL_PARSERS[tool_call_parser]()
         return FirstCallOnly(parser) if body.get("parallel_tool_calls") is False else parser
 
-    def submit(body: dict, jobs) -> tuple[list[Request], asyncio.Queue]:
-        """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens and
-        adapter: the requests, and the queue their updates come on as (index, Update). Where the scheduler refuses
-        one, none is queued."""
+    def submit(body: dict, jobs, ends=()) -> tuple[list[Request], asyncio.Queue]:
+        """A call's (prompt ids, SamplingParams) ``jobs`` handed to the scheduler, with the call's end tokens (and
+        ``ends``, a fill-in-the-middle prompt's) and adapter: the requests, and the queue their updates come on as
+        (index, Update). Where the scheduler refuses one, none is queued."""
         mailbox = mailbox_of(asyncio.get_running_loop())
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -598,7 +600,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
             def on_update(update):  # on the scheduler's thread
                 mailbox.post(updates, (index, update))
             return on_update
-        eos = [] if body.get("ignore_eos") else scheduler.eos  # vLLM's extension: outputs of a set length
+        eos = [] if body.get("ignore_eos") else scheduler.eos + list(ends)  # vLLM's: outputs of a set length
         eos = eos + stop_token_ids(body)
         adapter = names.index(body.get("model") or served) if scheduler.adapters is not None else 0
         requests = scheduler.submit_all([Request(prompt, params, deliver(index), eos, adapter)
@@ -637,7 +639,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
         try:
             body = await route_body(request, "/v1/chat/completions" if chat else "/v1/completions", scheduler)
             prompt, start = chat_reply(body) if chat else (None, None)
-            prompts = [prompt] if chat else completion_prompts(body, tokenizer)
+            prompts = [prompt] if chat else completion_prompts(body, tokenizer, infill)
             settings = [after_reasoning(sampling_params(body, chat=chat, prompt_tokens=len(p),
                                                         max_model_len=scheduler.max_model_len,
                                                         defaults=sampling_defaults, tools=tool_call_parser is not None),
@@ -659,7 +661,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 jobs[1:] = [(prompt, replace(p, prompt_logprobs=None)) for prompt, p in jobs[1:]]
             echoed = [text for text in echoed_prompts(body, tokenizer, prompts) for _ in range(n)] if echo else None
             name = body.get("model") or served
-            choices, updates = submit(body, jobs)
+            choices, updates = submit(body, jobs, () if chat or completion_suffix(body) is None else infill.end)
         except (ApiError, InputError, KVBlocksExhausted, SchedulerStopped) as exc:
             return error(refusal(exc))
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
