@@ -6,7 +6,7 @@ tensors) by the gguf package's GGUFWriter, which splits as gguf-split does: ``sp
 ``split.tensors.count`` in every part, the other metadata in the first, each part its own tensors and data. Loaded
 from any part, the split model must give the whole file's logits bit for bit.
 
-No network: ``huggingface_hub.snapshot_download`` is test_lora_hub's FakeHub (the files its allow patterns select
+No network: ``huggingface_hub.snapshot_download`` is tests/fake_hub.py's FakeHub (the files its allow patterns select
 copied into a snapshot folder) and ``list_repo_files`` lists the folder standing for the repo.
 """
 import shutil
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_lora_hub import FakeHub
+from fake_hub import FakeHub
 from vkformers.cli import main
 from vkformers.cli.serve import served_name
 from vkformers.engine.quantized import QuantizedArray

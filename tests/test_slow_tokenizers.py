@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub
 
 from vkformers.models.loading import AutoTokenizer
 from vkformers.models.slow_tokenizers import (BPE, CONTROL, UNIGRAM, UNKNOWN, USER_DEFINED, read_sentencepiece_model,
@@ -194,24 +195,16 @@ def test_real_bert_vocabulary_matches_its_tokenizer_json(tmp_path):
 
 def test_a_hub_repo_with_only_slow_files_is_fetched_with_them(tmp_path, monkeypatch):
     """resolve_checkpoint's hub patterns take the slow files, so a repo without tokenizer.json still loads."""
-    from fnmatch import fnmatch
     variant = fixture_variant("roberta")
     repo = variant_folder(tmp_path, "bytelevel", variant)
     (repo / "model.safetensors").write_bytes(b"")
     (repo / "optimizer.pt").write_bytes(b"never fetched")
-    snapshot = tmp_path / "snapshot"
-
-    def snapshot_download(repo_id, *, allow_patterns, **options):
-        snapshot.mkdir(exist_ok=True)
-        for file in repo.iterdir():
-            if any(fnmatch(file.name, pattern) for pattern in allow_patterns):
-                shutil.copy(file, snapshot)
-        return str(snapshot)
-
-    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    hub = FakeHub(tmp_path, {"someone/tiny-roberta": repo})
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.snapshot_download", hub)
     tok = AutoTokenizer.from_pretrained("someone/tiny-roberta")
-    assert sorted(p.name for p in snapshot.iterdir()) == ["merges.txt", "model.safetensors", "tokenizer_config.json",
-                                                         "vocab.json"]
+    assert hub.fetched("someone/tiny-roberta") == ["merges.txt", "model.safetensors", "tokenizer_config.json",
+                                                  "vocab.json"]
     row = variant["rows"][1]
     assert tok(row["text"])["input_ids"] == row["encoding"]["input_ids"]
 

@@ -7,11 +7,11 @@ import json
 import pickle
 import shutil
 import zipfile
-from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_hub import FakeHub
 
 import vkformers
 from vkformers import AutoModelForCausalLM
@@ -207,18 +207,11 @@ def test_a_hub_repo_with_only_pickled_weights_is_fetched(tmp_path, monkeypatch, 
     shutil.copy(source / "config.json", repo)
     shutil.copy(weight_file, repo)
     (repo / "training_args.bin").write_bytes(b"never fetched")
-    snapshot, calls = tmp_path / "snapshot", []
-
-    def snapshot_download(repo_id, *, allow_patterns, **options):
-        calls.append(allow_patterns)
-        snapshot.mkdir(exist_ok=True)
-        for file in repo.iterdir():
-            if any(fnmatch(file.name, pattern) for pattern in allow_patterns):
-                shutil.copy(file, snapshot)
-        return str(snapshot)
-
-    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
-    folder = resolve_checkpoint("someone/tiny-llama")
-    assert calls == ([HUB_PATTERNS] if weights == "safetensors" else [HUB_PATTERNS, HUB_PICKLE_PATTERNS])
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", weight_file.name]
+    hub = FakeHub(tmp_path, {"someone/tiny-llama": repo})
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.snapshot_download", hub)
+    resolve_checkpoint("someone/tiny-llama")
+    assert [call["allow_patterns"] for call in hub.calls] == (
+        [HUB_PATTERNS] if weights == "safetensors" else [HUB_PATTERNS, HUB_PICKLE_PATTERNS])
+    assert hub.fetched("someone/tiny-llama") == ["config.json", weight_file.name]
     np.testing.assert_array_equal(logits("someone/tiny-llama"), logits(source))
