@@ -97,7 +97,8 @@ def test_bad_requests_and_the_other_routes(server):
     status, text = request(server, "POST", "/v1/embeddings", {"model": "other", "input": "a"})
     assert status == 404 and error_of(text)["code"] == "model_not_found"
     for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["d"]}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/infill", {"input_prefix": "a", "input_suffix": "b"})):
         status, text = request(server, "POST", route, body)
         assert status == 400 and "/v1/embeddings" in error_of(text)["message"], text
     with pytest.raises(openai.BadRequestError, match="embedding model"):

@@ -11,7 +11,8 @@
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events with ``"stream": true``), POST /v1/responses (OpenAI's Responses API over the chat route's
 machinery, cli/responses.py; GET and DELETE /v1/responses/{id} for the responses it stored), GET /health, GET
-/metrics (Prometheus text), and vLLM's POST /tokenize and /detokenize. The requests run through a
+/metrics (Prometheus text), vLLM's POST /tokenize and /detokenize, and llama.cpp's POST /infill for editors'
+fill-in-the-middle (cli/infill_route.py). The requests run through a
 BatchScheduler (models/batching.py), over a paged KV cache (models/paged_cache.py) sized from
 ``--gpu-memory-utilization`` or ``--kv-cache-tokens``. Before the server listens, a warm-up records the decode steps
 and prefills the first requests replay (BatchScheduler.warm_up; ``--no-warmup``, ``--warmup-batch-sizes``,
@@ -49,6 +50,7 @@ from vkformers.cli.completion_request import (choice_params, echoes, model_sampl
                                               shown_prompt_logprobs, stop_token_ids, stream_usage)
 from vkformers.cli.embeddings_route import (Embedder, embedding_data, embedding_format, embedding_inputs,
                                             embedding_prometheus)
+from vkformers.cli.infill_route import InfillRoute
 from vkformers.cli.model_option import MODEL_SPELLINGS, add_gguf_file_option, gguf_model_name, resolve_model
 from vkformers.cli.options import positive_int, template_variables, whole_number, whole_numbers
 from vkformers.cli.output_constraints import forced_tool_call
@@ -922,6 +924,7 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
                 return error(exc)
         return handle
 
+    infilling = InfillRoute(scheduler, tokenizer, served, infill, body=route_body, submit=submit, failed=failed)
     routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/models/{model:path}", model_info),
               Route("/v1/completions", completions, methods=["POST"]),
@@ -929,7 +932,8 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
               Route("/v1/responses", create_response, methods=["POST"]),
               Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
               Route("/v1/embeddings", embeddings, methods=["POST"]),
-              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/infill", infilling.answer, methods=["POST"])]
     routes += [Route(path, reranking(path, Reranker.rerank), methods=["POST"]) for path in RERANK_ROUTES]
     routes += [Route(path, reranking(path, Reranker.score_texts), methods=["POST"]) for path in SCORE_ROUTES]
     return Starlette(routes=routes)
