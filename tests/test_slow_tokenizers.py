@@ -121,30 +121,20 @@ def test_no_class_and_no_model_type_is_refused(tmp_path):
         AutoTokenizer.from_pretrained(folder)
 
 
-def test_malformed_sentencepiece_model_is_refused(tmp_path):
-    folder = tmp_path / "broken"
+@pytest.mark.parametrize("tokenizer_class, files, message", [
+    ("LlamaTokenizer", {"tokenizer.model": b"\x0a\xff\xff"},  # a field longer than the file
+     r"tokenizer\.model: not a SentencePiece model"),
+    ("LlamaTokenizer", {"tokenizer.model": FIXTURES / "t5" / "spiece.model"},
+     "LlamaTokenizer needs a SentencePiece BPE model, this one is unigram"),
+    ("GPT2Tokenizer", {"vocab.json": FIXTURES / "bytelevel" / "vocab.json"}, "vocab.json without merges.txt"),
+], ids=["malformed-sentencepiece", "unigram-as-llama", "no-merges"])
+def test_slow_files_that_do_not_make_the_class_are_refused(tmp_path, tokenizer_class, files, message):
+    folder = tmp_path / "tokenizer"
     folder.mkdir()
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
-    (folder / "tokenizer.model").write_bytes(b"\x0a\xff\xff")  # a field longer than the file
-    with pytest.raises(TokenizerError, match=r"tokenizer\.model: not a SentencePiece model"):
-        AutoTokenizer.from_pretrained(folder)
-
-
-def test_wrong_sentencepiece_model_type_is_refused(tmp_path):
-    folder = tmp_path / "unigram-as-llama"
-    folder.mkdir()
-    shutil.copy(FIXTURES / "t5" / "spiece.model", folder / "tokenizer.model")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
-    with pytest.raises(TokenizerError, match="LlamaTokenizer needs a SentencePiece BPE model, this one is unigram"):
-        AutoTokenizer.from_pretrained(folder)
-
-
-def test_vocab_json_without_merges_is_refused(tmp_path):
-    folder = tmp_path / "no-merges"
-    folder.mkdir()
-    shutil.copy(FIXTURES / "bytelevel" / "vocab.json", folder / "vocab.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
-    with pytest.raises(TokenizerError, match="vocab.json without merges.txt"):
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": tokenizer_class}))
+    for name, content in files.items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.read_bytes())
+    with pytest.raises(TokenizerError, match=message):
         AutoTokenizer.from_pretrained(folder)
 
 
