@@ -37,9 +37,9 @@ from vkformers.models.plugins import plugin_manager, registry
 from vkformers.models.prequantized import PrequantizedFormat, checkpoint_quantization
 from vkformers.models.quantize import (CheckpointQuantizer, bitsandbytes_nf4_weights, quantized_weight_names,
                                        transformers_quantization)
-from vkformers.models.safetensors_io import read_safetensors, write_safetensors
+from vkformers.models.safetensors_io import write_safetensors
 from vkformers.models.tokenizer import PreTrainedTokenizer, load_tokenizer_folder
-from vkformers.models.torch_pickle import read_torch_checkpoint
+from vkformers.models.torch_pickle import PICKLE_SUFFIXES, read_weight_file
 from vkformers.runtime import dtypes as dt
 
 @dataclass
@@ -104,9 +104,6 @@ def read_json(file: Path):
         raise CheckpointError(f"{file}: not valid JSON ({exc}); fix or re-download the file") from None
 
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
-
-
 def weight_files(folder: Path) -> list[Path]:
     """The checkpoint's weight files, as transformers picks them: safetensors (sharded, model.safetensors, any
     .safetensors), else pickled PyTorch weights (sharded, pytorch_model.bin, the one .bin/.pt/.pth)."""
@@ -148,12 +145,6 @@ def _index_shards(index: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {', '.join(missing)}")
     return [folder / s for s in shards]
-
-
-def read_weight_file(file: Path) -> dict:
-    """One weight file's tensors (name -> TensorEntry), memory-mapped: safetensors, or a torch.save'd state dict
-    read by an unpickler that only rebuilds tensors (models/torch_pickle.py)."""
-    return read_torch_checkpoint(file) if file.suffix in PICKLE_SUFFIXES else read_safetensors(file)
 
 
 def read_weights(folder: Path, convert=None, prequantized: PrequantizedFormat | None = None,

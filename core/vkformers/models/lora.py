@@ -48,8 +48,8 @@ from vkformers.models.layers import Linear, UpdatedLinear
 from vkformers.models.module import Module
 from vkformers.models.atomic import write_json_atomic
 from vkformers.models.hub import fetch_repo, is_path_name, local_path
-from vkformers.models.safetensors_io import TensorEntry, read_safetensors, write_safetensors
-from vkformers.models.torch_pickle import read_torch_checkpoint
+from vkformers.models.safetensors_io import TensorEntry, write_safetensors
+from vkformers.models.torch_pickle import read_weight_file
 from vkformers.runtime import dtypes as dt
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -336,8 +336,7 @@ def adapter_weights_file(folder) -> Path:
 
 def read_adapter_weights(file: Path) -> dict[str, TensorEntry]:
     """An adapter weights file's tensors under the model's names (lora_A.weight, ...), memory-mapped."""
-    entries = read_torch_checkpoint(file) if file.name == PICKLED_ADAPTER_WEIGHTS else read_safetensors(file)
-    return {_peft_key_to_model(k): e for k, e in entries.items()}
+    return {_peft_key_to_model(k): e for k, e in read_weight_file(file).items()}
 
 
 def check_adapter_folder(folder) -> LoraConfig:

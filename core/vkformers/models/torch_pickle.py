@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.models.module import CheckpointError
-from vkformers.models.safetensors_io import NUMPY_OF, TensorEntry
+from vkformers.models.safetensors_io import NUMPY_OF, TensorEntry, read_safetensors
 
 # torch's typed storage classes -> the safetensors dtype code of their elements
 STORAGE_CODES = {"FloatStorage": "F32", "DoubleStorage": "F64", "HalfStorage": "F16", "BFloat16Storage": "BF16",
                  "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
                  "ByteStorage": "U8", "BoolStorage": "BOOL"}
 V3_DTYPE_CODES = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # saved on untyped storage with a dtype
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # torch.save'd files, as checkpoints and PEFT name them
 CONVERT = "re-save it with torch >= 1.6 (torch.save) or convert it to safetensors"
 
 
@@ -184,3 +185,9 @@ def read_torch_checkpoint(path) -> dict[str, PickledTensor]:
         raise CheckpointError(f"{path}: not a state dict (a dict of name -> tensor); save model.state_dict() "
                               "or convert it to safetensors")
     return dict(state)
+
+
+def read_weight_file(file) -> dict[str, TensorEntry]:
+    """One weight file's tensors (name -> entry), memory-mapped: a ``torch.save``'d state dict by its suffix
+    (``.bin``, ``.pt``, ``.pth``), else safetensors."""
+    return read_torch_checkpoint(file) if Path(file).suffix in PICKLE_SUFFIXES else read_safetensors(file)
