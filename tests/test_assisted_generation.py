@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vkformers import get_device
 from vkformers.models import generation
 from vkformers.models.assisted import AssistedGenerationError, lookup_candidates, speculative_tokens
 from vkformers.models.cache import CropError, KVCache
@@ -83,7 +84,7 @@ def test_drafts_are_used_and_verifications_replay(main_model, monkeypatch):
     main_model.forget_captures()  # (the earlier tests' plans aside)
     plain = main_model.generate(ids, max_new_tokens=20, do_sample=False)
     for padding in (False, True):
-        monkeypatch.setitem(generation.DRAFT_PADDING, "cpu", padding)
+        monkeypatch.setitem(generation.DRAFT_PADDING, "cpu" if get_device().is_cpu else "gpu", padding)
         for _ in range(2):  # the second call replays what the first recorded
             tokens = main_model.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=main_model,
                                          num_assistant_tokens=3, assistant_confidence_threshold=0.0)

@@ -30,7 +30,7 @@ def run(out: Path, batch: int, *flags, ranks: int = 1, timeout: float = 120, env
     command = [sys.executable, str(RANK_SCRIPT), str(out), str(batch), str(STEPS), *flags]
     if ranks > 1:
         command = [distributed.find_mpiexec(), "-n", str(ranks), *command]
-    env = {**os.environ, distributed.SHARE_DEVICE_ENV: "1", **(env or {})}  # lavapipe: one device, shared
+    env = {**distributed.launcher_environment(), distributed.SHARE_DEVICE_ENV: "1", **(env or {})}  # one device, shared
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -245,3 +245,12 @@ def test_more_ranks_than_devices_is_refused_with_what_to_do(tmp_path, capfd, mon
     err = capfd.readouterr().err
     assert f"Vulkan device(s): start at most {ranks - 1} ranks per host" in err
     assert f"{distributed.SHARE_DEVICE_ENV}=1" in err
+
+
+def test_open_mpi_is_allowed_to_start_ranks_as_root_and_a_choice_already_made_is_kept(monkeypatch):
+    """Open MPI's mpiexec refuses root (a container's usual user) unless both variables say yes."""
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    env = distributed.launcher_environment({"PATH": "/bin", "OMPI_ALLOW_RUN_AS_ROOT": "0"})
+    assert env == {"PATH": "/bin", "OMPI_ALLOW_RUN_AS_ROOT": "0", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert distributed.launcher_environment({"PATH": "/bin"}) == {"PATH": "/bin"}

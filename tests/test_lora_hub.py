@@ -183,5 +183,7 @@ def test_adapters_served_by_name_from_the_hub_as_from_their_folders(hub):
         logits = model(np.concatenate([IDS, IDS, IDS])).logits.numpy()
     np.testing.assert_array_equal(logits[1], logits[0])
     np.testing.assert_array_equal(logits[2], logits[0])
-    np.testing.assert_array_equal(logits[0], load_adapter(base_llama(), ADAPTER)(IDS).logits.numpy()[0])
+    # alone, the row may take another product kernel than in a batch of three (on a GPU)
+    alone = load_adapter(base_llama(), ADAPTER)(IDS).logits.numpy()[0]
+    np.testing.assert_allclose(logits[0], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
     assert cli_serve.adapter_options(["sql=org/lora"]) == (None, {"sql": "org/lora"})

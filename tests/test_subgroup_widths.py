@@ -105,8 +105,11 @@ def test_fused_decode_is_not_used_where_subgroups_are_narrower(device, monkeypat
     x, w = vkf.tensor(np.zeros((1, 1, 64), np.float32)), vkf.tensor(np.zeros((8, 64), np.float32))
     with vkf.no_grad():
         assert fusable(x, [w])
-        # lavapipe reporting 32 lanes, which llvmpipe runs 16 wide (only the choice is asked: nothing runs)
+        # a device reporting 32 lanes that runs kernels narrower: llvmpipe (16 wide) or Intel's driver (8 wide up);
+        # only the choice is asked, nothing runs
         monkeypatch.setitem(device.limits, "subgroup_size", 32)
+        monkeypatch.setitem(device.limits, "vendor_id", INTEL_VENDOR_ID)
+        monkeypatch.setitem(device.limits, "min_subgroup_size", 8)
         assert not subgroups_are_full(device)
         assert not fusable(x, [w])
         x_buffer, w_buffer = device.upload(np.zeros(64, np.float32)), device.upload(np.zeros(8 * 64, np.float32))

@@ -109,11 +109,22 @@ def print_then_abort(comm, message: str, wait_s: float = 2.0) -> None:
     comm.Abort(1)
 
 
+def launcher_environment(environ=None) -> dict:
+    """The environment mpiexec starts under. Open MPI's launcher refuses to run as root unless told twice, and root
+    is the usual user in a container: allow it there (MPICH ignores the variables; a value already set is kept)."""
+    env = dict(os.environ if environ is None else environ)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
 def launch(world_size: int, argv: list[str]) -> int:
     """Run ``vkformers <argv>`` as ``world_size`` processes on this machine under mpiexec; their exit status.
     MPICH's launcher ends every rank when one fails, so a crashed rank cannot leave the others waiting."""
     code = "import sys; from vkformers.cli import main; sys.exit(main())"
-    return subprocess.call([find_mpiexec(), "-n", str(world_size), sys.executable, "-c", code, *argv])
+    return subprocess.call([find_mpiexec(), "-n", str(world_size), sys.executable, "-c", code, *argv],
+                           env=launcher_environment())
 
 
 def _bf16_sum(inbuf, inoutbuf, datatype) -> None:
