@@ -180,6 +180,16 @@ VARIANTS = [
     ("wordpiece", "bert_added_tokens_json", {"tokenizer_class": "BertTokenizer", "do_lower_case": False},
      None, {"added_tokens.json": {"<ent>": 300, "<ent2>": 301},
             "special_tokens_map.json": {"additional_special_tokens": ["<ent>"]}}),
+    # special_tokens_map.json: over a config saved before added_tokens_decoder its tokens win and its extra tokens
+    # are appended; beside one with added_tokens_decoder it is not read
+    ("wordpiece", "bert_special_tokens_map_wins", {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
+                                                   "pad_token": "[PAD]", "extra_special_tokens": ["[MASK]"]},
+     None, {"special_tokens_map.json": {"pad_token": {**ADDED, "content": "[UNK]"}, "sep_token": "[SEP]",
+                                        "extra_special_tokens": ["hello", "[MASK]"]}}),
+    ("wordpiece", "bert_special_tokens_map_unread", {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
+                                                     "added_tokens_decoder": {
+                                                         "0": {**ADDED, "content": "[PAD]", "special": True}}},
+     None, {"special_tokens_map.json": {"pad_token": "[UNK]", "additional_special_tokens": ["hello"]}}),
     ("bytelevel", "gpt2", {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>",
                            "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}, None, {}),
     ("bytelevel", "gpt2_prefix_space_by_model_type", {"add_prefix_space": True}, {"model_type": "gpt2"}, {}),

@@ -14,7 +14,6 @@ A SentencePiece ``.model`` file is a protobuf message; :func:`read_sentencepiece
 """
 from __future__ import annotations
 
-import json
 import re
 import struct
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from vkformers.errors import VkformersError
+from vkformers.models.tokenizer_files import extra_special_tokens, read_json, token_text
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
@@ -234,18 +234,8 @@ def _setting(config: dict, name: str, default):
     return default if value is None else value
 
 
-def _text(value) -> str | None:
-    """A special token as tokenizer_config.json spells it (a string or an AddedToken dict), as its text."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return None if value is None else str(value)
-
-
 def _read_json(file: Path):
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SlowTokenizerError(f"{file}: not valid JSON ({exc})") from None
+    return read_json(file, SlowTokenizerError)
 
 
 def _file(folder: Path, *names: str) -> Path:
@@ -264,7 +254,7 @@ def _bert(folder: Path, config: dict, *, lowercase: bool | None = None) -> SlowT
         vocab = models.WordPiece.read_file(str(vocab_file))
     except Exception as exc:  # the Rust side raises a bare Exception on malformed files
         raise SlowTokenizerError(f"{vocab_file}: not a WordPiece vocabulary ({exc})") from None
-    unk = _text(_setting(config, "unk_token", defaults["unk_token"]))
+    unk = token_text(_setting(config, "unk_token", defaults["unk_token"]))
     backend = Tokenizer(models.WordPiece(vocab, unk_token=unk))
     backend.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=bool(_setting(config, "tokenize_chinese_chars", True)),
@@ -390,8 +380,8 @@ def _albert(folder: Path, config: dict) -> SlowTokenizer:
     # set before transformers applies add_bos_token/add_eos_token, which then replace it
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", backend.token_to_id(_text(_setting(config, "cls_token", "[CLS]")))),
-                        ("[SEP]", backend.token_to_id(_text(_setting(config, "sep_token", "[SEP]"))))])
+        special_tokens=[("[CLS]", backend.token_to_id(token_text(_setting(config, "cls_token", "[CLS]")))),
+                        ("[SEP]", backend.token_to_id(token_text(_setting(config, "sep_token", "[SEP]"))))])
     return SlowTokenizer(backend, defaults, sentencepiece=spm)
 
 
@@ -402,7 +392,7 @@ def _xlm_roberta(folder: Path, config: dict) -> SlowTokenizer:
     spm = read_sentencepiece_model(_file(folder, "sentencepiece.bpe.model", *SENTENCEPIECE_FILES))
     defaults = {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>",
                 "pad_token": "<pad>", "mask_token": "<mask>"}
-    named = {name: _text(_setting(config, name, value)) for name, value in defaults.items()}
+    named = {name: token_text(_setting(config, name, value)) for name, value in defaults.items()}
     vocab = [(named[name], 0.0) for name in ("bos_token", "pad_token", "eos_token", "unk_token")]
     vocab += [(piece, score) for piece, score, _ in spm.pieces[3:]] + [(named["mask_token"], 0.0)]
     backend = _unigram_model(spm, folder, "XLMRobertaTokenizer", vocab, unk_id=3)
@@ -437,7 +427,7 @@ def _sentencepiece(folder: Path, config: dict) -> SlowTokenizer:
         vocab = {piece: index for index, (piece, _, _) in enumerate(spm.pieces)}
         decoder = config.get("added_tokens_decoder")
         if isinstance(decoder, dict) and decoder:  # added_tokens_decoder renames pieces (not onto a kept one)
-            names = {int(index): _text(token) for index, token in decoder.items()}
+            names = {int(index): token_text(token) for index, token in decoder.items()}
             kept = {token for token, index in vocab.items() if index not in names}
             vocab = {(names[i] if i in names and names[i] not in kept else token): i for token, i in vocab.items()}
         id_to_token = {index: token for token, index in vocab.items()}
@@ -527,9 +517,8 @@ def _tokens_to_add(folder: Path, config: dict, slow: SlowTokenizer) -> list:
             tokens.append(token)
 
     decoder = config.get("added_tokens_decoder")
-    named = {_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES} - {None}
-    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
-    extra = list(extra.values()) if isinstance(extra, dict) else list(extra)
+    named = {token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES} - {None}
+    extra = extra_special_tokens(config)
     if isinstance(decoder, dict):  # even empty, it stands for added_tokens.json
         for index in sorted(decoder, key=int):
             add(_added_token(decoder[index], normalized=raw))
@@ -538,15 +527,14 @@ def _tokens_to_add(folder: Path, config: dict, slow: SlowTokenizer) -> list:
         # transformers marks special here the named tokens and tokenizer_config.json's own additional special
         # tokens, not those special_tokens_map.json adds
         own = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-        own_extra = own.get("additional_special_tokens") or own.get("extra_special_tokens") or []
-        specials = named | {_text(t) for t in (own_extra.values() if isinstance(own_extra, dict) else own_extra)}
+        specials = named | {token_text(t) for t in extra_special_tokens(own)}
         for content, _ in sorted(added.items(), key=lambda item: item[1]):
             add(_added_token({"content": content, "normalized": content not in specials},
                              special=content in specials, normalized=raw))
     by_content = {t.content: t for t in tokens}
     for name in SPECIAL_TOKEN_NAMES:
         value = config.get(name)
-        if value is not None and _text(value) not in by_content:
+        if value is not None and token_text(value) not in by_content:
             add(_added_token(value, special=True))
     for value in extra:
         add(_added_token(value, special=True))

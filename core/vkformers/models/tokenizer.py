@@ -31,6 +31,7 @@ import numpy as np
 
 from vkformers.errors import VkformersError
 from vkformers.models.slow_tokenizers import SlowTokenizerError, load_slow_tokenizer
+from vkformers.models.tokenizer_files import extra_special_tokens, read_json, token_text, tokenizer_config
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -102,13 +103,6 @@ class BatchEncoding(dict):
         return self._encoding(batch_index, "tokens").tokens
 
 
-def _token_content(value):
-    """A special token as tokenizer_config.json spells it: a string or a serialised AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return getattr(value, "content", value)  # a tokenizers.AddedToken: its text
-
-
 def _as_id_list(ids) -> list[int]:
     if hasattr(ids, "numpy"):  # a vkformers Tensor
         ids = ids.numpy()
@@ -155,12 +149,10 @@ class PreTrainedTokenizer:
         self.model_input_names = list(self.config.get("model_input_names") or _model_input_names(self.config))
         self.chat_template = self.config.get("chat_template")
         for name in SPECIAL_TOKEN_NAMES:
-            setattr(self, name, _token_content(self.config.get(name)))
+            setattr(self, name, token_text(self.config.get(name)))
         if self.pad_token is None and stored_padding.get("pad_token") is not None:
             self.pad_token = stored_padding["pad_token"]
-        extra = self.config.get("additional_special_tokens") or self.config.get("extra_special_tokens") or []
-        self.additional_special_tokens = [_token_content(t) for t in (extra.values() if isinstance(extra, dict)
-                                                                      else extra)]
+        self.additional_special_tokens = [token_text(t) for t in extra_special_tokens(self.config)]
         # the fill-in-the-middle token ids a GGUF file names (role -> id; models/fill_in_middle.py); a vocabulary's
         # own spelling of them is found there
         self.fim_token_ids: dict[str, int] = {}
@@ -240,10 +232,10 @@ class PreTrainedTokenizer:
         for key, value in special_tokens_dict.items():
             if key in SPECIAL_TOKEN_NAMES:
                 added += self.add_tokens([value], special_tokens=True)
-                setattr(self, key, _token_content(value))
+                setattr(self, key, token_text(value))
             elif key in ("additional_special_tokens", "extra_special_tokens"):
                 added += self.add_tokens(list(value), special_tokens=True)
-                contents = [_token_content(v) for v in value]
+                contents = [token_text(v) for v in value]
                 kept = [] if replace_additional_special_tokens else self.additional_special_tokens
                 self.additional_special_tokens = list(dict.fromkeys(kept + contents))
             else:
@@ -617,25 +609,7 @@ def render_chat(template, messages: list[dict], *, add_generation_prompt=False, 
 
 # -- loading -------------------------------------------------------------------------------------------------
 def _read_json(file: Path) -> dict:
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise TokenizerError(f"{file}: not valid JSON ({exc})") from None
-
-
-def tokenizer_config(folder: Path) -> dict:
-    """tokenizer_config.json, completed from special_tokens_map.json and chat_template.jinja when present."""
-    config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
-    special_map = folder / "special_tokens_map.json"
-    if special_map.is_file():
-        for name, value in _read_json(special_map).items():
-            config.setdefault(name, value)
-    template_file = folder / "chat_template.jinja"
-    if template_file.is_file():
-        config["chat_template"] = template_file.read_text(encoding="utf-8")
-    elif (folder / "chat_template.json").is_file():  # processors' spelling
-        config.setdefault("chat_template", _read_json(folder / "chat_template.json").get("chat_template"))
-    return config
+    return read_json(file, TokenizerError)
 
 
 def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> PreTrainedTokenizer:
@@ -644,7 +618,7 @@ def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> P
     from tokenizers import Tokenizer  # loaded with the first tokenizer, not with vkformers
     folder = Path(folder)
     file = folder / "tokenizer.json"
-    config = tokenizer_config(folder)
+    config = tokenizer_config(folder, TokenizerError)
     model_config = {}
     if (folder / "config.json").is_file() and not (file.is_file() and "tokenizer_class" in config):
         model_config = _read_json(folder / "config.json")
