@@ -9,6 +9,7 @@ from any part, the split model must give the whole file's logits bit for bit.
 No network: ``huggingface_hub.snapshot_download`` is tests/fake_hub.py's FakeHub (the files its allow patterns select
 copied into a snapshot folder) and ``list_repo_files`` lists the folder standing for the repo.
 """
+import json
 import shutil
 from pathlib import Path
 
@@ -283,6 +284,24 @@ def test_cli_model_by_tag_and_gguf_file(hub, tiny_gguf, capsys):
     assert generated(capsys, ["generate", "--model", "org/Tiny-GGUF", "--gguf-file", "tiny.Q8_0.gguf"] + prompt) == want
     assert generated(capsys, ["generate", "--model", str(tiny_gguf), "--assistant-model", "org/Tiny-GGUF:Q8_0"]
                      + prompt) == want  # the same model drafting: the same text
+    assert generated(capsys, ["generate", "--model", str(tiny_gguf), "--tokenizer", "org/Tiny-GGUF:Q8_0"]
+                     + prompt) == want  # the tokenizer of a GGUF file by its tag
+
+
+def test_training_records_the_model_as_given_not_the_cache_path(hub, tmp_path, capsys):
+    """``train --model org/repo:TAG``: the run's files name the model as the user gave it (an adapter's PEFT
+    base_model_name_or_path, the checkpoint's run record), never the HF cache path it was fetched to."""
+    data = tmp_path / "text.txt"
+    data.write_text("the capital of france is paris. " * 20)
+    out = tmp_path / "run"
+    assert main(["train", "--model", "org/Tiny-GGUF:Q8_0", "--tokenizer", "org/Tiny-GGUF:Q8_0", "--data", str(data),
+                 "--lora-rank", "2", "--steps", "1", "--batch-size", "1", "--seq-len", "8", "--eval-fraction", "0",
+                 "--no-progress", "--out", str(out)]) == 0, capsys.readouterr().err
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "org/Tiny-GGUF:Q8_0"
+    state = json.loads(next(out.glob("checkpoints/*/trainer_state.json")).read_text())
+    assert state["run"]["model"] == state["run"]["tokenizer"] == "org/Tiny-GGUF:Q8_0"
+    assert str(hub.cache) not in json.dumps(state) + json.dumps(adapter)
 
 
 def test_cli_model_by_tag_errors(hub, capsys):

@@ -49,8 +49,8 @@ def add_parser(subparsers):
                              "package)")
     add_gguf_file_option(parser)
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer folder or hub repo id (default: the model's own; a .gguf file's from its "
-                             "metadata)")
+                        help="tokenizer folder, hub repo id or org/repo:QUANT (default: the model's own; a .gguf "
+                             "file's from its metadata)")
     parser.add_argument("--prompt", default=None, help="the text to continue (default: read from stdin)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt as a user message with the model's chat template")
@@ -173,11 +173,12 @@ def run(args) -> int:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)  # the process-wide default device the model loads onto
     model_name = resolve_model(args.model, args.gguf_file) or default_model()
     assistant_name = resolve_model(args.assistant_model, option="--assistant-model")
+    tokenizer_name = resolve_model(args.tokenizer, option="--tokenizer")
     adapter = None if args.adapter is None else resolve_adapter(args.adapter)  # before minutes of model loading
     if adapter is not None:
         check_adapter_folder(adapter)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or model_name)
     ids = start_from_bos(tokenizer, prompt_ids(tokenizer, prompt, chat=args.chat, system=args.system,
                                                template_kwargs=args.chat_template_kwargs))
     started = time.perf_counter()

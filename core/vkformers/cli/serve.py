@@ -91,8 +91,8 @@ def add_parser(subparsers):
                              "reranker) on /v1/rerank and /v1/score")
     add_gguf_file_option(parser)
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer folder or hub repo id for a causal LM (default: the model's own; a .gguf "
-                             "file's from its metadata)")
+                        help="tokenizer folder, hub repo id or org/repo:QUANT for a causal LM (default: the model's "
+                             "own; a .gguf file's from its metadata)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: a .gguf file's stem, a split one's without "
                              "its part number, else --model as given; "
@@ -222,6 +222,7 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         os.environ["VKFORMERS_DEVICE"] = str(args.device)
     served = args.served_model_name or served_name(args.model, args.gguf_file)
     args.model = resolve_model(args.model, args.gguf_file)  # a hub repo's GGUF file fetched: its local path
+    args.tokenizer = resolve_model(args.tokenizer, option="--tokenizer")
     model_name = args.model or cli_generate.default_model()
     scheduler = None
     merged, named = adapter_options(args.adapter)

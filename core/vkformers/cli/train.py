@@ -68,7 +68,8 @@ def add_parser(subparsers):
                                                    "repo's GGUF file by its tag)")
     add_gguf_file_option(p)
     p.add_argument("--from-scratch", action="store_true", help="random weights (only the model's config.json is read)")
-    p.add_argument("--tokenizer", help="tokenizer folder/repo (default: the model's); 'byte' for UTF-8 bytes")
+    p.add_argument("--tokenizer", help="tokenizer folder, hub repo id or org/repo:QUANT (a GGUF file's; default: the "
+                   "model's); 'byte' for UTF-8 bytes")
     p.add_argument("--quantization", choices=QUANTIZE_FORMATS,
                    help="pack the model's Linear weights in these blocks while loading (QLoRA: needs --lora-rank; "
                         "nf4 is QLoRA's 4-bit NormalFloat); a GGUF file keeps its own blocks without it")
@@ -239,7 +240,10 @@ def run(args) -> int:
         raise VkformersError("give the training data with exactly one of --data or --hf-dataset")
     check_quantization_options(args)
     check_output_folder(args.out)  # before minutes of loading
+    # recorded as given (the run's files name org/repo:TAG, not this machine's cache path)
+    args.model_name, args.tokenizer_name = str(args.model), args.tokenizer
     args.model = resolve_model(args.model, args.gguf_file)  # a hub repo's GGUF file fetched: its local path
+    args.tokenizer = resolve_model(args.tokenizer, option="--tokenizer")
     if args.task != "causal-lm" and ((args.data_parallel or 1) > 1 or distributed.launched_world_size() > 1):
         raise VkformersError(f"--data-parallel trains --task causal-lm only; train {args.task} on one device")
     comm = start_data_parallel(args)
@@ -330,7 +334,7 @@ def train(args, comm) -> int:
         apply_lora(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                                      lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
                                      use_rslora=args.rslora, modules_to_save=modules_to_save,
-                                     base_model_name_or_path=str(args.model)), seed=args.seed)
+                                     base_model_name_or_path=args.model_name), seed=args.seed)
     if comm is not None:
         batches = distributed.ShardedBatches(train, args.batch_size, comm.rank, comm.size, seed=args.seed)
     elif args.task == "causal-lm":
@@ -345,8 +349,8 @@ def train(args, comm) -> int:
                             save_every=args.save_every or args.steps, keep=args.keep, precision=args.precision,
                             seed=args.seed, optim=args.optim, gradient_checkpointing=args.gradient_checkpointing,
                             master_weights=not args.no_master_weights)
-    run_info = {"model": str(args.model), "data": [str(p) for p in paths], "tokenizer": args.tokenizer or args.model,
-                "quantization": args.quantization,
+    run_info = {"model": args.model_name, "gguf_file": args.gguf_file, "data": [str(p) for p in paths],
+                "tokenizer": args.tokenizer_name or args.model_name, "quantization": args.quantization,
                 "lora": model.lora_config.to_peft_dict() if args.lora_rank else None}
     if args.task == "causal-lm":
         eval_batches = fixed_batches(held_out, args.batch_size, args.eval_batches) if held_out else None
