@@ -68,6 +68,10 @@ def test_calls_match_transformers(tmp_path, source, variant):
     assert ("batch_padded" in calls) == (tok.pad_token is not None)
     if "batch_padded" in calls:
         assert as_lists(tok(inputs["batch"], padding=True)) == calls["batch_padded"]
+        batch = inputs["batch"]
+        assert as_lists(tok(batch, text_target=batch[::-1], padding=True)) == calls["text_target"]
+        assert as_lists(tok(text_target=inputs["long_text"], max_target_length=5, padding="max_length")) \
+            == calls["text_target_only"]
     assert ("chat_text" in calls) == bool(tok.chat_template)
     if "chat_text" in calls:
         chat = inputs["chat"]

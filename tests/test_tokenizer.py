@@ -254,3 +254,15 @@ def test_add_tokens_and_special_tokens_as_transformers(tmp_path):
         tok.add_special_tokens({"tool_token": "<t>"})
     with pytest.raises(TokenizerError, match="add_special_tokens takes a dict"):
         tok.add_special_tokens("<pad>")
+
+
+def test_text_target_refusals(tok, tmp_path):
+    """Neither text nor text_target is an error; a tokenizer class whose target mode sets another language's
+    tokens (transformers' MarianTokenizer, NLLB, mBART, ...) refuses text_target rather than encode it as text."""
+    with pytest.raises(TokenizerError, match="give text, text_target or both"):
+        tok()
+    assert tok(text_target="hello world")["input_ids"] == tok("hello world")["input_ids"]
+    nllb = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "nllb", tokenizer_class="NllbTokenizerFast"))
+    assert nllb("hello world")["input_ids"] == tok("hello world")["input_ids"]
+    with pytest.raises(TokenizerError, match="NllbTokenizer encodes targets with the target language's tokens"):
+        nllb("hello", text_target="world")

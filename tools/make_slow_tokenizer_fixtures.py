@@ -281,6 +281,9 @@ def expectations(path: Path) -> dict:
              "no_special_tokens": dict(tok(TEXTS[1], add_special_tokens=False))}
     if tok.pad_token is not None:
         calls["batch_padded"] = dict(tok(BATCH, padding=True))
+        # a sequence-to-sequence batch: the targets' ids as labels; targets alone, truncated to max_target_length
+        calls["text_target"] = dict(tok(BATCH, text_target=BATCH[::-1], padding=True))
+        calls["text_target_only"] = dict(tok(text_target=TEXTS[1], max_target_length=5, padding="max_length"))
     if tok.chat_template:
         calls["chat_text"] = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
         calls["chat_ids"] = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)

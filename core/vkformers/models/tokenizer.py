@@ -50,6 +50,10 @@ TOKEN_TYPE_MODEL_TYPES = frozenset({
     "tvp", "vilt", "visual_bert"})
 PADDING_STRATEGIES = ("longest", "max_length", "do_not_pad")
 TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second", "do_not_truncate")
+# transformers' tokenizer classes that switch to the target language's special tokens for text_target
+TARGET_MODE_TOKENIZER_CLASSES = frozenset({
+    "M2M100Tokenizer", "MarianTokenizer", "MBart50Tokenizer", "MBartTokenizer", "NllbTokenizer", "PLBartTokenizer",
+    "RagTokenizer", "SeamlessM4TTokenizer"})
 LARGE_INTEGER = int(1e20)  # transformers: a model_max_length above this means "no limit" (it stores 1e30)
 
 
@@ -271,7 +275,34 @@ class PreTrainedTokenizer:
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[str]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
 
-    def __call__(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
+    def __call__(self, text=None, text_pair=None, *, text_target=None, text_pair_target=None,
+                 max_target_length: int | None = None, **options) -> BatchEncoding:
+        """Encode ``text`` (see :meth:`encode_texts` for the options), ``text_target`` (a sequence-to-sequence
+        model's decoder texts, with ``text_pair_target``) or both, as transformers does: the targets are encoded with
+        the same options (``max_target_length``, where given, for their ``max_length``) and, beside ``text``, their
+        ids are returned as ``labels`` (padding included: a collator masks it)."""
+        if text is None and text_target is None:
+            raise TokenizerError("tokenizer call: give text, text_target or both")
+        encodings = None if text is None else self.encode_texts(text, text_pair, **options)
+        if text_target is None:
+            return encodings
+        target_class = str(self.config.get("tokenizer_class") or "").removesuffix("Fast")
+        if target_class in TARGET_MODE_TOKENIZER_CLASSES:
+            raise TokenizerError(f"text_target: transformers' {target_class} encodes targets with the target "
+                                 "language's tokens, which vkformers does not set; encode the targets apart with "
+                                 "them")
+        target_options = dict(options)
+        if max_target_length is not None:
+            if options.get("max_length") is None and options.get("truncation") is None:
+                target_options["truncation"] = False  # transformers decides truncation from max_length alone
+            target_options["max_length"] = max_target_length
+        targets = self.encode_texts(text_target, text_pair_target, **target_options)
+        if encodings is None:
+            return targets
+        encodings["labels"] = targets["input_ids"]
+        return encodings
+
+    def encode_texts(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
                  max_length: int | None = None, stride: int = 0, is_split_into_words: bool = False,
                  pad_to_multiple_of: int | None = None, padding_side: str | None = None,
                  return_tensors: str | None = None, return_token_type_ids: bool | None = None,
