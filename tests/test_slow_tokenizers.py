@@ -14,7 +14,7 @@ from vkformers.models.slow_tokenizers import (BPE, CONTROL, UNIGRAM, UNKNOWN, US
 from vkformers.models.tokenizer import TokenizerError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slow_tokenizers"
-SOURCES = ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr")
+SOURCES = ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian")
 EXPECTED = {source: json.loads((FIXTURES / source / "expected.json").read_text(encoding="utf-8")) for source in SOURCES}
 VARIANTS = [(source, variant) for source in SOURCES for variant in EXPECTED[source]["variants"]]
 
@@ -225,3 +225,28 @@ def test_added_tokens_decoder_even_empty_replaces_added_tokens_json(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({**variant["tokenizer_config"],
                                                               "added_tokens_decoder": {}}))
     assert len(AutoTokenizer.from_pretrained(folder)) == 300
+
+
+def test_a_marian_tokenizer_saves_its_own_files_and_reloads(tmp_path):
+    """transformers has no fast MarianTokenizer: a save writes the slow files (no tokenizer.json, which a Python
+    pre-tokenizer cannot go into) and a tokenizer_config.json naming the class, so the folder reloads alone."""
+    variant = fixture_variant("marian_by_model_type")
+    tok = AutoTokenizer.from_pretrained(variant_folder(tmp_path, "marian", variant))
+    tok.save_pretrained(tmp_path / "saved")
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["source.spm", "target.spm",
+                                                                      "tokenizer_config.json", "vocab.json"]
+    again = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    for row in variant["rows"]:
+        text = row["text"]
+        assert (again(*text) if isinstance(text, list) else again(text))["input_ids"] == row["encoding"]["input_ids"]
+        assert again.decode(row["encoding"]["input_ids"], skip_special_tokens=True) == row["decode_skip"]
+    batch = EXPECTED["marian"]["inputs"]["batch"]
+    assert as_lists(again(batch, text_target=batch[::-1], padding=True)) == variant["calls"]["text_target"]
+
+
+def test_marian_with_separate_vocabularies_is_refused(tmp_path):
+    variant = fixture_variant("marian")
+    folder = variant_folder(tmp_path, "marian", variant)
+    (folder / "tokenizer_config.json").write_text(json.dumps({**variant["tokenizer_config"], "separate_vocabs": True}))
+    with pytest.raises(TokenizerError, match="separate_vocabs.*one shared vocab.json"):
+        AutoTokenizer.from_pretrained(folder)

@@ -9,7 +9,9 @@ The vocabularies are trained here on a small built-in corpus, so the folder stay
 * ``llama/tokenizer.model``: a SentencePiece BPE with byte fallback, as Llama 2 ships;
 * ``t5/spiece.model``, ``albert/spiece.model``, ``xlmr/sentencepiece.bpe.model``: SentencePiece unigram models with
   T5's, ALBERT's and XLM-R's special pieces, normalized by a small custom rule table (a real ``nmt_nfkc`` map is
-  240 KB), so the precompiled charsmap is exercised too.
+  240 KB), so the precompiled charsmap is exercised too;
+* ``marian/source.spm`` + ``target.spm`` + ``vocab.json``: an opus-mt layout (two unigram models, one vocabulary of
+  both's pieces and two language codes; the target corpus holds characters the source model never saw).
 
 Each folder's ``expected.json`` holds variants: a tokenizer_config.json (and config.json) to write beside the files,
 and for each text what ``AutoTokenizer.from_pretrained(folder)`` gives (the call's dict, ``decode`` with and without
@@ -115,10 +117,10 @@ def train_byte_level(folder: Path) -> None:
     backend.model.save(str(folder))
 
 
-def train_sentencepiece(path: Path, **options) -> None:
+def train_sentencepiece(path: Path, corpus=CORPUS, **options) -> None:
     import sentencepiece as spm
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS * 4), model_writer=model, num_threads=1,
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus * 4), model_writer=model, num_threads=1,
                                    minloglevel=2, **options)
     # the trainer records its inputs' paths (the scratch rule table): cleared, so a rerun writes the same bytes
     from sentencepiece import sentencepiece_model_pb2
@@ -138,7 +140,7 @@ def rule_table(folder: Path) -> str:
 
 def build_sources(out: Path, scratch: Path) -> None:
     """The slow files of each folder (only these are kept in the fixture)."""
-    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr"):
+    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian"):
         (out / name).mkdir(parents=True, exist_ok=True)
     write_wordpiece_vocab(out / "wordpiece")
     train_byte_level(out / "bytelevel")
@@ -154,6 +156,28 @@ def build_sources(out: Path, scratch: Path) -> None:
                         normalization_rule_tsv=rules, **common)
     train_sentencepiece(out / "xlmr" / "sentencepiece.bpe.model", model_type="unigram", vocab_size=200,
                         normalization_rule_tsv=rules, **common)
+    write_marian(out / "marian", rules, common)
+
+
+# Marian (opus-mt): a source and a target SentencePiece model, one vocab.json of both's pieces; a target-language
+# corpus of its own (another alphabet's letters too, and a character the source model never saw)
+MARIAN_TARGET_CORPUS = [line.lower()[::-1] + " ☃ σ λ ω" for line in CORPUS]
+MARIAN_CODES = [">>fra<<", ">>deu<<"]
+
+
+def write_marian(folder: Path, rules: str, common: dict) -> None:
+    train_sentencepiece(folder / "source.spm", model_type="unigram", vocab_size=200, normalization_rule_tsv=rules,
+                        **common)
+    train_sentencepiece(folder / "target.spm", model_type="unigram", vocab_size=180, normalization_rule_tsv=rules,
+                        corpus=MARIAN_TARGET_CORPUS, **common)
+    from sentencepiece import sentencepiece_model_pb2
+    pieces = []
+    for name in ("source.spm", "target.spm"):
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString((folder / name).read_bytes())
+        pieces += [p.piece for p in proto.pieces if p.type == 1]  # normal pieces, as Marian's vocab lists them
+    vocab = list(dict.fromkeys(["</s>", "<unk>", *MARIAN_CODES, *pieces, "<pad>"]))
+    (folder / "vocab.json").write_text(json.dumps({piece: i for i, piece in enumerate(vocab)}, ensure_ascii=False))
 
 
 # variants: (folder, name, tokenizer_config.json or None, config.json or None, extra files {name: content}[, files
@@ -220,6 +244,9 @@ VARIANTS = [
                                      "1": {**ADDED, "content": "<s>", "special": True},
                                      "2": {**ADDED, "content": "</s>", "special": True}}},
      {"model_type": "llama"}, {}),
+    ("marian", "marian", {"tokenizer_class": "MarianTokenizer", "source_lang": "en", "target_lang": "de"},
+     {"model_type": "marian"}, {}),
+    ("marian", "marian_by_model_type", None, {"model_type": "marian"}, {}),
     ("t5", "t5", {"tokenizer_class": "T5Tokenizer"}, None, {}),
     ("t5", "t5_few_extra_ids", {"tokenizer_class": "T5Tokenizer", "extra_ids": 3}, None, {}),
     ("albert", "albert", {"tokenizer_class": "AlbertTokenizer", "do_lower_case": True, "keep_accents": False}, None,
@@ -264,14 +291,19 @@ def variant_folder(sources: Path, folder: str, tokenizer_config, config, extra, 
     return into
 
 
-def expectations(path: Path) -> dict:
+# texts only one folder's variants encode: Marian's language codes (a code leads the text it is in)
+FOLDER_TEXTS = {"marian": [">>fra<< Hello world!", ">>deu<<Café", "Hello >>fra<< world", ">>xx<< not a code",
+                           ">>fra<<", "☃ σ λ unknown", "a  ▁b ▁ c"]}
+
+
+def expectations(path: Path, folder: str = "") -> dict:
     from transformers import AutoTokenizer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tok = AutoTokenizer.from_pretrained(str(path))
     assert not (path / "tokenizer.json").exists()
     rows = []
-    for text in TEXTS + PAIRS:
+    for text in TEXTS + FOLDER_TEXTS.get(folder, []) + PAIRS:
         encoded = tok(*text) if isinstance(text, tuple) else tok(text)
         ids = encoded["input_ids"]
         rows.append({"text": list(text) if isinstance(text, tuple) else text,
@@ -311,7 +343,7 @@ def main():
         for folder, name, tokenizer_config, config, extra, *renamed in VARIANTS:
             renamed = renamed[0] if renamed else {}
             path = variant_folder(args.out, folder, tokenizer_config, config, extra, scratch / name, renamed)
-            result = expectations(path)
+            result = expectations(path, folder)
             by_folder.setdefault(folder, []).append({"name": name, "tokenizer_config": tokenizer_config,
                                                      "config": config, "files": extra, "renamed": renamed,
                                                      **result})

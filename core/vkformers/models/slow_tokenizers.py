@@ -25,7 +25,8 @@ from vkformers.models.tokenizer_files import extra_special_tokens, read_json, to
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", *SENTENCEPIECE_FILES, "added_tokens.json")
+SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", *SENTENCEPIECE_FILES, "source.spm", "target.spm",
+                        "added_tokens.json")
 METASPACE = "\u2581"  # SentencePiece's spelling of a space
 WRITE_TOKENIZER_JSON = ("write tokenizer.json with transformers: "
                         "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)")
@@ -42,6 +43,7 @@ TOKENIZER_CLASSES = {
     "T5Tokenizer": "t5",
     "AlbertTokenizer": "albert",
     "XLMRobertaTokenizer": "xlm-roberta",
+    "MarianTokenizer": "marian",
     # transformers' generic tokenizer, built from a tokenizer.model's own settings
     **dict.fromkeys(("TokenizersBackend", "PreTrainedTokenizerFast"), "sentencepiece"),
 }
@@ -59,6 +61,7 @@ MODEL_TYPE_CLASSES = {
     **dict.fromkeys(("idefics", "idefics2"), "LlamaTokenizer"),
     **dict.fromkeys(("mt5", "musicgen", "musicgen_melody", "switch_transformers", "t5"), "T5Tokenizer"),
     **dict.fromkeys(("albert", "yoso"), "AlbertTokenizer"),
+    "marian": "MarianTokenizer",
     **dict.fromkeys(("gte", "jina_embeddings_v3", "metaclip_2", "trocr", "xlm-roberta", "xmod"),
                     "XLMRobertaTokenizer"),
 }
@@ -226,6 +229,12 @@ class SlowTokenizer:
     sentencepiece: SentencePieceModel | None = None
     added_user_defined: bool = True  # a SentencePiece model's user-defined pieces become added tokens
     added_raw: bool = False  # added_tokens_decoder's tokens match the text before the normalizer
+    # the decoder the class sets once its special tokens are known (None: the backend's stays)
+    decoder: Callable | None = None
+    # files a save copies instead of writing tokenizer.json, which cannot hold a tokenizer with Python parts
+    files: tuple[str, ...] = ()
+    # (normalizer, pre-tokenizer) the class encodes text_target with (a translation model's target language)
+    target_mode: tuple | None = None
 
 
 def _setting(config: dict, name: str, default):
@@ -481,10 +490,138 @@ def _sentencepiece(folder: Path, config: dict) -> SlowTokenizer:
                          added_raw=spm.add_dummy_prefix)
 
 
+# -- Marian (opus-mt) ------------------------------------------------------------------------------------------
+MARIAN_FILES = ("source.spm", "target.spm", "vocab.json")
+
+
+class MarianPieces:
+    """transformers' MarianTokenizer has no fast form: it cuts each text between added tokens with the source
+    SentencePiece model (a leading ``>>lang<<`` code kept whole) and looks each piece up in vocab.json, where a
+    span the model does not know is looked up by its text (it may be a target piece). As a custom pre-tokenizer
+    this cuts the pieces (SentencePiece's whitespace rules, then its unigram model over each word) and a WordLevel
+    model over vocab.json maps them, so the ids, offsets, padding and truncation are the backend's own."""
+
+    def __init__(self, spm: SentencePieceModel):
+        from tokenizers import Regex, models
+        self.spm = spm
+        # SentencePiece never matches its control and unknown pieces (<s>, <unk>) in text: they get names no text
+        # holds (only the cut is used, not the ids)
+        self.model = models.Unigram([(piece if kind not in (CONTROL, UNKNOWN) else f"\x00{index}", score)
+                                     for index, (piece, score, kind) in enumerate(spm.pieces)],
+                                    unk_id=spm.unk_id, byte_fallback=False)
+        self.ends, self.runs = Regex(r"\A +| +\z"), Regex(" {2,}")
+
+    def pre_tokenize(self, pretok) -> None:
+        pretok.split(self._pieces)
+
+    def _pieces(self, _, text) -> list:
+        pieces = []
+        original = text.original
+        end = original.find("<<") if original.startswith(">>") else -1
+        if end != -1 and str(text).startswith(original[:end + 2]):
+            pieces.append(text[0:end + 2])
+            if len(str(text)) == end + 2:
+                return pieces
+            text = text[end + 2:]
+        if self.spm.remove_extra_whitespaces:  # spaces only: SentencePiece leaves newlines and tabs alone
+            text.replace(self.ends, "")
+            text.replace(self.runs, " ")
+        if not str(text):
+            return pieces
+        if self.spm.escape_whitespaces:
+            text.replace(" ", METASPACE)
+        if self.spm.add_dummy_prefix:
+            text.prepend(METASPACE)
+        normalized = str(text)
+        starts = [0] + [i for i, c in enumerate(normalized) if c == METASPACE and i > 0]
+        for start, stop in zip(starts, starts[1:] + [len(normalized)]):
+            word = normalized[start:stop]
+            encoded, at = word.encode("utf-8"), start
+            for token in self.model.tokenize(word):  # offsets in bytes of the word
+                length = len(encoded[token.offsets[0]:token.offsets[1]].decode("utf-8"))
+                pieces.append(text[at:at + length])
+                at += length
+        return pieces
+
+
+class MarianText:
+    """MarianTokenizer's decoding as a custom decoder: the text between special tokens decoded as the source
+    SentencePiece model decodes pieces (leading spaces dropped until the first text, pieces it does not know kept
+    as they are), each special token followed by a space, then every U+2581 a space and the ends stripped."""
+
+    def __init__(self, spm: SentencePieceModel, specials):
+        self.kinds = {piece: kind for piece, _, kind in spm.pieces}
+        self.spm, self.specials = spm, set(specials)
+
+    def _decode_pieces(self, pieces) -> str:
+        text, at_start = "", self.spm.add_dummy_prefix
+        for piece in pieces:
+            kind = self.kinds.get(piece, UNKNOWN)
+            if kind == UNKNOWN:
+                surface = " \u2047 " if piece == self.spm.unk_piece else piece
+            elif kind == CONTROL:
+                surface = ""
+            else:
+                surface = (piece.lstrip(METASPACE) if at_start else piece).replace(METASPACE, " ")
+            at_start = at_start and not surface
+            text += surface
+        return text
+
+    def decode_chain(self, tokens: list[str]) -> list[str]:
+        text, run = "", []
+        for token in tokens:
+            if token in self.specials:
+                text += self._decode_pieces(run) + token + " "
+                run = []
+            else:
+                run.append(token)
+        text += self._decode_pieces(run)
+        return [text.replace(METASPACE, " ").strip()]
+
+
+def _marian(folder: Path, config: dict) -> SlowTokenizer:
+    """transformers' MarianTokenizer (opus-mt translation models): source.spm cuts the text, target.spm the
+    text_target, one vocab.json gives both their ids (see MarianPieces and MarianText)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    if config.get("separate_vocabs"):
+        raise SlowTokenizerError(f"{folder}: a MarianTokenizer with separate source and target vocabularies "
+                                 "(separate_vocabs); vkformers rebuilds Marian tokenizers of one shared vocab.json")
+    source, target = (read_sentencepiece_model(_file(folder, name)) for name in ("source.spm", "target.spm"))
+    for name, model in (("source.spm", source), ("target.spm", target)):
+        if model.model_type != UNIGRAM or model.byte_fallback:
+            raise SlowTokenizerError(f"{folder / name}: vkformers rebuilds MarianTokenizer over SentencePiece "
+                                     "unigram models without byte fallback (as Marian trains them)")
+    vocab = _read_json(_file(folder, "vocab.json"))
+    unk = token_text(config.get("unk_token")) or "<unk>"
+    if not isinstance(vocab, dict) or unk not in vocab:
+        raise SlowTokenizerError(f"{folder / 'vocab.json'}: MarianTokenizer's vocabulary must map pieces to ids and "
+                                 f"hold the unknown token {unk!r}")
+
+    def cutting(model: SentencePieceModel) -> tuple:
+        normalizer = normalizers.Precompiled(model.precompiled_charsmap) if model.precompiled_charsmap else None
+        return normalizer, pre_tokenizers.PreTokenizer.custom(MarianPieces(model))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    backend.normalizer, backend.pre_tokenizer = cutting(source)
+    # (the class named: a save writes the slow files, which a folder without config.json reads by it)
+    defaults = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": 512,
+                "tokenizer_class": "MarianTokenizer"}
+
+    def post_processor(tokenizer):
+        eos = tokenizer.eos_token
+        return processors.TemplateProcessing(single=["$A", eos], pair=["$A", "$B", eos],
+                                             special_tokens=[(eos, tokenizer.eos_token_id)])
+
+    def decoder(tokenizer):
+        return decoders.Decoder.custom(MarianText(source, tokenizer.all_special_tokens))
+    return SlowTokenizer(backend, defaults, post_processor, decoder=decoder, files=MARIAN_FILES,
+                         target_mode=cutting(target))
+
+
 BUILDERS = {"bert": _bert, "dpr": lambda folder, config: _bert(folder, config, lowercase=True),
             "gpt2": lambda folder, config: _byte_level(folder, config, roberta=False),
             "roberta": lambda folder, config: _byte_level(folder, config, roberta=True),
-            "llama": _llama, "t5": _t5, "albert": _albert, "xlm-roberta": _xlm_roberta, "sentencepiece": _sentencepiece}
+            "llama": _llama, "t5": _t5, "albert": _albert, "xlm-roberta": _xlm_roberta, "sentencepiece": _sentencepiece,
+            "marian": _marian}
 # DPR's tokenizers take do_lower_case but never hand it to BertTokenizer, whose default (lowercase) then holds
 
 
@@ -575,7 +712,8 @@ def load_slow_tokenizer(folder: Path, config: dict, model_config: dict) -> SlowT
         raise SlowTokenizerError(
             f"{folder}: no tokenizer.json, only {', '.join(present)}, and {known}; vkformers rebuilds the slow "
             f"tokenizers of BertTokenizer, GPT2Tokenizer, RobertaTokenizer (and their aliases), LlamaTokenizer, "
-            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer and TokenizersBackend; {WRITE_TOKENIZER_JSON}")
+            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, MarianTokenizer and TokenizersBackend; "
+            f"{WRITE_TOKENIZER_JSON}")
     slow = BUILDERS[kind](folder, config)
     full = {**slow.defaults, **config}
     slow.backend.add_tokens(_tokens_to_add(folder, full, slow))

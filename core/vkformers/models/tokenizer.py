@@ -22,7 +22,9 @@ transformers produces the same text here.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -140,6 +142,8 @@ class PreTrainedTokenizer:
         self.backend = backend
         self.config = dict(config or {})
         self.name_or_path = name_or_path
+        self.saved_files: list[Path] = []  # what save_pretrained copies instead of writing tokenizer.json
+        self.target_mode: tuple | None = None  # the (normalizer, pre-tokenizer) of text_target, where it differs
         # tokenizer.json may store a padding and a truncation (sentence-transformers checkpoints pad to 128 and
         # cut there); transformers takes only their sides and pad token as defaults and pads or truncates a
         # call only when the call asks, so the backend keeps neither.
@@ -287,7 +291,7 @@ class PreTrainedTokenizer:
         if text_target is None:
             return encodings
         target_class = str(self.config.get("tokenizer_class") or "").removesuffix("Fast")
-        if target_class in TARGET_MODE_TOKENIZER_CLASSES:
+        if target_class in TARGET_MODE_TOKENIZER_CLASSES and self.target_mode is None:
             raise TokenizerError(f"text_target: transformers' {target_class} encodes targets with the target "
                                  "language's tokens, which vkformers does not set; encode the targets apart with "
                                  "them")
@@ -296,11 +300,26 @@ class PreTrainedTokenizer:
             if options.get("max_length") is None and options.get("truncation") is None:
                 target_options["truncation"] = False  # transformers decides truncation from max_length alone
             target_options["max_length"] = max_target_length
-        targets = self.encode_texts(text_target, text_pair_target, **target_options)
+        with self._target_mode():
+            targets = self.encode_texts(text_target, text_pair_target, **target_options)
         if encodings is None:
             return targets
         encodings["labels"] = targets["input_ids"]
         return encodings
+
+    @contextlib.contextmanager
+    def _target_mode(self):
+        """The backend cutting text as the target language's model does (Marian's target.spm), while encoding
+        targets."""
+        if self.target_mode is None:
+            yield
+            return
+        kept = self.backend.normalizer, self.backend.pre_tokenizer
+        self.backend.normalizer, self.backend.pre_tokenizer = self.target_mode
+        try:
+            yield
+        finally:
+            self.backend.normalizer, self.backend.pre_tokenizer = kept
 
     def encode_texts(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
                  max_length: int | None = None, stride: int = 0, is_split_into_words: bool = False,
@@ -542,7 +561,12 @@ class PreTrainedTokenizer:
         :func:`load_tokenizer_folder` and transformers read them."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
+        if self.saved_files:  # a rebuilt tokenizer with Python parts: its own files, as transformers saves them
+            for file in self.saved_files:
+                if file.resolve() != (folder / file.name).resolve():
+                    shutil.copyfile(file, folder / file.name)
+        else:
+            self.backend.save(str(folder / "tokenizer.json"))
         config = {k: v for k, v in self.config.items() if v is not None}
         for name in SPECIAL_TOKEN_NAMES:
             if getattr(self, name, None) is not None:
@@ -673,6 +697,11 @@ def load_tokenizer_folder(folder: Path, *, name_or_path: str | None = None) -> P
     if slow is not None and slow.post_processor is not None:
         # the classes that set their template after transformers applies add_bos_token/add_eos_token keep it
         backend.post_processor = slow.post_processor(tokenizer)
+    if slow is not None and slow.decoder is not None:
+        backend.decoder = slow.decoder(tokenizer)
+    if slow is not None:
+        tokenizer.saved_files = [folder / name for name in slow.files]
+        tokenizer.target_mode = slow.target_mode
     return tokenizer
 
 
