@@ -10,6 +10,7 @@ The vocabularies are trained here on a small built-in corpus, so the folder stay
 * ``t5/spiece.model``, ``albert/spiece.model``, ``xlmr/sentencepiece.bpe.model``: SentencePiece unigram models with
   T5's, ALBERT's and XLM-R's special pieces, normalized by a small custom rule table (a real ``nmt_nfkc`` map is
   240 KB), so the precompiled charsmap is exercised too;
+* ``deberta/spm.model``: a unigram model with DeBERTa-v3's special pieces;
 * ``marian/source.spm`` + ``target.spm`` + ``vocab.json``: an opus-mt layout (two unigram models, one vocabulary of
   both's pieces and two language codes; the target corpus holds characters the source model never saw).
 
@@ -140,7 +141,7 @@ def rule_table(folder: Path) -> str:
 
 def build_sources(out: Path, scratch: Path) -> None:
     """The slow files of each folder (only these are kept in the fixture)."""
-    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian"):
+    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta"):
         (out / name).mkdir(parents=True, exist_ok=True)
     write_wordpiece_vocab(out / "wordpiece")
     train_byte_level(out / "bytelevel")
@@ -157,6 +158,10 @@ def build_sources(out: Path, scratch: Path) -> None:
     train_sentencepiece(out / "xlmr" / "sentencepiece.bpe.model", model_type="unigram", vocab_size=200,
                         normalization_rule_tsv=rules, **common)
     write_marian(out / "marian", rules, common)
+    # DeBERTa-v3's layout: [PAD] [CLS] [SEP] [UNK] first, [MASK] added after the pieces (added_tokens.json)
+    train_sentencepiece(out / "deberta" / "spm.model", model_type="unigram", vocab_size=200, pad_id=0, bos_id=1,
+                        eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
+                        unk_piece="[UNK]", normalization_rule_tsv=rules, **common)
 
 
 # Marian (opus-mt): a source and a target SentencePiece model, one vocab.json of both's pieces; a target-language
@@ -247,6 +252,15 @@ VARIANTS = [
     ("marian", "marian", {"tokenizer_class": "MarianTokenizer", "source_lang": "en", "target_lang": "de"},
      {"model_type": "marian"}, {}),
     ("marian", "marian_by_model_type", None, {"model_type": "marian"}, {}),
+    ("deberta", "deberta_v3", {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False, "vocab_type": "spm"},
+     None, {"added_tokens.json": {"[MASK]": 172},
+            "special_tokens_map.json": {"bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]",
+                                        "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                                        "mask_token": "[MASK]"}}),
+    ("deberta", "deberta_v2_lower_punct_no_prefix", {"tokenizer_class": "DebertaV2TokenizerFast",
+                                                     "do_lower_case": True, "split_by_punct": True,
+                                                     "add_prefix_space": False}, None, {}),
+    ("deberta", "deberta_by_model_type", None, {"model_type": "deberta-v2"}, {}),
     ("t5", "t5", {"tokenizer_class": "T5Tokenizer"}, None, {}),
     ("t5", "t5_few_extra_ids", {"tokenizer_class": "T5Tokenizer", "extra_ids": 3}, None, {}),
     ("albert", "albert", {"tokenizer_class": "AlbertTokenizer", "do_lower_case": True, "keep_accents": False}, None,

@@ -24,7 +24,7 @@ from vkformers.errors import VkformersError
 from vkformers.models.tokenizer_files import extra_special_tokens, read_json, token_text
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "spm.model")
 SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", *SENTENCEPIECE_FILES, "source.spm", "target.spm",
                         "added_tokens.json")
 METASPACE = "\u2581"  # SentencePiece's spelling of a space
@@ -44,6 +44,7 @@ TOKENIZER_CLASSES = {
     "AlbertTokenizer": "albert",
     "XLMRobertaTokenizer": "xlm-roberta",
     "MarianTokenizer": "marian",
+    "DebertaV2Tokenizer": "deberta-v2",
     # transformers' generic tokenizer, built from a tokenizer.model's own settings
     **dict.fromkeys(("TokenizersBackend", "PreTrainedTokenizerFast"), "sentencepiece"),
 }
@@ -62,6 +63,7 @@ MODEL_TYPE_CLASSES = {
     **dict.fromkeys(("mt5", "musicgen", "musicgen_melody", "switch_transformers", "t5"), "T5Tokenizer"),
     **dict.fromkeys(("albert", "yoso"), "AlbertTokenizer"),
     "marian": "MarianTokenizer",
+    "deberta-v2": "DebertaV2Tokenizer",
     **dict.fromkeys(("gte", "jina_embeddings_v3", "metaclip_2", "trocr", "xlm-roberta", "xmod"),
                     "XLMRobertaTokenizer"),
 }
@@ -394,6 +396,36 @@ def _albert(folder: Path, config: dict) -> SlowTokenizer:
     return SlowTokenizer(backend, defaults, sentencepiece=spm)
 
 
+def _deberta_v2(folder: Path, config: dict) -> SlowTokenizer:
+    """transformers 5's DebertaV2Tokenizer (DeBERTa-v2 and v3's spm.model): the model's pieces as a unigram model
+    whose normalizer is the class's own (whitespace runs and controls to one space, NFC, trailing spaces cut; the
+    .model's charsmap is not used), Metaspace words (``split_by_punct``: punctuation apart first)."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+    spm = read_sentencepiece_model(_file(folder, "spm.model", *SENTENCEPIECE_FILES))
+    vocab = [(piece, score) for piece, score, _ in spm.pieces]
+    unk = str(token_text(_setting(config, "unk_token", "[UNK]")))
+    unk_id = vocab.index((unk, 0.0)) if (unk, 0.0) in vocab else spm.unk_id  # as the class finds it
+    backend = _unigram_model(spm, folder, "DebertaV2Tokenizer", vocab, unk_id=unk_id)
+    steps = [normalizers.Lowercase()] if config.get("do_lower_case", False) else []
+    steps += [normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "), normalizers.NFC(),
+              normalizers.Strip(left=False, right=True)]
+    backend.normalizer = normalizers.Sequence(steps)
+    scheme = "always" if config.get("add_prefix_space", True) else "first"
+    splits = [pre_tokenizers.Punctuation(behavior="isolated")] if config.get("split_by_punct", False) else []
+    backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.Metaspace(replacement=METASPACE,
+                                                                                         prepend_scheme=scheme)])
+    backend.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme=scheme)
+    defaults = {"bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]", "sep_token": "[SEP]",
+                "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]"}
+
+    def post_processor(tokenizer):
+        cls, sep = tokenizer.cls_token, tokenizer.sep_token
+        return processors.TemplateProcessing(
+            single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+            special_tokens=[(cls, tokenizer.cls_token_id or 0), (sep, tokenizer.sep_token_id or 0)])
+    return SlowTokenizer(backend, defaults, post_processor, sentencepiece=spm)
+
+
 def _xlm_roberta(folder: Path, config: dict) -> SlowTokenizer:
     """fairseq's vocabulary: <s> <pad> </s> <unk>, then the SentencePiece pieces after its own first three (so a
     piece's id is its SentencePiece id + 1), then <mask>."""
@@ -621,7 +653,7 @@ BUILDERS = {"bert": _bert, "dpr": lambda folder, config: _bert(folder, config, l
             "gpt2": lambda folder, config: _byte_level(folder, config, roberta=False),
             "roberta": lambda folder, config: _byte_level(folder, config, roberta=True),
             "llama": _llama, "t5": _t5, "albert": _albert, "xlm-roberta": _xlm_roberta, "sentencepiece": _sentencepiece,
-            "marian": _marian}
+            "marian": _marian, "deberta-v2": _deberta_v2}
 # DPR's tokenizers take do_lower_case but never hand it to BertTokenizer, whose default (lowercase) then holds
 
 
@@ -712,7 +744,8 @@ def load_slow_tokenizer(folder: Path, config: dict, model_config: dict) -> SlowT
         raise SlowTokenizerError(
             f"{folder}: no tokenizer.json, only {', '.join(present)}, and {known}; vkformers rebuilds the slow "
             f"tokenizers of BertTokenizer, GPT2Tokenizer, RobertaTokenizer (and their aliases), LlamaTokenizer, "
-            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, MarianTokenizer and TokenizersBackend; "
+            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, DebertaV2Tokenizer, MarianTokenizer and "
+            f"TokenizersBackend; "
             f"{WRITE_TOKENIZER_JSON}")
     slow = BUILDERS[kind](folder, config)
     full = {**slow.defaults, **config}
