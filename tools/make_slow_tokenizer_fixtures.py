@@ -10,6 +10,7 @@ The vocabularies are trained here on a small built-in corpus, so the folder stay
 * ``t5/spiece.model``, ``albert/spiece.model``, ``xlmr/sentencepiece.bpe.model``: SentencePiece unigram models with
   T5's, ALBERT's and XLM-R's special pieces, normalized by a small custom rule table (a real ``nmt_nfkc`` map is
   240 KB), so the precompiled charsmap is exercised too;
+* ``esm/vocab.txt``: ESM-2's 33 tokens;
 * ``deberta/spm.model``: a unigram model with DeBERTa-v3's special pieces;
 * ``marian/source.spm`` + ``target.spm`` + ``vocab.json``: an opus-mt layout (two unigram models, one vocabulary of
   both's pieces and two language codes; the target corpus holds characters the source model never saw).
@@ -141,7 +142,7 @@ def rule_table(folder: Path) -> str:
 
 def build_sources(out: Path, scratch: Path) -> None:
     """The slow files of each folder (only these are kept in the fixture)."""
-    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta"):
+    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta", "esm"):
         (out / name).mkdir(parents=True, exist_ok=True)
     write_wordpiece_vocab(out / "wordpiece")
     train_byte_level(out / "bytelevel")
@@ -158,6 +159,7 @@ def build_sources(out: Path, scratch: Path) -> None:
     train_sentencepiece(out / "xlmr" / "sentencepiece.bpe.model", model_type="unigram", vocab_size=200,
                         normalization_rule_tsv=rules, **common)
     write_marian(out / "marian", rules, common)
+    (out / "esm" / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n", encoding="utf-8")
     # DeBERTa-v3's layout: [PAD] [CLS] [SEP] [UNK] first, [MASK] added after the pieces (added_tokens.json)
     train_sentencepiece(out / "deberta" / "spm.model", model_type="unigram", vocab_size=200, pad_id=0, bos_id=1,
                         eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
@@ -168,6 +170,8 @@ def build_sources(out: Path, scratch: Path) -> None:
 # corpus of its own (another alphabet's letters too, and a character the source model never saw)
 MARIAN_TARGET_CORPUS = [line.lower()[::-1] + " ☃ σ λ ω" for line in CORPUS]
 MARIAN_CODES = [">>fra<<", ">>deu<<"]
+# ESM-2's vocabulary: the special tokens, the amino-acid letters (and ambiguity codes), gap symbols, a null token
+ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
 
 
 def write_marian(folder: Path, rules: str, common: dict) -> None:
@@ -261,6 +265,10 @@ VARIANTS = [
                                                      "do_lower_case": True, "split_by_punct": True,
                                                      "add_prefix_space": False}, None, {}),
     ("deberta", "deberta_by_model_type", None, {"model_type": "deberta-v2"}, {}),
+    ("esm", "esm2", {"tokenizer_class": "EsmTokenizer", "model_max_length": 1024}, None,
+     {"special_tokens_map.json": {"cls_token": "<cls>", "eos_token": "<eos>", "mask_token": "<mask>",
+                                  "pad_token": "<pad>", "unk_token": "<unk>"}}),
+    ("esm", "esm_by_model_type", None, {"model_type": "esm"}, {}),
     ("t5", "t5", {"tokenizer_class": "T5Tokenizer"}, None, {}),
     ("t5", "t5_few_extra_ids", {"tokenizer_class": "T5Tokenizer", "extra_ids": 3}, None, {}),
     ("albert", "albert", {"tokenizer_class": "AlbertTokenizer", "do_lower_case": True, "keep_accents": False}, None,
@@ -306,7 +314,9 @@ def variant_folder(sources: Path, folder: str, tokenizer_config, config, extra, 
 
 
 # texts only one folder's variants encode: Marian's language codes (a code leads the text it is in)
-FOLDER_TEXTS = {"marian": [">>fra<< Hello world!", ">>deu<<Café", "Hello >>fra<< world", ">>xx<< not a code",
+FOLDER_TEXTS = {"esm": ["MKTAYIAKQRQISFVKSHFSRQ", "M K T", "mkta lower case", "MKT<mask>AYI<mask>", "<cls>MKT<eos>",
+                        "MKTXBUZO.-<null_1>J", "AB<cls>"],
+                "marian": [">>fra<< Hello world!", ">>deu<<Café", "Hello >>fra<< world", ">>xx<< not a code",
                            ">>fra<<", "☃ σ λ unknown", "a  ▁b ▁ c"]}
 
 

@@ -45,6 +45,7 @@ TOKENIZER_CLASSES = {
     "XLMRobertaTokenizer": "xlm-roberta",
     "MarianTokenizer": "marian",
     "DebertaV2Tokenizer": "deberta-v2",
+    "EsmTokenizer": "esm",
     # transformers' generic tokenizer, built from a tokenizer.model's own settings
     **dict.fromkeys(("TokenizersBackend", "PreTrainedTokenizerFast"), "sentencepiece"),
 }
@@ -64,6 +65,7 @@ MODEL_TYPE_CLASSES = {
     **dict.fromkeys(("albert", "yoso"), "AlbertTokenizer"),
     "marian": "MarianTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
+    "esm": "EsmTokenizer",
     **dict.fromkeys(("gte", "jina_embeddings_v3", "metaclip_2", "trocr", "xlm-roberta", "xmod"),
                     "XLMRobertaTokenizer"),
 }
@@ -280,6 +282,36 @@ def _bert(folder: Path, config: dict, *, lowercase: bool | None = None) -> SlowT
         sep_id = 3 if tokenizer.sep_token_id is None else tokenizer.sep_token_id
         return processors.TemplateProcessing(single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
                                              special_tokens=[(str(cls), cls_id), (str(sep), sep_id)])
+    return SlowTokenizer(backend, defaults, post_processor)
+
+
+def _esm(folder: Path, config: dict) -> SlowTokenizer:
+    """transformers' EsmTokenizer (ESM-2 protein models; a Python tokenizer, no fast form): every token of vocab.txt
+    is cut out wherever it stands (the residue letters among them), the text left between is split on whitespace,
+    and a piece not in the vocabulary is the unknown token; ``<cls> A <eos>`` (pairs ``<cls> A <eos> B <eos>``),
+    decoded joined by spaces."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+    vocab_file = _file(folder, "vocab.txt")
+    try:
+        tokens = [line.strip() for line in vocab_file.read_text(encoding="utf-8").splitlines()]
+    except UnicodeDecodeError as exc:
+        raise SlowTokenizerError(f"{vocab_file}: not a text vocabulary ({exc})") from None
+    vocab = {token: index for index, token in enumerate(tokens)}  # (a repeated line: its last id, as the class)
+    unk = str(token_text(_setting(config, "unk_token", "<unk>")))
+    if unk not in vocab:
+        raise SlowTokenizerError(f"{vocab_file}: EsmTokenizer's vocabulary must hold the unknown token {unk!r}")
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_tokens([AddedToken(token, normalized=False) for token in dict.fromkeys(tokens) if token])
+    defaults = {"unk_token": "<unk>", "cls_token": "<cls>", "pad_token": "<pad>", "mask_token": "<mask>",
+                "eos_token": "<eos>"}
+
+    def post_processor(tokenizer):
+        cls, eos = tokenizer.cls_token, tokenizer.eos_token
+        single = [cls, "$A"] + ([eos] if eos is not None else [])
+        pair = [cls, "$A", eos, "$B", eos] if eos is not None else [cls, "$A", "$B"]  # (a pair needs eos there)
+        return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[
+            (token, tokenizer.backend.token_to_id(token)) for token in (cls, eos) if token is not None])
     return SlowTokenizer(backend, defaults, post_processor)
 
 
@@ -653,7 +685,7 @@ BUILDERS = {"bert": _bert, "dpr": lambda folder, config: _bert(folder, config, l
             "gpt2": lambda folder, config: _byte_level(folder, config, roberta=False),
             "roberta": lambda folder, config: _byte_level(folder, config, roberta=True),
             "llama": _llama, "t5": _t5, "albert": _albert, "xlm-roberta": _xlm_roberta, "sentencepiece": _sentencepiece,
-            "marian": _marian, "deberta-v2": _deberta_v2}
+            "marian": _marian, "deberta-v2": _deberta_v2, "esm": _esm}
 # DPR's tokenizers take do_lower_case but never hand it to BertTokenizer, whose default (lowercase) then holds
 
 
@@ -744,8 +776,8 @@ def load_slow_tokenizer(folder: Path, config: dict, model_config: dict) -> SlowT
         raise SlowTokenizerError(
             f"{folder}: no tokenizer.json, only {', '.join(present)}, and {known}; vkformers rebuilds the slow "
             f"tokenizers of BertTokenizer, GPT2Tokenizer, RobertaTokenizer (and their aliases), LlamaTokenizer, "
-            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, DebertaV2Tokenizer, MarianTokenizer and "
-            f"TokenizersBackend; "
+            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, DebertaV2Tokenizer, MarianTokenizer, "
+            f"EsmTokenizer and TokenizersBackend; "
             f"{WRITE_TOKENIZER_JSON}")
     slow = BUILDERS[kind](folder, config)
     full = {**slow.defaults, **config}
