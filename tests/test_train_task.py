@@ -84,7 +84,9 @@ def test_train_sequence_classifier_full_then_lora(tmp_path, capsys):
     # saved through modules_to_save, as PEFT's SEQ_CLS task does) learn it
     adapter = train(final, write_data(tmp_path, flip=True), tmp_path / "lora", "--lora-rank", "4",
                     "--lora-targets", "query", "value", "--lr", "5e-2", "--steps", "60")
-    assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["classifier"]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    # PEFT's AutoPeftModelForSequenceClassification loads only adapters of its task type
+    assert (config["modules_to_save"], config["task_type"]) == (["classifier"], "SEQ_CLS")
 
 
 def test_data_parallel_classifier_is_refused(tmp_path, capsys):
@@ -160,7 +162,8 @@ def test_train_token_classifier(tmp_path, capsys):
     assert main(["train", "--task", "token-classification", "--model", str(out / "final"), "--data", str(train_file),
                  "--eval-data", str(held_out), "--text-column", "words", "--label-column", "tags", "--out", str(lora),
                  "--steps", "4", "--batch-size", "16", "--seq-len", "24", "--lora-rank", "4", "--no-progress"]) == 0
-    assert json.loads((lora / "final" / "adapter_config.json").read_text())["modules_to_save"] == ["classifier"]
+    config = json.loads((lora / "final" / "adapter_config.json").read_text())
+    assert (config["modules_to_save"], config["task_type"]) == (["classifier"], "TOKEN_CLS")
 
 
 # ---------------------------------------------------------------- extractive question answering

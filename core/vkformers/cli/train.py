@@ -55,6 +55,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", *SLOW_TOKENIZER_FILES)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TASKS = ("causal-lm", "sequence-classification", "token-classification", "question-answering")
+# PEFT's task_type of each task's adapters (AutoPeftModelFor<Task> loads only its own)
+PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS",
+                   "token-classification": "TOKEN_CLS", "question-answering": "QUESTION_ANS"}
 # the data columns each labelled task reads by default (--text-column, --label-column)
 DEFAULT_COLUMNS = {"sequence-classification": ("text", "label"), "token-classification": ("tokens", "ner_tags"),
                    "question-answering": ("context", "answers")}
@@ -334,7 +337,8 @@ def train(args, comm) -> int:
         apply_lora(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                                      lora_dropout=args.lora_dropout, target_modules=lora_targets(args.lora_targets),
                                      use_rslora=args.rslora, modules_to_save=modules_to_save,
-                                     base_model_name_or_path=args.model_name), seed=args.seed)
+                                     base_model_name_or_path=args.model_name,
+                                     task_type=PEFT_TASK_TYPES[args.task]), seed=args.seed)
     if comm is not None:
         batches = distributed.ShardedBatches(train, args.batch_size, comm.rank, comm.size, seed=args.seed)
     elif args.task == "causal-lm":
