@@ -89,7 +89,7 @@ def bench_matmul(device, n: int, dtype: str, repeats: int) -> dict:
 
 def _random_model(config: dict, dtype: str):
     model = AutoModelForCausalLM.from_config(config)
-    init_weights(model, seed=0, dtype=dtype)  # normal(0, 0.02) matrices, ones for norms
+    init_weights(model, seed=0, dtype=dtype)  # normal(0, initializer_range) matrices, ones for norms
     return model.eval()
 
 

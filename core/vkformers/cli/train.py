@@ -5,7 +5,10 @@ or (``--task sequence-classification``) a text classifier on labelled CSV, JSONL
 and "ner_tags", as CoNLL-2003 on the hub; CSV cells hold space-separated words), each tag on its word's first
 sub-token, with seqeval's entity precision, recall and F1 on the held-out rows, or (``--task question-answering``)
 extractive QA on SQuAD-format JSONL/Parquet rows (question, context, answers), contexts cut into windows of
---seq-len tokens overlapping by --doc-stride, with SQuAD exact match and F1 on the held-out questions.
+--seq-len tokens overlapping by --doc-stride, with SQuAD exact match and F1 on the held-out questions, or
+(``--task seq2seq``) a sequence-to-sequence model (T5, BART, Marian, ...) on rows of a source and a target text
+(default columns "source" and "target"; a dotted name such as translation.en reads into nested objects), the
+targets tokenized as the model's target side (--target-len tokens at most) and their ids the labels.
 
 QLoRA: --quantization nf4 (or q4_0, q4_1, q8_0, q4_k) packs the model's Linear weights while loading; they stay
 frozen and LoRA adapters (--lora-rank) train on top, with --gradient-checkpointing and --optim adamw_8bit for less
@@ -38,7 +41,7 @@ from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import QuantizationError, VkformersError
 from vkformers.models.atomic import refuse_symlink, write_bytes_atomic
 from vkformers.models.atomic import open_for_append
-from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForQuestionAnswering,
+from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                                       AutoModelForSequenceClassification, AutoModelForTokenClassification, load_config,
                                       resolve_checkpoint)
 from vkformers.models.quantize import quantized_weight_names, refuse_quantized
@@ -48,19 +51,22 @@ from vkformers.training import (Batches, LoraConfig, Trainer, TrainingConfig, ap
                                 hf_dataset_files, init_weights, load_dataset, load_tokenizer)
 from vkformers.training.labelled import (LabelledBatches, evaluate_classifier, evaluate_question_answering,
                                         evaluate_token_classifier, labelled_batches, load_labelled,
-                                        load_question_answering, load_token_labelled)
+                                        load_question_answering, load_seq2seq, load_token_labelled)
 from vkformers.training.trainer import PLOT_HINT, check_output_folder, check_token_ids, model_vocab_size
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", *SLOW_TOKENIZER_FILES)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-TASKS = ("causal-lm", "sequence-classification", "token-classification", "question-answering")
+TASKS = ("causal-lm", "sequence-classification", "token-classification", "question-answering", "seq2seq")
 # PEFT's task_type of each task's adapters (AutoPeftModelFor<Task> loads only its own)
 PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS",
-                   "token-classification": "TOKEN_CLS", "question-answering": "QUESTION_ANS"}
+                   "token-classification": "TOKEN_CLS", "question-answering": "QUESTION_ANS",
+                   "seq2seq": "SEQ_2_SEQ_LM"}
+HEAD_TASKS = ("sequence-classification", "token-classification", "question-answering")  # a new head on a base
+CLASS_TASKS = ("sequence-classification", "token-classification")  # heads whose labels are named classes
 # the data columns each labelled task reads by default (--text-column, --label-column)
 DEFAULT_COLUMNS = {"sequence-classification": ("text", "label"), "token-classification": ("tokens", "ner_tags"),
-                   "question-answering": ("context", "answers")}
+                   "question-answering": ("context", "answers"), "seq2seq": ("source", "target")}
 OPTIMS = ("adamw", "adamw_8bit", "adamw_bf16_states")  # optim.OPTIMIZERS (not imported here: --help stays fast)
 
 
@@ -78,9 +84,9 @@ def add_parser(subparsers):
                         "nf4 is QLoRA's 4-bit NormalFloat); a GGUF file keeps its own blocks without it")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--task", choices=TASKS, default="causal-lm",
-                   help="causal-lm (default), sequence-classification, token-classification or "
+                   help="causal-lm (default); sequence-classification, token-classification or "
                         "question-answering: a head on the base model, trained on labelled rows (--text-column, "
-                        "--label-column)")
+                        "--label-column); seq2seq: an encoder-decoder on source and target texts")
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", metavar="PATH", help="text/JSONL/Parquet files or folders")
     data.add_argument("--hf-dataset", metavar="ORG/NAME", help="a hub dataset (Parquet/JSONL files, cached)")
@@ -122,6 +128,8 @@ def add_parser(subparsers):
                            "pass (as transformers' num_train_epochs; a fraction is a part of a pass)")
     loop.add_argument("--batch-size", type=positive_int, default=8)
     loop.add_argument("--seq-len", type=whole_number(2), default=512, help="tokens per sequence (at least 2)")
+    loop.add_argument("--target-len", type=positive_int, default=None,
+                      help="seq2seq: tokens per target at most (default --seq-len)")
     loop.add_argument("--lr", type=positive_number, default=2e-4)
     loop.add_argument("--schedule", choices=("constant", "linear", "cosine"), default="cosine")
     loop.add_argument("--warmup", type=non_negative_int, default=0, help="warmup steps")
@@ -179,7 +187,8 @@ def lora_targets(values):
 def load_model(args, **head_options):
     auto = {"sequence-classification": AutoModelForSequenceClassification,
             "token-classification": AutoModelForTokenClassification,
-            "question-answering": AutoModelForQuestionAnswering}.get(args.task, AutoModelForCausalLM)
+            "question-answering": AutoModelForQuestionAnswering,
+            "seq2seq": AutoModelForSeq2SeqLM}.get(args.task, AutoModelForCausalLM)
     if args.from_scratch:
         model = auto.from_config(load_config(resolve_checkpoint(args.model)), **head_options)
         init_weights(model, seed=args.seed, dtype=DTYPES[args.precision])
@@ -297,6 +306,9 @@ def train(args, comm) -> int:
         text_column, label_column = DEFAULT_COLUMNS[args.task]
         columns = dict(text_column=args.text_column or text_column, label_column=args.label_column or label_column)
         load = load_token_labelled if args.task == "token-classification" else load_labelled
+        if args.task == "seq2seq":
+            columns["target_len"] = args.target_len or args.seq_len
+            load = load_seq2seq
         if args.task == "question-answering":
             columns = dict(question_column=args.question_column, context_column=columns["text_column"],
                            answers_column=columns["label_column"], stride=args.doc_stride)
@@ -304,11 +316,11 @@ def train(args, comm) -> int:
         dataset = load(paths, tokenizer, args.seq_len, **columns)
         if args.eval_data:
             train = dataset
-            names = {} if args.task == "question-answering" else {"label_names": dataset.id2label}
+            names = {"label_names": dataset.id2label} if args.task in CLASS_TASKS else {}
             held_out = load(args.eval_data, tokenizer, args.seq_len, **names, **columns)
         else:
             train, held_out = dataset.split(args.eval_fraction, seed=args.seed)
-        head_options = dict(num_labels=len(dataset.id2label) or 1) if args.task != "question-answering" else {}
+        head_options = dict(num_labels=len(dataset.id2label) or 1) if args.task in CLASS_TASKS else {}
         if args.task == "sequence-classification":
             head_options["problem_type"] = dataset.problem_type
         if dataset.id2label:
@@ -316,7 +328,7 @@ def train(args, comm) -> int:
                                 label2id={name: int(i) for i, name in dataset.id2label.items()})
 
     model = load_model(args, **head_options)
-    if args.task != "causal-lm" and model.base.config.get("pad_token_id") is None:  # decoders: rows end at a pad
+    if args.task in HEAD_TASKS and model.base.config.get("pad_token_id") is None:  # decoders: rows end at a pad
         model.base.config["pad_token_id"] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
             else tokenizer.eos_token_id
         model.config["pad_token_id"] = model.base.config["pad_token_id"]
@@ -330,8 +342,10 @@ def train(args, comm) -> int:
     for what, part in (("the training data", train), ("the held-out data", held_out)):
         if part is not None:  # up front: an id past the embedding would only show as a nan loss later
             check_token_ids(part.input_ids, model_vocab_size(model), f"{what} (tokenized by {tokenizer_name})")
+            if args.task == "seq2seq":
+                check_token_ids(part.labels, model_vocab_size(model), f"the targets of {what}")
     modules_to_save = args.modules_to_save
-    if args.task != "causal-lm" and modules_to_save is None:  # PEFT's SEQ_CLS task: the new head trains and is saved
+    if args.task in HEAD_TASKS and modules_to_save is None:  # PEFT's SEQ_CLS task: the new head trains and is saved
         modules_to_save = sorted({path.split(".")[0] for path in model.head_modules})
     if args.lora_rank:
         apply_lora(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
@@ -381,7 +395,7 @@ def train(args, comm) -> int:
             print(f"vkformers train: skipped {skipped}: {reason}", file=sys.stderr)
         say(f"resumed from {folder} at step {trainer.step}" if folder else "no checkpoint to resume; starting fresh")
     trainer.train()
-    if args.task != "causal-lm" and eval_batches:
+    if args.task in HEAD_TASKS and eval_batches:
         if args.task == "token-classification":
             scores = evaluate_token_classifier(model, eval_batches, dataset.id2label)
         elif args.task == "question-answering":  # every held-out question, over all its windows

@@ -1,4 +1,5 @@
-"""Labelled texts for the task heads (``vkformers train --task sequence-classification|token-classification``):
+"""Labelled texts for the task heads (``vkformers train --task sequence-classification|token-classification``)
+and sequence-to-sequence pairs (``--task seq2seq``, :func:`load_seq2seq`):
 rows of CSV (the standard library's reader), JSONL or Parquet (pyarrow, the ``parquet`` extra) files, each a text
 and a label (or a list of words and one tag per word), tokenized to one padded shape for the whole run, and the
 metrics of a classifier on the held-out rows.
@@ -144,13 +145,55 @@ def load_labelled(paths: Sequence, tokenizer, seq_len: int, *, text_column: str 
     else:
         labels, id2label = _label_table(values, where)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    encoded = tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"]
-    length = max(len(ids) for ids in encoded)
-    ids = np.full((len(encoded), length), pad_id, np.int64)
-    mask = np.zeros((len(encoded), length), np.int64)
-    for row, tokens in enumerate(encoded):
+    ids, mask = _padded(tokenizer(texts, truncation=True, max_length=seq_len)["input_ids"], pad_id)
+    return LabelledDataset(ids, mask, labels, id2label, ids.shape[1])
+
+
+def nested_column(row: dict, column: str, at: str):
+    """``row[column]``; a dotted name reads into nested objects (``translation.en`` of the hub's translation
+    datasets, whose rows are {"translation": {"de": ..., "en": ...}})."""
+    value = row
+    for part in column.split(".") if column not in row else [column]:
+        if not isinstance(value, dict) or part not in value:
+            keys = ", ".join(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            raise DataError(f"{at}: no column {column!r} (at {part!r}: {keys}); pass --text-column / --label-column")
+        value = value[part]
+    return value
+
+
+def load_seq2seq(paths: Sequence, tokenizer, seq_len: int, target_len: int, *, text_column: str = "source",
+                 label_column: str = "target") -> LabelledDataset:
+    """Rows of a source and a target text for a sequence-to-sequence model, as transformers' run_summarization and
+    run_translation examples prepare them: ``tokenizer(sources, text_target=targets)`` (each side with its special
+    tokens, truncated to ``seq_len`` and ``target_len``), the sources padded to the longest row with their mask, the
+    targets' ids the labels, padded with -100 (no loss there)."""
+    sources, targets = [], []
+    for path in data_files(paths):
+        for row, at in read_rows(path):
+            for column, texts in ((text_column, sources), (label_column, targets)):
+                value = nested_column(row, column, at)
+                if not isinstance(value, str):
+                    raise DataError(f"{at}: column {column!r} is not a text")
+                texts.append(value)
+    if not sources:
+        raise DataError(f"{', '.join(map(str, paths))}: no rows")
+    if not callable(tokenizer):
+        raise DataError("a sequence-to-sequence model trains with its own tokenizer: drop --tokenizer byte")
+    encoded = tokenizer(sources, text_target=targets, truncation=True, max_length=seq_len,
+                        max_target_length=target_len)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    ids, mask = _padded(encoded["input_ids"], pad_id)
+    labels, _ = _padded(encoded["labels"], IGNORE_INDEX)
+    return LabelledDataset(ids, mask, labels, {}, ids.shape[1])
+
+
+def _padded(rows: list, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows right-padded with ``pad`` to the longest, and their mask."""
+    length = max(len(tokens) for tokens in rows)
+    ids, mask = np.full((len(rows), length), pad, np.int64), np.zeros((len(rows), length), np.int64)
+    for row, tokens in enumerate(rows):
         ids[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
-    return LabelledDataset(ids, mask, labels, id2label, length)
+    return ids, mask
 
 
 def _words(value, at: str, what: str) -> list:

@@ -152,8 +152,14 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-def init_weights(model, *, seed: int = 0, std: float = 0.02, dtype="float32") -> None:
-    """Random weights for training from scratch: normal(0, std) matrices, ones for norms, zeros for biases."""
+def init_weights(model, *, seed: int = 0, std: float | None = None, dtype="float32") -> None:
+    """Random weights for training from scratch: normal(0, std) matrices, ones for norms, zeros for biases. Without
+    ``std``, as transformers initialises the model: each matrix's own std where the model's family declares one
+    (``initial_std(name)``: T5's scaled normals), else the config's ``initializer_range`` (``init_std``: BART's
+    spelling), else 0.02."""
+    config = getattr(model, "config", None) or {}
+    default = float(config.get("initializer_range", config.get("init_std", 0.02))) if std is None else std
+    declared = getattr(model, "initial_std", None) if std is None else None
     rng = np.random.default_rng(seed)
     arrays = {}
     for name, slot in model.named_slots():
@@ -165,7 +171,8 @@ def init_weights(model, *, seed: int = 0, std: float = 0.02, dtype="float32") ->
         elif len(slot.shape) == 1:  # norm weights
             arrays[name] = np.ones(slot.shape, np.float32)
         else:
-            arrays[name] = (rng.standard_normal(slot.shape) * std).astype(np.float32)
+            scale = declared(name) if declared is not None else None
+            arrays[name] = (rng.standard_normal(slot.shape) * (default if scale is None else scale)).astype(np.float32)
     model.load_state_dict(arrays, dtype=dtype)
 
 

@@ -996,6 +996,27 @@ class Seq2SeqForConditionalGeneration(Seq2SeqGenerationMixin, Module):
         self.tie(f"{names['lm_head']}.weight", self.head_tie_target)
         self.logits_bias = None
 
+    def initial_std(self, name: str) -> float | None:
+        """The std transformers draws a weight from when the model is made from scratch: T5's scale-aware normals
+        (T5PreTrainedModel._init_weights, by ``initializer_factor``); None for the other families (the config's
+        ``init_std``)."""
+        if self.spec.layout != "t5":
+            return None
+        factor, spec = float(self.config.get("initializer_factor", 1.0)), self.spec
+        parts = name.split(".")
+        leaf = parts[-2] if len(parts) > 1 else name
+        if leaf in ("shared", "lm_head") or name.endswith("router.classifier.weight"):
+            return factor
+        if leaf == "q":
+            return factor * (spec.d_model * spec.head_dim) ** -0.5
+        if leaf in ("k", "v", "wi", "wi_0", "wi_1") or leaf.endswith("relative_attention_bias"):
+            return factor * spec.d_model ** -0.5
+        if leaf == "o":
+            return factor * (spec.encoder_heads * spec.head_dim) ** -0.5
+        if leaf == "wo":
+            return factor * spec.encoder_ffn ** -0.5
+        return None
+
     def load_state_dict(self, arrays, *args, **kwargs):
         """Ties lm_head to the shared embedding unless the checkpoint holds a different one (transformers 5
         does the same), and reads final_logits_bias, a buffer rather than a parameter."""
