@@ -59,8 +59,8 @@ def test_pairs_are_tokenized_as_the_target_side_with_labels_padded_by_minus_100(
 
 
 def test_train_seq2seq_full_then_lora(tmp_path, capsys):
-    """A copy task: the loss falls, final/ loads as a seq2seq model that copies a training source's text, and
-    LoRA adapters are written with PEFT's SEQ_2_SEQ_LM task type."""
+    """A copy task: the loss falls, final/ loads as a seq2seq model that copies a training source's text (in Python
+    and through vkformers generate), and LoRA adapters are written with PEFT's SEQ_2_SEQ_LM task type."""
     folder = t5_folder(tmp_path)
     data = write_pairs(tmp_path / "train.jsonl", PAIRS)
     common = ["--task", "seq2seq", "--data", str(data), "--eval-data", str(data), "--batch-size", "8",
@@ -77,6 +77,9 @@ def test_train_seq2seq_full_then_lora(tmp_path, capsys):
     out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8,
                          do_sample=False)
     assert tok.decode(np.asarray(out)[0], skip_special_tokens=True) == PAIRS[0][1]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(final), "--prompt", PAIRS[1][0], "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out == PAIRS[1][1] + "\n"  # the encoder-decoder run on the prompt as its source
     assert main(["train", "--model", str(final), "--out", str(tmp_path / "lora"), "--steps", "2", "--lr", "1e-3",
                  "--lora-rank", "2", "--lora-targets", "q", "v", *common]) == 0, capsys.readouterr().err
     config = json.loads((tmp_path / "lora" / "final" / "adapter_config.json").read_text())

