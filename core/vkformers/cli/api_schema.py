@@ -1,7 +1,12 @@
 """OpenAI's API as the routes of ``vkformers serve`` share it (cli/serve.py and the modules beside it that read
 requests and shape answers, cli/responses.py, cli/rerank.py): the error object they answer, the checks of a
-request's numeric and true-or-false fields, and the Prometheus text of /metrics."""
+request's numeric and true-or-false fields, a whole answer's wait for a client that may leave, and the Prometheus
+text of /metrics."""
 from __future__ import annotations
+
+import asyncio
+
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for its whole output checks that its client is there
 
 
 class ApiError(Exception):
@@ -13,6 +18,22 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+async def while_connected(request, work):
+    """The result of the coroutine ``work`` (a non-streamed answer being made), run while ``request``'s client
+    stays: checked every DISCONNECT_POLL_S, however fast the work's tokens come; when the client has left, the work
+    is cancelled and ApiError 499 raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "the client closed the request", code="client_closed_request")
+    finally:
+        task.cancel()  # (nothing where it has finished)
 
 
 def number_field(body: dict, name: str, default, kind=float, low=None, high=None):

@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 
-from vkformers.cli.api_schema import ApiError, flag_field, number_field
+from vkformers.cli.api_schema import ApiError, flag_field, number_field, while_connected
 from vkformers.cli.completion_output import refusal
 from vkformers.errors import InputError
 from vkformers.models.batching import Request, SamplingParams, SchedulerStopped
@@ -44,7 +44,6 @@ UNHONOURED = {"repeat_penalty": (1,), "presence_penalty": (0,), "frequency_penal
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
 OWN_ERROR_TYPES = ("not_supported_error", "exceed_context_size_error")
-DISCONNECT_POLL_S = 0.5
 
 
 class ContextExceeded(ApiError):
@@ -311,22 +310,16 @@ class InfillRoute:
                 return
 
     async def _whole(self, request, job: Request, updates: asyncio.Queue, asked: InfillRequest, model: str) -> dict:
-        """The whole answer; ApiError 499 when the client leaves first (checked every DISCONNECT_POLL_S), 500 when
-        the batch fails. The request leaves the batch either way."""
+        """The whole answer; ApiError 499 when the client leaves first (while_connected), 500 when the batch fails.
+        The request leaves the batch either way."""
         middle = Middle(asked.params.stop, asked.n_indent)
 
         async def run() -> float:
             async for _ in self._pieces(job, updates, asked, middle):
                 pass
             return time.perf_counter()
-        task = asyncio.ensure_future(run())
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    raise ApiError(499, "the client closed the request", code="client_closed_request")
-            ended = task.result()
+            ended = await while_connected(request, run())
         finally:
             job.cancel()
         return self._final(job, asked, middle, model, ended, streamed=False)

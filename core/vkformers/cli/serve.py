@@ -43,7 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from vkformers.cli import generate as cli_generate
-from vkformers.cli.api_schema import ApiError, number_field, prometheus_text
+from vkformers.cli.api_schema import ApiError, number_field, prometheus_text, while_connected
 from vkformers.cli.completion_output import (Output, chat_logprobs, completion_logprobs, held_updates, joined_logprobs,
                                              refusal, usage, vllm_prompt_logprobs)
 from vkformers.cli.completion_request import (choice_params, echoes, model_sampling_defaults, sampling_params,
@@ -75,7 +75,6 @@ from vkformers.models.tool_calls import TOOL_CALL_PARSERS, FirstCallOnly, NamedC
 INSTALL_HINT = "vkformers serve needs Starlette and uvicorn: pip install 'vkformers[serve]'"
 MAX_CHOICES = 128               # OpenAI's bound on n; here also on prompts x n of a batch of prompts
 DEFAULT_MEMORY_SHARE = 0.9      # vLLM's default gpu_memory_utilization
-DISCONNECT_POLL_S = 0.5         # how often a non-streamed request waiting for its output checks its client is there
 
 
 def add_parser(subparsers):
@@ -613,30 +612,22 @@ def build_app(scheduler: BatchScheduler | None, tokenizer, served: str, *, api_k
     async def outputs(request, jobs: list[Request], updates: asyncio.Queue, start: str | None = None) -> list[Output]:
         """The whole output of each of a call's requests, once all have finished (split into reasoning and answer
         from ``start``, chat_reply's, where the server reads reasoning). Raises ApiError 499 when the client leaves
-        meanwhile (checked every DISCONNECT_POLL_S), 500 when their batch fails; the requests leave the batch either
+        meanwhile (while_connected), 500 when their batch fails; the requests leave the batch either
         way."""
-        loop = asyncio.get_running_loop()
         done = [Output(reasoning=split) for split in splits(start, len(jobs)) or [None] * len(jobs)]
-        try:
-            check_at = loop.time() + DISCONNECT_POLL_S
+
+        async def collect() -> list[Output]:
             while any(out.finish_reason is None for out in done):
-                try:
-                    index, update = await asyncio.wait_for(updates.get(), max(check_at - loop.time(), 0.001))
-                except asyncio.TimeoutError:
-                    update = None
-                if loop.time() >= check_at:  # (tokens may come faster than the poll: checked by the clock)
-                    if await request.is_disconnected():  # no one to answer: the requests leave the batch (below)
-                        raise ApiError(499, "the client closed the request", code="client_closed_request")
-                    check_at = loop.time() + DISCONNECT_POLL_S
-                if update is None:
-                    continue
+                index, update = await updates.get()
                 if update.finish_reason == "error":
                     raise failed()
                 done[index].add(update)
+            return done
+        try:
+            return await while_connected(request, collect())
         finally:
             for job in jobs:
                 job.cancel()  # a client gone before the end: the requests leave the batch
-        return done
 
     async def complete(request, chat: bool):
         try:
