@@ -17,7 +17,8 @@ memory still. A .gguf model keeps its own packed blocks, so it trains with --lor
 Writes into --out: checkpoints/checkpoint-<step>/ (atomic, verified by --resume, the last --keep),
 metrics.jsonl (one line per step), loss_curve.png (with matplotlib: pip install 'vkformers[plot]'), and
 final/ (the trained model as save_pretrained writes it, or the PEFT adapter; --merge folds the adapter
-into the model instead). Nothing is written through a symbolic link inside --out.
+into the model instead). Nothing is written through a symbolic link inside --out. --push-to-hub ORG/NAME then
+uploads final/ to that hub repo, as transformers' Trainer does with push_to_hub.
 
 Several GPUs (pip install 'vkformers[mpi]'): --data-parallel N starts N processes on this machine, one per Vulkan
 device, each with --batch-size sequences of every step (N times the batch of one process); across machines, start
@@ -44,6 +45,7 @@ from vkformers.models.atomic import open_for_append
 from vkformers.models.loading import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSeq2SeqLM,
                                       AutoModelForSequenceClassification, AutoModelForTokenClassification, load_config,
                                       resolve_checkpoint)
+from vkformers.models.hub import create_hub_repo, upload_to_hub
 from vkformers.models.quantize import quantized_weight_names, refuse_quantized
 from vkformers.models.slow_tokenizers import SLOW_TOKENIZER_FILES
 from vkformers.training import distributed
@@ -172,6 +174,12 @@ def add_parser(subparsers):
     loop.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                       help="continue from the newest checkpoint in --out (or the folder given)")
     loop.add_argument("--no-progress", action="store_true", help="no progress bar")
+    hub = p.add_argument_group("hub (transformers' push_to_hub)")
+    hub.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload final/ (the model or the adapter, with the "
+                     "tokenizer's files) to this hub repo in one commit, creating it where missing")
+    hub.add_argument("--hub-private", action="store_true", help="create the repo private")
+    hub.add_argument("--hub-token", default=None, help="a token with write access (default: HF_TOKEN or the saved "
+                     "login)")
     p.set_defaults(func=run)
     return p
 
@@ -287,6 +295,8 @@ def training_steps(args, steps_per_epoch: int) -> int:
 def train(args, comm) -> int:
     leader = comm is None or comm.rank == 0
     say = print if leader else (lambda *a, **k: None)
+    if args.push_to_hub and leader:  # a wrong repo name or token stops the run before it trains, as transformers'
+        create_hub_repo(args.push_to_hub, private=args.hub_private or None, token=args.hub_token)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     paths = args.data or hf_dataset_files(args.hf_dataset, args.split)
     head_options = {}
@@ -417,4 +427,8 @@ def train(args, comm) -> int:
     if last.get("eval_loss") is not None:
         summary += f", held-out loss {last['eval_loss']:.4f}"
     print(f"done: step {trainer.step}, {summary}; model in {final}, metrics in {args.out / 'metrics.jsonl'}")
+    if args.push_to_hub:
+        commit = upload_to_hub(final, args.push_to_hub, private=args.hub_private or None, token=args.hub_token,
+                               commit_message=f"vkformers train: step {trainer.step}, {summary}")
+        print(f"pushed {final} to {getattr(commit, 'commit_url', None) or args.push_to_hub}")
     return 0

@@ -1,12 +1,15 @@
-"""A local folder, or a Hugging Face hub repo id fetched into the HF cache: where checkpoints and adapters come from.
+"""A local folder, or a Hugging Face hub repo id fetched into the HF cache: where checkpoints and adapters come from,
+and where ``push_to_hub`` sends them.
 
 Only the files a loader reads are fetched (``allow_patterns``); PyTorch's pickled weights only where a repo has no
 safetensors (a second download). ``revision``, ``token`` (else HF_TOKEN or the saved login), ``cache_dir`` and
-``local_files_only`` are huggingface_hub's; HF_HUB_OFFLINE serves the cache alone.
+``local_files_only`` are huggingface_hub's; HF_HUB_OFFLINE serves the cache alone. A push uploads a folder as one
+commit (``HfApi.upload_folder``), the repo created first where it is missing, as transformers' push_to_hub does.
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -61,6 +64,43 @@ def fetch_repo(repo_id: str, allow_patterns: list[str], *, fallback_patterns: li
         raise HubError(f"{what} {repo_id!r} {mode} the cache {where}: {type(exc).__name__}: {exc}") from None
 
 
+def _push_failed(repo_id: str, exc: Exception) -> HubError:
+    return HubError(f"could not push to the hub repo {repo_id!r}: {type(exc).__name__}: {exc} (a token with write "
+                    "access: HF_TOKEN, `hf auth login` or token=)")
+
+
+def create_hub_repo(repo_id: str, *, private: bool | None = None, token=None) -> None:
+    """The hub model repo ``repo_id`` made where it is missing (``private`` or not): before a long run that pushes
+    at its end, so that a wrong name or token stops it first."""
+    from huggingface_hub import HfApi  # slow to import: only for a push
+    try:
+        HfApi(token=token).create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not push"
+        raise _push_failed(repo_id, exc) from None
+
+
+def upload_to_hub(folder, repo_id: str, *, commit_message: str, private: bool | None = None, token=None,
+                  create_pr: bool = False, revision: str | None = None, commit_description: str | None = None):
+    """``folder``'s files uploaded to the hub model repo ``repo_id`` in one commit (the repo created, ``private``
+    or not, where it is missing); huggingface_hub's CommitInfo (``.commit_url``, ``.pr_url``)."""
+    from huggingface_hub import HfApi  # slow to import: only for a push
+    create_hub_repo(repo_id, private=private, token=token)
+    try:
+        return HfApi(token=token).upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model",
+                                                commit_message=commit_message, commit_description=commit_description,
+                                                create_pr=create_pr, revision=revision)
+    except Exception as exc:  # huggingface_hub raises many types; all mean "could not push"
+        raise _push_failed(repo_id, exc) from None
+
+
+def push_saved(save: Callable[[Path], None], repo_id: str, **options):
+    """What ``save(folder)`` writes (a save_pretrained), staged in a temporary folder and uploaded as one commit
+    (:func:`upload_to_hub`'s options)."""
+    with tempfile.TemporaryDirectory(prefix="vkformers-push-") as staged:
+        save(Path(staged))
+        return upload_to_hub(staged, repo_id, **options)
+
+
 def _lacks_safetensors(folder: Path) -> bool:
     return not any(folder.glob("*.safetensors"))
 
@@ -80,4 +120,4 @@ def resolve_checkpoint(name_or_path, *, revision: str | None = None, cache_dir=N
 
 
 __all__ = ["HUB_PATTERNS", "HUB_PICKLE_PATTERNS", "HubError", "fetch_repo", "is_path_name", "local_path",
-           "resolve_checkpoint"]
+           "create_hub_repo", "push_saved", "resolve_checkpoint", "upload_to_hub"]

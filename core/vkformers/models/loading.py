@@ -29,7 +29,7 @@ from vkformers.models.generation_settings import generation_config_of
 from vkformers.models.gguf_write import GGUF_FILE, save_gguf
 from vkformers.models.heads import HEAD_MODELS, TaskModel, head_config
 # re-exported: loaders of other checkpoints (sentence-transformers, encoder-decoder) take them from here
-from vkformers.models.hub import HUB_PATTERNS, HUB_PICKLE_PATTERNS, HubError, resolve_checkpoint  # noqa: F401
+from vkformers.models.hub import HUB_PATTERNS, HUB_PICKLE_PATTERNS, HubError, push_saved, resolve_checkpoint  # noqa: F401
 from vkformers.models.lazy_weights import LazyWeights
 from vkformers.models.lora import ADAPTER_HUB_OPTIONS, LoraError, ServedLoraLinear, load_adapter, save_adapter
 from vkformers.models.module import CheckpointError, Module
@@ -488,4 +488,18 @@ def save_pretrained(model: Module, folder, *, dtype=None, tokenizer: PreTrainedT
         write_json_atomic(folder / GENERATION_CONFIG, dict(model.generation_config))
 
 
+def push_to_hub(model: Module, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                token=None, create_pr: bool = False, revision: str | None = None,
+                commit_description: str | None = None, dtype=None, tokenizer: PreTrainedTokenizer | None = None):
+    """What :func:`save_pretrained` writes (the model, or its LoRA adapter as PEFT pushes one), uploaded to the hub
+    repo ``repo_id`` in one commit (created where missing, ``private`` or not), as transformers' push_to_hub does;
+    huggingface_hub's CommitInfo (``.commit_url``)."""
+    what = "adapter" if getattr(model, "lora_config", None) is not None else \
+        getattr(model, "architecture_name", None) or type(model).__name__
+    return push_saved(partial(save_pretrained, model, dtype=dtype, tokenizer=tokenizer), repo_id,
+                      commit_message=commit_message or f"Upload {what}", private=private, token=token,
+                      create_pr=create_pr, revision=revision, commit_description=commit_description)
+
+
 Module.save_pretrained = save_pretrained
+Module.push_to_hub = push_to_hub

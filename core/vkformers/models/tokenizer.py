@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from vkformers.errors import VkformersError
+from vkformers.models.hub import push_saved
 from vkformers.models.slow_tokenizers import SlowTokenizerError, load_slow_tokenizer
 from vkformers.models.tokenizer_files import extra_special_tokens, read_json, token_text, tokenizer_config
 
@@ -577,6 +578,14 @@ class PreTrainedTokenizer:
             config["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
                                                       encoding="utf-8")
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str = "Upload tokenizer", private: bool | None = None,
+                    token=None, create_pr: bool = False, revision: str | None = None,
+                    commit_description: str | None = None):
+        """What save_pretrained writes, uploaded to the hub repo ``repo_id`` in one commit (created where missing),
+        as transformers' push_to_hub; huggingface_hub's CommitInfo."""
+        return push_saved(self.save_pretrained, repo_id, commit_message=commit_message, private=private, token=token,
+                          create_pr=create_pr, revision=revision, commit_description=commit_description)
 
     def __repr__(self):
         return (f"PreTrainedTokenizer({self.name_or_path!r}, vocab={len(self)}, bos={self.bos_token!r}, "
