@@ -239,3 +239,19 @@ def test_disable_adapter_gives_the_base_model_and_then_the_adapter_again():
     assert model.generate(ids, max_new_tokens=6).tolist() == adapted_tokens.tolist()
     assert model.unload() is model and not any(isinstance(m, LoraLinear) for _, m in model.named_modules())
     assert model.generate(ids, max_new_tokens=6).tolist() == base_tokens.tolist()  # PEFT's unload: the base again
+
+
+@pytest.mark.parametrize("folder, kind, suffixes", [
+    ("phi", vkf.AutoModelForCausalLM, {"q_proj", "v_proj", "fc1", "fc2"}),       # PEFT adapts Phi's MLP too
+    ("encoders/deberta-v2", vkf.AutoModelForMaskedLM, {"query_proj", "value_proj"}),
+    ("encoders/electra", vkf.AutoModelForMaskedLM, {"query", "value"}),
+    ("seq2seq/t5", vkf.AutoModelForSeq2SeqLM, {"q", "v"}),
+])
+def test_default_targets_are_peft_s(folder, kind, suffixes):
+    """LoraConfig() without target_modules adapts the layers PEFT's default for the model type names (peft 0.21's
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), every layer's."""
+    model = kind.from_pretrained(Path(__file__).parent / "fixtures" / folder, dtype="float32")
+    chosen = resolve_targets(model, None)
+    assert {name.rsplit(".", 1)[-1] for name in chosen} == suffixes
+    layers = model.config.get("num_hidden_layers") or model.config.get("num_layers")
+    assert len(chosen) >= len(suffixes) * layers

@@ -58,13 +58,25 @@ ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_HUB_OPTIONS = ("subfolder", "revision", "token", "cache_dir", "local_files_only")  # resolve_adapter's
 
-# PEFT's defaults per model_type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), for the families
-# we run; anything else falls back to q_proj/v_proj.
+# PEFT's default target_modules per model_type (peft 0.21's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), so
+# that LoraConfig() without targets adapts the layers PEFT's would; another model type, which PEFT refuses without
+# target_modules, takes q_proj/v_proj (most decoders' names).
 DEFAULT_TARGETS = {
-    "gpt2": ["c_attn"], "gpt_neox": ["query_key_value"], "falcon": ["query_key_value"],
-    "bloom": ["query_key_value"], "gptj": ["q_proj", "v_proj"], "bert": ["query", "value"],
-    "roberta": ["query", "value"], "t5": ["q", "v"], "mt5": ["q", "v"], "phi": ["q_proj", "v_proj"],
-    "phi3": ["qkv_proj"], "chatglm": ["query_key_value"], "stablelm": ["q_proj", "v_proj"],
+    "t5": ["q", "v"], "mt5": ["q", "v"], "bart": ["q_proj", "v_proj"], "gpt2": ["c_attn"],
+    "bloom": ["query_key_value"], "blip-2": ["q", "v", "q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],
+    "gptj": ["q_proj", "v_proj"], "gpt_neox": ["query_key_value"], "gpt_neo": ["q_proj", "v_proj"],
+    "bert": ["query", "value"], "roberta": ["query", "value"], "xlm-roberta": ["query", "value"],
+    "electra": ["query", "value"], "deberta-v2": ["query_proj", "value_proj"], "deberta": ["in_proj"],
+    "layoutlm": ["query", "value"], "llama": ["q_proj", "v_proj"], "llama4": ["q_proj", "v_proj"],
+    "chatglm": ["query_key_value"], "gpt_bigcode": ["c_attn"], "mpt": ["Wqkv"],
+    "RefinedWebModel": ["query_key_value"], "RefinedWeb": ["query_key_value"], "falcon": ["query_key_value"],
+    "btlm": ["c_proj", "c_attn"], "codegen": ["qkv_proj"], "mistral": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"], "stablelm": ["q_proj", "v_proj"], "phi": ["q_proj", "v_proj", "fc1", "fc2"],
+    "gemma": ["q_proj", "v_proj"], "gemma2": ["q_proj", "v_proj"], "gemma3_text": ["q_proj", "v_proj"],
+    "gemma4": r".*language_model\..*\.(q_proj|v_proj)", "qwen2": ["q_proj", "v_proj"],
+    "qwen3": ["q_proj", "v_proj"], "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "rwkv": ["key", "value", "receptance", "output"],
+    "rwkv7": ["r_proj", "k_proj", "v_proj", "o_proj", "key", "value"],
 }
 FALLBACK_TARGETS = ["q_proj", "v_proj"]
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every Linear layer but the output one
