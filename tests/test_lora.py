@@ -255,3 +255,11 @@ def test_default_targets_are_peft_s(folder, kind, suffixes):
     assert {name.rsplit(".", 1)[-1] for name in chosen} == suffixes
     layers = model.config.get("num_hidden_layers") or model.config.get("num_layers")
     assert len(chosen) >= len(suffixes) * layers
+
+
+def test_lora_config_defaults_are_peft_s():
+    """peft 0.21's LoraConfig(): r 8, lora_alpha 8 (scaling 1), no dropout, no bias, no rsLoRA."""
+    config = LoraConfig()
+    assert (config.r, config.lora_alpha, config.lora_dropout, config.bias, config.use_rslora) == (8, 8, 0.0, "none",
+                                                                                                  False)
+    assert config.scaling == 1.0

@@ -89,7 +89,7 @@ class LoraError(VkformersError, ValueError):
 @dataclass
 class LoraConfig:
     r: int = 8
-    lora_alpha: float = 16
+    lora_alpha: float = 8  # PEFT's default (scaling 1 at its default r)
     lora_dropout: float = 0.0
     target_modules: list[str] | str | None = None  # None: the family's default; str: a regex on full names
     use_rslora: bool = False
