@@ -263,3 +263,49 @@ def test_lora_config_defaults_are_peft_s():
     assert (config.r, config.lora_alpha, config.lora_dropout, config.bias, config.use_rslora) == (8, 8, 0.0, "none",
                                                                                                   False)
     assert config.scaling == 1.0
+
+
+def test_peft_s_target_narrowing_and_init_options():
+    """exclude_modules (names or a regex), layers_to_transform (with or without layers_pattern) and
+    init_lora_weights as PEFT reads them; the PEFT options vkformers does not implement are refused by name, and
+    the chosen options round-trip through adapter_config.json."""
+    model = vkf.AutoModelForCausalLM.from_pretrained(Path(__file__).parent / "fixtures" / "llama", dtype="float32")
+    layers = model.config["num_hidden_layers"]
+    assert layers >= 2
+    every = resolve_targets(model, ["q_proj", "v_proj"])
+    assert len(every) == 2 * layers
+    config = LoraConfig(target_modules=["q_proj", "v_proj"], exclude_modules=["v_proj"])
+    assert resolve_targets(model, config.target_modules, config) == [n for n in every if n.endswith("q_proj")]
+    config = LoraConfig(target_modules=["q_proj", "v_proj"], exclude_modules=r".*\.0\..*")
+    assert resolve_targets(model, config.target_modules, config) == [n for n in every if ".0." not in n]
+    for pattern in (None, "layers", ["h", "layers"]):
+        config = LoraConfig(target_modules=["q_proj", "v_proj"], layers_to_transform=[1], layers_pattern=pattern)
+        assert resolve_targets(model, config.target_modules, config) == [n for n in every if ".layers.1." in n]
+    config = LoraConfig(target_modules=["q_proj"], layers_to_transform=0, layers_pattern="blocks")
+    with pytest.raises(LoraError, match="match no Linear layer"):  # no layer list of that name
+        resolve_targets(model, config.target_modules, config)
+    for option, value in (("use_dora", True), ("fan_in_fan_out", True), ("init_lora_weights", "pissa"),
+                          ("rank_pattern", {"q_proj": 4})):
+        with pytest.raises(LoraError, match=f"{option}"):
+            LoraConfig(**{option: value})
+    saved = LoraConfig(target_modules=["q_proj"], exclude_modules=["v_proj"], layers_to_transform=[1],
+                       init_lora_weights="gaussian").to_peft_dict()
+    again = LoraConfig.from_peft_dict(json.loads(json.dumps(saved)))
+    assert (again.exclude_modules, again.layers_to_transform, again.init_lora_weights) == (["v_proj"], [1],
+                                                                                             "gaussian")
+    with pytest.raises(LoraError, match=r"^adapter config: use_dora=True is not supported"):
+        LoraConfig.from_peft_dict({**saved, "use_dora": True})
+
+
+@pytest.mark.parametrize("how", [True, "gaussian", False])
+def test_init_lora_weights(how):
+    """True: A uniform in +-1/sqrt(in), B zero; "gaussian": A ~ N(0, 1/r), B zero; False: B drawn too."""
+    model = vkf.AutoModelForCausalLM.from_pretrained(Path(__file__).parent / "fixtures" / "llama", dtype="float32")
+    apply_lora(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=how), seed=0)
+    layer = next(m for _, m in model.named_modules() if isinstance(m, LoraLinear))
+    a, b = layer.lora_A.weight.numpy(), layer.lora_B.weight.numpy()
+    assert (np.abs(b).max() > 0) == (how is False)
+    if how == "gaussian":
+        assert abs(a.std() - 1 / 4) < 0.05 and np.abs(a).max() > 1 / np.sqrt(layer.in_features)
+    else:
+        assert np.abs(a).max() <= 1 / np.sqrt(layer.in_features)

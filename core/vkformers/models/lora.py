@@ -80,6 +80,9 @@ DEFAULT_TARGETS = {
 }
 FALLBACK_TARGETS = ["q_proj", "v_proj"]
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every Linear layer but the output one
+# PEFT LoraConfig fields read from and written to adapter_config.json beside the basic ones
+PEFT_FIELDS = ("exclude_modules", "layers_to_transform", "layers_pattern", "init_lora_weights", "inference_mode",
+               "fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern")
 
 
 class LoraError(VkformersError, ValueError):
@@ -97,7 +100,35 @@ class LoraConfig:
     base_model_name_or_path: str | None = None
     bias: str = "none"
     task_type: str = "CAUSAL_LM"
+    # PEFT's other fields, with its defaults: which targets (exclude_modules: names or a regex left out;
+    # layers_to_transform: only the layers of these indices, counted in layers_pattern's list), the adapters'
+    # init (True: B zero; "gaussian": A ~ N(0, 1/r); False: B random too, as PEFT's for tests), and the variants
+    # vkformers refuses (DoRA, fan_in_fan_out, a LoRA bias, per-module patterns)
+    exclude_modules: list[str] | str | None = None
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
+    init_lora_weights: bool | str = True
+    inference_mode: bool = False
+    fan_in_fan_out: bool = False
+    use_dora: bool = False
+    lora_bias: bool = False
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # other PEFT fields read from a file, written back unchanged
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self, where: str = "LoraConfig") -> None:
+        """LoraError for a PEFT option vkformers does not implement (a one-line message naming it)."""
+        for name in ("use_dora", "fan_in_fan_out", "lora_bias"):
+            if getattr(self, name):
+                raise LoraError(f"{where}: {name}={getattr(self, name)!r} is not supported by vkformers; leave it out")
+        if self.rank_pattern or self.alpha_pattern:
+            raise LoraError(f"{where}: per-module rank_pattern/alpha_pattern are not supported; leave them out")
+        if self.init_lora_weights not in (True, False, "gaussian"):
+            raise LoraError(f"{where}: init_lora_weights={self.init_lora_weights!r} is not supported; vkformers "
+                            "initialises adapters as PEFT's True (the default), 'gaussian' or False")
 
     @property
     def scaling(self) -> float:
@@ -108,32 +139,40 @@ class LoraConfig:
         return {**self.extra, "peft_type": "LORA", "task_type": self.task_type, "r": self.r,
                 "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
                 "target_modules": sorted(targets) if isinstance(targets, list) else targets,
-                "use_rslora": self.use_rslora, "modules_to_save": self.modules_to_save, "bias": self.bias,
+                **({"exclude_modules": self.exclude_modules} if self.exclude_modules is not None else {}),
+                "use_rslora": self.use_rslora,
+                "modules_to_save": self.modules_to_save, "bias": self.bias,
                 "base_model_name_or_path": self.base_model_name_or_path, "fan_in_fan_out": False,
-                "inference_mode": True, "init_lora_weights": True, "use_dora": False,
-                "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None}
+                "inference_mode": True, "init_lora_weights": self.init_lora_weights, "use_dora": False,
+                "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": self.layers_to_transform,
+                "layers_pattern": self.layers_pattern}
 
     @classmethod
     def from_peft_dict(cls, d: dict, where: str = "adapter config") -> "LoraConfig":
         if d.get("peft_type", "LORA") != "LORA":
             raise LoraError(f"{where}: peft_type {d.get('peft_type')!r}; vkformers loads LORA adapters only")
-        for unsupported in ("use_dora", "fan_in_fan_out", "lora_bias", "exclude_modules", "target_parameters",
-                            "trainable_token_indices", "layer_replication", "layers_to_transform", "use_qalora"):
+        for unsupported in ("target_parameters", "trainable_token_indices", "layer_replication", "use_qalora"):
             if d.get(unsupported):
                 raise LoraError(f"{where}: {unsupported}={d[unsupported]!r} is not supported by vkformers")
-        if d.get("rank_pattern") or d.get("alpha_pattern"):
-            raise LoraError(f"{where}: per-module rank_pattern/alpha_pattern are not supported")
         if d.get("bias", "none") != "none":
             raise LoraError(f"{where}: bias={d['bias']!r} is not supported (only 'none')")
         known = {"r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "modules_to_save",
-                 "base_model_name_or_path", "bias", "task_type"}
-        targets = d.get("target_modules")
-        return cls(r=int(d["r"]), lora_alpha=d.get("lora_alpha", 8), lora_dropout=d.get("lora_dropout", 0.0),
-                   target_modules=list(targets) if isinstance(targets, (list, tuple, set)) else targets,
-                   use_rslora=bool(d.get("use_rslora", False)), modules_to_save=d.get("modules_to_save"),
-                   base_model_name_or_path=d.get("base_model_name_or_path"), bias=d.get("bias", "none"),
-                   task_type=d.get("task_type") or "CAUSAL_LM",
-                   extra={k: v for k, v in d.items() if k not in known and k != "peft_type"})
+                 "base_model_name_or_path", "bias", "task_type", *PEFT_FIELDS}
+        targets, excluded = d.get("target_modules"), d.get("exclude_modules")
+        fields = {name: d[name] for name in PEFT_FIELDS if d.get(name) is not None}
+        # the fields a file holds at their defaults and to_peft_dict leaves out then: kept to be written back
+        unset = {k: d[k] for k in ("exclude_modules", "lora_bias") if k in d and not d[k]}
+        if isinstance(excluded, (list, tuple, set)):
+            fields["exclude_modules"] = list(excluded)
+        try:
+            return cls(r=int(d["r"]), lora_alpha=d.get("lora_alpha", 8), lora_dropout=d.get("lora_dropout", 0.0),
+                       target_modules=list(targets) if isinstance(targets, (list, tuple, set)) else targets,
+                       use_rslora=bool(d.get("use_rslora", False)), modules_to_save=d.get("modules_to_save"),
+                       base_model_name_or_path=d.get("base_model_name_or_path"), bias=d.get("bias", "none"),
+                       task_type=d.get("task_type") or "CAUSAL_LM", **fields,
+                       extra={**{k: v for k, v in d.items() if k not in known and k != "peft_type"}, **unset})
+        except LoraError as exc:
+            raise LoraError(str(exc).replace("LoraConfig:", f"{where}:", 1)) from None
 
 
 class LoraLinear(Linear):
@@ -165,13 +204,19 @@ class LoraLinear(Linear):
         self.__class__ = Linear
         return self
 
-    def init_adapter(self, rng: np.random.Generator) -> None:
-        """PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(in)), B = 0 (the model starts unchanged)."""
+    def init_adapter(self, rng: np.random.Generator, how: bool | str = True) -> None:
+        """PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(in)) ("gaussian": N(0, 1/r)), B = 0 (the model
+        starts unchanged); ``how`` False: B drawn as A is (the adapter changes the model from the start)."""
         bound = 1.0 / math.sqrt(self.in_features)
-        a = rng.uniform(-bound, bound, (self.r, self.in_features)).astype(np.float32)
+        if how == "gaussian":
+            a = rng.normal(0.0, 1.0 / self.r, (self.r, self.in_features)).astype(np.float32)
+        else:
+            a = rng.uniform(-bound, bound, (self.r, self.in_features)).astype(np.float32)
+        b_bound = 1.0 / math.sqrt(self.r)  # (nn.Linear's own init of B, which PEFT's False keeps)
+        b = np.zeros((self.out_features, self.r), np.float32) if how is not False else \
+            rng.uniform(-b_bound, b_bound, (self.out_features, self.r)).astype(np.float32)
         self.lora_A.weight = parameter(a, dtype=dt.float32, name="lora_A")
-        self.lora_B.weight = parameter(np.zeros((self.out_features, self.r), np.float32), dtype=dt.float32,
-                                       name="lora_B")
+        self.lora_B.weight = parameter(b, dtype=dt.float32, name="lora_B")
 
     adapter_disabled = False  # Module.disable_adapter: the base layer alone
 
@@ -211,12 +256,13 @@ def _is_all_linear(target_modules) -> bool:
     return isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR
 
 
-def resolve_targets(model, target_modules) -> list[str]:
+def resolve_targets(model, target_modules, config: LoraConfig | None = None) -> list[str]:
     """Full names of the Linear modules a PEFT-style ``target_modules`` selects.
 
     A list matches a module whose name equals an entry or ends with "." + entry; a string is a
     regular expression matched against the whole name (PEFT's rules); "all-linear" is every Linear layer but the
-    output layer (the model's ``lm_head``), as PEFT reads it.
+    output layer (the model's ``lm_head``), as PEFT reads it. ``config``'s exclude_modules, modules_to_save and
+    layers_to_transform then narrow the choice as PEFT's check_target_module_exists does.
     """
     if target_modules is None:
         target_modules = DEFAULT_TARGETS.get(_model_type(model), FALLBACK_TARGETS)
@@ -230,11 +276,41 @@ def resolve_targets(model, target_modules) -> list[str]:
         chosen = [n for n in linears if pattern.fullmatch(n)]
     else:
         chosen = [n for n in linears if any(n == t or n.endswith("." + t) for t in target_modules)]
+    if config is not None:
+        chosen = [n for n in chosen if not _excluded(config, n) and _in_chosen_layers(config, target_modules, n)]
     if not chosen:
         suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise LoraError(f"LoRA target_modules {target_modules!r} match no Linear layer of this model; "
                         f"its Linear layers end in: {', '.join(suffixes) or 'none'}")
     return chosen
+
+
+def _excluded(config: LoraConfig, name: str) -> bool:
+    """PEFT leaves out exclude_modules (names, or a regex on full names) and the modules trained whole."""
+    excluded = config.exclude_modules
+    if isinstance(excluded, str) and re.fullmatch(excluded, name):
+        return True
+    if isinstance(excluded, list) and any(name == e or name.endswith("." + e) for e in excluded):
+        return True
+    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.modules_to_save or [])
+
+
+def _in_chosen_layers(config: LoraConfig, target_modules, name: str) -> bool:
+    """PEFT's layers_to_transform: for a list of target names matched by suffix, the layer index (the first
+    numbered segment, or the one after layers_pattern) must be one of them."""
+    indices = config.layers_to_transform
+    if indices is None or indices == [] or not isinstance(target_modules, list) or name in target_modules:
+        return True
+    patterns = [config.layers_pattern] if isinstance(config.layers_pattern, str) else config.layers_pattern
+    if not patterns:
+        found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        found = next((m for m in (re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name) for p in patterns) if m),
+                     None)
+    if found is None:
+        return False
+    index = int(found["idx"])
+    return index == indices if isinstance(indices, int) else index in indices
 
 
 def apply_lora(model: Module, config: LoraConfig, *, seed: int = 0, init: bool = True) -> Module:
@@ -243,7 +319,7 @@ def apply_lora(model: Module, config: LoraConfig, *, seed: int = 0, init: bool =
         raise LoraError(f"LoRA rank must be >= 1, got {config.r}")
     if config.bias != "none":
         raise LoraError(f"LoRA bias={config.bias!r} is not supported (only 'none')")
-    names = resolve_targets(model, config.target_modules)
+    names = resolve_targets(model, config.target_modules, config)
     if config.target_modules is None or _is_all_linear(config.target_modules):  # saved as PEFT saves it: the names
         config.target_modules = sorted({n.rsplit(".", 1)[-1] for n in names})
     if config.base_model_name_or_path is None:
@@ -255,7 +331,7 @@ def apply_lora(model: Module, config: LoraConfig, *, seed: int = 0, init: bool =
     for name in names:
         layer = LoraLinear.wrap(modules[name], config.r, config.scaling, config.lora_dropout)
         if init:
-            layer.init_adapter(rng)
+            layer.init_adapter(rng, config.init_lora_weights)
         layer.lora_A.training = layer.lora_B.training = layer.training
     for name in saved_module_names(model, config):
         module = dict(model.named_modules())[name]
