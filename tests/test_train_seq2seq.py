@@ -11,6 +11,7 @@ import pytest
 
 import vkformers
 from vkformers.cli import main
+from vkformers.models.lora import load_adapter
 from vkformers.training.data import DataError
 from vkformers.training.labelled import load_seq2seq
 
@@ -80,10 +81,21 @@ def test_train_seq2seq_full_then_lora(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--model", str(final), "--prompt", PAIRS[1][0], "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out == PAIRS[1][1] + "\n"  # the encoder-decoder run on the prompt as its source
-    assert main(["train", "--model", str(final), "--out", str(tmp_path / "lora"), "--steps", "2", "--lr", "1e-3",
+    assert main(["train", "--model", str(final), "--out", str(tmp_path / "lora"), "--steps", "2", "--lr", "1e-2",
                  "--lora-rank", "2", "--lora-targets", "q", "v", *common]) == 0, capsys.readouterr().err
     config = json.loads((tmp_path / "lora" / "final" / "adapter_config.json").read_text())
     assert (config["task_type"], config["modules_to_save"]) == ("SEQ_2_SEQ_LM", None)
+    # merge-lora reads the task type: the merged seq2seq model gives the adapted model's logits
+    assert main(["merge-lora", "--model", str(final), "--adapter", str(tmp_path / "lora" / "final"), "--out",
+                 str(tmp_path / "merged"), "--dtype", "float32"]) == 0, capsys.readouterr().err
+    merged = vkformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "merged", dtype="float32")
+    adapted = load_adapter(vkformers.AutoModelForSeq2SeqLM.from_pretrained(final, dtype="float32"),
+                           tmp_path / "lora" / "final")
+    inputs = dict(attention_mask=batch["attention_mask"], decoder_input_ids=np.array([[0, 5, 7]]))
+    want = adapted(batch["input_ids"], **inputs).logits.numpy()
+    assert np.abs(want - model(batch["input_ids"], **inputs).logits.numpy()).max() > 1e-3 * np.abs(want).max()
+    np.testing.assert_allclose(merged(batch["input_ids"], **inputs).logits.numpy(), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
 
 
 def test_a_byte_tokenizer_is_refused_for_seq2seq(tmp_path, capsys):
