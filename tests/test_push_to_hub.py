@@ -86,3 +86,16 @@ def test_train_pushes_final_and_checks_the_repo_before_training(hub, tmp_path, c
     assert upload[2]["files"] == sorted(p.name for p in final.iterdir())
     np.testing.assert_array_equal(AutoModelForCausalLM.from_pretrained("org/run", dtype="float32")(IDS).logits.numpy(),
                                   AutoModelForCausalLM.from_pretrained(final, dtype="float32")(IDS).logits.numpy())
+
+
+def test_merge_lora_pushes_the_merged_model(hub, tmp_path, capsys):
+    model = tiny_llama(tmp_path)
+    model.save_pretrained(tmp_path / "base")
+    apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False), seed=0)
+    model.save_pretrained(tmp_path / "adapter")
+    assert main(["merge-lora", "--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"), "--out",
+                 str(tmp_path / "merged"), "--dtype", "float32", "--push-to-hub", "org/merged"]) == 0
+    assert "pushed" in capsys.readouterr().out
+    assert hub.calls[0][0] == "create_repo" and hub.calls[-1][2]["commit_message"].startswith("merge ")
+    pushed = AutoModelForCausalLM.from_pretrained("org/merged", dtype="float32")(IDS).logits.numpy()
+    np.testing.assert_allclose(pushed, model(IDS).logits.numpy(), rtol=0, atol=1e-5)
