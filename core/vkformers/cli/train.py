@@ -73,7 +73,8 @@ OPTIMS = ("adamw", "adamw_8bit", "adamw_bf16_states")  # optim.OPTIMIZERS (not i
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("train", help="train or fine-tune a causal LM (full or LoRA)",
+    p = subparsers.add_parser("train", help="train or fine-tune a causal LM, a task head or a seq2seq model (full "
+                              "or LoRA)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model folder, hub repo id, .gguf file or org/repo:QUANT (a hub "
                                                    "repo's GGUF file by its tag)")
