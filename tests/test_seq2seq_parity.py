@@ -491,3 +491,28 @@ def test_generate_passes_encoder_inputs_to_the_models_that_take_them():
     for name in ("bart", "bert2bert"):
         with pytest.raises(vkf.VkformersError, match="global_attention_mask.*leave it out"):
             Case.get(name).model.generate(prompt, max_new_tokens=2, global_attention_mask=marked)
+
+
+def test_an_encoder_decoder_streams_its_tokens_as_transformers_hands_them():
+    """generate(streamer=...): the decoder's start token first (put), then each step's token, then end(); a callable
+    gets the new tokens only; beam search refuses a streamer, as transformers' does."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(FIXTURES / "t5", dtype="float32")
+    ids = np.array([[5, 9, 12, 3, 1]])
+
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, tokens):
+            self.puts.append(np.asarray(tokens).reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+    recorder, called = Recorder(), []
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, streamer=recorder)
+    assert recorder.ended and recorder.puts[0] == [int(out[0, 0])]
+    assert [token for put in recorder.puts[1:] for token in put] == out[0, 1:].tolist()
+    again = model.generate(ids, max_new_tokens=6, do_sample=False, streamer=lambda t: called.append(int(t[0])))
+    assert called == again[0, 1:].tolist() == out[0, 1:].tolist()
+    with pytest.raises(InputError, match="a streamer cannot follow beam search"):
+        model.generate(ids, max_new_tokens=4, num_beams=2, streamer=Recorder())

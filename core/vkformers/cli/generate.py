@@ -15,8 +15,8 @@ encoder-decoder (T5, BART, Marian, ...) on it as the source text.
 Greedy unless ``--temperature`` is above 0 (then sampling with ``--top-k``/``--top-p``/``--min-p``). The text goes to
 stdout; the speed (prompt and per-token rates) to stderr, so ``> out.txt`` keeps only the text. ``--assistant-model``
 and ``--prompt-lookup`` run transformers' assisted generation: the same text, drafted tokens checked several at once.
-An encoder-decoder's output (its generation config's beam search included, as transformers runs it) is printed once
-it is complete, its special tokens left out.
+An encoder-decoder's output streams too, or, where its generation config asks for a beam search (as transformers
+runs it), is printed once complete; its special tokens are left out.
 """
 from __future__ import annotations
 
@@ -220,19 +220,24 @@ def run(args) -> int:
 
 
 def run_encoder_decoder(model, tokenizer, ids, args, eos, loaded: float, started: float) -> int:
-    """The prompt as an encoder-decoder's source text: its output printed whole (no streamer: a beam search, as
-    Marian's generation config asks, knows its text only at the end)."""
+    """The prompt as an encoder-decoder's source text: its output streamed, or printed whole where the generation
+    config asks for a beam search (Marian's), whose text is known only at its end."""
     if args.assistant_model is not None or args.prompt_lookup is not None:
         raise VkformersError("--assistant-model and --prompt-lookup draft tokens for a causal LM; an encoder-decoder "
                              "generates without them")
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                         temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                         repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos or None)
-    tokens = np.asarray(out)[0]
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                   temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos or None)
+    if (model.generation_setting("num_beams") or 1) <= 1:
+        stream = TextStream(tokenizer)
+        model.generate(ids, streamer=stream, **options)
+        stream.finish()
+        report_speed(ids.shape[1], stream.times, loaded, started)
+        return 0
+    tokens = np.asarray(model.generate(ids, **options))[0]
     print(tokenizer.decode(tokens, skip_special_tokens=True), flush=True)
-    took = time.perf_counter() - loaded
     print(f"vkformers generate: load {loaded - started:.1f} s; source {ids.shape[1]} tokens, {len(tokens) - 1} "
-          f"output tokens in {took:.2f} s", file=sys.stderr)
+          f"output tokens in {time.perf_counter() - loaded:.2f} s (beam search)", file=sys.stderr)
     return 0
 
 

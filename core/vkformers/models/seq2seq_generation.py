@@ -23,7 +23,7 @@ import numpy as np
 from vkformers.engine.function import no_grad
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.decode_capture import to_scores
-from vkformers.models.generation import pick_next_tokens, processed_scores
+from vkformers.models.generation import end_stream, pick_next_tokens, processed_scores, stream_tokens
 from vkformers.models.beam_search import BeamSearch, search_beams
 from vkformers.models.generation_settings import (BEAM_ARGUMENTS, RULE_ARGUMENTS, STOP_ARGUMENTS, LogitRules,
                                                  config_value, generation_sources, model_generation_sources,
@@ -49,7 +49,7 @@ class Seq2SeqGenerationMixin:
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
                  attention_mask=None, decoder_start_token_id: int | None = None, pad_token_id: int | None = None,
-                 output_logits: bool = False, min_p: float | None = None, **encoder_inputs):
+                 output_logits: bool = False, min_p: float | None = None, streamer=None, **encoder_inputs):
         """Decoder tokens [batch, 1 + new] (int64), decoder_start_token_id first, as transformers returns them.
 
         Greedy unless ``do_sample`` (temperature, top-k, top-p; ``sampling_rng(seed)``); the
@@ -63,7 +63,8 @@ class Seq2SeqGenerationMixin:
         of models/generation_settings.py (``forced_bos_token_id``, ``no_repeat_ngram_size``, ...); what the call
         leaves out comes from the generation config, then transformers' defaults, as the decoder-only generate
         resolves them. Other keyword arguments go to the encoder, where the model takes them (LED's
-        global_attention_mask)."""
+        global_attention_mask). ``streamer`` (TextStreamer, TextIteratorStreamer or a callable): the decoder's start
+        token, then each step's tokens, as transformers hands an encoder-decoder's to it (not with beam search)."""
         options = {k: encoder_inputs.pop(k) for k in list(encoder_inputs) if k not in self.generation_encoder_inputs}
         unknown = sorted(k for k in options if k not in TRANSFORMERS_ARGUMENTS and k not in RULE_ARGUMENTS
                          and k not in BEAM_ARGUMENTS and k not in STOP_ARGUMENTS)
@@ -81,6 +82,9 @@ class Seq2SeqGenerationMixin:
         check_prompt_length(limits, 1, max_new_tokens, decoder=True)
         if beam.num_beams > 1 and output_logits:
             raise InputError("generate: output_logits with beam search is not supported; leave one of them out")
+        if beam.num_beams > 1 and streamer is not None:
+            raise InputError(f"generate: a streamer cannot follow beam search (num_beams={beam.num_beams}: a beam's "
+                             "tokens change until it ends); pass num_beams=1 or leave the streamer out")
         ids = id_array(input_ids)
         copies = beam.num_beams if beam.num_beams > 1 else lengths.num_return_sequences  # rows per prompt
         if attention_mask is not None:
@@ -110,6 +114,8 @@ class Seq2SeqGenerationMixin:
                                    beams=beam.num_beams)
         rng = sampling_rng(seed)
         tokens = np.full((batch, 1), int(start), np.int64)
+        if hasattr(streamer, "put"):
+            streamer.put(tokens)
         step_logits = []
         with no_grad():
             states = self.generation_encoder_states(ids, mask, **encoder_inputs)
@@ -130,12 +136,14 @@ class Seq2SeqGenerationMixin:
                                           min_p)
                 chosen = np.where(unfinished, chosen, pad).astype(np.int64)
                 tokens = np.concatenate([tokens, chosen[:, None]], axis=1)
+                stream_tokens(streamer, chosen)
                 if eos:
                     unfinished &= ~np.isin(chosen, eos)
                 unfinished &= ~rules.finished(tokens)
                 if not unfinished.any():
                     break
                 next_input = chosen[:, None]
+        end_stream(streamer)
         if output_logits:
             vocab = limits.decoder_vocab_size or limits.vocab_size
             return tokens, np.stack(step_logits) if step_logits else np.zeros((0, batch, vocab), np.float32)
