@@ -20,7 +20,6 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 import vkformers as vkf
 from vkformers.cli import serve as cli_serve
-from vkformers.models.batching import BatchScheduler
 from vkformers.models.fill_in_middle import FillInMiddleError, fill_in_middle_prompt, fill_in_middle_tokens
 from vkformers.models.gguf import load_gguf_model, load_gguf_tokenizer
 from vkformers.models.loading import AutoModelForCausalLM
@@ -168,11 +167,7 @@ def coder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def coder_server(coder, web):  # noqa: F811 (the fixture)
-    path, tokenizer, _ = coder
-    model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
-    scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,
-                               eos=cli_serve.eos_ids(model, tokenizer)).start()
-    with serving(scheduler, tokenizer) as served:
+    with serving_tiny(coder) as served:
         yield served
 
 

