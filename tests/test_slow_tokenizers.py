@@ -15,7 +15,7 @@ from vkformers.models.slow_tokenizers import (BPE, CONTROL, UNIGRAM, UNKNOWN, US
 from vkformers.models.tokenizer import TokenizerError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slow_tokenizers"
-SOURCES = ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta", "esm")
+SOURCES = ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta", "esm", "pegasus")
 EXPECTED = {source: json.loads((FIXTURES / source / "expected.json").read_text(encoding="utf-8")) for source in SOURCES}
 VARIANTS = [(source, variant) for source in SOURCES for variant in EXPECTED[source]["variants"]]
 

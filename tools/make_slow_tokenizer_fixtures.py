@@ -11,6 +11,7 @@ The vocabularies are trained here on a small built-in corpus, so the folder stay
   T5's, ALBERT's and XLM-R's special pieces, normalized by a small custom rule table (a real ``nmt_nfkc`` map is
   240 KB), so the precompiled charsmap is exercised too;
 * ``esm/vocab.txt``: ESM-2's 33 tokens;
+* ``pegasus/spiece.model``: a unigram model with PEGASUS's special pieces (no <s>);
 * ``deberta/spm.model``: a unigram model with DeBERTa-v3's special pieces;
 * ``marian/source.spm`` + ``target.spm`` + ``vocab.json``: an opus-mt layout (two unigram models, one vocabulary of
   both's pieces and two language codes; the target corpus holds characters the source model never saw).
@@ -142,7 +143,7 @@ def rule_table(folder: Path) -> str:
 
 def build_sources(out: Path, scratch: Path) -> None:
     """The slow files of each folder (only these are kept in the fixture)."""
-    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta", "esm"):
+    for name in ("wordpiece", "bytelevel", "llama", "t5", "albert", "xlmr", "marian", "deberta", "esm", "pegasus"):
         (out / name).mkdir(parents=True, exist_ok=True)
     write_wordpiece_vocab(out / "wordpiece")
     train_byte_level(out / "bytelevel")
@@ -159,6 +160,9 @@ def build_sources(out: Path, scratch: Path) -> None:
     train_sentencepiece(out / "xlmr" / "sentencepiece.bpe.model", model_type="unigram", vocab_size=200,
                         normalization_rule_tsv=rules, **common)
     write_marian(out / "marian", rules, common)
+    # PEGASUS's layout: <pad> </s> <unk> first, no <s> (its converter keeps the pieces after the first two)
+    train_sentencepiece(out / "pegasus" / "spiece.model", model_type="unigram", vocab_size=200, pad_id=0, eos_id=1,
+                        unk_id=2, bos_id=-1, normalization_rule_tsv=rules, **common)
     (out / "esm" / "vocab.txt").write_text("\n".join(ESM_VOCAB) + "\n", encoding="utf-8")
     # DeBERTa-v3's layout: [PAD] [CLS] [SEP] [UNK] first, [MASK] added after the pieces (added_tokens.json)
     train_sentencepiece(out / "deberta" / "spm.model", model_type="unigram", vocab_size=200, pad_id=0, bos_id=1,
@@ -269,6 +273,11 @@ VARIANTS = [
      {"special_tokens_map.json": {"cls_token": "<cls>", "eos_token": "<eos>", "mask_token": "<mask>",
                                   "pad_token": "<pad>", "unk_token": "<unk>"}}),
     ("esm", "esm_by_model_type", None, {"model_type": "esm"}, {}),
+    ("pegasus", "pegasus_default_masks", {"tokenizer_class": "PegasusTokenizer"}, None, {}),
+    ("pegasus", "pegasus_large_config", {"tokenizer_class": "PegasusTokenizer", "mask_token": "<mask_2>",
+                                         "mask_token_sent": "<mask_1>", "offset": 103, "model_max_length": 512},
+     {"model_type": "pegasus"}, {}),
+    ("pegasus", "pegasus_small_offset_by_model_type", {"offset": 6}, {"model_type": "pegasus"}, {}),
     ("t5", "t5", {"tokenizer_class": "T5Tokenizer"}, None, {}),
     ("t5", "t5_few_extra_ids", {"tokenizer_class": "T5Tokenizer", "extra_ids": 3}, None, {}),
     ("albert", "albert", {"tokenizer_class": "AlbertTokenizer", "do_lower_case": True, "keep_accents": False}, None,

@@ -46,6 +46,7 @@ TOKENIZER_CLASSES = {
     "MarianTokenizer": "marian",
     "DebertaV2Tokenizer": "deberta-v2",
     "EsmTokenizer": "esm",
+    "PegasusTokenizer": "pegasus",
     # transformers' generic tokenizer, built from a tokenizer.model's own settings
     **dict.fromkeys(("TokenizersBackend", "PreTrainedTokenizerFast"), "sentencepiece"),
 }
@@ -66,6 +67,7 @@ MODEL_TYPE_CLASSES = {
     "marian": "MarianTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
     "esm": "EsmTokenizer",
+    **dict.fromkeys(("pegasus", "bigbird_pegasus"), "PegasusTokenizer"),
     **dict.fromkeys(("gte", "jina_embeddings_v3", "metaclip_2", "trocr", "xlm-roberta", "xmod"),
                     "XLMRobertaTokenizer"),
 }
@@ -428,6 +430,46 @@ def _albert(folder: Path, config: dict) -> SlowTokenizer:
     return SlowTokenizer(backend, defaults, sentencepiece=spm)
 
 
+def _pegasus(folder: Path, config: dict) -> SlowTokenizer:
+    """transformers 5's PegasusTokenizer over a ``spiece.model``: pad, eos, the two mask tokens and ``<unk_2>`` ..
+    ``<unk_{offset - 1}>`` first (its converter's order, which names the masks the other way round from the class's
+    defaults where the config names neither), then the model's pieces after its first two; the mask sentence token
+    and those ``<unk_N>`` are the additional special tokens."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+    spm = read_sentencepiece_model(_file(folder, "spiece.model", *SENTENCEPIECE_FILES))
+    pad, eos = (str(token_text(_setting(config, name, default))) for name, default in
+                (("pad_token", "<pad>"), ("eos_token", "</s>")))
+    offset = int(_setting(config, "offset", 103))
+    converter_mask = str(token_text(config.get("mask_token", "<mask_1>")))  # the converter's defaults
+    converter_sent = str(token_text(config.get("mask_token_sent", "<mask_2>")))
+    vocab = [(pad, 0.0), (eos, 0.0)] + ([(converter_mask, 0.0)] if converter_mask != "None" else [])
+    if converter_sent not in ("None", converter_mask):
+        vocab.append((converter_sent, 0.0))
+    vocab += [(f"<unk_{i}>", -100.0) for i in range(2, offset)]
+    vocab += [(piece, score) for piece, score, _ in spm.pieces[2:]]
+    unk = str(token_text(_setting(config, "unk_token", "<unk>")))
+    backend = _unigram_model(spm, folder, "PegasusTokenizer", vocab, unk_id=vocab.index((unk, 0.0), 1))
+    steps = [normalizers.Precompiled(spm.precompiled_charsmap)] if spm.precompiled_charsmap else \
+        [normalizers.Replace(Regex(r"\n"), " ")]
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(Regex(r" {2,}"), " ")])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=METASPACE, prepend_scheme="always", split=True)
+    backend.decoder = decoders.Metaspace(replacement=METASPACE, prepend_scheme="always", split=True)
+    sentence_mask = _setting(config, "mask_token_sent", "<mask_1>")
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+    if not isinstance(extra, list) or sentence_mask is None or token_text(sentence_mask) not in map(token_text, extra):
+        extra = [sentence_mask] if sentence_mask is not None else []
+    else:
+        extra = []
+    defaults = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>", "mask_token": "<mask_2>",
+                "additional_special_tokens": extra + [f"<unk_{i}>" for i in range(2, offset)]}
+
+    def post_processor(tokenizer):
+        eos_token = tokenizer.eos_token
+        return processors.TemplateProcessing(single=f"$A {eos_token}", pair=f"$A $B {eos_token}",
+                                             special_tokens=[(eos_token, tokenizer.eos_token_id)])
+    return SlowTokenizer(backend, defaults, post_processor)
+
+
 def _deberta_v2(folder: Path, config: dict) -> SlowTokenizer:
     """transformers 5's DebertaV2Tokenizer (DeBERTa-v2 and v3's spm.model): the model's pieces as a unigram model
     whose normalizer is the class's own (whitespace runs and controls to one space, NFC, trailing spaces cut; the
@@ -685,7 +727,7 @@ BUILDERS = {"bert": _bert, "dpr": lambda folder, config: _bert(folder, config, l
             "gpt2": lambda folder, config: _byte_level(folder, config, roberta=False),
             "roberta": lambda folder, config: _byte_level(folder, config, roberta=True),
             "llama": _llama, "t5": _t5, "albert": _albert, "xlm-roberta": _xlm_roberta, "sentencepiece": _sentencepiece,
-            "marian": _marian, "deberta-v2": _deberta_v2, "esm": _esm}
+            "marian": _marian, "deberta-v2": _deberta_v2, "esm": _esm, "pegasus": _pegasus}
 # DPR's tokenizers take do_lower_case but never hand it to BertTokenizer, whose default (lowercase) then holds
 
 
@@ -776,8 +818,8 @@ def load_slow_tokenizer(folder: Path, config: dict, model_config: dict) -> SlowT
         raise SlowTokenizerError(
             f"{folder}: no tokenizer.json, only {', '.join(present)}, and {known}; vkformers rebuilds the slow "
             f"tokenizers of BertTokenizer, GPT2Tokenizer, RobertaTokenizer (and their aliases), LlamaTokenizer, "
-            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, DebertaV2Tokenizer, MarianTokenizer, "
-            f"EsmTokenizer and TokenizersBackend; "
+            f"T5Tokenizer, AlbertTokenizer, XLMRobertaTokenizer, DebertaV2Tokenizer, PegasusTokenizer, "
+            f"MarianTokenizer, EsmTokenizer and TokenizersBackend; "
             f"{WRITE_TOKENIZER_JSON}")
     slow = BUILDERS[kind](folder, config)
     full = {**slow.defaults, **config}
