@@ -119,8 +119,10 @@ class LoraConfig:
     def __post_init__(self):
         self.check()
 
-    def check(self, where: str = "LoraConfig") -> None:
-        """LoraError for a PEFT option vkformers does not implement (a one-line message naming it)."""
+    def check(self) -> None:
+        """LoraError for a PEFT option vkformers does not implement (a one-line message naming it; from_peft_dict
+        names the file instead)."""
+        where = "LoraConfig"
         for name in ("use_dora", "fan_in_fan_out", "lora_bias"):
             if getattr(self, name):
                 raise LoraError(f"{where}: {name}={getattr(self, name)!r} is not supported by vkformers; leave it out")
