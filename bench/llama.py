@@ -8,7 +8,7 @@ in both frameworks, in the same process, each after a few seconds of warm-up pre
 --no-torch) only vkformers runs.
 
     python bench/llama.py [--shape tinyllama] [--dtypes bfloat16,float32] [--layers 22] [--new-tokens 64]
-                          [--fused-ab] [--no-torch] [--json OUT]
+                          [--fused-ab] [--skinny-ab] [--no-torch] [--json OUT]
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from common import LLAMA3_8B, profile_gpu, warm_up, write_results
 
 import vkformers as vkf
 from vkformers.engine import lazy
+from vkformers.engine.kernels import matmul as KM
 from vkformers.engine.ops import decode as fused_decode
 from vkformers.models.loading import AutoModelForCausalLM
 
@@ -65,7 +66,8 @@ def timed(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, fused_ab=False) -> dict:
+def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, fused_ab=False,
+                    skinny_ab=False) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(weights, dtype=dtype, requires_grad=False)
     model.eval()
@@ -93,6 +95,14 @@ def bench_vkformers(config, weights, dtype, prompt, new_tokens, profile=False, f
                 seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False), 1)
                 fused_decode.enabled = default
                 out[f"decode_b{batch}_{'fused' if fused else 'unfused'}_tok_s"] = batch * new_tokens / seconds
+            if skinny_ab and batch > 1:  # the few-row products on the tile kernel instead of the skinny one
+                KM.SKINNY_MAX_M, default = 0, KM.SKINNY_MAX_M
+                lazy.clear_plan_cache()
+                seconds = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False),
+                                DECODE_REPEATS)
+                KM.SKINNY_MAX_M = default
+                lazy.clear_plan_cache()
+                out[f"decode_b{batch}_tile_kernel_tok_s"] = batch * new_tokens / seconds
         if profile:
             profile_gpu(f"{dtype} prefill {prompt.shape[1]}", lambda: model(prompt[:1]).logits[:, -1].numpy())
             for batch in (1, 8):
@@ -145,6 +155,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-ab", action="store_true",
                         help="also time decoding with the fused decode kernels (engine/ops/decode.py) forced on and off "
                              "(by default they run on GPUs only)")
+    parser.add_argument("--skinny-ab", action="store_true",
+                        help="also time batched decoding with its few-row products on the cooperative-matrix tile "
+                             "kernel instead of the skinny kernel (engine/kernels/matmul.py SKINNY_MAX_M = 0)")
     args = parser.parse_args(argv)
     config = dict(SHAPES[args.shape])
     config["num_hidden_layers"] = args.layers or config["num_hidden_layers"]
@@ -159,7 +172,8 @@ def main(argv=None) -> int:
             use_torch = False
     results = {"device": vkf.get_device().name, "config": config, "runs": {}}
     for dtype in args.dtypes.split(","):
-        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile, args.fused_ab)}
+        run = {"vkformers": bench_vkformers(config, weights, dtype, prompt, args.new_tokens, args.profile,
+                                            args.fused_ab, args.skinny_ab)}
         if use_torch:
             run["torch"] = bench_torch(config, weights, dtype, prompt, args.new_tokens)
         results["runs"][dtype] = run

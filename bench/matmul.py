@@ -24,8 +24,10 @@ or the tiled kernel), and the reference; then one prompt's products in all (22 l
 With --quick only m = 16 (lavapipe).
 --skinny (only): the products of a batched decode step of the Llama-3-8B shape (x @ W^T, m = 8 to 64 rows of x;
 q/o 4096 x 4096, k/v 1024 x 4096, gate/up 14336 x 4096, down 4096 x 14336), bfloat16, each over distinct weights:
-the weight bytes read per second by what "auto" picks and by each cooperative-matrix tile and K split of
-SKINNY_TILES, beside PyTorch's x @ W.T; then the fastest of each shape. --budget caps its seconds.
+the weight bytes read per second by what "auto" picks, by the cooperative-matrix tile kernel as it would run the
+product (its COOPMAT_SKINNY tile and K split), and by each workgroup shape of the skinny kernel in SKINNY_SHAPES
+(with --skinny-tiles, each tile and K split of SKINNY_TILES too), beside PyTorch's x @ W.T; then the fastest of
+each shape. --budget caps its seconds.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ import numpy as np
 from common import cuda_median, cuda_torch, replay_timings, write_results
 
 from vkformers.engine.kernels.matmul import (
-    COOPMAT_DEFAULT, CoopmatConfig, TiledConfig, coopmat_config, matmul, select_algorithm, split_k)
+    COOPMAT_DEFAULT, CoopmatConfig, SkinnyConfig, TiledConfig, coopmat_config, matmul, prefers_skinny,
+    select_algorithm, skinny_config, split_k)
 from vkformers.runtime import dtypes as dt
 from vkformers.runtime.vulkan import get_device
 
@@ -212,14 +215,17 @@ COOPMAT_SWEEP = [CoopmatConfig(**kw) for kw in (
     dict(sg_rows=4, sg_cols=2, bk=32, frag_m=4, frag_n=4, group_rows=16))]
 
 
-SKINNY_SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096),
-                 "down_proj": (4096, 14336)}  # (n, k) of the Llama-3-8B shape (o_proj: q_proj's; up: gate's)
-SKINNY_SHAPES_QUICK = {"q_proj": (256, 128)}
+SKINNY_PRODUCTS = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096),
+                   "down_proj": (4096, 14336)}  # (n, k) of the Llama-3-8B shape (o_proj: q_proj's; up: gate's)
+SKINNY_PRODUCTS_QUICK = {"q_proj": (256, 128)}
 SKINNY_ROWS = (32, 64, 16, 8)  # the server's batch sizes first
 # (sg_rows, sg_cols, frag_m, frag_n): tiles of 16 to 64 rows, 64 to 256 columns
 SKINNY_TILES = ((1, 4, 1, 2), (1, 8, 1, 2), (1, 4, 1, 4), (2, 2, 1, 2), (1, 4, 2, 2), (1, 8, 2, 1), (2, 4, 1, 2),
                 (1, 4, 2, 4), (2, 4, 2, 2), (2, 2, 2, 2), (1, 4, 4, 2), (1, 8, 4, 1), (4, 2, 1, 4))
 SKINNY_BK = (64, 128, 256)
+# The skinny kernel's workgroups: (frag_n, split, unroll), frag_m as m needs (shapes past 48 KiB are skipped).
+SKINNY_SHAPES = tuple((frag_n, split, unroll)
+                      for frag_n in (1, 2, 4) for split in (2, 4, 8, 16) for unroll in (1, 2, 4))
 
 
 def skinny_candidates(device, m: int, n: int, k: int):
@@ -238,11 +244,22 @@ def skinny_candidates(device, m: int, n: int, k: int):
                     yield cfg, splits
 
 
-def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat16") -> list[dict]:
-    """Weight GB/s of x[m, k] @ W[n, k]^T at the shapes of a batched decode step, per tile and K split."""
+def skinny_kernel_candidates(device, m: int):
+    """SkinnyConfigs of SKINNY_SHAPES that fit the device's shared memory."""
+    shared = device.limits["max_compute_shared_memory_size"]
+    for frag_n, split, unroll in SKINNY_SHAPES:
+        cfg = SkinnyConfig(frag_m=min(4, -(-m // 16)), frag_n=frag_n, split=split, unroll=unroll)
+        if cfg.shared_bytes() <= shared:
+            yield cfg
+
+
+def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat16",
+                tiles: bool = False) -> list[dict]:
+    """Weight GB/s of x[m, k] @ W[n, k]^T at the shapes of a batched decode step: what "auto" picks, the tile
+    kernel, each skinny-kernel workgroup (and with ``tiles`` each tile and K split of the tile kernel)."""
     rng = np.random.default_rng(0)
     repeats, rows, began = (2 if quick else 6), [], time.perf_counter()
-    shapes = SKINNY_SHAPES_QUICK if quick else SKINNY_SHAPES
+    shapes = SKINNY_PRODUCTS_QUICK if quick else SKINNY_PRODUCTS
     weights = {name: [random_buffer(device, (n, k), dtype, rng) for _ in range(repeats)]
                for name, (n, k) in shapes.items()}
     coopmat = select_algorithm(device, dtype) == "coopmat"
@@ -263,10 +280,28 @@ def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat
                 return sum(t for label, t in labels if label.startswith("matmul")) / repeats
             auto = timed()
             kernel = select_algorithm(device, dtype, m, trans_b=True)
-            cfg = coopmat_config(device, m, n) if kernel == "coopmat" else None
-            auto_name = f"{cfg.bm}x{cfg.bn} bk {cfg.bk} / {split_k(device, cfg, m, n, k, 1)}" if cfg else kernel
+            tile_cfg = coopmat_config(device, m, n, linear=True) if kernel == "coopmat" else None
+            tile_name = (f"{tile_cfg.bm}x{tile_cfg.bn} bk {tile_cfg.bk} / {split_k(device, tile_cfg, m, n, k, 1)}"
+                         if tile_cfg else kernel)
+            tile = timed(algorithm="coopmat") if tile_cfg else auto
+            skinny = skinny_config(device, m, n, k)
+            auto_name = (f"skinny {skinny.frag_m}x{skinny.frag_n} split {skinny.split} unroll {skinny.unroll}"
+                         if kernel == "coopmat" and prefers_skinny(device, m, n, k) else tile_name)
             best = (auto, "auto: " + auto_name)
-            for cfg, splits in skinny_candidates(device, m, n, k) if coopmat else ():
+            for cfg in skinny_kernel_candidates(device, m) if coopmat else ():
+                if time.perf_counter() - began > budget:
+                    break
+                try:
+                    seconds = timed(algorithm="skinny", skinny=cfg)
+                except Exception as exc:  # a configuration the device refuses
+                    print(f"skinny {cfg}: {exc}")
+                    continue
+                label = f"skinny {cfg.frag_m}x{cfg.frag_n} split {cfg.split} unroll {cfg.unroll}"
+                rows.append({"product": name, "m": m, "n": n, "k": k, "config": label, "seconds": seconds,
+                             "weight_gb_per_s": gbs(seconds)})
+                if seconds < best[0]:
+                    best = (seconds, label)
+            for cfg, splits in skinny_candidates(device, m, n, k) if coopmat and tiles else ():
                 if time.perf_counter() - began > budget:
                     break
                 try:
@@ -280,10 +315,12 @@ def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat
                 if seconds < best[0]:
                     best = (seconds, label)
             rows.append({"product": name, "m": m, "n": n, "k": k, "auto": auto_name, "auto_seconds": auto,
-                         "auto_gb_per_s": gbs(auto), "best": best[1], "best_seconds": best[0],
+                         "auto_gb_per_s": gbs(auto), "tile": tile_name, "tile_seconds": tile,
+                         "tile_gb_per_s": gbs(tile), "best": best[1], "best_seconds": best[0],
                          "best_gb_per_s": gbs(best[0]), "reference": ref_name, "reference_seconds": ref,
                          "reference_gb_per_s": gbs(ref)})
-            print(f"skinny m={m:2d} {name:9s} {n:5d}x{k:5d}: auto {auto_name:22s} {gbs(auto):7.0f} GB/s   best "
+            print(f"skinny m={m:2d} {name:9s} {n:5d}x{k:5d}: auto {auto_name:22s} {gbs(auto):7.0f} GB/s   tile "
+                  f"{tile_name} {gbs(tile):7.0f} GB/s   best "
                   f"{best[1]:32s} {gbs(best[0]):7.0f} GB/s   {ref_name}: {gbs(ref):7.0f} GB/s "
                   f"(best/reference {ref / best[0]:.2f})", flush=True)
     return rows
@@ -343,12 +380,14 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="only the products of a TinyLlama prefill")
     parser.add_argument("--skinny", action="store_true", help="only the products of an 8B batched decode step")
     parser.add_argument("--budget", type=float, default=400.0, help="--skinny: seconds of configurations at most")
+    parser.add_argument("--skinny-tiles", action="store_true", help="--skinny: sweep the tile kernel's tiles too")
     args = parser.parse_args()
 
     device = get_device()
     if args.skinny:
         print(f"device: {device.name}")
-        write_results(args.json, {"device": device.name, "skinny": skinny_runs(device, args.budget, args.quick)})
+        write_results(args.json, {"device": device.name,
+                                  "skinny": skinny_runs(device, args.budget, args.quick, tiles=args.skinny_tiles)})
         return
     if args.prefill:
         print(f"device: {device.name}")

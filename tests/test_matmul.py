@@ -53,7 +53,7 @@ def check(got: np.ndarray, ref: np.ndarray, out_dtype: str) -> None:
 
 def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=1, trans_a=False,
              trans_b=False, bias=False, alpha=1.0, beta=0.0, offsets=(0, 0, 0, 0), pad=(0, 0, 0),
-             algorithm="auto", small_m=None, splits=None, coopmat=None, tiled=None, seed=0):
+             algorithm="auto", small_m=None, splits=None, coopmat=None, tiled=None, skinny=None, seed=0):
     rng = np.random.default_rng(seed)
     shape_a, shape_b = ((k, m) if trans_a else (m, k)), ((n, k) if trans_b else (k, n))
     # Batch strides with optional padding between matrices (non-dense batches).
@@ -70,7 +70,7 @@ def run_case(device, m, n, k, *, in_dtype="float32", out_dtype="float32", batch=
     matmul(seq, *ops, m=m, n=n, k=k, batch=batch, trans_a=trans_a, trans_b=trans_b,
            stride_a=stride_a if batch > 1 else None, stride_b=stride_b if batch > 1 else None,
            stride_c=stride_c if batch > 1 else None, bias=bias_op, alpha=alpha, beta=beta, algorithm=algorithm,
-           small_m=small_m, splits=splits, coopmat=coopmat, tiled=tiled)
+           small_m=small_m, splits=splits, coopmat=coopmat, tiled=tiled, skinny=skinny)
     seq.replay()
 
     c_buf = ops[2]
@@ -328,6 +328,76 @@ def test_skinny_linear_products_take_the_few_row_tiles():
     assert KM.split_k(gpu, q, 32, 4096, 4096, 1) == 4  # 32 tiles
     assert KM.split_k(gpu, gate, 16, 14336, 4096, 1) == 1  # 112 tiles
     assert KM.split_k(gpu, q, 32, 1024, 4096, 1) == 8  # 8 tiles: K steps of 128, at least 4 per slice
+
+
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+def test_skinny_kernel(device, in_dtype):
+    """The skinny kernel (x @ W^T of a few rows, W's fragments read straight from memory by subgroups that split
+    K): rows past m staged as zeros, a last column fragment past n, K in whole chunks and leftover steps, every
+    workgroup shape, 16-bit C, bias, alpha, beta and batches. Without a cooperative matrix it is refused."""
+    if not KM.skinny_applies(device, operand_of(device, in_dtype), operand_of(device, in_dtype), m=8, n=64,
+                             k=256, batch=1, stride_a=0, stride_b=0, trans_a=False, trans_b=True, gated=False):
+        with pytest.raises(ValueError, match="skinny kernel"):
+            run_case(device, 8, 64, 256, in_dtype=in_dtype, trans_b=True, algorithm="skinny")
+        return
+    for m, n, k in ((5, 64, 256), (8, 4096 + 48, 1040), (16, 40, 16), (17, 100, 528), (32, 256, 4096),
+                    (48, 72, 208), (64, 512, 320)):
+        run_case(device, m, n, k, in_dtype=in_dtype, trans_b=True, algorithm="skinny")
+    for frag_m, frag_n, split, unroll in ((1, 1, 1, 1), (2, 4, 4, 1), (1, 2, 4, 4), (4, 1, 2, 2), (2, 2, 8, 1)):
+        cfg = KM.SkinnyConfig(frag_m=frag_m, frag_n=frag_n, split=split, unroll=unroll)
+        run_case(device, 40, 96, 1104, in_dtype=in_dtype, out_dtype=in_dtype, trans_b=True, bias=True, alpha=0.5,
+                 beta=1.0, algorithm="skinny", skinny=cfg)
+    for out_dtype in DTYPES:
+        run_case(device, 12, 48, 160, in_dtype=in_dtype, out_dtype=out_dtype, batch=3, trans_b=True, bias=True,
+                 beta=1.0, pad=(8, 16, 5), offsets=(8, 16, 3, 1), algorithm="skinny")
+
+
+def operand_of(device, dtype: str, count: int = 8) -> Operand:
+    return Operand(device.upload(storage(np.zeros(count), dtype), dtype=dtype))
+
+
+@pytest.mark.parametrize("in_dtype", ["float16", "bfloat16"])
+def test_skinny_kernel_reads_no_row_of_a_past_m(device, in_dtype):
+    """The skinny kernel stages zeros for the rows of its fragments past m: NaN in A's buffer past m reaches no
+    element of C. Selected by "auto" for x @ W^T of SKINNY_MIN_M to SKINNY_MAX_M rows where it applies."""
+    m, n, k = 6, 48, 64
+    rng = np.random.default_rng(1)
+    a = rounded(rng.standard_normal((m, k)), in_dtype)
+    w = rounded(rng.standard_normal((n, k)), in_dtype)
+    padded = np.concatenate([a, np.full((16 - m, k), np.nan)])
+    a_op = Operand(device.upload(storage(padded, in_dtype), dtype=in_dtype))
+    w_op = Operand(device.upload(storage(w, in_dtype), dtype=in_dtype))
+    applies = KM.skinny_applies(device, a_op, w_op, m=m, n=n, k=k, batch=1, stride_a=0, stride_b=0,
+                                trans_a=False, trans_b=True, gated=False)
+    for algorithm in (["auto", "skinny"] if applies else ["auto"]):
+        c = device.buffer((m, n), "float32")
+        seq = device.sequence()
+        matmul(seq, a_op, w_op, c, m=m, n=n, k=k, trans_b=True, algorithm=algorithm)
+        seq.replay()
+        check(c.read().reshape(m, n).astype(np.float64), a @ w.T, "float32")
+
+
+def test_skinny_kernel_by_shape():
+    """The skinny kernel on a GPU with 32-wide subgroups (pure arithmetic): taken for x @ W^T of 5 to 8 rows, and of
+    up to 16 where the tile kernel would cut K into short slices (the Llama-3-8B shape's q_proj and k_proj, not its
+    gate_proj, unsplit, nor down_proj, in long slices); its workgroup: fragments of A enough for m, one column of
+    fragments, and K split until the grid holds about SKINNY_SUBGROUPS subgroups, within K's chunks, 16 subgroups
+    and shared memory."""
+    class Gpu:
+        is_cpu = False
+        limits = {"max_compute_shared_memory_size": 48 * 1024, "subgroup_size": 32,
+                  "max_compute_work_group_invocations": 1024}
+    gpu = Gpu()
+    shapes = {"q": (4096, 4096), "k": (1024, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
+    assert all(KM.prefers_skinny(gpu, m, n, k) for m in (5, 8) for n, k in shapes.values())
+    assert [KM.prefers_skinny(gpu, 16, n, k) for n, k in shapes.values()] == [True, True, False, False]
+    assert not any(KM.prefers_skinny(gpu, m, n, k) for m in (4, 17, 32) for n, k in shapes.values())
+    assert KM.skinny_config(gpu, 8, 4096, 4096) == KM.SkinnyConfig(frag_m=1, frag_n=1, split=8, unroll=2)
+    assert KM.skinny_config(gpu, 8, 1024, 4096).split == 16
+    assert KM.skinny_config(gpu, 16, 14336, 4096).split == 4
+    assert KM.skinny_config(gpu, 8, 4096, 64).split == 2  # two chunks of K
+    big = KM.skinny_config(gpu, 64, 64, 4096)
+    assert big.frag_m == 4 and big.shared_bytes() <= 48 * 1024 < KM.SkinnyConfig(4, 1, big.split * 2).shared_bytes()
 
 
 def test_tiled_tiles_by_size():

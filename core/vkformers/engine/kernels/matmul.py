@@ -1,6 +1,6 @@
 """Matrix multiply launcher: ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]``.
 
-Three kernels, chosen per call:
+Four kernels, chosen per call:
 
 - ``matmul_small_m``: m of at most SMALL_M_MAX rows (token-by-token decoding,
   ``x @ W^T``). Reads B once per 8 rows of A, 16 bytes at a time, one subgroup per
@@ -9,6 +9,8 @@ Three kernels, chosen per call:
   when the device offers that 16x16x16 -> float32 subgroup shape. For a large C a
   workgroup tile of 128 x 256, each of 8 subgroups owning 64 x 64 as 4 x 4
   accumulators, K steps of 32; smaller tiles (and split K) where C has few tiles.
+- ``matmul_skinny`` (VK_KHR_cooperative_matrix): ``x @ W^T`` of a few rows (a batched decode step; see
+  :func:`prefers_skinny`): subgroups that split K, each staging its own fragments, no workgroup barrier in the loop.
 - ``matmul`` (tiled, shared memory + register blocking): every dtype, every device.
 
 Both accumulate in float32 and convert to C's dtype once, at the end. All
@@ -218,6 +220,71 @@ SMALL_M_MAX_CPU_LINEAR = 32
 SMALL_M_MAX_COOPMAT_LINEAR = 4
 
 
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """The skinny kernel's workgroup (matmul_skinny.comp): frag_m x frag_n 16x16 fragments of C, ``split``
+    subgroups taking K in chunks of ``unroll`` 16-entry steps in turn."""
+    frag_m: int = 1
+    frag_n: int = 2
+    split: int = 4
+    unroll: int = 2
+
+    def shared_bytes(self) -> int:
+        # per subgroup: a chunk's staged fragments (16 rows of 48 bytes each), or its 16 x 16 float32 sums
+        return self.split * max((self.frag_m + self.frag_n) * self.unroll * 16 * 48, 1024)
+
+
+# x @ W^T of SKINNY_MIN_M (where the small-m kernel stops) to SKINNY_ALL_M rows takes the skinny kernel on a GPU with
+# cooperative matrices, and of up to SKINNY_MAX_M rows where the tile kernel would split K into slices of at most
+# SKINNY_SHORT_SLICE steps (:func:`prefers_skinny`; docs/benchmarks.md, run M12: at 8 rows the skinny kernel read
+# every product of the Llama-3-8B shape faster, at 16 rows only those the tile kernel cuts into short slices, at 32
+# and 64 rows none: each subgroup reads all of its rows of A, as many bytes as its rows of W at 16 rows).
+SKINNY_MIN_M = SMALL_M_MAX_COOPMAT_LINEAR + 1
+SKINNY_ALL_M = 8
+SKINNY_MAX_M = 16
+SKINNY_SHORT_SLICE = 8
+# Subgroups a skinny product wants in flight (each with its chunk's loads): K is split among more subgroups per
+# workgroup until the grid holds this many, as far as K's chunks, the workgroup's size and shared memory allow.
+SKINNY_SUBGROUPS = 2048
+
+
+def skinny_config(device, m: int, n: int, k: int, batch: int = 1) -> SkinnyConfig:
+    """Fragments enough for m rows (up to 4), one column of fragments (16 rows of W: the fastest at 8 and 16 rows
+    in run M12), and K split so that the grid holds about SKINNY_SUBGROUPS subgroups."""
+    frag_m, frag_n, unroll = min(4, -(-m // 16)), 1, 2
+    groups = -(-n // (16 * frag_n)) * -(-m // (16 * frag_m)) * batch
+    chunks = max(1, k // (16 * unroll))
+    max_split = device.limits.get("max_compute_work_group_invocations", 1024) // device.limits["subgroup_size"]
+    shared = device.limits["max_compute_shared_memory_size"]
+    split = 2
+    while (split * 2 <= min(16, max_split, chunks) and groups * split < SKINNY_SUBGROUPS
+           and SkinnyConfig(frag_m, frag_n, split * 2, unroll).shared_bytes() <= shared):
+        split *= 2
+    return SkinnyConfig(frag_m=frag_m, frag_n=frag_n, split=split, unroll=unroll)
+
+
+def prefers_skinny(device, m: int, n: int, k: int, batch: int = 1) -> bool:
+    """Whether "auto" gives x @ W^T of m rows (where :func:`skinny_applies`) to the skinny kernel rather than the
+    tile kernel: SKINNY_MIN_M to SKINNY_ALL_M rows, or up to SKINNY_MAX_M where the tile kernel's K slices would
+    be short."""
+    if not SKINNY_MIN_M <= m <= SKINNY_MAX_M:
+        return False
+    if m <= SKINNY_ALL_M:
+        return True
+    tile = coopmat_config(device, m, n, batch, linear=True)
+    splits = split_k(device, tile, m, n, k, batch)
+    return splits > 1 and -(-k // tile.bk) <= SKINNY_SHORT_SLICE * splits
+
+
+def skinny_applies(device, a: Operand, b: Operand, *, m: int, n: int, k: int, batch: int, stride_a: int,
+                   stride_b: int, trans_a: bool, trans_b: bool, gated: bool) -> bool:
+    """Whether the skinny kernel runs this product: x @ W^T (no gate) of float16 or bfloat16 with a cooperative
+    matrix, n of 16 or more, k a multiple of 16, and A's and W's offsets and batch strides whole 8-element vectors."""
+    return (trans_b and not trans_a and not gated and n >= 16 and k % 16 == 0
+            and all(x % 8 == 0 for x in (a.offset, b.offset, stride_a, stride_b))
+            and coopmat_supported(device, a.dtype.name) and not device.is_cpu)
+
+
 def select_algorithm(device, in_dtype, m: int | None = None, trans_a: bool = False, trans_b: bool = False) -> str:
     """``"small_m"`` for m <= SMALL_M_MAX (when ``m`` is given; on a CPU device up to SMALL_M_MAX_CPU_LINEAR
     for x @ W^T; with a cooperative matrix for x @ W^T up to SMALL_M_MAX_COOPMAT_LINEAR); else ``"coopmat"``
@@ -300,17 +367,18 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
            stride_b: int | None = None, stride_c: int | None = None, bias: Operand | None = None,
            alpha: float = 1.0, beta: float = 0.0, algorithm: str = "auto",
            tiled: TiledConfig | None = None, coopmat: CoopmatConfig | None = None,
-           small_m: SmallMConfig | None = None, splits: int | None = None, gate: Operand | None = None,
-           gate_mode: str = "rows", write_group=None) -> None:
+           small_m: SmallMConfig | None = None, skinny: SkinnyConfig | None = None, splits: int | None = None,
+           gate: Operand | None = None, gate_mode: str = "rows", write_group=None) -> None:
     """Record ``C[b] = alpha * op(A[b]) @ op(B[b]) (+ bias) + beta * C[b]`` for b < batch into ``seq``.
 
     A is [m, k] ([k, m] when ``trans_a``), B is [k, n] ([n, k] when ``trans_b``),
     C is [m, n]; all row-major. Batch strides are in elements (default: dense).
     A and B share one dtype (float32, float16 or bfloat16); C is any of the three;
     ``bias`` (n elements) has C's dtype. ``beta == 0`` never reads C.
-    ``algorithm``: "auto" (the small-m kernel for m <= SMALL_M_MAX, else cooperative
-    matrix when the device has it for the input dtype, else tiled), "small_m", "tiled"
-    or "coopmat"; ``tiled``/``coopmat``/``small_m`` override configurations (benchmarks), ``splits`` the
+    ``algorithm``: "auto" (the small-m kernel for m <= SMALL_M_MAX, the skinny kernel for x @ W^T of a few rows
+    where :func:`skinny_applies` and :func:`prefers_skinny`, else cooperative matrix when the device has it
+    for the input dtype, else tiled), "small_m", "skinny", "tiled" or "coopmat"; ``tiled``/``coopmat``/``small_m``/
+    ``skinny`` override configurations (benchmarks), ``splits`` the
     slices of K of the cooperative-matrix kernel (default: :func:`split_k` unless ``coopmat`` is given).
     ``gate`` (float32, one count per batch product from its offset on) marks what a product may skip, by
     ``gate_mode`` (a mixture-of-experts expert run on the few rows of tokens that chose it):
@@ -366,16 +434,24 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         raise ValueError("matmul: a product with a span gate is not split over K")
     device = seq.device
     not_small_m = gate is not None and gate_mode != "rows"  # the small-m kernel has only the rows gate
+    skinny_ok = skinny_applies(device, a, b, m=m, n=n, k=k, batch=batch, stride_a=stride_a, stride_b=stride_b,
+                               trans_a=trans_a, trans_b=trans_b, gated=gate is not None)
     if algorithm == "auto":
         algorithm = select_algorithm(device, in_dtype, m, trans_a, trans_b)
         if not_small_m and algorithm == "small_m":  # the tile kernels take these
             algorithm = select_algorithm(device, in_dtype)
+        if algorithm == "coopmat" and skinny_ok and prefers_skinny(device, m, n, k, batch):
+            algorithm = "skinny"
     elif algorithm == "small_m" and not_small_m:
         raise ValueError(f"matmul: the small-m kernel has no {gate_mode} gate")
     elif algorithm == "coopmat" and not coopmat_supported(device, in_dtype):
         raise ValueError(f"matmul: {device.name} has no {in_dtype} cooperative matrix")
-    elif algorithm not in ("tiled", "coopmat", "small_m"):
-        raise ValueError(f"matmul: algorithm must be 'auto', 'small_m', 'tiled' or 'coopmat', not {algorithm!r}")
+    elif algorithm == "skinny" and not skinny_ok:
+        raise ValueError("matmul: the skinny kernel takes x @ W^T of float16 or bfloat16 on a GPU with cooperative "
+                         "matrices, no gate, n >= 16, k a multiple of 16, offsets and strides multiples of 8")
+    elif algorithm not in ("tiled", "coopmat", "small_m", "skinny"):
+        raise ValueError(f"matmul: algorithm must be 'auto', 'small_m', 'skinny', 'tiled' or 'coopmat', "
+                         f"not {algorithm!r}")
 
     variant = f"{SHORT[in_dtype]}_{SHORT[out_dtype]}"
     buffers = [a.buffer, b.buffer, c.buffer, (bias or c).buffer, (gate or c).buffer]
@@ -388,6 +464,16 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         _dispatch_small_m(seq, variant, buffers, push, m=m, n=n, k=k, batch=batch, trans_a=trans_a,
                           trans_b=trans_b, has_bias=bias is not None, offset_a=a.offset, offset_b=b.offset,
                           stride_a=stride_a, stride_b=stride_b, cfg=small_m, gate_mode=gate_spec)
+        return
+
+    if algorithm == "skinny":
+        cfg = skinny or skinny_config(device, m, n, k, batch)
+        subgroup = device.limits["subgroup_size"]
+        if cfg.shared_bytes() > device.limits["max_compute_shared_memory_size"]:
+            raise ValueError(f"matmul: {cfg} needs more shared memory than {device.name} has")
+        spec = [cfg.frag_m, cfg.frag_n, cfg.split, cfg.unroll, int(bias is not None), subgroup, cfg.split * subgroup]
+        groups = (-(-n // (16 * cfg.frag_n)), -(-m // (16 * cfg.frag_m)), batch)
+        seq.dispatch(device.kernel("matmul_skinny", variant), buffers, groups, push, spec, write_group=write_group)
         return
 
     if algorithm == "coopmat":
