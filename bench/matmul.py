@@ -224,8 +224,7 @@ SKINNY_TILES = ((1, 4, 1, 2), (1, 8, 1, 2), (1, 4, 1, 4), (2, 2, 1, 2), (1, 4, 2
                 (1, 4, 2, 4), (2, 4, 2, 2), (2, 2, 2, 2), (1, 4, 4, 2), (1, 8, 4, 1), (4, 2, 1, 4))
 SKINNY_BK = (64, 128, 256)
 # The skinny kernel's workgroups: (frag_n, split, unroll), frag_m as m needs (shapes past 48 KiB are skipped).
-SKINNY_SHAPES = tuple((frag_n, split, unroll)
-                      for frag_n in (1, 2, 4) for split in (2, 4, 8, 16) for unroll in (1, 2, 4))
+SKINNY_SHAPES = tuple((frag_n, split, unroll) for frag_n in (1, 2) for split in (4, 8, 16) for unroll in (2, 4))
 
 
 def skinny_candidates(device, m: int, n: int, k: int):
@@ -254,7 +253,7 @@ def skinny_kernel_candidates(device, m: int):
 
 
 def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat16",
-                tiles: bool = False) -> list[dict]:
+                tiles: bool = False, row_counts=SKINNY_ROWS) -> list[dict]:
     """Weight GB/s of x[m, k] @ W[n, k]^T at the shapes of a batched decode step: what "auto" picks, the tile
     kernel, each skinny-kernel workgroup (and with ``tiles`` each tile and K split of the tile kernel)."""
     rng = np.random.default_rng(0)
@@ -264,7 +263,7 @@ def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat
                for name, (n, k) in shapes.items()}
     coopmat = select_algorithm(device, dtype) == "coopmat"
     warm = [2.0]  # seconds of warm-up replays: the GPU's clocks up once, then a few replays per configuration
-    for m in SKINNY_ROWS:
+    for m in row_counts:
         for name, (n, k) in shapes.items():
             x = random_buffer(device, (m, k), dtype, rng)
             ys = [device.buffer((m, n), dtype) for _ in range(repeats)]
@@ -381,13 +380,15 @@ def main() -> None:
     parser.add_argument("--skinny", action="store_true", help="only the products of an 8B batched decode step")
     parser.add_argument("--budget", type=float, default=400.0, help="--skinny: seconds of configurations at most")
     parser.add_argument("--skinny-tiles", action="store_true", help="--skinny: sweep the tile kernel's tiles too")
+    parser.add_argument("--rows", default=",".join(map(str, SKINNY_ROWS)), help="--skinny: the rows of x")
     args = parser.parse_args()
 
     device = get_device()
     if args.skinny:
         print(f"device: {device.name}")
         write_results(args.json, {"device": device.name,
-                                  "skinny": skinny_runs(device, args.budget, args.quick, tiles=args.skinny_tiles)})
+                                  "skinny": skinny_runs(device, args.budget, args.quick, tiles=args.skinny_tiles,
+                                                        row_counts=[int(r) for r in args.rows.split(",")])})
         return
     if args.prefill:
         print(f"device: {device.name}")

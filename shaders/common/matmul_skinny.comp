@@ -6,7 +6,8 @@
 // workgroup owns 16 FRAG_N columns of C (rows of W) and 16 FRAG_M rows, and its SPLIT subgroups work alone:
 // each takes chunks of 16 UNROLL entries of K in turn, loads its rows of W and A for the chunk as 16-byte
 // vectors (consecutive lanes along a row), copies them into its own slice of shared memory (rows of A past m
-// as zeros) and multiplies the fragments read back from there, with subgroup barriers only. (Fragments loaded
+// as zeros) and multiplies the fragments read back from there while the next chunk's vectors load, with
+// subgroup barriers only. (Fragments loaded
 // straight from memory with coopMatLoad ran 2-7x slower on an H100: the driver reads them a few bytes a lane.)
 // The subgroups' float32 sums meet in shared memory once, at the end, added in subgroup order (deterministic).
 //
@@ -61,48 +62,50 @@ shared uvec4 scratch[SPLIT * SLICE];
 // Where step u of staged fragment f (W's j: f = j; A's i: f = FRAG_N + i) starts in this subgroup's slice.
 uint staged(uint f, uint u) { return gl_SubgroupID * SLICE + (f * UNROLL + u) * FRAGMENT_WORDS; }
 
-// STEPS (a constant) 16-entry steps of K from K0. Lane q's vectors: row (q / VECTORS) % 16 of fragment
-// q / (16 VECTORS), vector q % VECTORS of the row's 2 STEPS (16 halves a step); all loaded, then staged; then
-// the fragments read back (W's as columns of W^T) and multiplied.
-#define MULTIPLY_CHUNK(K0, STEPS)                                                                                \
-    {                                                                                                            \
-        const uint VECTORS = 2 * (STEPS);                                                                        \
-        const uint W_LOADS = (FRAG_N * 16 * VECTORS + SUBGROUP - 1) / SUBGROUP;                                  \
-        const uint A_LOADS = (FRAG_M * 16 * VECTORS + SUBGROUP - 1) / SUBGROUP;                                  \
-        uvec4 w_words[W_LOADS], a_words[A_LOADS];                                                                \
-        [[unroll]] for (uint l = 0; l < W_LOADS; ++l) {                                                          \
-            const uint q = lane + l * SUBGROUP, f = q / (16 * VECTORS), r = (q / VECTORS) % 16;                  \
-            w_words[l] = uvec4(0u);                                                                              \
-            if (f < FRAG_N)                                                                                      \
-                w_words[l] = b_data[(base_b + (min(col0 + 16 * f, n - 16) + r) * k + (K0)) / 8 + q % VECTORS];   \
-        }                                                                                                        \
-        [[unroll]] for (uint l = 0; l < A_LOADS; ++l) {                                                          \
-            const uint q = lane + l * SUBGROUP, row = row0 + q / VECTORS;                                        \
-            a_words[l] = uvec4(0u);                                                                              \
-            if (q < FRAG_M * 16 * VECTORS && row < m)                                                            \
-                a_words[l] = a_data[(base_a + row * k + (K0)) / 8 + q % VECTORS];                                \
-        }                                                                                                        \
-        subgroupMemoryBarrierShared();                                                                           \
-        subgroupBarrier(); /* the previous chunk's fragments are read */                                         \
-        [[unroll]] for (uint l = 0; l < W_LOADS; ++l) {                                                          \
-            const uint q = lane + l * SUBGROUP, f = q / (16 * VECTORS), r = (q / VECTORS) % 16, v = q % VECTORS;  \
-            if (f < FRAG_N) scratch[staged(f, v / 2) + r * PITCH + v % 2] = w_words[l];                          \
-        }                                                                                                        \
-        [[unroll]] for (uint l = 0; l < A_LOADS; ++l) {                                                          \
-            const uint q = lane + l * SUBGROUP, f = q / (16 * VECTORS), r = (q / VECTORS) % 16, v = q % VECTORS;  \
-            if (f < FRAG_M) scratch[staged(FRAG_N + f, v / 2) + r * PITCH + v % 2] = a_words[l];                 \
-        }                                                                                                        \
-        subgroupMemoryBarrierShared();                                                                           \
-        subgroupBarrier();                                                                                       \
-        [[unroll]] for (uint u = 0; u < (STEPS); ++u) {                                                          \
-            FRAGMENT_A fa[FRAG_M];                                                                               \
-            [[unroll]] for (uint i = 0; i < FRAG_M; ++i)                                                         \
-                coopMatLoad(fa[i], scratch, staged(FRAG_N + i, u), PITCH, gl_CooperativeMatrixLayoutRowMajor);   \
-            [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {                                                       \
-                FRAGMENT_B fb;                                                                                   \
-                coopMatLoad(fb, scratch, staged(j, u), PITCH, gl_CooperativeMatrixLayoutColumnMajor);            \
-                [[unroll]] for (uint i = 0; i < FRAG_M; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb, acc[i][j]);    \
-            }                                                                                                    \
+// A chunk of STEPS (a constant) 16-entry steps of K from K0, in three parts. LOAD_CHUNK: lane q's vectors into
+// WORDS_W and WORDS_A (row (q / VECTORS) % 16 of fragment q / (16 VECTORS), vector q % VECTORS of the row's
+// 2 STEPS: 16 halves a step; zeros for rows of A past m). STAGE_CHUNK: those vectors into the subgroup's slice.
+// MULTIPLY_STAGED: the fragments read back (W's as columns of W^T) and multiplied.
+#define VECTORS(STEPS) (2 * (STEPS))
+#define W_LOADS(STEPS) ((FRAG_N * 16 * VECTORS(STEPS) + SUBGROUP - 1) / SUBGROUP)
+#define A_LOADS(STEPS) ((FRAG_M * 16 * VECTORS(STEPS) + SUBGROUP - 1) / SUBGROUP)
+#define LOAD_CHUNK(WORDS_W, WORDS_A, K0, STEPS)                                                                  \
+    [[unroll]] for (uint l = 0; l < W_LOADS(STEPS); ++l) {                                                       \
+        const uint q = lane + l * SUBGROUP, f = q / (16 * VECTORS(STEPS)), r = (q / VECTORS(STEPS)) % 16;        \
+        WORDS_W[l] = uvec4(0u);                                                                                  \
+        if (f < FRAG_N)                                                                                          \
+            WORDS_W[l] = b_data[(base_b + (min(col0 + 16 * f, n - 16) + r) * k + (K0)) / 8 + q % VECTORS(STEPS)]; \
+    }                                                                                                            \
+    [[unroll]] for (uint l = 0; l < A_LOADS(STEPS); ++l) {                                                       \
+        const uint q = lane + l * SUBGROUP, row = row0 + q / VECTORS(STEPS);                                     \
+        WORDS_A[l] = uvec4(0u);                                                                                  \
+        if (q < FRAG_M * 16 * VECTORS(STEPS) && row < m)                                                         \
+            WORDS_A[l] = a_data[(base_a + row * k + (K0)) / 8 + q % VECTORS(STEPS)];                             \
+    }
+#define STAGE_CHUNK(WORDS_W, WORDS_A, STEPS)                                                                     \
+    subgroupMemoryBarrierShared();                                                                               \
+    subgroupBarrier(); /* the previous chunk's fragments are read */                                             \
+    [[unroll]] for (uint l = 0; l < W_LOADS(STEPS); ++l) {                                                       \
+        const uint q = lane + l * SUBGROUP, f = q / (16 * VECTORS(STEPS)), r = (q / VECTORS(STEPS)) % 16;        \
+        const uint v = q % VECTORS(STEPS);                                                                       \
+        if (f < FRAG_N) scratch[staged(f, v / 2) + r * PITCH + v % 2] = WORDS_W[l];                              \
+    }                                                                                                            \
+    [[unroll]] for (uint l = 0; l < A_LOADS(STEPS); ++l) {                                                       \
+        const uint q = lane + l * SUBGROUP, f = q / (16 * VECTORS(STEPS)), r = (q / VECTORS(STEPS)) % 16;        \
+        const uint v = q % VECTORS(STEPS);                                                                       \
+        if (f < FRAG_M) scratch[staged(FRAG_N + f, v / 2) + r * PITCH + v % 2] = WORDS_A[l];                     \
+    }                                                                                                            \
+    subgroupMemoryBarrierShared();                                                                               \
+    subgroupBarrier();
+#define MULTIPLY_STAGED(STEPS)                                                                                   \
+    [[unroll]] for (uint u = 0; u < (STEPS); ++u) {                                                              \
+        FRAGMENT_A fa[FRAG_M];                                                                                   \
+        [[unroll]] for (uint i = 0; i < FRAG_M; ++i)                                                             \
+            coopMatLoad(fa[i], scratch, staged(FRAG_N + i, u), PITCH, gl_CooperativeMatrixLayoutRowMajor);       \
+        [[unroll]] for (uint j = 0; j < FRAG_N; ++j) {                                                           \
+            FRAGMENT_B fb;                                                                                       \
+            coopMatLoad(fb, scratch, staged(j, u), PITCH, gl_CooperativeMatrixLayoutColumnMajor);                \
+            [[unroll]] for (uint i = 0; i < FRAG_M; ++i) acc[i][j] = coopMatMulAdd(fa[i], fb, acc[i][j]);        \
         }                                                                                                        \
     }
 
@@ -116,10 +119,22 @@ void main() {
     [[unroll]] for (uint i = 0; i < FRAG_M; ++i)
         [[unroll]] for (uint j = 0; j < FRAG_N; ++j) acc[i][j] = ACCUMULATOR(0.0);
 
-    // Whole chunks of UNROLL steps in turn, then the steps left over one at a time.
+    // Whole chunks of UNROLL steps in turn, the next chunk's vectors loaded while the current one is multiplied;
+    // then the steps left over one at a time.
     const uint steps = k / 16, chunks = steps / UNROLL;
-    for (uint chunk = sg; chunk < chunks; chunk += SPLIT) MULTIPLY_CHUNK(chunk * 16 * UNROLL, UNROLL)
-    for (uint step = chunks * UNROLL + sg; step < steps; step += SPLIT) MULTIPLY_CHUNK(step * 16, 1)
+    uvec4 words_w[W_LOADS(UNROLL)], words_a[A_LOADS(UNROLL)];
+    if (sg < chunks) { LOAD_CHUNK(words_w, words_a, sg * 16 * UNROLL, UNROLL) }
+    for (uint chunk = sg; chunk < chunks; chunk += SPLIT) {
+        STAGE_CHUNK(words_w, words_a, UNROLL)
+        if (chunk + SPLIT < chunks) { LOAD_CHUNK(words_w, words_a, (chunk + SPLIT) * 16 * UNROLL, UNROLL) }
+        MULTIPLY_STAGED(UNROLL)
+    }
+    for (uint step = chunks * UNROLL + sg; step < steps; step += SPLIT) {
+        uvec4 step_w[W_LOADS(1)], step_a[A_LOADS(1)];
+        LOAD_CHUNK(step_w, step_a, step * 16, 1)
+        STAGE_CHUNK(step_w, step_a, 1)
+        MULTIPLY_STAGED(1)
+    }
 
     // The subgroups' sums of each fragment of C, added in subgroup order, then the epilogue.
     const uint base_c = off_c + gl_WorkGroupID.z * stride_c;
