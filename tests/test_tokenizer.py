@@ -1,6 +1,7 @@
 """AutoTokenizer: tokenizer.json + tokenizer_config.json of a small byte-level BPE trained here (no network)."""
 import json
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -266,3 +267,32 @@ def test_text_target_refusals(tok, tmp_path):
     assert nllb("hello world")["input_ids"] == tok("hello world")["input_ids"]
     with pytest.raises(TokenizerError, match="NllbTokenizer encodes targets with the target language's tokens"):
         nllb("hello", text_target="world")
+
+
+def test_calls_from_threads_keep_their_own_padding_and_truncation(tok):
+    """A call sets the backend's padding and truncation for itself only: calls from other threads at the same time
+    (a server's requests) see neither. Threads alternate truncated, padded and plain calls many times over."""
+    text, short = CORPUS[0], CORPUS[1]
+    plain = tok(text)["input_ids"]
+    cut = tok(text, truncation=True, max_length=3)["input_ids"]
+    padded = tok([text, short], padding=True)["input_ids"]
+    tokens = tok.tokenize(text)
+    assert len(cut) == 3 < len(plain) and len(padded[1]) == len(padded[0])
+    wrong = []
+
+    def call(kind: int) -> None:
+        for _ in range(300):
+            if kind == 0 and tok(text)["input_ids"] != plain:
+                wrong.append("plain")
+            elif kind == 1 and tok(text, truncation=True, max_length=3)["input_ids"] != cut:
+                wrong.append("truncated")
+            elif kind == 2 and tok([text, short], padding=True)["input_ids"] != padded:
+                wrong.append("padded")
+            elif kind == 3 and tok.tokenize(text) != tokens:
+                wrong.append("tokenize")
+    threads = [threading.Thread(target=call, args=(kind % 4,)) for kind in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong, f"{len(wrong)} calls saw another thread's settings: {sorted(set(wrong))}"

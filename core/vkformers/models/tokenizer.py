@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import threading
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -145,6 +146,9 @@ class PreTrainedTokenizer:
         self.name_or_path = name_or_path
         self.saved_files: list[Path] = []  # what save_pretrained copies instead of writing tokenizer.json
         self.target_mode: tuple | None = None  # the (normalizer, pre-tokenizer) of text_target, where it differs
+        # Held while the backend encodes: a call sets the backend's padding and truncation for itself (and
+        # target_mode its normalizer and pre-tokenizer), so that a call in another thread must not encode then.
+        self._backend_lock = threading.RLock()
         # tokenizer.json may store a padding and a truncation (sentence-transformers checkpoints pad to 128 and
         # cut there); transformers takes only their sides and pad token as defaults and pads or truncates a
         # call only when the call asks, so the backend keeps neither.
@@ -278,7 +282,8 @@ class PreTrainedTokenizer:
                     return_attention_mask=False, return_token_type_ids=False, **kwargs)["input_ids"]
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[str]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
+        with self._backend_lock:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
 
     def __call__(self, text=None, text_pair=None, *, text_target=None, text_pair_target=None,
                  max_target_length: int | None = None, **options) -> BatchEncoding:
@@ -315,12 +320,13 @@ class PreTrainedTokenizer:
         if self.target_mode is None:
             yield
             return
-        kept = self.backend.normalizer, self.backend.pre_tokenizer
-        self.backend.normalizer, self.backend.pre_tokenizer = self.target_mode
-        try:
-            yield
-        finally:
-            self.backend.normalizer, self.backend.pre_tokenizer = kept
+        with self._backend_lock:
+            kept = self.backend.normalizer, self.backend.pre_tokenizer
+            self.backend.normalizer, self.backend.pre_tokenizer = self.target_mode
+            try:
+                yield
+            finally:
+                self.backend.normalizer, self.backend.pre_tokenizer = kept
 
     def encode_texts(self, text, text_pair=None, *, add_special_tokens: bool = True, padding=False, truncation=None,
                  max_length: int | None = None, stride: int = 0, is_split_into_words: bool = False,
@@ -470,6 +476,12 @@ class PreTrainedTokenizer:
         tokenizer never pads or truncates unless asked)."""
         if not inputs:
             return []
+        with self._backend_lock:
+            return self._encode_batch_locked(inputs, add_special_tokens, is_split_into_words, padding, truncation,
+                                             max_length, stride, pad_to_multiple_of, side)
+
+    def _encode_batch_locked(self, inputs, add_special_tokens, is_split_into_words, padding, truncation, max_length,
+                             stride, pad_to_multiple_of, side):
         try:
             if truncation != "do_not_truncate":
                 self.backend.enable_truncation(max_length, stride=stride, strategy=truncation,
