@@ -17,7 +17,7 @@ from vkformers.engine import functional as F
 from vkformers.engine import lazy
 from vkformers.models.layers import Embedding, Linear, ModuleList, RMSNorm
 from vkformers.models.lm_loss import target_count
-from vkformers.models.loading import CausalLMOutput
+from vkformers.models.loading import AutoModelForCausalLM, AutoModelForSeq2SeqLM, CausalLMOutput
 from vkformers.models.module import Module
 from vkformers.errors import UnsafePathError
 from vkformers.models.atomic import atomic_write, write_json_atomic
@@ -685,3 +685,27 @@ def test_cli_trains_lora_on_conversations_with_the_assistant_turns_only(tmp_path
     assert "--assistant-only-loss are for causal-lm" in capsys.readouterr().err
     assert main([*argv, "--steps", "3"]) == 1
     assert "--steps and --epochs both given" in capsys.readouterr().err
+
+
+def test_init_weights_zeroes_padding_rows_and_unit_offset_norms():
+    """As transformers' _init_weights: an embedding's padding_idx row starts at zero (through a tied table, BART's
+    model.shared), an RMS norm that scales by 1 + weight (Gemma) starts at zero, other norms at one."""
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8, pad_token_id=3)
+    gemma = AutoModelForCausalLM.from_config(dict(model_type="gemma", **small))
+    init_weights(gemma, seed=0)
+    weights = {name: value.numpy() for name, value in gemma.named_parameters()}
+    assert not weights["model.embed_tokens.weight"][3].any() and weights["model.embed_tokens.weight"][4].any()
+    norms = [name for name in weights if name.endswith("norm.weight")]
+    assert len(norms) == 3 and all(not weights[name].any() for name in norms)
+    llama = AutoModelForCausalLM.from_config(dict(model_type="llama", **small))
+    init_weights(llama, seed=0)
+    weights = {name: value.numpy() for name, value in llama.named_parameters()}
+    assert not weights["model.embed_tokens.weight"][3].any()
+    assert all((weights[name] == 1).all() for name in weights if name.endswith("norm.weight"))
+    bart = AutoModelForSeq2SeqLM.from_config(dict(
+        model_type="bart", vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=1))
+    init_weights(bart, seed=0)
+    shared = dict(bart.named_parameters())["model.shared.weight"].numpy()
+    assert not shared[1].any() and shared[0].any()

@@ -40,6 +40,7 @@ from vkformers.errors import OutputFolderError, VkformersError
 from vkformers.models.atomic import make_folder, open_for_append, refuse_symlinks_below, write_bytes_atomic, \
     write_text_atomic
 from vkformers.models import lora
+from vkformers.models.layers import Embedding, RMSNorm
 from vkformers.models.loading import save_pretrained
 from vkformers.models.quantize import refuse_quantized
 from vkformers.optim import OPTIMIZERS, AdamW
@@ -156,23 +157,37 @@ def init_weights(model, *, seed: int = 0, std: float | None = None, dtype="float
     """Random weights for training from scratch: normal(0, std) matrices, ones for norms, zeros for biases. Without
     ``std``, as transformers initialises the model: each matrix's own std where the model's family declares one
     (``initial_std(name)``: T5's scaled normals), else the config's ``initializer_range`` (``init_std``: BART's
-    spelling), else 0.02."""
+    spelling), else 0.02. As transformers does too, an embedding's ``padding_idx`` row starts at zero, and so does
+    the weight of an RMS norm that scales by 1 + weight (Gemma's, Qwen3.5's)."""
     config = getattr(model, "config", None) or {}
     default = float(config.get("initializer_range", config.get("init_std", 0.02))) if std is None else std
     declared = getattr(model, "initial_std", None) if std is None else None
+    zero_rows, zero_norms = {}, set()
+    for path, module in model.named_modules():
+        weight = f"{path}.weight" if path else "weight"
+        if isinstance(module, Embedding) and module.padding_idx is not None:
+            zero_rows[weight] = module.padding_idx
+        if isinstance(module, RMSNorm) and module.unit_offset:
+            zero_norms.add(weight)
+    slots = list(model.named_slots())
+    for name, slot in slots:  # a padding row of a table tied to another: the owner's row
+        if slot.tied_to is not None and name in zero_rows:
+            zero_rows[slot.tied_to] = zero_rows[name]
     rng = np.random.default_rng(seed)
     arrays = {}
-    for name, slot in model.named_slots():
+    for name, slot in slots:
         if slot.tied_to is not None:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "bias":
+        if leaf == "bias" or name in zero_norms:
             arrays[name] = np.zeros(slot.shape, np.float32)
         elif len(slot.shape) == 1:  # norm weights
             arrays[name] = np.ones(slot.shape, np.float32)
         else:
             scale = declared(name) if declared is not None else None
             arrays[name] = (rng.standard_normal(slot.shape) * (default if scale is None else scale)).astype(np.float32)
+            if name in zero_rows:
+                arrays[name][zero_rows[name]] = 0.0
     model.load_state_dict(arrays, dtype=dtype)
 
 

@@ -831,7 +831,9 @@ class Stack(Module):
         self.spec, self.decoder = spec, decoder
         count = spec.decoder_layers if decoder else spec.encoder_layers
         vocab = spec.source_vocab_size if spec.source_vocab_size and not decoder else spec.vocab_size
-        refs = dict(embed_tokens=place(self, names.get("embed_tokens", "embed_tokens"), Embedding(vocab, spec.d_model)),
+        pad = spec.pad_token_id if spec.pad_embedding_frozen else None  # transformers' nn.Embedding(padding_idx)
+        refs = dict(embed_tokens=place(self, names.get("embed_tokens", "embed_tokens"),
+                                       Embedding(vocab, spec.d_model, pad)),
                     embed_positions=None, embed_norm=None, final_norm=None)
         # ProphetNet's decoder: one embedding per predicting stream
         refs["ngram_embeddings"] = place(self, "ngram_embeddings", Embedding(spec.ngram, spec.d_model)) \
