@@ -252,6 +252,10 @@ def skinny_kernel_candidates(device, m: int):
             yield cfg
 
 
+def skinny_label(cfg: SkinnyConfig) -> str:
+    return f"skinny {cfg.frag_m}x{cfg.frag_n} split {cfg.split} unroll {cfg.unroll}"
+
+
 def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat16",
                 tiles: bool = False, row_counts=SKINNY_ROWS) -> list[dict]:
     """Weight GB/s of x[m, k] @ W[n, k]^T at the shapes of a batched decode step: what "auto" picks, the tile
@@ -284,31 +288,21 @@ def skinny_runs(device, budget: float, quick: bool = False, dtype: str = "bfloat
                          if tile_cfg else kernel)
             tile = timed(algorithm="coopmat") if tile_cfg else auto
             skinny = skinny_config(device, m, n, k)
-            auto_name = (f"skinny {skinny.frag_m}x{skinny.frag_n} split {skinny.split} unroll {skinny.unroll}"
-                         if kernel == "coopmat" and prefers_skinny(device, m, n, k) else tile_name)
+            auto_name = skinny_label(skinny) if kernel == "coopmat" and prefers_skinny(device, m, n, k) else tile_name
             best = (auto, "auto: " + auto_name)
-            for cfg in skinny_kernel_candidates(device, m) if coopmat else ():
+            candidates = [(skinny_label(cfg), dict(algorithm="skinny", skinny=cfg))
+                          for cfg in (skinny_kernel_candidates(device, m) if coopmat else ())]
+            candidates += [(f"{cfg.bm}x{cfg.bn} ({cfg.sg_rows}x{cfg.sg_cols}) bk {cfg.bk} / {splits}",
+                            dict(algorithm="coopmat", coopmat=cfg, splits=splits))
+                           for cfg, splits in (skinny_candidates(device, m, n, k) if coopmat and tiles else ())]
+            for label, options in candidates:
                 if time.perf_counter() - began > budget:
                     break
                 try:
-                    seconds = timed(algorithm="skinny", skinny=cfg)
+                    seconds = timed(**options)
                 except Exception as exc:  # a configuration the device refuses
-                    print(f"skinny {cfg}: {exc}")
+                    print(f"skinny {label}: {exc}")
                     continue
-                label = f"skinny {cfg.frag_m}x{cfg.frag_n} split {cfg.split} unroll {cfg.unroll}"
-                rows.append({"product": name, "m": m, "n": n, "k": k, "config": label, "seconds": seconds,
-                             "weight_gb_per_s": gbs(seconds)})
-                if seconds < best[0]:
-                    best = (seconds, label)
-            for cfg, splits in skinny_candidates(device, m, n, k) if coopmat and tiles else ():
-                if time.perf_counter() - began > budget:
-                    break
-                try:
-                    seconds = timed(algorithm="coopmat", coopmat=cfg, splits=splits)
-                except Exception as exc:  # a configuration the device refuses
-                    print(f"skinny {cfg}: {exc}")
-                    continue
-                label = f"{cfg.bm}x{cfg.bn} ({cfg.sg_rows}x{cfg.sg_cols}) bk {cfg.bk} / {splits}"
                 rows.append({"product": name, "m": m, "n": n, "k": k, "config": label, "seconds": seconds,
                              "weight_gb_per_s": gbs(seconds)})
                 if seconds < best[0]:
