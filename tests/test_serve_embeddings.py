@@ -8,6 +8,7 @@ import base64
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,7 +112,7 @@ def test_bad_requests_and_the_other_routes(server):
 
 def test_which_checkpoints_are_embedding_models(tmp_path):
     """A sentence-transformers folder, and a plain BERT folder (no modules.json: mean pooling), are embedding
-    models; a causal LM is not."""
+    models; a causal LM is not, nor an encoder-decoder (BART's fixture: it generates)."""
     assert is_embedding_checkpoint(model_folder())
     plain = tmp_path / "bert"
     shutil.copytree(model_folder(), plain, ignore=shutil.ignore_patterns("modules.json", "1_Pooling", "2_Normalize"))
@@ -123,6 +124,7 @@ def test_which_checkpoints_are_embedding_models(tmp_path):
                                                    "num_hidden_layers": 1, "vocab_size": 32,
                                                    "intermediate_size": 32}))
     assert not is_embedding_checkpoint(llama)
+    assert not is_embedding_checkpoint(Path(__file__).parent / "fixtures" / "seq2seq" / "bart")
 
 
 def test_the_command_serves_an_embedding_model(tmp_path):

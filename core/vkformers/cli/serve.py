@@ -62,6 +62,7 @@ from vkformers.cli.responses import (ResponseEvents, ResponseStore, chat_request
 from vkformers.engine.quantized import QUANTIZE_FORMATS
 from vkformers.errors import InputError, VkformersError
 from vkformers.models.batching import BatchScheduler, Request, SamplingParams, SchedulerStopped
+from vkformers.models.seq2seq_serving import EncoderDecoderScheduler
 from vkformers.models.fill_in_middle import fill_in_middle_tokens
 from vkformers.models.generation_settings import end_token_ids
 from vkformers.models.loading import AutoTokenizer
@@ -256,13 +257,23 @@ def serve(args, uvicorn, sock: socket.socket) -> int:
         model = cli_generate.load_model(model_name, args.dtype, quantization=args.quantization)
         if merged_folder is not None:
             merge_lora(load_adapter(model, merged_folder))
-        selector = serve_adapters(model, folders) if folders else None
-        blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
-        scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
-                                   eos=eos_ids(model, tokenizer), kv_blocks=blocks,
-                                   gpu_memory_utilization=None if blocks else args.gpu_memory_utilization,
-                                   prefix_caching=args.prefix_caching, adapters=selector,
-                                   cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{merged}")
+        if hasattr(model, "generation_encoder_states"):  # an encoder-decoder: its prompts are the encoder's input
+            if folders:
+                raise VkformersError(f"{model_name}: an encoder-decoder is served without --adapter NAME=DIR (its "
+                                     "requests run in groups on one model); merge the adapter with --adapter DIR")
+            if args.kv_cache_tokens is not None:
+                raise VkformersError(f"{model_name}: an encoder-decoder is served without --kv-cache-tokens (each "
+                                     "group of requests keeps its own decoder cache); leave it out")
+            scheduler = EncoderDecoderScheduler(model, tokenizer, max_batch=args.max_batch,
+                                                max_model_len=args.max_model_len, eos=eos_ids(model, tokenizer))
+        else:
+            selector = serve_adapters(model, folders) if folders else None
+            blocks = None if args.kv_cache_tokens is None else -(-args.kv_cache_tokens // PAGE_SIZE) + 1  # + scratch
+            scheduler = BatchScheduler(model, tokenizer, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                                       eos=eos_ids(model, tokenizer), kv_blocks=blocks,
+                                       gpu_memory_utilization=None if blocks else args.gpu_memory_utilization,
+                                       prefix_caching=args.prefix_caching, adapters=selector,
+                                       cache_salt=f"{model_name}|{args.dtype}|{args.quantization}|{merged}")
         defaults = model_sampling_defaults(model) if args.sampling_defaults == "model" else {}
         if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
             raise VkformersError("--enable-auto-tool-choice and --tool-call-parser go together: give both or neither")

@@ -412,7 +412,197 @@ class _Scoring(_Prefill):
     entries: list[list[TokenLogprob]] = field(default_factory=list)
 
 
-class BatchScheduler:
+class RequestScheduler:
+    """What every scheduler of ``vkformers serve`` shares: requests queued from the server's threads and run by one
+    thread of its own, each request's tokens chosen on the host from its row of a step's logits as ``generate``
+    does for a batch of one, and its text streamed (stop strings, log-probabilities, the finish reason) through
+    ``Update`` calls. A subclass sets up what ``_setup`` names and runs the requests (``_serve``)."""
+
+    def _setup(self, model, tokenizer, *, max_batch: int, max_model_len: int, eos, vocab_size: int,
+               adapters=None) -> None:
+        self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
+        self.max_batch, self.max_model_len, self.vocab_size = int(max_batch), int(max_model_len), int(vocab_size)
+        self.eos = sorted({int(e) for e in eos})
+        self.metrics = Metrics()
+        self._waiting: list[Request] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.error: BaseException | None = None       # what ended the thread (then no request is taken)
+        self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
+
+    def start(self) -> "RequestScheduler":
+        self._thread = threading.Thread(target=self._loop, name="vkformers-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise InputError when a prompt of ``prompt_tokens`` and ``max_tokens`` more do not fit max_model_len."""
+        if prompt_tokens < 1:
+            raise InputError("the prompt is empty")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise InputError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed the "
+                             f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
+                             "max_tokens")
+        self._check_cache(prompt_tokens, max_tokens)
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request``; InputError (before it runs) for one the model cannot take."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Request]:
+        """Queue ``requests`` together (a call's choices and prompts), each checked first: one the model cannot take
+        is an InputError and none of them runs."""
+        for request in requests:
+            self._check_request(request)
+        with self._cond:
+            if self.error is not None:
+                raise SchedulerStopped(f"the scheduler stopped: {self.error}")
+            self._waiting.extend(requests)
+            self.metrics.requests += len(requests)
+            self.metrics.prompt_tokens += sum(len(request.prompt) for request in requests)
+            self.metrics.waiting = len(self._waiting)
+            self._cond.notify_all()
+        return requests
+
+    def _check_request(self, request: Request) -> None:
+        """What submit checks of a request (InputError), its grammar compiled."""
+        if not 0 <= request.adapter <= len(self.adapters.names if self.adapters is not None else ()):
+            raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
+        request.params.check()
+        vocab = self.vocab_size
+        for name, tokens in (("logit_bias", [t for t, _ in request.params.logit_bias]),
+                             ("allowed_token_ids", request.params.allowed_token_ids)):
+            wrong = [t for t in tokens if not 0 <= t < vocab]
+            if wrong:
+                raise InputError(f"{name} names token {wrong[0]}, outside the model's vocabulary of {vocab}")
+        self.check(len(request.prompt), request.params.max_tokens)
+        grammar = request.params.output_grammar
+        if grammar is not None:  # compiled here, where a bad grammar is the caller's error, not the batch's
+            request.constraint = TokenConstraint(GrammarVocabulary.of(self.tokenizer, vocab), grammar, request.eos)
+        limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
+        if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
+            check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
+
+    def _check_cache(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Whether the request can ever fit the subclass's cache (InputError or KVBlocksExhausted)."""
+
+    def _finished_one(self) -> None:
+        """A request finished (a subclass's bookkeeping)."""
+
+    def _loop(self) -> None:
+        with no_grad():  # the forwards of this thread record no gradient (the mode is per thread)
+            self._serve()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _fail(self, requests) -> None:
+        for request in requests:
+            if request is not None and not request.finished:
+                request.finish_reason = FINISH_ERROR
+                request.on_update(Update("", [], FINISH_ERROR, len(request.generated)))
+
+    def _choose(self, logits: np.ndarray | None, rows: list[tuple[int, Request]], chosen=None) -> None:
+        """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one
+        (``chosen``: the tokens the GPU chose instead, every live row greedy)."""
+        now = time.perf_counter()
+        try:
+            self._choose_rows(logits, rows, chosen, now)
+        finally:
+            self.metrics.choose_seconds += time.perf_counter() - now
+
+    def _choose_rows(self, logits, rows: list[tuple[int, Request]], chosen, now: float) -> None:
+        for row, request in rows:
+            if request.finished:
+                continue
+            params = request.params
+            scores = None if chosen is not None else logits[row:row + 1]
+            chosen_from = _adjusted(scores, request) if params.adjusts_logits else scores
+            if request.constraint is not None:  # (never GPU-chosen: adjusts_logits)
+                try:
+                    chosen_from = request.constraint.mask(chosen_from)
+                except GrammarError as exc:  # the engine failed on this output: it alone ends
+                    self.last_error = exc
+                    self._fail([request])
+                    continue
+            if chosen is not None:
+                token = int(chosen[row])
+            elif params.temperature == 0:
+                token = int(chosen_from.argmax(axis=-1)[0])
+            else:
+                token = int(_sample(chosen_from, request.rng, params.temperature, params.top_k, params.top_p,
+                                    params.min_p)[0])
+            if request.constraint is not None:
+                request.constraint.advance(token)
+            request.generated.append(token)
+            request.counts[token] = request.counts.get(token, 0) + 1
+            if request.first_token_at is None:
+                request.first_token_at = now
+                self.metrics.ttft_sum += now - request.arrived
+                self.metrics.ttft_count += 1
+            self.metrics.generation_tokens += 1
+            if params.logprobs is not None:
+                request.pending_logprobs.append(_logprob(scores[0], token, params.logprobs))
+            self._advance_text(request, token)
+            if request.constraint is not None and request.constraint.complete and not request.constraint.ends \
+                    and not request.finished:  # no end token to close with: the grammar's text is the whole output
+                self._finish(request, FINISH_STOP)
+
+    def _advance_text(self, request: Request, token: int) -> None:
+        params = request.params
+        finish = None
+        stopped = token in request.eos  # an end token (or a stop token id) is not part of the text
+        tokens = request.generated[:-1] if stopped else request.generated
+        if stopped or len(request.generated) >= params.max_tokens:  # the last text: decoded whole
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            if not text.startswith(request.text[:request.sent]):  # (what was sent stays sent)
+                text = request.rendered.extend(self.tokenizer, tokens)
+        else:
+            text = request.rendered.extend(self.tokenizer, tokens)
+        if params.stop and len(request.generated) >= params.min_tokens:
+            # a stop string in the text not yet sent (the sent text held back enough to contain none)
+            found = [(i, len(s)) for i, s in ((text.find(s, request.sent), s) for s in params.stop if s) if i >= 0]
+            if found:
+                at, length = min(found)
+                text, finish = text[:at + length if params.include_stop_str_in_output else at], FINISH_STOP
+        request.text = text
+        if finish is None and stopped:
+            finish = FINISH_STOP
+        if finish is None and len(request.generated) >= params.max_tokens:
+            finish = FINISH_LENGTH
+        if finish is not None:
+            self._finish(request, finish)
+            return
+        hold = max((len(s) for s in params.stop), default=1) - 1  # the end of the text may begin a stop string
+        ready = len(text) - hold
+        while ready > request.sent and text[ready - 1] == "\ufffd":  # an incomplete character waits
+            ready -= 1
+        if ready > request.sent or request.pending_logprobs:
+            delta = text[request.sent:max(ready, request.sent)]
+            request.sent += len(delta)
+            logprobs, request.pending_logprobs = request.pending_logprobs, []
+            request.on_update(Update(delta, logprobs, None, len(request.generated)))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.metrics.finished += 1
+        self._finished_one()
+        self.metrics.cancelled += reason == FINISH_CANCELLED
+        delta = request.text[request.sent:]
+        request.sent = len(request.text)
+        logprobs, request.pending_logprobs = request.pending_logprobs, []
+        request.on_update(Update(delta, logprobs, reason, len(request.generated)))
+
+
+class BatchScheduler(RequestScheduler):
     """Runs requests on ``model`` (a GenerationMixin causal LM), ``tokenizer`` decoding their text.
 
     ``adapters``: an AdapterSelector (models/lora.py's serve_adapters) whose adapters requests pick by number.
@@ -427,27 +617,21 @@ class BatchScheduler:
     def __init__(self, model, tokenizer, *, max_batch: int = 64, max_model_len: int | None = None, eos=(),
                  kv_blocks: int | None = None, page_size: int = PAGE_SIZE, prefix_caching: bool = True,
                  cache_salt: str = "", gpu_memory_utilization: float | None = None, adapters=None):
-        self.model, self.tokenizer, self.adapters = model, tokenizer, adapters
-        self._adapter_scales: dict[int, tuple[Tensor, np.ndarray]] = {}  # rows -> persistent scales, their values
-        self.max_batch = int(max_batch)
         limit = int(getattr(model, "max_position_embeddings", 0) or 0) or None
-        self.max_model_len = int(max_model_len or limit or 2048)
-        if limit is not None and self.max_model_len > limit:
-            raise InputError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
-        self.eos = sorted({int(e) for e in eos})
+        max_model_len = int(max_model_len or limit or 2048)
+        if limit is not None and max_model_len > limit:
+            raise InputError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+        self._setup(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos=eos, vocab_size=0,
+                    adapters=adapters)  # the vocabulary: the probe's logits (_refuse_row_state)
+        self._adapter_scales: dict[int, tuple[Tensor, np.ndarray]] = {}  # rows -> persistent scales, their values
         self.pad = self.eos[0] if self.eos else 0
-        self.metrics = Metrics()
         self.kv_blocks, self.page_size = (None if kv_blocks is None else int(kv_blocks)), int(page_size)
         if self.kv_blocks is not None and self.kv_blocks < 2:
             raise InputError(f"kv_blocks must be >= 2, got {kv_blocks}")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self._pool: BlockPool | None = None
-        self._waiting: list[Request] = []
         self._rows: list[Request | None] = []  # the running batch, one entry per cache row (None: a filler row)
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closing = False
         self._releases: list[threading.Event] = []  # release_caches() calls waiting for the thread to go idle
         self._caches: dict[int, tuple[KVCache, DecodeCapture | None, object]] = {}  # rows -> cache, capture, key
         self._joining_caches: dict[int, KVCache] = {}  # rows -> the cache joining prompts are prefilled into
@@ -465,9 +649,8 @@ class BatchScheduler:
         self._admit_limit: int | None = None
         self._state = None  # host arrays of the running batch: (cache, capture, tokens, mask, prompt length)
         self._warming = False  # warm_up's requests run: their prompts' blocks are not offered to later prompts
-        self.error: BaseException | None = None       # what ended the thread (then no request is taken)
-        self.last_error: Exception | None = None      # the last failure of a batch (the thread goes on)
         self._refuse_row_state()
+        self.vocab_size = self._probe_logits.shape[-1]
         self.kv_cache_note: str | None = None  # why contiguous caches run where a paged one was asked for
         paging = self.kv_blocks is not None or gpu_memory_utilization is not None
         refusal = self._paged_refusal() if paging else None
@@ -580,11 +763,6 @@ class BatchScheduler:
 
     # -- the caller's side
 
-    def start(self) -> "BatchScheduler":
-        self._thread = threading.Thread(target=self._loop, name="vkformers-scheduler", daemon=True)
-        self._thread.start()
-        return self
-
     def release_caches(self, timeout: float | None = None) -> bool:
         """Once no request runs (waiting ones first finish): let go of the batch caches kept per row count, their
         recorded decode steps and the plan cache, so that their device memory goes back; later requests record them
@@ -606,21 +784,8 @@ class BatchScheduler:
         self._forget_prefills()
         lazy.clear_plan_cache()
 
-    def close(self) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-
-    def check(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raise InputError when a prompt of ``prompt_tokens`` and ``max_tokens`` more do not fit max_model_len."""
-        if prompt_tokens < 1:
-            raise InputError("the prompt is empty")
-        if prompt_tokens + max_tokens > self.max_model_len:
-            raise InputError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed the "
-                             f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
-                             "max_tokens")
+    def _check_cache(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Paged: whether the request can ever fit the pool (KVBlocksExhausted)."""
         if self.kv_blocks is not None:  # alone in the pool, twice its prompt while it joins (prefilled, then placed)
             # (left padding takes no blocks: wholly masked blocks stay scratch, whatever width prompts are laid out at)
             needed = -(-(prompt_tokens + max_tokens + LOOKAHEAD) // self.page_size) \
@@ -629,43 +794,8 @@ class BatchScheduler:
                 raise KVBlocksExhausted(f"the request needs {needed} KV blocks of {self.page_size} tokens and the "
                                         f"cache has {self.kv_blocks - 1}; shorten the prompt or lower max_tokens")
 
-    def submit(self, request: Request) -> Request:
-        """Queue ``request``; InputError (before it runs) for one the model cannot take."""
-        return self.submit_all([request])[0]
-
-    def submit_all(self, requests: list[Request]) -> list[Request]:
-        """Queue ``requests`` together (a call's choices and prompts), each checked first: one the model cannot take
-        is an InputError and none of them runs."""
-        for request in requests:
-            self._check_request(request)
-        with self._cond:
-            if self.error is not None:
-                raise SchedulerStopped(f"the scheduler stopped: {self.error}")
-            self._waiting.extend(requests)
-            self.metrics.requests += len(requests)
-            self.metrics.prompt_tokens += sum(len(request.prompt) for request in requests)
-            self.metrics.waiting = len(self._waiting)
-            self._cond.notify_all()
-        return requests
-
-    def _check_request(self, request: Request) -> None:
-        """What submit checks of a request (InputError), its grammar compiled."""
-        if not 0 <= request.adapter <= len(self.adapters.names if self.adapters is not None else ()):
-            raise InputError(f"adapter {request.adapter} is not one of this scheduler's")
-        request.params.check()
-        vocab = self._probe_logits.shape[-1]
-        for name, tokens in (("logit_bias", [t for t, _ in request.params.logit_bias]),
-                             ("allowed_token_ids", request.params.allowed_token_ids)):
-            wrong = [t for t in tokens if not 0 <= t < vocab]
-            if wrong:
-                raise InputError(f"{name} names token {wrong[0]}, outside the model's vocabulary of {vocab}")
-        self.check(len(request.prompt), request.params.max_tokens)
-        grammar = request.params.output_grammar
-        if grammar is not None:  # compiled here, where a bad grammar is the caller's error, not the batch's
-            request.constraint = TokenConstraint(GrammarVocabulary.of(self.tokenizer, vocab), grammar, request.eos)
-        limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
-        if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
-            check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
+    def _finished_one(self) -> None:
+        self._admit_limit = None  # its blocks come back
 
     # -- warm-up, before the thread starts
 
@@ -925,10 +1055,6 @@ class BatchScheduler:
 
     # -- the scheduler's thread
 
-    def _loop(self) -> None:
-        with no_grad():  # the forwards of this thread record no gradient (the mode is per thread)
-            self._serve()
-
     def _serve(self) -> None:
         try:
             while True:
@@ -1014,12 +1140,6 @@ class BatchScheduler:
         scoring = self._scoring.requests if self._scoring is not None else []
         held = [r for r in self._rows + self._joining + prefilling + self._to_score + scoring if r is not None]
         return list({id(r): r for r in held}.values())
-
-    def _fail(self, requests) -> None:
-        for request in requests:
-            if request is not None and not request.finished:
-                request.finish_reason = FINISH_ERROR
-                request.on_update(Update("", [], FINISH_ERROR, len(request.generated)))
 
     def _live(self) -> list[Request]:
         live = []
@@ -1339,7 +1459,7 @@ class BatchScheduler:
         ids, mask = job.layout.ids, job.layout.mask
         rows, width = ids.shape
         start = job.done
-        vocab = self._probe_logits.shape[-1]
+        vocab = self.vocab_size
         end = min(start + min(self._chunk_columns(rows, width - start), max(PROMPT_LOGITS // (rows * vocab), 1)),
                   width)
         began = time.perf_counter()
@@ -1702,97 +1822,6 @@ class BatchScheduler:
             self.metrics.growths += 1
         self._state = (cache, capture, tokens, mask, length + shift)
         self.metrics.cache_tokens = rows * cache.max_len
-
-    def _choose(self, logits: np.ndarray | None, rows: list[tuple[int, Request]], chosen=None) -> None:
-        """Each live request's next token from its row of ``logits``, as generate chooses for a batch of one
-        (``chosen``: the tokens the GPU chose instead, every live row greedy)."""
-        now = time.perf_counter()
-        try:
-            self._choose_rows(logits, rows, chosen, now)
-        finally:
-            self.metrics.choose_seconds += time.perf_counter() - now
-
-    def _choose_rows(self, logits, rows: list[tuple[int, Request]], chosen, now: float) -> None:
-        for row, request in rows:
-            if request.finished:
-                continue
-            params = request.params
-            scores = None if chosen is not None else logits[row:row + 1]
-            chosen_from = _adjusted(scores, request) if params.adjusts_logits else scores
-            if request.constraint is not None:  # (never GPU-chosen: adjusts_logits)
-                try:
-                    chosen_from = request.constraint.mask(chosen_from)
-                except GrammarError as exc:  # the engine failed on this output: it alone ends
-                    self.last_error = exc
-                    self._fail([request])
-                    continue
-            if chosen is not None:
-                token = int(chosen[row])
-            elif params.temperature == 0:
-                token = int(chosen_from.argmax(axis=-1)[0])
-            else:
-                token = int(_sample(chosen_from, request.rng, params.temperature, params.top_k, params.top_p,
-                                    params.min_p)[0])
-            if request.constraint is not None:
-                request.constraint.advance(token)
-            request.generated.append(token)
-            request.counts[token] = request.counts.get(token, 0) + 1
-            if request.first_token_at is None:
-                request.first_token_at = now
-                self.metrics.ttft_sum += now - request.arrived
-                self.metrics.ttft_count += 1
-            self.metrics.generation_tokens += 1
-            if params.logprobs is not None:
-                request.pending_logprobs.append(_logprob(scores[0], token, params.logprobs))
-            self._advance_text(request, token)
-            if request.constraint is not None and request.constraint.complete and not request.constraint.ends \
-                    and not request.finished:  # no end token to close with: the grammar's text is the whole output
-                self._finish(request, FINISH_STOP)
-
-    def _advance_text(self, request: Request, token: int) -> None:
-        params = request.params
-        finish = None
-        stopped = token in request.eos  # an end token (or a stop token id) is not part of the text
-        tokens = request.generated[:-1] if stopped else request.generated
-        if stopped or len(request.generated) >= params.max_tokens:  # the last text: decoded whole
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if not text.startswith(request.text[:request.sent]):  # (what was sent stays sent)
-                text = request.rendered.extend(self.tokenizer, tokens)
-        else:
-            text = request.rendered.extend(self.tokenizer, tokens)
-        if params.stop and len(request.generated) >= params.min_tokens:
-            # a stop string in the text not yet sent (the sent text held back enough to contain none)
-            found = [(i, len(s)) for i, s in ((text.find(s, request.sent), s) for s in params.stop if s) if i >= 0]
-            if found:
-                at, length = min(found)
-                text, finish = text[:at + length if params.include_stop_str_in_output else at], FINISH_STOP
-        request.text = text
-        if finish is None and stopped:
-            finish = FINISH_STOP
-        if finish is None and len(request.generated) >= params.max_tokens:
-            finish = FINISH_LENGTH
-        if finish is not None:
-            self._finish(request, finish)
-            return
-        hold = max((len(s) for s in params.stop), default=1) - 1  # the end of the text may begin a stop string
-        ready = len(text) - hold
-        while ready > request.sent and text[ready - 1] == "\ufffd":  # an incomplete character waits
-            ready -= 1
-        if ready > request.sent or request.pending_logprobs:
-            delta = text[request.sent:max(ready, request.sent)]
-            request.sent += len(delta)
-            logprobs, request.pending_logprobs = request.pending_logprobs, []
-            request.on_update(Update(delta, logprobs, None, len(request.generated)))
-
-    def _finish(self, request: Request, reason: str) -> None:
-        request.finish_reason = reason
-        self.metrics.finished += 1
-        self._admit_limit = None  # its blocks come back
-        self.metrics.cancelled += reason == FINISH_CANCELLED
-        delta = request.text[request.sent:]
-        request.sent = len(request.text)
-        logprobs, request.pending_logprobs = request.pending_logprobs, []
-        request.on_update(Update(delta, logprobs, reason, len(request.generated)))
 
 
 class _IncrementalText:

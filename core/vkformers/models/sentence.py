@@ -380,13 +380,17 @@ def is_cross_encoder_checkpoint(name_or_path) -> bool:
 
 def is_embedding_checkpoint(name_or_path) -> bool:
     """Whether a checkpoint is an embedding model: a sentence-transformers folder (modules.json), or an encoder (an
-    architecture with no causal LM) that is no cross-encoder. A GGUF file is taken as a causal LM."""
+    architecture with no causal LM, and no encoder-decoder) that is no cross-encoder. A GGUF file is taken as a
+    causal LM."""
     if is_gguf_file(name_or_path) or is_cross_encoder_checkpoint(name_or_path):
         return False
     folder = resolve_checkpoint(name_or_path)
     if (folder / "modules.json").is_file():
         return True
-    architecture = registry().resolve(load_config(folder))
+    config = load_config(folder)
+    if config.get("is_encoder_decoder"):  # T5, BART, Marian, ...: they generate
+        return False
+    architecture = registry().resolve(config)
     return plugin_manager().hook.vkformers_model_class(architecture=architecture, task="causal-lm") is None
 
 
