@@ -45,10 +45,9 @@ def ids_of(tokenizer, text):
 
 
 def generated(model, prompt, max_tokens, **sampling):
-    """generate's new tokens for one prompt alone, cut after its end token (the generation config's forced end
-    token off: the server applies no generation-config processor, as for decoder-only models)."""
-    tokens = model.generate(np.asarray([prompt], np.int64), max_new_tokens=max_tokens, forced_eos_token_id=None,
-                            **sampling)[0, 1:].tolist()
+    """generate's new tokens for one prompt alone, cut after its end token (the fixture's generation config forces
+    the end token at the last step, as the server does too)."""
+    tokens = model.generate(np.asarray([prompt], np.int64), max_new_tokens=max_tokens, **sampling)[0, 1:].tolist()
     return tokens[:tokens.index(2) + 1] if 2 in tokens else tokens
 
 
@@ -103,12 +102,13 @@ def test_served_to_the_openai_client(bart, web):  # noqa: F811
     scheduler = EncoderDecoderScheduler(model, tokenizer, max_batch=4, eos=cli_serve.eos_ids(model, tokenizer))
     with serving(scheduler.start(), tokenizer) as served:
         client = served["client"]
-        prompt = "w41 w6 w27 w38 w19 </s>"  # greedy: w46 four times, then w30
+        prompt = "w41 w6 w27 w38 w19 </s>"  # greedy: w46 four times, then w30, then the forced end token
         tokens = generated(model, ids_of(tokenizer, prompt), 8)
-        text = tokenizer.decode([t for t in tokens if t != 2], skip_special_tokens=True)
+        assert tokens[-1] == 2
+        text = tokenizer.decode(tokens[:-1], skip_special_tokens=True)
         assert "w30" in text and not text.startswith("w30")
         answer = client.completions.create(model=SERVED, prompt=prompt, max_tokens=8, temperature=0)
-        assert answer.choices[0].text == text and answer.choices[0].finish_reason == "length"
+        assert answer.choices[0].text == text and answer.choices[0].finish_reason == "stop"
         assert answer.usage.prompt_tokens == len(ids_of(tokenizer, prompt))
         assert answer.usage.completion_tokens == len(tokens) == 8
         streamed = client.completions.create(model=SERVED, prompt=prompt, max_tokens=8, temperature=0, stream=True)

@@ -6,8 +6,10 @@ together (padded on the right, masked), then decoded step by step from the decod
 finished (its end token, max_tokens, a stop string, or its client gone); requests that arrive meanwhile wait for the
 next group. Each decoder cache holds its group's encoder states for the cross-attention, so a group runs whole
 (static batching) instead of joining a running batch as BatchScheduler's requests do. Each request chooses its
-tokens on the host from its row of the step's logits as ``generate`` does for a batch of one (RequestScheduler), so
-its tokens are those ``model.generate`` gives it alone with those settings.
+tokens on the host from its row of the step's logits as ``generate`` does for a batch of one (RequestScheduler),
+after the logits processors its generation config turns on (forced_bos_token_id: the target language of mBART-50
+and NLLB; forced_eos_token_id at max_tokens; bad_words_ids: Marian's pad; no_repeat_ngram_size; suppress_tokens),
+so its tokens are those ``model.generate`` gives it alone with those settings (greedy or sampled; no beams).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 from vkformers.errors import InputError
 from vkformers.models.batching import FINISH_CANCELLED, FINISH_LENGTH, Request, RequestScheduler, WarmupReport
 from vkformers.models.decode_capture import to_scores
+from vkformers.models.generation_settings import LogitRules, generation_sources
 
 
 class EncoderDecoderScheduler(RequestScheduler):
@@ -117,6 +120,9 @@ class EncoderDecoderScheduler(RequestScheduler):
             ids[row, :len(request.prompt)] = request.prompt
             mask[row, :len(request.prompt)] = 1
         longest = max(r.params.max_tokens for r in live)
+        sources = generation_sources(self.model)
+        rules = [LogitRules.resolve(sources, {}, start_length=1, max_length=1 + r.params.max_tokens, eos=self.eos)
+                 for r in live]
         states = self.model.generation_encoder_states(ids, mask)
         cache = self.model.generation_cache(rows, 1 + longest, states, mask)
         self.metrics.prefills += 1
@@ -135,6 +141,9 @@ class EncoderDecoderScheduler(RequestScheduler):
             started = time.perf_counter()
             logits = self.model.generation_step(tokens, states, mask, cache)
             scores = to_scores(logits[:, logits.shape[1] - 1].contiguous().numpy())
+            for row, request in running:  # the generation config's processors, on the decoder's tokens so far
+                decoded = np.asarray([[self.start_token, *request.generated]], np.int64)
+                scores[row:row + 1] = rules[row].apply(scores[row:row + 1], decoded)
             self.metrics.steps += 1
             self.metrics.occupancy_sum += len(running) / rows
             self.metrics.decode_seconds += time.perf_counter() - started
