@@ -225,7 +225,7 @@ class SkinnyConfig:
     """The skinny kernel's workgroup (matmul_skinny.comp): frag_m x frag_n 16x16 fragments of C, ``split``
     subgroups taking K in chunks of ``unroll`` 16-entry steps in turn."""
     frag_m: int = 1
-    frag_n: int = 2
+    frag_n: int = 1
     split: int = 4
     unroll: int = 2
 
@@ -236,9 +236,9 @@ class SkinnyConfig:
 
 # x @ W^T of SKINNY_MIN_M (where the small-m kernel stops) to SKINNY_ALL_M rows takes the skinny kernel on a GPU with
 # cooperative matrices, and of up to SKINNY_MAX_M rows where the tile kernel would split K into slices of at most
-# SKINNY_SHORT_SLICE steps (:func:`prefers_skinny`; docs/benchmarks.md, run M12: at 8 rows the skinny kernel read
-# every product of the Llama-3-8B shape faster, at 16 rows only those the tile kernel cuts into short slices, at 32
-# and 64 rows none: each subgroup reads all of its rows of A, as many bytes as its rows of W at 16 rows).
+# SKINNY_SHORT_SLICE steps (:func:`prefers_skinny`; docs/benchmarks.md, runs M12-M13: at 8 rows the skinny kernel
+# read every product of the Llama-3-8B shape faster, at 16 rows only those the tile kernel cuts into short slices, at
+# 32 and 64 rows none: each subgroup then stages and multiplies two or four fragments of A per step).
 SKINNY_MIN_M = SMALL_M_MAX_COOPMAT_LINEAR + 1
 SKINNY_ALL_M = 8
 SKINNY_MAX_M = 16
@@ -434,19 +434,20 @@ def matmul(seq, a: Operand, b: Operand, c: Operand, *, m: int, n: int, k: int, b
         raise ValueError("matmul: a product with a span gate is not split over K")
     device = seq.device
     not_small_m = gate is not None and gate_mode != "rows"  # the small-m kernel has only the rows gate
-    skinny_ok = skinny_applies(device, a, b, m=m, n=n, k=k, batch=batch, stride_a=stride_a, stride_b=stride_b,
-                               trans_a=trans_a, trans_b=trans_b, gated=gate is not None)
+    def skinny_ok() -> bool:
+        return skinny_applies(device, a, b, m=m, n=n, k=k, batch=batch, stride_a=stride_a, stride_b=stride_b,
+                              trans_a=trans_a, trans_b=trans_b, gated=gate is not None)
     if algorithm == "auto":
         algorithm = select_algorithm(device, in_dtype, m, trans_a, trans_b)
         if not_small_m and algorithm == "small_m":  # the tile kernels take these
             algorithm = select_algorithm(device, in_dtype)
-        if algorithm == "coopmat" and skinny_ok and prefers_skinny(device, m, n, k, batch):
+        if algorithm == "coopmat" and prefers_skinny(device, m, n, k, batch) and skinny_ok():
             algorithm = "skinny"
     elif algorithm == "small_m" and not_small_m:
         raise ValueError(f"matmul: the small-m kernel has no {gate_mode} gate")
     elif algorithm == "coopmat" and not coopmat_supported(device, in_dtype):
         raise ValueError(f"matmul: {device.name} has no {in_dtype} cooperative matrix")
-    elif algorithm == "skinny" and not skinny_ok:
+    elif algorithm == "skinny" and not skinny_ok():
         raise ValueError("matmul: the skinny kernel takes x @ W^T of float16 or bfloat16 on a GPU with cooperative "
                          "matrices, no gate, n >= 16, k a multiple of 16, offsets and strides multiples of 8")
     elif algorithm not in ("tiled", "coopmat", "small_m", "skinny"):
