@@ -45,6 +45,17 @@ class Seq2SeqGenerationMixin:
     def default_pad_token_id(self) -> int | None:
         return self.generation_setting("pad_token_id")
 
+    def decoder_start_token(self, given: int | None = None) -> int:
+        """The token the decoder starts from: ``given``, else the generation config's (or config's)
+        decoder_start_token_id, else its bos_token_id."""
+        start = given
+        for name in ("decoder_start_token_id", "bos_token_id"):
+            start = self.generation_setting(name) if start is None else start
+        if start is None:
+            raise VkformersError(f"{getattr(self, 'architecture_name', 'generate')}: no decoder_start_token_id "
+                                 "(config or argument)")
+        return int(start)
+
     def generate(self, input_ids, max_new_tokens: int | None = None, do_sample: bool | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None, eos_token_id=None,
@@ -104,12 +115,7 @@ class Seq2SeqGenerationMixin:
             mask = (ids != pad).astype(np.int64)
         else:
             mask = np.ones_like(ids)
-        start = decoder_start_token_id
-        for name in ("decoder_start_token_id", "bos_token_id"):
-            start = self.generation_setting(name) if start is None else start
-        if start is None:
-            raise VkformersError(f"{getattr(self, 'architecture_name', 'generate')}: no decoder_start_token_id "
-                                 "(config or argument)")
+        start = self.decoder_start_token(decoder_start_token_id)
         rules = LogitRules.resolve(sources, given_rules, start_length=1, max_length=1 + max_new_tokens, eos=eos,
                                    beams=beam.num_beams)
         rng = sampling_rng(seed)

@@ -40,13 +40,7 @@ class EncoderDecoderScheduler(RequestScheduler):
         self.kv_blocks = None
         self.pad = int(model.default_pad_token_id() if model.default_pad_token_id() is not None
                        else (self.eos[0] if self.eos else 0))
-        start = None
-        for name in ("decoder_start_token_id", "bos_token_id"):
-            start = model.generation_setting(name) if start is None else start
-        if start is None:
-            raise InputError(f"{getattr(model, 'architecture_name', 'the model')}: no decoder_start_token_id in its "
-                             "config or generation config, which its decoder starts from")
-        self.start_token = int(start)
+        self.start_token = model.decoder_start_token()
 
     def kv_cache_summary(self) -> str:
         return (f"encoder-decoder: groups of up to {self.max_batch} requests, each with its own decoder cache "
