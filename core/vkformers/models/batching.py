@@ -451,7 +451,6 @@ class RequestScheduler:
             raise InputError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) exceed the "
                              f"maximum context length of {self.max_model_len} tokens; shorten the prompt or lower "
                              "max_tokens")
-        self._check_cache(prompt_tokens, max_tokens)
 
     def submit(self, request: Request) -> Request:
         """Queue ``request``; InputError (before it runs) for one the model cannot take."""
@@ -490,9 +489,6 @@ class RequestScheduler:
         limits = self.model.input_limits() if hasattr(self.model, "input_limits") else None
         if limits is not None:  # here, not on the scheduler's thread, where a bad prompt would fail its batch
             check_model_inputs(limits, {"input_ids": np.asarray([request.prompt], np.int64)})
-
-    def _check_cache(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Whether the request can ever fit the subclass's cache (InputError or KVBlocksExhausted)."""
 
     def _finished_one(self) -> None:
         """A request finished (a subclass's bookkeeping)."""
@@ -784,8 +780,9 @@ class BatchScheduler(RequestScheduler):
         self._forget_prefills()
         lazy.clear_plan_cache()
 
-    def _check_cache(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Paged: whether the request can ever fit the pool (KVBlocksExhausted)."""
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """RequestScheduler.check, and paged: whether the request can ever fit the pool (KVBlocksExhausted)."""
+        super().check(prompt_tokens, max_tokens)
         if self.kv_blocks is not None:  # alone in the pool, twice its prompt while it joins (prefilled, then placed)
             # (left padding takes no blocks: wholly masked blocks stay scratch, whatever width prompts are laid out at)
             needed = -(-(prompt_tokens + max_tokens + LOOKAHEAD) // self.page_size) \

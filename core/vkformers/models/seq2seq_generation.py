@@ -45,6 +45,11 @@ class Seq2SeqGenerationMixin:
     def default_pad_token_id(self) -> int | None:
         return self.generation_setting("pad_token_id")
 
+    def pad_token(self, given: int | None, eos: list[int]) -> int:
+        """The token a finished row is padded with: ``given``, else the config's pad_token_id, else the first eos."""
+        pad = self.default_pad_token_id() if given is None else given
+        return int(pad) if pad is not None else (eos[0] if eos else 0)
+
     def decoder_start_token(self, given: int | None = None) -> int:
         """The token the decoder starts from: ``given``, else the generation config's (or config's)
         decoder_start_token_id, else its bos_token_id."""
@@ -107,8 +112,7 @@ class Seq2SeqGenerationMixin:
         batch = ids.shape[0]
         eos = self.generation_setting("eos_token_id") if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple, np.ndarray)) else [eos])]
-        pad = self.default_pad_token_id() if pad_token_id is None else pad_token_id
-        pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+        pad = self.pad_token(pad_token_id, eos)
         if attention_mask is not None:
             mask = id_array(attention_mask)
         elif pad in ids and pad not in eos:

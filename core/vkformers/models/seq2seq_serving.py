@@ -38,8 +38,7 @@ class EncoderDecoderScheduler(RequestScheduler):
         self._setup(model, tokenizer, max_batch=max_batch, max_model_len=max_model_len, eos=eos,
                     vocab_size=limits.decoder_vocab_size or limits.vocab_size)
         self.kv_blocks = None
-        self.pad = int(model.default_pad_token_id() if model.default_pad_token_id() is not None
-                       else (self.eos[0] if self.eos else 0))
+        self.pad = model.pad_token(None, self.eos)
         self.start_token = model.decoder_start_token()
 
     def kv_cache_summary(self) -> str:

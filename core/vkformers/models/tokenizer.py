@@ -477,27 +477,23 @@ class PreTrainedTokenizer:
         if not inputs:
             return []
         with self._backend_lock:
-            return self._encode_batch_locked(inputs, add_special_tokens, is_split_into_words, padding, truncation,
-                                             max_length, stride, pad_to_multiple_of, side)
-
-    def _encode_batch_locked(self, inputs, add_special_tokens, is_split_into_words, padding, truncation, max_length,
-                             stride, pad_to_multiple_of, side):
-        try:
-            if truncation != "do_not_truncate":
-                self.backend.enable_truncation(max_length, stride=stride, strategy=truncation,
-                                               direction=self.truncation_side)
-            if padding != "do_not_pad":
-                self.backend.enable_padding(direction=side, pad_id=self.pad_token_id, pad_token=self.pad_token,
-                                            pad_type_id=self.pad_token_type_id, pad_to_multiple_of=pad_to_multiple_of,
-                                            length=max_length if padding == "max_length" else None)
-            return self.backend.encode_batch(inputs, add_special_tokens=add_special_tokens,
-                                             is_pretokenized=is_split_into_words)
-        except Exception as exc:  # the Rust side raises a bare Exception (e.g. a pair too short to truncate)
-            raise TokenizerError(f"cannot encode with truncation={truncation!r}, max_length={max_length}, "
-                                 f"stride={stride}: {exc}") from None
-        finally:
-            self.backend.no_truncation()
-            self.backend.no_padding()
+            try:
+                if truncation != "do_not_truncate":
+                    self.backend.enable_truncation(max_length, stride=stride, strategy=truncation,
+                                                   direction=self.truncation_side)
+                if padding != "do_not_pad":
+                    self.backend.enable_padding(direction=side, pad_id=self.pad_token_id, pad_token=self.pad_token,
+                                                pad_type_id=self.pad_token_type_id,
+                                                pad_to_multiple_of=pad_to_multiple_of,
+                                                length=max_length if padding == "max_length" else None)
+                return self.backend.encode_batch(inputs, add_special_tokens=add_special_tokens,
+                                                 is_pretokenized=is_split_into_words)
+            except Exception as exc:  # the Rust side raises a bare Exception (e.g. a pair too short to truncate)
+                raise TokenizerError(f"cannot encode with truncation={truncation!r}, max_length={max_length}, "
+                                     f"stride={stride}: {exc}") from None
+            finally:
+                self.backend.no_truncation()
+                self.backend.no_padding()
 
     # -- decoding ------------------------------------------------------------------------------------------
     def decode(self, ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None) -> str:

@@ -898,7 +898,7 @@ class Stack(Module):
     def embed(self, ids: np.ndarray, past: int):
         spec = self.spec
         x = F.embedding(tensor(ids.astype(np.int32)), self.embed_tokens.weight,  # nn.Embedding(padding_idx)
-                        padding_idx=spec.pad_token_id if spec.pad_embedding_frozen else None)
+                        padding_idx=self.embed_tokens.padding_idx)
         if spec.embed_scale != 1.0:
             x = x * spec.embed_scale
         if spec.eoi_token_id is not None and (ids == spec.eoi_token_id).any():  # replaced, unscaled
